@@ -1,0 +1,5 @@
+import sys
+
+from omnitron.cli import main
+
+sys.exit(main())

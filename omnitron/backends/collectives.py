@@ -1,0 +1,173 @@
+"""A thin layer over ``torch.distributed`` that owns the process-group backend and its dtype gaps.
+
+Every collective the engine issues goes through :class:`Collectives`, so a backend whose
+transport lacks a dtype (gloo has no float8; MCCL has) is handled in one place:
+reductions up-cast, data movement travels as a same-size ``uint8`` view.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+# torch >= 2.13 renames the tensor-form collectives; both spellings do the same work
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+FP8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
+)
+
+
+class _Handle:
+    """Async handle that finishes a dtype round-trip (view or cast back) after ``wait``."""
+
+    def __init__(self, work, finish=None) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+class Collectives:
+    """Collectives over the process-group backend ``dist_backend``.
+
+    ``fp8_native`` says whether the transport carries float8; when False, float8 tensors are
+    sent as ``uint8`` views and reduced in float32.
+    """
+
+    def __init__(self, dist_backend: str, fp8_native: bool = False) -> None:
+        self.dist_backend = dist_backend
+        self.fp8_native = fp8_native
+
+    # ---- process groups -----------------------------------------------------------------
+    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
+                           init_method: str | None = None, timeout_s: float = 300.0) -> None:
+        """Join the default process group (env:// unless ``init_method`` is given)."""
+        if dist.is_initialized():
+            return
+        kwargs = {}
+        if rank is not None:
+            kwargs.update(rank=rank, world_size=world_size)
+        dist.init_process_group(self.dist_backend, init_method=init_method or "env://",
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+    def new_group(self, ranks: Sequence[int]):
+        """A subgroup over ``ranks`` (every process must call this with the same ranks, in order)."""
+        return dist.new_group(list(ranks), backend=self.dist_backend)
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @staticmethod
+    def rank(group=None) -> int:
+        return dist.get_rank(group) if dist.is_initialized() else 0
+
+    @staticmethod
+    def world_size(group=None) -> int:
+        return dist.get_world_size(group) if dist.is_initialized() else 1
+
+    @staticmethod
+    def global_rank(group, group_rank: int) -> int:
+        """The world rank of ``group_rank`` inside ``group``."""
+        return dist.get_global_rank(group, group_rank)
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- dtype gaps ---------------------------------------------------------------------
+    def _is_fp8_gap(self, t: torch.Tensor) -> bool:
+        return (not self.fp8_native) and t.dtype in FP8_DTYPES
+
+    # ---- reductions ---------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+        """In-place all-reduce of ``tensor`` over ``group``."""
+        if self._is_fp8_gap(tensor):
+            wide = tensor.float()
+            work = dist.all_reduce(wide, op=op, group=group, async_op=async_op)
+            return self._done(work, lambda: tensor.copy_(wide), async_op)
+        return self._done(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), None, async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                       async_op: bool = False):
+        """``output`` (1/n of ``input`` along dim 0) receives the reduced shard of this rank."""
+        if self._is_fp8_gap(input):
+            wide_out, wide_in = output.float(), input.float()
+            work = _reduce_scatter_tensor(wide_out, wide_in, op=op, group=group, async_op=async_op)
+            return self._done(work, lambda: output.copy_(wide_out), async_op)
+        work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return self._done(work, None, async_op)
+
+    # ---- data movement ------------------------------------------------------------------
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if self._is_fp8_gap(t) else t
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+        """Concatenate every rank's ``input`` along dim 0 into ``output``."""
+        work = _all_gather_tensor(self._wire(output), self._wire(input.contiguous()), group=group,
+                                           async_op=async_op)
+        return self._done(work, None, async_op)
+
+    def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor, group=None):
+        """Gather tensors of possibly different shapes (one per rank) into ``outputs``."""
+        dist.all_gather([self._wire(o) for o in outputs], self._wire(input.contiguous()), group=group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+        """Broadcast from world rank ``src``."""
+        return self._done(dist.broadcast(self._wire(tensor), src=src, group=group, async_op=async_op),
+                          None, async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+                   input_split_sizes=None, group=None, async_op: bool = False):
+        """Exchange dim-0 splits of ``input`` with every rank of ``group``."""
+        work = dist.all_to_all_single(self._wire(output), self._wire(input.contiguous()), output_split_sizes,
+                                      input_split_sizes, group=group, async_op=async_op)
+        return self._done(work, None, async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int, group=None) -> None:
+        dist.send(self._wire(tensor.contiguous()), dst=dst, group=group)
+
+    def recv(self, tensor: torch.Tensor, src: int, group=None) -> None:
+        dist.recv(self._wire(tensor), src=src, group=group)
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], group=None) -> list:
+        """Issue ``("send"|"recv", tensor, peer_world_rank)`` operations together; returns handles to wait."""
+        if not ops:
+            return []
+        p2p = []
+        for kind, tensor, peer in ops:
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, self._wire(tensor), peer, group))
+        return [_Handle(w) for w in dist.batch_isend_irecv(p2p)]
+
+    def barrier(self, group=None) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=group)
+
+    @staticmethod
+    def _done(work, finish, async_op: bool):
+        if async_op:
+            return _Handle(work, finish)
+        if finish is not None:
+            finish()
+        return None
+
+
+def default_master_env(port: int | None = None) -> None:
+    """Fill MASTER_ADDR/MASTER_PORT for single-machine launches that did not set them."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if port is not None:
+        os.environ.setdefault("MASTER_PORT", str(port))

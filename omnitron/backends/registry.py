@@ -1,0 +1,104 @@
+"""Backend selection: ``OMNITRON_BACKEND=cpu|cuda|musa|auto`` plus out-of-tree plug-ins.
+
+A vendor outside this repository ships a package that declares an entry point in the group
+``omnitron.backends`` (``name = "pkg.module:BackendClass"``); it is found here without any
+change to omnitron.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from importlib import metadata
+
+from omnitron.backends.base import Backend
+
+ENV_VAR = "OMNITRON_BACKEND"
+AUTO_ORDER = ("musa", "cuda", "cpu")
+_BUILTIN = {
+    "cpu": "omnitron.backends.cpu:CPUBackend",
+    "cuda": "omnitron.backends.cuda:CUDABackend",
+    "musa": "omnitron.backends.musa:MUSABackend",
+}
+_instances: dict[str, Backend] = {}
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here; the message lists every backend and why."""
+
+
+def _entry_points() -> dict[str, str]:
+    try:
+        eps = metadata.entry_points(group="omnitron.backends")
+    except TypeError:  # Python < 3.10 API
+        eps = metadata.entry_points().get("omnitron.backends", [])
+    return {ep.name: ep.value for ep in eps}
+
+
+def known_backends() -> dict[str, str]:
+    """Backend name -> ``module:Class`` for built-ins and installed plug-ins."""
+    found = dict(_BUILTIN)
+    found.update(_entry_points())
+    return found
+
+
+def _load_class(target: str) -> type[Backend]:
+    module, _, attr = target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise TypeError(f"{target} is not an omnitron Backend subclass")
+    return cls
+
+
+def probe_all() -> dict[str, tuple[bool, str]]:
+    """Every known backend with (usable, reason)."""
+    report = {}
+    for name, target in known_backends().items():
+        try:
+            report[name] = _load_class(target).probe()
+        except Exception as err:  # noqa: BLE001 - a broken plug-in must not hide the others
+            report[name] = (False, f"failed to load {target}: {err}")
+    return report
+
+
+def _explain(report: dict[str, tuple[bool, str]]) -> str:
+    return "\n".join(f"  {n}: {'usable' if ok else 'not usable'} — {why}" for n, (ok, why) in report.items())
+
+
+def resolve_name(name: str | None = None) -> str:
+    """The backend name to use: ``name``, else ``$OMNITRON_BACKEND``, else ``auto``."""
+    name = (name or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if name != "auto":
+        return name
+    report = probe_all()
+    for candidate in AUTO_ORDER:
+        if report.get(candidate, (False, ""))[0]:
+            return candidate
+    raise BackendUnavailableError("no backend is usable:\n" + _explain(report))
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The (cached) backend instance for ``name`` / ``$OMNITRON_BACKEND`` / auto.
+
+    Raises :class:`BackendUnavailableError` naming every backend and why it is or is not usable.
+    """
+    name = resolve_name(name)
+    if name in _instances:
+        return _instances[name]
+    known = known_backends()
+    if name not in known:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r} (set {ENV_VAR} to one of: auto, {', '.join(known)}):\n" + _explain(probe_all()))
+    try:
+        cls = _load_class(known[name])
+        ok, why = cls.probe()
+    except Exception as err:  # noqa: BLE001 - a broken backend module is "not usable", with the reason
+        ok, why = False, f"failed to load {known[name]}: {err}"
+    if not ok:
+        raise BackendUnavailableError(f"backend {name!r} cannot run here: {why}\nall backends:\n" + _explain(probe_all()))
+    _instances[name] = cls()
+    return _instances[name]
+
+
+def reset_cache() -> None:
+    """Forget cached backend instances (tests that swap backends or test doubles)."""
+    _instances.clear()

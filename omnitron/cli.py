@@ -1,0 +1,42 @@
+"""``omnitron`` console script: one sub-command per module in ``omnitron.commands``.
+
+Each command module exposes ``register(subparsers)``, which adds its parser and sets
+``func`` (called with the parsed namespace, returning an exit code).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = ("info", "train", "preprocess", "tokenizer", "bench", "plot", "generate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnitron", description="3D-parallel FP8 Transformer training on any backend")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"omnitron.commands.{name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"omnitron.commands.{name}":
+                continue  # command not part of this build yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""``omnitron info``: detected backends with reasons, capabilities, kernel table, versions."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("info", help="show backends, capabilities and the resolved kernel table")
+    p.add_argument("--backend", default=None, help="backend to describe (default: $OMNITRON_BACKEND or auto)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnitron.backends.registry import BackendUnavailableError, get_backend, probe_all
+
+    print("backends:")
+    for name, (ok, why) in probe_all().items():
+        print(f"  {name:6s} {'usable' if ok else 'not usable':10s} {why}")
+    try:
+        backend = get_backend(args.backend)
+    except BackendUnavailableError as err:
+        print(f"\nerror: {err}")
+        return 1
+    caps = backend.capabilities()
+    print(f"\nselected: {backend.name} (device type {backend.device_type!r}, collectives {backend.dist_backend!r})")
+    print("capabilities:")
+    for field, value in caps.__dict__.items():
+        print(f"  {field:16s} {value}")
+    print("kernels (op -> implementation tried first):")
+    for op, impl in backend.kernels.table().items():
+        print(f"  {op:24s} {impl}")
+    print(f"fp8 gemm path: {backend.fp8.path}")
+    print("versions:", ", ".join(f"{k} {v}" for k, v in backend.versions().items()))
+    return 0

@@ -1,0 +1,70 @@
+"""Parallel layout configuration (Megatron flag names in the docstrings)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the flag and how to fix it."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the world is cut. The data-parallel size is what remains: world / (tp * cp * pp)."""
+
+    tensor_model_parallel_size: int = 1
+    """--tensor-model-parallel-size: ranks that split each layer's matrices."""
+    pipeline_model_parallel_size: int = 1
+    """--pipeline-model-parallel-size: ranks that split the layer stack into stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule); from --num-layers-per-virtual-pipeline-stage."""
+    context_parallel_size: int = 1
+    """--context-parallel-size: ranks that split the sequence inside attention."""
+    expert_model_parallel_size: int = 1
+    """--expert-model-parallel-size: ranks that split the experts of an MoE layer."""
+    expert_tensor_parallel_size: int | None = None
+    """--expert-tensor-parallel-size: tensor parallelism inside each expert (default: tp)."""
+    sequence_parallel: bool = False
+    """--sequence-parallel: norms/dropout on sequence shards inside the tensor-parallel group."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--tensor-model-parallel-size", self.tensor_model_parallel_size),
+                            ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
+                            ("--context-parallel-size", self.context_parallel_size),
+                            ("--expert-model-parallel-size", self.expert_model_parallel_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+        vp = self.virtual_pipeline_model_parallel_size
+        if vp is not None and (vp < 1 or (vp > 1 and self.pipeline_model_parallel_size < 2)):
+            raise ConfigError(f"virtual pipeline size {vp} needs --pipeline-model-parallel-size >= 2 "
+                              f"(got {self.pipeline_model_parallel_size}); drop --num-layers-per-virtual-pipeline-stage")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            # harmless but meaningless; Megatron silently disables it, we keep it off explicitly
+            self.sequence_parallel = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        """tp * cp * pp: ranks holding one replica of the model."""
+        return self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+
+def data_parallel_size(cfg: ParallelConfig, world_size: int) -> int:
+    """world / (tp * cp * pp), with an error naming the numbers when it does not divide."""
+    mp = cfg.model_parallel_size
+    if world_size % mp:
+        raise ConfigError(
+            f"world size {world_size} is not a multiple of tensor ({cfg.tensor_model_parallel_size}) x context "
+            f"({cfg.context_parallel_size}) x pipeline ({cfg.pipeline_model_parallel_size}) = {mp}; change "
+            f"--tensor-model-parallel-size/--pipeline-model-parallel-size/--context-parallel-size or the number of processes")
+    dp = world_size // mp
+    inner = cfg.tensor_model_parallel_size * cfg.context_parallel_size * dp
+    outer = cfg.etp * cfg.expert_model_parallel_size
+    if inner % outer:
+        raise ConfigError(
+            f"expert layout etp ({cfg.etp}) x ep ({cfg.expert_model_parallel_size}) = {outer} must divide "
+            f"tp x cp x dp = {inner}; change --expert-model-parallel-size or --expert-tensor-parallel-size")
+    return dp

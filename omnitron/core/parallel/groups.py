@@ -1,0 +1,115 @@
+"""``ParallelGroups``: the one topology object, built once and passed to everything that communicates."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omnitron.core.config.parallel import ParallelConfig, data_parallel_size
+from omnitron.core.parallel.grid import describe, rank_grid
+
+
+@dataclass(frozen=True)
+class Group:
+    """This rank's view of one process group."""
+
+    name: str
+    ranks: tuple[int, ...]
+    """World ranks in the group, ascending (the group-local rank is the index)."""
+    handle: object | None
+    """The torch ProcessGroup; None when the group has one member (no communication needed)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index inside the group."""
+        return self.ranks.index(_world_rank())
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def global_rank(self, local: int) -> int:
+        """World rank of group member ``local``."""
+        return self.ranks[local]
+
+
+def _world_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@dataclass
+class ParallelGroups:
+    """Every group a module, optimizer or schedule needs, for this rank.
+
+    Attributes ``tp, cp, dp, pp, dp_cp, tp_cp, mp, tp_pp_cp, embedding, ep, etp, edp`` are
+    :class:`Group` objects (the same names as :func:`omnitron.core.parallel.grid.rank_grid`).
+    """
+
+    config: ParallelConfig
+    world_size: int
+    rank: int
+    groups: dict[str, Group] = field(default_factory=dict)
+    collectives: object | None = None
+
+    def __getattr__(self, name: str) -> Group:
+        groups = self.__dict__.get("groups", {})
+        if name in groups:
+            return groups[name]
+        raise AttributeError(name)
+
+    @property
+    def dp_size(self) -> int:
+        return data_parallel_size(self.config, self.world_size)
+
+    @property
+    def is_pipeline_first(self) -> bool:
+        return self.pp.is_first
+
+    @property
+    def is_pipeline_last(self) -> bool:
+        return self.pp.is_last
+
+    def describe(self) -> str:
+        return describe(self.config, self.world_size)
+
+    @classmethod
+    def build(cls, config: ParallelConfig, collectives=None) -> "ParallelGroups":
+        """Create every group over the initialised world (all ranks call this together).
+
+        Without an initialised process group, builds the single-process layout (every group of
+        size 1), so the same model code runs unchanged in one process.
+        """
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        grid = rank_grid(config, world)  # validates sizes before any group exists
+        groups: dict[str, Group] = {}
+        for name, members_list in grid.items():
+            mine = None
+            for members in members_list:
+                handle = None
+                if len(members) > 1:
+                    # NOTE: every rank creates every group, in the same order (torch requires it)
+                    handle = collectives.new_group(members) if collectives is not None else dist.new_group(members)
+                if rank in members:
+                    mine = Group(name, tuple(members), handle)
+            assert mine is not None, f"rank {rank} missing from {name} groups"
+            groups[name] = mine
+        return cls(config=config, world_size=world, rank=rank, groups=groups, collectives=collectives)
+
+    @classmethod
+    def single(cls, config: ParallelConfig | None = None) -> "ParallelGroups":
+        """The one-process layout (no process group needed)."""
+        config = config or ParallelConfig()
+        grid = rank_grid(config, 1)
+        groups = {name: Group(name, tuple(members[0]), None) for name, members in grid.items()}
+        return cls(config=config, world_size=1, rank=0, groups=groups)

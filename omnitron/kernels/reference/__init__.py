@@ -1,0 +1,2 @@
+"""Plain-PyTorch references for every fused op (differentiable; the numerics contract)."""
+from omnitron.kernels.reference import activations, attention, losses, norms, optim, rope  # noqa: F401

@@ -1,0 +1,194 @@
+"""The kernel registry: named fused ops, each with a plain-PyTorch reference and fast versions.
+
+An implementation declares where it can run (``available``: library present, backend match)
+and what calls it accepts (``supports``: returns None, or the reason it cannot take this call).
+A call no fast version accepts runs the reference, and the reason is logged once per
+(op, implementation, reason). ``OMNITRON_KERNELS`` overrides the choice:
+
+* ``OMNITRON_KERNELS=reference`` forces every op onto its reference;
+* ``OMNITRON_KERNELS=triton,reference`` sets the preference order for every op;
+* ``OMNITRON_KERNELS=rms_norm=triton,swiglu=reference`` pins single ops (may be mixed with the above).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger("omnitron.kernels")
+
+REFERENCE = "reference"
+ENV_VAR = "OMNITRON_KERNELS"
+
+
+def _always() -> tuple[bool, str]:
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op."""
+
+    op: str
+    name: str
+    fn: Callable
+    available: Callable[[], tuple[bool, str]] = _always
+    """() -> (usable in this process?, reason when not)."""
+    supports: Callable[..., str | None] | None = None
+    """Called with the op's arguments; None when this call is accepted, else the reason it is not."""
+    backends: tuple[str, ...] | None = None
+    """Backends allowed to select this implementation (None: any)."""
+
+
+_OPS: dict[str, dict[str, Implementation]] = {}
+
+
+def register(op: str, name: str, fn: Callable | None = None, *, available=None, supports=None, backends=None):
+    """Register ``fn`` as implementation ``name`` of ``op``; usable as a decorator when ``fn`` is None."""
+
+    def _do(f: Callable) -> Callable:
+        impls = _OPS.setdefault(op, {})
+        impls[name] = Implementation(op, name, f, available or _always, supports,
+                                     tuple(backends) if backends else None)
+        return f
+
+    return _do(fn) if fn is not None else _do
+
+
+def ops() -> list[str]:
+    """Names of every registered op."""
+    _ensure_loaded()
+    return sorted(_OPS)
+
+
+def implementations(op: str) -> dict[str, Implementation]:
+    """Every registered implementation of ``op`` (usable here or not)."""
+    _ensure_loaded()
+    if op not in _OPS:
+        raise KeyError(f"unknown kernel op {op!r}; known ops: {', '.join(sorted(_OPS))}")
+    return dict(_OPS[op])
+
+
+def get_impl(op: str, name: str = REFERENCE) -> Callable:
+    """The callable of implementation ``name`` of ``op``, no fall-back (for tests and benchmarks)."""
+    impls = implementations(op)
+    if name not in impls:
+        raise KeyError(f"op {op!r} has no implementation {name!r}; it has: {', '.join(impls)}")
+    ok, why = impls[name].available()
+    if not ok:
+        raise RuntimeError(f"implementation {name!r} of {op!r} is not usable here: {why}")
+    return impls[name].fn
+
+
+def _parse_env() -> tuple[tuple[str, ...] | None, dict[str, str]]:
+    raw = os.environ.get(ENV_VAR, "").strip()
+    order: list[str] = []
+    pins: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        if "=" in item:
+            op, name = item.split("=", 1)
+            pins[op.strip()] = name.strip()
+        else:
+            order.append(item)
+    return (tuple(order) if order else None), pins
+
+
+class _Dispatcher:
+    """Callable for one op: the first accepting candidate runs; the reference closes the list."""
+
+    def __init__(self, op: str, candidates: list[Implementation], reference: Implementation) -> None:
+        self.op, self.candidates, self.reference = op, candidates, reference
+        self._said: set[tuple[str, str]] = set()
+        self.__doc__ = reference.fn.__doc__
+
+    def __call__(self, *args, **kwargs):
+        for impl in self.candidates:
+            why = impl.supports(*args, **kwargs) if impl.supports is not None else None
+            if why is None:
+                return impl.fn(*args, **kwargs)
+            if (impl.name, why) not in self._said:
+                self._said.add((impl.name, why))
+                log.info("kernel %s: %s declined this call (%s); running the reference", self.op, impl.name, why)
+        return self.reference.fn(*args, **kwargs)
+
+    @property
+    def chosen(self) -> str:
+        """Name of the implementation tried first."""
+        return self.candidates[0].name if self.candidates else REFERENCE
+
+
+class KernelTable:
+    """The ops resolved for one backend: ``table.rms_norm(x, w, eps)`` runs the best usable version."""
+
+    def __init__(self, backend: str, preference: tuple[str, ...]) -> None:
+        self.backend = backend
+        order, pins = _parse_env()
+        self.preference = order or preference
+        self.pins = pins
+        self._cache: dict[str, _Dispatcher] = {}
+
+    def _candidates(self, op: str) -> tuple[list[Implementation], Implementation]:
+        impls = implementations(op)
+        if REFERENCE not in impls:
+            raise RuntimeError(f"op {op!r} has no reference implementation (every op must have one)")
+        names = (self.pins[op],) if op in self.pins else self.preference
+        chosen = []
+        for name in names:
+            impl = impls.get(name)
+            if impl is None or name == REFERENCE:
+                if name == REFERENCE:
+                    break
+                continue
+            if impl.backends is not None and self.backend not in impl.backends:
+                continue
+            ok, why = impl.available()
+            if ok:
+                chosen.append(impl)
+            else:
+                log.debug("kernel %s: %s unavailable (%s)", op, name, why)
+        return chosen, impls[REFERENCE]
+
+    def get(self, op: str) -> _Dispatcher:
+        if op not in self._cache:
+            chosen, ref = self._candidates(op)
+            self._cache[op] = _Dispatcher(op, chosen, ref)
+        return self._cache[op]
+
+    def __getattr__(self, op: str) -> _Dispatcher:
+        if op.startswith("_"):
+            raise AttributeError(op)
+        try:
+            return self.get(op)
+        except KeyError as err:
+            raise AttributeError(str(err)) from None
+
+    def resolved(self, op: str) -> str:
+        """Name of the implementation this backend tries first for ``op``."""
+        return self.get(op).chosen
+
+    def table(self) -> dict[str, str]:
+        """op -> implementation tried first, for every op."""
+        return {op: self.resolved(op) for op in ops()}
+
+
+_loaded = False
+
+
+def _ensure_loaded() -> None:
+    """Import the modules that register implementations (once)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    import importlib
+
+    for mod in ("omnitron.kernels.reference", "omnitron.kernels.cpp", "omnitron.kernels.triton_kernels"):
+        try:
+            importlib.import_module(mod)
+        except ImportError as err:
+            if not mod.endswith("reference") and (err.name or "").startswith("omnitron.kernels"):
+                continue  # optional implementation family not present in this tree
+            if mod.endswith("reference"):
+                raise
+            log.debug("kernel family %s not loaded: %s", mod, err)

@@ -1,0 +1,91 @@
+"""Run a function on N local gloo processes and collect each rank's return value.
+
+Used by the multi-process tests and the backend conformance suite. Each worker gets one
+thread (processes x threads must not exceed the cores), a fresh port, and the rank's
+exceptions are re-raised in the parent with the worker's traceback.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str, backend: str,
+            threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMNITRON_BACKEND=backend)
+    result: dict[str, Any]
+    try:
+        from omnitron.backends import get_backend
+
+        be = get_backend(backend)
+        be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180)
+        result = {"ok": True, "value": fn(*args)}
+    except BaseException as err:  # noqa: BLE001 - report everything to the parent
+        result = {"ok": False, "error": f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"}
+    finally:
+        pass
+    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        if dist.is_initialized():
+            if result["ok"]:
+                dist.barrier()
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = None, threads: int = 1,
+                    timeout_s: float = 300.0) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` processes with the default process group initialised.
+
+    ``fn`` must be importable (module level). Returns the per-rank results, ordered by rank.
+    """
+    backend = backend or os.environ.get("OMNITRON_BACKEND", "cpu")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir, backend, threads))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(outdir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}{', hung' if r in hung else ''})")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                res = pickle.load(f)
+            if res["ok"]:
+                results.append(res["value"])
+            else:
+                errors.append(res["error"])
+                results.append(None)
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results
