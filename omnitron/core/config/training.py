@@ -1,0 +1,177 @@
+"""Training, optimizer, precision, logging and checkpoint settings (Megatron flag names in docstrings).
+
+One keyword-only dataclass per concern. ``__post_init__`` checks local invariants and raises
+:class:`ConfigError` naming the flag and the fix; checks that need two concerns (batch sizes
+against the world, heads against tensor parallelism) live in ``omnitron.core.training.arguments``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnitron.core.config.parallel import ConfigError
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The optimizer and its learning-rate schedule."""
+
+    optimizer: str = "adam"
+    """--optimizer {adam,sgd}: AdamW (decoupled weight decay) or SGD with momentum."""
+    lr: float = 1e-4
+    """--lr: peak learning rate, reached at the end of warmup."""
+    min_lr: float = 0.0
+    """--min-lr: the rate the decay ends at (and stays at afterwards)."""
+    lr_decay_style: str = "cosine"
+    """--lr-decay-style {constant,linear,cosine,WSD}."""
+    lr_warmup_iters: int = 0
+    """--lr-warmup-iters: linear warmup from 0 to --lr over this many iterations."""
+    lr_decay_iters: int | None = None
+    """--lr-decay-iters: iteration where the decay ends (default: --train-iters)."""
+    lr_wsd_decay_iters: int | None = None
+    """--lr-wsd-decay-iters: length of the final decay phase of WSD (default: 10% of the decay span)."""
+    lr_wsd_decay_style: str = "linear"
+    """--lr-wsd-decay-style {linear,cosine,exponential}: shape of WSD's final decay."""
+    weight_decay: float = 0.01
+    """--weight-decay: decoupled decay; never applied to biases and norm weights (1-D parameters)."""
+    adam_beta1: float = 0.9
+    """--adam-beta1."""
+    adam_beta2: float = 0.999
+    """--adam-beta2."""
+    adam_eps: float = 1e-8
+    """--adam-eps."""
+    sgd_momentum: float = 0.9
+    """--sgd-momentum."""
+    clip_grad: float = 1.0
+    """--clip-grad: clip the global gradient norm (all tp/pp/dp ranks) to this; 0 disables."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "adamw", "sgd"):
+            raise ConfigError(f"--optimizer {self.optimizer!r} is not supported; use adam or sgd")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "WSD"):
+            raise ConfigError(f"--lr-decay-style {self.lr_decay_style!r} is not supported; "
+                              "use constant, linear, cosine or WSD")
+        if self.lr_wsd_decay_style not in ("linear", "cosine", "exponential"):
+            raise ConfigError(f"--lr-wsd-decay-style {self.lr_wsd_decay_style!r} is not supported; "
+                              "use linear, cosine or exponential")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            raise ConfigError("--clip-grad and --weight-decay must be >= 0")
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    """Parameter/compute precision and fp16 loss scaling."""
+
+    bf16: bool = False
+    """--bf16: bf16 parameters and compute, fp32 master weights and optimizer state."""
+    fp16: bool = False
+    """--fp16: fp16 parameters and compute with loss scaling, fp32 master weights."""
+    loss_scale: float | None = None
+    """--loss-scale: a constant loss scale for fp16; unset means dynamic scaling."""
+    initial_loss_scale: float = 2.0 ** 32
+    """--initial-loss-scale: first dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """--min-loss-scale: the dynamic scale never backs off below this."""
+    loss_scale_window: int = 1000
+    """--loss-scale-window: clean steps before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """--hysteresis: overflowing steps tolerated before the dynamic scale halves."""
+    accumulate_allreduce_grads_in_fp32: bool = True
+    """--accumulate-allreduce-grads-in-fp32: fp32 gradient buffers under bf16/fp16."""
+
+    def __post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive; pick one")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"--loss-scale must be > 0, got {self.loss_scale}")
+        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
+            raise ConfigError("--initial-loss-scale and --min-loss-scale must be > 0")
+        if self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Batch sizes, length of the run, seeds and validation."""
+
+    micro_batch_size: int = 1
+    """--micro-batch-size: sequences per forward pass on one rank."""
+    global_batch_size: int | None = None
+    """--global-batch-size: sequences per optimizer step over all data-parallel ranks
+    (default: micro batch x data-parallel size)."""
+    train_iters: int = 100
+    """--train-iters: optimizer steps to run (in total, counting resumed ones)."""
+    seed: int = 1234
+    """--seed: initialisation, data order and dropout all derive from it."""
+    eval_interval: int = 0
+    """--eval-interval: validate every this many iterations (0: never)."""
+    eval_iters: int = 10
+    """--eval-iters: validation micro-batch groups per evaluation."""
+    exit_interval: int | None = None
+    """--exit-interval: stop (after saving) when the iteration is a multiple of this."""
+    pipeline_schedule: str = "1f1b"
+    """--pipeline-schedule: pipeline schedule name passed to the pipeline runtime."""
+
+    def __post_init__(self) -> None:
+        for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--train-iters", self.train_iters)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {v}")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
+        if self.eval_interval < 0 or self.eval_iters < 0:
+            raise ConfigError("--eval-interval and --eval-iters must be >= 0")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What is logged, where and how often."""
+
+    log_interval: int = 10
+    """--log-interval: print and record metrics every this many iterations."""
+    log_dir: str | None = None
+    """--log-dir: metrics.jsonl and TensorBoard events (default: --save, else ./runs/<timestamp>)."""
+    tensorboard: bool = True
+    """--no-tensorboard turns TensorBoard events off (they are written only when installed)."""
+    progress_bar: bool | None = None
+    """--progress-bar / --no-progress-bar (default: on when stdout is a terminal)."""
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ConfigError(f"--log-interval must be >= 1, got {self.log_interval}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: str | None = None
+    """--save: directory checkpoints are written to."""
+    load: str | None = None
+    """--load: directory to resume from (its ``latest`` checkpoint); missing means start fresh."""
+    save_interval: int | None = None
+    """--save-interval: save every this many iterations (and always at the end)."""
+    keep_last_n: int | None = None
+    """--keep-last-n: delete older checkpoints, keeping this many (None keeps all)."""
+    finetune: bool = False
+    """--finetune: load weights only; start at iteration 0 with fresh optimizer and data order."""
+    no_load_optim: bool = False
+    """--no-load-optim: do not restore optimizer/scaler/scheduler state."""
+    no_load_rng: bool = False
+    """--no-load-rng: do not restore RNG states."""
+    save_on_signal: bool = True
+    """Finish the current step, save and exit on SIGTERM/SIGINT (when --save is set)."""
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
+        if self.keep_last_n is not None and self.keep_last_n < 1:
+            raise ConfigError(f"--keep-last-n must be >= 1, got {self.keep_last_n}")

@@ -1,0 +1,44 @@
+"""Global gradient norm over every tensor-, pipeline- and context-parallel rank of one replica.
+
+Each rank sums the squares of the gradients it owns, counting a replicated parameter once:
+tensor-parallel shards (``param.tensor_model_parallel``) on every tp rank, replicated parameters
+(norms, biases of row-parallel layers) on tp rank 0 only, and the pipeline's duplicate of a
+tied embedding not at all. One all-reduce over ``groups.tp_pp_cp`` then gives the norm a single
+process would compute. Data-parallel replicas hold identical (already averaged) gradients, so
+they are not summed again.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from omnitron.backends.collectives import ReduceOp
+
+
+def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int, duplicates: set[int]) -> bool:
+    """True when this rank's copy of ``param`` is the one counted in the global norm."""
+    if id(param) in duplicates:
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], groups, collectives,
+                     kernels, duplicates: set[int] = frozenset()) -> float:
+    """The L2 norm of all gradients of the model replica (equal to the single-process norm)."""
+    tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
+    mine = [g for p, g in zip(params, grads) if counts_toward_norm(p, tp_rank, duplicates)]
+    total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32)
+    total = total.reshape(1).float()
+    group = groups.tp_pp_cp
+    if group.handle is not None:
+        collectives.all_reduce(total, op=ReduceOp.SUM, group=group.handle)
+    return math.sqrt(total.item())
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Factor to multiply gradients by so their norm is at most ``max_norm`` (1.0 when disabled)."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    coef = max_norm / (norm + 1e-6)
+    return min(coef, 1.0)

@@ -1,0 +1,184 @@
+"""Mixed-precision optimizer: fp32 master weights and state, AdamW (fused kernel) or SGD.
+
+One step: gather each parameter's gradient (``param.main_grad`` from the data-parallel wrapper,
+else ``.grad``) as fp32, unscale it (fp16), skip the step if any rank saw inf/nan, clip by the
+global norm, update the fp32 masters, copy them back into the bf16/fp16 model parameters.
+Weight decay never touches biases and norm weights (every 1-D parameter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnitron.backends.collectives import ReduceOp
+from omnitron.core.config.training import OptimizerConfig
+from omnitron.core.optim.clip import clip_coefficient, global_grad_norm
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did, for logging."""
+
+    skipped: bool
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when the step was skipped)."""
+    lr: float
+    loss_scale: float | None
+
+
+def _decays(name: str, param: torch.nn.Parameter) -> bool:
+    """Biases and norm weights (all 1-D tensors) are not decayed."""
+    return param.ndim > 1 and not name.endswith(".bias")
+
+
+class MixedPrecisionOptimizer:
+    """Owns fp32 masters for low-precision params; fp32 params are their own masters.
+
+    ``named_params``: (name, param) pairs of every local model chunk, in a fixed order (names
+    key the state dict, so a checkpoint loads into the same layout). ``duplicates``: params
+    not counted in the global grad norm (the pipeline's copy of a tied embedding).
+    """
+
+    def __init__(self, named_params, config: OptimizerConfig, groups, *, backend, loss_scaler=None,
+                 duplicates=()) -> None:
+        self.config, self.groups, self.backend = config, groups, backend
+        self.loss_scaler = loss_scaler
+        self.names: list[str] = []
+        self.params: list[torch.nn.Parameter] = []
+        for name, p in named_params:
+            if p.requires_grad:
+                self.names.append(name)
+                self.params.append(p)
+        self.decay = [_decays(n, p) for n, p in zip(self.names, self.params)]
+        self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.duplicates = {id(p) for p in duplicates}
+        self.step_count = 0
+        self.state: dict[str, list[torch.Tensor]] = {}
+        if config.optimizer in ("adam", "adamw"):
+            self.state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
+            self.state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
+        elif config.optimizer == "sgd" and config.sgd_momentum:
+            self.state["momentum"] = [torch.zeros_like(m) for m in self.masters]
+
+    # ---- gradients ----------------------------------------------------------------------
+    def _fp32_grads(self) -> list[torch.Tensor]:
+        out = []
+        for p, m in zip(self.params, self.masters):
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is None:
+                out.append(torch.zeros_like(m))
+            else:
+                out.append(g.detach().float() if g.dtype != torch.float32 else g.detach())
+        return out
+
+    def _found_inf(self, grads: list[torch.Tensor]) -> bool:
+        flag = torch.zeros(1, dtype=torch.float32)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        group = self.groups.tp_pp_cp
+        if group.handle is not None:
+            self.backend.collectives.all_reduce(flag, op=ReduceOp.MAX, group=group.handle)
+        return bool(flag.item() > 0)
+
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        """Copy model parameters into the fp32 masters (after loading weights into the model)."""
+        for p, m in zip(self.params, self.masters):
+            if m.data_ptr() != p.data_ptr():
+                m.copy_(p)
+
+    def zero_grad(self) -> None:
+        """Drop ``.grad`` (the data-parallel wrapper zeroes its own ``main_grad`` buffers)."""
+        for p in self.params:
+            p.grad = None
+
+    # ---- the step -----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        grads = self._fp32_grads()
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+        if self.loss_scaler is not None:
+            inv = 1.0 / scale
+            grads = [g * inv for g in grads]
+            found_inf = self._found_inf(grads)
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                return StepResult(True, None, lr, scale)
+        norm = global_grad_norm(self.params, grads, self.groups, self.backend.collectives, self.backend.kernels,
+                                self.duplicates)
+        coef = clip_coefficient(norm, self.config.clip_grad)
+        if coef < 1.0:
+            grads = [g * coef for g in grads]
+        self.step_count += 1
+        if "exp_avg" in self.state:
+            self._adamw(grads, lr)
+        else:
+            self._sgd(grads, lr)
+        for p, m in zip(self.params, self.masters):
+            if p.dtype != torch.float32:
+                p.data.copy_(m)
+        return StepResult(False, norm, lr, scale)
+
+    def _adamw(self, grads: list[torch.Tensor], lr: float) -> None:
+        c = self.config
+        for decay in (True, False):
+            idx = [i for i, d in enumerate(self.decay) if d == decay]
+            if not idx:
+                continue
+            self.backend.kernels.adamw_step(
+                [self.masters[i] for i in idx], [grads[i] for i in idx],
+                [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx],
+                step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
+                weight_decay=c.weight_decay if decay else 0.0)
+
+    def _sgd(self, grads: list[torch.Tensor], lr: float) -> None:
+        """torch.optim.SGD's rule: g += wd * p; buf = mu * buf + g; p -= lr * buf."""
+        c = self.config
+        bufs = self.state.get("momentum")
+        for i, (m, g) in enumerate(zip(self.masters, grads)):
+            if c.weight_decay and self.decay[i]:
+                g = g.add(m, alpha=c.weight_decay)
+            if bufs is not None:
+                buf = bufs[i]
+                if self.step_count == 1:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(c.sgd_momentum).add_(g)
+                g = buf
+            m.add_(g, alpha=-lr)
+
+    # ---- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Tensors keyed by parameter name; fp32 masters only for low-precision params."""
+        out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": {}}
+        for i, name in enumerate(self.names):
+            entry = {k: v[i] for k, v in self.state.items()}
+            if self.params[i].dtype != torch.float32:
+                entry["master"] = self.masters[i]
+            out["tensors"][name] = entry
+        if self.loss_scaler is not None:
+            out["loss_scaler"] = self.loss_scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["optimizer"] != self.config.optimizer:
+            raise ValueError(f"checkpoint optimizer {state['optimizer']!r} differs from --optimizer "
+                             f"{self.config.optimizer!r}; pass the same --optimizer or use --no-load-optim")
+        missing = sorted(set(self.names) - set(state["tensors"]))
+        if missing:
+            raise ValueError(f"checkpoint optimizer state lacks parameters {missing[:3]}...; the model differs")
+        with torch.no_grad():
+            for i, name in enumerate(self.names):
+                entry = state["tensors"][name]
+                for key, bufs in self.state.items():
+                    bufs[i].copy_(entry[key])
+                if "master" in entry:
+                    self.masters[i].copy_(entry["master"])
+        self.step_count = int(state["step"])
+        if self.loss_scaler is not None and "loss_scaler" in state:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
