@@ -1,0 +1,79 @@
+"""Blending several datasets in fixed proportions (``--data-path 0.7 A 0.3 B``), and mock data."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .gpt_dataset import make_sample
+
+
+def blend_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy assignment of ``size`` samples to datasets in proportions ``weights``.
+
+    Sample i goes to the dataset furthest behind its target, ``argmax_d w_d * (i + 1) - count_d``
+    (largest sampling error; ties to the lower index), so every prefix of the blend is within
+    one sample of the target mix. Returns (dataset_index int16, dataset_sample_index int64).
+    """
+    w = np.asarray(weights, np.float64)
+    w = w / w.sum()
+    counts = np.zeros(len(w), np.int64)
+    dataset_index = np.empty(size, np.int16)
+    sample_index = np.empty(size, np.int64)
+    for i in range(size):
+        d = int(np.argmax(w * (i + 1) - counts))
+        dataset_index[i] = d
+        sample_index[i] = counts[d]
+        counts[d] += 1
+    return dataset_index, sample_index
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """``size`` samples drawn from ``datasets`` in proportions ``weights`` (deterministic, no seed needed)."""
+
+    def __init__(self, datasets: list, weights: list[float], size: int):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError(f"BlendedDataset: {len(datasets)} datasets but {len(weights)} weights")
+        self.datasets, self.weights, self.size = datasets, list(weights), size
+        self.dataset_index, self.dataset_sample_index = blend_indices(weights, size)
+        for d, ds in enumerate(datasets):
+            need = int((self.dataset_index == d).sum())
+            if need > len(ds):
+                raise ValueError(f"blended dataset {d} has {len(ds)} samples, the blend needs {need}")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        if not 0 <= idx < self.size:
+            raise IndexError(f"sample {idx} out of range [0, {self.size})")
+        return self.datasets[int(self.dataset_index[idx])][int(self.dataset_sample_index[idx])]
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Synthetic samples with the GPTDataset interface: random ids, eod about every 64 tokens.
+
+    Sample i depends only on (seed, i), so every rank and every worker sees the same data.
+    """
+
+    def __init__(self, num_samples: int, *, seq_length: int, vocab_size: int, eod: int, seed: int = 1234,
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False):
+        if vocab_size < 2:
+            raise ValueError(f"mock data needs a vocabulary of at least 2 ids, got {vocab_size}")
+        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.eod, self.seed = eod, seed
+        self.eod_mask_loss, self.reset_position_ids = eod_mask_loss, reset_position_ids
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def tokens(self, idx: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, idx])
+        text = rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)
+        text[text == self.eod] = (self.eod + 1) % self.vocab_size
+        text[rng.random(self.seq_length + 1) < 1 / 64] = self.eod
+        return text
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
+        return make_sample(self.tokens(idx), self.eod, self.eod_mask_loss, self.reset_position_ids)

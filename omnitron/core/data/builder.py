@@ -1,0 +1,112 @@
+"""``build_gpt_datasets``: train/valid/test datasets from a ``DataConfig``, built once and shared.
+
+Protocol across ranks: the builder rank (rank 0, or local rank 0 without a shared disk)
+builds every index cache, then every rank calls ``barrier()``, then the other ranks load
+the caches. With no barrier (one process) the builder just builds and returns.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import numpy as np
+
+from . import cache
+from .blended import BlendedDataset, MockGPTDataset
+from .config import DataConfig, default_cache_dir, parse_data_path, split_weights
+from .gpt_dataset import GPTDataset
+from .indexed import IndexedDataset
+from .tokenizers import Tokenizer
+
+SPLIT_NAMES = ("train", "valid", "test")
+BLEND_MARGIN = 1.005  # each blended dataset indexes 0.5% more samples than its share (as Megatron)
+
+
+class DataError(ValueError):
+    """The data does not fit the configuration (tokenizer, split, sizes); the message names the fix."""
+
+
+def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) document ranges for train/valid/test in proportions ``weights`` (sum 1)."""
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * num_documents)))
+    excess = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer, cache_dir: str, allow_build: bool) -> None:
+    """Fail early when the data holds ids the tokenizer (hence the model) cannot embed."""
+    desc = {"class": "max_token", "prefix": os.path.abspath(indexed.prefix),
+            "fingerprint": cache.file_fingerprint(indexed.prefix)}
+    build = (lambda: {"max_token": np.array([indexed.max_token()], np.int64)}) if allow_build else None
+    top = int(cache.load_or_build(os.path.join(cache_dir, "indices"), desc, ("max_token",), build)["max_token"][0])
+    if top >= tokenizer.vocab_size:
+        raise DataError(f"{indexed.prefix} holds token id {top}, beyond the {tokenizer.name} vocabulary of "
+                        f"{tokenizer.vocab_size}: it was preprocessed with another tokenizer; pass the matching "
+                        "--tokenizer-type/--vocab-file/--tokenizer-model, or re-run `omnitron preprocess`")
+
+
+def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split: int, num_samples: int,
+               cache_dir: str, allow_build: bool):
+    weights = split_weights(config.split)
+    if num_samples <= 0 or weights[split] == 0:
+        return None
+    name = SPLIT_NAMES[split]
+    parts = []
+    for weight, indexed in zip((w for w, _ in blend), datasets):
+        lo, hi = split_ranges(len(indexed), weights)[split]
+        if hi <= lo:
+            raise DataError(f"{indexed.prefix}: the {name} split of --split {config.split} gets no documents "
+                            f"({len(indexed)} in all); give it a larger share or use more data")
+        want = num_samples if len(blend) == 1 else int(math.ceil(weight * num_samples * BLEND_MARGIN)) + 1
+        parts.append(GPTDataset(indexed, np.arange(lo, hi), want, seq_length=config.seq_length, seed=config.seed,
+                                eod=tokenizer.eod, cache_dir=cache_dir, split_name=name,
+                                eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids,
+                                allow_build=allow_build))
+    if len(parts) == 1:
+        return parts[0]
+    return BlendedDataset(parts, [w for w, _ in blend], num_samples)
+
+
+def _build_all(config, tokenizer, samples, cache_dir, allow_build):
+    blend = parse_data_path(config.data_path)
+    if not blend:
+        from .corpus import demo_corpus_prefix
+
+        if tokenizer.name != "GPT2BPETokenizer":
+            raise DataError(f"no --data-path given: the bundled demo corpus is GPT-2 BPE, but the tokenizer is "
+                            f"{tokenizer.name}; pass --data-path, or --mock-data")
+        blend = [(1.0, demo_corpus_prefix("gpt2", cache_dir=cache_dir, build=allow_build))]
+    datasets = [IndexedDataset(p) for _, p in blend]
+    for ds in datasets:
+        check_vocabulary(ds, tokenizer, cache_dir, allow_build)
+    return tuple(_one_split(config, tokenizer, blend, datasets, i, n, cache_dir, allow_build)
+                 for i, n in enumerate(samples))
+
+
+def build_gpt_datasets(config: DataConfig, tokenizer: Tokenizer, *, train_samples: int, valid_samples: int,
+                       test_samples: int, is_builder_rank: bool = True, barrier: Callable[[], None] | None = None):
+    """(train, valid, test) datasets, each ``None`` when it gets no samples or a zero split share.
+
+    Each dataset has at least the requested number of samples; item ``i`` is
+    ``dict(tokens, labels, loss_mask, position_ids)`` of shape ``[seq_length]``.
+    Every rank must call this (``barrier`` is collective); only ``is_builder_rank`` writes.
+    """
+    samples = (int(train_samples), int(valid_samples), int(test_samples))
+    if config.mock_data:
+        if barrier is not None:
+            barrier()
+        return tuple(None if n <= 0 else MockGPTDataset(
+            n, seq_length=config.seq_length, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
+            seed=config.seed + i, eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids)
+            for i, n in enumerate(samples))
+    cache_dir = config.data_cache_path or default_cache_dir()
+    result = _build_all(config, tokenizer, samples, cache_dir, True) if is_builder_rank else None
+    if barrier is not None:
+        barrier()
+    if result is None:
+        result = _build_all(config, tokenizer, samples, cache_dir, False)
+    return result

@@ -1,0 +1,76 @@
+"""On-disk cache of numpy index arrays, keyed by a hash of everything that determines them.
+
+One builder rank writes (arrays first, then the description as the completion marker, each
+through a temporary name and an atomic rename); the other ranks wait at the caller's barrier
+and memory-map what it wrote. A description that does not match its hash key is ignored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from typing import Callable
+
+import numpy as np
+
+
+class IndexCacheMissing(RuntimeError):
+    """A non-builder rank found no cache; the builder rank has not built it (or wrote elsewhere)."""
+
+
+def file_fingerprint(prefix: str) -> dict:
+    """Identity of an indexed dataset cheap enough to compute on every rank: sizes + index head and tail."""
+    idx, bin_ = f"{prefix}.idx", f"{prefix}.bin"
+    h = hashlib.sha256()
+    size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 1 << 20:
+            f.seek(max(size - (1 << 20), 1 << 20))
+            h.update(f.read())
+    return {"idx_bytes": size, "bin_bytes": os.path.getsize(bin_), "idx_sha256_head_tail": h.hexdigest()}
+
+
+def cache_key(description: dict) -> str:
+    return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def load_or_build(cache_dir: str, description: dict, names: tuple[str, ...],
+                  build: Callable[[], dict[str, np.ndarray]] | None) -> dict[str, np.ndarray]:
+    """Arrays ``names`` for ``description``: loaded from ``cache_dir``, else built by ``build()`` and saved.
+
+    ``build=None`` (a non-builder rank) raises ``IndexCacheMissing`` when the cache is absent.
+    """
+    key = cache_key(description)
+    base = os.path.join(cache_dir, key)
+    desc_path = f"{base}-description.json"
+    if _complete(desc_path, description, base, names):
+        return {n: np.load(f"{base}-{n}.npy", mmap_mode="r", allow_pickle=False) for n in names}
+    if build is None:
+        raise IndexCacheMissing(
+            f"index cache {desc_path} not found: the builder rank did not build it before the barrier. "
+            f"Make sure --data-cache-path ({cache_dir}) is a directory every rank sees, or build on each node")
+    arrays = build()
+    os.makedirs(cache_dir, exist_ok=True)
+    for n in names:
+        _atomic(f"{base}-{n}.npy", lambda f, a=arrays[n]: np.save(f, a, allow_pickle=False))
+    _atomic(desc_path, lambda f: f.write(json.dumps(description, sort_keys=True, indent=1).encode()))
+    return arrays
+
+
+def _complete(desc_path: str, description: dict, base: str, names) -> bool:
+    if not os.path.isfile(desc_path) or not all(os.path.isfile(f"{base}-{n}.npy") for n in names):
+        return False
+    try:
+        with open(desc_path, encoding="utf-8") as f:
+            return json.load(f) == json.loads(json.dumps(description))
+    except (OSError, ValueError):
+        return False
+
+
+def _atomic(path: str, write: Callable) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)

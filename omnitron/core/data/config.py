@@ -1,0 +1,93 @@
+"""``DataConfig``: where training data comes from and how samples are cut from it."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from omnitron.core.config.parallel import ConfigError
+
+
+def default_cache_dir() -> str:
+    """``$OMNITRON_CACHE`` or ``~/.cache/omnitron``: index caches and the tokenized demo corpus."""
+    return os.environ.get("OMNITRON_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnitron")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Data flags (Megatron spellings in the CLI: ``--data-path``, ``--split``, ``--mock-data``, ...)."""
+
+    data_path: list[str] = field(default_factory=list)
+    """``--data-path``: ``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...`` (weights need not sum to 1).
+    Empty with ``mock_data`` False means the bundled demo corpus (Moby Dick, GPT-2 BPE)."""
+    split: str = "969,30,1"
+    """``--split``: train,valid,test proportions of each dataset's documents."""
+    mock_data: bool = False
+    """``--mock-data``: synthetic random tokens instead of files (tests, benchmarks)."""
+    seq_length: int = 1024
+    """``--seq-length``: tokens per sample (each sample reads seq_length + 1 tokens)."""
+    seed: int = 1234
+    """``--seed``: shuffling seed; same seed + same data = same sample order."""
+    data_cache_path: str | None = None
+    """``--data-cache-path``: where index caches go (default ``$OMNITRON_CACHE`` or ~/.cache/omnitron)."""
+    num_workers: int = 2
+    """``--num-workers``: DataLoader worker processes per rank (0 = load in the training process)."""
+    tokenizer_type: str = "GPT2BPETokenizer"
+    """``--tokenizer-type``: GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, NullTokenizer."""
+    vocab_file: str | None = None
+    """``--vocab-file``: GPT-2 vocab.json (default: the bundled one)."""
+    merge_file: str | None = None
+    """``--merge-file``: GPT-2 merges.txt (default: the bundled one)."""
+    tokenizer_model: str | None = None
+    """``--tokenizer-model``: tokenizer.json (HuggingFace) or .model (SentencePiece)."""
+    vocab_size: int | None = None
+    """``--vocab-size``: NullTokenizer's vocabulary (ids 0..V-1, eod = V)."""
+    eod_mask_loss: bool = False
+    """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
+    reset_position_ids: bool = False
+    """``--reset-position-ids``: restart position ids after each end-of-document token."""
+
+    def __post_init__(self):
+        if self.seq_length < 1:
+            raise ConfigError(f"--seq-length must be >= 1, got {self.seq_length}")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        split_weights(self.split)
+        parse_data_path(self.data_path)
+
+
+def split_weights(split: str) -> list[float]:
+    """``"969,30,1"`` -> normalised [train, valid, test] weights (missing parts are 0)."""
+    try:
+        parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--split {split!r}: expected up to three comma-separated numbers like 969,30,1") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive sum, like 969,30,1")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def parse_data_path(data_path: list[str] | str) -> list[tuple[float, str]]:
+    """``["0.7", "A", "0.3", "B"]`` -> [(0.7, "A"), (0.3, "B")]; ``["A"]`` -> [(1.0, "A")]. Weights normalised."""
+    items = data_path.split() if isinstance(data_path, str) else list(data_path)
+    if not items:
+        return []
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    if len(items) % 2:
+        raise ConfigError(f"--data-path {' '.join(items)!r}: give one PREFIX, or WEIGHT PREFIX pairs")
+    pairs = []
+    for w, p in zip(items[0::2], items[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ConfigError(f"--data-path: {w!r} should be a weight (number) before prefix {p!r}; "
+                              "use WEIGHT PREFIX pairs, e.g. --data-path 0.7 A 0.3 B") from None
+        if weight < 0:
+            raise ConfigError(f"--data-path: weight {weight} for {p!r} must be >= 0")
+        pairs.append((weight, p))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise ConfigError("--data-path: weights sum to 0; give at least one positive weight")
+    return [(w / total, p) for w, p in pairs]

@@ -1,0 +1,42 @@
+"""Tokenizers: one interface (``Tokenizer``), four kinds, built by ``build_tokenizer``.
+
+Kinds (Megatron's ``--tokenizer-type`` spellings): ``GPT2BPETokenizer`` (bundled GPT-2 files by
+default), ``HuggingFaceTokenizer`` (a ``tokenizer.json``), ``SentencePieceTokenizer`` (a
+``.model``), ``NullTokenizer`` (integers as text; ``--vocab-size``). All load offline.
+"""
+from __future__ import annotations
+
+from .base import Tokenizer, TokenizerError
+from .bpe import GPT2_MERGES, GPT2_VOCAB, GPT2BPETokenizer, HuggingFaceTokenizer, sha256_of
+from .simple import NullTokenizer, SentencePieceTokenizer
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+
+
+def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str | None = None,
+                    merge_file: str | None = None, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
+    """Build the tokenizer named by ``tokenizer_type`` from local files.
+
+    GPT2BPETokenizer: ``vocab_file`` + ``merge_file`` (both or neither; neither = bundled).
+    HuggingFaceTokenizer / SentencePieceTokenizer: ``tokenizer_model`` (path).
+    NullTokenizer: ``vocab_size``.
+    """
+    if tokenizer_type == "GPT2BPETokenizer":
+        if (vocab_file is None) != (merge_file is None):
+            raise TokenizerError("GPT2BPETokenizer needs both --vocab-file and --merge-file, or neither "
+                                 "(neither uses the bundled GPT-2 files)")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
+        if not tokenizer_model:
+            raise TokenizerError(f"{tokenizer_type} needs --tokenizer-model PATH")
+        cls = HuggingFaceTokenizer if tokenizer_type == "HuggingFaceTokenizer" else SentencePieceTokenizer
+        return cls(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+__all__ = ["Tokenizer", "TokenizerError", "build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer",
+           "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer", "GPT2_VOCAB", "GPT2_MERGES",
+           "sha256_of"]

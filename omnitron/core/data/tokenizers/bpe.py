@@ -1,0 +1,145 @@
+"""Tokenizers backed by the ``tokenizers`` library: GPT-2 BPE files and HuggingFace ``tokenizer.json``.
+
+Everything loads from local files: nothing is fetched from a model hub. The GPT-2 vocabulary
+and merges bundled in ``omnitron/data/gpt2/`` are checked against their sha256 on every load,
+so a corrupted or substituted file fails here and not as a silently different token stream.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .base import Tokenizer, TokenizerError
+
+GPT2_DIR = Path(__file__).resolve().parents[3] / "data" / "gpt2"
+GPT2_VOCAB = GPT2_DIR / "vocab.json"
+GPT2_MERGES = GPT2_DIR / "merges.txt"
+# sha256 of GPT-2's vocab.json (encoder.json) and merges.txt (vocab.bpe); see omnitron/data/gpt2/LICENSE.
+GPT2_SHA256 = {
+    "vocab": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "merges": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+}
+GPT2_EOD_TOKEN = "<|endoftext|>"
+# Tokens taken as end-of-document / padding in a HuggingFace tokenizer.json, first match wins.
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+PAD_CANDIDATES = ("<pad>", "<|padding|>", "[PAD]", "<|pad|>")
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _require_file(path: str | os.PathLike, flag: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise TokenizerError(f"{flag} {str(p)!r}: no such file; pass the path of an existing file")
+    return p
+
+
+class _HFBacked(Tokenizer):
+    """Shared encode/decode over a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, tok, eod: int, pad: int):
+        self._tok = tok
+        self._eod = eod
+        self._pad = pad
+        self._vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(_HFBacked):
+    """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt`` (Megatron's ``GPT2BPETokenizer``).
+
+    Defaults to the bundled, sha256-verified files. ``<|endoftext|>`` (id 50256) is the eod and
+    pad id; like Megatron's tokenizer it is NOT recognised inside raw text (text that spells it
+    out is encoded as ordinary characters), so documents cannot inject document boundaries.
+    """
+
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None):
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+        bundled = vocab_file is None and merge_file is None
+        vocab = _require_file(vocab_file or GPT2_VOCAB, "--vocab-file")
+        merges = _require_file(merge_file or GPT2_MERGES, "--merge-file")
+        if bundled:
+            for kind, path in (("vocab", vocab), ("merges", merges)):
+                got = sha256_of(path)
+                if got != GPT2_SHA256[kind]:
+                    raise TokenizerError(
+                        f"bundled GPT-2 {kind} file {path} has sha256 {got}, expected {GPT2_SHA256[kind]}: "
+                        "the file is corrupted or was replaced; restore it from git "
+                        "(git checkout -- omnitron/data/gpt2) or pass --vocab-file/--merge-file explicitly")
+        try:
+            bpe = models.BPE.from_file(str(vocab), str(merges))
+        except Exception as err:  # noqa: BLE001 - the library's message names the parse problem
+            raise TokenizerError(f"cannot read GPT-2 BPE files {vocab} / {merges}: {err}") from err
+        tok = HFTokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        eod = tok.token_to_id(GPT2_EOD_TOKEN)
+        if eod is None:
+            raise TokenizerError(f"vocabulary {vocab} has no {GPT2_EOD_TOKEN!r} token; it is not a GPT-2 vocab.json")
+        super().__init__(tok, eod, eod)
+
+
+class HuggingFaceTokenizer(_HFBacked):
+    """Any ``tokenizer.json`` (for example one written by ``omnitron tokenizer train``).
+
+    ``path`` is the file or a directory holding it. The eod id is the first of
+    ``EOD_CANDIDATES`` present in the vocabulary (``eod_token`` overrides); pad likewise.
+    """
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, path: str, eod_token: str | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        p = _require_file(p, "--tokenizer-model")
+        try:
+            tok = HFTokenizer.from_file(str(p))
+        except Exception as err:  # noqa: BLE001
+            raise TokenizerError(f"--tokenizer-model {str(p)!r} is not a valid tokenizer.json: {err}") from err
+        names = (eod_token,) if eod_token else EOD_CANDIDATES
+        eod = next((tok.token_to_id(t) for t in names if tok.token_to_id(t) is not None), None)
+        if eod is None:
+            raise TokenizerError(f"tokenizer {p} has none of the end-of-document tokens {list(names)}; "
+                                 "retrain it with one of them as a special token")
+        pad = next((tok.token_to_id(t) for t in PAD_CANDIDATES if tok.token_to_id(t) is not None), eod)
+        super().__init__(tok, eod, pad)
+
+
+def read_vocab_size(vocab_file: str) -> int:
+    """Entries in a GPT-2 style ``vocab.json`` (used by tools that only need the size)."""
+    with open(vocab_file, encoding="utf-8") as f:
+        return len(json.load(f))
