@@ -1,0 +1,1 @@
+"""Model families built from omnitron.core.transformer."""

@@ -1,0 +1,238 @@
+"""GPT model configuration (GPT-2 and Llama styles), presets, validation and accounting.
+
+Field names are Megatron's argument names; the CLI spells them ``--num-layers`` etc.
+Derived numbers (padded vocabulary, parameter count, FLOPs) come from named functions and are
+never written back into the config.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """A decoder-only Transformer LM. Defaults are GPT-2 style."""
+
+    num_layers: int
+    """--num-layers: Transformer layers in the whole model (all pipeline stages together)."""
+    hidden_size: int
+    """--hidden-size: width of the residual stream."""
+    num_attention_heads: int
+    """--num-attention-heads: query heads per layer."""
+    ffn_hidden_size: int | None = None
+    """--ffn-hidden-size: MLP width (per gate branch under SwiGLU); default 4 * hidden."""
+    num_query_groups: int | None = None
+    """--num-query-groups: key/value heads (grouped-query attention); None = one per query head (MHA)."""
+    kv_channels: int | None = None
+    """--kv-channels: per-head dimension; default hidden / heads."""
+    seq_length: int = 1024
+    """--seq-length: training sequence length."""
+    max_position_embeddings: int | None = None
+    """--max-position-embeddings: rows of the learned position table; default seq_length."""
+    vocab_size: int = 50257
+    """Real vocabulary size (from the tokenizer); padded per :func:`padded_vocab_size`."""
+    make_vocab_size_divisible_by: int = 128
+    """--make-vocab-size-divisible-by: the padded vocabulary is a multiple of this times tp."""
+    normalization: str = "LayerNorm"
+    """--normalization: ``LayerNorm`` or ``RMSNorm``."""
+    layernorm_epsilon: float = 1e-5
+    """--layernorm-epsilon."""
+    swiglu: bool = False
+    """--swiglu: gated SiLU MLP (three matrices) instead of GeLU."""
+    position_embedding_type: str = "learned_absolute"
+    """--position-embedding-type: ``learned_absolute`` or ``rope``."""
+    rotary_base: float = 10000.0
+    """--rotary-base: RoPE frequency base."""
+    rotary_percent: float = 1.0
+    """--rotary-percent: fraction of each head's channels that are rotated."""
+    rotary_interleaved: bool = False
+    """--rotary-interleaved: rotate adjacent channel pairs instead of halves."""
+    rope_scaling_factor: float = 1.0
+    """--rope-scaling-factor: Llama-3.1 frequency scaling factor (1.0 = off)."""
+    untie_embeddings_and_output_weights: bool = False
+    """--untie-embeddings-and-output-weights: separate output matrix instead of the word embedding."""
+    hidden_dropout: float = 0.1
+    """--hidden-dropout: dropout on embeddings and on each sublayer's output before the residual add."""
+    attention_dropout: float = 0.1
+    """--attention-dropout: dropout on attention probabilities."""
+    add_bias_linear: bool = True
+    """--add-bias-linear / --disable-bias-linear: biases in every linear layer."""
+    qk_layernorm: bool = False
+    """--qk-layernorm: normalize queries and keys per head (same norm type as the model)."""
+    init_method_std: float = 0.02
+    """--init-method-std: std of the normal init of weights."""
+    apply_scaled_init: bool = True
+    """Output projections (attention out, MLP fc2) use std / sqrt(2 * num_layers), as Megatron."""
+    recompute_granularity: str | None = None
+    """--recompute-granularity: None, ``full`` (whole layers) or ``selective`` (core attention)."""
+    recompute_method: str | None = None
+    """--recompute-method: ``uniform`` (chunks of recompute_num_layers) or ``block`` (first N layers of a stage)."""
+    recompute_num_layers: int | None = None
+    """--recompute-num-layers: layers per chunk (uniform) or layers recomputed per stage (block)."""
+    params_dtype: torch.dtype = torch.float32
+    """Dtype parameters are stored in (fp32 masters are the optimizer's business)."""
+
+    def __post_init__(self) -> None:
+        for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                        ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length),
+                        ("vocab size", self.vocab_size), ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
+        choices = (("--normalization", self.normalization, ("LayerNorm", "RMSNorm")),
+                   ("--position-embedding-type", self.position_embedding_type, ("learned_absolute", "rope")),
+                   ("--recompute-granularity", self.recompute_granularity, (None, "full", "selective")),
+                   ("--recompute-method", self.recompute_method, (None, "uniform", "block")))
+        for flag, v, ok in choices:
+            if v not in ok:
+                raise ConfigError(f"{flag} {v!r} is not one of {', '.join(map(str, ok))}")
+        for flag, p in (("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)):
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"{flag} must be in [0, 1), got {p}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+
+
+# ---- derived values ------------------------------------------------------------------------
+def ffn_size(c: GPTConfig) -> int:
+    return c.ffn_hidden_size or 4 * c.hidden_size
+
+
+def query_groups(c: GPTConfig) -> int:
+    return c.num_query_groups or c.num_attention_heads
+
+
+def head_dim(c: GPTConfig) -> int:
+    return c.kv_channels or c.hidden_size // c.num_attention_heads
+
+
+def max_positions(c: GPTConfig) -> int:
+    return c.max_position_embeddings or c.seq_length
+
+
+def padded_vocab_size(c: GPTConfig, tp: int = 1) -> int:
+    """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron)."""
+    m = c.make_vocab_size_divisible_by * tp
+    return -(-c.vocab_size // m) * m
+
+
+def recompute_layers(c: GPTConfig, num_layers: int) -> list[list[int]]:
+    """Local layer indices grouped into recompute chunks (empty: no full recomputation)."""
+    if c.recompute_granularity != "full":
+        return []
+    n = c.recompute_num_layers or 1
+    if c.recompute_method == "block":
+        return [[i] for i in range(min(n, num_layers))]
+    return [list(range(i, min(i + n, num_layers))) for i in range(0, num_layers, n)]
+
+
+def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool = True) -> None:
+    """Check the model against the parallel layout; raise ConfigError naming the flag and the fix.
+
+    ``check_layers=False`` skips the even split of layers over pipeline stages (uneven placements
+    are checked by the pipeline layer-placement code)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    heads, groups = c.num_attention_heads, query_groups(c)
+    if c.kv_channels is None and c.hidden_size % heads:
+        raise ConfigError(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {heads}; "
+                          f"change one of them or set --kv-channels")
+    if heads % groups:
+        raise ConfigError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+    if heads % tp:
+        raise ConfigError(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
+                          f"use a tensor-parallel size that divides {heads}")
+    if groups % tp:
+        raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp} "
+                          f"(key/value heads are not replicated across tensor-parallel ranks); use "
+                          f"--tensor-model-parallel-size <= {groups} dividing it, or more query groups")
+    if ffn_size(c) % tp:
+        raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
+    vp = parallel.virtual_pipeline_model_parallel_size or 1
+    if check_layers and c.num_layers % (pp * vp):
+        raise ConfigError(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                          f"virtual stages {vp}; change --num-layers or the pipeline sizes")
+    if parallel.sequence_parallel and c.seq_length % tp:
+        raise ConfigError(f"--seq-length {c.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
+                          f"which --sequence-parallel requires; change --seq-length or drop --sequence-parallel")
+    if c.position_embedding_type == "learned_absolute" and c.seq_length > max_positions(c):
+        raise ConfigError(f"--seq-length {c.seq_length} exceeds --max-position-embeddings {max_positions(c)}")
+    if c.recompute_granularity == "full" and c.recompute_method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
+    if c.recompute_method is not None and c.recompute_granularity != "full":
+        raise ConfigError(f"--recompute-method {c.recompute_method} only applies with --recompute-granularity full")
+
+
+def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
+    """Parameters of the whole model as one process holds it (vocabulary padded for ``tp``)."""
+    h, f, d, heads, g = c.hidden_size, ffn_size(c), head_dim(c), c.num_attention_heads, query_groups(c)
+    b = 1 if c.add_bias_linear else 0
+    norm = h * (2 if c.normalization == "LayerNorm" else 1)
+    qkv_out = (heads + 2 * g) * d
+    attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
+    if c.qk_layernorm:
+        attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
+    fc1_out = 2 * f if c.swiglu else f
+    mlp = fc1_out * h + b * fc1_out + f * h + b * h
+    layer = attn + mlp + 2 * norm
+    v = padded_vocab_size(c, tp)
+    total = c.num_layers * layer + norm + v * h
+    if c.position_embedding_type == "learned_absolute":
+        total += max_positions(c) * h
+    if c.untie_embeddings_and_output_weights:
+        total += v * h
+    return total
+
+
+def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = None, causal: bool = False) -> float:
+    """Training FLOPs (forward + backward) for ``batch_size`` sequences, Megatron's formula:
+    GEMMs of attention and MLP, attention scores non-causal (``causal=True`` halves that term),
+    logits counted. ``12 B s L h^2 (attn + mlp + logits)``."""
+    s = seq_length or c.seq_length
+    h, L = c.hidden_size, c.num_layers
+    q_ratio = head_dim(c) * c.num_attention_heads / h
+    score = s / h / (2.0 if causal else 1.0)
+    attn = (1.0 + query_groups(c) / c.num_attention_heads + score) * q_ratio
+    mlp = ffn_size(c) / h * (1.5 if c.swiglu else 1.0)
+    logits = padded_vocab_size(c, 1) / (2.0 * L * h)
+    return 12.0 * batch_size * s * L * h * h * (attn + mlp + logits)
+
+
+# ---- presets -------------------------------------------------------------------------------
+def gpt2_tiny(**overrides) -> GPTConfig:
+    """GPT-2 style debug model (~7M parameters with the GPT-2 vocabulary; fast on CPU)."""
+    return replace(GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                             seq_length=128, max_position_embeddings=128, vocab_size=50257), **overrides)
+
+
+def llama_tiny(**overrides) -> GPTConfig:
+    """Llama style debug model: RMSNorm, SwiGLU, RoPE, GQA (4 heads, 2 groups), untied, no biases."""
+    return replace(GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=352, seq_length=128, vocab_size=32000, normalization="RMSNorm",
+                             swiglu=True, position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                             hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+                             layernorm_epsilon=1e-6), **overrides)
+
+
+def gpt_1p3b(**overrides) -> GPTConfig:
+    """GPT 1.3B (24 layers, hidden 2048, 16 heads, seq 2048), the standard MFU benchmark shape."""
+    return replace(GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
+                             max_position_embeddings=2048, vocab_size=50257), **overrides)
+
+
+def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
+    """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled."""
+    rot = int(head_dim(c) * c.rotary_percent)
+    rot -= rot % 2
+    inv = 1.0 / (c.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    if c.rope_scaling_factor != 1.0:
+        low, high, orig = 1.0, 4.0, 8192  # Llama-3.1 constants
+        wavelen = 2 * math.pi / inv
+        smooth = ((orig / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > orig / low, inv / c.rope_scaling_factor, inv)
+        mid = (wavelen <= orig / low) & (wavelen >= orig / high)
+        inv = torch.where(mid, (1 - smooth) * inv / c.rope_scaling_factor + smooth * inv, scaled)
+    return inv.float()

@@ -1,0 +1,187 @@
+"""GPTModel: one pipeline stage (or the whole model) of a GPT-2 / Llama style decoder.
+
+A stage owns layers ``[layer_offset, layer_offset + num_layers)`` of the global stack, named by
+their GLOBAL index (``decoder.layers.7....``), so parameter names and initial values do not depend
+on the parallel layout. ``pre_process`` adds the embedding, ``post_process`` the final norm, the
+output layer and the loss.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from omnitron.backends import get_backend
+from omnitron.core.models.gpt import config as C
+from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
+from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, checkpoint, model_parallel_seed
+from omnitron.core.parallel.tensor.sharding import full_shape, init_full, set_attributes, shard_param
+from omnitron.core.transformer.layer import TransformerLayer
+from omnitron.core.transformer.norm import Norm
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class GPTEmbedding(nn.Module):
+    """Word (vocab-parallel) plus optional learned position embeddings, then dropout: ``[b, s] -> [s, b, h]``
+    (``[s/tp, b, h]`` under sequence parallelism)."""
+
+    def __init__(self, c: C.GPTConfig, *, group, sequence_parallel: bool, tracker) -> None:
+        super().__init__()
+        self.c, self.group, self.sp, self.tracker = c, group, sequence_parallel, tracker
+        self.word_embeddings = VocabParallelEmbedding(C.padded_vocab_size(c, group.size), c.hidden_size, group=group,
+                                                      vocab_size=c.vocab_size, init_std=c.init_method_std,
+                                                      dtype=c.params_dtype)
+        self.position_embeddings = None
+        if c.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(C.max_positions(c), c.hidden_size, dtype=c.params_dtype)
+            set_attributes(self.position_embeddings.weight, parallel=False, init=("normal", c.init_method_std))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(tokens.t(), reduce_scatter=self.sp)  # [s(/tp), b, h]
+        if self.position_embeddings is not None:
+            pos = self.position_embeddings(position_ids.t())  # [s, b, h], replicated over tp
+            x = x + (M.scatter_to_sp(pos, self.group) if self.sp else pos)
+        p = self.c.hidden_dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        with self.tracker.fork() if self.sp else contextlib.nullcontext():
+            return torch.nn.functional.dropout(x, p, training=True)
+
+
+class GPTModel(nn.Module):
+    """A GPT stage. See the module docstring; ``forward`` documents the tensors in and out."""
+
+    def __init__(self, config: C.GPTConfig, groups, *, pre_process: bool = True, post_process: bool = True,
+                 layer_offset: int = 0, num_layers: int | None = None, backend=None, seed: int = 1234,
+                 label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        C.validate_model(config, groups.config, check_layers=num_layers is None)
+        self.config, self.groups = config, groups
+        self.backend = backend or get_backend()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.label_smoothing = label_smoothing
+        tp = groups.tp
+        self.sp = bool(groups.config.sequence_parallel and tp.size > 1)
+        n = config.num_layers if num_layers is None else num_layers
+        if layer_offset < 0 or layer_offset + n > config.num_layers:
+            raise ValueError(f"layers [{layer_offset}, {layer_offset + n}) outside the model's {config.num_layers}")
+        self.layer_offset, self.num_local_layers = layer_offset, n
+        self.rng_tracker = RNGTracker(self.backend)
+        self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, tp.rank, groups.pp.rank))
+        lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend)
+        if pre_process:
+            self.embedding = GPTEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict({str(layer_offset + i): TransformerLayer(config, **lkw) for i in range(n)})
+        if post_process:
+            self.decoder.final_layernorm = Norm(config.hidden_size, kind=config.normalization,
+                                                eps=config.layernorm_epsilon, backend=self.backend,
+                                                partial_grad=self.sp, dtype=config.params_dtype)
+            tied = not config.untie_embeddings_and_output_weights
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, C.padded_vocab_size(config, tp.size), group=tp, bias=False,
+                sequence_parallel=self.sp, init_std=config.init_method_std, own_weight=not (tied and pre_process),
+                valid_rows=config.vocab_size, dtype=config.params_dtype)
+            if tied and not pre_process:
+                # the last stage's copy of the word embedding: same initial values, grads all-reduced
+                self.output_layer.weight.init_name = WORD_EMBEDDING
+                self.output_layer.weight.shared_embedding = True
+        if config.position_embedding_type == "rope":
+            self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
+        self.reset_parameters(seed)
+
+    # ---- parameters ------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Fill every parameter with its shard of the layout-independent full init for ``seed``."""
+        tp = self.groups.tp
+        for name, p in self.named_parameters():
+            shape = full_shape(p, tp.size)
+            full = init_full(getattr(p, "init_name", name), shape, p.init, seed, getattr(p, "valid_rows", None))
+            p.copy_(shard_param(full, p, tp.size, tp.rank if tp.size > 1 else 0))
+
+    def shared_embedding_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose grads are all-reduced over ``groups.embedding`` when tied across stages:
+        the first stage's word embedding and the last stage's output copy (empty when untied)."""
+        if self.config.untie_embeddings_and_output_weights:
+            return []
+        out = []
+        if self.pre_process:
+            out.append(self.embedding.word_embeddings.weight)
+        if self.post_process and self.output_layer.weight is not None:
+            out.append(self.output_layer.weight)
+        return out
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _rope_freqs(self, position_ids: torch.Tensor | None, s: int, device) -> torch.Tensor | None:
+        if self.config.position_embedding_type != "rope":
+            return None
+        if position_ids is None:
+            pos = torch.arange(s, device=device, dtype=torch.float32)[:, None]  # [s, 1]
+        else:
+            pos = position_ids.t().float()  # [s, b]
+        return (pos[..., None] * self.inv_freq.to(device))[:, :, None, :]  # [s, b|1, 1, r/2]
+
+    def _run_layers(self, x: torch.Tensor, freqs) -> torch.Tensor:
+        layers = list(self.decoder.layers.values())
+        chunks = {c[0]: c for c in C.recompute_layers(self.config, len(layers))}
+        i = 0
+        while i < len(layers):
+            if i in chunks and self.training and torch.is_grad_enabled():
+                chunk = [layers[j] for j in chunks[i]]
+
+                def run(h, f, chunk=chunk):
+                    for layer in chunk:
+                        h = layer(h, f)
+                    return h
+
+                x = checkpoint(run, self.rng_tracker, x, freqs)
+                i += len(chunk)
+            else:
+                x = layers[i](x, freqs)
+                i += 1
+        return x
+
+    def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: ``tokens [b, s]`` int64. Later stages: ``hidden [s, b, h]`` (``[s/tp, b, h]``
+        under sequence parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
+        ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
+        at -inf. Other stages return the hidden states for the next stage."""
+        if self.pre_process:
+            if tokens is None:
+                raise ValueError("the first pipeline stage needs tokens [b, s]")
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            x = self.embedding(tokens, position_ids)
+        else:
+            if hidden is None:
+                raise ValueError("a non-first pipeline stage needs hidden [s, b, h] from the previous stage")
+            x = hidden
+        s = x.shape[0] * (self.groups.tp.size if self.sp else 1)
+        x = self._run_layers(x, self._rope_freqs(position_ids, s, x.device))
+        if not self.post_process:
+            return x
+        x = self.decoder.final_layernorm(x)
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self.output_layer(x, weight)  # [s, b, V_pad/tp]
+        if labels is None:
+            return self._mask_padding(logits)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
+                                            label_smoothing=self.label_smoothing)
+        return loss.t()  # [b, s] float32
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padding vocabulary columns at -inf, so sampling and softmax never pick them."""
+        tp = self.groups.tp
+        v_local = logits.shape[-1]
+        start = tp.rank * v_local if tp.size > 1 else 0
+        valid = max(0, min(v_local, self.config.vocab_size - start))
+        if valid == v_local:
+            return logits
+        mask = torch.arange(v_local, device=logits.device) >= valid
+        return logits.masked_fill(mask, float("-inf"))

@@ -1,0 +1,42 @@
+"""A pre-norm Transformer layer: two residual lines."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from omnitron.core.transformer.attention import SelfAttention
+from omnitron.core.transformer.mlp import MLP
+from omnitron.core.transformer.norm import Norm
+
+
+class TransformerLayer(nn.Module):
+    """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` on ``[s, b, h]``
+    (``[s/tp, b, h]`` under sequence parallelism)."""
+
+    def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend) -> None:
+        super().__init__()
+        self.c, self.tracker, self.backend, self.sp = c, tracker, backend, sequence_parallel
+        out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers) if c.apply_scaled_init else c.init_method_std
+        nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=sequence_parallel,
+                   dtype=c.params_dtype)
+        self.input_layernorm = Norm(c.hidden_size, **nkw)
+        self.self_attention = SelfAttention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
+                                            backend=backend, out_std=out_std)
+        self.pre_mlp_layernorm = Norm(c.hidden_size, **nkw)
+        self.mlp = MLP(c, group=group, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std)
+
+    def _bias_dropout_add(self, out_and_bias, residual: torch.Tensor) -> torch.Tensor:
+        out, bias = out_and_bias
+        p = self.c.hidden_dropout if self.training else 0.0
+        # NOTE: sequence shards differ per tp rank, so their dropout masks must too
+        ctx = self.tracker.fork() if (self.sp and p > 0.0) else contextlib.nullcontext()
+        with ctx:
+            return self.backend.kernels.bias_dropout_add(out, bias, residual, p, self.training)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
+        x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), freqs), x)
+        x = self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+        return x
