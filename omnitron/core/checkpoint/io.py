@@ -1,0 +1,158 @@
+"""Writing and reading checkpoint directories atomically.
+
+Every rank writes its shard into ``iter_N.tmp/`` and fsyncs it; after a barrier rank 0 writes
+``metadata.json``, renames the directory to ``iter_N`` and only then replaces ``latest`` (by
+writing ``latest.tmp`` and renaming). A run killed at any point therefore leaves ``latest``
+naming a complete checkpoint. Shards are ``torch.save`` files of tensors and plain values,
+read back with ``weights_only=True`` (no arbitrary unpickling).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Callable
+
+import torch
+
+FORMAT_VERSION = 1
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+# model fields that fix every tensor's shape: a checkpoint only loads into the same values
+MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                    "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "normalization", "swiglu",
+                    "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+                    "qk_layernorm", "max_position_embeddings")
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "context_parallel_size", "data_parallel_size")
+_FLAGS = {"data_parallel_size": "the number of processes / data-parallel size"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or incompatible; the message says which and what to do."""
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, write: Callable) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, *, rank: int, world_size: int,
+                    barrier: Callable[[], None], keep_last_n: int | None = None) -> str:
+    """Collective: every rank calls with its own ``shard``; returns the committed directory."""
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by a run killed while saving
+        os.makedirs(tmp)
+    barrier()
+    _write_file(os.path.join(tmp, shard_name(rank)), lambda f: torch.save(shard, f))
+    barrier()
+    if rank == 0:
+        meta = dict(metadata, format_version=FORMAT_VERSION, iteration=iteration, world_size=world_size,
+                    shards=[shard_name(r) for r in range(world_size)])
+        _write_file(os.path.join(tmp, "metadata.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _fsync_dir(tmp)
+        replaced = None
+        if os.path.exists(final):
+            replaced = final + ".replaced"
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_dir(save_dir)
+        pointer = os.path.join(save_dir, "latest.tmp")
+        _write_file(pointer, lambda f: f.write(iter_dir_name(iteration).encode()))
+        os.replace(pointer, os.path.join(save_dir, "latest"))
+        _fsync_dir(save_dir)
+        if replaced:
+            shutil.rmtree(replaced, ignore_errors=True)
+        if keep_last_n:
+            _prune(save_dir, keep_last_n, keep=iter_dir_name(iteration))
+    barrier()
+    return final
+
+
+def list_checkpoints(save_dir: str) -> list[int]:
+    """Iterations of complete checkpoint directories, ascending."""
+    if not os.path.isdir(save_dir):
+        return []
+    its = [int(m.group(1)) for d in os.listdir(save_dir) if (m := _ITER_DIR.match(d))
+           and os.path.exists(os.path.join(save_dir, d, "metadata.json"))]
+    return sorted(its)
+
+
+def _prune(save_dir: str, keep_last_n: int, keep: str) -> None:
+    for it in list_checkpoints(save_dir)[:-keep_last_n]:
+        if iter_dir_name(it) != keep:
+            shutil.rmtree(os.path.join(save_dir, iter_dir_name(it)), ignore_errors=True)
+
+
+def find_latest(load_dir: str) -> str | None:
+    """The directory ``latest`` names (None when ``load_dir`` holds no checkpoint yet)."""
+    pointer = os.path.join(load_dir, "latest")
+    if not os.path.exists(pointer):
+        if list_checkpoints(load_dir):
+            # pointer lost (never written or deleted): fall back to the newest complete directory
+            return os.path.join(load_dir, iter_dir_name(list_checkpoints(load_dir)[-1]))
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(load_dir, name)
+    if not os.path.exists(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"--load {load_dir}: 'latest' names {name}, which is missing or incomplete; "
+                              f"point 'latest' at a complete iter_* directory or remove it")
+    return path
+
+
+def read_metadata(path: str) -> dict:
+    with open(os.path.join(path, "metadata.json")) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')} is not "
+                              f"{FORMAT_VERSION}, which this omnitron reads")
+    return meta
+
+
+def check_compatible(meta: dict, model: dict, layout: dict, path: str) -> None:
+    """Raise CheckpointError naming the first setting that differs from the checkpoint's."""
+    for key in MODEL_SHAPE_KEYS:
+        saved, now = meta["model"].get(key), model.get(key)
+        if saved != now:
+            raise CheckpointError(f"--load {path}: the checkpoint has --{key.replace('_', '-')} {saved}, this run "
+                                  f"{now}; use the checkpoint's model settings")
+    for key in LAYOUT_KEYS:
+        saved, now = meta["layout"].get(key), layout.get(key)
+        if saved != now:
+            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
+            raise CheckpointError(f"--load {path}: saved with {flag} {saved}, this run uses {now}; resume with "
+                                  f"the same parallel layout (resharding is not supported yet)")
+
+
+def load_checkpoint(path: str, rank: int) -> tuple[dict, dict]:
+    """(metadata, this rank's shard), the shard read with ``weights_only=True``."""
+    meta = read_metadata(path)
+    shard_path = os.path.join(path, shard_name(rank))
+    if not os.path.exists(shard_path):
+        raise CheckpointError(f"{path}: shard {shard_name(rank)} is missing; the checkpoint is incomplete")
+    shard = torch.load(shard_path, map_location="cpu", weights_only=True)
+    return meta, shard

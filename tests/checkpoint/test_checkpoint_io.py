@@ -1,0 +1,88 @@
+"""Checkpoint directories: atomic commit, latest pointer, pruning, compatibility errors, RNG capture."""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from omnitron.backends import get_backend
+from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state, load_checkpoint,
+                                      read_metadata, save_checkpoint, set_rng_state)
+from omnitron.core.checkpoint.io import list_checkpoints
+
+
+def _save(d, it, value, keep=None):
+    shard = {"w": torch.full((3,), float(value)), "step": it, "nested": {"a": [1, 2.5, "x"]}}
+    meta = {"model": {"hidden_size": 8}, "layout": {"tensor_model_parallel_size": 1}, "consumed_samples": it * 4}
+    return save_checkpoint(str(d), it, shard, meta, rank=0, world_size=1, barrier=lambda: None, keep_last_n=keep)
+
+
+def test_save_load_latest_and_prune(tmp_path):
+    for it in (10, 20, 30):
+        _save(tmp_path, it, it, keep=2)
+    assert list_checkpoints(str(tmp_path)) == [20, 30]
+    assert open(tmp_path / "latest").read() == "iter_0000030"
+    path = find_latest(str(tmp_path))
+    meta, shard = load_checkpoint(path, 0)
+    assert meta["iteration"] == 30 and meta["consumed_samples"] == 120 and meta["shards"] == ["rank_00000.pt"]
+    assert torch.equal(shard["w"], torch.full((3,), 30.0)) and shard["nested"]["a"] == [1, 2.5, "x"]
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+
+
+def test_killed_save_resumes_from_previous(tmp_path):
+    _save(tmp_path, 10, 1)
+    # a save of iteration 20 killed half-way: temp dir with a partial shard, pointer untouched
+    os.makedirs(tmp_path / "iter_0000020.tmp")
+    (tmp_path / "iter_0000020.tmp" / "rank_00000.pt").write_bytes(b"\x80\x02partial")
+    assert find_latest(str(tmp_path)).endswith("iter_0000010")
+    _save(tmp_path, 20, 2)  # the next save clears the stale temp dir
+    assert find_latest(str(tmp_path)).endswith("iter_0000020")
+    assert find_latest(str(tmp_path / "nothing")) is None
+    (tmp_path / "latest").write_text("iter_0000099")
+    with pytest.raises(CheckpointError, match="missing or incomplete"):
+        find_latest(str(tmp_path))
+
+
+def test_refuses_pickled_objects(tmp_path):
+    _save(tmp_path, 1, 1)
+    path = tmp_path / "iter_0000001" / "rank_00000.pt"
+    torch.save({"evil": object()}, path)
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        load_checkpoint(str(tmp_path / "iter_0000001"), 0)
+
+
+def test_compatibility_errors_name_the_flag(tmp_path):
+    _save(tmp_path, 5, 0)
+    meta = read_metadata(find_latest(str(tmp_path)))
+    meta["model"] = {"hidden_size": 8}
+    meta["layout"] = {"tensor_model_parallel_size": 2, "data_parallel_size": 1}
+    check_compatible(meta, {"hidden_size": 8}, {"tensor_model_parallel_size": 2, "data_parallel_size": 1}, "D")
+    with pytest.raises(CheckpointError, match="--hidden-size 8, this run 16"):
+        check_compatible(meta, {"hidden_size": 16}, meta["layout"], "D")
+    with pytest.raises(CheckpointError, match="--tensor-model-parallel-size 2, this run uses 1"):
+        check_compatible(meta, {"hidden_size": 8}, {"tensor_model_parallel_size": 1, "data_parallel_size": 1}, "D")
+
+
+def test_rng_round_trip(tmp_path):
+    from omnitron.core.parallel.tensor.random import RNGTracker
+
+    be = get_backend("cpu")
+    tracker = RNGTracker(be)
+    tracker.add("model-parallel", 77)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.randn()  # leave a cached gaussian around
+    state = get_rng_state(be, tracker)
+    torch.save(state, tmp_path / "rng.pt")
+
+    def draw():
+        with tracker.fork():
+            t = torch.rand(3)
+        return random.random(), float(np.random.randn()), torch.rand(3), t
+
+    first = draw()
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), be, tracker)
+    second = draw()
+    assert first[:2] == second[:2] and torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
