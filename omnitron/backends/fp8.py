@@ -1,13 +1,21 @@
-"""FP8 provider: quantize (cast + scale + amax) and scaled GEMM, with the execution path stated.
+"""FP8 provider: quantize (cast + scale + amax), per-tensor / row-wise / block-wise scaled GEMMs.
 
-Paths, best first, as the backend's capabilities allow: ``transformer_engine`` (where the
-package imports), ``scaled_mm`` (``torch._scaled_mm`` on the device), ``emulated`` (real float8
-rounding by casting, float32 accumulation). The chosen path is logged once; there is no silent
-fall-back to a wider dtype.
+Paths, best first, as the backend's capabilities allow: ``transformer_engine`` (reported when the
+package imports on a GPU backend), ``scaled_mm`` (``torch._scaled_mm`` / ``F.scaled_mm`` on the
+device), ``emulated`` (real float8 rounding by casting, float32 accumulation). The path taken is
+logged once per kind of GEMM, and again whenever a call has to leave it; there is no fall-back to
+a wider dtype: every path multiplies the same float8 values.
+
+Conventions. A quantization ``scale`` multiplies the high-precision tensor before the cast
+(``q = fp8(x * scale)``); GEMMs take the reciprocal, ``scale_inv`` (``x ~= q * scale_inv``).
+e4m3 saturates at +-448 (inf included); e5m2 keeps IEEE overflow (|x*scale| > 57344 -> inf), so
+a stale delayed scale on gradients shows up as inf, where the loss scaler or grad-norm check sees it.
 """
 from __future__ import annotations
 
 import logging
+import math
+import os
 
 import torch
 
@@ -15,6 +23,9 @@ log = logging.getLogger("omnitron.fp8")
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+PATHS = ("transformer_engine", "scaled_mm", "emulated")
+PATH_ENV = "OMNITRON_FP8_PATH"
+"""Set to ``scaled_mm`` or ``emulated`` to force a path (benchmarks, path-parity tests)."""
 
 
 def fp8_dtype(fmt: str) -> torch.dtype:
@@ -25,37 +36,208 @@ def fp8_dtype(fmt: str) -> torch.dtype:
         raise ValueError(f"unknown FP8 format {fmt!r}: use one of {sorted(FORMATS)}") from None
 
 
+def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
+    """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32.
+
+    Where ``amax`` is zero or not finite the scale is ``previous`` (1 when None): an all-zero
+    tensor needs no scaling, and an inf/nan amax must not poison the scale for later steps.
+    """
+    amax = amax.float()
+    target = FP8_MAX[fmt] / (2.0 ** margin)
+    ok = torch.isfinite(amax) & (amax > 0)
+    fresh = target / torch.where(ok, amax, torch.ones_like(amax))
+    keep = torch.ones_like(amax) if previous is None else previous.float().expand_as(amax)
+    return torch.where(ok, fresh, keep)
+
+
+def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8(x * scale)``: e4m3 saturates at +-448 (nan stays nan); e5m2 overflows to inf."""
+    y = x.float() * scale
+    if fmt == "e4m3":
+        y = y.clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])  # clamp keeps nan, maps +-inf to +-448
+    return y.to(fp8_dtype(fmt))
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    m, k = x.shape
+    if (m, k) == (rows, cols):
+        return x
+    return torch.nn.functional.pad(x, (0, cols - k, 0, rows - m))
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """amax of each ``block`` tile of 2-D ``x`` -> ``[ceil(m/bm), ceil(k/bk)]`` float32 (edge tiles padded with 0)."""
+    (m, k), (bm, bk) = x.shape, block
+    gm, gk = math.ceil(m / bm), math.ceil(k / bk)
+    xp = _pad_to(x.detach().float(), gm * bm, gk * bk)
+    return xp.abs().reshape(gm, bm, gk, bk).amax(dim=(1, 3))
+
+
+def expand_blocks(s: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-block values ``s`` repeated over their tiles and cropped to ``shape`` (dequantization factors)."""
+    bm, bk = block
+    return s.repeat_interleave(bm, 0).repeat_interleave(bk, 1)[: shape[0], : shape[1]]
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means "not here"
+        return False
+
+
 class FP8Provider:
-    """Per-backend FP8 operations. ``path`` names how scaled GEMMs execute here."""
+    """Per-backend FP8 operations.
+
+    ``path`` names how per-tensor / row-wise scaled GEMMs execute; ``block_path`` how block-wise
+    (1x128 tiles x 128x128 blocks) GEMMs execute. Both are facts of this process, logged once.
+    """
 
     def __init__(self, backend) -> None:
         self.backend = backend
         caps = backend.capabilities()
-        self.path = caps.fp8_gemm or "emulated"
-        self.recipes = caps.fp8_recipes
-        self._logged = False
+        self.formats = tuple(caps.fp8_formats)
+        self.recipes = tuple(caps.fp8_recipes)
+        self.path, self.path_reason = self._select_path(caps)
+        self.block_path = "emulated" if self.path == "emulated" else "untried"
+        self._said: set[str] = set()
+        self._native_ok: set = set()
+        self._native_bad: set = set()  # layouts (or (layout, shapes)) the native kernel refused
 
+    # ---- path selection ---------------------------------------------------------------------
+    def _select_path(self, caps) -> tuple[str, str]:
+        forced = os.environ.get(PATH_ENV, "").strip()
+        if forced:
+            if forced not in PATHS[1:]:
+                raise ValueError(f"{PATH_ENV}={forced!r}: use 'scaled_mm' or 'emulated'")
+            return forced, f"forced by {PATH_ENV}"
+        claimed = caps.fp8_gemm or "emulated"
+        if claimed == "transformer_engine" or (claimed == "scaled_mm" and self.backend.device_type != "cpu"
+                                                and _te_importable()):
+            # NOTE: omnitron has no binding to TE's GEMM yet; say so instead of pretending.
+            return "scaled_mm", ("transformer_engine is installed, but omnitron's TE GEMM binding is not "
+                                 "implemented; FP8 GEMMs use torch._scaled_mm on the same float8 data")
+        if claimed == "scaled_mm":
+            return "scaled_mm", "torch._scaled_mm runs on this device"
+        return "emulated", "no scaled FP8 GEMM on this device: float8 rounding by casting, fp32 accumulation"
+
+    def _say(self, key: str, msg: str, *args, level=logging.INFO) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.log(level, msg, *args)
+
+    def describe(self) -> str:
+        """One line for logs: the GEMM paths in use and why."""
+        return (f"FP8 on backend {self.backend.name}: per-tensor GEMM path {self.path} ({self.path_reason}); "
+                f"block-wise GEMM path {self.block_path}")
+
+    # ---- quantization -----------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, fmt: str, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``x * scale`` cast to ``fmt`` with saturation, amax of ``x``) — amax is a float32 scalar."""
+        """(``fp8(x * scale)``, amax of ``x`` as a float32 scalar). See :func:`cast_to_fp8` for saturation."""
         amax = x.detach().abs().amax().float()
-        limit = FP8_MAX[fmt]
-        q = (x.float() * scale).clamp_(-limit, limit).to(fp8_dtype(fmt))
-        return q, amax
+        return cast_to_fp8(x, fmt, scale), amax
 
+    def quantize_blocks(self, x: torch.Tensor, fmt: str, block: tuple[int, int],
+                        margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block-scaled quantization of 2-D ``x``: each ``block`` tile gets its own scale from its amax.
+
+        Returns (``q`` float8 with ``x``'s shape, ``scale_inv`` float32 ``[ceil(m/bm), ceil(k/bk)]``).
+        """
+        if x.dim() != 2:
+            raise ValueError(f"quantize_blocks takes a 2-D tensor, got shape {tuple(x.shape)}")
+        scale = scale_from_amax(block_amax(x, block), fmt, margin)
+        q = cast_to_fp8(x, fmt, expand_blocks(scale, block, tuple(x.shape)))
+        return q, 1.0 / scale
+
+    # ---- GEMMs ------------------------------------------------------------------------------
     def scaled_mm(self, a: torch.Tensor, b: torch.Tensor, scale_a_inv: torch.Tensor, scale_b_inv: torch.Tensor,
                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``(a * scale_a_inv) @ (b * scale_b_inv)`` for FP8 ``a [m,k]``, ``b [k,n]``; fp32 accumulation.
 
-        Scales are dequantization factors (the reciprocal of the quantization scale): per-tensor
-        scalars, or row-wise (``[m,1]`` for ``a``, ``[1,n]`` for ``b``).
+        Scales are dequantization factors: per-tensor scalars, or row-wise (``[m,1]`` for ``a``,
+        ``[1,n]`` for ``b``).
         """
-        if not self._logged:
-            log.info("FP8 GEMM path on backend %s: %s", self.backend.name, self.path)
-            self._logged = True
+        self._say("path", "FP8 GEMM path on backend %s: %s (%s)", self.backend.name, self.path, self.path_reason)
+        sa, sb = scale_a_inv.float().reshape(-1, 1) if scale_a_inv.numel() > 1 else scale_a_inv.float().reshape(()), \
+            scale_b_inv.float().reshape(1, -1) if scale_b_inv.numel() > 1 else scale_b_inv.float().reshape(())
         if self.path == "scaled_mm":
             try:
-                return torch._scaled_mm(a, b, scale_a=scale_a_inv.float(), scale_b=scale_b_inv.float(),
+                bc = b if b.stride(0) == 1 else b.t().contiguous().t()  # column-major right operand
+                return torch._scaled_mm(a.contiguous(), bc, scale_a=sa.contiguous(), scale_b=sb.contiguous(),
                                         out_dtype=out_dtype)
-            except (RuntimeError, NotImplementedError) as err:  # shape/layout precondition unmet
-                log.warning("torch._scaled_mm refused (%s); this call runs the exact emulation", err)
-        return ((a.float() * scale_a_inv.float()) @ (b.float() * scale_b_inv.float())).to(out_dtype)
+            except (RuntimeError, NotImplementedError, ValueError) as err:  # shape/layout precondition unmet
+                self._say(f"refused:{tuple(a.shape)}x{tuple(b.shape)}",
+                          "torch._scaled_mm refused a %sx%s GEMM (%s); this shape runs the exact emulation",
+                          tuple(a.shape), tuple(b.shape), str(err).splitlines()[0], level=logging.WARNING)
+        return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+
+    def blockwise_mm(self, a: torch.Tensor, scale_a_inv: torch.Tensor, a_block: tuple[int, int],
+                     b: torch.Tensor, scale_b_inv: torch.Tensor, b_block: tuple[int, int],
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Block-scaled GEMM ``deq(a) @ deq(b)`` with per-tile dequantization factors; fp32 accumulation.
+
+        ``a [m,k]`` has tiles ``a_block`` and ``scale_a_inv [ceil(m/am), ceil(k/ak)]``; likewise ``b [k,n]``.
+        DeepSeek-V3 layouts: ``(1,128) x (128,128)`` (forward, data-grad), ``(1,128) x (128,1)`` (weight-grad).
+        The native kernel is tried once per layout and checked against the emulation before use.
+        """
+        key = f"{a_block}x{b_block}"
+        if self.block_path == "untried":
+            self._probe_blockwise(a.device)
+        if self.block_path != "emulated" and key not in self._native_bad and \
+                (key, a.shape, b.shape) not in self._native_bad:
+            native = self._native_blockwise(a, scale_a_inv, a_block, b, scale_b_inv, b_block, out_dtype)
+            if native is not None:
+                return native
+        self._say(f"blockpath:{key}", "FP8 block-wise GEMM %s on backend %s: emulated (per-tile dequantization, "
+                  "fp32 accumulation)", key, self.backend.name)
+        da = a.float() * expand_blocks(scale_a_inv.float(), a_block, tuple(a.shape))
+        db = b.float() * expand_blocks(scale_b_inv.float(), b_block, tuple(b.shape))
+        return (da @ db).to(out_dtype)
+
+    def _probe_blockwise(self, device: torch.device) -> None:
+        """Try one 128x256 @ 256x128 block-scaled GEMM on ``device``; settle ``block_path`` to emulated on refusal."""
+        a = torch.ones(128, 256, device=device).to(torch.float8_e4m3fn)
+        b = torch.ones(128, 256, device=device).to(torch.float8_e4m3fn).t()
+        self.block_path = "probing"
+        got = self._native_blockwise(a, torch.ones(128, 2, device=device), (1, 128),
+                                     b, torch.ones(2, 1, device=device), (128, 128), torch.float32)
+        self.block_path = "scaled_mm" if got is not None else "emulated"
+        self._native_ok.clear()  # the real layouts are still verified on first use
+
+    def _native_blockwise(self, a, sa, a_block, b, sb, b_block, out_dtype):
+        """``F.scaled_mm`` with block-wise scaling where the device has it; None when it does not."""
+        import torch.nn.functional as F
+
+        key = f"{a_block}x{b_block}"
+        kinds = {(1, 128): "BlockWise1x128", (128, 128): "BlockWise128x128", (128, 1): "BlockWise1x128"}
+        st = getattr(F, "ScalingType", None)
+        if st is None or a_block not in kinds or b_block not in kinds or not hasattr(F, "scaled_mm"):
+            self._native_bad.add(key)
+            return None
+        outer = lambda t: t.float().t().contiguous().t()  # noqa: E731 - outer-dim-major scale layout
+        try:
+            y = F.scaled_mm(a.contiguous(), b.t().contiguous().t(), outer(sa), getattr(st, kinds[a_block]),
+                            outer(sb) if b_block == (128, 1) else sb.float().contiguous(),
+                            getattr(st, kinds[b_block]), output_dtype=out_dtype)
+        except Exception as err:  # noqa: BLE001 - any refusal means "emulate this shape"
+            self._native_bad.add((key, a.shape, b.shape))
+            self._say(f"nativefail:{key}", "block-wise scaled_mm %s unavailable here (%s)", key,
+                      str(err).splitlines()[0] if str(err) else type(err).__name__)
+            return None
+        if key not in self._native_ok:  # first use of this layout: verify against the emulation
+            da = a.float() * expand_blocks(sa.float(), a_block, tuple(a.shape))
+            db = b.float() * expand_blocks(sb.float(), b_block, tuple(b.shape))
+            ref = da @ db
+            err = (y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+            if not bool(err < 2e-2):
+                self._native_bad.add(key)
+                self._say(f"nativebad:{key}", "block-wise scaled_mm %s disagrees with the emulation (rel. error "
+                          "%.3g); using the emulation", key, float(err), level=logging.WARNING)
+                return None
+            self._native_ok.add(key)
+            self.block_path = "scaled_mm"
+            self._say(f"blockpath:{key}", "FP8 block-wise GEMM %s on backend %s: scaled_mm (native)", key,
+                      self.backend.name)
+        return y

@@ -1,0 +1,148 @@
+"""The FP8 linear executor: ``executor(x, weight, bias) -> y`` with FP8 GEMMs forward and backward.
+
+A linear layer (column/row parallel, output layer, or a plain ``nn.Linear`` patched by
+:func:`enable_fp8`) calls ``self.fp8(x, self.weight, bias)`` in place of ``F.linear`` at its
+local GEMM. Three GEMMs run in FP8 with fp32 accumulation:
+
+* forward ``y = x @ w.T``       x, w in e4m3
+* data-grad ``dx = g @ w``      g in e5m2 (``hybrid``) or e4m3, w as saved from the forward
+* weight-grad ``dw = g.T @ x``
+
+Outputs come back in ``x``'s dtype (``dw`` in the weight's dtype); master weights are never
+replaced. Tensor-parallel communication stays in the layer: this executor sees local shards only,
+and MAX-reduces per-tensor amaxes over the amax groups so every shard uses the scale of the whole.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
+from omnitron.core.precision.fp8.scaling import DelayedScaling, reduce_amax
+from omnitron.backends.fp8 import scale_from_amax
+
+ROLES = ("input", "weight", "grad_output")
+
+
+class FP8Linear:
+    """Callable FP8 GEMM for one linear layer; holds that layer's scaling state.
+
+    ``amax_groups``: ``Group`` objects over which per-tensor amaxes are MAX-reduced (the tensor-
+    parallel group, plus context/data-parallel ones for ``delayed``); ``collectives`` carries them.
+    """
+
+    def __init__(self, recipe: FP8Config, provider, *, amax_groups: Sequence = (), collectives=None,
+                 name: str = "") -> None:
+        self.recipe, self.provider, self.name = recipe, provider, name
+        self.amax_groups, self.collectives = tuple(amax_groups), collectives
+        self.states: dict[str, DelayedScaling] = {}
+        if recipe.fp8_recipe == "delayed":
+            fmt = {"input": recipe.forward_format, "weight": recipe.forward_format,
+                   "grad_output": recipe.backward_format}
+            self.states = {r: DelayedScaling(fmt[r], recipe.fp8_amax_history_len, recipe.fp8_amax_compute_algo,
+                                             recipe.fp8_margin) for r in ROLES}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):  # same output dtype as F.linear under autocast
+            x = x.to(torch.get_autocast_dtype(dev))
+        with torch.autocast(dev, enabled=False):  # the emulation must accumulate in fp32, not autocast's dtype
+            return _FP8LinearFn.apply(x, weight, bias, self)
+
+    def __repr__(self) -> str:
+        r = self.recipe
+        return f"FP8Linear({self.name or '?'}, recipe={r.fp8_recipe}, format={r.fp8_format}, path={self.provider.path})"
+
+    # ---- per-tensor quantization --------------------------------------------------------
+    def quantize(self, role: str, x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``fp8(x * scale)``, ``scale_inv``) under the per-tensor recipe, updating the role's state."""
+        if self.recipe.fp8_recipe == "delayed":
+            state = self.states[role].to(x.device)
+            scale = state.scale
+            q, amax = self.provider.quantize(x, fmt, scale)
+            state.push(reduce_amax(amax, self.amax_groups, self.collectives))
+            return q, 1.0 / scale
+        amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
+        scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
+        q, _ = self.provider.quantize(x, fmt, scale)
+        return q, 1.0 / scale
+
+    # ---- checkpoint state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Amax histories and scales per role (empty for the stateless recipes)."""
+        return {role: s.state_dict() for role, s in self.states.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.states):
+            raise ValueError(f"FP8 state for {self.name!r} holds roles {sorted(state)} but recipe "
+                             f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
+        for role, s in state.items():
+            self.states[role].load_state_dict(s)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    """forward: ``x @ w.T + b`` with FP8 operands; backward: data- and weight-grad GEMMs in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ex: FP8Linear):
+        r, prov = ex.recipe, ex.provider
+        x2 = _flat(x)  # [tokens, in]
+        if r.per_tensor:
+            qx, sx = ex.quantize("input", x2, r.forward_format)
+            qw, sw = ex.quantize("weight", weight, r.forward_format)
+            y = prov.scaled_mm(qx, qw.t(), sx, sw, out_dtype=torch.float32)
+            ctx.save_for_backward(qx, sx, qw, sw)
+        else:
+            qx, sx = prov.quantize_blocks(x2, r.forward_format, BLOCK_ACT, r.fp8_margin)
+            qw, sw = prov.quantize_blocks(weight, r.forward_format, BLOCK_WEIGHT, r.fp8_margin)
+            y = prov.blockwise_mm(qx, sx, BLOCK_ACT, qw.t(), sw.t(), BLOCK_WEIGHT[::-1], out_dtype=torch.float32)
+            # NOTE: the weight-grad GEMM contracts over tokens, so x is re-tiled along tokens there;
+            # keep it wide (re-quantizing an FP8 copy would round twice).
+            ctx.save_for_backward(x2, qw, sw)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.ex, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = ex, x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        with torch.autocast(gy.device.type, enabled=False):
+            return _FP8LinearFn._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
+        ex = ctx.ex
+        r, prov = ex.recipe, ex.provider
+        g2 = _flat(gy)  # [tokens, out]
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = dw = db = None
+        if r.per_tensor:
+            qx, sx, qw, sw = ctx.saved_tensors
+            qg, sg = ex.quantize("grad_output", g2, r.backward_format)
+            if need_dx:
+                dx = prov.scaled_mm(qg, qw, sg, sw, out_dtype=ctx.x_dtype)
+            if need_dw:
+                dw = prov.scaled_mm(qg.t(), qx, sg, sx, out_dtype=torch.float32)
+        else:
+            x2, qw, sw = ctx.saved_tensors
+            fmt = r.backward_format
+            if need_dx:
+                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, r.fp8_margin)
+                dx = prov.blockwise_mm(qg, sg, BLOCK_ACT, qw, sw, BLOCK_WEIGHT, out_dtype=ctx.x_dtype)
+            if need_dw:
+                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, r.fp8_margin)      # tiles along tokens
+                qxt, sxt = prov.quantize_blocks(x2, r.forward_format, BLOCK_ACT[::-1], r.fp8_margin)
+                dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=torch.float32)
+        if dx is not None:
+            dx = dx.reshape(ctx.x_shape)
+        if dw is not None:
+            dw = dw.to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.float().sum(0).to(ctx.w_dtype)
+        return dx, dw, db, None

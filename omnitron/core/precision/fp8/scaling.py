@@ -1,0 +1,68 @@
+"""Per-tensor scaling state: the delayed recipe's amax history and the current-scaling rule.
+
+Definitions (the tests check these step by step):
+
+* **tensorwise** (current scaling): ``amax`` is this tensor's amax, reduced (MAX) over the amax
+  groups; ``scale = fp8_max / 2**margin / amax`` (1 when amax is 0); ``q = fp8(x * scale)``.
+* **delayed**: each tensor role keeps ``amax_history`` (length L, newest first) and ``scale``.
+  Use ``t`` quantizes with the scale in force, ``q_t = fp8(x_t * scale_t)``; then the observed amax
+  ``a_t`` (reduced over the amax groups) is pushed: ``history <- [a_t, history[:-1]]``, and
+  ``scale_{t+1} = fp8_max / 2**margin / A`` with ``A = max(history)`` (``max``) or ``history[0]``
+  (``most_recent``); a zero or non-finite ``A`` keeps the previous scale. Initial scale 1,
+  history zeros. All of it stays on the device (no host syncs).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from omnitron.backends.fp8 import scale_from_amax
+
+
+def reduce_amax(amax: torch.Tensor, groups: Sequence, collectives) -> torch.Tensor:
+    """MAX-reduce ``amax`` in place over each group (``Group`` objects; size-1 groups cost nothing)."""
+    if collectives is None:
+        return amax
+    from torch.distributed import ReduceOp
+
+    for g in groups:
+        if g is not None and getattr(g, "handle", None) is not None and g.size > 1:
+            collectives.all_reduce(amax, op=ReduceOp.MAX, group=g.handle)
+    return amax
+
+
+class DelayedScaling:
+    """The amax history and scale of one tensor role (input, weight or grad_output) of one linear."""
+
+    def __init__(self, fmt: str, history_len: int, algo: str, margin: int) -> None:
+        self.fmt, self.history_len, self.algo, self.margin = fmt, history_len, algo, margin
+        self.amax_history = torch.zeros(history_len)
+        self.scale = torch.ones(())
+
+    def to(self, device: torch.device) -> "DelayedScaling":
+        """Move the state to ``device`` (done on first use, where the tensors live)."""
+        if self.scale.device != device:
+            self.amax_history = self.amax_history.to(device)
+            self.scale = self.scale.to(device)
+        return self
+
+    def push(self, amax: torch.Tensor) -> None:
+        """Record an (already group-reduced) amax and compute the scale for the next use."""
+        hist = torch.roll(self.amax_history, 1, 0)
+        hist[0] = amax.to(hist.device, torch.float32)
+        self.amax_history = hist
+        summary = hist.amax() if self.algo == "max" else hist[0]
+        self.scale = scale_from_amax(summary, self.fmt, self.margin, previous=self.scale)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"amax_history": self.amax_history.detach().cpu().clone(), "scale": self.scale.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        hist = state["amax_history"]
+        if hist.numel() != self.history_len:
+            raise ValueError(f"checkpoint amax history has length {hist.numel()} but --fp8-amax-history-len is "
+                             f"{self.history_len}; resume with the same --fp8-amax-history-len")
+        device = self.scale.device
+        self.amax_history = hist.detach().float().clone().to(device)
+        self.scale = state["scale"].detach().float().clone().reshape(()).to(device)
