@@ -2,7 +2,9 @@
 
 A vendor outside this repository ships a package that declares an entry point in the group
 ``omnitron.backends`` (``name = "pkg.module:BackendClass"``); it is found here without any
-change to omnitron.
+change to omnitron. ``OMNITRON_EXTRA_BACKENDS="name=pkg.module:Class,..."`` adds backends the
+same way without packaging (a backend under development, or a test double such as
+``omnitron.testing.musa_double``); it is read in every process, so spawned workers see it too.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from importlib import metadata
 from omnitron.backends.base import Backend
 
 ENV_VAR = "OMNITRON_BACKEND"
+EXTRA_ENV_VAR = "OMNITRON_EXTRA_BACKENDS"
 AUTO_ORDER = ("musa", "cuda", "cpu")
 _BUILTIN = {
     "cpu": "omnitron.backends.cpu:CPUBackend",
@@ -34,10 +37,21 @@ def _entry_points() -> dict[str, str]:
     return {ep.name: ep.value for ep in eps}
 
 
+def _extra_backends() -> dict[str, str]:
+    found = {}
+    for item in filter(None, (s.strip() for s in os.environ.get(EXTRA_ENV_VAR, "").split(","))):
+        name, sep, target = item.partition("=")
+        if not sep or ":" not in target:
+            raise ValueError(f"{EXTRA_ENV_VAR} entry {item!r} is not name=module:Class")
+        found[name.strip().lower()] = target.strip()
+    return found
+
+
 def known_backends() -> dict[str, str]:
-    """Backend name -> ``module:Class`` for built-ins and installed plug-ins."""
+    """Backend name -> ``module:Class`` for built-ins, installed plug-ins and ``$OMNITRON_EXTRA_BACKENDS``."""
     found = dict(_BUILTIN)
     found.update(_entry_points())
+    found.update(_extra_backends())
     return found
 
 

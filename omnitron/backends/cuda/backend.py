@@ -1,0 +1,175 @@
+"""CUDA + NCCL: NVIDIA GPUs through ``torch.cuda``.
+
+Capabilities are read from the device (name, compute capability, memory) and from what imports
+(Transformer Engine); FP8 is claimed only on sm_89 and newer, where the tensor cores have it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from omnitron.backends.base import Backend, Capabilities
+from omnitron.backends.collectives import Collectives
+from omnitron.backends.cuda.peaks import peak_flops
+
+FP8_MIN_CC = (8, 9)
+"""Ada (sm_89) and Hopper (sm_90) are the first architectures with FP8 tensor cores."""
+FLASH_MIN_CC = (8, 0)
+"""torch's FlashAttention-2 SDPA kernel needs sm_80+; it takes head dims up to 256."""
+FLASH_HEAD_DIMS = (8, 256)
+
+
+def transformer_engine_importable() -> tuple[bool, str]:
+    """(``import transformer_engine`` works, version or the import error)."""
+    try:
+        te = importlib.import_module("transformer_engine")
+    except Exception as err:  # noqa: BLE001 - TE fails in many ways (missing cuDNN, ABI); all mean "absent"
+        return False, f"{type(err).__name__}: {err}"
+    return True, str(getattr(te, "__version__", "unknown"))
+
+
+def cuda_capabilities(device_name: str, cc: tuple[int, int], memory_total: int | None, bf16: bool,
+                      te_available: bool, scaled_mm: bool) -> Capabilities:
+    """Capabilities of one CUDA device from plain facts (pure, so it is testable without a GPU).
+
+    ``cc`` is the compute capability (major, minor); ``bf16`` what ``torch.cuda.is_bf16_supported``
+    says; ``te_available`` whether Transformer Engine imports; ``scaled_mm`` whether this torch
+    has ``torch._scaled_mm``.
+    """
+    fp8 = tuple(cc) >= FP8_MIN_CC
+    flash = tuple(cc) >= FLASH_MIN_CC
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if bf16 else ())
+    if fp8 and te_available:
+        gemm = "transformer_engine"
+    elif fp8 and scaled_mm:
+        gemm = "scaled_mm"
+    else:
+        gemm = None
+    return Capabilities(
+        device_name=device_name,
+        arch=f"sm_{cc[0]}{cc[1]}",
+        dtypes=dtypes,
+        fp8_formats=("e4m3", "e5m2") if fp8 else (),
+        fp8_recipes=("delayed", "tensorwise", "blockwise") if gemm else (),
+        fp8_gemm=gemm,
+        # NOTE: FP8 tensors travel as uint8 views and reduce in fp32 (see Collectives): torch's
+        # NCCL bindings do not reduce float8 on every NCCL version, so native support is not claimed.
+        fp8_collectives=False,
+        flash_attention=flash,
+        flash_head_dims=FLASH_HEAD_DIMS if flash else None,
+        peak_flops=peak_flops(device_name),
+        streams=True,
+        memory_total=memory_total,
+    )
+
+
+class CUDABackend(Backend):
+    """NVIDIA GPUs: ``torch.cuda`` for the device runtime, NCCL for collectives."""
+
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    def __init__(self) -> None:
+        self._collectives = Collectives("nccl", fp8_native=False)
+        self._caps: Capabilities | None = None
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        if torch.version.cuda is None:
+            hip = getattr(torch.version, "hip", None)
+            kind = f"a ROCm/HIP {hip} build" if hip else "a CPU-only build"
+            return False, f"this torch build has no CUDA (torch {torch.__version__} is {kind})"
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            return False, f"no CUDA device visible{hint}; torch {torch.__version__} was built for CUDA {torch.version.cuda}"
+        if not (dist.is_available() and dist.is_nccl_available()):
+            return False, "this torch build has CUDA but no NCCL process-group backend"
+        n = torch.cuda.device_count()
+        return True, f"{n} device(s), {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+
+    # ---- device -------------------------------------------------------------------------
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def current_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    # ---- streams and events -------------------------------------------------------------
+    def Stream(self):  # noqa: N802
+        return torch.cuda.Stream()
+
+    def Event(self, enable_timing: bool = False):  # noqa: N802
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def current_stream(self):
+        return torch.cuda.current_stream()
+
+    def stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    # ---- memory -------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, int | None]:
+        free, total = torch.cuda.mem_get_info()
+        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                "peak_allocated": torch.cuda.max_memory_allocated(),
+                "peak_reserved": torch.cuda.max_memory_reserved(), "free": free, "total": total}
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    # ---- RNG ----------------------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        torch.cuda.manual_seed(seed)
+
+    def get_rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state)
+
+    # ---- facts and tables ---------------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        if self._caps is None:
+            index = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            te_ok, _ = transformer_engine_importable()
+            self._caps = cuda_capabilities(
+                torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
+                int(props.total_memory), torch.cuda.is_bf16_supported(), te_ok, hasattr(torch, "_scaled_mm"))
+        return self._caps
+
+    @property
+    def collectives(self) -> Collectives:
+        return self._collectives
+
+    def kernel_preference(self) -> tuple[str, ...]:
+        return ("triton", "reference")
+
+    def versions(self) -> dict[str, str]:
+        out = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - version query only
+            pass
+        if torch.backends.cudnn.is_available():
+            out["cudnn"] = str(torch.backends.cudnn.version())
+        for module in ("triton", "transformer_engine"):
+            try:
+                out[module] = str(getattr(importlib.import_module(module), "__version__", "unknown"))
+            except Exception:  # noqa: BLE001 - optional packages
+                pass
+        return out
