@@ -1,0 +1,16 @@
+"""Data parallelism: bucketed gradient buffers, overlapped reduction, and the end-of-step gradient sync.
+
+Training-loop use, per step::
+
+    for c in chunks: c.zero_grad_buffer()
+    out = forward_backward(...)                 # omnitron.core.parallel.pipeline
+    finalize_model_grads(chunks, groups)        # dp (+cp) mean, sequence-parallel and tied-embedding sums
+    optimizer.step()                            # reads param.main_grad when present
+"""
+from omnitron.core.parallel.data.buffers import Bucket, GradBuffer
+from omnitron.core.parallel.data.config import DataParallelConfig, num_microbatches
+from omnitron.core.parallel.data.ddp import DistributedDataParallel, unwrap_model
+from omnitron.core.parallel.data.finalize import finalize_model_grads, sequence_parallel_params
+
+__all__ = ["Bucket", "GradBuffer", "DataParallelConfig", "num_microbatches", "DistributedDataParallel",
+           "unwrap_model", "finalize_model_grads", "sequence_parallel_params"]

@@ -1,0 +1,41 @@
+"""Data-parallel settings and micro-batch arithmetic."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnitron.core.config.parallel import ConfigError
+
+
+@dataclass(kw_only=True)
+class DataParallelConfig:
+    """How gradients are bucketed and reduced across data-parallel (x context-parallel) replicas."""
+
+    overlap_grad_reduce: bool = False
+    """--overlap-grad-reduce: start each bucket's reduction from backward hooks as soon as the bucket is
+    complete on the last micro-batch, overlapping the rest of backward."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """--accumulate-allreduce-grads-in-fp32: keep ``param.main_grad`` and reduce it in float32
+    (otherwise in each parameter's own dtype)."""
+    bucket_size: int | None = None
+    """--ddp-bucket-size: elements per bucket; None picks max(40M, 1M x dp)."""
+    reduce_scatter: bool = False
+    """Reduce-scatter each bucket instead of all-reducing it (for a distributed optimizer): afterwards
+    only this rank's shard of every bucket (``Bucket.shard``) holds the reduced gradient."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ConfigError(f"--ddp-bucket-size must be a positive element count, got {self.bucket_size}")
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
+    """global = micro x dp x micro-batches; returns the number of micro-batches per step."""
+    for flag, v in (("--global-batch-size", global_batch_size), ("--micro-batch-size", micro_batch_size),
+                    ("data-parallel size", data_parallel_size)):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
+    per_step = micro_batch_size * data_parallel_size
+    if global_batch_size % per_step:
+        raise ConfigError(f"--global-batch-size ({global_batch_size}) must be a multiple of --micro-batch-size "
+                          f"({micro_batch_size}) x data-parallel size ({data_parallel_size}) = {per_step}; "
+                          f"e.g. --global-batch-size {max(per_step, global_batch_size // per_step * per_step)}")
+    return global_batch_size // per_step

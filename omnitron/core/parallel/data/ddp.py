@@ -1,0 +1,145 @@
+"""DistributedDataParallel: bucketed, optionally overlapped gradient reduction over ``groups.dp_cp``.
+
+``param.main_grad`` is a view into a contiguous buffer (float32 with
+``accumulate_allreduce_grads_in_fp32``, else the parameter's dtype). A post-accumulate hook moves
+each ``.grad`` into ``main_grad`` (and frees ``.grad``); on the last micro-batch, with
+``overlap_grad_reduce``, it marks the parameter ready and starts the bucket's asynchronous
+reduction as soon as every parameter of the bucket is ready. ``finish_grad_sync`` starts what is
+left and waits. Gradients are pre-divided by dp x cp, then summed: the result is the mean over
+replicas, as one process on the whole global batch would compute it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from omnitron.core.parallel.data.buffers import Bucket, GradBuffer
+from omnitron.core.parallel.data.config import DataParallelConfig
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap one model chunk; ``forward`` is the chunk's. Unknown attributes fall through to it."""
+
+    def __init__(self, module: torch.nn.Module, groups, config: DataParallelConfig | None = None,
+                 collectives=None) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config or DataParallelConfig()
+        self.group = groups.dp_cp
+        self.coll = collectives or groups.collectives or _default_collectives()
+        self.is_last_microbatch = True
+        size = self.group.size
+        bucket_size = self.config.bucket_size or max(40_000_000, 1_000_000 * size)
+        params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in params:
+            dt = torch.float32 if self.config.accumulate_allreduce_grads_in_fp32 else p.dtype
+            by_dtype.setdefault(dt, []).append(p)
+        self.buffers = [GradBuffer(ps, dt, bucket_size, size) for dt, ps in by_dtype.items()]
+        self._bucket_of = {k: v for buf in self.buffers for k, v in buf.bucket_of.items()}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self.broadcast_params()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [b for buf in self.buffers for b in buf.buckets]
+
+    # ---- hooks and synchronisation ---------------------------------------------------------
+    def _hook(self, param: torch.nn.Parameter) -> None:
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if self.config.overlap_grad_reduce and self.is_last_microbatch and self.group.size > 1:
+            bucket = self._bucket_of[id(param)]
+            if bucket.launched:
+                raise RuntimeError(f"a gradient of shape {tuple(param.shape)} arrived after its bucket's reduction "
+                                   f"started; the parameter is used twice in one micro-batch's backward")
+            bucket.ready.add(id(param))
+            if len(bucket.ready) == len(bucket.params):
+                self._launch(bucket, async_op=True)
+
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        bucket.launched = True
+        if self.group.size == 1:
+            return
+        bucket.data.mul_(1.0 / self.group.size)
+        if self.config.reduce_scatter:
+            out = torch.empty_like(bucket.shard(0))
+            handle = self.coll.reduce_scatter(out, bucket.data, group=self.group.handle, async_op=True)
+            bucket.handle = _ShardCopy(handle, out, bucket.shard(self.group.rank))
+        else:
+            bucket.handle = self.coll.all_reduce(bucket.data, group=self.group.handle, async_op=True)
+        if not async_op:
+            bucket.handle.wait()
+            bucket.handle = None
+
+    def start_grad_sync(self) -> None:
+        """Start the reduction of every bucket not yet started."""
+        for b in self.buckets:
+            if not b.launched:
+                self._launch(b, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Start what is left and wait for every bucket's reduction."""
+        self.start_grad_sync()
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+            b.reset()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (call before each step's first micro-batch)."""
+        for buf in self.buffers:
+            buf.zero()
+        for p in self.module.parameters():
+            p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without starting reductions (micro-batches before the last)."""
+        prev, self.is_last_microbatch = self.is_last_microbatch, False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = prev
+
+    def broadcast_params(self) -> None:
+        """Make every replica start from data-parallel rank 0's parameters."""
+        if self.group.size == 1:
+            return
+        src = self.group.global_rank(0)
+        for p in self.module.parameters():
+            with torch.no_grad():
+                self.coll.broadcast(p.data, src=src, group=self.group.handle)
+
+
+class _ShardCopy:
+    """Wait for a reduce-scatter into a temporary, then copy the shard into the bucket."""
+
+    def __init__(self, handle, out: torch.Tensor, dst: torch.Tensor) -> None:
+        self.handle, self.out, self.dst = handle, out, dst
+
+    def wait(self) -> None:
+        self.handle.wait()
+        self.dst.copy_(self.out)
+
+
+def unwrap_model(chunk):
+    """The plain module inside a :class:`DistributedDataParallel` (or ``chunk`` itself)."""
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def _default_collectives():
+    from omnitron.backends import get_backend
+
+    return get_backend().collectives

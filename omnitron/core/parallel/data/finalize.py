@@ -1,0 +1,71 @@
+"""``finalize_model_grads``: every gradient reduction a step needs after its last backward.
+
+Order (Megatron's): data-parallel reduction of each chunk's buckets; sequence-parallel parameter
+gradients (norm weights replicated across tensor ranks while their inputs were sequence shards)
+summed over ``groups.tp``; tied word-embedding gradients summed over ``groups.embedding`` (first
+and last pipeline stage) so both copies take the same update.
+"""
+from __future__ import annotations
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from omnitron.core.parallel.data.ddp import unwrap_model
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+    return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group, coll) -> None:
+    """Sum ``grads`` over ``group`` in one collective per dtype, in place."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        coll.all_reduce(flat, group=group.handle)
+        for g, r in zip(same, _unflatten_dense_tensors(flat, same)):
+            g.copy_(r)
+
+
+def sequence_parallel_params(chunk) -> list[torch.nn.Parameter]:
+    """Parameters marked ``param.sequence_parallel = True`` (replicated over tp, fed sequence shards)."""
+    return [p for p in unwrap_model(chunk).parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def finalize_model_grads(chunks: list, groups, *, collectives=None, sequence_parallel_params_fn=None) -> None:
+    """Finish data-parallel sync, then sum sequence-parallel and tied-embedding gradients.
+
+    ``chunks`` are this rank's model chunks (DDP-wrapped or not). Chunks may define
+    ``shared_embedding_parameters()``; on the first and last pipeline stage these lists must match
+    in length and shape. ``sequence_parallel_params_fn(chunk)`` overrides the default selection.
+    """
+    coll = collectives or groups.collectives or _default_collectives()
+    for c in chunks:
+        if hasattr(c, "finish_grad_sync"):
+            c.finish_grad_sync()
+    if groups.config.sequence_parallel and groups.tp.size > 1:
+        pick = sequence_parallel_params_fn or sequence_parallel_params
+        grads = [g for c in chunks for p in pick(c) if (g := _grad(p)) is not None]
+        if grads:
+            _all_reduce_coalesced(grads, groups.tp, coll)
+    if groups.embedding.size > 1:
+        shared = []
+        for c in chunks:
+            fn = getattr(unwrap_model(c), "shared_embedding_parameters", None)
+            shared += list(fn()) if fn is not None else []
+        grads = [g if (g := _grad(p)) is not None else _zero_grad(p) for p in shared]
+        if grads:
+            _all_reduce_coalesced(grads, groups.embedding, coll)
+
+
+def _zero_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _default_collectives():
+    from omnitron.backends import get_backend
+
+    return get_backend().collectives

@@ -1,0 +1,66 @@
+"""Which transformer layers each pipeline stage (and virtual chunk) builds.
+
+Megatron semantics: the first and last pipeline ranks may get a set number of layers
+(``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``); the other
+ranks split the rest evenly; with interleaving each rank's layers are split evenly over its
+``vp`` chunks, and virtual stage ``c * pp + r`` (chunk c of rank r) follows stage ``c * pp + r - 1``.
+The embedding lives on virtual stage 0 and the output head on the last one.
+"""
+from __future__ import annotations
+
+from omnitron.core.config.parallel import ConfigError
+
+
+def _per_rank(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
+    """Layers held by each pipeline rank, all chunks together."""
+    if pp == 1:
+        if first is not None or last is not None:
+            raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+        return [num_layers]
+    for flag, v in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if v is not None and v < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {v}")
+    fixed = (first or 0) + (last or 0)
+    if fixed > num_layers:
+        raise ConfigError(f"--decoder-first-pipeline-num-layers ({first}) + --decoder-last-pipeline-num-layers "
+                          f"({last}) exceed --num-layers ({num_layers})")
+    middle_ranks = pp - (first is not None) - (last is not None)
+    rest = num_layers - fixed
+    if middle_ranks == 0:
+        if rest:
+            raise ConfigError(f"with pp={pp} the first ({first}) and last ({last}) stages must hold all "
+                              f"{num_layers} layers; fix --decoder-first/last-pipeline-num-layers")
+        return [first, last]
+    if rest % middle_ranks:
+        what = "--num-layers" if first is None and last is None else "the layers left after the first/last stages"
+        raise ConfigError(f"{what} ({rest}) must divide evenly over {middle_ranks} pipeline stages; change "
+                          f"--num-layers, --pipeline-model-parallel-size or --decoder-first/last-pipeline-num-layers")
+    counts = [rest // middle_ranks] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def pipeline_layer_ranges(num_layers: int, pp: int, vp: int | None = None, first: int | None = None,
+                          last: int | None = None) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(pp_rank, vp_rank): (layer_offset, num_layers)}`` for every stage chunk.
+
+    Raises :class:`ConfigError` naming the flag when the layers do not split.
+    """
+    vp = vp or 1
+    if num_layers < 1:
+        raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
+    counts = _per_rank(num_layers, pp, first, last)
+    for r, n in enumerate(counts):
+        if n % vp:
+            raise ConfigError(f"pipeline rank {r} holds {n} layers, which do not split over {vp} virtual stages; "
+                              f"change --num-layers-per-virtual-pipeline-stage or the layer counts")
+    out, offset = {}, 0
+    for c in range(vp):
+        for r in range(pp):
+            n = counts[r] // vp
+            out[(r, c)] = (offset, n)
+            offset += n
+    return out

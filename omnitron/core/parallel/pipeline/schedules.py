@@ -1,0 +1,213 @@
+"""Pipeline schedules as data: pure functions returning one list of actions per pipeline rank.
+
+An :class:`Action` is ``(chunk, kind, microbatch)`` printed as ``"1F3"`` (chunk 1, forward of
+micro-batch 3). Kinds: ``F`` forward; ``B`` backward (full, or input-gradient only when the same
+table also holds a ``W`` for that chunk and micro-batch); ``W`` weight-gradient.
+
+Stage numbering follows Megatron's interleaving: model chunk ``c`` on pipeline rank ``r`` is
+virtual stage ``c * pp + r``; activations flow from stage ``k`` to ``k + 1``, gradients back.
+Every builder here is checked without processes by :func:`simulate` (dependencies, no deadlock,
+timeline and peak in-flight activations) and executed by the one runtime in ``runtime.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnitron.core.config.parallel import ConfigError
+
+SCHEDULES = ("none", "1f1b", "interleaved", "zb-h1")
+"""Values of ``--pipeline-schedule`` (``none`` = gradient accumulation without a pipeline)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work on one pipeline rank."""
+
+    chunk: int
+    """Model chunk index on this rank (0 unless interleaved)."""
+    kind: str
+    """``F`` forward, ``B`` backward (input-gradient only when a matching ``W`` exists), ``W`` weight-gradient."""
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.chunk}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """Inverse of ``str``: ``"1B3"`` -> Action(1, "B", 3)."""
+        for kind in "FBW":
+            if kind in text:
+                chunk, mb = text.split(kind)
+                return cls(int(chunk), kind, int(mb))
+        raise ValueError(f"not an action: {text!r} (expected e.g. '0F3')")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete per-rank action table for one step."""
+
+    name: str
+    pp: int
+    vp: int
+    num_microbatches: int
+    tables: dict[int, tuple[Action, ...]]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vp
+
+    def stage(self, rank: int, chunk: int) -> int:
+        """Virtual stage index of ``chunk`` on ``rank``."""
+        return chunk * self.pp + rank
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding virtual ``stage``."""
+        return stage % self.pp, stage // self.pp
+
+    def split_backward(self, rank: int) -> set[tuple[int, int]]:
+        """(chunk, microbatch) pairs whose backward is split into B (input grad) and W."""
+        return {(a.chunk, a.microbatch) for a in self.tables[rank] if a.kind == "W"}
+
+    def format(self) -> str:
+        """The step-by-rank grid (one column per rank), for logs and error messages."""
+        steps = max(len(t) for t in self.tables.values())
+        lines = [f"{self.name} pp={self.pp} vp={self.vp} m={self.num_microbatches}",
+                 "step " + " ".join(f"{'r' + str(r):>6}" for r in range(self.pp))]
+        for i in range(steps):
+            cells = [str(self.tables[r][i]) if i < len(self.tables[r]) else "" for r in range(self.pp)]
+            lines.append(f"{i:>4} " + " ".join(f"{c:>6}" for c in cells))
+        return "\n".join(lines)
+
+
+def _check(pp: int, m: int) -> None:
+    if pp < 1:
+        raise ConfigError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    if m < 1:
+        raise ConfigError(f"number of micro-batches must be >= 1, got {m}; raise --global-batch-size")
+
+
+def schedule_no_pipelining(num_microbatches: int) -> Schedule:
+    """Gradient accumulation on one stage: F0 B0 F1 B1 ..."""
+    _check(1, num_microbatches)
+    table = []
+    for i in range(num_microbatches):
+        table += [Action(0, "F", i), Action(0, "B", i)]
+    return Schedule("none", 1, 1, num_microbatches, {0: tuple(table)})
+
+
+def schedule_1f1b(pp: int, num_microbatches: int) -> Schedule:
+    """One-forward-one-backward: rank r runs pp-r-1 warm-up forwards, then alternates F and B."""
+    _check(pp, num_microbatches)
+    m = num_microbatches
+    tables = {}
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        table = [Action(0, "F", i) for i in range(warmup)]
+        for j in range(m - warmup):
+            table += [Action(0, "F", warmup + j), Action(0, "B", j)]
+        table += [Action(0, "B", j) for j in range(m - warmup, m)]
+        tables[r] = tuple(table)
+    return Schedule("1f1b", pp, 1, m, tables)
+
+
+def schedule_interleaved(pp: int, vp: int, num_microbatches: int) -> Schedule:
+    """Interleaved 1F1B over ``vp`` model chunks per rank (Megatron's ordering).
+
+    Micro-batches go through the chunks in groups of ``pp``: forward k touches chunk
+    ``(k // pp) % vp`` and micro-batch ``(k // (pp * vp)) * pp + k % pp``; backwards run the chunks
+    in reverse. Needs ``num_microbatches % pp == 0``.
+    """
+    _check(pp, num_microbatches)
+    m = num_microbatches
+    if vp < 2:
+        raise ConfigError(f"interleaved schedule needs >= 2 virtual stages per rank, got {vp}; "
+                          f"set --num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
+    if pp < 2:
+        raise ConfigError("interleaved schedule needs --pipeline-model-parallel-size >= 2")
+    if m % pp:
+        raise ConfigError(f"interleaved schedule needs the number of micro-batches ({m}) to be a multiple of "
+                          f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or --micro-batch-size")
+    total = m * vp
+
+    def fwd(k: int) -> Action:
+        return Action((k // pp) % vp, "F", (k // (pp * vp)) * pp + k % pp)
+
+    def bwd(k: int) -> Action:
+        return Action(vp - 1 - (k // pp) % vp, "B", (k // (pp * vp)) * pp + k % pp)
+
+    tables = {}
+    for r in range(pp):
+        # NOTE: with m == pp every forward is warm-up (Megatron does the same)
+        warmup = total if m == pp else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
+        table = [fwd(k) for k in range(warmup)]
+        for j in range(total - warmup):
+            table += [fwd(warmup + j), bwd(j)]
+        table += [bwd(j) for j in range(total - warmup, total)]
+        tables[r] = tuple(table)
+    return Schedule("interleaved", pp, vp, m, tables)
+
+
+def schedule_zb_h1(pp: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble H1: backward split into B (input grad) and W (weight grad); W fills bubbles.
+
+    Built by list-scheduling unit-cost F, B, W on an ideal timeline with the priority B > F > W.
+    Rank r keeps at most ``pp - r`` micro-batches between F and B (1F1B's limit) and defers at
+    most ``pp - 1`` W passes, which brings the bubble to (p-1)/(3m+p-1): a third of 1F1B's idle
+    time. NOTE: the runtime keeps a micro-batch's graph until its W, so a rank holds up to
+    ``2p - 1 - r`` micro-batches of activations (1F1B: ``p - r``).
+    """
+    _check(pp, num_microbatches)
+    m, never = num_microbatches, float("inf")
+    done: dict[tuple[str, int, int], int] = {}  # (kind, rank, mb) -> finish time
+    tables: dict[int, list[Action]] = {r: [] for r in range(pp)}
+    next_f, next_b, before_b = [0] * pp, [0] * pp, [0] * pp
+    pending_w: list[list[int]] = [[] for _ in range(pp)]
+    t = 0
+    while any(len(tables[r]) < 3 * m for r in range(pp)):
+        started = []
+        for r in range(pp):
+            f, b = next_f[r], next_b[r]
+            grad_from = ("F", r, b) if r == pp - 1 else ("B", r + 1, b)
+            b_ready = b < f and done.get(grad_from, never) <= t
+            f_ready = (f < m and before_b[r] < pp - r and before_b[r] + len(pending_w[r]) < 2 * pp - 1 - r
+                       and (r == 0 or done.get(("F", r - 1, f), never) <= t))
+            if b_ready:
+                act = Action(0, "B", b)
+                next_b[r] += 1
+                before_b[r] -= 1
+                pending_w[r].append(b)
+            elif f_ready:
+                act = Action(0, "F", f)
+                next_f[r] += 1
+                before_b[r] += 1
+            elif pending_w[r]:
+                act = Action(0, "W", pending_w[r].pop(0))
+            else:
+                continue
+            tables[r].append(act)
+            started.append((act.kind, r, act.microbatch))
+        for key in started:
+            done[key] = t + 1
+        t += 1
+    return Schedule("zb-h1", pp, 1, m, {r: tuple(v) for r, v in tables.items()})
+
+
+def build_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: int) -> Schedule:
+    """The schedule for ``--pipeline-schedule name`` (None picks: none / 1f1b / interleaved)."""
+    vp = vp or 1
+    if name is None:
+        name = "none" if pp == 1 else ("interleaved" if vp > 1 else "1f1b")
+    if name not in SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule {name!r} unknown; choose one of {', '.join(SCHEDULES)}")
+    if name != "interleaved" and vp > 1:
+        raise ConfigError(f"--pipeline-schedule {name} runs one model chunk per rank, but virtual pipeline size is "
+                          f"{vp}; use --pipeline-schedule interleaved or drop --num-layers-per-virtual-pipeline-stage")
+    if name == "none":
+        if pp != 1:
+            raise ConfigError(f"--pipeline-schedule none needs --pipeline-model-parallel-size 1, got {pp}")
+        return schedule_no_pipelining(num_microbatches)
+    if name == "1f1b":
+        return schedule_1f1b(pp, num_microbatches)
+    if name == "zb-h1":
+        return schedule_zb_h1(pp, num_microbatches)
+    return schedule_interleaved(pp, vp, num_microbatches)

@@ -1,0 +1,124 @@
+"""Execute a :class:`Schedule` on an ideal timeline, without processes.
+
+Models the runtime exactly: each rank runs its table in order, sends are asynchronous and an
+action waits only for the message it consumes (activation from the previous stage for ``F``,
+gradient from the next stage for ``B``). Used by the unit tests (every micro-batch once per
+stage, dependencies, deadlock, peak activations) and by the bubble benchmark's theory column.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from omnitron.core.parallel.pipeline.schedules import Action, Schedule
+
+
+class ScheduleError(RuntimeError):
+    """A table is incomplete, repeats work, breaks a dependency, or deadlocks."""
+
+
+@dataclass
+class Timeline:
+    """Per-rank ``(start, end, action)`` spans, and derived figures."""
+
+    spans: dict[int, list[tuple[float, float, Action]]] = field(default_factory=dict)
+    peak_inflight: dict[int, int] = field(default_factory=dict)
+    """Most micro-batches (summed over chunks) a rank held between F and the end of its weight gradient."""
+    peak_before_backward: dict[int, int] = field(default_factory=dict)
+    """Most micro-batches a rank held between F and B (input gradient)."""
+
+    @property
+    def makespan(self) -> float:
+        return max(s[-1][1] for s in self.spans.values() if s)
+
+    def bubble(self, rank: int) -> float:
+        """Idle fraction of ``rank`` between time 0 and the end of the whole step."""
+        busy = sum(e - s for s, e, _ in self.spans[rank])
+        return 1.0 - busy / self.makespan
+
+
+def check_complete(schedule: Schedule) -> None:
+    """Every (chunk, micro-batch) has exactly one F and one B on every rank, at most one W after its B."""
+    m, vp = schedule.num_microbatches, schedule.vp
+    for r, table in schedule.tables.items():
+        counts = Counter((a.kind, a.chunk, a.microbatch) for a in table)
+        for c in range(vp):
+            for i in range(m):
+                for kind in "FB":
+                    if counts[(kind, c, i)] != 1:
+                        raise ScheduleError(f"rank {r}: {c}{kind}{i} appears {counts[(kind, c, i)]} times, expected once")
+        extra = [k for k, n in counts.items() if k[0] == "W" and n != 1 or not (0 <= k[1] < vp and 0 <= k[2] < m)]
+        if extra:
+            raise ScheduleError(f"rank {r}: unexpected actions {extra}")
+        pos = {(a.kind, a.chunk, a.microbatch): i for i, a in enumerate(table)}
+        for (kind, c, i), p in pos.items():
+            if kind == "B" and p < pos[("F", c, i)] or kind == "W" and p < pos[("B", c, i)]:
+                raise ScheduleError(f"rank {r}: {c}{kind}{i} comes before the work it needs")
+
+
+def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Timeline:
+    """Run the tables on an ideal clock; raise :class:`ScheduleError` on deadlock.
+
+    ``cost`` gives per-action durations for one chunk: ``F``, ``B`` (input grad), ``W``; an
+    unsplit backward costs ``B + W``. Defaults 1, 1, 1 (backward twice a forward).
+    """
+    check_complete(schedule)
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
+    pp, last = schedule.pp, schedule.num_stages - 1
+    split = {r: schedule.split_backward(r) for r in range(pp)}
+    finish: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
+    pos, clock = [0] * pp, [0.0] * pp
+    tl = Timeline(spans={r: [] for r in range(pp)})
+    held, peak, before_b, peak_b = [0] * pp, [0] * pp, [0] * pp, [0] * pp
+    while True:
+        progressed = False
+        for r in range(pp):
+            table = schedule.tables[r]
+            while pos[r] < len(table):
+                a = table[pos[r]]
+                k = schedule.stage(r, a.chunk)
+                if a.kind == "F":
+                    need = ("F", k - 1, a.microbatch) if k > 0 else None
+                elif a.kind == "B":
+                    need = ("B", k + 1, a.microbatch) if k < last else ("F", k, a.microbatch)
+                else:
+                    need = ("B", k, a.microbatch)
+                if need is not None and need not in finish:
+                    break
+                start = max(clock[r], finish[need] if need else 0.0)
+                unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
+                dur = cost["B"] + cost["W"] if unsplit else cost[a.kind]
+                clock[r] = start + dur
+                finish[(a.kind, k, a.microbatch)] = clock[r]
+                tl.spans[r].append((start, clock[r], a))
+                if a.kind == "F":
+                    held[r] += 1
+                    before_b[r] += 1
+                    peak[r], peak_b[r] = max(peak[r], held[r]), max(peak_b[r], before_b[r])
+                if a.kind == "B":
+                    before_b[r] -= 1
+                if a.kind == "W" or unsplit:
+                    held[r] -= 1
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] == len(schedule.tables[r]) for r in range(pp)):
+            break
+        if not progressed:
+            stuck = {r: str(schedule.tables[r][pos[r]]) for r in range(pp) if pos[r] < len(schedule.tables[r])}
+            raise ScheduleError(f"deadlock: ranks wait forever at {stuck}\n{schedule.format()}")
+    tl.peak_inflight, tl.peak_before_backward = dict(enumerate(peak)), dict(enumerate(peak_b))
+    return tl
+
+
+def theory_bubble(name: str, pp: int, m: int, vp: int = 1) -> float:
+    """The textbook bubble fraction: 1F1B (p-1)/(m+p-1); interleaved (p-1)/(v*m+p-1);
+    ZB-H1 (p-1)/(3m+p-1) with F = B = W (a third of 1F1B's idle time)."""
+    if name in ("none",) or pp == 1:
+        return 0.0
+    if name == "1f1b":
+        return (pp - 1) / (m + pp - 1)
+    if name == "interleaved":
+        return (pp - 1) / (vp * m + pp - 1)
+    if name == "zb-h1":
+        return (pp - 1) / (3 * m + pp - 1)
+    raise ValueError(name)

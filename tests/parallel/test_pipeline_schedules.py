@@ -1,0 +1,136 @@
+"""Pipeline schedules and layer placement as pure data: no processes."""
+import pytest
+
+from omnitron.core.config import ConfigError
+from omnitron.core.parallel.pipeline import (Action, ScheduleError, build_schedule, pipeline_layer_ranges, simulate,
+                                             theory_bubble)
+from omnitron.core.parallel.pipeline.p2p import plan_messages
+from omnitron.core.parallel.pipeline.schedules import Schedule, schedule_1f1b
+
+CASES = [("none", 1, 1, m) for m in (1, 3)] + [
+    ("1f1b", p, 1, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 5, 8, 16)] + [
+    ("zb-h1", p, 1, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 5, 8, 16)] + [
+    ("interleaved", p, v, m) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("name,pp,vp,m", CASES)
+def test_every_schedule_is_complete_ordered_and_deadlock_free(name, pp, vp, m):
+    s = build_schedule(name, pp, vp, m)
+    tl = simulate(s)  # raises on a missing/duplicate action, a broken dependency or a deadlock
+    for r, table in s.tables.items():
+        fs = [a for a in table if a.kind == "F"]
+        # each chunk forwards micro-batches in order, and exactly once
+        for c in range(vp):
+            assert [a.microbatch for a in fs if a.chunk == c] == list(range(m))
+        if name == "zb-h1":
+            assert sum(a.kind == "W" for a in table) == m
+        else:
+            assert all(a.kind != "W" for a in table)
+    # the simulation honours dependencies: a stage's F starts after the previous stage's F ends
+    ends = {(s.stage(r, a.chunk), a.kind, a.microbatch): (st, en) for r, sp in tl.spans.items() for st, en, a in sp}
+    for (k, kind, i), (st, _) in ends.items():
+        if kind == "F" and k > 0:
+            assert st >= ends[(k - 1, "F", i)][1]
+        if kind == "B" and k < s.num_stages - 1:
+            assert st >= ends[(k + 1, "B", i)][1]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 16)])
+def test_bubble_and_peak_activations_match_theory(pp, m):
+    one = simulate(build_schedule("1f1b", pp, 1, m))
+    for r in range(pp):
+        assert one.bubble(r) == pytest.approx(theory_bubble("1f1b", pp, m), abs=1e-9)
+        assert one.peak_inflight[r] == min(pp - r, m)
+    if m % pp == 0:
+        v = 2
+        inter = simulate(build_schedule("interleaved", pp, v, m), cost={"F": 1 / v, "B": 1 / v, "W": 1 / v})
+        assert max(inter.bubble(r) for r in range(pp)) == pytest.approx(theory_bubble("interleaved", pp, m, v), abs=1e-9)
+        for r in range(pp):
+            warmup = m * v if m == pp else min((pp - r - 1) * 2 + (v - 1) * pp, m * v)
+            assert inter.peak_inflight[r] == min(warmup + 1, m * v)
+    zb = simulate(build_schedule("zb-h1", pp, 1, m))
+    assert max(zb.bubble(r) for r in range(pp)) == pytest.approx(theory_bubble("zb-h1", pp, m), abs=1e-9)
+    # about a third of 1F1B's idle time, and the same F-to-B activation limit as 1F1B
+    assert zb.makespan - 3 * m == pytest.approx((one.makespan - 3 * m) / 3)
+    for r in range(pp):
+        assert zb.peak_before_backward[r] <= min(pp - r, m)
+        assert zb.peak_inflight[r] <= min(2 * pp - 1 - r, m)
+
+
+def test_simulator_catches_broken_tables():
+    good = schedule_1f1b(2, 2)
+    # rank 1 asks for micro-batch 1's backward before forwarding it
+    bad = Schedule("bad", 2, 1, 2, {0: good.tables[0], 1: tuple(map(Action.parse, ["0F0", "0B1", "0F1", "0B0"]))})
+    with pytest.raises(ScheduleError, match="before the work"):
+        simulate(bad)
+    missing = Schedule("bad", 2, 1, 2, {0: good.tables[0], 1: good.tables[1][:-1]})
+    with pytest.raises(ScheduleError, match="appears 0 times"):
+        simulate(missing)
+    # rank 0 runs all backwards before its second forward: rank 1 waits for 0F1 forever
+    dead = Schedule("dead", 2, 1, 2, {0: tuple(map(Action.parse, ["0F0", "0B0", "0B1", "0F1"])),
+                                      1: good.tables[1]})
+    with pytest.raises(ScheduleError):
+        simulate(dead)
+    cyc = Schedule("cyc", 2, 1, 1, {0: tuple(map(Action.parse, ["0B0", "0F0"])), 1: good.tables[1][:2]})
+    with pytest.raises(ScheduleError):
+        simulate(cyc)
+
+
+def test_printable_forms_and_grid():
+    assert str(Action(1, "B", 3)) == "1B3" and Action.parse("2F10") == Action(2, "F", 10)
+    s = build_schedule("1f1b", 4, 1, 4)
+    grid = s.format()
+    assert "0F3" in grid and grid.splitlines()[1].split() == ["step", "r0", "r1", "r2", "r3"]
+    assert [str(a) for a in s.tables[3][:4]] == ["0F0", "0B0", "0F1", "0B1"]
+    assert [str(a) for a in s.tables[0][:4]] == ["0F0", "0F1", "0F2", "0F3"]
+
+
+def test_message_plan_is_symmetric():
+    for name, pp, vp, m in [("1f1b", 4, 1, 8), ("interleaved", 2, 2, 4), ("zb-h1", 3, 1, 5)]:
+        s = build_schedule(name, pp, vp, m)
+        plan = plan_messages(s)
+        total = sum(len(v) for v in plan.values())
+        assert total == 2 * m * (s.num_stages - 1)
+        for (src, dst), msgs in plan.items():
+            assert src != dst and all(s.place(k)[0] == dst for _, k, _ in msgs)
+
+
+def test_schedule_errors_name_the_fix():
+    with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size"):
+        build_schedule("interleaved", 4, 2, 6)
+    with pytest.raises(ConfigError, match="unknown"):
+        build_schedule("gpipe2", 2, 1, 4)
+    with pytest.raises(ConfigError, match="interleaved"):
+        build_schedule("1f1b", 2, 2, 4)
+    with pytest.raises(ConfigError, match="micro-batches"):
+        build_schedule("1f1b", 2, 1, 0)
+    assert build_schedule(None, 1, 1, 2).name == "none"
+    assert build_schedule(None, 2, 2, 2).name == "interleaved"
+
+
+def test_layer_ranges_even_uneven_and_virtual():
+    assert pipeline_layer_ranges(8, 1) == {(0, 0): (0, 8)}
+    assert pipeline_layer_ranges(8, 4) == {(r, 0): (2 * r, 2) for r in range(4)}
+    # virtual stage c*pp+r follows c*pp+r-1
+    assert pipeline_layer_ranges(8, 2, 2) == {(0, 0): (0, 2), (1, 0): (2, 2), (0, 1): (4, 2), (1, 1): (6, 2)}
+    assert pipeline_layer_ranges(10, 4, first=1, last=3) == {(0, 0): (0, 1), (1, 0): (1, 3), (2, 0): (4, 3),
+                                                            (3, 0): (7, 3)}
+    assert pipeline_layer_ranges(6, 3, first=0) == {(0, 0): (0, 0), (1, 0): (0, 3), (2, 0): (3, 3)}
+    assert pipeline_layer_ranges(5, 2, first=2, last=3) == {(0, 0): (0, 2), (1, 0): (2, 3)}
+    for kw in [dict(num_layers=14, pp=4, vp=2, first=2, last=4)]:
+        rng = pipeline_layer_ranges(**kw)
+        assert sum(n for _, n in rng.values()) == 14
+        assert sorted(rng.values()) == sorted(rng.values(), key=lambda x: x[0])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_layers=7, pp=2), "divide evenly"),
+    (dict(num_layers=8, pp=2, vp=3), "virtual stages"),
+    (dict(num_layers=8, pp=2, first=5, last=4), "exceed --num-layers"),
+    (dict(num_layers=8, pp=2, first=3, last=3), "must hold all"),
+    (dict(num_layers=8, pp=1, first=3), "pipeline-model-parallel-size > 1"),
+    (dict(num_layers=9, pp=4, first=1), "layers left after"),
+])
+def test_layer_range_errors(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        pipeline_layer_ranges(**kw)
