@@ -33,7 +33,7 @@ from .blended import BlendedDataset, MockGPTDataset, blend_indices
 from .builder import DataError, build_gpt_datasets, split_ranges
 from .cache import IndexCacheMissing
 from .config import DataConfig, default_cache_dir, parse_data_path, split_weights
-from .corpus import demo_corpus_prefix, moby_dick_chapters
+from .corpus import demo_corpus_prefix, moby_dick_chapters, moby_dick_documents
 from .gpt_dataset import GPTDataset, build_indices, make_sample
 from .indexed import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, merge_datasets, optimal_dtype
 from .sampler import PretrainingSampler, build_data_loader, collate
@@ -42,7 +42,7 @@ from .tokenizers import TOKENIZER_TYPES, Tokenizer, TokenizerError, build_tokeni
 __all__ = [
     "BlendedDataset", "MockGPTDataset", "blend_indices", "DataError", "build_gpt_datasets", "split_ranges",
     "IndexCacheMissing", "DataConfig", "default_cache_dir", "parse_data_path", "split_weights",
-    "demo_corpus_prefix", "moby_dick_chapters", "GPTDataset", "build_indices", "make_sample", "IndexedDataset",
+    "demo_corpus_prefix", "moby_dick_chapters", "moby_dick_documents", "GPTDataset", "build_indices", "make_sample", "IndexedDataset",
     "IndexedDatasetBuilder", "IndexedDatasetError", "merge_datasets", "optimal_dtype", "PretrainingSampler",
     "build_data_loader", "collate", "TOKENIZER_TYPES", "Tokenizer", "TokenizerError", "build_tokenizer",
 ]

@@ -1,0 +1,71 @@
+"""``omnitron preprocess``: tokenize JSONL/text into Megatron-compatible ``.bin``/``.idx`` datasets.
+
+    omnitron preprocess --input corpus.jsonl --json-keys text --tokenizer-type GPT2BPETokenizer \\
+        --output-prefix data/corpus --append-eod --workers 2
+writes ``data/corpus_text_document.{bin,idx}``. ``--merge P1 P2 ... --output-prefix OUT`` concatenates
+existing datasets instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
+    from omnitron.core.data.tokenizers import TOKENIZER_TYPES
+
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled)")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled)")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json or SentencePiece .model")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+
+
+def tokenizer_kwargs(args: argparse.Namespace) -> dict:
+    return {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file, "merge_file": args.merge_file,
+            "tokenizer_model": args.tokenizer_model, "vocab_size": args.vocab_size}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("preprocess", help="tokenize JSONL/text into .bin/.idx indexed datasets",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", help="input files: .jsonl/.json (JSON lines) or plain text")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.{bin,idx}")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize (one dataset each)")
+    p.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
+    p.add_argument("--txt-mode", choices=("line", "paragraph"), default="line",
+                   help="plain text: one document per line, or per blank-line separated paragraph")
+    p.add_argument("--invalid-utf8", choices=("replace", "skip"), default="replace",
+                   help="lines that are not valid UTF-8: replace bad bytes with U+FFFD, or skip the line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--merge", nargs="+", metavar="PREFIX", help="merge these datasets into --output-prefix")
+    add_tokenizer_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnitron.core.data.indexed import IndexedDatasetError, merge_datasets
+    from omnitron.core.data.preprocess import PreprocessError, preprocess_files
+    from omnitron.core.data.tokenizers import TokenizerError
+
+    try:
+        if args.merge:
+            ds = merge_datasets(args.merge, args.output_prefix)
+            print(f"merged {len(args.merge)} datasets into {args.output_prefix}: {ds.num_documents} documents, "
+                  f"{ds.num_tokens} tokens")
+            return 0
+        if not args.input:
+            raise PreprocessError("give --input FILE [FILE ...] (or --merge PREFIX ...)")
+        stats = preprocess_files(args.input, args.output_prefix, json_keys=args.json_keys,
+                                 tokenizer_kwargs=tokenizer_kwargs(args), append_eod=args.append_eod,
+                                 workers=args.workers, txt_mode=args.txt_mode, invalid_utf8=args.invalid_utf8,
+                                 progress=not args.no_progress)
+    except (PreprocessError, TokenizerError, IndexedDatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(stats.summary())
+    for prefix in stats.outputs:
+        print(f"wrote {prefix}.bin, {prefix}.idx")
+    return 0

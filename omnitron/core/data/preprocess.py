@@ -1,0 +1,224 @@
+"""Streaming preprocessing: JSONL or text files -> one MMIDIDX dataset per JSON key.
+
+The input is read line by line (never whole); documents are tokenized in chunks, by worker
+processes when ``workers > 1`` (results are written in input order, so the output does not
+depend on the number of workers). Bad records are counted and skipped, never fatal:
+invalid UTF-8 (replaced or skipped), lines that are not JSON objects, records without a
+requested key, empty documents. Input with no document at all is an error.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .indexed import IndexedDatasetBuilder, data_file, index_file, optimal_dtype
+from .tokenizers import Tokenizer, build_tokenizer
+
+CHUNK_DOCS = 256  # documents per tokenization task
+
+
+class PreprocessError(ValueError):
+    """Preprocessing cannot produce a dataset (no input, no documents); the message says why."""
+
+
+@dataclass
+class PreprocessStats:
+    """What a run read, wrote and skipped (printed as the summary)."""
+
+    documents: int = 0
+    tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    invalid_utf8: int = 0
+    skipped: dict = field(default_factory=lambda: {"invalid_utf8": 0, "bad_json": 0, "missing_key": 0, "empty": 0})
+    outputs: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds > 0 else float("inf")
+        skipped = ", ".join(f"{k} {v}" for k, v in self.skipped.items() if v) or "none"
+        return (f"{self.documents} documents, {self.tokens} tokens in {self.seconds:.2f} s ({rate:,.0f} tokens/s), "
+                f"{self.bytes_read} bytes read, {self.bytes_written} bytes written; invalid UTF-8 lines "
+                f"{self.invalid_utf8}; skipped: {skipped}")
+
+
+def _decode(raw: bytes, invalid_utf8: str, stats: PreprocessStats) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        stats.invalid_utf8 += 1
+        if invalid_utf8 == "skip":
+            stats.skipped["invalid_utf8"] += 1
+            return None
+        return raw.decode("utf-8", errors="replace")
+
+
+def iter_records(paths: list[str], json_keys: list[str], *, txt_mode: str = "line", invalid_utf8: str = "replace",
+                 stats: PreprocessStats) -> Iterator[dict[str, str]]:
+    """Yield ``{key: text}`` per document. ``.jsonl``/``.json`` files are JSON lines; anything else is text:
+    one document per line (``txt_mode="line"``) or per blank-line separated paragraph (``"paragraph"``)."""
+    for path in paths:
+        is_json = path.endswith((".jsonl", ".json"))
+        para: list[str] = []
+        with open(path, "rb") as f:
+            for raw in f:
+                stats.bytes_read += len(raw)
+                text = _decode(raw, invalid_utf8, stats)
+                if text is None:
+                    continue
+                if is_json:
+                    rec = _json_record(text, json_keys, stats)
+                    if rec is not None:
+                        yield rec
+                elif txt_mode == "paragraph":
+                    if text.strip():
+                        para.append(text)
+                    elif para:
+                        yield {json_keys[0]: "".join(para).rstrip("\n")}
+                        para = []
+                elif text.strip():
+                    yield {json_keys[0]: text.rstrip("\r\n")}
+        if para:
+            yield {json_keys[0]: "".join(para).rstrip("\n")}
+
+
+def _json_record(line: str, json_keys: list[str], stats: PreprocessStats) -> dict[str, str] | None:
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        stats.skipped["bad_json"] += 1
+        return None
+    if not isinstance(obj, dict):
+        stats.skipped["bad_json"] += 1
+        return None
+    if any(not isinstance(obj.get(k), str) for k in json_keys):
+        stats.skipped["missing_key"] += 1
+        return None
+    return {k: obj[k] for k in json_keys}
+
+
+_WORKER_TOK: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_kwargs: dict) -> None:
+    global _WORKER_TOK
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    _WORKER_TOK = build_tokenizer(**tokenizer_kwargs)
+
+
+def _encode_chunk(task: tuple[list[dict[str, str]], list[str], bool]) -> list[dict[str, np.ndarray]]:
+    records, keys, append_eod = task
+    tok = _WORKER_TOK
+    out = [dict() for _ in records]
+    for k in keys:
+        for rec, ids in zip(out, tok.encode_batch([r[k] for r in records])):
+            if ids and append_eod:
+                ids.append(tok.eod)
+            rec[k] = np.asarray(ids, np.int64)
+    return out
+
+
+def _chunks(records: Iterator[dict[str, str]], keys: list[str], append_eod: bool):
+    chunk: list[dict[str, str]] = []
+    for rec in records:
+        chunk.append(rec)
+        if len(chunk) == CHUNK_DOCS:
+            yield chunk, keys, append_eod
+            chunk = []
+    if chunk:
+        yield chunk, keys, append_eod
+
+
+def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[str] = ("text",),
+                     tokenizer_kwargs: dict | None = None, append_eod: bool = True, workers: int = 1,
+                     txt_mode: str = "line", invalid_utf8: str = "replace", progress: bool = False) -> PreprocessStats:
+    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}`` for each key; return stats."""
+    json_keys = list(json_keys)
+    for p in inputs:
+        if not os.path.isfile(p):
+            raise PreprocessError(f"--input {p!r}: no such file")
+    if workers < 1:
+        raise PreprocessError(f"--workers must be >= 1, got {workers}")
+    tokenizer_kwargs = dict(tokenizer_kwargs or {"tokenizer_type": "GPT2BPETokenizer"})
+    tok = build_tokenizer(**tokenizer_kwargs)  # fail on a bad tokenizer before reading any input
+    stats = PreprocessStats()
+    prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    builders = {k: IndexedDatasetBuilder(data_file(p), optimal_dtype(tok.vocab_size)) for k, p in prefixes.items()}
+    bar = _progress_bar(sum(os.path.getsize(p) for p in inputs)) if progress else None
+    start = time.perf_counter()
+    tasks = _chunks(iter_records(inputs, json_keys, txt_mode=txt_mode, invalid_utf8=invalid_utf8, stats=stats),
+                    json_keys, append_eod)
+    pool = mp.get_context("fork").Pool(workers, _init_worker, (tokenizer_kwargs,)) if workers > 1 else None
+    if pool is None:
+        global _WORKER_TOK
+        _WORKER_TOK = tok
+    try:
+        for encoded in (_bounded_imap(pool, tasks, 4 * workers) if pool else map(_encode_chunk, tasks)):
+            _write_chunk(encoded, builders, stats)
+            if bar is not None:
+                bar.update(stats.bytes_read - bar.n)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        if bar is not None:
+            bar.close()
+    for k, b in builders.items():
+        b.finalize(index_file(prefixes[k]))
+    stats.seconds = time.perf_counter() - start
+    if stats.documents == 0:
+        for p in prefixes.values():
+            for f in (data_file(p), index_file(p)):
+                os.remove(f)
+        raise PreprocessError(f"no documents in {', '.join(inputs)} ({stats.summary()}); check --json-keys "
+                              f"{' '.join(json_keys)} and that the input is not empty")
+    stats.bytes_written = sum(os.path.getsize(f) for p in prefixes.values() for f in (data_file(p), index_file(p)))
+    stats.outputs = list(prefixes.values())
+    return stats
+
+
+def _bounded_imap(pool, tasks, max_pending: int):
+    """Ordered ``pool.imap`` that keeps at most ``max_pending`` chunks in flight.
+
+    NOTE: ``Pool.imap`` drains its input iterator eagerly, which would read the whole file
+    into memory; this keeps preprocessing streaming.
+    """
+    pending: deque = deque()
+    for task in tasks:
+        pending.append(pool.apply_async(_encode_chunk, (task,)))
+        if len(pending) >= max_pending:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _write_chunk(encoded: list[dict[str, np.ndarray]], builders: dict, stats: PreprocessStats) -> None:
+    for rec in encoded:
+        wrote = False
+        for k, ids in rec.items():
+            if ids.size == 0:
+                stats.skipped["empty"] += 1
+                continue
+            builders[k].add_document(ids)
+            stats.tokens += int(ids.size)
+            wrote = True
+        stats.documents += wrote
+
+
+def _progress_bar(total_bytes: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency, but progress is optional
+        return None
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr, mininterval=1.0)
