@@ -58,14 +58,28 @@ def linear_modules(model_or_chunks) -> Iterable[tuple[str, nn.Module]]:
 
 
 def _layer_numbers(model_or_chunks) -> dict[str, int]:
-    """Transformer-layer path -> 1-based global layer number (``layer_number`` attribute, else the index)."""
+    """Transformer-layer path -> 1-based global layer number: the layer's ``layer_number`` attribute if
+    it has one, else its index in the path (``...layers.<i>``, global in GPTModel at every layout)."""
     out = {}
     for prefix, chunk in _chunks(model_or_chunks):
         for name, module in chunk.named_modules():
             if re.search(r"(?:^|\.)layers\.\d+$", name):
                 num = getattr(module, "layer_number", None)
-                out[prefix + name] = int(num) if num is not None else None
+                out[prefix + name] = int(num) if num is not None else int(_LAYER_RE.search(name).group(1)) + 1
     return out
+
+
+def _total_layers(model_or_chunks, groups, numbers: dict[str, int], num_layers: int | None) -> int:
+    if num_layers is not None:
+        return num_layers
+    for _, chunk in _chunks(model_or_chunks):
+        n = getattr(getattr(chunk, "config", None), "num_layers", None)
+        if isinstance(n, int):
+            return n
+    if (groups is not None and groups.pp.size > 1) or len(_chunks(model_or_chunks)) > 1:
+        raise ConfigError("--first-last-layers-bf16 with pipeline stages: the model has no config.num_layers; "
+                          "pass num_layers= to enable_fp8")
+    return max(numbers.values())
 
 
 def _wide_layers(model_or_chunks, recipe: FP8Config, groups, num_layers: int | None) -> set[str]:
@@ -74,15 +88,7 @@ def _wide_layers(model_or_chunks, recipe: FP8Config, groups, num_layers: int | N
     if not numbers:
         raise ConfigError("--first-last-layers-bf16: found no transformer layers (modules named 'layers.<i>') "
                           "in the model; drop the flag or name the FP8 modules explicitly")
-    multi = groups is not None and groups.pp.size > 1 or len(_chunks(model_or_chunks)) > 1
-    if any(v is None for v in numbers.values()):
-        if multi:
-            raise ConfigError("--first-last-layers-bf16 with pipeline stages needs each transformer layer to carry "
-                              "its global 1-based `layer_number`")
-        numbers = {k: int(_LAYER_RE.search(k).group(1)) + 1 for k in numbers}
-    total = num_layers or (max(numbers.values()) if not multi else None)
-    if total is None:
-        raise ConfigError("--first-last-layers-bf16 with pipeline stages: pass num_layers= to enable_fp8")
+    total = _total_layers(model_or_chunks, groups, numbers, num_layers)
     lo, hi = recipe.num_layers_at_start_in_bf16, total - recipe.num_layers_at_end_in_bf16
     return {path for path, n in numbers.items() if n <= lo or n > hi}
 
