@@ -1,0 +1,170 @@
+"""Delayed scaling step by step, FP8 config validation, enable_fp8 selection, and exact resume."""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from omnitron.backends import get_backend
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.precision.fp8 import (DelayedScaling, FP8Config, FP8Linear, check_backend, enable_fp8,
+                                         fp8_state_dict, load_fp8_state_dict)
+
+AMAXES = [2.0, 0.0, 8.0, 4.0, float("inf"), 1.0, 0.5, 0.25, 3.0]
+
+
+def _expected(amaxes, fmax, hist_len, algo, margin):
+    """The recipe written out longhand: (scale used at each step, history after each step)."""
+    hist, scale, used, hists = [0.0] * hist_len, 1.0, [], []
+    for a in amaxes:
+        used.append(scale)
+        hist = [a] + hist[:-1]
+        summary = max(hist) if algo == "max" else hist[0]
+        if summary > 0 and summary != float("inf"):
+            scale = fmax / 2 ** margin / summary
+        hists.append(list(hist))
+    return used, hists, scale
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_history_and_scale_follow_the_recipe(algo):
+    st = DelayedScaling("e4m3", history_len=3, algo=algo, margin=1)
+    used, hists, final = _expected(AMAXES, 448.0, 3, algo, 1)
+    for a, u, h in zip(AMAXES, used, hists):
+        assert st.scale.item() == pytest.approx(u, rel=1e-7)
+        st.push(torch.tensor(a))
+        assert st.amax_history.tolist() == h
+    assert st.scale.item() == pytest.approx(final, rel=1e-7)
+
+
+def test_delayed_executor_quantizes_with_the_scale_in_force():
+    """Each call uses the previous calls' scale (not its own amax), then records its amax."""
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="e4m3", fp8_amax_history_len=2, fp8_amax_compute_algo="max")
+    ex = FP8Linear(cfg, get_backend().fp8)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=g)
+    x_amax = [3.0, 50.0, 0.1, 0.2]
+    used, hists, _ = _expected(x_amax, 448.0, 2, "max", 0)
+    for a, scale, hist in zip(x_amax, used, hists):
+        x = torch.randn(8, 32, generator=g)
+        x = x / x.abs().max() * a
+        y = ex(x, w, None)
+        qx = (x * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() / scale
+        sw = ex.states["weight"]
+        assert ex.states["input"].amax_history.tolist() == pytest.approx(hist)
+        w_scale_used = 448.0 / w.abs().max().item() if sw.amax_history[1] > 0 else 1.0
+        qw = (w * w_scale_used).clamp(-448, 448).to(torch.float8_e4m3fn).double() / w_scale_used
+        torch.testing.assert_close(y.double(), qx @ qw.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_config_validation_names_the_flag():
+    with pytest.raises(ConfigError, match="mxfp8"):
+        FP8Config(fp8_recipe="mxfp8")
+    with pytest.raises(ConfigError, match="--fp8-format"):
+        FP8Config(fp8_format="e5m2")
+    with pytest.raises(ConfigError, match="--fp8-amax-compute-algo"):
+        FP8Config(fp8_amax_compute_algo="mean")
+    with pytest.raises(ConfigError, match="--fp8-amax-history-len"):
+        FP8Config(fp8_amax_history_len=0)
+    with pytest.raises(ConfigError, match="--fp8-margin"):
+        FP8Config(fp8_margin=-1)
+    assert FP8Config(fp8_format="hybrid").backward_format == "e5m2"
+    assert FP8Config(fp8_format="e4m3").backward_format == "e4m3"
+
+
+def test_backend_without_fp8_is_refused_with_the_capability_named():
+    be = get_backend()
+    caps = replace(be.capabilities(), fp8_formats=("e4m3",), fp8_recipes=("delayed",))
+
+    class Limited:
+        name, capabilities = "limited", staticmethod(lambda: caps)
+
+    check_backend(FP8Config(fp8_format="e4m3"), Limited)
+    with pytest.raises(ConfigError, match="e5m2"):
+        check_backend(FP8Config(fp8_format="hybrid"), Limited)
+    with pytest.raises(ConfigError, match="blockwise"):
+        check_backend(FP8Config(fp8_format="e4m3", fp8_recipe="blockwise"), Limited)
+
+
+class _Stack(nn.Module):
+    """Minimal stand-in with Megatron naming: layers.<i>.fc, output_layer."""
+
+    def __init__(self, n=4, h=32):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Sequential() for i in range(n)})
+        for i in range(n):
+            self.layers[str(i)].add_module("fc", nn.Linear(h, h))
+        self.output_layer = nn.Linear(h, 8)
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = torch.tanh(layer(x))
+        return self.output_layer(x)
+
+
+def test_enable_fp8_selection():
+    m = _Stack()
+    on = enable_fp8(m, FP8Config(fp8_recipe="tensorwise"), None)
+    assert sorted(on) == [f"layers.{i}.fc" for i in range(4)]  # output layer stays wide by default
+    m = _Stack()
+    on = enable_fp8(m, FP8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True), None)
+    assert sorted(on) == ["layers.1.fc", "layers.2.fc"]
+    m = _Stack()
+    on = enable_fp8(m, FP8Config(), None, modules=["*output_layer", "layers.3.*"])
+    assert sorted(on) == ["layers.3.fc", "output_layer"]
+    with pytest.raises(ConfigError, match="selected no linear"):
+        enable_fp8(_Stack(), FP8Config(), None, modules=["nothing*"])
+    # the patched forward really runs FP8: output differs from the wide model but stays close
+    ref = _Stack()
+    m = copy.deepcopy(ref)
+    enable_fp8(m, FP8Config(fp8_recipe="tensorwise"), None)
+    x = torch.randn(16, 32)
+    y, yr = m(x), ref(x)
+    assert 0 < (y - yr).abs().max() < 0.1 * yr.abs().max()
+
+
+def _train(model, steps, x, t, opt):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_resume_is_exact_with_recipe_state():
+    """Checkpoint = weights + optimizer + fp8_state_dict; the resumed run repeats the uninterrupted one bit for bit,
+    and without the FP8 state it does not."""
+    torch.manual_seed(0)
+    x, t = torch.randn(64, 32), torch.randn(64, 8)
+    cfg = FP8Config(fp8_recipe="delayed", fp8_amax_history_len=4)
+    base = _Stack()
+    a = copy.deepcopy(base)
+    enable_fp8(a, cfg, None)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.05)
+    _train(a, 3, x, t, opt_a)
+    ckpt = copy.deepcopy({"model": a.state_dict(), "opt": opt_a.state_dict(), "fp8": fp8_state_dict(a)})
+    assert all(len(v) == 3 for v in ckpt["fp8"].values())  # input, weight, grad_output per linear
+    tail = _train(a, 4, x, t, opt_a)
+
+    def resumed(with_fp8_state):
+        b = _Stack()
+        enable_fp8(b, cfg, None)
+        b.load_state_dict(ckpt["model"])
+        opt_b = torch.optim.SGD(b.parameters(), lr=0.05)
+        opt_b.load_state_dict(ckpt["opt"])
+        if with_fp8_state:
+            load_fp8_state_dict(b, ckpt["fp8"])
+        return _train(b, 4, x, t, opt_b)
+
+    assert resumed(True) == tail
+    assert resumed(False) != tail
+    with pytest.raises(ValueError, match="history"):
+        b = _Stack()
+        enable_fp8(b, replace(cfg, fp8_amax_history_len=8), None)
+        load_fp8_state_dict(b, ckpt["fp8"])
