@@ -81,8 +81,6 @@ class PrecisionConfig:
     """--loss-scale-window: clean steps before the dynamic scale doubles."""
     hysteresis: int = 2
     """--hysteresis: overflowing steps tolerated before the dynamic scale halves."""
-    accumulate_allreduce_grads_in_fp32: bool = True
-    """--accumulate-allreduce-grads-in-fp32: fp32 gradient buffers under bf16/fp16."""
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
@@ -118,8 +116,9 @@ class TrainingConfig:
     """--eval-iters: validation micro-batch groups per evaluation."""
     exit_interval: int | None = None
     """--exit-interval: stop (after saving) when the iteration is a multiple of this."""
-    pipeline_schedule: str = "1f1b"
-    """--pipeline-schedule: pipeline schedule name passed to the pipeline runtime."""
+    pipeline_schedule: str | None = None
+    """--pipeline-schedule {none,1f1b,interleaved,zb-h1} (default: none at pp 1, 1f1b, or interleaved
+    with virtual stages)."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--train-iters", self.train_iters)):

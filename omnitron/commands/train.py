@@ -1,0 +1,37 @@
+"""``omnitron train``: parse and validate every setting, then launch the workers and train."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub) -> None:
+    from omnitron.core.training.arguments import add_arguments
+
+    p = sub.add_parser("train", help="train a GPT (Megatron flag names; see --help)",
+                       description="Train a GPT with tensor, pipeline and data parallelism. Flags use Megatron's "
+                       "spellings; --config FILE supplies the same keys (flags win).",
+                       argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    given = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    return main_from_dict(given)
+
+
+def main_from_dict(given: dict) -> int:
+    """Validate (exit code 2 with one line naming the flag on bad settings), then launch."""
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.training.arguments import build_settings, merge_settings
+    from omnitron.core.training.launch import launch, precheck
+
+    try:
+        settings = build_settings(merge_settings(given))
+        precheck(settings)
+    except (ConfigError, CheckpointError) as err:
+        print(f"omnitron train: error: {err}", file=sys.stderr)
+        return 2
+    return launch(settings)

@@ -1,0 +1,1 @@
+"""The training entry points: arguments -> Settings, launch, the loop (see ``loop.train``)."""

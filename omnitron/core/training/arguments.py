@@ -1,0 +1,340 @@
+"""Command-line and config-file settings -> validated dataclasses, before any process group exists.
+
+Flags are generated from the config dataclasses: field ``tensor_model_parallel_size`` is flag
+``--tensor-model-parallel-size`` (Megatron's spelling), its docstring is the help text, and a
+value fans out to every dataclass with a field of that name (``--seq-length`` sets both the
+model and the data config). Precedence: dataclass default < ``--config FILE`` < command line.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import inspect
+import json
+import os
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig, data_parallel_size
+from omnitron.core.config.training import (CheckpointConfig, LoggingConfig, OptimizerConfig, PrecisionConfig,
+                                           TrainingConfig)
+
+# fields that are not flags: derived elsewhere, or not user settings
+_HIDDEN = {"vocab_size", "params_dtype", "apply_scaled_init", "virtual_pipeline_model_parallel_size"}
+
+
+def _config_classes() -> list[tuple[str, type]]:
+    """(group title, dataclass) for every concern, model and data first."""
+    from omnitron.core.data.config import DataConfig
+    from omnitron.core.models.gpt.config import GPTConfig
+
+    classes = [("model", GPTConfig), ("parallelism", ParallelConfig), ("data", DataConfig),
+               ("training", TrainingConfig), ("optimizer", OptimizerConfig), ("precision", PrecisionConfig)]
+    try:
+        from omnitron.core.parallel.data.config import DataParallelConfig
+
+        classes.insert(2, ("data parallelism", DataParallelConfig))
+    except ImportError:
+        pass
+    fp8 = _fp8_config_class()
+    if fp8 is not None:
+        classes.append(("fp8", fp8))
+    return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig)]
+
+
+def _ddp_config_class():
+    try:
+        from omnitron.core.parallel.data.config import DataParallelConfig
+    except ImportError:
+        return None
+    return DataParallelConfig
+
+
+def _fp8_config_class():
+    try:
+        from omnitron.core.precision.fp8.config import FP8Config
+    except ImportError:
+        return None
+    return FP8Config
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal after each field)."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr) \
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flag: its dest (= field name), value kind and default."""
+
+    dest: str
+    kind: str
+    """``int``, ``float``, ``str``, ``bool`` or ``list``."""
+    default: Any
+    help: str
+    optional: bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    def coerce(self, value: Any, origin: str) -> Any:
+        """Check/convert a config-file value, naming the key when it does not fit."""
+        if value is None and self.optional:
+            return None
+        try:
+            if self.kind == "bool":
+                if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                    return value.lower() in ("true", "1", "yes")
+                if not isinstance(value, bool):
+                    raise TypeError
+                return value
+            if self.kind == "list":
+                return value.split() if isinstance(value, str) else [str(v) for v in value]
+            if self.kind == "int" and isinstance(value, float) and not value.is_integer():
+                raise TypeError
+            return {"int": int, "float": float, "str": str}[self.kind](value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{origin}: {self.flag} expects {self.kind}, got {value!r}") from None
+
+
+def _kind(annotation: str) -> tuple[str, bool]:
+    parts = [p.strip() for p in str(annotation).split("|")]
+    optional = "None" in parts
+    base = [p for p in parts if p != "None"][0]
+    if base.startswith("list"):
+        return "list", optional
+    return (base if base in ("int", "float", "str", "bool") else "str"), optional
+
+
+def options() -> dict[str, Option]:
+    """Every settable field of every config class, keyed by dest (first definition wins)."""
+    out: dict[str, Option] = {}
+    for _, cls in _config_classes():
+        docs = field_docs(cls)
+        for f in fields(cls):
+            if f.name in _HIDDEN or f.name in out:
+                continue
+            kind, optional = _kind(f.type)
+            default = f.default if f.default is not MISSING else (
+                f.default_factory() if f.default_factory is not MISSING else None)
+            out[f.name] = Option(f.name, kind, default, docs.get(f.name, ""), optional)
+    return out
+
+
+def _help(opt: Option) -> str:
+    text = opt.help
+    for prefix in (f"``{opt.flag}``:", f"{opt.flag}:", f"{opt.flag} "):
+        if text.startswith(prefix):
+            text = text[len(prefix):].strip()
+    if opt.default not in (None, False, [], "") and opt.kind != "bool":
+        text += f" (default: {opt.default})"
+    return text.replace("%", "%%")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every training flag; defaults are suppressed so that given flags can be told apart."""
+    launch = parser.add_argument_group("launch")
+    launch.add_argument("--config", metavar="FILE", help="YAML or JSON file of settings (keys = flag names); "
+                        "flags on the command line win")
+    launch.add_argument("--model", metavar="PRESET", help="start from a model preset: gpt2_tiny, llama_tiny, gpt_1p3b")
+    launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
+                        "(one thread each); not needed under torchrun (default: 1)")
+    launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
+    launch.add_argument("--threads-per-process", type=int, metavar="T",
+                        help="torch threads per worker (default: 1 when several workers share the machine)")
+    launch.add_argument("--prompt", help="after training, print a sampled continuation of this text")
+    launch.add_argument("--sample-tokens", type=int, metavar="N", help="tokens to sample for --prompt (default: 40)")
+    opts = options()
+    seen_groups: dict[str, argparse._ArgumentGroup] = {}
+    owner = {}
+    for title, cls in _config_classes():
+        for f in fields(cls):
+            owner.setdefault(f.name, title)
+    for dest, opt in opts.items():
+        title = owner[dest]
+        group = seen_groups.get(title) or seen_groups.setdefault(title, parser.add_argument_group(title))
+        if opt.kind == "bool":
+            action = argparse.BooleanOptionalAction if opt.default is True else "store_true"
+            group.add_argument(opt.flag, dest=dest, action=action, help=_help(opt))
+        elif opt.kind == "list":
+            group.add_argument(opt.flag, dest=dest, nargs="+", metavar="X", help=_help(opt))
+        else:
+            group.add_argument(opt.flag, dest=dest, type={"int": int, "float": float, "str": str}[opt.kind],
+                               metavar=dest.split("_")[-1].upper(), help=_help(opt))
+    seen_groups["parallelism"].add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
+                                            help="layers per model chunk: interleaved pipeline schedule")
+    seen_groups["model"].add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                                      help="no biases in linear layers (same as --no-add-bias-linear)")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Settings from YAML/JSON, keys spelled as flags (``tensor-model-parallel-size``) or fields."""
+    if not os.path.exists(path):
+        raise ConfigError(f"--config {path}: file not found")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    return {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+
+
+_LAUNCH_KEYS = ("config", "model", "nproc_per_node", "backend", "threads_per_process", "prompt", "sample_tokens",
+                "num_layers_per_virtual_pipeline_stage")
+
+
+def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """Preset < config file < command line, every value type-checked; unknown file keys rejected."""
+    opts = options()
+    merged: dict[str, Any] = {}
+    file_values = load_config_file(given["config"]) if given.get("config") else {}
+    for key, value in file_values.items():
+        if key in opts:
+            file_values[key] = opts[key].coerce(value, f"--config {given['config']}")
+        elif key not in _LAUNCH_KEYS:
+            raise ConfigError(f"--config {given['config']}: unknown setting {key!r}; keys are the flag names "
+                              "listed by `omnitron train --help`")
+    preset = given.get("model", file_values.get("model"))
+    if preset:
+        merged.update(_preset_fields(preset))
+    merged.update(file_values)
+    merged.update({k: v for k, v in given.items() if v is not None})
+    return merged
+
+
+def _preset_fields(name: str) -> dict[str, Any]:
+    from omnitron.core.models.gpt import config as gpt_config
+
+    presets = {"gpt2_tiny": gpt_config.gpt2_tiny, "llama_tiny": gpt_config.llama_tiny,
+               "gpt_1p3b": gpt_config.gpt_1p3b}
+    if name not in presets:
+        raise ConfigError(f"--model {name!r} is not a preset; choose one of {', '.join(presets)}")
+    cfg = presets[name]()
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _HIDDEN}
+
+
+@dataclass
+class Settings:
+    """Every validated config of one training run, plus launch options."""
+
+    model: Any
+    parallel: ParallelConfig
+    data: Any
+    training: TrainingConfig
+    optim: OptimizerConfig
+    precision: PrecisionConfig
+    ddp: Any
+    """DataParallelConfig (gradient buckets, overlap), when the data-parallel package is present."""
+    fp8: Any
+    """FP8Config when --fp8-format/--fp8-recipe was given, else None."""
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+    world_size: int
+    nproc_per_node: int
+    backend: str | None
+    threads: int | None
+    prompt: str | None
+    sample_tokens: int
+    flat: dict[str, Any]
+    """The merged flat settings (what a checkpoint records as the run's config)."""
+
+    @property
+    def dp(self) -> int:
+        return data_parallel_size(self.parallel, self.world_size)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.training.global_batch_size // (self.training.micro_batch_size * self.dp)
+
+
+def _build(cls, merged: dict[str, Any], **extra):
+    kwargs = {f.name: merged[f.name] for f in fields(cls) if f.name in merged and f.name not in _HIDDEN}
+    kwargs.update(extra)
+    return cls(**kwargs)
+
+
+def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Settings:
+    """Construct and cross-validate every config; raises ConfigError naming the flag and fix."""
+    from dataclasses import replace
+
+    from omnitron.core.data.config import DataConfig
+    from omnitron.core.models.gpt.config import GPTConfig, validate_model
+    from omnitron.core.precision import params_dtype
+
+    missing = [o for o in ("num_layers", "hidden_size", "num_attention_heads") if o not in merged]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ConfigError(f"the model is not defined: give {flags}, or start from a preset with --model gpt2_tiny")
+    nproc = int(merged.get("nproc_per_node") or 1)
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+    world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
+    precision = _build(PrecisionConfig, merged)
+    model = _build(GPTConfig, merged, params_dtype=params_dtype(precision))
+    per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
+    vp = None
+    pp = int(merged.get("pipeline_model_parallel_size", 1))
+    if per_chunk:
+        if model.num_layers % (pp * per_chunk):
+            raise ConfigError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
+                              f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk}")
+        vp = model.num_layers // (pp * per_chunk)
+    parallel = _build(ParallelConfig, merged, virtual_pipeline_model_parallel_size=vp)
+    validate_model(model, parallel)
+    dp = data_parallel_size(parallel, world)
+    training = _build(TrainingConfig, merged)
+    mbs = training.micro_batch_size
+    if training.global_batch_size is None:
+        training = replace(training, global_batch_size=mbs * dp)
+    if training.global_batch_size % (mbs * dp):
+        raise ConfigError(f"--global-batch-size {training.global_batch_size} is not a multiple of --micro-batch-size "
+                          f"{mbs} x data-parallel size {dp} = {mbs * dp}; change one of them")
+    data = _build(DataConfig, merged, seq_length=model.seq_length, seed=training.seed)
+    fp8_cls = _fp8_config_class()
+    fp8_on = any(k in merged for k in ("fp8_format", "fp8_recipe"))
+    fp8 = _build(fp8_cls, merged) if (fp8_cls is not None and fp8_on) else None
+    if fp8_on and fp8_cls is None:
+        raise ConfigError("--fp8-format needs omnitron.core.precision.fp8, which this build lacks; drop the FP8 flags")
+    logging_cfg = _build(LoggingConfig, merged)
+    checkpoint = _build(CheckpointConfig, merged)
+    optim = _build(OptimizerConfig, merged)
+    ddp = _build(_ddp_config_class(), merged) if _ddp_config_class() else None
+    if training.eval_interval and data.split and not data.mock_data:
+        from omnitron.core.data.config import split_weights
+
+        if split_weights(data.split)[1] == 0:
+            raise ConfigError(f"--eval-interval {training.eval_interval} needs a validation split, but --split "
+                              f"{data.split} gives it none; use e.g. --split 969,30,1 or --eval-interval 0")
+    if checkpoint.finetune and not checkpoint.load:
+        raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+    return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,
+                    ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world, nproc_per_node=nproc,
+                    backend=merged.get("backend"), threads=merged.get("threads_per_process"),
+                    prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
+                    flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")})
+
+
+def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:
+    """argv -> Settings (argparse exits with code 2 on unknown flags; ConfigError on bad values)."""
+    parser = argparse.ArgumentParser(prog="omnitron train", argument_default=argparse.SUPPRESS)
+    add_arguments(parser)
+    given = vars(parser.parse_args(argv))
+    return build_settings(merge_settings(given), world_size)

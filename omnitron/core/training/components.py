@@ -1,0 +1,123 @@
+"""Everything one rank trains with, built once from validated :class:`Settings`.
+
+Order matters and is fixed here: seeds, groups, model chunks (one per virtual stage), the
+data-parallel wrapper, optimizer + scheduler + loss scaler, tokenizer and datasets. Nothing in
+here runs a step; :mod:`omnitron.core.training.step` does.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnitron.core.models.gpt.config import GPTConfig
+from omnitron.core.models.gpt.model import GPTModel
+from omnitron.core.optim import LRScheduler, MixedPrecisionOptimizer
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+from omnitron.core.parallel.pipeline.schedules import build_schedule
+from omnitron.core.parallel.tensor.random import default_seed
+from omnitron.core.precision import build_loss_scaler
+
+
+@dataclass
+class Components:
+    """One rank's training objects (see the module docstring)."""
+
+    settings: Any
+    backend: Any
+    groups: ParallelGroups
+    model: GPTConfig
+    chunks: list
+    """What the pipeline runtime calls: model chunks, wrapped for data parallelism when available."""
+    modules: list[GPTModel]
+    """The unwrapped GPTModel chunks."""
+    optimizer: MixedPrecisionOptimizer
+    scheduler: LRScheduler
+    tokenizer: Any
+    schedule: Any
+    """The pipeline schedule table (validation runs its forwards only)."""
+    train_data: Any
+    valid_data: Any
+    iteration: int = 0
+    consumed_samples: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def seed_everything(seed: int, pp_rank: int, backend) -> None:
+    """Default generators: the same on every tp rank of a stage (Megatron's seed + 100 * pp)."""
+    s = default_seed(seed, pp_rank)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    backend.manual_seed(s)
+
+
+def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
+    """This pipeline rank's chunks (one per virtual stage), each a GPTModel over its layer range."""
+    pp, vp = groups.pp.size, groups.config.virtual_pipeline_model_parallel_size or 1
+    ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp)
+    rank = groups.pp.rank if pp > 1 else 0
+    chunks = []
+    for c in range(vp):
+        offset, n = ranges[(rank, c)]
+        first, last = rank == 0 and c == 0, rank == pp - 1 and c == vp - 1
+        chunks.append(GPTModel(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
+                               backend=backend, seed=seed))
+    return chunks
+
+
+def wrap_data_parallel(modules: list[GPTModel], settings, groups):
+    """Chunks wrapped by the data-parallel package when it is present, else the modules themselves
+    (gradients are then reduced by :func:`omnitron.core.training.grads.finalize_grads`)."""
+    try:
+        from omnitron.core.parallel.data import DistributedDataParallel
+    except ImportError:
+        return list(modules)
+    return [DistributedDataParallel(m, groups, settings.ddp) for m in modules]
+
+
+def duplicate_params(modules: list[GPTModel]) -> list[torch.nn.Parameter]:
+    """The last stage's copy of a tied word embedding: excluded from the gradient norm."""
+    return [p for m in modules for p in m.parameters() if getattr(p, "shared_embedding", False)]
+
+
+def build_data(settings, tokenizer, groups, collectives):
+    """(train, valid) datasets sized for the whole run; rank 0 builds index caches, others wait."""
+    from omnitron.core.data import build_gpt_datasets
+
+    t = settings.training
+    gbs = t.global_batch_size
+    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
+    train, valid, _ = build_gpt_datasets(settings.data, tokenizer, train_samples=t.train_iters * gbs,
+                                         valid_samples=t.eval_iters * gbs if evals else 0,
+                                         test_samples=0, is_builder_rank=groups.rank == 0, barrier=barrier)
+    return train, valid
+
+
+def build_components(settings, backend) -> Components:
+    from omnitron.core.data import build_tokenizer
+
+    groups = ParallelGroups.build(settings.parallel, backend.collectives)
+    seed_everything(settings.training.seed, groups.pp.rank, backend)
+    d = settings.data
+    tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
+    cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
+    modules = build_model_chunks(cfg, groups, settings.training.seed, backend)
+    chunks = wrap_data_parallel(modules, settings, groups)
+    named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
+    optimizer = MixedPrecisionOptimizer(named, settings.optim, groups, backend=backend,
+                                        loss_scaler=build_loss_scaler(settings.precision),
+                                        duplicates=duplicate_params(modules))
+    scheduler = LRScheduler(settings.optim, settings.training.train_iters)
+    pp, vp = groups.pp.size, settings.parallel.virtual_pipeline_model_parallel_size
+    schedule = build_schedule(settings.training.pipeline_schedule, pp, vp, settings.num_microbatches)
+    train, valid = build_data(settings, tokenizer, groups, backend.collectives)
+    return Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
+                      optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=schedule,
+                      train_data=train, valid_data=valid)

@@ -1,0 +1,106 @@
+"""Run the training function on this process (torchrun, one process) or on N spawned local workers.
+
+Under torchrun (``RANK``/``WORLD_SIZE`` set) each process joins the default process group and
+trains. ``--nproc-per-node N`` spawns N workers with one thread each (processes x threads never
+exceed the cores unless ``--threads-per-process`` asks) and forwards SIGTERM to them; each
+worker finishes its step, saves and exits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("omnitron.train")
+
+
+def precheck(settings) -> None:
+    """Checks that need files or the backend but no process group (raise ConfigError/CheckpointError)."""
+    from omnitron.backends.registry import BackendUnavailableError, get_backend
+    from omnitron.core.config.parallel import ConfigError
+
+    try:
+        backend = get_backend(settings.backend)
+    except BackendUnavailableError as err:
+        raise ConfigError(f"--backend: {err}") from None
+    if settings.precision.bf16 and __import__("torch").bfloat16 not in backend.capabilities().dtypes:
+        raise ConfigError(f"--bf16: the {backend.name} backend's device has no bf16; use --fp16 or fp32")
+    if settings.checkpoint.load:
+        from omnitron.core.training.checkpointing import check_resume
+
+        check_resume(settings)
+
+
+def _threads(settings, local_world: int) -> int:
+    if settings.threads:
+        return settings.threads
+    cores = os.cpu_count() or 1
+    return max(1, cores // local_world) if local_world > 1 else max(1, min(cores, 8))
+
+
+def _worker(rank: int, world: int, port: int, settings) -> None:
+    import torch
+
+    os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(_threads(settings, world))
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.exit(_run_rank(settings))
+
+
+def _run_rank(settings) -> int:
+    from omnitron.backends import get_backend
+    from omnitron.core.training.loop import train
+
+    backend = get_backend(settings.backend)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        backend.collectives.init_process_group(timeout_s=600)
+    try:
+        train(settings, backend)
+    finally:
+        backend.collectives.destroy()
+    return 0
+
+
+def launch(settings) -> int:
+    """Train; returns the process exit code."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if int(os.environ["WORLD_SIZE"]) != settings.world_size:
+            settings.world_size = int(os.environ["WORLD_SIZE"])
+        import torch
+
+        torch.set_num_threads(_threads(settings, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        return _run_rank(settings)
+    n = settings.nproc_per_node
+    if n == 1:
+        import torch
+
+        torch.set_num_threads(_threads(settings, 1))
+        return _run_rank(settings)
+    import torch.multiprocessing as mp
+
+    from omnitron.testing.distributed import free_port
+
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, n, port, settings)) for r in range(n)]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers get the terminal's SIGINT themselves
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.is_alive() and p.pid:
+                os.kill(p.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    signal.signal(signal.SIGINT, previous)
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        print(f"omnitron train: worker exit codes {codes}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,104 @@
+"""Training metrics: plain log lines (or a progress bar on a terminal), ``metrics.jsonl``, TensorBoard.
+
+One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
+the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
+``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
+the backend does not know its peak), ``peak_memory_bytes``; validation lines carry ``val_loss``
+and ``val_ppl``. Only global rank 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("omnitron.train")
+
+
+def default_log_dir(save: str | None) -> str:
+    return save or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+class MetricsLogger:
+    """Collects per-step values and emits them every ``log_interval`` iterations (rank 0 only)."""
+
+    def __init__(self, *, log_dir: str, log_interval: int, train_iters: int, enabled: bool, tensorboard: bool,
+                 progress_bar: bool | None, start_iteration: int) -> None:
+        self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
+        self.log_dir = log_dir
+        self._pending: list[dict] = []
+        self._file = self._tb = self._bar = None
+        if not enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        self._file = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
+            except ImportError:
+                self._tb = None
+        use_bar = sys.stdout.isatty() if progress_bar is None else progress_bar
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
+
+    def _emit(self, record: dict, line: str) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "iteration" and isinstance(v, (int, float)) and v is not None:
+                    self._tb.add_scalar(k, v, record["iteration"])
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def step(self, iteration: int, values: dict) -> None:
+        """Record one iteration; emit an averaged line when ``iteration`` is a multiple of the interval."""
+        if not self.enabled:
+            return
+        self._pending.append(values)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{values['lm_loss']:.4f}")
+        if iteration % self.log_interval and iteration != self.train_iters:
+            return
+        n = len(self._pending)
+        last = self._pending[-1]
+        rec = {"iteration": iteration,
+               "lm_loss": sum(v["lm_loss"] for v in self._pending) / n,
+               "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_scale": last["loss_scale"],
+               "skipped_iters": sum(1 for v in self._pending if v["skipped"]),
+               "step_time_s": sum(v["step_time_s"] for v in self._pending) / n}
+        for key in ("tokens_per_sec", "tflops_per_device", "mfu"):
+            vals = [v[key] for v in self._pending if v.get(key) is not None]
+            rec[key] = sum(vals) / len(vals) if vals else None
+        rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
+        self._pending = []
+        gn = "-" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
+        line = (f"iter {iteration:6d}/{self.train_iters} | loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | "
+                f"grad norm {gn} | {rec['tokens_per_sec']:.0f} tok/s | {rec['step_time_s'] * 1e3:.0f} ms/step")
+        if rec["loss_scale"] is not None:
+            line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']}"
+        if rec["mfu"] is not None:
+            line += f" | {rec['tflops_per_device']:.1f} TFLOP/s/dev | MFU {rec['mfu'] * 100:.1f}%"
+        if rec["peak_memory_bytes"]:
+            line += f" | peak mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
+        self._emit(rec, line)
+
+    def validation(self, iteration: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        rec = {"iteration": iteration, **values}
+        self._emit(rec, f"iter {iteration:6d} | validation loss {values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}")
+
+    def close(self) -> None:
+        for h in (self._bar, self._tb, self._file):
+            if h is not None:
+                h.close()

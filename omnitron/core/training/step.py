@@ -1,0 +1,98 @@
+"""One training step and one evaluation, over the pipeline runtime.
+
+A step: zero gradients; run the schedule's forwards and backwards over this step's
+micro-batches; reduce gradients; clip and update (the optimizer skips on fp16 overflow); then
+share the loss (held by the last stage) with every rank for logging.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+
+from omnitron.backends.collectives import ReduceOp
+from omnitron.core.parallel.pipeline.runtime import default_loss_fn, run_schedule
+from omnitron.core.training.grads import finalize_grads
+
+
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torch.Tensor:
+    """Run one chunk on one micro-batch: tokens in on the first stage, per-token loss out on the last."""
+    m = _unwrap(chunk)
+    labels = batch["labels"] if m.post_process else None
+    if m.pre_process:
+        return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels)
+    return chunk(hidden=hidden, labels=labels)
+
+
+def _tensor_shape(c) -> tuple[int, int, int]:
+    s = c.model.seq_length
+    if c.groups.config.sequence_parallel and c.groups.tp.size > 1:
+        s //= c.groups.tp.size
+    return (s, c.settings.training.micro_batch_size, c.model.hidden_size)  # [s(/tp), b, h]
+
+
+def _zero_grads(c) -> None:
+    c.optimizer.zero_grad()
+    for chunk in c.chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+
+
+def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: float | None) -> float:
+    """Run the schedule; returns the mean loss over micro-batches and data-parallel ranks (every rank)."""
+
+    def loss_fn(output, batch):
+        total, count = default_loss_fn(output, batch)
+        return (total * loss_scale if loss_scale else total), count
+
+    loss_sum, _ = run_schedule(c.schedule, c.groups.pp.rank if c.groups.pp.size > 1 else 0, c.chunks, data_iterator,
+                               forward_step_fn=forward_step, loss_fn=loss_fn, pp_group=c.groups.pp,
+                               collectives=c.backend.collectives, tensor_shape=_tensor_shape(c),
+                               dtype=c.model.params_dtype, device=c.backend.current_device(),
+                               forward_only=forward_only)
+    loss = loss_sum.reshape(1).to(torch.float64)
+    if loss_scale:
+        loss /= loss_scale
+    for group in (c.groups.pp, c.groups.dp_cp):  # only the last stage holds it; then average replicas
+        if group.handle is not None:
+            c.backend.collectives.all_reduce(loss, op=ReduceOp.SUM, group=group.handle)
+    return loss.item() / (c.schedule.num_microbatches * c.groups.dp_cp.size)
+
+
+def _stage_iterator(c, data_iterator):
+    """Only the first and last stage read batches (middle stages get None)."""
+    needs = any(_unwrap(ch).pre_process or _unwrap(ch).post_process for ch in c.chunks)
+    return data_iterator if needs else None
+
+
+def train_step(c, data_iterator: Iterator, iteration: int) -> dict:
+    """One optimizer step (iteration is 1-based); returns loss, lr, grad norm, loss scale, skipped."""
+    for m in c.modules:
+        m.train()
+    _zero_grads(c)
+    scaler = c.optimizer.loss_scaler
+    scale = scaler.scale if scaler is not None else None
+    loss = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale)
+    finalize_grads(c.chunks, c.modules, c.groups, c.backend.collectives)
+    lr = c.scheduler.lr(iteration)
+    res = c.optimizer.step(lr)
+    return {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
+            "skipped": res.skipped}
+
+
+@torch.no_grad()
+def evaluate(c, data_iterator: Iterator, eval_iters: int) -> dict:
+    """Mean loss over ``eval_iters`` global batches of the validation split; dropout off."""
+    for m in c.modules:
+        m.eval()
+    it = _stage_iterator(c, data_iterator)
+    losses = [_run(c, it, forward_only=True, loss_scale=None) for _ in range(eval_iters)]
+    for m in c.modules:
+        m.train()
+    val = sum(losses) / max(len(losses), 1)
+    return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
