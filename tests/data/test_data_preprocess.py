@@ -1,0 +1,73 @@
+"""``omnitron preprocess``: output equals direct tokenization for 1 and 2 workers; bad input counted or refused."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from omnitron.cli import main
+from omnitron.core.data import IndexedDataset, build_tokenizer
+from omnitron.core.data.corpus import moby_dick_documents
+from omnitron.core.data.preprocess import PreprocessError, preprocess_files
+
+
+def test_jsonl_workers_and_bad_lines(tmp_path, capsys):
+    docs = moby_dick_documents()[:300]
+    lines = [json.dumps({"text": d, "id": i}).encode() for i, d in enumerate(docs)]
+    lines[10] = b'{"title": "no text key"}'
+    lines[20] = b"{not json"
+    lines[30] = json.dumps({"text": "caf\u00e9 bad byte"}).encode().replace(b"\\u00e9", b"\xe9")
+    lines[40] = json.dumps({"text": ""}).encode()
+    lines[50] = b"[1, 2]"
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    tok = build_tokenizer()
+    expected = [tok.encode(d) + [tok.eod] for i, d in enumerate(docs) if i not in (10, 20, 30, 40, 50)]
+    expected.insert(28, tok.encode("caf\ufffd bad byte") + [tok.eod])
+    outs = []
+    for w in (1, 2):
+        rc = main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / f"w{w}"),
+                   "--append-eod", "--workers", str(w), "--no-progress"])
+        assert rc == 0
+        out = capsys.readouterr().out
+        assert "296 documents" in out and "invalid UTF-8 lines 1" in out
+        assert "bad_json 2" in out and "missing_key 1" in out and "empty 1" in out
+        ds = IndexedDataset(tmp_path / f"w{w}_text_document")
+        assert ds.dtype == np.uint16 and [ds[i].tolist() for i in range(len(ds))] == expected
+        outs.append((tmp_path / f"w{w}_text_document.bin").read_bytes())
+    assert outs[0] == outs[1]
+
+
+def test_text_modes_skip_and_empty_input(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"first para\nline two\n\n\nsecond \xff para\n\nthird\n")
+    tok = build_tokenizer("GPT2BPETokenizer")
+    s = preprocess_files([str(tmp_path / "a.txt")], str(tmp_path / "p"), txt_mode="paragraph", append_eod=False)
+    ds = IndexedDataset(str(tmp_path / "p_text_document"))
+    assert [tok.decode(ds[i]) for i in range(len(ds))] == ["first para\nline two", "second \ufffd para", "third"]
+    s = preprocess_files([str(tmp_path / "a.txt")], str(tmp_path / "l"), invalid_utf8="skip")
+    assert s.documents == 3 and s.skipped["invalid_utf8"] == 1
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    with pytest.raises(PreprocessError, match="no documents"):
+        preprocess_files([str(tmp_path / "empty.jsonl")], str(tmp_path / "e"))
+    assert not (tmp_path / "e_text_document.bin").exists()
+    with pytest.raises(PreprocessError, match="no such file"):
+        preprocess_files([str(tmp_path / "missing.jsonl")], str(tmp_path / "e"))
+    (tmp_path / "k.jsonl").write_text('{"body": "x"}\n')
+    assert main(["preprocess", "--input", str(tmp_path / "k.jsonl"), "--output-prefix", str(tmp_path / "k"),
+                 "--no-progress"]) == 1
+
+
+def test_merge_command_and_demo_corpus(tmp_path):
+    from omnitron.core.data import demo_corpus_prefix
+
+    prefix = demo_corpus_prefix(cache_dir=str(tmp_path))
+    assert demo_corpus_prefix(cache_dir=str(tmp_path)) == prefix  # cached
+    ds = IndexedDataset(prefix)
+    tok = build_tokenizer()
+    docs = moby_dick_documents()
+    assert len(ds) == len(docs) > 800 and docs[0].startswith("CHAPTER 1. Loomings.")
+    for i in (0, 400, len(docs) - 1):
+        assert ds[i].tolist() == tok.encode(docs[i]) + [tok.eod]
+    assert main(["preprocess", "--merge", prefix, prefix, "--output-prefix", str(tmp_path / "m")]) == 0
+    merged = IndexedDataset(tmp_path / "m")
+    assert len(merged) == 2 * len(ds) and merged[len(ds)].tolist() == ds[0].tolist()
