@@ -80,6 +80,8 @@ class CPUBackend(Backend):
             total, free = pages * os.sysconf("SC_PAGE_SIZE"), avail * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):
             pass
+        if peak is not None and rss is not None:
+            peak = max(peak, rss)  # ru_maxrss is sampled by the kernel and can trail the current RSS
         return {"allocated": rss, "reserved": rss, "peak_allocated": peak, "peak_reserved": peak,
                 "free": free, "total": total}
 

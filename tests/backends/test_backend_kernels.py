@@ -1,0 +1,125 @@
+"""Conformance: every kernel implementation a backend resolves matches the reference, forward and
+backward, on fresh random inputs (the seed is printed on failure), in fp32 and bf16.
+
+bf16 results are compared with the reference run in fp32 on the same (bf16-valued) inputs, so a
+shared rounding mistake cannot hide. Each implementation must accept at least one case: an
+implementation that declines everything would otherwise pass untested.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from backend_kernel_cases import CASES, GRAD_TOL, TOL, Case, clone_args
+from omnitron.kernels.registry import REFERENCE, get_impl, implementations, ops
+
+
+def resolved_impls(be, op: str) -> list:
+    """Non-reference implementations of ``op`` this backend would try, usable here, best first."""
+    be.kernels  # building the table registers the backend's own implementations
+    impls, found = implementations(op), []
+    for name in be.kernel_preference():
+        if name == REFERENCE:
+            break
+        impl = impls.get(name)
+        if impl is None or (impl.backends is not None and be.name not in impl.backends):
+            continue
+        if impl.available()[0]:
+            found.append(impl)
+    return found
+
+
+def _upcast(args: tuple) -> tuple:
+    def up(t):
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return tuple([up(t) for t in a] if isinstance(a, list) else up(a) for a in args)
+
+
+def _run(fn, case: Case, args: tuple):
+    args = clone_args(args, case.grad)
+    out = fn(*args, **case.kwargs)
+    return args, out
+
+
+def _compare(impl, case: Case, dtype: torch.dtype, where: str) -> None:
+    ref = get_impl(impl.op, REFERENCE)
+    got_args, got = _run(impl.fn, case, case.args)
+    ref_args, want = _run(ref, case, _upcast(case.args) if dtype != torch.float32 else case.args)
+    tol, gtol = TOL[dtype], GRAD_TOL[dtype]
+    for i in case.inplace:
+        for g, w in zip(got_args[i], ref_args[i]):
+            torch.testing.assert_close(g.float(), w.float(), **tol, msg=lambda m: f"{where}: arg {i} in place: {m}")
+    if case.inplace:
+        return
+    _, same_dtype = _run(ref, case, case.args)
+    assert got.dtype == same_dtype.dtype, f"{where}: output dtype {got.dtype}, reference gives {same_dtype.dtype}"
+    torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{where}: forward: {m}")
+    if not case.grad:
+        return
+    cot = torch.randn(got.shape, device=got.device, dtype=torch.float32)
+    (got.float() * cot).sum().backward()
+    (want.float() * cot).sum().backward()
+    for i in case.grad:
+        g, w = got_args[i].grad, ref_args[i].grad
+        assert g is not None, f"{where}: no gradient for argument {i}"
+        torch.testing.assert_close(g.float(), w.float(), **gtol, msg=lambda m: f"{where}: grad of arg {i}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_kernel_implementations_match_reference(suite_backend, op, dtype):
+    be = suite_backend
+    impls = resolved_impls(be, op)
+    if not impls:
+        pytest.skip(f"{be.name} resolves {op} to the reference only")
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    cases = CASES[op](be.device(), dtype)
+    for impl in impls:
+        for case in cases:
+            if impl.supports is None or impl.supports(*case.args, **case.kwargs) is None:
+                _compare(impl, case, dtype, f"{be.name}/{op}/{impl.name}/{case.label}/{dtype} (seed {seed})")
+
+
+def test_each_implementation_accepts_some_case(suite_backend):
+    """An implementation that declines every case would pass the comparison untested."""
+    be = suite_backend
+    for op in sorted(CASES):
+        for impl in resolved_impls(be, op):
+            reasons = []
+            for dtype in (torch.float32, torch.bfloat16):
+                for case in CASES[op](be.device(), dtype):
+                    why = impl.supports(*case.args, **case.kwargs) if impl.supports is not None else None
+                    if why is None:
+                        break
+                    reasons.append(f"{case.label}/{dtype}: {why}")
+                else:
+                    continue
+                break
+            else:
+                raise AssertionError(f"{be.name}: {op}/{impl.name} declined every case: {reasons}")
+
+
+def test_dispatch_runs_the_resolved_table(suite_backend):
+    """``backend.kernels.<op>`` runs the first accepting implementation (or the reference) correctly."""
+    be = suite_backend
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for op in sorted(CASES):
+        chosen = be.kernels.resolved(op)
+        assert chosen == REFERENCE or chosen in be.kernel_preference(), (op, chosen)
+        case = CASES[op](be.device(), torch.float32)[0]
+        args = clone_args(case.args, ())
+        out = getattr(be.kernels, op)(*args, **case.kwargs)
+        ref_args = clone_args(case.args, ())
+        want = get_impl(op, REFERENCE)(*ref_args, **case.kwargs)
+        if case.inplace:  # compare the first updated tensor
+            out, want = args[case.inplace[0]][0], ref_args[case.inplace[0]][0]
+        torch.testing.assert_close(out, want, **TOL[torch.float32], msg=lambda m: f"{be.name}/{op}: {m}")
+
+
+def test_every_op_with_an_implementation_has_cases():
+    missing = [op for op in ops() if set(implementations(op)) - {REFERENCE} and op not in CASES]
+    assert not missing, f"add input cases for {missing} in tests/backends/backend_kernel_cases.py"
