@@ -71,7 +71,7 @@ class GPTModel(nn.Module):
             raise ValueError(f"layers [{layer_offset}, {layer_offset + n}) outside the model's {config.num_layers}")
         self.layer_offset, self.num_local_layers = layer_offset, n
         self.rng_tracker = RNGTracker(self.backend)
-        self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, tp.rank, groups.pp.rank))
+        self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(tp), M.local_rank(groups.pp)))
         lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend)
         if pre_process:
             self.embedding = GPTEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
@@ -102,7 +102,7 @@ class GPTModel(nn.Module):
         for name, p in self.named_parameters():
             shape = full_shape(p, tp.size)
             full = init_full(getattr(p, "init_name", name), shape, p.init, seed, getattr(p, "valid_rows", None))
-            p.copy_(shard_param(full, p, tp.size, tp.rank if tp.size > 1 else 0))
+            p.copy_(shard_param(full, p, tp.size, M.local_rank(tp)))
 
     def shared_embedding_parameters(self) -> list[nn.Parameter]:
         """Parameters whose grads are all-reduced over ``groups.embedding`` when tied across stages:
@@ -179,7 +179,7 @@ class GPTModel(nn.Module):
         """Padding vocabulary columns at -inf, so sampling and softmax never pick them."""
         tp = self.groups.tp
         v_local = logits.shape[-1]
-        start = tp.rank * v_local if tp.size > 1 else 0
+        start = M.local_rank(tp) * v_local
         valid = max(0, min(v_local, self.config.vocab_size - start))
         if valid == v_local:
             return logits

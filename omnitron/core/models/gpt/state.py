@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from omnitron.backends import get_backend
+from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.parallel.tensor.sharding import gather_param, shard_param
 
 
@@ -45,7 +46,7 @@ def shard_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor], grou
             if strict:
                 raise KeyError(f"full state has no tensor for parameter {key!r}")
             continue
-        p.copy_(shard_param(full[key].to(p.dtype), p, tp.size, tp.rank if tp.size > 1 else 0))
+        p.copy_(shard_param(full[key].to(p.dtype), p, tp.size, local_rank(tp)))
 
 
 def sequence_parallel_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

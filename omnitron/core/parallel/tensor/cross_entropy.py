@@ -11,6 +11,7 @@ import torch
 
 from omnitron.backends import get_backend
 from omnitron.backends.collectives import ReduceOp
+from omnitron.core.parallel.tensor.mappings import local_rank
 
 
 def _all_reduce_(t: torch.Tensor, group, op=ReduceOp.SUM) -> torch.Tensor:
@@ -25,7 +26,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
         v_local = logits.shape[-1]
-        start = group.rank * v_local if group.size > 1 else 0
+        start = local_rank(group) * v_local
         valid = max(0, min(v_local, vocab_size - start))  # real (unpadded) columns on this rank
         x = logits.float()
         if valid > 0:

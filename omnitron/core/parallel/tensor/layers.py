@@ -121,7 +121,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.rows = _divide(padded_vocab, group.size, "padded vocabulary size")
-        self.start = group.rank * self.rows if group.size > 1 else 0
+        self.start = M.local_rank(group) * self.rows
         self.weight = set_attributes(nn.Parameter(torch.empty(self.rows, hidden, dtype=dtype, device=device)),
                                      parallel=True, dim=0, init=("normal", init_std), valid_rows=vocab_size)
 

@@ -19,6 +19,12 @@ def _collectives():
     return get_backend().collectives
 
 
+def local_rank(group) -> int:
+    """This process's index in ``group``; 0 for a one-member group (which may be a one-process
+    layout built inside a larger world, e.g. a reference model in a test)."""
+    return 0 if group.size == 1 else group.rank
+
+
 # ---- raw collectives (no autograd) -------------------------------------------------------
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of ``x`` over ``group`` in a NEW tensor (the input may be shared by other graph nodes)."""

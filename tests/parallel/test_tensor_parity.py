@@ -1,0 +1,130 @@
+"""Acceptance: tensor (and sequence) parallel GPT equals the one-process model, on gloo in fp32.
+
+One spawn per world size runs every case: both model styles, with/without sequence parallelism,
+GQA, vocabulary not divisible by tp, recomputation. Each case compares, against the
+single-process GPTModel built from the same seed in the same worker: initial weights (exactly),
+logits, per-token loss, every gradient gathered to full shape, and 5 AdamW steps of losses.
+Errors are relative in the 2-norm: ||a - b|| / ||b||.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from omnitron.testing.distributed import run_distributed
+
+TOL = 1e-5
+
+
+def _configs():
+    from omnitron.core.models.gpt import GPTConfig
+
+    base = dict(num_layers=2, seq_length=16, vocab_size=251, make_vocab_size_divisible_by=1,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    gpt2 = GPTConfig(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, **base)
+    llama = GPTConfig(hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
+                      normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                      untie_embeddings_and_output_weights=True, add_bias_linear=False, **base)
+    return {
+        "gpt2": gpt2,
+        "llama": llama,
+        "llama_qknorm_partial_rope": dataclasses.replace(llama, qk_layernorm=True, rotary_percent=0.5,
+                                                         rotary_interleaved=True, add_bias_linear=True),
+        "gpt2_recompute_full": dataclasses.replace(gpt2, recompute_granularity="full", recompute_method="uniform",
+                                                   recompute_num_layers=1),
+        "llama_recompute_selective": dataclasses.replace(llama, recompute_granularity="selective"),
+    }
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _run_case(cfg, groups, single, seed: int = 7) -> dict[str, float]:
+    """Max relative errors of one configuration against the one-process model."""
+    from omnitron.core.models.gpt import GPTModel, allreduce_sequence_parallel_grads, gather_full_state
+    from omnitron.core.parallel.tensor.mappings import gather_last
+
+    models = {"tp": GPTModel(cfg, groups, seed=seed), "ref": GPTModel(cfg, single, seed=seed)}
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length), generator=gen)
+    err: dict[str, float] = {}
+    full_tp, full_ref = gather_full_state(models["tp"], groups), gather_full_state(models["ref"], single)
+    assert full_tp.keys() == full_ref.keys(), (sorted(full_tp), sorted(full_ref))
+    err["init"] = max(float((full_tp[k] - full_ref[k]).abs().max()) for k in full_ref)  # must be exactly 0
+    with torch.no_grad():
+        lg = gather_last(models["tp"](tokens), groups.tp)[..., : cfg.vocab_size]
+        err["logits"] = _rel(lg, models["ref"](tokens)[..., : cfg.vocab_size])
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for k, m in models.items()}
+    losses = {"tp": [], "ref": []}
+    for step in range(5):
+        for key, m in models.items():
+            opts[key].zero_grad()
+            loss = m(tokens, labels=labels)
+            if step == 0:
+                losses[key + "_tok"] = loss.detach()
+            loss.mean().backward()
+            losses[key].append(loss.mean().item())
+        allreduce_sequence_parallel_grads(models["tp"], groups)
+        if step == 0:
+            g_tp = gather_full_state(models["tp"], groups, grads=True)
+            g_ref = gather_full_state(models["ref"], single, grads=True)
+            err["grads"] = max(_rel(g_tp[k], g_ref[k]) for k in g_ref)
+        for o in opts.values():
+            o.step()
+    err["token_loss"] = _rel(losses["tp_tok"], losses["ref_tok"])
+    err["step_losses"] = max(abs(a - b) / abs(b) for a, b in zip(losses["tp"], losses["ref"]))
+    err["loss_moved"] = float(losses["ref"][0] - losses["ref"][-1] > 0.01)  # the steps really train
+    return err
+
+
+def _parity_bundle(tp: int) -> dict:
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ConfigError, ParallelConfig
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    coll = get_backend().collectives
+    single = ParallelGroups.single()
+    results = {}
+    for sp in (False, True):
+        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), coll)
+        for name, cfg in _configs().items():
+            results[(name, sp)] = _run_case(cfg, groups, single)
+    # query groups fewer than tp: rejected with a message naming the flags
+    cfg = dataclasses.replace(_configs()["llama"], num_query_groups=tp // 2) if tp > 2 else None
+    if cfg is not None:
+        try:
+            GPTModel(cfg, groups)
+            results["gqa_reject"] = "accepted"
+        except ConfigError as err:
+            results["gqa_reject"] = str(err)
+    dist.barrier()
+    return results
+
+
+def _check(results_per_rank, tp):
+    for results in results_per_rank:
+        for key, err in results.items():
+            if key == "gqa_reject":
+                assert "--num-query-groups" in err and "--tensor-model-parallel-size" in err, err
+                continue
+            assert err["init"] == 0.0, (tp, key, err)
+            assert err["loss_moved"] == 1.0, (tp, key, err)
+            for metric in ("logits", "token_loss", "grads", "step_losses"):
+                assert err[metric] < TOL, f"tp={tp} case={key}: {metric} relative error {err[metric]:.2e} (all: {err})"
+
+
+def test_tensor_parallel_parity_tp2():
+    _check(run_distributed(_parity_bundle, 2, 2), 2)
+
+
+def test_tensor_parallel_parity_tp4():
+    _check(run_distributed(_parity_bundle, 4, 4), 4)
