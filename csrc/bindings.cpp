@@ -1,0 +1,19 @@
+// Python bindings of omnitron's C++ kernels (module omnitron._C, or omnitron_C when JIT-built).
+#include <torch/extension.h>
+
+#include "cpu/ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "omnitron fused CPU kernels (OpenMP, vectorised, float accumulation)";
+  m.def("rms_norm_fwd", &omnitron::rms_norm_fwd);
+  m.def("rms_norm_bwd", &omnitron::rms_norm_bwd);
+  m.def("layer_norm_fwd", &omnitron::layer_norm_fwd);
+  m.def("layer_norm_bwd", &omnitron::layer_norm_bwd);
+  m.def("glu_fwd", &omnitron::glu_fwd);
+  m.def("glu_bwd", &omnitron::glu_bwd);
+  m.def("rope_apply", &omnitron::rope_apply);
+  m.def("cross_entropy_fwd", &omnitron::cross_entropy_fwd);
+  m.def("cross_entropy_bwd", &omnitron::cross_entropy_bwd);
+  m.def("adamw_step", &omnitron::adamw_step);
+  m.def("grad_norm_sq", &omnitron::grad_norm_sq);
+}

@@ -1,0 +1,33 @@
+// Declarations of omnitron's CPU kernels (bound in csrc/bindings.cpp).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <tuple>
+#include <vector>
+
+namespace omnitron {
+// Norms over the last dim of a contiguous [N, D] tensor; statistics returned in float32 [N].
+std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                const at::Tensor& rstd);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& w,
+                                                              const c10::optional<at::Tensor>& b, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                              const at::Tensor& w, const at::Tensor& mean,
+                                                              const at::Tensor& rstd, bool has_bias);
+// Gated activations: x [N, 2F] -> [N, F]; kind 0 = silu (SwiGLU), 1 = tanh-gelu (GeGLU).
+at::Tensor glu_fwd(const at::Tensor& x, int64_t kind);
+at::Tensor glu_bwd(const at::Tensor& dy, const at::Tensor& x, int64_t kind);
+// Rotary embedding on contiguous t [A, B, H, D]; cos/sin float32 views [A, B, H, R/2] (any strides).
+at::Tensor rope_apply(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
+// Softmax cross-entropy on contiguous logits [N, V]: (loss fp32 [N], lse fp32 [N]).
+std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tensor& logits, const at::Tensor& target,
+                                                     double label_smoothing);
+at::Tensor cross_entropy_bwd(const at::Tensor& dloss, const at::Tensor& logits, const at::Tensor& target,
+                             const at::Tensor& lse, double label_smoothing);
+// Multi-tensor AdamW (float32 params/moments; grads float32 or bf16/fp16), in place.
+void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> exp_avgs,
+                std::vector<at::Tensor> exp_avg_sqs, int64_t step, double lr, double beta1, double beta2, double eps,
+                double weight_decay);
+at::Tensor grad_norm_sq(std::vector<at::Tensor> tensors);
+}  // namespace omnitron

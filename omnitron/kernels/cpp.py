@@ -1,0 +1,296 @@
+"""C++ CPU kernels (``csrc/cpu``): OpenMP, vectorised loops, bf16-aware, float accumulation.
+
+The extension is ``omnitron._C`` when the package was installed with a compiler present;
+otherwise, in a source checkout, it is built on first use with ``torch.utils.cpp_extension.load``
+into ``$OMNITRON_CACHE`` (default ``~/.cache/omnitron``)/ext-<hash of the sources> (about 30 s
+once, 0.1 s after). ``OMNITRON_JIT_BUILD=0`` turns the build off. Without the extension every
+op here reports itself unavailable and the registry runs the next implementation.
+
+Each op is wrapped in an ``autograd.Function`` (forward and backward in C++) and registered
+under the name ``"cpp"`` for the CPU backend, with a ``supports`` check naming what it declines.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from omnitron.kernels.registry import register
+
+log = logging.getLogger("omnitron.kernels")
+
+NAME = "cpp"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _sources() -> list[Path]:
+    return sorted((_CSRC / "cpu").glob("*.cpp")) + [_CSRC / "bindings.cpp"]
+
+
+def _jit_build():
+    from torch.utils import cpp_extension
+
+    sources = _sources()
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sources + sorted((_CSRC / "cpu").glob("*.h")):
+        digest.update(path.read_bytes())
+    cache = Path(os.environ.get("OMNITRON_CACHE", Path.home() / ".cache" / "omnitron"))
+    build_dir = cache / f"ext-{digest.hexdigest()[:16]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log.info("building omnitron C++ kernels into %s (once; about 30 s)", build_dir)
+    return cpp_extension.load(
+        name="omnitron_C", sources=[str(p) for p in sources], build_directory=str(build_dir),
+        extra_cflags=["-O3", "-g0", "-fopenmp", "-march=native", "-fno-math-errno", "-std=c++17"],
+        extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def extension():
+    """The loaded extension module, or None (the reason is in :func:`available`)."""
+    with _lock:
+        if "module" not in _state:
+            module, why = None, ""
+            try:
+                from omnitron import _C as module  # type: ignore[attr-defined]
+            except ImportError as err:
+                if os.environ.get("OMNITRON_JIT_BUILD", "1") == "0":
+                    why = f"omnitron._C not installed ({err}) and OMNITRON_JIT_BUILD=0"
+                elif not (_CSRC / "bindings.cpp").exists():
+                    why = f"omnitron._C not installed and no sources at {_CSRC}"
+                else:
+                    try:
+                        module = _jit_build()
+                    except Exception as build_err:  # compiler missing or failing: fall back, say why
+                        why = f"building the C++ kernels failed: {str(build_err).splitlines()[0][:300]}"
+                        log.warning("omnitron C++ kernels unavailable: %s", why)
+            _state["module"], _state["why"] = module, why
+        return _state["module"]
+
+
+def available() -> tuple[bool, str]:
+    """(extension usable, reason when not)."""
+    ok = extension() is not None
+    return ok, "" if ok else str(_state.get("why"))
+
+
+def _check(*tensors, dtypes=_DTYPES) -> str | None:
+    """None when every given tensor is a CPU tensor of a supported dtype, else the reason."""
+    for t in tensors:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return f"expected a tensor, got {type(t).__name__}"
+        if t.device.type != "cpu":
+            return f"tensor on {t.device.type}; the C++ kernels run on CPU tensors"
+        if t.dtype not in dtypes:
+            return f"dtype {t.dtype} not in {[str(d) for d in dtypes]}"
+    return None
+
+
+# ---------------------------------------------------------------- norms
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y, rstd = extension().rms_norm_fwd(x2, weight, float(eps))
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = extension().rms_norm_bwd(dy.reshape(x2.shape).contiguous(), x2, weight, rstd)
+        return dx.view(dy.shape), dw, None
+
+
+def _norm_supports(x, weight, bias=None, eps=1e-5) -> str | None:
+    why = _check(x, weight, bias)
+    if why:
+        return why
+    if x.dim() == 0 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return f"weight shape {tuple(weight.shape)} does not match x's last dim {x.shape[-1] if x.dim() else None}"
+    if bias is not None and bias.shape != weight.shape:
+        return f"bias shape {tuple(bias.shape)} differs from weight shape {tuple(weight.shape)}"
+    return None
+
+
+@register("rms_norm", NAME, available=available, backends=("cpu",),
+          supports=lambda x, weight, eps=1e-5: _norm_supports(x, weight))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Fused RMSNorm (see the reference); one pass per row, float32 statistics."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y, mean, rstd = extension().layer_norm_fwd(x2, weight, bias, float(eps))
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        has_bias = ctx.bias_dtype is not None
+        dx, dw, db = extension().layer_norm_bwd(dy.reshape(x2.shape).contiguous(), x2, weight, mean, rstd, has_bias)
+        return dx.view(dy.shape), dw, (db.to(ctx.bias_dtype) if has_bias else None), None
+
+
+@register("layer_norm", NAME, available=available, backends=("cpu",), supports=_norm_supports)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
+    """Fused LayerNorm (see the reference); float32 mean/rstd kept for the backward."""
+    return _LayerNorm.apply(x, weight, bias, eps)
+
+
+# ---------------------------------------------------------------- gated activations
+class _GLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, kind):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        ctx.save_for_backward(x2)
+        ctx.kind = kind
+        return extension().glu_fwd(x2, kind).view(*x.shape[:-1], x.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        dx = extension().glu_bwd(dy.reshape(x2.shape[0], -1).contiguous(), x2, ctx.kind)
+        return dx.view(*dy.shape[:-1], x2.shape[-1]), None
+
+
+def _glu_supports(x, bias=None, approximate="tanh") -> str | None:
+    why = _check(x, bias)
+    if why:
+        return why
+    if x.dim() == 0 or x.shape[-1] % 2:
+        return f"last dim {x.shape[-1] if x.dim() else None} must be even ([a | b] halves)"
+    if approximate != "tanh":
+        return f"approximate={approximate!r}; the C++ GeGLU implements the tanh form only"
+    return None
+
+
+@register("swiglu", NAME, available=available, backends=("cpu",),
+          supports=lambda x, bias=None: _glu_supports(x, bias))
+def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused SwiGLU ``silu(a) * b``; a bias is added first (by torch, then the fused kernel)."""
+    return _GLU.apply(x if bias is None else x + bias, 0)
+
+
+@register("geglu", NAME, available=available, backends=("cpu",), supports=_glu_supports)
+def geglu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:
+    """Fused GeGLU ``gelu_tanh(a) * b``; a bias is added first."""
+    return _GLU.apply(x if bias is None else x + bias, 1)
+
+
+# ---------------------------------------------------------------- rope
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, freqs, interleaved):
+        half = freqs.shape[-1]
+        shape = (*t.shape[:3], half)
+        cos, sin = freqs.float().cos().expand(shape), freqs.float().sin().expand(shape)
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return extension().rope_apply(t.contiguous(), cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return extension().rope_apply(dy.contiguous(), cos, -sin, ctx.interleaved), None, None
+
+
+def _rope_supports(t, freqs, interleaved=False) -> str | None:
+    why = _check(t) or _check(freqs)
+    if why:
+        return why
+    if t.dim() != 4:
+        return f"t has {t.dim()} dims; the C++ rope takes [s, b, h, d] or [b, s, h, d]"
+    if freqs.requires_grad:
+        return "freqs requires grad; the C++ rope differentiates with respect to t only"
+    if 2 * freqs.shape[-1] > t.shape[-1]:
+        return f"rotary dim {2 * freqs.shape[-1]} exceeds head dim {t.shape[-1]}"
+    try:
+        torch.broadcast_shapes(freqs.shape, (*t.shape[:3], freqs.shape[-1]))
+    except RuntimeError:
+        return f"freqs {tuple(freqs.shape)} does not broadcast to t[..., :r/2] {(*t.shape[:3], freqs.shape[-1])}"
+    if freqs.dim() > 4 or torch.broadcast_shapes(freqs.shape, (*t.shape[:3], freqs.shape[-1])) != (*t.shape[:3], freqs.shape[-1]):
+        return "freqs would broadcast t to a larger shape"
+    return None
+
+
+@register("rope", NAME, available=available, backends=("cpu",), supports=_rope_supports)
+def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Fused rotary embedding on ``[s, b, h, d]`` / ``[b, s, h, d]`` (interleaved or not, partial)."""
+    return _Rope.apply(t, freqs, interleaved)
+
+
+# ---------------------------------------------------------------- cross-entropy
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing):
+        x2 = logits.reshape(-1, logits.shape[-1]).contiguous()
+        t = target.reshape(-1).long().contiguous()
+        loss, lse = extension().cross_entropy_fwd(x2, t, float(label_smoothing))
+        ctx.save_for_backward(x2, t, lse)
+        ctx.label_smoothing = float(label_smoothing)
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x2, t, lse = ctx.saved_tensors
+        dx = extension().cross_entropy_bwd(dloss.reshape(-1).float().contiguous(), x2, t, lse, ctx.label_smoothing)
+        return dx.view(*dloss.shape, x2.shape[-1]), None, None
+
+
+def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
+    why = _check(logits)
+    if why:
+        return why
+    if target.dtype.is_floating_point or target.device.type != "cpu":
+        return f"target must be an integer CPU tensor (got {target.dtype} on {target.device.type})"
+    if logits.dim() == 0 or tuple(target.shape) != tuple(logits.shape[:-1]):
+        return f"target shape {tuple(target.shape)} does not match logits[..., V] {tuple(logits.shape)}"
+    return None
+
+
+@register("softmax_cross_entropy", NAME, available=available, backends=("cpu",), supports=_ce_supports)
+def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Fused per-token cross-entropy (float32); no float32 copy of the logits is made."""
+    return _CrossEntropy.apply(logits, target, label_smoothing)
+
+
+# ---------------------------------------------------------------- optimizer
+def _adamw_supports(params, grads, exp_avgs, exp_avg_sqs, **_) -> str | None:
+    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs)):
+        return "params, grads, exp_avgs and exp_avg_sqs differ in length"
+    for group in (params, exp_avgs, exp_avg_sqs):
+        for t in group:
+            if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+                return "params and moments must be contiguous float32 CPU tensors"
+    for p, g in zip(params, grads):
+        if g.device.type != "cpu" or g.dtype not in _DTYPES[:3] or not g.is_contiguous() or g.numel() != p.numel():
+            return "grads must be contiguous fp32/bf16/fp16 CPU tensors sized like their params"
+    return None
+
+
+@register("adamw_step", NAME, available=available, backends=("cpu",), supports=_adamw_supports)
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
+               weight_decay: float) -> None:
+    """Multi-tensor AdamW, in place, one pass over p, g, m, v (chunks of 32K elements across threads)."""
+    extension().adamw_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), int(step), float(lr),
+                           float(beta1), float(beta2), float(eps), float(weight_decay))
+
+
+@register("grad_norm_sq", NAME, available=available, backends=("cpu",),
+          supports=lambda tensors: next((w for w in (_check(t) for t in tensors) if w), None))
+def grad_norm_sq(tensors) -> torch.Tensor:
+    """Sum of squares of all elements (float32 scalar; chunk partials summed in float64)."""
+    return extension().grad_norm_sq([t.contiguous() for t in tensors])

@@ -1,0 +1,106 @@
+"""Input cases for the kernel conformance suite: fresh random inputs per call, odd sizes,
+non-contiguous views, every argument the op takes. Each maker returns ``[(label, args, kwargs)]``;
+float tensors with ``requires_grad`` are the ones whose gradients are checked."""
+from __future__ import annotations
+
+import torch
+
+
+def _t(shape, dtype, device, grad=True, scale=1.0, noncontig=False):
+    """A random tensor; ``noncontig`` returns a strided view of a wider buffer with the same values' law."""
+    if noncontig:
+        base = torch.randn(*shape[:-1], shape[-1] * 2 + 1, device=device) * scale
+        x = base[..., 1::2][..., : shape[-1]].to(dtype)
+        x = x.detach() if x.is_contiguous() else x
+    else:
+        x = (torch.randn(*shape, device=device) * scale).to(dtype)
+    return x.requires_grad_(grad)
+
+
+def rms_norm(dtype, device):
+    out = []
+    for shape, nc in (((3, 5, 33), False), ((7, 128), False), ((1, 1), False), ((4, 2, 40), True)):
+        x = _t(shape, dtype, device, noncontig=nc)
+        w = (1 + 0.3 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_()
+        out.append((f"{shape}{' nc' if nc else ''}", (x, w), {"eps": 1e-5}))
+    return out
+
+
+def layer_norm(dtype, device):
+    out = []
+    for shape, nc, bias in (((3, 5, 33), False, True), ((7, 128), False, False), ((2, 2, 40), True, True)):
+        x = _t(shape, dtype, device, noncontig=nc, scale=2.0)
+        w = (1 + 0.3 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_()
+        b = _t((shape[-1],), dtype, device) if bias else None
+        out.append((f"{shape}{' nc' if nc else ''} bias={bias}", (x, w, b), {"eps": 1e-5}))
+    return out
+
+
+def swiglu(dtype, device):
+    out = []
+    for shape, nc, bias in (((4, 3, 34), False, False), ((5, 128), False, True), ((3, 2, 46), True, False)):
+        x = _t(shape, dtype, device, noncontig=nc, scale=2.0)
+        b = _t((shape[-1],), dtype, device) if bias else None
+        out.append((f"{shape}{' nc' if nc else ''} bias={bias}", (x,), {"bias": b}))
+    return out
+
+
+def geglu(dtype, device):
+    return [(label, args, {**kw, "approximate": "tanh"}) for label, args, kw in swiglu(dtype, device)]
+
+
+def bias_gelu(dtype, device):
+    out = []
+    for shape, nc in (((4, 3, 37), False), ((5, 2, 64), True)):
+        out.append((f"{shape}{' nc' if nc else ''}", (_t(shape, dtype, device, noncontig=nc, scale=2.0),
+                                                   _t((shape[-1],), dtype, device)), {}))
+    return out
+
+
+def rope(dtype, device):
+    out = []
+    s, b, h = 6, 2, 3
+    for d, rot, layout, inter in ((16, 16, "sbhd", False), (16, 16, "sbhd", True), (24, 8, "bshd", False),
+                                  (20, 12, "bshd", True)):
+        freqs = torch.rand(s, rot // 2, device=device) * 6.0
+        if layout == "sbhd":
+            # a permuted [b, s, h, d] buffer: the non-contiguous [s, b, h, d] view attention produces
+            t = torch.randn(b, s, h, d, device=device).to(dtype).transpose(0, 1).requires_grad_()
+            f = freqs[:, None, None, :]
+        else:
+            t = torch.randn(b, s, h, d, device=device).to(dtype).requires_grad_()
+            f = freqs[None, :, None, :]
+        out.append((f"{layout} d={d} r={rot} interleaved={inter}", (t, f), {"interleaved": inter}))
+    return out
+
+
+def softmax_cross_entropy(dtype, device):
+    out = []
+    for shape, ls in (((3, 5, 37), 0.0), ((6, 1000), 0.1), ((2, 3, 129), 0.0)):
+        logits = _t(shape, dtype, device, scale=3.0)
+        target = torch.randint(0, shape[-1], shape[:-1], device=device)
+        out.append((f"{shape} ls={ls}", (logits, target), {"label_smoothing": ls}))
+    return out
+
+
+def scaled_softmax(dtype, device):
+    out = []
+    for shape, causal, masked in (((2, 3, 5, 7), False, True), ((2, 2, 9, 9), True, False), ((1, 4, 6, 33), True, True)):
+        x = _t(shape, dtype, device, scale=2.0)
+        mask = (torch.rand(shape[0], 1, shape[2], shape[3], device=device) < 0.2) if masked else None
+        if mask is not None:
+            mask[..., 0] = False  # keep one key per row so no row is fully masked
+        out.append((f"{shape} causal={causal} mask={masked}", (x,), {"scale": 0.7, "mask": mask, "causal": causal}))
+    return out
+
+
+MAKERS = {f.__name__: f for f in (rms_norm, layer_norm, swiglu, geglu, bias_gelu, rope, softmax_cross_entropy,
+                                   scaled_softmax)}
+
+# (atol, rtol) against the float64 reference, per input dtype; fp32 allows for float accumulation
+# and the ~2 ulp vectorised exp, bf16/fp16 for one rounding of the output to the storage type.
+TOLERANCE = {
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (2e-2, 1.6e-2),
+    torch.float16: (2e-3, 2e-3),
+}

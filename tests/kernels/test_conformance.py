@@ -1,0 +1,155 @@
+"""Conformance: every usable implementation of every op against its reference in float64.
+
+Forward output and every input gradient are compared with per-dtype tolerances
+(``cases.TOLERANCE``); outputs are poisoned (uninitialised memory filled with NaN) so an
+unwritten element fails, and NaN never passes. Runs on the backend ``--backend`` selects: the
+backend's resolved table (``table``) plus each registered implementation via ``get_impl``.
+Triton implementations are usable on CPU only under ``TRITON_INTERPRET=1`` (see
+test_triton_interpreter.py, which reruns this module in a subprocess with it set).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from omnitron.kernels import get_impl, implementations
+from tests.kernels import cases
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REQUIRED = set(filter(None, os.environ.get("OMNITRON_REQUIRE_IMPLS", "").split(",")))
+
+
+def _impl_params(ops):
+    params = []
+    for op in ops:
+        names = sorted(implementations(op)) + ["table"]
+        params += [pytest.param(op, name, id=f"{op}-{name}") for name in names]
+    return params
+
+
+def _resolve(op, name, backend):
+    if name == "table":
+        return backend.kernels.get(op)
+    impl = implementations(op)[name]
+    ok, why = impl.available()
+    if not ok:
+        if name in REQUIRED:
+            pytest.fail(f"{op}/{name} required but unavailable: {why}")
+        pytest.skip(f"{op}/{name} unavailable here: {why}")
+    return get_impl(op, name)
+
+
+def _to64(a):
+    if isinstance(a, torch.Tensor) and a.is_floating_point():
+        return a.detach().double().requires_grad_(a.requires_grad)
+    return a
+
+
+def _check(name, got, want, dtype, same_dtype_ref=None):
+    """``|got - want| <= atol + rtol |want| + 2 |ref - want|`` elementwise, where ``want`` is the
+    float64 reference and ``ref`` the reference run in ``dtype`` (an implementation may be off by
+    twice the reference's own rounding error, e.g. a bias added in bf16 before a reduction)."""
+    atol, rtol = cases.TOLERANCE[dtype]
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert not torch.isnan(got).any(), f"{name}: NaN in the output (unwritten or wrong element)"
+    got, want = got.double(), want.double()
+    bound = atol + rtol * want.abs()
+    if same_dtype_ref is not None:
+        bound = bound + 2 * (same_dtype_ref.double() - want).abs()
+    err = (got - want).abs()
+    bad = ~(err <= bound)
+    if bad.any():
+        i = int(bad.flatten().nonzero()[0])
+        raise AssertionError(f"{name}: {int(bad.sum())}/{bad.numel()} elements off; first at flat index {i}: "
+                             f"got {got.flatten()[i]:.6g}, float64 reference {want.flatten()[i]:.6g}, "
+                             f"allowed error {bound.flatten()[i]:.3g}")
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    """Fill every uninitialised allocation with NaN while a test runs."""
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(prev)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op,name", _impl_params(cases.MAKERS))
+def test_forward_backward(op, name, dtype, backend):
+    fn = _resolve(op, name, backend)
+    ref = get_impl(op, "reference")
+    device = backend.current_device()
+    torch.manual_seed(1234)
+    for label, args, kwargs in cases.MAKERS[op](dtype, device):
+        where = f"{op}/{name} [{label}]"
+        leaves = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = fn(*args, **kwargs)
+        low = ref(*args, **kwargs)  # the reference in the same dtype: its error scales the bound
+        args64, kw64 = [_to64(a) for a in args], {k: _to64(v) for k, v in kwargs.items()}
+        leaves64 = [a for a in args64 + list(kw64.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
+        out64 = ref(*args64, **kw64)
+        assert out.dtype == low.dtype, f"{where}: output dtype {out.dtype}, reference gives {low.dtype}"
+        _check(f"{where} forward", out, out64, dtype, low)
+        go = torch.randn(out.shape, device=device, dtype=torch.float64).to(out.dtype)
+        grads = torch.autograd.grad(out, leaves, go)
+        grads_low = torch.autograd.grad(low, leaves, go)
+        grads64 = torch.autograd.grad(out64, leaves64, go.double())
+        for i, (g, gl, g64, leaf) in enumerate(zip(grads, grads_low, grads64, leaves)):
+            assert g.dtype == leaf.dtype and g.shape == leaf.shape, f"{where}: grad {i} dtype/shape"
+            _check(f"{where} grad {i}", g, g64, dtype, gl)
+
+
+@pytest.mark.parametrize("op,name", _impl_params(["rms_norm", "softmax_cross_entropy", "swiglu"]))
+def test_nan_propagates(op, name, backend):
+    """A NaN in one row makes that row's output NaN and leaves the other rows finite."""
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    x = torch.randn(4, 64, device=device)
+    x[2, 5] = float("nan")
+    if op == "rms_norm":
+        out = fn(x, torch.ones(64, device=device), 1e-5)
+    elif op == "swiglu":
+        out = fn(x)
+        out = out[:, 5:6]
+    else:
+        out = fn(x, torch.zeros(4, dtype=torch.long, device=device), 0.0)
+    assert torch.isnan(out[2]).all() and not torch.isnan(out[[0, 1, 3]]).any()
+
+
+@pytest.mark.parametrize("grad_dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("op,name", _impl_params(["adamw_step"]))
+def test_adamw(op, name, grad_dtype, backend):
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    sizes = (33, 1000, 70001, 1)
+    params = [torch.randn(n, device=device) for n in sizes]
+    m = [torch.randn(n, device=device) * 0.1 for n in sizes]
+    v = [torch.rand(n, device=device) * 0.01 for n in sizes]
+    p64, m64, v64 = ([t.double() for t in ts] for ts in (params, m, v))
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in (1, 2, 3):
+        grads = [torch.randn(n, device=device).to(grad_dtype) for n in sizes]
+        fn(params, grads, m, v, step=step, **hp)
+        get_impl(op, "reference")(p64, [g.double() for g in grads], m64, v64, step=step, **hp)
+    for got, want in zip(params + m + v, p64 + m64 + v64):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("op,name", _impl_params(["grad_norm_sq"]))
+def test_grad_norm_sq(op, name, backend):
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    ts = [torch.randn(70001, device=device), torch.randn(3, 5, device=device).t(),
+          torch.randn(999, device=device).to(torch.bfloat16), torch.randn(17, device=device).half()]
+    out = fn(ts)
+    want = sum(float(t.double().pow(2).sum()) for t in ts)
+    assert out.dtype == torch.float32 and out.dim() == 0
+    assert abs(float(out) - want) <= 1e-5 * want
+    ts[1] = ts[1].clone()
+    ts[1][0, 0] = float("nan")
+    assert torch.isnan(fn(ts))
