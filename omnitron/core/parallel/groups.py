@@ -102,7 +102,10 @@ class ParallelGroups:
                     handle = collectives.new_group(members) if collectives is not None else dist.new_group(members)
                 if rank in members:
                     mine = Group(name, tuple(members), handle)
-            assert mine is not None, f"rank {rank} missing from {name} groups"
+            if mine is None:
+                # NOTE: middle pipeline stages belong to no embedding group: give them a group of
+                # one (no communication), so ``groups.embedding.size > 1`` means "tied copies here"
+                mine = Group(name, (rank,), None)
             groups[name] = mine
         return cls(config=config, world_size=world, rank=rank, groups=groups, collectives=collectives)
 
