@@ -1,0 +1,154 @@
+"""3D parity: every (tp, pp, dp) layout x pipeline schedule x --overlap-grad-reduce trains the tiny GPT
+for 5 SGD steps with the same per-step losses and final weights as one process (fp32, gloo).
+
+One spawned world per world size runs every layout and variant inside it (spawns cost seconds).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from omnitron.core.config import ParallelConfig
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.distributed import run_distributed
+
+STEPS, MBS, M, SEQ, LR, SEED = 5, 2, 4, 16, 0.5, 1234
+
+
+def _config(**kw):
+    from omnitron.core.models.gpt import gpt2_tiny
+
+    return gpt2_tiny(num_layers=8, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
+                     max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+
+
+def _data(dp: int) -> torch.Tensor:
+    """Token ids for every step: [STEPS, global batch, SEQ + 1]."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 96, (STEPS, MBS * M * dp, SEQ + 1), generator=g)
+
+
+def _iterator(data: torch.Tensor, dp_rank: int):
+    for step in data:
+        mine = step.view(-1, MBS, SEQ + 1)[dp_rank * M:(dp_rank + 1) * M]  # this replica's micro-batches
+        for mb in mine:
+            yield {"tokens": mb[:, :-1], "labels": mb[:, 1:]}
+
+
+def _gpt_step(chunk, batch, hidden):
+    from omnitron.core.parallel.data import unwrap_model
+
+    m = unwrap_model(chunk)
+    return chunk(tokens=batch["tokens"] if m.pre_process else None, hidden=hidden,
+                 labels=batch["labels"] if m.post_process else None)
+
+
+def _sgd(chunks) -> None:
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                p.add_(g, alpha=-LR)
+
+
+def reference() -> tuple[list[float], dict]:
+    """One process, whole global batch per step (dp=2 data; dp=1 layouts use its first half)."""
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+
+    out = {}
+    for dp in (1, 2):
+        groups = ParallelGroups.single()
+        model = GPTModel(_config(), groups, seed=SEED)
+        losses = []
+        for step in _data(dp):
+            model.zero_grad()
+            loss = model(tokens=step[:, :-1], labels=step[:, 1:]).mean()
+            loss.backward()
+            losses.append(loss.item())
+            _sgd([model])
+        out[dp] = (losses, gather_full_state(model, groups))
+    return out
+
+
+def _variants(pp: int, tp: int):
+    scheds = ["none"] if pp == 1 else ["1f1b", "interleaved", "zb-h1"]
+    out = [(s, ov, False) for s in scheds for ov in (False, True)]
+    if tp > 1:
+        out.append((scheds[0], True, True))  # sequence parallel
+    return out
+
+
+def parity_worker(layouts) -> dict:
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
+    from omnitron.core.parallel.pipeline import forward_backward, pipeline_layer_ranges
+
+    coll = get_backend().collectives
+    results = {}
+    for tp, pp, dp in layouts:
+        base = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+                                    coll)
+        for sched, overlap, sp in _variants(pp, tp):
+            vp = 2 if sched == "interleaved" else None
+            cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vp, sequence_parallel=sp)
+            groups = dataclasses.replace(base, config=cfg)
+            ranges = pipeline_layer_ranges(8, pp, vp)
+            chunks = []
+            for c in range(vp or 1):
+                offset, n = ranges[(groups.pp.rank, c)]
+                model = GPTModel(_config(), groups, pre_process=groups.pp.is_first and c == 0,
+                                 post_process=groups.pp.is_last and c == (vp or 1) - 1, layer_offset=offset,
+                                 num_layers=n, seed=SEED)
+                chunks.append(DistributedDataParallel(model, groups, DataParallelConfig(
+                    overlap_grad_reduce=overlap, bucket_size=3000)))
+            data = _iterator(_data(dp), groups.dp.rank)
+            losses = []
+            for _ in range(STEPS):
+                for c in chunks:
+                    c.zero_grad_buffer()
+                out = forward_backward(sched, chunks, data, groups, num_microbatches=M, seq_length=SEQ,
+                                       micro_batch_size=MBS, hidden_size=32, forward_step_fn=_gpt_step)
+                finalize_model_grads(chunks, groups)
+                _sgd(chunks)
+                losses.append(out["loss"])
+            state = {}
+            for c in chunks:
+                state.update(gather_full_state(c.module, groups))
+            results[(tp, pp, dp, sched, overlap, sp)] = (losses, state)
+    return results
+
+
+def _check(results_per_rank, ref) -> None:
+    keys = results_per_rank[0].keys()
+    for key in keys:
+        tp, pp, dp = key[:3]
+        ref_losses, ref_state = ref[dp]
+        merged = {}
+        for res in results_per_rank:
+            losses, state = res[key]
+            assert losses == pytest.approx(ref_losses, rel=1e-5), (key, losses, ref_losses)
+            merged.update(state)
+        assert merged.keys() == ref_state.keys(), key
+        for name, w in ref_state.items():
+            torch.testing.assert_close(merged[name], w, rtol=1e-5, atol=1e-6, msg=lambda s: f"{key} {name}: {s}")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    torch.manual_seed(0)
+    return reference()
+
+
+def test_parity_pipeline_2(ref):
+    _check(run_distributed(parity_worker, 2, [(1, 2, 1)]), ref)
+
+
+def test_parity_3d_4(ref):
+    _check(run_distributed(parity_worker, 4, [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)]), ref)
+
+
+@pytest.mark.slow
+def test_parity_3d_8(ref):
+    _check(run_distributed(parity_worker, 8, [(2, 2, 2)], timeout_s=600), ref)
