@@ -21,7 +21,7 @@ from omnitron.core.config.training import (CheckpointConfig, LoggingConfig, Opti
                                            TrainingConfig)
 
 # fields that are not flags: derived elsewhere, or not user settings
-_HIDDEN = {"vocab_size", "params_dtype", "apply_scaled_init", "virtual_pipeline_model_parallel_size"}
+_HIDDEN = {"params_dtype", "apply_scaled_init", "virtual_pipeline_model_parallel_size"}
 
 
 def _config_classes() -> list[tuple[str, type]]:
@@ -228,7 +228,7 @@ def _preset_fields(name: str) -> dict[str, Any]:
     if name not in presets:
         raise ConfigError(f"--model {name!r} is not a preset; choose one of {', '.join(presets)}")
     cfg = presets[name]()
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _HIDDEN}
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _HIDDEN and f.name != "vocab_size"}
 
 
 @dataclass
@@ -288,7 +288,9 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
     precision = _build(PrecisionConfig, merged)
-    model = _build(GPTConfig, merged, params_dtype=params_dtype(precision))
+    # the model's vocabulary comes from the tokenizer (--vocab-size is NullTokenizer's setting)
+    model = _build(GPTConfig, {k: v for k, v in merged.items() if k != "vocab_size"},
+                   params_dtype=params_dtype(precision))
     per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
     vp = None
     pp = int(merged.get("pipeline_model_parallel_size", 1))

@@ -99,6 +99,16 @@ def build_data(settings, tokenizer, groups, collectives):
     return train, valid
 
 
+def enable_fp8_if_asked(modules, settings, groups, cfg, backend) -> dict:
+    """FP8 linears when --fp8-format/--fp8-recipe was given; returns checkpoint hooks for their state."""
+    if settings.fp8 is None:
+        return {}
+    from omnitron.core.precision.fp8 import enable_fp8, fp8_state_dict, load_fp8_state_dict
+
+    enable_fp8(modules, settings.fp8, groups, num_layers=cfg.num_layers, backend=backend)
+    return {"fp8_state": lambda: fp8_state_dict(modules), "fp8_load": lambda st: load_fp8_state_dict(modules, st)}
+
+
 def build_components(settings, backend) -> Components:
     from omnitron.core.data import build_tokenizer
 
@@ -109,6 +119,7 @@ def build_components(settings, backend) -> Components:
                                 tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend)
+    extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
     chunks = wrap_data_parallel(modules, settings, groups)
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = MixedPrecisionOptimizer(named, settings.optim, groups, backend=backend,
@@ -120,4 +131,4 @@ def build_components(settings, backend) -> Components:
     train, valid = build_data(settings, tokenizer, groups, backend.collectives)
     return Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
                       optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=schedule,
-                      train_data=train, valid_data=valid)
+                      train_data=train, valid_data=valid, extra=extra)
