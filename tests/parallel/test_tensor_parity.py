@@ -82,6 +82,30 @@ def _run_case(cfg, groups, single, seed: int = 7) -> dict[str, float]:
     return err
 
 
+def _dropout_checks(groups) -> dict:
+    """Under tp + sequence parallelism with dropout on: recomputation is bit-identical, the
+    tp-region stream differs across tp ranks and the default stream does not."""
+    from omnitron.core.models.gpt import GPTModel, allreduce_sequence_parallel_grads, gather_full_state
+
+    base = dataclasses.replace(_configs()["gpt2"], hidden_dropout=0.2, attention_dropout=0.2)
+    tokens = torch.randint(0, base.vocab_size, (2, base.seq_length), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for cfg in (base, dataclasses.replace(base, recompute_granularity="full", recompute_method="uniform",
+                                          recompute_num_layers=2)):
+        model = GPTModel(cfg, groups, seed=11)
+        torch.manual_seed(5)
+        loss = model(tokens, labels=tokens)
+        loss.mean().backward()
+        allreduce_sequence_parallel_grads(model, groups)
+        runs.append((loss.detach(), gather_full_state(model, groups, grads=True)))
+        with model.rng_tracker.fork():
+            tp_stream = torch.rand(4)
+    (l0, g0), (l1, g1) = runs
+    return {"recompute_loss_equal": bool(torch.equal(l0, l1)),
+            "recompute_grad_err": max(_rel(g1[k], g0[k]) for k in g0),
+            "tp_stream": tp_stream, "default_stream": torch.rand(4)}
+
+
 def _parity_bundle(tp: int) -> dict:
     import torch.distributed as dist
 
@@ -98,6 +122,7 @@ def _parity_bundle(tp: int) -> dict:
         groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), coll)
         for name, cfg in _configs().items():
             results[(name, sp)] = _run_case(cfg, groups, single)
+    results["dropout"] = _dropout_checks(groups)
     # query groups fewer than tp: rejected with a message naming the flags
     cfg = dataclasses.replace(_configs()["llama"], num_query_groups=tp // 2) if tp > 2 else None
     if cfg is not None:
@@ -111,6 +136,11 @@ def _parity_bundle(tp: int) -> dict:
 
 
 def _check(results_per_rank, tp):
+    drops = [r.pop("dropout") for r in results_per_rank]
+    for d in drops:
+        assert d["recompute_loss_equal"] and d["recompute_grad_err"] < 1e-6, d
+        assert torch.equal(d["default_stream"], drops[0]["default_stream"])  # same on every tp rank
+    assert len({tuple(d["tp_stream"].tolist()) for d in drops}) == tp  # distinct per tp rank
     for results in results_per_rank:
         for key, err in results.items():
             if key == "gqa_reject":

@@ -1,0 +1,77 @@
+"""GPTConfig validation, presets, parameter and FLOP accounting."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.models.gpt import (GPTConfig, GPTModel, flops_per_iteration, gpt2_tiny, gpt_1p3b, llama_tiny,
+                                      num_parameters, padded_vocab_size, validate_model)
+from omnitron.core.parallel.groups import ParallelGroups
+
+
+def _pc(**kw):
+    return ParallelConfig(**kw)
+
+
+@pytest.mark.parametrize("cfg, parallel, words", [
+    (gpt2_tiny(), _pc(tensor_model_parallel_size=3), ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
+    (llama_tiny(), _pc(tensor_model_parallel_size=4), ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
+    (gpt2_tiny(ffn_hidden_size=510), _pc(tensor_model_parallel_size=4), ["--ffn-hidden-size 510"]),
+    (gpt2_tiny(), _pc(pipeline_model_parallel_size=3), ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
+    (gpt2_tiny(seq_length=30), _pc(tensor_model_parallel_size=4, sequence_parallel=True), ["--seq-length 30", "--sequence-parallel"]),
+    (gpt2_tiny(seq_length=256), _pc(), ["--max-position-embeddings 128"]),
+    (gpt2_tiny(hidden_size=130), _pc(), ["--hidden-size 130", "--num-attention-heads 4"]),
+    (gpt2_tiny(recompute_granularity="full"), _pc(), ["--recompute-method"]),
+])
+def test_validation_names_flag(cfg, parallel, words):
+    with pytest.raises(ConfigError) as err:
+        validate_model(cfg, parallel)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_field_errors():
+    with pytest.raises(ConfigError, match="--normalization"):
+        GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="BatchNorm")
+    with pytest.raises(ConfigError, match="--hidden-dropout"):
+        GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, hidden_dropout=1.5)
+    with pytest.raises(TypeError):
+        GPTConfig(1, 8, 2)  # keyword-only
+
+
+def test_presets_valid_and_counted():
+    for preset in (gpt2_tiny, llama_tiny):
+        c = preset()
+        validate_model(c, _pc(tensor_model_parallel_size=2))
+        model = GPTModel(c, ParallelGroups.single())
+        assert sum(p.numel() for p in model.parameters()) == num_parameters(c)
+        assert 2e6 < num_parameters(c) < 2e7
+    assert 1.2e9 < num_parameters(gpt_1p3b()) < 1.45e9
+
+
+def test_padded_vocab():
+    c = gpt2_tiny()
+    assert padded_vocab_size(c, 1) == 50304 and padded_vocab_size(c, 2) == 50432 and padded_vocab_size(c, 8) == 51200
+    assert padded_vocab_size(gpt2_tiny(vocab_size=255, make_vocab_size_divisible_by=1), 4) == 256
+
+
+def test_flops_formula_by_hand():
+    c = gpt_1p3b()
+    B, s, L, h, V = 8, 2048, 24, 2048, 50304
+    per_layer_fwd = 2 * B * s * (4 * h * h + 2 * h * 4 * h) + 2 * 2 * B * s * s * h  # GEMMs + QK^T and AV
+    fwd = L * per_layer_fwd + 2 * B * s * h * V
+    assert flops_per_iteration(c, B) == pytest.approx(3 * fwd, rel=1e-12)
+    causal = fwd - L * 2 * B * s * s * h  # half the score term
+    assert flops_per_iteration(c, B, causal=True) == pytest.approx(3 * causal, rel=1e-12)
+    # GQA + SwiGLU: kv projections shrink, MLP has three matrices
+    g = llama_tiny()
+    h, f, hq, kv, d, L, s = 128, 352, 4, 2, 32, 4, 128
+    V = padded_vocab_size(g, 1)
+    per_layer = 2 * s * (h * hq * d * 2 + 2 * h * kv * d + 3 * h * f) + 4 * s * s * hq * d
+    assert flops_per_iteration(g, 1) == pytest.approx(3 * (L * per_layer + 2 * s * h * V), rel=1e-12)
+
+
+def test_stage_layer_range_checked():
+    with pytest.raises(ValueError, match="outside"):
+        GPTModel(gpt2_tiny(vocab_size=64), ParallelGroups.single(), layer_offset=3, num_layers=2)

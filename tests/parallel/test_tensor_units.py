@@ -1,0 +1,136 @@
+"""Tensor-parallel pieces in one process: vocab-parallel cross-entropy, sharding layout, RNG tracker,
+recomputation with dropout."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnitron.backends import get_backend
+from omnitron.core.models.gpt import GPTModel, gpt2_tiny, llama_tiny
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.parallel.tensor import RNGTracker, checkpoint, init_full, shard_param, vocab_parallel_cross_entropy
+from omnitron.core.parallel.tensor.sharding import set_attributes
+
+G1 = ParallelGroups.single().tp
+
+
+@pytest.mark.parametrize("ls", [0.0, 0.1])
+def test_cross_entropy_matches_torch_with_padding(ls):
+    V, pad = 37, 3
+    logits = torch.randn(5, 2, V + pad, dtype=torch.float64)
+    logits[..., V:] = 100.0  # padding columns must not matter, whatever their value
+    target = torch.randint(0, V, (5, 2))
+    a = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(a, target, G1, vocab_size=V, label_smoothing=ls)
+    b = logits[..., :V].clone().requires_grad_()
+    ref = F.cross_entropy(b.reshape(-1, V), target.reshape(-1), reduction="none", label_smoothing=ls).view(5, 2)
+    assert loss.dtype == torch.float32  # the kernel computes in fp32 and says so
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
+    w = torch.rand(5, 2, dtype=torch.float64)
+    (loss * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(a.grad[..., :V], b.grad, rtol=1e-5, atol=1e-6)
+    assert a.grad[..., V:].abs().max() == 0
+
+
+def test_shard_strided_layout():
+    full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)  # [gate rows 0-3; up rows 4-7]
+    p = set_attributes(torch.nn.Parameter(torch.empty(4, 3)), parallel=True, dim=0, stride=2)
+    r0, r1 = shard_param(full, p, 2, 0), shard_param(full, p, 2, 1)
+    assert torch.equal(r0, full[[0, 1, 4, 5]]) and torch.equal(r1, full[[2, 3, 6, 7]])
+    q = set_attributes(torch.nn.Parameter(torch.empty(3, 2)), parallel=True, dim=1)
+    assert torch.equal(shard_param(full[:3, :].repeat(1, 2)[:, :4], q, 2, 1), full[:3, :].repeat(1, 2)[:, 2:4])
+    with pytest.raises(ValueError, match="does not match"):
+        shard_param(torch.zeros(7, 3), p, 2, 0)
+
+
+def test_init_full_is_deterministic_and_padded():
+    a = init_full("x.weight", (10, 4), ("normal", 0.5), seed=1, valid_rows=7)
+    assert torch.equal(a, init_full("x.weight", (10, 4), ("normal", 0.5), seed=1, valid_rows=7))
+    assert a[7:].abs().sum() == 0 and not torch.equal(a, init_full("y.weight", (10, 4), ("normal", 0.5), 1, 7))
+    assert torch.equal(a[:7], init_full("x.weight", (7, 4), ("normal", 0.5), seed=1))  # padding-independent
+
+
+def test_tracker_fork_is_separate_stream():
+    be = get_backend()
+    tr = RNGTracker(be)
+    tr.add("model-parallel", 123)
+    torch.manual_seed(0)
+    expected_default = torch.rand(3)
+    torch.manual_seed(0)
+    with tr.fork():
+        a = torch.rand(3)
+    assert torch.equal(torch.rand(3), expected_default)  # default stream untouched by the fork
+    with tr.fork():
+        b = torch.rand(3)
+    torch.manual_seed(123)
+    ref = torch.rand(6)
+    assert torch.equal(torch.cat([a, b]), ref)  # the fork continues its own stream
+    with pytest.raises(ValueError):
+        tr.add("model-parallel", 1)
+    with pytest.raises(KeyError):
+        with tr.fork("nope"):
+            pass
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    dict(recompute_granularity="selective"),
+])
+def test_recompute_with_dropout_is_identical(recompute):
+    base = gpt2_tiny(vocab_size=97, num_layers=3, hidden_size=32, ffn_hidden_size=64, seq_length=16,
+                     hidden_dropout=0.2, attention_dropout=0.2)
+    tokens = torch.randint(0, 97, (2, 16))
+    results = []
+    for cfg in (base, dataclasses.replace(base, **recompute)):
+        model = GPTModel(cfg, ParallelGroups.single(), seed=9)
+        model.train()
+        torch.manual_seed(4)
+        loss = model(tokens, labels=tokens)
+        loss.mean().backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # and dropout really is on: a different default seed gives a different loss
+    model = GPTModel(base, ParallelGroups.single(), seed=9)
+    torch.manual_seed(5)
+    assert not torch.equal(model(tokens, labels=tokens).detach(), l0)
+
+
+def test_checkpoint_replays_tracker_stream():
+    tr = RNGTracker(get_backend())
+    tr.add("model-parallel", 7)
+    x = torch.randn(64, requires_grad=True)
+
+    def fn(t):
+        with tr.fork():
+            t = F.dropout(t, 0.5)
+        return F.dropout(t, 0.5) * 2
+
+    torch.manual_seed(1)
+    y = checkpoint(fn, tr, x)
+    y.sum().backward()
+    tr2 = RNGTracker(get_backend())
+    tr2.add("model-parallel", 7)
+    torch.manual_seed(1)
+    x2 = x.detach().clone().requires_grad_()
+    with tr2.fork():
+        z = F.dropout(x2, 0.5)
+    y2 = F.dropout(z, 0.5) * 2
+    y2.sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+
+
+def test_missing_inputs_are_explained():
+    c = llama_tiny(vocab_size=64, num_layers=2)
+    g = ParallelGroups.single()
+    with pytest.raises(ValueError, match="tokens"):
+        GPTModel(c, g)(hidden=torch.zeros(4, 1, 128))
+    with pytest.raises(ValueError, match="hidden"):
+        GPTModel(c, g, pre_process=False, layer_offset=0, num_layers=1)(tokens=torch.zeros(1, 4, dtype=torch.long))
