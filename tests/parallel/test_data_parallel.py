@@ -1,0 +1,117 @@
+"""Data-parallel wrapper on 2 gloo processes against a float64 single-process reference."""
+import contextlib
+
+import pytest
+import torch
+
+from omnitron.core.config import ConfigError, ParallelConfig
+from omnitron.core.parallel.data import DataParallelConfig, num_microbatches
+from omnitron.testing.distributed import run_distributed
+
+M = 3
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4)).to(dtype)
+
+
+def _batch(rank: int, i: int):
+    g = torch.Generator().manual_seed(100 + 10 * rank + i)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+CASES = {  # name: (overlap, fp32 accumulation, reduce-scatter, dtype)
+    "sync": (False, False, False, torch.float32),
+    "overlap": (True, False, False, torch.float32),
+    "overlap_rs": (True, False, True, torch.float32),
+    "bf16_fp32acc": (True, True, False, torch.bfloat16),
+}
+
+
+def ddp_worker() -> dict:
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.data import DistributedDataParallel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups.build(ParallelConfig(), get_backend().collectives)
+    rank, out = groups.dp.rank, {}
+    for name, (overlap, fp32, rs, dtype) in CASES.items():
+        model = _model(dtype)
+        with torch.no_grad():  # replicas disagree until DDP broadcasts rank 0's weights
+            for p in model.parameters():
+                p.add_(rank)
+        ddp = DistributedDataParallel(model, groups, DataParallelConfig(
+            overlap_grad_reduce=overlap, accumulate_allreduce_grads_in_fp32=fp32, reduce_scatter=rs, bucket_size=200))
+        launched_early = []
+        for step in range(2):  # the second step checks zero_grad_buffer resets everything
+            ddp.zero_grad_buffer()
+            for i in range(M):
+                x, y = _batch(rank, i)
+                ctx = ddp.no_sync() if i < M - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = ((ddp(x.to(dtype)).float() - y) ** 2).mean() / M
+                    loss.backward()
+                launched_early.append([b.launched for b in ddp.buckets])
+            ddp.finish_grad_sync()
+        rec = {"params": [p.detach().float().clone() for p in model.parameters()],
+               "grads": [p.main_grad.clone() for p in model.parameters()],
+               "grad_dtype": model[0].weight.main_grad.dtype, "launched": launched_early,
+               "bucket_sizes": [b.data.numel() for b in ddp.buckets],
+               "contiguous": all(p.main_grad.untyped_storage().data_ptr() == ddp.buffers[0].data.untyped_storage()
+                                 .data_ptr() for p in model.parameters())}
+        if rs:
+            rec["shards"] = [b.shard(rank).clone() for b in ddp.buckets]
+            ids = [id(p) for p in model.parameters()]
+            rec["bucket_params"] = [[ids.index(id(p)) for p in b.params] for b in ddp.buckets]
+        out[name] = rec
+    return out
+
+
+def _reference(dtype):
+    """float64 grads of the mean loss over both ranks' micro-batches (rank 0's initial weights)."""
+    model = _model(dtype).double()
+    for r in range(2):
+        for i in range(M):
+            x, y = _batch(r, i)
+            (((model(x.double()) - y.double()) ** 2).mean() / M / 2).backward()
+    return [p.grad for p in model.parameters()], [p.detach() for p in model.parameters()]
+
+
+def test_ddp_buckets_overlap_and_reduction_match_reference():
+    results = run_distributed(ddp_worker, 2)
+    for name, (overlap, fp32, rs, dtype) in CASES.items():
+        ref_grads, ref_params = _reference(dtype)
+        tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+        for rank, res in enumerate(results):
+            rec = res[name]
+            for p, w in zip(rec["params"], ref_params):  # broadcast from dp rank 0
+                torch.testing.assert_close(p.double(), w, rtol=0, atol=0)
+            assert rec["contiguous"] and len(rec["bucket_sizes"]) > 1, name
+            assert all(n % 2 == 0 for n in rec["bucket_sizes"]), "buckets padded to a multiple of dp"
+            assert rec["grad_dtype"] == (torch.float32 if fp32 else dtype)
+            for step in range(2):
+                early = rec["launched"][step * M:(step + 1) * M]
+                assert not any(any(x) for x in early[:-1]), f"{name}: reduction started before the last micro-batch"
+                # with overlap every bucket is already in flight when backward returns; without, none is
+                assert all(early[-1]) if overlap else not any(early[-1]), name
+            if rs:
+                for idx, shard in zip(rec["bucket_params"], rec["shards"]):
+                    full = torch.cat([ref_grads[i].flatten() for i in idx]).float()
+                    full = torch.nn.functional.pad(full, (0, 2 * shard.numel() - full.numel()))
+                    torch.testing.assert_close(shard, full[rank * shard.numel():(rank + 1) * shard.numel()], **tol)
+            else:
+                for g, ref in zip(rec["grads"], ref_grads):
+                    torch.testing.assert_close(g.double(), ref, **tol)
+
+
+def test_num_microbatches_arithmetic():
+    assert num_microbatches(64, 2, 4) == 8
+    assert num_microbatches(8, 8, 1) == 1
+    with pytest.raises(ConfigError, match=r"multiple of --micro-batch-size \(3\) x data-parallel size \(2\) = 6"):
+        num_microbatches(64, 3, 2)
+    with pytest.raises(ConfigError, match="--micro-batch-size must be a positive"):
+        num_microbatches(64, 0, 2)
+    with pytest.raises(ConfigError, match="--ddp-bucket-size"):
+        DataParallelConfig(bucket_size=0)
