@@ -122,8 +122,21 @@ class Collectives:
         return self._done(work, None, async_op)
 
     def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor, group=None):
-        """Gather tensors of possibly different shapes (one per rank) into ``outputs``."""
-        dist.all_gather([self._wire(o) for o in outputs], self._wire(input.contiguous()), group=group)
+        """Gather tensors of possibly different shapes (one per rank) into ``outputs``.
+
+        Equal shapes go straight through; otherwise every rank pads its flattened input to the
+        largest size (gloo requires equal sizes) and each output takes its own prefix.
+        """
+        if all(o.shape == input.shape for o in outputs):
+            dist.all_gather([self._wire(o) for o in outputs], self._wire(input.contiguous()), group=group)
+            return
+        size = max(o.numel() for o in outputs)
+        flat = input.reshape(-1)
+        padded = torch.cat([flat, flat.new_zeros(size - flat.numel())]) if flat.numel() < size else flat
+        bufs = [torch.empty_like(padded) for _ in outputs]
+        dist.all_gather([self._wire(b) for b in bufs], self._wire(padded.contiguous()), group=group)
+        for o, b in zip(outputs, bufs):
+            o.copy_(b[: o.numel()].view(o.shape))
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
         """Broadcast from world rank ``src``."""

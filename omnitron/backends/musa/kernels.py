@@ -5,7 +5,7 @@ one); everything else runs the reference, and the registry logs the reason once.
 and ``torch.swish_glu`` are torch_musa additions, absent from stock torch: their presence is
 checked when the table is built, never assumed.
 
-Not wrapped: ``torch_musa.optim.FusedAdamW`` keeps its own optimizer state, which does not map
+Not wrapped: torch_musa's fused AdamW optimizer keeps its own optimizer state, which does not map
 onto the stateless multi-tensor ``adamw_step`` op; the engine's optimizer may use it directly.
 """
 from __future__ import annotations

@@ -1,0 +1,40 @@
+"""CUDA backend logic that needs no GPU: capability facts per architecture, peak table, probe reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.backends.cuda.backend import CUDABackend, cuda_capabilities
+from omnitron.backends.cuda.peaks import peak_flops
+
+
+def test_hopper_has_fp8_and_the_datasheet_peaks():
+    caps = cuda_capabilities("NVIDIA H200", (9, 0), 141 * 2**30, True, te_available=False, scaled_mm=True)
+    assert caps.arch == "sm_90" and caps.fp8_formats == ("e4m3", "e5m2") and caps.fp8_gemm == "scaled_mm"
+    assert caps.peak("bf16") == 989e12 and caps.peak("fp8") == 1979e12
+    assert caps.flash_attention and torch.bfloat16 in caps.dtypes
+    te = cuda_capabilities("NVIDIA H100 80GB HBM3", (9, 0), None, True, te_available=True, scaled_mm=True)
+    assert te.fp8_gemm == "transformer_engine" and te.peak(torch.bfloat16) == 989e12
+
+
+def test_ampere_and_older_claim_no_fp8():
+    a100 = cuda_capabilities("NVIDIA A100-SXM4-80GB", (8, 0), None, True, te_available=True, scaled_mm=True)
+    assert a100.arch == "sm_80" and not a100.fp8_formats and a100.fp8_gemm is None and not a100.fp8_recipes
+    assert a100.peak("bf16") == 312e12 and a100.peak("fp8") is None
+    t4 = cuda_capabilities("Tesla T4", (7, 5), None, False, te_available=False, scaled_mm=True)
+    assert torch.bfloat16 not in t4.dtypes and not t4.flash_attention and t4.peak("bf16") is None
+    ada = cuda_capabilities("NVIDIA L4", (8, 9), None, True, te_available=False, scaled_mm=True)
+    assert ada.fp8_gemm == "scaled_mm" and ada.peak("fp8") == 242e12
+
+
+@pytest.mark.parametrize("name, bf16", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+                                        ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12),
+                                        ("NVIDIA A100-PCIE-40GB", 312e12), ("NVIDIA GeForce RTX 3090", None)])
+def test_peak_table_matches_specific_names_first(name, bf16):
+    assert peak_flops(name)["bf16"] == bf16
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA")
+def test_probe_names_the_missing_piece():
+    ok, why = CUDABackend.probe()
+    assert not ok and "this torch build has no CUDA" in why

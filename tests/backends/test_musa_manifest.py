@@ -1,0 +1,116 @@
+"""The MUSA backend's torch_musa surface: manifest vs source, manifest vs test double, arch gating,
+kernel preconditions. Everything here runs on the double (results are MUSA-double, not MUSA)."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+from omnitron.backends.musa import backend as musa_backend
+from omnitron.backends.musa import kernels as musa_kernels
+from omnitron.backends.musa.backend import MUSABackend, musa_capabilities
+from omnitron.testing import musa_double
+from omnitron.testing.musa_double import DoubleConfig, MUSADoubleBackend
+
+MUSA_DIR = pathlib.Path(musa_backend.__file__).resolve().parent
+NAME = re.compile(r"\b(torch\.musa(?:\.[A-Za-z_]\w*)+|torch_musa(?:\.[A-Za-z_]\w*)+|torch\.[A-Za-z_]\w*)")
+
+
+def names_in_source() -> set[str]:
+    """torch_musa names spelled in the backend's sources: ``torch.musa.X``, ``torch_musa.X`` and
+    ``torch.X`` where stock torch has no ``X`` (an op torch_musa adds)."""
+    found = set()
+    for path in MUSA_DIR.glob("*.py"):
+        for name in NAME.findall(path.read_text()):
+            if name.startswith(("torch.musa.", "torch_musa.")):
+                found.add(name)
+            elif not name.startswith("torch.musa") and not hasattr(torch, name.split(".", 1)[1]):
+                found.add(name)
+    return found
+
+
+def test_backend_source_uses_only_manifest_names():
+    assert not hasattr(torch, "musa"), "run without the double installed"
+    used = names_in_source()
+    assert {"torch.musa.memory_allocated", "torch.rope", "torch.swish_glu"} <= used  # the grep works
+    missing = used - musa_double.read_manifest()
+    assert not missing, f"add to omnitron/backends/musa/manifest.txt: {sorted(missing)}"
+
+
+def test_backend_never_aliases_torch_musa():
+    """Aliases (``m = torch.musa``) would hide names from the manifest check."""
+    alias = re.compile(r"=\s*(torch\.musa|torch_musa)\s*$|getattr\(torch,\s*[\"']musa")
+    hits = [f"{p.name}:{i}" for p in MUSA_DIR.glob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if alias.search(line)]
+    assert not hits, hits
+
+
+def test_double_provides_exactly_the_manifest():
+    with musa_double.installed():
+        assert musa_double.surface() == musa_double.read_manifest()
+    assert not hasattr(torch, "musa") and not hasattr(torch, "rope"), "uninstall leaves torch as it was"
+
+
+def test_probe_reasons():
+    ok, why = MUSABackend.probe()
+    assert not ok and "torch_musa is not installed" in why
+    with musa_double.installed(DoubleConfig(device_count=0)):
+        ok, why = MUSABackend.probe()
+        assert not ok and "no MUSA device is visible" in why
+    with musa_double.installed():
+        assert MUSABackend.probe()[0]
+
+
+@pytest.mark.parametrize("cc, arch, bf16, fp8", [((2, 1), "mp_21", False, False), ((2, 2), "mp_22", True, False),
+                                                 ((3, 1), "mp_31", True, True)])
+def test_arch_gating_on_the_double(cc, arch, bf16, fp8):
+    with musa_double.installed(DoubleConfig(capability=cc)):
+        caps = MUSADoubleBackend().capabilities()
+    assert caps.arch == arch
+    assert (torch.bfloat16 in caps.dtypes) == bf16
+    assert bool(caps.fp8_formats) == fp8 and (caps.fp8_gemm is not None) == fp8
+    assert caps.device_name.startswith("MUSA-double")
+
+
+def test_capabilities_facts():
+    s4000 = musa_capabilities("MTT S4000", (2, 2), 48 * 2**30, True, False, True, True)
+    assert s4000.arch == "mp_22" and not s4000.fp8_formats and s4000.peak("bf16") == 100e12
+    s5000 = musa_capabilities("MTT S5000", (3, 1), 80 * 2**30, True, True, True, True)
+    assert s5000.fp8_gemm == "transformer_engine" and s5000.fp8_collectives
+    assert s5000.peak("bf16") is None, "no datasheet figure in the table: None, not a guess"
+
+
+def test_musa_kernel_preconditions():
+    x = torch.randn(4, 8, 2, 64)
+    assert musa_kernels.swiglu_supports(torch.randn(3, 8), torch.randn(8)) == "torch.swish_glu has no bias argument"
+    assert musa_kernels.swiglu_supports(torch.randn(3, 8)) is None
+    assert "one angle row per position" in musa_kernels.rope_supports(x, torch.randn(4, 2, 1, 32))
+    assert musa_kernels.rope_supports(x, torch.randn(4, 1, 1, 32)) is None
+    assert musa_kernels.rope_supports(x, torch.randn(1, 8, 1, 32)) is None
+    assert "no gradient for freqs" in musa_kernels.rope_supports(x, torch.randn(4, 1, 1, 32, requires_grad=True))
+    q = torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)
+    assert "head dim 32" in musa_kernels.attention_supports(q, q, q)
+    assert "bf16/fp16" in musa_kernels.attention_supports(q.float(), q.float(), q.float())
+    w = torch.ones(64)
+    assert "differs" in musa_kernels.rms_norm_supports(x.bfloat16(), w)
+
+
+def test_musa_kernels_unavailable_without_torch_musa():
+    musa_kernels.register_musa_kernels()
+    from omnitron.kernels.registry import implementations
+
+    ok, why = implementations("rope")["musa"].available()
+    assert not ok and "torch_musa is not imported" in why
+    with musa_double.installed():
+        assert implementations("rope")["musa"].available()[0]
+
+
+def test_double_refuses_a_real_torch_musa(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch_musa", types.ModuleType("torch_musa"))
+    with pytest.raises(RuntimeError, match="real torch_musa"):
+        musa_double.install()
