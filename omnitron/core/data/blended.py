@@ -1,9 +1,12 @@
 """Blending several datasets in fixed proportions (``--data-path 0.7 A 0.3 B``), and mock data."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
+from . import cache
 from .gpt_dataset import make_sample
 
 
@@ -15,26 +18,52 @@ def blend_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarr
     one sample of the target mix. Returns (dataset_index int16, dataset_sample_index int64).
     """
     w = np.asarray(weights, np.float64)
-    w = w / w.sum()
-    counts = np.zeros(len(w), np.int64)
-    dataset_index = np.empty(size, np.int16)
-    sample_index = np.empty(size, np.int64)
+    w = (w / w.sum()).tolist()
+    k = len(w)
+    counts = [0] * k
+    chosen = [0] * size
+    # NOTE: plain Python floats, not numpy, per step: ~10x faster for the few datasets of a blend.
     for i in range(size):
-        d = int(np.argmax(w * (i + 1) - counts))
-        dataset_index[i] = d
-        sample_index[i] = counts[d]
-        counts[d] += 1
+        best, best_err = 0, w[0] * (i + 1) - counts[0]
+        for d in range(1, k):
+            err = w[d] * (i + 1) - counts[d]
+            if err > best_err:
+                best, best_err = d, err
+        chosen[i] = best
+        counts[best] += 1
+    dataset_index = np.asarray(chosen, np.int16)
+    sample_index = np.empty(size, np.int64)
+    for d in range(k):  # the j-th sample taken from dataset d is its sample j
+        mask = dataset_index == d
+        sample_index[mask] = np.arange(int(mask.sum()), dtype=np.int64)
     return dataset_index, sample_index
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """``size`` samples drawn from ``datasets`` in proportions ``weights`` (deterministic, no seed needed)."""
+    """``size`` samples drawn from ``datasets`` in proportions ``weights`` (deterministic, no seed needed).
 
-    def __init__(self, datasets: list, weights: list[float], size: int):
+    With ``cache_dir`` the blend indices are cached like the GPT indices (keyed by the
+    constituent datasets' descriptions, the weights and the size).
+    """
+
+    def __init__(self, datasets: list, weights: list[float], size: int, *, cache_dir: str | None = None,
+                 allow_build: bool = True):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"BlendedDataset: {len(datasets)} datasets but {len(weights)} weights")
         self.datasets, self.weights, self.size = datasets, list(weights), size
-        self.dataset_index, self.dataset_sample_index = blend_indices(weights, size)
+        names = ("dataset_index", "dataset_sample_index")
+
+        def build():
+            return dict(zip(names, blend_indices(weights, size)))
+
+        if cache_dir is None:
+            arrays = build()
+        else:
+            desc = {"class": "BlendedDataset", "weights": [float(w) for w in weights], "size": int(size),
+                    "datasets": [getattr(d, "description", repr(d)) for d in datasets]}
+            arrays = cache.load_or_build(os.path.join(cache_dir, "indices"), desc, names,
+                                         build if allow_build else None)
+        self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
         for d, ds in enumerate(datasets):
             need = int((self.dataset_index == d).sum())
             if need > len(ds):

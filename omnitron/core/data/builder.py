@@ -68,7 +68,7 @@ def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split:
                                 allow_build=allow_build))
     if len(parts) == 1:
         return parts[0]
-    return BlendedDataset(parts, [w for w, _ in blend], num_samples)
+    return BlendedDataset(parts, [w for w, _ in blend], num_samples, cache_dir=cache_dir, allow_build=allow_build)
 
 
 def _build_all(config, tokenizer, samples, cache_dir, allow_build):
