@@ -21,8 +21,9 @@ Interface for the trainer (everything offline; nothing is fetched at run time):
     # checkpoint sampler.state_dict() / your own iteration * global_batch_size; restore with consumed_samples.
 
 Ranks of one tensor-parallel group (and of one context-parallel group) read the same indices
-deterministically: build the sampler with the data-parallel rank/size only. Only the first and
-last pipeline stages need batches (tokens/position_ids on the first, labels/loss_mask on the last).
+deterministically: build the sampler with the data-parallel rank/size only; or let tp member 0
+read and call ``broadcast_batch(batch, group=groups.tp, collectives=..., ...)``. Only the first and
+last pipeline stages need batches (``needs_batch(groups)``).
 
 Files: ``IndexedDataset(prefix)`` / ``IndexedDatasetBuilder`` / ``merge_datasets`` (MMIDIDX .bin/.idx),
 ``demo_corpus_prefix()``, ``preprocess.preprocess_files`` (behind ``omnitron preprocess``).
@@ -34,6 +35,7 @@ from .builder import DataError, build_gpt_datasets, split_ranges
 from .cache import IndexCacheMissing
 from .config import DataConfig, default_cache_dir, parse_data_path, split_weights
 from .corpus import demo_corpus_prefix, moby_dick_chapters, moby_dick_documents
+from .distributed import broadcast_batch, needs_batch
 from .gpt_dataset import GPTDataset, build_indices, make_sample
 from .indexed import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, merge_datasets, optimal_dtype
 from .sampler import PretrainingSampler, build_data_loader, collate
@@ -42,7 +44,7 @@ from .tokenizers import TOKENIZER_TYPES, Tokenizer, TokenizerError, build_tokeni
 __all__ = [
     "BlendedDataset", "MockGPTDataset", "blend_indices", "DataError", "build_gpt_datasets", "split_ranges",
     "IndexCacheMissing", "DataConfig", "default_cache_dir", "parse_data_path", "split_weights",
-    "demo_corpus_prefix", "moby_dick_chapters", "moby_dick_documents", "GPTDataset", "build_indices", "make_sample", "IndexedDataset",
+    "broadcast_batch", "needs_batch", "demo_corpus_prefix", "moby_dick_chapters", "moby_dick_documents", "GPTDataset", "build_indices", "make_sample", "IndexedDataset",
     "IndexedDatasetBuilder", "IndexedDatasetError", "merge_datasets", "optimal_dtype", "PretrainingSampler",
     "build_data_loader", "collate", "TOKENIZER_TYPES", "Tokenizer", "TokenizerError", "build_tokenizer",
 ]
