@@ -153,3 +153,27 @@ def test_grad_norm_sq(op, name, backend):
     ts[1] = ts[1].clone()
     ts[1][0, 0] = float("nan")
     assert torch.isnan(fn(ts))
+
+
+@pytest.mark.parametrize("fmt", ("e4m3", "e5m2"))
+@pytest.mark.parametrize("op,name", _impl_params(["fp8_cast_transpose_amax"]))
+def test_fp8_cast_transpose_amax(op, name, fmt, backend):
+    """Bit-exact FP8 codes (normal, subnormal, saturated, signed zero), exact transpose and amax."""
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    for shape, xdtype in (((33, 70), torch.float32), ((64, 128), torch.bfloat16), ((1, 5), torch.float16)):
+        x = torch.randn(shape, device=device) * torch.logspace(-9, 6, shape[1], base=2.0, device=device)
+        x[0, 0] = -0.0
+        x = x.to(xdtype)
+        scale = torch.tensor(2.0 ** float(torch.randint(-3, 4, ())), device=device)
+        q, qt, amax = fn(x, scale, fmt)
+        # independent expectation: float64 scaling, saturation, torch's exact float8 rounding
+        limit = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
+        want = (x.double() * scale.double()).clamp(-limit, limit).to(dtype)
+        assert q.dtype == dtype and qt.dtype == dtype and q.shape == shape and qt.shape == shape[::-1]
+        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), f"{name} {fmt} {shape}: fp8 codes differ"
+        assert torch.equal(qt.view(torch.uint8), want.t().contiguous().view(torch.uint8))
+        assert amax.dtype == torch.float32 and float(amax) == float(x.double().abs().max())
+    x[0, 1] = float("nan")
+    assert torch.isnan(fn(x, scale, fmt)[2])

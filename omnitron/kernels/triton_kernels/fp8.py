@@ -1,0 +1,83 @@
+"""FP8 cast + transpose + amax in Triton: one read of ``x`` writes the scaled FP8 copy, its
+transpose (for the weight-gradient GEMM) and per-tile amax partials.
+
+The float -> FP8 rounding (round-to-nearest-even, saturating to the format's max) is written with
+integer bit operations and stored as bytes, so results are identical on every GPU and under the
+interpreter (whose own float8 casts are not exact).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from omnitron.kernels.registry import register
+from omnitron.kernels.triton_kernels._common import GPU_BACKENDS, NAME, available, check, interpreting
+
+FORMATS = {"e4m3": (torch.float8_e4m3fn, 3, 7, 448.0), "e5m2": (torch.float8_e5m2, 2, 15, 57344.0)}
+
+
+@triton.jit
+def _to_fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr):
+    """uint8 codes of float32 ``y`` in the FP8 format (MANT mantissa bits, exponent BIAS), RNE, saturating."""
+    y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    a = bits & 0x7FFFFFFF
+    SHIFT: tl.constexpr = 23 - MANT
+    normal = ((a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MANT)
+    af = a.to(tl.float32, bitcast=True)
+    # subnormal: multiples of 2^(1 - BIAS - MANT), rounded to even by the 2^23 magic-number trick
+    sub = ((af * (2.0 ** (BIAS - 1 + MANT)) + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(af < 2.0 ** (1 - BIAS), sub, normal)
+    code = tl.where(y != y, 0x7F, code)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _cast_transpose(X, SCALE, Q, QT, AMAX, M, N, MANT: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    m2 = (rows < M)[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows[:, None] * N + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    scale = tl.load(SCALE)
+    code = _to_fp8_bits(x * scale, MANT, BIAS, LIMIT)
+    tl.store(Q + rows[:, None] * N + cols[None, :], code, mask=m2)
+    tl.store(QT + cols[None, :] * M + rows[:, None], code, mask=m2)
+    ax = tl.abs(x)
+    has_nan = tl.max(tl.max(tl.where(ax != ax, 1, 0), axis=1), axis=0)
+    mx = tl.max(tl.max(tl.where(ax != ax, 0.0, ax), axis=1), axis=0)
+    tl.store(AMAX + pm * tl.num_programs(1) + pn, tl.where(has_nan > 0, float("nan"), mx))  # NaN propagates
+
+
+def _supports(x, scale, fmt="e4m3") -> str | None:
+    why = check(x) or check(scale, dtypes=(torch.float32,))
+    if why:
+        return why
+    if fmt not in FORMATS:
+        return f"unknown FP8 format {fmt!r}; use one of {sorted(FORMATS)}"
+    if x.dim() != 2:
+        return f"x has {x.dim()} dims; cast-transpose takes a 2-D [m, n] tensor"
+    if scale.numel() != 1:
+        return "scale must be a single (per-tensor) value"
+    return None
+
+
+@register("fp8_cast_transpose_amax", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
+def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3"):
+    """(``x * scale`` in FP8 ``[m, n]``, the same values transposed ``[n, m]``, amax of ``|x|`` float32 scalar)."""
+    dtype, mant, bias, limit = FORMATS[fmt]
+    x = x.contiguous()
+    m, n = x.shape
+    q = torch.empty(m, n, dtype=torch.uint8, device=x.device)
+    qt = torch.empty(n, m, dtype=torch.uint8, device=x.device)
+    bm = bn = 64 if interpreting() else 32
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    if m and n:
+        _cast_transpose[grid](x, scale.reshape(1).float(), q, qt, part, m, n, MANT=mant, BIAS=bias, LIMIT=limit,
+                              BM=bm, BN=bn)
+    amax = part.max() if part.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    return q.view(dtype), qt.view(dtype), amax

@@ -1,0 +1,134 @@
+"""RMSNorm and LayerNorm in Triton: a tile of rows per program, float32 statistics kept for the
+backward, weight/bias gradients as per-program partial sums reduced by one torch ``sum``."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from omnitron.kernels.registry import register
+from omnitron.kernels.triton_kernels._common import GPU_BACKENDS, NAME, as_rows, available, block_rows, check
+
+MAX_COLS = 65536
+
+
+@triton.jit
+def _norm_fwd(X, W, B, Y, MEAN, RSTD, n_rows, n_cols, eps,
+              RMS: tl.constexpr, HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    rmask, cmask = rows < n_rows, cols < n_cols
+    m2 = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + offs, mask=m2, other=0.0).to(tl.float32)
+    if RMS:
+        mean = tl.zeros([BM], dtype=tl.float32)
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / n_cols
+        xc = tl.where(m2, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_B:
+        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=m2)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _norm_bwd(DY, X, W, MEAN, RSTD, DX, DW, DB, n_rows, n_cols,
+              RMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BM + tl.arange(0, BM)
+    cols = tl.arange(0, BN)
+    rmask, cmask = rows < n_rows, cols < n_cols
+    m2 = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + offs, mask=m2, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    xhat = tl.where(m2, (x - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy * w[None, :]
+    c1 = tl.sum(g * xhat, axis=1) / n_cols
+    if RMS:
+        dx = (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        c2 = tl.sum(g, axis=1) / n_cols
+        dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m2)
+    tl.store(DW + pid * n_cols + cols, tl.sum(dy * xhat, axis=0), mask=cmask)
+    tl.store(DB + pid * n_cols + cols, tl.sum(dy, axis=0), mask=cmask)
+
+
+def _launch_fwd(x2, weight, bias, eps, rms):
+    n, d = x2.shape
+    bn = triton.next_power_of_2(d)
+    bm = block_rows(bn)
+    y = torch.empty_like(x2)
+    mean = torch.empty(n, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty_like(mean)
+    _norm_fwd[(triton.cdiv(n, bm),)](x2, weight, bias if bias is not None else weight, y, mean, rstd, n, d, eps,
+                                      RMS=rms, HAS_B=bias is not None, BM=bm, BN=bn)
+    return y, mean, rstd
+
+
+def _launch_bwd(dy2, x2, weight, mean, rstd, rms):
+    n, d = x2.shape
+    bn = triton.next_power_of_2(d)
+    bm = block_rows(bn)
+    grid = triton.cdiv(n, bm)
+    dx = torch.empty_like(x2)
+    dw = torch.empty(grid, d, dtype=torch.float32, device=x2.device)
+    db = torch.empty_like(dw)
+    _norm_bwd[(grid,)](dy2, x2, weight, mean, rstd, dx, dw, db, n, d, RMS=rms, BM=bm, BN=bn)
+    return dx, dw.sum(0), db.sum(0)
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        x2 = as_rows(x)
+        w = weight.contiguous()
+        b = None if bias is None else bias.contiguous()
+        y, mean, rstd = _launch_fwd(x2, w, b, float(eps), rms)
+        ctx.save_for_backward(x2, w, mean, rstd)
+        ctx.rms, ctx.has_bias = rms, bias is not None
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _launch_bwd(as_rows(dy), x2, w, mean, rstd, ctx.rms)
+        db = db.to(ctx.dtypes[1]) if ctx.has_bias else None
+        return dx.view(dy.shape), dw.to(ctx.dtypes[0]), db, None, None
+
+
+def _supports(x, weight, bias=None, eps=1e-5) -> str | None:
+    why = check(x, weight, bias)
+    if why:
+        return why
+    if x.dim() == 0 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return "weight must be 1-D with x's last dim"
+    if bias is not None and bias.shape != weight.shape:
+        return "bias must match weight's shape"
+    if x.shape[-1] > MAX_COLS:
+        return f"last dim {x.shape[-1]} > {MAX_COLS} (one row per tile)"
+    return None
+
+
+@register("rms_norm", NAME, available=available, backends=GPU_BACKENDS,
+          supports=lambda x, weight, eps=1e-5: _supports(x, weight))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Triton RMSNorm (see the reference)."""
+    return _Norm.apply(x, weight, None, eps, True)
+
+
+@register("layer_norm", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
+    """Triton LayerNorm (see the reference)."""
+    return _Norm.apply(x, weight, bias, eps, False)
