@@ -12,14 +12,9 @@ import sys
 
 
 def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
-    from omnitron.core.data.tokenizers import TOKENIZER_TYPES
+    from omnitron.core.data.config import add_tokenizer_args as add
 
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: bundled)")
-    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: bundled)")
-    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json or SentencePiece .model")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    add(p)
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> dict:

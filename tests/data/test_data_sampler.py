@@ -73,3 +73,17 @@ def test_broadcast_batch_over_tp_group():
     results = run_distributed(_tp_broadcast, 2)
     assert [r[0] for r in results] == [0, 1] and all(r[1] for r in results)
     assert all(r[2] == ref for r in results)
+
+
+def test_data_args_roundtrip():
+    import argparse
+
+    from omnitron.core.data import add_data_args, data_config_from_args, tokenizer_from_config
+
+    p = argparse.ArgumentParser()
+    add_data_args(p)
+    cfg = data_config_from_args(p.parse_args(["--data-path", "0.7", "A", "0.3", "B", "--split", "90,10,0",
+                                              "--seq-length", "64", "--tokenizer-type", "NullTokenizer",
+                                              "--vocab-size", "99", "--eod-mask-loss"]))
+    assert cfg.data_path == ["0.7", "A", "0.3", "B"] and cfg.seq_length == 64 and cfg.eod_mask_loss
+    assert tokenizer_from_config(cfg).vocab_size == 100 and cfg.seed == 1234

@@ -6,6 +6,8 @@ Interface for the trainer (everything offline; nothing is fetched at run time):
     tok.encode("Hello world") == [15496, 995]; tok.vocab_size == 50257; tok.eod == tok.pad == 50256
 
     cfg = DataConfig(data_path=["0.7", "A", "0.3", "B"], split="969,30,1", seq_length=1024, seed=1234)
+    # CLI: add_data_args(parser) adds --data-path --split --mock-data --seq-length --tokenizer-type ...;
+    #      cfg = data_config_from_args(args); tok = tokenizer_from_config(cfg)
     # data_path=[] -> the bundled Moby Dick corpus (tokenized into the cache on first use);
     # mock_data=True -> synthetic tokens, same interface.
     train, valid, test = build_gpt_datasets(cfg, tok, train_samples=iters * global_batch,
@@ -33,7 +35,8 @@ from __future__ import annotations
 from .blended import BlendedDataset, MockGPTDataset, blend_indices
 from .builder import DataError, build_gpt_datasets, split_ranges
 from .cache import IndexCacheMissing
-from .config import DataConfig, default_cache_dir, parse_data_path, split_weights
+from .config import (DataConfig, add_data_args, add_tokenizer_args, data_config_from_args, default_cache_dir,
+                     parse_data_path, split_weights, tokenizer_from_config)
 from .corpus import demo_corpus_prefix, moby_dick_chapters, moby_dick_documents
 from .distributed import broadcast_batch, needs_batch
 from .gpt_dataset import GPTDataset, build_indices, make_sample
@@ -43,7 +46,8 @@ from .tokenizers import TOKENIZER_TYPES, Tokenizer, TokenizerError, build_tokeni
 
 __all__ = [
     "BlendedDataset", "MockGPTDataset", "blend_indices", "DataError", "build_gpt_datasets", "split_ranges",
-    "IndexCacheMissing", "DataConfig", "default_cache_dir", "parse_data_path", "split_weights",
+    "IndexCacheMissing", "DataConfig", "add_data_args", "add_tokenizer_args", "data_config_from_args",
+    "tokenizer_from_config", "default_cache_dir", "parse_data_path", "split_weights",
     "broadcast_batch", "needs_batch", "demo_corpus_prefix", "moby_dick_chapters", "moby_dick_documents", "GPTDataset", "build_indices", "make_sample", "IndexedDataset",
     "IndexedDatasetBuilder", "IndexedDatasetError", "merge_datasets", "optimal_dtype", "PretrainingSampler",
     "build_data_loader", "collate", "TOKENIZER_TYPES", "Tokenizer", "TokenizerError", "build_tokenizer",

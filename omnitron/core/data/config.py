@@ -91,3 +91,48 @@ def parse_data_path(data_path: list[str] | str) -> list[tuple[float, str]]:
     if total <= 0:
         raise ConfigError("--data-path: weights sum to 0; give at least one positive weight")
     return [(w / total, p) for w, p in pairs]
+
+
+def add_tokenizer_args(parser) -> None:
+    """``--tokenizer-type --vocab-file --merge-file --tokenizer-model --vocab-size`` (Megatron spellings)."""
+    from .tokenizers import TOKENIZER_TYPES
+
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: the bundled one)")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: the bundled one)")
+    g.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFace) or .model (SentencePiece)")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+
+
+def add_data_args(parser) -> None:
+    """Every ``DataConfig`` flag, Megatron spellings; read back with ``data_config_from_args``."""
+    add_tokenizer_args(parser)
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=[], help="PREFIX, or WEIGHT PREFIX pairs (default: demo corpus)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test document proportions")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens instead of files")
+    g.add_argument("--seq-length", type=int, default=1024)
+    g.add_argument("--data-cache-path", default=None, help="index cache directory (default ~/.cache/omnitron)")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each eod")
+    if not any(a.dest == "seed" for a in parser._actions):
+        g.add_argument("--seed", type=int, default=1234)
+
+
+def data_config_from_args(args) -> DataConfig:
+    """``DataConfig`` from a namespace parsed with ``add_data_args``."""
+    return DataConfig(data_path=list(args.data_path), split=args.split, mock_data=args.mock_data,
+                      seq_length=args.seq_length, seed=args.seed, data_cache_path=args.data_cache_path,
+                      num_workers=args.num_workers, tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                      merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                      eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
+
+
+def tokenizer_from_config(config: DataConfig):
+    """The tokenizer a ``DataConfig`` names."""
+    from .tokenizers import build_tokenizer
+
+    return build_tokenizer(config.tokenizer_type, vocab_file=config.vocab_file, merge_file=config.merge_file,
+                           tokenizer_model=config.tokenizer_model, vocab_size=config.vocab_size)
