@@ -157,16 +157,32 @@ def _digest(cache_dir, prefix, is_builder_rank=True, barrier=None):
     return h.hexdigest()
 
 
-def _rank_build(cache_dir, prefix):
+def _rank_checks(cache_dir, prefix):
+    """One spawn, two checks: rank 0 builds the caches while rank 1 waits and loads; tp broadcast of a batch."""
     import torch.distributed as dist
 
-    return _digest(cache_dir, prefix, dist.get_rank() == 0, dist.barrier)
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.data import broadcast_batch, collate, needs_batch
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    digest = _digest(cache_dir, prefix, dist.get_rank() == 0, dist.barrier)
+    coll = get_backend().collectives
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), coll)
+    ds = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_position_ids=True)
+    mine = collate([ds[i] for i in range(4)]) if groups.tp.rank == 0 else None
+    got = broadcast_batch(mine, group=groups.tp, collectives=coll, micro_batch_size=4, seq_length=16)
+    return digest, needs_batch(groups), {k: v.tolist() for k, v in got.items()}
 
 
 @pytest.mark.multiprocess
-def test_rank0_builds_others_load(tmp_path):
+def test_two_ranks_build_load_and_broadcast(tmp_path):
+    from omnitron.core.data import collate
     from omnitron.testing.distributed import run_distributed
 
     _write(tmp_path / "d", _docs(np.random.default_rng(3), 120, 300, 300))
-    digests = run_distributed(_rank_build, 2, str(tmp_path / "shared"), str(tmp_path / "d"))
-    assert digests == [_digest(str(tmp_path / "single"), str(tmp_path / "d"))] * 2
+    results = run_distributed(_rank_checks, 2, str(tmp_path / "shared"), str(tmp_path / "d"))
+    assert [r[0] for r in results] == [_digest(str(tmp_path / "single"), str(tmp_path / "d"))] * 2
+    ds = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_position_ids=True)
+    ref = {k: v.tolist() for k, v in collate([ds[i] for i in range(4)]).items()}
+    assert all(r[1] for r in results) and all(r[2] == ref for r in results)

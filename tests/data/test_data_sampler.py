@@ -48,33 +48,6 @@ def test_loader_batches():
     assert collate([ds[0]])["labels"].shape == (1, 16)
 
 
-def _tp_broadcast():
-    import torch.distributed as dist
-
-    from omnitron.backends import get_backend
-    from omnitron.core.config.parallel import ParallelConfig
-    from omnitron.core.data import broadcast_batch, needs_batch
-    from omnitron.core.parallel.groups import ParallelGroups
-
-    coll = get_backend().collectives
-    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), coll)
-    ds = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_position_ids=True)
-    mine = collate([ds[i] for i in range(4)]) if groups.tp.rank == 0 else None
-    got = broadcast_batch(mine, group=groups.tp, collectives=coll, micro_batch_size=4, seq_length=16)
-    return dist.get_rank(), needs_batch(groups), {k: v.tolist() for k, v in got.items()}
-
-
-@pytest.mark.multiprocess
-def test_broadcast_batch_over_tp_group():
-    from omnitron.testing.distributed import run_distributed
-
-    ds = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_position_ids=True)
-    ref = {k: v.tolist() for k, v in collate([ds[i] for i in range(4)]).items()}
-    results = run_distributed(_tp_broadcast, 2)
-    assert [r[0] for r in results] == [0, 1] and all(r[1] for r in results)
-    assert all(r[2] == ref for r in results)
-
-
 def test_data_args_roundtrip():
     import argparse
 
