@@ -42,6 +42,10 @@ def suite_backend(suite_backend_name, double_env):
         with musa_double.installed():
             yield musa_double.MUSADoubleBackend()
         return
-    from omnitron.backends import get_backend
+    from omnitron.backends import BackendUnavailableError, get_backend
 
-    yield get_backend(suite_backend_name)
+    try:
+        be = get_backend(suite_backend_name)
+    except BackendUnavailableError as err:  # one clear message instead of an error per test
+        pytest.exit(f"conformance suite: {err}", returncode=3)
+    yield be

@@ -30,8 +30,8 @@ def test_streams_and_events(suite_backend):
     start, end = be.Event(enable_timing=True), be.Event(enable_timing=True)
     x = torch.randn(64, 64, device=be.device())
     start.record()
+    side.wait_stream(be.current_stream())  # x is written on the current stream
     with be.stream(side):
-        side.wait_stream(be.current_stream())
         y = x @ x
     be.current_stream().wait_stream(side)
     end.record()
