@@ -52,19 +52,21 @@ class _WeightPath(torch.autograd.Function):
 
 
 class SleepStage(torch.nn.Module):
-    def __init__(self, t: float) -> None:
+    """F, B and W each cost ``t``. Virtual stage 0 has no input gradient to compute (its B is a
+    no-op in the runtime), so there W costs ``2t``: every stage then does 3t of work per micro-batch."""
+
+    def __init__(self, t: float, first: bool) -> None:
         super().__init__()
-        self.t = t
+        self.t, self.tw = t, (2 * t if first else t)
         self.w = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, x):
         # the weight path sees a detached input: B (grad w.r.t. x) never runs it, W runs only it
-        return _InputPath.apply(x, self.t, self.t) + _WeightPath.apply(x.detach(), self.w, self.t)
+        return _InputPath.apply(x, self.t, self.t) + _WeightPath.apply(x.detach(), self.w, self.tw)
 
 
 def _step(chunk, batch, hidden):
-    # stage 0 takes a leaf that needs a grad, so its full backward costs 2t like every other stage
-    return chunk(batch.requires_grad_() if hidden is None else hidden)
+    return chunk(batch if hidden is None else hidden)
 
 
 def bench_worker(configs, unit: float):
@@ -84,7 +86,7 @@ def bench_worker(configs, unit: float):
 
         groups = dataclasses.replace(base, config=ParallelConfig(pipeline_model_parallel_size=pp,
                                                                  virtual_pipeline_model_parallel_size=vp))
-        chunks = [SleepStage(unit / (vp or 1)) for _ in range(vp or 1)]
+        chunks = [SleepStage(unit / (vp or 1), first=dist.get_rank() == 0 and c == 0) for c in range(vp or 1)]
         for attempt in range(2):  # the first run warms up
             data = iter([torch.randn(SEQ, MBS, HIDDEN) for _ in range(m)])
             spans: list = []
@@ -109,11 +111,11 @@ def main() -> None:
     ap.add_argument("--unit-ms", type=float, default=20.0, help="cost of one F (or B, or W) pass of one stage")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1"])
     args = ap.parse_args()
     print(f"| schedule | p | v | m | measured idle | theory | diff (pp) |\n|---|---|---|---|---|---|---|")
     for pp in args.pp:
-        configs = [(n, vp, m) for m in args.microbatches for n, vp in (("1f1b", None), ("interleaved", 2),
-                                                                      ("zb-h1", None))]
+        configs = [(n, 2 if n == "interleaved" else None, m) for m in args.microbatches for n in args.schedules]
         for name, p, v, m, idle in run_distributed(bench_worker, pp, configs, args.unit_ms / 1000)[0]:
             th = theory_bubble(name, p, m, v)
             print(f"| {name} | {p} | {v} | {m} | {idle:.3f} | {th:.3f} | {100 * (idle - th):+.1f} |", flush=True)

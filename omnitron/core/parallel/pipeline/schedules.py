@@ -12,6 +12,7 @@ timeline and peak in-flight activations) and executed by the one runtime in ``ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from omnitron.core.config.parallel import ConfigError
 
@@ -147,47 +148,59 @@ def schedule_interleaved(pp: int, vp: int, num_microbatches: int) -> Schedule:
     return Schedule("interleaved", pp, vp, m, tables)
 
 
-def schedule_zb_h1(pp: int, num_microbatches: int) -> Schedule:
+def zb_stage_cost(stage: int, kind: str) -> float:
+    """Relative cost of an action on a virtual stage, as the ZB-H1 builder assumes: F = B = W = 1,
+    an unsplit backward ``BW`` = 2; on stage 0 there is no input gradient to compute, so its B is
+    free and its W does the whole backward (2)."""
+    if stage == 0 and kind in ("B", "W"):
+        return 0.0 if kind == "B" else 2.0
+    return 2.0 if kind == "BW" else 1.0
+
+
+def schedule_zb_h1(pp: int, num_microbatches: int,
+                   stage_cost: Callable[[int, str], float] = zb_stage_cost) -> Schedule:
     """Zero-bubble H1: backward split into B (input grad) and W (weight grad); W fills bubbles.
 
-    Built by list-scheduling unit-cost F, B, W on an ideal timeline with the priority B > F > W.
-    Rank r keeps at most ``pp - r`` micro-batches between F and B (1F1B's limit) and defers at
-    most ``pp - 1`` W passes, which brings the bubble to (p-1)/(3m+p-1): a third of 1F1B's idle
-    time. NOTE: the runtime keeps a micro-batch's graph until its W, so a rank holds up to
-    ``2p - 1 - r`` micro-batches of activations (1F1B: ``p - r``).
+    Built by list-scheduling F, B, W (durations from ``stage_cost``, integers) on an ideal clock
+    with the priority B > F > W. Rank r keeps at most ``pp - r`` micro-batches between F and B
+    (1F1B's limit) and defers at most ``pp - 1`` W passes, which brings the bubble to
+    (p-1)/(3m+p-1) for m >= p: a third of 1F1B's idle time. NOTE: the runtime keeps a
+    micro-batch's graph until its W, so a rank holds up to ``2p - 1 - r`` micro-batches of
+    activations (1F1B: ``p - r``).
     """
     _check(pp, num_microbatches)
     m, never = num_microbatches, float("inf")
-    done: dict[tuple[str, int, int], int] = {}  # (kind, rank, mb) -> finish time
+    done: dict[tuple[str, int, int], float] = {}  # (kind, rank, mb) -> finish time
     tables: dict[int, list[Action]] = {r: [] for r in range(pp)}
     next_f, next_b, before_b = [0] * pp, [0] * pp, [0] * pp
     pending_w: list[list[int]] = [[] for _ in range(pp)]
+    busy_until = [0.0] * pp
     t = 0
     while any(len(tables[r]) < 3 * m for r in range(pp)):
         started = []
         for r in range(pp):
-            f, b = next_f[r], next_b[r]
-            grad_from = ("F", r, b) if r == pp - 1 else ("B", r + 1, b)
-            b_ready = b < f and done.get(grad_from, never) <= t
-            f_ready = (f < m and before_b[r] < pp - r and before_b[r] + len(pending_w[r]) < 2 * pp - 1 - r
-                       and (r == 0 or done.get(("F", r - 1, f), never) <= t))
-            if b_ready:
-                act = Action(0, "B", b)
-                next_b[r] += 1
-                before_b[r] -= 1
-                pending_w[r].append(b)
-            elif f_ready:
-                act = Action(0, "F", f)
-                next_f[r] += 1
-                before_b[r] += 1
-            elif pending_w[r]:
-                act = Action(0, "W", pending_w[r].pop(0))
-            else:
-                continue
-            tables[r].append(act)
-            started.append((act.kind, r, act.microbatch))
-        for key in started:
-            done[key] = t + 1
+            while busy_until[r] <= t:  # zero-cost actions let a rank start another in the same tick
+                f, b = next_f[r], next_b[r]
+                grad_from = ("F", r, b) if r == pp - 1 else ("B", r + 1, b)
+                b_ready = b < f and done.get(grad_from, never) <= t
+                f_ready = (f < m and before_b[r] < pp - r and before_b[r] + len(pending_w[r]) < 2 * pp - 1 - r
+                           and (r == 0 or done.get(("F", r - 1, f), never) <= t))
+                if b_ready:
+                    act = Action(0, "B", b)
+                    next_b[r], before_b[r] = b + 1, before_b[r] - 1
+                    pending_w[r].append(b)
+                elif f_ready:
+                    act = Action(0, "F", f)
+                    next_f[r], before_b[r] = f + 1, before_b[r] + 1
+                elif pending_w[r]:
+                    act = Action(0, "W", pending_w[r].pop(0))
+                else:
+                    break
+                tables[r].append(act)
+                busy_until[r] = t + stage_cost(r, act.kind)
+                started.append(((act.kind, r, act.microbatch), busy_until[r]))
+        for key, end in started:
+            done[key] = end
         t += 1
     return Schedule("zb-h1", pp, 1, m, {r: tuple(v) for r, v in tables.items()})
 

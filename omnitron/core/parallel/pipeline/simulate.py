@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 from omnitron.core.parallel.pipeline.schedules import Action, Schedule
 
@@ -56,11 +57,14 @@ def check_complete(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {r}: {c}{kind}{i} comes before the work it needs")
 
 
-def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Timeline:
+def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
+             stage_cost: Callable[[int, str], float] | None = None) -> Timeline:
     """Run the tables on an ideal clock; raise :class:`ScheduleError` on deadlock.
 
     ``cost`` gives per-action durations for one chunk: ``F``, ``B`` (input grad), ``W``; an
     unsplit backward costs ``B + W``. Defaults 1, 1, 1 (backward twice a forward).
+    ``stage_cost(stage, kind)`` (kind ``F``, ``B``, ``W`` or ``BW`` for an unsplit backward)
+    overrides them per virtual stage.
     """
     check_complete(schedule)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
@@ -87,7 +91,10 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Timeli
                     break
                 start = max(clock[r], finish[need] if need else 0.0)
                 unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
-                dur = cost["B"] + cost["W"] if unsplit else cost[a.kind]
+                if stage_cost is not None:
+                    dur = stage_cost(k, "BW" if unsplit else a.kind)
+                else:
+                    dur = cost["B"] + cost["W"] if unsplit else cost[a.kind]
                 clock[r] = start + dur
                 finish[(a.kind, k, a.microbatch)] = clock[r]
                 tl.spans[r].append((start, clock[r], a))
