@@ -99,3 +99,16 @@ def test_bad_files_fail_with_clear_errors(tmp_path):
     b = IndexedDatasetBuilder(str(tmp_path / "o.bin"), np.uint16)
     with pytest.raises(IndexedDatasetError, match="do not fit"):
         b.add_item([1, 70000])
+
+
+def test_pickle_reopens_instead_of_copying(tmp_path):
+    import pickle
+
+    idx, data = _fixture_bytes(_random_docs(np.random.default_rng(4), 50, 900), 8, np.uint16)
+    (tmp_path / "p.idx").write_bytes(idx)
+    (tmp_path / "p.bin").write_bytes(data)
+    ds = IndexedDataset(tmp_path / "p")
+    blob = pickle.dumps(ds)
+    assert len(blob) < 300
+    again = pickle.loads(blob)
+    assert all(np.array_equal(ds[i], again[i]) for i in range(len(ds)))

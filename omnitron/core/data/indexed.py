@@ -78,6 +78,13 @@ class IndexedDataset:
                                       "re-run preprocessing or copy the file again")
         self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if bin_size else np.zeros(0, np.uint8)
 
+    def __getstate__(self) -> dict:
+        # NOTE: re-open by prefix in the receiving process; pickling the memmaps would copy the files
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     def _read_index(self, path: str) -> None:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
