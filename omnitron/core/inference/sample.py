@@ -125,8 +125,9 @@ def print_sample(c, prompt: str, max_new_tokens: int, top_k: int = 1) -> str | N
     if model is None:
         return None
     ids = c.tokenizer.encode(prompt)
-    out = generate(model, ids, max_new_tokens, top_k=top_k, eod=getattr(c.tokenizer, "eod", None),
+    out = generate(model, ids, max_new_tokens, top_k=top_k, temperature=0.8, eod=getattr(c.tokenizer, "eod", None),
                    generator=torch.Generator().manual_seed(c.settings.training.seed))
     text = c.tokenizer.decode(out)
-    print(f"\n--- sample (greedy, KV cache) ---\n{prompt}{text}\n---", flush=True)
+    how = "greedy" if top_k == 1 else f"top-{top_k} sampling"
+    print(f"\n--- sample ({how}, KV cache) ---\n{prompt}{text}\n---", flush=True)
     return text

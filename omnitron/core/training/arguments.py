@@ -157,6 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per worker (default: 1 when several workers share the machine)")
     launch.add_argument("--prompt", help="after training, print a sampled continuation of this text")
     launch.add_argument("--sample-tokens", type=int, metavar="N", help="tokens to sample for --prompt (default: 40)")
+    launch.add_argument("--sample-top-k", type=int, metavar="K", help="sample among the K likeliest tokens; "
+                        "1 is greedy (default: 20)")
     opts = options()
     seen_groups: dict[str, argparse._ArgumentGroup] = {}
     owner = {}
@@ -197,7 +199,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     return {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
 
 
-_LAUNCH_KEYS = ("config", "model", "nproc_per_node", "backend", "threads_per_process", "prompt", "sample_tokens",
+_LAUNCH_KEYS = ("config", "model", "nproc_per_node", "backend", "threads_per_process", "prompt", "sample_tokens", "sample_top_k",
                 "num_layers_per_virtual_pipeline_stage")
 
 
@@ -253,6 +255,7 @@ class Settings:
     threads: int | None
     prompt: str | None
     sample_tokens: int
+    sample_top_k: int
     flat: dict[str, Any]
     """The merged flat settings (what a checkpoint records as the run's config)."""
 
@@ -331,6 +334,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                     ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world, nproc_per_node=nproc,
                     backend=merged.get("backend"), threads=merged.get("threads_per_process"),
                     prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
+                    sample_top_k=int(merged.get("sample_top_k") or 20),
                     flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")})
 
 

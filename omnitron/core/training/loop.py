@@ -99,5 +99,5 @@ def train(settings, backend) -> dict:
     if settings.prompt:
         from omnitron.core.inference.sample import print_sample
 
-        print_sample(c, settings.prompt, settings.sample_tokens)
+        print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k)
     return result

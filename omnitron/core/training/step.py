@@ -6,6 +6,7 @@ share the loss (held by the last stage) with every rank for logging.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterator
 
@@ -43,14 +44,21 @@ def _zero_grads(c) -> None:
             chunk.zero_grad_buffer()
 
 
+def forward_only_schedule(schedule):
+    """The schedule's forwards alone (validation): no gradient messages are planned or awaited."""
+    tables = {r: tuple(a for a in t if a.kind == "F") for r, t in schedule.tables.items()}
+    return dataclasses.replace(schedule, tables=tables)
+
+
 def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: float | None) -> float:
     """Run the schedule; returns the mean loss over micro-batches and data-parallel ranks (every rank)."""
+    schedule = forward_only_schedule(c.schedule) if forward_only else c.schedule
 
     def loss_fn(output, batch):
         total, count = default_loss_fn(output, batch)
         return (total * loss_scale if loss_scale else total), count
 
-    loss_sum, _ = run_schedule(c.schedule, c.groups.pp.rank if c.groups.pp.size > 1 else 0, c.chunks, data_iterator,
+    loss_sum, _ = run_schedule(schedule, c.groups.pp.rank if c.groups.pp.size > 1 else 0, c.chunks, data_iterator,
                                forward_step_fn=forward_step, loss_fn=loss_fn, pp_group=c.groups.pp,
                                collectives=c.backend.collectives, tensor_shape=_tensor_shape(c),
                                dtype=c.model.params_dtype, device=c.backend.current_device(),

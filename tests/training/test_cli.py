@@ -1,0 +1,61 @@
+"""The train command line: Megatron flags, config-file precedence, one-line errors with exit code 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.training.arguments import parse_settings
+
+
+def test_flags_config_file_and_precedence(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: gpt2_tiny\ntensor-model-parallel-size: 2\nmicro_batch_size: 2\nlr: 0.5\nbf16: true\n"
+                   "data-path: [0.3, A, 0.7, B]\n")
+    s = parse_settings(["--config", str(cfg), "--lr", "0.25", "--seq-length", "64", "--num-layers", "2",
+                        "--global-batch-size", "8"], world_size=4)
+    assert s.parallel.tensor_model_parallel_size == 2 and s.dp == 2 and s.num_microbatches == 2
+    assert s.optim.lr == 0.25  # the command line wins
+    assert s.precision.bf16 and str(s.model.params_dtype) == "torch.bfloat16"
+    assert s.model.seq_length == 64 and s.data.seq_length == 64 and s.model.num_layers == 2
+    assert s.model.hidden_size == 128  # from the preset
+    assert s.data.data_path == ["0.3", "A", "0.7", "B"]
+    j = tmp_path / "run.json"
+    j.write_text(json.dumps({"model": "gpt2_tiny", "lr": "x"}))
+    with pytest.raises(ConfigError, match="--lr expects float"):
+        parse_settings(["--config", str(j)], world_size=1)
+    j.write_text(json.dumps({"model": "gpt2_tiny", "not-a-flag": 1}))
+    with pytest.raises(ConfigError, match="unknown setting 'not_a_flag'"):
+        parse_settings(["--config", str(j)], world_size=1)
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--model", "gpt2_tiny", "--global-batch-size", "3"], 2, "--global-batch-size 3 is not a multiple"),
+    (["--model", "gpt2_tiny", "--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible"),
+    (["--model", "gpt2_tiny", "--tensor-model-parallel-size", "2"], 3, "world size 3 is not a multiple"),
+    (["--num-layers", "2"], 1, "give --hidden-size, --num-attention-heads"),
+    (["--model", "gpt2_tiny", "--lr", "1", "--min-lr", "2"], 1, "--min-lr"),
+    (["--model", "gpt2_tiny", "--finetune"], 1, "--finetune needs --load"),
+    (["--model", "nope"], 1, "not a preset"),
+])
+def test_cross_checks(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_settings(argv, world_size=world)
+
+
+def test_bad_tensor_parallel_size_is_one_line_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "omnitron", "train", "--model", "gpt2_tiny", "--mock-data",
+                           "--tensor-model-parallel-size", "3", "--nproc-per-node", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3" in lines[0]
+    helptext = subprocess.run([sys.executable, "-m", "omnitron", "train", "--help"], capture_output=True, text=True,
+                              timeout=120).stdout
+    for flag in ("--tensor-model-parallel-size", "--micro-batch-size", "--lr-decay-style", "--bf16", "--save",
+                 "--nproc-per-node", "--config", "--eval-interval", "--keep-last-n"):
+        assert flag in helptext
