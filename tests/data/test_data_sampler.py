@@ -46,6 +46,8 @@ def test_loader_batches():
                                                                                   "position_ids")}
     assert torch.equal(b["tokens"], torch.stack([ds[i]["tokens"] for i in range(8, 12)]))
     assert collate([ds[0]])["labels"].shape == (1, 16)
+    with_worker = list(build_data_loader(ds, PretrainingSampler(len(ds), 4, 4, 1, 2), num_workers=1))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(batches, with_worker) for k in a)
 
 
 def test_data_args_roundtrip():

@@ -9,6 +9,8 @@ For one split (a contiguous range of documents) and a requested number of sample
   shuffle index   a permutation of the n samples
 All three are numpy arrays, deterministic for a seed, cached on disk (``cache.py``).
 Here a "document" is one sequence of the indexed dataset (preprocessing writes one per document).
+NOTE: unlike Megatron, the last (partial) epoch is not shuffled separately, and the index
+files are omnitron's own (.npy): the samples are the same kind, not the same order as Megatron's.
 """
 from __future__ import annotations
 
