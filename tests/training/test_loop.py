@@ -1,0 +1,78 @@
+"""The loop in one process: metrics.jsonl fields, validation, fp16 loss-scale skipping, --finetune,
+--load compatibility errors, omnitron plot's clear message."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omnitron.backends import get_backend
+from omnitron.core.checkpoint import CheckpointError
+from omnitron.core.training.arguments import parse_settings
+from omnitron.core.training.loop import train
+
+
+def _args(tmp_path, *extra):
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",
+            "--no-tensorboard", "--data-cache-path", str(tmp_path / "cache"), "--lr", "1e-2", *extra]
+
+
+def test_metrics_and_validation(tmp_path):
+    log_dir = tmp_path / "logs"
+    res = train(parse_settings(_args(tmp_path, "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2",
+                                     "--log-dir", str(log_dir)), 1), get_backend("cpu"))
+    recs = [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
+    train_recs = [r for r in recs if "lm_loss" in r]
+    val = [r for r in recs if "val_loss" in r]
+    assert [r["iteration"] for r in train_recs] == [1, 2, 3, 4] and [r["iteration"] for r in val] == [2, 4]
+    for r in train_recs:
+        for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "step_time_s", "skipped_iters"):
+            assert key in r
+        assert r["lm_loss"] == res["losses"][r["iteration"]]  # full precision round trip
+        assert r["tokens_per_sec"] > 0 and r["grad_norm"] > 0
+    assert val[0]["val_ppl"] == pytest.approx(__import__("math").exp(val[0]["val_loss"]))
+    proc = subprocess.run([sys.executable, "-m", "omnitron", "plot", str(log_dir)], capture_output=True, text=True,
+                          timeout=120)
+    try:
+        import matplotlib  # noqa: F401
+        assert proc.returncode == 0 and os.path.exists(log_dir / "loss.png")
+    except ImportError:
+        assert proc.returncode == 2 and "matplotlib is not installed" in proc.stderr
+
+
+def test_fp16_dynamic_loss_scale_skips_then_trains(tmp_path):
+    log_dir = tmp_path / "logs"
+    res = train(parse_settings(_args(tmp_path, "--fp16", "--initial-loss-scale", str(2.0 ** 22), "--hysteresis", "1",
+                                     "--train-iters", "6", "--log-dir", str(log_dir)), 1), get_backend("cpu"))
+    recs = [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
+    skipped = [r["skipped_iters"] for r in recs]
+    scales = [r["loss_scale"] for r in recs]
+    assert skipped[0] == 1 and sum(skipped) < 6  # overflowing steps skipped, then it trains
+    assert scales == sorted(scales, reverse=True) and scales[-1] < 2.0 ** 22
+    assert all(r["grad_norm"] is None for r in recs if r["skipped_iters"])
+    assert all(v == v for v in res["losses"].values())  # no NaN loss reported
+
+
+def test_finetune_and_incompatible_load(tmp_path):
+    save = str(tmp_path / "ck")
+    first = train(parse_settings(_args(tmp_path, "--train-iters", "2", "--save", save), 1), get_backend("cpu"))
+    c0 = first["components"]
+    ft = train(parse_settings(_args(tmp_path, "--train-iters", "1", "--load", save, "--finetune", "--lr", "0.0",
+                                    "--weight-decay", "0"), 1), get_backend("cpu"))
+    c1 = ft["components"]
+    assert list(ft["losses"]) == [1] and c1.optimizer.step_count == 1  # iteration 0, fresh optimizer
+    for a, b in zip(c0.modules[0].parameters(), c1.modules[0].parameters()):
+        assert a.detach().equal(b.detach())  # weights loaded (lr 0 keeps them)
+    with pytest.raises(CheckpointError, match="--hidden-size 32, this run 64"):
+        train(parse_settings(_args(tmp_path, "--train-iters", "3", "--load", save, "--hidden-size", "64"), 1),
+              get_backend("cpu"))
+    proc = subprocess.run([sys.executable, "-m", "omnitron", "train", *_args(tmp_path, "--load", save,
+                           "--tensor-model-parallel-size", "2", "--nproc-per-node", "2")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "--tensor-model-parallel-size 1, this run uses 2" in proc.stderr
