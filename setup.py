@@ -24,7 +24,7 @@ def _extensions():
     ext = CppExtension(
         "omnitron._C",
         sources,
-        extra_compile_args=["-O3", "-g0", "-fopenmp", "-march=native", "-std=c++17"],
+        extra_compile_args=["-O3", "-g0", "-fopenmp", "-march=native", "-fno-math-errno", "-std=c++17"],
         extra_link_args=["-fopenmp"],
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}

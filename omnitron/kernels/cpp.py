@@ -44,7 +44,8 @@ def _jit_build():
     cache = Path(os.environ.get("OMNITRON_CACHE", Path.home() / ".cache" / "omnitron"))
     build_dir = cache / f"ext-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    log.info("building omnitron C++ kernels into %s (once; about 30 s)", build_dir)
+    if not (build_dir / "omnitron_C.so").exists():
+        log.info("building omnitron C++ kernels into %s (once; about 30-60 s)", build_dir)
     return cpp_extension.load(
         name="omnitron_C", sources=[str(p) for p in sources], build_directory=str(build_dir),
         extra_cflags=["-O3", "-g0", "-fopenmp", "-march=native", "-fno-math-errno", "-std=c++17"],

@@ -1,0 +1,211 @@
+"""Kernel benchmark: every implementation of every op against torch eager (the reference), the
+torch-native fused op where one exists, and optionally ``torch.compile`` of the reference.
+
+Calls are timed round-robin (one call of each implementation per round) so a noisy machine
+slows all of them alike; the median over rounds is reported, with achieved bandwidth (bytes of
+every input and output moved once / time) and peak memory allocated during one call (tracked
+op by op through a dispatch mode, so it works on any device).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from omnitron.kernels.bench_cases import CASES, Case
+from omnitron.kernels.registry import REFERENCE, implementations
+
+
+@dataclass
+class Row:
+    op: str
+    dtype: str
+    mode: str
+    impl: str
+    ms: float | None
+    gbs: float | None
+    peak_mib: float | None
+    speedup: float | None = None
+    """Eager (reference) time / this time."""
+    note: str = ""
+
+
+class PeakTracker(TorchDispatchMode):
+    """Peak bytes of storages created by ops while active (storages that existed before count 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.cur = self.peak = 0
+
+    def _free(self, key: int) -> None:
+        self.count[key] -= 1
+        if self.count[key] == 0:
+            self.cur -= self.size.pop(key)
+            del self.count[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.count:
+                key = t.untyped_storage().data_ptr()
+                self.count[key], self.size[key] = 1, 0  # pre-existing storage: never freed, never counted
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.count:
+                    self.count[key], self.size[key] = 0, storage.nbytes()
+                    self.cur += storage.nbytes()
+                    self.peak = max(self.peak, self.cur)
+                self.count[key] += 1
+                weakref.finalize(t, self._free, key)
+        return out
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _runner(fn, args, kwargs, mode: str, case: Case):
+    """A no-argument callable doing one forward (and backward) and the bytes it moves once."""
+    if mode == "fwd+bwd":
+        leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                  for a in args]
+        grads = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = fn(*leaves, **kwargs)
+        go = torch.randn_like(out)
+        moved = 2 * _nbytes(args) + 2 * _nbytes(out) + _nbytes(grads)
+
+        def call():
+            torch.autograd.grad(fn(*leaves, **kwargs), grads, go)
+        return call, moved
+    if case.op == "adamw_step":  # p, m, v read and written; g read
+        moved = 2 * _nbytes([args[0], args[2], args[3]]) + _nbytes(args[1])
+    else:
+        with torch.no_grad():
+            moved = _nbytes(args) + _nbytes(fn(*args, **kwargs))
+
+    def call():
+        with torch.no_grad():
+            fn(*args, **kwargs)
+    return call, moved
+
+
+def _candidates(case: Case, backend, compile_: bool) -> dict[str, object]:
+    impls = {"eager": implementations(case.op)[REFERENCE].fn}
+    if case.native is not None:
+        impls["torch"] = case.native
+    if compile_:
+        impls["compile"] = torch.compile(impls["eager"], dynamic=False)
+    for name, impl in sorted(implementations(case.op).items()):
+        if name == REFERENCE or (impl.backends is not None and backend.name not in impl.backends):
+            continue
+        ok, _ = impl.available()
+        if ok:
+            impls[name] = impl.fn
+    return impls
+
+
+def bench_case(case: Case, backend, dtype: torch.dtype, mode: str, *, size: str, compile_: bool,
+               rounds: int, budget_s: float) -> list[Row]:
+    """Rows for every usable implementation of ``case`` in ``mode`` (``fwd``, ``fwd+bwd`` or ``step``)."""
+    device = backend.current_device()
+    torch.manual_seed(0)
+    args, kwargs = case.make(device, dtype, size)
+    dname = "float32" if case.float_only else str(dtype).split(".")[-1]
+    calls, rows = {}, {}
+    for name, fn in _candidates(case, backend, compile_).items():
+        try:
+            if case.op == "adamw_step" and name != "eager":  # each optimizer gets its own state
+                args = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
+            call, moved = _runner(fn, args, kwargs, mode, case)
+            call()  # warm-up (compiles where needed)
+            call()
+            calls[name] = (call, moved)
+        except Exception as err:  # an implementation that cannot take this case is reported, not fatal
+            rows[name] = Row(case.op, dname, mode, name, None, None, None, note=f"failed: {str(err).splitlines()[0][:80]}")
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    start = time.perf_counter()
+    for r in range(rounds):
+        for name, (call, _) in calls.items():
+            backend.synchronize()
+            t0 = time.perf_counter()
+            call()
+            backend.synchronize()
+            times[name].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    for name, (call, moved) in calls.items():
+        ms = statistics.median(times[name]) * 1e3
+        peak = None
+        if name != "compile":
+            tracker = PeakTracker()
+            with tracker:
+                call()
+            peak = tracker.peak / 2**20
+        rows[name] = Row(case.op, dname, mode, name, ms, moved / (ms * 1e-3) / 1e9, peak)
+    eager = rows.get("eager")
+    for row in rows.values():
+        if eager is not None and eager.ms and row.ms:
+            row.speedup = eager.ms / row.ms
+    return list(rows.values())
+
+
+def copy_bandwidth(backend, size: str) -> float:
+    """Device-to-device copy bandwidth in GB/s (read + write), the ceiling for memory-bound kernels."""
+    n = {"tiny": 1 << 20, "small": 1 << 25, "large": 1 << 28}[size]
+    x = torch.empty(n, dtype=torch.uint8, device=backend.current_device()).fill_(1)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    ts = []
+    for _ in range(10):
+        backend.synchronize()
+        t0 = time.perf_counter()
+        y.copy_(x)
+        backend.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(ts) / 1e9
+
+
+def run(backend, *, ops: list[str] | None, dtypes: list[torch.dtype], size: str, compile_: bool, rounds: int = 15,
+        budget_s: float = 3.0, log=print) -> dict:
+    """Benchmark every selected op; returns the JSON-able report (machine, copy bandwidth, rows)."""
+    import platform
+
+    rows: list[Row] = []
+    for case in CASES:
+        if ops and case.op not in ops:
+            continue
+        modes = ("fwd", "fwd+bwd") if case.differentiable else ("step",)
+        for dtype in (dtypes[:1] if case.float_only else dtypes):
+            for mode in modes:
+                new = bench_case(case, backend, dtype, mode, size=size, compile_=compile_, rounds=rounds,
+                                 budget_s=budget_s)
+                rows += new
+                log(format_rows(new, header=not rows[: -len(new)]))
+    return {
+        "machine": {"backend": backend.name, "device": str(backend.current_device()), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine()},
+        "copy_gbs": copy_bandwidth(backend, size),
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def format_rows(rows: list[Row], header: bool = True) -> str:
+    """Rows as an aligned text table (``-`` where a figure is missing)."""
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"{'op':24s} {'dtype':9s} {'mode':8s} {'impl':8s} {'ms':>9s} {'GB/s':>7s} {'peak MiB':>9s} {'vs eager':>8s}"] \
+        if header else []
+    for r in rows:
+        lines.append(f"{r.op:24s} {r.dtype:9s} {r.mode:8s} {r.impl:8s} {f(r.ms, '9.3f')} {f(r.gbs, '7.1f')} "
+                     f"{f(r.peak_mib, '9.1f')} {f(r.speedup, '7.2f')}x {r.note}".rstrip())
+    return "\n".join(lines)
