@@ -22,13 +22,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nerror: {err}")
         return 1
     caps = backend.capabilities()
-    print(f"\nselected: {backend.name} (device type {backend.device_type!r}, collectives {backend.dist_backend!r})")
+    print(f"\nselected: {backend.name} (device type {backend.device_type!r}, collectives {backend.dist_backend!r}, "
+          f"{backend.device_count()} device(s), current {backend.current_device()})")
     print("capabilities:")
     for field, value in caps.__dict__.items():
         print(f"  {field:16s} {value}")
     print("kernels (op -> implementation tried first):")
     for op, impl in backend.kernels.table().items():
         print(f"  {op:24s} {impl}")
-    print(f"fp8 gemm path: {backend.fp8.path}")
+    describe = getattr(backend.fp8, "describe", None)
+    print(describe() if describe else f"fp8 gemm path: {backend.fp8.path}")
     print("versions:", ", ".join(f"{k} {v}" for k, v in backend.versions().items()))
     return 0

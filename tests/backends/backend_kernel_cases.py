@@ -111,10 +111,18 @@ def _grad_norm(device, dtype):
     return [Case("lists", ([_r(7, device=device, dtype=dtype), _r(3, 5, device=device, dtype=dtype)],))]
 
 
+def _fp8_cast(device, dtype):
+    x = _r(64, 96, device=device, dtype=dtype, scale=3.0)
+    fit = 448.0 / x.float().abs().amax()
+    return [Case(f"{fmt}-x{k}", (x, (fit * k).float().reshape(()), fmt))
+            for fmt in ("e4m3", "e5m2") for k in (0.5, 4.0)]  # k=4: values past the format's max saturate
+
+
 CASES: dict[str, Callable[[torch.device, torch.dtype], list[Case]]] = {
     "rms_norm": _norms, "layer_norm": _layer_norm, "swiglu": _glu, "geglu": _geglu, "bias_gelu": _bias_gelu,
     "bias_dropout_add": _bias_dropout_add, "rope": _rope, "softmax_cross_entropy": _cross_entropy,
     "scaled_softmax": _scaled_softmax, "attention": _attention, "adamw_step": _adamw, "grad_norm_sq": _grad_norm,
+    "fp8_cast_transpose_amax": _fp8_cast,
 }
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
 GRAD_TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=8e-2, rtol=8e-2)}

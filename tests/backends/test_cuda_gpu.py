@@ -84,7 +84,8 @@ def test_memory_stats_track_allocations(cuda):
     during = cuda.memory_stats()
     assert during["allocated"] - before["allocated"] >= nbytes
     assert during["reserved"] >= during["allocated"] and during["peak_allocated"] >= during["allocated"]
-    assert 0 < during["free"] < during["total"] == cuda.capabilities().memory_total
+    assert 0 < during["free"] < during["total"]
+    assert abs(during["total"] - cuda.capabilities().memory_total) < 0.05 * during["total"]
     del buf
     cuda.empty_cache()
     after = cuda.memory_stats()

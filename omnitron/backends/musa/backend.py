@@ -198,7 +198,9 @@ class MUSABackend(Backend):
         register_musa_kernels()
 
     def kernel_preference(self) -> tuple[str, ...]:
-        return ("musa", "reference")
+        # Triton kernels run where a MUSA Triton build provides an active driver (their own
+        # availability check says so); muDNN's fused ops come first.
+        return ("musa", "triton", "reference")
 
     def versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__}
