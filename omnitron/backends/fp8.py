@@ -51,11 +51,12 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
     return torch.where(ok, fresh, keep)
 
 
-def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
-    """``fp8(x * scale)``: e4m3 saturates at +-448 (nan stays nan); e5m2 overflows to inf."""
+def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+    """``fp8(x * scale)``: e4m3 saturates at +-448 (nan stays nan); e5m2 overflows to inf unless
+    ``saturate`` (then it clips at +-57344 like e4m3, as Transformer Engine's satfinite casts do)."""
     y = x.float() * scale
-    if fmt == "e4m3":
-        y = y.clamp(-FP8_MAX["e4m3"], FP8_MAX["e4m3"])  # clamp keeps nan, maps +-inf to +-448
+    if fmt == "e4m3" or saturate:
+        y = y.clamp(-FP8_MAX[fmt], FP8_MAX[fmt])  # clamp keeps nan, maps +-inf to +-max
     return y.to(fp8_dtype(fmt))
 
 
@@ -134,13 +135,14 @@ class FP8Provider:
                 f"block-wise GEMM path {self.block_path}")
 
     # ---- quantization -----------------------------------------------------------------------
-    def quantize(self, x: torch.Tensor, fmt: str, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, x: torch.Tensor, fmt: str, scale: torch.Tensor,
+                 saturate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(``fp8(x * scale)``, amax of ``x`` as a float32 scalar). See :func:`cast_to_fp8` for saturation."""
         amax = x.detach().abs().amax().float()
-        return cast_to_fp8(x, fmt, scale), amax
+        return cast_to_fp8(x, fmt, scale, saturate), amax
 
     def quantize_blocks(self, x: torch.Tensor, fmt: str, block: tuple[int, int],
-                        margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        margin: int = 0, saturate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Block-scaled quantization of 2-D ``x``: each ``block`` tile gets its own scale from its amax.
 
         Returns (``q`` float8 with ``x``'s shape, ``scale_inv`` float32 ``[ceil(m/bm), ceil(k/bk)]``).
@@ -148,7 +150,7 @@ class FP8Provider:
         if x.dim() != 2:
             raise ValueError(f"quantize_blocks takes a 2-D tensor, got shape {tuple(x.shape)}")
         scale = scale_from_amax(block_amax(x, block), fmt, margin)
-        q = cast_to_fp8(x, fmt, expand_blocks(scale, block, tuple(x.shape)))
+        q = cast_to_fp8(x, fmt, expand_blocks(scale, block, tuple(x.shape)), saturate)
         return q, 1.0 / scale
 
     # ---- GEMMs ------------------------------------------------------------------------------

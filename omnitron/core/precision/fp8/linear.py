@@ -8,7 +8,8 @@ local GEMM. Three GEMMs run in FP8 with fp32 accumulation:
 * data-grad ``dx = g @ w``      g in e5m2 (``hybrid``) or e4m3, w as saved from the forward
 * weight-grad ``dw = g.T @ x``
 
-Outputs come back in ``x``'s dtype (``dw`` in the weight's dtype); master weights are never
+Casts saturate in both formats (a delayed scale that is stale for a growing gradient clips it at
+57344 instead of turning it into inf, as Transformer Engine's satfinite casts do). Outputs come back in ``x``'s dtype (``dw`` in the weight's dtype); master weights are never
 replaced. Tensor-parallel communication stays in the layer: this executor sees local shards only,
 and MAX-reduces per-tensor amaxes over the amax groups so every shard uses the scale of the whole.
 """
@@ -55,18 +56,20 @@ class FP8Linear:
         return f"FP8Linear({self.name or '?'}, recipe={r.fp8_recipe}, format={r.fp8_format}, path={self.provider.path})"
 
     # ---- per-tensor quantization --------------------------------------------------------
-    def quantize(self, role: str, x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``fp8(x * scale)``, ``scale_inv``) under the per-tensor recipe, updating the role's state."""
+    def quantize(self, role: str, x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(``q = fp8(x * scale)``, ``q.t()`` contiguous, ``scale_inv``) under the per-tensor recipe,
+        updating the role's state. Runs the backend's fused ``fp8_cast_transpose_amax`` kernel (saturating)."""
+        cast = self.provider.backend.kernels.fp8_cast_transpose_amax
         if self.recipe.fp8_recipe == "delayed":
             state = self.states[role].to(x.device)
             scale = state.scale
-            q, amax = self.provider.quantize(x, fmt, scale)
+            q, qt, amax = cast(x, scale, fmt)
             state.push(reduce_amax(amax, self.amax_groups, self.collectives))
-            return q, 1.0 / scale
+            return q, qt, 1.0 / scale
         amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
         scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
-        q, _ = self.provider.quantize(x, fmt, scale)
-        return q, 1.0 / scale
+        q, qt, _ = cast(x, scale, fmt)
+        return q, qt, 1.0 / scale
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -93,19 +96,20 @@ class _FP8LinearFn(torch.autograd.Function):
         r, prov = ex.recipe, ex.provider
         x2 = _flat(x)  # [tokens, in]
         if r.per_tensor:
-            qx, sx = ex.quantize("input", x2, r.forward_format)
-            qw, sw = ex.quantize("weight", weight, r.forward_format)
-            y = prov.scaled_mm(qx, qw.t(), sx, sw, out_dtype=torch.float32)
-            ctx.save_for_backward(qx, sx, qw, sw)
+            qx, qx_t, sx = ex.quantize("input", x2, r.forward_format)
+            qw, qw_t, sw = ex.quantize("weight", weight, r.forward_format)
+            y = prov.scaled_mm(qx, qw.t(), sx, sw, out_dtype=x.dtype)  # [tokens, out]
+            # the backward GEMMs read the transposed copies: [in, tokens] and [in, out], both FP8
+            ctx.save_for_backward(qx_t, sx, qw_t, sw)
         else:
             qx, sx = prov.quantize_blocks(x2, r.forward_format, BLOCK_ACT, r.fp8_margin)
             qw, sw = prov.quantize_blocks(weight, r.forward_format, BLOCK_WEIGHT, r.fp8_margin)
-            y = prov.blockwise_mm(qx, sx, BLOCK_ACT, qw.t(), sw.t(), BLOCK_WEIGHT[::-1], out_dtype=torch.float32)
+            y = prov.blockwise_mm(qx, sx, BLOCK_ACT, qw.t(), sw.t(), BLOCK_WEIGHT[::-1], out_dtype=x.dtype)
             # NOTE: the weight-grad GEMM contracts over tokens, so x is re-tiled along tokens there;
             # keep it wide (re-quantizing an FP8 copy would round twice).
             ctx.save_for_backward(x2, qw, sw)
         if bias is not None:
-            y = y + bias.float()
+            y = y + bias.to(y.dtype)
         ctx.ex, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = ex, x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -123,12 +127,12 @@ class _FP8LinearFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
         if r.per_tensor:
-            qx, sx, qw, sw = ctx.saved_tensors
-            qg, sg = ex.quantize("grad_output", g2, r.backward_format)
-            if need_dx:
-                dx = prov.scaled_mm(qg, qw, sg, sw, out_dtype=ctx.x_dtype)
-            if need_dw:
-                dw = prov.scaled_mm(qg.t(), qx, sg, sx, out_dtype=torch.float32)
+            qx_t, sx, qw_t, sw = ctx.saved_tensors
+            qg, qg_t, sg = ex.quantize("grad_output", g2, r.backward_format)
+            if need_dx:  # [tokens, out] @ [out, in]
+                dx = prov.scaled_mm(qg, qw_t.t(), sg, sw, out_dtype=ctx.x_dtype)
+            if need_dw:  # [out, tokens] @ [tokens, in]
+                dw = prov.scaled_mm(qg_t, qx_t.t(), sg, sx, out_dtype=torch.float32)
         else:
             x2, qw, sw = ctx.saved_tensors
             fmt = r.backward_format
