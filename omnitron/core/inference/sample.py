@@ -72,6 +72,7 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, top_k: 
     was_training = model.training
     model.eval()
     tokens, new = list(prompt), []
+    device = next(model.parameters()).device
     ctx = KVCache(model) if use_cache else contextlib.nullcontext()
     try:
         with ctx:
@@ -79,8 +80,8 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, top_k: 
             for _ in range(max_new_tokens):
                 if len(tokens) >= limit:
                     break
-                ids = torch.tensor([step_in], dtype=torch.long)
-                pos = torch.arange(pos0, pos0 + len(step_in)).unsqueeze(0)
+                ids = torch.tensor([step_in], dtype=torch.long, device=device)
+                pos = torch.arange(pos0, pos0 + len(step_in), device=device).unsqueeze(0)
                 logits = model(tokens=ids, position_ids=pos)  # [s, 1, V]
                 nxt = _pick(logits[-1, 0].float(), top_k, temperature, generator)
                 tokens.append(nxt)
@@ -106,7 +107,7 @@ def single_process_model(c) -> GPTModel | None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size() if c.groups.rank == 0 else None
         mine = full if c.groups.tp.rank == 0 or c.groups.tp.size == 1 else {}
-        dist.gather_object({k: v.float() for k, v in mine.items()}, parts, dst=0)
+        dist.gather_object({k: v.float().cpu() for k, v in mine.items()}, parts, dst=0)
         if c.groups.rank != 0:
             return None
         full = {k: v for part in parts for k, v in part.items()}
@@ -116,7 +117,7 @@ def single_process_model(c) -> GPTModel | None:
     model = GPTModel(cfg, single, backend=c.backend, seed=c.settings.training.seed)
     torch.random.set_rng_state(state)
     shard_full_state(model, full, single)
-    return model.eval()
+    return model.to(c.backend.current_device()).eval()
 
 
 def print_sample(c, prompt: str, max_new_tokens: int, top_k: int = 1) -> str | None:

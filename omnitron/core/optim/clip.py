@@ -28,7 +28,8 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     """The L2 norm of all gradients of the model replica (equal to the single-process norm)."""
     tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
     mine = [g for p, g in zip(params, grads) if counts_toward_norm(p, tp_rank, duplicates)]
-    total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32)
+    device = grads[0].device if grads else None
+    total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32, device=device)
     total = total.reshape(1).float()
     group = groups.tp_pp_cp
     if group.handle is not None:

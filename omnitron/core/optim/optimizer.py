@@ -75,7 +75,7 @@ class MixedPrecisionOptimizer:
         return out
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
-        flag = torch.zeros(1, dtype=torch.float32)
+        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
         for g in grads:
             if not torch.isfinite(g).all():
                 flag.fill_(1.0)

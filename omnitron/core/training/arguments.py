@@ -21,7 +21,9 @@ from omnitron.core.config.training import (CheckpointConfig, LoggingConfig, Opti
                                            TrainingConfig)
 
 # fields that are not flags: derived elsewhere, or not user settings
-_HIDDEN = {"params_dtype", "apply_scaled_init", "virtual_pipeline_model_parallel_size"}
+# Megatron's spelling where it differs from the field name
+_FLAG_NAMES = {"bucket_size": "--ddp-bucket-size"}
+_HIDDEN = {"params_dtype", "reduce_scatter", "apply_scaled_init", "virtual_pipeline_model_parallel_size"}
 
 
 def _config_classes() -> list[tuple[str, type]]:
@@ -88,7 +90,7 @@ class Option:
 
     @property
     def flag(self) -> str:
-        return "--" + self.dest.replace("_", "-")
+        return _FLAG_NAMES.get(self.dest) or "--" + self.dest.replace("_", "-")
 
     def coerce(self, value: Any, origin: str) -> Any:
         """Check/convert a config-file value, naming the key when it does not fit."""
@@ -119,13 +121,18 @@ def _kind(annotation: str) -> tuple[str, bool]:
     return (base if base in ("int", "float", "str", "bool") else "str"), optional
 
 
+def _skip(cls: type, name: str) -> bool:
+    """Fields that are not flags of this class (the model's vocabulary comes from the tokenizer)."""
+    return name in _HIDDEN or (cls.__name__ == "GPTConfig" and name == "vocab_size")
+
+
 def options() -> dict[str, Option]:
     """Every settable field of every config class, keyed by dest (first definition wins)."""
     out: dict[str, Option] = {}
     for _, cls in _config_classes():
         docs = field_docs(cls)
         for f in fields(cls):
-            if f.name in _HIDDEN or f.name in out:
+            if _skip(cls, f.name) or f.name in out:
                 continue
             kind, optional = _kind(f.type)
             default = f.default if f.default is not MISSING else (
@@ -164,12 +171,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     owner = {}
     for title, cls in _config_classes():
         for f in fields(cls):
-            owner.setdefault(f.name, title)
+            if not _skip(cls, f.name):
+                owner.setdefault(f.name, title)
     for dest, opt in opts.items():
         title = owner[dest]
         group = seen_groups.get(title) or seen_groups.setdefault(title, parser.add_argument_group(title))
         if opt.kind == "bool":
-            action = argparse.BooleanOptionalAction if opt.default is True else "store_true"
+            # flags that default to on (or to "auto") also get a --no- form
+            action = argparse.BooleanOptionalAction if opt.default is not False else "store_true"
             group.add_argument(opt.flag, dest=dest, action=action, help=_help(opt))
         elif opt.kind == "list":
             group.add_argument(opt.flag, dest=dest, nargs="+", metavar="X", help=_help(opt))

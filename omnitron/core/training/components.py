@@ -65,8 +65,9 @@ def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backen
     for c in range(vp):
         offset, n = ranges[(rank, c)]
         first, last = rank == 0 and c == 0, rank == pp - 1 and c == vp - 1
-        chunks.append(GPTModel(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
-                               backend=backend, seed=seed))
+        chunk = GPTModel(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
+                         backend=backend, seed=seed)
+        chunks.append(chunk.to(backend.current_device()))
     return chunks
 
 

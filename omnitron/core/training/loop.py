@@ -32,7 +32,8 @@ def data_iterator(c, dataset, consumed: int):
     state = torch.get_rng_state()  # NOTE: DataLoader draws a base seed from the default generator
     it = iter(build_data_loader(dataset, sampler, num_workers=c.settings.data.num_workers))
     torch.set_rng_state(state)
-    return it
+    device = c.backend.current_device()
+    return ({k: v.to(device, non_blocking=True) for k, v in batch.items()} for batch in it)
 
 
 def _throughput(c, step_time: float) -> dict:
@@ -72,7 +73,7 @@ def train(settings, backend) -> dict:
     try:
         while c.iteration < t.train_iters:
             t0 = time.perf_counter()
-            values = train_step(c, train_iter, c.iteration + 1)
+            values = train_step(c, train_iter)
             backend.synchronize()
             c.iteration += 1
             c.consumed_samples += t.global_batch_size
@@ -83,7 +84,7 @@ def train(settings, backend) -> dict:
                 val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
                 validation.append({"iteration": c.iteration, **val})
                 logger.validation(c.iteration, val)
-            stopping = stop.agreed(backend.collectives) or _due(c.iteration, t.exit_interval)
+            stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
                 checkpointing.save(c)
                 saved_at = c.iteration

@@ -26,9 +26,9 @@ class StopFlag:
     def _handle(self, signum, frame) -> None:
         self.requested = True
 
-    def agreed(self, collectives) -> bool:
+    def agreed(self, collectives, device=None) -> bool:
         """True on every rank when any rank was signalled (one tiny all-reduce over the world)."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         if collectives.is_initialized():
             collectives.all_reduce(flag, op=ReduceOp.MAX)
         return bool(flag.item() > 0)

@@ -78,8 +78,8 @@ def _stage_iterator(c, data_iterator):
     return data_iterator if needs else None
 
 
-def train_step(c, data_iterator: Iterator, iteration: int) -> dict:
-    """One optimizer step (iteration is 1-based); returns loss, lr, grad norm, loss scale, skipped."""
+def train_step(c, data_iterator: Iterator) -> dict:
+    """One optimizer step; returns loss, lr, grad norm, loss scale, skipped."""
     for m in c.modules:
         m.train()
     _zero_grads(c)
@@ -87,7 +87,8 @@ def train_step(c, data_iterator: Iterator, iteration: int) -> dict:
     scale = scaler.scale if scaler is not None else None
     loss = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale)
     finalize_grads(c.chunks, c.modules, c.groups, c.backend.collectives)
-    lr = c.scheduler.lr(iteration)
+    # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
+    lr = c.scheduler.lr(c.optimizer.step_count + 1)
     res = c.optimizer.step(lr)
     return {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
             "skipped": res.skipped}
