@@ -121,6 +121,8 @@ def _parity_bundle(tp: int) -> dict:
     for sp in (False, True):
         groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), coll)
         for name, cfg in _configs().items():
+            if tp > 2 and ("recompute" in name or (not sp and name != "llama_qknorm_partial_rope")):
+                continue  # NOTE: tp=2 runs the full matrix; tp=4 the cases whose maths depends on tp
             results[(name, sp)] = _run_case(cfg, groups, single)
     results["dropout"] = _dropout_checks(groups)
     # query groups fewer than tp: rejected with a message naming the flags
