@@ -158,3 +158,36 @@ def test_init_is_seed_and_name_determined():
     # scaled init of output projections: std / sqrt(2 L)
     fc2 = sa["decoder.layers.0.mlp.linear_fc2.weight"]
     assert abs(fc2.std().item() - 0.02 / math.sqrt(2 * c.num_layers)) < 0.003
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_two_stages_chain_to_the_whole_model(name):
+    """Pipeline stages are GPTModels with layer ranges: stage 1's hidden fed to stage 2 gives the
+    whole model's loss; with tied embeddings the two copies' grads sum to the whole model's grad."""
+    c = dataclasses.replace(CASES[name], num_layers=4)
+    g = ParallelGroups.single()
+    whole = GPTModel(c, g, seed=2)
+    first = GPTModel(c, g, seed=2, post_process=False, layer_offset=0, num_layers=1)
+    last = GPTModel(c, g, seed=2, pre_process=False, layer_offset=1, num_layers=3)
+    tokens = torch.randint(0, c.vocab_size, (2, c.seq_length))
+    ref = whole(tokens, labels=tokens)
+    ref.mean().backward()
+    h = first(tokens)
+    assert h.shape == (c.seq_length, 2, c.hidden_size)
+    h_in = h.detach().requires_grad_()
+    loss = last(hidden=h_in, labels=tokens)
+    loss.mean().backward()
+    h.backward(h_in.grad)
+    assert _rel(loss, ref) < 1e-6
+    W = dict(whole.named_parameters())
+    shared = [p for m in (first, last) for p in m.shared_embedding_parameters()]
+    if c.untie_embeddings_and_output_weights:
+        assert shared == []
+    else:
+        assert len(shared) == 2 and torch.equal(shared[0], shared[1])  # the copy starts equal
+        assert _rel(shared[0].grad + shared[1].grad, W["embedding.word_embeddings.weight"].grad) < 1e-5
+    for m in (first, last):
+        for k, p in m.named_parameters():
+            if not getattr(p, "shared_embedding", False) and not (k.startswith("embedding.word") and not
+                                                                   c.untie_embeddings_and_output_weights):
+                assert _rel(p.grad, W[k].grad) < 1e-5, k
