@@ -7,14 +7,19 @@
 
 namespace omnitron {
 // Norms over the last dim of a contiguous [N, D] tensor; statistics returned in float32 [N].
-std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps);
+// With a residual, h = x + residual is written (third/fourth output) and normalised (fused
+// pre-norm residual add); the backward then adds dres (the gradient reaching h) into dx.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps,
+                                                            const c10::optional<at::Tensor>& residual);
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
-                                                const at::Tensor& rstd);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& w,
-                                                              const c10::optional<at::Tensor>& b, double eps);
+                                                const at::Tensor& rstd, const c10::optional<at::Tensor>& dres);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd(
+    const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b, double eps,
+    const c10::optional<at::Tensor>& residual);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                               const at::Tensor& w, const at::Tensor& mean,
-                                                              const at::Tensor& rstd, bool has_bias);
+                                                              const at::Tensor& rstd, bool has_bias,
+                                                              const c10::optional<at::Tensor>& dres);
 // Gated activations: x [N, 2F] -> [N, F]; kind 0 = silu (SwiGLU), 1 = tanh-gelu (GeGLU).
 at::Tensor glu_fwd(const at::Tensor& x, int64_t kind);
 at::Tensor glu_bwd(const at::Tensor& dy, const at::Tensor& x, int64_t kind);

@@ -95,29 +95,53 @@ def _check(*tensors, dtypes=_DTYPES) -> str | None:
 
 
 # ---------------------------------------------------------------- norms
-class _RMSNorm(torch.autograd.Function):
+class _Norm(torch.autograd.Function):
+    """RMSNorm (``bias`` is ignored, ``rms=True``) or LayerNorm over the last dim; with a
+    ``residual`` it returns ``(norm(h), h)`` for ``h = x + residual`` computed in the same pass."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, residual, weight, bias, eps, rms):
+        ctx.set_materialize_grads(False)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y, rstd = extension().rms_norm_fwd(x2, weight, float(eps))
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.view(x.shape)
+        r2 = None if residual is None else residual.reshape(x2.shape).contiguous()
+        if rms:
+            y, rstd, h = extension().rms_norm_fwd(x2, weight, float(eps), r2)
+            mean = rstd  # unused placeholder
+        else:
+            y, mean, rstd, h = extension().layer_norm_fwd(x2, weight, bias, float(eps), r2)
+        src = x2 if residual is None else h
+        ctx.save_for_backward(src, weight, mean, rstd)
+        ctx.rms, ctx.has_res = rms, residual is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return (y.view(x.shape), h.view(x.shape)) if ctx.has_res else y.view(x.shape)
 
     @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = extension().rms_norm_bwd(dy.reshape(x2.shape).contiguous(), x2, weight, rstd)
-        return dx.view(dy.shape), dw, None
+    def backward(ctx, dy, dh=None):
+        src, weight, mean, rstd = ctx.saved_tensors
+        dy2 = torch.zeros_like(src) if dy is None else dy.reshape(src.shape).contiguous()
+        dres = None if dh is None else dh.reshape(src.shape).contiguous()
+        if ctx.rms:
+            dx, dw = extension().rms_norm_bwd(dy2, src, weight, rstd, dres)
+            db = None
+        else:
+            has_bias = ctx.bias_dtype is not None
+            dx, dw, db = extension().layer_norm_bwd(dy2, src, weight, mean, rstd, has_bias, dres)
+            db = db.to(ctx.bias_dtype) if has_bias else None
+        shape = (dy if dy is not None else dh).shape
+        dx = dx.view(shape)
+        return dx, (dx if ctx.has_res else None), dw, db, None, None
 
 
-def _norm_supports(x, weight, bias=None, eps=1e-5) -> str | None:
-    why = _check(x, weight, bias)
+def _norm_supports(x, weight, bias=None, eps=1e-5, residual=None) -> str | None:
+    why = _check(x, weight, bias, residual)
     if why:
         return why
     if x.dim() == 0 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         return f"weight shape {tuple(weight.shape)} does not match x's last dim {x.shape[-1] if x.dim() else None}"
     if bias is not None and bias.shape != weight.shape:
         return f"bias shape {tuple(bias.shape)} differs from weight shape {tuple(weight.shape)}"
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        return f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
     return None
 
 
@@ -125,30 +149,27 @@ def _norm_supports(x, weight, bias=None, eps=1e-5) -> str | None:
           supports=lambda x, weight, eps=1e-5: _norm_supports(x, weight))
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """Fused RMSNorm (see the reference); one pass per row, float32 statistics."""
-    return _RMSNorm.apply(x, weight, eps)
-
-
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y, mean, rstd = extension().layer_norm_fwd(x2, weight, bias, float(eps))
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        has_bias = ctx.bias_dtype is not None
-        dx, dw, db = extension().layer_norm_bwd(dy.reshape(x2.shape).contiguous(), x2, weight, mean, rstd, has_bias)
-        return dx.view(dy.shape), dw, (db.to(ctx.bias_dtype) if has_bias else None), None
+    return _Norm.apply(x, None, weight, None, eps, True)
 
 
 @register("layer_norm", NAME, available=available, backends=("cpu",), supports=_norm_supports)
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
     """Fused LayerNorm (see the reference); float32 mean/rstd kept for the backward."""
-    return _LayerNorm.apply(x, weight, bias, eps)
+    return _Norm.apply(x, None, weight, bias, eps, False)
+
+
+@register("add_rms_norm", NAME, available=available, backends=("cpu",),
+          supports=lambda x, residual, weight, eps=1e-5: _norm_supports(x, weight, residual=residual))
+def add_rms_norm(x, residual, weight, eps: float = 1e-5):
+    """Fused ``h = x + residual; (rms_norm(h), h)`` in one pass over each row."""
+    return _Norm.apply(x, residual, weight, None, eps, True)
+
+
+@register("add_layer_norm", NAME, available=available, backends=("cpu",),
+          supports=lambda x, residual, weight, bias, eps=1e-5: _norm_supports(x, weight, bias, residual=residual))
+def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
+    """Fused ``h = x + residual; (layer_norm(h), h)`` in one pass over each row."""
+    return _Norm.apply(x, residual, weight, bias, eps, False)
 
 
 # ---------------------------------------------------------------- gated activations

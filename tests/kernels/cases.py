@@ -36,6 +36,14 @@ def layer_norm(dtype, device):
     return out
 
 
+def add_rms_norm(dtype, device):
+    return [(label, (x, _t(x.shape, dtype, device), w), kw) for label, (x, w), kw in rms_norm(dtype, device)]
+
+
+def add_layer_norm(dtype, device):
+    return [(label, (x, _t(x.shape, dtype, device), w, b), kw) for label, (x, w, b), kw in layer_norm(dtype, device)]
+
+
 def swiglu(dtype, device):
     out = []
     for shape, nc, bias in (((4, 3, 34), False, False), ((5, 128), False, True), ((3, 2, 46), True, False)):
@@ -94,7 +102,7 @@ def scaled_softmax(dtype, device):
     return out
 
 
-MAKERS = {f.__name__: f for f in (rms_norm, layer_norm, swiglu, geglu, bias_gelu, rope, softmax_cross_entropy,
+MAKERS = {f.__name__: f for f in (rms_norm, layer_norm, add_rms_norm, add_layer_norm, swiglu, geglu, bias_gelu, rope, softmax_cross_entropy,
                                    scaled_softmax)}
 
 # (atol, rtol) against the float64 reference, per input dtype; fp32 allows for float accumulation

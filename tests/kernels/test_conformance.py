@@ -87,20 +87,46 @@ def test_forward_backward(op, name, dtype, backend):
     for label, args, kwargs in cases.MAKERS[op](dtype, device):
         where = f"{op}/{name} [{label}]"
         leaves = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
-        out = fn(*args, **kwargs)
-        low = ref(*args, **kwargs)  # the reference in the same dtype: its error scales the bound
+        outs = _tuple(fn(*args, **kwargs))
+        lows = _tuple(ref(*args, **kwargs))  # the reference in the same dtype: its error scales the bound
         args64, kw64 = [_to64(a) for a in args], {k: _to64(v) for k, v in kwargs.items()}
         leaves64 = [a for a in args64 + list(kw64.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
-        out64 = ref(*args64, **kw64)
-        assert out.dtype == low.dtype, f"{where}: output dtype {out.dtype}, reference gives {low.dtype}"
-        _check(f"{where} forward", out, out64, dtype, low)
-        go = torch.randn(out.shape, device=device, dtype=torch.float64).to(out.dtype)
-        grads = torch.autograd.grad(out, leaves, go)
-        grads_low = torch.autograd.grad(low, leaves, go)
-        grads64 = torch.autograd.grad(out64, leaves64, go.double())
+        outs64 = _tuple(ref(*args64, **kw64))
+        assert len(outs) == len(lows), f"{where}: {len(outs)} outputs, reference gives {len(lows)}"
+        for k, (out, low, out64) in enumerate(zip(outs, lows, outs64)):
+            assert out.dtype == low.dtype, f"{where}: output {k} dtype {out.dtype}, reference gives {low.dtype}"
+            _check(f"{where} output {k}", out, out64, dtype, low)
+        gos = [torch.randn(o.shape, device=device, dtype=torch.float64).to(o.dtype) for o in outs]
+        grads = torch.autograd.grad(outs, leaves, gos)
+        grads_low = torch.autograd.grad(lows, leaves, gos)
+        grads64 = torch.autograd.grad(outs64, leaves64, [g.double() for g in gos])
         for i, (g, gl, g64, leaf) in enumerate(zip(grads, grads_low, grads64, leaves)):
             assert g.dtype == leaf.dtype and g.shape == leaf.shape, f"{where}: grad {i} dtype/shape"
             _check(f"{where} grad {i}", g, g64, dtype, gl)
+
+
+def _tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+@pytest.mark.parametrize("op,name", _impl_params(["add_rms_norm", "add_layer_norm"]))
+def test_add_norm_one_output_used(op, name, backend):
+    """Only the normalised output (or only h) feeds the loss: the other output's gradient is absent."""
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    d = 48
+    x, r = torch.randn(5, d, device=device, requires_grad=True), torch.randn(5, d, device=device, requires_grad=True)
+    w = torch.randn(d, device=device, requires_grad=True)
+    extra = (torch.randn(d, device=device),) if op == "add_layer_norm" else ()
+    ref = get_impl(op, "reference")
+    for which in (0, 1):
+        got = torch.autograd.grad(fn(x, r, w, *extra)[which].square().sum(), (x, r, w), allow_unused=True)
+        want = torch.autograd.grad(ref(x, r, w, *extra)[which].square().sum(), (x, r, w), allow_unused=True)
+        for g, wg in zip(got, want):
+            if wg is None or not wg.abs().sum():
+                assert g is None or not g.abs().sum()
+            else:
+                torch.testing.assert_close(g, wg, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("op,name", _impl_params(["rms_norm", "softmax_cross_entropy", "swiglu"]))
