@@ -33,6 +33,16 @@ def _norms(device, dtype):
             Case("rms-fp32-weight", (x, w.float(), 1e-6), grad=(0, 1))]
 
 
+def _add_norms(device, dtype, with_bias: bool):
+    x, res = _r(4, 3, 64, device=device, dtype=dtype), _r(4, 3, 64, device=device, dtype=dtype)
+    w = 1 + _r(64, device=device, dtype=dtype, scale=0.1)
+    if not with_bias:
+        return [Case("add-rms", (x, res, w, 1e-5), grad=(0, 1, 2))]
+    b = _r(64, device=device, dtype=dtype, scale=0.1)
+    return [Case("add-ln", (x, res, w, b, 1e-5), grad=(0, 1, 2, 3)), Case("add-ln-no-bias", (x, res, w, None, 1e-5),
+                                                                         grad=(0, 1, 2))]
+
+
 def _layer_norm(device, dtype):
     x = _r(4, 3, 48, device=device, dtype=dtype)
     w, b = 1 + _r(48, device=device, dtype=dtype, scale=0.1), _r(48, device=device, dtype=dtype, scale=0.1)
@@ -123,7 +133,28 @@ CASES: dict[str, Callable[[torch.device, torch.dtype], list[Case]]] = {
     "bias_dropout_add": _bias_dropout_add, "rope": _rope, "softmax_cross_entropy": _cross_entropy,
     "scaled_softmax": _scaled_softmax, "attention": _attention, "adamw_step": _adamw, "grad_norm_sq": _grad_norm,
     "fp8_cast_transpose_amax": _fp8_cast,
+    "add_rms_norm": lambda device, dtype: _add_norms(device, dtype, False),
+    "add_layer_norm": lambda device, dtype: _add_norms(device, dtype, True),
 }
+
+
+def cases_for(op: str, device, dtype) -> list[Case] | None:
+    """This file's cases for ``op``; else the kernel benchmark's smallest workload
+    (``omnitron.kernels.bench_cases``), so a new op with a benchmark case is covered at once."""
+    if op in CASES:
+        return CASES[op](device, dtype)
+    try:
+        from omnitron.kernels.bench_cases import CASES as BENCH
+    except ImportError:
+        return None
+    for bench in BENCH:
+        if bench.op == op:
+            args, kwargs = bench.make(device, torch.float32 if bench.float_only else dtype, "tiny")
+            grad = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                         and bench.differentiable)
+            inplace = () if bench.differentiable else tuple(i for i, a in enumerate(args) if isinstance(a, list))
+            return [Case("bench-tiny", tuple(args), dict(kwargs), grad=grad, inplace=inplace)]
+    return None
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
 GRAD_TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=8e-2, rtol=8e-2)}
 
