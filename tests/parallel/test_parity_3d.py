@@ -103,13 +103,18 @@ def parity_worker(layouts) -> dict:
                                  num_layers=n, seed=SEED)
                 chunks.append(DistributedDataParallel(model, groups, DataParallelConfig(
                     overlap_grad_reduce=overlap, bucket_size=3000)))
+            kw = dict(num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32,
+                      forward_step_fn=_gpt_step)
+            # evaluation: forward-only over the first step's data gives the first step's loss
+            ev = forward_backward(sched, chunks, _iterator(_data(dp)[:1], groups.dp.rank), groups, forward_only=True,
+                                  **kw)
             data = _iterator(_data(dp), groups.dp.rank)
-            losses = []
+            losses = [ev["loss"]]
             for _ in range(STEPS):
                 for c in chunks:
                     c.zero_grad_buffer()
-                out = forward_backward(sched, chunks, data, groups, num_microbatches=M, seq_length=SEQ,
-                                       micro_batch_size=MBS, hidden_size=32, forward_step_fn=_gpt_step)
+                out = forward_backward(sched, chunks, data, groups, **kw)
+                assert out["tokens"] == MBS * SEQ * M * dp
                 finalize_model_grads(chunks, groups)
                 _sgd(chunks)
                 losses.append(out["loss"])
@@ -128,7 +133,7 @@ def _check(results_per_rank, ref) -> None:
         merged = {}
         for res in results_per_rank:
             losses, state = res[key]
-            assert losses == pytest.approx(ref_losses, rel=1e-5), (key, losses, ref_losses)
+            assert losses == pytest.approx([ref_losses[0]] + ref_losses, rel=1e-5), (key, losses, ref_losses)
             merged.update(state)
         assert merged.keys() == ref_state.keys(), key
         for name, w in ref_state.items():

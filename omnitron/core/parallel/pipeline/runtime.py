@@ -12,6 +12,7 @@ is set, so gradient all-reduces start only on the last one.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterator
 
@@ -79,9 +80,10 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
     Both are zero except on the rank holding the last stage. ``timeline``, when given, receives
     ``(start, end, str(action))`` compute spans (``time.perf_counter`` seconds) for bubble studies.
     """
+    if forward_only:  # the same order without backward work (and so without gradient messages)
+        schedule = dataclasses.replace(schedule, tables={r: tuple(a for a in t if a.kind == "F")
+                                                         for r, t in schedule.tables.items()})
     table = schedule.tables[rank]
-    if forward_only:
-        table = tuple(a for a in table if a.kind == "F")
     split = schedule.split_backward(rank)
     last_wgrad = _weight_grad_order(table, split)
     m, last_stage = schedule.num_microbatches, schedule.num_stages - 1
