@@ -114,3 +114,22 @@ def test_double_refuses_a_real_torch_musa(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_musa", types.ModuleType("torch_musa"))
     with pytest.raises(RuntimeError, match="real torch_musa"):
         musa_double.install()
+
+
+def test_double_resolves_through_the_registry_only_when_declared(monkeypatch):
+    from omnitron.backends import BackendUnavailableError, get_backend, registry
+
+    monkeypatch.delenv("OMNITRON_EXTRA_BACKENDS", raising=False)
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'musa-double'"):
+        get_backend("musa-double")
+    monkeypatch.setenv("OMNITRON_EXTRA_BACKENDS", musa_double.TARGET)
+    try:
+        be = get_backend("musa-double")
+        assert isinstance(be, MUSADoubleBackend) and be.collectives.dist_backend == "mccl"
+        assert be.kernels.resolved("swiglu") == "musa"
+    finally:
+        registry.reset_cache()
+        musa_double.uninstall()
+    monkeypatch.setenv("OMNITRON_EXTRA_BACKENDS", "musa-double")
+    with pytest.raises(ValueError, match="not name=module:Class"):
+        registry.known_backends()
