@@ -5,8 +5,8 @@
 #   2. backend conformance suite on cuda + the CUDA GPU tests (tests/backends --backend cuda)
 #   3. every other @pytest.mark.gpu test in the tree
 #   4. hooks: kernel benchmark, FP8 GEMM benchmark, 1.3B training benchmark (filled in by the lead)
-# (steps 1-3 are limited to 45 + 210 + 60 s: cold Triton compiles dominate step 2; each hook adds its own limit), then prints a short
-# table. Logs go to $OUT when set (else /tmp/omnitron_device_check):
+# Steps 1-3 are limited to 45 + 210 + 60 s (cold Triton compiles dominate step 2); each hook adds
+# its own limit. Then it prints a short table. Logs go to $OUT when set (else /tmp/omnitron_device_check):
 #   device_check.log (everything), summary.md (the table), junit-*.xml (per pytest step).
 # usage: scripts/device_check.sh            (env: STEP_SCALE=2 doubles every step's time limit)
 set -uo pipefail
