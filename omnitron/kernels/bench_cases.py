@@ -43,6 +43,16 @@ def _ln(device, dtype, size):
     return (x, w, torch.randn_like(w)), kw
 
 
+def _add_norm(device, dtype, size):
+    (x, w), kw = _norm(device, dtype, size)
+    return (x, torch.randn_like(x), w), kw
+
+
+def _native_add_rms(x, r, w, eps):
+    h = x + r
+    return F.rms_norm(h, (h.shape[-1],), w, eps), h
+
+
 def _glu(device, dtype, size):
     n, d = _rows(size)
     return (torch.randn(n, 2 * d, device=device, dtype=dtype),), {}
@@ -107,6 +117,7 @@ _native_adamw.cache = {}
 CASES = [
     Case("rms_norm", _norm, native=lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)),
     Case("layer_norm", _ln, native=lambda x, w, b, eps: F.layer_norm(x, (x.shape[-1],), w, b, eps)),
+    Case("add_rms_norm", _add_norm, native=_native_add_rms),
     Case("swiglu", _glu),
     Case("geglu", _glu),
     Case("bias_gelu", _gelu),

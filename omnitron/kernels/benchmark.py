@@ -80,11 +80,12 @@ def _runner(fn, args, kwargs, mode: str, case: Case):
                   for a in args]
         grads = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
         out = fn(*leaves, **kwargs)
-        go = torch.randn_like(out)
-        moved = 2 * _nbytes(args) + 2 * _nbytes(out) + _nbytes(grads)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        gos = [torch.randn_like(o) for o in outs]
+        moved = 2 * _nbytes(args) + 2 * _nbytes(outs) + _nbytes(grads)
 
         def call():
-            torch.autograd.grad(fn(*leaves, **kwargs), grads, go)
+            torch.autograd.grad(fn(*leaves, **kwargs), grads, gos)
         return call, moved
     if case.op == "adamw_step":  # p, m, v read and written; g read
         moved = 2 * _nbytes([args[0], args[2], args[3]]) + _nbytes(args[1])

@@ -239,12 +239,12 @@ def _rope_supports(t, freqs, interleaved=False) -> str | None:
         return "freqs requires grad; the C++ rope differentiates with respect to t only"
     if 2 * freqs.shape[-1] > t.shape[-1]:
         return f"rotary dim {2 * freqs.shape[-1]} exceeds head dim {t.shape[-1]}"
+    target = (*t.shape[:3], freqs.shape[-1])
     try:
-        torch.broadcast_shapes(freqs.shape, (*t.shape[:3], freqs.shape[-1]))
+        if freqs.dim() > 4 or torch.broadcast_shapes(freqs.shape, target) != target:
+            return f"freqs {tuple(freqs.shape)} would broadcast t[..., :r/2] {target} to a larger shape"
     except RuntimeError:
-        return f"freqs {tuple(freqs.shape)} does not broadcast to t[..., :r/2] {(*t.shape[:3], freqs.shape[-1])}"
-    if freqs.dim() > 4 or torch.broadcast_shapes(freqs.shape, (*t.shape[:3], freqs.shape[-1])) != (*t.shape[:3], freqs.shape[-1]):
-        return "freqs would broadcast t to a larger shape"
+        return f"freqs {tuple(freqs.shape)} does not broadcast to t[..., :r/2] {target}"
     return None
 
 

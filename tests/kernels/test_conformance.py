@@ -30,6 +30,8 @@ def _impl_params(ops):
 
 
 def _resolve(op, name, backend):
+    """The callable under test; a direct implementation is wrapped so a call its ``supports``
+    declines (e.g. a CPU kernel given device tensors) skips instead of running."""
     if name == "table":
         return backend.kernels.get(op)
     impl = implementations(op)[name]
@@ -38,7 +40,21 @@ def _resolve(op, name, backend):
         if name in REQUIRED:
             pytest.fail(f"{op}/{name} required but unavailable: {why}")
         pytest.skip(f"{op}/{name} unavailable here: {why}")
-    return get_impl(op, name)
+    fn = get_impl(op, name)
+    if impl.supports is None:
+        return fn
+
+    def checked(*args, **kwargs):
+        reason = impl.supports(*args, **kwargs)
+        if reason is not None:
+            raise _Declined(reason)
+        return fn(*args, **kwargs)
+    return checked
+
+
+class _Declined(pytest.skip.Exception):
+    """The implementation's ``supports`` declined the call: a skip (with the reason), not a failure;
+    the case loop of test_forward_backward catches it per case."""
 
 
 def _to64(a):
@@ -84,10 +100,15 @@ def test_forward_backward(op, name, dtype, backend):
     ref = get_impl(op, "reference")
     device = backend.current_device()
     torch.manual_seed(1234)
+    declined = []
     for label, args, kwargs in cases.MAKERS[op](dtype, device):
         where = f"{op}/{name} [{label}]"
         leaves = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
-        outs = _tuple(fn(*args, **kwargs))
+        try:
+            outs = _tuple(fn(*args, **kwargs))
+        except _Declined as why:
+            declined.append(f"{label}: {why.msg}")
+            continue
         lows = _tuple(ref(*args, **kwargs))  # the reference in the same dtype: its error scales the bound
         args64, kw64 = [_to64(a) for a in args], {k: _to64(v) for k, v in kwargs.items()}
         leaves64 = [a for a in args64 + list(kw64.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -103,6 +124,10 @@ def test_forward_backward(op, name, dtype, backend):
         for i, (g, gl, g64, leaf) in enumerate(zip(grads, grads_low, grads64, leaves)):
             assert g.dtype == leaf.dtype and g.shape == leaf.shape, f"{where}: grad {i} dtype/shape"
             _check(f"{where} grad {i}", g, g64, dtype, gl)
+    if declined and name in REQUIRED:
+        pytest.fail(f"{op}/{name} declined: {declined}")
+    if declined and len(declined) == len(cases.MAKERS[op](dtype, device)):
+        pytest.skip(f"{op}/{name} declined every case: {declined[0]}")
 
 
 def _tuple(x):

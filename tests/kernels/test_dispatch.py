@@ -46,3 +46,13 @@ def test_bad_target_is_a_clear_error(backend):
     logits = torch.randn(2, 5, device=backend.current_device())
     with pytest.raises((IndexError, RuntimeError), match=r"(?i)target|index|out of bounds"):
         backend.kernels.softmax_cross_entropy(logits, torch.tensor([1, 7]), 0.0)
+
+
+def test_rope_with_trainable_freqs_falls_back(backend):
+    """The fused ropes differentiate w.r.t. t only; trainable angles must reach the reference."""
+    device = backend.current_device()
+    t = torch.randn(4, 2, 3, 8, device=device, requires_grad=True)
+    freqs = torch.rand(4, 1, 1, 4, device=device, requires_grad=True)
+    out = backend.kernels.rope(t, freqs)
+    (g,) = torch.autograd.grad(out.square().sum(), freqs)
+    assert g is not None and g.abs().sum() > 0
