@@ -38,3 +38,21 @@ def test_peak_table_matches_specific_names_first(name, bf16):
 def test_probe_names_the_missing_piece():
     ok, why = CUDABackend.probe()
     assert not ok and "this torch build has no CUDA" in why
+
+
+def test_backend_calls_only_existing_torch_cuda_names():
+    """Without a GPU the CUDA backend's calls cannot run here; at least every ``torch.cuda.X`` (and
+    ``torch.version`` / ``torch.backends.cudnn``) name it spells must exist in this torch."""
+    import pathlib
+    import re
+
+    import omnitron.backends.cuda.backend as cuda_backend
+
+    src = pathlib.Path(cuda_backend.__file__).read_text()
+    names = set(re.findall(r"\btorch\.(?:cuda|backends\.cudnn)(?:\.[A-Za-z_]\w*)+", src))
+    assert "torch.cuda.max_memory_allocated" in names  # the grep works
+    for name in sorted(names):
+        obj = torch
+        for part in name.split(".")[1:]:
+            assert hasattr(obj, part), f"{name}: this torch has no {part!r}"
+            obj = getattr(obj, part)
