@@ -2,6 +2,9 @@
 
 One spawn per layout runs fp32 and bf16: the uninterrupted run, the run stopped by
 --exit-interval N (which saves), and the resumed run; per-iteration losses must be identical.
+The same spawn also trains with dropout off and tight gradient clipping, whose losses must equal
+the one-process run of the training loop (fp32, 1e-5): the loop's gradient reduction, clipping
+norm and optimizer are layout-independent.
 """
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ def _args(tp, pp, dtype, save, extra=()):
     return args + list(extra)
 
 
+def _parity_args(tp, pp, root):
+    return _args(tp, pp, "fp32", os.path.join(root, f"parity{tp}{pp}"),
+                 ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05", "--global-batch-size", "4"])
+
+
 def _worker(tp, pp, root):
     import torch.distributed as dist
 
@@ -43,6 +51,7 @@ def _worker(tp, pp, root):
         first = train(parse_settings(_args(tp, pp, dtype, part, ["--exit-interval", str(N)]), dist.get_world_size()), be)
         second = train(parse_settings(_args(tp, pp, dtype, part, ["--load", part]), dist.get_world_size()), be)
         out[dtype] = (full["losses"], first["losses"], second["losses"])
+    out["parity"] = train(parse_settings(_parity_args(tp, pp, root), dist.get_world_size()), be)["losses"]
     return out
 
 
@@ -59,3 +68,11 @@ def test_resume_bit_exact(tp, pp, tmp_path):
         assert len(set(full.values())) > 1
         for r in results[1:]:
             assert r[dtype][0] == full  # every rank reports the same losses
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    single = train(parse_settings(_parity_args(1, 1, str(tmp_path / "single")), 1), get_backend("cpu"))["losses"]
+    assert sorted(single) == sorted(results[0]["parity"])
+    for it, loss in single.items():
+        assert abs(results[0]["parity"][it] - loss) <= 1e-5 * abs(loss), (it, results[0]["parity"], single)
