@@ -8,6 +8,7 @@ the same shape, known ahead. Sends are asynchronous and waited at the end of the
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -48,6 +49,8 @@ class StageP2P:
         self.posted: dict[int, tuple[Message, torch.Tensor, list]] = {}  # src -> next message in flight
         self.stash: dict[Message, torch.Tensor] = {}
         self.sends: list[tuple[list, torch.Tensor]] = []
+        self.recv_done = 0.0
+        """``time.perf_counter()`` when the last blocking receive returned (for compute timelines)."""
 
     def _post(self, src: int) -> None:
         """Post the receive of the next message ``src`` will send, if any and none is in flight."""
@@ -75,6 +78,7 @@ class StageP2P:
                 h.wait()
             self.stash[got] = buf
             self._post(src)
+        self.recv_done = time.perf_counter()
         return self.stash.pop(msg)
 
     def send(self, msg: Message, tensor: torch.Tensor) -> None:

@@ -71,6 +71,62 @@ def _set_last_microbatch(chunk, flag: bool) -> None:
         chunk.is_last_microbatch = flag
 
 
+class _StageRunner:
+    """Executes one rank's actions; holds the per-(chunk, micro-batch) state between them."""
+
+    def __init__(self, schedule: Schedule, rank: int, chunks: list, batches: _Batches, p2p: StageP2P,
+                 forward_step_fn: Callable, loss_fn: Callable, device: torch.device, forward_only: bool) -> None:
+        self.s, self.rank, self.chunks, self.batches, self.p2p = schedule, rank, chunks, batches, p2p
+        self.forward_step_fn, self.loss_fn, self.forward_only = forward_step_fn, loss_fn, forward_only
+        self.split = schedule.split_backward(rank)
+        self.last_wgrad = _weight_grad_order(schedule.tables[rank], self.split)
+        self.last_stage = schedule.num_stages - 1
+        self.state: dict[tuple[int, int], list] = {}  # (chunk, mb) -> [input, output or loss target, output grad]
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.tokens = torch.zeros((), dtype=torch.float64, device=device)
+
+    def forward(self, a: Action, k: int) -> None:
+        hidden = self.p2p.recv(("act", k, a.microbatch)) if k > 0 else None  # [s, b, h]
+        if hidden is not None and not self.forward_only:
+            hidden.requires_grad_(True)
+        batch = self.batches.get(a.microbatch)
+        out = self.forward_step_fn(self.chunks[a.chunk], batch, hidden)
+        if k == self.last_stage:
+            total, count = self.loss_fn(out, batch)
+            mean = total / count
+            self.loss_sum += mean.detach().to(torch.float64)
+            self.tokens += count.detach().to(torch.float64) if torch.is_tensor(count) else float(count)
+            out = mean / self.s.num_microbatches  # what backward differentiates
+        else:
+            self.p2p.send(("act", k + 1, a.microbatch), out)
+        if not self.forward_only:
+            self.state[(a.chunk, a.microbatch)] = [hidden, out, None]
+
+    def backward(self, a: Action, k: int, step: int) -> None:
+        key = (a.chunk, a.microbatch)
+        grad = self.p2p.recv(("grad", k, a.microbatch)) if k < self.last_stage else None
+        entry = self.state[key]
+        hidden, out = entry[0], entry[1]
+        if key in self.split:  # input gradient only; W later reuses the retained graph
+            g_in = torch.autograd.grad(out, hidden, grad, retain_graph=True)[0] if hidden is not None else None
+            entry[0], entry[2] = None, grad
+        else:
+            _set_last_microbatch(self.chunks[a.chunk], step == self.last_wgrad.get(a.chunk))
+            torch.autograd.backward(out, grad)
+            g_in = hidden.grad if hidden is not None else None
+            del self.state[key]
+        if k > 0:
+            self.p2p.send(("grad", k - 1, a.microbatch), g_in if g_in is not None else torch.zeros_like(hidden))
+
+    def weight(self, a: Action, step: int) -> None:
+        _, out, grad = self.state.pop((a.chunk, a.microbatch))
+        chunk = self.chunks[a.chunk]
+        _set_last_microbatch(chunk, step == self.last_wgrad.get(a.chunk))
+        # NOTE: re-traverses the retained graph from the output down to the weights (correct;
+        # costs about a full backward, not just the weight-gradient GEMMs)
+        torch.autograd.backward(out, grad, inputs=[p for p in chunk.parameters() if p.requires_grad])
+
+
 def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Iterator | None, *,
                  forward_step_fn: Callable, loss_fn: Callable, pp_group, collectives,
                  tensor_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -78,64 +134,27 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
     """Run ``schedule.tables[rank]``; returns this rank's (sum of micro-batch mean losses, tokens).
 
     Both are zero except on the rank holding the last stage. ``timeline``, when given, receives
-    ``(start, end, str(action))`` compute spans (``time.perf_counter`` seconds) for bubble studies.
+    ``(start, end, str(action))`` compute spans (``time.perf_counter`` seconds; receive waits
+    excluded) for bubble studies.
     """
     if forward_only:  # the same order without backward work (and so without gradient messages)
         schedule = dataclasses.replace(schedule, tables={r: tuple(a for a in t if a.kind == "F")
                                                          for r, t in schedule.tables.items()})
-    table = schedule.tables[rank]
-    split = schedule.split_backward(rank)
-    last_wgrad = _weight_grad_order(table, split)
-    m, last_stage = schedule.num_microbatches, schedule.num_stages - 1
     p2p = StageP2P(schedule, rank, pp_group, collectives, tensor_shape, dtype, device)
-    batches = _Batches(data_iterator, uses=schedule.vp)
-    state: dict[tuple[int, int], list] = {}  # (chunk, mb) -> [input, output-or-target, output grad]
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = torch.zeros((), dtype=torch.float64, device=device)
-    for step, a in enumerate(table):
+    runner = _StageRunner(schedule, rank, chunks, _Batches(data_iterator, uses=schedule.vp), p2p,
+                          forward_step_fn, loss_fn, device, forward_only)
+    for step, a in enumerate(schedule.tables[rank]):
         try:
-            k, key = schedule.stage(rank, a.chunk), (a.chunk, a.microbatch)
+            k = schedule.stage(rank, a.chunk)
+            t0 = time.perf_counter()
             if a.kind == "F":
-                hidden = p2p.recv(("act", k, a.microbatch)) if k > 0 else None
-                t0 = time.perf_counter()
-                if hidden is not None and not forward_only:
-                    hidden.requires_grad_(True)
-                batch = batches.get(a.microbatch)
-                out = forward_step_fn(chunks[a.chunk], batch, hidden)
-                if k == last_stage:
-                    total, count = loss_fn(out, batch)
-                    mean = total / count
-                    loss_sum += mean.detach().to(torch.float64)
-                    tokens += count.detach().to(torch.float64) if torch.is_tensor(count) else float(count)
-                    out = mean / m
-                else:
-                    p2p.send(("act", k + 1, a.microbatch), out)
-                if not forward_only:
-                    state[key] = [hidden, out, None]
+                runner.forward(a, k)
             elif a.kind == "B":
-                grad = p2p.recv(("grad", k, a.microbatch)) if k < last_stage else None
-                t0 = time.perf_counter()
-                entry = state[key]
-                hidden, out = entry[0], entry[1]
-                if key in split:
-                    g_in = (torch.autograd.grad(out, hidden, grad, retain_graph=True)[0]
-                            if hidden is not None else None)
-                    entry[0], entry[2] = None, grad
-                else:
-                    _set_last_microbatch(chunks[a.chunk], step == last_wgrad.get(a.chunk))
-                    torch.autograd.backward(out, grad)
-                    g_in = hidden.grad if hidden is not None else None
-                    del state[key]
-                if k > 0:
-                    p2p.send(("grad", k - 1, a.microbatch), g_in if g_in is not None else torch.zeros_like(hidden))
-            else:  # W
-                t0 = time.perf_counter()
-                _, out, grad = state.pop(key)
-                params = [p for p in chunks[a.chunk].parameters() if p.requires_grad]
-                _set_last_microbatch(chunks[a.chunk], step == last_wgrad.get(a.chunk))
-                torch.autograd.backward(out, grad, inputs=params)
-            if timeline is not None:
-                timeline.append((t0, time.perf_counter(), str(a)))
+                runner.backward(a, k, step)
+            else:
+                runner.weight(a, step)
+            if timeline is not None:  # compute span: from the end of the blocking receive, if any
+                timeline.append((max(t0, p2p.recv_done), time.perf_counter(), str(a)))
             p2p.prefetch()
         except Exception as err:
             raise PipelineError(f"pipeline rank {rank} failed at step {step} ({a}): {type(err).__name__}: {err}\n"
@@ -143,4 +162,5 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
     p2p.finish()
     for c in chunks:
         _set_last_microbatch(c, True)
-    return loss_sum, tokens
+    return runner.loss_sum, runner.tokens
+
