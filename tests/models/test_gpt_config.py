@@ -16,7 +16,8 @@ def _pc(**kw):
 
 @pytest.mark.parametrize("cfg, parallel, words", [
     (gpt2_tiny(), _pc(tensor_model_parallel_size=3), ["--num-attention-heads 4", "--tensor-model-parallel-size 3"]),
-    (llama_tiny(), _pc(tensor_model_parallel_size=4), ["--num-query-groups 2", "--tensor-model-parallel-size 4"]),
+    (llama_tiny(hidden_size=192, num_attention_heads=12, num_query_groups=3), _pc(tensor_model_parallel_size=4),
+     ["--num-query-groups 3", "--tensor-model-parallel-size 4"]),
     (gpt2_tiny(ffn_hidden_size=510), _pc(tensor_model_parallel_size=4), ["--ffn-hidden-size 510"]),
     (gpt2_tiny(), _pc(pipeline_model_parallel_size=3), ["--num-layers 4", "--pipeline-model-parallel-size 3"]),
     (gpt2_tiny(seq_length=30), _pc(tensor_model_parallel_size=4, sequence_parallel=True), ["--seq-length 30", "--sequence-parallel"]),

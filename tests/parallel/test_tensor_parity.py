@@ -32,6 +32,9 @@ def _configs():
         "llama": llama,
         "llama_qknorm_partial_rope": dataclasses.replace(llama, qk_layernorm=True, rotary_percent=0.5,
                                                          rotary_interleaved=True, add_bias_linear=True),
+        # one key/value head: fewer query groups than tp, so KV projections are replicated over tp
+        "llama_mqa_kv_replicated": dataclasses.replace(llama, num_query_groups=1, add_bias_linear=True, qk_layernorm=True),
+        "llama_gqa2": dataclasses.replace(llama, num_query_groups=2),
         "gpt2_recompute_full": dataclasses.replace(gpt2, recompute_granularity="full", recompute_method="uniform",
                                                    recompute_num_layers=1),
         "llama_recompute_selective": dataclasses.replace(llama, recompute_granularity="selective"),
@@ -106,12 +109,28 @@ def _dropout_checks(groups) -> dict:
             "tp_stream": tp_stream, "default_stream": torch.rand(4)}
 
 
+def _reshard_check(groups) -> float:
+    """shard_full_state loads a one-process model's full state into a tp model exactly."""
+    from omnitron.core.models.gpt import GPTModel, gather_full_state, shard_full_state
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    worst = 0.0
+    for cfg in (_configs()["llama_mqa_kv_replicated"], _configs()["gpt2"]):
+        single = ParallelGroups.single()
+        full = gather_full_state(GPTModel(cfg, single, seed=21), single)
+        model = GPTModel(cfg, groups, seed=99)
+        shard_full_state(model, full, groups)
+        back = gather_full_state(model, groups)
+        assert back.keys() == full.keys()
+        worst = max([worst] + [float((back[k] - full[k]).abs().max()) for k in full])
+    return worst
+
+
 def _parity_bundle(tp: int) -> dict:
     import torch.distributed as dist
 
     from omnitron.backends import get_backend
-    from omnitron.core.config.parallel import ConfigError, ParallelConfig
-    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
 
     torch.set_num_threads(1)
@@ -121,18 +140,11 @@ def _parity_bundle(tp: int) -> dict:
     for sp in (False, True):
         groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), coll)
         for name, cfg in _configs().items():
-            if tp > 2 and ("recompute" in name or (not sp and name != "llama_qknorm_partial_rope")):
+            if tp > 2 and ("recompute" in name or (not sp and name not in ("llama_qknorm_partial_rope", "llama_gqa2"))):
                 continue  # NOTE: tp=2 runs the full matrix; tp=4 the cases whose maths depends on tp
             results[(name, sp)] = _run_case(cfg, groups, single)
     results["dropout"] = _dropout_checks(groups)
-    # query groups fewer than tp: rejected with a message naming the flags
-    cfg = dataclasses.replace(_configs()["llama"], num_query_groups=tp // 2) if tp > 2 else None
-    if cfg is not None:
-        try:
-            GPTModel(cfg, groups)
-            results["gqa_reject"] = "accepted"
-        except ConfigError as err:
-            results["gqa_reject"] = str(err)
+    results["reshard"] = _reshard_check(groups)
     dist.barrier()
     return results
 
@@ -145,8 +157,8 @@ def _check(results_per_rank, tp):
     assert len({tuple(d["tp_stream"].tolist()) for d in drops}) == tp  # distinct per tp rank
     for results in results_per_rank:
         for key, err in results.items():
-            if key == "gqa_reject":
-                assert "--num-query-groups" in err and "--tensor-model-parallel-size" in err, err
+            if key == "reshard":
+                assert err == 0.0, err
                 continue
             assert err["init"] == 0.0, (tp, key, err)
             assert err["loss_moved"] == 1.0, (tp, key, err)

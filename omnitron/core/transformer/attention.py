@@ -4,14 +4,24 @@ Full (layout-independent) fused QKV weight rows are grouped per key/value head, 
 ``[g0: q heads of group 0 (hq/g of them), k0, v0 | g1: ... ]`` each ``d`` rows, so a contiguous
 split over tp gives every rank ``g/tp`` whole groups. ``linear_proj`` input columns follow global
 query-head order.
+
+Query groups fewer than tp (``tp % g == 0``): each rank's query heads lie in ONE group, so the
+key/value projection is replicated on every tp rank (``linear_kv``, all ``g`` groups, small) and
+each rank uses its group's rows; ``linear_q`` stays column-parallel. The kv weight's gradient is a
+partial sum over tp (``sequence_parallel=True``: all-reduced with the norm weights), and
+:meth:`SelfAttention.fuse_full_state` / :meth:`split_full_state` map the pair to and from the
+canonical ``linear_qkv`` tensors, so checkpoints and parity checks see one layout.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from omnitron.core.parallel.groups import Group
+from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from omnitron.core.parallel.tensor.random import checkpoint
+from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer.norm import Norm
 
 
@@ -26,15 +36,82 @@ class SelfAttention(nn.Module):
         self.c, self.group, self.tracker, self.backend = c, group, tracker, backend
         self.d, heads, groups = head_dim(c), c.num_attention_heads, query_groups(c)
         self.q_per_group = heads // groups
-        self.groups_local = groups // group.size
+        self.replicate_kv = groups < group.size
+        self.sp = sequence_parallel
         kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, dtype=c.params_dtype)
-        self.linear_qkv = ColumnParallelLinear(c.hidden_size, (heads + 2 * groups) * self.d, init_std=c.init_method_std, **kw)
+        if self.replicate_kv:
+            self._build_replicated_kv(c, heads, groups, kw)
+        else:
+            self.groups_local = groups // group.size
+            self.linear_qkv = ColumnParallelLinear(c.hidden_size, (heads + 2 * groups) * self.d,
+                                                   init_std=c.init_method_std, **kw)
         self.linear_proj = RowParallelLinear(heads * self.d, c.hidden_size, init_std=out_std, skip_bias_add=True, **kw)
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
             nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=group.size > 1,
                        dtype=c.params_dtype)
             self.q_layernorm, self.k_layernorm = Norm(self.d, **nkw), Norm(self.d, **nkw)
+
+    def _build_replicated_kv(self, c, heads: int, groups: int, kw: dict) -> None:
+        """``linear_q`` column-parallel; ``linear_kv`` (all groups) replicated over tp."""
+        tp = self.group.size
+        self.groups_local, self.my_group = 1, M.local_rank(self.group) // (tp // groups)
+        self.q_per_group = heads // tp  # query heads on this rank, all in group ``my_group``
+        self.linear_q = ColumnParallelLinear(c.hidden_size, heads * self.d, init_std=c.init_method_std, **kw)
+        one = Group(f"{self.group.name}-replica", (self.group.ranks[M.local_rank(self.group)],), None)
+        self.linear_kv = ColumnParallelLinear(c.hidden_size, 2 * groups * self.d, init_std=c.init_method_std,
+                                              **{**kw, "group": one, "sequence_parallel": False})
+        qkv_rows, d, qpg = (heads + 2 * groups) * self.d, self.d, heads // groups
+        for p in (self.linear_q.weight, self.linear_q.bias, self.linear_kv.weight, self.linear_kv.bias):
+            if p is None:
+                continue
+            is_q, init = p is self.linear_q.weight or p is self.linear_q.bias, p.init
+            if not is_q:
+                set_attributes(p, parallel=False, init=init)
+                p.sequence_parallel = True  # partial sum over tp: all-reduced before the step
+            part = _q_rows if is_q else _kv_rows
+            p.init_from = ("linear_qkv." + ("weight" if p.dim() == 2 else "bias"),
+                           (qkv_rows,) + tuple(p.shape[1:]), lambda full, part=part: part(full, groups, qpg, d))
+
+    def fuse_full_state(self, prefix: str, state: dict) -> None:
+        """Replace full ``linear_q``/``linear_kv`` tensors in ``state`` by the canonical ``linear_qkv``."""
+        if not self.replicate_kv:
+            return
+        g, d = self.linear_kv.weight.shape[0] // (2 * self.d), self.d
+        for kind in ("weight", "bias"):
+            q, kv = state.pop(f"{prefix}linear_q.{kind}", None), state.pop(f"{prefix}linear_kv.{kind}", None)
+            if q is not None:
+                qg = q.reshape(g, -1, d, *q.shape[1:])
+                state[f"{prefix}linear_qkv.{kind}"] = torch.cat([qg, kv.reshape(g, 2, d, *kv.shape[1:])], 1).reshape(
+                    -1, *q.shape[1:])
+
+    def split_full_state(self, prefix: str, state: dict) -> dict:
+        """Inverse of :meth:`fuse_full_state` (a new dict; ``state`` is not modified)."""
+        if not self.replicate_kv:
+            return state
+        out = dict(state)
+        g, d = self.linear_kv.weight.shape[0] // (2 * self.d), self.d
+        qpg = self.q_per_group * self.group.size // g
+        for kind in ("weight", "bias"):
+            full = out.pop(f"{prefix}linear_qkv.{kind}", None)
+            if full is not None:
+                out[f"{prefix}linear_q.{kind}"] = _q_rows(full, g, qpg, d)
+                out[f"{prefix}linear_kv.{kind}"] = _kv_rows(full, g, qpg, d)
+        return out
+
+    def _project(self, x: torch.Tensor):
+        """``q [s, b, hq/tp, d]``, ``k, v [s, b, g/tp or 1, d]``."""
+        if self.replicate_kv:
+            q = self.linear_q(x)
+            s, b = q.shape[:2]
+            xk = M.gather_from_sp(x, self.group) if self.sp else M.copy_to_tp(x, self.group)
+            kv = self.linear_kv(xk).view(s, b, -1, 2, self.d)[:, :, self.my_group]  # [s, b, 2, d]
+            return q.view(s, b, -1, self.d), kv[:, :, 0:1], kv[:, :, 1:2]
+        qkv = self.linear_qkv(x)  # [s, b, g/tp * (hq/g + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.d)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.d)  # [s, b, hq/tp, d]
+        return q, qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[b, h, s, d]`` in and out; dropout draws from the tp-rank-specific stream (local heads)."""
@@ -45,11 +122,8 @@ class SelfAttention(nn.Module):
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor | None):
-        qkv = self.linear_qkv(x)  # [s, b, g/tp * (hq/g + 2) * d]
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.d)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.d)  # [s, b, hq/tp, d]
-        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]  # [s, b, g/tp, d]
+        q, k, v = self._project(x)
+        s, b = q.shape[:2]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if freqs is not None:
@@ -62,3 +136,13 @@ class SelfAttention(nn.Module):
             out = self.core_attention(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, hq/tp * d]
         return self.linear_proj(out)
+
+
+def _q_rows(full: torch.Tensor, g: int, qpg: int, d: int) -> torch.Tensor:
+    """Query rows (global head order) of a canonical fused QKV tensor."""
+    return full.reshape(g, qpg + 2, d, *full.shape[1:])[:, :qpg].reshape(g * qpg * d, *full.shape[1:])
+
+
+def _kv_rows(full: torch.Tensor, g: int, qpg: int, d: int) -> torch.Tensor:
+    """Key/value rows ``[g0: k, v | g1: k, v | ...]`` of a canonical fused QKV tensor."""
+    return full.reshape(g, qpg + 2, d, *full.shape[1:])[:, qpg:].reshape(g * 2 * d, *full.shape[1:])

@@ -145,10 +145,10 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     if heads % tp:
         raise ConfigError(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
                           f"use a tensor-parallel size that divides {heads}")
-    if groups % tp:
-        raise ConfigError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp} "
-                          f"(key/value heads are not replicated across tensor-parallel ranks); use "
-                          f"--tensor-model-parallel-size <= {groups} dividing it, or more query groups")
+    if groups % tp and tp % groups:
+        raise ConfigError(f"--num-query-groups {groups} and --tensor-model-parallel-size {tp} do not divide one "
+                          f"another: key/value heads are either split over tp (groups a multiple of tp) or "
+                          f"replicated (tp a multiple of groups); change one of them")
     if ffn_size(c) % tp:
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
     vp = parallel.virtual_pipeline_model_parallel_size or 1

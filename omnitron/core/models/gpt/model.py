@@ -100,8 +100,12 @@ class GPTModel(nn.Module):
         """Fill every parameter with its shard of the layout-independent full init for ``seed``."""
         tp = self.groups.tp
         for name, p in self.named_parameters():
-            shape = full_shape(p, tp.size)
-            full = init_full(getattr(p, "init_name", name), shape, p.init, seed, getattr(p, "valid_rows", None))
+            if hasattr(p, "init_from"):  # a part of a canonical fused tensor (replicated-KV attention)
+                suffix, shape, extract = p.init_from
+                full = extract(init_full(name.rsplit(".", 2)[0] + "." + suffix, shape, p.init, seed))
+            else:
+                shape = full_shape(p, tp.size)
+                full = init_full(getattr(p, "init_name", name), shape, p.init, seed, getattr(p, "valid_rows", None))
             p.copy_(shard_param(full, p, tp.size, M.local_rank(tp)))
 
     def shared_embedding_parameters(self) -> list[nn.Parameter]:

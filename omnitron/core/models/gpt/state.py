@@ -29,6 +29,9 @@ def gather_full_state(model: torch.nn.Module, groups, *, grads: bool = False) ->
         if t is None:
             t = torch.zeros_like(p)
         out[name] = gather_param(t.detach(), p, groups.tp)
+    for prefix, mod in model.named_modules():
+        if hasattr(mod, "fuse_full_state"):
+            mod.fuse_full_state(prefix + ".", out)
     return out
 
 
@@ -40,6 +43,9 @@ def shard_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor], grou
     ``strict`` raises on a missing name, naming it.
     """
     tp = groups.tp
+    for prefix, mod in model.named_modules():
+        if hasattr(mod, "split_full_state"):
+            full = mod.split_full_state(prefix + ".", full)
     for name, p in model.named_parameters():
         key = getattr(p, "init_name", name)
         if key not in full:
