@@ -41,13 +41,15 @@ def test_delayed_history_and_scale_follow_the_recipe(algo):
 
 
 def test_delayed_executor_quantizes_with_the_scale_in_force():
-    """Each call uses the previous calls' scale (not its own amax), then records its amax."""
+    """Each call uses the previous calls' scale (not its own amax), then records its amax; the first call,
+    with no history, uses its own amax."""
     cfg = FP8Config(fp8_recipe="delayed", fp8_format="e4m3", fp8_amax_history_len=2, fp8_amax_compute_algo="max")
     ex = FP8Linear(cfg, get_backend().fp8)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 32, generator=g)
     x_amax = [3.0, 50.0, 0.1, 0.2]
     used, hists, _ = _expected(x_amax, 448.0, 2, "max", 0)
+    used[0] = 448.0 / x_amax[0]  # the first use has no history: scaled from its own amax
     for a, scale, hist in zip(x_amax, used, hists):
         x = torch.randn(8, 32, generator=g)
         x = x / x.abs().max() * a
@@ -55,7 +57,7 @@ def test_delayed_executor_quantizes_with_the_scale_in_force():
         qx = (x * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() / scale
         sw = ex.states["weight"]
         assert ex.states["input"].amax_history.tolist() == pytest.approx(hist)
-        w_scale_used = 448.0 / w.abs().max().item() if sw.amax_history[1] > 0 else 1.0
+        w_scale_used = 448.0 / w.abs().max().item()  # w's amax is constant: first use and history agree
         qw = (w * w_scale_used).clamp(-448, 448).to(torch.float8_e4m3fn).double() / w_scale_used
         torch.testing.assert_close(y.double(), qx @ qw.t(), rtol=1e-5, atol=1e-5)
 
@@ -73,6 +75,20 @@ def test_config_validation_names_the_flag():
         FP8Config(fp8_margin=-1)
     assert FP8Config(fp8_format="hybrid").backward_format == "e5m2"
     assert FP8Config(fp8_format="e4m3").backward_format == "e4m3"
+
+
+def test_megatron_flags_build_the_config():
+    import argparse
+
+    from omnitron.core.precision.fp8 import add_fp8_args, fp8_config_from_args
+
+    p = add_fp8_args(argparse.ArgumentParser())
+    assert fp8_config_from_args(p.parse_args([])) is None
+    cfg = fp8_config_from_args(p.parse_args(["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-margin", "1",
+                                             "--first-last-layers-bf16"]))
+    assert (cfg.fp8_format, cfg.fp8_recipe, cfg.fp8_margin, cfg.first_last_layers_bf16) == ("e4m3", "blockwise", 1, True)
+    with pytest.raises(ConfigError, match="mxfp8"):
+        fp8_config_from_args(p.parse_args(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"]))
 
 
 def test_backend_without_fp8_is_refused_with_the_capability_named():

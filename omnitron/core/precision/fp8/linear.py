@@ -62,9 +62,15 @@ class FP8Linear:
         cast = self.provider.backend.kernels.fp8_cast_transpose_amax
         if self.recipe.fp8_recipe == "delayed":
             state = self.states[role].to(x.device)
-            scale = state.scale
-            q, qt, amax = cast(x, scale, fmt)
-            state.push(reduce_amax(amax, self.amax_groups, self.collectives))
+            if state.uses == 0:  # no history yet: scale this first use from its own amax
+                amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
+                scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
+                q, qt, _ = cast(x, scale, fmt)
+            else:
+                scale = state.scale
+                q, qt, amax = cast(x, scale, fmt)
+                amax = reduce_amax(amax, self.amax_groups, self.collectives)
+            state.push(amax)
             return q, qt, 1.0 / scale
         amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
         scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)

@@ -8,8 +8,10 @@ Definitions (the tests check these step by step):
   Use ``t`` quantizes with the scale in force, ``q_t = fp8(x_t * scale_t)``; then the observed amax
   ``a_t`` (reduced over the amax groups) is pushed: ``history <- [a_t, history[:-1]]``, and
   ``scale_{t+1} = fp8_max / 2**margin / A`` with ``A = max(history)`` (``max``) or ``history[0]``
-  (``most_recent``); a zero or non-finite ``A`` keeps the previous scale. Initial scale 1,
-  history zeros. All of it stays on the device (no host syncs).
+  (``most_recent``); a zero or non-finite ``A`` keeps the previous scale. History starts at zeros.
+  The very first use has no history: it is scaled from its own amax, as tensorwise would
+  (NOTE: Transformer Engine uses scale 1 there, which flushes small gradients to zero on step 1).
+  All of it stays on the device (no host syncs).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ class DelayedScaling:
         self.fmt, self.history_len, self.algo, self.margin = fmt, history_len, algo, margin
         self.amax_history = torch.zeros(history_len)
         self.scale = torch.ones(())
+        self.uses = 0
+        """Amaxes pushed so far (host-side count; 0 means "no history yet")."""
 
     def to(self, device: torch.device) -> "DelayedScaling":
         """Move the state to ``device`` (done on first use, where the tensors live)."""
@@ -54,9 +58,11 @@ class DelayedScaling:
         self.amax_history = hist
         summary = hist.amax() if self.algo == "max" else hist[0]
         self.scale = scale_from_amax(summary, self.fmt, self.margin, previous=self.scale)
+        self.uses += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"amax_history": self.amax_history.detach().cpu().clone(), "scale": self.scale.detach().cpu().clone()}
+        return {"amax_history": self.amax_history.detach().cpu().clone(), "scale": self.scale.detach().cpu().clone(),
+                "uses": torch.tensor(self.uses)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         hist = state["amax_history"]
@@ -66,3 +72,4 @@ class DelayedScaling:
         device = self.scale.device
         self.amax_history = hist.detach().float().clone().to(device)
         self.scale = state["scale"].detach().float().clone().reshape(()).to(device)
+        self.uses = int(state["uses"])
