@@ -30,9 +30,14 @@ def _args(tp, pp, dtype, save, extra=()):
     return args + list(extra)
 
 
-def _parity_args(tp, pp, root):
-    return _args(tp, pp, "fp32", os.path.join(root, f"parity{tp}{pp}"),
-                 ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05", "--global-batch-size", "4"])
+VP_SP_RECOMPUTE = ["--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel", "--recompute-granularity",
+                   "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+
+def _parity_args(tp, pp, root, extra=()):
+    return _args(tp, pp, "fp32", os.path.join(root, f"parity{tp}{pp}{len(extra)}"),
+                 ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05", "--global-batch-size", "4",
+                  *extra])
 
 
 def _worker(tp, pp, root):
@@ -52,6 +57,9 @@ def _worker(tp, pp, root):
         second = train(parse_settings(_args(tp, pp, dtype, part, ["--load", part]), dist.get_world_size()), be)
         out[dtype] = (full["losses"], first["losses"], second["losses"])
     out["parity"] = train(parse_settings(_parity_args(tp, pp, root), dist.get_world_size()), be)["losses"]
+    if (tp, pp) == (2, 2):  # interleaved schedule, sequence parallelism and full recomputation on top
+        out["parity_vp"] = train(parse_settings(_parity_args(tp, pp, root, VP_SP_RECOMPUTE), dist.get_world_size()),
+                                 be)["losses"]
     return out
 
 
@@ -73,6 +81,10 @@ def test_resume_bit_exact(tp, pp, tmp_path):
     from omnitron.core.training.loop import train
 
     single = train(parse_settings(_parity_args(1, 1, str(tmp_path / "single")), 1), get_backend("cpu"))["losses"]
-    assert sorted(single) == sorted(results[0]["parity"])
-    for it, loss in single.items():
-        assert abs(results[0]["parity"][it] - loss) <= 1e-5 * abs(loss), (it, results[0]["parity"], single)
+    for key in ("parity", "parity_vp"):
+        if key not in results[0]:
+            continue
+        got = results[0][key]
+        assert sorted(single) == sorted(got)
+        for it, loss in single.items():
+            assert abs(got[it] - loss) <= 1e-5 * abs(loss), (key, it, got, single)

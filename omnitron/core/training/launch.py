@@ -66,6 +66,9 @@ def _run_rank(settings) -> int:
 
 def launch(settings) -> int:
     """Train; returns the process exit code."""
+    if settings.backend:
+        # every module that asks for the backend (and every spawned worker) sees the same choice
+        os.environ["OMNITRON_BACKEND"] = settings.backend
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if int(os.environ["WORLD_SIZE"]) != settings.world_size:
             settings.world_size = int(os.environ["WORLD_SIZE"])
