@@ -46,6 +46,17 @@ def test_cross_checks(argv, world, message):
         parse_settings(argv, world_size=world)
 
 
+def test_missing_data_path_is_caught_before_launch(tmp_path):
+    from omnitron.core.training.launch import precheck
+
+    s = parse_settings(["--model", "gpt2_tiny", "--data-path", str(tmp_path / "nope_text_document")], world_size=1)
+    with pytest.raises(ConfigError, match="nope_text_document.bin not found"):
+        precheck(s)
+    s = parse_settings(["--model", "gpt2_tiny", "--vocab-file", str(tmp_path / "v.json")], world_size=1)
+    with pytest.raises(ConfigError, match="--vocab-file .* not found"):
+        precheck(s)
+
+
 def test_bad_tensor_parallel_size_is_one_line_exit_2():
     proc = subprocess.run([sys.executable, "-m", "omnitron", "train", "--model", "gpt2_tiny", "--mock-data",
                            "--tensor-model-parallel-size", "3", "--nproc-per-node", "3"],

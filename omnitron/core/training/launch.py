@@ -26,10 +26,29 @@ def precheck(settings) -> None:
         raise ConfigError(f"--backend: {err}") from None
     if settings.precision.bf16 and __import__("torch").bfloat16 not in backend.capabilities().dtypes:
         raise ConfigError(f"--bf16: the {backend.name} backend's device has no bf16; use --fp16 or fp32")
+    _check_files(settings)
     if settings.checkpoint.load:
         from omnitron.core.training.checkpointing import check_resume
 
         check_resume(settings)
+
+
+def _check_files(settings) -> None:
+    """Data and tokenizer files named on the command line exist (before workers start)."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.data.config import parse_data_path
+
+    d = settings.data
+    if not d.mock_data:
+        for _, prefix in parse_data_path(d.data_path):
+            for ext in (".bin", ".idx"):
+                if not os.path.exists(prefix + ext):
+                    raise ConfigError(f"--data-path {prefix}: {prefix}{ext} not found; give the prefix of an indexed "
+                                      f"dataset (omnitron preprocess writes PREFIX_text_document.bin/.idx)")
+    for flag, path in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file),
+                       ("--tokenizer-model", d.tokenizer_model)):
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{flag} {path}: file not found")
 
 
 def _threads(settings, local_world: int) -> int:
