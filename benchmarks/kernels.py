@@ -22,17 +22,17 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     out = [f"Backend `{m['backend']}` ({m['device']}, {m['processor']}, {m['threads']} threads, torch {m['torch']}); "
            f"device copy bandwidth {copy:.1f} GB/s.", "",
-           "| op | dtype | mode | impl | median ms | GB/s | % copy BW | peak MiB | vs eager | vs torch |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+           "| op | dtype | mode | impl | median ms | min ms | GB/s | % copy BW | peak MiB | vs eager | vs torch |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     native = {(r["op"], r["dtype"], r["mode"]): r["ms"] for r in report["rows"] if r["impl"] == "torch" and r["ms"]}
     for r in report["rows"]:
         if r["ms"] is None:
-            out.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['note']} | | | | | |")
+            out.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['note']} | | | | | | |")
             continue
         nat = native.get((r["op"], r["dtype"], r["mode"]))
         vs_torch = f"{nat / r['ms']:.2f}x" if nat else "-"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
-        out.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['ms']:.2f} | {r['gbs']:.2f} | "
+        out.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['ms']:.2f} | {r['min_ms']:.2f} | {r['gbs']:.2f} | "
                    f"{100 * r['gbs'] / copy:.0f}% | {peak} | {r['speedup']:.2f}x | {vs_torch} |")
     return "\n".join(out)
 
@@ -45,11 +45,13 @@ def main() -> int:
     p.add_argument("--ops", nargs="*", default=None)
     p.add_argument("--size", default=None)
     p.add_argument("--rounds", default="15")
+    p.add_argument("--threads", default=None)
     args = p.parse_args()
     argv = ["bench", "kernels", "--json", args.json, "--rounds", args.rounds]
     argv += ["--backend", args.backend] if args.backend else []
     argv += ["--compile"] if args.compile else []
     argv += ["--size", args.size] if args.size else []
+    argv += ["--threads", args.threads] if args.threads else []
     argv += ["--ops", *args.ops] if args.ops else []
     rc = cli_main(argv)
     with open(args.json) as f:

@@ -27,7 +27,7 @@ static inline void act(A a, int64_t kind, A& f, A& df) {
 template <typename T>
 void glu_fwd_kernel(const T* x, T* y, int64_t n, int64_t f, int64_t kind) {
   using A = acc_t<T>;
-  at::parallel_for(0, n, std::max<int64_t>(1, 8192 / std::max<int64_t>(f, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, rows_grain(3 * f), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const T* a = x + i * 2 * f;
       const T* g = a + f;
@@ -45,7 +45,7 @@ void glu_fwd_kernel(const T* x, T* y, int64_t n, int64_t f, int64_t kind) {
 template <typename T>
 void glu_bwd_kernel(const T* dy, const T* x, T* dx, int64_t n, int64_t f, int64_t kind) {
   using A = acc_t<T>;
-  at::parallel_for(0, n, std::max<int64_t>(1, 8192 / std::max<int64_t>(f, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, rows_grain(3 * f), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const T* a = x + i * 2 * f;
       const T* g = a + f;

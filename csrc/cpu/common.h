@@ -69,6 +69,11 @@ static inline float fast_exp(float x) {
 }
 static inline double fast_exp(double x) { return std::exp(x); }
 
+// Work per task below which a loop runs on the calling thread (as ATen's GRAIN_SIZE): waking a
+// second thread costs more than it saves for small tensors, and far more on a loaded machine.
+constexpr int64_t kGrainElems = 32768;
+static inline int64_t rows_grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(row_elems, 1)); }
+
 // Split [0, n) into `parts` contiguous chunks; chunk i is [begin(i), begin(i+1)).
 struct Partition {
   int64_t n, parts;

@@ -10,7 +10,7 @@ namespace {
 template <typename T>
 void ce_fwd_kernel(const T* x, const int64_t* tgt, float* loss, float* lse_out, int64_t n, int64_t v, double ls) {
   using A = acc_t<T>;
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, rows_grain(v), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const T* xr = x + i * v;
       A m = -INFINITY;
@@ -35,7 +35,7 @@ template <typename T>
 void ce_bwd_kernel(const float* dloss, const T* x, const int64_t* tgt, const float* lse, T* dx, int64_t n, int64_t v,
                    double ls) {
   using A = acc_t<T>;
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, rows_grain(v), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const T* xr = x + i * v;
       T* dr = dx + i * v;

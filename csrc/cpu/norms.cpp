@@ -23,7 +23,7 @@ template <typename T>
 void rms_fwd_kernel(const T* x, const T* res, T* h, const acc_t<T>* w, T* y, float* rstd, int64_t n, int64_t d,
                     double eps) {
   using A = acc_t<T>;
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, rows_grain(d), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const T* xr = res ? add_rows(x + i * d, res + i * d, h + i * d, d) : x + i * d;
       A ss = 0;
@@ -42,7 +42,7 @@ template <typename T>
 void rms_bwd_kernel(const T* dy, const T* x, const acc_t<T>* w, const float* rstd, const T* dres, T* dx,
                     acc_t<T>* dw, int64_t n, int64_t d) {
   using A = acc_t<T>;
-  Partition part(n, at::get_num_threads());
+  Partition part(n, std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, n * d / kGrainElems)));
   std::vector<A> buf(part.parts * d, A(0));
   at::parallel_for(0, part.parts, 1, [&](int64_t pb, int64_t pe) {
     for (int64_t p = pb; p < pe; ++p) {
@@ -73,7 +73,7 @@ template <typename T>
 void ln_fwd_kernel(const T* x, const T* res, T* h, const acc_t<T>* w, const acc_t<T>* bias, T* y, float* mean,
                    float* rstd, int64_t n, int64_t d, double eps) {
   using A = acc_t<T>;
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n, rows_grain(d), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const T* xr = res ? add_rows(x + i * d, res + i * d, h + i * d, d) : x + i * d;
       A s = 0;
@@ -101,7 +101,7 @@ template <typename T>
 void ln_bwd_kernel(const T* dy, const T* x, const acc_t<T>* w, const float* mean, const float* rstd, const T* dres,
                    T* dx, acc_t<T>* dw, acc_t<T>* db, int64_t n, int64_t d) {
   using A = acc_t<T>;
-  Partition part(n, at::get_num_threads());
+  Partition part(n, std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, n * d / kGrainElems)));
   std::vector<A> buf(part.parts * 2 * d, A(0));
   at::parallel_for(0, part.parts, 1, [&](int64_t pb, int64_t pe) {
     for (int64_t p = pb; p < pe; ++p) {

@@ -13,7 +13,7 @@ void rope_kernel(const T* t, T* out, const float* c, const float* s, const int64
   using A = acc_t<T>;
   const int64_t a_n = shape[0], b_n = shape[1], h_n = shape[2], d = shape[3];
   const int64_t rows = a_n * b_n * h_n;
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(d, 1)), [&](int64_t beg, int64_t end) {
+  at::parallel_for(0, rows, rows_grain(2 * d), [&](int64_t beg, int64_t end) {
     for (int64_t row = beg; row < end; ++row) {
       const int64_t h = row % h_n, b = (row / h_n) % b_n, a = row / (h_n * b_n);
       const float* cr = c + a * cst[0] + b * cst[1] + h * cst[2];

@@ -20,6 +20,7 @@ def register(sub) -> None:
                    help="problem sizes: tiny (smoke tests), small (default on CPU), large (default on a GPU)")
     k.add_argument("--compile", action="store_true", help="also time torch.compile of the reference (slow to build)")
     k.add_argument("--rounds", type=int, default=15, help="timed rounds per case (median reported)")
+    k.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     k.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     k.set_defaults(func=run_kernels)
     c = bsub.add_parser("compare", help="print two JSON reports side by side")
@@ -36,6 +37,8 @@ def run_kernels(args: argparse.Namespace) -> int:
     from omnitron.kernels.benchmark import run
 
     backend = get_backend(args.backend)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     on_cpu = backend.device_type == "cpu"
     names = (args.dtypes or ("float32,bfloat16" if on_cpu else "bfloat16")).split(",")
     try:

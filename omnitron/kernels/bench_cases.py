@@ -20,6 +20,8 @@ class Case:
     native: Callable | None = None
     float_only: bool = False
     """The op takes float32 state whatever the benchmark dtype (AdamW)."""
+    grad_args: tuple[int, ...] | None = None
+    """Positions of the arguments differentiated in ``fwd+bwd`` (None: every float tensor)."""
 
 
 def _pick(size: str, tiny, small, large):
@@ -121,7 +123,7 @@ CASES = [
     Case("swiglu", _glu),
     Case("geglu", _glu),
     Case("bias_gelu", _gelu),
-    Case("rope", _rope),
+    Case("rope", _rope, grad_args=(0,)),
     Case("softmax_cross_entropy", _ce,
          native=lambda x, t, label_smoothing: F.cross_entropy(x.float(), t, reduction="none",
                                                               label_smoothing=label_smoothing)),

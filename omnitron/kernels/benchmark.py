@@ -28,11 +28,14 @@ class Row:
     mode: str
     impl: str
     ms: float | None
+    """Median over rounds."""
     gbs: float | None
     peak_mib: float | None
     speedup: float | None = None
     """Eager (reference) time / this time."""
     note: str = ""
+    min_ms: float | None = None
+    """Fastest round (less sensitive to a loaded machine than the median)."""
 
 
 class PeakTracker(TorchDispatchMode):
@@ -76,8 +79,9 @@ def _nbytes(tree) -> int:
 def _runner(fn, args, kwargs, mode: str, case: Case):
     """A no-argument callable doing one forward (and backward) and the bytes it moves once."""
     if mode == "fwd+bwd":
-        leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                  for a in args]
+        wanted = case.grad_args if case.grad_args is not None else range(len(args))
+        leaves = [a.detach().clone().requires_grad_() if i in wanted and isinstance(a, torch.Tensor)
+                  and a.is_floating_point() else a for i, a in enumerate(args)]
         grads = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
         out = fn(*leaves, **kwargs)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -99,8 +103,9 @@ def _runner(fn, args, kwargs, mode: str, case: Case):
     return call, moved
 
 
-def _candidates(case: Case, backend, compile_: bool) -> dict[str, object]:
-    impls = {"eager": implementations(case.op)[REFERENCE].fn}
+def _candidates(case: Case, backend, compile_: bool, args, kwargs) -> tuple[dict[str, object], dict[str, str]]:
+    """(name -> callable to time, name -> reason it declined these arguments)."""
+    impls, declined = {"eager": implementations(case.op)[REFERENCE].fn}, {}
     if case.native is not None:
         impls["torch"] = case.native
     if compile_:
@@ -109,9 +114,12 @@ def _candidates(case: Case, backend, compile_: bool) -> dict[str, object]:
         if name == REFERENCE or (impl.backends is not None and backend.name not in impl.backends):
             continue
         ok, _ = impl.available()
-        if ok:
+        why = impl.supports(*args, **kwargs) if ok and impl.supports is not None else None
+        if why:
+            declined[name] = why
+        elif ok:
             impls[name] = impl.fn
-    return impls
+    return impls, declined
 
 
 def bench_case(case: Case, backend, dtype: torch.dtype, mode: str, *, size: str, compile_: bool,
@@ -122,7 +130,10 @@ def bench_case(case: Case, backend, dtype: torch.dtype, mode: str, *, size: str,
     args, kwargs = case.make(device, dtype, size)
     dname = "float32" if case.float_only else str(dtype).split(".")[-1]
     calls, rows = {}, {}
-    for name, fn in _candidates(case, backend, compile_).items():
+    impls, declined = _candidates(case, backend, compile_, args, kwargs)
+    for name, why in declined.items():
+        rows[name] = Row(case.op, dname, mode, name, None, None, None, note=f"declined: {why[:80]}")
+    for name, fn in impls.items():
         try:
             if case.op == "adamw_step" and name != "eager":  # each optimizer gets its own state
                 args = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
@@ -151,7 +162,8 @@ def bench_case(case: Case, backend, dtype: torch.dtype, mode: str, *, size: str,
             with tracker:
                 call()
             peak = tracker.peak / 2**20
-        rows[name] = Row(case.op, dname, mode, name, ms, moved / (ms * 1e-3) / 1e9, peak)
+        rows[name] = Row(case.op, dname, mode, name, ms, moved / (ms * 1e-3) / 1e9, peak,
+                         min_ms=min(times[name]) * 1e3)
     eager = rows.get("eager")
     for row in rows.values():
         if eager is not None and eager.ms and row.ms:
@@ -204,9 +216,9 @@ def format_rows(rows: list[Row], header: bool = True) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = [f"{'op':24s} {'dtype':9s} {'mode':8s} {'impl':8s} {'ms':>9s} {'GB/s':>7s} {'peak MiB':>9s} {'vs eager':>8s}"] \
-        if header else []
+    lines = [f"{'op':24s} {'dtype':9s} {'mode':8s} {'impl':8s} {'ms':>9s} {'min ms':>9s} {'GB/s':>7s} {'peak MiB':>9s} "
+             f"{'vs eager':>8s}"] if header else []
     for r in rows:
-        lines.append(f"{r.op:24s} {r.dtype:9s} {r.mode:8s} {r.impl:8s} {f(r.ms, '9.3f')} {f(r.gbs, '7.1f')} "
+        lines.append(f"{r.op:24s} {r.dtype:9s} {r.mode:8s} {r.impl:8s} {f(r.ms, '9.3f')} {f(r.min_ms, '9.3f')} {f(r.gbs, '7.1f')} "
                      f"{f(r.peak_mib, '9.1f')} {f(r.speedup, '7.2f')}x {r.note}".rstrip())
     return "\n".join(lines)

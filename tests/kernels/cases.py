@@ -19,7 +19,8 @@ def _t(shape, dtype, device, grad=True, scale=1.0, noncontig=False):
 
 def rms_norm(dtype, device):
     out = []
-    for shape, nc in (((3, 5, 33), False), ((7, 128), False), ((1, 1), False), ((4, 2, 40), True)):
+    # (300, 257): enough work that the CPU kernels split rows over threads (partial weight grads)
+    for shape, nc in (((3, 5, 33), False), ((7, 128), False), ((1, 1), False), ((4, 2, 40), True), ((300, 257), False)):
         x = _t(shape, dtype, device, noncontig=nc)
         w = (1 + 0.3 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_()
         out.append((f"{shape}{' nc' if nc else ''}", (x, w), {"eps": 1e-5}))
@@ -28,7 +29,8 @@ def rms_norm(dtype, device):
 
 def layer_norm(dtype, device):
     out = []
-    for shape, nc, bias in (((3, 5, 33), False, True), ((7, 128), False, False), ((2, 2, 40), True, True)):
+    for shape, nc, bias in (((3, 5, 33), False, True), ((7, 128), False, False), ((2, 2, 40), True, True),
+                            ((300, 257), False, True)):
         x = _t(shape, dtype, device, noncontig=nc, scale=2.0)
         w = (1 + 0.3 * torch.randn(shape[-1], device=device)).to(dtype).requires_grad_()
         b = _t((shape[-1],), dtype, device) if bias else None
