@@ -40,6 +40,8 @@ def test_flags_config_file_and_precedence(tmp_path):
     (["--model", "gpt2_tiny", "--lr", "1", "--min-lr", "2"], 1, "--min-lr"),
     (["--model", "gpt2_tiny", "--finetune"], 1, "--finetune needs --load"),
     (["--model", "nope"], 1, "not a preset"),
+    (["--model", "gpt2_tiny", "--fp8-recipe", "blockwise"], 1, "need --fp8-format"),
+    (["--model", "gpt2_tiny", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], 1, "mxfp8 is not supported"),
 ])
 def test_cross_checks(argv, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -255,7 +255,7 @@ class Settings:
     ddp: Any
     """DataParallelConfig (gradient buckets, overlap), when the data-parallel package is present."""
     fp8: Any
-    """FP8Config when --fp8-format/--fp8-recipe was given, else None."""
+    """FP8Config when --fp8-format was given, else None."""
     logging: LoggingConfig
     checkpoint: CheckpointConfig
     world_size: int
@@ -323,10 +323,12 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                           f"{mbs} x data-parallel size {dp} = {mbs * dp}; change one of them")
     data = _build(DataConfig, merged, seq_length=model.seq_length, seed=training.seed)
     fp8_cls = _fp8_config_class()
-    fp8_on = any(k in merged for k in ("fp8_format", "fp8_recipe"))
+    fp8_on = merged.get("fp8_format") is not None  # as Megatron: --fp8-format switches FP8 on
     fp8 = _build(fp8_cls, merged) if (fp8_cls is not None and fp8_on) else None
     if fp8_on and fp8_cls is None:
         raise ConfigError("--fp8-format needs omnitron.core.precision.fp8, which this build lacks; drop the FP8 flags")
+    if fp8 is None and any(k.startswith("fp8_") for k in merged):
+        raise ConfigError("--fp8-recipe and the other --fp8-* settings need --fp8-format e4m3|hybrid to switch FP8 on")
     logging_cfg = _build(LoggingConfig, merged)
     checkpoint = _build(CheckpointConfig, merged)
     optim = _build(OptimizerConfig, merged)

@@ -26,6 +26,10 @@ def precheck(settings) -> None:
         raise ConfigError(f"--backend: {err}") from None
     if settings.precision.bf16 and __import__("torch").bfloat16 not in backend.capabilities().dtypes:
         raise ConfigError(f"--bf16: the {backend.name} backend's device has no bf16; use --fp16 or fp32")
+    if settings.fp8 is not None:
+        from omnitron.core.precision.fp8 import check_backend
+
+        check_backend(settings.fp8, backend)  # e.g. a backend without FP8 formats: one clear line
     _check_files(settings)
     if settings.checkpoint.load:
         from omnitron.core.training.checkpointing import check_resume
