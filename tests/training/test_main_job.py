@@ -1,5 +1,5 @@
 """The README's main job for a few steps: tp 2 x pp 2 on 4 spawned processes, bundled corpus and
-GPT-2 BPE, validation, checkpoint, sample. (The full run is `omnitron train --config
+GPT-2 BPE, validation, checkpoint, sample; then ``omnitron generate`` from that checkpoint. (The full run is `omnitron train --config
 examples/moby_dick_tp2_pp2.yaml`.)"""
 from __future__ import annotations
 
@@ -25,3 +25,13 @@ def test_example_config_runs_end_to_end(tmp_path):
     assert sorted(os.listdir(os.path.join(save, "iter_0000003"))) == ["metadata.json"] + [
         f"rank_{r:05d}.pt" for r in range(4)]
     assert "--- sample (" in proc.stdout and "Call me Ishmael" in proc.stdout
+    # omnitron generate rebuilds the tp2 x pp2 layout from the checkpoint: the same sample
+    gen = subprocess.run([sys.executable, "-m", "omnitron", "generate", "--load", save, "--prompt",
+                          "Call me Ishmael. Some years ago", "--max-new-tokens", "4"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert gen.returncode == 0, gen.stdout[-3000:] + gen.stderr[-3000:]
+    assert _sample(gen.stdout) == _sample(proc.stdout)
+
+
+def _sample(out: str) -> str:
+    return out[out.index("--- sample ("):].split("\n---", 1)[0]

@@ -62,33 +62,36 @@ def _threads(settings, local_world: int) -> int:
     return max(1, cores // local_world) if local_world > 1 else max(1, min(cores, 8))
 
 
-def _worker(rank: int, world: int, port: int, settings) -> None:
+def _worker(rank: int, world: int, port: int, settings, entry) -> None:
     import torch
 
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(_threads(settings, world))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    sys.exit(_run_rank(settings))
+    sys.exit(_run_rank(settings, entry))
 
 
-def _run_rank(settings) -> int:
+def _run_rank(settings, entry=None) -> int:
     from omnitron.backends import get_backend
     from omnitron.core.training.loop import train
 
+    entry = entry or train
     backend = get_backend(settings.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         backend.collectives.init_process_group(timeout_s=600)
     try:
-        train(settings, backend)
+        entry(settings, backend)
     finally:
         backend.collectives.destroy()
     return 0
 
 
-def launch(settings) -> int:
-    """Train; returns the process exit code."""
+def launch(settings, entry=None) -> int:
+    """Run ``entry(settings, backend)`` (default: the training loop) on every rank; returns the exit code.
+
+    ``entry`` must be a module-level function (spawned workers import it)."""
     if settings.backend:
         # every module that asks for the backend (and every spawned worker) sees the same choice
         os.environ["OMNITRON_BACKEND"] = settings.backend
@@ -98,20 +101,20 @@ def launch(settings) -> int:
         import torch
 
         torch.set_num_threads(_threads(settings, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        return _run_rank(settings)
+        return _run_rank(settings, entry)
     n = settings.nproc_per_node
     if n == 1:
         import torch
 
         torch.set_num_threads(_threads(settings, 1))
-        return _run_rank(settings)
+        return _run_rank(settings, entry)
     import torch.multiprocessing as mp
 
     from omnitron.testing.distributed import free_port
 
     port = int(os.environ.get("MASTER_PORT") or free_port())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, n, port, settings)) for r in range(n)]
+    procs = [ctx.Process(target=_worker, args=(r, n, port, settings, entry)) for r in range(n)]
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers get the terminal's SIGINT themselves
 
     def forward(signum, frame):
