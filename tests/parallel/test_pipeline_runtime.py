@@ -75,3 +75,50 @@ def test_chunk_count_must_match_virtual_size():
     with pytest.raises(ValueError, match="virtual pipeline size"):
         forward_backward(None, [_model(), _model()], iter(_data()), ParallelGroups.single(), num_microbatches=M,
                          seq_length=S, micro_batch_size=B, hidden_size=H, forward_step_fn=_step)
+
+
+def test_weight_grad_split_matches_full_backward_without_redoing_input_grads():
+    from omnitron.core.parallel.pipeline.wgrad import backward_input
+
+    torch.manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Linear(H, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, H))
+    x, g = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, H)
+    out = m(x)
+    runs = []
+    todo, gelu_node = [out.grad_fn], None  # the GELU's backward: input path only, no weights under it
+    while gelu_node is None:
+        node = todo.pop()
+        gelu_node = node if "Gelu" in type(node).__name__ else None
+        todo += [n for n, _ in node.next_functions if n is not None]
+    gelu_node.register_prehook(lambda grads: runs.append(1))
+    g_in, plan = backward_input(out, g, x, list(m.parameters()))
+    assert not plan.fallback and len(runs) == 1
+    assert all(p.grad is None for p in m.parameters())  # B touched no weight
+    plan.run()
+    assert len(runs) == 1  # W did not re-run the input-gradient chain
+    got = [p.grad.clone() for p in m.parameters()]
+    ref = m.double()
+    xr = x.detach().double().requires_grad_()
+    ref.zero_grad()
+    ref(xr).backward(g.double())
+    torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)
+    for a, p in zip(got, ref.parameters()):
+        torch.testing.assert_close(a.double(), p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_grad_split_falls_back_when_a_weight_is_shared():
+    from omnitron.core.parallel.pipeline.wgrad import backward_input
+
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(H, H)
+    x, g = torch.randn(B, H, requires_grad=True), torch.randn(B, H)
+    out = lin(torch.tanh(lin(x)))  # the same weight on two boundaries
+    g_in, plan = backward_input(out, g, x, list(lin.parameters()))
+    assert plan.fallback
+    plan.run()
+    w = lin.weight.detach().double().requires_grad_()
+    b = lin.bias.detach().double().requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    (torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(xr, w, b)), w, b) * g.double()).sum().backward()
+    torch.testing.assert_close(lin.weight.grad.double(), w.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)

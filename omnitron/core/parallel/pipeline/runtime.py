@@ -4,9 +4,9 @@
 stage turn the per-token loss into this micro-batch's mean via ``loss_fn`` and keep
 ``mean / num_microbatches`` as the backward target; otherwise send the output on.
 ``B``: receive the output gradient (except on the last stage) and back-propagate. When the table
-also holds a ``W`` for the same chunk and micro-batch, ``B`` computes only the input gradient
-(``torch.autograd.grad`` with the graph retained) and ``W`` later accumulates the weight
-gradients (``torch.autograd.backward(..., inputs=params)``, which fires the data-parallel hooks).
+also holds a ``W`` for the same chunk and micro-batch, ``B`` computes only the input gradient and
+``W`` later accumulates the weight gradients from the retained graph (see ``wgrad.py``; the
+data-parallel hooks fire in W).
 Before each weight-gradient pass the chunk's ``is_last_microbatch`` flag (data-parallel wrapper)
 is set, so gradient all-reduces start only on the last one.
 """
@@ -20,6 +20,7 @@ import torch
 
 from omnitron.core.parallel.pipeline.p2p import StageP2P
 from omnitron.core.parallel.pipeline.schedules import Action, Schedule
+from omnitron.core.parallel.pipeline.wgrad import WeightGradPlan, backward_input
 
 
 class PipelineError(RuntimeError):
@@ -81,7 +82,7 @@ class _StageRunner:
         self.split = schedule.split_backward(rank)
         self.last_wgrad = _weight_grad_order(schedule.tables[rank], self.split)
         self.last_stage = schedule.num_stages - 1
-        self.state: dict[tuple[int, int], list] = {}  # (chunk, mb) -> [input, output or loss target, output grad]
+        self.state: dict[tuple[int, int], list] = {}  # (chunk, mb) -> [input, output or loss target, W plan]
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.tokens = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -107,9 +108,13 @@ class _StageRunner:
         grad = self.p2p.recv(("grad", k, a.microbatch)) if k < self.last_stage else None
         entry = self.state[key]
         hidden, out = entry[0], entry[1]
-        if key in self.split:  # input gradient only; W later reuses the retained graph
-            g_in = torch.autograd.grad(out, hidden, grad, retain_graph=True)[0] if hidden is not None else None
-            entry[0], entry[2] = None, grad
+        if key in self.split:  # input gradient only; W later runs the weight side of the retained graph
+            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+            if hidden is not None:
+                g_in, entry[2] = backward_input(out, grad, hidden, params)
+            else:  # virtual stage 0: no input gradient, W does the whole backward
+                g_in, entry[2] = None, WeightGradPlan(out, grad, params)
+            entry[0] = entry[1] = None
         else:
             _set_last_microbatch(self.chunks[a.chunk], step == self.last_wgrad.get(a.chunk))
             torch.autograd.backward(out, grad)
@@ -119,12 +124,9 @@ class _StageRunner:
             self.p2p.send(("grad", k - 1, a.microbatch), g_in if g_in is not None else torch.zeros_like(hidden))
 
     def weight(self, a: Action, step: int) -> None:
-        _, out, grad = self.state.pop((a.chunk, a.microbatch))
-        chunk = self.chunks[a.chunk]
-        _set_last_microbatch(chunk, step == self.last_wgrad.get(a.chunk))
-        # NOTE: re-traverses the retained graph from the output down to the weights (correct;
-        # costs about a full backward, not just the weight-gradient GEMMs)
-        torch.autograd.backward(out, grad, inputs=[p for p in chunk.parameters() if p.requires_grad])
+        plan = self.state.pop((a.chunk, a.microbatch))[2]
+        _set_last_microbatch(self.chunks[a.chunk], step == self.last_wgrad.get(a.chunk))
+        plan.run()
 
 
 def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Iterator | None, *,
