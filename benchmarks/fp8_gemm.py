@@ -122,6 +122,42 @@ def layer_rows(be, dev, spec, iters, warmup) -> list[dict]:
     return rows
 
 
+def step_rows(be, dev, args, shrink: int, iters: int, warmup: int) -> list[dict]:
+    """Forward + backward of the GPT (1.3B shapes, ``--step-layers`` layers, bf16 parameters): BF16 against
+    each FP8 recipe (output layer kept in BF16, as Megatron does). The optimizer step is the same in both
+    and is left out."""
+    from omnitron.core.models.gpt import GPTModel, gpt_1p3b
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.precision.fp8 import FP8Config, disable_fp8, enable_fp8
+
+    h, s = args.hidden_size // shrink, args.seq_length // shrink
+    cfg = gpt_1p3b(num_layers=args.step_layers, hidden_size=h, ffn_hidden_size=args.ffn_hidden_size // shrink,
+                   seq_length=s, max_position_embeddings=s, hidden_dropout=0.0, attention_dropout=0.0,
+                   params_dtype=torch.bfloat16)
+    groups = ParallelGroups.single()
+    model = GPTModel(cfg, groups, backend=be).to(dev)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, s), generator=g).to(dev)
+    labels = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, s), generator=g).to(dev)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(tokens, labels=labels).mean().backward()
+
+    rows = []
+    t16 = timed(step, be, iters, warmup)
+    rows.append({"variant": "bf16", "ms": t16 * 1e3, "speedup": 1.0})
+    for recipe in ("tensorwise", "delayed", "blockwise"):
+        enable_fp8(model, FP8Config(fp8_recipe=recipe, fp8_format="hybrid"), groups, backend=be)
+        t = timed(step, be, iters, warmup)
+        rows.append({"variant": f"fp8 {recipe}", "ms": t * 1e3, "speedup": t16 / t})
+        disable_fp8(model)
+    tokens_per_step = args.micro_batch_size * s
+    for r in rows:
+        r["tokens_per_s"] = tokens_per_step / (r["ms"] / 1e3)
+    return rows
+
+
 def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
@@ -134,6 +170,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cpu-shrink", type=int, default=8, help="divide every dimension by this on the CPU")
+    ap.add_argument("--step-layers", type=int, default=24, help="GPT layers in the step benchmark (0: skip it)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     be = get_backend()
@@ -160,8 +197,16 @@ def main(argv=None) -> dict:
     for r in lrows:
         print(f"{r['layer']:14s} | {r['bf16_ms']:8.2f} | " + " ".join(
             f"{r[f'{k}_speedup']:10.2f}" for k in ("tensorwise", "delayed", "blockwise")))
+    srows = []
+    if args.step_layers > 0:
+        if cpu:
+            args.step_layers = min(args.step_layers, 2)
+        srows = step_rows(be, dev, args, d, iters, warmup)
+        print(f"\nGPT fwd+bwd, {args.step_layers} layers, seq {args.seq_length // d}, mbs {args.micro_batch_size}")
+        for r in srows:
+            print(f"{r['variant']:16s} {r['ms']:9.2f} ms  {r['tokens_per_s']:10.0f} tok/s  x{r['speedup']:.2f}")
     out = {"device": caps.device_name, "backend": be.name, "fp8_path": be.fp8.path, "block_path": be.fp8.block_path,
-           "cpu_shrink": d, "gemms": grows, "layers": lrows}
+           "cpu_shrink": d, "gemms": grows, "layers": lrows, "step": srows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -103,12 +103,15 @@ def _tp_bundle(tp: int, steps: int) -> dict:
 
 
 def test_fp8_tp2_matches_tp1():
-    """Same FP8 training at tp=2 (with and without sequence parallelism) and tp=1: per-step losses agree to
-    bf16 tolerance (the shared amaxes give identical scales; only fp32 summation order differs)."""
+    """Same FP8 training (fp32 elsewhere) at tp=2, with and without sequence parallelism, and at tp=1:
+    per-step losses of 12 AdamW steps agree (the shared amaxes give identical per-tensor scales)."""
     res = run_distributed(_tp_bundle, 2, 2, 12)[0]
     for recipe in RECIPES:
         ref = res[(recipe, "tp1")]
         assert ref[0] - ref[-1] > 0.5, (recipe, ref)
         for k in ("tp2", "tp2_sp"):
             worst = max(abs(a - b) / b for a, b in zip(res[(recipe, k)], ref))
-            assert worst < 4e-3, f"{recipe} {k}: per-step loss differs from tp=1 by {worst:.2e}"
+            # per-tensor recipes share whole-tensor scales over tp (measured ~3e-5); block-wise tiles of a
+            # 64-wide shard differ from the full tensor's 128-wide tiles (measured ~4e-4): bf16 tolerance
+            tol = 4e-3 if recipe == "blockwise" else 2e-4
+            assert worst < tol, f"{recipe} {k}: per-step loss differs from tp=1 by {worst:.2e}"
