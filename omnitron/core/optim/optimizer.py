@@ -75,11 +75,11 @@ class MixedPrecisionOptimizer:
         return out
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:
-        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+        """Any inf/nan on any rank of the replica (one device sync, one all-reduce)."""
+        if grads:
+            flag = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float().reshape(1)
+        else:
+            flag = torch.zeros(1, dtype=torch.float32)
         group = self.groups.tp_pp_cp
         if group.handle is not None:
             self.backend.collectives.all_reduce(flag, op=ReduceOp.MAX, group=group.handle)
@@ -100,11 +100,11 @@ class MixedPrecisionOptimizer:
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        """Unscale, skip on overflow, clip, update the fp32 masters, copy them into the model (in that order)."""
         grads = self._fp32_grads()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
-            inv = 1.0 / scale
-            grads = [g * inv for g in grads]
+            torch._foreach_mul_(grads, 1.0 / scale)  # NOTE: in place: the step consumes the gradients
             found_inf = self._found_inf(grads)
             self.loss_scaler.update(found_inf)
             if found_inf:
@@ -113,7 +113,7 @@ class MixedPrecisionOptimizer:
                                 self.duplicates)
         coef = clip_coefficient(norm, self.config.clip_grad)
         if coef < 1.0:
-            grads = [g * coef for g in grads]
+            torch._foreach_mul_(grads, coef)
         self.step_count += 1
         if "exp_avg" in self.state:
             self._adamw(grads, lr)
