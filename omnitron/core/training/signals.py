@@ -1,6 +1,6 @@
 """Stop cleanly on SIGTERM/SIGINT: finish the current step, save, exit.
 
-The handler only sets a flag; :meth:`StopFlag.agreed` ORs it over every rank (a signal may reach
+The handler only sets a flag (a second signal interrupts at once); :meth:`StopFlag.agreed` ORs it over every rank (a signal may reach
 only some processes), so all ranks stop after the same iteration.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ class StopFlag:
                     pass
 
     def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}: stopping without saving")
         self.requested = True
 
     def agreed(self, collectives, device=None) -> bool:
