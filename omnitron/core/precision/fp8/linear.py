@@ -61,21 +61,28 @@ class FP8Linear:
         updating the role's state. Runs the backend's fused ``fp8_cast_transpose_amax`` kernel (saturating)."""
         cast = self.provider.backend.kernels.fp8_cast_transpose_amax
         if self.recipe.fp8_recipe == "delayed":
-            state = self.states[role].to(x.device)
-            if state.uses == 0:  # no history yet: scale this first use from its own amax
-                amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
-                scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
-                q, qt, _ = cast(x, scale, fmt)
-            else:
-                scale = state.scale
-                q, qt, amax = cast(x, scale, fmt)
-                amax = reduce_amax(amax, self.amax_groups, self.collectives)
-            state.push(amax)
-            return q, qt, 1.0 / scale
+            return self._quantize_delayed(self.states[role].to(x.device), role, x, fmt, cast)
         amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
         scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
         q, qt, _ = cast(x, scale, fmt)
         return q, qt, 1.0 / scale
+
+    def _quantize_delayed(self, state: DelayedScaling, role: str, x: torch.Tensor, fmt: str, cast):
+        # a forward run while autograd executes a backward is an activation recomputation:
+        # reuse the scale in force (the original forward's) and record nothing
+        if role != "grad_output" and torch._C._current_graph_task_id() != -1:
+            q, qt, _ = cast(x, state.scale, fmt)
+            return q, qt, 1.0 / state.scale
+        state.flush()
+        if state.uses == 0:  # no history yet: this first use is scaled from its own amax
+            amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
+            state.scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
+            q, qt, _ = cast(x, state.scale, fmt)
+        else:
+            q, qt, amax = cast(x, state.scale, fmt)
+            amax = reduce_amax(amax, self.amax_groups, self.collectives)
+        state.record(amax)
+        return q, qt, 1.0 / state.scale
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -11,7 +11,9 @@ Definitions (the tests check these step by step):
   (``most_recent``); a zero or non-finite ``A`` keeps the previous scale. History starts at zeros.
   The very first use has no history: it is scaled from its own amax, as tensorwise would
   (NOTE: Transformer Engine uses scale 1 there, which flushes small gradients to zero on step 1).
-  All of it stays on the device (no host syncs).
+  The push of ``a_t`` is applied lazily, at the start of use ``t+1`` (:meth:`DelayedScaling.flush`),
+  so a forward recomputed during backward (activation checkpointing) still finds the scale its
+  original forward used and re-quantizes bit for bit. All of it stays on the device (no host syncs).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ class DelayedScaling:
         self.scale = torch.ones(())
         self.uses = 0
         """Amaxes pushed so far (host-side count; 0 means "no history yet")."""
+        self.pending: torch.Tensor | None = None
+        """The last use's amax, pushed at the start of the next use."""
 
     def to(self, device: torch.device) -> "DelayedScaling":
         """Move the state to ``device`` (done on first use, where the tensors live)."""
@@ -60,7 +64,18 @@ class DelayedScaling:
         self.scale = scale_from_amax(summary, self.fmt, self.margin, previous=self.scale)
         self.uses += 1
 
+    def record(self, amax: torch.Tensor) -> None:
+        """Keep this use's (group-reduced) amax; it is pushed when the next use begins."""
+        self.pending = amax
+
+    def flush(self) -> None:
+        """Push the pending amax, if any (start of a use; before saving)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.push(pending)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
+        self.flush()  # the next use would push it first anyway: saving it pushed resumes identically
         return {"amax_history": self.amax_history.detach().cpu().clone(), "scale": self.scale.detach().cpu().clone(),
                 "uses": torch.tensor(self.uses)}
 
@@ -73,3 +88,4 @@ class DelayedScaling:
         self.amax_history = hist.detach().float().clone().to(device)
         self.scale = state["scale"].detach().float().clone().reshape(()).to(device)
         self.uses = int(state["uses"])
+        self.pending = None
