@@ -60,8 +60,9 @@ def train(settings, backend) -> dict:
     t, ck = settings.training, settings.checkpoint
     rank0 = c.groups.rank == 0
     if rank0:
+        layout = (c.groups.describe() or "").splitlines()
         log.info("omnitron: %s | %.2fM parameters | %s | %d micro-batches/step | backend %s",
-                 c.groups.describe().splitlines()[0] if c.groups.describe() else "", num_parameters(c.model) / 1e6,
+                 layout[0] if layout else "", num_parameters(c.model) / 1e6,
                  settings.precision.params_dtype_name, settings.num_microbatches, backend.name)
     logger = MetricsLogger(log_dir=settings.logging.log_dir or default_log_dir(ck.save),
                            log_interval=settings.logging.log_interval, train_iters=t.train_iters, enabled=rank0,
