@@ -6,7 +6,7 @@ time is the schedule's bubble plus communication and Python overhead, not CPU co
 records its compute spans; idle fraction = 1 - busy / (common end - common start), averaged over
 ranks, printed against theory: 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1).
 
-    python benchmarks/pipeline_bubble.py [--unit-ms 20]
+    python benchmarks/pipeline_bubble.py [--unit-ms 40]   (shorter units show per-action overhead)
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def main() -> None:
     from omnitron.testing.distributed import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--unit-ms", type=float, default=20.0, help="cost of one F (or B, or W) pass of one stage")
+    ap.add_argument("--unit-ms", type=float, default=40.0, help="cost of one F (or B, or W) pass of one stage")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1"])
