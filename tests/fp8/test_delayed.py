@@ -216,3 +216,19 @@ def test_delayed_scaling_is_exact_under_activation_recomputation():
     for name in sa:
         for role in sa[name]:
             assert torch.equal(sa[name][role]["amax_history"], sb[name][role]["amax_history"]), (name, role)
+
+
+def test_enable_fp8_on_gpt_stages_keeps_global_first_and_last_layers_wide():
+    from omnitron.core.models.gpt import GPTConfig, GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=64,
+                    make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0)
+    single = ParallelGroups.single()
+    recipe = FP8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True)
+    whole = enable_fp8(GPTModel(cfg, single), recipe, single)
+    assert {n.split(".")[2] for n in whole} == {"1", "2"} and not any("output_layer" in n for n in whole)
+    assert len(whole) == 2 * 4  # qkv, proj, fc1, fc2 per FP8 layer
+    # a later pipeline stage (layers 2, 3): layer numbers are global, so only layer 3 stays wide
+    stage = GPTModel(cfg, single, pre_process=False, layer_offset=2, num_layers=2)
+    assert {n.split(".")[2] for n in enable_fp8(stage, recipe, single)} == {"2"}
