@@ -21,6 +21,8 @@ def settings_from_checkpoint(load: str, prompt: str, max_new_tokens: int, top_k:
         raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
     meta = read_metadata(path)
     flat = dict(meta["config"])
+    # the complete model shape as saved (not today's defaults); the vocabulary comes from the tokenizer
+    flat.update({k: v for k, v in meta["model"].items() if k not in ("vocab_size", "params_dtype")})
     for key in ("load", "save", "finetune", "log_dir", "prompt"):
         flat.pop(key, None)
     world = meta["world_size"]
