@@ -69,14 +69,20 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
 
 
-def _step(model, opt, tokens, labels, dtype, engine: bool) -> float:
-    t = time.perf_counter()
+def _step(model, opt, tokens, labels, dtype, engine: bool) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one training step. CPU time is reported beside wall
+    time because this machine is shared: contention inflates wall time far more than CPU time."""
+    t, c = time.perf_counter(), time.process_time()
     opt.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         loss = model(tokens, labels=labels).mean() if engine else model(tokens, labels)
     loss.backward()
     opt.step()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _median(samples, i: int) -> float:
+    return statistics.median(s[i] for s in samples)
 
 
 def engine_vs_plain(size: str, dtype, steps: int) -> dict:
@@ -93,10 +99,12 @@ def engine_vs_plain(size: str, dtype, steps: int) -> dict:
         if i:
             times["engine"].append(te)
             times["plain"].append(tp)
-    e, p = statistics.median(times["engine"]), statistics.median(times["plain"])
+    e, p = _median(times["engine"], 0), _median(times["plain"], 0)
+    ec, pc = _median(times["engine"], 1), _median(times["plain"], 1)
     return {"size": size, "params": num_parameters(c), "dtype": str(dtype or "fp32").replace("torch.", ""),
             "engine_ms": e * 1e3, "plain_ms": p * 1e3, "engine_tok_s": MICRO * SEQ / e, "plain_tok_s": MICRO * SEQ / p,
-            "engine_over_plain": e / p}
+            "engine_over_plain": e / p, "engine_cpu_ms": ec * 1e3, "plain_cpu_ms": pc * 1e3,
+            "engine_over_plain_cpu": ec / pc}
 
 
 def _tp_worker(size: str, steps: int) -> float:
@@ -110,20 +118,22 @@ def _tp_worker(size: str, steps: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, c.vocab_size, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
     times = [_step(model, opt, tokens, torch.roll(tokens, -1, 1), None, True) for _ in range(steps + 1)]
-    return statistics.median(times[1:])
+    return _median(times[1:], 0), _median(times[1:], 1)
 
 
 def tp2_vs_tp1(size: str, steps: int) -> dict:
     from omnitron.testing.distributed import run_distributed
 
-    t2 = max(run_distributed(_tp_worker, 2, size, steps, threads=1))
+    ranks = run_distributed(_tp_worker, 2, size, steps, threads=1)
+    t2, c2 = max(r[0] for r in ranks), sum(r[1] for r in ranks)  # slowest rank's wall, CPU of both ranks
     c = config(size)
     model = GPTModel(c, ParallelGroups.single(), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, c.vocab_size, (MICRO, SEQ))
-    t1 = statistics.median([_step(model, opt, tokens, torch.roll(tokens, -1, 1), None, True)
-                            for _ in range(steps + 1)][1:])
-    return {"size": size, "tp1_2threads_ms": t1 * 1e3, "tp2_2x1thread_ms": t2 * 1e3, "tp2_over_tp1": t2 / t1}
+    samples = [_step(model, opt, tokens, torch.roll(tokens, -1, 1), None, True) for _ in range(steps + 1)][1:]
+    t1, c1 = _median(samples, 0), _median(samples, 1)
+    return {"size": size, "tp1_2threads_ms": t1 * 1e3, "tp2_2x1thread_ms": t2 * 1e3, "tp2_over_tp1": t2 / t1,
+            "tp1_cpu_ms": c1 * 1e3, "tp2_cpu_ms_both_ranks": c2 * 1e3, "tp2_over_tp1_cpu": c2 / c1}
 
 
 def main() -> None:
@@ -138,19 +148,22 @@ def main() -> None:
     rows = []
     print(f"tokens/step = {MICRO} x {SEQ}; threads = {torch.get_num_threads()}; optimizer AdamW(fused=True) on both")
     print(f"{'size':>5} {'params':>8} {'dtype':>9} {'engine ms':>10} {'plain ms':>9} {'engine tok/s':>12} "
-          f"{'plain tok/s':>11} {'engine/plain':>12}")
+          f"{'plain tok/s':>11} {'engine/plain':>12} {'CPU-time ratio':>14}")
     for size in args.sizes.split(","):
         for dtype in (None, torch.bfloat16):
             r = engine_vs_plain(size, dtype, args.steps)
             rows.append(r)
             print(f"{r['size']:>5} {r['params'] / 1e6:7.1f}M {r['dtype']:>9} {r['engine_ms']:10.1f} {r['plain_ms']:9.1f} "
-                  f"{r['engine_tok_s']:12.0f} {r['plain_tok_s']:11.0f} {r['engine_over_plain']:12.3f}", flush=True)
+                  f"{r['engine_tok_s']:12.0f} {r['plain_tok_s']:11.0f} {r['engine_over_plain']:12.3f} "
+                  f"{r['engine_over_plain_cpu']:14.3f}", flush=True)
     out = {"engine_vs_plain": rows}
     if not args.skip_tp:
         r = tp2_vs_tp1(args.tp_size, args.steps)
         out["tp"] = r
         print(f"tp: {r['size']} fp32  tp=1 (1 proc x 2 threads) {r['tp1_2threads_ms']:.1f} ms/step  "
-              f"tp=2 (2 procs x 1 thread) {r['tp2_2x1thread_ms']:.1f} ms/step  tp2/tp1 = {r['tp2_over_tp1']:.3f}")
+              f"tp=2 (2 procs x 1 thread) {r['tp2_2x1thread_ms']:.1f} ms/step  tp2/tp1 = {r['tp2_over_tp1']:.3f}  "
+              f"(CPU time, both ranks: {r['tp2_cpu_ms_both_ranks']:.0f} vs {r['tp1_cpu_ms']:.0f} ms, "
+              f"ratio {r['tp2_over_tp1_cpu']:.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

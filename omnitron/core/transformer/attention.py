@@ -130,7 +130,7 @@ class SelfAttention(nn.Module):
             rope = self.backend.kernels.rope
             q, k = rope(q, freqs, self.c.rotary_interleaved), rope(k, freqs, self.c.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.c.recompute_granularity == "selective":
+        if self.c.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
             out = checkpoint(self.core_attention, self.tracker, q, k, v)
         else:
             out = self.core_attention(q, k, v)

@@ -34,21 +34,23 @@ class _VocabParallelCE(torch.autograd.Function):
         else:
             local_max = torch.full(x.shape[:-1], float("-inf"), device=x.device)
         m = _all_reduce_(local_max.contiguous(), group, ReduceOp.MAX)
-        x = x - m.unsqueeze(-1)
-        if valid < v_local:
-            x[..., valid:] = float("-inf")
         in_range = (target >= start) & (target < start + valid)
         local_t = (target - start).masked_fill(~in_range, 0)
-        picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        exp = x.exp()
-        stats = torch.stack([exp.sum(-1), picked, x[..., :valid].sum(-1)])  # one all-reduce for all three
-        _all_reduce_(stats, group)
-        sum_exp, target_logit, logit_sum = stats.unbind(0)
-        loss = sum_exp.log() - target_logit
+        picked = (x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - m).masked_fill(~in_range, 0.0)
+        exp = (x - m.unsqueeze(-1)).exp_()  # NOTE: few full passes over [tokens, V/tp]: this tensor is large
+        if valid < v_local:
+            exp[..., valid:] = 0.0
+        parts = [exp.sum(-1), picked]
         if label_smoothing > 0.0:
-            smooth = sum_exp.log() - logit_sum / vocab_size  # mean over real vocab of -log p
+            parts.append(x[..., :valid].sum(-1) - valid * m)  # sum of shifted real logits
+        stats = torch.stack(parts)  # one all-reduce for all of them
+        _all_reduce_(stats, group)
+        log_z = stats[0].log()
+        loss = log_z - stats[1]
+        if label_smoothing > 0.0:
+            smooth = log_z - stats[2] / vocab_size  # mean over the real vocabulary of -log p
             loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax = exp.div_(stats[0].unsqueeze(-1))
         ctx.save_for_backward(softmax, local_t, in_range)
         ctx.meta = (valid, vocab_size, label_smoothing, logits.dtype)
         return loss
@@ -57,11 +59,12 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, g):
         softmax, local_t, in_range = ctx.saved_tensors
         valid, vocab_size, ls, dtype = ctx.meta
-        grad = softmax.clone()  # NOTE: a copy, so a retained graph can run this backward twice
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - ls) * in_range.unsqueeze(-1).to(grad.dtype))
+        g = g.unsqueeze(-1)
+        grad = softmax * g  # a new tensor: the saved softmax stays intact for a retained graph
+        hit = -(1.0 - ls) * g * in_range.unsqueeze(-1).to(grad.dtype)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), hit)
         if ls > 0.0:
-            grad[..., :valid] -= ls / vocab_size
-        grad.mul_(g.unsqueeze(-1))
+            grad[..., :valid] -= (ls / vocab_size) * g
         return grad.to(dtype), None, None, None, None
 
 
