@@ -61,6 +61,15 @@ def test_fp16_dynamic_loss_scale_skips_then_trains(tmp_path):
 def test_finetune_and_incompatible_load(tmp_path):
     save = str(tmp_path / "ck")
     first = train(parse_settings(_args(tmp_path, "--train-iters", "2", "--save", save), 1), get_backend("cpu"))
+    # resuming past the checkpoint keeps metrics.jsonl consistent: records 1-2, then 3-4 appended
+    with open(os.path.join(save, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"iteration": 3, "lm_loss": 0.0}) + "\n")  # written by a run killed before saving
+    train(parse_settings(_args(tmp_path, "--train-iters", "4", "--load", save, "--save", str(tmp_path / "ck2"),
+                               "--log-dir", save), 1), get_backend("cpu"))
+    its = [json.loads(line)["iteration"] for line in open(os.path.join(save, "metrics.jsonl"))]
+    assert its == [1, 2, 3, 4]
+    train(parse_settings(_args(tmp_path, "--train-iters", "1", "--log-dir", save), 1), get_backend("cpu"))
+    assert [json.loads(line)["iteration"] for line in open(os.path.join(save, "metrics.jsonl"))] == [1]  # fresh run
     c0 = first["components"]
     ft = train(parse_settings(_args(tmp_path, "--train-iters", "1", "--load", save, "--finetune", "--lr", "0.0",
                                     "--weight-decay", "0"), 1), get_backend("cpu"))

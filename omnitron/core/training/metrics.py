@@ -21,6 +21,19 @@ def default_log_dir(save: str | None) -> str:
     return save or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
+def _open_metrics(path: str, start_iteration: int):
+    """A fresh run starts the file afresh; a resumed one keeps the records up to its checkpoint
+    (dropping any written after it by the run that was interrupted), then appends."""
+    keep = []
+    if start_iteration > 0 and os.path.exists(path):
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line).get("iteration", 0) <= start_iteration]
+    f = open(path, "w")
+    f.writelines(keep)
+    f.flush()
+    return f
+
+
 class MetricsLogger:
     """Collects per-step values and emits them every ``log_interval`` iterations (rank 0 only)."""
 
@@ -33,7 +46,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self._file = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        self._file = _open_metrics(os.path.join(log_dir, "metrics.jsonl"), start_iteration)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
