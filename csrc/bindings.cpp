@@ -12,8 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("glu_fwd", &omnitron::glu_fwd);
   m.def("glu_bwd", &omnitron::glu_bwd);
   m.def("rope_apply", &omnitron::rope_apply);
-  m.def("cross_entropy_fwd", &omnitron::cross_entropy_fwd);
-  m.def("cross_entropy_bwd", &omnitron::cross_entropy_bwd);
+  m.def("cross_entropy_stats", &omnitron::cross_entropy_stats);
+  m.def("cross_entropy_grad", &omnitron::cross_entropy_grad);
   m.def("adamw_step", &omnitron::adamw_step);
   m.def("grad_norm_sq", &omnitron::grad_norm_sq);
 }

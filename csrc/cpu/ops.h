@@ -25,11 +25,14 @@ at::Tensor glu_fwd(const at::Tensor& x, int64_t kind);
 at::Tensor glu_bwd(const at::Tensor& dy, const at::Tensor& x, int64_t kind);
 // Rotary embedding on contiguous t [A, B, H, D]; cos/sin float32 views [A, B, H, R/2] (any strides).
 at::Tensor rope_apply(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
-// Softmax cross-entropy on contiguous logits [N, V]: (loss fp32 [N], lse fp32 [N]).
-std::tuple<at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tensor& logits, const at::Tensor& target,
-                                                     double label_smoothing);
-at::Tensor cross_entropy_bwd(const at::Tensor& dloss, const at::Tensor& logits, const at::Tensor& target,
-                             const at::Tensor& lse, double label_smoothing);
+// Cross-entropy over logits [N, V] holding global vocabulary ids [start, start + V) of which the
+// first `valid` columns are real (the rest padding); targets are global ids in [0, vocab).
+// stats: float32 [4, N] = (max, sum exp(x - max), target logit or 0, sum x) over valid columns.
+at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target, int64_t start, int64_t valid,
+                               int64_t vocab);
+at::Tensor cross_entropy_grad(const at::Tensor& dloss, const at::Tensor& logits, const at::Tensor& target,
+                              const at::Tensor& lse, int64_t start, int64_t valid, int64_t vocab,
+                              double label_smoothing);
 // Multi-tensor AdamW (float32 params/moments; grads float32 or bf16/fp16), in place.
 void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> exp_avgs,
                 std::vector<at::Tensor> exp_avg_sqs, int64_t step, double lr, double beta1, double beta2, double eps,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
 from omnitron.kernels.registry import register
 
 log = logging.getLogger("omnitron.kernels")
@@ -260,7 +261,8 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, label_smoothing):
         x2 = logits.reshape(-1, logits.shape[-1]).contiguous()
         t = target.reshape(-1).long().contiguous()
-        loss, lse = extension().cross_entropy_fwd(x2, t, float(label_smoothing))
+        v = x2.shape[-1]
+        loss, lse = loss_from_stats(extension().cross_entropy_stats(x2, t, 0, v, v), v, float(label_smoothing))
         ctx.save_for_backward(x2, t, lse)
         ctx.label_smoothing = float(label_smoothing)
         return loss.view(target.shape)
@@ -268,8 +270,10 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         x2, t, lse = ctx.saved_tensors
-        dx = extension().cross_entropy_bwd(dloss.reshape(-1).float().contiguous(), x2, t, lse, ctx.label_smoothing)
-        return dx.view(*dloss.shape, x2.shape[-1]), None, None
+        v = x2.shape[-1]
+        dx = extension().cross_entropy_grad(dloss.reshape(-1).float().contiguous(), x2, t, lse, 0, v, v,
+                                            ctx.label_smoothing)
+        return dx.view(*dloss.shape, v), None, None
 
 
 def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
@@ -287,6 +291,28 @@ def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
 def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Fused per-token cross-entropy (float32); no float32 copy of the logits is made."""
     return _CrossEntropy.apply(logits, target, label_smoothing)
+
+
+@register("cross_entropy_shard_stats", NAME, available=available, backends=("cpu",),
+          supports=lambda logits, target, start, valid, vocab: _ce_supports(logits, target))
+def cross_entropy_shard_stats(logits, target, start: int, valid: int, vocab: int) -> torch.Tensor:
+    """Shard statistics ``[4, ...]`` (see the reference) in one read of the logits."""
+    x2 = logits.reshape(-1, logits.shape[-1]).contiguous()
+    stats = extension().cross_entropy_stats(x2, target.reshape(-1).long().contiguous(), int(start), int(valid),
+                                            int(vocab))
+    return stats.view(4, *logits.shape[:-1])
+
+
+@register("cross_entropy_shard_grad", NAME, available=available, backends=("cpu",),
+          supports=lambda dloss, logits, target, lse, *a, **k: _ce_supports(logits, target))
+def cross_entropy_shard_grad(dloss, logits, target, lse, start: int, valid: int, vocab: int,
+                             label_smoothing: float = 0.0) -> torch.Tensor:
+    """d loss / d logits for a shard (see the reference), written in one pass in the logits' dtype."""
+    x2 = logits.reshape(-1, logits.shape[-1]).contiguous()
+    dx = extension().cross_entropy_grad(dloss.reshape(-1).float().contiguous(), x2,
+                                        target.reshape(-1).long().contiguous(), lse.reshape(-1).float().contiguous(),
+                                        int(start), int(valid), int(vocab), float(label_smoothing))
+    return dx.view(logits.shape)
 
 
 # ---------------------------------------------------------------- optimizer

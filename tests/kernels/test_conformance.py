@@ -232,3 +232,36 @@ def test_fp8_cast_transpose_amax(op, name, fmt, backend):
         assert amax.dtype == torch.float32 and float(amax) == float(x.double().abs().max())
     x[0, 1] = float("nan")
     assert torch.isnan(fn(x, scale, fmt)[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op,name", _impl_params(["cross_entropy_shard_stats"]))
+def test_cross_entropy_shards(op, name, dtype, backend):
+    """Three padded vocabulary shards combined as a tensor-parallel group would (max, rescale, sum)
+    give the float64 loss and gradient over the real vocabulary; padding gets zero gradient."""
+    from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
+
+    stats_fn = _resolve(op, name, backend)
+    grad_fn = _resolve("cross_entropy_shard_grad", "table" if name == "table" else name, backend)
+    device = backend.current_device()
+    vocab, width, ls = 50, 19, 0.1  # 3 shards of 19 columns: the last has 12 real + 7 padding
+    logits = (torch.randn(4, 3, 3 * width, device=device) * 3).to(dtype)
+    target = torch.randint(0, vocab, (4, 3), device=device)
+    target[0, 0], target[0, 1] = 0, vocab - 1  # ids at both ends of the vocabulary
+    shards = [(logits[..., r * width:(r + 1) * width].contiguous(), r * width, min(width, vocab - r * width))
+              for r in range(3)]
+    stats = [stats_fn(x, target, start, valid, vocab) for x, start, valid in shards]
+    m = torch.stack([s[0] for s in stats]).amax(0)
+    total = sum(torch.cat([s[:1] * 0, s[1:2] * torch.exp(s[0] - m), s[2:]]) for s in stats)
+    total[0] = m
+    loss, lse = loss_from_stats(total, vocab, ls)
+    x64 = logits[..., :vocab].double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(x64.flatten(0, 1), target.flatten(), reduction="none",
+                                             label_smoothing=ls).view(4, 3)
+    _check(f"{name} shard loss", loss, want, torch.float32 if dtype == torch.float32 else dtype)
+    dloss = torch.randn(4, 3, device=device)
+    (g64,) = torch.autograd.grad(want, x64, dloss.double())
+    grads = torch.cat([grad_fn(dloss, x, target, lse, start, valid, vocab, ls) for x, start, valid in shards], -1)
+    assert grads.dtype == dtype
+    _check(f"{name} shard grad", grads[..., :vocab], g64, dtype)
+    assert torch.equal(grads[..., vocab:], torch.zeros_like(grads[..., vocab:]))

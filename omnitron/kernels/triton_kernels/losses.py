@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
 from omnitron.kernels.registry import register
 from omnitron.kernels.triton_kernels._common import (GPU_BACKENDS, NAME, as_rows, available, block_rows, check,
                                                      interpreting)
@@ -14,31 +15,33 @@ MAX_SOFTMAX_COLS = 65536
 
 
 @triton.jit
-def _ce_fwd(X, TGT, LOSS, LSE, n_rows, V, ls, BM: tl.constexpr, BV: tl.constexpr):
+def _ce_stats(X, TGT, STATS, n_rows, V, start, valid, BM: tl.constexpr, BV: tl.constexpr):
+    """Per row over the valid columns: max, sum exp(x - max), target logit (0 if elsewhere), sum x."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < n_rows
     m = tl.full([BM], float("-inf"), tl.float32)
     s = tl.zeros([BM], tl.float32)
     sx = tl.zeros([BM], tl.float32)
-    for start in range(0, V, BV):
-        cols = start + tl.arange(0, BV)
-        m2 = rmask[:, None] & (cols < V)[None, :]
+    for c0 in range(0, valid, BV):
+        cols = c0 + tl.arange(0, BV)
+        m2 = rmask[:, None] & (cols < valid)[None, :]
         x = tl.load(X + rows[:, None].to(tl.int64) * V + cols[None, :], mask=m2, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(x - m_ref[:, None]), axis=1)
         sx += tl.sum(tl.where(m2, x, 0.0), axis=1)
         m = m_new
-    lse = tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
-    t = tl.load(TGT + rows, mask=rmask, other=0)
-    xt = tl.load(X + rows.to(tl.int64) * V + t, mask=rmask, other=0.0).to(tl.float32)
-    loss = (1.0 - ls) * (lse - xt) + ls * (lse - sx / V)
-    tl.store(LOSS + rows, loss, mask=rmask)
-    tl.store(LSE + rows, lse, mask=rmask)
+    t = tl.load(TGT + rows, mask=rmask, other=0) - start
+    inside = rmask & (t >= 0) & (t < valid)
+    xt = tl.load(X + rows.to(tl.int64) * V + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    tl.store(STATS + rows, tl.where(m == float("-inf"), 0.0, m), mask=rmask)
+    tl.store(STATS + n_rows + rows, s, mask=rmask)
+    tl.store(STATS + 2 * n_rows + rows, xt, mask=rmask)
+    tl.store(STATS + 3 * n_rows + rows, sx, mask=rmask)
 
 
 @triton.jit
-def _ce_bwd(DL, X, TGT, LSE, DX, n_rows, V, ls, BM: tl.constexpr, BV: tl.constexpr):
+def _ce_grad(DL, X, TGT, LSE, DX, n_rows, V, start, valid, vocab, ls, BM: tl.constexpr, BV: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     rmask = rows < n_rows
@@ -47,15 +50,37 @@ def _ce_bwd(DL, X, TGT, LSE, DX, n_rows, V, ls, BM: tl.constexpr, BV: tl.constex
     x = tl.load(X + offs, mask=m2, other=0.0).to(tl.float32)
     g = tl.load(DL + rows, mask=rmask, other=0.0)
     lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-    t = tl.load(TGT + rows, mask=rmask, other=-1)
+    t = tl.load(TGT + rows, mask=rmask, other=-1) - start
     onehot = tl.where(cols[None, :] == t[:, None], 1.0 - ls, 0.0)
-    dx = g[:, None] * (tl.exp(x - lse[:, None]) - ls / V - onehot)
+    dx = g[:, None] * (tl.exp(x - lse[:, None]) - ls / vocab - onehot)
+    dx = tl.where((cols < valid)[None, :], dx, 0.0)  # padding columns
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m2)
 
 
 def _ce_tiles(n, v):
-    bv = min(triton.next_power_of_2(v), 1 << 14 if interpreting() else 2048)
+    bv = min(triton.next_power_of_2(max(v, 1)), 1 << 14 if interpreting() else 2048)
     return block_rows(bv), bv
+
+
+def _stats(x2, t, start, valid, vocab):
+    n, v = x2.shape
+    if n and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise IndexError(f"cross-entropy targets must lie in [0, {vocab}); got [{int(t.min())}, {int(t.max())}]")
+    stats = torch.empty(4, n, dtype=torch.float32, device=x2.device)
+    bm, bv = _ce_tiles(n, v)
+    if n:
+        _ce_stats[(triton.cdiv(n, bm),)](x2, t, stats, n, v, start, valid, BM=bm, BV=bv)
+    return stats
+
+
+def _grad(dloss, x2, t, lse, start, valid, vocab, ls):
+    n, v = x2.shape
+    dx = torch.empty_like(x2)
+    bm, bv = _ce_tiles(n, v)
+    if n and v:
+        _ce_grad[(triton.cdiv(n, bm), triton.cdiv(v, bv))](dloss, x2, t, lse, dx, n, v, start, valid, vocab, ls,
+                                                           BM=bm, BV=bv)
+    return dx
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -63,13 +88,8 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, label_smoothing):
         x2 = as_rows(logits)
         t = target.reshape(-1).long().contiguous()
-        n, v = x2.shape
-        if n and (int(t.min()) < 0 or int(t.max()) >= v):
-            raise IndexError(f"softmax_cross_entropy: targets must lie in [0, {v}); got [{int(t.min())}, {int(t.max())}]")
-        loss = torch.empty(n, dtype=torch.float32, device=x2.device)
-        lse = torch.empty_like(loss)
-        bm, bv = _ce_tiles(n, v)
-        _ce_fwd[(triton.cdiv(n, bm),)](x2, t, loss, lse, n, v, float(label_smoothing), BM=bm, BV=bv)
+        v = x2.shape[1]
+        loss, lse = loss_from_stats(_stats(x2, t, 0, v, v), v, float(label_smoothing))
         ctx.save_for_backward(x2, t, lse)
         ctx.ls = float(label_smoothing)
         return loss.view(target.shape)
@@ -77,11 +97,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         x2, t, lse = ctx.saved_tensors
-        n, v = x2.shape
-        dx = torch.empty_like(x2)
-        bm, bv = _ce_tiles(n, v)
-        _ce_bwd[(triton.cdiv(n, bm), triton.cdiv(v, bv))](dloss.reshape(-1).float().contiguous(), x2, t, lse, dx, n, v,
-                                                           ctx.ls, BM=bm, BV=bv)
+        v = x2.shape[1]
+        dx = _grad(dloss.reshape(-1).float().contiguous(), x2, t, lse, 0, v, v, ctx.ls)
         return dx.view(*dloss.shape, v), None, None
 
 
@@ -100,6 +117,24 @@ def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
 def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Triton per-token cross-entropy (float32 loss), vocabulary in chunks."""
     return _CrossEntropy.apply(logits, target, label_smoothing)
+
+
+@register("cross_entropy_shard_stats", NAME, available=available, backends=GPU_BACKENDS,
+          supports=lambda logits, target, start, valid, vocab: _ce_supports(logits, target))
+def cross_entropy_shard_stats(logits, target, start: int, valid: int, vocab: int) -> torch.Tensor:
+    """Shard statistics ``[4, ...]`` (see the reference), vocabulary read in chunks."""
+    stats = _stats(as_rows(logits), target.reshape(-1).long().contiguous(), int(start), int(valid), int(vocab))
+    return stats.view(4, *logits.shape[:-1])
+
+
+@register("cross_entropy_shard_grad", NAME, available=available, backends=GPU_BACKENDS,
+          supports=lambda dloss, logits, target, lse, *a, **k: _ce_supports(logits, target))
+def cross_entropy_shard_grad(dloss, logits, target, lse, start: int, valid: int, vocab: int,
+                             label_smoothing: float = 0.0) -> torch.Tensor:
+    """d loss / d logits for a shard (see the reference), in the logits' dtype."""
+    dx = _grad(dloss.reshape(-1).float().contiguous(), as_rows(logits), target.reshape(-1).long().contiguous(),
+               lse.reshape(-1).float().contiguous(), int(start), int(valid), int(vocab), float(label_smoothing))
+    return dx.view(logits.shape)
 
 
 @triton.jit
