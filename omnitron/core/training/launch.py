@@ -79,6 +79,9 @@ def _run_rank(settings, entry=None) -> int:
     entry = entry or train
     backend = get_backend(settings.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    devices = backend.device_count()
+    if devices > 1:  # one device per local rank (a no-op on the host CPU)
+        backend.set_device(int(os.environ.get("LOCAL_RANK", "0")) % devices)
     if world > 1:
         backend.collectives.init_process_group(timeout_s=600)
     try:
