@@ -64,9 +64,14 @@ class GradBuffer:
         for b in self.buckets:
             for p in b.params:
                 self.bucket_of[id(p)] = b
+        self._range = index
         for p in params:
             s, n = index[id(p)]
             p.main_grad = self.data[s:s + n].view(p.shape)
+
+    def param_range(self, param: torch.nn.Parameter) -> tuple[int, int]:
+        """(start, numel) of ``param.main_grad`` inside ``data`` (for a distributed optimizer's shard maps)."""
+        return self._range[id(param)]
 
     def zero(self) -> None:
         self.data.zero_()
