@@ -72,9 +72,11 @@ def reference() -> tuple[list[float], dict]:
 
 def _variants(pp: int, tp: int):
     scheds = ["none"] if pp == 1 else ["1f1b", "interleaved", "zb-h1"]
-    out = [(s, ov, False) for s in scheds for ov in (False, True)]
+    out = [(s, ov, False, False) for s in scheds for ov in (False, True)]
     if tp > 1:
-        out.append((scheds[0], True, True))  # sequence parallel
+        out.append((scheds[0], True, True, False))  # sequence parallel
+    if pp == 2 and tp == 1:
+        out.append(("zb-h1", True, False, True))  # full activation recompute under the B/W split
     return out
 
 
@@ -89,7 +91,7 @@ def parity_worker(layouts) -> dict:
     for tp, pp, dp in layouts:
         base = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
                                     coll)
-        for sched, overlap, sp in _variants(pp, tp):
+        for sched, overlap, sp, recompute in _variants(pp, tp):
             vp = 2 if sched == "interleaved" else None
             cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vp, sequence_parallel=sp)
@@ -98,7 +100,9 @@ def parity_worker(layouts) -> dict:
             chunks = []
             for c in range(vp or 1):
                 offset, n = ranges[(groups.pp.rank, c)]
-                model = GPTModel(_config(), groups, pre_process=groups.pp.is_first and c == 0,
+                extra = dict(recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=1) if recompute else {}
+                model = GPTModel(_config(**extra), groups, pre_process=groups.pp.is_first and c == 0,
                                  post_process=groups.pp.is_last and c == (vp or 1) - 1, layer_offset=offset,
                                  num_layers=n, seed=SEED)
                 chunks.append(DistributedDataParallel(model, groups, DataParallelConfig(
@@ -121,7 +125,7 @@ def parity_worker(layouts) -> dict:
             state = {}
             for c in chunks:
                 state.update(gather_full_state(c.module, groups))
-            results[(tp, pp, dp, sched, overlap, sp)] = (losses, state)
+            results[(tp, pp, dp, sched, overlap, sp, recompute)] = (losses, state)
     return results
 
 
