@@ -214,7 +214,8 @@ def run(backend, *, ops: list[str] | None, dtypes: list[torch.dtype], size: str,
 def format_rows(rows: list[Row], header: bool = True) -> str:
     """Rows as an aligned text table (``-`` where a figure is missing)."""
     def f(v, spec):
-        return "-" if v is None else format(v, spec)
+        width = int(spec.split(".")[0]) if spec[0].isdigit() else 0
+        return "-".rjust(width) if v is None else format(v, spec)
 
     lines = [f"{'op':24s} {'dtype':9s} {'mode':8s} {'impl':8s} {'ms':>9s} {'min ms':>9s} {'GB/s':>7s} {'peak MiB':>9s} "
              f"{'vs eager':>8s}"] if header else []

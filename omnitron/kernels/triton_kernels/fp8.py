@@ -18,24 +18,26 @@ FORMATS = {"e4m3": (torch.float8_e4m3fn, 3, 7, 448.0), "e5m2": (torch.float8_e5m
 
 
 @triton.jit
-def _to_fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr):
-    """uint8 codes of float32 ``y`` in the FP8 format (MANT mantissa bits, exponent BIAS), RNE, saturating."""
+def _to_fp8_bits(y, LIMIT: tl.constexpr, SHIFT: tl.constexpr, HALF_M1: tl.constexpr, REBIAS: tl.constexpr,
+                 SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """uint8 codes of float32 ``y`` in an FP8 format, round-to-nearest-even, saturating at LIMIT.
+    Normal numbers: round the float32 bits to the format's mantissa, re-bias the exponent.
+    Subnormals: multiples of 1 / SUB_SCALE, rounded to even by the 2^23 magic-number trick."""
     y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
     bits = y.to(tl.uint32, bitcast=True)
     sign = (bits >> 31) << 7
     a = bits & 0x7FFFFFFF
-    SHIFT: tl.constexpr = 23 - MANT
-    normal = ((a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MANT)
+    normal = ((a + HALF_M1 + ((a >> SHIFT) & 1)) >> SHIFT) - REBIAS
     af = a.to(tl.float32, bitcast=True)
-    # subnormal: multiples of 2^(1 - BIAS - MANT), rounded to even by the 2^23 magic-number trick
-    sub = ((af * (2.0 ** (BIAS - 1 + MANT)) + 8388608.0) - 8388608.0).to(tl.uint32)
-    code = tl.where(af < 2.0 ** (1 - BIAS), sub, normal)
+    sub = ((af * SUB_SCALE + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(af < MIN_NORMAL, sub, normal)
     code = tl.where(y != y, 0x7F, code)
     return (code | sign).to(tl.uint8)
 
 
 @triton.jit
-def _cast_transpose(X, SCALE, Q, QT, AMAX, M, N, MANT: tl.constexpr, BIAS: tl.constexpr, LIMIT: tl.constexpr,
+def _cast_transpose(X, SCALE, Q, QT, AMAX, M, N, LIMIT: tl.constexpr, SHIFT: tl.constexpr, HALF_M1: tl.constexpr,
+                    REBIAS: tl.constexpr, SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):
     pm, pn = tl.program_id(0), tl.program_id(1)
     rows = pm * BM + tl.arange(0, BM)
@@ -43,7 +45,7 @@ def _cast_transpose(X, SCALE, Q, QT, AMAX, M, N, MANT: tl.constexpr, BIAS: tl.co
     m2 = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(X + rows[:, None] * N + cols[None, :], mask=m2, other=0.0).to(tl.float32)
     scale = tl.load(SCALE)
-    code = _to_fp8_bits(x * scale, MANT, BIAS, LIMIT)
+    code = _to_fp8_bits(x * scale, LIMIT, SHIFT, HALF_M1, REBIAS, SUB_SCALE, MIN_NORMAL)
     tl.store(Q + rows[:, None] * N + cols[None, :], code, mask=m2)
     tl.store(QT + cols[None, :] * M + rows[:, None], code, mask=m2)
     ax = tl.abs(x)
@@ -77,7 +79,10 @@ def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     if m and n:
-        _cast_transpose[grid](x, scale.reshape(1).float(), q, qt, part, m, n, MANT=mant, BIAS=bias, LIMIT=limit,
+        shift = 23 - mant
+        _cast_transpose[grid](x, scale.reshape(1).float(), q, qt, part, m, n, LIMIT=limit, SHIFT=shift,
+                              HALF_M1=(1 << (shift - 1)) - 1, REBIAS=(127 - bias) << mant,
+                              SUB_SCALE=float(2.0 ** (bias - 1 + mant)), MIN_NORMAL=float(2.0 ** (1 - bias)),
                               BM=bm, BN=bn)
     amax = part.max() if part.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
     return q.view(dtype), qt.view(dtype), amax

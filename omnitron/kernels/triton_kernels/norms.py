@@ -7,9 +7,10 @@ import triton
 import triton.language as tl
 
 from omnitron.kernels.registry import register
-from omnitron.kernels.triton_kernels._common import GPU_BACKENDS, NAME, as_rows, available, block_rows, check
+from omnitron.kernels.triton_kernels._common import (GPU_BACKENDS, NAME, as_rows, available, block_rows, check,
+                                                     interpreting)
 
-MAX_COLS = 65536
+MAX_COLS = 16384  # one row per tile: wider rows would spill registers on a GPU
 
 
 @triton.jit
@@ -42,32 +43,41 @@ def _norm_fwd(X, R, H, W, B, Y, MEAN, RSTD, n_rows, n_cols, eps,
 
 
 @triton.jit
-def _norm_bwd(DY, X, W, MEAN, RSTD, DRES, DX, DW, DB, n_rows, n_cols,
+def _norm_bwd(DY, X, W, MEAN, RSTD, DRES, DX, DW, DB, n_rows, n_cols, rows_per_prog,
               RMS: tl.constexpr, HAS_DRES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Each program walks ``rows_per_prog`` rows in tiles of BM, keeping its weight/bias gradient
+    partials in registers; one ``[programs, n_cols]`` partial per program is written at the end."""
     pid = tl.program_id(0)
-    rows = pid * BM + tl.arange(0, BM)
     cols = tl.arange(0, BN)
-    rmask, cmask = rows < n_rows, cols < n_cols
-    m2 = rmask[:, None] & cmask[None, :]
-    offs = rows[:, None] * n_cols + cols[None, :]
-    x = tl.load(X + offs, mask=m2, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32)
+    cmask = cols < n_cols
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-    xhat = tl.where(m2, (x - mean[:, None]) * rstd[:, None], 0.0)
-    g = dy * w[None, :]
-    c1 = tl.sum(g * xhat, axis=1) / n_cols
-    if RMS:
-        dx = (g - xhat * c1[:, None]) * rstd[:, None]
-    else:
-        c2 = tl.sum(g, axis=1) / n_cols
-        dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
-    if HAS_DRES:  # gradient reaching h directly through the residual stream
-        dx += tl.load(DRES + offs, mask=m2, other=0.0).to(tl.float32)
-    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m2)
-    tl.store(DW + pid * n_cols + cols, tl.sum(dy * xhat, axis=0), mask=cmask)
-    tl.store(DB + pid * n_cols + cols, tl.sum(dy, axis=0), mask=cmask)
+    dw = tl.zeros([BN], tl.float32)
+    db = tl.zeros([BN], tl.float32)
+    first = pid * rows_per_prog
+    for r0 in range(first, tl.minimum(first + rows_per_prog, n_rows), BM):
+        rows = r0 + tl.arange(0, BM)
+        rmask = rows < tl.minimum(first + rows_per_prog, n_rows)
+        m2 = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        x = tl.load(X + offs, mask=m2, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = tl.where(m2, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / n_cols
+        if RMS:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / n_cols
+            dx = (g - c2[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        if HAS_DRES:  # gradient reaching h directly through the residual stream
+            dx += tl.load(DRES + offs, mask=m2, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m2)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(DW + pid * n_cols + cols, dw, mask=cmask)
+    tl.store(DB + pid * n_cols + cols, db, mask=cmask)
 
 
 def _launch_fwd(x2, r2, weight, bias, eps, rms):
@@ -88,12 +98,17 @@ def _launch_bwd(dy2, x2, weight, mean, rstd, dres, rms):
     n, d = x2.shape
     bn = triton.next_power_of_2(d)
     bm = block_rows(bn)
-    grid = triton.cdiv(n, bm)
+    # enough programs to fill a GPU, few enough that the [programs, d] partials stay small; the
+    # interpreter (sequential anyway) uses 2 so the tests walk the multi-tile loop
+    programs = max(1, min(triton.cdiv(n, bm), 2 if interpreting() else 512))
+    rows_per_prog = triton.cdiv(triton.cdiv(n, programs), bm) * bm
+    programs = triton.cdiv(n, rows_per_prog) if n else 1
     dx = torch.empty_like(x2)
-    dw = torch.empty(grid, d, dtype=torch.float32, device=x2.device)
-    db = torch.empty_like(dw)
-    _norm_bwd[(grid,)](dy2, x2, weight, mean, rstd, dres if dres is not None else dy2, dx, dw, db, n, d, RMS=rms,
-                       HAS_DRES=dres is not None, BM=bm, BN=bn)
+    dw = torch.zeros(programs, d, dtype=torch.float32, device=x2.device)
+    db = torch.zeros_like(dw)
+    if n:
+        _norm_bwd[(programs,)](dy2, x2, weight, mean, rstd, dres if dres is not None else dy2, dx, dw, db, n, d,
+                               rows_per_prog, RMS=rms, HAS_DRES=dres is not None, BM=bm, BN=bn)
     return dx, dw.sum(0), db.sum(0)
 
 
