@@ -1,6 +1,6 @@
 """The README's main job for a few steps: tp 2 x pp 2 on 4 spawned processes, bundled corpus and
-GPT-2 BPE, validation, checkpoint, sample; then ``omnitron generate`` from that checkpoint. (The full run is `omnitron train --config
-examples/moby_dick_tp2_pp2.yaml`.)"""
+GPT-2 BPE, validation, checkpoint, sample; then (slow) ``omnitron generate`` from that checkpoint.
+(The full run is `omnitron train --config examples/moby_dick_tp2_pp2.yaml`.)"""
 from __future__ import annotations
 
 import json
@@ -8,15 +8,28 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = "Call me Ishmael. Some years ago"
 
 
-def test_example_config_runs_end_to_end(tmp_path):
-    save = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    save = str(tmp_path_factory.mktemp("main_job") / "run")
     cmd = [sys.executable, "-m", "omnitron", "train", "--config", os.path.join(ROOT, "examples", "moby_dick_tp2_pp2.yaml"),
            "--train-iters", "3", "--seq-length", "32", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
            "--save", save, "--sample-tokens", "4", "--no-tensorboard"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return save, proc
+
+
+def _sample(out: str) -> str:
+    return out[out.index("--- sample ("):].split("\n---", 1)[0]
+
+
+def test_example_config_runs_end_to_end(main_job):
+    save, proc = main_job
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [json.loads(line) for line in open(os.path.join(save, "metrics.jsonl"))]
     assert [r["iteration"] for r in recs if "lm_loss" in r] == [1, 2, 3]
@@ -24,14 +37,15 @@ def test_example_config_runs_end_to_end(tmp_path):
     assert open(os.path.join(save, "latest")).read() == "iter_0000003"
     assert sorted(os.listdir(os.path.join(save, "iter_0000003"))) == ["metadata.json"] + [
         f"rank_{r:05d}.pt" for r in range(4)]
-    assert "--- sample (" in proc.stdout and "Call me Ishmael" in proc.stdout
-    # omnitron generate rebuilds the tp2 x pp2 layout from the checkpoint: the same sample
-    gen = subprocess.run([sys.executable, "-m", "omnitron", "generate", "--load", save, "--prompt",
-                          "Call me Ishmael. Some years ago", "--max-new-tokens", "4"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert "--- sample (" in proc.stdout and PROMPT in _sample(proc.stdout)
+
+
+@pytest.mark.slow
+def test_generate_reproduces_the_training_sample(main_job):
+    """omnitron generate rebuilds the tp2 x pp2 layout from the checkpoint: the same sample."""
+    save, proc = main_job
+    assert proc.returncode == 0
+    gen = subprocess.run([sys.executable, "-m", "omnitron", "generate", "--load", save, "--prompt", PROMPT,
+                          "--max-new-tokens", "4"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert gen.returncode == 0, gen.stdout[-3000:] + gen.stderr[-3000:]
     assert _sample(gen.stdout) == _sample(proc.stdout)
-
-
-def _sample(out: str) -> str:
-    return out[out.index("--- sample ("):].split("\n---", 1)[0]
