@@ -46,8 +46,9 @@ def main() -> int:
     p.add_argument("--size", default=None)
     p.add_argument("--rounds", default="15")
     p.add_argument("--threads", default=None)
+    p.add_argument("--budget", default="5")
     args = p.parse_args()
-    argv = ["bench", "kernels", "--json", args.json, "--rounds", args.rounds]
+    argv = ["bench", "kernels", "--json", args.json, "--rounds", args.rounds, "--budget", args.budget]
     argv += ["--backend", args.backend] if args.backend else []
     argv += ["--compile"] if args.compile else []
     argv += ["--size", args.size] if args.size else []

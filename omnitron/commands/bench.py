@@ -20,6 +20,7 @@ def register(sub) -> None:
                    help="problem sizes: tiny (smoke tests), small (default on CPU), large (default on a GPU)")
     k.add_argument("--compile", action="store_true", help="also time torch.compile of the reference (slow to build)")
     k.add_argument("--rounds", type=int, default=15, help="timed rounds per case (median reported)")
+    k.add_argument("--budget", type=float, default=5.0, help="seconds per case after which rounds stop (min 3 rounds)")
     k.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     k.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     k.set_defaults(func=run_kernels)
@@ -46,7 +47,8 @@ def run_kernels(args: argparse.Namespace) -> int:
     except KeyError as err:
         raise SystemExit(f"--dtypes: unknown dtype {err}; use {sorted(set(DTYPES))}") from None
     size = args.size or ("small" if on_cpu else "large")
-    report = run(backend, ops=args.ops, dtypes=dtypes, size=size, compile_=args.compile, rounds=args.rounds)
+    report = run(backend, ops=args.ops, dtypes=dtypes, size=size, compile_=args.compile, rounds=args.rounds,
+                 budget_s=args.budget)
     print(f"\ncopy bandwidth: {report['copy_gbs']:.1f} GB/s on {report['machine']['device']} "
           f"({report['machine']['threads']} threads, torch {report['machine']['torch']})")
     if args.json:
