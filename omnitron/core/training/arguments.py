@@ -208,8 +208,9 @@ def load_config_file(path: str) -> dict[str, Any]:
     return {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
 
 
-_LAUNCH_KEYS = ("config", "model", "nproc_per_node", "backend", "threads_per_process", "prompt", "sample_tokens", "sample_top_k",
-                "num_layers_per_virtual_pipeline_stage")
+# settings that are not config-dataclass fields, with their types
+_LAUNCH_KEYS = {"config": str, "model": str, "nproc_per_node": int, "backend": str, "threads_per_process": int,
+                "prompt": str, "sample_tokens": int, "sample_top_k": int, "num_layers_per_virtual_pipeline_stage": int}
 
 
 def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +221,13 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     for key, value in file_values.items():
         if key in opts:
             file_values[key] = opts[key].coerce(value, f"--config {given['config']}")
-        elif key not in _LAUNCH_KEYS:
+        elif key in _LAUNCH_KEYS:
+            try:
+                file_values[key] = _LAUNCH_KEYS[key](value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"--config {given['config']}: {key.replace('_', '-')} expects "
+                                  f"{_LAUNCH_KEYS[key].__name__}, got {value!r}") from None
+        else:
             raise ConfigError(f"--config {given['config']}: unknown setting {key!r}; keys are the flag names "
                               "listed by `omnitron train --help`")
     preset = given.get("model", file_values.get("model"))
