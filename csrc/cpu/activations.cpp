@@ -10,9 +10,9 @@ constexpr float kGeluK0 = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluK1 = 0.044715f;
 
 // act(a) and d act / da, in float (double for fp64 storage).
-template <typename A>
-static inline void act(A a, int64_t kind, A& f, A& df) {
-  if (kind == 0) {  // silu
+template <typename A, int KIND>
+static inline void act(A a, A& f, A& df) {
+  if (KIND == 0) {  // silu
     A s = A(1) / (A(1) + fast_exp(-a));
     f = a * s;
     df = s * (A(1) + a * (A(1) - s));
@@ -24,8 +24,9 @@ static inline void act(A a, int64_t kind, A& f, A& df) {
   }
 }
 
-template <typename T>
-void glu_fwd_kernel(const T* x, T* y, int64_t n, int64_t f, int64_t kind) {
+// KIND is a template parameter so the inner loop has no branch and vectorises.
+template <typename T, int KIND>
+void glu_fwd_kernel(const T* x, T* y, int64_t n, int64_t f) {
   using A = acc_t<T>;
   at::parallel_for(0, n, rows_grain(3 * f), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -35,15 +36,15 @@ void glu_fwd_kernel(const T* x, T* y, int64_t n, int64_t f, int64_t kind) {
 #pragma omp simd
       for (int64_t j = 0; j < f; ++j) {
         A v, dv;
-        act<A>(ld(a[j]), kind, v, dv);
+        act<A, KIND>(ld(a[j]), v, dv);
         yr[j] = st<T>(v * ld(g[j]));
       }
     }
   });
 }
 
-template <typename T>
-void glu_bwd_kernel(const T* dy, const T* x, T* dx, int64_t n, int64_t f, int64_t kind) {
+template <typename T, int KIND>
+void glu_bwd_kernel(const T* dy, const T* x, T* dx, int64_t n, int64_t f) {
   using A = acc_t<T>;
   at::parallel_for(0, n, rows_grain(3 * f), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -55,7 +56,7 @@ void glu_bwd_kernel(const T* dy, const T* x, T* dx, int64_t n, int64_t f, int64_
 #pragma omp simd
       for (int64_t j = 0; j < f; ++j) {
         A v, dv, up = ld(gy[j]);
-        act<A>(ld(a[j]), kind, v, dv);
+        act<A, KIND>(ld(a[j]), v, dv);
         da[j] = st<T>(up * ld(g[j]) * dv);
         dg[j] = st<T>(up * v);
       }
@@ -72,7 +73,10 @@ at::Tensor glu_fwd(const at::Tensor& x, int64_t kind) {
   const int64_t f = x.size(1) / 2;
   auto y = at::empty({x.size(0), f}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "glu_fwd", [&] {
-    glu_fwd_kernel<scalar_t>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0), f, kind);
+    if (kind == 0)
+      glu_fwd_kernel<scalar_t, 0>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0), f);
+    else
+      glu_fwd_kernel<scalar_t, 1>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.size(0), f);
   });
   return y;
 }
@@ -84,8 +88,12 @@ at::Tensor glu_bwd(const at::Tensor& dy, const at::Tensor& x, int64_t kind) {
               "omnitron._C glu_bwd: dy [N, F] and x [N, 2F] must be contiguous with one dtype");
   auto dx = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "glu_bwd", [&] {
-    glu_bwd_kernel<scalar_t>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), x.size(0),
-                             dy.size(1), kind);
+    if (kind == 0)
+      glu_bwd_kernel<scalar_t, 0>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), x.size(0),
+                                  dy.size(1));
+    else
+      glu_bwd_kernel<scalar_t, 1>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), dx.data_ptr<scalar_t>(), x.size(0),
+                                  dy.size(1));
   });
   return dx;
 }
