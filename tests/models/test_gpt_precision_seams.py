@@ -52,3 +52,25 @@ def test_bf16_params_and_autocast_close_to_fp32():
         auto = ref_model(tokens, labels=tokens)
     assert auto.dtype == torch.float32
     assert abs(auto.mean().item() - ref.mean().item()) / ref.mean().item() < 2e-2
+
+
+def test_bias_placement_does_not_change_results(monkeypatch):
+    """Biases go into the GEMM when the consuming kernel is the reference, and to the kernel when
+    a fused one is resolved: both placements compute the same model."""
+    from omnitron.kernels.registry import KernelTable
+
+    cfg = gpt2_tiny(vocab_size=100, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
+    tokens = torch.randint(0, 100, (2, 8))
+    runs = []
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr(KernelTable, "resolved", lambda self, op: "fused")
+        model = GPTModel(cfg, ParallelGroups.single(), seed=4)
+        layer = model.decoder.layers["0"]
+        assert layer.mlp.linear_fc1.skip_bias_add == fused and layer.self_attention.linear_proj.skip_bias_add == fused
+        loss = model(tokens, labels=tokens)
+        loss.mean().backward()
+        runs.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -29,7 +29,8 @@ class SelfAttention(nn.Module):
     """``[s, b, h] -> ([s, b, h], bias)``: QKV projection, optional QK-norm and RoPE, core
     attention from the kernel registry, output projection (bias returned for fused add)."""
 
-    def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend, out_std: float) -> None:
+    def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend, out_std: float,
+                 skip_out_bias: bool = True) -> None:
         super().__init__()
         from omnitron.core.models.gpt.config import head_dim, query_groups
 
@@ -45,7 +46,8 @@ class SelfAttention(nn.Module):
             self.groups_local = groups // group.size
             self.linear_qkv = ColumnParallelLinear(c.hidden_size, (heads + 2 * groups) * self.d,
                                                    init_std=c.init_method_std, **kw)
-        self.linear_proj = RowParallelLinear(heads * self.d, c.hidden_size, init_std=out_std, skip_bias_add=True, **kw)
+        self.linear_proj = RowParallelLinear(heads * self.d, c.hidden_size, init_std=out_std,
+                                             skip_bias_add=skip_out_bias, **kw)
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
             nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=group.size > 1,
@@ -135,7 +137,8 @@ class SelfAttention(nn.Module):
         else:
             out = self.core_attention(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, hq/tp * d]
-        return self.linear_proj(out)
+        y = self.linear_proj(out)
+        return y if isinstance(y, tuple) else (y, None)
 
 
 def _q_rows(full: torch.Tensor, g: int, qpg: int, d: int) -> torch.Tensor:

@@ -22,11 +22,14 @@ class TransformerLayer(nn.Module):
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers) if c.apply_scaled_init else c.init_method_std
         nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=sequence_parallel,
                    dtype=c.params_dtype)
+        # output biases go to a fused bias-dropout-add kernel when one exists, else into the GEMM
+        skip = backend.kernels.resolved("bias_dropout_add") != "reference"
         self.input_layernorm = Norm(c.hidden_size, **nkw)
         self.self_attention = SelfAttention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
-                                            backend=backend, out_std=out_std)
+                                            backend=backend, out_std=out_std, skip_out_bias=skip)
         self.pre_mlp_layernorm = Norm(c.hidden_size, **nkw)
-        self.mlp = MLP(c, group=group, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std)
+        self.mlp = MLP(c, group=group, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std,
+                       skip_out_bias=skip)
 
     def _bias_dropout_add(self, out_and_bias, residual: torch.Tensor) -> torch.Tensor:
         out, bias = out_and_bias

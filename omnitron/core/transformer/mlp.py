@@ -12,20 +12,25 @@ class MLP(nn.Module):
     (full layout: all gate rows, then all up rows; split block-wise so each rank holds matching
     halves); otherwise bias + tanh-GeLU."""
 
-    def __init__(self, c, *, group, sequence_parallel: bool, backend, out_std: float) -> None:
+    def __init__(self, c, *, group, sequence_parallel: bool, backend, out_std: float,
+                 skip_out_bias: bool = True) -> None:
         super().__init__()
         from omnitron.core.models.gpt.config import ffn_size
 
         self.swiglu, self.backend = c.swiglu, backend
         f = ffn_size(c)
-        kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, skip_bias_add=True,
-                  dtype=c.params_dtype)
+        kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, dtype=c.params_dtype)
+        # NOTE: the bias goes to the fused activation kernel when one exists; with the reference,
+        # the GEMM adding it (addmm) saves a full pass over [s, b, f]
+        fused_act = backend.kernels.resolved("swiglu" if c.swiglu else "bias_gelu") != "reference"
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, 2 * f if c.swiglu else f, init_std=c.init_method_std,
-                                               stride=2 if c.swiglu else 1, **kw)
-        self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=out_std, **kw)
+                                               stride=2 if c.swiglu else 1, skip_bias_add=fused_act, **kw)
+        self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=out_std, skip_bias_add=skip_out_bias, **kw)
 
     def forward(self, x: torch.Tensor):
-        y, bias = self.linear_fc1(x)  # [s, b, (2)f/tp]
+        y = self.linear_fc1(x)  # [s, b, (2)f/tp]
+        y, bias = y if isinstance(y, tuple) else (y, None)
         k = self.backend.kernels
         y = k.swiglu(y, bias) if self.swiglu else k.bias_gelu(y, bias)
-        return self.linear_fc2(y)
+        y = self.linear_fc2(y)
+        return y if isinstance(y, tuple) else (y, None)

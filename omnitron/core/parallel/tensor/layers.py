@@ -101,6 +101,8 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = M.scatter_to_tp(x, self.group)
+        if self.group.size == 1 and not self.skip_bias_add:
+            return self._gemm(x, self.weight, self.bias)  # nothing to reduce: the GEMM adds the bias
         y = self._gemm(x, self.weight, None)  # partial sum [s, b, out]
         y = M.reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else M.reduce_from_tp(y, self.group)
         if self.skip_bias_add:
