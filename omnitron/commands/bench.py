@@ -71,13 +71,13 @@ def run_compare(args: argparse.Namespace) -> int:
     def f(row, key, spec):
         return "-" if row is None or row.get(key) is None else format(row[key], spec)
 
-    print(f"{'op':24s} {'dtype':9s} {'mode':8s} {'impl':8s} {'A ms':>9s} {'B ms':>9s} {'A GB/s':>7s} {'B GB/s':>7s} "
+    print(f"{'op':26s} {'dtype':9s} {'mode':8s} {'impl':8s} {'A ms':>9s} {'B ms':>9s} {'A GB/s':>7s} {'B GB/s':>7s} "
           f"{'A %copy':>7s} {'B %copy':>7s} {'A/B':>6s}")
     for key in list(a) + [k for k in b if k not in a]:
         ra, rb = a.get(key), b.get(key)
         pa = f"{100 * ra['gbs'] / reports[0]['copy_gbs']:.0f}%" if ra and ra.get("gbs") else "-"
         pb = f"{100 * rb['gbs'] / reports[1]['copy_gbs']:.0f}%" if rb and rb.get("gbs") else "-"
         ratio = f"{ra['ms'] / rb['ms']:.2f}" if ra and rb and ra.get("ms") and rb.get("ms") else "-"
-        print(f"{key[0]:24s} {key[1]:9s} {key[2]:8s} {key[3]:8s} {f(ra, 'ms', '9.3f')} {f(rb, 'ms', '9.3f')} "
+        print(f"{key[0]:26s} {key[1]:9s} {key[2]:8s} {key[3]:8s} {f(ra, 'ms', '9.3f')} {f(rb, 'ms', '9.3f')} "
               f"{f(ra, 'gbs', '7.1f')} {f(rb, 'gbs', '7.1f')} {pa:>7s} {pb:>7s} {ratio:>6s}")
     return 0

@@ -77,6 +77,21 @@ def _ce(device, dtype, size):
     return (logits, torch.randint(0, v, (n,), device=device)), {"label_smoothing": 0.0}
 
 
+def _ce_shard(device, dtype, size):
+    """The second of two tensor-parallel vocabulary shards; its last 10% of columns are padding."""
+    n, v = _pick(size, (64, 1000), (512, 32000), (8192, 128256))
+    width = v // 2
+    valid = width - width // 10
+    logits = torch.randn(n, width, device=device, dtype=dtype)
+    return (logits, torch.randint(0, width + valid, (n,), device=device), width, valid, width + valid), {}
+
+
+def _ce_shard_grad(device, dtype, size):
+    (logits, target, start, valid, vocab), _ = _ce_shard(device, dtype, size)
+    lse = torch.logsumexp(logits.float(), -1) + 1.0  # stands in for the global log-sum-exp
+    return (torch.randn(logits.shape[0], device=device), logits, target, lse, start, valid, vocab, 0.1), {}
+
+
 def _softmax(device, dtype, size):
     b, h, s = _pick(size, (1, 2, 64), (2, 8, 512), (4, 32, 1024))
     return (torch.randn(b, h, s, s, device=device, dtype=dtype),), {"scale": 0.125, "causal": True}
@@ -127,6 +142,8 @@ CASES = [
     Case("softmax_cross_entropy", _ce,
          native=lambda x, t, label_smoothing: F.cross_entropy(x.float(), t, reduction="none",
                                                               label_smoothing=label_smoothing)),
+    Case("cross_entropy_shard_stats", _ce_shard, differentiable=False),
+    Case("cross_entropy_shard_grad", _ce_shard_grad, differentiable=False),
     Case("scaled_softmax", _softmax),
     Case("adamw_step", _adamw, differentiable=False, native=_native_adamw, float_only=True),
     Case("grad_norm_sq", _norm_sq, differentiable=False,
