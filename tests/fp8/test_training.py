@@ -1,7 +1,11 @@
-"""FP8 training of the small GPT on the bundled corpus (bytes of Moby Dick) against bf16 from the same seed,
-and FP8 with tp=2 against FP8 with tp=1.
+"""FP8 training of the small GPT on the bundled corpus (bytes of Moby Dick) against bf16 (torch autocast)
+from the same seed, and FP8 with tp=2 against FP8 with tp=1.
 
-The full 200-iteration comparison is marked slow; CI runs a shorter one with the same assertion.
+CI runs 40 iterations: every recipe's final loss (mean of the last 10) within 1% of bf16 (measured
+0.01-0.1%). The 200-iteration run (slow) measured, final loss: fp32 2.671, bf16 2.725, FP8 delayed
+2.674, tensorwise 2.685, blockwise 2.689 -- FP8 stays within 1% of fp32 while torch-autocast bf16
+(bf16 weight gradients) drifts 2% above it, so there the check is: within 1% of fp32 and no worse
+than bf16 + 1%.
 """
 from __future__ import annotations
 
@@ -61,12 +65,14 @@ def _final(losses: list[float], last: int = 10) -> float:
     return sum(losses[-last:]) / last
 
 
-def _compare_to_bf16(steps: int) -> dict:
+def _compare_to_bf16(steps: int, with_fp32: bool = False) -> dict:
     from omnitron.core.parallel.groups import ParallelGroups
 
     torch.set_num_threads(2)
     single = ParallelGroups.single()
     out = {"bf16": _train(None, steps, single, autocast=True)}
+    if with_fp32:
+        out["fp32"] = _train(None, steps, single, autocast=False)
     for recipe in RECIPES:
         out[recipe] = _train(recipe, steps, single, autocast=True)
     return out
@@ -81,8 +87,13 @@ def _check_against_bf16(out: dict, tol: float) -> None:
 
 
 @pytest.mark.slow
-def test_fp8_recipes_match_bf16_after_200_iterations():
-    _check_against_bf16(_compare_to_bf16(200), tol=0.01)
+def test_fp8_recipes_after_200_iterations():
+    out = _compare_to_bf16(200, with_fp32=True)
+    ref, bf16 = _final(out["fp32"]), _final(out["bf16"])
+    for recipe in RECIPES:
+        fin = _final(out[recipe])
+        assert abs(fin - ref) / ref < 0.01, f"{recipe}: final loss {fin:.4f} vs fp32 {ref:.4f}"
+        assert fin < bf16 * 1.01, f"{recipe}: final loss {fin:.4f} worse than bf16 {bf16:.4f} by over 1%"
 
 
 def test_fp8_recipes_match_bf16_short():
