@@ -71,9 +71,9 @@ class SelfAttention(nn.Module):
             if not is_q:
                 set_attributes(p, parallel=False, init=init)
                 p.sequence_parallel = True  # partial sum over tp: all-reduced before the step
-            part = _q_rows if is_q else _kv_rows
-            p.init_from = ("linear_qkv." + ("weight" if p.dim() == 2 else "bias"),
-                           (qkv_rows,) + tuple(p.shape[1:]), lambda full, part=part: part(full, groups, qpg, d))
+            # plain data (picklable): canonical tensor suffix, its shape, which rows, the head layout
+            p.init_from = ("linear_qkv." + ("weight" if p.dim() == 2 else "bias"), (qkv_rows,) + tuple(p.shape[1:]),
+                           "q" if is_q else "kv", groups, qpg, d)
 
     def fuse_full_state(self, prefix: str, state: dict) -> None:
         """Replace full ``linear_q``/``linear_kv`` tensors in ``state`` by the canonical ``linear_qkv``."""
@@ -149,3 +149,8 @@ def _q_rows(full: torch.Tensor, g: int, qpg: int, d: int) -> torch.Tensor:
 def _kv_rows(full: torch.Tensor, g: int, qpg: int, d: int) -> torch.Tensor:
     """Key/value rows ``[g0: k, v | g1: k, v | ...]`` of a canonical fused QKV tensor."""
     return full.reshape(g, qpg + 2, d, *full.shape[1:])[:, qpg:].reshape(g * 2 * d, *full.shape[1:])
+
+
+def extract_rows(full: torch.Tensor, which: str, g: int, qpg: int, d: int) -> torch.Tensor:
+    """``_q_rows`` or ``_kv_rows`` by name (used with a parameter's ``init_from``)."""
+    return (_q_rows if which == "q" else _kv_rows)(full, g, qpg, d)

@@ -19,6 +19,7 @@ from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_ent
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
 from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, checkpoint, model_parallel_seed
 from omnitron.core.parallel.tensor.sharding import full_shape, init_full, set_attributes, shard_param
+from omnitron.core.transformer.attention import extract_rows
 from omnitron.core.transformer.layer import TransformerLayer
 from omnitron.core.transformer.norm import Norm
 
@@ -101,8 +102,9 @@ class GPTModel(nn.Module):
         tp = self.groups.tp
         for name, p in self.named_parameters():
             if hasattr(p, "init_from"):  # a part of a canonical fused tensor (replicated-KV attention)
-                suffix, shape, extract = p.init_from
-                full = extract(init_full(name.rsplit(".", 2)[0] + "." + suffix, shape, p.init, seed))
+                suffix, shape, which, g, qpg, d = p.init_from
+                canonical = init_full(name.rsplit(".", 2)[0] + "." + suffix, shape, p.init, seed)
+                full = extract_rows(canonical, which, g, qpg, d)
             else:
                 shape = full_shape(p, tp.size)
                 full = init_full(getattr(p, "init_name", name), shape, p.init, seed, getattr(p, "valid_rows", None))
