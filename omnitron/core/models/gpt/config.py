@@ -151,6 +151,10 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
                           f"replicated (tp a multiple of groups); change one of them")
     if ffn_size(c) % tp:
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
+    if parallel.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size {parallel.context_parallel_size}: GPTModel has no context-parallel "
+                          f"attention yet; use --context-parallel-size 1 (sequence parallelism splits activations "
+                          f"outside attention: --sequence-parallel)")
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     if check_layers and c.num_layers % (pp * vp):
         raise ConfigError(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
