@@ -68,7 +68,6 @@ def _final(losses: list[float], last: int = 10) -> float:
 def _compare_to_bf16(steps: int, with_fp32: bool = False) -> dict:
     from omnitron.core.parallel.groups import ParallelGroups
 
-    torch.set_num_threads(2)
     single = ParallelGroups.single()
     out = {"bf16": _train(None, steps, single, autocast=True)}
     if with_fp32:
