@@ -69,7 +69,7 @@ run_step environment 45 bash -c '
   python3 -m omnitron info'
 
 # ---- 2. conformance suite on cuda (+ tests/backends/test_cuda_gpu.py) -----------------------
-pytest_step conformance 210 tests/backends -rfE -s
+pytest_step conformance "${CONFORMANCE_LIMIT:-210}" tests/backends -rfE -s
 
 # ---- 3. every other GPU-marked test ---------------------------------------------------------
 pytest_step gpu-tests 60 tests -m gpu --ignore=tests/backends -rfE
@@ -77,19 +77,19 @@ pytest_step gpu-tests 60 tests -m gpu --ignore=tests/backends -rfE
 # ==== HOOK: kernel benchmark ==================================================================
 # Fused kernels (Triton / reference) vs torch eager on this GPU. Set KERNEL_BENCH_CMD, or edit:
 #   KERNEL_BENCH_CMD="python3 benchmarks/kernels.py --backend cuda"
-if [ -n "${KERNEL_BENCH_CMD:-}" ]; then run_step kernel-bench 60 bash -c "$KERNEL_BENCH_CMD"; fi
+if [ -n "${KERNEL_BENCH_CMD:-}" ]; then run_step kernel-bench "${KERNEL_BENCH_LIMIT:-60}" bash -c "$KERNEL_BENCH_CMD"; fi
 # ==== END HOOK: kernel benchmark ==============================================================
 
 # ==== HOOK: FP8 GEMM benchmark ================================================================
 # FP8 scaled GEMM (backend.fp8.scaled_mm) vs bf16 GEMM TFLOP/s. Set FP8_BENCH_CMD, or edit:
 #   FP8_BENCH_CMD="python3 benchmarks/fp8_gemm.py --backend cuda"
-if [ -n "${FP8_BENCH_CMD:-}" ]; then run_step fp8-gemm-bench 45 bash -c "$FP8_BENCH_CMD"; fi
+if [ -n "${FP8_BENCH_CMD:-}" ]; then run_step fp8-gemm-bench "${FP8_BENCH_LIMIT:-45}" bash -c "$FP8_BENCH_CMD"; fi
 # ==== END HOOK: FP8 GEMM benchmark ============================================================
 
 # ==== HOOK: 1.3B training benchmark ===========================================================
 # A few steps of the 1.3B GPT on one GPU: tokens/s, MFU against capabilities().peak("bf16").
 #   TRAIN_BENCH_CMD="python3 -m omnitron train ... --train-iters 20"
-if [ -n "${TRAIN_BENCH_CMD:-}" ]; then run_step train-1.3b 120 bash -c "$TRAIN_BENCH_CMD"; fi
+if [ -n "${TRAIN_BENCH_CMD:-}" ]; then run_step train-1.3b "${TRAIN_BENCH_LIMIT:-120}" bash -c "$TRAIN_BENCH_CMD"; fi
 # ==== END HOOK: 1.3B training benchmark =======================================================
 
 # ---- table ----------------------------------------------------------------------------------

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The lead's one-call GPU run: scripts/device_check.sh plus the kernel, FP8 and 1.3B training
+# benchmarks (bf16, then FP8 hybrid/tensorwise through the real training loop). ~9 minutes on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/omnitron_device_check}
+mkdir -p "$OUT"
+export CONFORMANCE_LIMIT=${CONFORMANCE_LIMIT:-150}
+export KERNEL_BENCH_CMD="python3 benchmarks/kernels.py --backend cuda --size large --rounds 20"
+export KERNEL_BENCH_LIMIT=90
+export FP8_BENCH_CMD="python3 benchmarks/fp8_gemm.py --step-layers 4 --json $OUT/fp8_gemm.json"
+export FP8_BENCH_LIMIT=90
+train() {  # train LOGDIR EXTRA_FLAGS...
+  local dir=$1; shift
+  python3 -m omnitron train --config examples/gpt_1p3b_bench.yaml --train-iters 15 --log-dir "/tmp/$dir" "$@" \
+    && cp "/tmp/$dir/metrics.jsonl" "$OUT/metrics-$dir.jsonl"
+}
+export -f train
+export OUT
+export TRAIN_BENCH_CMD="train bf16; train fp8 --fp8-format hybrid --fp8-recipe tensorwise"
+export TRAIN_BENCH_LIMIT=${TRAIN_BENCH_LIMIT:-240}
+bash scripts/device_check.sh
