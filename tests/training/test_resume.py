@@ -2,7 +2,8 @@
 
 One spawn per layout runs fp32 and bf16: the uninterrupted run, the run stopped by
 --exit-interval N (which saves), and the resumed run; per-iteration losses must be identical.
-The same spawn also trains with dropout off and tight gradient clipping, whose losses must equal
+The same spawn also trains with dropout off (at tp2 x pp2 also interleaved + SP + recompute, and
+with uneven stages via --decoder-first-pipeline-num-layers) and tight gradient clipping, whose losses must equal
 the one-process run of the training loop (fp32, 1e-5): the loop's gradient reduction, clipping
 norm and optimizer are layout-independent.
 """
@@ -34,10 +35,25 @@ VP_SP_RECOMPUTE = ["--num-layers-per-virtual-pipeline-stage", "1", "--sequence-p
                    "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
+UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]
+
+
 def _parity_args(tp, pp, root, extra=()):
     return _args(tp, pp, "fp32", os.path.join(root, f"parity{tp}{pp}{len(extra)}"),
                  ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05", "--global-batch-size", "4",
                   *extra])
+
+
+def _stage_layers(settings, be) -> int:
+    """Transformer layers this rank's stage holds under ``settings``' layout."""
+    from dataclasses import replace
+
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.training.components import build_model_chunks
+
+    groups = ParallelGroups.build(settings.parallel, be.collectives)
+    cfg = replace(settings.model, vocab_size=201)
+    return sum(len(chunk.decoder.layers) for chunk in build_model_chunks(cfg, groups, 7, be))
 
 
 def _worker(tp, pp, root):
@@ -60,6 +76,10 @@ def _worker(tp, pp, root):
     if (tp, pp) == (2, 2):  # interleaved schedule, sequence parallelism and full recomputation on top
         out["parity_vp"] = train(parse_settings(_parity_args(tp, pp, root, VP_SP_RECOMPUTE), dist.get_world_size()),
                                  be)["losses"]
+        # uneven stages: 1 layer (+ embedding) on the first stage, 3 (+ output layer) on the last
+        uneven = parse_settings(_parity_args(tp, pp, root, UNEVEN), dist.get_world_size())
+        out["parity_uneven"] = train(uneven, be)["losses"]
+        out["uneven_layers"] = _stage_layers(uneven, be)
     return out
 
 
@@ -81,7 +101,9 @@ def test_resume_bit_exact(tp, pp, tmp_path):
     from omnitron.core.training.loop import train
 
     single = train(parse_settings(_parity_args(1, 1, str(tmp_path / "single")), 1), get_backend("cpu"))["losses"]
-    for key in ("parity", "parity_vp"):
+    if (tp, pp) == (2, 2):  # ranks 0-1 are the first stage, 2-3 the last
+        assert [r["uneven_layers"] for r in results] == [1, 1, 3, 3]
+    for key in ("parity", "parity_vp", "parity_uneven"):
         if key not in results[0]:
             continue
         got = results[0][key]

@@ -26,6 +26,12 @@ class ParallelConfig:
     """--expert-tensor-parallel-size: tensor parallelism inside each expert (default: tp)."""
     sequence_parallel: bool = False
     """--sequence-parallel: norms/dropout on sequence shards inside the tensor-parallel group."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """--decoder-first-pipeline-num-layers: layers on the first pipeline stage (it also holds the
+    embedding); the remaining layers split evenly over the other stages."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """--decoder-last-pipeline-num-layers: layers on the last pipeline stage (it also holds the
+    output layer and the loss); the remaining layers split evenly over the other stages."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--tensor-model-parallel-size", self.tensor_model_parallel_size),
@@ -41,6 +47,11 @@ class ParallelConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # harmless but meaningless; Megatron silently disables it, we keep it off explicitly
             self.sequence_parallel = False
+
+    @property
+    def uneven_pipeline(self) -> bool:
+        """True when the first or last stage holds a set number of layers."""
+        return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
 
     @property
     def model_parallel_size(self) -> int:

@@ -314,12 +314,18 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     vp = None
     pp = int(merged.get("pipeline_model_parallel_size", 1))
     if per_chunk:
-        if model.num_layers % (pp * per_chunk):
+        if model.num_layers % (pp * per_chunk) and not merged.get("decoder_first_pipeline_num_layers") \
+                and not merged.get("decoder_last_pipeline_num_layers"):
             raise ConfigError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
                               f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk}")
         vp = model.num_layers // (pp * per_chunk)
     parallel = _build(ParallelConfig, merged, virtual_pipeline_model_parallel_size=vp)
-    validate_model(model, parallel)
+    validate_model(model, parallel, check_layers=not parallel.uneven_pipeline)
+    if parallel.uneven_pipeline:  # the layer split itself is checked here, naming the flags
+        from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+
+        pipeline_layer_ranges(model.num_layers, pp, vp, parallel.decoder_first_pipeline_num_layers,
+                              parallel.decoder_last_pipeline_num_layers)
     dp = data_parallel_size(parallel, world)
     training = _build(TrainingConfig, merged)
     mbs = training.micro_batch_size

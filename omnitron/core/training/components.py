@@ -59,7 +59,9 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
 def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
     """This pipeline rank's chunks (one per virtual stage), each a GPTModel over its layer range."""
     pp, vp = groups.pp.size, groups.config.virtual_pipeline_model_parallel_size or 1
-    ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp)
+    pc = groups.config
+    ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
+                                   pc.decoder_last_pipeline_num_layers)
     rank = groups.pp.rank if pp > 1 else 0
     chunks = []
     for c in range(vp):
