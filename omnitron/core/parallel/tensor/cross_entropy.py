@@ -1,9 +1,14 @@
 """Cross-entropy over vocabulary-parallel logits: no rank ever holds the full-vocabulary row.
 
 Each rank holds ``logits [..., V_pad/tp]`` for vocabulary rows ``[start, start + V_pad/tp)``.
-Two small all-reduces over tp (max, then one stacked sum of exp-sum / target logit / logit sum)
-give the exact softmax cross-entropy. Columns at or past ``vocab_size`` are padding: they are
-excluded from the softmax, so padding never changes the loss.
+The backend's shard kernels read the logits once in their own dtype (no float32 copy):
+``cross_entropy_shard_stats`` gives per-row (max, exp-sum, target logit, logit sum) over this
+rank's real columns; two small all-reduces over tp (max, then one stacked sum of the rescaled
+exp-sums and the other two) combine them into the exact softmax cross-entropy.
+``cross_entropy_shard_grad`` recomputes the softmax from the saved logits and the global
+log-sum-exp in the backward, so only the logits (in their own dtype), the target and a float32
+``[...]`` vector are kept between the passes. Columns at or past ``vocab_size`` are padding:
+excluded from the softmax and given zero gradient, so padding never changes the loss.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 from omnitron.backends import get_backend
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.parallel.tensor.mappings import local_rank
+from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
 
 
 def _all_reduce_(t: torch.Tensor, group, op=ReduceOp.SUM) -> torch.Tensor:
@@ -20,52 +26,45 @@ def _all_reduce_(t: torch.Tensor, group, op=ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+def _combine_(stats: torch.Tensor, group, smoothing: bool) -> torch.Tensor:
+    """Turn this rank's shard stats ``[4, ...]`` into the group's, in place: row 0 becomes the
+    global max, rows 1-3 global sums (exp-sum rescaled to the global max). Row 3 (logit sum) is
+    reduced only when label smoothing reads it."""
+    if group.size == 1:
+        return stats
+    # a shard with nothing to add (all padding, or a row of -inf logits) reports max 0 by the
+    # kernels' convention: make it -inf so it cannot raise the global max (and underflow the rest)
+    stats[0].masked_fill_(stats[1] == 0, float("-inf"))
+    m = _all_reduce_(stats[0].clone(), group, ReduceOp.MAX)
+    stats[1].mul_(torch.exp(stats[0] - m))  # exp(-inf) = 0 for an all-padding shard (its sum is 0)
+    _all_reduce_(stats[1:4] if smoothing else stats[1:3], group)  # one sum for the stacked rows
+    stats[0].copy_(m)
+    return stats
+
+
 class _VocabParallelCE(torch.autograd.Function):
-    """forward: per-token loss (fp32); backward: ``softmax - (1-ls) onehot - ls/V`` on local columns."""
+    """forward: per-token loss (fp32); backward: ``softmax - (1-ls) onehot - ls/V`` on local
+    columns, in the logits' dtype (recomputed from the logits and the global log-sum-exp)."""
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
         v_local = logits.shape[-1]
         start = local_rank(group) * v_local
         valid = max(0, min(v_local, vocab_size - start))  # real (unpadded) columns on this rank
-        x = logits.float()
-        if valid > 0:
-            local_max = x[..., :valid].amax(dim=-1)
-        else:
-            local_max = torch.full(x.shape[:-1], float("-inf"), device=x.device)
-        m = _all_reduce_(local_max.contiguous(), group, ReduceOp.MAX)
-        in_range = (target >= start) & (target < start + valid)
-        local_t = (target - start).masked_fill(~in_range, 0)
-        picked = (x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - m).masked_fill(~in_range, 0.0)
-        exp = (x - m.unsqueeze(-1)).exp_()  # NOTE: few full passes over [tokens, V/tp]: this tensor is large
-        if valid < v_local:
-            exp[..., valid:] = 0.0
-        parts = [exp.sum(-1), picked]
-        if label_smoothing > 0.0:
-            parts.append(x[..., :valid].sum(-1) - valid * m)  # sum of shifted real logits
-        stats = torch.stack(parts)  # one all-reduce for all of them
-        _all_reduce_(stats, group)
-        log_z = stats[0].log()
-        loss = log_z - stats[1]
-        if label_smoothing > 0.0:
-            smooth = log_z - stats[2] / vocab_size  # mean over the real vocabulary of -log p
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
-        softmax = exp.div_(stats[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_t, in_range)
-        ctx.meta = (valid, vocab_size, label_smoothing, logits.dtype)
+        kernels = get_backend().kernels
+        stats = kernels.cross_entropy_shard_stats(logits, target, start, valid, vocab_size)  # [4, ...] fp32
+        _combine_(stats, group, label_smoothing > 0.0)
+        loss, lse = loss_from_stats(stats, vocab_size, label_smoothing)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.meta = (start, valid, vocab_size, label_smoothing)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        softmax, local_t, in_range = ctx.saved_tensors
-        valid, vocab_size, ls, dtype = ctx.meta
-        g = g.unsqueeze(-1)
-        grad = softmax * g  # a new tensor: the saved softmax stays intact for a retained graph
-        hit = -(1.0 - ls) * g * in_range.unsqueeze(-1).to(grad.dtype)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), hit)
-        if ls > 0.0:
-            grad[..., :valid] -= (ls / vocab_size) * g
-        return grad.to(dtype), None, None, None, None
+        logits, target, lse = ctx.saved_tensors
+        start, valid, vocab_size, ls = ctx.meta
+        grad = get_backend().kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls)
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, *, vocab_size: int | None = None,
@@ -73,9 +72,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """Per-token float32 loss of tp-local ``logits [..., V_pad/tp]`` against global ``target [...]``.
 
     ``vocab_size`` is the real vocabulary (columns past it are padding); default: all columns.
+    Targets must be global ids in ``[0, vocab_size)``.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label smoothing must be in [0, 1), got {label_smoothing}")
     if vocab_size is None:
         vocab_size = logits.shape[-1] * group.size
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal logits' leading shape "
+                         f"{tuple(logits.shape[:-1])} (logits [..., V/tp], target [...])")
+    if not 0 < vocab_size <= logits.shape[-1] * group.size:
+        raise ValueError(f"vocab_size {vocab_size} must lie in (0, {logits.shape[-1] * group.size}] "
+                         f"(tp {group.size} x {logits.shape[-1]} local columns)")
     return _VocabParallelCE.apply(logits, target, group, vocab_size, label_smoothing)

@@ -1,0 +1,86 @@
+"""Vocab-parallel cross-entropy on 2 and 4 gloo ranks against float64 ``F.cross_entropy``.
+
+One 4-rank spawn covers tp=4 (the last rank's shard is all padding) and tp=2 (x dp=2, ragged
+padding), fp32 / bf16 / fp64 logits, label smoothing, strongly negative logits (a padding
+shard must not raise the global max and underflow the exp-sums), transposed (non-contiguous)
+targets and upstream gradients as GPTModel passes them, and both the backend's resolved shard
+kernels (C++ on CPU) and the reference kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omnitron.testing.distributed import run_distributed
+
+# (tp, vocab, local width, logits dtype, label smoothing, logits offset)
+CASES = [
+    (4, 10, 4, torch.float32, 0.0, 0.0),      # ranks: 4, 4, 2 real columns, then an all-padding shard
+    (4, 10, 4, torch.float32, 0.1, -200.0),   # exp(-200) underflows fp32 if padding reported max 0
+    (4, 13, 4, torch.bfloat16, 0.1, 0.0),
+    (2, 37, 19, torch.float32, 0.1, 5.0),
+    (2, 37, 19, torch.bfloat16, 0.0, 0.0),
+    (2, 37, 19, torch.float64, 0.1, 0.0),
+]
+TOL = {torch.float32: (2e-5, 1e-5), torch.float64: (2e-6, 1e-6), torch.bfloat16: (3e-2, 1e-2)}  # (loss, grad) abs
+
+
+def _one(groups, tp, vocab, width, dtype, ls, offset):
+    """Max |loss - float64| and |grad - float64 grad| of this rank's shard (padding grad must be 0)."""
+    from omnitron.core.parallel.tensor import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(vocab * 31 + int(ls * 10))
+    s, b = 6, 3
+    full = (torch.randn(s, b, tp * width, generator=gen, dtype=torch.float64) * 3 + offset).to(dtype)
+    full[..., vocab:] = 1e4 if dtype != torch.float64 else 1e30  # padding values must never matter
+    labels = torch.randint(0, vocab, (b, s), generator=gen)
+    labels[0, 0], labels[0, 1] = 0, vocab - 1
+    dloss = torch.randn(b, s, generator=gen)
+    r = groups.tp.rank
+    mine = full[..., r * width:(r + 1) * width].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, labels.t(), groups.tp, vocab_size=vocab, label_smoothing=ls)  # [s, b]
+    loss.t().backward(dloss)  # the model returns loss.t(): a transposed upstream gradient
+    x64 = full[..., :vocab].double().requires_grad_()
+    want = F.cross_entropy(x64.reshape(-1, vocab), labels.t().reshape(-1), reduction="none",
+                           label_smoothing=ls).view(s, b)
+    want.backward(dloss.t().double())
+    g_want = F.pad(x64.grad, (0, tp * width - vocab))[..., r * width:(r + 1) * width]
+    assert loss.dtype == torch.float32 and mine.grad.dtype == dtype
+    real = max(0, min(width, vocab - r * width))
+    pad_grad = float(mine.grad[..., real:].abs().max()) if real < width else 0.0
+    return (float((loss.double() - want).abs().max()), float((mine.grad.double() - g_want).abs().max()), pad_grad)
+
+
+def _bundle() -> dict:
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.kernels.registry import KernelTable
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    grids = {tp: ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), be.collectives) for tp in (2, 4)}
+    resolved = be.kernels
+    out = {"resolved": resolved.resolved("cross_entropy_shard_stats")}
+    for impl in ("table", "reference"):
+        be._kernel_table = resolved if impl == "table" else KernelTable(be.name, ("reference",))
+        for i, (tp, vocab, width, dtype, ls, offset) in enumerate(CASES):
+            out[(impl, i)] = _one(grids[tp], tp, vocab, width, dtype, ls, offset)
+    be._kernel_table = resolved
+    return out
+
+
+def test_vocab_parallel_cross_entropy_tp2_tp4():
+    per_rank = run_distributed(_bundle, 4)
+    for rank, res in enumerate(per_rank):
+        for key, errs in res.items():
+            if key == "resolved":
+                continue
+            impl, i = key
+            tp, vocab, width, dtype, ls, offset = CASES[i]
+            loss_tol, grad_tol = TOL[dtype]
+            where = f"rank {rank} {impl} ({res['resolved']} first) tp={tp} V={vocab} {dtype} ls={ls} offset={offset}"
+            loss_err, grad_err, pad_grad = errs
+            assert loss_err <= loss_tol * max(1.0, abs(offset)), f"{where}: loss error {loss_err:.3g}"
+            assert grad_err <= grad_tol, f"{where}: grad error {grad_err:.3g}"
+            assert pad_grad == 0.0, f"{where}: padding columns got gradient {pad_grad}"
