@@ -93,6 +93,40 @@ def softmax_cross_entropy(dtype, device):
     return out
 
 
+# (leading shape, shard width, start, valid, vocab, non-contiguous logits): whole vocabulary,
+# a middle shard (most targets elsewhere), a last shard with padding, an all-padding shard,
+# a strided view, and rows long enough that the CPU kernels split them over threads
+_CE_SHARDS = (((3, 5), 37, 0, 37, 37, False), ((7,), 40, 40, 40, 100, False), ((2, 3), 50, 100, 23, 123, False),
+              ((4,), 16, 128, 0, 128, False), ((2, 3), 33, 33, 30, 63, True), ((9,), 5000, 5000, 4990, 9990, False))
+
+
+def _ce_shard_inputs(dtype, device):
+    for lead, width, start, valid, vocab, nc in _CE_SHARDS:
+        logits = _t((*lead, width), dtype, device, grad=False, scale=3.0, noncontig=nc)
+        logits[..., valid:] = 1e4 if dtype != torch.float16 else 6e4  # padding values must never matter
+        target = torch.randint(0, vocab, lead[::-1], device=device).t()  # transposed, as GPTModel passes it
+        if valid:
+            target[(0,) * (len(lead) - 1)][:2] = torch.tensor([start, start + valid - 1], device=device)  # end ids
+        label = f"{lead}x{width} start={start} valid={valid} vocab={vocab}{' nc' if nc else ''}"
+        yield label, logits, target, start, valid, vocab
+
+
+def cross_entropy_shard_stats(dtype, device):
+    return [(label, (x, t, start, valid, vocab), {}) for label, x, t, start, valid, vocab in _ce_shard_inputs(dtype, device)]
+
+
+def cross_entropy_shard_grad(dtype, device):
+    out = []
+    for k, (label, x, t, start, valid, vocab) in enumerate(_ce_shard_inputs(dtype, device)):
+        # a global log-sum-exp: this shard's (rows are float32) plus what other shards would add
+        lse = torch.logsumexp(x[..., :valid].float(), -1) if valid else torch.zeros(x.shape[:-1], device=device)
+        lse = lse + torch.rand(x.shape[:-1], device=device)
+        dloss = torch.randn(x.shape[:-1][::-1], device=device).t()
+        ls = 0.1 if k % 2 else 0.0
+        out.append((f"{label} ls={ls}", (dloss, x, t, lse, start, valid, vocab, ls), {}))
+    return out
+
+
 def scaled_softmax(dtype, device):
     out = []
     for shape, causal, masked in (((2, 3, 5, 7), False, True), ((2, 2, 9, 9), True, False), ((1, 4, 6, 33), True, True)):
@@ -105,7 +139,7 @@ def scaled_softmax(dtype, device):
 
 
 MAKERS = {f.__name__: f for f in (rms_norm, layer_norm, add_rms_norm, add_layer_norm, swiglu, geglu, bias_gelu, rope, softmax_cross_entropy,
-                                   scaled_softmax)}
+                                   cross_entropy_shard_stats, cross_entropy_shard_grad, scaled_softmax)}
 
 # (atol, rtol) against the float64 reference, per input dtype; fp32 allows for float accumulation
 # and the ~2 ulp vectorised exp, bf16/fp16 for one rounding of the output to the storage type.

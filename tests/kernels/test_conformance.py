@@ -121,6 +121,8 @@ def test_forward_backward(op, name, dtype, backend):
         for k, (out, low, out64) in enumerate(zip(outs, lows, outs64)):
             assert out.dtype == low.dtype, f"{where}: output {k} dtype {out.dtype}, reference gives {low.dtype}"
             _check(f"{where} output {k}", out, out64, dtype, low)
+        if not leaves:
+            continue  # an op without autograd (e.g. the cross-entropy shard kernels): outputs only
         gos = [torch.randn(o.shape, device=device, dtype=torch.float64).to(o.dtype) for o in outs]
         grads = torch.autograd.grad(outs, leaves, gos)
         grads_low = torch.autograd.grad(lows, leaves, gos)

@@ -21,6 +21,12 @@ import torch
 from omnitron.kernels.registry import register
 
 
+def _acc(logits: torch.Tensor) -> torch.dtype:
+    """Compute dtype: float32 for 16/32-bit logits, float64 for float64 (the conformance suite's
+    float64 reference must really be float64)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 @register("cross_entropy_shard_stats", "reference")
 def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, start: int, valid: int,
                               vocab: int) -> torch.Tensor:
@@ -28,14 +34,14 @@ def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, start:
     target's logit or 0 when the target lives in another shard, sum of x)."""
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab):
         raise IndexError(f"cross-entropy targets must lie in [0, {vocab}); got [{int(target.min())}, {int(target.max())}]")
-    x = logits[..., :valid].float()
-    m = x.amax(-1) if valid else torch.full(x.shape[:-1], float("-inf"), device=x.device)
+    x = logits[..., :valid].to(_acc(logits))
+    m = x.amax(-1) if valid else torch.full(x.shape[:-1], float("-inf"), device=x.device, dtype=x.dtype)
     m_ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     s = torch.exp(x - m_ref.unsqueeze(-1)).sum(-1)
     local = target - start
     inside = (local >= 0) & (local < valid)
     xt = x.gather(-1, local.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1) if valid else torch.zeros_like(m)
-    return torch.stack([m_ref, s, torch.where(inside, xt, 0.0), x.sum(-1)])
+    return torch.stack([m_ref, s, torch.where(inside, xt, 0.0), x.sum(-1)]).float()
 
 
 @register("cross_entropy_shard_grad", "reference")
@@ -43,14 +49,14 @@ def cross_entropy_shard_grad(dloss: torch.Tensor, logits: torch.Tensor, target: 
                              start: int, valid: int, vocab: int, label_smoothing: float = 0.0) -> torch.Tensor:
     """d loss / d logits for this shard, in ``logits.dtype``: ``dloss * (softmax - (1 - ls) onehot
     - ls / vocab)`` on real columns, 0 on padding columns. ``lse`` is the global log-sum-exp."""
-    x = logits.float()
-    p = torch.exp(x - lse.unsqueeze(-1)) - label_smoothing / vocab
+    x = logits.to(_acc(logits))
+    p = torch.exp(x - lse.to(x.dtype).unsqueeze(-1)) - label_smoothing / vocab
     p[..., valid:] = 0.0
     local = target - start
     inside = (local >= 0) & (local < valid)
     p.scatter_add_(-1, local.clamp(0, max(logits.shape[-1] - 1, 0)).unsqueeze(-1),
-                   -(1.0 - label_smoothing) * inside.unsqueeze(-1).float())
-    return (p * dloss.float().unsqueeze(-1)).to(logits.dtype)
+                   -(1.0 - label_smoothing) * inside.unsqueeze(-1).to(x.dtype))
+    return (p * dloss.to(x.dtype).unsqueeze(-1)).to(logits.dtype)
 
 
 def loss_from_stats(stats: torch.Tensor, vocab: int, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
