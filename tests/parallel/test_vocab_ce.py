@@ -84,3 +84,25 @@ def test_vocab_parallel_cross_entropy_tp2_tp4():
             assert loss_err <= loss_tol * max(1.0, abs(offset)), f"{where}: loss error {loss_err:.3g}"
             assert grad_err <= grad_tol, f"{where}: grad error {grad_err:.3g}"
             assert pad_grad == 0.0, f"{where}: padding columns got gradient {pad_grad}"
+
+
+def test_nan_row_and_bad_input():
+    """One process: a NaN logit poisons only its row; bad targets and shapes fail with a message."""
+    import pytest
+
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor import vocab_parallel_cross_entropy
+
+    g1 = ParallelGroups.single().tp
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 3, 50).to(dtype)
+        x[2, 1, 7] = float("nan")
+        loss = vocab_parallel_cross_entropy(x, torch.randint(0, 45, (4, 3)), g1, vocab_size=45)
+        assert torch.isnan(loss[2, 1]) and torch.isfinite(loss).sum() == 11, loss
+    x = torch.randn(4, 50)
+    with pytest.raises((IndexError, RuntimeError), match="45"):  # target id past the real vocabulary
+        vocab_parallel_cross_entropy(x, torch.tensor([0, 1, 45, 2]), g1, vocab_size=45)
+    with pytest.raises(ValueError, match="target shape"):
+        vocab_parallel_cross_entropy(x, torch.zeros(5, dtype=torch.long), g1)
+    with pytest.raises(ValueError, match="vocab_size 51"):
+        vocab_parallel_cross_entropy(x, torch.zeros(4, dtype=torch.long), g1, vocab_size=51)
