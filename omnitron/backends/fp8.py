@@ -38,17 +38,17 @@ def fp8_dtype(fmt: str) -> torch.dtype:
 
 def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
                     previous: torch.Tensor | None = None) -> torch.Tensor:
-    """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32.
+    """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32 (computed as ``reciprocal(amax) * target``).
 
     Where ``amax`` is zero or not finite the scale is ``previous`` (1 when None): an all-zero
     tensor needs no scaling, and an inf/nan amax must not poison the scale for later steps.
+    Six small device ops and no host sync (this runs once per quantized tensor).
     """
     amax = amax.float()
     target = FP8_MAX[fmt] / (2.0 ** margin)
-    ok = torch.isfinite(amax) & (amax > 0)
-    fresh = target / torch.where(ok, amax, torch.ones_like(amax))
-    keep = torch.ones_like(amax) if previous is None else previous.float().expand_as(amax)
-    return torch.where(ok, fresh, keep)
+    ok = (amax > 0) & (amax < math.inf)  # False for nan too
+    fresh = amax.reciprocal().mul_(target)  # lanes where not ok are discarded below
+    return torch.where(ok, fresh, 1.0 if previous is None else previous.float())
 
 
 def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:
@@ -68,17 +68,28 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """amax of each ``block`` tile of 2-D ``x`` -> ``[ceil(m/bm), ceil(k/bk)]`` float32 (edge tiles padded with 0)."""
+    """amax of each ``block`` tile of 2-D ``x`` -> ``[ceil(m/bm), ceil(k/bk)]`` float32 (edge tiles padded with 0).
+    One reduction (``vector_norm(inf)``: no ``|x|`` temporary; NaN propagates)."""
     (m, k), (bm, bk) = x.shape, block
     gm, gk = math.ceil(m / bm), math.ceil(k / bk)
-    xp = _pad_to(x.detach().float(), gm * bm, gk * bk)
-    return xp.abs().reshape(gm, bm, gk, bk).amax(dim=(1, 3))
+    xp = _pad_to(x.detach(), gm * bm, gk * bk)
+    return torch.linalg.vector_norm(xp.reshape(gm, bm, gk, bk), math.inf, dim=(1, 3), dtype=torch.float32)
 
 
 def expand_blocks(s: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
     """Per-block values ``s`` repeated over their tiles and cropped to ``shape`` (dequantization factors)."""
     bm, bk = block
     return s.repeat_interleave(bm, 0).repeat_interleave(bk, 1)[: shape[0], : shape[1]]
+
+
+def mul_blocks_(y: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``y *= s`` expanded over its ``block`` tiles, in place on float32 2-D ``y``; returns ``y``.
+    Whole tiles broadcast through a 4-D view (no expanded copy of ``s``); ragged shapes expand."""
+    (m, k), (bm, bk) = y.shape, block
+    if m % bm == 0 and k % bk == 0 and y.is_contiguous():
+        y.view(m // bm, bm, k // bk, bk).mul_(s.float()[:, None, :, None])
+        return y
+    return y.mul_(expand_blocks(s.float(), block, (m, k)))
 
 
 def _te_importable() -> bool:
@@ -150,8 +161,10 @@ class FP8Provider:
         if x.dim() != 2:
             raise ValueError(f"quantize_blocks takes a 2-D tensor, got shape {tuple(x.shape)}")
         scale = scale_from_amax(block_amax(x, block), fmt, margin)
-        q = cast_to_fp8(x, fmt, expand_blocks(scale, block, tuple(x.shape)), saturate)
-        return q, 1.0 / scale
+        y = mul_blocks_(x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True), scale, block)
+        if fmt == "e4m3" or saturate:
+            y.clamp_(-FP8_MAX[fmt], FP8_MAX[fmt])  # as cast_to_fp8: nan stays nan, +-inf -> +-max
+        return y.to(fp8_dtype(fmt)), scale.reciprocal()
 
     # ---- GEMMs ------------------------------------------------------------------------------
     def scaled_mm(self, a: torch.Tensor, b: torch.Tensor, scale_a_inv: torch.Tensor, scale_b_inv: torch.Tensor,
@@ -194,8 +207,8 @@ class FP8Provider:
                 return native
         self._say(f"blockpath:{key}", "FP8 block-wise GEMM %s on backend %s: emulated (per-tile dequantization, "
                   "fp32 accumulation)", key, self.backend.name)
-        da = a.float() * expand_blocks(scale_a_inv.float(), a_block, tuple(a.shape))
-        db = b.float() * expand_blocks(scale_b_inv.float(), b_block, tuple(b.shape))
+        da = mul_blocks_(a.to(torch.float32, memory_format=torch.contiguous_format), scale_a_inv, a_block)
+        db = mul_blocks_(b.to(torch.float32, memory_format=torch.contiguous_format), scale_b_inv, b_block)
         return (da @ db).to(out_dtype)
 
     def _probe_blockwise(self, device: torch.device) -> None:

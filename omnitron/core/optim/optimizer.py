@@ -122,6 +122,9 @@ class MixedPrecisionOptimizer:
         for p, m in zip(self.params, self.masters):
             if p.dtype != torch.float32:
                 p.data.copy_(m)
+            # .data writes and fused kernels bypass the version counter: bump it so caches keyed on it
+            # (the FP8 executor's quantized weights) see the update
+            torch.autograd.graph.increment_version(p)
         return StepResult(False, norm, lr, scale)
 
     def _adamw(self, grads: list[torch.Tensor], lr: float) -> None:

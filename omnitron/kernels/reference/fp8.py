@@ -1,6 +1,8 @@
 """FP8 cast + transpose + amax reference (the quantisation step of an FP8 linear layer)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from omnitron.kernels.registry import register
@@ -20,6 +22,9 @@ def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4
         raise ValueError(f"fp8_cast_transpose_amax takes a 2-D [m, n] tensor, got shape {tuple(x.shape)}: "
                          "flatten leading dims first (x.reshape(-1, x.shape[-1]))")
     dtype, limit = FORMATS[fmt]
-    q = (x.detach().float() * scale.float()).clamp(-limit, limit).to(dtype)
-    amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    x = x.detach()
+    q = x.to(torch.float32, copy=True).mul_(scale.float()).clamp_(-limit, limit).to(dtype)
+    # max |x| in one reduction (no |x| temporary); exact, and NaN propagates
+    amax = torch.linalg.vector_norm(x, math.inf, dtype=torch.float32) if x.numel() else \
+        torch.zeros((), dtype=torch.float32, device=x.device)
     return q, q.t().contiguous(), amax

@@ -15,6 +15,8 @@ and MAX-reduces per-tensor amaxes over the amax groups so every shard uses the s
 """
 from __future__ import annotations
 
+import math
+import weakref
 from typing import Sequence
 
 import torch
@@ -38,6 +40,8 @@ class FP8Linear:
         self.recipe, self.provider, self.name = recipe, provider, name
         self.amax_groups, self.collectives = tuple(amax_groups), collectives
         self.states: dict[str, DelayedScaling] = {}
+        self._wcache: tuple | None = None
+        """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride), quantized weight)."""
         if recipe.fp8_recipe == "delayed":
             fmt = {"input": recipe.forward_format, "weight": recipe.forward_format,
                    "grad_output": recipe.backward_format}
@@ -62,27 +66,59 @@ class FP8Linear:
         cast = self.provider.backend.kernels.fp8_cast_transpose_amax
         if self.recipe.fp8_recipe == "delayed":
             return self._quantize_delayed(self.states[role].to(x.device), role, x, fmt, cast)
-        amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
+        amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
         scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
         q, qt, _ = cast(x, scale, fmt)
-        return q, qt, 1.0 / scale
+        return q, qt, scale.reciprocal()
+
+    def quantize_weight(self, weight: torch.Tensor) -> tuple:
+        """The weight's FP8 form: ``(q, q.t(), scale_inv)`` (per-tensor) or ``(q, scale_inv)`` (block-wise).
+
+        Quantized once per weight value: reused while ``weight`` is the same tensor with the same
+        ``data_ptr`` and ``_version`` (in-place updates bump it), i.e. across the micro-batches of one
+        optimizer step and in activation recomputation. Exact, since tensorwise and block-wise scales are
+        functions of the weight alone; every tensor-parallel rank hits or misses alike (same updates),
+        so the amax all-reduce is skipped in step. Not under ``delayed``: each use there feeds the amax
+        history and may meet a new scale. NOTE: writes that bypass the version counter (``p.data.copy_``,
+        custom kernels) must call ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
+        """
+        r = self.recipe
+        if r.fp8_recipe == "delayed" or weight.is_inference():  # inference tensors keep no version counter
+            return self._quantize_weight_now(weight)
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride())
+        c = self._wcache
+        if c is not None and c[0]() is weight and c[1] == key:
+            return c[2]
+        out = self._quantize_weight_now(weight)
+        self._wcache = (weakref.ref(weight), key, out)
+        return out
+
+    def _quantize_weight_now(self, weight: torch.Tensor) -> tuple:
+        r = self.recipe
+        if r.per_tensor:
+            return self.quantize("weight", weight, r.forward_format)
+        return self.provider.quantize_blocks(weight, r.forward_format, BLOCK_WEIGHT, r.fp8_margin)
+
+    def drop_weight_cache(self) -> None:
+        """Forget the cached FP8 weight (frees its memory; the next call re-quantizes)."""
+        self._wcache = None
 
     def _quantize_delayed(self, state: DelayedScaling, role: str, x: torch.Tensor, fmt: str, cast):
         # a forward run while autograd executes a backward is an activation recomputation:
         # reuse the scale in force (the original forward's) and record nothing
         if role != "grad_output" and torch._C._current_graph_task_id() != -1:
             q, qt, _ = cast(x, state.scale, fmt)
-            return q, qt, 1.0 / state.scale
+            return q, qt, state.scale.reciprocal()
         state.flush()
         if state.uses == 0:  # no history yet: this first use is scaled from its own amax
-            amax = reduce_amax(x.detach().abs().amax().float(), self.amax_groups, self.collectives)
+            amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
             state.scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
             q, qt, _ = cast(x, state.scale, fmt)
         else:
             q, qt, amax = cast(x, state.scale, fmt)
             amax = reduce_amax(amax, self.amax_groups, self.collectives)
         state.record(amax)
-        return q, qt, 1.0 / state.scale
+        return q, qt, state.scale.reciprocal()
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -95,6 +131,11 @@ class FP8Linear:
                              f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
         for role, s in state.items():
             self.states[role].load_state_dict(s)
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar in one reduction (no |x| temporary; exact; NaN propagates)."""
+    return torch.linalg.vector_norm(x.detach(), math.inf, dtype=torch.float32)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -110,13 +151,13 @@ class _FP8LinearFn(torch.autograd.Function):
         x2 = _flat(x)  # [tokens, in]
         if r.per_tensor:
             qx, qx_t, sx = ex.quantize("input", x2, r.forward_format)
-            qw, qw_t, sw = ex.quantize("weight", weight, r.forward_format)
+            qw, qw_t, sw = ex.quantize_weight(weight)
             y = prov.scaled_mm(qx, qw.t(), sx, sw, out_dtype=x.dtype)  # [tokens, out]
             # the backward GEMMs read the transposed copies: [in, tokens] and [in, out], both FP8
             ctx.save_for_backward(qx_t, sx, qw_t, sw)
         else:
             qx, sx = prov.quantize_blocks(x2, r.forward_format, BLOCK_ACT, r.fp8_margin)
-            qw, sw = prov.quantize_blocks(weight, r.forward_format, BLOCK_WEIGHT, r.fp8_margin)
+            qw, sw = ex.quantize_weight(weight)
             y = prov.blockwise_mm(qx, sx, BLOCK_ACT, qw.t(), sw.t(), BLOCK_WEIGHT[::-1], out_dtype=x.dtype)
             # NOTE: the weight-grad GEMM contracts over tokens, so x is re-tiled along tokens there;
             # keep it wide (re-quantizing an FP8 copy would round twice).
@@ -144,8 +185,8 @@ class _FP8LinearFn(torch.autograd.Function):
             qg, qg_t, sg = ex.quantize("grad_output", g2, r.backward_format)
             if need_dx:  # [tokens, out] @ [out, in]
                 dx = prov.scaled_mm(qg, qw_t.t(), sg, sw, out_dtype=ctx.x_dtype)
-            if need_dw:  # [out, tokens] @ [tokens, in]
-                dw = prov.scaled_mm(qg_t, qx_t.t(), sg, sx, out_dtype=torch.float32)
+            if need_dw:  # [out, tokens] @ [tokens, in], rounded once from the fp32 accumulator to the weight dtype
+                dw = prov.scaled_mm(qg_t, qx_t.t(), sg, sx, out_dtype=ctx.w_dtype)
         else:
             x2, qw, sw = ctx.saved_tensors
             fmt = r.backward_format
@@ -155,11 +196,9 @@ class _FP8LinearFn(torch.autograd.Function):
             if need_dw:
                 qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, r.fp8_margin)      # tiles along tokens
                 qxt, sxt = prov.quantize_blocks(x2, r.forward_format, BLOCK_ACT[::-1], r.fp8_margin)
-                dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=torch.float32)
+                dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=ctx.w_dtype)
         if dx is not None:
             dx = dx.reshape(ctx.x_shape)
-        if dw is not None:
-            dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g2.float().sum(0).to(ctx.w_dtype)
+            db = g2.sum(0, dtype=torch.float32).to(ctx.w_dtype)
         return dx, dw, db, None
