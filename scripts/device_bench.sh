@@ -8,8 +8,8 @@ mkdir -p "$OUT"
 export CONFORMANCE_LIMIT=${CONFORMANCE_LIMIT:-150}
 export KERNEL_BENCH_CMD="python3 benchmarks/kernels.py --backend cuda --size large --rounds 20"
 export KERNEL_BENCH_LIMIT=90
-export FP8_BENCH_CMD="python3 benchmarks/fp8_gemm.py --step-layers 4 --json $OUT/fp8_gemm.json"
-export FP8_BENCH_LIMIT=90
+export FP8_BENCH_CMD="python3 benchmarks/fp8_profile.py --json $OUT/fp8_profile.json; python3 benchmarks/fp8_gemm.py --step-layers 4 --json $OUT/fp8_gemm.json"
+export FP8_BENCH_LIMIT=150
 train() {  # train LOGDIR EXTRA_FLAGS...
   local dir=$1; shift
   python3 -m omnitron train --config examples/gpt_1p3b_bench.yaml --train-iters 15 --log-dir "/tmp/$dir" "$@" \
