@@ -78,14 +78,23 @@ def _explain(report: dict[str, tuple[bool, str]]) -> str:
     return "\n".join(f"  {n}: {'usable' if ok else 'not usable'} — {why}" for n, (ok, why) in report.items())
 
 
+_auto_choice: list[str] = []
+
+
 def resolve_name(name: str | None = None) -> str:
-    """The backend name to use: ``name``, else ``$OMNITRON_BACKEND``, else ``auto``."""
+    """The backend name to use: ``name``, else ``$OMNITRON_BACKEND``, else ``auto``.
+
+    The ``auto`` choice is probed once per process (probing imports every plug-in: ~30 ms) and
+    cached, so hot paths may call :func:`get_backend` freely."""
     name = (name or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if name != "auto":
         return name
+    if _auto_choice:
+        return _auto_choice[0]
     report = probe_all()
     for candidate in AUTO_ORDER:
         if report.get(candidate, (False, ""))[0]:
+            _auto_choice.append(candidate)
             return candidate
     raise BackendUnavailableError("no backend is usable:\n" + _explain(report))
 
@@ -114,5 +123,6 @@ def get_backend(name: str | None = None) -> Backend:
 
 
 def reset_cache() -> None:
-    """Forget cached backend instances (tests that swap backends or test doubles)."""
+    """Forget cached backend instances and the auto choice (tests that swap backends or test doubles)."""
     _instances.clear()
+    _auto_choice.clear()

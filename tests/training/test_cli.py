@@ -72,3 +72,25 @@ def test_bad_tensor_parallel_size_is_one_line_exit_2():
     for flag in ("--tensor-model-parallel-size", "--micro-batch-size", "--lr-decay-style", "--bf16", "--save",
                  "--nproc-per-node", "--config", "--eval-interval", "--keep-last-n"):
         assert flag in helptext
+
+
+def test_bf16_accumulates_gradients_in_fp32_as_megatron():
+    base = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert parse_settings(base + ["--bf16"], world_size=1).ddp.accumulate_allreduce_grads_in_fp32
+    assert not parse_settings(base, world_size=1).ddp.accumulate_allreduce_grads_in_fp32
+    assert parse_settings(base + ["--accumulate-allreduce-grads-in-fp32"], world_size=1).ddp.accumulate_allreduce_grads_in_fp32
+
+
+def test_auto_backend_choice_is_probed_once(monkeypatch):
+    from omnitron.backends import registry
+
+    monkeypatch.delenv("OMNITRON_BACKEND", raising=False)
+    registry.reset_cache()
+    calls = []
+    real = registry.probe_all
+    monkeypatch.setattr(registry, "probe_all", lambda: calls.append(1) or real())
+    try:
+        first = registry.get_backend()
+        assert registry.get_backend() is first and len(calls) == 1
+    finally:
+        registry.reset_cache()

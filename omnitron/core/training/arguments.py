@@ -346,6 +346,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     checkpoint = _build(CheckpointConfig, merged)
     optim = _build(OptimizerConfig, merged)
     ddp = _build(_ddp_config_class(), merged) if _ddp_config_class() else None
+    if ddp is not None and precision.bf16:
+        # as Megatron: bf16 training accumulates and all-reduces gradients in fp32 (bf16 sums of
+        # many micro-batches lose the small contributions)
+        ddp = replace(ddp, accumulate_allreduce_grads_in_fp32=True)
     if training.eval_interval and data.split and not data.mock_data:
         from omnitron.core.data.config import split_weights
 
