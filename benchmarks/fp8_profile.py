@@ -19,7 +19,6 @@ For each recipe (and ``F.linear`` in BF16 as the baseline) one ``FP8Linear`` for
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -28,33 +27,13 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnitron.backends import get_backend  # noqa: E402
 from omnitron.core.precision.fp8 import FP8Config, FP8Linear  # noqa: E402
+from omnitron.testing.ops import OpCounter  # noqa: E402
 
-SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal", "allclose", "unique", "masked_select",
-            "_assert_async", "repeat_interleave"}
-"""ATen operators whose result needs a device value on the host (a device -> host wait on a GPU).
-``repeat_interleave`` syncs only with a tensor of repeats; it is listed to be safe."""
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts ATen operators (by overload packet name) dispatched inside the ``with`` block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def syncs(self) -> dict[str, int]:
-        return {k: v for k, v in self.counts.items() if k in SYNC_OPS}
 
 
 def make_call(recipe: str, be, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor):

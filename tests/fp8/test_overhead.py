@@ -6,29 +6,17 @@ reads (``.item()``, ``bool(t)``, ``nonzero``), which would stall the device queu
 """
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnitron.backends import get_backend
 from omnitron.core.precision.fp8 import FP8Config, FP8Linear
+from omnitron.testing.ops import SYNC_OPS, OpCounter as _Ops
 
-SYNC_OPS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal", "allclose", "unique", "masked_select"}
 # NOTE: per forward + backward with a bias, reference cast kernel: 58 / 79 / 123 after the lean-path
 # rework (the path before it dispatched about 110 / 110 / 240); the bounds leave ~10% room.
 MAX_OPS = {"tensorwise": 64, "delayed": 88, "blockwise": 136}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _data(seed=0, dtype=torch.bfloat16):

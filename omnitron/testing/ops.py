@@ -1,0 +1,32 @@
+"""Count the ATen operators a piece of code dispatches, and flag those that wait on the device.
+
+Used by the FP8 overhead tests and ``benchmarks/fp8_profile.py``: operator counts are a
+device-independent proxy for launch overhead, and a host sync on a hot path stalls a GPU pipeline.
+"""
+from __future__ import annotations
+
+import collections
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal", "allclose", "unique",
+                      "masked_select", "_assert_async", "repeat_interleave"})
+"""ATen operators whose result needs a device value on the host (a device -> host wait on a GPU).
+``repeat_interleave`` syncs only with a tensor of repeats; it is listed to be safe."""
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts ATen operators (by overload packet name) dispatched inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def syncs(self) -> dict[str, int]:
+        """Host-syncing operators seen, with their counts."""
+        return {k: v for k, v in self.counts.items() if k in SYNC_OPS}
