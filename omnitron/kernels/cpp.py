@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
+from omnitron.kernels.reference.cross_entropy_shard import whole_vocab_cross_entropy
+from omnitron.kernels.reference.rope import rope_call_problem
 from omnitron.kernels.registry import register
 
 log = logging.getLogger("omnitron.kernels")
@@ -231,22 +232,7 @@ class _Rope(torch.autograd.Function):
 
 
 def _rope_supports(t, freqs, interleaved=False) -> str | None:
-    why = _check(t) or _check(freqs)
-    if why:
-        return why
-    if t.dim() != 4:
-        return f"t has {t.dim()} dims; the C++ rope takes [s, b, h, d] or [b, s, h, d]"
-    if freqs.requires_grad:
-        return "freqs requires grad; the C++ rope differentiates with respect to t only"
-    if 2 * freqs.shape[-1] > t.shape[-1]:
-        return f"rotary dim {2 * freqs.shape[-1]} exceeds head dim {t.shape[-1]}"
-    target = (*t.shape[:3], freqs.shape[-1])
-    try:
-        if freqs.dim() > 4 or torch.broadcast_shapes(freqs.shape, target) != target:
-            return f"freqs {tuple(freqs.shape)} would broadcast t[..., :r/2] {target} to a larger shape"
-    except RuntimeError:
-        return f"freqs {tuple(freqs.shape)} does not broadcast to t[..., :r/2] {target}"
-    return None
+    return _check(t) or _check(freqs) or rope_call_problem(t, freqs, "C++")
 
 
 @register("rope", NAME, available=available, backends=("cpu",), supports=_rope_supports)
@@ -256,24 +242,8 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> tor
 
 
 # ---------------------------------------------------------------- cross-entropy
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, label_smoothing):
-        x2 = logits.reshape(-1, logits.shape[-1]).contiguous()
-        t = target.reshape(-1).long().contiguous()
-        v = x2.shape[-1]
-        loss, lse = loss_from_stats(extension().cross_entropy_stats(x2, t, 0, v, v), v, float(label_smoothing))
-        ctx.save_for_backward(x2, t, lse)
-        ctx.label_smoothing = float(label_smoothing)
-        return loss.view(target.shape)
-
-    @staticmethod
-    def backward(ctx, dloss):
-        x2, t, lse = ctx.saved_tensors
-        v = x2.shape[-1]
-        dx = extension().cross_entropy_grad(dloss.reshape(-1).float().contiguous(), x2, t, lse, 0, v, v,
-                                            ctx.label_smoothing)
-        return dx.view(*dloss.shape, v), None, None
+_CROSS_ENTROPY = whole_vocab_cross_entropy(lambda *a: extension().cross_entropy_stats(*a),
+                                           lambda *a: extension().cross_entropy_grad(*a))
 
 
 def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
@@ -290,7 +260,7 @@ def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
 @register("softmax_cross_entropy", NAME, available=available, backends=("cpu",), supports=_ce_supports)
 def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Fused per-token cross-entropy (float32); no float32 copy of the logits is made."""
-    return _CrossEntropy.apply(logits, target, label_smoothing)
+    return _CROSS_ENTROPY(logits, target, label_smoothing)
 
 
 @register("cross_entropy_shard_stats", NAME, available=available, backends=("cpu",),

@@ -67,3 +67,32 @@ def loss_from_stats(stats: torch.Tensor, vocab: int, label_smoothing: float = 0.
     if label_smoothing > 0.0:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sx / vocab)
     return loss, lse
+
+
+def whole_vocab_cross_entropy(stats_fn, grad_fn):
+    """A differentiable ``softmax_cross_entropy(logits, target, label_smoothing)`` built from a pair
+    of shard kernels run over the whole vocabulary (one shard: start 0, every column valid).
+
+    ``stats_fn(x2, t, start, valid, vocab)`` and ``grad_fn(dloss, x2, t, lse, start, valid, vocab, ls)``
+    take the flat ``[N, V]`` logits and ``[N]`` int64 targets. Only the logits (own dtype), the targets
+    and the fp32 log-sum-exp are kept for backward, never an fp32 copy of the logits."""
+
+    class _WholeVocabCE(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, target, label_smoothing):
+            x2 = logits.reshape(-1, logits.shape[-1]).contiguous()
+            t = target.reshape(-1).long().contiguous()
+            v = x2.shape[-1]
+            loss, lse = loss_from_stats(stats_fn(x2, t, 0, v, v), v, float(label_smoothing))
+            ctx.save_for_backward(x2, t, lse)
+            ctx.label_smoothing = float(label_smoothing)
+            return loss.view(target.shape)
+
+        @staticmethod
+        def backward(ctx, dloss):
+            x2, t, lse = ctx.saved_tensors
+            v = x2.shape[-1]
+            dx = grad_fn(dloss.reshape(-1).float().contiguous(), x2, t, lse, 0, v, v, ctx.label_smoothing)
+            return dx.view(*dloss.shape, v), None, None
+
+    return _WholeVocabCE.apply

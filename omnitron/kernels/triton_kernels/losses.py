@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
+from omnitron.kernels.reference.cross_entropy_shard import whole_vocab_cross_entropy
 from omnitron.kernels.registry import register
 from omnitron.kernels.triton_kernels._common import (GPU_BACKENDS, NAME, as_rows, available, block_rows, check,
                                                      interpreting)
@@ -83,23 +83,7 @@ def _grad(dloss, x2, t, lse, start, valid, vocab, ls):
     return dx
 
 
-class _CrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, label_smoothing):
-        x2 = as_rows(logits)
-        t = target.reshape(-1).long().contiguous()
-        v = x2.shape[1]
-        loss, lse = loss_from_stats(_stats(x2, t, 0, v, v), v, float(label_smoothing))
-        ctx.save_for_backward(x2, t, lse)
-        ctx.ls = float(label_smoothing)
-        return loss.view(target.shape)
-
-    @staticmethod
-    def backward(ctx, dloss):
-        x2, t, lse = ctx.saved_tensors
-        v = x2.shape[1]
-        dx = _grad(dloss.reshape(-1).float().contiguous(), x2, t, lse, 0, v, v, ctx.ls)
-        return dx.view(*dloss.shape, v), None, None
+_CROSS_ENTROPY = whole_vocab_cross_entropy(_stats, _grad)
 
 
 def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
@@ -116,7 +100,7 @@ def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
 @register("softmax_cross_entropy", NAME, available=available, backends=GPU_BACKENDS, supports=_ce_supports)
 def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Triton per-token cross-entropy (float32 loss), vocabulary in chunks."""
-    return _CrossEntropy.apply(logits, target, label_smoothing)
+    return _CROSS_ENTROPY(logits, target, label_smoothing)
 
 
 @register("cross_entropy_shard_stats", NAME, available=available, backends=GPU_BACKENDS,

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omnitron.kernels.reference.rope import rope_call_problem
 from omnitron.kernels.registry import register
 from omnitron.kernels.triton_kernels._common import GPU_BACKENDS, NAME, available, block_rows, check
 
@@ -69,22 +70,7 @@ class _Rope(torch.autograd.Function):
 
 
 def _supports(t, freqs, interleaved=False) -> str | None:
-    why = check(t) or check(freqs, dtypes=None)
-    if why:
-        return why
-    if t.dim() != 4:
-        return f"t has {t.dim()} dims; the Triton rope takes [s, b, h, d] or [b, s, h, d]"
-    if freqs.requires_grad:
-        return "freqs requires grad; the Triton rope differentiates with respect to t only"
-    half = freqs.shape[-1]
-    if 2 * half > t.shape[-1]:
-        return f"rotary dim {2 * half} exceeds head dim {t.shape[-1]}"
-    try:
-        if torch.broadcast_shapes(freqs.shape, (*t.shape[:3], half)) != (*t.shape[:3], half):
-            return "freqs would broadcast t to a larger shape"
-    except RuntimeError:
-        return f"freqs {tuple(freqs.shape)} does not broadcast to {(*t.shape[:3], half)}"
-    return None
+    return check(t) or check(freqs, dtypes=None) or rope_call_problem(t, freqs, "Triton")
 
 
 @register("rope", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
