@@ -1,0 +1,139 @@
+"""Ring attention over ``groups.cp``: exact softmax attention over a sequence split across ranks.
+
+Every cp rank holds the query, key and value rows of its load-balanced slice (``layout.py``:
+chunks ``r`` and ``2cp-1-r``, ``c`` rows each). Forward: the local key/value block travels
+``cp - 1`` hops around the ring (rank r sends to r+1 and receives from r-1); the transfer of the
+next block is posted before the current block is computed, so they overlap. Block outputs are
+merged exactly with their log-sum-exps. Under the causal mask, step ``i`` holds the block of rank
+``src = r - i``:
+
+- ``i == 0``: local causal attention (the slice's positions are increasing);
+- ``src < r``: all local queries see only the block's early chunk (its late chunk is future);
+- ``src > r``: only the local late chunk sees anything, and it sees the whole block;
+
+so every step costs every rank the same. Backward re-circulates the key/value blocks and sends a
+gradient accumulator for each block along with it; after ``cp`` hops it is back at its owner
+holding every rank's contribution. Communication happens only inside this Function's forward and
+backward (autograd never differentiates through it).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel
+
+
+class _Ring:
+    """Send-to-next / receive-from-previous over the cp group, one posted exchange at a time."""
+
+    def __init__(self, group, collectives) -> None:
+        r, n = group.rank, group.size
+        self.group, self.coll, self.rank, self.size = group, collectives, r, n
+        self.next, self.prev = group.global_rank((r + 1) % n), group.global_rank((r - 1) % n)
+
+    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Post ``send`` to the next rank and a receive of the same shape from the previous one."""
+        recv = torch.empty_like(send)
+        handles = self.coll.batch_p2p([("send", send, self.next), ("recv", recv, self.prev)], group=self.group.handle)
+        return recv, handles
+
+
+def _wait(handles: list) -> None:
+    for h in handles:
+        h.wait()
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """In place: ``out, lse`` <- the exact softmax combination of two partial results."""
+    new = torch.logaddexp(lse, l)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _step_slices(step: int, src: int, rank: int, c: int, causal: bool) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal mask) this rank computes against rank ``src``'s block at ``step``."""
+    every = slice(None)
+    if not causal:
+        return every, every, False
+    if step == 0:
+        return every, every, True
+    if src < rank:
+        return every, slice(0, c), False
+    return slice(c, None), every, False
+
+
+class RingAttention(torch.autograd.Function):
+    """forward: ring attention over the cp group; backward: the ring in reverse for dk/dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, collectives, causal: bool, scale: float, kernel: BlockKernel):
+        ring, cdt = _Ring(group, collectives), torch.promote_types(q.dtype, torch.float32)
+        c = q.shape[2] // 2
+        qc = q.to(cdt)
+        out, lse = None, None
+        kv = torch.stack([k, v])  # [2, b, hkv, s, d], the circulating block
+        for i in range(ring.size):
+            nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
+            src = (ring.rank - i) % ring.size
+            rows, cols, mask = _step_slices(i, src, ring.rank, c, causal)
+            o, l = kernel.forward(qc[:, :, rows], kv[0, :, :, cols].to(cdt), kv[1, :, :, cols].to(cdt),
+                                  causal=mask, scale=scale)
+            if out is None:
+                out, lse = o, l  # step 0 covers every row
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], o, l)
+            _wait(handles)
+            kv = nxt
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.group, ctx.collectives, ctx.causal, ctx.scale, ctx.kernel = group, collectives, causal, scale, kernel
+        return result
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, cdt = _Ring(ctx.group, ctx.collectives), torch.promote_types(q.dtype, torch.float32)
+        c = q.shape[2] // 2
+        qc, oc, doc = q.to(cdt), out.to(cdt), dout.to(cdt)
+        dq = torch.zeros_like(qc)
+        kv = torch.stack([k, v])
+        dkv_in, dkv_handles = None, []
+        for i in range(ring.size):
+            nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
+            src = (ring.rank - i) % ring.size
+            rows, cols, mask = _step_slices(i, src, ring.rank, c, ctx.causal)
+            dq_b, dk_b, dv_b = ctx.kernel.backward(doc[:, :, rows], qc[:, :, rows], kv[0, :, :, cols].to(cdt),
+                                                   kv[1, :, :, cols].to(cdt), oc[:, :, rows], lse[:, :, rows],
+                                                   causal=mask, scale=ctx.scale)
+            dq[:, :, rows] += dq_b
+            dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
+            dkv[0, :, :, cols], dkv[1, :, :, cols] = dk_b, dv_b
+            _wait(dkv_handles)  # the accumulator of this block from the ranks before us
+            if dkv_in is not None:
+                dkv += dkv_in
+            dkv_in, dkv_handles = ring.exchange(dkv)  # on the last step: home to the block's owner
+            _wait(handles)
+            kv = nxt
+        _wait(dkv_handles)
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, collectives, causal: bool = True,
+                   scale: float | None = None, kernel: BlockKernel = REFERENCE) -> torch.Tensor:
+    """Attention of this cp rank's queries over the whole (cp-split) sequence.
+
+    ``q [b, hq, s/cp, d]``, ``k, v [b, hkv, s/cp, d]`` (hq a multiple of hkv), rows in the
+    load-balanced order of :mod:`omnitron.core.parallel.context.layout`. Returns ``[b, hq, s/cp, d]``
+    in ``q``'s dtype; blocks are computed in fp32 (fp64 for fp64 inputs)."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if causal and q.shape[2] % 2:
+        raise ValueError(f"ring attention: the local sequence ({q.shape[2]}) must hold two equal chunks; "
+                         f"--seq-length must be divisible by 2 x --context-parallel-size")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if group.size == 1:
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        return kernel.forward(q.to(cdt), k.to(cdt), v.to(cdt), causal=causal, scale=scale)[0].to(q.dtype)
+    return RingAttention.apply(q, k, v, group, collectives, causal, scale, kernel)
