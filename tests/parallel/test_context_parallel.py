@@ -74,3 +74,130 @@ def test_load_balanced_layout():
             assert p.tolist() == list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
     with pytest.raises(ValueError, match="divisible by 2 x --context-parallel-size 4"):
         chunk_positions(20, 4, 0)
+
+
+# ---- (b) GPT training with the sequence split over cp ranks --------------------------------
+STEPS, MBS, GBS, SEQ, LR, SEED = 3, 2, 8, 16, 0.5, 1234
+# (tp, cp, pp, sequence parallel, model family); dp = 4 / (tp * cp * pp)
+LAYOUTS = [(1, 2, 1, False, "llama"), (1, 2, 1, False, "gpt2"), (2, 2, 1, True, "llama"), (2, 2, 1, False, "gpt2"),
+           (1, 2, 2, False, "llama"), (1, 4, 1, False, "llama")]
+
+
+def _model_config(family: str):
+    """Tiny models: Llama style (RoPE, GQA 4 heads / 2 groups, RMSNorm, SwiGLU) or GPT-2 style (learned positions)."""
+    from omnitron.core.models.gpt import gpt2_tiny, llama_tiny
+
+    make = llama_tiny if family == "llama" else gpt2_tiny
+    return make(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
+                max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _data() -> list[dict]:
+    """Every step's global batch: tokens, labels and a random loss mask (so cp ranks' token counts differ)."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 96, (STEPS, GBS, SEQ + 1), generator=g)
+    mask = (torch.rand(STEPS, GBS, SEQ, generator=g) > 0.3).float()
+    return [{"tokens": i[:, :-1], "labels": i[:, 1:], "loss_mask": m} for i, m in zip(ids, mask)]
+
+
+def _micro_batches(step: dict, lo: int, hi: int):
+    for s in range(lo, hi, MBS):
+        yield {k: v[s:s + MBS] for k, v in step.items()}
+
+
+def reference(family: str) -> tuple[list[float], dict, dict]:
+    """One process: per-step mean over micro-batches of the masked token mean; first grads, final weights."""
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+
+    groups = ParallelGroups.single()
+    model = GPTModel(_model_config(family), groups, seed=SEED)
+    losses, grads = [], None
+    for step in _data():
+        model.zero_grad()
+        mbs = list(_micro_batches(step, 0, GBS))
+        loss = sum((model(tokens=b["tokens"], labels=b["labels"]) * b["loss_mask"]).sum() / b["loss_mask"].sum()
+                   for b in mbs) / len(mbs)
+        loss.backward()
+        losses.append(loss.item())
+        grads = grads or {k: v.clone() for k, v in gather_full_state(model, groups, grads=True).items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-LR)
+    return losses, grads, gather_full_state(model, groups)
+
+
+def _cp_step(chunk, batch, hidden):
+    from omnitron.core.parallel.data import unwrap_model
+
+    m = unwrap_model(chunk)
+    return chunk(tokens=batch["tokens"] if m.pre_process else None, position_ids=batch["position_ids"]
+                 if m.pre_process else None, hidden=hidden, labels=batch["labels"] if m.post_process else None)
+
+
+def _cp_loss(output, batch):
+    from omnitron.core.parallel.context import context_parallel_loss
+    from omnitron.core.parallel.pipeline import default_loss_fn
+
+    return context_parallel_loss(*default_loss_fn(output, batch), batch)
+
+
+def _build(tp, cp, pp, sp, family):
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
+
+    cfg = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                         sequence_parallel=sp)
+    groups = ParallelGroups.build(cfg, get_backend().collectives)
+    model = GPTModel(_model_config(family), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
+                     layer_offset=2 * groups.pp.rank if pp > 1 else 0, num_layers=4 // pp, seed=SEED)
+    return groups, DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
+
+
+def gpt_worker(layouts) -> dict:
+    """Per layout: per-step losses, first-step full gradients and final full weights of this rank's stage."""
+    from omnitron.core.models.gpt import gather_full_state
+    from omnitron.core.parallel.context import context_parallel_batch
+    from omnitron.core.parallel.data import finalize_model_grads
+    from omnitron.core.parallel.pipeline import forward_backward
+
+    torch.set_num_threads(1)
+    results = {}
+    for layout in layouts:
+        groups, chunk = _build(*layout)
+        dp, per_dp = groups.dp.size, GBS // groups.dp.size
+        lo = (groups.dp.rank if dp > 1 else 0) * per_dp
+        kw = dict(num_microbatches=per_dp // MBS, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32,
+                  forward_step_fn=_cp_step, loss_fn=_cp_loss, schedule_name="1f1b" if layout[2] > 1 else None)
+        losses, grads = [], None
+        for step in _data():
+            chunk.zero_grad_buffer()
+            data = (context_parallel_batch(b, groups.cp) for b in _micro_batches(step, lo, lo + per_dp))
+            out = forward_backward(model_chunks=[chunk], data_iterator=data, groups=groups, **kw)
+            finalize_model_grads([chunk], groups)
+            losses.append(out["loss"])
+            grads = grads or {k: v.clone() for k, v in gather_full_state(chunk.module, groups, grads=True).items()}
+            with torch.no_grad():
+                for p in chunk.module.parameters():
+                    p.add_(p.main_grad, alpha=-LR)
+        results[layout] = (losses, grads, gather_full_state(chunk.module, groups))
+    return results
+
+
+def test_gpt_context_parallel_matches_one_process():
+    refs = {family: reference(family) for family in ("llama", "gpt2")}
+    per_rank = run_distributed(gpt_worker, 4, LAYOUTS)
+    for layout in LAYOUTS:
+        ref_losses, ref_grads, ref_weights = refs[layout[-1]]
+        grads, weights = {}, {}
+        for res in per_rank:
+            losses, g, w = res[layout]
+            assert losses == pytest.approx(ref_losses, rel=1e-5), (layout, losses, ref_losses)
+            grads.update(g)
+            weights.update(w)
+        assert grads.keys() == ref_grads.keys() == weights.keys(), layout
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda s: f"{layout} grad {name}: {s}")
+            torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda s: f"{layout} weight {name}: {s}")

@@ -3,6 +3,11 @@
 A step: zero gradients; run the schedule's forwards and backwards over this step's
 micro-batches; reduce gradients; clip and update (the optimizer skips on fp16 overflow); then
 share the loss (held by the last stage) with every rank for logging.
+
+Context parallelism: each cp rank reads the whole micro-batch and keeps its load-balanced slice
+(:func:`omnitron.core.parallel.context.context_parallel_batch`); its loss share is its local loss
+sum over the whole micro-batch's token count, times cp, so the average over ``dp x cp`` is the
+one-process mean (same loss, same gradients).
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ from typing import Iterator
 import torch
 
 from omnitron.backends.collectives import ReduceOp
+from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn, run_schedule
 from omnitron.core.training.grads import finalize_grads
+from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
 
 
 def _unwrap(chunk):
@@ -31,10 +38,10 @@ def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torc
 
 
 def _tensor_shape(c) -> tuple[int, int, int]:
-    s = c.model.seq_length
+    s = c.model.seq_length // c.groups.cp.size
     if c.groups.config.sequence_parallel and c.groups.tp.size > 1:
         s //= c.groups.tp.size
-    return (s, c.settings.training.micro_batch_size, c.model.hidden_size)  # [s(/tp), b, h]
+    return (s, c.settings.training.micro_batch_size, c.model.hidden_size)  # [s/cp(/tp), b, h]
 
 
 def _zero_grads(c) -> None:
@@ -55,7 +62,7 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
     schedule = forward_only_schedule(c.schedule) if forward_only else c.schedule
 
     def loss_fn(output, batch):
-        total, count = default_loss_fn(output, batch)
+        total, count = context_parallel_loss(*default_loss_fn(output, batch), batch)
         return (total * loss_scale if loss_scale else total), count
 
     loss_sum, _ = run_schedule(schedule, c.groups.pp.rank if c.groups.pp.size > 1 else 0, c.chunks, data_iterator,
@@ -73,9 +80,12 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
 
 
 def _stage_iterator(c, data_iterator):
-    """Only the first and last stage read batches (middle stages get None)."""
+    """Only the first and last stage read batches (middle stages get None); each keeps its cp slice."""
     needs = any(_unwrap(ch).pre_process or _unwrap(ch).post_process for ch in c.chunks)
-    return data_iterator if needs else None
+    if not needs or data_iterator is None:
+        return None
+    cp = c.groups.cp
+    return data_iterator if cp.size == 1 else (context_parallel_batch(b, cp) for b in data_iterator)
 
 
 def train_step(c, data_iterator: Iterator) -> dict:
@@ -85,13 +95,19 @@ def train_step(c, data_iterator: Iterator) -> dict:
     _zero_grads(c)
     scaler = c.optimizer.loss_scaler
     scale = scaler.scale if scaler is not None else None
+    moe = c.model.num_experts is not None
+    if moe:  # each micro-batch's load-balancing loss gets the weight of its LM loss
+        set_aux_loss_scale(c.modules, (scale or 1.0) / c.schedule.num_microbatches)
     loss = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale)
     finalize_grads(c.chunks, c.modules, c.groups, c.backend.collectives)
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
     lr = c.scheduler.lr(c.optimizer.step_count + 1)
     res = c.optimizer.step(lr)
-    return {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
-            "skipped": res.skipped}
+    out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
+           "skipped": res.skipped}
+    if moe:
+        out["moe_aux_loss"] = moe_aux_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
+    return out
 
 
 @torch.no_grad()

@@ -11,12 +11,17 @@ each rank uses its group's rows; ``linear_q`` stays column-parallel. The kv weig
 partial sum over tp (``sequence_parallel=True``: all-reduced with the norm weights), and
 :meth:`SelfAttention.fuse_full_state` / :meth:`split_full_state` map the pair to and from the
 canonical ``linear_qkv`` tensors, so checkpoints and parity checks see one layout.
+
+Context parallelism (:func:`omnitron.core.parallel.context.apply_context_parallel` sets
+``cp_group``): the rows are this cp rank's slice of the sequence and core attention is the ring
+over the cp group.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from omnitron.core.parallel.context.ring import ring_attention
 from omnitron.core.parallel.groups import Group
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -48,6 +53,7 @@ class SelfAttention(nn.Module):
                                                    init_std=c.init_method_std, **kw)
         self.linear_proj = RowParallelLinear(heads * self.d, c.hidden_size, init_std=out_std,
                                              skip_bias_add=skip_out_bias, **kw)
+        self.cp_group = None  # set by apply_context_parallel: attention over the cp-split sequence
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
             nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=group.size > 1,
@@ -118,6 +124,11 @@ class SelfAttention(nn.Module):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[b, h, s, d]`` in and out; dropout draws from the tp-rank-specific stream (local heads)."""
         p = self.c.attention_dropout if self.training else 0.0
+        if self.cp_group is not None:
+            if p > 0.0:
+                raise ValueError("attention dropout is not supported with --context-parallel-size > 1; "
+                                 "pass --attention-dropout 0")
+            return ring_attention(q, k, v, group=self.cp_group, collectives=self.backend.collectives, causal=True)
         if p == 0.0:
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
         with self.tracker.fork():

@@ -76,6 +76,18 @@ class GPTConfig:
     """--recompute-num-layers: layers per chunk (uniform) or layers recomputed per stage (block)."""
     params_dtype: torch.dtype = torch.float32
     """Dtype parameters are stored in (fp32 masters are the optimizer's business)."""
+    num_experts: int | None = None
+    """--num-experts: Mixture-of-Experts layers with this many experts in place of every MLP (None: dense)."""
+    moe_router_topk: int = 2
+    """--moe-router-topk: experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """--moe-ffn-hidden-size: width of each expert's MLP; default --ffn-hidden-size."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """--moe-router-load-balancing-type: ``aux_loss`` (Switch/GShard load-balancing loss) or ``none``."""
+    moe_aux_loss_coeff: float = 0.01
+    """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss (0 turns it off)."""
+    moe_router_pre_softmax: bool = False
+    """--moe-router-pre-softmax: softmax over all experts before the top-k (default: over the k picked)."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
@@ -95,6 +107,9 @@ class GPTConfig:
                 raise ConfigError(f"{flag} must be in [0, 1), got {p}")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        from omnitron.core.transformer.moe.validate import check_moe_fields
+
+        check_moe_fields(self)
 
 
 # ---- derived values ------------------------------------------------------------------------
@@ -151,15 +166,14 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
                           f"replicated (tp a multiple of groups); change one of them")
     if ffn_size(c) % tp:
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
-    if parallel.context_parallel_size > 1:
-        raise ConfigError(f"--context-parallel-size {parallel.context_parallel_size}: GPTModel has no context-parallel "
-                          f"attention yet; use --context-parallel-size 1 (sequence parallelism splits activations "
-                          f"outside attention: --sequence-parallel)")
+    cp = parallel.context_parallel_size
+    if cp > 1:
+        _validate_context_parallel(c, cp, tp, parallel.sequence_parallel)
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     if check_layers and c.num_layers % (pp * vp):
         raise ConfigError(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
                           f"virtual stages {vp}; change --num-layers or the pipeline sizes")
-    if parallel.sequence_parallel and c.seq_length % tp:
+    if parallel.sequence_parallel and cp == 1 and c.seq_length % tp:
         raise ConfigError(f"--seq-length {c.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
                           f"which --sequence-parallel requires; change --seq-length or drop --sequence-parallel")
     if c.position_embedding_type == "learned_absolute" and c.seq_length > max_positions(c):
@@ -168,6 +182,24 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
         raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
     if c.recompute_method is not None and c.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {c.recompute_method} only applies with --recompute-granularity full")
+    from omnitron.core.transformer.moe.validate import validate_moe
+
+    validate_moe(c, parallel)
+
+
+def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool) -> None:
+    """The sequence splits into 2 x cp load-balanced chunks (and each rank's slice over tp under SP)."""
+    if c.seq_length % (2 * cp):
+        raise ConfigError(f"--seq-length {c.seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
+                          f"{2 * cp} (each context-parallel rank holds two equal chunks of the sequence); change "
+                          f"--seq-length to a multiple of {2 * cp} or --context-parallel-size")
+    if sequence_parallel and (c.seq_length // cp) % tp:
+        raise ConfigError(f"--seq-length {c.seq_length} / --context-parallel-size {cp} = {c.seq_length // cp} is not "
+                          f"divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel requires; "
+                          f"change --seq-length or drop --sequence-parallel")
+    if c.attention_dropout > 0.0:
+        raise ConfigError(f"--attention-dropout {c.attention_dropout} is not supported with --context-parallel-size "
+                          f"{cp} (ring attention has no dropout); pass --attention-dropout 0")
 
 
 def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
@@ -179,8 +211,12 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
     if c.qk_layernorm:
         attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
+    if c.num_experts:  # every expert is an MLP at --moe-ffn-hidden-size, plus the router [E, h]
+        f = c.moe_ffn_hidden_size or f
     fc1_out = 2 * f if c.swiglu else f
     mlp = fc1_out * h + b * fc1_out + f * h + b * h
+    if c.num_experts:
+        mlp = c.num_experts * mlp + c.num_experts * h
     layer = attn + mlp + 2 * norm
     v = padded_vocab_size(c, tp)
     total = c.num_layers * layer + norm + v * h

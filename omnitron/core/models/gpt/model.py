@@ -4,6 +4,10 @@ A stage owns layers ``[layer_offset, layer_offset + num_layers)`` of the global 
 their GLOBAL index (``decoder.layers.7....``), so parameter names and initial values do not depend
 on the parallel layout. ``pre_process`` adds the embedding, ``post_process`` the final norm, the
 output layer and the loss.
+
+Under context parallelism (``groups.cp.size > 1``) a stage sees only this cp rank's
+load-balanced slice of each sequence (tokens ``[b, s/cp]``, activations ``[s/cp, b, h]``), and
+its attention modules run the ring over ``groups.cp``; positions default to the slice's own.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch import nn
 
 from omnitron.backends import get_backend
 from omnitron.core.models.gpt import config as C
+from omnitron.core.parallel.context import apply_context_parallel, local_positions
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -73,7 +78,7 @@ class GPTModel(nn.Module):
         self.layer_offset, self.num_local_layers = layer_offset, n
         self.rng_tracker = RNGTracker(self.backend)
         self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(tp), M.local_rank(groups.pp)))
-        lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend)
+        lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend, groups=groups)
         if pre_process:
             self.embedding = GPTEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
         self.decoder = nn.Module()
@@ -94,6 +99,7 @@ class GPTModel(nn.Module):
         if config.position_embedding_type == "rope":
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
+        apply_context_parallel(self, groups.cp)
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -127,7 +133,7 @@ class GPTModel(nn.Module):
         if self.config.position_embedding_type != "rope":
             return None
         if position_ids is None:
-            pos = torch.arange(s, device=device, dtype=torch.float32)[:, None]  # [s, 1]
+            pos = local_positions(s, self.groups.cp, device).float()[:, None]  # [s/cp, 1]
         else:
             pos = position_ids.t().float()  # [s, b]
         return (pos[..., None] * self.inv_freq.to(device))[:, :, None, :]  # [s, b|1, 1, r/2]
@@ -155,14 +161,14 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: ``tokens [b, s]`` int64. Later stages: ``hidden [s, b, h]`` (``[s/tp, b, h]``
-        under sequence parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
+        under sequence parallelism; ``s`` is ``s/cp``, this rank's slice, under context parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
         ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
         at -inf. Other stages return the hidden states for the next stage."""
         if self.pre_process:
             if tokens is None:
                 raise ValueError("the first pipeline stage needs tokens [b, s]")
             if position_ids is None:
-                position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+                position_ids = local_positions(tokens.shape[1], self.groups.cp, tokens.device).expand_as(tokens)
             x = self.embedding(tokens, position_ids)
         else:
             if hidden is None:
