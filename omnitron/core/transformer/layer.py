@@ -14,9 +14,10 @@ from omnitron.core.transformer.norm import Norm
 
 class TransformerLayer(nn.Module):
     """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` on ``[s, b, h]``
-    (``[s/tp, b, h]`` under sequence parallelism)."""
+    (``[s/tp, b, h]`` under sequence parallelism). ``mlp`` is a Mixture of Experts when
+    ``c.num_experts`` is set (``groups``: the :class:`ParallelGroups`, for its expert groups)."""
 
-    def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend) -> None:
+    def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend, groups=None) -> None:
         super().__init__()
         self.c, self.tracker, self.backend, self.sp = c, tracker, backend, sequence_parallel
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers) if c.apply_scaled_init else c.init_method_std
@@ -28,8 +29,15 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
                                             backend=backend, out_std=out_std, skip_out_bias=skip)
         self.pre_mlp_layernorm = Norm(c.hidden_size, **nkw)
-        self.mlp = MLP(c, group=group, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std,
-                       skip_out_bias=skip)
+        if c.num_experts:  # Mixture of Experts in place of the MLP: needs the expert-parallel groups
+            from omnitron.core.transformer.moe import MoELayer
+
+            if groups is None:
+                raise ValueError("an MoE layer (num_experts set) needs groups=ParallelGroups for its expert groups")
+            self.mlp = MoELayer(c, groups=groups, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std)
+        else:
+            self.mlp = MLP(c, group=group, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std,
+                           skip_out_bias=skip)
 
     def _bias_dropout_add(self, out_and_bias, residual: torch.Tensor) -> torch.Tensor:
         out, bias = out_and_bias

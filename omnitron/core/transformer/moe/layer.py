@@ -1,0 +1,96 @@
+"""The Mixture-of-Experts block: a drop-in replacement for the dense MLP of a Transformer layer.
+
+Layout (expert tensor parallelism 1): ep rank ``r`` holds experts ``[r * E/ep, (r+1) * E/ep)``,
+each the dense model's MLP (GeLU or SwiGLU) at ``--moe-ffn-hidden-size``, named by its GLOBAL
+index (``mlp.experts.5.linear_fc1.weight``), so names and initial values do not depend on the
+layout. Expert parameters carry ``expert = True`` (``allreduce = False``): their gradients are
+averaged over ``groups.edp`` (the ranks holding the same experts), not over data parallelism.
+
+Tensor parallelism with etp = 1: every tp rank dispatches a disjoint shard of the micro-batch's
+tokens. Under sequence parallelism that shard is what the layer receives (``[s/tp, b, h]``);
+without it the tokens are replicated over tp, so the router runs on all of them (identical on
+every tp rank, no reduction needed) and each tp rank then dispatches its sequence slice and
+all-gathers the outputs (backward: keep the own slice, the all-gather of the input gradient).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.transformer.mlp import MLP
+from omnitron.core.transformer.moe.dispatch import combine, dispatch, run_experts
+from omnitron.core.transformer.moe.router import TopKRouter, attach_aux_loss
+
+
+def mark_expert(p: nn.Parameter) -> nn.Parameter:
+    """An expert parameter: whole on its ep rank (not a tp shard), gradients reduced over edp."""
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = False, -1, 1
+    p.expert, p.allreduce = True, False
+    return p
+
+
+class MoELayer(nn.Module):
+    """``[s, b, h] -> ([s, b, h], None)`` (``[s/tp, b, h]`` under sequence parallelism), like :class:`MLP`.
+
+    ``aux_loss_scale`` weights the load-balancing loss's gradient (the step sets it to
+    loss scale / micro-batches, the weight of each micro-batch's LM loss); ``aux_loss_total``
+    accumulates the detached loss values for logging (see :mod:`omnitron.core.transformer.moe.metrics`).
+    """
+
+    def __init__(self, c, *, groups, sequence_parallel: bool, backend, out_std: float) -> None:
+        super().__init__()
+        from omnitron.core.models.gpt.config import ffn_size
+
+        self.sp, self.tp, self.ep, self.num_experts = sequence_parallel, groups.tp, groups.ep, c.num_experts
+        self.router = TopKRouter(c, partial_grad=sequence_parallel, stats_group=groups.tp if sequence_parallel else None)
+        expert_cfg = dataclasses.replace(c, ffn_hidden_size=c.moe_ffn_hidden_size or ffn_size(c))
+        local = c.num_experts // groups.ep.size
+        first = M.local_rank(groups.ep) * local
+        self.experts = nn.ModuleDict({
+            str(first + i): MLP(expert_cfg, group=groups.etp, sequence_parallel=False, backend=backend,
+                                out_std=out_std, skip_out_bias=False)
+            for i in range(local)})
+        for p in self.experts.parameters():
+            mark_expert(p)
+        self.aux_loss_scale = 1.0
+        self.aux_loss_total: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor):
+        s, b, h = hidden.shape
+        probs, experts, aux = self.router(hidden.reshape(s * b, h))  # [s*b, k] each
+        if aux is not None:
+            probs = attach_aux_loss(probs, aux, self.aux_loss_scale)
+            total = self.aux_loss_total
+            self.aux_loss_total = aux.detach() if total is None else total + aux.detach()
+        split = self.tp.size > 1 and not self.sp  # replicated tokens: each tp rank takes its sequence slice
+        x = hidden
+        if split:
+            k = probs.shape[-1]
+            x = M.scatter_to_sp(hidden, self.tp)  # [s/tp, b, h]
+            probs = M.scatter_to_sp(probs.view(s, b, k), self.tp).reshape(-1, k)
+            experts = M.split_first(experts.view(s, b, k), self.tp).reshape(-1, k)
+        rows, plan = dispatch(x.reshape(-1, h), experts, self.num_experts, self.ep)
+        y = run_experts(rows, plan.local_counts, list(self.experts.values()))
+        y = combine(y, probs, plan, self.ep).view(x.shape)
+        if split:
+            y = M.gather_from_sp(y, self.tp, grad_is_partial=False)  # [s, b, h]
+        return y, None
+
+    # ---- full (layout-independent) state -----------------------------------------------------
+    def fuse_full_state(self, prefix: str, out: dict[str, torch.Tensor]) -> None:
+        """Add every other ep rank's experts to ``out`` under their global names (all-gather over ep),
+        so a gathered state holds all ``E`` experts on every rank. Collective over ep."""
+        if self.ep.size == 1:
+            return
+        local = self.num_experts // self.ep.size
+        mine = sorted(self.experts.keys(), key=int)
+        suffixes = [n for n, _ in self.experts[mine[0]].named_parameters()]
+        for i, key in enumerate(mine):
+            for suffix in suffixes:
+                t = out[f"{prefix}experts.{key}.{suffix}"]
+                pieces = M.gather_first(t.unsqueeze(0).contiguous(), self.ep)  # [ep, ...]
+                for r in range(self.ep.size):
+                    out[f"{prefix}experts.{r * local + i}.{suffix}"] = pieces[r]

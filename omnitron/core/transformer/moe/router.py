@@ -1,0 +1,96 @@
+"""Top-k softmax router and the Switch/GShard load-balancing loss.
+
+Pure maths on ``[T, h]`` tokens except for one optional seam: ``stats_group``, the group whose
+ranks hold the other shards of the same token set (the tensor-parallel group under sequence
+parallelism). The load-balancing statistics are summed over it, so the loss is that of the whole
+micro-batch, as one process would compute it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.parallel.tensor.sharding import set_attributes
+
+
+def top_k_routing(logits: torch.Tensor, k: int, pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs [T, k], experts [T, k])`` from router ``logits [T, E]``.
+
+    Default (Megatron's): pick the k largest logits, then softmax over those k. With
+    ``pre_softmax`` the probabilities are the softmax over all E experts, taken at the k picked.
+    """
+    if pre_softmax:
+        return torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    top, experts = torch.topk(logits, k, dim=-1)
+    return torch.softmax(top, dim=-1), experts
+
+
+def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts: int, coeff: float,
+                        stats_group=None) -> torch.Tensor:
+    """Switch/GShard auxiliary loss ``coeff * E * sum_e f_e * P_e``.
+
+    ``scores [T, E]``: softmax over all experts; ``experts [T, k]``: the picked ones.
+    ``f_e`` = share of the ``T * k`` assignments that went to expert e (no gradient);
+    ``P_e`` = mean router probability of expert e. Both are over the tokens of every rank of
+    ``stats_group`` (forward: all-reduce; backward: identity, each rank's tokens get their own
+    share of the gradient).
+    """
+    k = experts.shape[-1]
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(scores.dtype)  # [E]
+    prob_sum = scores.sum(dim=0)  # [E]
+    tokens = torch.tensor(float(scores.shape[0]), dtype=scores.dtype, device=scores.device)
+    if stats_group is not None and stats_group.size > 1:
+        counts, tokens = M.all_reduce(counts, stats_group), M.all_reduce(tokens, stats_group)
+        prob_sum = M.reduce_from_tp(prob_sum, stats_group)
+    frac = counts / (tokens * k)
+    mean_prob = prob_sum / tokens
+    return coeff * num_experts * torch.sum(frac * mean_prob)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """forward: identity on ``x`` (the aux loss is not part of the output); backward: also seed the
+    aux loss's own backward with ``scale`` (the weight the step gives each micro-batch's loss)."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, dtype, device = ctx.aux_meta
+        return g, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` unchanged; backward through it also back-propagates ``scale * aux``."""
+    return _AttachAuxLoss.apply(x, aux, scale)
+
+
+class TopKRouter(nn.Module):
+    """``[T, h] -> (probs [T, k], experts [T, k], aux loss or None)``.
+
+    The gate ``weight [E, h]`` is replicated on every rank; routing is computed in float32.
+    ``partial_grad``: the tokens are a tensor-parallel shard (sequence parallelism), so the
+    weight's gradient is a partial sum over tp (marked ``sequence_parallel`` for the reduction).
+    """
+
+    def __init__(self, c, *, partial_grad: bool, stats_group=None) -> None:
+        super().__init__()
+        self.k, self.num_experts, self.pre_softmax = c.moe_router_topk, c.num_experts, c.moe_router_pre_softmax
+        self.coeff = c.moe_aux_loss_coeff if c.moe_router_load_balancing_type == "aux_loss" else 0.0
+        self.stats_group = stats_group
+        self.weight = set_attributes(nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=c.params_dtype)),
+                                     parallel=False, init=("normal", c.init_method_std))
+        self.weight.sequence_parallel = partial_grad
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        probs, experts = top_k_routing(logits, self.k, self.pre_softmax)
+        aux = None
+        if self.coeff > 0.0 and self.training and torch.is_grad_enabled():
+            aux = load_balancing_loss(torch.softmax(logits, dim=-1), experts, self.num_experts, self.coeff, self.stats_group)
+        return probs, experts, aux

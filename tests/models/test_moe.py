@@ -1,0 +1,156 @@
+"""MoE units in one process: the router and its load-balancing loss against a float64 plain-torch
+reference written token by token, the dropless MoE layer against a dense per-token evaluation of
+the same experts (forward, backward and the injected aux-loss gradient), and bad settings."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.transformer.moe import load_balancing_loss, top_k_routing
+
+
+def _ref_routing(logits: torch.Tensor, k: int, pre_softmax: bool, coeff: float):
+    """Token-by-token float64 reference: (probs [T, k], experts [T, k], aux loss)."""
+    T, E = logits.shape
+    probs, experts, counts = [], [], [0.0] * E
+    for t in range(T):
+        row = logits[t]
+        picked = sorted(range(E), key=lambda e: -row[e].item())[:k]
+        denom = torch.exp(row).sum() if pre_softmax else sum(torch.exp(row[e]) for e in picked)
+        probs.append(torch.stack([torch.exp(row[e]) / denom for e in picked]))
+        experts.append(picked)
+        for e in picked:
+            counts[e] += 1.0
+    soft = torch.exp(logits) / torch.exp(logits).sum(dim=1, keepdim=True)
+    aux = sum(coeff * E * (counts[e] / (T * k)) * soft[:, e].mean() for e in range(E))
+    return torch.stack(probs), torch.tensor(experts), aux
+
+
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_router_matches_reference(pre_softmax):
+    g = torch.Generator().manual_seed(11 + pre_softmax)
+    for T, E, k in ((13, 4, 2), (9, 6, 1), (7, 5, 5)):
+        logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+        ref_in = logits.clone().requires_grad_(True)
+        ours_in = logits.clone().requires_grad_(True)
+        rp, re, raux = _ref_routing(ref_in, k, pre_softmax, 0.05)
+        probs, experts = top_k_routing(ours_in, k, pre_softmax)
+        aux = load_balancing_loss(torch.softmax(ours_in, -1), experts, E, 0.05)
+        assert torch.equal(experts, re)
+        torch.testing.assert_close(probs, rp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(aux, raux, rtol=1e-12, atol=1e-12)
+        w = torch.randn(T, k, generator=g, dtype=torch.float64)
+        ((rp * w).sum() + 3.0 * raux).backward()
+        ((probs * w).sum() + 3.0 * aux).backward()
+        torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-10, atol=1e-12)
+
+
+def _moe_config(**kw):
+    from omnitron.core.models.gpt import gpt2_tiny
+
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, seq_length=8,
+                max_position_embeddings=8, vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0,
+                num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=20, moe_aux_loss_coeff=0.1,
+                params_dtype=torch.float64)
+    base.update(kw)
+    return gpt2_tiny(**base)
+
+
+def dense_moe_reference(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token through every expert (plain torch), weighted by its router probabilities:
+    ``(y [s, b, h], aux loss)``. Independent of the sort / all-to-all dispatch."""
+    c = layer.router
+    tokens = x.reshape(-1, x.shape[-1])
+    logits = tokens @ c.weight.t()
+    probs, experts = top_k_routing(logits, c.k, c.pre_softmax)
+    y = torch.zeros_like(tokens)
+    for key, mlp in layer.experts.items():
+        w1, b1 = mlp.linear_fc1.weight, mlp.linear_fc1.bias
+        w2, b2 = mlp.linear_fc2.weight, mlp.linear_fc2.bias
+        hdn = tokens @ w1.t() + (b1 if b1 is not None else 0)
+        if mlp.swiglu:
+            a, b = hdn.chunk(2, dim=-1)
+            hdn = torch.nn.functional.silu(a) * b
+        else:
+            hdn = torch.nn.functional.gelu(hdn, approximate="tanh")
+        out = hdn @ w2.t() + (b2 if b2 is not None else 0)
+        weight = (probs * (experts == int(key))).sum(dim=1, keepdim=True)  # [T, 1], 0 if not picked
+        y = y + weight * out
+    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, c.coeff)
+    return y.view_as(x), aux
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_moe_layer_matches_dense_evaluation(swiglu):
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.sharding import init_full
+    from omnitron.core.transformer.moe import MoELayer
+
+    c = _moe_config(swiglu=swiglu, add_bias_linear=not swiglu, moe_router_pre_softmax=swiglu)
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            init = ("normal", 0.3) if p.init[0] == "normal" else ("normal", 0.1)  # non-zero biases too
+            p.copy_(init_full(name, tuple(p.shape), init, seed=5))
+        layer.router.weight[1] = -20.0 * torch.ones(c.hidden_size, dtype=torch.float64)  # expert 1: no tokens
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 3, c.hidden_size, generator=g, dtype=torch.float64) + 1.0).requires_grad_(True)
+    w = torch.randn(8, 3, c.hidden_size, generator=g, dtype=torch.float64)
+    layer.aux_loss_scale = 2.5
+    y, bias = layer(x)
+    assert bias is None
+    (y * w).sum().backward()
+    ours = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in layer.named_parameters()}
+    ours_x = x.grad.clone()
+    counts = torch.bincount(layer.router(x.detach().reshape(-1, c.hidden_size).float())[1].reshape(-1), minlength=6)
+    assert counts.max() != counts.min() and counts.min() == 0, counts  # uneven groups, one empty
+    layer.zero_grad()
+    x.grad = None
+    ry, raux = dense_moe_reference(layer, x)
+    ((ry * w).sum() + 2.5 * raux).backward()
+    # the router runs in float32 (as on a real run); everything downstream is float64
+    torch.testing.assert_close(y, ry, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
+    for n, p in layer.named_parameters():
+        ref = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(ours[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert torch.allclose(layer.aux_loss_total, raux.detach().float().to(layer.aux_loss_total.dtype), rtol=1e-5)
+
+
+def test_bad_moe_settings_are_named():
+    from omnitron.core.models.gpt.config import validate_model
+
+    with pytest.raises(ConfigError, match="--moe-router-topk 5 must be between 1 and --num-experts 4"):
+        _moe_config(num_experts=4, moe_router_topk=5)
+    with pytest.raises(ConfigError, match="--num-experts must be a positive integer"):
+        _moe_config(num_experts=0)
+    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type 'sinkhorn'"):
+        _moe_config(moe_router_load_balancing_type="sinkhorn")
+    c = _moe_config()
+    with pytest.raises(ConfigError, match="--num-experts 6 is not divisible by --expert-model-parallel-size 4"):
+        validate_model(c, ParallelConfig(expert_model_parallel_size=4))
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1"):
+        validate_model(c, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs an MoE model"):
+        validate_model(dataclasses.replace(c, num_experts=None), ParallelConfig(expert_model_parallel_size=2))
+    validate_model(c, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                     expert_tensor_parallel_size=1))
+
+
+def test_cli_flags_reach_the_model():
+    from omnitron.core.training.arguments import parse_settings
+
+    s = parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--moe-router-topk", "1",
+                        "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.02", "--mock-data",
+                        "--moe-router-pre-softmax", "--moe-ffn-hidden-size", "96"], world_size=2)
+    m = s.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff, m.moe_router_pre_softmax,
+            m.moe_ffn_hidden_size) == (4, 1, 0.02, True, 96)
+    assert s.parallel.expert_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="--num-experts 3 is not divisible"):
+        parse_settings(["--model", "gpt2_tiny", "--num-experts", "3", "--expert-model-parallel-size", "2",
+                        "--mock-data"], world_size=2)
