@@ -3,7 +3,8 @@
 Per rank: every model chunk's state dict, optimizer (fp32 masters, moments, loss scaler),
 scheduler, the RNG state of every generator (incl. each chunk's tensor-parallel tracker) and
 FP8 scaling state when FP8 is on. Metadata: iteration, consumed samples, the full flat config,
-model shape and parallel layout (checked on --load).
+model shape and parallel layout (checked on --load: a different model shape is refused, a
+different layout is resharded).
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import dataclasses
 import logging
 import os
 
-from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state,
-                                      load_checkpoint, read_metadata, save_checkpoint, set_rng_state)
-from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS
+from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state, read_metadata,
+                                      reshard, save_checkpoint, set_rng_state)
+from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
+from omnitron.core.parallel.tensor.mappings import local_rank
 
 log = logging.getLogger("omnitron.train")
 
@@ -37,11 +39,14 @@ def layout_dict(settings) -> dict:
     return {"tensor_model_parallel_size": p.tensor_model_parallel_size,
             "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
-            "context_parallel_size": p.context_parallel_size, "data_parallel_size": settings.dp}
+            "context_parallel_size": p.context_parallel_size, "data_parallel_size": settings.dp,
+            "decoder_first_pipeline_num_layers": p.decoder_first_pipeline_num_layers,
+            "decoder_last_pipeline_num_layers": p.decoder_last_pipeline_num_layers}
 
 
 def check_resume(settings) -> None:
-    """Before any process group: the checkpoint under --load (if any) fits this run's model and layout."""
+    """Before any process group: the checkpoint under --load (if any) fits this run's model (a
+    different parallel layout is resharded on load)."""
     path = find_latest(settings.checkpoint.load)
     if path is None:
         if settings.checkpoint.finetune:
@@ -50,7 +55,7 @@ def check_resume(settings) -> None:
     meta = read_metadata(path)
     model = model_dict(settings.model)
     model["vocab_size"] = meta["model"].get("vocab_size")  # comes from the tokenizer; checked again in the worker
-    check_compatible(meta, model, layout_dict(settings), path)
+    check_compatible(meta, model, layout_dict(settings), path, reshard=True)
 
 
 def save(c) -> str:
@@ -78,7 +83,12 @@ def save(c) -> str:
 
 
 def load(c) -> bool:
-    """Restore from --load when it holds a checkpoint; returns True when something was loaded."""
+    """Restore from --load when it holds a checkpoint; returns True when something was loaded.
+
+    Under the checkpoint's own layout every rank reads its shard (bit-exact resume). Under another
+    layout every rank assembles its shard from the checkpoint's full tensors
+    (:mod:`omnitron.core.checkpoint.reshard`): weights, optimizer state, step, loss scaler and
+    scheduler carry over, RNG streams and FP8 amax histories restart (logged)."""
     ck = c.settings.checkpoint
     if not ck.load:
         return False
@@ -87,8 +97,9 @@ def load(c) -> bool:
         if c.groups.rank == 0:
             log.info("--load %s holds no checkpoint yet: starting from scratch", ck.load)
         return False
-    meta, shard = load_checkpoint(path, c.groups.rank)
-    check_compatible(meta, model_dict(c.model), layout_dict(c.settings), path)
+    meta = read_metadata(path)
+    changes = check_compatible(meta, model_dict(c.model), layout_dict(c.settings), path, reshard=True)
+    shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank)
     for m, sd in zip(c.modules, shard["model"]):
         m.load_state_dict(sd)
     if ck.finetune:
@@ -101,10 +112,13 @@ def load(c) -> bool:
     else:
         c.optimizer.load_state_dict(shard["optimizer"])
         c.scheduler.load_state_dict(shard["scheduler"])
-    if not ck.no_load_rng:
+    if not ck.no_load_rng and "rng" in shard:
         set_rng_state(shard["rng"], c.backend)
         for m, st in zip(c.modules, shard["trackers"]):
             m.rng_tracker.set_states(st)
+    elif not ck.no_load_rng and c.groups.rank == 0:
+        log.info("--load %s: the checkpoint holds no RNG state for this layout: dropout and other random streams "
+                 "start fresh from --seed; the data order continues from sample %d", path, meta["consumed_samples"])
     if "fp8" in shard and c.extra.get("fp8_load") is not None:
         c.extra["fp8_load"](shard["fp8"])
     c.iteration = int(meta["iteration"])
@@ -112,6 +126,20 @@ def load(c) -> bool:
     if c.groups.rank == 0:
         log.info("resumed from %s (iteration %d, %d samples consumed)", path, c.iteration, c.consumed_samples)
     return True
+
+
+def _resharded_shard(c, path: str, meta: dict) -> dict:
+    """This rank's shard cut from the checkpoint's full tensors (no RNG and FP8 state: see :func:`load`)."""
+    ck = c.settings.checkpoint
+    src, dst = reshard.Layout.from_dict(meta["layout"]), reshard.Layout.from_dict(layout_dict(c.settings))
+    if c.groups.rank == 0:
+        log.info("--load %s: resharding the checkpoint from %s to %s", path, src, dst)
+    full = reshard.read_full_state(path, owners=reshard.needed_owners(c.modules),
+                                   with_optimizer=not (ck.finetune or ck.no_load_optim))
+    if "fp8" in full.dropped and c.groups.rank == 0:
+        log.info("--load %s: FP8 amax histories are per-rank and do not carry to another layout: FP8 scaling "
+                 "restarts from its first steps", path)
+    return reshard.rank_shard(full, c.modules, c.groups.tp.size, local_rank(c.groups.tp))
 
 
 def save_dir_exists(settings) -> bool:

@@ -42,17 +42,29 @@ def shard_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor], grou
     The tied embedding copy on a last stage reads ``embedding.word_embeddings.weight``.
     ``strict`` raises on a missing name, naming it.
     """
-    tp = groups.tp
+    params = dict(model.named_parameters())
+    for name, t in full_state_shards(model, full, groups.tp.size, local_rank(groups.tp), strict=strict).items():
+        params[name].copy_(t)
+
+
+def full_state_shards(model: torch.nn.Module, full: dict[str, torch.Tensor], tp_size: int, tp_rank: int, *,
+                      strict: bool = True, keep_dtype: bool = False) -> dict[str, torch.Tensor]:
+    """``{parameter name: tensor-parallel rank tp_rank's shard}`` of the full tensors in ``full``, at
+    each parameter's dtype (``keep_dtype``: at the full tensor's, for optimizer state); pure (no
+    communication), so checkpoint resharding can cut any rank's shard offline. ``strict`` raises on
+    a missing name, naming it."""
     for prefix, mod in model.named_modules():
         if hasattr(mod, "split_full_state"):
             full = mod.split_full_state(prefix + ".", full)
+    out = {}
     for name, p in model.named_parameters():
         key = getattr(p, "init_name", name)
         if key not in full:
             if strict:
                 raise KeyError(f"full state has no tensor for parameter {key!r}")
             continue
-        p.copy_(shard_param(full[key].to(p.dtype), p, tp.size, local_rank(tp)))
+        out[name] = shard_param(full[key] if keep_dtype else full[key].to(p.dtype), p, tp_size, tp_rank)
+    return out
 
 
 def sequence_parallel_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

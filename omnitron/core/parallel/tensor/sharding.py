@@ -61,11 +61,20 @@ def shard_param(full: torch.Tensor, p: torch.Tensor, tp: int, rank: int) -> torc
 
 def gather_param(t: torch.Tensor, p: torch.Tensor, group) -> torch.Tensor:
     """The full tensor from every rank's shard ``t`` of parameter ``p`` (padding rows removed)."""
-    full = t
     if getattr(p, "tensor_model_parallel", False) and group.size > 1:
-        dim, stride, tp = p.partition_dim, p.partition_stride, group.size
-        pieces = gather_first(t.movedim(dim, 0).contiguous(), group).chunk(tp, dim=0)  # per rank
-        per_rank = [pc.movedim(0, dim).chunk(stride, dim=dim) for pc in pieces]
+        dim = p.partition_dim
+        pieces = gather_first(t.movedim(dim, 0).contiguous(), group).chunk(group.size, dim=0)  # per rank
+        return merge_shards([pc.movedim(0, dim) for pc in pieces], p)
+    return merge_shards([t], p)
+
+
+def merge_shards(shards: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    """The full tensor (padding rows removed) from the shards of parameter ``p`` held by tp ranks
+    ``0..len(shards)-1``, in rank order; no communication (offline checkpoint resharding)."""
+    full = shards[0]
+    if getattr(p, "tensor_model_parallel", False) and len(shards) > 1:
+        dim, stride, tp = p.partition_dim, p.partition_stride, len(shards)
+        per_rank = [s.chunk(stride, dim=dim) for s in shards]
         full = torch.cat([per_rank[r][i] for i in range(stride) for r in range(tp)], dim=dim)
     rows = getattr(p, "valid_rows", None)
     return full[:rows] if rows is not None else full

@@ -1,0 +1,138 @@
+"""``omnitron checkpoint inspect|convert|export``: look into, reshard and export training checkpoints.
+
+``inspect DIR`` prints the layout, iteration, parameter count and each tensor's full shape;
+``convert --load DIR --save DIR2 --target-...`` rewrites a checkpoint for another parallel layout
+(offline, one process; see :mod:`omnitron.core.checkpoint.reshard`); ``export --load DIR --out
+FILE`` writes the full model weights to one safetensors file. ``DIR`` is a ``--save`` directory
+(its ``latest`` is used) or one ``iter_N`` directory.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("checkpoint", help="inspect, reshard (convert) or export a training checkpoint")
+    cmds = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
+    ins = cmds.add_parser("inspect", help="layout, iteration, parameter count and tensor shapes of a checkpoint")
+    ins.add_argument("dir", metavar="DIR", help="a --save directory (its latest) or an iter_N directory")
+    ins.set_defaults(func=run_inspect)
+    conv = cmds.add_parser("convert", help="rewrite a checkpoint for another tensor/pipeline/virtual layout")
+    conv.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
+    conv.add_argument("--save", required=True, metavar="DIR", help="where the converted checkpoint goes")
+    conv.add_argument("--target-tensor-model-parallel-size", type=int, required=True, metavar="T")
+    conv.add_argument("--target-pipeline-model-parallel-size", type=int, required=True, metavar="P")
+    conv.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, metavar="V",
+                      help="interleaved pipeline: layers per virtual stage (default: not interleaved)")
+    conv.add_argument("--target-decoder-first-pipeline-num-layers", type=int, metavar="N")
+    conv.add_argument("--target-decoder-last-pipeline-num-layers", type=int, metavar="N")
+    conv.add_argument("--target-data-parallel-size", type=int, default=1, metavar="D",
+                      help="data-parallel replicas to write (default: 1; a resume with another dp reshards anyway)")
+    conv.set_defaults(func=run_convert)
+    exp = cmds.add_parser("export", help="the full model weights of a checkpoint to one safetensors file")
+    exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
+    exp.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
+    exp.set_defaults(func=run_export)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def resolve(path: str) -> str:
+    """An ``iter_N`` directory from a --save directory (its latest) or an ``iter_N`` directory."""
+    from omnitron.core.checkpoint import CheckpointError, find_latest
+
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    found = find_latest(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no checkpoint there (no metadata.json, no 'latest', no iter_* directory)")
+    return found
+
+
+def _fail(what: str, err: Exception) -> int:
+    print(f"omnitron checkpoint {what}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.reshard import Layout, read_full_state
+
+    try:
+        path = resolve(args.dir)
+        full = read_full_state(path)
+    except (CheckpointError, OSError, ValueError) as err:
+        return _fail("inspect", err)
+    meta = full.meta
+    print(f"checkpoint   {path}")
+    print(f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)")
+    print(f"layout       {Layout.from_dict(meta['layout'])} ({meta['world_size']} shards)")
+    if meta.get("resharded_from"):
+        print(f"converted    from {Layout.from_dict(meta['resharded_from'])} (no RNG state)")
+    m = meta["model"]
+    print(f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
+          f"vocab {m['vocab_size']}, {m.get('params_dtype')}")
+    print(f"parameters   {sum(t.numel() for t in full.model.values()):,}")
+    opt = full.optimizer_meta
+    print(f"optimizer    {opt.get('optimizer')} step {opt.get('step')}, state {sorted(full.optimizer)}"
+          + (f", loss scaler {opt['loss_scaler']}" if "loss_scaler" in opt else ""))
+    for name, t in sorted(full.model.items(), key=lambda kv: _natural(kv[0])):
+        print(f"  {name:60s} {str(tuple(t.shape)):>16s} {str(t.dtype).replace('torch.', '')}")
+    return 0
+
+
+def _natural(name: str) -> list:
+    """Sort key putting decoder.layers.10 after decoder.layers.9."""
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.reshard import Layout, convert, model_config, read_metadata
+    from omnitron.core.config.parallel import ConfigError
+
+    try:
+        path = resolve(args.load)
+        cfg = model_config(read_metadata(path)["model"])
+        target = _target_layout(args, cfg.num_layers)
+        out = convert(path, args.save, target)
+    except (CheckpointError, ConfigError, OSError, ValueError) as err:
+        return _fail("convert", err)
+    print(f"converted {path} ({Layout.from_dict(read_metadata(path)['layout'])}) to {out} ({target}); a resume "
+          f"continues the data order with fresh RNG streams")
+    return 0
+
+
+def _target_layout(args: argparse.Namespace, num_layers: int):
+    """The Layout the --target-* flags ask for (ConfigError naming the flag when they do not fit)."""
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.config.parallel import ConfigError
+
+    tp, pp, per = (args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size,
+                   args.target_num_layers_per_virtual_pipeline_stage)
+    for flag, v in (("--target-tensor-model-parallel-size", tp), ("--target-pipeline-model-parallel-size", pp),
+                    ("--target-data-parallel-size", args.target_data_parallel_size)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
+    vp = None
+    if per:
+        if per < 1 or num_layers % (pp * per):
+            raise ConfigError(f"--target-num-layers-per-virtual-pipeline-stage {per}: the model's {num_layers} "
+                              f"layers do not split into {pp} stages x chunks of {per}; pick a divisor")
+        vp = num_layers // (pp * per)
+    return Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size,
+                  first=args.target_decoder_first_pipeline_num_layers, last=args.target_decoder_last_pipeline_num_layers)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.reshard import export_safetensors
+
+    try:
+        path = resolve(args.load)
+        n = export_safetensors(path, args.out)
+    except (CheckpointError, OSError, ValueError) as err:
+        return _fail("export", err)
+    print(f"exported {n:,} parameters of {path} to {args.out}")
+    return 0

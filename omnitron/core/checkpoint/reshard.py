@@ -1,0 +1,318 @@
+"""Checkpoints under another parallel layout: full tensors by global name, and back.
+
+A checkpoint of any layout (tensor, pipeline, virtual-pipeline, uneven first/last stages, data
+and context parallel) reads into a :class:`FullState`: every model weight at its full, unpadded
+shape under its global name (``decoder.layers.7.mlp.linear_fc1.weight``; a stage names its layers
+by global index already) and every optimizer tensor (fp32 master, Adam moments, SGD momentum),
+which is cut exactly like its parameter. :func:`rank_shard` cuts a FullState for one rank of any
+other layout, in the format a training rank saves, so the same code converts offline
+(:func:`convert`) and loads online (``--load`` under a new layout).
+
+How each tensor is cut is the model's own knowledge: "skeleton" GPTModel chunks are built for the
+layout (tensor-parallel rank 0, no process group) and their parameters' sharding attributes drive
+:func:`~omnitron.core.parallel.tensor.sharding.merge_shards` (undo tp, drop vocab padding, the
+SwiGLU stride), ``fuse_full_state`` (replicated-KV attention to the canonical fused QKV) and
+:func:`~omnitron.core.models.gpt.state.full_state_shards` (the inverse). Weights are replicated
+over data- and context-parallel ranks, so the dp = cp = 0 shards are read.
+
+Not carried across layouts: RNG streams (one per rank; the resumed run draws fresh dropout
+streams from ``--seed``) and FP8 amax histories (per-rank amaxes of tp-local shards; scaling
+restarts from scratch). The optimizer step, loss scaler, scheduler, iteration and consumed
+samples (so the data order) carry over.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, write_checkpoint
+
+log = logging.getLogger("omnitron.train")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The parallel layout a checkpoint was written under (the metadata's ``layout``)."""
+
+    tp: int = 1
+    pp: int = 1
+    vp: int | None = None
+    """Model chunks per pipeline rank (None: not interleaved)."""
+    dp: int = 1
+    cp: int = 1
+    first: int | None = None
+    """--decoder-first-pipeline-num-layers."""
+    last: int | None = None
+    """--decoder-last-pipeline-num-layers."""
+
+    _KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+             "vp": "virtual_pipeline_model_parallel_size", "dp": "data_parallel_size", "cp": "context_parallel_size",
+             "first": "decoder_first_pipeline_num_layers", "last": "decoder_last_pipeline_num_layers"}
+
+    @classmethod
+    def from_dict(cls, layout: dict) -> "Layout":
+        """From a metadata ``layout`` dict (keys absent in older checkpoints take the defaults)."""
+        return cls(**{k: layout[v] for k, v in cls._KEYS.items() if layout.get(v) is not None})
+
+    def to_dict(self) -> dict:
+        return {v: getattr(self, k) for k, v in self._KEYS.items()}
+
+    @property
+    def chunks(self) -> int:
+        return self.vp or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def parallel_config(self):
+        from omnitron.core.config.parallel import ParallelConfig
+
+        return ParallelConfig(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                              virtual_pipeline_model_parallel_size=self.vp, context_parallel_size=self.cp,
+                              decoder_first_pipeline_num_layers=self.first,
+                              decoder_last_pipeline_num_layers=self.last)
+
+    def __str__(self) -> str:
+        s = f"tp{self.tp} pp{self.pp}" + (f" vp{self.vp}" if self.vp else "") + f" dp{self.dp}"
+        s += f" cp{self.cp}" if self.cp > 1 else ""
+        return s + (f" first{self.first}" if self.first is not None else "") + \
+            (f" last{self.last}" if self.last is not None else "")
+
+
+@dataclass
+class FullState:
+    """A checkpoint's layout-independent content (see the module docstring)."""
+
+    model: dict[str, torch.Tensor]
+    """Global parameter name -> full tensor (at the parameters' dtype)."""
+    optimizer: dict[str, dict[str, torch.Tensor]]
+    """Optimizer tensor kind (``master``, ``exp_avg``, ...) -> global name -> full tensor."""
+    optimizer_meta: dict
+    """The optimizer state dict without its tensors: step, optimizer name, loss scaler."""
+    scheduler: dict
+    meta: dict
+    """The source checkpoint's metadata."""
+    dropped: list[str] = field(default_factory=list)
+    """What the source held that does not carry over (``fp8``)."""
+
+
+def model_config(model: dict):
+    """The GPTConfig recorded in a checkpoint's metadata ``model`` dict."""
+    from omnitron.core.models.gpt.config import GPTConfig
+
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    kw = {k: v for k, v in model.items() if k in known}
+    if isinstance(kw.get("params_dtype"), str):  # saved as "torch.bfloat16"
+        kw["params_dtype"] = getattr(torch, kw["params_dtype"].rsplit(".", 1)[-1])
+    return GPTConfig(**kw)
+
+
+def skeleton_chunks(cfg, layout: Layout) -> dict[tuple[int, int], torch.nn.Module]:
+    """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 of ``layout``, built in this
+    process without communication: their parameters carry the sharding attributes (the same on
+    every tp rank) and their modules the fuse/split logic."""
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+
+    groups = ParallelGroups.single()
+    groups.config = layout.parallel_config()
+    groups.groups.update(tp=_RankZero("tp", tuple(range(layout.tp)), None),
+                         pp=_RankZero("pp", tuple(range(layout.pp)), None))
+    ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
+    out = {}
+    for (r, c), (offset, n) in sorted(ranges.items()):
+        first, last = r == 0 and c == 0, r == layout.pp - 1 and c == layout.chunks - 1
+        out[(r, c)] = GPTModel(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
+                               backend=get_backend("cpu"), seed=0)
+    return out
+
+
+def _rank_zero_group():
+    from omnitron.core.parallel.groups import Group
+
+    class RankZero(Group):
+        """A group seen from its member 0, whatever this process's world rank (skeletons only)."""
+
+        @property
+        def rank(self) -> int:
+            return 0
+
+    return RankZero
+
+
+_RankZero = _rank_zero_group()
+
+
+def owner(name: str) -> str:
+    """What a tensor belongs to for filtering: its transformer layer (``decoder.layers.7``; the
+    fused and split attention names of one layer agree on it), else the name itself."""
+    m = re.match(r"^(decoder\.layers\.\d+)\.", name)
+    return m.group(1) if m else name
+
+
+def needed_owners(chunks) -> set[str]:
+    """:func:`owner` of every parameter of ``chunks`` (a tied output copy needs the embedding)."""
+    return {owner(getattr(p, "init_name", n)) for m in chunks for n, p in m.named_parameters()}
+
+
+def _merge_chunk(skel, c: int, models: list[dict], optims: list[dict], path: str) -> tuple[dict, dict]:
+    """(full model tensors, {kind: full optimizer tensors}) of chunk ``c`` from its tp shards."""
+    from omnitron.core.parallel.tensor.sharding import merge_shards
+
+    model, optim = {}, {}
+    for name, p in skel.named_parameters():
+        if getattr(p, "shared_embedding", False):
+            continue  # the last stage's copy of a tied embedding equals the first stage's
+        key = f"chunk{c}.{name}"  # the optimizer's naming (training/components.py)
+        if any(name not in sd for sd in models) or any(key not in o for o in optims):
+            raise CheckpointError(f"{path}: no tensor for {name} (chunk {c}) in the shards; the checkpoint does "
+                                  f"not match its own metadata (model or layout): it is corrupt")
+        model[name] = merge_shards([sd[name] for sd in models], p)
+        for kind in optims[0][key] if optims else ():
+            optim.setdefault(kind, {})[name] = merge_shards([o[key][kind] for o in optims], p)
+    for prefix, mod in skel.named_modules():
+        if hasattr(mod, "fuse_full_state"):
+            for d in (model, *optim.values()):
+                mod.fuse_full_state(prefix + ".", d)
+    return model, optim
+
+
+def _stage_ranks(layout: Layout) -> dict[int, list[int]]:
+    """World ranks of tp ranks 0..tp-1 at dp = cp = 0, per pipeline rank."""
+    from omnitron.core.parallel.grid import coord_of
+
+    cfg, out = layout.parallel_config(), {}
+    for w in range(layout.world_size):
+        co = coord_of(cfg, layout.world_size, w)
+        if co.dp == 0 and co.cp == 0:
+            out.setdefault(co.pp, [None] * layout.tp)[co.tp] = w
+    return out
+
+
+def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer: bool = True) -> FullState:
+    """The checkpoint directory ``path`` as full tensors; ``owners`` (see :func:`needed_owners`)
+    keeps only those tensors and skips the pipeline stages holding none of them. One process, no
+    communication; one stage's tp shards are in memory at a time."""
+    meta = read_metadata(path)
+    layout = Layout.from_dict(meta["layout"])
+    skeletons = skeleton_chunks(model_config(meta["model"]), layout)
+    full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
+    for pp_rank, ranks in sorted(_stage_ranks(layout).items()):
+        stage = {c: m for (r, c), m in skeletons.items() if r == pp_rank}
+        if pp_rank and owners is not None and not owners & needed_owners(stage.values()):
+            continue
+        shards = [read_shard(path, w) for w in ranks]
+        for w, s in zip(ranks, shards):
+            if len(s.get("model", ())) != layout.chunks:
+                raise CheckpointError(f"{path}: shard of rank {w} holds {len(s.get('model', ()))} model chunks, the "
+                                      f"metadata's layout ({layout}) {layout.chunks}; the checkpoint is corrupt")
+        if pp_rank == 0:
+            full.optimizer_meta = {k: v for k, v in shards[0]["optimizer"].items() if k != "tensors"}
+            full.scheduler = shards[0]["scheduler"]
+            full.dropped = ["fp8"] if "fp8" in shards[0] else []
+        for c, skel in stage.items():
+            optims = [s["optimizer"]["tensors"] for s in shards] if with_optimizer else []
+            model, optim = _merge_chunk(skel, c, [s["model"][c] for s in shards], optims, path)
+            keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
+            full.model.update({n: t for n, t in model.items() if keep(n)})
+            for kind, d in optim.items():
+                full.optimizer.setdefault(kind, {}).update({n: t for n, t in d.items() if keep(n)})
+        del shards
+    return full
+
+
+def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
+    """One rank's checkpoint shard (``model``, ``optimizer``, ``scheduler``; no RNG) for ``chunks``
+    (its skeleton or live model chunks) at tensor-parallel rank ``tp_rank`` of ``tp_size``.
+
+    Masters are written for low-precision parameters only (as the optimizer does); when the source
+    kept none (fp32 weights) the weights are the masters."""
+    from omnitron.core.models.gpt.state import full_state_shards
+
+    masters = {n: t.float() for n, t in full.model.items()}
+    masters.update(full.optimizer.get("master", {}))
+    kinds = {k: d for k, d in full.optimizer.items() if k != "master"}
+    models, tensors = [], {}
+    for c, chunk in enumerate(chunks):
+        local = full_state_shards(chunk, full.model, tp_size, tp_rank)
+        sd = chunk.state_dict()
+        models.append({k: _own(local[k]) if k in local else v for k, v in sd.items()})
+        per_kind = {k: full_state_shards(chunk, d, tp_size, tp_rank, keep_dtype=True) for k, d in kinds.items()}
+        low = [n for n, p in chunk.named_parameters() if p.dtype != torch.float32]
+        if low:
+            per_kind["master"] = full_state_shards(chunk, masters, tp_size, tp_rank, keep_dtype=True)
+        for name, p in chunk.named_parameters():
+            if p.requires_grad:
+                entry = {k: _own(d[name]) for k, d in per_kind.items() if k != "master" or name in low}
+                tensors[f"chunk{c}.{name}"] = entry
+    return {"model": models, "optimizer": dict(full.optimizer_meta, tensors=tensors), "scheduler": full.scheduler}
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A tensor owning exactly its storage (torch.save writes a view's whole storage)."""
+    return t.detach().clone() if t.untyped_storage().nbytes() != t.nbytes else t.detach()
+
+
+def _target_config(flat: dict, cfg, target: Layout) -> dict:
+    """The source run's flat config with the layout flags of ``target`` (so ``omnitron generate``
+    and a resume read the new layout)."""
+    out = {k: v for k, v in flat.items() if k not in ("num_layers_per_virtual_pipeline_stage",
+                                                      "decoder_first_pipeline_num_layers",
+                                                      "decoder_last_pipeline_num_layers")}
+    out.update(tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
+               context_parallel_size=target.cp)
+    if target.vp:
+        out["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (target.pp * target.vp)
+    if target.first is not None:
+        out["decoder_first_pipeline_num_layers"] = target.first
+    if target.last is not None:
+        out["decoder_last_pipeline_num_layers"] = target.last
+    return out
+
+
+def convert(path: str, save_dir: str, target: Layout) -> str:
+    """Write checkpoint directory ``path`` (an ``iter_N``) under ``save_dir`` in layout ``target``;
+    returns the new ``iter_N`` directory. Offline, one process. Shards hold no RNG state (a resume
+    draws fresh streams, logged); metadata records ``resharded_from``."""
+    full = read_full_state(path)
+    meta = full.meta
+    cfg = model_config(meta["model"])
+    skeletons = skeleton_chunks(cfg, target)  # raises ConfigError when the model does not split so
+    from omnitron.core.parallel.grid import coord_of
+
+    def shards():
+        pc, cache = target.parallel_config(), {}
+        for w in range(target.world_size):
+            co = coord_of(pc, target.world_size, w)
+            if (co.pp, co.tp) not in cache:  # dp / cp replicas hold the same shard
+                cache.clear()
+                chunks = [skeletons[(co.pp, c)] for c in range(target.chunks)]
+                cache[(co.pp, co.tp)] = rank_shard(full, chunks, target.tp, co.tp)
+            yield w, cache[(co.pp, co.tp)]
+
+    new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
+                "config": _target_config(meta.get("config", {}), cfg, target),
+                "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}
+    return write_checkpoint(save_dir, int(meta["iteration"]), shards(), new_meta, world_size=target.world_size)
+
+
+def export_safetensors(path: str, out_file: str) -> int:
+    """Every full model weight of checkpoint directory ``path`` into one safetensors file, keyed by
+    global parameter name (plus the metadata's model config as a JSON string); returns the number
+    of parameters written."""
+    import json
+
+    from safetensors.torch import save_file
+
+    full = read_full_state(path, with_optimizer=False)
+    tensors = {n: t.contiguous() for n, t in full.model.items()}
+    save_file(tensors, out_file, metadata={"model": json.dumps(full.meta["model"]),
+                                           "iteration": str(full.meta["iteration"])})
+    return sum(t.numel() for t in tensors.values())
