@@ -2,11 +2,14 @@
 
 * :class:`MixedPrecisionOptimizer` — fp32 masters, AdamW (the registry's fused ``adamw_step``) or
   SGD, fp16 loss-scale skipping, global-norm clipping; ``step(lr) -> StepResult``.
+* :class:`DistributedOptimizer` — the same, with masters and states sharded over data x context
+  parallel ranks (ZeRO-1, ``--use-distributed-optimizer``); same checkpoint format.
 * :class:`LRScheduler` — warmup + constant/linear/cosine/WSD; ``lr(iteration)``.
 * :func:`global_grad_norm` — the single-process-equal norm over tp/pp/cp ranks.
 """
 from omnitron.core.optim.clip import global_grad_norm
+from omnitron.core.optim.distributed import DistributedOptimizer
 from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, StepResult
 from omnitron.core.optim.schedules import LRScheduler
 
-__all__ = ["LRScheduler", "MixedPrecisionOptimizer", "StepResult", "global_grad_norm"]
+__all__ = ["DistributedOptimizer", "LRScheduler", "MixedPrecisionOptimizer", "StepResult", "global_grad_norm"]

@@ -24,16 +24,21 @@ def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int, duplicates: set[
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], groups, collectives,
-                     kernels, duplicates: set[int] = frozenset()) -> float:
-    """The L2 norm of all gradients of the model replica (equal to the single-process norm)."""
+                     kernels, duplicates: set[int] = frozenset(), reduce_over: tuple | None = None) -> float:
+    """The L2 norm of all gradients of the model replica (equal to the single-process norm).
+
+    ``grads[i]`` is (a part of) ``params[i]``'s gradient. ``reduce_over``: the groups whose sum of
+    squares makes the whole (default ``groups.tp_pp_cp``); a distributed optimizer, whose ranks own
+    disjoint slices, passes ``(groups.dp_cp, groups.mp)``.
+    """
     tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
     mine = [g for p, g in zip(params, grads) if counts_toward_norm(p, tp_rank, duplicates)]
     device = grads[0].device if grads else None
     total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32, device=device)
     total = total.reshape(1).float()
-    group = groups.tp_pp_cp
-    if group.handle is not None:
-        collectives.all_reduce(total, op=ReduceOp.SUM, group=group.handle)
+    for group in reduce_over or (groups.tp_pp_cp,):
+        if group.handle is not None:
+            collectives.all_reduce(total, op=ReduceOp.SUM, group=group.handle)
     return math.sqrt(total.item())
 
 

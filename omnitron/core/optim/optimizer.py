@@ -80,10 +80,19 @@ class MixedPrecisionOptimizer:
             flag = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float().reshape(1)
         else:
             flag = torch.zeros(1, dtype=torch.float32)
-        group = self.groups.tp_pp_cp
-        if group.handle is not None:
-            self.backend.collectives.all_reduce(flag, op=ReduceOp.MAX, group=group.handle)
+        for group in self._replica_groups():
+            if group.handle is not None:
+                self.backend.collectives.all_reduce(flag, op=ReduceOp.MAX, group=group.handle)
         return bool(flag.item() > 0)
+
+    def _replica_groups(self) -> tuple:
+        """Groups whose ranks together hold every gradient element (each replica holds all of them)."""
+        return (self.groups.tp_pp_cp,)
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Global L2 norm of ``grads`` (aligned with ``self.params``), equal to the single-process norm."""
+        return global_grad_norm(self.params, grads, self.groups, self.backend.collectives, self.backend.kernels,
+                                self.duplicates)
 
     @torch.no_grad()
     def reload_masters(self) -> None:
@@ -109,8 +118,7 @@ class MixedPrecisionOptimizer:
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return StepResult(True, None, lr, scale)
-        norm = global_grad_norm(self.params, grads, self.groups, self.backend.collectives, self.backend.kernels,
-                                self.duplicates)
+        norm = self._grad_norm(grads)
         coef = clip_coefficient(norm, self.config.clip_grad)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
@@ -119,13 +127,18 @@ class MixedPrecisionOptimizer:
             self._adamw(grads, lr)
         else:
             self._sgd(grads, lr)
-        for p, m in zip(self.params, self.masters):
-            if p.dtype != torch.float32:
-                p.data.copy_(m)
+        self._copy_to_model()
+        for p in self.params:
             # .data writes and fused kernels bypass the version counter: bump it so caches keyed on it
             # (the FP8 executor's quantized weights) see the update
             torch.autograd.graph.increment_version(p)
         return StepResult(False, norm, lr, scale)
+
+    def _copy_to_model(self) -> None:
+        """Write the updated fp32 masters into the (bf16/fp16) model parameters."""
+        for p, m in zip(self.params, self.masters):
+            if p.dtype != torch.float32:
+                p.data.copy_(m)
 
     def _adamw(self, grads: list[torch.Tensor], lr: float) -> None:
         c = self.config
@@ -168,13 +181,28 @@ class MixedPrecisionOptimizer:
             out["loss_scaler"] = self.loss_scaler.state_dict()
         return out
 
-    def load_state_dict(self, state: dict) -> None:
+    def state_bytes(self) -> int:
+        """Bytes of storage this rank holds for masters and optimizer states (masters that are the model's
+        own fp32 parameters excluded): measured on the tensors' storages, for memory reports."""
+        params = {p.untyped_storage().data_ptr() for p in self.params}
+        seen: dict[int, int] = {}
+        for t in [*self.masters, *(t for bufs in self.state.values() for t in bufs)]:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def _check_loadable(self, state: dict) -> None:
+        """Raise a clear error when ``state`` was saved for another optimizer or model."""
         if state["optimizer"] != self.config.optimizer:
             raise ValueError(f"checkpoint optimizer {state['optimizer']!r} differs from --optimizer "
                              f"{self.config.optimizer!r}; pass the same --optimizer or use --no-load-optim")
         missing = sorted(set(self.names) - set(state["tensors"]))
         if missing:
             raise ValueError(f"checkpoint optimizer state lacks parameters {missing[:3]}...; the model differs")
+
+    def load_state_dict(self, state: dict) -> None:
+        self._check_loadable(state)
         with torch.no_grad():
             for i, name in enumerate(self.names):
                 entry = state["tensors"][name]
@@ -182,6 +210,10 @@ class MixedPrecisionOptimizer:
                     bufs[i].copy_(entry[key])
                 if "master" in entry:
                     self.masters[i].copy_(entry["master"])
+        self._load_counters(state)
+
+    def _load_counters(self, state: dict) -> None:
+        """The step count and the loss scaler's state."""
         self.step_count = int(state["step"])
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])

@@ -15,7 +15,7 @@ import torch
 
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
-from omnitron.core.optim import LRScheduler, MixedPrecisionOptimizer
+from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 from omnitron.core.parallel.pipeline.schedules import build_schedule
@@ -112,6 +112,14 @@ def enable_fp8_if_asked(modules, settings, groups, cfg, backend) -> dict:
     return {"fp8_state": lambda: fp8_state_dict(modules), "fp8_load": lambda st: load_fp8_state_dict(modules, st)}
 
 
+def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> MixedPrecisionOptimizer:
+    """The distributed (ZeRO-1) optimizer with --use-distributed-optimizer, else the replicated one."""
+    kw = {"backend": backend, "loss_scaler": build_loss_scaler(settings.precision), "duplicates": duplicates}
+    if getattr(settings.ddp, "use_distributed_optimizer", False):
+        return DistributedOptimizer(named, settings.optim, groups, chunks=chunks, **kw)
+    return MixedPrecisionOptimizer(named, settings.optim, groups, **kw)
+
+
 def build_components(settings, backend) -> Components:
     from omnitron.core.data import build_tokenizer
 
@@ -125,9 +133,7 @@ def build_components(settings, backend) -> Components:
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
     chunks = wrap_data_parallel(modules, settings, groups)
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
-    optimizer = MixedPrecisionOptimizer(named, settings.optim, groups, backend=backend,
-                                        loss_scaler=build_loss_scaler(settings.precision),
-                                        duplicates=duplicate_params(modules))
+    optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
     scheduler = LRScheduler(settings.optim, settings.training.train_iters)
     pp, vp = groups.pp.size, settings.parallel.virtual_pipeline_model_parallel_size
     schedule = build_schedule(settings.training.pipeline_schedule, pp, vp, settings.num_microbatches)

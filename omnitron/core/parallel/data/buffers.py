@@ -3,7 +3,9 @@
 Parameters are laid out in reverse registration order (roughly the order backward produces
 their gradients), so buckets fill one after another during backward. Each bucket is padded to
 a multiple of the data-parallel size: a distributed optimizer can reduce-scatter exactly the
-same buckets and own one contiguous shard of each.
+same buckets and own one contiguous shard of each. Parameters passed as ``isolate`` (the tied word
+embedding's copies on the first and last pipeline stage) get a bucket of their own, so both copies
+are cut into the same shards and their gradients can be summed shard by shard after the scatter.
 """
 from __future__ import annotations
 
@@ -41,22 +43,28 @@ class GradBuffer:
     """One flat tensor holding ``main_grad`` for a list of parameters, in ``grad_dtype``."""
 
     def __init__(self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, bucket_size: int,
-                 shards: int) -> None:
+                 shards: int, isolate: frozenset[int] = frozenset()) -> None:
         self.params, self.grad_dtype, self.shards = params, grad_dtype, shards
         plan: list[tuple[list, int, int]] = []  # (params, start, padded size)
         index: dict[int, tuple[int, int]] = {}  # id(param) -> (start, numel)
         start, cur, cur_start = 0, [], 0
-        for p in params:  # already in backward order
-            index[id(p)] = (start, p.numel())
-            cur.append(p)
-            start += p.numel()
-            if start - cur_start >= bucket_size:
+
+        def close() -> None:
+            nonlocal start, cur, cur_start
+            if cur:
                 start = cur_start + _pad(start - cur_start, shards)
                 plan.append((cur, cur_start, start - cur_start))
                 cur, cur_start = [], start
-        if cur:
-            start = cur_start + _pad(start - cur_start, shards)
-            plan.append((cur, cur_start, start - cur_start))
+
+        for p in params:  # already in backward order
+            if id(p) in isolate:
+                close()
+            index[id(p)] = (start, p.numel())
+            cur.append(p)
+            start += p.numel()
+            if start - cur_start >= bucket_size or id(p) in isolate:
+                close()
+        close()
         device = params[0].device if params else torch.device("cpu")
         self.data = torch.zeros(start, dtype=grad_dtype, device=device)
         self.buckets = [Bucket(ps, self.data[s:s + n], s, shards) for ps, s, n in plan]

@@ -21,6 +21,10 @@ class DataParallelConfig:
     reduce_scatter: bool = False
     """Reduce-scatter each bucket instead of all-reducing it (for a distributed optimizer): afterwards
     only this rank's shard of every bucket (``Bucket.shard``) holds the reduced gradient."""
+    use_distributed_optimizer: bool = False
+    """--use-distributed-optimizer: shard fp32 master weights and optimizer states over data x context
+    parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are reduce-scattered, each rank
+    updates its own contiguous slice of every bucket, and the updated parameters are all-gathered."""
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and self.bucket_size < 1:

@@ -36,7 +36,11 @@ class DistributedDataParallel(torch.nn.Module):
         for p in params:
             dt = torch.float32 if self.config.accumulate_allreduce_grads_in_fp32 else p.dtype
             by_dtype.setdefault(dt, []).append(p)
-        self.buffers = [GradBuffer(ps, dt, bucket_size, size) for dt, ps in by_dtype.items()]
+        self.reduce_scatter = self.config.reduce_scatter or self.config.use_distributed_optimizer
+        # NOTE: with reduce-scatter the tied embedding's copies need identical shards (see buffers.py)
+        shared = getattr(module, "shared_embedding_parameters", None)
+        isolate = frozenset(id(p) for p in shared()) if self.reduce_scatter and shared is not None else frozenset()
+        self.buffers = [GradBuffer(ps, dt, bucket_size, size, isolate) for dt, ps in by_dtype.items()]
         self._bucket_of = {k: v for buf in self.buffers for k, v in buf.bucket_of.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         self.broadcast_params()
@@ -73,7 +77,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.group.size == 1:
             return
         bucket.data.mul_(1.0 / self.group.size)
-        if self.config.reduce_scatter:
+        if self.reduce_scatter:
             out = torch.empty_like(bucket.shard(0))
             handle = self.coll.reduce_scatter(out, bucket.data, group=self.group.handle, async_op=True)
             bucket.handle = _ShardCopy(handle, out, bucket.shard(self.group.rank))

@@ -1,0 +1,223 @@
+"""Distributed optimizer (ZeRO-1, Megatron's ``--use-distributed-optimizer``).
+
+The fp32 master weights and the optimizer states are sharded over the data x context parallel
+group (``groups.dp_cp``). The shard layout is the data-parallel wrapper's: every bucket of every
+gradient buffer is cut into ``dp_cp`` equal contiguous slices (``Bucket.shard``) and rank ``r``
+owns slice ``r`` of each. The wrapper reduce-scatters each bucket (overlapped with backward when
+asked), so after ``finalize_model_grads`` this rank's slice holds the averaged gradient; the step
+unscales, checks for inf, clips by the global norm and updates only the owned slice, then
+all-gathers each bucket's updated parameters (in the model's dtype) into every replica.
+
+A parameter may straddle two ranks' slices; each rank then holds the part it owns (one
+contiguous element range of the flattened parameter), so weight decay (never on 1-D params or
+biases) is decided per parameter and applies to each range of it.
+
+Checkpoints use :class:`MixedPrecisionOptimizer`'s format exactly (per parameter name, tensors
+at the parameter's local tp-sharded shape): ``state_dict`` all-gathers the slices and
+``load_state_dict`` takes its own slice, so either optimizer, at any data-parallel size, resumes
+from either's checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnitron.core.config.training import OptimizerConfig
+from omnitron.core.optim.clip import global_grad_norm
+from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, _decays
+from omnitron.core.parallel.data.ddp import DistributedDataParallel
+
+
+@dataclass
+class _Slice:
+    """The part of one parameter this rank owns: flattened elements ``[lo, hi)``."""
+
+    param: int
+    """Index into ``optimizer.params``."""
+    lo: int
+    hi: int
+    grad: torch.Tensor
+    """The owned gradient elements, a view into the wrapper's buffer."""
+
+
+@dataclass
+class _BucketPlan:
+    """How to rebuild a bucket's full contents from every rank's slice."""
+
+    size: int
+    """Elements in the (padded) bucket."""
+    shard_start: int
+    """Where this rank's slice starts, relative to the bucket."""
+    slices: list[tuple[int, int]]
+    """(slice index, offset relative to the bucket) of the owned slices in this bucket."""
+    params: list[tuple[int, int]]
+    """(param index, offset relative to the bucket) of every parameter in the bucket."""
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """:class:`MixedPrecisionOptimizer` with masters and states for this rank's slices only.
+
+    ``chunks``: this rank's model chunks wrapped in ``DistributedDataParallel`` (their gradient
+    buffers define the slices); every optimized parameter must live in one of their buffers, cut
+    into ``groups.dp_cp.size`` shards. ``masters``, ``state`` and ``decay`` are per owned slice.
+    """
+
+    def __init__(self, named_params, config: OptimizerConfig, groups, *, backend, chunks, loss_scaler=None,
+                 duplicates=()) -> None:
+        self.config, self.groups, self.backend = config, groups, backend
+        self.loss_scaler = loss_scaler
+        self.duplicates = {id(p) for p in duplicates}
+        self.step_count = 0
+        self.names, self.params = [], []
+        for name, p in named_params:
+            if p.requires_grad:
+                self.names.append(name)
+                self.params.append(p)
+        self.slices, self.plans = _plan_slices(self.params, chunks, groups.dp_cp)
+        self.decay = [_decays(self.names[s.param], self.params[s.param]) for s in self.slices]
+        self.masters = []
+        for s in self.slices:
+            flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
+            # fp32 parameters are their own masters (a view: the update lands in the model directly)
+            self.masters.append(flat if flat.dtype == torch.float32 else flat.float().clone())
+        self.state: dict[str, list[torch.Tensor]] = {}
+        if config.optimizer in ("adam", "adamw"):
+            self.state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
+            self.state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
+        elif config.optimizer == "sgd" and config.sgd_momentum:
+            self.state["momentum"] = [torch.zeros_like(m) for m in self.masters]
+
+    # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
+    def _fp32_grads(self) -> list[torch.Tensor]:
+        return [s.grad if s.grad.dtype == torch.float32 else s.grad.float() for s in self.slices]
+
+    def _replica_groups(self) -> tuple:
+        return (self.groups.dp_cp, self.groups.tp_pp_cp)
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        owners = [self.params[s.param] for s in self.slices]
+        # NOTE: slices are disjoint over dp_cp, and dp_cp x mp covers every rank of a dense model once
+        return global_grad_norm(owners, grads, self.groups, self.backend.collectives, self.backend.kernels,
+                                self.duplicates, reduce_over=(self.groups.dp_cp, self.groups.mp))
+
+    @torch.no_grad()
+    def _copy_to_model(self) -> None:
+        """All-gather the updated slices, bucket by bucket, into every replica's parameters."""
+        def write(i: int, flat: torch.Tensor) -> None:
+            self.params[i].data.view(-1).copy_(flat)
+
+        self._gather(self.masters, None, write)
+
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        for s, m in zip(self.slices, self.masters):
+            flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
+            if m.data_ptr() != flat.data_ptr():
+                m.copy_(flat)
+
+    # ---- collectives -----------------------------------------------------------------------
+    def _gather(self, values: list[torch.Tensor], dtype: torch.dtype | None, sink) -> None:
+        """All-gather per-slice ``values`` into whole flat parameters; calls ``sink(param index, flat)``.
+
+        ``dtype=None`` gathers in each bucket's parameter dtype (one of them, fp32 if they differ).
+        All buckets' gathers are started before the first is waited on.
+        """
+        group, coll = self.groups.dp_cp, self.backend.collectives
+        pending = []
+        for plan in self.plans:
+            dt = dtype or _bucket_dtype([self.params[i] for i, _ in plan.params])
+            n = plan.size // max(group.size, 1)
+            local = torch.zeros(n, dtype=dt, device=self.backend.current_device())
+            for j, off in plan.slices:
+                local[off - plan.shard_start:off - plan.shard_start + values[j].numel()].copy_(values[j])
+            if group.handle is None:
+                pending.append((plan, local, None))
+                continue
+            full = torch.empty(plan.size, dtype=dt, device=local.device)
+            pending.append((plan, full, coll.all_gather(full, local, group=group.handle, async_op=True)))
+        for plan, full, handle in pending:
+            if handle is not None:
+                handle.wait()
+            for i, off in plan.params:
+                sink(i, full[off:off + self.params[i].numel()])
+
+    # ---- state: the plain optimizer's per-parameter format ---------------------------------
+    def state_dict(self) -> dict:
+        """Exactly :meth:`MixedPrecisionOptimizer.state_dict`'s format (collective over ``dp_cp``)."""
+        full: dict[str, dict[int, torch.Tensor]] = {}
+        keys = list(self.state) + (["master"] if any(p.dtype != torch.float32 for p in self.params) else [])
+        for key in keys:
+            values = self.masters if key == "master" else self.state[key]
+            out: dict[int, torch.Tensor] = {}
+            self._gather(values, torch.float32, lambda i, flat, out=out: out.__setitem__(
+                i, flat.clone().view(self.params[i].shape)))
+            full[key] = out
+        tensors = {}
+        for i, name in enumerate(self.names):
+            entry = {k: full[k][i] for k in self.state}
+            if self.params[i].dtype != torch.float32:
+                entry["master"] = full["master"][i]
+            tensors[name] = entry
+        out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": tensors}
+        if self.loss_scaler is not None:
+            out["loss_scaler"] = self.loss_scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take this rank's slices of a per-parameter state (saved by either optimizer, any dp size)."""
+        self._check_loadable(state)
+        with torch.no_grad():
+            for j, s in enumerate(self.slices):
+                entry = state["tensors"][self.names[s.param]]
+                for key, bufs in self.state.items():
+                    bufs[j].copy_(entry[key].reshape(-1)[s.lo:s.hi])
+                if "master" in entry and self.params[s.param].dtype != torch.float32:
+                    self.masters[j].copy_(entry["master"].reshape(-1)[s.lo:s.hi])
+        self._load_counters(state)
+
+
+def _bucket_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
+    dtypes = {p.dtype for p in params}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _plan_slices(params: list[torch.nn.Parameter], chunks, group) -> tuple[list[_Slice], list[_BucketPlan]]:
+    """This rank's owned slices (in buffer order) and one gather plan per bucket."""
+    experts = [p for p in params if getattr(p, "expert", False)]
+    if experts:
+        raise ValueError(f"--use-distributed-optimizer does not shard MoE expert parameters yet ({len(experts)} "
+                         f"here, replicated over the expert-data-parallel group); drop --use-distributed-optimizer")
+    index = {id(p): i for i, p in enumerate(params)}
+    buffers = [b for c in chunks if isinstance(c, DistributedDataParallel) for b in c.buffers]
+    rank, size = (group.rank, group.size) if group.size > 1 else (0, 1)
+    slices, plans, covered = [], [], set()
+    for buf in buffers:
+        if buf.shards != size:
+            raise ValueError(f"a gradient buffer is cut into {buf.shards} shards but the data x context parallel "
+                             f"group has {size} ranks; build the data-parallel wrapper with the same groups")
+        for bucket in buf.buckets:
+            n = bucket.data.numel() // size
+            lo_own, hi_own = bucket.offset + rank * n, bucket.offset + (rank + 1) * n
+            plan = _BucketPlan(bucket.data.numel(), rank * n, [], [])
+            for p in bucket.params:
+                if id(p) not in index:
+                    continue
+                if not p.is_contiguous():
+                    raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; the distributed "
+                                     f"optimizer writes it as a flat range")
+                i = index[id(p)]
+                start, numel = buf.param_range(p)
+                plan.params.append((i, start - bucket.offset))
+                covered.add(i)
+                lo, hi = max(start, lo_own), min(start + numel, hi_own)
+                if hi > lo:
+                    plan.slices.append((len(slices), lo - bucket.offset))
+                    slices.append(_Slice(i, lo - start, hi - start, buf.data[lo:hi]))
+            plans.append(plan)
+    missing = [i for i in range(len(params)) if i not in covered]
+    if missing:
+        raise ValueError(f"{len(missing)} parameters (first of shape {tuple(params[missing[0]].shape)}) are in no "
+                         f"data-parallel gradient buffer; wrap every model chunk in DistributedDataParallel "
+                         f"before building the DistributedOptimizer (--use-distributed-optimizer)")
+    return slices, plans
