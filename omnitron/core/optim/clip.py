@@ -5,7 +5,8 @@ tensor-parallel shards (``param.tensor_model_parallel``) on every tp rank, repli
 (norms, biases of row-parallel layers) on tp rank 0 only, and the pipeline's duplicate of a
 tied embedding not at all. One all-reduce over ``groups.tp_pp_cp`` then gives the norm a single
 process would compute. Data-parallel replicas hold identical (already averaged) gradients, so
-they are not summed again.
+they are not summed again. MoE expert gradients are summed over the expert-parallel group and
+counted once per pipeline stage (:func:`expert_norm_sq`).
 """
 from __future__ import annotations
 
@@ -32,14 +33,31 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     disjoint slices, passes ``(groups.dp_cp, groups.mp)``.
     """
     tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
-    mine = [g for p, g in zip(params, grads) if counts_toward_norm(p, tp_rank, duplicates)]
+    expert = [bool(getattr(p, "expert", False)) for p in params]
+    mine = [g for p, g, ex in zip(params, grads, expert) if not ex and counts_toward_norm(p, tp_rank, duplicates)]
     device = grads[0].device if grads else None
     total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32, device=device)
     total = total.reshape(1).float()
+    total += expert_norm_sq([g for g, ex in zip(grads, expert) if ex], groups, collectives, kernels, device)
     for group in reduce_over or (groups.tp_pp_cp,):
         if group.handle is not None:
             collectives.all_reduce(total, op=ReduceOp.SUM, group=group.handle)
     return math.sqrt(total.item())
+
+
+def expert_norm_sq(grads: list[torch.Tensor], groups, collectives, kernels, device) -> torch.Tensor:
+    """Sum of squares of this pipeline stage's MoE expert gradients (``param.expert``), as ``[1]``.
+
+    Each ep rank holds different experts (summed over ``groups.ep``); ranks that differ only in
+    edp hold the same ones (counted once). The stage's total is returned on tp/cp rank 0 only
+    (zero elsewhere), so the caller's sum over ``tp_pp_cp`` counts it once per stage.
+    """
+    sq = kernels.grad_norm_sq(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
+    sq = sq.reshape(1).float()
+    if groups.ep.handle is not None:
+        collectives.all_reduce(sq, op=ReduceOp.SUM, group=groups.ep.handle)
+    first = all(g.size == 1 or g.rank == 0 for g in (groups.tp, groups.cp))
+    return sq if first else torch.zeros_like(sq)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

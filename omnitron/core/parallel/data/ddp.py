@@ -27,20 +27,27 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.config = config or DataParallelConfig()
         self.group = groups.dp_cp
+        self._expert_group = groups.edp
         self.coll = collectives or groups.collectives or _default_collectives()
         self.is_last_microbatch = True
         size = self.group.size
         bucket_size = self.config.bucket_size or max(40_000_000, 1_000_000 * size)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
-        by_dtype: dict[torch.dtype, list] = {}
+        by_dtype: dict[tuple[torch.dtype, bool], list] = {}
         for p in params:
             dt = torch.float32 if self.config.accumulate_allreduce_grads_in_fp32 else p.dtype
-            by_dtype.setdefault(dt, []).append(p)
+            by_dtype.setdefault((dt, _is_expert(p)), []).append(p)
         self.reduce_scatter = self.config.reduce_scatter or self.config.use_distributed_optimizer
         # NOTE: with reduce-scatter the tied embedding's copies need identical shards (see buffers.py)
         shared = getattr(module, "shared_embedding_parameters", None)
         isolate = frozenset(id(p) for p in shared()) if self.reduce_scatter and shared is not None else frozenset()
-        self.buffers = [GradBuffer(ps, dt, bucket_size, size, isolate) for dt, ps in by_dtype.items()]
+        # NOTE: MoE expert parameters (``p.expert``) are replicated over groups.edp only: they get buffers
+        # of their own, pre-divided by dp x cp like the rest (each rank's tokens are a 1/(dp x cp) share of
+        # the batch) and summed over edp
+        self.buffer_groups = [groups.edp if ex else self.group for _, ex in by_dtype]
+        self.buffers = [GradBuffer(ps, dt, bucket_size, g.size, isolate)
+                        for ((dt, _), ps), g in zip(by_dtype.items(), self.buffer_groups)]
+        self._group_of = {id(b): g for buf, g in zip(self.buffers, self.buffer_groups) for b in buf.buckets}
         self._bucket_of = {k: v for buf in self.buffers for k, v in buf.bucket_of.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         self.broadcast_params()
@@ -74,15 +81,17 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         bucket.launched = True
-        if self.group.size == 1:
+        group = self._group_of[id(bucket)]  # dp x cp, or edp for expert buckets
+        if self.group.size > 1:
+            bucket.data.mul_(1.0 / self.group.size)
+        if group.size == 1:
             return
-        bucket.data.mul_(1.0 / self.group.size)
         if self.reduce_scatter:
             out = torch.empty_like(bucket.shard(0))
-            handle = self.coll.reduce_scatter(out, bucket.data, group=self.group.handle, async_op=True)
-            bucket.handle = _ShardCopy(handle, out, bucket.shard(self.group.rank))
+            handle = self.coll.reduce_scatter(out, bucket.data, group=group.handle, async_op=True)
+            bucket.handle = _ShardCopy(handle, out, bucket.shard(group.rank))
         else:
-            bucket.handle = self.coll.all_reduce(bucket.data, group=self.group.handle, async_op=True)
+            bucket.handle = self.coll.all_reduce(bucket.data, group=group.handle, async_op=True)
         if not async_op:
             bucket.handle.wait()
             bucket.handle = None
@@ -118,13 +127,13 @@ class DistributedDataParallel(torch.nn.Module):
             self.is_last_microbatch = prev
 
     def broadcast_params(self) -> None:
-        """Make every replica start from data-parallel rank 0's parameters."""
-        if self.group.size == 1:
-            return
-        src = self.group.global_rank(0)
+        """Make every replica start from data-parallel rank 0's parameters (expert-data-parallel rank 0's
+        for expert parameters)."""
         for p in self.module.parameters():
-            with torch.no_grad():
-                self.coll.broadcast(p.data, src=src, group=self.group.handle)
+            group = self._expert_group if _is_expert(p) else self.group
+            if group.size > 1:
+                with torch.no_grad():
+                    self.coll.broadcast(p.data, src=group.global_rank(0), group=group.handle)
 
 
 class _ShardCopy:
@@ -136,6 +145,11 @@ class _ShardCopy:
     def wait(self) -> None:
         self.handle.wait()
         self.dst.copy_(self.out)
+
+
+def _is_expert(p: torch.nn.Parameter) -> bool:
+    """An MoE expert parameter (replicated over groups.edp, not over data parallelism)."""
+    return bool(getattr(p, "expert", False))
 
 
 def unwrap_model(chunk):

@@ -1,0 +1,248 @@
+"""Expert parallelism against one process, in ONE spawned world of 4 gloo ranks.
+
+(b) The MoE layer (8 experts, top-2, uneven and empty expert groups) under ep 2 / ep 4 with
+edp > 1, tp 2 x ep 2 with and without sequence parallelism, and tp 2 x ep 1: outputs, input
+gradients, router and expert gradients equal the single-process layer (all experts local) run on
+each data-parallel rank's tokens.
+(c) A GPT whose MLPs are MoE layers, trained 3 SGD steps with global-norm clipping (data-parallel
+wrapper with overlapped bucket reduction) under ep 2 x dp 4 (edp 2), tp 2 x ep 2 with sequence
+parallelism and pp 2 x ep 2: per-step losses, gradient norms, logged aux loss and final weights equal the
+single-process run over the same micro-batches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.core.config import ParallelConfig
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.distributed import run_distributed
+
+S, B, H, E = 8, 2, 16, 8  # layer test: tokens [S, B, H] per data-parallel rank, 8 experts
+STEPS, MBS, M, SEQ, LR, SEED = 3, 2, 2, 16, 1.0, 1234
+LAYER_LAYOUTS = [(1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True), (2, 1, True)]  # (tp, ep, sp)
+GPT_LAYOUTS = [(1, 1, 2, False), (2, 1, 2, True), (1, 2, 2, False)]  # (tp, pp, ep, sp)
+
+
+# ---- (b) the layer ------------------------------------------------------------------------
+def _layer_config():
+    from omnitron.core.models.gpt import gpt2_tiny
+
+    return gpt2_tiny(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=24, seq_length=S,
+                     max_position_embeddings=S, vocab_size=64, num_experts=E, moe_router_topk=2,
+                     moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.1)
+
+
+def _layer_data(dp: int):
+    """Per data-parallel rank: tokens [S, B, H] (a shift makes expert 5 unpopular) and output weights."""
+    g = torch.Generator().manual_seed(21)
+    return torch.randn(dp, S, B, H, generator=g) + 0.7, torch.randn(dp, S, B, H, generator=g)
+
+
+def _build_layer(groups, sp: bool):
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.tensor.sharding import init_full
+    from omnitron.core.transformer.moe import MoELayer
+
+    layer = MoELayer(_layer_config(), groups=groups, sequence_parallel=sp, backend=get_backend(), out_std=0.02)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():  # names are global: the same values in every layout
+            p.copy_(init_full(name, tuple(p.shape), ("normal", 0.3), SEED))
+        layer.router.weight[5] -= 0.5  # expert 5: few or no tokens on some ranks
+    return layer
+
+
+def _layer_grads(layer) -> dict[str, torch.Tensor]:
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in layer.named_parameters()}
+
+
+def layer_reference(dp: int) -> dict:
+    """One process, all experts: each data-parallel rank's tokens through the layer; grads summed."""
+    layer = _build_layer(ParallelGroups.single(), sp=False)
+    xs, ws = _layer_data(dp)
+    xs.requires_grad_(True)
+    ys = [layer(xs[d])[0] for d in range(dp)]
+    sum((y * w).sum() for y, w in zip(ys, ws)).backward()
+    return {"y": torch.stack(ys).detach(), "dx": xs.grad.clone(), "grads": _layer_grads(layer),
+            "aux": layer.aux_loss_total.item()}
+
+
+def _layer_run(coll, tp: int, ep: int, sp: bool) -> dict:
+    from omnitron.core.parallel.tensor import mappings as M
+
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=1, sequence_parallel=sp), coll)
+    layer = _build_layer(groups, sp and tp > 1)
+    xs, ws = _layer_data(groups.dp.size)
+    d = M.local_rank(groups.dp)
+    x, w = xs[d], ws[d]
+    if sp and tp > 1:
+        x, w = M.split_first(x, groups.tp), M.split_first(w, groups.tp)
+    x = x.clone().requires_grad_(True)
+    y, _ = layer(x)
+    (y * w).sum().backward()
+    grads = _layer_grads(layer)
+    router = grads.pop("router.weight")
+    for group in ((groups.tp,) if sp and tp > 1 else ()) + (groups.dp_cp,):  # router: partial over tokens
+        router = M.all_reduce(router, group)
+    for g in grads.values():  # experts: summed over the ranks holding the same experts
+        if groups.edp.handle is not None:
+            coll.all_reduce(g, group=groups.edp.handle)
+    layer.fuse_full_state("", grads)  # every rank gets all experts' gradients
+    return {"y": y.detach(), "dx": x.grad, "router": router, "experts": grads, "dp": d, "tp": M.local_rank(groups.tp),
+            "aux": layer.aux_loss_total.item()}
+
+
+# ---- (c) GPT training -----------------------------------------------------------------------
+def _gpt_config():
+    from omnitron.core.models.gpt import gpt2_tiny
+
+    return gpt2_tiny(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
+                     max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0,
+                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.05)
+
+
+def _gpt_data(dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 96, (STEPS, MBS * M * dp, SEQ + 1), generator=g)
+
+
+def _optimizer(named, groups):
+    from omnitron.backends import get_backend
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.optim import MixedPrecisionOptimizer
+
+    cfg = OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.5)
+    dup = [p for _, p in named if getattr(p, "shared_embedding", False)]  # the last stage's tied copy
+    return MixedPrecisionOptimizer(named, cfg, groups, backend=get_backend(), duplicates=dup)
+
+
+def gpt_reference(dp: int) -> dict:
+    """One process; each step runs the dp x M micro-batches in turn, each weighted 1 / (dp x M)."""
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+    from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
+
+    groups = ParallelGroups.single()
+    model = GPTModel(_gpt_config(), groups, seed=SEED)
+    opt = _optimizer(list(model.named_parameters()), groups)
+    set_aux_loss_scale([model], 1.0 / (dp * M))
+    losses, norms, aux = [], [], []
+    for step in _gpt_data(dp):
+        opt.zero_grad()
+        total = 0.0
+        for mb in step.view(-1, MBS, SEQ + 1):
+            loss = model(tokens=mb[:, :-1], labels=mb[:, 1:]).mean()
+            (loss / (dp * M)).backward()
+            total += loss.item() / (dp * M)
+        aux.append(moe_aux_loss([model], groups, None, dp * M))
+        losses.append(total)
+        norms.append(opt.step(LR).grad_norm)
+    return {"losses": losses, "norms": norms, "aux": aux, "state": gather_full_state(model, groups)}
+
+
+def _gpt_iterator(data: torch.Tensor, dp_rank: int):
+    for step in data:
+        for mb in step.view(-1, MBS, SEQ + 1)[dp_rank * M:(dp_rank + 1) * M]:
+            yield {"tokens": mb[:, :-1], "labels": mb[:, 1:]}
+
+
+def _gpt_step(chunk, batch, hidden):
+    from omnitron.core.parallel.data import unwrap_model
+
+    m = unwrap_model(chunk)
+    return chunk(tokens=batch["tokens"] if m.pre_process else None, hidden=hidden,
+                 labels=batch["labels"] if m.post_process else None)
+
+
+def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool) -> dict:
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
+    from omnitron.core.parallel.pipeline import forward_backward
+    from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
+
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                                                 sequence_parallel=sp), coll)
+    n = 2 // pp
+    model = GPTModel(_gpt_config(), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
+                     layer_offset=groups.pp.rank * n if pp > 1 else 0, num_layers=n, seed=SEED)
+    chunk = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=4000))
+    opt = _optimizer(list(model.named_parameters()), groups)
+    set_aux_loss_scale([model], 1.0 / M)  # the data-parallel wrapper averages over dp
+    data = _gpt_iterator(_gpt_data(groups.dp.size), groups.dp.rank if groups.dp.size > 1 else 0)
+    losses, norms, aux = [], [], []
+    for _ in range(STEPS):
+        chunk.zero_grad_buffer()
+        out = forward_backward("1f1b" if pp > 1 else "none", [chunk], data, groups, num_microbatches=M,
+                               seq_length=SEQ, micro_batch_size=MBS, hidden_size=32, forward_step_fn=_gpt_step)
+        finalize_model_grads([chunk], groups)
+        aux.append(moe_aux_loss([model], groups, coll, M))
+        losses.append(out["loss"])
+        norms.append(opt.step(LR).grad_norm)
+    return {"losses": losses, "norms": norms, "aux": aux, "state": gather_full_state(model, groups)}
+
+
+def expert_parallel_worker() -> dict:
+    from omnitron.backends import get_backend
+
+    torch.manual_seed(0)
+    coll = get_backend().collectives
+    out = {"layer": {k: _layer_run(coll, *k) for k in LAYER_LAYOUTS}}
+    out["gpt"] = {k: _gpt_run(coll, *k) for k in GPT_LAYOUTS}
+    return out
+
+
+# ---- checks -----------------------------------------------------------------------------------
+def _check_layer(ranks: list[dict], refs: dict) -> None:
+    for (tp, ep, sp) in LAYER_LAYOUTS:
+        dp = 4 // tp
+        ref = refs[dp]
+        for r in ranks:
+            res = r["layer"][(tp, ep, sp)]
+            d, t = res["dp"], res["tp"]
+            y, dx = ref["y"][d], ref["dx"][d]
+            if sp and tp > 1:
+                y, dx = y.chunk(tp)[t], dx.chunk(tp)[t]
+            where = f"tp{tp} ep{ep} sp{sp}"
+            torch.testing.assert_close(res["y"], y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} y: {m}")
+            torch.testing.assert_close(res["dx"], dx, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} dx: {m}")
+            torch.testing.assert_close(res["router"], ref["grads"]["router.weight"], rtol=1e-5, atol=1e-6)
+            assert res["aux"] == pytest.approx(ref["aux_per_dp"][d], rel=1e-5), where
+            assert res["experts"].keys() == {k for k in ref["grads"] if k.startswith("experts.")}, where
+            for name, g in res["experts"].items():
+                torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{where} {name}: {m}")
+
+
+def _check_gpt(ranks: list[dict], refs: dict) -> None:
+    for key in GPT_LAYOUTS:
+        tp, pp, ep, _ = key
+        ref = refs[4 // (tp * pp)]
+        merged = {}
+        for r in ranks:
+            res = r["gpt"][key]
+            for name in ("losses", "norms", "aux"):
+                assert res[name] == pytest.approx(ref[name], rel=1e-5), (key, name, res[name], ref[name])
+            merged.update(res["state"])
+        assert merged.keys() == ref["state"].keys(), key
+        for name, w in ref["state"].items():
+            torch.testing.assert_close(merged[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {name}: {m}")
+
+
+def test_expert_parallel_matches_one_process():
+    layer_refs = {}
+    for dp in (2, 4):
+        layer_refs[dp] = layer_reference(dp)
+        layer_refs[dp]["aux_per_dp"] = [layer_reference_aux(dp, d) for d in range(dp)]
+    gpt_refs = {dp: gpt_reference(dp) for dp in (2, 4)}
+    assert len(set(gpt_refs[4]["losses"])) == STEPS and gpt_refs[4]["aux"][0] > 0
+    ranks = run_distributed(expert_parallel_worker, 4)
+    _check_layer(ranks, layer_refs)
+    _check_gpt(ranks, gpt_refs)
+
+
+def layer_reference_aux(dp: int, d: int) -> float:
+    """The load-balancing loss of data-parallel rank ``d``'s tokens alone (one process)."""
+    layer = _build_layer(ParallelGroups.single(), sp=False)
+    layer(_layer_data(dp)[0][d])
+    return layer.aux_loss_total.item()
