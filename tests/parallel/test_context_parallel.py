@@ -77,10 +77,10 @@ def test_load_balanced_layout():
 
 
 # ---- (b) GPT training with the sequence split over cp ranks --------------------------------
-STEPS, MBS, GBS, SEQ, LR, SEED = 3, 2, 8, 16, 0.5, 1234
+STEPS, MBS, GBS, SEQ, LR, SEED = 2, 2, 8, 16, 0.5, 1234
 # (tp, cp, pp, sequence parallel, model family); dp = 4 / (tp * cp * pp)
-LAYOUTS = [(1, 2, 1, False, "llama"), (1, 2, 1, False, "gpt2"), (2, 2, 1, True, "llama"), (2, 2, 1, False, "gpt2"),
-           (1, 2, 2, False, "llama"), (1, 4, 1, False, "llama")]
+LAYOUTS = [(1, 2, 1, False, "llama"), (2, 2, 1, True, "llama"), (2, 2, 1, False, "gpt2"), (1, 2, 2, False, "llama"),
+           (1, 4, 1, False, "llama")]
 
 
 def _model_config(family: str):
@@ -154,8 +154,29 @@ def _build(tp, cp, pp, sp, family):
     return groups, DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
 
 
-def gpt_worker(layouts) -> dict:
-    """Per layout: per-step losses, first-step full gradients and final full weights of this rank's stage."""
+def _train_args(root: str, *extra: str) -> list[str]:
+    """``omnitron train`` flags: Llama-style tiny model on mock data, tight clipping (the norm must be exact)."""
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+            "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--seq-length", "16",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-workers", "0",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "2",
+            "--eval-iters", "1", "--lr", "1e-2", "--clip-grad", "0.05", "--hidden-dropout", "0", "--attention-dropout",
+            "0", "--log-interval", "1", "--no-tensorboard", "--data-cache-path", root + "/cache", *extra]
+
+
+def _train(argv: list[str], world: int) -> tuple[list[float], list[float]]:
+    """The training loop's per-iteration losses and validation losses."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    res = train(parse_settings(argv, world), get_backend("cpu"))
+    return list(res["losses"].values()), [v["val_loss"] for v in res["validation"]]
+
+
+def gpt_worker(layouts, root: str) -> dict:
+    """Per layout: per-step losses, first-step full gradients and final full weights of this rank's stage;
+    then the training loop (``step.py``) at tp2 x cp2 with sequence parallelism."""
     from omnitron.core.models.gpt import gather_full_state
     from omnitron.core.parallel.context import context_parallel_batch
     from omnitron.core.parallel.data import finalize_model_grads
@@ -181,12 +202,18 @@ def gpt_worker(layouts) -> dict:
                 for p in chunk.module.parameters():
                     p.add_(p.main_grad, alpha=-LR)
         results[layout] = (losses, grads, gather_full_state(chunk.module, groups))
+    results["loop"] = _train(_train_args(root, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                         "--sequence-parallel"), 4)
     return results
 
 
-def test_gpt_context_parallel_matches_one_process():
+def test_gpt_context_parallel_matches_one_process(tmp_path):
     refs = {family: reference(family) for family in ("llama", "gpt2")}
-    per_rank = run_distributed(gpt_worker, 4, LAYOUTS)
+    loop_ref = _train(_train_args(str(tmp_path / "one")), 1)
+    per_rank = run_distributed(gpt_worker, 4, LAYOUTS, str(tmp_path / "cp"))
+    for res in per_rank:
+        assert res["loop"][0] == pytest.approx(loop_ref[0], rel=1e-5), (res["loop"], loop_ref)
+        assert res["loop"][1] == pytest.approx(loop_ref[1], rel=1e-5) and len(loop_ref[1]) == 2
     for layout in LAYOUTS:
         ref_losses, ref_grads, ref_weights = refs[layout[-1]]
         grads, weights = {}, {}
