@@ -28,6 +28,8 @@ def register(sub) -> None:
                       help="interleaved pipeline: layers per virtual stage (default: not interleaved)")
     conv.add_argument("--target-decoder-first-pipeline-num-layers", type=int, metavar="N")
     conv.add_argument("--target-decoder-last-pipeline-num-layers", type=int, metavar="N")
+    conv.add_argument("--target-expert-model-parallel-size", type=int, default=1, metavar="E",
+                      help="MoE models: ranks the experts are spread over (default: 1)")
     conv.add_argument("--target-data-parallel-size", type=int, default=1, metavar="D",
                       help="data-parallel replicas to write (default: 1; a resume with another dp reshards anyway)")
     conv.set_defaults(func=run_convert)
@@ -112,7 +114,8 @@ def _target_layout(args: argparse.Namespace, num_layers: int):
     tp, pp, per = (args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size,
                    args.target_num_layers_per_virtual_pipeline_stage)
     for flag, v in (("--target-tensor-model-parallel-size", tp), ("--target-pipeline-model-parallel-size", pp),
-                    ("--target-data-parallel-size", args.target_data_parallel_size)):
+                    ("--target-data-parallel-size", args.target_data_parallel_size),
+                    ("--target-expert-model-parallel-size", args.target_expert_model_parallel_size)):
         if v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
     vp = None
@@ -121,7 +124,7 @@ def _target_layout(args: argparse.Namespace, num_layers: int):
             raise ConfigError(f"--target-num-layers-per-virtual-pipeline-stage {per}: the model's {num_layers} "
                               f"layers do not split into {pp} stages x chunks of {per}; pick a divisor")
         vp = num_layers // (pp * per)
-    return Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size,
+    return Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size, ep=args.target_expert_model_parallel_size,
                   first=args.target_decoder_first_pipeline_num_layers, last=args.target_decoder_last_pipeline_num_layers)
 
 

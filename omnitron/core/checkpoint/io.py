@@ -23,10 +23,10 @@ _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                     "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "normalization", "swiglu",
                     "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-                    "qk_layernorm", "max_position_embeddings")
+                    "qk_layernorm", "max_position_embeddings", "num_experts", "moe_ffn_hidden_size")
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "context_parallel_size", "data_parallel_size", "decoder_first_pipeline_num_layers",
-               "decoder_last_pipeline_num_layers")
+               "decoder_last_pipeline_num_layers", "expert_model_parallel_size")
 _FLAGS = {"data_parallel_size": "the number of processes / data-parallel size"}
 
 

@@ -23,6 +23,7 @@ samples (so the data order) carry over.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, write_checkpoint
+from omnitron.core.parallel.groups import Group
 
 log = logging.getLogger("omnitron.train")
 
@@ -48,10 +50,13 @@ class Layout:
     """--decoder-first-pipeline-num-layers."""
     last: int | None = None
     """--decoder-last-pipeline-num-layers."""
+    ep: int = 1
+    """--expert-model-parallel-size (MoE experts are whole tensors spread over the ep ranks)."""
 
     _KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
              "vp": "virtual_pipeline_model_parallel_size", "dp": "data_parallel_size", "cp": "context_parallel_size",
-             "first": "decoder_first_pipeline_num_layers", "last": "decoder_last_pipeline_num_layers"}
+             "first": "decoder_first_pipeline_num_layers", "last": "decoder_last_pipeline_num_layers",
+             "ep": "expert_model_parallel_size"}
 
     @classmethod
     def from_dict(cls, layout: dict) -> "Layout":
@@ -75,11 +80,12 @@ class Layout:
         return ParallelConfig(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                               virtual_pipeline_model_parallel_size=self.vp, context_parallel_size=self.cp,
                               decoder_first_pipeline_num_layers=self.first,
-                              decoder_last_pipeline_num_layers=self.last)
+                              decoder_last_pipeline_num_layers=self.last, expert_model_parallel_size=self.ep,
+                              expert_tensor_parallel_size=1)
 
     def __str__(self) -> str:
         s = f"tp{self.tp} pp{self.pp}" + (f" vp{self.vp}" if self.vp else "") + f" dp{self.dp}"
-        s += f" cp{self.cp}" if self.cp > 1 else ""
+        s += (f" cp{self.cp}" if self.cp > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
         return s + (f" first{self.first}" if self.first is not None else "") + \
             (f" last{self.last}" if self.last is not None else "")
 
@@ -112,10 +118,10 @@ def model_config(model: dict):
     return GPTConfig(**kw)
 
 
-def skeleton_chunks(cfg, layout: Layout) -> dict[tuple[int, int], torch.nn.Module]:
-    """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 of ``layout``, built in this
-    process without communication: their parameters carry the sharding attributes (the same on
-    every tp rank) and their modules the fuse/split logic."""
+def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, int], torch.nn.Module]:
+    """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 (and expert-parallel rank
+    ``ep_rank``) of ``layout``, built in this process without communication: their parameters
+    carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic."""
     from omnitron.backends import get_backend
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.parallel.groups import ParallelGroups
@@ -123,8 +129,8 @@ def skeleton_chunks(cfg, layout: Layout) -> dict[tuple[int, int], torch.nn.Modul
 
     groups = ParallelGroups.single()
     groups.config = layout.parallel_config()
-    groups.groups.update(tp=_RankZero("tp", tuple(range(layout.tp)), None),
-                         pp=_RankZero("pp", tuple(range(layout.pp)), None))
+    groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
+                         ep=_Seen("ep", tuple(range(layout.ep)), None, ep_rank))
     ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
     out = {}
     for (r, c), (offset, n) in sorted(ranges.items()):
@@ -134,20 +140,15 @@ def skeleton_chunks(cfg, layout: Layout) -> dict[tuple[int, int], torch.nn.Modul
     return out
 
 
-def _rank_zero_group():
-    from omnitron.core.parallel.groups import Group
+@dataclass(frozen=True)
+class _Seen(Group):
+    """A group seen from member ``me``, whatever this process's world rank (skeletons only)."""
 
-    class RankZero(Group):
-        """A group seen from its member 0, whatever this process's world rank (skeletons only)."""
+    me: int = 0
 
-        @property
-        def rank(self) -> int:
-            return 0
-
-    return RankZero
-
-
-_RankZero = _rank_zero_group()
+    @property
+    def rank(self) -> int:
+        return self.me
 
 
 def owner(name: str) -> str:
@@ -162,13 +163,16 @@ def needed_owners(chunks) -> set[str]:
     return {owner(getattr(p, "init_name", n)) for m in chunks for n, p in m.named_parameters()}
 
 
-def _merge_chunk(skel, c: int, models: list[dict], optims: list[dict], path: str) -> tuple[dict, dict]:
-    """(full model tensors, {kind: full optimizer tensors}) of chunk ``c`` from its tp shards."""
+def _merge_chunk(skel, c: int, shards: list[dict], with_optimizer: bool, path: str) -> tuple[dict, dict]:
+    """(full model tensors, {kind: full optimizer tensors}) of chunk ``c``'s dense parameters from
+    its tp shards (in tp-rank order); not yet fused, without the (whole) expert tensors."""
     from omnitron.core.parallel.tensor.sharding import merge_shards
 
     model, optim = {}, {}
+    models = [s["model"][c] for s in shards]
+    optims = [s["optimizer"]["tensors"] for s in shards] if with_optimizer else []
     for name, p in skel.named_parameters():
-        if getattr(p, "shared_embedding", False):
+        if getattr(p, "shared_embedding", False) or getattr(p, "expert", False):
             continue  # the last stage's copy of a tied embedding equals the first stage's
         key = f"chunk{c}.{name}"  # the optimizer's naming (training/components.py)
         if any(name not in sd for sd in models) or any(key not in o for o in optims):
@@ -177,55 +181,91 @@ def _merge_chunk(skel, c: int, models: list[dict], optims: list[dict], path: str
         model[name] = merge_shards([sd[name] for sd in models], p)
         for kind in optims[0][key] if optims else ():
             optim.setdefault(kind, {})[name] = merge_shards([o[key][kind] for o in optims], p)
+    return model, optim
+
+
+def _take_experts(skel, c: int, shard: dict, model: dict, optim: dict, with_optimizer: bool) -> None:
+    """Add the expert tensors ``shard`` holds for chunk ``c`` (each expert is whole on its ep rank)."""
+    sd = shard["model"][c]
+    for name, p in skel.named_parameters():
+        if getattr(p, "expert", False) and name not in model and name in sd:
+            model[name] = sd[name]
+            for kind, t in shard["optimizer"]["tensors"][f"chunk{c}.{name}"].items() if with_optimizer else ():
+                optim.setdefault(kind, {})[name] = t
+
+
+def _finish_chunk(skel, c: int, model: dict, optim: dict, path: str) -> None:
+    """Check every tensor was found, then fuse attention's split tensors (the model's own logic)."""
+    for name, p in skel.named_parameters():
+        if name not in model and not getattr(p, "shared_embedding", False):
+            raise CheckpointError(f"{path}: no shard holds {name} (chunk {c}); the checkpoint is corrupt")
     for prefix, mod in skel.named_modules():
         if hasattr(mod, "fuse_full_state"):
             for d in (model, *optim.values()):
                 mod.fuse_full_state(prefix + ".", d)
-    return model, optim
 
 
-def _stage_ranks(layout: Layout) -> dict[int, list[int]]:
-    """World ranks of tp ranks 0..tp-1 at dp = cp = 0, per pipeline rank."""
+def _stage_ranks(layout: Layout) -> dict[int, tuple[list[int], list[int]]]:
+    """Per pipeline rank: (world ranks of tp ranks 0..tp-1 at dp = cp = 0, the stage's other ranks)."""
     from omnitron.core.parallel.grid import coord_of
 
     cfg, out = layout.parallel_config(), {}
     for w in range(layout.world_size):
         co = coord_of(cfg, layout.world_size, w)
+        first, others = out.setdefault(co.pp, ([None] * layout.tp, []))
         if co.dp == 0 and co.cp == 0:
-            out.setdefault(co.pp, [None] * layout.tp)[co.tp] = w
+            first[co.tp] = w
+        else:
+            others.append(w)
     return out
+
+
+def _read_stage(path: str, ranks: list[int], layout: Layout) -> list[dict]:
+    shards = [read_shard(path, w) for w in ranks]
+    for w, s in zip(ranks, shards):
+        if len(s.get("model", ())) != layout.chunks:
+            raise CheckpointError(f"{path}: shard of rank {w} holds {len(s.get('model', ()))} model chunks, the "
+                                  f"metadata's layout ({layout}) {layout.chunks}; the checkpoint is corrupt")
+    return shards
 
 
 def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer: bool = True) -> FullState:
     """The checkpoint directory ``path`` as full tensors; ``owners`` (see :func:`needed_owners`)
     keeps only those tensors and skips the pipeline stages holding none of them. One process, no
-    communication; one stage's tp shards are in memory at a time."""
+    communication; one stage's tp shards are in memory at a time (plus one more under expert
+    parallelism, whose other ranks are read for their experts)."""
     meta = read_metadata(path)
     layout = Layout.from_dict(meta["layout"])
-    skeletons = skeleton_chunks(model_config(meta["model"]), layout)
+    skeletons = skeleton_chunks(model_config(meta["model"]), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
-    for pp_rank, ranks in sorted(_stage_ranks(layout).items()):
+    keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
+    for pp_rank, (ranks, others) in sorted(_stage_ranks(layout).items()):
         stage = {c: m for (r, c), m in skeletons.items() if r == pp_rank}
         if pp_rank and owners is not None and not owners & needed_owners(stage.values()):
             continue
-        shards = [read_shard(path, w) for w in ranks]
-        for w, s in zip(ranks, shards):
-            if len(s.get("model", ())) != layout.chunks:
-                raise CheckpointError(f"{path}: shard of rank {w} holds {len(s.get('model', ()))} model chunks, the "
-                                      f"metadata's layout ({layout}) {layout.chunks}; the checkpoint is corrupt")
+        shards = _read_stage(path, ranks, layout)
         if pp_rank == 0:
             full.optimizer_meta = {k: v for k, v in shards[0]["optimizer"].items() if k != "tensors"}
             full.scheduler = shards[0]["scheduler"]
             full.dropped = ["fp8"] if "fp8" in shards[0] else []
+        parts = {c: _merge_chunk(skel, c, shards, with_optimizer, path) for c, skel in stage.items()}
+        if any(_experts(m) for m in stage.values()):
+            more = (_read_stage(path, [w], layout)[0] for w in (others if layout.ep > 1 else ()))
+            for shard in itertools.chain(shards, more):  # one extra shard in memory at a time
+                for c, skel in stage.items():
+                    _take_experts(skel, c, shard, *parts[c], with_optimizer)
+        del shards
         for c, skel in stage.items():
-            optims = [s["optimizer"]["tensors"] for s in shards] if with_optimizer else []
-            model, optim = _merge_chunk(skel, c, [s["model"][c] for s in shards], optims, path)
-            keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
+            model, optim = parts[c]
+            _finish_chunk(skel, c, model, optim, path)
             full.model.update({n: t for n, t in model.items() if keep(n)})
             for kind, d in optim.items():
                 full.optimizer.setdefault(kind, {}).update({n: t for n, t in d.items() if keep(n)})
-        del shards
     return full
+
+
+def _experts(model) -> list:
+    return [p for p in model.parameters() if getattr(p, "expert", False)]
 
 
 def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
@@ -267,7 +307,7 @@ def _target_config(flat: dict, cfg, target: Layout) -> dict:
                                                       "decoder_first_pipeline_num_layers",
                                                       "decoder_last_pipeline_num_layers")}
     out.update(tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
-               context_parallel_size=target.cp)
+               context_parallel_size=target.cp, expert_model_parallel_size=target.ep)
     if target.vp:
         out["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (target.pp * target.vp)
     if target.first is not None:
@@ -284,18 +324,23 @@ def convert(path: str, save_dir: str, target: Layout) -> str:
     full = read_full_state(path)
     meta = full.meta
     cfg = model_config(meta["model"])
-    skeletons = skeleton_chunks(cfg, target)  # raises ConfigError when the model does not split so
-    from omnitron.core.parallel.grid import coord_of
+    from omnitron.core.parallel.grid import coord_of, rank_grid
+
+    pc = target.parallel_config()
+    ep_rank = {w: g.index(w) for g in rank_grid(pc, target.world_size)["ep"] for w in g}
+    skeletons = {0: skeleton_chunks(cfg, target)}  # per ep rank; raises ConfigError when the model does not split
 
     def shards():
-        pc, cache = target.parallel_config(), {}
+        cache = {}
         for w in range(target.world_size):
-            co = coord_of(pc, target.world_size, w)
-            if (co.pp, co.tp) not in cache:  # dp / cp replicas hold the same shard
+            co, e = coord_of(pc, target.world_size, w), ep_rank[w]
+            if (co.pp, co.tp, e) not in cache:  # dp / cp replicas hold the same shard
                 cache.clear()
-                chunks = [skeletons[(co.pp, c)] for c in range(target.chunks)]
-                cache[(co.pp, co.tp)] = rank_shard(full, chunks, target.tp, co.tp)
-            yield w, cache[(co.pp, co.tp)]
+                if e not in skeletons:
+                    skeletons[e] = skeleton_chunks(cfg, target, e)
+                chunks = [skeletons[e][(co.pp, c)] for c in range(target.chunks)]
+                cache[(co.pp, co.tp, e)] = rank_shard(full, chunks, target.tp, co.tp)
+            yield w, cache[(co.pp, co.tp, e)]
 
     new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
                 "config": _target_config(meta.get("config", {}), cfg, target),

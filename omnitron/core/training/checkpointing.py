@@ -41,7 +41,8 @@ def layout_dict(settings) -> dict:
             "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
             "context_parallel_size": p.context_parallel_size, "data_parallel_size": settings.dp,
             "decoder_first_pipeline_num_layers": p.decoder_first_pipeline_num_layers,
-            "decoder_last_pipeline_num_layers": p.decoder_last_pipeline_num_layers}
+            "decoder_last_pipeline_num_layers": p.decoder_last_pipeline_num_layers,
+            "expert_model_parallel_size": p.expert_model_parallel_size}
 
 
 def check_resume(settings) -> None:
