@@ -86,8 +86,9 @@ class MixedPrecisionOptimizer:
         return bool(flag.item() > 0)
 
     def _replica_groups(self) -> tuple:
-        """Groups whose ranks together hold every gradient element (each replica holds all of them)."""
-        return (self.groups.tp_pp_cp,)
+        """Groups whose ranks together hold every gradient element (each replica holds all of them;
+        MoE experts are spread over ``groups.ep``, and ranks that differ only in edp hold the same ones)."""
+        return (self.groups.tp_pp_cp, self.groups.ep)
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         """Global L2 norm of ``grads`` (aligned with ``self.params``), equal to the single-process norm."""

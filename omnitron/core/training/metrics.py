@@ -3,7 +3,8 @@
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
 the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
 ``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
-the backend does not know its peak), ``peak_memory_bytes``; validation lines carry ``val_loss``
+the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models);
+validation lines carry ``val_loss``
 and ``val_ppl``. Only global rank 0 writes.
 """
 from __future__ import annotations
@@ -93,10 +94,14 @@ class MetricsLogger:
             vals = [v[key] for v in self._pending if v.get(key) is not None]
             rec[key] = sum(vals) / len(vals) if vals else None
         rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
+        if "moe_aux_loss" in last:  # MoE: the load-balancing loss added to lm_loss
+            rec["moe_aux_loss"] = sum(v["moe_aux_loss"] for v in self._pending) / n
         self._pending = []
         gn = "-" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
         line = (f"iter {iteration:6d}/{self.train_iters} | loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | "
                 f"grad norm {gn} | {rec['tokens_per_sec']:.0f} tok/s | {rec['step_time_s'] * 1e3:.0f} ms/step")
+        if "moe_aux_loss" in rec:
+            line += f" | moe aux loss {rec['moe_aux_loss']:.4f}"
         if rec["loss_scale"] is not None:
             line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']}"
         if rec["mfu"] is not None:
