@@ -4,10 +4,11 @@ One 4-process spawn trains a Llama-style model (GQA with 2 query groups, SwiGLU,
 tied embedding, padded vocabulary) for N iterations at tp2 x pp2 x vp2 and saves. The trained
 state is gathered live with the model's own collective gather (the reference). The checkpoint is
 then loaded under four other layouts (tp1 dp4; tp4, whose 2 query groups force replicated KV;
-uneven pp2 dp2; tp2 dp2 with sequence parallelism), each saved straight back (compared with
-the reference tensor by tensor, exactly) and trained N more iterations (losses equal to
-continuing at tp2 x pp2 x vp2, fp32 tolerance; dropout is off, so fresh RNG streams do not
-matter). The same spawn does it once more in bf16 (fp32 masters) into tp1. The offline tests
+uneven pp2 dp2; tp2 dp2 with sequence parallelism and the distributed optimizer), each saved
+straight back (compared with the reference tensor by tensor, exactly) and trained N more
+iterations (losses equal to continuing at tp2 x pp2 x vp2, fp32 tolerance; dropout is off, so
+fresh RNG streams do not matter). The same spawn does it once more in bf16 (fp32 masters) into
+tp1, and for an MoE model whose 4 experts are spread over ep2 (tp2 -> pp2). The offline tests
 then convert tp2 x pp2 x vp2 -> tp4 -> back with the command line and compare every tensor
 bit for bit, and check inspect, export and the errors.
 """
@@ -26,7 +27,10 @@ A = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
 B = {"tp1_dp4": [],
      "tp4_replicated_kv": ["--tensor-model-parallel-size", "4"],
      "pp2_uneven_dp2": ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
-     "tp2_dp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+     "tp2_dp2_sp_zero": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]}
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-tensor-parallel-size", "1",
+       "--expert-model-parallel-size", "2"]
+MOE_A, MOE_B = ["--tensor-model-parallel-size", "2", *MOE], ["--pipeline-model-parallel-size", "2", *MOE]
 
 
 def _args(layout, save, extra=()):
@@ -86,7 +90,25 @@ def _worker(root):
     out["live_bf16"] = _live_full(bf16["components"])
     checkpointing.save(run([], "loaded_bf16", "--bf16", "--load", os.path.join(root, "bf16"),
                            "--train-iters", str(N))["components"])
+    out.update(_moe(run, root))
     return out
+
+
+def _moe(run, root) -> dict:
+    """MoE, experts over ep2: 2N iterations at tp2 (saving at N), then iteration N loaded at pp2."""
+    import shutil
+
+    import torch.distributed as dist
+
+    a = run(MOE_A, "moe_A", "--save-interval", str(N))
+    if dist.get_rank() == 0:  # a directory holding only iteration N
+        shutil.copytree(os.path.join(root, "moe_A", "iter_%07d" % N), os.path.join(root, "moe_N", "iter_%07d" % N))
+    dist.barrier()
+    ck = os.path.join(root, "moe_N")
+    from omnitron.core.training import checkpointing
+
+    checkpointing.save(run(MOE_B, "loaded_moe", "--load", ck, "--train-iters", str(N))["components"])
+    return {"moe_A": a["losses"], "cont_moe": run(MOE_B, "cont_moe", "--load", ck)["losses"]}
 
 
 @pytest.fixture(scope="module")
@@ -142,15 +164,32 @@ def test_loads_under_other_layouts_exactly(trained):
 
 
 def test_training_continues_identically(trained):
-    """(c) N more iterations under each layout B match continuing under tp2 x pp2 x vp2."""
+    """(c) N more iterations under each layout B match continuing under tp2 x pp2 x vp2 (and the
+    MoE run at pp2 x ep2 matches its tp2 x ep2 run)."""
     _, res, _ = trained
-    want = res["cont_A"]
-    assert sorted(want) == list(range(N + 1, 2 * N + 1)) and len(set(want.values())) == N
-    for name in B:
-        got = res["cont_" + name]
+    cases = [(name, res["cont_A"], res["cont_" + name]) for name in B]
+    cases.append(("moe", {i: v for i, v in res["moe_A"].items() if i > N}, res["cont_moe"]))
+    for name, want, got in cases:
+        assert sorted(want) == list(range(N + 1, 2 * N + 1)) and len(set(want.values())) == N, name
         assert sorted(got) == sorted(want), name
         for it, loss in want.items():
             assert abs(got[it] - loss) <= 1e-5 * abs(loss), (name, it, got, want)
+
+
+def test_moe_experts_reshard(trained):
+    """Every expert (spread over ep ranks, differently at tp2 and at pp2) and its optimizer state survive."""
+    from omnitron.core.checkpoint import find_latest
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    root = trained[0]
+    saved = read_full_state(find_latest(str(root / "moe_N")))
+    loaded = read_full_state(find_latest(str(root / "loaded_moe")))
+    experts = {(n.split(".")[2], n.split(".")[5]) for n in saved.model if ".mlp.experts." in n}  # (layer, expert)
+    assert len(experts) == 4 * 4
+    _assert_equal(loaded.model, saved.model, "moe weights")
+    assert sorted(loaded.optimizer) == sorted(saved.optimizer) == ["exp_avg", "exp_avg_sq"]
+    for kind in saved.optimizer:
+        _assert_equal(loaded.optimizer[kind], saved.optimizer[kind], "moe " + kind)
 
 
 def _shards(path: str) -> list[dict]:
