@@ -65,28 +65,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, named_params, config: OptimizerConfig, groups, *, backend, chunks, loss_scaler=None,
                  duplicates=()) -> None:
-        self.config, self.groups, self.backend = config, groups, backend
-        self.loss_scaler = loss_scaler
-        self.duplicates = {id(p) for p in duplicates}
-        self.step_count = 0
-        self.names, self.params = [], []
-        for name, p in named_params:
-            if p.requires_grad:
-                self.names.append(name)
-                self.params.append(p)
-        self.slices, self.plans = _plan_slices(self.params, chunks, groups.dp_cp)
+        self.chunks = list(chunks)
+        super().__init__(named_params, config, groups, backend=backend, loss_scaler=loss_scaler,
+                         duplicates=duplicates)
+
+    def _build_masters(self) -> None:
+        """Masters, decay flags (and, through them, states) for this rank's slices only."""
+        self.slices, self.plans = _plan_slices(self.params, self.chunks, self.groups.dp_cp)
         self.decay = [_decays(self.names[s.param], self.params[s.param]) for s in self.slices]
         self.masters = []
         for s in self.slices:
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
             # fp32 parameters are their own masters (a view: the update lands in the model directly)
             self.masters.append(flat if flat.dtype == torch.float32 else flat.float().clone())
-        self.state: dict[str, list[torch.Tensor]] = {}
-        if config.optimizer in ("adam", "adamw"):
-            self.state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
-            self.state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
-        elif config.optimizer == "sgd" and config.sgd_momentum:
-            self.state["momentum"] = [torch.zeros_like(m) for m in self.masters]
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:

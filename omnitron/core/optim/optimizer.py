@@ -50,16 +50,25 @@ class MixedPrecisionOptimizer:
             if p.requires_grad:
                 self.names.append(name)
                 self.params.append(p)
-        self.decay = [_decays(n, p) for n, p in zip(self.names, self.params)]
-        self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         self.duplicates = {id(p) for p in duplicates}
         self.step_count = 0
-        self.state: dict[str, list[torch.Tensor]] = {}
-        if config.optimizer in ("adam", "adamw"):
-            self.state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
-            self.state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
-        elif config.optimizer == "sgd" and config.sgd_momentum:
-            self.state["momentum"] = [torch.zeros_like(m) for m in self.masters]
+        self._build_masters()
+        self.state = self._zero_state()
+
+    def _build_masters(self) -> None:
+        """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
+        self.decay = [_decays(n, p) for n, p in zip(self.names, self.params)]
+        self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+
+    def _zero_state(self) -> dict[str, list[torch.Tensor]]:
+        """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
+        state: dict[str, list[torch.Tensor]] = {}
+        if self.config.optimizer in ("adam", "adamw"):
+            state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
+            state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
+        elif self.config.optimizer == "sgd" and self.config.sgd_momentum:
+            state["momentum"] = [torch.zeros_like(m) for m in self.masters]
+        return state
 
     # ---- gradients ----------------------------------------------------------------------
     def _fp32_grads(self) -> list[torch.Tensor]:
