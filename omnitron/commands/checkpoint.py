@@ -125,7 +125,8 @@ def _target_layout(args: argparse.Namespace, num_layers: int):
                               f"layers do not split into {pp} stages x chunks of {per}; pick a divisor")
         vp = num_layers // (pp * per)
     return Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size, ep=args.target_expert_model_parallel_size,
-                  first=args.target_decoder_first_pipeline_num_layers, last=args.target_decoder_last_pipeline_num_layers)
+                  first=args.target_decoder_first_pipeline_num_layers,
+                  last=args.target_decoder_last_pipeline_num_layers)
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ layout (tensor-parallel rank 0, no process group) and their parameters' sharding
 :func:`~omnitron.core.parallel.tensor.sharding.merge_shards` (undo tp, drop vocab padding, the
 SwiGLU stride), ``fuse_full_state`` (replicated-KV attention to the canonical fused QKV) and
 :func:`~omnitron.core.models.gpt.state.full_state_shards` (the inverse). Weights are replicated
-over data- and context-parallel ranks, so the dp = cp = 0 shards are read.
+over data- and context-parallel ranks, so the dp = cp = 0 shards are read; MoE experts are whole
+tensors, each on one expert-parallel rank, so every rank of a stage is read for them.
 
 Not carried across layouts: RNG streams (one per rank; the resumed run draws fresh dropout
 streams from ``--seed``) and FP8 amax histories (per-rank amaxes of tp-local shards; scaling
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import re
 from dataclasses import dataclass, field
 
@@ -32,9 +32,6 @@ import torch
 
 from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, write_checkpoint
 from omnitron.core.parallel.groups import Group
-
-log = logging.getLogger("omnitron.train")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
