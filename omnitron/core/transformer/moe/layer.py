@@ -45,7 +45,8 @@ class MoELayer(nn.Module):
         from omnitron.core.models.gpt.config import ffn_size
 
         self.sp, self.tp, self.ep, self.num_experts = sequence_parallel, groups.tp, groups.ep, c.num_experts
-        self.router = TopKRouter(c, partial_grad=sequence_parallel, stats_group=groups.tp if sequence_parallel else None)
+        stats = groups.tp if sequence_parallel else None  # SP: the micro-batch's tokens are spread over tp
+        self.router = TopKRouter(c, partial_grad=sequence_parallel, stats_group=stats)
         expert_cfg = dataclasses.replace(c, ffn_hidden_size=c.moe_ffn_hidden_size or ffn_size(c))
         local = c.num_experts // groups.ep.size
         first = M.local_rank(groups.ep) * local

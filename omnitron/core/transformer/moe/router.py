@@ -92,5 +92,6 @@ class TopKRouter(nn.Module):
         probs, experts = top_k_routing(logits, self.k, self.pre_softmax)
         aux = None
         if self.coeff > 0.0 and self.training and torch.is_grad_enabled():
-            aux = load_balancing_loss(torch.softmax(logits, dim=-1), experts, self.num_experts, self.coeff, self.stats_group)
+            scores = torch.softmax(logits, dim=-1)  # [T, E]
+            aux = load_balancing_loss(scores, experts, self.num_experts, self.coeff, self.stats_group)
         return probs, experts, aux
