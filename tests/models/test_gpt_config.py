@@ -24,7 +24,7 @@ def _pc(**kw):
     (gpt2_tiny(seq_length=256), _pc(), ["--max-position-embeddings 128"]),
     (gpt2_tiny(hidden_size=130), _pc(), ["--hidden-size 130", "--num-attention-heads 4"]),
     (gpt2_tiny(recompute_granularity="full"), _pc(), ["--recompute-method"]),
-    (gpt2_tiny(), _pc(context_parallel_size=2), ["--context-parallel-size 2"]),
+    (gpt2_tiny(seq_length=30), _pc(context_parallel_size=2), ["--seq-length 30", "--context-parallel-size 2"]),
 ])
 def test_validation_names_flag(cfg, parallel, words):
     with pytest.raises(ConfigError) as err:

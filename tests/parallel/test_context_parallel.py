@@ -15,19 +15,40 @@ from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
 
 # ---- (a) ring attention -------------------------------------------------------------------
-ATTN_CASES = [(causal, hq, hkv, dtype) for causal in (True, False) for hq, hkv in ((4, 4), (4, 2), (4, 1))
+ATTN_CASES = [(causal, hq, hkv, dtype, 0.0) for causal in (True, False) for hq, hkv in ((4, 4), (4, 2), (4, 1))
               for dtype in (torch.float64, torch.float32)]
+ATTN_CASES += [(True, 4, 2, torch.float64, 0.3), (False, 4, 1, torch.float64, 0.3)]  # attention dropout
+DROP_SEED = 99
 
 
-def _reference_attention(q, k, v, causal: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v on the whole sequence, keys/values repeated per query group."""
+def _full_dropout(cp: int, shape, causal: bool, p: float) -> torch.Tensor:
+    """The ring's dropout multipliers ``[b, hq, s, s]`` over the whole sequence, assembled from every
+    rank's per-step blocks (entries no block covers are causally masked and stay 1)."""
+    from omnitron.core.parallel.context.ring import _step_slices, block_dropout
+
+    b, hq, s, _ = shape
+    full = torch.ones(b, hq, s, s, dtype=torch.float64)
+    pos = [chunk_positions(s, cp, r) for r in range(cp)]
+    for r in range(cp):
+        for i in range(cp):
+            src = (r - i) % cp
+            rows, cols, _ = _step_slices(i, src, r, s // cp // 2, causal)
+            qi, ki = pos[r][rows], pos[src][cols]
+            block = block_dropout(DROP_SEED, r, i, (b, hq, len(qi), len(ki)), p, torch.float64, "cpu")
+            full[:, :, qi[:, None], ki[None, :]] = block
+    return full
+
+
+def _reference_attention(q, k, v, causal: bool, drop=None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) (* dropout) v on the whole sequence, keys/values repeated per group."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     if causal:
         n = q.shape[2]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ v
+    p = torch.softmax(s, -1)
+    return (p if drop is None else p * drop) @ v
 
 
 def ring_worker(cps: list[int]) -> list:
@@ -38,21 +59,24 @@ def ring_worker(cps: list[int]) -> list:
     coll, out = get_backend().collectives, []
     for cp in cps:
         groups = ParallelGroups.build(ParallelConfig(context_parallel_size=cp), coll)
-        for n, (causal, hq, hkv, dtype) in enumerate(ATTN_CASES):
+        for n, (causal, hq, hkv, dtype, p) in enumerate(ATTN_CASES):
             g = torch.Generator().manual_seed(100 * cp + n)  # the same full tensors on every rank
             b, s, d = 2, 8 * cp, 8
             q, dout = (torch.randn(b, hq, s, d, generator=g, dtype=torch.float64) for _ in range(2))
             k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
             full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-            ref = _reference_attention(*full, causal)
+            drop = _full_dropout(cp, q.shape, causal, p) if p else None
+            ref = _reference_attention(*full, causal, drop)
             ref.backward(dout)
             mine = [split_sequence(t, 2, cp, groups.cp.rank).to(dtype).requires_grad_(True) for t in (q, k, v)]
-            o = ring_attention(*mine, group=groups.cp, collectives=coll, causal=causal)
+            o = ring_attention(*mine, group=groups.cp, collectives=coll, causal=causal, dropout_p=p, seed=DROP_SEED)
             o.backward(split_sequence(dout, 2, cp, groups.cp.rank).to(dtype))
             got = [o] + [t.grad for t in mine]
             want = [split_sequence(t, 2, cp, groups.cp.rank) for t in [ref] + [t.grad for t in full]]
             err = max(((a.double() - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
-            out.append(((cp, causal, hq, hkv, str(dtype)), err, o.dtype == dtype))
+            seen = torch.ones(s, s, dtype=torch.bool).tril() if causal else torch.ones(s, s, dtype=torch.bool)
+            dropped = p == 0 or 0.2 < (drop == 0)[:, :, seen].double().mean().item() < 0.4  # masks really drop
+            out.append(((cp, causal, hq, hkv, str(dtype), p), err, o.dtype == dtype and dropped))
     return out
 
 
@@ -60,7 +84,7 @@ def test_ring_attention_matches_full_attention():
     for rank_result in run_distributed(ring_worker, 4, [2, 4]):
         assert len(rank_result) == 2 * len(ATTN_CASES)
         for case, err, dtype_kept in rank_result:
-            tol = 1e-12 if case[-1] == "torch.float64" else 2e-6
+            tol = 1e-12 if case[-2] == "torch.float64" else 2e-6
             assert dtype_kept and err < tol, (case, err)
 
 

@@ -125,10 +125,12 @@ class SelfAttention(nn.Module):
         """``[b, h, s, d]`` in and out; dropout draws from the tp-rank-specific stream (local heads)."""
         p = self.c.attention_dropout if self.training else 0.0
         if self.cp_group is not None:
-            if p > 0.0:
-                raise ValueError("attention dropout is not supported with --context-parallel-size > 1; "
-                                 "pass --attention-dropout 0")
-            return ring_attention(q, k, v, group=self.cp_group, collectives=self.backend.collectives, causal=True)
+            seed = 0
+            if p > 0.0:  # the ring draws its block masks from a seed taken from the tp-rank-specific stream
+                with self.tracker.fork():
+                    seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
+            return ring_attention(q, k, v, group=self.cp_group, collectives=self.backend.collectives, causal=True,
+                                  dropout_p=p, seed=seed)
         if p == 0.0:
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
         with self.tracker.fork():

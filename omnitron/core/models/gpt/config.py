@@ -197,9 +197,6 @@ def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel
         raise ConfigError(f"--seq-length {c.seq_length} / --context-parallel-size {cp} = {c.seq_length // cp} is not "
                           f"divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel requires; "
                           f"change --seq-length or drop --sequence-parallel")
-    if c.attention_dropout > 0.0:
-        raise ConfigError(f"--attention-dropout {c.attention_dropout} is not supported with --context-parallel-size "
-                          f"{cp} (ring attention has no dropout); pass --attention-dropout 0")
 
 
 def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:

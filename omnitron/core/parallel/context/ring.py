@@ -15,6 +15,10 @@ so every step costs every rank the same. Backward re-circulates the key/value bl
 gradient accumulator for each block along with it; after ``cp`` hops it is back at its owner
 holding every rank's contribution. Communication happens only inside this Function's forward and
 backward (autograd never differentiates through it).
+
+Attention dropout: each step's block draws its keep-mask from a generator seeded by
+``(seed, rank, step)`` (:func:`block_dropout`), so backward regenerates exactly the forward's masks
+without storing them.
 """
 from __future__ import annotations
 
@@ -64,50 +68,73 @@ def _step_slices(step: int, src: int, rank: int, c: int, causal: bool) -> tuple[
     return slice(c, None), every, False
 
 
+def block_dropout(seed: int, rank: int, step: int, shape, p: float, dtype, device) -> torch.Tensor:
+    """The dropout multiplier (0 or ``1 / (1 - p)``) of cp rank ``rank``'s block at ring ``step``."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + rank * 10_007 + step) % 2**63)
+    keep = torch.rand(shape, generator=g, device=device, dtype=dtype) >= p
+    return keep.to(dtype) / (1.0 - p)
+
+
+class _Step:
+    """What one ring step computes on this rank: query rows, key rows, mask and dropout multiplier."""
+
+    def __init__(self, ctx, ring: _Ring, i: int, q: torch.Tensor, cdt) -> None:
+        c = q.shape[2] // 2
+        self.rows, self.cols, self.causal = _step_slices(i, (ring.rank - i) % ring.size, ring.rank, c, ctx.causal)
+        self.drop = None
+        if ctx.dropout_p > 0.0:
+            sq, sk = len(range(q.shape[2])[self.rows]), len(range(q.shape[2])[self.cols])
+            self.drop = block_dropout(ctx.seed, ring.rank, i, (q.shape[0], q.shape[1], sq, sk), ctx.dropout_p, cdt,
+                                      q.device)
+
+    def kw(self, scale: float) -> dict:
+        return dict(causal=self.causal, scale=scale, drop=self.drop)
+
+
 class RingAttention(torch.autograd.Function):
     """forward: ring attention over the cp group; backward: the ring in reverse for dk/dv."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, collectives, causal: bool, scale: float, kernel: BlockKernel):
+    def forward(ctx, q, k, v, group, collectives, causal: bool, scale: float, kernel: BlockKernel,
+                dropout_p: float, seed: int):
+        ctx.group, ctx.collectives, ctx.causal, ctx.scale, ctx.kernel = group, collectives, causal, scale, kernel
+        ctx.dropout_p, ctx.seed = dropout_p, seed
         ring, cdt = _Ring(group, collectives), torch.promote_types(q.dtype, torch.float32)
-        c = q.shape[2] // 2
         qc = q.to(cdt)
         out, lse = None, None
         kv = torch.stack([k, v])  # [2, b, hkv, s, d], the circulating block
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
-            src = (ring.rank - i) % ring.size
-            rows, cols, mask = _step_slices(i, src, ring.rank, c, causal)
-            o, l = kernel.forward(qc[:, :, rows], kv[0, :, :, cols].to(cdt), kv[1, :, :, cols].to(cdt),
-                                  causal=mask, scale=scale)
+            st = _Step(ctx, ring, i, q, cdt)
+            o, l = kernel.forward(qc[:, :, st.rows], kv[0, :, :, st.cols].to(cdt), kv[1, :, :, st.cols].to(cdt),
+                                  **st.kw(scale))
             if out is None:
                 out, lse = o, l  # step 0 covers every row
             else:
-                _merge(out[:, :, rows], lse[:, :, rows], o, l)
+                _merge(out[:, :, st.rows], lse[:, :, st.rows], o, l)
             _wait(handles)
             kv = nxt
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.group, ctx.collectives, ctx.causal, ctx.scale, ctx.kernel = group, collectives, causal, scale, kernel
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, cdt = _Ring(ctx.group, ctx.collectives), torch.promote_types(q.dtype, torch.float32)
-        c = q.shape[2] // 2
         qc, oc, doc = q.to(cdt), out.to(cdt), dout.to(cdt)
         dq = torch.zeros_like(qc)
         kv = torch.stack([k, v])
         dkv_in, dkv_handles = None, []
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
-            src = (ring.rank - i) % ring.size
-            rows, cols, mask = _step_slices(i, src, ring.rank, c, ctx.causal)
-            dq_b, dk_b, dv_b = ctx.kernel.backward(doc[:, :, rows], qc[:, :, rows], kv[0, :, :, cols].to(cdt),
-                                                   kv[1, :, :, cols].to(cdt), oc[:, :, rows], lse[:, :, rows],
-                                                   causal=mask, scale=ctx.scale)
-            dq[:, :, rows] += dq_b
+            st = _Step(ctx, ring, i, q, cdt)
+            r, cols = st.rows, st.cols
+            dq_b, dk_b, dv_b = ctx.kernel.backward(doc[:, :, r], qc[:, :, r], kv[0, :, :, cols].to(cdt),
+                                                   kv[1, :, :, cols].to(cdt), oc[:, :, r], lse[:, :, r],
+                                                   **st.kw(ctx.scale))
+            dq[:, :, r] += dq_b
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
             dkv[0, :, :, cols], dkv[1, :, :, cols] = dk_b, dv_b
             _wait(dkv_handles)  # the accumulator of this block from the ranks before us
@@ -117,16 +144,18 @@ class RingAttention(torch.autograd.Function):
             _wait(handles)
             kv = nxt
         _wait(dkv_handles)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), *([None] * 7)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, collectives, causal: bool = True,
-                   scale: float | None = None, kernel: BlockKernel = REFERENCE) -> torch.Tensor:
+                   scale: float | None = None, dropout_p: float = 0.0, seed: int = 0,
+                   kernel: BlockKernel = REFERENCE) -> torch.Tensor:
     """Attention of this cp rank's queries over the whole (cp-split) sequence.
 
     ``q [b, hq, s/cp, d]``, ``k, v [b, hkv, s/cp, d]`` (hq a multiple of hkv), rows in the
     load-balanced order of :mod:`omnitron.core.parallel.context.layout`. Returns ``[b, hq, s/cp, d]``
-    in ``q``'s dtype; blocks are computed in fp32 (fp64 for fp64 inputs)."""
+    in ``q``'s dtype; blocks are computed in fp32 (fp64 for fp64 inputs). ``dropout_p > 0``: attention
+    dropout with masks drawn from ``seed`` (draw it from the caller's RNG stream per call)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if causal and q.shape[2] % 2:
@@ -134,6 +163,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
                          f"--seq-length must be divisible by 2 x --context-parallel-size")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if group.size == 1:
-        cdt = torch.promote_types(q.dtype, torch.float32)
-        return kernel.forward(q.to(cdt), k.to(cdt), v.to(cdt), causal=causal, scale=scale)[0].to(q.dtype)
-    return RingAttention.apply(q, k, v, group, collectives, causal, scale, kernel)
+        raise ValueError("ring attention needs a context-parallel group of at least 2 ranks")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"ring attention: dropout_p must be in [0, 1), got {dropout_p}")
+    return RingAttention.apply(q, k, v, group, collectives, causal, scale, kernel, dropout_p, seed)
