@@ -4,8 +4,7 @@ One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the 
 the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
 ``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
 the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models);
-validation lines carry ``val_loss``
-and ``val_ppl``. Only global rank 0 writes.
+validation lines carry ``val_loss`` and ``val_ppl``. Only global rank 0 writes.
 """
 from __future__ import annotations
 
