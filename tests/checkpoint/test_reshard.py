@@ -279,3 +279,22 @@ def test_errors_are_clear(trained, tmp_path, capsys):
         read_full_state(path)
     assert main(["checkpoint", "inspect", str(ck)]) == 2
     assert "rank_00002.pt is missing" in capsys.readouterr().err
+
+
+def test_layout_changes_and_older_metadata():
+    """A layout difference is reported (or refused without ``reshard``); keys missing from older
+    checkpoints' metadata mean their defaults, so such a checkpoint still resumes without resharding."""
+    from omnitron.core.checkpoint import CheckpointError, check_compatible
+    from omnitron.core.checkpoint.io import LAYOUT_KEYS
+
+    now = {k: None for k in LAYOUT_KEYS}
+    now.update(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
+               data_parallel_size=2, expert_model_parallel_size=1)
+    older = {k: v for k, v in now.items() if k != "expert_model_parallel_size" and not k.startswith("decoder")}
+    meta = {"model": {"hidden_size": 8}, "layout": older}
+    assert check_compatible(meta, {"hidden_size": 8}, now, "D", reshard=True) == []
+    moved = dict(now, tensor_model_parallel_size=1, data_parallel_size=4)
+    assert check_compatible(meta, {"hidden_size": 8}, moved, "D", reshard=True) == [
+        "tensor_model_parallel_size 2 -> 1", "data_parallel_size 2 -> 4"]
+    with pytest.raises(CheckpointError, match="--tensor-model-parallel-size 2, this run uses 1.*checkpoint convert"):
+        check_compatible(meta, {"hidden_size": 8}, moved, "D")

@@ -28,6 +28,8 @@ LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vi
                "context_parallel_size", "data_parallel_size", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers", "expert_model_parallel_size")
 _FLAGS = {"data_parallel_size": "the number of processes / data-parallel size"}
+# layout keys added after format 1 was fixed: an older checkpoint's missing key means this value
+_LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1}
 
 
 class CheckpointError(RuntimeError):
@@ -174,7 +176,7 @@ def check_compatible(meta: dict, model: dict, layout: dict, path: str, *, reshar
                                   f"{now}; use the checkpoint's model settings")
     changes = []
     for key in LAYOUT_KEYS:
-        saved, now = meta["layout"].get(key), layout.get(key)
+        saved, now = meta["layout"].get(key, _LAYOUT_DEFAULTS.get(key)), layout.get(key, _LAYOUT_DEFAULTS.get(key))
         if saved != now:
             if not reshard:
                 flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
