@@ -1,7 +1,8 @@
 """--use-distributed-optimizer (ZeRO-1) against the replicated optimizer, from the same seed.
 
 One spawn of 4 gloo ranks trains a tiny GPT under dp4 (AdamW, overlapped reduce-scatter), tp2 x dp2
-(fp16 with dynamic loss scaling: the first steps overflow and are skipped) and pp2 x dp2 (SGD with
+(sequence parallel, fp16 with dynamic loss scaling: the first steps overflow and are skipped),
+cp2 x dp2 (slices over dp x cp; same losses as dp4) and pp2 x dp2 (SGD with
 momentum, tied embedding on two stages); all with tight gradient clipping, small buckets (so
 parameters straddle shard boundaries) and weight decay. The plain optimizer is the reference: losses,
 parameters, gradient norms and state dicts must agree. Checkpoint state crosses both ways
@@ -19,7 +20,7 @@ from omnitron.testing.distributed import run_distributed
 STEPS, MORE = 3, 2
 CASES = {  # name: (tp, pp, extra flags)
     "dp4_adam": (1, 1, ["--overlap-grad-reduce"]),
-    "tp2dp2_fp16": (2, 1, ["--fp16", "--initial-loss-scale", "524288", "--hysteresis", "1"]),
+    "tp2dp2_fp16": (2, 1, ["--sequence-parallel", "--fp16", "--initial-loss-scale", "524288", "--hysteresis", "1"]),
     "pp2dp2_sgd": (1, 2, ["--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", "0.05"]),
 }
 
@@ -99,7 +100,10 @@ def _case(tp, pp, extra, root):
 
 def _worker(root):
     torch.set_num_threads(1)
-    return {name: _case(tp, pp, extra, os.path.join(root, name)) for name, (tp, pp, extra) in CASES.items()}
+    out = {name: _case(tp, pp, extra, os.path.join(root, name)) for name, (tp, pp, extra) in CASES.items()}
+    # context parallel: slices over dp x cp; the same global batch as dp4, so the same losses and norms
+    out["cp2dp2"] = _Run(_args(1, 1, ["--context-parallel-size", "2"], os.path.join(root, "cp"), True)).steps(STEPS)
+    return out
 
 
 def _close(a, b, rtol):
@@ -149,6 +153,8 @@ def test_distributed_optimizer_matches_plain(tmp_path):
             assert plain_b / dp <= dist_b <= plain_b / dp * 1.02 + 64 * per_param, (name, rank, plain_b, dist_b)
         if "fp16" in name:
             assert results[0][name]["plain"][0][2], "the first fp16 step overflows at the initial scale"
+    for res in results:
+        _close(res["cp2dp2"], res["dp4_adam"]["plain"], 1e-5)
 
 
 def test_single_rank_and_bad_wiring():
