@@ -34,7 +34,11 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     """
     tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
     expert = [bool(getattr(p, "expert", False)) for p in params]
-    mine = [g for p, g, ex in zip(params, grads, expert) if not ex and counts_toward_norm(p, tp_rank, duplicates)]
+    # NOTE: under the default reduction, context-parallel ranks hold identical (dp_cp-averaged) dense
+    # gradients: count them on cp rank 0 only (a distributed optimizer's slices differ per cp rank)
+    cp_first = reduce_over is not None or groups.cp.size == 1 or groups.cp.rank == 0
+    mine = [g for p, g, ex in zip(params, grads, expert)
+            if cp_first and not ex and counts_toward_norm(p, tp_rank, duplicates)]
     device = grads[0].device if grads else None
     total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32, device=device)
     total = total.reshape(1).float()
