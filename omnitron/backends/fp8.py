@@ -92,6 +92,15 @@ def mul_blocks_(y: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> tor
     return y.mul_(expand_blocks(s.float(), block, (m, k)))
 
 
+def _gemm_scale(s: torch.Tensor, rowwise_shape: tuple[int, int]) -> torch.Tensor:
+    """A dequantization factor as ``_scaled_mm`` takes it: float32, 0-d per-tensor or ``rowwise_shape``.
+    Already-right tensors pass through without a dispatch (this runs three times per FP8 linear)."""
+    s = s.float()
+    if s.numel() > 1:
+        return s.reshape(rowwise_shape)
+    return s if s.dim() == 0 else s.reshape(())
+
+
 def _te_importable() -> bool:
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -175,8 +184,7 @@ class FP8Provider:
         ``[1,n]`` for ``b``).
         """
         self._say("path", "FP8 GEMM path on backend %s: %s (%s)", self.backend.name, self.path, self.path_reason)
-        sa, sb = scale_a_inv.float().reshape(-1, 1) if scale_a_inv.numel() > 1 else scale_a_inv.float().reshape(()), \
-            scale_b_inv.float().reshape(1, -1) if scale_b_inv.numel() > 1 else scale_b_inv.float().reshape(())
+        sa, sb = _gemm_scale(scale_a_inv, (-1, 1)), _gemm_scale(scale_b_inv, (1, -1))
         if self.path == "scaled_mm":
             try:
                 bc = b if b.stride(0) == 1 else b.t().contiguous().t()  # column-major right operand

@@ -236,6 +236,31 @@ def test_fp8_cast_transpose_amax(op, name, fmt, backend):
     assert torch.isnan(fn(x, scale, fmt)[2])
 
 
+@pytest.mark.parametrize("fmt", ("e4m3", "e5m2"))
+@pytest.mark.parametrize("op,name", _impl_params(["fp8_cast_transpose_from_amax"]))
+def test_fp8_cast_transpose_from_amax(op, name, fmt, backend):
+    """Current scaling fused: the scale follows fp8_max / 2**margin / amax (1 for a zero, inf or nan
+    amax), the codes are exactly those of that scale in float64, and scale_inv is its float32 reciprocal."""
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    dtype, limit = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}[fmt]
+    x = (torch.randn(70, 33, device=device) * torch.logspace(-9, 6, 33, base=2.0, device=device)).to(torch.bfloat16)
+    true_amax = x.float().abs().max()
+    cases = [(true_amax, 0), (true_amax, 2), (true_amax * 0.25, 0),  # amax below max|x|: saturates
+             (torch.tensor(0.0), 0), (torch.tensor(float("inf")), 0), (torch.tensor(float("nan")), 1)]
+    for amax, margin in cases:
+        amax = amax.to(device=device, dtype=torch.float32)
+        a = float(amax)
+        scale32 = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(a, dtype=torch.float32) *
+                   (limit / 2.0 ** margin)) if 0 < a < float("inf") else torch.tensor(1.0)
+        q, qt, scale_inv = fn(x, amax, fmt, margin)
+        want = (x.double() * scale32.double()).clamp(-limit, limit).to(dtype)
+        assert q.dtype == dtype and qt.shape == (33, 70)
+        assert torch.equal(q.view(torch.uint8).cpu(), want.view(torch.uint8)), f"{name} {fmt} amax={a} margin={margin}"
+        assert torch.equal(qt.view(torch.uint8).cpu(), want.t().contiguous().view(torch.uint8))
+        assert scale_inv.dtype == torch.float32 and float(scale_inv) == float(1.0 / scale32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("op,name", _impl_params(["cross_entropy_shard_stats"]))
 def test_cross_entropy_shards(op, name, dtype, backend):

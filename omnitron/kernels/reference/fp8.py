@@ -1,10 +1,17 @@
-"""FP8 cast + transpose + amax reference (the quantisation step of an FP8 linear layer)."""
+"""FP8 cast + transpose references (the quantisation step of an FP8 linear layer).
+
+``fp8_cast_transpose_amax`` casts with a given scale and reports the amax (delayed scaling: the
+amax feeds the next step's scale); ``fp8_cast_transpose_from_amax`` derives the scale from an amax
+already known (current scaling: the amax was reduced over the tensor-parallel group first), so a
+fused implementation turns the scale arithmetic and the reciprocal into part of the cast kernel.
+"""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from omnitron.backends.fp8 import scale_from_amax
 from omnitron.kernels.registry import register
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
@@ -16,15 +23,31 @@ def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4
     ``q_t = q.t()`` contiguous (the operand layout the weight/input-gradient GEMMs need), and
     ``amax = max |x|`` as a float32 scalar (NaN when ``x`` holds a NaN). ``x`` is 2-D ``[m, n]``;
     ``scale`` a float32 scalar tensor (per-tensor quantisation scale, not its reciprocal)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown FP8 format {fmt!r}: use one of {sorted(FORMATS)}")
-    if x.dim() != 2:
-        raise ValueError(f"fp8_cast_transpose_amax takes a 2-D [m, n] tensor, got shape {tuple(x.shape)}: "
-                         "flatten leading dims first (x.reshape(-1, x.shape[-1]))")
-    dtype, limit = FORMATS[fmt]
+    q, qt = _cast_transpose(x, scale, fmt, "fp8_cast_transpose_amax")
     x = x.detach()
-    q = x.to(torch.float32, copy=True).mul_(scale.float()).clamp_(-limit, limit).to(dtype)
     # max |x| in one reduction (no |x| temporary); exact, and NaN propagates
     amax = torch.linalg.vector_norm(x, math.inf, dtype=torch.float32) if x.numel() else \
         torch.zeros((), dtype=torch.float32, device=x.device)
-    return q, q.t().contiguous(), amax
+    return q, qt, amax
+
+
+@register("fp8_cast_transpose_from_amax", "reference")
+def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str = "e4m3", margin: int = 0):
+    """``(q, q_t, scale_inv)`` under current scaling: ``scale = fp8_max / 2**margin / amax`` (1 where
+    ``amax`` is 0, inf or nan, see :func:`omnitron.backends.fp8.scale_from_amax`), ``q`` and ``q_t`` as
+    :func:`fp8_cast_transpose_amax` makes them with that scale, ``scale_inv = 1 / scale`` (float32
+    scalar, the GEMM's dequantization factor). ``amax`` is a float32 scalar tensor."""
+    scale = scale_from_amax(amax.reshape(()), fmt, margin)
+    q, qt = _cast_transpose(x, scale, fmt, "fp8_cast_transpose_from_amax")
+    return q, qt, scale.reciprocal()
+
+
+def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown FP8 format {fmt!r}: use one of {sorted(FORMATS)}")
+    if x.dim() != 2:
+        raise ValueError(f"{op} takes a 2-D [m, n] tensor, got shape {tuple(x.shape)}: "
+                         "flatten leading dims first (x.reshape(-1, x.shape[-1]))")
+    dtype, limit = FORMATS[fmt]
+    q = x.detach().to(torch.float32, copy=True).mul_(scale.float()).clamp_(-limit, limit).to(dtype)
+    return q, q.t().contiguous()

@@ -1,5 +1,7 @@
-"""FP8 cast + transpose + amax in Triton: one read of ``x`` writes the scaled FP8 copy, its
-transpose (for the weight-gradient GEMM) and per-tile amax partials.
+"""FP8 cast + transpose in Triton: one read of ``x`` writes the scaled FP8 copy and its transpose
+(for the weight-gradient GEMM), plus either per-tile amax partials (``fp8_cast_transpose_amax``,
+delayed scaling) or, from an amax already reduced, the scale and its reciprocal computed in the
+kernel itself (``fp8_cast_transpose_from_amax``, current scaling: no separate scale arithmetic).
 
 The float -> FP8 rounding (round-to-nearest-even, saturating to the format's max) is written with
 integer bit operations and stored as bytes, so results are identical on every GPU and under the
@@ -11,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omnitron.kernels.reference.fp8 import fp8_cast_transpose_from_amax as reference_from_amax
 from omnitron.kernels.registry import register
 from omnitron.kernels.triton_kernels._common import GPU_BACKENDS, NAME, available, check, interpreting
 
@@ -36,27 +39,35 @@ def _to_fp8_bits(y, LIMIT: tl.constexpr, SHIFT: tl.constexpr, HALF_M1: tl.conste
 
 
 @triton.jit
-def _cast_transpose(X, SCALE, Q, QT, AMAX, M, N, LIMIT: tl.constexpr, SHIFT: tl.constexpr, HALF_M1: tl.constexpr,
-                    REBIAS: tl.constexpr, SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr):
+def _cast_transpose(X, SCALE, Q, QT, AMAX, SCALE_INV, M, N, LIMIT: tl.constexpr, SHIFT: tl.constexpr,
+                    HALF_M1: tl.constexpr, REBIAS: tl.constexpr, SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                    TARGET: tl.constexpr, FROM_AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     pm, pn = tl.program_id(0), tl.program_id(1)
     rows = pm * BM + tl.arange(0, BM)
     cols = pn * BN + tl.arange(0, BN)
     m2 = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(X + rows[:, None] * N + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    scale = tl.load(SCALE)
+    if FROM_AMAX:  # SCALE holds the reduced amax: scale_from_amax's rule, IEEE-rounded like the reference
+        amax = tl.load(SCALE)
+        ok = (amax > 0.0) & (amax < float("inf"))
+        scale = tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, amax, 1.0)) * TARGET, 1.0)
+        if (pm == 0) & (pn == 0):
+            tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
+    else:
+        scale = tl.load(SCALE)
     code = _to_fp8_bits(x * scale, LIMIT, SHIFT, HALF_M1, REBIAS, SUB_SCALE, MIN_NORMAL)
     tl.store(Q + rows[:, None] * N + cols[None, :], code, mask=m2)
     # transposed tile stored row by row of QT (consecutive rows of x are consecutive bytes there):
     # tl.trans moves the tile through shared memory so these stores coalesce
     tl.store(QT + cols[:, None] * M + rows[None, :], tl.trans(code), mask=tl.trans(m2))
-    ax = tl.abs(x)
-    has_nan = tl.max(tl.max(tl.where(ax != ax, 1, 0), axis=1), axis=0)
-    mx = tl.max(tl.max(tl.where(ax != ax, 0.0, ax), axis=1), axis=0)
-    tl.store(AMAX + pm * tl.num_programs(1) + pn, tl.where(has_nan > 0, float("nan"), mx))  # NaN propagates
+    if not FROM_AMAX:
+        ax = tl.abs(x)
+        has_nan = tl.max(tl.max(tl.where(ax != ax, 1, 0), axis=1), axis=0)
+        mx = tl.max(tl.max(tl.where(ax != ax, 0.0, ax), axis=1), axis=0)
+        tl.store(AMAX + pm * tl.num_programs(1) + pn, tl.where(has_nan > 0, float("nan"), mx))  # NaN propagates
 
 
-def _supports(x, scale, fmt="e4m3") -> str | None:
+def _supports(x, scale, fmt="e4m3", margin=0) -> str | None:
     why = check(x) or check(scale, dtypes=(torch.float32,))
     if why:
         return why
@@ -65,13 +76,28 @@ def _supports(x, scale, fmt="e4m3") -> str | None:
     if x.dim() != 2:
         return f"x has {x.dim()} dims; cast-transpose takes a 2-D [m, n] tensor"
     if scale.numel() != 1:
-        return "scale must be a single (per-tensor) value"
+        return "scale (or amax) must be a single (per-tensor) value"
     return None
 
 
 @register("fp8_cast_transpose_amax", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
 def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3"):
     """(``x * scale`` in FP8 ``[m, n]``, the same values transposed ``[n, m]``, amax of ``|x|`` float32 scalar)."""
+    q, qt, part = _launch(x, scale.reshape(1).float(), fmt, from_amax=False)
+    amax = part.max() if part.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    return q, qt, amax
+
+
+@register("fp8_cast_transpose_from_amax", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
+def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str = "e4m3", margin: int = 0):
+    """(FP8 ``x * scale``, its transpose, ``1 / scale``) with ``scale`` derived from ``amax`` inside the kernel."""
+    if not x.numel():  # nothing to launch over; the scale still follows the (group-reduced) amax
+        return reference_from_amax(x, amax, fmt, margin)
+    return _launch(x, amax.float(), fmt, from_amax=True, margin=margin)  # any 1-element tensor: the kernel loads [0]
+
+
+def _launch(x: torch.Tensor, scale_or_amax: torch.Tensor, fmt: str, *, from_amax: bool, margin: int = 0):
+    """One kernel launch; returns (q, q_t, amax partials) or, ``from_amax``, (q, q_t, scale_inv)."""
     dtype, mant, bias, limit = FORMATS[fmt]
     x = x.contiguous()
     m, n = x.shape
@@ -79,12 +105,14 @@ def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4
     qt = torch.empty(n, m, dtype=torch.uint8, device=x.device)
     bm = bn = 64  # 4K elements per program: 4 KiB of FP8 per store side
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    if from_amax:
+        extra = torch.empty((), dtype=torch.float32, device=x.device)
+    else:
+        extra = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     if m and n:
         shift = 23 - mant
-        _cast_transpose[grid](x, scale.reshape(1).float(), q, qt, part, m, n, LIMIT=limit, SHIFT=shift,
+        _cast_transpose[grid](x, scale_or_amax, q, qt, extra, extra, m, n, LIMIT=limit, SHIFT=shift,
                               HALF_M1=(1 << (shift - 1)) - 1, REBIAS=(127 - bias) << mant,
                               SUB_SCALE=float(2.0 ** (bias - 1 + mant)), MIN_NORMAL=float(2.0 ** (1 - bias)),
-                              BM=bm, BN=bn)
-    amax = part.max() if part.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
-    return q.view(dtype), qt.view(dtype), amax
+                              TARGET=limit / 2.0 ** margin, FROM_AMAX=from_amax, BM=bm, BN=bn)
+    return q.view(dtype), qt.view(dtype), extra

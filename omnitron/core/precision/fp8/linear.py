@@ -62,14 +62,15 @@ class FP8Linear:
     # ---- per-tensor quantization --------------------------------------------------------
     def quantize(self, role: str, x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(``q = fp8(x * scale)``, ``q.t()`` contiguous, ``scale_inv``) under the per-tensor recipe,
-        updating the role's state. Runs the backend's fused ``fp8_cast_transpose_amax`` kernel (saturating)."""
-        cast = self.provider.backend.kernels.fp8_cast_transpose_amax
+        updating the role's state. Current scaling (tensorwise) reduces the amax over the amax groups,
+        then one fused kernel (``fp8_cast_transpose_from_amax``) derives the scale and casts; delayed
+        scaling casts with the scale in force (``fp8_cast_transpose_amax``). Both saturate."""
+        kernels = self.provider.backend.kernels
         if self.recipe.fp8_recipe == "delayed":
-            return self._quantize_delayed(self.states[role].to(x.device), role, x, fmt, cast)
+            return self._quantize_delayed(self.states[role].to(x.device), role, x, fmt,
+                                          kernels.fp8_cast_transpose_amax)
         amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
-        scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
-        q, qt, _ = cast(x, scale, fmt)
-        return q, qt, scale.reciprocal()
+        return kernels.fp8_cast_transpose_from_amax(x, amax, fmt, self.recipe.fp8_margin)
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple:
         """The weight's FP8 form: ``(q, q.t(), scale_inv)`` (per-tensor) or ``(q, scale_inv)`` (block-wise).
@@ -134,8 +135,9 @@ class FP8Linear:
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 scalar in one reduction (no |x| temporary; exact; NaN propagates)."""
-    return torch.linalg.vector_norm(x.detach(), math.inf, dtype=torch.float32)
+    """max |x| as a float32 scalar in one reduction (no |x| temporary; exact; NaN propagates).
+    Called inside the autograd function, where grad mode is off: no ``detach`` (one dispatch less)."""
+    return torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
