@@ -84,8 +84,9 @@ class GPTConfig:
     """--moe-ffn-hidden-size: width of each expert's MLP; default --ffn-hidden-size."""
     moe_router_load_balancing_type: str = "aux_loss"
     """--moe-router-load-balancing-type: ``aux_loss`` (Switch/GShard load-balancing loss) or ``none``."""
-    moe_aux_loss_coeff: float = 0.01
-    """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss (0 turns it off)."""
+    moe_aux_loss_coeff: float = 0.0
+    """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss. 0 (Megatron's default)
+    turns it off; 1e-2 is the usual setting for training MoE models from scratch."""
     moe_router_pre_softmax: bool = False
     """--moe-router-pre-softmax: softmax over all experts before the top-k (default: over the k picked)."""
 
