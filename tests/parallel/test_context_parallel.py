@@ -179,12 +179,13 @@ def _build(tp, cp, pp, sp, family):
 
 
 def _train_args(root: str, *extra: str) -> list[str]:
-    """``omnitron train`` flags: Llama-style tiny model on mock data, tight clipping (the norm must be exact)."""
+    """``omnitron train`` flags: Llama-style tiny model on mock data, SGD with tight clipping (the clipped
+    update, and so the loss curve, depends on the exact global gradient norm)."""
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--seq-length", "16",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-workers", "0",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "2",
-            "--eval-iters", "1", "--lr", "1e-2", "--clip-grad", "0.05", "--hidden-dropout", "0", "--attention-dropout",
+            "--eval-iters", "1", "--optimizer", "sgd", "--lr", "0.5", "--clip-grad", "0.5", "--hidden-dropout", "0", "--attention-dropout",
             "0", "--log-interval", "1", "--no-tensorboard", "--data-cache-path", root + "/cache", *extra]
 
 
@@ -200,7 +201,8 @@ def _train(argv: list[str], world: int) -> tuple[list[float], list[float]]:
 
 def gpt_worker(layouts, root: str) -> dict:
     """Per layout: per-step losses, first-step full gradients and final full weights of this rank's stage;
-    then the training loop (``step.py``) at tp2 x cp2 with sequence parallelism."""
+    then the training loop (``step.py``) at tp2 x cp2 with sequence parallelism and at cp2 x dp2 with the
+    distributed optimizer."""
     from omnitron.core.models.gpt import gather_full_state
     from omnitron.core.parallel.context import context_parallel_batch
     from omnitron.core.parallel.data import finalize_model_grads
@@ -228,6 +230,8 @@ def gpt_worker(layouts, root: str) -> dict:
         results[layout] = (losses, grads, gather_full_state(chunk.module, groups))
     results["loop"] = _train(_train_args(root, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                                          "--sequence-parallel"), 4)
+    results["loop_zero"] = _train(_train_args(root + "/zero", "--context-parallel-size", "2",
+                                              "--use-distributed-optimizer"), 4)  # cp2 x dp2, states over dp x cp
     return results
 
 
@@ -236,8 +240,9 @@ def test_gpt_context_parallel_matches_one_process(tmp_path):
     loop_ref = _train(_train_args(str(tmp_path / "one")), 1)
     per_rank = run_distributed(gpt_worker, 4, LAYOUTS, str(tmp_path / "cp"))
     for res in per_rank:
-        assert res["loop"][0] == pytest.approx(loop_ref[0], rel=1e-5), (res["loop"], loop_ref)
-        assert res["loop"][1] == pytest.approx(loop_ref[1], rel=1e-5) and len(loop_ref[1]) == 2
+        for run in ("loop", "loop_zero"):
+            assert res[run][0] == pytest.approx(loop_ref[0], rel=1e-5), (run, res[run], loop_ref)
+            assert res[run][1] == pytest.approx(loop_ref[1], rel=1e-5) and len(loop_ref[1]) == 2
     for layout in LAYOUTS:
         ref_losses, ref_grads, ref_weights = refs[layout[-1]]
         grads, weights = {}, {}
