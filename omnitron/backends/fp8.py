@@ -101,6 +101,27 @@ def _gemm_scale(s: torch.Tensor, rowwise_shape: tuple[int, int]) -> torch.Tensor
     return s if s.dim() == 0 else s.reshape(())
 
 
+GEMM_ALIGN = 16
+"""``torch._scaled_mm`` on GPUs wants the inner and output dimensions in multiples of 16."""
+
+
+def _native_scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` with ``b`` column-major, the inner dimension ``k`` and the columns ``n``
+    zero-padded to multiples of :data:`GEMM_ALIGN` (exact: zero codes add nothing; padded columns are
+    cut off). Unaligned ``k`` is the weight-gradient GEMM over a token count such as an MoE expert's."""
+    (m, k), n = a.shape, b.shape[1]
+    pk, pn = -k % GEMM_ALIGN, -n % GEMM_ALIGN if sb.numel() == 1 else 0  # row-wise scales fix n
+    if pk or pn:
+        byte = torch.uint8
+        a = torch.nn.functional.pad(a.contiguous().view(byte), (0, pk)).view(a.dtype)
+        b = torch.nn.functional.pad(b.t().contiguous().view(byte), (0, pk, 0, pn)).view(b.dtype).t()
+    elif b.stride(0) != 1:
+        b = b.t().contiguous().t()  # column-major right operand
+    y = torch._scaled_mm(a.contiguous(), b, scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype)
+    return y[:, :n] if pn else y
+
+
 def _te_importable() -> bool:
     try:
         import transformer_engine.pytorch  # noqa: F401
@@ -187,13 +208,11 @@ class FP8Provider:
         sa, sb = _gemm_scale(scale_a_inv, (-1, 1)), _gemm_scale(scale_b_inv, (1, -1))
         if self.path == "scaled_mm":
             try:
-                bc = b if b.stride(0) == 1 else b.t().contiguous().t()  # column-major right operand
-                return torch._scaled_mm(a.contiguous(), bc, scale_a=sa.contiguous(), scale_b=sb.contiguous(),
-                                        out_dtype=out_dtype)
+                return _native_scaled_mm(a, b, sa, sb, out_dtype)
             except (RuntimeError, NotImplementedError, ValueError) as err:  # shape/layout precondition unmet
-                self._say(f"refused:{tuple(a.shape)}x{tuple(b.shape)}",
-                          "torch._scaled_mm refused a %sx%s GEMM (%s); this shape runs the exact emulation",
-                          tuple(a.shape), tuple(b.shape), str(err).splitlines()[0], level=logging.WARNING)
+                reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+                self._say(f"refused:{reason}", "torch._scaled_mm refused a %sx%s GEMM (%s); such GEMMs run the "
+                          "exact emulation", tuple(a.shape), tuple(b.shape), reason, level=logging.WARNING)
         return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
     def blockwise_mm(self, a: torch.Tensor, scale_a_inv: torch.Tensor, a_block: tuple[int, int],

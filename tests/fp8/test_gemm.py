@@ -160,3 +160,31 @@ def test_bf16_inputs_give_bf16_outputs_and_autocast_is_respected():
     y3 = ex(x.bfloat16(), w, b)
     torch.testing.assert_close(y2.float(), y3.float(), rtol=0, atol=0)
     assert math.isfinite(y.float().sum().item())
+
+
+def test_scaled_mm_pads_unaligned_inner_and_output_dims(monkeypatch):
+    """A k or n that is not a multiple of 16 (an MoE expert's token count in the weight-gradient GEMM)
+    reaches ``torch._scaled_mm`` zero-padded to 16 and gives the unpadded product: zero codes add
+    nothing, padded columns are cut off. No fall back to the emulation, no warning."""
+    monkeypatch.setenv("OMNITRON_FP8_PATH", "scaled_mm")
+    prov = FP8Provider(get_backend())
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(a, b, **kw):
+        seen.append((tuple(a.shape), tuple(b.shape), b.stride(0)))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    g = torch.Generator().manual_seed(4)
+    for m, k, n in ((40, 37, 48), (33, 64, 20), (7, 5, 3)):
+        a = (torch.randn(m, k, generator=g) * 10).to(torch.float8_e4m3fn)
+        b = (torch.randn(n, k, generator=g) * 10).to(torch.float8_e5m2).t()  # column-major [k, n]
+        sa, sb = torch.tensor(0.25), torch.tensor(2.0)
+        y = prov.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+        ref = (a.double() * 0.25) @ (b.double() * 2.0)
+        assert y.shape == (m, n)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        (am, ak), (bk, bn), stride0 = seen[-1]
+        assert ak % 16 == 0 and bk == ak and bn % 16 == 0 and stride0 == 1, seen[-1]
+    assert len(seen) == 3  # every GEMM ran natively
