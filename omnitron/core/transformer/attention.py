@@ -15,10 +15,15 @@ canonical ``linear_qkv`` tensors, so checkpoints and parity checks see one layou
 Context parallelism (:func:`omnitron.core.parallel.context.apply_context_parallel` sets
 ``cp_group``): the rows are this cp rank's slice of the sequence and core attention is the ring
 over the cp group.
+
+Bidirectional attention (BERT): ``forward(x, freqs, key_padding_mask)`` with a ``[b, s]`` bool mask
+(True at padding keys) attends over every non-padding key, no causal mask; without the mask
+the causal path is unchanged.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnitron.core.parallel.context.ring import ring_attention
@@ -121,9 +126,13 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.d)  # [s, b, hq/tp, d]
         return q, qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[b, h, s, d]`` in and out; dropout draws from the tp-rank-specific stream (local heads)."""
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[b, h, s, d]`` in and out; dropout draws from the tp-rank-specific stream (local heads).
+        ``key_padding_mask [b, s]`` (bool, True = padding key) selects bidirectional attention."""
         p = self.c.attention_dropout if self.training else 0.0
+        if key_padding_mask is not None:
+            return self._padded_attention(q, k, v, key_padding_mask, p)
         if self.cp_group is not None:
             seed = 0
             if p > 0.0:  # the ring draws its block masks from a seed taken from the tp-rank-specific stream
@@ -136,7 +145,21 @@ class SelfAttention(nn.Module):
         with self.tracker.fork():
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None):
+    def _padded_attention(self, q, k, v, key_padding_mask: torch.Tensor, p: float) -> torch.Tensor:
+        """Non-causal attention over the keys that are not padding (plain SDPA with a boolean mask)."""
+        if self.cp_group is not None:
+            raise ValueError("bidirectional attention with a padding mask does not run under context parallelism; "
+                             "use --context-parallel-size 1")
+        if k.shape[1] != q.shape[1]:  # grouped-query heads: repeat each key/value head for its queries
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        keep = ~key_padding_mask.to(torch.bool)[:, None, None, :]  # [b, 1, 1, s]: True = attend
+        if p == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        with self.tracker.fork():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None, key_padding_mask: torch.Tensor | None = None):
         q, k, v = self._project(x)
         s, b = q.shape[:2]
         if self.q_layernorm is not None:
@@ -146,9 +169,9 @@ class SelfAttention(nn.Module):
             q, k = rope(q, freqs, self.c.rotary_interleaved), rope(k, freqs, self.c.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.c.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, self.tracker, q, k, v)
+            out = checkpoint(self.core_attention, self.tracker, q, k, v, key_padding_mask)
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, key_padding_mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, hq/tp * d]
         y = self.linear_proj(out)
         return y if isinstance(y, tuple) else (y, None)

@@ -1,0 +1,80 @@
+"""BERT configuration: the GPT fields (same meaning, same flags) plus BERT's own, presets, validation.
+
+:class:`BertConfig` subclasses :class:`GPTConfig`, so every derived-value function of the GPT
+config (``ffn_size``, ``head_dim``, ``padded_vocab_size``, ``validate_model``, ...) applies as is.
+BERT adds ``--bert-binary-head`` / ``--no-bert-binary-head`` and ``--num-tokentypes`` (Megatron's
+spellings). Megatron BERT is pre-LN (``--apply-residual-connection-post-layernorm`` off), as the
+shared Transformer layer is; learned absolute positions; the MLM output tied to the word embedding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.models.gpt.config import GPTConfig, max_positions, padded_vocab_size, validate_model
+from omnitron.core.models.gpt.config import num_parameters as gpt_num_parameters
+
+
+@dataclass(kw_only=True)
+class BertConfig(GPTConfig):
+    """A bidirectional Transformer encoder with masked-LM and binary (NSP/SOP) heads."""
+
+    bert_binary_head: bool = True
+    """--bert-binary-head / --no-bert-binary-head: the sentence-pair (NSP/SOP) classifier on the pooled [CLS]."""
+    num_tokentypes: int = 2
+    """--num-tokentypes: rows of the token-type (segment A/B) embedding; 0 = no token-type embedding."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.num_tokentypes, int) or self.num_tokentypes < 0:
+            raise ConfigError(f"--num-tokentypes must be a non-negative integer, got {self.num_tokentypes!r}")
+
+
+def validate_bert(c: BertConfig, parallel: ParallelConfig) -> None:
+    """The GPT checks, plus what this BERT implementation does not run; errors name the flag and fix."""
+    validate_model(c, parallel)
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}: BERT runs "
+                          "without pipeline parallelism here (every layer needs the padding mask); use "
+                          "--pipeline-model-parallel-size 1 and tensor/data parallelism")
+    if parallel.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size {parallel.context_parallel_size}: BERT's bidirectional, padded "
+                          "attention has no context-parallel ring; use --context-parallel-size 1")
+    if c.position_embedding_type != "learned_absolute":
+        raise ConfigError(f"--position-embedding-type {c.position_embedding_type}: BERT uses learned absolute "
+                          "positions; use --position-embedding-type learned_absolute")
+    if c.untie_embeddings_and_output_weights:
+        raise ConfigError("--untie-embeddings-and-output-weights: BERT's masked-LM output is tied to the word "
+                          "embedding; drop the flag")
+    if c.num_experts is not None:
+        raise ConfigError("--num-experts: Mixture-of-Experts layers are not wired into BERT; drop --num-experts")
+    if c.bert_binary_head and c.num_tokentypes < 2:
+        raise ConfigError(f"--bert-binary-head needs two segments, so --num-tokentypes >= 2 (got "
+                          f"{c.num_tokentypes}); set --num-tokentypes 2 or pass --no-bert-binary-head")
+
+
+def num_parameters(c: BertConfig, *, tp: int = 1) -> int:
+    """Parameters of the whole model: the GPT count (embeddings, layers, final norm, tied output)
+    plus token types, the MLM head (dense, norm, output bias) and the pooler + binary head."""
+    h = c.hidden_size
+    norm = h * (2 if c.normalization == "LayerNorm" else 1)
+    total = gpt_num_parameters(c, tp=tp) + c.num_tokentypes * h
+    total += h * h + h + norm + padded_vocab_size(c, tp)  # lm_head.dense, lm_head.layer_norm, output bias
+    if c.bert_binary_head:
+        total += h * h + h + 2 * h + 2  # pooler.dense, binary_head
+    return total
+
+
+def bert_tiny(**overrides) -> BertConfig:
+    """Debug BERT (4 layers, hidden 128, 4 heads, seq 128): fast on CPU with a small WordPiece vocabulary."""
+    return replace(BertConfig(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                              seq_length=128, max_position_embeddings=128, vocab_size=8192), **overrides)
+
+
+def bert_base(**overrides) -> BertConfig:
+    """BERT-base shape (12 layers, hidden 768, 12 heads, seq 512)."""
+    return replace(BertConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=512,
+                              max_position_embeddings=512, vocab_size=30522), **overrides)
+
+
+__all__ = ["BertConfig", "validate_bert", "num_parameters", "bert_tiny", "bert_base", "max_positions"]

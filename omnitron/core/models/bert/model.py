@@ -1,0 +1,166 @@
+"""BERT (Megatron's pretrain_bert model): a bidirectional encoder with masked-LM and binary heads.
+
+``tokens [b, s]`` -> word (vocab-parallel) + learned position + token-type embeddings -> pre-LN
+Transformer layers attending bidirectionally over the non-padding keys -> final norm. Heads:
+
+* masked LM: ``dense(h, h)`` + GeLU + norm, then the tied word embedding as a column-parallel
+  output layer with its own bias -> vocab-parallel cross-entropy per token;
+* binary (NSP/SOP, ``bert_binary_head``): pooler ``tanh(dense(h, h))`` on the ``[CLS]`` (position
+  0) hidden state -> ``Linear(h, 2)`` logits.
+
+Tensor and sequence parallelism reuse the GPT layers. The class reuses :class:`GPTModel`'s
+layout-independent init, recompute-aware layer runner and vocabulary-padding helpers, so the
+layer stack keeps GPT's name ``decoder`` (the same checkpoint and state tools read both). No
+pipeline stages: one chunk holds the whole model (the config validation says so).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnitron.backends import get_backend
+from omnitron.core.models.bert import config as B
+from omnitron.core.models.gpt import config as C
+from omnitron.core.models.gpt.model import GPTEmbedding, GPTModel
+from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, model_parallel_seed
+from omnitron.core.parallel.tensor.sharding import set_attributes
+from omnitron.core.transformer.layer import TransformerLayer
+from omnitron.core.transformer.norm import Norm
+
+
+def _linear(n_in: int, n_out: int, c, *, partial_grad: bool = False) -> nn.Linear:
+    """A replicated ``nn.Linear`` with the init attributes the layout-independent init reads;
+    ``partial_grad``: applied to sequence shards, so its gradient is summed over tp before the step."""
+    lin = nn.Linear(n_in, n_out, dtype=c.params_dtype)
+    set_attributes(lin.weight, parallel=False, init=("normal", c.init_method_std))
+    set_attributes(lin.bias, parallel=False, init=("zeros",))
+    lin.weight.sequence_parallel = lin.bias.sequence_parallel = partial_grad
+    return lin
+
+
+class BertEmbedding(GPTEmbedding):
+    """GPT's word + position embeddings plus the token-type embedding: ``[b, s] -> [s, b, h]``
+    (``[s/tp, b, h]`` under sequence parallelism)."""
+
+    def __init__(self, c: B.BertConfig, *, group, sequence_parallel: bool, tracker) -> None:
+        super().__init__(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker)
+        self.tokentype_embeddings = None
+        if c.num_tokentypes:
+            self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, dtype=c.params_dtype)
+            set_attributes(self.tokentype_embeddings.weight, parallel=False, init=("normal", c.init_method_std))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.word_embeddings(tokens.t(), reduce_scatter=self.sp)  # [s(/tp), b, h]
+        extra = self.position_embeddings(position_ids.t())  # [s, b, h], replicated over tp
+        if self.tokentype_embeddings is not None:
+            if tokentype_ids is None:
+                raise ValueError("this BERT has a token-type embedding (--num-tokentypes > 0): pass tokentype_ids")
+            extra = extra + self.tokentype_embeddings(tokentype_ids.t())
+        x = x + (M.scatter_to_sp(extra, self.group) if self.sp else extra)
+        p = self.c.hidden_dropout if self.training else 0.0
+        if p == 0.0:
+            return x
+        with self.tracker.fork() if self.sp else contextlib.nullcontext():
+            return F.dropout(x, p, training=True)
+
+
+class BertLayer(TransformerLayer):
+    """The shared pre-LN layer, attending bidirectionally over the keys that are not padding."""
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), None, key_padding_mask), x)
+        return self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
+
+
+class BertLMHead(nn.Module):
+    """``dense -> gelu -> norm`` on ``[s(/tp), b, h]`` (the tied output projection follows)."""
+
+    def __init__(self, c: B.BertConfig, *, sequence_parallel: bool, backend) -> None:
+        super().__init__()
+        self.dense = _linear(c.hidden_size, c.hidden_size, c, partial_grad=sequence_parallel)
+        self.layer_norm = Norm(c.hidden_size, kind=c.normalization, eps=c.layernorm_epsilon, backend=backend,
+                               partial_grad=sequence_parallel, dtype=c.params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(F.gelu(self.dense(x)))
+
+
+class BertModel(GPTModel):
+    """The whole BERT on one pipeline stage; ``forward`` documents the tensors in and out."""
+
+    def __init__(self, config: B.BertConfig, groups, *, backend=None, seed: int = 1234) -> None:
+        nn.Module.__init__(self)  # NOTE: GPTModel's own __init__ builds GPT modules; only its methods are reused
+        B.validate_bert(config, groups.config)
+        self.config, self.groups = config, groups
+        self.backend = backend or get_backend()
+        self.pre_process = self.post_process = True
+        self.label_smoothing, self.layer_offset, self.num_local_layers = 0.0, 0, config.num_layers
+        tp = groups.tp
+        self.sp = bool(groups.config.sequence_parallel and tp.size > 1)
+        self.rng_tracker = RNGTracker(self.backend)
+        self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(tp), 0))
+        lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend)
+        self.embedding = BertEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict({str(i): BertLayer(config, **lkw) for i in range(config.num_layers)})
+        self.decoder.final_layernorm = Norm(config.hidden_size, kind=config.normalization,
+                                            eps=config.layernorm_epsilon, backend=self.backend,
+                                            partial_grad=self.sp, dtype=config.params_dtype)
+        self.lm_head = BertLMHead(config, sequence_parallel=self.sp, backend=self.backend)
+        self.output_layer = ColumnParallelLinear(config.hidden_size, C.padded_vocab_size(config, tp.size), group=tp,
+                                                 bias=True, sequence_parallel=self.sp, own_weight=False,
+                                                 dtype=config.params_dtype)
+        self.output_layer.bias.valid_rows = config.vocab_size  # padding columns are dropped from full views
+        self.pooler = self.binary_head = None
+        if config.bert_binary_head:
+            self.pooler = nn.Module()
+            self.pooler.dense = _linear(config.hidden_size, config.hidden_size, config)
+            self.binary_head = _linear(config.hidden_size, 2, config)
+        self.reset_parameters(seed)
+
+    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor, tokentype_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        """``tokens [b, s]`` int64, ``padding_mask [b, s]`` (nonzero at padding), ``tokentype_ids [b, s]``.
+
+        Returns ``(lm, binary_logits)``: ``lm`` is the per-token float32 MLM loss ``[b, s]`` when
+        ``labels [b, s]`` are given (every position; the loss mask picks the masked ones), else the
+        tp-local logits ``[s, b, V_pad/tp]`` with padding columns at -inf; ``binary_logits [b, 2]``
+        (None without the binary head)."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        pad = padding_mask.to(torch.bool)
+        x = self.embedding(tokens, position_ids, tokentype_ids)
+        x = self._run_layers(x, pad)  # NOTE: GPT's runner passes its second argument (here the mask) to each layer
+        x = self.decoder.final_layernorm(x)  # [s(/tp), b, h]
+        binary = None
+        if self.binary_head is not None:
+            cls = (M.gather_from_sp(x, self.groups.tp, grad_is_partial=False) if self.sp else x)[0]  # [b, h]
+            binary = self.binary_head(torch.tanh(self.pooler.dense(cls))).float()
+        logits = self.output_layer(self.lm_head(x), self.embedding.word_embeddings.weight)  # [s, b, V_pad/tp]
+        if labels is None:
+            return self._mask_padding(logits), binary
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size)
+        return loss.t(), binary  # [b, s] float32
+
+    def shared_embedding_parameters(self) -> list[nn.Parameter]:
+        """None: the output layer uses the word embedding itself (one stage)."""
+        return []
+
+
+def bert_loss(output, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's BERT loss for one micro-batch, as ``(loss, 1)``: the mean MLM loss over the masked
+    positions (``batch["loss_mask"]``) plus, with the binary head, the mean cross-entropy of the
+    sentence-pair logits against ``batch["is_random"]``."""
+    lm, binary = output
+    mask = batch["loss_mask"].to(torch.float32).reshape(lm.shape)
+    loss = (lm.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    if binary is not None:
+        loss = loss + F.cross_entropy(binary.float(), batch["is_random"].reshape(-1).long())
+    return loss, torch.ones((), device=loss.device)

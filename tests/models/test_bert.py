@@ -1,0 +1,179 @@
+"""BertModel against an independent plain-torch float64 BERT (bidirectional attention with a
+padding mask, MLM head tied to the word embedding, pooler + binary head, Megatron's loss), and
+tensor-parallel (+ sequence-parallel) parity with the one-process model in one spawned run."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.models.bert import BertConfig, BertModel, bert_loss, num_parameters, validate_bert
+from omnitron.core.models.gpt import gather_full_state
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.distributed import run_distributed
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
+            hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def plain_bert(W, c, tokens, types, pad, labels, mask, is_random):
+    """Batch-first float64 BERT from the maths: (total loss, MLM logits [b, s, V], binary logits [b, 2])."""
+    b, s = tokens.shape
+    hq, h = c.num_attention_heads, c.hidden_size
+    g = c.num_query_groups or hq
+    d = h // hq
+    lin = lambda t, n: t @ W[n + ".weight"].T + W[n + ".bias"]  # noqa: E731
+    ln = lambda t, n: F.layer_norm(t, (h,), W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)  # noqa: E731
+    x = W["embedding.word_embeddings.weight"][tokens] + W["embedding.position_embeddings.weight"][:s]
+    x = x + W["embedding.tokentype_embeddings.weight"][types]
+    for i in range(c.num_layers):
+        p = f"decoder.layers.{i}."
+        qkv = lin(ln(x, p + "input_layernorm"), p + "self_attention.linear_qkv").view(b, s, g, hq // g + 2, d)
+        q, k, v = qkv[..., : hq // g, :].reshape(b, s, hq, d), qkv[..., -2, :], qkv[..., -1, :]
+        k, v = k.repeat_interleave(hq // g, dim=2), v.repeat_interleave(hq // g, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))  # keys only; no causal mask
+        att = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, h)
+        x = x + lin(att, p + "self_attention.linear_proj")
+        m = F.gelu(lin(ln(x, p + "pre_mlp_layernorm"), p + "mlp.linear_fc1"), approximate="tanh")
+        x = x + lin(m, p + "mlp.linear_fc2")
+    x = ln(x, "decoder.final_layernorm")
+    y = ln(F.gelu(lin(x, "lm_head.dense")), "lm_head.layer_norm")
+    logits = y @ W["embedding.word_embeddings.weight"].T + W["output_layer.bias"]
+    token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    lm = (token_loss * mask.reshape(-1)).sum() / mask.sum()
+    binary = lin(torch.tanh(lin(x[:, 0], "pooler.dense")), "binary_head")
+    return lm + F.cross_entropy(binary, is_random), logits, binary
+
+
+def _batch(c, gen, b=3):
+    s = c.seq_length
+    tokens = torch.randint(0, c.vocab_size, (b, s), generator=gen)
+    lengths = torch.randint(s // 2, s + 1, (b,), generator=gen)
+    lengths[0] = s  # one unpadded row
+    pad = torch.arange(s)[None] >= lengths[:, None]
+    types = (torch.rand(b, s, generator=gen) < 0.5).long()
+    mask = ((torch.rand(b, s, generator=gen) < 0.3) & ~pad).float()
+    mask[:, 1] = 1.0  # every row has a masked position
+    return {"tokens": tokens, "padding_mask": pad, "tokentype_ids": types, "loss_mask": mask,
+            "labels": torch.randint(0, c.vocab_size, (b, s), generator=gen),
+            "is_random": torch.randint(0, 2, (b,), generator=gen)}
+
+
+def _forward(model, batch, labels=True):
+    return model(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"],
+                 labels=batch["labels"] if labels else None)
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_bert_matches_plain_float64(gqa):
+    c = BertConfig(**BASE, num_query_groups=2 if gqa else None)
+    groups = ParallelGroups.single()
+    model = BertModel(c, groups, seed=11)
+    batch = _batch(c, torch.Generator().manual_seed(5 + gqa))
+    loss, _ = bert_loss(_forward(model, batch), batch)
+    loss.backward()
+    W = {k: v.double().requires_grad_() for k, v in gather_full_state(model, groups).items()}
+    assert W["output_layer.bias"].shape == (c.vocab_size,)  # padding columns dropped from the full view
+    ref, ref_logits, ref_binary = plain_bert(W, c, batch["tokens"], batch["tokentype_ids"], batch["padding_mask"],
+                                             batch["labels"], batch["loss_mask"], batch["is_random"])
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-6
+    with torch.no_grad():
+        logits, binary = _forward(model, batch, labels=False)
+    assert torch.isinf(logits[..., c.vocab_size:]).all()
+    assert _rel(logits[..., :c.vocab_size].transpose(0, 1), ref_logits) < 1e-5
+    assert _rel(binary, ref_binary) < 1e-5
+    grads = gather_full_state(model, groups, grads=True)
+    assert grads.keys() == W.keys()
+    for k, w in W.items():
+        assert _rel(grads[k], w.grad) < 1e-5, k
+
+
+def test_padding_keys_are_invisible_and_attention_is_bidirectional():
+    c = BertConfig(**BASE)
+    model = BertModel(c, ParallelGroups.single(), seed=2).eval()
+    batch = _batch(c, torch.Generator().manual_seed(9))
+    batch["padding_mask"][1, 7:] = True
+    other = dict(batch, tokens=batch["tokens"].clone())
+    other["tokens"][1, 7:] = (other["tokens"][1, 7:] + 1) % c.vocab_size  # change only padded tokens
+    with torch.no_grad():
+        a, b = _forward(model, batch, labels=False)[0], _forward(model, other, labels=False)[0]
+        # a later real token changes an earlier position's output: attention looks both ways
+        later = dict(batch, tokens=batch["tokens"].clone())
+        later["tokens"][1, 5] = (later["tokens"][1, 5] + 1) % c.vocab_size
+        e = _forward(model, later, labels=False)[0]
+    V = c.vocab_size
+    assert torch.allclose(a[:7, 1, :V], b[:7, 1, :V], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[0, 1, :V], e[0, 1, :V], atol=1e-4, rtol=0)
+
+
+def test_no_binary_head_and_parameter_count():
+    c = BertConfig(**BASE, bert_binary_head=False)
+    model = BertModel(c, ParallelGroups.single(), seed=1)
+    batch = _batch(c, torch.Generator().manual_seed(3))
+    lm, binary = _forward(model, batch)
+    assert binary is None and lm.shape == batch["tokens"].shape
+    for cfg in (c, BertConfig(**BASE)):
+        m = BertModel(cfg, ParallelGroups.single(), seed=1)
+        assert num_parameters(cfg) == sum(p.numel() for p in m.parameters())
+
+
+def test_unsupported_layouts_are_rejected_with_the_flag():
+    c = BertConfig(**BASE)
+    for parallel, flag in ((ParallelConfig(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+                           (ParallelConfig(context_parallel_size=2), "--context-parallel-size")):
+        with pytest.raises(ConfigError, match=flag):
+            validate_bert(c, parallel)
+    with pytest.raises(ConfigError, match="--num-tokentypes"):
+        validate_bert(dataclasses.replace(c, num_tokentypes=0), ParallelConfig())
+    with pytest.raises(ConfigError, match="--num-tokentypes"):
+        BertConfig(**BASE, num_tokentypes=-1)
+
+
+# ---- tensor / sequence parallel parity (one spawn) ----------------------------------------------
+def _parity_worker(tp: int) -> dict:
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import allreduce_sequence_parallel_grads
+
+    torch.set_num_threads(1)
+    single = ParallelGroups.single()
+    cfgs = {"mha": BertConfig(**{**BASE, "vocab_size": 251, "make_vocab_size_divisible_by": 1}),
+            "gqa_recompute": BertConfig(**{**BASE, "num_query_groups": 2, "recompute_granularity": "selective"})}
+    out = {}
+    for sp in (False, True):
+        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
+                                      get_backend().collectives)
+        for name, c in cfgs.items():
+            batch = _batch(c, torch.Generator().manual_seed(4))
+            res = {}
+            for key, g in (("tp", groups), ("ref", single)):
+                model = BertModel(c, g, seed=8)
+                lm, binary = _forward(model, batch)
+                loss, _ = bert_loss((lm, binary), batch)
+                loss.backward()
+                allreduce_sequence_parallel_grads(model, g)
+                res[key] = (loss.detach(), lm.detach(), binary.detach(), gather_full_state(model, g, grads=True))
+            (lt, mt, bt, gt), (lr, mr, br, gr) = res["tp"], res["ref"]
+            out[(name, sp)] = {"loss": _rel(lt, lr), "token_loss": _rel(mt, mr), "binary": _rel(bt, br),
+                               "grads": max(_rel(gt[k], gr[k]) for k in gr), "keys": gt.keys() == gr.keys()}
+    dist.barrier()
+    return out
+
+
+def test_tensor_and_sequence_parallel_parity_tp2():
+    for rank_result in run_distributed(_parity_worker, 2, 2):
+        for case, err in rank_result.items():
+            assert err.pop("keys"), case
+            assert max(err.values()) < 1e-5, (case, err)
