@@ -50,7 +50,7 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.7.1"],
-        "dev": ["pytest", "regex", "pybind11", "triton>=3.7.1", "sentencepiece", "matplotlib"],
+        "dev": ["pytest", "regex", "pybind11", "triton>=3.7.1", "sentencepiece", "matplotlib", "transformers>=4.45"],
     },
     entry_points={"console_scripts": ["omnitron=omnitron.cli:main"]},
     ext_modules=ext_modules,

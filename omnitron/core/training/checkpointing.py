@@ -89,7 +89,8 @@ def load(c) -> bool:
     Under the checkpoint's own layout every rank reads its shard (bit-exact resume). Under another
     layout every rank assembles its shard from the checkpoint's full tensors
     (:mod:`omnitron.core.checkpoint.reshard`): weights, optimizer state, step, loss scaler and
-    scheduler carry over, RNG streams and FP8 amax histories restart (logged)."""
+    scheduler carry over, RNG streams and FP8 amax histories restart (logged). A weights-only
+    checkpoint (``omnitron checkpoint import-hf``) loads as under ``--finetune``."""
     ck = c.settings.checkpoint
     if not ck.load:
         return False
@@ -103,10 +104,11 @@ def load(c) -> bool:
     shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank)
     for m, sd in zip(c.modules, shard["model"]):
         m.load_state_dict(sd)
-    if ck.finetune:
+    if ck.finetune or shard["optimizer"].get("weights_only"):
         c.optimizer.reload_masters()
         if c.groups.rank == 0:
-            log.info("--finetune: loaded weights from %s; iteration 0, fresh optimizer", path)
+            why = "--finetune" if ck.finetune else "the checkpoint holds weights only (imported), so as --finetune"
+            log.info("%s: loaded weights from %s; iteration 0, fresh optimizer", why, path)
         return True
     if ck.no_load_optim:
         c.optimizer.reload_masters()

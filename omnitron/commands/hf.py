@@ -1,0 +1,82 @@
+"""``omnitron checkpoint import-hf|export-hf``: Hugging Face GPT-2 / Llama checkpoints in and out.
+
+``import-hf --hf-dir DIR --save OUT [--tensor-model-parallel-size T --pipeline-model-parallel-size P]``
+writes a weights-only omnitron checkpoint (iteration 0; training from it starts with a fresh
+optimizer, as ``--finetune``) and prints the model flags a training run must repeat.
+``export-hf --load DIR --out HFDIR`` writes ``config.json`` + ``model.safetensors`` that
+``transformers``' ``from_pretrained`` loads. The mapping is :mod:`omnitron.core.checkpoint.hf`.
+Registered under ``omnitron checkpoint`` by :mod:`omnitron.commands.checkpoint`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from omnitron.commands.checkpoint import _fail, resolve
+
+
+def register(cmds) -> None:
+    """Add ``import-hf`` and ``export-hf`` to the ``omnitron checkpoint`` sub-parsers ``cmds``."""
+    imp = cmds.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama checkpoint to an omnitron checkpoint")
+    imp.add_argument("--hf-dir", required=True, metavar="DIR", help="a save_pretrained directory (config.json + "
+                     "model.safetensors, sharded safetensors or pytorch_model.bin)")
+    imp.add_argument("--save", required=True, metavar="DIR", help="where the omnitron checkpoint goes")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T")
+    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P")
+    imp.set_defaults(func=run_import)
+    exp = cmds.add_parser("export-hf", help="an omnitron GPT-2 / Llama checkpoint to a Hugging Face directory")
+    exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
+    exp.add_argument("--out", required=True, metavar="DIR", help="directory for config.json + model.safetensors")
+    exp.set_defaults(func=run_export)
+
+
+def model_flags(model: dict) -> str:
+    """The ``omnitron train`` flags that fix the imported model's shape (checkpoint metadata ``model``)."""
+    from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS
+
+    out = []
+    for key in MODEL_SHAPE_KEYS + ("seq_length", "layernorm_epsilon", "rotary_base", "rope_scaling_factor"):
+        v = model.get(key)
+        if key == "vocab_size" or v is None or v is False:
+            continue  # the vocabulary comes from the tokenizer
+        out.append(f"--{key.replace('_', '-')}" + ("" if v is True else f" {v}"))
+    if not model.get("add_bias_linear", True):
+        out.append("--disable-bias-linear")
+    return " ".join(out)
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.hf import import_hf
+    from omnitron.core.checkpoint.reshard import Layout, read_metadata
+    from omnitron.core.config.parallel import ConfigError
+
+    try:
+        for flag, v in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {v}")
+        layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+        out = import_hf(args.hf_dir, args.save, layout)
+    except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
+        return _fail("import-hf", err)
+    meta = read_metadata(out)
+    tok = meta["config"]
+    print(f"imported {args.hf_dir} ({meta['imported_from']['model_type']}) to {out} ({layout}); weights only: "
+          f"training from it starts at iteration 0 with a fresh optimizer")
+    flags = [f"--{k.replace('_', '-')} {tok[k]}" for k in ("tokenizer_type", "tokenizer_model", "vocab_size")
+             if k in tok]
+    print(f"train from it with: --load {args.save} {model_flags(meta['model'])} {' '.join(flags)}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.hf import export_hf
+
+    try:
+        path = resolve(args.load)
+        n = export_hf(path, args.out)
+    except (CheckpointError, OSError, ValueError) as err:
+        return _fail("export-hf", err)
+    print(f"exported {n:,} parameters of {path} to {args.out} (config.json + model.safetensors)")
+    return 0

@@ -1,0 +1,425 @@
+"""Hugging Face GPT-2 / Llama checkpoints to and from omnitron's full (layout-independent) state.
+
+omnitron's full state names every weight globally at its full, unpadded shape
+(``decoder.layers.7.self_attention.linear_qkv.weight``; see :mod:`omnitron.core.checkpoint.reshard`).
+This module maps it, tensor by tensor, to the state dicts of ``GPT2LMHeadModel`` and
+``LlamaForCausalLM`` and their ``config.json``, so that
+
+- ``import_hf`` writes an omnitron checkpoint (weights only, any tensor/pipeline layout) from a
+  ``save_pretrained`` directory, and
+- ``export_hf`` writes ``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads.
+
+The differences the mapping absorbs:
+
+- GPT-2's ``Conv1D`` stores weights ``[in, out]`` (transposed against ``nn.Linear``).
+- HF keeps q, k and v apart (GPT-2: one ``c_attn`` with all q, then all k, then all v columns);
+  omnitron's fused QKV rows are grouped per key/value head: ``[q heads of group 0, k0, v0 | ...]``.
+- Llama's ``gate_proj`` / ``up_proj`` are omnitron's ``linear_fc1`` (all gate rows, then all up rows).
+- RoPE: HF Llama rotates halves (channel ``i`` with ``i + d/2``), which is omnitron's default
+  (``rotary_interleaved=False``), so q/k rows map unchanged. A model trained with
+  ``--rotary-interleaved`` (pairs ``2i, 2i+1``) is exported with each head's q/k rows permuted to
+  the half layout, which computes the same attention scores.
+- The vocabulary: the full state holds exactly ``vocab_size`` rows (padding to
+  ``make_vocab_size_divisible_by x tp`` exists only inside a rank's shard), as HF does.
+
+Unsupported HF features (other model types, rope scaling other than Llama-3.1's, biases on the
+attention but not the MLP, exact-erf GeLU, ...) raise :class:`HFConversionError` naming the field.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from omnitron.core.checkpoint.io import CheckpointError
+
+
+class HFConversionError(CheckpointError):
+    """A Hugging Face checkpoint or config omnitron cannot map (the message names the field)."""
+
+
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The Llama-3.1 rope-scaling constants omnitron's ``rope_inv_freq`` implements."""
+
+
+# ---- config ----------------------------------------------------------------------------------
+def _dtype(hf: dict) -> torch.dtype:
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise HFConversionError(f"config.json: torch_dtype {name!r} is not a floating-point torch dtype")
+    return dt
+
+
+def _need(hf: dict, field: str):
+    if hf.get(field) is None:
+        raise HFConversionError(f"config.json has no {field}, which a {hf.get('model_type')} config needs")
+    return hf[field]
+
+
+def _check(hf: dict, field: str, ok: Callable, why: str) -> None:
+    if field in hf and hf[field] is not None and not ok(hf[field]):
+        raise HFConversionError(f"config.json: {field}={hf[field]!r} is not supported: {why}")
+
+
+def config_from_hf(hf: dict):
+    """A :class:`GPTConfig` from a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` ``config.json`` dict."""
+    from omnitron.core.models.gpt.config import GPTConfig
+
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        return GPTConfig(**_gpt2_fields(hf), params_dtype=_dtype(hf))
+    if kind == "llama":
+        return GPTConfig(**_llama_fields(hf), params_dtype=_dtype(hf))
+    raise HFConversionError(f"config.json: model_type {kind!r} is not supported; omnitron imports 'gpt2' "
+                            f"(GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)")
+
+
+def _gpt2_fields(hf: dict) -> dict:
+    _check(hf, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
+           "omnitron's GPT-2 MLP uses the tanh GeLU (gelu_new)")
+    _check(hf, "scale_attn_weights", bool, "omnitron always scales attention scores by 1/sqrt(head_dim)")
+    _check(hf, "scale_attn_by_inverse_layer_idx", lambda v: not v, "no per-layer attention scaling in omnitron")
+    _check(hf, "add_cross_attention", lambda v: not v, "omnitron models are decoder-only")
+    n = _need(hf, "n_positions")
+    h = _need(hf, "n_embd")
+    return dict(num_layers=_need(hf, "n_layer"), hidden_size=h, num_attention_heads=_need(hf, "n_head"),
+                ffn_hidden_size=hf.get("n_inner"), vocab_size=_need(hf, "vocab_size"),
+                max_position_embeddings=n, seq_length=n, layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+                hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
+                init_method_std=hf.get("initializer_range", 0.02))
+
+
+def _rope(hf: dict) -> tuple[float, float]:
+    """(rope theta, Llama-3.1 scaling factor) from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), 1.0
+    if kind != "llama3":
+        raise HFConversionError(f"config.json: {field} rope_type {kind!r} is not supported; omnitron implements "
+                                f"plain RoPE and Llama-3.1 scaling ('llama3')")
+    for key, want in _LLAMA3_ROPE.items():
+        if float(params.get(key, -1)) != want:
+            raise HFConversionError(f"config.json: {field} {key}={params.get(key)!r} is not supported; omnitron's "
+                                    f"Llama-3.1 rope scaling uses {key}={want}")
+    return float(theta), float(params["factor"])
+
+
+def _llama_fields(hf: dict) -> dict:
+    _check(hf, "hidden_act", lambda v: v == "silu", "omnitron's Llama MLP is SwiGLU (silu)")
+    _check(hf, "partial_rotary_factor", lambda v: v == 1.0, "Llama rotates every channel")
+    bias = bool(hf.get("attention_bias", False))
+    if bool(hf.get("mlp_bias", False)) != bias:
+        raise HFConversionError(f"config.json: attention_bias={bias} but mlp_bias={hf.get('mlp_bias')}: omnitron's "
+                                f"--add-bias-linear puts biases on every linear layer or on none")
+    h, heads = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
+    head_dim, groups = hf.get("head_dim") or h // heads, hf.get("num_key_value_heads") or heads
+    theta, factor = _rope(hf)
+    n = hf.get("max_position_embeddings", 2048)
+    # defaults stay None (as a run's own flags leave them), so the checkpoint's shape check agrees
+    return dict(num_layers=_need(hf, "num_hidden_layers"), hidden_size=h, num_attention_heads=heads,
+                num_query_groups=None if groups == heads else groups,
+                kv_channels=None if head_dim * heads == h else head_dim,
+                ffn_hidden_size=_need(hf, "intermediate_size"), vocab_size=_need(hf, "vocab_size"),
+                max_position_embeddings=n, seq_length=min(n, 4096), normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                swiglu=True, position_embedding_type="rope", rotary_base=theta, rope_scaling_factor=factor,
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+                add_bias_linear=bias, init_method_std=hf.get("initializer_range", 0.02))
+
+
+def hf_model_type(cfg) -> str:
+    """``gpt2`` or ``llama``: the HF architecture ``cfg`` is (error naming the first field that fits neither)."""
+    from omnitron.core.models.gpt.config import head_dim, query_groups
+
+    common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False)]
+    if cfg.position_embedding_type == "learned_absolute":
+        kind, want = "gpt2", [("--normalization", cfg.normalization, "LayerNorm"), ("--swiglu", cfg.swiglu, False),
+                              ("--add-bias-linear", cfg.add_bias_linear, True),
+                              ("--num-query-groups", query_groups(cfg), cfg.num_attention_heads),
+                              ("--kv-channels", head_dim(cfg), cfg.hidden_size // cfg.num_attention_heads)]
+    else:
+        kind, want = "llama", [("--normalization", cfg.normalization, "RMSNorm"), ("--swiglu", cfg.swiglu, True),
+                               ("--rotary-percent", cfg.rotary_percent, 1.0)]
+    for flag, have, need in common + want:
+        if have != need:
+            raise HFConversionError(f"the model has {flag} {have}; a Hugging Face {kind} model "
+                                    f"({'learned positions' if kind == 'gpt2' else 'RoPE'}) needs {need}")
+    return kind
+
+
+def config_to_hf(cfg) -> dict:
+    """The ``config.json`` dict of the Hugging Face model equal to ``cfg`` (written in the
+    transformers-4 spelling, which transformers 5 reads too)."""
+    from omnitron.core.models.gpt.config import ffn_size, head_dim, max_positions, query_groups
+
+    kind, dtype = hf_model_type(cfg), str(cfg.params_dtype).replace("torch.", "")
+    tie = not cfg.untie_embeddings_and_output_weights
+    if kind == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
+                "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": ffn_size(cfg),
+                "n_positions": max_positions(cfg), "n_ctx": max_positions(cfg), "vocab_size": cfg.vocab_size,
+                "layer_norm_epsilon": cfg.layernorm_epsilon, "activation_function": "gelu_new",
+                "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
+                "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+                "scale_attn_weights": True, "tie_word_embeddings": tie, "torch_dtype": dtype}
+    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
+           "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": query_groups(cfg), "head_dim": head_dim(cfg), "intermediate_size": ffn_size(cfg),
+           "vocab_size": cfg.vocab_size, "max_position_embeddings": max_positions(cfg), "hidden_act": "silu",
+           "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base,
+           "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
+           "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+           "tie_word_embeddings": tie, "torch_dtype": dtype}
+    if cfg.rope_scaling_factor != 1.0:
+        out["rope_scaling"] = dict(rope_type="llama3", factor=cfg.rope_scaling_factor, **_LLAMA3_ROPE)
+    return out
+
+
+# ---- weights ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """One omnitron tensor and the HF tensors it is made of: ``to_omni(*hf) -> omni`` and
+    ``to_hf(omni) -> tuple of hf`` (inverse functions)."""
+
+    omni: str
+    hf: tuple[str, ...]
+    to_omni: Callable = lambda t: t
+    to_hf: Callable = lambda t: (t,)
+
+
+def _fuse_qkv(q, k, v, g: int):
+    """HF q ``[hq*d, ...]``, k / v ``[g*d, ...]`` -> omnitron's per-group ``[g: q.., k, v]`` rows."""
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(g, -1, *rest), k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)], 1).reshape(
+        -1, *rest)
+
+
+def _split_qkv(t, g: int, hq: int):
+    """Inverse of :func:`_fuse_qkv`: (q, k, v)."""
+    rest = t.shape[1:]
+    per = t.shape[0] // (hq + 2 * g)  # head dim
+    grouped = t.reshape(g, -1, per, *rest)
+    qpg = hq // g
+    return tuple(grouped[:, a:b].reshape(-1, *rest) for a, b in ((0, qpg), (qpg, qpg + 1), (qpg + 1, qpg + 2)))
+
+
+def _half_rope_rows(t, d: int):
+    """Rows of each ``d``-row head reordered from interleaved-pair RoPE (2i, 2i+1) to HF's halves (i, i+d/2)."""
+    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    return t.reshape(-1, d, *t.shape[1:])[:, perm].reshape(t.shape)
+
+
+def _gpt2_rules(cfg) -> list[Rule]:
+    heads, T = cfg.num_attention_heads, (lambda t: t.t())  # Conv1D [in, out] <-> Linear [out, in]
+    rules = [Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
+             Rule("embedding.position_embeddings.weight", ("transformer.wpe.weight",)),
+             Rule("decoder.final_layernorm.weight", ("transformer.ln_f.weight",)),
+             Rule("decoder.final_layernorm.bias", ("transformer.ln_f.bias",))]
+    if cfg.untie_embeddings_and_output_weights:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",)))
+    for i in range(cfg.num_layers):
+        o, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        rules += [Rule(o + "input_layernorm." + k, (h + "ln_1." + k,)) for k in ("weight", "bias")]
+        rules += [Rule(o + "pre_mlp_layernorm." + k, (h + "ln_2." + k,)) for k in ("weight", "bias")]
+        rules += [Rule(o + "self_attention.linear_qkv.weight", (h + "attn.c_attn.weight",),
+                       lambda w: _fuse_qkv(*w.t().chunk(3, 0), heads),
+                       lambda t: (torch.cat(_split_qkv(t, heads, heads), 0).t(),)),
+                  Rule(o + "self_attention.linear_qkv.bias", (h + "attn.c_attn.bias",),
+                       lambda b: _fuse_qkv(*b.chunk(3, 0), heads), lambda t: (torch.cat(_split_qkv(t, heads, heads)),)),
+                  Rule(o + "self_attention.linear_proj.weight", (h + "attn.c_proj.weight",), T, lambda t: (t.t(),)),
+                  Rule(o + "self_attention.linear_proj.bias", (h + "attn.c_proj.bias",)),
+                  Rule(o + "mlp.linear_fc1.weight", (h + "mlp.c_fc.weight",), T, lambda t: (t.t(),)),
+                  Rule(o + "mlp.linear_fc1.bias", (h + "mlp.c_fc.bias",)),
+                  Rule(o + "mlp.linear_fc2.weight", (h + "mlp.c_proj.weight",), T, lambda t: (t.t(),)),
+                  Rule(o + "mlp.linear_fc2.bias", (h + "mlp.c_proj.bias",))]
+    return rules
+
+
+def _llama_rules(cfg) -> list[Rule]:
+    from omnitron.core.models.gpt.config import head_dim, query_groups
+
+    g, hq, d = query_groups(cfg), cfg.num_attention_heads, head_dim(cfg)
+    rope_rows = (lambda t: _half_rope_rows(t, d)) if cfg.rotary_interleaved else (lambda t: t)
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+             Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if cfg.untie_embeddings_and_output_weights:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",)))
+    kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    for i in range(cfg.num_layers):
+        o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        rules += [Rule(o + "input_layernorm.weight", (h + "input_layernorm.weight",)),
+                  Rule(o + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",))]
+        for k in kinds:
+            def qkv_to_hf(t, k=k):
+                q, kk, v = _split_qkv(t, g, hq)
+                return rope_rows(q), rope_rows(kk), v
+
+            rules += [Rule(o + "self_attention.linear_qkv." + k, tuple(f"{h}self_attn.{p}_proj.{k}" for p in "qkv"),
+                           lambda q, kk, v: _fuse_qkv(q, kk, v, g), qkv_to_hf),
+                      Rule(o + "self_attention.linear_proj." + k, (f"{h}self_attn.o_proj.{k}",)),
+                      Rule(o + "mlp.linear_fc1." + k, (f"{h}mlp.gate_proj.{k}", f"{h}mlp.up_proj.{k}"),
+                           lambda a, b: torch.cat([a, b], 0), lambda t: tuple(t.chunk(2, 0))),
+                      Rule(o + "mlp.linear_fc2." + k, (f"{h}mlp.down_proj.{k}",))]
+    return rules
+
+
+def _rules(cfg) -> list[Rule]:
+    return _gpt2_rules(cfg) if hf_model_type(cfg) == "gpt2" else _llama_rules(cfg)
+
+
+_IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+"""Buffers older HF checkpoints saved (causal masks, RoPE frequencies): recomputed, not weights."""
+
+
+def _canonical_names(state: dict, kind: str) -> dict:
+    """HF names with the base-model prefix (``transformer.`` / ``model.``), which a checkpoint of the
+    bare base model (``GPT2Model``, ``LlamaModel``) lacks; ignorable buffers dropped."""
+    prefix = "transformer." if kind == "gpt2" else "model."
+    out = {}
+    for name, t in state.items():
+        if name.endswith(_IGNORED):
+            continue
+        out[name if name.startswith(prefix) or name.startswith("lm_head.") else prefix + name] = t
+    return out
+
+
+def state_from_hf(hf_state: dict, cfg) -> dict[str, torch.Tensor]:
+    """omnitron's full state (global names) from an HF state dict of the model ``cfg`` describes."""
+    kind = hf_model_type(cfg)
+    hf = _canonical_names(hf_state, kind)
+    emb = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
+    if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in hf:
+        if emb in hf and not torch.equal(hf["lm_head.weight"], hf[emb]):
+            raise HFConversionError("tie_word_embeddings is true but lm_head.weight differs from the word "
+                                    "embedding; set tie_word_embeddings=false in config.json")
+        hf.pop("lm_head.weight")
+    out = {}
+    for r in _rules(cfg):
+        missing = [n for n in r.hf if n not in hf]
+        if missing:
+            raise HFConversionError(f"the Hugging Face weights have no {missing[0]!r}, which config.json implies; "
+                                    f"the checkpoint and its config.json do not match")
+        out[r.omni] = r.to_omni(*(hf.pop(n) for n in r.hf)).contiguous()
+    if hf:
+        names = sorted(hf)
+        raise HFConversionError(f"{len(names)} Hugging Face weights have no place in the omnitron model "
+                                f"(first: {names[0]!r}); config.json does not describe these weights")
+    return out
+
+
+def state_to_hf(full: dict, cfg) -> dict[str, torch.Tensor]:
+    """The HF state dict (``save_pretrained`` names; tied ``lm_head`` omitted) of omnitron full state ``full``."""
+    out = {}
+    for r in _rules(cfg):
+        if r.omni not in full:
+            raise HFConversionError(f"the checkpoint holds no {r.omni!r}; it does not match its own model config")
+        out.update({n: t.contiguous() for n, t in zip(r.hf, r.to_hf(full[r.omni]))})
+    return out
+
+
+# ---- directories -----------------------------------------------------------------------------
+def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, state dict) of a ``save_pretrained`` directory: ``model.safetensors``, sharded
+    safetensors (``model.safetensors.index.json``), or ``pytorch_model.bin`` (read ``weights_only``)."""
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise HFConversionError(f"--hf-dir {hf_dir}: no config.json there; pass a directory written by "
+                                f"save_pretrained (or downloaded from the Hugging Face Hub)")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    files = []
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if os.path.isfile(os.path.join(hf_dir, index)):
+            with open(os.path.join(hf_dir, index)) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            break
+    else:
+        files = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(hf_dir, n))][:1]
+    if not files:
+        raise HFConversionError(f"--hf-dir {hf_dir}: no model.safetensors, pytorch_model.bin or their *.index.json; "
+                                f"the weights are missing")
+    state = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state.update(load_file(path))
+        else:
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+    return config, state
+
+
+def _tokenizer_settings(hf_dir: str, cfg) -> dict:
+    """Tokenizer flags for the imported checkpoint's config (what ``omnitron generate`` reads)."""
+    tok = os.path.join(hf_dir, "tokenizer.json")
+    if os.path.isfile(tok):
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": os.path.abspath(tok)}
+    if cfg.vocab_size == 50257 and not cfg.swiglu:
+        return {"tokenizer_type": "GPT2BPETokenizer"}  # the bundled GPT-2 vocabulary
+    return {"tokenizer_type": "NullTokenizer", "vocab_size": cfg.vocab_size - 1}  # NullTokenizer adds its eod
+
+
+def import_hf(hf_dir: str, save_dir: str, layout) -> str:
+    """Write the HF checkpoint in ``hf_dir`` as an omnitron checkpoint (iteration 0, weights only) under
+    ``save_dir`` in ``layout`` (a :class:`~omnitron.core.checkpoint.reshard.Layout`); returns its directory.
+
+    The shards' optimizer state is ``{"weights_only": True}`` (no moments, no step): training from it
+    starts at iteration 0 with a fresh optimizer, as ``--finetune`` does."""
+    from omnitron.core.checkpoint.io import write_checkpoint
+    from omnitron.core.checkpoint.reshard import FullState, rank_shard, skeleton_chunks
+    from omnitron.core.parallel.grid import coord_of
+    from omnitron.core.training.checkpointing import model_dict
+
+    hf_config, hf_state = read_hf_dir(hf_dir)
+    cfg = config_from_hf(hf_config)
+    full = FullState(model=state_from_hf(hf_state, cfg), optimizer={}, optimizer_meta={"weights_only": True},
+                     scheduler={}, meta={})
+    del hf_state
+    skeletons = skeleton_chunks(cfg, layout)  # ConfigError naming the flag when the model does not split
+    pc = layout.parallel_config()
+
+    def shards():
+        for w in range(layout.world_size):
+            co = coord_of(pc, layout.world_size, w)
+            yield w, rank_shard(full, [skeletons[(co.pp, c)] for c in range(layout.chunks)], layout.tp, co.tp)
+
+    flat = {k: v for k, v in model_dict(cfg).items() if k not in ("vocab_size", "params_dtype")}
+    flat.update(_tokenizer_settings(hf_dir, cfg), tensor_model_parallel_size=layout.tp,
+                pipeline_model_parallel_size=layout.pp)
+    meta = {"consumed_samples": 0, "model": model_dict(cfg), "layout": layout.to_dict(), "config": flat,
+            "imported_from": {"hf_dir": os.path.abspath(hf_dir), "model_type": hf_config["model_type"]}}
+    return write_checkpoint(save_dir, 0, shards(), meta, world_size=layout.world_size)
+
+
+def export_hf(path: str, out_dir: str) -> int:
+    """Write checkpoint directory ``path`` (any layout) as ``config.json`` + ``model.safetensors`` in
+    ``out_dir`` (plus the run's ``tokenizer.json`` when it used one); returns the parameter count."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from omnitron.core.checkpoint.reshard import model_config, read_full_state
+
+    full = read_full_state(path, with_optimizer=False)
+    cfg = model_config(full.meta["model"])
+    hf_config = config_to_hf(cfg)
+    state = state_to_hf(full.model, cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    run = full.meta.get("config", {})
+    tok = run.get("tokenizer_model")
+    if run.get("tokenizer_type") == "HuggingFaceTokenizer" and tok and os.path.isfile(tok):
+        shutil.copyfile(tok, os.path.join(out_dir, "tokenizer.json"))
+    return sum(t.numel() for t in state.values())
