@@ -261,6 +261,35 @@ def test_fp8_cast_transpose_from_amax(op, name, fmt, backend):
         assert scale_inv.dtype == torch.float32 and float(scale_inv) == float(1.0 / scale32)
 
 
+@pytest.mark.parametrize("algo", ("max", "most_recent"))
+@pytest.mark.parametrize("op,name", _impl_params(["fp8_amax_history_push"]))
+def test_fp8_amax_history_push(op, name, algo, backend):
+    """The delayed-scaling update against the recipe written out in float64: newest amax first, the
+    scale from the history's max (or newest entry), the previous scale kept for 0 / inf / nan."""
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    for fmt, limit in (("e4m3", 448.0), ("e5m2", 57344.0)):
+        for length, margin in ((1, 0), (5, 1), (37, 0)):
+            hist = torch.rand(length, device=device) * 10
+            prev = torch.tensor(3.0, device=device)
+            for amax in (7.5, 0.0, float("inf"), float("nan"), 1e-30):
+                if length == 5 and amax == 0.0:
+                    hist = torch.zeros(length, device=device)  # an all-zero history keeps the old scale
+                new_hist, scale, scale_inv = fn(hist, torch.tensor(amax, device=device), prev, fmt, margin, algo)
+                want_hist = [amax] + hist.tolist()[:-1]
+                torch.testing.assert_close(new_hist.cpu(), torch.tensor(want_hist, dtype=torch.float32),
+                                           rtol=0, atol=0, equal_nan=True)
+                vals = torch.tensor(want_hist, dtype=torch.float64)
+                summary = (float("nan") if vals.isnan().any() else float(vals.max())) if algo == "max" else amax
+                ok = 0 < summary < float("inf")
+                want = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(summary, dtype=torch.float32) *
+                        (limit / 2.0 ** margin)) if ok else prev.cpu()
+                assert float(scale) == float(want), (fmt, length, amax, algo)
+                assert float(scale_inv) == float(1.0 / want.float())
+                assert new_hist.data_ptr() != hist.data_ptr() and scale.data_ptr() != prev.data_ptr()
+                hist, prev = new_hist, scale
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("op,name", _impl_params(["cross_entropy_shard_stats"]))
 def test_cross_entropy_shards(op, name, dtype, backend):

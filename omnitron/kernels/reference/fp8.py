@@ -51,3 +51,20 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str, op: str) -> 
     dtype, limit = FORMATS[fmt]
     q = x.detach().to(torch.float32, copy=True).mul_(scale.float()).clamp_(-limit, limit).to(dtype)
     return q, q.t().contiguous()
+
+
+@register("fp8_amax_history_push", "reference")
+def fp8_amax_history_push(history: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3",
+                          margin: int = 0, algo: str = "max"):
+    """One delayed-scaling update: ``(history', scale', scale_inv')``, all new tensors (the old scale
+    may still be saved for a backward pass). ``history' = [amax, history[:-1]]`` (newest first);
+    ``scale' = fp8_max / 2**margin / A`` with ``A = max(history')`` (``algo="max"``, NaN if any entry
+    is NaN) or ``history'[0]`` (``"most_recent"``), keeping ``scale`` where ``A`` is 0, inf or NaN;
+    ``scale_inv' = 1 / scale'``. ``history`` is float32 ``[L]``; ``amax`` and ``scale`` float32 scalars."""
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"unknown amax compute algorithm {algo!r}: use 'max' or 'most_recent'")
+    hist = torch.roll(history, 1, 0)
+    hist[0] = amax.to(hist.device, torch.float32).reshape(())
+    summary = hist.amax() if algo == "max" else hist[0]
+    new_scale = scale_from_amax(summary, fmt, margin, previous=scale)
+    return hist, new_scale, new_scale.reciprocal()

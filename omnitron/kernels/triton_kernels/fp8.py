@@ -116,3 +116,46 @@ def _launch(x: torch.Tensor, scale_or_amax: torch.Tensor, fmt: str, *, from_amax
                               SUB_SCALE=float(2.0 ** (bias - 1 + mant)), MIN_NORMAL=float(2.0 ** (1 - bias)),
                               TARGET=limit / 2.0 ** margin, FROM_AMAX=from_amax, BM=bm, BN=bn)
     return q.view(dtype), qt.view(dtype), extra
+
+
+@triton.jit
+def _history_push(HIST, AMAX, SCALE, NEW_HIST, NEW_SCALE, NEW_SCALE_INV, L, TARGET: tl.constexpr,
+                  MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    amax = tl.load(AMAX)
+    prev = tl.load(HIST + i - 1, mask=(i >= 1) & (i < L), other=0.0)
+    hist = tl.where(i == 0, amax, prev)
+    tl.store(NEW_HIST + i, hist, mask=i < L)
+    if MOST_RECENT:
+        summary = amax
+    else:
+        has_nan = tl.max(tl.where((hist != hist) & (i < L), 1, 0), axis=0)
+        summary = tl.where(has_nan > 0, float("nan"), tl.max(tl.where(i < L, hist, 0.0), axis=0))
+    ok = (summary > 0.0) & (summary < float("inf"))  # False for NaN
+    scale = tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, summary, 1.0)) * TARGET, tl.load(SCALE))
+    tl.store(NEW_SCALE, scale)
+    tl.store(NEW_SCALE_INV, tl.math.div_rn(1.0, scale))
+
+
+def _push_supports(history, amax, scale, fmt="e4m3", margin=0, algo="max") -> str | None:
+    why = check(history, amax, scale, dtypes=(torch.float32,))
+    if why:
+        return why
+    if fmt not in FORMATS or algo not in ("max", "most_recent"):
+        return f"format {fmt!r} / algorithm {algo!r} not handled here"
+    if history.dim() != 1 or not history.is_contiguous() or amax.numel() != 1 or scale.numel() != 1:
+        return "history must be a contiguous 1-D tensor, amax and scale single values"
+    return None
+
+
+@register("fp8_amax_history_push", NAME, available=available, backends=GPU_BACKENDS, supports=_push_supports)
+def fp8_amax_history_push(history: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3",
+                          margin: int = 0, algo: str = "max"):
+    """The delayed-scaling update (roll, insert, summarise, rescale, reciprocal) in one launch."""
+    new_hist = torch.empty_like(history)
+    new_scale = torch.empty((), dtype=torch.float32, device=history.device)
+    new_inv = torch.empty((), dtype=torch.float32, device=history.device)
+    _history_push[(1,)](history, amax, scale, new_hist, new_scale, new_inv, history.numel(),
+                        TARGET=FORMATS[fmt][3] / 2.0 ** margin, MOST_RECENT=algo == "most_recent",
+                        BLOCK=triton.next_power_of_2(max(history.numel(), 1)))
+    return new_hist, new_scale, new_inv

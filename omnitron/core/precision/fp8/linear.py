@@ -109,17 +109,17 @@ class FP8Linear:
         # reuse the scale in force (the original forward's) and record nothing
         if role != "grad_output" and torch._C._current_graph_task_id() != -1:
             q, qt, _ = cast(x, state.scale, fmt)
-            return q, qt, state.scale.reciprocal()
-        state.flush()
+            return q, qt, state.scale_inv
+        state.flush(self.provider.backend.kernels.fp8_amax_history_push)
         if state.uses == 0:  # no history yet: this first use is scaled from its own amax
             amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
-            state.scale = scale_from_amax(amax, fmt, self.recipe.fp8_margin)
+            state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
             q, qt, _ = cast(x, state.scale, fmt)
         else:
             q, qt, amax = cast(x, state.scale, fmt)
             amax = reduce_amax(amax, self.amax_groups, self.collectives)
         state.record(amax)
-        return q, qt, state.scale.reciprocal()
+        return q, qt, state.scale_inv
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

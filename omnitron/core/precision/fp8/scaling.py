@@ -21,7 +21,6 @@ from typing import Sequence
 
 import torch
 
-from omnitron.backends.fp8 import scale_from_amax
 
 
 def reduce_amax(amax: torch.Tensor, groups: Sequence, collectives) -> torch.Tensor:
@@ -43,6 +42,8 @@ class DelayedScaling:
         self.fmt, self.history_len, self.algo, self.margin = fmt, history_len, algo, margin
         self.amax_history = torch.zeros(history_len)
         self.scale = torch.ones(())
+        self.scale_inv = torch.ones(())
+        """``1 / scale``, kept beside it (the GEMMs take it; computed once per update, not per use)."""
         self.uses = 0
         """Amaxes pushed so far (host-side count; 0 means "no history yet")."""
         self.pending: torch.Tensor | None = None
@@ -53,26 +54,34 @@ class DelayedScaling:
         if self.scale.device != device:
             self.amax_history = self.amax_history.to(device)
             self.scale = self.scale.to(device)
+            self.scale_inv = self.scale_inv.to(device)
         return self
 
-    def push(self, amax: torch.Tensor) -> None:
-        """Record an (already group-reduced) amax and compute the scale for the next use."""
-        hist = torch.roll(self.amax_history, 1, 0)
-        hist[0] = amax.to(hist.device, torch.float32)
-        self.amax_history = hist
-        summary = hist.amax() if self.algo == "max" else hist[0]
-        self.scale = scale_from_amax(summary, self.fmt, self.margin, previous=self.scale)
+    def set_scale(self, scale: torch.Tensor) -> None:
+        """Use ``scale`` from now on (the first use, scaled from its own amax)."""
+        self.scale, self.scale_inv = scale, scale.reciprocal()
+
+    def push(self, amax: torch.Tensor, update=None) -> None:
+        """Record an (already group-reduced) amax and compute the scale for the next use.
+
+        ``update``: an implementation of the ``fp8_amax_history_push`` kernel op (a backend's kernel
+        table entry fuses the whole update into one launch); the reference when None. The new
+        history, scale and reciprocal are new tensors: a backward may still hold the old ones."""
+        update = update or _reference_push
+        self.amax_history, self.scale, self.scale_inv = update(
+            self.amax_history, amax.to(self.amax_history.device, torch.float32), self.scale, self.fmt,
+            self.margin, self.algo)
         self.uses += 1
 
     def record(self, amax: torch.Tensor) -> None:
         """Keep this use's (group-reduced) amax; it is pushed when the next use begins."""
         self.pending = amax
 
-    def flush(self) -> None:
+    def flush(self, update=None) -> None:
         """Push the pending amax, if any (start of a use; before saving)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self.push(pending)
+            self.push(pending, update)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         self.flush()  # the next use would push it first anyway: saving it pushed resumes identically
@@ -86,6 +95,12 @@ class DelayedScaling:
                              f"{self.history_len}; resume with the same --fp8-amax-history-len")
         device = self.scale.device
         self.amax_history = hist.detach().float().clone().to(device)
-        self.scale = state["scale"].detach().float().clone().reshape(()).to(device)
+        self.set_scale(state["scale"].detach().float().clone().reshape(()).to(device))
         self.uses = int(state["uses"])
         self.pending = None
+
+
+def _reference_push(history, amax, scale, fmt, margin, algo):
+    from omnitron.kernels.reference.fp8 import fp8_amax_history_push
+
+    return fp8_amax_history_push(history, amax, scale, fmt, margin, algo)
