@@ -80,8 +80,10 @@ def test_finetune_and_incompatible_load(tmp_path):
     with pytest.raises(CheckpointError, match="--hidden-size 32, this run 64"):
         train(parse_settings(_args(tmp_path, "--train-iters", "3", "--load", save, "--hidden-size", "64"), 1),
               get_backend("cpu"))
+    # from the command line the same mismatch is one line on stderr and exit code 2, before any worker starts
+    # (another parallel layout is not an error: --load reshards, see tests/checkpoint/test_reshard.py)
     proc = subprocess.run([sys.executable, "-m", "omnitron", "train", *_args(tmp_path, "--load", save,
-                           "--tensor-model-parallel-size", "2", "--nproc-per-node", "2")],
+                           "--hidden-size", "64", "--tensor-model-parallel-size", "2", "--nproc-per-node", "2")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "--tensor-model-parallel-size 1, this run uses 2" in proc.stderr
+    assert "--hidden-size 32, this run 64" in proc.stderr
