@@ -165,7 +165,7 @@ def config_to_hf(cfg) -> dict:
     tie = not cfg.untie_embeddings_and_output_weights
     if kind == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
-                "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": ffn_size(cfg),
+                "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
                 "n_positions": max_positions(cfg), "n_ctx": max_positions(cfg), "vocab_size": cfg.vocab_size,
                 "layer_norm_epsilon": cfg.layernorm_epsilon, "activation_function": "gelu_new",
                 "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
@@ -371,33 +371,40 @@ def _tokenizer_settings(hf_dir: str, cfg) -> dict:
 
 def import_hf(hf_dir: str, save_dir: str, layout) -> str:
     """Write the HF checkpoint in ``hf_dir`` as an omnitron checkpoint (iteration 0, weights only) under
-    ``save_dir`` in ``layout`` (a :class:`~omnitron.core.checkpoint.reshard.Layout`); returns its directory.
+    ``save_dir`` in ``layout`` (a :class:`~omnitron.core.checkpoint.reshard.Layout`); returns its directory."""
+    hf_config, hf_state = read_hf_dir(hf_dir)
+    cfg = config_from_hf(hf_config)
+    full = state_from_hf(hf_state, cfg)
+    del hf_state
+    return write_weights_checkpoint(full, cfg, save_dir, layout, config=_tokenizer_settings(hf_dir, cfg),
+                                    imported_from={"hf_dir": os.path.abspath(hf_dir),
+                                                   "model_type": hf_config["model_type"]})
 
-    The shards' optimizer state is ``{"weights_only": True}`` (no moments, no step): training from it
-    starts at iteration 0 with a fresh optimizer, as ``--finetune`` does."""
+
+def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: dict | None = None,
+                             **meta) -> str:
+    """An omnitron checkpoint (iteration 0) of the full model state ``full`` of ``cfg`` in ``layout``.
+
+    The shards' optimizer state is ``{"weights_only": True}`` (no moments, no step): training from
+    it starts at iteration 0 with a fresh optimizer, as ``--finetune`` does. ``config`` adds run
+    settings (the tokenizer) to the metadata's flat config; ``meta`` adds metadata keys."""
     from omnitron.core.checkpoint.io import write_checkpoint
     from omnitron.core.checkpoint.reshard import FullState, rank_shard, skeleton_chunks
     from omnitron.core.parallel.grid import coord_of
     from omnitron.core.training.checkpointing import model_dict
 
-    hf_config, hf_state = read_hf_dir(hf_dir)
-    cfg = config_from_hf(hf_config)
-    full = FullState(model=state_from_hf(hf_state, cfg), optimizer={}, optimizer_meta={"weights_only": True},
-                     scheduler={}, meta={})
-    del hf_state
+    state = FullState(model=full, optimizer={}, optimizer_meta={"weights_only": True}, scheduler={}, meta={})
     skeletons = skeleton_chunks(cfg, layout)  # ConfigError naming the flag when the model does not split
     pc = layout.parallel_config()
 
     def shards():
         for w in range(layout.world_size):
             co = coord_of(pc, layout.world_size, w)
-            yield w, rank_shard(full, [skeletons[(co.pp, c)] for c in range(layout.chunks)], layout.tp, co.tp)
+            yield w, rank_shard(state, [skeletons[(co.pp, c)] for c in range(layout.chunks)], layout.tp, co.tp)
 
     flat = {k: v for k, v in model_dict(cfg).items() if k not in ("vocab_size", "params_dtype")}
-    flat.update(_tokenizer_settings(hf_dir, cfg), tensor_model_parallel_size=layout.tp,
-                pipeline_model_parallel_size=layout.pp)
-    meta = {"consumed_samples": 0, "model": model_dict(cfg), "layout": layout.to_dict(), "config": flat,
-            "imported_from": {"hf_dir": os.path.abspath(hf_dir), "model_type": hf_config["model_type"]}}
+    flat.update(config or {}, tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
+    meta.update(consumed_samples=0, model=model_dict(cfg), layout=layout.to_dict(), config=flat)
     return write_checkpoint(save_dir, 0, shards(), meta, world_size=layout.world_size)
 
 

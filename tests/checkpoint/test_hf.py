@@ -1,0 +1,273 @@
+"""Hugging Face import/export against ``transformers`` itself.
+
+A tiny random GPT2LMHeadModel and a tiny random LlamaForCausalLM (GQA: 4 heads, 2 key/value heads,
+rope_theta 500, untied) with every weight perturbed (norm weights and biases too) are saved with
+``save_pretrained`` and imported with ``omnitron checkpoint import-hf`` at tp1 and at tp2 (and
+tp2 x pp2). omnitron's forward on the imported shards (one process for tp1; a 2-process gloo run
+loading the tp2 shards) gives transformers' logits on fresh random tokens to fp32 tolerance;
+``export-hf`` gives back every original tensor bit for bit, and the exported directory loads with
+``from_pretrained`` to the same logits. A model made in omnitron with interleaved RoPE, Llama-3.1
+rope scaling and biases (the cases import never produces) is exported and checked against
+omnitron's own forward. Training from an imported checkpoint starts like --finetune, with the
+model flags the import command prints. Bad inputs fail with a message naming the field.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from omnitron.cli import main as cli  # noqa: E402
+from omnitron.core.checkpoint.hf import (HFConversionError, config_from_hf, read_hf_dir,  # noqa: E402
+                                         write_weights_checkpoint)
+from omnitron.core.checkpoint.io import read_metadata, read_shard  # noqa: E402
+from omnitron.core.checkpoint.reshard import Layout, model_config, read_full_state  # noqa: E402
+from omnitron.testing.distributed import run_distributed  # noqa: E402
+
+V = 100  # padded to 128 (x tp) inside omnitron's shards
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _hf_models() -> dict:
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=32,
+                                   bos_token_id=0, eos_token_id=0)
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=V, max_position_embeddings=32, rope_theta=500.0,
+                                     rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    out = {"gpt2": transformers.GPT2LMHeadModel(gpt2), "llama": transformers.LlamaForCausalLM(llama)}
+    for i, m in enumerate(out.values()):
+        _perturb(m, i)
+        m.eval()
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """{kind: (model, directory, tp1 import, tp2 import)}."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind, model in _hf_models().items():
+        d = str(root / kind)
+        model.save_pretrained(d)
+        cks = []
+        for tp in ("1", "2"):
+            save = str(root / f"{kind}_tp{tp}")
+            assert cli(["checkpoint", "import-hf", "--hf-dir", d, "--save", save,
+                        "--tensor-model-parallel-size", tp]) == 0
+            cks.append(save)
+        out[kind] = (model, d, *cks)
+    return out
+
+
+def _tokens(seed: int, b: int = 2, s: int = 12) -> torch.Tensor:
+    return torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def _omnitron_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
+    """One process: rank 0's shard of a tp1 checkpoint loaded into a GPTModel; ``[b, s, V]``."""
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    m = GPTModel(model_config(read_metadata(path)["model"]), ParallelGroups.single()).eval()
+    m.load_state_dict(read_shard(path, 0)["model"][0])
+    with torch.no_grad():
+        return m(tokens).transpose(0, 1)[..., :V]
+
+
+def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_import_tp1_matches_transformers(hf, kind):
+    model, _, tp1, _ = hf[kind]
+    path = os.path.join(tp1, "iter_0000000")
+    tokens = _tokens(1)
+    torch.testing.assert_close(_omnitron_logits(path, tokens), _hf_logits(model, tokens), atol=1e-4, rtol=1e-4)
+    assert read_shard(path, 0)["optimizer"]["weights_only"] is True
+
+
+def _tp2_worker(paths: list[str], tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Each rank loads its own shard of each tp2 checkpoint; returns its vocabulary slice of the logits."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), get_backend().collectives)
+    out = []
+    for path in paths:
+        m = GPTModel(model_config(read_metadata(path)["model"]), groups).eval()
+        m.load_state_dict(read_shard(path, groups.rank)["model"][0])
+        with torch.no_grad():
+            out.append(m(tokens).transpose(0, 1).contiguous())
+    return out
+
+
+def test_import_tp2_matches_transformers(hf, tmp_path):
+    tokens = _tokens(2)
+    kinds = ["gpt2", "llama"]
+    ranks = run_distributed(_tp2_worker, 2, [os.path.join(hf[k][3], "iter_0000000") for k in kinds], tokens)
+    for i, kind in enumerate(kinds):
+        logits = torch.cat([ranks[0][i], ranks[1][i]], -1)[..., :V]  # tp-local slices of the padded vocab
+        torch.testing.assert_close(logits, _hf_logits(hf[kind][0], tokens), atol=1e-4, rtol=1e-4)
+    # the same weights at tp1, tp2 and tp2 x pp2, read back as full tensors
+    model, d = hf["llama"][:2]
+    assert cli(["checkpoint", "import-hf", "--hf-dir", d, "--save", str(tmp_path / "pp2"),
+                "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]) == 0
+    ref = read_full_state(os.path.join(hf["llama"][2], "iter_0000000")).model
+    for path in (hf["llama"][3], str(tmp_path / "pp2")):
+        got = read_full_state(os.path.join(path, "iter_0000000")).model
+        assert sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_export_round_trip(hf, kind, tmp_path, capsys):
+    model, d, _, tp2 = hf[kind]
+    out = str(tmp_path / "exported")
+    assert cli(["checkpoint", "export-hf", "--load", tp2, "--out", out]) == 0  # from the tp2 shards
+    assert "exported" in capsys.readouterr().out
+    c0, s0 = read_hf_dir(d)
+    c1, s1 = read_hf_dir(out)
+    assert sorted(s0) == sorted(s1)
+    for name, t in s0.items():
+        assert s1[name].dtype == t.dtype and torch.equal(s1[name], t), name
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again) is type(model)
+    tokens = _tokens(3)
+    torch.testing.assert_close(_hf_logits(again, tokens), _hf_logits(model, tokens), atol=1e-6, rtol=1e-6)
+    assert config_from_hf(c1) == config_from_hf(c0)
+
+
+def _native_full(cfg, seed: int) -> dict:
+    """A GPTModel made by omnitron (every weight perturbed) as full state, and the model."""
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.models.gpt.state import gather_full_state
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    m = GPTModel(cfg, ParallelGroups.single(), seed=seed).eval()
+    _perturb(m, seed)
+    return {n: t.clone() for n, t in gather_full_state(m, m.groups).items()}, m
+
+
+@pytest.mark.parametrize("name", ["llama_interleaved_scaled_bias", "gpt2_untied"])
+def test_export_native_model(name, tmp_path):
+    """omnitron-only settings (interleaved RoPE rows are permuted; llama3 rope scaling; biases;
+    an untied GPT-2 head) give HF models computing omnitron's logits."""
+    from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+
+    if name.startswith("llama"):
+        cfg = llama_tiny(num_layers=2, hidden_size=32, ffn_hidden_size=48, vocab_size=V, seq_length=16,
+                         rotary_interleaved=True, rope_scaling_factor=8.0, rotary_base=500.0, add_bias_linear=True)
+    else:
+        cfg = gpt2_tiny(num_layers=2, hidden_size=32, ffn_hidden_size=64, vocab_size=V, seq_length=16,
+                        max_position_embeddings=16, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                        attention_dropout=0.0)
+    full, m = _native_full(cfg, seed=7)
+    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2))
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = _tokens(4)
+    with torch.no_grad():
+        ours = m(tokens).transpose(0, 1)[..., :V]
+    torch.testing.assert_close(_hf_logits(hf_model, tokens), ours, atol=1e-4, rtol=1e-4)
+    if name.startswith("llama"):
+        assert json.load(open(tmp_path / "hf" / "config.json"))["rope_scaling"]["factor"] == 8.0
+
+
+def test_train_from_import_starts_like_finetune(hf, capsys, caplog):
+    """The flags import-hf prints rebuild the model; --load of the (tp2) import reshards to one process
+    and starts at iteration 0 with a fresh optimizer; lr 0 keeps the imported weights."""
+    import logging
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    model, d, _, tp2 = hf["llama"]
+    root = os.path.dirname(tp2)
+    shutil.rmtree(os.path.join(root, "again"), ignore_errors=True)
+    assert cli(["checkpoint", "import-hf", "--hf-dir", d, "--save", os.path.join(root, "again"),
+                "--tensor-model-parallel-size", "2"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train from it with:")][0]
+    flags = line.split(":", 1)[1].split()
+    flags[flags.index("--load") + 1] = tp2
+    args = [*flags, "--mock-data", "--num-workers", "0", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "1", "--lr", "0.0", "--weight-decay", "0", "--no-tensorboard", "--seq-length", "16",
+            "--data-cache-path", os.path.join(root, "cache"), "--log-interval", "1"]
+    with caplog.at_level(logging.INFO, logger="omnitron.train"):
+        res = train(parse_settings(args, 1), get_backend("cpu"))
+    assert "holds weights only" in caplog.text and "resharding" in caplog.text
+    c = res["components"]
+    assert list(res["losses"]) == [1] and c.optimizer.step_count == 1
+    from omnitron.core.models.gpt.state import gather_full_state
+
+    got = gather_full_state(c.modules[0], c.groups)
+    ref = read_full_state(os.path.join(hf["llama"][2], "iter_0000000")).model
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def _cfg(**kw) -> dict:
+    base = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48,
+                vocab_size=V)
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (_cfg(model_type="gpt_neox"), "model_type 'gpt_neox' is not supported"),
+    (_cfg(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling rope_type 'linear'"),
+    (_cfg(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192, "rope_theta": 1e4}), "low_freq_factor=2.0"),
+    (_cfg(attention_bias=True), "attention_bias=True but mlp_bias=None"),
+    (_cfg(hidden_act="gelu"), "hidden_act='gelu'"),
+    (_cfg(intermediate_size=None), "config.json has no intermediate_size"),
+    ({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 8, "vocab_size": V,
+      "activation_function": "gelu"}, "activation_function='gelu'"),
+])
+def test_unsupported_config_names_the_field(cfg, match):
+    with pytest.raises(HFConversionError, match=match):
+        config_from_hf(cfg)
+
+
+def test_bad_inputs_fail_clearly(hf, tmp_path, capsys):
+    model, d = hf["gpt2"][:2]
+    assert cli(["checkpoint", "import-hf", "--hf-dir", str(tmp_path), "--save", str(tmp_path / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    # legacy layout: pytorch_model.bin of the bare base model, with the causal-mask buffers old versions saved
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    shutil.copy(os.path.join(d, "config.json"), legacy / "config.json")
+    sd = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    sd["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    torch.save(sd, legacy / "pytorch_model.bin")
+    assert cli(["checkpoint", "import-hf", "--hf-dir", str(legacy), "--save", str(tmp_path / "legacy_ck")]) == 0
+    a = read_full_state(os.path.join(tmp_path, "legacy_ck", "iter_0000000")).model
+    b = read_full_state(os.path.join(hf["gpt2"][2], "iter_0000000")).model
+    assert all(torch.equal(a[n], b[n]) for n in b)
+    sd["h.0.attn.rogue.weight"] = torch.zeros(3)
+    torch.save(sd, legacy / "pytorch_model.bin")
+    assert cli(["checkpoint", "import-hf", "--hf-dir", str(legacy), "--save", str(tmp_path / "y")]) == 2
+    assert "'transformer.h.0.attn.rogue.weight'" in capsys.readouterr().err
+    assert cli(["checkpoint", "import-hf", "--hf-dir", d, "--save", str(tmp_path / "z"),
+                "--tensor-model-parallel-size", "3"]) == 2
+    assert "--tensor-model-parallel-size 3" in capsys.readouterr().err
+    from omnitron.core.models.gpt.config import llama_tiny
+
+    cfg = llama_tiny(num_layers=1, hidden_size=32, ffn_hidden_size=48, vocab_size=V, qk_layernorm=True)
+    write_weights_checkpoint(_native_full(cfg, 1)[0], cfg, str(tmp_path / "qk"), Layout())
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "qk"), "--out", str(tmp_path / "o")]) == 2
+    assert "--qk-layernorm True" in capsys.readouterr().err
