@@ -89,6 +89,8 @@ def _case(tp, pp, extra, root):
     out["plain_state"], out["dist_state"] = snap_p["optimizer"], snap_d["optimizer"]
     out["bytes"] = (plain.c.optimizer.state_bytes(), dist_.c.optimizer.state_bytes())
     out["numel"] = sum(p.numel() for p in plain.c.optimizer.params)
+    out["expert_numel"] = sum(p.numel() for p in plain.c.optimizer.params if getattr(p, "expert", False))
+    out["edp"] = plain.c.groups.edp.size
     out["plain_more"], out["dist_more"] = plain.steps(MORE), dist_.steps(MORE)
     args_p, args_d = _args(tp, pp, extra, root, False), _args(tp, pp, extra, root, True)
     out["d2p_more"] = _Run(args_p, snap_d).steps(MORE)  # distributed checkpoint -> plain optimizer

@@ -25,24 +25,30 @@ def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int, duplicates: set[
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], groups, collectives,
-                     kernels, duplicates: set[int] = frozenset(), reduce_over: tuple | None = None) -> float:
+                     kernels, duplicates: set[int] = frozenset(), reduce_over: tuple | None = None,
+                     device: torch.device | None = None) -> float:
     """The L2 norm of all gradients of the model replica (equal to the single-process norm).
 
     ``grads[i]`` is (a part of) ``params[i]``'s gradient. ``reduce_over``: the groups whose sum of
     squares makes the whole (default ``groups.tp_pp_cp``); a distributed optimizer, whose ranks own
-    disjoint slices, passes ``(groups.dp_cp, groups.mp)``.
+    disjoint slices (dense ones over dp_cp, expert ones over edp), passes ``(groups.dp_cp, groups.mp)``,
+    the whole world. Its expert slices are then counted where they lie: etp x ep x edp = tp x cp x dp
+    with etp = 1, so each expert element of a stage sits on exactly one rank of the stage.
+    ``device``: where a rank without gradients builds its zero (pass the backend's current device).
     """
     tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
     expert = [bool(getattr(p, "expert", False)) for p in params]
     # NOTE: under the default reduction, context-parallel ranks hold identical (dp_cp-averaged) dense
     # gradients: count them on cp rank 0 only (a distributed optimizer's slices differ per cp rank)
-    cp_first = reduce_over is not None or groups.cp.size == 1 or groups.cp.rank == 0
+    sliced = reduce_over is not None
+    cp_first = sliced or groups.cp.size == 1 or groups.cp.rank == 0
     mine = [g for p, g, ex in zip(params, grads, expert)
-            if cp_first and not ex and counts_toward_norm(p, tp_rank, duplicates)]
-    device = grads[0].device if grads else None
+            if (ex and sliced) or (cp_first and not ex and counts_toward_norm(p, tp_rank, duplicates))]
+    device = grads[0].device if grads else device
     total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32, device=device)
     total = total.reshape(1).float()
-    total += expert_norm_sq([g for g, ex in zip(grads, expert) if ex], groups, collectives, kernels, device)
+    if not sliced:
+        total += expert_norm_sq([g for g, ex in zip(grads, expert) if ex], groups, collectives, kernels, device)
     for group in reduce_over or (groups.tp_pp_cp,):
         if group.handle is not None:
             collectives.all_reduce(total, op=ReduceOp.SUM, group=group.handle)

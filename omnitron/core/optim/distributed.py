@@ -1,12 +1,14 @@
 """Distributed optimizer (ZeRO-1, Megatron's ``--use-distributed-optimizer``).
 
-The fp32 master weights and the optimizer states are sharded over the data x context parallel
-group (``groups.dp_cp``). The shard layout is the data-parallel wrapper's: every bucket of every
-gradient buffer is cut into ``dp_cp`` equal contiguous slices (``Bucket.shard``) and rank ``r``
-owns slice ``r`` of each. The wrapper reduce-scatters each bucket (overlapped with backward when
-asked), so after ``finalize_model_grads`` this rank's slice holds the averaged gradient; the step
-unscales, checks for inf, clips by the global norm and updates only the owned slice, then
-all-gathers each bucket's updated parameters (in the model's dtype) into every replica.
+The fp32 master weights and the optimizer states are sharded over the ranks that hold replicas of
+the parameters: dense parameters over the data x context parallel group (``groups.dp_cp``), MoE
+expert parameters (``param.expert``) over the expert-data-parallel group (``groups.edp``). The
+shard layout is the data-parallel wrapper's: every bucket of every gradient buffer is cut into as
+many equal contiguous slices as its group has ranks (``Bucket.shard``) and group rank ``r`` owns
+slice ``r`` of each. The wrapper reduce-scatters each bucket over its group (overlapped with
+backward when asked), so after ``finalize_model_grads`` this rank's slices hold the averaged
+gradients; the step unscales, checks for inf, clips by the global norm and updates only the owned
+slices, then all-gathers each bucket's updated parameters (in the model's dtype) over its group.
 
 A parameter may straddle two ranks' slices; each rank then holds the part it owns (one
 contiguous element range of the flattened parameter), so weight decay (never on 1-D params or
@@ -47,6 +49,8 @@ class _BucketPlan:
 
     size: int
     """Elements in the (padded) bucket."""
+    group: object
+    """The group the bucket is sharded over (``dp_cp``, or ``edp`` for expert buckets)."""
     shard_start: int
     """Where this rank's slice starts, relative to the bucket."""
     slices: list[tuple[int, int]]
@@ -60,7 +64,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     ``chunks``: this rank's model chunks wrapped in ``DistributedDataParallel`` (their gradient
     buffers define the slices); every optimized parameter must live in one of their buffers, cut
-    into ``groups.dp_cp.size`` shards. ``masters``, ``state`` and ``decay`` are per owned slice.
+    into as many shards as the buffer's group (``dp_cp``, or ``edp`` for experts) has ranks.
+    ``masters``, ``state`` and ``decay`` are per owned slice.
     """
 
     def __init__(self, named_params, config: OptimizerConfig, groups, *, backend, chunks, loss_scaler=None,
@@ -71,7 +76,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _build_masters(self) -> None:
         """Masters, decay flags (and, through them, states) for this rank's slices only."""
-        self.slices, self.plans = _plan_slices(self.params, self.chunks, self.groups.dp_cp)
+        self.slices, self.plans = _plan_slices(self.params, self.chunks)
         self.decay = [_decays(self.names[s.param], self.params[s.param]) for s in self.slices]
         self.masters = []
         for s in self.slices:
@@ -81,16 +86,21 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:
-        return [s.grad if s.grad.dtype == torch.float32 else s.grad.float() for s in self.slices]
+        """The owned slices' gradients as fp32. A rank owning no element (a tiny model over many ranks)
+        gets one empty gradient on the backend's device, so its step's list ops and collectives still run."""
+        grads = [s.grad if s.grad.dtype == torch.float32 else s.grad.float() for s in self.slices]
+        return grads or [torch.zeros(0, device=self.backend.current_device())]
 
     def _replica_groups(self) -> tuple:
+        # NOTE: dp_cp x tp_pp_cp is the whole world: every dense and expert slice is checked
         return (self.groups.dp_cp, self.groups.tp_pp_cp)
 
     def _grad_norm(self, grads: list[torch.Tensor]) -> float:
         owners = [self.params[s.param] for s in self.slices]
-        # NOTE: slices are disjoint over dp_cp, and dp_cp x mp covers every rank of a dense model once
+        # NOTE: dense slices are disjoint over dp_cp and expert slices over edp; dp_cp x mp is the world
         return global_grad_norm(owners, grads, self.groups, self.backend.collectives, self.backend.kernels,
-                                self.duplicates, reduce_over=(self.groups.dp_cp, self.groups.mp))
+                                self.duplicates, reduce_over=(self.groups.dp_cp, self.groups.mp),
+                                device=self.backend.current_device())
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:
@@ -114,9 +124,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ``dtype=None`` gathers in each bucket's parameter dtype (one of them, fp32 if they differ).
         All buckets' gathers are started before the first is waited on.
         """
-        group, coll = self.groups.dp_cp, self.backend.collectives
+        coll = self.backend.collectives
         pending = []
         for plan in self.plans:
+            group = plan.group
             dt = dtype or _bucket_dtype([self.params[i] for i, _ in plan.params])
             n = plan.size // max(group.size, 1)
             local = torch.zeros(n, dtype=dt, device=self.backend.current_device())
@@ -135,7 +146,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ---- state: the plain optimizer's per-parameter format ---------------------------------
     def state_dict(self) -> dict:
-        """Exactly :meth:`MixedPrecisionOptimizer.state_dict`'s format (collective over ``dp_cp``)."""
+        """Exactly :meth:`MixedPrecisionOptimizer.state_dict`'s format (collective over ``dp_cp`` and ``edp``)."""
         full: dict[str, dict[int, torch.Tensor]] = {}
         keys = list(self.state) + (["master"] if any(p.dtype != torch.float32 for p in self.params) else [])
         for key in keys:
@@ -173,42 +184,45 @@ def _bucket_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def _plan_slices(params: list[torch.nn.Parameter], chunks, group) -> tuple[list[_Slice], list[_BucketPlan]]:
+def _plan_slices(params: list[torch.nn.Parameter], chunks) -> tuple[list[_Slice], list[_BucketPlan]]:
     """This rank's owned slices (in buffer order) and one gather plan per bucket."""
-    experts = [p for p in params if getattr(p, "expert", False)]
-    if experts:
-        raise ValueError(f"--use-distributed-optimizer does not shard MoE expert parameters yet ({len(experts)} "
-                         f"here, replicated over the expert-data-parallel group); drop --use-distributed-optimizer")
     index = {id(p): i for i, p in enumerate(params)}
-    buffers = [b for c in chunks if isinstance(c, DistributedDataParallel) for b in c.buffers]
-    rank, size = (group.rank, group.size) if group.size > 1 else (0, 1)
-    slices, plans, covered = [], [], set()
-    for buf in buffers:
-        if buf.shards != size:
-            raise ValueError(f"a gradient buffer is cut into {buf.shards} shards but the data x context parallel "
-                             f"group has {size} ranks; build the data-parallel wrapper with the same groups")
-        for bucket in buf.buckets:
-            n = bucket.data.numel() // size
-            lo_own, hi_own = bucket.offset + rank * n, bucket.offset + (rank + 1) * n
-            plan = _BucketPlan(bucket.data.numel(), rank * n, [], [])
-            for p in bucket.params:
-                if id(p) not in index:
-                    continue
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; the distributed "
-                                     f"optimizer writes it as a flat range")
-                i = index[id(p)]
-                start, numel = buf.param_range(p)
-                plan.params.append((i, start - bucket.offset))
-                covered.add(i)
-                lo, hi = max(start, lo_own), min(start + numel, hi_own)
-                if hi > lo:
-                    plan.slices.append((len(slices), lo - bucket.offset))
-                    slices.append(_Slice(i, lo - start, hi - start, buf.data[lo:hi]))
-            plans.append(plan)
+    slices: list[_Slice] = []
+    plans: list[_BucketPlan] = []
+    for chunk in chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            for buf, group in zip(chunk.buffers, chunk.buffer_groups):
+                _plan_buffer(buf, group, params, index, slices, plans)
+    covered = {i for plan in plans for i, _ in plan.params}
     missing = [i for i in range(len(params)) if i not in covered]
     if missing:
         raise ValueError(f"{len(missing)} parameters (first of shape {tuple(params[missing[0]].shape)}) are in no "
                          f"data-parallel gradient buffer; wrap every model chunk in DistributedDataParallel "
                          f"before building the DistributedOptimizer (--use-distributed-optimizer)")
     return slices, plans
+
+
+def _plan_buffer(buf, group, params, index: dict[int, int], slices: list[_Slice], plans: list[_BucketPlan]) -> None:
+    """Append the slices this rank owns in ``buf`` (sharded over ``group``) and one plan per bucket."""
+    rank, size = (group.rank, group.size) if group.size > 1 else (0, 1)
+    if buf.shards != size:
+        raise ValueError(f"a gradient buffer is cut into {buf.shards} shards but its group ({group.name}) has {size} "
+                         f"ranks; build the data-parallel wrapper with the same groups as the optimizer")
+    for bucket in buf.buckets:
+        n = bucket.data.numel() // size
+        lo_own, hi_own = bucket.offset + rank * n, bucket.offset + (rank + 1) * n
+        plan = _BucketPlan(bucket.data.numel(), group, rank * n, [], [])
+        for p in bucket.params:
+            if id(p) not in index:
+                continue
+            if not p.is_contiguous():
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous; the distributed "
+                                 f"optimizer writes it as a flat range")
+            i = index[id(p)]
+            start, numel = buf.param_range(p)
+            plan.params.append((i, start - bucket.offset))
+            lo, hi = max(start, lo_own), min(start + numel, hi_own)
+            if hi > lo:
+                plan.slices.append((len(slices), lo - bucket.offset))
+                slices.append(_Slice(i, lo - start, hi - start, buf.data[lo:hi]))
+        plans.append(plan)
