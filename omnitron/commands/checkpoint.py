@@ -81,8 +81,11 @@ def run_inspect(args: argparse.Namespace) -> int:
           f"vocab {m['vocab_size']}, {m.get('params_dtype')}")
     print(f"parameters   {sum(t.numel() for t in full.model.values()):,}")
     opt = full.optimizer_meta
-    print(f"optimizer    {opt.get('optimizer')} step {opt.get('step')}, state {sorted(full.optimizer)}"
-          + (f", loss scaler {opt['loss_scaler']}" if "loss_scaler" in opt else ""))
+    if opt.get("weights_only"):
+        print("optimizer    none: weights only (imported); training from it starts as --finetune")
+    else:
+        print(f"optimizer    {opt.get('optimizer')} step {opt.get('step')}, state {sorted(full.optimizer)}"
+              + (f", loss scaler {opt['loss_scaler']}" if "loss_scaler" in opt else ""))
     for name, t in sorted(full.model.items(), key=lambda kv: _natural(kv[0])):
         print(f"  {name:60s} {str(tuple(t.shape)):>16s} {str(t.dtype).replace('torch.', '')}")
     return 0

@@ -92,12 +92,28 @@ def _hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_import_tp1_matches_transformers(hf, kind):
+def test_import_tp1_matches_transformers(hf, kind, capsys):
     model, _, tp1, _ = hf[kind]
     path = os.path.join(tp1, "iter_0000000")
     tokens = _tokens(1)
     torch.testing.assert_close(_omnitron_logits(path, tokens), _hf_logits(model, tokens), atol=1e-4, rtol=1e-4)
     assert read_shard(path, 0)["optimizer"]["weights_only"] is True
+    assert cli(["checkpoint", "inspect", tp1]) == 0 and "weights only" in capsys.readouterr().out
+
+
+def test_bf16_round_trip(hf, tmp_path):
+    """A bf16 checkpoint stays bf16 through omnitron (params_dtype) and comes back bit for bit."""
+    model, d = hf["llama"][:2]
+    model16 = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16)
+    model16.load_state_dict(model.state_dict())
+    model16.save_pretrained(str(tmp_path / "hf16"))
+    assert cli(["checkpoint", "import-hf", "--hf-dir", str(tmp_path / "hf16"), "--save", str(tmp_path / "ck"),
+                "--tensor-model-parallel-size", "2"]) == 0
+    assert read_metadata(str(tmp_path / "ck" / "iter_0000000"))["model"]["params_dtype"] == "torch.bfloat16"
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "out")]) == 0
+    _, s0 = read_hf_dir(str(tmp_path / "hf16"))
+    _, s1 = read_hf_dir(str(tmp_path / "out"))
+    assert sorted(s0) == sorted(s1) and all(s1[n].dtype == torch.bfloat16 and torch.equal(s1[n], s0[n]) for n in s0)
 
 
 def _tp2_worker(paths: list[str], tokens: torch.Tensor) -> list[torch.Tensor]:
