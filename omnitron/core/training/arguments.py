@@ -42,7 +42,9 @@ def _config_classes() -> list[tuple[str, type]]:
     fp8 = _fp8_config_class()
     if fp8 is not None:
         classes.append(("fp8", fp8))
-    return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig)]
+    from omnitron.core.models.bert.config import BertConfig  # last: only its own fields become flags
+
+    return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig), ("BERT model", BertConfig)]
 
 
 def _ddp_config_class():
@@ -156,7 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launch")
     launch.add_argument("--config", metavar="FILE", help="YAML or JSON file of settings (keys = flag names); "
                         "flags on the command line win")
-    launch.add_argument("--model", metavar="PRESET", help="start from a model preset: gpt2_tiny, llama_tiny, gpt_1p3b")
+    launch.add_argument("--model", metavar="PRESET", help="start from a model preset: gpt2_tiny, llama_tiny, gpt_1p3b, "
+                        "bert_tiny, bert_base (the bert presets imply --model-type bert)")
+    launch.add_argument("--model-type", choices=MODEL_TYPES, help="model family: gpt (default) or bert "
+                        "(Megatron's pretrain_bert: masked LM + sentence-order head)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
                         "(one thread each); not needed under torchrun (default: 1)")
     launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
@@ -209,7 +214,9 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 # settings that are not config-dataclass fields, with their types
-_LAUNCH_KEYS = {"config": str, "model": str, "nproc_per_node": int, "backend": str, "threads_per_process": int,
+MODEL_TYPES = ("gpt", "bert")
+_BERT_PRESETS = ("bert_tiny", "bert_base")
+_LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "nproc_per_node": int, "backend": str, "threads_per_process": int,
                 "prompt": str, "sample_tokens": int, "sample_top_k": int, "num_layers_per_virtual_pipeline_stage": int}
 
 
@@ -233,16 +240,19 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     preset = given.get("model", file_values.get("model"))
     if preset:
         merged.update(_preset_fields(preset))
+        if preset in _BERT_PRESETS:
+            merged["model_type"] = "bert"
     merged.update(file_values)
     merged.update({k: v for k, v in given.items() if v is not None})
     return merged
 
 
 def _preset_fields(name: str) -> dict[str, Any]:
+    from omnitron.core.models.bert import config as bert_config
     from omnitron.core.models.gpt import config as gpt_config
 
     presets = {"gpt2_tiny": gpt_config.gpt2_tiny, "llama_tiny": gpt_config.llama_tiny,
-               "gpt_1p3b": gpt_config.gpt_1p3b}
+               "gpt_1p3b": gpt_config.gpt_1p3b, "bert_tiny": bert_config.bert_tiny, "bert_base": bert_config.bert_base}
     if name not in presets:
         raise ConfigError(f"--model {name!r} is not a preset; choose one of {', '.join(presets)}")
     cfg = presets[name]()
@@ -274,6 +284,8 @@ class Settings:
     sample_top_k: int
     flat: dict[str, Any]
     """The merged flat settings (what a checkpoint records as the run's config)."""
+    model_type: str = "gpt"
+    """``--model-type``: the model family (``gpt`` or ``bert``)."""
 
     @property
     def dp(self) -> int:
@@ -308,7 +320,11 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
     precision = _build(PrecisionConfig, merged)
     # the model's vocabulary comes from the tokenizer (--vocab-size is NullTokenizer's setting)
-    model = _build(GPTConfig, {k: v for k, v in merged.items() if k != "vocab_size"},
+    model_type = _model_family(merged)
+    model_cls = GPTConfig
+    if model_type == "bert":
+        from omnitron.core.models.bert.config import BertConfig as model_cls
+    model = _build(model_cls, {k: v for k, v in merged.items() if k != "vocab_size"},
                    params_dtype=params_dtype(precision))
     per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
     vp = None
@@ -320,6 +336,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                               f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk}")
         vp = model.num_layers // (pp * per_chunk)
     parallel = _build(ParallelConfig, merged, virtual_pipeline_model_parallel_size=vp)
+    if model_type == "bert":
+        from omnitron.core.models.bert.config import validate_bert
+
+        validate_bert(model, parallel)
     validate_model(model, parallel, check_layers=not parallel.uneven_pipeline)
     if parallel.uneven_pipeline:  # the layer split itself is checked here, naming the flags
         from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -363,7 +383,27 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                     backend=merged.get("backend"), threads=merged.get("threads_per_process"),
                     prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
                     sample_top_k=int(merged.get("sample_top_k") or 20),
-                    flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")})
+                    flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")}, model_type=model_type)
+
+
+def _model_family(merged: dict[str, Any]) -> str:
+    """``--model-type`` (bert presets imply bert); BERT-only flags without it, or BERT with a tokenizer that
+    lacks [CLS]/[SEP]/[MASK] or with --prompt, are errors. Defaults BERT's tokenizer to BertWordPieceLowerCase."""
+    model_type = merged.get("model_type") or "gpt"
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"--model-type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+    bert_only = [k for k in ("bert_binary_head", "num_tokentypes") if k in merged]
+    if model_type != "bert":
+        if bert_only:
+            raise ConfigError(f"--{bert_only[0].replace('_', '-')} only applies to BERT; add --model-type bert")
+        return model_type
+    tok = merged.setdefault("tokenizer_type", "BertWordPieceLowerCase")
+    if not tok.startswith("BertWordPiece"):
+        raise ConfigError(f"--tokenizer-type {tok}: BERT needs [CLS]/[SEP]/[MASK]/[PAD] tokens; use "
+                          "--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase")
+    if merged.get("prompt"):
+        raise ConfigError("--prompt samples a continuation, which a BERT (an encoder) does not write; drop --prompt")
+    return model_type
 
 
 def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:

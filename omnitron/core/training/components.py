@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnitron.core.models.bert import BertConfig, BertModel
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
@@ -57,7 +58,10 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
 
 
 def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
-    """This pipeline rank's chunks (one per virtual stage), each a GPTModel over its layer range."""
+    """This pipeline rank's chunks (one per virtual stage), each a GPTModel over its layer range
+    (a BERT config: the one BertModel chunk; BERT runs without pipeline stages)."""
+    if isinstance(cfg, BertConfig):
+        return [BertModel(cfg, groups, backend=backend, seed=seed).to(backend.current_device())]
     pp, vp = groups.pp.size, groups.config.virtual_pipeline_model_parallel_size or 1
     pc = groups.config
     ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
@@ -89,16 +93,22 @@ def duplicate_params(modules: list[GPTModel]) -> list[torch.nn.Parameter]:
 
 
 def build_data(settings, tokenizer, groups, collectives):
-    """(train, valid) datasets sized for the whole run; rank 0 builds index caches, others wait."""
+    """(train, valid) datasets sized for the whole run; rank 0 builds index caches, others wait.
+    GPT datasets, or BERT's (two segments, masked LM) for a BERT model."""
     from omnitron.core.data import build_gpt_datasets
 
+    build, kw = build_gpt_datasets, {}
+    if isinstance(settings.model, BertConfig):
+        from omnitron.core.data.bert_dataset import build_bert_datasets
+
+        build, kw = build_bert_datasets, {"binary_head": settings.model.bert_binary_head}
     t = settings.training
     gbs = t.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
-    train, valid, _ = build_gpt_datasets(settings.data, tokenizer, train_samples=t.train_iters * gbs,
-                                         valid_samples=t.eval_iters * gbs if evals else 0,
-                                         test_samples=0, is_builder_rank=groups.rank == 0, barrier=barrier)
+    train, valid, _ = build(settings.data, tokenizer, train_samples=t.train_iters * gbs,
+                            valid_samples=t.eval_iters * gbs if evals else 0,
+                            test_samples=0, is_builder_rank=groups.rank == 0, barrier=barrier, **kw)
     return train, valid
 
 

@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from omnitron.backends.collectives import ReduceOp
+from omnitron.core.models.bert import BertConfig, BertModel, bert_loss
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn, run_schedule
 from omnitron.core.training.grads import finalize_grads
@@ -29,8 +30,11 @@ def _unwrap(chunk):
 
 
 def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torch.Tensor:
-    """Run one chunk on one micro-batch: tokens in on the first stage, per-token loss out on the last."""
+    """Run one chunk on one micro-batch: tokens in on the first stage, per-token loss out on the last
+    (BERT, one stage: ``(per-token MLM loss, binary logits)``, for :func:`bert_loss`)."""
     m = _unwrap(chunk)
+    if isinstance(m, BertModel):
+        return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"])
     labels = batch["labels"] if m.post_process else None
     if m.pre_process:
         return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels)
@@ -61,8 +65,10 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
     """Run the schedule; returns the mean loss over micro-batches and data-parallel ranks (every rank)."""
     schedule = forward_only_schedule(c.schedule) if forward_only else c.schedule
 
+    model_loss = bert_loss if isinstance(c.model, BertConfig) else default_loss_fn
+
     def loss_fn(output, batch):
-        total, count = context_parallel_loss(*default_loss_fn(output, batch), batch)
+        total, count = context_parallel_loss(*model_loss(output, batch), batch)
         return (total * loss_scale if loss_scale else total), count
 
     loss_sum, _ = run_schedule(schedule, c.groups.pp.rank if c.groups.pp.size > 1 else 0, c.chunks, data_iterator,

@@ -2,15 +2,18 @@
 
 Kinds (Megatron's ``--tokenizer-type`` spellings): ``GPT2BPETokenizer`` (bundled GPT-2 files by
 default), ``HuggingFaceTokenizer`` (a ``tokenizer.json``), ``SentencePieceTokenizer`` (a
-``.model``), ``NullTokenizer`` (integers as text; ``--vocab-size``). All load offline.
+``.model``), ``NullTokenizer`` (integers as text; ``--vocab-size``), ``BertWordPieceLowerCase`` /
+``BertWordPieceCase`` (a BERT ``vocab.txt``; default: one built from the bundled corpus). All load offline.
 """
 from __future__ import annotations
 
 from .base import Tokenizer, TokenizerError
 from .bpe import GPT2_MERGES, GPT2_VOCAB, GPT2BPETokenizer, HuggingFaceTokenizer, sha256_of
 from .simple import NullTokenizer, SentencePieceTokenizer
+from .wordpiece import BertWordPieceTokenizer
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer",
+                   "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str | None = None,
@@ -21,6 +24,7 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
     GPT2BPETokenizer: ``vocab_file`` + ``merge_file`` (both or neither; neither = bundled).
     HuggingFaceTokenizer / SentencePieceTokenizer: ``tokenizer_model`` (path).
     NullTokenizer: ``vocab_size``.
+    BertWordPieceLowerCase / BertWordPieceCase: ``vocab_file`` (a BERT vocab.txt; None: bundled-corpus vocabulary).
     """
     if tokenizer_type == "GPT2BPETokenizer":
         if (vocab_file is None) != (merge_file is None):
@@ -34,9 +38,11 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
         return cls(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return BertWordPieceTokenizer(vocab_file, lower_case=tokenizer_type == "BertWordPieceLowerCase")
     raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
 __all__ = ["Tokenizer", "TokenizerError", "build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer",
-           "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer", "GPT2_VOCAB", "GPT2_MERGES",
-           "sha256_of"]
+           "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer", "BertWordPieceTokenizer", "GPT2_VOCAB",
+           "GPT2_MERGES", "sha256_of"]

@@ -1,0 +1,291 @@
+"""BERT pre-training samples (Megatron's BertDataset): two segments, sentence order, masked LM.
+
+Documents are lists of sentences: an indexed dataset whose documents hold several sequences
+(one per sentence, as :func:`bert_corpus_prefix` writes) uses them as they are; a document of ONE
+sequence (``omnitron preprocess`` writes one per document: it has no sentence splitter) is cut into
+fixed spans of ``max_tokens // 4`` tokens that stand in for sentences. Special ids ([CLS], [SEP],
+[PAD], [MASK], [UNK]; e.g. an eod appended by preprocessing) are dropped from the text.
+
+Sample mapping (numpy, cached like the GPT indices): every epoch walks the split's documents,
+packing consecutive sentences until a target length (``seq_length - 3``; with probability
+``short_seq_prob`` a random shorter one) is reached; a sample is ``(first sentence, end sentence,
+target)``, needing two sentences with the binary head. The mapping is shuffled once.
+
+Sample ``i`` (deterministic per ``(seed, i)``: its own ``RandomState(seed + i)``): segment A =
+the first ``k`` sentences (k random), B = the rest; with probability 1/2 A and B are swapped
+(``is_random`` = 1: Megatron's sentence-order task); the longer segment is trimmed at a random end
+until both fit; ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
+Masking (Megatron): ``round(15% of the text tokens)`` positions chosen; of those 80% become
+[MASK], 10% a random non-special token, 10% stay; labels and loss mask only there.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import numpy as np
+import torch
+
+from . import cache
+from .indexed import IndexedDataset, IndexedDatasetBuilder, data_file, exists, index_file, optimal_dtype
+
+INDEX_FORMAT = 1
+
+
+def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int) -> dict[str, np.ndarray]:
+    """Sentences of ``documents``: ``bounds [n_docs + 1]`` (each document's first sentence) and per
+    sentence its ``seq``, ``offset`` and ``length``; one-sequence documents cut into ``span`` tokens."""
+    seq, off, length, bounds = [], [], [], [0]
+    di, lens = indexed.document_indices, indexed.sequence_lengths
+    for d in documents:
+        lo, hi = int(di[d]), int(di[d + 1])
+        if hi - lo == 1:
+            n = int(lens[lo])
+            starts = np.arange(0, n, span)
+            seq.append(np.full(len(starts), lo))
+            off.append(starts)
+            length.append(np.minimum(span, n - starts))
+        else:
+            seq.append(np.arange(lo, hi))
+            off.append(np.zeros(hi - lo, np.int64))
+            length.append(lens[lo:hi].astype(np.int64))
+        bounds.append(bounds[-1] + len(seq[-1]))
+    cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if seq else (lambda xs: np.zeros(0, np.int64))
+    return {"bounds": np.asarray(bounds, np.int64), "seq": cat(seq), "offset": cat(off), "length": cat(length)}
+
+
+def build_sample_mapping(bounds: np.ndarray, lengths: np.ndarray, num_samples: int, max_tokens: int, seed: int,
+                         *, short_seq_prob: float = 0.1, min_sentences: int = 2) -> np.ndarray:
+    """``[n, 3]`` int64 rows ``(first sentence, end sentence, target length)``, whole epochs until at
+    least ``num_samples`` rows, shuffled. Raises ValueError when the documents give no sample."""
+    rng = np.random.RandomState(seed % 2**32)
+
+    def target():
+        return max_tokens if rng.random_sample() >= short_seq_prob else int(rng.randint(2, max_tokens + 1))
+
+    rows: list[tuple[int, int, int]] = []
+    while len(rows) < max(num_samples, 1):
+        before = len(rows)
+        for d in range(len(bounds) - 1):
+            lo, hi = int(bounds[d]), int(bounds[d + 1])
+            if hi - lo < min_sentences:
+                continue
+            start, tokens, goal = lo, 0, target()
+            for j in range(lo, hi):
+                tokens += int(lengths[j])
+                if (tokens >= goal or j == hi - 1) and j + 1 - start >= min_sentences:
+                    rows.append((start, j + 1, goal))
+                    start, tokens, goal = j + 1, 0, target()
+        if len(rows) == before:
+            raise ValueError(f"no document has {min_sentences} sentences to make a sample from: split the text into "
+                             "sentences, use longer documents, or pass --no-bert-binary-head (one segment)")
+    mapping = np.asarray(rows, np.int64)
+    rng.shuffle(mapping)
+    return mapping
+
+
+def truncate_segments(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.RandomState):
+    """Trim the longer segment at a random end (front or back) until ``len(a) + len(b) <= max_tokens``."""
+    while len(a) + len(b) > max_tokens:
+        longer = len(a) >= len(b)
+        t = a if longer else b
+        t = t[1:] if rng.random_sample() < 0.5 else t[:-1]
+        a, b = (t, b) if longer else (a, t)
+    return a, b
+
+
+def mask_tokens(tokens: np.ndarray, candidates: np.ndarray, rng: np.random.RandomState, *, mask_id: int,
+                vocab_ids: np.ndarray, masked_lm_prob: float = 0.15):
+    """Megatron's masking of ``tokens`` (a copy is returned) at ``round(prob * len(candidates))``
+    (at least one) shuffled candidate positions: 80% [MASK], 10% random from ``vocab_ids``, 10% kept.
+    Returns ``(masked tokens, chosen positions sorted, original ids there)``."""
+    out = tokens.copy()
+    n = min(len(candidates), max(1, int(round(len(candidates) * masked_lm_prob))))
+    order = candidates.copy()
+    rng.shuffle(order)
+    chosen = np.sort(order[:n])
+    for p in chosen:
+        if rng.random_sample() < 0.8:
+            out[p] = mask_id
+        elif rng.random_sample() >= 0.5:
+            out[p] = vocab_ids[rng.randint(len(vocab_ids))]
+    return out, chosen, tokens[chosen]
+
+
+def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq_length: int, ids: dict,
+                 vocab_ids: np.ndarray, binary_head: bool = True, masked_lm_prob: float = 0.15) -> dict:
+    """One training sample from its sentences; ``ids`` holds the ``cls``, ``sep``, ``mask`` and ``pad`` ids."""
+    is_random = 0
+    if binary_head:
+        k = int(rng.randint(1, len(sentences))) if len(sentences) >= 3 else 1
+        a, b = np.concatenate(sentences[:k]), np.concatenate(sentences[k:])
+        if rng.random_sample() < 0.5:
+            a, b, is_random = b, a, 1
+        a, b = truncate_segments(a, b, seq_length - 3, rng)
+    else:
+        a, b = truncate_segments(np.concatenate(sentences), np.zeros(0, np.int64), seq_length - 2, rng)
+    cls, sep = [ids["cls"]], [ids["sep"]]
+    parts = [cls, a, sep] + ([b, sep] if binary_head else [])
+    tokens = np.concatenate([np.asarray(p, np.int64) for p in parts])
+    types = np.zeros(len(tokens), np.int64)
+    types[len(a) + 2:] = 1
+    special = np.zeros(len(tokens), bool)
+    special[[0, len(a) + 1, len(tokens) - 1]] = True
+    masked, pos, orig = mask_tokens(tokens, np.flatnonzero(~special), rng, mask_id=ids["mask"], vocab_ids=vocab_ids,
+                                    masked_lm_prob=masked_lm_prob)
+    n, s = len(tokens), seq_length
+    out = {"tokens": np.full(s, ids["pad"], np.int64), "tokentype_ids": np.zeros(s, np.int64),
+           "labels": np.full(s, ids["pad"], np.int64), "loss_mask": np.zeros(s, np.float32)}
+    out["tokens"][:n], out["tokentype_ids"][:n] = masked, types
+    out["labels"][pos], out["loss_mask"][pos] = orig, 1.0
+    sample = {k: torch.from_numpy(v) for k, v in out.items()}
+    sample["padding_mask"] = torch.arange(s) >= n
+    sample["is_random"] = torch.tensor(is_random, dtype=torch.int64)
+    return sample
+
+
+class BertDataset(torch.utils.data.Dataset):
+    """BERT samples (see the module docstring) from the documents ``documents`` of ``indexed``:
+    ``dict(tokens, tokentype_ids, padding_mask, labels, loss_mask [seq_length], is_random [])``."""
+
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, *, seq_length: int,
+                 seed: int, tokenizer, cache_dir: str, split_name: str = "train", binary_head: bool = True,
+                 masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1, allow_build: bool = True):
+        for attr in ("cls", "sep", "mask", "pad"):
+            if not hasattr(tokenizer, attr):
+                raise ValueError(f"BERT data needs a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; {tokenizer.name} has "
+                                 "none: use --tokenizer-type BertWordPieceLowerCase (or BertWordPieceCase)")
+        if seq_length < 5:
+            raise ValueError(f"--seq-length {seq_length} is too short for [CLS] A [SEP] B [SEP]; use at least 5")
+        self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
+        self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
+        self.ids = {k: int(getattr(tokenizer, k)) for k in ("cls", "sep", "mask", "pad")}
+        self.special = np.asarray(tokenizer.special_ids, np.int64)
+        self.vocab_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), self.special)
+        max_tokens = seq_length - (3 if binary_head else 2)
+        docs = np.asarray(documents, np.int64)
+        self.table = sentence_table(indexed, docs, max(1, max_tokens // 4))
+        self.description = {
+            "class": "BertDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
+            "fingerprint": cache.file_fingerprint(indexed.prefix), "split": split_name,
+            "documents": [len(docs), hashlib.md5(docs.tobytes()).hexdigest()], "num_samples": int(num_samples),
+            "seq_length": seq_length, "seed": seed, "binary_head": binary_head, "short_seq_prob": short_seq_prob}
+
+        def build():
+            return {"mapping": build_sample_mapping(self.table["bounds"], self.table["length"], num_samples,
+                                                    max_tokens, seed, short_seq_prob=short_seq_prob,
+                                                    min_sentences=2 if binary_head else 1)}
+
+        self.mapping = cache.load_or_build(os.path.join(cache_dir, "indices"), self.description, ("mapping",),
+                                           build if allow_build else None)["mapping"]
+
+    def __len__(self) -> int:
+        return len(self.mapping)
+
+    def sentences(self, idx: int) -> list[np.ndarray]:
+        """Token ids (special ids dropped) of the sentences of sample ``idx``."""
+        first, end, _ = (int(v) for v in self.mapping[idx])
+        t = self.table
+        out = [self.indexed.get(int(t["seq"][j]), int(t["offset"][j]), int(t["length"][j])).astype(np.int64)
+               for j in range(first, end)]
+        return [s[~np.isin(s, self.special)] for s in out]
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range [0, {len(self)})")
+        rng = np.random.RandomState((self.seed + idx) % 2**32)
+        return build_sample(self.sentences(idx), rng, seq_length=self.seq_length, ids=self.ids,
+                            vocab_ids=self.vocab_ids, binary_head=self.binary_head,
+                            masked_lm_prob=self.masked_lm_prob)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """A simple splitter: after ``.``, ``!`` or ``?`` (and closing quotes/brackets) followed by space."""
+    return [s.strip() for s in _SENTENCE_END.split(text) if s.strip()]
+
+
+def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
+    """The bundled corpus, one sequence per sentence, tokenized with ``tokenizer`` (keyed by its vocabulary)."""
+    from .corpus import MOBY_DICK, moby_dick_documents
+    from .tokenizers import sha256_of
+
+    tag = f"{sha256_of(MOBY_DICK)[:12]}_{sha256_of(tokenizer.vocab_file)[:12]}"
+    prefix = os.path.join(cache_dir, "corpus", f"moby_dick_bert_{tag}_sentences")
+    if exists(prefix):
+        return prefix
+    if not build:
+        raise FileNotFoundError(f"BERT demo corpus {prefix}.bin/.idx not built yet (the builder rank builds it)")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    tmp = f"{prefix}.tmp-{os.getpid()}"
+    builder = IndexedDatasetBuilder(data_file(tmp), optimal_dtype(tokenizer.vocab_size))
+    for doc in moby_dick_documents():
+        sentences = [ids for ids in tokenizer.encode_batch(split_sentences(doc)) if ids]
+        if sentences:
+            builder.add_document(np.concatenate(sentences), [len(s) for s in sentences])
+    builder.finalize(index_file(tmp))
+    os.replace(data_file(tmp), data_file(prefix))  # .bin first: .idx marks completion
+    os.replace(index_file(tmp), index_file(prefix))
+    return prefix
+
+
+def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int, cache_dir: str, allow_build: bool,
+                **kw):
+    """One split's dataset (blended over ``--data-path`` prefixes), or None with no samples or share."""
+    import math
+
+    from .blended import BlendedDataset
+    from .builder import BLEND_MARGIN, SPLIT_NAMES, DataError, split_ranges
+    from .config import split_weights
+
+    weights = split_weights(config.split)
+    if num_samples <= 0 or weights[split] == 0:
+        return None
+    parts = []
+    for weight, indexed in zip((w for w, _ in blend), datasets):
+        lo, hi = split_ranges(indexed.num_documents, weights)[split]
+        if hi <= lo:
+            raise DataError(f"{indexed.prefix}: the {SPLIT_NAMES[split]} split of --split {config.split} gets no "
+                            f"documents ({indexed.num_documents} in all); give it a larger share or use more data")
+        want = num_samples if len(blend) == 1 else int(math.ceil(weight * num_samples * BLEND_MARGIN)) + 1
+        parts.append(BertDataset(indexed, np.arange(lo, hi), want, seq_length=config.seq_length, seed=config.seed,
+                                 tokenizer=tokenizer, cache_dir=cache_dir, split_name=SPLIT_NAMES[split],
+                                 allow_build=allow_build, **kw))
+    if len(parts) == 1:
+        return parts[0]
+    return BlendedDataset(parts, [w for w, _ in blend], num_samples, cache_dir=cache_dir, allow_build=allow_build)
+
+
+def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
+                        binary_head: bool = True, is_builder_rank: bool = True, barrier=None):
+    """(train, valid, test) :class:`BertDataset` splits of ``config.data_path`` (documents split by
+    ``--split``), or of the bundled corpus split into sentences when no path is given. Collective like
+    :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``."""
+    from .builder import DataError, check_vocabulary
+    from .config import default_cache_dir, parse_data_path
+
+    if config.mock_data:
+        raise DataError("--mock-data has no BERT variant; drop it (the bundled corpus is used without --data-path)")
+    cache_dir = config.data_cache_path or default_cache_dir()
+
+    def build_all(allow_build: bool):
+        blend = parse_data_path(config.data_path)
+        if not blend:
+            if not hasattr(tokenizer, "vocab_file"):
+                raise DataError("no --data-path: the bundled BERT corpus needs --tokenizer-type BertWordPieceLowerCase "
+                                "or BertWordPieceCase")
+            blend = [(1.0, bert_corpus_prefix(tokenizer, cache_dir, build=allow_build))]
+        datasets = [IndexedDataset(p) for _, p in blend]
+        for ds in datasets:
+            check_vocabulary(ds, tokenizer, cache_dir, allow_build)
+        samples = (train_samples, valid_samples, test_samples)
+        return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build,
+                                 binary_head=binary_head) for i, n in enumerate(samples))
+
+    result = build_all(True) if is_builder_rank else None
+    if barrier is not None:
+        barrier()
+    return result if result is not None else build_all(False)

@@ -1,0 +1,101 @@
+"""BERT WordPiece tokenizers (Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``).
+
+A standard BERT ``vocab.txt`` (one token per line, id = line number) read by the ``tokenizers``
+package: BERT normalisation (lower-casing for the LowerCase kind), BERT pre-tokenisation, greedy
+longest-match WordPiece with ``##`` continuations. ``[CLS]``, ``[SEP]``, ``[MASK]``, ``[PAD]`` and
+``[UNK]`` must be in the vocabulary; ``eod`` is ``[SEP]``.
+
+Without ``--vocab-file`` a small vocabulary is built offline from the bundled *Moby Dick* text by
+:func:`build_wordpiece_vocab` (deterministic: the special tokens, every character alone and as a
+``##`` continuation, then the most frequent words, ties broken alphabetically) and cached.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import uuid
+from pathlib import Path
+
+from .base import TokenizerError
+from .bpe import _HFBacked, _require_file
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+DEFAULT_VOCAB_SIZE = 8192
+
+
+def _bert_pipeline(tok, lower_case: bool):
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    return tok
+
+
+class BertWordPieceTokenizer(_HFBacked):
+    """WordPiece from a BERT ``vocab.txt``; exposes ``cls``, ``sep``, ``mask``, ``pad`` and ``unk`` ids."""
+
+    def __init__(self, vocab_file: str | None = None, *, lower_case: bool = True, cache_dir: str | None = None):
+        from tokenizers import Tokenizer as HFTokenizer, models
+
+        self.name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
+        path = _require_file(vocab_file, "--vocab-file") if vocab_file else default_vocab_file(lower_case, cache_dir)
+        try:
+            tok = HFTokenizer(models.WordPiece.from_file(str(path), unk_token="[UNK]"))
+        except Exception as err:  # noqa: BLE001 - the library's message names the parse problem
+            raise TokenizerError(f"--vocab-file {str(path)!r} is not a WordPiece vocab.txt: {err}") from err
+        missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+        if missing:
+            raise TokenizerError(f"--vocab-file {str(path)!r} lacks the BERT special tokens {missing}; "
+                                 "use a BERT vocab.txt (or omit --vocab-file for the bundled-corpus vocabulary)")
+        _bert_pipeline(tok, lower_case)
+        self.vocab_file = str(path)
+        self.cls, self.sep, self.mask, self.unk = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[UNK]"))
+        super().__init__(tok, self.sep, tok.token_to_id("[PAD]"))
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """Ids never chosen as a random replacement token and never kept as text in a segment."""
+        return tuple(sorted({self.pad, self.unk, self.cls, self.sep, self.mask}))
+
+
+def build_wordpiece_vocab(texts, vocab_size: int, *, lower_case: bool = True) -> list[str]:
+    """A deterministic WordPiece vocabulary of at most ``vocab_size`` tokens from ``texts``."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    norm = normalizers.BertNormalizer(lowercase=lower_case, strip_accents=lower_case)
+    pre = pre_tokenizers.BertPreTokenizer()
+    counts: collections.Counter = collections.Counter()
+    for text in texts:
+        counts.update(w for w, _ in pre.pre_tokenize_str(norm.normalize_str(text)))
+    chars = sorted({ch for w in counts for ch in w})
+    vocab = list(SPECIAL_TOKENS) + chars + ["##" + ch for ch in chars]
+    if vocab_size < len(vocab):
+        raise TokenizerError(f"vocabulary size {vocab_size} is below the {len(vocab)} special and character tokens "
+                             "the text needs; use a larger vocabulary")
+    seen = set(vocab)
+    words = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if w not in seen]
+    return vocab + words[: vocab_size - len(vocab)]
+
+
+def default_vocab_file(lower_case: bool = True, cache_dir: str | None = None) -> Path:
+    """The cached vocab.txt built from the bundled corpus (built on first use; safe under concurrent ranks:
+    the first complete file to be linked into place wins, every rank then reads that one)."""
+    from ..config import default_cache_dir
+    from ..corpus import moby_dick_documents
+
+    case = "uncased" if lower_case else "cased"
+    path = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"moby_dick_wordpiece_{case}_{DEFAULT_VOCAB_SIZE}.txt"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text("\n".join(build_wordpiece_vocab(moby_dick_documents(), DEFAULT_VOCAB_SIZE,
+                                                   lower_case=lower_case)) + "\n", encoding="utf-8")
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path
