@@ -136,14 +136,15 @@ def _target_layout(args: argparse.Namespace, num_layers: int):
                   last=args.target_decoder_last_pipeline_num_layers)
 
 
-def run_export(args: argparse.Namespace) -> int:
+def run_export(args: argparse.Namespace, *, what: str = "export", write=None, note: str = "") -> int:
+    """``export`` (``write`` = export_safetensors); ``export-hf`` passes its own writer and wording."""
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.reshard import export_safetensors
 
     try:
         path = resolve(args.load)
-        n = export_safetensors(path, args.out)
+        n = (write or export_safetensors)(path, args.out)
     except (CheckpointError, OSError, ValueError) as err:
-        return _fail("export", err)
-    print(f"exported {n:,} parameters of {path} to {args.out}")
+        return _fail(what, err)
+    print(f"exported {n:,} parameters of {path} to {args.out}{note}")
     return 0

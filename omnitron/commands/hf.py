@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from omnitron.commands.checkpoint import _fail, resolve
+from omnitron.commands.checkpoint import _fail
 
 
 def register(cmds) -> None:
@@ -70,13 +70,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.commands.checkpoint import run_export as export
     from omnitron.core.checkpoint.hf import export_hf
 
-    try:
-        path = resolve(args.load)
-        n = export_hf(path, args.out)
-    except (CheckpointError, OSError, ValueError) as err:
-        return _fail("export-hf", err)
-    print(f"exported {n:,} parameters of {path} to {args.out} (config.json + model.safetensors)")
-    return 0
+    return export(args, what="export-hf", write=export_hf, note=" (config.json + model.safetensors)")
