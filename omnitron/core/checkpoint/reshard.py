@@ -105,14 +105,16 @@ class FullState:
 
 
 def model_config(model: dict):
-    """The GPTConfig recorded in a checkpoint's metadata ``model`` dict."""
+    """The GPTConfig (BertConfig when it records BERT's fields) in a checkpoint's metadata ``model`` dict."""
+    from omnitron.core.models.bert.config import BertConfig
     from omnitron.core.models.gpt.config import GPTConfig
 
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    cls = BertConfig if "num_tokentypes" in model else GPTConfig  # BERT: GPT's fields plus its own
+    known = {f.name for f in dataclasses.fields(cls)}
     kw = {k: v for k, v in model.items() if k in known}
     if isinstance(kw.get("params_dtype"), str):  # saved as "torch.bfloat16"
         kw["params_dtype"] = getattr(torch, kw["params_dtype"].rsplit(".", 1)[-1])
-    return GPTConfig(**kw)
+    return cls(**kw)
 
 
 def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, int], torch.nn.Module]:
@@ -120,6 +122,7 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, in
     ``ep_rank``) of ``layout``, built in this process without communication: their parameters
     carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic."""
     from omnitron.backends import get_backend
+    from omnitron.core.models.bert import BertConfig, BertModel
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -128,6 +131,8 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, in
     groups.config = layout.parallel_config()
     groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
                          ep=_Seen("ep", tuple(range(layout.ep)), None, ep_rank))
+    if isinstance(cfg, BertConfig):  # one stage, one chunk
+        return {(0, 0): BertModel(cfg, groups, backend=get_backend("cpu"), seed=0)}
     ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
     out = {}
     for (r, c), (offset, n) in sorted(ranges.items()):
