@@ -27,7 +27,10 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * len(self.attn)
 
     def _core(self, i: int, module):
-        def core_attention(q, k, v):  # [b, heads, s_new, d]
+        def core_attention(q, k, v, key_padding_mask=None):  # [b, heads, s_new, d]
+            if key_padding_mask is not None:
+                raise ValueError("KVCache decodes causal models; a key padding mask (bidirectional "
+                                 "attention, BERT) has nothing to generate")
             if self.keys[i] is not None:
                 k = torch.cat([self.keys[i], k], dim=2)
                 v = torch.cat([self.values[i], v], dim=2)
