@@ -121,6 +121,18 @@ class Collectives:
                                            async_op=async_op)
         return self._done(work, None, async_op)
 
+    def all_gather_in_place(self, buffer: torch.Tensor, group=None, async_op: bool = False):
+        """All-gather inside one flat ``buffer`` of ``n x k`` elements (``n`` ranks in ``group``): on entry
+        slice ``rank`` (elements ``[rank*k, (rank+1)*k)``) holds this rank's part, on return every slice holds
+        its rank's. No temporary: the input is that slice of the output (NCCL's documented in-place form;
+        gloo and MCCL accept it too, checked by tests/optim/test_overlap_param_gather.py)."""
+        n = self.world_size(group)
+        if buffer.numel() % n:
+            raise ValueError(f"in-place all-gather of {buffer.numel()} elements over {n} ranks: pad the buffer "
+                             f"to a multiple of the group size")
+        k, r = buffer.numel() // n, self.rank(group)
+        return self.all_gather(buffer, buffer[r * k:(r + 1) * k], group=group, async_op=async_op)
+
     def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor, group=None):
         """Gather tensors of possibly different shapes (one per rank) into ``outputs``.
 

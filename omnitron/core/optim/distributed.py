@@ -10,6 +10,12 @@ backward when asked), so after ``finalize_model_grads`` this rank's slices hold 
 gradients; the step unscales, checks for inf, clips by the global norm and updates only the owned
 slices, then all-gathers each bucket's updated parameters (in the model's dtype) over its group.
 
+The wrapper keeps the parameters in flat buffers laid out like the gradient buckets
+(``GradBuffer.allocate_param_buffer``), so the step writes its slices into the model's own storage and
+each bucket's all-gather runs in place: no temporary copy of any parameter. With
+``--overlap-param-gather`` the gathers are left pending (the first layers' bucket launched first) and
+each is waited on by the forward pre-hook of the first module using one of its parameters.
+
 A parameter may straddle two ranks' slices; each rank then holds the part it owns (one
 contiguous element range of the flattened parameter), so weight decay (never on 1-D params or
 biases) is decided per parameter and applies to each range of it.
@@ -57,6 +63,12 @@ class _BucketPlan:
     """(slice index, offset relative to the bucket) of the owned slices in this bucket."""
     params: list[tuple[int, int]]
     """(param index, offset relative to the bucket) of every parameter in the bucket."""
+    bucket: object
+    """The wrapper's bucket (its ``param_data`` is gathered in place)."""
+    chunk: int
+    """Index of the model chunk the bucket belongs to (gathers launch in forward order)."""
+    overlap: bool
+    """--overlap-param-gather: leave the gather pending for the forward pre-hooks."""
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -104,31 +116,48 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:
-        """All-gather the updated slices, bucket by bucket, into every replica's parameters."""
-        def write(i: int, flat: torch.Tensor) -> None:
-            self.params[i].data.view(-1).copy_(flat)
+        """Write the updated slices into the flat parameter buffers, then all-gather every bucket in place.
 
-        self._gather(self.masters, None, write)
+        Buckets are in backward order, so each chunk's are launched last-first: the next forward needs the
+        first layers first. Without --overlap-param-gather every gather is waited on here."""
+        self.finish_param_gather()  # a gather still pending from the previous step (no forward in between)
+        for s, m in zip(self.slices, self.masters):
+            flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
+            if flat.data_ptr() != m.data_ptr():  # fp32 parameters are their own masters
+                flat.copy_(m)
+        order = sorted(range(len(self.plans)), key=lambda k: (self.plans[k].chunk, -k))
+        for k in order:
+            plan = self.plans[k]
+            if plan.group.handle is not None:
+                plan.bucket.param_handle = self.backend.collectives.all_gather_in_place(
+                    plan.bucket.param_data, group=plan.group.handle, async_op=True)
+        for plan in self.plans:
+            if not plan.overlap:
+                plan.bucket.wait_param_gather()
+
+    def finish_param_gather(self) -> None:
+        """Wait for every pending parameter all-gather (the parameters are then current everywhere)."""
+        for plan in self.plans:
+            plan.bucket.wait_param_gather()
 
     @torch.no_grad()
     def reload_masters(self) -> None:
+        self.finish_param_gather()
         for s, m in zip(self.slices, self.masters):
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
             if m.data_ptr() != flat.data_ptr():
                 m.copy_(flat)
 
     # ---- collectives -----------------------------------------------------------------------
-    def _gather(self, values: list[torch.Tensor], dtype: torch.dtype | None, sink) -> None:
-        """All-gather per-slice ``values`` into whole flat parameters; calls ``sink(param index, flat)``.
-
-        ``dtype=None`` gathers in each bucket's parameter dtype (one of them, fp32 if they differ).
-        All buckets' gathers are started before the first is waited on.
+    def _gather(self, values: list[torch.Tensor], dtype: torch.dtype, sink) -> None:
+        """All-gather per-slice ``values`` (as ``dtype``) into whole flat parameters; calls
+        ``sink(param index, flat)``. For checkpoints: each bucket goes through a temporary. All buckets'
+        gathers are started before the first is waited on.
         """
         coll = self.backend.collectives
         pending = []
         for plan in self.plans:
-            group = plan.group
-            dt = dtype or _bucket_dtype([self.params[i] for i, _ in plan.params])
+            group, dt = plan.group, dtype
             n = plan.size // max(group.size, 1)
             local = torch.zeros(n, dtype=dt, device=self.backend.current_device())
             for j, off in plan.slices:
@@ -179,20 +208,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._load_counters(state)
 
 
-def _bucket_dtype(params: list[torch.nn.Parameter]) -> torch.dtype:
-    dtypes = {p.dtype for p in params}
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
-
-
 def _plan_slices(params: list[torch.nn.Parameter], chunks) -> tuple[list[_Slice], list[_BucketPlan]]:
     """This rank's owned slices (in buffer order) and one gather plan per bucket."""
     index = {id(p): i for i, p in enumerate(params)}
     slices: list[_Slice] = []
     plans: list[_BucketPlan] = []
-    for chunk in chunks:
+    for c, chunk in enumerate(chunks):
         if isinstance(chunk, DistributedDataParallel):
             for buf, group in zip(chunk.buffers, chunk.buffer_groups):
-                _plan_buffer(buf, group, params, index, slices, plans)
+                _plan_buffer(buf, group, params, index, slices, plans, c, chunk.config.overlap_param_gather)
     covered = {i for plan in plans for i, _ in plan.params}
     missing = [i for i in range(len(params)) if i not in covered]
     if missing:
@@ -202,16 +226,21 @@ def _plan_slices(params: list[torch.nn.Parameter], chunks) -> tuple[list[_Slice]
     return slices, plans
 
 
-def _plan_buffer(buf, group, params, index: dict[int, int], slices: list[_Slice], plans: list[_BucketPlan]) -> None:
-    """Append the slices this rank owns in ``buf`` (sharded over ``group``) and one plan per bucket."""
+def _plan_buffer(buf, group, params, index: dict[int, int], slices: list[_Slice], plans: list[_BucketPlan],
+                 chunk: int, overlap: bool) -> None:
+    """Append the slices this rank owns in ``buf`` (sharded over ``group``) and one plan per bucket of
+    model chunk ``chunk``."""
     rank, size = (group.rank, group.size) if group.size > 1 else (0, 1)
     if buf.shards != size:
         raise ValueError(f"a gradient buffer is cut into {buf.shards} shards but its group ({group.name}) has {size} "
                          f"ranks; build the data-parallel wrapper with the same groups as the optimizer")
+    if any(b.param_data is None for b in buf.buckets):
+        raise ValueError("the data-parallel wrapper keeps no flat parameter buffers; build it with "
+                         "DataParallelConfig(use_distributed_optimizer=True) (--use-distributed-optimizer)")
     for bucket in buf.buckets:
         n = bucket.data.numel() // size
         lo_own, hi_own = bucket.offset + rank * n, bucket.offset + (rank + 1) * n
-        plan = _BucketPlan(bucket.data.numel(), group, rank * n, [], [])
+        plan = _BucketPlan(bucket.data.numel(), group, rank * n, [], [], bucket, chunk, overlap)
         for p in bucket.params:
             if id(p) not in index:
                 continue

@@ -28,11 +28,22 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     handle: object | None = None
     launched: bool = False
+    param_data: torch.Tensor | None = None
+    """The bucket's parameters (same offsets and padding as ``data``), a view into the buffer's
+    ``param_data``; None unless :meth:`GradBuffer.allocate_param_buffer` ran."""
+    param_handle: object | None = None
+    """A pending asynchronous all-gather into ``param_data`` (``--overlap-param-gather``)."""
 
     def shard(self, index: int) -> torch.Tensor:
         """The ``index``-th of ``shards`` equal contiguous slices of ``data``."""
         n = self.data.numel() // self.shards
         return self.data[index * n:(index + 1) * n]
+
+    def wait_param_gather(self) -> None:
+        """Wait for the pending all-gather into ``param_data``, if any."""
+        if self.param_handle is not None:
+            self.param_handle.wait()
+            self.param_handle = None
 
     def reset(self) -> None:
         self.ready.clear()
@@ -76,6 +87,25 @@ class GradBuffer:
         for p in params:
             s, n = index[id(p)]
             p.main_grad = self.data[s:s + n].view(p.shape)
+
+    def allocate_param_buffer(self) -> None:
+        """Move the parameters into one flat tensor laid out like ``data`` (same offsets, same padding):
+        ``param.data`` becomes a view of ``param_data`` and every bucket's ``param_data`` is its slice, so a
+        distributed optimizer all-gathers updated parameters straight into the model, with no temporary."""
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"one gradient buffer holds parameters of dtypes {sorted(map(str, dtypes))}; a flat "
+                             f"parameter buffer needs one dtype (group the buffers by parameter dtype)")
+        dtype = dtypes.pop() if dtypes else self.grad_dtype
+        self.param_data = torch.zeros(self.data.numel(), dtype=dtype, device=self.data.device)
+        with torch.no_grad():
+            for p in self.params:
+                s, n = self._range[id(p)]
+                view = self.param_data[s:s + n].view(p.shape)
+                view.copy_(p)
+                p.data = view
+        for b in self.buckets:
+            b.param_data = self.param_data[b.offset:b.offset + b.data.numel()]
 
     def param_range(self, param: torch.nn.Parameter) -> tuple[int, int]:
         """(start, numel) of ``param.main_grad`` inside ``data`` (for a distributed optimizer's shard maps)."""

@@ -25,10 +25,17 @@ class DataParallelConfig:
     """--use-distributed-optimizer: shard fp32 master weights and optimizer states over data x context
     parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are reduce-scattered, each rank
     updates its own contiguous slice of every bucket, and the updated parameters are all-gathered."""
+    overlap_param_gather: bool = False
+    """--overlap-param-gather (needs --use-distributed-optimizer): start every bucket's parameter all-gather
+    asynchronously after the optimizer step and wait for it only in the forward pre-hook of the first module
+    that uses one of its parameters, so later buckets' gathers overlap earlier layers' forward."""
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ConfigError(f"--ddp-bucket-size must be a positive element count, got {self.bucket_size}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather; "
+                              "add --use-distributed-optimizer or drop --overlap-param-gather")
 
 
 def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:

@@ -33,10 +33,12 @@ class DistributedDataParallel(torch.nn.Module):
         size = self.group.size
         bucket_size = self.config.bucket_size or max(40_000_000, 1_000_000 * size)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
-        by_dtype: dict[tuple[torch.dtype, bool], list] = {}
+        by_dtype: dict[tuple, list] = {}
         for p in params:
             dt = torch.float32 if self.config.accumulate_allreduce_grads_in_fp32 else p.dtype
-            by_dtype.setdefault((dt, _is_expert(p)), []).append(p)
+            # NOTE: the distributed optimizer's flat parameter buffers need one parameter dtype per buffer
+            pdt = p.dtype if self.config.use_distributed_optimizer else None
+            by_dtype.setdefault((dt, _is_expert(p), pdt), []).append(p)
         self.reduce_scatter = self.config.reduce_scatter or self.config.use_distributed_optimizer
         # NOTE: with reduce-scatter the tied embedding's copies need identical shards (see buffers.py)
         shared = getattr(module, "shared_embedding_parameters", None)
@@ -44,12 +46,17 @@ class DistributedDataParallel(torch.nn.Module):
         # NOTE: MoE expert parameters (``p.expert``) are replicated over groups.edp only: they get buffers
         # of their own, pre-divided by dp x cp like the rest (each rank's tokens are a 1/(dp x cp) share of
         # the batch) and summed over edp
-        self.buffer_groups = [groups.edp if ex else self.group for _, ex in by_dtype]
+        self.buffer_groups = [groups.edp if ex else self.group for _, ex, _ in by_dtype]
         self.buffers = [GradBuffer(ps, dt, bucket_size, g.size, isolate)
-                        for ((dt, _), ps), g in zip(by_dtype.items(), self.buffer_groups)]
+                        for ((dt, _, _), ps), g in zip(by_dtype.items(), self.buffer_groups)]
         self._group_of = {id(b): g for buf, g in zip(self.buffers, self.buffer_groups) for b in buf.buckets}
         self._bucket_of = {k: v for buf in self.buffers for k, v in buf.bucket_of.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        if self.config.use_distributed_optimizer:  # params become views of flat buffers (in-place all-gather)
+            for buf in self.buffers:
+                buf.allocate_param_buffer()
+        if self.config.overlap_param_gather:
+            self._hooks += _param_gather_hooks(module, self._bucket_of)
         self.broadcast_params()
 
     def __getattr__(self, name: str):
@@ -110,6 +117,12 @@ class DistributedDataParallel(torch.nn.Module):
                 b.handle.wait()
             b.reset()
 
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather (``--overlap-param-gather``): before reading the
+        parameters outside a forward (checkpoint save, inspection)."""
+        for b in self.buckets:
+            b.wait_param_gather()
+
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` (call before each step's first micro-batch)."""
         for buf in self.buffers:
@@ -145,6 +158,25 @@ class _ShardCopy:
     def wait(self) -> None:
         self.handle.wait()
         self.dst.copy_(self.out)
+
+
+def _param_gather_hooks(module: torch.nn.Module, bucket_of: dict[int, Bucket]) -> list:
+    """Forward pre-hooks on every submodule that owns parameters directly: before it runs, wait for the
+    pending all-gathers of the buckets holding its parameters. The first module to touch a bucket waits;
+    later ones (and later micro-batches) find no handle left."""
+    hooks = []
+    for m in module.modules():
+        buckets = list({id(b): b for p in m.parameters(recurse=False) if (b := bucket_of.get(id(p)))}.values())
+        if buckets:
+            hooks.append(m.register_forward_pre_hook(_waiter(buckets)))
+    return hooks
+
+
+def _waiter(buckets: list[Bucket]):
+    def hook(_module, _args) -> None:
+        for b in buckets:
+            b.wait_param_gather()
+    return hook
 
 
 def _is_expert(p: torch.nn.Parameter) -> bool:
