@@ -172,7 +172,11 @@ def _rank_checks(cache_dir, prefix):
     ds = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_position_ids=True)
     mine = collate([ds[i] for i in range(4)]) if groups.tp.rank == 0 else None
     got = broadcast_batch(mine, group=groups.tp, collectives=coll, micro_batch_size=4, seq_length=16)
-    return digest, needs_batch(groups), {k: v.tolist() for k, v in got.items()}
+    docs = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_attention_mask=True, seed=3)
+    mine = collate([docs[i] for i in range(4)]) if groups.tp.rank == 0 else None
+    got_docs = broadcast_batch(mine, group=groups.tp, collectives=coll, micro_batch_size=4, seq_length=16,
+                               document_ids=True)
+    return digest, needs_batch(groups), {k: v.tolist() for k, v in got.items()}, got_docs["document_ids"].tolist()
 
 
 @pytest.mark.multiprocess
@@ -186,3 +190,6 @@ def test_two_ranks_build_load_and_broadcast(tmp_path):
     ds = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_position_ids=True)
     ref = {k: v.tolist() for k, v in collate([ds[i] for i in range(4)]).items()}
     assert all(r[1] for r in results) and all(r[2] == ref for r in results)
+    docs = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_attention_mask=True, seed=3)
+    ref_docs = collate([docs[i] for i in range(4)])["document_ids"]
+    assert ref_docs.max() > 0 and all(r[3] == ref_docs.tolist() for r in results)

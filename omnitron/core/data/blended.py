@@ -85,12 +85,13 @@ class MockGPTDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, num_samples: int, *, seq_length: int, vocab_size: int, eod: int, seed: int = 1234,
-                 eod_mask_loss: bool = False, reset_position_ids: bool = False):
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False, reset_attention_mask: bool = False):
         if vocab_size < 2:
             raise ValueError(f"mock data needs a vocabulary of at least 2 ids, got {vocab_size}")
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
         self.eod, self.seed = eod, seed
         self.eod_mask_loss, self.reset_position_ids = eod_mask_loss, reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
 
     def __len__(self) -> int:
         return self.num_samples
@@ -105,4 +106,5 @@ class MockGPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
-        return make_sample(self.tokens(idx), self.eod, self.eod_mask_loss, self.reset_position_ids)
+        return make_sample(self.tokens(idx), self.eod, self.eod_mask_loss, self.reset_position_ids,
+                           self.reset_attention_mask)

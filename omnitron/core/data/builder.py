@@ -27,6 +27,12 @@ class DataError(ValueError):
     """The data does not fit the configuration (tokenizer, split, sizes); the message names the fix."""
 
 
+def sample_flags(config: DataConfig) -> dict[str, bool]:
+    """The ``DataConfig`` switches that shape each GPT sample (loss mask, positions, document ids)."""
+    return {"eod_mask_loss": config.eod_mask_loss, "reset_position_ids": config.reset_position_ids,
+            "reset_attention_mask": config.reset_attention_mask}
+
+
 def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
     """Contiguous [lo, hi) document ranges for train/valid/test in proportions ``weights`` (sum 1)."""
     bounds = [0]
@@ -64,8 +70,7 @@ def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split:
         want = num_samples if len(blend) == 1 else int(math.ceil(weight * num_samples * BLEND_MARGIN)) + 1
         parts.append(GPTDataset(indexed, np.arange(lo, hi), want, seq_length=config.seq_length, seed=config.seed,
                                 eod=tokenizer.eod, cache_dir=cache_dir, split_name=name,
-                                eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids,
-                                allow_build=allow_build))
+                                allow_build=allow_build, **sample_flags(config)))
     if len(parts) == 1:
         return parts[0]
     return BlendedDataset(parts, [w for w, _ in blend], num_samples, cache_dir=cache_dir, allow_build=allow_build)
@@ -92,7 +97,8 @@ def build_gpt_datasets(config: DataConfig, tokenizer: Tokenizer, *, train_sample
     """(train, valid, test) datasets, each ``None`` when it gets no samples or a zero split share.
 
     Each dataset has at least the requested number of samples; item ``i`` is
-    ``dict(tokens, labels, loss_mask, position_ids)`` of shape ``[seq_length]``.
+    ``dict(tokens, labels, loss_mask, position_ids)`` of shape ``[seq_length]`` (and ``document_ids``
+    with ``--reset-attention-mask``).
     Every rank must call this (``barrier`` is collective); only ``is_builder_rank`` writes.
     """
     samples = (int(train_samples), int(valid_samples), int(test_samples))
@@ -101,7 +107,7 @@ def build_gpt_datasets(config: DataConfig, tokenizer: Tokenizer, *, train_sample
             barrier()
         return tuple(None if n <= 0 else MockGPTDataset(
             n, seq_length=config.seq_length, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
-            seed=config.seed + i, eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids)
+            seed=config.seed + i, **sample_flags(config))
             for i, n in enumerate(samples))
     cache_dir = config.data_cache_path or default_cache_dir()
     result = _build_all(config, tokenizer, samples, cache_dir, True) if is_builder_rank else None

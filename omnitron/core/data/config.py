@@ -45,6 +45,9 @@ class DataConfig:
     """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
     reset_position_ids: bool = False
     """``--reset-position-ids``: restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """``--reset-attention-mask``: no attention across end-of-document tokens (each packed document
+    attends causally within itself; samples carry ``document_ids``; not with context parallelism)."""
 
     def __post_init__(self):
         if self.seq_length < 1:
@@ -117,6 +120,7 @@ def add_data_args(parser) -> None:
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each eod")
+    g.add_argument("--reset-attention-mask", action="store_true", help="no attention across eod boundaries")
     if not any(a.dest == "seed" for a in parser._actions):
         g.add_argument("--seed", type=int, default=1234)
 
@@ -127,7 +131,8 @@ def data_config_from_args(args) -> DataConfig:
                       seq_length=args.seq_length, seed=args.seed, data_cache_path=args.data_cache_path,
                       num_workers=args.num_workers, tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-                      eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids)
+                      eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
+                      reset_attention_mask=args.reset_attention_mask)
 
 
 def tokenizer_from_config(config: DataConfig):

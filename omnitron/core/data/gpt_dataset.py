@@ -66,7 +66,8 @@ def build_indices(lengths: np.ndarray, documents: np.ndarray, num_samples: int, 
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Samples ``dict(tokens, labels, loss_mask, position_ids)``, each ``[seq_length]``, from one split.
+    """Samples ``dict(tokens, labels, loss_mask, position_ids)``, each ``[seq_length]``, from one split
+    (plus ``document_ids`` with ``reset_attention_mask``; see :func:`make_sample`).
 
     ``len(self) >= num_samples`` (whole epochs are indexed). Build the indices on one rank
     (``allow_build=True``) and load them elsewhere (``allow_build=False``).
@@ -74,9 +75,10 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, *, seq_length: int,
                  seed: int, eod: int, cache_dir: str, split_name: str = "train", eod_mask_loss: bool = False,
-                 reset_position_ids: bool = False, allow_build: bool = True):
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False, allow_build: bool = True):
         self.indexed, self.seq_length, self.eod = indexed, seq_length, eod
         self.eod_mask_loss, self.reset_position_ids = eod_mask_loss, reset_position_ids
+        self.reset_attention_mask = reset_attention_mask
         self.documents = np.asarray(documents, np.int64)
         description = {
             "class": "GPTDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
@@ -117,11 +119,20 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
-        return make_sample(self.tokens(idx), self.eod, self.eod_mask_loss, self.reset_position_ids)
+        return make_sample(self.tokens(idx), self.eod, self.eod_mask_loss, self.reset_position_ids,
+                           self.reset_attention_mask)
 
 
-def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_ids: bool) -> dict[str, torch.Tensor]:
-    """seq_length + 1 ids -> inputs, next-token labels, loss mask and position ids (all [seq_length])."""
+def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_ids: bool,
+                reset_attention_mask: bool = False) -> dict[str, torch.Tensor]:
+    """seq_length + 1 ids -> inputs, next-token labels, loss mask and position ids (all [seq_length]).
+
+    Megatron's ``get_ltor_masks_and_position_ids`` semantics; an eod token belongs to the document
+    it ends. ``eod_mask_loss``: no loss where the INPUT is eod (predicting across the boundary).
+    ``reset_position_ids``: positions restart at 0 after each eod. ``reset_attention_mask``: adds
+    ``document_ids`` (int64, the number of eods before each position), from which attention builds
+    a block-diagonal causal mask, so no token attends across a document boundary.
+    """
     text = torch.from_numpy(np.ascontiguousarray(text, dtype=np.int64))
     tokens, labels = text[:-1].clone(), text[1:].clone()
     s = tokens.numel()
@@ -135,4 +146,8 @@ def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_
         eods = torch.nonzero(tokens == eod).flatten()
         after_eod[eods[eods + 1 < s] + 1] = eods[eods + 1 < s] + 1
         position_ids = position_ids - torch.cummax(after_eod, 0).values
-    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if reset_attention_mask:
+        is_eod = (tokens == eod).to(torch.int64)
+        sample["document_ids"] = torch.cumsum(is_eod, 0) - is_eod  # eods strictly before each position
+    return sample

@@ -36,9 +36,10 @@ def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torc
     if isinstance(m, BertModel):
         return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"])
     labels = batch["labels"] if m.post_process else None
+    docs = batch.get("document_ids") if batch is not None else None  # --reset-attention-mask: every stage
     if m.pre_process:
-        return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels)
-    return chunk(hidden=hidden, labels=labels)
+        return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels, document_ids=docs)
+    return chunk(hidden=hidden, labels=labels, document_ids=docs)
 
 
 def _tensor_shape(c) -> tuple[int, int, int]:
@@ -86,8 +87,10 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
 
 
 def _stage_iterator(c, data_iterator):
-    """Only the first and last stage read batches (middle stages get None); each keeps its cp slice."""
+    """Only the first and last stage read batches (middle stages get None, unless attention needs the
+    batches' document ids: ``--reset-attention-mask``); each keeps its cp slice."""
     needs = any(_unwrap(ch).pre_process or _unwrap(ch).post_process for ch in c.chunks)
+    needs = needs or getattr(c.settings.data, "reset_attention_mask", False)
     if not needs or data_iterator is None:
         return None
     cp = c.groups.cp

@@ -19,6 +19,11 @@ over the cp group.
 Bidirectional attention (BERT): ``forward(x, freqs, key_padding_mask)`` with a ``[b, s]`` bool mask
 (True at padding keys) attends over every non-padding key, no causal mask; without the mask
 the causal path is unchanged.
+
+Packed documents (``--reset-attention-mask``): ``forward(x, freqs, document_ids=ids)`` with ``ids
+[b, s]`` (int, one id per document, e.g. the count of eods before each position) attends causally
+within each document only: the mask is block-diagonal causal, ``keep[i, j] = j <= i and ids[i] ==
+ids[j]``. The context-parallel ring refuses it (its blocks know positions, not documents).
 """
 from __future__ import annotations
 
@@ -127,12 +132,16 @@ class SelfAttention(nn.Module):
         return q, qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       key_padding_mask: torch.Tensor | None = None,
+                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, h, s, d]`` in and out; dropout draws from the tp-rank-specific stream (local heads).
-        ``key_padding_mask [b, s]`` (bool, True = padding key) selects bidirectional attention."""
+        ``key_padding_mask [b, s]`` (bool, True = padding key) selects bidirectional attention;
+        ``document_ids [b, s]`` causal attention within each document (see the module docstring)."""
         p = self.c.attention_dropout if self.training else 0.0
         if key_padding_mask is not None:
             return self._padded_attention(q, k, v, key_padding_mask, p)
+        if document_ids is not None:
+            return self._document_attention(q, k, v, document_ids, p)
         if self.cp_group is not None:
             seed = 0
             if p > 0.0:  # the ring draws its block masks from a seed taken from the tp-rank-specific stream
@@ -150,16 +159,33 @@ class SelfAttention(nn.Module):
         if self.cp_group is not None:
             raise ValueError("bidirectional attention with a padding mask does not run under context parallelism; "
                              "use --context-parallel-size 1")
+        keep = ~key_padding_mask.to(torch.bool)[:, None, None, :]  # [b, 1, 1, s]: True = attend
+        return self._masked_sdpa(q, k, v, keep, p)
+
+    def _document_attention(self, q, k, v, document_ids: torch.Tensor, p: float) -> torch.Tensor:
+        """Causal attention that stops at document boundaries (block-diagonal causal boolean mask)."""
+        if self.cp_group is not None:
+            raise ValueError("--reset-attention-mask (attention within each packed document) does not run under "
+                             "context parallelism; use --context-parallel-size 1 or drop --reset-attention-mask")
+        s = q.shape[2]
+        if tuple(document_ids.shape) != (q.shape[0], s):
+            raise ValueError(f"document_ids must be [batch, seq] = {(q.shape[0], s)}, got {tuple(document_ids.shape)}")
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        same = document_ids[:, :, None] == document_ids[:, None, :]  # [b, s_q, s_k]
+        return self._masked_sdpa(q, k, v, (same & causal)[:, None], p)
+
+    def _masked_sdpa(self, q, k, v, keep: torch.Tensor, p: float) -> torch.Tensor:
+        """Plain SDPA with a boolean ``keep`` mask (True = attend), grouped-query heads repeated."""
         if k.shape[1] != q.shape[1]:  # grouped-query heads: repeat each key/value head for its queries
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        keep = ~key_padding_mask.to(torch.bool)[:, None, None, :]  # [b, 1, 1, s]: True = attend
         if p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         with self.tracker.fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None, key_padding_mask: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None, key_padding_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
         q, k, v = self._project(x)
         s, b = q.shape[:2]
         if self.q_layernorm is not None:
@@ -168,10 +194,11 @@ class SelfAttention(nn.Module):
             rope = self.backend.kernels.rope
             q, k = rope(q, freqs, self.c.rotary_interleaved), rope(k, freqs, self.c.rotary_interleaved)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        masks = (key_padding_mask,) if document_ids is None else (key_padding_mask, document_ids)
         if self.c.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, self.tracker, q, k, v, key_padding_mask)
+            out = checkpoint(self.core_attention, self.tracker, q, k, v, *masks)
         else:
-            out = self.core_attention(q, k, v, key_padding_mask)
+            out = self.core_attention(q, k, v, *masks)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, hq/tp * d]
         y = self.linear_proj(out)
         return y if isinstance(y, tuple) else (y, None)

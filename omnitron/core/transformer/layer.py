@@ -47,7 +47,10 @@ class TransformerLayer(nn.Module):
         with ctx:
             return self.backend.kernels.bias_dropout_add(out, bias, residual, p, self.training)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
-        x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), freqs), x)
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids [b, s]``: attention stays within each packed document (``--reset-attention-mask``)."""
+        attn = self.self_attention(self.input_layernorm(x), freqs, document_ids=document_ids)
+        x = self._bias_dropout_add(attn, x)
         x = self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
         return x

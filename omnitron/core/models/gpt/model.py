@@ -138,7 +138,7 @@ class GPTModel(nn.Module):
             pos = position_ids.t().float()  # [s, b]
         return (pos[..., None] * self.inv_freq.to(device))[:, :, None, :]  # [s, b|1, 1, r/2]
 
-    def _run_layers(self, x: torch.Tensor, freqs) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, freqs, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         layers = list(self.decoder.layers.values())
         chunks = {c[0]: c for c in C.recompute_layers(self.config, len(layers))}
         i = 0
@@ -146,24 +146,26 @@ class GPTModel(nn.Module):
             if i in chunks and self.training and torch.is_grad_enabled():
                 chunk = [layers[j] for j in chunks[i]]
 
-                def run(h, f, chunk=chunk):
+                def run(h, f, d, chunk=chunk):
                     for layer in chunk:
-                        h = layer(h, f)
+                        h = layer(h, f, d)
                     return h
 
-                x = checkpoint(run, self.rng_tracker, x, freqs)
+                x = checkpoint(run, self.rng_tracker, x, freqs, document_ids)
                 i += len(chunk)
             else:
-                x = layers[i](x, freqs)
+                x = layers[i](x, freqs, document_ids)
                 i += 1
         return x
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: ``tokens [b, s]`` int64. Later stages: ``hidden [s, b, h]`` (``[s/tp, b, h]``
         under sequence parallelism; ``s`` is ``s/cp``, this rank's slice, under context parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
         ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
-        at -inf. Other stages return the hidden states for the next stage."""
+        at -inf. Other stages return the hidden states for the next stage. ``document_ids [b, s]``
+        (every stage, ``--reset-attention-mask``): attention stays within each packed document."""
         if self.pre_process:
             if tokens is None:
                 raise ValueError("the first pipeline stage needs tokens [b, s]")
@@ -175,7 +177,7 @@ class GPTModel(nn.Module):
                 raise ValueError("a non-first pipeline stage needs hidden [s, b, h] from the previous stage")
             x = hidden
         s = x.shape[0] * (self.groups.tp.size if self.sp else 1)
-        x = self._run_layers(x, self._rope_freqs(position_ids, s, x.device))
+        x = self._run_layers(x, self._rope_freqs(position_ids, s, x.device), document_ids)
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
