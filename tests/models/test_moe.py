@@ -133,8 +133,10 @@ def test_bad_moe_settings_are_named():
     c = _moe_config()
     with pytest.raises(ConfigError, match="--num-experts 6 is not divisible by --expert-model-parallel-size 4"):
         validate_model(c, ParallelConfig(expert_model_parallel_size=4))
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1"):
-        validate_model(c, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 4 is neither 1 nor"):
+        validate_model(c, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                         expert_tensor_parallel_size=4))
+    validate_model(c, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2))  # etp = tp
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs an MoE model"):
         validate_model(dataclasses.replace(c, num_experts=None), ParallelConfig(expert_model_parallel_size=2))
     validate_model(c, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,

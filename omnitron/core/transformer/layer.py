@@ -15,9 +15,11 @@ from omnitron.core.transformer.norm import Norm
 class TransformerLayer(nn.Module):
     """``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))`` on ``[s, b, h]``
     (``[s/tp, b, h]`` under sequence parallelism). ``mlp`` is a Mixture of Experts when
-    ``c.num_experts`` is set (``groups``: the :class:`ParallelGroups`, for its expert groups)."""
+    ``c.num_experts`` is set and ``--moe-layer-freq`` makes global layer ``layer_number`` (0-based) an MoE
+    layer (``groups``: the :class:`ParallelGroups`, for its expert groups)."""
 
-    def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend, groups=None) -> None:
+    def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend, groups=None,
+                 layer_number: int = 0) -> None:
         super().__init__()
         self.c, self.tracker, self.backend, self.sp = c, tracker, backend, sequence_parallel
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers) if c.apply_scaled_init else c.init_method_std
@@ -29,7 +31,9 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
                                             backend=backend, out_std=out_std, skip_out_bias=skip)
         self.pre_mlp_layernorm = Norm(c.hidden_size, **nkw)
-        if c.num_experts:  # Mixture of Experts in place of the MLP: needs the expert-parallel groups
+        from omnitron.core.transformer.moe.pattern import is_moe_layer
+
+        if is_moe_layer(c, layer_number):  # Mixture of Experts in place of the MLP: needs the expert groups
             from omnitron.core.transformer.moe import MoELayer
 
             if groups is None:

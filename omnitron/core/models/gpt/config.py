@@ -89,6 +89,30 @@ class GPTConfig:
     turns it off; 1e-2 is the usual setting for training MoE models from scratch."""
     moe_router_pre_softmax: bool = False
     """--moe-router-pre-softmax: softmax over all experts before the top-k (default: over the k picked)."""
+    moe_router_score_function: str = "softmax"
+    """--moe-router-score-function: ``softmax`` or ``sigmoid`` (DeepSeek-V3: sigmoid scores, the k picks
+    normalised to sum 1)."""
+    moe_z_loss_coeff: float | None = None
+    """--moe-z-loss-coeff: weight of the router z-loss ``mean(logsumexp(logits)^2)`` (None or 0: off;
+    1e-3 is usual). Added to the LM loss and logged with the load-balancing loss."""
+    moe_layer_freq: str | int = 1
+    """--moe-layer-freq: which layers are MoE (the rest keep the dense MLP): every N-th layer (1: all),
+    or a 0/1 per-layer pattern such as ``([0]+[1]*3)*2`` or ``[1,0,1,0]``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """--moe-shared-expert-intermediate-size: width of a dense MLP every token goes through, added to the
+    routed output (DeepSeek/Qwen shared experts); tensor-parallel like the dense MLP. None: none."""
+    moe_shared_expert_overlap: bool = False
+    """--moe-shared-expert-overlap: accepted for Megatron compatibility; the shared expert runs in order
+    (no overlap with the dispatch), which gives the same numbers."""
+    moe_expert_capacity_factor: float | None = None
+    """--moe-expert-capacity-factor: each expert takes at most ceil(F * tokens * topk / num_experts) of a
+    micro-batch's tokens, dropping the rest (None: dropless)."""
+    moe_token_drop_policy: str = "probs"
+    """--moe-token-drop-policy: which assignments an over-full expert drops: ``probs`` (lowest routing
+    probability) or ``position`` (latest in the sequence)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """--moe-pad-expert-input-to-capacity: every expert processes exactly its capacity (padding rows are
+    tokens it was not routed to, weighted 0); needs --moe-expert-capacity-factor."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
@@ -209,15 +233,21 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
     if c.qk_layernorm:
         attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
-    if c.num_experts:  # every expert is an MLP at --moe-ffn-hidden-size, plus the router [E, h]
-        f = c.moe_ffn_hidden_size or f
-    fc1_out = 2 * f if c.swiglu else f
-    mlp = fc1_out * h + b * fc1_out + f * h + b * h
-    if c.num_experts:
-        mlp = c.num_experts * mlp + c.num_experts * h
-    layer = attn + mlp + 2 * norm
+
+    def mlp(width: int) -> int:
+        fc1_out = 2 * width if c.swiglu else width
+        return fc1_out * h + b * fc1_out + width * h + b * h
+
+    layers = c.num_layers * (attn + 2 * norm + mlp(f))
+    if c.num_experts:  # MoE layers: E experts at --moe-ffn-hidden-size, the router [E, h], a shared expert
+        from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+        moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h)
+        if c.moe_shared_expert_intermediate_size:
+            moe += mlp(c.moe_shared_expert_intermediate_size)
+        layers += sum(moe_layer_pattern(c.moe_layer_freq, c.num_layers)) * (moe - mlp(f))
     v = padded_vocab_size(c, tp)
-    total = c.num_layers * layer + norm + v * h
+    total = layers + norm + v * h
     if c.position_embedding_type == "learned_absolute":
         total += max_positions(c) * h
     if c.untie_embeddings_and_output_weights:

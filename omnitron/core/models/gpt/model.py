@@ -82,7 +82,8 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = GPTEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
         self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleDict({str(layer_offset + i): TransformerLayer(config, **lkw) for i in range(n)})
+        self.decoder.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, **lkw, layer_number=i) for i in range(layer_offset, layer_offset + n)})
         if post_process:
             self.decoder.final_layernorm = Norm(config.hidden_size, kind=config.normalization,
                                                 eps=config.layernorm_epsilon, backend=self.backend,

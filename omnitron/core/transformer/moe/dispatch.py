@@ -1,12 +1,13 @@
-"""Dropless token dispatch: sort assignments by expert, all-to-all over the expert-parallel group,
-run each local expert on its variable-size group, then the inverse all-to-all and the weighted
-combine. No capacity, no padding, no token dropped.
+"""Token dispatch: gather the processed (token, expert) pairs expert-major, all-to-all over the
+expert-parallel group, and the inverse all-to-all with the weighted combine. Which pairs are
+processed is a ``[T, E]`` mask (:mod:`.capacity`): the router's picks (dropless), the picks within
+each expert's capacity, or every expert padded to its capacity.
 
 Experts are numbered globally and ep rank ``r`` owns the contiguous block
-``[r * E/ep, (r + 1) * E/ep)``, so after sorting by expert the rows for rank ``r`` are one
-contiguous slice: the send split of rank ``r`` is the sum of its experts' counts. Every rank first
-sends its per-expert counts (one small all-to-all), which gives the receive splits and how many
-rows each local expert will get.
+``[r * E/ep, (r + 1) * E/ep)``, so the expert-major rows for rank ``r`` are one contiguous slice:
+the send split of rank ``r`` is the sum of its experts' counts. Every rank first sends its
+per-expert counts (one small all-to-all), which gives the receive splits and how many rows each
+local expert will get.
 """
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
 class DispatchPlan:
     """Everything :func:`combine` needs to undo :func:`dispatch`."""
 
-    order: torch.Tensor
-    """[N*k] position of each expert-sorted row in the flat ``(token, slot)`` assignment list."""
+    token: torch.Tensor
+    """[A] token of each processed assignment, expert-major (then token order)."""
+    expert: torch.Tensor
+    """[A] global expert of each processed assignment."""
     send: list[int]
     """Rows sent to each ep rank."""
     recv: list[int]
@@ -59,18 +62,17 @@ class DispatchPlan:
     """Rows for each local expert, in order."""
 
 
-def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int, group) -> tuple[torch.Tensor, DispatchPlan]:
-    """``x [N, h]`` tokens, ``experts [N, k]`` their picked experts -> rows for this rank's local
-    experts ``[R, h]``, grouped by local expert (``plan.local_counts``), and the plan."""
-    k, ep = experts.shape[-1], group.size
-    flat = experts.reshape(-1)  # [N*k], assignment (t, j) at t*k + j
-    order = torch.argsort(flat, stable=True)
-    rows = x.index_select(0, order // k)  # [N*k, h], sorted by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+def dispatch(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, DispatchPlan]:
+    """``x [N, h]`` tokens, ``mask [N, E]`` the processed (token, expert) pairs -> rows for this rank's
+    local experts ``[R, h]``, grouped by local expert (``plan.local_counts``), and the plan."""
+    num_experts, ep = mask.shape[1], group.size
+    expert, token = mask.t().nonzero(as_tuple=True)  # [A] each, expert-major, tokens ascending
+    rows = x.index_select(0, token)  # [A, h]
+    counts = torch.bincount(expert, minlength=num_experts)  # [E]
     local = num_experts // ep
     if ep == 1:
-        n = int(flat.numel())
-        return rows, DispatchPlan(order, [n], [n], None, counts.tolist())
+        n = int(token.numel())
+        return rows, DispatchPlan(token, expert, [n], [n], None, counts.tolist())
     recv_counts = torch.empty_like(counts)
     get_backend().collectives.all_to_all(recv_counts, counts, group=group.handle)
     recv_counts = recv_counts.view(ep, local)  # [source rank, local expert]
@@ -81,28 +83,16 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int, group) ->
     keys = (torch.arange(local, device=x.device)[None, :] * ep + torch.arange(ep, device=x.device)[:, None])
     row_keys = torch.repeat_interleave(keys.reshape(-1), recv_counts.reshape(-1))  # [R]
     regroup = torch.argsort(row_keys, stable=True)
-    plan = DispatchPlan(order, send, recv, regroup, recv_counts.sum(dim=0).tolist())
+    plan = DispatchPlan(token, expert, send, recv, regroup, recv_counts.sum(dim=0).tolist())
     return received.index_select(0, regroup), plan
 
 
-def combine(y: torch.Tensor, probs: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
-    """Expert outputs ``y [R, h]`` (as :func:`dispatch` grouped them) back to their tokens,
-    weighted by ``probs [N, k]`` and summed over the k picks: ``[N, h]``."""
+def combine(y: torch.Tensor, gates: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
+    """Expert outputs ``y [R, h]`` (as :func:`dispatch` grouped them) back to their tokens, weighted
+    by ``gates [N, E]`` (the routing probability of each pair, 0 where not picked) and summed: ``[N, h]``."""
     if plan.regroup is not None:
         y = y.index_select(0, torch.argsort(plan.regroup))  # back to source-major
         y = all_to_all(y, plan.recv, plan.send, group)
-    y = y.index_select(0, torch.argsort(plan.order))  # [N*k, h] in (token, slot) order
-    n, k = probs.shape
-    return (y.view(n, k, -1) * probs.to(y.dtype).unsqueeze(-1)).sum(dim=1)
-
-
-def run_experts(x: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:
-    """Each expert module on its contiguous group of rows (experts with no rows are skipped)."""
-    outs = []
-    for rows, expert in zip(torch.split(x, counts, dim=0), experts):
-        if rows.shape[0] == 0:
-            outs.append(rows)
-            continue
-        y, _ = expert(rows)
-        outs.append(y)
-    return torch.cat(outs, dim=0) if outs else x
+    weight = gates[plan.token, plan.expert].to(y.dtype)  # [A]
+    out = y.new_zeros((gates.shape[0], y.shape[-1]))
+    return out.index_add(0, plan.token, y * weight.unsqueeze(-1))

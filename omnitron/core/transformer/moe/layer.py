@@ -1,16 +1,21 @@
 """The Mixture-of-Experts block: a drop-in replacement for the dense MLP of a Transformer layer.
 
-Layout (expert tensor parallelism 1): ep rank ``r`` holds experts ``[r * E/ep, (r+1) * E/ep)``,
-each the dense model's MLP (GeLU or SwiGLU) at ``--moe-ffn-hidden-size``, named by its GLOBAL
-index (``mlp.experts.5.linear_fc1.weight``), so names and initial values do not depend on the
-layout. Expert parameters carry ``expert = True`` (``allreduce = False``): their gradients are
-averaged over ``groups.edp`` (the ranks holding the same experts), not over data parallelism.
+Layout: ep rank ``r`` holds experts ``[r * E/ep, (r+1) * E/ep)``, each the dense model's MLP (GeLU
+or SwiGLU) at ``--moe-ffn-hidden-size``, named by its GLOBAL index (``mlp.experts.5.linear_fc1.weight``),
+so names and initial values do not depend on the layout. Expert parameters carry ``expert = True``
+(``allreduce = False``): their gradients are averaged over ``groups.edp`` (the ranks holding the
+same experts), not over data parallelism. With expert tensor parallelism (etp = tp) each expert
+is split over tp like the dense MLP (``tensor_model_parallel`` shards, see :mod:`.experts`); with
+etp = 1 it is whole on its ep rank.
 
-Tensor parallelism with etp = 1: every tp rank dispatches a disjoint shard of the micro-batch's
-tokens. Under sequence parallelism that shard is what the layer receives (``[s/tp, b, h]``);
-without it the tokens are replicated over tp, so the router runs on all of them (identical on
-every tp rank, no reduction needed) and each tp rank then dispatches its sequence slice and
-all-gathers the outputs (backward: keep the own slice, the all-gather of the input gradient).
+Tensor parallelism: every tp rank dispatches a disjoint shard of the micro-batch's tokens. Under
+sequence parallelism that shard is what the layer receives (``[s/tp, b, h]``); without it the
+tokens are replicated over tp, so the router runs on all of them (identical on every tp rank, no
+reduction needed) and each tp rank then dispatches its sequence slice and all-gathers the outputs
+(backward: keep the own slice, the all-gather of the input gradient).
+
+Optional: a shared expert (a dense tensor-parallel MLP every token goes through, added to the
+routed output) and an expert capacity (:mod:`.capacity`), decided over the whole micro-batch.
 """
 from __future__ import annotations
 
@@ -21,13 +26,17 @@ from torch import nn
 
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.transformer.mlp import MLP
-from omnitron.core.transformer.moe.dispatch import combine, dispatch, run_experts
+from omnitron.core.transformer.moe.capacity import routing_mask
+from omnitron.core.transformer.moe.dispatch import combine, dispatch
+from omnitron.core.transformer.moe.experts import run_experts
 from omnitron.core.transformer.moe.router import TopKRouter, attach_aux_loss
 
 
-def mark_expert(p: nn.Parameter) -> nn.Parameter:
-    """An expert parameter: whole on its ep rank (not a tp shard), gradients reduced over edp."""
-    p.tensor_model_parallel, p.partition_dim, p.partition_stride = False, -1, 1
+def mark_expert(p: nn.Parameter, sharded: bool) -> nn.Parameter:
+    """An expert parameter, gradients reduced over edp. ``sharded``: an etp (= tp) shard keeps its
+    tensor-parallel attributes; otherwise it is whole on its ep rank (replicated over etp)."""
+    if not (sharded and getattr(p, "tensor_model_parallel", False)):
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = False, -1, 1
     p.expert, p.allreduce = True, False
     return p
 
@@ -35,16 +44,19 @@ def mark_expert(p: nn.Parameter) -> nn.Parameter:
 class MoELayer(nn.Module):
     """``[s, b, h] -> ([s, b, h], None)`` (``[s/tp, b, h]`` under sequence parallelism), like :class:`MLP`.
 
-    ``aux_loss_scale`` weights the load-balancing loss's gradient (the step sets it to
-    loss scale / micro-batches, the weight of each micro-batch's LM loss); ``aux_loss_total``
-    accumulates the detached loss values for logging (see :mod:`omnitron.core.transformer.moe.metrics`).
+    ``aux_loss_scale`` weights the router losses' gradient (the step sets it to loss scale /
+    micro-batches, the weight of each micro-batch's LM loss); ``aux_loss_total`` accumulates the
+    detached loss values for logging (see :mod:`omnitron.core.transformer.moe.metrics`).
     """
 
     def __init__(self, c, *, groups, sequence_parallel: bool, backend, out_std: float) -> None:
         super().__init__()
         from omnitron.core.models.gpt.config import ffn_size
 
-        self.sp, self.tp, self.ep, self.num_experts = sequence_parallel, groups.tp, groups.ep, c.num_experts
+        self.sp, self.tp, self.ep, self.etp, self.num_experts = (sequence_parallel, groups.tp, groups.ep, groups.etp,
+                                                                 c.num_experts)
+        self.topk = c.moe_router_topk
+        self.capacity = (c.moe_expert_capacity_factor, c.moe_token_drop_policy, c.moe_pad_expert_input_to_capacity)
         stats = groups.tp if sequence_parallel else None  # SP: the micro-batch's tokens are spread over tp
         self.router = TopKRouter(c, partial_grad=sequence_parallel, stats_group=stats)
         expert_cfg = dataclasses.replace(c, ffn_hidden_size=c.moe_ffn_hidden_size or ffn_size(c))
@@ -55,35 +67,60 @@ class MoELayer(nn.Module):
                                 out_std=out_std, skip_out_bias=False)
             for i in range(local)})
         for p in self.experts.parameters():
-            mark_expert(p)
+            mark_expert(p, sharded=groups.etp.size > 1)
+        self.shared_experts = None
+        if c.moe_shared_expert_intermediate_size:
+            shared_cfg = dataclasses.replace(c, ffn_hidden_size=c.moe_shared_expert_intermediate_size)
+            self.shared_experts = MLP(shared_cfg, group=groups.tp, sequence_parallel=sequence_parallel,
+                                      backend=backend, out_std=out_std, skip_out_bias=False)
         self.aux_loss_scale = 1.0
         self.aux_loss_total: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor):
-        s, b, h = hidden.shape
-        probs, experts, aux = self.router(hidden.reshape(s * b, h))  # [s*b, k] each
+    def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gates [T, E], mask [T, E])``: routing probability of each (token, expert) pair (0 where not
+        picked) and the pairs processed (capacity decided over the whole micro-batch: under sequence
+        parallelism the tp shards' gates are gathered for it)."""
+        probs, experts, aux = self.router(tokens)  # [T, k] each
         if aux is not None:
             probs = attach_aux_loss(probs, aux, self.aux_loss_scale)
             total = self.aux_loss_total
             self.aux_loss_total = aux.detach() if total is None else total + aux.detach()
+        gates = probs.new_zeros(probs.shape[0], self.num_experts).scatter(1, experts, probs)
+        picked = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, experts, True)
+        factor, policy, pad = self.capacity
+        if factor is None:
+            return gates, picked
+        whole = self.sp and self.tp.size > 1
+        g, p = gates.detach(), picked
+        if whole:  # NOTE: gloo gathers no bools
+            g, p = M.gather_first(g, self.tp), M.gather_first(p.to(torch.uint8), self.tp).bool()
+        mask = routing_mask(g, p, self.topk, factor, policy, pad)
+        return gates, (M.split_first(mask, self.tp) if whole else mask)
+
+    def forward(self, hidden: torch.Tensor):
+        s, b, h = hidden.shape
+        gates, mask = self._route(hidden.reshape(s * b, h))  # [s*b, E] each
         split = self.tp.size > 1 and not self.sp  # replicated tokens: each tp rank takes its sequence slice
         x = hidden
         if split:
-            k = probs.shape[-1]
+            E = self.num_experts
             x = M.scatter_to_sp(hidden, self.tp)  # [s/tp, b, h]
-            probs = M.scatter_to_sp(probs.view(s, b, k), self.tp).reshape(-1, k)
-            experts = M.split_first(experts.view(s, b, k), self.tp).reshape(-1, k)
-        rows, plan = dispatch(x.reshape(-1, h), experts, self.num_experts, self.ep)
-        y = run_experts(rows, plan.local_counts, list(self.experts.values()))
-        y = combine(y, probs, plan, self.ep).view(x.shape)
+            gates = M.scatter_to_sp(gates.view(s, b, E), self.tp).reshape(-1, E)
+            mask = M.split_first(mask.view(s, b, E), self.tp).reshape(-1, E)
+        rows, plan = dispatch(x.reshape(-1, h), mask, self.ep)
+        y = run_experts(rows, plan.local_counts, list(self.experts.values()), self.etp)
+        y = combine(y, gates, plan, self.ep).view(x.shape)
         if split:
             y = M.gather_from_sp(y, self.tp, grad_is_partial=False)  # [s, b, h]
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(hidden)[0]
         return y, None
 
     # ---- full (layout-independent) state -----------------------------------------------------
     def fuse_full_state(self, prefix: str, out: dict[str, torch.Tensor]) -> None:
         """Add every other ep rank's experts to ``out`` under their global names (all-gather over ep),
-        so a gathered state holds all ``E`` experts on every rank. Collective over ep."""
+        so a gathered state holds all ``E`` experts on every rank. Collective over ep. (etp shards are
+        tp shards: the caller has already merged them over tp.)"""
         if self.ep.size == 1:
             return
         local = self.num_experts // self.ep.size

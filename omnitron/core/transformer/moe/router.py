@@ -1,9 +1,10 @@
-"""Top-k softmax router and the Switch/GShard load-balancing loss.
+"""Top-k router (softmax or DeepSeek-V3's sigmoid scores), the Switch/GShard load-balancing
+loss and the router z-loss.
 
 Pure maths on ``[T, h]`` tokens except for one optional seam: ``stats_group``, the group whose
 ranks hold the other shards of the same token set (the tensor-parallel group under sequence
 parallelism). The load-balancing statistics are summed over it, so the loss is that of the whole
-micro-batch, as one process would compute it.
+micro-batch, as one process would compute it (the z-loss's token mean likewise).
 """
 from __future__ import annotations
 
@@ -25,6 +26,32 @@ def top_k_routing(logits: torch.Tensor, k: int, pre_softmax: bool) -> tuple[torc
         return torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
     top, experts = torch.topk(logits, k, dim=-1)
     return torch.softmax(top, dim=-1), experts
+
+
+def sigmoid_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 scores: ``sigmoid(logits)``, the k largest picked, then normalised to sum 1 over
+    the k picks when ``k > 1`` (Megatron's ``--moe-router-score-function sigmoid``)."""
+    top, experts = torch.topk(torch.sigmoid(logits), k, dim=-1)
+    return (top / (top.sum(dim=-1, keepdim=True) + 1e-20) if k > 1 else top), experts
+
+
+def aux_loss_scores(logits: torch.Tensor, k: int, score_function: str) -> torch.Tensor:
+    """``[T, E]`` per-expert scores the load-balancing loss averages: the softmax, or the sigmoid
+    normalised over all experts (when ``k > 1``), as Megatron."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if k > 1 else scores
+
+
+def z_loss(logits: torch.Tensor, coeff: float, stats_group=None) -> torch.Tensor:
+    """Router z-loss (ST-MoE) ``coeff * mean_t logsumexp(logits_t)^2`` over the tokens of every rank
+    of ``stats_group`` (forward: all-reduce of the sum and count; backward: identity)."""
+    sq = torch.logsumexp(logits, dim=-1).square().sum()
+    tokens = torch.tensor(float(logits.shape[0]), dtype=logits.dtype, device=logits.device)
+    if stats_group is not None and stats_group.size > 1:
+        sq, tokens = M.reduce_from_tp(sq, stats_group), M.all_reduce(tokens, stats_group)
+    return coeff * sq / tokens
 
 
 def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts: int, coeff: float,
@@ -71,7 +98,8 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.T
 
 
 class TopKRouter(nn.Module):
-    """``[T, h] -> (probs [T, k], experts [T, k], aux loss or None)``.
+    """``[T, h] -> (probs [T, k], experts [T, k], aux loss or None)``; the aux loss is the sum of
+    the load-balancing loss and the z-loss, whichever are enabled.
 
     The gate ``weight [E, h]`` is replicated on every rank; routing is computed in float32.
     ``partial_grad``: the tokens are a tensor-parallel shard (sequence parallelism), so the
@@ -82,6 +110,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.k, self.num_experts, self.pre_softmax = c.moe_router_topk, c.num_experts, c.moe_router_pre_softmax
         self.coeff = c.moe_aux_loss_coeff if c.moe_router_load_balancing_type == "aux_loss" else 0.0
+        self.score_function, self.z_coeff = c.moe_router_score_function, c.moe_z_loss_coeff or 0.0
         self.stats_group = stats_group
         self.weight = set_attributes(nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=c.params_dtype)),
                                      parallel=False, init=("normal", c.init_method_std))
@@ -89,9 +118,16 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor):
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        probs, experts = top_k_routing(logits, self.k, self.pre_softmax)
+        if self.score_function == "sigmoid":
+            probs, experts = sigmoid_routing(logits, self.k)
+        else:
+            probs, experts = top_k_routing(logits, self.k, self.pre_softmax)
         aux = None
-        if self.coeff > 0.0 and self.training and torch.is_grad_enabled():
-            scores = torch.softmax(logits, dim=-1)  # [T, E]
-            aux = load_balancing_loss(scores, experts, self.num_experts, self.coeff, self.stats_group)
+        if self.training and torch.is_grad_enabled():
+            if self.coeff > 0.0:
+                scores = aux_loss_scores(logits, self.k, self.score_function)  # [T, E]
+                aux = load_balancing_loss(scores, experts, self.num_experts, self.coeff, self.stats_group)
+            if self.z_coeff > 0.0:
+                z = z_loss(logits, self.z_coeff, self.stats_group)
+                aux = z if aux is None else aux + z
         return probs, experts, aux

@@ -4,6 +4,7 @@ from __future__ import annotations
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
 
 LOAD_BALANCING = ("aux_loss", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def check_moe_fields(c) -> None:
@@ -22,10 +23,39 @@ def check_moe_fields(c) -> None:
                           f"{', '.join(LOAD_BALANCING)}")
     if c.moe_aux_loss_coeff < 0:
         raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {c.moe_aux_loss_coeff}")
+    _check_extras(c)
+
+
+def _check_extras(c) -> None:
+    """Layer pattern, shared expert, capacity and router-score settings."""
+    from omnitron.core.transformer.moe.capacity import DROP_POLICIES
+    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+    moe_layer_pattern(c.moe_layer_freq, c.num_layers)  # raises on a bad pattern
+    shared = c.moe_shared_expert_intermediate_size
+    if shared is not None and (not isinstance(shared, int) or shared < 1):
+        raise ConfigError(f"--moe-shared-expert-intermediate-size must be a positive integer, got {shared!r}")
+    f = c.moe_expert_capacity_factor
+    if f is not None and not f > 0:
+        raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (or unset for dropless), got {f}")
+    if c.moe_token_drop_policy not in DROP_POLICIES:
+        raise ConfigError(f"--moe-token-drop-policy {c.moe_token_drop_policy!r} is not one of "
+                          f"{', '.join(DROP_POLICIES)}")
+    if c.moe_pad_expert_input_to_capacity and f is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity "
+                          "to pad to); set it or drop the padding flag")
+    if c.moe_router_score_function not in SCORE_FUNCTIONS:
+        raise ConfigError(f"--moe-router-score-function {c.moe_router_score_function!r} is not one of "
+                          f"{', '.join(SCORE_FUNCTIONS)}")
+    if c.moe_router_score_function == "sigmoid" and c.moe_router_pre_softmax:
+        raise ConfigError("--moe-router-pre-softmax applies to softmax scores only; drop it or use "
+                          "--moe-router-score-function softmax")
+    if c.moe_z_loss_coeff is not None and c.moe_z_loss_coeff < 0:
+        raise ConfigError(f"--moe-z-loss-coeff must be >= 0, got {c.moe_z_loss_coeff}")
 
 
 def validate_moe(c, parallel: ParallelConfig) -> None:
-    """The expert layout: ep divides the experts, expert tensor parallelism 1, tp shards of the sequence."""
+    """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp, tp shards of the sequence."""
     ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
     if c.num_experts is None:
         if ep > 1:
@@ -35,9 +65,18 @@ def validate_moe(c, parallel: ParallelConfig) -> None:
     if c.num_experts % ep:
         raise ConfigError(f"--num-experts {c.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
                           f"each expert-parallel rank holds the same number of experts")
-    if parallel.etp != 1:
-        raise ConfigError(f"expert tensor parallelism {parallel.etp} is not supported (it defaults to "
-                          f"--tensor-model-parallel-size); pass --expert-tensor-parallel-size 1")
+    etp = parallel.etp
+    if etp not in (1, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} is neither 1 nor --tensor-model-parallel-size {tp}; "
+                          f"experts are split like the dense MLP or not at all: pass 1 or {tp}")
+    expert_ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size or 4 * c.hidden_size
+    if expert_ffn % etp:
+        raise ConfigError(f"--moe-ffn-hidden-size {expert_ffn} is not divisible by --expert-tensor-parallel-size "
+                          f"{etp}; change one of them")
+    shared = c.moe_shared_expert_intermediate_size
+    if shared is not None and shared % tp:
+        raise ConfigError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}; change one of them")
     if tp > 1 and c.seq_length % tp:
         raise ConfigError(f"--seq-length {c.seq_length} is not divisible by --tensor-model-parallel-size {tp}: MoE "
                           f"layers dispatch one sequence slice per tensor-parallel rank; change --seq-length")

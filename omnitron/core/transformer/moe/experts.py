@@ -1,0 +1,95 @@
+"""The local experts on their dispatched rows, with expert tensor parallelism (etp).
+
+With etp > 1 each expert's MLP is split over ``groups.etp`` like the dense MLP over tp (fc1 by
+output rows, fc2 by input columns; etp = tp, so the shards are the tp shards). Each etp rank
+dispatched a disjoint shard of the tokens, so after the expert-parallel all-to-all the ranks of
+an etp group hold different rows for the same experts: they all-gather them (variable sizes),
+compute their shard of every expert on all of them, and reduce-scatter the partial outputs back
+to the rows' owner (Megatron's all-to-all dispatcher with etp). fc2's bias is added after the
+reduce-scatter, to each rank's own rows; its gradient is then all-reduced over etp.
+"""
+from __future__ import annotations
+
+import torch
+
+from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.transformer.moe.dispatch import _all_to_all
+
+
+def _gather_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Every member's rows of ``x`` (member ``j`` has ``sizes[j]``), concatenated in member order."""
+    n = sizes[group.rank]
+    return _all_to_all(x.repeat(group.size, 1), [n] * group.size, sizes, group)
+
+
+def _reduce_scatter_v(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """``x`` holds every member's rows (member order); sum them over members, keep this rank's."""
+    n = sizes[group.rank]
+    parts = _all_to_all(x, sizes, [n] * group.size, group)  # [size * n, h]: my rows from each member
+    return parts.view(group.size, n, *x.shape[1:]).sum(dim=0)
+
+
+class _GatherV(torch.autograd.Function):
+    """forward: variable-size all-gather of rows; backward: reduce-scatter (keep own rows' sum)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_v(g, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    """forward: variable-size reduce-scatter of partial rows; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_v(g, ctx.sizes, ctx.group), None, None
+
+
+def expert_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """One expert's (shard of its) MLP on ``x [n, h]`` without fc2's bias and without communication:
+    the partial sum ``[n, h]`` of this etp rank. Uses the linears' GEMM seam (FP8 when enabled)."""
+    fc1, fc2, kernels = mlp.linear_fc1, mlp.linear_fc2, mlp.backend.kernels
+    bias = fc1.bias if fc1.skip_bias_add else None  # the fused activation adds it
+    y = fc1._gemm(x, fc1.weight, None if fc1.skip_bias_add else fc1.bias)  # [n, (2)f/etp]
+    y = kernels.swiglu(y, bias) if mlp.swiglu else kernels.bias_gelu(y, bias)
+    return fc2._gemm(y, fc2.weight, None)
+
+
+def run_experts(rows: torch.Tensor, counts: list[int], experts: list, etp) -> torch.Tensor:
+    """``rows [R, h]`` grouped by local expert (``counts``) through ``experts`` -> ``[R, h]``.
+
+    ``etp``: the expert-tensor-parallel group (see the module docstring); identity at size 1.
+    """
+    perm, all_counts, sizes = None, counts, None
+    if etp.size > 1:
+        local = len(counts)
+        mine = torch.tensor([counts], dtype=torch.int64, device=rows.device)  # [1, local]
+        per_rank = M.gather_first(mine, etp)  # [etp, local]
+        sizes = per_rank.sum(dim=1).tolist()
+        rows = _GatherV.apply(rows, sizes, etp)  # member-major, then expert
+        keys = torch.arange(local, device=rows.device).repeat(etp.size)
+        perm = torch.argsort(torch.repeat_interleave(keys, per_rank.reshape(-1)), stable=True)
+        rows = rows.index_select(0, perm)  # expert-major over every member's rows
+        all_counts = per_rank.sum(dim=0).tolist()
+    outs = [expert_mlp(mlp, part) if part.shape[0] else part
+            for part, mlp in zip(torch.split(rows, all_counts, dim=0), experts)]
+    y = torch.cat(outs, dim=0) if outs else rows
+    if perm is not None:
+        y = _ReduceScatterV.apply(y.index_select(0, torch.argsort(perm)), sizes, etp)  # own rows, summed
+    biases = [mlp.linear_fc2.bias for mlp in experts]
+    if biases and biases[0] is not None:
+        stacked = M.copy_to_tp(torch.stack(biases), etp)  # [local, h]; grads summed over etp ranks' rows
+        index = torch.repeat_interleave(torch.arange(len(counts), device=y.device),
+                                        torch.tensor(counts, device=y.device))
+        y = y + stacked.index_select(0, index).to(y.dtype)
+    return y
