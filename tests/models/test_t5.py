@@ -1,0 +1,206 @@
+"""T5Model against an independent plain-torch float64 encoder-decoder (bidirectional padded encoder,
+causal decoder with cross-attention, LM head tied to the word embedding with a bias), tensor-parallel
+(+ sequence-parallel) parity with the one-process model in one spawned run, and the train command."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.models.gpt import gather_full_state
+from omnitron.core.models.t5 import T5Config, T5Model, num_parameters, validate_t5
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.distributed import run_distributed
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12,
+            decoder_seq_length=8, vocab_size=203, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _attention(W, c, name, xq, xk, keep, fused):
+    """Multi-head attention from the maths: ``keep [b, sq, sk]`` True = attend; fused QKV or q + kv."""
+    hq, h = c.num_attention_heads, c.hidden_size
+    g, d = c.num_query_groups or hq, h // hq
+    xk = xq if xk is None else xk
+    b, sq, sk = xq.shape[0], xq.shape[1], xk.shape[1]
+    lin = lambda t, n: t @ W[n + ".weight"].T + W[n + ".bias"]  # noqa: E731
+    if fused:  # rows grouped per key/value head: [q heads of group, k, v] each d rows
+        qkv = lin(xq, name + ".linear_qkv").view(b, sq, g, hq // g + 2, d)
+        q, k, v = qkv[..., : hq // g, :].reshape(b, sq, hq, d), qkv[..., -2, :], qkv[..., -1, :]
+    else:  # cross-attention: q from the decoder, [k, v] per group from the encoder
+        q = lin(xq, name + ".linear_q").view(b, sq, hq, d)
+        kv = lin(xk, name + ".linear_kv").view(b, sk, g, 2, d)
+        k, v = kv[..., 0, :], kv[..., 1, :]
+    k, v = k.repeat_interleave(hq // g, dim=2), v.repeat_interleave(hq // g, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    att = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, sq, hq * d)
+    return lin(att, name + ".linear_proj")
+
+
+def plain_t5(W, c, tokens, dec_tokens, pad, labels, mask):
+    """Batch-first float64 T5: (masked mean loss, logits [b, s_dec, V])."""
+    h = c.hidden_size
+    lin = lambda t, n: t @ W[n + ".weight"].T + W[n + ".bias"]  # noqa: E731
+    ln = lambda t, n: F.layer_norm(t, (h,), W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)  # noqa: E731
+    mlp = lambda t, p: lin(F.gelu(lin(t, p + "mlp.linear_fc1"), approximate="tanh"), p + "mlp.linear_fc2")  # noqa
+    emb = lambda t: W["embedding.word_embeddings.weight"][t] + W["embedding.position_embeddings.weight"][:t.shape[1]]  # noqa
+    b, se, sd = tokens.shape[0], tokens.shape[1], dec_tokens.shape[1]
+    x = emb(tokens)
+    enc_keep = (~pad)[:, None, :].expand(b, se, se)  # bidirectional over real keys
+    for i in range(c.encoder_num_layers or c.num_layers):
+        p = f"encoder.layers.{i}."
+        x = x + _attention(W, c, p + "self_attention", ln(x, p + "input_layernorm"), None, enc_keep, True)
+        x = x + mlp(ln(x, p + "pre_mlp_layernorm"), p)
+    memory = ln(x, "encoder.final_layernorm")
+    y = emb(dec_tokens)
+    causal = torch.ones(sd, sd, dtype=torch.bool).tril()[None].expand(b, sd, sd)
+    cross_keep = (~pad)[:, None, :].expand(b, sd, se)
+    for i in range(c.decoder_num_layers or c.num_layers):
+        p = f"decoder.layers.{i}."
+        y = y + _attention(W, c, p + "self_attention", ln(y, p + "input_layernorm"), None, causal, True)
+        y = y + _attention(W, c, p + "cross_attention", ln(y, p + "pre_cross_attn_layernorm"), memory, cross_keep,
+                           False)
+        y = y + mlp(ln(y, p + "pre_mlp_layernorm"), p)
+    logits = ln(y, "decoder.final_layernorm") @ W["embedding.word_embeddings.weight"].T + W["output_layer.bias"]
+    token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return (token_loss * mask.reshape(-1)).sum() / mask.sum(), logits
+
+
+def _batch(c, gen, b=3):
+    se, sd = c.seq_length, c.decoder_seq_length
+    lengths = torch.randint(se // 3, se + 1, (b,), generator=gen)
+    lengths[0] = se  # one unpadded row
+    dec_lengths = torch.randint(2, sd + 1, (b,), generator=gen)
+    return {"tokens": torch.randint(0, c.vocab_size, (b, se), generator=gen),
+            "padding_mask": torch.arange(se)[None] >= lengths[:, None],
+            "decoder_tokens": torch.randint(0, c.vocab_size, (b, sd), generator=gen),
+            "labels": torch.randint(0, c.vocab_size, (b, sd), generator=gen),
+            "loss_mask": (torch.arange(sd)[None] < dec_lengths[:, None]).float()}
+
+
+def _forward(model, batch, labels=True):
+    return model(batch["tokens"], batch["decoder_tokens"], batch["padding_mask"],
+                 labels=batch["labels"] if labels else None)
+
+
+def _loss(token_loss, batch):
+    mask = batch["loss_mask"]
+    return (token_loss * mask).sum() / mask.sum()
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa_uneven_stacks"])
+def test_t5_matches_plain_float64(variant):
+    extra = {} if variant == "mha" else dict(num_query_groups=2, encoder_num_layers=1, decoder_num_layers=3)
+    c = T5Config(**BASE, **extra)
+    groups = ParallelGroups.single()
+    model = T5Model(c, groups, seed=11)
+    batch = _batch(c, torch.Generator().manual_seed(5 + len(extra)))
+    loss = _loss(_forward(model, batch), batch)
+    loss.backward()
+    W = {k: v.double().requires_grad_() for k, v in gather_full_state(model, groups).items()}
+    assert W["output_layer.bias"].shape == (c.vocab_size,)  # padding columns dropped from the full view
+    ref, ref_logits = plain_t5(W, c, batch["tokens"], batch["decoder_tokens"], batch["padding_mask"],
+                               batch["labels"], batch["loss_mask"])
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-6
+    with torch.no_grad():
+        logits = _forward(model, batch, labels=False)
+    assert torch.isinf(logits[..., c.vocab_size:]).all()
+    assert _rel(logits[..., :c.vocab_size].transpose(0, 1), ref_logits) < 1e-5
+    grads = gather_full_state(model, groups, grads=True)
+    assert grads.keys() == W.keys()
+    for k, w in W.items():
+        assert w.grad is not None and _rel(grads[k], w.grad) < 1e-5, k
+
+
+def test_masks_padding_causality_and_cross_attention():
+    """Encoder padding is invisible; the decoder never sees later decoder tokens; it does see the encoder."""
+    c = T5Config(**BASE)
+    model = T5Model(c, ParallelGroups.single(), seed=2).eval()
+    batch = _batch(c, torch.Generator().manual_seed(9))
+    batch["padding_mask"][1, 7:] = True
+
+    def logits(**change):
+        b = {k: v.clone() for k, v in batch.items()}
+        for key, (row, cols) in change.items():
+            b[key][row, cols] = (b[key][row, cols] + 1) % c.vocab_size
+        with torch.no_grad():
+            return _forward(model, b, labels=False)[..., :c.vocab_size]
+
+    base = logits()
+    assert torch.allclose(base, logits(tokens=(1, slice(7, None))), atol=1e-6, rtol=0)  # padded encoder tokens
+    later = logits(decoder_tokens=(2, slice(5, None)))
+    assert torch.allclose(base[:5], later[:5], atol=1e-6, rtol=0)  # causal decoder
+    assert not torch.allclose(base[5, 2], later[5, 2], atol=1e-4, rtol=0)
+    enc = logits(tokens=(0, slice(11, None)))  # the last encoder token reaches every decoder position
+    assert not torch.allclose(base[0, 0], enc[0, 0], atol=1e-4, rtol=0)
+
+
+def test_parameter_count_and_unsupported_layouts():
+    for extra in ({}, dict(num_query_groups=2, encoder_num_layers=3, decoder_num_layers=1, add_bias_linear=False)):
+        c = T5Config(**BASE, **extra)
+        assert num_parameters(c) == sum(p.numel() for p in T5Model(c, ParallelGroups.single(), seed=1).parameters())
+    c = T5Config(**BASE)
+    bad = [(c, ParallelConfig(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+           (c, ParallelConfig(context_parallel_size=2), "--context-parallel-size"),
+           (dataclasses.replace(c, num_query_groups=1), ParallelConfig(tensor_model_parallel_size=2),
+            "--num-query-groups 1"),
+           (dataclasses.replace(c, decoder_seq_length=13), ParallelConfig(), "--decoder-seq-length 13 exceeds"),
+           (dataclasses.replace(c, decoder_seq_length=7),
+            ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), "--decoder-seq-length 7 is not"),
+           (dataclasses.replace(c, position_embedding_type="rope"), ParallelConfig(), "learned_absolute")]
+    for cfg, parallel, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            validate_t5(cfg, parallel)
+    with pytest.raises(ConfigError, match="--encoder-seq-length 16 and --seq-length 12"):
+        T5Config(**BASE, encoder_seq_length=16)
+    with pytest.raises(ConfigError, match="--vocab-extra-ids"):
+        T5Config(**BASE, vocab_extra_ids=-1)
+
+
+# ---- tensor / sequence parallel parity (one spawn) ----------------------------------------------
+def _parity_worker(tp: int) -> dict:
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import allreduce_sequence_parallel_grads
+
+    torch.set_num_threads(1)
+    single = ParallelGroups.single()
+    cfgs = {"mha": T5Config(**{**BASE, "vocab_size": 251, "make_vocab_size_divisible_by": 1}),
+            "gqa_recompute": T5Config(**{**BASE, "num_query_groups": 2, "recompute_granularity": "full",
+                                         "recompute_method": "uniform", "decoder_num_layers": 1})}
+    out = {}
+    for sp in (False, True):
+        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
+                                      get_backend().collectives)
+        for name, c in cfgs.items():
+            batch = _batch(c, torch.Generator().manual_seed(4))
+            res = {}
+            for key, g in (("tp", groups), ("ref", single)):
+                model = T5Model(c, g, seed=8)
+                token_loss = _forward(model, batch)
+                _loss(token_loss, batch).backward()
+                allreduce_sequence_parallel_grads(model, g)
+                res[key] = (token_loss.detach(), gather_full_state(model, g, grads=True))
+            (lt, gt), (lr, gr) = res["tp"], res["ref"]
+            out[(name, sp)] = {"token_loss": _rel(lt, lr), "grads": max(_rel(gt[k], gr[k]) for k in gr),
+                               "keys": gt.keys() == gr.keys()}
+    dist.barrier()
+    return out
+
+
+def test_tensor_and_sequence_parallel_parity_tp2():
+    for rank_result in run_distributed(_parity_worker, 2, 2):
+        for case, err in rank_result.items():
+            assert err.pop("keys"), case
+            assert max(err.values()) < 1e-5, (case, err)
