@@ -2,8 +2,9 @@
 
     omnitron preprocess --input corpus.jsonl --json-keys text --tokenizer-type GPT2BPETokenizer \\
         --output-prefix data/corpus --append-eod --workers 2
-writes ``data/corpus_text_document.{bin,idx}``. ``--merge P1 P2 ... --output-prefix OUT`` concatenates
-existing datasets instead.
+writes ``data/corpus_text_document.{bin,idx}``. ``--split-sentences`` stores each sentence as its own
+sequence (documents kept in the index; BERT data uses them) in ``data/corpus_text_sentence.{bin,idx}``.
+``--merge P1 P2 ... --output-prefix OUT`` concatenates existing datasets instead.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def register(sub) -> None:
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.{bin,idx}")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize (one dataset each)")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (rule-based splitter), documents kept: PREFIX_<key>_sentence")
     p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
     p.add_argument("--txt-mode", choices=("line", "paragraph"), default="line",
                    help="plain text: one document per line, or per blank-line separated paragraph")
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         stats = preprocess_files(args.input, args.output_prefix, json_keys=args.json_keys,
                                  tokenizer_kwargs=tokenizer_kwargs(args), append_eod=args.append_eod,
                                  workers=args.workers, txt_mode=args.txt_mode, invalid_utf8=args.invalid_utf8,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, split_sentences=args.split_sentences)
     except (PreprocessError, TokenizerError, IndexedDatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

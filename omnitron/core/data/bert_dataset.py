@@ -1,9 +1,10 @@
 """BERT pre-training samples (Megatron's BertDataset): two segments, sentence order, masked LM.
 
 Documents are lists of sentences: an indexed dataset whose documents hold several sequences
-(one per sentence, as :func:`bert_corpus_prefix` writes) uses them as they are; a document of ONE
-sequence (``omnitron preprocess`` writes one per document: it has no sentence splitter) is cut into
-fixed spans of ``max_tokens // 4`` tokens that stand in for sentences. Special ids ([CLS], [SEP],
+(one per sentence, as ``omnitron preprocess --split-sentences`` and :func:`bert_corpus_prefix`
+write) uses them as they are; a document of ONE sequence (preprocessed without
+``--split-sentences``, or a one-sentence document) is cut into fixed spans of ``max_tokens // 4``
+tokens that stand in for sentences. Special ids ([CLS], [SEP],
 [PAD], [MASK], [UNK]; e.g. an eod appended by preprocessing) are dropped from the text.
 
 Sample mapping (numpy, cached like the GPT indices): every epoch walks the split's documents,
@@ -22,13 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 
 import numpy as np
 import torch
 
 from . import cache
 from .indexed import IndexedDataset, IndexedDatasetBuilder, data_file, exists, index_file, optimal_dtype
+from .sentences import split_sentences
 
 INDEX_FORMAT = 1
 
@@ -200,20 +201,12 @@ class BertDataset(torch.utils.data.Dataset):
                             masked_lm_prob=self.masked_lm_prob)
 
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+")
-
-
-def split_sentences(text: str) -> list[str]:
-    """A simple splitter: after ``.``, ``!`` or ``?`` (and closing quotes/brackets) followed by space."""
-    return [s.strip() for s in _SENTENCE_END.split(text) if s.strip()]
-
-
 def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
     """The bundled corpus, one sequence per sentence, tokenized with ``tokenizer`` (keyed by its vocabulary)."""
     from .corpus import MOBY_DICK, moby_dick_documents
     from .tokenizers import sha256_of
 
-    tag = f"{sha256_of(MOBY_DICK)[:12]}_{sha256_of(tokenizer.vocab_file)[:12]}"
+    tag = f"{sha256_of(MOBY_DICK)[:12]}_{sha256_of(tokenizer.vocab_file)[:12]}_s2"  # s2: the rule-based splitter
     prefix = os.path.join(cache_dir, "corpus", f"moby_dick_bert_{tag}_sentences")
     if exists(prefix):
         return prefix

@@ -5,6 +5,11 @@ processes when ``workers > 1`` (results are written in input order, so the outpu
 depend on the number of workers). Bad records are counted and skipped, never fatal:
 invalid UTF-8 (replaced or skipped), lines that are not JSON objects, records without a
 requested key, empty documents. Input with no document at all is an error.
+
+``split_sentences`` (Megatron's ``--split-sentences``): each document is cut by
+:func:`omnitron.core.data.sentences.split_sentences` and every sentence is tokenized and stored as
+its own sequence; the ``.idx`` document index keeps the document boundaries (an appended eod ends
+the document's last sentence), and the outputs are named ``PREFIX_<key>_sentence`` as Megatron's.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from .indexed import IndexedDatasetBuilder, data_file, index_file, optimal_dtype
+from .sentences import split_sentences as cut_sentences
 from .tokenizers import Tokenizer, build_tokenizer
 
 CHUNK_DOCS = 256  # documents per tokenization task
@@ -116,33 +122,44 @@ def _init_worker(tokenizer_kwargs: dict) -> None:
     _WORKER_TOK = build_tokenizer(**tokenizer_kwargs)
 
 
-def _encode_chunk(task: tuple[list[dict[str, str]], list[str], bool]) -> list[dict[str, np.ndarray]]:
-    records, keys, append_eod = task
+def _encode_chunk(task: tuple[list[dict[str, str]], list[str], bool, bool]) -> list[dict[str, tuple]]:
+    """Per record and key ``(ids, sentence lengths or None)``; sentences with no token are dropped."""
+    records, keys, append_eod, by_sentence = task
     tok = _WORKER_TOK
     out = [dict() for _ in records]
     for k in keys:
-        for rec, ids in zip(out, tok.encode_batch([r[k] for r in records])):
-            if ids and append_eod:
-                ids.append(tok.eod)
-            rec[k] = np.asarray(ids, np.int64)
+        if not by_sentence:
+            for rec, ids in zip(out, tok.encode_batch([r[k] for r in records])):
+                if ids and append_eod:
+                    ids.append(tok.eod)
+                rec[k] = (np.asarray(ids, np.int64), None)
+            continue
+        for rec, r in zip(out, records):
+            sentences = [ids for ids in tok.encode_batch(cut_sentences(r[k])) if ids]
+            if sentences and append_eod:
+                sentences[-1].append(tok.eod)
+            flat = [i for ids in sentences for i in ids]
+            rec[k] = (np.asarray(flat, np.int64), [len(ids) for ids in sentences])
     return out
 
 
-def _chunks(records: Iterator[dict[str, str]], keys: list[str], append_eod: bool):
+def _chunks(records: Iterator[dict[str, str]], keys: list[str], append_eod: bool, by_sentence: bool):
     chunk: list[dict[str, str]] = []
     for rec in records:
         chunk.append(rec)
         if len(chunk) == CHUNK_DOCS:
-            yield chunk, keys, append_eod
+            yield chunk, keys, append_eod, by_sentence
             chunk = []
     if chunk:
-        yield chunk, keys, append_eod
+        yield chunk, keys, append_eod, by_sentence
 
 
 def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[str] = ("text",),
                      tokenizer_kwargs: dict | None = None, append_eod: bool = True, workers: int = 1,
-                     txt_mode: str = "line", invalid_utf8: str = "replace", progress: bool = False) -> PreprocessStats:
-    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}`` for each key; return stats."""
+                     txt_mode: str = "line", invalid_utf8: str = "replace", progress: bool = False,
+                     split_sentences: bool = False) -> PreprocessStats:
+    """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}`` for each key (``_sentence``
+    with ``split_sentences``: one sequence per sentence); return stats."""
     json_keys = list(json_keys)
     for p in inputs:
         if not os.path.isfile(p):
@@ -152,13 +169,14 @@ def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[s
     tokenizer_kwargs = dict(tokenizer_kwargs or {"tokenizer_type": "GPT2BPETokenizer"})
     tok = build_tokenizer(**tokenizer_kwargs)  # fail on a bad tokenizer before reading any input
     stats = PreprocessStats()
-    prefixes = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    level = "sentence" if split_sentences else "document"
+    prefixes = {k: f"{output_prefix}_{k}_{level}" for k in json_keys}
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     builders = {k: IndexedDatasetBuilder(data_file(p), optimal_dtype(tok.vocab_size)) for k, p in prefixes.items()}
     bar = _progress_bar(sum(os.path.getsize(p) for p in inputs)) if progress else None
     start = time.perf_counter()
     tasks = _chunks(iter_records(inputs, json_keys, txt_mode=txt_mode, invalid_utf8=invalid_utf8, stats=stats),
-                    json_keys, append_eod)
+                    json_keys, append_eod, split_sentences)
     pool = mp.get_context("fork").Pool(workers, _init_worker, (tokenizer_kwargs,)) if workers > 1 else None
     if pool is None:
         global _WORKER_TOK
@@ -203,14 +221,14 @@ def _bounded_imap(pool, tasks, max_pending: int):
         yield pending.popleft().get()
 
 
-def _write_chunk(encoded: list[dict[str, np.ndarray]], builders: dict, stats: PreprocessStats) -> None:
+def _write_chunk(encoded: list[dict[str, tuple]], builders: dict, stats: PreprocessStats) -> None:
     for rec in encoded:
         wrote = False
-        for k, ids in rec.items():
+        for k, (ids, lengths) in rec.items():
             if ids.size == 0:
                 stats.skipped["empty"] += 1
                 continue
-            builders[k].add_document(ids)
+            builders[k].add_document(ids, lengths)
             stats.tokens += int(ids.size)
             wrote = True
         stats.documents += wrote
