@@ -188,11 +188,13 @@ def _merge_chunk(skel, c: int, shards: list[dict], with_optimizer: bool, path: s
 
 def _take_experts(skel, c: int, shard: dict, model: dict, optim: dict, with_optimizer: bool) -> None:
     """Add the expert tensors ``shard`` holds for chunk ``c`` (each expert is whole on its ep rank)."""
-    sd = shard["model"][c]
+    sd, tensors = shard["model"][c], shard["optimizer"].get("tensors", {})
     for name, p in skel.named_parameters():
-        if getattr(p, "expert", False) and name not in model and name in sd:
+        # NOTE: an expert's optimizer state is in its expert-data-parallel rank 0's shard only
+        if getattr(p, "expert", False) and name not in model and name in sd and (
+                not with_optimizer or f"chunk{c}.{name}" in tensors):
             model[name] = sd[name]
-            for kind, t in shard["optimizer"]["tensors"][f"chunk{c}.{name}"].items() if with_optimizer else ():
+            for kind, t in tensors[f"chunk{c}.{name}"].items() if with_optimizer else ():
                 optim.setdefault(kind, {})[name] = t
 
 
@@ -238,6 +240,11 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     parallelism, whose other ranks are read for their experts)."""
     meta = read_metadata(path)
     layout = Layout.from_dict(meta["layout"])
+    etp = meta.get("config", {}).get("expert_tensor_parallel_size") or layout.tp
+    if meta["model"].get("num_experts") and etp > 1:
+        raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp); "
+                              f"reading it under another layout is not supported yet: resume it with the same "
+                              f"layout, or train with --expert-tensor-parallel-size 1 to reshard later")
     skeletons = skeleton_chunks(model_config(meta["model"]), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
@@ -310,6 +317,8 @@ def _target_config(flat: dict, cfg, target: Layout) -> dict:
                                                       "decoder_last_pipeline_num_layers")}
     out.update(tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
                context_parallel_size=target.cp, expert_model_parallel_size=target.ep)
+    if cfg.num_experts:  # the written shards hold whole experts
+        out["expert_tensor_parallel_size"] = 1
     if target.vp:
         out["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (target.pp * target.vp)
     if target.first is not None:

@@ -59,10 +59,41 @@ def check_resume(settings) -> None:
     check_compatible(meta, model, layout_dict(settings), path, reshard=True)
 
 
+def _optimizer_shard(c) -> dict:
+    """The optimizer state this rank writes. Every replica holds the same per-parameter state (the
+    distributed optimizer gathers its slices), so each entry is written once, as Megatron does: dense
+    parameters' by data x context parallel rank 0, MoE experts' by expert-data-parallel rank 0. The other
+    ranks keep step, counters and loss scaler, and name under ``tensors_from`` the world rank whose shard
+    holds each of their entries (:func:`_complete_optimizer_state` reads them back)."""
+    state, opt, g = c.optimizer.state_dict(), c.optimizer, c.groups
+    kept, elsewhere = {}, {}
+    for name, p in zip(opt.names, opt.params):
+        writer = (g.edp if getattr(p, "expert", False) else g.dp_cp).ranks[0]
+        if writer == g.rank:
+            kept[name] = state["tensors"][name]
+        else:
+            elsewhere.setdefault(writer, []).append(name)
+    state["tensors"] = kept
+    if elsewhere:
+        state["tensors_from"] = elsewhere
+    return state
+
+
+def _complete_optimizer_state(path: str, shard: dict) -> None:
+    """Add the optimizer entries this rank's shard left to another rank's (see :func:`_optimizer_shard`)."""
+    opt = shard["optimizer"]
+    for rank, names in opt.pop("tensors_from", {}).items():
+        other = read_shard(path, rank)["optimizer"]["tensors"]
+        opt["tensors"].update({n: other[n] for n in names})
+
+
 def save(c) -> str:
     """Collective: write this rank's shard; rank 0 commits the directory."""
     s = c.settings
-    shard = {"model": [m.state_dict() for m in c.modules], "optimizer": c.optimizer.state_dict(),
+    for chunk in c.chunks:  # --overlap-param-gather: the weights must be gathered before they are read
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()
+    shard = {"model": [m.state_dict() for m in c.modules], "optimizer": _optimizer_shard(c),
              "scheduler": c.scheduler.state_dict(),
              "rng": get_rng_state(c.backend), "trackers": [m.rng_tracker.get_states() for m in c.modules]}
     fp8 = c.extra.get("fp8_state")
@@ -113,6 +144,8 @@ def load(c) -> bool:
     if ck.no_load_optim:
         c.optimizer.reload_masters()
     else:
+        if not changes:
+            _complete_optimizer_state(path, shard)
         c.optimizer.load_state_dict(shard["optimizer"])
         c.scheduler.load_state_dict(shard["scheduler"])
     if not ck.no_load_rng and "rng" in shard:
