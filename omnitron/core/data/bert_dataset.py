@@ -226,8 +226,8 @@ def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
 
 
 def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int, cache_dir: str, allow_build: bool,
-                **kw):
-    """One split's dataset (blended over ``--data-path`` prefixes), or None with no samples or share."""
+                dataset_cls=BertDataset, **kw):
+    """One split's ``dataset_cls`` (blended over ``--data-path`` prefixes), or None with no samples or share."""
     import math
 
     from .blended import BlendedDataset
@@ -244,7 +244,7 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
             raise DataError(f"{indexed.prefix}: the {SPLIT_NAMES[split]} split of --split {config.split} gets no "
                             f"documents ({indexed.num_documents} in all); give it a larger share or use more data")
         want = num_samples if len(blend) == 1 else int(math.ceil(weight * num_samples * BLEND_MARGIN)) + 1
-        parts.append(BertDataset(indexed, np.arange(lo, hi), want, seq_length=config.seq_length, seed=config.seed,
+        parts.append(dataset_cls(indexed, np.arange(lo, hi), want, seq_length=config.seq_length, seed=config.seed,
                                  tokenizer=tokenizer, cache_dir=cache_dir, split_name=SPLIT_NAMES[split],
                                  allow_build=allow_build, **kw))
     if len(parts) == 1:
@@ -253,10 +253,12 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
 
 
 def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
-                        binary_head: bool = True, is_builder_rank: bool = True, barrier=None):
+                        binary_head: bool = True, is_builder_rank: bool = True, barrier=None, dataset_cls=None,
+                        **dataset_kw):
     """(train, valid, test) :class:`BertDataset` splits of ``config.data_path`` (documents split by
     ``--split``), or of the bundled corpus split into sentences when no path is given. Collective like
-    :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``."""
+    :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``.
+    ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset."""
     from .builder import DataError, check_vocabulary
     from .config import default_cache_dir, parse_data_path
 
@@ -275,8 +277,9 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
         for ds in datasets:
             check_vocabulary(ds, tokenizer, cache_dir, allow_build)
         samples = (train_samples, valid_samples, test_samples)
-        return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build,
-                                 binary_head=binary_head) for i, n in enumerate(samples))
+        kw = dict(dataset_cls=dataset_cls, **dataset_kw) if dataset_cls else {"binary_head": binary_head}
+        return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build, **kw)
+                     for i, n in enumerate(samples))
 
     result = build_all(True) if is_builder_rank else None
     if barrier is not None:

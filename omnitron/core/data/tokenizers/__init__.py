@@ -18,14 +18,18 @@ TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTok
 
 def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str | None = None,
                     merge_file: str | None = None, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
+                    vocab_size: int | None = None, vocab_extra_ids: int = 0) -> Tokenizer:
     """Build the tokenizer named by ``tokenizer_type`` from local files.
 
     GPT2BPETokenizer: ``vocab_file`` + ``merge_file`` (both or neither; neither = bundled).
     HuggingFaceTokenizer / SentencePieceTokenizer: ``tokenizer_model`` (path).
     NullTokenizer: ``vocab_size``.
-    BertWordPieceLowerCase / BertWordPieceCase: ``vocab_file`` (a BERT vocab.txt; None: bundled-corpus vocabulary).
+    BertWordPieceLowerCase / BertWordPieceCase: ``vocab_file`` (a BERT vocab.txt; None: bundled-corpus vocabulary);
+    ``vocab_extra_ids`` sentinels ``<extra_id_i>`` appended (T5's ``--vocab-extra-ids``; these kinds only).
     """
+    if vocab_extra_ids and tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        raise TokenizerError(f"--vocab-extra-ids {vocab_extra_ids}: sentinel tokens are added to the BertWordPiece "
+                             f"tokenizers only, not {tokenizer_type}; use --tokenizer-type BertWordPieceLowerCase")
     if tokenizer_type == "GPT2BPETokenizer":
         if (vocab_file is None) != (merge_file is None):
             raise TokenizerError("GPT2BPETokenizer needs both --vocab-file and --merge-file, or neither "
@@ -39,7 +43,8 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        return BertWordPieceTokenizer(vocab_file, lower_case=tokenizer_type == "BertWordPieceLowerCase")
+        return BertWordPieceTokenizer(vocab_file, lower_case=tokenizer_type == "BertWordPieceLowerCase",
+                                      vocab_extra_ids=vocab_extra_ids)
     raise TokenizerError(f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 

@@ -3,7 +3,9 @@
 A standard BERT ``vocab.txt`` (one token per line, id = line number) read by the ``tokenizers``
 package: BERT normalisation (lower-casing for the LowerCase kind), BERT pre-tokenisation, greedy
 longest-match WordPiece with ``##`` continuations. ``[CLS]``, ``[SEP]``, ``[MASK]``, ``[PAD]`` and
-``[UNK]`` must be in the vocabulary; ``eod`` is ``[SEP]``.
+``[UNK]`` must be in the vocabulary; ``eod`` is ``[SEP]``. ``vocab_extra_ids`` (T5's
+``--vocab-extra-ids``) appends the sentinels ``<extra_id_0>`` ... as special tokens after the
+vocabulary (existing ids unchanged; a vocabulary that has them already keeps its ids).
 
 Without ``--vocab-file`` a small vocabulary is built offline from the bundled *Moby Dick* text by
 :func:`build_wordpiece_vocab` (deterministic: the special tokens, every character alone and as a
@@ -35,7 +37,8 @@ def _bert_pipeline(tok, lower_case: bool):
 class BertWordPieceTokenizer(_HFBacked):
     """WordPiece from a BERT ``vocab.txt``; exposes ``cls``, ``sep``, ``mask``, ``pad`` and ``unk`` ids."""
 
-    def __init__(self, vocab_file: str | None = None, *, lower_case: bool = True, cache_dir: str | None = None):
+    def __init__(self, vocab_file: str | None = None, *, lower_case: bool = True, cache_dir: str | None = None,
+                 vocab_extra_ids: int = 0):
         from tokenizers import Tokenizer as HFTokenizer, models
 
         self.name = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
@@ -49,6 +52,9 @@ class BertWordPieceTokenizer(_HFBacked):
             raise TokenizerError(f"--vocab-file {str(path)!r} lacks the BERT special tokens {missing}; "
                                  "use a BERT vocab.txt (or omit --vocab-file for the bundled-corpus vocabulary)")
         _bert_pipeline(tok, lower_case)
+        names = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        tok.add_special_tokens(names)
+        self.sentinels = tuple(tok.token_to_id(n) for n in names)  # T5's span sentinels, in order
         self.vocab_file = str(path)
         self.cls, self.sep, self.mask, self.unk = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[UNK]"))
         super().__init__(tok, self.sep, tok.token_to_id("[PAD]"))
@@ -56,7 +62,7 @@ class BertWordPieceTokenizer(_HFBacked):
     @property
     def special_ids(self) -> tuple[int, ...]:
         """Ids never chosen as a random replacement token and never kept as text in a segment."""
-        return tuple(sorted({self.pad, self.unk, self.cls, self.sep, self.mask}))
+        return tuple(sorted({self.pad, self.unk, self.cls, self.sep, self.mask, *self.sentinels}))
 
 
 def build_wordpiece_vocab(texts, vocab_size: int, *, lower_case: bool = True) -> list[str]:
