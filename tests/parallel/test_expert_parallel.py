@@ -1,13 +1,16 @@
 """Expert parallelism against one process, in ONE spawned world of 4 gloo ranks.
 
 (b) The MoE layer (8 experts, top-2, uneven and empty expert groups) under ep 2 / ep 4 with
-edp > 1, tp 2 x ep 2 with and without sequence parallelism, and tp 2 x ep 1: outputs, input
+edp > 1, tp 2 x ep 2 with and without sequence parallelism, tp 2 x ep 1, and expert tensor
+parallelism 2 (tp 2 x etp 2 x ep 2 with SP, tp 2 x etp 2 x ep 1 without): outputs, input
 gradients, router and expert gradients equal the single-process layer (all experts local) run on
 each data-parallel rank's tokens.
 (c) A GPT whose MLPs are MoE layers, trained 3 SGD steps with global-norm clipping (data-parallel
 wrapper with overlapped bucket reduction) under ep 2 x dp 4 (edp 2), tp 2 x ep 2 with sequence
-parallelism and pp 2 x ep 2: per-step losses, gradient norms, logged aux loss and final weights equal the
-single-process run over the same micro-batches.
+parallelism and pp 2 x ep 2; and a GPT with the extras (--moe-layer-freq 2: layer 1 dense, a shared
+expert, capacity factor 1 with drops, z-loss) under ep 2 x dp 4 and tp 2 x etp 2 x ep 2 with SP:
+per-step losses, gradient norms, logged aux loss and final weights equal the single-process run
+over the same micro-batches.
 """
 from __future__ import annotations
 
@@ -20,8 +23,12 @@ from omnitron.testing.distributed import run_distributed
 
 S, B, H, E = 8, 2, 16, 8  # layer test: tokens [S, B, H] per data-parallel rank, 8 experts
 STEPS, MBS, M, SEQ, LR, SEED = 3, 2, 2, 16, 1.0, 1234
-LAYER_LAYOUTS = [(1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True), (2, 1, True)]  # (tp, ep, sp)
-GPT_LAYOUTS = [(1, 1, 2, False), (2, 1, 2, True), (1, 2, 2, False)]  # (tp, pp, ep, sp)
+LAYER_LAYOUTS = [(1, 2, False, 1), (1, 4, False, 1), (2, 2, False, 1), (2, 2, True, 1), (2, 1, True, 1),
+                 (2, 2, True, 2), (2, 1, False, 2)]  # (tp, ep, sp, etp)
+GPT_LAYOUTS = [(1, 1, 2, False, 1, False), (2, 1, 2, True, 1, False), (1, 2, 2, False, 1, False),
+               (1, 1, 2, False, 1, True), (2, 1, 2, True, 2, True)]  # (tp, pp, ep, sp, etp, extras)
+EXTRAS = dict(moe_layer_freq=2, moe_shared_expert_intermediate_size=40, moe_expert_capacity_factor=1.0,
+              moe_z_loss_coeff=1e-3)
 
 
 # ---- (b) the layer ------------------------------------------------------------------------
@@ -41,13 +48,16 @@ def _layer_data(dp: int):
 
 def _build_layer(groups, sp: bool):
     from omnitron.backends import get_backend
-    from omnitron.core.parallel.tensor.sharding import init_full
+    from omnitron.core.parallel.tensor import mappings as M
+    from omnitron.core.parallel.tensor.sharding import full_shape, init_full, shard_param
     from omnitron.core.transformer.moe import MoELayer
 
     layer = MoELayer(_layer_config(), groups=groups, sequence_parallel=sp, backend=get_backend(), out_std=0.02)
+    etp = groups.etp
     with torch.no_grad():
         for name, p in layer.named_parameters():  # names are global: the same values in every layout
-            p.copy_(init_full(name, tuple(p.shape), ("normal", 0.3), SEED))
+            full = init_full(name, full_shape(p, etp.size), ("normal", 0.3), SEED)
+            p.copy_(shard_param(full, p, etp.size, M.local_rank(etp)))  # etp shards of the experts
         layer.router.weight[5] -= 0.5  # expert 5: few or no tokens on some ranks
     return layer
 
@@ -67,11 +77,12 @@ def layer_reference(dp: int) -> dict:
             "aux": layer.aux_loss_total.item()}
 
 
-def _layer_run(coll, tp: int, ep: int, sp: bool) -> dict:
+def _layer_run(coll, tp: int, ep: int, sp: bool, etp: int) -> dict:
     from omnitron.core.parallel.tensor import mappings as M
+    from omnitron.core.parallel.tensor.sharding import gather_param
 
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                                 expert_tensor_parallel_size=1, sequence_parallel=sp), coll)
+                                                 expert_tensor_parallel_size=etp, sequence_parallel=sp), coll)
     layer = _build_layer(groups, sp and tp > 1)
     xs, ws = _layer_data(groups.dp.size)
     d = M.local_rank(groups.dp)
@@ -85,21 +96,24 @@ def _layer_run(coll, tp: int, ep: int, sp: bool) -> dict:
     router = grads.pop("router.weight")
     for group in ((groups.tp,) if sp and tp > 1 else ()) + (groups.dp_cp,):  # router: partial over tokens
         router = M.all_reduce(router, group)
-    for g in grads.values():  # experts: summed over the ranks holding the same experts
+    params = dict(layer.named_parameters())
+    for name, g in grads.items():  # experts: summed over the ranks holding the same experts, etp shards merged
         if groups.edp.handle is not None:
             coll.all_reduce(g, group=groups.edp.handle)
+        grads[name] = gather_param(g, params[name], groups.etp)
     layer.fuse_full_state("", grads)  # every rank gets all experts' gradients
     return {"y": y.detach(), "dx": x.grad, "router": router, "experts": grads, "dp": d, "tp": M.local_rank(groups.tp),
             "aux": layer.aux_loss_total.item()}
 
 
 # ---- (c) GPT training -----------------------------------------------------------------------
-def _gpt_config():
+def _gpt_config(extras: bool = False):
     from omnitron.core.models.gpt import gpt2_tiny
 
     return gpt2_tiny(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
                      max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0,
-                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.05)
+                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.05,
+                     **(EXTRAS if extras else {}))
 
 
 def _gpt_data(dp: int) -> torch.Tensor:
@@ -117,13 +131,13 @@ def _optimizer(named, groups):
     return MixedPrecisionOptimizer(named, cfg, groups, backend=get_backend(), duplicates=dup)
 
 
-def gpt_reference(dp: int) -> dict:
+def gpt_reference(dp: int, extras: bool = False) -> dict:
     """One process; each step runs the dp x M micro-batches in turn, each weighted 1 / (dp x M)."""
     from omnitron.core.models.gpt import GPTModel, gather_full_state
     from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
 
     groups = ParallelGroups.single()
-    model = GPTModel(_gpt_config(), groups, seed=SEED)
+    model = GPTModel(_gpt_config(extras), groups, seed=SEED)
     opt = _optimizer(list(model.named_parameters()), groups)
     set_aux_loss_scale([model], 1.0 / (dp * M))
     losses, norms, aux = [], [], []
@@ -154,17 +168,17 @@ def _gpt_step(chunk, batch, hidden):
                  labels=batch["labels"] if m.post_process else None)
 
 
-def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool) -> dict:
+def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool) -> dict:
     from omnitron.core.models.gpt import GPTModel, gather_full_state
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
     from omnitron.core.parallel.pipeline import forward_backward
     from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
 
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                                  sequence_parallel=sp), coll)
     n = 2 // pp
-    model = GPTModel(_gpt_config(), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
+    model = GPTModel(_gpt_config(extras), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
                      layer_offset=groups.pp.rank * n if pp > 1 else 0, num_layers=n, seed=SEED)
     chunk = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=4000))
     opt = _optimizer(list(model.named_parameters()), groups)
@@ -194,16 +208,16 @@ def expert_parallel_worker() -> dict:
 
 # ---- checks -----------------------------------------------------------------------------------
 def _check_layer(ranks: list[dict], refs: dict) -> None:
-    for (tp, ep, sp) in LAYER_LAYOUTS:
+    for (tp, ep, sp, etp) in LAYER_LAYOUTS:
         dp = 4 // tp
         ref = refs[dp]
         for r in ranks:
-            res = r["layer"][(tp, ep, sp)]
+            res = r["layer"][(tp, ep, sp, etp)]
             d, t = res["dp"], res["tp"]
             y, dx = ref["y"][d], ref["dx"][d]
             if sp and tp > 1:
                 y, dx = y.chunk(tp)[t], dx.chunk(tp)[t]
-            where = f"tp{tp} ep{ep} sp{sp}"
+            where = f"tp{tp} ep{ep} sp{sp} etp{etp}"
             torch.testing.assert_close(res["y"], y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} y: {m}")
             torch.testing.assert_close(res["dx"], dx, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} dx: {m}")
             torch.testing.assert_close(res["router"], ref["grads"]["router.weight"], rtol=1e-5, atol=1e-6)
@@ -216,8 +230,8 @@ def _check_layer(ranks: list[dict], refs: dict) -> None:
 
 def _check_gpt(ranks: list[dict], refs: dict) -> None:
     for key in GPT_LAYOUTS:
-        tp, pp, ep, _ = key
-        ref = refs[4 // (tp * pp)]
+        tp, pp, ep, _, _, extras = key
+        ref = refs[(4 // (tp * pp), extras)]
         merged = {}
         for r in ranks:
             res = r["gpt"][key]
@@ -234,8 +248,10 @@ def test_expert_parallel_matches_one_process():
     for dp in (2, 4):
         layer_refs[dp] = layer_reference(dp)
         layer_refs[dp]["aux_per_dp"] = [layer_reference_aux(dp, d) for d in range(dp)]
-    gpt_refs = {dp: gpt_reference(dp) for dp in (2, 4)}
-    assert len(set(gpt_refs[4]["losses"])) == STEPS and gpt_refs[4]["aux"][0] > 0
+    gpt_refs = {key: gpt_reference(*key) for key in sorted({(4 // (k[0] * k[1]), k[5]) for k in GPT_LAYOUTS})}
+    assert len(set(gpt_refs[(4, False)]["losses"])) == STEPS and gpt_refs[(4, False)]["aux"][0] > 0
+    assert {"decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+            "decoder.layers.0.mlp.experts.3.linear_fc2.bias"} <= gpt_refs[(4, True)]["state"].keys()
     ranks = run_distributed(expert_parallel_worker, 4)
     _check_layer(ranks, layer_refs)
     _check_gpt(ranks, gpt_refs)

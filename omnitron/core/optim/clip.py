@@ -6,7 +6,8 @@ tensor-parallel shards (``param.tensor_model_parallel``) on every tp rank, repli
 tied embedding not at all. One all-reduce over ``groups.tp_pp_cp`` then gives the norm a single
 process would compute. Data-parallel replicas hold identical (already averaged) gradients, so
 they are not summed again. MoE expert gradients are summed over the expert-parallel group and
-counted once per pipeline stage (:func:`expert_norm_sq`).
+counted once per pipeline stage (:func:`expert_norm_sq`); under expert tensor parallelism (etp = tp)
+their etp shards are summed like tp shards and their etp-replicated parts count on etp rank 0.
 """
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def counts_toward_norm(param: torch.nn.Parameter, tp_rank: int, duplicates: set[
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def counts_expert(param: torch.nn.Parameter, etp_rank: int) -> bool:
+    """True when this etp rank's copy of expert ``param`` is counted: an etp shard on every etp rank,
+    an etp-replicated tensor (fc2's bias, or everything at etp = 1) on etp rank 0 only."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or etp_rank == 0
+
+
 def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor], groups, collectives,
                      kernels, duplicates: set[int] = frozenset(), reduce_over: tuple | None = None,
                      device: torch.device | None = None) -> float:
@@ -32,8 +39,9 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     ``grads[i]`` is (a part of) ``params[i]``'s gradient. ``reduce_over``: the groups whose sum of
     squares makes the whole (default ``groups.tp_pp_cp``); a distributed optimizer, whose ranks own
     disjoint slices (dense ones over dp_cp, expert ones over edp), passes ``(groups.dp_cp, groups.mp)``,
-    the whole world. Its expert slices are then counted where they lie: etp x ep x edp = tp x cp x dp
-    with etp = 1, so each expert element of a stage sits on exactly one rank of the stage.
+    the whole world. Its expert slices are then counted where they lie: etp x ep x edp = tp x cp x dp,
+    so each expert element of a stage sits on exactly one rank of the stage (etp-replicated ones on
+    one per etp rank: counted on etp rank 0).
     ``device``: where a rank without gradients builds its zero (pass the backend's current device).
     """
     tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
@@ -42,13 +50,16 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     # gradients: count them on cp rank 0 only (a distributed optimizer's slices differ per cp rank)
     sliced = reduce_over is not None
     cp_first = sliced or groups.cp.size == 1 or groups.cp.rank == 0
+    etp_rank = groups.etp.rank if groups.etp.size > 1 else 0
     mine = [g for p, g, ex in zip(params, grads, expert)
-            if (ex and sliced) or (cp_first and not ex and counts_toward_norm(p, tp_rank, duplicates))]
+            if (ex and sliced and counts_expert(p, etp_rank))
+            or (cp_first and not ex and counts_toward_norm(p, tp_rank, duplicates))]
     device = grads[0].device if grads else device
     total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32, device=device)
     total = total.reshape(1).float()
     if not sliced:
-        total += expert_norm_sq([g for g, ex in zip(grads, expert) if ex], groups, collectives, kernels, device)
+        experts = [g for p, g, ex in zip(params, grads, expert) if ex and counts_expert(p, etp_rank)]
+        total += expert_norm_sq(experts, groups, collectives, kernels, device)
     for group in reduce_over or (groups.tp_pp_cp,):
         if group.handle is not None:
             collectives.all_reduce(total, op=ReduceOp.SUM, group=group.handle)
@@ -60,13 +71,16 @@ def expert_norm_sq(grads: list[torch.Tensor], groups, collectives, kernels, devi
 
     Each ep rank holds different experts (summed over ``groups.ep``); ranks that differ only in
     edp hold the same ones (counted once). The stage's total is returned on tp/cp rank 0 only
-    (zero elsewhere), so the caller's sum over ``tp_pp_cp`` counts it once per stage.
+    (zero elsewhere), so the caller's sum over ``tp_pp_cp`` counts it once per stage; with etp = tp
+    every tp rank returns its etp shards' part (``grads``: only the ones :func:`counts_expert`).
     """
     sq = kernels.grad_norm_sq(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
     sq = sq.reshape(1).float()
     if groups.ep.handle is not None:
         collectives.all_reduce(sq, op=ReduceOp.SUM, group=groups.ep.handle)
-    first = all(g.size == 1 or g.rank == 0 for g in (groups.tp, groups.cp))
+    # NOTE: etp is 1 or tp (validate_moe); at etp = tp the caller's sum over tp adds the etp shards
+    over = (groups.cp,) if groups.etp.size > 1 else (groups.tp, groups.cp)
+    first = all(g.size == 1 or g.rank == 0 for g in over)
     return sq if first else torch.zeros_like(sq)
 
 
