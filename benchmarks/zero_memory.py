@@ -14,6 +14,16 @@ Beside it, Megatron's distributed-optimizer formula (docs, "distrib_optimizer"),
 
 Measured values sit slightly above the formula where buckets are padded to a multiple of dp.
 
+Two more columns count the transient tensors of the step, by tensor accounting (a dispatch mode that
+tracks every tensor with a fresh storage created inside the step until it is freed; views and in-place
+results do not count): ``gather B``, the peak of those created while the updated parameters are
+written back and all-gathered (``_copy_to_model``), and ``step B``, the peak over the whole step
+(fp32 gradient copies, clipping, the fused AdamW's temporaries, the gather). Communication libraries'
+internal buffers are not tensors and are not counted. Since the parameters live in flat per-bucket
+buffers gathered in place, ``gather B`` is 0 at every dp; the previous implementation (commit 1d84ccc:
+a zeroed local shard plus a full temporary per bucket, all in flight together) measured 3.0 / 2.5 B
+(bf16, dp 2 / 4) and 6.0 / 5.0 B (fp32), i.e. one full copy of the parameters plus 1/dp.
+
     python benchmarks/zero_memory.py [--dp 1 2 4] [--json out.json]
 """
 from __future__ import annotations
@@ -22,8 +32,11 @@ import argparse
 import json
 import os
 import sys
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +48,55 @@ FORMULA = {  # name: (bytes per param of params + grads, optimizer state bytes p
 
 def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+class TransientBytes(TorchDispatchMode):
+    """Peak bytes of live tensors created inside the mode (fresh storages only), overall and per ``phase``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list] = {}  # storage ptr -> [bytes, phase, weakrefs to the tensors on it]
+        self.phase, self.peak, self.peaks = "step", 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in self.live:
+                self.live[ptr][2].append(weakref.ref(t))
+            elif ptr not in seen and t.untyped_storage().nbytes():
+                self.live[ptr] = [t.untyped_storage().nbytes(), self.phase, [weakref.ref(t)]]
+        self._update()
+        return out
+
+    def _update(self) -> None:
+        for ptr in [p for p, (_, _, refs) in self.live.items() if all(r() is None for r in refs)]:
+            del self.live[ptr]
+        self.peak = max(self.peak, sum(n for n, _, _ in self.live.values()))
+        in_phase = sum(n for n, ph, _ in self.live.values() if ph == self.phase)
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), in_phase)
+
+
+def _accounted_step(opt, lr: float) -> tuple[int, int]:
+    """(peak transient bytes of the gather, of the whole step) of one ``opt.step(lr)``."""
+    mode, copy = TransientBytes(), opt._copy_to_model
+
+    def gather() -> None:
+        mode.phase = "gather"
+        copy()
+        mode._update()
+        mode.phase = "step"
+
+    opt._copy_to_model = gather
+    try:
+        with mode:
+            opt.step(lr)
+    finally:
+        del opt._copy_to_model
+    return mode.peaks.get("gather", 0), mode.peak
 
 
 def _measure(dtype_name: str, distributed: bool, groups, be) -> dict:
@@ -61,9 +123,9 @@ def _measure(dtype_name: str, distributed: bool, groups, be) -> dict:
     ddp.zero_grad_buffer()
     ddp(tokens=tokens, position_ids=pos, labels=tokens).float().mean().backward()
     finalize_model_grads([ddp], groups)
-    opt.step(1e-3)
+    gather, step = _accounted_step(opt, 1e-3)
     n = sum(p.numel() for _, p in named)
-    return {"params": _storage_bytes([p for _, p in named]) / n, "grads": _storage_bytes([b.data for b in ddp.buffers]) / n,
+    return {"gather": gather / n, "step": step / n, "params": _storage_bytes([p for _, p in named]) / n, "grads": _storage_bytes([b.data for b in ddp.buffers]) / n,
             "optimizer": opt.state_bytes() / n, "numel": n}
 
 
@@ -87,7 +149,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     print(f"{'dp':>3} {'params':>6} {'optimizer':>11} | {'param B':>7} {'grad B':>7} {'optim B':>8} {'total':>7} "
-          f"| {'formula':>7}   (bytes per parameter per rank, max over ranks)")
+          f"| {'formula':>7} | {'gather B':>8} {'step B':>7}   (bytes per parameter per rank, max over ranks)")
     for dp in args.dp:
         results = run_distributed(zero_worker, dp)
         for (d, dist), _ in results[0].items():
@@ -98,7 +160,7 @@ def main() -> None:
             name = "distributed" if dist else "replicated"
             rows.append({"dp": dp, "dtype": d, "optimizer": name, **worst, "total": total, "formula": formula})
             print(f"{dp:>3} {d:>6} {name:>11} | {worst['params']:7.3f} {worst['grads']:7.3f} {worst['optimizer']:8.4f} "
-                  f"{total:7.3f} | {formula:7.3f}")
+                  f"{total:7.3f} | {formula:7.3f} | {worst['gather']:8.4f} {worst['step']:7.4f}")
     print(f"parameters per replica: {rows[0]['numel']:,}")
     if args.json:
         with open(args.json, "w") as f:
