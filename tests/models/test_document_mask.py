@@ -53,7 +53,7 @@ def test_packed_documents_match_separate_runs(name):
     model = GPTModel(c, ParallelGroups.single(), seed=11)
     model.train()  # selective recompute only runs in training mode with grad enabled
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    batch = _packed_batch(gen, 3)
+    batch = _packed_batch(gen, 2)
     emb = model.embedding.word_embeddings
     emb.weight.grad = None
     loss = model(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
@@ -94,3 +94,49 @@ def test_bad_document_ids_and_context_parallel_are_refused():
     attn.cp_group = object()  # what apply_context_parallel sets under --context-parallel-size > 1
     with pytest.raises(ValueError, match="--reset-attention-mask.*--context-parallel-size 1"):
         model(tokens=tokens, document_ids=torch.zeros(2, S, dtype=torch.int64))
+
+
+def _train_args(tmp: str, *extra: str) -> list[str]:
+    return ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            "64", "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3",
+            "--lr", "1e-2", "--log-interval", "100", "--no-tensorboard", "--eval-interval", "0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-dir", tmp, *extra]
+
+
+FLAGS = ("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss")
+LAYOUTS = {"tp2_sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+           "pp2_interleaved": ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1")}
+
+
+def _train_layouts(tmp: str) -> dict[str, dict]:
+    """Every rank: the flagged run under each layout (one spawn for both)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    return {name: train(parse_settings(_train_args(tmp, *FLAGS, *lay), dist.get_world_size()), get_backend())["losses"]
+            for name, lay in LAYOUTS.items()}
+
+
+@pytest.mark.multiprocess
+def test_training_with_document_flags_matches_one_process(tmp_path):
+    """tp2 + sequence parallel and pp2 interleaved (middle chunks need the document ids too) train
+    with the three flags exactly like one process; the flags change the losses."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+    from omnitron.testing.distributed import run_distributed
+
+    results = run_distributed(_train_layouts, 2, str(tmp_path / "dist"))
+    one = train(parse_settings(_train_args(str(tmp_path / "one"), *FLAGS), 1), get_backend("cpu"))["losses"]
+    plain = train(parse_settings(_train_args(str(tmp_path / "plain")), 1), get_backend("cpu"))["losses"]
+    assert sorted(one) == [1, 2, 3]
+    for rank_losses in results:
+        for name, losses in rank_losses.items():
+            assert losses.keys() == one.keys(), name
+            for it in one:
+                assert losses[it] == pytest.approx(one[it], rel=1e-5), (name, it)
+    assert any(abs(plain[it] - one[it]) > 1e-4 for it in one)

@@ -15,6 +15,7 @@ Interface for the trainer (everything offline; nothing is fetched at run time):
                                             is_builder_rank=(rank == 0), barrier=dist.barrier)
     train[i] -> {"tokens": int64 [s], "labels": int64 [s] (tokens shifted by one),
                  "loss_mask": float32 [s], "position_ids": int64 [s]}      # s = cfg.seq_length
+    # + "document_ids": int64 [s] with cfg.reset_attention_mask (eods before each position)
     # a split is None when it gets 0 samples or a 0 share of --split
 
     sampler = PretrainingSampler(total_samples=len(train), consumed_samples=resumed, micro_batch_size=mbs,
