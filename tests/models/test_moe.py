@@ -156,3 +156,165 @@ def test_cli_flags_reach_the_model():
     with pytest.raises(ConfigError, match="--num-experts 3 is not divisible"):
         parse_settings(["--model", "gpt2_tiny", "--num-experts", "3", "--expert-model-parallel-size", "2",
                         "--mock-data"], world_size=2)
+
+
+# ---- capacity, shared experts, layer pattern, router extras -----------------------------------
+def _ref_capacity(gates: torch.Tensor, picked: torch.Tensor, topk: int, factor: float, policy: str, pad: bool):
+    """Expert by expert: its assignments ranked by (-probability, token) or by token, the first
+    ceil(factor * T * k / E) kept; padding appends unrouted tokens in token order (weight 0)."""
+    import math
+
+    T, E = picked.shape
+    cap = min(T, math.ceil(factor * T * topk / E))
+    mask = torch.zeros(T, E, dtype=torch.bool)
+    for e in range(E):
+        mine = [t for t in range(T) if picked[t, e]]
+        if policy == "probs":
+            mine.sort(key=lambda t: (-gates[t, e].item(), t))
+        kept = mine[:cap]
+        if pad:
+            kept += [t for t in range(T) if not picked[t, e]][:cap - len(kept)]
+        for t in kept:
+            mask[t, e] = True
+    return mask
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_matches_per_expert_reference(policy):
+    from omnitron.core.transformer.moe.capacity import routing_mask
+
+    g = torch.Generator().manual_seed(40 + len(policy))
+    for T, E, k, factor in ((24, 4, 2, 1.0), (17, 6, 1, 0.5), (9, 3, 3, 0.7), (20, 5, 2, 3.0)):
+        probs, experts = top_k_routing(torch.randn(T, E, generator=g, dtype=torch.float64), k, False)
+        gates = torch.zeros(T, E, dtype=torch.float64).scatter(1, experts, probs)
+        picked = torch.zeros(T, E, dtype=torch.bool).scatter(1, experts, True)
+        for pad in (False, True):
+            ours = routing_mask(gates, picked, k, factor, policy, pad)
+            assert torch.equal(ours, _ref_capacity(gates, picked, k, factor, policy, pad)), (T, E, k, factor, pad)
+        if factor <= 1.0:  # over-full experts exist: something is dropped
+            assert routing_mask(gates, picked, k, factor, policy).sum() < picked.sum()
+    assert torch.equal(routing_mask(gates, picked, k, None), picked)  # dropless
+
+
+def _shared_mlp(mlp, tokens: torch.Tensor) -> torch.Tensor:
+    """A dense GeLU MLP in plain torch."""
+    hdn = tokens @ mlp.linear_fc1.weight.t() + mlp.linear_fc1.bias
+    return torch.nn.functional.gelu(hdn, approximate="tanh") @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias
+
+
+@pytest.mark.parametrize("policy,pad", [("probs", False), ("position", True)])
+def test_moe_layer_capacity_and_shared_expert_match_reference(policy, pad):
+    """Dropped assignments contribute nothing (kept ones as in the dense evaluation); the shared
+    expert is added for every token; padding changes no number."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.sharding import init_full
+    from omnitron.core.transformer.moe import MoELayer
+
+    c = _moe_config(moe_expert_capacity_factor=0.75, moe_token_drop_policy=policy,
+                    moe_pad_expert_input_to_capacity=pad, moe_shared_expert_intermediate_size=12)
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(init_full(name, tuple(p.shape), ("normal", 0.3), seed=9))
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(8, 3, c.hidden_size, generator=g, dtype=torch.float64) + 0.5).requires_grad_(True)
+    w = torch.randn(8, 3, c.hidden_size, generator=g, dtype=torch.float64)
+    y, _ = layer(x)
+    (y * w).sum().backward()
+    ours = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in layer.named_parameters()}
+    ours_x = x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    tokens = x.reshape(-1, c.hidden_size)
+    logits = tokens @ layer.router.weight.t()
+    probs, experts = top_k_routing(logits, c.moe_router_topk, False)
+    gates = torch.zeros_like(logits).scatter(1, experts, probs)
+    picked = torch.zeros(logits.shape, dtype=torch.bool).scatter(1, experts, True)
+    kept = _ref_capacity(gates.detach(), picked, c.moe_router_topk, 0.75, policy, False)
+    assert kept.sum() < picked.sum()  # the capacity drops something here
+    ry = _shared_mlp(layer.shared_experts, tokens)
+    for key, mlp in layer.experts.items():
+        e = int(key)
+        ry = ry + (gates[:, e] * kept[:, e]).unsqueeze(-1) * _shared_mlp(mlp, tokens)
+    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, layer.router.coeff)
+    ((ry.view_as(x) * w).sum() + aux).backward()
+    torch.testing.assert_close(y, ry.view_as(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
+    for n, p in layer.named_parameters():
+        ref = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(ours[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_sigmoid_scores_and_z_loss_match_reference():
+    from omnitron.core.transformer.moe.router import aux_loss_scores, sigmoid_routing, z_loss
+
+    g = torch.Generator().manual_seed(8)
+    for T, E, k in ((11, 5, 2), (6, 4, 1)):
+        logits = torch.randn(T, E, generator=g, dtype=torch.float64)
+        a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        ref_probs, ref_z = [], 0.0
+        for t in range(T):
+            s = [1.0 / (1.0 + torch.exp(-a[t, e])) for e in range(E)]
+            top = sorted(range(E), key=lambda e: -s[e].item())[:k]
+            tot = sum(s[e] for e in top)
+            ref_probs.append(torch.stack([s[e] / tot if k > 1 else s[e] for e in top]))
+            ref_z = ref_z + torch.log(sum(torch.exp(a[t, e]) for e in range(E))) ** 2 / T
+        probs, _ = sigmoid_routing(b, k)
+        z = z_loss(b, 0.01)
+        torch.testing.assert_close(probs, torch.stack(ref_probs), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(z, 0.01 * ref_z, rtol=1e-12, atol=1e-12)
+        scores = aux_loss_scores(b.detach(), k, "sigmoid")
+        torch.testing.assert_close(scores.sum(-1), torch.ones(T, dtype=torch.float64) if k > 1 else scores.sum(-1))
+        wt = torch.randn(T, k, generator=g, dtype=torch.float64)
+        ((torch.stack(ref_probs) * wt).sum() + 0.01 * ref_z).backward()
+        ((probs * wt).sum() + z).backward()
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_layer_pattern_parameter_count_and_errors():
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.models.gpt.config import num_parameters
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.moe import MoELayer
+    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+    assert moe_layer_pattern("([0]+[1]*3)*2", 8) == [False, True, True, True] * 2
+    assert moe_layer_pattern(2, 5) == [True, False, True, False, True]
+    assert moe_layer_pattern("[1, 0,1]", 3) == [True, False, True]
+    assert moe_layer_pattern([0, 1], 2) == [False, True]
+    c = _moe_config(num_layers=4, moe_layer_freq="[0,1]*2", moe_shared_expert_intermediate_size=8)
+    model = GPTModel(c, ParallelGroups.single(), seed=1)
+    kinds = [isinstance(model.decoder.layers[str(i)].mlp, MoELayer) for i in range(4)]
+    assert kinds == [False, True, False, True]
+    assert num_parameters(c) == sum(p.numel() for p in model.parameters())
+    for bad, match in (("[1,0]", "needs exactly --num-layers 4"), ("[1,2,0,0]", "each 0 \\(dense MLP\\) or 1"),
+                       ("([1]+", "not an integer or a 0/1 list"), ("__import__('os')", "not an integer"),
+                       (0, "must be >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            _moe_config(num_layers=4, moe_layer_freq=bad)
+    for kw, match in ((dict(moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor must be > 0"),
+                      (dict(moe_token_drop_policy="random"), "--moe-token-drop-policy 'random'"),
+                      (dict(moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
+                      (dict(moe_router_score_function="tanh"), "--moe-router-score-function 'tanh'"),
+                      (dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=True), "softmax scores only"),
+                      (dict(moe_shared_expert_intermediate_size=0), "--moe-shared-expert-intermediate-size must")):
+        with pytest.raises(ConfigError, match=match):
+            _moe_config(**kw)
+    from omnitron.core.models.gpt.config import validate_model
+
+    with pytest.raises(ConfigError, match="--moe-shared-expert-intermediate-size 9 is not divisible"):
+        validate_model(_moe_config(moe_shared_expert_intermediate_size=9), ParallelConfig(tensor_model_parallel_size=2))
+
+
+def test_extra_cli_flags_reach_the_model():
+    from omnitron.core.training.arguments import parse_settings
+
+    s = parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--mock-data", "--moe-layer-freq",
+                        "([0]+[1])*2", "--moe-shared-expert-intermediate-size", "64", "--moe-expert-capacity-factor",
+                        "1.5", "--moe-token-drop-policy", "position", "--moe-pad-expert-input-to-capacity",
+                        "--moe-router-score-function", "sigmoid", "--moe-z-loss-coeff", "0.001"], world_size=1)
+    m = s.model
+    assert (m.moe_layer_freq, m.moe_shared_expert_intermediate_size, m.moe_expert_capacity_factor,
+            m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity, m.moe_router_score_function,
+            m.moe_z_loss_coeff) == ("([0]+[1])*2", 64, 1.5, "position", True, "sigmoid", 0.001)
