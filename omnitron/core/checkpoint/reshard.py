@@ -105,11 +105,14 @@ class FullState:
 
 
 def model_config(model: dict):
-    """The GPTConfig (BertConfig when it records BERT's fields) in a checkpoint's metadata ``model`` dict."""
+    """The GPTConfig (BertConfig / T5Config when it records BERT's / T5's fields) in a checkpoint's metadata
+    ``model`` dict."""
     from omnitron.core.models.bert.config import BertConfig
     from omnitron.core.models.gpt.config import GPTConfig
+    from omnitron.core.models.t5.config import T5Config
 
     cls = BertConfig if "num_tokentypes" in model else GPTConfig  # BERT: GPT's fields plus its own
+    cls = T5Config if "encoder_num_layers" in model else cls  # T5 likewise
     known = {f.name for f in dataclasses.fields(cls)}
     kw = {k: v for k, v in model.items() if k in known}
     if isinstance(kw.get("params_dtype"), str):  # saved as "torch.bfloat16"
@@ -131,8 +134,11 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, in
     groups.config = layout.parallel_config()
     groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
                          ep=_Seen("ep", tuple(range(layout.ep)), None, ep_rank))
-    if isinstance(cfg, BertConfig):  # one stage, one chunk
-        return {(0, 0): BertModel(cfg, groups, backend=get_backend("cpu"), seed=0)}
+    from omnitron.core.models.t5 import T5Config, T5Model
+
+    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model)):
+        if isinstance(cfg, config_cls):  # one stage, one chunk
+            return {(0, 0): model_cls(cfg, groups, backend=get_backend("cpu"), seed=0)}
     ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
     out = {}
     for (r, c), (offset, n) in sorted(ranges.items()):

@@ -43,8 +43,10 @@ def _config_classes() -> list[tuple[str, type]]:
     if fp8 is not None:
         classes.append(("fp8", fp8))
     from omnitron.core.models.bert.config import BertConfig  # last: only its own fields become flags
+    from omnitron.core.models.t5.config import T5Config
 
-    return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig), ("BERT model", BertConfig)]
+    return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig), ("BERT model", BertConfig),
+                      ("T5 model", T5Config)]
 
 
 def _ddp_config_class():
@@ -159,9 +161,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--config", metavar="FILE", help="YAML or JSON file of settings (keys = flag names); "
                         "flags on the command line win")
     launch.add_argument("--model", metavar="PRESET", help="start from a model preset: gpt2_tiny, llama_tiny, gpt_1p3b, "
-                        "bert_tiny, bert_base (the bert presets imply --model-type bert)")
-    launch.add_argument("--model-type", choices=MODEL_TYPES, help="model family: gpt (default) or bert "
-                        "(Megatron's pretrain_bert: masked LM + sentence-order head)")
+                        "bert_tiny, bert_base, t5_tiny, t5_base (the bert/t5 presets imply their --model-type)")
+    launch.add_argument("--model-type", choices=MODEL_TYPES, help="model family: gpt (default), bert "
+                        "(Megatron's pretrain_bert: masked LM + sentence-order head) or t5 (pretrain_t5: "
+                        "encoder-decoder, span corruption)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
                         "(one thread each); not needed under torchrun (default: 1)")
     launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
@@ -214,8 +217,9 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 # settings that are not config-dataclass fields, with their types
-MODEL_TYPES = ("gpt", "bert")
+MODEL_TYPES = ("gpt", "bert", "t5")
 _BERT_PRESETS = ("bert_tiny", "bert_base")
+_T5_PRESETS = ("t5_tiny", "t5_base")
 _LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "nproc_per_node": int, "backend": str, "threads_per_process": int,
                 "prompt": str, "sample_tokens": int, "sample_top_k": int, "num_layers_per_virtual_pipeline_stage": int}
 
@@ -242,6 +246,8 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
         merged.update(_preset_fields(preset))
         if preset in _BERT_PRESETS:
             merged["model_type"] = "bert"
+        if preset in _T5_PRESETS:
+            merged["model_type"] = "t5"
     merged.update(file_values)
     merged.update({k: v for k, v in given.items() if v is not None})
     return merged
@@ -250,9 +256,11 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
 def _preset_fields(name: str) -> dict[str, Any]:
     from omnitron.core.models.bert import config as bert_config
     from omnitron.core.models.gpt import config as gpt_config
+    from omnitron.core.models.t5 import config as t5_config
 
     presets = {"gpt2_tiny": gpt_config.gpt2_tiny, "llama_tiny": gpt_config.llama_tiny,
-               "gpt_1p3b": gpt_config.gpt_1p3b, "bert_tiny": bert_config.bert_tiny, "bert_base": bert_config.bert_base}
+               "gpt_1p3b": gpt_config.gpt_1p3b, "bert_tiny": bert_config.bert_tiny, "bert_base": bert_config.bert_base,
+               "t5_tiny": t5_config.t5_tiny, "t5_base": t5_config.t5_base}
     if name not in presets:
         raise ConfigError(f"--model {name!r} is not a preset; choose one of {', '.join(presets)}")
     cfg = presets[name]()
@@ -324,6 +332,8 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     model_cls = GPTConfig
     if model_type == "bert":
         from omnitron.core.models.bert.config import BertConfig as model_cls
+    if model_type == "t5":
+        from omnitron.core.models.t5.config import T5Config as model_cls
     model = _build(model_cls, {k: v for k, v in merged.items() if k != "vocab_size"},
                    params_dtype=params_dtype(precision))
     per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
@@ -340,6 +350,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         from omnitron.core.models.bert.config import validate_bert
 
         validate_bert(model, parallel)
+    if model_type == "t5":
+        from omnitron.core.models.t5.config import validate_t5
+
+        validate_t5(model, parallel)
     validate_model(model, parallel, check_layers=not parallel.uneven_pipeline)
     if parallel.uneven_pipeline:  # the layer split itself is checked here, naming the flags
         from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -387,22 +401,31 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
 
 
 def _model_family(merged: dict[str, Any]) -> str:
-    """``--model-type`` (bert presets imply bert); BERT-only flags without it, or BERT with a tokenizer that
-    lacks [CLS]/[SEP]/[MASK] or with --prompt, are errors. Defaults BERT's tokenizer to BertWordPieceLowerCase."""
+    """``--model-type`` (bert/t5 presets imply theirs); BERT- or T5-only flags without it, or BERT/T5 with a
+    tokenizer that lacks [CLS]/[SEP]/[MASK] or with --prompt, are errors. Defaults their tokenizer to
+    BertWordPieceLowerCase; T5's ``--encoder-seq-length`` sets ``--seq-length`` (Megatron's alias)."""
     model_type = merged.get("model_type") or "gpt"
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"--model-type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
-    bert_only = [k for k in ("bert_binary_head", "num_tokentypes") if k in merged]
-    if model_type != "bert":
-        if bert_only:
-            raise ConfigError(f"--{bert_only[0].replace('_', '-')} only applies to BERT; add --model-type bert")
+    for family, keys in (("bert", ("bert_binary_head", "num_tokentypes")),
+                         ("t5", ("encoder_num_layers", "decoder_num_layers", "encoder_seq_length",
+                                 "decoder_seq_length", "vocab_extra_ids"))):
+        only = [k for k in keys if k in merged]
+        if model_type != family and only:
+            raise ConfigError(f"--{only[0].replace('_', '-')} only applies to {family.upper()}; add --model-type "
+                              f"{family}")
+    if model_type == "gpt":
         return model_type
+    name = model_type.upper()
     tok = merged.setdefault("tokenizer_type", "BertWordPieceLowerCase")
     if not tok.startswith("BertWordPiece"):
-        raise ConfigError(f"--tokenizer-type {tok}: BERT needs [CLS]/[SEP]/[MASK]/[PAD] tokens; use "
+        raise ConfigError(f"--tokenizer-type {tok}: {name} needs [CLS]/[SEP]/[MASK]/[PAD] tokens; use "
                           "--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase")
     if merged.get("prompt"):
-        raise ConfigError("--prompt samples a continuation, which a BERT (an encoder) does not write; drop --prompt")
+        raise ConfigError(f"--prompt samples a GPT continuation, which {name} training here does not write; "
+                          "drop --prompt")
+    if merged.get("encoder_seq_length"):
+        merged["seq_length"] = merged["encoder_seq_length"]
     return model_type
 
 

@@ -16,6 +16,7 @@ import torch
 from omnitron.core.models.bert import BertConfig, BertModel
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
+from omnitron.core.models.t5 import T5Config, T5Model, decoder_length
 from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -59,9 +60,10 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
 
 def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
     """This pipeline rank's chunks (one per virtual stage), each a GPTModel over its layer range
-    (a BERT config: the one BertModel chunk; BERT runs without pipeline stages)."""
-    if isinstance(cfg, BertConfig):
-        return [BertModel(cfg, groups, backend=backend, seed=seed).to(backend.current_device())]
+    (a BERT / T5 config: the one BertModel / T5Model chunk; they run without pipeline stages)."""
+    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model)):
+        if isinstance(cfg, config_cls):
+            return [model_cls(cfg, groups, backend=backend, seed=seed).to(backend.current_device())]
     pp, vp = groups.pp.size, groups.config.virtual_pipeline_model_parallel_size or 1
     pc = groups.config
     ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
@@ -94,7 +96,7 @@ def duplicate_params(modules: list[GPTModel]) -> list[torch.nn.Parameter]:
 
 def build_data(settings, tokenizer, groups, collectives):
     """(train, valid) datasets sized for the whole run; rank 0 builds index caches, others wait.
-    GPT datasets, or BERT's (two segments, masked LM) for a BERT model."""
+    GPT datasets, or BERT's (two segments, masked LM) for a BERT model, or T5's (span corruption)."""
     from omnitron.core.data import build_gpt_datasets
 
     build, kw = build_gpt_datasets, {}
@@ -102,6 +104,10 @@ def build_data(settings, tokenizer, groups, collectives):
         from omnitron.core.data.bert_dataset import build_bert_datasets
 
         build, kw = build_bert_datasets, {"binary_head": settings.model.bert_binary_head}
+    if isinstance(settings.model, T5Config):
+        from omnitron.core.data.t5_dataset import build_t5_datasets
+
+        build, kw = build_t5_datasets, {"decoder_seq_length": decoder_length(settings.model)}
     t = settings.training
     gbs = t.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
@@ -137,7 +143,8 @@ def build_components(settings, backend) -> Components:
     seed_everything(settings.training.seed, groups.pp.rank, backend)
     d = settings.data
     tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
+                                tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
+                                vocab_extra_ids=getattr(settings.model, "vocab_extra_ids", 0))  # T5's sentinels
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
