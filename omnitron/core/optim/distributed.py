@@ -23,7 +23,8 @@ biases) is decided per parameter and applies to each range of it.
 Checkpoints use :class:`MixedPrecisionOptimizer`'s format exactly (per parameter name, tensors
 at the parameter's local tp-sharded shape): ``state_dict`` all-gathers the slices and
 ``load_state_dict`` takes its own slice, so either optimizer, at any data-parallel size, resumes
-from either's checkpoint.
+from either's checkpoint. The training checkpoint writes each entry once per replica group
+(``omnitron.core.training.checkpointing``: data x context parallel rank 0, edp rank 0 for experts).
 """
 from __future__ import annotations
 

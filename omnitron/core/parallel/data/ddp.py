@@ -7,6 +7,11 @@ each ``.grad`` into ``main_grad`` (and frees ``.grad``); on the last micro-batch
 reduction as soon as every parameter of the bucket is ready. ``finish_grad_sync`` starts what is
 left and waits. Gradients are pre-divided by dp x cp, then summed: the result is the mean over
 replicas, as one process on the whole global batch would compute it.
+
+For the distributed optimizer (``use_distributed_optimizer``) the parameters move into flat buffers
+laid out like the gradient buckets (``param.data`` is a view), so updated shards are all-gathered in
+place; with ``overlap_param_gather`` forward pre-hooks wait for a bucket's pending gather just before
+the first module using one of its parameters runs.
 """
 from __future__ import annotations
 
