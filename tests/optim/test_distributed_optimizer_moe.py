@@ -6,7 +6,8 @@ ep2 x dp4 (edp 2; AdamW, overlapped reduce-scatter) and tp2 x ep2 with expert te
 (edp 2, dp 2; sequence parallel, fp16 with dynamic loss scaling whose first steps overflow), with
 tight clipping, weight decay and small buckets. Losses, gradient norms, parameters and state dicts
 must equal the plain optimizer's; checkpoint state crosses both ways; each rank holds ~1/dp of the
-dense and ~1/edp of the expert state. A hand-made dp4 x ep2 model whose two ranks own no gradient
+dense and ~1/edp of the expert state. tp2 x etp2 (ep 1, edp 2, SP, AdamW) does the same with the
+experts split over tp. A hand-made dp4 x ep2 model whose two ranks own no gradient
 element at all checks that those ranks still take part (norm, overflow check, gathers), and that an
 inf in one rank's expert slice skips the step everywhere.
 """
@@ -25,6 +26,8 @@ CASES = {  # name: (tp, pp, extra flags)
     "ep2dp4_adam": (1, 1, [*MOE, "--overlap-grad-reduce"]),
     "tp2ep2_fp16": (2, 1, [*MOE, "--sequence-parallel", "--fp16", "--initial-loss-scale", "524288",
                            "--hysteresis", "1"]),
+    # expert tensor parallelism 2 (experts split over tp; edp 2): fc2's etp-replicated bias counts once
+    "tp2etp2_adam": (2, 1, [*MOE[:4], "--expert-tensor-parallel-size", "2", *MOE[8:], "--sequence-parallel"]),
 }
 TINY_STEPS = 3
 
