@@ -1,6 +1,6 @@
 """--reset-attention-mask in the model: a packed sample with document ids gives, per document, the
-same logits, loss and input gradient as running that document alone (float64, GPT-2 and Llama/GQA,
-with and without selective recompute); the context-parallel ring refuses the mask with the fix."""
+same logits, loss and word-embedding gradient as running that document alone (float64, GPT-2 and Llama/GQA,
+with full, selective and no recomputation); the context-parallel ring refuses the mask with the fix."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +16,10 @@ from omnitron.core.parallel.groups import ParallelGroups
 V, S, EOD = 61, 24, 60
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=S, max_position_embeddings=S,
             vocab_size=V + 1, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64)
-CASES = {"gpt2": gpt2_tiny(ffn_hidden_size=48, **BASE),
+CASES = {"gpt2_full_recompute": gpt2_tiny(ffn_hidden_size=48, recompute_granularity="full", recompute_method="uniform",
+                                         recompute_num_layers=2, **BASE),
          "llama_gqa": llama_tiny(num_query_groups=2, ffn_hidden_size=40, **BASE),
-         "llama_recompute": llama_tiny(num_query_groups=2, ffn_hidden_size=40, recompute_granularity="selective",
+         "llama_selective": llama_tiny(num_query_groups=2, ffn_hidden_size=40, recompute_granularity="selective",
                                        **BASE)}
 
 
@@ -85,7 +86,7 @@ def test_packed_documents_match_separate_runs(name):
 
 
 def test_bad_document_ids_and_context_parallel_are_refused():
-    c = dataclasses.replace(CASES["gpt2"], params_dtype=torch.float32)
+    c = dataclasses.replace(CASES["gpt2_full_recompute"], params_dtype=torch.float32)
     model = GPTModel(c, ParallelGroups.single(), seed=1)
     tokens = torch.randint(0, V, (2, S))
     with pytest.raises(ValueError, match=r"document_ids must be \[batch, seq\]"):

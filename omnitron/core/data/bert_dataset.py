@@ -146,6 +146,20 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     return sample
 
 
+def bert_ids(tokenizer, seq_length: int) -> tuple[dict, np.ndarray, np.ndarray]:
+    """``({cls, sep, mask, pad}, special ids, maskable vocabulary ids)``; clear errors for a tokenizer
+    without BERT's special tokens or a sequence too short for ``[CLS] A [SEP] B [SEP]``."""
+    for attr in ("cls", "sep", "mask", "pad"):
+        if not hasattr(tokenizer, attr):
+            raise ValueError(f"BERT data needs a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; {tokenizer.name} has "
+                             "none: use --tokenizer-type BertWordPieceLowerCase (or BertWordPieceCase)")
+    if seq_length < 5:
+        raise ValueError(f"--seq-length {seq_length} is too short for [CLS] A [SEP] B [SEP]; use at least 5")
+    special = np.asarray(tokenizer.special_ids, np.int64)
+    return ({k: int(getattr(tokenizer, k)) for k in ("cls", "sep", "mask", "pad")}, special,
+            np.setdiff1d(np.arange(tokenizer.vocab_size), special))
+
+
 class BertDataset(torch.utils.data.Dataset):
     """BERT samples (see the module docstring) from the documents ``documents`` of ``indexed``:
     ``dict(tokens, tokentype_ids, padding_mask, labels, loss_mask [seq_length], is_random [])``."""
@@ -153,17 +167,9 @@ class BertDataset(torch.utils.data.Dataset):
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, *, seq_length: int,
                  seed: int, tokenizer, cache_dir: str, split_name: str = "train", binary_head: bool = True,
                  masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1, allow_build: bool = True):
-        for attr in ("cls", "sep", "mask", "pad"):
-            if not hasattr(tokenizer, attr):
-                raise ValueError(f"BERT data needs a tokenizer with [CLS]/[SEP]/[MASK]/[PAD]; {tokenizer.name} has "
-                                 "none: use --tokenizer-type BertWordPieceLowerCase (or BertWordPieceCase)")
-        if seq_length < 5:
-            raise ValueError(f"--seq-length {seq_length} is too short for [CLS] A [SEP] B [SEP]; use at least 5")
+        self.ids, self.special, self.vocab_ids = bert_ids(tokenizer, seq_length)
         self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
         self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
-        self.ids = {k: int(getattr(tokenizer, k)) for k in ("cls", "sep", "mask", "pad")}
-        self.special = np.asarray(tokenizer.special_ids, np.int64)
-        self.vocab_ids = np.setdiff1d(np.arange(tokenizer.vocab_size), self.special)
         max_tokens = seq_length - (3 if binary_head else 2)
         docs = np.asarray(documents, np.int64)
         self.table = sentence_table(indexed, docs, max(1, max_tokens // 4))
@@ -195,6 +201,35 @@ class BertDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
+        rng = np.random.RandomState((self.seed + idx) % 2**32)
+        return build_sample(self.sentences(idx), rng, seq_length=self.seq_length, ids=self.ids,
+                            vocab_ids=self.vocab_ids, binary_head=self.binary_head,
+                            masked_lm_prob=self.masked_lm_prob)
+
+
+class MockBertDataset(torch.utils.data.Dataset):
+    """``--mock-data`` for BERT: sample ``i`` is 2-6 random "sentences" (random non-special ids, 1 to
+    ``(seq_length - 3) // 2`` tokens each) built into a sample exactly as :class:`BertDataset` does;
+    it depends only on ``(seed, i)``, so every rank and worker sees the same data."""
+
+    def __init__(self, num_samples: int, *, seq_length: int, seed: int, tokenizer, binary_head: bool = True,
+                 masked_lm_prob: float = 0.15):
+        self.ids, _, self.vocab_ids = bert_ids(tokenizer, seq_length)
+        self.num_samples, self.seq_length, self.seed = num_samples, seq_length, seed
+        self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sentences(self, idx: int) -> list[np.ndarray]:
+        rng = np.random.default_rng([self.seed, idx])
+        longest = max(1, (self.seq_length - 3) // 2)
+        return [self.vocab_ids[rng.integers(0, len(self.vocab_ids), int(rng.integers(1, longest + 1)))]
+                for _ in range(int(rng.integers(2, 7)))]
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
         rng = np.random.RandomState((self.seed + idx) % 2**32)
         return build_sample(self.sentences(idx), rng, seq_length=self.seq_length, ids=self.ids,
                             vocab_ids=self.vocab_ids, binary_head=self.binary_head,
@@ -256,14 +291,19 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
                         binary_head: bool = True, is_builder_rank: bool = True, barrier=None, dataset_cls=None,
                         **dataset_kw):
     """(train, valid, test) :class:`BertDataset` splits of ``config.data_path`` (documents split by
-    ``--split``), or of the bundled corpus split into sentences when no path is given. Collective like
+    ``--split``), of the bundled corpus split into sentences when no path is given, or synthetic
+    (:class:`MockBertDataset`) with ``--mock-data``. Collective like
     :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``.
     ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset."""
     from .builder import DataError, check_vocabulary
     from .config import default_cache_dir, parse_data_path
 
     if config.mock_data:
-        raise DataError("--mock-data has no BERT variant; drop it (the bundled corpus is used without --data-path)")
+        if barrier is not None:
+            barrier()
+        return tuple(None if n <= 0 else MockBertDataset(int(n), seq_length=config.seq_length, seed=config.seed + i,
+                                                         tokenizer=tokenizer, binary_head=binary_head)
+                     for i, n in enumerate((train_samples, valid_samples, test_samples)))
     cache_dir = config.data_cache_path or default_cache_dir()
 
     def build_all(allow_build: bool):

@@ -142,20 +142,21 @@ class GPTModel(nn.Module):
     def _run_layers(self, x: torch.Tensor, freqs, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         layers = list(self.decoder.layers.values())
         chunks = {c[0]: c for c in C.recompute_layers(self.config, len(layers))}
+        extra = () if document_ids is None else (document_ids,)  # NOTE: BertModel's layers take two arguments
         i = 0
         while i < len(layers):
             if i in chunks and self.training and torch.is_grad_enabled():
                 chunk = [layers[j] for j in chunks[i]]
 
-                def run(h, f, d, chunk=chunk):
+                def run(h, f, *d, chunk=chunk):
                     for layer in chunk:
-                        h = layer(h, f, d)
+                        h = layer(h, f, *d)
                     return h
 
-                x = checkpoint(run, self.rng_tracker, x, freqs, document_ids)
+                x = checkpoint(run, self.rng_tracker, x, freqs, *extra)
                 i += len(chunk)
             else:
-                x = layers[i](x, freqs, document_ids)
+                x = layers[i](x, freqs, *extra)
                 i += 1
         return x
 
