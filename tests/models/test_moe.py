@@ -318,3 +318,25 @@ def test_extra_cli_flags_reach_the_model():
     assert (m.moe_layer_freq, m.moe_shared_expert_intermediate_size, m.moe_expert_capacity_factor,
             m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity, m.moe_router_score_function,
             m.moe_z_loss_coeff) == ("([0]+[1])*2", 64, 1.5, "position", True, "sigmoid", 0.001)
+
+
+def test_resharding_an_expert_tensor_parallel_checkpoint_is_refused(tmp_path):
+    """etp > 1 (the default at tp > 1) splits experts over tp; reading such a checkpoint under another
+    layout is refused with the fix, while etp 1 metadata passes the check (and fails later, on the
+    missing shards)."""
+    import json
+
+    from omnitron.core.checkpoint.io import FORMAT_VERSION, CheckpointError
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    def meta(etp):
+        return {"format_version": FORMAT_VERSION, "model": {"num_experts": 4, "num_layers": 2},
+                "layout": {"tensor_model_parallel_size": 2}, "config": {"expert_tensor_parallel_size": etp}}
+
+    (tmp_path / "metadata.json").write_text(json.dumps(meta(None)))
+    with pytest.raises(CheckpointError, match="expert tensor parallelism 2 .*--expert-tensor-parallel-size 1"):
+        read_full_state(str(tmp_path))
+    (tmp_path / "metadata.json").write_text(json.dumps(meta(1)))
+    with pytest.raises(Exception) as info:
+        read_full_state(str(tmp_path))
+    assert "expert tensor parallelism" not in str(info.value)

@@ -1,4 +1,5 @@
-"""The step's hooks into the MoE layers: the aux-loss gradient weight, and the logged aux loss."""
+"""The step's hooks into the MoE layers: the aux-loss gradient weight, and the logged aux loss (the
+router losses added to the LM loss: load-balancing plus z-loss, whichever are enabled)."""
 from __future__ import annotations
 
 import torch
