@@ -42,6 +42,8 @@ def test_flags_config_file_and_precedence(tmp_path):
     (["--model", "nope"], 1, "not a preset"),
     (["--model", "gpt2_tiny", "--fp8-recipe", "blockwise"], 1, "need --fp8-format"),
     (["--model", "gpt2_tiny", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], 1, "mxfp8 is not supported"),
+    (["--model", "gpt2_tiny", "--reset-attention-mask", "--context-parallel-size", "2"], 2,
+     "ring attention has no per-document mask"),
 ])
 def test_cross_checks(argv, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -369,6 +369,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         raise ConfigError(f"--global-batch-size {training.global_batch_size} is not a multiple of --micro-batch-size "
                           f"{mbs} x data-parallel size {dp} = {mbs * dp}; change one of them")
     data = _build(DataConfig, merged, seq_length=model.seq_length, seed=training.seed)
+    if data.reset_attention_mask and parallel.context_parallel_size > 1:
+        raise ConfigError(f"--reset-attention-mask with --context-parallel-size {parallel.context_parallel_size}: "
+                          "ring attention has no per-document mask; use --context-parallel-size 1 or drop "
+                          "--reset-attention-mask")
     fp8_cls = _fp8_config_class()
     fp8_on = merged.get("fp8_format") is not None  # as Megatron: --fp8-format switches FP8 on
     fp8 = _build(fp8_cls, merged) if (fp8_cls is not None and fp8_on) else None
