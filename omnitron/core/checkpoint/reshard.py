@@ -49,11 +49,14 @@ class Layout:
     """--decoder-last-pipeline-num-layers."""
     ep: int = 1
     """--expert-model-parallel-size (MoE experts are whole tensors spread over the ep ranks)."""
+    etp: int = 1
+    """Experts' tensor-parallel split as recorded (1 for dense models and for converted checkpoints,
+    which hold whole experts; reading etp > 1 is refused)."""
 
     _KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
              "vp": "virtual_pipeline_model_parallel_size", "dp": "data_parallel_size", "cp": "context_parallel_size",
              "first": "decoder_first_pipeline_num_layers", "last": "decoder_last_pipeline_num_layers",
-             "ep": "expert_model_parallel_size"}
+             "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
 
     @classmethod
     def from_dict(cls, layout: dict) -> "Layout":

@@ -42,7 +42,9 @@ def layout_dict(settings) -> dict:
             "context_parallel_size": p.context_parallel_size, "data_parallel_size": settings.dp,
             "decoder_first_pipeline_num_layers": p.decoder_first_pipeline_num_layers,
             "decoder_last_pipeline_num_layers": p.decoder_last_pipeline_num_layers,
-            "expert_model_parallel_size": p.expert_model_parallel_size}
+            "expert_model_parallel_size": p.expert_model_parallel_size,
+            # experts' tensor-parallel split (meaningful for MoE models only; dense models record 1)
+            "expert_tensor_parallel_size": p.etp if getattr(settings.model, "num_experts", None) else 1}
 
 
 def check_resume(settings) -> None:
