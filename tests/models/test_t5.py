@@ -47,7 +47,8 @@ def plain_t5(W, c, tokens, dec_tokens, pad, labels, mask):
     lin = lambda t, n: t @ W[n + ".weight"].T + W[n + ".bias"]  # noqa: E731
     ln = lambda t, n: F.layer_norm(t, (h,), W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)  # noqa: E731
     mlp = lambda t, p: lin(F.gelu(lin(t, p + "mlp.linear_fc1"), approximate="tanh"), p + "mlp.linear_fc2")  # noqa
-    emb = lambda t: W["embedding.word_embeddings.weight"][t] + W["embedding.position_embeddings.weight"][:t.shape[1]]  # noqa
+    emb = lambda t: W["embedding.word_embeddings.weight"][t] + W["embedding.position_embeddings.weight"][  # noqa
+        :t.shape[1]]
     b, se, sd = tokens.shape[0], tokens.shape[1], dec_tokens.shape[1]
     x = emb(tokens)
     enc_keep = (~pad)[:, None, :].expand(b, se, se)  # bidirectional over real keys

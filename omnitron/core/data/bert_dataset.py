@@ -201,7 +201,10 @@ class BertDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
-        rng = np.random.RandomState((self.seed + idx) % 2**32)
+        return self.build(idx, np.random.RandomState((self.seed + idx) % 2**32))
+
+    def build(self, idx: int, rng: np.random.RandomState) -> dict[str, torch.Tensor]:
+        """Sample ``idx`` from its sentences and its own ``rng`` (subclasses build other samples)."""
         return build_sample(self.sentences(idx), rng, seq_length=self.seq_length, ids=self.ids,
                             vocab_ids=self.vocab_ids, binary_head=self.binary_head,
                             masked_lm_prob=self.masked_lm_prob)

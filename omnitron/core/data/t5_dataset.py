@@ -123,10 +123,8 @@ class T5Dataset(BertDataset):
         self.decoder_seq_length, self.sentinels = decoder_seq_length, sentinels
         self.noise_density, self.mean_span_length = noise_density, mean_span_length
 
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        if not 0 <= idx < len(self):
-            raise IndexError(f"sample {idx} out of range [0, {len(self)})")
-        rng = np.random.RandomState((self.seed + idx) % 2**32)
+    def build(self, idx: int, rng: np.random.RandomState) -> dict[str, torch.Tensor]:
+        """Sample ``idx``: its text (sentences joined, truncated) corrupted with its own ``rng``."""
         text = np.concatenate(self.sentences(idx))[: self.seq_length - 2]
         return build_sample(text, rng, seq_length=self.seq_length, decoder_seq_length=self.decoder_seq_length,
                             ids=self.ids, sentinels=self.sentinels, noise_density=self.noise_density,

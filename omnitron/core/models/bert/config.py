@@ -33,24 +33,33 @@ class BertConfig(GPTConfig):
 def validate_bert(c: BertConfig, parallel: ParallelConfig) -> None:
     """The GPT checks, plus what this BERT implementation does not run; errors name the flag and fix."""
     validate_model(c, parallel)
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}: BERT runs "
-                          "without pipeline parallelism here (every layer needs the padding mask); use "
-                          "--pipeline-model-parallel-size 1 and tensor/data parallelism")
-    if parallel.context_parallel_size > 1:
-        raise ConfigError(f"--context-parallel-size {parallel.context_parallel_size}: BERT's bidirectional, padded "
-                          "attention has no context-parallel ring; use --context-parallel-size 1")
-    if c.position_embedding_type != "learned_absolute":
-        raise ConfigError(f"--position-embedding-type {c.position_embedding_type}: BERT uses learned absolute "
-                          "positions; use --position-embedding-type learned_absolute")
-    if c.untie_embeddings_and_output_weights:
-        raise ConfigError("--untie-embeddings-and-output-weights: BERT's masked-LM output is tied to the word "
-                          "embedding; drop the flag")
-    if c.num_experts is not None:
-        raise ConfigError("--num-experts: Mixture-of-Experts layers are not wired into BERT; drop --num-experts")
+    validate_single_stage(c, parallel, family="BERT", needs="every layer needs the padding mask",
+                          attention="bidirectional, padded attention", output="masked-LM output")
     if c.bert_binary_head and c.num_tokentypes < 2:
         raise ConfigError(f"--bert-binary-head needs two segments, so --num-tokentypes >= 2 (got "
                           f"{c.num_tokentypes}); set --num-tokentypes 2 or pass --no-bert-binary-head")
+
+
+def validate_single_stage(c, parallel: ParallelConfig, *, family: str, needs: str, attention: str,
+                          output: str) -> None:
+    """What the one-stage, padded-attention families (BERT, T5) do not run, each error naming the flag and
+    the fix: pipeline (``needs``: why) and context parallelism (``attention``: what has no ring), positions
+    other than learned absolute, an untied ``output``, Mixture-of-Experts layers."""
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}: {family} runs "
+                          f"without pipeline parallelism here ({needs}); use --pipeline-model-parallel-size 1 and "
+                          "tensor/data parallelism")
+    if parallel.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size {parallel.context_parallel_size}: {family}'s {attention} has "
+                          "no context-parallel ring; use --context-parallel-size 1")
+    if c.position_embedding_type != "learned_absolute":
+        raise ConfigError(f"--position-embedding-type {c.position_embedding_type}: {family} uses learned absolute "
+                          "positions; use --position-embedding-type learned_absolute")
+    if c.untie_embeddings_and_output_weights:
+        raise ConfigError(f"--untie-embeddings-and-output-weights: {family}'s {output} is tied to the word "
+                          "embedding; drop the flag")
+    if c.num_experts is not None:
+        raise ConfigError(f"--num-experts: Mixture-of-Experts layers are not wired into {family}; drop --num-experts")
 
 
 def num_parameters(c: BertConfig, *, tp: int = 1) -> int:

@@ -92,20 +92,27 @@ class BertLMHead(nn.Module):
         return self.layer_norm(F.gelu(self.dense(x)))
 
 
+def init_single_stage(model: GPTModel, config, groups, *, backend, seed: int, num_layers: int) -> None:
+    """What :class:`GPTModel`'s reused methods read, set on a one-stage model (BERT, T5) whose own
+    ``__init__`` replaces GPTModel's: config, groups, backend, the stage flags, sequence parallelism and
+    the RNG tracker with the tensor-parallel-rank stream."""
+    nn.Module.__init__(model)  # NOTE: GPTModel's own __init__ builds GPT modules; only its methods are reused
+    model.config, model.groups = config, groups
+    model.backend = backend or get_backend()
+    model.pre_process = model.post_process = True
+    model.label_smoothing, model.layer_offset, model.num_local_layers = 0.0, 0, num_layers
+    model.sp = bool(groups.config.sequence_parallel and groups.tp.size > 1)
+    model.rng_tracker = RNGTracker(model.backend)
+    model.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(groups.tp), 0))
+
+
 class BertModel(GPTModel):
     """The whole BERT on one pipeline stage; ``forward`` documents the tensors in and out."""
 
     def __init__(self, config: B.BertConfig, groups, *, backend=None, seed: int = 1234) -> None:
-        nn.Module.__init__(self)  # NOTE: GPTModel's own __init__ builds GPT modules; only its methods are reused
         B.validate_bert(config, groups.config)
-        self.config, self.groups = config, groups
-        self.backend = backend or get_backend()
-        self.pre_process = self.post_process = True
-        self.label_smoothing, self.layer_offset, self.num_local_layers = 0.0, 0, config.num_layers
+        init_single_stage(self, config, groups, backend=backend, seed=seed, num_layers=config.num_layers)
         tp = groups.tp
-        self.sp = bool(groups.config.sequence_parallel and tp.size > 1)
-        self.rng_tracker = RNGTracker(self.backend)
-        self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(tp), 0))
         lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend)
         self.embedding = BertEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
         self.decoder = nn.Module()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.models.bert.config import validate_single_stage
 from omnitron.core.models.gpt.config import GPTConfig, max_positions, padded_vocab_size, query_groups, validate_model
 from omnitron.core.models.gpt.config import num_parameters as gpt_num_parameters
 
@@ -64,22 +65,9 @@ def decoder_length(c: T5Config) -> int:
 def validate_t5(c: T5Config, parallel: ParallelConfig) -> None:
     """The GPT checks, plus what this T5 implementation does not run; errors name the flag and fix."""
     validate_model(c, parallel)
+    validate_single_stage(c, parallel, family="T5", needs="every decoder layer reads the encoder output",
+                          attention="padded encoder and cross-attention", output="LM head")
     tp, dec = parallel.tensor_model_parallel_size, decoder_length(c)
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}: T5 runs without "
-                          "pipeline parallelism here (every decoder layer reads the encoder output); use "
-                          "--pipeline-model-parallel-size 1 and tensor/data parallelism")
-    if parallel.context_parallel_size > 1:
-        raise ConfigError(f"--context-parallel-size {parallel.context_parallel_size}: T5's padded encoder and "
-                          "cross-attention have no context-parallel ring; use --context-parallel-size 1")
-    if c.position_embedding_type != "learned_absolute":
-        raise ConfigError(f"--position-embedding-type {c.position_embedding_type}: T5 (as Megatron's) uses learned "
-                          "absolute positions; use --position-embedding-type learned_absolute")
-    if c.untie_embeddings_and_output_weights:
-        raise ConfigError("--untie-embeddings-and-output-weights: T5's LM head is tied to the word embedding; "
-                          "drop the flag")
-    if c.num_experts is not None:
-        raise ConfigError("--num-experts: Mixture-of-Experts layers are not wired into T5; drop --num-experts")
     if c.qk_layernorm:
         raise ConfigError("--qk-layernorm: T5's cross-attention has no query/key norms; drop --qk-layernorm")
     if query_groups(c) % tp:

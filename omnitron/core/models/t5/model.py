@@ -19,15 +19,13 @@ import math
 import torch
 from torch import nn
 
-from omnitron.backends import get_backend
-from omnitron.core.models.bert.model import BertLayer
+from omnitron.core.models.bert.model import BertLayer, init_single_stage
 from omnitron.core.models.gpt import config as C
 from omnitron.core.models.gpt.model import GPTEmbedding, GPTModel
 from omnitron.core.models.t5 import config as T
-from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
-from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, checkpoint, model_parallel_seed
+from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.transformer.cross_attention import CrossAttention
 from omnitron.core.transformer.layer import TransformerLayer
 from omnitron.core.transformer.norm import Norm
@@ -47,7 +45,8 @@ class T5DecoderLayer(TransformerLayer):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, memory_padding_mask: torch.Tensor) -> torch.Tensor:
         x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), None), x)
-        x = self._bias_dropout_add(self.cross_attention(self.pre_cross_attn_layernorm(x), memory, memory_padding_mask), x)
+        cross = self.cross_attention(self.pre_cross_attn_layernorm(x), memory, memory_padding_mask)
+        x = self._bias_dropout_add(cross, x)
         return self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
 
 
@@ -64,17 +63,10 @@ class T5Model(GPTModel):
     """The whole T5 on one pipeline stage; ``forward`` documents the tensors in and out."""
 
     def __init__(self, config: T.T5Config, groups, *, backend=None, seed: int = 1234) -> None:
-        nn.Module.__init__(self)  # NOTE: GPTModel's own __init__ builds GPT modules; only its methods are reused
         T.validate_t5(config, groups.config)
-        self.config, self.groups = config, groups
-        self.backend = backend or get_backend()
-        self.pre_process = self.post_process = True
         enc, dec = T.encoder_layers(config), T.decoder_layers(config)
-        self.label_smoothing, self.layer_offset, self.num_local_layers = 0.0, 0, enc + dec
+        init_single_stage(self, config, groups, backend=backend, seed=seed, num_layers=enc + dec)
         tp = groups.tp
-        self.sp = bool(groups.config.sequence_parallel and tp.size > 1)
-        self.rng_tracker = RNGTracker(self.backend)
-        self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(tp), 0))
         lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend)
         skw = dict(sequence_parallel=self.sp, backend=self.backend)
         self.embedding = GPTEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
