@@ -92,25 +92,43 @@ def _fill(encoder_tokens, target):
     return [x for t in encoder_tokens for x in (spans[t] if t in SENTINELS else [t])]
 
 
+def _check_sample(s, text):
+    """Structure of one sample and the exact text back from its encoder input and target."""
+    s = {k: v.numpy() for k, v in s.items()}
+    n, t = int((~s["padding_mask"]).sum()), int(s["loss_mask"].sum())
+    enc, target = s["tokens"][:n].tolist(), s["labels"][:t].tolist()
+    assert not s["padding_mask"][:n].any() and (s["tokens"][n:] == _Tok.pad).all()
+    assert enc[-1] == _Tok.sep and target[-1] == _Tok.sep and (s["loss_mask"][:t] == 1).all()
+    assert (s["labels"][t:] == _Tok.pad).all() and (s["loss_mask"][t:] == 0).all()
+    assert s["decoder_tokens"][:t].tolist() == [_Tok.cls] + target[:-1]
+    used = [x for x in enc if x in SENTINELS]
+    assert used == list(SENTINELS[:len(used)]) == [x for x in target if x in SENTINELS]  # in order, once each
+    assert _fill(enc[:-1], target) == text
+    m = len(text)  # corrupted tokens: 15%, at least one (short texts too), none below two tokens
+    assert len(target) - 1 - len(used) == (min(max(round(0.15 * m), 1), m - 1) if m >= 2 else 0)
+    if m >= 20:  # at least one span, none adjacent: sentinels never neighbour in the input
+        assert used and all(not (a in SENTINELS and b in SENTINELS) for a, b in zip(enc, enc[1:]))
+
+
 def test_samples_structure_and_exact_reconstruction(tmp_path):
     # at seq 48 (text <= 46 tokens: 7 corrupted in 2 spans + end) the shortest allowed decoder is 10 tokens
     ds = _dataset(tmp_path, decoder_seq_length=10)
     for i in range(len(ds)):
-        s = {k: v.numpy() for k, v in ds[i].items()}
-        n, t = int((~s["padding_mask"]).sum()), int(s["loss_mask"].sum())
-        enc, target = s["tokens"][:n].tolist(), s["labels"][:t].tolist()
-        assert not s["padding_mask"][:n].any() and (s["tokens"][n:] == _Tok.pad).all()
-        assert enc[-1] == _Tok.sep and target[-1] == _Tok.sep and (s["loss_mask"][:t] == 1).all()
-        assert (s["labels"][t:] == _Tok.pad).all() and (s["loss_mask"][t:] == 0).all()
-        assert s["decoder_tokens"][:t].tolist() == [_Tok.cls] + target[:-1]
-        used = [x for x in enc if x in SENTINELS]
-        assert used == list(SENTINELS[:len(used)]) == [x for x in target if x in SENTINELS]  # in order, once each
-        text = np.concatenate(ds.sentences(i))[: ds.seq_length - 2].tolist()
-        assert _fill(enc[:-1], target) == text
-        m = len(text)  # corrupted tokens: 15%, at least one (short texts too), none below two tokens
-        assert len(target) - 1 - len(used) == (min(max(round(0.15 * m), 1), m - 1) if m >= 2 else 0)
-        if len(text) >= 20:  # at least one span, none adjacent: sentinels never neighbour in the input
-            assert used and all(not (a in SENTINELS and b in SENTINELS) for a, b in zip(enc, enc[1:]))
+        _check_sample(ds[i], np.concatenate(ds.sentences(i))[: ds.seq_length - 2].tolist())
+
+
+def test_mock_data_samples(tmp_path):
+    from omnitron.core.data.config import DataConfig
+    from omnitron.core.data.t5_dataset import MockT5Dataset, build_t5_datasets
+
+    cfg = DataConfig(mock_data=True, seq_length=48, seed=5)
+    train, valid, test = build_t5_datasets(cfg, _Tok(), train_samples=40, valid_samples=8, test_samples=0,
+                                           decoder_seq_length=10)
+    assert isinstance(train, MockT5Dataset) and len(train) == 40 and len(valid) == 8 and test is None
+    for i in range(len(train)):
+        _check_sample(train[i], np.concatenate(train.sentences(i))[:46].tolist())
+    again = build_t5_datasets(cfg, _Tok(), train_samples=40, valid_samples=0, test_samples=0, decoder_seq_length=10)
+    assert all((train[7][k] == again[0][7][k]).all() for k in train[7])
 
 
 def test_deterministic_per_seed_and_index(tmp_path):

@@ -233,10 +233,9 @@ class MockBertDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
-        rng = np.random.RandomState((self.seed + idx) % 2**32)
-        return build_sample(self.sentences(idx), rng, seq_length=self.seq_length, ids=self.ids,
-                            vocab_ids=self.vocab_ids, binary_head=self.binary_head,
-                            masked_lm_prob=self.masked_lm_prob)
+        return self.build(idx, np.random.RandomState((self.seed + idx) % 2**32))
+
+    build = BertDataset.build  # the same sample from the (random) sentences; T5's mock overrides it
 
 
 def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
@@ -297,15 +296,18 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
     ``--split``), of the bundled corpus split into sentences when no path is given, or synthetic
     (:class:`MockBertDataset`) with ``--mock-data``. Collective like
     :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``.
-    ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset."""
+    ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset
+    (and its ``mock_cls`` MockBertDataset)."""
     from .builder import DataError, check_vocabulary
     from .config import default_cache_dir, parse_data_path
 
+    kw = dict(dataset_kw) if dataset_cls else {"binary_head": binary_head}
     if config.mock_data:
         if barrier is not None:
             barrier()
-        return tuple(None if n <= 0 else MockBertDataset(int(n), seq_length=config.seq_length, seed=config.seed + i,
-                                                         tokenizer=tokenizer, binary_head=binary_head)
+        mock = dataset_cls.mock_cls if dataset_cls else MockBertDataset
+        return tuple(None if n <= 0 else mock(int(n), seq_length=config.seq_length, seed=config.seed + i,
+                                              tokenizer=tokenizer, **kw)
                      for i, n in enumerate((train_samples, valid_samples, test_samples)))
     cache_dir = config.data_cache_path or default_cache_dir()
 
@@ -320,9 +322,8 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
         for ds in datasets:
             check_vocabulary(ds, tokenizer, cache_dir, allow_build)
         samples = (train_samples, valid_samples, test_samples)
-        kw = dict(dataset_cls=dataset_cls, **dataset_kw) if dataset_cls else {"binary_head": binary_head}
-        return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build, **kw)
-                     for i, n in enumerate(samples))
+        return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build,
+                                 dataset_cls or BertDataset, **kw) for i, n in enumerate(samples))
 
     result = build_all(True) if is_builder_rank else None
     if barrier is not None:

@@ -17,14 +17,15 @@ sample and the span positions random. Span ``i`` (left to right) gets sentinel `
   end of sequence), the loss mask 1 over it; decoder input: ``[CLS]`` (the start token) followed by
   the target shifted right by one; both padded to ``decoder_seq_length``.
 
-Sample ``i`` is deterministic per ``(seed, i)`` (its own ``RandomState(seed + i)``).
+Sample ``i`` is deterministic per ``(seed, i)`` (its own ``RandomState(seed + i)``). ``--mock-data``:
+:class:`MockT5Dataset`, the same corruption of BERT's random mock sentences.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .bert_dataset import BertDataset
+from .bert_dataset import BertDataset, MockBertDataset
 
 
 def _partition(total: int, parts: int, rng: np.random.RandomState) -> np.ndarray:
@@ -99,13 +100,12 @@ def required_lengths(seq_length: int, noise_density: float = 0.15, mean_span_len
     return max(a + b + 1 for a, b in worst), max(b for _, b in worst)
 
 
-class T5Dataset(BertDataset):
-    """T5 samples (see the module docstring) from the documents ``documents`` of ``indexed``:
-    ``dict(tokens, padding_mask [seq_length], decoder_tokens, labels, loss_mask [decoder_seq_length])``."""
+class _SpanCorruption:
+    """T5 samples over a BERT text source (real or mock): :meth:`build` corrupts sample ``idx``'s text."""
 
-    def __init__(self, indexed, documents: np.ndarray, num_samples: int, *, seq_length: int, decoder_seq_length: int,
-                 seed: int, tokenizer, cache_dir: str, split_name: str = "train", noise_density: float = 0.15,
-                 mean_span_length: float = 3.0, short_seq_prob: float = 0.1, allow_build: bool = True):
+    def _init_corruption(self, tokenizer, seq_length: int, decoder_seq_length: int, noise_density: float,
+                         mean_span_length: float) -> None:
+        """Check the tokenizer's sentinels and the decoder length against the longest sample; keep the settings."""
         sentinels = tuple(getattr(tokenizer, "sentinels", ()))
         if not sentinels:
             raise ValueError(f"T5 data needs sentinel tokens; {tokenizer.name} has none: use --tokenizer-type "
@@ -117,9 +117,6 @@ class T5Dataset(BertDataset):
         if len(sentinels) < spans:
             raise ValueError(f"--vocab-extra-ids {len(sentinels)}: a sample of --seq-length {seq_length} can have "
                              f"{spans} corrupted spans, one sentinel each; use at least {spans}")
-        super().__init__(indexed, documents, num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
-                         cache_dir=cache_dir, split_name=split_name, binary_head=False,
-                         short_seq_prob=short_seq_prob, allow_build=allow_build)
         self.decoder_seq_length, self.sentinels = decoder_seq_length, sentinels
         self.noise_density, self.mean_span_length = noise_density, mean_span_length
 
@@ -131,10 +128,36 @@ class T5Dataset(BertDataset):
                             mean_span_length=self.mean_span_length)
 
 
+class MockT5Dataset(_SpanCorruption, MockBertDataset):
+    """``--mock-data`` for T5: :class:`MockBertDataset`'s random sentences (sample ``i`` depends only on
+    ``(seed, i)``), corrupted into T5 samples as :class:`T5Dataset` does."""
+
+    def __init__(self, num_samples: int, *, seq_length: int, decoder_seq_length: int, seed: int, tokenizer,
+                 noise_density: float = 0.15, mean_span_length: float = 3.0):
+        self._init_corruption(tokenizer, seq_length, decoder_seq_length, noise_density, mean_span_length)
+        super().__init__(num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer, binary_head=False)
+
+
+class T5Dataset(_SpanCorruption, BertDataset):
+    """T5 samples (see the module docstring) from the documents ``documents`` of ``indexed``:
+    ``dict(tokens, padding_mask [seq_length], decoder_tokens, labels, loss_mask [decoder_seq_length])``."""
+
+    mock_cls = MockT5Dataset
+
+    def __init__(self, indexed, documents: np.ndarray, num_samples: int, *, seq_length: int, decoder_seq_length: int,
+                 seed: int, tokenizer, cache_dir: str, split_name: str = "train", noise_density: float = 0.15,
+                 mean_span_length: float = 3.0, short_seq_prob: float = 0.1, allow_build: bool = True):
+        self._init_corruption(tokenizer, seq_length, decoder_seq_length, noise_density, mean_span_length)
+        super().__init__(indexed, documents, num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
+                         cache_dir=cache_dir, split_name=split_name, binary_head=False,
+                         short_seq_prob=short_seq_prob, allow_build=allow_build)
+
+
 def build_t5_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
                       decoder_seq_length: int, is_builder_rank: bool = True, barrier=None):
-    """(train, valid, test) :class:`T5Dataset` splits of ``config.data_path``, or of the bundled corpus
-    split into sentences; built like BERT's (:func:`~omnitron.core.data.bert_dataset.build_bert_datasets`)."""
+    """(train, valid, test) :class:`T5Dataset` splits of ``config.data_path``, of the bundled corpus split
+    into sentences, or :class:`MockT5Dataset` with ``--mock-data``; built like BERT's
+    (:func:`~omnitron.core.data.bert_dataset.build_bert_datasets`)."""
     from .bert_dataset import build_bert_datasets
 
     return build_bert_datasets(config, tokenizer, train_samples=train_samples, valid_samples=valid_samples,
