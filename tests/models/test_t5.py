@@ -98,13 +98,17 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("variant", ["mha", "gqa_uneven_stacks"])
+VARIANTS = {"mha": {}, "gqa_uneven_stacks_selective": dict(num_query_groups=2, encoder_num_layers=1, decoder_num_layers=3,
+                                                              recompute_granularity="selective"),
+            "full_recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_t5_matches_plain_float64(variant):
-    extra = {} if variant == "mha" else dict(num_query_groups=2, encoder_num_layers=1, decoder_num_layers=3)
-    c = T5Config(**BASE, **extra)
+    c = T5Config(**BASE, **VARIANTS[variant])
     groups = ParallelGroups.single()
     model = T5Model(c, groups, seed=11)
-    batch = _batch(c, torch.Generator().manual_seed(5 + len(extra)))
+    batch = _batch(c, torch.Generator().manual_seed(5 + len(variant)))
     loss = _loss(_forward(model, batch), batch)
     loss.backward()
     W = {k: v.double().requires_grad_() for k, v in gather_full_state(model, groups).items()}
