@@ -112,10 +112,12 @@ def model_config(model: dict):
     ``model`` dict."""
     from omnitron.core.models.bert.config import BertConfig
     from omnitron.core.models.gpt.config import GPTConfig
+    from omnitron.core.models.multimodal.config import MultimodalConfig
     from omnitron.core.models.t5.config import T5Config
 
     cls = BertConfig if "num_tokentypes" in model else GPTConfig  # BERT: GPT's fields plus its own
     cls = T5Config if "encoder_num_layers" in model else cls  # T5 likewise
+    cls = MultimodalConfig if "vision_num_layers" in model else cls  # multimodal (LLaVA) likewise
     known = {f.name for f in dataclasses.fields(cls)}
     kw = {k: v for k, v in model.items() if k in known}
     if isinstance(kw.get("params_dtype"), str):  # saved as "torch.bfloat16"
@@ -137,9 +139,10 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, in
     groups.config = layout.parallel_config()
     groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
                          ep=_Seen("ep", tuple(range(layout.ep)), None, ep_rank))
+    from omnitron.core.models.multimodal import LLaVAModel, MultimodalConfig
     from omnitron.core.models.t5 import T5Config, T5Model
 
-    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model)):
+    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
         if isinstance(cfg, config_cls):  # one stage, one chunk
             return {(0, 0): model_cls(cfg, groups, backend=get_backend("cpu"), seed=0)}
     ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
@@ -186,11 +189,12 @@ def _merge_chunk(skel, c: int, shards: list[dict], with_optimizer: bool, path: s
         if getattr(p, "shared_embedding", False) or getattr(p, "expert", False):
             continue  # the last stage's copy of a tied embedding equals the first stage's
         key = f"chunk{c}.{name}"  # the optimizer's naming (training/components.py)
-        if any(name not in sd for sd in models) or any(key not in o for o in optims):
+        # NOTE: frozen parameters (requires_grad False, e.g. a frozen vision tower) have no optimizer state
+        if any(name not in sd for sd in models) or (p.requires_grad and any(key not in o for o in optims)):
             raise CheckpointError(f"{path}: no tensor for {name} (chunk {c}) in the shards; the checkpoint does "
                                   f"not match its own metadata (model or layout): it is corrupt")
         model[name] = merge_shards([sd[name] for sd in models], p)
-        for kind in optims[0][key] if optims else ():
+        for kind in optims[0][key] if optims and p.requires_grad else ():
             optim.setdefault(kind, {})[name] = merge_shards([o[key][kind] for o in optims], p)
     return model, optim
 

@@ -43,10 +43,11 @@ def _config_classes() -> list[tuple[str, type]]:
     if fp8 is not None:
         classes.append(("fp8", fp8))
     from omnitron.core.models.bert.config import BertConfig  # last: only its own fields become flags
+    from omnitron.core.models.multimodal.config import MultimodalConfig
     from omnitron.core.models.t5.config import T5Config
 
     return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig), ("BERT model", BertConfig),
-                      ("T5 model", T5Config)]
+                      ("T5 model", T5Config), ("multimodal model", MultimodalConfig)]
 
 
 def _ddp_config_class():
@@ -161,10 +162,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--config", metavar="FILE", help="YAML or JSON file of settings (keys = flag names); "
                         "flags on the command line win")
     launch.add_argument("--model", metavar="PRESET", help="start from a model preset: gpt2_tiny, llama_tiny, gpt_1p3b, "
-                        "bert_tiny, bert_base, t5_tiny, t5_base (the bert/t5 presets imply their --model-type)")
+                        "bert_tiny, bert_base, t5_tiny, t5_base, llava_tiny (the bert/t5/llava presets imply their "
+                        "--model-type)")
     launch.add_argument("--model-type", choices=MODEL_TYPES, help="model family: gpt (default), bert "
                         "(Megatron's pretrain_bert: masked LM + sentence-order head) or t5 (pretrain_t5: "
-                        "encoder-decoder, span corruption)")
+                        "encoder-decoder, span corruption) or multimodal (pretrain_vlm: LLaVA, ViT + projector + GPT on "
+                        "synthetic image captions)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
                         "(one thread each); not needed under torchrun (default: 1)")
     launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
@@ -217,7 +220,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 # settings that are not config-dataclass fields, with their types
-MODEL_TYPES = ("gpt", "bert", "t5")
+MODEL_TYPES = ("gpt", "bert", "t5", "multimodal")
 _BERT_PRESETS = ("bert_tiny", "bert_base")
 _T5_PRESETS = ("t5_tiny", "t5_base")
 _LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "nproc_per_node": int, "backend": str, "threads_per_process": int,
@@ -248,6 +251,8 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
             merged["model_type"] = "bert"
         if preset in _T5_PRESETS:
             merged["model_type"] = "t5"
+        if preset == "llava_tiny":
+            merged["model_type"] = "multimodal"
     merged.update(file_values)
     merged.update({k: v for k, v in given.items() if v is not None})
     return merged
@@ -256,11 +261,12 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
 def _preset_fields(name: str) -> dict[str, Any]:
     from omnitron.core.models.bert import config as bert_config
     from omnitron.core.models.gpt import config as gpt_config
+    from omnitron.core.models.multimodal import config as multimodal_config
     from omnitron.core.models.t5 import config as t5_config
 
     presets = {"gpt2_tiny": gpt_config.gpt2_tiny, "llama_tiny": gpt_config.llama_tiny,
                "gpt_1p3b": gpt_config.gpt_1p3b, "bert_tiny": bert_config.bert_tiny, "bert_base": bert_config.bert_base,
-               "t5_tiny": t5_config.t5_tiny, "t5_base": t5_config.t5_base}
+               "t5_tiny": t5_config.t5_tiny, "t5_base": t5_config.t5_base, "llava_tiny": multimodal_config.llava_tiny}
     if name not in presets:
         raise ConfigError(f"--model {name!r} is not a preset; choose one of {', '.join(presets)}")
     cfg = presets[name]()
@@ -334,6 +340,8 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         from omnitron.core.models.bert.config import BertConfig as model_cls
     if model_type == "t5":
         from omnitron.core.models.t5.config import T5Config as model_cls
+    if model_type == "multimodal":
+        from omnitron.core.models.multimodal.config import MultimodalConfig as model_cls
     model = _build(model_cls, {k: v for k, v in merged.items() if k != "vocab_size"},
                    params_dtype=params_dtype(precision))
     per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
@@ -354,6 +362,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         from omnitron.core.models.t5.config import validate_t5
 
         validate_t5(model, parallel)
+    if model_type == "multimodal":
+        from omnitron.core.models.multimodal.config import validate_multimodal
+
+        validate_multimodal(model, parallel)
     validate_model(model, parallel, check_layers=not parallel.uneven_pipeline)
     if parallel.uneven_pipeline:  # the layer split itself is checked here, naming the flags
         from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -413,12 +425,19 @@ def _model_family(merged: dict[str, Any]) -> str:
         raise ConfigError(f"--model-type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
     for family, keys in (("bert", ("bert_binary_head", "num_tokentypes")),
                          ("t5", ("encoder_num_layers", "decoder_num_layers", "encoder_seq_length",
-                                 "decoder_seq_length", "vocab_extra_ids"))):
+                                 "decoder_seq_length", "vocab_extra_ids")),
+                         ("multimodal", _multimodal_keys())):
         only = [k for k in keys if k in merged]
         if model_type != family and only:
             raise ConfigError(f"--{only[0].replace('_', '-')} only applies to {family.upper()}; add --model-type "
                               f"{family}")
     if model_type == "gpt":
+        return model_type
+    if model_type == "multimodal":  # GPT-2 BPE captions; no sampling, no packed documents
+        bad = [k for k in ("prompt", "reset_position_ids", "reset_attention_mask", "eod_mask_loss") if merged.get(k)]
+        if bad:
+            raise ConfigError(f"--{bad[0].replace('_', '-')} does not apply to --model-type multimodal (one "
+                              "image-caption sample per row, no text sampling here); drop it")
         return model_type
     name = model_type.upper()
     tok = merged.setdefault("tokenizer_type", "BertWordPieceLowerCase")
@@ -431,6 +450,15 @@ def _model_family(merged: dict[str, Any]) -> str:
     if merged.get("encoder_seq_length"):
         merged["seq_length"] = merged["encoder_seq_length"]
     return model_type
+
+
+def _multimodal_keys() -> tuple[str, ...]:
+    """The multimodal config's own fields (the vision tower and freezing flags)."""
+    from omnitron.core.models.gpt.config import GPTConfig
+    from omnitron.core.models.multimodal.config import MultimodalConfig
+
+    gpt = {f.name for f in fields(GPTConfig)}
+    return tuple(f.name for f in fields(MultimodalConfig) if f.name not in gpt)
 
 
 def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:

@@ -16,6 +16,7 @@ import torch
 from omnitron.core.models.bert import BertConfig, BertModel
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
+from omnitron.core.models.multimodal import LLaVAModel, MultimodalConfig
 from omnitron.core.models.t5 import T5Config, T5Model, decoder_length
 from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
 from omnitron.core.parallel.groups import ParallelGroups
@@ -60,8 +61,8 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
 
 def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
     """This pipeline rank's chunks (one per virtual stage), each a GPTModel over its layer range
-    (a BERT / T5 config: the one BertModel / T5Model chunk; they run without pipeline stages)."""
-    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model)):
+    (a BERT / T5 / multimodal config: the one BertModel / T5Model / LLaVAModel chunk; no pipeline stages)."""
+    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
         if isinstance(cfg, config_cls):
             return [model_cls(cfg, groups, backend=backend, seed=seed).to(backend.current_device())]
     pp, vp = groups.pp.size, groups.config.virtual_pipeline_model_parallel_size or 1
@@ -108,6 +109,13 @@ def build_data(settings, tokenizer, groups, collectives):
         from omnitron.core.data.t5_dataset import build_t5_datasets
 
         build, kw = build_t5_datasets, {"decoder_seq_length": decoder_length(settings.model)}
+    if isinstance(settings.model, MultimodalConfig):  # synthetic image captions
+        from omnitron.core.data.multimodal_dataset import build_multimodal_datasets
+        from omnitron.core.models.multimodal import num_image_tokens
+
+        m = settings.model
+        build, kw = build_multimodal_datasets, {"img_h": m.img_h, "img_w": m.img_w, "num_channels": m.num_channels,
+                                                "num_image_tokens": num_image_tokens(m)}
     t = settings.training
     gbs = t.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0

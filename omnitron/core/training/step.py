@@ -19,6 +19,7 @@ import torch
 
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.models.bert import BertConfig, BertModel, bert_loss
+from omnitron.core.models.multimodal import LLaVAModel
 from omnitron.core.models.t5 import T5Model
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn, run_schedule
@@ -36,6 +37,8 @@ def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torc
     m = _unwrap(chunk)
     if isinstance(m, BertModel):
         return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"])
+    if isinstance(m, LLaVAModel):  # one stage; per-token caption loss, masked by the default loss function
+        return chunk(batch["tokens"], batch["images"], batch["position_ids"], labels=batch["labels"])
     if isinstance(m, T5Model):  # one stage; per-token decoder loss, masked by the default loss function
         return chunk(batch["tokens"], batch["decoder_tokens"], batch["padding_mask"], labels=batch["labels"])
     labels = batch["labels"] if m.post_process else None

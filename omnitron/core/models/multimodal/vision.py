@@ -1,0 +1,81 @@
+"""The vision tower: a ViT encoder and the MLP projector into the language model's width.
+
+ViT: ``images [b, C, H, W]`` -> non-overlapping ``p x p`` patches flattened in ``(C, p, p)`` order (what
+a stride-``p`` convolution reads) -> a linear patch embedding -> optional class token first -> learned
+positions -> the shared pre-LN Transformer layers attending bidirectionally (BERT's layer with no padding)
+-> final norm -> the patch outputs ``[n, b, hv]`` (the class token's output dropped).
+
+Tensor parallelism goes through the shared layers (column-parallel QKV/fc1, row-parallel proj/fc2); the
+ViT runs WITHOUT sequence parallelism (``patches + 1`` need not divide tp): its activations are replicated
+over tp, so the replicated patch/position/class-token parameters get full, identical gradients.
+
+Projector (Megatron's ``mlp`` projector): column-parallel ``fc1`` -> exact GeLU -> row-parallel ``fc2``,
+its output all-reduced: ``[n, b, h]`` replicated over tp, ready to replace placeholder embeddings.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnitron.core.models.bert.model import BertLayer, _linear
+from omnitron.core.models.multimodal import config as MM
+from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from omnitron.core.parallel.tensor.sharding import set_attributes
+from omnitron.core.transformer.norm import Norm
+
+
+def patchify(images: torch.Tensor, p: int) -> torch.Tensor:
+    """``[b, C, H, W] -> [b, (H/p) * (W/p), C * p * p]``, patches in row-major order over the image."""
+    b, ch, h, w = images.shape
+    x = images.reshape(b, ch, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)  # [b, H/p, W/p, C, p, p]
+    return x.reshape(b, (h // p) * (w // p), ch * p * p)
+
+
+class VisionTransformer(nn.Module):
+    """``images [b, C, H, W]`` -> patch features ``[n, b, hv]`` (see the module docstring)."""
+
+    def __init__(self, c: MM.MultimodalConfig, *, group, tracker, backend) -> None:
+        super().__init__()
+        vc = MM.vision_config(c)
+        self.c, self.patch_dim, self.class_token_len = c, c.patch_dim, int(c.vision_class_token)
+        self.patch_embedding = _linear(MM.patch_size(c), vc.hidden_size, vc)
+        self.class_token = None
+        if c.vision_class_token:
+            self.class_token = set_attributes(nn.Parameter(torch.empty(1, 1, vc.hidden_size, dtype=vc.params_dtype)),
+                                              parallel=False, init=("normal", vc.init_method_std))
+        self.position_embeddings = nn.Embedding(MM.vision_seq_length(c), vc.hidden_size, dtype=vc.params_dtype)
+        set_attributes(self.position_embeddings.weight, parallel=False, init=("normal", vc.init_method_std))
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleDict({
+            str(i): BertLayer(vc, group=group, sequence_parallel=False, tracker=tracker, backend=backend)
+            for i in range(vc.num_layers)})
+        self.decoder.final_layernorm = Norm(vc.hidden_size, kind=vc.normalization, eps=vc.layernorm_epsilon,
+                                            backend=backend, dtype=vc.params_dtype)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        if images.dim() != 4 or tuple(images.shape[1:]) != (c.num_channels, c.img_h, c.img_w):
+            raise ValueError(f"images must be [batch, {c.num_channels}, {c.img_h}, {c.img_w}] (--num-channels, "
+                             f"--img-h, --img-w), got {tuple(images.shape)}")
+        x = self.patch_embedding(patchify(images.to(self.patch_embedding.weight.dtype), self.patch_dim))  # [b, n, hv]
+        if self.class_token is not None:
+            x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = (x + self.position_embeddings.weight[None]).transpose(0, 1).contiguous()  # [n(+1), b, hv]
+        no_padding = torch.zeros(x.shape[1], x.shape[0], dtype=torch.bool, device=x.device)  # bidirectional
+        for layer in self.decoder.layers.values():
+            x = layer(x, no_padding)
+        return self.decoder.final_layernorm(x)[self.class_token_len:]  # [n, b, hv]
+
+
+class VisionProjection(nn.Module):
+    """``[n, b, hv] -> [n, b, h]``: ``fc2(gelu(fc1(x)))``, fc1 column- and fc2 row-parallel (output replicated)."""
+
+    def __init__(self, c: MM.MultimodalConfig, *, group) -> None:
+        super().__init__()
+        f, kw = MM.projector_ffn_size(c), dict(group=group, bias=True, sequence_parallel=False, dtype=c.params_dtype)
+        self.linear_fc1 = ColumnParallelLinear(c.vision_hidden_size, f, init_std=c.init_method_std, **kw)
+        self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=c.init_method_std, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))

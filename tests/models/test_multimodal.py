@@ -1,0 +1,267 @@
+"""LLaVAModel (ViT + MLP projector + GPT decoder) against an independent plain-torch float64 model, image
+placement and loss masking, frozen towers, tensor (+ sequence) parallel parity in one spawned run, config
+errors, and training: a caption model that learns to read the image, and the `omnitron train` command."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.models.gpt import gather_full_state
+from omnitron.core.models.multimodal import (IMAGE_TOKEN, LLaVAModel, MultimodalConfig, num_image_tokens,
+                                             num_parameters, validate_multimodal)
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.distributed import run_distributed
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
+            hidden_dropout=0.0, attention_dropout=0.0, img_h=8, img_w=12, patch_dim=4, num_channels=2,
+            vision_num_layers=2, vision_hidden_size=24, vision_num_attention_heads=4, vision_ffn_hidden_size=40,
+            projector_ffn_hidden_size=20)  # 6 image tokens
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
+             untie_embeddings_and_output_weights=True, add_bias_linear=False, vision_class_token=False)
+
+
+def _attend(W, p, x, hq, g, causal, ln, lin, freqs=None):
+    """One pre-LN layer's attention sublayer on batch-first ``x`` (fused QKV rows grouped per kv head)."""
+    b, s, h = x.shape
+    d = W[p + "self_attention.linear_qkv.weight"].shape[0] // (hq + 2 * g)
+    qkv = lin(ln(x, p + "input_layernorm"), p + "self_attention.linear_qkv").view(b, s, g, hq // g + 2, d)
+    q, k, v = qkv[..., : hq // g, :].reshape(b, s, hq, d), qkv[..., -2, :], qkv[..., -1, :]
+    k, v = k.repeat_interleave(hq // g, dim=2), v.repeat_interleave(hq // g, dim=2)
+    if freqs is not None:  # RoPE on channel halves
+        cos, sin = freqs.cos()[None, :, None], freqs.sin()[None, :, None]
+        rot = lambda t: torch.cat([t[..., :d // 2] * cos - t[..., d // 2:] * sin,  # noqa: E731
+                                   t[..., d // 2:] * cos + t[..., :d // 2] * sin], -1)
+        q, k = rot(q), rot(k)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return lin(torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, hq * d),
+               p + "self_attention.linear_proj")
+
+
+def plain_llava(W, c, tokens, images, labels, mask):
+    """Batch-first float64 LLaVA from the maths: (mean masked text loss, logits [b, s, V])."""
+    def lin(t, n):
+        return t @ W[n + ".weight"].T + (W[n + ".bias"] if n + ".bias" in W else 0.0)
+
+    def norm(t, n):
+        if c.normalization == "RMSNorm" and not n.startswith("vision_model."):  # the ViT is CLIP-style: LayerNorm
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.layernorm_epsilon) * W[n + ".weight"]
+        return F.layer_norm(t, t.shape[-1:], W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)
+
+    def mlp(t, p, swiglu):
+        y = lin(t, p + "mlp.linear_fc1")
+        y = F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if swiglu else F.gelu(y, approximate="tanh")
+        return lin(y, p + "mlp.linear_fc2")
+
+    # ViT: a stride-p convolution is the patch embedding
+    v, hv, p = "vision_model.", c.vision_hidden_size, c.patch_dim
+    kernel = W[v + "patch_embedding.weight"].reshape(hv, c.num_channels, p, p)
+    x = F.conv2d(images, kernel, W[v + "patch_embedding.bias"], stride=p).flatten(2).transpose(1, 2)  # [b, n, hv]
+    if c.vision_class_token:
+        x = torch.cat([W[v + "class_token"].expand(x.shape[0], 1, hv), x], 1)
+    x = x + W[v + "position_embeddings.weight"]
+    for i in range(c.vision_num_layers):
+        q = f"{v}decoder.layers.{i}."
+        x = x + _attend(W, q, x, c.vision_num_attention_heads, c.vision_num_attention_heads, False, norm, lin)
+        x = x + mlp(norm(x, q + "pre_mlp_layernorm"), q, False)
+    x = norm(x, v + "decoder.final_layernorm")[:, int(c.vision_class_token):]
+    img = lin(F.gelu(lin(x, "vision_projection.linear_fc1")), "vision_projection.linear_fc2")  # [b, n, h]
+    # language model: placeholders take the image embeddings (in order), text gets word + position embeddings
+    b, s = tokens.shape
+    is_img = tokens == IMAGE_TOKEN
+    h = W["embedding.word_embeddings.weight"][tokens.clamp(min=0)]
+    if "embedding.position_embeddings.weight" in W:
+        h = h + W["embedding.position_embeddings.weight"][:s]
+    h = h.clone()
+    for r in range(b):
+        h[r, is_img[r]] = img[r]
+    freqs = None
+    if c.position_embedding_type == "rope":
+        d = c.hidden_size // c.num_attention_heads
+        freqs = torch.arange(s, dtype=torch.float64)[:, None] / 10000.0 ** (torch.arange(0, d, 2).double() / d)
+    for i in range(c.num_layers):
+        q = f"decoder.layers.{i}."
+        h = h + _attend(W, q, h, c.num_attention_heads, c.num_query_groups or c.num_attention_heads, True, norm,
+                        lin, freqs)
+        h = h + mlp(norm(h, q + "pre_mlp_layernorm"), q, c.swiglu)
+    h = norm(h, "decoder.final_layernorm")
+    out = W["output_layer.weight" if c.untie_embeddings_and_output_weights else "embedding.word_embeddings.weight"]
+    logits = h @ out.T
+    text = labels != IMAGE_TOKEN
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1),
+                                reduction="none").view(b, s) * text
+    return (per_token * mask).sum() / mask.sum(), logits
+
+
+def _batch(c, gen, b=3):
+    """Random tokens with the image's placeholders at a different offset in each row; labels shifted."""
+    s, n = c.seq_length, num_image_tokens(c)
+    full = torch.randint(0, c.vocab_size, (b, s + 1), generator=gen)
+    for r in range(b):
+        start = [0, 3, s - n][r % 3]
+        full[r, start:start + n] = IMAGE_TOKEN
+    mask = (full[:, 1:] != IMAGE_TOKEN).float()
+    mask[0, -1] = 0.0  # a padding-like position
+    images = torch.rand(b, c.num_channels, c.img_h, c.img_w, generator=gen)
+    return {"tokens": full[:, :-1], "labels": full[:, 1:], "loss_mask": mask, "images": images}
+
+
+def _loss(model, batch):
+    per_token = model(batch["tokens"], batch["images"], labels=batch["labels"])
+    return (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum(), per_token
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_llava_matches_plain_float64(style):
+    c = MultimodalConfig(**BASE, **(LLAMA if style == "llama" else {}))
+    groups = ParallelGroups.single()
+    model = LLaVAModel(c, groups, seed=3)
+    assert num_parameters(c) == sum(p.numel() for p in model.parameters())
+    batch = _batch(c, torch.Generator().manual_seed(7 + len(style)))
+    loss, per_token = _loss(model, batch)
+    loss.backward()
+    W = {k: v.double().requires_grad_() for k, v in gather_full_state(model, groups).items()}
+    ref, ref_logits = plain_llava(W, c, batch["tokens"], batch["images"].double(), batch["labels"],
+                                  batch["loss_mask"].double())
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-6
+    assert (per_token[batch["labels"] == IMAGE_TOKEN] == 0).all()  # image targets carry no loss
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["images"])
+    assert _rel(logits[..., :c.vocab_size].transpose(0, 1), ref_logits) < 1e-5
+    grads = gather_full_state(model, groups, grads=True)
+    assert grads.keys() == W.keys() and any(k.startswith("vision_model.") for k in W)
+    for k, w in W.items():
+        assert _rel(grads[k], w.grad) < 1e-5, k
+
+
+def test_image_embeddings_land_exactly_at_the_placeholders():
+    c = MultimodalConfig(**BASE)
+    model = LLaVAModel(c, ParallelGroups.single(), seed=5).eval()
+    batch = _batch(c, torch.Generator().manual_seed(1))
+    seen = {}
+    model.decoder.layers["0"].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0].detach()))
+    with torch.no_grad():
+        model(batch["tokens"], batch["images"])
+        img = model.image_embeddings(batch["images"])  # [n, b, h]
+        text = model.embedding(batch["tokens"].clamp(min=0), torch.arange(c.seq_length).expand_as(batch["tokens"]))
+    x, is_img = seen["x"], batch["tokens"] == IMAGE_TOKEN  # [s, b, h], [b, s]
+    for r in range(batch["tokens"].shape[0]):
+        assert torch.equal(x[is_img[r], r], img[:, r])  # in order, unchanged (no position added)
+        assert torch.equal(x[~is_img[r], r], text[~is_img[r], r])
+    with pytest.raises(ValueError, match="exactly 6 IMAGE_TOKEN"):
+        model(batch["tokens"].clamp(min=0), batch["images"])
+    with pytest.raises(ValueError, match="--img-h"):
+        model(batch["tokens"], batch["images"][..., :8])
+
+
+def test_loss_ignores_image_positions_but_sees_the_image():
+    c = MultimodalConfig(**BASE)
+    model = LLaVAModel(c, ParallelGroups.single(), seed=2).eval()
+    batch = _batch(c, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        a = model(batch["tokens"], batch["images"], labels=batch["labels"])
+        other = model(batch["tokens"], batch["images"] + 0.5, labels=batch["labels"])
+    image_target = batch["labels"] == IMAGE_TOKEN
+    assert image_target.any() and (a[image_target] == 0).all() and (a[~image_target] > 0).all()
+    after = torch.zeros_like(image_target)  # text positions at or after a row's first image position
+    after |= (batch["tokens"] == IMAGE_TOKEN).long().cumsum(1) > 0
+    changed = (a - other).abs() > 1e-6
+    assert changed[after & ~image_target].any() and not changed[~after].any()  # causal: earlier text unaffected
+
+
+def _step(model, batch):
+    from omnitron.backends import get_backend
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.optim import MixedPrecisionOptimizer
+
+    groups = ParallelGroups.single()
+    opt = MixedPrecisionOptimizer(list(model.named_parameters()), OptimizerConfig(lr=1e-2), groups,
+                                  backend=get_backend("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _loss(model, batch)[0].backward()
+    opt.step(1e-2)
+    return opt, {n: not torch.equal(before[n], p) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tower", ["vision", "language"])
+def test_frozen_tower_gets_no_gradient_and_no_update(tower):
+    c = MultimodalConfig(**BASE, **{f"freeze_{tower}_model": True})
+    model = LLaVAModel(c, ParallelGroups.single(), seed=6)
+    batch = _batch(c, torch.Generator().manual_seed(2))
+    opt, moved = _step(model, batch)
+    in_vision = lambda n: n.startswith("vision_model.")  # noqa: E731
+    frozen = {n for n in moved if (in_vision(n) if tower == "vision" else not in_vision(n)
+                                   and not n.startswith("vision_projection."))}
+    assert frozen and all(model.get_parameter(n).grad is None and not moved[n] for n in frozen)
+    assert set(opt.names) == set(moved) - frozen  # the optimizer holds the trainable ones only
+    assert all(moved[n] for n in moved if n.startswith("vision_projection.") and n.endswith("weight"))
+    assert sum(moved[n] for n in set(moved) - frozen) > len(set(moved) - frozen) // 2
+
+
+# ---- tensor / sequence parallel parity (one spawn) ----------------------------------------------
+def _parity_worker(tp: int) -> dict:
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import allreduce_sequence_parallel_grads
+
+    torch.set_num_threads(1)
+    single = ParallelGroups.single()
+    cfgs = {"gpt2": MultimodalConfig(**{**BASE, "vocab_size": 251, "make_vocab_size_divisible_by": 1}),
+            "llama": MultimodalConfig(**BASE, **LLAMA)}
+    out = {}
+    for sp in (False, True):
+        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
+                                      get_backend().collectives)
+        for name, c in cfgs.items():
+            batch = _batch(c, torch.Generator().manual_seed(4))
+            res = {}
+            for key, g in (("tp", groups), ("ref", single)):
+                model = LLaVAModel(c, g, seed=8)
+                loss, per_token = _loss(model, batch)
+                loss.backward()
+                allreduce_sequence_parallel_grads(model, g)
+                res[key] = (loss.detach(), per_token.detach(), gather_full_state(model, g, grads=True))
+            (lt, pt, gt), (lr, pr, gr) = res["tp"], res["ref"]
+            out[(name, sp)] = {"loss": _rel(lt, lr), "token_loss": _rel(pt, pr),
+                               "grads": max(_rel(gt[k], gr[k]) for k in gr), "keys": gt.keys() == gr.keys()}
+    dist.barrier()
+    return out
+
+
+def test_tensor_and_sequence_parallel_parity_tp2():
+    for rank_result in run_distributed(_parity_worker, 2, 2):
+        assert len(rank_result) == 4
+        for case, err in rank_result.items():
+            assert err.pop("keys"), case
+            assert max(err.values()) < 1e-5, (case, err)
+
+
+def test_bad_settings_name_the_flag():
+    c = MultimodalConfig(**BASE)
+    for parallel, flag in ((ParallelConfig(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+                           (ParallelConfig(context_parallel_size=2), "--context-parallel-size"),
+                           (ParallelConfig(tensor_model_parallel_size=8), "--num-attention-heads")):
+        with pytest.raises(ConfigError, match=flag):
+            validate_multimodal(c, parallel)
+    with pytest.raises(ConfigError, match="--vision-num-attention-heads 3"):
+        validate_multimodal(dataclasses.replace(c, vision_num_attention_heads=3, vision_hidden_size=24),
+                            ParallelConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="--seq-length 6 leaves no room"):
+        validate_multimodal(dataclasses.replace(c, seq_length=6), ParallelConfig())
+    with pytest.raises(ConfigError, match="--img-w 10 is not a multiple of --patch-dim 4"):
+        MultimodalConfig(**{**BASE, "img_w": 10})
+    with pytest.raises(ConfigError, match="--vision-num-layers"):
+        MultimodalConfig(**{**BASE, "vision_num_layers": 0})
