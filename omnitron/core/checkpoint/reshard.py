@@ -306,7 +306,9 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
         local = full_state_shards(chunk, full.model, tp_size, tp_rank)
         sd = chunk.state_dict()
         models.append({k: _own(local[k]) if k in local else v for k, v in sd.items()})
-        per_kind = {k: full_state_shards(chunk, d, tp_size, tp_rank, keep_dtype=True) for k, d in kinds.items()}
+        # frozen parameters (requires_grad False) have no optimizer state: not strict here
+        per_kind = {k: full_state_shards(chunk, d, tp_size, tp_rank, keep_dtype=True, strict=False)
+                    for k, d in kinds.items()}
         low = [n for n, p in chunk.named_parameters() if p.dtype != torch.float32]
         if low:
             per_kind["master"] = full_state_shards(chunk, masters, tp_size, tp_rank, keep_dtype=True)
