@@ -46,8 +46,8 @@ class MultimodalConfig(GPTConfig):
     vision_ffn_hidden_size: int | None = None
     """--vision-ffn-hidden-size: ViT MLP width; default 4 x --vision-hidden-size."""
     vision_class_token: bool = True
-    """--vision-class-token / --no-vision-class-token: a learned class token leads the ViT sequence; its output
-    is dropped before the projector (as Megatron's LLaVA drops it), so it only shapes the patch features."""
+    """--vision-class-token: a learned class token leads the ViT sequence (--no-vision-class-token: none); its
+    output is dropped before the projector (as Megatron's LLaVA drops it), so it only shapes the patch features."""
     projector_ffn_hidden_size: int | None = None
     """--projector-ffn-hidden-size: hidden width of the 2-layer GeLU projector; default --hidden-size."""
     freeze_vision_model: bool = False
