@@ -87,3 +87,16 @@ def test_finetune_and_incompatible_load(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--hidden-size 32, this run 64" in proc.stderr
+
+
+def test_start_log_counts_parameters_by_model_family():
+    """The start-of-run parameter count is each family's own (BERT, T5 and LLaVA add what GPT's formula lacks)."""
+    from omnitron.core.models.gpt.config import num_parameters as gpt_count
+    from omnitron.core.training.loop import model_parameters
+
+    for preset, module in (("bert_tiny", "bert"), ("t5_tiny", "t5"), ("llava_tiny", "multimodal")):
+        cfg = parse_settings(["--model", preset, "--mock-data"], 1).model
+        family = __import__(f"omnitron.core.models.{module}.config", fromlist=["num_parameters"])
+        assert model_parameters(cfg) == family.num_parameters(cfg) != gpt_count(cfg), preset
+    gpt = parse_settings(["--model", "gpt2_tiny", "--mock-data"], 1).model
+    assert model_parameters(gpt) == gpt_count(gpt)

@@ -5,6 +5,7 @@ returns the per-iteration losses of this run, which the resume tests compare bit
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 
@@ -53,6 +54,13 @@ def _due(iteration: int, interval: int | None) -> bool:
     return bool(interval) and iteration % interval == 0
 
 
+def model_parameters(cfg) -> int:
+    """Total parameters by the model family's own count: each family's config module (gpt, bert, t5,
+    multimodal) defines ``num_parameters``; GPT's formula is the fall-back."""
+    family = importlib.import_module(type(cfg).__module__)
+    return getattr(family, "num_parameters", num_parameters)(cfg)
+
+
 def train(settings, backend) -> dict:
     """Train to ``--train-iters``; returns ``{"losses": {iteration: lm_loss}, "validation": [...]}``."""
     c = build_components(settings, backend)
@@ -62,7 +70,7 @@ def train(settings, backend) -> dict:
     if rank0:
         layout = (c.groups.describe() or "").splitlines()
         log.info("omnitron: %s | %.2fM parameters | %s | %d micro-batches/step | backend %s",
-                 layout[0] if layout else "", num_parameters(c.model) / 1e6,
+                 layout[0] if layout else "", model_parameters(c.model) / 1e6,
                  settings.precision.params_dtype_name, settings.num_microbatches, backend.name)
     logger = MetricsLogger(log_dir=settings.logging.log_dir or default_log_dir(ck.save),
                            log_interval=settings.logging.log_interval, train_iters=t.train_iters, enabled=rank0,
