@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The lead's one-call GPU run: scripts/device_check.sh plus the kernel, FP8 and 1.3B training
-# benchmarks (bf16, then FP8 hybrid/tensorwise through the real training loop). ~9 minutes on an H200.
+# benchmarks (bf16, then FP8 hybrid/tensorwise through the real training loop), then the MoE layer benchmark.
+# ~9.5 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/omnitron_device_check}
@@ -20,3 +21,14 @@ export OUT
 export TRAIN_BENCH_CMD="train bf16; train fp8 --fp8-format hybrid --fp8-recipe tensorwise"
 export TRAIN_BENCH_LIMIT=${TRAIN_BENCH_LIMIT:-240}
 bash scripts/device_check.sh
+rc=$?
+# MoE layer vs dense MLP (benchmarks/moe.py: ep=1, one GPU, bf16; ~30 s). $OUT already holds 8 files, so no
+# new one: the table is appended to device_check.log and one line to summary.md.
+t0=$(date +%s)
+OMNITRON_BACKEND=cuda PYTHONUNBUFFERED=1 timeout --kill-after=10 "${MOE_BENCH_LIMIT:-60}" \
+  python3 benchmarks/moe.py --ep 1 --size large 2>&1 | tee -a "$OUT/device_check.log"
+moe_rc=${PIPESTATUS[0]}
+echo "moe-bench: $([ "$moe_rc" -eq 0 ] && echo ok || echo "FAILED (rc $moe_rc)") in $(( $(date +%s) - t0 ))s (table in device_check.log)" \
+  | tee -a "$OUT/summary.md"
+[ "$rc" -ne 0 ] && exit "$rc"
+exit "$moe_rc"
