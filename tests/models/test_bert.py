@@ -130,7 +130,8 @@ def test_no_binary_head_and_parameter_count():
 
 def test_unsupported_layouts_are_rejected_with_the_flag():
     c = BertConfig(**BASE)
-    for parallel, flag in ((ParallelConfig(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
+    validate_bert(c, ParallelConfig(pipeline_model_parallel_size=2))  # pipeline stages run
+    for parallel, flag in ((ParallelConfig(pipeline_model_parallel_size=4), "--num-layers 2"),
                            (ParallelConfig(context_parallel_size=2), "--context-parallel-size")):
         with pytest.raises(ConfigError, match=flag):
             validate_bert(c, parallel)
@@ -195,7 +196,7 @@ def test_train_settings_for_bert(tmp_path):
     s = parse_settings(_train_args(tmp_path, "--no-bert-binary-head", "--num-tokentypes", "0"), world_size=2)
     assert s.model_type == "bert" and isinstance(s.model, BertConfig) and not s.model.bert_binary_head
     assert s.model.num_tokentypes == 0 and s.data.tokenizer_type == "BertWordPieceLowerCase"
-    bad = [(["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2: BERT"),
+    bad = [(["--context-parallel-size", "2"], "--context-parallel-size 2: BERT"),
            (["--tokenizer-type", "GPT2BPETokenizer"], "BertWordPieceLowerCase"),
            (["--prompt", "hi"], "--prompt")]
     for extra, message in bad:

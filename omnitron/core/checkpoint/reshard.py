@@ -142,15 +142,16 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, in
     from omnitron.core.models.multimodal import LLaVAModel, MultimodalConfig
     from omnitron.core.models.t5 import T5Config, T5Model
 
-    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
+    for config_cls, model_cls in ((T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
         if isinstance(cfg, config_cls):  # one stage, one chunk
             return {(0, 0): model_cls(cfg, groups, backend=get_backend("cpu"), seed=0)}
     ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
     out = {}
     for (r, c), (offset, n) in sorted(ranges.items()):
         first, last = r == 0 and c == 0, r == layout.pp - 1 and c == layout.chunks - 1
-        out[(r, c)] = GPTModel(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
-                               backend=get_backend("cpu"), seed=0)
+        stage_cls = BertModel if isinstance(cfg, BertConfig) else GPTModel  # BERT: per-stage skeletons too
+        out[(r, c)] = stage_cls(cfg, groups, pre_process=first, post_process=last, layer_offset=offset,
+                                num_layers=n, backend=get_backend("cpu"), seed=0)
     return out
 
 

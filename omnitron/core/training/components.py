@@ -60,9 +60,9 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
 
 
 def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
-    """This pipeline rank's chunks (one per virtual stage), each a GPTModel over its layer range
-    (a BERT / T5 / multimodal config: the one BertModel / T5Model / LLaVAModel chunk; no pipeline stages)."""
-    for config_cls, model_cls in ((BertConfig, BertModel), (T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
+    """This pipeline rank's chunks (one per virtual stage), each a GPTModel (a BertModel for a BERT
+    config) over its layer range (a T5 / multimodal config: the one T5Model / LLaVAModel chunk; no stages)."""
+    for config_cls, model_cls in ((T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
         if isinstance(cfg, config_cls):
             return [model_cls(cfg, groups, backend=backend, seed=seed).to(backend.current_device())]
     pp, vp = groups.pp.size, groups.config.virtual_pipeline_model_parallel_size or 1
@@ -74,8 +74,9 @@ def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backen
     for c in range(vp):
         offset, n = ranges[(rank, c)]
         first, last = rank == 0 and c == 0, rank == pp - 1 and c == vp - 1
-        chunk = GPTModel(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
-                         backend=backend, seed=seed)
+        stage_cls = BertModel if isinstance(cfg, BertConfig) else GPTModel
+        chunk = stage_cls(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
+                          backend=backend, seed=seed)
         chunks.append(chunk.to(backend.current_device()))
     return chunks
 

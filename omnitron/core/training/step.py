@@ -33,10 +33,11 @@ def _unwrap(chunk):
 
 def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torch.Tensor:
     """Run one chunk on one micro-batch: tokens in on the first stage, per-token loss out on the last
-    (BERT, one stage: ``(per-token MLM loss, binary logits)``, for :func:`bert_loss`)."""
+    (BERT: ``(per-token MLM loss, binary logits)``, for :func:`bert_loss`; every stage reads the padding mask)."""
     m = _unwrap(chunk)
     if isinstance(m, BertModel):
-        return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"])
+        return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"],
+                     hidden=hidden)
     if isinstance(m, LLaVAModel):  # one stage; per-token caption loss, masked by the default loss function
         return chunk(batch["tokens"], batch["images"], batch["position_ids"], labels=batch["labels"])
     if isinstance(m, T5Model):  # one stage; per-token decoder loss, masked by the default loss function
@@ -94,9 +95,9 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
 
 def _stage_iterator(c, data_iterator):
     """Only the first and last stage read batches (middle stages get None, unless attention needs the
-    batches' document ids: ``--reset-attention-mask``); each keeps its cp slice."""
+    batches' document ids, ``--reset-attention-mask``, or BERT's padding mask); each keeps its cp slice."""
     needs = any(_unwrap(ch).pre_process or _unwrap(ch).post_process for ch in c.chunks)
-    needs = needs or getattr(c.settings.data, "reset_attention_mask", False)
+    needs = needs or getattr(c.settings.data, "reset_attention_mask", False) or isinstance(c.model, BertConfig)
     if not needs or data_iterator is None:
         return None
     cp = c.groups.cp

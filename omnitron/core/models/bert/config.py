@@ -30,22 +30,24 @@ class BertConfig(GPTConfig):
             raise ConfigError(f"--num-tokentypes must be a non-negative integer, got {self.num_tokentypes!r}")
 
 
-def validate_bert(c: BertConfig, parallel: ParallelConfig) -> None:
-    """The GPT checks, plus what this BERT implementation does not run; errors name the flag and fix."""
-    validate_model(c, parallel)
-    validate_single_stage(c, parallel, family="BERT", needs="every layer needs the padding mask",
-                          attention="bidirectional, padded attention", output="masked-LM output")
+def validate_bert(c: BertConfig, parallel: ParallelConfig, *, check_layers: bool = True) -> None:
+    """The GPT checks, plus what this BERT implementation does not run; errors name the flag and fix.
+    Pipeline stages run (``check_layers=False``: uneven stages, checked by the layer placement)."""
+    validate_model(c, parallel, check_layers=check_layers and not parallel.uneven_pipeline)
+    validate_single_stage(c, parallel, family="BERT", needs=None, attention="bidirectional, padded attention",
+                          output="masked-LM output")
     if c.bert_binary_head and c.num_tokentypes < 2:
         raise ConfigError(f"--bert-binary-head needs two segments, so --num-tokentypes >= 2 (got "
                           f"{c.num_tokentypes}); set --num-tokentypes 2 or pass --no-bert-binary-head")
 
 
-def validate_single_stage(c, parallel: ParallelConfig, *, family: str, needs: str, attention: str,
+def validate_single_stage(c, parallel: ParallelConfig, *, family: str, needs: str | None, attention: str,
                           output: str) -> None:
-    """What the one-stage, padded-attention families (BERT, T5) do not run, each error naming the flag and
-    the fix: pipeline (``needs``: why) and context parallelism (``attention``: what has no ring), positions
-    other than learned absolute, an untied ``output``, Mixture-of-Experts layers."""
-    if parallel.pipeline_model_parallel_size > 1:
+    """What the padded-attention families (BERT, T5) do not run, each error naming the flag and the fix:
+    pipeline parallelism (``needs``: why; None: the family runs pipeline stages) and context parallelism
+    (``attention``: what has no ring), positions other than learned absolute, an untied ``output``,
+    Mixture-of-Experts layers."""
+    if needs is not None and parallel.pipeline_model_parallel_size > 1:
         raise ConfigError(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}: {family} runs "
                           f"without pipeline parallelism here ({needs}); use --pipeline-model-parallel-size 1 and "
                           "tensor/data parallelism")

@@ -10,8 +10,12 @@ Transformer layers attending bidirectionally over the non-padding keys -> final 
 
 Tensor and sequence parallelism reuse the GPT layers. The class reuses :class:`GPTModel`'s
 layout-independent init, recompute-aware layer runner and vocabulary-padding helpers, so the
-layer stack keeps GPT's name ``decoder`` (the same checkpoint and state tools read both). No
-pipeline stages: one chunk holds the whole model (the config validation says so).
+layer stack keeps GPT's name ``decoder`` (the same checkpoint and state tools read both).
+
+Pipeline stages as GPT's: ``pre_process`` adds the embeddings, ``post_process`` the final norm and
+both heads; layers keep their global names. A last stage that is not also the first holds a copy
+of the word embedding as its output weight (same initial values, gradients summed with the first
+stage's over ``groups.embedding``). Every stage reads the padding mask.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from torch import nn
 from omnitron.backends import get_backend
 from omnitron.core.models.bert import config as B
 from omnitron.core.models.gpt import config as C
-from omnitron.core.models.gpt.model import GPTEmbedding, GPTModel
+from omnitron.core.models.gpt.model import WORD_EMBEDDING, GPTEmbedding, GPTModel
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
@@ -92,73 +96,105 @@ class BertLMHead(nn.Module):
         return self.layer_norm(F.gelu(self.dense(x)))
 
 
-def init_single_stage(model: GPTModel, config, groups, *, backend, seed: int, num_layers: int) -> None:
-    """What :class:`GPTModel`'s reused methods read, set on a one-stage model (BERT, T5) whose own
-    ``__init__`` replaces GPTModel's: config, groups, backend, the stage flags, sequence parallelism and
-    the RNG tracker with the tensor-parallel-rank stream."""
+def init_single_stage(model: GPTModel, config, groups, *, backend, seed: int, num_layers: int,
+                      pre_process: bool = True, post_process: bool = True, layer_offset: int = 0) -> None:
+    """What :class:`GPTModel`'s reused methods read, set on a model (BERT, T5) whose own ``__init__``
+    replaces GPTModel's: config, groups, backend, the stage flags and layer range (default: the whole
+    model on one stage), sequence parallelism and the RNG tracker with the tp- and pp-rank stream."""
     nn.Module.__init__(model)  # NOTE: GPTModel's own __init__ builds GPT modules; only its methods are reused
+    if layer_offset < 0 or layer_offset + num_layers > config.num_layers:
+        raise ValueError(f"layers [{layer_offset}, {layer_offset + num_layers}) outside the model's "
+                         f"{config.num_layers}")
     model.config, model.groups = config, groups
     model.backend = backend or get_backend()
-    model.pre_process = model.post_process = True
-    model.label_smoothing, model.layer_offset, model.num_local_layers = 0.0, 0, num_layers
+    model.pre_process, model.post_process = pre_process, post_process
+    model.label_smoothing, model.layer_offset, model.num_local_layers = 0.0, layer_offset, num_layers
     model.sp = bool(groups.config.sequence_parallel and groups.tp.size > 1)
     model.rng_tracker = RNGTracker(model.backend)
-    model.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(groups.tp), 0))
+    model.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(groups.tp), M.local_rank(groups.pp)))
 
 
 class BertModel(GPTModel):
-    """The whole BERT on one pipeline stage; ``forward`` documents the tensors in and out."""
+    """A BERT pipeline stage (by default the whole model); ``forward`` documents the tensors in and out."""
 
-    def __init__(self, config: B.BertConfig, groups, *, backend=None, seed: int = 1234) -> None:
-        B.validate_bert(config, groups.config)
-        init_single_stage(self, config, groups, backend=backend, seed=seed, num_layers=config.num_layers)
+    def __init__(self, config: B.BertConfig, groups, *, pre_process: bool = True, post_process: bool = True,
+                 layer_offset: int = 0, num_layers: int | None = None, backend=None, seed: int = 1234) -> None:
+        B.validate_bert(config, groups.config, check_layers=num_layers is None)
+        n = config.num_layers if num_layers is None else num_layers
+        init_single_stage(self, config, groups, backend=backend, seed=seed, num_layers=n, pre_process=pre_process,
+                          post_process=post_process, layer_offset=layer_offset)
         tp = groups.tp
         lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend)
-        self.embedding = BertEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
+        if pre_process:
+            self.embedding = BertEmbedding(config, group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker)
         self.decoder = nn.Module()
-        self.decoder.layers = nn.ModuleDict({str(i): BertLayer(config, **lkw) for i in range(config.num_layers)})
+        self.decoder.layers = nn.ModuleDict({str(i): BertLayer(config, **lkw)
+                                             for i in range(layer_offset, layer_offset + n)})
+        if post_process:
+            self._build_heads(config)
+        self.reset_parameters(seed)
+
+    def _build_heads(self, config: B.BertConfig) -> None:
+        """Final norm, MLM head and tied output layer (its own copy of the word embedding when this
+        stage has no embedding), pooler + binary head."""
+        tp = self.groups.tp
         self.decoder.final_layernorm = Norm(config.hidden_size, kind=config.normalization,
                                             eps=config.layernorm_epsilon, backend=self.backend,
                                             partial_grad=self.sp, dtype=config.params_dtype)
         self.lm_head = BertLMHead(config, sequence_parallel=self.sp, backend=self.backend)
         self.output_layer = ColumnParallelLinear(config.hidden_size, C.padded_vocab_size(config, tp.size), group=tp,
-                                                 bias=True, sequence_parallel=self.sp, own_weight=False,
+                                                 bias=True, sequence_parallel=self.sp, own_weight=not self.pre_process,
+                                                 init_std=config.init_method_std, valid_rows=config.vocab_size,
                                                  dtype=config.params_dtype)
         self.output_layer.bias.valid_rows = config.vocab_size  # padding columns are dropped from full views
+        if not self.pre_process:  # the last stage's copy of the word embedding: same init, grads all-reduced
+            self.output_layer.weight.init_name = WORD_EMBEDDING
+            self.output_layer.weight.shared_embedding = True
         self.pooler = self.binary_head = None
         if config.bert_binary_head:
             self.pooler = nn.Module()
             self.pooler.dense = _linear(config.hidden_size, config.hidden_size, config)
             self.binary_head = _linear(config.hidden_size, 2, config)
-        self.reset_parameters(seed)
 
-    def forward(self, tokens: torch.Tensor, padding_mask: torch.Tensor, tokentype_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
-        """``tokens [b, s]`` int64, ``padding_mask [b, s]`` (nonzero at padding), ``tokentype_ids [b, s]``.
+    def forward(self, tokens: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+                tokentype_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None):
+        """``padding_mask [b, s]`` (nonzero at padding) on every stage. First stage: ``tokens [b, s]``
+        int64 and ``tokentype_ids [b, s]``; later stages: ``hidden [s(/tp), b, h]`` from the previous one.
 
-        Returns ``(lm, binary_logits)``: ``lm`` is the per-token float32 MLM loss ``[b, s]`` when
-        ``labels [b, s]`` are given (every position; the loss mask picks the masked ones), else the
-        tp-local logits ``[s, b, V_pad/tp]`` with padding columns at -inf; ``binary_logits [b, 2]``
-        (None without the binary head)."""
-        if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        pad = padding_mask.to(torch.bool)
-        x = self.embedding(tokens, position_ids, tokentype_ids)
-        x = self._run_layers(x, pad)  # NOTE: GPT's runner passes its second argument (here the mask) to each layer
+        A stage without the heads returns its hidden states for the next stage. The last returns
+        ``(lm, binary_logits)``: ``lm`` is the per-token float32 MLM loss ``[b, s]`` when ``labels [b, s]``
+        are given (every position; the loss mask picks the masked ones), else the tp-local logits
+        ``[s, b, V_pad/tp]`` with padding columns at -inf; ``binary_logits [b, 2]`` (None without the
+        binary head)."""
+        if padding_mask is None:
+            raise ValueError("every BERT pipeline stage needs padding_mask [b, s] (nonzero at padding)")
+        if self.pre_process:
+            if tokens is None:
+                raise ValueError("the first BERT pipeline stage needs tokens [b, s]")
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            x = self.embedding(tokens, position_ids, tokentype_ids)
+        elif hidden is None:
+            raise ValueError("a non-first BERT pipeline stage needs hidden [s, b, h] from the previous stage")
+        else:
+            x = hidden
+        x = self._run_layers(x, padding_mask.to(torch.bool))  # NOTE: GPT's runner passes the mask to each layer
+        return self._heads(x, labels) if self.post_process else x
+
+    def _heads(self, x: torch.Tensor, labels: torch.Tensor | None):
+        """Final norm, then ``(MLM loss or logits, binary logits)`` as :meth:`forward` returns them."""
         x = self.decoder.final_layernorm(x)  # [s(/tp), b, h]
         binary = None
         if self.binary_head is not None:
             cls = (M.gather_from_sp(x, self.groups.tp, grad_is_partial=False) if self.sp else x)[0]  # [b, h]
             binary = self.binary_head(torch.tanh(self.pooler.dense(cls))).float()
-        logits = self.output_layer(self.lm_head(x), self.embedding.word_embeddings.weight)  # [s, b, V_pad/tp]
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self.output_layer(self.lm_head(x), weight)  # [s, b, V_pad/tp]
         if labels is None:
             return self._mask_padding(logits), binary
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size)
         return loss.t(), binary  # [b, s] float32
-
-    def shared_embedding_parameters(self) -> list[nn.Parameter]:
-        """None: the output layer uses the word embedding itself (one stage)."""
-        return []
 
 
 def bert_loss(output, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
