@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from omnitron.backends import get_backend
-from omnitron.core.inference import generate
+from omnitron.core.inference import SamplingParams, generate
 from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.parallel.groups import ParallelGroups
@@ -35,8 +35,8 @@ def test_cache_matches_full_recompute():
 def test_top_k_sampling():
     model = _model(gpt2_tiny(num_layers=1, hidden_size=64, vocab_size=300, seq_length=32, max_position_embeddings=32))
     prompt = [1, 2, 3]
-    a = generate(model, prompt, 10, top_k=5, generator=torch.Generator().manual_seed(0))
-    b = generate(model, prompt, 10, top_k=5, generator=torch.Generator().manual_seed(0))
+    a = generate(model, prompt, 10, params=SamplingParams(top_k=5, seed=0))
+    b = generate(model, prompt, 10, params=SamplingParams(top_k=5, seed=0))
     assert a == b
     model.eval()
     with torch.no_grad():

@@ -1,0 +1,143 @@
+"""Batched generation with a KV cache: prompts of different lengths at once, on one process.
+
+Prompts are LEFT-padded to the longest, so every row appends its next token at the same cache slot
+and one forward of ``[b, 1]`` tokens advances the whole batch. Each row keeps its own positions
+(counted from its first real token) and the cache's validity mask hides its padding slots (see
+:mod:`omnitron.core.inference.kv_cache`), so a row's logits equal those of the prompt run alone.
+A row stops at ``eod`` or when its next position would pass the model's context; the batch stops
+when every row has. ``use_cache=False`` recomputes the whole padded sequence every step (the same
+masks, no cache): the slow reference.
+
+Log-probs (``return_log_probs``, Megatron's ``--return-log-probs``) are the model's own ``log_softmax``
+of the raw logits (before temperature / top-k / top-p) of every token after the first: the prompt's
+(from the prefill) and the generated ones.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from omnitron.core.inference.kv_cache import KVCache
+from omnitron.core.inference.sampling import GREEDY, SamplingParams, row_generators, sample_next
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(ids [b, s], position_ids [b, s]) -> logits [s, b, V]`` (padding columns at -inf)."""
+
+
+@dataclass
+class Generation:
+    """What :func:`generate_batch` returns, one entry per prompt."""
+
+    tokens: list[list[int]]
+    """The generated tokens (without the prompt; ending with ``eod`` when the row stopped there)."""
+    log_probs: list[list[float]] | None
+    """``log p(token)`` of every token after the first (prompt[1:] then the generated ones), or None."""
+
+
+def context_limit(model) -> int:
+    """Positions the model can embed (``--max-position-embeddings``, else ``--seq-length``)."""
+    return model.config.max_position_embeddings or model.config.seq_length
+
+
+def _check_prompts(prompts, vocab_size: int, limit: int, check_ids: bool) -> None:
+    if not prompts:
+        raise ValueError("generate: give at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
+        if len(p) > limit:
+            raise ValueError(f"generate: prompt {i} has {len(p)} tokens, more than the model's context of {limit} "
+                             "positions; shorten it")
+        if check_ids and not all(0 <= t < vocab_size for t in p):
+            raise ValueError(f"generate: prompt {i} holds token ids outside [0, {vocab_size}), the model's vocabulary")
+
+
+def _left_pad(prompts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ids [b, L]`` (padding id 0), ``valid [b, L]`` bool and per-row ``positions [b, L]``."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    pad = (width - lengths)[:, None]  # [b, 1]
+    slots = torch.arange(width)[None, :]
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+    return ids.to(device), (slots >= pad).to(device), (slots - pad).clamp(min=0).to(device)
+
+
+def _prompt_log_probs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> list[list[float]]:
+    """Per row, ``log p(prompt[j + 1] | prompt[:j + 1])`` from the prefill logits ``[L, b, V]``."""
+    lp = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)[:, :-1]  # [b, L-1, V]
+    picked = torch.gather(lp, 2, ids[:, 1:, None])[..., 0]  # [b, L-1]
+    keep = valid[:, :-1]  # the predicting slot is a real token
+    return [picked[i][keep[i]].tolist() for i in range(ids.shape[0])]
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams = GREEDY,
+                   eod: int | None = None, return_log_probs: bool = False, use_cache: bool = True,
+                   forward: Forward | None = None, check_ids: bool = True) -> Generation:
+    """Continue every prompt by up to ``max_new_tokens`` tokens (see the module docstring).
+
+    ``forward`` runs the model on ``(ids, positions)`` (default: ``model(tokens=, position_ids=)``, a GPT);
+    the T5 and LLaVA wrappers pass their own. ``model.decoder.layers`` get the KV cache."""
+    if max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    limit = context_limit(model)
+    _check_prompts(prompts, model.config.vocab_size, limit, check_ids)
+    forward = forward or (lambda ids, pos: model(tokens=ids, position_ids=pos))
+    device = next(model.parameters()).device
+    ids, valid, pos = _left_pad(prompts, device)
+    padded = not bool(valid.all())
+    gens = row_generators(params, len(prompts))
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache(model) if use_cache else contextlib.nullcontext()
+        with cache:
+            return _decode(model, forward, cache if use_cache else None, ids, valid, pos, padded, max_new_tokens,
+                           params, gens, eod, return_log_probs, limit, [len(p) for p in prompts])
+    finally:
+        model.train(was_training)
+
+
+def _run(model, forward, cache, ids, valid, pos, padded, step: int):
+    """Logits ``[s, b, V]`` of this step: the new slot with the cache, else the whole sequence."""
+    if cache is not None:
+        cache.valid = valid if padded else None
+        return forward(ids[:, step:], pos[:, step:])
+    with KVCache(model) as fresh:  # a throwaway cache: its masks, no reuse
+        fresh.valid = valid if padded else None
+        return forward(ids, pos)
+
+
+def _decode(model, forward, cache, ids, valid, pos, padded, max_new, params, gens, eod, want_lp, limit, lengths):
+    """The decoding loop of :func:`generate_batch` (inside the cache context)."""
+    b = ids.shape[0]
+    new = [[] for _ in range(b)]
+    lps = None
+    done = [n >= limit or max_new == 0 for n in lengths]
+    logits = _run(model, forward, cache, ids, valid, pos, padded, 0)
+    if want_lp:
+        lps = _prompt_log_probs(logits, ids, valid)
+    while not all(done):
+        last = logits[-1].float()  # [b, V]
+        nxt = sample_next(last, params, gens)
+        step_lp = torch.log_softmax(last, dim=-1).gather(1, nxt[:, None])[:, 0].tolist() if want_lp else None
+        for i, t in enumerate(nxt.tolist()):
+            if done[i]:
+                continue
+            new[i].append(t)
+            if want_lp:
+                lps[i].append(step_lp[i])
+            done[i] = t == eod or len(new[i]) >= max_new or lengths[i] + len(new[i]) >= limit
+        if all(done):
+            break
+        step = ids.shape[1]
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        valid = torch.cat([valid, valid.new_ones(b, 1)], 1)
+        pos = torch.cat([pos, (pos[:, -1:] + 1).clamp(max=limit - 1)], 1)  # finished rows stay in range
+        logits = _run(model, forward, cache, ids, valid, pos, padded, step)
+    return Generation(tokens=new, log_probs=lps)

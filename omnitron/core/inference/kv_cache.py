@@ -1,0 +1,89 @@
+"""Key/value caches installed on a model's attention modules for incremental decoding.
+
+:class:`KVCache` replaces each decoder self-attention's ``core_attention`` (an instance attribute
+shadowing the method; removed on exit) with one that appends the step's keys/values to a per-layer
+cache, so each new token costs one position's forward instead of the whole prefix. Rows of a batch
+share cache slots: prompts are LEFT-padded to one length, and ``valid [b, slots]`` (set by the caller
+before each forward) says which slots hold real tokens. A query at slot ``q`` attends to the valid
+slots ``k <= q`` (and to itself, so a padding query never sees an empty row: its output is unused,
+but an all-masked softmax would put NaN into the cache). Without padding the backend's fused
+attention kernel runs as before (causal prefill, then single queries over the whole cache).
+
+:class:`CrossKVCache` memoizes each T5 decoder layer's cross-attention key/value projection of the
+encoder output ("memory"), which does not change while decoding: computed on the first step, reused.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Per-layer self-attention key/value cache over ``model.decoder.layers`` (``with KVCache(model) as c:``)."""
+
+    def __init__(self, model) -> None:
+        self.attn = [layer.self_attention for layer in model.decoder.layers.values()]
+        self.keys: list[torch.Tensor | None] = [None] * len(self.attn)
+        self.values: list[torch.Tensor | None] = [None] * len(self.attn)
+        self.valid: torch.Tensor | None = None
+        """``[b, slots]`` bool, True at real tokens; None = every slot is real (no padding)."""
+
+    def _core(self, i: int, module):
+        def core_attention(q, k, v, key_padding_mask=None, document_ids=None):  # [b, heads, s_new, d]
+            if key_padding_mask is not None or document_ids is not None:
+                raise ValueError("KVCache decodes causal models; a key padding mask (bidirectional attention, BERT) "
+                                 "or packed-document ids have nothing to generate")
+            if self.keys[i] is not None:
+                k = torch.cat([self.keys[i], k], dim=2)
+                v = torch.cat([self.values[i], v], dim=2)
+            self.keys[i], self.values[i] = k, v
+            return self._attend(module, q, k, v)
+
+        return core_attention
+
+    def _attend(self, module, q, k, v):
+        """Attention of the new queries (the last ``s_new`` slots) over every cached slot."""
+        s_new, s_all = q.shape[2], k.shape[2]
+        if self.valid is None:
+            if s_new > 1 and s_new != s_all:
+                raise ValueError("KVCache: multi-token steps after the prefill need a validity mask (set .valid)")
+            return module.backend.kernels.attention(q, k, v, causal=s_new > 1, dropout_p=0.0)
+        if tuple(self.valid.shape) != (q.shape[0], s_all):
+            raise ValueError(f"KVCache.valid must be [batch, slots] = {(q.shape[0], s_all)}, "
+                             f"got {tuple(self.valid.shape)}")
+        qpos = torch.arange(s_all - s_new, s_all, device=q.device)[:, None]  # [s_new, 1] slot of each query
+        kpos = torch.arange(s_all, device=q.device)[None, :]  # [1, s_all]
+        keep = (kpos <= qpos) & (self.valid[:, None, :] | (kpos == qpos))  # [b, s_new, s_all]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=k.shape[1] != q.shape[1])
+
+    def __enter__(self) -> "KVCache":
+        for i, a in enumerate(self.attn):
+            a.core_attention = self._core(i, a)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for a in self.attn:
+            del a.core_attention  # back to the class method
+
+
+class CrossKVCache:
+    """Each decoder layer's cross-attention ``linear_kv(memory)``, computed once (``with CrossKVCache(model):``)."""
+
+    def __init__(self, model) -> None:
+        self.linears = [layer.cross_attention.linear_kv for layer in model.decoder.layers.values()]
+
+    def __enter__(self) -> "CrossKVCache":
+        for lin in self.linears:
+            forward, store = lin.forward, {}
+
+            def cached(memory, forward=forward, store=store):
+                if "kv" not in store:
+                    store["kv"] = forward(memory)
+                return store["kv"]
+
+            lin.forward = cached
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for lin in self.linears:
+            del lin.forward  # back to the class method

@@ -1,0 +1,85 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), one seed per row.
+
+Megatron's conventions: ``top_k == 1`` (or ``temperature == 0``) is greedy, ``top_k == 0`` and
+``top_p == 0`` switch those filters off. Unlike Megatron, top-k and top-p may be combined (top-k
+first, then the nucleus of what is left).
+
+Each row samples with its own ``torch.Generator`` and draws exactly one uniform number per step, then
+inverts the cumulative distribution over the vocabulary in id order. So a row's tokens depend only on
+its own seed and logits, not on the batch it was generated in: a prompt sampled alone with seed ``s``
+gives the same continuation as row ``i`` of a batch seeded ``s - i`` (rows are seeded ``seed + i``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the next token is chosen (checked on construction, so a bad value fails before any forward)."""
+
+    temperature: float = 1.0
+    """Logits are divided by it before top-k / top-p; 0 means greedy."""
+    top_k: int = 0
+    """Keep the k likeliest tokens; 1 = greedy, 0 = no limit (Megatron)."""
+    top_p: float = 0.0
+    """Keep the smallest set of likeliest tokens whose probability reaches p; 0 = off (Megatron)."""
+    seed: int | None = None
+    """Row ``i`` samples with a generator seeded ``seed + i``; None: seeded from torch's global RNG."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filter, 1: greedy), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in [0, 1] (0: no nucleus filter), got {self.top_p!r}")
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be a number in [0, 100] (0: greedy), got {self.temperature!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1 or self.temperature == 0.0
+
+
+GREEDY = SamplingParams(top_k=1)
+
+
+def row_generators(params: SamplingParams, rows: int) -> list[torch.Generator] | None:
+    """One CPU generator per row (None when greedy: nothing is drawn)."""
+    if params.greedy:
+        return None
+    base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)))
+    return [torch.Generator().manual_seed(base + i) for i in range(rows)]
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[b, V]`` fp32 logits / temperature with the tokens outside top-k and the nucleus at -inf."""
+    x = logits / params.temperature
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]  # [b, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if 0.0 < params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly likelier tokens
+        drop_sorted = before >= params.top_p  # the first token is always kept (before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """Next token ids ``[b]`` (int64, on the logits' device) from fp32 ``logits [b, V]``."""
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    probs = torch.softmax(filter_logits(logits.float(), params), dim=-1).cpu()
+    cdf = torch.cumsum(probs, dim=-1)  # [b, V]
+    u = torch.cat([torch.rand(1, generator=g) for g in generators])  # [b], one draw per row
+    ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # NOTE: u * total can round onto the last cdf value; never step past the last kept token
+    last_kept = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
+    return torch.minimum(ids, last_kept).to(logits.device)
