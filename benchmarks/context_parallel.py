@@ -8,7 +8,8 @@ forward + backward on ``[b=1, s=--seq]`` with ``--heads`` heads of 64, fp32:
 - ``core attention``: q, k, v -> out. ``sdpa``: the engine's attention kernel at cp=1 (PyTorch SDPA,
   a flash-style kernel on CPU that never holds the s x s scores); ``block``: the ring's own per-block
   kernel (plain maths: the scores are materialised, recomputed in backward) on the whole sequence,
-  i.e. the same attention maths as cp=2; ``ring``: ring attention at cp=2.
+  i.e. the reference maths of the ring's blocks; ``ring``: ring attention at cp=2 with the backend's
+  block kernel (on CPU ATen's flash kernel with log-sum-exp, ``cpu_flash``; the reference elsewhere).
 - ``attention layer``: the engine's SelfAttention (QKV and output projections + core attention);
   ``block`` swaps the module's attention kernel for the ring's block kernel.
 - ``GPT step``: a small GPT-2 style model (``--layers`` layers, hidden 64 x heads, vocab 1024),
@@ -207,7 +208,7 @@ def _variants(groups, single, seq: int, heads: int, layers: int, waits: dict) ->
     """name -> (runs on the cp=2 world?, closure) for this rank; ``waits`` gets the ring variants' collectives."""
     from omnitron.backends import get_backend
     from omnitron.core.models.gpt import GPTModel
-    from omnitron.core.parallel.context import BlockKernel, ring_attention, split_sequence
+    from omnitron.core.parallel.context import BlockKernel, backend_kernel, ring_attention, split_sequence
     from omnitron.core.transformer.attention import SelfAttention
 
     be, cp, rank = get_backend(), groups.cp, groups.cp.rank
@@ -228,8 +229,8 @@ def _variants(groups, single, seq: int, heads: int, layers: int, waits: dict) ->
                  comm_only=_RingCollectives(be.collectives, False))
     null = BlockKernel(_null_forward, _null_backward)
 
-    def ring(coll, kernel=None):
-        kw = {} if kernel is None else {"kernel": kernel}
+    def ring(coll, kernel=None):  # the engine's path: the backend's block kernel (flash on CPU)
+        kw = {"kernel": kernel or backend_kernel(be)}
         return lambda a, b, c: ring_attention(a, b, c, group=cp, collectives=coll, causal=True, **kw)
 
     def gpt_step(model, t, lab_):

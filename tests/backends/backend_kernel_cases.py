@@ -107,6 +107,25 @@ def _attention(device, dtype):
             Case("gqa-causal-d32", qkv(4, 1, 32), {"causal": True}, grad=(0, 1, 2))]
 
 
+def _attention_block(device, dtype, backward=False):
+    """Ring-attention blocks, in float32 whatever ``dtype`` (the ring computes its blocks in fp32);
+    the backward cases carry the reference forward's output and log-sum-exp."""
+    from omnitron.kernels.reference.attention_block import block_forward
+
+    cases = []
+    for label, hq, hkv, sq, sk, causal in (("mha-causal", 4, 4, 16, 16, True), ("gqa-rect", 4, 2, 16, 24, False),
+                                           ("mqa-causal", 4, 1, 16, 16, True)):
+        q = _r(2, hq, sq, 32, device=device, dtype=torch.float32)
+        k, v = (_r(2, hkv, sk, 32, device=device, dtype=torch.float32) for _ in range(2))
+        kw = {"causal": causal, "scale": 0.2}
+        if backward:
+            out, lse = block_forward(q, k, v, **kw)
+            cases.append(Case(label, (_r(*out.shape, device=device, dtype=torch.float32), q, k, v, out, lse), kw))
+        else:
+            cases.append(Case(label, (q, k, v), kw))
+    return cases
+
+
 def _adamw(device, dtype):
     shapes = [(10,), (3, 4), (5, 1, 2)]
     params = [_r(*s, device=device, dtype=torch.float32) for s in shapes]
@@ -133,6 +152,8 @@ CASES: dict[str, Callable[[torch.device, torch.dtype], list[Case]]] = {
     "bias_dropout_add": _bias_dropout_add, "rope": _rope, "softmax_cross_entropy": _cross_entropy,
     "scaled_softmax": _scaled_softmax, "attention": _attention, "adamw_step": _adamw, "grad_norm_sq": _grad_norm,
     "fp8_cast_transpose_amax": _fp8_cast,
+    "attention_block_forward": _attention_block,
+    "attention_block_backward": lambda device, dtype: _attention_block(device, dtype, backward=True),
     "add_rms_norm": lambda device, dtype: _add_norms(device, dtype, False),
     "add_layer_norm": lambda device, dtype: _add_norms(device, dtype, True),
 }

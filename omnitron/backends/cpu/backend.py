@@ -119,5 +119,8 @@ class CPUBackend(Backend):
     def collectives(self) -> Collectives:
         return self._collectives
 
+    def register_kernels(self) -> None:
+        import omnitron.backends.cpu.kernels  # noqa: F401 - registers the "cpu_flash" implementations
+
     def kernel_preference(self) -> tuple[str, ...]:
-        return ("cpp", "reference")
+        return ("cpp", "cpu_flash", "reference")

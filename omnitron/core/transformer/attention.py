@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnitron.core.parallel.context.blocks import backend_kernel
 from omnitron.core.parallel.context.ring import ring_attention
 from omnitron.core.parallel.groups import Group
 from omnitron.core.parallel.tensor import mappings as M
@@ -148,7 +149,7 @@ class SelfAttention(nn.Module):
                 with self.tracker.fork():
                     seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
             return ring_attention(q, k, v, group=self.cp_group, collectives=self.backend.collectives, causal=True,
-                                  dropout_p=p, seed=seed)
+                                  dropout_p=p, seed=seed, kernel=backend_kernel(self.backend))
         if p == 0.0:
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
         with self.tracker.fork():

@@ -4,7 +4,7 @@
 per-block attention kernel with its log-sum-exp), ``ring`` (the autograd Function), and
 :func:`apply_context_parallel`, which points a model's attention modules at the cp group.
 """
-from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, block_backward, block_forward
+from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, backend_kernel, block_backward, block_forward
 from omnitron.core.parallel.context.layout import (chunk_positions, context_parallel_batch, context_parallel_loss,
                                                    local_positions, split_sequence)
 from omnitron.core.parallel.context.ring import ring_attention
@@ -24,4 +24,4 @@ def apply_context_parallel(model, group):
 
 __all__ = ["apply_context_parallel", "ring_attention", "chunk_positions", "local_positions", "split_sequence",
            "context_parallel_batch", "context_parallel_loss", "block_forward", "block_backward", "BlockKernel",
-           "REFERENCE"]
+           "REFERENCE", "backend_kernel"]

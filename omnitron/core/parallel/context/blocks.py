@@ -1,72 +1,15 @@
-"""Per-block attention with its log-sum-exp: the compute kernel of ring attention.
+"""The per-block kernel of ring attention: :class:`BlockKernel` pairs a forward (block output and
+log-sum-exp) with the block's backward given the final output and log-sum-exp.
 
-Plain PyTorch maths in the caller's compute dtype (fp32 for fp32/bf16/fp16 inputs, fp64 for
-fp64). A flash kernel that returns the log-sum-exp can replace :data:`REFERENCE` with the same
-two signatures. ``drop`` (optional) is an attention-dropout multiplier ``[b, hq, sq, sk]`` (0 or
-``1 / (1 - p)``) applied to the block's probabilities. Grouped-query attention is computed without repeating keys/values: queries are
-viewed as ``[b, hkv, hq/hkv, s, d]``.
+The maths are the kernel ops ``attention_block_forward`` / ``attention_block_backward``
+(reference in :mod:`omnitron.kernels.reference.attention_block`); :func:`backend_kernel` takes
+them from a backend's kernel table, so a flash implementation registered there is used.
 """
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-import torch
-
-
-def _group(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """``[b, hq, s, d] -> [b, hkv, hq/hkv, s, d]`` (query heads of one key/value head together)."""
-    b, hq, s, d = q.shape
-    return q.reshape(b, hkv, hq // hkv, s, d)
-
-
-def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """``[b, hkv, rep, sq, sk]`` scaled scores; ``causal`` masks key j > query i (square blocks)."""
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        future = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(future, float("-inf"))
-    return s
-
-
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                  drop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [b, hq, sq, d]``, ``k, v [b, hkv, sk, d]`` -> (``out [b, hq, sq, d]``, ``lse [b, hq, sq]``).
-
-    ``out`` is normalised within the block; ``lse`` is the log of the block's softmax denominator,
-    which is all the ring needs to merge blocks exactly (dropout leaves it unchanged). Every query
-    row must see a key."""
-    b, hq, sq, d = q.shape
-    s = _scores(_group(q, k.shape[1]), k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)  # [b, hkv, rep, sq]
-    p = torch.exp(s - lse.unsqueeze(-1))
-    if drop is not None:
-        p = p * _group(drop, k.shape[1])
-    out = torch.matmul(p, v.unsqueeze(2))  # [b, hkv, rep, sq, d]
-    return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
-
-
-def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, *, causal: bool, scale: float, drop: torch.Tensor | None = None):
-    """Gradients of one block given the FINAL (all-block) ``out`` and ``lse`` of these query rows.
-
-    With ``p = exp(s - lse)`` the block's share of the final softmax: ``dv = p^T dout``,
-    ``ds = p * (dout v^T - rowsum(dout * out))``, ``dq = ds k * scale``, ``dk = ds^T q * scale``
-    (with dropout: ``p * drop`` in ``dv`` and ``dout v^T * drop`` in ``ds``).
-    Returns ``(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d])``."""
-    hkv = k.shape[1]
-    qg, dog = _group(q, hkv), _group(dout, hkv)
-    p = torch.exp(_scores(qg, k, causal, scale) - _group(lse.unsqueeze(-1), hkv))  # [b, hkv, rep, sq, sk]
-    dg = None if drop is None else _group(drop, hkv)
-    dv = torch.matmul((p if dg is None else p * dg).transpose(-1, -2), dog).sum(2)
-    dp = torch.matmul(dog, v.unsqueeze(2).transpose(-1, -2))
-    if dg is not None:
-        dp = dp * dg
-    delta = (dog * _group(out, hkv)).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
-    return dq.reshape(q.shape), dk, dv
+from omnitron.kernels.reference.attention_block import block_backward, block_forward
 
 
 class BlockKernel(NamedTuple):
@@ -77,3 +20,8 @@ class BlockKernel(NamedTuple):
 
 
 REFERENCE = BlockKernel(block_forward, block_backward)
+
+
+def backend_kernel(backend) -> BlockKernel:
+    """The block kernel of ``backend``'s kernel table (its best implementation, reference fall-back)."""
+    return BlockKernel(backend.kernels.attention_block_forward, backend.kernels.attention_block_backward)
