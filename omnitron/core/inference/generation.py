@@ -68,10 +68,12 @@ def _left_pad(prompts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def _prompt_log_probs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> list[list[float]]:
-    """Per row, ``log p(prompt[j + 1] | prompt[:j + 1])`` from the prefill logits ``[L, b, V]``."""
+    """Per row, ``log p(prompt[j + 1] | prompt[:j + 1])`` from the prefill logits ``[L, b, V]``; targets
+    that are placeholders (negative ids: LLaVA's image positions) have none and are skipped."""
     lp = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)[:, :-1]  # [b, L-1, V]
-    picked = torch.gather(lp, 2, ids[:, 1:, None])[..., 0]  # [b, L-1]
-    keep = valid[:, :-1]  # the predicting slot is a real token
+    target = ids[:, 1:]
+    picked = torch.gather(lp, 2, target.clamp(min=0)[..., None])[..., 0]  # [b, L-1]
+    keep = valid[:, :-1] & (target >= 0)  # predicted from a real slot, a real token
     return [picked[i][keep[i]].tolist() for i in range(ids.shape[0])]
 
 

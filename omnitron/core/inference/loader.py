@@ -1,0 +1,79 @@
+"""Load a training checkpoint of any parallel layout into ONE process for inference.
+
+:func:`~omnitron.core.checkpoint.reshard.read_full_state` reads every rank's shards into full tensors
+by global name (undoing tensor / pipeline / virtual-pipeline / expert splits, no process group), and
+the family's model is built at tp = pp = 1 in fp32 and loaded from them. The tokenizer is the one the
+run trained with (its flags are in the checkpoint's metadata); its vocabulary must match the model's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from omnitron.core.checkpoint import CheckpointError, find_latest
+
+
+@dataclass
+class Loaded:
+    """A model ready to generate, with what it needs around it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    family: str
+    """``gpt``, ``t5`` or ``multimodal``."""
+    meta: dict
+    """The checkpoint's metadata (``config`` holds the run's flat settings)."""
+
+    @property
+    def seed(self) -> int:
+        """The run's ``--seed`` (default sampling seed; the synthetic image data's seed)."""
+        return int(self.meta.get("config", {}).get("seed", 1234))
+
+
+def _build(cfg, backend):
+    """The single-process model of ``cfg``'s family, and the family's name."""
+    from omnitron.core.models.bert.config import BertConfig
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.models.multimodal import LLaVAModel, MultimodalConfig
+    from omnitron.core.models.t5 import T5Config, T5Model
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    single = ParallelGroups.single()
+    if isinstance(cfg, BertConfig):
+        raise CheckpointError("this is a BERT checkpoint: a bidirectional encoder has no text to generate; "
+                              "generate from a GPT, T5 or multimodal (LLaVA) checkpoint")
+    if isinstance(cfg, T5Config):
+        return T5Model(cfg, single, backend=backend, seed=0), "t5"
+    if isinstance(cfg, MultimodalConfig):
+        return LLaVAModel(cfg, single, backend=backend, seed=0), "multimodal"
+    return GPTModel(cfg, single, backend=backend, seed=0), "gpt"
+
+
+def load_for_inference(load: str, backend=None) -> Loaded:
+    """The latest checkpoint under ``load`` as one fp32, eval-mode model on ``backend``'s device."""
+    from omnitron.backends import get_backend
+    from omnitron.core.checkpoint.reshard import model_config, read_full_state
+    from omnitron.core.data import build_tokenizer
+    from omnitron.core.models.gpt.state import shard_full_state
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    backend = backend or get_backend()
+    path = find_latest(load)
+    if path is None:
+        raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
+    full = read_full_state(path, with_optimizer=False)
+    cfg = replace(model_config(full.meta["model"]), params_dtype=torch.float32)
+    flat = full.meta.get("config", {})
+    tokenizer = build_tokenizer(flat.get("tokenizer_type") or "GPT2BPETokenizer", vocab_file=flat.get("vocab_file"),
+                                merge_file=flat.get("merge_file"), tokenizer_model=flat.get("tokenizer_model"),
+                                vocab_size=flat.get("vocab_size"), vocab_extra_ids=getattr(cfg, "vocab_extra_ids", 0))
+    if tokenizer.vocab_size != cfg.vocab_size:
+        raise CheckpointError(f"{path}: the model's vocabulary ({cfg.vocab_size}) differs from its tokenizer's "
+                              f"({tokenizer.vocab_size}); the tokenizer files named in the checkpoint changed")
+    state = torch.random.get_rng_state()
+    model, family = _build(cfg, backend)
+    torch.random.set_rng_state(state)  # building initialises weights: leave the caller's RNG as it was
+    shard_full_state(model, full.model, ParallelGroups.single())
+    return Loaded(model=model.to(backend.current_device()).eval(), tokenizer=tokenizer, family=family,
+                  meta=full.meta)
