@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +231,161 @@ def test_train_command_loss_drops(tmp_path):
     a, b = read_full_state(str(src)), read_full_state(tp2)
     assert a.model.keys() == b.model.keys() and "embedding.tokentype_embeddings.weight" in a.model
     assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
+
+
+# ---- pipeline parallelism (one spawn of 4 ranks) ---------------------------------------------------
+PIPE = dict(BASE, num_layers=4, seq_length=16)
+STEPS, MB, NMB, LR = 3, 2, 4, 0.5  # steps, micro-batch size, micro-batches per global batch, SGD lr
+LAYOUTS = {"pp2_1f1b_dp2": (1, 2, None, False, "1f1b"), "pp2_vp2_dp2": (1, 2, 2, False, "interleaved"),
+           "tp2_pp2_sp": (2, 2, None, True, "1f1b")}  # tp, pp, vp, sp, schedule
+
+
+def _pipe_batches(c) -> list[list[dict]]:
+    """``[step][global micro-batch]`` batches; each carries its index ``mb`` for the loss records."""
+    gen = torch.Generator().manual_seed(21)
+    return [[dict(_batch(c, gen, b=MB), mb=i) for i in range(NMB)] for _ in range(STEPS)]
+
+
+def _loss_parts(output, batch) -> tuple[float, float]:
+    """(MLM mean over the masked positions, binary cross-entropy) of one micro-batch."""
+    return bert_loss((output[0], None), batch)[0].item(), F.cross_entropy(output[1], batch["is_random"]).item()
+
+
+def _sgd_step(modules) -> None:
+    with torch.no_grad():
+        for m in modules:
+            for p in m.parameters():
+                g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+                p.add_(g, alpha=-LR)
+
+
+def _pipeline_reference() -> tuple[list[tuple[float, float]], dict]:
+    """One process, the whole model: per step the (MLM, binary) means over the micro-batches, final weights."""
+    c, groups = BertConfig(**PIPE), ParallelGroups.single()
+    model, losses = BertModel(c, groups, seed=8), []
+    for step in _pipe_batches(c):
+        model.zero_grad()
+        parts = []
+        for batch in step:
+            out = _forward(model, batch)
+            (bert_loss(out, batch)[0] / NMB).backward()
+            parts.append(_loss_parts(out, batch))
+        losses.append(tuple(sum(p[i] for p in parts) / NMB for i in range(2)))
+        _sgd_step([model])
+    return losses, gather_full_state(model, groups)
+
+
+def _pipeline_layouts() -> dict:
+    """Each layout: BERT chunks from the training code (build_model_chunks, forward_step) in the data-parallel
+    wrapper, STEPS SGD steps; per rank the recorded (MLM, binary) losses per (step, micro-batch), the combined
+    loss the schedule returns, the weights this rank holds and the last stage's tied copy of the embedding."""
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt.state import gather_param
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
+    from omnitron.core.parallel.pipeline import forward_backward
+    from omnitron.core.training.components import build_model_chunks
+    from omnitron.core.training.step import forward_step
+
+    torch.set_num_threads(1)
+    be, c, out = get_backend(), BertConfig(**PIPE), {}
+    data = _pipe_batches(c)
+    for name, (tp, pp, vp, sp, sched) in LAYOUTS.items():
+        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                     virtual_pipeline_model_parallel_size=vp, sequence_parallel=sp),
+                                      be.collectives)
+        modules = build_model_chunks(c, groups, 8, be)
+        chunks = [DistributedDataParallel(m, groups, DataParallelConfig(bucket_size=4000)) for m in modules]
+        per = NMB // groups.dp.size
+        records, combined = {}, []
+        for s, step in enumerate(data):
+            def loss_fn(output, batch, s=s):
+                records[(s, batch["mb"])] = _loss_parts(output, batch)
+                return bert_loss(output, batch)
+
+            for ch in chunks:
+                ch.zero_grad_buffer()
+            mine = iter(step[groups.dp.rank * per:(groups.dp.rank + 1) * per])
+            res = forward_backward(sched, chunks, mine, groups, num_microbatches=per, seq_length=c.seq_length,
+                                   micro_batch_size=MB, hidden_size=c.hidden_size, forward_step_fn=forward_step,
+                                   loss_fn=loss_fn)
+            combined.append(res["loss"])
+            finalize_model_grads(chunks, groups)
+            _sgd_step(modules)
+        state, copy = {}, None
+        for m in modules:
+            state.update(gather_full_state(m, groups))
+            if m.post_process and not m.pre_process:
+                copy = gather_param(m.output_layer.weight.detach(), m.output_layer.weight, groups.tp)
+        out[name] = {"records": records, "combined": combined, "state": state, "copy": copy}
+    return out
+
+
+def _train_run(tmp: str, world: int, *layout: str) -> dict:
+    """`omnitron train` (mock BERT data) for 3 iterations under ``layout``, saving at the end (the real loop,
+    Adam, gradient clipping with the tied embedding's duplicate out of the norm)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    args = _train_args(Path(tmp), "--num-layers", "4", "--mock-data", "--micro-batch-size", "2", "--global-batch-size",
+                       "8", "--train-iters", "3", "--eval-interval", "0", "--clip-grad", "0.05", "--save",
+                       str(Path(tmp) / "ckpt"), *layout)
+    return train(parse_settings(args, world), get_backend())["losses"]
+
+
+def _pipeline_worker(tmp: str) -> dict:
+    """Every rank: the layouts, then the loop at pp2 x vp2 x dp2 and at pp4 (middle stages read batches)."""
+    return {"layouts": _pipeline_layouts(),
+            "train": _train_run(tmp, 4, "--pipeline-model-parallel-size", "2",
+                                "--num-layers-per-virtual-pipeline-stage", "1"),
+            "train_pp4": _train_run(tmp + "_pp4", 4, "--pipeline-model-parallel-size", "4")}
+
+
+@pytest.mark.multiprocess
+def test_pipeline_parallel_bert_matches_one_process(tmp_path):
+    """pp2 (1F1B) x dp2, pp2 x vp2 (interleaved) x dp2 and tp2 x pp2 + SP: per-step MLM and binary losses and
+    final weights as one process; the training loop at pp2 x vp2 x dp2 and pp4 (middle stages need the padding
+    mask) as one process, and the pp2 checkpoint reads, converts and loads at pp1 with identical full weights."""
+    from omnitron.backends import get_backend
+    from omnitron.core.checkpoint.reshard import Layout, convert, read_full_state
+    from omnitron.core.training import checkpointing
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+
+    results = run_distributed(_pipeline_worker, 4, str(tmp_path / "pp"))
+    ref_losses, ref_state = _pipeline_reference()
+    for name in LAYOUTS:
+        records, state = {}, {}
+        for rank in results:
+            res = rank["layouts"][name]
+            records.update(res["records"])
+            state.update(res["state"])
+            assert res["combined"] == pytest.approx([a + b for a, b in ref_losses], rel=1e-5), name
+            if res["copy"] is not None:  # the tied copy moved with the embedding
+                torch.testing.assert_close(res["copy"], state["embedding.word_embeddings.weight"], rtol=0, atol=1e-6)
+        assert sorted(records) == [(s, i) for s in range(STEPS) for i in range(NMB)], name
+        for s, (mlm, binary) in enumerate(ref_losses):
+            got = [sum(records[(s, i)][k] for i in range(NMB)) / NMB for k in range(2)]
+            assert got == pytest.approx([mlm, binary], rel=1e-5), (name, s)
+        assert state.keys() == ref_state.keys(), name
+        for k, w in ref_state.items():
+            assert _rel(state[k], w) < 1e-5, (name, k)
+    # the training loop, and its pp2 x vp2 checkpoint at pp1
+    one = _train_run(str(tmp_path / "one"), 1)
+    for rank in results:
+        for run in ("train", "train_pp4"):
+            assert rank[run].keys() == one.keys() and len(one) == 3
+            assert [rank[run][i] for i in one] == pytest.approx([one[i] for i in one], rel=1e-5), run
+    src, ref_ck = (sorted((tmp_path / d / "ckpt").glob("iter_*"))[-1] for d in ("pp", "one"))
+    full, single = read_full_state(str(src)), read_full_state(str(ref_ck))
+    assert full.model.keys() == single.model.keys()
+    assert all(_rel(full.model[k], single.model[k]) < 1e-5 for k in single.model)
+    pp1 = read_full_state(convert(str(src), str(tmp_path / "pp1"), Layout(pp=1)))
+    assert pp1.model.keys() == full.model.keys() and all(torch.equal(pp1.model[k], full.model[k]) for k in full.model)
+    settings = parse_settings(_train_args(tmp_path / "load", "--num-layers", "4", "--mock-data", "--load",
+                                          str(tmp_path / "pp" / "ckpt")), 1)
+    comp = build_components(settings, get_backend("cpu"))
+    assert checkpointing.load(comp)
+    loaded = gather_full_state(comp.modules[0], comp.groups)
+    assert loaded.keys() == full.model.keys() and all(torch.equal(loaded[k], full.model[k]) for k in full.model)

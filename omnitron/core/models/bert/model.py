@@ -102,9 +102,6 @@ def init_single_stage(model: GPTModel, config, groups, *, backend, seed: int, nu
     replaces GPTModel's: config, groups, backend, the stage flags and layer range (default: the whole
     model on one stage), sequence parallelism and the RNG tracker with the tp- and pp-rank stream."""
     nn.Module.__init__(model)  # NOTE: GPTModel's own __init__ builds GPT modules; only its methods are reused
-    if layer_offset < 0 or layer_offset + num_layers > config.num_layers:
-        raise ValueError(f"layers [{layer_offset}, {layer_offset + num_layers}) outside the model's "
-                         f"{config.num_layers}")
     model.config, model.groups = config, groups
     model.backend = backend or get_backend()
     model.pre_process, model.post_process = pre_process, post_process
@@ -121,6 +118,8 @@ class BertModel(GPTModel):
                  layer_offset: int = 0, num_layers: int | None = None, backend=None, seed: int = 1234) -> None:
         B.validate_bert(config, groups.config, check_layers=num_layers is None)
         n = config.num_layers if num_layers is None else num_layers
+        if layer_offset < 0 or layer_offset + n > config.num_layers:
+            raise ValueError(f"layers [{layer_offset}, {layer_offset + n}) outside the model's {config.num_layers}")
         init_single_stage(self, config, groups, backend=backend, seed=seed, num_layers=n, pre_process=pre_process,
                           post_process=post_process, layer_offset=layer_offset)
         tp = groups.tp
