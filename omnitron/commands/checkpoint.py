@@ -1,5 +1,6 @@
 """``omnitron checkpoint inspect|convert|export``: look into, reshard and export training checkpoints
-(``import-hf`` / ``export-hf``: :mod:`omnitron.commands.hf`).
+(``import-hf`` / ``export-hf``: :mod:`omnitron.commands.hf`; ``import-megatron`` / ``export-megatron``:
+:mod:`omnitron.commands.megatron`).
 
 ``inspect DIR`` prints the layout, iteration, parameter count and each tensor's full shape;
 ``convert --load DIR --save DIR2 --target-...`` rewrites a checkpoint for another parallel layout
@@ -38,9 +39,10 @@ def register(sub) -> None:
     exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
     exp.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
     exp.set_defaults(func=run_export)
-    from omnitron.commands import hf  # import-hf / export-hf
+    from omnitron.commands import hf, megatron  # import-hf / export-hf, import-megatron / export-megatron
 
     hf.register(cmds)
+    megatron.register(cmds)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 

@@ -1,0 +1,85 @@
+"""``omnitron checkpoint import-megatron|export-megatron``: Megatron-LM GPT checkpoints in and out.
+
+``import-megatron --load MEGATRON_DIR --save OUT [--tensor-model-parallel-size T
+--pipeline-model-parallel-size P]`` reads a Megatron-Core GPT checkpoint saved with
+``--ckpt-format torch`` (any tensor / pipeline / virtual-pipeline layout) and writes a weights-only
+omnitron checkpoint (iteration 0, fresh optimizer, as ``--finetune``), printing the model flags a
+training run must repeat. ``export-megatron --load DIR --out MEGATRON_DIR
+--target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P`` writes the reverse.
+The mapping is :mod:`omnitron.core.checkpoint.megatron`. Registered under ``omnitron checkpoint``
+by :mod:`omnitron.commands.checkpoint`.
+"""
+from __future__ import annotations
+
+import argparse
+
+from omnitron.commands.checkpoint import _fail
+
+
+def register(cmds) -> None:
+    """Add ``import-megatron`` and ``export-megatron`` to the ``omnitron checkpoint`` sub-parsers ``cmds``."""
+    imp = cmds.add_parser("import-megatron", help="a Megatron-LM GPT checkpoint (--ckpt-format torch) to an "
+                          "omnitron checkpoint")
+    imp.add_argument("--load", required=True, metavar="DIR", help="a Megatron --save directory (its "
+                     "latest_checkpointed_iteration.txt) or one iter_N directory")
+    imp.add_argument("--save", required=True, metavar="DIR", help="where the omnitron checkpoint goes")
+    imp.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T")
+    imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P")
+    imp.add_argument("--vocab-size", type=int, metavar="V", help="real vocabulary rows to keep of Megatron's padded "
+                     "one (default: from the checkpoint's tokenizer args)")
+    imp.set_defaults(func=run_import)
+    exp = cmds.add_parser("export-megatron", help="an omnitron GPT checkpoint to a Megatron-LM checkpoint "
+                          "(--ckpt-format torch)")
+    exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
+    exp.add_argument("--out", required=True, metavar="DIR", help="the Megatron --load directory to write")
+    exp.add_argument("--target-tensor-model-parallel-size", type=int, required=True, metavar="T")
+    exp.add_argument("--target-pipeline-model-parallel-size", type=int, required=True, metavar="P")
+    exp.add_argument("--transformer-impl", default="transformer_engine", choices=("transformer_engine", "local"),
+                     help="the Megatron layer spec to name tensors for (default: transformer_engine, Megatron's)")
+    exp.set_defaults(func=run_export)
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from omnitron.commands.hf import model_flags
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.megatron import import_megatron
+    from omnitron.core.checkpoint.reshard import Layout, read_metadata
+    from omnitron.core.config.parallel import ConfigError
+
+    try:
+        for flag, v in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                        ("--vocab-size", args.vocab_size or 1)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {v}")
+        layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+        out = import_megatron(args.load, args.save, layout, vocab_size=args.vocab_size)
+    except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
+        return _fail("import-megatron", err)
+    meta = read_metadata(out)
+    src, run = meta["imported_from"], meta["config"]
+    print(f"imported {src['megatron_dir']} (Megatron iteration {src['iteration']}, tp{src['tensor_model_parallel_size']}"
+          f" pp{src['pipeline_model_parallel_size']}) to {out} ({layout}); weights only: Megatron's optimizer state "
+          f"is not carried, training from it starts at iteration 0 with a fresh optimizer")
+    flags = [f"--{k.replace('_', '-')} {run[k]}" for k in ("tokenizer_type", "tokenizer_model", "vocab_size")
+             if k in run]
+    print(f"train from it with: --load {args.save} {model_flags(meta['model'])} {' '.join(flags)}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from omnitron.commands.checkpoint import resolve
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.megatron import export_megatron
+    from omnitron.core.config.parallel import ConfigError
+
+    try:
+        path = resolve(args.load)
+        out = export_megatron(path, args.out, args.target_tensor_model_parallel_size,
+                              args.target_pipeline_model_parallel_size, transformer_impl=args.transformer_impl)
+    except (CheckpointError, ConfigError, OSError, ValueError) as err:
+        return _fail("export-megatron", err)
+    print(f"exported {path} to {out} (Megatron --ckpt-format torch, tp{args.target_tensor_model_parallel_size} "
+          f"pp{args.target_pipeline_model_parallel_size}); weights only: load it in Megatron with --finetune "
+          f"(or --no-load-optim --no-load-rng)")
+    return 0

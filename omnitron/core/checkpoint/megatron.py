@@ -1,0 +1,494 @@
+"""Megatron-LM GPT checkpoints (``--ckpt-format torch``) to and from omnitron's full state.
+
+Megatron's per-rank ("legacy torch") layout::
+
+    DIR/latest_checkpointed_iteration.txt        "1000" (or "release")
+    DIR/iter_0001000/mp_rank_TT[_PPP]/model_optim_rng.pt   (_PPP only when pipeline size > 1)
+
+Each file is a ``torch.save`` dict: ``model`` (``model0``, ``model1``, ... under the interleaved
+schedule) holds the Megatron-Core ``GPTModel`` state dict of that tensor rank TT and pipeline
+rank PPP, with layers numbered locally per stage chunk; ``args`` the run's argparse Namespace;
+``iteration``; ``checkpoint_version`` (3.0); plus optimizer / RNG state, which is not read
+(optimizer state does not carry over: an import is weights only, like ``import-hf``).
+
+What the mapping absorbs (Megatron-Core's conventions; omnitron names tensors the same way):
+
+- Layers: stage chunks hold consecutive layers, chunk-major (chunk 0 of every stage, then chunk 1,
+  ...), so global index = the layers of all earlier chunks + the local index.
+- Norms: under the Transformer Engine layer spec (Megatron's default) the pre-attention / pre-MLP
+  norms are fused into the next linear (``self_attention.linear_qkv.layer_norm_weight``,
+  ``mlp.linear_fc1.layer_norm_weight``) and TE modules add ``*._extra_state`` entries (FP8
+  metadata; written as ``None``, ignored when read); the ``local`` spec keeps
+  ``input_layernorm`` / ``pre_mlp_layernorm``, as omnitron does.
+- Tensor parallelism: ``linear_qkv`` rows are per query group ``[q heads of the group, k, v]`` (as
+  omnitron's fused QKV) and split over tp by whole groups; ``linear_fc1`` (and ``word_embeddings``,
+  ``output_layer``) split by rows, ``linear_proj`` / ``linear_fc2`` by columns; under SwiGLU each
+  rank's ``linear_fc1`` is ``[its gate rows; its up rows]`` (omnitron's full fc1: all gate rows,
+  then all up rows). The vocabulary is padded to ``make_vocab_size_divisible_by x tp`` rows
+  (``args.padded_vocab_size``); the full state keeps the real rows only.
+- Tied embeddings: a last stage that is not also the first holds a copy, ``output_layer.weight``
+  (dropped on import, written on export).
+
+Unsupported Megatron features (MoE, legacy non-Core names, exact-erf GeLU, squared ReLU, zero-centred
+norms, ``torch_dist`` checkpoints, ...) raise :class:`MegatronConversionError` naming the field.
+Files are unpickled by a restricted unpickler: tensors, containers, argparse / numpy values;
+any other class (Megatron enums in ``args``) becomes an inert placeholder, so no code runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import shutil
+import types
+
+import torch
+
+from omnitron.core.checkpoint.io import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+             "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+_TE_EXTRA = ("self_attention.core_attention._extra_state", "self_attention.linear_qkv._extra_state",
+             "self_attention.linear_proj._extra_state", "mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
+_ROWS = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+         "linear_fc1.weight", "linear_fc1.bias")
+_COLUMNS = ("linear_proj.weight", "linear_fc2.weight")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+class MegatronConversionError(CheckpointError):
+    """A Megatron checkpoint omnitron cannot map, or a model Megatron's layout cannot hold (names the field)."""
+
+
+# ---- reading files ---------------------------------------------------------------------------
+class Opaque:
+    """A pickled object whose class this reader does not import (Megatron enums, ...): its
+    constructor arguments and state are kept, no code runs."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.state = args, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__module__}.{type(self).__name__}{self.args}>"
+
+
+_BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range", "tuple", "list", "dict", "int", "float",
+             "bool", "str", "bytes"}
+_ALLOWED = {("collections", "OrderedDict"), ("argparse", "Namespace"), ("_codecs", "encode"), ("_io", "BytesIO"),
+            ("io", "BytesIO"), ("torch", "Size"), ("torch", "device")}
+
+
+def _allowed(module: str, name: str) -> bool:
+    if (module, name) in _ALLOWED or (module == "builtins" and name in _BUILTINS):
+        return True
+    if module in ("torch._utils", "torch._tensor") and name.startswith("_rebuild_"):
+        return True
+    if module == "torch":
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    return module.split(".")[0] == "numpy" and (name in ("_reconstruct", "ndarray", "dtype", "scalar")
+                                                or name.endswith("DType"))
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if _allowed(module, name):
+            return super().find_class(module, name)
+        return type(name, (Opaque,), {"__module__": module})
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="omnitron_restricted_pickle")
+
+
+def load_file(path: str) -> dict:
+    """A Megatron ``model_optim_rng.pt`` read with the restricted unpickler (module docstring)."""
+    return torch.load(path, map_location="cpu", pickle_module=_PICKLE, weights_only=False)
+
+
+def resolve_dir(path: str) -> str:
+    """The ``iter_N`` (or ``release``) directory of a Megatron ``--save`` directory (its tracker
+    file) or of an iteration directory itself."""
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        name = "release" if it == "release" else f"iter_{int(it):07d}" if it.isdigit() else None
+        if name is None:
+            raise MegatronConversionError(f"{tracker} holds {it!r}, not an iteration number or 'release'")
+        path = os.path.join(path, name)
+    if not os.path.isdir(path) or not any(_RANK_DIR.match(n) for n in os.listdir(path)):
+        hint = (" (a torch_dist checkpoint: re-save it with Megatron's --ckpt-format torch, e.g. "
+                "--ckpt-convert-format torch --ckpt-convert-save DIR)") if _is_dist(path) else ""
+        raise MegatronConversionError(f"--load {path}: no {TRACKER} and no mp_rank_* directories there{hint}; pass "
+                                      f"a Megatron --save directory written with --ckpt-format torch")
+    return path
+
+
+def _is_dist(path: str) -> bool:
+    return os.path.isdir(path) and any(n.endswith(".distcp") or n == "common.pt" for n in os.listdir(path))
+
+
+def _args_dict(ckpt: dict, path: str) -> dict:
+    args = ckpt.get("args")
+    if isinstance(args, (argparse.Namespace, Opaque)):
+        args = dict(vars(args)) if isinstance(args, argparse.Namespace) else args.state
+    if not isinstance(args, dict):
+        raise MegatronConversionError(f"{path}: no 'args' (the run's argparse Namespace) in the checkpoint, so the "
+                                      f"model's shape is unknown; save it with a Megatron version that records args")
+    return args
+
+
+def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]:
+    """(args, ``{(tp_rank, pp_rank): [model state dict per chunk]}``) of a Megatron iteration directory;
+    every rank file the args' tensor / pipeline sizes imply must exist."""
+    names = [n for n in sorted(os.listdir(iter_dir)) if _RANK_DIR.match(n)]
+    if any(_RANK_DIR.match(n).group(3) for n in names):
+        raise MegatronConversionError(f"{iter_dir}: expert-parallel rank directories ({names[0]}): MoE checkpoints "
+                                      f"are not supported by the Megatron importer")
+    args = _args_dict(load_file(os.path.join(iter_dir, names[0], FILE)), iter_dir)
+    tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
+    out = {}
+    for p in range(pp):
+        for t in range(tp):
+            path = os.path.join(iter_dir, rank_dir(t, p, pp), FILE)
+            if not os.path.isfile(path):
+                raise MegatronConversionError(f"{path} is missing: the checkpoint's args say tensor parallel {tp} x "
+                                              f"pipeline parallel {pp}; copy every mp_rank_* directory")
+            ckpt = load_file(path)
+            keys = sorted((k for k in ckpt if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+            if not keys:
+                raise MegatronConversionError(f"{path}: no 'model' state dict in it")
+            out[(t, p)] = [ckpt[k] for k in keys]
+    return args, out
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+
+
+# ---- config ----------------------------------------------------------------------------------
+def _need(args: dict, key: str):
+    if args.get(key) is None:
+        raise MegatronConversionError(f"the checkpoint's args have no {key}, which the GPT model needs")
+    return args[key]
+
+
+def _reject_unsupported(args: dict) -> None:
+    """Raise naming the first Megatron setting omnitron's GPT model does not compute."""
+    swiglu, bias = bool(args.get("swiglu")), args.get("add_bias_linear", True)
+    tanh_gelu = args.get("openai_gelu") or (args.get("bias_gelu_fusion", True) and bias)
+    checks = [("num_experts", not args.get("num_experts"), "Mixture-of-Experts checkpoints are not supported"),
+              ("normalization", args.get("normalization", "LayerNorm") in ("LayerNorm", "RMSNorm"),
+               "omnitron has LayerNorm and RMSNorm"),
+              ("position_embedding_type", args.get("position_embedding_type", "learned_absolute") in
+               ("learned_absolute", "rope"), "omnitron has learned_absolute and rope"),
+              ("squared_relu", not args.get("squared_relu"), "omnitron's MLP is GeLU or SwiGLU"),
+              ("apply_layernorm_1p", not args.get("apply_layernorm_1p"), "zero-centred norm weights are not supported"),
+              ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
+               "omnitron's residual is taken before the norm"),
+              ("add_qkv_bias", bias or not args.get("add_qkv_bias"), "omnitron puts biases on every linear or none"),
+              ("multi_latent_attention", not args.get("multi_latent_attention"), "no multi-latent attention"),
+              ("mtp_num_layers", not args.get("mtp_num_layers"), "no multi-token prediction layers"),
+              ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights"),
+              ("bias_gelu_fusion", swiglu or tanh_gelu, "Megatron ran the exact (erf) GeLU (no bias-GeLU fusion); "
+               "omnitron's GPT MLP uses the tanh GeLU, so the logits would differ")]
+    for key, ok, why in checks:
+        if not ok:
+            raise MegatronConversionError(f"the checkpoint's args have {key}={args.get(key)!r}: {why}")
+
+
+def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
+    """The :class:`GPTConfig` of a Megatron GPT run's args (``vocab_size``: the real vocabulary)."""
+    from omnitron.core.models.gpt.config import GPTConfig
+
+    _reject_unsupported(args)
+    h, heads = _need(args, "hidden_size"), _need(args, "num_attention_heads")
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else None
+    kv = args.get("kv_channels")
+    pos = args.get("position_embedding_type") or ("rope" if args.get("use_rotary_position_embeddings")
+                                                  else "learned_absolute")
+    seq = _need(args, "seq_length")
+    max_pos = args.get("max_position_embeddings") or seq
+    if pos == "rope" and max_pos == seq:
+        max_pos = None  # no position table: left unset, as a RoPE run's own flags leave it
+    return GPTConfig(num_layers=_need(args, "num_layers"), hidden_size=h, num_attention_heads=heads,
+                     ffn_hidden_size=args.get("ffn_hidden_size"), num_query_groups=None if groups == heads else groups,
+                     kv_channels=None if kv is None or (h % heads == 0 and kv == h // heads) else kv,
+                     seq_length=seq, max_position_embeddings=max_pos,
+                     vocab_size=vocab_size, make_vocab_size_divisible_by=args.get("make_vocab_size_divisible_by") or 128,
+                     normalization=args.get("normalization") or "LayerNorm",
+                     layernorm_epsilon=args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5)),
+                     swiglu=bool(args.get("swiglu")), position_embedding_type=pos,
+                     rotary_base=float(args.get("rotary_base", 10000)),
+                     rotary_percent=float(args.get("rotary_percent", 1.0)),
+                     rotary_interleaved=bool(args.get("rotary_interleaved")),
+                     rope_scaling_factor=float(args.get("rope_scaling_factor", 8.0)) if args.get("use_rope_scaling")
+                     else 1.0,
+                     untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights")),
+                     hidden_dropout=args.get("hidden_dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.1),
+                     add_bias_linear=bool(args.get("add_bias_linear", True)), qk_layernorm=bool(args.get("qk_layernorm")),
+                     init_method_std=args.get("init_method_std", 0.02), params_dtype=dtype)
+
+
+def real_vocab_size(args: dict) -> int:
+    """The tokenizer's vocabulary (rows kept on import): Megatron's NullTokenizer adds an end-of-document
+    token to ``--vocab-size``; GPT-2's BPE has 50257; otherwise ``vocab_size`` when recorded, else
+    ``padded_vocab_size`` (the padding rows are then kept as ordinary, never-seen tokens)."""
+    kind, v = args.get("tokenizer_type"), args.get("vocab_size")
+    if kind == "NullTokenizer" and v:
+        return int(v) + 1
+    if kind == "GPT2BPETokenizer" and not v:
+        return 50257
+    return int(v or _need(args, "padded_vocab_size"))
+
+
+def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl: str) -> argparse.Namespace:
+    """The argparse Namespace a Megatron run of ``cfg`` at ``tp`` x ``pp`` records (the fields its
+    checkpoint checks and ``--use-checkpoint-args`` read)."""
+    from omnitron.core.models.gpt.config import ffn_size, head_dim, max_positions, padded_vocab_size, query_groups
+
+    tok = run.get("tokenizer_type") or ("GPT2BPETokenizer" if cfg.vocab_size == 50257 else "NullTokenizer")
+    dt, gqa = cfg.params_dtype, query_groups(cfg) != cfg.num_attention_heads
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=ffn_size(cfg),
+        num_attention_heads=cfg.num_attention_heads, kv_channels=head_dim(cfg),
+        group_query_attention=gqa, num_query_groups=query_groups(cfg) if gqa else 1,  # Megatron's default 1
+        seq_length=cfg.seq_length, max_position_embeddings=max_positions(cfg),
+        tokenizer_type=tok, tokenizer_model=run.get("tokenizer_model"),
+        vocab_size=cfg.vocab_size - 1 if tok == "NullTokenizer" else cfg.vocab_size,
+        make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, padded_vocab_size=padded_vocab_size(cfg, tp),
+        normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, swiglu=cfg.swiglu,
+        position_embedding_type=cfg.position_embedding_type,
+        add_position_embedding=cfg.position_embedding_type == "learned_absolute", rotary_base=cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent, rotary_interleaved=cfg.rotary_interleaved,
+        use_rope_scaling=cfg.rope_scaling_factor != 1.0, rope_scaling_factor=cfg.rope_scaling_factor,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=False, qk_layernorm=cfg.qk_layernorm,
+        bias_gelu_fusion=cfg.add_bias_linear and not cfg.swiglu, openai_gelu=not cfg.add_bias_linear and not cfg.swiglu,
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std, params_dtype=dt, bf16=dt == torch.bfloat16, fp16=dt == torch.float16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        transformer_impl=transformer_impl, use_mcore_models=True, ckpt_format="torch", iteration=iteration,
+        consumed_train_samples=0, num_experts=None)
+
+
+# ---- weights ---------------------------------------------------------------------------------
+def _tp_dim(name: str) -> int | None:
+    """The dimension Megatron splits ``name`` over tensor-parallel ranks (None: replicated)."""
+    return 0 if name.endswith(_ROWS) else 1 if name.endswith(_COLUMNS) else None
+
+
+def _merge(name: str, parts: list[torch.Tensor], cfg) -> torch.Tensor:
+    """The full tensor of ``name`` from its tp shards (rank order): vocab padding dropped, SwiGLU's
+    per-rank ``[gate; up]`` regrouped as all gate rows, then all up rows."""
+    dim = _tp_dim(name)
+    if dim is None:
+        return parts[0]
+    if cfg.swiglu and ".linear_fc1." in name:
+        halves = [p.chunk(2, 0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    full = torch.cat(parts, dim)
+    return full[:cfg.vocab_size] if name in _VOCAB else full
+
+
+def _split(name: str, t: torch.Tensor, cfg, tp: int) -> list[torch.Tensor]:
+    """Inverse of :func:`_merge`: the ``tp`` shards of full tensor ``t`` (vocab rows zero-padded)."""
+    from omnitron.core.models.gpt.config import padded_vocab_size
+
+    dim = _tp_dim(name)
+    if dim is None:
+        return [t.clone() for _ in range(tp)]
+    if name in _VOCAB:
+        t = torch.cat([t, t.new_zeros(padded_vocab_size(cfg, tp) - t.shape[0], *t.shape[1:])], 0)
+    if cfg.swiglu and ".linear_fc1." in name:
+        gate, up = t.chunk(2, 0)
+        return [torch.cat([g, u], 0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]
+    return [s.clone() for s in t.chunk(tp, dim)]
+
+
+def _to_omnitron_names(sd: dict, offset: int, path: str) -> tuple[dict, int]:
+    """(tensors renamed to omnitron's global names, number of layers) of one stage chunk's state dict."""
+    out, layers = {}, set()
+    for name, t in sd.items():
+        if name.endswith("._extra_state") or name.endswith(".inv_freq"):
+            continue  # TE's FP8 metadata; RoPE frequencies are recomputed
+        if name.startswith("language_model."):
+            raise MegatronConversionError(f"{path}: legacy Megatron model names ({name}); the importer reads "
+                                          f"Megatron-Core GPTModel checkpoints (--use-mcore-models)")
+        m = _LAYER.match(name)
+        if m:
+            local, rest = int(m.group(1)), m.group(2)
+            rest = {v: k for k, v in _TE_NORMS.items()}.get(rest, rest)
+            layers.add(local)
+            name = f"decoder.layers.{offset + local}.{rest}"
+        out[name] = t
+    if layers != set(range(len(layers))):
+        raise MegatronConversionError(f"{path}: the stage's local layer numbers {sorted(layers)} are not 0..n-1")
+    return out, len(layers)
+
+
+def state_from_megatron(shards: dict[tuple[int, int], list[dict]], args: dict, cfg, path: str) -> dict:
+    """omnitron's full state from :func:`read_shards`' per-rank model state dicts."""
+    tp = 1 + max(t for t, _ in shards)
+    pp = 1 + max(p for _, p in shards)
+    chunks = len(shards[(0, 0)])
+    full, offset = {}, 0
+    for c in range(chunks):
+        for p in range(pp):
+            renamed = [_to_omnitron_names(shards[(t, p)][c], offset, f"{path} stage {p} chunk {c}") for t in range(tp)]
+            if not (p == 0 and c == 0) and not cfg.untie_embeddings_and_output_weights:
+                for sd, _ in renamed:  # the last stage's copy of the tied embedding
+                    sd.pop("output_layer.weight", None)
+            for t, (sd, _) in enumerate(renamed):
+                if set(sd) != set(renamed[0][0]):
+                    odd = sorted(set(sd) ^ set(renamed[0][0]))[0]
+                    raise MegatronConversionError(f"{path}: stage {p} tensor ranks 0 and {t} disagree on {odd}; "
+                                                  f"the checkpoint is corrupt")
+            for name in renamed[0][0]:
+                full[name] = _merge(name, [sd[name] for sd, _ in renamed], cfg).contiguous()
+            offset += renamed[0][1]
+    _check_state(full, cfg, path)
+    return full
+
+
+def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Global name -> full (unpadded) shape of every tensor of ``cfg``'s model (a one-rank skeleton)."""
+    from omnitron.core.checkpoint.reshard import Layout, skeleton_chunks
+
+    out = {}
+    for name, p in skeleton_chunks(cfg, Layout())[(0, 0)].named_parameters():
+        rows = getattr(p, "valid_rows", None)
+        out[name] = ((rows,) if rows is not None else tuple(p.shape[:1])) + tuple(p.shape[1:])
+    return out
+
+
+def _check_state(full: dict, cfg, path: str) -> None:
+    want = _expected_shapes(cfg)
+    for name, shape in want.items():
+        if name not in full:
+            raise MegatronConversionError(f"{path}: no tensor {name} in the shards, which the args' model needs; "
+                                          f"the checkpoint and its args do not match")
+        if tuple(full[name].shape) != shape:
+            raise MegatronConversionError(f"{path}: {name} has shape {tuple(full[name].shape)}, the args' model "
+                                          f"{shape}; the checkpoint and its args do not match")
+    extra = sorted(set(full) - set(want))
+    if extra:
+        raise MegatronConversionError(f"{path}: {len(extra)} tensors have no place in omnitron's GPT model (first: "
+                                      f"{extra[0]}); the args do not describe these weights")
+
+
+def stage_state_dicts(full: dict, cfg, tp: int, pp: int, transformer_impl: str) -> dict[tuple[int, int], dict]:
+    """``{(tp_rank, pp_rank): Megatron-Core model state dict}`` of omnitron full state ``full``
+    (even pipeline split, local layer numbers, TE-fused norm names unless ``local``)."""
+    per, te = cfg.num_layers // pp, transformer_impl == "transformer_engine"
+    out = {(t, p): {} for p in range(pp) for t in range(tp)}
+    for name, t in full.items():
+        m = _LAYER.match(name)
+        stages = [int(m.group(1)) // per] if m else [0] if name.startswith("embedding.") else [pp - 1]
+        if name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
+            stages.append(pp - 1)  # the last stage's output_layer copy
+        for p in stages:
+            local = name
+            if m:
+                rest = _TE_NORMS.get(m.group(2), m.group(2)) if te else m.group(2)
+                local = f"decoder.layers.{int(m.group(1)) - p * per}.{rest}"
+            elif p == pp - 1 and p > 0 and name == "embedding.word_embeddings.weight":
+                local = "output_layer.weight"
+            for r, shard in enumerate(_split(name, t, cfg, tp)):
+                out[(r, p)][local] = shard
+    if te:
+        for (r, p), sd in out.items():
+            for i in range(per):
+                sd.update({f"decoder.layers.{i}.{k}": None for k in _TE_EXTRA})
+    return out
+
+
+# ---- directories -----------------------------------------------------------------------------
+def _tokenizer_settings(args: dict, cfg) -> dict:
+    """The run settings ``omnitron generate`` needs to tokenize for the imported model."""
+    kind = args.get("tokenizer_type")
+    if kind == "GPT2BPETokenizer" and cfg.vocab_size == 50257:
+        return {"tokenizer_type": kind}
+    if kind == "HuggingFaceTokenizer" and args.get("tokenizer_model"):
+        return {"tokenizer_type": kind, "tokenizer_model": args["tokenizer_model"]}
+    return {"tokenizer_type": "NullTokenizer", "vocab_size": cfg.vocab_size - 1}  # NullTokenizer adds its eod
+
+
+def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None = None) -> str:
+    """Write the Megatron checkpoint ``load`` (a ``--save`` directory or an ``iter_N`` one) as an
+    omnitron checkpoint (iteration 0, weights only) in ``layout``; returns its directory.
+    ``vocab_size`` overrides :func:`real_vocab_size` (the rows of the padded vocabulary to keep)."""
+    from omnitron.core.checkpoint.hf import write_weights_checkpoint
+
+    iter_dir = resolve_dir(load)
+    args, shards = read_shards(iter_dir)
+    dtype = next(t.dtype for sd in shards[(0, 0)] for t in sd.values() if isinstance(t, torch.Tensor))
+    cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
+    full = state_from_megatron(shards, args, cfg, iter_dir)
+    del shards
+    source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"),
+              "tensor_model_parallel_size": args.get("tensor_model_parallel_size", 1),
+              "pipeline_model_parallel_size": args.get("pipeline_model_parallel_size", 1)}
+    return write_weights_checkpoint(full, cfg, save_dir, layout, config=_tokenizer_settings(args, cfg),
+                                    imported_from=source)
+
+
+def export_megatron(path: str, out_dir: str, tp: int, pp: int, *,
+                    transformer_impl: str = "transformer_engine") -> str:
+    """Write omnitron checkpoint directory ``path`` (any layout) as a Megatron ``--ckpt-format torch``
+    checkpoint at ``tp`` x ``pp`` under ``out_dir`` (model weights, args, iteration; no optimizer or
+    RNG state: load it in Megatron with ``--finetune`` or ``--no-load-optim --no-load-rng``);
+    returns the iteration directory. Written to ``iter_N.tmp`` and renamed, then the tracker file."""
+    from omnitron.core.checkpoint.io import _fsync_dir, _write_file
+    from omnitron.core.checkpoint.reshard import model_config, read_full_state
+    from omnitron.core.models.gpt.config import GPTConfig
+
+    full = read_full_state(path, with_optimizer=False)
+    cfg, it = model_config(full.meta["model"]), int(full.meta["iteration"])
+    if type(cfg) is not GPTConfig:
+        raise MegatronConversionError(f"{path} holds a {type(cfg).__name__} model; only GPT models export to Megatron")
+    _check_exportable(cfg, tp, pp, transformer_impl)
+    args = args_for(cfg, tp, pp, it, full.meta.get("config", {}), transformer_impl)
+    final = os.path.join(out_dir, f"iter_{it:07d}")
+    if os.path.exists(final):
+        raise MegatronConversionError(f"{final} exists already; remove it or choose another --out")
+    for (t, p), sd in stage_state_dicts(full.model, cfg, tp, pp, transformer_impl).items():
+        os.makedirs(os.path.join(final + ".tmp", rank_dir(t, p, pp)), exist_ok=True)
+        ckpt = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": sd}
+        _write_file(os.path.join(final + ".tmp", rank_dir(t, p, pp), FILE), lambda f, c=ckpt: torch.save(c, f))
+    os.replace(final + ".tmp", final)
+    _write_file(os.path.join(out_dir, TRACKER + ".tmp"), lambda f: f.write(str(it).encode()))
+    os.replace(os.path.join(out_dir, TRACKER + ".tmp"), os.path.join(out_dir, TRACKER))
+    _fsync_dir(out_dir)
+    return final
+
+
+def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str) -> None:
+    """Raise naming the flag when Megatron's layout cannot hold ``cfg`` at ``tp`` x ``pp``."""
+    from omnitron.core.models.gpt.config import ffn_size, query_groups
+
+    if tp < 1 or pp < 1:
+        raise MegatronConversionError(f"--target-tensor-model-parallel-size {tp} / --target-pipeline-model-parallel-"
+                                      f"size {pp}: both must be >= 1")
+    groups = query_groups(cfg)
+    checks = [(transformer_impl in ("transformer_engine", "local"),
+               f"--transformer-impl {transformer_impl!r}: use transformer_engine or local"),
+              (not cfg.num_experts, f"--num-experts {cfg.num_experts}: MoE models do not export to Megatron"),
+              (cfg.num_layers % pp == 0, f"--target-pipeline-model-parallel-size {pp}: the model's {cfg.num_layers} "
+               f"layers do not split evenly over {pp} stages (Megatron's torch checkpoints); pick a divisor"),
+              (groups % tp == 0 and ffn_size(cfg) % tp == 0 and cfg.num_attention_heads % tp == 0,
+               f"--target-tensor-model-parallel-size {tp}: Megatron splits whole query groups ({groups}), heads "
+               f"({cfg.num_attention_heads}) and --ffn-hidden-size ({ffn_size(cfg)}) over tp; pick a divisor")]
+    for ok, why in checks:
+        if not ok:
+            raise MegatronConversionError(why)

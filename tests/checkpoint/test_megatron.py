@@ -1,0 +1,313 @@
+"""Megatron-LM (``--ckpt-format torch``) import / export against shards written longhand here.
+
+The reference is this file's own writer, :func:`_longhand`: it cuts an omnitron model's full state
+into Megatron-Core's per-rank files by the documented layout (``mp_rank_TT_PPP/model_optim_rng.pt``;
+per-stage local layer numbers; TE-fused norm names and ``_extra_state`` entries; QKV split over tp
+by whole query groups; per-rank SwiGLU ``[gate shard; up shard]``; vocabulary padded to 128 x tp;
+the last stage's copy of a tied embedding), slicing each rank by hand. A GPT-2-style model and a
+Llama-style one (GQA 4 heads / 2 groups, SwiGLU, RoPE, untied, no biases), every weight perturbed,
+are written at tp2 x pp2 (and interleaved, vp2): import gives the same full state bit for bit and
+the same logits as the source model; export writes exactly the longhand tensors; export -> import
+is bit-exact. Bad input fails naming the problem.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from omnitron.cli import main as cli
+from omnitron.core.checkpoint.hf import write_weights_checkpoint
+from omnitron.core.checkpoint.io import read_metadata, read_shard
+from omnitron.core.checkpoint.megatron import MegatronConversionError, Opaque, import_megatron, load_file
+from omnitron.core.checkpoint.reshard import Layout, model_config, read_full_state
+from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+
+V = 100
+TP, PP = 2, 2
+
+
+def _cfg(kind: str):
+    if kind == "gpt2":
+        return gpt2_tiny(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=V,
+                         seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+    return llama_tiny(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                      vocab_size=V, seq_length=16, rotary_base=500.0)
+
+
+@pytest.fixture(scope="module")
+def source():
+    """{kind: (cfg, model, full state)}: omnitron models with every weight perturbed."""
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.models.gpt.state import gather_full_state
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    out = {}
+    for i, kind in enumerate(("gpt2", "llama")):
+        cfg = _cfg(kind)
+        m = GPTModel(cfg, ParallelGroups.single(), seed=11 + i).eval()
+        g = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        out[kind] = (cfg, m, {n: t.clone() for n, t in gather_full_state(m, m.groups).items()})
+    return out
+
+
+# ---- the longhand reference writer -----------------------------------------------------------
+def _rows(t: torch.Tensor, r: int, tp: int) -> torch.Tensor:
+    n = t.shape[0] // tp
+    return t[r * n:(r + 1) * n].clone()
+
+
+def _cols(t: torch.Tensor, r: int, tp: int) -> torch.Tensor:
+    n = t.shape[1] // tp
+    return t[:, r * n:(r + 1) * n].clone()
+
+
+def _layer(full: dict, cfg, i: int, r: int, tp: int) -> dict:
+    """Megatron-Core (TE spec) tensors of global layer ``i`` at tensor rank ``r``, unprefixed."""
+    src = lambda k: full[f"decoder.layers.{i}.{k}"]  # noqa: E731
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, 32 // 4
+    per_rank = groups // tp  # whole query groups [q heads of the group, k, v] per rank
+    out = {}
+    for kind in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
+        qkv = src(f"self_attention.linear_qkv.{kind}")
+        grouped = qkv.reshape(groups, (heads // groups + 2) * d, *qkv.shape[1:])
+        out[f"self_attention.linear_qkv.{kind}"] = grouped[r * per_rank:(r + 1) * per_rank].reshape(
+            -1, *qkv.shape[1:]).clone()
+        fc1 = src(f"mlp.linear_fc1.{kind}")
+        if cfg.swiglu:
+            f = cfg.ffn_hidden_size
+            out[f"mlp.linear_fc1.{kind}"] = torch.cat([_rows(fc1[:f], r, tp), _rows(fc1[f:], r, tp)])
+        else:
+            out[f"mlp.linear_fc1.{kind}"] = _rows(fc1, r, tp)
+    out["self_attention.linear_proj.weight"] = _cols(src("self_attention.linear_proj.weight"), r, tp)
+    out["mlp.linear_fc2.weight"] = _cols(src("mlp.linear_fc2.weight"), r, tp)
+    if cfg.add_bias_linear:
+        out["self_attention.linear_proj.bias"] = src("self_attention.linear_proj.bias").clone()
+        out["mlp.linear_fc2.bias"] = src("mlp.linear_fc2.bias").clone()
+    for kind in ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",):
+        out[f"self_attention.linear_qkv.layer_norm_{kind}"] = src(f"input_layernorm.{kind}").clone()
+        out[f"mlp.linear_fc1.layer_norm_{kind}"] = src(f"pre_mlp_layernorm.{kind}").clone()
+    for mod in ("self_attention.core_attention", "self_attention.linear_qkv", "self_attention.linear_proj",
+                "mlp.linear_fc1", "mlp.linear_fc2"):
+        out[f"{mod}._extra_state"] = None
+    return out
+
+
+def _longhand(full: dict, cfg, tp: int, pp: int, vp: int = 1) -> dict:
+    """``{(tp_rank, pp_rank): [model state dict per chunk]}`` in Megatron-Core's layout."""
+    padded = 128 * tp  # V = 100 pads to one multiple of 128 x tp
+    per = cfg.num_layers // (pp * vp)
+    out = {}
+    for p in range(pp):
+        for r in range(tp):
+            chunks = []
+            for c in range(vp):
+                sd = {}
+                for j in range(per):  # chunk c of stage p holds global layers (c * pp + p) * per + j
+                    sd.update({f"decoder.layers.{j}.{k}": t for k, t in
+                               _layer(full, cfg, (c * pp + p) * per + j, r, tp).items()})
+                first, last = p == 0 and c == 0, p == pp - 1 and c == vp - 1
+                emb = torch.cat([full["embedding.word_embeddings.weight"], torch.zeros(padded - V, 32)])
+                if first:
+                    sd["embedding.word_embeddings.weight"] = _rows(emb, r, tp)
+                    if "embedding.position_embeddings.weight" in full:
+                        sd["embedding.position_embeddings.weight"] = full["embedding.position_embeddings.weight"].clone()
+                if last:
+                    for k in ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",):
+                        sd[f"decoder.final_layernorm.{k}"] = full[f"decoder.final_layernorm.{k}"].clone()
+                    if cfg.untie_embeddings_and_output_weights:
+                        out_w = torch.cat([full["output_layer.weight"], torch.zeros(padded - V, 32)])
+                        sd["output_layer.weight"] = _rows(out_w, r, tp)
+                    elif not first:
+                        sd["output_layer.weight"] = _rows(emb, r, tp)
+                chunks.append(sd)
+            out[(r, p)] = chunks
+    return out
+
+
+def _args(cfg, tp: int, pp: int, **over) -> argparse.Namespace:
+    llama = cfg.swiglu
+    a = dict(num_layers=cfg.num_layers, hidden_size=32, ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=4,
+             kv_channels=8, group_query_attention=llama, num_query_groups=2 if llama else 1, seq_length=16,
+             max_position_embeddings=16, tokenizer_type="NullTokenizer", vocab_size=V - 1,
+             make_vocab_size_divisible_by=128, padded_vocab_size=128 * tp,
+             normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=cfg.layernorm_epsilon, swiglu=llama,
+             position_embedding_type="rope" if llama else "learned_absolute", rotary_base=500 if llama else 10000,
+             rotary_percent=1.0, untie_embeddings_and_output_weights=llama, add_bias_linear=not llama,
+             bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=3e-4, micro_batch_size=2,
+             iteration=1234, params_dtype=torch.float32)
+    a.update(over)
+    return argparse.Namespace(**a)
+
+
+def _write_megatron(root: str, shards: dict, args, pp: int, iteration: int = 1234) -> None:
+    """Megatron's directory layout, with the optimizer / RNG entries a real file carries."""
+    for (r, p), chunks in shards.items():
+        d = os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{r:02d}" + (f"_{p:03d}" if pp > 1 else ""))
+        os.makedirs(d)
+        ckpt = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "optimizer": {"param_groups": [{"lr": 3e-4}]}, "opt_param_scheduler": {"num_steps": 9},
+                "rng_state": [{"np_rng_state": np.random.RandomState(r).get_state(), "torch": torch.get_rng_state()}]}
+        ckpt.update({"model": chunks[0]} if len(chunks) == 1 else {f"model{c}": sd for c, sd in enumerate(chunks)})
+        torch.save(ckpt, os.path.join(d, "model_optim_rng.pt"))
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+
+
+def _make(tmp_path, source, kind: str, name: str = "meg", vp: int = 1, **over) -> str:
+    cfg, _, full = source[kind]
+    root = str(tmp_path / name)
+    _write_megatron(root, _longhand(full, cfg, TP, PP, vp), _args(cfg, TP, PP, **over), PP)
+    return root
+
+
+def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).transpose(0, 1)[..., :V]
+
+
+# ---- tests -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_import_matches_source(source, kind, tmp_path, capsys):
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    cfg, model, full = source[kind]
+    meg = _make(tmp_path, source, kind)
+    assert cli(["checkpoint", "import-megatron", "--load", meg, "--save", str(tmp_path / "ck")]) == 0
+    assert "--load" in capsys.readouterr().out
+    path = str(tmp_path / "ck" / "iter_0000000")
+    got = read_full_state(path).model
+    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+    meta = read_metadata(path)
+    assert model_config(meta["model"]) == cfg and meta["config"]["vocab_size"] == V - 1
+    m = GPTModel(model_config(meta["model"]), ParallelGroups.single()).eval()
+    m.load_state_dict(read_shard(path, 0)["model"][0])
+    tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(_logits(m, tokens), _logits(model, tokens))
+
+
+def test_import_interleaved_to_tp2_pp2(source, tmp_path):
+    """A vp2 Megatron run (model0 / model1 per file) into omnitron's own tp2 x pp2 layout."""
+    cfg, _, full = source["llama"]
+    meg = _make(tmp_path, source, "llama", vp=2, virtual_pipeline_model_parallel_size=2)
+    out = import_megatron(os.path.join(meg, "iter_0001234"), str(tmp_path / "ck"), Layout(tp=2, pp=2))
+    got = read_full_state(out).model
+    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_export_equals_longhand(source, kind, tmp_path):
+    cfg, _, full = source[kind]
+    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=1), config={"tokenizer_type": "NullTokenizer"})
+    out = str(tmp_path / "meg")
+    assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", out,
+                "--target-tensor-model-parallel-size", str(TP), "--target-pipeline-model-parallel-size", str(PP)]) == 0
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "0"
+    want = _longhand(full, cfg, TP, PP)
+    assert sorted(os.listdir(os.path.join(out, "iter_0000000"))) == ["mp_rank_00_000", "mp_rank_00_001",
+                                                                     "mp_rank_01_000", "mp_rank_01_001"]
+    ref_args = vars(_args(cfg, TP, PP))
+    for (r, p), (sd,) in want.items():
+        ck = torch.load(os.path.join(out, "iter_0000000", f"mp_rank_{r:02d}_{p:03d}", "model_optim_rng.pt"),
+                        weights_only=False)
+        assert ck["checkpoint_version"] == 3.0 and ck["iteration"] == 0
+        assert sorted(ck["model"]) == sorted(sd), (r, p)
+        for name, t in sd.items():
+            got = ck["model"][name]
+            assert (got is None and t is None) or (got.dtype == t.dtype and torch.equal(got, t)), name
+        args = vars(ck["args"])
+        for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                    "group_query_attention", "padded_vocab_size", "vocab_size", "tokenizer_type", "normalization",
+                    "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+                    "tensor_model_parallel_size", "pipeline_model_parallel_size", "kv_channels", "seq_length"):
+            assert args[key] == ref_args[key], key
+
+
+@pytest.mark.parametrize("kind,tp,pp,impl", [("llama", 2, 2, "transformer_engine"), ("gpt2", 1, 1, "local"),
+                                             ("gpt2", 2, 4, "transformer_engine")])
+def test_export_import_round_trip(source, kind, tp, pp, impl, tmp_path):
+    cfg, _, full = source[kind]
+    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2, pp=2))
+    assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg"),
+                "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp),
+                "--transformer-impl", impl]) == 0
+    assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "back"),
+                "--tensor-model-parallel-size", "2"]) == 0
+    meta = read_metadata(str(tmp_path / "back" / "iter_0000000"))
+    got = read_full_state(str(tmp_path / "back" / "iter_0000000")).model
+    assert model_config(meta["model"]) == cfg
+    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_restricted_unpickler(tmp_path):
+    """Classes outside the allow-list (Megatron enums; anything that would run code) become inert."""
+
+    class Evil:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    torch.save({"args": argparse.Namespace(attention_backend=Evil()), "x": torch.arange(3),
+                "np": np.arange(4, dtype=np.int32)}, str(tmp_path / "f.pt"))
+    got = load_file(str(tmp_path / "f.pt"))
+    assert isinstance(got["args"].attention_backend, Opaque) and torch.equal(got["x"], torch.arange(3))
+    assert (got["np"] == np.arange(4)).all()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing_shard", "mp_rank_01_001/model_optim_rng.pt is missing"),
+    ("moe", "num_experts=8"),
+    ("squared_relu", "squared_relu=True"),
+    ("erf_gelu", "exact (erf) GeLU"),
+    ("no_args", "no 'args'"),
+    ("wrong_shape", "has shape"),
+    ("legacy_names", "legacy Megatron model names"),
+    ("torch_dist", "a torch_dist checkpoint"),
+])
+def test_import_errors(source, case, message, tmp_path, capsys):
+    over = {"moe": {"num_experts": 8}, "squared_relu": {"squared_relu": True}, "erf_gelu": {"bias_gelu_fusion": False},
+            "wrong_shape": {"ffn_hidden_size": 96}}.get(case, {})
+    meg = _make(tmp_path, source, "gpt2", **over)
+    it = os.path.join(meg, "iter_0001234")
+    if case == "missing_shard":
+        shutil.rmtree(os.path.join(it, "mp_rank_01_001"))
+    if case in ("no_args", "legacy_names"):
+        for d in os.listdir(it):
+            f = os.path.join(it, d, "model_optim_rng.pt")
+            ck = torch.load(f, weights_only=False)
+            if case == "no_args":
+                del ck["args"]
+            else:
+                ck["model"] = {"language_model." + k: v for k, v in ck["model"].items()}
+            torch.save(ck, f)
+    if case == "torch_dist":
+        shutil.rmtree(it)
+        os.makedirs(it)
+        open(os.path.join(it, "__0_0.distcp"), "w").close()
+        open(os.path.join(it, "common.pt"), "w").close()
+    assert cli(["checkpoint", "import-megatron", "--load", meg, "--save", str(tmp_path / "ck")]) == 2
+    assert message in capsys.readouterr().err
+    with pytest.raises(MegatronConversionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        import_megatron(meg, str(tmp_path / "ck2"), Layout())
+
+
+def test_export_errors(source, tmp_path, capsys):
+    cfg, _, full = source["llama"]
+    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout())
+    base = ["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg")]
+    assert cli(base + ["--target-tensor-model-parallel-size", "4", "--target-pipeline-model-parallel-size", "1"]) == 2
+    assert "whole query groups (2)" in capsys.readouterr().err
+    assert cli(base + ["--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "3"]) == 2
+    assert "do not split evenly over 3 stages" in capsys.readouterr().err
+    assert cli(base + ["--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 0
+    assert cli(base + ["--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 2
+    assert "exists already" in capsys.readouterr().err
