@@ -251,12 +251,12 @@ def _loss_parts(output, batch) -> tuple[float, float]:
     return bert_loss((output[0], None), batch)[0].item(), F.cross_entropy(output[1], batch["is_random"]).item()
 
 
+@torch.no_grad()
 def _sgd_step(modules) -> None:
-    with torch.no_grad():
-        for m in modules:
-            for p in m.parameters():
-                g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-                p.add_(g, alpha=-LR)
+    """Plain SGD on every parameter (the data-parallel wrapper's reduced ``main_grad`` when it has one)."""
+    params = [p for m in modules for p in m.parameters()]
+    grads = [p.grad if getattr(p, "main_grad", None) is None else p.main_grad for p in params]
+    torch._foreach_add_(params, grads, alpha=-LR)
 
 
 def _pipeline_reference() -> tuple[list[tuple[float, float]], dict]:
