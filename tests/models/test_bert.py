@@ -237,7 +237,7 @@ def test_train_command_loss_drops(tmp_path):
 PIPE = dict(BASE, num_layers=4, seq_length=16)
 STEPS, MB, NMB, LR = 3, 2, 4, 0.5  # steps, micro-batch size, micro-batches per global batch, SGD lr
 LAYOUTS = {"pp2_1f1b_dp2": (1, 2, None, False, "1f1b"), "pp2_vp2_dp2": (1, 2, 2, False, "interleaved"),
-           "tp2_pp2_sp": (2, 2, None, True, "1f1b")}  # tp, pp, vp, sp, schedule
+           "tp2_pp2_sp": (2, 2, None, True, "1f1b"), "pp2_zbh1_dp2": (1, 2, None, False, "zb-h1")}  # tp pp vp sp
 
 
 def _pipe_batches(c) -> list[list[dict]]:
@@ -344,9 +344,10 @@ def _pipeline_worker(tmp: str) -> dict:
 
 @pytest.mark.multiprocess
 def test_pipeline_parallel_bert_matches_one_process(tmp_path):
-    """pp2 (1F1B) x dp2, pp2 x vp2 (interleaved) x dp2 and tp2 x pp2 + SP: per-step MLM and binary losses and
-    final weights as one process; the training loop at pp2 x vp2 x dp2 and pp4 (middle stages need the padding
-    mask) as one process, and the pp2 checkpoint reads, converts and loads at pp1 with identical full weights."""
+    """pp2 (1F1B) x dp2, pp2 x vp2 (interleaved) x dp2, tp2 x pp2 + SP and pp2 (ZB-H1) x dp2: per-step MLM and
+    binary losses and final weights as one process; the training loop at pp2 x vp2 x dp2 and pp4 (middle stages
+    need the padding mask) as one process, and the pp2 checkpoint reads, converts and loads at pp1 with identical
+    full weights."""
     from omnitron.backends import get_backend
     from omnitron.core.checkpoint.reshard import Layout, convert, read_full_state
     from omnitron.core.training import checkpointing
