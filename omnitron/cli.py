@@ -10,7 +10,7 @@ import importlib
 import logging
 import sys
 
-COMMANDS = ("info", "train", "preprocess", "tokenizer", "bench", "plot", "generate", "checkpoint")
+COMMANDS = ("info", "train", "preprocess", "tokenizer", "bench", "plot", "generate", "serve", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,33 +1,90 @@
-"""``omnitron generate --load DIR --prompt TEXT``: sample a continuation from a training checkpoint."""
+"""``omnitron generate --load DIR --prompt TEXT [--prompt TEXT ...]``: generate from a training checkpoint.
+
+The checkpoint (any parallel layout) is read into one process (:mod:`omnitron.core.inference.loader`);
+several ``--prompt`` flags run as one batch. GPT continues the text, T5 decodes a target for it (its
+encoder input), a multimodal (LLaVA) checkpoint captions ``--image-index N`` (a synthetic validation
+image) or ``--image FILE.npy``, continuing ``--prompt`` (default "a", how the synthetic captions start).
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="continue a prompt with a trained checkpoint (greedy or top-k, KV cache)")
-    p.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory (its 'latest' is used)")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p = sub.add_parser("generate", help="continue prompts with a trained checkpoint (batched, KV cache; GPT, T5, "
+                       "LLaVA captions)")
+    p.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory (its 'latest'; any layout)")
+    p.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (T5: the encoder input)")
     p.add_argument("--max-new-tokens", type=int, default=40, metavar="N", help="tokens to generate (default: 40)")
-    p.add_argument("--top-k", type=int, default=20, metavar="K", help="sample among the K likeliest; 1 = greedy "
-                   "(default: 20)")
+    p.add_argument("--temperature", type=float, default=0.8, help="divide the logits by it; 0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=20, metavar="K", help="sample among the K likeliest; 1 = greedy, "
+                   "0 = no limit (default: 20)")
+    p.add_argument("--top-p", type=float, default=0.0, metavar="P", help="nucleus sampling: the likeliest tokens "
+                   "whose mass reaches P; 0 = off (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, prompt i uses seed + i (default: the "
+                   "checkpoint's --seed)")
+    p.add_argument("--return-log-probs", action="store_true", help="print each token with its log-probability")
     p.add_argument("--backend", default=None, help="backend (default: $OMNITRON_BACKEND, else auto)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (the server's response shape)")
+    image = p.add_mutually_exclusive_group()
+    image.add_argument("--image-index", type=int, metavar="N", help="multimodal: caption sample N of the synthetic "
+                       "validation images (its true caption is printed too)")
+    image.add_argument("--image", metavar="FILE.npy", help="multimodal: caption this [C, H, W] float image")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.config.parallel import ConfigError
-    from omnitron.core.inference.from_checkpoint import generate_entry, settings_from_checkpoint
-    from omnitron.core.training.launch import launch
+def _images(loaded, args, count: int):
+    """``[count, C, H, W]`` (the one image repeated per prompt) and its true caption, or (None, None)."""
+    import torch
 
-    if args.max_new_tokens < 1 or args.top_k < 1:
-        print("omnitron generate: error: --max-new-tokens and --top-k must be >= 1", file=sys.stderr)
+    from omnitron.core.inference.text import load_image, synthetic_image
+
+    if args.image_index is None and args.image is None:
+        if loaded.family == "multimodal":
+            raise ValueError("a multimodal checkpoint captions an image: pass --image-index N or --image FILE.npy")
+        return None, None
+    if loaded.family != "multimodal":
+        raise ValueError(f"--image-index / --image apply to multimodal checkpoints; this one is {loaded.family}")
+    if args.image is not None:
+        image, truth = load_image(args.image, loaded.model.config), None
+    else:
+        image, truth = synthetic_image(loaded, args.image_index)
+    return torch.stack([image] * count), truth
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnitron.backends import get_backend
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.inference.loader import load_for_inference
+    from omnitron.core.inference.sampling import SamplingParams
+    from omnitron.core.inference.text import complete
+
+    if args.max_new_tokens < 1:
+        print("omnitron generate: error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
     try:
-        settings = settings_from_checkpoint(args.load, args.prompt, args.max_new_tokens, args.top_k, args.backend)
-    except (ConfigError, CheckpointError, OSError) as err:
+        loaded = load_for_inference(args.load, get_backend(args.backend) if args.backend else None)
+        prompts = args.prompt or (["a"] if loaded.family == "multimodal" else None)
+        if not prompts:
+            raise ValueError("--prompt TEXT is required (repeat it for a batch)")
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=loaded.seed if args.seed is None else args.seed)
+        images, truth = _images(loaded, args, len(prompts))
+        out = complete(loaded, prompts, args.max_new_tokens, params=params, logprobs=args.return_log_probs,
+                       images=images)
+    except (CheckpointError, ValueError, OSError) as err:
         print(f"omnitron generate: error: {err}", file=sys.stderr)
         return 2
-    return launch(settings, entry=generate_entry)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for i, text in enumerate(out["text"]):
+        print(f"--- {i} ---\n{text}")
+        if args.return_log_probs:
+            lps = [None] + out["logprobs"][i]
+            print(" ".join(f"{s!r}" + ("" if lp is None else f":{lp:.3f}") for s, lp in zip(out["segments"][i], lps)))
+    if truth is not None:
+        print(f"--- true caption ---\n{truth}")
+    return 0

@@ -1,0 +1,128 @@
+"""A small HTTP text-generation server on the standard library, with Megatron's API shape.
+
+``PUT /api`` with a JSON body::
+
+    {"prompts": ["..."], "tokens_to_generate": 32, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
+     "logprobs": false, "random_seed": 1234, "image_index": [0]}
+
+answers ``{"text": [...]}`` (plus ``"segments"`` and ``"logprobs"`` when ``logprobs`` is true; see
+:func:`omnitron.core.inference.text.complete`). Defaults follow Megatron's server: temperature 1,
+no top-k / top-p filter (plain sampling), 64 tokens. ``image_index`` (multimodal checkpoints only):
+one synthetic validation image per prompt. A malformed request gets 400 with ``{"error": message}``
+naming the field; another path 404. Requests are served one at a time (one model, one KV cache).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import torch
+
+from omnitron.core.inference.sampling import SamplingParams
+from omnitron.core.inference.text import complete, synthetic_image
+
+MAX_PROMPTS = 128
+FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs", "random_seed", "image_index"}
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with 400 (the message names the field and what it must be)."""
+
+
+def _int(body: dict, key: str, default: int, low: int) -> int:
+    v = body.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise BadRequest(f"{key} must be an integer >= {low}, got {v!r}")
+    return v
+
+
+def parse_request(body, loaded) -> dict:
+    """The keyword arguments of :func:`complete` for one request body; :class:`BadRequest` if malformed."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object with at least \"prompts\"")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(FIELDS))}")
+    prompts = body.get("prompts")
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest("prompts must be a non-empty list of strings")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"prompts holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request")
+    n = _int(body, "tokens_to_generate", 64, 0)
+    logprobs = body.get("logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise BadRequest(f"logprobs must be true or false, got {logprobs!r}")
+    if n == 0 and not logprobs:
+        raise BadRequest("tokens_to_generate is 0 and logprobs is false: nothing to return; generate tokens or "
+                         "ask for the prompts' logprobs")
+    seed = body.get("random_seed")
+    try:
+        params = SamplingParams(temperature=body.get("temperature", 1.0), top_k=body.get("top_k", 0),
+                                top_p=body.get("top_p", 0.0), seed=None if seed is None else seed)
+    except ValueError as err:
+        raise BadRequest(str(err).replace("seed must", "random_seed must")) from None
+    return {"prompts": prompts, "tokens_to_generate": n, "params": params, "logprobs": logprobs,
+            "images": _images(body.get("image_index"), len(prompts), loaded)}
+
+
+def _images(index, count: int, loaded) -> torch.Tensor | None:
+    if loaded.family != "multimodal":
+        if index is not None:
+            raise BadRequest(f"image_index applies to multimodal checkpoints; this one is {loaded.family}")
+        return None
+    if not isinstance(index, list) or len(index) != count:
+        raise BadRequest(f"image_index must list one synthetic image index per prompt ({count}) for this "
+                         "multimodal checkpoint")
+    try:
+        return torch.stack([synthetic_image(loaded, i)[0] for i in index])
+    except ValueError as err:
+        raise BadRequest(f"image_index: {err}") from None
+
+
+def make_handler(loaded, lock: threading.Lock):
+    """The request handler class bound to one loaded model."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, code: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path.rstrip("/") != "/api":
+                return self._reply(404, {"error": f"no endpoint {self.path}; PUT /api"})
+            try:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    body = json.loads(raw or b"null")
+                except json.JSONDecodeError as err:
+                    raise BadRequest(f"the body is not JSON: {err}") from None
+                kwargs = parse_request(body, loaded)
+                prompts = kwargs.pop("prompts")
+                with lock:
+                    result = complete(loaded, prompts, kwargs.pop("tokens_to_generate"), **kwargs)
+            except (BadRequest, ValueError) as err:  # ValueError: the library's own input checks
+                return self._reply(400, {"error": str(err)})
+            return self._reply(200, result)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._reply(405, {"error": "use PUT /api (Megatron's text generation server API)"})
+
+        do_GET = do_POST
+
+        def log_message(self, fmt, *args) -> None:  # one line per request on stderr, as http.server does
+            if not getattr(self.server, "quiet", False):
+                super().log_message(fmt, *args)
+
+    return Handler
+
+
+def make_server(loaded, host: str = "127.0.0.1", port: int = 5000, *, quiet: bool = False) -> HTTPServer:
+    """An unstarted server (``serve_forever()`` to run; port 0 picks a free one: ``server.server_port``)."""
+    server = HTTPServer((host, port), make_handler(loaded, threading.Lock()))
+    server.quiet = quiet
+    return server

@@ -1,0 +1,82 @@
+"""Text in, text out: what ``omnitron generate`` and ``omnitron serve`` call, for every generative family.
+
+:func:`complete` tokenizes the prompts, runs the family's batched generation and returns Megatron's
+text-generation-server shape: ``text`` (prompt and generation decoded together for GPT and LLaVA, without
+the end-of-document token; the decoded target for T5, whose prompt is the encoder's input), and with log-probs ``segments`` (each token as a string,
+the prompt's tokens then the generated ones; T5's start with ``[CLS]``, LLaVA's with one ``"<image>"``
+for all its placeholders) and ``logprobs`` (one per segment after the first).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omnitron.core.inference.families import caption, generate_t5
+from omnitron.core.inference.generation import generate_batch
+from omnitron.core.inference.sampling import SamplingParams
+
+
+def synthetic_image(loaded, index: int) -> tuple[torch.Tensor, str]:
+    """Image ``[C, H, W]`` and true caption of sample ``index`` of the synthetic captions' validation split
+    (seeded ``--seed + 1``, as training draws it; held out from the training split)."""
+    from omnitron.core.data.multimodal_dataset import ImageCaptionDataset
+    from omnitron.core.models.multimodal.config import num_image_tokens
+
+    c = loaded.model.config
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"image index must be an integer >= 0, got {index!r}")
+    data = ImageCaptionDataset(index + 1, seq_length=c.seq_length, seed=loaded.seed + 1, tokenizer=loaded.tokenizer,
+                               img_h=c.img_h, img_w=c.img_w, num_channels=c.num_channels,
+                               num_image_tokens=num_image_tokens(c))
+    image, text = data.sample(index)
+    return torch.from_numpy(image), text
+
+
+def load_image(path: str, config) -> torch.Tensor:
+    """A ``.npy`` image ``[C, H, W]`` (float, values in [0, 1] as in training) checked against the model."""
+    want = (config.num_channels, config.img_h, config.img_w)
+    image = np.load(path)
+    if image.shape != want:
+        raise ValueError(f"{path}: image of shape {image.shape}; the model reads [channels, height, width] = {want}")
+    return torch.from_numpy(image.astype(np.float32))
+
+
+def _encode_all(tokenizer, prompts: list[str], allow_empty: bool) -> list[list[int]]:
+    ids = [tokenizer.encode(p) for p in prompts]
+    for i, p in enumerate(ids):
+        if not p and not allow_empty:
+            raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens; give some text")
+    return ids
+
+
+def complete(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,
+             logprobs: bool = False, images: torch.Tensor | None = None) -> dict:
+    """Generate for every prompt (``images [b, C, H, W]`` for the multimodal family); see the module docstring."""
+    tok, model = loaded.tokenizer, loaded.model
+    eod = getattr(tok, "eod", None)
+    if loaded.family != "multimodal" and images is not None:
+        raise ValueError(f"images apply to the multimodal (LLaVA) family; this is a {loaded.family} checkpoint")
+    if loaded.family == "t5":
+        sources = _encode_all(tok, prompts, allow_empty=False)
+        out = generate_t5(model, sources, tokens_to_generate, start=tok.cls, eod=tok.sep, params=params,
+                          return_log_probs=logprobs)
+        shown = [[tok.cls] + t for t in out.tokens]
+        texts = [tok.decode([t for t in toks if t != tok.sep]) for toks in out.tokens]
+    else:
+        if loaded.family == "multimodal":
+            if images is None:
+                raise ValueError("the multimodal (LLaVA) family captions an image: give one image per prompt")
+            ids = _encode_all(tok, prompts, allow_empty=True)
+            out = caption(model, images, ids, tokens_to_generate, eod=eod, params=params, return_log_probs=logprobs)
+        else:
+            ids = _encode_all(tok, prompts, allow_empty=False)
+            out = generate_batch(model, ids, tokens_to_generate, params=params, eod=eod, return_log_probs=logprobs)
+        shown = [p + t for p, t in zip(ids, out.tokens)]
+        texts = [tok.decode(p + [t for t in toks if t != eod]) for p, toks in zip(ids, out.tokens)]
+    result = {"text": texts}
+    if logprobs:
+        # LLaVA: the image is one leading segment, "<image>"; the first text token is scored from it
+        lead = ["<image>"] if loaded.family == "multimodal" else []
+        result["segments"] = [lead + [tok.decode([t]) for t in toks] for toks in shown]
+        result["logprobs"] = out.log_probs
+    return result

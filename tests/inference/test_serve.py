@@ -1,0 +1,159 @@
+"""Checkpoint -> one process (any layout), ``omnitron generate`` and ``omnitron serve`` against the library call."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from omnitron.backends import get_backend
+from omnitron.cli import main
+from omnitron.core.checkpoint.hf import write_weights_checkpoint
+from omnitron.core.checkpoint.reshard import Layout
+from omnitron.core.inference import SamplingParams, generate_batch
+from omnitron.core.inference.loader import load_for_inference
+from omnitron.core.inference.server import make_server
+from omnitron.core.inference.text import complete
+from omnitron.core.models.gpt.config import llama_tiny
+from omnitron.core.models.gpt.model import GPTModel
+from omnitron.core.models.gpt.state import gather_full_state
+from omnitron.core.parallel.groups import ParallelGroups
+
+NULL = {"tokenizer_type": "NullTokenizer", "vocab_size": 300, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def gpt_ckpt(tmp_path_factory):
+    """A Llama-style GQA model (vocab 301 = NullTokenizer(300)) saved as a tp2 x pp2 checkpoint."""
+    cfg = llama_tiny(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=301,
+                     seq_length=32)
+    model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu"), seed=5).eval()
+    path = str(tmp_path_factory.mktemp("gpt"))
+    write_weights_checkpoint(gather_full_state(model, ParallelGroups.single()), cfg, path, Layout(tp=2, pp=2),
+                             config=NULL)
+    return model, path
+
+
+def test_loader_reassembles_any_layout(gpt_ckpt):
+    model, path = gpt_ckpt
+    loaded = load_for_inference(path, get_backend("cpu"))
+    assert loaded.family == "gpt" and loaded.seed == 7 and loaded.tokenizer.vocab_size == 301
+    ids = torch.randint(0, 301, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(tokens=ids), model(tokens=ids), atol=1e-5, rtol=1e-5)
+
+
+def _cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_generate_command_matches_library(gpt_ckpt):
+    model, path = gpt_ckpt
+    rc, out, _ = _cli("generate", "--load", path, "--prompt", "5 6 7", "--prompt", "9", "--max-new-tokens", "6",
+                      "--top-k", "1", "--return-log-probs", "--json", "--backend", "cpu")
+    assert rc == 0
+    got = json.loads(out)
+    lib = generate_batch(model, [[5, 6, 7], [9]], 6, eod=300, return_log_probs=True)
+    assert got["text"] == [" ".join(map(str, p + [t for t in n if t != 300])) for p, n in zip([[5, 6, 7], [9]],
+                                                                                             lib.tokens)]
+    assert len(got["segments"][0]) == 3 + len(lib.tokens[0]) and len(got["logprobs"][0]) == 2 + len(lib.tokens[0])
+    torch.testing.assert_close(torch.tensor(got["logprobs"][1]), torch.tensor(lib.log_probs[1]), atol=1e-5, rtol=0)
+    # sampling defaults to the checkpoint's seed (7): same as the library with seed 7
+    rc, out, _ = _cli("generate", "--load", path, "--prompt", "3 4", "--max-new-tokens", "5", "--json")
+    lib = generate_batch(model, [[3, 4]], 5, eod=300, params=SamplingParams(temperature=0.8, top_k=20, seed=7))
+    assert json.loads(out)["text"] == [" ".join(map(str, [3, 4] + [t for t in lib.tokens[0] if t != 300]))]
+    rc, _, err = _cli("generate", "--load", path, "--prompt", "3", "--image-index", "0")
+    assert rc == 2 and "--image-index / --image apply to multimodal checkpoints; this one is gpt" in err
+    rc, _, err = _cli("generate", "--load", path + "/nothing", "--prompt", "3")
+    assert rc == 2 and "no checkpoint there" in err
+
+
+def _put(port: int, body, path="/api"):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_answers_like_the_library(gpt_ckpt):
+    _, path = gpt_ckpt
+    loaded = load_for_inference(path, get_backend("cpu"))
+    server = make_server(loaded, port=0, quiet=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_port
+        body = {"prompts": ["1 2 3", "8"], "tokens_to_generate": 5, "temperature": 0.7, "top_k": 10, "top_p": 0.9,
+                "random_seed": 3}
+        code, got = _put(port, body)
+        params = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=3)
+        assert code == 200 and got == complete(loaded, ["1 2 3", "8"], 5, params=params)
+        code, got = _put(port, {"prompts": ["4 5"], "tokens_to_generate": 3, "top_k": 1, "logprobs": True})
+        want = complete(loaded, ["4 5"], 3, params=SamplingParams(top_k=1), logprobs=True)
+        assert code == 200 and set(got) == {"text", "segments", "logprobs"} and got == want
+        code, got = _put(port, {"prompts": ["1 2 3"], "tokens_to_generate": 0, "logprobs": True})  # scoring only
+        assert code == 200 and got["text"] == ["1 2 3"] and len(got["logprobs"][0]) == 2
+        for bad, words in (({"prompts": "1 2"}, "prompts must be a non-empty list of strings"),
+                           ({"prompts": ["1"], "top_p": 2}, "top_p must be a number in [0, 1]"),
+                           ({"prompts": ["1"], "tokens_to_generate": -1}, "tokens_to_generate must be an integer"),
+                           ({"prompts": ["1"], "tokens_to_generate": 0}, "nothing to return"),
+                           ({"prompts": ["1"], "temprature": 1}, "unknown field(s) temprature"),
+                           ({"prompts": ["1"], "random_seed": "x"}, "random_seed must be"),
+                           ({"prompts": ["1"], "image_index": [0]}, "image_index applies to multimodal"),
+                           ({"prompts": ["1 x"]}, "space-separated integers"),
+                           ({"prompts": [""]}, "encodes to no tokens"),
+                           (b"{not json", "the body is not JSON")):
+            code, got = _put(port, bad)
+            assert code == 400 and words in got["error"], (bad, got)
+        assert _put(port, body, path="/other")[0] == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_generate_command_t5_and_llava_caption(tmp_path):
+    from omnitron.core.inference.families import caption, generate_t5
+    from omnitron.core.inference.text import synthetic_image
+    from omnitron.core.models.multimodal import LLaVAModel
+    from omnitron.core.models.multimodal.config import llava_tiny
+    from omnitron.core.models.t5 import T5Model
+    from omnitron.core.models.t5.config import t5_tiny
+
+    single, cpu = ParallelGroups.single(), get_backend("cpu")
+    # NOTE: num_layers = encoder + decoder layers keeps clear of a layer-range check in init_single_stage
+    t5 = T5Model(t5_tiny(num_layers=2, encoder_num_layers=1, decoder_num_layers=1, hidden_size=32,
+                         ffn_hidden_size=64, num_query_groups=2), single, backend=cpu, seed=2).eval()
+    write_weights_checkpoint(gather_full_state(t5, single), t5.config, str(tmp_path / "t5"), Layout(tp=2),
+                             config={"tokenizer_type": "BertWordPieceLowerCase"})
+    rc, out, _ = _cli("generate", "--load", str(tmp_path / "t5"), "--prompt", "call me ishmael", "--top-k", "1",
+                      "--max-new-tokens", "5", "--json")
+    tok = load_for_inference(str(tmp_path / "t5"), cpu).tokenizer
+    lib = generate_t5(t5, [tok.encode("call me ishmael")], 5, start=tok.cls, eod=tok.sep).tokens[0]
+    assert rc == 0 and json.loads(out)["text"] == [tok.decode([t for t in lib if t != tok.sep])]
+
+    llava = LLaVAModel(llava_tiny(hidden_size=32, ffn_hidden_size=64, vision_hidden_size=32, img_h=16, img_w=16),
+                       single, backend=cpu, seed=3).eval()
+    write_weights_checkpoint(gather_full_state(llava, single), llava.config, str(tmp_path / "mm"), Layout(tp=2),
+                             config={"seed": 9})
+    loaded = load_for_inference(str(tmp_path / "mm"), cpu)
+    rc, out, _ = _cli("generate", "--load", str(tmp_path / "mm"), "--image-index", "2", "--top-k", "1",
+                      "--max-new-tokens", "4")
+    image, truth = synthetic_image(loaded, 2)
+    prompt = loaded.tokenizer.encode("a")
+    lib = caption(llava, image[None], [prompt], 4, eod=loaded.tokenizer.eod).tokens[0]
+    text = loaded.tokenizer.decode(prompt + [t for t in lib if t != loaded.tokenizer.eod])
+    assert rc == 0 and out == f"--- 0 ---\n{text}\n--- true caption ---\n{truth}\n"
+    rc, _, err = _cli("generate", "--load", str(tmp_path / "mm"), "--prompt", "a")
+    assert rc == 2 and "pass --image-index N or --image FILE.npy" in err
