@@ -76,6 +76,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[t
     """Next token ids ``[b]`` (int64, on the logits' device) from fp32 ``logits [b, V]``."""
     if params.greedy:
         return torch.argmax(logits, dim=-1)
+    # NOTE: CPU generators and arithmetic, so one seed gives the same tokens on every backend
     probs = torch.softmax(filter_logits(logits.float(), params), dim=-1).cpu()
     cdf = torch.cumsum(probs, dim=-1)  # [b, V]
     u = torch.cat([torch.rand(1, generator=g) for g in generators])  # [b], one draw per row
