@@ -47,26 +47,39 @@ def model_flags(model: dict) -> str:
 def run_import(args: argparse.Namespace) -> int:
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.hf import import_hf
-    from omnitron.core.checkpoint.reshard import Layout, read_metadata
+    from omnitron.core.checkpoint.reshard import read_metadata
     from omnitron.core.config.parallel import ConfigError
 
     try:
-        for flag, v in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
-            if v < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {v}")
-        layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+        layout = import_layout(args)
         out = import_hf(args.hf_dir, args.save, layout)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
         return _fail("import-hf", err)
     meta = read_metadata(out)
-    tok = meta["config"]
     print(f"imported {args.hf_dir} ({meta['imported_from']['model_type']}) to {out} ({layout}); weights only: "
           f"training from it starts at iteration 0 with a fresh optimizer")
-    flags = [f"--{k.replace('_', '-')} {tok[k]}" for k in ("tokenizer_type", "tokenizer_model", "vocab_size")
-             if k in tok]
-    print(f"train from it with: --load {args.save} {model_flags(meta['model'])} {' '.join(flags)}")
+    print(train_hint(args.save, meta))
     return 0
+
+
+def import_layout(args: argparse.Namespace):
+    """The Layout an import's ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` ask for."""
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.config.parallel import ConfigError
+
+    for flag, v in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                    ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+        if v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
+    return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+
+
+def train_hint(save: str, meta: dict) -> str:
+    """The ``train from it with: --load ...`` line for an imported checkpoint's metadata ``meta``."""
+    run = meta["config"]
+    flags = [f"--{k.replace('_', '-')} {run[k]}" for k in ("tokenizer_type", "tokenizer_model", "vocab_size")
+             if k in run]
+    return f"train from it with: --load {save} {model_flags(meta['model'])} {' '.join(flags)}"
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -40,30 +40,26 @@ def register(cmds) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from omnitron.commands.hf import model_flags
+    from omnitron.commands.hf import import_layout, train_hint
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.megatron import import_megatron
-    from omnitron.core.checkpoint.reshard import Layout, read_metadata
+    from omnitron.core.checkpoint.reshard import read_metadata
     from omnitron.core.config.parallel import ConfigError
 
     try:
-        for flag, v in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                        ("--vocab-size", args.vocab_size or 1)):
-            if v < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {v}")
-        layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+        if args.vocab_size is not None and args.vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+        layout = import_layout(args)
         out = import_megatron(args.load, args.save, layout, vocab_size=args.vocab_size)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
         return _fail("import-megatron", err)
     meta = read_metadata(out)
-    src, run = meta["imported_from"], meta["config"]
-    print(f"imported {src['megatron_dir']} (Megatron iteration {src['iteration']}, tp{src['tensor_model_parallel_size']}"
-          f" pp{src['pipeline_model_parallel_size']}) to {out} ({layout}); weights only: Megatron's optimizer state "
-          f"is not carried, training from it starts at iteration 0 with a fresh optimizer")
-    flags = [f"--{k.replace('_', '-')} {run[k]}" for k in ("tokenizer_type", "tokenizer_model", "vocab_size")
-             if k in run]
-    print(f"train from it with: --load {args.save} {model_flags(meta['model'])} {' '.join(flags)}")
+    src = meta["imported_from"]
+    print(f"imported {src['megatron_dir']} (Megatron iteration {src['iteration']}, "
+          f"tp{src['tensor_model_parallel_size']} pp{src['pipeline_model_parallel_size']}) to {out} ({layout}); "
+          f"weights only: Megatron's optimizer state is not carried, training from it starts at iteration 0 with "
+          f"a fresh optimizer")
+    print(train_hint(args.save, meta))
     return 0
 
 

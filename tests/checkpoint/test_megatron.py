@@ -117,8 +117,9 @@ def _longhand(full: dict, cfg, tp: int, pp: int, vp: int = 1) -> dict:
                 emb = torch.cat([full["embedding.word_embeddings.weight"], torch.zeros(padded - V, 32)])
                 if first:
                     sd["embedding.word_embeddings.weight"] = _rows(emb, r, tp)
-                    if "embedding.position_embeddings.weight" in full:
-                        sd["embedding.position_embeddings.weight"] = full["embedding.position_embeddings.weight"].clone()
+                    pos = "embedding.position_embeddings.weight"
+                    if pos in full:
+                        sd[pos] = full[pos].clone()
                 if last:
                     for k in ("weight", "bias") if cfg.normalization == "LayerNorm" else ("weight",):
                         sd[f"decoder.final_layernorm.{k}"] = full[f"decoder.final_layernorm.{k}"].clone()

@@ -40,7 +40,6 @@ import argparse
 import os
 import pickle
 import re
-import shutil
 import types
 
 import torch
@@ -84,7 +83,7 @@ class Opaque:
 
 
 _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range", "tuple", "list", "dict", "int", "float",
-             "bool", "str", "bytes"}
+             "bool", "str", "bytes"}  # constructors only: no getattr / eval / exec
 _ALLOWED = {("collections", "OrderedDict"), ("argparse", "Namespace"), ("_codecs", "encode"), ("_io", "BytesIO"),
             ("io", "BytesIO"), ("torch", "Size"), ("torch", "device")}
 
@@ -112,7 +111,10 @@ _PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__
 
 def load_file(path: str) -> dict:
     """A Megatron ``model_optim_rng.pt`` read with the restricted unpickler (module docstring)."""
-    return torch.load(path, map_location="cpu", pickle_module=_PICKLE, weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", pickle_module=_PICKLE, weights_only=False)
+    except Exception as err:  # a truncated or foreign file: name it rather than show a pickle traceback
+        raise MegatronConversionError(f"{path}: not a readable torch.save file ({type(err).__name__}: {err})") from err
 
 
 def resolve_dir(path: str) -> str:
@@ -127,15 +129,12 @@ def resolve_dir(path: str) -> str:
             raise MegatronConversionError(f"{tracker} holds {it!r}, not an iteration number or 'release'")
         path = os.path.join(path, name)
     if not os.path.isdir(path) or not any(_RANK_DIR.match(n) for n in os.listdir(path)):
+        dist = os.path.isdir(path) and any(n.endswith(".distcp") or n == "common.pt" for n in os.listdir(path))
         hint = (" (a torch_dist checkpoint: re-save it with Megatron's --ckpt-format torch, e.g. "
-                "--ckpt-convert-format torch --ckpt-convert-save DIR)") if _is_dist(path) else ""
+                "--ckpt-convert-format torch --ckpt-convert-save DIR)") if dist else ""
         raise MegatronConversionError(f"--load {path}: no {TRACKER} and no mp_rank_* directories there{hint}; pass "
                                       f"a Megatron --save directory written with --ckpt-format torch")
     return path
-
-
-def _is_dist(path: str) -> bool:
-    return os.path.isdir(path) and any(n.endswith(".distcp") or n == "common.pt" for n in os.listdir(path))
 
 
 def _args_dict(ckpt: dict, path: str) -> dict:
@@ -173,6 +172,7 @@ def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]
 
 
 def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    """Megatron's rank directory name (the pipeline rank only when there are stages)."""
     return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
 
 
@@ -225,7 +225,8 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      ffn_hidden_size=args.get("ffn_hidden_size"), num_query_groups=None if groups == heads else groups,
                      kv_channels=None if kv is None or (h % heads == 0 and kv == h // heads) else kv,
                      seq_length=seq, max_position_embeddings=max_pos,
-                     vocab_size=vocab_size, make_vocab_size_divisible_by=args.get("make_vocab_size_divisible_by") or 128,
+                     vocab_size=vocab_size,
+                     make_vocab_size_divisible_by=args.get("make_vocab_size_divisible_by") or 128,
                      normalization=args.get("normalization") or "LayerNorm",
                      layernorm_epsilon=args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5)),
                      swiglu=bool(args.get("swiglu")), position_embedding_type=pos,
@@ -235,8 +236,10 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      rope_scaling_factor=float(args.get("rope_scaling_factor", 8.0)) if args.get("use_rope_scaling")
                      else 1.0,
                      untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights")),
-                     hidden_dropout=args.get("hidden_dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.1),
-                     add_bias_linear=bool(args.get("add_bias_linear", True)), qk_layernorm=bool(args.get("qk_layernorm")),
+                     hidden_dropout=args.get("hidden_dropout", 0.1),
+                     attention_dropout=args.get("attention_dropout", 0.1),
+                     add_bias_linear=bool(args.get("add_bias_linear", True)),
+                     qk_layernorm=bool(args.get("qk_layernorm")),
                      init_method_std=args.get("init_method_std", 0.02), params_dtype=dtype)
 
 
@@ -337,7 +340,7 @@ def _to_omnitron_names(sd: dict, offset: int, path: str) -> tuple[dict, int]:
     return out, len(layers)
 
 
-def state_from_megatron(shards: dict[tuple[int, int], list[dict]], args: dict, cfg, path: str) -> dict:
+def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: str) -> dict:
     """omnitron's full state from :func:`read_shards`' per-rank model state dicts."""
     tp = 1 + max(t for t, _ in shards)
     pp = 1 + max(p for _, p in shards)
@@ -367,6 +370,8 @@ def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
     out = {}
     for name, p in skeleton_chunks(cfg, Layout())[(0, 0)].named_parameters():
+        if getattr(p, "shared_embedding", False):
+            continue  # a tied output layer reads the word embedding
         rows = getattr(p, "valid_rows", None)
         out[name] = ((rows,) if rows is not None else tuple(p.shape[:1])) + tuple(p.shape[1:])
     return out
@@ -434,7 +439,7 @@ def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None 
     args, shards = read_shards(iter_dir)
     dtype = next(t.dtype for sd in shards[(0, 0)] for t in sd.values() if isinstance(t, torch.Tensor))
     cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
-    full = state_from_megatron(shards, args, cfg, iter_dir)
+    full = state_from_megatron(shards, cfg, iter_dir)
     del shards
     source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"),
               "tensor_model_parallel_size": args.get("tensor_model_parallel_size", 1),
