@@ -247,6 +247,13 @@ class Backend(ABC):
             self._fp8 = FP8Provider(self)
         return self._fp8
 
+    def profiler_activities(self) -> tuple:
+        """``torch.profiler.ProfilerActivity`` members to trace on this backend: the host CPU, plus the
+        device's own activity where torch has one (``--profile``)."""
+        from torch.profiler import ProfilerActivity
+
+        return (ProfilerActivity.CPU,)
+
     def versions(self) -> dict[str, str]:
         """Versions of the libraries this backend relies on (for ``omnitron info``)."""
         return {"torch": torch.__version__}

@@ -159,6 +159,12 @@ class CUDABackend(Backend):
     def kernel_preference(self) -> tuple[str, ...]:
         return ("triton", "reference")
 
+    def profiler_activities(self) -> tuple:
+        """The CPU and the CUDA kernels (CUPTI)."""
+        from torch.profiler import ProfilerActivity
+
+        return (ProfilerActivity.CPU, ProfilerActivity.CUDA)
+
     def versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
         try:

@@ -202,6 +202,14 @@ class MUSABackend(Backend):
         # availability check says so); muDNN's fused ops come first.
         return ("musa", "triton", "reference")
 
+    def profiler_activities(self) -> tuple:
+        """The CPU and the MUSA device: torch_musa's own ``ProfilerActivity.MUSA`` where it adds one, else the
+        out-of-tree device slot (``PrivateUse1``) it registers as; the CPU alone when torch has neither."""
+        from torch.profiler import ProfilerActivity
+
+        device = getattr(ProfilerActivity, "MUSA", None) or getattr(ProfilerActivity, "PrivateUse1", None)
+        return (ProfilerActivity.CPU,) if device is None else (ProfilerActivity.CPU, device)
+
     def versions(self) -> dict[str, str]:
         out = {"torch": torch.__version__}
         torch_musa = _import_torch_musa()

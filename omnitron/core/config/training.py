@@ -6,7 +6,7 @@ against the world, heads against tensor parallelism) live in ``omnitron.core.tra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ConfigError
 
@@ -142,10 +142,57 @@ class LoggingConfig:
     """--no-tensorboard turns TensorBoard events off (they are written only when installed)."""
     progress_bar: bool | None = None
     """--progress-bar / --no-progress-bar (default: on when stdout is a terminal)."""
+    timing_log_level: int = 0
+    """--timing-log-level {0,1,2}: 0 times the whole step and checkpoint saves; 1 adds the once-per-step
+    phases (forward-backward, gradient sync, optimizer, parameter gather); 2 adds the many-per-step ones
+    (data loading, forward/backward compute, pipeline waits). Each timer synchronizes the device."""
+    timing_log_option: str = "minmax"
+    """--timing-log-option {max,minmax,all}: report each timer's max over ranks, min and max, or every rank's."""
+    barrier_with_L1_time: bool = True  # noqa: N815 - Megatron's spelling
+    """--barrier-with-L1-time: level-1 timers start after a barrier of every rank, so a phase's time
+    excludes waiting for slower ranks to arrive (--no-barrier-with-L1-time: no barrier)."""
+    log_throughput: bool = False
+    """--log-throughput: show TFLOP/s and tokens/s per device on every log line (tokens_per_sec_per_device)."""
+    log_params_norm: bool = False
+    """--log-params-norm: log the global parameter L2 norm (each shard counted once), computed on logged steps."""
+    log_num_zeros_in_grad: bool = False
+    """--log-num-zeros-in-grad: log how many gradient elements are exactly zero (each counted once)."""
+    log_memory_to_tensorboard: bool = False
+    """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
+    log_timers_to_tensorboard: bool = False
+    """--log-timers-to-tensorboard: also write the timers to TensorBoard (metrics.jsonl always has them)."""
+    profile: bool = False
+    """--profile: trace iterations with torch.profiler into <log dir>/profile/ (a Chrome trace per rank)."""
+    profile_step_start: int = 10
+    """--profile-step-start: start tracing after this many completed iterations (S; the first traced is S + 1)."""
+    profile_step_end: int = 12
+    """--profile-step-end: stop tracing after this iteration (E; E - S iterations are traced)."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """--profile-ranks: the global ranks that trace."""
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.timing_log_level not in (0, 1, 2):
+            raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")
+        if self.timing_log_option not in ("max", "minmax", "all"):
+            raise ConfigError(f"--timing-log-option {self.timing_log_option!r} is not supported; use max, minmax "
+                              "or all")
+        if self.profile_step_start < 0 or self.profile_step_end <= self.profile_step_start:
+            raise ConfigError(f"--profile-step-end ({self.profile_step_end}) must be greater than "
+                              f"--profile-step-start ({self.profile_step_start}) >= 0; the trace covers iterations "
+                              "start+1 .. end")
+        try:
+            self.profile_ranks = [int(r) for r in self.profile_ranks]
+        except (TypeError, ValueError):
+            raise ConfigError(f"--profile-ranks expects global rank numbers, got {self.profile_ranks}") from None
+
+    def check_world(self, world_size: int) -> None:
+        """--profile-ranks against the world (called by the settings builder, which knows its size)."""
+        bad = [r for r in self.profile_ranks if not 0 <= r < world_size]
+        if self.profile and bad:
+            raise ConfigError(f"--profile-ranks {bad[0]} is not a rank of this {world_size}-process run; "
+                              f"use ranks 0..{world_size - 1}")
 
 
 @dataclass(kw_only=True)

@@ -6,7 +6,7 @@ tensor-parallel shards (``param.tensor_model_parallel``) on every tp rank, repli
 tied embedding not at all. One all-reduce over ``groups.tp_pp_cp`` then gives the norm a single
 process would compute. Data-parallel replicas hold identical (already averaged) gradients, so
 they are not summed again. MoE expert gradients are summed over the expert-parallel group and
-counted once per pipeline stage (:func:`expert_norm_sq`); under expert tensor parallelism (etp = tp)
+counted once per pipeline stage (:func:`expert_sum`); under expert tensor parallelism (etp = tp)
 their etp shards are summed like tp shards and their etp-replicated parts count on etp rank 0.
 """
 from __future__ import annotations
@@ -43,7 +43,31 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     so each expert element of a stage sits on exactly one rank of the stage (etp-replicated ones on
     one per etp rank: counted on etp rank 0).
     ``device``: where a rank without gradients builds its zero (pass the backend's current device).
+    Any per-parameter tensors work (the loop's ``--log-params-norm`` passes the parameters themselves).
     """
+    def sum_sq(ts: list[torch.Tensor], dev) -> torch.Tensor:
+        return (kernels.grad_norm_sq(ts) if ts else torch.zeros((), dtype=torch.float32, device=dev)).reshape(1).float()
+
+    return math.sqrt(global_sum(params, grads, groups, collectives, sum_sq, duplicates, reduce_over, device))
+
+
+def global_count_zeros(params: list[torch.nn.Parameter], grads: list[torch.Tensor], groups, collectives,
+                       duplicates: set[int] = frozenset(), reduce_over: tuple | None = None,
+                       device: torch.device | None = None) -> int:
+    """How many elements of the replica's gradients are exactly zero, each element counted once (the
+    counting rules and arguments of :func:`global_grad_norm`; ``--log-num-zeros-in-grad``)."""
+    def zeros(ts: list[torch.Tensor], dev) -> torch.Tensor:
+        if not ts:
+            return torch.zeros(1, dtype=torch.float64, device=dev)
+        return torch.stack([(t == 0).sum() for t in ts]).sum().reshape(1).double()  # float64: exact to 2**53
+
+    return int(global_sum(params, grads, groups, collectives, zeros, duplicates, reduce_over, device))
+
+
+def global_sum(params, tensors, groups, collectives, measure, duplicates=frozenset(), reduce_over=None,
+               device=None) -> float:
+    """``measure`` (a list of tensors and a device -> a ``[1]`` tensor, additive over lists) summed over the
+    replica with each element counted once: the rules in the module docstring and :func:`global_grad_norm`."""
     tp_rank = groups.tp.rank if groups.tp.size > 1 else 0
     expert = [bool(getattr(p, "expert", False)) for p in params]
     # NOTE: under the default reduction, context-parallel ranks hold identical (dp_cp-averaged) dense
@@ -51,31 +75,29 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     sliced = reduce_over is not None
     cp_first = sliced or groups.cp.size == 1 or groups.cp.rank == 0
     etp_rank = groups.etp.rank if groups.etp.size > 1 else 0
-    mine = [g for p, g, ex in zip(params, grads, expert)
+    mine = [g for p, g, ex in zip(params, tensors, expert)
             if (ex and sliced and counts_expert(p, etp_rank))
             or (cp_first and not ex and counts_toward_norm(p, tp_rank, duplicates))]
-    device = grads[0].device if grads else device
-    total = kernels.grad_norm_sq(mine) if mine else torch.zeros((), dtype=torch.float32, device=device)
-    total = total.reshape(1).float()
+    device = tensors[0].device if tensors else device
+    total = measure(mine, device)
     if not sliced:
-        experts = [g for p, g, ex in zip(params, grads, expert) if ex and counts_expert(p, etp_rank)]
-        total += expert_norm_sq(experts, groups, collectives, kernels, device)
+        experts = [g for p, g, ex in zip(params, tensors, expert) if ex and counts_expert(p, etp_rank)]
+        total += expert_sum(experts, groups, collectives, measure, device)
     for group in reduce_over or (groups.tp_pp_cp,):
         if group.handle is not None:
             collectives.all_reduce(total, op=ReduceOp.SUM, group=group.handle)
-    return math.sqrt(total.item())
+    return total.item()
 
 
-def expert_norm_sq(grads: list[torch.Tensor], groups, collectives, kernels, device) -> torch.Tensor:
-    """Sum of squares of this pipeline stage's MoE expert gradients (``param.expert``), as ``[1]``.
+def expert_sum(tensors: list[torch.Tensor], groups, collectives, measure, device) -> torch.Tensor:
+    """``measure`` of this pipeline stage's MoE expert tensors (``param.expert``), as ``[1]``.
 
     Each ep rank holds different experts (summed over ``groups.ep``); ranks that differ only in
     edp hold the same ones (counted once). The stage's total is returned on tp/cp rank 0 only
     (zero elsewhere), so the caller's sum over ``tp_pp_cp`` counts it once per stage; with etp = tp
-    every tp rank returns its etp shards' part (``grads``: only the ones :func:`counts_expert`).
+    every tp rank returns its etp shards' part (``tensors``: only the ones :func:`counts_expert`).
     """
-    sq = kernels.grad_norm_sq(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
-    sq = sq.reshape(1).float()
+    sq = measure(tensors, device)
     if groups.ep.handle is not None:
         collectives.all_reduce(sq, op=ReduceOp.SUM, group=groups.ep.handle)
     # NOTE: etp is 1 or tp (validate_moe); at etp = tp the caller's sum over tp adds the etp shards

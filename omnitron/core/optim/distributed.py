@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from omnitron.core.config.training import OptimizerConfig
-from omnitron.core.optim.clip import global_grad_norm
+from omnitron.core.optim.clip import global_count_zeros, global_grad_norm
 from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, _decays
 from omnitron.core.parallel.data.ddp import DistributedDataParallel
 
@@ -86,6 +86,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.chunks = list(chunks)
         super().__init__(named_params, config, groups, backend=backend, loss_scaler=loss_scaler,
                          duplicates=duplicates)
+        self.copy_timer = "params-all-gather"
 
     def _build_masters(self) -> None:
         """Masters, decay flags (and, through them, states) for this rank's slices only."""
@@ -114,6 +115,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return global_grad_norm(owners, grads, self.groups, self.backend.collectives, self.backend.kernels,
                                 self.duplicates, reduce_over=(self.groups.dp_cp, self.groups.mp),
                                 device=self.backend.current_device())
+
+    def _count_zeros(self, grads: list[torch.Tensor]) -> int:
+        owners = [self.params[s.param] for s in self.slices]
+        return global_count_zeros(owners, grads, self.groups, self.backend.collectives, self.duplicates,
+                                  reduce_over=(self.groups.dp_cp, self.groups.mp), device=self.backend.current_device())
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:

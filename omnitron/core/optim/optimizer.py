@@ -13,7 +13,7 @@ import torch
 
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.training import OptimizerConfig
-from omnitron.core.optim.clip import clip_coefficient, global_grad_norm
+from omnitron.core.optim.clip import clip_coefficient, global_count_zeros, global_grad_norm
 
 
 @dataclass
@@ -25,6 +25,8 @@ class StepResult:
     """Global gradient norm before clipping (None when the step was skipped)."""
     lr: float
     loss_scale: float | None
+    num_zeros_in_grad: int | None = None
+    """Gradient elements exactly zero, each counted once (only when the step was asked to count)."""
 
 
 def _decays(name: str, param: torch.nn.Parameter) -> bool:
@@ -52,6 +54,8 @@ class MixedPrecisionOptimizer:
                 self.params.append(p)
         self.duplicates = {id(p) for p in duplicates}
         self.step_count = 0
+        self.copy_timer = "optimizer-copy-main-to-model-params"
+        """The timer name of :meth:`_copy_to_model` (``--timing-log-level 1``)."""
         self._build_masters()
         self.state = self._zero_state()
 
@@ -104,6 +108,10 @@ class MixedPrecisionOptimizer:
         return global_grad_norm(self.params, grads, self.groups, self.backend.collectives, self.backend.kernels,
                                 self.duplicates)
 
+    def _count_zeros(self, grads: list[torch.Tensor]) -> int:
+        """Zero elements of ``grads`` (aligned with ``self.params``), counted as the norm counts them."""
+        return global_count_zeros(self.params, grads, self.groups, self.backend.collectives, self.duplicates)
+
     @torch.no_grad()
     def reload_masters(self) -> None:
         """Copy model parameters into the fp32 masters (after loading weights into the model)."""
@@ -118,8 +126,11 @@ class MixedPrecisionOptimizer:
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
-        """Unscale, skip on overflow, clip, update the fp32 masters, copy them into the model (in that order)."""
+    def step(self, lr: float, *, count_zeros: bool = False, timers=None) -> StepResult:
+        """Unscale, skip on overflow, clip, update the fp32 masters, copy them into the model (in that order).
+
+        ``count_zeros``: also count the zero gradient elements (after unscaling, before clipping).
+        ``timers``: the run's :class:`~omnitron.core.training.timers.Timers` (times the copy into the model)."""
         grads = self._fp32_grads()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
@@ -129,6 +140,7 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 return StepResult(True, None, lr, scale)
         norm = self._grad_norm(grads)
+        zeros = self._count_zeros(grads) if count_zeros else None
         coef = clip_coefficient(norm, self.config.clip_grad)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
@@ -137,12 +149,17 @@ class MixedPrecisionOptimizer:
             self._adamw(grads, lr)
         else:
             self._sgd(grads, lr)
+        copy = timers(self.copy_timer) if timers is not None else None
+        if copy is not None:
+            copy.start()
         self._copy_to_model()
+        if copy is not None:
+            copy.stop()
         for p in self.params:
             # .data writes and fused kernels bypass the version counter: bump it so caches keyed on it
             # (the FP8 executor's quantized weights) see the update
             torch.autograd.graph.increment_version(p)
-        return StepResult(False, norm, lr, scale)
+        return StepResult(False, norm, lr, scale, zeros)
 
     def _copy_to_model(self) -> None:
         """Write the updated fp32 masters into the (bf16/fp16) model parameters."""

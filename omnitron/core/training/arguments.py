@@ -393,6 +393,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     if fp8 is None and any(k.startswith("fp8_") for k in merged):
         raise ConfigError("--fp8-recipe and the other --fp8-* settings need --fp8-format e4m3|hybrid to switch FP8 on")
     logging_cfg = _build(LoggingConfig, merged)
+    logging_cfg.check_world(world)
     checkpoint = _build(CheckpointConfig, merged)
     optim = _build(OptimizerConfig, merged)
     ddp = _build(_ddp_config_class(), merged) if _ddp_config_class() else None

@@ -11,12 +11,15 @@ import time
 
 import torch
 
+from omnitron.backends.collectives import ReduceOp
 from omnitron.core.models.gpt.config import flops_per_iteration, num_parameters
+from omnitron.core.optim.clip import global_grad_norm
 from omnitron.core.training import checkpointing
 from omnitron.core.training.components import build_components
-from omnitron.core.training.metrics import MetricsLogger, default_log_dir
+from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
 from omnitron.core.training.signals import StopFlag
 from omnitron.core.training.step import evaluate, train_step
+from omnitron.core.training.timers import StepProfiler, Timers, format_timers, timer_fields
 
 log = logging.getLogger("omnitron.train")
 
@@ -41,7 +44,8 @@ def _throughput(c, step_time: float) -> dict:
     t = c.settings.training
     tokens = t.global_batch_size * c.model.seq_length
     out = {"step_time_s": step_time, "tokens_per_sec": tokens / step_time, "tflops_per_device": None, "mfu": None,
-           "peak_memory_bytes": c.backend.memory_stats().get("peak_allocated")}
+           "peak_memory_bytes": c.backend.memory_stats().get("peak_allocated"),
+           "tokens_per_sec_per_device": tokens / step_time / c.groups.world_size}
     flops = flops_per_iteration(c.model, t.global_batch_size) / step_time / c.groups.world_size
     out["tflops_per_device"] = flops / 1e12
     peak = c.backend.capabilities().peak(c.model.params_dtype)
@@ -61,33 +65,93 @@ def model_parameters(cfg) -> int:
     return getattr(family, "num_parameters", num_parameters)(cfg)
 
 
+def params_norm(c) -> float:
+    """Global L2 norm of every model parameter, each element counted once (the gradient norm's rules:
+    tp shards everywhere, replicated tensors on tp rank 0, the pipeline's tied-embedding copy not at all).
+    Collective over the model-parallel ranks; waits for a pending parameter all-gather first."""
+    if hasattr(c.optimizer, "finish_param_gather"):  # --overlap-param-gather: parameters current first
+        c.optimizer.finish_param_gather()
+    params = [p for m in c.modules for p in m.parameters()]
+    return global_grad_norm(params, [p.detach() for p in params], c.groups, c.backend.collectives, c.backend.kernels,
+                            c.optimizer.duplicates, device=c.backend.current_device())
+
+
+_MEMORY_FIELDS = (("allocated", "mem_allocated_bytes"), ("reserved", "mem_reserved_bytes"),
+                  ("peak_allocated", "mem_max_allocated_bytes"), ("peak_reserved", "mem_max_reserved_bytes"))
+
+
+def memory_fields(c) -> dict:
+    """The backend's memory statistics, each the largest over ranks (fields the backend cannot say are left
+    out). Collective over the world."""
+    stats = c.backend.memory_stats()
+    values = [float(stats[k]) if stats.get(k) is not None else -1.0 for k, _ in _MEMORY_FIELDS]
+    t = torch.tensor(values, dtype=torch.float64, device=c.backend.current_device())
+    if c.groups.world_size > 1:
+        c.backend.collectives.all_reduce(t, op=ReduceOp.MAX)
+    return {name: int(v) for (_, name), v in zip(_MEMORY_FIELDS, t.tolist()) if v >= 0}
+
+
+def logged_values(c, timers: Timers, iterations: int) -> dict:
+    """What a logged step adds to its record (``log``) and line (``log_lines``): timers over the last
+    ``iterations`` steps, and the norms and memory the flags ask for. Every rank calls it on the same steps."""
+    lg = c.settings.logging
+    per_rank = timers.reduce(iterations)
+    out = {"log": timer_fields(per_rank, lg.timing_log_option), "log_lines": []}
+    if per_rank and (lg.timing_log_level >= 1 or "save-checkpoint" in per_rank):  # level 0: only after saves
+        out["log_lines"].append(format_timers(per_rank, lg.timing_log_option))
+    if lg.log_params_norm:
+        out["log"]["params_norm"] = params_norm(c)
+    if lg.log_memory_to_tensorboard:
+        out["log"].update(memory_fields(c))
+    return out
+
+
+def _observers(c, log_dir: str) -> tuple[Timers, StepProfiler]:
+    """The run's timers and profiler window (--timing-log-*, --profile*)."""
+    lg, rank = c.settings.logging, c.groups.rank
+    timers = Timers(c.backend, log_level=lg.timing_log_level, log_option=lg.timing_log_option,
+                    barrier_with_l1=lg.barrier_with_L1_time, world_size=c.groups.world_size)
+    profiler = StepProfiler(enabled=lg.profile and rank in lg.profile_ranks, start=lg.profile_step_start,
+                            end=lg.profile_step_end, activities=c.backend.profiler_activities(), log_dir=log_dir,
+                            rank=rank)
+    return timers, profiler
+
+
 def train(settings, backend) -> dict:
     """Train to ``--train-iters``; returns ``{"losses": {iteration: lm_loss}, "validation": [...]}``."""
     c = build_components(settings, backend)
     checkpointing.load(c)
-    t, ck = settings.training, settings.checkpoint
+    t, ck, lg = settings.training, settings.checkpoint, settings.logging
     rank0 = c.groups.rank == 0
     if rank0:
         layout = (c.groups.describe() or "").splitlines()
         log.info("omnitron: %s | %.2fM parameters | %s | %d micro-batches/step | backend %s",
                  layout[0] if layout else "", model_parameters(c.model) / 1e6,
                  settings.precision.params_dtype_name, settings.num_microbatches, backend.name)
-    logger = MetricsLogger(log_dir=settings.logging.log_dir or default_log_dir(ck.save),
-                           log_interval=settings.logging.log_interval, train_iters=t.train_iters, enabled=rank0,
-                           tensorboard=settings.logging.tensorboard, progress_bar=settings.logging.progress_bar,
-                           start_iteration=c.iteration)
+    log_dir = lg.log_dir or default_log_dir(ck.save)
+    logger = MetricsLogger(log_dir=log_dir, log_interval=lg.log_interval, train_iters=t.train_iters, enabled=rank0,
+                           tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,
+                           throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard)
+    timers, profiler = _observers(c, log_dir)
     stop = StopFlag(enabled=ck.save_on_signal)
-    train_iter = data_iterator(c, c.train_data, c.consumed_samples)
-    losses, validation, saved_at = {}, [], None
+    train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
+    losses, validation, saved_at, logged_at = {}, [], None, c.iteration
     try:
         while c.iteration < t.train_iters:
-            t0 = time.perf_counter()
-            values = train_step(c, train_iter)
-            backend.synchronize()
+            logs = log_due(c.iteration + 1, lg.log_interval, t.train_iters)
+            with profiler.step(c.iteration + 1):  # NOTE: starting and exporting a trace stays out of the step time
+                t0 = time.perf_counter()
+                with timers.phase("train-step"):
+                    values = train_step(c, train_iter, timers, count_zeros=lg.log_num_zeros_in_grad and logs)
+                backend.synchronize()
+                step_time = time.perf_counter() - t0
             c.iteration += 1
             c.consumed_samples += t.global_batch_size
-            values.update(_throughput(c, time.perf_counter() - t0))
+            values.update(_throughput(c, step_time))
             losses[c.iteration] = values["lm_loss"]
+            if logs:
+                values.update(logged_values(c, timers, c.iteration - logged_at))
+                logged_at = c.iteration
             logger.step(c.iteration, values)
             if _due(c.iteration, t.eval_interval) and c.valid_data is not None:
                 val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
@@ -95,15 +159,19 @@ def train(settings, backend) -> dict:
                 logger.validation(c.iteration, val)
             stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
-                checkpointing.save(c)
+                with timers.phase("save-checkpoint"):
+                    checkpointing.save(c)
                 saved_at = c.iteration
             if stopping:
                 if rank0:
                     log.info("stopping after iteration %d%s", c.iteration,
                              f" (checkpoint saved at {saved_at})" if saved_at == c.iteration else "")
                 break
+        if saved_at is not None and saved_at >= logged_at:  # a save no log line has reported yet
+            _report_last_save(c, timers, rank0)
     finally:
         stop.restore()
+        profiler.close()
         logger.close()
     result = {"losses": losses, "validation": validation, "iteration": c.iteration, "components": c}
     if settings.prompt:
@@ -111,3 +179,10 @@ def train(settings, backend) -> dict:
 
         print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k)
     return result
+
+
+def _report_last_save(c, timers: Timers, rank0: bool) -> None:
+    """Log the time of a save made after the last log line (collective, like every timer reduction)."""
+    save = timers.reduce(1).get("save-checkpoint")
+    if rank0 and save is not None:
+        log.info("%s", format_timers({"save-checkpoint": save}, c.settings.logging.timing_log_option))

@@ -5,6 +5,13 @@ the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_sc
 ``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
 the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models);
 validation lines carry ``val_loss`` and ``val_ppl``. Only global rank 0 writes.
+
+Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_ms`` and
+``timers_<name>_ranks_ms`` (``--timing-log-option``; names in ``omnitron.core.training.timers``),
+``tokens_per_sec_per_device`` (``--log-throughput``), ``params_norm`` (``--log-params-norm``),
+``num_zeros_in_grad`` (``--log-num-zeros-in-grad``; the last step's), ``mem_allocated_bytes``,
+``mem_reserved_bytes``, ``mem_max_allocated_bytes``, ``mem_max_reserved_bytes`` (``--log-memory-to-tensorboard``;
+the largest over ranks).
 """
 from __future__ import annotations
 
@@ -34,13 +41,24 @@ def _open_metrics(path: str, start_iteration: int):
     return f
 
 
+def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
+    """True when ``iteration`` gets a log line: every ``log_interval`` iterations and the last one."""
+    return iteration % log_interval == 0 or iteration == train_iters
+
+
 class MetricsLogger:
-    """Collects per-step values and emits them every ``log_interval`` iterations (rank 0 only)."""
+    """Collects per-step values and emits them every ``log_interval`` iterations (rank 0 only).
+
+    A step's ``values["log"]`` (computed by the loop on logged steps only: timers, parameter norm, memory)
+    is copied into the record as it is; its ``values["log_lines"]`` follow the line. ``throughput``: --log-throughput (TFLOP/s and tokens/s per device on
+    every line). ``tensorboard_timers``: --log-timers-to-tensorboard (``timers_*`` fields go to TensorBoard
+    too; metrics.jsonl always has them)."""
 
     def __init__(self, *, log_dir: str, log_interval: int, train_iters: int, enabled: bool, tensorboard: bool,
-                 progress_bar: bool | None, start_iteration: int) -> None:
+                 progress_bar: bool | None, start_iteration: int, throughput: bool = False,
+                 tensorboard_timers: bool = False) -> None:
         self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
-        self.log_dir = log_dir
+        self.log_dir, self.throughput, self.tensorboard_timers = log_dir, throughput, tensorboard_timers
         self._pending: list[dict] = []
         self._file = self._tb = self._bar = None
         if not enabled:
@@ -65,6 +83,8 @@ class MetricsLogger:
         self._file.flush()
         if self._tb is not None:
             for k, v in record.items():
+                if k.startswith("timers_") and not self.tensorboard_timers:
+                    continue
                 if k != "iteration" and isinstance(v, (int, float)) and v is not None:
                     self._tb.add_scalar(k, v, record["iteration"])
         if self._bar is not None:
@@ -80,8 +100,15 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{values['lm_loss']:.4f}")
-        if iteration % self.log_interval and iteration != self.train_iters:
+        if not log_due(iteration, self.log_interval, self.train_iters):
             return
+        rec = self._record(iteration)
+        extra = self._pending[-1].get("log_lines", ())  # e.g. the timers (--timing-log-level >= 1)
+        self._pending = []
+        self._emit(rec, "\n".join([self._line(rec), *extra]))
+
+    def _record(self, iteration: int) -> dict:
+        """The averaged record of the pending iterations (the last one's lr, norms and ``log`` values)."""
         n = len(self._pending)
         last = self._pending[-1]
         rec = {"iteration": iteration,
@@ -89,25 +116,41 @@ class MetricsLogger:
                "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_scale": last["loss_scale"],
                "skipped_iters": sum(1 for v in self._pending if v["skipped"]),
                "step_time_s": sum(v["step_time_s"] for v in self._pending) / n}
-        for key in ("tokens_per_sec", "tflops_per_device", "mfu"):
+        for key in ("tokens_per_sec", "tflops_per_device", "mfu") + (("tokens_per_sec_per_device",) if self.throughput
+                                                                      else ()):
             vals = [v[key] for v in self._pending if v.get(key) is not None]
             rec[key] = sum(vals) / len(vals) if vals else None
         rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
         if "moe_aux_loss" in last:  # MoE: the load-balancing loss added to lm_loss
             rec["moe_aux_loss"] = sum(v["moe_aux_loss"] for v in self._pending) / n
-        self._pending = []
+        if "num_zeros_in_grad" in last:
+            rec["num_zeros_in_grad"] = last["num_zeros_in_grad"]
+        rec.update(last.get("log", {}))
+        return rec
+
+    def _line(self, rec: dict) -> str:
+        """The log line of one record."""
         gn = "-" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
-        line = (f"iter {iteration:6d}/{self.train_iters} | loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | "
+        line = (f"iter {rec['iteration']:6d}/{self.train_iters} | loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | "
                 f"grad norm {gn} | {rec['tokens_per_sec']:.0f} tok/s | {rec['step_time_s'] * 1e3:.0f} ms/step")
+        if "num_zeros_in_grad" in rec:
+            line += f" | num zeros {'-' if rec['num_zeros_in_grad'] is None else rec['num_zeros_in_grad']}"
+        if "params_norm" in rec:
+            line += f" | params norm {rec['params_norm']:.3f}"
         if "moe_aux_loss" in rec:
             line += f" | moe aux loss {rec['moe_aux_loss']:.4f}"
         if rec["loss_scale"] is not None:
             line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']}"
+        if self.throughput and rec["tokens_per_sec_per_device"] is not None:
+            line += (f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev | "
+                     f"{rec['tokens_per_sec_per_device']:.0f} tok/s/dev")
         if rec["mfu"] is not None:
-            line += f" | {rec['tflops_per_device']:.1f} TFLOP/s/dev | MFU {rec['mfu'] * 100:.1f}%"
+            if not self.throughput:
+                line += f" | {rec['tflops_per_device']:.1f} TFLOP/s/dev"
+            line += f" | MFU {rec['mfu'] * 100:.1f}%"
         if rec["peak_memory_bytes"]:
             line += f" | peak mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
-        self._emit(rec, line)
+        return line
 
     def validation(self, iteration: int, values: dict) -> None:
         if not self.enabled:

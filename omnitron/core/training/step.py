@@ -24,6 +24,7 @@ from omnitron.core.models.t5 import T5Model
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn, run_schedule
 from omnitron.core.training.grads import finalize_grads
+from omnitron.core.training.timers import Timers, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
 
 
@@ -69,8 +70,10 @@ def forward_only_schedule(schedule):
     return dataclasses.replace(schedule, tables=tables)
 
 
-def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: float | None) -> float:
-    """Run the schedule; returns the mean loss over micro-batches and data-parallel ranks (every rank)."""
+def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: float | None,
+         timeline: list | None = None) -> float:
+    """Run the schedule; returns the mean loss over micro-batches and data-parallel ranks (every rank).
+    ``timeline``: receives the runtime's compute spans (level-2 timers)."""
     schedule = forward_only_schedule(c.schedule) if forward_only else c.schedule
 
     model_loss = bert_loss if isinstance(c.model, BertConfig) else default_loss_fn
@@ -83,7 +86,7 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
                                forward_step_fn=forward_step, loss_fn=loss_fn, pp_group=c.groups.pp,
                                collectives=c.backend.collectives, tensor_shape=_tensor_shape(c),
                                dtype=c.model.params_dtype, device=c.backend.current_device(),
-                               forward_only=forward_only)
+                               forward_only=forward_only, timeline=timeline)
     loss = loss_sum.reshape(1).to(torch.float64)
     if loss_scale:
         loss /= loss_scale
@@ -104,8 +107,10 @@ def _stage_iterator(c, data_iterator):
     return data_iterator if cp.size == 1 else (context_parallel_batch(b, cp) for b in data_iterator)
 
 
-def train_step(c, data_iterator: Iterator) -> dict:
-    """One optimizer step; returns loss, lr, grad norm, loss scale, skipped."""
+def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, count_zeros: bool = False) -> dict:
+    """One optimizer step; returns loss, lr, grad norm, loss scale, skipped (and ``num_zeros_in_grad`` with
+    ``count_zeros``). ``timers``: the run's phase timers (see :mod:`omnitron.core.training.timers`)."""
+    timers = timers if timers is not None else Timers.disabled()
     for m in c.modules:
         m.train()
     _zero_grads(c)
@@ -114,13 +119,25 @@ def train_step(c, data_iterator: Iterator) -> dict:
     moe = c.model.num_experts is not None
     if moe:  # each micro-batch's load-balancing loss gets the weight of its LM loss
         set_aux_loss_scale(c.modules, (scale or 1.0) / c.schedule.num_microbatches)
-    loss = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale)
-    finalize_grads(c.chunks, c.modules, c.groups, c.backend.collectives)
+    # NOTE: host-clock compute spans measure device work only where the device is synchronous
+    split = timers.enabled("forward-compute") and not c.backend.capabilities().streams
+    timeline = [] if split else None
+    fb = timers("forward-backward")
+    fb.start()
+    loss = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale, timeline=timeline)
+    fb_seconds = fb.stop()
+    if split:
+        record_compute_split(timers, timeline, fb_seconds, pipelined=c.groups.pp.size > 1)
+    with timers.phase("all-grads-sync"):
+        finalize_grads(c.chunks, c.modules, c.groups, c.backend.collectives)
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
     lr = c.scheduler.lr(c.optimizer.step_count + 1)
-    res = c.optimizer.step(lr)
+    with timers.phase("optimizer"):
+        res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers)
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
            "skipped": res.skipped}
+    if count_zeros:
+        out["num_zeros_in_grad"] = res.num_zeros_in_grad
     if moe:
         out["moe_aux_loss"] = moe_aux_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     return out
