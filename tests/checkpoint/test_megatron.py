@@ -23,7 +23,8 @@ import torch
 from omnitron.cli import main as cli
 from omnitron.core.checkpoint.hf import write_weights_checkpoint
 from omnitron.core.checkpoint.io import read_metadata, read_shard
-from omnitron.core.checkpoint.megatron import MegatronConversionError, Opaque, import_megatron, load_file
+from omnitron.core.checkpoint.megatron import (MegatronConversionError, Opaque, import_megatron, load_file,
+                                               real_vocab_size)
 from omnitron.core.checkpoint.reshard import Layout, model_config, read_full_state
 from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
 
@@ -235,9 +236,14 @@ def test_export_equals_longhand(source, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind,tp,pp,impl", [("llama", 2, 2, "transformer_engine"), ("gpt2", 1, 1, "local"),
-                                             ("gpt2", 2, 4, "transformer_engine")])
+                                             ("gpt2", 2, 4, "transformer_engine"), ("llama_bf16", 2, 1, "local")])
 def test_export_import_round_trip(source, kind, tp, pp, impl, tmp_path):
-    cfg, _, full = source[kind]
+    """omnitron -> Megatron -> omnitron is bit-exact (bf16 stays bf16; tied copies on a last stage dropped)."""
+    import dataclasses
+
+    cfg, _, full = source[kind.split("_")[0]]
+    if kind.endswith("bf16"):
+        cfg, full = dataclasses.replace(cfg, params_dtype=torch.bfloat16), {n: t.bfloat16() for n, t in full.items()}
     write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2, pp=2))
     assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg"),
                 "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp),
@@ -247,7 +253,17 @@ def test_export_import_round_trip(source, kind, tp, pp, impl, tmp_path):
     meta = read_metadata(str(tmp_path / "back" / "iter_0000000"))
     got = read_full_state(str(tmp_path / "back" / "iter_0000000")).model
     assert model_config(meta["model"]) == cfg
-    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+    assert sorted(got) == sorted(full) and all(got[n].dtype == full[n].dtype and torch.equal(got[n], full[n])
+                                               for n in full)
+
+
+def test_real_vocab_size():
+    """Rows kept of Megatron's padded vocabulary, by tokenizer (NullTokenizer adds an end-of-document token)."""
+    assert real_vocab_size({"tokenizer_type": "NullTokenizer", "vocab_size": 99, "padded_vocab_size": 128}) == 100
+    assert real_vocab_size({"tokenizer_type": "GPT2BPETokenizer", "padded_vocab_size": 50304}) == 50257
+    assert real_vocab_size({"tokenizer_type": "HuggingFaceTokenizer", "padded_vocab_size": 32128}) == 32128
+    with pytest.raises(MegatronConversionError, match="padded_vocab_size"):
+        real_vocab_size({"tokenizer_type": "HuggingFaceTokenizer"})
 
 
 def test_restricted_unpickler(tmp_path):
