@@ -1,0 +1,202 @@
+"""Observability flags: phase timers in metrics.jsonl (nesting relations, min <= max over ranks), the
+parameter norm and zero-gradient count against independent computations on the gathered full tensors,
+the profiler window, TensorBoard filtering, and clear errors for bad values."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from omnitron.backends import get_backend
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.training.arguments import parse_settings
+from omnitron.core.training.metrics import MetricsLogger
+from omnitron.core.training.timers import Timers, format_timers, timer_fields
+from omnitron.testing.distributed import run_distributed
+
+# phases nested inside train-step, one after another
+STEP_PHASES = ("forward_backward", "all_grads_sync", "optimizer")
+
+
+def _args(root, *extra):
+    # untied output layer: word-embedding rows of tokens absent from a step get exactly zero gradient
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
+            "--untie-embeddings-and-output-weights", "--num-workers", "0", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--no-tensorboard", "--data-cache-path", os.path.join(root, "cache"),
+            "--lr", "1e-2", "--log-params-norm", "--log-num-zeros-in-grad", *extra]
+
+
+def _records(log_dir) -> list[dict]:
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if "lm_loss" in line]
+
+
+def _full_norm_and_zeros(c) -> tuple[float, int]:
+    """Independently: the norm of the gathered full parameters and the zeros of the gathered full gradients,
+    plus the vocabulary padding rows (zero-gradient rows the model holds and the full tensors drop)."""
+    from omnitron.core.models.gpt import gather_full_state
+
+    model = c.modules[0]
+    params = gather_full_state(model, c.groups)
+    grads = gather_full_state(model, c.groups, grads=True)
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in params.values()))
+    held = {n: p.numel() * (c.groups.tp.size if getattr(p, "tensor_model_parallel", False) else 1)
+            for n, p in model.named_parameters()}
+    padding = sum(held[n] - t.numel() for n, t in grads.items())
+    assert padding == 2 * (model.embedding.word_embeddings.weight.shape[0] * c.groups.tp.size - c.model.vocab_size) * 32
+    return norm, sum(int((t == 0).sum()) for t in grads.values()) + padding
+
+
+def _trace_iterations(path) -> set[int]:
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return {int(e["name"].split()[1]) for e in events if str(e.get("name", "")).startswith("iteration ")}
+
+
+def test_one_process_timers_norms_memory_profile(tmp_path):
+    from omnitron.core.training.loop import train
+
+    log_dir = str(tmp_path / "logs")
+    res = train(parse_settings(_args(str(tmp_path), "--train-iters", "4", "--log-interval", "2", "--log-dir", log_dir,
+                                     "--save", str(tmp_path / "ck"), "--save-interval", "2",
+                                     "--timing-log-level", "2", "--log-throughput", "--log-memory-to-tensorboard",
+                                     "--profile", "--profile-step-start", "1", "--profile-step-end", "3"), 1),
+                get_backend("cpu"))
+    recs = _records(log_dir)
+    assert [r["iteration"] for r in recs] == [2, 4]
+    for r in recs:
+        t = {k[len("timers_"):-len("_ms")]: v for k, v in r.items() if k.startswith("timers_") and k.endswith("_ms")
+             and not k.endswith("_min_ms")}
+        for name in ("train_step", *STEP_PHASES, "optimizer_copy_main_to_model_params", "batch_generator",
+                     "forward_compute", "backward_compute"):
+            assert t[name] >= 0 and r[f"timers_{name}_min_ms"] == t[name]  # one rank: min == max
+        assert "pipeline_wait" not in t  # no pipeline stages
+        assert sum(t[p] for p in STEP_PHASES) <= t["train_step"]
+        assert t["forward_compute"] + t["backward_compute"] <= t["forward_backward"]
+        assert t["batch_generator"] <= t["forward_backward"] and t["optimizer_copy_main_to_model_params"] <= t["optimizer"]
+        assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"])
+        assert r["mem_max_allocated_bytes"] >= r["mem_allocated_bytes"] > 0
+    # the save after iteration 2's log line is reported on the next one
+    assert "timers_save_checkpoint_ms" not in recs[0] and recs[1]["timers_save_checkpoint_ms"] > 0
+    norm, zeros = _full_norm_and_zeros(res["components"])  # the state after iteration 4, the last logged
+    assert recs[-1]["params_norm"] == pytest.approx(norm, rel=1e-6)
+    assert recs[-1]["num_zeros_in_grad"] == zeros > 0
+    traces = os.listdir(os.path.join(log_dir, "profile"))
+    assert traces == ["trace_rank0_iters2-3.json"]
+    assert _trace_iterations(os.path.join(log_dir, "profile", traces[0])) == {2, 3}
+
+
+def _tp2_worker(root):
+    import torch.distributed as dist
+
+    from omnitron.core.training.loop import train
+
+    rank = dist.get_rank()
+    log_dir = os.path.join(root, "logs")
+    res = train(parse_settings(_args(root, "--tensor-model-parallel-size", "2", "--train-iters", "2",
+                                     "--log-interval", "1", "--log-dir", log_dir, "--timing-log-level", "1",
+                                     "--timing-log-option", "all", "--profile", "--profile-step-start", "1",
+                                     "--profile-step-end", "2", "--profile-ranks", "1"), 2), get_backend("cpu"))
+    norm, zeros = _full_norm_and_zeros(res["components"])
+    return {"rank": rank, "norm": norm, "zeros": zeros, "records": _records(log_dir) if rank == 0 else None}
+
+
+def test_tp2_timers_over_ranks_and_counts_each_shard_once(tmp_path):
+    out = run_distributed(_tp2_worker, 2, str(tmp_path))
+    recs = out[0]["records"]
+    assert [r["iteration"] for r in recs] == [1, 2]
+    for r in recs:
+        ranks = {k[len("timers_"):-len("_ranks_ms")]: v for k, v in r.items() if k.endswith("_ranks_ms")}
+        assert set(ranks) == {"train_step", *STEP_PHASES, "optimizer_copy_main_to_model_params"}
+        for name, per_rank in ranks.items():
+            assert len(per_rank) == 2 and None not in per_rank
+            assert r[f"timers_{name}_min_ms"] == min(per_rank) <= max(per_rank) == r[f"timers_{name}_ms"]
+        for rank in (0, 1):  # nesting holds on every rank
+            assert sum(ranks[p][rank] for p in STEP_PHASES) <= ranks["train_step"][rank]
+    # both ranks gathered the same full tensors; the logged values count every shard once
+    assert out[0]["norm"] == pytest.approx(out[1]["norm"], rel=1e-12) and out[0]["zeros"] == out[1]["zeros"]
+    assert recs[-1]["params_norm"] == pytest.approx(out[0]["norm"], rel=1e-6)
+    assert recs[-1]["num_zeros_in_grad"] == out[0]["zeros"] > 0
+    assert os.listdir(tmp_path / "logs" / "profile") == ["trace_rank1_iters2-2.json"]  # --profile-ranks 1 only
+
+
+def test_timers_levels_reduction_and_fields():
+    timers = Timers(get_backend("cpu"), log_level=1, log_option="minmax")
+    assert not timers.enabled("batch-generator") and timers("batch-generator").stop() == 0.0  # level 2: a no-op
+    assert timers.names() == ["train-step", "save-checkpoint", "forward-backward", "all-grads-sync", "optimizer",
+                              "optimizer-copy-main-to-model-params", "params-all-gather"]
+    timers("forward-backward").add(0.3)
+    timers("forward-backward").add(0.1)
+    timers("save-checkpoint").add(0.5)
+    timers("optimizer").start()
+    with pytest.raises(RuntimeError, match="started twice"):
+        timers("optimizer").start()
+    timers("optimizer").stop()
+    with pytest.raises(RuntimeError, match="without being started"):
+        timers("optimizer").stop()
+    with pytest.raises(KeyError, match="unknown timer 'forward'"):
+        timers("forward")
+    per_rank = timers.reduce(iterations=4)
+    assert set(per_rank) == {"forward-backward", "save-checkpoint", "optimizer"}  # timers that never ran: left out
+    assert per_rank["forward-backward"] == [pytest.approx(100.0)]  # 0.4 s over 4 iterations, in ms
+    assert per_rank["save-checkpoint"] == [pytest.approx(500.0)]  # saves: the total, not per iteration
+    assert timers.reduce(iterations=1) == {}  # reduce resets
+    table = {"forward-backward": [12.0, None, 15.0]}
+    assert timer_fields(table, "max") == {"timers_forward_backward_ms": 15.0}
+    assert timer_fields(table, "all") == {"timers_forward_backward_ms": 15.0, "timers_forward_backward_min_ms": 12.0,
+                                          "timers_forward_backward_ranks_ms": [12.0, None, 15.0]}
+    assert format_timers(table, "minmax").endswith("forward-backward 12.00/15.00")
+    assert format_timers(table, "all").endswith("forward-backward 12.00/-/15.00")
+    with pytest.raises(ValueError, match="'avg' is not one of max, minmax, all"):
+        Timers(log_option="avg")
+
+
+class _Board:
+    def __init__(self):
+        self.keys = set()
+
+    def add_scalar(self, key, value, step):
+        self.keys.add(key)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("to_tensorboard", [False, True])
+def test_timers_reach_tensorboard_only_when_asked(tmp_path, to_tensorboard, capsys):
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=1, enabled=True, tensorboard=False,
+                           progress_bar=False, start_iteration=0, tensorboard_timers=to_tensorboard)
+    logger._tb = board = _Board()
+    logger.step(1, {"lm_loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "loss_scale": None, "skipped": False,
+                    "step_time_s": 0.5, "tokens_per_sec": 10.0, "log": {"timers_optimizer_ms": 3.0, "params_norm": 2.0},
+                    "log_lines": ["timers (ms, max over ranks): optimizer 3.00"]})
+    logger.close()
+    assert "params_norm" in board.keys and ("timers_optimizer_ms" in board.keys) == to_tensorboard
+    assert json.loads(open(tmp_path / "metrics.jsonl").read())["timers_optimizer_ms"] == 3.0  # always in the file
+    assert capsys.readouterr().out.splitlines()[-1] == "timers (ms, max over ranks): optimizer 3.00"
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--profile-step-start", "5", "--profile-step-end", "5"], 1, "--profile-step-end (5) must be greater than "
+                                                                   "--profile-step-start (5)"),
+    (["--timing-log-option", "avg"], 1, "--timing-log-option 'avg' is not supported; use max, minmax or all"),
+    (["--timing-log-level", "3"], 1, "--timing-log-level must be 0, 1 or 2, got 3"),
+    (["--profile", "--profile-ranks", "0", "2"], 2, "--profile-ranks 2 is not a rank of this 2-process run"),
+    (["--profile-ranks", "first"], 1, "--profile-ranks expects global rank numbers"),
+])
+def test_bad_values_are_clear_errors(tmp_path, flags, world, message):
+    with pytest.raises(ConfigError) as err:
+        parse_settings(_args(str(tmp_path), *flags), world)
+    assert message in str(err.value)
+
+
+def test_profiler_activities_come_from_the_backend():
+    from torch.profiler import ProfilerActivity
+
+    assert get_backend("cpu").profiler_activities() == (ProfilerActivity.CPU,)
+    assert torch.profiler.ProfilerActivity.CPU in get_backend().profiler_activities()
