@@ -8,7 +8,6 @@ import math
 import os
 
 import pytest
-import torch
 
 from omnitron.backends import get_backend
 from omnitron.core.config.parallel import ConfigError
@@ -198,5 +197,10 @@ def test_bad_values_are_clear_errors(tmp_path, flags, world, message):
 def test_profiler_activities_come_from_the_backend():
     from torch.profiler import ProfilerActivity
 
+    from omnitron.testing import musa_double
+
     assert get_backend("cpu").profiler_activities() == (ProfilerActivity.CPU,)
-    assert torch.profiler.ProfilerActivity.CPU in get_backend().profiler_activities()
+    assert ProfilerActivity.CPU in get_backend().profiler_activities()
+    with musa_double.installed():  # torch has no MUSA activity: the out-of-tree device slot torch_musa registers as
+        expected = getattr(ProfilerActivity, "MUSA", None) or ProfilerActivity.PrivateUse1
+        assert musa_double.MUSADoubleBackend().profiler_activities() == (ProfilerActivity.CPU, expected)

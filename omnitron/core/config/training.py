@@ -145,7 +145,8 @@ class LoggingConfig:
     timing_log_level: int = 0
     """--timing-log-level {0,1,2}: 0 times the whole step and checkpoint saves; 1 adds the once-per-step
     phases (forward-backward, gradient sync, optimizer, parameter gather); 2 adds the many-per-step ones
-    (data loading, forward/backward compute, pipeline waits). Each timer synchronizes the device."""
+    (data loading; on synchronous devices also forward/backward compute and pipeline waits). Each timer
+    synchronizes the device."""
     timing_log_option: str = "minmax"
     """--timing-log-option {max,minmax,all}: report each timer's max over ranks, min and max, or every rank's."""
     barrier_with_L1_time: bool = True  # noqa: N815 - Megatron's spelling
