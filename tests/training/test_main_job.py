@@ -48,4 +48,6 @@ def test_generate_reproduces_the_training_sample(main_job):
     gen = subprocess.run([sys.executable, "-m", "omnitron", "generate", "--load", save, "--prompt", PROMPT,
                           "--max-new-tokens", "4"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert gen.returncode == 0, gen.stdout[-3000:] + gen.stderr[-3000:]
-    assert _sample(gen.stdout) == _sample(proc.stdout)
+    generated = gen.stdout.split("--- 0 ---\n", 1)[1].split("\n---", 1)[0].rstrip("\n")
+    trained = _sample(proc.stdout).split("---\n", 1)[1]  # the text under the sample's header line
+    assert PROMPT in generated and generated == trained, (generated, trained)
