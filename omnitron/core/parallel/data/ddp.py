@@ -55,6 +55,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.buffers = [GradBuffer(ps, dt, bucket_size, g.size, isolate)
                         for ((dt, _, _), ps), g in zip(by_dtype.items(), self.buffer_groups)]
         self._group_of = {id(b): g for buf, g in zip(self.buffers, self.buffer_groups) for b in buf.buckets}
+        # NOTE: an expert that got no tokens on this rank gets no gradient (its hooks never fire) while its edp
+        # peers' copies do, so expert buckets would become ready in a different order per rank: they are
+        # reduced in finish_grad_sync, in bucket order, never early
+        self._late = {id(b) for buf, (_, ex, _) in zip(self.buffers, by_dtype) if ex for b in buf.buckets}
         self._bucket_of = {k: v for buf in self.buffers for k, v in buf.bucket_of.items()}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         if self.config.use_distributed_optimizer:  # params become views of flat buffers (in-place all-gather)
@@ -84,6 +88,8 @@ class DistributedDataParallel(torch.nn.Module):
             param.grad = None
         if self.config.overlap_grad_reduce and self.is_last_microbatch and self.group.size > 1:
             bucket = self._bucket_of[id(param)]
+            if id(bucket) in self._late:
+                return
             if bucket.launched:
                 raise RuntimeError(f"a gradient of shape {tuple(param.shape)} arrived after its bucket's reduction "
                                    f"started; the parameter is used twice in one micro-batch's backward")

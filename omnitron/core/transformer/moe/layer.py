@@ -14,6 +14,10 @@ tokens are replicated over tp, so the router runs on all of them (identical on e
 reduction needed) and each tp rank then dispatches its sequence slice and all-gathers the outputs
 (backward: keep the own slice, the all-gather of the input gradient).
 
+Context parallelism: each cp rank routes and dispatches its own slice of the sequence (the ep group
+may span cp ranks: the expert layout re-partitions tp x cp x dp); the router's statistics are summed
+over cp (and tp under SP), so the aux loss is the whole micro-batch's on every cp rank.
+
 Optional: a shared expert (a dense tensor-parallel MLP every token goes through, added to the
 routed output) and an expert capacity (:mod:`.capacity`), decided over the whole micro-batch.
 """
@@ -57,8 +61,10 @@ class MoELayer(nn.Module):
                                                                  c.num_experts)
         self.topk = c.moe_router_topk
         self.capacity = (c.moe_expert_capacity_factor, c.moe_token_drop_policy, c.moe_pad_expert_input_to_capacity)
-        stats = groups.tp if sequence_parallel else None  # SP: the micro-batch's tokens are spread over tp
+        # the ranks whose tokens make up one micro-batch: its cp slices, and its tp shards under SP
+        stats = groups.tp_cp if sequence_parallel else groups.cp
         self.router = TopKRouter(c, partial_grad=sequence_parallel, stats_group=stats)
+        self.cp_size = groups.cp.size
         expert_cfg = dataclasses.replace(c, ffn_hidden_size=c.moe_ffn_hidden_size or ffn_size(c))
         local = c.num_experts // groups.ep.size
         first = M.local_rank(groups.ep) * local
@@ -82,7 +88,9 @@ class MoELayer(nn.Module):
         parallelism the tp shards' gates are gathered for it)."""
         probs, experts, aux = self.router(tokens)  # [T, k] each
         if aux is not None:
-            probs = attach_aux_loss(probs, aux, self.aux_loss_scale)
+            # NOTE: each cp rank's LM loss share is cp times its slice's (context_parallel_batch) and the router's
+            # gradient is averaged over dp x cp: its aux loss (the whole micro-batch's value) gets the same factor
+            probs = attach_aux_loss(probs, aux, self.aux_loss_scale * self.cp_size)
             total = self.aux_loss_total
             self.aux_loss_total = aux.detach() if total is None else total + aux.detach()
         gates = probs.new_zeros(probs.shape[0], self.num_experts).scatter(1, experts, probs)

@@ -2,9 +2,10 @@
 loss and the router z-loss.
 
 Pure maths on ``[T, h]`` tokens except for one optional seam: ``stats_group``, the group whose
-ranks hold the other shards of the same token set (the tensor-parallel group under sequence
-parallelism). The load-balancing statistics are summed over it, so the loss is that of the whole
-micro-batch, as one process would compute it (the z-loss's token mean likewise).
+ranks hold the other shards of the same token set (the context-parallel slices of the sequence,
+and its tensor-parallel shards under sequence parallelism: ``groups.cp`` or ``groups.tp_cp``).
+The load-balancing statistics are summed over it, so the loss is that of the whole micro-batch,
+as one process would compute it (the z-loss's token mean likewise).
 """
 from __future__ import annotations
 

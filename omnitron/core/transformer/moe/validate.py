@@ -55,7 +55,7 @@ def _check_extras(c) -> None:
 
 
 def validate_moe(c, parallel: ParallelConfig) -> None:
-    """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp, tp shards of the sequence."""
+    """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp, tp (x cp) shards of the sequence."""
     ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
     if c.num_experts is None:
         if ep > 1:
@@ -77,9 +77,12 @@ def validate_moe(c, parallel: ParallelConfig) -> None:
     if shared is not None and shared % tp:
         raise ConfigError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                           f"--tensor-model-parallel-size {tp}; change one of them")
-    if tp > 1 and c.seq_length % tp:
-        raise ConfigError(f"--seq-length {c.seq_length} is not divisible by --tensor-model-parallel-size {tp}: MoE "
-                          f"layers dispatch one sequence slice per tensor-parallel rank; change --seq-length")
-    if parallel.context_parallel_size > 1:
-        raise ConfigError("MoE layers with --context-parallel-size > 1 are not supported yet; use "
-                          "--context-parallel-size 1")
+    cp = parallel.context_parallel_size
+    if tp > 1 and c.seq_length % (tp * cp):
+        raise ConfigError(f"--seq-length {c.seq_length} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--context-parallel-size {cp}: MoE layers dispatch one sequence slice per tensor-parallel "
+                          f"rank of each context-parallel slice; change --seq-length")
+    if cp > 1 and c.moe_expert_capacity_factor is not None:
+        # NOTE: the capacity is decided over the whole micro-batch in token order; cp slices are not contiguous
+        raise ConfigError(f"--moe-expert-capacity-factor with --context-parallel-size {cp} is not supported yet; "
+                          f"drop the capacity factor (dropless) or use --context-parallel-size 1")

@@ -1,0 +1,148 @@
+"""MoE with context parallelism against one process, in ONE spawned world of 4 gloo ranks.
+
+A GPT whose MLPs are MoE layers (aux loss, z-loss, a shared expert), trained 3 SGD steps with
+global-norm clipping (data-parallel wrapper with overlapped bucket reduction) under cp 2 x ep 2 x
+dp 2 (the ep group is the cp group, edp 2), cp 2 x ep 4 x dp 2 (ep spans cp and dp, edp 1) and
+tp 2 x cp 2 x ep 2 with sequence parallelism (router statistics over tp x cp): per-step losses,
+gradient norms, logged aux loss and final weights equal the single-process run over the same
+micro-batches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.core.config import ParallelConfig
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.distributed import run_distributed
+
+STEPS, MBS, GBS, SEQ, LR, SEED = 3, 2, 4, 16, 1.0, 1234
+LAYOUTS = [(1, 2, 2, False), (1, 2, 4, False), (2, 2, 2, True)]  # (tp, cp, ep, sp)
+
+
+def _config():
+    from omnitron.core.models.gpt import gpt2_tiny
+
+    return gpt2_tiny(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
+                     max_position_embeddings=SEQ, vocab_size=96, hidden_dropout=0.0, attention_dropout=0.0,
+                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.05,
+                     moe_z_loss_coeff=1e-2, moe_shared_expert_intermediate_size=40)
+
+
+def _data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 96, (STEPS, GBS, SEQ + 1), generator=g)
+
+
+def _optimizer(model, groups):
+    from omnitron.backends import get_backend
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.optim import MixedPrecisionOptimizer
+
+    cfg = OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.5)
+    return MixedPrecisionOptimizer(list(model.named_parameters()), cfg, groups, backend=get_backend())
+
+
+def reference() -> dict:
+    """One process; each step runs the GBS / MBS micro-batches in turn, each weighted MBS / GBS."""
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+    from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
+
+    groups = ParallelGroups.single()
+    model = GPTModel(_config(), groups, seed=SEED)
+    opt = _optimizer(model, groups)
+    n = GBS // MBS
+    set_aux_loss_scale([model], 1.0 / n)
+    losses, norms, aux = [], [], []
+    for step in _data():
+        opt.zero_grad()
+        total = 0.0
+        for mb in step.view(-1, MBS, SEQ + 1):
+            loss = model(tokens=mb[:, :-1], labels=mb[:, 1:]).mean()
+            (loss / n).backward()
+            total += loss.item() / n
+        aux.append(moe_aux_loss([model], groups, None, n))
+        losses.append(total)
+        norms.append(opt.step(LR).grad_norm)
+    return {"losses": losses, "norms": norms, "aux": aux, "state": gather_full_state(model, groups)}
+
+
+def _step(chunk, batch, hidden):
+    from omnitron.core.parallel.data import unwrap_model
+
+    m = unwrap_model(chunk)
+    return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], hidden=hidden,
+                 labels=batch["labels"] if m.post_process else None)
+
+
+def _loss(output, batch):
+    from omnitron.core.parallel.context import context_parallel_loss
+    from omnitron.core.parallel.pipeline import default_loss_fn
+
+    return context_parallel_loss(*default_loss_fn(output, batch), batch)
+
+
+def _run(coll, tp: int, cp: int, ep: int, sp: bool) -> dict:
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+    from omnitron.core.parallel.context import context_parallel_batch
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
+    from omnitron.core.parallel.pipeline import forward_backward
+    from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
+
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                 expert_model_parallel_size=ep, sequence_parallel=sp), coll)
+    model = GPTModel(_config(), groups, seed=SEED)
+    chunk = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=4000))
+    opt = _optimizer(model, groups)
+    dp = groups.dp.size
+    per_dp = GBS // dp
+    m = per_dp // MBS
+    set_aux_loss_scale([model], 1.0 / m)  # the data-parallel wrapper averages over dp (x cp)
+    lo = (groups.dp.rank if dp > 1 else 0) * per_dp
+    losses, norms, aux = [], [], []
+    for step in _data():
+        chunk.zero_grad_buffer()
+        mbs = step[lo:lo + per_dp].view(-1, MBS, SEQ + 1)
+        data = (context_parallel_batch({"tokens": mb[:, :-1], "labels": mb[:, 1:]}, groups.cp) for mb in mbs)
+        out = forward_backward(None, [chunk], data, groups, num_microbatches=m, seq_length=SEQ,
+                               micro_batch_size=MBS, hidden_size=32, forward_step_fn=_step, loss_fn=_loss)
+        finalize_model_grads([chunk], groups)
+        aux.append(moe_aux_loss([model], groups, coll, m))
+        losses.append(out["loss"])
+        norms.append(opt.step(LR).grad_norm)
+    return {"losses": losses, "norms": norms, "aux": aux, "state": gather_full_state(model, groups)}
+
+
+def worker() -> dict:
+    from omnitron.backends import get_backend
+
+    torch.set_num_threads(1)
+    coll = get_backend().collectives
+    return {k: _run(coll, *k) for k in LAYOUTS}
+
+
+def test_moe_context_parallel_matches_one_process():
+    torch.set_num_threads(1)
+    ref = reference()
+    assert len(set(ref["losses"])) == STEPS and ref["aux"][0] > 0
+    ranks = run_distributed(worker, 4)
+    for key in LAYOUTS:
+        merged = {}
+        for r in ranks:
+            res = r[key]
+            for name in ("losses", "norms", "aux"):
+                assert res[name] == pytest.approx(ref[name], rel=1e-5), (key, name, res[name], ref[name])
+            merged.update(res["state"])
+        assert merged.keys() == ref["state"].keys(), key
+        for name, w in ref["state"].items():
+            torch.testing.assert_close(merged[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {name}: {m}")
+
+
+def test_moe_context_parallel_refuses_capacity():
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.transformer.moe import validate_moe
+
+    c = _config()
+    c = type(c)(**{**c.__dict__, "moe_expert_capacity_factor": 1.0})
+    with pytest.raises(ConfigError, match="--moe-expert-capacity-factor"):
+        validate_moe(c, ParallelConfig(context_parallel_size=2, expert_model_parallel_size=2))
