@@ -5,7 +5,8 @@ global-norm clipping (data-parallel wrapper with overlapped bucket reduction) un
 dp 2 (the ep group is the cp group, edp 2), cp 2 x ep 4 x dp 2 (ep spans cp and dp, edp 1) and
 tp 2 x cp 2 x ep 2 with sequence parallelism (router statistics over tp x cp): per-step losses,
 gradient norms, logged aux loss and final weights equal the single-process run over the same
-micro-batches.
+micro-batches. Then the training loop (``omnitron train`` flags, step.py) at cp 2 x ep 2 x dp 2 with the
+distributed optimizer: per-iteration and validation losses equal the one-process loop's.
 """
 from __future__ import annotations
 
@@ -113,19 +114,34 @@ def _run(coll, tp: int, cp: int, ep: int, sp: bool) -> dict:
     return {"losses": losses, "norms": norms, "aux": aux, "state": gather_full_state(model, groups)}
 
 
-def worker() -> dict:
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.05", "--moe-z-loss-coeff", "0.01"]
+LOOP_FLAGS = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+
+
+def _loop(root: str, world: int, *extra: str):
+    from test_context_parallel import _train, _train_args
+
+    return _train(_train_args(root, *MOE_FLAGS, *extra), world)
+
+
+def worker(root: str) -> dict:
     from omnitron.backends import get_backend
 
     torch.set_num_threads(1)
     coll = get_backend().collectives
-    return {k: _run(coll, *k) for k in LAYOUTS}
+    out = {k: _run(coll, *k) for k in LAYOUTS}
+    out["loop"] = _loop(root, 4, *LOOP_FLAGS)
+    return out
 
 
-def test_moe_context_parallel_matches_one_process():
+def test_moe_context_parallel_matches_one_process(tmp_path):
     torch.set_num_threads(1)
     ref = reference()
     assert len(set(ref["losses"])) == STEPS and ref["aux"][0] > 0
-    ranks = run_distributed(worker, 4)
+    loop_ref = _loop(str(tmp_path / "one"), 1)
+    ranks = run_distributed(worker, 4, str(tmp_path / "cp"))
+    for got in (ranks[0]["loop"], ranks[-1]["loop"]):
+        assert got[0] == pytest.approx(loop_ref[0], rel=1e-5) and got[1] == pytest.approx(loop_ref[1], rel=1e-5)
     for key in LAYOUTS:
         merged = {}
         for r in ranks:
