@@ -16,6 +16,7 @@ from omnitron.core.models.bert import BertConfig, BertModel, bert_loss, num_para
 from omnitron.core.models.gpt import gather_full_state
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import assert_parity, relative_error as _rel, tp_sp_parity
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
             hidden_dropout=0.0, attention_dropout=0.0)
@@ -68,11 +69,6 @@ def _batch(c, gen, b=3):
 def _forward(model, batch, labels=True):
     return model(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"],
                  labels=batch["labels"] if labels else None)
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("gqa", [False, True])
@@ -143,42 +139,26 @@ def test_unsupported_layouts_are_rejected_with_the_flag():
 
 
 # ---- tensor / sequence parallel parity (one spawn) ----------------------------------------------
-def _parity_worker(tp: int) -> dict:
-    import torch.distributed as dist
-
-    from omnitron.backends import get_backend
+def _parity_step(c, g):
     from omnitron.core.models.gpt import allreduce_sequence_parallel_grads
 
-    torch.set_num_threads(1)
-    single = ParallelGroups.single()
+    batch = _batch(c, torch.Generator().manual_seed(4))
+    model = BertModel(c, g, seed=8)
+    lm, binary = _forward(model, batch)
+    loss, _ = bert_loss((lm, binary), batch)
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, g)
+    return {"loss": loss, "token_loss": lm, "binary": binary, "grads": gather_full_state(model, g, grads=True)}
+
+
+def _parity_worker(tp: int) -> dict:
     cfgs = {"mha": BertConfig(**{**BASE, "vocab_size": 251, "make_vocab_size_divisible_by": 1}),
             "gqa_recompute": BertConfig(**{**BASE, "num_query_groups": 2, "recompute_granularity": "selective"})}
-    out = {}
-    for sp in (False, True):
-        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
-                                      get_backend().collectives)
-        for name, c in cfgs.items():
-            batch = _batch(c, torch.Generator().manual_seed(4))
-            res = {}
-            for key, g in (("tp", groups), ("ref", single)):
-                model = BertModel(c, g, seed=8)
-                lm, binary = _forward(model, batch)
-                loss, _ = bert_loss((lm, binary), batch)
-                loss.backward()
-                allreduce_sequence_parallel_grads(model, g)
-                res[key] = (loss.detach(), lm.detach(), binary.detach(), gather_full_state(model, g, grads=True))
-            (lt, mt, bt, gt), (lr, mr, br, gr) = res["tp"], res["ref"]
-            out[(name, sp)] = {"loss": _rel(lt, lr), "token_loss": _rel(mt, mr), "binary": _rel(bt, br),
-                               "grads": max(_rel(gt[k], gr[k]) for k in gr), "keys": gt.keys() == gr.keys()}
-    dist.barrier()
-    return out
+    return tp_sp_parity(tp, cfgs, _parity_step)
 
 
 def test_tensor_and_sequence_parallel_parity_tp2():
-    for rank_result in run_distributed(_parity_worker, 2, 2):
-        for case, err in rank_result.items():
-            assert err.pop("keys"), case
-            assert max(err.values()) < 1e-5, (case, err)
+    assert_parity(run_distributed(_parity_worker, 2, 2))
 
 
 # ---- the train command ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from omnitron.core.models.multimodal import (IMAGE_TOKEN, LLaVAModel, Multimodal
                                              num_parameters, validate_multimodal)
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import assert_parity, relative_error as _rel, tp_sp_parity
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
             hidden_dropout=0.0, attention_dropout=0.0, img_h=8, img_w=12, patch_dim=4, num_channels=2,
@@ -117,11 +118,6 @@ def _loss(model, batch):
     return (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum(), per_token
 
 
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_llava_matches_plain_float64(style):
     c = MultimodalConfig(**BASE, **(LLAMA if style == "llama" else {}))
@@ -211,42 +207,27 @@ def test_frozen_tower_gets_no_gradient_and_no_update(tower):
 
 
 # ---- tensor / sequence parallel parity (one spawn) ----------------------------------------------
-def _parity_worker(tp: int) -> dict:
-    import torch.distributed as dist
-
-    from omnitron.backends import get_backend
+def _parity_step(c, g):
     from omnitron.core.models.gpt import allreduce_sequence_parallel_grads
 
-    torch.set_num_threads(1)
-    single = ParallelGroups.single()
+    batch = _batch(c, torch.Generator().manual_seed(4))
+    model = LLaVAModel(c, g, seed=8)
+    loss, per_token = _loss(model, batch)
+    loss.backward()
+    allreduce_sequence_parallel_grads(model, g)
+    return {"loss": loss, "token_loss": per_token, "grads": gather_full_state(model, g, grads=True)}
+
+
+def _parity_worker(tp: int) -> dict:
     cfgs = {"gpt2": MultimodalConfig(**{**BASE, "vocab_size": 251, "make_vocab_size_divisible_by": 1}),
             "llama": MultimodalConfig(**BASE, **LLAMA)}
-    out = {}
-    for sp, name in ((False, "gpt2"), (True, "gpt2"), (True, "llama")):
-        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
-                                      get_backend().collectives)
-        for c in (cfgs[name],):
-            batch = _batch(c, torch.Generator().manual_seed(4))
-            res = {}
-            for key, g in (("tp", groups), ("ref", single)):
-                model = LLaVAModel(c, g, seed=8)
-                loss, per_token = _loss(model, batch)
-                loss.backward()
-                allreduce_sequence_parallel_grads(model, g)
-                res[key] = (loss.detach(), per_token.detach(), gather_full_state(model, g, grads=True))
-            (lt, pt, gt), (lr, pr, gr) = res["tp"], res["ref"]
-            out[(name, sp)] = {"loss": _rel(lt, lr), "token_loss": _rel(pt, pr),
-                               "grads": max(_rel(gt[k], gr[k]) for k in gr), "keys": gt.keys() == gr.keys()}
-    dist.barrier()
-    return out
+    return tp_sp_parity(tp, cfgs, _parity_step)
 
 
 def test_tensor_and_sequence_parallel_parity_tp2():
-    for rank_result in run_distributed(_parity_worker, 2, 2):
-        assert len(rank_result) == 3
-        for case, err in rank_result.items():
-            assert err.pop("keys"), case
-            assert max(err.values()) < 1e-5, (case, err)
+    results = run_distributed(_parity_worker, 2, 2)
+    assert all(len(r) == 4 for r in results)
+    assert_parity(results)
 
 
 def test_bad_settings_name_the_flag():

@@ -15,6 +15,7 @@ from omnitron.core.models.gpt import gather_full_state
 from omnitron.core.models.t5 import T5Config, T5Model, num_parameters, validate_t5
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import assert_parity, relative_error as _rel, tp_sp_parity
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12,
             decoder_seq_length=8, vocab_size=203, hidden_dropout=0.0, attention_dropout=0.0)
@@ -93,11 +94,6 @@ def _loss(token_loss, batch):
     return (token_loss * mask).sum() / mask.sum()
 
 
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 VARIANTS = {"mha": {}, "gqa_uneven_stacks_selective": dict(num_query_groups=2, encoder_num_layers=1, decoder_num_layers=3,
                                                               recompute_granularity="selective"),
             "full_recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)}
@@ -173,42 +169,26 @@ def test_parameter_count_and_unsupported_layouts():
 
 
 # ---- tensor / sequence parallel parity (one spawn) ----------------------------------------------
-def _parity_worker(tp: int) -> dict:
-    import torch.distributed as dist
-
-    from omnitron.backends import get_backend
+def _parity_step(c, g):
     from omnitron.core.models.gpt import allreduce_sequence_parallel_grads
 
-    torch.set_num_threads(1)
-    single = ParallelGroups.single()
+    batch = _batch(c, torch.Generator().manual_seed(4))
+    model = T5Model(c, g, seed=8)
+    token_loss = _forward(model, batch)
+    _loss(token_loss, batch).backward()
+    allreduce_sequence_parallel_grads(model, g)
+    return {"token_loss": token_loss, "grads": gather_full_state(model, g, grads=True)}
+
+
+def _parity_worker(tp: int) -> dict:
     cfgs = {"mha": T5Config(**{**BASE, "vocab_size": 251, "make_vocab_size_divisible_by": 1}),
             "gqa_recompute": T5Config(**{**BASE, "num_query_groups": 2, "recompute_granularity": "full",
                                          "recompute_method": "uniform", "decoder_num_layers": 1})}
-    out = {}
-    for sp in (False, True):
-        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
-                                      get_backend().collectives)
-        for name, c in cfgs.items():
-            batch = _batch(c, torch.Generator().manual_seed(4))
-            res = {}
-            for key, g in (("tp", groups), ("ref", single)):
-                model = T5Model(c, g, seed=8)
-                token_loss = _forward(model, batch)
-                _loss(token_loss, batch).backward()
-                allreduce_sequence_parallel_grads(model, g)
-                res[key] = (token_loss.detach(), gather_full_state(model, g, grads=True))
-            (lt, gt), (lr, gr) = res["tp"], res["ref"]
-            out[(name, sp)] = {"token_loss": _rel(lt, lr), "grads": max(_rel(gt[k], gr[k]) for k in gr),
-                               "keys": gt.keys() == gr.keys()}
-    dist.barrier()
-    return out
+    return tp_sp_parity(tp, cfgs, _parity_step)
 
 
 def test_tensor_and_sequence_parallel_parity_tp2():
-    for rank_result in run_distributed(_parity_worker, 2, 2):
-        for case, err in rank_result.items():
-            assert err.pop("keys"), case
-            assert max(err.values()) < 1e-5, (case, err)
+    assert_parity(run_distributed(_parity_worker, 2, 2))
 
 
 # ---- the train command ----------------------------------------------------------------------------

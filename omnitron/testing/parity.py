@@ -1,0 +1,52 @@
+"""Helpers the model-family tests share to compare a parallel run with one process.
+
+:func:`relative_error` is the norm-wise error every parity test reports;
+:func:`tp_sp_parity` runs one forward + backward per configuration on a tensor-parallel group
+(without and with sequence parallelism) and on one process, and returns the errors of every
+compared tensor; :func:`assert_parity` checks every rank's result against a tolerance.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (``b`` the reference)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def tp_sp_parity(tp: int, configs: dict, step: Callable) -> dict:
+    """Collective over the default world: for sequence parallelism off and on, and each ``configs``
+    entry, ``step(cfg, groups)`` runs one forward + backward and returns ``{name: tensor}`` plus
+    ``"grads"``: the full gradient state (``gather_full_state(..., grads=True)``). Returns
+    ``{(config name, sp): {name: relative error, "grads": worst gradient error, "keys": same names}}``."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    single, out = ParallelGroups.single(), {}
+    for sp in (False, True):
+        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
+                                      get_backend().collectives)
+        for name, cfg in configs.items():
+            got, want = step(cfg, groups), step(cfg, single)
+            gg, gw = got.pop("grads"), want.pop("grads")
+            err = {k: relative_error(got[k], want[k]) for k in want}
+            err.update(grads=max(relative_error(gg[k], gw[k]) for k in gw), keys=gg.keys() == gw.keys())
+            out[(name, sp)] = err
+    dist.barrier()
+    return out
+
+
+def assert_parity(rank_results: list[dict], tol: float = 1e-5) -> None:
+    """Every rank's :func:`tp_sp_parity` result: the same gradient names, every error below ``tol``."""
+    for result in rank_results:
+        for case, err in result.items():
+            assert err.pop("keys"), f"{case}: gradient names differ from one process"
+            assert max(err.values()) < tol, (case, err)
