@@ -50,3 +50,20 @@ def assert_parity(rank_results: list[dict], tol: float = 1e-5) -> None:
         for case, err in result.items():
             assert err.pop("keys"), f"{case}: gradient names differ from one process"
             assert max(err.values()) < tol, (case, err)
+
+
+def assert_training_matches(per_rank: list[dict], ref: dict, label, scalars=("losses", "norms", "aux"),
+                            rel: float = 1e-5) -> None:
+    """A parallel training run against one process: every rank's per-step ``scalars`` equal ``ref``'s
+    to ``rel``, and the ranks' ``state`` dicts (each the tensors it owns, by global name) merge into
+    exactly ``ref["state"]``'s names and values."""
+    import pytest
+
+    merged = {}
+    for res in per_rank:
+        for name in scalars:
+            assert res[name] == pytest.approx(ref[name], rel=rel), (label, name, res[name], ref[name])
+        merged.update(res["state"])
+    assert merged.keys() == ref["state"].keys(), label
+    for name, w in ref["state"].items():
+        torch.testing.assert_close(merged[name], w, rtol=rel, atol=rel / 10, msg=lambda m: f"{label} {name}: {m}")

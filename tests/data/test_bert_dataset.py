@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from omnitron.core.data import IndexedDataset, IndexedDatasetBuilder, build_tokenizer
+from omnitron.core.data import build_tokenizer
 from omnitron.core.data.bert_dataset import BertDataset, mask_tokens, sentence_table, truncate_segments
-from omnitron.core.data.indexed import data_file, index_file
 from omnitron.core.data.tokenizers import TokenizerError
+from omnitron.testing.data import write_documents as _write
 from omnitron.core.data.tokenizers.wordpiece import build_wordpiece_vocab
 
 V = 1000
@@ -20,15 +20,6 @@ class _Tok:
 
     name, vocab_size, pad, unk, cls, sep, mask = "synthetic", V, 0, 1, 2, 3, 4
     special_ids = (0, 1, 2, 3, 4)
-
-
-def _write(path, docs):
-    """Indexed dataset at ``path`` from documents given as lists of sentences (id arrays)."""
-    b = IndexedDatasetBuilder(data_file(str(path)), np.uint16)
-    for sentences in docs:
-        b.add_document(np.concatenate(sentences), [len(s) for s in sentences])
-    b.finalize(index_file(str(path)))
-    return IndexedDataset(str(path))
 
 
 def _consecutive_docs(rng, n_docs, max_doc_tokens=40):

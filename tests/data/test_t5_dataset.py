@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omnitron.core.data import IndexedDataset, IndexedDatasetBuilder, build_tokenizer
-from omnitron.core.data.indexed import data_file, index_file
+from omnitron.core.data import build_tokenizer
 from omnitron.core.data.t5_dataset import T5Dataset, random_spans_mask
 from omnitron.core.data.tokenizers import TokenizerError
+from omnitron.testing.data import write_documents as _write
 
 V, SENTINELS = 1000, tuple(range(900, 1000))
 
@@ -51,14 +51,6 @@ def test_span_corruption_statistics():
     assert abs(noised / total - 0.15) < 0.002
     assert abs(noised / spans - 3.0) < 0.1
     assert 10 < first < 400 and 10 < last < 400  # spans may touch either end, but mostly sit inside
-
-
-def _write(path, docs):
-    b = IndexedDatasetBuilder(data_file(str(path)), np.uint16)
-    for sentences in docs:
-        b.add_document(np.concatenate(sentences), [len(s) for s in sentences])
-    b.finalize(index_file(str(path)))
-    return IndexedDataset(str(path))
 
 
 def _docs(rng, n_docs=30):

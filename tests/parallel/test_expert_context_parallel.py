@@ -16,6 +16,7 @@ import torch
 from omnitron.core.config import ParallelConfig
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import assert_training_matches
 
 STEPS, MBS, GBS, SEQ, LR, SEED = 3, 2, 4, 16, 1.0, 1234
 LAYOUTS = [(1, 2, 2, False), (1, 2, 4, False), (2, 2, 2, True)]  # (tp, cp, ep, sp)
@@ -143,15 +144,7 @@ def test_moe_context_parallel_matches_one_process(tmp_path):
     for got in (ranks[0]["loop"], ranks[-1]["loop"]):
         assert got[0] == pytest.approx(loop_ref[0], rel=1e-5) and got[1] == pytest.approx(loop_ref[1], rel=1e-5)
     for key in LAYOUTS:
-        merged = {}
-        for r in ranks:
-            res = r[key]
-            for name in ("losses", "norms", "aux"):
-                assert res[name] == pytest.approx(ref[name], rel=1e-5), (key, name, res[name], ref[name])
-            merged.update(res["state"])
-        assert merged.keys() == ref["state"].keys(), key
-        for name, w in ref["state"].items():
-            torch.testing.assert_close(merged[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {name}: {m}")
+        assert_training_matches([r[key] for r in ranks], ref, key)
 
 
 def test_moe_context_parallel_refuses_capacity():

@@ -20,6 +20,7 @@ import torch
 from omnitron.core.config import ParallelConfig
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import assert_training_matches
 
 S, B, H, E = 8, 2, 16, 8  # layer test: tokens [S, B, H] per data-parallel rank, 8 experts
 STEPS, MBS, M, SEQ, LR, SEED = 3, 2, 2, 16, 1.0, 1234
@@ -231,16 +232,7 @@ def _check_layer(ranks: list[dict], refs: dict) -> None:
 def _check_gpt(ranks: list[dict], refs: dict) -> None:
     for key in GPT_LAYOUTS:
         tp, pp, ep, _, _, extras = key
-        ref = refs[(4 // (tp * pp), extras)]
-        merged = {}
-        for r in ranks:
-            res = r["gpt"][key]
-            for name in ("losses", "norms", "aux"):
-                assert res[name] == pytest.approx(ref[name], rel=1e-5), (key, name, res[name], ref[name])
-            merged.update(res["state"])
-        assert merged.keys() == ref["state"].keys(), key
-        for name, w in ref["state"].items():
-            torch.testing.assert_close(merged[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {name}: {m}")
+        assert_training_matches([r["gpt"][key] for r in ranks], refs[(4 // (tp * pp), extras)], key)
 
 
 def test_expert_parallel_matches_one_process():
