@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from omnitron.kernels.reference.fp8 import fp8_amax_history_push
 
 
 def reduce_amax(amax: torch.Tensor, groups: Sequence, collectives) -> torch.Tensor:
@@ -67,7 +68,7 @@ class DelayedScaling:
         ``update``: an implementation of the ``fp8_amax_history_push`` kernel op (a backend's kernel
         table entry fuses the whole update into one launch); the reference when None. The new
         history, scale and reciprocal are new tensors: a backward may still hold the old ones."""
-        update = update or _reference_push
+        update = update or fp8_amax_history_push
         self.amax_history, self.scale, self.scale_inv = update(
             self.amax_history, amax.to(self.amax_history.device, torch.float32), self.scale, self.fmt,
             self.margin, self.algo)
@@ -98,9 +99,3 @@ class DelayedScaling:
         self.set_scale(state["scale"].detach().float().clone().reshape(()).to(device))
         self.uses = int(state["uses"])
         self.pending = None
-
-
-def _reference_push(history, amax, scale, fmt, margin, algo):
-    from omnitron.kernels.reference.fp8 import fp8_amax_history_push
-
-    return fp8_amax_history_push(history, amax, scale, fmt, margin, algo)
