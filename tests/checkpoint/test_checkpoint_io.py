@@ -1,6 +1,8 @@
 """Checkpoint directories: atomic commit, latest pointer, pruning, compatibility errors, RNG capture."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 
@@ -50,6 +52,11 @@ def test_refuses_pickled_objects(tmp_path):
     _save(tmp_path, 1, 1)
     path = tmp_path / "iter_0000001" / "rank_00000.pt"
     torch.save({"evil": object()}, path)
+    # whoever can replace a shard can rewrite metadata.json too: the checksum must not be the only guard
+    meta_path = tmp_path / "iter_0000001" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["checksums"]["rank_00000.pt"] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    meta_path.write_text(json.dumps(meta))
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
         load_checkpoint(str(tmp_path / "iter_0000001"), 0)
 

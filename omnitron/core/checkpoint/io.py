@@ -3,12 +3,15 @@
 Every rank writes its shard into ``iter_N.tmp/`` and fsyncs it; after a barrier rank 0 writes
 ``metadata.json``, renames the directory to ``iter_N`` and only then replaces ``latest`` (by
 writing ``latest.tmp`` and renaming). A run killed at any point therefore leaves ``latest``
-naming a complete checkpoint. Shards are ``torch.save`` files of tensors and plain values,
-read back with ``weights_only=True`` (no arbitrary unpickling).
+naming a complete checkpoint; re-saving an iteration swaps directories the way
+:mod:`~omnitron.core.checkpoint.integrity` describes, so that holds then too. Shards are
+``torch.save`` files of tensors and plain values, read back with ``weights_only=True`` (no
+arbitrary unpickling), after their SHA-256 is checked against the one ``metadata.json`` records.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,8 +19,13 @@ from typing import Callable, Iterable
 
 import torch
 
+from omnitron.core.checkpoint import integrity
+
+log = logging.getLogger("omnitron.checkpoint")
 FORMAT_VERSION = 1
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_META = "metadata.json"
+_META_KEYS = ("iteration", "world_size", "shards", "model", "layout")
 
 # model fields that fix every tensor's shape: a checkpoint only loads into the same values
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -44,12 +52,7 @@ def shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync_dir = integrity.fsync_dir
 
 
 def _write_file(path: str, write: Callable) -> None:
@@ -66,7 +69,7 @@ def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, 
     if rank == 0:
         _begin(save_dir, final)
     barrier()
-    _write_file(os.path.join(final + ".tmp", shard_name(rank)), lambda f: torch.save(shard, f))
+    _write_shard(final + ".tmp", rank, shard)
     barrier()
     if rank == 0:
         _commit(save_dir, iteration, metadata, world_size, keep_last_n)
@@ -82,7 +85,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: Iterable[tuple[int, 
     _begin(save_dir, final)
     written = set()
     for rank, shard in shards:
-        _write_file(os.path.join(final + ".tmp", shard_name(rank)), lambda f, s=shard: torch.save(s, f))
+        _write_shard(final + ".tmp", rank, shard)
         written.add(rank)
     if written != set(range(world_size)):
         raise CheckpointError(f"{save_dir}: wrote shards for ranks {sorted(written)}, expected 0..{world_size - 1}")
@@ -90,9 +93,19 @@ def write_checkpoint(save_dir: str, iteration: int, shards: Iterable[tuple[int, 
     return final
 
 
+def _write_shard(tmp_dir: str, rank: int, shard: dict) -> None:
+    """``rank_N.pt`` and its digest file (folded into metadata.json by the commit)."""
+    path = os.path.join(tmp_dir, shard_name(rank))
+    _write_file(path, lambda f: torch.save(shard, f))
+    integrity.write_digest(path)
+
+
 def _begin(save_dir: str, final: str) -> None:
-    """An empty ``iter_N.tmp`` (a stale one, left by a run killed while saving, is removed)."""
+    """An empty ``iter_N.tmp`` (a stale one, left by a run killed while saving, is removed), after
+    finishing any re-save that died between its renames."""
     os.makedirs(save_dir, exist_ok=True)
+    for path in integrity.repair(save_dir, _META):
+        log.warning("%s: finished a re-save that was interrupted between its renames", path)
     if os.path.exists(final + ".tmp"):
         shutil.rmtree(final + ".tmp")
     os.makedirs(final + ".tmp")
@@ -102,33 +115,31 @@ def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep
     """Write metadata.json into ``iter_N.tmp``, rename it to ``iter_N``, then move ``latest``."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     tmp = final + ".tmp"
+    names = [shard_name(r) for r in range(world_size)]
+    try:
+        checksums = integrity.collect_digests(tmp, names)
+    except integrity.IntegrityError as err:
+        raise CheckpointError(str(err)) from None
     meta = dict(metadata, format_version=FORMAT_VERSION, iteration=iteration, world_size=world_size,
-                shards=[shard_name(r) for r in range(world_size)])
-    _write_file(os.path.join(tmp, "metadata.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+                shards=names, checksums=checksums)
+    _write_file(os.path.join(tmp, _META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
     _fsync_dir(tmp)
-    replaced = None
-    if os.path.exists(final):
-        replaced = final + ".replaced"
-        os.rename(final, replaced)
-    os.rename(tmp, final)
-    _fsync_dir(save_dir)
+    integrity.commit_dir(tmp, final)
     pointer = os.path.join(save_dir, "latest.tmp")
     _write_file(pointer, lambda f: f.write(iter_dir_name(iteration).encode()))
     os.replace(pointer, os.path.join(save_dir, "latest"))
     _fsync_dir(save_dir)
-    if replaced:
-        shutil.rmtree(replaced, ignore_errors=True)
     if keep_last_n:
         _prune(save_dir, keep_last_n, keep=iter_dir_name(iteration))
 
 
 def list_checkpoints(save_dir: str) -> list[int]:
-    """Iterations of complete checkpoint directories, ascending."""
+    """Iterations of complete checkpoint directories, ascending (a re-save caught between its
+    renames counts: :func:`integrity.resolve` finds its complete copy)."""
     if not os.path.isdir(save_dir):
         return []
-    its = [int(m.group(1)) for d in os.listdir(save_dir) if (m := _ITER_DIR.match(d))
-           and os.path.exists(os.path.join(save_dir, d, "metadata.json"))]
-    return sorted(its)
+    its = {int(m.group(1)) for d in os.listdir(save_dir) if (m := _ITER_DIR.match(d.removesuffix(".replaced")))}
+    return sorted(it for it in its if integrity.resolve(os.path.join(save_dir, iter_dir_name(it)), _META))
 
 
 def _prune(save_dir: str, keep_last_n: int, keep: str) -> None:
@@ -137,26 +148,60 @@ def _prune(save_dir: str, keep_last_n: int, keep: str) -> None:
             shutil.rmtree(os.path.join(save_dir, iter_dir_name(it)), ignore_errors=True)
 
 
-def find_latest(load_dir: str) -> str | None:
-    """The directory ``latest`` names (None when ``load_dir`` holds no checkpoint yet)."""
+def find_latest(load_dir: str, *, quiet: bool = False) -> str | None:
+    """The complete directory ``latest`` names (None when ``load_dir`` holds no checkpoint yet).
+
+    Without ``latest`` (never written, or deleted) the newest complete ``iter_*`` directory is
+    used and a warning says so (unless ``quiet``); committed directories that are all incomplete
+    raise CheckpointError saying which file is missing."""
     pointer = os.path.join(load_dir, "latest")
     if not os.path.exists(pointer):
-        if list_checkpoints(load_dir):
-            # pointer lost (never written or deleted): fall back to the newest complete directory
-            return os.path.join(load_dir, iter_dir_name(list_checkpoints(load_dir)[-1]))
-        return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    path = os.path.join(load_dir, name)
-    if not os.path.exists(os.path.join(path, "metadata.json")):
+        return _newest_complete(load_dir, quiet)
+    with open(pointer, "rb") as f:
+        name = f.read(64).decode("utf-8", "replace").strip()
+    if not _ITER_DIR.match(name):
+        raise CheckpointError(f"--load {load_dir}: 'latest' holds {name!r}, not an iter_NNNNNNN directory name; "
+                              f"write the name of a complete iter_* directory into it, or delete it")
+    path = integrity.resolve(os.path.join(load_dir, name), _META)
+    if path is None:
         raise CheckpointError(f"--load {load_dir}: 'latest' names {name}, which is missing or incomplete; "
                               f"point 'latest' at a complete iter_* directory or remove it")
     return path
 
 
+def _newest_complete(load_dir: str, quiet: bool) -> str | None:
+    its = list_checkpoints(load_dir)
+    dirs = sorted(d for d in os.listdir(load_dir) if _ITER_DIR.match(d)) if os.path.isdir(load_dir) else []
+    if its:
+        path = integrity.resolve(os.path.join(load_dir, iter_dir_name(its[-1])), _META)
+        newer = [d for d in dirs if int(d[5:]) > its[-1]]
+        if not quiet:
+            log.warning("--load %s: no 'latest' pointer; loading the newest complete checkpoint, %s%s", load_dir,
+                        os.path.basename(path), f" (skipping {', '.join(newer)}: no {_META})" if newer else "")
+        return path
+    if dirs:
+        raise CheckpointError(f"--load {load_dir}: no 'latest' pointer and no complete checkpoint ({', '.join(dirs[-3:])} "
+                              f"{'has' if len(dirs) == 1 else 'have'} no {_META}); restore {_META} or 'latest', "
+                              f"or move the iter_* directories away to start from scratch")
+    return None
+
+
 def read_metadata(path: str) -> dict:
-    with open(os.path.join(path, "metadata.json")) as f:
-        meta = json.load(f)
+    """``path/metadata.json``; missing, unparsable or incomplete metadata raises CheckpointError naming it."""
+    file = os.path.join(path, _META)
+    try:
+        with open(file, "rb") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; load an earlier iteration, or "
+                              f"re-save") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{file} is not valid JSON ({err}): the metadata is corrupt; load an earlier "
+                              f"iteration, or re-save") from None
+    missing = [k for k in _META_KEYS if k not in meta] if isinstance(meta, dict) else ["everything (not an object)"]
+    if missing:
+        raise CheckpointError(f"{file} lacks {', '.join(missing)}: the metadata is corrupt or not omnitron's; load "
+                              f"an earlier iteration, or re-save")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')} is not "
                               f"{FORMAT_VERSION}, which this omnitron reads")
@@ -187,19 +232,30 @@ def check_compatible(meta: dict, model: dict, layout: dict, path: str, *, reshar
 
 
 def load_checkpoint(path: str, rank: int) -> tuple[dict, dict]:
-    """(metadata, this rank's shard), the shard read with ``weights_only=True``."""
-    return read_metadata(path), read_shard(path, rank)
+    """(metadata, this rank's shard), the shard checksum-verified and read with ``weights_only=True``."""
+    meta = read_metadata(path)
+    return meta, read_shard(path, rank, meta)
 
 
-def read_shard(path: str, rank: int) -> dict:
-    """Shard ``rank`` of checkpoint directory ``path`` (``weights_only=True``); a missing or unreadable
-    file raises CheckpointError naming it."""
+def read_shard(path: str, rank: int, meta: dict | None = None) -> dict:
+    """Shard ``rank`` of checkpoint directory ``path`` (``weights_only=True``), after checking its
+    SHA-256 against ``meta`` (read from ``path`` when not given); a missing, corrupt or unreadable
+    file raises CheckpointError naming it. Checkpoints written before checksums load unverified."""
     shard_path = os.path.join(path, shard_name(rank))
     if not os.path.exists(shard_path):
         raise CheckpointError(f"{path}: shard {shard_name(rank)} is missing; the checkpoint is incomplete "
                               f"(load an earlier iteration, or re-save)")
+    checksums = (meta or read_metadata(path)).get("checksums")
+    if checksums is not None:
+        try:
+            if shard_name(rank) not in checksums:
+                raise integrity.IntegrityError(f"{shard_path} has no checksum in {_META}")
+            integrity.verify(shard_path, checksums[shard_name(rank)])
+        except integrity.IntegrityError as err:
+            raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
     try:
         return torch.load(shard_path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated file, bad zip, refused pickle: all mean "cannot use this shard"
-        raise CheckpointError(f"{shard_path} is unreadable ({type(err).__name__}: {err}); the checkpoint is "
+        why = " ".join(str(err).split())[:300]  # torch's weights_only refusals span many lines
+        raise CheckpointError(f"{shard_path} is unreadable ({type(err).__name__}: {why}); the checkpoint is "
                               f"corrupt: load an earlier iteration, or re-save") from err

@@ -106,7 +106,13 @@ class _Unpickler(pickle.Unpickler):
         return type(name, (Opaque,), {"__module__": module})
 
 
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="omnitron_restricted_pickle")
+def _restricted_load(file, **kwargs):
+    """``pickle.load`` through :class:`_Unpickler`: torch reads a legacy (non-zip) file's header
+    records with ``pickle_module.load``, so this must be as restricted as the Unpickler itself."""
+    return _Unpickler(file, **kwargs).load()
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=_restricted_load, __name__="omnitron_restricted_pickle")
 
 
 def load_file(path: str) -> dict:

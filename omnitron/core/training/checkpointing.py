@@ -50,7 +50,7 @@ def layout_dict(settings) -> dict:
 def check_resume(settings) -> None:
     """Before any process group: the checkpoint under --load (if any) fits this run's model (a
     different parallel layout is resharded on load)."""
-    path = find_latest(settings.checkpoint.load)
+    path = find_latest(settings.checkpoint.load, quiet=True)  # the workers' rank 0 says which it loads
     if path is None:
         if settings.checkpoint.finetune:
             raise CheckpointError(f"--finetune: no checkpoint under --load {settings.checkpoint.load}")
@@ -127,14 +127,14 @@ def load(c) -> bool:
     ck = c.settings.checkpoint
     if not ck.load:
         return False
-    path = find_latest(ck.load)
+    path = find_latest(ck.load, quiet=c.groups.rank != 0)
     if path is None:
         if c.groups.rank == 0:
             log.info("--load %s holds no checkpoint yet: starting from scratch", ck.load)
         return False
     meta = read_metadata(path)
     changes = check_compatible(meta, model_dict(c.model), layout_dict(c.settings), path, reshard=True)
-    shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank)
+    shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
     for m, sd in zip(c.modules, shard["model"]):
         m.load_state_dict(sd)
     if ck.finetune or shard["optimizer"].get("weights_only"):

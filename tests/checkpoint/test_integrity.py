@@ -1,0 +1,194 @@
+"""Checkpoint integrity: per-shard checksums, crash-safe re-saves, a lost ``latest``, corrupt metadata,
+and no code run by a pickled Megatron file."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+
+from omnitron.core.checkpoint import CheckpointError, find_latest, load_checkpoint, read_metadata
+from omnitron.core.checkpoint import integrity
+from omnitron.core.checkpoint.io import list_checkpoints, save_checkpoint, write_checkpoint
+
+
+def _shard(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g, dtype=torch.float64), "step": seed}
+
+
+def _save(d, it, seed, world_size=1):
+    meta = {"model": {"hidden_size": 8}, "layout": {"tensor_model_parallel_size": 1}, "consumed_samples": it}
+    if world_size == 1:
+        return save_checkpoint(str(d), it, _shard(seed), meta, rank=0, world_size=1, barrier=lambda: None)
+    return write_checkpoint(str(d), it, ((r, _shard(seed + r)) for r in range(world_size)), meta,
+                            world_size=world_size)
+
+
+def _one_line(err) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_checksums_recorded_and_a_flipped_byte_is_named(tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    path = _save(tmp_path, 7, seed, world_size=2)
+    meta = read_metadata(path)
+    for name in ("rank_00000.pt", "rank_00001.pt"):  # the recorded digest is the file's, computed independently
+        assert meta["checksums"][name] == "sha256:" + hashlib.sha256(open(os.path.join(path, name), "rb").read()
+                                                                     ).hexdigest()
+    assert not any(n.endswith(".sha256") for n in os.listdir(path))  # folded into metadata.json
+    assert torch.equal(load_checkpoint(path, 1)[1]["w"], _shard(seed + 1)["w"])
+    victim = os.path.join(path, "rank_00001.pt")
+    data = bytearray(open(victim, "rb").read())
+    pos = int.from_bytes(os.urandom(4), "little") % len(data)
+    data[pos] ^= 1 << (pos % 8)  # one bit anywhere in the file
+    open(victim, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, 1)
+    assert "rank_00001.pt is corrupt" in _one_line(err) and "earlier iteration" in str(err.value)
+    load_checkpoint(path, 0)  # the other shard still verifies
+
+
+def test_resave_has_no_window_without_a_complete_latest(tmp_path, monkeypatch):
+    """Every rename and replace of a re-save is watched: before and after each one, ``latest``
+    resolves to a complete checkpoint whose shard verifies and is the old or the new one."""
+    _save(tmp_path, 20, 1)
+    old, new = _shard(1)["w"], _shard(2)["w"]
+    seen = []
+
+    def check():
+        shard = load_checkpoint(find_latest(str(tmp_path)), 0)[1]["w"]
+        seen.append("old" if torch.equal(shard, old) else "new" if torch.equal(shard, new) else "other")
+
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+
+        def watched(a, b, _real=real):
+            check()
+            _real(a, b)
+            check()
+        monkeypatch.setattr(os, name, watched)
+    _save(tmp_path, 20, 2)
+    monkeypatch.undo()
+    assert "other" not in seen and seen[0] == "old" and seen[-1] == "new", seen
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000020", "latest"]
+
+
+def test_death_between_the_renames_loads_and_is_repaired(tmp_path, monkeypatch):
+    _save(tmp_path, 20, 1)
+    real = os.rename
+
+    class Killed(BaseException):
+        pass
+
+    def dies_on_second(a, b):
+        if a.endswith(".tmp"):
+            raise Killed  # the process dies after moving the old directory aside
+        real(a, b)
+    monkeypatch.setattr(os, "rename", dies_on_second)
+    with pytest.raises(Killed):
+        _save(tmp_path, 20, 2)
+    monkeypatch.undo()
+    assert not os.path.exists(tmp_path / "iter_0000020")
+    path = find_latest(str(tmp_path))  # the new, complete copy (still named .tmp)
+    assert torch.equal(load_checkpoint(path, 0)[1]["w"], _shard(2)["w"])
+    assert list_checkpoints(str(tmp_path)) == [20]
+    _save(tmp_path, 30, 3)  # the next save finishes the interrupted swap first
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000020", "iter_0000030", "latest"]
+    assert torch.equal(load_checkpoint(str(tmp_path / "iter_0000020"), 0)[1]["w"], _shard(2)["w"])
+
+
+def test_lost_latest_falls_back_to_the_newest_complete(tmp_path, caplog):
+    for it in (10, 20):
+        _save(tmp_path, it, it)
+    os.makedirs(tmp_path / "iter_0000030")  # committed name, but its metadata is gone
+    torch.save(_shard(30), tmp_path / "iter_0000030" / "rank_00000.pt")
+    os.remove(tmp_path / "latest")
+    with caplog.at_level(logging.WARNING, logger="omnitron.checkpoint"):
+        path = find_latest(str(tmp_path))
+    assert path.endswith("iter_0000020") and load_checkpoint(path, 0)[0]["iteration"] == 20
+    assert "no 'latest' pointer; loading the newest complete checkpoint, iter_0000020" in caplog.text
+    assert "skipping iter_0000030" in caplog.text
+    for it in (10, 20):
+        os.remove(tmp_path / f"iter_{it:07d}" / "metadata.json")
+    with pytest.raises(CheckpointError) as err:
+        find_latest(str(tmp_path))
+    assert "no 'latest' pointer and no complete checkpoint" in _one_line(err) and "metadata.json" in str(err.value)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\x00\x9f{garbage", "metadata.json is not valid JSON"),
+    (b"[1, 2]", "metadata.json lacks everything"),
+    (json.dumps({"iteration": 3, "format_version": 1}).encode(), "metadata.json lacks world_size, shards, model"),
+])
+def test_garbage_metadata_is_one_line(tmp_path, content, message):
+    path = _save(tmp_path, 3, 3)
+    open(os.path.join(path, "metadata.json"), "wb").write(content)
+    with pytest.raises(CheckpointError) as err:
+        read_metadata(path)
+    assert message in _one_line(err) and path in str(err.value)
+
+
+def test_bad_latest_and_missing_shard(tmp_path):
+    path = _save(tmp_path, 4, 4, world_size=2)
+    os.remove(os.path.join(path, "rank_00001.pt"))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, 1)
+    assert "shard rank_00001.pt is missing" in _one_line(err)
+    (tmp_path / "latest").write_bytes(b"\xff\xfe../../etc")
+    with pytest.raises(CheckpointError) as err:
+        find_latest(str(tmp_path))
+    assert "not an iter_NNNNNNN directory name" in _one_line(err)
+
+
+def test_digest_sidecar_missing_is_refused(tmp_path):
+    d = tmp_path / "x"
+    d.mkdir()
+    (d / "rank_00000.pt").write_bytes(os.urandom(100))
+    with pytest.raises(integrity.IntegrityError, match="left no sha256 digest"):
+        integrity.collect_digests(str(d), ["rank_00000.pt"])
+
+
+class _Payload:
+    """Unpickling this tries to create the file named (what a malicious checkpoint would do)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_raw_pickle_megatron_import_runs_no_code(tmp_path):
+    from omnitron.core.checkpoint.megatron import MegatronConversionError, import_megatron
+    from omnitron.core.checkpoint.reshard import Layout
+
+    marker = tmp_path / "pwned"
+    src = tmp_path / "megatron"
+    (src / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (src / "latest_checkpointed_iteration.txt").write_text("1")
+    (src / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(MegatronConversionError) as err:
+        import_megatron(str(src), str(tmp_path / "out"), Layout())
+    assert not marker.exists()
+    assert "model_optim_rng.pt: not a readable torch.save file" in _one_line(err)
+
+
+def test_legacy_torch_format_reads_through_the_restricted_unpickler(tmp_path):
+    """A pre-zip ``torch.save`` file still imports (its header records go through the restricted loader)."""
+    import argparse
+
+    from omnitron.core.checkpoint.megatron import Opaque, load_file
+
+    w = torch.randn(5, 3)
+    ckpt = {"args": argparse.Namespace(tp=1, odd=_Payload(str(tmp_path / "pwned"))), "model": {"w": w}}
+    torch.save(ckpt, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    got = load_file(str(tmp_path / "legacy.pt"))
+    assert torch.equal(got["model"]["w"], w) and got["args"].tp == 1
+    assert isinstance(got["args"].odd, Opaque) and not (tmp_path / "pwned").exists()
