@@ -157,3 +157,48 @@ def test_generate_command_t5_and_llava_caption(tmp_path):
     assert rc == 0 and out == f"--- 0 ---\n{text}\n--- true caption ---\n{truth}\n"
     rc, _, err = _cli("generate", "--load", str(tmp_path / "mm"), "--prompt", "a")
     assert rc == 2 and "pass --image-index N or --image FILE.npy" in err
+
+
+def test_server_survives_slow_loris_oversized_and_20_concurrent_clients(gpt_ckpt):
+    """A client that sends half a request and stalls, and one announcing a 10 MB body, block nobody:
+    20 concurrent clients all get the library's answer; the stalled one gets 408 and is closed
+    after the socket timeout; the oversized one gets 413 at once (the body is never read)."""
+    import socket
+    import time
+
+    _, path = gpt_ckpt
+    loaded = load_for_inference(path, get_backend("cpu"))
+    server = make_server(loaded, port=0, quiet=True, timeout_s=3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_port
+    loris = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        loris.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompts\"")  # then silence
+        started = time.monotonic()
+        big = socket.create_connection(("127.0.0.1", port), timeout=30)
+        big.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n")
+        head = big.recv(4096).decode()
+        big.close()
+        assert head.startswith("HTTP/1.0 413") and "at most 1048576 per request" in head, head
+        bodies = [{"prompts": [f"{i} {i + 1}"], "tokens_to_generate": 3, "random_seed": i} for i in range(20)]
+        results = [None] * 20
+
+        def client(i):
+            results[i] = _put(port, bodies[i])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, body in enumerate(bodies):
+            want = complete(loaded, body["prompts"], 3, params=SamplingParams(seed=i))
+            assert results[i] == (200, want), (i, results[i])
+        reply = loris.recv(4096).decode()  # the server gives up on the stalled body after its timeout
+        waited = time.monotonic() - started
+        assert reply.startswith("HTTP/1.0 408") and "did not arrive within 3 s" in reply, reply
+        assert 2.5 < waited < 60, waited  # the 3 s per-read timeout, plus the 20 requests' compute under contention
+    finally:
+        loris.close()
+        server.shutdown()
+        server.server_close()

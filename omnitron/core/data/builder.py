@@ -44,15 +44,24 @@ def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, in
 
 
 def check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer, cache_dir: str, allow_build: bool) -> None:
-    """Fail early when the data holds ids the tokenizer (hence the model) cannot embed."""
-    desc = {"class": "max_token", "prefix": os.path.abspath(indexed.prefix),
-            "fingerprint": cache.file_fingerprint(indexed.prefix)}
-    build = (lambda: {"max_token": np.array([indexed.max_token()], np.int64)}) if allow_build else None
-    top = int(cache.load_or_build(os.path.join(cache_dir, "indices"), desc, ("max_token",), build)["max_token"][0])
+    """Fail early when the data holds ids the tokenizer (hence the model) cannot embed, or negative ones.
+
+    The full scan is cached under the ``.bin``'s identity (size, inode, modification and change
+    times: a replaced file, even one of the same size, is scanned again), and every later read
+    checks its own ids against the vocabulary as well (:meth:`IndexedDataset.get`)."""
+    desc = {"class": "token_range", "prefix": os.path.abspath(indexed.prefix),
+            "fingerprint": cache.file_fingerprint(indexed.prefix), "bin": cache.file_identity(f"{indexed.prefix}.bin")}
+    build = (lambda: {"token_range": np.array(indexed.token_range(), np.int64)}) if allow_build else None
+    low, top = (int(x) for x in cache.load_or_build(os.path.join(cache_dir, "indices"), desc, ("token_range",),
+                                                    build)["token_range"])
+    if low < 0:
+        raise DataError(f"{indexed.prefix}.bin holds token id {low}: token ids are never negative, so the file is "
+                        "corrupt or not token data; re-run `omnitron preprocess`")
     if top >= tokenizer.vocab_size:
         raise DataError(f"{indexed.prefix} holds token id {top}, beyond the {tokenizer.name} vocabulary of "
                         f"{tokenizer.vocab_size}: it was preprocessed with another tokenizer; pass the matching "
                         "--tokenizer-type/--vocab-file/--tokenizer-model, or re-run `omnitron preprocess`")
+    indexed.vocab_size = tokenizer.vocab_size
 
 
 def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split: int, num_samples: int,

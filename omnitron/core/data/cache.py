@@ -32,6 +32,13 @@ def file_fingerprint(prefix: str) -> dict:
     return {"idx_bytes": size, "bin_bytes": os.path.getsize(bin_), "idx_sha256_head_tail": h.hexdigest()}
 
 
+def file_identity(path: str) -> dict:
+    """Size, inode and modification / change times of ``path``: any rewrite or replacement changes
+    one of them (the change time cannot be set back from user space), without reading the file."""
+    st = os.stat(path)
+    return {"bytes": st.st_size, "inode": st.st_ino, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
 def cache_key(description: dict) -> str:
     return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
 

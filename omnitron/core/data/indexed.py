@@ -14,7 +14,9 @@ Sequences are what the builder adds; a document is one or more consecutive seque
 
 The reader memory-maps both files, so random access to a sequence or a slice of one reads
 only those bytes; every size and offset is checked on open, so a truncated ``.bin`` or a
-foreign ``.idx`` fails here with the file named, not deep in training.
+foreign ``.idx`` fails here with the file named, not deep in training. dtype codes that cannot
+hold token ids (int8 / int16: negative ids; floats) are refused, and every read checks its ids
+are not negative and, once :attr:`IndexedDataset.vocab_size` is set, below it.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ VERSION = 1
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
                8: np.uint16}
 _HEADER = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
+# codes the format defines but that cannot hold token ids (Megatron writes uint16 or int32 tokens)
+NOT_TOKEN_CODES = {2: "int8", 3: "int16", 6: "float64", 7: "float32"}
 
 
 class IndexedDatasetError(ValueError):
@@ -38,7 +42,7 @@ class IndexedDatasetError(ValueError):
 def dtype_code(dtype) -> int:
     dt = np.dtype(dtype)
     for code, t in DTYPE_CODES.items():
-        if np.dtype(t) == dt:
+        if np.dtype(t) == dt and code not in NOT_TOKEN_CODES:
             return code
     raise IndexedDatasetError(f"dtype {dt} has no MMIDIDX code; use one of {[np.dtype(t).name for t in DTYPE_CODES.values()]}")
 
@@ -65,6 +69,7 @@ class IndexedDataset:
 
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = str(prefix)
+        self.vocab_size: int | None = None  # set by the vocabulary check: reads then refuse ids >= it
         idx_path, bin_path = index_file(self.prefix), data_file(self.prefix)
         for p in (idx_path, bin_path):
             if not os.path.isfile(p):
@@ -80,10 +85,11 @@ class IndexedDataset:
 
     def __getstate__(self) -> dict:
         # NOTE: re-open by prefix in the receiving process; pickling the memmaps would copy the files
-        return {"prefix": self.prefix}
+        return {"prefix": self.prefix, "vocab_size": self.vocab_size}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["prefix"])
+        self.vocab_size = state.get("vocab_size")
 
     def _read_index(self, path: str) -> None:
         size = os.path.getsize(path)
@@ -97,6 +103,10 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{path}: index version {version}, only version {VERSION} is supported")
         if code not in DTYPE_CODES:
             raise IndexedDatasetError(f"{path}: unknown dtype code {code}; valid codes are {sorted(DTYPE_CODES)}")
+        if code in NOT_TOKEN_CODES:
+            raise IndexedDatasetError(f"{path}: dtype code {code} ({NOT_TOKEN_CODES[code]}) cannot hold token ids "
+                                      f"(negative or fractional values); the file is corrupt or not token data: "
+                                      f"re-run `omnitron preprocess` (it writes uint16 or int32 ids)")
         expect = _HEADER + seqs * 4 + seqs * 8 + docs * 8
         if size != expect:
             raise IndexedDatasetError(f"{path}: {size} bytes but its header ({seqs} sequences, {docs} document "
@@ -111,6 +121,11 @@ class IndexedDataset:
             raise IndexedDatasetError(f"{path}: document boundaries must rise from 0 to the sequence count {seqs}")
         if seqs and (np.any(self.sequence_lengths < 0) or np.any(self.sequence_pointers < 0)):
             raise IndexedDatasetError(f"{path}: negative sequence length or pointer; the index is corrupt")
+        odd = np.flatnonzero(self.sequence_pointers % self.dtype.itemsize)
+        if len(odd):
+            raise IndexedDatasetError(f"{path}: sequence {odd[0]}'s pointer {self.sequence_pointers[odd[0]]} is not a "
+                                      f"multiple of the {self.dtype.itemsize}-byte {self.dtype} token size; the index "
+                                      f"is corrupt: re-run preprocessing")
 
     def _bin_bytes_needed(self) -> int:
         if not len(self.sequence_lengths):
@@ -137,7 +152,21 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > n:
             raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {idx} of length {n}")
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start) if length else np.zeros(0, self.dtype)
+        if not length:
+            return np.zeros(0, self.dtype)
+        out = np.frombuffer(self._bin, self.dtype, length, start)
+        if (self.dtype.kind == "i" and out.min() < 0) or (self.vocab_size is not None and out.max() >= self.vocab_size):
+            self._bad_ids(idx, out)
+        return out
+
+    def _bad_ids(self, idx: int, ids: np.ndarray) -> None:
+        doc = int(np.searchsorted(self.document_indices, idx, side="right")) - 1
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        limit = f"[0, {self.vocab_size})" if self.vocab_size is not None else "0 and up"
+        raise IndexedDatasetError(f"{data_file(self.prefix)}: document {doc} (sequence {idx}) holds token id {bad}, "
+                                  f"outside the tokenizer's range {limit}: the file is corrupt, changed since it was "
+                                  f"checked, or was preprocessed with another tokenizer; re-run `omnitron preprocess` "
+                                  f"with this run's tokenizer")
 
     def __getitem__(self, idx: int) -> np.ndarray:
         if not -len(self) <= idx < len(self):
@@ -150,13 +179,18 @@ class IndexedDataset:
         parts = [self.get(i) for i in range(lo, hi)]
         return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
-    def max_token(self, chunk_tokens: int = 1 << 24) -> int:
-        """Largest token id in the ``.bin`` (read in chunks; -1 when empty)."""
+    def token_range(self, chunk_tokens: int = 1 << 24) -> tuple[int, int]:
+        """(smallest, largest) token id in the ``.bin`` (read in chunks; (0, -1) when empty)."""
         data = self._bin[: self._bin_bytes_needed()].view(self.dtype)
-        best = -1
+        lo_id, hi_id = 0, -1
         for lo in range(0, len(data), chunk_tokens):
-            best = max(best, int(data[lo: lo + chunk_tokens].max()))
-        return best
+            part = data[lo: lo + chunk_tokens]
+            lo_id, hi_id = min(lo_id, int(part.min())), max(hi_id, int(part.max()))
+        return lo_id, hi_id
+
+    def max_token(self, chunk_tokens: int = 1 << 24) -> int:
+        """Largest token id in the ``.bin`` (-1 when empty)."""
+        return self.token_range(chunk_tokens)[1]
 
 
 class IndexedDatasetBuilder:

@@ -9,13 +9,16 @@ answers ``{"text": [...]}`` (plus ``"segments"`` and ``"logprobs"`` when ``logpr
 :func:`omnitron.core.inference.text.complete`). Defaults follow Megatron's server: temperature 1,
 no top-k / top-p filter (plain sampling), 64 tokens. ``image_index`` (multimodal checkpoints only):
 one synthetic validation image per prompt. A malformed request gets 400 with ``{"error": message}``
-naming the field; another path 404. Requests are served one at a time (one model, one KV cache).
+naming the field; another path 404. Connections are served on their own (daemon) threads, each with
+a socket timeout (a silent or trickling client gets 408 and is closed without blocking anyone); a
+body over the size limit is refused with 413 from its Content-Length, before it is read; model
+calls take one lock (one model, one KV cache), so requests are computed one at a time.
 """
 from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
@@ -23,6 +26,9 @@ from omnitron.core.inference.sampling import SamplingParams
 from omnitron.core.inference.text import complete, synthetic_image
 
 MAX_PROMPTS = 128
+MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON: far more prompt text than a model's context holds
+TIMEOUT_S = 30.0  # per socket read / write of one connection
+BACKLOG = 128  # pending connections the kernel queues (http.server's default is 5)
 FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs", "random_seed", "image_index"}
 
 
@@ -80,10 +86,30 @@ def _images(index, count: int, loaded) -> torch.Tensor | None:
         raise BadRequest(f"image_index: {err}") from None
 
 
-def make_handler(loaded, lock: threading.Lock):
-    """The request handler class bound to one loaded model."""
+def _body_length(headers, limit: int) -> int:
+    """The request's Content-Length; BadRequest (400) when malformed, _TooLarge (413) over ``limit``."""
+    raw = headers.get("Content-Length")
+    try:
+        n = int(raw) if raw is not None else 0
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise BadRequest(f"Content-Length {raw!r} is not a byte count")
+    if n > limit:
+        raise _TooLarge(f"the body is {n} bytes; at most {limit} per request: send fewer or shorter prompts")
+    return n
+
+
+class _TooLarge(BadRequest):
+    """A body over the size limit (413, refused unread)."""
+
+
+def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES):
+    """The request handler class bound to one loaded model (``timeout_s``: per socket operation)."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = timeout_s  # StreamRequestHandler sets it on the connection's socket
+
         def _reply(self, code: int, payload: dict) -> None:
             data = json.dumps(payload).encode()
             self.send_response(code)
@@ -96,7 +122,7 @@ def make_handler(loaded, lock: threading.Lock):
             if self.path.rstrip("/") != "/api":
                 return self._reply(404, {"error": f"no endpoint {self.path}; PUT /api"})
             try:
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                raw = self.rfile.read(_body_length(self.headers, max_body_bytes))
                 try:
                     body = json.loads(raw or b"null")
                 except json.JSONDecodeError as err:
@@ -105,8 +131,14 @@ def make_handler(loaded, lock: threading.Lock):
                 prompts = kwargs.pop("prompts")
                 with lock:
                     result = complete(loaded, prompts, kwargs.pop("tokens_to_generate"), **kwargs)
+            except _TooLarge as err:
+                self.close_connection = True  # the unread body must not be parsed as the next request
+                return self._reply(413, {"error": str(err)})
             except (BadRequest, ValueError) as err:  # ValueError: the library's own input checks
                 return self._reply(400, {"error": str(err)})
+            except TimeoutError:  # the body stopped arriving: free this thread
+                self.close_connection = True
+                return self._reply(408, {"error": f"the request body did not arrive within {timeout_s:g} s"})
             return self._reply(200, result)
 
         def do_POST(self) -> None:  # noqa: N802
@@ -121,8 +153,16 @@ def make_handler(loaded, lock: threading.Lock):
     return Handler
 
 
-def make_server(loaded, host: str = "127.0.0.1", port: int = 5000, *, quiet: bool = False) -> HTTPServer:
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck connection never keeps the process alive
+    block_on_close = False  # server_close() does not wait for connection threads
+    request_queue_size = BACKLOG
+
+
+def make_server(loaded, host: str = "127.0.0.1", port: int = 5000, *, quiet: bool = False,
+                timeout_s: float = TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES) -> ThreadingHTTPServer:
     """An unstarted server (``serve_forever()`` to run; port 0 picks a free one: ``server.server_port``)."""
-    server = HTTPServer((host, port), make_handler(loaded, threading.Lock()))
+    server = _Server((host, port), make_handler(loaded, threading.Lock(), timeout_s=timeout_s,
+                                                max_body_bytes=max_body_bytes))
     server.quiet = quiet
     return server

@@ -209,11 +209,20 @@ def load_config_file(path: str) -> dict[str, Any]:
     with open(path) as f:
         text = f.read()
     if path.endswith(".json"):
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise ConfigError(f"--config {path}: not valid JSON ({err}); fix the file") from None
     else:
         import yaml
 
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:  # its str() spans several lines: keep the problem and where
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"--config {path}: not valid YAML{where} ({what}); fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
     return {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}

@@ -56,6 +56,10 @@ def check_resume(settings) -> None:
             raise CheckpointError(f"--finetune: no checkpoint under --load {settings.checkpoint.load}")
         return
     meta = read_metadata(path)
+    missing = [n for n in meta["shards"] if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+        raise CheckpointError(f"--load {path}: shard {missing[0]} is missing ({len(missing)} of {len(meta['shards'])}"
+                              f"); the checkpoint is incomplete: copy every rank_*.pt, or load an earlier iteration")
     model = model_dict(settings.model)
     model["vocab_size"] = meta["model"].get("vocab_size")  # comes from the tokenizer; checked again in the worker
     check_compatible(meta, model, layout_dict(settings), path, reshard=True)

@@ -31,6 +31,9 @@ def precheck(settings) -> None:
 
         check_backend(settings.fp8, backend)  # e.g. a backend without FP8 formats: one clear line
     _check_files(settings)
+    from omnitron.core.training.datacheck import check_tokenizer_and_data
+
+    check_tokenizer_and_data(settings)
     if settings.checkpoint.load:
         from omnitron.core.training.checkpointing import check_resume
 

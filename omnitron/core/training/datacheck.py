@@ -1,0 +1,35 @@
+"""Tokenizer and data checks the launcher runs before any worker starts.
+
+A tokenizer that cannot be built, or a ``--data-path`` dataset that is malformed or holds ids
+outside the tokenizer's vocabulary, is known before training: raised here as one ConfigError
+line from the launcher, instead of the same traceback from every rank (and an ``IndexError`` in
+the embedding a few steps later when nothing checked).
+"""
+from __future__ import annotations
+
+
+def check_tokenizer_and_data(settings) -> None:
+    """Build the run's tokenizer and check every ``--data-path`` dataset against it (the vocabulary
+    scan is cached: workers reuse it). Raises ConfigError naming the flag, the file and the fix."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.data import TokenizerError, build_tokenizer
+    from omnitron.core.data.builder import DataError, check_vocabulary
+    from omnitron.core.data.config import default_cache_dir, parse_data_path
+    from omnitron.core.data.indexed import IndexedDataset, IndexedDatasetError
+    from omnitron.core.models.multimodal import MultimodalConfig
+
+    d = settings.data
+    try:
+        tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                    tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
+                                    vocab_extra_ids=getattr(settings.model, "vocab_extra_ids", 0))
+    except TokenizerError as err:
+        raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {err}") from None
+    if d.mock_data or isinstance(settings.model, MultimodalConfig):  # synthetic samples: no files to check
+        return
+    cache_dir = d.data_cache_path or default_cache_dir()
+    for _, prefix in parse_data_path(d.data_path):
+        try:
+            check_vocabulary(IndexedDataset(prefix), tokenizer, cache_dir, allow_build=True)
+        except (DataError, IndexedDatasetError) as err:
+            raise ConfigError(f"--data-path {prefix}: {err}") from None
