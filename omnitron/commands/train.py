@@ -34,4 +34,8 @@ def main_from_dict(given: dict) -> int:
     except (ConfigError, CheckpointError) as err:
         print(f"omnitron train: error: {err}", file=sys.stderr)
         return 2
-    return launch(settings)
+    try:
+        return launch(settings)
+    except CheckpointError as err:  # one process: a corrupt shard found while loading, in this process
+        print(f"omnitron train: error: {err}", file=sys.stderr)
+        return 2

@@ -192,3 +192,44 @@ def test_legacy_torch_format_reads_through_the_restricted_unpickler(tmp_path):
     got = load_file(str(tmp_path / "legacy.pt"))
     assert torch.equal(got["model"]["w"], w) and got["args"].tp == 1
     assert isinstance(got["args"].odd, Opaque) and not (tmp_path / "pwned").exists()
+
+
+def test_train_load_errors_are_one_line(tmp_path, capsys):
+    """``omnitron train --load``: a flipped byte, garbage metadata.json and a missing shard each end the
+    run with one line naming the file and exit code 2 (the first two before any worker starts)."""
+    import shutil
+
+    from omnitron.cli import main
+
+    def train(*extra):
+        capsys.readouterr()
+        rc = main(["train", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+                   "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type",
+                   "NullTokenizer", "--vocab-size", "100", "--num-workers", "0", "--micro-batch-size", "2",
+                   "--global-batch-size", "4", "--no-tensorboard", "--data-cache-path", str(tmp_path / "cache"),
+                   *extra])
+        err = capsys.readouterr().err.strip()
+        return rc, err
+
+    save = str(tmp_path / "ck")
+    assert train("--train-iters", "1", "--save", save)[0] == 0
+    it = os.path.join(save, "iter_0000001")
+    for name, damage, words in (("rank_00000.pt", "flip", "rank_00000.pt is corrupt: its sha256"),
+                                ("metadata.json", b"{\"iteration\": 1,", "metadata.json is not valid JSON"),
+                                ("rank_00000.pt", None, "shard rank_00000.pt is missing")):
+        broken = str(tmp_path / "broken")
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(save, broken)
+        target = os.path.join(broken, "iter_0000001", name)
+        if damage == "flip":
+            data = bytearray(open(target, "rb").read())
+            data[len(data) // 2] ^= 0x10
+            open(target, "wb").write(bytes(data))
+        elif damage is None:
+            os.remove(target)
+        else:
+            open(target, "wb").write(damage)
+        rc, err = train("--train-iters", "2", "--load", broken)
+        assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith("omnitron train: error: ") and words in err and "iter_0000001" in err, err
+    assert train("--train-iters", "2", "--load", save)[0] == 0 and os.path.isdir(it)  # the intact copy resumes
