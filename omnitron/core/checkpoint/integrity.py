@@ -26,15 +26,15 @@ class IntegrityError(ValueError):
     """A file's bytes do not match the digest recorded for it, or its digest is missing."""
 
 
-def file_digest(path: str) -> str:
+def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
     """``"sha256:<hex>"`` of the file's bytes (read in 8 MiB chunks: bounded memory)."""
-    h = hashlib.new(ALGORITHM)
+    h = hashlib.new(algorithm)
     with open(path, "rb") as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
-    return f"{ALGORITHM}:{h.hexdigest()}"
+    return f"{algorithm}:{h.hexdigest()}"
 
 
 def write_digest(path: str) -> str:
@@ -63,11 +63,15 @@ def collect_digests(directory: str, names: list[str]) -> dict[str, str]:
 
 
 def verify(path: str, expected: str) -> None:
-    """Raise IntegrityError naming ``path`` when its bytes do not hash to ``expected``."""
-    got = file_digest(path)
-    if got != expected:
-        raise IntegrityError(f"{path} is corrupt: its {ALGORITHM} is {got.split(':')[-1][:16]}..., the checkpoint "
-                             f"metadata records {expected.split(':')[-1][:16]}...")
+    """Raise IntegrityError naming ``path`` when its bytes do not hash to ``expected`` (whose prefix
+    names the algorithm, so digests written with another one still verify)."""
+    algorithm, _, want = str(expected).partition(":")
+    if algorithm not in hashlib.algorithms_guaranteed or not want:
+        raise IntegrityError(f"{path}: the recorded checksum {str(expected)[:40]!r} is not ALGORITHM:HEX")
+    got = file_digest(path, algorithm).partition(":")[2]
+    if got != want:
+        raise IntegrityError(f"{path} is corrupt: its {algorithm} is {got[:16]}..., the checkpoint metadata "
+                             f"records {want[:16]}...")
 
 
 def _complete(path: str, marker: str) -> bool:
