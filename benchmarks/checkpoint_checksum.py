@@ -15,12 +15,9 @@ local disk; ``hash s`` is one :func:`integrity.file_digest` of the shard alone.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import torch
@@ -29,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from context_parallel import dump_json, print_table  # noqa: E402
-from reshard import MODEL  # noqa: E402
+from reshard import MODEL, run_checkpoint_bench  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -76,19 +73,7 @@ def bench_worker(root: str, rounds: int) -> dict:
 
 
 def main() -> None:
-    from omnitron.testing.distributed import run_distributed
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    root = args.workdir or tempfile.mkdtemp(prefix="omnitron_checksum_")
-    try:
-        res = run_distributed(bench_worker, 1, root, args.rounds, threads=2, timeout_s=1200)[0]
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(root, ignore_errors=True)
+    args, res = run_checkpoint_bench(bench_worker, __doc__.splitlines()[0], 1, "omnitron_checksum_")
     t = {k: min(v) for k, v in res["times"].items()}
     rows = [{"what": what, "on": t[f"{what} on"], "off": t[f"{what} off"], "ratio": t[f"{what} on"] / t[f"{what} off"]}
             for what in ("save", "load")]

@@ -191,20 +191,26 @@ def summarize(res: dict) -> list[dict]:
     return out
 
 
-def main() -> None:
+def run_checkpoint_bench(worker, description: str, rounds: int, prefix: str):
+    """(parsed ``--rounds --workdir --json``, ``worker(root, rounds)``'s result from one spawned process
+    with 2 threads); ``root`` is ``--workdir`` or a temporary directory removed afterwards."""
     from omnitron.testing.distributed import run_distributed
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    root = args.workdir or tempfile.mkdtemp(prefix="omnitron_reshard_")
+    root = args.workdir or tempfile.mkdtemp(prefix=prefix)
     try:
-        res = run_distributed(bench_worker, 1, root, args.rounds, threads=2, timeout_s=1200)[0]
+        return args, run_distributed(worker, 1, root, args.rounds, threads=2, timeout_s=1200)[0]
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    args, res = run_checkpoint_bench(bench_worker, __doc__.splitlines()[0], 2, "omnitron_reshard_")
     rows = summarize(res)
     print(f"GPT-2 style, {res['params'] / 1e6:.1f}M parameters, fp32 + Adam; checkpoint on disk "
           f"{res['source_bytes'] / 2**20:.0f} MiB (tp2 x pp2); median of {args.rounds} interleaved rounds")
