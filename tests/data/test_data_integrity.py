@@ -67,6 +67,8 @@ def test_dtype_codes_that_cannot_hold_ids_are_refused(tmp_path, code, name):
     (tmp_path / "d.idx").write_bytes(bytes(idx))
     with pytest.raises(IndexedDatasetError, match=rf"d.idx: dtype code {code} \({name}\) cannot hold token ids"):
         IndexedDataset(str(tmp_path / "d"))
+    with pytest.raises(IndexedDatasetError, match="no MMIDIDX code for token ids"):  # nor does the writer make one
+        IndexedDatasetBuilder(str(tmp_path / "w.bin"), {2: np.int8, 3: np.int16, 6: np.float64, 7: np.float32}[code])
 
 
 def test_negative_ids_are_refused_naming_file_and_document(tmp_path):

@@ -180,8 +180,9 @@ def _newest_complete(load_dir: str, quiet: bool) -> str | None:
                         os.path.basename(path), f" (skipping {', '.join(newer)}: no {_META})" if newer else "")
         return path
     if dirs:
-        raise CheckpointError(f"--load {load_dir}: no 'latest' pointer and no complete checkpoint ({', '.join(dirs[-3:])} "
-                              f"{'has' if len(dirs) == 1 else 'have'} no {_META}); restore {_META} or 'latest', "
+        raise CheckpointError(f"--load {load_dir}: no 'latest' pointer and no complete checkpoint "
+                              f"({', '.join(dirs[-3:])} {'has' if len(dirs) == 1 else 'have'} no {_META}); restore "
+                              f"{_META} or 'latest', "
                               f"or move the iter_* directories away to start from scratch")
     return None
 

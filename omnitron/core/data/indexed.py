@@ -44,7 +44,8 @@ def dtype_code(dtype) -> int:
     for code, t in DTYPE_CODES.items():
         if np.dtype(t) == dt and code not in NOT_TOKEN_CODES:
             return code
-    raise IndexedDatasetError(f"dtype {dt} has no MMIDIDX code; use one of {[np.dtype(t).name for t in DTYPE_CODES.values()]}")
+    usable = [np.dtype(t).name for c, t in DTYPE_CODES.items() if c not in NOT_TOKEN_CODES]
+    raise IndexedDatasetError(f"dtype {dt} has no MMIDIDX code for token ids; use one of {usable}")
 
 
 def optimal_dtype(vocab_size: int | None):
