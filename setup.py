@@ -22,8 +22,8 @@ def _extensions():
     if not os.path.exists("csrc/bindings.cpp"):
         return [], {}
     # NOTE: -march=native by default: the extension is built on the machine that runs it (pip install -e),
-    # and the kernels are auto-vectorised loops, 2-30x slower built for baseline x86-64 (measured side by
-    # side with `omnitron bench kernels`: swiglu 11-17x, cross-entropy 8-31x, rms_norm fwd 18-30x).
+    # and the kernels are auto-vectorised loops: built for baseline x86-64, 17 of 21 op/dtype/mode rows of
+    # `omnitron bench kernels` ran over 2x slower side by side (1-31x: swiglu 11-17x, cross-entropy 8-31x).
     # The tests do not depend on it (parity runs on the references in float64; the kernels' conformance
     # bounds hold on any CPU). OMNITRON_MARCH=x86-64-v3 (or another -march value) builds for other machines.
     march = os.environ.get("OMNITRON_MARCH", "native")
