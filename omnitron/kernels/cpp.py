@@ -250,6 +250,8 @@ def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
     why = _check(logits)
     if why:
         return why
+    if logits.dtype == torch.float64:  # the kernels' statistics are float32; the reference's stay float64
+        return "float64 logits run on the reference (float64 loss and statistics)"
     if target.dtype.is_floating_point or target.device.type != "cpu":
         return f"target must be an integer CPU tensor (got {target.dtype} on {target.device.type})"
     if logits.dim() == 0 or tuple(target.shape) != tuple(logits.shape[:-1]):

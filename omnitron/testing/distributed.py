@@ -16,6 +16,11 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+REFERENCE_KERNELS = {"OMNITRON_KERNELS": "reference"}
+"""``env`` for :func:`run_distributed`: every fused op on its plain-PyTorch reference, so a float64
+layout-parity run is a statement about the parallel maths alone (no CPU-specific rounding)."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -23,11 +28,12 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str, backend: str,
-            threads: int) -> None:
+            threads: int, env: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMNITRON_BACKEND=backend)
     result: dict[str, Any]
@@ -53,16 +59,18 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
 
 
 def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = None, threads: int = 1,
-                    timeout_s: float = 300.0) -> list[Any]:
+                    timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` processes with the default process group initialised.
 
-    ``fn`` must be importable (module level). Returns the per-rank results, ordered by rank.
+    ``fn`` must be importable (module level). ``env`` is set in each worker before anything is
+    imported there (e.g. ``REFERENCE_KERNELS``). Returns the per-rank results, ordered by rank.
     """
     backend = backend or os.environ.get("OMNITRON_BACKEND", "cpu")
     port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir, backend, threads))
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, port, fn, args, outdir, backend, threads, dict(env or {})))
                  for r in range(world_size)]
         for p in procs:
             p.start()

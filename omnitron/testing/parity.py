@@ -3,13 +3,31 @@
 :func:`relative_error` is the norm-wise error every parity test reports;
 :func:`tp_sp_parity` runs one forward + backward per configuration on a tensor-parallel group
 (without and with sequence parallelism) and on one process, and returns the errors of every
-compared tensor; :func:`assert_parity` checks every rank's result against a tolerance.
+compared tensor; :func:`assert_parity` checks every rank's result against a tolerance;
+:func:`reference_kernels` puts this process on the reference kernels for a block.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    """In this process, every fused op on its reference while the block runs (the one-process side of a
+    float64 parity test whose workers run with ``distributed.REFERENCE_KERNELS``)."""
+    from omnitron.backends import get_backend
+    from omnitron.kernels.registry import REFERENCE, KernelTable
+
+    be = get_backend()
+    saved = be.kernels
+    be._kernel_table = KernelTable(be.name, (REFERENCE,))
+    try:
+        yield
+    finally:
+        be._kernel_table = saved
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -155,24 +155,44 @@ def _tp_bundle(tp: int, steps: int) -> dict:
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
 
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     groups = {"tp1": ParallelGroups.single(),
               "tp2": ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), get_backend().collectives),
               "tp2_sp": ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=True),
                                              get_backend().collectives)}
+    if dist.get_rank() != 0:
+        del groups["tp1"]  # the one-process run has no collectives: rank 0's copy is the one compared
     return {(recipe, k): _train(recipe, steps, g) for recipe in RECIPES for k, g in groups.items()}
+
+
+# Bounds for FP8 at tp=2 against tp=1 (12 steps; 2 layers x 4 FP8 GEMMs = 8 forward, 24 with both backward
+# GEMMs; contraction length k <= 512; 8 x 64 = 512 tokens a step). FP8 steps: e4m3 (forward) 2^-3 relative,
+# e5m2 (gradients, hybrid) 2^-2; u32 = 2^-24.
+# * Per-tensor recipes (delayed, tensorwise): the amaxes are reduced over tp, so both layouts quantize with
+#   the same scales; they differ only where fp32 reassociation (a tp split of a k-term sum, ~sqrt(k) u32 =
+#   d = 1.4e-6 relative) moves a value across an FP8 rounding midpoint. That happens to a fraction <= 2d/s of
+#   the elements, each moving by one step s: a relative change <= (2d/s) x s = 2d per GEMM whatever the
+#   format. Summed over the 24 GEMMs of a step and compounded linearly over 12 steps: 24 x 12 x 2d = 8e-4.
+# * Block-wise: the tp shard's 64-wide tiles are not the full tensor's 128-wide ones, so the two layouts
+#   quantize with different scales and their FP8 rounding errors are independent: rms s/sqrt(12) = 3.6% per
+#   element (e4m3). A GEMM output's relative error is the same (signed terms add as sqrt(k) in signal and
+#   error alike); the mean loss averages 512 independent tokens and 8 forward GEMMs add in quadrature:
+#   sqrt(2) x 0.036 x sqrt(8 / 512) = 6.4e-3 per step, compounded as a random walk over 12 steps: 2.2e-2.
+# (That the amaxes are shared at all is tests/fp8/test_distributed.py's direct check.)
+FP8_TP_TOL = {"delayed": 8e-4, "tensorwise": 8e-4, "blockwise": 2.2e-2}
 
 
 def test_fp8_tp2_matches_tp1():
     """Same FP8 training (fp32 elsewhere) at tp=2, with and without sequence parallelism, and at tp=1:
-    per-step losses of 12 AdamW steps agree (the shared amaxes give identical per-tensor scales)."""
-    res = run_distributed(_tp_bundle, 2, 2, 12)[0]
+    per-step losses of 12 AdamW steps agree within the bounds derived above (FP8_TP_TOL)."""
+    # the emulated GEMM path (same float8 codes, fp32 accumulation; the analysis above is unchanged): torch
+    # 2.13's CPU torch._scaled_mm takes ~1.3 s for one 512x128x512 GEMM, which made this test run > 300 s
+    res = run_distributed(_tp_bundle, 2, 2, 12, env={"OMNITRON_FP8_PATH": "emulated"})[0]
     for recipe in RECIPES:
         ref = res[(recipe, "tp1")]
         assert ref[0] - ref[-1] > 0.5, (recipe, ref)
         for k in ("tp2", "tp2_sp"):
             worst = max(abs(a - b) / b for a, b in zip(res[(recipe, k)], ref))
-            # per-tensor recipes share whole-tensor scales over tp (measured ~3e-5); block-wise tiles of a
-            # 64-wide shard differ from the full tensor's 128-wide tiles (measured ~4e-4): bf16 tolerance
-            tol = 4e-3 if recipe == "blockwise" else 2e-4
-            assert worst < tol, f"{recipe} {k}: per-step loss differs from tp=1 by {worst:.2e}"
+            assert worst < FP8_TP_TOL[recipe], f"{recipe} {k}: per-step loss differs from tp=1 by {worst:.2e}"

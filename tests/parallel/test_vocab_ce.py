@@ -45,7 +45,7 @@ def _one(groups, tp, vocab, width, dtype, ls, offset):
                            label_smoothing=ls).view(s, b)
     want.backward(dloss.t().double())
     g_want = F.pad(x64.grad, (0, tp * width - vocab))[..., r * width:(r + 1) * width]
-    assert loss.dtype == torch.float32 and mine.grad.dtype == dtype
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and mine.grad.dtype == dtype
     real = max(0, min(width, vocab - r * width))
     pad_grad = float(mine.grad[..., real:].abs().max()) if real < width else 0.0
     return (float((loss.double() - want).abs().max()), float((mine.grad.double() - g_want).abs().max()), pad_grad)

@@ -20,7 +20,7 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor | None:
 def _coalesced_all_reduce(grads: list[torch.Tensor], group, collectives, average: bool) -> None:
     if not grads or group.handle is None:
         return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    flat = torch.cat([g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads])  # f64 stays f64
     collectives.all_reduce(flat, op=ReduceOp.SUM, group=group.handle)
     if average:
         flat /= group.size

@@ -18,30 +18,25 @@ from __future__ import annotations
 
 import torch
 
+from omnitron.kernels.reference.precision import compute_dtype
 from omnitron.kernels.registry import register
-
-
-def _acc(logits: torch.Tensor) -> torch.dtype:
-    """Compute dtype: float32 for 16/32-bit logits, float64 for float64 (the conformance suite's
-    float64 reference must really be float64)."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 @register("cross_entropy_shard_stats", "reference")
 def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, start: int, valid: int,
                               vocab: int) -> torch.Tensor:
-    """float32 ``[4, ...]``: per row over the ``valid`` real columns, (max, sum exp(x - max), the
+    """float32 (float64 for float64 logits) ``[4, ...]``: per row over the ``valid`` real columns, (max, sum exp(x - max), the
     target's logit or 0 when the target lives in another shard, sum of x)."""
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab):
         raise IndexError(f"cross-entropy targets must lie in [0, {vocab}); got [{int(target.min())}, {int(target.max())}]")
-    x = logits[..., :valid].to(_acc(logits))
+    x = logits[..., :valid].to(compute_dtype(logits))
     m = x.amax(-1) if valid else torch.full(x.shape[:-1], float("-inf"), device=x.device, dtype=x.dtype)
     m_ref = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     s = torch.exp(x - m_ref.unsqueeze(-1)).sum(-1)
     local = target - start
     inside = (local >= 0) & (local < valid)
     xt = x.gather(-1, local.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1) if valid else torch.zeros_like(m)
-    return torch.stack([m_ref, s, torch.where(inside, xt, 0.0), x.sum(-1)]).float()
+    return torch.stack([m_ref, s, torch.where(inside, xt, 0.0), x.sum(-1)])
 
 
 @register("cross_entropy_shard_grad", "reference")
@@ -49,7 +44,7 @@ def cross_entropy_shard_grad(dloss: torch.Tensor, logits: torch.Tensor, target: 
                              start: int, valid: int, vocab: int, label_smoothing: float = 0.0) -> torch.Tensor:
     """d loss / d logits for this shard, in ``logits.dtype``: ``dloss * (softmax - (1 - ls) onehot
     - ls / vocab)`` on real columns, 0 on padding columns. ``lse`` is the global log-sum-exp."""
-    x = logits.to(_acc(logits))
+    x = logits.to(compute_dtype(logits))
     p = torch.exp(x - lse.to(x.dtype).unsqueeze(-1)) - label_smoothing / vocab
     p[..., valid:] = 0.0
     local = target - start
@@ -92,7 +87,7 @@ def whole_vocab_cross_entropy(stats_fn, grad_fn):
         def backward(ctx, dloss):
             x2, t, lse = ctx.saved_tensors
             v = x2.shape[-1]
-            dx = grad_fn(dloss.reshape(-1).float().contiguous(), x2, t, lse, 0, v, v, ctx.label_smoothing)
+            dx = grad_fn(dloss.reshape(-1).to(lse.dtype).contiguous(), x2, t, lse, 0, v, v, ctx.label_smoothing)
             return dx.view(*dloss.shape, v), None, None
 
     return _WholeVocabCE.apply

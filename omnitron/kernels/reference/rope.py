@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from omnitron.kernels.reference.precision import compute_dtype
 from omnitron.kernels.registry import register
 
 
@@ -13,11 +14,12 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> tor
     ``t`` is ``[s, b, h, d]`` or ``[b, s, h, d]``; ``freqs`` holds one angle per rotated pair,
     shaped to broadcast against ``t[..., :r // 2]`` (``[s, 1, 1, r/2]`` or ``[1, s, 1, r/2]``).
     Non-interleaved pairs channel ``i`` with ``i + r/2``; interleaved pairs ``2i`` with ``2i+1``.
-    Channels past ``r`` pass through (partial rotary). Computed in float32, returned in ``t.dtype``.
+    Channels past ``r`` pass through (partial rotary). Computed in float32 (float64 for float64), returned in ``t.dtype``.
     """
     half = freqs.shape[-1]
-    rot, rest = t[..., : 2 * half].float(), t[..., 2 * half:]
-    cos, sin = freqs.float().cos(), freqs.float().sin()
+    cdt = compute_dtype(t)
+    rot, rest = t[..., : 2 * half].to(cdt), t[..., 2 * half:]
+    cos, sin = freqs.to(cdt).cos(), freqs.to(cdt).sin()
     if interleaved:
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

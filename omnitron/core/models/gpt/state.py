@@ -81,7 +81,7 @@ def allreduce_sequence_parallel_grads(model: torch.nn.Module, groups) -> None:
     grads = [g for g in (_grad_of(p) for p in sequence_parallel_parameters(model)) if g is not None]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    flat = torch.cat([g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads])  # f64 stays f64
     get_backend().collectives.all_reduce(flat, group=groups.tp.handle)
     offset = 0
     for g in grads:

@@ -29,7 +29,7 @@ class PipelineError(RuntimeError):
 
 def default_loss_fn(output: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of per-token losses, token count), honouring ``batch["loss_mask"]`` when present."""
-    loss = output.float()
+    loss = output.to(torch.promote_types(output.dtype, torch.float32))  # float64 stays float64
     mask = batch.get("loss_mask") if isinstance(batch, dict) else None
     if mask is None:
         return loss.sum(), torch.tensor(float(loss.numel()), device=loss.device)
