@@ -212,17 +212,22 @@ class Collectives:
             flight.RECORDER.record(kind, group, tuple(tensor.shape), tensor.dtype, f"peer={peer}", site)
         ops = [(k, t.contiguous() if k == "send" else t, peer) for k, t, peer in ops]
         wired = [(k, t, self._wire(t), peer) for k, t, peer in ops]
-
-        def post(batch):
-            return dist.batch_isend_irecv([dist.P2POp(dist.isend if k == "send" else dist.irecv, t, peer, group)
-                                           for k, t, peer in batch])
-
         if strict_enabled():
-            works = flight.strict_batch_p2p(wired, group, site, post)
-            where = flight.format_site(site)
-            return [_Handle(w, group=group, what=f"{k} to/from rank {p} posted at {where}")
-                    for w, (k, _, _, p) in zip(works, wired)]
-        return [_Handle(w) for w in post([(k, w, p) for k, _, w, p in wired])]
+            return flight.strict_batch_p2p(wired, group, site)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if k == "send" else dist.irecv, w, peer, group)
+                                        for k, _, w, peer in wired])
+        return [_Handle(w) for w in works]
+
+    def gather_object(self, obj, dst: int = 0, group=None) -> list | None:
+        """Gather one picklable ``obj`` per rank on world rank ``dst`` (``None`` elsewhere).
+
+        NOTE: the payload is unpickled on ``dst``: use only between ranks of one job, never for
+        data from outside it."""
+        self._enter("gather_object", torch.zeros(0), group, f"dst={dst}")
+        n = self.world_size(group)
+        parts = [None] * n if self.rank() == dst else None
+        dist.gather_object(obj, parts, dst=dst, group=group)
+        return parts
 
     def barrier(self, group=None) -> None:
         """Wait for every member of ``group`` (checked like any collective in strict mode)."""

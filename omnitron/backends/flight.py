@@ -209,41 +209,74 @@ def timed_wait(work, pending, group) -> None:
 
 
 # ---- NCCL-order point-to-point -----------------------------------------------------------------
-_PENDING: dict[int, tuple] = {}  # id(group) -> (group, [(work, description)]) of the last p2p batch
+HEADER_TAG, PAYLOAD_TAG = 1, 0
+"""Headers and payloads are two FIFO streams per peer (gloo matches by peer and tag, in posting order)."""
 
 
-def _wait_previous(group) -> None:
-    """NCCL order: the previous batch on this communicator completes before the next one starts."""
-    prev = _PENDING.pop(id(group), None)
-    if prev is None or prev[0] is not group:
-        return
-    for work, _ in prev[1]:
-        timed_wait(work, lambda: [d for _, d in prev[1]], group)
+class _StrictOp:
+    """One strict point-to-point op. A send posts header and payload at once; a receive posts its header,
+    and its payload only once the header matched (a payload of the wrong size would abort gloo's I/O
+    thread). Receives of one batch are completed in batch order; waiting twice is a no-op (gloo's works
+    may not be waited twice: a second ``wait`` on a finished receive waits for another message)."""
 
+    def __init__(self, batch: list, kind, tensor, wire, peer, where, group) -> None:
+        self.batch, self.kind, self.tensor, self.wire, self.peer = batch, kind, tensor, wire, peer
+        self.where, self.group, self.done = where, group, False
+        self.desc = (f"{kind} {fingerprint(tensor.shape, tensor.dtype)} {'to' if kind == 'send' else 'from'} "
+                     f"rank {peer} posted at {where}")
+        if kind == "send":
+            head = _encode(f"{fingerprint(tensor.shape, tensor.dtype)}\t{where}", tensor.device)
+            self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, head, peer, group, HEADER_TAG),
+                                                 dist.P2POp(dist.isend, wire, peer, group, PAYLOAD_TAG)])
+            self.head, self.payload = None, self.works[1]
+        else:
+            self.head = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=tensor.device)
+            self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, self.head, peer, group, HEADER_TAG)])
+            self.payload = None
 
-def strict_batch_p2p(ops: list, group, site, post) -> list:
-    """Run ``ops`` = ``[(kind, tensor, wire_tensor, peer)]`` as one NCCL-ordered batch; returns the works.
-
-    ``post(list of (kind, tensor, peer))`` issues one ``batch_isend_irecv``. First the previous
-    batch on ``group`` is waited (bounded); then every send ships a header (its fingerprint and
-    call site) that the matching receive checks; then the payloads are posted.
-    """
-    _wait_previous(group)
-    where = format_site(site)
-    desc = [f"{k} {fingerprint(t.shape, t.dtype)} {'to' if k == 'send' else 'from'} rank {p} posted at {where}"
-            for k, t, _, p in ops]
-    heads = [(k, _encode(f"{fingerprint(t.shape, t.dtype)}\t{where}", t.device) if k == "send"
-              else torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=t.device), p) for k, t, _, p in ops]
-    for work in post(heads):
-        timed_wait(work, lambda: desc, group)
-    for (kind, t, _, peer), (_, head, _) in zip(ops, heads):
-        if kind != "recv":
-            continue
-        sent = _decode(head).split("\t")
-        if sent[0] != fingerprint(t.shape, t.dtype):
-            raise RuntimeError(f"strict p2p: rank {dist.get_rank()} receives {fingerprint(t.shape, t.dtype)} "
-                               f"from rank {peer} at {where}, but rank {peer} sends {sent[0]} at "
+    def _post_payload(self) -> None:
+        """Receive side: wait for the header, check it, then post the payload receive."""
+        if self.payload is not None:
+            return
+        timed_wait(self.works[0], lambda: [self.desc], self.group)
+        sent = _decode(self.head).split("\t")
+        want = fingerprint(self.tensor.shape, self.tensor.dtype)
+        if sent[0] != want:
+            raise RuntimeError(f"strict p2p: rank {dist.get_rank()} receives {want} from rank {self.peer} at "
+                               f"{self.where}, but rank {self.peer} sends {sent[0]} at "
                                f"{sent[1] if len(sent) > 1 else '?'}; sender and receiver must agree on the shape")
-    works = post([(k, w, p) for k, _, w, p in ops])
-    _PENDING[id(group)] = (group, list(zip(works, desc)))
-    return works
+        self.payload = dist.irecv(self.wire, src=self.peer, group=self.group, tag=PAYLOAD_TAG)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self.kind == "recv":
+            for op in self.batch[:self.batch.index(self) + 1]:  # payload receives posted in batch order
+                if op.kind == "recv":
+                    op._post_payload()
+        else:
+            timed_wait(self.works[0], lambda: [self.desc], self.group)
+        timed_wait(self.payload, lambda: [self.desc], self.group)
+        self.done = True
+
+
+_PENDING: dict[int, tuple] = {}  # id(group) -> (group, [_StrictOp]) of the last p2p batch
+
+
+def strict_batch_p2p(ops: list, group, site) -> list:
+    """Run ``ops`` = ``[(kind, tensor, wire_tensor, peer)]`` as one NCCL-ordered batch; returns one
+    :class:`_StrictOp` per op (``wait()`` it like a work).
+
+    The previous batch on ``group`` is waited first (bounded): NCCL runs a communicator's groups in
+    the order posted. Each op travels as a header (fingerprint and call site, checked by the receive)
+    and its payload.
+    """
+    prev = _PENDING.pop(id(group), None)
+    if prev is not None and prev[0] is group:
+        for op in prev[1]:
+            op.wait()
+    where, batch = format_site(site), []
+    for kind, t, wire, peer in ops:
+        batch.append(_StrictOp(batch, kind, t, wire, peer, where, group))
+    _PENDING[id(group)] = (group, batch)
+    return batch

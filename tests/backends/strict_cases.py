@@ -1,12 +1,29 @@
 """Worker functions for tests/backends/test_strict.py (module level so spawned ranks import them).
 
-Each plants one fault that gloo forgives and NCCL does not, and returns only if strict mode
-missed it (the test then fails on the returned value).
+Each plants one fault that gloo forgives and NCCL does not. :func:`caught` runs one on every rank
+and returns what this rank saw: the error text and the seconds from the planted call to the error
+(process start-up excluded), or the case's own result when strict mode missed the fault.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+
+def caught(name: str) -> dict:
+    """Run case ``name`` (after one barrier: the clock measures detection, not process start-up), then
+    close the process group: after a fault its pairs may be broken, so the harness's last barrier is skipped."""
+    fn = globals()[name]
+    _coll().barrier()
+    t0 = time.monotonic()
+    try:
+        out = {"result": fn(), "seconds": time.monotonic() - t0}
+    except Exception as err:  # noqa: BLE001 - the planted fault, reported to the test
+        out = {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - t0}
+    dist.destroy_process_group()
+    return out
 
 
 def _coll():

@@ -81,8 +81,9 @@ def run_experts(rows: torch.Tensor, counts: list[int], experts: list, etp) -> to
         perm = torch.argsort(torch.repeat_interleave(keys, per_rank.reshape(-1)), stable=True)
         rows = rows.index_select(0, perm)  # expert-major over every member's rows
         all_counts = per_rank.sum(dim=0).tolist()
-    outs = [expert_mlp(mlp, part) if part.shape[0] else part
-            for part, mlp in zip(torch.split(rows, all_counts, dim=0), experts)]
+    # NOTE: every expert runs, even on zero rows: under FP8 each expert GEMM MAX-reduces its amax over
+    # its amax groups, so skipping the empty ones would issue different collectives on different ranks
+    outs = [expert_mlp(mlp, part) for part, mlp in zip(torch.split(rows, all_counts, dim=0), experts)]
     y = torch.cat(outs, dim=0) if outs else rows
     if perm is not None:
         y = _ReduceScatterV.apply(y.index_select(0, torch.argsort(perm)), sizes, etp)  # own rows, summed
