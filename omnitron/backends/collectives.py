@@ -98,6 +98,11 @@ class Collectives:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    @staticmethod
+    def flight_recorder_size() -> int:
+        """How many calls the flight recorder keeps (``OMNITRON_FLIGHT_RECORDER_SIZE``)."""
+        return flight.RECORDER.entries.maxlen
+
     # ---- dtype gaps ---------------------------------------------------------------------
     def _is_fp8_gap(self, t: torch.Tensor) -> bool:
         return (not self.fp8_native) and t.dtype in FP8_DTYPES

@@ -216,7 +216,7 @@ HEADER_TAG, PAYLOAD_TAG = 1, 0
 class _StrictOp:
     """One strict point-to-point op. A send posts header and payload at once; a receive posts its header,
     and its payload only once the header matched (a payload of the wrong size would abort gloo's I/O
-    thread). Receives of one batch are completed in batch order; waiting twice is a no-op (gloo's works
+    thread). Waiting on any op of a batch first posts all its payload receives, in batch order; waiting twice is a no-op (gloo's works
     may not be waited twice: a second ``wait`` on a finished receive waits for another message)."""
 
     def __init__(self, batch: list, kind, tensor, wire, peer, where, group) -> None:
@@ -250,11 +250,10 @@ class _StrictOp:
     def wait(self) -> None:
         if self.done:
             return
-        if self.kind == "recv":
-            for op in self.batch[:self.batch.index(self) + 1]:  # payload receives posted in batch order
-                if op.kind == "recv":
-                    op._post_payload()
-        else:
+        for op in self.batch:  # the batch's payload receives, in batch order, before waiting on anything:
+            if op.kind == "recv":  # a peer's send in this same group may need them (a ring exchange)
+                op._post_payload()
+        if self.kind == "send":
             timed_wait(self.works[0], lambda: [self.desc], self.group)
         timed_wait(self.payload, lambda: [self.desc], self.group)
         self.done = True
