@@ -111,10 +111,13 @@ class Collectives:
     @staticmethod
     def _enter(op: str, tensor: torch.Tensor, group, extra: str = "", shape=None) -> None:
         """Record ``op`` in the flight recorder; in strict mode check the group agrees on it."""
+        strict = strict_enabled()
+        if not (strict or flight.RECORDER.on):
+            return
         site = flight.call_site()
         shape = tuple(tensor.shape) if shape is None else shape
         flight.RECORDER.record(op, group, shape, tensor.dtype, extra, site)
-        if strict_enabled() and dist.is_initialized():
+        if strict and dist.is_initialized():
             flight.check_collective(op, flight.fingerprint(shape, tensor.dtype, extra), group, site, tensor.device)
 
     # ---- reductions ---------------------------------------------------------------------
@@ -212,8 +215,8 @@ class Collectives:
         """
         if not ops:
             return []
-        site = flight.call_site()
-        for kind, tensor, peer in ops:
+        site = flight.call_site() if flight.RECORDER.on or strict_enabled() else None
+        for kind, tensor, peer in ops if flight.RECORDER.on else ():
             flight.RECORDER.record(kind, group, tuple(tensor.shape), tensor.dtype, f"peer={peer}", site)
         ops = [(k, t.contiguous() if k == "send" else t, peer) for k, t, peer in ops]
         wired = [(k, t, self._wire(t), peer) for k, t, peer in ops]

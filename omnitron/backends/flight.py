@@ -77,6 +77,8 @@ class FlightRecorder:
     def __init__(self, size: int) -> None:
         self.entries: collections.deque = collections.deque(maxlen=size)
         self.seq = 0
+        self.on = size > 0
+        """``OMNITRON_FLIGHT_RECORDER_SIZE=0`` turns recording off (the benchmark's baseline)."""
 
     def record(self, op: str, group, shape: tuple, dtype, extra: str, site) -> None:
         """Append one call; nothing is formatted here (this runs on every collective)."""

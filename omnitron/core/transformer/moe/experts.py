@@ -61,7 +61,10 @@ def expert_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     fc1, fc2, kernels = mlp.linear_fc1, mlp.linear_fc2, mlp.backend.kernels
     bias = fc1.bias if fc1.skip_bias_add else None  # the fused activation adds it
     y = fc1._gemm(x, fc1.weight, None if fc1.skip_bias_add else fc1.bias)  # [n, (2)f/etp]
-    y = kernels.swiglu(y, bias) if mlp.swiglu else kernels.bias_gelu(y, bias)
+    if y.shape[0] == 0:  # no tokens: nothing to activate (fused kernels take no empty input), but the GEMMs
+        y = y[:, : y.shape[1] // 2] if mlp.swiglu else y  # still run: under FP8 they join the amax reductions
+    else:
+        y = kernels.swiglu(y, bias) if mlp.swiglu else kernels.bias_gelu(y, bias)
     return fc2._gemm(y, fc2.weight, None)
 
 
