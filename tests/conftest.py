@@ -1,4 +1,5 @@
-"""Shared pytest options: ``--backend NAME`` selects the backend the conformance suite runs on."""
+"""Shared pytest options: ``--backend NAME`` selects the backend the conformance suite runs on; strict
+collective checking (``OMNITRON_STRICT_COLLECTIVES=1``) is on unless the environment says otherwise."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     name = config.getoption("--backend") or os.environ.get("OMNITRON_BACKEND") or "cpu"
     os.environ["OMNITRON_BACKEND"] = name
+    # DESIGN rule 7: the suite runs under NCCL's rules (fingerprinted collectives, in-order p2p)
+    os.environ.setdefault("OMNITRON_STRICT_COLLECTIVES", "1")
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ class Capabilities:
     fp8_recipes: tuple[str, ...] = ()
     """FP8 scaling recipes the backend's FP8 provider runs: ``delayed``, ``tensorwise``, ``blockwise``."""
     fp8_gemm: str | None = None
-    """How FP8 GEMMs execute: ``"transformer_engine"``, ``"scaled_mm"``, ``"emulated"`` or None."""
+    """How FP8 GEMMs execute: ``"scaled_mm"`` (a probe GEMM ran on the device), ``"emulated"`` or None."""
     fp8_collectives: bool = False
     """True when the process-group backend carries float8 tensors natively."""
     flash_attention: bool = False

@@ -2,7 +2,9 @@
 
 Every collective the engine issues goes through :class:`Collectives`, so a backend whose
 transport lacks a dtype (gloo has no float8; MCCL has) is handled in one place:
-reductions up-cast, data movement travels as a same-size ``uint8`` view.
+reductions up-cast, data movement travels as a same-size ``uint8`` view. Each call is also
+recorded in the flight recorder and, with ``OMNITRON_STRICT_COLLECTIVES=1``, checked against
+the other members of its group (``backends/flight.py``; :func:`flight_recorder_dump` reads it).
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from omnitron.backends import flight
+from omnitron.backends.flight import flight_recorder_dump, strict_enabled  # noqa: F401 - the public API
 
 ReduceOp = dist.ReduceOp
 # torch >= 2.13 renames the tensor-form collectives; both spellings do the same work
@@ -24,14 +29,19 @@ FP8_DTYPES = tuple(
 
 
 class _Handle:
-    """Async handle that finishes a dtype round-trip (view or cast back) after ``wait``."""
+    """Async handle that finishes a dtype round-trip (view or cast back) after ``wait``.
 
-    def __init__(self, work, finish=None) -> None:
-        self._work, self._finish = work, finish
+    In strict mode ``wait`` is bounded by the strict timeout (``flight.timed_wait``)."""
+
+    def __init__(self, work, finish=None, group=None, what: str = "") -> None:
+        self._work, self._finish, self._group, self._what = work, finish, group, what
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            if strict_enabled():
+                flight.timed_wait(self._work, lambda: [self._what], self._group)
+            else:
+                self._work.wait()
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -88,13 +98,32 @@ class Collectives:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    @staticmethod
+    def flight_recorder_size() -> int:
+        """How many calls the flight recorder keeps (``OMNITRON_FLIGHT_RECORDER_SIZE``)."""
+        return flight.RECORDER.entries.maxlen
+
     # ---- dtype gaps ---------------------------------------------------------------------
     def _is_fp8_gap(self, t: torch.Tensor) -> bool:
         return (not self.fp8_native) and t.dtype in FP8_DTYPES
 
+    # ---- the one entry point: record, and in strict mode check ---------------------------
+    @staticmethod
+    def _enter(op: str, tensor: torch.Tensor, group, extra: str = "", shape=None) -> None:
+        """Record ``op`` in the flight recorder; in strict mode check the group agrees on it."""
+        strict = strict_enabled()
+        if not (strict or flight.RECORDER.on):
+            return
+        site = flight.call_site()
+        shape = tuple(tensor.shape) if shape is None else shape
+        flight.RECORDER.record(op, group, shape, tensor.dtype, extra, site)
+        if strict and dist.is_initialized():
+            flight.check_collective(op, flight.fingerprint(shape, tensor.dtype, extra), group, site, tensor.device)
+
     # ---- reductions ---------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
         """In-place all-reduce of ``tensor`` over ``group``."""
+        self._enter("all_reduce", tensor, group, f"op={op}")
         if self._is_fp8_gap(tensor):
             wide = tensor.float()
             work = dist.all_reduce(wide, op=op, group=group, async_op=async_op)
@@ -104,6 +133,7 @@ class Collectives:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                        async_op: bool = False):
         """``output`` (1/n of ``input`` along dim 0) receives the reduced shard of this rank."""
+        self._enter("reduce_scatter", input, group, f"op={op}")
         if self._is_fp8_gap(input):
             wide_out, wide_in = output.float(), input.float()
             work = _reduce_scatter_tensor(wide_out, wide_in, op=op, group=group, async_op=async_op)
@@ -117,6 +147,7 @@ class Collectives:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
         """Concatenate every rank's ``input`` along dim 0 into ``output``."""
+        self._enter("all_gather", input, group)
         work = _all_gather_tensor(self._wire(output), self._wire(input.contiguous()), group=group,
                                            async_op=async_op)
         return self._done(work, None, async_op)
@@ -139,6 +170,7 @@ class Collectives:
         Equal shapes go straight through; otherwise every rank pads its flattened input to the
         largest size (gloo requires equal sizes) and each output takes its own prefix.
         """
+        self._enter("all_gather_list", input, group, f"outputs={[tuple(o.shape) for o in outputs]}", shape=("*",))
         if all(o.shape == input.shape for o in outputs):
             dist.all_gather([self._wire(o) for o in outputs], self._wire(input.contiguous()), group=group)
             return
@@ -152,34 +184,63 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
         """Broadcast from world rank ``src``."""
+        self._enter("broadcast", tensor, group, f"src={src}")
         return self._done(dist.broadcast(self._wire(tensor), src=src, group=group, async_op=async_op),
                           None, async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                    input_split_sizes=None, group=None, async_op: bool = False):
         """Exchange dim-0 splits of ``input`` with every rank of ``group``."""
+        self._enter("all_to_all", input, group, shape=("*",) + tuple(input.shape[1:]))  # splits differ per rank
         work = dist.all_to_all_single(self._wire(output), self._wire(input.contiguous()), output_split_sizes,
                                       input_split_sizes, group=group, async_op=async_op)
         return self._done(work, None, async_op)
 
     def send(self, tensor: torch.Tensor, dst: int, group=None) -> None:
-        dist.send(self._wire(tensor.contiguous()), dst=dst, group=group)
+        """Blocking send to world rank ``dst`` (a one-op batch: the same NCCL-order rules apply)."""
+        for h in self.batch_p2p([("send", tensor, dst)], group=group):
+            h.wait()
 
     def recv(self, tensor: torch.Tensor, src: int, group=None) -> None:
-        dist.recv(self._wire(tensor), src=src, group=group)
+        """Blocking receive from world rank ``src`` into ``tensor``."""
+        for h in self.batch_p2p([("recv", tensor, src)], group=group):
+            h.wait()
 
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], group=None) -> list:
-        """Issue ``("send"|"recv", tensor, peer_world_rank)`` operations together; returns handles to wait."""
+        """Issue ``("send"|"recv", tensor, peer_world_rank)`` operations as one group; returns handles to wait.
+
+        One call is one NCCL group: under NCCL (and here in strict mode) a rank's batches on one
+        communicator complete in the order posted, so a schedule must put each send in a batch
+        that its peer posts with the matching receive before any batch that waits on the peer.
+        """
         if not ops:
             return []
-        p2p = []
-        for kind, tensor, peer in ops:
-            fn = dist.isend if kind == "send" else dist.irecv
-            p2p.append(dist.P2POp(fn, self._wire(tensor), peer, group))
-        return [_Handle(w) for w in dist.batch_isend_irecv(p2p)]
+        site = flight.call_site() if flight.RECORDER.on or strict_enabled() else None
+        for kind, tensor, peer in ops if flight.RECORDER.on else ():
+            flight.RECORDER.record(kind, group, tuple(tensor.shape), tensor.dtype, f"peer={peer}", site)
+        ops = [(k, t.contiguous() if k == "send" else t, peer) for k, t, peer in ops]
+        wired = [(k, t, self._wire(t), peer) for k, t, peer in ops]
+        if strict_enabled():
+            return flight.strict_batch_p2p(wired, group, site)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if k == "send" else dist.irecv, w, peer, group)
+                                        for k, _, w, peer in wired])
+        return [_Handle(w) for w in works]
+
+    def gather_object(self, obj, dst: int = 0, group=None) -> list | None:
+        """Gather one picklable ``obj`` per rank on world rank ``dst`` (``None`` elsewhere).
+
+        NOTE: the payload is unpickled on ``dst``: use only between ranks of one job, never for
+        data from outside it."""
+        self._enter("gather_object", torch.zeros(0), group, f"dst={dst}")
+        n = self.world_size(group)
+        parts = [None] * n if self.rank() == dst else None
+        dist.gather_object(obj, parts, dst=dst, group=group)
+        return parts
 
     def barrier(self, group=None) -> None:
+        """Wait for every member of ``group`` (checked like any collective in strict mode)."""
         if dist.is_initialized():
+            self._enter("barrier", torch.zeros(0), group)
             dist.barrier(group=group)
 
     @staticmethod

@@ -1,8 +1,8 @@
 """FP8 provider: quantize (cast + scale + amax), per-tensor / row-wise / block-wise scaled GEMMs.
 
-Paths, best first, as the backend's capabilities allow: ``transformer_engine`` (reported when the
-package imports on a GPU backend), ``scaled_mm`` (``torch._scaled_mm`` / ``F.scaled_mm`` on the
-device), ``emulated`` (real float8 rounding by casting, float32 accumulation). The path taken is
+Paths, best first, as the backend's capabilities allow: ``scaled_mm`` (``torch._scaled_mm`` /
+``F.scaled_mm``, claimed only where a tiny one ran on the device: :func:`scaled_mm_runs`),
+``emulated`` (real float8 rounding by casting, float32 accumulation). The path taken is
 logged once per kind of GEMM, and again whenever a call has to leave it; there is no fall-back to
 a wider dtype: every path multiplies the same float8 values.
 
@@ -23,7 +23,8 @@ log = logging.getLogger("omnitron.fp8")
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-PATHS = ("transformer_engine", "scaled_mm", "emulated")
+PATHS = ("scaled_mm", "emulated")
+"""NOTE: no Transformer Engine path: omnitron has no binding to TE's GEMM and none is tested."""
 PATH_ENV = "OMNITRON_FP8_PATH"
 """Set to ``scaled_mm`` or ``emulated`` to force a path (benchmarks, path-parity tests)."""
 
@@ -122,11 +123,18 @@ def _native_scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: to
     return y[:, :n] if pn else y
 
 
-def _te_importable() -> bool:
+def scaled_mm_runs(device) -> bool:
+    """True when a tiny ``torch._scaled_mm`` (16x16 e4m3, unit scales) runs on ``device``: the FP8 GEMM
+    capability is this fact, not ``hasattr(torch, "_scaled_mm")`` (true on every recent torch)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        b = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.tensor(1.0, device=device)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return True
-    except Exception:  # noqa: BLE001 - any import failure means "not here"
+    except Exception:  # noqa: BLE001 - any failure means "not supported here"
         return False
 
 
@@ -156,11 +164,6 @@ class FP8Provider:
                 raise ValueError(f"{PATH_ENV}={forced!r}: use 'scaled_mm' or 'emulated'")
             return forced, f"forced by {PATH_ENV}"
         claimed = caps.fp8_gemm or "emulated"
-        if claimed == "transformer_engine" or (claimed == "scaled_mm" and self.backend.device_type != "cpu"
-                                                and _te_importable()):
-            # NOTE: omnitron has no binding to TE's GEMM yet; say so instead of pretending.
-            return "scaled_mm", ("transformer_engine is installed, but omnitron's TE GEMM binding is not "
-                                 "implemented; FP8 GEMMs use torch._scaled_mm on the same float8 data")
         if claimed == "scaled_mm":
             return "scaled_mm", "torch._scaled_mm runs on this device"
         return "emulated", "no scaled FP8 GEMM on this device: float8 rounding by casting, fp32 accumulation"

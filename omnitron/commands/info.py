@@ -32,5 +32,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {op:24s} {impl}")
     describe = getattr(backend.fp8, "describe", None)
     print(describe() if describe else f"fp8 gemm path: {backend.fp8.path}")
+    coll = backend.collectives
+    print(f"fp8 tensors in collectives: {'native float8' if coll.fp8_native else 'uint8 views, reductions in fp32'}")
+    from omnitron.backends.collectives import strict_enabled
+
+    print(f"strict collectives: {'on' if strict_enabled() else 'off'} (OMNITRON_STRICT_COLLECTIVES); "
+          f"flight recorder: last {coll.flight_recorder_size()} calls per rank")
     print("versions:", ", ".join(f"{k} {v}" for k, v in backend.versions().items()))
     return 0

@@ -2,7 +2,9 @@
 
 Used by the multi-process tests and the backend conformance suite. Each worker gets one
 thread (processes x threads must not exceed the cores), a fresh port, and the rank's
-exceptions are re-raised in the parent with the worker's traceback.
+exceptions are re-raised in the parent with the worker's traceback. Workers inherit
+``OMNITRON_STRICT_COLLECTIVES`` (tests/conftest.py turns it on for the whole suite), and every
+rank ends with a (checked) barrier so a rank that skipped a collective is named.
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
 
         be = get_backend(backend)
         be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180)
-        result = {"ok": True, "value": fn(*args)}
+        value = fn(*args)
+        be.collectives.barrier()  # checked in strict mode: a rank that skipped a collective fails here, named
+        result = {"ok": True, "value": value}
     except BaseException as err:  # noqa: BLE001 - report everything to the parent
         result = {"ok": False, "error": f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"}
     finally:
@@ -51,8 +55,6 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
         pickle.dump(result, f)
     try:
         if dist.is_initialized():
-            if result["ok"]:
-                dist.barrier()
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass

@@ -41,8 +41,6 @@ def tp_sp_parity(tp: int, configs: dict, step: Callable) -> dict:
     entry, ``step(cfg, groups)`` runs one forward + backward and returns ``{name: tensor}`` plus
     ``"grads"``: the full gradient state (``gather_full_state(..., grads=True)``). Returns
     ``{(config name, sp): {name: relative error, "grads": worst gradient error, "keys": same names}}``."""
-    import torch.distributed as dist
-
     from omnitron.backends import get_backend
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
@@ -58,7 +56,7 @@ def tp_sp_parity(tp: int, configs: dict, step: Callable) -> dict:
             err = {k: relative_error(got[k], want[k]) for k in want}
             err.update(grads=max(relative_error(gg[k], gw[k]) for k in gw), keys=gg.keys() == gw.keys())
             out[(name, sp)] = err
-    dist.barrier()
+    get_backend().collectives.barrier()
     return out
 
 

@@ -9,21 +9,23 @@ from omnitron.backends.cuda.peaks import peak_flops
 
 
 def test_hopper_has_fp8_and_the_datasheet_peaks():
-    caps = cuda_capabilities("NVIDIA H200", (9, 0), 141 * 2**30, True, te_available=False, scaled_mm=True)
+    caps = cuda_capabilities("NVIDIA H200", (9, 0), 141 * 2**30, True, scaled_mm=True)
     assert caps.arch == "sm_90" and caps.fp8_formats == ("e4m3", "e5m2") and caps.fp8_gemm == "scaled_mm"
     assert caps.peak("bf16") == 989e12 and caps.peak("fp8") == 1979e12
     assert caps.flash_attention and torch.bfloat16 in caps.dtypes
-    te = cuda_capabilities("NVIDIA H100 80GB HBM3", (9, 0), None, True, te_available=True, scaled_mm=True)
-    assert te.fp8_gemm == "transformer_engine" and te.peak(torch.bfloat16) == 989e12
+    h100 = cuda_capabilities("NVIDIA H100 80GB HBM3", (9, 0), None, True, scaled_mm=True)
+    assert h100.fp8_gemm == "scaled_mm" and h100.peak(torch.bfloat16) == 989e12
+    broken = cuda_capabilities("NVIDIA H100 80GB HBM3", (9, 0), None, True, scaled_mm=False)  # the probe GEMM failed
+    assert broken.fp8_gemm is None and not broken.fp8_recipes
 
 
 def test_ampere_and_older_claim_no_fp8():
-    a100 = cuda_capabilities("NVIDIA A100-SXM4-80GB", (8, 0), None, True, te_available=True, scaled_mm=True)
+    a100 = cuda_capabilities("NVIDIA A100-SXM4-80GB", (8, 0), None, True, scaled_mm=True)
     assert a100.arch == "sm_80" and not a100.fp8_formats and a100.fp8_gemm is None and not a100.fp8_recipes
     assert a100.peak("bf16") == 312e12 and a100.peak("fp8") is None
-    t4 = cuda_capabilities("Tesla T4", (7, 5), None, False, te_available=False, scaled_mm=True)
+    t4 = cuda_capabilities("Tesla T4", (7, 5), None, False, scaled_mm=True)
     assert torch.bfloat16 not in t4.dtypes and not t4.flash_attention and t4.peak("bf16") is None
-    ada = cuda_capabilities("NVIDIA L4", (8, 9), None, True, te_available=False, scaled_mm=True)
+    ada = cuda_capabilities("NVIDIA L4", (8, 9), None, True, scaled_mm=True)
     assert ada.fp8_gemm == "scaled_mm" and ada.peak("fp8") == 242e12
 
 

@@ -75,10 +75,12 @@ def test_arch_gating_on_the_double(cc, arch, bf16, fp8):
 
 
 def test_capabilities_facts():
-    s4000 = musa_capabilities("MTT S4000", (2, 2), 48 * 2**30, True, False, True, True)
+    s4000 = musa_capabilities("MTT S4000", (2, 2), 48 * 2**30, True, True, True)
     assert s4000.arch == "mp_22" and not s4000.fp8_formats and s4000.peak("bf16") == 100e12
-    s5000 = musa_capabilities("MTT S5000", (3, 1), 80 * 2**30, True, True, True, True)
-    assert s5000.fp8_gemm == "transformer_engine" and s5000.fp8_collectives
+    s5000 = musa_capabilities("MTT S5000", (3, 1), 80 * 2**30, True, True, True)
+    assert s5000.fp8_gemm == "scaled_mm" and s5000.fp8_collectives
+    no_gemm = musa_capabilities("MTT S5000", (3, 1), 80 * 2**30, True, False, True)  # the probe GEMM failed
+    assert no_gemm.fp8_gemm is None and not no_gemm.fp8_recipes
     assert s5000.peak("bf16") is None, "no datasheet figure in the table: None, not a guess"
 
 

@@ -132,13 +132,23 @@ def _optimizer(named, groups):
     return MixedPrecisionOptimizer(named, cfg, groups, backend=get_backend(), duplicates=dup)
 
 
-def gpt_reference(dp: int, extras: bool = False) -> dict:
+def _enable_fp8(model, groups, fp8: str | None) -> None:
+    """FP8 GEMMs (recipe ``fp8``, hybrid formats) for every linear but the output layer, experts included."""
+    if fp8 is not None:
+        from omnitron.core.precision.fp8 import FP8Config, enable_fp8
+
+        enable_fp8(model, FP8Config(fp8_recipe=fp8, fp8_format="hybrid", fp8_amax_history_len=4), groups,
+                   num_layers=2)
+
+
+def gpt_reference(dp: int, extras: bool = False, fp8: str | None = None) -> dict:
     """One process; each step runs the dp x M micro-batches in turn, each weighted 1 / (dp x M)."""
     from omnitron.core.models.gpt import GPTModel, gather_full_state
     from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
 
     groups = ParallelGroups.single()
     model = GPTModel(_gpt_config(extras), groups, seed=SEED)
+    _enable_fp8(model, groups, fp8)
     opt = _optimizer(list(model.named_parameters()), groups)
     set_aux_loss_scale([model], 1.0 / (dp * M))
     losses, norms, aux = [], [], []
@@ -169,7 +179,7 @@ def _gpt_step(chunk, batch, hidden):
                  labels=batch["labels"] if m.post_process else None)
 
 
-def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool) -> dict:
+def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool, fp8: str | None = None) -> dict:
     from omnitron.core.models.gpt import GPTModel, gather_full_state
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
     from omnitron.core.parallel.pipeline import forward_backward
@@ -181,6 +191,7 @@ def _gpt_run(coll, tp: int, pp: int, ep: int, sp: bool, etp: int, extras: bool) 
     n = 2 // pp
     model = GPTModel(_gpt_config(extras), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
                      layer_offset=groups.pp.rank * n if pp > 1 else 0, num_layers=n, seed=SEED)
+    _enable_fp8(model, groups, fp8)
     chunk = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=4000))
     opt = _optimizer(list(model.named_parameters()), groups)
     set_aux_loss_scale([model], 1.0 / M)  # the data-parallel wrapper averages over dp

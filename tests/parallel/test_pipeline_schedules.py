@@ -1,10 +1,12 @@
 """Pipeline schedules and layer placement as pure data: no processes."""
+import dataclasses
+
 import pytest
 
 from omnitron.core.config import ConfigError
 from omnitron.core.parallel.pipeline import (Action, ScheduleError, build_schedule, pipeline_layer_ranges, simulate,
                                              theory_bubble)
-from omnitron.core.parallel.pipeline.p2p import plan_messages
+from omnitron.core.parallel.pipeline.p2p import plan_exchanges
 from omnitron.core.parallel.pipeline.schedules import Schedule, schedule_1f1b, zb_stage_cost
 
 CASES = [("none", 1, 1, m) for m in (1, 3)] + [
@@ -86,14 +88,62 @@ def test_printable_forms_and_grid():
     assert [str(a) for a in s.tables[0][:4]] == ["0F0", "0F1", "0F2", "0F3"]
 
 
-def test_message_plan_is_symmetric():
-    for name, pp, vp, m in [("1f1b", 4, 1, 8), ("interleaved", 2, 2, 4), ("zb-h1", 3, 1, 5)]:
-        s = build_schedule(name, pp, vp, m)
-        plan = plan_messages(s)
-        total = sum(len(v) for v in plan.values())
-        assert total == 2 * m * (s.num_stages - 1)
-        for (src, dst), msgs in plan.items():
-            assert src != dst and all(s.place(k)[0] == dst for _, k, _ in msgs)
+def _nccl_order_run(batches: dict[int, list[list]]) -> None:
+    """Execute per-rank p2p batches under NCCL's rules, without processes: a rank's batches run one
+    after another; an op completes only while its counterpart is in the peer's current batch; a
+    batch ends when all its ops have. Raises AssertionError on deadlock (no progress)."""
+    pos = {r: 0 for r in batches}
+    done = {r: set() for r in batches}  # indices of completed ops of the current batch
+
+    def current(r):
+        return batches[r][pos[r]] if pos[r] < len(batches[r]) else []
+
+    while any(pos[r] < len(batches[r]) for r in batches):
+        progressed = False
+        for r in batches:
+            for i, (kind, peer, msg) in enumerate(current(r)):
+                want = ("recv" if kind == "send" else "send", r, msg)
+                if i not in done[r] and want in current(peer):
+                    done[r].add(i)
+                    done[peer].add(current(peer).index(want))
+                    progressed = True
+        for r in batches:
+            if pos[r] < len(batches[r]) and len(done[r]) == len(current(r)):
+                pos[r], done[r] = pos[r] + 1, set()
+                progressed = True
+        assert progressed, f"deadlock under NCCL order at batches {pos}: {[current(r) for r in batches]}"
+
+
+@pytest.mark.parametrize("name,pp,vp,m", CASES)
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_exchange_plan_completes_under_nccl_order(name, pp, vp, m, forward_only):
+    s = build_schedule(name, pp, vp, m)
+    if forward_only:
+        s = dataclasses.replace(s, tables={r: tuple(a for a in t if a.kind == "F") for r, t in s.tables.items()})
+    plan = plan_exchanges(s)
+    for r, table in s.tables.items():
+        assert len(plan[r]) == len(table) + 1
+        ops = [(i, op) for i, batch in enumerate(plan[r]) for op in batch]
+        for i, a in enumerate(table):  # every input arrives no later than the batch before its action
+            k = s.stage(r, a.chunk)
+            need = ("act", k, a.microbatch) if a.kind == "F" and k > 0 else (
+                ("grad", k, a.microbatch) if a.kind == "B" and k < s.num_stages - 1 else None)
+            if need is not None:
+                got = [j for j, (kind, _, msg) in ops if kind == "recv" and msg == need]
+                assert len(got) == 1 and got[0] <= i, (r, a, got)
+    sends = sorted((r, p, msg) for r in plan for b in plan[r] for kind, p, msg in b if kind == "send")
+    recvs = sorted((p, r, msg) for r in plan for b in plan[r] for kind, p, msg in b if kind == "recv")
+    assert sends == recvs and len(sends) == m * (s.num_stages - 1) * (1 if forward_only else 2)
+    _nccl_order_run(plan)
+
+
+def test_nccl_order_checker_catches_receive_posted_before_send():
+    """The pattern p2p.py used to have (a receive pre-posted alone, then the send) deadlocks."""
+    act, grad = ("act", 1, 0), ("grad", 0, 0)
+    unfixed = {0: [[("recv", 1, grad)], [("send", 1, act)]], 1: [[("recv", 0, act)], [("send", 0, grad)]]}
+    with pytest.raises(AssertionError, match="deadlock under NCCL order"):
+        _nccl_order_run(unfixed)
+    _nccl_order_run({0: [[("send", 1, act)], [("recv", 1, grad)]], 1: [[("recv", 0, act)], [("send", 0, grad)]]})
 
 
 def test_schedule_errors_name_the_fix():

@@ -8,6 +8,7 @@ import torch
 
 from omnitron.backends.base import Backend, Capabilities
 from omnitron.backends.collectives import Collectives
+from omnitron.backends.fp8 import scaled_mm_runs
 
 
 def _cpu_name() -> str:
@@ -19,20 +20,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _scaled_mm_works() -> bool:
-    """True when ``torch._scaled_mm`` runs on CPU float8 tensors in this torch build."""
-    if not hasattr(torch, "_scaled_mm"):
-        return False
-    try:
-        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-        b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()
-        one = torch.tensor(1.0)
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return True
-    except Exception:  # noqa: BLE001 - any failure means "not supported here"
-        return False
 
 
 class CPUBackend(Backend):
@@ -99,7 +86,7 @@ class CPUBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         if self._caps is None:
-            scaled = _scaled_mm_works()
+            scaled = scaled_mm_runs("cpu")
             self._caps = Capabilities(
                 device_name=_cpu_name(),
                 arch=platform.machine(),

@@ -1,7 +1,7 @@
 """CUDA + NCCL: NVIDIA GPUs through ``torch.cuda``.
 
-Capabilities are read from the device (name, compute capability, memory) and from what imports
-(Transformer Engine); FP8 is claimed only on sm_89 and newer, where the tensor cores have it.
+Capabilities are read from the device (name, compute capability, memory); FP8 is claimed only on
+sm_89 and newer, where the tensor cores have it, and only when a tiny ``torch._scaled_mm`` runs.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from omnitron.backends.base import Backend, Capabilities
 from omnitron.backends.collectives import Collectives
+from omnitron.backends.fp8 import scaled_mm_runs
 from omnitron.backends.cuda.peaks import peak_flops
 
 FP8_MIN_CC = (8, 9)
@@ -22,32 +23,18 @@ FLASH_MIN_CC = (8, 0)
 FLASH_HEAD_DIMS = (8, 256)
 
 
-def transformer_engine_importable() -> tuple[bool, str]:
-    """(``import transformer_engine`` works, version or the import error)."""
-    try:
-        te = importlib.import_module("transformer_engine")
-    except Exception as err:  # noqa: BLE001 - TE fails in many ways (missing cuDNN, ABI); all mean "absent"
-        return False, f"{type(err).__name__}: {err}"
-    return True, str(getattr(te, "__version__", "unknown"))
-
-
 def cuda_capabilities(device_name: str, cc: tuple[int, int], memory_total: int | None, bf16: bool,
-                      te_available: bool, scaled_mm: bool) -> Capabilities:
+                      scaled_mm: bool) -> Capabilities:
     """Capabilities of one CUDA device from plain facts (pure, so it is testable without a GPU).
 
     ``cc`` is the compute capability (major, minor); ``bf16`` what ``torch.cuda.is_bf16_supported``
-    says; ``te_available`` whether Transformer Engine imports; ``scaled_mm`` whether this torch
-    has ``torch._scaled_mm``.
+    says; ``scaled_mm`` whether a tiny ``torch._scaled_mm`` ran on the device (``fp8.scaled_mm_runs``).
+    No Transformer Engine path is claimed: omnitron has no tested binding to TE's GEMM.
     """
     fp8 = tuple(cc) >= FP8_MIN_CC
     flash = tuple(cc) >= FLASH_MIN_CC
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if bf16 else ())
-    if fp8 and te_available:
-        gemm = "transformer_engine"
-    elif fp8 and scaled_mm:
-        gemm = "scaled_mm"
-    else:
-        gemm = None
+    gemm = "scaled_mm" if fp8 and scaled_mm else None
     return Capabilities(
         device_name=device_name,
         arch=f"sm_{cc[0]}{cc[1]}",
@@ -146,10 +133,10 @@ class CUDABackend(Backend):
         if self._caps is None:
             index = torch.cuda.current_device()
             props = torch.cuda.get_device_properties(index)
-            te_ok, _ = transformer_engine_importable()
+            cc = torch.cuda.get_device_capability(index)
             self._caps = cuda_capabilities(
-                torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index),
-                int(props.total_memory), torch.cuda.is_bf16_supported(), te_ok, hasattr(torch, "_scaled_mm"))
+                torch.cuda.get_device_name(index), cc, int(props.total_memory), torch.cuda.is_bf16_supported(),
+                tuple(cc) >= FP8_MIN_CC and scaled_mm_runs(torch.device("cuda", index)))
         return self._caps
 
     @property

@@ -18,11 +18,12 @@ import torch
 
 from omnitron.backends.base import Backend, Capabilities
 from omnitron.backends.collectives import Collectives
+from omnitron.backends.fp8 import scaled_mm_runs
 
 BF16_MIN_ARCH = 22
 """S4000 (mp_22) is the first MUSA part with native bf16."""
 FP8_MIN_ARCH = 31
-"""S5000 (mp_31) is the first MUSA part with FP8 (``torch._scaled_mm``, MT's TE port)."""
+"""S5000 (mp_31) is the first MUSA part with FP8 (claimed only where ``torch._scaled_mm`` runs)."""
 FLASH_HEAD_DIMS = (64, 192)
 """Head dims muDNN's flash attention takes in Moore Threads' Transformer Engine port."""
 
@@ -46,21 +47,17 @@ def musa_peak_flops(device_name: str) -> dict[str, float | None]:
 
 
 def musa_capabilities(device_name: str, cc: tuple[int, int], memory_total: int | None, bf16: bool,
-                      te_available: bool, scaled_mm: bool, fp8_transport: bool) -> Capabilities:
+                      scaled_mm: bool, fp8_transport: bool) -> Capabilities:
     """Capabilities of one MUSA device from plain facts (pure: testable without torch_musa).
 
-    ``bf16`` is ``torch.musa.is_bf16_supported()``; ``fp8_transport`` whether the process-group
+    ``bf16`` is ``torch.musa.is_bf16_supported()``; ``scaled_mm`` whether a tiny ``torch._scaled_mm``
+    ran on the device (``fp8.scaled_mm_runs``; no Transformer Engine path is claimed); ``fp8_transport`` whether the process-group
     backend carries float8 tensors (MCCL does).
     """
     arch = arch_number(cc)
     fp8 = arch >= FP8_MIN_ARCH
     dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if bf16 and arch >= BF16_MIN_ARCH else ())
-    if fp8 and te_available:
-        gemm = "transformer_engine"
-    elif fp8 and scaled_mm:
-        gemm = "scaled_mm"
-    else:
-        gemm = None
+    gemm = "scaled_mm" if fp8 and scaled_mm else None
     return Capabilities(
         device_name=device_name,
         arch=f"mp_{arch}",
@@ -75,15 +72,6 @@ def musa_capabilities(device_name: str, cc: tuple[int, int], memory_total: int |
         streams=True,
         memory_total=memory_total,
     )
-
-
-def _transformer_engine_importable() -> bool:
-    """True when ``import transformer_engine`` works (Moore Threads' port keeps that name)."""
-    try:
-        importlib.import_module("transformer_engine")
-    except Exception:  # noqa: BLE001 - any import failure means "absent"
-        return False
-    return True
 
 
 def _import_torch_musa():
@@ -182,10 +170,11 @@ class MUSABackend(Backend):
         if self._caps is None:
             index = torch.musa.current_device()
             props = torch.musa.get_device_properties(index)
+            cc = tuple(torch.musa.get_device_capability(index))
             self._caps = musa_capabilities(
-                torch.musa.get_device_name(index), tuple(torch.musa.get_device_capability(index)),
-                int(props.total_memory), bool(torch.musa.is_bf16_supported()), _transformer_engine_importable(),
-                hasattr(torch, "_scaled_mm"), self.fp8_transport)
+                torch.musa.get_device_name(index), cc,
+                int(props.total_memory), bool(torch.musa.is_bf16_supported()),
+                arch_number(cc) >= FP8_MIN_ARCH and scaled_mm_runs(self.device(index)), self.fp8_transport)
         return self._caps
 
     @property

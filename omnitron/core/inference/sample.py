@@ -27,15 +27,13 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, params:
 
 def single_process_model(c) -> GPTModel | None:
     """Collective: the trained model as one tp=1/pp=1 GPTModel on global rank 0 (None elsewhere)."""
-    import torch.distributed as dist
-
     full = {}
     for m in c.modules:
         full.update(gather_full_state(m, c.groups))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size() if c.groups.rank == 0 else None
+    coll = c.backend.collectives
+    if coll.is_initialized() and coll.world_size() > 1:
         mine = full if c.groups.tp.rank == 0 or c.groups.tp.size == 1 else {}
-        dist.gather_object({k: v.float().cpu() for k, v in mine.items()}, parts, dst=0)
+        parts = coll.gather_object({k: v.float().cpu() for k, v in mine.items()}, dst=0)
         if c.groups.rank != 0:
             return None
         full = {k: v for part in parts for k, v in part.items()}

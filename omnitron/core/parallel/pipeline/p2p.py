@@ -1,103 +1,122 @@
 """Point-to-point activation/gradient exchange for one rank, planned from the schedule table.
 
-Because the whole schedule is data, every rank knows, for each neighbour, the exact order in
-which that neighbour will send it messages. Receives are therefore posted in send order on
-each channel (one message of look-ahead), and a message needed out of order is found by
-draining the channel into a small stash: matching never depends on tags, and every message has
-the same shape, known ahead. Sends are asynchronous and waited at the end of the step.
+NCCL runs a rank's point-to-point operations on a communicator in the order they are posted,
+unless they are batched in one group: two neighbours that each post a receive before their send
+wait on each other forever (gloo matches by tag and never shows it). So the whole exchange is
+planned from the schedule, which every rank knows:
+
+* :func:`plan_exchanges` runs the tables on an ideal clock (``simulate``), orders every transfer
+  by the time its producer finishes, every action by its start, and cuts each rank's share of that
+  one global order into batches: batch ``i`` holds the transfers between its actions ``i - 1`` and
+  ``i``. Both ends of a transfer see it at the same place of the same total order, so the earliest
+  unfinished transfer always has both ends at it: no deadlock under NCCL's rules, for any schedule
+  that is itself deadlock-free. A receive may come batches before its use (look-ahead that
+  overlaps compute); per channel the order is the sender's order (FIFO matching, no tags).
+* :class:`StageP2P` posts batch ``i`` as one ``batch_p2p`` group before action ``i`` (and the last
+  after the last action), waits for its receives, and waits for sends at the end of the step.
 """
 from __future__ import annotations
-
-import time
-from collections import deque
 
 import torch
 
 from omnitron.core.parallel.pipeline.schedules import Schedule
+from omnitron.core.parallel.pipeline.simulate import simulate
 
 Message = tuple[str, int, int]
 """(``"act"`` | ``"grad"``, destination virtual stage, micro-batch)."""
+Transfer = tuple[str, int, Message]
+"""(``"send"`` | ``"recv"``, peer pipeline rank, message)."""
 
 
-def plan_messages(schedule: Schedule) -> dict[tuple[int, int], list[Message]]:
-    """Every (src_rank, dst_rank) channel's messages, in the order the source sends them."""
-    last = schedule.num_stages - 1
-    channels: dict[tuple[int, int], list[Message]] = {}
-    for r, table in schedule.tables.items():
-        for a in table:
-            k = schedule.stage(r, a.chunk)
-            if a.kind == "F" and k < last:
-                msg: Message = ("act", k + 1, a.microbatch)
-            elif a.kind == "B" and k > 0:
-                msg = ("grad", k - 1, a.microbatch)
+def _message(schedule: Schedule, rank: int, action) -> Message | None:
+    """The message ``action`` on ``rank`` sends, if any."""
+    k = schedule.stage(rank, action.chunk)
+    if action.kind == "F" and k < schedule.num_stages - 1:
+        return ("act", k + 1, action.microbatch)
+    if action.kind == "B" and k > 0:
+        return ("grad", k - 1, action.microbatch)
+    return None
+
+
+def plan_exchanges(schedule: Schedule) -> dict[int, list[list[Transfer]]]:
+    """Per rank, ``len(table) + 1`` batches: batch ``i`` is exchanged just before action ``i``."""
+    spans = simulate(schedule, complete=False).spans  # forward-only tables too
+    events: dict[int, list] = {r: [] for r in schedule.tables}  # r -> [(key, index or transfer)]
+    for r, rank_spans in spans.items():
+        for i, (start, end, action) in enumerate(rank_spans):
+            events[r].append(((start, 1, r, i), i))
+            msg = _message(schedule, r, action)
+            if msg is not None:
+                dst = schedule.place(msg[1])[0]
+                key = (end, 0, r, i)  # NOTE: ties between transfers are broken the same way on every rank
+                events[r].append((key, ("send", dst, msg)))
+                events[dst].append((key, ("recv", r, msg)))
+    plan = {}
+    for r, evs in events.items():
+        batches: list[list[Transfer]] = [[]]
+        for _, ev in sorted(evs, key=lambda e: e[0]):
+            if isinstance(ev, int):
+                batches.append([])
             else:
-                continue
-            dst = schedule.place(msg[1])[0]
-            channels.setdefault((r, dst), []).append(msg)
-    return channels
+                batches[-1].append(ev)
+        plan[r] = batches
+    return plan
 
 
 class StageP2P:
-    """Sends and receives of pipeline rank ``rank`` over the pipeline ``group``."""
+    """Sends and receives of pipeline rank ``rank`` over the pipeline ``group``, batch by batch."""
 
     def __init__(self, schedule: Schedule, rank: int, group, collectives, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device) -> None:
         self.schedule, self.rank, self.group, self.coll = schedule, rank, group, collectives
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        plan = plan_messages(schedule)
-        self.expected = {src: deque(msgs) for (src, dst), msgs in plan.items() if dst == rank}
-        self.posted: dict[int, tuple[Message, torch.Tensor, list]] = {}  # src -> next message in flight
-        self.stash: dict[Message, torch.Tensor] = {}
-        self.sends: list[tuple[list, torch.Tensor]] = []
-        self.recv_done = 0.0
-        """``time.perf_counter()`` when the last blocking receive returned (for compute timelines)."""
+        self.batches = plan_exchanges(schedule)[rank]
+        self.outbox: dict[Message, torch.Tensor] = {}  # produced, sent with the next batch
+        self.inbox: dict[Message, torch.Tensor] = {}  # received, not yet consumed
+        self.sends: list[tuple[list, list]] = []
 
-    def _post(self, src: int) -> None:
-        """Post the receive of the next message ``src`` will send, if any and none is in flight."""
-        if src in self.posted or not self.expected.get(src):
+    def exchange(self, step: int) -> None:
+        """Post batch ``step`` as one group; return once its receives have arrived."""
+        ops, recvs, sent = [], [], []
+        for kind, peer, msg in self.batches[step]:
+            if kind == "send":
+                if msg not in self.outbox:
+                    raise RuntimeError(f"rank {self.rank}: the plan sends {msg} before it was produced")
+                tensor = self.outbox.pop(msg)
+                sent.append(tensor)
+            else:
+                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                recvs.append((len(ops), msg, tensor))
+            ops.append((kind, tensor, self.group.global_rank(peer)))
+        if not ops:
             return
-        msg = self.expected[src].popleft()
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        handles = self.coll.batch_p2p([("recv", buf, self.group.global_rank(src))], group=self.group.handle)
-        self.posted[src] = (msg, buf, handles)
-
-    def prefetch(self) -> None:
-        """Post the next receive on every incoming channel (overlaps transfer with compute)."""
-        for src in self.expected:
-            self._post(src)
+        handles = self.coll.batch_p2p(ops, group=self.group.handle)
+        for i, msg, tensor in recvs:
+            handles[i].wait()
+            self.inbox[msg] = tensor
+        self.sends.append(([h for i, h in enumerate(handles) if ops[i][0] == "send"], sent))
 
     def recv(self, msg: Message) -> torch.Tensor:
-        """Block until ``msg`` has arrived and return it."""
-        src = self.schedule.place(msg[1] - 1 if msg[0] == "act" else msg[1] + 1)[0]
-        while msg not in self.stash:
-            self._post(src)
-            if src not in self.posted:
-                raise RuntimeError(f"rank {self.rank} waits for {msg} that rank {src} never sends")
-            got, buf, handles = self.posted.pop(src)
-            for h in handles:
-                h.wait()
-            self.stash[got] = buf
-            self._post(src)
-        self.recv_done = time.perf_counter()
-        return self.stash.pop(msg)
+        """The tensor of ``msg`` (received by an earlier :meth:`exchange`)."""
+        if msg not in self.inbox:
+            raise RuntimeError(f"rank {self.rank}: {msg} is needed but was not received by the plan")
+        return self.inbox.pop(msg)
 
     def send(self, msg: Message, tensor: torch.Tensor) -> None:
-        """Start sending ``tensor`` (shape and dtype checked against the plan) to the stage in ``msg``."""
+        """Queue ``tensor`` (shape and dtype checked against the plan) for the next exchange."""
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
             raise RuntimeError(f"stage output {tuple(tensor.shape)} {tensor.dtype} differs from the pipeline "
                                f"tensor shape {self.shape} {self.dtype}; check --seq-length, --micro-batch-size, "
                                f"--hidden-size and --sequence-parallel")
-        dst = self.schedule.place(msg[1])[0]
-        tensor = tensor.detach().contiguous()
-        self.sends.append((self.coll.batch_p2p([("send", tensor, self.group.global_rank(dst))],
-                                               group=self.group.handle), tensor))
+        self.outbox[msg] = tensor.detach().contiguous()
 
     def finish(self) -> None:
-        """Wait for every send; check that nothing expected was left unreceived."""
+        """Post the last batch, wait for every send; check that nothing was left unexchanged."""
+        self.exchange(len(self.batches) - 1)
         for handles, _ in self.sends:
             for h in handles:
                 h.wait()
         self.sends.clear()
-        left = [m for q in self.expected.values() for m in q] + [p[0] for p in self.posted.values()]
-        if left or self.stash:
-            raise RuntimeError(f"rank {self.rank}: messages never consumed: {left + list(self.stash)}")
+        if self.outbox or self.inbox:
+            raise RuntimeError(f"rank {self.rank}: messages never exchanged or consumed: "
+                               f"{list(self.outbox) + list(self.inbox)}")

@@ -148,6 +148,7 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
     for step, a in enumerate(schedule.tables[rank]):
         try:
             k = schedule.stage(rank, a.chunk)
+            p2p.exchange(step)  # this step's batch of sends and receives, one group (see p2p.py)
             t0 = time.perf_counter()
             if a.kind == "F":
                 runner.forward(a, k)
@@ -155,13 +156,16 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
                 runner.backward(a, k, step)
             else:
                 runner.weight(a, step)
-            if timeline is not None:  # compute span: from the end of the blocking receive, if any
-                timeline.append((max(t0, p2p.recv_done), time.perf_counter(), str(a)))
-            p2p.prefetch()
+            if timeline is not None:  # compute span: exchange waits excluded
+                timeline.append((t0, time.perf_counter(), str(a)))
         except Exception as err:
             raise PipelineError(f"pipeline rank {rank} failed at step {step} ({a}): {type(err).__name__}: {err}\n"
                                 f"{schedule.format()}") from err
-    p2p.finish()
+    try:
+        p2p.finish()
+    except Exception as err:
+        raise PipelineError(f"pipeline rank {rank} failed in the final exchange: {type(err).__name__}: {err}\n"
+                            f"{schedule.format()}") from err
     for c in chunks:
         _set_last_microbatch(c, True)
     return runner.loss_sum, runner.tokens

@@ -3,7 +3,7 @@
 Use: ``enable_fp8(model, FP8Config(fp8_format="hybrid", fp8_recipe="delayed"), groups)`` once after
 building the model; save ``fp8_state_dict(model)`` with the checkpoint and restore it with
 ``load_fp8_state_dict``. The GEMMs run through the backend's FP8 provider (``backend.fp8``), whose
-path (transformer_engine / scaled_mm / emulated) is logged when FP8 is enabled.
+path (scaled_mm / emulated) is logged when FP8 is enabled.
 """
 from omnitron.core.precision.fp8.args import add_fp8_args, fp8_config_from_args
 from omnitron.core.precision.fp8.config import FP8Config, check_backend

@@ -136,7 +136,10 @@ class FP8Linear:
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 scalar in one reduction (no |x| temporary; exact; NaN propagates).
-    Called inside the autograd function, where grad mode is off: no ``detach`` (one dispatch less)."""
+    Called inside the autograd function, where grad mode is off: no ``detach`` (one dispatch less).
+    An empty ``x`` (an MoE expert that got no tokens) has amax 0, so it still joins the reduction."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)
 
 

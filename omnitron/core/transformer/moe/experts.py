@@ -61,7 +61,10 @@ def expert_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     fc1, fc2, kernels = mlp.linear_fc1, mlp.linear_fc2, mlp.backend.kernels
     bias = fc1.bias if fc1.skip_bias_add else None  # the fused activation adds it
     y = fc1._gemm(x, fc1.weight, None if fc1.skip_bias_add else fc1.bias)  # [n, (2)f/etp]
-    y = kernels.swiglu(y, bias) if mlp.swiglu else kernels.bias_gelu(y, bias)
+    if y.shape[0] == 0:  # no tokens: nothing to activate (fused kernels take no empty input), but the GEMMs
+        y = y[:, : y.shape[1] // 2] if mlp.swiglu else y  # still run: under FP8 they join the amax reductions
+    else:
+        y = kernels.swiglu(y, bias) if mlp.swiglu else kernels.bias_gelu(y, bias)
     return fc2._gemm(y, fc2.weight, None)
 
 
@@ -81,8 +84,9 @@ def run_experts(rows: torch.Tensor, counts: list[int], experts: list, etp) -> to
         perm = torch.argsort(torch.repeat_interleave(keys, per_rank.reshape(-1)), stable=True)
         rows = rows.index_select(0, perm)  # expert-major over every member's rows
         all_counts = per_rank.sum(dim=0).tolist()
-    outs = [expert_mlp(mlp, part) if part.shape[0] else part
-            for part, mlp in zip(torch.split(rows, all_counts, dim=0), experts)]
+    # NOTE: every expert runs, even on zero rows: under FP8 each expert GEMM MAX-reduces its amax over
+    # its amax groups, so skipping the empty ones would issue different collectives on different ranks
+    outs = [expert_mlp(mlp, part) for part, mlp in zip(torch.split(rows, all_counts, dim=0), experts)]
     y = torch.cat(outs, dim=0) if outs else rows
     if perm is not None:
         y = _ReduceScatterV.apply(y.index_select(0, torch.argsort(perm)), sizes, etp)  # own rows, summed

@@ -1,0 +1,84 @@
+"""Strict collective checking (``OMNITRON_STRICT_COLLECTIVES=1``): planted faults that gloo forgives are
+caught on CPU, in bounded time, with a message naming the call sites, as NCCL would (by hanging)."""
+from __future__ import annotations
+
+import pytest
+
+import strict_cases
+from omnitron.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _site(code: str) -> str:
+    """``strict_cases.py:LINE (function)`` of the first line of strict_cases.py containing ``code``."""
+    import inspect
+
+    fn = None
+    for no, text in enumerate(inspect.getsource(strict_cases).splitlines(), 1):
+        if text.startswith("def "):
+            fn = text[4:text.index("(")]
+        if code in text:
+            return f"strict_cases.py:{no} ({fn})"
+    raise AssertionError(code)
+
+
+def _fails(fn, monkeypatch, timeout_s: float = 5.0, ranks=(0, 1)) -> tuple[str, float]:
+    """Every rank in ``ranks`` got an error; returns their messages joined and the slowest detection time."""
+    monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", "1")
+    monkeypatch.setenv("OMNITRON_STRICT_TIMEOUT_S", str(timeout_s))
+    out = run_distributed(strict_cases.caught, 2, fn.__name__, timeout_s=120)
+    for r in ranks:
+        assert "error" in out[r], f"rank {r}: strict mode missed the fault: {out[r]}"
+    return "\n".join(o.get("error", "") for o in out), max(o["seconds"] for o in out)
+
+
+def test_different_shape_names_both_sites(monkeypatch):
+    msg, took = _fails(strict_cases.different_shape, monkeypatch)
+    assert took < 30, took
+    assert "issued different collectives" in msg
+    assert "all_reduce #3 shape=[8]" in msg and "all_reduce #3 shape=[9]" in msg  # #1: the start barrier
+    assert msg.count(_site("torch.ones(8 + dist.get_rank())")) >= 2, msg  # both ranks' call sites, reported by both ranks
+
+
+def test_skipped_collective_names_both_sites(monkeypatch):
+    msg, took = _fails(strict_cases.skipped_collective, monkeypatch)
+    assert took < 30, took
+    assert "broadcast #2" in msg and "all_reduce #2" in msg, msg
+    assert _site("coll.broadcast(torch.ones(3)") in msg and _site("coll.all_reduce(torch.ones(3))") in msg
+
+
+def test_receive_before_send_deadlocks_under_nccl_order(monkeypatch):
+    msg, took = _fails(strict_cases.recv_before_send, monkeypatch, timeout_s=3)
+    assert took < 30, took
+    assert "deadlock under NCCL's rules" in msg, msg
+    for r in (0, 1):  # each rank prints its own and its peer's pending receive
+        assert f"rank {r} (this rank) waits on: recv shape=[5]" in msg, msg
+    assert _site('[("recv", got, peer)])') in msg
+
+
+def test_receive_before_send_passes_on_gloo_without_strict(monkeypatch):
+    """The same schedule completes on gloo's tag matching: the checker, not gloo, is what catches it."""
+    monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", "0")
+    assert run_distributed(strict_cases.recv_before_send, 2, timeout_s=60) == ["received 1.0", "received 0.0"]
+
+
+def test_batched_send_receive_passes_strict(monkeypatch):
+    monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", "1")
+    assert run_distributed(strict_cases.send_recv_batched, 2, timeout_s=60) == [1.0, 0.0]
+
+
+def test_p2p_shape_mismatch_names_both_sites(monkeypatch):
+    msg, took = _fails(strict_cases.p2p_shape_mismatch, monkeypatch, ranks=(1,))  # the receiver detects it
+    assert took < 30, took
+    assert "receives shape=[5] dtype=float32 from rank 0" in msg and "rank 0 sends shape=[6]" in msg, msg
+    assert _site("coll.send(torch.ones(6)") in msg and _site("coll.recv(torch.empty(5)") in msg
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_flight_recorder_dump(monkeypatch, strict):
+    monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", strict)
+    for lines in run_distributed(strict_cases.recorder_lines, 2, timeout_s=60):
+        assert "all_reduce ranks=[0, 1] shape=[2, 3] dtype=float32" in lines[-2], lines
+        assert lines[-2].endswith(_site("coll.all_reduce(torch.ones(2, 3))")), lines
+        assert "broadcast ranks=[0, 1] shape=[4] dtype=float64 src=0" in lines[-1], lines
