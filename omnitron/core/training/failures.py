@@ -121,6 +121,7 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
     if suspects and suspects[0] in by_rank and not (causes and causes[0]["rank"] != suspects[0]):
         w = by_rank[suspects[0]]
         why = next(r["line"] for r in reports.values() if r.get("suspect") == w["rank"])
+        why = why.split(") ", 1)[1] if why.startswith(f"rank {w['rank']} (") else why
         lines.append(f"rank {w['rank']} (pid {w['pid']}) stopped responding: {why}")
         explained.add(w["rank"])
     else:
@@ -145,8 +146,8 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
             key = rep["kind"] if rep["kind"] in ("peer", "watchdog") else f"{rep['kind']}: {rep['line']}"
         groups.setdefault(key, []).append(w["rank"])
         examples.setdefault(key, rep["line"] if rep else "")
-    texts = {"peer": "then lost their connection to it ({})", "watchdog": "timed out waiting and dumped their "
-             "stacks above ({})", "same": "stopped the same way", "killed": "were still running and were killed"}
+    texts = {"peer": "then lost the connection to it ({})", "watchdog": "timed out waiting (watchdog: stacks "
+             "and last collectives above; {})", "same": "stopped the same way", "killed": "were still running and were killed"}
     for key, rs in groups.items():
         text = texts.get(key, key).format(examples[key][:160]) if key in texts else (
             key if key.startswith("was") or key.startswith("exited") else f"failed: {key.split(': ', 1)[-1]}")
