@@ -125,6 +125,8 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
         lines.append(f"rank {w['rank']} (pid {w['pid']}) stopped responding: {why}")
         explained.add(w["rank"])
     else:
+        if causes and all(reports.get(c["rank"], {}).get("kind") == "stopped" for c in causes):
+            causes.sort(key=lambda c: c["rank"])  # the same decision on every rank: name the lowest
         w = (causes or [w for w in failed if not w["killed"]] or failed)[0]
         rep = reports.get(w["rank"])
         what = ("stopped: " if rep["kind"] == "stopped" else "failed: ") + rep["line"] if rep else _exit_text(
@@ -147,7 +149,7 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
         groups.setdefault(key, []).append(w["rank"])
         examples.setdefault(key, rep["line"] if rep else "")
     texts = {"peer": "then lost the connection to it ({})", "watchdog": "timed out waiting (watchdog: stacks "
-             "and last collectives above; {})", "same": "stopped the same way", "killed": "were still running and were killed"}
+             "and last collectives above; {})", "same": "stopped the same way", "killed": "still running then: killed by the launcher"}
     for key, rs in groups.items():
         text = texts.get(key, key).format(examples[key][:160]) if key in texts else (
             key if key.startswith("was") or key.startswith("exited") else f"failed: {key.split(': ', 1)[-1]}")

@@ -24,15 +24,16 @@ class TrainingStopped(RuntimeError):
 class NonFiniteError(TrainingStopped):
     """A non-finite loss, gradient norm or weight; :meth:`at` adds the iteration and rank."""
 
-    def __init__(self, what: str, value: float, detail: str = "") -> None:
-        self.what, self.value, self.detail = what, value, detail
-        super().__init__(f"{what} is {value}{detail}")
+    def __init__(self, what: str, value: float,
+                 outcome: str = "stopped before the optimizer step (no checkpoint of these weights is written)") -> None:
+        self.what, self.value, self.outcome = what, value, outcome
+        super().__init__(f"{what} is {value}")
 
     def at(self, iteration: int, rank: int) -> NonFiniteError:
-        err = NonFiniteError(self.what, self.value, self.detail)
-        err.args = (f"iteration {iteration}, rank {rank}: {self.what} is {self.value}, stopped before the optimizer "
-                    f"step (no checkpoint of these weights is written){self.detail}; lower --lr, check the data, or "
-                    f"resume from the last checkpoint (--no-check-for-nan-in-loss-and-grad turns this check off)",)
+        err = NonFiniteError(self.what, self.value, self.outcome)
+        err.args = (f"iteration {iteration}, rank {rank}: {self.what} is {self.value}, {self.outcome}; lower --lr, "
+                    f"check the data, or resume from the last checkpoint (--no-check-for-nan-in-loss-and-grad turns "
+                    f"this check off)",)
         return err
 
 
@@ -42,7 +43,7 @@ def check_loss(loss: float, enabled: bool) -> None:
         raise NonFiniteError("the loss", loss)
 
 
-def check_grad_norm(norm: float, enabled: bool) -> None:
+def check_grad_norm(norm: float, enabled: bool = True) -> None:
     """Raise :class:`NonFiniteError` for a non-finite global gradient norm (before clipping and the update)."""
     if enabled and not math.isfinite(norm):
         raise NonFiniteError("the gradient norm", norm)
@@ -51,12 +52,8 @@ def check_grad_norm(norm: float, enabled: bool) -> None:
 @torch.no_grad()
 def weights_finite(modules, collectives, device=None) -> bool:
     """True when every rank's parameters are all finite (one MAX all-reduce over the world: call on every rank)."""
-    bad = torch.zeros(1, dtype=torch.float32, device=device)
-    for m in modules:
-        for p in m.parameters():
-            if not torch.isfinite(p).all():
-                bad.fill_(1.0)
-                break
+    flags = [torch.isfinite(p).all() for m in modules for p in m.parameters()]
+    bad = torch.stack(flags).logical_not().any().float().reshape(1) if flags else torch.zeros(1, device=device)
     if collectives.is_initialized():
         collectives.all_reduce(bad, op=ReduceOp.MAX)
     return bool(bad.item() == 0)
@@ -73,5 +70,5 @@ class SkipCounter:
         if self.limit and self.run >= self.limit:
             raise TrainingStopped(
                 f"iteration {iteration}, rank {rank}: {self.run} consecutive steps skipped on fp16 gradient overflow "
-                f"(loss scale {loss_scale}): the scale cannot recover; lower --loss-scale or use dynamic scaling "
+                f"(loss scale {loss_scale:g}): the scale cannot recover; lower --loss-scale or use dynamic scaling "
                 f"(drop --loss-scale), or --bf16 (--max-consecutive-skipped-iterations sets the limit)")

@@ -137,7 +137,7 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     lr = c.scheduler.lr(c.optimizer.step_count + 1)
     with timers.phase("optimizer"):
         res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers,
-                               check_norm=(lambda norm: check_grad_norm(norm, True)) if check else None)
+                               check_norm=check_grad_norm if check else None)
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
            "skipped": res.skipped}
     if count_zeros:

@@ -70,6 +70,11 @@ def dump_state(reason: str, rank: int, out=None) -> None:
         out.flush()
 
 
+def _frozen(rank: int, info: str, seconds: str) -> str:
+    return (f"rank {rank} ({info or 'pid unknown'}) sent no heartbeat for {seconds} s: it is frozen (SIGSTOP, a "
+            f"debugger, swapping) or its host is unreachable")
+
+
 class NullWatchdog:
     """The one-process stand-in: no deadlines, nothing to stop."""
 
@@ -161,15 +166,38 @@ class Watchdog(NullWatchdog):
                 a = self._abort
                 self.fire(f"stopping because rank {a['rank']} gave up: {a['reason']}", a.get("suspect"), publish=False)
             elif phase is not None and now - phase[1] > self.timeout:
-                self.fire(f"{phase[0]} has not finished after {now - phase[1]:.0f} s (a collective or p2p transfer "
-                          f"that never completes; limit --distributed-timeout-minutes)")
+                waited = f"{phase[0]} has not finished after {now - phase[1]:.0f} s"
+                stale = self._census()  # a silent rank, if there is one, is the cause: name it
+                if stale:
+                    self.fire(_frozen(*stale[0], f"{2.5 * self.interval:.1f}") + f"; {waited}", suspect=stale[0][0])
+                self.fire(f"{waited} (a collective or p2p transfer that never completes; limit "
+                          f"--distributed-timeout-minutes)")
             elif not self._peer_done and now - self._peer_seen > self.timeout:
-                self.fire(f"rank {self._peer} ({self._peer_info or 'pid unknown'}) sent no heartbeat for "
-                          f"{now - self._peer_seen:.0f} s: it is frozen (SIGSTOP, a debugger, swapping) or its host "
-                          f"is unreachable", suspect=self._peer)
+                self.fire(_frozen(self._peer, self._peer_info, f"{now - self._peer_seen:.0f}"), suspect=self._peer)
             elif now - self._store_ok > self.timeout + self.interval:
                 self.fire(f"the rendezvous store has not answered for {now - self._store_ok:.0f} s: the launcher or "
                           f"torchrun agent that hosts it is frozen or gone")
+
+    def _census(self) -> list[tuple[int, str]]:
+        """``(rank, info)`` of the ranks whose heartbeat did not move over 2.5 intervals (read when a deadline
+        expires, in a helper thread: the store may be what hangs)."""
+        found: list[tuple[int, str]] = []
+
+        def run() -> None:
+            store = self._connect()
+            keys = [f"hb/{r}" for r in range(self.world)]
+            before = [store.get(k) if store.check([k]) else None for k in keys]
+            time.sleep(2.5 * self.interval)
+            after = [store.get(k) if store.check([k]) else None for k in keys]
+            for r in range(self.world):
+                if r != self.rank and before[r] == after[r] and after[r] != b"done":
+                    info = store.get(f"info/{r}").decode() if store.check([f"info/{r}"]) else ""
+                    found.append((r, info))
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout=3 * self.interval + 2.0)
+        return list(found)
 
     # ---- firing ----------------------------------------------------------------------------
     def fire(self, reason: str, suspect: int | None = None, publish: bool = True) -> None:

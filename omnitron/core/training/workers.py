@@ -55,13 +55,19 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+JOIN_TIMEOUT_S = 300.0
+"""The least time the store waits for every rank to arrive: a slow start (imports on a loaded machine) is
+not a hang, whatever the collective timeout (the watchdog and the collectives keep theirs)."""
+
+
 def open_store(timeout_s: float, is_master: bool):
     """A client (or, for ``is_master``, the host) of the job's store at MASTER_ADDR:MASTER_PORT, with this
-    attempt's key prefix."""
+    attempt's key prefix; its waits last ``max(timeout_s, JOIN_TIMEOUT_S)``."""
     import torch.distributed as dist
 
+    wait = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                         is_master, datetime.timedelta(seconds=timeout_s), multi_tenant=is_master)
+                         is_master, wait, multi_tenant=is_master)
     return dist.PrefixStore(f"omnitron/attempt_{attempt()}/", base)
 
 
@@ -75,6 +81,9 @@ def join_job(settings, backend) -> Watchdog:
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = open_store(timeout, is_master=rank == 0 and not _store_hosted_elsewhere())
+    # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
+    store.set(f"arrived/{rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(world)], datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT_S)))
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=timeout, store=store)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
 
@@ -110,7 +119,8 @@ def run_workers(settings, entry, n: int, worker) -> int:
 
     port = int(os.environ.get("MASTER_PORT") or free_port())
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
-    store = dist.TCPStore("127.0.0.1", port, n, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", port, n, True, datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT_S)),
+                          wait_for_workers=False)
     report_dir = tempfile.mkdtemp(prefix="omnitron-failures-")
     saved = {k: os.environ.get(k) for k in (HOSTED_STORE_ENV, failures.REPORT_DIR_ENV)}
     os.environ.update({HOSTED_STORE_ENV: "1", failures.REPORT_DIR_ENV: report_dir})  # inherited by spawn
