@@ -43,7 +43,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, (TrainingStopped, ConfigError, CheckpointError)):
         return "stopped", _first_line(exc, 1000)
     text = str(exc).lower()
-    dist_error = type(exc).__name__.startswith("Dist") or "gloo" in text or "nccl" in text
+    dist_error = type(exc).__name__.startswith("Dist") or "gloo" in text  # DistBackendError, DistNetworkError
     if isinstance(exc, RuntimeError) and (dist_error or any(m in text for m in _PEER_MARKERS)):
         return "peer", _first_line(exc)
     return "error", f"{type(exc).__name__}: {_first_line(exc)}"
