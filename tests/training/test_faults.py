@@ -119,3 +119,28 @@ def test_torchrun_restart_resumes_bit_identically(tmp_path):
     assert sorted(second) == list(range(1, 10))
     repeated = [i for i in first if i > 4]
     assert repeated and all(second[i] == first[i] for i in repeated), (first, second)
+
+
+def test_summary_names_the_cause_first():
+    """The launcher's lines from exit codes and reports (pure logic): the cause first, reactions grouped."""
+    from omnitron.core.training.failures import classify, summarize
+
+    def w(rank, code, order, killed=False):
+        return {"rank": rank, "pid": 100 + rank, "exitcode": code, "order": order, "killed": killed}
+
+    peer = classify(RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by "
+                                 "peer. This is typically caused by a remote worker hanging"))
+    assert peer == ("peer", "Read error [127.0.0.1]:1: Connection reset by peer")
+    reports = {r: {"rank": r, "kind": peer[0], "line": peer[1]} for r in (0, 1, 3)}
+    assert summarize([w(0, 1, 1), w(1, 1, 2), w(2, -9, 0), w(3, 1, 3)], reports) == [
+        "rank 2 (pid 102) was killed by signal SIGKILL",
+        "ranks 0, 1, 3 then lost the connection to it (Read error [127.0.0.1]:1: Connection reset by peer)"]
+    frozen = "rank 1 (pid 101 on h) sent no heartbeat for 61 s: it is frozen"
+    reports = {0: {"rank": 0, "kind": "watchdog", "line": frozen, "suspect": 1}}
+    assert summarize([w(0, 75, 0), w(1, -9, 1, killed=True)], reports) == [
+        "rank 1 (pid 101) stopped responding: sent no heartbeat for 61 s: it is frozen",
+        "rank 0 timed out waiting (watchdog: stacks and last collectives above)"]
+    err = classify(ValueError("bad shape"))
+    reports = {1: {"rank": 1, "kind": err[0], "line": err[1]}, 0: {"rank": 0, "kind": "peer", "line": "closed"}}
+    assert summarize([w(0, 1, 1), w(1, 1, 0)], reports) == [
+        "rank 1 (pid 101) failed: ValueError: bad shape", "rank 0 then lost the connection to it (closed)"]

@@ -133,25 +133,28 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
             w["exitcode"])
         lines.append(f"rank {w['rank']} (pid {w['pid']}) {what}")
         explained.add(w["rank"])
-    first = reports.get(next(iter(explained)), {}).get("line")
+    first = reports.get(next(iter(explained)), {}).get("line") or ""
     groups: dict[str, list[int]] = {}
-    examples: dict[str, str] = {}
+    texts: dict[str, str] = {}
     for w in failed:
         if w["rank"] in explained:
             continue
-        rep = reports.get(w["rank"])
-        if rep is None:
-            key = "killed" if w["killed"] else _exit_text(w["exitcode"])
-        elif rep["kind"] == "stopped" and rep["line"].split(": ", 1)[-1] == (first or "").split(": ", 1)[-1]:
-            key = "same"
-        else:
-            key = rep["kind"] if rep["kind"] in ("peer", "watchdog") else f"{rep['kind']}: {rep['line']}"
+        key, text = _reaction(w, reports.get(w["rank"]), first)
         groups.setdefault(key, []).append(w["rank"])
-        examples.setdefault(key, rep["line"] if rep else "")
-    texts = {"peer": "then lost the connection to it ({})", "watchdog": "timed out waiting (watchdog: stacks "
-             "and last collectives above; {})", "same": "stopped the same way", "killed": "still running then: killed by the launcher"}
-    for key, rs in groups.items():
-        text = texts.get(key, key).format(examples[key][:160]) if key in texts else (
-            key if key.startswith("was") or key.startswith("exited") else f"failed: {key.split(': ', 1)[-1]}")
-        lines.append(f"{_ranks(rs)} {text}")
-    return lines
+        texts.setdefault(key, text)
+    return lines + [f"{_ranks(rs)} {texts[key]}" for key, rs in groups.items()]
+
+
+def _reaction(w: dict, rep: dict | None, first: str) -> tuple[str, str]:
+    """(grouping key, text) of a rank that failed after the one at fault."""
+    if rep is None:
+        return ("killed", "still running then: killed by the launcher") if w["killed"] else (
+            _exit_text(w["exitcode"]),) * 2
+    line = rep["line"]
+    if rep["kind"] == "peer":
+        return "peer", f"then lost the connection to it ({line[:160]})"
+    if rep["kind"] == "watchdog":
+        return "watchdog", "timed out waiting (watchdog: stacks and last collectives above)"
+    if rep["kind"] == "stopped" and line.split(": ", 1)[-1] == first.split(": ", 1)[-1]:
+        return "same", "stopped the same way"
+    return f"{rep['kind']}: {line}", f"failed: {line}"
