@@ -65,8 +65,7 @@ def restart(nproc: int) -> float:
     while not [ln for _, ln in lines if ln.startswith("iter      7/")]:
         assert proc.poll() is None and not [ln for _, ln in lines if "Traceback" in ln], "".join(ln for _, ln in lines)
         time.sleep(0.05)
-    agent = children(proc.pid)
-    workers = [w for a in agent for w in children(a)]
+    workers = children(proc.pid)  # torchrun's agent is the launched process itself
     t0 = time.monotonic()
     os.kill(workers[-1], signal.SIGKILL)
     proc.wait(timeout=600)

@@ -50,9 +50,11 @@ def check_grad_norm(norm: float, enabled: bool = True) -> None:
 
 
 @torch.no_grad()
-def weights_finite(modules, collectives, device=None) -> bool:
-    """True when every rank's parameters are all finite (one MAX all-reduce over the world: call on every rank)."""
-    flags = [torch.isfinite(p).all() for m in modules for p in m.parameters()]
+def weights_finite(tensors, collectives, device=None) -> bool:
+    """True when every rank's ``tensors`` (its optimizer's fp32 masters: what a step updates, and, sliced
+    under the distributed optimizer, no pending gather to race) are all finite. One MAX all-reduce over the
+    world: call on every rank."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
     bad = torch.stack(flags).logical_not().any().float().reshape(1) if flags else torch.zeros(1, device=device)
     if collectives.is_initialized():
         collectives.all_reduce(bad, op=ReduceOp.MAX)
