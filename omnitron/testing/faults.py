@@ -13,7 +13,8 @@ import time
 def tiny_train_args(tmp_path, *extra: str) -> list[str]:
     """A 2-layer GPT on mock data, logging every step into ``tmp_path/ck``'s metrics."""
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100",
             "--num-workers", "0", "--log-interval", "1", "--no-tensorboard", "--data-cache-path",
             os.path.join(str(tmp_path), "cache"), "--log-dir", os.path.join(str(tmp_path), "logs"), *extra]
 

@@ -24,8 +24,9 @@ class TrainingStopped(RuntimeError):
 class NonFiniteError(TrainingStopped):
     """A non-finite loss, gradient norm or weight; :meth:`at` adds the iteration and rank."""
 
-    def __init__(self, what: str, value: float,
-                 outcome: str = "stopped before the optimizer step (no checkpoint of these weights is written)") -> None:
+    BEFORE_STEP = "stopped before the optimizer step (no checkpoint of these weights is written)"
+
+    def __init__(self, what: str, value, outcome: str = BEFORE_STEP) -> None:
         self.what, self.value, self.outcome = what, value, outcome
         super().__init__(f"{what} is {value}")
 
