@@ -63,15 +63,19 @@ class Collectives:
 
     # ---- process groups -----------------------------------------------------------------
     def init_process_group(self, rank: int | None = None, world_size: int | None = None,
-                           init_method: str | None = None, timeout_s: float = 300.0) -> None:
-        """Join the default process group (env:// unless ``init_method`` is given)."""
+                           init_method: str | None = None, timeout_s: float = 300.0, store=None) -> None:
+        """Join the default process group (env:// unless ``init_method`` or a rendezvous ``store`` is given;
+        ``timeout_s``: how long a collective may wait)."""
         if dist.is_initialized():
             return
         kwargs = {}
         if rank is not None:
             kwargs.update(rank=rank, world_size=world_size)
-        dist.init_process_group(self.dist_backend, init_method=init_method or "env://",
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = init_method or "env://"
+        dist.init_process_group(self.dist_backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
     def new_group(self, ranks: Sequence[int]):
         """A subgroup over ``ranks`` (every process must call this with the same ranks, in order)."""

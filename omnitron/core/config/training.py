@@ -81,6 +81,9 @@ class PrecisionConfig:
     """--loss-scale-window: clean steps before the dynamic scale doubles."""
     hysteresis: int = 2
     """--hysteresis: overflowing steps tolerated before the dynamic scale halves."""
+    max_consecutive_skipped_iterations: int = 100
+    """--max-consecutive-skipped-iterations: with --fp16, stop the run (exit non-zero) after this many steps in
+    a row skipped on gradient overflow: the loss scale cannot recover (0: never stop)."""
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
@@ -91,6 +94,8 @@ class PrecisionConfig:
             raise ConfigError("--initial-loss-scale and --min-loss-scale must be > 0")
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
+        if self.max_consecutive_skipped_iterations < 0:
+            raise ConfigError("--max-consecutive-skipped-iterations must be >= 0 (0: never stop)")
 
     @property
     def params_dtype_name(self) -> str:
@@ -119,6 +124,13 @@ class TrainingConfig:
     pipeline_schedule: str | None = None
     """--pipeline-schedule {none,1f1b,interleaved,zb-h1} (default: none at pp 1, 1f1b, or interleaved
     with virtual stages)."""
+    distributed_timeout_minutes: float = 10
+    """--distributed-timeout-minutes: a collective, p2p or training step that does not finish in this time (or a
+    rank that stops sending heartbeats for this long) makes every reachable rank dump its stacks and exit
+    non-zero (Megatron's flag and default)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """--check-for-nan-in-loss-and-grad: stop before the optimizer step when the loss or the gradient norm
+    is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron)."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--train-iters", self.train_iters)):
@@ -128,6 +140,8 @@ class TrainingConfig:
             raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.eval_interval < 0 or self.eval_iters < 0:
             raise ConfigError("--eval-interval and --eval-iters must be >= 0")
+        if not self.distributed_timeout_minutes > 0:
+            raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
 
 
 @dataclass(kw_only=True)

@@ -48,7 +48,17 @@ def global_grad_norm(params: list[torch.nn.Parameter], grads: list[torch.Tensor]
     def sum_sq(ts: list[torch.Tensor], dev) -> torch.Tensor:
         return (kernels.grad_norm_sq(ts) if ts else torch.zeros((), dtype=torch.float32, device=dev)).reshape(1).float()
 
-    return math.sqrt(global_sum(params, grads, groups, collectives, sum_sq, duplicates, reduce_over, device))
+    def sum_sq64(ts: list[torch.Tensor], dev) -> torch.Tensor:
+        return torch.stack([t.double().square().sum() for t in ts]).sum().reshape(1) if ts else \
+            torch.zeros(1, dtype=torch.float64, device=dev)
+
+    total = global_sum(params, grads, groups, collectives, sum_sq, duplicates, reduce_over, device)
+    if math.isinf(total):
+        # NOTE: fp32 squares overflow from |g| ~ 1.8e19 although every gradient is finite: count again in
+        # float64 (exact for any fp32 gradient). Every rank of the reduction holds the same total, so all
+        # take this branch together; an inf gradient stays inf.
+        total = global_sum(params, grads, groups, collectives, sum_sq64, duplicates, reduce_over, device)
+    return math.sqrt(total)
 
 
 def global_count_zeros(params: list[torch.nn.Parameter], grads: list[torch.Tensor], groups, collectives,
@@ -107,8 +117,14 @@ def expert_sum(tensors: list[torch.Tensor], groups, collectives, measure, device
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
-    """Factor to multiply gradients by so their norm is at most ``max_norm`` (1.0 when disabled)."""
-    if max_norm <= 0 or not math.isfinite(norm):
+    """Factor to multiply gradients by so their norm is at most ``max_norm`` (1.0 when disabled).
+
+    A non-finite norm does not switch clipping off: NaN gives NaN and inf gives 0, as
+    ``torch.nn.utils.clip_grad_norm_`` does, so a broken step shows in the weights instead of applying
+    unclipped gradients (with --check-for-nan-in-loss-and-grad, the default, the run stops before that)."""
+    if max_norm <= 0:
         return 1.0
+    if math.isnan(norm):
+        return math.nan
     coef = max_norm / (norm + 1e-6)
     return min(coef, 1.0)

@@ -126,11 +126,13 @@ class MixedPrecisionOptimizer:
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, *, count_zeros: bool = False, timers=None) -> StepResult:
+    def step(self, lr: float, *, count_zeros: bool = False, timers=None, check_norm=None) -> StepResult:
         """Unscale, skip on overflow, clip, update the fp32 masters, copy them into the model (in that order).
 
         ``count_zeros``: also count the zero gradient elements (after unscaling, before clipping).
-        ``timers``: the run's :class:`~omnitron.core.training.timers.Timers` (times the copy into the model)."""
+        ``timers``: the run's :class:`~omnitron.core.training.timers.Timers` (times the copy into the model).
+        ``check_norm``: called with the global gradient norm before anything is changed; raising there
+        leaves weights and optimizer state as they were (--check-for-nan-in-loss-and-grad)."""
         grads = self._fp32_grads()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
@@ -140,9 +142,11 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 return StepResult(True, None, lr, scale)
         norm = self._grad_norm(grads)
+        if check_norm is not None:
+            check_norm(norm)
         zeros = self._count_zeros(grads) if count_zeros else None
         coef = clip_coefficient(norm, self.config.clip_grad)
-        if coef < 1.0:
+        if not coef >= 1.0:  # NOTE: also NaN (a NaN norm must not leave the gradients unclipped)
             torch._foreach_mul_(grads, coef)
         self.step_count += 1
         if "exp_avg" in self.state:

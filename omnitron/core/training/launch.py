@@ -3,13 +3,13 @@
 Under torchrun (``RANK``/``WORLD_SIZE`` set) each process joins the default process group and
 trains. ``--nproc-per-node N`` spawns N workers with one thread each (processes x threads never
 exceed the cores unless ``--threads-per-process`` asks) and forwards SIGTERM to them; each
-worker finishes its step, saves and exits.
+worker finishes its step, saves and exits. Workers die with their launcher, and a failed job is
+summarised in a few lines naming the rank at fault (:mod:`omnitron.core.training.workers`).
 """
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 
 log = logging.getLogger("omnitron.train")
@@ -65,9 +65,12 @@ def _threads(settings, local_world: int) -> int:
     return max(1, cores // local_world) if local_world > 1 else max(1, min(cores, 8))
 
 
-def _worker(rank: int, world: int, port: int, settings, entry) -> None:
+def _worker(rank: int, world: int, port: int, settings, entry, launcher_pid: int) -> None:
     import torch
 
+    from omnitron.core.training.workers import die_with_parent
+
+    die_with_parent(launcher_pid)
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(_threads(settings, world))
@@ -76,8 +79,13 @@ def _worker(rank: int, world: int, port: int, settings, entry) -> None:
 
 
 def _run_rank(settings, entry=None) -> int:
+    """Join the job (store per restart attempt, process group, watchdog), run ``entry``; the exit code.
+    A failure is reported in one line (:mod:`omnitron.core.training.failures`)."""
     from omnitron.backends import get_backend
+    from omnitron.core.training import failures
     from omnitron.core.training.loop import train
+    from omnitron.core.training.watchdog import NullWatchdog
+    from omnitron.core.training.workers import join_job
 
     entry = entry or train
     backend = get_backend(settings.backend)
@@ -85,17 +93,23 @@ def _run_rank(settings, entry=None) -> int:
     devices = backend.device_count()
     if devices > 1:  # one device per local rank (a no-op on the host CPU)
         backend.set_device(int(os.environ.get("LOCAL_RANK", "0")) % devices)
-    if world > 1:
-        backend.collectives.init_process_group(timeout_s=600)
+    watchdog, ok = NullWatchdog(), False
     try:
-        entry(settings, backend)
+        if world > 1:
+            watchdog = join_job(settings, backend)
+        entry(settings, backend, watchdog=watchdog)
+        ok = True
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one report
+        return failures.handle(exc, int(os.environ.get("RANK", "0")), watchdog.dump)
     finally:
-        backend.collectives.destroy()
+        watchdog.stop()
+        if ok:  # after a failure the group may wait on a dead peer: the process just exits
+            backend.collectives.destroy()
     return 0
 
 
 def launch(settings, entry=None) -> int:
-    """Run ``entry(settings, backend)`` (default: the training loop) on every rank; returns the exit code.
+    """Run ``entry(settings, backend, watchdog=...)`` (default: the training loop) on every rank; the exit code.
 
     ``entry`` must be a module-level function (spawned workers import it)."""
     if settings.backend:
@@ -106,6 +120,9 @@ def launch(settings, entry=None) -> int:
             settings.world_size = int(os.environ["WORLD_SIZE"])
         import torch
 
+        from omnitron.core.training.workers import die_with_parent
+
+        die_with_parent(os.getppid())  # torchrun's agent: its workers must not outlive it
         torch.set_num_threads(_threads(settings, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         return _run_rank(settings, entry)
     n = settings.nproc_per_node
@@ -114,28 +131,6 @@ def launch(settings, entry=None) -> int:
 
         torch.set_num_threads(_threads(settings, 1))
         return _run_rank(settings, entry)
-    import torch.multiprocessing as mp
+    from omnitron.core.training.workers import run_workers
 
-    from omnitron.testing.distributed import free_port
-
-    port = int(os.environ.get("MASTER_PORT") or free_port())
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, n, port, settings, entry)) for r in range(n)]
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers get the terminal's SIGINT themselves
-
-    def forward(signum, frame):
-        for p in procs:
-            if p.is_alive() and p.pid:
-                os.kill(p.pid, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    signal.signal(signal.SIGINT, previous)
-    codes = [p.exitcode for p in procs]
-    if any(codes):
-        print(f"omnitron train: worker exit codes {codes}", file=sys.stderr)
-        return 1
-    return 0
+    return run_workers(settings, entry, n, _worker)

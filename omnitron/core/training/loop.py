@@ -17,9 +17,11 @@ from omnitron.core.optim.clip import global_grad_norm
 from omnitron.core.training import checkpointing
 from omnitron.core.training.components import build_components
 from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
+from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
 from omnitron.core.training.signals import StopFlag
 from omnitron.core.training.step import evaluate, train_step
 from omnitron.core.training.timers import StepProfiler, Timers, format_timers, timer_fields
+from omnitron.core.training.watchdog import NullWatchdog
 
 log = logging.getLogger("omnitron.train")
 
@@ -117,8 +119,26 @@ def _observers(c, log_dir: str) -> tuple[Timers, StepProfiler]:
     return timers, profiler
 
 
-def train(settings, backend) -> dict:
-    """Train to ``--train-iters``; returns ``{"losses": {iteration: lm_loss}, "validation": [...]}``."""
+def _guarded_step(c, train_iter, timers: Timers, logs: bool) -> dict:
+    """:func:`train_step`, a non-finite loss or gradient norm reported with its iteration and rank."""
+    try:
+        return train_step(c, train_iter, timers, count_zeros=c.settings.logging.log_num_zeros_in_grad and logs)
+    except NonFiniteError as err:
+        raise err.at(c.iteration + 1, c.groups.rank) from None
+
+
+def _check_before_save(c) -> None:
+    """No checkpoint of non-finite weights (--check-for-nan-in-loss-and-grad; collective over the world)."""
+    if c.settings.training.check_for_nan_in_loss_and_grad and not weights_finite(
+            c.optimizer.masters, c.backend.collectives, c.backend.current_device()):
+        raise NonFiniteError("a weight", "not finite", "found before saving: the checkpoint was not written").at(
+            c.iteration, c.groups.rank)
+
+
+def train(settings, backend, watchdog=None) -> dict:
+    """Train to ``--train-iters``; returns ``{"losses": {iteration: lm_loss}, "validation": [...]}``.
+    ``watchdog``: the rank's :class:`~omnitron.core.training.watchdog.Watchdog` (deadlines on steps)."""
+    watchdog = watchdog or NullWatchdog()
     c = build_components(settings, backend)
     checkpointing.load(c)
     t, ck, lg = settings.training, settings.checkpoint, settings.logging
@@ -136,13 +156,14 @@ def train(settings, backend) -> dict:
     stop = StopFlag(enabled=ck.save_on_signal)
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
+    skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if settings.precision.fp16 else 0)
     try:
         while c.iteration < t.train_iters:
             logs = log_due(c.iteration + 1, lg.log_interval, t.train_iters)
             with profiler.step(c.iteration + 1):  # NOTE: starting and exporting a trace stays out of the step time
                 t0 = time.perf_counter()
-                with timers.phase("train-step"):
-                    values = train_step(c, train_iter, timers, count_zeros=lg.log_num_zeros_in_grad and logs)
+                with timers.phase("train-step"), watchdog.deadline(f"iteration {c.iteration + 1}"):
+                    values = _guarded_step(c, train_iter, timers, logs)
                 backend.synchronize()
                 step_time = time.perf_counter() - t0
             c.iteration += 1
@@ -153,12 +174,15 @@ def train(settings, backend) -> dict:
                 values.update(logged_values(c, timers, c.iteration - logged_at))
                 logged_at = c.iteration
             logger.step(c.iteration, values)
+            skips.update(values["skipped"], c.iteration, c.groups.rank, values["loss_scale"])
             if _due(c.iteration, t.eval_interval) and c.valid_data is not None:
-                val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
+                with watchdog.deadline(f"validation after iteration {c.iteration}"):
+                    val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
                 validation.append({"iteration": c.iteration, **val})
                 logger.validation(c.iteration, val)
             stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
+                _check_before_save(c)
                 with timers.phase("save-checkpoint"):
                     checkpointing.save(c)
                 saved_at = c.iteration

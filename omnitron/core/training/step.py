@@ -24,6 +24,7 @@ from omnitron.core.models.t5 import T5Model
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn, run_schedule
 from omnitron.core.training.grads import finalize_grads
+from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
 
@@ -126,6 +127,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     fb.start()
     loss = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale, timeline=timeline)
     fb_seconds = fb.stop()
+    check = c.settings.training.check_for_nan_in_loss_and_grad
+    check_loss(loss, check)  # the same loss on every rank: all stop here together, nothing updated
     if split:
         record_compute_split(timers, timeline, fb_seconds, pipelined=c.groups.pp.size > 1)
     with timers.phase("all-grads-sync"):
@@ -133,7 +136,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
     lr = c.scheduler.lr(c.optimizer.step_count + 1)
     with timers.phase("optimizer"):
-        res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers)
+        res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers,
+                               check_norm=check_grad_norm if check else None)
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
            "skipped": res.skipped}
     if count_zeros:

@@ -1,0 +1,160 @@
+"""Why a rank stopped, in one line, and the launcher's summary of a failed job.
+
+A worker that fails classifies its exception (:func:`classify`): ``stopped`` (the run stopped on purpose
+with a one-line reason: a non-finite loss, a bad setting or checkpoint), ``peer`` (the transport lost a
+peer or timed out: gloo's "Connection reset by peer", a collective timeout: the consequence of another
+rank's fault, not a cause) or ``error`` (anything else, printed with its traceback). Under ``omnitron train
+--nproc-per-node N`` it writes a JSON report (never a pickle) into ``$OMNITRON_FAILURE_DIR``; the watchdog
+writes ``watchdog`` reports naming the rank it suspects. :func:`summarize` turns the reports and exit codes
+into the launcher's lines: the first names the rank at fault, its pid and its signal or exception; the
+other ranks' reactions take one line per kind.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+
+log = logging.getLogger("omnitron.train")
+REPORT_DIR_ENV = "OMNITRON_FAILURE_DIR"
+_PEER_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connectfullmesh",
+                 "connection refused", "timed out", "timeout", "socket closed", "end of file")
+_NOISE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    text = _NOISE.sub("", str(text)).strip()
+    line = text.splitlines()[0] if text else ""
+    line = line.split(". This is typically")[0]
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """``(kind, one line)`` for an exception that ended a rank (kinds in the module docstring)."""
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.training.nonfinite import TrainingStopped
+
+    if isinstance(exc, (TrainingStopped, ConfigError, CheckpointError)):
+        return "stopped", _first_line(exc, 1000)
+    text = str(exc).lower()
+    dist_error = type(exc).__name__.startswith("Dist") or "gloo" in text  # DistBackendError, DistNetworkError
+    if isinstance(exc, RuntimeError) and (dist_error or any(m in text for m in _PEER_MARKERS)):
+        return "peer", _first_line(exc)
+    return "error", f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def is_timeout(line: str) -> bool:
+    return "timed out" in line.lower() or "timeout" in line.lower()
+
+
+def write_report(rank: int, kind: str, line: str, suspect: int | None = None) -> None:
+    """This rank's failure report for the launcher (nothing when not run by ``--nproc-per-node``)."""
+    folder = os.environ.get(REPORT_DIR_ENV)
+    if not folder:
+        return
+    record = {"rank": rank, "pid": os.getpid(), "kind": kind, "line": line, "suspect": suspect, "time": time.time()}
+    tmp = os.path.join(folder, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
+
+
+def handle(exc: BaseException, rank: int, dump) -> int:
+    """Report the exception that ended this rank; returns the exit code. ``dump(reason)``: the watchdog's
+    stack and flight-recorder dump, used when a collective timed out."""
+    kind, line = classify(exc)
+    if kind == "peer" and is_timeout(line):
+        dump(f"a collective timed out: {line}")
+    if kind == "error":
+        traceback.print_exception(exc, file=sys.stderr)
+    if os.environ.get(REPORT_DIR_ENV):
+        write_report(rank, kind, line)
+    elif kind == "peer":
+        log.error("rank %d: lost a peer (%s); the failing rank's own message comes first", rank, line)
+    else:
+        log.error("%s", line if kind == "stopped" else f"rank {rank}: {line}")
+    sys.stderr.flush()
+    return 1
+
+
+def read_reports(folder: str) -> dict[int, dict]:
+    """Every ``rankN.json`` in ``folder`` (JSON written by :func:`write_report`), keyed by rank."""
+    out = {}
+    for name in os.listdir(folder):
+        if re.fullmatch(r"rank\d+\.json", name):
+            with open(os.path.join(folder, name)) as f:
+                rec = json.load(f)
+            out[int(rec["rank"])] = rec
+    return out
+
+
+def _ranks(rs: list[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(str(r) for r in sorted(rs))
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
+    """The launcher's lines for a failed job. ``workers``: one dict per rank with ``rank``, ``pid``,
+    ``exitcode``, ``order`` (exit order) and ``killed`` (by the launcher, after the first failure)."""
+    failed = sorted((w for w in workers if w["exitcode"]), key=lambda w: w["order"])
+    if not failed:
+        return []
+    by_rank = {w["rank"]: w for w in workers}
+    suspects = [r["suspect"] for r in reports.values() if r["kind"] == "watchdog" and r.get("suspect") is not None]
+    causes = [w for w in failed if not w["killed"] and reports.get(w["rank"], {}).get("kind") not in ("peer",
+                                                                                                      "watchdog")]
+    lines, explained = [], set()
+    if suspects and suspects[0] in by_rank and not (causes and causes[0]["rank"] != suspects[0]):
+        w = by_rank[suspects[0]]
+        why = next(r["line"] for r in reports.values() if r.get("suspect") == w["rank"])
+        why = why.split(") ", 1)[1] if why.startswith(f"rank {w['rank']} (") else why
+        lines.append(f"rank {w['rank']} (pid {w['pid']}) stopped responding: {why}")
+        explained.add(w["rank"])
+    else:
+        if causes and all(reports.get(c["rank"], {}).get("kind") == "stopped" for c in causes):
+            causes.sort(key=lambda c: c["rank"])  # the same decision on every rank: name the lowest
+        w = (causes or [w for w in failed if not w["killed"]] or failed)[0]
+        rep = reports.get(w["rank"])
+        what = ("stopped: " if rep["kind"] == "stopped" else "failed: ") + rep["line"] if rep else _exit_text(
+            w["exitcode"])
+        lines.append(f"rank {w['rank']} (pid {w['pid']}) {what}")
+        explained.add(w["rank"])
+    first = reports.get(next(iter(explained)), {}).get("line") or ""
+    groups: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+    for w in failed:
+        if w["rank"] in explained:
+            continue
+        key, text = _reaction(w, reports.get(w["rank"]), first)
+        groups.setdefault(key, []).append(w["rank"])
+        texts.setdefault(key, text)
+    return lines + [f"{_ranks(rs)} {texts[key]}" for key, rs in groups.items()]
+
+
+def _reaction(w: dict, rep: dict | None, first: str) -> tuple[str, str]:
+    """(grouping key, text) of a rank that failed after the one at fault."""
+    if rep is None:
+        return ("killed", "still running then: killed by the launcher") if w["killed"] else (
+            _exit_text(w["exitcode"]),) * 2
+    line = rep["line"]
+    if rep["kind"] == "peer":
+        return "peer", f"then lost the connection to it ({line[:160]})"
+    if rep["kind"] == "watchdog":
+        return "watchdog", "timed out waiting (watchdog: stacks and last collectives above)"
+    if rep["kind"] == "stopped" and line.split(": ", 1)[-1] == first.split(": ", 1)[-1]:
+        return "same", "stopped the same way"
+    return f"{rep['kind']}: {line}", f"failed: {line}"

@@ -1,0 +1,77 @@
+"""Stop a run that has gone numerically wrong before it does harm (``--check-for-nan-in-loss-and-grad``,
+``--max-consecutive-skipped-iterations``).
+
+Every decision here is taken on values that are already equal on every rank, so all ranks raise at the same
+point and no rank is left issuing a collective the others skipped: the step's loss is all-reduced over the
+pipeline and data-parallel groups (and is the same on every tensor-parallel rank), the gradient norm is
+all-reduced over the model-parallel ranks of a replica (and data-parallel replicas hold the same averaged
+gradients), the fp16 overflow flag is MAX-reduced over the replica, and the weight check before a save does
+its own all-reduce on every rank.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from omnitron.backends.collectives import ReduceOp
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose for a reason one line states (the launcher prints it, no traceback)."""
+
+
+class NonFiniteError(TrainingStopped):
+    """A non-finite loss, gradient norm or weight; :meth:`at` adds the iteration and rank."""
+
+    BEFORE_STEP = "stopped before the optimizer step (no checkpoint of these weights is written)"
+
+    def __init__(self, what: str, value, outcome: str = BEFORE_STEP) -> None:
+        self.what, self.value, self.outcome = what, value, outcome
+        super().__init__(f"{what} is {value}")
+
+    def at(self, iteration: int, rank: int) -> NonFiniteError:
+        err = NonFiniteError(self.what, self.value, self.outcome)
+        err.args = (f"iteration {iteration}, rank {rank}: {self.what} is {self.value}, {self.outcome}; lower --lr, "
+                    f"check the data, or resume from the last checkpoint (--no-check-for-nan-in-loss-and-grad turns "
+                    f"this check off)",)
+        return err
+
+
+def check_loss(loss: float, enabled: bool) -> None:
+    """Raise :class:`NonFiniteError` for a non-finite step loss (the loss every rank received)."""
+    if enabled and not math.isfinite(loss):
+        raise NonFiniteError("the loss", loss)
+
+
+def check_grad_norm(norm: float, enabled: bool = True) -> None:
+    """Raise :class:`NonFiniteError` for a non-finite global gradient norm (before clipping and the update)."""
+    if enabled and not math.isfinite(norm):
+        raise NonFiniteError("the gradient norm", norm)
+
+
+@torch.no_grad()
+def weights_finite(tensors, collectives, device=None) -> bool:
+    """True when every rank's ``tensors`` (its optimizer's fp32 masters: what a step updates, and, sliced
+    under the distributed optimizer, no pending gather to race) are all finite. One MAX all-reduce over the
+    world: call on every rank."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    bad = torch.stack(flags).logical_not().any().float().reshape(1) if flags else torch.zeros(1, device=device)
+    if collectives.is_initialized():
+        collectives.all_reduce(bad, op=ReduceOp.MAX)
+    return bool(bad.item() == 0)
+
+
+class SkipCounter:
+    """Counts fp16 steps skipped in a row on overflow; raises once ``limit`` is reached (0: never)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.run = limit, 0
+
+    def update(self, skipped: bool, iteration: int, rank: int, loss_scale: float | None) -> None:
+        self.run = self.run + 1 if skipped else 0
+        if self.limit and self.run >= self.limit:
+            raise TrainingStopped(
+                f"iteration {iteration}, rank {rank}: {self.run} consecutive steps skipped on fp16 gradient overflow "
+                f"(loss scale {loss_scale:g}): the scale cannot recover; lower --loss-scale or use dynamic scaling "
+                f"(drop --loss-scale), or --bf16 (--max-consecutive-skipped-iterations sets the limit)")

@@ -1,0 +1,215 @@
+"""Hang watchdog: nothing waits forever on a frozen, dead or deadlocked peer.
+
+Each rank runs two daemon threads from the moment its process group exists:
+
+- a *heartbeat* thread that, every ``interval`` seconds, bumps this rank's counter in the rendezvous store
+  (a client connection of its own), reads the counter of the next rank (``rank + 1`` mod world: every rank
+  is watched by one other, O(world) store traffic) and polls the job's ``abort`` key;
+- a *monitor* thread that does no I/O and fires when the training step (or validation) under
+  :meth:`Watchdog.deadline` has run longer than the timeout, when the watched rank's counter has not
+  moved for the timeout, when the store itself has not answered for the timeout (the host of the store
+  frozen or gone; store calls cannot be relied on to time out), or when another rank published ``abort``.
+
+Firing publishes ``abort`` (so every reachable rank stops within one interval), dumps every Python thread's
+stack (faulthandler) and the last collectives of the flight recorder
+(``omnitron.backends.collectives.flight_recorder_dump`` where the build has one), writes the launcher's
+failure report and exits with :data:`EXIT_CODE`. This works on any backend, including p2p waits, which
+gloo never times out; collectives additionally carry the process-group timeout (the same value).
+A rank that finishes writes ``done`` as its last heartbeat, so its watcher stops watching it.
+"""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+from omnitron.core.training import failures
+
+EXIT_CODE = 75
+"""Exit status of a rank stopped by the watchdog (EX_TEMPFAIL: an elastic restart may succeed)."""
+TIMEOUT_ENV = "OMNITRON_DISTRIBUTED_TIMEOUT_S"
+"""Seconds, overriding --distributed-timeout-minutes (tests use a few seconds; minutes are too coarse)."""
+
+
+def distributed_timeout_s(minutes: float) -> float:
+    """The collective / watchdog timeout in seconds: ``$OMNITRON_DISTRIBUTED_TIMEOUT_S`` if set, else the flag."""
+    env = os.environ.get(TIMEOUT_ENV)
+    return float(env) if env else float(minutes) * 60.0
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds between heartbeats: a twelfth of the timeout, between 0.2 s and 5 s."""
+    return min(5.0, max(0.2, timeout_s / 12.0))
+
+
+def dump_state(reason: str, rank: int, out=None) -> None:
+    """Print ``reason``, every Python thread's stack and the flight recorder's last collectives to stderr."""
+    out = out or sys.stderr
+    print(f"[omnitron watchdog] rank {rank} (pid {os.getpid()}): {reason}\n"
+          f"[omnitron watchdog] rank {rank}: Python stacks of every thread:", file=out, flush=True)
+    try:
+        faulthandler.dump_traceback(file=out, all_threads=True)
+    except (ValueError, OSError, AttributeError):  # no real file descriptor behind ``out``
+        pass
+    from omnitron.backends import collectives
+
+    recorder = getattr(collectives, "flight_recorder_dump", None)
+    lines = recorder() if recorder is not None else None
+    if lines is None:
+        print(f"[omnitron watchdog] rank {rank}: this build has no collective flight recorder; the stacks above "
+              f"show where each thread waits", file=out, flush=True)
+    else:
+        print(f"[omnitron watchdog] rank {rank}: last collectives (flight recorder, oldest first):", file=out)
+        for line in lines:
+            print(f"  {line}", file=out)
+        out.flush()
+
+
+def _frozen(rank: int, info: str, seconds: str) -> str:
+    return (f"rank {rank} ({info or 'pid unknown'}) sent no heartbeat for {seconds} s: it is frozen (SIGSTOP, a "
+            f"debugger, swapping) or its host is unreachable")
+
+
+class NullWatchdog:
+    """The one-process stand-in: no deadlines, nothing to stop."""
+
+    def deadline(self, what: str):
+        return contextlib.nullcontext()
+
+    def dump(self, reason: str) -> None:
+        """Nothing to dump without peers."""
+
+    def stop(self) -> None:
+        """Nothing runs."""
+
+
+class Watchdog(NullWatchdog):
+    """This rank's heartbeat and deadline threads (see the module docstring).
+
+    ``connect``: returns a fresh store client (the heartbeat thread's own connection, with the process
+    group's key prefix); ``timeout_s``: the limit for a step, a silent peer and a silent store."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float, connect, interval_s: float | None = None) -> None:
+        self.rank, self.world, self.timeout = rank, world, float(timeout_s)
+        self.interval = interval_s or heartbeat_interval(self.timeout)
+        self._connect, self._peer = connect, (rank + 1) % world
+        self._phase: tuple[str, float] | None = None
+        self._stop, self._fired = threading.Event(), threading.Lock()
+        now = time.monotonic()
+        self._store_ok = self._peer_seen = now
+        self._peer_done, self._peer_info, self._abort = False, "", None
+        self._threads = [threading.Thread(target=self._guard, args=(fn,), name=f"omnitron-watchdog-{fn.__name__}",
+                                          daemon=True) for fn in (self._heartbeat, self._monitor)]
+
+    def start(self) -> Watchdog:
+        for t in self._threads:
+            t.start()
+        return self
+
+    @contextlib.contextmanager
+    def deadline(self, what: str):
+        """Fire when the block (a training step, a validation) runs longer than the timeout."""
+        self._phase = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._phase = None
+
+    def dump(self, reason: str) -> None:
+        dump_state(reason, self.rank)
+
+    def stop(self) -> None:
+        """Write ``done`` as the last heartbeat and end both threads (a clean exit is not a silent rank)."""
+        self._phase = None
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.interval + 2.0)
+
+    # ---- threads ---------------------------------------------------------------------------
+    def _guard(self, fn) -> None:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - a broken store connection is itself the fault
+            if not self._stop.is_set():
+                self.fire(f"the rendezvous store failed ({type(err).__name__}: {str(err).splitlines()[0][:160]}): "
+                          f"the launcher or torchrun agent that hosts it is gone")
+
+    def _heartbeat(self) -> None:
+        store = self._connect()
+        store.set(f"info/{self.rank}", f"pid {os.getpid()} on {socket.gethostname()}")
+        count, last = 0, None
+        peer_key, info_key = f"hb/{self._peer}", f"info/{self._peer}"
+        while not self._stop.wait(self.interval):
+            count += 1
+            store.set(f"hb/{self.rank}", str(count))
+            if store.check([peer_key]):
+                value = store.get(peer_key)
+                if value != last:
+                    last, self._peer_seen = value, time.monotonic()
+                self._peer_done = value == b"done"
+            if not self._peer_info and store.check([info_key]):
+                self._peer_info = store.get(info_key).decode()
+            if store.check(["abort"]):
+                self._abort = json.loads(store.get("abort").decode())
+            self._store_ok = time.monotonic()
+        store.set(f"hb/{self.rank}", "done")
+
+    def _monitor(self) -> None:
+        while not self._stop.wait(self.interval / 2):
+            now, phase = time.monotonic(), self._phase
+            if self._abort is not None:
+                a = self._abort
+                self.fire(f"stopping because rank {a['rank']} gave up: {a['reason']}", a.get("suspect"), publish=False)
+            elif phase is not None and now - phase[1] > self.timeout:
+                waited = f"{phase[0]} has not finished after {now - phase[1]:.0f} s"
+                stale = self._census()  # a silent rank, if there is one, is the cause: name it
+                if stale:
+                    self.fire(_frozen(*stale[0], f"{2.5 * self.interval:.1f}") + f"; {waited}", suspect=stale[0][0])
+                self.fire(f"{waited} (a collective or p2p transfer that never completes; limit "
+                          f"--distributed-timeout-minutes)")
+            elif not self._peer_done and now - self._peer_seen > self.timeout:
+                self.fire(_frozen(self._peer, self._peer_info, f"{now - self._peer_seen:.0f}"), suspect=self._peer)
+            elif now - self._store_ok > self.timeout + self.interval:
+                self.fire(f"the rendezvous store has not answered for {now - self._store_ok:.0f} s: the launcher or "
+                          f"torchrun agent that hosts it is frozen or gone")
+
+    def _census(self) -> list[tuple[int, str]]:
+        """``(rank, info)`` of the ranks whose heartbeat did not move over 2.5 intervals (read when a deadline
+        expires, in a helper thread: the store may be what hangs)."""
+        found: list[tuple[int, str]] = []
+
+        def run() -> None:
+            store = self._connect()
+            keys = [f"hb/{r}" for r in range(self.world)]
+            before = [store.get(k) if store.check([k]) else None for k in keys]
+            time.sleep(2.5 * self.interval)
+            after = [store.get(k) if store.check([k]) else None for k in keys]
+            for r in range(self.world):
+                if r != self.rank and before[r] == after[r] and after[r] != b"done":
+                    info = store.get(f"info/{r}").decode() if store.check([f"info/{r}"]) else ""
+                    found.append((r, info))
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout=3 * self.interval + 2.0)
+        return list(found)
+
+    # ---- firing ----------------------------------------------------------------------------
+    def fire(self, reason: str, suspect: int | None = None, publish: bool = True) -> None:
+        """Publish ``abort``, dump stacks and the flight recorder, report, exit (once, from any thread)."""
+        if not self._fired.acquire(blocking=False):
+            return
+        if publish:  # best effort: the store may be the thing that is frozen
+            payload = json.dumps({"rank": self.rank, "reason": reason, "suspect": suspect})
+            t = threading.Thread(target=lambda: self._connect().set("abort", payload), daemon=True)
+            t.start()
+            t.join(timeout=2.0)
+        self.dump(reason)
+        failures.write_report(self.rank, "watchdog", reason, suspect=suspect)
+        sys.stderr.flush()
+        os._exit(EXIT_CODE)

@@ -1,0 +1,155 @@
+"""Worker processes that never outlive their launcher, join each restart attempt cleanly, and fail loudly.
+
+- :func:`die_with_parent`: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes)
+  plus a thread that polls the parent pid once a second (other systems, and the instant before prctl),
+  so a ``kill -9`` of the launcher or of torchrun's agent leaves no orphan training on.
+- :func:`join_job`: one rendezvous store per restart attempt (``PrefixStore`` keyed on
+  ``TORCHELASTIC_RESTART_COUNT``: a restarted torchrun attempt would otherwise read the dead attempt's
+  gloo addresses and fail with "connectFullMesh ... Connection refused"), the process group with
+  ``--distributed-timeout-minutes``, and the rank's :class:`~omnitron.core.training.watchdog.Watchdog`.
+- :func:`run_workers`: ``--nproc-per-node N``. The launcher hosts the store (a frozen rank 0 does not take it
+  down), supervises the workers, and after the first failure gives the others a grace period to report,
+  then kills what is left (a frozen worker, a worker stuck on a dead peer) and prints
+  :func:`omnitron.core.training.failures.summarize`.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+from omnitron.core.training import failures
+from omnitron.core.training.watchdog import Watchdog, distributed_timeout_s, heartbeat_interval
+
+PR_SET_PDEATHSIG = 1
+HOSTED_STORE_ENV = "OMNITRON_LAUNCHER_STORE"
+"""Set by the launcher for its workers: the store is hosted by the launcher, every rank is a client."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Kill this process (SIGKILL) as soon as ``parent_pid`` is no longer its parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.getppid() != parent_pid:  # gone already, before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="omnitron-parent-watch", daemon=True).start()
+
+
+def attempt() -> int:
+    """The restart attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+JOIN_TIMEOUT_S = 300.0
+"""The least time the store waits for every rank to arrive: a slow start (imports on a loaded machine) is
+not a hang, whatever the collective timeout (the watchdog and the collectives keep theirs)."""
+
+
+def open_store(timeout_s: float, is_master: bool):
+    """A client (or, for ``is_master``, the host) of the job's store at MASTER_ADDR:MASTER_PORT, with this
+    attempt's key prefix; its waits last ``max(timeout_s, JOIN_TIMEOUT_S)``."""
+    import torch.distributed as dist
+
+    wait = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master, wait, multi_tenant=is_master)
+    return dist.PrefixStore(f"omnitron/attempt_{attempt()}/", base)
+
+
+def _store_hosted_elsewhere() -> bool:
+    """torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE``) or our launcher hosts the store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or os.environ.get(HOSTED_STORE_ENV) == "1"
+
+
+def join_job(settings, backend) -> Watchdog:
+    """Store, process group and watchdog of this rank (``RANK``/``WORLD_SIZE``/``MASTER_*`` from the launcher)."""
+    timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = open_store(timeout, is_master=rank == 0 and not _store_hosted_elsewhere())
+    # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
+    store.set(f"arrived/{rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(world)], datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT_S)))
+    backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=timeout, store=store)
+    return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
+
+
+def _supervise(procs: list, grace_s: float) -> list[dict]:
+    """Wait for every worker; ``grace_s`` after the first failure, kill the ones still running."""
+    from multiprocessing.connection import wait
+
+    pending = {p.sentinel: r for r, p in enumerate(procs)}
+    order, killed, failed_at = {}, set(), None
+    while pending:
+        left = None if failed_at is None or killed else max(0.0, failed_at + grace_s - time.monotonic())
+        for sentinel in wait(list(pending), timeout=left):
+            r = pending.pop(sentinel)
+            procs[r].join()
+            order[r] = len(order)
+            if procs[r].exitcode and failed_at is None:
+                failed_at = time.monotonic()
+        if failed_at is not None and not killed and pending and time.monotonic() >= failed_at + grace_s:
+            for r in pending.values():
+                killed.add(r)
+                procs[r].kill()  # SIGKILL: also ends a stopped (SIGSTOP) process
+    return [{"rank": r, "pid": p.pid, "exitcode": p.exitcode, "order": order[r], "killed": r in killed}
+            for r, p in enumerate(procs)]
+
+
+def run_workers(settings, entry, n: int, worker) -> int:
+    """Spawn ``worker(rank, n, port, settings, entry, launcher_pid)`` for every rank; the job's exit code."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from omnitron.testing.distributed import free_port
+
+    port = int(os.environ.get("MASTER_PORT") or free_port())
+    timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
+    store = dist.TCPStore("127.0.0.1", port, n, True, datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT_S)),
+                          wait_for_workers=False)
+    report_dir = tempfile.mkdtemp(prefix="omnitron-failures-")
+    saved = {k: os.environ.get(k) for k in (HOSTED_STORE_ENV, failures.REPORT_DIR_ENV)}
+    os.environ.update({HOSTED_STORE_ENV: "1", failures.REPORT_DIR_ENV: report_dir})  # inherited by spawn
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, n, port, settings, entry, os.getpid())) for r in range(n)]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers get the terminal's SIGINT themselves
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.is_alive() and p.pid:
+                os.kill(p.pid, signum)
+
+    previous_term = signal.signal(signal.SIGTERM, forward)
+    try:
+        for p in procs:
+            p.start()
+        workers = _supervise(procs, grace_s=max(5.0, 2 * heartbeat_interval(timeout) + 2.0))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    reports = failures.read_reports(report_dir)
+    shutil.rmtree(report_dir, ignore_errors=True)
+    del store
+    codes = [w["exitcode"] for w in workers]
+    if not any(codes):
+        return 0
+    for line in failures.summarize(workers, reports):
+        print(f"omnitron train: {line}", file=sys.stderr)
+    print(f"omnitron train: worker exit codes {codes}", file=sys.stderr)
+    return 1

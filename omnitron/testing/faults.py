@@ -1,0 +1,85 @@
+"""Fault-injection helpers for the fault-tolerance tests and ``benchmarks/faults.py``: a tiny training
+command, the worker processes of a launcher (from /proc, Linux), waiting for progress and for processes
+to be gone."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def tiny_train_args(tmp_path, *extra: str) -> list[str]:
+    """A 2-layer GPT on mock data, logging every step into ``tmp_path/ck``'s metrics."""
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100",
+            "--num-workers", "0", "--log-interval", "1", "--no-tensorboard", "--data-cache-path",
+            os.path.join(str(tmp_path), "cache"), "--log-dir", os.path.join(str(tmp_path), "logs"), *extra]
+
+
+def start(args: list[str], env: dict | None = None, launcher: tuple = ("-m", "omnitron", "train")) -> subprocess.Popen:
+    """``python -m omnitron train ARGS`` (or another ``launcher``) with merged stdout/stderr."""
+    full = dict(os.environ, OMNITRON_KERNELS="reference", **(env or {}))
+    return subprocess.Popen([sys.executable, *launcher, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=full)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` that run Python (the spawned workers, not helper processes)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and (b"spawn_main" in cmd or b"omnitron" in cmd):
+            out.append(int(entry))
+    return sorted(out)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> float:
+    """Seconds until every pid is gone; raises AssertionError after ``timeout_s``."""
+    t0 = time.monotonic()
+    while any(alive(p) for p in pids):
+        assert time.monotonic() - t0 < timeout_s, f"still alive after {timeout_s} s: {[p for p in pids if alive(p)]}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def records(metrics: str) -> list[dict]:
+    """The training records of a metrics.jsonl (complete lines only)."""
+    if not os.path.exists(metrics):
+        return []
+    with open(metrics) as f:
+        lines = f.read().split("\n")[:-1]
+    return [r for r in (json.loads(line) for line in lines if line.strip()) if "lm_loss" in r]
+
+
+def wait_for_iteration(metrics: str, iteration: int, proc: subprocess.Popen, timeout_s: float = 180.0) -> list[dict]:
+    """Poll ``metrics`` until it holds ``iteration``; the records then. Fails if ``proc`` ends first."""
+    t0 = time.monotonic()
+    while True:
+        recs = records(metrics)
+        if recs and recs[-1]["iteration"] >= iteration:
+            return recs
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before iteration {iteration}:\n"
+                                 f"{proc.stdout.read()}")
+        assert time.monotonic() - t0 < timeout_s, f"no iteration {iteration} after {timeout_s} s"
+        time.sleep(0.02)

@@ -1,0 +1,146 @@
+"""Distributed faults under ``omnitron train --nproc-per-node 2`` and torchrun: a frozen rank, a killed
+launcher, a killed worker, an elastic restart. Each asserts the outcome (every process gone in time, the exit
+code, the resumed loss curve) and the message. The watchdog's timeout is set in seconds through
+``OMNITRON_DISTRIBUTED_TIMEOUT_S`` (the flag's minutes would make these tests minutes long)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from omnitron.testing.faults import children, records, start, tiny_train_args, wait_for_iteration, wait_gone
+
+TIMEOUT_S = 6.0
+"""The watchdog / collective timeout of these runs: long enough for a step on a loaded 2-core machine."""
+
+
+def _run(tmp_path, *extra, env=None):
+    args = tiny_train_args(tmp_path, "--train-iters", "100000", "--nproc-per-node", "2",
+                           "--tensor-model-parallel-size", "2", *extra)
+    return start(args, env={"OMNITRON_DISTRIBUTED_TIMEOUT_S": str(TIMEOUT_S), **(env or {})})
+
+
+def _launcher_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("omnitron train:")]
+
+
+def test_frozen_rank_everything_exits_with_stacks(tmp_path):
+    proc = _run(tmp_path)
+    wait_for_iteration(str(tmp_path / "logs" / "metrics.jsonl"), 2, proc)
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGSTOP)
+    # detection after TIMEOUT_S (+ one heartbeat interval), then the launcher's grace (5 s) before it kills
+    # the frozen one; 60 s leaves room for a loaded machine
+    wait_gone([proc.pid, *workers], 60)
+    out = proc.stdout.read()
+    assert proc.wait() == 1
+    lines = _launcher_lines(out)
+    assert re.match(rf"omnitron train: rank 1 \(pid {workers[1]}\) stopped responding: sent no heartbeat for \d+ s",
+                    lines[0]), out
+    assert lines[1].startswith("omnitron train: rank 0 timed out waiting (watchdog"), out
+    assert f"[omnitron watchdog] rank 0 (pid {workers[0]}): rank 1" in out
+    assert "Python stacks of every thread" in out and "in train" in out  # rank 0's main thread, in the loop
+
+
+def test_killed_launcher_takes_its_workers(tmp_path):
+    proc = _run(tmp_path, "--save", str(tmp_path / "ck"), "--save-interval", "1")
+    wait_for_iteration(str(tmp_path / "logs" / "metrics.jsonl"), 2, proc)
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_gone(workers, 10)
+    saved = sorted(os.listdir(tmp_path / "ck"))
+    time.sleep(1.0)
+    assert sorted(os.listdir(tmp_path / "ck")) == saved  # nobody trains on
+
+
+def test_killed_worker_is_named_first(tmp_path):
+    proc = _run(tmp_path)
+    wait_for_iteration(str(tmp_path / "logs" / "metrics.jsonl"), 2, proc)
+    workers = children(proc.pid)
+    os.kill(workers[1], signal.SIGKILL)
+    wait_gone([proc.pid, *workers], 30)
+    out = proc.stdout.read()
+    assert proc.wait() == 1
+    lines = _launcher_lines(out)
+    assert lines[0] == f"omnitron train: rank 1 (pid {workers[1]}) was killed by signal SIGKILL", out
+    assert lines[1].startswith("omnitron train: rank 0 then lost the connection to it ("), out
+    assert lines[2] == "omnitron train: worker exit codes [1, -9]"
+    assert "Traceback" not in out  # the other rank's gloo error is the one line above
+
+
+def test_step_deadline_fires_on_a_live_but_stuck_rank(tmp_path):
+    """A rank alive and heartbeating but stuck inside a step (a p2p that never completes) is stopped by the
+    step deadline, with its stack (the stuck frame) and exit code 75."""
+    script = (
+        "import time\n"
+        "from omnitron.core.training.watchdog import Watchdog\n"
+        "class Store(dict):\n"
+        "    def set(self, k, v): self[k] = v.encode() if isinstance(v, str) else v\n"
+        "    def get(self, k): return self[k]\n"
+        "    def check(self, keys): return all(k in self for k in keys)\n"
+        "store = Store()\n"
+        "wd = Watchdog(0, 1, 1.5, lambda: store, interval_s=0.2).start()\n"
+        "def stuck_in_p2p():\n"
+        "    time.sleep(30)\n"
+        "with wd.deadline('iteration 7'):\n"
+        "    stuck_in_p2p()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75, proc.stderr
+    assert re.search(r"rank 0 \(pid \d+\): iteration 7 has not finished after \d s", proc.stderr), proc.stderr
+    assert "in stuck_in_p2p" in proc.stderr
+
+
+def test_torchrun_restart_resumes_bit_identically(tmp_path):
+    """torchrun --max-restarts 1, one worker killed after the checkpoint at iteration 4: the restarted attempt
+    rendezvous, resumes from it and repeats the iterations the killed attempt had already run with the very
+    same losses (bit for bit), then finishes."""
+    save, metrics = tmp_path / "ck", str(tmp_path / "logs" / "metrics.jsonl")
+    args = tiny_train_args(tmp_path, "--train-iters", "9", "--tensor-model-parallel-size", "2", "--save", str(save),
+                           "--load", str(save), "--save-interval", "4")
+    proc = start(["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "omnitron",
+                  "train", *args], launcher=("-m", "torch.distributed.run"),
+                 env={"OMNITRON_DISTRIBUTED_TIMEOUT_S": "30"})
+    first = {r["iteration"]: r["lm_loss"] for r in wait_for_iteration(metrics, 5, proc)}
+    workers = children(proc.pid)  # torchrun's agent is the launched process itself
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "resumed from" in out and "iter_0000004" in out, out
+    second = {r["iteration"]: r["lm_loss"] for r in records(metrics)}
+    assert sorted(second) == list(range(1, 10))
+    repeated = [i for i in first if i > 4]
+    assert repeated and all(second[i] == first[i] for i in repeated), (first, second)
+
+
+def test_summary_names_the_cause_first():
+    """The launcher's lines from exit codes and reports (pure logic): the cause first, reactions grouped."""
+    from omnitron.core.training.failures import classify, summarize
+
+    def w(rank, code, order, killed=False):
+        return {"rank": rank, "pid": 100 + rank, "exitcode": code, "order": order, "killed": killed}
+
+    peer = classify(RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by "
+                                 "peer. This is typically caused by a remote worker hanging"))
+    assert peer == ("peer", "Read error [127.0.0.1]:1: Connection reset by peer")
+    reports = {r: {"rank": r, "kind": peer[0], "line": peer[1]} for r in (0, 1, 3)}
+    assert summarize([w(0, 1, 1), w(1, 1, 2), w(2, -9, 0), w(3, 1, 3)], reports) == [
+        "rank 2 (pid 102) was killed by signal SIGKILL",
+        "ranks 0, 1, 3 then lost the connection to it (Read error [127.0.0.1]:1: Connection reset by peer)"]
+    frozen = "rank 1 (pid 101 on h) sent no heartbeat for 61 s: it is frozen"
+    reports = {0: {"rank": 0, "kind": "watchdog", "line": frozen, "suspect": 1}}
+    assert summarize([w(0, 75, 0), w(1, -9, 1, killed=True)], reports) == [
+        "rank 1 (pid 101) stopped responding: sent no heartbeat for 61 s: it is frozen",
+        "rank 0 timed out waiting (watchdog: stacks and last collectives above)"]
+    err = classify(ValueError("bad shape"))
+    reports = {1: {"rank": 1, "kind": err[0], "line": err[1]}, 0: {"rank": 0, "kind": "peer", "line": "closed"}}
+    assert summarize([w(0, 1, 1), w(1, 1, 0)], reports) == [
+        "rank 1 (pid 101) failed: ValueError: bad shape", "rank 0 then lost the connection to it (closed)"]

@@ -1,0 +1,124 @@
+"""--check-for-nan-in-loss-and-grad and --max-consecutive-skipped-iterations: a run that goes non-finite stops
+before the optimizer step with a line naming iteration, rank and what, writes no checkpoint of the bad weights
+and exits non-zero; clipping is not switched off by a non-finite norm."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from omnitron.backends import get_backend
+from omnitron.core.config.training import OptimizerConfig
+from omnitron.core.optim import MixedPrecisionOptimizer
+from omnitron.core.optim.clip import clip_coefficient
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.training.arguments import parse_settings
+from omnitron.core.training.loop import train
+from omnitron.core.training.nonfinite import NonFiniteError, TrainingStopped, check_grad_norm
+from omnitron.testing.faults import records, start, tiny_train_args
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+
+
+def test_clip_coefficient_is_not_switched_off_by_a_non_finite_norm():
+    assert math.isnan(clip_coefficient(float("nan"), 1.0))
+    assert clip_coefficient(float("inf"), 1.0) == 0.0
+    assert clip_coefficient(float("nan"), 0.0) == 1.0  # --clip-grad 0: clipping is off by request
+
+
+def test_overflowing_fp32_norm_is_recounted_and_clips():
+    """|g| ~ 1e20: fp32 squares overflow (inf) although every gradient is finite; the norm must still be the
+    float64 one (rel 1e-6: fp32 gradients, exact float64 squares, one rounding of the sqrt) and clip the step."""
+    model = _model(seed=int(torch.randint(0, 2**31 - 1, ())))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=g, dtype=torch.float64) * 1e20).float()
+    ref = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = OptimizerConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, sgd_momentum=0.0, clip_grad=1.0)
+    opt = MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu"))
+    res = opt.step(1.0)
+    assert res.grad_norm == pytest.approx(ref, rel=1e-6)
+    # the applied update is the clipped gradient: norm 1 (up to the 1e-6 of clip_coefficient's epsilon)
+    moved = math.sqrt(sum(float((b.double() - p.detach().double()).square().sum())
+                          for b, p in zip(before, model.parameters())))
+    assert moved == pytest.approx(1.0, rel=1e-5)
+
+
+def test_non_finite_norm_stops_before_the_update():
+    model = _model(seed=3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    next(model.parameters()).grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = MixedPrecisionOptimizer(model.named_parameters(), OptimizerConfig(), ParallelGroups.single(),
+                                  backend=get_backend("cpu"))
+    with pytest.raises(NonFiniteError, match="the gradient norm is nan"):
+        opt.step(1e-3, check_norm=check_grad_norm)
+    assert opt.step_count == 0 and all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(torch.equal(s, torch.zeros_like(s)) for s in opt.state["exp_avg"])
+
+
+def _args(tmp_path, *extra):
+    return tiny_train_args(tmp_path, "--micro-batch-size", "2", "--global-batch-size", "4", *extra)
+
+
+def test_bf16_huge_lr_stops_naming_iteration_and_rank(tmp_path):
+    save = tmp_path / "ck"
+    settings = parse_settings(_args(tmp_path, "--bf16", "--lr", "1e10", "--train-iters", "6", "--save", str(save),
+                                    "--save-interval", "1"), 1)
+    with pytest.raises(NonFiniteError) as info:
+        train(settings, get_backend("cpu"))
+    msg = str(info.value)
+    m = re.match(r"iteration (\d+), rank 0: the (loss|gradient norm) is (nan|inf)", msg)
+    assert m and "before the optimizer step" in msg, msg
+    stopped_at = int(m.group(1))
+    done = [r["iteration"] for r in records(str(tmp_path / "logs" / "metrics.jsonl"))]
+    assert done == list(range(1, stopped_at)) and 2 <= stopped_at < 6
+    assert open(save / "latest").read() == f"iter_{stopped_at - 1:07d}"  # nothing at or after the bad step
+    assert sorted(os.listdir(save)) == [f"iter_{i:07d}" for i in range(1, stopped_at)] + ["latest"]
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    """--lr 1e39 overflows fp32 in the update itself (finite loss and norm): the save is refused."""
+    save = tmp_path / "ck"
+    settings = parse_settings(_args(tmp_path, "--lr", "1e39", "--train-iters", "4", "--save", str(save),
+                                    "--save-interval", "1"), 1)
+    with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: a weight is not finite, found before saving: the "
+                                             r"checkpoint was not written"):
+        train(settings, get_backend("cpu"))
+    assert not os.path.exists(save / "iter_0000001") and not os.path.exists(save / "latest")
+
+
+def test_fp16_skip_limit_stops_with_a_message(tmp_path):
+    settings = parse_settings(_args(tmp_path, "--fp16", "--loss-scale", "1e10", "--train-iters", "20",
+                                    "--max-consecutive-skipped-iterations", "3"), 1)
+    with pytest.raises(TrainingStopped, match=r"iteration 3, rank 0: 3 consecutive steps skipped on fp16 gradient "
+                                              r"overflow \(loss scale 1e\+?10"):
+        train(settings, get_backend("cpu"))
+    recs = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert [r["skipped_iters"] for r in recs] == [1, 1, 1]
+
+
+def test_two_ranks_stop_together_and_exit_nonzero(tmp_path):
+    """fp32 at tp2 under the launcher: both ranks stop at the same iteration, the launcher's first line
+    names it, the exit code is 1, and no checkpoint holds the bad step."""
+    save = tmp_path / "ck"
+    proc = start(_args(tmp_path, "--lr", "1e10", "--train-iters", "6", "--nproc-per-node", "2",
+                       "--tensor-model-parallel-size", "2", "--save", str(save), "--save-interval", "1"))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 1, out
+    lines = [line for line in out.splitlines() if line.startswith("omnitron train:")]
+    m = re.match(r"omnitron train: rank 0 \(pid \d+\) stopped: iteration (\d+), rank 0: the (loss|gradient norm) "
+                 r"is (nan|inf)", lines[0])
+    assert m, out
+    assert lines[1] == "omnitron train: rank 1 stopped the same way", out
+    assert "Traceback" not in out
+    assert open(save / "latest").read() == f"iter_{int(m.group(1)) - 1:07d}"
