@@ -25,6 +25,7 @@ Not supported yet (a clear error): MoE experts and replicated-KV attention (quer
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -37,6 +38,23 @@ from omnitron.core.checkpoint.io import CheckpointError
 from omnitron.core.parallel.tensor.mappings import local_rank
 
 FORMAT = "torch_dist"
+
+
+@contextlib.contextmanager
+def _one_line(what: str, path: str):
+    """DCP reports a failure on any rank to every rank as a multi-line ``CheckpointException`` (a
+    BaseException): raise the first failure as one CheckpointError line instead (on every rank alike)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        rank, (exc, _) = sorted(err.failures.items())[0]
+        if isinstance(exc, CheckpointError):
+            raise CheckpointError(str(exc)) from None
+        why = " ".join(str(exc).split())[:300]
+        raise CheckpointError(f"{path}: torch_dist {what} failed on rank {rank} ({type(exc).__name__}: {why}); "
+                              f"load an earlier iteration, or re-save") from None
 
 
 def check_supported(modules) -> None:
@@ -124,7 +142,8 @@ def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, 
     barrier()
     pieces = {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
-    dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner())
+    with _one_line("save", tmp):
+        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner())
     for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):
         integrity.write_digest(f)
     if rank == 0:
@@ -142,8 +161,6 @@ def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, 
 def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     """Collective over the world: read this rank's weights (and optimizer pieces) from checkpoint
     ``path`` (any layout) into the live tensors. Counters, scheduler and RNG are the caller's."""
-    import torch.distributed.checkpoint as dcp
-
     check_supported(c.modules)
     pieces = model_pieces(c, save=False)
     if with_optimizer:
@@ -152,6 +169,13 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
             raise CheckpointError(f"--load {path}: checkpoint optimizer {saved!r} differs from --optimizer "
                                   f"{c.optimizer.config.optimizer!r}; pass the same --optimizer or use --no-load-optim")
         pieces.update(optimizer_pieces(c, save=False))
-    with torch.no_grad():
-        dcp.load(pieces, storage_reader=VerifiedReader(path, meta.get("checksums") or {}),
-                 planner=PieceLoadPlanner(path))
+    read(pieces, path, meta.get("checksums") or {})
+
+
+def read(pieces: Pieces, path: str, checksums: dict[str, str]) -> None:
+    """Fill every piece of ``pieces`` from checkpoint directory ``path`` (collective over the world when
+    a process group exists), each file verified against ``checksums`` first."""
+    import torch.distributed.checkpoint as dcp
+
+    with torch.no_grad(), _one_line("load", path):
+        dcp.load(pieces, storage_reader=VerifiedReader(path, checksums), planner=PieceLoadPlanner(path))

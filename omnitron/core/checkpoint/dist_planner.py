@@ -89,10 +89,10 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         return self.plan
 
     def resolve_tensor(self, read_item) -> torch.Tensor:
-        from torch.distributed.checkpoint.utils import narrow_tensor_by_index
-
         view = self.pieces[read_item.dest_index.fqn][1][read_item.dest_index.index][1]
-        return narrow_tensor_by_index(view, read_item.dest_offsets, read_item.lengths)
+        for dim, (off, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, off, n)
+        return view
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         """Nothing: :meth:`resolve_tensor` handed out the live view, which the reader filled."""
@@ -100,10 +100,10 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
 _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in
             ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
-             "MetadataIndex", "StorageMeta")}
+             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
 _ALLOWED |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
              ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "layout"),
-             ("torch", "memory_format"), ("builtins", "getattr")}
+             ("torch", "memory_format"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
