@@ -111,13 +111,15 @@ def _begin(save_dir: str, final: str) -> None:
     os.makedirs(final + ".tmp")
 
 
-def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep_last_n: int | None) -> None:
-    """Write metadata.json into ``iter_N.tmp``, rename it to ``iter_N``, then move ``latest``."""
+def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep_last_n: int | None,
+            extra: list[str] = ()) -> None:
+    """Write metadata.json into ``iter_N.tmp``, rename it to ``iter_N``, then move ``latest``.
+    ``extra``: files besides the rank shards whose writers left digests (``torch_dist``'s DCP files)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     tmp = final + ".tmp"
     names = [shard_name(r) for r in range(world_size)]
     try:
-        checksums = integrity.collect_digests(tmp, names)
+        checksums = integrity.collect_digests(tmp, names + list(extra))
     except integrity.IntegrityError as err:
         raise CheckpointError(str(err)) from None
     meta = dict(metadata, format_version=FORMAT_VERSION, iteration=iteration, world_size=world_size,

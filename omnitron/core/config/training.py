@@ -230,9 +230,14 @@ class CheckpointConfig:
     """--no-load-rng: do not restore RNG states."""
     save_on_signal: bool = True
     """Finish the current step, save and exit on SIGTERM/SIGINT (when --save is set)."""
+    ckpt_format: str = "torch"
+    """--ckpt-format: ``torch`` (one torch.save file per rank) or ``torch_dist`` (torch.distributed.checkpoint:
+    each rank writes only the slices it owns; loads under any layout). Loading reads either."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
             raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"--keep-last-n must be >= 1, got {self.keep_last_n}")
+        if self.ckpt_format not in ("torch", "torch_dist"):
+            raise ConfigError(f"--ckpt-format {self.ckpt_format!r} is not one of torch, torch_dist")

@@ -212,7 +212,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     bufs[j].copy_(entry[key].reshape(-1)[s.lo:s.hi])
                 if "master" in entry and self.params[s.param].dtype != torch.float32:
                     self.masters[j].copy_(entry["master"].reshape(-1)[s.lo:s.hi])
-        self._load_counters(state)
+        self.load_counters(state)
 
 
 def _plan_slices(params: list[torch.nn.Parameter], chunks) -> tuple[list[_Slice], list[_BucketPlan]]:

@@ -241,9 +241,9 @@ class MixedPrecisionOptimizer:
                     bufs[i].copy_(entry[key])
                 if "master" in entry:
                     self.masters[i].copy_(entry["master"])
-        self._load_counters(state)
+        self.load_counters(state)
 
-    def _load_counters(self, state: dict) -> None:
+    def load_counters(self, state: dict) -> None:
         """The step count and the loss scaler's state."""
         self.step_count = int(state["step"])
         if self.loss_scaler is not None and "loss_scaler" in state:

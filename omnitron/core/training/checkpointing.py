@@ -14,6 +14,7 @@ import os
 
 from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state, read_metadata,
                                       reshard, save_checkpoint, set_rng_state)
+from omnitron.core.checkpoint import dist
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
 from omnitron.core.parallel.tensor.mappings import local_rank
 
@@ -99,6 +100,8 @@ def save(c) -> str:
     for chunk in c.chunks:  # --overlap-param-gather: the weights must be gathered before they are read
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
+    if s.checkpoint.ckpt_format == dist.FORMAT:
+        return _save_dist(c)
     shard = {"model": [m.state_dict() for m in c.modules], "optimizer": _optimizer_shard(c),
              "scheduler": c.scheduler.state_dict(),
              "rng": get_rng_state(c.backend), "trackers": [m.rng_tracker.get_states() for m in c.modules]}
@@ -120,6 +123,39 @@ def save(c) -> str:
     return path
 
 
+def _barrier(c):
+    coll = c.backend.collectives
+    return (lambda: coll.barrier()) if coll.is_initialized() else (lambda: None)
+
+
+def _save_dist(c) -> str:
+    """``--ckpt-format torch_dist`` (:mod:`omnitron.core.checkpoint.dist`)."""
+    s = c.settings
+    meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(s.flat), "model": model_dict(c.model),
+            "layout": layout_dict(s), "optimizer": dist.optimizer_meta(c), "scheduler": c.scheduler.state_dict()}
+    path = dist.save(c, s.checkpoint.save, c.iteration, meta, dist.rank_state(c, get_rng_state),
+                     barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n)
+    if c.groups.rank == 0:
+        log.info("saved checkpoint %s (torch_dist)", path)
+    return path
+
+
+def _load_dist(c, path: str, meta: dict, changes: list) -> dict:
+    """Read a ``torch_dist`` checkpoint into the live tensors; returns the rest in :func:`load`'s shard
+    form (optimizer counters, scheduler; RNG and FP8 under the same layout only)."""
+    ck = c.settings.checkpoint
+    if changes and c.groups.rank == 0:
+        log.info("--load %s: reading the torch_dist checkpoint under another layout (%s)", path, ", ".join(changes))
+    dist.load(c, path, meta, with_optimizer=not (ck.finetune or ck.no_load_optim))
+    shard = {"model": None, "optimizer": dict(meta["optimizer"], loaded=True), "scheduler": meta["scheduler"]}
+    if not changes:
+        shard.update(read_shard(path, c.groups.rank, meta))
+    elif c.groups.rank == 0 and "fp8" in read_shard(path, 0, meta):
+        log.info("--load %s: FP8 amax histories are per-rank and do not carry to another layout: FP8 scaling "
+                 "restarts from its first steps", path)
+    return shard
+
+
 def load(c) -> bool:
     """Restore from --load when it holds a checkpoint; returns True when something was loaded.
 
@@ -138,9 +174,12 @@ def load(c) -> bool:
         return False
     meta = read_metadata(path)
     changes = check_compatible(meta, model_dict(c.model), layout_dict(c.settings), path, reshard=True)
-    shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
-    for m, sd in zip(c.modules, shard["model"]):
-        m.load_state_dict(sd)
+    if meta.get("ckpt_format") == dist.FORMAT:
+        shard = _load_dist(c, path, meta, changes)
+    else:
+        shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
+        for m, sd in zip(c.modules, shard["model"]):
+            m.load_state_dict(sd)
     if ck.finetune or shard["optimizer"].get("weights_only"):
         c.optimizer.reload_masters()
         if c.groups.rank == 0:
@@ -150,9 +189,12 @@ def load(c) -> bool:
     if ck.no_load_optim:
         c.optimizer.reload_masters()
     else:
-        if not changes:
-            _complete_optimizer_state(path, shard)
-        c.optimizer.load_state_dict(shard["optimizer"])
+        if shard["optimizer"].get("loaded"):  # torch_dist: the tensors are in place, the counters remain
+            c.optimizer.load_counters(shard["optimizer"])
+        else:
+            if not changes:
+                _complete_optimizer_state(path, shard)
+            c.optimizer.load_state_dict(shard["optimizer"])
         c.scheduler.load_state_dict(shard["scheduler"])
     if not ck.no_load_rng and "rng" in shard:
         set_rng_state(shard["rng"], c.backend)

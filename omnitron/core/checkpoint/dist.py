@@ -1,0 +1,181 @@
+"""``--ckpt-format torch_dist``: training checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+Directory (committed like every omnitron checkpoint: written as ``iter_N.tmp``, SHA-256 per file,
+``metadata.json`` last, renamed, then ``latest`` moved; :mod:`omnitron.core.checkpoint.io`)::
+
+    iter_N/__R_0.distcp   rank R's pieces of the global tensors (DCP's files, one per writing rank)
+    iter_N/.metadata      DCP's global index (which chunk of which tensor lives where)
+    iter_N/rank_R.pt      rank R's own state: RNG streams, tensor-parallel trackers, FP8 histories
+    iter_N/metadata.json  iteration, samples, config, layout, optimizer step + loss scaler, scheduler,
+                          checksums of every file above
+
+Keys are layout-independent: ``model/<global name>``, ``optim/<kind>/<global name>`` (kind:
+``exp_avg``, ``exp_avg_sq``, ``momentum``, ``master`` for low-precision parameters), each a global
+tensor (:mod:`~omnitron.core.checkpoint.dist_layout`). Who writes what: weights and the plain
+optimizer's state by data x context parallel rank 0 of each model-parallel position (the replicas hold
+copies; a parameter replicated over tp by tp rank 0); the distributed optimizer's state by every rank, its own flat-buffer slices only, mapped to
+boxes of the global tensors -- nothing is gathered (DCP's planning exchanges only the small plans).
+The last pipeline stage's copy of a tied embedding is not written (it equals the first stage's) and
+is read from the embedding's key.
+
+Loading under any layout (tp, pp, vpp, dp, distributed optimizer on or off): every rank asks DCP for
+exactly its pieces, which DCP reads from whatever saved chunks overlap them. RNG streams and FP8
+histories are per rank: they load under the same layout only (the caller logs when they do not).
+Not supported yet (a clear error): MoE experts and replicated-KV attention (query groups < tp).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+
+import torch
+
+from omnitron.core.checkpoint import integrity, io
+from omnitron.core.checkpoint.dist_layout import global_shape, shard_pieces, slice_pieces, tp_writer
+from omnitron.core.checkpoint.dist_planner import Pieces, PieceLoadPlanner, PieceSavePlanner, VerifiedReader
+from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.parallel.tensor.mappings import local_rank
+
+FORMAT = "torch_dist"
+
+
+@contextlib.contextmanager
+def _one_line(what: str, path: str):
+    """DCP reports a failure on any rank to every rank as a multi-line ``CheckpointException`` (a
+    BaseException): raise the first failure as one CheckpointError line instead (on every rank alike)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        rank, (exc, _) = sorted(err.failures.items())[0]
+        if isinstance(exc, CheckpointError):
+            raise CheckpointError(str(exc)) from None
+        why = " ".join(str(exc).split())[:300]
+        raise CheckpointError(f"{path}: torch_dist {what} failed on rank {rank} ({type(exc).__name__}: {why}); "
+                              f"load an earlier iteration, or re-save") from None
+
+
+def check_supported(modules) -> None:
+    """Refuse, naming the flag, what this format cannot write yet."""
+    for m in modules:
+        if any(getattr(p, "expert", False) for p in m.parameters()):
+            raise CheckpointError("--ckpt-format torch_dist does not write MoE experts yet; use --ckpt-format torch")
+        if any(getattr(x, "replicate_kv", False) for x in m.modules()):
+            raise CheckpointError("--ckpt-format torch_dist does not write replicated-KV attention (fewer query "
+                                  "groups than --tensor-model-parallel-size) yet; use --ckpt-format torch")
+
+
+def _add(table: Pieces, key: str, shape, pieces) -> None:
+    if pieces:
+        table.setdefault(key, (tuple(shape), []))[1].extend(pieces)
+
+
+def model_pieces(c, *, save: bool) -> Pieces:
+    """``model/<name>`` pieces of this rank's weights (on save: written by dp x cp rank 0 only)."""
+    table: Pieces = {}
+    if save and c.groups.dp_cp.rank != 0:
+        return table
+    tp, r = c.groups.tp.size, local_rank(c.groups.tp)
+    for m in c.modules:
+        for name, p in m.named_parameters():
+            if save and (getattr(p, "shared_embedding", False) or not tp_writer(p, r)):
+                continue
+            key = "model/" + getattr(p, "init_name", name)
+            _add(table, key, global_shape(p, tp), shard_pieces(p, r, p.detach()))
+    return table
+
+
+def optimizer_pieces(c, *, save: bool) -> Pieces:
+    """``optim/<kind>/<name>`` pieces of this rank's optimizer state: the distributed optimizer's own
+    slices, or (plain optimizer) the whole local shards, written by dp x cp rank 0."""
+    opt, table = c.optimizer, {}
+    tp, r = c.groups.tp.size, local_rank(c.groups.tp)
+    sliced = hasattr(opt, "slices")
+    if save and not sliced and c.groups.dp_cp.rank != 0:
+        return table
+    owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
+    for j, i in enumerate(owners):
+        p, name = opt.params[i], opt.names[i].split(".", 1)[1]  # the optimizer names chunk<c>.<name>
+        if save and (getattr(p, "shared_embedding", False) or not tp_writer(p, r)):
+            continue
+        name = getattr(p, "init_name", name)
+        kinds = dict(opt.state)
+        if p.dtype != torch.float32:
+            kinds["master"] = opt.masters
+        for kind, values in kinds.items():
+            t = values[j]
+            pieces = slice_pieces(p, r, t, opt.slices[j].lo) if sliced else shard_pieces(p, r, t)
+            _add(table, f"optim/{kind}/{name}", global_shape(p, tp), pieces)
+    return table
+
+
+def rank_state(c, get_rng_state) -> dict:
+    """What only this rank has: RNG streams, tracker states, FP8 histories (``rank_R.pt``)."""
+    out = {"rng": get_rng_state(c.backend), "trackers": [m.rng_tracker.get_states() for m in c.modules]}
+    fp8 = c.extra.get("fp8_state")
+    if fp8 is not None:
+        out["fp8"] = fp8()
+    return out
+
+
+def optimizer_meta(c) -> dict:
+    """The optimizer's non-tensor state (the same on every rank): step, name, loss scaler."""
+    out = {"step": c.optimizer.step_count, "optimizer": c.optimizer.config.optimizer}
+    if c.optimizer.loss_scaler is not None:
+        out["loss_scaler"] = c.optimizer.loss_scaler.state_dict()
+    return out
+
+
+def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
+    """Collective over the world: DCP writes every rank's pieces, each rank its ``rank_R.pt``; rank 0
+    commits (see the module docstring). Returns the committed directory."""
+    import torch.distributed.checkpoint as dcp
+
+    check_supported(c.modules)
+    rank = c.groups.rank
+    final = os.path.join(save_dir, io.iter_dir_name(iteration))
+    tmp = final + ".tmp"
+    if rank == 0:
+        io._begin(save_dir, final)
+    barrier()
+    pieces = {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}
+    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+    with _one_line("save", tmp):
+        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner())
+    for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):
+        integrity.write_digest(f)
+    if rank == 0:
+        integrity.write_digest(os.path.join(tmp, ".metadata"))
+    io._write_shard(tmp, rank, local)
+    barrier()
+    if rank == 0:
+        files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
+        io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), c.groups.world_size,
+                   keep_last_n, extra=[".metadata", *files])
+    barrier()
+    return final
+
+
+def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
+    """Collective over the world: read this rank's weights (and optimizer pieces) from checkpoint
+    ``path`` (any layout) into the live tensors. Counters, scheduler and RNG are the caller's."""
+    check_supported(c.modules)
+    pieces = model_pieces(c, save=False)
+    if with_optimizer:
+        saved = meta.get("optimizer", {}).get("optimizer")
+        if saved != c.optimizer.config.optimizer:
+            raise CheckpointError(f"--load {path}: checkpoint optimizer {saved!r} differs from --optimizer "
+                                  f"{c.optimizer.config.optimizer!r}; pass the same --optimizer or use --no-load-optim")
+        pieces.update(optimizer_pieces(c, save=False))
+    read(pieces, path, meta.get("checksums") or {})
+
+
+def read(pieces: Pieces, path: str, checksums: dict[str, str]) -> None:
+    """Fill every piece of ``pieces`` from checkpoint directory ``path`` (collective over the world when
+    a process group exists), each file verified against ``checksums`` first."""
+    import torch.distributed.checkpoint as dcp
+
+    with torch.no_grad(), _one_line("load", path):
+        dcp.load(pieces, storage_reader=VerifiedReader(path, checksums), planner=PieceLoadPlanner(path))

@@ -1,0 +1,153 @@
+"""DCP planners and storage for pieces of global tensors, and a reader that unpickles nothing untrusted.
+
+A "piece table" maps each key to ``(global shape, [(offsets, view), ...])``
+(:mod:`omnitron.core.checkpoint.dist_layout` builds it). :class:`PieceSavePlanner` turns it into DCP
+write items (each piece written from its view); :class:`PieceLoadPlanner` reads each piece straight
+into its view, from whichever saved chunks overlap it (DCP's resharding), so a rank reads only its
+slices. DCP's global-plan validation (no overlap, full coverage) runs on save.
+
+:class:`VerifiedReader`: DCP's ``.metadata`` is a pickle. It is read only after its SHA-256 matches
+the one metadata.json records, and through an unpickler that admits DCP's metadata dataclasses and
+torch's size/dtype types only; every data file a rank reads is checksum-verified first.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from omnitron.core.checkpoint import integrity
+from omnitron.core.checkpoint.io import CheckpointError
+
+Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """Writes the pieces of a piece table (passed as DCP's ``state_dict``)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.pieces: Pieces = state_dict
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, (shape, pieces) in self.pieces.items():
+            for off, view in pieces:
+                chunk = dcp_meta.ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape)
+                props = dcp_meta.TensorProperties(dtype=view.dtype)
+                items.append(WriteItem(index=dcp_meta.MetadataIndex(key, torch.Size(off)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                                   size=torch.Size(shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        off = tuple(write_item.index.offset)
+        for o, view in self.pieces[write_item.index.fqn][1]:
+            if o == off:
+                return view.detach()
+        raise KeyError(write_item.index)
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads each piece of a piece table into its view (``path`` names the checkpoint in errors)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.path = path
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.pieces: Pieces = state_dict
+        self.state_dict = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items, saved = [], self.metadata.state_dict_metadata
+        for key, (shape, pieces) in self.pieces.items():
+            md = saved.get(key)
+            if not isinstance(md, dcp_meta.TensorStorageMetadata):
+                raise CheckpointError(f"{self.path}: the checkpoint holds no tensor {key!r}; it was saved for another "
+                                      f"model or optimizer (pass --no-load-optim to take the weights only)")
+            if tuple(md.size) != tuple(shape):
+                raise CheckpointError(f"{self.path}: {key} is {tuple(md.size)} in the checkpoint, {tuple(shape)} "
+                                      f"here; use the checkpoint's model settings")
+            chunks = [dcp_meta.ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in pieces]
+            items += create_read_items_for_chunk_list(key, md, chunks)
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        view = self.pieces[read_item.dest_index.fqn][1][read_item.dest_index.index][1]
+        for dim, (off, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, off, n)
+        return view
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        """Nothing: :meth:`resolve_tensor` handed out the live view, which the reader filled."""
+
+
+_ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in
+            ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+             "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+_ALLOWED |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+             ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "layout"),
+             ("torch", "memory_format"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), (
+                torch.dtype, torch.layout, torch.memory_format))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+class VerifiedReader(FileSystemReader):
+    """:class:`FileSystemReader` that verifies every file against ``checksums`` before reading it and
+    reads ``.metadata`` through :class:`_MetadataUnpickler`."""
+
+    def __init__(self, path: str, checksums: dict[str, str]) -> None:
+        super().__init__(path)
+        self.dir, self.checksums, self.verified = path, checksums, set()
+
+    def _verify(self, name: str) -> None:
+        if name in self.verified:
+            return
+        if name not in self.checksums:
+            raise CheckpointError(f"{self.dir}/{name} has no checksum in metadata.json: the checkpoint is corrupt; "
+                                  f"load an earlier iteration, or re-save")
+        try:
+            integrity.verify(f"{self.dir}/{name}", self.checksums[name])
+        except (integrity.IntegrityError, FileNotFoundError) as err:
+            raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+        self.verified.add(name)
+
+    def read_metadata(self, *args, **kwargs):
+        self._verify(".metadata")
+        with open(f"{self.dir}/.metadata", "rb") as f:
+            try:
+                md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            except Exception as err:
+                raise CheckpointError(f"{self.dir}/.metadata is unreadable ({err}); load an earlier iteration, or "
+                                      f"re-save") from None
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_meta.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            self._verify(self.storage_data[item.storage_index].relative_path)
+        return super().read_data(plan, planner)

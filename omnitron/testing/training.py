@@ -1,0 +1,24 @@
+"""Training runs inside a spawned test worker (``omnitron.testing.distributed.run_distributed``)."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+
+def worker_runner(make_args: Callable, root: str) -> Callable:
+    """``run(layout, save, *extra)``: train with ``make_args(layout, root/save, extra)`` on this
+    worker's world (one thread per process); returns ``train``'s result (losses, components)."""
+    import torch
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    be, world = get_backend(), dist.get_world_size()
+
+    def run(layout, save, *extra):
+        return train(parse_settings(make_args(layout, os.path.join(root, save), extra), world), be)
+
+    return run
