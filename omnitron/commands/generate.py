@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print("omnitron generate: error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
     try:
-        loaded = load_for_inference(args.load, get_backend(args.backend) if args.backend else None)
+        loaded = load_for_inference(args.load, get_backend(args.backend))
         default = loaded.spec.default_prompt
         prompts = args.prompt or ([default] if default is not None else None)
         if not prompts:

@@ -134,20 +134,20 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, in
     """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 (and expert-parallel rank
     ``ep_rank``) of ``layout``, built in this process without communication: their parameters
     carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic."""
-    from omnitron.backends import get_backend
     from omnitron.core.models.family import family_of
-    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.groups import ParallelGroups, host_backend
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 
     groups = ParallelGroups.single()
     groups.config = layout.parallel_config()
     groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
-                         ep=_Seen("ep", tuple(range(layout.ep)), None, ep_rank))
+                         ep=_Seen("ep", tuple(range(layout.ep)), None, me=ep_rank))
     family = family_of(cfg)  # a family that is not pipelined (T5, LLaVA): one stage, one chunk
     ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last) \
         if family.pipelined else {}
-    return family.build_chunks(cfg, groups, ranges, None, layout.pp, layout.chunks, backend=get_backend("cpu"),
-                               seed=0)
+    # NOTE: host-memory skeletons on the host CPU backend whatever the run's backend (no communication)
+    return family.build_chunks(cfg, groups, ranges, None, layout.pp, layout.chunks,
+                               backend=host_backend(), seed=0)
 
 
 @dataclass(frozen=True)

@@ -52,14 +52,13 @@ def _build(cfg, backend):
 
 def load_for_inference(load: str, backend=None) -> Loaded:
     """The latest checkpoint under ``load`` as one fp32, eval-mode model on ``backend``'s device."""
-    from omnitron.backends import get_backend
-    from omnitron.core.checkpoint.reshard import recorded_family, model_config, read_full_state
+    from omnitron.core.checkpoint.reshard import model_config, read_full_state, recorded_family
     from omnitron.core.models.family import family_of
     from omnitron.core.data import build_tokenizer
     from omnitron.core.models.gpt.state import shard_full_state
-    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.groups import ParallelGroups, resolve_backend
 
-    backend = backend or get_backend()
+    backend = resolve_backend(backend, None)  # the entry points pass the chosen one
     path = find_latest(load)
     if path is None:
         raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")

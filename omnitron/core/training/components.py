@@ -119,7 +119,7 @@ def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> Mix
 def build_components(settings, backend) -> Components:
     from omnitron.core.data import build_tokenizer
 
-    groups = ParallelGroups.build(settings.parallel, backend.collectives)
+    groups = ParallelGroups.build(settings.parallel, backend=backend)
     seed_everything(settings.training.seed, groups.pp.rank, backend)
     d = settings.data
     tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
