@@ -30,6 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if "--model-family-module" in " ".join(argv) or "--config" in argv:  # a family of the user's own
+        from omnitron.core.config.parallel import ConfigError
+        from omnitron.core.training.arguments import preload_family_modules
+
+        try:
+            preload_family_modules(argv)
+        except ConfigError as err:
+            print(f"omnitron: error: {err}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -42,10 +42,10 @@ def _images(loaded, args, count: int):
     from omnitron.core.inference.text import load_image, synthetic_image
 
     if args.image_index is None and args.image is None:
-        if loaded.family == "multimodal":
+        if loaded.spec.takes_images:
             raise ValueError("a multimodal checkpoint captions an image: pass --image-index N or --image FILE.npy")
         return None, None
-    if loaded.family != "multimodal":
+    if not loaded.spec.takes_images:
         raise ValueError(f"--image-index / --image apply to multimodal checkpoints; this one is {loaded.family}")
     if args.image is not None:
         image, truth = load_image(args.image, loaded.model.config), None
@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
         print("omnitron generate: error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
     try:
-        loaded = load_for_inference(args.load, get_backend(args.backend) if args.backend else None)
-        prompts = args.prompt or (["a"] if loaded.family == "multimodal" else None)
+        loaded = load_for_inference(args.load, get_backend(args.backend))
+        default = loaded.spec.default_prompt
+        prompts = args.prompt or ([default] if default is not None else None)
         if not prompts:
             raise ValueError("--prompt TEXT is required (repeat it for a batch)")
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

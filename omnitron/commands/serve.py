@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.core.inference.server import make_server
 
     try:
-        loaded = load_for_inference(args.load, get_backend(args.backend) if args.backend else None)
+        loaded = load_for_inference(args.load, get_backend(args.backend))
         server = make_server(loaded, args.host, args.port)
     except (CheckpointError, ValueError, OSError) as err:
         print(f"omnitron serve: error: {err}", file=sys.stderr)

@@ -27,6 +27,7 @@ TOL = {torch.float32: (2e-5, 1e-5), torch.float64: (2e-6, 1e-6), torch.bfloat16:
 
 def _one(groups, tp, vocab, width, dtype, ls, offset):
     """Max |loss - float64| and |grad - float64 grad| of this rank's shard (padding grad must be 0)."""
+    from omnitron.backends import get_backend
     from omnitron.core.parallel.tensor import vocab_parallel_cross_entropy
 
     gen = torch.Generator().manual_seed(vocab * 31 + int(ls * 10))
@@ -38,7 +39,8 @@ def _one(groups, tp, vocab, width, dtype, ls, offset):
     dloss = torch.randn(b, s, generator=gen)
     r = groups.tp.rank
     mine = full[..., r * width:(r + 1) * width].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(mine, labels.t(), groups.tp, vocab_size=vocab, label_smoothing=ls)  # [s, b]
+    loss = vocab_parallel_cross_entropy(mine, labels.t(), groups.tp, vocab_size=vocab, label_smoothing=ls,
+                                        kernels=get_backend().kernels)  # [s, b]; the table _bundle() chose
     loss.t().backward(dloss)  # the model returns loss.t(): a transposed upstream gradient
     x64 = full[..., :vocab].double().requires_grad_()
     want = F.cross_entropy(x64.reshape(-1, vocab), labels.t().reshape(-1), reduction="none",

@@ -107,17 +107,12 @@ class FullState:
     """What the source held that does not carry over (``fp8``)."""
 
 
-def model_config(model: dict):
-    """The GPTConfig (BertConfig / T5Config when it records BERT's / T5's fields) in a checkpoint's metadata
-    ``model`` dict."""
-    from omnitron.core.models.bert.config import BertConfig
-    from omnitron.core.models.gpt.config import GPTConfig
-    from omnitron.core.models.multimodal.config import MultimodalConfig
-    from omnitron.core.models.t5.config import T5Config
+def model_config(model: dict, family: str | None = None):
+    """The model config in a checkpoint's metadata ``model`` dict, of its family's config class: ``family``
+    (the run's recorded ``--model-type``) when given, else the family whose config holds its fields."""
+    from omnitron.core.models.family import family_of_fields
 
-    cls = BertConfig if "num_tokentypes" in model else GPTConfig  # BERT: GPT's fields plus its own
-    cls = T5Config if "encoder_num_layers" in model else cls  # T5 likewise
-    cls = MultimodalConfig if "vision_num_layers" in model else cls  # multimodal (LLaVA) likewise
+    cls = family_of_fields(model, family).config_cls
     known = {f.name for f in dataclasses.fields(cls)}
     kw = {k: v for k, v in model.items() if k in known}
     if isinstance(kw.get("params_dtype"), str):  # saved as "torch.bfloat16"
@@ -125,34 +120,34 @@ def model_config(model: dict):
     return cls(**kw)
 
 
+def recorded_family(meta: dict) -> str | None:
+    """The ``--model-type`` a checkpoint's run recorded (None: older checkpoints; told by the fields), after
+    importing the ``--model-family-module`` modules it recorded (a family of the user's own)."""
+    from omnitron.core.models.family import import_family_modules
+
+    flat = meta.get("config", {})
+    import_family_modules(flat.get("model_family_module"))
+    return flat.get("model_type")
+
+
 def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, int], torch.nn.Module]:
     """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 (and expert-parallel rank
     ``ep_rank``) of ``layout``, built in this process without communication: their parameters
     carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic."""
-    from omnitron.backends import get_backend
-    from omnitron.core.models.bert import BertConfig, BertModel
-    from omnitron.core.models.gpt.model import GPTModel
-    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.models.family import family_of
+    from omnitron.core.parallel.groups import ParallelGroups, host_backend
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 
     groups = ParallelGroups.single()
     groups.config = layout.parallel_config()
     groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
-                         ep=_Seen("ep", tuple(range(layout.ep)), None, ep_rank))
-    from omnitron.core.models.multimodal import LLaVAModel, MultimodalConfig
-    from omnitron.core.models.t5 import T5Config, T5Model
-
-    for config_cls, model_cls in ((T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
-        if isinstance(cfg, config_cls):  # one stage, one chunk
-            return {(0, 0): model_cls(cfg, groups, backend=get_backend("cpu"), seed=0)}
-    ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last)
-    out = {}
-    for (r, c), (offset, n) in sorted(ranges.items()):
-        first, last = r == 0 and c == 0, r == layout.pp - 1 and c == layout.chunks - 1
-        stage_cls = BertModel if isinstance(cfg, BertConfig) else GPTModel  # BERT: per-stage skeletons too
-        out[(r, c)] = stage_cls(cfg, groups, pre_process=first, post_process=last, layer_offset=offset,
-                                num_layers=n, backend=get_backend("cpu"), seed=0)
-    return out
+                         ep=_Seen("ep", tuple(range(layout.ep)), None, me=ep_rank))
+    family = family_of(cfg)  # a family that is not pipelined (T5, LLaVA): one stage, one chunk
+    ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last) \
+        if family.pipelined else {}
+    # NOTE: host-memory skeletons on the host CPU backend whatever the run's backend (no communication)
+    return family.build_chunks(cfg, groups, ranges, None, layout.pp, layout.chunks,
+                               backend=host_backend(), seed=0)
 
 
 @dataclass(frozen=True)
@@ -259,7 +254,7 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
         raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp); "
                               f"reading it under another layout is not supported yet: resume it with the same "
                               f"layout, or train with --expert-tensor-parallel-size 1 to reshard later")
-    skeletons = skeleton_chunks(model_config(meta["model"]), dataclasses.replace(layout, ep=1))  # every expert
+    skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
     for pp_rank, (ranks, others) in sorted(_stage_ranks(layout).items()):
@@ -350,7 +345,7 @@ def convert(path: str, save_dir: str, target: Layout) -> str:
     draws fresh streams, logged); metadata records ``resharded_from``."""
     full = read_full_state(path)
     meta = full.meta
-    cfg = model_config(meta["model"])
+    cfg = model_config(meta["model"], recorded_family(meta))
     from omnitron.core.parallel.grid import coord_of, rank_grid
 
     pc = target.parallel_config()

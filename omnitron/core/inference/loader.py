@@ -21,9 +21,16 @@ class Loaded:
     model: torch.nn.Module
     tokenizer: object
     family: str
-    """``gpt``, ``t5`` or ``multimodal``."""
+    """The model family's name (``gpt``, ``t5``, ``multimodal``, ...)."""
     meta: dict
     """The checkpoint's metadata (``config`` holds the run's flat settings)."""
+
+    @property
+    def spec(self):
+        """The :class:`~omnitron.core.models.family.ModelFamily` (its generation entry point and rules)."""
+        from omnitron.core.models.family import get_family
+
+        return get_family(self.family)
 
     @property
     def seed(self) -> int:
@@ -32,42 +39,35 @@ class Loaded:
 
 
 def _build(cfg, backend):
-    """The single-process model of ``cfg``'s family, and the family's name."""
-    from omnitron.core.models.bert.config import BertConfig
-    from omnitron.core.models.gpt.model import GPTModel
-    from omnitron.core.models.multimodal import LLaVAModel, MultimodalConfig
-    from omnitron.core.models.t5 import T5Config, T5Model
+    """The single-process model of ``cfg``'s family, and the family's name (CheckpointError: a family
+    that does not generate)."""
+    from omnitron.core.models.family import family_of
     from omnitron.core.parallel.groups import ParallelGroups
 
-    single = ParallelGroups.single()
-    if isinstance(cfg, BertConfig):
-        raise CheckpointError("this is a BERT checkpoint: a bidirectional encoder has no text to generate; "
-                              "generate from a GPT, T5 or multimodal (LLaVA) checkpoint")
-    if isinstance(cfg, T5Config):
-        return T5Model(cfg, single, backend=backend, seed=0), "t5"
-    if isinstance(cfg, MultimodalConfig):
-        return LLaVAModel(cfg, single, backend=backend, seed=0), "multimodal"
-    return GPTModel(cfg, single, backend=backend, seed=0), "gpt"
+    family = family_of(cfg)
+    if family.generate is None:
+        raise CheckpointError(family.generate_refusal or f"a {family.name} checkpoint has no text to generate")
+    return family.build_stage(cfg, ParallelGroups.single(), backend=backend, seed=0), family.name
 
 
 def load_for_inference(load: str, backend=None) -> Loaded:
     """The latest checkpoint under ``load`` as one fp32, eval-mode model on ``backend``'s device."""
-    from omnitron.backends import get_backend
-    from omnitron.core.checkpoint.reshard import model_config, read_full_state
+    from omnitron.core.checkpoint.reshard import model_config, read_full_state, recorded_family
+    from omnitron.core.models.family import family_of
     from omnitron.core.data import build_tokenizer
     from omnitron.core.models.gpt.state import shard_full_state
-    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.groups import ParallelGroups, resolve_backend
 
-    backend = backend or get_backend()
+    backend = resolve_backend(backend, None)  # the entry points pass the chosen one
     path = find_latest(load)
     if path is None:
         raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
     full = read_full_state(path, with_optimizer=False)
-    cfg = replace(model_config(full.meta["model"]), params_dtype=torch.float32)
+    cfg = replace(model_config(full.meta["model"], recorded_family(full.meta)), params_dtype=torch.float32)
     flat = full.meta.get("config", {})
     tokenizer = build_tokenizer(flat.get("tokenizer_type") or "GPT2BPETokenizer", vocab_file=flat.get("vocab_file"),
                                 merge_file=flat.get("merge_file"), tokenizer_model=flat.get("tokenizer_model"),
-                                vocab_size=flat.get("vocab_size"), vocab_extra_ids=getattr(cfg, "vocab_extra_ids", 0))
+                                vocab_size=flat.get("vocab_size"), **family_of(cfg).tokenizer_kwargs(cfg))
     if tokenizer.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{path}: the model's vocabulary ({cfg.vocab_size}) differs from its tokenizer's "
                               f"({tokenizer.vocab_size}); the tokenizer files named in the checkpoint changed")

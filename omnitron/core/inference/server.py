@@ -73,7 +73,7 @@ def parse_request(body, loaded) -> dict:
 
 
 def _images(index, count: int, loaded) -> torch.Tensor | None:
-    if loaded.family != "multimodal":
+    if not loaded.spec.takes_images:
         if index is not None:
             raise BadRequest(f"image_index applies to multimodal checkpoints; this one is {loaded.family}")
         return None

@@ -51,32 +51,53 @@ def _encode_all(tokenizer, prompts: list[str], allow_empty: bool) -> list[list[i
 
 def complete(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,
              logprobs: bool = False, images: torch.Tensor | None = None) -> dict:
-    """Generate for every prompt (``images [b, C, H, W]`` for the multimodal family); see the module docstring."""
-    tok, model = loaded.tokenizer, loaded.model
-    eod = getattr(tok, "eod", None)
-    if loaded.family != "multimodal" and images is not None:
+    """Generate for every prompt (``images [b, C, H, W]`` for a family that reads images) with the family's
+    own entry point (``ModelFamily.generate``); see the module docstring."""
+    family = loaded.spec
+    if not family.takes_images and images is not None:
         raise ValueError(f"images apply to the multimodal (LLaVA) family; this is a {loaded.family} checkpoint")
-    if loaded.family == "t5":
-        sources = _encode_all(tok, prompts, allow_empty=False)
-        out = generate_t5(model, sources, tokens_to_generate, start=tok.cls, eod=tok.sep, params=params,
-                          return_log_probs=logprobs)
-        shown = [[tok.cls] + t for t in out.tokens]
-        texts = [tok.decode([t for t in toks if t != tok.sep]) for toks in out.tokens]
-    else:
-        if loaded.family == "multimodal":
-            if images is None:
-                raise ValueError("the multimodal (LLaVA) family captions an image: give one image per prompt")
-            ids = _encode_all(tok, prompts, allow_empty=True)
-            out = caption(model, images, ids, tokens_to_generate, eod=eod, params=params, return_log_probs=logprobs)
-        else:
-            ids = _encode_all(tok, prompts, allow_empty=False)
-            out = generate_batch(model, ids, tokens_to_generate, params=params, eod=eod, return_log_probs=logprobs)
-        shown = [p + t for p, t in zip(ids, out.tokens)]
-        texts = [tok.decode(p + [t for t in toks if t != eod]) for p, toks in zip(ids, out.tokens)]
+    return family.generate(loaded, prompts, tokens_to_generate, params=params, logprobs=logprobs, images=images)
+
+
+def _result(tok, shown: list[list[int]], texts: list[str], out, logprobs: bool, lead: list[str]) -> dict:
     result = {"text": texts}
     if logprobs:
-        # LLaVA: the image is one leading segment, "<image>"; the first text token is scored from it
-        lead = ["<image>"] if loaded.family == "multimodal" else []
         result["segments"] = [lead + [tok.decode([t]) for t in toks] for toks in shown]
         result["logprobs"] = out.log_probs
     return result
+
+
+def complete_gpt(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,
+                 logprobs: bool = False, images=None) -> dict:
+    """GPT: continue each prompt; the text is prompt and generation decoded together (without EOD)."""
+    tok, eod = loaded.tokenizer, getattr(loaded.tokenizer, "eod", None)
+    ids = _encode_all(tok, prompts, allow_empty=False)
+    out = generate_batch(loaded.model, ids, tokens_to_generate, params=params, eod=eod, return_log_probs=logprobs)
+    return _result(tok, [p + t for p, t in zip(ids, out.tokens)],
+                   [tok.decode(p + [t for t in toks if t != eod]) for p, toks in zip(ids, out.tokens)], out, logprobs,
+                   [])
+
+
+def complete_t5(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,
+                logprobs: bool = False, images=None) -> dict:
+    """T5: decode a target for each prompt (the encoder's input); segments start with ``[CLS]``."""
+    tok = loaded.tokenizer
+    sources = _encode_all(tok, prompts, allow_empty=False)
+    out = generate_t5(loaded.model, sources, tokens_to_generate, start=tok.cls, eod=tok.sep, params=params,
+                      return_log_probs=logprobs)
+    return _result(tok, [[tok.cls] + t for t in out.tokens],
+                   [tok.decode([t for t in toks if t != tok.sep]) for toks in out.tokens], out, logprobs, [])
+
+
+def complete_caption(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,
+                     logprobs: bool = False, images: torch.Tensor | None = None) -> dict:
+    """LLaVA: caption one image per prompt, continuing the prompt (may be empty); the image is one leading
+    segment, ``"<image>"``, from which the first text token is scored."""
+    if images is None:
+        raise ValueError("the multimodal (LLaVA) family captions an image: give one image per prompt")
+    tok, eod = loaded.tokenizer, getattr(loaded.tokenizer, "eod", None)
+    ids = _encode_all(tok, prompts, allow_empty=True)
+    out = caption(loaded.model, images, ids, tokens_to_generate, eod=eod, params=params, return_log_probs=logprobs)
+    return _result(tok, [p + t for p, t in zip(ids, out.tokens)],
+                   [tok.decode(p + [t for t in toks if t != eod]) for p, toks in zip(ids, out.tokens)], out, logprobs,
+                   ["<image>"])

@@ -42,12 +42,11 @@ def _config_classes() -> list[tuple[str, type]]:
     fp8 = _fp8_config_class()
     if fp8 is not None:
         classes.append(("fp8", fp8))
-    from omnitron.core.models.bert.config import BertConfig  # last: only its own fields become flags
-    from omnitron.core.models.multimodal.config import MultimodalConfig
-    from omnitron.core.models.t5.config import T5Config
+    from omnitron.core.models.family import families
 
-    return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig), ("BERT model", BertConfig),
-                      ("T5 model", T5Config), ("multimodal model", MultimodalConfig)]
+    # last: only each family's own fields (those GPTConfig lacks) become flags
+    return classes + [("logging", LoggingConfig), ("checkpointing", CheckpointConfig)] + [
+        (f"{fam.name} model", fam.config_cls) for fam in families().values() if fam.own_fields()]
 
 
 def _ddp_config_class():
@@ -161,13 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch = parser.add_argument_group("launch")
     launch.add_argument("--config", metavar="FILE", help="YAML or JSON file of settings (keys = flag names); "
                         "flags on the command line win")
-    launch.add_argument("--model", metavar="PRESET", help="start from a model preset: gpt2_tiny, llama_tiny, gpt_1p3b, "
-                        "bert_tiny, bert_base, t5_tiny, t5_base, llava_tiny (the bert/t5/llava presets imply their "
-                        "--model-type)")
-    launch.add_argument("--model-type", choices=MODEL_TYPES, help="model family: gpt (default), bert "
-                        "(Megatron's pretrain_bert: masked LM + sentence-order head) or t5 (pretrain_t5: "
-                        "encoder-decoder, span corruption) or multimodal (pretrain_vlm: LLaVA, ViT + projector + GPT on "
-                        "synthetic image captions)")
+    from omnitron.core.models.family import families
+
+    fams = families().values()
+    launch.add_argument("--model", metavar="PRESET", help="start from a model preset: " + ", ".join(
+        p for fam in fams for p in fam.presets) + " (a preset implies its --model-type)")
+    launch.add_argument("--model-type", choices=[fam.name for fam in fams], help="model family: " + ", ".join(
+        fam.description for fam in fams))
+    launch.add_argument("--model-family-module", action="append", metavar="MODULE", help="import MODULE first (a "
+                        "dotted module name on the Python path); it registers a model family of its own with "
+                        "omnitron.core.models.family.register_family (repeatable)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
                         "(one thread each); not needed under torchrun (default: 1)")
     launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
@@ -229,10 +231,13 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 # settings that are not config-dataclass fields, with their types
-MODEL_TYPES = ("gpt", "bert", "t5", "multimodal")
-_BERT_PRESETS = ("bert_tiny", "bert_base")
-_T5_PRESETS = ("t5_tiny", "t5_base")
-_LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "nproc_per_node": int, "backend": str, "threads_per_process": int,
+def _str_list(value) -> list[str]:
+    """A config-file value that is one string or a list of them."""
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+_str_list.__name__ = "list"
+_LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "model_family_module": _str_list, "nproc_per_node": int, "backend": str, "threads_per_process": int,
                 "prompt": str, "sample_tokens": int, "sample_top_k": int, "num_layers_per_virtual_pipeline_stage": int}
 
 
@@ -256,30 +261,23 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     preset = given.get("model", file_values.get("model"))
     if preset:
         merged.update(_preset_fields(preset))
-        if preset in _BERT_PRESETS:
-            merged["model_type"] = "bert"
-        if preset in _T5_PRESETS:
-            merged["model_type"] = "t5"
-        if preset == "llava_tiny":
-            merged["model_type"] = "multimodal"
     merged.update(file_values)
     merged.update({k: v for k, v in given.items() if v is not None})
     return merged
 
 
 def _preset_fields(name: str) -> dict[str, Any]:
-    from omnitron.core.models.bert import config as bert_config
-    from omnitron.core.models.gpt import config as gpt_config
-    from omnitron.core.models.multimodal import config as multimodal_config
-    from omnitron.core.models.t5 import config as t5_config
+    """The flat settings of ``--model name``, with ``model_type`` its family's name."""
+    from omnitron.core.models.family import families, family_of_preset
 
-    presets = {"gpt2_tiny": gpt_config.gpt2_tiny, "llama_tiny": gpt_config.llama_tiny,
-               "gpt_1p3b": gpt_config.gpt_1p3b, "bert_tiny": bert_config.bert_tiny, "bert_base": bert_config.bert_base,
-               "t5_tiny": t5_config.t5_tiny, "t5_base": t5_config.t5_base, "llava_tiny": multimodal_config.llava_tiny}
-    if name not in presets:
+    family = family_of_preset(name)
+    if family is None:
+        presets = [p for fam in families().values() for p in fam.presets]
         raise ConfigError(f"--model {name!r} is not a preset; choose one of {', '.join(presets)}")
-    cfg = presets[name]()
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _HIDDEN and f.name != "vocab_size"}
+    cfg = family.presets[name]()
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in _HIDDEN and f.name != "vocab_size"}
+    out["model_type"] = family.name
+    return out
 
 
 @dataclass
@@ -308,7 +306,7 @@ class Settings:
     flat: dict[str, Any]
     """The merged flat settings (what a checkpoint records as the run's config)."""
     model_type: str = "gpt"
-    """``--model-type``: the model family (``gpt`` or ``bert``)."""
+    """``--model-type``: the model family's registered name (``gpt``, ``bert``, ``t5``, ``multimodal``, ...)."""
 
     @property
     def dp(self) -> int:
@@ -330,7 +328,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     from dataclasses import replace
 
     from omnitron.core.data.config import DataConfig
-    from omnitron.core.models.gpt.config import GPTConfig, validate_model
+    from omnitron.core.models.gpt.config import validate_model
     from omnitron.core.precision import params_dtype
 
     missing = [o for o in ("num_layers", "hidden_size", "num_attention_heads") if o not in merged]
@@ -343,15 +341,9 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
     precision = _build(PrecisionConfig, merged)
     # the model's vocabulary comes from the tokenizer (--vocab-size is NullTokenizer's setting)
-    model_type = _model_family(merged)
-    model_cls = GPTConfig
-    if model_type == "bert":
-        from omnitron.core.models.bert.config import BertConfig as model_cls
-    if model_type == "t5":
-        from omnitron.core.models.t5.config import T5Config as model_cls
-    if model_type == "multimodal":
-        from omnitron.core.models.multimodal.config import MultimodalConfig as model_cls
-    model = _build(model_cls, {k: v for k, v in merged.items() if k != "vocab_size"},
+    family = _model_family(merged)
+    model_type = family.name
+    model = _build(family.config_cls, {k: v for k, v in merged.items() if k != "vocab_size"},
                    params_dtype=params_dtype(precision))
     per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
     vp = None
@@ -363,18 +355,8 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                               f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk}")
         vp = model.num_layers // (pp * per_chunk)
     parallel = _build(ParallelConfig, merged, virtual_pipeline_model_parallel_size=vp)
-    if model_type == "bert":
-        from omnitron.core.models.bert.config import validate_bert
-
-        validate_bert(model, parallel)
-    if model_type == "t5":
-        from omnitron.core.models.t5.config import validate_t5
-
-        validate_t5(model, parallel)
-    if model_type == "multimodal":
-        from omnitron.core.models.multimodal.config import validate_multimodal
-
-        validate_multimodal(model, parallel)
+    if family.validate is not None:
+        family.validate(model, parallel)
     validate_model(model, parallel, check_layers=not parallel.uneven_pipeline)
     if parallel.uneven_pipeline:  # the layer split itself is checked here, naming the flags
         from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -426,53 +408,42 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                     flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")}, model_type=model_type)
 
 
-def _model_family(merged: dict[str, Any]) -> str:
-    """``--model-type`` (bert/t5 presets imply theirs); BERT- or T5-only flags without it, or BERT/T5 with a
-    tokenizer that lacks [CLS]/[SEP]/[MASK] or with --prompt, are errors. Defaults their tokenizer to
-    BertWordPieceLowerCase; T5's ``--encoder-seq-length`` sets ``--seq-length`` (Megatron's alias)."""
-    model_type = merged.get("model_type") or "gpt"
-    if model_type not in MODEL_TYPES:
-        raise ConfigError(f"--model-type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
-    for family, keys in (("bert", ("bert_binary_head", "num_tokentypes")),
-                         ("t5", ("encoder_num_layers", "decoder_num_layers", "encoder_seq_length",
-                                 "decoder_seq_length", "vocab_extra_ids")),
-                         ("multimodal", _multimodal_keys())):
-        only = [k for k in keys if k in merged]
-        if model_type != family and only:
-            raise ConfigError(f"--{only[0].replace('_', '-')} only applies to {family.upper()}; add --model-type "
-                              f"{family}")
-    if model_type == "gpt":
-        return model_type
-    if model_type == "multimodal":  # GPT-2 BPE captions; no sampling, no packed documents
-        bad = [k for k in ("prompt", "reset_position_ids", "reset_attention_mask", "eod_mask_loss") if merged.get(k)]
-        if bad:
-            raise ConfigError(f"--{bad[0].replace('_', '-')} does not apply to --model-type multimodal (one "
-                              "image-caption sample per row, no text sampling here); drop it")
-        return model_type
-    name = model_type.upper()
-    tok = merged.setdefault("tokenizer_type", "BertWordPieceLowerCase")
-    if not tok.startswith("BertWordPiece"):
-        raise ConfigError(f"--tokenizer-type {tok}: {name} needs [CLS]/[SEP]/[MASK]/[PAD] tokens; use "
-                          "--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase")
-    if merged.get("prompt"):
-        raise ConfigError(f"--prompt samples a GPT continuation, which {name} training here does not write; "
-                          "drop --prompt")
-    if merged.get("encoder_seq_length"):
-        merged["seq_length"] = merged["encoder_seq_length"]
-    return model_type
+def _model_family(merged: dict[str, Any]):
+    """The ``--model-type`` family (a preset implies its own); another family's own flags without it are
+    errors, then the family's ``check_flags`` refuses what does not apply to it and sets its defaults (BERT
+    and T5: the BertWordPieceLowerCase tokenizer; T5's ``--encoder-seq-length`` sets ``--seq-length``)."""
+    from omnitron.core.models.family import families, get_family
+
+    family = get_family(merged.get("model_type") or "gpt")
+    for other in families().values():
+        only = [k for k in other.own_fields() if k in merged and k not in family.own_fields()]
+        if other is not family and only:
+            raise ConfigError(f"--{only[0].replace('_', '-')} only applies to {other.name.upper()}; add --model-type "
+                              f"{other.name}")
+    if family.check_flags is not None:
+        family.check_flags(merged)
+    return family
 
 
-def _multimodal_keys() -> tuple[str, ...]:
-    """The multimodal config's own fields (the vision tower and freezing flags)."""
-    from omnitron.core.models.gpt.config import GPTConfig
-    from omnitron.core.models.multimodal.config import MultimodalConfig
+def preload_family_modules(argv: list[str]) -> None:
+    """Import the ``--model-family-module`` modules named in ``argv`` or in its ``--config`` file, before the
+    parser is built: their families' presets, ``--model-type`` and own flags become known (ConfigError when
+    one cannot be imported)."""
+    from omnitron.core.models.family import import_family_modules
 
-    gpt = {f.name for f in fields(GPTConfig)}
-    return tuple(f.name for f in fields(MultimodalConfig) if f.name not in gpt)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    pre.add_argument("--model-family-module", action="append", default=[])
+    known, _ = pre.parse_known_args(argv)
+    modules = list(known.model_family_module)
+    if known.config and os.path.exists(known.config):
+        modules += _str_list(load_config_file(known.config).get("model_family_module") or [])
+    import_family_modules(modules)
 
 
 def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:
     """argv -> Settings (argparse exits with code 2 on unknown flags; ConfigError on bad values)."""
+    preload_family_modules(argv)
     parser = argparse.ArgumentParser(prog="omnitron train", argument_default=argparse.SUPPRESS)
     add_arguments(parser)
     given = vars(parser.parse_args(argv))

@@ -13,11 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnitron.core.models.bert import BertConfig, BertModel
+from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
-from omnitron.core.models.multimodal import LLaVAModel, MultimodalConfig
-from omnitron.core.models.t5 import T5Config, T5Model, decoder_length
 from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -60,25 +58,15 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
 
 
 def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
-    """This pipeline rank's chunks (one per virtual stage), each a GPTModel (a BertModel for a BERT
-    config) over its layer range (a T5 / multimodal config: the one T5Model / LLaVAModel chunk; no stages)."""
-    for config_cls, model_cls in ((T5Config, T5Model), (MultimodalConfig, LLaVAModel)):
-        if isinstance(cfg, config_cls):
-            return [model_cls(cfg, groups, backend=backend, seed=seed).to(backend.current_device())]
-    pp, vp = groups.pp.size, groups.config.virtual_pipeline_model_parallel_size or 1
-    pc = groups.config
+    """This pipeline rank's chunks (one per virtual stage), each its family's stage over its layer range
+    (a family that is not pipelined, T5 / LLaVA: its one chunk; no stages)."""
+    family, pc = family_of(cfg), groups.config
+    pp, vp = groups.pp.size, pc.virtual_pipeline_model_parallel_size or 1
     ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers)
+                                   pc.decoder_last_pipeline_num_layers) if family.pipelined else {}
     rank = groups.pp.rank if pp > 1 else 0
-    chunks = []
-    for c in range(vp):
-        offset, n = ranges[(rank, c)]
-        first, last = rank == 0 and c == 0, rank == pp - 1 and c == vp - 1
-        stage_cls = BertModel if isinstance(cfg, BertConfig) else GPTModel
-        chunk = stage_cls(cfg, groups, pre_process=first, post_process=last, layer_offset=offset, num_layers=n,
-                          backend=backend, seed=seed)
-        chunks.append(chunk.to(backend.current_device()))
-    return chunks
+    chunks = family.build_chunks(cfg, groups, ranges, rank, pp, vp, backend=backend, seed=seed)
+    return [chunk.to(backend.current_device()) for _, chunk in sorted(chunks.items())]
 
 
 def wrap_data_parallel(modules: list[GPTModel], settings, groups):
@@ -97,33 +85,16 @@ def duplicate_params(modules: list[GPTModel]) -> list[torch.nn.Parameter]:
 
 
 def build_data(settings, tokenizer, groups, collectives):
-    """(train, valid) datasets sized for the whole run; rank 0 builds index caches, others wait.
-    GPT datasets, or BERT's (two segments, masked LM) for a BERT model, or T5's (span corruption)."""
-    from omnitron.core.data import build_gpt_datasets
-
-    build, kw = build_gpt_datasets, {}
-    if isinstance(settings.model, BertConfig):
-        from omnitron.core.data.bert_dataset import build_bert_datasets
-
-        build, kw = build_bert_datasets, {"binary_head": settings.model.bert_binary_head}
-    if isinstance(settings.model, T5Config):
-        from omnitron.core.data.t5_dataset import build_t5_datasets
-
-        build, kw = build_t5_datasets, {"decoder_seq_length": decoder_length(settings.model)}
-    if isinstance(settings.model, MultimodalConfig):  # synthetic image captions
-        from omnitron.core.data.multimodal_dataset import build_multimodal_datasets
-        from omnitron.core.models.multimodal import num_image_tokens
-
-        m = settings.model
-        build, kw = build_multimodal_datasets, {"img_h": m.img_h, "img_w": m.img_w, "num_channels": m.num_channels,
-                                                "num_image_tokens": num_image_tokens(m)}
+    """(train, valid) datasets sized for the whole run, the model family's own (GPT's indexed documents,
+    BERT's masked LM, T5's span corruption, LLaVA's synthetic captions, ...); rank 0 builds index caches,
+    others wait."""
     t = settings.training
     gbs = t.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
-    train, valid, _ = build(settings.data, tokenizer, train_samples=t.train_iters * gbs,
-                            valid_samples=t.eval_iters * gbs if evals else 0,
-                            test_samples=0, is_builder_rank=groups.rank == 0, barrier=barrier, **kw)
+    train, valid, _ = family_of(settings.model).build_datasets(
+        settings, tokenizer, train_samples=t.train_iters * gbs, valid_samples=t.eval_iters * gbs if evals else 0,
+        test_samples=0, is_builder_rank=groups.rank == 0, barrier=barrier)
     return train, valid
 
 
@@ -148,12 +119,12 @@ def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> Mix
 def build_components(settings, backend) -> Components:
     from omnitron.core.data import build_tokenizer
 
-    groups = ParallelGroups.build(settings.parallel, backend.collectives)
+    groups = ParallelGroups.build(settings.parallel, backend=backend)
     seed_everything(settings.training.seed, groups.pp.rank, backend)
     d = settings.data
     tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
                                 tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
-                                vocab_extra_ids=getattr(settings.model, "vocab_extra_ids", 0))  # T5's sentinels
+                                **family_of(settings.model).tokenizer_kwargs(settings.model))  # T5's sentinels
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)

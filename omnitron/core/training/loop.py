@@ -5,14 +5,14 @@ returns the per-iteration losses of this run, which the resume tests compare bit
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 
 import torch
 
 from omnitron.backends.collectives import ReduceOp
-from omnitron.core.models.gpt.config import flops_per_iteration, num_parameters
+from omnitron.core.models.family import family_of
+from omnitron.core.models.gpt.config import flops_per_iteration
 from omnitron.core.optim.clip import global_grad_norm
 from omnitron.core.training import checkpointing
 from omnitron.core.training.components import build_components
@@ -61,10 +61,8 @@ def _due(iteration: int, interval: int | None) -> bool:
 
 
 def model_parameters(cfg) -> int:
-    """Total parameters by the model family's own count: each family's config module (gpt, bert, t5,
-    multimodal) defines ``num_parameters``; GPT's formula is the fall-back."""
-    family = importlib.import_module(type(cfg).__module__)
-    return getattr(family, "num_parameters", num_parameters)(cfg)
+    """Total parameters by the model family's own count (``ModelFamily.num_parameters``)."""
+    return family_of(cfg).num_parameters(cfg)
 
 
 def params_norm(c) -> float:

@@ -18,11 +18,9 @@ from typing import Iterator
 import torch
 
 from omnitron.backends.collectives import ReduceOp
-from omnitron.core.models.bert import BertConfig, BertModel, bert_loss
-from omnitron.core.models.multimodal import LLaVAModel
-from omnitron.core.models.t5 import T5Model
+from omnitron.core.models.family import family_of
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
-from omnitron.core.parallel.pipeline.runtime import default_loss_fn, run_schedule
+from omnitron.core.parallel.pipeline.runtime import run_schedule
 from omnitron.core.training.grads import finalize_grads
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, record_compute_split
@@ -34,21 +32,10 @@ def _unwrap(chunk):
 
 
 def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torch.Tensor:
-    """Run one chunk on one micro-batch: tokens in on the first stage, per-token loss out on the last
-    (BERT: ``(per-token MLM loss, binary logits)``, for :func:`bert_loss`; every stage reads the padding mask)."""
+    """Run one chunk on one micro-batch, as its model family does it (``ModelFamily.forward_step``): tokens in
+    on the first stage, the family's loss input out on the last."""
     m = _unwrap(chunk)
-    if isinstance(m, BertModel):
-        return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"],
-                     hidden=hidden)
-    if isinstance(m, LLaVAModel):  # one stage; per-token caption loss, masked by the default loss function
-        return chunk(batch["tokens"], batch["images"], batch["position_ids"], labels=batch["labels"])
-    if isinstance(m, T5Model):  # one stage; per-token decoder loss, masked by the default loss function
-        return chunk(batch["tokens"], batch["decoder_tokens"], batch["padding_mask"], labels=batch["labels"])
-    labels = batch["labels"] if m.post_process else None
-    docs = batch.get("document_ids") if batch is not None else None  # --reset-attention-mask: every stage
-    if m.pre_process:
-        return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels, document_ids=docs)
-    return chunk(hidden=hidden, labels=labels, document_ids=docs)
+    return family_of(m.config).forward_step(chunk, m, batch, hidden)
 
 
 def _tensor_shape(c) -> tuple[int, int, int]:
@@ -77,7 +64,7 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
     ``timeline``: receives the runtime's compute spans (level-2 timers)."""
     schedule = forward_only_schedule(c.schedule) if forward_only else c.schedule
 
-    model_loss = bert_loss if isinstance(c.model, BertConfig) else default_loss_fn
+    model_loss = family_of(c.model).loss_fn
 
     def loss_fn(output, batch):
         total, count = context_parallel_loss(*model_loss(output, batch), batch)
@@ -99,9 +86,10 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
 
 def _stage_iterator(c, data_iterator):
     """Only the first and last stage read batches (middle stages get None, unless attention needs the
-    batches' document ids, ``--reset-attention-mask``, or BERT's padding mask); each keeps its cp slice."""
+    batches' document ids, ``--reset-attention-mask``, or the family reads them on every stage, as BERT's
+    padding mask); each keeps its cp slice."""
     needs = any(_unwrap(ch).pre_process or _unwrap(ch).post_process for ch in c.chunks)
-    needs = needs or getattr(c.settings.data, "reset_attention_mask", False) or isinstance(c.model, BertConfig)
+    needs = needs or getattr(c.settings.data, "reset_attention_mask", False) or family_of(c.model).stages_read_batch
     if not needs or data_iterator is None:
         return None
     cp = c.groups.cp

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnitron.backends import get_backend
 from omnitron.core.models.bert import config as B
 from omnitron.core.models.gpt import config as C
 from omnitron.core.models.gpt.model import WORD_EMBEDDING, GPTEmbedding, GPTModel
+from omnitron.core.parallel.groups import resolve_backend
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
@@ -103,7 +103,7 @@ def init_single_stage(model: GPTModel, config, groups, *, backend, seed: int, nu
     model on one stage), sequence parallelism and the RNG tracker with the tp- and pp-rank stream."""
     nn.Module.__init__(model)  # NOTE: GPTModel's own __init__ builds GPT modules; only its methods are reused
     model.config, model.groups = config, groups
-    model.backend = backend or get_backend()
+    model.backend = resolve_backend(backend, groups)
     model.pre_process, model.post_process = pre_process, post_process
     model.label_smoothing, model.layer_offset, model.num_local_layers = 0.0, layer_offset, num_layers
     model.sp = bool(groups.config.sequence_parallel and groups.tp.size > 1)
@@ -192,7 +192,8 @@ class BertModel(GPTModel):
         logits = self.output_layer(self.lm_head(x), weight)  # [s, b, V_pad/tp]
         if labels is None:
             return self._mask_padding(logits), binary
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
+                                            kernels=self.backend.kernels)
         return loss.t(), binary  # [b, s] float32
 
 

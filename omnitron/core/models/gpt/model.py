@@ -16,9 +16,9 @@ import contextlib
 import torch
 from torch import nn
 
-from omnitron.backends import get_backend
 from omnitron.core.models.gpt import config as C
 from omnitron.core.parallel.context import apply_context_parallel, local_positions
+from omnitron.core.parallel.groups import resolve_backend
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
@@ -67,7 +67,7 @@ class GPTModel(nn.Module):
         super().__init__()
         C.validate_model(config, groups.config, check_layers=num_layers is None)
         self.config, self.groups = config, groups
-        self.backend = backend or get_backend()
+        self.backend = resolve_backend(backend, groups)
         self.pre_process, self.post_process = pre_process, post_process
         self.label_smoothing = label_smoothing
         tp = groups.tp
@@ -188,7 +188,7 @@ class GPTModel(nn.Module):
         if labels is None:
             return self._mask_padding(logits)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
-                                            label_smoothing=self.label_smoothing)
+                                            label_smoothing=self.label_smoothing, kernels=self.backend.kernels)
         return loss.t()  # [b, s] float32
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:

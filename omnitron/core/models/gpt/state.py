@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from omnitron.backends import get_backend
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.parallel.tensor.sharding import gather_param, shard_param
 
@@ -82,7 +81,7 @@ def allreduce_sequence_parallel_grads(model: torch.nn.Module, groups) -> None:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads])  # f64 stays f64
-    get_backend().collectives.all_reduce(flat, group=groups.tp.handle)
+    groups.tp.collectives.all_reduce(flat, group=groups.tp.handle)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

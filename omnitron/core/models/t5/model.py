@@ -113,7 +113,8 @@ class T5Model(GPTModel):
         logits = self.output_layer(self.decoder.final_layernorm(y), self.embedding.word_embeddings.weight)
         if labels is None:
             return self._mask_padding(logits)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
+                                            kernels=self.backend.kernels)
         return loss.t()  # [b, s_dec] float32
 
     def shared_embedding_parameters(self) -> list[nn.Parameter]:

@@ -33,7 +33,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.config = config or DataParallelConfig()
         self.group = groups.dp_cp
         self._expert_group = groups.edp
-        self.coll = collectives or groups.collectives or _default_collectives()
+        self.coll = collectives or groups.collectives  # None: a one-process layout, nothing to reduce
         self.is_last_microbatch = True
         size = self.group.size
         bucket_size = self.config.bucket_size or max(40_000_000, 1_000_000 * size)
@@ -198,9 +198,3 @@ def _is_expert(p: torch.nn.Parameter) -> bool:
 def unwrap_model(chunk):
     """The plain module inside a :class:`DistributedDataParallel` (or ``chunk`` itself)."""
     return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
-
-
-def _default_collectives():
-    from omnitron.backends import get_backend
-
-    return get_backend().collectives

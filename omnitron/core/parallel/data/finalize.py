@@ -41,7 +41,7 @@ def finalize_model_grads(chunks: list, groups, *, collectives=None, sequence_par
     ``shared_embedding_parameters()``; on the first and last pipeline stage these lists must match
     in length and shape. ``sequence_parallel_params_fn(chunk)`` overrides the default selection.
     """
-    coll = collectives or groups.collectives or _default_collectives()
+    coll = collectives or groups.collectives  # None: a one-process layout, nothing to reduce
     for c in chunks:
         if hasattr(c, "finish_grad_sync"):
             c.finish_grad_sync()
@@ -63,9 +63,3 @@ def finalize_model_grads(chunks: list, groups, *, collectives=None, sequence_par
 def _zero_grad(p: torch.nn.Parameter) -> torch.Tensor:
     p.grad = torch.zeros_like(p)
     return p.grad
-
-
-def _default_collectives():
-    from omnitron.backends import get_backend
-
-    return get_backend().collectives

@@ -56,9 +56,9 @@ def forward_backward(schedule_name: str | None, model_chunks: list, data_iterato
 
     Returns ``{"loss": float, "tokens": float, "schedule": Schedule}``, identical on every rank.
     """
-    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import resolve_backend
 
-    be = get_backend()
+    be = resolve_backend(None, groups)
     coll = collectives or groups.collectives or be.collectives
     device = device or be.current_device()
     pp, vp = groups.pp.size, len(model_chunks)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from omnitron.backends import get_backend
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
@@ -22,7 +21,7 @@ from omnitron.kernels.reference.cross_entropy_shard import loss_from_stats
 
 def _all_reduce_(t: torch.Tensor, group, op=ReduceOp.SUM) -> torch.Tensor:
     if group.size > 1:
-        get_backend().collectives.all_reduce(t, op=op, group=group.handle)
+        group.collectives.all_reduce(t, op=op, group=group.handle)
     return t
 
 
@@ -47,31 +46,33 @@ class _VocabParallelCE(torch.autograd.Function):
     columns, in the logits' dtype (recomputed from the logits and the global log-sum-exp)."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, label_smoothing):
+    def forward(ctx, logits, target, group, vocab_size, label_smoothing, kernels):
         v_local = logits.shape[-1]
         start = local_rank(group) * v_local
         valid = max(0, min(v_local, vocab_size - start))  # real (unpadded) columns on this rank
-        kernels = get_backend().kernels
         stats = kernels.cross_entropy_shard_stats(logits, target, start, valid, vocab_size)  # [4, ...] fp32
         _combine_(stats, group, label_smoothing > 0.0)
         loss, lse = loss_from_stats(stats, vocab_size, label_smoothing)
         ctx.save_for_backward(logits, target, lse)
         ctx.meta = (start, valid, vocab_size, label_smoothing)
+        ctx.kernels = kernels
         return loss
 
     @staticmethod
     def backward(ctx, g):
         logits, target, lse = ctx.saved_tensors
         start, valid, vocab_size, ls = ctx.meta
-        grad = get_backend().kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls)
-        return grad, None, None, None, None
+        grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls)
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, *, vocab_size: int | None = None,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, kernels=None) -> torch.Tensor:
     """Per-token float32 loss of tp-local ``logits [..., V_pad/tp]`` against global ``target [...]``.
 
     ``vocab_size`` is the real vocabulary (columns past it are padding); default: all columns.
+    ``kernels``: the backend's kernel table (the model's ``backend.kernels``); default: the host CPU
+    backend's.
     Targets must be global ids in ``[0, vocab_size)``.
     """
     if not 0.0 <= label_smoothing < 1.0:
@@ -84,4 +85,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     if not 0 < vocab_size <= logits.shape[-1] * group.size:
         raise ValueError(f"vocab_size {vocab_size} must lie in (0, {logits.shape[-1] * group.size}] "
                          f"(tp {group.size} x {logits.shape[-1]} local columns)")
-    return _VocabParallelCE.apply(logits, target, group, vocab_size, label_smoothing)
+    if kernels is None:
+        from omnitron.core.parallel.groups import host_backend
+
+        kernels = host_backend().kernels
+    return _VocabParallelCE.apply(logits, target, group, vocab_size, label_smoothing, kernels)

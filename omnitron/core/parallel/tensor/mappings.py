@@ -2,8 +2,9 @@
 
 Each map is a tiny ``autograd.Function`` whose backward is the dual of its forward, takes the
 tensor-parallel :class:`~omnitron.core.parallel.groups.Group` explicitly, and returns its input
-unchanged when the group has one member (no communication at tp=1). Collectives go through
-``backend.collectives`` so dtype gaps of the transport are handled in one place.
+unchanged when the group has one member (no communication at tp=1). Collectives go through the
+group's ``collectives`` (its backend's, given when the groups were built) so dtype gaps of the
+transport are handled in one place.
 
 "tp region" maps split/gather the LAST dim (hidden or vocab shards); "sp region" maps
 split/gather dim 0 (sequence shards of ``[s, b, h]`` activations).
@@ -11,13 +12,6 @@ split/gather dim 0 (sequence shards of ``[s, b, h]`` activations).
 from __future__ import annotations
 
 import torch
-
-from omnitron.backends import get_backend
-
-
-def _collectives():
-    return get_backend().collectives
-
 
 def local_rank(group) -> int:
     """This process's index in ``group``; 0 for a one-member group (which may be a one-process
@@ -31,7 +25,7 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group.size == 1:
         return x
     out = x.contiguous().clone()
-    _collectives().all_reduce(out, group=group.handle)
+    group.collectives.all_reduce(out, group=group.handle)
     return out
 
 
@@ -50,7 +44,7 @@ def gather_last(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((group.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _collectives().all_gather(out, x, group=group.handle)
+    group.collectives.all_gather(out, x, group=group.handle)
     return torch.cat(out.chunk(group.size, dim=0), dim=-1)
 
 
@@ -71,7 +65,7 @@ def gather_first(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((group.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _collectives().all_gather(out, x, group=group.handle)
+    group.collectives.all_gather(out, x, group=group.handle)
     return out
 
 
@@ -83,7 +77,7 @@ def reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"dim 0 ({x.shape[0]}) is not divisible by tensor-parallel size {group.size}")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // group.size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _collectives().reduce_scatter(out, x, group=group.handle)
+    group.collectives.reduce_scatter(out, x, group=group.handle)
     return out
 
 

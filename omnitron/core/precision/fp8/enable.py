@@ -119,9 +119,9 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
     flag) keeps the first/last transformer layers wide; ``num_layers`` is the model's total layer
     count, needed with pipeline stages when the layers do not say it. Errors name what is missing.
     """
-    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import resolve_backend
 
-    backend = backend or get_backend()
+    backend = resolve_backend(backend, groups)
     check_backend(recipe, backend)
     provider = backend.fp8
     keep_ends = recipe.first_last_layers_bf16 if first_last_layers_bf16 is None else first_last_layers_bf16

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from omnitron.backends import get_backend
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     """Rows ``send[j]`` of ``x`` (in order) go to member ``j``; ``recv[i]`` rows arrive from ``i``."""
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    get_backend().collectives.all_to_all(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                                         group=group.handle)
+    group.collectives.all_to_all(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                 group=group.handle)
     return out
 
 
@@ -74,7 +73,7 @@ def dispatch(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, 
         n = int(token.numel())
         return rows, DispatchPlan(token, expert, [n], [n], None, counts.tolist())
     recv_counts = torch.empty_like(counts)
-    get_backend().collectives.all_to_all(recv_counts, counts, group=group.handle)
+    group.collectives.all_to_all(recv_counts, counts, group=group.handle)
     recv_counts = recv_counts.view(ep, local)  # [source rank, local expert]
     send = counts.view(ep, local).sum(dim=1).tolist()
     recv = recv_counts.sum(dim=1).tolist()

@@ -1,0 +1,53 @@
+"""The BERT family's contract with the engine (see :mod:`omnitron.core.models.family`)."""
+from __future__ import annotations
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.models.bert import config as B
+from omnitron.core.models.family import ModelFamily
+
+
+def build_stage(cfg, groups, **kw):
+    from omnitron.core.models.bert.model import BertModel
+
+    return BertModel(cfg, groups, **kw)
+
+
+def forward_step(chunk, m, batch: dict, hidden):
+    """``(per-token MLM loss, binary logits)`` on the last stage, for :func:`bert_loss`; every stage reads
+    the padding mask."""
+    return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"],
+                 hidden=hidden)
+
+
+def loss(output, batch):
+    from omnitron.core.models.bert.model import bert_loss
+
+    return bert_loss(output, batch)
+
+
+def build_datasets(settings, tokenizer, **sizes):
+    from omnitron.core.data.bert_dataset import build_bert_datasets
+
+    return build_bert_datasets(settings.data, tokenizer, binary_head=settings.model.bert_binary_head, **sizes)
+
+
+def check_wordpiece_flags(merged: dict, name: str) -> None:
+    """BERT and T5: a WordPiece tokenizer (the default) with [CLS]/[SEP]/[MASK]/[PAD], and no --prompt."""
+    tok = merged.setdefault("tokenizer_type", "BertWordPieceLowerCase")
+    if not tok.startswith("BertWordPiece"):
+        raise ConfigError(f"--tokenizer-type {tok}: {name} needs [CLS]/[SEP]/[MASK]/[PAD] tokens; use "
+                          "--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase")
+    if merged.get("prompt"):
+        raise ConfigError(f"--prompt samples a GPT continuation, which {name} training here does not write; "
+                          "drop --prompt")
+
+
+BERT_FAMILY = ModelFamily(
+    name="bert", description="bert (Megatron's pretrain_bert: masked LM + sentence-order head)",
+    config_cls=B.BertConfig, presets={"bert_tiny": B.bert_tiny, "bert_base": B.bert_base},
+    build_stage=build_stage, forward_step=forward_step, loss_fn=loss, stages_read_batch=True,
+    build_datasets=build_datasets, num_parameters=B.num_parameters,
+    validate=B.validate_bert,
+    check_flags=lambda merged: check_wordpiece_flags(merged, "BERT"),
+    generate_refusal="this is a BERT checkpoint: a bidirectional encoder has no text to generate; generate from a "
+                     "GPT, T5 or multimodal (LLaVA) checkpoint")

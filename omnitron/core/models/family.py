@@ -1,0 +1,184 @@
+"""The model-family contract: what the engine needs from a family, declared once in its package.
+
+A family (GPT/Llama, BERT, T5, LLaVA, or one a user adds) is one :class:`ModelFamily` value: its
+config class and presets, how to build one pipeline stage, what one micro-batch's forward reads and
+how its loss is reduced, its datasets, its checkpoint and generation hooks, and what it refuses.
+The training loop, the checkpoint tools and the inference commands look the family up here by
+name (``--model-type``) or by config class, and never branch on a type or a family name.
+
+Adding a family: write a package that builds a :class:`ModelFamily` and passes it to
+:func:`register_family` when imported; then either list the package in the built-in table below, or
+name it with ``omnitron train --model-family-module PACKAGE`` (torchtitan's ``--experimental.custom_import``
+idea), or declare it under the ``omnitron.model_families`` entry-point group of an installed distribution.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.parallel.pipeline.runtime import default_loss_fn
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    """One model family, as the engine sees it (see the module docstring)."""
+
+    name: str
+    """The ``--model-type`` value (``gpt``, ``bert``, ...)."""
+    description: str
+    """One line for ``--model-type``'s help."""
+    config_cls: type
+    """The family's config dataclass; its fields that GPTConfig lacks become this family's own flags."""
+    presets: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    """``--model`` preset name -> function returning a config (a preset implies its family)."""
+    build_stage: Callable[..., Any]
+    """``(cfg, groups, *, pre_process, post_process, layer_offset, num_layers, backend, seed) -> Module``:
+    one pipeline stage (virtual chunk) over layers ``[layer_offset, layer_offset + num_layers)``. The engine
+    reads the stage's ``config``, ``pre_process`` / ``post_process`` and ``rng_tracker`` (an
+    :class:`~omnitron.core.parallel.tensor.random.RNGTracker`, whose streams checkpoints save)."""
+    pipelined: bool = True
+    """False: the whole model is one chunk, built with ``build_stage(cfg, groups, backend=, seed=)`` alone."""
+    forward_step: Callable[..., Any]
+    """``(chunk, module, batch, hidden) -> output``: one micro-batch through one chunk (``module``: the
+    unwrapped chunk, which says ``pre_process`` / ``post_process``)."""
+    loss_fn: Callable[..., Any] = default_loss_fn
+    """``(last stage's output, batch) -> (loss sum, token count)``."""
+    stages_read_batch: bool = False
+    """Every pipeline stage reads the micro-batch (BERT's padding mask), not only the first and last."""
+    build_datasets: Callable[..., Any]
+    """``(settings, tokenizer, **sizes) -> (train, valid, test)``; ``sizes``: the builder's common keywords."""
+    num_parameters: Callable[[Any], int]
+    """Total parameter count of a config (the start-of-run log)."""
+    validate: Callable[[Any, Any], None] | None = None
+    """``(cfg, parallel config)``: the family's own refusals, run before the shared model checks."""
+    check_flags: Callable[[dict], None] | None = None
+    """``(merged flat settings)``: the family's refusals of flags and its defaults (e.g. its tokenizer);
+    may set keys in the dict."""
+    tokenizer_kwargs: Callable[[Any], dict] = lambda cfg: {}
+    """Extra keywords for the tokenizer built for ``cfg`` (T5's sentinel tokens)."""
+    generate: Callable[..., dict] | None = None
+    """``(loaded, prompts, tokens, *, params, logprobs, images) -> dict`` (Megatron's text-generation
+    response); None when the family has nothing to generate (see ``generate_refusal``)."""
+    generate_refusal: str = ""
+    """Why a checkpoint of this family cannot generate (with what to use instead)."""
+    takes_images: bool = False
+    """Generation reads one image per prompt."""
+    default_prompt: str | None = None
+    """``omnitron generate``'s prompt when none is given (LLaVA's captions start with "a")."""
+
+    def own_fields(self) -> tuple[str, ...]:
+        """The config fields this family adds to GPTConfig's: flags that only apply to it."""
+        from omnitron.core.models.gpt.config import GPTConfig
+
+        shared = {f.name for f in dataclasses.fields(GPTConfig)}
+        return tuple(f.name for f in dataclasses.fields(self.config_cls) if f.name not in shared)
+
+    def build_chunks(self, cfg, groups, ranges: Mapping[tuple[int, int], tuple[int, int]], pp_rank: int,
+                     pp: int, chunks: int, *, backend, seed: int) -> dict[tuple[int, int], Any]:
+        """``{(pp rank, chunk): stage}`` for ``pp_rank`` (None: every rank) from the layer ranges; a family
+        that is not pipelined gets its one chunk ``(0, 0)``."""
+        if not self.pipelined:
+            return {(0, 0): self.build_stage(cfg, groups, backend=backend, seed=seed)}
+        out = {}
+        for (r, c), (offset, n) in sorted(ranges.items()):
+            if pp_rank is not None and r != pp_rank:
+                continue
+            out[(r, c)] = self.build_stage(cfg, groups, pre_process=r == 0 and c == 0,
+                                           post_process=r == pp - 1 and c == chunks - 1, layer_offset=offset,
+                                           num_layers=n, backend=backend, seed=seed)
+        return out
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+ENTRY_POINT_GROUP = "omnitron.model_families"
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Add ``family`` to the registry (a family module calls this when imported); returns it."""
+    old = _FAMILIES.get(family.name)
+    if old is not None and old.config_cls is not family.config_cls:
+        raise ConfigError(f"model family {family.name!r} is registered twice (by {old.config_cls.__module__} and "
+                          f"{family.config_cls.__module__}); give the new family another name")
+    taken = {p: f.name for f in _FAMILIES.values() if f.name != family.name for p in f.presets}
+    clash = [p for p in family.presets if p in taken]
+    if clash:
+        raise ConfigError(f"model family {family.name!r}: preset {clash[0]!r} already belongs to the {taken[clash[0]]} "
+                          "family; rename the preset")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def _load_builtins() -> None:
+    """The families shipped with omnitron, and those installed under the entry-point group."""
+    if _FAMILIES.get("gpt") is not None:
+        return
+    from omnitron.core.models.gpt.family import GPT_FAMILY
+    from omnitron.core.models.bert.family import BERT_FAMILY
+    from omnitron.core.models.t5.family import T5_FAMILY
+    from omnitron.core.models.multimodal.family import MULTIMODAL_FAMILY
+
+    for fam in (GPT_FAMILY, BERT_FAMILY, T5_FAMILY, MULTIMODAL_FAMILY):
+        register_family(fam)
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()  # the module registers its family on import
+
+
+def import_family_modules(modules) -> None:
+    """Import each ``--model-family-module`` (a dotted module name that registers a family on import)."""
+    for name in modules or ():
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ConfigError(f"--model-family-module {name}: cannot import it ({err}); give a dotted module name "
+                              "on the Python path that calls omnitron.core.models.family.register_family") from None
+
+
+def families() -> dict[str, ModelFamily]:
+    """Every registered family by name, the built-in ones first."""
+    _load_builtins()
+    return dict(_FAMILIES)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family called ``name``; a ConfigError lists the known ones."""
+    fams = families()
+    if name not in fams:
+        raise ConfigError(f"--model-type {name!r} is not one of {', '.join(fams)}; a family of your own needs "
+                          "--model-family-module MODULE (a module that registers it)")
+    return fams[name]
+
+
+def family_of(cfg) -> ModelFamily:
+    """The family whose config class ``cfg`` is (exact class)."""
+    for fam in families().values():
+        if type(cfg) is fam.config_cls:
+            return fam
+    raise ConfigError(f"{type(cfg).__name__} belongs to no registered model family; register its family "
+                      "(omnitron.core.models.family.register_family)")
+
+
+def family_of_preset(preset: str) -> ModelFamily | None:
+    """The family that declares ``--model preset``, or None."""
+    for fam in families().values():
+        if preset in fam.presets:
+            return fam
+    return None
+
+
+def family_of_fields(model: Mapping[str, Any], name: str | None = None) -> ModelFamily:
+    """The family of a checkpoint's recorded config fields: ``name`` when the checkpoint recorded it, else
+    the family whose config holds the most of the recorded fields (ties: the smaller config, so a GPT
+    checkpoint is not read as a family that extends GPT)."""
+    if name:
+        return get_family(name)
+
+    def score(fam):
+        names = {f.name for f in dataclasses.fields(fam.config_cls)}
+        return (len(names & set(model)), -len(names))
+
+    return max(families().values(), key=score)

@@ -1,0 +1,40 @@
+"""The GPT/Llama family's contract with the engine (see :mod:`omnitron.core.models.family`)."""
+from __future__ import annotations
+
+from omnitron.core.models.family import ModelFamily
+from omnitron.core.models.gpt import config as C
+
+
+def build_stage(cfg, groups, **kw):
+    from omnitron.core.models.gpt.model import GPTModel
+
+    return GPTModel(cfg, groups, **kw)
+
+
+def forward_step(chunk, m, batch: dict | None, hidden):
+    """Tokens and positions in on the first stage, per-token loss out on the last; every stage reads the
+    batch's document ids under ``--reset-attention-mask``."""
+    labels = batch["labels"] if m.post_process else None
+    docs = batch.get("document_ids") if batch is not None else None  # --reset-attention-mask: every stage
+    if m.pre_process:
+        return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels, document_ids=docs)
+    return chunk(hidden=hidden, labels=labels, document_ids=docs)
+
+
+def build_datasets(settings, tokenizer, **sizes):
+    from omnitron.core.data import build_gpt_datasets
+
+    return build_gpt_datasets(settings.data, tokenizer, **sizes)
+
+
+def generate(loaded, prompts, tokens, **kw) -> dict:
+    from omnitron.core.inference.text import complete_gpt
+
+    return complete_gpt(loaded, prompts, tokens, **kw)
+
+
+GPT_FAMILY = ModelFamily(
+    name="gpt", description="gpt (default): decoder-only GPT-2 / Llama", config_cls=C.GPTConfig,
+    presets={"gpt2_tiny": C.gpt2_tiny, "llama_tiny": C.llama_tiny, "gpt_1p3b": C.gpt_1p3b},
+    build_stage=build_stage, forward_step=forward_step, build_datasets=build_datasets,
+    num_parameters=C.num_parameters, generate=generate)
