@@ -77,10 +77,20 @@ def handle(exc: BaseException, rank: int, dump) -> int:
         write_report(rank, kind, line)
     elif kind == "peer":
         log.error("rank %d: lost a peer (%s); the failing rank's own message comes first", rank, line)
+    elif kind == "stopped":  # one process: the reason is the whole message
+        print(f"omnitron train: error: {line}", file=sys.stderr)
     else:
-        log.error("%s", line if kind == "stopped" else f"rank {rank}: {line}")
+        log.error("rank %d: %s", rank, line)
     sys.stderr.flush()
-    return 1
+    return 2 if _bad_input(exc) else 1
+
+
+def _bad_input(exc: BaseException) -> bool:
+    """A bad setting or checkpoint: exit code 2, as the CLI's own checks give before any worker starts."""
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.config.parallel import ConfigError
+
+    return isinstance(exc, (ConfigError, CheckpointError))
 
 
 def read_reports(folder: str) -> dict[int, dict]:
