@@ -160,7 +160,7 @@ class FP8Provider:
     def _select_path(self, caps) -> tuple[str, str]:
         forced = os.environ.get(PATH_ENV, "").strip()
         if forced:
-            if forced not in PATHS[1:]:
+            if forced not in PATHS:
                 raise ValueError(f"{PATH_ENV}={forced!r}: use 'scaled_mm' or 'emulated'")
             return forced, f"forced by {PATH_ENV}"
         claimed = caps.fp8_gemm or "emulated"
