@@ -19,15 +19,19 @@ def reference_kernels():
     """In this process, every fused op on its reference while the block runs (the one-process side of a
     float64 parity test whose workers run with ``distributed.REFERENCE_KERNELS``)."""
     from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import host_backend
     from omnitron.kernels.registry import REFERENCE, KernelTable
 
-    be = get_backend()
-    saved = be.kernels
-    be._kernel_table = KernelTable(be.name, (REFERENCE,))
+    # the environment's backend and the host backend that modules built without one resolve to
+    backends = {id(b): b for b in (get_backend(), host_backend())}.values()
+    saved = [(be, be.kernels) for be in backends]
+    for be, _ in saved:
+        be._kernel_table = KernelTable(be.name, (REFERENCE,))
     try:
         yield
     finally:
-        be._kernel_table = saved
+        for be, table in saved:
+            be._kernel_table = table
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
