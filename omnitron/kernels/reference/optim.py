@@ -22,7 +22,11 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
             m.lerp_(g, 1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (v / bc2).sqrt_().add_(eps)
-            p.addcdiv_(m, denom, value=-lr / bc1)
+            step_size = -lr / bc1
+            if abs(step_size) <= torch.finfo(p.dtype).max:
+                p.addcdiv_(m, denom, value=step_size)
+            else:  # addcdiv_ refuses a scalar its dtype cannot hold; overflow to inf as the fused kernels do
+                p.add_(m / denom * step_size)
 
 
 @register("grad_norm_sq", "reference")
