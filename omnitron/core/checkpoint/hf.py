@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.transformer.qkv import fuse_qkv, split_qkv
 
 
 class HFConversionError(CheckpointError):
@@ -196,22 +197,6 @@ class Rule:
     to_hf: Callable = lambda t: (t,)
 
 
-def _fuse_qkv(q, k, v, g: int):
-    """HF q ``[hq*d, ...]``, k / v ``[g*d, ...]`` -> omnitron's per-group ``[g: q.., k, v]`` rows."""
-    rest = q.shape[1:]
-    return torch.cat([q.reshape(g, -1, *rest), k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)], 1).reshape(
-        -1, *rest)
-
-
-def _split_qkv(t, g: int, hq: int):
-    """Inverse of :func:`_fuse_qkv`: (q, k, v)."""
-    rest = t.shape[1:]
-    per = t.shape[0] // (hq + 2 * g)  # head dim
-    grouped = t.reshape(g, -1, per, *rest)
-    qpg = hq // g
-    return tuple(grouped[:, a:b].reshape(-1, *rest) for a, b in ((0, qpg), (qpg, qpg + 1), (qpg + 1, qpg + 2)))
-
-
 def _half_rope_rows(t, d: int):
     """Rows of each ``d``-row head reordered from interleaved-pair RoPE (2i, 2i+1) to HF's halves (i, i+d/2)."""
     perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
@@ -231,10 +216,10 @@ def _gpt2_rules(cfg) -> list[Rule]:
         rules += [Rule(o + "input_layernorm." + k, (h + "ln_1." + k,)) for k in ("weight", "bias")]
         rules += [Rule(o + "pre_mlp_layernorm." + k, (h + "ln_2." + k,)) for k in ("weight", "bias")]
         rules += [Rule(o + "self_attention.linear_qkv.weight", (h + "attn.c_attn.weight",),
-                       lambda w: _fuse_qkv(*w.t().chunk(3, 0), heads),
-                       lambda t: (torch.cat(_split_qkv(t, heads, heads), 0).t(),)),
+                       lambda w: fuse_qkv(*w.t().chunk(3, 0), heads),
+                       lambda t: (torch.cat(split_qkv(t, heads, heads), 0).t(),)),
                   Rule(o + "self_attention.linear_qkv.bias", (h + "attn.c_attn.bias",),
-                       lambda b: _fuse_qkv(*b.chunk(3, 0), heads), lambda t: (torch.cat(_split_qkv(t, heads, heads)),)),
+                       lambda b: fuse_qkv(*b.chunk(3, 0), heads), lambda t: (torch.cat(split_qkv(t, heads, heads)),)),
                   Rule(o + "self_attention.linear_proj.weight", (h + "attn.c_proj.weight",), T, lambda t: (t.t(),)),
                   Rule(o + "self_attention.linear_proj.bias", (h + "attn.c_proj.bias",)),
                   Rule(o + "mlp.linear_fc1.weight", (h + "mlp.c_fc.weight",), T, lambda t: (t.t(),)),
@@ -260,11 +245,11 @@ def _llama_rules(cfg) -> list[Rule]:
                   Rule(o + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",))]
         for k in kinds:
             def qkv_to_hf(t, k=k):
-                q, kk, v = _split_qkv(t, g, hq)
+                q, kk, v = split_qkv(t, g, hq)
                 return rope_rows(q), rope_rows(kk), v
 
             rules += [Rule(o + "self_attention.linear_qkv." + k, tuple(f"{h}self_attn.{p}_proj.{k}" for p in "qkv"),
-                           lambda q, kk, v: _fuse_qkv(q, kk, v, g), qkv_to_hf),
+                           lambda q, kk, v: fuse_qkv(q, kk, v, g), qkv_to_hf),
                       Rule(o + "self_attention.linear_proj." + k, (f"{h}self_attn.o_proj.{k}",)),
                       Rule(o + "mlp.linear_fc1." + k, (f"{h}mlp.gate_proj.{k}", f"{h}mlp.up_proj.{k}"),
                            lambda a, b: torch.cat([a, b], 0), lambda t: tuple(t.chunk(2, 0))),

@@ -1,9 +1,20 @@
 """Command-line and config-file settings -> validated dataclasses, before any process group exists.
 
-Flags are generated from the config dataclasses: field ``tensor_model_parallel_size`` is flag
-``--tensor-model-parallel-size`` (Megatron's spelling), its docstring is the help text, and a
-value fans out to every dataclass with a field of that name (``--seq-length`` sets both the
-model and the data config). Precedence: dataclass default < ``--config FILE`` < command line.
+How a flag comes to exist (no flag is written out by hand except the launch options):
+
+1. :func:`_config_classes` lists ``(help-group title, config dataclass)`` for every concern, then each
+   model family's config (only the fields that family adds to GPTConfig: ``--bert-binary-head``, ...).
+2. :func:`options` turns every field of those classes into an :class:`Option`: field
+   ``tensor_model_parallel_size: int = 1`` with the docstring under it becomes
+   ``--tensor-model-parallel-size N`` (Megatron's spelling), type ``int``, default 1, help = the
+   docstring. ``bool`` fields become switches (``--no-X`` too when the default is on), ``list``
+   fields take several values. Exceptions: ``_FLAG_NAMES`` (a different spelling), ``_HIDDEN`` and
+   :func:`_skip` (fields that are not user settings).
+3. A value fans out to every dataclass with a field of that name (``--seq-length`` sets both the
+   model and the data config): :func:`_build` picks each class's fields from the merged dict.
+
+Precedence: dataclass default < ``--model PRESET`` < ``--config FILE`` < command line
+(:func:`merge_settings`); :func:`build_settings` then builds and cross-checks the configs.
 """
 from __future__ import annotations
 
@@ -324,13 +335,8 @@ def _build(cls, merged: dict[str, Any], **extra):
 
 
 def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Settings:
-    """Construct and cross-validate every config; raises ConfigError naming the flag and fix."""
-    from dataclasses import replace
-
-    from omnitron.core.data.config import DataConfig
-    from omnitron.core.models.gpt.config import validate_model
-    from omnitron.core.precision import params_dtype
-
+    """Construct and cross-validate every config; raises ConfigError naming the flag and fix. One helper per
+    concern below builds its configs and checks what it alone can, in this order."""
     missing = [o for o in ("num_layers", "hidden_size", "num_attention_heads") if o not in merged]
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
@@ -340,9 +346,35 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
     precision = _build(PrecisionConfig, merged)
+    family, model, parallel = _model_settings(merged, precision)
+    training = _training_settings(merged, data_parallel_size(parallel, world))
+    data = _data_settings(merged, model, parallel, training)
+    fp8 = _fp8_settings(merged)
+    logging_cfg = _build(LoggingConfig, merged)
+    logging_cfg.check_world(world)
+    checkpoint = _build(CheckpointConfig, merged)
+    optim = _build(OptimizerConfig, merged)
+    ddp = _ddp_settings(merged, precision)
+    _check_run(training, data, checkpoint)
+    model_type = family.name
+    return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,
+                    ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world, nproc_per_node=nproc,
+                    backend=merged.get("backend"), threads=merged.get("threads_per_process"),
+                    prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
+                    sample_top_k=int(merged.get("sample_top_k") or 20),
+                    flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")}, model_type=model_type)
+
+
+
+
+def _model_settings(merged: dict[str, Any], precision: PrecisionConfig):
+    """(family, model config, parallel config): the family's config class, the virtual pipeline size from
+    ``--num-layers-per-virtual-pipeline-stage``, the family's and the shared model checks."""
+    from omnitron.core.models.gpt.config import validate_model
+    from omnitron.core.precision import params_dtype
+
     # the model's vocabulary comes from the tokenizer (--vocab-size is NullTokenizer's setting)
     family = _model_family(merged)
-    model_type = family.name
     model = _build(family.config_cls, {k: v for k, v in merged.items() if k != "vocab_size"},
                    params_dtype=params_dtype(precision))
     per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
@@ -363,7 +395,13 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
 
         pipeline_layer_ranges(model.num_layers, pp, vp, parallel.decoder_first_pipeline_num_layers,
                               parallel.decoder_last_pipeline_num_layers)
-    dp = data_parallel_size(parallel, world)
+    return family, model, parallel
+
+
+def _training_settings(merged: dict[str, Any], dp: int) -> TrainingConfig:
+    """The training config; ``--global-batch-size`` defaults to one micro-batch per data-parallel rank."""
+    from dataclasses import replace
+
     training = _build(TrainingConfig, merged)
     mbs = training.micro_batch_size
     if training.global_batch_size is None:
@@ -371,11 +409,23 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     if training.global_batch_size % (mbs * dp):
         raise ConfigError(f"--global-batch-size {training.global_batch_size} is not a multiple of --micro-batch-size "
                           f"{mbs} x data-parallel size {dp} = {mbs * dp}; change one of them")
+    return training
+
+
+def _data_settings(merged: dict[str, Any], model, parallel: ParallelConfig, training: TrainingConfig):
+    """The data config, at the model's sequence length and the run's seed."""
+    from omnitron.core.data.config import DataConfig
+
     data = _build(DataConfig, merged, seq_length=model.seq_length, seed=training.seed)
     if data.reset_attention_mask and parallel.context_parallel_size > 1:
         raise ConfigError(f"--reset-attention-mask with --context-parallel-size {parallel.context_parallel_size}: "
                           "ring attention has no per-document mask; use --context-parallel-size 1 or drop "
                           "--reset-attention-mask")
+    return data
+
+
+def _fp8_settings(merged: dict[str, Any]):
+    """FP8Config when ``--fp8-format`` switches FP8 on, else None (other ``--fp8-*`` flags alone are errors)."""
     fp8_cls = _fp8_config_class()
     fp8_on = merged.get("fp8_format") is not None  # as Megatron: --fp8-format switches FP8 on
     fp8 = _build(fp8_cls, merged) if (fp8_cls is not None and fp8_on) else None
@@ -383,15 +433,23 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         raise ConfigError("--fp8-format needs omnitron.core.precision.fp8, which this build lacks; drop the FP8 flags")
     if fp8 is None and any(k.startswith("fp8_") for k in merged):
         raise ConfigError("--fp8-recipe and the other --fp8-* settings need --fp8-format e4m3|hybrid to switch FP8 on")
-    logging_cfg = _build(LoggingConfig, merged)
-    logging_cfg.check_world(world)
-    checkpoint = _build(CheckpointConfig, merged)
-    optim = _build(OptimizerConfig, merged)
+    return fp8
+
+
+def _ddp_settings(merged: dict[str, Any], precision: PrecisionConfig):
+    """The data-parallel config (bf16: gradients accumulated and all-reduced in fp32)."""
+    from dataclasses import replace
+
     ddp = _build(_ddp_config_class(), merged) if _ddp_config_class() else None
     if ddp is not None and precision.bf16:
         # as Megatron: bf16 training accumulates and all-reduces gradients in fp32 (bf16 sums of
         # many micro-batches lose the small contributions)
         ddp = replace(ddp, accumulate_allreduce_grads_in_fp32=True)
+    return ddp
+
+
+def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> None:
+    """Cross-checks between the run's configs: validation needs a validation split; --finetune needs --load."""
     if training.eval_interval and data.split and not data.mock_data:
         from omnitron.core.data.config import split_weights
 
@@ -400,12 +458,6 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                               f"{data.split} gives it none; use e.g. --split 969,30,1 or --eval-interval 0")
     if checkpoint.finetune and not checkpoint.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
-    return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,
-                    ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world, nproc_per_node=nproc,
-                    backend=merged.get("backend"), threads=merged.get("threads_per_process"),
-                    prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
-                    sample_top_k=int(merged.get("sample_top_k") or 20),
-                    flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")}, model_type=model_type)
 
 
 def _model_family(merged: dict[str, Any]):

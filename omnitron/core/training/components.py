@@ -70,12 +70,10 @@ def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backen
 
 
 def wrap_data_parallel(modules: list[GPTModel], settings, groups):
-    """Chunks wrapped by the data-parallel package when it is present, else the modules themselves
-    (gradients are then reduced by :func:`omnitron.core.training.grads.finalize_grads`)."""
-    try:
-        from omnitron.core.parallel.data import DistributedDataParallel
-    except ImportError:
-        return list(modules)
+    """Chunks wrapped by the data-parallel package (gradient buckets; their reduction, the sequence-parallel and
+    the tied-embedding sums: :func:`omnitron.core.parallel.data.finalize_model_grads`)."""
+    from omnitron.core.parallel.data import DistributedDataParallel
+
     return [DistributedDataParallel(m, groups, settings.ddp) for m in modules]
 
 

@@ -17,11 +17,10 @@ from typing import Iterator
 
 import torch
 
-from omnitron.backends.collectives import ReduceOp
 from omnitron.core.models.family import family_of
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
-from omnitron.core.parallel.pipeline.runtime import run_schedule
-from omnitron.core.training.grads import finalize_grads
+from omnitron.core.parallel.data import finalize_model_grads
+from omnitron.core.parallel.pipeline import forward_backward
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
@@ -36,13 +35,6 @@ def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torc
     on the first stage, the family's loss input out on the last."""
     m = _unwrap(chunk)
     return family_of(m.config).forward_step(chunk, m, batch, hidden)
-
-
-def _tensor_shape(c) -> tuple[int, int, int]:
-    s = c.model.seq_length // c.groups.cp.size
-    if c.groups.config.sequence_parallel and c.groups.tp.size > 1:
-        s //= c.groups.tp.size
-    return (s, c.settings.training.micro_batch_size, c.model.hidden_size)  # [s/cp(/tp), b, h]
 
 
 def _zero_grads(c) -> None:
@@ -70,18 +62,13 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
         total, count = context_parallel_loss(*model_loss(output, batch), batch)
         return (total * loss_scale if loss_scale else total), count
 
-    loss_sum, _ = run_schedule(schedule, c.groups.pp.rank if c.groups.pp.size > 1 else 0, c.chunks, data_iterator,
-                               forward_step_fn=forward_step, loss_fn=loss_fn, pp_group=c.groups.pp,
-                               collectives=c.backend.collectives, tensor_shape=_tensor_shape(c),
-                               dtype=c.model.params_dtype, device=c.backend.current_device(),
-                               forward_only=forward_only, timeline=timeline)
-    loss = loss_sum.reshape(1).to(torch.float64)
-    if loss_scale:
-        loss /= loss_scale
-    for group in (c.groups.pp, c.groups.dp_cp):  # only the last stage holds it; then average replicas
-        if group.handle is not None:
-            c.backend.collectives.all_reduce(loss, op=ReduceOp.SUM, group=group.handle)
-    return loss.item() / (c.schedule.num_microbatches * c.groups.dp_cp.size)
+    t = c.settings.training
+    out = forward_backward(schedule, c.chunks, data_iterator, c.groups, num_microbatches=schedule.num_microbatches,
+                           seq_length=c.model.seq_length, micro_batch_size=t.micro_batch_size,
+                           hidden_size=c.model.hidden_size, forward_step_fn=forward_step, dtype=c.model.params_dtype,
+                           loss_fn=loss_fn, forward_only=forward_only, collectives=c.backend.collectives,
+                           device=c.backend.current_device(), timeline=timeline)
+    return out["loss"] / loss_scale if loss_scale else out["loss"]  # NOTE: loss scales are powers of two
 
 
 def _stage_iterator(c, data_iterator):
@@ -120,7 +107,7 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     if split:
         record_compute_split(timers, timeline, fb_seconds, pipelined=c.groups.pp.size > 1)
     with timers.phase("all-grads-sync"):
-        finalize_grads(c.chunks, c.modules, c.groups, c.backend.collectives)
+        finalize_model_grads(c.chunks, c.groups, collectives=c.backend.collectives)
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
     lr = c.scheduler.lr(c.optimizer.step_count + 1)
     with timers.phase("optimizer"):

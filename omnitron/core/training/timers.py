@@ -32,7 +32,7 @@ TIMER_LEVELS = {
     "train-step": 0,            # the whole train_step (what step_time_s measures on rank 0)
     "save-checkpoint": 0,       # checkpointing.save, in total (not per iteration)
     "forward-backward": 1,      # the pipeline schedule: every forward and backward of the step
-    "all-grads-sync": 1,        # gradient reduction after the micro-batches (finalize_grads)
+    "all-grads-sync": 1,        # gradient reduction after the micro-batches (finalize_model_grads)
     "optimizer": 1,             # the optimizer step: unscale, norms, clip, update, copy into the model
     "optimizer-copy-main-to-model-params": 1,  # replicated optimizer: fp32 masters into the model
     "params-all-gather": 1,     # distributed optimizer: slices into the model + all-gather (launch only

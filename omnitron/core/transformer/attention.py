@@ -1,8 +1,8 @@
 """Causal self-attention with grouped-query heads split over tensor-parallel ranks.
 
-Full (layout-independent) fused QKV weight rows are grouped per key/value head, Megatron style:
-``[g0: q heads of group 0 (hq/g of them), k0, v0 | g1: ... ]`` each ``d`` rows, so a contiguous
-split over tp gives every rank ``g/tp`` whole groups. ``linear_proj`` input columns follow global
+Full (layout-independent) fused QKV weight rows are grouped per key/value head, Megatron style
+(:mod:`omnitron.core.transformer.qkv`, the one definition of the layout), so a contiguous split over
+tp gives every rank ``g/tp`` whole groups. ``linear_proj`` input columns follow global
 query-head order.
 
 Query groups fewer than tp (``tp % g == 0``): each rank's query heads lie in ONE group, so the
@@ -38,6 +38,7 @@ from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.parallel.tensor.sharding import set_attributes
+from omnitron.core.transformer import qkv as QKV
 from omnitron.core.transformer.norm import Norm
 
 
@@ -100,9 +101,7 @@ class SelfAttention(nn.Module):
         for kind in ("weight", "bias"):
             q, kv = state.pop(f"{prefix}linear_q.{kind}", None), state.pop(f"{prefix}linear_kv.{kind}", None)
             if q is not None:
-                qg = q.reshape(g, -1, d, *q.shape[1:])
-                state[f"{prefix}linear_qkv.{kind}"] = torch.cat([qg, kv.reshape(g, 2, d, *kv.shape[1:])], 1).reshape(
-                    -1, *q.shape[1:])
+                state[f"{prefix}linear_qkv.{kind}"] = QKV.group_cat([q, kv], g)
 
     def split_full_state(self, prefix: str, state: dict) -> dict:
         """Inverse of :meth:`fuse_full_state` (a new dict; ``state`` is not modified)."""
@@ -114,8 +113,8 @@ class SelfAttention(nn.Module):
         for kind in ("weight", "bias"):
             full = out.pop(f"{prefix}linear_qkv.{kind}", None)
             if full is not None:
-                out[f"{prefix}linear_q.{kind}"] = _q_rows(full, g, qpg, d)
-                out[f"{prefix}linear_kv.{kind}"] = _kv_rows(full, g, qpg, d)
+                out[f"{prefix}linear_q.{kind}"] = QKV.q_rows(full, g, qpg, d)
+                out[f"{prefix}linear_kv.{kind}"] = QKV.kv_rows(full, g, qpg, d)
         return out
 
     def _project(self, x: torch.Tensor):
@@ -205,16 +204,6 @@ class SelfAttention(nn.Module):
         return y if isinstance(y, tuple) else (y, None)
 
 
-def _q_rows(full: torch.Tensor, g: int, qpg: int, d: int) -> torch.Tensor:
-    """Query rows (global head order) of a canonical fused QKV tensor."""
-    return full.reshape(g, qpg + 2, d, *full.shape[1:])[:, :qpg].reshape(g * qpg * d, *full.shape[1:])
-
-
-def _kv_rows(full: torch.Tensor, g: int, qpg: int, d: int) -> torch.Tensor:
-    """Key/value rows ``[g0: k, v | g1: k, v | ...]`` of a canonical fused QKV tensor."""
-    return full.reshape(g, qpg + 2, d, *full.shape[1:])[:, qpg:].reshape(g * 2 * d, *full.shape[1:])
-
-
 def extract_rows(full: torch.Tensor, which: str, g: int, qpg: int, d: int) -> torch.Tensor:
-    """``_q_rows`` or ``_kv_rows`` by name (used with a parameter's ``init_from``)."""
-    return (_q_rows if which == "q" else _kv_rows)(full, g, qpg, d)
+    """``q_rows`` or ``kv_rows`` by name (used with a parameter's ``init_from``)."""
+    return (QKV.q_rows if which == "q" else QKV.kv_rows)(full, g, qpg, d)

@@ -47,7 +47,7 @@ def pipeline_tensor_shape(groups, *, seq_length: int, micro_batch_size: int, hid
     return (seq_length // div, micro_batch_size, hidden_size)
 
 
-def forward_backward(schedule_name: str | None, model_chunks: list, data_iterator: Iterator | None, groups, *,
+def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, data_iterator: Iterator | None, groups, *,
                      num_microbatches: int, seq_length: int, micro_batch_size: int, hidden_size: int,
                      forward_step_fn: Callable, dtype: torch.dtype = torch.float32, loss_fn: Callable | None = None,
                      forward_only: bool = False, collectives=None, device: torch.device | None = None,
@@ -55,6 +55,9 @@ def forward_backward(schedule_name: str | None, model_chunks: list, data_iterato
     """Run one step's forward and backward passes over ``num_microbatches`` micro-batches.
 
     Returns ``{"loss": float, "tokens": float, "schedule": Schedule}``, identical on every rank.
+    ``schedule_name`` may be a built :class:`Schedule` (the training step's, or its forwards alone).
+    The loss and token sums are reduced in float64 (the logged loss does not depend on the rank count's
+    rounding).
     """
     from omnitron.core.parallel.groups import resolve_backend
 
@@ -66,7 +69,8 @@ def forward_backward(schedule_name: str | None, model_chunks: list, data_iterato
     if vp != cfg_vp:
         raise ValueError(f"got {vp} model chunks but the virtual pipeline size is {cfg_vp}; build one chunk per "
                          f"virtual stage (--num-layers-per-virtual-pipeline-stage)")
-    schedule = build_schedule(schedule_name, pp, vp, num_microbatches)
+    schedule = schedule_name if isinstance(schedule_name, Schedule) else build_schedule(schedule_name, pp, vp,
+                                                                                        num_microbatches)
     shape = pipeline_tensor_shape(groups, seq_length=seq_length, micro_batch_size=micro_batch_size,
                                   hidden_size=hidden_size)
     ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
@@ -75,7 +79,7 @@ def forward_backward(schedule_name: str | None, model_chunks: list, data_iterato
                                         forward_step_fn=forward_step_fn, loss_fn=loss_fn or default_loss_fn,
                                         pp_group=groups.pp, collectives=coll, tensor_shape=shape, dtype=dtype,
                                         device=device, forward_only=forward_only, timeline=timeline)
-    stats = torch.stack([loss_sum, tokens])
+    stats = torch.stack([loss_sum.reshape(()), tokens.reshape(())]).to(torch.float64)
     if groups.pp.size > 1:  # only the last stage holds non-zeros: the sum is a broadcast
         coll.all_reduce(stats, group=groups.pp.handle)
     if groups.dp_cp.size > 1:
