@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
     def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend, out_std: float,
                  skip_out_bias: bool = True) -> None:
         super().__init__()
-        from omnitron.core.models.gpt.config import head_dim, query_groups
+        from omnitron.core.transformer.shapes import head_dim, query_groups
 
         self.c, self.group, self.tracker, self.backend = c, group, tracker, backend
         self.d, heads, groups = head_dim(c), c.num_attention_heads, query_groups(c)

@@ -30,7 +30,7 @@ class CrossAttention(nn.Module):
     def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend, out_std: float,
                  skip_out_bias: bool = True) -> None:
         super().__init__()
-        from omnitron.core.models.gpt.config import head_dim, query_groups
+        from omnitron.core.transformer.shapes import head_dim, query_groups
 
         heads, groups = c.num_attention_heads, query_groups(c)
         if groups % group.size:

@@ -15,7 +15,7 @@ class MLP(nn.Module):
     def __init__(self, c, *, group, sequence_parallel: bool, backend, out_std: float,
                  skip_out_bias: bool = True) -> None:
         super().__init__()
-        from omnitron.core.models.gpt.config import ffn_size
+        from omnitron.core.transformer.shapes import ffn_size
 
         self.swiglu, self.backend = c.swiglu, backend
         f = ffn_size(c)

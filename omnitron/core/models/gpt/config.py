@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.transformer.shapes import ffn_size, head_dim, query_groups  # noqa: F401 - re-exported
 
 
 @dataclass(kw_only=True)
@@ -138,18 +139,6 @@ class GPTConfig:
 
 
 # ---- derived values ------------------------------------------------------------------------
-def ffn_size(c: GPTConfig) -> int:
-    return c.ffn_hidden_size or 4 * c.hidden_size
-
-
-def query_groups(c: GPTConfig) -> int:
-    return c.num_query_groups or c.num_attention_heads
-
-
-def head_dim(c: GPTConfig) -> int:
-    return c.kv_channels or c.hidden_size // c.num_attention_heads
-
-
 def max_positions(c: GPTConfig) -> int:
     return c.max_position_embeddings or c.seq_length
 

@@ -55,7 +55,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, c, *, groups, sequence_parallel: bool, backend, out_std: float) -> None:
         super().__init__()
-        from omnitron.core.models.gpt.config import ffn_size
+        from omnitron.core.transformer.shapes import ffn_size
 
         self.sp, self.tp, self.ep, self.etp, self.num_experts = (sequence_parallel, groups.tp, groups.ep, groups.etp,
                                                                  c.num_experts)
