@@ -41,8 +41,10 @@ def test_frozen_rank_everything_exits_with_stacks(tmp_path):
     out = proc.stdout.read()
     assert proc.wait() == 1
     lines = _launcher_lines(out)
-    assert re.match(rf"omnitron train: rank 1 \(pid {workers[1]}\) stopped responding: sent no heartbeat for \d+ s",
-                    lines[0]), out
+    # whole seconds when the watched peer went silent first; one decimal (the staleness bound) when the step deadline
+    # fired first and the census found the silent rank: which comes first depends on the machine's load
+    assert re.match(rf"omnitron train: rank 1 \(pid {workers[1]}\) stopped responding: sent no heartbeat for "
+                    rf"\d+(\.\d)? s", lines[0]), out
     assert lines[1].startswith("omnitron train: rank 0 timed out waiting (watchdog"), out
     assert f"[omnitron watchdog] rank 0 (pid {workers[0]}): rank 1" in out
     assert "Python stacks of every thread" in out and "in train" in out  # rank 0's main thread, in the loop
