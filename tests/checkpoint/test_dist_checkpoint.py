@@ -218,3 +218,43 @@ def test_reader_verifies_and_unpickles_nothing_else(results, tmp_path):
     json.dump(meta, open(meta_file, "w"))
     with pytest.raises(CheckpointError, match="posix.getcwd is not part of DCP's metadata"):
         _read_whole(evil, "model/" + name, want.shape)
+
+
+def test_offline_readers_read_torch_dist(results, tmp_path):
+    """The offline readers take a torch_dist checkpoint: ``read_full_state`` of the tp2 x dp2 torch_dist
+    probe save equals the model's own collective gather of the live run (an independent reference) and
+    the old-format probe save of the same state; ``checkpoint convert`` to tp1 writes the same old-format
+    shards, ``export-hf`` the same files, ``inspect`` succeeds, as from the old-format save."""
+    from safetensors.torch import load_file
+
+    from omnitron.cli import main
+    from omnitron.core.checkpoint import find_latest, read_metadata
+    from omnitron.core.checkpoint.io import read_shard
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    root, res = results
+    live = {}
+    for rank in res:
+        for kind, d in rank["live"].items():
+            live.setdefault(kind, {}).update(d)
+    src = {fmt: find_latest(str(root / ("probe_" + fmt))) for fmt in ("torch_dist", "torch")}
+    assert read_metadata(src["torch_dist"]).get("ckpt_format") == "torch_dist"
+    assert read_metadata(src["torch"]).get("ckpt_format") is None
+    full = {fmt: read_full_state(p) for fmt, p in src.items()}
+    _same({"model": full["torch_dist"].model, **full["torch_dist"].optimizer}, live, "read_full_state vs live")
+    for part in ("model", "optimizer", "optimizer_meta", "scheduler", "dropped"):
+        _same(getattr(full["torch_dist"], part), getattr(full["torch"], part), part)
+    out = {}
+    for fmt, p in src.items():
+        conv = str(tmp_path / ("tp1_" + fmt))
+        assert main(["checkpoint", "convert", "--load", p, "--save", conv, "--target-tensor-model-parallel-size",
+                     "1", "--target-pipeline-model-parallel-size", "1"]) == 0
+        assert main(["checkpoint", "inspect", conv]) == 0
+        hf = str(tmp_path / ("hf_" + fmt))
+        assert main(["checkpoint", "export-hf", "--load", p, "--out", hf]) == 0
+        meta = read_metadata(find_latest(conv))
+        assert meta.get("ckpt_format") is None and meta["world_size"] == 1
+        out[fmt] = {"shard": read_shard(find_latest(conv), 0), "hf": load_file(os.path.join(hf, "model.safetensors")),
+                    "config": open(os.path.join(hf, "config.json")).read()}
+    assert out["torch_dist"]["hf"] and out["torch_dist"]["shard"]["optimizer"]["tensors"]
+    _same(out["torch_dist"], out["torch"], "converted / exported")

@@ -21,6 +21,8 @@ is read from the embedding's key.
 Loading under any layout (tp, pp, vpp, dp, distributed optimizer on or off): every rank asks DCP for
 exactly its pieces, which DCP reads from whatever saved chunks overlap them. RNG streams and FP8
 histories are per rank: they load under the same layout only (the caller logs when they do not).
+Offline readers (``checkpoint convert|inspect|export``, the HF and Megatron exporters) get full
+tensors through :func:`read_full`: one process, no process group.
 Not supported yet (a clear error): MoE experts and replicated-KV attention (query groups < tp).
 """
 from __future__ import annotations
@@ -28,8 +30,10 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import warnings
 
 import torch
+from torch.distributed.checkpoint import metadata as dcp_meta
 
 from omnitron.core.checkpoint import integrity, io
 from omnitron.core.checkpoint.dist_layout import global_shape, shard_pieces, slice_pieces, tp_writer
@@ -172,10 +176,52 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     read(pieces, path, meta.get("checksums") or {})
 
 
-def read(pieces: Pieces, path: str, checksums: dict[str, str]) -> None:
-    """Fill every piece of ``pieces`` from checkpoint directory ``path`` (collective over the world when
-    a process group exists), each file verified against ``checksums`` first."""
+def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True) -> None:
+    """Fill every piece of ``pieces`` from checkpoint directory ``path``, each file verified against
+    ``checksums`` first. Collective over the world when a process group exists, unless not
+    ``collective`` (one process reading alone: DCP then plans locally, whatever the process group)."""
     import torch.distributed.checkpoint as dcp
 
-    with torch.no_grad(), _one_line("load", path):
-        dcp.load(pieces, storage_reader=VerifiedReader(path, checksums), planner=PieceLoadPlanner(path))
+    with torch.no_grad(), _one_line("load", path), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+        dcp.load(pieces, storage_reader=VerifiedReader(path, checksums), planner=PieceLoadPlanner(path),
+                 no_dist=not collective)
+
+
+def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: bool) -> tuple[dict, dict]:
+    """``(model, {kind: optimizer})`` full tensors (unpadded, by global name, as
+    :class:`~omnitron.core.checkpoint.reshard.FullState` holds them) of the parameters of ``chunks``
+    (skeletons of the saved layout, tensor-parallel size ``tp``) whose name passes ``keep``. One process,
+    no communication: each global tensor is read whole in one DCP load, from whatever chunks hold it."""
+    checksums = meta.get("checksums") or {}
+    saved = VerifiedReader(path, checksums).read_metadata().state_dict_metadata
+    kinds = sorted({k.split("/")[1] for k in saved if k.startswith("optim/")}) if with_optimizer else []
+    pieces, params = {}, {}
+    for m in chunks:
+        for name, p in m.named_parameters():
+            if getattr(p, "shared_embedding", False) or not keep(name):
+                continue  # the last stage's tied copy is not written (it equals the embedding)
+            keys = ["model/" + name] + [f"optim/{k}/{name}" for k in kinds if f"optim/{k}/{name}" in saved]
+            for key in keys:
+                md = saved.get(key)
+                dtype = md.properties.dtype if isinstance(md, dcp_meta.TensorStorageMetadata) else p.dtype
+                t = torch.empty(global_shape(p, tp), dtype=dtype)
+                pieces[key] = (tuple(t.shape), [((0,) * t.dim(), t)])
+                params[key] = p
+    read(pieces, path, checksums, collective=False)  # a missing or misshapen key is a CheckpointError
+    model, optim = {}, {}
+    for key, (_, [(_, t)]) in pieces.items():
+        what, _, name = key.partition("/")
+        if what == "optim":
+            kind, _, name = name.partition("/")
+        full = _unstride(params[key], t)
+        (model if what == "model" else optim.setdefault(kind, {}))[name] = full
+    return model, optim
+
+
+def _unstride(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of ``p`` from its global tensor ``t``: a partition stride's leading block axis
+    concatenated back along the partition dimension (:mod:`~omnitron.core.checkpoint.dist_layout`)."""
+    if t.dim() == p.dim():
+        return t
+    return torch.cat(list(t.unbind(0)), dim=p.partition_dim)
