@@ -17,7 +17,9 @@ code: the live tensors of the run that saved, and a run of the same 2N iteration
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -105,6 +107,26 @@ def _probe_save(c, root: str, fmt: str) -> dict:
     return seen
 
 
+@contextlib.contextmanager
+def _late_first_write(delay_s: float = 2.0):
+    """Delay DCP's file writes for iteration 1 by ``delay_s`` (past iteration 2's step, which changes the
+    live tensors: only a snapshot taken before the save returned still holds iteration 1's values)."""
+    from torch.distributed.checkpoint import filesystem
+
+    write = filesystem.FileSystemWriter.write_data
+
+    def late(self, plan, planner):
+        if "iter_0000001" in str(self.path):
+            time.sleep(delay_s)
+        return write(self, plan, planner)
+
+    filesystem.FileSystemWriter.write_data = late
+    try:
+        yield
+    finally:
+        filesystem.FileSystemWriter.write_data = write
+
+
 def _worker(root):
     from omnitron.testing.training import worker_runner
 
@@ -112,13 +134,16 @@ def _worker(root):
 
     ck = os.path.join(root, "A")
     out = {"full": run(A, "full")["losses"]}
-    first = run(A, "A", "--exit-interval", str(N))
+    first = run(A, "A", "--exit-interval", str(N), "--save-interval", "1")
     c = first["components"]
     out["saved"] = _snapshot(c)
     out["probe"] = {fmt: _probe_save(c, root, fmt) for fmt in ("torch_dist", "torch")}
     out["live"] = _live_full(c)
     out["loaded"] = _snapshot(run(A, "A_rt", "--load", ck, "--train-iters", str(N))["components"])
     out["cont_A"] = run(A, "cont_A", "--load", ck)["losses"]
+    with _late_first_write():
+        run(A, "A_async", "--exit-interval", str(N), "--save-interval", "1", "--async-save")
+    out["cont_async"] = run(A, "cont_async", "--load", os.path.join(root, "A_async"))["losses"]
     for name, layout in B.items():
         out["live_" + name] = _live_full(run(layout, "loaded_" + name, "--load", ck, "--train-iters", str(N))
                                          ["components"])
@@ -145,6 +170,39 @@ def test_round_trip_is_bit_exact(results):
     full = res[0]["full"]
     assert sorted(full) == list(range(1, 2 * N + 1)) and len(set(full.values())) == 2 * N
     assert res[0]["cont_A"] == {i: v for i, v in full.items() if i > N}
+
+
+def test_async_save_equals_the_synchronous_one(results):
+    """--async-save at every iteration (each save waits for the previous one, the last is committed at the
+    end) writes what the synchronous saves wrote, bit for bit -- iteration 1's too, snapshotted while
+    iteration 2 changed the live tensors -- and resuming from it continues the uninterrupted run exactly."""
+    from omnitron.core.checkpoint import find_latest, read_metadata
+    from omnitron.core.checkpoint.io import iter_dir_name, read_shard
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    root, res = results
+    assert find_latest(str(root / "A_async")).endswith(iter_dir_name(N))
+    for it in range(1, N + 1):
+        a, s = (str(root / d / iter_dir_name(it)) for d in ("A_async", "A"))
+        fa, fs = read_full_state(a), read_full_state(s)
+        assert fa.optimizer.get("exp_avg") and fa.model
+        for part in ("model", "optimizer", "optimizer_meta", "scheduler"):
+            _same(getattr(fa, part), getattr(fs, part), f"iteration {it} {part}")
+        ma, ms = read_metadata(a), read_metadata(s)
+        assert (ma["iteration"], ma["consumed_samples"]) == (ms["iteration"], ms["consumed_samples"]) == (it, 4 * it)
+        for r in range(4):
+            _same(read_shard(a, r), read_shard(s, r), f"iteration {it} rank {r}")
+    assert res[0]["cont_async"] == {i: v for i, v in res[0]["full"].items() if i > N}
+
+
+def test_async_save_needs_torch_dist(tmp_path):
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.training.arguments import parse_settings
+
+    args = _args([], str(tmp_path / "ck"), ["--async-save"])
+    assert parse_settings(args, 1).checkpoint.async_save
+    with pytest.raises(ConfigError, match="^--async-save needs --ckpt-format torch_dist .*add --ckpt-format torch_dist"):
+        parse_settings([*args, "--ckpt-format", "torch"], 1)
 
 
 def test_other_layouts_read_exactly_and_continue(results):

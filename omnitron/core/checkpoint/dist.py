@@ -135,31 +135,48 @@ def optimizer_meta(c) -> dict:
 def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
     """Collective over the world: DCP writes every rank's pieces, each rank its ``rank_R.pt``; rank 0
     commits (see the module docstring). Returns the committed directory."""
-    import torch.distributed.checkpoint as dcp
+    final = begin(c, save_dir, iteration, barrier)
+    write(final + ".tmp", c.groups.rank, {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}, local)
+    commit(c, save_dir, iteration, meta, barrier=barrier, keep_last_n=keep_last_n)
+    return final
 
+
+def begin(c, save_dir: str, iteration: int, barrier) -> str:
+    """Collective: rank 0 makes an empty ``iter_N.tmp`` (:func:`io._begin`); returns ``iter_N``'s path."""
     check_supported(c.modules)
-    rank = c.groups.rank
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
-    tmp = final + ".tmp"
-    if rank == 0:
+    if c.groups.rank == 0:
         io._begin(save_dir, final)
     barrier()
-    pieces = {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}
+    return final
+
+
+def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None) -> None:
+    """Collective over ``group`` (default: the world; none without a process group): DCP writes
+    ``pieces`` into ``tmp``, this rank's files get their digests, then its ``rank_R.pt``. Touches no
+    live tensor beyond ``pieces`` (so it can run on a thread, over a snapshot)."""
+    import torch.distributed.checkpoint as dcp
+
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
     with _one_line("save", tmp):
-        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner())
+        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group)
     for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):
         integrity.write_digest(f)
     if rank == 0:
         integrity.write_digest(os.path.join(tmp, ".metadata"))
     io._write_shard(tmp, rank, local)
+
+
+def commit(c, save_dir: str, iteration: int, meta: dict, *, barrier, keep_last_n=None) -> None:
+    """Collective: once every rank's :func:`write` is done, rank 0 commits ``iter_N`` (checksums into
+    metadata.json, rename, then ``latest``)."""
     barrier()
-    if rank == 0:
+    if c.groups.rank == 0:
+        tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
         files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
         io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), c.groups.world_size,
                    keep_last_n, extra=[".metadata", *files])
     barrier()
-    return final
 
 
 def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
