@@ -22,7 +22,9 @@ Loading under any layout (tp, pp, vpp, dp, distributed optimizer on or off): eve
 exactly its pieces, which DCP reads from whatever saved chunks overlap them. RNG streams and FP8
 histories are per rank: they load under the same layout only (the caller logs when they do not).
 Offline readers (``checkpoint convert|inspect|export``, the HF and Megatron exporters) get full
-tensors through :func:`read_full`: one process, no process group.
+tensors through :func:`read_full`: one process, no process group. ``--async-save``: the same
+:func:`begin` / :func:`write` / :func:`commit`, the write on a thread over a host snapshot
+(:mod:`~omnitron.core.checkpoint.dist_async`).
 Not supported yet (a clear error): MoE experts and replicated-KV attention (query groups < tp).
 """
 from __future__ import annotations

@@ -60,9 +60,12 @@ class AsyncSaver:
         if self.group is None and self.coll.is_initialized():
             self.group = self.coll.new_group(range(c.groups.world_size))
         error: list = []
+        device = c.backend.current_device()
 
         def run():
             try:
+                if device.index is not None:  # a new thread starts on device 0; DCP's object collectives use it
+                    c.backend.set_device(device.index)
                 dist.write(final + ".tmp", c.groups.rank, pieces, local, self.group)
             except BaseException as err:  # noqa: BLE001 - reported on the main thread by wait()
                 error.append(err)
