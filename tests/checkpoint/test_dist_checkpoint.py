@@ -127,6 +127,30 @@ def _late_first_write(delay_s: float = 2.0):
         filesystem.FileSystemWriter.write_data = write
 
 
+def _async_failure(run) -> str:
+    """An --async-save run whose rank 1 fails to write a digest of iteration 2 (after DCP's write, so
+    the other ranks' writes succeed): the error this rank raises at the end-of-training commit."""
+    import torch.distributed as tdist
+
+    from omnitron.core.checkpoint import CheckpointError, integrity
+
+    write = integrity.write_digest
+
+    def failing(path):
+        if tdist.get_rank() == 1 and "iter_0000002" in path:
+            raise OSError("disk full (test)")
+        return write(path)
+
+    integrity.write_digest = failing
+    try:
+        run(A, "A_fail", "--exit-interval", str(N), "--save-interval", "1", "--async-save")
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        integrity.write_digest = write
+    return "no error"
+
+
 def _worker(root):
     from omnitron.testing.training import worker_runner
 
@@ -148,6 +172,7 @@ def _worker(root):
         out["live_" + name] = _live_full(run(layout, "loaded_" + name, "--load", ck, "--train-iters", str(N))
                                          ["components"])
         out["cont_" + name] = run(layout, "cont_" + name, "--load", ck)["losses"]
+    out["async_failure"] = _async_failure(run)  # last: this run ends in an error
     return out
 
 
@@ -193,6 +218,21 @@ def test_async_save_equals_the_synchronous_one(results):
         for r in range(4):
             _same(read_shard(a, r), read_shard(s, r), f"iteration {it} rank {r}")
     assert res[0]["cont_async"] == {i: v for i, v in res[0]["full"].items() if i > N}
+
+
+def test_async_save_failure_on_one_rank_commits_nothing(results):
+    """A background write that fails on rank 1 only is one CheckpointError on every rank (none hangs);
+    nothing is committed: 'latest' stays on iteration 1."""
+    from omnitron.core.checkpoint import find_latest
+
+    root, res = results
+    for r, rank in enumerate(res):
+        msg = rank["async_failure"]
+        assert "background save of iteration 2 failed on rank 1" in msg and "'latest' names the previous" in msg, msg
+        assert ("disk full (test)" in msg) == (r == 1), msg
+        assert "\n" not in msg
+    assert find_latest(str(root / "A_fail")).endswith("iter_0000001")
+    assert not (root / "A_fail" / "iter_0000002").exists()
 
 
 def test_async_save_needs_torch_dist(tmp_path):
