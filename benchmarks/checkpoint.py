@@ -69,8 +69,9 @@ def bench_worker(root: str, dp: int) -> dict:
 
     torch.set_num_threads(1)
     be = get_backend()
-    c = train(parse_settings(MODEL + ["--global-batch-size", str(dp), "--use-distributed-optimizer", "--data-cache-path", os.path.join(root, "cache"),
-                                     "--seed", "1"], dp), be)["components"]
+    c = train(parse_settings(MODEL + ["--global-batch-size", str(dp), "--use-distributed-optimizer",
+                                      "--data-cache-path", os.path.join(root, "cache"), "--seed", "1"], dp),
+              be)["components"]
     ck, out = c.settings.checkpoint, {}
     out["weights"] = sum(p.numel() * p.element_size() for m in c.modules for p in m.parameters())
     out["opt_slice"] = c.optimizer.state_bytes()
@@ -125,7 +126,8 @@ def main() -> None:
             m = r[what]
             own = (r["weights"] + r["opt_slice"]) / mib
             rows.append({"what": what, "rank": rank, "s": m["s"], "blocked": m.get("blocked_s"),
-                         "disk": m["disk"] / mib if "disk" in m else None, "written": m["written"] / mib, "peak": m["peak_over_mib"], "own": own,
+                         "disk": m["disk"] / mib if "disk" in m else None, "written": m["written"] / mib,
+                         "peak": m["peak_over_mib"], "own": own,
                          "ratio": m["peak_over_mib"] / own})
     print_table(rows, [("what", "what", ""), ("rank", "rank", "d"), ("s", "s", ".2f"), ("blocked s", "blocked", ".2f"),
                        ("files MiB", "disk", ".0f"),
