@@ -17,7 +17,9 @@ code: the live tensors of the run that saved, and a run of the same 2N iteration
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -105,6 +107,50 @@ def _probe_save(c, root: str, fmt: str) -> dict:
     return seen
 
 
+@contextlib.contextmanager
+def _late_first_write(delay_s: float = 2.0):
+    """Delay DCP's file writes for iteration 1 by ``delay_s`` (past iteration 2's step, which changes the
+    live tensors: only a snapshot taken before the save returned still holds iteration 1's values)."""
+    from torch.distributed.checkpoint import filesystem
+
+    write = filesystem.FileSystemWriter.write_data
+
+    def late(self, plan, planner):
+        if "iter_0000001" in str(self.path):
+            time.sleep(delay_s)
+        return write(self, plan, planner)
+
+    filesystem.FileSystemWriter.write_data = late
+    try:
+        yield
+    finally:
+        filesystem.FileSystemWriter.write_data = write
+
+
+def _async_failure(run) -> str:
+    """An --async-save run whose rank 1 fails to write a digest of iteration 2 (after DCP's write, so
+    the other ranks' writes succeed): the error this rank raises at the end-of-training commit."""
+    import torch.distributed as tdist
+
+    from omnitron.core.checkpoint import CheckpointError, integrity
+
+    write = integrity.write_digest
+
+    def failing(path):
+        if tdist.get_rank() == 1 and "iter_0000002" in path:
+            raise OSError("disk full (test)")
+        return write(path)
+
+    integrity.write_digest = failing
+    try:
+        run(A, "A_fail", "--exit-interval", str(N), "--save-interval", "1", "--async-save")
+    except CheckpointError as err:
+        return str(err)
+    finally:
+        integrity.write_digest = write
+    return "no error"
+
+
 def _worker(root):
     from omnitron.testing.training import worker_runner
 
@@ -112,17 +158,21 @@ def _worker(root):
 
     ck = os.path.join(root, "A")
     out = {"full": run(A, "full")["losses"]}
-    first = run(A, "A", "--exit-interval", str(N))
+    first = run(A, "A", "--exit-interval", str(N), "--save-interval", "1")
     c = first["components"]
     out["saved"] = _snapshot(c)
     out["probe"] = {fmt: _probe_save(c, root, fmt) for fmt in ("torch_dist", "torch")}
     out["live"] = _live_full(c)
     out["loaded"] = _snapshot(run(A, "A_rt", "--load", ck, "--train-iters", str(N))["components"])
     out["cont_A"] = run(A, "cont_A", "--load", ck)["losses"]
+    with _late_first_write():
+        run(A, "A_async", "--exit-interval", str(N), "--save-interval", "1", "--async-save")
+    out["cont_async"] = run(A, "cont_async", "--load", os.path.join(root, "A_async"))["losses"]
     for name, layout in B.items():
         out["live_" + name] = _live_full(run(layout, "loaded_" + name, "--load", ck, "--train-iters", str(N))
                                          ["components"])
         out["cont_" + name] = run(layout, "cont_" + name, "--load", ck)["losses"]
+    out["async_failure"] = _async_failure(run)  # last: this run ends in an error
     return out
 
 
@@ -145,6 +195,54 @@ def test_round_trip_is_bit_exact(results):
     full = res[0]["full"]
     assert sorted(full) == list(range(1, 2 * N + 1)) and len(set(full.values())) == 2 * N
     assert res[0]["cont_A"] == {i: v for i, v in full.items() if i > N}
+
+
+def test_async_save_equals_the_synchronous_one(results):
+    """--async-save at every iteration (each save waits for the previous one, the last is committed at the
+    end) writes what the synchronous saves wrote, bit for bit -- iteration 1's too, snapshotted while
+    iteration 2 changed the live tensors -- and resuming from it continues the uninterrupted run exactly."""
+    from omnitron.core.checkpoint import find_latest, read_metadata
+    from omnitron.core.checkpoint.io import iter_dir_name, read_shard
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    root, res = results
+    assert find_latest(str(root / "A_async")).endswith(iter_dir_name(N))
+    for it in range(1, N + 1):
+        a, s = (str(root / d / iter_dir_name(it)) for d in ("A_async", "A"))
+        fa, fs = read_full_state(a), read_full_state(s)
+        assert fa.optimizer.get("exp_avg") and fa.model
+        for part in ("model", "optimizer", "optimizer_meta", "scheduler"):
+            _same(getattr(fa, part), getattr(fs, part), f"iteration {it} {part}")
+        ma, ms = read_metadata(a), read_metadata(s)
+        assert (ma["iteration"], ma["consumed_samples"]) == (ms["iteration"], ms["consumed_samples"]) == (it, 4 * it)
+        for r in range(4):
+            _same(read_shard(a, r), read_shard(s, r), f"iteration {it} rank {r}")
+    assert res[0]["cont_async"] == {i: v for i, v in res[0]["full"].items() if i > N}
+
+
+def test_async_save_failure_on_one_rank_commits_nothing(results):
+    """A background write that fails on rank 1 only is one CheckpointError on every rank (none hangs);
+    nothing is committed: 'latest' stays on iteration 1."""
+    from omnitron.core.checkpoint import find_latest
+
+    root, res = results
+    for r, rank in enumerate(res):
+        msg = rank["async_failure"]
+        assert "background save of iteration 2 failed on rank 1" in msg and "'latest' names the previous" in msg, msg
+        assert ("disk full (test)" in msg) == (r == 1), msg
+        assert "\n" not in msg
+    assert find_latest(str(root / "A_fail")).endswith("iter_0000001")
+    assert not (root / "A_fail" / "iter_0000002").exists()
+
+
+def test_async_save_needs_torch_dist(tmp_path):
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.training.arguments import parse_settings
+
+    args = _args([], str(tmp_path / "ck"), ["--async-save"])
+    assert parse_settings(args, 1).checkpoint.async_save
+    with pytest.raises(ConfigError, match="^--async-save needs --ckpt-format torch_dist .*add --ckpt-format"):
+        parse_settings([*args, "--ckpt-format", "torch"], 1)
 
 
 def test_other_layouts_read_exactly_and_continue(results):
@@ -218,3 +316,43 @@ def test_reader_verifies_and_unpickles_nothing_else(results, tmp_path):
     json.dump(meta, open(meta_file, "w"))
     with pytest.raises(CheckpointError, match="posix.getcwd is not part of DCP's metadata"):
         _read_whole(evil, "model/" + name, want.shape)
+
+
+def test_offline_readers_read_torch_dist(results, tmp_path):
+    """The offline readers take a torch_dist checkpoint: ``read_full_state`` of the tp2 x dp2 torch_dist
+    probe save equals the model's own collective gather of the live run (an independent reference) and
+    the old-format probe save of the same state; ``checkpoint convert`` to tp1 writes the same old-format
+    shards, ``export-hf`` the same files, ``inspect`` succeeds, as from the old-format save."""
+    from safetensors.torch import load_file
+
+    from omnitron.cli import main
+    from omnitron.core.checkpoint import find_latest, read_metadata
+    from omnitron.core.checkpoint.io import read_shard
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    root, res = results
+    live = {}
+    for rank in res:
+        for kind, d in rank["live"].items():
+            live.setdefault(kind, {}).update(d)
+    src = {fmt: find_latest(str(root / ("probe_" + fmt))) for fmt in ("torch_dist", "torch")}
+    assert read_metadata(src["torch_dist"]).get("ckpt_format") == "torch_dist"
+    assert read_metadata(src["torch"]).get("ckpt_format") is None
+    full = {fmt: read_full_state(p) for fmt, p in src.items()}
+    _same({"model": full["torch_dist"].model, **full["torch_dist"].optimizer}, live, "read_full_state vs live")
+    for part in ("model", "optimizer", "optimizer_meta", "scheduler", "dropped"):
+        _same(getattr(full["torch_dist"], part), getattr(full["torch"], part), part)
+    out = {}
+    for fmt, p in src.items():
+        conv = str(tmp_path / ("tp1_" + fmt))
+        assert main(["checkpoint", "convert", "--load", p, "--save", conv, "--target-tensor-model-parallel-size",
+                     "1", "--target-pipeline-model-parallel-size", "1"]) == 0
+        assert main(["checkpoint", "inspect", conv]) == 0
+        hf = str(tmp_path / ("hf_" + fmt))
+        assert main(["checkpoint", "export-hf", "--load", p, "--out", hf]) == 0
+        meta = read_metadata(find_latest(conv))
+        assert meta.get("ckpt_format") is None and meta["world_size"] == 1
+        out[fmt] = {"shard": read_shard(find_latest(conv), 0), "hf": load_file(os.path.join(hf, "model.safetensors")),
+                    "config": open(os.path.join(hf, "config.json")).read()}
+    assert out["torch_dist"]["hf"] and out["torch_dist"]["shard"]["optimizer"]["tensors"]
+    _same(out["torch_dist"], out["torch"], "converted / exported")

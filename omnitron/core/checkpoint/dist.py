@@ -21,6 +21,10 @@ is read from the embedding's key.
 Loading under any layout (tp, pp, vpp, dp, distributed optimizer on or off): every rank asks DCP for
 exactly its pieces, which DCP reads from whatever saved chunks overlap them. RNG streams and FP8
 histories are per rank: they load under the same layout only (the caller logs when they do not).
+Offline readers (``checkpoint convert|inspect|export``, the HF and Megatron exporters) get full
+tensors through :func:`read_full`: one process, no process group. ``--async-save``: the same
+:func:`begin` / :func:`write` / :func:`commit`, the write on a thread over a host snapshot
+(:mod:`~omnitron.core.checkpoint.dist_async`).
 Not supported yet (a clear error): MoE experts and replicated-KV attention (query groups < tp).
 """
 from __future__ import annotations
@@ -28,8 +32,10 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import warnings
 
 import torch
+from torch.distributed.checkpoint import metadata as dcp_meta
 
 from omnitron.core.checkpoint import integrity, io
 from omnitron.core.checkpoint.dist_layout import global_shape, shard_pieces, slice_pieces, tp_writer
@@ -131,31 +137,48 @@ def optimizer_meta(c) -> dict:
 def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
     """Collective over the world: DCP writes every rank's pieces, each rank its ``rank_R.pt``; rank 0
     commits (see the module docstring). Returns the committed directory."""
-    import torch.distributed.checkpoint as dcp
+    final = begin(c, save_dir, iteration, barrier)
+    write(final + ".tmp", c.groups.rank, {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}, local)
+    commit(c, save_dir, iteration, meta, barrier=barrier, keep_last_n=keep_last_n)
+    return final
 
+
+def begin(c, save_dir: str, iteration: int, barrier) -> str:
+    """Collective: rank 0 makes an empty ``iter_N.tmp`` (:func:`io._begin`); returns ``iter_N``'s path."""
     check_supported(c.modules)
-    rank = c.groups.rank
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
-    tmp = final + ".tmp"
-    if rank == 0:
+    if c.groups.rank == 0:
         io._begin(save_dir, final)
     barrier()
-    pieces = {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}
+    return final
+
+
+def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None) -> None:
+    """Collective over ``group`` (default: the world; none without a process group): DCP writes
+    ``pieces`` into ``tmp``, this rank's files get their digests, then its ``rank_R.pt``. Touches no
+    live tensor beyond ``pieces`` (so it can run on a thread, over a snapshot)."""
+    import torch.distributed.checkpoint as dcp
+
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
     with _one_line("save", tmp):
-        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner())
+        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group)
     for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):
         integrity.write_digest(f)
     if rank == 0:
         integrity.write_digest(os.path.join(tmp, ".metadata"))
     io._write_shard(tmp, rank, local)
+
+
+def commit(c, save_dir: str, iteration: int, meta: dict, *, barrier, keep_last_n=None) -> None:
+    """Collective: once every rank's :func:`write` is done, rank 0 commits ``iter_N`` (checksums into
+    metadata.json, rename, then ``latest``)."""
     barrier()
-    if rank == 0:
+    if c.groups.rank == 0:
+        tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
         files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
         io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), c.groups.world_size,
                    keep_last_n, extra=[".metadata", *files])
     barrier()
-    return final
 
 
 def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
@@ -172,10 +195,52 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     read(pieces, path, meta.get("checksums") or {})
 
 
-def read(pieces: Pieces, path: str, checksums: dict[str, str]) -> None:
-    """Fill every piece of ``pieces`` from checkpoint directory ``path`` (collective over the world when
-    a process group exists), each file verified against ``checksums`` first."""
+def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True) -> None:
+    """Fill every piece of ``pieces`` from checkpoint directory ``path``, each file verified against
+    ``checksums`` first. Collective over the world when a process group exists, unless not
+    ``collective`` (one process reading alone: DCP then plans locally, whatever the process group)."""
     import torch.distributed.checkpoint as dcp
 
-    with torch.no_grad(), _one_line("load", path):
-        dcp.load(pieces, storage_reader=VerifiedReader(path, checksums), planner=PieceLoadPlanner(path))
+    with torch.no_grad(), _one_line("load", path), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+        dcp.load(pieces, storage_reader=VerifiedReader(path, checksums), planner=PieceLoadPlanner(path),
+                 no_dist=not collective)
+
+
+def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: bool) -> tuple[dict, dict]:
+    """``(model, {kind: optimizer})`` full tensors (unpadded, by global name, as
+    :class:`~omnitron.core.checkpoint.reshard.FullState` holds them) of the parameters of ``chunks``
+    (skeletons of the saved layout, tensor-parallel size ``tp``) whose name passes ``keep``. One process,
+    no communication: each global tensor is read whole in one DCP load, from whatever chunks hold it."""
+    checksums = meta.get("checksums") or {}
+    saved = VerifiedReader(path, checksums).read_metadata().state_dict_metadata
+    kinds = sorted({k.split("/")[1] for k in saved if k.startswith("optim/")}) if with_optimizer else []
+    pieces, params = {}, {}
+    for m in chunks:
+        for name, p in m.named_parameters():
+            if getattr(p, "shared_embedding", False) or not keep(name):
+                continue  # the last stage's tied copy is not written (it equals the embedding)
+            keys = ["model/" + name] + [f"optim/{k}/{name}" for k in kinds if f"optim/{k}/{name}" in saved]
+            for key in keys:
+                md = saved.get(key)
+                dtype = md.properties.dtype if isinstance(md, dcp_meta.TensorStorageMetadata) else p.dtype
+                t = torch.empty(global_shape(p, tp), dtype=dtype)
+                pieces[key] = (tuple(t.shape), [((0,) * t.dim(), t)])
+                params[key] = p
+    read(pieces, path, checksums, collective=False)  # a missing or misshapen key is a CheckpointError
+    model, optim = {}, {}
+    for key, (_, [(_, t)]) in pieces.items():
+        what, _, name = key.partition("/")
+        if what == "optim":
+            kind, _, name = name.partition("/")
+        full = _unstride(params[key], t)
+        (model if what == "model" else optim.setdefault(kind, {}))[name] = full
+    return model, optim
+
+
+def _unstride(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of ``p`` from its global tensor ``t``: a partition stride's leading block axis
+    concatenated back along the partition dimension (:mod:`~omnitron.core.checkpoint.dist_layout`)."""
+    if t.dim() == p.dim():
+        return t
+    return torch.cat(list(t.unbind(0)), dim=p.partition_dim)

@@ -257,6 +257,8 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
+    if meta.get("ckpt_format") == "torch_dist":
+        return _read_dist(path, full, skeletons, layout, keep, with_optimizer)
     for pp_rank, (ranks, others) in sorted(_stage_ranks(layout).items()):
         stage = {c: m for (r, c), m in skeletons.items() if r == pp_rank}
         if pp_rank and owners is not None and not owners & needed_owners(stage.values()):
@@ -279,6 +281,21 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
             full.model.update({n: t for n, t in model.items() if keep(n)})
             for kind, d in optim.items():
                 full.optimizer.setdefault(kind, {}).update({n: t for n, t in d.items() if keep(n)})
+    return full
+
+
+def _read_dist(path: str, full: FullState, skeletons: dict, layout: Layout, keep, with_optimizer: bool) -> FullState:
+    """:func:`read_full_state` of a ``--ckpt-format torch_dist`` checkpoint: the global tensors through
+    DCP in this process (:func:`omnitron.core.checkpoint.dist.read_full`); counters from metadata.json."""
+    from omnitron.core.checkpoint import dist
+
+    meta = full.meta
+    model, optim = dist.read_full(path, meta, list(skeletons.values()), layout.tp, keep=keep,
+                                  with_optimizer=with_optimizer)
+    # NOTE: no fuse_full_state: torch_dist refuses the split tensors it fuses (replicated KV, experts) on save
+    full.model, full.optimizer = model, optim
+    full.optimizer_meta, full.scheduler = dict(meta["optimizer"]), meta["scheduler"]
+    full.dropped = ["fp8"] if "fp8" in read_shard(path, 0, meta) else []
     return full
 
 

@@ -233,6 +233,9 @@ class CheckpointConfig:
     ckpt_format: str = "torch"
     """--ckpt-format: ``torch`` (one torch.save file per rank) or ``torch_dist`` (torch.distributed.checkpoint:
     each rank writes only the slices it owns; loads under any layout). Loading reads either."""
+    async_save: bool = False
+    """--async-save: a save blocks the step only for a host copy of the state; writing goes on in the
+    background and is committed (``latest`` moved) by the next save or the end of training (torch_dist only)."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:
@@ -241,3 +244,6 @@ class CheckpointConfig:
             raise ConfigError(f"--keep-last-n must be >= 1, got {self.keep_last_n}")
         if self.ckpt_format not in ("torch", "torch_dist"):
             raise ConfigError(f"--ckpt-format {self.ckpt_format!r} is not one of torch, torch_dist")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ConfigError(f"--async-save needs --ckpt-format torch_dist (the {self.ckpt_format} format writes "
+                              f"synchronously); add --ckpt-format torch_dist or drop --async-save")

@@ -15,6 +15,7 @@ import os
 from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state, read_metadata,
                                       reshard, save_checkpoint, set_rng_state)
 from omnitron.core.checkpoint import dist
+from omnitron.core.checkpoint.dist_async import AsyncSaver
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
 from omnitron.core.parallel.tensor.mappings import local_rank
 
@@ -133,11 +134,22 @@ def _save_dist(c) -> str:
     s = c.settings
     meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(s.flat), "model": model_dict(c.model),
             "layout": layout_dict(s), "optimizer": dist.optimizer_meta(c), "scheduler": c.scheduler.state_dict()}
-    path = dist.save(c, s.checkpoint.save, c.iteration, meta, dist.rank_state(c, get_rng_state),
-                     barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n)
+    save = dist.save
+    if s.checkpoint.async_save:
+        save = c.extra.setdefault("async_saver", AsyncSaver(c.backend.collectives)).save
+    path = save(c, s.checkpoint.save, c.iteration, meta, dist.rank_state(c, get_rng_state),
+                barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n)
     if c.groups.rank == 0:
-        log.info("saved checkpoint %s (torch_dist)", path)
+        log.info("%s checkpoint %s (torch_dist)", "saving in the background:" if s.checkpoint.async_save else
+                 "saved", path)
     return path
+
+
+def finish_saves(c) -> None:
+    """Collective: wait for a ``--async-save`` write in flight and commit it (the end of training)."""
+    saver = c.extra.get("async_saver")
+    if saver is not None:
+        saver.wait(c, _barrier(c))
 
 
 def _load_dist(c, path: str, meta: dict, changes: list) -> dict:
@@ -230,4 +242,4 @@ def save_dir_exists(settings) -> bool:
     return bool(settings.checkpoint.save) and os.path.isdir(settings.checkpoint.save)
 
 
-__all__ = ["check_resume", "load", "save", "MODEL_SHAPE_KEYS"]
+__all__ = ["check_resume", "finish_saves", "load", "save", "MODEL_SHAPE_KEYS"]

@@ -189,6 +189,7 @@ def train(settings, backend, watchdog=None) -> dict:
                     log.info("stopping after iteration %d%s", c.iteration,
                              f" (checkpoint saved at {saved_at})" if saved_at == c.iteration else "")
                 break
+        checkpointing.finish_saves(c)  # --async-save: the last background write, committed
         if saved_at is not None and saved_at >= logged_at:  # a save no log line has reported yet
             _report_last_save(c, timers, rank0)
     finally:

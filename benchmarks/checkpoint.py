@@ -1,0 +1,141 @@
+"""Checkpoint formats at dp with the distributed optimizer: old ``torch`` vs ``torch_dist`` (sync and --async-save).
+
+Setup (not timed): the ~110M GPT of ``benchmarks/reshard.py`` (12 layers, hidden 768, vocab 32000,
+fp32, Adam) trains one iteration on ``--dp`` processes (1 thread each) with
+``--use-distributed-optimizer``. Then, one after another on the same state, every rank runs the
+training loop's ``checkpointing.save`` in each format into its own directory, and
+``checkpointing.load`` of each directory back into the live model (same layout):
+
+* ``torch``: the old format (the distributed optimizer all-gathers its state; dp rank 0 writes it);
+* ``torch_dist``: DCP, each rank writes its own slices;
+* ``torch_dist async``: ``--async-save``: ``blocked s`` is the save call (the step's wait: a host
+  snapshot, then the thread starts), ``s`` the save call plus ``finish_saves`` (write done, committed);
+  the first async save also makes the saver's process group, so a second one is timed too.
+
+Per rank: seconds, bytes of the files it wrote, bytes of all its write calls (``/proc/self/io`` wchar: files
+and the gloo sockets, the background thread included), and the
+peak RSS over the RSS before the operation (the high-water mark reset through ``/proc/self/clear_refs``
+just before; read after the commit), beside the rank's own state (its weights + its optimizer slices)
+and the replicated optimizer state the old format gathers. Page cache warm, local disk.
+
+    python benchmarks/checkpoint.py [--dp 4] [--workdir DIR] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from context_parallel import dump_json, print_table  # noqa: E402
+from reshard import MODEL, _io, _rss_kib  # noqa: E402
+
+VARIANTS = (("torch", "torch", False), ("torch_dist", "torch_dist", False), ("torch_dist async", "torch_dist", True),
+            ("torch_dist async 2nd", "torch_dist", True))
+
+
+def _measured(fn) -> dict:
+    """Seconds, bytes written and the peak RSS over the starting RSS (MiB) of ``fn()``; ``fn`` may return
+    a dict of more figures (merged)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base, io0, t = _rss_kib()["VmRSS"], _io(), time.perf_counter()
+    extra = fn() or {}
+    seconds, io1, rss = time.perf_counter() - t, _io(), _rss_kib()
+    return {"s": seconds, "written": io1["wchar"] - io0["wchar"], "peak_over_mib": (rss["VmHWM"] - base) / 1024,
+            **extra}
+
+
+def _own_files_bytes(path: str, rank: int) -> int:
+    """Bytes of the files rank ``rank`` wrote into checkpoint directory ``path`` (rank 0: the metadata too)."""
+    mine = [f"rank_{rank:05d}.pt"] + [f for f in os.listdir(path) if f.startswith(f"__{rank}_")]
+    if rank == 0:
+        mine += [f for f in (".metadata", "metadata.json") if os.path.exists(os.path.join(path, f))]
+    return sum(os.path.getsize(os.path.join(path, f)) for f in mine)
+
+
+def bench_worker(root: str, dp: int) -> dict:
+    from omnitron.backends import get_backend
+    from omnitron.core.training import checkpointing
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    c = train(parse_settings(MODEL + ["--global-batch-size", str(dp), "--use-distributed-optimizer",
+                                      "--data-cache-path", os.path.join(root, "cache"), "--seed", "1"], dp),
+              be)["components"]
+    ck, out = c.settings.checkpoint, {}
+    out["weights"] = sum(p.numel() * p.element_size() for m in c.modules for p in m.parameters())
+    out["opt_slice"] = c.optimizer.state_bytes()
+    out["opt_full"] = sum(sum(p.numel() for p in c.optimizer.params) * 4 for _ in c.optimizer.state)
+    for name, fmt, async_ in VARIANTS:
+        ck.save, ck.ckpt_format, ck.async_save = os.path.join(root, name.replace(" ", "_")), fmt, async_
+        be.collectives.barrier()
+
+        def save():
+            t = time.perf_counter()
+            checkpointing.save(c)
+            blocked = time.perf_counter() - t
+            checkpointing.finish_saves(c)
+            return {"blocked_s": blocked}
+
+        out["save " + name] = _measured(save)
+        out["save " + name]["disk"] = _own_files_bytes(os.path.join(ck.save, "iter_0000001"), c.groups.rank)
+    ck.save, ck.async_save = None, False
+    for name, _, _ in VARIANTS[:2]:
+        ck.load = os.path.join(root, name.replace(" ", "_"))
+        be.collectives.barrier()
+        out["load " + name] = _measured(lambda: checkpointing.load(c) and None)
+    out["files"] = {name: sorted(os.listdir(os.path.join(root, name.replace(" ", "_"), "iter_0000001")))
+                    for name, _, _ in VARIANTS}
+    return out
+
+
+def main() -> None:
+    from omnitron.testing.distributed import run_distributed
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    root = args.workdir or tempfile.mkdtemp(prefix="omnitron_ckpt_")
+    t0 = time.perf_counter()
+    try:
+        res = run_distributed(bench_worker, args.dp, root, args.dp, threads=1, timeout_s=1800)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    mib = 2 ** 20
+    r0 = res[0]
+    print(f"~{r0['weights'] / 4e6:.1f}M parameters, fp32 + Adam, dp{args.dp} with the distributed optimizer, "
+          f"{args.dp} processes x 1 thread; per rank: weights {r0['weights'] / mib:.0f} MiB, own optimizer slices "
+          f"{r0['opt_slice'] / mib:.0f} MiB (own state {(r0['weights'] + r0['opt_slice']) / mib:.0f} MiB), replicated "
+          f"optimizer state {r0['opt_full'] / mib:.0f} MiB; whole run {time.perf_counter() - t0:.0f} s")
+    rows = []
+    for what in [f"save {n}" for n, _, _ in VARIANTS] + [f"load {n}" for n, _, _ in VARIANTS[:2]]:
+        for rank, r in enumerate(res):
+            m = r[what]
+            own = (r["weights"] + r["opt_slice"]) / mib
+            rows.append({"what": what, "rank": rank, "s": m["s"], "blocked": m.get("blocked_s"),
+                         "disk": m["disk"] / mib if "disk" in m else None, "written": m["written"] / mib,
+                         "peak": m["peak_over_mib"], "own": own,
+                         "ratio": m["peak_over_mib"] / own})
+    print_table(rows, [("what", "what", ""), ("rank", "rank", "d"), ("s", "s", ".2f"), ("blocked s", "blocked", ".2f"),
+                       ("files MiB", "disk", ".0f"),
+                       ("wchar MiB", "written", ".0f"), ("peak RSS over start MiB", "peak", ".0f"),
+                       ("own state MiB", "own", ".0f"), ("peak / own", "ratio", ".2f")])
+    print("files per iteration directory:", {k: v for k, v in r0["files"].items()})
+    dump_json(args.json, {"dp": args.dp, "rows": rows, "ranks": res})
+
+
+if __name__ == "__main__":
+    main()

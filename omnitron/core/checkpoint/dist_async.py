@@ -1,0 +1,103 @@
+"""``--async-save`` for ``--ckpt-format torch_dist``: the step waits only for a host snapshot of the state.
+
+A save (:meth:`AsyncSaver.save`, collective over the world) first finishes the previous one
+(:meth:`AsyncSaver.wait`), then makes ``iter_N.tmp``, copies every piece this rank writes into host
+memory (on a CPU backend: a copy; the staging memory is the rank's written state, once) and returns;
+a thread writes the snapshot through DCP (:func:`omnitron.core.checkpoint.dist.write`) while training
+goes on. :meth:`AsyncSaver.wait` -- called by the next save and at the end of training, on every rank
+at the same point -- joins the thread, agrees over the ranks that every write succeeded (one small
+all-reduce on the main thread), and only then commits (checksums into metadata.json, rename,
+``latest``). A process killed before that leaves ``iter_N.tmp`` uncommitted and ``latest`` on the
+previous checkpoint; the next save's ``_begin`` removes the stale directory.
+
+Collectives: the thread's DCP save (its planning and result exchange) runs over a process group of
+its own, made once over the world at the first save (every rank makes it at the same save), so it
+never interleaves with the training's collectives on the main thread's groups.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from omnitron.core.checkpoint import dist, io
+from omnitron.core.checkpoint.dist_planner import Pieces
+from omnitron.core.checkpoint.io import CheckpointError
+
+log = logging.getLogger("omnitron.train")
+
+
+def snapshot(pieces: Pieces) -> Pieces:
+    """A copy of every piece in host memory (the live tensors may change once this returns)."""
+    return {k: (shape, [(off, v.detach().to("cpu", copy=True)) for off, v in ps]) for k, (shape, ps) in pieces.items()}
+
+
+@dataclass
+class _Pending:
+    thread: threading.Thread
+    iteration: int
+    save_dir: str
+    meta: dict
+    keep_last_n: int | None
+    error: list
+
+
+class AsyncSaver:
+    """One run's background torch_dist saves (at most one in flight; see the module docstring)."""
+
+    def __init__(self, collectives) -> None:
+        self.coll, self.group, self.pending = collectives, None, None
+
+    def save(self, c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
+        """Collective: finish the previous save, snapshot this rank's pieces and start writing them;
+        returns the directory ``iter_N`` becomes once :meth:`wait` commits it."""
+        self.wait(c, barrier)
+        final = dist.begin(c, save_dir, iteration, barrier)
+        pieces = snapshot({**dist.model_pieces(c, save=True), **dist.optimizer_pieces(c, save=True)})
+        if self.group is None and self.coll.is_initialized():
+            self.group = self.coll.new_group(range(c.groups.world_size))
+        error: list = []
+        device = c.backend.current_device()
+
+        def run():
+            try:
+                if device.index is not None:  # a new thread starts on device 0; DCP's object collectives use it
+                    c.backend.set_device(device.index)
+                dist.write(final + ".tmp", c.groups.rank, pieces, local, self.group)
+            except BaseException as err:  # noqa: BLE001 - reported on the main thread by wait()
+                error.append(err)
+
+        thread = threading.Thread(target=run, name=f"omnitron-async-save-{iteration}", daemon=True)
+        self.pending = _Pending(thread, iteration, save_dir, meta, keep_last_n, error)
+        thread.start()
+        return final
+
+    def wait(self, c, barrier) -> str | None:
+        """Collective: join the write in flight (if any) and commit it; returns the committed directory.
+        A write that failed on any rank raises CheckpointError on every rank and commits nothing."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        p.thread.join()
+        failed = self._failed_ranks(c, bool(p.error))
+        if failed:
+            why = f" ({type(p.error[0]).__name__}: {' '.join(str(p.error[0]).split())[:300]})" if p.error else ""
+            raise CheckpointError(f"{p.save_dir}: the background save of iteration {p.iteration} failed on rank "
+                                  f"{failed[0]}{why}; nothing was committed, 'latest' names the previous checkpoint")
+        dist.commit(c, p.save_dir, p.iteration, p.meta, barrier=barrier, keep_last_n=p.keep_last_n)
+        path = os.path.join(p.save_dir, io.iter_dir_name(p.iteration))
+        if c.groups.rank == 0:
+            log.info("saved checkpoint %s (torch_dist, written in the background)", path)
+        return path
+
+    def _failed_ranks(self, c, failed: bool) -> list[int]:
+        """World ranks whose write failed (one all-reduce of a flag per rank, on the device)."""
+        if not self.coll.is_initialized():
+            return [0] if failed else []
+        flags = torch.zeros(c.groups.world_size, device=c.backend.current_device())
+        flags[c.groups.rank] = float(failed)
+        self.coll.all_reduce(flags)
+        return [r for r, f in enumerate(flags.tolist()) if f]
