@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from omnitron.cli import Parser
     from omnitron.commands.train import main_from_dict
     from omnitron.core.training.arguments import add_arguments
 
-    parser = argparse.ArgumentParser(prog="python -m omnitron.train", argument_default=argparse.SUPPRESS)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the header, saves and resumes are log lines
+    parser = Parser(prog="python -m omnitron.train", argument_default=argparse.SUPPRESS)
     add_arguments(parser)
     return main_from_dict(vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))
 

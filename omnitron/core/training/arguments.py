@@ -23,6 +23,7 @@ import ast
 import functools
 import inspect
 import json
+import logging
 import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
@@ -30,6 +31,8 @@ from typing import Any
 from omnitron.core.config.parallel import ConfigError, ParallelConfig, data_parallel_size
 from omnitron.core.config.training import (CheckpointConfig, LoggingConfig, OptimizerConfig, PrecisionConfig,
                                            TrainingConfig)
+
+log = logging.getLogger("omnitron.train")
 
 # fields that are not flags: derived elsewhere, or not user settings
 # Megatron's spelling where it differs from the field name
@@ -213,6 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             help="layers per model chunk: interleaved pipeline schedule")
     seen_groups["model"].add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                                       help="no biases in linear layers (same as --no-add-bias-linear)")
+    from omnitron.core.training.megatron_flags import add_megatron_flags
+
+    add_megatron_flags(parser)
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -254,10 +260,14 @@ _LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "model_family_mo
 
 def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     """Preset < config file < command line, every value type-checked; unknown file keys rejected."""
+    from omnitron.core.training import megatron_flags as MF
+
     opts = options()
     merged: dict[str, Any] = {}
     file_values = load_config_file(given["config"]) if given.get("config") else {}
     for key, value in file_values.items():
+        if key in MF.KEYS:
+            continue  # Megatron's flags: translated below
         if key in opts:
             file_values[key] = opts[key].coerce(value, f"--config {given['config']}")
         elif key in _LAUNCH_KEYS:
@@ -272,9 +282,13 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     preset = given.get("model", file_values.get("model"))
     if preset:
         merged.update(_preset_fields(preset))
+    file_values, file_notes = MF.translate(file_values)
+    given, notes = MF.translate({k: v for k, v in given.items() if v is not None})
     merged.update(file_values)
-    merged.update({k: v for k, v in given.items() if v is not None})
-    return merged
+    merged.update(given)
+    for line in dict.fromkeys(file_notes + notes):
+        log.info("%s", line)
+    return MF.resolve_warmup_fraction(merged)
 
 
 def _preset_fields(name: str) -> dict[str, Any]:
@@ -495,8 +509,10 @@ def preload_family_modules(argv: list[str]) -> None:
 
 def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:
     """argv -> Settings (argparse exits with code 2 on unknown flags; ConfigError on bad values)."""
+    from omnitron.cli import Parser
+
     preload_family_modules(argv)
-    parser = argparse.ArgumentParser(prog="omnitron train", argument_default=argparse.SUPPRESS)
+    parser = Parser(prog="omnitron train", argument_default=argparse.SUPPRESS)
     add_arguments(parser)
     given = vars(parser.parse_args(argv))
     return build_settings(merge_settings(given), world_size)
