@@ -82,3 +82,25 @@ def test_typos_and_abbreviations_are_refused_with_suggestions(capsys):
     from omnitron import __version__
 
     assert capsys.readouterr().out.strip() == f"omnitron {__version__}"
+
+
+def test_exit_signal_handler_is_the_default_handler():
+    assert parse_settings(BASE + ["--exit-signal-handler"], 1).checkpoint.save_on_signal
+    with pytest.raises(ConfigError, match="--exit-signal-handler means --save-on-signal True"):
+        parse_settings(BASE + ["--exit-signal-handler", "--no-save-on-signal"], 1)
+
+
+def test_exit_duration_stops_saves_and_says_so(tmp_path, caplog):
+    """--exit-duration-in-mins: the first iteration past the limit saves and ends the run (here: the first)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.loop import train
+
+    save = tmp_path / "ck"
+    settings = parse_settings(BASE + ["--exit-duration-in-mins", "1e-6", "--train-iters", "50", "--save", str(save),
+                                      "--save-interval", "1000", "--no-tensorboard", "--log-dir", str(tmp_path),
+                                      "--num-workers", "0"], 1)
+    with caplog.at_level(logging.INFO, logger="omnitron.train"):
+        result = train(settings, get_backend("cpu"))
+    assert result["iteration"] == 1
+    assert open(save / "latest").read() == "iter_0000001"
+    assert "stopping after iteration 1 (checkpoint saved at 1)" in caplog.text

@@ -121,6 +121,9 @@ class TrainingConfig:
     """--eval-iters: validation micro-batch groups per evaluation."""
     exit_interval: int | None = None
     """--exit-interval: stop (after saving) when the iteration is a multiple of this."""
+    exit_duration_in_mins: float | None = None
+    """--exit-duration-in-mins: stop (after saving) at the first iteration that ends this many minutes after
+    training started; every rank stops at the same iteration (the ranks' clocks are OR-ed, as a signal is)."""
     pipeline_schedule: str | None = None
     """--pipeline-schedule {none,1f1b,interleaved,zb-h1} (default: none at pp 1, 1f1b, or interleaved
     with virtual stages)."""

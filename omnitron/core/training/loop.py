@@ -152,6 +152,7 @@ def train(settings, backend, watchdog=None) -> dict:
                            throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard)
     timers, profiler = _observers(c, log_dir)
     stop = StopFlag(enabled=ck.save_on_signal)
+    deadline = time.monotonic() + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
     skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if settings.precision.fp16 else 0)
@@ -178,6 +179,8 @@ def train(settings, backend, watchdog=None) -> dict:
                     val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
                 validation.append({"iteration": c.iteration, **val})
                 logger.validation(c.iteration, val)
+            if deadline is not None and time.monotonic() >= deadline:
+                stop.requested = True  # --exit-duration-in-mins: agreed over the ranks like a signal
             stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
                 _check_before_save(c)

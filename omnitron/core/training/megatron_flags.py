@@ -44,6 +44,8 @@ ALIASES = {
     "recompute_activations": "same as --recompute-granularity selective",
     "tensorboard_dir": "same as --log-dir DIR (TensorBoard events and metrics.jsonl)",
     "lr_warmup_fraction": "warm up over this fraction of --lr-decay-iters (else --train-iters), as Megatron",
+    "exit_signal_handler": "SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
+                           "turns it off)",
 }
 KEYS = frozenset(SELECTORS) | frozenset(ALIASES)
 """Setting names these flags add (also accepted as config-file keys)."""
@@ -76,6 +78,7 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         raise ConfigError("--group-query-attention needs --num-query-groups N (the key/value heads)")
     _alias(out, given, "use_rotary_position_embeddings", "position_embedding_type", "rope")
     _alias(out, given, "recompute_activations", "recompute_granularity", "selective")
+    _alias(out, given, "exit_signal_handler", "save_on_signal", True)
     if given.get("tensorboard_dir"):
         _alias(out, given, "tensorboard_dir", "log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
@@ -93,9 +96,10 @@ def resolve_warmup_fraction(merged: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"--lr-warmup-fraction must lie in [0, 1], got {fraction}")
     if merged.get("lr_warmup_iters"):
         raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
-    decay = merged.get("lr_decay_iters") or merged.get("train_iters")
-    if not decay:
-        raise ConfigError("--lr-warmup-fraction needs --train-iters (or --lr-decay-iters) to take a fraction of")
+    from omnitron.core.config.training import OptimizerConfig, TrainingConfig
+
+    decay = (merged.get("lr_decay_iters") or OptimizerConfig.lr_decay_iters or merged.get("train_iters")
+             or TrainingConfig.train_iters)
     merged["lr_warmup_iters"] = int(fraction * decay)  # Megatron: lr_warmup_steps = fraction * lr_decay_steps
     return merged
 
