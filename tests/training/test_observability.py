@@ -4,6 +4,7 @@ the profiler window, TensorBoard filtering, and clear errors for bad values."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -204,3 +205,24 @@ def test_profiler_activities_come_from_the_backend():
     with musa_double.installed():  # torch has no MUSA activity: the out-of-tree device slot torch_musa registers as
         expected = getattr(ProfilerActivity, "MUSA", None) or ProfilerActivity.PrivateUse1
         assert musa_double.MUSADoubleBackend().profiler_activities() == (ProfilerActivity.CPU, expected)
+
+
+def test_tensorboard_resume_purges_and_a_missing_package_is_said(tmp_path, monkeypatch, caplog):
+    """A resumed run's writer purges events past its checkpoint (purge_step = first new iteration); without
+    the tensorboard package the run says so once instead of dropping the events silently."""
+    import sys
+    import types
+
+    seen = []
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = lambda **kw: seen.append(kw) or _Board()
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    for start in (0, 7):
+        MetricsLogger(log_dir=str(tmp_path / str(start)), log_interval=1, train_iters=9, enabled=True,
+                      tensorboard=True, progress_bar=False, start_iteration=start).close()
+    assert [kw["purge_step"] for kw in seen] == [None, 8]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    with caplog.at_level(logging.INFO, logger="omnitron.train"):
+        MetricsLogger(log_dir=str(tmp_path / "x"), log_interval=1, train_iters=1, enabled=True, tensorboard=True,
+                      progress_bar=False, start_iteration=0).close()
+    assert "TensorBoard events are off: the tensorboard package is not installed" in caplog.text

@@ -69,9 +69,13 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
+                # a resumed run replaces the events a crashed attempt wrote past its checkpoint
+                self._tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"),
+                                         purge_step=start_iteration + 1 if start_iteration else None)
             except ImportError:
                 self._tb = None
+                log.info("TensorBoard events are off: the tensorboard package is not installed (pip install "
+                         "tensorboard); %s has every logged value", os.path.join(log_dir, "metrics.jsonl"))
         use_bar = sys.stdout.isatty() if progress_bar is None else progress_bar
         if use_bar:
             from tqdm import tqdm
