@@ -145,7 +145,7 @@ def _args(cfg, tp: int, pp: int, **over) -> argparse.Namespace:
              rotary_percent=1.0, untie_embeddings_and_output_weights=llama, add_bias_linear=not llama,
              bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=3e-4, micro_batch_size=2,
-             iteration=1234, params_dtype=torch.float32)
+             params_dtype=torch.float32)  # NOTE: no iteration: Megatron's saved args need not have one
     a.update(over)
     return argparse.Namespace(**a)
 
@@ -202,6 +202,9 @@ def test_import_interleaved_to_tp2_pp2(source, tmp_path):
     cfg, _, full = source["llama"]
     meg = _make(tmp_path, source, "llama", vp=2, virtual_pipeline_model_parallel_size=2)
     out = import_megatron(os.path.join(meg, "iter_0001234"), str(tmp_path / "ck"), Layout(tp=2, pp=2))
+    from omnitron.core.checkpoint.io import read_metadata
+
+    assert read_metadata(out)["imported_from"]["iteration"] == 1234  # the files' top-level iteration
     got = read_full_state(out).model
     assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
 

@@ -174,6 +174,8 @@ def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]
             if not keys:
                 raise MegatronConversionError(f"{path}: no 'model' state dict in it")
             out[(t, p)] = [ckpt[k] for k in keys]
+            if ckpt.get("iteration") is not None:  # the file's own record (args often lack it)
+                args = {**args, "iteration": ckpt["iteration"]}
     return args, out
 
 
