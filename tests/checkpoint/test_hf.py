@@ -287,3 +287,35 @@ def test_bad_inputs_fail_clearly(hf, tmp_path, capsys):
     write_weights_checkpoint(_native_full(cfg, 1)[0], cfg, str(tmp_path / "qk"), Layout())
     assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "qk"), "--out", str(tmp_path / "o")]) == 2
     assert "--qk-layernorm True" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_export_is_a_usable_model_repository(kind, tmp_path):
+    """AutoTokenizer loads the export and encodes as the run's tokenizer did; config.json and
+    generation_config.json carry the end-of-document id (HF generate stops there); files are 0644."""
+    from omnitron.core.checkpoint.hf import write_weights_checkpoint
+    from omnitron.core.data.tokenizers import build_tokenizer
+    from omnitron.core.models.gpt.config import gpt2_tiny
+
+    run = {"tokenizer_type": kind}
+    if kind == "HuggingFaceTokenizer":
+        from omnitron.commands.tokenizer import train_bpe
+        from omnitron.core.data.corpus import moby_dick_documents
+
+        corpus = tmp_path / "c.txt"
+        corpus.write_text("\n".join(moby_dick_documents()[:40]), encoding="utf-8")
+        train_bpe([str(corpus)], 400, str(tmp_path / "tok" / "tokenizer.json"))
+        run["tokenizer_model"] = str(tmp_path / "tok")
+    ours = build_tokenizer(kind, tokenizer_model=run.get("tokenizer_model"))
+    cfg = gpt2_tiny(num_layers=1, hidden_size=32, ffn_hidden_size=64, vocab_size=ours.vocab_size, seq_length=16,
+                    max_position_embeddings=16)
+    full, _ = _native_full(cfg, seed=3)
+    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(), config=run)
+    out = tmp_path / "hf"
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(out)]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "Call me Ishmael. Some years ago - never mind how long precisely"
+    assert theirs.encode(text) == ours.encode(text) and theirs.eos_token_id == ours.eod
+    assert json.load(open(out / "config.json"))["eos_token_id"] == ours.eod
+    assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == ours.eod
+    assert {oct(os.stat(p).st_mode & 0o777) for p in out.iterdir()} == {"0o644"}

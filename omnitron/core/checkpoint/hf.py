@@ -395,10 +395,11 @@ def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: 
 
 def export_hf(path: str, out_dir: str) -> int:
     """Write checkpoint directory ``path`` (any layout) as ``config.json`` + ``model.safetensors`` in
-    ``out_dir`` (plus the run's ``tokenizer.json`` when it used one); returns the parameter count."""
-    import shutil
-
+    ``out_dir``, with the run's tokenizer files, its eos id and ``generation_config.json`` where the tokenizer
+    has an HF form (:mod:`omnitron.core.checkpoint.hf_tokenizer`); returns the parameter count."""
     from safetensors.torch import save_file
+
+    from omnitron.core.checkpoint.hf_tokenizer import make_readable, write_generation_config, write_tokenizer
 
     from omnitron.core.checkpoint.reshard import model_config, read_full_state
 
@@ -408,10 +409,11 @@ def export_hf(path: str, out_dir: str) -> int:
     state = state_to_hf(full.model, cfg)
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    eod = write_tokenizer(full.meta.get("config", {}), out_dir)
+    if eod is not None:
+        hf_config.update(bos_token_id=eod, eos_token_id=eod)
+        write_generation_config(out_dir, eod)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    run = full.meta.get("config", {})
-    tok = run.get("tokenizer_model")
-    if run.get("tokenizer_type") == "HuggingFaceTokenizer" and tok and os.path.isfile(tok):
-        shutil.copyfile(tok, os.path.join(out_dir, "tokenizer.json"))
+    make_readable(out_dir)
     return sum(t.numel() for t in state.values())

@@ -1,0 +1,60 @@
+"""The run's tokenizer written beside an HF export, so the folder is a usable model repository.
+
+``AutoTokenizer.from_pretrained(out)`` needs the tokenizer's files and a ``tokenizer_config.json`` naming
+its class, and ``generate`` stops only at an ``eos_token_id`` that ``config.json`` /
+``generation_config.json`` declare. :func:`write_tokenizer` writes them for the tokenizer types that have
+an HF equivalent (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; a Hugging Face ``tokenizer.json``) and
+returns the end-of-document id; other types (NullTokenizer, SentencePiece, WordPiece) write nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+
+def write_tokenizer(run: dict, out_dir: str) -> int | None:
+    """Tokenizer files of ``run`` (a checkpoint's flat config) into ``out_dir``; the eod id or None."""
+    from omnitron.core.data.tokenizers import GPT2_MERGES, GPT2_VOCAB, build_tokenizer
+
+    kind = run.get("tokenizer_type")
+    if kind == "GPT2BPETokenizer":
+        vocab, merges = run.get("vocab_file") or GPT2_VOCAB, run.get("merge_file") or GPT2_MERGES
+        tok = build_tokenizer(kind, vocab_file=run.get("vocab_file"), merge_file=run.get("merge_file"))
+        shutil.copyfile(vocab, os.path.join(out_dir, "vocab.json"))
+        shutil.copyfile(merges, os.path.join(out_dir, "merges.txt"))
+        with open(vocab, encoding="utf-8") as f:
+            eod_text = {i: t for t, i in json.load(f).items()}[tok.eod]
+        _config(out_dir, "GPT2Tokenizer", eod_text)
+        return tok.eod
+    model = run.get("tokenizer_model")
+    if model and os.path.isdir(model):  # a directory holding tokenizer.json, as --tokenizer-model allows
+        model = os.path.join(model, "tokenizer.json")
+    if kind == "HuggingFaceTokenizer" and model and os.path.isfile(model):
+        tok = build_tokenizer(kind, tokenizer_model=model)
+        shutil.copyfile(model, os.path.join(out_dir, "tokenizer.json"))
+        from tokenizers import Tokenizer
+
+        _config(out_dir, "PreTrainedTokenizerFast", Tokenizer.from_file(model).id_to_token(tok.eod))
+        return tok.eod
+    return None
+
+
+def _config(out_dir: str, cls: str, eod_text: str) -> None:
+    cfg = {"tokenizer_class": cls, "bos_token": eod_text, "eos_token": eod_text, "unk_token": eod_text}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def write_generation_config(out_dir: str, eod: int) -> None:
+    """``generation_config.json``: HF ``generate`` stops at the end-of-document token."""
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": eod, "eos_token_id": eod, "_from_model_config": True}, f, indent=2)
+
+
+def make_readable(out_dir: str) -> None:
+    """Mode 0644 for every file (safetensors and ``mkstemp`` leave 0600), as a published repository has."""
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o644)
