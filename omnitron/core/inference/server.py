@@ -63,6 +63,8 @@ def parse_request(body, loaded) -> dict:
         raise BadRequest("tokens_to_generate is 0 and logprobs is false: nothing to return; generate tokens or "
                          "ask for the prompts' logprobs")
     seed = body.get("random_seed")
+    if body.get("top_k") and body.get("top_p"):  # Megatron's server refuses the pair too
+        raise BadRequest("top_k and top_p together: give one of them (the other 0), as Megatron's server requires")
     try:
         params = SamplingParams(temperature=body.get("temperature", 1.0), top_k=body.get("top_k", 0),
                                 top_p=body.get("top_p", 0.0), seed=None if seed is None else seed)
