@@ -95,6 +95,8 @@ def test_kernel_implementations_match_reference(suite_backend, op, dtype):
                   "to omnitron/kernels/cases.py (OPS)")
     for impl in impls:
         for case in made:
+            if case.long_sums and dtype != torch.float32:
+                continue  # a fixed GRAD_TOL cannot judge a bf16 sum of 300 rows; test_conformance.py bounds it
             if impl.supports is None or impl.supports(*case.args, **case.kwargs) is None:
                 _compare(impl, case, dtype, f"{be.name}/{op}/{impl.name}/{case.label}/{dtype} (seed {seed})")
 
