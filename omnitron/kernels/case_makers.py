@@ -7,6 +7,7 @@ device at call time, so every call gives fresh tensors nobody else holds.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,14 +76,6 @@ def _weight(d, dtype, device, spread=0.3):
     return (1 + spread * torch.randn(d, device=device)).to(dtype)
 
 
-def _rows_summed(shape) -> int:
-    """Rows of a ``[..., d]`` input, i.e. terms in each entry of a per-channel weight's gradient."""
-    n = 1
-    for k in shape[:-1]:
-        n *= k
-    return n
-
-
 def _nc(nc: bool) -> str:
     return " nc" if nc else ""
 
@@ -103,7 +96,7 @@ def rms_norm(device, dtype, size):
         eps = 1e-6 if fp32_w else 1e-5
         args, kw = ((x, w, eps), {}) if positional else ((x, w), {"eps": eps})
         label = f"{shape}{_nc(nc)}{' eps positional' if positional else ''}{' fp32 weight' if fp32_w else ''}"
-        out.append(Case(label, args, kw, grad=(0, 1), long_sums=_rows_summed(shape) >= 300))
+        out.append(Case(label, args, kw, grad=(0, 1), long_sums=math.prod(shape[:-1]) >= 300))
     return out
 
 
@@ -121,7 +114,7 @@ def layer_norm(device, dtype, size):
         b = _t((shape[-1],), dtype, device) if bias else None
         args, kw = ((x, w, b, 1e-5), {}) if positional else ((x, w, b), {"eps": 1e-5})
         label = f"{shape}{_nc(nc)} bias={bias}{' eps positional' if positional else ''}"
-        out.append(Case(label, args, kw, grad=(0, 1, 2) if bias else (0, 1), long_sums=_rows_summed(shape) >= 300))
+        out.append(Case(label, args, kw, grad=(0, 1, 2) if bias else (0, 1), long_sums=math.prod(shape[:-1]) >= 300))
     return out
 
 
