@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omnitron.kernels.bench_cases import CASES, Case
+from omnitron.kernels.cases import OPS, Case, OpCases, cases
 from omnitron.kernels.registry import REFERENCE, implementations
 
 
@@ -76,26 +76,25 @@ def _nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def _runner(fn, args, kwargs, mode: str, case: Case):
-    """A no-argument callable doing one forward (and backward) and the bytes it moves once."""
+def _runner(fn, case: Case, mode: str):
+    """A no-argument callable doing one forward (and backward) of ``case`` and the bytes it moves once."""
+    args, kwargs = case.args, case.kwargs
     if mode == "fwd+bwd":
-        wanted = case.grad_args if case.grad_args is not None else range(len(args))
-        leaves = [a.detach().clone().requires_grad_() if i in wanted and isinstance(a, torch.Tensor)
-                  and a.is_floating_point() else a for i, a in enumerate(args)]
-        grads = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-        out = fn(*leaves, **kwargs)
+        args, kwargs = case.copy()
+        grads = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = fn(*args, **kwargs)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         gos = [torch.randn_like(o) for o in outs]
-        moved = 2 * _nbytes(args) + 2 * _nbytes(outs) + _nbytes(grads)
+        moved = 2 * _nbytes((args, kwargs)) + 2 * _nbytes(outs) + _nbytes(grads)
 
         def call():
-            torch.autograd.grad(fn(*leaves, **kwargs), grads, gos)
+            torch.autograd.grad(fn(*args, **kwargs), grads, gos)
         return call, moved
-    if case.op == "adamw_step":  # p, m, v read and written; g read
-        moved = 2 * _nbytes([args[0], args[2], args[3]]) + _nbytes(args[1])
+    if case.inplace:  # updated tensors read and written, the others read (AdamW: p, m, v; g)
+        moved = sum((2 if i in case.inplace else 1) * _nbytes(a) for i, a in enumerate(args))
     else:
         with torch.no_grad():
-            moved = _nbytes(args) + _nbytes(fn(*args, **kwargs))
+            moved = _nbytes((args, kwargs)) + _nbytes(fn(*args, **kwargs))
 
     def call():
         with torch.no_grad():
@@ -103,18 +102,18 @@ def _runner(fn, args, kwargs, mode: str, case: Case):
     return call, moved
 
 
-def _candidates(case: Case, backend, compile_: bool, args, kwargs) -> tuple[dict[str, object], dict[str, str]]:
+def _candidates(op: str, spec: OpCases, backend, compile_: bool, case: Case) -> tuple[dict, dict[str, str]]:
     """(name -> callable to time, name -> reason it declined these arguments)."""
-    impls, declined = {"eager": implementations(case.op)[REFERENCE].fn}, {}
-    if case.native is not None:
-        impls["torch"] = case.native
+    impls, declined = {"eager": implementations(op)[REFERENCE].fn}, {}
+    if spec.native is not None:
+        impls["torch"] = spec.native
     if compile_:
         impls["compile"] = torch.compile(impls["eager"], dynamic=False)
-    for name, impl in sorted(implementations(case.op).items()):
+    for name, impl in sorted(implementations(op).items()):
         if name == REFERENCE or (impl.backends is not None and backend.name not in impl.backends):
             continue
         ok, _ = impl.available()
-        why = impl.supports(*args, **kwargs) if ok and impl.supports is not None else None
+        why = impl.supports(*case.args, **case.kwargs) if ok and impl.supports is not None else None
         if why:
             declined[name] = why
         elif ok:
@@ -122,27 +121,25 @@ def _candidates(case: Case, backend, compile_: bool, args, kwargs) -> tuple[dict
     return impls, declined
 
 
-def bench_case(case: Case, backend, dtype: torch.dtype, mode: str, *, size: str, compile_: bool,
-               rounds: int, budget_s: float) -> list[Row]:
-    """Rows for every usable implementation of ``case`` in ``mode`` (``fwd``, ``fwd+bwd`` or ``step``)."""
-    device = backend.current_device()
-    torch.manual_seed(0)
-    args, kwargs = case.make(device, dtype, size)
-    dname = "float32" if case.float_only else str(dtype).split(".")[-1]
+def bench_case(op: str, case: Case, backend, dtype: torch.dtype, mode: str, *, compile_: bool, rounds: int,
+               budget_s: float) -> list[Row]:
+    """Rows for every usable implementation of ``op`` on ``case`` (a workload of omnitron/kernels/cases.py
+    made in ``dtype``) in ``mode`` (``fwd``, ``fwd+bwd`` or ``step``)."""
+    dname = str(dtype).split(".")[-1]
     calls, rows = {}, {}
-    impls, declined = _candidates(case, backend, compile_, args, kwargs)
+    impls, declined = _candidates(op, OPS[op], backend, compile_, case)
     for name, why in declined.items():
-        rows[name] = Row(case.op, dname, mode, name, None, None, None, note=f"declined: {why[:80]}")
+        rows[name] = Row(op, dname, mode, name, None, None, None, note=f"declined: {why[:80]}")
     for name, fn in impls.items():
         try:
-            if case.op == "adamw_step" and name != "eager":  # each optimizer gets its own state
-                args = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
-            call, moved = _runner(fn, args, kwargs, mode, case)
+            if case.inplace and name != "eager":  # each optimizer gets its own state
+                case = Case(case.label, *case.copy(), grad=case.grad, inplace=case.inplace)
+            call, moved = _runner(fn, case, mode)
             call()  # warm-up (compiles where needed)
             call()
             calls[name] = (call, moved)
         except Exception as err:  # an implementation that cannot take this case is reported, not fatal
-            rows[name] = Row(case.op, dname, mode, name, None, None, None, note=f"failed: {str(err).splitlines()[0][:80]}")
+            rows[name] = Row(op, dname, mode, name, None, None, None, note=f"failed: {str(err).splitlines()[0][:80]}")
     times: dict[str, list[float]] = {name: [] for name in calls}
     start = time.perf_counter()
     for r in range(rounds):
@@ -162,7 +159,7 @@ def bench_case(case: Case, backend, dtype: torch.dtype, mode: str, *, size: str,
             with tracker:
                 call()
             peak = tracker.peak / 2**20
-        rows[name] = Row(case.op, dname, mode, name, ms, moved / (ms * 1e-3) / 1e9, peak,
+        rows[name] = Row(op, dname, mode, name, ms, moved / (ms * 1e-3) / 1e9, peak,
                          min_ms=min(times[name]) * 1e3)
     eager = rows.get("eager")
     for row in rows.values():
@@ -193,14 +190,14 @@ def run(backend, *, ops: list[str] | None, dtypes: list[torch.dtype], size: str,
     import platform
 
     rows: list[Row] = []
-    for case in CASES:
-        if ops and case.op not in ops:
+    for op, spec in OPS.items():
+        if not spec.bench or (ops and op not in ops):
             continue
-        modes = ("fwd", "fwd+bwd") if case.differentiable else ("step",)
-        for dtype in (dtypes[:1] if case.float_only else dtypes):
-            for mode in modes:
-                new = bench_case(case, backend, dtype, mode, size=size, compile_=compile_, rounds=rounds,
-                                 budget_s=budget_s)
+        for dtype in ((torch.float32,) if spec.float_only else dtypes):
+            torch.manual_seed(0)
+            (case,) = cases(op, backend.current_device(), dtype, size)
+            for mode in (("fwd", "fwd+bwd") if case.grad else ("step",)):
+                new = bench_case(op, case, backend, dtype, mode, compile_=compile_, rounds=rounds, budget_s=budget_s)
                 rows += new
                 log(format_rows(new, header=not rows[: -len(new)]))
     return {
