@@ -50,6 +50,8 @@ class ModelFamily:
     """Every pipeline stage reads the micro-batch (BERT's padding mask), not only the first and last."""
     build_datasets: Callable[..., Any]
     """``(settings, tokenizer, **sizes) -> (train, valid, test)``; ``sizes``: the builder's common keywords."""
+    synthetic_data: bool = False
+    """The family makes its own samples (LLaVA's synthetic captions): no ``--data-path`` files to check."""
     num_parameters: Callable[[Any], int]
     """Total parameter count of a config (the start-of-run log)."""
     validate: Callable[[Any, Any], None] | None = None

@@ -16,16 +16,16 @@ def check_tokenizer_and_data(settings) -> None:
     from omnitron.core.data.builder import DataError, check_vocabulary
     from omnitron.core.data.config import default_cache_dir, parse_data_path
     from omnitron.core.data.indexed import IndexedDataset, IndexedDatasetError
-    from omnitron.core.models.multimodal import MultimodalConfig
+    from omnitron.core.models.family import family_of
 
-    d = settings.data
+    d, family = settings.data, family_of(settings.model)
     try:
         tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
                                     tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
-                                    vocab_extra_ids=getattr(settings.model, "vocab_extra_ids", 0))
+                                    **family.tokenizer_kwargs(settings.model))
     except TokenizerError as err:
         raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {err}") from None
-    if d.mock_data or isinstance(settings.model, MultimodalConfig):  # synthetic samples: no files to check
+    if d.mock_data or family.synthetic_data:  # samples made in memory: no files to check
         return
     cache_dir = d.data_cache_path or default_cache_dir()
     for _, prefix in parse_data_path(d.data_path):

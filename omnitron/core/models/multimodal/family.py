@@ -45,4 +45,4 @@ MULTIMODAL_FAMILY = ModelFamily(
     "captions)", config_cls=MM.MultimodalConfig, presets={"llava_tiny": MM.llava_tiny}, build_stage=build_stage,
     pipelined=False, forward_step=forward_step, build_datasets=build_datasets, num_parameters=MM.num_parameters,
     validate=MM.validate_multimodal, check_flags=check_flags, generate=generate, takes_images=True,
-    default_prompt="a")
+    synthetic_data=True, default_prompt="a")
