@@ -28,10 +28,6 @@ class Parser(argparse.ArgumentParser):
             self.error(_unknown(unknown, self))
         return parsed, extras
 
-    def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
 
 def _unknown(flags: list[str], parser: argparse.ArgumentParser) -> str:
     import difflib

@@ -37,15 +37,17 @@ SELECTORS: dict[str, tuple[str | None, str]] = {
     "no_gradient_accumulation_fusion": (None, "gradients accumulate into the fp32 main_grad buffers as always"),
     "attention_softmax_in_fp32": (None, "the softmax is computed in fp32 always"),
 }
-ALIASES = {
-    "group_query_attention": "with --num-query-groups N: grouped-query attention (omnitron reads "
-                             "--num-query-groups alone too)",
-    "use_rotary_position_embeddings": "same as --position-embedding-type rope",
-    "recompute_activations": "same as --recompute-granularity selective",
-    "tensorboard_dir": "same as --log-dir DIR (TensorBoard events and metrics.jsonl)",
-    "lr_warmup_fraction": "warm up over this fraction of --lr-decay-iters (else --train-iters), as Megatron",
-    "exit_signal_handler": "SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
-                           "turns it off)",
+ALIASES: dict[str, tuple[str, dict]] = {
+    # dest: (help, argparse keywords)
+    "group_query_attention": ("with --num-query-groups N: grouped-query attention (omnitron reads "
+                              "--num-query-groups alone too)", {"action": "store_true"}),
+    "use_rotary_position_embeddings": ("same as --position-embedding-type rope", {"action": "store_true"}),
+    "recompute_activations": ("same as --recompute-granularity selective", {"action": "store_true"}),
+    "tensorboard_dir": ("same as --log-dir DIR (TensorBoard events and metrics.jsonl)", {"metavar": "DIR"}),
+    "lr_warmup_fraction": ("warm up over this fraction of --lr-decay-iters (else --train-iters), as Megatron",
+                           {"type": float, "metavar": "F"}),
+    "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
+                            "turns it off)", {"action": "store_true"}),
 }
 KEYS = frozenset(SELECTORS) | frozenset(ALIASES)
 """Setting names these flags add (also accepted as config-file keys)."""
@@ -60,14 +62,8 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=dest, action="store_true", help=f"accepted: {instead}")
         else:
             group.add_argument(flag, dest=dest, metavar=metavar, help=f"accepted: {instead}")
-    for dest, text in ALIASES.items():
-        flag = "--" + dest.replace("_", "-")
-        if dest == "tensorboard_dir":
-            group.add_argument(flag, dest=dest, metavar="DIR", help=text)
-        elif dest == "lr_warmup_fraction":
-            group.add_argument(flag, dest=dest, type=float, metavar="F", help=text)
-        else:
-            group.add_argument(flag, dest=dest, action="store_true", help=text)
+    for dest, (text, kwargs) in ALIASES.items():
+        group.add_argument("--" + dest.replace("_", "-"), dest=dest, help=text, **kwargs)
 
 
 def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -96,10 +92,9 @@ def resolve_warmup_fraction(merged: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"--lr-warmup-fraction must lie in [0, 1], got {fraction}")
     if merged.get("lr_warmup_iters"):
         raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
-    from omnitron.core.config.training import OptimizerConfig, TrainingConfig
+    from omnitron.core.config.training import TrainingConfig
 
-    decay = (merged.get("lr_decay_iters") or OptimizerConfig.lr_decay_iters or merged.get("train_iters")
-             or TrainingConfig.train_iters)
+    decay = merged.get("lr_decay_iters") or merged.get("train_iters") or TrainingConfig.train_iters
     merged["lr_warmup_iters"] = int(fraction * decay)  # Megatron: lr_warmup_steps = fraction * lr_decay_steps
     return merged
 
