@@ -104,3 +104,75 @@ def test_exit_duration_stops_saves_and_says_so(tmp_path, caplog):
     assert result["iteration"] == 1
     assert open(save / "latest").read() == "iter_0000001"
     assert "stopping after iteration 1 (checkpoint saved at 1)" in caplog.text
+
+
+def test_newer_aliases_equal_omnitron_spelling():
+    mega = parse_settings(BASE + ["--position-embedding-type", "rope", "--norm-epsilon", "1e-6", "--use-rope-scaling",
+                                  "--no-position-embedding", "--dataloader-type", "single"], 1)
+    own = parse_settings(BASE + ["--position-embedding-type", "rope", "--layernorm-epsilon", "1e-6",
+                                 "--rope-scaling-factor", "8"], 1)
+    _same(mega, own)
+    kept = parse_settings(BASE + ["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor",
+                                  "4"], 1)
+    assert kept.model.rope_scaling_factor == 4.0
+    with pytest.raises(ConfigError, match="--dataloader-type cyclic"):
+        parse_settings(BASE + ["--dataloader-type", "cyclic"], 1)
+    with pytest.raises(ConfigError, match="--no-position-embedding needs --position-embedding-type rope"):
+        parse_settings(BASE + ["--no-position-embedding"], 1)
+
+
+# examples/llama/train_llama3_8b_h100_fp8.sh of Megatron-LM (mock-data branch), its shapes scaled down to a
+# tiny model and 2 processes (tp2), its sample counts to a 3-iteration run; flag for flag otherwise. Not yet
+# accepted, so left out here and refused with the reason (below): --apply-layernorm-1p, --decoupled-lr,
+# --decoupled-min-lr, --calculate-per-token-loss.
+LLAMA3_8B = """
+--use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4
+--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
+--position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
+--swiglu --init-method-std 0.0134 --attention-backend fused --untie-embeddings-and-output-weights
+--disable-bias-linear
+--micro-batch-size 1 --global-batch-size 4 --train-samples 12 --lr-decay-samples 11 --lr-warmup-samples 4
+--lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9
+--adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion --manual-gc
+--empty-unused-memory-level 1 --exit-duration-in-mins 235
+--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather
+--tensor-model-parallel-size 2 --context-parallel-size 1 --sequence-parallel
+--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --tiktoken-pattern v2 --split 99,1,0
+--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
+--log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile
+--profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
+""".split()
+
+
+def test_megatron_llama3_launch_line_trains(tmp_path):
+    """The script's line (paths and sizes swapped for tiny ones) parses and trains 3 iterations at tp2."""
+    import json
+    import subprocess
+    import sys
+
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    args = LLAMA3_8B + ["--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tb), "--data-cache-path",
+                        str(tmp_path / "cache"), "--vocab-size", "256", "--nproc-per-node", "2"]
+    import os
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "omnitron", "train", *args], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in open(tb / "metrics.jsonl")]
+    assert [r["iteration"] for r in recs] == [1, 2, 3] and [r["consumed_samples"] for r in recs] == [4, 8, 12]
+    said = proc.stdout + proc.stderr
+    for flag in ("--use-mcore-models", "--attention-backend", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+                 "--fp8-param-gather", "--no-mmap-bin-files", "--tiktoken-pattern"):
+        assert f"{flag}: accepted; " in said, flag
+    assert (ckpt / "latest").read_text().strip() == "iter_0000003"
+
+
+@pytest.mark.parametrize("flag", ["--apply-layernorm-1p", "--calculate-per-token-loss", "--decoupled-lr 5e-4",
+                                  "--decoupled-min-lr 4.5e-5"])
+def test_megatron_flags_not_yet_supported_are_refused(flag):
+    with pytest.raises(ConfigError, match=f"^{flag.split()[0]}: .*; drop the flag"):
+        parse_settings(BASE + flag.split(), 1)

@@ -31,6 +31,14 @@ class OptimizerConfig:
     """--lr-wsd-decay-iters: length of the final decay phase of WSD (default: 10% of the decay span)."""
     lr_wsd_decay_style: str = "linear"
     """--lr-wsd-decay-style {linear,cosine,exponential}: shape of WSD's final decay."""
+    lr_warmup_samples: int = 0
+    """--lr-warmup-samples: with --train-samples, warm up over this many samples (the schedule counts samples)."""
+    lr_decay_samples: int | None = None
+    """--lr-decay-samples: with --train-samples, the sample count where the decay ends (default: --train-samples)."""
+    lr_wsd_decay_samples: int | None = None
+    """--lr-wsd-decay-samples: with --train-samples, the samples of WSD's final decay phase."""
+    lr_warmup_init: float = 0.0
+    """--lr-warmup-init: the warmup rises linearly from this rate to --lr."""
     weight_decay: float = 0.01
     """--weight-decay: decoupled decay; never applied to biases and norm weights (1-D parameters)."""
     adam_beta1: float = 0.9
@@ -55,8 +63,10 @@ class OptimizerConfig:
                               "use linear, cosine or exponential")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
-        if self.lr_warmup_iters < 0:
-            raise ConfigError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
+            raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ConfigError(f"need 0 <= --lr-warmup-init ({self.lr_warmup_init}) <= --lr ({self.lr})")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0:
@@ -113,6 +123,12 @@ class TrainingConfig:
     (default: micro batch x data-parallel size)."""
     train_iters: int = 100
     """--train-iters: optimizer steps to run (in total, counting resumed ones)."""
+    train_samples: int | None = None
+    """--train-samples: train on this many samples instead of --train-iters (Megatron's sample-based run: the
+    iterations are counted from it, the learning-rate schedule counts samples: --lr-*-samples)."""
+    rampup_batch_size: list[int] | None = None
+    """--rampup-batch-size START INCREMENT SAMPLES: with --train-samples, start at START sequences per step and
+    grow by INCREMENT evenly over the first SAMPLES samples up to --global-batch-size."""
     seed: int = 1234
     """--seed: initialisation, data order and dropout all derive from it."""
     eval_interval: int = 0
@@ -131,6 +147,15 @@ class TrainingConfig:
     """--distributed-timeout-minutes: a collective, p2p or training step that does not finish in this time (or a
     rank that stops sending heartbeats for this long) makes every reachable rank dump its stacks and exit
     non-zero (Megatron's flag and default)."""
+    manual_gc: bool = False
+    """--manual-gc: Python's automatic garbage collection off during training; every rank collects at the same
+    iterations instead (--manual-gc-interval, and before validation and saves), so no rank pauses alone."""
+    manual_gc_interval: int = 0
+    """--manual-gc-interval: with --manual-gc, collect every this many iterations (0: only before validation
+    and checkpoint saves)."""
+    empty_unused_memory_level: int = 0
+    """--empty-unused-memory-level {0,1,2}: release the device allocator's cached blocks after each step (1),
+    and after validation too (2)."""
     check_for_nan_in_loss_and_grad: bool = True
     """--check-for-nan-in-loss-and-grad: stop before the optimizer step when the loss or the gradient norm
     is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron)."""
@@ -139,10 +164,24 @@ class TrainingConfig:
         for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--train-iters", self.train_iters)):
             if v < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {v}")
+        if self.train_samples is not None and self.train_samples < 1:
+            raise ConfigError(f"--train-samples must be >= 1, got {self.train_samples}")
+        if self.rampup_batch_size is not None:
+            try:
+                self.rampup_batch_size = [int(v) for v in self.rampup_batch_size]
+            except (TypeError, ValueError):
+                self.rampup_batch_size = []
+            if len(self.rampup_batch_size) != 3:
+                raise ConfigError("--rampup-batch-size takes three integers: START INCREMENT SAMPLES")
+            if self.train_samples is None:
+                raise ConfigError("--rampup-batch-size needs a sample-based run: give --train-samples instead of "
+                                  "--train-iters (as Megatron)")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.eval_interval < 0 or self.eval_iters < 0:
             raise ConfigError("--eval-interval and --eval-iters must be >= 0")
+        if self.manual_gc_interval < 0 or self.empty_unused_memory_level not in (0, 1, 2):
+            raise ConfigError("--manual-gc-interval must be >= 0 and --empty-unused-memory-level 0, 1 or 2")
         if not self.distributed_timeout_minutes > 0:
             raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
 

@@ -1,8 +1,9 @@
 """Learning-rate schedules: linear warmup, then constant / linear / cosine / WSD decay to --min-lr.
 
-``lr(iteration)`` is a pure function of the 1-based iteration whose optimizer step uses it, so
-a resumed run needs only the iteration to continue the exact schedule (the state dict carries
-the settings to detect a changed schedule).
+``lr(progress)`` is a pure function of the 1-based iteration whose optimizer step uses it, or, in a
+``--train-samples`` run, of the samples consumed by the successful steps up to and including it
+(Megatron's sample-counted schedule, which follows a ``--rampup-batch-size`` ramp). A resumed run
+continues the exact schedule from the optimizer's step count or the state dict's sample count.
 """
 from __future__ import annotations
 
@@ -12,46 +13,66 @@ from omnitron.core.config.training import OptimizerConfig
 
 
 class LRScheduler:
-    """Megatron's schedule shapes. NOTE: iteration ``i`` (1-based) of warmup uses ``lr * i / warmup``,
-    so the first step already moves (Megatron's first warmup step uses lr 0)."""
+    """Megatron's schedule shapes, counted in iterations or (``train_samples`` given: a ``--train-samples``
+    run) in samples. NOTE: step ``i`` (1-based) of warmup uses ``lr * i / warmup`` (in samples: the samples
+    consumed with that step), so the first step already moves (Megatron's first warmup step uses lr 0)."""
 
-    def __init__(self, config: OptimizerConfig, train_iters: int) -> None:
-        self.max_lr, self.min_lr = config.lr, config.min_lr
+    _KEYS = ("max_lr", "min_lr", "style", "warmup", "decay_iters", "wsd_decay", "wsd_style", "unit", "warmup_init",
+             "samples")
+
+    def __init__(self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None) -> None:
+        self.max_lr, self.min_lr, self.warmup_init = config.lr, config.min_lr, config.lr_warmup_init
         self.style = config.lr_decay_style
-        self.warmup = config.lr_warmup_iters
-        self.decay_iters = config.lr_decay_iters or train_iters
+        self.unit = "samples" if train_samples else "iterations"
+        if train_samples:
+            self.warmup, wsd = config.lr_warmup_samples, config.lr_wsd_decay_samples
+            self.decay_iters = config.lr_decay_samples or train_samples  # NOTE: in samples; the name is the format's
+        else:
+            self.warmup, wsd = config.lr_warmup_iters, config.lr_wsd_decay_iters
+            self.decay_iters = config.lr_decay_iters or train_iters
         span = max(self.decay_iters - self.warmup, 0)
-        self.wsd_decay = config.lr_wsd_decay_iters if config.lr_wsd_decay_iters is not None else max(span // 10, 1)
+        self.wsd_decay = wsd if wsd is not None else max(span // 10, 1)
         self.wsd_style = config.lr_wsd_decay_style
+        self.samples = 0
+        """Samples of the successful steps so far (the progress of a sample-counted schedule)."""
 
-    def lr(self, iteration: int) -> float:
-        """Learning rate for the optimizer step of ``iteration`` (1-based)."""
-        if self.warmup > 0 and iteration <= self.warmup:
-            return self.max_lr * iteration / self.warmup
+    def lr_for_step(self, successful_steps: int, batch: int) -> float:
+        """The rate of the next step, after ``successful_steps`` successful ones; ``batch``: its sequences."""
+        return self.lr(self.samples + batch if self.unit == "samples" else successful_steps + 1)
+
+    def advance(self, batch: int) -> None:
+        """Count a successful step of ``batch`` sequences (a skipped fp16 step keeps its rate, as Megatron)."""
+        self.samples += batch
+
+    def lr(self, progress: int) -> float:
+        """Learning rate at ``progress``: the 1-based iteration, or the samples consumed with the step."""
+        if self.warmup > 0 and progress <= self.warmup:
+            return self.warmup_init + (self.max_lr - self.warmup_init) * progress / self.warmup
         if self.style == "constant":
             return self.max_lr
-        if iteration >= self.decay_iters:
+        if progress >= self.decay_iters:
             return self.min_lr
         delta = self.max_lr - self.min_lr
         if self.style == "WSD":
             start = self.decay_iters - self.wsd_decay
-            if iteration <= start:
+            if progress <= start:
                 return self.max_lr
-            ratio = (iteration - start) / self.wsd_decay
+            ratio = (progress - start) / self.wsd_decay
             coeff = _shape(self.wsd_style, ratio)
         else:
-            ratio = (iteration - self.warmup) / max(self.decay_iters - self.warmup, 1)
+            ratio = (progress - self.warmup) / max(self.decay_iters - self.warmup, 1)
             coeff = _shape(self.style, ratio)
         return self.min_lr + coeff * delta
 
     def state_dict(self) -> dict:
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "style": self.style, "warmup": self.warmup,
-                "decay_iters": self.decay_iters, "wsd_decay": self.wsd_decay, "wsd_style": self.wsd_style}
+        return {k: getattr(self, k) for k in self._KEYS}
 
     def load_state_dict(self, state: dict) -> None:
-        """Adopt a checkpoint's schedule (the command line's schedule is overridden, as in Megatron)."""
-        for key in ("max_lr", "min_lr", "style", "warmup", "decay_iters", "wsd_decay", "wsd_style"):
-            setattr(self, key, state[key])
+        """Adopt a checkpoint's schedule (the command line's schedule is overridden, as in Megatron); a
+        checkpoint written before sample-counted schedules counts iterations from a warmup that starts at 0."""
+        old = {"unit": "iterations", "warmup_init": 0.0, "samples": 0}
+        for key in self._KEYS:
+            setattr(self, key, state[key] if key in state else old[key])
 
 
 def _shape(style: str, ratio: float) -> float:

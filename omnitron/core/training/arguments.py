@@ -288,7 +288,7 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     merged.update(given)
     for line in dict.fromkeys(file_notes + notes):
         log.info("%s", line)
-    return MF.resolve_warmup_fraction(merged)
+    return MF.resolve(merged)
 
 
 def _preset_fields(name: str) -> dict[str, Any]:
@@ -362,6 +362,8 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     precision = _build(PrecisionConfig, merged)
     family, model, parallel = _model_settings(merged, precision)
     training = _training_settings(merged, data_parallel_size(parallel, world))
+    if training.rampup_batch_size:
+        _check_ramp_schedules(training, parallel, data_parallel_size(parallel, world))
     data = _data_settings(merged, model, parallel, training)
     fp8 = _fp8_settings(merged)
     logging_cfg = _build(LoggingConfig, merged)
@@ -423,7 +425,52 @@ def _training_settings(merged: dict[str, Any], dp: int) -> TrainingConfig:
     if training.global_batch_size % (mbs * dp):
         raise ConfigError(f"--global-batch-size {training.global_batch_size} is not a multiple of --micro-batch-size "
                           f"{mbs} x data-parallel size {dp} = {mbs * dp}; change one of them")
-    return training
+    _check_schedule_units(merged, training)
+    if training.train_samples is None:
+        return training
+    iters = batch_ramp(training, dp).iterations(training.train_samples)
+    if iters < 1:
+        raise ConfigError(f"--train-samples {training.train_samples} is less than one global batch "
+                          f"({training.global_batch_size}); give more samples")
+    return replace(training, train_iters=iters)
+
+
+def batch_ramp(training: TrainingConfig, dp: int):
+    """The run's :class:`~omnitron.core.training.batches.BatchRamp` (batch size per step)."""
+    from omnitron.core.training.batches import BatchRamp
+
+    ramp = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
+    return BatchRamp(training.global_batch_size, training.micro_batch_size * dp, ramp)
+
+
+def _check_ramp_schedules(training: TrainingConfig, parallel: ParallelConfig, dp: int) -> None:
+    """Every micro-batch count of the ramp has a pipeline schedule (interleaving needs multiples of pp)."""
+    from omnitron.core.parallel.pipeline.schedules import build_schedule
+
+    for n in batch_ramp(training, dp).sizes():
+        try:
+            build_schedule(training.pipeline_schedule, parallel.pipeline_model_parallel_size,
+                           parallel.virtual_pipeline_model_parallel_size, n)
+        except ConfigError as err:
+            raise ConfigError(f"--rampup-batch-size: a step of {n} micro-batches: {err}") from None
+
+
+_ITER_LR = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
+_SAMPLE_LR = ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
+
+
+def _check_schedule_units(merged: dict[str, Any], training: TrainingConfig) -> None:
+    """Megatron's rule: a run counts iterations or samples, and its learning-rate schedule the same unit."""
+    samples = training.train_samples is not None
+    if samples and "train_iters" in merged:
+        raise ConfigError("give --train-iters or --train-samples, not both")
+    wrong, unit, other = (_ITER_LR, "samples", "iters") if samples else (_SAMPLE_LR, "iters", "samples")
+    for key in wrong:
+        if merged.get(key):
+            flag, fix = (k.replace("_", "-") for k in (key, key.replace(other, unit)))
+            run = "--train-samples" if samples else "--train-iters (no --train-samples)"
+            counts = "samples" if samples else "iterations"
+            raise ConfigError(f"--{flag} does not apply to a run of {run}: the schedule counts {counts}; use --{fix}")
 
 
 def _data_settings(merged: dict[str, Any], model, parallel: ParallelConfig, training: TrainingConfig):

@@ -22,6 +22,7 @@ from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 from omnitron.core.parallel.pipeline.schedules import build_schedule
 from omnitron.core.parallel.tensor.random import default_seed
 from omnitron.core.precision import build_loss_scaler
+from omnitron.core.training.arguments import batch_ramp
 
 
 @dataclass
@@ -40,12 +41,24 @@ class Components:
     scheduler: LRScheduler
     tokenizer: Any
     schedule: Any
-    """The pipeline schedule table (validation runs its forwards only)."""
+    """The pipeline schedule table of the current step (validation runs its forwards only)."""
     train_data: Any
     valid_data: Any
     iteration: int = 0
     consumed_samples: int = 0
     extra: dict = field(default_factory=dict)
+    batches: Any = None
+    """The run's :class:`~omnitron.core.training.batches.BatchRamp` (the batch size of each step)."""
+    schedules: dict = field(default_factory=dict)
+    """Schedule tables by micro-batch count (a --rampup-batch-size run steps through several)."""
+
+    def schedule_for(self, num_microbatches: int):
+        """The schedule table for ``num_microbatches`` (built once, like the run's first)."""
+        if num_microbatches not in self.schedules:
+            s, pc = self.settings, self.groups.config
+            self.schedules[num_microbatches] = build_schedule(s.training.pipeline_schedule, self.groups.pp.size,
+                                                              pc.virtual_pipeline_model_parallel_size, num_microbatches)
+        return self.schedules[num_microbatches]
 
 
 def seed_everything(seed: int, pp_rank: int, backend) -> None:
@@ -91,7 +104,7 @@ def build_data(settings, tokenizer, groups, collectives):
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
     train, valid, _ = family_of(settings.model).build_datasets(
-        settings, tokenizer, train_samples=t.train_iters * gbs, valid_samples=t.eval_iters * gbs if evals else 0,
+        settings, tokenizer, train_samples=t.train_samples or t.train_iters * gbs, valid_samples=t.eval_iters * gbs if evals else 0,
         test_samples=0, is_builder_rank=groups.rank == 0, barrier=barrier)
     return train, valid
 
@@ -129,10 +142,12 @@ def build_components(settings, backend) -> Components:
     chunks = wrap_data_parallel(modules, settings, groups)
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
-    scheduler = LRScheduler(settings.optim, settings.training.train_iters)
+    t = settings.training
+    scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples)
     pp, vp = groups.pp.size, settings.parallel.virtual_pipeline_model_parallel_size
-    schedule = build_schedule(settings.training.pipeline_schedule, pp, vp, settings.num_microbatches)
+    schedule = build_schedule(t.pipeline_schedule, pp, vp, settings.num_microbatches)
     train, valid = build_data(settings, tokenizer, groups, backend.collectives)
     return Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
                       optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=schedule,
-                      train_data=train, valid_data=valid, extra=extra)
+                      train_data=train, valid_data=valid, extra=extra, batches=batch_ramp(t, settings.dp),
+                      schedules={settings.num_microbatches: schedule})

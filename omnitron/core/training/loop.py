@@ -16,6 +16,7 @@ from omnitron.core.models.gpt.config import flops_per_iteration
 from omnitron.core.optim.clip import global_grad_norm
 from omnitron.core.training import checkpointing
 from omnitron.core.training.components import build_components
+from omnitron.core.training.housekeeping import Housekeeping
 from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
 from omnitron.core.training.signals import StopFlag
@@ -42,13 +43,12 @@ def data_iterator(c, dataset, consumed: int):
     return ({k: v.to(device, non_blocking=True) for k, v in batch.items()} for batch in it)
 
 
-def _throughput(c, step_time: float) -> dict:
-    t = c.settings.training
-    tokens = t.global_batch_size * c.model.seq_length
+def _throughput(c, step_time: float, batch: int) -> dict:
+    tokens = batch * c.model.seq_length
     out = {"step_time_s": step_time, "tokens_per_sec": tokens / step_time, "tflops_per_device": None, "mfu": None,
            "peak_memory_bytes": c.backend.memory_stats().get("peak_allocated"),
            "tokens_per_sec_per_device": tokens / step_time / c.groups.world_size}
-    flops = flops_per_iteration(c.model, t.global_batch_size) / step_time / c.groups.world_size
+    flops = flops_per_iteration(c.model, batch) / step_time / c.groups.world_size
     out["tflops_per_device"] = flops / 1e12
     peak = c.backend.capabilities().peak(c.model.params_dtype)
     if peak:
@@ -156,9 +156,13 @@ def train(settings, backend, watchdog=None) -> dict:
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
     skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if settings.precision.fp16 else 0)
+    house = Housekeeping(t, backend)
+    house.start()
     try:
         while c.iteration < t.train_iters:
             logs = log_due(c.iteration + 1, lg.log_interval, t.train_iters)
+            batch = c.batches.global_batch(c.consumed_samples)
+            c.schedule = c.schedule_for(c.batches.num_microbatches(c.consumed_samples))
             with profiler.step(c.iteration + 1):  # NOTE: starting and exporting a trace stays out of the step time
                 t0 = time.perf_counter()
                 with timers.phase("train-step"), watchdog.deadline(f"iteration {c.iteration + 1}"):
@@ -166,24 +170,29 @@ def train(settings, backend, watchdog=None) -> dict:
                 backend.synchronize()
                 step_time = time.perf_counter() - t0
             c.iteration += 1
-            c.consumed_samples += t.global_batch_size
-            values.update(_throughput(c, step_time))
+            c.consumed_samples += batch
+            values.update(_throughput(c, step_time, batch), consumed_samples=c.consumed_samples, global_batch_size=batch)
             losses[c.iteration] = values["lm_loss"]
             if logs:
                 values.update(logged_values(c, timers, c.iteration - logged_at))
                 logged_at = c.iteration
             logger.step(c.iteration, values)
             skips.update(values["skipped"], c.iteration, c.groups.rank, values["loss_scale"])
+            house.after_step(c.iteration)
             if _due(c.iteration, t.eval_interval) and c.valid_data is not None:
+                house.before_eval_or_save()
+                c.schedule = c.schedule_for(settings.num_microbatches)  # validation batches are full-size
                 with watchdog.deadline(f"validation after iteration {c.iteration}"):
                     val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
                 validation.append({"iteration": c.iteration, **val})
                 logger.validation(c.iteration, val)
+                house.after_eval()
             if deadline is not None and time.monotonic() >= deadline:
                 stop.requested = True  # --exit-duration-in-mins: agreed over the ranks like a signal
             stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
                 _check_before_save(c)
+                house.before_eval_or_save()
                 with timers.phase("save-checkpoint"):
                     checkpointing.save(c)
                 saved_at = c.iteration
@@ -196,6 +205,7 @@ def train(settings, backend, watchdog=None) -> dict:
         if saved_at is not None and saved_at >= logged_at:  # a save no log line has reported yet
             _report_last_save(c, timers, rank0)
     finally:
+        house.close()
         stop.restore()
         profiler.close()
         logger.close()

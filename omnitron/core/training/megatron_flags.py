@@ -36,6 +36,22 @@ SELECTORS: dict[str, tuple[str | None, str]] = {
     "no_persist_layer_norm": (None, _KERNELS),
     "no_gradient_accumulation_fusion": (None, "gradients accumulate into the fp32 main_grad buffers as always"),
     "attention_softmax_in_fp32": (None, "the softmax is computed in fp32 always"),
+    "apply_query_key_layer_scaling": (None, "the softmax is computed in fp32 always (what this scaling protects "
+                                            "fp16 from)"),
+    "cross_entropy_loss_fusion": (None, _KERNELS),
+    "moe_grouped_gemm": (None, "each local expert runs its own GEMMs (no grouped-GEMM kernel)"),
+    "moe_token_dispatcher_type": ("TYPE", "tokens go to their experts by all-to-all over the expert-parallel group"),
+    "no_create_attention_mask_in_dataloader": (None, "the data loader never builds attention masks (causal "
+                                                     "attention needs none)"),
+    "no_mmap_bin_files": (None, "the .bin files are read through a read-only memory map"),
+    "no_async_tensor_model_parallel_allreduce": (None, "tensor-parallel all-reduces run in issue order"),
+    "tp_comm_overlap": (None, "tensor-parallel communication is not overlapped with the GEMMs (no userbuffers)"),
+    "fp8_param_gather": (None, "the distributed optimizer gathers parameters in the training dtype; the linears "
+                               "cast them to FP8"),
+    "grad_reduce_in_bf16": (None, "with --bf16 gradients are accumulated and reduced in fp32"),
+    "tiktoken_pattern": ("PATTERN", "only TikTokenizer reads it"),
+    "distributed_backend": ("NAME", "the backend's own collectives library is used (OMNITRON_BACKEND / --backend "
+                                    "picks the backend)"),
 }
 ALIASES: dict[str, tuple[str, dict]] = {
     # dest: (help, argparse keywords)
@@ -44,12 +60,29 @@ ALIASES: dict[str, tuple[str, dict]] = {
     "use_rotary_position_embeddings": ("same as --position-embedding-type rope", {"action": "store_true"}),
     "recompute_activations": ("same as --recompute-granularity selective", {"action": "store_true"}),
     "tensorboard_dir": ("same as --log-dir DIR (TensorBoard events and metrics.jsonl)", {"metavar": "DIR"}),
-    "lr_warmup_fraction": ("warm up over this fraction of --lr-decay-iters (else --train-iters), as Megatron",
+    "lr_warmup_fraction": ("warm up over this fraction of --lr-decay-iters (else --train-iters; with --train-samples: "
+                           "of --lr-decay-samples, else --train-samples), as Megatron",
                            {"type": float, "metavar": "F"}),
+    "norm_epsilon": ("same as --layernorm-epsilon (Megatron's newer spelling)", {"type": float, "metavar": "EPS"}),
+    "use_rope_scaling": ("Llama 3.1 RoPE scaling: --rope-scaling-factor (8 unless given)", {"action": "store_true"}),
+    "no_position_embedding": ("no learned absolute position embedding: needs --position-embedding-type rope",
+                              {"action": "store_true"}),
+    "dataloader_type": ("single (the only order omnitron reads in: each sample once per pass, from the checkpoint's "
+                        "data position on)", {"metavar": "TYPE"}),
     "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
                             "turns it off)", {"action": "store_true"}),
 }
-KEYS = frozenset(SELECTORS) | frozenset(ALIASES)
+REFUSED: dict[str, tuple[str | None, str]] = {
+    # dest: (metavar, or None for a switch; why it stops here and the fix). Megatron flags that change the
+    # maths in a way omnitron does not implement yet: refused before any work, never silently ignored.
+    "apply_layernorm_1p": (None, "zero-centred norm weights (1 + w) are not implemented; drop the flag (the norms "
+                                 "then hold w + 1 directly: the same function, other weight values)"),
+    "calculate_per_token_loss": (None, "the loss is the mean over micro-batches of each one's token mean "
+                                       "(Megatron's default) and nothing else yet; drop the flag"),
+    "decoupled_lr": ("LR", "every parameter has the one learning rate of --lr yet; drop the flag"),
+    "decoupled_min_lr": ("LR", "every parameter has the one learning rate of --min-lr yet; drop the flag"),
+}
+KEYS = frozenset(SELECTORS) | frozenset(ALIASES) | frozenset(REFUSED)
 """Setting names these flags add (also accepted as config-file keys)."""
 
 
@@ -64,10 +97,16 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=dest, metavar=metavar, help=f"accepted: {instead}")
     for dest, (text, kwargs) in ALIASES.items():
         group.add_argument("--" + dest.replace("_", "-"), dest=dest, help=text, **kwargs)
+    for dest, (metavar, why) in REFUSED.items():
+        kwargs = {"action": "store_true"} if metavar is None else {"metavar": metavar}
+        group.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"refused: {why}", **kwargs)
 
 
 def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``given`` with this module's settings replaced by omnitron's; and one line per selector to log."""
+    for key, (_, why) in REFUSED.items():
+        if given.get(key):
+            raise ConfigError(f"--{key.replace('_', '-')}: {why}")
     out = {k: v for k, v in given.items() if k not in KEYS}
     notes = [f"--{k.replace('_', '-')}: accepted; {SELECTORS[k][1]}" for k in SELECTORS if given.get(k)]
     if given.get("group_query_attention") and not given.get("num_query_groups"):
@@ -75,27 +114,41 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _alias(out, given, "use_rotary_position_embeddings", "position_embedding_type", "rope")
     _alias(out, given, "recompute_activations", "recompute_granularity", "selective")
     _alias(out, given, "exit_signal_handler", "save_on_signal", True)
+    if given.get("norm_epsilon") is not None:
+        _alias(out, given, "norm_epsilon", "layernorm_epsilon", given["norm_epsilon"])
+    if given.get("use_rope_scaling") and given.get("rope_scaling_factor") is None:
+        out["rope_scaling_factor"] = 8.0  # Megatron's default factor
+    if given.get("dataloader_type") not in (None, "single"):
+        raise ConfigError(f"--dataloader-type {given['dataloader_type']}: omnitron reads in Megatron's 'single' order "
+                          "only (each sample once per pass); drop the flag or use --dataloader-type single")
     if given.get("tensorboard_dir"):
         _alias(out, given, "tensorboard_dir", "log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
-    if "lr_warmup_fraction" in given:  # resolved on the merged settings: the iterations may come from elsewhere
-        out["lr_warmup_fraction"] = given["lr_warmup_fraction"]
+    for key in ("lr_warmup_fraction", "no_position_embedding"):  # resolved on the merged settings (see resolve)
+        if key in given:
+            out[key] = given[key]
     return out, notes
 
 
-def resolve_warmup_fraction(merged: dict[str, Any]) -> dict[str, Any]:
-    """``--lr-warmup-fraction F`` as warm-up iterations of the merged settings (preset, file and flags)."""
+def resolve(merged: dict[str, Any]) -> dict[str, Any]:
+    """What needs the merged settings (preset, file and flags): ``--lr-warmup-fraction F`` as warm-up iterations
+    or samples; ``--no-position-embedding`` only with RoPE."""
+    if merged.pop("no_position_embedding", False) and merged.get("position_embedding_type") != "rope":
+        raise ConfigError("--no-position-embedding needs --position-embedding-type rope (omnitron's GPT has no "
+                          "position-free variant)")
     fraction = merged.pop("lr_warmup_fraction", None)
     if fraction is None:
         return merged
     if not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"--lr-warmup-fraction must lie in [0, 1], got {fraction}")
-    if merged.get("lr_warmup_iters"):
-        raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
+    unit = "samples" if merged.get("train_samples") else "iters"
+    if merged.get(f"lr_warmup_{unit}"):
+        raise ConfigError(f"give --lr-warmup-fraction or --lr-warmup-{unit}, not both")
     from omnitron.core.config.training import TrainingConfig
 
-    decay = merged.get("lr_decay_iters") or merged.get("train_iters") or TrainingConfig.train_iters
-    merged["lr_warmup_iters"] = int(fraction * decay)  # Megatron: lr_warmup_steps = fraction * lr_decay_steps
+    total = merged.get("train_samples") or merged.get("train_iters") or TrainingConfig.train_iters
+    decay = merged.get(f"lr_decay_{unit}") or total
+    merged[f"lr_warmup_{unit}"] = int(fraction * decay)  # Megatron: lr_warmup_steps = fraction * lr_decay_steps
     return merged
 
 

@@ -3,8 +3,10 @@
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
 the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
 ``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
-the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models);
-validation lines carry ``val_loss`` and ``val_ppl``. Only global rank 0 writes.
+the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models),
+``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it)
+and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and ``time``. Log lines
+start with the time and carry the consumed samples and the ETA of the rest of the run. Only global rank 0 writes.
 
 Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_ms`` and
 ``timers_<name>_ranks_ms`` (``--timing-log-option``; names in ``omnitron.core.training.timers``),
@@ -15,6 +17,7 @@ the largest over ranks).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -39,6 +42,17 @@ def _open_metrics(path: str, start_iteration: int):
     f.writelines(keep)
     f.flush()
     return f
+
+
+def _now() -> str:
+    """Local wall-clock time with its UTC offset, to the second (ISO 8601)."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _clock(seconds: float) -> str:
+    """``H:MM:SS`` of a duration (the ETA of the rest of the run at the current step time)."""
+    s = max(int(round(seconds)), 0)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
@@ -119,7 +133,10 @@ class MetricsLogger:
                "lm_loss": sum(v["lm_loss"] for v in self._pending) / n,
                "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_scale": last["loss_scale"],
                "skipped_iters": sum(1 for v in self._pending if v["skipped"]),
-               "step_time_s": sum(v["step_time_s"] for v in self._pending) / n}
+               "step_time_s": sum(v["step_time_s"] for v in self._pending) / n, "time": _now()}
+        for key in ("consumed_samples", "global_batch_size"):  # NOTE: a ramp changes the batch; the last step's
+            if key in last:
+                rec[key] = last[key]
         for key in ("tokens_per_sec", "tflops_per_device", "mfu") + (("tokens_per_sec_per_device",) if self.throughput
                                                                       else ()):
             vals = [v[key] for v in self._pending if v.get(key) is not None]
@@ -135,8 +152,11 @@ class MetricsLogger:
     def _line(self, rec: dict) -> str:
         """The log line of one record."""
         gn = "-" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
-        line = (f"iter {rec['iteration']:6d}/{self.train_iters} | loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | "
-                f"grad norm {gn} | {rec['tokens_per_sec']:.0f} tok/s | {rec['step_time_s'] * 1e3:.0f} ms/step")
+        samples = f" | samples {rec['consumed_samples']}" if "consumed_samples" in rec else ""
+        eta = _clock(rec["step_time_s"] * (self.train_iters - rec["iteration"]))
+        line = (f"[{rec['time'][:19].replace('T', ' ')}] iter {rec['iteration']:6d}/{self.train_iters}{samples} | "
+                f"loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | grad norm {gn} | {rec['tokens_per_sec']:.0f} tok/s | "
+                f"{rec['step_time_s'] * 1e3:.0f} ms/step | ETA {eta}")
         if "num_zeros_in_grad" in rec:
             line += f" | num zeros {'-' if rec['num_zeros_in_grad'] is None else rec['num_zeros_in_grad']}"
         if "params_norm" in rec:
@@ -159,8 +179,9 @@ class MetricsLogger:
     def validation(self, iteration: int, values: dict) -> None:
         if not self.enabled:
             return
-        rec = {"iteration": iteration, **values}
-        self._emit(rec, f"iter {iteration:6d} | validation loss {values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}")
+        rec = {"iteration": iteration, **values, "time": _now()}
+        self._emit(rec, f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | validation loss "
+                        f"{values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}")
 
     def close(self) -> None:
         for h in (self._bar, self._tb, self._file):

@@ -109,10 +109,13 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     with timers.phase("all-grads-sync"):
         finalize_model_grads(c.chunks, c.groups, collectives=c.backend.collectives)
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
-    lr = c.scheduler.lr(c.optimizer.step_count + 1)
+    batch = c.batches.global_batch(c.consumed_samples)
+    lr = c.scheduler.lr_for_step(c.optimizer.step_count, batch)
     with timers.phase("optimizer"):
         res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers,
                                check_norm=check_grad_norm if check else None)
+    if not res.skipped:
+        c.scheduler.advance(batch)
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
            "skipped": res.skipped}
     if count_zeros:
