@@ -56,7 +56,10 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.7.1"],
-        "dev": ["pytest", "regex", "pybind11", "triton>=3.7.1", "sentencepiece", "matplotlib", "transformers>=4.45"],
+        "dev": ["pytest", "regex", "pybind11", "triton>=3.7.1", "sentencepiece", "matplotlib", "transformers>=4.45",
+                "tensorboard"],
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["omnitron=omnitron.cli:main"]},
     ext_modules=ext_modules,

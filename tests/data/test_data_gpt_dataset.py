@@ -131,6 +131,26 @@ def test_build_gpt_datasets_blend_split_and_vocab_check(tmp_path):
         build_gpt_datasets(tiny, tok, train_samples=10, valid_samples=5, test_samples=0)
 
 
+def test_per_split_paths_read_all_documents_of_their_own_files(tmp_path):
+    """--train-data-path / --valid-data-path: each split indexes every document of its own files and nothing
+    of the others' (the tokens of every sample are a window of its own file's token stream)."""
+    tok = build_tokenizer("NullTokenizer", vocab_size=300)
+    rng = np.random.default_rng(3)
+    a = _write(tmp_path / "a", _docs(rng, 50, 300, tok.eod))
+    v = _write(tmp_path / "v", [np.append(rng.integers(200, 250, 30), tok.eod) for _ in range(20)])  # ids 200-249
+    cfg = DataConfig(train_data_path=[str(tmp_path / "a")], valid_data_path=[str(tmp_path / "v")], seq_length=12,
+                     seed=5, data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_gpt_datasets(cfg, tok, train_samples=60, valid_samples=30, test_samples=5)
+    assert test is None and len(train) >= 60 and len(valid) >= 30  # whole epochs of each split
+    assert sorted(train.documents.tolist()) == list(range(len(a)))
+    assert sorted(valid.documents.tolist()) == list(range(len(v)))
+    stream = np.concatenate([v.get(i) for i in range(len(v))])
+    tokens = valid[7]["tokens"].numpy()
+    assert any(np.array_equal(stream[i:i + len(tokens)], tokens) for i in range(len(stream) - len(tokens) + 1))
+    with pytest.raises(ConfigError, match="not both"):
+        DataConfig(data_path=[str(tmp_path / "a")], train_data_path=[str(tmp_path / "a")])
+
+
 def test_demo_corpus_default_and_mock(tmp_path):
     tok = build_tokenizer()
     cfg = DataConfig(seq_length=64, data_cache_path=str(tmp_path))

@@ -176,3 +176,20 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
 def test_megatron_flags_not_yet_supported_are_refused(flag):
     with pytest.raises(ConfigError, match=f"^{flag.split()[0]}: .*; drop the flag"):
         parse_settings(BASE + flag.split(), 1)
+
+
+_VALUES = {"rerun_mode": "disabled", "moe_token_dispatcher_type": "alltoall", "transformer_impl": "local",
+           "attention_backend": "auto", "distributed_backend": "gloo", "tiktoken_pattern": "v2"}
+
+
+def test_every_selector_changes_nothing_and_says_what_runs(caplog):
+    from omnitron.core.training.megatron_flags import SELECTORS
+
+    plain = parse_settings(BASE, 1)
+    for dest, (metavar, instead) in SELECTORS.items():
+        flag = "--" + dest.replace("_", "-")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="omnitron.train"):
+            s = parse_settings(BASE + ([flag] if metavar is None else [flag, _VALUES.get(dest, "1")]), 1)
+        _same(s, plain)
+        assert f"{flag}: accepted; {instead}" in caplog.text, flag

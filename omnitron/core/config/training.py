@@ -218,6 +218,13 @@ class LoggingConfig:
     """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
     log_timers_to_tensorboard: bool = False
     """--log-timers-to-tensorboard: also write the timers to TensorBoard (metrics.jsonl always has them)."""
+    wandb_project: str | None = None
+    """--wandb-project: log the metrics to this Weights & Biases project too (needs omnitron[wandb];
+    WANDB_MODE=offline works without a network)."""
+    wandb_exp_name: str | None = None
+    """--wandb-exp-name: the wandb run's name (needed with --wandb-project)."""
+    wandb_save_dir: str | None = None
+    """--wandb-save-dir: where wandb keeps the run's files (default: <log dir>/wandb)."""
     profile: bool = False
     """--profile: trace iterations with torch.profiler into <log dir>/profile/ (a Chrome trace per rank)."""
     profile_step_start: int = 10
@@ -270,6 +277,11 @@ class CheckpointConfig:
     """--no-load-optim: do not restore optimizer/scaler/scheduler state."""
     no_load_rng: bool = False
     """--no-load-rng: do not restore RNG states."""
+    use_checkpoint_args: bool = False
+    """--use-checkpoint-args: take the model's shape and the tokenizer from the checkpoint under --load (they
+    override the command line's; each change is logged)."""
+    exit_on_missing_checkpoint: bool = False
+    """--exit-on-missing-checkpoint: stop with an error when --load holds no checkpoint, instead of starting fresh."""
     save_on_signal: bool = True
     """Finish the current step, save and exit on SIGTERM/SIGINT (when --save is set)."""
     ckpt_format: str = "torch"

@@ -65,14 +65,16 @@ def check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer, cache_dir: s
 
 
 def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split: int, num_samples: int,
-               cache_dir: str, allow_build: bool):
+               cache_dir: str, allow_build: bool, whole: bool = False):
+    """The ``split``'s dataset: its --split share of each dataset's documents, or (``whole``: the split's own
+    files) all of them."""
     weights = split_weights(config.split)
-    if num_samples <= 0 or weights[split] == 0:
+    if num_samples <= 0 or (weights[split] == 0 and not whole):
         return None
     name = SPLIT_NAMES[split]
     parts = []
     for weight, indexed in zip((w for w, _ in blend), datasets):
-        lo, hi = split_ranges(len(indexed), weights)[split]
+        lo, hi = (0, len(indexed)) if whole else split_ranges(len(indexed), weights)[split]
         if hi <= lo:
             raise DataError(f"{indexed.prefix}: the {name} split of --split {config.split} gets no documents "
                             f"({len(indexed)} in all); give it a larger share or use more data")
@@ -85,7 +87,30 @@ def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split:
     return BlendedDataset(parts, [w for w, _ in blend], num_samples, cache_dir=cache_dir, allow_build=allow_build)
 
 
+def _open_blend(blend, tokenizer, cache_dir, allow_build) -> list[IndexedDataset]:
+    datasets = [IndexedDataset(p) for _, p in blend]
+    for ds in datasets:
+        check_vocabulary(ds, tokenizer, cache_dir, allow_build)
+    return datasets
+
+
+def _build_per_split(config, tokenizer, samples, cache_dir, allow_build):
+    """--train-data-path / --valid-data-path / --test-data-path: each split from all documents of its files."""
+    out = []
+    for split, (paths, n) in enumerate(zip((config.train_data_path, config.valid_data_path, config.test_data_path),
+                                            samples)):
+        blend = parse_data_path(paths)
+        if not blend or n <= 0:
+            out.append(None)
+            continue
+        datasets = _open_blend(blend, tokenizer, cache_dir, allow_build)
+        out.append(_one_split(config, tokenizer, blend, datasets, split, n, cache_dir, allow_build, whole=True))
+    return tuple(out)
+
+
 def _build_all(config, tokenizer, samples, cache_dir, allow_build):
+    if config.per_split:
+        return _build_per_split(config, tokenizer, samples, cache_dir, allow_build)
     blend = parse_data_path(config.data_path)
     if not blend:
         from .corpus import demo_corpus_prefix
@@ -94,9 +119,7 @@ def _build_all(config, tokenizer, samples, cache_dir, allow_build):
             raise DataError(f"no --data-path given: the bundled demo corpus is GPT-2 BPE, but the tokenizer is "
                             f"{tokenizer.name}; pass --data-path, or --mock-data")
         blend = [(1.0, demo_corpus_prefix("gpt2", cache_dir=cache_dir, build=allow_build))]
-    datasets = [IndexedDataset(p) for _, p in blend]
-    for ds in datasets:
-        check_vocabulary(ds, tokenizer, cache_dir, allow_build)
+    datasets = _open_blend(blend, tokenizer, cache_dir, allow_build)
     return tuple(_one_split(config, tokenizer, blend, datasets, i, n, cache_dir, allow_build)
                  for i, n in enumerate(samples))
 

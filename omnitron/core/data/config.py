@@ -19,6 +19,13 @@ class DataConfig:
     data_path: list[str] = field(default_factory=list)
     """``--data-path``: ``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...`` (weights need not sum to 1).
     Empty with ``mock_data`` False means the bundled demo corpus (Moby Dick, GPT-2 BPE)."""
+    train_data_path: list[str] = field(default_factory=list)
+    """``--train-data-path``: the training split's own ``PREFIX`` or ``W1 PREFIX1 ...`` (all its documents;
+    instead of --data-path and --split, as Megatron)."""
+    valid_data_path: list[str] = field(default_factory=list)
+    """``--valid-data-path``: the validation split's own datasets (see --train-data-path)."""
+    test_data_path: list[str] = field(default_factory=list)
+    """``--test-data-path``: the test split's own datasets (see --train-data-path)."""
     split: str = "969,30,1"
     """``--split``: train,valid,test proportions of each dataset's documents."""
     mock_data: bool = False
@@ -55,7 +62,22 @@ class DataConfig:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
         split_weights(self.split)
-        parse_data_path(self.data_path)
+        for _, paths in self.path_flags():
+            parse_data_path(paths)
+        if self.data_path and self.per_split:
+            raise ConfigError("give --data-path (cut by --split) or --train-data-path / --valid-data-path / "
+                              "--test-data-path (each split its own files), not both")
+
+    @property
+    def per_split(self) -> bool:
+        """Each split reads its own files (--train-data-path and friends)."""
+        return bool(self.train_data_path or self.valid_data_path or self.test_data_path)
+
+    def path_flags(self) -> list[tuple[str, list[str]]]:
+        """(flag, value) of every data-path flag that was given."""
+        named = (("--data-path", self.data_path), ("--train-data-path", self.train_data_path),
+                 ("--valid-data-path", self.valid_data_path), ("--test-data-path", self.test_data_path))
+        return [(flag, paths) for flag, paths in named if paths]
 
 
 def split_weights(split: str) -> list[float]:

@@ -288,7 +288,9 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     merged.update(given)
     for line in dict.fromkeys(file_notes + notes):
         log.info("%s", line)
-    return MF.resolve(merged)
+    from omnitron.core.training.checkpoint_args import apply_checkpoint_args
+
+    return apply_checkpoint_args(MF.resolve(merged))
 
 
 def _preset_fields(name: str) -> dict[str, Any]:
@@ -511,7 +513,10 @@ def _ddp_settings(merged: dict[str, Any], precision: PrecisionConfig):
 
 def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> None:
     """Cross-checks between the run's configs: validation needs a validation split; --finetune needs --load."""
-    if training.eval_interval and data.split and not data.mock_data:
+    if training.eval_interval and data.per_split and not data.valid_data_path:
+        raise ConfigError(f"--eval-interval {training.eval_interval} needs --valid-data-path when the splits have "
+                          "their own files; add it or use --eval-interval 0")
+    if training.eval_interval and data.split and not data.mock_data and not data.per_split:
         from omnitron.core.data.config import split_weights
 
         if split_weights(data.split)[1] == 0:

@@ -54,8 +54,10 @@ def check_resume(settings) -> None:
     different parallel layout is resharded on load)."""
     path = find_latest(settings.checkpoint.load, quiet=True)  # the workers' rank 0 says which it loads
     if path is None:
-        if settings.checkpoint.finetune:
-            raise CheckpointError(f"--finetune: no checkpoint under --load {settings.checkpoint.load}")
+        for flag, on in (("--finetune", settings.checkpoint.finetune),
+                         ("--exit-on-missing-checkpoint", settings.checkpoint.exit_on_missing_checkpoint)):
+            if on:
+                raise CheckpointError(f"{flag}: no checkpoint under --load {settings.checkpoint.load}")
         return
     meta = read_metadata(path)
     missing = [n for n in meta["shards"] if not os.path.isfile(os.path.join(path, n))]

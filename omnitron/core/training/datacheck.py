@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def check_tokenizer_and_data(settings) -> None:
-    """Build the run's tokenizer and check every ``--data-path`` dataset against it (the vocabulary
+    """Build the run's tokenizer and check every ``--data-path`` (and per-split path) dataset against it (the vocabulary
     scan is cached: workers reuse it). Raises ConfigError naming the flag, the file and the fix."""
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.data import TokenizerError, build_tokenizer
@@ -28,8 +28,9 @@ def check_tokenizer_and_data(settings) -> None:
     if d.mock_data or family.synthetic_data:  # samples made in memory: no files to check
         return
     cache_dir = d.data_cache_path or default_cache_dir()
-    for _, prefix in parse_data_path(d.data_path):
-        try:
-            check_vocabulary(IndexedDataset(prefix), tokenizer, cache_dir, allow_build=True)
-        except (DataError, IndexedDatasetError) as err:
-            raise ConfigError(f"--data-path {prefix}: {err}") from None
+    for flag, paths in d.path_flags():
+        for _, prefix in parse_data_path(paths):
+            try:
+                check_vocabulary(IndexedDataset(prefix), tokenizer, cache_dir, allow_build=True)
+            except (DataError, IndexedDatasetError) as err:
+                raise ConfigError(f"{flag} {prefix}: {err}") from None

@@ -31,6 +31,9 @@ def precheck(settings) -> None:
 
         check_backend(settings.fp8, backend)  # e.g. a backend without FP8 formats: one clear line
     _check_files(settings)
+    from omnitron.core.training.wandb_log import check_available
+
+    check_available(settings.logging)
     from omnitron.core.training.datacheck import check_tokenizer_and_data
 
     check_tokenizer_and_data(settings)
@@ -46,11 +49,11 @@ def _check_files(settings) -> None:
     from omnitron.core.data.config import parse_data_path
 
     d = settings.data
-    if not d.mock_data:
-        for _, prefix in parse_data_path(d.data_path):
+    for flag, paths in ([] if d.mock_data else d.path_flags()):
+        for _, prefix in parse_data_path(paths):
             for ext in (".bin", ".idx"):
                 if not os.path.exists(prefix + ext):
-                    raise ConfigError(f"--data-path {prefix}: {prefix}{ext} not found; give the prefix of an indexed "
+                    raise ConfigError(f"{flag} {prefix}: {prefix}{ext} not found; give the prefix of an indexed "
                                       f"dataset (omnitron preprocess writes PREFIX_text_document.bin/.idx)")
     for flag, path in (("--vocab-file", d.vocab_file), ("--merge-file", d.merge_file),
                        ("--tokenizer-model", d.tokenizer_model)):

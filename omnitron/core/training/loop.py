@@ -149,7 +149,8 @@ def train(settings, backend, watchdog=None) -> dict:
     log_dir = lg.log_dir or default_log_dir(ck.save)
     logger = MetricsLogger(log_dir=log_dir, log_interval=lg.log_interval, train_iters=t.train_iters, enabled=rank0,
                            tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,
-                           throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard)
+                           throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard,
+                           wandb=_wandb_run(settings, log_dir) if rank0 else None)
     timers, profiler = _observers(c, log_dir)
     stop = StopFlag(enabled=ck.save_on_signal)
     deadline = time.monotonic() + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
@@ -215,6 +216,15 @@ def train(settings, backend, watchdog=None) -> dict:
 
         print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k)
     return result
+
+
+def _wandb_run(settings, log_dir: str):
+    """The run's wandb logger with --wandb-project (global rank 0), else None."""
+    if not settings.logging.wandb_project:
+        return None
+    from omnitron.core.training.wandb_log import WandbRun
+
+    return WandbRun(settings.logging, log_dir=log_dir, config=settings.flat)
 
 
 def _report_last_save(c, timers: Timers, rank0: bool) -> None:

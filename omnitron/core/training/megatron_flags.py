@@ -52,6 +52,15 @@ SELECTORS: dict[str, tuple[str | None, str]] = {
     "tiktoken_pattern": ("PATTERN", "only TikTokenizer reads it"),
     "distributed_backend": ("NAME", "the backend's own collectives library is used (OMNITRON_BACKEND / --backend "
                                     "picks the backend)"),
+    "log_world_size_to_tensorboard": (None, "the run's header line gives the layout and world size"),
+    "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size"),
+    "log_loss_scale_to_tensorboard": (None, "every record carries loss_scale"),
+    "log_validation_ppl_to_tensorboard": (None, "validation records carry val_ppl"),
+    "tensorboard_log_interval": ("N", "TensorBoard gets every record, at --log-interval"),
+    "tensorboard_queue_size": ("N", "the TensorBoard writer's own queue size is used"),
+    "use_pytorch_profiler": (None, "--profile always traces with torch.profiler"),
+    "fp8_interval": ("N", "FP8 scaling factors are updated every step (Megatron deprecated the interval)"),
+    "rerun_mode": ("MODE", "no iteration is ever re-run (Megatron's 'disabled')"),
 }
 ALIASES: dict[str, tuple[str, dict]] = {
     # dest: (help, argparse keywords)
@@ -81,6 +90,16 @@ REFUSED: dict[str, tuple[str | None, str]] = {
                                        "(Megatron's default) and nothing else yet; drop the flag"),
     "decoupled_lr": ("LR", "every parameter has the one learning rate of --lr yet; drop the flag"),
     "decoupled_min_lr": ("LR", "every parameter has the one learning rate of --min-lr yet; drop the flag"),
+    "use_legacy_models": (None, "omnitron's models have Megatron-Core's layout only; drop the flag"),
+    "account_for_embedding_in_pipeline_split": (None, "the embedding is not counted as a layer; give the first "
+                                                      "stage fewer layers with --decoder-first-pipeline-num-layers"),
+    "account_for_loss_in_pipeline_split": (None, "the loss is not counted as a layer; give the last stage fewer "
+                                                 "layers with --decoder-last-pipeline-num-layers"),
+    "rotary_seq_len_interpolation_factor": ("F", "linear position interpolation is not implemented (--rope-scaling-"
+                                                 "factor is Llama 3.1's scaling); drop the flag"),
+    "no_save_optim": (None, "checkpoints always hold the optimizer state (resume needs it; --finetune loads "
+                            "weights only); drop the flag"),
+    "no_save_rng": (None, "checkpoints always hold the RNG states (--no-load-rng ignores them); drop the flag"),
 }
 KEYS = frozenset(SELECTORS) | frozenset(ALIASES) | frozenset(REFUSED)
 """Setting names these flags add (also accepted as config-file keys)."""
@@ -118,6 +137,9 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         _alias(out, given, "norm_epsilon", "layernorm_epsilon", given["norm_epsilon"])
     if given.get("use_rope_scaling") and given.get("rope_scaling_factor") is None:
         out["rope_scaling_factor"] = 8.0  # Megatron's default factor
+    if given.get("rerun_mode") not in (None, "disabled"):
+        raise ConfigError(f"--rerun-mode {given['rerun_mode']}: omnitron re-runs no iteration (only 'disabled'); "
+                          "--check-for-nan-in-loss-and-grad stops on a non-finite loss instead")
     if given.get("dataloader_type") not in (None, "single"):
         raise ConfigError(f"--dataloader-type {given['dataloader_type']}: omnitron reads in Megatron's 'single' order "
                           "only (each sample once per pass); drop the flag or use --dataloader-type single")

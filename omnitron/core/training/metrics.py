@@ -70,11 +70,12 @@ class MetricsLogger:
 
     def __init__(self, *, log_dir: str, log_interval: int, train_iters: int, enabled: bool, tensorboard: bool,
                  progress_bar: bool | None, start_iteration: int, throughput: bool = False,
-                 tensorboard_timers: bool = False) -> None:
+                 tensorboard_timers: bool = False, wandb=None) -> None:
         self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
         self.log_dir, self.throughput, self.tensorboard_timers = log_dir, throughput, tensorboard_timers
         self._pending: list[dict] = []
         self._file = self._tb = self._bar = None
+        self._wandb = wandb  # a WandbRun (--wandb-project) or None
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
@@ -105,6 +106,8 @@ class MetricsLogger:
                     continue
                 if k != "iteration" and isinstance(v, (int, float)) and v is not None:
                     self._tb.add_scalar(k, v, record["iteration"])
+        if self._wandb is not None:
+            self._wandb.log(record)
         if self._bar is not None:
             self._bar.write(line)
         else:
@@ -184,6 +187,6 @@ class MetricsLogger:
                         f"{values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}")
 
     def close(self) -> None:
-        for h in (self._bar, self._tb, self._file):
+        for h in (self._bar, self._tb, self._wandb, self._file):
             if h is not None:
                 h.close()
