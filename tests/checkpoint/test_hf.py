@@ -289,7 +289,8 @@ def test_bad_inputs_fail_clearly(hf, tmp_path, capsys):
     assert "--qk-layernorm True" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
+                                  "BertWordPieceLowerCase"])
 def test_export_is_a_usable_model_repository(kind, tmp_path):
     """AutoTokenizer loads the export and encodes as the run's tokenizer did; config.json and
     generation_config.json carry the end-of-document id (HF generate stops there); files are 0644."""
@@ -306,6 +307,15 @@ def test_export_is_a_usable_model_repository(kind, tmp_path):
         corpus.write_text("\n".join(moby_dick_documents()[:40]), encoding="utf-8")
         train_bpe([str(corpus)], 400, str(tmp_path / "tok" / "tokenizer.json"))
         run["tokenizer_model"] = str(tmp_path / "tok")
+    if kind == "SentencePieceTokenizer":
+        spm = pytest.importorskip("sentencepiece")
+        from omnitron.core.data.corpus import moby_dick_documents
+
+        corpus = tmp_path / "c.txt"
+        corpus.write_text("\n".join(moby_dick_documents()[:40]), encoding="utf-8")
+        spm.SentencePieceTrainer.Train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300,
+                                       model_type="bpe", eos_id=2, bos_id=1, unk_id=0, pad_id=-1)
+        run["tokenizer_model"] = str(tmp_path / "sp.model")
     ours = build_tokenizer(kind, tokenizer_model=run.get("tokenizer_model"))
     cfg = gpt2_tiny(num_layers=1, hidden_size=32, ffn_hidden_size=64, vocab_size=ours.vocab_size, seq_length=16,
                     max_position_embeddings=16)
@@ -315,7 +325,20 @@ def test_export_is_a_usable_model_repository(kind, tmp_path):
     assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(out)]) == 0
     theirs = transformers.AutoTokenizer.from_pretrained(str(out))
     text = "Call me Ishmael. Some years ago - never mind how long precisely"
-    assert theirs.encode(text) == ours.encode(text) and theirs.eos_token_id == ours.eod
+    # BERT's tokenizer wraps a text in [CLS] ... [SEP] by design (omnitron's datasets add them); the others add nothing
+    bert = kind.startswith("BertWordPiece")
+    assert theirs.encode(text, add_special_tokens=not bert) == ours.encode(text) and theirs.eos_token_id == ours.eod
     assert json.load(open(out / "config.json"))["eos_token_id"] == ours.eod
     assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == ours.eod
     assert {oct(os.stat(p).st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+    # HF generate stops at the exported end token: with a head that always picks it, one new token and done
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    head = torch.nn.Linear(cfg.hidden_size, model.lm_head.out_features, bias=True)
+    torch.nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[ours.eod] = 10.0
+    model.lm_head = head
+    prompt = torch.tensor([ours.encode("Call me Ishmael.")])
+    done = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert done.shape[1] == prompt.shape[1] + 1 and int(done[0, -1]) == ours.eod

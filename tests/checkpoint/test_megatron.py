@@ -236,6 +236,9 @@ def test_export_equals_longhand(source, kind, tmp_path):
                     "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
                     "tensor_model_parallel_size", "pipeline_model_parallel_size", "kv_channels", "seq_length"):
             assert args[key] == ref_args[key], key
+        # Megatron's checkpoint-args check compares this with the launch line's, whose default is True (RoPE
+        # models too, unless --no-position-embedding is given)
+        assert args["add_position_embedding"] is True
 
 
 @pytest.mark.parametrize("kind,tp,pp,impl", [("llama", 2, 2, "transformer_engine"), ("gpt2", 1, 1, "local"),

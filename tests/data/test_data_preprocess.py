@@ -31,9 +31,13 @@ def test_jsonl_workers_and_bad_lines(tmp_path, capsys):
         assert rc == 0
         out = capsys.readouterr().out
         assert "296 documents" in out and "invalid UTF-8 lines 1" in out
-        assert "bad_json 2" in out and "missing_key 1" in out and "empty 1" in out
+        assert "bad_json 2" in out and "missing_key 1" in out and "(and 1 empty, kept without tokens)" in out
         ds = IndexedDataset(tmp_path / f"w{w}_text_document")
         assert ds.dtype == np.uint16 and [ds[i].tolist() for i in range(len(ds))] == expected
+        # the empty text (line 40: document 38, after the 38 good or repaired lines 0-39 but 10 and 20) is a
+        # document of no sequences, as Megatron writes it: its boundary repeats
+        di = ds.document_indices.tolist()
+        assert len(di) == len(expected) + 2 and di[38] == di[39] == 38 and di[37] == 37
         outs.append((tmp_path / f"w{w}_text_document.bin").read_bytes())
     assert outs[0] == outs[1]
 

@@ -209,3 +209,43 @@ def test_server_survives_slow_loris_oversized_and_20_concurrent_clients(gpt_ckpt
         loris.close()
         server.shutdown()
         server.server_close()
+
+
+class _NewlineAt:
+    """The checkpoint's tokenizer, except that token ``t`` reads as a line end."""
+
+    def __init__(self, tok, t):
+        self._tok, self.t = tok, t
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def decode(self, ids):
+        return "".join("\n" if i == self.t else self._tok.decode([i]) for i in ids)
+
+
+def test_server_add_bos_and_stop_on_eol_as_megatron(gpt_ckpt):
+    """add_BOS: the end-of-document token leads each prompt (left out of the text); stop_on_eol: a row ends at
+    its first line-ending token. Both against the library's greedy continuation."""
+    import dataclasses
+
+    model, path = gpt_ckpt
+    loaded = load_for_inference(path, get_backend("cpu"))
+    greedy = SamplingParams(top_k=1)
+    bos = generate_batch(model, [[300, 4, 5]], 6, eod=300).tokens[0]
+    got = complete(loaded, ["4 5"], 6, params=greedy, add_bos=True)
+    assert got["text"] == [" ".join(map(str, [4, 5] + [t for t in bos if t != 300]))]
+    plain = generate_batch(model, [[4, 5]], 8, eod=300).tokens[0]
+    t = plain[2]  # the third generated token becomes a line end: generation stops at its first appearance
+    eol = dataclasses.replace(loaded, tokenizer=_NewlineAt(loaded.tokenizer, t))
+    server = make_server(eol, port=0, quiet=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code, got = _put(server.server_port, {"prompts": ["4 5"], "tokens_to_generate": 8, "top_k": 1,
+                                              "stop_on_eol": True, "logprobs": True})
+        assert code == 200 and len(got["logprobs"][0]) == 1 + plain.index(t) + 1
+        code, got = _put(server.server_port, {"prompts": ["4 5"], "stop_on_eol": "yes"})
+        assert code == 400 and "stop_on_eol must be true or false" in got["error"]
+    finally:
+        server.shutdown()
+        server.server_close()

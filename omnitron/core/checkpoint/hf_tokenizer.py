@@ -3,8 +3,9 @@
 ``AutoTokenizer.from_pretrained(out)`` needs the tokenizer's files and a ``tokenizer_config.json`` naming
 its class, and ``generate`` stops only at an ``eos_token_id`` that ``config.json`` /
 ``generation_config.json`` declare. :func:`write_tokenizer` writes them for the tokenizer types that have
-an HF equivalent (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; a Hugging Face ``tokenizer.json``) and
-returns the end-of-document id; other types (NullTokenizer, SentencePiece, WordPiece) write nothing.
+an HF equivalent (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; a Hugging Face ``tokenizer.json``; SentencePiece:
+``tokenizer.model`` as Llama's tokenizer; BERT WordPiece: ``vocab.txt``) and returns the end-of-document id;
+NullTokenizer (ids without text) writes nothing.
 """
 from __future__ import annotations
 
@@ -37,11 +38,44 @@ def write_tokenizer(run: dict, out_dir: str) -> int | None:
 
         _config(out_dir, "PreTrainedTokenizerFast", Tokenizer.from_file(model).id_to_token(tok.eod))
         return tok.eod
+    if kind == "SentencePieceTokenizer" and model and os.path.isfile(model):
+        return _sentencepiece(model, out_dir)
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return _wordpiece(run, kind, out_dir)
     return None
 
 
-def _config(out_dir: str, cls: str, eod_text: str) -> None:
+def _sentencepiece(model: str, out_dir: str) -> int:
+    """A SentencePiece model as Llama's tokenizer (``tokenizer.model``), adding no BOS/EOS of its own: omnitron's
+    SentencePieceTokenizer encodes the text alone."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model)
+    shutil.copyfile(model, os.path.join(out_dir, "tokenizer.model"))
+    piece = {name: sp.id_to_piece(i) for name, i in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("unk", sp.unk_id()))
+             if i >= 0}
+    extra = {"add_bos_token": False, "add_eos_token": False, "legacy": True, "unk_token": piece.get("unk"),
+             "bos_token": piece.get("bos", piece["eos"])}
+    _config(out_dir, "LlamaTokenizer", piece["eos"], **extra)
+    return sp.eos_id()
+
+
+def _wordpiece(run: dict, kind: str, out_dir: str) -> int:
+    """A BERT WordPiece vocabulary (``vocab.txt``) as BERT's tokenizer; end of document is ``[SEP]``."""
+    from omnitron.core.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer(kind, vocab_file=run.get("vocab_file"), vocab_extra_ids=int(run.get("vocab_extra_ids") or 0))
+    shutil.copyfile(tok.vocab_file, os.path.join(out_dir, "vocab.txt"))
+    sentinels = [f"<extra_id_{i}>" for i in range(len(tok.sentinels))]
+    _config(out_dir, "BertTokenizer", "[SEP]", do_lower_case=kind == "BertWordPieceLowerCase", unk_token="[UNK]",
+            bos_token="[CLS]", cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]",
+            additional_special_tokens=sentinels)
+    return tok.eod
+
+
+def _config(out_dir: str, cls: str, eod_text: str, **extra) -> None:
     cfg = {"tokenizer_class": cls, "bos_token": eod_text, "eos_token": eod_text, "unk_token": eod_text}
+    cfg.update({k: v for k, v in extra.items() if v is not None})
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
 

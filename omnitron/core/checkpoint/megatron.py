@@ -280,7 +280,9 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, padded_vocab_size=padded_vocab_size(cfg, tp),
         normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, swiglu=cfg.swiglu,
         position_embedding_type=cfg.position_embedding_type,
-        add_position_embedding=cfg.position_embedding_type == "learned_absolute", rotary_base=cfg.rotary_base,
+        # NOTE: True as a Megatron launch line without --no-position-embedding has it (its checkpoint-args check
+        # compares this flag); Megatron-Core's GPT reads position_embedding_type, so RoPE models are unaffected
+        add_position_embedding=True, rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent, rotary_interleaved=cfg.rotary_interleaved,
         use_rope_scaling=cfg.rope_scaling_factor != 1.0, rope_scaling_factor=cfg.rope_scaling_factor,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,

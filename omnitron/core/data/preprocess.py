@@ -4,7 +4,8 @@ The input is read line by line (never whole); documents are tokenized in chunks,
 processes when ``workers > 1`` (results are written in input order, so the output does not
 depend on the number of workers). Bad records are counted and skipped, never fatal:
 invalid UTF-8 (replaced or skipped), lines that are not JSON objects, records without a
-requested key, empty documents. Input with no document at all is an error.
+requested key. Empty documents are kept as Megatron keeps them (a document of no sequences in the
+``.idx``). Input with no token at all is an error.
 
 ``split_sentences`` (Megatron's ``--split-sentences``): each document is cut by
 :func:`omnitron.core.data.sentences.split_sentences` and every sentence is tokenized and stored as
@@ -45,13 +46,17 @@ class PreprocessStats:
     bytes_written: int = 0
     seconds: float = 0.0
     invalid_utf8: int = 0
-    skipped: dict = field(default_factory=lambda: {"invalid_utf8": 0, "bad_json": 0, "missing_key": 0, "empty": 0})
+    empty: int = 0
+    """Documents without a token: kept as Megatron keeps them (a document of no sequences in the .idx)."""
+    skipped: dict = field(default_factory=lambda: {"invalid_utf8": 0, "bad_json": 0, "missing_key": 0})
     outputs: list = field(default_factory=list)
 
     def summary(self) -> str:
         rate = self.tokens / self.seconds if self.seconds > 0 else float("inf")
         skipped = ", ".join(f"{k} {v}" for k, v in self.skipped.items() if v) or "none"
-        return (f"{self.documents} documents, {self.tokens} tokens in {self.seconds:.2f} s ({rate:,.0f} tokens/s), "
+        empty = f" (and {self.empty} empty, kept without tokens)" if self.empty else ""
+        return (f"{self.documents} documents{empty}, {self.tokens} tokens in {self.seconds:.2f} s "
+                f"({rate:,.0f} tokens/s), "
                 f"{self.bytes_read} bytes read, {self.bytes_written} bytes written; invalid UTF-8 lines "
                 f"{self.invalid_utf8}; skipped: {skipped}")
 
@@ -225,8 +230,9 @@ def _write_chunk(encoded: list[dict[str, tuple]], builders: dict, stats: Preproc
     for rec in encoded:
         wrote = False
         for k, (ids, lengths) in rec.items():
-            if ids.size == 0:
-                stats.skipped["empty"] += 1
+            if ids.size == 0:  # as Megatron: the document stays, holding no sequence
+                builders[k].add_document(ids, [])
+                stats.empty += 1
                 continue
             builders[k].add_document(ids, lengths)
             stats.tokens += int(ids.size)

@@ -79,9 +79,10 @@ def _prompt_log_probs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tens
 
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams = GREEDY,
-                   eod: int | None = None, return_log_probs: bool = False, use_cache: bool = True,
+                   eod: int | frozenset[int] | None = None, return_log_probs: bool = False, use_cache: bool = True,
                    forward: Forward | None = None, check_ids: bool = True) -> Generation:
-    """Continue every prompt by up to ``max_new_tokens`` tokens (see the module docstring).
+    """Continue every prompt by up to ``max_new_tokens`` tokens (see the module docstring). ``eod``: the token a
+    row stops at, or a set of them (the server's ``stop_on_eol`` adds the line-ending tokens).
 
     ``forward`` runs the model on ``(ids, positions)`` (default: ``model(tokens=, position_ids=)``, a GPT);
     the T5 and LLaVA wrappers pass their own. ``model.decoder.layers`` get the KV cache."""
@@ -100,9 +101,13 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, para
         cache = KVCache(model) if use_cache else contextlib.nullcontext()
         with cache:
             return _decode(model, forward, cache if use_cache else None, ids, valid, pos, padded, max_new_tokens,
-                           params, gens, eod, return_log_probs, limit, [len(p) for p in prompts])
+                           params, gens, _stops(eod), return_log_probs, limit, [len(p) for p in prompts])
     finally:
         model.train(was_training)
+
+
+def _stops(eod) -> frozenset[int]:
+    return frozenset() if eod is None else frozenset([eod]) if isinstance(eod, int) else frozenset(eod)
 
 
 def _run(model, forward, cache, ids, valid, pos, padded, step: int):
@@ -115,7 +120,7 @@ def _run(model, forward, cache, ids, valid, pos, padded, step: int):
         return forward(ids, pos)
 
 
-def _decode(model, forward, cache, ids, valid, pos, padded, max_new, params, gens, eod, want_lp, limit, lengths):
+def _decode(model, forward, cache, ids, valid, pos, padded, max_new, params, gens, stops, want_lp, limit, lengths):
     """The decoding loop of :func:`generate_batch` (inside the cache context)."""
     b = ids.shape[0]
     new = [[] for _ in range(b)]
@@ -134,7 +139,7 @@ def _decode(model, forward, cache, ids, valid, pos, padded, max_new, params, gen
             new[i].append(t)
             if want_lp:
                 lps[i].append(step_lp[i])
-            done[i] = t == eod or len(new[i]) >= max_new or lengths[i] + len(new[i]) >= limit
+            done[i] = t in stops or len(new[i]) >= max_new or lengths[i] + len(new[i]) >= limit
         if all(done):
             break
         step = ids.shape[1]

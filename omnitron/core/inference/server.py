@@ -3,12 +3,13 @@
 ``PUT /api`` with a JSON body::
 
     {"prompts": ["..."], "tokens_to_generate": 32, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
-     "logprobs": false, "random_seed": 1234, "image_index": [0]}
+     "logprobs": false, "random_seed": 1234, "image_index": [0], "add_BOS": false, "stop_on_eol": false}
 
 answers ``{"text": [...]}`` (plus ``"segments"`` and ``"logprobs"`` when ``logprobs`` is true; see
 :func:`omnitron.core.inference.text.complete`). Defaults follow Megatron's server: temperature 1,
 no top-k / top-p filter (plain sampling), 64 tokens. ``image_index`` (multimodal checkpoints only):
-one synthetic validation image per prompt. A malformed request gets 400 with ``{"error": message}``
+one synthetic validation image per prompt. ``add_BOS`` and ``stop_on_eol`` (GPT checkpoints): Megatron's
+options, see :func:`omnitron.core.inference.text.complete_gpt`. A malformed request gets 400 with ``{"error": message}``
 naming the field; another path 404. Connections are served on their own (daemon) threads, each with
 a socket timeout (a silent or trickling client gets 408 and is closed without blocking anyone); a
 body over the size limit is refused with 413 from its Content-Length, before it is read; model
@@ -29,7 +30,9 @@ MAX_PROMPTS = 128
 MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON: far more prompt text than a model's context holds
 TIMEOUT_S = 30.0  # per socket read / write of one connection
 BACKLOG = 128  # pending connections the kernel queues (http.server's default is 5)
-FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs", "random_seed", "image_index"}
+FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "logprobs", "random_seed", "image_index",
+          "add_BOS", "stop_on_eol"}
+GPT_ONLY = ("add_BOS", "stop_on_eol")  # Megatron's options of text continuation
 
 
 class BadRequest(ValueError):
@@ -70,8 +73,17 @@ def parse_request(body, loaded) -> dict:
                                 top_p=body.get("top_p", 0.0), seed=None if seed is None else seed)
     except ValueError as err:
         raise BadRequest(str(err).replace("seed must", "random_seed must")) from None
-    return {"prompts": prompts, "tokens_to_generate": n, "params": params, "logprobs": logprobs,
-            "images": _images(body.get("image_index"), len(prompts), loaded)}
+    out = {"prompts": prompts, "tokens_to_generate": n, "params": params, "logprobs": logprobs,
+           "images": _images(body.get("image_index"), len(prompts), loaded)}
+    for key in GPT_ONLY:
+        if key not in body:
+            continue
+        if not isinstance(body[key], bool):
+            raise BadRequest(f"{key} must be true or false, got {body[key]!r}")
+        if loaded.family != "gpt":
+            raise BadRequest(f"{key} applies to GPT checkpoints (text continuation); this one is {loaded.family}")
+        out["add_bos" if key == "add_BOS" else key] = body[key]
+    return out
 
 
 def _images(index, count: int, loaded) -> torch.Tensor | None:

@@ -8,6 +8,8 @@ for all its placeholders) and ``logprobs`` (one per segment after the first).
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -50,13 +52,15 @@ def _encode_all(tokenizer, prompts: list[str], allow_empty: bool) -> list[list[i
 
 
 def complete(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,
-             logprobs: bool = False, images: torch.Tensor | None = None) -> dict:
+             logprobs: bool = False, images: torch.Tensor | None = None, **options) -> dict:
     """Generate for every prompt (``images [b, C, H, W]`` for a family that reads images) with the family's
-    own entry point (``ModelFamily.generate``); see the module docstring."""
+    own entry point (``ModelFamily.generate``); see the module docstring. ``options``: the family's own
+    (GPT: ``add_bos``, ``stop_on_eol``)."""
     family = loaded.spec
     if not family.takes_images and images is not None:
         raise ValueError(f"images apply to the multimodal (LLaVA) family; this is a {loaded.family} checkpoint")
-    return family.generate(loaded, prompts, tokens_to_generate, params=params, logprobs=logprobs, images=images)
+    return family.generate(loaded, prompts, tokens_to_generate, params=params, logprobs=logprobs, images=images,
+                           **options)
 
 
 def _result(tok, shown: list[list[int]], texts: list[str], out, logprobs: bool, lead: list[str]) -> dict:
@@ -68,14 +72,30 @@ def _result(tok, shown: list[list[int]], texts: list[str], out, logprobs: bool, 
 
 
 def complete_gpt(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,
-                 logprobs: bool = False, images=None) -> dict:
-    """GPT: continue each prompt; the text is prompt and generation decoded together (without EOD)."""
+                 logprobs: bool = False, images=None, add_bos: bool = False, stop_on_eol: bool = False) -> dict:
+    """GPT: continue each prompt; the text is prompt and generation decoded together (without EOD). Megatron's
+    server options: ``add_bos`` puts the end-of-document token before each prompt (it conditions the model as
+    a document start; the text leaves it out), ``stop_on_eol`` ends a row at a token that ends a line."""
     tok, eod = loaded.tokenizer, getattr(loaded.tokenizer, "eod", None)
     ids = _encode_all(tok, prompts, allow_empty=False)
-    out = generate_batch(loaded.model, ids, tokens_to_generate, params=params, eod=eod, return_log_probs=logprobs)
-    return _result(tok, [p + t for p, t in zip(ids, out.tokens)],
+    lead = [eod] if add_bos else []
+    stops = ({eod} if eod is not None else set()) | (line_end_tokens(tok) if stop_on_eol else set())
+    out = generate_batch(loaded.model, [lead + p for p in ids], tokens_to_generate, params=params,
+                         eod=frozenset(stops), return_log_probs=logprobs)
+    return _result(tok, [lead + p + t for p, t in zip(ids, out.tokens)],
                    [tok.decode(p + [t for t in toks if t != eod]) for p, toks in zip(ids, out.tokens)], out, logprobs,
                    [])
+
+
+_LINE_ENDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def line_end_tokens(tok) -> frozenset[int]:
+    """The ids whose text holds a newline (Megatron's ``stop_on_eol`` for any vocabulary), computed once per
+    tokenizer."""
+    if tok not in _LINE_ENDS:
+        _LINE_ENDS[tok] = frozenset(i for i in range(tok.vocab_size) if "\n" in tok.decode([i]))
+    return _LINE_ENDS[tok]
 
 
 def complete_t5(loaded, prompts: list[str], tokens_to_generate: int, *, params: SamplingParams,

@@ -280,6 +280,47 @@ def gpt_1p3b(**overrides) -> GPTConfig:
                              max_position_embeddings=2048, vocab_size=50257), **overrides)
 
 
+_LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+              untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+              add_bias_linear=False, layernorm_epsilon=1e-5)
+
+
+def llama3_8b(**overrides) -> GPTConfig:
+    """Llama 3 8B (Meta, 2024): 32 layers, hidden 4096, 32 heads / 8 KV groups, SwiGLU 14336, RoPE base 500000,
+    vocabulary 128256, seq 8192; 8,030,261,248 parameters."""
+    return replace(GPTConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                             ffn_hidden_size=14336, seq_length=8192, max_position_embeddings=8192, vocab_size=128256,
+                             rotary_base=500000.0, **_LLAMA), **overrides)
+
+
+def llama3_70b(**overrides) -> GPTConfig:
+    """Llama 3 70B: 80 layers, hidden 8192, 64 heads / 8 KV groups, SwiGLU 28672; 70,553,706,496 parameters."""
+    return replace(llama3_8b(num_layers=80, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672),
+                   **overrides)
+
+
+def mixtral_8x7b(**overrides) -> GPTConfig:
+    """Mixtral 8x7B (Mistral AI, 2024): 32 layers of 8 SwiGLU experts (top-2 routing, softmax over the picks'
+    logits), hidden 4096, 32 heads / 8 KV groups, RoPE base 1e6, vocabulary 32000; 46,702,792,704 parameters."""
+    return replace(GPTConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                             ffn_hidden_size=14336, seq_length=4096, max_position_embeddings=32768, vocab_size=32000,
+                             rotary_base=1e6, num_experts=8, moe_router_topk=2, **_LLAMA), **overrides)
+
+
+GPT3_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1p3b": (24, 2048, 16),
+              "2p7b": (32, 2560, 32), "6p7b": (32, 4096, 32), "13b": (40, 5120, 40), "175b": (96, 12288, 96)}
+"""GPT-3's sizes (Brown et al. 2020, Table 2.1): (layers, hidden, heads). NOTE: where the table's heads x head
+width is not its hidden size, heads of 128 channels as Megatron's GPT-3 scripts: 1.3B has 16 heads (the table's
+24 x 128 = 3072 would make it 1.5B) and 13B hidden 5120 (the table's 5140 is not a multiple of 40 heads)."""
+
+
+def gpt3(size: str, **overrides) -> GPTConfig:
+    """A GPT-3 size: LayerNorm, GELU MLP of 4x hidden, learned positions, tied embeddings, seq 2048."""
+    layers, hidden, heads = GPT3_SIZES[size]
+    return replace(GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=2048,
+                             max_position_embeddings=2048, vocab_size=50257), **overrides)
+
+
 def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
     """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled."""
     rot = int(head_dim(c) * c.rotary_percent)
