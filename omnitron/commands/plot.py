@@ -41,19 +41,45 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     train, val = read_metrics(path)
+    if not train:
+        print(f"omnitron plot: error: {path} holds no training record yet; plot after the first log line",
+              file=sys.stderr)
+        return 2
     out = args.out or args.run_dir
     os.makedirs(out, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["iteration"] for r in train], [r["lm_loss"] for r in train], label="train lm loss")
-    if val:
-        ax.plot([r["iteration"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
-    ax.set_xlabel("iteration"), ax.set_ylabel("loss"), ax.legend(), ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "loss.png"), dpi=120)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["iteration"] for r in train], [r.get("tokens_per_sec") or 0 for r in train])
-    ax.set_xlabel("iteration"), ax.set_ylabel("tokens / s"), ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "throughput.png"), dpi=120)
+    title = os.path.basename(os.path.abspath(args.run_dir))
+    _training_panels(plt, train, val, title).savefig(os.path.join(out, "loss.png"), dpi=120)
+    _throughput(plt, train, title).savefig(os.path.join(out, "throughput.png"), dpi=120)
     print(f"wrote {os.path.join(out, 'loss.png')} and {os.path.join(out, 'throughput.png')}")
     return 0
+
+
+def _training_panels(plt, train: list[dict], val: list[dict], title: str):
+    """Loss (training and validation), learning rate and gradient norm against the iteration, one above the
+    other on a shared x-axis."""
+    fig, (loss, lr, norm) = plt.subplots(3, 1, figsize=(7, 8), sharex=True,
+                                         gridspec_kw={"height_ratios": [2, 1, 1]})
+    its = [r["iteration"] for r in train]
+    loss.plot(its, [r["lm_loss"] for r in train], label="train lm loss")
+    if val:
+        loss.plot([r["iteration"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    loss.set_ylabel("loss"), loss.legend(), loss.set_title(f"{title}: training")
+    lr.plot(its, [r.get("lr") for r in train], color="tab:green")
+    lr.set_ylabel("learning rate"), lr.set_ylim(bottom=0)
+    kept = [(i, r["grad_norm"]) for i, r in zip(its, train) if r.get("grad_norm") is not None]  # skipped steps: None
+    norm.plot([i for i, _ in kept], [g for _, g in kept], color="tab:red")
+    norm.set_ylabel("grad norm"), norm.set_xlabel("iteration"), norm.set_ylim(bottom=0)
+    for ax in (loss, lr, norm):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _throughput(plt, train: list[dict], title: str):
+    """Tokens per second from 0 (a noisy machine's dips look like what they are, not like collapses)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["iteration"] for r in train], [r.get("tokens_per_sec") or 0 for r in train])
+    ax.set_xlabel("iteration"), ax.set_ylabel("tokens / s"), ax.set_ylim(bottom=0), ax.grid(alpha=0.3)
+    ax.set_title(f"{title}: throughput")
+    fig.tight_layout()
+    return fig

@@ -226,3 +226,21 @@ def test_tensorboard_resume_purges_and_a_missing_package_is_said(tmp_path, monke
         MetricsLogger(log_dir=str(tmp_path / "x"), log_interval=1, train_iters=1, enabled=True, tensorboard=True,
                       progress_bar=False, start_iteration=0).close()
     assert "TensorBoard events are off: the tensorboard package is not installed" in caplog.text
+
+
+def test_log_lines_go_above_the_progress_bar(tmp_path, capsys):
+    """With the bar on, a log line during training is written by tqdm above the bar (not through it), and the
+    logger's own handlers are back after the run."""
+    import logging as _logging
+
+    omni, train_log = _logging.getLogger("omnitron"), _logging.getLogger("omnitron.train")
+    before, level = (omni.propagate, list(omni.handlers)), train_log.level
+    train_log.setLevel(_logging.INFO)  # as the workers' logging setup has it
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=5, train_iters=4, enabled=True, tensorboard=False,
+                           progress_bar=True, start_iteration=0)
+    _logging.getLogger("omnitron.train").info("saving checkpoint at iteration 2 under X ...")
+    logger.close()
+    train_log.setLevel(level)
+    captured = capsys.readouterr()
+    assert "saving checkpoint at iteration 2 under X ..." in captured.out
+    assert (omni.propagate, list(omni.handlers)) == before

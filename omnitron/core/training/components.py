@@ -6,13 +6,16 @@ here runs a step; :mod:`omnitron.core.training.step` does.
 """
 from __future__ import annotations
 
+import logging
 import random
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from omnitron.core.data.config import default_cache_dir
 from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
@@ -23,6 +26,8 @@ from omnitron.core.parallel.pipeline.schedules import build_schedule
 from omnitron.core.parallel.tensor.random import default_seed
 from omnitron.core.precision import build_loss_scaler
 from omnitron.core.training.arguments import batch_ramp
+
+log = logging.getLogger("omnitron.train")
 
 
 @dataclass
@@ -103,9 +108,16 @@ def build_data(settings, tokenizer, groups, collectives):
     gbs = t.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
-    train, valid, _ = family_of(settings.model).build_datasets(
-        settings, tokenizer, train_samples=t.train_samples or t.train_iters * gbs, valid_samples=t.eval_iters * gbs if evals else 0,
-        test_samples=0, is_builder_rank=groups.rank == 0, barrier=barrier)
+    sizes = {"train_samples": t.train_samples or t.train_iters * gbs, "valid_samples": t.eval_iters * gbs if evals else 0}
+    start, rank0 = time.perf_counter(), groups.rank == 0
+    if rank0:
+        where = "" if settings.data.mock_data else f" (index caches under {settings.data.data_cache_path or default_cache_dir()})"
+        log.info("building datasets: %d training samples, %d validation samples%s ...", sizes["train_samples"],
+                 sizes["valid_samples"], where)
+    train, valid, _ = family_of(settings.model).build_datasets(settings, tokenizer, **sizes, test_samples=0,
+                                                               is_builder_rank=rank0, barrier=barrier)
+    if rank0:
+        log.info("datasets ready in %.1f s", time.perf_counter() - start)
     return train, valid
 
 

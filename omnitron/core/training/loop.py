@@ -194,8 +194,13 @@ def train(settings, backend, watchdog=None) -> dict:
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
                 _check_before_save(c)
                 house.before_eval_or_save()
+                if rank0:
+                    log.info("saving checkpoint at iteration %d under %s ...", c.iteration, ck.save)
+                began = time.perf_counter()
                 with timers.phase("save-checkpoint"):
                     checkpointing.save(c)
+                if rank0:
+                    log.info("checkpoint save at iteration %d took %.1f s", c.iteration, time.perf_counter() - began)
                 saved_at = c.iteration
             if stopping:
                 if rank0:

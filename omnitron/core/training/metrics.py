@@ -60,6 +60,27 @@ def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     return iteration % log_interval == 0 or iteration == train_iters
 
 
+class _BarLogging(logging.Handler):
+    """While the progress bar is shown, omnitron's log lines ("saving checkpoint ...") are written above it
+    (``tqdm.write``) instead of through it; :meth:`close` puts the usual handlers back."""
+
+    def __init__(self, bar) -> None:
+        super().__init__()
+        self.bar, self.logger = bar, logging.getLogger("omnitron")
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self._propagate = self.logger.propagate
+        self.logger.addHandler(self)
+        self.logger.propagate = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.bar.write(self.format(record))
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        self.logger.propagate = self._propagate
+        super().close()
+
+
 class MetricsLogger:
     """Collects per-step values and emits them every ``log_interval`` iterations (rank 0 only).
 
@@ -96,6 +117,7 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
+            self._log_through_bar = _BarLogging(self._bar)
 
     def _emit(self, record: dict, line: str) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -187,6 +209,8 @@ class MetricsLogger:
                         f"{values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}")
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._log_through_bar.close()
         for h in (self._bar, self._tb, self._wandb, self._file):
             if h is not None:
                 h.close()
