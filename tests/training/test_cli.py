@@ -96,3 +96,19 @@ def test_auto_backend_choice_is_probed_once(monkeypatch):
         assert registry.get_backend() is first and len(calls) == 1
     finally:
         registry.reset_cache()
+
+
+def test_slurm_example_parses_for_its_world():
+    """examples/slurm_gpt_1p3b.sh: its omnitron flags (shell variables filled in) make a valid 16-rank layout."""
+    import pathlib
+    import shlex
+
+    from omnitron.core.training.arguments import parse_settings
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "examples" / "slurm_gpt_1p3b.sh").read_text()
+    line = text.split("-m omnitron.train", 1)[1].replace("\\\n", " ")
+    for var, value in (('"$DATA"', "data/corpus"), ('"$SAVE/tensorboard"', "/tmp/s/tb"), ('"$SAVE"', "/tmp/s")):
+        line = line.replace(var, value)
+    s = parse_settings(shlex.split(line), world_size=16)
+    assert (s.parallel.tensor_model_parallel_size, s.parallel.pipeline_model_parallel_size, s.dp) == (2, 2, 4)
+    assert s.checkpoint.async_save and s.checkpoint.ckpt_format == "torch_dist" and s.num_microbatches == 16
