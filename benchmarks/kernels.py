@@ -18,9 +18,9 @@ from omnitron.cli import main as cli_main  # noqa: E402
 
 def markdown(report: dict) -> str:
     """Markdown table of a report: one line per (op, dtype, mode, impl)."""
-    copy = report["copy_gbs"]
+    copy = report["extra"]["copy_gbs"]
     m = report["machine"]
-    out = [f"Backend `{m['backend']}` ({m['device']}, {m['processor']}, {m['threads']} threads, torch {m['torch']}); "
+    out = [f"Backend `{m['backend']}` ({m['device_name']}, {m['processor']}, {m['threads']} threads, torch {m['torch']}); "
            f"device copy bandwidth {copy:.1f} GB/s.", "",
            "| op | dtype | mode | impl | median ms | min ms | GB/s | % copy BW | peak MiB | vs eager | vs torch |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The lead's one-call GPU run: scripts/device_check.sh plus the kernel, FP8 and 1.3B training
+# One call on a GPU machine: scripts/device_check.sh plus `omnitron bench all`, the FP8 and 1.3B training
 # benchmarks (bf16, then FP8 hybrid/tensorwise through the real training loop), then the MoE layer benchmark.
-# ~9.5 minutes on an H200.
+# ~9.5 minutes on an H200 before `bench all` replaced the kernel benchmark (2026-12-01; not yet run on a GPU since).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/omnitron_device_check}
 mkdir -p "$OUT"
 export CONFORMANCE_LIMIT=${CONFORMANCE_LIMIT:-150}
-export KERNEL_BENCH_CMD="python3 benchmarks/kernels.py --backend cuda --size large --rounds 20"
-export KERNEL_BENCH_LIMIT=90
+# the cross-hardware suite (memory, GEMM per dtype incl. FP8, collectives, kernels, attention, the 1.3B step),
+# one omnitron-bench JSON report per kind, compared with `omnitron bench compare DIR_A DIR_B`
+export KERNEL_BENCH_CMD="python3 -m omnitron bench all --backend cuda --out $OUT/bench"
+export KERNEL_BENCH_LIMIT=${KERNEL_BENCH_LIMIT:-240}
 export FP8_BENCH_CMD="python3 benchmarks/fp8_profile.py --json $OUT/fp8_profile.json; python3 benchmarks/fp8_gemm.py --step-layers 4 --json $OUT/fp8_gemm.json"
 export FP8_BENCH_LIMIT=150
 train() {  # train LOGDIR EXTRA_FLAGS...

@@ -1,19 +1,53 @@
-"""``omnitron bench``: ``kernels`` times every fused-op implementation against torch eager;
-``compare A.json B.json`` prints two benchmark reports (two machines) side by side."""
+"""``omnitron bench``: the cross-hardware benchmark suite (``omnitron.bench``). One subcommand per question,
+every one writing the same JSON schema (``--json``); ``compare`` reads any number of reports and ``all``
+runs the whole suite into a folder."""
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
 
+def _common(p, json_help="write the report (omnitron bench JSON schema) here") -> None:
+    p.add_argument("--backend", default=None, help="backend to run on (default: $OMNITRON_BACKEND or auto)")
+    p.add_argument("--json", default=None, metavar="OUT", help=json_help)
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib").rstrip("b")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: fused kernels, report comparison")
-    bsub = p.add_subparsers(dest="bench_command", metavar="WHAT")
-    k = bsub.add_parser("kernels", help="time every implementation of every fused op against torch eager")
-    k.add_argument("--backend", default=None, help="backend to run on (default: $OMNITRON_BACKEND or auto)")
+    p = sub.add_parser("bench", help="benchmarks: GEMM, communication, memory, kernels, attention, training")
+    b = p.add_subparsers(dest="bench_command", metavar="WHAT")
+    g = b.add_parser("gemm", help="GEMM TFLOP/s per dtype (fp32, tf32, bf16, fp16, FP8 per-tensor/row/block)")
+    _common(g)
+    g.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096], help="square sizes")
+    g.add_argument("--model", default=None, help="also the GEMM shapes of this preset's layer (e.g. gpt_1p3b)")
+    g.add_argument("--tokens", type=int, default=4096, help="rows of the model's GEMMs (seq x micro-batch)")
+    g.add_argument("--dtypes", nargs="+", default=None, help="subset of fp32 tf32 bf16 fp16 fp8-tensor fp8-row fp8-block")
+    g.add_argument("--rounds", type=int, default=10)
+    g.set_defaults(func=run_gemm)
+    c = b.add_parser("comm", help="collectives and p2p over a size sweep: algorithm and bus bandwidth (nccl-tests)")
+    _common(c)
+    c.add_argument("--nproc-per-node", type=int, default=2, help="local ranks to spawn (ignored under torchrun)")
+    c.add_argument("--min-bytes", type=_bytes, default=1 << 10, help="smallest message (e.g. 1K)")
+    c.add_argument("--max-bytes", type=_bytes, default=1 << 26, help="largest message (e.g. 1G)")
+    c.add_argument("--factor", type=int, default=4, help="size step")
+    c.add_argument("--ops", nargs="+", default=None, help="subset of all_reduce all_gather reduce_scatter "
+                   "all_to_all broadcast p2p")
+    c.add_argument("--rounds", type=int, default=10)
+    c.set_defaults(func=run_comm)
+    m = b.add_parser("memory", help="device copy / read / write bandwidth")
+    _common(m)
+    m.add_argument("--max-bytes", type=_bytes, default=1 << 28)
+    m.set_defaults(func=run_memory)
+    k = b.add_parser("kernels", help="every implementation of every fused op against torch eager")
+    _common(k)
     k.add_argument("--ops", nargs="*", default=None, help="ops to run (default: all)")
     k.add_argument("--dtypes", default=None, help="comma list, e.g. float32,bfloat16 (default: both on CPU, bf16 on a GPU)")
     k.add_argument("--size", choices=("tiny", "small", "large"), default=None,
@@ -22,22 +56,95 @@ def register(sub) -> None:
     k.add_argument("--rounds", type=int, default=15, help="timed rounds per case (median reported)")
     k.add_argument("--budget", type=float, default=5.0, help="seconds per case after which rounds stop (min 3 rounds)")
     k.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    k.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     k.set_defaults(func=run_kernels)
-    c = bsub.add_parser("compare", help="print two JSON reports side by side")
-    c.add_argument("a")
-    c.add_argument("b")
-    c.set_defaults(func=run_compare)
+    a = b.add_parser("attention", help="the engine's attention vs unfused math, fwd+bwd, by sequence length")
+    _common(a)
+    a.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096])
+    a.add_argument("--heads", type=int, default=8)
+    a.add_argument("--head-dim", type=int, default=64)
+    a.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    a.set_defaults(func=run_attention)
+    t = b.add_parser("train", help="a few iterations of a preset under a layout: tokens/s, TFLOP/s, MFU, split",
+                     epilog="flags after -- go to omnitron train (e.g. -- --mock-data --bf16)")
+    _common(t)
+    t.add_argument("--model", default="gpt2_tiny", help="a preset of omnitron train --model")
+    t.add_argument("--layout", default="single", help="e.g. tp2,pp2,dp2 (world = the product)")
+    t.add_argument("--iterations", type=int, default=6)
+    t.add_argument("train_flags", nargs=argparse.REMAINDER)
+    t.set_defaults(func=run_train)
+    cmp = b.add_parser("compare", help="tables with ratios and PNG plots from any number of reports")
+    cmp.add_argument("reports", nargs="+", help="report files, or `bench all` folders")
+    cmp.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
+    cmp.set_defaults(func=run_compare)
+    al = b.add_parser("all", help="the whole suite, one report per kind, into --out DIR")
+    al.add_argument("--backend", default=None)
+    al.add_argument("--out", required=True, metavar="DIR")
+    al.add_argument("--nproc-per-node", type=int, default=None, help="ranks for the comm sweep")
+    al.set_defaults(func=run_all)
     p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _backend(name):
+    from omnitron.backends.registry import get_backend
+
+    return get_backend(name)
+
+
+def _write(kind: str, backend, rows, args, **extra) -> int:
+    from omnitron.bench.report import new_report, save
+
+    rep = new_report(kind, backend, rows, **extra)
+    if getattr(args, "json", None):
+        print(f"wrote {save(rep, args.json)}")
+    return 0
+
+
+def run_gemm(args) -> int:
+    from omnitron.bench import gemm
+
+    be = _backend(args.backend)
+    dtypes = args.dtypes or list(gemm.DTYPES)
+    unknown = [d for d in dtypes if d not in gemm.DTYPES]
+    if unknown:
+        print(f"omnitron bench gemm: error: unknown dtype {unknown[0]}; use {' '.join(gemm.DTYPES)}", file=sys.stderr)
+        return 2
+    return _write("gemm", be, gemm.run(be, sizes=args.sizes, dtypes=dtypes, model=args.model, tokens=args.tokens,
+                                        rounds=args.rounds), args)
+
+
+def run_comm(args) -> int:
+    import os
+
+    from omnitron.bench import comm
+
+    ops = args.ops or list(comm.OPS)
+    if any(o not in comm.OPS for o in ops):
+        print(f"omnitron bench comm: error: ops are {' '.join(comm.OPS)}", file=sys.stderr)
+        return 2
+    be = _backend(args.backend)
+    rows = comm.run(be.name, nproc=args.nproc_per_node, ops=ops, byte_sizes=comm.sizes(args.min_bytes, args.max_bytes,
+                                                                                      args.factor), rounds=args.rounds)
+    for r in rows:
+        print(f"{r['op']:15s} {r['bytes']:>12d} B x{r['ranks']}: {r['ms']:9.3f} ms  algbw {r['algbw_gbs']:8.3f} "
+              f"busbw {r['busbw_gbs']:8.3f} GB/s")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    return _write("comm", be, rows, args, world_size=rows[0]["ranks"] if rows else args.nproc_per_node)
+
+
+def run_memory(args) -> int:
+    from omnitron.bench import comm, memory
+
+    be = _backend(args.backend)
+    return _write("memory", be, memory.run(be, byte_sizes=comm.sizes(1 << 16, args.max_bytes, 16)), args)
 
 
 def run_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from omnitron.backends.registry import get_backend
     from omnitron.kernels.benchmark import run
 
-    backend = get_backend(args.backend)
+    backend = _backend(args.backend)
     if args.threads:
         torch.set_num_threads(args.threads)
     on_cpu = backend.device_type == "cpu"
@@ -51,33 +158,69 @@ def run_kernels(args: argparse.Namespace) -> int:
                  budget_s=args.budget)
     print(f"\ncopy bandwidth: {report['copy_gbs']:.1f} GB/s on {report['machine']['device']} "
           f"({report['machine']['threads']} threads, torch {report['machine']['torch']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
+    return _write("kernels", backend, report["rows"], args, copy_gbs=report["copy_gbs"], size=size)
+
+
+def run_attention(args) -> int:
+    import torch
+
+    from omnitron.bench import attention
+
+    be = _backend(args.backend)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    return _write("attention", be, attention.run(be, seqs=args.seqs, heads=args.heads, head_dim=args.head_dim,
+                                                  dtype=dtype), args)
+
+
+def run_train(args) -> int:
+    from omnitron.bench import train
+
+    flags = [f for f in args.train_flags if f != "--"]
+    be = _backend(args.backend)
+    try:
+        row = train.run(model=args.model, layout=args.layout, iterations=args.iterations, extra=flags,
+                        backend=be.name)
+    except (ValueError, RuntimeError) as err:
+        print(f"omnitron bench train: error: {err}", file=sys.stderr)
+        return 2
+    print("  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return _write("train", be, [row], args)
+
+
+def _report_paths(items: list[str]) -> list[str]:
+    import glob
+    import os
+
+    out = []
+    for item in items:
+        out += sorted(glob.glob(os.path.join(item, "*.json"))) if os.path.isdir(item) else [item]
+    return out
+
+
+def run_compare(args) -> int:
+    from omnitron.bench import compare
+    from omnitron.bench.report import ReportError
+
+    try:
+        reports = compare.load_all(_report_paths(args.reports))
+    except ReportError as err:
+        print(f"omnitron bench compare: error: {err}", file=sys.stderr)
+        return 2
+    print(compare.tables(reports))
+    if args.plots:
+        try:
+            for path in compare.plots(reports, args.plots):
+                print(f"wrote {path}")
+        except ImportError:
+            print("omnitron bench compare: error: --plots needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
     return 0
 
 
-def run_compare(args: argparse.Namespace) -> int:
-    reports = []
-    for path in (args.a, args.b):
-        with open(path) as f:
-            reports.append(json.load(f))
-    a, b = ({(r["op"], r["dtype"], r["mode"], r["impl"]): r for r in rep["rows"]} for rep in reports)
-    for name, rep in zip("AB", reports):
-        m = rep["machine"]
-        print(f"{name}: {m['backend']} {m['device']} {m['processor']} torch {m['torch']}, copy {rep['copy_gbs']:.1f} GB/s")
+def run_all(args) -> int:
+    from omnitron.bench.suite import run_all as suite
 
-    def f(row, key, spec):
-        return "-" if row is None or row.get(key) is None else format(row[key], spec)
-
-    print(f"{'op':26s} {'dtype':9s} {'mode':8s} {'impl':8s} {'A ms':>9s} {'B ms':>9s} {'A GB/s':>7s} {'B GB/s':>7s} "
-          f"{'A %copy':>7s} {'B %copy':>7s} {'A/B':>6s}")
-    for key in list(a) + [k for k in b if k not in a]:
-        ra, rb = a.get(key), b.get(key)
-        pa = f"{100 * ra['gbs'] / reports[0]['copy_gbs']:.0f}%" if ra and ra.get("gbs") else "-"
-        pb = f"{100 * rb['gbs'] / reports[1]['copy_gbs']:.0f}%" if rb and rb.get("gbs") else "-"
-        ratio = f"{ra['ms'] / rb['ms']:.2f}" if ra and rb and ra.get("ms") and rb.get("ms") else "-"
-        print(f"{key[0]:26s} {key[1]:9s} {key[2]:8s} {key[3]:8s} {f(ra, 'ms', '9.3f')} {f(rb, 'ms', '9.3f')} "
-              f"{f(ra, 'gbs', '7.1f')} {f(rb, 'gbs', '7.1f')} {pa:>7s} {pb:>7s} {ratio:>6s}")
-    return 0
+    be = _backend(args.backend)
+    written = suite(be, args.out, nproc=args.nproc_per_node)
+    print(f"wrote {len(written)} reports into {args.out}: {', '.join(sorted(written))}")
+    return 0 if written else 1

@@ -29,8 +29,8 @@ def test_bench_kernels_and_compare(tmp_path, capsys, backend_name):
     impls = {(r["mode"], r["impl"]) for r in report["rows"]}
     assert {("fwd", "eager"), ("fwd", "torch"), ("fwd+bwd", "eager")} <= impls
     assert all(r["ms"] > 0 and r["gbs"] > 0 for r in report["rows"] if not r["note"])
-    assert report["copy_gbs"] > 0
+    assert report["extra"]["copy_gbs"] > 0 and report["kind"] == "kernels" and report["schema"] == "omnitron-bench"
     capsys.readouterr()
     assert main(["bench", "compare", str(out), str(out)]) == 0
     text = capsys.readouterr().out
-    assert "rms_norm" in text and "1.00" in text
+    assert "rms_norm" in text and "(1.00x)" in text

@@ -1,0 +1,49 @@
+"""``omnitron bench attention``: the engine's attention (the backend's kernel table: SDPA, flash) against the
+unfused math (scores materialised), forward + backward, by sequence length.
+
+TFLOP/s count the two GEMMs of attention, ``4 b h s^2 d`` forward (halved when causal) and 2x that
+backward: ``3 x`` in all, the convention of the FlashAttention papers.
+"""
+from __future__ import annotations
+
+import torch
+
+from omnitron.bench.timing import median_ms
+
+
+def _math(q, k, v, causal: bool = True):
+    """Unfused attention: the score matrix materialised, softmax in fp32 (what a fused kernel saves)."""
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    if causal:
+        s = q.shape[-2]
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores.softmax(-1).to(q.dtype) @ v
+
+
+def _impls(backend):
+    """(name, fn(q, k, v, causal)): the backend's resolution of the ``attention`` op (SDPA as the reference,
+    or a fused kernel of the backend), and the unfused ``math`` version."""
+    table = backend.kernels
+    return [(f"op:{table.resolved('attention')}", table.get("attention")), ("math", _math)]
+
+
+def run(backend, *, seqs: list[int], heads: int = 8, head_dim: int = 64, batch: int = 1, dtype=torch.bfloat16,
+        causal: bool = True, rounds: int = 5, budget_s: float = 2.0, log=print) -> list[dict]:
+    dev, rows = backend.current_device(), []
+    name = str(dtype).replace("torch.", "")
+    for s in seqs:
+        gen = torch.Generator(device="cpu").manual_seed(s)
+        q, k, v = (torch.randn(batch, heads, s, head_dim, generator=gen).to(dev, dtype).requires_grad_()
+                   for _ in range(3))
+        grad = torch.randn(batch, heads, s, head_dim, generator=gen).to(dev, dtype)
+        flops = 3 * 4 * batch * heads * s * s * head_dim * (0.5 if causal else 1.0)
+        for impl, fn in _impls(backend):
+            def step(fn=fn):
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v, causal=causal).backward(grad)
+
+            ms = median_ms(step, backend, rounds=rounds, budget_s=budget_s)
+            rows.append({"impl": impl, "dtype": name, "seq": s, "heads": heads, "head_dim": head_dim,
+                         "causal": causal, "batch": batch, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
+            log(f"attention {impl:10s} seq {s:6d}: {ms:9.3f} ms {rows[-1]['tflops']:8.3f} TFLOP/s")
+    return rows

@@ -1,0 +1,114 @@
+"""The benchmark report: one JSON schema for every ``omnitron bench`` subcommand and every machine.
+
+::
+
+    {"schema": "omnitron-bench", "version": 1, "kind": "gemm" | "comm" | "memory" | "kernels" | "attention"
+     | "train", "created": ISO time, "command": "omnitron bench ...",
+     "machine": {backend, device_name, device_type, device_count, arch, torch, runtimes: {cuda, musa, ...},
+                 processor, cpu_count, threads, python, omnitron, world_size},
+     "rows": [one object per measurement; fields per kind: ROW_FIELDS], "extra": {kind-specific: peaks,
+     copy bandwidth, ...}}
+
+A report is checked on write and on read (:func:`validate`): a missing or mismatched file is one
+:class:`ReportError` line naming the file and what is wrong.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+SCHEMA, VERSION = "omnitron-bench", 1
+ROW_FIELDS = {
+    "gemm": ("dtype", "shape", "m", "n", "k", "ms", "tflops"),
+    "comm": ("op", "bytes", "ranks", "ms", "algbw_gbs", "busbw_gbs"),
+    "memory": ("op", "bytes", "ms", "gbs"),
+    "kernels": ("op", "dtype", "mode", "impl", "ms"),
+    "attention": ("impl", "dtype", "seq", "heads", "head_dim", "causal", "ms", "tflops"),
+    "train": ("model", "layout", "iterations", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes"),
+}
+"""The fields every row of a kind has (a figure may be None where it could not be measured, with a ``note``)."""
+
+
+class ReportError(ValueError):
+    """A report file that is missing, not JSON, or not of this schema (the message names the file)."""
+
+
+def machine(backend, world_size: int = 1) -> dict:
+    """The fingerprint of the machine a report was measured on."""
+    import torch
+
+    import omnitron
+
+    caps = backend.capabilities()
+    runtimes = {name: getattr(torch.version, name, None) for name in ("cuda", "hip")}
+    runtimes.update(backend.runtime_versions() if hasattr(backend, "runtime_versions") else {})
+    return {"backend": backend.name, "device_name": caps.device_name, "device_type": backend.device_type,
+            "device_count": backend.device_count(), "arch": caps.arch, "torch": torch.__version__,
+            "runtimes": {k: v for k, v in runtimes.items() if v}, "processor": _processor(),
+            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "omnitron": getattr(omnitron, "__version__", None), "world_size": world_size}
+
+
+def _processor() -> str:
+    from omnitron.backends.cpu.backend import _cpu_name  # the host processor, whatever the backend
+
+    return _cpu_name()
+
+
+def new_report(kind: str, backend, rows: list[dict], *, world_size: int = 1, **extra) -> dict:
+    rep = {"schema": SCHEMA, "version": VERSION, "kind": kind,
+           "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "command": " ".join(["omnitron"] + sys.argv[1:]) if sys.argv and "omnitron" in sys.argv[0] else None,
+           "machine": machine(backend, world_size), "rows": rows, "extra": extra}
+    validate(rep, "<new report>")
+    return rep
+
+
+def validate(rep, where: str) -> dict:
+    """``rep`` if it is a report of this schema; ReportError naming ``where`` and the problem otherwise."""
+    if not isinstance(rep, dict) or rep.get("schema") != SCHEMA:
+        raise ReportError(f"{where}: not an omnitron bench report (no \"schema\": \"{SCHEMA}\")")
+    if rep.get("version") != VERSION:
+        raise ReportError(f"{where}: report version {rep.get('version')!r}; this omnitron reads version {VERSION}")
+    kind = rep.get("kind")
+    if kind not in ROW_FIELDS:
+        raise ReportError(f"{where}: unknown kind {kind!r}; kinds are {', '.join(ROW_FIELDS)}")
+    for key in ("machine", "rows", "extra"):
+        if key not in rep:
+            raise ReportError(f"{where}: no {key!r}")
+    for i, row in enumerate(rep["rows"]):
+        missing = [f for f in ROW_FIELDS[kind] if f not in row]
+        if missing:
+            raise ReportError(f"{where}: row {i} of a {kind} report lacks {', '.join(missing)}")
+        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            raise ReportError(f"{where}: row {i} holds a non-finite {bad[0]}")
+    return rep
+
+
+def save(rep: dict, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=1)
+    return path
+
+
+def load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ReportError(f"{path}: no such report file")
+    try:
+        with open(path) as f:
+            rep = json.load(f)
+    except ValueError as err:
+        raise ReportError(f"{path}: not JSON ({err})") from None
+    return validate(rep, path)
+
+
+def label(rep: dict) -> str:
+    """A short name of the machine (for table columns and plot legends)."""
+    m = rep["machine"]
+    return f"{m['backend']}:{m['device_name']}"[:40]
