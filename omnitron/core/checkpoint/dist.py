@@ -9,7 +9,7 @@ Directory (committed like every omnitron checkpoint: written as ``iter_N.tmp``, 
     iter_N/metadata.json  iteration, samples, config, layout, optimizer step + loss scaler, scheduler,
                           checksums of every file above
 
-Keys are layout-independent: ``model/<global name>``, ``optim/<kind>/<global name>`` (kind:
+Keys are layout-independent: ``model/<global name>`` (:func:`~.dist_layout.global_name`), ``optim/<kind>/<global name>`` (kind:
 ``exp_avg``, ``exp_avg_sq``, ``momentum``, ``master`` for low-precision parameters), each a global
 tensor (:mod:`~omnitron.core.checkpoint.dist_layout`). Who writes what: weights and the plain
 optimizer's state by data x context parallel rank 0 of each model-parallel position (the replicas hold
@@ -25,7 +25,10 @@ Offline readers (``checkpoint convert|inspect|export``, the HF and Megatron expo
 tensors through :func:`read_full`: one process, no process group. ``--async-save``: the same
 :func:`begin` / :func:`write` / :func:`commit`, the write on a thread over a host snapshot
 (:mod:`~omnitron.core.checkpoint.dist_async`).
-Not supported yet (a clear error): MoE experts and replicated-KV attention (query groups < tp).
+MoE experts are global tensors of their own (named by global expert index), written by edp rank 0
+(each ep rank holds its experts; the distributed optimizer's expert slices, disjoint over edp, by every
+edp rank); replicated-KV attention writes its parts of the canonical ``linear_qkv`` (``linear_kv`` by
+tp rank 0), so any number of query groups per tp rank reads them.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 
 from omnitron.core.checkpoint import integrity, io
-from omnitron.core.checkpoint.dist_layout import global_shape, shard_pieces, slice_pieces, tp_writer
+from omnitron.core.checkpoint.dist_layout import global_name, global_shape, shard_pieces, slice_pieces, tp_writer
 from omnitron.core.checkpoint.dist_planner import Pieces, PieceLoadPlanner, PieceSavePlanner, VerifiedReader
 from omnitron.core.checkpoint.io import CheckpointError
 from omnitron.core.parallel.tensor.mappings import local_rank
@@ -63,14 +66,22 @@ def _one_line(what: str, path: str):
                               f"load an earlier iteration, or re-save") from None
 
 
-def check_supported(modules) -> None:
-    """Refuse, naming the flag, what this format cannot write yet."""
-    for m in modules:
-        if any(getattr(p, "expert", False) for p in m.parameters()):
-            raise CheckpointError("--ckpt-format torch_dist does not write MoE experts yet; use --ckpt-format torch")
-        if any(getattr(x, "replicate_kv", False) for x in m.modules()):
-            raise CheckpointError("--ckpt-format torch_dist does not write replicated-KV attention (fewer query "
-                                  "groups than --tensor-model-parallel-size) yet; use --ckpt-format torch")
+def _split(c, p) -> tuple[int, int]:
+    """``(size, rank)`` of the group ``p`` is split over: etp for MoE experts, tp otherwise."""
+    g = c.groups.etp if getattr(p, "expert", False) else c.groups.tp
+    return g.size, local_rank(g)
+
+
+def _writes(c, p, *, replicas: bool) -> bool:
+    """Whether this rank writes ``p``'s pieces on save (exactly one writer per distinct piece). ``replicas``:
+    the data-parallel ranks hold copies (weights, the plain optimizer's state), so only rank 0 of dp x cp
+    (of edp for experts) writes; the distributed optimizer's slices are disjoint over those groups."""
+    if getattr(p, "shared_embedding", False):
+        return False  # the last stage's tied copy equals the first stage's embedding
+    replicated_over = c.groups.edp if getattr(p, "expert", False) else c.groups.dp_cp
+    if replicas and local_rank(replicated_over) != 0:
+        return False
+    return tp_writer(p, _split(c, p)[1])
 
 
 def _add(table: Pieces, key: str, shape, pieces) -> None:
@@ -81,15 +92,12 @@ def _add(table: Pieces, key: str, shape, pieces) -> None:
 def model_pieces(c, *, save: bool) -> Pieces:
     """``model/<name>`` pieces of this rank's weights (on save: written by dp x cp rank 0 only)."""
     table: Pieces = {}
-    if save and c.groups.dp_cp.rank != 0:
-        return table
-    tp, r = c.groups.tp.size, local_rank(c.groups.tp)
     for m in c.modules:
         for name, p in m.named_parameters():
-            if save and (getattr(p, "shared_embedding", False) or not tp_writer(p, r)):
+            if save and not _writes(c, p, replicas=True):
                 continue
-            key = "model/" + getattr(p, "init_name", name)
-            _add(table, key, global_shape(p, tp), shard_pieces(p, r, p.detach()))
+            split = _split(c, p)
+            _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), shard_pieces(p, split, p.detach()))
     return table
 
 
@@ -97,23 +105,20 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
     """``optim/<kind>/<name>`` pieces of this rank's optimizer state: the distributed optimizer's own
     slices, or (plain optimizer) the whole local shards, written by dp x cp rank 0."""
     opt, table = c.optimizer, {}
-    tp, r = c.groups.tp.size, local_rank(c.groups.tp)
     sliced = hasattr(opt, "slices")
-    if save and not sliced and c.groups.dp_cp.rank != 0:
-        return table
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
     for j, i in enumerate(owners):
         p, name = opt.params[i], opt.names[i].split(".", 1)[1]  # the optimizer names chunk<c>.<name>
-        if save and (getattr(p, "shared_embedding", False) or not tp_writer(p, r)):
+        if save and not _writes(c, p, replicas=not sliced):
             continue
-        name = getattr(p, "init_name", name)
+        name, split = global_name(name, p), _split(c, p)
         kinds = dict(opt.state)
         if p.dtype != torch.float32:
             kinds["master"] = opt.masters
         for kind, values in kinds.items():
             t = values[j]
-            pieces = slice_pieces(p, r, t, opt.slices[j].lo) if sliced else shard_pieces(p, r, t)
-            _add(table, f"optim/{kind}/{name}", global_shape(p, tp), pieces)
+            pieces = slice_pieces(p, split, t, opt.slices[j].lo) if sliced else shard_pieces(p, split, t)
+            _add(table, f"optim/{kind}/{name}", global_shape(p, split[0]), pieces)
     return table
 
 
@@ -145,7 +150,6 @@ def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, 
 
 def begin(c, save_dir: str, iteration: int, barrier) -> str:
     """Collective: rank 0 makes an empty ``iter_N.tmp`` (:func:`io._begin`); returns ``iter_N``'s path."""
-    check_supported(c.modules)
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
     if c.groups.rank == 0:
         io._begin(save_dir, final)
@@ -184,7 +188,6 @@ def commit(c, save_dir: str, iteration: int, meta: dict, *, barrier, keep_last_n
 def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     """Collective over the world: read this rank's weights (and optimizer pieces) from checkpoint
     ``path`` (any layout) into the live tensors. Counters, scheduler and RNG are the caller's."""
-    check_supported(c.modules)
     pieces = model_pieces(c, save=False)
     if with_optimizer:
         saved = meta.get("optimizer", {}).get("optimizer")
@@ -211,7 +214,9 @@ def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: b
     """``(model, {kind: optimizer})`` full tensors (unpadded, by global name, as
     :class:`~omnitron.core.checkpoint.reshard.FullState` holds them) of the parameters of ``chunks``
     (skeletons of the saved layout, tensor-parallel size ``tp``) whose name passes ``keep``. One process,
-    no communication: each global tensor is read whole in one DCP load, from whatever chunks hold it."""
+    no communication: each global tensor is read whole in one DCP load, from whatever chunks hold it.
+    Experts come whole and replicated-KV attention as the canonical ``linear_qkv`` (as
+    :func:`~omnitron.core.checkpoint.reshard.read_full_state` fuses the other format's)."""
     checksums = meta.get("checksums") or {}
     saved = VerifiedReader(path, checksums).read_metadata().state_dict_metadata
     kinds = sorted({k.split("/")[1] for k in saved if k.startswith("optim/")}) if with_optimizer else []
@@ -220,8 +225,9 @@ def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: b
         for name, p in m.named_parameters():
             if getattr(p, "shared_embedding", False) or not keep(name):
                 continue  # the last stage's tied copy is not written (it equals the embedding)
+            name = global_name(name, p)  # replicated KV: linear_q and linear_kv both read linear_qkv
             keys = ["model/" + name] + [f"optim/{k}/{name}" for k in kinds if f"optim/{k}/{name}" in saved]
-            for key in keys:
+            for key in (k for k in keys if k not in pieces):
                 md = saved.get(key)
                 dtype = md.properties.dtype if isinstance(md, dcp_meta.TensorStorageMetadata) else p.dtype
                 t = torch.empty(global_shape(p, tp), dtype=dtype)

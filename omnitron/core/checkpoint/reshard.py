@@ -250,14 +250,15 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     meta = read_metadata(path)
     layout = Layout.from_dict(meta["layout"])
     etp = meta.get("config", {}).get("expert_tensor_parallel_size") or layout.tp
-    if meta["model"].get("num_experts") and etp > 1:
+    dist = meta.get("ckpt_format") == "torch_dist"  # its experts are whole global tensors at any etp
+    if meta["model"].get("num_experts") and etp > 1 and not dist:
         raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp); "
                               f"reading it under another layout is not supported yet: resume it with the same "
                               f"layout, or train with --expert-tensor-parallel-size 1 to reshard later")
     skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
-    if meta.get("ckpt_format") == "torch_dist":
+    if dist:
         return _read_dist(path, full, skeletons, layout, keep, with_optimizer)
     for pp_rank, (ranks, others) in sorted(_stage_ranks(layout).items()):
         stage = {c: m for (r, c), m in skeletons.items() if r == pp_rank}
@@ -292,7 +293,7 @@ def _read_dist(path: str, full: FullState, skeletons: dict, layout: Layout, keep
     meta = full.meta
     model, optim = dist.read_full(path, meta, list(skeletons.values()), layout.tp, keep=keep,
                                   with_optimizer=with_optimizer)
-    # NOTE: no fuse_full_state: torch_dist refuses the split tensors it fuses (replicated KV, experts) on save
+    # NOTE: no fuse_full_state: torch_dist holds replicated KV as the canonical linear_qkv and every expert whole
     full.model, full.optimizer = model, optim
     full.optimizer_meta, full.scheduler = dict(meta["optimizer"]), meta["scheduler"]
     full.dropped = ["fp8"] if "fp8" in read_shard(path, 0, meta) else []
