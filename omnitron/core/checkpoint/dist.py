@@ -157,15 +157,18 @@ def begin(c, save_dir: str, iteration: int, barrier) -> str:
     return final
 
 
-def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None) -> None:
-    """Collective over ``group`` (default: the world; none without a process group): DCP writes
-    ``pieces`` into ``tmp``, this rank's files get their digests, then its ``rank_R.pt``. Touches no
-    live tensor beyond ``pieces`` (so it can run on a thread, over a snapshot)."""
+def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None, *, collective: bool = True) -> None:
+    """Collective over ``group`` (default: the world; none without a process group, or when not
+    ``collective``: one process writing alone): DCP writes ``pieces`` into ``tmp``, this rank's files get
+    their digests, then its ``rank_R.pt``. Touches no live tensor beyond ``pieces`` (so it can run on a
+    thread, over a snapshot)."""
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with _one_line("save", tmp):
-        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group)
+    with _one_line("save", tmp), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group,
+                 no_dist=not collective)
     for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):
         integrity.write_digest(f)
     if rank == 0:
@@ -178,11 +181,51 @@ def commit(c, save_dir: str, iteration: int, meta: dict, *, barrier, keep_last_n
     metadata.json, rename, then ``latest``)."""
     barrier()
     if c.groups.rank == 0:
-        tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
-        files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
-        io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), c.groups.world_size,
-                   keep_last_n, extra=[".metadata", *files])
+        _commit_files(save_dir, iteration, meta, c.groups.world_size, keep_last_n)
     barrier()
+
+
+def _commit_files(save_dir: str, iteration: int, meta: dict, world_size: int, keep_last_n) -> None:
+    """:func:`io._commit` of ``iter_N.tmp`` with DCP's files (``.metadata`` and every ``__R_0.distcp``)."""
+    tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
+    files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
+    io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), world_size, keep_last_n,
+               extra=[".metadata", *files])
+
+
+def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
+    """Offline, one process: :class:`~omnitron.core.checkpoint.reshard.FullState` ``full`` as a torch_dist
+    checkpoint of ``world_size`` ranks (``meta``: its layout and config) under ``save_dir``; returns the
+    ``iter_N`` directory. Every global tensor is written whole, in one DCP file (a load under any layout
+    reads its slices from it); ``chunks``: skeletons holding every parameter (tp1 pp1), whose attributes
+    give each global tensor's form. The ranks' files hold no RNG state (a resume draws fresh streams)."""
+    pieces: Pieces = {}
+    for m in chunks:
+        for name, p in m.named_parameters():
+            name = global_name(name, p)
+            kinds = [("model/" + name, full.model)] + [(f"optim/{k}/{name}", d) for k, d in full.optimizer.items()]
+            for key, tensors in kinds:
+                if name in tensors and key not in pieces:
+                    pieces[key] = _whole(p, tensors[name], key)
+    iteration = int(full.meta["iteration"])
+    final = os.path.join(save_dir, io.iter_dir_name(iteration))
+    io._begin(save_dir, final)
+    write(final + ".tmp", 0, pieces, {}, collective=False)
+    for r in range(1, world_size):
+        io._write_shard(final + ".tmp", r, {})
+    meta = dict(meta, optimizer=full.optimizer_meta, scheduler=full.scheduler)
+    _commit_files(save_dir, iteration, meta, world_size, None)
+    return final
+
+
+def _whole(p: torch.Tensor, t: torch.Tensor, key: str):
+    """The one-piece entry of full tensor ``t`` of parameter ``p`` (a tp1 skeleton's) as its global tensor:
+    a partition stride's blocks stacked on a leading axis (the inverse of :func:`_unstride`)."""
+    g = torch.stack(t.chunk(p.partition_stride, dim=p.partition_dim)) if len(global_shape(p, 1)) > t.dim() else t
+    if tuple(g.shape) != global_shape(p, 1):
+        raise CheckpointError(f"{key}: the full tensor is {tuple(t.shape)}, the model's global tensor "
+                              f"{global_shape(p, 1)}; the checkpoint does not match its own model config")
+    return tuple(g.shape), [((0,) * g.dim(), g.contiguous())]
 
 
 def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:

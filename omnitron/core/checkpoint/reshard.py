@@ -357,13 +357,25 @@ def _target_config(flat: dict, cfg, target: Layout) -> dict:
     return out
 
 
-def convert(path: str, save_dir: str, target: Layout) -> str:
-    """Write checkpoint directory ``path`` (an ``iter_N``) under ``save_dir`` in layout ``target``;
-    returns the new ``iter_N`` directory. Offline, one process. Shards hold no RNG state (a resume
-    draws fresh streams, logged); metadata records ``resharded_from``."""
+def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = None) -> str:
+    """Write checkpoint directory ``path`` (an ``iter_N``) under ``save_dir`` in layout ``target`` and
+    ``ckpt_format`` (``torch`` or ``torch_dist``; None: the source's); returns the new ``iter_N``
+    directory. Offline, one process. Shards hold no RNG state (a resume draws fresh streams, logged);
+    metadata records ``resharded_from``."""
     full = read_full_state(path)
     meta = full.meta
     cfg = model_config(meta["model"], recorded_family(meta))
+    new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
+                "config": _target_config(meta.get("config", {}), cfg, target),
+                "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}
+    if (ckpt_format or meta.get("ckpt_format", "torch")) == "torch_dist":
+        from omnitron.core.checkpoint import dist
+
+        skeleton_chunks(cfg, target)  # raises ConfigError when the model does not split so
+        whole = list(skeleton_chunks(cfg, Layout()).values())  # every parameter, in its tp1 form
+        new_meta["config"]["ckpt_format"] = "torch_dist"
+        return dist.write_full(save_dir, full, whole, new_meta, target.world_size)
+    new_meta["config"]["ckpt_format"] = "torch"
     from omnitron.core.parallel.grid import coord_of, rank_grid
 
     pc = target.parallel_config()
@@ -382,9 +394,6 @@ def convert(path: str, save_dir: str, target: Layout) -> str:
                 cache[(co.pp, co.tp, e)] = rank_shard(full, chunks, target.tp, co.tp)
             yield w, cache[(co.pp, co.tp, e)]
 
-    new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
-                "config": _target_config(meta.get("config", {}), cfg, target),
-                "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}
     return write_checkpoint(save_dir, int(meta["iteration"]), shards(), new_meta, world_size=target.world_size)
 
 
