@@ -18,7 +18,12 @@ peak RSS over the RSS before the operation (the high-water mark reset through ``
 just before; read after the commit), beside the rank's own state (its weights + its optimizer slices)
 and the replicated optimizer state the old format gathers. Page cache warm, local disk.
 
-    python benchmarks/checkpoint.py [--dp 4] [--workdir DIR] [--json FILE]
+Then (``--reshard``, default on) a second spawn at another layout (``RESHARD``: dp2 x tp2, distributed
+optimizer) trains one iteration to build its state and times ``checkpointing.load`` of the old and the
+``torch_dist`` directory (both saved at dp4): the old format assembles every rank's shard from full tensors,
+torch_dist reads each rank's slices.
+
+    python benchmarks/checkpoint.py [--dp 4] [--no-reshard] [--workdir DIR] [--json FILE]
 """
 from __future__ import annotations
 
@@ -99,6 +104,29 @@ def bench_worker(root: str, dp: int) -> dict:
     return out
 
 
+RESHARD = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+
+
+def reshard_worker(root: str, world: int) -> dict:
+    """Load both synchronous saves of :func:`bench_worker` under ``RESHARD`` (dp = world / 2)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training import checkpointing
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    c = train(parse_settings(MODEL + ["--global-batch-size", str(world // 2), *RESHARD, "--data-cache-path",
+                                      os.path.join(root, "cache"), "--seed", "2"], world), be)["components"]
+    out = {"weights": sum(p.numel() * p.element_size() for m in c.modules for p in m.parameters()),
+           "opt_slice": c.optimizer.state_bytes()}
+    for name, _, _ in VARIANTS[:2]:
+        c.settings.checkpoint.load = os.path.join(root, name.replace(" ", "_"))
+        be.collectives.barrier()
+        out["load " + name + " -> tp2 dp" + str(world // 2)] = _measured(lambda: checkpointing.load(c) and None)
+    return out
+
+
 def main() -> None:
     from omnitron.testing.distributed import run_distributed
 
@@ -106,11 +134,16 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-reshard", dest="reshard", action="store_false", help="skip the load under tp2")
     args = ap.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="omnitron_ckpt_")
     t0 = time.perf_counter()
     try:
         res = run_distributed(bench_worker, args.dp, root, args.dp, threads=1, timeout_s=1800)
+        if args.reshard:
+            for r, more in zip(res, run_distributed(reshard_worker, args.dp, root, args.dp, threads=1,
+                                                    timeout_s=1800)):
+                r.update({k: v for k, v in more.items() if k.startswith("load")}, own_reshard=more)
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -121,10 +154,12 @@ def main() -> None:
           f"{r0['opt_slice'] / mib:.0f} MiB (own state {(r0['weights'] + r0['opt_slice']) / mib:.0f} MiB), replicated "
           f"optimizer state {r0['opt_full'] / mib:.0f} MiB; whole run {time.perf_counter() - t0:.0f} s")
     rows = []
-    for what in [f"save {n}" for n, _, _ in VARIANTS] + [f"load {n}" for n, _, _ in VARIANTS[:2]]:
+    loads = sorted(k for k in r0 if k.startswith("load ") and " -> " in k)
+    for what in [f"save {n}" for n, _, _ in VARIANTS] + [f"load {n}" for n, _, _ in VARIANTS[:2]] + loads:
         for rank, r in enumerate(res):
             m = r[what]
-            own = (r["weights"] + r["opt_slice"]) / mib
+            mine = r["own_reshard"] if " -> " in what else r  # under the other layout: that rank's own state
+            own = (mine["weights"] + mine["opt_slice"]) / mib
             rows.append({"what": what, "rank": rank, "s": m["s"], "blocked": m.get("blocked_s"),
                          "disk": m["disk"] / mib if "disk" in m else None, "written": m["written"] / mib,
                          "peak": m["peak_over_mib"], "own": own,

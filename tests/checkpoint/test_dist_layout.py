@@ -7,6 +7,7 @@ Reference: the full tensor drawn fresh (float64), cut into tp shards by the mode
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -139,3 +140,43 @@ def test_flat_boxes_cover_range_in_order():
             idx = torch.arange(60).view(shape)[tuple(slice(o, o + z) for o, z in zip(off, size))]
             seen += idx.reshape(-1).tolist()
         assert seen == list(range(lo, hi)), (lo, hi)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_writes_buffer_views_without_copying(tmp_path, monkeypatch, dtype):
+    """A DCP save (one process) of distributed-optimizer pieces cut from one flat buffer never clones a
+    tensor (DCP clones any tensor whose storage exceeds it: every view of the buffer, unless the planner
+    hands it a storage of its own extent) and reads back equal to the buffer; the same save with the
+    planner's storage trick undone clones, so the probe can fail. The written pieces hold the piece's
+    bytes, not the buffer's: the file is about the pieces' size."""
+    from omnitron.core.checkpoint import dist, dist_planner
+    from omnitron.core.checkpoint.integrity import file_digest
+
+    p = _param((64, 48), True, 0, 2, None, 2)
+    flat = torch.randn(p.numel() * 4, dtype=torch.float64).to(dtype)  # the bucket; the slice is 1/4 of it
+    lo = p.numel() // 3
+    part = flat[lo:lo + p.numel() // 2]
+
+    def save(where):
+        os.makedirs(where)
+        pieces = {"optim/exp_avg/w": (global_shape(p, 2), slice_pieces(p, (2, 1), part, lo))}
+        dist.write(where, 0, pieces, {}, collective=False)
+        return pieces
+
+    clones = []
+    real = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **kw: clones.append(t.nbytes) or real(t, *a, **kw))
+    pieces = save(str(tmp_path / "zero_copy"))
+    assert clones == []
+    where = tmp_path / "zero_copy"
+    files = [str(where / f) for f in os.listdir(where) if f == ".metadata" or f.endswith(".distcp")]
+    data = sum(os.path.getsize(f) for f in files if f.endswith(".distcp"))  # the pieces, not the whole buffer
+    assert part.nbytes <= data < part.nbytes + 16384, (data, part.nbytes)
+    monkeypatch.setattr(dist_planner, "exact_storage", lambda v: v)
+    save(str(tmp_path / "cloned"))
+    assert sum(clones) == part.nbytes  # DCP copied every piece
+    sums = {os.path.basename(f): file_digest(f) for f in files}
+    back = {k: (shape, [(o, torch.zeros_like(v)) for o, v in ps]) for k, (shape, ps) in pieces.items()}
+    dist.read(back, str(tmp_path / "zero_copy"), sums, collective=False)
+    for (_, got), (_, want) in zip(back["optim/exp_avg/w"][1], pieces["optim/exp_avg/w"][1]):
+        assert torch.equal(got, want)

@@ -9,12 +9,14 @@ Directory (committed like every omnitron checkpoint: written as ``iter_N.tmp``, 
     iter_N/metadata.json  iteration, samples, config, layout, optimizer step + loss scaler, scheduler,
                           checksums of every file above
 
-Keys are layout-independent: ``model/<global name>`` (:func:`~.dist_layout.global_name`), ``optim/<kind>/<global name>`` (kind:
-``exp_avg``, ``exp_avg_sq``, ``momentum``, ``master`` for low-precision parameters), each a global
-tensor (:mod:`~omnitron.core.checkpoint.dist_layout`). Who writes what: weights and the plain
-optimizer's state by data x context parallel rank 0 of each model-parallel position (the replicas hold
-copies; a parameter replicated over tp by tp rank 0); the distributed optimizer's state by every rank, its own flat-buffer slices only, mapped to
-boxes of the global tensors -- nothing is gathered (DCP's planning exchanges only the small plans).
+Keys are layout-independent: ``model/<global name>`` (:func:`~.dist_layout.global_name`),
+``optim/<kind>/<global name>`` (kind: ``exp_avg``, ``exp_avg_sq``, ``momentum``, ``master`` for
+low-precision parameters), each a global tensor (:mod:`~omnitron.core.checkpoint.dist_layout`). Who
+writes what (:func:`_writes`): weights and the plain optimizer's state by data x context parallel rank 0
+of each model-parallel position (the replicas hold copies; a parameter replicated over tp by tp rank 0);
+the distributed optimizer's state by every rank, its own flat-buffer slices only, mapped to boxes of the
+global tensors -- nothing is gathered (DCP's planning exchanges only the small plans), and nothing is
+copied: DCP writes straight from the live buffers (:func:`~.dist_planner.exact_storage`).
 The last pipeline stage's copy of a tied embedding is not written (it equals the first stage's) and
 is read from the embedding's key.
 
