@@ -7,7 +7,8 @@ training loop's ``checkpointing.save`` in each format into its own directory, an
 ``checkpointing.load`` of each directory back into the live model (same layout):
 
 * ``torch``: the old format (the distributed optimizer all-gathers its state; dp rank 0 writes it);
-* ``torch_dist``: DCP, each rank writes its own slices;
+* ``torch_dist``: DCP, each rank writes its own slices, straight from its buffers (``torch_dist cloned``:
+  the same with DCP's copy of every piece, as before ``dist_planner.exact_storage``);
 * ``torch_dist async``: ``--async-save``: ``blocked s`` is the save call (the step's wait: a host
   snapshot, then the thread starts), ``s`` the save call plus ``finish_saves`` (write done, committed);
   the first async save also makes the saver's process group, so a second one is timed too.
@@ -42,8 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from context_parallel import dump_json, print_table  # noqa: E402
 from reshard import MODEL, _io, _rss_kib  # noqa: E402
 
-VARIANTS = (("torch", "torch", False), ("torch_dist", "torch_dist", False), ("torch_dist async", "torch_dist", True),
-            ("torch_dist async 2nd", "torch_dist", True))
+VARIANTS = (("torch", "torch", False), ("torch_dist cloned", "torch_dist", False), ("torch_dist", "torch_dist", False),
+            ("torch_dist async", "torch_dist", True), ("torch_dist async 2nd", "torch_dist", True))
+LOADS = ("torch", "torch_dist")
+# "torch_dist cloned": the save as before 2026-12-01's change, DCP cloning every piece that views a larger
+# storage (dist_planner.exact_storage undone), beside the zero-copy save on the same state
 
 
 def _measured(fn) -> dict:
@@ -68,6 +72,7 @@ def _own_files_bytes(path: str, rank: int) -> int:
 
 def bench_worker(root: str, dp: int) -> dict:
     from omnitron.backends import get_backend
+    from omnitron.core.checkpoint import dist_planner
     from omnitron.core.training import checkpointing
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
@@ -92,10 +97,16 @@ def bench_worker(root: str, dp: int) -> dict:
             checkpointing.finish_saves(c)
             return {"blocked_s": blocked}
 
-        out["save " + name] = _measured(save)
+        zero_copy = dist_planner.exact_storage
+        if name.endswith("cloned"):
+            dist_planner.exact_storage = lambda v: v
+        try:
+            out["save " + name] = _measured(save)
+        finally:
+            dist_planner.exact_storage = zero_copy
         out["save " + name]["disk"] = _own_files_bytes(os.path.join(ck.save, "iter_0000001"), c.groups.rank)
     ck.save, ck.async_save = None, False
-    for name, _, _ in VARIANTS[:2]:
+    for name in LOADS:
         ck.load = os.path.join(root, name.replace(" ", "_"))
         be.collectives.barrier()
         out["load " + name] = _measured(lambda: checkpointing.load(c) and None)
@@ -120,7 +131,7 @@ def reshard_worker(root: str, world: int) -> dict:
                                       os.path.join(root, "cache"), "--seed", "2"], world), be)["components"]
     out = {"weights": sum(p.numel() * p.element_size() for m in c.modules for p in m.parameters()),
            "opt_slice": c.optimizer.state_bytes()}
-    for name, _, _ in VARIANTS[:2]:
+    for name in LOADS:
         c.settings.checkpoint.load = os.path.join(root, name.replace(" ", "_"))
         be.collectives.barrier()
         out["load " + name + " -> tp2 dp" + str(world // 2)] = _measured(lambda: checkpointing.load(c) and None)
@@ -155,7 +166,7 @@ def main() -> None:
           f"optimizer state {r0['opt_full'] / mib:.0f} MiB; whole run {time.perf_counter() - t0:.0f} s")
     rows = []
     loads = sorted(k for k in r0 if k.startswith("load ") and " -> " in k)
-    for what in [f"save {n}" for n, _, _ in VARIANTS] + [f"load {n}" for n, _, _ in VARIANTS[:2]] + loads:
+    for what in [f"save {n}" for n, _, _ in VARIANTS] + [f"load {n}" for n in LOADS] + loads:
         for rank, r in enumerate(res):
             m = r[what]
             mine = r["own_reshard"] if " -> " in what else r  # under the other layout: that rank's own state

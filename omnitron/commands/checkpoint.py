@@ -79,6 +79,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"checkpoint   {path}")
     print(f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)")
     print(f"layout       {Layout.from_dict(meta['layout'])} ({meta['world_size']} shards)")
+    print(f"format       {meta.get('ckpt_format', 'torch')}")
     if meta.get("resharded_from"):
         print(f"converted    from {Layout.from_dict(meta['resharded_from'])} (no RNG state)")
     m = meta["model"]

@@ -8,8 +8,9 @@ trains iteration 2, saving it:
 * dense: S = tp2 x pp2 x dp2 with the distributed optimizer; T = tp1 x pp2 x dp4, tp1 x dp8 (distributed
   optimizer), and (``slow``) tp1 x pp2 x vp2 x dp4 and S without the distributed optimizer;
 * MoE: 4 experts, S = tp2 x dp4 x ep2 (experts split over etp = tp = 2), T = tp1 x dp8 x ep1 (whole experts);
-* conversion: S's iteration 1 through ``omnitron checkpoint convert`` to the torch format and back to
-  torch_dist, then T = dp8;
+* formats: S's iteration 1 through ``omnitron checkpoint convert`` to the torch format (tp1 x pp2) and back
+  to torch_dist (tp2), then T = dp8 loads each (the torch one with the default --ckpt-format torch_dist:
+  the format is the checkpoint's);
 * replicated KV: S = tp4 x dp2 (2 query groups < tp: linear_kv replicated), T = tp2 x dp4 (one group per rank).
 
 Asserted: iteration 2's loss under T equals S's, and the parameters T saved after iteration 2 equal S's
@@ -35,6 +36,7 @@ CASES = {  # name: (S, T)
     "moe_ep2_to_ep1": (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", *MOE, *ZERO],
                        [*MOE, *ZERO]),
     "via_torch_dp8": (DENSE_S, ZERO),  # S's iteration 1 converted to --ckpt-format torch (tp1) and back first
+    "torch_format_dp8": (DENSE_S, ZERO),  # ... loading that torch-format intermediate (the flag says torch_dist)
     "kv_tp4_to_tp2": (["--tensor-model-parallel-size", "4", *ZERO], ["--tensor-model-parallel-size", "2", *ZERO]),
 }
 SLOW = {
@@ -88,28 +90,30 @@ def _worker(root, cases):
                                 os.path.join(root, sources[key] + "_1", "iter_0000001"))
             dist.barrier()
         ck = os.path.join(root, sources[key] + "_1")
-        if name.startswith("via_torch"):
-            ck = _via_torch(root, ck, name)
+        if name.endswith("_dp8") and name != "dp8":
+            if "converted" not in out:
+                out["converted"] = _via_torch(root, ck)
+            ck = out["converted"][name.startswith("via_torch")]
         checkpointing.save(run(dst, "L_" + name, "--load", ck, "--train-iters", "1")["components"])
         out["T_" + name] = run(dst, "T_" + name, "--load", ck)["losses"]
         out["S_of_" + name] = sources[key]
     return out
 
 
-def _via_torch(root: str, ck: str, name: str) -> str:
+def _via_torch(root: str, ck: str) -> list[str]:
     """``omnitron checkpoint convert`` of ``ck`` to the torch format at tp1 x pp2, then back to torch_dist
-    at tp2 (rank 0; the others wait); returns the last one's --save directory."""
+    at tp2 (rank 0; the others wait); returns both --save directories."""
     import torch.distributed as dist
 
     from omnitron.cli import main
 
-    out = [os.path.join(root, f"{name}_{fmt}") for fmt in ("torch", "torch_dist")]
+    out = [os.path.join(root, f"converted_{fmt}") for fmt in ("torch", "torch_dist")]
     if dist.get_rank() == 0:
         for src, dst, fmt, tp, pp in ((ck, out[0], "torch", "1", "2"), (out[0], out[1], "torch_dist", "2", "1")):
             assert main(["checkpoint", "convert", "--load", src, "--save", dst, "--target-ckpt-format", fmt,
                          "--target-tensor-model-parallel-size", tp, "--target-pipeline-model-parallel-size", pp]) == 0
     dist.barrier()
-    return out[1]
+    return out
 
 
 def _run(tmp_path_factory, cases):
