@@ -15,8 +15,8 @@ training loop's ``checkpointing.save`` in each format into its own directory, an
 
 Per rank: seconds, bytes of the files it wrote, bytes of all its write calls (``/proc/self/io`` wchar: files
 and the gloo sockets, the background thread included), and the
-peak RSS over the RSS before the operation (the high-water mark reset through ``/proc/self/clear_refs``
-just before; read after the commit), beside the rank's own state (its weights + its optimizer slices)
+peak RSS over the RSS before the operation (freed heap returned first, ``malloc_trim``; the high-water mark
+reset through ``/proc/self/clear_refs`` just before; read after the commit), beside the rank's own state (its weights + its optimizer slices)
 and the replicated optimizer state the old format gathers. Page cache warm, local disk.
 
 Then (``--reshard``, default on) a second spawn at another layout (``RESHARD``: dp2 x tp2, distributed
@@ -29,6 +29,7 @@ torch_dist reads each rank's slices.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import sys
@@ -53,6 +54,7 @@ LOADS = ("torch", "torch_dist")
 def _measured(fn) -> dict:
     """Seconds, bytes written and the peak RSS over the starting RSS (MiB) of ``fn()``; ``fn`` may return
     a dict of more figures (merged)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return what earlier operations freed, so it is not reused unseen
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     base, io0, t = _rss_kib()["VmRSS"], _io(), time.perf_counter()

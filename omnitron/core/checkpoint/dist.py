@@ -92,7 +92,7 @@ def _add(table: Pieces, key: str, shape, pieces) -> None:
 
 
 def model_pieces(c, *, save: bool) -> Pieces:
-    """``model/<name>`` pieces of this rank's weights (on save: written by dp x cp rank 0 only)."""
+    """``model/<name>`` pieces of this rank's weights (on save: those it writes, :func:`_writes`)."""
     table: Pieces = {}
     for m in c.modules:
         for name, p in m.named_parameters():
@@ -105,7 +105,7 @@ def model_pieces(c, *, save: bool) -> Pieces:
 
 def optimizer_pieces(c, *, save: bool) -> Pieces:
     """``optim/<kind>/<name>`` pieces of this rank's optimizer state: the distributed optimizer's own
-    slices, or (plain optimizer) the whole local shards, written by dp x cp rank 0."""
+    slices, or (plain optimizer) the whole local shards (on save: those it writes, :func:`_writes`)."""
     opt, table = c.optimizer, {}
     sliced = hasattr(opt, "slices")
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
