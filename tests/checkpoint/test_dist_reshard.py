@@ -7,7 +7,8 @@ trains iteration 2, saving it:
 
 * dense: S = tp2 x pp2 x dp2 with the distributed optimizer; T = tp1 x pp2 x dp4, tp1 x dp8 (distributed
   optimizer), and (``slow``) tp1 x pp2 x vp2 x dp4 and S without the distributed optimizer;
-* MoE: 4 experts, S = tp2 x dp4 x ep2 (experts split over etp = tp = 2), T = tp1 x dp8 x ep1 (whole experts);
+* MoE: 4 experts, S = tp2 x dp4 x ep2 (experts split over etp = tp = 2), T = tp1 x dp8 x ep1 (whole experts),
+  and (``slow``) tp1 x dp8 x ep4 without the distributed optimizer;
 * formats: S's iteration 1 through ``omnitron checkpoint convert`` to the torch format (tp1 x pp2) and back
   to torch_dist (tp2), then T = dp8 loads each (the torch one with the default --ckpt-format torch_dist:
   the format is the checkpoint's);
@@ -43,6 +44,7 @@ SLOW = {
     "vpp_tp1_pp2_dp4": (DENSE_S, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                                   "1", *ZERO]),
     "zero_off": (DENSE_S, DENSE_S[:-1]),
+    "moe_zero_off_ep4": (CASES["moe_ep2_to_ep1"][0], ["--expert-model-parallel-size", "4", *MOE]),
 }
 # Loss bound (fp32, u = 2^-24 ~ 6e-8): T reorders the sums of every matmul (length k <= 128) and of the
 # gradient reductions; one reordered sum differs by <= gamma_k ~ k*u ~ 8e-6 relative worst case, ~sqrt(k)*u ~
