@@ -4,8 +4,9 @@
 
 ``inspect DIR`` prints the layout, iteration, parameter count and each tensor's full shape;
 ``convert --load DIR --save DIR2 --target-...`` rewrites a checkpoint for another parallel layout
-and, with ``--target-ckpt-format``, the other format (offline, one process; see :mod:`omnitron.core.checkpoint.reshard`); ``export --load DIR --out
-FILE`` writes the full model weights to one safetensors file. ``DIR`` is a ``--save`` directory
+and, with ``--target-ckpt-format``, the other format (offline, one process; see
+:mod:`omnitron.core.checkpoint.reshard`); ``export --load DIR --out FILE`` writes the full model
+weights to one safetensors file. ``DIR`` is a ``--save`` directory
 (its ``latest`` is used) or one ``iter_N`` directory.
 """
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A "piece table" maps each key to ``(global shape, [(offsets, view), ...])``
 (:mod:`omnitron.core.checkpoint.dist_layout` builds it). :class:`PieceSavePlanner` turns it into DCP
-write items (each piece written from its view, not copied: :func:`exact_storage`); :class:`PieceLoadPlanner` reads each piece straight
-into its view, from whichever saved chunks overlap it (DCP's resharding), so a rank reads only its
-slices. DCP's global-plan validation (no overlap, full coverage) runs on save.
+write items (each piece written from its view, not copied: :func:`exact_storage`);
+:class:`PieceLoadPlanner` reads each piece straight into its view, from whichever saved chunks overlap
+it (DCP's resharding), so a rank reads only its slices. DCP's global-plan validation (no overlap, full coverage) runs on save.
 
 :class:`VerifiedReader`: DCP's ``.metadata`` is a pickle. It is read only after its SHA-256 matches
 the one metadata.json records, and through an unpickler that admits DCP's metadata dataclasses and

@@ -252,9 +252,10 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     etp = meta.get("config", {}).get("expert_tensor_parallel_size") or layout.tp
     dist = meta.get("ckpt_format") == "torch_dist"  # its experts are whole global tensors at any etp
     if meta["model"].get("num_experts") and etp > 1 and not dist:
-        raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp); "
-                              f"reading it under another layout is not supported yet: resume it with the same "
-                              f"layout, or train with --expert-tensor-parallel-size 1 to reshard later")
+        raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp) in "
+                              f"the torch format; reading it under another layout is not supported: resume it with "
+                              f"the same layout, or train with --expert-tensor-parallel-size 1 or --ckpt-format "
+                              f"torch_dist (the default) to reshard later")
     skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)

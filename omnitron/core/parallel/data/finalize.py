@@ -2,8 +2,9 @@
 
 Order (Megatron's): data-parallel reduction of each chunk's buckets; gradients that are partial sums
 over tensor ranks (``param.sequence_parallel``: norm weights fed sequence shards, QK-norm weights, the
-replicated key/value projection of replicated-KV attention) summed over ``groups.tp``; tied word-embedding gradients summed over ``groups.embedding`` (first
-and last pipeline stage) so both copies take the same update.
+replicated key/value projection of replicated-KV attention) summed over ``groups.tp``; tied
+word-embedding gradients summed over ``groups.embedding`` (first and last pipeline stage) so both
+copies take the same update.
 """
 from __future__ import annotations
 
