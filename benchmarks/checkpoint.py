@@ -7,22 +7,29 @@ training loop's ``checkpointing.save`` in each format into its own directory, an
 ``checkpointing.load`` of each directory back into the live model (same layout):
 
 * ``torch``: the old format (the distributed optimizer all-gathers its state; dp rank 0 writes it);
-* ``torch_dist``: DCP, each rank writes its own slices;
+* ``torch_dist``: DCP, each rank writes its own slices, straight from its buffers (``torch_dist cloned``:
+  the same with DCP's copy of every piece, as before ``dist_planner.exact_storage``);
 * ``torch_dist async``: ``--async-save``: ``blocked s`` is the save call (the step's wait: a host
   snapshot, then the thread starts), ``s`` the save call plus ``finish_saves`` (write done, committed);
   the first async save also makes the saver's process group, so a second one is timed too.
 
 Per rank: seconds, bytes of the files it wrote, bytes of all its write calls (``/proc/self/io`` wchar: files
 and the gloo sockets, the background thread included), and the
-peak RSS over the RSS before the operation (the high-water mark reset through ``/proc/self/clear_refs``
-just before; read after the commit), beside the rank's own state (its weights + its optimizer slices)
-and the replicated optimizer state the old format gathers. Page cache warm, local disk.
+peak RSS over the RSS before the operation (freed heap returned first, ``malloc_trim``; the high-water mark
+reset through ``/proc/self/clear_refs`` just before; read after the commit), beside the rank's own state
+(its weights + its optimizer slices) and the replicated optimizer state the old format gathers. Page cache warm, local disk.
 
-    python benchmarks/checkpoint.py [--dp 4] [--workdir DIR] [--json FILE]
+Then (``--reshard``, default on) a second spawn at another layout (``RESHARD``: dp2 x tp2, distributed
+optimizer) trains one iteration to build its state and times ``checkpointing.load`` of the old and the
+``torch_dist`` directory (both saved at dp4): the old format assembles every rank's shard from full tensors,
+torch_dist reads each rank's slices.
+
+    python benchmarks/checkpoint.py [--dp 4] [--no-reshard] [--workdir DIR] [--json FILE]
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import sys
@@ -37,13 +44,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from context_parallel import dump_json, print_table  # noqa: E402
 from reshard import MODEL, _io, _rss_kib  # noqa: E402
 
-VARIANTS = (("torch", "torch", False), ("torch_dist", "torch_dist", False), ("torch_dist async", "torch_dist", True),
-            ("torch_dist async 2nd", "torch_dist", True))
+VARIANTS = (("torch", "torch", False), ("torch_dist cloned", "torch_dist", False), ("torch_dist", "torch_dist", False),
+            ("torch_dist async", "torch_dist", True), ("torch_dist async 2nd", "torch_dist", True))
+LOADS = ("torch", "torch_dist")
+# "torch_dist cloned": the save as before 2026-12-01's change, DCP cloning every piece that views a larger
+# storage (dist_planner.exact_storage undone), beside the zero-copy save on the same state
 
 
 def _measured(fn) -> dict:
     """Seconds, bytes written and the peak RSS over the starting RSS (MiB) of ``fn()``; ``fn`` may return
     a dict of more figures (merged)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return what earlier operations freed, so it is not reused unseen
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     base, io0, t = _rss_kib()["VmRSS"], _io(), time.perf_counter()
@@ -63,6 +74,7 @@ def _own_files_bytes(path: str, rank: int) -> int:
 
 def bench_worker(root: str, dp: int) -> dict:
     from omnitron.backends import get_backend
+    from omnitron.core.checkpoint import dist_planner
     from omnitron.core.training import checkpointing
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
@@ -87,15 +99,44 @@ def bench_worker(root: str, dp: int) -> dict:
             checkpointing.finish_saves(c)
             return {"blocked_s": blocked}
 
-        out["save " + name] = _measured(save)
+        zero_copy = dist_planner.exact_storage
+        if name.endswith("cloned"):
+            dist_planner.exact_storage = lambda v: v
+        try:
+            out["save " + name] = _measured(save)
+        finally:
+            dist_planner.exact_storage = zero_copy
         out["save " + name]["disk"] = _own_files_bytes(os.path.join(ck.save, "iter_0000001"), c.groups.rank)
     ck.save, ck.async_save = None, False
-    for name, _, _ in VARIANTS[:2]:
+    for name in LOADS:
         ck.load = os.path.join(root, name.replace(" ", "_"))
         be.collectives.barrier()
         out["load " + name] = _measured(lambda: checkpointing.load(c) and None)
     out["files"] = {name: sorted(os.listdir(os.path.join(root, name.replace(" ", "_"), "iter_0000001")))
                     for name, _, _ in VARIANTS}
+    return out
+
+
+RESHARD = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+
+
+def reshard_worker(root: str, world: int) -> dict:
+    """Load both synchronous saves of :func:`bench_worker` under ``RESHARD`` (dp = world / 2)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training import checkpointing
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    c = train(parse_settings(MODEL + ["--global-batch-size", str(world // 2), *RESHARD, "--data-cache-path",
+                                      os.path.join(root, "cache"), "--seed", "2"], world), be)["components"]
+    out = {"weights": sum(p.numel() * p.element_size() for m in c.modules for p in m.parameters()),
+           "opt_slice": c.optimizer.state_bytes()}
+    for name in LOADS:
+        c.settings.checkpoint.load = os.path.join(root, name.replace(" ", "_"))
+        be.collectives.barrier()
+        out["load " + name + " -> tp2 dp" + str(world // 2)] = _measured(lambda: checkpointing.load(c) and None)
     return out
 
 
@@ -106,11 +147,16 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-reshard", dest="reshard", action="store_false", help="skip the load under tp2")
     args = ap.parse_args()
     root = args.workdir or tempfile.mkdtemp(prefix="omnitron_ckpt_")
     t0 = time.perf_counter()
     try:
         res = run_distributed(bench_worker, args.dp, root, args.dp, threads=1, timeout_s=1800)
+        if args.reshard:
+            for r, more in zip(res, run_distributed(reshard_worker, args.dp, root, args.dp, threads=1,
+                                                    timeout_s=1800)):
+                r.update({k: v for k, v in more.items() if k.startswith("load")}, own_reshard=more)
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -121,10 +167,12 @@ def main() -> None:
           f"{r0['opt_slice'] / mib:.0f} MiB (own state {(r0['weights'] + r0['opt_slice']) / mib:.0f} MiB), replicated "
           f"optimizer state {r0['opt_full'] / mib:.0f} MiB; whole run {time.perf_counter() - t0:.0f} s")
     rows = []
-    for what in [f"save {n}" for n, _, _ in VARIANTS] + [f"load {n}" for n, _, _ in VARIANTS[:2]]:
+    loads = sorted(k for k in r0 if k.startswith("load ") and " -> " in k)
+    for what in [f"save {n}" for n, _, _ in VARIANTS] + [f"load {n}" for n in LOADS] + loads:
         for rank, r in enumerate(res):
             m = r[what]
-            own = (r["weights"] + r["opt_slice"]) / mib
+            mine = r["own_reshard"] if " -> " in what else r  # under the other layout: that rank's own state
+            own = (mine["weights"] + mine["opt_slice"]) / mib
             rows.append({"what": what, "rank": rank, "s": m["s"], "blocked": m.get("blocked_s"),
                          "disk": m["disk"] / mib if "disk" in m else None, "written": m["written"] / mib,
                          "peak": m["peak_over_mib"], "own": own,

@@ -4,8 +4,9 @@
 
 ``inspect DIR`` prints the layout, iteration, parameter count and each tensor's full shape;
 ``convert --load DIR --save DIR2 --target-...`` rewrites a checkpoint for another parallel layout
-(offline, one process; see :mod:`omnitron.core.checkpoint.reshard`); ``export --load DIR --out
-FILE`` writes the full model weights to one safetensors file. ``DIR`` is a ``--save`` directory
+and, with ``--target-ckpt-format``, the other format (offline, one process; see
+:mod:`omnitron.core.checkpoint.reshard`); ``export --load DIR --out FILE`` writes the full model
+weights to one safetensors file. ``DIR`` is a ``--save`` directory
 (its ``latest`` is used) or one ``iter_N`` directory.
 """
 from __future__ import annotations
@@ -34,6 +35,9 @@ def register(sub) -> None:
                       help="MoE models: ranks the experts are spread over (default: 1)")
     conv.add_argument("--target-data-parallel-size", type=int, default=1, metavar="D",
                       help="data-parallel replicas to write (default: 1; a resume with another dp reshards anyway)")
+    conv.add_argument("--target-ckpt-format", choices=("torch", "torch_dist"), metavar="F",
+                      help="torch_dist (torch.distributed.checkpoint) or torch (one file per rank); default: the "
+                           "source checkpoint's")
     conv.set_defaults(func=run_convert)
     exp = cmds.add_parser("export", help="the full model weights of a checkpoint to one safetensors file")
     exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
@@ -76,6 +80,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"checkpoint   {path}")
     print(f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)")
     print(f"layout       {Layout.from_dict(meta['layout'])} ({meta['world_size']} shards)")
+    print(f"format       {meta.get('ckpt_format', 'torch')}")
     if meta.get("resharded_from"):
         print(f"converted    from {Layout.from_dict(meta['resharded_from'])} (no RNG state)")
     m = meta["model"]
@@ -107,7 +112,7 @@ def run_convert(args: argparse.Namespace) -> int:
         path = resolve(args.load)
         cfg = model_config(read_metadata(path)["model"])
         target = _target_layout(args, cfg.num_layers)
-        out = convert(path, args.save, target)
+        out = convert(path, args.save, target, args.target_ckpt_format)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         return _fail("convert", err)
     print(f"converted {path} ({Layout.from_dict(read_metadata(path)['layout'])}) to {out} ({target}); a resume "

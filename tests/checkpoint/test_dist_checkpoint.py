@@ -322,10 +322,14 @@ def test_offline_readers_read_torch_dist(results, tmp_path):
     """The offline readers take a torch_dist checkpoint: ``read_full_state`` of the tp2 x dp2 torch_dist
     probe save equals the model's own collective gather of the live run (an independent reference) and
     the old-format probe save of the same state; ``checkpoint convert`` to tp1 writes the same old-format
-    shards, ``export-hf`` the same files, ``inspect`` succeeds, as from the old-format save."""
+    shards, ``export-hf`` the same files, ``inspect`` succeeds, as from the old-format save; converting
+    either to torch_dist (tp2 x pp2) reads back as the same full state."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from omnitron.cli import main
+    from omnitron.commands.checkpoint import resolve
     from omnitron.core.checkpoint import find_latest, read_metadata
     from omnitron.core.checkpoint.io import read_shard
     from omnitron.core.checkpoint.reshard import read_full_state
@@ -344,9 +348,20 @@ def test_offline_readers_read_torch_dist(results, tmp_path):
         _same(getattr(full["torch_dist"], part), getattr(full["torch"], part), part)
     out = {}
     for fmt, p in src.items():
-        conv = str(tmp_path / ("tp1_" + fmt))
+        conv, back = str(tmp_path / ("tp1_" + fmt)), str(tmp_path / ("dist_tp1_" + fmt))
         assert main(["checkpoint", "convert", "--load", p, "--save", conv, "--target-tensor-model-parallel-size",
-                     "1", "--target-pipeline-model-parallel-size", "1"]) == 0
+                     "1", "--target-pipeline-model-parallel-size", "1", "--target-ckpt-format", "torch"]) == 0
+        # either format converted to torch_dist reads back as the same full state (the format is kept by default)
+        for frm in (conv, p):
+            kept = read_metadata(resolve(frm)).get("ckpt_format") == "torch_dist"  # the default keeps it
+            assert main(["checkpoint", "convert", "--load", frm, "--save", back, "--target-tensor-model-parallel-size",
+                         "2", "--target-pipeline-model-parallel-size", "2"] + (
+                             [] if kept else ["--target-ckpt-format", "torch_dist"])) == 0
+            again = read_full_state(find_latest(back))
+            assert again.meta["ckpt_format"] == "torch_dist" and again.meta["layout"]["tensor_model_parallel_size"] == 2
+            for part in ("model", "optimizer", "optimizer_meta", "scheduler"):
+                _same(getattr(again, part), getattr(full["torch"], part), f"{frm} -> torch_dist {part}")
+            shutil.rmtree(back)
         assert main(["checkpoint", "inspect", conv]) == 0
         hf = str(tmp_path / ("hf_" + fmt))
         assert main(["checkpoint", "export-hf", "--load", p, "--out", hf]) == 0

@@ -40,7 +40,8 @@ def _args(layout, save, extra=()):
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--num-workers", "0",
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(2 * N), "--lr", "3e-3",
             "--lr-warmup-iters", "1", "--clip-grad", "0.05", "--log-interval", "1", "--seed", "5", "--no-tensorboard",
-            "--save", save, "--data-cache-path", os.path.join(os.path.dirname(save), "cache"), *layout, *extra]
+            "--save", save, "--data-cache-path", os.path.join(os.path.dirname(save), "cache"),
+            "--ckpt-format", "torch", *layout, *extra]  # this file tests the torch format's resharding
 
 
 def _live_full(c) -> dict:

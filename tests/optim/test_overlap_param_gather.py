@@ -55,7 +55,7 @@ def _training(pp, extra, root) -> dict:
     from omnitron.core.training import checkpointing
 
     save = os.path.join(root, "ckpt")
-    args = _args(1, pp, extra, root, True) + ["--save", save]
+    args = _args(1, pp, extra, root, True) + ["--save", save, "--ckpt-format", "torch"]  # reads its rank files
     ref, ov = _Run(args), _Run(args + ["--overlap-param-gather"])
     out = {"ref": ref.steps(STEPS), "ov": ov.steps(STEPS), "pending": _pending(ov)}
     out["ref_val"], out["ov_val"] = _val(ref), _val(ov)

@@ -41,8 +41,11 @@ def test_example_config_runs_end_to_end(main_job):
     assert losses[-1] < losses[0] - 0.1, f"the training loss must fall: {losses}"
     assert val < losses[0] - 0.1, f"validation loss {val:.4f} must be below the initial loss {losses[0]:.4f}"
     assert open(os.path.join(save, "latest")).read() == "iter_0000003"
-    assert sorted(os.listdir(os.path.join(save, "iter_0000003"))) == ["metadata.json"] + [
-        f"rank_{r:05d}.pt" for r in range(4)]
+    it = os.path.join(save, "iter_0000003")  # the default --ckpt-format torch_dist: DCP's files, then the ranks'
+    meta = json.load(open(os.path.join(it, "metadata.json")))
+    assert meta["ckpt_format"] == "torch_dist" and meta["dcp_files"]
+    assert sorted(os.listdir(it)) == sorted([".metadata", "metadata.json", *meta["dcp_files"],
+                                             *(f"rank_{r:05d}.pt" for r in range(4))])
     assert "--- sample (" in proc.stdout and PROMPT in _sample(proc.stdout)
 
 

@@ -9,12 +9,14 @@ Directory (committed like every omnitron checkpoint: written as ``iter_N.tmp``, 
     iter_N/metadata.json  iteration, samples, config, layout, optimizer step + loss scaler, scheduler,
                           checksums of every file above
 
-Keys are layout-independent: ``model/<global name>``, ``optim/<kind>/<global name>`` (kind:
-``exp_avg``, ``exp_avg_sq``, ``momentum``, ``master`` for low-precision parameters), each a global
-tensor (:mod:`~omnitron.core.checkpoint.dist_layout`). Who writes what: weights and the plain
-optimizer's state by data x context parallel rank 0 of each model-parallel position (the replicas hold
-copies; a parameter replicated over tp by tp rank 0); the distributed optimizer's state by every rank, its own flat-buffer slices only, mapped to
-boxes of the global tensors -- nothing is gathered (DCP's planning exchanges only the small plans).
+Keys are layout-independent: ``model/<global name>`` (:func:`~.dist_layout.global_name`),
+``optim/<kind>/<global name>`` (kind: ``exp_avg``, ``exp_avg_sq``, ``momentum``, ``master`` for
+low-precision parameters), each a global tensor (:mod:`~omnitron.core.checkpoint.dist_layout`). Who
+writes what (:func:`_writes`): weights and the plain optimizer's state by data x context parallel rank 0
+of each model-parallel position (the replicas hold copies; a parameter replicated over tp by tp rank 0);
+the distributed optimizer's state by every rank, its own flat-buffer slices only, mapped to boxes of the
+global tensors -- nothing is gathered (DCP's planning exchanges only the small plans), and nothing is
+copied: DCP writes straight from the live buffers (:func:`~.dist_planner.exact_storage`).
 The last pipeline stage's copy of a tied embedding is not written (it equals the first stage's) and
 is read from the embedding's key.
 
@@ -25,7 +27,10 @@ Offline readers (``checkpoint convert|inspect|export``, the HF and Megatron expo
 tensors through :func:`read_full`: one process, no process group. ``--async-save``: the same
 :func:`begin` / :func:`write` / :func:`commit`, the write on a thread over a host snapshot
 (:mod:`~omnitron.core.checkpoint.dist_async`).
-Not supported yet (a clear error): MoE experts and replicated-KV attention (query groups < tp).
+MoE experts are global tensors of their own (named by global expert index), written by edp rank 0
+(each ep rank holds its experts; the distributed optimizer's expert slices, disjoint over edp, by every
+edp rank); replicated-KV attention writes its parts of the canonical ``linear_qkv`` (``linear_kv`` by
+tp rank 0), so any number of query groups per tp rank reads them.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 
 from omnitron.core.checkpoint import integrity, io
-from omnitron.core.checkpoint.dist_layout import global_shape, shard_pieces, slice_pieces, tp_writer
+from omnitron.core.checkpoint.dist_layout import global_name, global_shape, shard_pieces, slice_pieces, tp_writer
 from omnitron.core.checkpoint.dist_planner import Pieces, PieceLoadPlanner, PieceSavePlanner, VerifiedReader
 from omnitron.core.checkpoint.io import CheckpointError
 from omnitron.core.parallel.tensor.mappings import local_rank
@@ -63,14 +68,22 @@ def _one_line(what: str, path: str):
                               f"load an earlier iteration, or re-save") from None
 
 
-def check_supported(modules) -> None:
-    """Refuse, naming the flag, what this format cannot write yet."""
-    for m in modules:
-        if any(getattr(p, "expert", False) for p in m.parameters()):
-            raise CheckpointError("--ckpt-format torch_dist does not write MoE experts yet; use --ckpt-format torch")
-        if any(getattr(x, "replicate_kv", False) for x in m.modules()):
-            raise CheckpointError("--ckpt-format torch_dist does not write replicated-KV attention (fewer query "
-                                  "groups than --tensor-model-parallel-size) yet; use --ckpt-format torch")
+def _split(c, p) -> tuple[int, int]:
+    """``(size, rank)`` of the group ``p`` is split over: etp for MoE experts, tp otherwise."""
+    g = c.groups.etp if getattr(p, "expert", False) else c.groups.tp
+    return g.size, local_rank(g)
+
+
+def _writes(c, p, *, replicas: bool) -> bool:
+    """Whether this rank writes ``p``'s pieces on save (exactly one writer per distinct piece). ``replicas``:
+    the data-parallel ranks hold copies (weights, the plain optimizer's state), so only rank 0 of dp x cp
+    (of edp for experts) writes; the distributed optimizer's slices are disjoint over those groups."""
+    if getattr(p, "shared_embedding", False):
+        return False  # the last stage's tied copy equals the first stage's embedding
+    replicated_over = c.groups.edp if getattr(p, "expert", False) else c.groups.dp_cp
+    if replicas and local_rank(replicated_over) != 0:
+        return False
+    return tp_writer(p, _split(c, p)[1])
 
 
 def _add(table: Pieces, key: str, shape, pieces) -> None:
@@ -79,41 +92,35 @@ def _add(table: Pieces, key: str, shape, pieces) -> None:
 
 
 def model_pieces(c, *, save: bool) -> Pieces:
-    """``model/<name>`` pieces of this rank's weights (on save: written by dp x cp rank 0 only)."""
+    """``model/<name>`` pieces of this rank's weights (on save: those it writes, :func:`_writes`)."""
     table: Pieces = {}
-    if save and c.groups.dp_cp.rank != 0:
-        return table
-    tp, r = c.groups.tp.size, local_rank(c.groups.tp)
     for m in c.modules:
         for name, p in m.named_parameters():
-            if save and (getattr(p, "shared_embedding", False) or not tp_writer(p, r)):
+            if save and not _writes(c, p, replicas=True):
                 continue
-            key = "model/" + getattr(p, "init_name", name)
-            _add(table, key, global_shape(p, tp), shard_pieces(p, r, p.detach()))
+            split = _split(c, p)
+            _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), shard_pieces(p, split, p.detach()))
     return table
 
 
 def optimizer_pieces(c, *, save: bool) -> Pieces:
     """``optim/<kind>/<name>`` pieces of this rank's optimizer state: the distributed optimizer's own
-    slices, or (plain optimizer) the whole local shards, written by dp x cp rank 0."""
+    slices, or (plain optimizer) the whole local shards (on save: those it writes, :func:`_writes`)."""
     opt, table = c.optimizer, {}
-    tp, r = c.groups.tp.size, local_rank(c.groups.tp)
     sliced = hasattr(opt, "slices")
-    if save and not sliced and c.groups.dp_cp.rank != 0:
-        return table
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
     for j, i in enumerate(owners):
         p, name = opt.params[i], opt.names[i].split(".", 1)[1]  # the optimizer names chunk<c>.<name>
-        if save and (getattr(p, "shared_embedding", False) or not tp_writer(p, r)):
+        if save and not _writes(c, p, replicas=not sliced):
             continue
-        name = getattr(p, "init_name", name)
+        name, split = global_name(name, p), _split(c, p)
         kinds = dict(opt.state)
         if p.dtype != torch.float32:
             kinds["master"] = opt.masters
         for kind, values in kinds.items():
             t = values[j]
-            pieces = slice_pieces(p, r, t, opt.slices[j].lo) if sliced else shard_pieces(p, r, t)
-            _add(table, f"optim/{kind}/{name}", global_shape(p, tp), pieces)
+            pieces = slice_pieces(p, split, t, opt.slices[j].lo) if sliced else shard_pieces(p, split, t)
+            _add(table, f"optim/{kind}/{name}", global_shape(p, split[0]), pieces)
     return table
 
 
@@ -145,7 +152,6 @@ def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, 
 
 def begin(c, save_dir: str, iteration: int, barrier) -> str:
     """Collective: rank 0 makes an empty ``iter_N.tmp`` (:func:`io._begin`); returns ``iter_N``'s path."""
-    check_supported(c.modules)
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
     if c.groups.rank == 0:
         io._begin(save_dir, final)
@@ -153,15 +159,18 @@ def begin(c, save_dir: str, iteration: int, barrier) -> str:
     return final
 
 
-def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None) -> None:
-    """Collective over ``group`` (default: the world; none without a process group): DCP writes
-    ``pieces`` into ``tmp``, this rank's files get their digests, then its ``rank_R.pt``. Touches no
-    live tensor beyond ``pieces`` (so it can run on a thread, over a snapshot)."""
+def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None, *, collective: bool = True) -> None:
+    """Collective over ``group`` (default: the world; none without a process group, or when not
+    ``collective``: one process writing alone): DCP writes ``pieces`` into ``tmp``, this rank's files get
+    their digests, then its ``rank_R.pt``. Touches no live tensor beyond ``pieces`` (so it can run on a
+    thread, over a snapshot)."""
     import torch.distributed.checkpoint as dcp
 
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with _one_line("save", tmp):
-        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group)
+    with _one_line("save", tmp), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group,
+                 no_dist=not collective)
     for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):
         integrity.write_digest(f)
     if rank == 0:
@@ -174,17 +183,56 @@ def commit(c, save_dir: str, iteration: int, meta: dict, *, barrier, keep_last_n
     metadata.json, rename, then ``latest``)."""
     barrier()
     if c.groups.rank == 0:
-        tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
-        files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
-        io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), c.groups.world_size,
-                   keep_last_n, extra=[".metadata", *files])
+        _commit_files(save_dir, iteration, meta, c.groups.world_size, keep_last_n)
     barrier()
+
+
+def _commit_files(save_dir: str, iteration: int, meta: dict, world_size: int, keep_last_n) -> None:
+    """:func:`io._commit` of ``iter_N.tmp`` with DCP's files (``.metadata`` and every ``__R_0.distcp``)."""
+    tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
+    files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
+    io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), world_size, keep_last_n,
+               extra=[".metadata", *files])
+
+
+def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
+    """Offline, one process: :class:`~omnitron.core.checkpoint.reshard.FullState` ``full`` as a torch_dist
+    checkpoint of ``world_size`` ranks (``meta``: its layout and config) under ``save_dir``; returns the
+    ``iter_N`` directory. Every global tensor is written whole, in one DCP file (a load under any layout
+    reads its slices from it); ``chunks``: skeletons holding every parameter (tp1 pp1), whose attributes
+    give each global tensor's form. The ranks' files hold no RNG state (a resume draws fresh streams)."""
+    pieces: Pieces = {}
+    for m in chunks:
+        for name, p in m.named_parameters():
+            name = global_name(name, p)
+            kinds = [("model/" + name, full.model)] + [(f"optim/{k}/{name}", d) for k, d in full.optimizer.items()]
+            for key, tensors in kinds:
+                if name in tensors and key not in pieces:
+                    pieces[key] = _whole(p, tensors[name], key)
+    iteration = int(full.meta["iteration"])
+    final = os.path.join(save_dir, io.iter_dir_name(iteration))
+    io._begin(save_dir, final)
+    write(final + ".tmp", 0, pieces, {}, collective=False)
+    for r in range(1, world_size):
+        io._write_shard(final + ".tmp", r, {})
+    meta = dict(meta, optimizer=full.optimizer_meta, scheduler=full.scheduler)
+    _commit_files(save_dir, iteration, meta, world_size, None)
+    return final
+
+
+def _whole(p: torch.Tensor, t: torch.Tensor, key: str):
+    """The one-piece entry of full tensor ``t`` of parameter ``p`` (a tp1 skeleton's) as its global tensor:
+    a partition stride's blocks stacked on a leading axis (the inverse of :func:`_unstride`)."""
+    g = torch.stack(t.chunk(p.partition_stride, dim=p.partition_dim)) if len(global_shape(p, 1)) > t.dim() else t
+    if tuple(g.shape) != global_shape(p, 1):
+        raise CheckpointError(f"{key}: the full tensor is {tuple(t.shape)}, the model's global tensor "
+                              f"{global_shape(p, 1)}; the checkpoint does not match its own model config")
+    return tuple(g.shape), [((0,) * g.dim(), g.contiguous())]
 
 
 def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     """Collective over the world: read this rank's weights (and optimizer pieces) from checkpoint
     ``path`` (any layout) into the live tensors. Counters, scheduler and RNG are the caller's."""
-    check_supported(c.modules)
     pieces = model_pieces(c, save=False)
     if with_optimizer:
         saved = meta.get("optimizer", {}).get("optimizer")
@@ -211,7 +259,9 @@ def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: b
     """``(model, {kind: optimizer})`` full tensors (unpadded, by global name, as
     :class:`~omnitron.core.checkpoint.reshard.FullState` holds them) of the parameters of ``chunks``
     (skeletons of the saved layout, tensor-parallel size ``tp``) whose name passes ``keep``. One process,
-    no communication: each global tensor is read whole in one DCP load, from whatever chunks hold it."""
+    no communication: each global tensor is read whole in one DCP load, from whatever chunks hold it.
+    Experts come whole and replicated-KV attention as the canonical ``linear_qkv`` (as
+    :func:`~omnitron.core.checkpoint.reshard.read_full_state` fuses the other format's)."""
     checksums = meta.get("checksums") or {}
     saved = VerifiedReader(path, checksums).read_metadata().state_dict_metadata
     kinds = sorted({k.split("/")[1] for k in saved if k.startswith("optim/")}) if with_optimizer else []
@@ -220,8 +270,9 @@ def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: b
         for name, p in m.named_parameters():
             if getattr(p, "shared_embedding", False) or not keep(name):
                 continue  # the last stage's tied copy is not written (it equals the embedding)
+            name = global_name(name, p)  # replicated KV: linear_q and linear_kv both read linear_qkv
             keys = ["model/" + name] + [f"optim/{k}/{name}" for k in kinds if f"optim/{k}/{name}" in saved]
-            for key in keys:
+            for key in (k for k in keys if k not in pieces):
                 md = saved.get(key)
                 dtype = md.properties.dtype if isinstance(md, dcp_meta.TensorStorageMetadata) else p.dtype
                 t = torch.empty(global_shape(p, tp), dtype=dtype)

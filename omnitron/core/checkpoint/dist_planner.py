@@ -2,9 +2,9 @@
 
 A "piece table" maps each key to ``(global shape, [(offsets, view), ...])``
 (:mod:`omnitron.core.checkpoint.dist_layout` builds it). :class:`PieceSavePlanner` turns it into DCP
-write items (each piece written from its view); :class:`PieceLoadPlanner` reads each piece straight
-into its view, from whichever saved chunks overlap it (DCP's resharding), so a rank reads only its
-slices. DCP's global-plan validation (no overlap, full coverage) runs on save.
+write items (each piece written from its view, not copied: :func:`exact_storage`);
+:class:`PieceLoadPlanner` reads each piece straight into its view, from whichever saved chunks overlap
+it (DCP's resharding), so a rank reads only its slices. DCP's global-plan validation (no overlap, full coverage) runs on save.
 
 :class:`VerifiedReader`: DCP's ``.metadata`` is a pickle. It is read only after its SHA-256 matches
 the one metadata.json records, and through an unpickler that admits DCP's metadata dataclasses and
@@ -56,8 +56,24 @@ class PieceSavePlanner(DefaultSavePlanner):
         off = tuple(write_item.index.offset)
         for o, view in self.pieces[write_item.index.fqn][1]:
             if o == off:
-                return view.detach()
+                return exact_storage(view.detach())
         raise KeyError(write_item.index)
+
+
+def exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (host memory, contiguous) as a tensor sharing its memory whose storage is exactly its bytes.
+
+    DCP's writer clones every tensor whose storage is larger than it (torch.save writes a tensor's whole
+    storage), and keeps each clone until the rank's file is written: for pieces that are views of the flat
+    parameter and optimizer buffers, a second copy of everything the rank writes. Through numpy (the one
+    public way to make a storage over existing memory) the piece gets a storage of its own extent, holding
+    the buffer alive, so nothing is copied. Other tensors (a device's: DCP copies them to the host anyway;
+    non-contiguous narrowings) are returned as they are."""
+    if view.device.type != "cpu" or not view.is_contiguous() or view.untyped_storage().nbytes() == view.nbytes \
+            or view.numel() == 0:
+        return view
+    raw = view.reshape(-1).view(torch.uint8).numpy()  # a numpy view of the piece's bytes (any dtype, bf16 too)
+    return torch.from_numpy(raw).view(view.dtype).view(view.shape)
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):

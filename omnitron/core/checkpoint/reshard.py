@@ -250,14 +250,16 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     meta = read_metadata(path)
     layout = Layout.from_dict(meta["layout"])
     etp = meta.get("config", {}).get("expert_tensor_parallel_size") or layout.tp
-    if meta["model"].get("num_experts") and etp > 1:
-        raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp); "
-                              f"reading it under another layout is not supported yet: resume it with the same "
-                              f"layout, or train with --expert-tensor-parallel-size 1 to reshard later")
+    dist = meta.get("ckpt_format") == "torch_dist"  # its experts are whole global tensors at any etp
+    if meta["model"].get("num_experts") and etp > 1 and not dist:
+        raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp) in "
+                              f"the torch format; reading it under another layout is not supported: resume it with "
+                              f"the same layout, or train with --expert-tensor-parallel-size 1 or --ckpt-format "
+                              f"torch_dist (the default) to reshard later")
     skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
-    if meta.get("ckpt_format") == "torch_dist":
+    if dist:
         return _read_dist(path, full, skeletons, layout, keep, with_optimizer)
     for pp_rank, (ranks, others) in sorted(_stage_ranks(layout).items()):
         stage = {c: m for (r, c), m in skeletons.items() if r == pp_rank}
@@ -292,7 +294,7 @@ def _read_dist(path: str, full: FullState, skeletons: dict, layout: Layout, keep
     meta = full.meta
     model, optim = dist.read_full(path, meta, list(skeletons.values()), layout.tp, keep=keep,
                                   with_optimizer=with_optimizer)
-    # NOTE: no fuse_full_state: torch_dist refuses the split tensors it fuses (replicated KV, experts) on save
+    # NOTE: no fuse_full_state: torch_dist holds replicated KV as the canonical linear_qkv and every expert whole
     full.model, full.optimizer = model, optim
     full.optimizer_meta, full.scheduler = dict(meta["optimizer"]), meta["scheduler"]
     full.dropped = ["fp8"] if "fp8" in read_shard(path, 0, meta) else []
@@ -356,13 +358,25 @@ def _target_config(flat: dict, cfg, target: Layout) -> dict:
     return out
 
 
-def convert(path: str, save_dir: str, target: Layout) -> str:
-    """Write checkpoint directory ``path`` (an ``iter_N``) under ``save_dir`` in layout ``target``;
-    returns the new ``iter_N`` directory. Offline, one process. Shards hold no RNG state (a resume
-    draws fresh streams, logged); metadata records ``resharded_from``."""
+def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = None) -> str:
+    """Write checkpoint directory ``path`` (an ``iter_N``) under ``save_dir`` in layout ``target`` and
+    ``ckpt_format`` (``torch`` or ``torch_dist``; None: the source's); returns the new ``iter_N``
+    directory. Offline, one process. Shards hold no RNG state (a resume draws fresh streams, logged);
+    metadata records ``resharded_from``."""
     full = read_full_state(path)
     meta = full.meta
     cfg = model_config(meta["model"], recorded_family(meta))
+    new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
+                "config": _target_config(meta.get("config", {}), cfg, target),
+                "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}
+    if (ckpt_format or meta.get("ckpt_format", "torch")) == "torch_dist":
+        from omnitron.core.checkpoint import dist
+
+        skeleton_chunks(cfg, target)  # raises ConfigError when the model does not split so
+        whole = list(skeleton_chunks(cfg, Layout()).values())  # every parameter, in its tp1 form
+        new_meta["config"]["ckpt_format"] = "torch_dist"
+        return dist.write_full(save_dir, full, whole, new_meta, target.world_size)
+    new_meta["config"]["ckpt_format"] = "torch"
     from omnitron.core.parallel.grid import coord_of, rank_grid
 
     pc = target.parallel_config()
@@ -381,9 +395,6 @@ def convert(path: str, save_dir: str, target: Layout) -> str:
                 cache[(co.pp, co.tp, e)] = rank_shard(full, chunks, target.tp, co.tp)
             yield w, cache[(co.pp, co.tp, e)]
 
-    new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
-                "config": _target_config(meta.get("config", {}), cfg, target),
-                "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}
     return write_checkpoint(save_dir, int(meta["iteration"]), shards(), new_meta, world_size=target.world_size)
 
 

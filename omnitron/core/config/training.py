@@ -284,9 +284,10 @@ class CheckpointConfig:
     """--exit-on-missing-checkpoint: stop with an error when --load holds no checkpoint, instead of starting fresh."""
     save_on_signal: bool = True
     """Finish the current step, save and exit on SIGTERM/SIGINT (when --save is set)."""
-    ckpt_format: str = "torch"
-    """--ckpt-format: ``torch`` (one torch.save file per rank) or ``torch_dist`` (torch.distributed.checkpoint:
-    each rank writes only the slices it owns; loads under any layout). Loading reads either."""
+    ckpt_format: str = "torch_dist"
+    """--ckpt-format: ``torch_dist`` (the default, Megatron's too: torch.distributed.checkpoint, each rank
+    writes only the slices it owns, loads under any layout) or ``torch`` (one torch.save file per rank).
+    Loading reads either, told by the checkpoint's metadata whatever this flag says."""
     async_save: bool = False
     """--async-save: a save blocks the step only for a host copy of the state; writing goes on in the
     background and is committed (``latest`` moved) by the next save or the end of training (torch_dist only)."""

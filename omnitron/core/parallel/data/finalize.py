@@ -1,9 +1,10 @@
 """``finalize_model_grads``: every gradient reduction a step needs after its last backward.
 
-Order (Megatron's): data-parallel reduction of each chunk's buckets; sequence-parallel parameter
-gradients (norm weights replicated across tensor ranks while their inputs were sequence shards)
-summed over ``groups.tp``; tied word-embedding gradients summed over ``groups.embedding`` (first
-and last pipeline stage) so both copies take the same update.
+Order (Megatron's): data-parallel reduction of each chunk's buckets; gradients that are partial sums
+over tensor ranks (``param.sequence_parallel``: norm weights fed sequence shards, QK-norm weights, the
+replicated key/value projection of replicated-KV attention) summed over ``groups.tp``; tied
+word-embedding gradients summed over ``groups.embedding`` (first and last pipeline stage) so both
+copies take the same update.
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def finalize_model_grads(chunks: list, groups, *, collectives=None, sequence_par
     for c in chunks:
         if hasattr(c, "finish_grad_sync"):
             c.finish_grad_sync()
-    if groups.config.sequence_parallel and groups.tp.size > 1:
+    # NOTE: not only under --sequence-parallel: replicated-KV weights and QK-norm weights are partial over tp
+    # whenever tp > 1; the attribute marks exactly the partial ones (norms carry it under SP only)
+    if groups.tp.size > 1:
         pick = sequence_parallel_params_fn or sequence_parallel_params
         grads = [g for c in chunks for p in pick(c) if (g := _grad(p)) is not None]
         if grads:
