@@ -25,7 +25,8 @@ def load_all(paths: list[str]) -> list[dict]:
     for rep, path in zip(reports, paths):
         rep["_path"] = path
     kinds = [r["kind"] for r in reports]
-    if len(reports) > 1 and max(kinds.count(k) for k in kinds) < 2:
+    machines = {label(r) for r in reports}
+    if len(machines) > 1 and max(kinds.count(k) for k in kinds) < 2:  # several machines, nothing in common
         kinds = ", ".join(f"{os.path.basename(p)}: {r['kind']}" for p, r in zip(paths, reports))
         raise ReportError(f"nothing to compare: every report is of another kind ({kinds}); give reports of the "
                           "same kind, or whole `omnitron bench all` folders")

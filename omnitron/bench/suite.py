@@ -13,11 +13,11 @@ import time
 from omnitron.bench import attention, comm, gemm, memory, train
 from omnitron.bench.report import new_report, save
 
-CPU = {"memory": [1 << 16, 1 << 20, 1 << 24], "gemm": [256, 1024], "gemm_model": ("gpt2_tiny", 1024),
-       "comm": (1 << 10, 1 << 24, 8), "kernels": "tiny", "attention": [256, 1024], "train": (
-           "gpt2_tiny", "tp2", 6, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
-                                   "--num-workers", "0", "--seq-length", "128", "--max-position-embeddings", "128",
-                                   "--micro-batch-size", "4", "--global-batch-size", "8"])}
+CPU = {"memory": [1 << 16, 1 << 20, 1 << 24, 1 << 28], "gemm": [256, 1024, 2048], "gemm_model": ("gpt2_tiny", 2048),
+       "comm": (1 << 10, 1 << 26, 4), "kernels": "small", "attention": [512, 2048], "train": (
+           "gpt2_tiny", "tp2", 10, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
+                                    "--num-workers", "0", "--seq-length", "128", "--max-position-embeddings", "128",
+                                    "--micro-batch-size", "4", "--global-batch-size", "8"])}
 DEVICE = {"memory": [1 << 20, 1 << 26, 1 << 30], "gemm": [1024, 4096, 8192], "gemm_model": ("gpt_1p3b", 8192),
           "comm": (1 << 10, 1 << 30, 4), "kernels": "large", "attention": [1024, 4096, 8192], "train": (
               "gpt_1p3b", "single", 8, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50256",
