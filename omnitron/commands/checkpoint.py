@@ -108,15 +108,27 @@ def run_convert(args: argparse.Namespace) -> int:
     from omnitron.core.checkpoint.reshard import Layout, convert, model_config, read_metadata
     from omnitron.core.config.parallel import ConfigError
 
+    import time
+
+    start = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {text}", flush=True)
+
+    def progress(shards, total):
+        from tqdm import tqdm
+
+        return tqdm(shards, total=total, unit="shard", desc="converting", disable=not sys.stderr.isatty())
+
     try:
         path = resolve(args.load)
         cfg = model_config(read_metadata(path)["model"])
         target = _target_layout(args, cfg.num_layers)
-        out = convert(path, args.save, target, args.target_ckpt_format)
+        out = convert(path, args.save, target, args.target_ckpt_format, say=say, progress=progress)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         return _fail("convert", err)
-    print(f"converted {path} ({Layout.from_dict(read_metadata(path)['layout'])}) to {out} ({target}); a resume "
-          f"continues the data order with fresh RNG streams")
+    say(f"converted {path} ({Layout.from_dict(read_metadata(path)['layout'])}) to {out} ({target}); a resume "
+        f"continues the data order with fresh RNG streams")
     return 0
 
 

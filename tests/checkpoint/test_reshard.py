@@ -227,6 +227,9 @@ def test_convert_round_trip_is_bit_exact(trained, tmp_path, capsys):
     src = find_latest(str(root / "A"))
     assert main(["checkpoint", "convert", "--load", str(root / "A"), "--save", str(tmp_path / "tp4"),
                  "--target-tensor-model-parallel-size", "4", "--target-pipeline-model-parallel-size", "1"]) == 0
+    said = [ln.split("] ", 1)[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
+    assert said[0].startswith("reading ") and said[1].startswith("writing 4 shards under ")
+    assert said[-1].startswith("converted ")  # each phase in its own timed line
     meta4 = read_metadata(find_latest(str(tmp_path / "tp4")))
     assert meta4["layout"]["tensor_model_parallel_size"] == 4 and meta4["world_size"] == 4
     assert meta4["config"]["tensor_model_parallel_size"] == 4

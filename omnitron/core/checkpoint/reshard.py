@@ -358,11 +358,16 @@ def _target_config(flat: dict, cfg, target: Layout) -> dict:
     return out
 
 
-def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = None) -> str:
+def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = None, *, say=None,
+            progress=None) -> str:
     """Write checkpoint directory ``path`` (an ``iter_N``) under ``save_dir`` in layout ``target`` and
     ``ckpt_format`` (``torch`` or ``torch_dist``; None: the source's); returns the new ``iter_N``
     directory. Offline, one process. Shards hold no RNG state (a resume draws fresh streams, logged);
-    metadata records ``resharded_from``."""
+    metadata records ``resharded_from``. ``say(text)``: a line per phase; ``progress(iterable, total)``
+    wraps the shards as they are written (a progress bar)."""
+    say = say or (lambda text: None)
+    progress = progress or (lambda it, total: it)
+    say(f"reading {path} ...")
     full = read_full_state(path)
     meta = full.meta
     cfg = model_config(meta["model"], recorded_family(meta))
@@ -375,6 +380,7 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
         skeleton_chunks(cfg, target)  # raises ConfigError when the model does not split so
         whole = list(skeleton_chunks(cfg, Layout()).values())  # every parameter, in its tp1 form
         new_meta["config"]["ckpt_format"] = "torch_dist"
+        say(f"writing {target.world_size} ranks' pieces as torch_dist under {save_dir} ...")
         return dist.write_full(save_dir, full, whole, new_meta, target.world_size)
     new_meta["config"]["ckpt_format"] = "torch"
     from omnitron.core.parallel.grid import coord_of, rank_grid
@@ -395,7 +401,9 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
                 cache[(co.pp, co.tp, e)] = rank_shard(full, chunks, target.tp, co.tp)
             yield w, cache[(co.pp, co.tp, e)]
 
-    return write_checkpoint(save_dir, int(meta["iteration"]), shards(), new_meta, world_size=target.world_size)
+    say(f"writing {target.world_size} shards under {save_dir} ...")
+    return write_checkpoint(save_dir, int(meta["iteration"]), progress(shards(), target.world_size), new_meta,
+                            world_size=target.world_size)
 
 
 def export_safetensors(path: str, out_file: str) -> int:
