@@ -24,6 +24,12 @@ class ParallelConfig:
     """--expert-model-parallel-size: ranks that split the experts of an MoE layer."""
     expert_tensor_parallel_size: int | None = None
     """--expert-tensor-parallel-size: tensor parallelism inside each expert (default: tp)."""
+    cp_comm_type: str = "p2p"
+    """--cp-comm-type {p2p,a2a,allgather}: how context parallelism shares the sequence in attention: p2p, the
+    ring of K/V blocks; a2a, all-to-all of heads and sequence (DeepSpeed-Ulysses; the local heads must divide
+    by cp); allgather, all-gathered K/V."""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """--hierarchical-context-parallel-sizes: the a2a and p2p sizes of --cp-comm-type a2a+p2p (not implemented yet)."""
     sequence_parallel: bool = False
     """--sequence-parallel: norms/dropout on sequence shards inside the tensor-parallel group."""
     decoder_first_pipeline_num_layers: int | None = None
@@ -40,6 +46,11 @@ class ParallelConfig:
                             ("--expert-model-parallel-size", self.expert_model_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+        if self.cp_comm_type == "a2a+p2p" or self.hierarchical_context_parallel_sizes:
+            raise ConfigError("--cp-comm-type a2a+p2p (--hierarchical-context-parallel-sizes) is not implemented yet; "
+                              "use --cp-comm-type p2p, a2a or allgather")
+        if self.cp_comm_type not in ("p2p", "a2a", "allgather"):
+            raise ConfigError(f"--cp-comm-type {self.cp_comm_type!r} is not one of p2p, a2a, allgather")
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or (vp > 1 and self.pipeline_model_parallel_size < 2)):
             raise ConfigError(f"virtual pipeline size {vp} needs --pipeline-model-parallel-size >= 2 "

@@ -66,6 +66,7 @@ class SelfAttention(nn.Module):
         self.linear_proj = RowParallelLinear(heads * self.d, c.hidden_size, init_std=out_std,
                                              skip_bias_add=skip_out_bias, **kw)
         self.cp_group = None  # set by apply_context_parallel: attention over the cp-split sequence
+        self.cp_comm_type = "p2p"  # --cp-comm-type: the ring, or all-to-all / all-gather (context/ulysses.py)
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
             nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=group.size > 1,
@@ -142,6 +143,8 @@ class SelfAttention(nn.Module):
             return self._padded_attention(q, k, v, key_padding_mask, p)
         if document_ids is not None:
             return self._document_attention(q, k, v, document_ids, p)
+        if self.cp_group is not None and self.cp_comm_type != "p2p":
+            return self._gathered_cp_attention(q, k, v, p)
         if self.cp_group is not None:
             seed = 0
             if p > 0.0:  # the ring draws its block masks from a seed taken from the tp-rank-specific stream
@@ -153,6 +156,21 @@ class SelfAttention(nn.Module):
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
         with self.tracker.fork():
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
+
+    def _gathered_cp_attention(self, q, k, v, p: float) -> torch.Tensor:
+        """``--cp-comm-type a2a`` / ``allgather`` (:mod:`omnitron.core.parallel.context.ulysses`)."""
+        from omnitron.core.parallel.context.ulysses import a2a_attention, allgather_attention
+
+        def full(q, k, v):
+            if p == 0.0:
+                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
+            with self.tracker.fork():
+                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
+
+        if self.cp_comm_type == "a2a":
+            return a2a_attention(q, k, v, group=self.cp_group, attend=full)
+        return allgather_attention(q, k, v, group=self.cp_group,
+                                   attend_masked=lambda q, k, v, keep: self._masked_sdpa(q, k, v, keep, p))
 
     def _padded_attention(self, q, k, v, key_padding_mask: torch.Tensor, p: float) -> torch.Tensor:
         """Non-causal attention over the keys that are not padding (plain SDPA with a boolean mask)."""

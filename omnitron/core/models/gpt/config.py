@@ -182,7 +182,7 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
     cp = parallel.context_parallel_size
     if cp > 1:
-        _validate_context_parallel(c, cp, tp, parallel.sequence_parallel)
+        _validate_context_parallel(c, cp, tp, parallel.sequence_parallel, getattr(parallel, "cp_comm_type", "p2p"))
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     if check_layers and c.num_layers % (pp * vp):
         raise ConfigError(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
@@ -201,8 +201,13 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     validate_moe(c, parallel)
 
 
-def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool) -> None:
-    """The sequence splits into 2 x cp load-balanced chunks (and each rank's slice over tp under SP)."""
+def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool, comm: str = "p2p") -> None:
+    """The sequence splits into 2 x cp load-balanced chunks (and each rank's slice over tp under SP); a2a
+    splits each tensor-parallel rank's heads over cp."""
+    if comm == "a2a" and (c.num_attention_heads // tp) % cp:
+        raise ConfigError(f"--cp-comm-type a2a splits each tensor-parallel rank's {c.num_attention_heads // tp} "
+                          f"attention heads over --context-parallel-size {cp}: they must be a multiple of it; "
+                          "use --cp-comm-type p2p or allgather, or change the sizes")
     if c.seq_length % (2 * cp):
         raise ConfigError(f"--seq-length {c.seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
                           f"{2 * cp} (each context-parallel rank holds two equal chunks of the sequence); change "

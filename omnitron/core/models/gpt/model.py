@@ -100,7 +100,7 @@ class GPTModel(nn.Module):
         if config.position_embedding_type == "rope":
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
-        apply_context_parallel(self, groups.cp)
+        apply_context_parallel(self, groups.cp, getattr(groups.config, "cp_comm_type", "p2p"))
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()

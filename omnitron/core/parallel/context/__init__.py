@@ -10,15 +10,16 @@ from omnitron.core.parallel.context.layout import (chunk_positions, context_para
 from omnitron.core.parallel.context.ring import ring_attention
 
 
-def apply_context_parallel(model, group):
+def apply_context_parallel(model, group, comm_type: str = "p2p"):
     """Make every self-attention module of ``model`` attend over the sequence split across ``group``
-    (a no-op at size 1); returns ``model``. Inputs must then be this rank's load-balanced slice."""
+    (a no-op at size 1) by ``comm_type`` (``--cp-comm-type``: p2p ring, a2a, allgather); returns ``model``.
+    Inputs must then be this rank's load-balanced slice."""
     from omnitron.core.transformer.attention import SelfAttention
 
     if group.size > 1:
         for m in model.modules():
             if isinstance(m, SelfAttention):
-                m.cp_group = group
+                m.cp_group, m.cp_comm_type = group, comm_type
     return model
 
 
