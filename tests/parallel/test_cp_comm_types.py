@@ -79,13 +79,18 @@ def _train_args(root: str, *extra: str) -> list[str]:
             "--log-interval", "1", "--no-tensorboard", "--data-cache-path", root + "/cache", *extra]
 
 
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 RUNS = {"a2a cp2": ("--context-parallel-size", "2", "--cp-comm-type", "a2a"),
         "allgather cp2": ("--context-parallel-size", "2", "--cp-comm-type", "allgather"),
         "a2a tp2 cp2 sp": ("--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
                            "--cp-comm-type", "a2a"),
         "allgather cp2 dp2 zero": ("--context-parallel-size", "2", "--cp-comm-type", "allgather",
                                    "--use-distributed-optimizer"),
-        "a2a cp4": ("--context-parallel-size", "4", "--cp-comm-type", "a2a")}
+        "a2a cp4": ("--context-parallel-size", "4", "--cp-comm-type", "a2a"),
+        "a2a cp2 pp2": ("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--cp-comm-type", "a2a"),
+        "moe: allgather cp2": ("--context-parallel-size", "2", "--cp-comm-type", "allgather", *MOE),
+        "moe: a2a cp2 ep2": ("--context-parallel-size", "2", "--cp-comm-type", "a2a", "--expert-model-parallel-size",
+                             "2", *MOE)}
 
 
 def loop_worker(root: str) -> dict:
@@ -103,9 +108,14 @@ def test_training_under_each_type_matches_one_process(tmp_path):
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
 
-    one = list(train(parse_settings(_train_args(str(tmp_path / "one")), 1), get_backend("cpu"))["losses"].values())
+    def alone(name, *flags):
+        return list(train(parse_settings(_train_args(str(tmp_path / name), *flags), 1), get_backend("cpu"))
+                    ["losses"].values())
+
+    refs = {"dense": alone("one"), "moe": alone("one-moe", *MOE)}
     for res in run_distributed(loop_worker, 4, str(tmp_path / "cp")):
         for name, losses in res.items():
+            one = refs["moe" if name.startswith("moe") else "dense"]
             # fp32: the layouts sum the same per-token terms in other orders (attention over the gathered
             # sequence, gradient reductions over ranks): a relative error of a few 1e-7 per step, amplified by
             # the lr-0.5 SGD steps over 3 iterations; 1e-5 leaves an order of magnitude
