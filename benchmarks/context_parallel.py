@@ -9,7 +9,9 @@ forward + backward on ``[b=1, s=--seq]`` with ``--heads`` heads of 64, fp32:
   a flash-style kernel on CPU that never holds the s x s scores); ``block``: the ring's own per-block
   kernel (plain maths: the scores are materialised, recomputed in backward) on the whole sequence,
   i.e. the reference maths of the ring's blocks; ``ring``: ring attention at cp=2 with the backend's
-  block kernel (on CPU ATen's flash kernel with log-sum-exp, ``cpu_flash``; the reference elsewhere).
+  block kernel (on CPU ATen's flash kernel with log-sum-exp, ``cpu_flash``; the reference elsewhere);
+  ``a2a`` (``--cp-comm-type a2a``: all-to-all of heads and sequence, then the engine's attention kernel on
+  the whole sequence for half the heads) and ``allgather`` (K/V all-gathered, masked SDPA for the local queries).
 - ``attention layer``: the engine's SelfAttention (QKV and output projections + core attention);
   ``block`` swaps the module's attention kernel for the ring's block kernel.
 - ``GPT step``: a small GPT-2 style model (``--layers`` layers, hidden 64 x heads, vocab 1024),
@@ -236,18 +238,32 @@ def _variants(groups, single, seq: int, heads: int, layers: int, waits: dict) ->
     def gpt_step(model, t, lab_):
         return lambda: model(tokens=t, labels=lab_).mean().backward()
 
+    from omnitron.core.parallel.context import apply_context_parallel
+    from omnitron.core.parallel.context.ulysses import a2a_attention, allgather_attention
+
+    gpt_a2a = apply_context_parallel(GPTModel(cfg, groups, seed=0), cp, "a2a")
+    gpt_ag = apply_context_parallel(GPTModel(cfg, groups, seed=0), cp, "allgather")
+    sdpa = lambda a, b, c: be.kernels.attention(a, b, c, causal=True)  # noqa: E731
+    masked = lambda a, b, c, keep: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=keep)  # noqa: E731
+
     x2 = split_sequence(x, 0, cp.size, rank)
     return {
         "core attention, cp=1 sdpa": (False, _backward_of(lambda a, b, c: be.kernels.attention(a, b, c, causal=True),
                                                           q, k, v)),
         "core attention, cp=1 block": (False, _backward_of(_OneBlock.apply, q, k, v)),
         "core attention, cp=2 ring": (True, _backward_of(ring(waits["overlapped"]), *mine)),
+        "core attention, cp=2 a2a": (True, _backward_of(lambda a, b, c: a2a_attention(a, b, c, group=cp, attend=sdpa),
+                                                        *mine)),
+        "core attention, cp=2 allgather": (True, _backward_of(
+            lambda a, b, c: allgather_attention(a, b, c, group=cp, attend_masked=masked), *mine)),
         "attention layer, cp=1 sdpa": (False, _backward_of(lambda t: attn1[0](t, None)[0], x)),
         "attention layer, cp=1 block": (False, _backward_of(lambda t: attn1b[0](t, None)[0], x)),
         "attention layer, cp=2 ring": (True, _backward_of(lambda t: attn2[0](t, None)[0], x2)),
         "GPT step, cp=1 sdpa": (False, gpt_step(gpt1, tok, lab)),
         "GPT step, cp=1 block": (False, gpt_step(gpt1b, tok, lab)),
         "GPT step, cp=2 ring": (True, gpt_step(gpt2, tok2, lab2)),
+        "GPT step, cp=2 a2a": (True, gpt_step(gpt_a2a, tok2, lab2)),
+        "GPT step, cp=2 allgather": (True, gpt_step(gpt_ag, tok2, lab2)),
         "ring sequential": (True, _backward_of(ring(waits["sequential"]), *mine)),
         "ring comm only": (True, _backward_of(ring(waits["comm_only"], null), *mine)),
     }
