@@ -1,6 +1,9 @@
-"""Install omnitron; build the optional C++ extension omnitron._C from csrc/ when a compiler exists.
+"""Install omnitron; build the optional C++ extensions from csrc/ when a compiler exists.
 
-The package works without the extension: every fused op has a plain-PyTorch reference.
+``omnitron._C`` (csrc/cpu): fused CPU kernels. ``omnitron._sim`` (csrc/sim): the simulated accelerator
+``sim`` (a PrivateUse1 device over host memory, loaded only by the sim backend). The package works
+without either: every fused op has a plain-PyTorch reference, and the sim backend reports itself
+unavailable with the command that builds it.
 """
 import glob
 import os
@@ -33,7 +36,10 @@ def _extensions():
         extra_compile_args=["-O3", "-g0", "-fopenmp", f"-march={march}", "-fno-math-errno", "-std=c++17"],
         extra_link_args=["-fopenmp"],
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    # The simulated device: no -march (nothing here is a hot loop), no OpenMP.
+    sim = CppExtension("omnitron._sim", sorted(glob.glob("csrc/sim/*.cpp")),
+                       extra_compile_args=["-O3", "-g0", "-std=c++17"])
+    return [ext, sim], {"build_ext": BuildExtension.with_options(use_ninja=False)}
 
 
 ext_modules, cmdclass = _extensions()
