@@ -169,7 +169,9 @@ void sim_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   substitute_generators(schema, stack, begin, call.device);
   if (kDataDependent.count(name)) count_sync("shape", name.c_str());
   if (name == "aten::equal") count_sync("compare", name.c_str());
-  if (kHostIndices.count(name) && call.bool_index) count_sync("shape", name.c_str());
+  // index_put_ with a boolean mask sizes its work from device data (aten::index turns masks into
+  // nonzero before it gets here, and nonzero is counted).
+  if (kHostIndices.count(name) && name != "aten::index" && call.bool_index) count_sync("shape", name.c_str());
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   call.write_back();
   const size_t rbegin = stack->size() - schema.returns().size();

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 STEPS, MORE = 3, 2
 CASES = {  # name: (tp, pp, extra flags)
@@ -127,8 +128,9 @@ def _state_close(a, b, rtol, atol):
             torch.testing.assert_close(a["tensors"][name][key], t, rtol=rtol, atol=atol)
 
 
-def test_distributed_optimizer_matches_plain(tmp_path):
-    results = run_distributed(_worker, 4, str(tmp_path))
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=[pytest.mark.slow, requires_sim()])])
+def test_distributed_optimizer_matches_plain(tmp_path, backend):
+    results = run_distributed(_worker, 4, str(tmp_path), backend=backend)
     for name, (tp, pp, _) in CASES.items():
         fp16 = "fp16" in name
         # NOTE: fp16 parameters round masters equal to ~1e-7: allow a flipped last bit

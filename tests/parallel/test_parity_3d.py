@@ -14,6 +14,7 @@ from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.tensor.sharding import to_device
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
 from omnitron.testing.parity import reference_kernels
+from omnitron.testing.sim import requires_sim
 
 STEPS, MBS, M, SEQ, LR, SEED = 5, 2, 4, 16, 0.5, 1234
 # float64, u = 1.1e-16. Layouts differ only in the order of sums (tp splits of n <= 64-term contractions,
@@ -169,6 +170,20 @@ def test_parity_pipeline_2(ref):
 
 def test_parity_3d_4(ref):
     _check(run_distributed(parity_worker, 4, [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)], env=REFERENCE_KERNELS), ref)
+
+
+@requires_sim()
+def test_parity_pipeline_2_on_sim(ref):
+    """Every pipeline schedule on the simulated device against the host reference (same tolerance: the
+    device runs the same kernels; what it adds is placement, which moves nothing when right)."""
+    _check(run_distributed(parity_worker, 2, [(1, 2, 1)], backend="sim", env=REFERENCE_KERNELS), ref)
+
+
+@pytest.mark.slow
+@requires_sim()
+def test_parity_3d_4_on_sim(ref):
+    _check(run_distributed(parity_worker, 4, [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)], backend="sim",
+                           env=REFERENCE_KERNELS), ref)
 
 
 @pytest.mark.slow
