@@ -182,6 +182,17 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
   return at::_local_scalar_dense(cpu_view(self));
 }
 
+// native_dropout has no generator argument, so through the fallback the CPU kernel would draw its mask
+// from the host's default generator; here the mask is drawn by bernoulli_ on the device (device generator).
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0) return {input, at::empty_like(input, input.options().dtype(at::kBool))};
+  if (!train.value_or(true)) return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  double keep = 1.0 - p, scale = keep == 0.0 ? 0.0 : 1.0 / keep;
+  at::Tensor mask = at::empty_like(input, input.options().dtype(at::kBool));
+  mask.bernoulli_(keep);
+  return {input.mul(mask).mul_(scale), mask};
+}
+
 void record_stream(at::Tensor&, c10::Stream) {}  // one synchronous stream: nothing to record
 
 }  // namespace
@@ -201,6 +212,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_", set_empty);
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("record_stream", record_stream);
+  m.impl("native_dropout", native_dropout);
 }
 
 }  // namespace sim

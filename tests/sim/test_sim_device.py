@@ -24,12 +24,13 @@ def _memory(be) -> dict:
 
 
 def _rng(be) -> dict:
-    """The device generator is not the host's: device draws leave the host state alone, and (same
+    """The device generator is not the host's: device draws (dropout included) leave the host state alone, and (same
     Mersenne Twister) a seeded device stream equals the host stream from the same seed."""
     torch.manual_seed(5)
     host_state = torch.get_rng_state()
     be.manual_seed(123)
     dev = torch.rand(16, device=be.device()).cpu()
+    torch.nn.functional.dropout(torch.ones(64, device=be.device()), 0.5)  # native_dropout: no generator argument
     untouched = torch.equal(torch.get_rng_state(), host_state)
     torch.manual_seed(123)
     return {"untouched": untouched, "same_stream": torch.equal(dev, torch.rand(16))}
