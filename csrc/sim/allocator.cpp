@@ -1,4 +1,6 @@
 // Device memory of the sim accelerator: host memory from c10::alloc_cpu, counted per device.
+// With poisoning on, fresh memory is all 0xff bytes (NaN in every float type), as a GPU's reused
+// memory is garbage: code that reads an empty() buffer before writing it shows up.
 //
 // Nothing is cached, so "reserved" equals "allocated" (the statistics say so honestly). Memory a
 // CPU kernel allocated for a result is adopted (sim::adopt) rather than copied, and counted from then on.
@@ -18,6 +20,7 @@ struct Counters {
   std::atomic<int64_t> allocated{0}, peak{0}, allocations{0};
 };
 Counters g_mem[kMaxDevices];
+bool g_poison = false;
 
 void add_bytes(c10::DeviceIndex index, int64_t nbytes) {
   auto& c = g_mem[index];
@@ -47,6 +50,7 @@ struct SimAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex index = current_device();
     void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    if (ptr && g_poison) std::memset(ptr, 0xff, nbytes);  // NaN in every float type: reads before writes show
     add_bytes(index, static_cast<int64_t>(nbytes));
     auto* b = new Block{nbytes, index, ptr, c10::DataPtr()};
     return {ptr, b, &free_block, c10::Device(kSim, index)};
@@ -59,6 +63,8 @@ struct SimAllocator final : c10::Allocator {
 SimAllocator g_allocator;
 
 }  // namespace
+
+void set_poison(bool on) { g_poison = on; }
 
 c10::Allocator* allocator() { return &g_allocator; }
 

@@ -46,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("allocations") = s.allocations);
   });
   m.def("reset_peak", [](int i) { sim::reset_peak(static_cast<c10::DeviceIndex>(i)); });
+  m.def("set_poison", &sim::set_poison, "Fill fresh device memory with 0xff bytes (NaN): uninitialised reads show.");
   m.def("sync_count", &sim::sync_count, py::arg("kind") = "");
   m.def("reset_sync_count", &sim::reset_sync_count);
   m.def("set_sync_hook", &set_py_sync_hook, "Call fn(kind, op) at every counted host sync (None: stop).");

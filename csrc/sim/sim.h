@@ -30,6 +30,7 @@ struct MemoryStats {
 c10::Allocator* allocator();
 MemoryStats memory_stats(c10::DeviceIndex index);
 void reset_peak(c10::DeviceIndex index);
+void set_poison(bool on);  // fill fresh device memory with 0xff bytes
 // Take ownership of host memory a CPU kernel allocated, as device memory of ``index`` (counted).
 c10::DataPtr adopt(c10::DataPtr&& host, size_t nbytes, c10::DeviceIndex index);
 // Grow (or shrink) a device storage to ``nbytes``, keeping its leading contents.

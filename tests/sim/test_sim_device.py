@@ -20,7 +20,11 @@ def _memory(be) -> dict:
     grown = be.memory_stats()["allocated"] - base
     del x
     after = be.memory_stats()
-    return {"grown": grown, "freed": after["allocated"] - base, "peak": after["peak_allocated"] - base}
+    be._ext.set_poison(True)  # OMNITRON_SIM_POISON=1: fresh memory reads as NaN
+    poisoned = bool(torch.empty(5, device=be.device()).isnan().all().cpu())
+    be._ext.set_poison(False)
+    return {"grown": grown, "freed": after["allocated"] - base, "peak": after["peak_allocated"] - base,
+            "poisoned": poisoned}
 
 
 def _rng(be) -> dict:
@@ -106,7 +110,7 @@ def device_checks() -> dict:
 def test_sim_device_against_host_torch():
     results = run_distributed(device_checks, 2, backend="sim", timeout_s=120)
     r = results[0]
-    assert r["memory"] == {"grown": 24000, "freed": 0, "peak": 24000}, r["memory"]
+    assert r["memory"] == {"grown": 24000, "freed": 0, "peak": 24000, "poisoned": True}, r["memory"]
     assert r["rng"] == {"untouched": True, "same_stream": True}, r["rng"]
     assert r["syncs"] == {"quiet": 0, "item": 1, "copy": 1, "shape": 2, "compare": 1}, r["syncs"]
     p = r["placement"]

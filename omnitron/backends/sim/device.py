@@ -20,6 +20,8 @@ DIST_BACKEND = "simccl"
 BUILD_HINT = "build it with: MAX_JOBS=2 python setup.py build_ext --inplace (or pip install -e .)"
 DEVICES_ENV = "OMNITRON_SIM_DEVICES"
 """How many sim devices a process sees (default 8; all share host memory, each keeps its own statistics)."""
+POISON_ENV = "OMNITRON_SIM_POISON"
+"""``1``: fresh device memory is all 0xff bytes (NaN), so a read of an ``empty()`` buffer before any write shows."""
 
 
 class SimUnavailableError(RuntimeError):
@@ -51,6 +53,7 @@ def load():
     except ImportError as err:
         raise SimUnavailableError(f"omnitron._sim is not built ({err}); {BUILD_HINT}") from err
     ext.set_device_count(int(os.environ.get(DEVICES_ENV, "8")))
+    ext.set_poison(os.environ.get(POISON_ENV) == "1")
     if claimed_name() != NAME:
         torch.utils.rename_privateuse1_backend(NAME)
     torch._register_device_module(NAME, _runtime_module(ext))
