@@ -39,7 +39,20 @@ def _extensions():
     # The simulated device: no -march (nothing here is a hot loop), no OpenMP.
     sim = CppExtension("omnitron._sim", sorted(glob.glob("csrc/sim/*.cpp")),
                        extra_compile_args=["-O3", "-g0", "-std=c++17"])
-    return [ext, sim], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    return [ext, sim], {"build_ext": _parallel(BuildExtension.with_options(use_ninja=False))}
+
+
+def _parallel(build_ext):
+    """``build_ext`` building the extensions side by side: ``MAX_JOBS`` (default 2, the CI machine's cores)
+    compile jobs, so omnitron._sim's compile overlaps omnitron._C's instead of adding to it."""
+
+    class Parallel(build_ext):
+        def finalize_options(self):
+            super().finalize_options()
+            if not self.parallel:
+                self.parallel = int(os.environ.get("MAX_JOBS", "2"))
+
+    return Parallel
 
 
 ext_modules, cmdclass = _extensions()

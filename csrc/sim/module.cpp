@@ -3,7 +3,7 @@
 #include "sim.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/extension.h>
+#include <torch/python.h>
 
 namespace sim {
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo);
