@@ -1,6 +1,9 @@
-"""Install omnitron; build the optional C++ extension omnitron._C from csrc/ when a compiler exists.
+"""Install omnitron; build the optional C++ extensions from csrc/ when a compiler exists.
 
-The package works without the extension: every fused op has a plain-PyTorch reference.
+``omnitron._C`` (csrc/cpu): fused CPU kernels. ``omnitron._sim`` (csrc/sim): the simulated accelerator
+``sim`` (a PrivateUse1 device over host memory, loaded only by the sim backend). The package works
+without either: every fused op has a plain-PyTorch reference, and the sim backend reports itself
+unavailable with the command that builds it.
 """
 import glob
 import os
@@ -33,7 +36,23 @@ def _extensions():
         extra_compile_args=["-O3", "-g0", "-fopenmp", f"-march={march}", "-fno-math-errno", "-std=c++17"],
         extra_link_args=["-fopenmp"],
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    # The simulated device: no -march (nothing here is a hot loop), no OpenMP.
+    sim = CppExtension("omnitron._sim", sorted(glob.glob("csrc/sim/*.cpp")),
+                       extra_compile_args=["-O3", "-g0", "-std=c++17"])
+    return [ext, sim], {"build_ext": _parallel(BuildExtension.with_options(use_ninja=False))}
+
+
+def _parallel(build_ext):
+    """``build_ext`` building the extensions side by side: ``MAX_JOBS`` (default 2, the CI machine's cores)
+    compile jobs, so omnitron._sim's compile overlaps omnitron._C's instead of adding to it."""
+
+    class Parallel(build_ext):
+        def finalize_options(self):
+            super().finalize_options()
+            if not self.parallel:
+                self.parallel = int(os.environ.get("MAX_JOBS", "2"))
+
+    return Parallel
 
 
 ext_modules, cmdclass = _extensions()

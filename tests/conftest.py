@@ -34,5 +34,5 @@ def pytest_collection_modifyitems(config, items):
     name = os.environ.get("OMNITRON_BACKEND", "cpu")
     skip_gpu = pytest.mark.skip(reason=f"needs a GPU backend; running on {name!r}")
     for item in items:
-        if "gpu" in item.keywords and name == "cpu":
+        if "gpu" in item.keywords and name in ("cpu", "sim"):  # sim is simulated: no GPU under it
             item.add_marker(skip_gpu)

@@ -54,12 +54,19 @@ class Collectives:
     """Collectives over the process-group backend ``dist_backend``.
 
     ``fp8_native`` says whether the transport carries float8; when False, float8 tensors are
-    sent as ``uint8`` views and reduced in float32.
+    sent as ``uint8`` views and reduced in float32. ``device_type`` is where tensors of calls that
+    carry none (barrier, gather_object) live for the strict check: a device library such as NCCL
+    takes no host tensors.
     """
 
-    def __init__(self, dist_backend: str, fp8_native: bool = False) -> None:
+    def __init__(self, dist_backend: str, fp8_native: bool = False, device_type: str = "cpu") -> None:
         self.dist_backend = dist_backend
         self.fp8_native = fp8_native
+        self.device_type = device_type
+
+    def _no_tensor(self) -> torch.Tensor:
+        """An empty tensor on the current device, for the records and checks of tensor-less calls."""
+        return torch.zeros(0, device=self.device_type)
 
     # ---- process groups -----------------------------------------------------------------
     def init_process_group(self, rank: int | None = None, world_size: int | None = None,
@@ -235,7 +242,7 @@ class Collectives:
 
         NOTE: the payload is unpickled on ``dst``: use only between ranks of one job, never for
         data from outside it."""
-        self._enter("gather_object", torch.zeros(0), group, f"dst={dst}")
+        self._enter("gather_object", self._no_tensor(), group, f"dst={dst}")
         n = self.world_size(group)
         parts = [None] * n if self.rank() == dst else None
         dist.gather_object(obj, parts, dst=dst, group=group)
@@ -244,7 +251,7 @@ class Collectives:
     def barrier(self, group=None) -> None:
         """Wait for every member of ``group`` (checked like any collective in strict mode)."""
         if dist.is_initialized():
-            self._enter("barrier", torch.zeros(0), group)
+            self._enter("barrier", self._no_tensor(), group)
             dist.barrier(group=group)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Backend selection: ``OMNITRON_BACKEND=cpu|cuda|musa|auto`` plus out-of-tree plug-ins.
+"""Backend selection: ``OMNITRON_BACKEND=cpu|cuda|musa|sim|auto`` plus out-of-tree plug-ins.
 
 A vendor outside this repository ships a package that declares an entry point in the group
 ``omnitron.backends`` (``name = "pkg.module:BackendClass"``); it is found here without any
@@ -21,6 +21,7 @@ _BUILTIN = {
     "cpu": "omnitron.backends.cpu:CPUBackend",
     "cuda": "omnitron.backends.cuda:CUDABackend",
     "musa": "omnitron.backends.musa:MUSABackend",
+    "sim": "omnitron.backends.sim:SimBackend",
 }
 _instances: dict[str, Backend] = {}
 

@@ -29,6 +29,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _to_host(value):
+    """``value`` with every tensor in it (through dicts, lists, tuples) on the host: the parent may not have
+    the workers' device (a GPU, or the sim device it never loaded), and tests compare with host references."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return type(value)((k, _to_host(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_host(v) for v in value)
+    return value
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str, backend: str,
             threads: int, env: dict[str, str]) -> None:
     import torch
@@ -45,7 +59,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
 
         be = get_backend(backend)
         be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180)
-        value = fn(*args)
+        value = _to_host(fn(*args))
         be.collectives.barrier()  # checked in strict mode: a rank that skipped a collective fails here, named
         result = {"ok": True, "value": value}
     except BaseException as err:  # noqa: BLE001 - report everything to the parent

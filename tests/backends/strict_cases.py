@@ -27,9 +27,12 @@ def caught(name: str) -> dict:
 
 
 def _coll():
+    """The backend's collectives; new tensors go on the backend's device (a device library takes no host tensors)."""
     from omnitron.backends import get_backend
 
-    return get_backend().collectives
+    be = get_backend()
+    torch.set_default_device(be.device())
+    return be.collectives
 
 
 def different_shape() -> str:

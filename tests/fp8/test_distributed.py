@@ -2,9 +2,11 @@
 tensor-parallel shards quantize exactly as the whole tensor does (one spawn for every case)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 
 def _fp8_travel(world: int) -> dict:
@@ -13,20 +15,21 @@ def _fp8_travel(world: int) -> dict:
 
     from omnitron.backends import get_backend
 
-    coll = get_backend().collectives
+    be = get_backend()
+    coll, dev = be.collectives, be.device()
     rank = dist.get_rank()
     out = {}
     for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
         g = torch.Generator().manual_seed(100 + rank)
-        mine = (torch.randn(6, 5, generator=g) * 30).to(dt)
-        gathered = torch.empty(world * 6, 5, dtype=dt)
+        mine = (torch.randn(6, 5, generator=g) * 30).to(dt).to(dev)
+        gathered = torch.empty(world * 6, 5, dtype=dt, device=dev)
         coll.all_gather(gathered, mine)
         expect = torch.cat([(torch.randn(6, 5, generator=torch.Generator().manual_seed(100 + r)) * 30).to(dt)
                             for r in range(world)])
-        out[f"gather_{dt}"] = torch.equal(gathered.view(torch.uint8), expect.view(torch.uint8))
-        b = mine.clone() if rank == 0 else torch.zeros(6, 5, dtype=dt)
+        out[f"gather_{dt}"] = torch.equal(gathered.cpu().view(torch.uint8), expect.view(torch.uint8))
+        b = mine.clone() if rank == 0 else torch.zeros(6, 5, dtype=dt, device=dev)
         coll.broadcast(b, src=0)
-        out[f"bcast_{dt}"] = torch.equal(b.view(torch.uint8), expect[:6].view(torch.uint8))
+        out[f"bcast_{dt}"] = torch.equal(b.cpu().view(torch.uint8), expect[:6].view(torch.uint8))
         out[f"dtype_{dt}"] = gathered.dtype == dt and b.dtype == dt
     return out
 
@@ -41,7 +44,8 @@ def _tp_parity(tp: int) -> dict:
     from omnitron.core.precision.fp8 import FP8Config, FP8Linear, amax_groups_for
 
     be = get_backend()
-    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), be.collectives)
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), backend=be)
+    dev = be.device()
     r = groups.tp.rank
     errs = {}
 
@@ -62,6 +66,7 @@ def _tp_parity(tp: int) -> dict:
             x[3, 7] = 500.0
             w = torch.randn(256, 256, generator=g) * 0.05
             gy = torch.randn(64, 256, generator=g) * 1e-2
+            x, w, gy = x.to(dev), w.to(dev), gy.to(dev)  # drawn on the host (same on every backend), used on the device
             xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
             yf = ex_full(xf, wf, None)
             yf.backward(gy)
@@ -86,8 +91,9 @@ def _all_cases(world: int) -> dict:
     return {"travel": _fp8_travel(world), "tp": _tp_parity(world)}
 
 
-def test_fp8_over_gloo_and_tensor_parallel_amax_sharing():
-    results = run_distributed(_all_cases, 2, 2)
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=requires_sim())])
+def test_fp8_over_gloo_and_tensor_parallel_amax_sharing(backend):
+    results = run_distributed(_all_cases, 2, 2, backend=backend)
     for res in results:
         assert all(res["travel"].values()), res["travel"]
         for recipe, err in res["tp"].items():

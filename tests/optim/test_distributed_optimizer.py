@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 STEPS, MORE = 3, 2
 CASES = {  # name: (tp, pp, extra flags)
@@ -127,8 +128,9 @@ def _state_close(a, b, rtol, atol):
             torch.testing.assert_close(a["tensors"][name][key], t, rtol=rtol, atol=atol)
 
 
-def test_distributed_optimizer_matches_plain(tmp_path):
-    results = run_distributed(_worker, 4, str(tmp_path))
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=[pytest.mark.slow, requires_sim()])])
+def test_distributed_optimizer_matches_plain(tmp_path, backend):
+    results = run_distributed(_worker, 4, str(tmp_path), backend=backend)
     for name, (tp, pp, _) in CASES.items():
         fp16 = "fp16" in name
         # NOTE: fp16 parameters round masters equal to ~1e-7: allow a flipped last bit
@@ -167,15 +169,17 @@ def test_single_rank_and_bad_wiring():
     from omnitron.core.optim import DistributedOptimizer, MixedPrecisionOptimizer
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
     from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.sharding import to_device
 
     be, groups = get_backend(), ParallelGroups.single(ParallelConfig())
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.1)
     ddp_cfg = DataParallelConfig(use_distributed_optimizer=True, bucket_size=50)
-    x, y = torch.randn(6, 8), torch.randn(6, 3)
+    x, y = torch.randn(6, 8, device=be.device()), torch.randn(6, 3, device=be.device())
     runs = []
     for cls in (MixedPrecisionOptimizer, DistributedOptimizer):
         torch.manual_seed(3)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(torch.bfloat16)
+        model = to_device(model, be.device())
         ddp = DistributedDataParallel(model, groups, ddp_cfg, collectives=be.collectives)
         kw = {"chunks": [ddp]} if cls is DistributedOptimizer else {}
         opt = cls(list(model.named_parameters()), cfg, groups, backend=be, **kw)

@@ -13,6 +13,7 @@ from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.context import chunk_positions, split_sequence
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 # ---- (a) ring attention -------------------------------------------------------------------
 ATTN_CASES = [(causal, hq, hkv, dtype, 0.0) for causal in (True, False) for hq, hkv in ((4, 4), (4, 2), (4, 1))
@@ -189,13 +190,13 @@ def _train_args(root: str, *extra: str) -> list[str]:
             "0", "--log-interval", "1", "--no-tensorboard", "--data-cache-path", root + "/cache", *extra]
 
 
-def _train(argv: list[str], world: int) -> tuple[list[float], list[float]]:
+def _train(argv: list[str], world: int, backend: str = "cpu") -> tuple[list[float], list[float]]:
     """The training loop's per-iteration losses and validation losses."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
 
-    res = train(parse_settings(argv, world), get_backend("cpu"))
+    res = train(parse_settings(argv, world), get_backend(backend))
     return list(res["losses"].values()), [v["val_loss"] for v in res["validation"]]
 
 
@@ -228,11 +229,31 @@ def gpt_worker(layouts, root: str) -> dict:
                 for p in chunk.module.parameters():
                     p.add_(p.main_grad, alpha=-LR)
         results[layout] = (losses, grads, gather_full_state(chunk.module, groups))
-    results["loop"] = _train(_train_args(root, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-                                         "--sequence-parallel"), 4)
-    results["loop_zero"] = _train(_train_args(root + "/zero", "--context-parallel-size", "2",
-                                              "--use-distributed-optimizer"), 4)  # cp2 x dp2, states over dp x cp
+    results.update(loop_worker(root))  # cp2 x dp2: optimizer states over dp x cp
     return results
+
+
+def loop_worker(root: str) -> dict:
+    """The training loop at tp2 x cp2 (sequence parallel) and cp2 x dp2 (distributed optimizer) on this
+    worker's backend."""
+    from omnitron.backends import get_backend
+
+    torch.set_num_threads(1)
+    name = get_backend().name
+    return {"loop": _train(_train_args(root, "--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                       "--sequence-parallel"), 4, name),
+            "loop_zero": _train(_train_args(root + "/zero", "--context-parallel-size", "2",
+                                            "--use-distributed-optimizer"), 4, name)}
+
+
+@pytest.mark.slow
+@requires_sim()
+def test_context_parallel_training_on_sim_matches_one_process_on_cpu(tmp_path):
+    loop_ref = _train(_train_args(str(tmp_path / "one")), 1)
+    for res in run_distributed(loop_worker, 4, str(tmp_path / "sim"), backend="sim"):
+        for run in ("loop", "loop_zero"):
+            assert res[run][0] == pytest.approx(loop_ref[0], rel=1e-5), (run, res[run], loop_ref)
+            assert res[run][1] == pytest.approx(loop_ref[1], rel=1e-5) and len(loop_ref[1]) == 2
 
 
 def test_gpt_context_parallel_matches_one_process(tmp_path):

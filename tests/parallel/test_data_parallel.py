@@ -7,6 +7,7 @@ import torch
 from omnitron.core.config import ConfigError, ParallelConfig
 from omnitron.core.parallel.data import DataParallelConfig, num_microbatches
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 M = 3
 
@@ -35,10 +36,13 @@ def ddp_worker() -> dict:
     from omnitron.core.parallel.data import DistributedDataParallel
     from omnitron.core.parallel.groups import ParallelGroups
 
-    groups = ParallelGroups.build(ParallelConfig(), get_backend().collectives)
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    be = get_backend()
+    groups, dev = ParallelGroups.build(ParallelConfig(), backend=be), be.device()
     rank, out = groups.dp.rank, {}
     for name, (overlap, fp32, rs, dtype) in CASES.items():
-        model = _model(dtype)
+        model = to_device(_model(dtype), dev)
         with torch.no_grad():  # replicas disagree until DDP broadcasts rank 0's weights
             for p in model.parameters():
                 p.add_(rank)
@@ -48,7 +52,7 @@ def ddp_worker() -> dict:
         for step in range(2):  # the second step checks zero_grad_buffer resets everything
             ddp.zero_grad_buffer()
             for i in range(M):
-                x, y = _batch(rank, i)
+                x, y = (t.to(dev) for t in _batch(rank, i))
                 ctx = ddp.no_sync() if i < M - 1 else contextlib.nullcontext()
                 with ctx:
                     loss = ((ddp(x.to(dtype)).float() - y) ** 2).mean() / M
@@ -79,8 +83,9 @@ def _reference(dtype):
     return [p.grad for p in model.parameters()], [p.detach() for p in model.parameters()]
 
 
-def test_ddp_buckets_overlap_and_reduction_match_reference():
-    results = run_distributed(ddp_worker, 2)
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=requires_sim())])
+def test_ddp_buckets_overlap_and_reduction_match_reference(backend):
+    results = run_distributed(ddp_worker, 2, backend=backend)
     for name, (overlap, fp32, rs, dtype) in CASES.items():
         ref_grads, ref_params = _reference(dtype)
         tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)

@@ -11,8 +11,10 @@ import torch
 
 from omnitron.core.config import ParallelConfig
 from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.parallel.tensor.sharding import to_device
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
 from omnitron.testing.parity import reference_kernels
+from omnitron.testing.sim import requires_sim
 
 STEPS, MBS, M, SEQ, LR, SEED = 5, 2, 4, 16, 0.5, 1234
 # float64, u = 1.1e-16. Layouts differ only in the order of sums (tp splits of n <= 64-term contractions,
@@ -37,8 +39,8 @@ def _data(dp: int) -> torch.Tensor:
     return torch.randint(0, 96, (STEPS, MBS * M * dp, SEQ + 1), generator=g)
 
 
-def _iterator(data: torch.Tensor, dp_rank: int):
-    for step in data:
+def _iterator(data: torch.Tensor, dp_rank: int, device=None):
+    for step in data.to(device):
         mine = step.view(-1, MBS, SEQ + 1)[dp_rank * M:(dp_rank + 1) * M]  # this replica's micro-batches
         for mb in mine:
             yield {"tokens": mb[:, :-1], "labels": mb[:, 1:]}
@@ -95,11 +97,12 @@ def parity_worker(layouts) -> dict:
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
     from omnitron.core.parallel.pipeline import forward_backward, pipeline_layer_ranges
 
-    coll = get_backend().collectives
+    be = get_backend()
+    dev = be.device()  # the model and data on the backend's device (a no-op on cpu)
     results = {}
     for tp, pp, dp in layouts:
         base = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-                                    coll)
+                                    backend=be)
         for sched, overlap, sp, recompute in _variants(pp, tp):
             vp = 2 if sched == "interleaved" else None
             cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -114,14 +117,15 @@ def parity_worker(layouts) -> dict:
                 model = GPTModel(_config(**extra), groups, pre_process=groups.pp.is_first and c == 0,
                                  post_process=groups.pp.is_last and c == (vp or 1) - 1, layer_offset=offset,
                                  num_layers=n, seed=SEED)
+                to_device(model, dev)
                 chunks.append(DistributedDataParallel(model, groups, DataParallelConfig(
                     overlap_grad_reduce=overlap, bucket_size=3000)))
             kw = dict(num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32,
                       forward_step_fn=_gpt_step, dtype=torch.float64)
             # evaluation: forward-only over the first step's data gives the first step's loss
-            ev = forward_backward(sched, chunks, _iterator(_data(dp)[:1], groups.dp.rank), groups, forward_only=True,
-                                  **kw)
-            data = _iterator(_data(dp), groups.dp.rank)
+            ev = forward_backward(sched, chunks, _iterator(_data(dp)[:1], groups.dp.rank, dev), groups,
+                                  forward_only=True, **kw)
+            data = _iterator(_data(dp), groups.dp.rank, dev)
             losses = [ev["loss"]]
             for _ in range(STEPS):
                 for c in chunks:
@@ -133,7 +137,7 @@ def parity_worker(layouts) -> dict:
                 losses.append(out["loss"])
             state = {}
             for c in chunks:
-                state.update(gather_full_state(c.module, groups))
+                state.update({k: v.cpu() for k, v in gather_full_state(c.module, groups).items()})
             results[(tp, pp, dp, sched, overlap, sp, recompute)] = (losses, state)
     return results
 
@@ -166,6 +170,20 @@ def test_parity_pipeline_2(ref):
 
 def test_parity_3d_4(ref):
     _check(run_distributed(parity_worker, 4, [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)], env=REFERENCE_KERNELS), ref)
+
+
+@requires_sim()
+def test_parity_pipeline_2_on_sim(ref):
+    """Every pipeline schedule on the simulated device against the host reference (same tolerance: the
+    device runs the same kernels; what it adds is placement, which moves nothing when right)."""
+    _check(run_distributed(parity_worker, 2, [(1, 2, 1)], backend="sim", env=REFERENCE_KERNELS), ref)
+
+
+@pytest.mark.slow
+@requires_sim()
+def test_parity_3d_4_on_sim(ref):
+    _check(run_distributed(parity_worker, 4, [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)], backend="sim",
+                           env=REFERENCE_KERNELS), ref)
 
 
 @pytest.mark.slow

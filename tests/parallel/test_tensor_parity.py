@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
+from omnitron.testing.sim import requires_sim
 
 # float64, u = 2^-53 = 1.1e-16. A layout changes only the order of sums: a tp split of an n-term
 # reduction (n <= 256 here) moves it by ~sqrt(n) u ~ 2e-15 relative (random-rounding model), which
@@ -52,32 +53,36 @@ def _configs():
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _run_case(cfg, groups, single, seed: int = 7) -> dict[str, float]:
-    """Max relative errors of one configuration against the one-process model."""
+    """Max relative errors of one configuration against the one-process model (on the host: the tp model
+    runs on the groups' backend device, the reference stays on the CPU)."""
     from omnitron.core.models.gpt import GPTModel, allreduce_sequence_parallel_grads, gather_full_state
     from omnitron.core.parallel.tensor.mappings import gather_last
+    from omnitron.core.parallel.tensor.sharding import to_device
 
-    models = {"tp": GPTModel(cfg, groups, seed=seed), "ref": GPTModel(cfg, single, seed=seed)}
+    dev = groups.backend.device()
+    models = {"tp": to_device(GPTModel(cfg, groups, seed=seed), dev), "ref": GPTModel(cfg, single, seed=seed)}
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length), generator=gen)
     labels = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length), generator=gen)
+    inputs = {"tp": (tokens.to(dev), labels.to(dev)), "ref": (tokens, labels)}
     err: dict[str, float] = {}
     full_tp, full_ref = gather_full_state(models["tp"], groups), gather_full_state(models["ref"], single)
     assert full_tp.keys() == full_ref.keys(), (sorted(full_tp), sorted(full_ref))
-    err["init"] = max(float((full_tp[k] - full_ref[k]).abs().max()) for k in full_ref)  # must be exactly 0
+    err["init"] = max(float((full_tp[k].cpu() - full_ref[k]).abs().max()) for k in full_ref)  # must be exactly 0
     with torch.no_grad():
-        lg = gather_last(models["tp"](tokens), groups.tp)[..., : cfg.vocab_size]
+        lg = gather_last(models["tp"](inputs["tp"][0]), groups.tp)[..., : cfg.vocab_size]
         err["logits"] = _rel(lg, models["ref"](tokens)[..., : cfg.vocab_size])
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for k, m in models.items()}
     losses = {"tp": [], "ref": []}
     for step in range(5):
         for key, m in models.items():
             opts[key].zero_grad()
-            loss = m(tokens, labels=labels)
+            loss = m(inputs[key][0], labels=inputs[key][1])
             if step == 0:
                 losses[key + "_tok"] = loss.detach()
             loss.mean().backward()
@@ -99,40 +104,44 @@ def _dropout_checks(groups) -> dict:
     """Under tp + sequence parallelism with dropout on: recomputation is bit-identical, the
     tp-region stream differs across tp ranks and the default stream does not."""
     from omnitron.core.models.gpt import GPTModel, allreduce_sequence_parallel_grads, gather_full_state
+    from omnitron.core.parallel.tensor.sharding import to_device
 
+    dev = groups.backend.device()  # dropout draws from the device generator the rng tracker forks
     base = dataclasses.replace(_configs()["gpt2"], hidden_dropout=0.2, attention_dropout=0.2)
     tokens = torch.randint(0, base.vocab_size, (2, base.seq_length), generator=torch.Generator().manual_seed(3))
+    tokens = tokens.to(dev)
     runs = []
     for cfg in (base, dataclasses.replace(base, recompute_granularity="full", recompute_method="uniform",
                                           recompute_num_layers=2)):
-        model = GPTModel(cfg, groups, seed=11)
+        model = to_device(GPTModel(cfg, groups, seed=11), dev)
         torch.manual_seed(5)
         loss = model(tokens, labels=tokens)
         loss.mean().backward()
         allreduce_sequence_parallel_grads(model, groups)
         runs.append((loss.detach(), gather_full_state(model, groups, grads=True)))
         with model.rng_tracker.fork():
-            tp_stream = torch.rand(4)
+            tp_stream = torch.rand(4, device=dev)
     (l0, g0), (l1, g1) = runs
     return {"recompute_loss_equal": bool(torch.equal(l0, l1)),
             "recompute_grad_err": max(_rel(g1[k], g0[k]) for k in g0),
-            "tp_stream": tp_stream, "default_stream": torch.rand(4)}
+            "tp_stream": tp_stream.cpu(), "default_stream": torch.rand(4, device=dev).cpu()}
 
 
 def _reshard_check(groups) -> float:
     """shard_full_state loads a one-process model's full state into a tp model exactly."""
     from omnitron.core.models.gpt import GPTModel, gather_full_state, shard_full_state
     from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.sharding import to_device
 
     worst = 0.0
     for cfg in (_configs()["llama_mqa_kv_replicated"], _configs()["gpt2"]):
         single = ParallelGroups.single()
-        full = gather_full_state(GPTModel(cfg, single, seed=21), single)
-        model = GPTModel(cfg, groups, seed=99)
+        full = gather_full_state(GPTModel(cfg, single, seed=21), single)  # on the host
+        model = to_device(GPTModel(cfg, groups, seed=99), groups.backend.device())
         shard_full_state(model, full, groups)
         back = gather_full_state(model, groups)
         assert back.keys() == full.keys()
-        worst = max([worst] + [float((back[k] - full[k]).abs().max()) for k in full])
+        worst = max([worst] + [float((back[k].cpu() - full[k]).abs().max()) for k in full])
     return worst
 
 
@@ -144,11 +153,11 @@ def _parity_bundle(tp: int) -> dict:
     from omnitron.core.parallel.groups import ParallelGroups
 
     torch.set_num_threads(1)
-    coll = get_backend().collectives
+    be = get_backend()
     single = ParallelGroups.single()
     results = {}
     for sp in (False, True):
-        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), coll)
+        groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp), backend=be)
         for name, cfg in _configs().items():
             if tp > 2 and ("recompute" in name or (not sp and name not in ("llama_qknorm_partial_rope", "llama_gqa2"))):
                 continue  # NOTE: tp=2 runs the full matrix; tp=4 the cases whose maths depends on tp
@@ -178,6 +187,12 @@ def _check(results_per_rank, tp):
 
 def test_tensor_parallel_parity_tp2():
     _check(run_distributed(_parity_bundle, 2, 2, env=REFERENCE_KERNELS), 2)
+
+
+@requires_sim()
+def test_tensor_parallel_parity_tp2_on_sim():
+    """The tp model on the simulated device, the one-process reference on the host CPU."""
+    _check(run_distributed(_parity_bundle, 2, 2, backend="sim", env=REFERENCE_KERNELS), 2)
 
 
 def test_tensor_parallel_parity_tp4():

@@ -61,7 +61,7 @@ class CUDABackend(Backend):
     dist_backend = "nccl"
 
     def __init__(self) -> None:
-        self._collectives = Collectives("nccl", fp8_native=False)
+        self._collectives = Collectives("nccl", fp8_native=False, device_type="cuda")
         self._caps: Capabilities | None = None
 
     @classmethod

@@ -90,7 +90,8 @@ class MUSABackend(Backend):
 
     def __init__(self) -> None:
         _import_torch_musa()
-        self._collectives = Collectives(self.dist_backend, fp8_native=self.fp8_transport)
+        self._collectives = Collectives(self.dist_backend, fp8_native=self.fp8_transport,
+                                       device_type=self.device_type)
         self._caps: Capabilities | None = None
 
     @classmethod

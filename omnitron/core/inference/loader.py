@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.core.checkpoint import CheckpointError, find_latest
+from omnitron.core.parallel.tensor.sharding import to_device
 
 
 @dataclass
@@ -75,5 +76,5 @@ def load_for_inference(load: str, backend=None) -> Loaded:
     model, family = _build(cfg, backend)
     torch.random.set_rng_state(state)  # building initialises weights: leave the caller's RNG as it was
     shard_full_state(model, full.model, ParallelGroups.single())
-    return Loaded(model=model.to(backend.current_device()).eval(), tokenizer=tokenizer, family=family,
+    return Loaded(model=to_device(model, backend.current_device()).eval(), tokenizer=tokenizer, family=family,
                   meta=full.meta)

@@ -15,6 +15,7 @@ from omnitron.core.inference.sampling import GREEDY, SamplingParams
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.models.gpt.state import gather_full_state, shard_full_state
 from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.parallel.tensor.sharding import to_device
 
 
 @torch.no_grad()
@@ -43,7 +44,7 @@ def single_process_model(c) -> GPTModel | None:
     model = GPTModel(cfg, single, backend=c.backend, seed=c.settings.training.seed)
     torch.random.set_rng_state(state)
     shard_full_state(model, full, single)
-    return model.to(c.backend.current_device()).eval()
+    return to_device(model, c.backend.current_device()).eval()
 
 
 def print_sample(c, prompt: str, max_new_tokens: int, top_k: int = 1) -> str | None:

@@ -24,6 +24,7 @@ from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 from omnitron.core.parallel.pipeline.schedules import build_schedule
 from omnitron.core.parallel.tensor.random import default_seed
+from omnitron.core.parallel.tensor.sharding import to_device
 from omnitron.core.precision import build_loss_scaler
 from omnitron.core.training.arguments import batch_ramp
 
@@ -84,7 +85,7 @@ def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backen
                                    pc.decoder_last_pipeline_num_layers) if family.pipelined else {}
     rank = groups.pp.rank if pp > 1 else 0
     chunks = family.build_chunks(cfg, groups, ranges, rank, pp, vp, backend=backend, seed=seed)
-    return [chunk.to(backend.current_device()) for _, chunk in sorted(chunks.items())]
+    return [to_device(chunk, backend.current_device()) for _, chunk in sorted(chunks.items())]
 
 
 def wrap_data_parallel(modules: list[GPTModel], settings, groups):

@@ -84,6 +84,6 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
         coll.all_reduce(stats, group=groups.pp.handle)
     if groups.dp_cp.size > 1:
         coll.all_reduce(stats, group=groups.dp_cp.handle)
-    return {"loss": stats[0].item() / (num_microbatches * groups.dp_cp.size), "tokens": stats[1].item(),
-            "schedule": schedule}
+    loss, tokens = stats.tolist()  # one host sync for both (each .item() is one)
+    return {"loss": loss / (num_microbatches * groups.dp_cp.size), "tokens": tokens, "schedule": schedule}
 

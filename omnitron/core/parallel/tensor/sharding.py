@@ -36,6 +36,26 @@ def set_attributes(p: torch.nn.Parameter, *, parallel: bool, dim: int = -1, stri
     return p
 
 
+def to_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module.to(device)`` keeping every Parameter object: its identity (ties such as the shared
+    embedding) and its attributes (the ones above). Plain ``Module.to`` replaces each parameter by a
+    new one, attributes lost and ties broken, when the tensor types are not shallow-copy compatible:
+    host to any out-of-tree (PrivateUse1) device, e.g. ``musa`` or ``sim``."""
+    params = list(module.parameters())
+    if all(p.device == torch.device(device) for p in params):
+        return module.to(device)  # buffers only (a no-op for parameters)
+    attrs = {id(p): dict(vars(p)) for p in params}
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # moves each Parameter in place
+    try:
+        module.to(device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    for p in module.parameters():
+        vars(p).update(attrs[id(p)])  # swap_tensors swaps __dict__ too: put the attributes back
+    return module
+
+
 def full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
     """Shape of the full (padded) tensor behind local shard ``p``."""
     shape = list(p.shape)

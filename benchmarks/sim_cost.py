@@ -1,0 +1,76 @@
+"""Cost of the simulated accelerator against cpu on the parity tests' workers (side by side, one run).
+
+Runs the workers of tests/parallel/test_parity_3d.py (pp2: every schedule; 3d4: (1,4,1) (2,2,1) (1,2,2)
+(2,1,2)) and tests/optim/test_distributed_optimizer.py (4 ranks) on ``cpu`` and on ``sim``, alternating
+the backends per case so machine noise hits both alike (after a warm-up that starts the fork server),
+and prints each case's wall time and the
+sim/cpu ratio (process start-up included: it is what CI pays).
+
+    python benchmarks/sim_cost.py [--cases pp2,3d4,distopt]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for sub in ("tests/parallel", "tests/optim"):
+    sys.path.insert(0, os.path.join(ROOT, sub))
+
+
+def _cases() -> dict:
+    import test_distributed_optimizer as distopt
+    import test_parity_3d as p3d
+
+    from omnitron.testing.distributed import REFERENCE_KERNELS
+
+    return {
+        "pp2": (p3d.parity_worker, 2, ([(1, 2, 1)],), REFERENCE_KERNELS),
+        "3d4": (p3d.parity_worker, 4, ([(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)],), REFERENCE_KERNELS),
+        "distopt": (distopt._worker, 4, None, None),
+    }
+
+
+def timed(backend: str, case) -> float:
+    from omnitron.testing.distributed import run_distributed
+
+    fn, world, args, env = case
+    with tempfile.TemporaryDirectory() as root:
+        t0 = time.perf_counter()
+        run_distributed(fn, world, *(args if args is not None else (root,)), backend=backend, env=env,
+                        timeout_s=900)
+        return time.perf_counter() - t0
+
+
+def _noop() -> int:
+    return 0
+
+
+def warm_up() -> None:
+    """Start the fork server (it imports torch once) and load each backend once, outside the timings."""
+    from omnitron.testing.distributed import run_distributed
+
+    for backend in ("cpu", "sim"):
+        run_distributed(_noop, 1, backend=backend)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="pp2,3d4,distopt")
+    names = ap.parse_args().cases.split(",")
+    cases, total = _cases(), {"cpu": 0.0, "sim": 0.0}
+    warm_up()
+    print(f"{'case':8s} {'cpu s':>8s} {'sim s':>8s} {'sim/cpu':>8s}")
+    for name in names:
+        got = {b: timed(b, cases[name]) for b in ("cpu", "sim")}
+        for b in total:
+            total[b] += got[b]
+        print(f"{name:8s} {got['cpu']:8.1f} {got['sim']:8.1f} {got['sim'] / got['cpu']:8.2f}", flush=True)
+    print(f"{'total':8s} {total['cpu']:8.1f} {total['sim']:8.1f} {total['sim'] / total['cpu']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

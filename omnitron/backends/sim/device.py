@@ -1,0 +1,119 @@
+"""Load the sim accelerator into this process: ``torch.device("sim")``, ``torch.sim`` and ``simccl``.
+
+``omnitron._sim`` (csrc/sim) registers a PrivateUse1 device over host memory. Loading it names
+PrivateUse1 ``"sim"``, adds the ``Tensor.sim()``/``is_sim`` methods, registers ``torch.sim`` (the
+runtime module torch's accelerator-generic code looks for) and the ``simccl`` process-group backend.
+Nothing here runs when omnitron is imported: only the sim backend (or a test that asks) calls
+:func:`load`, so a CPU process never claims PrivateUse1.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import types
+
+import torch
+
+NAME = "sim"
+DIST_BACKEND = "simccl"
+BUILD_HINT = "build it with: MAX_JOBS=2 python setup.py build_ext --inplace (or pip install -e .)"
+DEVICES_ENV = "OMNITRON_SIM_DEVICES"
+"""How many sim devices a process sees (default 8; all share host memory, each keeps its own statistics)."""
+POISON_ENV = "OMNITRON_SIM_POISON"
+"""``1``: fresh device memory is all 0xff bytes (NaN), so a read of an ``empty()`` buffer before any write shows."""
+
+
+class SimUnavailableError(RuntimeError):
+    """The extension is missing or PrivateUse1 is already taken in this process."""
+
+
+def extension_built() -> bool:
+    """True when ``omnitron._sim`` can be imported (without importing it)."""
+    return importlib.util.find_spec("omnitron._sim") is not None
+
+
+def claimed_name() -> str:
+    """The name PrivateUse1 has in this process (``"privateuseone"`` while unclaimed)."""
+    return torch._C._get_privateuse1_backend_name()
+
+
+_ext = None
+
+
+def load():
+    """Import the extension and register ``sim`` (idempotent); returns the extension module."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    if claimed_name() not in ("privateuseone", NAME):
+        raise SimUnavailableError(f"PrivateUse1 is already the {claimed_name()!r} device in this process")
+    try:
+        ext = importlib.import_module("omnitron._sim")
+    except ImportError as err:
+        raise SimUnavailableError(f"omnitron._sim is not built ({err}); {BUILD_HINT}") from err
+    ext.set_device_count(int(os.environ.get(DEVICES_ENV, "8")))
+    ext.set_poison(os.environ.get(POISON_ENV) == "1")
+    if claimed_name() != NAME:
+        torch.utils.rename_privateuse1_backend(NAME)
+    torch._register_device_module(NAME, _runtime_module(ext))
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    _register_collectives(ext)
+    _ext = ext
+    return ext
+
+
+def _register_collectives(ext) -> None:
+    import torch.distributed as dist
+
+    def create(store, rank, size, timeout):
+        return ext.collective_backend(dist.ProcessGroupGloo(store, rank, size, timeout))
+
+    if DIST_BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(DIST_BACKEND, create, devices=[NAME])
+
+
+def _index(device=None) -> int:
+    """A device index from None (current), an int, a string or a torch.device."""
+    if device is None:
+        return _ext.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return _ext.current_device() if device.index is None else device.index
+
+
+def _runtime_module(ext) -> types.ModuleType:
+    """``torch.sim``: the runtime surface torch (autocast, RNG forking, serialization) and omnitron call."""
+    mod = types.ModuleType("torch.sim", "Runtime of the simulated accelerator (omnitron._sim).")
+
+    def manual_seed_all(seed: int) -> None:
+        for i in range(ext.device_count()):
+            ext.manual_seed(i, int(seed))
+
+    def memory_stats(device=None) -> dict:
+        return ext.memory_stats(_index(device))
+
+    fns = dict(
+        is_available=lambda: True, is_initialized=lambda: True, _is_in_bad_fork=lambda: False, _lazy_init=lambda: None,
+        init=lambda: None, device_count=ext.device_count, current_device=ext.current_device,
+        set_device=lambda device: ext.set_device(_index(device)), synchronize=lambda device=None: None,
+        manual_seed=lambda seed: ext.manual_seed(ext.current_device(), int(seed)), manual_seed_all=manual_seed_all,
+        seed=lambda: ext.seed(ext.current_device()), seed_all=lambda: [ext.seed(i) for i in range(ext.device_count())],
+        initial_seed=lambda: ext.initial_seed(ext.current_device()),
+        get_rng_state=lambda device=None: ext.get_rng_state(_index(device)),
+        set_rng_state=lambda state, device=None: ext.set_rng_state(_index(device), state),
+        memory_allocated=lambda device=None: memory_stats(device)["allocated"],
+        memory_reserved=lambda device=None: memory_stats(device)["allocated"],
+        max_memory_allocated=lambda device=None: memory_stats(device)["peak"],
+        max_memory_reserved=lambda device=None: memory_stats(device)["peak"],
+        reset_peak_memory_stats=lambda device=None: ext.reset_peak(_index(device)),
+        empty_cache=lambda: None, memory_stats=memory_stats,
+        get_amp_supported_dtype=lambda: [torch.float16, torch.bfloat16],
+        sync_count=ext.sync_count, reset_sync_count=ext.reset_sync_count,
+    )
+    for name, fn in fns.items():
+        setattr(mod, name, fn)
+    mod.get_rng_state_all = lambda: [ext.get_rng_state(i) for i in range(ext.device_count())]
+    mod.set_rng_state_all = lambda states: [ext.set_rng_state(i, s) for i, s in enumerate(states)]
+    return mod

@@ -1,0 +1,124 @@
+"""The sim device itself, checked against plain torch on the host: memory statistics in bytes, a device
+RNG of its own, the host-sync counter, placement errors a GPU would raise, views and resizes through the
+CPU fallback, autograd and simccl's staged results. Everything runs in one spawned worker (the pytest
+process never claims PrivateUse1)."""
+from __future__ import annotations
+
+import torch
+
+from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
+
+pytestmark = [requires_sim(), __import__("pytest").mark.multiprocess]
+
+
+def _memory(be) -> dict:
+    """Allocated bytes move by exactly a tensor's nbytes; the peak remembers a freed tensor."""
+    be.reset_peak_memory_stats()
+    base = be.memory_stats()["allocated"]
+    x = torch.empty(1000, 3, dtype=torch.float64, device=be.device())
+    grown = be.memory_stats()["allocated"] - base
+    del x
+    after = be.memory_stats()
+    be._ext.set_poison(True)  # OMNITRON_SIM_POISON=1: fresh memory reads as NaN
+    poisoned = bool(torch.empty(5, device=be.device()).isnan().all().cpu())
+    be._ext.set_poison(False)
+    return {"grown": grown, "freed": after["allocated"] - base, "peak": after["peak_allocated"] - base,
+            "poisoned": poisoned}
+
+
+def _rng(be) -> dict:
+    """The device generator is not the host's: device draws (dropout included) leave the host state alone, and (same
+    Mersenne Twister) a seeded device stream equals the host stream from the same seed."""
+    torch.manual_seed(5)
+    host_state = torch.get_rng_state()
+    be.manual_seed(123)
+    dev = torch.rand(16, device=be.device()).cpu()
+    torch.nn.functional.dropout(torch.ones(64, device=be.device()), 0.5)  # native_dropout: no generator argument
+    untouched = torch.equal(torch.get_rng_state(), host_state)
+    torch.manual_seed(123)
+    return {"untouched": untouched, "same_stream": torch.equal(dev, torch.rand(16))}
+
+
+def _syncs(be) -> dict:
+    """Each kind of host sync counts once; device work and host-to-device copies count nothing."""
+    x = torch.randn(8, device=be.device())
+    be.reset_sync_count()
+    y = (x * 2 + 1).relu().sum()
+    quiet = be.sync_count()
+    y.item()
+    x.cpu()
+    torch.nonzero(x > 0)
+    x[x > 0]  # boolean indexing sizes its result from device data
+    torch.equal(x, x)
+    x.to(be.device()).copy_(torch.ones(8))
+    return {"quiet": quiet, **{k: be.sync_count(k) for k in ("item", "copy", "shape", "compare")}}
+
+
+def _placement(be) -> dict:
+    """A host tensor beside a device tensor, or a host generator for a device op, is an error (as on a GPU);
+    a 0-dim host scalar is fine."""
+    x = torch.ones(4, device=be.device())
+    errors = {}
+    for name, fn in {"host_tensor": lambda: x + torch.ones(4), "host_generator":
+                     lambda: torch.randn(4, device=be.device(), generator=torch.Generator())}.items():
+        try:
+            fn()
+            errors[name] = ""
+        except RuntimeError as err:
+            errors[name] = str(err)
+    errors["scalar_ok"] = float((x + torch.tensor(2.0)).sum().cpu())
+    return errors
+
+
+def _fallback(be) -> dict:
+    """Views, in-place ops, out= resizes and autograd through the CPU fallback match host torch."""
+    torch.manual_seed(0)
+    a = torch.randn(6, 5, dtype=torch.float64)
+    d = a.to(be.device())
+    d.t()[1:3].mul_(3)  # in place through a view: the base sees it
+    a.t()[1:3].mul_(3)
+    out = torch.empty(0, device=be.device(), dtype=torch.float64)
+    torch.cumsum(d, 0, out=out)  # out= resized by the CPU kernel, memory adopted by the device tensor
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    wd = w.detach().to(be.device()).requires_grad_()
+    (d @ wd).tanh().sum().backward()
+    (a @ w).tanh().sum().backward()
+    return {"base": (d.cpu() - a).abs().max().item(), "out": (out.cpu() - a.cumsum(0)).abs().max().item(),
+            "out_device": str(out.device), "grad": (wd.grad.cpu() - w.grad).abs().max().item(),
+            "grad_device": str(wd.grad.device)}
+
+
+def _staged_collective(be) -> dict:
+    """simccl hands a result back on wait(), not before (a vendor library's stream semantics)."""
+    import torch.distributed as dist
+
+    x = torch.full((4,), float(dist.get_rank() + 1), device=be.device())
+    work = be.collectives.all_reduce(x, async_op=True)
+    work.wait()
+    return {"sum": x.cpu().tolist(), "device": str(x.device)}
+
+
+def device_checks() -> dict:
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    return {"memory": _memory(be), "rng": _rng(be), "syncs": _syncs(be), "placement": _placement(be),
+            "fallback": _fallback(be), "collective": _staged_collective(be)}
+
+
+def test_sim_device_against_host_torch():
+    results = run_distributed(device_checks, 2, backend="sim", timeout_s=120)
+    r = results[0]
+    assert r["memory"] == {"grown": 24000, "freed": 0, "peak": 24000, "poisoned": True}, r["memory"]
+    assert r["rng"] == {"untouched": True, "same_stream": True}, r["rng"]
+    assert r["syncs"] == {"quiet": 0, "item": 1, "copy": 1, "shape": 2, "compare": 1}, r["syncs"]
+    p = r["placement"]
+    assert "Expected all tensors to be on the same device" in p["host_tensor"], p
+    assert "Expected a 'sim' device type for generator" in p["host_generator"], p
+    assert p["scalar_ok"] == 12.0
+    f = r["fallback"]
+    # the same CPU kernels on the same float64 data: identical results, on the device
+    assert f == {"base": 0.0, "out": 0.0, "out_device": "sim:0", "grad": 0.0, "grad_device": "sim:0"}, f
+    for res in results:
+        assert res["collective"] == {"sum": [3.0] * 4, "device": "sim:0"}, res["collective"]
