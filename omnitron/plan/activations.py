@@ -16,13 +16,12 @@ instead of modelling op by op (see :class:`omnitron.plan.measure.SavedBytes`):
    in the sequence-parallel region);
 3. a layer's rate = (model of ``2 n`` layers - model of ``n`` layers) / ``n`` (``n`` = the recompute
    chunk with ``--recompute-granularity full``, else 1): recomputation is measured, not assumed;
-4. the rest (embedding, final norm, logits and the loss) = model of ``n`` layers - ``n`` layers,
-   at two vocabularies ``V1, 2 V1``: its vocabulary part scales with ``V_pad / tp``, all of it is
-   charged to the last stage (the first stage's embedding output is a few bytes per token).
+4. the ends: a 2-layer probe split over 2 pipeline stages, each stage minus its layer, gives the first
+   stage's embedding bytes and the last stage's head (final norm, logits, loss) bytes; the head at two
+   vocabularies ``V1, 2 V1`` separates the part that scales with the rank's ``V_pad / tp`` columns.
 
 Errors (bounded in tests/plan/test_activations.py): per-token norm statistics are multiplied by
-``k`` in step 1 (8-16 bytes per token per ``k``); hidden-independent per-token terms of step 4 are
-charged to the last stage rather than the first.
+``k`` in step 1 when ``k > 1`` (hidden sizes above 256 only; the tests' models are probed at ``k = 1``).
 """
 from __future__ import annotations
 
@@ -127,6 +126,8 @@ class ActivationModel:
     """Per token: head and loss bytes independent of the vocabulary."""
     head_vocab: float
     """Per token and vocabulary column of the rank's logits shard."""
+    embedding: float
+    """Per token: the first stage's embedding output (and dropout mask)."""
 
 
 _CACHE: dict[str, ActivationModel] = {}
@@ -151,10 +152,20 @@ def _activation_model(cfg, tp: int) -> ActivationModel:
     if cfg.recompute_granularity == "full":
         n = cfg.recompute_num_layers or 1 if cfg.recompute_method == "uniform" else 1
         recomputed = _layer_rate(replace(probe, recompute_method="uniform", recompute_num_layers=n), kh, kd, n)
-    # the head: models of one plain layer at two vocabularies, minus the layer, at the probe's width (times k)
-    own = (layer.lin * _S1 / k + layer.quad * _S1 * _S1 / kh)  # the probe layer's own bytes
-    h1 = _measure(plain, 1, _S1) - own
-    h2 = _measure(replace(plain, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), 1, _S1) - own
+    # embedding and head: the stages of a 2-layer, 2-stage probe minus their layer, at two vocabularies
+    own = layer.lin * _S1 / k + layer.quad * _S1 * _S1 / kh  # the probe layer's own bytes
+    first, h1 = _ends(plain, own)
+    _, h2 = _ends(replace(plain, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), own)
     per_col = (h2 - h1) / (_S1 * _V1)
-    fixed = (h1 / _S1 - per_col * _V1) * k
-    return ActivationModel(layer, recomputed, fixed, per_col)
+    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k, per_col, first / _S1 * k)
+
+
+def _ends(probe, own: float) -> tuple[float, float]:
+    """(first stage, last stage) bytes beyond their one layer, of a 2-layer probe split over 2 stages."""
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.plan.measure import pipeline_bytes
+
+    got = pipeline_bytes(replace(probe, num_layers=2, seq_length=_S1,
+                                 max_position_embeddings=max(_S1, probe.max_position_embeddings or _S1)),
+                         Layout(pp=2), 1)
+    return got[(0, 0)] - own, got[(1, 0)] - own

@@ -69,7 +69,7 @@ def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:
     return {k: n for k, (_, n) in ranges.items()}
 
 
-def microbatch_bytes(settings, cfg, layers: int, last: bool) -> tuple[float, float]:
+def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False) -> tuple[float, float]:
     """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers."""
     pc, t = settings.parallel, settings.training
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
@@ -80,6 +80,8 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool) -> tuple[float, flo
     else:
         n_rec = 0
     acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
+    if first:
+        acts += s * b * am.embedding / (tp if sp else 1)
     if not last:
         return acts, 0.0
     from omnitron.core.models.gpt.config import padded_vocab_size
@@ -123,7 +125,7 @@ def estimate(settings) -> list[StageMemory]:
     for r in range(pp):
         acts, logits = {}, {}
         for c in range(vp):
-            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=(r, c) == (pp - 1, vp - 1))
+            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=(r, c) == (pp - 1, vp - 1), first=(r, c) == (0, 0))
         act_peak, most = peak_held(schedule, r, acts)
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
