@@ -11,9 +11,11 @@ instead of modelling op by op (see :class:`omnitron.plan.measure.SavedBytes`):
    divided by ``k = k_heads * k_dim`` (fewer heads, a smaller head dimension) so that it is small, run in
    this process at ``b = 1`` and two sequence lengths ``s1, 2 s1``: ``alpha, beta`` solve the two
    equations; ``alpha`` times ``k``, ``beta`` (per head, whatever its dimension) times ``k_heads``;
-2. the same at hidden ``2 h / k``: the difference is the part proportional to the hidden size,
-   which sequence parallelism splits over tp (Megatron's assumption: everything hidden-sized lives
-   in the sequence-parallel region);
+2. the same at hidden ``2 h / k``: the difference is the part proportional to the hidden size, which
+   sequence parallelism splits over tp except the inputs the column-parallel linears save: they are
+   all-gathered to the whole sequence first (measured on 2 ranks: the QKV and fc1 inputs are [s, b*h],
+   the norms' [s/tp, b, h]), so ``e * h`` bytes per token per such linear stay (``e`` the activation
+   dtype's size; ``gathered``); of the head likewise the output layer's gathered input;
 3. a layer's rate = (model of ``2 n`` layers - model of ``n`` layers) / ``n`` (``n`` = the recompute
    chunk with ``--recompute-granularity full``, else 1): recomputation is measured, not assumed;
 4. the ends: a 2-layer probe split over 2 pipeline stages, each stage minus its layer, gives the first
@@ -37,14 +39,16 @@ _S1, _V1 = 64, 128
 @dataclass(frozen=True)
 class LayerRate:
     """Saved bytes per sample of one layer: ``lin * s + quad * s^2``, ``hidden`` the part of ``lin``
-    proportional to the hidden size."""
+    proportional to the hidden size, ``gathered`` the part of that which stays whole under sequence
+    parallelism (the all-gathered inputs that column-parallel linears save)."""
 
     lin: float
     quad: float
     hidden: float
+    gathered: float = 0.0
 
     def bytes(self, s: int, b: int, tp: int = 1, sp: bool = False) -> float:
-        lin = self.lin - (self.hidden * (1 - 1 / tp) if sp else 0.0)
+        lin = self.lin - ((self.hidden - self.gathered) * (1 - 1 / tp) if sp else 0.0)
         return b * (lin * s + self.quad * s * s)
 
 
@@ -113,7 +117,22 @@ def _layer_rate(probe, kh: int, kd: int, n: int) -> LayerRate:
     lin = (a - quad * _S1 * _S1) / _S1
     wide = replace(probe, hidden_size=2 * probe.hidden_size)
     hidden = (per_layer(wide, _S1) - a) / _S1  # the hidden-proportional part doubles
-    return LayerRate(kh * kd * lin, kh * quad, kh * kd * hidden)
+    k = kh * kd
+    gathered = 0.0 if probe.recompute_granularity == "full" else _gathered_per_token(probe) * k
+    return LayerRate(k * lin, kh * quad, k * hidden, gathered)
+
+
+def _gathered_per_token(probe) -> float:
+    """Bytes per token of the hidden-sized inputs one layer's column-parallel linears save (probe widths)."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+
+    with torch.device("meta"):
+        m = GPTModel(replace(probe, num_layers=1), ParallelGroups.single())
+    layer = next(iter(m.decoder.layers.values()))
+    n = sum(isinstance(mod, ColumnParallelLinear) for mod in layer.modules())
+    return n * probe.hidden_size * probe.params_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,7 @@ class ActivationModel:
     recomputed: LayerRate
     head_fixed: float
     """Per token: head and loss bytes independent of the vocabulary."""
+    head_gathered: float
     head_vocab: float
     """Per token and vocabulary column of the rank's logits shard."""
     embedding: float
@@ -157,7 +177,8 @@ def _activation_model(cfg, tp: int) -> ActivationModel:
     first, h1 = _ends(plain, own)
     _, h2 = _ends(replace(plain, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), own)
     per_col = (h2 - h1) / (_S1 * _V1)
-    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k, per_col, first / _S1 * k)
+    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k,
+                           cfg.hidden_size * cfg.params_dtype.itemsize, per_col, first / _S1 * k)
 
 
 def _ends(probe, own: float) -> tuple[float, float]:

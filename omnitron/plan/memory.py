@@ -86,7 +86,7 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
         return acts, 0.0
     from omnitron.core.models.gpt.config import padded_vocab_size
 
-    head = s * b * (am.head_fixed / (tp if sp else 1))
+    head = s * b * ((am.head_fixed - am.head_gathered) / tp + am.head_gathered if sp else am.head_fixed)
     return acts + head, s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
 
 
