@@ -38,7 +38,48 @@ LAYOUTS = {
 }
 
 
+STEP = {name: argv for name, (world, argv) in LAYOUTS.items() if world == 1}
+
+
+def step_peak(argv: list[str], root: str) -> tuple[int, int]:
+    """(bytes of every storage created during one training step at its peak, predicted activations + logits +
+    recompute):
+    one process, a warm step first; the parameters, gradient buffers and optimizer state exist before and
+    count 0 (omnitron.kernels.benchmark.PeakTracker), so the peak is activations plus backward transients."""
+    import torch
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.components import build_components
+    from omnitron.core.training.loop import data_iterator
+    from omnitron.core.training.step import train_step
+    from omnitron.kernels.benchmark import PeakTracker
+    from omnitron.plan.memory import estimate
+
+    torch.set_num_threads(1)
+    s = parse_settings(argv + ["--num-workers", "0", "--train-iters", "3", "--no-tensorboard", "--data-cache-path",
+                               root], 1)
+    c = build_components(s, get_backend())
+    it = data_iterator(c, c.train_data, 0)
+    train_step(c, it)
+    tracker = PeakTracker()
+    with tracker:
+        train_step(c, it)
+    e = estimate(s)[0]
+    return tracker.peak, e.activations + e.logits + e.recompute
+
+
 def main() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        print(f"{'layout (one process)':28s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
+        for name, argv in STEP.items():
+            peak, pred = step_peak(argv, root)
+            print(f"{name:28s} {pred / 2**20:14.3f} {peak / 2**20:14.3f} {100 * (pred / peak - 1):+7.2f}%")
+    micro()
+
+
+def micro() -> None:
     print(f"{'layout':28s} {'stage':>8s} {'predicted MiB':>14s} {'measured MiB':>13s} {'error':>8s}")
     worst, start = 0.0, time.perf_counter()
     for name, (world, argv) in LAYOUTS.items():

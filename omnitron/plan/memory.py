@@ -12,8 +12,12 @@ distributed-optimizer slice boundaries, and the largest is reported):
 - logits: the last stage's vocabulary-shard part of the head (``V_pad / tp`` columns, per token);
 - FP8 (assumed, not validated): one 1-byte copy of every 2-D layer weight when ``--fp8-format`` is on.
 
-Not modelled: communication buffers, allocator fragmentation and the transient of recomputing a chunk
-in backward, MoE routing tensors (MoE layers are probed as dense).
+- recompute (full recomputation only): one recompute chunk's plain activations, rematerialised in its
+  backward.
+
+Not modelled: communication buffers, allocator fragmentation, backward's other transients (gradients of
+activations, measured at 1-12% of the activations in one process: BENCHMARKS.md), MoE routing tensors
+(MoE layers are probed as dense).
 """
 from __future__ import annotations
 
@@ -35,12 +39,14 @@ class StageMemory:
     activations: int
     logits: int
     fp8: int
+    recompute: int
+    """Full recomputation: one recompute chunk's activations, rematerialised during its backward."""
     inflight: int
     """Most micro-batches (over chunks) held at once by this rank's schedule."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8
+        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8 + self.recompute
 
 
 def model_config(settings):
@@ -105,6 +111,17 @@ def peak_held(schedule, rank: int, per_chunk: dict[int, float]) -> tuple[float, 
     return best, most
 
 
+def recompute_bytes(settings, cfg) -> int:
+    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises."""
+    if cfg.recompute_granularity != "full":
+        return 0
+    pc = settings.parallel
+    tp = pc.tensor_model_parallel_size
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    n = 1 if cfg.recompute_method == "block" else (cfg.recompute_num_layers or 1)
+    return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel))
+
+
 def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
     if settings.fp8 is None:
         return 0
@@ -130,7 +147,8 @@ def estimate(settings) -> list[StageMemory]:
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
         out.append(StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
-                               round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), most))
+                               round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r),
+                               recompute_bytes(settings, cfg), most))
     return out
 
 
@@ -141,9 +159,9 @@ def _gib(n: int) -> str:
 def format_table(stages: list[StageMemory]) -> str:
     """One row per stage (GiB; values under 128 MiB in MiB, suffixed M) and the largest rank."""
     head = f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'params':>9} {'grads':>9} {'optimizer':>9} " \
-           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'total':>9}"
+           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'total':>9}"
     rows = [head] + [f"{s.stage:>5} {s.layers:>6} {s.inflight:>9} {_gib(s.params)} {_gib(s.grads)} {_gib(s.optimizer)}"
-                     f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.total)}" for s in stages]
+                     f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.recompute)} {_gib(s.total)}" for s in stages]
     top = max(stages, key=lambda s: s.total)
     rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes)")
     return "\n".join(rows)
