@@ -10,7 +10,7 @@ import importlib
 import logging
 import sys
 
-COMMANDS = ("info", "train", "preprocess", "tokenizer", "bench", "plot", "generate", "serve", "checkpoint")
+COMMANDS = ("info", "train", "plan", "preprocess", "tokenizer", "bench", "plot", "generate", "serve", "checkpoint")
 
 
 class Parser(argparse.ArgumentParser):

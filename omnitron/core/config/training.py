@@ -214,6 +214,9 @@ class LoggingConfig:
     """--log-params-norm: log the global parameter L2 norm (each shard counted once), computed on logged steps."""
     log_num_zeros_in_grad: bool = False
     """--log-num-zeros-in-grad: log how many gradient elements are exactly zero (each counted once)."""
+    log_memory_estimate: bool = False
+    """--log-memory-estimate: rank 0 logs omnitron.plan's predicted memory per pipeline stage (the table of
+    ``omnitron plan``) before the first step."""
     log_memory_to_tensorboard: bool = False
     """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
     log_timers_to_tensorboard: bool = False

@@ -146,6 +146,10 @@ def train(settings, backend, watchdog=None) -> dict:
         log.info("omnitron: %s | %.2fM parameters | %s | %d micro-batches/step | backend %s",
                  layout[0] if layout else "", model_parameters(c.model) / 1e6,
                  settings.precision.params_dtype_name, settings.num_microbatches, backend.name)
+        if settings.logging.log_memory_estimate:
+            from omnitron.plan.memory import estimate, format_table
+
+            log.info("predicted memory per rank (omnitron plan):\n%s", format_table(estimate(settings)))
     log_dir = lg.log_dir or default_log_dir(ck.save)
     logger = MetricsLogger(log_dir=log_dir, log_interval=lg.log_interval, train_iters=t.train_iters, enabled=rank0,
                            tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,

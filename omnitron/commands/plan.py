@@ -1,0 +1,66 @@
+"""``omnitron plan``: memory per pipeline stage of a layout, before launching it (omnitron.plan)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub) -> None:
+    from omnitron.core.training.arguments import add_arguments
+
+    p = sub.add_parser("plan", help="predict memory per pipeline stage of a layout before launch",
+                       description="Predict each pipeline stage's memory (parameters, gradients, optimizer state, "
+                       "activations, logits) for the training flags given, under --layout tpN,ppN,cpN,dpN or "
+                       "the usual parallelism flags and --nproc-per-node.", argument_default=argparse.SUPPRESS)
+    p.add_argument("--layout", metavar="LAYOUT", help="tp2,pp2,dp2 (a missing dimension is 1): sets the parallel "
+                   "sizes and the world size")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def layout_flags(layout: str) -> tuple[dict, int]:
+    """``--layout`` -> (flat settings it implies, world size); ConfigError on a malformed string."""
+    from omnitron.bench.train import parse_layout
+    from omnitron.core.config.parallel import ConfigError
+
+    try:
+        dims, world = parse_layout(layout)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    flags = {"tensor_model_parallel_size": dims["tp"], "pipeline_model_parallel_size": dims["pp"],
+             "context_parallel_size": dims["cp"], "expert_model_parallel_size": dims["ep"]}
+    return flags, world
+
+
+def settings_of(given: dict):
+    """Validated Settings for the plan (the layout's sizes override the flags of the same meaning)."""
+    from omnitron.core.training.arguments import build_settings, merge_settings
+
+    given = dict(given)
+    world = None
+    if given.get("layout"):
+        flags, world = layout_flags(given.pop("layout"))
+        given.update(flags)
+    else:
+        given.pop("layout", None)
+    return build_settings(merge_settings(given), world)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.memory import estimate, format_table
+
+    given = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    try:
+        s = settings_of(given)
+        stages = estimate(s)
+    except ConfigError as err:
+        print(f"omnitron plan: error: {err}", file=sys.stderr)
+        return 2
+    pc = s.parallel
+    print(f"{s.model_type} {s.model.num_layers} layers, hidden {s.model.hidden_size} | world {s.world_size}: "
+          f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size} "
+          f"dp{s.dp} | micro-batch {s.training.micro_batch_size} x {s.num_microbatches} | "
+          f"{s.precision.params_dtype_name}")
+    print(format_table(stages))
+    return 0

@@ -1,0 +1,1 @@
+"""``omnitron plan``: predict a layout's memory per pipeline stage before launch (:mod:`.memory`)."""

@@ -1,0 +1,192 @@
+"""Activation bytes of one micro-batch, per pipeline stage, measured on small probes and scaled.
+
+Derivation. For a fixed layer configuration every tensor autograd saves is ``[s, b, w]`` for some width
+``w`` (hidden, query/key/value, ffn, per-token norm statistics) or, where attention materialises
+its scores (the unfused path taken with attention dropout), ``[b, heads, s, s]``; a mask over keys
+is ``[s, s]``. So one layer's saved bytes are exactly ``b * (alpha * s + beta * s^2)``, and the
+tensor-parallel shard of a layer holds the same structure at its local widths. We therefore measure
+instead of modelling op by op (see :class:`omnitron.plan.measure.SavedBytes`):
+
+1. a probe layer = the rank's local layer (heads, query groups and ffn divided by tp) with every width
+   divided by ``k = k_heads * k_dim`` (fewer heads, a smaller head dimension) so that it is small, run in
+   this process at ``b = 1`` and two sequence lengths ``s1, 2 s1``: ``alpha, beta`` solve the two
+   equations; ``alpha`` times ``k``, ``beta`` (per head, whatever its dimension) times ``k_heads``;
+2. the same at hidden ``2 h / k``: the difference is the part proportional to the hidden size, which
+   sequence parallelism splits over tp except the inputs the column-parallel linears save: they are
+   all-gathered to the whole sequence first (measured on 2 ranks: the QKV and fc1 inputs are [s, b*h],
+   the norms' [s/tp, b, h]), so ``e * h`` bytes per token per such linear stay (``e`` the activation
+   dtype's size; ``gathered``); of the head likewise the output layer's gathered input;
+3. a layer's rate = (model of ``2 n`` layers - model of ``n`` layers) / ``n`` (``n`` = the recompute
+   chunk with ``--recompute-granularity full``, else 1): recomputation is measured, not assumed;
+4. the ends: a 2-layer probe split over 2 pipeline stages, each stage minus its layer, gives the first
+   stage's embedding bytes and the last stage's head (final norm, logits, loss) bytes; the head at two
+   vocabularies ``V1, 2 V1`` separates the part that scales with the rank's ``V_pad / tp`` columns.
+
+Errors (bounded in tests/plan/test_activations.py): per-token norm statistics are multiplied by
+``k`` in step 1 when ``k > 1`` (hidden sizes above 256 only; the tests' models are probed at ``k = 1``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from omnitron.plan.measure import SavedBytes
+
+_S1, _V1 = 64, 128
+
+
+@dataclass(frozen=True)
+class LayerRate:
+    """Saved bytes per sample of one layer: ``lin * s + quad * s^2``, ``hidden`` the part of ``lin``
+    proportional to the hidden size, ``gathered`` the part of that which stays whole under sequence
+    parallelism (the all-gathered inputs that column-parallel linears save)."""
+
+    lin: float
+    quad: float
+    hidden: float
+    gathered: float = 0.0
+
+    def bytes(self, s: int, b: int, tp: int = 1, sp: bool = False) -> float:
+        lin = self.lin - ((self.hidden - self.gathered) * (1 - 1 / tp) if sp else 0.0)
+        return b * (lin * s + self.quad * s * s)
+
+
+def _measure(cfg, layers: int, s: int) -> int:
+    """Saved bytes of one forward (with the loss) of a ``layers``-layer model at ``b = 1``, sequence ``s``."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    c = replace(cfg, num_layers=layers, seq_length=s, max_position_embeddings=max(s, cfg.max_position_embeddings or s),
+                recompute_num_layers=min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_granularity == "full"
+                else cfg.recompute_num_layers)
+    torch.manual_seed(0)
+    m = GPTModel(c, ParallelGroups.single())
+    m.train()
+    tokens = torch.randint(0, c.vocab_size, (1, s))
+    rec = SavedBytes(m.parameters())
+    with rec.record():
+        m(tokens=tokens, position_ids=torch.arange(s)[None], labels=tokens)
+    return rec.total
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _scale(h: int, heads: int, groups: int, d: int, ffn: int) -> tuple[int, int]:
+    """(k_heads, k_dim): the probe divides the head count by ``k_heads`` and the head dimension by ``k_dim``
+    (every width by ``k = k_heads * k_dim``), the largest ``k`` dividing hidden and ffn with a hidden size
+    of at least 256 and an even head dimension of at least 16 (RoPE pairs)."""
+    best = (1, 1)
+    for kh in _divisors(heads):
+        if groups % kh:
+            continue
+        for kd in _divisors(d):
+            k = kh * kd
+            if h % k or ffn % k or h // k < 256 or (d // kd) % 2 or d // kd < 16:
+                continue
+            if k > best[0] * best[1]:
+                best = (kh, kd)
+    return best
+
+
+def probe_config(cfg, tp: int):
+    """(probe config, k_heads, k_dim): the tp-local layer with widths divided by ``k_heads * k_dim``."""
+    heads, d = cfg.num_attention_heads, cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    groups = cfg.num_query_groups or heads
+    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    lh, lg, lf = heads // tp, max(1, groups // tp), ffn // tp
+    kh, kd = _scale(cfg.hidden_size, lh, lg, d, lf)
+    k = kh * kd
+    # NOTE: MoE layers are probed as dense layers of the same ffn width (the router and expert dispatch are
+    # not measured)
+    probe = replace(cfg, hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh, kv_channels=d // kd,
+                    num_query_groups=(lg // kh) if cfg.num_query_groups else None, ffn_hidden_size=lf // k,
+                    vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
+    return probe, kh, kd
+
+
+def _layer_rate(probe, kh: int, kd: int, n: int) -> LayerRate:
+    """Step 1-3 of the module docstring: widths scale back by ``k_heads * k_dim``, scores by ``k_heads``."""
+    def per_layer(c, s):
+        return (_measure(c, 2 * n, s) - _measure(c, n, s)) / n
+
+    a, b2 = per_layer(probe, _S1), per_layer(probe, 2 * _S1)
+    quad = (b2 - 2 * a) / (2 * _S1 * _S1)
+    lin = (a - quad * _S1 * _S1) / _S1
+    wide = replace(probe, hidden_size=2 * probe.hidden_size)
+    hidden = (per_layer(wide, _S1) - a) / _S1  # the hidden-proportional part doubles
+    k = kh * kd
+    gathered = 0.0 if probe.recompute_granularity == "full" else _gathered_per_token(probe) * k
+    return LayerRate(k * lin, kh * quad, k * hidden, gathered)
+
+
+def _gathered_per_token(probe) -> float:
+    """Bytes per token of the hidden-sized inputs one layer's column-parallel linears save (probe widths)."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+
+    with torch.device("meta"):
+        m = GPTModel(replace(probe, num_layers=1), ParallelGroups.single())
+    layer = next(iter(m.decoder.layers.values()))
+    n = sum(isinstance(mod, ColumnParallelLinear) for mod in layer.modules())
+    return n * probe.hidden_size * probe.params_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Per-sample saved bytes: layers (recomputed or not) and the last stage's head at ``V_pad / tp``."""
+
+    layer: LayerRate
+    recomputed: LayerRate
+    head_fixed: float
+    """Per token: head and loss bytes independent of the vocabulary."""
+    head_gathered: float
+    head_vocab: float
+    """Per token and vocabulary column of the rank's logits shard."""
+    embedding: float
+    """Per token: the first stage's embedding output (and dropout mask)."""
+
+
+_CACHE: dict[str, ActivationModel] = {}
+
+
+def activation_model(cfg, tp: int) -> ActivationModel:
+    """Measure the probes for ``cfg`` at tensor-parallel size ``tp`` (cached per config)."""
+    key = f"{cfg!r}/{tp}"
+    if key not in _CACHE:
+        _CACHE[key] = _activation_model(cfg, tp)
+    return _CACHE[key]
+
+
+def _activation_model(cfg, tp: int) -> ActivationModel:
+    probe, kh, kd = probe_config(cfg, tp)
+    k = kh * kd
+    plain = replace(probe, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    if cfg.recompute_granularity == "selective":
+        plain = replace(plain, recompute_granularity="selective")
+    layer = _layer_rate(plain, kh, kd, 1)
+    recomputed = layer
+    if cfg.recompute_granularity == "full":
+        n = cfg.recompute_num_layers or 1 if cfg.recompute_method == "uniform" else 1
+        recomputed = _layer_rate(replace(probe, recompute_method="uniform", recompute_num_layers=n), kh, kd, n)
+    # embedding and head: the stages of a 2-layer, 2-stage probe minus their layer, at two vocabularies
+    own = layer.lin * _S1 / k + layer.quad * _S1 * _S1 / kh  # the probe layer's own bytes
+    first, h1 = _ends(plain, own)
+    _, h2 = _ends(replace(plain, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), own)
+    per_col = (h2 - h1) / (_S1 * _V1)
+    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k,
+                           cfg.hidden_size * cfg.params_dtype.itemsize, per_col, first / _S1 * k)
+
+
+def _ends(probe, own: float) -> tuple[float, float]:
+    """(first stage, last stage) bytes beyond their one layer, of a 2-layer probe split over 2 stages."""
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.plan.measure import pipeline_bytes
+
+    got = pipeline_bytes(replace(probe, num_layers=2, seq_length=_S1,
+                                 max_position_embeddings=max(_S1, probe.max_position_embeddings or _S1)),
+                         Layout(pp=2), 1)
+    return got[(0, 0)] - own, got[(1, 0)] - own

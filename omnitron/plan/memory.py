@@ -1,0 +1,167 @@
+"""Memory per rank and pipeline stage of a layout, before launch (``omnitron plan``, ``--log-memory-estimate``).
+
+Terms (bytes, one rank of each pipeline stage; every tp / dp / cp rank of a stage holds the same up to
+distributed-optimizer slice boundaries, and the largest is reported):
+
+- parameters, gradients, optimizer state: counted exactly on a meta-device skeleton (:mod:`.state`);
+- activations: one micro-batch's saved tensors per chunk (:mod:`.activations`: measured on small probes,
+  scaled by batch x sequence, and s^2 where attention materialises scores), times the micro-batches the
+  schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of
+  its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
+  it; the peak over the table counts. Under context parallelism a rank's sequence is ``s / cp``;
+- logits: the last stage's vocabulary-shard part of the head (``V_pad / tp`` columns, per token);
+- FP8 (assumed, not validated): one 1-byte copy of every 2-D layer weight when ``--fp8-format`` is on.
+
+- recompute (full recomputation only): one recompute chunk's plain activations, rematerialised in its
+  backward.
+
+Not modelled: communication buffers, allocator fragmentation, backward's other transients (gradients of
+activations, measured at 1-12% of the activations in one process: BENCHMARKS.md), MoE routing tensors
+(MoE layers are probed as dense).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from omnitron.plan.activations import activation_model
+from omnitron.plan.state import skeleton, state_bytes
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One rank of pipeline stage ``stage``: bytes of each term."""
+
+    stage: int
+    layers: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    fp8: int
+    recompute: int
+    """Full recomputation: one recompute chunk's activations, rematerialised during its backward."""
+    inflight: int
+    """Most micro-batches (over chunks) held at once by this rank's schedule."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8 + self.recompute
+
+
+def model_config(settings):
+    """The model config as training builds it: the vocabulary is the tokenizer's (preset's without one)."""
+    from omnitron.core.data import build_tokenizer
+    from omnitron.core.models.family import family_of
+
+    d, cfg = settings.data, settings.model
+    try:
+        tok = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
+                              tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
+                              **family_of(cfg).tokenizer_kwargs(cfg))
+        return replace(cfg, vocab_size=tok.vocab_size)
+    except Exception:  # noqa: BLE001  no tokenizer files at plan time: the preset's vocabulary
+        return cfg
+
+
+def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:
+    """``{(pp_rank, chunk): local layer count}``."""
+    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+
+    pc = settings.parallel
+    ranges = pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
+                                   pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
+                                   pc.decoder_last_pipeline_num_layers)
+    return {k: n for k, (_, n) in ranges.items()}
+
+
+def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False) -> tuple[float, float]:
+    """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers."""
+    pc, t = settings.parallel, settings.training
+    tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
+    s, b = cfg.seq_length // pc.context_parallel_size, t.micro_batch_size
+    am = activation_model(cfg, tp)
+    if cfg.recompute_granularity == "full":
+        n_rec = min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
+    else:
+        n_rec = 0
+    acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
+    if first:
+        acts += s * b * am.embedding / (tp if sp else 1)
+    if not last:
+        return acts, 0.0
+    from omnitron.core.models.gpt.config import padded_vocab_size
+
+    head = s * b * ((am.head_fixed - am.head_gathered) / tp + am.head_gathered if sp else am.head_fixed)
+    return acts + head, s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
+
+
+def peak_held(schedule, rank: int, per_chunk: dict[int, float]) -> tuple[float, int]:
+    """(peak bytes, peak micro-batches) held by ``rank`` walking its action table."""
+    split = schedule.split_backward(rank)
+    held = {c: 0 for c in per_chunk}
+    best, most = 0.0, 0
+    for a in schedule.tables[rank]:
+        if a.kind == "F":
+            held[a.chunk] += 1
+            best = max(best, sum(per_chunk[c] * n for c, n in held.items()))
+            most = max(most, sum(held.values()))
+        elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.microbatch) not in split):
+            held[a.chunk] -= 1
+    return best, most
+
+
+def recompute_bytes(settings, cfg) -> int:
+    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises."""
+    if cfg.recompute_granularity != "full":
+        return 0
+    pc = settings.parallel
+    tp = pc.tensor_model_parallel_size
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    n = 1 if cfg.recompute_method == "block" else (cfg.recompute_num_layers or 1)
+    return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel))
+
+
+def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
+    if settings.fp8 is None:
+        return 0
+    return sum(p.numel() for m in skeleton(cfg, settings.parallel, pp_rank)
+               for n, p in m.named_parameters() if p.dim() == 2 and ".layers." in n)
+
+
+def estimate(settings) -> list[StageMemory]:
+    """Every pipeline stage's :class:`StageMemory` for ``settings``."""
+    from omnitron.core.parallel.pipeline.schedules import build_schedule
+
+    cfg, pc = model_config(settings), settings.parallel
+    pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
+    schedule = build_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
+                              settings.num_microbatches)
+    layers = chunk_layers(settings, cfg)
+    out = []
+    for r in range(pp):
+        acts, logits = {}, {}
+        for c in range(vp):
+            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=(r, c) == (pp - 1, vp - 1), first=(r, c) == (0, 0))
+        act_peak, most = peak_held(schedule, r, acts)
+        logit_peak, _ = peak_held(schedule, r, logits)
+        st = state_bytes(settings, cfg, r)
+        out.append(StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
+                               round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r),
+                               recompute_bytes(settings, cfg), most))
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:9.3f}" if n >= 2**27 else f"{n / 2**20:8.2f}M"
+
+
+def format_table(stages: list[StageMemory]) -> str:
+    """One row per stage (GiB; values under 128 MiB in MiB, suffixed M) and the largest rank."""
+    head = f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'params':>9} {'grads':>9} {'optimizer':>9} " \
+           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'total':>9}"
+    rows = [head] + [f"{s.stage:>5} {s.layers:>6} {s.inflight:>9} {_gib(s.params)} {_gib(s.grads)} {_gib(s.optimizer)}"
+                     f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.recompute)} {_gib(s.total)}" for s in stages]
+    top = max(stages, key=lambda s: s.total)
+    rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes)")
+    return "\n".join(rows)

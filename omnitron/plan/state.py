@@ -1,0 +1,99 @@
+"""Parameter, gradient and optimizer-state bytes of one rank, counted on a meta-device skeleton.
+
+The stage's model chunks are built exactly as training builds them (the family's ``build_chunks``
+through :func:`omnitron.core.checkpoint.reshard.skeleton_chunks`) but on the meta device: shapes,
+dtypes and sharding attributes without storage. The gradient buffers are laid out by the
+data-parallel wrapper's own :class:`GradBuffer` on those meta parameters, so bucket padding (to a
+multiple of the replica group) and the tied embedding's isolated bucket are the run's exactly.
+
+- parameters: every local parameter's bytes (tp-sharded ones at their shard shape; MoE experts
+  at ep rank 0's share); with the distributed optimizer the model lives in flat buffers padded
+  like the gradient buckets, so the padded size counts.
+- gradients: the ``main_grad`` buffers (fp32 with ``--accumulate-allreduce-grads-in-fp32``,
+  which ``--bf16`` implies; else the parameter's dtype).
+- optimizer: fp32 masters for non-fp32 parameters plus Adam's two fp32 moments (SGD: one with
+  momentum); with ``--use-distributed-optimizer`` only the slices this data x context rank owns
+  of every bucket (the largest over the replica group's ranks is reported).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+
+def skeleton(model_cfg, parallel, pp_rank: int) -> list[torch.nn.Module]:
+    """This pipeline rank's chunks (tp rank 0, ep rank 0) on the meta device."""
+    from omnitron.core.checkpoint.reshard import Layout, skeleton_chunks
+
+    layout = Layout(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
+                    vp=parallel.virtual_pipeline_model_parallel_size, cp=parallel.context_parallel_size,
+                    first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers,
+                    ep=parallel.expert_model_parallel_size)
+    with torch.device("meta"):
+        chunks = skeleton_chunks(model_cfg, layout)
+    return [m for (r, _), m in sorted(chunks.items()) if r == pp_rank or layout.pp == 1]
+
+
+def _buffers(module, ddp, dp_cp: int, edp: int):
+    """The wrapper's gradient buffers for ``module`` (meta storage), with each one's replica-group size."""
+    from omnitron.core.parallel.data.buffers import GradBuffer
+
+    fp32 = bool(ddp and ddp.accumulate_allreduce_grads_in_fp32)
+    dist = bool(ddp and ddp.use_distributed_optimizer)
+    bucket = (ddp.bucket_size if ddp else None) or max(40_000_000, 1_000_000 * dp_cp)
+    by: dict[tuple, list] = {}
+    for p in [p for p in module.parameters() if p.requires_grad][::-1]:
+        ex = bool(getattr(p, "expert", False))
+        by.setdefault((torch.float32 if fp32 else p.dtype, ex, p.dtype if dist else None), []).append(p)
+    scatter = dist or bool(ddp and ddp.reduce_scatter)
+    shared = getattr(module, "shared_embedding_parameters", None)
+    isolate = frozenset(id(p) for p in shared()) if scatter and shared is not None else frozenset()
+    return [(GradBuffer(ps, dt, bucket, edp if ex else dp_cp, isolate), edp if ex else dp_cp)
+            for (dt, ex, _), ps in by.items()]
+
+
+def _owned(buf, size: int) -> int:
+    """Most parameter elements any one rank of ``size`` owns in ``buf`` (distributed optimizer slices)."""
+    best = 0
+    for r in range(size):
+        n = 0
+        for b in buf.buckets:
+            k = b.data.numel() // size
+            lo, hi = b.offset + r * k, b.offset + (r + 1) * k
+            for p in b.params:
+                s, c = buf.param_range(p)
+                n += max(0, min(s + c, hi) - max(s, lo))
+        best = max(best, n)
+    return best
+
+
+def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
+    """Masters (non-fp32 parameters) plus the optimizer's fp32 moments for ``numel`` elements."""
+    moments = 2 if optim.optimizer in ("adam", "adamw") else (1 if optim.sgd_momentum else 0)
+    return 4 * numel * (moments + (dtype != torch.float32))
+
+
+def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
+    """Bytes of parameters, gradients and optimizer state on one rank of pipeline stage ``pp_rank``."""
+    pc, world = settings.parallel, settings.world_size
+    dp_cp = settings.dp * pc.context_parallel_size
+    etp = pc.expert_tensor_parallel_size or pc.tensor_model_parallel_size
+    edp = max(1, world // (pc.pipeline_model_parallel_size * pc.expert_model_parallel_size * etp))
+    ddp, dist = settings.ddp, bool(settings.ddp and settings.ddp.use_distributed_optimizer)
+    params = grads = opt = 0
+    for module in skeleton(model_cfg, pc, pp_rank):
+        for buf, size in _buffers(module, ddp, dp_cp, edp):
+            dtype = buf.params[0].dtype
+            total = sum(p.numel() for p in buf.params)
+            grads += buf.data.numel() * buf.data.element_size()
+            params += (buf.data.numel() if dist else total) * dtype.itemsize
+            opt += _opt_bytes(_owned(buf, size) if dist else total, dtype, settings.optim)
+    return StateBytes(params, grads, opt)

@@ -1,0 +1,47 @@
+"""``omnitron plan`` prints the estimate's table; invalid requests get one line naming the binding constraint
+and exit code 2; ``omnitron train --log-memory-estimate`` logs the same table before the first step."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from omnitron.cli import main
+
+TINY = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
+
+
+def test_plan_prints_every_stage_and_the_largest_rank(capsys):
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.memory import estimate
+
+    assert main(["plan", *TINY, "--layout", "tp2,pp2,dp2", "--global-batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    stages = estimate(settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer",
+                                   "vocab_size": 200, "layout": "tp2,pp2,dp2", "global_batch_size": 8}))
+    assert "world 8: tp2 pp2 cp1 dp2" in out
+    top = max(stages, key=lambda s: s.total)
+    assert f"largest rank: stage {top.stage}, " in out and f"({top.total} bytes)" in out
+    assert len([line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])]) == 2
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "gpt2_nope"], "--model 'gpt2_nope' is not a preset"),
+    (["--model", "gpt2_tiny", "--layout", "tp3"], "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+    (["--model", "gpt2_tiny", "--layout", "pp3"], "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--model", "gpt2_tiny", "--layout", "tq3"], "'tq3' is not tpN"),
+])
+def test_invalid_requests_get_one_line(argv, needle, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_train_logs_the_estimate(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="omnitron.train")
+    argv = ["train", *TINY, "--num-layers", "2", "--train-iters", "1", "--no-tensorboard", "--log-memory-estimate",
+            "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"), "--log-dir", str(tmp_path / "log"),
+            "--seq-length", "32", "--max-position-embeddings", "32"]
+    assert main(argv) == 0
+    text = caplog.text
+    assert "predicted memory per rank (omnitron plan)" in text and "largest rank: stage 0" in text
