@@ -47,6 +47,7 @@ def test_found_by_entry_point_and_its_kernel_resolves(installed):
     assert any(ln.split() == ["add_rms_norm", "reference"] for ln in lines)  # what it does not provide
 
 
+@pytest.mark.slow  # ~10 s; the entry-point discovery and the kernel's resolution stay in the default suite
 def test_kernel_conformance_on_the_plugin(installed):
     proc = _pytest(installed, "tests/backends/test_backend_kernels.py", "--backend", "example")
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -91,7 +91,7 @@ def _all_cases(world: int) -> dict:
     return {"travel": _fp8_travel(world), "tp": _tp_parity(world)}
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=requires_sim())])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=[requires_sim(), pytest.mark.slow])])
 def test_fp8_over_gloo_and_tensor_parallel_amax_sharing(backend):
     results = run_distributed(_all_cases, 2, 2, backend=backend)
     for res in results:

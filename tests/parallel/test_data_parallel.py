@@ -83,7 +83,7 @@ def _reference(dtype):
     return [p.grad for p in model.parameters()], [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=requires_sim())])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=[requires_sim(), pytest.mark.slow])])
 def test_ddp_buckets_overlap_and_reduction_match_reference(backend):
     results = run_distributed(ddp_worker, 2, backend=backend)
     for name, (overlap, fp32, rs, dtype) in CASES.items():
