@@ -45,7 +45,6 @@ def machine(backend, world_size: int = 1) -> dict:
 
     caps = backend.capabilities()
     runtimes = {name: getattr(torch.version, name, None) for name in ("cuda", "hip")}
-    runtimes.update(backend.runtime_versions() if hasattr(backend, "runtime_versions") else {})
     return {"backend": backend.name, "device_name": caps.device_name, "device_type": backend.device_type,
             "device_count": backend.device_count(), "arch": caps.arch, "torch": torch.__version__,
             "runtimes": {k: v for k, v in runtimes.items() if v}, "processor": _processor(),

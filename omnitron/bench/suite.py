@@ -44,14 +44,13 @@ def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> di
         log(f"bench all: {kind}: {len(rows)} rows in {time.perf_counter() - t0:.0f} s -> {written[kind]}")
 
     one("memory", lambda: memory.run(backend, byte_sizes=sz["memory"], log=lambda *_: None))
-    mem = [r for r in _rows(written.get("memory")) if r["op"] == "copy"]
-    copy = max((r["gbs"] for r in mem), default=None)
+    copy = memory.copy_gbs(_rows(written.get("memory")))
     model, tokens = sz["gemm_model"]
     one("gemm", lambda: gemm.run(backend, sizes=sz["gemm"], dtypes=list(gemm.DTYPES), model=model, tokens=tokens,
                                  rounds=5, budget_s=1.0, log=lambda *_: None))
     lo, hi, factor = sz["comm"]
     one("comm", lambda: comm.run(backend.name, nproc=nproc, ops=comm.OPS, byte_sizes=comm.sizes(lo, hi, factor),
-                                 rounds=5, budget_s=0.5), )
+                                 rounds=5, budget_s=0.5))
     one("kernels", lambda: _kernels(backend, sz["kernels"]), copy_gbs=copy)
     one("attention", lambda: attention.run(backend, seqs=sz["attention"], log=lambda *_: None))
     name, layout, iters, flags = sz["train"]

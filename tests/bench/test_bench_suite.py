@@ -48,7 +48,7 @@ def test_subcommands_write_valid_reports(tmp_path, capsys):
     _figures_ok(reps["attention"], "ms", "tflops")
     _figures_ok(reps["comm"], "ms", "algbw_gbs", "busbw_gbs")
     assert {r["op"] for r in reps["comm"]["rows"]} == set(comm.OPS)
-    for row in reps["comm"]["rows"]:  # the report's figures follow the definition
+    for row in reps["comm"]["rows"]:  # the report's figures follow the definition (float64 both ways: ~1e-16)
         assert row["algbw_gbs"] == pytest.approx(row["bytes"] / (row["ms"] * 1e-3) / 1e9, rel=1e-9)
         assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * comm.bus_factor(row["op"], 2), rel=1e-9)
     m = reps["comm"]["machine"]

@@ -82,6 +82,7 @@ def test_sample_schedule_follows_the_ramp():
             want = init + (lr - init) * p / warm
         else:
             want = min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * min(p - warm, decay - warm) / (decay - warm)))
+        # both sides are float64 evaluations of the same expression in other orders: a few ulp (~1e-16) apart
         assert sched.lr_for_step(step, b) == pytest.approx(want, rel=1e-12)
         sched.advance(b)
         consumed = p

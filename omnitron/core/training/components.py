@@ -157,10 +157,9 @@ def build_components(settings, backend) -> Components:
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
     t = settings.training
     scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples)
-    pp, vp = groups.pp.size, settings.parallel.virtual_pipeline_model_parallel_size
-    schedule = build_schedule(t.pipeline_schedule, pp, vp, settings.num_microbatches)
     train, valid = build_data(settings, tokenizer, groups, backend.collectives)
-    return Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
-                      optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=schedule,
-                      train_data=train, valid_data=valid, extra=extra, batches=batch_ramp(t, settings.dp),
-                      schedules={settings.num_microbatches: schedule})
+    c = Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
+                   optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=None, train_data=train,
+                   valid_data=valid, extra=extra, batches=batch_ramp(t, settings.dp))
+    c.schedule = c.schedule_for(settings.num_microbatches)
+    return c
