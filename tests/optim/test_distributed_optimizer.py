@@ -3,7 +3,8 @@
 One spawn of 4 gloo ranks trains a tiny GPT under dp4 (AdamW, overlapped reduce-scatter), tp2 x dp2
 (sequence parallel, fp16 with dynamic loss scaling: the first steps overflow and are skipped),
 cp2 x dp2 (slices over dp x cp; same losses as dp4) and pp2 x dp2 (SGD with
-momentum, tied embedding on two stages); all with tight gradient clipping, small buckets (so
+momentum, tied embedding on two stages); dp4, cp2 x dp2 and pp2 x dp2 with --decoupled-lr (the slices of
+the embedding and output layer step at their own rate); all with tight gradient clipping, small buckets (so
 parameters straddle shard boundaries) and weight decay. The plain optimizer is the reference: losses,
 parameters, gradient norms and state dicts must agree. Checkpoint state crosses both ways
 (distributed -> plain, plain -> distributed) and the continuations must match the uninterrupted run.
@@ -19,10 +20,11 @@ from omnitron.testing.distributed import run_distributed
 from omnitron.testing.sim import requires_sim
 
 STEPS, MORE = 3, 2
+DECOUPLED = ["--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3"]
 CASES = {  # name: (tp, pp, extra flags)
-    "dp4_adam": (1, 1, ["--overlap-grad-reduce"]),
+    "dp4_adam": (1, 1, ["--overlap-grad-reduce", *DECOUPLED]),
     "tp2dp2_fp16": (2, 1, ["--sequence-parallel", "--fp16", "--initial-loss-scale", "524288", "--hysteresis", "1"]),
-    "pp2dp2_sgd": (1, 2, ["--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", "0.05"]),
+    "pp2dp2_sgd": (1, 2, ["--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", "0.05", "--decoupled-lr", "0.2"]),
 }
 
 
@@ -105,7 +107,8 @@ def _worker(root):
     torch.set_num_threads(1)
     out = {name: _case(tp, pp, extra, os.path.join(root, name)) for name, (tp, pp, extra) in CASES.items()}
     # context parallel: slices over dp x cp; the same global batch as dp4, so the same losses and norms
-    out["cp2dp2"] = _Run(_args(1, 1, ["--context-parallel-size", "2"], os.path.join(root, "cp"), True)).steps(STEPS)
+    cp_args = _args(1, 1, ["--context-parallel-size", "2", *DECOUPLED], os.path.join(root, "cp"), True)
+    out["cp2dp2"] = _Run(cp_args).steps(STEPS)
     return out
 
 

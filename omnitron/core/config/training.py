@@ -39,6 +39,11 @@ class OptimizerConfig:
     """--lr-wsd-decay-samples: with --train-samples, the samples of WSD's final decay phase."""
     lr_warmup_init: float = 0.0
     """--lr-warmup-init: the warmup rises linearly from this rate to --lr."""
+    decoupled_lr: float | None = None
+    """--decoupled-lr: peak rate of the input embedding and the output layer (Megatron's
+    ``is_embedding_or_output_parameter``); the same schedule shape as --lr, ending at --decoupled-min-lr."""
+    decoupled_min_lr: float | None = None
+    """--decoupled-min-lr: where the decoupled rate's decay ends (default: --min-lr)."""
     weight_decay: float = 0.01
     """--weight-decay: decoupled decay; never applied to biases and norm weights (1-D parameters)."""
     adam_beta1: float = 0.9
@@ -67,10 +72,20 @@ class OptimizerConfig:
             raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
         if not 0 <= self.lr_warmup_init <= self.lr:
             raise ConfigError(f"need 0 <= --lr-warmup-init ({self.lr_warmup_init}) <= --lr ({self.lr})")
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            raise ConfigError("--decoupled-min-lr needs --decoupled-lr (the peak rate it decays from)")
+        if self.decoupled_lr is not None and not 0 <= self.decoupled_min_lr_or_default <= self.decoupled_lr:
+            raise ConfigError(f"need 0 <= --decoupled-min-lr ({self.decoupled_min_lr_or_default}) <= --decoupled-lr "
+                              f"({self.decoupled_lr})")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0:
             raise ConfigError("--clip-grad and --weight-decay must be >= 0")
+
+    @property
+    def decoupled_min_lr_or_default(self) -> float:
+        """--decoupled-min-lr, or --min-lr when not given (as Megatron)."""
+        return self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
 
 
 @dataclass(kw_only=True)

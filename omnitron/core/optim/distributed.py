@@ -34,7 +34,7 @@ import torch
 
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.clip import global_count_zeros, global_grad_norm
-from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, _decays
+from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, _decays, _decoupled
 from omnitron.core.parallel.data.ddp import DistributedDataParallel
 
 
@@ -92,6 +92,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Masters, decay flags (and, through them, states) for this rank's slices only."""
         self.slices, self.plans = _plan_slices(self.params, self.chunks)
         self.decay = [_decays(self.names[s.param], self.params[s.param]) for s in self.slices]
+        self.decoupled = [_decoupled(self.params[s.param]) for s in self.slices]
         self.masters = []
         for s in self.slices:
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]

@@ -3,7 +3,9 @@
 One step: gather each parameter's gradient (``param.main_grad`` from the data-parallel wrapper,
 else ``.grad``) as fp32, unscale it (fp16), skip the step if any rank saw inf/nan, clip by the
 global norm, update the fp32 masters, copy them back into the bf16/fp16 model parameters.
-Weight decay never touches biases and norm weights (every 1-D parameter).
+Weight decay never touches biases and norm weights (every 1-D parameter). With ``--decoupled-lr``
+the input embedding and output layer (``param.is_embedding_or_output_parameter``, set by the
+models as in Megatron-Core) step with the decoupled rate the schedule gives for them.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ def _decays(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim > 1 and not name.endswith(".bias")
 
 
+def _decoupled(param: torch.nn.Parameter) -> bool:
+    """The input embedding and output layer: the parameters --decoupled-lr applies to."""
+    return bool(getattr(param, "is_embedding_or_output_parameter", False))
+
+
 class MixedPrecisionOptimizer:
     """Owns fp32 masters for low-precision params; fp32 params are their own masters.
 
@@ -62,6 +69,7 @@ class MixedPrecisionOptimizer:
     def _build_masters(self) -> None:
         """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
         self.decay = [_decays(n, p) for n, p in zip(self.names, self.params)]
+        self.decoupled = [_decoupled(p) for p in self.params]
         self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
 
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
@@ -126,8 +134,11 @@ class MixedPrecisionOptimizer:
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float, *, count_zeros: bool = False, timers=None, check_norm=None) -> StepResult:
+    def step(self, lr: float, *, count_zeros: bool = False, timers=None, check_norm=None,
+             decoupled_lr: float | None = None) -> StepResult:
         """Unscale, skip on overflow, clip, update the fp32 masters, copy them into the model (in that order).
+
+        ``decoupled_lr``: the rate of the embedding and output layer (None: ``lr`` for every parameter).
 
         ``count_zeros``: also count the zero gradient elements (after unscaling, before clipping).
         ``timers``: the run's :class:`~omnitron.core.training.timers.Timers` (times the copy into the model).
@@ -149,10 +160,11 @@ class MixedPrecisionOptimizer:
         if not coef >= 1.0:  # NOTE: also NaN (a NaN norm must not leave the gradients unclipped)
             torch._foreach_mul_(grads, coef)
         self.step_count += 1
+        rates = [decoupled_lr if d and decoupled_lr is not None else lr for d in self.decoupled]
         if "exp_avg" in self.state:
-            self._adamw(grads, lr)
+            self._adamw(grads, rates)
         else:
-            self._sgd(grads, lr)
+            self._sgd(grads, rates)
         copy = timers(self.copy_timer) if timers is not None else None
         if copy is not None:
             copy.start()
@@ -171,23 +183,22 @@ class MixedPrecisionOptimizer:
             if p.dtype != torch.float32:
                 p.data.copy_(m)
 
-    def _adamw(self, grads: list[torch.Tensor], lr: float) -> None:
+    def _adamw(self, grads: list[torch.Tensor], rates: list[float]) -> None:
+        """One fused AdamW launch per (weight decay, rate) group; ``rates``: each master's learning rate."""
         c = self.config
-        for decay in (True, False):
-            idx = [i for i, d in enumerate(self.decay) if d == decay]
-            if not idx:
-                continue
+        for decay, lr in dict.fromkeys(zip(self.decay, rates)):
+            idx = [i for i, key in enumerate(zip(self.decay, rates)) if key == (decay, lr)]
             self.backend.kernels.adamw_step(
                 [self.masters[i] for i in idx], [grads[i] for i in idx],
                 [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx],
                 step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
                 weight_decay=c.weight_decay if decay else 0.0)
 
-    def _sgd(self, grads: list[torch.Tensor], lr: float) -> None:
+    def _sgd(self, grads: list[torch.Tensor], rates: list[float]) -> None:
         """torch.optim.SGD's rule: g += wd * p; buf = mu * buf + g; p -= lr * buf."""
         c = self.config
         bufs = self.state.get("momentum")
-        for i, (m, g) in enumerate(zip(self.masters, grads)):
+        for i, (m, g, lr) in enumerate(zip(self.masters, grads, rates)):
             if c.weight_decay and self.decay[i]:
                 g = g.add(m, alpha=c.weight_decay)
             if bufs is not None:

@@ -88,8 +88,6 @@ REFUSED: dict[str, tuple[str | None, str]] = {
                                  "then hold w + 1 directly: the same function, other weight values)"),
     "calculate_per_token_loss": (None, "the loss is the mean over micro-batches of each one's token mean "
                                        "(Megatron's default) and nothing else yet; drop the flag"),
-    "decoupled_lr": ("LR", "every parameter has the one learning rate of --lr yet; drop the flag"),
-    "decoupled_min_lr": ("LR", "every parameter has the one learning rate of --min-lr yet; drop the flag"),
     "use_legacy_models": (None, "omnitron's models have Megatron-Core's layout only; drop the flag"),
     "account_for_embedding_in_pipeline_split": (None, "the embedding is not counted as a layer; give the first "
                                                       "stage fewer layers with --decoder-first-pipeline-num-layers"),

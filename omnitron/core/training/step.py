@@ -113,7 +113,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     lr = c.scheduler.lr_for_step(c.optimizer.step_count, batch)
     with timers.phase("optimizer"):
         res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers,
-                               check_norm=check_grad_norm if check else None)
+                               check_norm=check_grad_norm if check else None,
+                               decoupled_lr=c.scheduler.decoupled_lr_for_step(c.optimizer.step_count, batch))
     if not res.skipped:
         c.scheduler.advance(batch)
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,

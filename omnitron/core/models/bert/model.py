@@ -145,6 +145,8 @@ class BertModel(GPTModel):
                                                  bias=True, sequence_parallel=self.sp, own_weight=not self.pre_process,
                                                  init_std=config.init_method_std, valid_rows=config.vocab_size,
                                                  dtype=config.params_dtype)
+        if self.output_layer.weight is not None:  # the last stage's copy of the word embedding
+            self.output_layer.weight.is_embedding_or_output_parameter = True
         self.output_layer.bias.valid_rows = config.vocab_size  # padding columns are dropped from full views
         if not self.pre_process:  # the last stage's copy of the word embedding: same init, grads all-reduced
             self.output_layer.weight.init_name = WORD_EMBEDDING

@@ -41,6 +41,7 @@ class GPTEmbedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(C.padded_vocab_size(c, group.size), c.hidden_size, group=group,
                                                       vocab_size=c.vocab_size, init_std=c.init_method_std,
                                                       dtype=c.params_dtype)
+        self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr applies to it
         self.position_embeddings = None
         if c.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(C.max_positions(c), c.hidden_size, dtype=c.params_dtype)
@@ -93,6 +94,8 @@ class GPTModel(nn.Module):
                 config.hidden_size, C.padded_vocab_size(config, tp.size), group=tp, bias=False,
                 sequence_parallel=self.sp, init_std=config.init_method_std, own_weight=not (tied and pre_process),
                 valid_rows=config.vocab_size, dtype=config.params_dtype)
+            if self.output_layer.weight is not None:
+                self.output_layer.weight.is_embedding_or_output_parameter = True
             if tied and not pre_process:
                 # the last stage's copy of the word embedding: same initial values, grads all-reduced
                 self.output_layer.weight.init_name = WORD_EMBEDDING
