@@ -165,6 +165,8 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
     recs = [json.loads(line) for line in open(tb / "metrics.jsonl")]
     assert [r["iteration"] for r in recs] == [1, 2, 3] and [r["consumed_samples"] for r in recs] == [4, 8, 12]
     said = proc.stdout + proc.stderr
+    # --decoupled-lr: logged beside lr, as Megatron; warmup over 4 samples of 4 per step reaches the peak at once
+    assert " | decoupled lr 5.000e-04 | " in said and recs[0]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
     for flag in ("--use-mcore-models", "--attention-backend", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
                  "--fp8-param-gather", "--no-mmap-bin-files", "--tiktoken-pattern"):
         assert f"{flag}: accepted; " in said, flag

@@ -171,6 +171,8 @@ class MetricsLogger:
             rec["moe_aux_loss"] = sum(v["moe_aux_loss"] for v in self._pending) / n
         if "num_zeros_in_grad" in last:
             rec["num_zeros_in_grad"] = last["num_zeros_in_grad"]
+        if last.get("decoupled_lr") is not None:
+            rec["decoupled_lr"] = last["decoupled_lr"]
         rec.update(last.get("log", {}))
         return rec
 
@@ -182,6 +184,8 @@ class MetricsLogger:
         line = (f"[{rec['time'][:19].replace('T', ' ')}] iter {rec['iteration']:6d}/{self.train_iters}{samples} | "
                 f"loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | grad norm {gn} | {rec['tokens_per_sec']:.0f} tok/s | "
                 f"{rec['step_time_s'] * 1e3:.0f} ms/step | ETA {eta}")
+        if "decoupled_lr" in rec:
+            line = line.replace(" | grad norm", f" | decoupled lr {rec['decoupled_lr']:.3e} | grad norm", 1)
         if "num_zeros_in_grad" in rec:
             line += f" | num zeros {'-' if rec['num_zeros_in_grad'] is None else rec['num_zeros_in_grad']}"
         if "params_norm" in rec:

@@ -111,14 +111,14 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
     batch = c.batches.global_batch(c.consumed_samples)
     lr = c.scheduler.lr_for_step(c.optimizer.step_count, batch)
+    decoupled_lr = c.scheduler.decoupled_lr_for_step(c.optimizer.step_count, batch)
     with timers.phase("optimizer"):
         res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers,
-                               check_norm=check_grad_norm if check else None,
-                               decoupled_lr=c.scheduler.decoupled_lr_for_step(c.optimizer.step_count, batch))
+                               check_norm=check_grad_norm if check else None, decoupled_lr=decoupled_lr)
     if not res.skipped:
         c.scheduler.advance(batch)
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
-           "skipped": res.skipped}
+           "skipped": res.skipped, "decoupled_lr": decoupled_lr}
     if count_zeros:
         out["num_zeros_in_grad"] = res.num_zeros_in_grad
     if moe:
