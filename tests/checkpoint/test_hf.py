@@ -180,13 +180,17 @@ def _native_full(cfg, seed: int) -> dict:
     return {n: t.clone() for n, t in gather_full_state(m, m.groups).items()}, m
 
 
-@pytest.mark.parametrize("name", ["llama_interleaved_scaled_bias", "gpt2_untied"])
+@pytest.mark.parametrize("name", ["llama_interleaved_scaled_bias", "gpt2_untied", "llama_layernorm_1p"])
 def test_export_native_model(name, tmp_path):
     """omnitron-only settings (interleaved RoPE rows are permuted; llama3 rope scaling; biases;
-    an untied GPT-2 head) give HF models computing omnitron's logits."""
+    an untied GPT-2 head; zero-centred norm weights, --apply-layernorm-1p) give HF models computing
+    omnitron's logits."""
     from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
 
-    if name.startswith("llama"):
+    if name == "llama_layernorm_1p":
+        cfg = llama_tiny(num_layers=2, hidden_size=32, ffn_hidden_size=48, vocab_size=V, seq_length=16,
+                         apply_layernorm_1p=True)
+    elif name.startswith("llama"):
         cfg = llama_tiny(num_layers=2, hidden_size=32, ffn_hidden_size=48, vocab_size=V, seq_length=16,
                          rotary_interleaved=True, rope_scaling_factor=8.0, rotary_base=500.0, add_bias_linear=True)
     else:
@@ -201,7 +205,7 @@ def test_export_native_model(name, tmp_path):
     with torch.no_grad():
         ours = m(tokens).transpose(0, 1)[..., :V]
     torch.testing.assert_close(_hf_logits(hf_model, tokens), ours, atol=1e-4, rtol=1e-4)
-    if name.startswith("llama"):
+    if name == "llama_interleaved_scaled_bias":
         assert json.load(open(tmp_path / "hf" / "config.json"))["rope_scaling"]["factor"] == 8.0
 
 

@@ -242,14 +242,18 @@ def test_export_equals_longhand(source, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind,tp,pp,impl", [("llama", 2, 2, "transformer_engine"), ("gpt2", 1, 1, "local"),
-                                             ("gpt2", 2, 4, "transformer_engine"), ("llama_bf16", 2, 1, "local")])
+                                             ("gpt2", 2, 4, "transformer_engine"), ("llama_bf16", 2, 1, "local"),
+                                             ("llama_1p", 1, 1, "local")])
 def test_export_import_round_trip(source, kind, tp, pp, impl, tmp_path):
-    """omnitron -> Megatron -> omnitron is bit-exact (bf16 stays bf16; tied copies on a last stage dropped)."""
+    """omnitron -> Megatron -> omnitron is bit-exact (bf16 stays bf16; tied copies on a last stage dropped;
+    --apply-layernorm-1p travels in the args, the zero-centred weights as they are, as Megatron holds them)."""
     import dataclasses
 
     cfg, _, full = source[kind.split("_")[0]]
     if kind.endswith("bf16"):
         cfg, full = dataclasses.replace(cfg, params_dtype=torch.bfloat16), {n: t.bfloat16() for n, t in full.items()}
+    if kind.endswith("1p"):
+        cfg = dataclasses.replace(cfg, apply_layernorm_1p=True)
     write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2, pp=2))
     assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg"),
                 "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp),

@@ -105,6 +105,9 @@ CASES = {
 CASES["llama_variants"] = dataclasses.replace(CASES["llama_gqa"], qk_layernorm=True, rotary_percent=0.5,
                                               rotary_interleaved=True, rope_scaling_factor=8.0, rotary_base=500.0,
                                               kv_channels=16)
+# --apply-layernorm-1p: the engine holds w - 1 for every norm's scale w (the reference gets w itself)
+CASES["gpt2_1p"] = dataclasses.replace(CASES["gpt2"], apply_layernorm_1p=True)
+CASES["llama_qk_1p"] = dataclasses.replace(CASES["llama_gqa"], apply_layernorm_1p=True, qk_layernorm=True)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -114,12 +117,20 @@ def test_engine_matches_plain_float64(name):
     model = GPTModel(c, groups, seed=3)
     assert model.output_layer.weight is None or c.untie_embeddings_and_output_weights
     gen = torch.Generator().manual_seed(0)
+    norms = [n for n, _ in model.named_parameters() if n.endswith("layernorm.weight")]
+    if c.apply_layernorm_1p:
+        assert all(float(model.get_parameter(n).detach().abs().max()) == 0 for n in norms), "1p norms start at 0"
+        with torch.no_grad():  # away from 0, so that a missing or doubled + 1 shows
+            for n in norms:
+                model.get_parameter(n).normal_(0.0, 0.2, generator=gen)
     tokens = torch.randint(0, c.vocab_size, (2, c.seq_length), generator=gen)
     labels = torch.randint(0, c.vocab_size, (2, c.seq_length), generator=gen)
     loss = model(tokens, labels=labels)
     loss.mean().backward()
-    W = {k: v.double().requires_grad_() for k, v in gather_full_state(model, groups).items()}
-    ref_loss, ref_logits = plain_gpt_loss(W, c, tokens, labels)
+    state = gather_full_state(model, groups)
+    shift = {n: 1.0 if c.apply_layernorm_1p and n in norms else 0.0 for n in state}
+    W = {k: (v.double() + shift[k]).requires_grad_() for k, v in state.items()}
+    ref_loss, ref_logits = plain_gpt_loss(W, dataclasses.replace(c, apply_layernorm_1p=False), tokens, labels)
     ref_loss.mean().backward()
     assert loss.dtype == torch.float32 and loss.shape == tokens.shape
     assert _rel(loss, ref_loss) < 1e-5

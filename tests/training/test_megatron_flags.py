@@ -122,9 +122,7 @@ def test_newer_aliases_equal_omnitron_spelling():
 
 
 # examples/llama/train_llama3_8b_h100_fp8.sh of Megatron-LM (mock-data branch), its shapes scaled down to a
-# tiny model and 2 processes (tp2), its sample counts to a 3-iteration run; flag for flag otherwise. Not yet
-# accepted, so left out here and refused with the reason (below): --apply-layernorm-1p,
-# --calculate-per-token-loss.
+# tiny model and 2 processes (tp2), its sample counts to a 3-iteration run; flag for flag otherwise.
 LLAMA3_8B = """
 --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4
 --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
@@ -133,7 +131,7 @@ LLAMA3_8B = """
 --disable-bias-linear
 --micro-batch-size 1 --global-batch-size 4 --train-samples 12 --lr-decay-samples 11 --lr-warmup-samples 4
 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9
---adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion --manual-gc
+--adam-beta2 0.95 --calculate-per-token-loss --apply-layernorm-1p --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion --manual-gc
 --empty-unused-memory-level 1 --exit-duration-in-mins 235
 --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather
 --tensor-model-parallel-size 2 --context-parallel-size 1 --sequence-parallel
@@ -173,7 +171,7 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"
 
 
-@pytest.mark.parametrize("flag", ["--apply-layernorm-1p", "--calculate-per-token-loss"])
+@pytest.mark.parametrize("flag", ["--use-legacy-models", "--no-save-optim", "--rotary-seq-len-interpolation-factor 2"])
 def test_megatron_flags_not_yet_supported_are_refused(flag):
     with pytest.raises(ConfigError, match=f"^{flag.split()[0]}: .*; drop the flag"):
         parse_settings(BASE + flag.split(), 1)

@@ -258,7 +258,12 @@ def _llama_rules(cfg) -> list[Rule]:
 
 
 def _rules(cfg) -> list[Rule]:
-    return _gpt2_rules(cfg) if hf_model_type(cfg) == "gpt2" else _llama_rules(cfg)
+    rules = _gpt2_rules(cfg) if hf_model_type(cfg) == "gpt2" else _llama_rules(cfg)
+    if not cfg.apply_layernorm_1p:
+        return rules
+    # --apply-layernorm-1p: omnitron holds w - 1 for a Hugging Face norm weight w
+    return [Rule(r.omni, r.hf, lambda t: t - 1, lambda t: (t + 1,)) if r.omni.endswith("layernorm.weight") else r
+            for r in rules]
 
 
 _IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")

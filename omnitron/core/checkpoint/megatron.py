@@ -201,7 +201,6 @@ def _reject_unsupported(args: dict) -> None:
               ("position_embedding_type", args.get("position_embedding_type", "learned_absolute") in
                ("learned_absolute", "rope"), "omnitron has learned_absolute and rope"),
               ("squared_relu", not args.get("squared_relu"), "omnitron's MLP is GeLU or SwiGLU"),
-              ("apply_layernorm_1p", not args.get("apply_layernorm_1p"), "zero-centred norm weights are not supported"),
               ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
                "omnitron's residual is taken before the norm"),
               ("add_qkv_bias", bias or not args.get("add_qkv_bias"), "omnitron puts biases on every linear or none"),
@@ -248,6 +247,7 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      attention_dropout=args.get("attention_dropout", 0.1),
                      add_bias_linear=bool(args.get("add_bias_linear", True)),
                      qk_layernorm=bool(args.get("qk_layernorm")),
+                     apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),
                      init_method_std=args.get("init_method_std", 0.02), params_dtype=dtype)
 
 
@@ -287,6 +287,7 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
         use_rope_scaling=cfg.rope_scaling_factor != 1.0, rope_scaling_factor=cfg.rope_scaling_factor,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         add_bias_linear=cfg.add_bias_linear, add_qkv_bias=False, qk_layernorm=cfg.qk_layernorm,
+        apply_layernorm_1p=cfg.apply_layernorm_1p,
         bias_gelu_fusion=cfg.add_bias_linear and not cfg.swiglu, openai_gelu=not cfg.add_bias_linear and not cfg.swiglu,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, params_dtype=dt, bf16=dt == torch.bfloat16, fp16=dt == torch.float16,

@@ -155,6 +155,11 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None
     """--exit-duration-in-mins: stop (after saving) at the first iteration that ends this many minutes after
     training started; every rank stops at the same iteration (the ranks' clocks are OR-ed, as a signal is)."""
+    calculate_per_token_loss: bool = False
+    """--calculate-per-token-loss: the step's loss is the sum over all its tokens (every micro-batch and
+    data-parallel rank) divided by their count, and so are its gradients (Megatron's per-token loss), instead of
+    the mean of each micro-batch's token mean; the two differ when the micro-batches hold different numbers of
+    loss tokens (a loss mask: --eod-mask-loss, BERT's masked positions, SFT prompts)."""
     pipeline_schedule: str | None = None
     """--pipeline-schedule {none,1f1b,interleaved,zb-h1} (default: none at pp 1, 1f1b, or interleaved
     with virtual stages)."""

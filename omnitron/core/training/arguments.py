@@ -364,6 +364,9 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     precision = _build(PrecisionConfig, merged)
     family, model, parallel = _model_settings(merged, precision)
     training = _training_settings(merged, data_parallel_size(parallel, world))
+    if training.calculate_per_token_loss and getattr(model, "num_experts", None):
+        raise ConfigError("--calculate-per-token-loss with MoE: the load-balancing loss is weighted per micro-batch, "
+                          "not per token, yet; drop --calculate-per-token-loss (or train a dense model)")
     if training.rampup_batch_size:
         _check_ramp_schedules(training, parallel, data_parallel_size(parallel, world))
     data = _data_settings(merged, model, parallel, training)

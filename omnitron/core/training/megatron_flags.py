@@ -84,10 +84,6 @@ ALIASES: dict[str, tuple[str, dict]] = {
 REFUSED: dict[str, tuple[str | None, str]] = {
     # dest: (metavar, or None for a switch; why it stops here and the fix). Megatron flags that change the
     # maths in a way omnitron does not implement yet: refused before any work, never silently ignored.
-    "apply_layernorm_1p": (None, "zero-centred norm weights (1 + w) are not implemented; drop the flag (the norms "
-                                 "then hold w + 1 directly: the same function, other weight values)"),
-    "calculate_per_token_loss": (None, "the loss is the mean over micro-batches of each one's token mean "
-                                       "(Megatron's default) and nothing else yet; drop the flag"),
     "use_legacy_models": (None, "omnitron's models have Megatron-Core's layout only; drop the flag"),
     "account_for_embedding_in_pipeline_split": (None, "the embedding is not counted as a layer; give the first "
                                                       "stage fewer layers with --decoder-first-pipeline-num-layers"),

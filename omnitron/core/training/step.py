@@ -19,7 +19,7 @@ import torch
 
 from omnitron.core.models.family import family_of
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
-from omnitron.core.parallel.data import finalize_model_grads
+from omnitron.core.parallel.data import finalize_model_grads, scale_gradients
 from omnitron.core.parallel.pipeline import forward_backward
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, record_compute_split
@@ -51,9 +51,10 @@ def forward_only_schedule(schedule):
 
 
 def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: float | None,
-         timeline: list | None = None) -> float:
-    """Run the schedule; returns the mean loss over micro-batches and data-parallel ranks (every rank).
-    ``timeline``: receives the runtime's compute spans (level-2 timers)."""
+         timeline: list | None = None) -> tuple[float, float]:
+    """Run the schedule; returns (the mean loss over micro-batches and data-parallel ranks, or with
+    ``--calculate-per-token-loss`` over the step's tokens; the tokens summed over data x context parallel
+    ranks), the same on every rank. ``timeline``: receives the runtime's compute spans (level-2 timers)."""
     schedule = forward_only_schedule(c.schedule) if forward_only else c.schedule
 
     model_loss = family_of(c.model).loss_fn
@@ -67,8 +68,10 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
                            seq_length=c.model.seq_length, micro_batch_size=t.micro_batch_size,
                            hidden_size=c.model.hidden_size, forward_step_fn=forward_step, dtype=c.model.params_dtype,
                            loss_fn=loss_fn, forward_only=forward_only, collectives=c.backend.collectives,
-                           device=c.backend.current_device(), timeline=timeline)
-    return out["loss"] / loss_scale if loss_scale else out["loss"]  # NOTE: loss scales are powers of two
+                           device=c.backend.current_device(), timeline=timeline,
+                           per_token_loss=t.calculate_per_token_loss)
+    loss = out["loss"] / loss_scale if loss_scale else out["loss"]  # NOTE: loss scales are powers of two
+    return loss, out["tokens"]
 
 
 def _stage_iterator(c, data_iterator):
@@ -100,7 +103,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     timeline = [] if split else None
     fb = timers("forward-backward")
     fb.start()
-    loss = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale, timeline=timeline)
+    loss, tokens = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale,
+                        timeline=timeline)
     fb_seconds = fb.stop()
     check = c.settings.training.check_for_nan_in_loss_and_grad
     check_loss(loss, check)  # the same loss on every rank: all stop here together, nothing updated
@@ -108,6 +112,10 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         record_compute_split(timers, timeline, fb_seconds, pipelined=c.groups.pp.size > 1)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(c.chunks, c.groups, collectives=c.backend.collectives)
+        if c.settings.training.calculate_per_token_loss:
+            # the data-parallel mean took 1 / (dp x cp) of the summed loss sums; the tokens are counted once per
+            # cp rank (each holds the whole micro-batch's count), so dp x cp / tokens leaves d(sum) / (global tokens)
+            scale_gradients(c.chunks, c.groups.dp_cp.size / max(tokens, 1.0))
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
     batch = c.batches.global_batch(c.consumed_samples)
     lr = c.scheduler.lr_for_step(c.optimizer.step_count, batch)
@@ -132,8 +140,11 @@ def evaluate(c, data_iterator: Iterator, eval_iters: int) -> dict:
     for m in c.modules:
         m.eval()
     it = _stage_iterator(c, data_iterator)
-    losses = [_run(c, it, forward_only=True, loss_scale=None) for _ in range(eval_iters)]
+    runs = [_run(c, it, forward_only=True, loss_scale=None) for _ in range(eval_iters)]
     for m in c.modules:
         m.train()
-    val = sum(losses) / max(len(losses), 1)
+    if c.settings.training.calculate_per_token_loss:  # every token of every evaluated batch weighs the same
+        val = sum(loss * n for loss, n in runs) / max(sum(n for _, n in runs), 1.0)
+    else:
+        val = sum(loss for loss, _ in runs) / max(len(runs), 1)
     return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}

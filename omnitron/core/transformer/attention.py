@@ -39,7 +39,7 @@ from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParall
 from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer import qkv as QKV
-from omnitron.core.transformer.norm import Norm
+from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
 class SelfAttention(nn.Module):
@@ -69,8 +69,7 @@ class SelfAttention(nn.Module):
         self.cp_comm_type = "p2p"  # --cp-comm-type: the ring, or all-to-all / all-gather (context/ulysses.py)
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
-            nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=group.size > 1,
-                       dtype=c.params_dtype)
+            nkw = norm_kwargs(c, backend, partial_grad=group.size > 1)
             self.q_layernorm, self.k_layernorm = Norm(self.d, **nkw), Norm(self.d, **nkw)
 
     def _build_replicated_kv(self, c, heads: int, groups: int, kw: dict) -> None:

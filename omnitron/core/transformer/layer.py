@@ -9,7 +9,7 @@ from torch import nn
 
 from omnitron.core.transformer.attention import SelfAttention
 from omnitron.core.transformer.mlp import MLP
-from omnitron.core.transformer.norm import Norm
+from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
 class TransformerLayer(nn.Module):
@@ -23,8 +23,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.c, self.tracker, self.backend, self.sp = c, tracker, backend, sequence_parallel
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers) if c.apply_scaled_init else c.init_method_std
-        nkw = dict(kind=c.normalization, eps=c.layernorm_epsilon, backend=backend, partial_grad=sequence_parallel,
-                   dtype=c.params_dtype)
+        nkw = norm_kwargs(c, backend, partial_grad=sequence_parallel)
         # output biases go to a fused bias-dropout-add kernel when one exists, else into the GEMM
         skip = backend.kernels.resolved("bias_dropout_add") != "reference"
         self.input_layernorm = Norm(c.hidden_size, **nkw)

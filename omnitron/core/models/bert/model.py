@@ -35,7 +35,7 @@ from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
 from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, model_parallel_seed
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer.layer import TransformerLayer
-from omnitron.core.transformer.norm import Norm
+from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
 def _linear(n_in: int, n_out: int, c, *, partial_grad: bool = False) -> nn.Linear:
@@ -89,8 +89,7 @@ class BertLMHead(nn.Module):
     def __init__(self, c: B.BertConfig, *, sequence_parallel: bool, backend) -> None:
         super().__init__()
         self.dense = _linear(c.hidden_size, c.hidden_size, c, partial_grad=sequence_parallel)
-        self.layer_norm = Norm(c.hidden_size, kind=c.normalization, eps=c.layernorm_epsilon, backend=backend,
-                               partial_grad=sequence_parallel, dtype=c.params_dtype)
+        self.layer_norm = Norm(c.hidden_size, **norm_kwargs(c, backend, partial_grad=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(F.gelu(self.dense(x)))
@@ -137,9 +136,8 @@ class BertModel(GPTModel):
         """Final norm, MLM head and tied output layer (its own copy of the word embedding when this
         stage has no embedding), pooler + binary head."""
         tp = self.groups.tp
-        self.decoder.final_layernorm = Norm(config.hidden_size, kind=config.normalization,
-                                            eps=config.layernorm_epsilon, backend=self.backend,
-                                            partial_grad=self.sp, dtype=config.params_dtype)
+        self.decoder.final_layernorm = Norm(config.hidden_size,
+                                            **norm_kwargs(config, self.backend, partial_grad=self.sp))
         self.lm_head = BertLMHead(config, sequence_parallel=self.sp, backend=self.backend)
         self.output_layer = ColumnParallelLinear(config.hidden_size, C.padded_vocab_size(config, tp.size), group=tp,
                                                  bias=True, sequence_parallel=self.sp, own_weight=not self.pre_process,

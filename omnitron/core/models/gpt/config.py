@@ -65,6 +65,10 @@ class GPTConfig:
     """--add-bias-linear / --disable-bias-linear: biases in every linear layer."""
     qk_layernorm: bool = False
     """--qk-layernorm: normalize queries and keys per head (same norm type as the model)."""
+    apply_layernorm_1p: bool = False
+    """--apply-layernorm-1p: every norm scales by ``1 + weight`` with the weight initialised to 0 (Megatron's
+    zero-centred gamma, ``layernorm_zero_centered_gamma``): the same function, a weight that weight decay
+    and low precision see near 0 instead of near 1."""
     init_method_std: float = 0.02
     """--init-method-std: std of the normal init of weights."""
     apply_scaled_init: bool = True

@@ -26,7 +26,7 @@ from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, che
 from omnitron.core.parallel.tensor.sharding import full_shape, init_full, set_attributes, shard_param
 from omnitron.core.transformer.attention import extract_rows
 from omnitron.core.transformer.layer import TransformerLayer
-from omnitron.core.transformer.norm import Norm
+from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -86,9 +86,8 @@ class GPTModel(nn.Module):
         self.decoder.layers = nn.ModuleDict({
             str(i): TransformerLayer(config, **lkw, layer_number=i) for i in range(layer_offset, layer_offset + n)})
         if post_process:
-            self.decoder.final_layernorm = Norm(config.hidden_size, kind=config.normalization,
-                                                eps=config.layernorm_epsilon, backend=self.backend,
-                                                partial_grad=self.sp, dtype=config.params_dtype)
+            self.decoder.final_layernorm = Norm(config.hidden_size,
+                                                **norm_kwargs(config, self.backend, partial_grad=self.sp))
             tied = not config.untie_embeddings_and_output_weights
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, C.padded_vocab_size(config, tp.size), group=tp, bias=False,

@@ -28,7 +28,7 @@ from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
 from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.transformer.cross_attention import CrossAttention
 from omnitron.core.transformer.layer import TransformerLayer
-from omnitron.core.transformer.norm import Norm
+from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
 class T5DecoderLayer(TransformerLayer):
@@ -37,8 +37,7 @@ class T5DecoderLayer(TransformerLayer):
     def __init__(self, c, *, group, sequence_parallel: bool, tracker, backend) -> None:
         super().__init__(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker, backend=backend)
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers) if c.apply_scaled_init else c.init_method_std
-        self.pre_cross_attn_layernorm = Norm(c.hidden_size, kind=c.normalization, eps=c.layernorm_epsilon,
-                                             backend=backend, partial_grad=sequence_parallel, dtype=c.params_dtype)
+        self.pre_cross_attn_layernorm = Norm(c.hidden_size, **norm_kwargs(c, backend, partial_grad=sequence_parallel))
         self.cross_attention = CrossAttention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
                                               backend=backend, out_std=out_std,
                                               skip_out_bias=backend.kernels.resolved("bias_dropout_add") != "reference")
@@ -54,8 +53,7 @@ def _stack(layers: dict, c, *, sequence_parallel: bool, backend) -> nn.Module:
     """``layers`` (a ModuleDict named by index) followed by ``final_layernorm``."""
     stack = nn.Module()
     stack.layers = nn.ModuleDict(layers)
-    stack.final_layernorm = Norm(c.hidden_size, kind=c.normalization, eps=c.layernorm_epsilon, backend=backend,
-                                 partial_grad=sequence_parallel, dtype=c.params_dtype)
+    stack.final_layernorm = Norm(c.hidden_size, **norm_kwargs(c, backend, partial_grad=sequence_parallel))
     return stack
 
 

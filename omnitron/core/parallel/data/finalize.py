@@ -66,3 +66,17 @@ def finalize_model_grads(chunks: list, groups, *, collectives=None, sequence_par
 def _zero_grad(p: torch.nn.Parameter) -> torch.Tensor:
     p.grad = torch.zeros_like(p)
     return p.grad
+
+
+def scale_gradients(chunks: list, factor: float) -> None:
+    """Multiply every gradient of ``chunks`` by ``factor`` in place (one op per gradient buffer of a wrapped
+    chunk): ``--calculate-per-token-loss`` divides the reduced gradients by the step's token count."""
+    for c in chunks:
+        buffers = getattr(c, "buffers", None)
+        if isinstance(buffers, list) and buffers:
+            for buf in buffers:
+                buf.data.mul_(factor)
+            continue
+        for p in c.parameters():
+            if (g := _grad(p)) is not None:
+                g.mul_(factor)

@@ -51,10 +51,13 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
                      num_microbatches: int, seq_length: int, micro_batch_size: int, hidden_size: int,
                      forward_step_fn: Callable, dtype: torch.dtype = torch.float32, loss_fn: Callable | None = None,
                      forward_only: bool = False, collectives=None, device: torch.device | None = None,
-                     timeline: list | None = None) -> dict:
+                     timeline: list | None = None, per_token_loss: bool = False) -> dict:
     """Run one step's forward and backward passes over ``num_microbatches`` micro-batches.
 
     Returns ``{"loss": float, "tokens": float, "schedule": Schedule}``, identical on every rank.
+    ``per_token_loss`` (``--calculate-per-token-loss``): every micro-batch back-propagates its loss sum and
+    ``loss`` is the sum over the step's tokens divided by their count (``tokens``: summed over data x context
+    parallel ranks); the caller divides the gradients by the count (see ``training/step.py``).
     ``schedule_name`` may be a built :class:`Schedule` (the training step's, or its forwards alone).
     The loss and token sums are reduced in float64 (the logged loss does not depend on the rank count's
     rounding).
@@ -78,12 +81,14 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
         loss_sum, tokens = run_schedule(schedule, groups.pp.rank, model_chunks, data_iterator,
                                         forward_step_fn=forward_step_fn, loss_fn=loss_fn or default_loss_fn,
                                         pp_group=groups.pp, collectives=coll, tensor_shape=shape, dtype=dtype,
-                                        device=device, forward_only=forward_only, timeline=timeline)
+                                        device=device, forward_only=forward_only, timeline=timeline,
+                                        per_token_loss=per_token_loss)
     stats = torch.stack([loss_sum.reshape(()), tokens.reshape(())]).to(torch.float64)
     if groups.pp.size > 1:  # only the last stage holds non-zeros: the sum is a broadcast
         coll.all_reduce(stats, group=groups.pp.handle)
     if groups.dp_cp.size > 1:
         coll.all_reduce(stats, group=groups.dp_cp.handle)
     loss, tokens = stats.tolist()  # one host sync for both (each .item() is one)
-    return {"loss": loss / (num_microbatches * groups.dp_cp.size), "tokens": tokens, "schedule": schedule}
+    mean = loss / tokens if per_token_loss else loss / (num_microbatches * groups.dp_cp.size)
+    return {"loss": mean, "tokens": tokens, "schedule": schedule}
 

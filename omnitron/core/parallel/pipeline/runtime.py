@@ -2,7 +2,9 @@
 
 ``F``: receive the activation (except on virtual stage 0), run ``forward_step_fn``; on the last
 stage turn the per-token loss into this micro-batch's mean via ``loss_fn`` and keep
-``mean / num_microbatches`` as the backward target; otherwise send the output on.
+``mean / num_microbatches`` as the backward target (``per_token_loss``: the micro-batch's loss sum, to be
+divided by the step's token count once it is known: ``--calculate-per-token-loss``); otherwise send the
+output on.
 ``B``: receive the output gradient (except on the last stage) and back-propagate. When the table
 also holds a ``W`` for the same chunk and micro-batch, ``B`` computes only the input gradient and
 ``W`` later accumulates the weight gradients from the retained graph (see ``wgrad.py``; the
@@ -76,8 +78,10 @@ class _StageRunner:
     """Executes one rank's actions; holds the per-(chunk, micro-batch) state between them."""
 
     def __init__(self, schedule: Schedule, rank: int, chunks: list, batches: _Batches, p2p: StageP2P,
-                 forward_step_fn: Callable, loss_fn: Callable, device: torch.device, forward_only: bool) -> None:
+                 forward_step_fn: Callable, loss_fn: Callable, device: torch.device, forward_only: bool,
+                 per_token_loss: bool = False) -> None:
         self.s, self.rank, self.chunks, self.batches, self.p2p = schedule, rank, chunks, batches, p2p
+        self.per_token_loss = per_token_loss
         self.forward_step_fn, self.loss_fn, self.forward_only = forward_step_fn, loss_fn, forward_only
         self.split = schedule.split_backward(rank)
         self.last_wgrad = _weight_grad_order(schedule.tables[rank], self.split)
@@ -94,10 +98,14 @@ class _StageRunner:
         out = self.forward_step_fn(self.chunks[a.chunk], batch, hidden)
         if k == self.last_stage:
             total, count = self.loss_fn(out, batch)
-            mean = total / count
-            self.loss_sum += mean.detach().to(torch.float64)
             self.tokens += count.detach().to(torch.float64) if torch.is_tensor(count) else float(count)
-            out = mean / self.s.num_microbatches  # what backward differentiates
+            if self.per_token_loss:  # the sum; the step divides the gradients by the global token count
+                self.loss_sum += total.detach().to(torch.float64)
+                out = total
+            else:
+                mean = total / count
+                self.loss_sum += mean.detach().to(torch.float64)
+                out = mean / self.s.num_microbatches  # what backward differentiates
         else:
             self.p2p.send(("act", k + 1, a.microbatch), out)
         if not self.forward_only:
@@ -132,8 +140,10 @@ class _StageRunner:
 def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Iterator | None, *,
                  forward_step_fn: Callable, loss_fn: Callable, pp_group, collectives,
                  tensor_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 forward_only: bool = False, timeline: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``schedule.tables[rank]``; returns this rank's (sum of micro-batch mean losses, tokens).
+                 forward_only: bool = False, timeline: list | None = None,
+                 per_token_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``schedule.tables[rank]``; returns this rank's (sum of micro-batch mean losses, tokens); with
+    ``per_token_loss``, (sum of micro-batch loss sums, tokens).
 
     Both are zero except on the rank holding the last stage. ``timeline``, when given, receives
     ``(start, end, str(action))`` compute spans (``time.perf_counter`` seconds; receive waits
@@ -144,7 +154,7 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
                                                          for r, t in schedule.tables.items()})
     p2p = StageP2P(schedule, rank, pp_group, collectives, tensor_shape, dtype, device)
     runner = _StageRunner(schedule, rank, chunks, _Batches(data_iterator, uses=schedule.vp), p2p,
-                          forward_step_fn, loss_fn, device, forward_only)
+                          forward_step_fn, loss_fn, device, forward_only, per_token_loss)
     for step, a in enumerate(schedule.tables[rank]):
         try:
             k = schedule.stage(rank, a.chunk)
