@@ -4,6 +4,10 @@ The checkpoint (any parallel layout) is read into one process (:mod:`omnitron.co
 several ``--prompt`` flags run as one batch. GPT continues the text, T5 decodes a target for it (its
 encoder input), a multimodal (LLaVA) checkpoint captions ``--image-index N`` (a synthetic validation
 image) or ``--image FILE.npy``, continuing ``--prompt`` (default "a", how the synthetic captions start).
+
+With ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` a GPT checkpoint is sampled by
+tp x pp processes (``--nproc-per-node``, default their product, or torchrun), each holding its own stage
+(:mod:`omnitron.core.inference.sharded`): the same tokens as one process.
 """
 from __future__ import annotations
 
@@ -27,6 +31,12 @@ def register(sub) -> None:
                    "checkpoint's --seed)")
     p.add_argument("--return-log-probs", action="store_true", help="print each token with its log-probability")
     p.add_argument("--backend", default=None, help="backend (default: $OMNITRON_BACKEND, else auto)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
+                   help="shard the model over TP processes (GPT checkpoints; any layout loads)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="PP",
+                   help="split the layers over PP pipeline stages (GPT checkpoints)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="local processes to spawn (default: TP x PP; under torchrun, its world)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (the server's response shape)")
     image = p.add_mutually_exclusive_group()
     image.add_argument("--image-index", type=int, metavar="N", help="multimodal: caption sample N of the synthetic "
@@ -64,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         print("omnitron generate: error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
+    if args.tensor_model_parallel_size * args.pipeline_model_parallel_size > 1 or (args.nproc_per_node or 1) > 1:
+        return _run_sharded(args)
     try:
         loaded = load_for_inference(args.load, get_backend(args.backend))
         default = loaded.spec.default_prompt
@@ -78,14 +90,49 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, ValueError, OSError) as err:
         print(f"omnitron generate: error: {err}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(out))
-        return 0
+    print_result(out, args.json, args.return_log_probs, truth)
+    return 0
+
+
+def print_result(out: dict, as_json: bool, log_probs: bool, truth: str | None) -> None:
+    """The command's output: JSON (the server's response shape), or each text (and its tokens' log-probs)."""
+    if as_json:
+        print(json.dumps(out), flush=True)
+        return
     for i, text in enumerate(out["text"]):
         print(f"--- {i} ---\n{text}")
-        if args.return_log_probs:
+        if log_probs:
             lps = [None] + out["logprobs"][i]
             print(" ".join(f"{s!r}" + ("" if lp is None else f":{lp:.3f}") for s, lp in zip(out["segments"][i], lps)))
     if truth is not None:
         print(f"--- true caption ---\n{truth}")
-    return 0
+    sys.stdout.flush()
+
+
+def _run_sharded(args: argparse.Namespace) -> int:
+    """Launch tp x pp ranks (as training launches its workers) that each load their stage and generate."""
+    import os
+
+    from omnitron.core.inference.sharded import GenerateJob, run_generate_job
+    from omnitron.core.training.launch import launch
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc_per_node or tp * pp)
+    if min(tp, pp) < 1 or world != tp * pp:
+        print(f"omnitron generate: error: sharded generation needs tensor x pipeline = {tp} x {pp} processes, "
+              f"got {world}; set --nproc-per-node {max(tp, 1) * max(pp, 1)}", file=sys.stderr)
+        return 2
+    if args.image is not None or args.image_index is not None:
+        print("omnitron generate: error: multimodal checkpoints caption in one process; drop "
+              "--tensor-model-parallel-size / --pipeline-model-parallel-size", file=sys.stderr)
+        return 2
+    if not args.prompt:
+        print("omnitron generate: error: --prompt TEXT is required (repeat it for a batch)", file=sys.stderr)
+        return 2
+    job = GenerateJob(load=args.load, prompts=args.prompt, tensor_model_parallel_size=tp,
+                      pipeline_model_parallel_size=pp, max_new_tokens=args.max_new_tokens,
+                      sampling={"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                                "seed": args.seed},
+                      return_log_probs=args.return_log_probs, json=args.json, backend=args.backend,
+                      nproc_per_node=world, world_size=world)
+    return launch(job, run_generate_job)

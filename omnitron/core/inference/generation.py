@@ -11,6 +11,11 @@ masks, no cache): the slow reference.
 Log-probs (``return_log_probs``, Megatron's ``--return-log-probs``) are the model's own ``log_softmax``
 of the raw logits (before temperature / top-k / top-p) of every token after the first: the prompt's
 (from the prefill) and the generated ones.
+
+The loop reads logits only through a :class:`Picker` (next tokens and their log-probs; the prompt's
+log-probs): one process picks from its own logits, a tensor x pipeline parallel job's
+(:mod:`omnitron.core.inference.sharded`) picks on the last stage and broadcasts the choice, so every
+rank takes the same decisions.
 """
 from __future__ import annotations
 
@@ -67,25 +72,46 @@ def _left_pad(prompts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return ids.to(device), (slots >= pad).to(device), (slots - pad).clamp(min=0).to(device)
 
 
-def _prompt_log_probs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> list[list[float]]:
-    """Per row, ``log p(prompt[j + 1] | prompt[:j + 1])`` from the prefill logits ``[L, b, V]``; targets
-    that are placeholders (negative ids: LLaVA's image positions) have none and are skipped."""
-    lp = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)[:, :-1]  # [b, L-1, V]
-    target = ids[:, 1:]
-    picked = torch.gather(lp, 2, target.clamp(min=0)[..., None])[..., 0]  # [b, L-1]
-    keep = valid[:, :-1] & (target >= 0)  # predicted from a real slot, a real token
+class Picker:
+    """Decisions taken from the logits, on one process: the next tokens and the prompt's log-probs."""
+
+    def prompt_log_probs(self, logits: torch.Tensor | None, ids: torch.Tensor,
+                         valid: torch.Tensor) -> list[list[float]]:
+        """Per row, ``log p(prompt[j + 1] | prompt[:j + 1])`` from the prefill logits ``[L, b, V]``; targets
+        that are placeholders (negative ids: LLaVA's image positions) have none and are skipped."""
+        return _kept(self.prompt_picked(logits, ids), ids, valid)
+
+    @staticmethod
+    def prompt_picked(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[b, L-1]`` log-probs of each next prompt slot's token (placeholders read as id 0)."""
+        lp = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)[:, :-1]  # [b, L-1, V]
+        return torch.gather(lp, 2, ids[:, 1:].clamp(min=0)[..., None])[..., 0]
+
+    def next_tokens(self, logits: torch.Tensor | None, params: SamplingParams, gens, want_lp: bool,
+                    rows: int) -> tuple[torch.Tensor, list[float] | None]:
+        """The next token of each of the ``rows`` rows ``[b]`` from the last position's logits, and its
+        log-prob when asked."""
+        last = logits[-1].float()  # [b, V]
+        nxt = sample_next(last, params, gens)
+        step_lp = torch.log_softmax(last, dim=-1).gather(1, nxt[:, None])[:, 0].tolist() if want_lp else None
+        return nxt, step_lp
+
+
+def _kept(picked: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> list[list[float]]:
+    keep = valid[:, :-1] & (ids[:, 1:] >= 0)  # predicted from a real slot, a real token
     return [picked[i][keep[i]].tolist() for i in range(ids.shape[0])]
 
 
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams = GREEDY,
                    eod: int | frozenset[int] | None = None, return_log_probs: bool = False, use_cache: bool = True,
-                   forward: Forward | None = None, check_ids: bool = True) -> Generation:
+                   forward: Forward | None = None, check_ids: bool = True, picker: Picker | None = None) -> Generation:
     """Continue every prompt by up to ``max_new_tokens`` tokens (see the module docstring). ``eod``: the token a
     row stops at, or a set of them (the server's ``stop_on_eol`` adds the line-ending tokens).
 
     ``forward`` runs the model on ``(ids, positions)`` (default: ``model(tokens=, position_ids=)``, a GPT);
-    the T5 and LLaVA wrappers pass their own. ``model.decoder.layers`` get the KV cache."""
+    the T5 and LLaVA wrappers pass their own; a sharded job passes its stage's, with its ``picker``.
+    ``model.decoder.layers`` get the KV cache."""
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
     limit = context_limit(model)
@@ -100,8 +126,9 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, para
     try:
         cache = KVCache(model) if use_cache else contextlib.nullcontext()
         with cache:
-            return _decode(model, forward, cache if use_cache else None, ids, valid, pos, padded, max_new_tokens,
-                           params, gens, _stops(eod), return_log_probs, limit, [len(p) for p in prompts])
+            return _decode(forward, cache if use_cache else None, ids, valid, pos, padded, max_new_tokens,
+                           params, gens, _stops(eod), return_log_probs, limit, [len(p) for p in prompts],
+                           picker or Picker(), model)
     finally:
         model.train(was_training)
 
@@ -120,7 +147,8 @@ def _run(model, forward, cache, ids, valid, pos, padded, step: int):
         return forward(ids, pos)
 
 
-def _decode(model, forward, cache, ids, valid, pos, padded, max_new, params, gens, stops, want_lp, limit, lengths):
+def _decode(forward, cache, ids, valid, pos, padded, max_new, params, gens, stops, want_lp, limit, lengths, picker,
+            model):
     """The decoding loop of :func:`generate_batch` (inside the cache context)."""
     b = ids.shape[0]
     new = [[] for _ in range(b)]
@@ -128,11 +156,9 @@ def _decode(model, forward, cache, ids, valid, pos, padded, max_new, params, gen
     done = [n >= limit or max_new == 0 for n in lengths]
     logits = _run(model, forward, cache, ids, valid, pos, padded, 0)
     if want_lp:
-        lps = _prompt_log_probs(logits, ids, valid)
+        lps = picker.prompt_log_probs(logits, ids, valid)
     while not all(done):
-        last = logits[-1].float()  # [b, V]
-        nxt = sample_next(last, params, gens)
-        step_lp = torch.log_softmax(last, dim=-1).gather(1, nxt[:, None])[:, 0].tolist() if want_lp else None
+        nxt, step_lp = picker.next_tokens(logits, params, gens, want_lp, b)
         for i, t in enumerate(nxt.tolist()):
             if done[i]:
                 continue

@@ -1,9 +1,11 @@
-"""Load a training checkpoint of any parallel layout into ONE process for inference.
+"""Load a training checkpoint of any parallel layout for inference: into ONE process, or into this rank's
+stage of a tensor x pipeline parallel job (:func:`load_sharded`).
 
-:func:`~omnitron.core.checkpoint.reshard.read_full_state` reads every rank's shards into full tensors
-by global name (undoing tensor / pipeline / virtual-pipeline / expert splits, no process group), and
-the family's model is built at tp = pp = 1 in fp32 and loaded from them. The tokenizer is the one the
-run trained with (its flags are in the checkpoint's metadata); its vocabulary must match the model's.
+:func:`~omnitron.core.checkpoint.reshard.read_full_state` reads the shards into full tensors by global
+name (undoing tensor / pipeline / virtual-pipeline / expert splits, no process group; a sharded job's
+rank keeps only the tensors its stage owns), and the family's model is built in fp32 and loaded from
+them. The tokenizer is the one the run trained with (its flags are in the checkpoint's metadata); its
+vocabulary must match the model's.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ class Loaded:
     """The model family's name (``gpt``, ``t5``, ``multimodal``, ...)."""
     meta: dict
     """The checkpoint's metadata (``config`` holds the run's flat settings)."""
+    sharded: object | None = None
+    """A tp x pp job's :class:`~omnitron.core.inference.sharded.ShardedStage` (``model`` is then this rank's
+    stage); None in one process."""
 
     @property
     def spec(self):
@@ -51,30 +56,69 @@ def _build(cfg, backend):
     return family.build_stage(cfg, ParallelGroups.single(), backend=backend, seed=0), family.name
 
 
-def load_for_inference(load: str, backend=None) -> Loaded:
-    """The latest checkpoint under ``load`` as one fp32, eval-mode model on ``backend``'s device."""
-    from omnitron.core.checkpoint.reshard import model_config, read_full_state, recorded_family
-    from omnitron.core.models.family import family_of
-    from omnitron.core.data import build_tokenizer
-    from omnitron.core.models.gpt.state import shard_full_state
-    from omnitron.core.parallel.groups import ParallelGroups, resolve_backend
+def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
+    """(path, metadata, fp32 model config) of the latest checkpoint under ``load``."""
+    from omnitron.core.checkpoint.io import read_metadata
+    from omnitron.core.checkpoint.reshard import model_config, recorded_family
 
-    backend = resolve_backend(backend, None)  # the entry points pass the chosen one
-    path = find_latest(load)
+    path = find_latest(load, quiet=quiet)
     if path is None:
         raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
-    full = read_full_state(path, with_optimizer=False)
-    cfg = replace(model_config(full.meta["model"], recorded_family(full.meta)), params_dtype=torch.float32)
-    flat = full.meta.get("config", {})
+    meta = read_metadata(path)
+    return path, meta, replace(model_config(meta["model"], recorded_family(meta)), params_dtype=torch.float32)
+
+
+def _tokenizer(path: str, meta: dict, cfg):
+    from omnitron.core.data import build_tokenizer
+    from omnitron.core.models.family import family_of
+
+    flat = meta.get("config", {})
     tokenizer = build_tokenizer(flat.get("tokenizer_type") or "GPT2BPETokenizer", vocab_file=flat.get("vocab_file"),
                                 merge_file=flat.get("merge_file"), tokenizer_model=flat.get("tokenizer_model"),
                                 vocab_size=flat.get("vocab_size"), **family_of(cfg).tokenizer_kwargs(cfg))
     if tokenizer.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{path}: the model's vocabulary ({cfg.vocab_size}) differs from its tokenizer's "
                               f"({tokenizer.vocab_size}); the tokenizer files named in the checkpoint changed")
+    return tokenizer
+
+
+def load_for_inference(load: str, backend=None) -> Loaded:
+    """The latest checkpoint under ``load`` as one fp32, eval-mode model on ``backend``'s device."""
+    from omnitron.core.checkpoint.reshard import read_full_state
+    from omnitron.core.models.gpt.state import shard_full_state
+    from omnitron.core.parallel.groups import ParallelGroups, resolve_backend
+
+    backend = resolve_backend(backend, None)  # the entry points pass the chosen one
+    path, meta, cfg = _checkpoint(load)
+    tokenizer = _tokenizer(path, meta, cfg)
+    full = read_full_state(path, with_optimizer=False)
     state = torch.random.get_rng_state()
     model, family = _build(cfg, backend)
     torch.random.set_rng_state(state)  # building initialises weights: leave the caller's RNG as it was
     shard_full_state(model, full.model, ParallelGroups.single())
     return Loaded(model=to_device(model, backend.current_device()).eval(), tokenizer=tokenizer, family=family,
                   meta=full.meta)
+
+
+def load_sharded(load: str, groups, backend) -> Loaded:
+    """This rank's eval-mode fp32 stage of the latest checkpoint under ``load`` over ``groups`` (tp x pp; built
+    with sequence parallelism off), reading only the tensors the stage owns; GPT-family checkpoints."""
+    from omnitron.core.checkpoint.reshard import needed_owners, read_full_state
+    from omnitron.core.inference.sharded import ShardedStage, build_stage
+    from omnitron.core.models.family import family_of
+    from omnitron.core.models.gpt.state import shard_full_state
+
+    path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0)
+    family = family_of(cfg)
+    if family.generate is None or not family.pipelined or family.takes_images:
+        raise CheckpointError(f"a {family.name} checkpoint generates in one process only; drop "
+                              "--tensor-model-parallel-size / --pipeline-model-parallel-size")
+    tokenizer = _tokenizer(path, meta, cfg)
+    state = torch.random.get_rng_state()
+    stage = build_stage(cfg, groups, backend)
+    torch.random.set_rng_state(state)
+    full = read_full_state(path, owners=needed_owners([stage]), with_optimizer=False)
+    shard_full_state(stage, full.model, groups)
+    stage = stage.eval()
+    return Loaded(model=stage, tokenizer=tokenizer, family=family.name, meta=meta,
+                  sharded=ShardedStage(stage, groups, backend.collectives))

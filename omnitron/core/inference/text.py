@@ -80,8 +80,9 @@ def complete_gpt(loaded, prompts: list[str], tokens_to_generate: int, *, params:
     ids = _encode_all(tok, prompts, allow_empty=False)
     lead = [eod] if add_bos else []
     stops = ({eod} if eod is not None else set()) | (line_end_tokens(tok) if stop_on_eol else set())
+    sharded = loaded.sharded.generate_kwargs() if loaded.sharded is not None else {}  # a tp x pp job's stage
     out = generate_batch(loaded.model, [lead + p for p in ids], tokens_to_generate, params=params,
-                         eod=frozenset(stops), return_log_probs=logprobs)
+                         eod=frozenset(stops), return_log_probs=logprobs, **sharded)
     return _result(tok, [lead + p + t for p, t in zip(ids, out.tokens)],
                    [tok.decode(p + [t for t in toks if t != eod]) for p, toks in zip(ids, out.tokens)], out, logprobs,
                    [])

@@ -1,0 +1,119 @@
+"""Generation under tensor x pipeline parallelism gives the one-process tokens and log-probs.
+
+A random Llama-style GPT (GQA, RoPE: later stages need the positions too) is written as a tp2 checkpoint,
+so every layout below also reshards on load. Prompts of different lengths exercise the left padding and the
+validity mask of every stage's KV cache. The reference is the same checkpoint in one process.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from omnitron.testing.distributed import run_distributed
+
+V = 300  # NullTokenizer --vocab-size: the model's vocabulary is V + 1 (its end-of-document id)
+PROMPTS = ["3 14 15 92 65", "35 89"]
+# Log-probs: fp32, the layouts differ in the order of sums over n <= 96 terms (tp splits of the GEMMs and of
+# the vocabulary-parallel logits, gathered exactly): relative error ~sqrt(n) 2**-24 ~ 6e-7 on logits of size
+# <= ~50 (the weights are sharpened x4), <= 3e-5 absolute; log_softmax at most doubles it. Greedy tokens are
+# compared exactly: a top-2 gap under 6e-5 on a random model is improbable, and a layout bug moves logits by O(1).
+LP_ATOL = 1e-4
+
+
+def _checkpoint(root: str) -> None:
+    from omnitron.core.checkpoint.hf import write_weights_checkpoint
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.models.gpt.config import llama_tiny
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.models.gpt.state import gather_full_state
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    cfg = llama_tiny(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                     vocab_size=V + 1, seq_length=48)
+    model = GPTModel(cfg, ParallelGroups.single(), seed=3)
+    with torch.no_grad():  # sharpen the random model so greedy choices are well separated
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.mul_(4.0)
+    full = {n: t.clone() for n, t in gather_full_state(model, model.groups).items()}
+    write_weights_checkpoint(full, cfg, root, Layout(tp=2), config={"tokenizer_type": "NullTokenizer",
+                                                                    "vocab_size": V})
+
+
+def _complete(loaded, sampling):
+    from omnitron.core.inference.sampling import SamplingParams
+    from omnitron.core.inference.text import complete
+
+    return complete(loaded, PROMPTS, 10, params=SamplingParams(**sampling), logprobs=True)
+
+
+def _one_process(root: str, sampling: dict) -> dict:
+    from omnitron.core.inference.loader import load_for_inference
+
+    return _complete(load_for_inference(root), sampling)
+
+
+def _rank(root: str, tp: int, pp: int, samplings: list[dict]) -> list[dict]:
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.inference.loader import load_sharded
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+                                  backend=be)
+    loaded = load_sharded(root, groups, be)
+    assert loaded.model.decoder.layers.keys() == {str(i) for i in range(4)[groups.pp.rank * 4 // pp:][:4 // pp]}
+    return [_complete(loaded, s) for s in samplings]
+
+
+SAMPLINGS = [{"temperature": 0.0}, {"temperature": 0.9, "top_k": 20, "seed": 7}]
+
+
+def _assert_same(got: dict, want: dict, label) -> None:
+    assert got["text"] == want["text"], (label, got["text"], want["text"])
+    assert got["segments"] == want["segments"], label
+    for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=LP_ATOL, msg=str(label))
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), pytest.param(2, 1, marks=pytest.mark.slow),
+                                   pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_sharded_generation_matches_one_process(tmp_path, tp, pp):
+    root = str(tmp_path / "ck")
+    _checkpoint(root)
+    want = [_one_process(root, s) for s in SAMPLINGS]
+    assert want[0]["text"] != want[1]["text"]  # the sampled run really samples
+    for rank, got in enumerate(run_distributed(_rank, tp * pp, root, tp, pp, SAMPLINGS)):
+        for g, w, s in zip(got, want, SAMPLINGS):
+            _assert_same(g, w, (tp, pp, rank, s))
+
+
+def test_generate_command_under_tensor_parallelism(tmp_path):
+    """``omnitron generate --tensor-model-parallel-size 2`` launches 2 ranks and prints the one-process text."""
+    root = str(tmp_path / "ck")
+    _checkpoint(root)
+    root_dir = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root_dir, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "omnitron", "generate", "--load", root, "--max-new-tokens", "10", "--temperature",
+           "0", "--json", "--tensor-model-parallel-size", "2", *[a for p in PROMPTS for a in ("--prompt", p)]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    sharded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sharded["text"] == _one_process(root, {"temperature": 0.0})["text"]
+
+
+def test_sharded_generate_refuses_a_wrong_process_count(tmp_path, capsys):
+    from omnitron.cli import main as cli
+
+    code = cli(["generate", "--load", str(tmp_path), "--prompt", "1", "--tensor-model-parallel-size", "2",
+                "--nproc-per-node", "3"])
+    assert code == 2
+    assert "needs tensor x pipeline = 2 x 1 processes, got 3; set --nproc-per-node 2" in capsys.readouterr().err
