@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from omnitron.commands.serve import add_layout_flags, sharded_world
+
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="continue prompts with a trained checkpoint (batched, KV cache; GPT, T5, "
@@ -31,12 +33,7 @@ def register(sub) -> None:
                    "checkpoint's --seed)")
     p.add_argument("--return-log-probs", action="store_true", help="print each token with its log-probability")
     p.add_argument("--backend", default=None, help="backend (default: $OMNITRON_BACKEND, else auto)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
-                   help="shard the model over TP processes (GPT checkpoints; any layout loads)")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="PP",
-                   help="split the layers over PP pipeline stages (GPT checkpoints)")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="local processes to spawn (default: TP x PP; under torchrun, its world)")
+    add_layout_flags(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON (the server's response shape)")
     image = p.add_mutually_exclusive_group()
     image.add_argument("--image-index", type=int, metavar="N", help="multimodal: caption sample N of the synthetic "
@@ -74,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         print("omnitron generate: error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
-    if args.tensor_model_parallel_size * args.pipeline_model_parallel_size > 1 or (args.nproc_per_node or 1) > 1:
-        return _run_sharded(args)
+    world = sharded_world(args, "generate")
+    if world is not None:
+        return _run_sharded(args, world)
     try:
         loaded = load_for_inference(args.load, get_backend(args.backend))
         default = loaded.spec.default_prompt
@@ -109,19 +107,12 @@ def print_result(out: dict, as_json: bool, log_probs: bool, truth: str | None) -
     sys.stdout.flush()
 
 
-def _run_sharded(args: argparse.Namespace) -> int:
+def _run_sharded(args: argparse.Namespace, world: int) -> int:
     """Launch tp x pp ranks (as training launches its workers) that each load their stage and generate."""
-    import os
-
     from omnitron.core.inference.sharded import GenerateJob, run_generate_job
     from omnitron.core.training.launch import launch
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc_per_node or tp * pp)
-    if min(tp, pp) < 1 or world != tp * pp:
-        print(f"omnitron generate: error: sharded generation needs tensor x pipeline = {tp} x {pp} processes, "
-              f"got {world}; set --nproc-per-node {max(tp, 1) * max(pp, 1)}", file=sys.stderr)
-        return 2
     if args.image is not None or args.image_index is not None:
         print("omnitron generate: error: multimodal checkpoints caption in one process; drop "
               "--tensor-model-parallel-size / --pipeline-model-parallel-size", file=sys.stderr)

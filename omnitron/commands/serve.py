@@ -1,4 +1,7 @@
-"""``omnitron serve --load DIR [--port 5000]``: Megatron's text generation server API over HTTP (PUT /api)."""
+"""``omnitron serve --load DIR [--port 5000]``: Megatron's text generation server API over HTTP (PUT /api).
+
+With ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` a GPT checkpoint is served by tp x pp
+processes (rank 0 answers HTTP; see :mod:`omnitron.core.inference.sharded_server`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +15,34 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=5000, help="port (default: 5000; 0 picks a free one)")
     p.add_argument("--backend", default=None, help="backend (default: $OMNITRON_BACKEND, else auto)")
+    add_layout_flags(p)
     p.set_defaults(func=run)
+
+
+def add_layout_flags(p) -> None:
+    """The tp x pp flags of the inference commands (``generate``, ``serve``)."""
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
+                   help="shard the model over TP processes (GPT checkpoints; any layout loads)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="PP",
+                   help="split the layers over PP pipeline stages (GPT checkpoints)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="local processes to spawn (default: TP x PP; under torchrun, its world)")
+
+
+def sharded_world(args, command: str) -> int | None:
+    """The job's world size when ``args`` ask for tp x pp processes, None for one process; exits 2 (SystemExit)
+    with one line when the process count does not match."""
+    import os
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp * pp == 1 and (args.nproc_per_node or 1) == 1:
+        return None
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc_per_node or tp * pp)
+    if min(tp, pp) < 1 or world != tp * pp:
+        print(f"omnitron {command}: error: sharded inference needs tensor x pipeline = {tp} x {pp} processes, "
+              f"got {world}; set --nproc-per-node {max(tp, 1) * max(pp, 1)}", file=sys.stderr)
+        raise SystemExit(2)
+    return world
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,6 +51,15 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.core.inference.loader import load_for_inference
     from omnitron.core.inference.server import make_server
 
+    world = sharded_world(args, "serve")
+    if world is not None:
+        from omnitron.core.inference.sharded_server import ServeJob, run_serve_job
+        from omnitron.core.training.launch import launch
+
+        return launch(ServeJob(load=args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                               pipeline_model_parallel_size=args.pipeline_model_parallel_size, backend=args.backend,
+                               host=args.host, port=args.port, nproc_per_node=world, world_size=world),
+                      run_serve_job)
     try:
         loaded = load_for_inference(args.load, get_backend(args.backend))
         server = make_server(loaded, args.host, args.port)

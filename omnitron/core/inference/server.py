@@ -118,8 +118,12 @@ class _TooLarge(BadRequest):
     """A body over the size limit (413, refused unread)."""
 
 
-def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES):
-    """The request handler class bound to one loaded model (``timeout_s``: per socket operation)."""
+def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES,
+                 run=None):
+    """The request handler class bound to one loaded model (``timeout_s``: per socket operation). ``run``
+    computes a parsed request (default: :func:`complete` in this process; a sharded job's coordinator first
+    hands it to every rank)."""
+    run = run or (lambda prompts, n, **kw: complete(loaded, prompts, n, **kw))
 
     class Handler(BaseHTTPRequestHandler):
         timeout = timeout_s  # StreamRequestHandler sets it on the connection's socket
@@ -144,7 +148,7 @@ def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, 
                 kwargs = parse_request(body, loaded)
                 prompts = kwargs.pop("prompts")
                 with lock:
-                    result = complete(loaded, prompts, kwargs.pop("tokens_to_generate"), **kwargs)
+                    result = run(prompts, kwargs.pop("tokens_to_generate"), **kwargs)
             except _TooLarge as err:
                 self.close_connection = True  # the unread body must not be parsed as the next request
                 return self._reply(413, {"error": str(err)})
@@ -174,9 +178,11 @@ class _Server(ThreadingHTTPServer):
 
 
 def make_server(loaded, host: str = "127.0.0.1", port: int = 5000, *, quiet: bool = False,
-                timeout_s: float = TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES) -> ThreadingHTTPServer:
-    """An unstarted server (``serve_forever()`` to run; port 0 picks a free one: ``server.server_port``)."""
-    server = _Server((host, port), make_handler(loaded, threading.Lock(), timeout_s=timeout_s,
-                                                max_body_bytes=max_body_bytes))
+                timeout_s: float = TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES, run=None,
+                lock: threading.Lock | None = None) -> ThreadingHTTPServer:
+    """An unstarted server (``serve_forever()`` to run; port 0 picks a free one: ``server.server_port``);
+    ``run`` and ``lock``: see :func:`make_handler` (a sharded job's coordinator passes its own)."""
+    server = _Server((host, port), make_handler(loaded, lock or threading.Lock(), timeout_s=timeout_s,
+                                                max_body_bytes=max_body_bytes, run=run))
     server.quiet = quiet
     return server

@@ -106,19 +106,13 @@ def build_stage(cfg, groups, backend):
 
 
 @dataclass
-class GenerateJob:
-    """What ``omnitron generate`` under tp x pp hands every rank (the launcher's settings: backend, threads,
-    world and the distributed timeout, as training's)."""
+class ShardedJob:
+    """What a tp x pp inference command hands every rank: the checkpoint, the layout, and the launcher's
+    settings (backend, threads, world and the distributed timeout, as training's)."""
 
     load: str
-    prompts: list[str]
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    max_new_tokens: int = 40
-    sampling: dict = field(default_factory=dict)
-    """:class:`~omnitron.core.inference.sampling.SamplingParams` fields (``seed`` None: the checkpoint's)."""
-    return_log_probs: bool = False
-    json: bool = False
     backend: str | None = None
     threads: int | None = None
     nproc_per_node: int = 1
@@ -132,20 +126,37 @@ class GenerateJob:
         return ParallelConfig(tensor_model_parallel_size=self.tensor_model_parallel_size,
                               pipeline_model_parallel_size=self.pipeline_model_parallel_size)
 
+    def load_stage(self, backend):
+        """(groups, this rank's loaded stage) of the job's layout over the initialised world."""
+        from omnitron.core.inference.loader import load_sharded
+        from omnitron.core.parallel.groups import ParallelGroups
+
+        groups = ParallelGroups.build(self.parallel_config(), backend=backend)
+        if groups.dp_size != 1:
+            raise ValueError(f"sharded inference runs on tensor x pipeline = {self.world_size // groups.dp_size} "
+                             f"processes, got {self.world_size}; set --nproc-per-node to that product")
+        return groups, load_sharded(self.load, groups, backend)
+
+
+@dataclass
+class GenerateJob(ShardedJob):
+    """``omnitron generate`` under tp x pp."""
+
+    prompts: list[str] = field(default_factory=list)
+    max_new_tokens: int = 40
+    sampling: dict = field(default_factory=dict)
+    """:class:`~omnitron.core.inference.sampling.SamplingParams` fields (``seed`` None: the checkpoint's)."""
+    return_log_probs: bool = False
+    json: bool = False
+
 
 def run_generate_job(job: GenerateJob, backend, watchdog=None) -> None:
     """One rank of a sharded ``omnitron generate``: load this rank's stage, generate, rank 0 prints."""
     from omnitron.commands.generate import print_result
-    from omnitron.core.inference.loader import load_sharded
     from omnitron.core.inference.sampling import SamplingParams
     from omnitron.core.inference.text import complete
-    from omnitron.core.parallel.groups import ParallelGroups
 
-    groups = ParallelGroups.build(job.parallel_config(), backend=backend)
-    if groups.dp_size != 1:
-        raise ValueError(f"sharded generation runs on tensor x pipeline = {job.world_size // groups.dp_size} "
-                         f"processes, got {job.world_size}; set --nproc-per-node to that product")
-    loaded = load_sharded(job.load, groups, backend)
+    groups, loaded = job.load_stage(backend)
     sampling = dict(job.sampling)
     sampling["seed"] = loaded.seed if sampling.get("seed") is None else sampling["seed"]
     out = complete(loaded, job.prompts, job.max_new_tokens, params=SamplingParams(**sampling),

@@ -1,0 +1,61 @@
+"""``omnitron serve --tensor-model-parallel-size 2``: rank 0 answers HTTP, both ranks compute, the answers are the
+one-process ones; bad requests (refused by rank 0, or by the library on every rank) leave the job serving; SIGTERM
+stops every rank cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from test_sharded_generate import PROMPTS, _checkpoint, _one_process
+
+
+def _put(port: int, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api", data=json.dumps(body).encode(), method="PUT")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _wait_for_port(proc, deadline_s: float) -> int:
+    start = time.monotonic()
+    while time.monotonic() - start < deadline_s:
+        line = proc.stdout.readline()
+        if "serving gpt checkpoint" in line:
+            return int(line.rsplit(":", 1)[1].split("/")[0])
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
+
+
+def test_server_under_tensor_parallelism_answers_like_one_process(tmp_path):
+    root = str(tmp_path / "ck")
+    _checkpoint(root)
+    want = _one_process(root, {"temperature": 0.0})["text"]
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "omnitron", "serve", "--load", root, "--port", "0",
+                             "--tensor-model-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        port = _wait_for_port(proc, 240)
+        greedy = {"prompts": PROMPTS, "tokens_to_generate": 10, "temperature": 0.0}
+        assert _put(port, greedy) == (200, {"text": want})
+        code, body = _put(port, {"prompts": ["1"], "top_k": 2, "top_p": 0.5})  # refused by rank 0 alone
+        assert code == 400 and "top_k and top_p together" in body["error"]
+        code, body = _put(port, {"prompts": [" ".join(["7"] * 60)], "tokens_to_generate": 2})  # by every rank
+        assert code == 400 and "more than the model's context" in body["error"]
+        assert _put(port, greedy) == (200, {"text": want})  # both ranks still in step
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
