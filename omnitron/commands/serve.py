@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.backends import get_backend
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.inference.loader import load_for_inference
-    from omnitron.core.inference.server import make_server
+    from omnitron.core.inference.server import make_server, serve_until_stopped
 
     world = sharded_world(args, "serve")
     if world is not None:
@@ -68,10 +68,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"serving {loaded.family} checkpoint {args.load} on http://{args.host}:{server.server_port}/api (PUT)",
           flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    serve_until_stopped(server)
     return 0

@@ -186,3 +186,15 @@ def make_server(loaded, host: str = "127.0.0.1", port: int = 5000, *, quiet: boo
                                                 max_body_bytes=max_body_bytes, run=run))
     server.quiet = quiet
     return server
+
+
+def serve_until_stopped(server: ThreadingHTTPServer, on_stop=None) -> None:
+    """``serve_forever`` until Ctrl-C (KeyboardInterrupt), then close the socket and call ``on_stop``."""
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        if on_stop is not None:
+            on_stop()

@@ -110,7 +110,7 @@ def run_serve_job(job: ServeJob, backend, watchdog=None) -> None:
     """One rank of a sharded ``omnitron serve``: rank 0 serves HTTP until stopped, the others follow."""
     import signal
 
-    from omnitron.core.inference.server import make_server
+    from omnitron.core.inference.server import make_server, serve_until_stopped
 
     groups, loaded = job.load_stage(backend)
     coord = Coordinator(loaded, backend.collectives)
@@ -125,13 +125,7 @@ def run_serve_job(job: ServeJob, backend, watchdog=None) -> None:
           f"http://{job.host}:{server.server_port}/api (PUT)", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards SIGTERM: stop as on Ctrl-C
     threading.Thread(target=coord.keep_alive, daemon=True).start()
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-        coord.stop()
+    serve_until_stopped(server, coord.stop)
 
 
 def _interrupt(*_) -> None:
