@@ -11,7 +11,8 @@ training loop's ``checkpointing.save`` in each format into its own directory, an
   the same with DCP's copy of every piece, as before ``dist_planner.exact_storage``);
 * ``torch_dist async``: ``--async-save``: ``blocked s`` is the save call (the step's wait: a host
   snapshot, then the thread starts), ``s`` the save call plus ``finish_saves`` (write done, committed);
-  the first async save also makes the saver's process group, so a second one is timed too.
+  the saver's process group is made beforehand (``checkpointing.prepare_saves``, as training does before
+  its first step); a second async save is timed too.
 
 Per rank: seconds, bytes of the files it wrote, bytes of all its write calls (``/proc/self/io`` wchar: files
 and the gloo sockets, the background thread included), and the
@@ -90,6 +91,7 @@ def bench_worker(root: str, dp: int) -> dict:
     out["opt_full"] = sum(sum(p.numel() for p in c.optimizer.params) * 4 for _ in c.optimizer.state)
     for name, fmt, async_ in VARIANTS:
         ck.save, ck.ckpt_format, ck.async_save = os.path.join(root, name.replace(" ", "_")), fmt, async_
+        checkpointing.prepare_saves(c)  # as training does before its first step (not timed)
         be.collectives.barrier()
 
         def save():

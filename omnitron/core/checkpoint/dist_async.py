@@ -11,7 +11,8 @@ all-reduce on the main thread), and only then commits (checksums into metadata.j
 previous checkpoint; the next save's ``_begin`` removes the stale directory.
 
 Collectives: the thread's DCP save (its planning and result exchange) runs over a process group of
-its own, made once over the world at the first save (every rank makes it at the same save), so it
+its own, made once over the world (every rank makes it at the same point: :meth:`AsyncSaver.prepare`,
+which training calls before its first step so that no save pays for it; else the first save), so it
 never interleaves with the training's collectives on the main thread's groups.
 """
 from __future__ import annotations
@@ -51,14 +52,18 @@ class AsyncSaver:
     def __init__(self, collectives) -> None:
         self.coll, self.group, self.pending = collectives, None, None
 
+    def prepare(self, world_size: int) -> None:
+        """Collective (once): make the background writes' process group over the world."""
+        if self.group is None and self.coll.is_initialized():
+            self.group = self.coll.new_group(range(world_size))
+
     def save(self, c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
         """Collective: finish the previous save, snapshot this rank's pieces and start writing them;
         returns the directory ``iter_N`` becomes once :meth:`wait` commits it."""
         self.wait(c, barrier)
         final = dist.begin(c, save_dir, iteration, barrier)
         pieces = snapshot({**dist.model_pieces(c, save=True), **dist.optimizer_pieces(c, save=True)})
-        if self.group is None and self.coll.is_initialized():
-            self.group = self.coll.new_group(range(c.groups.world_size))
+        self.prepare(c.groups.world_size)
         error: list = []
         device = c.backend.current_device()
 

@@ -147,6 +147,14 @@ def _save_dist(c) -> str:
     return path
 
 
+def prepare_saves(c) -> None:
+    """Collective, before the first step: ``--async-save`` makes its writer's process group now, so that the
+    first save blocks the step for its snapshot only."""
+    ck = c.settings.checkpoint
+    if ck.async_save and ck.save and ck.ckpt_format == "torch_dist":
+        c.extra.setdefault("async_saver", AsyncSaver(c.backend.collectives)).prepare(c.groups.world_size)
+
+
 def finish_saves(c) -> None:
     """Collective: wait for a ``--async-save`` write in flight and commit it (the end of training)."""
     saver = c.extra.get("async_saver")

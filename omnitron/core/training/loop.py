@@ -139,6 +139,7 @@ def train(settings, backend, watchdog=None) -> dict:
     watchdog = watchdog or NullWatchdog()
     c = build_components(settings, backend)
     checkpointing.load(c)
+    checkpointing.prepare_saves(c)
     t, ck, lg = settings.training, settings.checkpoint, settings.logging
     rank0 = c.groups.rank == 0
     if rank0:
