@@ -113,8 +113,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     with timers.phase("all-grads-sync"):
         finalize_model_grads(c.chunks, c.groups, collectives=c.backend.collectives)
         if c.settings.training.calculate_per_token_loss:
-            # the data-parallel mean took 1 / (dp x cp) of the summed loss sums; the tokens are counted once per
-            # cp rank (each holds the whole micro-batch's count), so dp x cp / tokens leaves d(sum) / (global tokens)
+            # the data-parallel mean took 1 / (dp x cp) of the summed loss sums, and ``tokens`` is the step's global
+            # count (each cp rank counts its micro-batch's tokens / cp): dp x cp / tokens leaves d(sum) / tokens
             scale_gradients(c.chunks, c.groups.dp_cp.size / max(tokens, 1.0))
     # NOTE: the schedule advances with successful steps only (a skipped fp16 step keeps its lr), as Megatron
     batch = c.batches.global_batch(c.consumed_samples)
