@@ -9,8 +9,10 @@ Training-loop use, per step::
 """
 from omnitron.core.parallel.data.buffers import Bucket, GradBuffer
 from omnitron.core.parallel.data.config import DataParallelConfig, num_microbatches
-from omnitron.core.parallel.data.ddp import DistributedDataParallel, unwrap_model
+from omnitron.core.parallel.data.ddp import DistributedDataParallel
 from omnitron.core.parallel.data.finalize import finalize_model_grads, sequence_parallel_params
+from omnitron.core.parallel.data.fsdp import FullyShardedDataParallel
+from omnitron.core.parallel.data.wrapper import ChunkWrapper, unwrap_model
 
-__all__ = ["Bucket", "GradBuffer", "DataParallelConfig", "num_microbatches", "DistributedDataParallel",
-           "unwrap_model", "finalize_model_grads", "sequence_parallel_params"]
+__all__ = ["Bucket", "ChunkWrapper", "GradBuffer", "DataParallelConfig", "num_microbatches", "DistributedDataParallel",
+           "FullyShardedDataParallel", "unwrap_model", "finalize_model_grads", "sequence_parallel_params"]
