@@ -47,131 +47,173 @@ def _argv(root: str, *extra: str) -> list[str]:
             "--save-interval", str(STEPS), *extra]
 
 
-def _train(root: str, world: int, *extra: str) -> tuple[list[float], float]:
-    """Per-step losses and the final weights' global norm (``--log-params-norm``'s)."""
+def _train(root: str, world: int, *extra: str) -> dict:
+    """Per-step losses, the final weights' global norm (``--log-params-norm``'s) and, under FSDP2, what this
+    rank holds after the last step (:func:`_held`)."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import params_norm, train
 
     torch.set_num_threads(1)
     res = train(parse_settings(_argv(root, *extra), world), get_backend())
-    return [res["losses"][i] for i in sorted(res["losses"])], params_norm(res["components"])
+    c = res["components"]
+    out = {"losses": [res["losses"][i] for i in sorted(res["losses"])], "norm": params_norm(c)}
+    if "--use-torch-fsdp2" in extra:
+        out["held"] = _held(c)
+    return out
+
+
+def _held(c) -> dict:
+    """Element counts of what this rank holds after a step, from the tensors themselves: sharded parameters,
+    gradients, optimizer states; the full (unsharded) count and this rank's dim-0 share of it (ceil(rows /
+    dp) rows of each parameter); the bytes FSDP's unsharded parameters keep between steps."""
+    from omnitron.core.parallel.data.fsdp import local_shard
+
+    params = [p for m in c.modules for p in m.parameters()]
+    dp = c.groups.dp_cp.size
+    unsharded = 0
+    for m in c.modules:
+        for unit in m.modules():
+            state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
+            for fp in (state._fsdp_param_group.fsdp_params if state and state._fsdp_param_group else []):
+                unsharded += fp._unsharded_param.untyped_storage().nbytes()
+    return {"params": sum(local_shard(p).numel() for p in params),
+            "grads": sum(local_shard(p.grad).numel() for p in params if p.grad is not None),
+            "state": sum(t.numel() for bufs in c.optimizer.state.values() for t in bufs),
+            "full": sum(p.numel() for p in params),
+            "share": sum(math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:]) for p in params),
+            "unsharded_bytes": unsharded, "kinds": sorted(c.optimizer.state)}
 
 
 def _final(root: str):
     from omnitron.core.checkpoint import find_latest, reshard
 
-    return reshard.read_full_state(find_latest(root + "/ckpt"))
+    return reshard.read_full_state(find_latest(root))
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("one"))
-    losses, norm = _train(root, 1)
-    assert len(losses) == STEPS and len(set(losses)) == STEPS
-    return losses, norm, _final(root)
+    out = _train(root, 1)
+    assert len(out["losses"]) == STEPS and len(set(out["losses"])) == STEPS
+    return out, _final(root + "/ckpt")
 
 
-def _check_parity(one_process, root: str, world: int, *layout: str) -> None:
-    ref_losses, ref_norm, ref = one_process
-    ranks = run_distributed(_train, world, root, world, "--use-torch-fsdp2", *layout, timeout_s=600)
-    for rank, (losses, norm) in enumerate(ranks):
-        assert losses == pytest.approx(ref_losses, rel=REL), (rank, losses, ref_losses)
-        # ||w|| ~ 8 (the init's sqrt(N) x 0.02 x ...); its error <= ||dw||_2 <= sqrt(N) x W_ATOL = 1.7e-4
-        assert norm == pytest.approx(ref_norm, abs=math.sqrt(2.8e4) * W_ATOL), (rank, norm, ref_norm)
-    got = _final(root)
-    assert got.model.keys() == ref.model.keys()
-    for name, w in ref.model.items():
+def _check_parity(one_process, ranks: list[dict], ckpt: str) -> None:
+    ref, ref_final = one_process
+    for rank, out in enumerate(ranks):
+        assert out["losses"] == pytest.approx(ref["losses"], rel=REL), (rank, out["losses"], ref["losses"])
+        # ||w|| ~ 8; its error <= ||dw||_2 <= sqrt(N) x W_ATOL = 1.7e-4
+        assert out["norm"] == pytest.approx(ref["norm"], abs=math.sqrt(2.8e4) * W_ATOL), (rank, out["norm"])
+    got = _final(ckpt)
+    assert got.model.keys() == ref_final.model.keys()
+    for name, w in ref_final.model.items():
         torch.testing.assert_close(got.model[name], w, rtol=0, atol=W_ATOL, msg=lambda s: f"{name}: {s}")
-    buf = ref.optimizer["momentum"]
+    buf = ref_final.optimizer["momentum"]
     assert got.optimizer["momentum"].keys() == buf.keys()
     for name, b in buf.items():
         torch.testing.assert_close(got.optimizer["momentum"][name], b, rtol=0, atol=BUF_ATOL,
                                    msg=lambda s: f"momentum {name}: {s}")
 
 
-def test_fsdp2_dp4_matches_one_process(one_process, tmp_path):
-    _check_parity(one_process, str(tmp_path), 4)
-
-
-def test_fsdp2_pp2_dp2_matches_one_process(one_process, tmp_path):
-    _check_parity(one_process, str(tmp_path), 4, "--pipeline-model-parallel-size", "2")
-
-
-@pytest.mark.slow
-def test_fsdp2_tp2_dp2_matches_one_process(one_process, tmp_path):
-    _check_parity(one_process, str(tmp_path), 4, "--tensor-model-parallel-size", "2", "--sequence-parallel")
-
-
-# ---- resume ------------------------------------------------------------------------------------------------
-def _resume_worker(root: str) -> tuple:
-    """At dp2 with --bf16 and AdamW: 4 steps straight, against 2 steps, save, load, 2 more (one world)."""
-    common = ("--use-torch-fsdp2", "--bf16", "--optimizer", "adam", "--lr", "1e-2", "--lr-decay-iters", "4")
-    straight, _ = _train(root + "/a", 2, "--train-iters", "4", "--save-interval", "4", *common)
-    first, _ = _train(root + "/b", 2, "--train-iters", "2", "--save-interval", "2", *common)
-    resumed, _ = _train(root + "/b", 2, "--train-iters", "4", "--save-interval", "4", "--load", root + "/b/ckpt",
-                        *common)
-    return straight, first + resumed
-
-
-def test_fsdp2_resume_is_bit_exact(tmp_path):
-    """The same losses, weights and optimizer state, bit for bit, as the uninterrupted run (the same sums in
-    the same order: nothing about the run may depend on where it was restarted)."""
-    for straight, pieced in run_distributed(_resume_worker, 2, str(tmp_path), timeout_s=600):
-        assert pieced == straight
-    a, b = _final(str(tmp_path / "a")), _final(str(tmp_path / "b"))
-    assert int(a.meta["iteration"]) == int(b.meta["iteration"]) == 4
+def _assert_same_checkpoint(a_dir: str, b_dir: str) -> None:
+    a, b = _final(a_dir), _final(b_dir)
+    assert int(a.meta["iteration"]) == int(b.meta["iteration"])
+    assert a.optimizer_meta == b.optimizer_meta
     for name, w in a.model.items():
         assert torch.equal(b.model[name], w), name
-    assert a.optimizer.keys() == b.optimizer.keys() == {"exp_avg", "exp_avg_sq"}
+    assert a.optimizer.keys() == b.optimizer.keys()
     for kind, tensors in a.optimizer.items():
         for name, t in tensors.items():
             assert torch.equal(b.optimizer[kind][name], t), (kind, name)
 
 
-# ---- what each rank holds ----------------------------------------------------------------------------------
-def _held_worker(root: str) -> dict:
-    """Element counts of what this rank holds after a step: sharded parameters, gradients, optimizer states
-    (from the tensors themselves), the full (unsharded) counts, and the bytes FSDP's unsharded parameters
-    keep between steps."""
-    from omnitron.backends import get_backend
-    from omnitron.core.parallel.data.fsdp import local_shard
-    from omnitron.core.training.arguments import parse_settings
-    from omnitron.core.training.loop import train
+def _default_worker(root: str) -> dict:
+    """One 4-rank world for the default suite's two layouts (a spawn costs seconds). dp4: the 3 steps saving
+    after each, then a second run loads iteration 2 and runs step 3 again; then pp2 x dp2."""
+    import shutil
 
-    torch.set_num_threads(1)
-    argv = _argv(root, "--use-torch-fsdp2", "--optimizer", "adam", "--train-iters", "1")
-    c = train(parse_settings(argv, 4), get_backend())["components"]
-    params = [p for m in c.modules for p in m.parameters()]
-    unsharded = 0
-    for m in c.modules:
-        for unit in m.modules():
-            group = getattr(unit, "_get_fsdp_state", None) and unit._get_fsdp_state()._fsdp_param_group
-            for fp in (group.fsdp_params if group else []):
-                unsharded += fp._unsharded_param.untyped_storage().nbytes()
-    return {"params": sum(local_shard(p).numel() for p in params),
-            "grads": sum(local_shard(p.grad).numel() for p in params if p.grad is not None),
-            "state": sum(t.numel() for bufs in c.optimizer.state.values() for t in bufs),
-            "full": sum(p.numel() for p in params),
-            "bound": sum(math.ceil(p.shape[0] / 4) * math.prod(p.shape[1:]) for p in params),
-            "unsharded_bytes": unsharded, "kinds": sorted(c.optimizer.state)}
+    import torch.distributed as dist
+
+    dp4 = _train(root + "/dp4", 4, "--use-torch-fsdp2", "--save-interval", "1")
+    if dist.get_rank() == 0:
+        shutil.copytree(root + "/dp4/ckpt/iter_0000002", root + "/resume/ckpt/iter_0000002")
+        with open(root + "/resume/ckpt/latest", "w") as f:
+            f.write("iter_0000002")
+    dist.barrier()
+    dp4["resumed"] = _train(root + "/resume", 4, "--use-torch-fsdp2", "--load", root + "/resume/ckpt")["losses"]
+    pp2 = _train(root + "/pp2", 4, "--use-torch-fsdp2", "--pipeline-model-parallel-size", "2")
+    return {"dp4": dp4, "pp2": pp2}
 
 
-def test_fsdp2_each_rank_holds_a_quarter_at_dp4(tmp_path):
-    """At dp4 the ranks' shards partition every parameter (their counts sum to the model's) and no rank holds
-    more than its dim-0 share (ceil(rows / 4) rows of each parameter) of weights, gradients or either Adam
-    moment; between steps FSDP keeps no unsharded parameter storage."""
-    ranks = run_distributed(_held_worker, 4, str(tmp_path), timeout_s=600)
-    full = ranks[0]["full"]
-    assert all(r["full"] == full for r in ranks) and full > 2e4
-    assert sum(r["params"] for r in ranks) == full
-    assert sum(r["grads"] for r in ranks) == full
-    assert sum(r["state"] for r in ranks) == 2 * full
+@pytest.fixture(scope="module")
+def default_world(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("fsdp2"))
+    return root, run_distributed(_default_worker, 4, root, timeout_s=600)
+
+
+def test_fsdp2_dp4_matches_one_process(one_process, default_world):
+    root, ranks = default_world
+    _check_parity(one_process, [r["dp4"] for r in ranks], root + "/dp4/ckpt")
+
+
+def test_fsdp2_pp2_dp2_matches_one_process(one_process, default_world):
+    """Tied embeddings across the stages (their sharded gradients summed over the embedding group)."""
+    root, ranks = default_world
+    _check_parity(one_process, [r["pp2"] for r in ranks], root + "/pp2/ckpt")
+
+
+def test_fsdp2_resume_is_bit_exact(default_world):
+    """Resuming dp4 from iteration 2 repeats step 3 bit for bit: the same sums in the same order (nothing may
+    depend on where the run was restarted), the same weights and momentum in the final checkpoint."""
+    root, ranks = default_world
     for r in ranks:
-        assert r["kinds"] == ["exp_avg", "exp_avg_sq"]
-        assert r["params"] == r["grads"] == r["state"] // 2 <= r["bound"]
-        assert r["bound"] <= 1.05 * full / 4  # this model's rows divide nearly evenly: ~1/dp each
-        assert r["unsharded_bytes"] == 0
+        assert r["dp4"]["resumed"] == r["dp4"]["losses"][2:]
+    _assert_same_checkpoint(root + "/dp4/ckpt", root + "/resume/ckpt")
+
+
+def test_fsdp2_each_rank_holds_a_quarter_at_dp4(default_world):
+    """The ranks' shards partition every parameter and no rank holds more than its dim-0 share (ceil(rows /
+    4) rows of each parameter) of weights, gradients or momentum; between steps FSDP keeps no unsharded
+    parameter storage."""
+    held = [r["dp4"]["held"] for r in default_world[1]]
+    full = held[0]["full"]
+    assert all(h["full"] == full for h in held) and full > 2e4
+    assert sum(h["params"] for h in held) == sum(h["grads"] for h in held) == sum(h["state"] for h in held) == full
+    for h in held:
+        assert h["kinds"] == ["momentum"] and h["unsharded_bytes"] == 0
+        assert h["params"] == h["grads"] == h["state"] <= h["share"] <= 1.05 * full / 4  # rows divide ~evenly
+
+
+@pytest.mark.slow
+def test_fsdp2_tp2_dp2_matches_one_process(one_process, tmp_path):
+    """Sequence parallelism: the norms' partial gradients summed over tp from the local shards."""
+    ranks = run_distributed(_train, 4, str(tmp_path), 4, "--use-torch-fsdp2", "--tensor-model-parallel-size", "2",
+                            "--sequence-parallel", timeout_s=600)
+    _check_parity(one_process, ranks, str(tmp_path / "ckpt"))
+
+
+# ---- resume in low precision -------------------------------------------------------------------------------
+def _resume_worker(root: str, precision: str) -> tuple:
+    """At dp2 with AdamW: 4 steps straight, against 2 steps, save, load, 2 more (one world)."""
+    common = ("--use-torch-fsdp2", precision, "--optimizer", "adam", "--lr", "1e-2", "--lr-decay-iters", "4")
+    straight = _train(root + "/a", 2, "--train-iters", "4", "--save-interval", "4", *common)["losses"]
+    first = _train(root + "/b", 2, "--train-iters", "2", "--save-interval", "2", *common)["losses"]
+    resumed = _train(root + "/b", 2, "--train-iters", "4", "--save-interval", "4", "--load", root + "/b/ckpt",
+                     *common)["losses"]
+    return straight, first + resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_fsdp2_low_precision_resume_is_bit_exact(tmp_path, precision):
+    """bf16 compute / fp32 reduce (FSDP's MixedPrecisionPolicy) and, with --fp16, the loss scaler over the
+    sharded gradients (its first steps overflow at the initial scale and are skipped on every rank alike):
+    the same losses, weights, Adam moments and loss-scaler state as the uninterrupted run, bit for bit."""
+    for straight, pieced in run_distributed(_resume_worker, 2, str(tmp_path), precision, timeout_s=600):
+        assert pieced == straight
+        assert all(math.isfinite(v) for v in straight)
+    _assert_same_checkpoint(str(tmp_path / "a/ckpt"), str(tmp_path / "b/ckpt"))
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------
