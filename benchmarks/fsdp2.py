@@ -14,6 +14,9 @@ tensors created inside one whole step (activations, FSDP's all-gathered bf16 lay
 gradients, communication buffers, the optimizer's temporaries), counted by the same dispatch-mode accounting
 as ``benchmarks/zero_memory.py``; the same activations are in both columns.
 
+``fsdp2`` reduces once per step (unsharded fp32 gradients accumulated over the micro-batches); ``fsdp2-each``
+is ``--fsdp2-reduce-every-microbatch`` (sharded accumulation, one reduce-scatter per micro-batch).
+
 Step time: ``--steps`` timed steps per engine after ``--warmup``, the engines alternated in blocks of one step
 (ABAB...) so a change in the machine's load falls on both; the median per engine.
 
@@ -39,7 +42,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "NullTokenizer", "--vocab-size", "4096", "--num-workers", "0", "--micro-batch-size", "2",
          "--optimizer", "adam", "--lr", "1e-4", "--clip-grad", "1.0", "--bf16", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--no-tensorboard", "--seed", "1234", "--eval-interval", "0"]
-ENGINES = {"fsdp2": ["--use-torch-fsdp2"], "zero1": ["--use-distributed-optimizer"]}
+ENGINES = {"fsdp2": ["--use-torch-fsdp2"], "fsdp2-each": ["--use-torch-fsdp2", "--fsdp2-reduce-every-microbatch"],
+           "zero1": ["--use-distributed-optimizer"]}
 
 
 def _storages(tensors) -> int:
@@ -112,10 +116,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         ranks = run_distributed(bench_worker, args.dp, root, args.dp, gbs, args.steps, args.warmup, timeout_s=1800)
     dp, rows = args.dp, []
-    formula = {"fsdp2": ("ZeRO-3 (2+2+12)/dp", 16 / dp), "zero1": ("ZeRO-1 2+4+12/dp", 6 + 12 / dp)}
+    zero3 = ("ZeRO-3 (2+2+12)/dp", 16 / dp)
+    formula = {"fsdp2": zero3, "fsdp2-each": zero3, "zero1": ("ZeRO-1 2+4+12/dp", 6 + 12 / dp)}
     print(f"dp {dp}, {args.micro_batches} micro-batches per replica, --bf16, AdamW; bytes per parameter per rank "
           f"(max over ranks); step time median of {args.steps} (ABAB)")
-    print(f"{'engine':>6} | {'param B':>7} {'grad B':>7} {'optim B':>7} {'total':>7} | {'formula':>20} {'':>6} | "
+    print(f"{'engine':>10} | {'param B':>7} {'grad B':>7} {'optim B':>7} {'total':>7} | {'formula':>20} {'':>6} | "
           f"{'peak B':>7} | {'step s':>7}")
     for e in ENGINES:
         worst = max((r[e] for r in ranks), key=lambda m: m["params"] + m["grads"] + m["optimizer"])
@@ -127,10 +132,10 @@ def main() -> None:
         name, value = formula[e]
         rows.append({"engine": e, "dp": dp, **per, "total": total, "formula": value, "peak": peak, "step_s": step,
                      "times": ranks[0][e]["times"], "numel": n})
-        print(f"{e:>6} | {per['params']:7.3f} {per['grads']:7.3f} {per['optimizer']:7.3f} {total:7.3f} | "
+        print(f"{e:>10} | {per['params']:7.3f} {per['grads']:7.3f} {per['optimizer']:7.3f} {total:7.3f} | "
               f"{name:>20} {value:6.3f} | {peak:7.3f} | {step:7.3f}")
-    print(f"parameters per replica: {rows[0]['numel']:,}; fsdp2 / zero1 step time: "
-          f"{rows[0]['step_s'] / rows[1]['step_s']:.2f}")
+    ratios = ", ".join(f"{r['engine']} {r['step_s'] / rows[-1]['step_s']:.2f}" for r in rows[:-1])
+    print(f"parameters per replica: {rows[0]['numel']:,}; step time / zero1's: {ratios}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -130,7 +130,8 @@ def _assert_same_checkpoint(a_dir: str, b_dir: str) -> None:
 
 def _default_worker(root: str) -> dict:
     """One 4-rank world for the default suite's two layouts (a spawn costs seconds). dp4: the 3 steps saving
-    after each, then a second run loads iteration 2 and runs step 3 again; then pp2 x dp2."""
+    after each, then a second run loads iteration 2 and runs step 3 again; then pp2 x dp2, reducing every
+    micro-batch's gradients (the other layouts reduce once per step)."""
     import shutil
 
     import torch.distributed as dist
@@ -142,7 +143,8 @@ def _default_worker(root: str) -> dict:
             f.write("iter_0000002")
     dist.barrier()
     dp4["resumed"] = _train(root + "/resume", 4, "--use-torch-fsdp2", "--load", root + "/resume/ckpt")["losses"]
-    pp2 = _train(root + "/pp2", 4, "--use-torch-fsdp2", "--pipeline-model-parallel-size", "2")
+    pp2 = _train(root + "/pp2", 4, "--use-torch-fsdp2", "--pipeline-model-parallel-size", "2",
+                 "--fsdp2-reduce-every-microbatch")
     return {"dp4": dp4, "pp2": pp2}
 
 
@@ -158,7 +160,8 @@ def test_fsdp2_dp4_matches_one_process(one_process, default_world):
 
 
 def test_fsdp2_pp2_dp2_matches_one_process(one_process, default_world):
-    """Tied embeddings across the stages (their sharded gradients summed over the embedding group)."""
+    """Tied embeddings across the stages (their sharded gradients summed over the embedding group), with
+    --fsdp2-reduce-every-microbatch (sharded accumulation over the 2 micro-batches of each replica)."""
     root, ranks = default_world
     _check_parity(one_process, [r["pp2"] for r in ranks], root + "/pp2/ckpt")
 
@@ -243,3 +246,10 @@ def test_fsdp2_refuses_what_it_cannot_run(tmp_path, extra, world, says):
     with pytest.raises(ConfigError, match="--use-torch-fsdp2") as err:
         parse_settings(_argv(str(tmp_path), "--use-torch-fsdp2", *extra), world)
     assert says in str(err.value)
+
+
+def test_fsdp2_reduce_every_microbatch_needs_fsdp2(tmp_path):
+    from omnitron.core.training.arguments import parse_settings
+
+    with pytest.raises(ConfigError, match="add --use-torch-fsdp2"):
+        parse_settings(_argv(str(tmp_path), "--fsdp2-reduce-every-microbatch"), 4)

@@ -96,7 +96,8 @@ def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
 
     if uses_fsdp2(settings):
         return [FullyShardedDataParallel(m, groups, compute_dtype=settings.model.params_dtype,
-                                         device_type=backend.device_type, collectives=backend.collectives)
+                                         device_type=backend.device_type, collectives=backend.collectives,
+                                         reduce_every_microbatch=settings.ddp.fsdp2_reduce_every_microbatch)
                 for m in modules]
     return [DistributedDataParallel(m, groups, settings.ddp) for m in modules]
 

@@ -34,8 +34,15 @@ class DataParallelConfig:
     """--use-torch-fsdp2: shard parameters, gradients and optimizer states over data x context parallel
     ranks (ZeRO-3) with PyTorch's FSDP2 (``fully_shard``; one unit per transformer layer plus the chunk as
     root), instead of omnitron's bucketed wrapper (:mod:`omnitron.core.parallel.data.fsdp`)."""
+    fsdp2_reduce_every_microbatch: bool = False
+    """--fsdp2-reduce-every-microbatch (with --use-torch-fsdp2): reduce-scatter the gradients after every
+    micro-batch's backward and accumulate them sharded (ZeRO-3's memory through the step, one reduce-scatter
+    per micro-batch) instead of accumulating them unsharded (4 bytes per parameter) and reducing once per step."""
 
     def __post_init__(self) -> None:
+        if self.fsdp2_reduce_every_microbatch and not self.use_torch_fsdp2:
+            raise ConfigError("--fsdp2-reduce-every-microbatch chooses when FSDP2 reduces; add --use-torch-fsdp2 or "
+                              "drop it")
         if self.use_torch_fsdp2:
             for flag, on, fix in (
                     ("--use-distributed-optimizer", self.use_distributed_optimizer,

@@ -18,7 +18,10 @@ a parameter's DTensor is the tp-local tensor and ``to_local()`` is rows ``[r * c
 Pipeline parallelism: each model chunk is its own FSDP root. Gradients are reduce-scattered once per step,
 on the last micro-batch (:attr:`FullyShardedDataParallel.is_last_microbatch`, which the pipeline runtime
 sets before each weight-gradient pass, maps to ``set_requires_gradient_sync``): the earlier micro-batches
-accumulate unsharded gradients in ``reduce_dtype``. Mixed precision: ``MixedPrecisionPolicy(param_dtype=
+accumulate unsharded gradients in ``reduce_dtype`` (4 bytes per parameter of the chunk, held through the
+step's backwards). ``--fsdp2-reduce-every-microbatch`` instead reduce-scatters after every micro-batch's
+backward and accumulates the sharded gradients: ZeRO-3's memory during the step, for one reduce-scatter per
+micro-batch (``benchmarks/fsdp2.py`` measures both). Mixed precision: ``MixedPrecisionPolicy(param_dtype=
 the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP's mean over dp x cp.
 """
 from __future__ import annotations
@@ -74,10 +77,10 @@ class FullyShardedDataParallel(ChunkWrapper):
     attributes fall through to it (like :class:`~omnitron.core.parallel.data.DistributedDataParallel`)."""
 
     def __init__(self, module: nn.Module, groups, *, compute_dtype: torch.dtype, device_type: str,
-                 collectives) -> None:
+                 collectives, reduce_every_microbatch: bool = False) -> None:
         super().__init__(apply_fsdp2(module, groups, compute_dtype=compute_dtype, device_type=device_type,
                                      collectives=collectives))
-        self._last = True
+        self._last, self.reduce_every_microbatch = True, reduce_every_microbatch
 
     @property
     def is_last_microbatch(self) -> bool:
@@ -88,6 +91,8 @@ class FullyShardedDataParallel(ChunkWrapper):
     @is_last_microbatch.setter
     def is_last_microbatch(self, flag: bool) -> None:
         self._last = bool(flag)
+        if self.reduce_every_microbatch:  # every backward reduce-scatters and accumulates sharded gradients
+            return
         self.module.set_requires_gradient_sync(self._last)
         self.module.set_is_last_backward(self._last)
 
