@@ -20,7 +20,7 @@ is ``--fsdp2-reduce-every-microbatch`` (sharded accumulation, one reduce-scatter
 Step time: ``--steps`` timed steps per engine after ``--warmup``, the engines alternated in blocks of one step
 (ABAB...) so a change in the machine's load falls on both; the median per engine.
 
-    python benchmarks/fsdp2.py [--dp 4] [--steps 8] [--json out.json]
+    python benchmarks/fsdp2.py [--dp 4] [--layers 4] [--micro-batches 2] [--steps 8] [--json out.json]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.zero_memory import TransientBytes  # noqa: E402  (the same accounting)
 
-MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
+MODEL = ["--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
          "--seq-length", "128", "--max-position-embeddings", "128", "--mock-data", "--tokenizer-type",
          "NullTokenizer", "--vocab-size", "4096", "--num-workers", "0", "--micro-batch-size", "2",
          "--optimizer", "adam", "--lr", "1e-4", "--clip-grad", "1.0", "--bf16", "--hidden-dropout", "0",
@@ -64,25 +64,25 @@ def held_bytes(c) -> dict:
             "optimizer": c.optimizer.state_bytes(), "numel": sum(p.numel() for p in params)}
 
 
-def _components(root: str, engine: str, world: int, gbs: int, steps: int):
+def _components(root: str, engine: str, world: int, gbs: int, steps: int, layers: int):
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import build_components
     from omnitron.core.training.loop import data_iterator
 
-    argv = MODEL + ["--global-batch-size", str(gbs), "--train-iters", str(steps), "--data-cache-path",
+    argv = MODEL + ["--num-layers", str(layers), "--global-batch-size", str(gbs), "--train-iters", str(steps), "--data-cache-path",
                     f"{root}/{engine}"] + ENGINES[engine]
     c = build_components(parse_settings(argv, world), get_backend())
     return c, data_iterator(c, c.train_data, 0)
 
 
-def bench_worker(root: str, world: int, gbs: int, steps: int, warmup: int) -> dict:
+def bench_worker(root: str, world: int, gbs: int, steps: int, warmup: int, layers: int) -> dict:
     import torch.distributed as dist
 
     from omnitron.core.training.step import train_step
 
     torch.set_num_threads(1)
-    runs = {e: _components(root, e, world, gbs, steps + warmup + 1) for e in ENGINES}
+    runs = {e: _components(root, e, world, gbs, steps + warmup + 1, layers) for e in ENGINES}
     out = {e: {"times": []} for e in ENGINES}
     for e, (c, it) in runs.items():
         mode = TransientBytes()
@@ -107,6 +107,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, default=2, help="per replica and step")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -114,11 +115,12 @@ def main() -> None:
     args = ap.parse_args()
     gbs = 2 * args.dp * args.micro_batches
     with tempfile.TemporaryDirectory() as root:
-        ranks = run_distributed(bench_worker, args.dp, root, args.dp, gbs, args.steps, args.warmup, timeout_s=1800)
+        ranks = run_distributed(bench_worker, args.dp, root, args.dp, gbs, args.steps, args.warmup, args.layers,
+                                timeout_s=1800)
     dp, rows = args.dp, []
     zero3 = ("ZeRO-3 (2+2+12)/dp", 16 / dp)
     formula = {"fsdp2": zero3, "fsdp2-each": zero3, "zero1": ("ZeRO-1 2+4+12/dp", 6 + 12 / dp)}
-    print(f"dp {dp}, {args.micro_batches} micro-batches per replica, --bf16, AdamW; bytes per parameter per rank "
+    print(f"{args.layers} layers, hidden 256, dp {dp}, {args.micro_batches} micro-batches per replica, --bf16, AdamW; bytes per parameter per rank "
           f"(max over ranks); step time median of {args.steps} (ABAB)")
     print(f"{'engine':>10} | {'param B':>7} {'grad B':>7} {'optim B':>7} {'total':>7} | {'formula':>20} {'':>6} | "
           f"{'peak B':>7} | {'step s':>7}")
