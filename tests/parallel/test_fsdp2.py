@@ -69,8 +69,12 @@ def _held(c) -> dict:
     gradients, optimizer states; the full (unsharded) count and this rank's dim-0 share of it (ceil(rows /
     dp) rows of each parameter); the bytes FSDP's unsharded parameters keep between steps."""
     from omnitron.core.parallel.data.fsdp import local_shard
+    from omnitron.plan.state import state_bytes
 
     params = [p for m in c.modules for p in m.parameters()]
+    storage = {}
+    for t in [local_shard(p.detach()) for p in params]:
+        storage[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     dp = c.groups.dp_cp.size
     unsharded = 0
     for m in c.modules:
@@ -83,7 +87,8 @@ def _held(c) -> dict:
             "state": sum(t.numel() for bufs in c.optimizer.state.values() for t in bufs),
             "full": sum(p.numel() for p in params),
             "share": sum(math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:]) for p in params),
-            "unsharded_bytes": unsharded, "kinds": sorted(c.optimizer.state)}
+            "unsharded_bytes": unsharded, "kinds": sorted(c.optimizer.state), "param_bytes": sum(storage.values()),
+            "state_bytes": c.optimizer.state_bytes(), "plan": state_bytes(c.settings, c.model, c.groups.pp.rank)}
 
 
 def _final(root: str):
@@ -188,6 +193,10 @@ def test_fsdp2_each_rank_holds_a_quarter_at_dp4(default_world):
     for h in held:
         assert h["kinds"] == ["momentum"] and h["unsharded_bytes"] == 0
         assert h["params"] == h["grads"] == h["state"] <= h["share"] <= 1.05 * full / 4  # rows divide ~evenly
+    # omnitron plan's count (from a meta skeleton) is the largest rank's storage: padded shards, fp32
+    plan = held[0]["plan"]
+    assert plan.params == plan.grads == plan.optimizer == max(h["param_bytes"] for h in held) == \
+        max(h["state_bytes"] for h in held) == 4 * max(h["share"] for h in held)
 
 
 @pytest.mark.slow
