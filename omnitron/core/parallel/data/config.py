@@ -95,7 +95,6 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
              "FSDP2 checkpoints through --ckpt-format torch_dist (each rank its shards); drop --ckpt-format torch"),
             (f"--pipeline-schedule {schedule}", schedule.startswith("zb"),
              "the zero-bubble split of weight gradients is not run under FSDP2; use 1f1b or interleaved"),
-            ("--recompute-granularity full", getattr(model, "recompute_granularity", None) == "full",
-             "full-layer recompute under FSDP2 is untested; use --recompute-granularity selective")):
+):
         if bad:
             raise ConfigError(f"--use-torch-fsdp2 with {what}: {fix}")

@@ -26,6 +26,8 @@ the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP'
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -58,6 +60,10 @@ def apply_fsdp2(module: nn.Module, groups, *, compute_dtype: torch.dtype, device
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dp_mesh(groups, device_type)
+    # NOTE: the last stage returns its per-token loss as ``loss.t()``, a view, and FSDP2 warns that an in-place
+    # op on a view would skip its pre-backward hook; nothing modifies a chunk's output in place (the pipeline
+    # runtime's loss function and p2p sends read it, backward takes it as is), so the warning is noise here
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
     for p in module.parameters():
         if p.dtype != torch.float32:
