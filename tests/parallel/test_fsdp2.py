@@ -25,16 +25,18 @@ LR = 0.05
 # fp32, u = 2^-24 = 6e-8. The layouts differ only in the order of sums (tp splits of n <= 128-term
 # contractions, FSDP's fp32 reduce-scatter over dp against one process's sum over the batch, the micro-batch
 # accumulation): ~sqrt(n) u = d = 7e-7 relative on the loss and on each gradient entry (random-rounding
-# model). SGD with momentum 0.9 and clipping at 1.0 (the one process's gradient norms are 1.1-1.3: every step
-# clips): each step moves the weights by lr x buf, buf a sum of
-# <= 3 clipped gradients (||g|| <= 1, clip factor relative error d), so the weights' absolute error after 3
-# steps is <= lr x (1 + 2 + 3) x d x max|g_i| <= 0.05 x 6 x 7e-7 = 2.1e-7 (|g_i| <= ||g|| <= 1), the momentum
-# buffers' <= 6 x d = 4.2e-6 ... relative to entries of size <= 1: ATOL 1e-5 on buffers, 1e-6 on weights.
-# The loss after those updates moves by |dL| <= ||g||_2 ||dw||_2 <= sqrt(N) x 2.1e-7 (N = 2.2e4 parameters:
-# 2 x 9,536 per layer + 3,200 embedding + 32) = 3.1e-5 absolute on a loss of ~4.6, i.e. 6.8e-6 relative at
-# most; REL = 1e-5 per step. A layout bug (a
+# model), so ||dg||_2 <= d ||g||_2. SGD, momentum 0.9, clipping at 1.0 (the one process's gradient norms are
+# 1.1-1.3: every step clips, so ||g||_2 = 1 after it; the clip factor adds relative error d). The buffers
+# buf_k = sum_j 0.9^(k-j) g_j then err by ||dbuf||_2 <= (1, 1.9, 2.71) d over the 3 steps and the weights,
+# lr times their sum, by ||dw||_2 <= 0.05 x 5.61 x d = 2e-7. A weight error feeds into the next gradient
+# through the curvature, at most a factor 1 + lr ||H|| per step; ||H|| <= 10 (the run is stable at lr 0.05)
+# gives 1.5^3 = 3.4 over the run: ||dw||_2 <= 6.7e-7 (so every |dw_i| too: W_ATOL 1e-6) and ||dbuf||_2 <=
+# 2.71 x 3.4 x d = 6.4e-6 (BUF_ATOL 1e-5). Each loss then moves by |dL| <= ||g||_2 ||dw||_2 <= 1.3 x 6.7e-7
+# = 8.7e-7 absolute (1.9e-7 relative on ~4.6), plus its own evaluation's d: 9e-7 relative; REL = 1e-5.
+# The weights' norm (``--log-params-norm``) is a sum of N = 2.2e4 fp32 squares in another order: sqrt(N) u =
+# 9e-6 relative, NORM_REL = 1e-4 (a shard counted twice or not at all moves it by percent). A layout bug (a
 # missing or doubled reduction, a shard in the wrong rows) moves the first step's update by O(lr) = 5e-2.
-REL, W_ATOL, BUF_ATOL = 1e-5, 1e-6, 1e-5
+REL, W_ATOL, BUF_ATOL, NORM_REL = 1e-5, 1e-6, 1e-5, 1e-4
 
 
 def _argv(root: str, *extra: str) -> list[str]:
@@ -108,11 +110,9 @@ def one_process(tmp_path_factory):
 
 def _check_parity(one_process, ranks: list[dict], ckpt: str) -> None:
     ref, ref_final = one_process
-    n = sum(w.numel() for w in ref_final.model.values())
     for rank, out in enumerate(ranks):
         assert out["losses"] == pytest.approx(ref["losses"], rel=REL), (rank, out["losses"], ref["losses"])
-        # the norm's error <= ||dw||_2 <= sqrt(N) x W_ATOL (1.5e-4 at N = 2.2e4)
-        assert out["norm"] == pytest.approx(ref["norm"], abs=math.sqrt(n) * W_ATOL), (rank, out["norm"])
+        assert out["norm"] == pytest.approx(ref["norm"], rel=NORM_REL), (rank, out["norm"], ref["norm"])
     got = _final(ckpt)
     assert got.model.keys() == ref_final.model.keys()
     for name, w in ref_final.model.items():
@@ -218,8 +218,8 @@ def test_fsdp2_cp2_dp2_matches_one_process(one_process, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_interleaved_pp2_dp2_matches_one_process(tmp_path):
-    """Interleaved stages: two model chunks per rank, each its own FSDP2 root (4 layers: one per chunk; the
-    loss bound above grows with sqrt(N), N = 4.1e4 here: 9.2e-6 relative, still under REL)."""
+    """Interleaved stages: two model chunks per rank, each its own FSDP2 root (4 layers, one per chunk; the
+    bounds above hold as they are, N = 4.1e4 giving the norm sqrt(N) u = 1.2e-5 relative)."""
     four = ("--num-layers", "4")
     ref = _train(str(tmp_path / "one"), 1, *four)
     ranks = run_distributed(_train, 4, str(tmp_path / "vp"), 4, "--use-torch-fsdp2", "--pipeline-model-parallel-size",
