@@ -44,7 +44,8 @@ def _argv(root: str, *extra: str) -> list[str]:
             "--ffn-hidden-size", "64", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
             "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "100", "--num-workers", "0", "--micro-batch-size", "2",
-            "--global-batch-size", "8", "--train-iters", str(STEPS), "--eval-interval", "0",
+            "--global-batch-size", "8", "--train-iters", str(STEPS), "--eval-interval", str(STEPS),
+            "--eval-iters", "1",
             "--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", str(LR), "--clip-grad", "1.0",
             "--weight-decay", "0.01", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1",
             "--no-tensorboard", "--data-cache-path", root + "/cache", "--seed", "1234", "--save", root + "/ckpt",
@@ -52,8 +53,9 @@ def _argv(root: str, *extra: str) -> list[str]:
 
 
 def _train(root: str, world: int, *extra: str) -> dict:
-    """Per-step losses, the final weights' global norm (``--log-params-norm``'s) and, under FSDP2, what this
-    rank holds after the last step (:func:`_held`)."""
+    """Per-step losses, the validation loss after the last step (a forward-only pass through FSDP2), the final
+    weights' global norm (``--log-params-norm``'s) and, under FSDP2, what this rank holds after the last step
+    (:func:`_held`)."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import params_norm, train
@@ -61,7 +63,8 @@ def _train(root: str, world: int, *extra: str) -> dict:
     torch.set_num_threads(1)
     res = train(parse_settings(_argv(root, *extra), world), get_backend())
     c = res["components"]
-    out = {"losses": [res["losses"][i] for i in sorted(res["losses"])], "norm": params_norm(c)}
+    out = {"losses": [res["losses"][i] for i in sorted(res["losses"])], "norm": params_norm(c),
+           "val": [v["val_loss"] for v in res["validation"]]}
     if "--use-torch-fsdp2" in extra:
         out["held"] = _held(c)
     return out
@@ -113,6 +116,7 @@ def _check_parity(one_process, ranks: list[dict], ckpt: str) -> None:
     for rank, out in enumerate(ranks):
         assert out["losses"] == pytest.approx(ref["losses"], rel=REL), (rank, out["losses"], ref["losses"])
         assert out["norm"] == pytest.approx(ref["norm"], rel=NORM_REL), (rank, out["norm"], ref["norm"])
+        assert len(out["val"]) == 1 and out["val"] == pytest.approx(ref["val"], rel=REL), (rank, out["val"])
     got = _final(ckpt)
     assert got.model.keys() == ref_final.model.keys()
     for name, w in ref_final.model.items():

@@ -88,6 +88,17 @@ class FullyShardedDataParallel(ChunkWrapper):
                                      collectives=collectives))
         self._last, self.reduce_every_microbatch = True, reduce_every_microbatch
 
+    def reshard(self) -> None:
+        """Free every all-gathered parameter and register the sharded ones again. NOTE: FSDP2 keeps the root
+        unit's parameters all-gathered after a forward (backward would gather them again at once), also after
+        a forward-only pass, which has no backward: call this after validation, so what reads the parameters
+        next (the checkpoint, the norms, the optimizer's view) sees the shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     @property
     def is_last_microbatch(self) -> bool:
         """Set by the pipeline runtime before each weight-gradient pass: gradients are reduce-scattered on the
