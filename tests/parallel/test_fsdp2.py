@@ -240,6 +240,24 @@ def test_fsdp2_full_recompute_dp2_matches_one_process(one_process, tmp_path):
     _check_parity(one_process, ranks, str(tmp_path / "ckpt"))
 
 
+@pytest.mark.slow
+def test_fsdp2_resumes_a_one_process_checkpoint(tmp_path):
+    """The torch_dist checkpoint is the same whatever wrote it: a one-process run's iteration 2 resumed under
+    FSDP2 at dp2 continues as the one process does (steps 3 and 4, and the final state, within the parity
+    bounds above: the same starting point, sums in another order)."""
+    import shutil
+
+    sched = ("--train-iters", "4", "--lr-decay-iters", "4", "--save-interval", "2")
+    one = str(tmp_path / "one")
+    _train(one, 1, *sched[:1], "2", *sched[2:])
+    shutil.copytree(one + "/ckpt", str(tmp_path / "fsdp/ckpt"))
+    ref = _train(one, 1, *sched, "--load", one + "/ckpt")
+    ranks = run_distributed(_train, 2, str(tmp_path / "fsdp"), 2, "--use-torch-fsdp2", *sched, "--load",
+                            str(tmp_path / "fsdp/ckpt"), timeout_s=600)
+    assert len(ref["losses"]) == 2
+    _check_parity((ref, _final(one + "/ckpt")), ranks, str(tmp_path / "fsdp/ckpt"))
+
+
 # ---- resume in low precision -------------------------------------------------------------------------------
 def _resume_worker(root: str, precision: str) -> tuple:
     """At dp2 with AdamW: 4 steps straight, against 2 steps, save, load, 2 more (one world)."""
