@@ -6,6 +6,9 @@ Training-loop use, per step::
     out = forward_backward(...)                 # omnitron.core.parallel.pipeline
     finalize_model_grads(chunks, groups)        # dp (+cp) mean, sequence-parallel and tied-embedding sums
     optimizer.step()                            # reads param.main_grad when present
+
+``--use-torch-fsdp2`` wraps each chunk in :class:`FullyShardedDataParallel` instead (PyTorch's FSDP2: the
+reduce-scatter happens in backward; :mod:`omnitron.core.parallel.data.fsdp`).
 """
 from omnitron.core.parallel.data.buffers import Bucket, GradBuffer
 from omnitron.core.parallel.data.config import DataParallelConfig, num_microbatches
