@@ -70,8 +70,8 @@ def _components(root: str, engine: str, world: int, gbs: int, steps: int, layers
     from omnitron.core.training.components import build_components
     from omnitron.core.training.loop import data_iterator
 
-    argv = MODEL + ["--num-layers", str(layers), "--global-batch-size", str(gbs), "--train-iters", str(steps), "--data-cache-path",
-                    f"{root}/{engine}"] + ENGINES[engine]
+    argv = MODEL + ["--num-layers", str(layers), "--global-batch-size", str(gbs), "--train-iters", str(steps),
+                    "--data-cache-path", f"{root}/{engine}"] + ENGINES[engine]
     c = build_components(parse_settings(argv, world), get_backend())
     return c, data_iterator(c, c.train_data, 0)
 
@@ -120,8 +120,8 @@ def main() -> None:
     dp, rows = args.dp, []
     zero3 = ("ZeRO-3 (2+2+12)/dp", 16 / dp)
     formula = {"fsdp2": zero3, "fsdp2-each": zero3, "zero1": ("ZeRO-1 2+4+12/dp", 6 + 12 / dp)}
-    print(f"{args.layers} layers, hidden 256, dp {dp}, {args.micro_batches} micro-batches per replica, --bf16, AdamW; bytes per parameter per rank "
-          f"(max over ranks); step time median of {args.steps} (ABAB)")
+    print(f"{args.layers} layers, hidden 256, dp {dp}, {args.micro_batches} micro-batches per replica, --bf16, AdamW; "
+          f"bytes per parameter per rank (max over ranks); step time median of {args.steps} (ABAB)")
     print(f"{'engine':>10} | {'param B':>7} {'grad B':>7} {'optim B':>7} {'total':>7} | {'formula':>20} {'':>6} | "
           f"{'peak B':>7} | {'step s':>7}")
     for e in ENGINES:

@@ -37,7 +37,8 @@ class FSDP2Optimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
 
     def _fp32_grads(self) -> list[torch.Tensor]:
         """The local shards of the (fp32, reduce-scattered) gradients; zeros for a parameter without one."""
-        return [torch.zeros_like(m) if p.grad is None else local_shard(p.grad) for p, m in zip(self.params, self.masters)]
+        return [torch.zeros_like(m) if p.grad is None else local_shard(p.grad)
+                for p, m in zip(self.params, self.masters)]
 
     def _copy_to_model(self) -> None:
         """Nothing: the masters are the model's sharded parameters."""

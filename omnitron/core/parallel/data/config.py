@@ -94,8 +94,8 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
             ("--ckpt-format torch", checkpoint.ckpt_format != "torch_dist",
              "FSDP2 checkpoints through --ckpt-format torch_dist (each rank its shards); drop --ckpt-format torch"),
             (f"--pipeline-schedule {schedule}", schedule.startswith("zb"),
-             "its deferred (zero-bubble) weight-gradient passes run after FSDP2 has freed the layer's gathered parameters; "
-             "use 1f1b or interleaved"),
+             "its deferred (zero-bubble) weight-gradient passes run after FSDP2 has freed the layer's gathered "
+             "parameters; use 1f1b or interleaved"),
 ):
         if bad:
             raise ConfigError(f"--use-torch-fsdp2 with {what}: {fix}")
