@@ -75,6 +75,10 @@ class TransientBytes(TorchDispatchMode):
     def _update(self) -> None:
         for ptr in [p for p, (_, _, refs) in self.live.items() if all(r() is None for r in refs)]:
             del self.live[ptr]
+        for entry in self.live.values():  # NOTE: a storage resized in place (FSDP frees its all-gathered
+            # parameters by resizing to 0) counts at its current size
+            alive = [t for r in entry[2] if (t := r()) is not None]
+            entry[0] = alive[0].untyped_storage().nbytes() if alive else 0
         self.peak = max(self.peak, sum(n for n, _, _ in self.live.values()))
         in_phase = sum(n for n, ph, _ in self.live.values() if ph == self.phase)
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), in_phase)

@@ -14,9 +14,14 @@ multiple of the replica group) and the tied embedding's isolated bucket are the 
 - optimizer: fp32 masters for non-fp32 parameters plus Adam's two fp32 moments (SGD: one with
   momentum); with ``--use-distributed-optimizer`` only the slices this data x context rank owns
   of every bucket (the largest over the replica group's ranks is reported).
+- ``--use-torch-fsdp2``: every parameter, its gradient and its moments are fp32 shards of ceil(rows / (dp x
+  cp)) rows (FSDP2's dim-0 sharding, padded storage; the shards are the masters: no second copy). FSDP2's
+  transients inside a step (all-gathered layers, gradients accumulated unsharded before the step's
+  reduce-scatter) are not in these counts (``BENCHMARKS.md`` measures them).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +93,8 @@ def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     etp = pc.expert_tensor_parallel_size or pc.tensor_model_parallel_size
     edp = max(1, world // (pc.pipeline_model_parallel_size * pc.expert_model_parallel_size * etp))
     ddp, dist = settings.ddp, bool(settings.ddp and settings.ddp.use_distributed_optimizer)
+    if getattr(ddp, "use_torch_fsdp2", False):
+        return _fsdp2_bytes(skeleton(model_cfg, pc, pp_rank), dp_cp, settings.optim)
     params = grads = opt = 0
     for module in skeleton(model_cfg, pc, pp_rank):
         for buf, size in _buffers(module, ddp, dp_cp, edp):
@@ -97,3 +104,10 @@ def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
             params += (buf.data.numel() if dist else total) * dtype.itemsize
             opt += _opt_bytes(_owned(buf, size) if dist else total, dtype, settings.optim)
     return StateBytes(params, grads, opt)
+
+
+def _fsdp2_bytes(chunks, dp_cp: int, optim) -> StateBytes:
+    """FSDP2's fp32 shards (rank 0's, the largest: ceil(rows / dp_cp) rows of every parameter)."""
+    n = sum(math.ceil(p.shape[0] / dp_cp) * math.prod(p.shape[1:]) for m in chunks for p in m.parameters()
+            if p.requires_grad)
+    return StateBytes(4 * n, 4 * n, _opt_bytes(n, torch.float32, optim))

@@ -16,7 +16,9 @@ writes what (:func:`_writes`): weights and the plain optimizer's state by data x
 of each model-parallel position (the replicas hold copies; a parameter replicated over tp by tp rank 0);
 the distributed optimizer's state by every rank, its own flat-buffer slices only, mapped to boxes of the
 global tensors -- nothing is gathered (DCP's planning exchanges only the small plans), and nothing is
-copied: DCP writes straight from the live buffers (:func:`~.dist_planner.exact_storage`).
+copied: DCP writes straight from the live buffers (:func:`~.dist_planner.exact_storage`). Under FSDP2
+(``--use-torch-fsdp2``) every rank writes its own row shards of the weights and of the optimizer state, the
+same way (disjoint over dp x cp; nothing gathered).
 The last pipeline stage's copy of a tied embedding is not written (it equals the first stage's) and
 is read from the embedding's key.
 
@@ -41,11 +43,14 @@ import warnings
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.tensor import DTensor
 
 from omnitron.core.checkpoint import integrity, io
-from omnitron.core.checkpoint.dist_layout import global_name, global_shape, shard_pieces, slice_pieces, tp_writer
+from omnitron.core.checkpoint.dist_layout import (global_name, global_shape, row_pieces, shard_pieces, slice_pieces,
+                                                  tp_writer)
 from omnitron.core.checkpoint.dist_planner import Pieces, PieceLoadPlanner, PieceSavePlanner, VerifiedReader
 from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.parallel.data.fsdp import shard_offset
 from omnitron.core.parallel.tensor.mappings import local_rank
 
 FORMAT = "torch_dist"
@@ -96,10 +101,13 @@ def model_pieces(c, *, save: bool) -> Pieces:
     table: Pieces = {}
     for m in c.modules:
         for name, p in m.named_parameters():
-            if save and not _writes(c, p, replicas=True):
+            fsdp = isinstance(p, DTensor)
+            if save and not _writes(c, p, replicas=not fsdp):
                 continue
             split = _split(c, p)
-            _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), shard_pieces(p, split, p.detach()))
+            pieces = row_pieces(p, split, p.to_local().detach(), shard_offset(p)) if fsdp else \
+                shard_pieces(p, split, p.detach())
+            _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), pieces)
     return table
 
 
@@ -111,7 +119,8 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
     for j, i in enumerate(owners):
         p, name = opt.params[i], opt.names[i].split(".", 1)[1]  # the optimizer names chunk<c>.<name>
-        if save and not _writes(c, p, replicas=not sliced):
+        fsdp = isinstance(p, DTensor)  # FSDP2: the state is shaped like the parameter's local shard
+        if save and not _writes(c, p, replicas=not (sliced or fsdp)):
             continue
         name, split = global_name(name, p), _split(c, p)
         kinds = dict(opt.state)
@@ -119,7 +128,10 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
             kinds["master"] = opt.masters
         for kind, values in kinds.items():
             t = values[j]
-            pieces = slice_pieces(p, split, t, opt.slices[j].lo) if sliced else shard_pieces(p, split, t)
+            if fsdp:
+                pieces = row_pieces(p, split, t, shard_offset(p))
+            else:
+                pieces = slice_pieces(p, split, t, opt.slices[j].lo) if sliced else shard_pieces(p, split, t)
             _add(table, f"optim/{kind}/{name}", global_shape(p, split[0]), pieces)
     return table
 

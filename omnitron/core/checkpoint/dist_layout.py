@@ -16,6 +16,8 @@ without communication, from the parameters' sharding attributes
 * replicated-KV attention's ``linear_q`` / ``linear_kv`` (``init_from``: parts of the canonical fused
   ``linear_qkv``, :mod:`omnitron.core.transformer.qkv`) are row runs of that canonical tensor, so a
   checkpoint holds one ``linear_qkv`` whatever the number of query groups per tp rank;
+* an FSDP2 shard (rows ``[r0, r1)`` of the local tp shard, :func:`row_pieces`) is one box of it, mapped
+  like the local shard;
 * a distributed-optimizer slice (elements ``[lo, hi)`` of the flattened local shard) is a few
   boxes of the local shard (:func:`flat_boxes`: a partial row, whole rows, a partial row at each
   dimension), each a view of the slice's own storage, then mapped like the local shard.
@@ -177,6 +179,15 @@ def shard_pieces(p: torch.Tensor, tp: tuple[int, int], local: torch.Tensor) -> l
                                                                                           torch.Tensor]]:
     """Pieces of a whole local shard ``local`` (shaped like ``p``); ``tp``: see :func:`to_global`."""
     return to_global(p, tp, ((0,) * p.dim(), tuple(p.shape)), local)
+
+
+def row_pieces(p: torch.Tensor, tp: tuple[int, int], local: torch.Tensor, row: int) -> list[tuple[tuple[int, ...],
+                                                                                         torch.Tensor]]:
+    """Pieces of an FSDP2 shard ``local``: rows ``[row, row + local.shape[0])`` of the local tp shard of ``p``
+    (a DTensor over the data-parallel mesh, whose shape is the local tp shard's)."""
+    if not local.numel():
+        return []
+    return to_global(p, tp, ((row,) + (0,) * (local.dim() - 1), tuple(local.shape)), local)
 
 
 def slice_pieces(p: torch.Tensor, tp: tuple[int, int], flat: torch.Tensor, lo: int) -> list[tuple[tuple[int, ...],

@@ -4,6 +4,8 @@
   SGD, fp16 loss-scale skipping, global-norm clipping; ``step(lr) -> StepResult``.
 * :class:`DistributedOptimizer` — the same, with masters and states sharded over data x context
   parallel ranks (ZeRO-1, ``--use-distributed-optimizer``); same checkpoint format.
+* :class:`~omnitron.core.optim.fsdp.FSDP2Optimizer` — the same step on FSDP2's sharded fp32 parameters,
+  which are their own masters (``--use-torch-fsdp2``; torch_dist checkpoints only).
 * :class:`LRScheduler` — warmup + constant/linear/cosine/WSD; ``lr(iteration)``.
 * :func:`global_grad_norm` — the single-process-equal norm over tp/pp/cp ranks.
 """

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from omnitron.core.config.training import OptimizerConfig
-from omnitron.core.optim.clip import global_count_zeros, global_grad_norm
-from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, _decays, _decoupled
+from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled
 from omnitron.core.parallel.data.ddp import DistributedDataParallel
 
 
@@ -72,7 +71,7 @@ class _BucketPlan:
     """--overlap-param-gather: leave the gather pending for the forward pre-hooks."""
 
 
-class DistributedOptimizer(MixedPrecisionOptimizer):
+class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
     """:class:`MixedPrecisionOptimizer` with masters and states for this rank's slices only.
 
     ``chunks``: this rank's model chunks wrapped in ``DistributedDataParallel`` (their gradient
@@ -106,21 +105,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         grads = [s.grad if s.grad.dtype == torch.float32 else s.grad.float() for s in self.slices]
         return grads or [torch.zeros(0, device=self.backend.current_device())]
 
-    def _replica_groups(self) -> tuple:
-        # NOTE: dp_cp x tp_pp_cp is the whole world: every dense and expert slice is checked
-        return (self.groups.dp_cp, self.groups.tp_pp_cp)
-
-    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
-        owners = [self.params[s.param] for s in self.slices]
-        # NOTE: dense slices are disjoint over dp_cp and expert slices over edp; dp_cp x mp is the world
-        return global_grad_norm(owners, grads, self.groups, self.backend.collectives, self.backend.kernels,
-                                self.duplicates, reduce_over=(self.groups.dp_cp, self.groups.mp),
-                                device=self.backend.current_device())
-
-    def _count_zeros(self, grads: list[torch.Tensor]) -> int:
-        owners = [self.params[s.param] for s in self.slices]
-        return global_count_zeros(owners, grads, self.groups, self.backend.collectives, self.duplicates,
-                                  reduce_over=(self.groups.dp_cp, self.groups.mp), device=self.backend.current_device())
+    def _owners(self) -> list[torch.nn.Parameter]:
+        return [self.params[s.param] for s in self.slices]
 
     @torch.no_grad()
     def _copy_to_model(self) -> None:

@@ -259,3 +259,26 @@ class MixedPrecisionOptimizer:
         self.step_count = int(state["step"])
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+class ShardedOverDataParallel:
+    """Mixin for optimizers whose ranks own disjoint parts of every gradient over ``groups.dp_cp`` (the
+    distributed optimizer's slices, FSDP2's shards): the inf check, the norm and the zero count run over
+    the whole world (dp_cp x mp) with each part counted once. ``_owners()``: the parameter of each gradient."""
+
+    def _owners(self) -> list[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    def _replica_groups(self) -> tuple:
+        # NOTE: dp_cp x tp_pp_cp is the whole world: every part is checked
+        return (self.groups.dp_cp, self.groups.tp_pp_cp)
+
+    def _grad_norm(self, grads: list[torch.Tensor]) -> float:
+        # NOTE: dense parts are disjoint over dp_cp and expert slices over edp; dp_cp x mp is the world
+        return global_grad_norm(self._owners(), grads, self.groups, self.backend.collectives, self.backend.kernels,
+                                self.duplicates, reduce_over=(self.groups.dp_cp, self.groups.mp),
+                                device=self.backend.current_device())
+
+    def _count_zeros(self, grads: list[torch.Tensor]) -> int:
+        return global_count_zeros(self._owners(), grads, self.groups, self.backend.collectives, self.duplicates,
+                                  reduce_over=(self.groups.dp_cp, self.groups.mp), device=self.backend.current_device())

@@ -376,6 +376,11 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     checkpoint = _build(CheckpointConfig, merged)
     optim = _build(OptimizerConfig, merged)
     ddp = _ddp_settings(merged, precision)
+    if ddp is not None:
+        from omnitron.core.parallel.data.config import check_fsdp2
+
+        check_fsdp2(ddp, family=family.name, model=model, parallel=parallel, dp=data_parallel_size(parallel, world),
+                    fp8=fp8, checkpoint=checkpoint, training=training)
     _check_run(training, data, checkpoint)
     model_type = family.name
     return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,

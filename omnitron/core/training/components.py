@@ -88,12 +88,22 @@ def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backen
     return [to_device(chunk, backend.current_device()) for _, chunk in sorted(chunks.items())]
 
 
-def wrap_data_parallel(modules: list[GPTModel], settings, groups):
+def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
     """Chunks wrapped by the data-parallel package (gradient buckets; their reduction, the sequence-parallel and
-    the tied-embedding sums: :func:`omnitron.core.parallel.data.finalize_model_grads`)."""
-    from omnitron.core.parallel.data import DistributedDataParallel
+    the tied-embedding sums: :func:`omnitron.core.parallel.data.finalize_model_grads`); with --use-torch-fsdp2,
+    each sharded in place by FSDP2 (:mod:`omnitron.core.parallel.data.fsdp`)."""
+    from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
 
+    if uses_fsdp2(settings):
+        return [FullyShardedDataParallel(m, groups, compute_dtype=settings.model.params_dtype,
+                                         device_type=backend.device_type, collectives=backend.collectives,
+                                         reduce_every_microbatch=settings.ddp.fsdp2_reduce_every_microbatch)
+                for m in modules]
     return [DistributedDataParallel(m, groups, settings.ddp) for m in modules]
+
+
+def uses_fsdp2(settings) -> bool:
+    return bool(getattr(settings.ddp, "use_torch_fsdp2", False))
 
 
 def duplicate_params(modules: list[GPTModel]) -> list[torch.nn.Parameter]:
@@ -133,8 +143,13 @@ def enable_fp8_if_asked(modules, settings, groups, cfg, backend) -> dict:
 
 
 def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> MixedPrecisionOptimizer:
-    """The distributed (ZeRO-1) optimizer with --use-distributed-optimizer, else the replicated one."""
+    """The distributed (ZeRO-1) optimizer with --use-distributed-optimizer, FSDP2's sharded-parameter one with
+    --use-torch-fsdp2, else the replicated one."""
     kw = {"backend": backend, "loss_scaler": build_loss_scaler(settings.precision), "duplicates": duplicates}
+    if uses_fsdp2(settings):
+        from omnitron.core.optim.fsdp import FSDP2Optimizer
+
+        return FSDP2Optimizer(named, settings.optim, groups, **kw)
     if getattr(settings.ddp, "use_distributed_optimizer", False):
         return DistributedOptimizer(named, settings.optim, groups, chunks=chunks, **kw)
     return MixedPrecisionOptimizer(named, settings.optim, groups, **kw)
@@ -152,7 +167,7 @@ def build_components(settings, backend) -> Components:
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
-    chunks = wrap_data_parallel(modules, settings, groups)
+    chunks = wrap_data_parallel(modules, settings, groups, backend)
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
     t = settings.training

@@ -14,8 +14,9 @@ from omnitron.backends.collectives import ReduceOp
 from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import flops_per_iteration
 from omnitron.core.optim.clip import global_grad_norm
+from omnitron.core.parallel.data.fsdp import local_shard
 from omnitron.core.training import checkpointing
-from omnitron.core.training.components import build_components
+from omnitron.core.training.components import build_components, uses_fsdp2
 from omnitron.core.training.housekeeping import Housekeeping
 from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
@@ -72,8 +73,11 @@ def params_norm(c) -> float:
     if hasattr(c.optimizer, "finish_param_gather"):  # --overlap-param-gather: parameters current first
         c.optimizer.finish_param_gather()
     params = [p for m in c.modules for p in m.parameters()]
-    return global_grad_norm(params, [p.detach() for p in params], c.groups, c.backend.collectives, c.backend.kernels,
-                            c.optimizer.duplicates, device=c.backend.current_device())
+    # NOTE: --use-torch-fsdp2: each rank holds disjoint row shards, summed over the whole world
+    sharded = (c.groups.dp_cp, c.groups.mp) if uses_fsdp2(c.settings) else None
+    return global_grad_norm(params, [local_shard(p.detach()) for p in params], c.groups, c.backend.collectives,
+                            c.backend.kernels, c.optimizer.duplicates, reduce_over=sharded,
+                            device=c.backend.current_device())
 
 
 _MEMORY_FIELDS = (("allocated", "mem_allocated_bytes"), ("reserved", "mem_reserved_bytes"),

@@ -19,7 +19,7 @@ import torch
 
 from omnitron.core.models.family import family_of
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
-from omnitron.core.parallel.data import finalize_model_grads, scale_gradients
+from omnitron.core.parallel.data import FullyShardedDataParallel, finalize_model_grads, scale_gradients
 from omnitron.core.parallel.pipeline import forward_backward
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, record_compute_split
@@ -141,6 +141,9 @@ def evaluate(c, data_iterator: Iterator, eval_iters: int) -> dict:
         m.eval()
     it = _stage_iterator(c, data_iterator)
     runs = [_run(c, it, forward_only=True, loss_scale=None) for _ in range(eval_iters)]
+    for chunk in c.chunks:
+        if isinstance(chunk, FullyShardedDataParallel):  # FSDP2 keeps the root gathered after a forward
+            chunk.reshard()
     for m in c.modules:
         m.train()
     if c.settings.training.calculate_per_token_loss:  # every token of every evaluated batch weighs the same

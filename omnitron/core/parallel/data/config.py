@@ -30,7 +30,31 @@ class DataParallelConfig:
     asynchronously after the optimizer step and wait for it only in the forward pre-hook of the first module
     that uses one of its parameters, so later buckets' gathers overlap earlier layers' forward."""
 
+    use_torch_fsdp2: bool = False
+    """--use-torch-fsdp2: shard parameters, gradients and optimizer states over data x context parallel
+    ranks (ZeRO-3) with PyTorch's FSDP2 (``fully_shard``; one unit per transformer layer plus the chunk as
+    root), instead of omnitron's bucketed wrapper (:mod:`omnitron.core.parallel.data.fsdp`)."""
+    fsdp2_reduce_every_microbatch: bool = False
+    """--fsdp2-reduce-every-microbatch (with --use-torch-fsdp2): reduce-scatter the gradients after every
+    micro-batch's backward and accumulate them sharded (ZeRO-3's memory through the step, one reduce-scatter
+    per micro-batch) instead of accumulating them unsharded (4 bytes per parameter) and reducing once per step."""
+
     def __post_init__(self) -> None:
+        if self.fsdp2_reduce_every_microbatch and not self.use_torch_fsdp2:
+            raise ConfigError("--fsdp2-reduce-every-microbatch chooses when FSDP2 reduces; add --use-torch-fsdp2 or "
+                              "drop it")
+        if self.use_torch_fsdp2:
+            for flag, on, fix in (
+                    ("--use-distributed-optimizer", self.use_distributed_optimizer,
+                     "FSDP2 already shards optimizer state; drop --use-distributed-optimizer"),
+                    ("--overlap-grad-reduce", self.overlap_grad_reduce,
+                     "FSDP2 reduce-scatters each layer's gradients itself; drop --overlap-grad-reduce"),
+                    ("--overlap-param-gather", self.overlap_param_gather,
+                     "FSDP2 prefetches the next layer's all-gather itself; drop --overlap-param-gather"),
+                    ("--ddp-bucket-size", self.bucket_size is not None,
+                     "FSDP2's units are the transformer layers, not buckets; drop --ddp-bucket-size")):
+                if on:
+                    raise ConfigError(f"--use-torch-fsdp2 with {flag}: {fix}")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ConfigError(f"--ddp-bucket-size must be a positive element count, got {self.bucket_size}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
@@ -50,3 +74,28 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, data_paralle
                           f"({micro_batch_size}) x data-parallel size ({data_parallel_size}) = {per_step}; "
                           f"e.g. --global-batch-size {max(per_step, global_batch_size // per_step * per_step)}")
     return global_batch_size // per_step
+
+
+def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel, dp: int, fp8, checkpoint,
+                training) -> None:
+    """Refuse, before any work, what ``--use-torch-fsdp2`` does not combine with (each with its fix)."""
+    if ddp is None or not ddp.use_torch_fsdp2:
+        return
+    cp = parallel.context_parallel_size
+    schedule = training.pipeline_schedule or ""
+    for what, bad, fix in (
+            (f"data x context parallel size {dp} x {cp}", dp * cp == 1,
+             "there is nothing to shard over one replica; run more data-parallel ranks or drop the flag"),
+            (f"--model-type {family}", family != "gpt", "FSDP2 units are GPT decoder layers; drop the flag"),
+            ("MoE (--num-experts)", getattr(model, "num_experts", None) is not None,
+             "experts are replicated over expert-data-parallel ranks, not dp x cp; drop one of them"),
+            ("--fp8-format", fp8 is not None, "FP8 linears cache quantized weights of parameters FSDP2 swaps every "
+                                              "forward; drop one of them"),
+            ("--ckpt-format torch", checkpoint.ckpt_format != "torch_dist",
+             "FSDP2 checkpoints through --ckpt-format torch_dist (each rank its shards); drop --ckpt-format torch"),
+            (f"--pipeline-schedule {schedule}", schedule.startswith("zb"),
+             "its deferred (zero-bubble) weight-gradient passes run after FSDP2 has freed the layer's gathered "
+             "parameters; use 1f1b or interleaved"),
+):
+        if bad:
+            raise ConfigError(f"--use-torch-fsdp2 with {what}: {fix}")

@@ -21,15 +21,15 @@ import torch
 
 from omnitron.core.parallel.data.buffers import Bucket, GradBuffer
 from omnitron.core.parallel.data.config import DataParallelConfig
+from omnitron.core.parallel.data.wrapper import ChunkWrapper
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(ChunkWrapper):
     """Wrap one model chunk; ``forward`` is the chunk's. Unknown attributes fall through to it."""
 
     def __init__(self, module: torch.nn.Module, groups, config: DataParallelConfig | None = None,
                  collectives=None) -> None:
-        super().__init__()
-        self.module = module
+        super().__init__(module)
         self.config = config or DataParallelConfig()
         self.group = groups.dp_cp
         self._expert_group = groups.edp
@@ -67,15 +67,6 @@ class DistributedDataParallel(torch.nn.Module):
         if self.config.overlap_param_gather:
             self._hooks += _param_gather_hooks(module, self._bucket_of)
         self.broadcast_params()
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("module"), name)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -193,8 +184,3 @@ def _waiter(buckets: list[Bucket]):
 def _is_expert(p: torch.nn.Parameter) -> bool:
     """An MoE expert parameter (replicated over groups.edp, not over data parallelism)."""
     return bool(getattr(p, "expert", False))
-
-
-def unwrap_model(chunk):
-    """The plain module inside a :class:`DistributedDataParallel` (or ``chunk`` itself)."""
-    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk

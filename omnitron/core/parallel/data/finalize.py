@@ -4,18 +4,24 @@ Order (Megatron's): data-parallel reduction of each chunk's buckets; gradients t
 over tensor ranks (``param.sequence_parallel``: norm weights fed sequence shards, QK-norm weights, the
 replicated key/value projection of replicated-KV attention) summed over ``groups.tp``; tied
 word-embedding gradients summed over ``groups.embedding`` (first and last pipeline stage) so both
-copies take the same update.
+copies take the same update. Under FSDP2 (``--use-torch-fsdp2``) the sums run over each rank's local
+gradient shards: tp ranks shard their (identical-shape) replicated parameters alike, and the two stages'
+embedding copies have the same shape and the same dp sharding, so the shards summed are the same rows.
 """
 from __future__ import annotations
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from omnitron.core.parallel.data.ddp import unwrap_model
+from omnitron.core.parallel.data.wrapper import unwrap_model
+from omnitron.core.parallel.data.fsdp import local_shard
 
 
 def _grad(p: torch.nn.Parameter) -> torch.Tensor | None:
-    return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+    """The gradient this rank holds: ``main_grad``, else ``.grad`` (FSDP2's DTensor: its local shard)."""
+    if getattr(p, "main_grad", None) is not None:
+        return p.main_grad
+    return None if p.grad is None else local_shard(p.grad)
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group, coll) -> None:
@@ -65,7 +71,7 @@ def finalize_model_grads(chunks: list, groups, *, collectives=None, sequence_par
 
 def _zero_grad(p: torch.nn.Parameter) -> torch.Tensor:
     p.grad = torch.zeros_like(p)
-    return p.grad
+    return local_shard(p.grad)
 
 
 def scale_gradients(chunks: list, factor: float) -> None:
