@@ -2,7 +2,8 @@
 
 One spawned world of 2 gloo ranks. A random GPT-3-125M-shaped model (``gpt3_125m``: 12 layers, hidden 768,
 GPT-2's 50257 tokens; ``--layers`` scales it down) is written once as a checkpoint; rank 0 alone loads it in one
-process (tp1, 2 threads) while rank 1 waits, then both ranks load their tp2 and their pp2 stage
+process (tp1, 2 threads) while rank 1 sleeps (polling a file: a gloo barrier
+would spin a core), then both ranks load their tp2 and their pp2 stage
 (:mod:`omnitron.core.inference.sharded`, 1 thread each). Every round runs the three variants once,
 interleaved, on the same batch of prompts (greedy, KV cache); the median over rounds is reported.
 
@@ -77,12 +78,16 @@ def _worker(root: str, batch: int, new: int, rounds: int) -> dict:
               for name, cfg in (("tp2", {"tensor_model_parallel_size": 2}),
                                 ("pp2", {"pipeline_model_parallel_size": 2}))}
     times: dict[str, list[float]] = {"tp1": [], "tp2": [], "pp2": []}
-    for _ in range(rounds + 1):  # the first round warms up
+    for i in range(rounds + 1):  # the first round warms up
         dist.barrier()
+        flag = os.path.join(root, f"tp1-done-{i}")
         if rank == 0:
             torch.set_num_threads(2)
             times["tp1"].append(_timed(one, prompts, new))
-        dist.barrier()
+            open(flag, "w").close()
+        else:  # NOTE: not a barrier: gloo's wait spins a core, which would halve tp1's second thread
+            while not os.path.exists(flag):
+                time.sleep(0.05)
         torch.set_num_threads(1)
         for name, loaded in stages.items():
             dist.barrier()
