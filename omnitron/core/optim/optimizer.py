@@ -67,7 +67,7 @@ class MixedPrecisionOptimizer:
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
         """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
         state: dict[str, list[torch.Tensor]] = {}
-        if self.config.optimizer in ("adam", "adamw"):
+        if self.config.optimizer in ("adam", "adamw", "onebit_adam"):
             state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
             state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
         elif self.config.optimizer == "sgd" and self.config.sgd_momentum:
@@ -118,6 +118,11 @@ class MixedPrecisionOptimizer:
         for p, m in zip(self.params, self.masters):
             if m.data_ptr() != p.data_ptr():
                 m.copy_(p)
+
+    def grad_reduction_over_dp(self) -> bool:
+        """Whether the data-parallel wrapper averages this step's gradients over dp x cp (always, here;
+        1-bit Adam's compressed stage reduces the momentum instead)."""
+        return True
 
     def zero_grad(self) -> None:
         """Drop ``.grad`` (the data-parallel wrapper zeroes its own ``main_grad`` buffers)."""
