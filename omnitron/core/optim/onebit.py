@@ -115,6 +115,10 @@ class OneBitAdam(MixedPrecisionOptimizer):
         torch._foreach_lerp_(m, grads, 1.0 - c.adam_beta1)
         for flat, err in zip(self.flat, self.errors):
             compressed_all_reduce(flat, err, self.dp, self.backend.collectives)
+        # NOTE: the compressed momentum gives every element of a chunk the chunk's magnitude, also those whose
+        # variance is exactly zero (no gradient in the warm-up: padded vocabulary rows, unseen tokens), where
+        # m / (sqrt(v) + eps) would be m / eps: their momentum stays zero (DeepSpeed's exp_avg_mask, automatic)
+        torch._foreach_mul_(m, [x.ne(0) for x in v])
         bc1 = 1.0 - c.adam_beta1 ** self.step_count
         bc2 = 1.0 - c.adam_beta2 ** self.freeze_step
         for i, p in enumerate(self.masters):
@@ -128,16 +132,19 @@ class OneBitAdam(MixedPrecisionOptimizer):
         return super().state_bytes() + sum(e.worker.untyped_storage().nbytes() + e.server.untyped_storage().nbytes()
                                            for e in self.errors)
 
-    def state_dict(self) -> dict:
-        """The base state plus this rank's error feedback (per rank: the server error is its own chunk's)."""
-        out = super().state_dict()
-        out["onebit"] = {"freeze_step": self.freeze_step, "worker_error": [e.worker for e in self.errors],
-                         "server_error": [e.server for e in self.errors]}
-        return out
+    def rank_state_dict(self) -> dict:
+        """What only this rank holds: its error feedback (the server error is its own chunk's) and the freeze
+        step; checkpoints keep it per rank (``torch``: in the optimizer state, ``torch_dist``: in rank_R.pt).
+        Copies: --async-save writes them on a thread while training goes on."""
+        return {"freeze_step": self.freeze_step, "worker_error": [e.worker.clone() for e in self.errors],
+                "server_error": [e.server.clone() for e in self.errors]}
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        saved = state.get("onebit")
+    def load_rank_state_dict(self, saved: dict | None) -> None:
+        """Restore :meth:`rank_state_dict`; without one (another layout, an older checkpoint) the error
+        feedback restarts at zero (logged when the run is past the freeze)."""
+        if saved is not None and saved["freeze_step"] != self.freeze_step and self.step_count > saved["freeze_step"]:
+            raise ValueError(f"the checkpoint's run froze the variance at step {saved['freeze_step']} and is past it; "
+                             f"resume with --onebit-freeze-step {saved['freeze_step']} (not {self.freeze_step})")
         if saved is None or len(saved["worker_error"]) != len(self.errors) or any(
                 w.numel() != e.worker.numel() for w, e in zip(saved["worker_error"], self.errors)):
             self.errors = self._zero_errors()
@@ -149,11 +156,9 @@ class OneBitAdam(MixedPrecisionOptimizer):
                 e.worker.copy_(w)
                 e.server.copy_(s)
 
-    def load_counters(self, state: dict) -> None:
-        super().load_counters(state)
-        saved = (state.get("onebit") or {}).get("freeze_step")
-        if saved is not None and saved != self.freeze_step and self.step_count > saved:
-            # NOTE: past the freeze the variance is frozen at the checkpoint's step: keep that stage boundary
-            log.info("onebit_adam: keeping the checkpoint's freeze step %d (not %d): the run is past it",
-                     saved, self.freeze_step)
-            self.freeze_step = saved
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "onebit": self.rank_state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.load_rank_state_dict(state.get("onebit"))

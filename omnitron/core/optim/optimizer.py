@@ -248,6 +248,14 @@ class MixedPrecisionOptimizer:
                     self.masters[i].copy_(entry["master"])
         self.load_counters(state)
 
+    def rank_state_dict(self) -> dict | None:
+        """State that differs between data-parallel replicas (None here: every replica holds the same);
+        checkpoints keep it per rank."""
+        return None
+
+    def load_rank_state_dict(self, saved: dict | None) -> None:
+        """Restore :meth:`rank_state_dict` (None: the checkpoint has none for this rank and layout)."""
+
     def load_counters(self, state: dict) -> None:
         """The step count and the loss scaler's state."""
         self.step_count = int(state["step"])

@@ -34,22 +34,29 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., 8k] -> [..., k] uint8: bit j of byte i is 1 where ``x[..., 8i + j] >= 0``."""
     if x.shape[-1] % 8:
         raise ValueError(f"pack_signs needs a last dimension divisible by 8, got {tuple(x.shape)}")
-    bits = (x >= 0).to(torch.uint8).reshape(*x.shape[:-1], -1, 8)
-    return (bits * _bit_weights(x.device)).sum(-1, dtype=torch.uint8)
+    bits = (x >= 0).view(torch.uint8).reshape(*x.shape[:-1], -1, 8)  # [..., k, 8] of 0 / 1
+    out = bits[..., 0].clone()
+    for j in range(1, 8):
+        out |= bits[..., j] << j
+    return out
+
+
+def _sign_table(dtype: torch.dtype, device) -> torch.Tensor:
+    """[256, 8]: row b holds the +1 / -1 of the 8 elements packed in byte b."""
+    byte = torch.arange(256, device=device).to(torch.uint8).unsqueeze(-1)
+    return byte.bitwise_and(_bit_weights(device)).ne(0).to(dtype) * 2 - 1
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., k] uint8 -> [..., 8k] of +1 / -1 in ``dtype`` (the inverse of :func:`pack_signs` on signs)."""
-    bits = packed.unsqueeze(-1).bitwise_and(_bit_weights(packed.device)).ne(0)
-    return (bits.to(dtype) * 2 - 1).reshape(*packed.shape[:-1], -1)
+    return _sign_table(dtype, packed.device)[packed.long()].reshape(*packed.shape[:-1], -1)
 
 
 def compress(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of ``z`` [rows, n] -> (packed signs [rows, n/8] uint8, scales [rows] = mean|z|, the
     compressed rows ``scale * sgn(z)`` [rows, n])."""
-    scale = z.abs().mean(-1)
-    sgn = torch.where(z >= 0, 1.0, -1.0).to(z.dtype)
-    return pack_signs(z), scale, sgn * scale.unsqueeze(-1)
+    scale = z.abs().mean(-1, keepdim=True)
+    return pack_signs(z), scale.reshape(-1), torch.where(z >= 0, scale, -scale)
 
 
 def _rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -104,15 +111,15 @@ def compressed_all_reduce(x: torch.Tensor, state: ErrorFeedback, group, collecti
     z[:numel] += x  # NOTE: the zero padding is compressed like any element (its error fed back, its result dropped)
     z = z.view(dp, n)  # [dp, n]: row c goes to rank c
     packed, scale, sent = compress(z)
-    state.worker.copy_((z - sent).reshape(-1))
+    state.worker.copy_(z.sub_(sent).reshape(-1))
     received = torch.empty(dp, n // 8 + scale.element_size(), dtype=torch.uint8, device=x.device)
     collectives.all_to_all(received, _rows(packed, scale), group=group.handle)  # phase 1
     signs, scales = _split(received, x.dtype)  # [dp, n], [dp]: every rank's view of my chunk
-    u = (signs * scales.unsqueeze(-1)).mean(0) + state.server  # [n]
+    u = (scales @ signs).div_(dp).add_(state.server)  # [n]: the mean of the decompressed chunks
     s_packed, s_scale, s_sent = compress(u.unsqueeze(0))
-    state.server.copy_(u - s_sent[0])
+    state.server.copy_(u.sub_(s_sent[0]))
     gathered = torch.empty(dp, received.shape[1], dtype=torch.uint8, device=x.device)
     collectives.all_gather(gathered, _rows(s_packed, s_scale), group=group.handle)  # phase 2
     signs, scales = _split(gathered, x.dtype)
-    x.copy_((signs * scales.unsqueeze(-1)).reshape(-1)[:numel].view_as(x))
+    x.copy_(signs.mul_(scales.unsqueeze(-1)).reshape(-1)[:numel].view_as(x))
     return x
