@@ -180,3 +180,44 @@ def test_refusals_name_the_reason_and_the_fix():
     s = parse_settings(base, 1)
     assert resolve_freeze_step(s.optim, s.training.train_iters) == 3  # 15% of 20 iterations
     assert resolve_freeze_step(parse_settings(base + ["--onebit-freeze-step", "7"], 1).optim, 20) == 7
+
+
+LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"],
+           "tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"]}
+
+
+def layout_worker(root: str) -> dict:
+    import torch.distributed as dist
+
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    be, out = get_backend(), {}
+    for name, extra in LAYOUTS.items():
+        args = _args(root, name, [*RESUME, "--train-iters", "5", "--ckpt-format", "torch", *extra])
+        out[name] = train(parse_settings(args, dist.get_world_size()), be)["losses"]
+    return out
+
+
+def test_copies_stay_identical_under_pipeline_and_tensor_parallelism(tmp_path):
+    """Ranks holding copies of a parameter compress them in buffers of their own, so the copies take the same
+    update: the tied embedding on the first and the last stage (pp2 x dp2), norm weights on both tp ranks
+    (tp2 x dp2, sequence parallel: their gradients are summed over tp before the step)."""
+    from omnitron.core.checkpoint.io import read_shard
+
+    results = run_distributed(layout_worker, 4, str(tmp_path), timeout_s=600)
+    for name in LAYOUTS:
+        assert all(r[name] == results[0][name] for r in results)
+        path = os.path.join(tmp_path, name, "iter_0000005")
+        models = [read_shard(path, r)["model"][0] for r in range(4)]  # rank order tp, dp, pp
+        if name == "pp2":  # ranks 0-1: first stage (dp 0, 1), 2-3: last stage
+            emb, out = "embedding.word_embeddings.weight", "output_layer.weight"
+            for first, last in ((0, 2), (1, 3)):
+                assert torch.equal(models[first][emb], models[last][out]), (first, last)
+            assert torch.equal(models[0][emb], models[1][emb])
+        else:  # ranks 0-1: tp 0, 1 of dp 0
+            norms = [k for k in models[0] if "norm" in k and k.endswith("weight")]
+            assert norms
+            for k in norms:
+                assert torch.equal(models[0][k], models[1][k]) and torch.equal(models[0][k], models[2][k]), k
+                assert not torch.equal(models[0][k], torch.ones_like(models[0][k])), k  # trained
