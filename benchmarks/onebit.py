@@ -86,49 +86,68 @@ def _stage(steps: list[dict], lo: int, hi: int, dp: int) -> dict:
             "median_step_s": statistics.median(s["seconds"] for s in sel)}
 
 
+def run(opt: str, iters: int, freeze: int) -> dict:
+    """One 300-iteration training at dp4 with ``opt``; its losses, bytes and step times by stage."""
+    from omnitron.testing.distributed import run_distributed
+
+    with tempfile.TemporaryDirectory() as root:
+        t0 = time.time()
+        r = run_distributed(worker, 4, opt, iters, freeze, root, timeout_s=7200)[0]
+    dp, steps = r["dp"], r["steps"]
+    losses = [r["losses"][k] for k in sorted(r["losses"])]
+    last = losses[-20:]
+    return {"optimizer": opt, "iters": iters, "freeze": freeze, "wall_s": time.time() - t0,
+            "final_loss_mean_last20": sum(last) / len(last), "final_loss": losses[-1], "validation": r["validation"],
+            "losses": losses,
+            # step 1 warms up; the last step also runs the final evaluation
+            "warmup": _stage(steps, 1, freeze, dp), "after": _stage(steps, freeze + 1, len(steps) - 1, dp)}
+
+
+def report(entries: dict) -> str:
+    lines = []
+    for opt, e in entries.items():
+        lines.append(f"{opt}: final loss (mean of last 20) {e['final_loss_mean_last20']:.4f}, "
+                     f"validation {e['validation'][-1]['val_loss']:.4f}, wall {e['wall_s']:.0f} s")
+        for stage in ("warmup", "after"):
+            s = e[stage]
+            lines.append(f"  steps {s['steps']}: handed {s['bytes_handed']:.0f} B/step, ring-equivalent "
+                         f"{s['bytes_ring']:.0f} B/step, ops {s['ops']}, median step {s['median_step_s']*1e3:.0f} ms")
+    if "adam" in entries and "onebit_adam" in entries:
+        ad, ob = entries["adam"], entries["onebit_adam"]
+        h = ob["after"]["bytes_handed"] / ad["after"]["bytes_handed"]
+        r = ob["after"]["bytes_ring"] / ad["after"]["bytes_ring"]
+        lines.append(f"after the freeze (steps {ob['after']['steps']}), 1-bit Adam / AdamW: bytes handed {h:.4f} "
+                     f"(1/{1/h:.1f}), ring-equivalent {r:.4f} (1/{1/r:.1f}); final loss (mean of last 20) "
+                     f"{ob['final_loss_mean_last20'] / ad['final_loss_mean_last20'] - 1:+.2%}, validation "
+                     f"{ob['validation'][-1]['val_loss'] / ad['validation'][-1]['val_loss'] - 1:+.2%}; median step "
+                     f"time x{ob['after']['median_step_s'] / ad['after']['median_step_s']:.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--freeze", type=int, default=None, help="default: 15%% of --iters")
+    ap.add_argument("--runs", nargs="+", default=["adam", "onebit_adam"], help="optimizers to run (others are "
+                    "read from earlier results in --out)")
     ap.add_argument("--out", default="benchmarks/results/onebit")
     a = ap.parse_args()
     freeze = a.freeze or max(1, round(0.15 * a.iters))
-    from omnitron.testing.distributed import run_distributed
-
     os.makedirs(a.out, exist_ok=True)
-    report, lines = {"iters": a.iters, "freeze": freeze, "date": time.strftime("%Y-%m-%d")}, []
-    with tempfile.TemporaryDirectory() as root:
-        for opt in ("adam", "onebit_adam"):
-            t0 = time.time()
-            r = run_distributed(worker, 4, opt, a.iters, freeze, root, timeout_s=7200)[0]
-            dp, steps = r["dp"], r["steps"]
-            losses = [r["losses"][k] for k in sorted(r["losses"])]
-            last = losses[-20:]
-            entry = {"wall_s": time.time() - t0, "final_loss_mean_last20": sum(last) / len(last),
-                     "final_loss": losses[-1], "validation": r["validation"], "losses": losses,
-                     # step 1 warms up; the last step also runs the final evaluation
-                     "warmup": _stage(steps, 1, freeze, dp), "after": _stage(steps, freeze + 1, len(steps) - 1, dp)}
-            report[opt] = entry
-            lines.append(f"{opt}: final loss (mean of last 20) {entry['final_loss_mean_last20']:.4f}, "
-                         f"validation {entry['validation']}, wall {entry['wall_s']:.0f} s")
-            for stage in ("warmup", "after"):
-                s = entry[stage]
-                lines.append(f"  steps {s['steps']}: handed {s['bytes_handed']:.0f} B/step, ring-equivalent "
-                             f"{s['bytes_ring']:.0f} B/step, ops {s['ops']}, median step {s['median_step_s']*1e3:.0f} ms")
-    ad, ob = report["adam"], report["onebit_adam"]
-    ratios = {"handed": ob["after"]["bytes_handed"] / ad["after"]["bytes_handed"],
-              "ring": ob["after"]["bytes_ring"] / ad["after"]["bytes_ring"],
-              "loss": ob["final_loss_mean_last20"] / ad["final_loss_mean_last20"] - 1,
-              "step_time": ob["after"]["median_step_s"] / ad["after"]["median_step_s"]}
-    report["ratios"] = ratios
-    lines.append(f"after the freeze, 1-bit Adam / AdamW: bytes handed {ratios['handed']:.4f} (1/{1/ratios['handed']:.1f}), "
-                 f"ring-equivalent {ratios['ring']:.4f} (1/{1/ratios['ring']:.1f}); final loss {ratios['loss']:+.2%}; "
-                 f"median step time x{ratios['step_time']:.2f}")
-    text = "\n".join(lines)
+    date = time.strftime("%Y-%m-%d")
+    entries = {}
+    for opt in ("adam", "onebit_adam"):
+        path = os.path.join(a.out, f"onebit-cpu-{date}-{opt}.json")
+        if opt in a.runs:
+            result = run(opt, a.iters, freeze)
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+        if os.path.exists(path):
+            with open(path) as f:
+                entries[opt] = json.load(f)
+    text = report(entries)
     print(text)
-    with open(os.path.join(a.out, f"onebit-cpu-{report['date']}.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(a.out, f"onebit-cpu-{report['date']}.txt"), "w") as f:
+    with open(os.path.join(a.out, f"onebit-cpu-{date}.txt"), "w") as f:
         f.write(text + "\n")
 
 

@@ -41,7 +41,7 @@ def _inputs(rank: int, step: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank), dtype=torch.float64)
 
 
-def compressed_worker() -> dict:
+def compressed_worker(block) -> dict:
     from omnitron.backends import get_backend
     from omnitron.core.config import ParallelConfig
     from omnitron.core.parallel.data.compressed import ErrorFeedback, compressed_all_reduce
@@ -54,7 +54,7 @@ def compressed_worker() -> dict:
         fn = getattr(coll, op)
         setattr(coll, op, lambda out, inp, _fn=fn, _op=op, **kw: (wire.append((_op, out.dtype, inp.dtype,
                                                                                  inp.numel())), _fn(out, inp, **kw))[1])
-    rank, state = groups.dp.rank, ErrorFeedback.zeros(NUMEL, groups.dp.size, dtype=torch.float64)
+    rank, state = groups.dp.rank, ErrorFeedback.zeros(NUMEL, groups.dp.size, dtype=torch.float64, block=block)
     outs = []
     for step in range(STEPS):
         x = _inputs(rank, step)
@@ -62,26 +62,28 @@ def compressed_worker() -> dict:
     return {"outs": outs, "worker": state.worker, "server": state.server, "wire": wire}
 
 
-def test_compressed_all_reduce_matches_definition_dp4():
+@pytest.mark.parametrize("block", [None, 8])  # one scale per chunk of 16, or per 8 elements (2 a chunk)
+def test_compressed_all_reduce_matches_definition_dp4(block):
     dp = 4
-    res = run_distributed(compressed_worker, dp)
+    res = run_distributed(compressed_worker, dp, block)
     worker = [torch.zeros(64, dtype=torch.float64) for _ in range(dp)]
     server = [torch.zeros(16, dtype=torch.float64) for _ in range(dp)]
-    # Tolerance: both sides compute in float64 the same sums (means of 16 terms, a 4-term average) in
+    # Tolerance: both sides compute in float64 the same sums (means of <= 16 terms, a 4-term average) in
     # possibly different order; each output is a scale times +-1 with relative error <= ~32 eps = 7e-15
     # per step, and error feedback carries it into the next steps additively (6 steps: < 1e-13 of the
     # values, which are O(1)). A sign that differs would show as an O(1) difference.
     tol = dict(rtol=1e-12, atol=1e-12)
     for step in range(STEPS):
-        ref = compressed_mean([_inputs(r, step) for r in range(dp)], worker, server)
+        ref = compressed_mean([_inputs(r, step) for r in range(dp)], worker, server, block)
         for rank in range(dp):
             torch.testing.assert_close(res[rank]["outs"][step], ref, **tol)
     for rank in range(dp):
         torch.testing.assert_close(res[rank]["worker"], worker[rank], **tol)
         torch.testing.assert_close(res[rank]["server"], server[rank], **tol)
-        # packed signs and scales travel as uint8: 16 elements -> 2 bytes + 8 bytes of float64 scale per row
-        assert res[rank]["wire"] == [("all_to_all", torch.uint8, torch.uint8, dp * 10),
-                                     ("all_gather", torch.uint8, torch.uint8, 10)] * STEPS
+        # packed signs and scales travel as uint8: 16 elements -> 2 bytes + 8 bytes per float64 scale, a row
+        row = 2 + 8 * (16 // (block or 16))
+        assert res[rank]["wire"] == [("all_to_all", torch.uint8, torch.uint8, dp * row),
+                                     ("all_gather", torch.uint8, torch.uint8, row)] * STEPS
 
 
 EF_NUMEL = 16  # dp2: two chunks of n = 8 elements, no padding

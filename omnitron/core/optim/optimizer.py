@@ -108,6 +108,10 @@ class MixedPrecisionOptimizer:
         return global_grad_norm(self.params, grads, self.groups, self.backend.collectives, self.backend.kernels,
                                 self.duplicates)
 
+    def _clip_coefficient(self, norm: float) -> float:
+        """The factor this step's gradients are multiplied by (``--clip-grad`` against the global norm)."""
+        return clip_coefficient(norm, self.config.clip_grad)
+
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
         """Zero elements of ``grads`` (aligned with ``self.params``), counted as the norm counts them."""
         return global_count_zeros(self.params, grads, self.groups, self.backend.collectives, self.duplicates)
@@ -150,7 +154,7 @@ class MixedPrecisionOptimizer:
         if check_norm is not None:
             check_norm(norm)
         zeros = self._count_zeros(grads) if count_zeros else None
-        coef = clip_coefficient(norm, self.config.clip_grad)
+        coef = self._clip_coefficient(norm)
         if not coef >= 1.0:  # NOTE: also NaN (a NaN norm must not leave the gradients unclipped)
             torch._foreach_mul_(grads, coef)
         self.step_count += 1
