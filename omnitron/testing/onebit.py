@@ -52,7 +52,8 @@ def adam_reference(params: list[torch.Tensor], decay: list[bool], grads_fn, step
 
     ``grads_fn(step, params) -> [rank][param]`` gives each rank's local gradients at the current params.
     Warm-up steps use the mean gradient, clipped, and AdamW; later ones each rank's own, unclipped (their
-    norm: the RMS of the local norms); elements whose frozen variance is zero keep a zero momentum. Returns (params after each step, the norm of each step)."""
+    norm: the RMS of the local norms), the momentum compressed as m / (sqrt(v / (1 - b2^F)) + eps), clamped
+    to the bound of exact Adam's m / sqrt(v); elements whose frozen variance is zero keep a zero momentum. Returns (params after each step, the norm of each step)."""
     p = [t.double().clone() for t in params]
     m = [torch.zeros_like(t) for t in p]
     v = [torch.zeros_like(t) for t in p]
@@ -75,12 +76,15 @@ def adam_reference(params: list[torch.Tensor], decay: list[bool], grads_fn, step
                 v[i] = beta2 * v[i] + (1 - beta2) * (coef * gi) ** 2
             bc2 = 1 - beta2 ** t
         else:
-            flats = [torch.cat([(beta1 * m[i] + (1 - beta1) * coef * gs[i]).reshape(-1) for i in range(len(p))])
-                     for gs in local]
-            mean = compressed_mean(flats, worker, server, block)
-            m = [x.view_as(t_) for x, t_ in zip(torch.split(mean, [t_.numel() for t_ in p]), p)]
-            m = [x * (vi != 0) for x, vi in zip(m, v)]  # no momentum where the warm-up saw no gradient
             bc2 = 1 - beta2 ** freeze
+            d = [(vi / bc2).sqrt() + eps for vi in v]  # the frozen preconditioner; u = m / d travels
+            live = [vi != 0 for vi in v]
+            bound = (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 ** 2 / beta2))  # exact Adam's |m / sqrt(v)|
+            flats = [torch.cat([((beta1 * m[i] + (1 - beta1) * coef * gs[i]) / d[i] * live[i]).clamp(-bound, bound)
+                                .reshape(-1) for i in range(len(p))]) for gs in local]
+            mean = compressed_mean(flats, worker, server, block)
+            u = [x.view_as(t_) for x, t_ in zip(torch.split(mean, [t_.numel() for t_ in p]), p)]
+            m = [ui * li * di for ui, li, di in zip(u, live, d)]  # no momentum where the warm-up saw no gradient
         bc1 = 1 - beta1 ** t
         for i in range(len(p)):
             if decay[i]:

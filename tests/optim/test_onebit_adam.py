@@ -48,6 +48,27 @@ def test_warmup_is_bit_identical_to_adamw(dtype):
         assert torch.equal(x, y)
 
 
+def test_compressed_step_is_bounded_like_adam():
+    """With a frozen variance a gradient far larger than the warm-up's would move a weight by lr x |m| / sqrt(v),
+    unbounded; the step is clamped to what exact Adam can reach, (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2))."""
+    from omnitron.core.optim.onebit import adam_ratio_bound
+
+    cfg = OptimizerConfig(optimizer="onebit_adam", lr=1e-2, weight_decay=0.0, clip_grad=0.0)
+    model = _model()
+    opt = OneBitAdam(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu"), freeze_step=1)
+    _fill(model, 0)
+    opt.step(cfg.lr)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = p.grad.sign() * 1e4  # 1e4 x the warm-up's O(1) gradient, same signs
+    opt.step(cfg.lr)
+    bound = adam_ratio_bound(0.9, 0.999)
+    assert bound == pytest.approx(7.2703, abs=1e-4)
+    step = cfg.lr / (1 - 0.9 ** 2) * bound  # dp1: no compression; every element at the bound
+    for p, b in zip(model.parameters(), before):  # fp32: |p| <= 1 rounds by <= 6e-8
+        torch.testing.assert_close((b - p.detach()).abs(), torch.full_like(b, step), rtol=0, atol=1e-6)
+
+
 def _batch(rank: int, step: int):
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)

@@ -51,6 +51,14 @@ of the embedding the chunk's mean magnitude; blocks of 256 follow the magnitudes
 rows, for 4 / 256 bytes per element more: 1/8 + 1/64 bytes per element in all."""
 
 
+def adam_ratio_bound(beta1: float, beta2: float) -> float:
+    """The largest |m / sqrt(v)| exact Adam can reach (no bias correction): by Cauchy-Schwarz on
+    m = (1 - b1) sum_k b1^k g_k and v = (1 - b2) sum_k b2^k g_k^2,
+    |m| <= (1 - b1) / sqrt(1 - b2) x sqrt(sum_k (b1^2 / b2)^k) x sqrt(v) = that / sqrt(1 - b1^2 / b2) x sqrt(v)
+    (7.27 at 0.9, 0.999). Needs b1^2 < b2."""
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 ** 2 / beta2))
+
+
 def resolve_freeze_step(config, train_iters: int | None) -> int:
     """The last warm-up step: ``--onebit-freeze-step``, else 15% of ``train_iters`` (at least 1)."""
     if config.onebit_freeze_step is not None:
@@ -68,6 +76,9 @@ class OneBitAdam(MixedPrecisionOptimizer):
                  duplicates=(), isolate=()) -> None:
         if loss_scaler is not None:
             raise ValueError("--optimizer onebit_adam does not support --fp16 loss scaling; use --bf16")
+        if not config.adam_beta1 ** 2 < config.adam_beta2:
+            raise ValueError(f"--optimizer onebit_adam needs --adam-beta1^2 < --adam-beta2 (its update bound), got "
+                             f"{config.adam_beta1} and {config.adam_beta2}")
         if freeze_step < 1:
             raise ValueError(f"--onebit-freeze-step must be >= 1 (the variance needs warm-up steps), got {freeze_step}")
         super().__init__(named_params, config, groups, backend=backend, loss_scaler=None, duplicates=duplicates)
@@ -124,19 +135,32 @@ class OneBitAdam(MixedPrecisionOptimizer):
             return super()._adamw(grads, lr)
         c = self.config
         m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
-        torch._foreach_lerp_(m, grads, 1.0 - c.adam_beta1)
-        for flat, err in zip(self.flat, self.errors):
-            compressed_all_reduce(flat, err, self.dp, self.backend.collectives)
-        # NOTE: the compressed momentum gives every element of a chunk the chunk's magnitude, also those whose
-        # variance is exactly zero (no gradient in the warm-up: padded vocabulary rows, unseen tokens), where
-        # m / (sqrt(v) + eps) would be m / eps: their momentum stays zero (DeepSpeed's exp_avg_mask, automatic)
-        torch._foreach_mul_(m, [x.ne(0) for x in v])
         bc1 = 1.0 - c.adam_beta1 ** self.step_count
         bc2 = 1.0 - c.adam_beta2 ** self.freeze_step
+        # NOTE: what travels is the preconditioned momentum u = m / (sqrt(v / bc2) + eps), not m: v is frozen and
+        # the same on every rank, so mean_r(m_r) / d = mean_r(m_r / d) and the exact algorithm is unchanged, but
+        # Adam's normalisation makes |u| = O(1) everywhere, so one scale per block fits every element of it
+        # (sign-compressing m gives an element of small variance its block's magnitude of m, and then divides
+        # it by that small sqrt(v): the dp4 benchmark diverged at iteration 51). Elements whose variance is exactly
+        # zero (no gradient in the warm-up: padded vocabulary rows) keep u = 0 (DeepSpeed's exp_avg_mask, automatic).
+        # |u| is clamped to the bound exact Adam obeys (:func:`adam_ratio_bound`): with a frozen variance a rare
+        # token's embedding row, whose warm-up variance was tiny, reached |u| = 2.7e4 in that benchmark.
+        denom = [x.div(bc2).sqrt_().add_(c.adam_eps) for x in v]
+        live = [x.ne(0) for x in v]
+        bound = adam_ratio_bound(c.adam_beta1, c.adam_beta2)
+        torch._foreach_lerp_(m, grads, 1.0 - c.adam_beta1)
+        torch._foreach_div_(m, denom)
+        torch._foreach_mul_(m, live)
+        torch._foreach_clamp_min_(m, -bound)
+        torch._foreach_clamp_max_(m, bound)
+        for flat, err in zip(self.flat, self.errors):
+            compressed_all_reduce(flat, err, self.dp, self.backend.collectives)
+        torch._foreach_mul_(m, live)  # the compressed value of a masked element is its block's scale
         for i, p in enumerate(self.masters):
             if c.weight_decay and self.decay[i]:
                 p.mul_(1.0 - lr * c.weight_decay)
-            p.addcdiv_(m[i], (v[i] / bc2).sqrt_().add_(c.adam_eps), value=-lr / bc1)
+            p.add_(m[i], alpha=-lr / bc1)
+        torch._foreach_mul_(m, denom)  # back to the momentum
 
     # ---- state --------------------------------------------------------------------------
     def state_bytes(self) -> int:
