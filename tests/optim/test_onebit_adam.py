@@ -222,6 +222,7 @@ def layout_worker(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # 6.5 s on an idle 2-core machine: outside the default budget of these tests
 def test_copies_stay_identical_under_pipeline_and_tensor_parallelism(tmp_path):
     """Ranks holding copies of a parameter compress them in buffers of their own, so the copies take the same
     update: the tied embedding on the first and the last stage (pp2 x dp2), norm weights on both tp ranks

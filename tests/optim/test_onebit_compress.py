@@ -111,8 +111,8 @@ def feedback_worker(steps: int) -> dict:
 def test_error_feedback_keeps_the_running_sum_within_a_bound_that_does_not_grow():
     """Sum over t of the outputs - t x (the true mean) stays within a bound derived from the contraction of
     sign compression; without error feedback the same sum leaves that bound (it grows linearly)."""
-    n, steps = 8, 1200
-    # NOTE: strict collective checking off: 2 x 1200 identical calls per rank, whose agreement the dp4 test checks
+    n, steps = 8, 900  # without feedback the sum drifts by >= 0.3 M per step here: past the bound by step ~750
+    # NOTE: strict collective checking off: 2 x 900 identical calls per rank, whose agreement the dp4 test checks
     res = run_distributed(feedback_worker, 2, steps, env={"OMNITRON_STRICT_COLLECTIVES": "0"})
     mean = (res[0]["x"] + res[1]["x"]) / 2
     # Bound, per chunk c of n elements. Sign compression with the scale mean|z| is the projection of z on
@@ -127,7 +127,7 @@ def test_error_feedback_keeps_the_running_sum_within_a_bound_that_does_not_grow(
         bound = (rho / (1 - rho) + rho / (1 - rho) ** 2) * max(res[r]["x"][sl].norm() for r in range(2))
         for t, s in enumerate(res[0]["sums"]):
             assert (s[sl] - (t + 1) * mean[sl]).norm() <= bound, (c, t)
-        # the telescoped identity itself (float64 rounding of 1200 additions of O(1) terms: < 1e-9)
+        # the telescoped identity itself (float64 rounding of 900 additions of O(1) terms: < 1e-9)
         owner_err = res[c]["server"]
         exact = -(res[0]["worker"][sl] + res[1]["worker"][sl]) / 2 - owner_err
         torch.testing.assert_close(res[0]["sums"][-1][sl] - steps * mean[sl], exact, rtol=0, atol=1e-9)
