@@ -245,3 +245,25 @@ def test_copies_stay_identical_under_pipeline_and_tensor_parallelism(tmp_path):
             for k in norms:
                 assert torch.equal(models[0][k], models[1][k]) and torch.equal(models[0][k], models[2][k]), k
                 assert not torch.equal(models[0][k], torch.ones_like(models[0][k])), k  # trained
+
+
+def torch_format_worker(root: str) -> dict:
+    import torch.distributed as dist
+
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    be, world, fmt = get_backend(), dist.get_world_size(), ["--ckpt-format", "torch"]
+
+    def run(name, extra):
+        return train(parse_settings(_args(root, name, [*RESUME, *fmt, *extra]), world), be)["losses"]
+
+    return {"full": run("full", []), "first": run("part", ["--exit-interval", "3"]),
+            "second": run("part", ["--load", os.path.join(root, "part")])}
+
+
+@pytest.mark.slow
+def test_resume_across_the_freeze_torch_format(tmp_path):
+    results = run_distributed(torch_format_worker, 2, str(tmp_path), timeout_s=600)
+    full, first, second = results[0]["full"], results[0]["first"], results[0]["second"]
+    assert sorted(first) == [1, 2, 3] and {**first, **second} == full
