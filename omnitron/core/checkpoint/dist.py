@@ -137,8 +137,12 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
 
 
 def rank_state(c, get_rng_state) -> dict:
-    """What only this rank has: RNG streams, tracker states, FP8 histories (``rank_R.pt``)."""
+    """What only this rank has: RNG streams, tracker states, FP8 histories, the optimizer's per-rank state
+    (1-bit Adam's error feedback) (``rank_R.pt``)."""
     out = {"rng": get_rng_state(c.backend), "trackers": [m.rng_tracker.get_states() for m in c.modules]}
+    optimizer = c.optimizer.rank_state_dict()
+    if optimizer is not None:
+        out["optimizer_rank"] = optimizer
     fp8 = c.extra.get("fp8_state")
     if fp8 is not None:
         out["fp8"] = fp8()

@@ -16,7 +16,8 @@ class OptimizerConfig:
     """The optimizer and its learning-rate schedule."""
 
     optimizer: str = "adam"
-    """--optimizer {adam,sgd}: AdamW (decoupled weight decay) or SGD with momentum."""
+    """--optimizer {adam,sgd,onebit_adam}: AdamW (decoupled weight decay), SGD with momentum, or 1-bit Adam
+    (AdamW for --onebit-freeze-step steps, then frozen variance and 1-bit compressed momentum over dp)."""
     lr: float = 1e-4
     """--lr: peak learning rate, reached at the end of warmup."""
     min_lr: float = 0.0
@@ -56,10 +57,16 @@ class OptimizerConfig:
     """--sgd-momentum."""
     clip_grad: float = 1.0
     """--clip-grad: clip the global gradient norm (all tp/pp/dp ranks) to this; 0 disables."""
+    onebit_freeze_step: int | None = None
+    """--onebit-freeze-step N: with --optimizer onebit_adam, exact AdamW for the first N steps, then the
+    variance is frozen and the momentum travels 1-bit compressed (default: 15% of --train-iters)."""
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "adamw", "sgd"):
-            raise ConfigError(f"--optimizer {self.optimizer!r} is not supported; use adam or sgd")
+        if self.optimizer not in ("adam", "adamw", "sgd", "onebit_adam"):
+            raise ConfigError(f"--optimizer {self.optimizer!r} is not supported; use adam, sgd or onebit_adam")
+        if self.onebit_freeze_step is not None and self.onebit_freeze_step < 1:
+            raise ConfigError(f"--onebit-freeze-step must be >= 1 (the variance needs warm-up steps), got "
+                              f"{self.onebit_freeze_step}")
         if self.lr_decay_style not in ("constant", "linear", "cosine", "WSD"):
             raise ConfigError(f"--lr-decay-style {self.lr_decay_style!r} is not supported; "
                               "use constant, linear, cosine or WSD")

@@ -75,7 +75,7 @@ class MixedPrecisionOptimizer:
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
         """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
         state: dict[str, list[torch.Tensor]] = {}
-        if self.config.optimizer in ("adam", "adamw"):
+        if self.config.optimizer in ("adam", "adamw", "onebit_adam"):
             state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
             state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
         elif self.config.optimizer == "sgd" and self.config.sgd_momentum:
@@ -116,6 +116,10 @@ class MixedPrecisionOptimizer:
         return global_grad_norm(self.params, grads, self.groups, self.backend.collectives, self.backend.kernels,
                                 self.duplicates)
 
+    def _clip_coefficient(self, norm: float) -> float:
+        """The factor this step's gradients are multiplied by (``--clip-grad`` against the global norm)."""
+        return clip_coefficient(norm, self.config.clip_grad)
+
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
         """Zero elements of ``grads`` (aligned with ``self.params``), counted as the norm counts them."""
         return global_count_zeros(self.params, grads, self.groups, self.backend.collectives, self.duplicates)
@@ -126,6 +130,11 @@ class MixedPrecisionOptimizer:
         for p, m in zip(self.params, self.masters):
             if m.data_ptr() != p.data_ptr():
                 m.copy_(p)
+
+    def grad_reduction_over_dp(self) -> bool:
+        """Whether the data-parallel wrapper averages this step's gradients over dp x cp (always, here;
+        1-bit Adam's compressed stage reduces the momentum instead)."""
+        return True
 
     def zero_grad(self) -> None:
         """Drop ``.grad`` (the data-parallel wrapper zeroes its own ``main_grad`` buffers)."""
@@ -156,7 +165,7 @@ class MixedPrecisionOptimizer:
         if check_norm is not None:
             check_norm(norm)
         zeros = self._count_zeros(grads) if count_zeros else None
-        coef = clip_coefficient(norm, self.config.clip_grad)
+        coef = self._clip_coefficient(norm)
         if not coef >= 1.0:  # NOTE: also NaN (a NaN norm must not leave the gradients unclipped)
             torch._foreach_mul_(grads, coef)
         self.step_count += 1
@@ -253,6 +262,14 @@ class MixedPrecisionOptimizer:
                 if "master" in entry:
                     self.masters[i].copy_(entry["master"])
         self.load_counters(state)
+
+    def rank_state_dict(self) -> dict | None:
+        """State that differs between data-parallel replicas (None here: every replica holds the same);
+        checkpoints keep it per rank."""
+        return None
+
+    def load_rank_state_dict(self, saved: dict | None) -> None:
+        """Restore :meth:`rank_state_dict` (None: the checkpoint has none for this rank and layout)."""
 
     def load_counters(self, state: dict) -> None:
         """The step count and the loss scaler's state."""

@@ -381,6 +381,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
 
         check_fsdp2(ddp, family=family.name, model=model, parallel=parallel, dp=data_parallel_size(parallel, world),
                     fp8=fp8, checkpoint=checkpoint, training=training)
+    _check_onebit(optim, ddp, precision, parallel, model)
     _check_run(training, data, checkpoint)
     model_type = family.name
     return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,
@@ -517,6 +518,28 @@ def _ddp_settings(merged: dict[str, Any], precision: PrecisionConfig):
         # many micro-batches lose the small contributions)
         ddp = replace(ddp, accumulate_allreduce_grads_in_fp32=True)
     return ddp
+
+
+def _check_onebit(optim: OptimizerConfig, ddp, precision: PrecisionConfig, parallel: ParallelConfig, model) -> None:
+    """What --optimizer onebit_adam cannot combine with, each refused with the reason and the fix."""
+    if optim.optimizer != "onebit_adam":
+        if optim.onebit_freeze_step is not None:
+            raise ConfigError("--onebit-freeze-step applies to --optimizer onebit_adam only; add it or drop the flag")
+        return
+    why = "--optimizer onebit_adam"
+    if ddp is not None and ddp.use_distributed_optimizer:
+        raise ConfigError(f"{why} all-reduces the full momentum on every data-parallel rank, which "
+                          "--use-distributed-optimizer shards; drop --use-distributed-optimizer or use --optimizer adam")
+    if ddp is not None and getattr(ddp, "use_torch_fsdp2", False):
+        raise ConfigError(f"{why} all-reduces the full momentum on every data-parallel rank, which "
+                          "--use-torch-fsdp2 shards; drop --use-torch-fsdp2 or use --optimizer adam")
+    if precision.fp16:
+        raise ConfigError(f"{why} has no fp16 loss-scale skipping over local gradients; use --bf16 (or fp32)")
+    if parallel.context_parallel_size > 1:
+        raise ConfigError(f"{why} is not implemented with context parallelism; use --context-parallel-size 1")
+    if getattr(model, "num_experts", None):
+        raise ConfigError(f"{why} is not implemented for MoE experts (reduced over expert-data-parallel ranks); "
+                          "drop --num-experts or use --optimizer adam")
 
 
 def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> None:

@@ -213,6 +213,7 @@ def load(c) -> bool:
     else:
         if shard["optimizer"].get("loaded"):  # torch_dist: the tensors are in place, the counters remain
             c.optimizer.load_counters(shard["optimizer"])
+            c.optimizer.load_rank_state_dict(shard.get("optimizer_rank"))
         else:
             if not changes:
                 _complete_optimizer_state(path, shard)

@@ -38,10 +38,14 @@ def forward_step(chunk, batch: dict | None, hidden: torch.Tensor | None) -> torc
 
 
 def _zero_grads(c) -> None:
+    """Zero the gradients; tell the data-parallel wrapper whether this step averages them over dp (not in
+    1-bit Adam's compressed stage: every rank of a dp group gets the same answer, so all skip together)."""
     c.optimizer.zero_grad()
+    over_dp = c.optimizer.grad_reduction_over_dp()
     for chunk in c.chunks:
         if hasattr(chunk, "zero_grad_buffer"):
             chunk.zero_grad_buffer()
+            chunk.reduce_over_dp = over_dp
 
 
 def forward_only_schedule(schedule):

@@ -6,7 +6,8 @@ each ``.grad`` into ``main_grad`` (and frees ``.grad``); on the last micro-batch
 ``overlap_grad_reduce``, it marks the parameter ready and starts the bucket's asynchronous
 reduction as soon as every parameter of the bucket is ready. ``finish_grad_sync`` starts what is
 left and waits. Gradients are pre-divided by dp x cp, then summed: the result is the mean over
-replicas, as one process on the whole global batch would compute it.
+replicas, as one process on the whole global batch would compute it. ``reduce_over_dp = False`` (1-bit
+Adam's compressed stage) skips both: ``main_grad`` keeps this rank's own gradient.
 
 For the distributed optimizer (``use_distributed_optimizer``) the parameters move into flat buffers
 laid out like the gradient buckets (``param.data`` is a view), so updated shards are all-gathered in
@@ -35,6 +36,9 @@ class DistributedDataParallel(ChunkWrapper):
         self._expert_group = groups.edp
         self.coll = collectives or groups.collectives  # None: a one-process layout, nothing to reduce
         self.is_last_microbatch = True
+        self.reduce_over_dp = True
+        """False: leave each rank's local gradient in ``main_grad`` (no pre-division, no collective): 1-bit
+        Adam's compressed stage, which averages the momentum instead (set by the step, from the optimizer)."""
         size = self.group.size
         bucket_size = self.config.bucket_size or max(40_000_000, 1_000_000 * size)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
@@ -90,6 +94,8 @@ class DistributedDataParallel(ChunkWrapper):
 
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         bucket.launched = True
+        if not self.reduce_over_dp:
+            return
         group = self._group_of[id(bucket)]  # dp x cp, or edp for expert buckets
         if self.group.size > 1:
             bucket.data.mul_(1.0 / self.group.size)
