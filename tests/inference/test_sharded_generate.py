@@ -94,6 +94,7 @@ def test_sharded_generation_matches_one_process(tmp_path, tp, pp):
             _assert_same(g, w, (tp, pp, rank, s))
 
 
+@pytest.mark.slow  # NOTE: the sharded launcher path stays in the default suite through test_sharded_serve.py
 def test_generate_command_under_tensor_parallelism(tmp_path):
     """``omnitron generate --tensor-model-parallel-size 2`` launches 2 ranks and prints the one-process text."""
     root = str(tmp_path / "ck")

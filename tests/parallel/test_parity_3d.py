@@ -169,9 +169,16 @@ def test_parity_pipeline_2(ref):
 
 
 def test_parity_3d_4(ref):
+    """tp2 x pp2 and pp2 x dp2 (the suite's budget; pp4 and tp2 x dp2 in the slow variant below)."""
+    _check(run_distributed(parity_worker, 4, [(2, 2, 1), (1, 2, 2)], env=REFERENCE_KERNELS), ref)
+
+
+@pytest.mark.slow
+def test_parity_3d_4_every_layout(ref):
     _check(run_distributed(parity_worker, 4, [(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)], env=REFERENCE_KERNELS), ref)
 
 
+@pytest.mark.slow  # NOTE: sim stays in the default suite through tests/sim (training on sim equals cpu)
 @requires_sim()
 def test_parity_pipeline_2_on_sim(ref):
     """Every pipeline schedule on the simulated device against the host reference (same tolerance: the

@@ -189,6 +189,7 @@ def test_tensor_parallel_parity_tp2():
     _check(run_distributed(_parity_bundle, 2, 2, env=REFERENCE_KERNELS), 2)
 
 
+@pytest.mark.slow  # NOTE: sim stays in the default suite through tests/sim (training on sim equals cpu)
 @requires_sim()
 def test_tensor_parallel_parity_tp2_on_sim():
     """The tp model on the simulated device, the one-process reference on the host CPU."""
