@@ -79,13 +79,19 @@ class Picker:
                          valid: torch.Tensor) -> list[list[float]]:
         """Per row, ``log p(prompt[j + 1] | prompt[:j + 1])`` from the prefill logits ``[L, b, V]``; targets
         that are placeholders (negative ids: LLaVA's image positions) have none and are skipped."""
-        return _kept(self.prompt_picked(logits, ids), ids, valid)
+        return self.kept(self.prompt_picked(logits, ids), ids, valid)
 
     @staticmethod
     def prompt_picked(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[b, L-1]`` log-probs of each next prompt slot's token (placeholders read as id 0)."""
         lp = torch.log_softmax(logits.float(), dim=-1).transpose(0, 1)[:, :-1]  # [b, L-1, V]
         return torch.gather(lp, 2, ids[:, 1:].clamp(min=0)[..., None])[..., 0]
+
+    @staticmethod
+    def kept(picked: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> list[list[float]]:
+        """Per row, the entries of ``picked [b, L-1]`` predicted from a real slot for a real token."""
+        keep = valid[:, :-1] & (ids[:, 1:] >= 0)
+        return [picked[i][keep[i]].tolist() for i in range(ids.shape[0])]
 
     def next_tokens(self, logits: torch.Tensor | None, params: SamplingParams, gens, want_lp: bool,
                     rows: int) -> tuple[torch.Tensor, list[float] | None]:
@@ -97,9 +103,6 @@ class Picker:
         return nxt, step_lp
 
 
-def _kept(picked: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> list[list[float]]:
-    keep = valid[:, :-1] & (ids[:, 1:] >= 0)  # predicted from a real slot, a real token
-    return [picked[i][keep[i]].tolist() for i in range(ids.shape[0])]
 
 
 @torch.no_grad()

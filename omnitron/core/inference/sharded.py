@@ -73,12 +73,10 @@ class ShardedPicker(Picker):
         return values
 
     def prompt_log_probs(self, logits, ids, valid):
-        from omnitron.core.inference.generation import _kept
-
         picked = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float64, device=ids.device)
         if self.stage.is_last:
             picked.copy_(self.prompt_picked(logits, ids))
-        return _kept(self._share(picked), ids, valid)
+        return self.kept(self._share(picked), ids, valid)
 
     def next_tokens(self, logits, params, gens, want_lp, rows):
         if not params.greedy and params.seed is None:
