@@ -34,7 +34,11 @@ the rank sees it, in ``overlapped`` only the part compute did not cover. Hidden 
 totals, which is the difference of two noisy numbers). NOTE: on CPU gloo moves the bytes with the
 same cores that compute, so hiding is bounded by spare cycles, not by the schedule.
 
-    python benchmarks/context_parallel.py [--seq 4096] [--heads 4] [--layers 2] [--rounds 5] [--json FILE]
+``--cp 4``: a world of 4 ranks x 1 thread (oversubscribing a 2-core machine 2x: the cp=4 times include
+the scheduler's share), core attention and GPT step for the ring, ``a2a`` and ``a2a+p2p`` (2x2: all-to-all
+in pairs of consecutive ranks, the ring over the two pairs) against cp=1; no overlap study.
+
+    python benchmarks/context_parallel.py [--seq 4096] [--heads 4] [--layers 2] [--rounds 5] [--cp 2|4] [--json FILE]
 """
 from __future__ import annotations
 
@@ -290,6 +294,68 @@ def cp_worker(seq: int, heads: int, layers: int, rounds: int) -> dict:
     return {"times": times, "peaks": peaks, "waited": waited}
 
 
+def _variants_cp4(groups, single, seq: int, heads: int, layers: int) -> dict:
+    """``--cp 4``: name -> (runs on the cp=4 world?, closure): cp=1 against the ring, a2a and a2a+p2p (2x2) at cp=4."""
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.context import apply_context_parallel, backend_kernel, ring_attention, split_sequence
+    from omnitron.core.parallel.context.hierarchical import a2a_p2p_attention
+    from omnitron.core.parallel.context.ulysses import a2a_attention
+
+    be, cp, rank = get_backend(), groups.cp, groups.cp.rank
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, HEAD_DIM, generator=g) for _ in range(3))
+    mine = [split_sequence(t, 2, cp.size, rank) for t in (q, k, v)]
+    cfg = _gpt_config(seq, heads, layers)
+    tokens = torch.randint(0, VOCAB, (1, seq + 1), generator=g)
+    tok, lab = tokens[:, :-1], tokens[:, 1:]
+    tok4, lab4 = (split_sequence(t, 1, cp.size, rank) for t in (tok, lab))
+    sdpa = lambda a, b, c: be.kernels.attention(a, b, c, causal=True)  # noqa: E731
+    kern = backend_kernel(be)
+    gpt1 = GPTModel(cfg, single, seed=0)
+    gpt_ring = apply_context_parallel(GPTModel(cfg, groups, seed=0), cp, "p2p")
+    gpt_a2a = apply_context_parallel(GPTModel(cfg, groups, seed=0), cp, "a2a")
+    gpt_hier = GPTModel(cfg, groups, seed=0)  # the groups' config: a2a+p2p 2x2
+
+    def gpt_step(model, t, lab_):
+        return lambda: model(tokens=t, labels=lab_).mean().backward()
+
+    return {
+        "core attention, cp=1 sdpa": (False, _backward_of(sdpa, q, k, v)),
+        "core attention, cp=4 ring": (True, _backward_of(
+            lambda a, b, c: ring_attention(a, b, c, group=cp, collectives=be.collectives, kernel=kern), *mine)),
+        "core attention, cp=4 a2a": (True, _backward_of(lambda a, b, c: a2a_attention(a, b, c, group=cp, attend=sdpa),
+                                                        *mine)),
+        "core attention, cp=4 a2a+p2p 2x2": (True, _backward_of(
+            lambda a, b, c: a2a_p2p_attention(a, b, c, a2a_group=groups.cp_a2a, p2p_group=groups.cp_p2p,
+                                              collectives=be.collectives, attend=sdpa, kernel=kern), *mine)),
+        "GPT step, cp=1 sdpa": (False, gpt_step(gpt1, tok, lab)),
+        "GPT step, cp=4 ring": (True, gpt_step(gpt_ring, tok4, lab4)),
+        "GPT step, cp=4 a2a": (True, gpt_step(gpt_a2a, tok4, lab4)),
+        "GPT step, cp=4 a2a+p2p 2x2": (True, gpt_step(gpt_hier, tok4, lab4)),
+    }
+
+
+def cp4_worker(seq: int, heads: int, layers: int, rounds: int) -> dict:
+    """``--cp 4``: a world of 4 gloo ranks x 1 thread (on 2 cores: oversubscribed 2x); cp=1 is rank 0 with 2
+    threads while the others wait in a barrier."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    pc = ParallelConfig(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
+    groups = ParallelGroups.build(pc, get_backend().collectives)
+    variants = _variants_cp4(groups, ParallelGroups.single(), seq, heads, layers)
+    rank = groups.cp.rank
+    times = interleaved(variants, rank, rounds, dist.barrier)
+    peaks: dict[str, int] = {}
+    for name, (distributed, fn) in variants.items():
+        on_ranks(distributed, rank, dist.barrier, lambda: peaks.__setitem__(name, peak_bytes(fn)))
+    return {"times": times, "peaks": peaks, "waited": {}}
+
+
 def summarize(ranks: list[dict]) -> dict:
     times, cpu = {}, {}
     for name in ranks[0]["times"]:
@@ -304,6 +370,8 @@ def summarize(ranks: list[dict]) -> dict:
             rows.append({"variant": n, "ms": times[n], "ratio": times[n] / times[names[0]], "cpu_ms": cpu[n],
                          "cpu_ratio": cpu[n] / cpu[names[0]], "peak": peaks.get(n),
                          "peak_ratio": peaks.get(n, 0) / peaks[names[0]] if peaks.get(names[0]) else None})
+    if "ring sequential" not in times:  # --cp 4: no overlap study
+        return {"rows": rows}
     o, s, c = times["core attention, cp=2 ring"], times["ring sequential"], times["ring comm only"]
     w = {n: statistics.mean(r["waited"][n] for r in ranks) * 1e3 for n in ranks[0]["waited"]}
     overlap = {"overlapped_ms": o, "sequential_ms": s, "comm_only_ms": c, "wait_overlapped_ms": w["overlapped"],
@@ -322,15 +390,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cp", type=int, default=2, choices=(2, 4),
+                    help="2: ring / a2a / allgather and the ring's overlap; 4: ring, a2a and a2a+p2p (2x2) on 4 ranks")
     args = ap.parse_args()
-    ranks = run_distributed(cp_worker, 2, args.seq, args.heads, args.layers, args.rounds, timeout_s=900)
+    worker = cp_worker if args.cp == 2 else cp4_worker
+    ranks = run_distributed(worker, args.cp, args.seq, args.heads, args.layers, args.rounds, timeout_s=900)
     res = summarize(ranks)
     res["args"] = vars(args)
     print(f"seq {args.seq}, batch 1, {args.heads} heads x {HEAD_DIM}, fp32; GPT: {args.layers} layers, "
-          f"hidden {args.heads * HEAD_DIM}, vocab {VOCAB}; median of {args.rounds} interleaved rounds")
+          f"hidden {args.heads * HEAD_DIM}, vocab {VOCAB}; median of {args.rounds} interleaved rounds; "
+          f"cp={args.cp}: {args.cp} processes x 1 thread, cp=1: 1 process x 2 threads")
     print_table(res["rows"], [("variant", "variant", ""), ("ms", "ms", ".1f"), ("vs cp=1", "ratio", ".2f"),
                               ("CPU ms", "cpu_ms", ".1f"), ("CPU vs cp=1", "cpu_ratio", ".2f"),
                               ("peak MiB/rank", "peak", ".1f"), ("peak vs cp=1", "peak_ratio", ".2f")])
+    if "overlap" not in res:
+        dump_json(args.json, res)
+        return
     o = res["overlap"]
     print("ring attention, cp=2, core attention fwd+bwd (ms: slowest rank; wait: time blocked on K/V transfers)")
     print_table([{"mode": m, "ms": o[f"{k}_ms"], "wait": o[f"wait_{k}_ms"]} for m, k in

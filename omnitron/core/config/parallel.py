@@ -25,11 +25,13 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None
     """--expert-tensor-parallel-size: tensor parallelism inside each expert (default: tp)."""
     cp_comm_type: str = "p2p"
-    """--cp-comm-type {p2p,a2a,allgather}: how context parallelism shares the sequence in attention: p2p, the
-    ring of K/V blocks; a2a, all-to-all of heads and sequence (DeepSpeed-Ulysses; the local heads must divide
-    by cp); allgather, all-gathered K/V."""
+    """--cp-comm-type {p2p,a2a,allgather,a2a+p2p}: how context parallelism shares the sequence in attention: p2p,
+    the ring of K/V blocks; a2a, all-to-all of heads and sequence (DeepSpeed-Ulysses; the local heads must divide
+    by cp); allgather, all-gathered K/V; a2a+p2p, all-to-all inside groups of consecutive cp ranks, then the ring
+    across them (sizes from --hierarchical-context-parallel-sizes)."""
     hierarchical_context_parallel_sizes: list[int] | None = None
-    """--hierarchical-context-parallel-sizes: the a2a and p2p sizes of --cp-comm-type a2a+p2p (not implemented yet)."""
+    """--hierarchical-context-parallel-sizes A P: the a2a and p2p sizes of --cp-comm-type a2a+p2p (A x P =
+    --context-parallel-size; A consecutive cp ranks trade heads for sequence, the ring runs over P of those groups)."""
     sequence_parallel: bool = False
     """--sequence-parallel: norms/dropout on sequence shards inside the tensor-parallel group."""
     decoder_first_pipeline_num_layers: int | None = None
@@ -46,11 +48,9 @@ class ParallelConfig:
                             ("--expert-model-parallel-size", self.expert_model_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
-        if self.cp_comm_type == "a2a+p2p" or self.hierarchical_context_parallel_sizes:
-            raise ConfigError("--cp-comm-type a2a+p2p (--hierarchical-context-parallel-sizes) is not implemented yet; "
-                              "use --cp-comm-type p2p, a2a or allgather")
-        if self.cp_comm_type not in ("p2p", "a2a", "allgather"):
-            raise ConfigError(f"--cp-comm-type {self.cp_comm_type!r} is not one of p2p, a2a, allgather")
+        if self.cp_comm_type not in ("p2p", "a2a", "allgather", "a2a+p2p"):
+            raise ConfigError(f"--cp-comm-type {self.cp_comm_type!r} is not one of p2p, a2a, allgather, a2a+p2p")
+        self._check_hierarchical()
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or (vp > 1 and self.pipeline_model_parallel_size < 2)):
             raise ConfigError(f"virtual pipeline size {vp} needs --pipeline-model-parallel-size >= 2 "
@@ -58,6 +58,38 @@ class ParallelConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # harmless but meaningless; Megatron silently disables it, we keep it off explicitly
             self.sequence_parallel = False
+
+    def _check_hierarchical(self) -> None:
+        """--cp-comm-type a2a+p2p needs exactly two positive sizes whose product is cp (and nothing else takes them)."""
+        sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
+        if self.cp_comm_type != "a2a+p2p":
+            if sizes:
+                raise ConfigError(f"--hierarchical-context-parallel-sizes only applies to --cp-comm-type a2a+p2p "
+                                  f"(got --cp-comm-type {self.cp_comm_type}); drop it or use a2a+p2p")
+            return
+        if not sizes:
+            raise ConfigError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the a2a and "
+                              f"p2p sizes, A x P = --context-parallel-size {cp})")
+        if len(sizes) != 2:
+            raise ConfigError(f"--hierarchical-context-parallel-sizes takes two sizes (a2a, p2p), got {len(sizes)}: "
+                              f"{' '.join(map(str, sizes))}")
+        try:  # from the command line the values are strings
+            sizes = [int(n) for n in sizes]
+        except (TypeError, ValueError):
+            sizes = []
+        if len(sizes) != 2 or min(sizes) < 1:
+            raise ConfigError(f"--hierarchical-context-parallel-sizes must be positive integers, got "
+                              f"{' '.join(map(str, self.hierarchical_context_parallel_sizes))}")
+        if sizes[0] * sizes[1] != cp:
+            raise ConfigError(f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: a2a size x p2p size = "
+                              f"{sizes[0] * sizes[1]} is not --context-parallel-size {cp}")
+        self.hierarchical_context_parallel_sizes = sizes
+
+    @property
+    def cp_a2a_p2p_sizes(self) -> tuple[int, int] | None:
+        """(A, P) of --cp-comm-type a2a+p2p, else None."""
+        sizes = self.hierarchical_context_parallel_sizes
+        return (sizes[0], sizes[1]) if self.cp_comm_type == "a2a+p2p" and sizes else None
 
     @property
     def uneven_pipeline(self) -> bool:

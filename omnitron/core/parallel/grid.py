@@ -47,7 +47,9 @@ def rank_grid(cfg: ParallelConfig, world_size: int) -> dict[str, list[list[int]]
 
     Keys: ``tp, cp, dp, pp, dp_cp, tp_cp, mp`` (tp x pp, Megatron's model-parallel group),
     ``tp_pp_cp`` (one model replica), ``embedding`` (first and last stage of each pipeline),
-    ``ep, etp, edp`` (expert layout).
+    ``ep, etp, edp`` (expert layout); with ``--cp-comm-type a2a+p2p`` (sizes ``A x P``) also ``cp_a2a``
+    (``A`` consecutive ranks of each cp group: the all-to-all) and ``cp_p2p`` (the ranks ``A`` apart in each
+    cp group: the ring), so every rank creates every sub-group, in the same order.
     """
     dp = data_parallel_size(cfg, world_size)
     dense = {"tp": cfg.tensor_model_parallel_size, "cp": cfg.context_parallel_size, "dp": dp,
@@ -68,6 +70,11 @@ def rank_grid(cfg: ParallelConfig, world_size: int) -> dict[str, list[list[int]]
     expert = {"etp": etp, "ep": ep, "edp": inner // (etp * ep), "pp": dense["pp"]}
     for name in ("etp", "ep", "edp"):
         grid[name] = _groups(expert, (name,))
+    hier = cfg.cp_a2a_p2p_sizes
+    if hier is not None:
+        a, p = hier
+        grid["cp_a2a"] = sorted(m[j * a:(j + 1) * a] for m in grid["cp"] for j in range(p))
+        grid["cp_p2p"] = sorted(m[j::a] for m in grid["cp"] for j in range(a))
     return grid
 
 

@@ -14,7 +14,8 @@ canonical ``linear_qkv`` tensors, so checkpoints and parity checks see one layou
 
 Context parallelism (:func:`omnitron.core.parallel.context.apply_context_parallel` sets
 ``cp_group``): the rows are this cp rank's slice of the sequence and core attention is the ring
-over the cp group.
+over the cp group (``--cp-comm-type p2p``), all-to-all / all-gather (``a2a``, ``allgather``) or the
+hierarchical all-to-all then ring (``a2a+p2p``, over ``cp_subgroups``).
 
 Bidirectional attention (BERT): ``forward(x, freqs, key_padding_mask)`` with a ``[b, s]`` bool mask
 (True at padding keys) attends over every non-padding key, no causal mask; without the mask
@@ -67,6 +68,7 @@ class SelfAttention(nn.Module):
                                              skip_bias_add=skip_out_bias, **kw)
         self.cp_group = None  # set by apply_context_parallel: attention over the cp-split sequence
         self.cp_comm_type = "p2p"  # --cp-comm-type: the ring, or all-to-all / all-gather (context/ulysses.py)
+        self.cp_subgroups = None  # a2a+p2p: (a2a group, p2p group) of this rank (context/hierarchical.py)
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
             nkw = norm_kwargs(c, backend, partial_grad=group.size > 1)
@@ -142,13 +144,15 @@ class SelfAttention(nn.Module):
             return self._padded_attention(q, k, v, key_padding_mask, p)
         if document_ids is not None:
             return self._document_attention(q, k, v, document_ids, p)
-        if self.cp_group is not None and self.cp_comm_type != "p2p":
+        if self.cp_group is not None and self.cp_comm_type in ("a2a", "allgather"):
             return self._gathered_cp_attention(q, k, v, p)
         if self.cp_group is not None:
             seed = 0
             if p > 0.0:  # the ring draws its block masks from a seed taken from the tp-rank-specific stream
                 with self.tracker.fork():
                     seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
+            if self.cp_comm_type == "a2a+p2p":
+                return self._hierarchical_cp_attention(q, k, v, p, seed)
             return ring_attention(q, k, v, group=self.cp_group, collectives=self.backend.collectives, causal=True,
                                   dropout_p=p, seed=seed, kernel=backend_kernel(self.backend))
         if p == 0.0:
@@ -170,6 +174,24 @@ class SelfAttention(nn.Module):
             return a2a_attention(q, k, v, group=self.cp_group, attend=full)
         return allgather_attention(q, k, v, group=self.cp_group,
                                    attend_masked=lambda q, k, v, keep: self._masked_sdpa(q, k, v, keep, p))
+
+    def _hierarchical_cp_attention(self, q, k, v, p: float, seed: int) -> torch.Tensor:
+        """``--cp-comm-type a2a+p2p`` (:mod:`omnitron.core.parallel.context.hierarchical`)."""
+        from omnitron.core.parallel.context.hierarchical import a2a_p2p_attention
+
+        if self.cp_subgroups is None:
+            raise ValueError("--cp-comm-type a2a+p2p: the attention module has no a2a/p2p sub-groups; build the "
+                             "model over groups made with --hierarchical-context-parallel-sizes")
+        a2a, p2p = self.cp_subgroups
+
+        def full(q, k, v):  # p2p size 1: Ulysses over the a2a group
+            if p == 0.0:
+                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
+            with self.tracker.fork():
+                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
+
+        return a2a_p2p_attention(q, k, v, a2a_group=a2a, p2p_group=p2p, collectives=self.backend.collectives,
+                                 attend=full, dropout_p=p, seed=seed, kernel=backend_kernel(self.backend))
 
     def _padded_attention(self, q, k, v, key_padding_mask: torch.Tensor, p: float) -> torch.Tensor:
         """Non-causal attention over the keys that are not padding (plain SDPA with a boolean mask)."""

@@ -186,7 +186,8 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
     cp = parallel.context_parallel_size
     if cp > 1:
-        _validate_context_parallel(c, cp, tp, parallel.sequence_parallel, getattr(parallel, "cp_comm_type", "p2p"))
+        _validate_context_parallel(c, cp, tp, parallel.sequence_parallel, getattr(parallel, "cp_comm_type", "p2p"),
+                                   getattr(parallel, "hierarchical_context_parallel_sizes", None))
     vp = parallel.virtual_pipeline_model_parallel_size or 1
     if check_layers and c.num_layers % (pp * vp):
         raise ConfigError(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
@@ -205,9 +206,15 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     validate_moe(c, parallel)
 
 
-def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool, comm: str = "p2p") -> None:
+def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool, comm: str = "p2p",
+                               sizes: list[int] | None = None) -> None:
     """The sequence splits into 2 x cp load-balanced chunks (and each rank's slice over tp under SP); a2a
-    splits each tensor-parallel rank's heads over cp."""
+    splits each tensor-parallel rank's heads over cp, a2a+p2p over its a2a size."""
+    if comm == "a2a+p2p" and sizes and (c.num_attention_heads // tp) % sizes[0]:
+        raise ConfigError(f"--cp-comm-type a2a+p2p splits each tensor-parallel rank's {c.num_attention_heads // tp} "
+                          f"attention heads over the a2a size {sizes[0]} (--hierarchical-context-parallel-sizes "
+                          f"{sizes[0]} {sizes[1]}): they must be a multiple of it; use a smaller a2a size or "
+                          "--cp-comm-type p2p")
     if comm == "a2a" and (c.num_attention_heads // tp) % cp:
         raise ConfigError(f"--cp-comm-type a2a splits each tensor-parallel rank's {c.num_attention_heads // tp} "
                           f"attention heads over --context-parallel-size {cp}: they must be a multiple of it; "

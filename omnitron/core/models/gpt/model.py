@@ -102,7 +102,9 @@ class GPTModel(nn.Module):
         if config.position_embedding_type == "rope":
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
-        apply_context_parallel(self, groups.cp, getattr(groups.config, "cp_comm_type", "p2p"))
+        comm = getattr(groups.config, "cp_comm_type", "p2p")
+        sub = (groups.cp_a2a, groups.cp_p2p) if comm == "a2a+p2p" and groups.cp.size > 1 else None
+        apply_context_parallel(self, groups.cp, comm, sub)
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()

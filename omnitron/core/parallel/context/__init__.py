@@ -1,7 +1,8 @@
 """Context parallelism: the sequence split over ``groups.cp``, attention as a ring.
 
 ``layout`` (which positions a cp rank holds; batch slicing and the loss share), ``blocks`` (the
-per-block attention kernel with its log-sum-exp), ``ring`` (the autograd Function), and
+per-block attention kernel with its log-sum-exp), ``ring`` (the autograd Function), ``ulysses``
+(``a2a`` and ``allgather``), ``hierarchical`` (``a2a+p2p``: all-to-all, then the ring), and
 :func:`apply_context_parallel`, which points a model's attention modules at the cp group.
 """
 from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, backend_kernel, block_backward, block_forward
@@ -10,16 +11,25 @@ from omnitron.core.parallel.context.layout import (chunk_positions, context_para
 from omnitron.core.parallel.context.ring import ring_attention
 
 
-def apply_context_parallel(model, group, comm_type: str = "p2p"):
+def apply_context_parallel(model, group, comm_type: str = "p2p", subgroups=None):
     """Make every self-attention module of ``model`` attend over the sequence split across ``group``
-    (a no-op at size 1) by ``comm_type`` (``--cp-comm-type``: p2p ring, a2a, allgather); returns ``model``.
-    Inputs must then be this rank's load-balanced slice."""
+    (a no-op at size 1) by ``comm_type`` (``--cp-comm-type``: p2p ring, a2a, allgather, a2a+p2p); returns
+    ``model``. ``a2a+p2p`` needs ``subgroups``: this rank's ``(a2a group, p2p group)`` (``groups.cp_a2a``,
+    ``groups.cp_p2p``). Inputs must then be this rank's load-balanced slice."""
     from omnitron.core.transformer.attention import SelfAttention
 
+    if comm_type == "a2a+p2p" and group.size > 1:
+        if subgroups is None:
+            raise ValueError("--cp-comm-type a2a+p2p needs the a2a and p2p sub-groups of the cp group "
+                             "(--hierarchical-context-parallel-sizes)")
+        a2a, p2p = subgroups
+        if a2a.size * p2p.size != group.size or not set(a2a.ranks) <= set(group.ranks):
+            raise ValueError(f"a2a+p2p sub-groups {a2a.ranks} x {p2p.ranks} do not split the cp group {group.ranks}")
     if group.size > 1:
         for m in model.modules():
             if isinstance(m, SelfAttention):
                 m.cp_group, m.cp_comm_type = group, comm_type
+                m.cp_subgroups = tuple(subgroups) if comm_type == "a2a+p2p" else None
     return model
 
 
