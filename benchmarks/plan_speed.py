@@ -1,9 +1,10 @@
 """Predicted (``omnitron plan --bench``) against measured step time of small layouts of the tiny GPT on this CPU.
 
-1. a CPU bench report sized for ~2 minutes (``omnitron bench gemm``, ``attention`` and ``elementwise`` at 1 and 2
-   threads, ``comm`` at 2 and 4 ranks), written to ``OUT/report/``;
-2. every layout of :data:`LAYOUTS` trained for a few steps through ``omnitron train`` (mock data), the median
-   step time of the steps after the first (``omnitron.bench.train.run``);
+1. a CPU bench report sized for ~1 minute (``omnitron bench gemm``, ``attention`` and ``elementwise`` at 1
+   thread, ``comm`` at 2 and 4 ranks), written to ``OUT/report/``;
+2. every layout of :data:`LAYOUTS` trained for a few steps through ``omnitron train`` (mock data, one intra-op
+   thread a rank: world 1 as well, so no layout runs OpenMP threads that spin against the machine's other
+   jobs), the median step time of the steps after the first (``omnitron.bench.train.run``);
 3. the speed model's prediction for each layout from that report, the error, and the predicted best against
    the measured best.
 
@@ -20,7 +21,7 @@ import time
 
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096", "--num-workers", "0",
          "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "4",
-         "--global-batch-size", "16"]
+         "--global-batch-size", "16", "--threads-per-process", "1"]
 LAYOUTS = {  # name: (layout, extra flags)
     "single": ("", []),
     "tp2": ("tp2", []),
@@ -48,7 +49,7 @@ def _omnitron(args: list[str], env: dict | None = None) -> None:
 def make_report(out: str) -> None:
     """The CPU bench report the predictions read (sizes around the tiny model's GEMMs and messages)."""
     os.makedirs(out, exist_ok=True)
-    for t in (1, 2):
+    for t in (1,):  # every run below uses 1 thread a rank (--threads-per-process 1)
         one = {"OMP_NUM_THREADS": str(t)}
         _omnitron(["bench", "gemm", "--dtypes", "fp32", "--sizes", "64", "128", "256", "512", "1024",
                    "--model", "gpt2_tiny", "--tokens", "1024", "--rounds", "5", "--json", f"{out}/gemm-t{t}.json"], one)
@@ -101,12 +102,13 @@ def main() -> None:
             continue
         rates = Rates.from_reports([report])
         pred = predict(settings_for(layout, extra), rates)
+        before = os.getloadavg()[0]
         row = measure(name, layout, extra)
         row.update(predicted_ms=pred.total * 1e3, breakdown_ms={k: v * 1e3 for k, v in pred.breakdown().items()},
-                   notes=pred.notes, load=os.getloadavg()[0])
+                   notes=pred.notes, load_before=before, load=os.getloadavg()[0])
         rows.append(row)
         print(f"{name:18s} measured {row['step_ms']:8.1f} ms predicted {row['predicted_ms']:8.1f} ms "
-              f"error {100 * (row['predicted_ms'] / row['step_ms'] - 1):+6.1f}%  load {row['load']:.2f}  "
+              f"error {100 * (row['predicted_ms'] / row['step_ms'] - 1):+6.1f}%  load {before:.1f}-{row['load']:.1f}  "
               + " ".join(f"{k} {v:.0f}" for k, v in row["breakdown_ms"].items()), flush=True)
     summarize(rows)
     with open(os.path.join(args.out, "rows.json"), "w") as f:

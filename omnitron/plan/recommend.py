@@ -8,10 +8,10 @@ it; vpp (1, 2, 4) where pp > 1 divides the layers per stage; full recomputation 
 the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
 memory). Each candidate is a full :class:`Settings`, so the engine's own validation rejects what it would.
 
-Ranking: predicted tokens/s (:func:`omnitron.plan.speed.predict`), then memory is checked fastest first
-(:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit. When none fits, the error names
-the smallest need, searched over the memory-minimal choice of every (tp, pp, cp): micro-batch 1, no vpp,
-recomputation and the distributed optimizer on.
+First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
+no vpp, recomputation and the distributed optimizer on): when even that does not fit, the error names it. Else
+the candidates are ranked by predicted tokens/s (:func:`omnitron.plan.speed.predict`) and memory is checked
+fastest first (:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit.
 """
 from __future__ import annotations
 
@@ -131,6 +131,9 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
     if not cands:
         raise ConfigError(f"no layout of {given.get('model') or 'the model'} divides {devices} devices: tp must "
                           "divide the heads and query groups, pp the layers, dp x micro-batch the global batch")
+    smallest = _smallest(given, devices)
+    if smallest.peak > memory:
+        raise ConfigError(_no_fit(smallest, memory))
     for c in cands:
         c.step = predict(c.settings, rates, overlap)
     cands.sort(key=lambda c: -c.step.tokens_per_s)
@@ -141,12 +144,11 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
             fit.append(c)
             if len(fit) == top:
                 break
-    if not fit:
-        raise ConfigError(_no_fit(given, devices, memory))
     return fit
 
 
-def _no_fit(given: dict, devices: int, memory: int) -> str:
+def _smallest(given: dict, devices: int) -> Choice:
+    """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp)."""
     from omnitron.plan.memory import estimate
 
     best = None
@@ -154,6 +156,10 @@ def _no_fit(given: dict, devices: int, memory: int) -> str:
         c.stages = estimate(c.settings)
         if best is None or c.peak < best.peak:
             best = c
+    return best
+
+
+def _no_fit(best: Choice, memory: int) -> str:
     top = max(best.stages, key=lambda s: s.total)
     return (f"no layout fits {memory / 2**30:.4g} GiB: the smallest needs {top.total / 2**30:.4g} GiB on stage "
             f"{top.stage} ({best.name()}); add devices, lower --seq-length or --global-batch-size, or use "

@@ -94,7 +94,9 @@ def stage_cost(settings, cfg, rates, layers: int, first: bool, last: bool, nxt: 
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
     gemm = sum(rates.gemm_s(dt, m, n, k, threads) for _, m, n, k in work.layer_gemms(x)) * slow
-    attn = rates.attention_s(dt, 3 * work.attention_flops(x), cfg.attention_dropout > 0, threads) * slow
+    # ring attention: cp block calls of 1 / cp of the work each (a smaller call's rate); the merge of the
+    # blocks' partial results is not priced
+    attn = cp * rates.attention_s(dt, 3 * work.attention_flops(x) / cp, cfg.attention_dropout > 0, threads) * slow
     tp_f = tp_b = 0.0
     for i, (op, nbytes) in enumerate(work.tp_collectives(x, elem, sp)):
         t = rates.comm_s(op, nbytes, tp)
