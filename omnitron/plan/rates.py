@@ -9,6 +9,10 @@ around ``S`` of the same op and rank count (the small sizes carry the latency), 
 size beyond the largest row. Out of range of the rows, rates are clamped to the nearest row. Every fallback
 (no row of a dtype, no row of a rank count) is recorded in :attr:`Rates.notes` and printed with the plan.
 
+Shared cores. On a CPU report the collectives' times are scaled by ``max(1, P / cores) / max(1, n / cores)``,
+``P`` the threads of all the layout's ranks on the host (:attr:`Rates.host_ranks`) and ``n`` the processes
+of the measurement (its rank count).
+
 Threads. CPU reports record the intra-op threads they ran with (``machine.threads``); the GEMM and attention
 rows of the report whose thread count equals the rank's are used (several reports may be given), else the
 nearest, scaled linearly by the thread ratio (noted).
@@ -64,6 +68,9 @@ class Rates:
     device_type: str = "cpu"
     cpu_count: int = 1
     notes: list[str] = field(default_factory=list)
+    host_ranks: int = 1
+    """Intra-op threads of every rank the layout runs on one CPU host (set per prediction): collectives on a CPU
+    are CPU work, so rows measured with fewer processes than cores are slowed as the cores get time-shared."""
 
     @classmethod
     def from_reports(cls, items: list[str]) -> "Rates":
@@ -157,6 +164,8 @@ class Rates:
             self.note(f"comm: no {op} rows at {ranks} ranks; the {near}-rank rows (bus bandwidth kept)")
         pts = sorted((r["bytes"], r["ms"] * 1e-3) for r in rows if r["ranks"] == near)
         t = _linear(pts, nbytes)
+        if self.device_type == "cpu":  # the host's cores time-shared by more processes than when measured
+            t *= max(1.0, self.host_ranks / self.cpu_count) / max(1.0, near / self.cpu_count)
         if near != ranks and op != "p2p":  # same bus bandwidth: time scales with the bus factor
             from omnitron.bench.comm import bus_factor
 

@@ -21,7 +21,8 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
 5. **Shared cores** (CPU reports): every rank of the layout runs on one host of the report's
    ``cpu_count`` cores, with ``omnitron train``'s intra-op threads (cores / ranks, at least 1). The GEMM /
    attention rows measured at that thread count are used; when ranks x threads exceed the cores, each
-   rank's compute is slowed by ``ranks x threads / cores`` (the cores are time-shared).
+   rank's compute is slowed by ``ranks x threads / cores`` (the cores are time-shared), and so are the
+   collectives (CPU work on gloo) beyond the time-sharing of their measurement (:mod:`omnitron.plan.rates`).
 
 6. **Element-wise ops** (norms, residual adds, dropouts, the MLP activation, cross-entropy; each forward and
    backward) and the optimizer step are priced per element from an ``omnitron bench elementwise`` report
@@ -97,33 +98,25 @@ def stage_cost(settings, cfg, rates, layers: int, first: bool, last: bool, nxt: 
     # ring attention: cp block calls of 1 / cp of the work each (a smaller call's rate); the merge of the
     # blocks' partial results is not priced
     attn = cp * rates.attention_s(dt, 3 * work.attention_flops(x) / cp, cfg.attention_dropout > 0, threads) * slow
-    tp_f = tp_b = 0.0
-    for i, (op, nbytes) in enumerate(work.tp_collectives(x, elem, sp)):
-        t = rates.comm_s(op, nbytes, tp)
-        tp_f, tp_b = (tp_f + t, tp_b) if i % 4 < 2 else (tp_f, tp_b + t)
+    fwd, bwd = work.stage_tp_collectives(cfg, x, elem, sp, layers, first, last)
+    layer_f, _ = work.stage_tp_collectives(cfg, x, elem, sp, 1, False, False)
     hops_f, hops_b, per = work.cp_ring(x, elem)
     hop = rates.comm_s("p2p", per, cp) if cp > 1 else 0.0
     c = StageCost()
     c.f["compute"] = layers * (gemm + attn / 3)
     c.b["compute"] = layers * (2 * gemm + 2 * attn / 3)
-    c.f["tp"], c.b["tp"] = layers * tp_f, layers * tp_b
+    c.f["tp"] = sum(rates.comm_s(op, n, tp) for op, n in fwd)
+    c.b["tp"] = sum(rates.comm_s(op, n, tp) for op, n in bwd)
     c.f["cp"], c.b["cp"] = layers * hops_f * hop, layers * hops_b * hop
     rec = _recomputed(cfg, layers)
     c.b["compute"] += rec * (gemm + attn / 3) if cfg.recompute_granularity == "full" else 0.0
     c.b["compute"] += layers * attn / 3 if cfg.recompute_granularity == "selective" else 0.0
-    c.b["tp"] += rec * tp_f if cfg.recompute_granularity == "full" else 0.0
+    c.b["tp"] += rec * sum(rates.comm_s(op, n, tp) for op, n in layer_f) if cfg.recompute_granularity == "full" else 0.0
     c.b["cp"] += rec * hops_f * hop if cfg.recompute_granularity == "full" else 0.0
-    if tp > 1 and first:  # the vocabulary-parallel embedding's all-reduce (reduce-scatter under SP)
-        c.f["tp"] += rates.comm_s("reduce_scatter" if sp else "all_reduce", x.tokens * x.hidden * elem, tp)
     if last:
         _, m, n, k = work.head_gemm(x)
         c.f["compute"] += rates.gemm_s(dt, m, n, k, threads) * slow
         c.b["compute"] += 2 * rates.gemm_s(dt, m, n, k, threads) * slow
-        if tp > 1:  # the logits' input gradient all-reduced (SP: the gather forward, the scatter backward)
-            # and the vocabulary-parallel cross-entropy's three [T] fp32 all-reduces (max, sum, target logit)
-            full = x.tokens * x.hidden * elem
-            c.f["tp"] += (rates.comm_s("all_gather", full, tp) if sp else 0.0) + 3 * rates.comm_s("all_reduce", 4 * x.tokens, tp)
-            c.b["tp"] += rates.comm_s("reduce_scatter" if sp else "all_reduce", full, tp)
     _elementwise(c, cfg, x, sp, rates, threads, slow, layers, rec, first, last)
     msg = work.pp_message(x, elem, sp)
     c.f["pp"] = rates.comm_s("p2p", msg, 2) if nxt else 0.0
@@ -213,6 +206,7 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     pc = settings.parallel
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     layers = chunk_layers(settings, cfg)
+    rates.host_ranks = settings.world_size * _threads(settings, rates)[0]
     costs = {}
     for (r, c), n in layers.items():
         k = c * pp + r
@@ -266,7 +260,7 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
     out = [f"overlap: {overlap} ({'every communication on the critical path' if overlap == 'none' else 'dp gradient reduction hidden behind the last backward' if overlap == 'dp' else 'all communication hidden behind compute where shorter'})"]
     if rates.device_type == "cpu":
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
-                   f"compute slowed x{slow:.2f} (time-shared cores)")
+                   f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing (time-shared cores)")
     out.append("not modelled: data loading, host overheads between ops, the loss and grad-norm reductions")
     return out
 

@@ -88,6 +88,30 @@ def tp_collectives(x: Local, elem: int, sp: bool) -> list[tuple[str, int]]:
     return [("all_gather", full), ("reduce_scatter", full)] * 4
 
 
+def stage_tp_collectives(cfg, x: Local, elem: int, sp: bool, layers: int, first: bool,
+                         last: bool) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) (op, bytes) of a stage's tensor-parallel collectives per micro-batch: its layers'
+    (:func:`tp_collectives`), the first stage's vocabulary-parallel embedding (all-reduce; under SP a
+    reduce-scatter, all-gathered backward, and the learned positions' split, all-gathered backward), the last
+    stage's output layer (its input's gradient all-reduced; under SP gathered forward, reduce-scattered
+    backward) and the vocabulary-parallel cross-entropy's fp32 all-reduces of ``[T]`` (max) and ``[2, T]``
+    (sum of exponentials, target logit)."""
+    if x.tp == 1:
+        return [], []
+    per = tp_collectives(x, elem, sp)
+    fwd = [c for i, c in enumerate(per) if i % 4 < 2] * layers
+    bwd = [c for i, c in enumerate(per) if i % 4 >= 2] * layers
+    full = x.tokens * x.hidden * elem
+    if first:
+        fwd.append(("reduce_scatter" if sp else "all_reduce", full))
+        if sp:
+            bwd += [("all_gather", full)] * (2 if cfg.position_embedding_type == "learned_absolute" else 1)
+    if last:
+        fwd += ([("all_gather", full)] if sp else []) + [("all_reduce", 4 * x.tokens), ("all_reduce", 8 * x.tokens)]
+        bwd.append(("reduce_scatter" if sp else "all_reduce", full))
+    return fwd, bwd
+
+
 def cp_ring(x: Local, elem: int) -> tuple[int, int, int]:
     """(hops forward, hops backward, bytes per hop) of one layer's ring attention: ``cp - 1`` key/value
     exchanges forward; backward ``cp - 1`` key/value and ``cp`` key/value-gradient exchanges (the last

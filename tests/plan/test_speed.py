@@ -135,3 +135,22 @@ def test_step_is_the_sum_of_its_terms(tmp_path, constant_rates):
     grads = max(stage_params(cfg, s, r, 2) for r in range(2)) * 4
     assert st.dp == pytest.approx((grads + 256 // 2 * cfg.hidden_size * 4) * 2e-9, rel=1e-9)
     assert st.total == pytest.approx(st.compute + st.tp + st.pp + st.dp + st.bubble, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["tp2,pp2", "pp2", "tp2"])
+def test_stage_params_are_the_gradient_buffers(layout):
+    """The elements each stage all-reduces over dp: the gradient buffers the data-parallel wrapper lays out on the
+    stage's meta skeleton (tests/plan/test_state.py checks those against real buffers); dp 1, so no padding."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.memory import chunk_layers, model_config
+    from omnitron.plan.speed import stage_params
+    from omnitron.plan.state import state_bytes
+
+    rng = random.Random()
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer",
+                     "vocab_size": rng.choice([200, 333]), "layout": layout,
+                     "untie_embeddings_and_output_weights": rng.random() < 0.5})
+    cfg = model_config(s)
+    layers = chunk_layers(s, cfg)
+    for r in range(s.parallel.pipeline_model_parallel_size):
+        assert stage_params(cfg, s, r, layers[(r, 0)]) * 4 == state_bytes(s, cfg, r).grads, (layout, r)
