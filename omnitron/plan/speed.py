@@ -132,11 +132,9 @@ def _elementwise(c: StageCost, cfg, x, sp: bool, rates, threads: int, slow: floa
         return sum(rates.elementwise_s(op, mode, n, threads) for op, n in ops) * slow
 
     layer = work.layer_elementwise(cfg, x, sp)
-    c.f["elementwise"] = (layers * price(layer, "fwd") + (price(work.embedding_elementwise(cfg, x, sp), "fwd") if first else 0.0)
-                          + (price(work.head_elementwise(cfg, x, sp), "fwd") if last else 0.0))
-    c.b["elementwise"] = (layers * price(layer, "bwd") + rec * price(layer, "fwd")
-                          + (price(work.embedding_elementwise(cfg, x, sp), "bwd") if first else 0.0)
-                          + (price(work.head_elementwise(cfg, x, sp), "bwd") if last else 0.0))
+    ends = (work.embedding_elementwise(cfg, x, sp) if first else []) + (work.head_elementwise(cfg, x, sp) if last else [])
+    c.f["elementwise"] = layers * price(layer, "fwd") + price(ends, "fwd")
+    c.b["elementwise"] = layers * price(layer, "bwd") + rec * price(layer, "fwd") + price(ends, "bwd")
 
 
 def _recomputed(cfg, layers: int) -> int:
@@ -257,10 +255,14 @@ def _embedding_sync(settings, cfg, rates) -> float:
 
 def assumptions(settings, rates, overlap: str) -> list[str]:
     threads, slow = _threads(settings, rates)
-    out = [f"overlap: {overlap} ({'every communication on the critical path' if overlap == 'none' else 'dp gradient reduction hidden behind the last backward' if overlap == 'dp' else 'all communication hidden behind compute where shorter'})"]
+    what = {"none": "every communication on the critical path",
+            "dp": "dp gradient reduction hidden behind the last backward",
+            "all": "all communication hidden behind compute where shorter"}
+    out = [f"overlap: {overlap} ({what[overlap]})"]
     if rates.device_type == "cpu":
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
-                   f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing (time-shared cores)")
+                   f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "
+                   "(time-shared cores)")
     out.append("not modelled: data loading, host overheads between ops, the loss and grad-norm reductions")
     return out
 

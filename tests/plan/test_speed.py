@@ -19,7 +19,8 @@ def _random_cfg(rng: random.Random, **over):
     swiglu = rng.random() < 0.5
     return gpt2_tiny(num_layers=rng.choice([1, 2, 3]), hidden_size=heads * rng.choice([8, 16]),
                      num_attention_heads=heads, num_query_groups=rng.choice([None, heads // 2]),
-                     ffn_hidden_size=rng.choice([48, 80]), seq_length=rng.choice([16, 32]), vocab_size=rng.choice([50, 77]),
+                     ffn_hidden_size=rng.choice([48, 80]), seq_length=rng.choice([16, 32]),
+                     vocab_size=rng.choice([50, 77]),
                      swiglu=swiglu, normalization="RMSNorm" if swiglu else "LayerNorm", hidden_dropout=0.0, **over)
 
 
@@ -154,3 +155,21 @@ def test_stage_params_are_the_gradient_buffers(layout):
     layers = chunk_layers(s, cfg)
     for r in range(s.parallel.pipeline_model_parallel_size):
         assert stage_params(cfg, s, r, layers[(r, 0)]) * 4 == state_bytes(s, cfg, r).grads, (layout, r)
+
+
+def test_overlap_assumptions_only_hide_communication(tmp_path, constant_rates):
+    """``dp`` hides gradient reduction, ``all`` also tp / cp / pp: each step is no longer than the one before and
+    no shorter than the compute alone; the compute term is the same under every assumption."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.speed import predict
+
+    rates = constant_rates(tmp_path, 0.5, 50.0)  # slow links: communication is most of the step
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+                     "layout": "tp2,pp2,dp2", "global_batch_size": 8})
+    none, dp, every = (predict(s, rates, o) for o in ("none", "dp", "all"))
+    assert none.total > dp.total >= every.total >= every.compute
+    assert none.compute == dp.compute and dp.dp < none.dp and every.tp == every.pp == 0.0
+    assert "overlap: dp" in dp.assumptions[0]
+    with pytest.raises(ConfigError, match="--assume-overlap 'some'"):
+        predict(s, rates, "some")

@@ -18,7 +18,8 @@ def _args(root: str, sp: bool) -> list[str]:
     return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
             "200", "--num-workers", "0", "--train-iters", "1", "--no-tensorboard", "--tensor-model-parallel-size", "2",
-            "--micro-batch-size", "2", "--data-cache-path", os.path.join(root, "cache")] + (["--sequence-parallel"] if sp else [])
+            "--micro-batch-size", "2", "--data-cache-path", os.path.join(root, "cache")] + (
+                ["--sequence-parallel"] if sp else [])
 
 
 def _recorded(root: str, world: int) -> dict:
