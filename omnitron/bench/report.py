@@ -3,7 +3,7 @@
 ::
 
     {"schema": "omnitron-bench", "version": 1, "kind": "gemm" | "comm" | "memory" | "kernels" | "attention"
-     | "train", "created": ISO time, "command": "omnitron bench ...",
+     | "elementwise" | "train", "created": ISO time, "command": "omnitron bench ...",
      "machine": {backend, device_name, device_type, device_count, arch, torch, runtimes: {cuda, musa, ...},
                  processor, cpu_count, threads, python, omnitron, world_size},
      "rows": [one object per measurement; fields per kind: ROW_FIELDS], "extra": {kind-specific: peaks,
@@ -28,6 +28,7 @@ ROW_FIELDS = {
     "memory": ("op", "bytes", "ms", "gbs"),
     "kernels": ("op", "dtype", "mode", "impl", "ms"),
     "attention": ("impl", "dtype", "seq", "heads", "head_dim", "causal", "ms", "tflops"),
+    "elementwise": ("op", "mode", "elements", "ms"),
     "train": ("model", "layout", "iterations", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes"),
 }
 """The fields every row of a kind has (a figure may be None where it could not be measured, with a ``note``)."""

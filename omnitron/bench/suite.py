@@ -1,6 +1,6 @@
 """``omnitron bench all --out DIR``: the whole suite, one report per kind in ``DIR`` (``memory.json``,
-``gemm.json``, ``comm.json``, ``kernels.json``, ``attention.json``, ``train.json``), sized for under 8
-minutes on one GPU and under 10 on a 2-core CPU, so a vendor runs one command and sends back one folder.
+``gemm.json``, ``comm.json``, ``kernels.json``, ``attention.json``, ``elementwise.json``, ``train.json``), sized
+for under 8 minutes on one GPU and under 10 on a 2-core CPU, so a vendor runs one command and sends back one folder.
 
 Sizes per device kind: on the CPU small problems and a tiny GPT at tp2; on an accelerator large problems,
 the 1.3B GPT's GEMM shapes and its training step on one device.
@@ -10,16 +10,18 @@ from __future__ import annotations
 import os
 import time
 
-from omnitron.bench import attention, comm, gemm, memory, train
+from omnitron.bench import attention, comm, elementwise, gemm, memory, train
 from omnitron.bench.report import new_report, save
 
 CPU = {"memory": [1 << 16, 1 << 20, 1 << 24, 1 << 28], "gemm": [256, 1024, 2048], "gemm_model": ("gpt2_tiny", 2048),
-       "comm": (1 << 10, 1 << 26, 4), "kernels": "small", "attention": [512, 2048], "train": (
+       "comm": (1 << 10, 1 << 26, 4), "kernels": "small", "attention": [512, 2048],
+       "elementwise": [1 << 14, 1 << 18, 1 << 22], "train": (
            "gpt2_tiny", "tp2", 10, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096",
                                     "--num-workers", "0", "--seq-length", "128", "--max-position-embeddings", "128",
                                     "--micro-batch-size", "4", "--global-batch-size", "8"])}
 DEVICE = {"memory": [1 << 20, 1 << 26, 1 << 30], "gemm": [1024, 4096, 8192], "gemm_model": ("gpt_1p3b", 8192),
-          "comm": (1 << 10, 1 << 30, 4), "kernels": "large", "attention": [1024, 4096, 8192], "train": (
+          "comm": (1 << 10, 1 << 30, 4), "kernels": "large", "attention": [1024, 4096, 8192],
+          "elementwise": [1 << 16, 1 << 22, 1 << 26], "train": (
               "gpt_1p3b", "single", 8, ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50256",
                                         "--num-workers", "0", "--bf16", "--micro-batch-size", "4",
                                         "--global-batch-size", "16", "--hidden-dropout", "0", "--attention-dropout",
@@ -53,6 +55,10 @@ def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> di
                                  rounds=5, budget_s=0.5))
     one("kernels", lambda: _kernels(backend, sz["kernels"]), copy_gbs=copy)
     one("attention", lambda: attention.run(backend, seqs=sz["attention"], log=lambda *_: None))
+    import torch
+
+    ew_dtype = torch.float32 if backend.device_type == "cpu" else torch.bfloat16
+    one("elementwise", lambda: elementwise.run(backend, sizes=sz["elementwise"], dtype=ew_dtype, log=lambda *_: None))
     name, layout, iters, flags = sz["train"]
     one("train", lambda: [train.run(model=name, layout=layout, iterations=iters, extra=flags, backend=backend.name)])
     return written

@@ -64,6 +64,15 @@ def register(sub) -> None:
     a.add_argument("--head-dim", type=int, default=64)
     a.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     a.set_defaults(func=run_attention)
+    e = b.add_parser("elementwise", help="a layer's element-wise ops (dropout, gelu, norms, softmax, add, adamw), "
+                     "fwd and bwd, by element count")
+    _common(e)
+    e.add_argument("--sizes", type=int, nargs="+", default=[1 << 14, 1 << 17, 1 << 20, 1 << 22], help="elements")
+    e.add_argument("--ops", nargs="+", default=None, help="subset of dropout gelu silu_mul layer_norm rms_norm "
+                   "softmax add cross_entropy adamw")
+    e.add_argument("--width", type=int, default=256, help="row width of the norms, softmax and cross-entropy")
+    e.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    e.set_defaults(func=run_elementwise)
     t = b.add_parser("train", help="a few iterations of a preset under a layout: tokens/s, TFLOP/s, MFU, split",
                      epilog="flags after -- go to omnitron train (e.g. -- --mock-data --bf16)")
     _common(t)
@@ -112,14 +121,22 @@ def run_gemm(args) -> int:
                                         rounds=args.rounds), args)
 
 
+def _ops(what: str, given, known) -> list[str] | None:
+    """``given`` (default: all of ``known``), or None after a one-line error naming the choices."""
+    ops = given or list(known)
+    if any(o not in known for o in ops):
+        print(f"omnitron bench {what}: error: ops are {' '.join(known)}", file=sys.stderr)
+        return None
+    return ops
+
+
 def run_comm(args) -> int:
     import os
 
     from omnitron.bench import comm
 
-    ops = args.ops or list(comm.OPS)
-    if any(o not in comm.OPS for o in ops):
-        print(f"omnitron bench comm: error: ops are {' '.join(comm.OPS)}", file=sys.stderr)
+    ops = _ops("comm", args.ops, comm.OPS)
+    if ops is None:
         return 2
     be = _backend(args.backend)
     rows = comm.run(be.name, nproc=args.nproc_per_node, ops=ops, byte_sizes=comm.sizes(args.min_bytes, args.max_bytes,
@@ -159,6 +176,19 @@ def run_kernels(args: argparse.Namespace) -> int:
     print(f"\ncopy bandwidth: {report['copy_gbs']:.1f} GB/s on {report['machine']['device']} "
           f"({report['machine']['threads']} threads, torch {report['machine']['torch']})")
     return _write("kernels", backend, report["rows"], args, copy_gbs=report["copy_gbs"], size=size)
+
+
+def run_elementwise(args) -> int:
+    import torch
+
+    from omnitron.bench import elementwise
+
+    ops = _ops("elementwise", args.ops, elementwise.OPS)
+    if ops is None:
+        return 2
+    be = _backend(args.backend)
+    return _write("elementwise", be, elementwise.run(be, sizes=args.sizes, ops=ops, width=args.width,
+                                                      dtype=getattr(torch, DTYPES[args.dtype])), args)
 
 
 def run_attention(args) -> int:

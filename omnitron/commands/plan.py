@@ -14,6 +14,14 @@ def register(sub) -> None:
                        "the usual parallelism flags and --nproc-per-node.", argument_default=argparse.SUPPRESS)
     p.add_argument("--layout", metavar="LAYOUT", help="tp2,pp2,dp2 (a missing dimension is 1): sets the parallel "
                    "sizes and the world size")
+    p.add_argument("--bench", nargs="+", metavar="REPORT", help="omnitron bench reports (files or `bench all` "
+                   "folders) of the target machine: also predict the step time, tokens/s and its breakdown")
+    p.add_argument("--assume-overlap", choices=("none", "dp", "all"), help="communication hidden behind compute: "
+                   "none (default), dp (gradient reduction), all")
+    p.add_argument("--devices", type=int, help="recommend layouts for this many devices (needs --device-memory, "
+                   "--bench and --global-batch-size): the fastest that fit, with their launch flags")
+    p.add_argument("--device-memory", help="memory per device for --devices, e.g. 80GiB or 80GB")
+    p.add_argument("--top", type=int, help="layouts to print with --devices (default 5)")
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -50,10 +58,15 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.memory import estimate, format_table
 
-    given = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    own = ("func", "command", "bench", "assume_overlap", "devices", "device_memory", "top")
+    given = {k: v for k, v in vars(args).items() if k not in own}
+    bench, overlap = getattr(args, "bench", None), getattr(args, "assume_overlap", "none")
+    if getattr(args, "devices", None) is not None:
+        return _recommend(args, given, bench, overlap)
     try:
         s = settings_of(given)
         stages = estimate(s)
+        step = _speed(s, bench, overlap) if bench else None
     except ConfigError as err:
         print(f"omnitron plan: error: {err}", file=sys.stderr)
         return 2
@@ -63,4 +76,39 @@ def run(args: argparse.Namespace) -> int:
           f"dp{s.dp} | micro-batch {s.training.micro_batch_size} x {s.num_microbatches} | "
           f"{s.precision.params_dtype_name}")
     print(format_table(stages))
+    if step is not None:
+        from omnitron.plan.speed import format_step
+
+        print(format_step(step))
+    return 0
+
+
+def _speed(settings, bench: list[str], overlap: str):
+    from omnitron.plan.rates import Rates
+    from omnitron.plan.speed import predict
+
+    return predict(settings, Rates.from_reports(bench), overlap)
+
+
+def _recommend(args, given: dict, bench, overlap: str) -> int:
+    """``--devices``: the fastest layouts that fit, or one line naming what binds."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.rates import Rates
+    from omnitron.plan.recommend import format_choices, parse_memory, recommend
+
+    try:
+        if not getattr(args, "device_memory", None):
+            raise ConfigError("--devices needs --device-memory (e.g. 80GiB)")
+        if not bench:
+            raise ConfigError("--devices needs --bench REPORT (an omnitron bench report of the target machine) to "
+                              "rank layouts by speed")
+        if given.get("layout"):
+            raise ConfigError("--devices searches layouts; drop --layout")
+        memory = parse_memory(args.device_memory)
+        choices = recommend(given, args.devices, memory, Rates.from_reports(bench), overlap,
+                            getattr(args, "top", None) or 5)
+    except ConfigError as err:
+        print(f"omnitron plan: error: {err}", file=sys.stderr)
+        return 2
+    print(format_choices(choices, args.devices, memory))
     return 0

@@ -42,9 +42,16 @@ def skeleton(model_cfg, parallel, pp_rank: int) -> list[torch.nn.Module]:
                     vp=parallel.virtual_pipeline_model_parallel_size, cp=parallel.context_parallel_size,
                     first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers,
                     ep=parallel.expert_model_parallel_size)
-    with torch.device("meta"):
-        chunks = skeleton_chunks(model_cfg, layout)
+    key = f"{model_cfg!r}/{layout!r}"
+    if _SKELETON.get("key") != key:  # every stage's chunks are built at once: keep them for the next rank's call
+        with torch.device("meta"):
+            _SKELETON.update(key=key, chunks=skeleton_chunks(model_cfg, layout))
+    chunks = _SKELETON["chunks"]
     return [m for (r, _), m in sorted(chunks.items()) if r == pp_rank or layout.pp == 1]
+
+
+_SKELETON: dict = {}
+"""The last layout's meta chunks (one entry: a plan walks the stages of one layout in turn)."""
 
 
 def _buffers(module, ddp, dp_cp: int, edp: int):

@@ -32,7 +32,7 @@ def _figures_ok(rep: dict, *keys: str) -> None:
 
 
 def test_subcommands_write_valid_reports(tmp_path, capsys):
-    out = {k: str(tmp_path / f"{k}.json") for k in ("gemm", "memory", "attention", "comm")}
+    out = {k: str(tmp_path / f"{k}.json") for k in ("gemm", "memory", "attention", "comm", "elementwise")}
     assert main(["bench", "gemm", "--backend", "cpu", "--sizes", "64", "--model", "gpt2_tiny", "--tokens", "32",
                  "--dtypes", "fp32", "bf16", "fp8-tensor", "fp8-block", "--rounds", "3", "--json", out["gemm"]]) == 0
     assert main(["bench", "memory", "--backend", "cpu", "--max-bytes", "1M", "--json", out["memory"]]) == 0
@@ -40,8 +40,16 @@ def test_subcommands_write_valid_reports(tmp_path, capsys):
                  "--dtype", "fp32", "--json", out["attention"]]) == 0
     assert main(["bench", "comm", "--backend", "cpu", "--nproc-per-node", "2", "--max-bytes", "64K", "--factor",
                  "8", "--rounds", "3", "--json", out["comm"]]) == 0
+    assert main(["bench", "elementwise", "--backend", "cpu", "--sizes", "1024", "4096", "--width", "64",
+                 "--json", out["elementwise"]]) == 0
     reps = {k: load(p) for k, p in out.items()}
     _figures_ok(reps["gemm"], "ms", "tflops")
+    from omnitron.bench import elementwise
+
+    ew = {(r["op"], r["mode"], r["elements"]) for r in reps["elementwise"]["rows"]}
+    assert ew == {(op, mode, n) for op in elementwise.OPS for mode in (("step",) if op == "adamw" else ("fwd", "bwd"))
+                  for n in (1024, 4096)}
+    assert all(r["ms"] >= 0 for r in reps["elementwise"]["rows"])
     assert {r["dtype"] for r in reps["gemm"]["rows"]} == {"fp32", "bf16", "fp8-tensor", "fp8-block"}
     assert {r["shape"] for r in reps["gemm"]["rows"]} >= {"square:64", "gpt2_tiny:qkv", "gpt2_tiny:fc1-wgrad"}
     _figures_ok(reps["memory"], "ms", "gbs")
@@ -113,7 +121,7 @@ def test_bad_reports_are_one_line(tmp_path, capsys):
     assert "every report is of another kind" in capsys.readouterr().err
     with pytest.raises(ReportError, match="row 0 of a memory report lacks gbs"):
         validate({**m, "rows": [{"op": "copy", "bytes": 1, "ms": 1.0}]}, "m.json")
-    assert set(ROW_FIELDS) == {"gemm", "comm", "memory", "kernels", "attention", "train"}
+    assert set(ROW_FIELDS) == {"gemm", "comm", "memory", "kernels", "attention", "elementwise", "train"}
 
 
 def test_gemm_and_memory_on_the_musa_double():

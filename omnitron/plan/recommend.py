@@ -1,0 +1,191 @@
+"""``omnitron plan --devices N --device-memory 80GiB --bench REPORT``: every valid layout of a model on N devices,
+ranked by predicted tokens/s, the fastest that fit in device memory.
+
+The search (:func:`candidates`): tp divides the devices, the attention heads and the query groups; pp divides
+the rest and the layers; cp (1, 2, 4, 8) divides the rest and splits the sequence into ``2 cp`` chunks; dp is
+what remains and with the micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give
+it; vpp (1, 2, 4) where pp > 1 divides the layers per stage; full recomputation (uniform, 1 layer) on / off;
+the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
+memory). Each candidate is a full :class:`Settings`, so the engine's own validation rejects what it would.
+
+First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
+no vpp, recomputation and the distributed optimizer on): when even that does not fit, the error names it. Else
+the candidates are ranked by predicted tokens/s (:func:`omnitron.plan.speed.predict`) and memory is checked
+fastest first (:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from omnitron.core.config.parallel import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """``80GiB`` / ``80GB`` / ``8e10`` -> bytes; ConfigError on anything else."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"--device-memory {text!r} is not a size; give e.g. 80GiB, 80GB or 85899345920")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass
+class Choice:
+    """One candidate layout: its flat flags (the flags that launch it), settings and prediction."""
+
+    flags: dict
+    settings: object
+    step: object = None
+    stages: list | None = None
+
+    @property
+    def peak(self) -> int:
+        return max(s.total for s in self.stages)
+
+    def name(self) -> str:
+        pc, s = self.settings.parallel, self.settings
+        vp = pc.virtual_pipeline_model_parallel_size or 1
+        return (f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size} "
+                f"dp{s.dp}" + (f" vpp{vp}" if vp > 1 else "") + f" mbs{s.training.micro_batch_size}"
+                + (" recompute" if self.flags.get("recompute_granularity") else "")
+                + (" distopt" if self.flags.get("use_distributed_optimizer") else ""))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _grid(cfg, devices: int, gbs: int):
+    """(tp, pp, cp, dp, mbs, vpp) that pass the divisibility rules of the module docstring."""
+    from omnitron.core.models.gpt.config import query_groups
+
+    for tp in _divisors(devices):
+        if cfg.num_attention_heads % tp or query_groups(cfg) % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            if cfg.num_layers % pp:
+                continue
+            for cp in (c for c in (1, 2, 4, 8) if (devices // (tp * pp)) % c == 0 and cfg.seq_length % (2 * c) == 0):
+                dp = devices // (tp * pp * cp)
+                for mbs in (b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0):
+                    m = gbs // (mbs * dp)
+                    for vpp in ((1, 2, 4) if pp > 1 else (1,)):
+                        if vpp > 1 and ((cfg.num_layers // pp) % vpp or m % pp):
+                            continue
+                        yield tp, pp, cp, dp, mbs, vpp
+
+
+def candidates(given: dict, devices: int, minimal: bool = False) -> list[Choice]:
+    """Every valid :class:`Choice` for the user's flags ``given`` on ``devices`` devices (``minimal``: only the
+    memory-minimal variant of each (tp, pp, cp))."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.memory import model_config
+
+    base = settings_of(given | {"nproc_per_node": 1})
+    cfg, gbs = model_config(base), given.get("global_batch_size")
+    if not gbs:
+        raise ConfigError("--devices: give --global-batch-size (the recommendation keeps it fixed)")
+    out, seen = [], set()
+    for tp, pp, cp, dp, mbs, vpp in _grid(cfg, devices, gbs):
+        for rec in ((True,) if minimal else (False, True)):
+            for dist in ((True,) if minimal else (False, True)) if dp * cp > 1 else (False,):
+                key = (tp, pp, cp) if minimal else (tp, pp, cp, mbs, vpp, rec, dist)
+                if key in seen or minimal and (mbs, vpp) != (min(b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0), 1):
+                    continue
+                seen.add(key)
+                flags = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                         "context_parallel_size": cp, "micro_batch_size": mbs, "global_batch_size": gbs,
+                         "sequence_parallel": tp > 1}
+                if vpp > 1:
+                    flags["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (pp * vpp)
+                if rec:
+                    flags.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                if dist:
+                    flags["use_distributed_optimizer"] = True
+                try:
+                    s = settings_of(given | flags)
+                except ConfigError:
+                    continue  # the engine's own rules (the reason is not shown: other candidates remain)
+                if s.world_size == devices:
+                    out.append(Choice(flags, s))
+    return out
+
+
+def _with_world(given: dict, devices: int) -> dict:
+    return given | {"nproc_per_node": devices}
+
+
+def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "none", top: int = 5) -> list[Choice]:
+    """The ``top`` fastest layouts that fit ``memory`` bytes on every stage; ConfigError naming the binding
+    constraint when none does."""
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.speed import predict
+
+    if devices < 1:
+        raise ConfigError(f"--devices must be >= 1, got {devices}")
+    given = _with_world(given, devices)
+    cands = candidates(given, devices)
+    if not cands:
+        raise ConfigError(f"no layout of {given.get('model') or 'the model'} divides {devices} devices: tp must "
+                          "divide the heads and query groups, pp the layers, dp x micro-batch the global batch")
+    smallest = _smallest(given, devices)
+    if smallest.peak > memory:
+        raise ConfigError(_no_fit(smallest, memory))
+    for c in cands:
+        c.step = predict(c.settings, rates, overlap)
+    cands.sort(key=lambda c: -c.step.tokens_per_s)
+    fit = []
+    for c in cands:
+        c.stages = estimate(c.settings)
+        if c.peak <= memory:
+            fit.append(c)
+            if len(fit) == top:
+                break
+    return fit
+
+
+def _smallest(given: dict, devices: int) -> Choice:
+    """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp)."""
+    from omnitron.plan.memory import estimate
+
+    best = None
+    for c in candidates(given, devices, minimal=True):
+        c.stages = estimate(c.settings)
+        if best is None or c.peak < best.peak:
+            best = c
+    return best
+
+
+def _no_fit(best: Choice, memory: int) -> str:
+    top = max(best.stages, key=lambda s: s.total)
+    return (f"no layout fits {memory / 2**30:.4g} GiB: the smallest needs {top.total / 2**30:.4g} GiB on stage "
+            f"{top.stage} ({best.name()}); add devices, lower --seq-length or --global-batch-size, or use "
+            "--bf16")
+
+
+def launch_flags(c: Choice) -> str:
+    """The command-line flags (Megatron's spelling) that launch the layout ``c``."""
+    out = []
+    for key, v in c.flags.items():
+        flag = "--" + key.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False:
+            out += [flag, str(v)]
+    return " ".join(out)
+
+
+def format_choices(choices: list[Choice], devices: int, memory: int) -> str:
+    rows = [f"{'#':>2} {'layout':44s} {'step ms':>13} {'tokens/s':>12} {'GiB: max [per stage]':>22}"]
+    for i, c in enumerate(choices, 1):
+        per = " ".join(f"{s.total / 2**30:.3f}" for s in c.stages)
+        rows.append(f"{i:>2} {c.name():44s} {c.step.total * 1e3:13,.1f} {c.step.tokens_per_s:12,.0f} "
+                    f"{c.peak / 2**30:8.3f}  [{per}]")
+        rows.append(f"   launch: --nproc-per-node {devices} (or torchrun's world) {launch_flags(c)}")
+    rows += [f"assumption (#1): {a}" for a in choices[0].step.assumptions]
+    rows += [f"fallback: {n}" for n in choices[0].step.notes]
+    rows.append(f"fits {memory / 2**30:.4g} GiB per device by omnitron plan's memory model (every stage)")
+    return "\n".join(rows)

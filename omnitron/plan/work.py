@@ -1,0 +1,171 @@
+"""The work of one micro-batch at a layout's local shapes: GEMMs, attention FLOPs, bytes each parallelism moves.
+
+Pure functions of the model config and the layout (no rates): the speed model (:mod:`omnitron.plan.speed`)
+prices them with a bench report, and tests check them against FLOPs counted on a real forward + backward
+(``torch.utils.flop_counter``) and bytes handed to the collectives of a real tensor-parallel run.
+
+Shapes per rank (``T = b s / cp`` tokens of a micro-batch, widths divided by ``tp``):
+
+=========== ================================ ==========================================
+GEMM        ``[m, k] @ [k, n]``              note
+=========== ================================ ==========================================
+qkv         ``T x h @ h x (a + 2 g) d / tp``  ``a`` heads, ``g`` query groups, ``d`` head dim
+proj        ``T x a d / tp @ a d / tp x h``
+fc1         ``T x h @ h x f' / tp``            ``f' = 2 f`` with SwiGLU
+fc2         ``T x f / tp @ f / tp x h``
+logits      ``T x h @ h x V_pad / tp``         the last stage only
+=========== ================================ ==========================================
+
+Attention (core: ``Q K^T`` and ``P V``): ``4 b (a / tp) s^2 d / 2 / cp`` FLOPs forward (causal halves the
+score matrix; context parallelism splits it evenly: the ring's load-balanced chunks). Backward is twice
+each forward GEMM (input and weight gradients), so forward + backward = 3 x forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnitron.core.models.gpt.config import ffn_size, head_dim, padded_vocab_size, query_groups
+
+
+@dataclass(frozen=True)
+class Local:
+    """The rank-local sizes of one micro-batch: tokens, widths after the tensor-parallel split."""
+
+    tokens: int
+    seq: int
+    batch: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    fc1: int
+    vocab: int
+    tp: int
+    cp: int
+
+
+def local_shapes(cfg, tp: int, cp: int, micro_batch: int) -> Local:
+    a, g, f = cfg.num_attention_heads, query_groups(cfg), ffn_size(cfg)
+    return Local(tokens=micro_batch * cfg.seq_length // cp, seq=cfg.seq_length, batch=micro_batch,
+                 hidden=cfg.hidden_size, heads=a // tp, groups=max(1, g // tp), head_dim=head_dim(cfg), ffn=f // tp,
+                 fc1=(2 * f if cfg.swiglu else f) // tp, vocab=padded_vocab_size(cfg, tp) // tp, tp=tp, cp=cp)
+
+
+def layer_gemms(x: Local) -> list[tuple[str, int, int, int]]:
+    """(name, m, n, k) of one layer's forward GEMMs on one rank."""
+    d = x.head_dim
+    return [("qkv", x.tokens, (x.heads + 2 * x.groups) * d, x.hidden), ("proj", x.tokens, x.hidden, x.heads * d),
+            ("fc1", x.tokens, x.fc1, x.hidden), ("fc2", x.tokens, x.hidden, x.ffn)]
+
+
+def head_gemm(x: Local) -> tuple[str, int, int, int]:
+    return ("logits", x.tokens, x.vocab, x.hidden)
+
+
+def gemm_flops(gemms) -> float:
+    return float(sum(2 * m * n * k for _, m, n, k in gemms))
+
+
+def attention_flops(x: Local) -> float:
+    """Forward FLOPs of one layer's core attention on one rank (causal, split over cp)."""
+    return 4.0 * x.batch * x.heads * x.seq * x.seq * x.head_dim * 0.5 / x.cp
+
+
+# ---- bytes moved per micro-batch --------------------------------------------------------------------
+def tp_collectives(x: Local, elem: int, sp: bool) -> list[tuple[str, int]]:
+    """(op, bytes) of one layer's tensor-parallel collectives, forward and backward, per micro-batch.
+
+    Without SP: the row-parallel outputs (attention proj, fc2) are all-reduced forward and the
+    column-parallel inputs' gradients backward: 4 all-reduces of ``[T, h]``. With SP each all-reduce is an
+    all-gather (the column-parallel input, forward; its re-gather for the weight gradient is not counted:
+    it is kept) and a reduce-scatter: 2 + 2 forward, 2 + 2 backward, each of the full ``[T, h]``."""
+    if x.tp == 1:
+        return []
+    full = x.tokens * x.hidden * elem
+    if not sp:
+        return [("all_reduce", full)] * 4
+    return [("all_gather", full), ("reduce_scatter", full)] * 4
+
+
+def stage_tp_collectives(cfg, x: Local, elem: int, sp: bool, layers: int, first: bool,
+                         last: bool) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) (op, bytes) of a stage's tensor-parallel collectives per micro-batch: its layers'
+    (:func:`tp_collectives`), the first stage's vocabulary-parallel embedding (all-reduce; under SP a
+    reduce-scatter, all-gathered backward, and the learned positions' split, all-gathered backward), the last
+    stage's output layer (its input's gradient all-reduced; under SP gathered forward, reduce-scattered
+    backward) and the vocabulary-parallel cross-entropy's fp32 all-reduces of ``[T]`` (max) and ``[2, T]``
+    (sum of exponentials, target logit)."""
+    if x.tp == 1:
+        return [], []
+    per = tp_collectives(x, elem, sp)
+    fwd = [c for i, c in enumerate(per) if i % 4 < 2] * layers
+    bwd = [c for i, c in enumerate(per) if i % 4 >= 2] * layers
+    full = x.tokens * x.hidden * elem
+    if first:
+        fwd.append(("reduce_scatter" if sp else "all_reduce", full))
+        if sp:
+            bwd += [("all_gather", full)] * (2 if cfg.position_embedding_type == "learned_absolute" else 1)
+    if last:
+        fwd += ([("all_gather", full)] if sp else []) + [("all_reduce", 4 * x.tokens), ("all_reduce", 8 * x.tokens)]
+        bwd.append(("reduce_scatter" if sp else "all_reduce", full))
+    return fwd, bwd
+
+
+def cp_ring(x: Local, elem: int) -> tuple[int, int, int]:
+    """(hops forward, hops backward, bytes per hop) of one layer's ring attention: ``cp - 1`` key/value
+    exchanges forward; backward ``cp - 1`` key/value and ``cp`` key/value-gradient exchanges (the last
+    takes each block home). A hop carries K and V: ``2 b (g / tp) (s / cp) d`` elements."""
+    if x.cp == 1:
+        return 0, 0, 0
+    per = 2 * x.batch * x.groups * (x.seq // x.cp) * x.head_dim * elem
+    return x.cp - 1, 2 * x.cp - 1, per
+
+
+def pp_message(x: Local, elem: int, sp: bool) -> int:
+    """Bytes of the activation (forward) or its gradient (backward) sent between two stages: ``[s/cp, b, h]``
+    (split over tp under SP)."""
+    return x.tokens * x.hidden * elem // (x.tp if sp else 1)
+
+
+def layer_params(cfg, tp: int) -> float:
+    """Parameters of one Transformer layer on one tp rank (norms and row-parallel biases replicated)."""
+    h, f, d = cfg.hidden_size, ffn_size(cfg), head_dim(cfg)
+    a, g = cfg.num_attention_heads, query_groups(cfg)
+    bias = 1 if cfg.add_bias_linear else 0
+    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
+    fc1 = 2 * f if cfg.swiglu else f
+    split = (a + 2 * g) * d * (h + bias) + a * d * h + fc1 * (h + bias) + f * h
+    return split / tp + 2 * norm + 2 * bias * h
+
+
+# ---- element-wise work per micro-batch ---------------------------------------------------------------
+def layer_elementwise(cfg, x: Local, sp: bool) -> list[tuple[str, int]]:
+    """(op, elements) of one layer's element-wise forward ops on one rank (each has a backward of the same size):
+    two norms, two residual adds and (with ``--hidden-dropout``) two dropouts on the ``[T, h]`` stream (its
+    ``1 / tp`` shard under SP), the MLP activation on ``[T, f / tp]``, and with ``--attention-dropout`` the
+    dropout of the ``[b, a / tp, s / cp, s]`` attention probabilities (the score path itself is priced by
+    the attention rows)."""
+    stream = x.tokens * x.hidden // (x.tp if sp else 1)
+    norm = "rms_norm" if cfg.normalization == "RMSNorm" else "layer_norm"
+    ops = [(norm, stream), (norm, stream), ("add", stream), ("add", stream)]
+    if cfg.hidden_dropout > 0:
+        ops += [("dropout", stream), ("dropout", stream)]
+    ops.append(("silu_mul" if cfg.swiglu else "gelu", x.tokens * x.ffn))
+    if cfg.attention_dropout > 0:
+        ops.append(("dropout", x.batch * x.heads * (x.seq // x.cp) * x.seq))
+    return ops
+
+
+def embedding_elementwise(cfg, x: Local, sp: bool) -> list[tuple[str, int]]:
+    """The first stage's: the position add (learned positions) and the embedding dropout."""
+    stream = x.tokens * x.hidden // (x.tp if sp else 1)
+    ops = [("add", stream)] if cfg.position_embedding_type == "learned_absolute" else []
+    return ops + ([("dropout", stream)] if cfg.hidden_dropout > 0 else [])
+
+
+def head_elementwise(cfg, x: Local, sp: bool) -> list[tuple[str, int]]:
+    """The last stage's: the final norm and the cross-entropy over the rank's ``[T, V_pad / tp]`` logits."""
+    stream = x.tokens * x.hidden // (x.tp if sp else 1)
+    return [("rms_norm" if cfg.normalization == "RMSNorm" else "layer_norm", stream),
+            ("cross_entropy", x.tokens * x.vocab)]

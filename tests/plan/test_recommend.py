@@ -1,0 +1,89 @@
+"""``omnitron plan --devices``: every listed layout divides the devices, heads, layers and global batch and fits
+the memory given (the memory model, re-derived from the printed launch flags); the list is ordered by predicted
+tokens/s and skips only layouts that do not fit; bad requests get one line naming the binding constraint."""
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from omnitron.cli import main
+
+GIVEN = {"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+         "seq_length": 64, "max_position_embeddings": 64, "global_batch_size": 8}
+ARGV = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+        "--seq-length", "64", "--max-position-embeddings", "64"]
+
+
+def _settings_from_launch(line: str, devices: int):
+    """Settings parsed back from a printed ``launch:`` line (the user's flags + the printed ones)."""
+    from omnitron.core.training.arguments import parse_settings
+
+    flags = shlex.split(line.split("(or torchrun's world)", 1)[1])
+    return parse_settings(ARGV + flags, devices)
+
+
+def test_listed_layouts_divide_fit_and_are_ordered(tmp_path, constant_rates, capsys):
+    """The memory limit is set 1 byte under the fastest layout's need, so the search must skip it."""
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.recommend import candidates, recommend
+    from omnitron.plan.speed import predict
+
+    rates = constant_rates(tmp_path, 0.05, 5.0)
+    given = GIVEN | {"nproc_per_node": 4}
+    every = candidates(given, 4)
+    for c in every:
+        c.step = predict(c.settings, rates)
+    fastest = max(every, key=lambda c: c.step.tokens_per_s)
+    limit = max(s.total for s in estimate(fastest.settings)) - 1
+    got = recommend(GIVEN, 4, limit, rates, top=3)
+    assert fastest.name() not in [c.name() for c in got]
+    speeds = [c.step.tokens_per_s for c in got]
+    assert speeds == sorted(speeds, reverse=True) and len(got) == 3
+    # nothing faster than the last listed was skipped unless it does not fit
+    for c in every:
+        if c.step.tokens_per_s > speeds[-1] and c.name() not in [g.name() for g in got]:
+            assert max(s.total for s in estimate(c.settings)) > limit, c.name()
+    from omnitron.plan.recommend import format_choices
+
+    out = format_choices(got, 4, limit)
+    launches = [line for line in out.splitlines() if line.strip().startswith("launch:")]
+    assert len(launches) == 3
+    for c, line in zip(got, launches):
+        s = _settings_from_launch(line, 4)
+        pc = s.parallel
+        tp, pp, cp = pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size, pc.context_parallel_size
+        assert tp * pp * cp * s.dp == 4 and s.model.num_attention_heads % tp == 0 and s.model.num_layers % pp == 0
+        assert s.training.global_batch_size == 8 == s.training.micro_batch_size * s.dp * s.num_microbatches
+        assert max(st.total for st in estimate(s)) <= limit
+        assert c.name() == type(c)(c.flags, s).name()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--device-memory", "1MiB", "--global-batch-size", "8"],
+     r"no layout fits 0.0009766 GiB: the smallest needs "),
+    (["--device-memory", "80GiBs", "--global-batch-size", "8"], "--device-memory '80GiBs' is not a size"),
+    (["--device-memory", "80GiB"], "--devices: give --global-batch-size"),
+    (["--device-memory", "80GiB", "--global-batch-size", "8", "--model", "llama3_9b"],
+     "--model 'llama3_9b' is not a preset"),
+    (["--global-batch-size", "8"], "--devices needs --device-memory"),
+])
+def test_bad_requests_get_one_line(extra, needle, tmp_path, constant_reports, capsys):
+    reports = constant_reports(tmp_path, 0.05, 5.0)
+    assert main(["plan", *ARGV, "--devices", "4", "--bench", *reports, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_no_fit_names_the_smallest_need(tmp_path, constant_rates):
+    """The error's figure is the least peak over the memory-minimal variants, and no candidate needs less."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.recommend import candidates, recommend
+
+    rates = constant_rates(tmp_path, 0.05, 5.0)
+    with pytest.raises(ConfigError) as err:
+        recommend(GIVEN, 2, 2**20, rates)
+    need = float(str(err.value).split("the smallest needs ")[1].split(" GiB")[0]) * 2**30
+    least = min(max(s.total for s in estimate(c.settings)) for c in candidates(GIVEN | {"nproc_per_node": 2}, 2))
+    assert abs(need / least - 1) < 1e-3  # the message prints 4 significant digits

@@ -1,0 +1,175 @@
+"""The speed model's terms against independent computations: GEMM and attention FLOPs against
+``torch.utils.flop_counter`` on a real forward + backward of a random small model, the pipeline term against the
+textbook bubble, the rate interpolation against rows of known rates, and the step against a hand sum."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from omnitron.plan import work
+
+
+def _random_cfg(rng: random.Random, **over):
+    from omnitron.core.models.gpt.config import gpt2_tiny
+
+    heads = rng.choice([2, 4])
+    swiglu = rng.random() < 0.5
+    return gpt2_tiny(num_layers=rng.choice([1, 2, 3]), hidden_size=heads * rng.choice([8, 16]),
+                     num_attention_heads=heads, num_query_groups=rng.choice([None, heads // 2]),
+                     ffn_hidden_size=rng.choice([48, 80]), seq_length=rng.choice([16, 32]),
+                     vocab_size=rng.choice([50, 77]),
+                     swiglu=swiglu, normalization="RMSNorm" if swiglu else "LayerNorm", hidden_dropout=0.0, **over)
+
+
+def _counted(cfg, b: int) -> dict:
+    """FLOPs per aten op of one forward + backward of ``cfg``'s model (one process) at micro-batch ``b``."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    m = GPTModel(cfg, ParallelGroups.single())
+    s = cfg.seq_length
+    tokens = torch.randint(0, cfg.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as fc:
+        loss = m(tokens=tokens, position_ids=torch.arange(s).expand(b, s), labels=tokens)
+        loss.float().sum().backward()
+    return {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+
+
+def test_gemm_and_attention_flops_match_the_flop_counter():
+    """Exact (integer FLOP counts): every linear layer's GEMM appears as mm / addmm, 3x forward; the math
+    attention path (attention dropout on) computes the whole score matrix as bmm, twice the causal count."""
+    rng = random.Random()
+    cfg = _random_cfg(rng, attention_dropout=0.1)
+    b = rng.choice([1, 2])
+    got = _counted(cfg, b)
+    x = work.local_shapes(cfg, 1, 1, b)
+    gemm = cfg.num_layers * work.gemm_flops(work.layer_gemms(x)) + work.gemm_flops([work.head_gemm(x)])
+    assert got.get("aten.mm", 0) + got.get("aten.addmm", 0) == 3 * gemm, cfg
+    assert got["aten.bmm"] == 3 * 2 * cfg.num_layers * work.attention_flops(x), cfg
+
+
+def test_tp_and_cp_split_the_work_evenly():
+    """A tp x cp rank does 1 / (tp cp) of a layer's GEMM and attention FLOPs (heads, groups, ffn divisible)."""
+    from omnitron.core.models.gpt.config import gpt2_tiny
+
+    cfg = gpt2_tiny(num_query_groups=2, swiglu=True)
+    one = work.local_shapes(cfg, 1, 1, 2)
+    for tp, cp in ((2, 1), (1, 2), (2, 2), (2, 4)):
+        x = work.local_shapes(cfg, tp, cp, 2)
+        assert work.gemm_flops(work.layer_gemms(x)) * tp * cp == work.gemm_flops(work.layer_gemms(one))
+        assert work.attention_flops(x) * tp * cp == work.attention_flops(one)
+
+
+def test_layer_params_match_the_model():
+    """One layer's parameters (tp 1) against the parameters of a real layer module."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    cfg = _random_cfg(random.Random())
+    m = GPTModel(cfg, ParallelGroups.single())
+    layer = next(iter(m.decoder.layers.values()))
+    assert work.layer_params(cfg, 1) == sum(p.numel() for p in layer.parameters())
+
+
+def test_interpolation_reads_the_rows(tmp_path, bench_report):
+    """Log-log between GEMM rows by FLOPs (a rate doubling per 8x FLOPs gives sqrt(2) at 2^1.5 x), clamped
+    outside; collectives piecewise linear in bytes, extrapolated with the last slope."""
+    from omnitron.plan.rates import Rates
+
+    gemm = [{"dtype": "fp32", "shape": "s", "m": 64, "n": 64, "k": 64, "ms": 1, "tflops": 1.0},
+            {"dtype": "fp32", "shape": "s", "m": 256, "n": 256, "k": 256, "ms": 1, "tflops": 2.0 ** 2}]
+    comm = [{"op": "all_reduce", "bytes": nb, "ranks": 2, "ms": ms, "algbw_gbs": 0, "busbw_gbs": 0}
+            for nb, ms in ((1000, 0.5), (3000, 1.5))]
+    r = Rates.from_reports([bench_report(tmp_path, "gemm", gemm), bench_report(tmp_path, "comm", comm)])
+    f = 2.0 * 128 ** 3  # 8x the small row's FLOPs: half way in log space -> rate 2
+    assert r.gemm_s("fp32", 128, 128, 128) == pytest.approx(f / 2e12, rel=1e-12)
+    assert r.gemm_s("fp32", 32, 32, 32) == pytest.approx(2 * 32 ** 3 / 1e12, rel=1e-12)
+    assert r.comm_s("all_reduce", 2000, 2) == pytest.approx(1e-3, rel=1e-12)
+    assert r.comm_s("all_reduce", 5000, 2) == pytest.approx(2.5e-3, rel=1e-12)
+    assert r.comm_s("all_reduce", 5000, 1) == 0.0
+
+
+@pytest.mark.parametrize("pp,vp,m", [(2, 1, 4), (4, 1, 8), (4, 1, 5), (2, 2, 4), (4, 2, 8)])
+def test_pipeline_bubble_is_the_textbook_one(pp, vp, m):
+    """Equal stages: the schedule's makespan is m (F + B) + (pp - 1)(F + B) / vp (1F1B; interleaved with
+    each chunk costing 1 / vp), the textbook (pp - 1) / (m vp) bubble; exact up to float sums (1e-9)."""
+    from types import SimpleNamespace
+
+    from omnitron.plan.speed import StageCost, pipeline
+
+    rng = random.Random()
+    f, b = rng.uniform(1, 2), rng.uniform(2, 4)
+    costs = {}
+    for k in range(pp * vp):
+        costs[k] = StageCost()
+        costs[k].f["compute"], costs[k].b["compute"] = f / vp, b / vp
+    s = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=vp if vp > 1 else None),
+                        training=SimpleNamespace(pipeline_schedule=None), num_microbatches=m)
+    tl, _ = pipeline(s, costs, "none")
+    assert tl.makespan == pytest.approx(m * (f + b) + (pp - 1) * (f + b) / vp, rel=1e-9)
+
+
+def test_step_is_the_sum_of_its_terms(tmp_path, constant_rates):
+    """tp2 x pp2 x dp2 on constant rates: compute = 3x the FLOPs counted by hand at the rate, the tp and dp terms
+    the bytes of :mod:`work` at the known ms / MB; the total = makespan + dp (no element-wise report)."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.speed import predict, stage_params
+
+    rates = constant_rates(tmp_path, 0.5, 2.0)
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+                     "layout": "tp2,pp2,dp2", "global_batch_size": 8, "attention_dropout": 0.0})
+    st = predict(s, rates)
+    cfg = model_config(s)  # the tokenizer's vocabulary (200), not the preset's
+    x = work.local_shapes(cfg, 2, 1, 1)
+    m = s.num_microbatches
+    last = 2 * work.gemm_flops(work.layer_gemms(x)) + 2 * work.attention_flops(x) + work.gemm_flops([work.head_gemm(x)])
+    assert st.compute == pytest.approx(m * 3 * last / 0.5e12, rel=1e-9)
+    # the last stage: 2 layers x 4 all-reduces of [T, h], the logits' input gradient, the cross-entropy's 3 of [T]
+    full = x.tokens * x.hidden * 4
+    assert st.tp == pytest.approx(m * (2 * 4 * full + full + 3 * 4 * x.tokens) * 2e-9, rel=1e-9)
+    # one bucket of fp32 gradients all-reduced over dp 2, and the tied embedding's [V_pad / tp, h] over 2 stages
+    grads = max(stage_params(cfg, s, r, 2) for r in range(2)) * 4
+    assert st.dp == pytest.approx((grads + 256 // 2 * cfg.hidden_size * 4) * 2e-9, rel=1e-9)
+    assert st.total == pytest.approx(st.compute + st.tp + st.pp + st.dp + st.bubble, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["tp2,pp2", "pp2", "tp2"])
+def test_stage_params_are_the_gradient_buffers(layout):
+    """The elements each stage all-reduces over dp: the gradient buffers the data-parallel wrapper lays out on the
+    stage's meta skeleton (tests/plan/test_state.py checks those against real buffers); dp 1, so no padding."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.memory import chunk_layers, model_config
+    from omnitron.plan.speed import stage_params
+    from omnitron.plan.state import state_bytes
+
+    rng = random.Random()
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer",
+                     "vocab_size": rng.choice([200, 333]), "layout": layout,
+                     "untie_embeddings_and_output_weights": rng.random() < 0.5})
+    cfg = model_config(s)
+    layers = chunk_layers(s, cfg)
+    for r in range(s.parallel.pipeline_model_parallel_size):
+        assert stage_params(cfg, s, r, layers[(r, 0)]) * 4 == state_bytes(s, cfg, r).grads, (layout, r)
+
+
+def test_overlap_assumptions_only_hide_communication(tmp_path, constant_rates):
+    """``dp`` hides gradient reduction, ``all`` also tp / cp / pp: each step is no longer than the one before and
+    no shorter than the compute alone; the compute term is the same under every assumption."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.speed import predict
+
+    rates = constant_rates(tmp_path, 0.5, 50.0)  # slow links: communication is most of the step
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+                     "layout": "tp2,pp2,dp2", "global_batch_size": 8})
+    none, dp, every = (predict(s, rates, o) for o in ("none", "dp", "all"))
+    assert none.total > dp.total >= every.total >= every.compute
+    assert none.compute == dp.compute and dp.dp < none.dp and every.tp == every.pp == 0.0
+    assert "overlap: dp" in dp.assumptions[0]
+    with pytest.raises(ConfigError, match="--assume-overlap 'some'"):
+        predict(s, rates, "some")
