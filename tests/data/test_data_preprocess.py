@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -75,3 +76,38 @@ def test_merge_command_and_demo_corpus(tmp_path):
     assert main(["preprocess", "--merge", prefix, prefix, "--output-prefix", str(tmp_path / "m")]) == 0
     merged = IndexedDataset(tmp_path / "m")
     assert len(merged) == 2 * len(ds) and merged[len(ds)].tolist() == ds[0].tolist()
+
+
+def test_demo_corpus_follows_the_run_tokenizer(tmp_path):
+    """The bundled corpus is cached per tokenizer: the Moby Dick BPE (and GPT-2 BPE from copied files) get their
+    own ids, never GPT-2's cache; a tokenizer without a vocabulary is refused by name."""
+    import shutil
+
+    from omnitron.core.data import demo_corpus_prefix
+    from omnitron.core.data.tokenizers.bpe import GPT2_MERGES, GPT2_VOCAB
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    moby = build_tokenizer("HuggingFaceTokenizer",
+                           tokenizer_model=os.path.join(root, "omnitron", "data", "moby_dick_bpe", "tokenizer.json"))
+    gpt2 = build_tokenizer()
+    docs = moby_dick_documents()
+    p_moby, p_gpt2 = (demo_corpus_prefix(t, cache_dir=str(tmp_path)) for t in (moby, gpt2))
+    assert p_moby != p_gpt2 and moby.vocab_size == 4096
+    ds = IndexedDataset(p_moby)
+    for i in (0, 500, len(docs) - 1):
+        assert ds[i].tolist() == moby.encode(docs[i]) + [moby.eod]
+    assert max(int(ds[i].max()) for i in range(len(ds))) < 4096
+    # GPT-2 BPE from other (here: identical, copied) files shares GPT-2's ids, so the same cache is correct;
+    # the cache key is what the files say, not their names
+    shutil.copy(GPT2_VOCAB, tmp_path / "vocab.json")
+    shutil.copy(GPT2_MERGES, tmp_path / "merges.txt")
+    copied = build_tokenizer(vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt"))
+    assert demo_corpus_prefix(copied, cache_dir=str(tmp_path)) == p_gpt2
+    vocab = json.load(open(GPT2_VOCAB))  # the same merges with two ids swapped: another vocabulary, another cache
+    vocab["the"], vocab[","] = vocab[","], vocab["the"]
+    json.dump(vocab, open(tmp_path / "vocab.json", "w"))
+    swapped = build_tokenizer(vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt"))
+    p_swapped = demo_corpus_prefix(swapped, cache_dir=str(tmp_path))
+    assert p_swapped != p_gpt2 and IndexedDataset(p_swapped)[0].tolist() == swapped.encode(docs[0]) + [swapped.eod]
+    with pytest.raises(ValueError, match="NullTokenizer has none"):
+        demo_corpus_prefix(build_tokenizer("NullTokenizer", vocab_size=50), cache_dir=str(tmp_path))

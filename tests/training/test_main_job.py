@@ -1,5 +1,5 @@
-"""The README's main job for a few steps: tp 2 x pp 2 on 4 spawned processes, bundled corpus and
-GPT-2 BPE, validation, checkpoint, sample; then (slow) ``omnitron generate`` from that checkpoint.
+"""The README's main job for a few steps: tp 2 x pp 2 on 4 spawned processes, bundled corpus and its
+4096-token BPE, validation, checkpoint, sample; then (slow) ``omnitron generate`` from that checkpoint.
 (The full run is `omnitron train --config examples/moby_dick_tp2_pp2.yaml`.)"""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_example_config_runs_end_to_end(main_job):
     assert [r["iteration"] for r in recs if "lm_loss" in r] == [1, 2, 3]
     losses = [r["lm_loss"] for r in recs if "lm_loss" in r]
     (val,) = [r["val_loss"] for r in recs if "val_loss" in r]
-    # at initialisation the predictions are near-uniform: every batch's loss is ln(50257) = 10.82 to ~0.01,
+    # at initialisation the predictions are near-uniform: every batch's loss is ln(4096) = 8.32 to ~0.01,
     # so a fall of 0.1 (10x that spread) is learning, not a different batch
     assert losses[-1] < losses[0] - 0.1, f"the training loss must fall: {losses}"
     assert val < losses[0] - 0.1, f"validation loss {val:.4f} must be below the initial loss {losses[0]:.4f}"

@@ -115,10 +115,11 @@ def _build_all(config, tokenizer, samples, cache_dir, allow_build):
     if not blend:
         from .corpus import demo_corpus_prefix
 
-        if tokenizer.name != "GPT2BPETokenizer":
-            raise DataError(f"no --data-path given: the bundled demo corpus is GPT-2 BPE, but the tokenizer is "
-                            f"{tokenizer.name}; pass --data-path, or --mock-data")
-        blend = [(1.0, demo_corpus_prefix("gpt2", cache_dir=cache_dir, build=allow_build))]
+        if tokenizer.fingerprint is None:
+            raise DataError(f"no --data-path given: the bundled demo corpus is tokenized with the run's tokenizer, "
+                            f"but {tokenizer.name} has no vocabulary to tokenize it with; pass --data-path, or "
+                            "--mock-data")
+        blend = [(1.0, demo_corpus_prefix(tokenizer, cache_dir=cache_dir, build=allow_build))]
     datasets = _open_blend(blend, tokenizer, cache_dir, allow_build)
     return tuple(_one_split(config, tokenizer, blend, datasets, i, n, cache_dir, allow_build)
                  for i, n in enumerate(samples))

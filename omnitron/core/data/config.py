@@ -18,7 +18,7 @@ class DataConfig:
 
     data_path: list[str] = field(default_factory=list)
     """``--data-path``: ``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...`` (weights need not sum to 1).
-    Empty with ``mock_data`` False means the bundled demo corpus (Moby Dick, GPT-2 BPE)."""
+    Empty with ``mock_data`` False means the bundled demo corpus (Moby Dick, tokenized with the run's tokenizer)."""
     train_data_path: list[str] = field(default_factory=list)
     """``--train-data-path``: the training split's own ``PREFIX`` or ``W1 PREFIX1 ...`` (all its documents;
     instead of --data-path and --split, as Megatron)."""
@@ -62,6 +62,10 @@ class DataConfig:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
         split_weights(self.split)
+        for name in ("vocab_file", "merge_file", "tokenizer_model"):  # checkpoints record where the files are,
+            path = getattr(self, name)  # so generate, serve and exports find them from any directory
+            if path and os.path.exists(path):
+                setattr(self, name, os.path.abspath(path))
         for _, paths in self.path_flags():
             parse_data_path(paths)
         if self.data_path and self.per_split:

@@ -1,7 +1,8 @@
 """The bundled demo corpus: Moby Dick (public domain), tokenized on first use and cached.
 
 ``demo_corpus_prefix()`` returns the prefix of an indexed dataset (runs of paragraphs of at least
-1000 characters within a chapter as documents, GPT-2 BPE, eod appended) so the first training run needs no preprocessing step. The text ships
+1000 characters within a chapter as documents, eod appended), tokenized with the run's tokenizer, so the
+first training run needs no preprocessing step. The text ships
 xz-compressed in ``omnitron/data/corpus/`` (licence notice beside it).
 """
 from __future__ import annotations
@@ -56,25 +57,27 @@ def moby_dick_documents(min_chars: int = DOC_MIN_CHARS) -> list[str]:
     return docs
 
 
-def demo_corpus_prefix(tokenizer_name: str = "gpt2", cache_dir: str | None = None, *, build: bool = True) -> str:
-    """Prefix of the tokenized demo corpus under ``cache_dir`` (default ``$OMNITRON_CACHE`` or ~/.cache/omnitron).
+def demo_corpus_prefix(tokenizer=None, cache_dir: str | None = None, *, build: bool = True) -> str:
+    """Prefix of the demo corpus tokenized with ``tokenizer`` (default: the bundled GPT-2 BPE) under
+    ``cache_dir`` (default ``$OMNITRON_CACHE`` or ~/.cache/omnitron), keyed by the text and the tokenizer's
+    fingerprint, so a run with its own vocabulary never reads ids of another.
 
     Built the first time (about a second); later calls return at once. Concurrent builders are
     safe: each writes private temporary files and renames them into place. ``build=False``
     only computes the prefix and fails if it is not there yet.
     """
-    if tokenizer_name != "gpt2":
-        raise ValueError(f"the demo corpus is tokenized with GPT-2 BPE only (tokenizer_name='gpt2'), "
-                         f"got {tokenizer_name!r}; preprocess the text yourself for another tokenizer")
-    tag = f"{sha256_of(MOBY_DICK)[:12]}_{DOC_MIN_CHARS}_unwrapped"
-    prefix = os.path.join(cache_dir or default_cache_dir(), "corpus", f"moby_dick_gpt2_{tag}_text_document")
+    tok = tokenizer or build_tokenizer("GPT2BPETokenizer")
+    if tok.fingerprint is None:
+        raise ValueError(f"the demo corpus needs a tokenizer with a vocabulary file; {tok.name} has none: "
+                         "pass --data-path, or --mock-data")
+    tag = f"{tok.fingerprint[:12]}_{sha256_of(MOBY_DICK)[:12]}_{DOC_MIN_CHARS}_unwrapped"
+    prefix = os.path.join(cache_dir or default_cache_dir(), "corpus", f"moby_dick_{tok.name}_{tag}_text_document")
     if exists(prefix):
         return prefix
     if not build:
         raise FileNotFoundError(f"demo corpus {prefix}.bin/.idx not built yet: call demo_corpus_prefix() "
                                 "on the builder rank first (build_gpt_datasets does)")
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
-    tok = build_tokenizer("GPT2BPETokenizer")
     tmp = f"{prefix}.tmp-{uuid.uuid4().hex[:8]}"
     builder = IndexedDatasetBuilder(data_file(tmp), optimal_dtype(tok.vocab_size))
     for ids in tok.encode_batch(moby_dick_documents()):

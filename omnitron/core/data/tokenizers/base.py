@@ -46,5 +46,11 @@ class Tokenizer(abc.ABC):
         """Ids of several texts; implementations backed by ``tokenizers`` batch natively."""
         return [self.encode(t) for t in texts]
 
+    @property
+    def fingerprint(self) -> str | None:
+        """sha256 of everything that decides the ids (the serialized vocabulary, merges and rules), or
+        ``None`` when the tokenizer has no such description; caches of tokenized text are keyed by it."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"

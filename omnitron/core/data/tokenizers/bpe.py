@@ -72,6 +72,10 @@ class _HFBacked(Tokenizer):
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()
+
 
 class GPT2BPETokenizer(_HFBacked):
     """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt`` (Megatron's ``GPT2BPETokenizer``).

@@ -48,6 +48,12 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self._sp.DecodeIds([int(i) for i in ids])
 
+    @property
+    def fingerprint(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()
+
 
 class NullTokenizer(Tokenizer):
     """Text is space-separated integer ids (Megatron's ``NullTokenizer``).
