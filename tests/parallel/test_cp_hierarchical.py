@@ -2,7 +2,7 @@
 attention function against plain causal attention on the whole sequence (float64, forward and gradients; GQA,
 attention dropout, the degenerate 4x1 and 1x4 splits), the rank grid's sub-groups, the training loop against one
 process (fp32, 1e-5 per step) at cp4 = 2x2 (slow: 2x2 with GQA kv heads repeated, 4x1, 1x4, cp4 2x2 x dp2 with the
-distributed optimizer: 8 ranks), and the refusals."""
+distributed optimizer: 8 ranks; tp2 x 2x2 with SP, 2x2 x pp2, MoE with ep1 and ep2), and the refusals."""
 from __future__ import annotations
 
 import pytest
@@ -193,3 +193,23 @@ def test_refusals_name_the_constraint():
             parse_settings(base + list(flags), world)
     with pytest.raises(ConfigError, match="must be positive integers"):
         ParallelConfig(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[0, 4])
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+
+
+@pytest.mark.slow
+def test_training_a2a_p2p_with_tp_sp_and_pp_matches_one_process(tmp_path):
+    # 8 ranks: tp2 (one head pair and one kv head per tp rank, repeated for the a2a of size 2) with sequence
+    # parallelism, and a pipeline of two one-layer stages, each around cp4 = 2x2
+    _check_against_one_process(tmp_path, {
+        "tp2 sp x 2x2": ("--tensor-model-parallel-size", "2", "--sequence-parallel", *_hier(2, 2)),
+        "2x2 x pp2": (*_hier(2, 2), "--pipeline-model-parallel-size", "2")}, 8)
+
+
+@pytest.mark.slow
+def test_training_a2a_p2p_with_moe_matches_one_process(tmp_path):
+    # 4 experts, top-2: whole experts on every rank, and experts split over ep2 inside the 4 cp ranks
+    _check_against_one_process(tmp_path, {"moe 2x2": (*_hier(2, 2), *MOE),
+                                          "moe 2x2 ep2": (*_hier(2, 2), "--expert-model-parallel-size", "2", *MOE)},
+                               4, MOE)
