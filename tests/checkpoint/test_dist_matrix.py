@@ -43,10 +43,19 @@ FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-
 FP8_S = ["--tensor-model-parallel-size", "2", *ZERO, *FP8]  # tp2 x dp2
 VPP = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", *ZERO]
 ZBH1 = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", *ZERO]
-CASES = {"cp2_same": (CP, CP), "cp2_to_dp4": (CP, ZERO)}  # name: (S, T); *_same: S = T
-SLOW = {"dp4_to_cp2": (ZERO, CP), "cp2_tp2_same": (CP_TP, CP_TP), "cp2_tp2_to_dp4": (CP_TP, ZERO),
-        "fp8_same": (FP8_S, FP8_S), "fp8_tp2_to_tp1": (FP8_S, [*ZERO, *FP8]),
-        "vpp_same": (VPP, VPP), "zbh1_same": (ZBH1, ZBH1)}
+# Same-layout cases train with dropout: the RNG streams and trackers they restore are then in use (without
+# it nothing draws from them, and a resume that dropped them would still reproduce S).
+DROP = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def _same_layout(layout):
+    return [*layout, *DROP], [*layout, *DROP]
+
+
+CASES = {"cp2_same": _same_layout(CP), "cp2_to_dp4": (CP, ZERO)}  # name: (S, T); *_same: S = T
+SLOW = {"dp4_to_cp2": (ZERO, CP), "cp2_tp2_same": _same_layout(CP_TP), "cp2_tp2_to_dp4": (CP_TP, ZERO),
+        "fp8_same": _same_layout(FP8_S), "fp8_tp2_to_tp1": (FP8_S, [*ZERO, *FP8]),
+        "vpp_same": _same_layout(VPP), "zbh1_same": _same_layout(ZBH1)}
 RESTART = "FP8 amax histories are per-rank and do not carry to another layout"
 # FP8 across a layout change (hybrid: the forward in e4m3, step s = 2^-3 relative; the loss is a forward
 # only). T reads S's iteration-1 weights exactly but restarts the delayed scaling: its first use of each
