@@ -129,7 +129,9 @@ def results(tmp_path_factory):
     return _run(tmp_path_factory, CASES)
 
 
-def _check(root, res, name) -> None:
+def _check_loaded(root, res, name):
+    """S ran 2 iterations, T only iteration 2, and T's save of S's iteration 1 (no step) holds S's weights and
+    optimizer tensors bit for bit; returns (S's losses, T's losses, S's full states at iterations 1 and 2)."""
     from omnitron.core.checkpoint import find_latest, read_metadata
     from omnitron.core.checkpoint.reshard import read_full_state
 
@@ -141,6 +143,14 @@ def _check(root, res, name) -> None:
     loaded = read_full_state(find_latest(str(root / ("L_" + name))))  # T's copy of S's iteration 1, no step
     assert s1.model and s1.optimizer["exp_avg"]
     _same({"model": loaded.model, **loaded.optimizer}, {"model": s1.model, **s1.optimizer}, name + " loaded")
+    return want, got, s1, s2
+
+
+def _check(root, res, name) -> None:
+    from omnitron.core.checkpoint import find_latest
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    want, got, s1, s2 = _check_loaded(root, res, name)
     assert abs(got[2] - want[2]) <= LOSS_RTOL * abs(want[2]), (name, got, want)
     t2 = read_full_state(find_latest(str(root / ("T_" + name))))
     assert sorted(t2.model) == sorted(s2.model) and t2.optimizer_meta["step"] == 2
