@@ -77,9 +77,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
 
 def _context():
     """Workers fork from a server that has imported torch once (2 s of CPU a process otherwise, about a
-    third of the suite's time on 2 cores); the server forks before any thread pool exists."""
+    third of the suite's time on 2 cores), and the distributed checkpoint and FSDP2 modules (DTensor, 0.8 s
+    more) that the checkpoint tests' workers use; the server forks before any thread pool exists. Only
+    torch's own modules: omnitron's read the environment a worker sets after the fork."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp"])
     return ctx
 
 

@@ -63,16 +63,27 @@ def test_subcommands_write_valid_reports(tmp_path, capsys):
     assert m["backend"] == "cpu" and m["world_size"] == 2 and m["torch"] and m["cpu_count"] >= 1
 
 
-def test_train_row_has_megatron_and_causal_figures(tmp_path):
-    assert main(["bench", "train", "--backend", "cpu", "--model", "gpt2_tiny", "--layout", "tp2", "--iterations",
+def _train_row(tmp_path, layout: str) -> dict:
+    assert main(["bench", "train", "--backend", "cpu", "--model", "gpt2_tiny", "--layout", layout, "--iterations",
                  "3", "--json", str(tmp_path / "t.json"), "--", "--mock-data", "--tokenizer-type", "NullTokenizer",
                  "--vocab-size", "500", "--num-workers", "0", "--seq-length", "32", "--max-position-embeddings",
                  "32"]) == 0
     (row,) = load(str(tmp_path / "t.json"))["rows"]
-    assert row["layout"] == "tp2" and row["world_size"] == 2
     _figures_ok({"kind": "train", "rows": [row]}, "step_ms", "tokens_per_s", "tflops_per_device", "compute_ms")
     # causal-halved: only the attention-score term shrinks, so the figure is below Megatron's but not by half
     assert 0.5 * row["tflops_per_device"] < row["tflops_per_device_causal"] < row["tflops_per_device"]
+    return row
+
+
+def test_train_row_has_megatron_and_causal_figures(tmp_path):
+    row = _train_row(tmp_path, "tp1")  # one process; the 2-rank layout below is slow
+    assert row["layout"] == "single" and row["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_train_row_of_a_two_rank_layout(tmp_path):
+    row = _train_row(tmp_path, "tp2")
+    assert row["layout"] == "tp2" and row["world_size"] == 2
 
 
 def _fake(kind: str, device: str, rows: list[dict], **extra) -> dict:

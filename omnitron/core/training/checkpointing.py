@@ -14,10 +14,25 @@ import os
 
 from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state, read_metadata,
                                       reshard, save_checkpoint, set_rng_state)
-from omnitron.core.checkpoint import dist
-from omnitron.core.checkpoint.dist_async import AsyncSaver
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
 from omnitron.core.parallel.tensor.mappings import local_rank
+
+DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without importing it
+
+
+def _dist():
+    """``omnitron.core.checkpoint.dist``, imported on first use: it brings torch.distributed.checkpoint and
+    DTensor (about 0.8 s per process), which runs that never touch a torch_dist checkpoint do without."""
+    from omnitron.core.checkpoint import dist
+
+    return dist
+
+
+def _async_saver(c):
+    from omnitron.core.checkpoint.dist_async import AsyncSaver
+
+    return c.extra.setdefault("async_saver", AsyncSaver(c.backend.collectives))
+
 
 log = logging.getLogger("omnitron.train")
 
@@ -103,7 +118,7 @@ def save(c) -> str:
     for chunk in c.chunks:  # --overlap-param-gather: the weights must be gathered before they are read
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    if s.checkpoint.ckpt_format == dist.FORMAT:
+    if s.checkpoint.ckpt_format == DIST_FORMAT:
         return _save_dist(c)
     shard = {"model": [m.state_dict() for m in c.modules], "optimizer": _optimizer_shard(c),
              "scheduler": c.scheduler.state_dict(),
@@ -135,11 +150,11 @@ def _save_dist(c) -> str:
     """``--ckpt-format torch_dist`` (:mod:`omnitron.core.checkpoint.dist`)."""
     s = c.settings
     meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(s.flat), "model": model_dict(c.model),
-            "layout": layout_dict(s), "optimizer": dist.optimizer_meta(c), "scheduler": c.scheduler.state_dict()}
-    save = dist.save
+            "layout": layout_dict(s), "optimizer": _dist().optimizer_meta(c), "scheduler": c.scheduler.state_dict()}
+    save = _dist().save
     if s.checkpoint.async_save:
-        save = c.extra.setdefault("async_saver", AsyncSaver(c.backend.collectives)).save
-    path = save(c, s.checkpoint.save, c.iteration, meta, dist.rank_state(c, get_rng_state),
+        save = _async_saver(c).save
+    path = save(c, s.checkpoint.save, c.iteration, meta, _dist().rank_state(c, get_rng_state),
                 barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n)
     if c.groups.rank == 0:
         log.info("%s checkpoint %s (torch_dist)", "saving in the background:" if s.checkpoint.async_save else
@@ -152,7 +167,7 @@ def prepare_saves(c) -> None:
     first save blocks the step for its snapshot only."""
     ck = c.settings.checkpoint
     if ck.async_save and ck.save and ck.ckpt_format == "torch_dist":
-        c.extra.setdefault("async_saver", AsyncSaver(c.backend.collectives)).prepare(c.groups.world_size)
+        _async_saver(c).prepare(c.groups.world_size)
 
 
 def finish_saves(c) -> None:
@@ -168,7 +183,7 @@ def _load_dist(c, path: str, meta: dict, changes: list) -> dict:
     ck = c.settings.checkpoint
     if changes and c.groups.rank == 0:
         log.info("--load %s: reading the torch_dist checkpoint under another layout (%s)", path, ", ".join(changes))
-    dist.load(c, path, meta, with_optimizer=not (ck.finetune or ck.no_load_optim))
+    _dist().load(c, path, meta, with_optimizer=not (ck.finetune or ck.no_load_optim))
     shard = {"model": None, "optimizer": dict(meta["optimizer"], loaded=True), "scheduler": meta["scheduler"]}
     if not changes:
         shard.update(read_shard(path, c.groups.rank, meta))
@@ -196,7 +211,7 @@ def load(c) -> bool:
         return False
     meta = read_metadata(path)
     changes = check_compatible(meta, model_dict(c.model), layout_dict(c.settings), path, reshard=True)
-    if meta.get("ckpt_format") == dist.FORMAT:
+    if meta.get("ckpt_format") == DIST_FORMAT:
         shard = _load_dist(c, path, meta, changes)
     else:
         shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
