@@ -58,7 +58,8 @@ SLOW = {"dp4_to_cp2": (ZERO, CP), "cp2_tp2_same": _same_layout(CP_TP), "cp2_tp2_
         "cp2_plain_to_dp4": (CP[:2], ZERO),  # the plain optimizer's replicated state, written by dp x cp rank 0
         "fp8_same": _same_layout(FP8_S), "fp8_tp2_to_tp1": (FP8_S, [*ZERO, *FP8]),
         "vpp_same": _same_layout(VPP), "zbh1_same": _same_layout(ZBH1)}
-RESTART = "FP8 amax histories are per-rank and do not carry to another layout"
+RESTART = ("FP8 amax histories and scales belong to the layout they were reduced in and do not carry to another "
+           "layout")
 # FP8 across a layout change (hybrid: the forward in e4m3, step s = 2^-3 relative; the loss is a forward
 # only). T reads S's iteration-1 weights exactly but restarts the delayed scaling: its first use of each
 # tensor is scaled from its own amax, S's from the max of iteration 1's history. The amaxes are reduced over

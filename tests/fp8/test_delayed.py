@@ -232,3 +232,17 @@ def test_enable_fp8_on_gpt_stages_keeps_global_first_and_last_layers_wide():
     # a later pipeline stage (layers 2, 3): layer numbers are global, so only layer 3 stays wide
     stage = GPTModel(cfg, single, pre_process=False, layer_offset=2, num_layers=2)
     assert {n.split(".")[2] for n in enable_fp8(stage, recipe, single)} == {"2"}
+
+
+def test_layout_change_names_a_restart_only_where_there_is_state():
+    """A checkpoint read under another layout drops the FP8 state; the log says so when the recipe keeps one
+    (delayed: histories and scales), and says nothing for the stateless recipes (nothing restarts)."""
+    from omnitron.core.training.checkpointing import _holds_tensors
+
+    held = {}
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        m = _Stack()
+        enable_fp8(m, FP8Config(fp8_recipe=recipe), None)
+        m(torch.randn(8, 32)).sum().backward()
+        held[recipe] = _holds_tensors(fp8_state_dict(m))
+    assert held == {"delayed": True, "tensorwise": False, "blockwise": False}

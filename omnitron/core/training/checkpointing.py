@@ -177,6 +177,20 @@ def finish_saves(c) -> None:
         saver.wait(c, _barrier(c))
 
 
+FP8_RESTART = ("--load %s: FP8 amax histories and scales belong to the layout they were reduced in and do not "
+               "carry to another layout: FP8 scaling restarts from its first steps")
+
+
+def _holds_tensors(state) -> bool:
+    """True when ``state`` (nested dicts / lists) holds a tensor: delayed scaling's histories do, the
+    stateless recipes' empty per-module dicts do not (nothing restarts, so nothing is said)."""
+    if isinstance(state, dict):
+        return any(_holds_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(_holds_tensors(v) for v in state)
+    return hasattr(state, "shape")
+
+
 def _load_dist(c, path: str, meta: dict, changes: list) -> dict:
     """Read a ``torch_dist`` checkpoint into the live tensors; returns the rest in :func:`load`'s shard
     form (optimizer counters, scheduler; RNG and FP8 under the same layout only)."""
@@ -187,9 +201,8 @@ def _load_dist(c, path: str, meta: dict, changes: list) -> dict:
     shard = {"model": None, "optimizer": dict(meta["optimizer"], loaded=True), "scheduler": meta["scheduler"]}
     if not changes:
         shard.update(read_shard(path, c.groups.rank, meta))
-    elif c.groups.rank == 0 and "fp8" in read_shard(path, 0, meta):
-        log.info("--load %s: FP8 amax histories are per-rank and do not carry to another layout: FP8 scaling "
-                 "restarts from its first steps", path)
+    elif c.groups.rank == 0 and _holds_tensors(read_shard(path, 0, meta).get("fp8")):
+        log.info(FP8_RESTART, path)
     return shard
 
 
@@ -258,9 +271,8 @@ def _resharded_shard(c, path: str, meta: dict) -> dict:
         log.info("--load %s: resharding the checkpoint from %s to %s", path, src, dst)
     full = reshard.read_full_state(path, owners=reshard.needed_owners(c.modules),
                                    with_optimizer=not (ck.finetune or ck.no_load_optim))
-    if "fp8" in full.dropped and c.groups.rank == 0:
-        log.info("--load %s: FP8 amax histories are per-rank and do not carry to another layout: FP8 scaling "
-                 "restarts from its first steps", path)
+    if "fp8" in full.dropped and c.groups.rank == 0 and _holds_tensors(read_shard(path, 0, meta).get("fp8")):
+        log.info(FP8_RESTART, path)
     return reshard.rank_shard(full, c.modules, c.groups.tp.size, local_rank(c.groups.tp))
 
 
