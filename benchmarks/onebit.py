@@ -2,7 +2,10 @@
 
 Both runs train the same small GPT (``--model gpt2_tiny`` with the settings of
 ``examples/moby_dick_tp2_pp2.yaml`` at tp1 x pp1 x dp4: 4 CPU processes, one thread each) for ``--iters``
-iterations, same data, same seed; 1-bit Adam freezes after ``--freeze`` steps (default: its 15%).
+iterations, same data, same seed; 1-bit Adam freezes after ``--freeze`` steps (default: its 15%) and
+compresses with one scale per ``--block`` elements (default: the optimizer's ``SCALE_BLOCK``). The settings
+the runs trained with (model, tokenizer, batch, schedule) are recorded in each JSON and in the report, as
+the example config changes over time.
 
 Bytes: every collective each rank issues over the data-parallel group is counted, per training step, as the
 bytes of the tensors it hands the collective (an all-reduce: its buffer; an all-to-all: its input; an
@@ -10,7 +13,7 @@ all-gather: its output). The ring-equivalent count is what a ring algorithm send
 ``2 (dp-1)/dp`` x an all-reduce's buffer, ``(dp-1)/dp`` x an all-to-all's input or an all-gather's output.
 Step time: wall time of each ``train_step`` (rank 0), median over the steps of each stage.
 
-    python benchmarks/onebit.py [--iters 300 --freeze 45 --out benchmarks/results/onebit]
+    python benchmarks/onebit.py [--iters 300 --freeze 45 --block 256 --out benchmarks/results/onebit/NAME]
 """
 from __future__ import annotations
 
@@ -37,8 +40,16 @@ def _args(optimizer: str, iters: int, freeze: int, root: str) -> list[str]:
     return args + (["--onebit-freeze-step", str(freeze)] if optimizer == "onebit_adam" else [])
 
 
-def worker(optimizer: str, iters: int, freeze: int, root: str) -> dict:
+SETTINGS = ("model", "tokenizer_model", "seq_length", "micro_batch_size", "global_batch_size", "lr", "min_lr",
+            "lr_warmup_iters", "lr_decay_style", "weight_decay", "clip_grad", "seed", "tensor_model_parallel_size",
+            "pipeline_model_parallel_size")
+"""The flags each result records (``Settings.flat``), as the runs read them from the example config."""
+
+
+def worker(optimizer: str, iters: int, freeze: int, root: str, block: int | None = None) -> dict:
     import torch.distributed as dist
+
+    import omnitron.core.optim.onebit as onebit
 
     from omnitron.backends import get_backend
     from omnitron.core.training import loop
@@ -46,6 +57,8 @@ def worker(optimizer: str, iters: int, freeze: int, root: str) -> dict:
 
     be = get_backend()
     settings = parse_settings(_args(optimizer, iters, freeze, root), dist.get_world_size())
+    if block is not None:  # the benchmark's knob: the optimizer reads SCALE_BLOCK when it builds its buffers
+        onebit.SCALE_BLOCK = block
     steps: list[dict] = []  # per train_step: {op: bytes handed} over the dp group, and its wall time
     coll, dp_group = be.collectives, {}
 
@@ -73,7 +86,8 @@ def worker(optimizer: str, iters: int, freeze: int, root: str) -> dict:
 
     loop.train_step = timed_step
     res = loop.train(settings, be)
-    return {"losses": res["losses"], "validation": res.get("validation"), "steps": steps, "dp": settings.dp}
+    return {"losses": res["losses"], "validation": res.get("validation"), "steps": steps, "dp": settings.dp,
+            "settings": {k: settings.flat.get(k) for k in SETTINGS}, "block": onebit.SCALE_BLOCK}
 
 
 def _stage(steps: list[dict], lo: int, hi: int, dp: int) -> dict:
@@ -86,17 +100,18 @@ def _stage(steps: list[dict], lo: int, hi: int, dp: int) -> dict:
             "median_step_s": statistics.median(s["seconds"] for s in sel)}
 
 
-def run(opt: str, iters: int, freeze: int) -> dict:
-    """One 300-iteration training at dp4 with ``opt``; its losses, bytes and step times by stage."""
+def run(opt: str, iters: int, freeze: int, block: int | None = None) -> dict:
+    """One training at dp4 with ``opt``; its losses, bytes and step times by stage."""
     from omnitron.testing.distributed import run_distributed
 
     with tempfile.TemporaryDirectory() as root:
         t0 = time.time()
-        r = run_distributed(worker, 4, opt, iters, freeze, root, timeout_s=7200)[0]
+        r = run_distributed(worker, 4, opt, iters, freeze, root, block, timeout_s=7200)[0]
     dp, steps = r["dp"], r["steps"]
     losses = [r["losses"][k] for k in sorted(r["losses"])]
     last = losses[-20:]
-    return {"optimizer": opt, "iters": iters, "freeze": freeze, "wall_s": time.time() - t0,
+    return {"optimizer": opt, "iters": iters, "freeze": freeze, "block": r["block"], "settings": r["settings"],
+            "wall_s": time.time() - t0,
             "final_loss_mean_last20": sum(last) / len(last), "final_loss": losses[-1], "validation": r["validation"],
             "losses": losses,
             # step 1 warms up; the last step also runs the final evaluation
@@ -106,6 +121,9 @@ def run(opt: str, iters: int, freeze: int) -> dict:
 def report(entries: dict) -> str:
     lines = []
     for opt, e in entries.items():
+        if "settings" in e:
+            lines.append(f"{opt} settings: {e['settings']}" + (f", freeze {e['freeze']}, block {e['block']}"
+                                                                if opt == "onebit_adam" else ""))
         lines.append(f"{opt}: final loss (mean of last 20) {e['final_loss_mean_last20']:.4f}, "
                      f"validation {e['validation'][-1]['val_loss']:.4f}, wall {e['wall_s']:.0f} s")
         for stage in ("warmup", "after"):
@@ -128,6 +146,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--freeze", type=int, default=None, help="default: 15%% of --iters")
+    ap.add_argument("--block", type=int, default=None, help="elements per compression scale (default: "
+                    "omnitron.core.optim.onebit.SCALE_BLOCK)")
     ap.add_argument("--runs", nargs="+", default=["adam", "onebit_adam"], help="optimizers to run (others are "
                     "read from earlier results in --out)")
     ap.add_argument("--out", default="benchmarks/results/onebit")
@@ -139,7 +159,7 @@ def main() -> None:
     for opt in ("adam", "onebit_adam"):
         path = os.path.join(a.out, f"onebit-cpu-{date}-{opt}.json")
         if opt in a.runs:
-            result = run(opt, a.iters, freeze)
+            result = run(opt, a.iters, freeze, a.block)
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)
         if os.path.exists(path):
