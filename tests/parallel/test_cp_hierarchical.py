@@ -14,6 +14,7 @@ from omnitron.core.parallel.context import chunk_positions, split_sequence
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.grid import rank_grid
 from omnitron.testing.distributed import run_distributed
+from test_cp_comm_types import _train_args  # the same tiny GQA/RoPE model and settings as the other comm types
 
 # (hq, hkv, dtype, dropout p)
 CASES = [(4, 4, torch.float64, 0.0), (4, 2, torch.float64, 0.0), (4, 1, torch.float64, 0.0),
@@ -111,15 +112,6 @@ def test_sub_groups_split_each_cp_group():
         p2p = [m for m in grid["cp_p2p"] if m[0] in cp_group]
         assert sorted(r for m in a2a for r in m) == cp_group == sorted(r for m in p2p for r in m)
     assert "cp_a2a" not in rank_grid(ParallelConfig(context_parallel_size=4), 4)
-
-
-def _train_args(root: str, *extra: str) -> list[str]:
-    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-            "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--seq-length", "16",
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-workers", "0",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--optimizer", "sgd",
-            "--lr", "0.5", "--clip-grad", "0.5", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--log-interval", "1", "--no-tensorboard", "--data-cache-path", root + "/cache", *extra]
 
 
 def _hier(a: int, p: int, *extra: str) -> tuple:
