@@ -22,6 +22,7 @@ import time
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "4096", "--num-workers", "0",
          "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "4",
          "--global-batch-size", "16", "--threads-per-process", "1"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 LAYOUTS = {  # name: (layout, extra flags)
     "single": ("", []),
     "tp2": ("tp2", []),
@@ -35,6 +36,9 @@ LAYOUTS = {  # name: (layout, extra flags)
     "dp4": ("dp4", []),
     "tp2 pp2": ("tp2,pp2", []),
     "tp2 dp2": ("tp2,dp2", []),
+    "moe dp2": ("dp2", MOE),
+    "moe ep2": ("dp2,ep2", MOE),
+    "moe tp2": ("tp2", MOE),
 }
 ITERATIONS = 5
 
@@ -59,7 +63,7 @@ def make_report(out: str) -> None:
                    "--json", f"{out}/elementwise-t{t}.json"], one)
     for n in (2, 4):
         _omnitron(["bench", "comm", "--nproc-per-node", str(n), "--ops", "all_reduce", "all_gather", "reduce_scatter",
-                   "p2p", "--min-bytes", "1K", "--max-bytes", "16M", "--rounds", "5",
+                   "all_to_all", "p2p", "--min-bytes", "1K", "--max-bytes", "16M", "--rounds", "5",
                    "--json", f"{out}/comm-{n}.json"])
 
 
@@ -69,8 +73,9 @@ def settings_for(layout: str, extra: list[str]):
 
     dims, world = parse_layout(layout)
     flags = ["--model", "gpt2_tiny", *MODEL, *extra]
-    flags += [f for key, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
-                                  ("cp", "--context-parallel-size")) if dims[key] > 1 for f in (flag, str(dims[key]))]
+    named = (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
+             ("cp", "--context-parallel-size"), ("ep", "--expert-model-parallel-size"))
+    flags += [f for key, flag in named if dims[key] > 1 for f in (flag, str(dims[key]))]
     return parse_settings(flags, world)
 
 

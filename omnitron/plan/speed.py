@@ -28,7 +28,11 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    backward) and the optimizer step are priced per element from an ``omnitron bench elementwise`` report
    (:func:`work.layer_elementwise`); without one they are left out (noted).
 
-Not modelled: the data loader, host overheads between ops; MoE (``--num-experts``) is refused.
+7. **MoE layers** (:mod:`omnitron.plan.moe`) replace the dense MLP by the router, the local experts' GEMMs, the
+   dispatch's all-to-alls over ep (and the gathers over etp), and the shared expert, at balanced routing
+   (stated with the prediction); expert gradients are reduced over the expert-data-parallel group.
+
+Not modelled: the data loader, host overheads between ops.
 """
 from __future__ import annotations
 
@@ -36,10 +40,11 @@ import math
 from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ConfigError
+from omnitron.plan import moe as moe_work
 from omnitron.plan import work
 
 OVERLAPS = ("none", "dp", "all")
-KEYS = ("compute", "elementwise", "tp", "cp", "pp")
+KEYS = ("compute", "elementwise", "tp", "cp", "pp", "ep")
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -49,10 +54,12 @@ class StageCost:
 
     f: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KEYS, 0.0))
     b: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KEYS, 0.0))
+    attention_f: float = 0.0
+    """One layer's core-attention forward (what selective recomputation repeats)."""
 
     def total(self, kind: str, overlap: str) -> float:
         d = self.f if kind == "F" else self.b
-        work, comm = d["compute"] + d["elementwise"], d["tp"] + d["cp"] + d["pp"]
+        work, comm = d["compute"] + d["elementwise"], d["tp"] + d["cp"] + d["pp"] + d["ep"]
         return max(work, comm) if overlap == "all" else work + comm
 
 
@@ -66,6 +73,7 @@ class StepTime:
     tp: float
     cp: float
     pp: float
+    ep: float
     dp: float
     optimizer: float
     bubble: float
@@ -74,7 +82,8 @@ class StepTime:
     notes: list[str]
 
     def breakdown(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("compute", "elementwise", "tp", "cp", "pp", "dp", "optimizer", "bubble")}
+        keys = ("compute", "elementwise", "tp", "cp", "pp", "ep", "dp", "optimizer", "bubble")
+        return {k: getattr(self, k) for k in keys}
 
 
 def _threads(settings, rates) -> tuple[int, float]:
@@ -86,55 +95,96 @@ def _threads(settings, rates) -> tuple[int, float]:
     return threads, max(1.0, world * threads / cores)
 
 
-def stage_cost(settings, cfg, rates, layers: int, first: bool, last: bool, nxt: bool, prev: bool) -> StageCost:
-    """:class:`StageCost` of a virtual stage of ``layers`` layers (``nxt`` / ``prev``: it has a next / previous
-    stage to send its output / input gradient to)."""
+def layer_collectives(settings, cfg, moe: bool) -> tuple[list, list]:
+    """(forward, backward) ``(key, op, bytes, ranks)`` of one layer's collectives per micro-batch: the tensor-
+    parallel ones (``tp``: :func:`work.tp_collectives`; a MoE layer keeps the attention's half, and the MLP's
+    for its shared expert) and a MoE layer's dispatch (``ep``: :func:`moe_work.moe_collectives`)."""
+    pc = settings.parallel
+    tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
+    x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
+    elem = cfg.params_dtype.itemsize
+    f, b = work.stage_tp_collectives(cfg, x, elem, sp, 1, False, False)
+    if moe:
+        keep = 2 if cfg.moe_shared_expert_intermediate_size else 1  # halves: attention, then the MLP
+        f, b = f[: len(f) // 2 * keep], b[: len(b) // 2 * keep]
+    fwd, bwd = [("tp", op, n, tp) for op, n in f], [("tp", op, n, tp) for op, n in b]
+    if moe:
+        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
+        mf, mb = moe_work.moe_collectives(cfg, m, elem, cp * (tp if sp else 1))
+        fwd, bwd = fwd + [("ep", *c) for c in mf], bwd + [("ep", *c) for c in mb]
+    return fwd, bwd
+
+
+def _layer(settings, cfg, rates, moe: bool) -> StageCost:
+    """:class:`StageCost` of one Transformer layer, dense or MoE (:mod:`omnitron.plan.moe`), without
+    recomputation: the GEMMs, core attention, element-wise ops, tp / ep collectives and ring hops."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
-    gemm = sum(rates.gemm_s(dt, m, n, k, threads) for _, m, n, k in work.layer_gemms(x)) * slow
+    gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp)
+    if moe:
+        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
+        act = "silu_mul" if cfg.swiglu else "gelu"
+        gemms = gemms[:2] + moe_work.moe_gemms(m)  # attention's qkv and proj, then the MoE MLP
+        ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
+    gemm = sum(rates.gemm_s("fp32" if name == "router" else dt, mm, n, k, threads) for name, mm, n, k in gemms) * slow
     # ring attention: cp block calls of 1 / cp of the work each (a smaller call's rate); the merge of the
     # blocks' partial results is not priced
     attn = cp * rates.attention_s(dt, 3 * work.attention_flops(x) / cp, cfg.attention_dropout > 0, threads) * slow
-    fwd, bwd = work.stage_tp_collectives(cfg, x, elem, sp, layers, first, last)
-    layer_f, _ = work.stage_tp_collectives(cfg, x, elem, sp, 1, False, False)
     hops_f, hops_b, per = work.cp_ring(x, elem)
     hop = rates.comm_s("p2p", per, cp) if cp > 1 else 0.0
+    c = StageCost(attention_f=attn / 3)
+    c.f["compute"], c.b["compute"] = gemm + attn / 3, 2 * gemm + 2 * attn / 3
+    c.f["cp"], c.b["cp"] = hops_f * hop, hops_b * hop
+    c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew) * slow
+    c.b["elementwise"] = sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ew) * slow
+    for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe)):
+        for key, op, n, ranks in rows:
+            d[key] += rates.comm_s(op, n, ranks)
+    return c
+
+
+def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool, nxt: bool,
+               prev: bool) -> StageCost:
+    """:class:`StageCost` of a virtual stage whose layers are ``layers`` (True: MoE) (``nxt`` / ``prev``: it
+    has a next / previous stage to send its output / input gradient to). Full recomputation adds each
+    recomputed layer's forward to the backward, selective the core attention's forward."""
+    pc = settings.parallel
+    tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
+    x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
+    dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
+    threads, slow = _threads(settings, rates)
+    kinds = {moe: _layer(settings, cfg, rates, moe) for moe in set(layers)}
     c = StageCost()
-    c.f["compute"] = layers * (gemm + attn / 3)
-    c.b["compute"] = layers * (2 * gemm + 2 * attn / 3)
-    c.f["tp"] = sum(rates.comm_s(op, n, tp) for op, n in fwd)
-    c.b["tp"] = sum(rates.comm_s(op, n, tp) for op, n in bwd)
-    c.f["cp"], c.b["cp"] = layers * hops_f * hop, layers * hops_b * hop
-    rec = _recomputed(cfg, layers)
-    c.b["compute"] += rec * (gemm + attn / 3) if cfg.recompute_granularity == "full" else 0.0
-    c.b["compute"] += layers * attn / 3 if cfg.recompute_granularity == "selective" else 0.0
-    c.b["tp"] += rec * sum(rates.comm_s(op, n, tp) for op, n in layer_f) if cfg.recompute_granularity == "full" else 0.0
-    c.b["cp"] += rec * hops_f * hop if cfg.recompute_granularity == "full" else 0.0
+    rec = _recomputed(cfg, len(layers))
+    for i, moe in enumerate(layers):
+        one = kinds[moe]
+        for key in KEYS:
+            c.f[key] += one.f[key]
+            c.b[key] += one.b[key]
+            if i < rec:  # full recomputation: this layer's forward again, before its backward
+                c.b[key] += one.f[key]
+        if cfg.recompute_granularity == "selective":
+            c.b["compute"] += one.attention_f
+    if first:
+        c.f["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.first_stage_tp(cfg, x, elem, sp)[0])
+        c.b["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.first_stage_tp(cfg, x, elem, sp)[1])
     if last:
         _, m, n, k = work.head_gemm(x)
         c.f["compute"] += rates.gemm_s(dt, m, n, k, threads) * slow
         c.b["compute"] += 2 * rates.gemm_s(dt, m, n, k, threads) * slow
-    _elementwise(c, cfg, x, sp, rates, threads, slow, layers, rec, first, last)
+        c.f["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.last_stage_tp(x, elem, sp)[0])
+        c.b["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.last_stage_tp(x, elem, sp)[1])
+    ends = (work.embedding_elementwise(cfg, x, sp) if first else []) + (
+        work.head_elementwise(cfg, x, sp) if last else [])
+    c.f["elementwise"] += sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ends) * slow
+    c.b["elementwise"] += sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ends) * slow
     msg = work.pp_message(x, elem, sp)
     c.f["pp"] = rates.comm_s("p2p", msg, 2) if nxt else 0.0
     c.b["pp"] = rates.comm_s("p2p", msg, 2) if prev else 0.0
     return c
-
-
-def _elementwise(c: StageCost, cfg, x, sp: bool, rates, threads: int, slow: float, layers: int, rec: int,
-                 first: bool, last: bool) -> None:
-    """The stage's element-wise ops (:func:`work.layer_elementwise` and the ends), forward and backward; the
-    recomputed layers' forward again."""
-    def price(ops, mode):
-        return sum(rates.elementwise_s(op, mode, n, threads) for op, n in ops) * slow
-
-    layer = work.layer_elementwise(cfg, x, sp)
-    ends = (work.embedding_elementwise(cfg, x, sp) if first else []) + (work.head_elementwise(cfg, x, sp) if last else [])
-    c.f["elementwise"] = layers * price(layer, "fwd") + price(ends, "fwd")
-    c.b["elementwise"] = layers * price(layer, "bwd") + rec * price(layer, "fwd") + price(ends, "bwd")
 
 
 def _recomputed(cfg, layers: int) -> int:
@@ -143,13 +193,18 @@ def _recomputed(cfg, layers: int) -> int:
     return min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
 
 
-def stage_params(cfg, settings, pp_rank: int, layers: int) -> float:
-    """Parameters (elements) one rank of pipeline stage ``pp_rank`` holds and reduces gradients of."""
+def stage_param_groups(cfg, settings, pp_rank: int, layers) -> tuple[float, float]:
+    """(dense, expert) parameters (elements) one rank of pipeline stage ``pp_rank`` holds and reduces gradients
+    of; ``layers``: the stage's layer count (dense) or its layers' MoE flags. Dense gradients are reduced over
+    dp x cp, the experts' over the expert-data-parallel group."""
     from omnitron.core.models.gpt.config import max_positions, padded_vocab_size
 
     pc = settings.parallel
     tp, pp = pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size
-    n = layers * work.layer_params(cfg, tp)
+    kinds = [False] * layers if isinstance(layers, int) else list(layers)
+    dense_moe, expert_moe = (moe_work.moe_layer_params(cfg, tp, pc.expert_model_parallel_size, pc.etp)
+                             if any(kinds) else (0.0, 0.0))
+    n = sum(dense_moe if moe else work.layer_params(cfg, tp) for moe in kinds)
     emb = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size
     if pp_rank == 0:
         n += emb + (max_positions(cfg) * cfg.hidden_size if cfg.position_embedding_type == "learned_absolute" else 0)
@@ -157,22 +212,36 @@ def stage_params(cfg, settings, pp_rank: int, layers: int) -> float:
         n += cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
         if cfg.untie_embeddings_and_output_weights or pp > 1:
             n += emb
-    return n
+    return n, sum(kinds) * expert_moe
 
 
-def dp_time(settings, cfg, rates, params: float) -> float:
+def stage_params(cfg, settings, pp_rank: int, layers) -> float:
+    """All parameters (elements) of one rank of pipeline stage ``pp_rank`` (:func:`stage_param_groups`)."""
+    return sum(stage_param_groups(cfg, settings, pp_rank, layers))
+
+
+def _expert_dp(settings) -> int:
+    pc = settings.parallel
+    return max(1, settings.world_size // (pc.pipeline_model_parallel_size * pc.expert_model_parallel_size * pc.etp))
+
+
+def dp_time(settings, cfg, rates, params: float, expert: float = 0.0) -> float:
     """Seconds of one step's gradient reduction (and the distributed optimizer's parameter all-gather) for a rank
-    holding ``params`` elements: bucket by bucket over the dp x cp replica group."""
+    holding ``params`` dense and ``expert`` expert elements: bucket by bucket over the dp x cp replica group (the
+    experts' in buckets of their own over the expert-data-parallel group)."""
     ddp, pc = settings.ddp, settings.parallel
-    group = settings.dp * pc.context_parallel_size
     fp32 = bool(ddp and ddp.accumulate_allreduce_grads_in_fp32)
     g_elem, p_elem = 4 if fp32 else cfg.params_dtype.itemsize, cfg.params_dtype.itemsize
-    bucket = (ddp.bucket_size if ddp else None) or max(40_000_000, 1_000_000 * group)
-    sizes = [bucket] * int(params // bucket) + ([params % bucket] if params % bucket else [])
-    if ddp and ddp.use_distributed_optimizer:
-        return sum(rates.comm_s("reduce_scatter", s * g_elem, group) + rates.comm_s("all_gather", s * p_elem, group)
-                   for s in sizes)
-    return sum(rates.comm_s("all_reduce", s * g_elem, group) for s in sizes)
+    total = 0.0
+    for n, group in ((params, settings.dp * pc.context_parallel_size), (expert, _expert_dp(settings))):
+        bucket = (ddp.bucket_size if ddp else None) or max(40_000_000, 1_000_000 * group)
+        sizes = [bucket] * int(n // bucket) + ([n % bucket] if n % bucket else [])
+        if ddp and ddp.use_distributed_optimizer:
+            total += sum(rates.comm_s("reduce_scatter", s * g_elem, group) +
+                         rates.comm_s("all_gather", s * p_elem, group) for s in sizes)
+        else:
+            total += sum(rates.comm_s("all_reduce", s * g_elem, group) for s in sizes)
+    return total
 
 
 def pipeline(settings, costs: dict[int, StageCost], overlap: str):
@@ -191,24 +260,34 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
     return simulate(sched, stage_cost=cost), sched
 
 
+def _stage_layers(settings, cfg) -> dict[tuple[int, int], list[bool]]:
+    """``{(pp_rank, chunk): [is MoE] of its layers}`` (the pipeline's layer ranges)."""
+    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+    pc = settings.parallel
+    ranges = pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
+                                   pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
+                                   pc.decoder_last_pipeline_num_layers)
+    moe = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [False] * cfg.num_layers
+    return {k: moe[start:start + n] for k, (start, n) in ranges.items()}
+
+
 def predict(settings, rates, overlap: str = "none") -> StepTime:
     """The :class:`StepTime` of ``settings``' layout on the machine of ``rates``."""
-    from omnitron.plan.memory import chunk_layers, model_config
+    from omnitron.plan.memory import model_config
 
     if overlap not in OVERLAPS:
         raise ConfigError(f"--assume-overlap {overlap!r} is not one of {', '.join(OVERLAPS)}")
     cfg = model_config(settings)
-    if getattr(cfg, "num_experts", None):
-        raise ConfigError("--num-experts: the speed model does not cover MoE layers yet; plan memory only "
-                          "(drop --bench)")
     pc = settings.parallel
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
-    layers = chunk_layers(settings, cfg)
+    layers = _stage_layers(settings, cfg)
     rates.host_ranks = settings.world_size * _threads(settings, rates)[0]
     costs = {}
-    for (r, c), n in layers.items():
+    for (r, c), kinds in layers.items():
         k = c * pp + r
-        costs[k] = stage_cost(settings, cfg, rates, n, first=k == 0, last=k == pp * vp - 1, nxt=k < pp * vp - 1,
+        costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=k < pp * vp - 1,
                               prev=k > 0)
     tl, sched = pipeline(settings, costs, overlap)
     m = settings.num_microbatches
@@ -217,27 +296,31 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     crit = max(busy, key=busy.get)
     parts = {key: m * sum(sc.f[key] + sc.b[key] for sc in per_rank[crit]) for key in KEYS}
     if overlap == "all":  # hidden communication: what exceeds the compute beside it is charged to compute
-        parts.update(compute=busy[crit] - parts["elementwise"], tp=0.0, cp=0.0, pp=0.0)
-    params = [stage_params(cfg, settings, r, sum(layers[(r, c)] for c in range(vp))) for r in range(pp)]
-    dp = max(dp_time(settings, cfg, rates, n) for n in params)
-    opt = optimizer_time(settings, rates, max(params))
+        parts.update(compute=busy[crit] - parts["elementwise"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
+    params = [stage_param_groups(cfg, settings, r, [x for c in range(vp) for x in layers[(r, c)]]) for r in range(pp)]
+    dp = max(dp_time(settings, cfg, rates, n, e) for n, e in params)
+    opt = max(optimizer_time(settings, rates, n, e) for n, e in params)
     dp += _embedding_sync(settings, cfg, rates)
     if overlap in ("dp", "all"):
         dp = max(0.0, dp - sum(sc.total("B", overlap) for sc in per_rank[crit]))
     total = tl.makespan + dp + opt
     tokens = settings.training.global_batch_size * cfg.seq_length
-    return StepTime(total, parts["compute"], parts["elementwise"], parts["tp"], parts["cp"], parts["pp"], dp, opt,
-                    tl.makespan - busy[crit], tokens / total, assumptions(settings, rates, overlap), list(rates.notes))
+    return StepTime(total, parts["compute"], parts["elementwise"], parts["tp"], parts["cp"], parts["pp"], parts["ep"],
+                    dp, opt, tl.makespan - busy[crit], tokens / total, assumptions(settings, rates, overlap),
+                    list(rates.notes))
 
 
-def optimizer_time(settings, rates, params: float) -> float:
-    """The AdamW step over the elements this rank updates (its 1 / (dp x cp) share with the distributed
-    optimizer), at the elementwise report's ``adamw`` rate; other optimizers are priced as AdamW (noted)."""
+def optimizer_time(settings, rates, params: float, expert: float = 0.0) -> float:
+    """The AdamW step over the elements this rank updates (with the distributed optimizer its 1 / (dp x cp)
+    share of the dense ones and 1 / edp of the experts'), at the elementwise report's ``adamw`` rate; other
+    optimizers are priced as AdamW (noted)."""
     ddp = settings.ddp
     if settings.optim.optimizer not in ("adam", "adamw"):
         rates.note(f"optimizer: --optimizer {settings.optim.optimizer} priced as AdamW")
     if ddp and ddp.use_distributed_optimizer:
-        params /= settings.dp * settings.parallel.context_parallel_size
+        params = params / (settings.dp * settings.parallel.context_parallel_size) + expert / _expert_dp(settings)
+    else:
+        params += expert
     threads, slow = _threads(settings, rates)
     return rates.elementwise_s("adamw", "step", params, threads) * slow
 
@@ -259,6 +342,8 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
             "dp": "dp gradient reduction hidden behind the last backward",
             "all": "all communication hidden behind compute where shorter"}
     out = [f"overlap: {overlap} ({what[overlap]})"]
+    if getattr(settings.model, "num_experts", None):
+        out.append("MoE: balanced routing (every expert receives tokens x top-k / experts rows)")
     if rates.device_type == "cpu":
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "

@@ -42,10 +42,11 @@ def skeleton(model_cfg, parallel, pp_rank: int) -> list[torch.nn.Module]:
                     vp=parallel.virtual_pipeline_model_parallel_size, cp=parallel.context_parallel_size,
                     first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers,
                     ep=parallel.expert_model_parallel_size)
-    key = f"{model_cfg!r}/{layout!r}"
+    etp = parallel.etp if getattr(model_cfg, "num_experts", None) else 1
+    key = f"{model_cfg!r}/{layout!r}/etp{etp}"
     if _SKELETON.get("key") != key:  # every stage's chunks are built at once: keep them for the next rank's call
         with torch.device("meta"):
-            _SKELETON.update(key=key, chunks=skeleton_chunks(model_cfg, layout))
+            _SKELETON.update(key=key, chunks=skeleton_chunks(model_cfg, layout, etp=etp))
     chunks = _SKELETON["chunks"]
     return [m for (r, _), m in sorted(chunks.items()) if r == pp_rank or layout.pp == 1]
 

@@ -101,15 +101,28 @@ def stage_tp_collectives(cfg, x: Local, elem: int, sp: bool, layers: int, first:
     per = tp_collectives(x, elem, sp)
     fwd = [c for i, c in enumerate(per) if i % 4 < 2] * layers
     bwd = [c for i, c in enumerate(per) if i % 4 >= 2] * layers
-    full = x.tokens * x.hidden * elem
-    if first:
-        fwd.append(("reduce_scatter" if sp else "all_reduce", full))
-        if sp:
-            bwd += [("all_gather", full)] * (2 if cfg.position_embedding_type == "learned_absolute" else 1)
-    if last:
-        fwd += ([("all_gather", full)] if sp else []) + [("all_reduce", 4 * x.tokens), ("all_reduce", 8 * x.tokens)]
-        bwd.append(("reduce_scatter" if sp else "all_reduce", full))
+    for end, on in ((first_stage_tp(cfg, x, elem, sp), first), (last_stage_tp(x, elem, sp), last)):
+        if on:
+            fwd, bwd = fwd + end[0], bwd + end[1]
     return fwd, bwd
+
+
+def first_stage_tp(cfg, x: Local, elem: int, sp: bool) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) tensor-parallel collectives of the first stage's vocabulary-parallel embedding."""
+    if x.tp == 1:
+        return [], []
+    full = x.tokens * x.hidden * elem
+    bwd = [("all_gather", full)] * (2 if cfg.position_embedding_type == "learned_absolute" else 1) if sp else []
+    return [("reduce_scatter" if sp else "all_reduce", full)], bwd
+
+
+def last_stage_tp(x: Local, elem: int, sp: bool) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) tensor-parallel collectives of the last stage's output layer and cross-entropy."""
+    if x.tp == 1:
+        return [], []
+    full = x.tokens * x.hidden * elem
+    fwd = ([("all_gather", full)] if sp else []) + [("all_reduce", 4 * x.tokens), ("all_reduce", 8 * x.tokens)]
+    return fwd, [("reduce_scatter" if sp else "all_reduce", full)]
 
 
 def cp_ring(x: Local, elem: int) -> tuple[int, int, int]:

@@ -4,6 +4,7 @@ backend's collectives is recorded with its bytes (the bench's convention: the bu
 input), with and without sequence parallelism. Exact: the same multiset of (op, bytes)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 
@@ -22,10 +23,45 @@ def _args(root: str, sp: bool) -> list[str]:
                 ["--sequence-parallel"] if sp else [])
 
 
+@contextlib.contextmanager
+def recording(log: list, ops=OPS, group_size: bool = False):
+    """Append ``(op, bytes)`` (and the group's size with ``group_size``) of every call of ``ops`` on the
+    backend's collectives to ``log`` while inside; bytes as the bench counts them (the buffer, the gathered
+    output, the reduce-scatter and all-to-all input)."""
+    import torch.distributed as dist
+
+    from omnitron.backends.collectives import Collectives
+
+    orig = {n: getattr(Collectives, n) for n in ops}
+
+    def wrap(name):
+        def call(self, *a, **k):
+            t = a[1] if name in ("reduce_scatter", "all_to_all") else a[0]  # (output, input)
+            entry = (name, t.numel() * t.element_size())
+            log.append(entry + (dist.get_world_size(k.get("group")),) if group_size else entry)
+            return orig[name](self, *a, **k)
+        return call
+
+    for n in ops:
+        setattr(Collectives, n, wrap(n))
+    try:
+        yield log
+    finally:
+        for n in ops:
+            setattr(Collectives, n, orig[n])
+
+
+def forward_backward(s, m, vocab: int) -> None:
+    """One forward + backward of model chunk ``m`` on a random micro-batch of ``s``'s shape, token ids below
+    ``vocab``."""
+    b, sl = s.training.micro_batch_size, s.model.seq_length
+    tokens = torch.randint(0, vocab, (b, sl))
+    m(tokens=tokens, position_ids=torch.arange(sl).expand(b, sl), labels=tokens).float().sum().backward()
+
+
 def _recorded(root: str, world: int) -> dict:
     """{sp: [(op, bytes)] of one forward + backward of the tp2 model}, on this rank."""
     from omnitron.backends import get_backend
-    from omnitron.backends.collectives import Collectives
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import build_components
 
@@ -33,24 +69,8 @@ def _recorded(root: str, world: int) -> dict:
     for sp in (False, True):
         s = parse_settings(_args(root, sp), world)
         m = build_components(s, get_backend()).modules[0].train()
-        log, orig = [], {n: getattr(Collectives, n) for n in OPS}
-
-        def wrap(name):
-            def call(self, *a, **k):
-                t = a[1] if name == "reduce_scatter" else a[0]  # reduce_scatter(output, input)
-                log.append((name, t.numel() * t.element_size()))
-                return orig[name](self, *a, **k)
-            return call
-
-        for n in OPS:
-            setattr(Collectives, n, wrap(n))
-        try:
-            b, sl = s.training.micro_batch_size, s.model.seq_length
-            tokens = torch.randint(0, 200, (b, sl))
-            m(tokens=tokens, position_ids=torch.arange(sl).expand(b, sl), labels=tokens).float().sum().backward()
-        finally:
-            for n in OPS:
-                setattr(Collectives, n, orig[n])
+        with recording([]) as log:
+            forward_backward(s, m, 200)
         out[sp] = log
     return out
 

@@ -130,10 +130,11 @@ def recorded_family(meta: dict) -> str | None:
     return flat.get("model_type")
 
 
-def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, int], torch.nn.Module]:
+def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict[tuple[int, int], torch.nn.Module]:
     """``{(pp_rank, chunk): GPTModel}`` for tensor-parallel rank 0 (and expert-parallel rank
     ``ep_rank``) of ``layout``, built in this process without communication: their parameters
-    carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic."""
+    carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic.
+    ``etp``: the experts' tensor-parallel split (the memory plan's; checkpoints hold whole experts)."""
     from omnitron.core.models.family import family_of
     from omnitron.core.parallel.groups import ParallelGroups, host_backend
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -142,6 +143,8 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0) -> dict[tuple[int, in
     groups.config = layout.parallel_config()
     groups.groups.update(tp=_Seen("tp", tuple(range(layout.tp)), None), pp=_Seen("pp", tuple(range(layout.pp)), None),
                          ep=_Seen("ep", tuple(range(layout.ep)), None, me=ep_rank))
+    if etp > 1:
+        groups.groups["etp"] = _Seen("etp", tuple(range(etp)), None)
     family = family_of(cfg)  # a family that is not pipelined (T5, LLaVA): one stage, one chunk
     ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last) \
         if family.pipelined else {}

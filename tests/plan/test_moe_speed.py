@@ -1,0 +1,151 @@
+"""The speed model's MoE terms (:mod:`omnitron.plan.moe`) against a real MoE model: GEMM FLOPs against
+``torch.utils.flop_counter`` on one process, every collective of a real forward + backward (op, bytes, group
+size) against :func:`omnitron.plan.speed.layer_collectives` at ep2, tp2 with sequence parallelism and a capacity
+factor, and tp2 without it, and the stage's parameters against the gradient buffers.
+
+Routing. The model assumes balanced routing; the distributed test makes it exact by routing token ``t`` to
+experts ``(t k + j) mod E`` (a round-robin router with the real router's GEMM, softmax and loss statistics), so
+every expert receives ``T k / E`` rows and each collective's size is determined. The FLOP count needs no such
+router: the expert GEMMs' total work depends only on the number of processed assignments, ``T k``."""
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from omnitron.plan import moe as moe_work
+from omnitron.plan import work
+from omnitron.testing.distributed import run_distributed
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def test_moe_gemm_flops_match_the_flop_counter():
+    """Exact integer FLOPs: dense layers' GEMMs, MoE layers' attention GEMMs, router, experts and shared
+    expert, and the output layer, each 3x forward (input and weight gradients)."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+    rng = random.Random()
+    layers = rng.choice([2, 3])
+    freq = rng.choice([1, 2, "[1]+[0]*%d" % (layers - 1)])
+    cfg = gpt2_tiny(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=16,
+                    max_position_embeddings=16, vocab_size=50, hidden_dropout=0.0, attention_dropout=0.0,
+                    num_experts=rng.choice([2, 4]), moe_router_topk=rng.choice([1, 2]),
+                    moe_ffn_hidden_size=rng.choice([None, 24]), moe_layer_freq=freq,
+                    moe_shared_expert_intermediate_size=rng.choice([None, 40]), swiglu=rng.random() < 0.5)
+    b = rng.choice([1, 2])
+    m = GPTModel(cfg, ParallelGroups.single())
+    tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_length))
+    with FlopCounterMode(display=False) as fc:
+        m(tokens=tokens, position_ids=torch.arange(cfg.seq_length).expand(b, -1), labels=tokens).sum().backward()
+    got = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    x = work.local_shapes(cfg, 1, 1, b)
+    ml = moe_work.moe_local(cfg, x, 1, 1, False)
+    dense = work.gemm_flops(work.layer_gemms(x))
+    moe = work.gemm_flops(work.layer_gemms(x)[:2] + moe_work.moe_gemms(ml))
+    pattern = moe_layer_pattern(freq, layers)
+    want = sum(moe if p else dense for p in pattern) + work.gemm_flops([work.head_gemm(x)])
+    assert got.get("aten.mm", 0) + got.get("aten.addmm", 0) == 3 * want, (cfg, got)
+
+
+CASES = {  # name: (world-2 flags, world)
+    "ep2": ["--expert-model-parallel-size", "2"],
+    "tp2 sp capacity aux": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity",
+                            "--moe-aux-loss-coeff", "0.01"],
+    "tp2 shared bias": ["--tensor-model-parallel-size", "2", "--moe-shared-expert-intermediate-size", "64"],
+}
+
+
+def _args(root: str, extra: list[str]) -> list[str]:
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            "200", "--num-workers", "0", "--train-iters", "1", "--no-tensorboard", "--micro-batch-size", "2",
+            "--num-experts", "4", "--moe-router-topk", "2", "--data-cache-path", os.path.join(root, "cache"), *extra]
+
+
+def _round_robin(self, x):
+    """The router with token ``t``'s picks fixed to experts ``(t k + j) mod E``: balanced routing."""
+    import torch.nn.functional as F
+
+    from omnitron.core.transformer.moe.router import aux_loss_scores, load_balancing_loss
+
+    logits = F.linear(x.float(), self.weight.float())
+    t = torch.arange(logits.shape[0], device=logits.device)
+    experts = (t[:, None] * self.k + torch.arange(self.k, device=t.device)) % self.num_experts
+    probs = torch.softmax(logits.gather(1, experts), dim=-1)
+    aux = None
+    if self.coeff > 0.0:
+        aux = load_balancing_loss(aux_loss_scores(logits, self.k, self.score_function), experts, self.num_experts,
+                                  self.coeff, self.stats_group)
+    return probs, experts, aux
+
+
+def _recorded(root: str, world: int) -> dict:
+    """{case: [(op, bytes, group size)] of one forward + backward}, on this rank."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+    from omnitron.core.transformer.moe.router import TopKRouter
+
+    from tests.plan.test_tp_volume import forward_backward, recording
+
+    TopKRouter.forward = _round_robin
+    out = {}
+    for name, extra in CASES.items():
+        s = parse_settings(_args(root, extra), world)
+        m = build_components(s, get_backend()).modules[0].train()
+        with recording([], OPS, group_size=True) as log:
+            forward_backward(s, m, 200)
+        out[name] = log
+    return out
+
+
+def _expected(root: str, extra: list[str]) -> Counter:
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.speed import layer_collectives
+
+    s = parse_settings(_args(root, extra), 2)
+    cfg, pc = model_config(s), s.parallel
+    tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
+    f, b = layer_collectives(s, cfg, moe=True)
+    want = [(op, n, g) for _, op, n, g in (f + b)] * cfg.num_layers
+    x = work.local_shapes(cfg, tp, 1, s.training.micro_batch_size)
+    for end in (work.first_stage_tp(cfg, x, 4, sp), work.last_stage_tp(x, 4, sp)):
+        want += [(op, n, tp) for op, n in end[0] + end[1]]
+    return Counter(want)
+
+
+def test_moe_collectives_match_a_real_step(tmp_path):
+    got = run_distributed(_recorded, 2, str(tmp_path), 2)
+    for name, extra in CASES.items():
+        want = _expected(str(tmp_path), extra)
+        for r in range(2):
+            assert Counter(got[r][name]) == want, (name, r, sorted(got[r][name]), sorted(want.elements()))
+
+
+@pytest.mark.parametrize("extra", [["--expert-model-parallel-size", "2"],
+                                   ["--tensor-model-parallel-size", "2", "--moe-layer-freq", "2",
+                                    "--moe-shared-expert-intermediate-size", "64"]])
+def test_moe_stage_params_are_the_gradient_buffers(tmp_path, extra):
+    """Dense and expert parameters of a rank against the memory model's gradient buffers (a meta-device
+    model's real parameters; fp32 gradients, no padding at dp 1 and the bucket sizes used)."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.speed import _stage_layers, stage_param_groups
+    from omnitron.plan.state import state_bytes
+
+    s = parse_settings(_args(str(tmp_path), extra), 2)
+    cfg = model_config(s)
+    kinds = _stage_layers(s, cfg)[(0, 0)]
+    dense, expert = stage_param_groups(cfg, s, 0, kinds)
+    assert expert > 0
+    assert (dense + expert) * 4 == state_bytes(s, cfg, 0).grads
