@@ -6,7 +6,7 @@ the rest and the layers; cp (1, 2, 4, 8) divides the rest and splits the sequenc
 what remains and with the micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give
 it; vpp (1, 2, 4) where pp > 1 divides the layers per stage; full recomputation (uniform, 1 layer) on / off;
 the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
-memory). Each candidate is a full :class:`Settings`, so the engine's own validation rejects what it would.
+memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate is a full :class:`Settings`, so the engine's own validation rejects what it would.
 
 First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
 no vpp, recomputation and the distributed optimizer on): when even that does not fit, the error names it. Else
@@ -48,8 +48,9 @@ class Choice:
     def name(self) -> str:
         pc, s = self.settings.parallel, self.settings
         vp = pc.virtual_pipeline_model_parallel_size or 1
+        ep = pc.expert_model_parallel_size
         return (f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size} "
-                f"dp{s.dp}" + (f" vpp{vp}" if vp > 1 else "") + f" mbs{s.training.micro_batch_size}"
+                f"dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" vpp{vp}" if vp > 1 else "") + f" mbs{s.training.micro_batch_size}"
                 + (" recompute" if self.flags.get("recompute_granularity") else "")
                 + (" distopt" if self.flags.get("use_distributed_optimizer") else ""))
 
@@ -78,6 +79,16 @@ def _grid(cfg, devices: int, gbs: int):
                         yield tp, pp, cp, dp, mbs, vpp
 
 
+def _with_ep(cfg, grid):
+    """Each grid point with every expert-parallel size of a MoE model (1 for a dense one): ep divides the experts
+    and etp (= tp) x ep divides tp x cp x dp."""
+    for tp, pp, cp, dp, mbs, vpp in grid:
+        experts = getattr(cfg, "num_experts", None) or 1
+        for ep in _divisors(experts):
+            if (tp * cp * dp) % (tp * ep) == 0:
+                yield tp, pp, cp, dp, mbs, vpp, ep
+
+
 def candidates(given: dict, devices: int, minimal: bool = False) -> list[Choice]:
     """Every valid :class:`Choice` for the user's flags ``given`` on ``devices`` devices (``minimal``: only the
     memory-minimal variant of each (tp, pp, cp))."""
@@ -89,16 +100,18 @@ def candidates(given: dict, devices: int, minimal: bool = False) -> list[Choice]
     if not gbs:
         raise ConfigError("--devices: give --global-batch-size (the recommendation keeps it fixed)")
     out, seen = [], set()
-    for tp, pp, cp, dp, mbs, vpp in _grid(cfg, devices, gbs):
+    for tp, pp, cp, dp, mbs, vpp, ep in _with_ep(cfg, _grid(cfg, devices, gbs)):
         for rec in ((True,) if minimal else (False, True)):
             for dist in ((True,) if minimal else (False, True)) if dp * cp > 1 else (False,):
-                key = (tp, pp, cp) if minimal else (tp, pp, cp, mbs, vpp, rec, dist)
+                key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, rec, dist)
                 if key in seen or minimal and (mbs, vpp) != (min(b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0), 1):
                     continue
                 seen.add(key)
                 flags = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                          "context_parallel_size": cp, "micro_batch_size": mbs, "global_batch_size": gbs,
                          "sequence_parallel": tp > 1}
+                if getattr(cfg, "num_experts", None):
+                    flags["expert_model_parallel_size"] = ep
                 if vpp > 1:
                     flags["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (pp * vpp)
                 if rec:

@@ -59,6 +59,26 @@ def test_listed_layouts_divide_fit_and_are_ordered(tmp_path, constant_rates, cap
         assert c.name() == type(c)(c.flags, s).name()
 
 
+def test_moe_search_covers_expert_parallelism(tmp_path, constant_rates):
+    """A MoE model's candidates hold every valid ep (dividing the experts, dp x cp a multiple of it), each
+    launchable; the expert-parallel ones price their all-to-alls."""
+    from omnitron.plan.recommend import candidates, recommend
+    from omnitron.plan.speed import predict
+
+    given = GIVEN | {"nproc_per_node": 4, "num_experts": 4}
+    every = candidates(given, 4)
+    got = {(c.settings.parallel.tensor_model_parallel_size, c.settings.parallel.pipeline_model_parallel_size,
+            c.settings.parallel.context_parallel_size, c.settings.parallel.expert_model_parallel_size) for c in every}
+    want = {(tp, pp, cp, ep) for tp in (1, 2, 4) for pp in (1, 2, 4) for cp in (1, 2, 4) for ep in (1, 2, 4)
+            if tp * pp * cp <= 4 and 4 % (tp * pp * cp) == 0 and (4 // (tp * pp)) % ep == 0}
+    assert got == want
+    rates = constant_rates(tmp_path, 0.05, 5.0)
+    for c in every:
+        if c.settings.parallel.expert_model_parallel_size > 1:
+            assert predict(c.settings, rates).ep > 0, c.name()
+    assert recommend(GIVEN | {"num_experts": 4}, 4, 2**40, rates, top=3)
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--device-memory", "1MiB", "--global-batch-size", "8"],
      r"no layout fits 0.0009766 GiB: the smallest needs "),
