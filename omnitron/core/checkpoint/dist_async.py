@@ -59,9 +59,13 @@ class AsyncSaver:
     def prepare(self, c) -> None:
         """Collective (once): make the background writes' process group over the world, and the host
         staging buffers (:meth:`_staging`)."""
+        self._writer_group(c)
+        self._staging(c, saved_pieces(c))
+
+    def _writer_group(self, c) -> None:
+        """Collective the first time: the background writes' own process group (none without one)."""
         if self.group is None and self.coll.is_initialized():
             self.group = self.coll.new_group(range(c.groups.world_size))
-        self._staging(c, saved_pieces(c))
 
     def _staging(self, c, pieces: Pieces) -> Staging:
         """The staging buffers for ``pieces``: the cached ones, or (first use, or the pieces moved: a
@@ -81,8 +85,7 @@ class AsyncSaver:
         self.wait(c, barrier)
         final, rank = os.path.join(save_dir, io.iter_dir_name(iteration)), c.groups.rank
         pieces = self._staging(c, saved_pieces(c)).stage(c.backend.synchronize)
-        if self.group is None and self.coll.is_initialized():  # not prepared before the first step
-            self.group = self.coll.new_group(range(c.groups.world_size))
+        self._writer_group(c)  # made here only when not prepared before the first step
         error: list = []
         device = c.backend.current_device()
 
