@@ -11,8 +11,8 @@ training loop's ``checkpointing.save`` in each format into its own directory, an
   the same with DCP's copy of every piece, as before ``dist_planner.exact_storage``);
 * ``torch_dist async``: ``--async-save``: ``blocked s`` is the save call (the step's wait: a host
   snapshot, then the thread starts), ``s`` the save call plus ``finish_saves`` (write done, committed);
-  the saver's process group is made beforehand (``checkpointing.prepare_saves``, as training does before
-  its first step); a second async save is timed too.
+  the saver's process group and its host staging buffers are made beforehand (``checkpointing.prepare_saves``,
+  as training does before its first step); a second async save (into the same buffers) is timed too.
 
 Per rank: seconds, bytes of the files it wrote, bytes of all its write calls (``/proc/self/io`` wchar: files
 and the gloo sockets, the background thread included), and the

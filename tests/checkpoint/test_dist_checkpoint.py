@@ -127,6 +127,30 @@ def _late_first_write(delay_s: float = 2.0):
         filesystem.FileSystemWriter.write_data = write
 
 
+@contextlib.contextmanager
+def _staging_probe(seen: dict):
+    """Record how many staging buffer sets --async-save allocates (``seen["built"]``) and, per iteration,
+    the memory of the pieces it hands to the background write (``seen[N]``: sorted data pointers)."""
+    from omnitron.core.checkpoint import dist, dist_staging
+
+    init, write = dist_staging.Staging.__init__, dist.write
+
+    def counted(self, *a, **kw):
+        seen["built"] = seen.get("built", 0) + 1
+        init(self, *a, **kw)
+
+    def recorded(tmp, rank, pieces, *a, **kw):
+        seen[int(os.path.basename(tmp).split("_")[1].split(".")[0])] = sorted(
+            v.data_ptr() for _, ps in pieces.values() for _, v in ps)
+        return write(tmp, rank, pieces, *a, **kw)
+
+    dist_staging.Staging.__init__, dist.write = counted, recorded
+    try:
+        yield
+    finally:
+        dist_staging.Staging.__init__, dist.write = init, write
+
+
 def _async_failure(run) -> str:
     """An --async-save run whose rank 1 fails to write a digest of iteration 2 (after DCP's write, so
     the other ranks' writes succeed): the error this rank raises at the end-of-training commit."""
@@ -165,7 +189,8 @@ def _worker(root):
     out["live"] = _live_full(c)
     out["loaded"] = _snapshot(run(A, "A_rt", "--load", ck, "--train-iters", str(N))["components"])
     out["cont_A"] = run(A, "cont_A", "--load", ck)["losses"]
-    with _late_first_write():
+    out["staging"] = {}
+    with _late_first_write(), _staging_probe(out["staging"]):
         run(A, "A_async", "--exit-interval", str(N), "--save-interval", "1", "--async-save")
     out["cont_async"] = run(A, "cont_async", "--load", os.path.join(root, "A_async"))["losses"]
     for name, layout in B.items():
@@ -218,6 +243,18 @@ def test_async_save_equals_the_synchronous_one(results):
         for r in range(4):
             _same(read_shard(a, r), read_shard(s, r), f"iteration {it} rank {r}")
     assert res[0]["cont_async"] == {i: v for i, v in res[0]["full"].items() if i > N}
+
+
+def test_async_save_reuses_its_staging_buffers(results):
+    """The host staging buffers are allocated once (before the first step) and every save copies into
+    the same memory: iteration 2's write reads the buffers iteration 1's wrote from. That reuse corrupts
+    neither checkpoint: both equal the synchronous saves bit for bit
+    (:func:`test_async_save_equals_the_synchronous_one`)."""
+    _, res = results
+    for r, rank in enumerate(res):
+        seen = rank["staging"]
+        assert seen["built"] == 1, (r, seen["built"])
+        assert seen[1] and seen[1] == seen[N], f"rank {r}: iteration {N} was staged in other memory"
 
 
 def test_async_save_failure_on_one_rank_commits_nothing(results):

@@ -1,19 +1,22 @@
 """``--async-save`` for ``--ckpt-format torch_dist``: the step waits only for a host snapshot of the state.
 
 A save (:meth:`AsyncSaver.save`, collective over the world) first finishes the previous one
-(:meth:`AsyncSaver.wait`), then makes ``iter_N.tmp``, copies every piece this rank writes into host
-memory (on a CPU backend: a copy; the staging memory is the rank's written state, once) and returns;
-a thread writes the snapshot through DCP (:func:`omnitron.core.checkpoint.dist.write`) while training
-goes on. :meth:`AsyncSaver.wait` -- called by the next save and at the end of training, on every rank
-at the same point -- joins the thread, agrees over the ranks that every write succeeded (one small
-all-reduce on the main thread), and only then commits (checksums into metadata.json, rename,
-``latest``). A process killed before that leaves ``iter_N.tmp`` uncommitted and ``latest`` on the
-previous checkpoint; the next save's ``_begin`` removes the stale directory.
+(:meth:`AsyncSaver.wait`), then copies every piece this rank writes into host staging buffers
+(:class:`~omnitron.core.checkpoint.dist_staging.Staging`: allocated once, before the first step, and
+reused by every save; their size, logged then, is the bytes this rank writes -- at most one copy of its
+own state) and returns; a thread makes ``iter_N.tmp`` (rank 0; the threads meet in a barrier after it,
+so the step never waits for another rank) and writes the staged copy through DCP
+(:func:`omnitron.core.checkpoint.dist.write`) while training goes on. :meth:`AsyncSaver.wait` -- called
+by the next save and at the end of training, on every rank at the same point -- joins the thread, agrees
+over the ranks that every write succeeded (one small all-reduce on the main thread), and only then
+commits (checksums into metadata.json, rename, ``latest``). A process killed before that leaves
+``iter_N.tmp`` uncommitted and ``latest`` on the previous checkpoint; the next save's ``_begin`` removes
+the stale directory.
 
 Collectives: the thread's DCP save (its planning and result exchange) runs over a process group of
 its own, made once over the world (every rank makes it at the same point: :meth:`AsyncSaver.prepare`,
-which training calls before its first step so that no save pays for it; else the first save), so it
-never interleaves with the training's collectives on the main thread's groups.
+which training calls before its first step so that no save pays for it or for the staging buffers;
+else the first save), so it never interleaves with the training's collectives on the main thread's groups.
 """
 from __future__ import annotations
 
@@ -26,14 +29,15 @@ import torch
 
 from omnitron.core.checkpoint import dist, io
 from omnitron.core.checkpoint.dist_planner import Pieces
+from omnitron.core.checkpoint.dist_staging import Staging
 from omnitron.core.checkpoint.io import CheckpointError
 
 log = logging.getLogger("omnitron.train")
 
 
-def snapshot(pieces: Pieces) -> Pieces:
-    """A copy of every piece in host memory (the live tensors may change once this returns)."""
-    return {k: (shape, [(off, v.detach().to("cpu", copy=True)) for off, v in ps]) for k, (shape, ps) in pieces.items()}
+def saved_pieces(c) -> Pieces:
+    """The live pieces this rank writes (weights and optimizer state)."""
+    return {**dist.model_pieces(c, save=True), **dist.optimizer_pieces(c, save=True)}
 
 
 @dataclass
@@ -50,20 +54,38 @@ class AsyncSaver:
     """One run's background torch_dist saves (at most one in flight; see the module docstring)."""
 
     def __init__(self, collectives) -> None:
-        self.coll, self.group, self.pending = collectives, None, None
+        self.coll, self.group, self.pending, self.staging = collectives, None, None, None
 
-    def prepare(self, world_size: int) -> None:
-        """Collective (once): make the background writes' process group over the world."""
+    def prepare(self, c) -> None:
+        """Collective (once): make the background writes' process group over the world, and the host
+        staging buffers (:meth:`_staging`)."""
+        self._writer_group(c)
+        self._staging(c, saved_pieces(c))
+
+    def _writer_group(self, c) -> None:
+        """Collective the first time: the background writes' own process group (none without one)."""
         if self.group is None and self.coll.is_initialized():
-            self.group = self.coll.new_group(range(world_size))
+            self.group = self.coll.new_group(range(c.groups.world_size))
+
+    def _staging(self, c, pieces: Pieces) -> Staging:
+        """The staging buffers for ``pieces``: the cached ones, or (first use, or the pieces moved: a
+        reloaded optimizer state) new ones, logged with their size."""
+        if self.staging is None or not self.staging.matches(pieces):
+            again = self.staging is not None
+            self.staging = None  # the old buffers go before the new ones are allocated
+            self.staging = Staging(pieces, pin=c.backend.current_device().type != "cpu")
+            if c.groups.rank == 0:
+                log.info("--async-save: %s host staging buffers of %.1f MiB on rank 0 (one copy of the state it "
+                         "writes), reused by every save", "new" if again else "allocated", self.staging.nbytes / 2**20)
+        return self.staging
 
     def save(self, c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
         """Collective: finish the previous save, snapshot this rank's pieces and start writing them;
         returns the directory ``iter_N`` becomes once :meth:`wait` commits it."""
         self.wait(c, barrier)
-        final = dist.begin(c, save_dir, iteration, barrier)
-        pieces = snapshot({**dist.model_pieces(c, save=True), **dist.optimizer_pieces(c, save=True)})
-        self.prepare(c.groups.world_size)
+        final, rank = os.path.join(save_dir, io.iter_dir_name(iteration)), c.groups.rank
+        pieces = self._staging(c, saved_pieces(c)).stage(c.backend.synchronize)
+        self._writer_group(c)  # made here only when not prepared before the first step
         error: list = []
         device = c.backend.current_device()
 
@@ -71,8 +93,14 @@ class AsyncSaver:
             try:
                 if device.index is not None:  # a new thread starts on device 0; DCP's object collectives use it
                     c.backend.set_device(device.index)
-                dist.write(final + ".tmp", c.groups.rank, pieces, local, self.group)
+                if rank == 0:
+                    io._begin(save_dir, final)
             except BaseException as err:  # noqa: BLE001 - reported on the main thread by wait()
+                error.append(err)
+            try:  # even after a failed begin: the other ranks' collectives need this rank's (nothing commits)
+                self.coll.barrier(self.group)  # every rank writes into the iter_N.tmp rank 0 made
+                dist.write(final + ".tmp", rank, pieces, local, self.group)
+            except BaseException as err:  # noqa: BLE001
                 error.append(err)
 
         thread = threading.Thread(target=run, name=f"omnitron-async-save-{iteration}", daemon=True)

@@ -320,7 +320,8 @@ class CheckpointConfig:
     Loading reads either, told by the checkpoint's metadata whatever this flag says."""
     async_save: bool = False
     """--async-save: a save blocks the step only for a host copy of the state; writing goes on in the
-    background and is committed (``latest`` moved) by the next save or the end of training (torch_dist only)."""
+    background and is committed (``latest`` moved) by the next save or the end of training (torch_dist only).
+    Costs host memory for the run: staging buffers of what the rank writes (at most one copy of its state)."""
 
     def __post_init__(self) -> None:
         if self.save_interval is not None and self.save_interval < 1:

@@ -163,11 +163,11 @@ def _save_dist(c) -> str:
 
 
 def prepare_saves(c) -> None:
-    """Collective, before the first step: ``--async-save`` makes its writer's process group now, so that the
-    first save blocks the step for its snapshot only."""
+    """Collective, before the first step: ``--async-save`` makes its writer's process group and its host
+    staging buffers now, so that the first save blocks the step for its copy into them only."""
     ck = c.settings.checkpoint
     if ck.async_save and ck.save and ck.ckpt_format == "torch_dist":
-        _async_saver(c).prepare(c.groups.world_size)
+        _async_saver(c).prepare(c)
 
 
 def finish_saves(c) -> None:
