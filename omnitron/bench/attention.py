@@ -3,6 +3,12 @@ unfused math (scores materialised), forward + backward, by sequence length.
 
 TFLOP/s count the two GEMMs of attention, ``4 b h s^2 d`` forward (halved when causal) and 2x that
 backward: ``3 x`` in all, the convention of the FlashAttention papers.
+
+Ring attention's per-block kernel (impl ``ring_block``: the backend's ``attention_block_forward`` and
+``attention_block_backward``, what each step of context parallelism runs) is measured beside them on one
+block of ``s`` query and key rows, causal (a ring's first step) and not (every later step), with the ring's
+seeded dropout mask at ``p = 0.1`` drawn before the forward and again before the backward, as the ring does
+(``dropout`` 0.0: no mask), so ``omnitron plan`` prices context parallelism's attention from its own kernel.
 """
 from __future__ import annotations
 
@@ -46,4 +52,29 @@ def run(backend, *, seqs: list[int], heads: int = 8, head_dim: int = 64, batch: 
             rows.append({"impl": impl, "dtype": name, "seq": s, "heads": heads, "head_dim": head_dim,
                          "causal": causal, "batch": batch, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
             log(f"attention {impl:10s} seq {s:6d}: {ms:9.3f} ms {rows[-1]['tflops']:8.3f} TFLOP/s")
+        rows += _ring_rows(backend, q.detach(), k.detach(), v.detach(), grad, rounds, budget_s, log)
     return rows
+
+
+def _ring_rows(backend, q, k, v, grad, rounds: int, budget_s: float, log) -> list[dict]:
+    """``ring_block`` rows at this sequence length: causal and full blocks, with and without dropout."""
+    from omnitron.core.parallel.context.ring import block_dropout
+
+    kern, (b, h, s, d) = backend.kernels, q.shape
+    out = []
+    for causal in (True, False):
+        for p in (0.0, 0.1):
+            def step(causal=causal, p=p):
+                drop = block_dropout(1, 0, 1, (b, h, s, s), p, q.dtype, q.device) if p else None
+                o, lse = kern.attention_block_forward(q, k, v, causal=causal, scale=d ** -0.5, drop=drop)
+                drop = block_dropout(1, 0, 1, (b, h, s, s), p, q.dtype, q.device) if p else None
+                kern.attention_block_backward(grad, q, k, v, o, lse, causal=causal, scale=d ** -0.5, drop=drop)
+
+            ms = median_ms(step, backend, rounds=rounds, budget_s=budget_s)
+            flops = 3 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            out.append({"impl": "ring_block", "dtype": str(q.dtype).replace("torch.", ""), "seq": s, "heads": h,
+                        "head_dim": d, "causal": causal, "batch": b, "dropout": p, "ms": ms,
+                        "tflops": flops / (ms * 1e-3) / 1e12})
+            log(f"attention ring_block seq {s:6d} causal {causal!s:5} dropout {p}: {ms:9.3f} ms "
+                f"{out[-1]['tflops']:8.3f} TFLOP/s")
+    return out

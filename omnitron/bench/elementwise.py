@@ -4,7 +4,10 @@ and backward, by element count: what ``omnitron plan``'s speed model prices them
 Ops (plain torch, autograd; the CPU runs them unfused): ``dropout`` (the random mask and its multiply),
 ``gelu``, ``silu_mul`` (SwiGLU's gate), ``layer_norm`` and ``rms_norm`` (rows of ``width``), ``softmax`` (rows of
 ``width``), ``add`` (the residual), ``cross_entropy`` (rows of ``width`` classes), and ``adamw`` (one
-``torch.optim.AdamW`` step per element, mode ``step``). A row's ``ms`` is the median of the forward alone
+``torch.optim.AdamW`` step per element, mode ``step``); ring attention's own: ``block_dropout`` (the ring's
+seeded mask of one block, :func:`omnitron.core.parallel.context.ring.block_dropout`, and its multiply) and
+``ring_merge`` (the merge of one block's partial result into the running output, head dim 64; forward only:
+the ring's backward recomputes instead). A row's ``ms`` is the median of the forward alone
 (mode ``fwd``) or of the backward alone (mode ``bwd``: forward + backward minus forward).
 """
 from __future__ import annotations
@@ -14,7 +17,9 @@ import torch.nn.functional as F
 
 from omnitron.bench.timing import median_ms
 
-OPS = ("dropout", "gelu", "silu_mul", "layer_norm", "rms_norm", "softmax", "add", "cross_entropy", "adamw")
+OPS = ("dropout", "gelu", "silu_mul", "layer_norm", "rms_norm", "softmax", "add", "cross_entropy", "adamw",
+       "block_dropout", "ring_merge")
+_FORWARD_ONLY = ("ring_merge",)
 
 
 def _fn(op: str, n: int, width: int, dtype, dev):
@@ -38,6 +43,17 @@ def _fn(op: str, n: int, width: int, dtype, dev):
     if op == "add":
         y = torch.randn_like(x, requires_grad=True)
         return (lambda: x + y), x
+    if op == "block_dropout":
+        from omnitron.core.parallel.context.ring import block_dropout
+
+        return (lambda: x * block_dropout(1, 0, 1, x.shape, 0.1, dtype, dev)), x
+    if op == "ring_merge":
+        from omnitron.core.parallel.context.ring import _merge
+
+        shape = (1, 1, max(1, n // 64), 64)
+        out, o = (torch.randn(shape, device=dev, dtype=dtype) for _ in range(2))
+        lse, lo = (torch.randn(shape[:3], device=dev, dtype=dtype) for _ in range(2))
+        return (lambda: _merge(out, lse, o, lo)), None
     if op == "cross_entropy":
         target = torch.randint(0, width, (rows,), device=dev)
         return (lambda: F.cross_entropy(x.float(), target)), x
@@ -59,6 +75,8 @@ def run(backend, *, sizes: list[int], ops=OPS, width: int = 256, dtype=torch.flo
         for n in sizes:
             if op == "adamw":
                 got = {"step": _adamw_ms(n, dev, rounds, budget_s, backend)}
+            elif op in _FORWARD_ONLY:
+                got = {"fwd": median_ms(_fn(op, n, width, dtype, dev)[0], backend, rounds=rounds, budget_s=budget_s)}
             else:
                 fwd, x = _fn(op, n, width, dtype, dev)
                 out = fwd()

@@ -124,7 +124,7 @@ class Rates:
             return 3 * self.gemm_s(_GEMM_DTYPE.get(dtype, dtype), side, side, side, threads)
         rows, f = self._pick(self.attention, threads, "attention")
         name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
-        impl = [r for r in rows if (r["impl"] == "math") == math_path]
+        impl = [r for r in rows if (r["impl"] == "math") == math_path and r["impl"] != "ring_block"]
         named = [r for r in impl if r["dtype"] == name]
         mine = named or impl or rows
         if not named:
@@ -135,6 +135,24 @@ class Rates:
             return 3 * 4 * r.get("batch", 1) * r["heads"] * r["seq"] ** 2 * r["head_dim"] * (0.5 if r["causal"] else 1)
 
         return flops / (_loglog(_points(mine, fl), flops) * f * 1e12)
+
+    def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1) -> float | None:
+        """Seconds of one ring-attention block (forward + backward) worth ``flops`` (the bench's count), from the
+        report's ``ring_block`` rows of that mask and dropout; None when the report has none (older reports)."""
+        if not self.attention:
+            return None
+        rows, f = self._pick(self.attention, threads, "attention")
+        name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+        mine = [r for r in rows if r["impl"] == "ring_block" and r["causal"] == causal
+                and (r.get("dropout", 0.0) > 0) == dropout]
+        named = [r for r in mine if r["dtype"] == name] or mine
+        if not named:
+            return None
+
+        def fl(r):
+            return 3 * 4 * r.get("batch", 1) * r["heads"] * r["seq"] ** 2 * r["head_dim"] * (0.5 if r["causal"] else 1)
+
+        return flops / (_loglog(_points(named, fl), flops) * f * 1e12)
 
     def elementwise_s(self, op: str, mode: str, elements: float, threads: int = 1) -> float:
         """Seconds of element-wise ``op`` (``mode`` fwd, bwd or step) over ``elements`` elements; 0 without an

@@ -6,7 +6,8 @@ the rest and the layers; cp (1, 2, 4, 8) divides the rest and splits the sequenc
 what remains and with the micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give
 it; vpp (1, 2, 4) where pp > 1 divides the layers per stage; full recomputation (uniform, 1 layer) on / off;
 the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
-memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate is a full :class:`Settings`, so the engine's own validation rejects what it would.
+memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate
+is a full :class:`Settings`, so the engine's own validation rejects what it would.
 
 First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
 no vpp, recomputation and the distributed optimizer on): when even that does not fit, the error names it. Else
@@ -50,7 +51,8 @@ class Choice:
         vp = pc.virtual_pipeline_model_parallel_size or 1
         ep = pc.expert_model_parallel_size
         return (f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size} "
-                f"dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" vpp{vp}" if vp > 1 else "") + f" mbs{s.training.micro_batch_size}"
+                f"dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" vpp{vp}" if vp > 1 else "")
+                + f" mbs{s.training.micro_batch_size}"
                 + (" recompute" if self.flags.get("recompute_granularity") else "")
                 + (" distopt" if self.flags.get("use_distributed_optimizer") else ""))
 

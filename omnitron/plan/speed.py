@@ -7,7 +7,9 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    stage's logits) + core attention + its tensor-parallel collectives + ring hops + the send of its output
    to the next stage; backward = 2 x the forward GEMMs and attention (input and weight gradients), the
    backward collectives, and, with ``--recompute-granularity full``, the recomputed layers' forward again
-   (``selective``: the core attention's forward again).
+   (``selective``: the core attention's forward again). Context parallelism's attention is its ring's steps,
+   each block at the report's ``ring_block`` rate (the engine's block kernel with the ring's own dropout
+   masks), plus the merges of the partial results and the backward's gradient accumulations.
 2. **The pipeline**: those costs run through the schedule's own action table on an ideal clock
    (:func:`omnitron.core.parallel.pipeline.simulate.simulate`): the step's makespan. The bubble is the
    makespan minus the busiest rank's work, ``(pp - 1) / m`` of it for 1F1B with equal stages and
@@ -123,27 +125,43 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
-    gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp)
+    ring = cp > 1 and rates.ring_block_s(dt, 1.0, True, cfg.attention_dropout > 0, threads) is not None
+    gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=not ring)
     if moe:
         m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
         act = "silu_mul" if cfg.swiglu else "gelu"
         gemms = gemms[:2] + moe_work.moe_gemms(m)  # attention's qkv and proj, then the MoE MLP
         ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
     gemm = sum(rates.gemm_s("fp32" if name == "router" else dt, mm, n, k, threads) for name, mm, n, k in gemms) * slow
-    # ring attention: cp block calls of 1 / cp of the work each (a smaller call's rate); the merge of the
-    # blocks' partial results is not priced
-    attn = cp * rates.attention_s(dt, 3 * work.attention_flops(x) / cp, cfg.attention_dropout > 0, threads) * slow
+    attn = _attention(cfg, x, rates, dt, threads) * slow
+    # ring attention's merges and gradient accumulations (its blocks' dropout is in their rate)
+    ring_f, ring_b = work.cp_ring_elementwise(x) if ring else ([], [])
     hops_f, hops_b, per = work.cp_ring(x, elem)
     hop = rates.comm_s("p2p", per, cp) if cp > 1 else 0.0
     c = StageCost(attention_f=attn / 3)
     c.f["compute"], c.b["compute"] = gemm + attn / 3, 2 * gemm + 2 * attn / 3
     c.f["cp"], c.b["cp"] = hops_f * hop, hops_b * hop
-    c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew) * slow
-    c.b["elementwise"] = sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ew) * slow
+    c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew + ring_f) * slow
+    c.b["elementwise"] = (sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ew) +
+                          sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ring_b)) * slow
     for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe)):
         for key, op, n, ranks in rows:
             d[key] += rates.comm_s(op, n, ranks)
     return c
+
+
+def _attention(cfg, x, rates, dt: str, threads: int) -> float:
+    """Seconds of one layer's core attention, forward + backward, per micro-batch. At cp > 1 each ring step's
+    block (:func:`work.cp_blocks`) at the report's ``ring_block`` rate; older reports without those rows: cp
+    calls of ``1 / cp`` of the work at the attention rate (noted)."""
+    drop = cfg.attention_dropout > 0
+    if x.cp > 1:
+        blocks = [rates.ring_block_s(dt, fl, causal, drop, threads) for fl, causal in work.cp_blocks(x)]
+        if None not in blocks:
+            return sum(blocks)
+        rates.note("attention: no ring_block rows (an older `omnitron bench attention` report); ring attention "
+                   "priced as cp calls of the fused path and its merges left out")
+    return x.cp * rates.attention_s(dt, 3 * work.attention_flops(x) / x.cp, drop, threads)
 
 
 def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool, nxt: bool,

@@ -135,6 +135,27 @@ def cp_ring(x: Local, elem: int) -> tuple[int, int, int]:
     return x.cp - 1, 2 * x.cp - 1, per
 
 
+def cp_blocks(x: Local) -> list[tuple[float, bool]]:
+    """(FLOPs forward + backward in the bench's count, causal) of each ring step's block on the busiest rank:
+    step 0 is the rank's own causal block (``s / cp`` query and key rows); each later step a full block of all
+    its query rows against half of the visiting keys (or half its rows against all: the same size)."""
+    q = x.seq // x.cp
+    full = 3 * 4.0 * x.batch * x.heads * q * q * x.head_dim
+    return [(full * 0.5, True)] + [(full * 0.5, False)] * (x.cp - 1)
+
+
+def cp_ring_elementwise(x: Local) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) element-wise work of one layer's ring attention beyond its block kernels: the merge of
+    each later step's partial result into the output (``ring_merge`` over ``[b, a/tp, s/cp, d]``); backward, per
+    step, the query-gradient accumulation and the circulating key/value gradient's zeroing, fill and
+    accumulation (``add`` over ``[b, a/tp, s/cp, d]`` and 3 x ``[2, b, g/tp, s/cp, d]``)."""
+    if x.cp == 1:
+        return [], []
+    q = x.batch * x.heads * (x.seq // x.cp) * x.head_dim
+    kv = 2 * x.batch * x.groups * (x.seq // x.cp) * x.head_dim
+    return [("ring_merge", q)] * (x.cp - 1), ([("add", q)] + [("add", kv)] * 3) * x.cp
+
+
 def pp_message(x: Local, elem: int, sp: bool) -> int:
     """Bytes of the activation (forward) or its gradient (backward) sent between two stages: ``[s/cp, b, h]``
     (split over tp under SP)."""
@@ -153,7 +174,7 @@ def layer_params(cfg, tp: int) -> float:
 
 
 # ---- element-wise work per micro-batch ---------------------------------------------------------------
-def layer_elementwise(cfg, x: Local, sp: bool) -> list[tuple[str, int]]:
+def layer_elementwise(cfg, x: Local, sp: bool, attention_dropout: bool = True) -> list[tuple[str, int]]:
     """(op, elements) of one layer's element-wise forward ops on one rank (each has a backward of the same size):
     two norms, two residual adds and (with ``--hidden-dropout``) two dropouts on the ``[T, h]`` stream (its
     ``1 / tp`` shard under SP), the MLP activation on ``[T, f / tp]``, and with ``--attention-dropout`` the
@@ -165,9 +186,14 @@ def layer_elementwise(cfg, x: Local, sp: bool) -> list[tuple[str, int]]:
     if cfg.hidden_dropout > 0:
         ops += [("dropout", stream), ("dropout", stream)]
     ops.append(("silu_mul" if cfg.swiglu else "gelu", x.tokens * x.ffn))
-    if cfg.attention_dropout > 0:
-        ops.append(("dropout", x.batch * x.heads * (x.seq // x.cp) * x.seq))
+    if cfg.attention_dropout > 0 and attention_dropout:  # (False: ring attention's blocks draw their own)
+        ops.append(("dropout", attention_dropout_elements(cfg, x)))
     return ops
+
+
+def attention_dropout_elements(cfg, x: Local) -> int:
+    """Elements of one layer's attention-probability dropout: ``[b, a / tp, s / cp, s]``."""
+    return x.batch * x.heads * (x.seq // x.cp) * x.seq
 
 
 def embedding_elementwise(cfg, x: Local, sp: bool) -> list[tuple[str, int]]:

@@ -47,13 +47,16 @@ def test_subcommands_write_valid_reports(tmp_path, capsys):
     from omnitron.bench import elementwise
 
     ew = {(r["op"], r["mode"], r["elements"]) for r in reps["elementwise"]["rows"]}
-    assert ew == {(op, mode, n) for op in elementwise.OPS for mode in (("step",) if op == "adamw" else ("fwd", "bwd"))
+    modes = {"adamw": ("step",), "ring_merge": ("fwd",)}
+    assert ew == {(op, mode, n) for op in elementwise.OPS for mode in modes.get(op, ("fwd", "bwd"))
                   for n in (1024, 4096)}
     assert all(r["ms"] >= 0 for r in reps["elementwise"]["rows"])
     assert {r["dtype"] for r in reps["gemm"]["rows"]} == {"fp32", "bf16", "fp8-tensor", "fp8-block"}
     assert {r["shape"] for r in reps["gemm"]["rows"]} >= {"square:64", "gpt2_tiny:qkv", "gpt2_tiny:fc1-wgrad"}
     _figures_ok(reps["memory"], "ms", "gbs")
     _figures_ok(reps["attention"], "ms", "tflops")
+    ring = {(r["causal"], r["dropout"]) for r in reps["attention"]["rows"] if r["impl"] == "ring_block"}
+    assert ring == {(True, 0.0), (True, 0.1), (False, 0.0), (False, 0.1)}
     _figures_ok(reps["comm"], "ms", "algbw_gbs", "busbw_gbs")
     assert {r["op"] for r in reps["comm"]["rows"]} == set(comm.OPS)
     for row in reps["comm"]["rows"]:  # the report's figures follow the definition (float64 both ways: ~1e-16)
