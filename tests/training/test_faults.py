@@ -146,3 +146,19 @@ def test_summary_names_the_cause_first():
     reports = {1: {"rank": 1, "kind": err[0], "line": err[1]}, 0: {"rank": 0, "kind": "peer", "line": "closed"}}
     assert summarize([w(0, 1, 1), w(1, 1, 0)], reports) == [
         "rank 1 (pid 101) failed: ValueError: bad shape", "rank 0 then lost the connection to it (closed)"]
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["/usr/bin/omnitron", "generate", "--load", "x"], "omnitron generate"),
+    (["/x/omnitron/__main__.py", "serve", "--port", "1"], "omnitron serve"),
+    (["/usr/bin/omnitron", "train", "--config", "a.yaml"], "omnitron train"),
+    (["/x/omnitron/train.py", "--train-iters", "3"], "omnitron train"),  # python -m omnitron.train (torchrun)
+])
+def test_failure_lines_name_the_sub_command(monkeypatch, argv, want):
+    """The launcher's failure lines are prefixed with the sub-command the user ran, not always ``train``."""
+    import sys
+
+    from omnitron.core.training.workers import command_name
+
+    monkeypatch.setattr(sys, "argv", argv)
+    assert command_name() == want

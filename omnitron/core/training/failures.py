@@ -78,7 +78,9 @@ def handle(exc: BaseException, rank: int, dump) -> int:
     elif kind == "peer":
         log.error("rank %d: lost a peer (%s); the failing rank's own message comes first", rank, line)
     elif kind == "stopped":  # one process: the reason is the whole message
-        print(f"omnitron train: error: {line}", file=sys.stderr)
+        from omnitron.core.training.workers import command_name
+
+        print(f"{command_name()}: error: {line}", file=sys.stderr)
     else:
         log.error("rank %d: %s", rank, line)
     sys.stderr.flush()

@@ -149,7 +149,18 @@ def run_workers(settings, entry, n: int, worker) -> int:
     codes = [w["exitcode"] for w in workers]
     if not any(codes):
         return 0
+    name = command_name()
     for line in failures.summarize(workers, reports):
-        print(f"omnitron train: {line}", file=sys.stderr)
-    print(f"omnitron train: worker exit codes {codes}", file=sys.stderr)
+        print(f"{name}: {line}", file=sys.stderr)
+    print(f"{name}: worker exit codes {codes}", file=sys.stderr)
     return 1
+
+
+def command_name() -> str:
+    """``omnitron <sub-command>`` this process runs (``omnitron train`` when started otherwise, e.g. ``python -m
+    omnitron.train``): the prefix of its one-line failure reports."""
+    args = sys.argv[1:]
+    sub = next((a for a in args if not a.startswith("-")), None)
+    known = ("train", "generate", "serve")
+    return f"omnitron {sub}" if os.path.basename(sys.argv[0]) in ("omnitron", "__main__.py") and sub in known \
+        else "omnitron train"
