@@ -2,9 +2,9 @@
 
 ``pytest tests/backends --backend NAME`` runs the suite on NAME. On ``cpu`` (this machine's
 default) it also runs on ``musa-double``: the MUSA backend's code over the torch_musa test double
-(host tensors, ``mccl`` over gloo). Test ids carry the backend name, so those results read
-``[musa-double]`` and are never reported as MUSA. The double's tensors are ``torch.device("musa")`` tensors
-on the sim device (tests/conftest.py names this process's PrivateUse1 ``musa`` at start). ``OMNITRON_TEST_MUSA_DOUBLE=1`` adds the double
+(``torch.device("musa")`` tensors on the sim device, ``mccl`` for them; tests/conftest.py names this
+process's PrivateUse1 ``musa`` at start). Test ids carry the backend name, so those results read
+``[musa-double]`` and are never reported as MUSA. ``OMNITRON_TEST_MUSA_DOUBLE=1`` adds the double
 beside any other backend; ``--backend musa-double`` runs it alone.
 """
 from __future__ import annotations

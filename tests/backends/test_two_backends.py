@@ -9,6 +9,7 @@ from omnitron.backends import registry
 from omnitron.backends.cpu import CPUBackend
 from omnitron.core.models.gpt import GPTModel, llama_tiny
 from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.parallel.tensor.sharding import to_device
 from omnitron.testing.musa_double import requires_double
 
 
@@ -46,7 +47,7 @@ def _loss(backend, tokens, labels) -> torch.Tensor:
     cfg = llama_tiny(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=61,
                      seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
     device = backend.device()  # cpu, or torch.device("musa", 0): the double's tensors live on its device
-    model = GPTModel(cfg, ParallelGroups.single(backend=backend), seed=3).to(device)
+    model = to_device(GPTModel(cfg, ParallelGroups.single(backend=backend), seed=3), device)
     tokens, labels = tokens.to(device), labels.to(device)
     pos = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
     loss = model(tokens=tokens, position_ids=pos, labels=labels).mean()
