@@ -12,6 +12,7 @@ import torch
 from omnitron.testing import musa_double
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
 from omnitron.testing.musa_double import requires_double
+from omnitron.testing.sim import requires_sim
 
 ITERS = 4
 
@@ -105,7 +106,7 @@ def train_recording_placement(root: str) -> dict:
             "dist": dist.get_backend()}
 
 
-@requires_double()
+@requires_sim()  # the double runs in the spawned workers: only the build matters
 @pytest.mark.multiprocess
 def test_training_on_the_musa_double_matches_cpu(tmp_path):
     env = {**REFERENCE_KERNELS, "OMNITRON_EXTRA_BACKENDS": musa_double.TARGET}
