@@ -2,7 +2,8 @@
 # Smoke test for a machine with a real Moore Threads GPU (torch_musa installed with its own
 # torch build; run from a checkout of this repository). Everything omnitron checks here against
 # the MUSA *test double* is checked again on the real thing:
-#   1. manifest: every torch_musa name the backend calls (omnitron/backends/musa/manifest.txt)
+#   1. manifest: every torch_musa name the test double provides (omnitron/backends/musa/manifest.txt,
+#      a superset of the names the backend calls)
 #      exists in this torch_musa
 #   2. `omnitron info` on musa: arch, FP8 gating, resolved kernel table
 #   3. the backend conformance suite on musa: device API, streams/events, memory, RNG, FP8,

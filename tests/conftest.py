@@ -16,6 +16,21 @@ def pytest_configure(config):
     os.environ["OMNITRON_BACKEND"] = name
     # DESIGN rule 7: the suite runs under NCCL's rules (fingerprinted collectives, in-order p2p)
     os.environ.setdefault("OMNITRON_STRICT_COLLECTIVES", "1")
+    _prepare_musa_double(name)
+
+
+def _prepare_musa_double(name: str) -> None:
+    """Where tests install the MUSA double in this process (cpu and musa-double sessions), name PrivateUse1
+    ``musa`` now, before any backward: autograd sizes its device queues once, at the first backward. Not on
+    other backends: a named PrivateUse1 becomes torch's accelerator (a cuda session would lose its own)."""
+    if name in ("cpu", "musa-double") or os.environ.get("OMNITRON_TEST_MUSA_DOUBLE") == "1":
+        from omnitron.testing import musa_double
+
+        if musa_double.unavailable() is None:
+            musa_double.prepare()
+        extra = os.environ.get("OMNITRON_EXTRA_BACKENDS", "")
+        if name == "musa-double" and musa_double.TARGET not in extra:  # spawned workers resolve it too
+            os.environ["OMNITRON_EXTRA_BACKENDS"] = ",".join(filter(None, (extra, musa_double.TARGET)))
 
 
 @pytest.fixture(scope="session")
@@ -34,5 +49,5 @@ def pytest_collection_modifyitems(config, items):
     name = os.environ.get("OMNITRON_BACKEND", "cpu")
     skip_gpu = pytest.mark.skip(reason=f"needs a GPU backend; running on {name!r}")
     for item in items:
-        if "gpu" in item.keywords and name in ("cpu", "sim"):  # sim is simulated: no GPU under it
+        if "gpu" in item.keywords and name in ("cpu", "sim", "musa-double"):  # sim (and the double over it) is simulated
             item.add_marker(skip_gpu)

@@ -1,27 +1,32 @@
-"""A test double of exactly the torch_musa surface ``omnitron.backends.musa`` calls.
+"""A test double of torch_musa over the sim device: ``torch.device("musa")`` tensors without MUSA hardware.
 
-No MUSA hardware is at hand, so the MUSA backend's own code is exercised against this stand-in:
-tensors live on the host CPU, ``"mccl"`` is registered over gloo with
-``torch.distributed.Backend.register_backend``, and ``torch.rope`` / ``torch.swish_glu`` are
-written here from torch_musa's documented semantics (independently of omnitron's references).
-Results obtained this way are labelled **MUSA-double**, never MUSA.
+No MUSA hardware is at hand, so the MUSA backend's own code runs against this stand-in. Installing it
+names this process's PrivateUse1 device ``musa`` over ``omnitron._sim`` (csrc/sim, the simulated
+accelerator): tensors live on ``torch.device("musa", i)``, ``torch.musa`` is the ``torch_musa`` module
+(as in torch_musa, where the package is the runtime module), its memory statistics are the device
+allocator's bytes and its generator is the device's own (``musa_runtime.py``), and ``mccl`` is registered
+with ``torch.distributed.Backend.register_backend`` for ``musa`` tensors (gloo on host staging copies).
+``torch.rope`` / ``torch.swish_glu`` are written here from torch_musa's documented semantics
+(independently of omnitron's references). Results obtained this way are labelled **MUSA-double**, never MUSA.
+
+The surface is built from torch_musa's documented API (names, signatures, defaults), not from what the
+backend calls; ``manifest.txt`` lists it, and a test checks the two are equal and that the backend calls
+nothing outside it. A process can name PrivateUse1 once, so a process that installed the double keeps a
+``musa`` device (and ``Tensor.musa()``, and ``mccl``) after :func:`uninstall`, which removes ``torch_musa``,
+``torch.musa`` and the added ops; the sim backend cannot load in that process (and vice versa).
 
 The double is installed into ``sys.modules`` only by tests: ``with installed(): ...``, or by
 constructing :class:`MUSADoubleBackend` (what spawned workers do through
 ``OMNITRON_EXTRA_BACKENDS=musa-double=omnitron.testing.musa_double:MUSADoubleBackend``).
-It refuses to install over a real torch_musa. Its surface equals ``manifest.txt`` (checked).
+It refuses to install over a real torch_musa.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
-import os
 import pathlib
 import sys
-import time
 import types
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -29,21 +34,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from omnitron.backends.musa.backend import MUSABackend
+from omnitron.backends.sim import device as sim_device
+from omnitron.testing import musa_runtime
+from omnitron.testing.musa_runtime import DoubleConfig
 
 LABEL = "MUSA-double"
 MANIFEST = pathlib.Path(__file__).resolve().parents[1] / "backends" / "musa" / "manifest.txt"
 TARGET = "musa-double=omnitron.testing.musa_double:MUSADoubleBackend"
 """Value for ``OMNITRON_EXTRA_BACKENDS`` that makes ``get_backend("musa-double")`` work in any process."""
+DIST_BACKEND = "mccl"
 
-
-@dataclass
-class DoubleConfig:
-    """What the simulated device reports (defaults: an S5000-like mp_31 part)."""
-
-    device_name: str = f"{LABEL} (MTT S5000 surface over host CPU tensors)"
-    capability: tuple[int, int] = (3, 1)
-    device_count: int = 1
-    total_memory: int = 80 * 2**30
+__all__ = ["DoubleConfig", "LABEL", "MANIFEST", "TARGET", "MUSADoubleBackend", "install", "installed", "is_installed",
+           "not_prepared", "prepare", "read_manifest", "requires_double", "surface", "uninstall", "unavailable"]
 
 
 def read_manifest(path: pathlib.Path = MANIFEST) -> set[str]:
@@ -51,115 +53,31 @@ def read_manifest(path: pathlib.Path = MANIFEST) -> set[str]:
     return {line.split("#", 1)[0].strip() for line in path.read_text().splitlines()} - {""}
 
 
-# ---- runtime pieces --------------------------------------------------------------------------
-class _State:
-    config = DoubleConfig()
-    current = 0
-    peak = 0
+def unavailable() -> str | None:
+    """None when the double can be installed in this process, else why not (loads nothing)."""
+    if not sim_device.extension_built():
+        return f"omnitron._sim is not built (the double runs over the sim device); {sim_device.BUILD_HINT}"
+    if sim_device.claimed_name() not in ("privateuseone", musa_runtime.DEVICE):
+        return f"PrivateUse1 is already the {sim_device.claimed_name()!r} device in this process"
+    return None
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def not_prepared() -> str | None:
+    """None when this process has :func:`prepare`-d the double, else why it should not install it now
+    (the test suite prepares it at start on ``--backend cpu`` / ``musa-double`` only: naming PrivateUse1
+    makes it torch's accelerator, which would displace a real GPU backend's)."""
+    why = unavailable()
+    if why is None and sim_device.claimed_name() != musa_runtime.DEVICE:
+        why = "the double was not prepared at the start of this process (pytest does it for cpu and musa-double)"
+    return why
 
 
-class Stream:
-    """Host work is synchronous: every queue is already drained."""
+def requires_double():
+    """``pytest.mark.skipif`` for tests that install the double in the pytest process."""
+    import pytest
 
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, other: "Stream") -> None:
-        pass
-
-    def wait_event(self, event: "Event") -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class Event:
-    """Records wall-clock time, so ``elapsed_time`` (milliseconds) is meaningful on the host."""
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.enable_timing, self._t = enable_timing, None
-
-    def record(self, stream: Stream | None = None) -> None:
-        self._t = time.perf_counter()
-
-    def wait(self, stream: Stream | None = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end: "Event") -> float:
-        if not (self.enable_timing and end.enable_timing):
-            raise RuntimeError("Events were not created with enable_timing=True")
-        if self._t is None or end._t is None:
-            raise RuntimeError("both events must be recorded before elapsed_time")
-        return (end._t - self._t) * 1e3
-
-
-_DEFAULT_STREAM = Stream()
-_stream_stack: list[Stream] = [_DEFAULT_STREAM]
-
-
-@contextlib.contextmanager
-def _stream(s: Stream) -> Iterator[None]:
-    _stream_stack.append(s)
-    try:
-        yield
-    finally:
-        _stream_stack.pop()
-
-
-def _check_index(i: int | None) -> int:
-    i = _State.current if i is None else int(i)
-    if not 0 <= i < _State.config.device_count:
-        raise RuntimeError(f"invalid device ordinal {i} (MUSA-double has {_State.config.device_count})")
-    return i
-
-
-def _set_device(i: int) -> None:
-    _State.current = _check_index(i)
-
-
-def _memory_allocated(device=None) -> int:
-    now = _rss()
-    _State.peak = max(_State.peak, now)
-    return now
-
-
-def _max_memory_allocated(device=None) -> int:
-    return max(_State.peak, _memory_allocated())
-
-
-def _reset_peak_memory_stats(device=None) -> None:
-    _State.peak = _rss()
-
-
-def _mem_get_info(device=None) -> tuple[int, int]:
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(free, _State.config.total_memory), _State.config.total_memory
-
-
-def _properties(i=None):
-    cfg = _State.config
-    return types.SimpleNamespace(name=cfg.device_name, major=cfg.capability[0], minor=cfg.capability[1],
-                                 total_memory=cfg.total_memory)
-
-
-def _manual_seed(seed: int) -> None:
-    torch.manual_seed(seed)  # the double's "device" generator is the host generator
-
-
-def _autocast(enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True):
-    return torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    why = not_prepared()
+    return pytest.mark.skipif(why is not None, reason=f"MUSA double unavailable: {why}")
 
 
 # ---- muDNN ops torch_musa adds to torch ----------------------------------------------------
@@ -188,47 +106,29 @@ def _swish_glu(input: torch.Tensor) -> torch.Tensor:
     return (F.silu(a) * b).to(input.dtype)
 
 
-def _create_mccl(store, rank: int, size: int, timeout: datetime.timedelta):
-    """``mccl`` over gloo: same semantics for every dtype gloo carries; no float8 (see fp8_transport)."""
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
 # ---- building and installing --------------------------------------------------------------
-def _build() -> tuple[types.ModuleType, types.ModuleType]:
-    musa = types.ModuleType("torch.musa", f"{LABEL}: torch.musa runtime over host CPU tensors")
-    funcs = {
-        "is_available": lambda: _State.config.device_count > 0,
-        "device_count": lambda: _State.config.device_count,
-        "current_device": lambda: _State.current,
-        "set_device": _set_device,
-        "synchronize": lambda device=None: None,
-        "get_device_name": lambda device=None: _properties(_check_index(device)).name,
-        "get_device_capability": lambda device=None: tuple(_State.config.capability),
-        "get_device_properties": lambda device=None: _properties(_check_index(device)),
-        "is_bf16_supported": lambda: tuple(_State.config.capability) >= (2, 2),
-        "Stream": Stream,
-        "Event": Event,
-        "current_stream": lambda device=None: _stream_stack[-1],
-        "stream": _stream,
-        "memory_allocated": _memory_allocated,
-        "memory_reserved": _memory_allocated,
-        "max_memory_allocated": _max_memory_allocated,
-        "max_memory_reserved": _max_memory_allocated,
-        "reset_peak_memory_stats": _reset_peak_memory_stats,
-        "empty_cache": lambda: None,
-        "mem_get_info": _mem_get_info,
-        "manual_seed": _manual_seed,
-        "get_rng_state": lambda device="musa": torch.get_rng_state(),
-        "set_rng_state": lambda state, device="musa": torch.set_rng_state(state),
-    }
-    for name, fn in funcs.items():
-        setattr(musa, name, fn)
-    musa.amp = types.ModuleType("torch.musa.amp")
-    musa.amp.autocast = _autocast
-    torch_musa = types.ModuleType("torch_musa", f"{LABEL}: stand-in for Moore Threads' torch_musa")
-    torch_musa.__version__ = "0.0+musa.double"
-    torch_musa.__omnitron_double__ = True
-    return torch_musa, musa
+_module: types.ModuleType | None = None
+
+
+def _build() -> types.ModuleType:
+    """The ``torch_musa`` module, which is also ``torch.musa`` (torch_musa sets ``torch.musa`` to itself).
+
+    Built once per process and kept as ``torch.musa`` for the process's life: torch caches device
+    modules (``torch.get_device_module``) and its accelerator API asks ``torch.musa`` whenever
+    PrivateUse1 is named, so uninstalling leaves the module in place, reporting no device."""
+    global _module
+    if _module is None:
+        mod = types.ModuleType("torch_musa", f"{LABEL}: torch_musa's documented API over the sim device")
+        for obj in musa_runtime.PUBLIC:
+            setattr(mod, obj.__name__, obj)
+        for name, fn in musa_runtime.PRIVATE.items():
+            setattr(mod, name, fn)
+        mod.amp = types.ModuleType("torch_musa.amp")
+        mod.amp.autocast = musa_runtime.autocast
+        mod.__version__ = "0.0+musa.double"
+        mod.__omnitron_double__ = True
+        _module = mod
+    return _module
 
 
 _TORCH_ADDITIONS = {"rope": _rope, "swish_glu": _swish_glu}
@@ -238,34 +138,62 @@ def is_installed() -> bool:
     return getattr(sys.modules.get("torch_musa"), "__omnitron_double__", False)
 
 
+def _configure(config: DoubleConfig) -> None:
+    musa_runtime._State.config = config
+    ext = musa_runtime._State.ext
+    ext.set_device_count(max(1, config.device_count))  # the extension needs one device; the double may report none
+    ext.set_device(0)
+
+
+def prepare() -> None:
+    """Name this process's PrivateUse1 ``musa`` and register ``torch.musa`` (reporting no device until
+    :func:`install`). Call it before the process's first backward where the double may be installed
+    later (the test suite does, at start): torch's autograd engine sizes its per-device queues once, at
+    the first backward, and a device registered after that cannot run one (checked here)."""
+    fresh = sim_device.claimed_name() != musa_runtime.DEVICE
+    musa_runtime._State.ext = sim_device.claim(musa_runtime.DEVICE)
+    if not hasattr(torch, musa_runtime.DEVICE):
+        torch._register_device_module(musa_runtime.DEVICE, _build())  # torch.musa and sys.modules["torch.musa"]
+    if fresh:
+        x = torch.ones(1, device=musa_runtime.DEVICE, requires_grad=True)
+        try:
+            (x * 2).sum().backward()
+        except RuntimeError as err:
+            raise sim_device.SimUnavailableError(
+                "this process ran a backward before the musa device existed, so autograd has no queue for it: "
+                "call omnitron.testing.musa_double.prepare() before the first backward") from err
+
+
 def install(config: DoubleConfig | None = None) -> None:
-    """Put the double into ``sys.modules`` / ``torch.musa`` (idempotent; refuses a real torch_musa)."""
-    if config is not None:
-        _State.config = config
-        _State.current = 0
+    """Name PrivateUse1 ``musa``, put the double into ``sys.modules`` / ``torch.musa`` and register ``mccl``
+    (idempotent; refuses a real torch_musa; raises ``SimUnavailableError`` without omnitron._sim)."""
     if is_installed():
+        if config is not None:
+            _configure(config)
         return
-    if "torch_musa" in sys.modules or hasattr(torch, "musa"):
+    if "torch_musa" in sys.modules or getattr(torch, "musa", _module) is not _module:
         raise RuntimeError("a real torch_musa is loaded in this process; the MUSA test double will not replace it")
-    torch_musa, musa = _build()
-    sys.modules["torch_musa"], sys.modules["torch.musa"] = torch_musa, musa
-    torch.musa = musa
+    prepare()
+    _configure(config or DoubleConfig())
+    sys.modules["torch_musa"] = _build()
+    musa_runtime._State.installed = True
     for name, fn in _TORCH_ADDITIONS.items():
         setattr(torch, name, fn)
-    if "mccl" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("mccl", _create_mccl, devices=["cpu"])
+    sim_device.register_collectives(musa_runtime._State.ext, DIST_BACKEND, musa_runtime.DEVICE)
 
 
 def uninstall() -> None:
-    """Remove the double (the ``mccl`` process-group name stays registered: torch cannot unregister it)."""
+    """Remove ``torch_musa`` and the added ops; ``torch.musa`` stays and reports no device. The ``musa``
+    device name, ``Tensor.musa()`` and ``mccl`` stay too: torch can neither rename PrivateUse1 twice
+    nor unregister a backend."""
     if not is_installed():
         return
-    for key in ("torch_musa", "torch.musa"):
-        sys.modules.pop(key, None)
-    for name in ("musa", *_TORCH_ADDITIONS):
+    sys.modules.pop("torch_musa", None)
+    for name in _TORCH_ADDITIONS:
         if hasattr(torch, name):
             delattr(torch, name)
-    _State.config, _State.current = DoubleConfig(), 0
+    musa_runtime._State.installed = False
+    musa_runtime._State.config = DoubleConfig()
 
 
 @contextlib.contextmanager
@@ -279,31 +207,27 @@ def installed(config: DoubleConfig | None = None) -> Iterator[None]:
 
 
 def surface() -> set[str]:
-    """The names the installed double provides, in manifest spelling."""
+    """The names the installed double provides, in manifest spelling (class methods included)."""
     if not is_installed():
         raise RuntimeError("install the double first")
-    names = {"torch_musa.__version__"}
     musa = sys.modules["torch.musa"]
-    for attr in (a for a in vars(musa) if not a.startswith("_")):
-        if attr == "amp":
-            names |= {f"torch.musa.amp.{a}" for a in vars(musa.amp) if not a.startswith("_")}
-            continue
+    names = {"torch_musa.__version__"}
+    names |= {f"torch.musa.amp.{a}" for a in vars(musa.amp) if not a.startswith("_")}
+    for attr in (a for a in vars(musa) if not a.startswith("_") and a != "amp"):
         names.add(f"torch.musa.{attr}")
         obj = getattr(musa, attr)
         if isinstance(obj, type):
             names |= {f"torch.musa.{attr}.{m}" for m in vars(obj) if not m.startswith("_")}
-    names |= {f"torch.{a}" for a in _TORCH_ADDITIONS}
-    if "mccl" in dist.Backend.backend_list:
-        names.add("process_group:mccl")
+    names |= {f"torch.{a}" for a in _TORCH_ADDITIONS if hasattr(torch, a)}
+    if DIST_BACKEND.upper() in dist.Backend._plugins:
+        names.add(f"process_group:{DIST_BACKEND}")
     return names
 
 
 class MUSADoubleBackend(MUSABackend):
-    """The MUSA backend's code over the double. Name and device say so: ``musa-double`` on ``cpu``."""
+    """The MUSA backend's code over the double: name ``musa-double``, tensors on ``torch.device("musa")``."""
 
     name = "musa-double"
-    device_type = "cpu"
-    """The double's tensors live in host memory (stock torch has no ``musa`` device)."""
     fp8_transport = False
     """Its ``mccl`` is gloo underneath, which carries no float8: the uint8-view path is used."""
 
@@ -311,15 +235,19 @@ class MUSADoubleBackend(MUSABackend):
     def probe(cls) -> tuple[bool, str]:
         if not (dist.is_available() and hasattr(dist.Backend, "register_backend")):
             return False, "this torch cannot register a custom process-group backend"
-        return True, f"{LABEL}: torch_musa test double over host CPU tensors (not a MUSA device)"
+        why = unavailable()
+        if why is not None:
+            return False, why
+        return True, f"{LABEL}: torch_musa test double over the sim device (not a MUSA device)"
 
     def __init__(self) -> None:
         install()
         super().__init__()
 
-    def device(self, index: int | None = None) -> torch.device:
-        return torch.device("cpu")
-
     def capabilities(self):
         """The simulated part's facts, except streams: the double's queues are synchronous."""
         return dataclasses.replace(super().capabilities(), streams=False)
+
+    def sync_count(self, kind: str = "") -> int:
+        """Host synchronizations counted by the sim device underneath (see ``SimBackend.sync_count``)."""
+        return musa_runtime._State.ext.sync_count(kind)

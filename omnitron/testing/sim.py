@@ -3,12 +3,12 @@ from __future__ import annotations
 
 
 def sim_unavailable() -> str | None:
-    """None when the sim backend can run here, else the one-line reason (names the build command).
-    Probing loads nothing: the calling process keeps PrivateUse1 free."""
-    from omnitron.backends.sim.backend import SimBackend
+    """None when the sim backend can run in spawned workers here, else the one-line reason (names the build
+    command). Loads nothing. Only the build matters: workers are fresh processes, so it does not matter that
+    the calling process may have named PrivateUse1 ``musa`` for the MUSA test double."""
+    from omnitron.backends.sim import device as sim_device
 
-    ok, why = SimBackend.probe()
-    return None if ok else why
+    return None if sim_device.extension_built() else f"omnitron._sim is not built; {sim_device.BUILD_HINT}"
 
 
 def requires_sim():

@@ -2,7 +2,8 @@
 
 ``pytest tests/backends --backend NAME`` runs the suite on NAME. On ``cpu`` (this machine's
 default) it also runs on ``musa-double``: the MUSA backend's code over the torch_musa test double
-(host tensors, ``mccl`` over gloo). Test ids carry the backend name, so those results read
+(``torch.device("musa")`` tensors on the sim device, ``mccl`` for them; tests/conftest.py names this
+process's PrivateUse1 ``musa`` at start). Test ids carry the backend name, so those results read
 ``[musa-double]`` and are never reported as MUSA. ``OMNITRON_TEST_MUSA_DOUBLE=1`` adds the double
 beside any other backend; ``--backend musa-double`` runs it alone.
 """
@@ -40,6 +41,8 @@ def double_env(monkeypatch):
 def suite_backend(suite_backend_name, double_env):
     """The backend under test; the MUSA double is installed only for the duration of one test."""
     if suite_backend_name == DOUBLE:
+        if musa_double.not_prepared() is not None:
+            pytest.skip(f"MUSA double unavailable: {musa_double.not_prepared()}")
         with musa_double.installed():
             yield musa_double.MUSADoubleBackend()
         return

@@ -13,7 +13,7 @@ from omnitron.backends.musa import backend as musa_backend
 from omnitron.backends.musa import kernels as musa_kernels
 from omnitron.backends.musa.backend import MUSABackend, musa_capabilities
 from omnitron.testing import musa_double
-from omnitron.testing.musa_double import DoubleConfig, MUSADoubleBackend
+from omnitron.testing.musa_double import DoubleConfig, MUSADoubleBackend, requires_double
 
 MUSA_DIR = pathlib.Path(musa_backend.__file__).resolve().parent
 NAME = re.compile(r"\b(torch\.musa(?:\.[A-Za-z_]\w*)+|torch_musa(?:\.[A-Za-z_]\w*)+|torch\.[A-Za-z_]\w*)")
@@ -33,7 +33,7 @@ def names_in_source() -> set[str]:
 
 
 def test_backend_source_uses_only_manifest_names():
-    assert not hasattr(torch, "musa"), "run without the double installed"
+    assert not musa_double.is_installed() and not hasattr(torch, "rope"), "run without the double installed"
     used = names_in_source()
     assert {"torch.musa.memory_allocated", "torch.rope", "torch.swish_glu"} <= used  # the grep works
     missing = used - musa_double.read_manifest()
@@ -48,12 +48,15 @@ def test_backend_never_aliases_torch_musa():
     assert not hits, hits
 
 
+@requires_double()
 def test_double_provides_exactly_the_manifest():
     with musa_double.installed():
         assert musa_double.surface() == musa_double.read_manifest()
-    assert not hasattr(torch, "musa") and not hasattr(torch, "rope"), "uninstall leaves torch as it was"
+    # torch.musa stays (a process names PrivateUse1 once; torch caches device modules) but has no device
+    assert not musa_double.is_installed() and not hasattr(torch, "rope") and not torch.musa.is_available()
 
 
+@requires_double()
 def test_probe_reasons():
     ok, why = MUSABackend.probe()
     assert not ok and "torch_musa is not installed" in why
@@ -64,6 +67,7 @@ def test_probe_reasons():
         assert MUSABackend.probe()[0]
 
 
+@requires_double()
 @pytest.mark.parametrize("cc, arch, bf16, fp8", [((2, 1), "mp_21", False, False), ((2, 2), "mp_22", True, False),
                                                  ((3, 1), "mp_31", True, True)])
 def test_arch_gating_on_the_double(cc, arch, bf16, fp8):
@@ -100,6 +104,7 @@ def test_musa_kernel_preconditions():
     assert "differs" in musa_kernels.rms_norm_supports(x.bfloat16(), w)
 
 
+@requires_double()
 def test_musa_kernels_unavailable_without_torch_musa():
     musa_kernels.register_musa_kernels()
     from omnitron.kernels.registry import implementations
@@ -119,6 +124,7 @@ def test_double_refuses_a_real_torch_musa(monkeypatch):
         musa_double.install()
 
 
+@requires_double()
 def test_double_resolves_through_the_registry_only_when_declared(monkeypatch):
     from omnitron.backends import BackendUnavailableError, get_backend, registry
 

@@ -1,5 +1,5 @@
-"""The backend is a value: two backends (cpu and the MUSA double) serve two models in one process,
-each model reaching only the backend it was built with, and no code looking one up by name."""
+"""The backend is a value: two backends (cpu and the MUSA double, whose tensors are on ``musa``) serve two
+models in one process, each model reaching only the backend it was built with, and no code looking one up by name."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +9,8 @@ from omnitron.backends import registry
 from omnitron.backends.cpu import CPUBackend
 from omnitron.core.models.gpt import GPTModel, llama_tiny
 from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.parallel.tensor.sharding import to_device
+from omnitron.testing.musa_double import requires_double
 
 
 class Counting:
@@ -44,14 +46,18 @@ def _loss(backend, tokens, labels) -> torch.Tensor:
     """Build a Llama stage (RoPE, SwiGLU, RMSNorm kernels) on ``backend``; forward and backward."""
     cfg = llama_tiny(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=61,
                      seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(cfg, ParallelGroups.single(backend=backend), seed=3)
-    pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    device = backend.device()  # cpu, or torch.device("musa", 0): the double's tensors live on its device
+    model = to_device(GPTModel(cfg, ParallelGroups.single(backend=backend), seed=3), device)
+    tokens, labels = tokens.to(device), labels.to(device)
+    pos = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
     loss = model(tokens=tokens, position_ids=pos, labels=labels).mean()
     loss.backward()
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-    return loss.detach(), grads
+    assert loss.device.type == grads.device.type == device.type
+    return loss.detach().cpu(), grads.cpu()
 
 
+@requires_double()
 def test_cpu_and_musa_double_side_by_side(monkeypatch):
     from omnitron.testing import musa_double
 
@@ -67,6 +73,7 @@ def test_cpu_and_musa_double_side_by_side(monkeypatch):
         before = cpu.uses
         loss_musa, grads_musa = _loss(musa, tokens, labels)
         assert musa.uses > 0 and cpu.uses == before
+        assert musa.device().type == "musa" and cpu.device().type == "cpu"
     registry.reset_cache()
     # Same maths through two kernel tables (the double's torch.rope / torch.swish_glu are written
     # independently of omnitron's references): fp32, 2 layers, reductions of <= 64 terms, so the

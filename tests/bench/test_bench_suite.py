@@ -11,6 +11,7 @@ import pytest
 from omnitron.bench import comm
 from omnitron.bench.report import ROW_FIELDS, ReportError, load, new_report, validate
 from omnitron.cli import main
+from omnitron.testing.musa_double import requires_double
 
 
 def test_bus_bandwidth_by_hand():
@@ -138,6 +139,7 @@ def test_bad_reports_are_one_line(tmp_path, capsys):
     assert set(ROW_FIELDS) == {"gemm", "comm", "memory", "kernels", "attention", "elementwise", "train"}
 
 
+@requires_double()
 def test_gemm_and_memory_on_the_musa_double():
     from omnitron.bench import gemm, memory
     from omnitron.testing import musa_double

@@ -16,6 +16,7 @@ from omnitron.core.training.arguments import parse_settings
 from omnitron.core.training.metrics import MetricsLogger
 from omnitron.core.training.timers import Timers, format_timers, timer_fields
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.musa_double import requires_double
 
 # phases nested inside train-step, one after another
 STEP_PHASES = ("forward_backward", "all_grads_sync", "optimizer")
@@ -195,6 +196,7 @@ def test_bad_values_are_clear_errors(tmp_path, flags, world, message):
     assert message in str(err.value)
 
 
+@requires_double()
 def test_profiler_activities_come_from_the_backend():
     from torch.profiler import ProfilerActivity
 

@@ -1,7 +1,8 @@
 """Load the sim accelerator into this process: ``torch.device("sim")``, ``torch.sim`` and ``simccl``.
 
-``omnitron._sim`` (csrc/sim) registers a PrivateUse1 device over host memory. Loading it names
-PrivateUse1 ``"sim"``, adds the ``Tensor.sim()``/``is_sim`` methods, registers ``torch.sim`` (the
+``omnitron._sim`` (csrc/sim) registers a PrivateUse1 device over host memory; nothing in it is
+named, so :func:`claim` can give PrivateUse1 another name (the MUSA test double names it ``musa``).
+Loading it as sim names PrivateUse1 ``"sim"``, adds the ``Tensor.sim()``/``is_sim`` methods, registers ``torch.sim`` (the
 runtime module torch's accelerator-generic code looks for) and the ``simccl`` process-group backend.
 Nothing here runs when omnitron is imported: only the sim backend (or a test that asks) calls
 :func:`load`, so a CPU process never claims PrivateUse1.
@@ -41,36 +42,50 @@ def claimed_name() -> str:
 _ext = None
 
 
-def load():
-    """Import the extension and register ``sim`` (idempotent); returns the extension module."""
+def claim(name: str = NAME):
+    """Import the extension and name PrivateUse1 ``name`` in this process (idempotent for one name).
+
+    Adds ``Tensor.<name>()``/``is_<name>`` and the module/storage methods; registers neither a runtime
+    module nor collectives (:func:`load` does both for ``sim``; the MUSA test double brings its own
+    ``torch.musa`` and ``mccl``). A process names PrivateUse1 once: asking for a second name is an error."""
     global _ext
-    if _ext is not None:
+    if _ext is not None and claimed_name() == name:
         return _ext
-    if claimed_name() not in ("privateuseone", NAME):
-        raise SimUnavailableError(f"PrivateUse1 is already the {claimed_name()!r} device in this process")
+    if claimed_name() not in ("privateuseone", name):
+        raise SimUnavailableError(f"PrivateUse1 is already the {claimed_name()!r} device in this process "
+                                  f"(a process can name it once; run {name!r} in a process of its own)")
     try:
         ext = importlib.import_module("omnitron._sim")
     except ImportError as err:
         raise SimUnavailableError(f"omnitron._sim is not built ({err}); {BUILD_HINT}") from err
     ext.set_device_count(int(os.environ.get(DEVICES_ENV, "8")))
     ext.set_poison(os.environ.get(POISON_ENV) == "1")
-    if claimed_name() != NAME:
-        torch.utils.rename_privateuse1_backend(NAME)
-    torch._register_device_module(NAME, _runtime_module(ext))
-    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
-    _register_collectives(ext)
+    if claimed_name() != name:
+        torch.utils.rename_privateuse1_backend(name)
+    if not hasattr(torch.Tensor, name):
+        torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     _ext = ext
     return ext
 
 
-def _register_collectives(ext) -> None:
+def load():
+    """Import the extension as ``sim``: ``torch.device("sim")``, ``torch.sim`` and ``simccl`` (idempotent)."""
+    ext = claim(NAME)
+    if not hasattr(torch, NAME):
+        torch._register_device_module(NAME, _runtime_module(ext))
+    register_collectives(ext, DIST_BACKEND, NAME)
+    return ext
+
+
+def register_collectives(ext, dist_backend: str, device_type: str) -> None:
+    """Register ``dist_backend`` for ``device_type`` tensors: gloo on host staging copies (idempotent)."""
     import torch.distributed as dist
 
     def create(store, rank, size, timeout):
         return ext.collective_backend(dist.ProcessGroupGloo(store, rank, size, timeout))
 
-    if DIST_BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(DIST_BACKEND, create, devices=[NAME])
+    if dist_backend.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(dist_backend, create, devices=[device_type])
 
 
 def _index(device=None) -> int:
