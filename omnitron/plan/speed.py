@@ -243,23 +243,40 @@ def _expert_dp(settings) -> int:
     return max(1, settings.world_size // (pc.pipeline_model_parallel_size * pc.expert_model_parallel_size * pc.etp))
 
 
-def dp_time(settings, cfg, rates, params: float, expert: float = 0.0) -> float:
-    """Seconds of one step's gradient reduction (and the distributed optimizer's parameter all-gather) for a rank
-    holding ``params`` dense and ``expert`` expert elements: bucket by bucket over the dp x cp replica group (the
-    experts' in buckets of their own over the expert-data-parallel group)."""
+def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, int]]:
+    """``(op, bytes, ranks)`` of one step's gradient reduction on a rank of pipeline stage ``pp_rank`` (its layers'
+    MoE flags ``layers``), bucketed as the data-parallel wrapper buckets (:class:`GradBuffer`): dense gradients
+    over dp x cp, the experts' over the expert-data-parallel group, buckets of ``--ddp-bucket-size`` (default
+    ``max(40M, 1M x group)``) elements padded to a multiple of the group, and with a reduce-scatter (the
+    distributed optimizer, ``--ddp-reduce-scatter``) the tied embedding in a bucket of its own. Each bucket is
+    all-reduced, or reduce-scattered and its parameters all-gathered with ``--use-distributed-optimizer``."""
+    from omnitron.core.models.gpt.config import padded_vocab_size
+
     ddp, pc = settings.ddp, settings.parallel
+    tp, pp = pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size
+    dist = bool(ddp and ddp.use_distributed_optimizer)
     fp32 = bool(ddp and ddp.accumulate_allreduce_grads_in_fp32)
     g_elem, p_elem = 4 if fp32 else cfg.params_dtype.itemsize, cfg.params_dtype.itemsize
-    total = 0.0
-    for n, group in ((params, settings.dp * pc.context_parallel_size), (expert, _expert_dp(settings))):
+    dense, expert = stage_param_groups(cfg, settings, pp_rank, layers)
+    tied = not cfg.untie_embeddings_and_output_weights and (pp_rank == 0 or pp_rank == pp - 1)
+    iso = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size if tied and (dist or bool(ddp and ddp.reduce_scatter)) \
+        else 0
+    out = []
+    for n, group, own in ((dense - iso, settings.dp * pc.context_parallel_size, [iso] if iso else []),
+                          (expert, _expert_dp(settings), [])):
+        if group <= 1 or n + sum(own) <= 0:
+            continue
         bucket = (ddp.bucket_size if ddp else None) or max(40_000_000, 1_000_000 * group)
-        sizes = [bucket] * int(n // bucket) + ([n % bucket] if n % bucket else [])
-        if ddp and ddp.use_distributed_optimizer:
-            total += sum(rates.comm_s("reduce_scatter", s * g_elem, group) +
-                         rates.comm_s("all_gather", s * p_elem, group) for s in sizes)
-        else:
-            total += sum(rates.comm_s("all_reduce", s * g_elem, group) for s in sizes)
-    return total
+        sizes = [bucket] * int(n // bucket) + ([int(n % bucket)] if n % bucket else []) + own
+        for size in (-(-int(k) // group) * group for k in sizes):
+            out += [("reduce_scatter", size * g_elem, group), ("all_gather", size * p_elem, group)] if dist else \
+                [("all_reduce", size * g_elem, group)]
+    return out
+
+
+def dp_time(settings, cfg, rates, pp_rank: int, layers) -> float:
+    """Seconds of :func:`dp_collectives` at the report's rates."""
+    return sum(rates.comm_s(op, n, g) for op, n, g in dp_collectives(settings, cfg, pp_rank, layers))
 
 
 def pipeline(settings, costs: dict[int, StageCost], overlap: str):
@@ -316,7 +333,7 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     if overlap == "all":  # hidden communication: what exceeds the compute beside it is charged to compute
         parts.update(compute=busy[crit] - parts["elementwise"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
     params = [stage_param_groups(cfg, settings, r, [x for c in range(vp) for x in layers[(r, c)]]) for r in range(pp)]
-    dp = max(dp_time(settings, cfg, rates, n, e) for n, e in params)
+    dp = max(dp_time(settings, cfg, rates, r, [x for c in range(vp) for x in layers[(r, c)]]) for r in range(pp))
     opt = max(optimizer_time(settings, rates, n, e) for n, e in params)
     dp += _embedding_sync(settings, cfg, rates)
     if overlap in ("dp", "all"):
