@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from omnitron.core.config.parallel import ConfigError
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
+from omnitron.plan.state import expert_data_parallel_size
 
 OVERLAPS = ("none", "dp", "all")
 KEYS = ("compute", "elementwise", "tp", "cp", "pp", "ep")
@@ -238,11 +239,6 @@ def stage_params(cfg, settings, pp_rank: int, layers) -> float:
     return sum(stage_param_groups(cfg, settings, pp_rank, layers))
 
 
-def _expert_dp(settings) -> int:
-    pc = settings.parallel
-    return max(1, settings.world_size // (pc.pipeline_model_parallel_size * pc.expert_model_parallel_size * pc.etp))
-
-
 def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, int]]:
     """``(op, bytes, ranks)`` of one step's gradient reduction on a rank of pipeline stage ``pp_rank`` (its layers'
     MoE flags ``layers``), bucketed as the data-parallel wrapper buckets (:class:`GradBuffer`): dense gradients
@@ -251,6 +247,7 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
     distributed optimizer, ``--ddp-reduce-scatter``) the tied embedding in a bucket of its own. Each bucket is
     all-reduced, or reduce-scattered and its parameters all-gathered with ``--use-distributed-optimizer``."""
     from omnitron.core.models.gpt.config import padded_vocab_size
+    from omnitron.core.parallel.data.config import bucket_elements
 
     ddp, pc = settings.ddp, settings.parallel
     tp, pp = pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size
@@ -263,10 +260,10 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
         else 0
     out = []
     for n, group, own in ((dense - iso, settings.dp * pc.context_parallel_size, [iso] if iso else []),
-                          (expert, _expert_dp(settings), [])):
+                          (expert, expert_data_parallel_size(settings), [])):
         if group <= 1 or n + sum(own) <= 0:
             continue
-        bucket = (ddp.bucket_size if ddp else None) or max(40_000_000, 1_000_000 * group)
+        bucket = bucket_elements(ddp, group)
         sizes = [bucket] * int(n // bucket) + ([int(n % bucket)] if n % bucket else []) + own
         for size in (-(-int(k) // group) * group for k in sizes):
             out += [("reduce_scatter", size * g_elem, group), ("all_gather", size * p_elem, group)] if dist else \
@@ -353,7 +350,8 @@ def optimizer_time(settings, rates, params: float, expert: float = 0.0) -> float
     if settings.optim.optimizer not in ("adam", "adamw"):
         rates.note(f"optimizer: --optimizer {settings.optim.optimizer} priced as AdamW")
     if ddp and ddp.use_distributed_optimizer:
-        params = params / (settings.dp * settings.parallel.context_parallel_size) + expert / _expert_dp(settings)
+        dp_cp = settings.dp * settings.parallel.context_parallel_size
+        params = params / dp_cp + expert / expert_data_parallel_size(settings)
     else:
         params += expert
     threads, slow = _threads(settings, rates)

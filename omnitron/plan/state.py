@@ -58,10 +58,11 @@ _SKELETON: dict = {}
 def _buffers(module, ddp, dp_cp: int, edp: int):
     """The wrapper's gradient buffers for ``module`` (meta storage), with each one's replica-group size."""
     from omnitron.core.parallel.data.buffers import GradBuffer
+    from omnitron.core.parallel.data.config import bucket_elements
 
     fp32 = bool(ddp and ddp.accumulate_allreduce_grads_in_fp32)
     dist = bool(ddp and ddp.use_distributed_optimizer)
-    bucket = (ddp.bucket_size if ddp else None) or max(40_000_000, 1_000_000 * dp_cp)
+    bucket = bucket_elements(ddp, dp_cp)
     by: dict[tuple, list] = {}
     for p in [p for p in module.parameters() if p.requires_grad][::-1]:
         ex = bool(getattr(p, "expert", False))
@@ -96,12 +97,17 @@ def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
     return 4 * numel * (moments + (dtype != torch.float32))
 
 
+def expert_data_parallel_size(settings) -> int:
+    """The replica group of expert gradients: world / (pp x ep x etp) (the rank grid's edp)."""
+    pc = settings.parallel
+    return max(1, settings.world_size // (pc.pipeline_model_parallel_size * pc.expert_model_parallel_size * pc.etp))
+
+
 def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state on one rank of pipeline stage ``pp_rank``."""
-    pc, world = settings.parallel, settings.world_size
+    pc = settings.parallel
     dp_cp = settings.dp * pc.context_parallel_size
-    etp = pc.expert_tensor_parallel_size or pc.tensor_model_parallel_size
-    edp = max(1, world // (pc.pipeline_model_parallel_size * pc.expert_model_parallel_size * etp))
+    edp = expert_data_parallel_size(settings)
     ddp, dist = settings.ddp, bool(settings.ddp and settings.ddp.use_distributed_optimizer)
     if getattr(ddp, "use_torch_fsdp2", False):
         return _fsdp2_bytes(skeleton(model_cfg, pc, pp_rank), dp_cp, settings.optim)

@@ -99,3 +99,9 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
 ):
         if bad:
             raise ConfigError(f"--use-torch-fsdp2 with {what}: {fix}")
+
+
+def bucket_elements(config: DataParallelConfig | None, group_size: int) -> int:
+    """Elements per gradient bucket for a replica group of ``group_size``: ``--ddp-bucket-size``, else
+    Megatron's max(40M, 1M x group) (the wrapper's rule, and the plan's, which mirrors it)."""
+    return (config.bucket_size if config else None) or max(40_000_000, 1_000_000 * group_size)

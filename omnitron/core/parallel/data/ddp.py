@@ -21,7 +21,7 @@ import contextlib
 import torch
 
 from omnitron.core.parallel.data.buffers import Bucket, GradBuffer
-from omnitron.core.parallel.data.config import DataParallelConfig
+from omnitron.core.parallel.data.config import DataParallelConfig, bucket_elements
 from omnitron.core.parallel.data.wrapper import ChunkWrapper
 
 
@@ -40,7 +40,7 @@ class DistributedDataParallel(ChunkWrapper):
         """False: leave each rank's local gradient in ``main_grad`` (no pre-division, no collective): 1-bit
         Adam's compressed stage, which averages the momentum instead (set by the step, from the optimizer)."""
         size = self.group.size
-        bucket_size = self.config.bucket_size or max(40_000_000, 1_000_000 * size)
+        bucket_size = bucket_elements(self.config, size)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # backward order
         by_dtype: dict[tuple, list] = {}
         for p in params:
