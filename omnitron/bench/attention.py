@@ -2,7 +2,9 @@
 unfused math (scores materialised), forward + backward, by sequence length.
 
 TFLOP/s count the two GEMMs of attention, ``4 b h s^2 d`` forward (halved when causal) and 2x that
-backward: ``3 x`` in all, the convention of the FlashAttention papers.
+backward: ``3 x`` in all, the convention of the FlashAttention papers. The engine's op is measured without and
+with attention dropout (``dropout`` 0.0 and 0.1: what ``--attention-dropout`` makes the layer call; on a CPU
+SDPA then leaves its fused path), the math version without.
 
 Ring attention's per-block kernel (impl ``ring_block``: the backend's ``attention_block_forward`` and
 ``attention_block_backward``, what each step of context parallelism runs) is measured beside them on one
@@ -44,14 +46,16 @@ def run(backend, *, seqs: list[int], heads: int = 8, head_dim: int = 64, batch: 
         grad = torch.randn(batch, heads, s, head_dim, generator=gen).to(dev, dtype)
         flops = 3 * 4 * batch * heads * s * s * head_dim * (0.5 if causal else 1.0)
         for impl, fn in _impls(backend):
-            def step(fn=fn):
-                q.grad = k.grad = v.grad = None
-                fn(q, k, v, causal=causal).backward(grad)
+            for p in (0.0, 0.1) if impl.startswith("op:") else (0.0,):
+                def step(fn=fn, p=p):
+                    q.grad = k.grad = v.grad = None
+                    (fn(q, k, v, causal=causal, dropout_p=p) if p else fn(q, k, v, causal=causal)).backward(grad)
 
-            ms = median_ms(step, backend, rounds=rounds, budget_s=budget_s)
-            rows.append({"impl": impl, "dtype": name, "seq": s, "heads": heads, "head_dim": head_dim,
-                         "causal": causal, "batch": batch, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12})
-            log(f"attention {impl:10s} seq {s:6d}: {ms:9.3f} ms {rows[-1]['tflops']:8.3f} TFLOP/s")
+                ms = median_ms(step, backend, rounds=rounds, budget_s=budget_s)
+                rows.append({"impl": impl, "dtype": name, "seq": s, "heads": heads, "head_dim": head_dim,
+                             "causal": causal, "batch": batch, "dropout": p, "ms": ms,
+                             "tflops": flops / (ms * 1e-3) / 1e12})
+                log(f"attention {impl:10s} seq {s:6d} dropout {p}: {ms:9.3f} ms {rows[-1]['tflops']:8.3f} TFLOP/s")
         rows += _ring_rows(backend, q.detach(), k.detach(), v.detach(), grad, rounds, budget_s, log)
     return rows
 

@@ -17,6 +17,12 @@ p2p            the message (pairs 2i -> 2i+1) 1
 
 Runs on the world torchrun gives (``WORLD_SIZE`` set), else spawns ``--nproc-per-node`` local ranks.
 Latency at small sizes is the ``ms`` of the smallest messages.
+
+Two ops measure how the ranks share one host's cores rather than a link (what a CPU's layouts pay beyond their
+own work): ``host_gemm`` (a 256 x 256 x 256 float32 GEMM) and ``host_stream`` (an add over 4M float32
+elements, past the caches), each timed on rank 0 alone while the others wait, then on every rank at once.
+Their rows carry ``alone_ms`` and ``slowdown`` (at once / alone, the slowest rank): 1.0 on ranks with cores of
+their own, about 2 for two ranks on the two hyperthreads of one core, and at least ``ranks / cores`` beyond.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import tempfile
 import torch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+HOST_OPS = ("host_gemm", "host_stream")
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -81,6 +88,9 @@ def measure(backend, rank: int, world: int, ops, byte_sizes, rounds: int, budget
 
     coll, device, rows = backend.collectives, backend.current_device(), []
     for op in ops:
+        if op in HOST_OPS:
+            rows.append(_host_row(op, backend, rank, world, rounds, budget_s))
+            continue
         if op == "p2p" and world < 2:
             continue
         for nbytes in byte_sizes:
@@ -98,6 +108,48 @@ def measure(backend, rank: int, world: int, ops, byte_sizes, rounds: int, budget
             rows.append({"op": op, "bytes": actual, "ranks": world, "ms": t, "algbw_gbs": algbw,
                          "busbw_gbs": algbw * bus_factor(op, world)})
     return rows
+
+
+def _per_call_ms(fn, backend, seconds: float) -> float:
+    """Mean ms of ``fn`` called back to back for ``seconds`` of wall time (after one warm-up call)."""
+    import time
+
+    fn()
+    backend.synchronize()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        n += 1
+    backend.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def _host_row(op: str, backend, rank: int, world: int, rounds: int, budget_s: float) -> dict:
+    """A :data:`HOST_OPS` row: rank 0 calling the op back to back alone (the others wait in a barrier), then
+    every rank at once over the same wall-clock window, so the ranks' work overlaps throughout. Collective."""
+    from omnitron.backends.collectives import ReduceOp
+
+    coll, dev = backend.collectives, backend.current_device()
+    if op == "host_gemm":
+        a, b = (torch.randn(256, 256, device=dev) for _ in range(2))
+
+        def fn():
+            torch.mm(a, b)
+    else:
+        a, b = (torch.randn(1 << 22, device=dev) for _ in range(2))
+
+        def fn():
+            torch.add(a, b)
+    window = max(0.2, min(1.0, budget_s))
+    alone = _per_call_ms(fn, backend, window) if rank == 0 else 0.0
+    coll.barrier()
+    ms = torch.tensor([_per_call_ms(fn, backend, window)], dtype=torch.float64, device=dev)
+    coll.all_reduce(ms, op=ReduceOp.MAX)
+    both = torch.tensor([alone], dtype=torch.float64, device=dev)
+    coll.all_reduce(both, op=ReduceOp.MAX)
+    t, one = float(ms.item()), float(both.item())
+    return {"op": op, "bytes": 0, "ranks": world, "ms": t, "alone_ms": one, "slowdown": t / one,
+            "algbw_gbs": 0.0, "busbw_gbs": 0.0}
 
 
 def _worker(rank: int, world: int, port: int, backend_name: str | None, ops, byte_sizes, rounds, budget_s, out):

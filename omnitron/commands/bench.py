@@ -39,7 +39,7 @@ def register(sub) -> None:
     c.add_argument("--max-bytes", type=_bytes, default=1 << 26, help="largest message (e.g. 1G)")
     c.add_argument("--factor", type=int, default=4, help="size step")
     c.add_argument("--ops", nargs="+", default=None, help="subset of all_reduce all_gather reduce_scatter "
-                   "all_to_all broadcast p2p")
+                   "all_to_all broadcast p2p, and host_gemm host_stream (how the ranks share the host's cores)")
     c.add_argument("--rounds", type=int, default=10)
     c.set_defaults(func=run_comm)
     m = b.add_parser("memory", help="device copy / read / write bandwidth")
@@ -62,6 +62,7 @@ def register(sub) -> None:
     a.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096])
     a.add_argument("--heads", type=int, default=8)
     a.add_argument("--head-dim", type=int, default=64)
+    a.add_argument("--batch", type=int, default=1, help="sequences per call (a model's micro-batch size)")
     a.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     a.set_defaults(func=run_attention)
     e = b.add_parser("elementwise", help="a layer's element-wise ops (dropout, gelu, norms, softmax, add, adamw), "
@@ -135,7 +136,7 @@ def run_comm(args) -> int:
 
     from omnitron.bench import comm
 
-    ops = _ops("comm", args.ops, comm.OPS)
+    ops = _ops("comm", args.ops, comm.OPS + comm.HOST_OPS)
     if ops is None:
         return 2
     be = _backend(args.backend)
@@ -199,7 +200,7 @@ def run_attention(args) -> int:
     be = _backend(args.backend)
     dtype = getattr(torch, DTYPES[args.dtype])
     return _write("attention", be, attention.run(be, seqs=args.seqs, heads=args.heads, head_dim=args.head_dim,
-                                                  dtype=dtype), args)
+                                                  batch=args.batch, dtype=dtype), args)
 
 
 def run_train(args) -> int:

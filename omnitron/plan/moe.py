@@ -119,12 +119,15 @@ def moe_collectives(cfg, m: MoELocal, elem: int, stats: int) -> tuple[list, list
 
 def moe_elementwise(cfg, m: MoELocal) -> list[tuple[str, int]]:
     """(op, elements) of one MoE layer's forward element-wise work (each has a backward of its size): the
-    experts' activation over their rows, and the dispatch gather, the gate weighting and the combine's
-    scatter-add over the ``A x h`` rows (priced as ``add``: one read and one write each); the shared
-    expert's activation. The router's softmax and top-k over ``[T_r, E]`` are priced as one ``add``."""
+    experts' activation over their rows, and the token dispatch and combine over the ``A x h`` rows (the
+    engine's own, measured as ``moe_dispatch``: the pair mask's nonzero, the gather, the counts, the gate
+    weighting, the scatter-add); the shared expert's activation. The router's softmax and top-k over
+    ``[T_r, E]`` are priced as one ``add``."""
     act = "silu_mul" if cfg.swiglu else "gelu"
     ops = [(act, m.local_experts * m.expert_rows * m.ffn)]
-    ops += [("add", m.assignments * m.hidden)] * 3 + [("add", m.router_tokens * m.experts)]
+    ops += [("moe_dispatch", m.assignments * m.hidden), ("add", m.router_tokens * m.experts)]
+    if m.ep > 1:  # the received rows regrouped expert-major, and back before the return all-to-all (two gathers)
+        ops += [("add", m.assignments * m.hidden)] * 2
     if m.shared_ffn:
         ops.append((act, m.tokens * m.shared_ffn))
     return ops

@@ -54,6 +54,8 @@ def _points(rows, flops_of) -> list[tuple[float, float]]:
     return sorted((x, math.exp(sum(v) / len(v))) for x, v in by.items())
 
 
+_STAND_IN = {"moe_dispatch": ("add", 3)}
+"""Ops of newer reports, priced in older ones as passes of another op: (op, passes)."""
 _GEMM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -115,8 +117,11 @@ class Rates:
         tflops = _loglog(_points(mine, lambda r: 2.0 * r["m"] * r["n"] * r["k"]), flops) * f
         return flops / (tflops * 1e12)
 
-    def attention_s(self, dtype: str, flops: float, math_path: bool, threads: int = 1) -> float:
-        """Seconds of attention forward + backward worth ``flops`` (the bench's count: 3 x forward)."""
+    def attention_s(self, dtype: str, flops: float, dropout: bool, threads: int = 1) -> float:
+        """Seconds of attention forward + backward worth ``flops`` (the bench's count: 3 x forward): the engine's
+        op (``op:*`` rows) at the layer's attention dropout. Reports without dropout rows (before 2026-12-02)
+        price attention with dropout at the math path's rows, its dropout left to the element-wise ops
+        (:meth:`fused_attention_dropout`)."""
         if not self.attention:
             self.note("attention: no attention report; attention FLOPs at the GEMM rate of a square GEMM of "
                       "the same FLOPs")
@@ -124,17 +129,30 @@ class Rates:
             return 3 * self.gemm_s(_GEMM_DTYPE.get(dtype, dtype), side, side, side, threads)
         rows, f = self._pick(self.attention, threads, "attention")
         name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
-        impl = [r for r in rows if (r["impl"] == "math") == math_path and r["impl"] != "ring_block"]
+        if dropout and self.fused_attention_dropout(threads):
+            impl = [r for r in rows if r["impl"].startswith("op:") and r.get("dropout", 0.0) > 0]
+        else:
+            math_path = dropout  # older reports: SDPA with dropout leaves its fused path on a CPU
+            impl = [r for r in rows if (r["impl"] == "math") == math_path and r["impl"] != "ring_block"
+                    and not r.get("dropout", 0.0)]
         named = [r for r in impl if r["dtype"] == name]
         mine = named or impl or rows
         if not named:
-            self.note(f"attention: no {name} rows of the {'math' if math_path else 'fused'} path; using "
-                      f"{mine[0]['dtype']} {mine[0]['impl']}")
+            self.note(f"attention: no {name} rows of the engine's attention{' with dropout' if dropout else ''}; "
+                      f"using {mine[0]['dtype']} {mine[0]['impl']}")
 
         def fl(r):
             return 3 * 4 * r.get("batch", 1) * r["heads"] * r["seq"] ** 2 * r["head_dim"] * (0.5 if r["causal"] else 1)
 
         return flops / (_loglog(_points(mine, fl), flops) * f * 1e12)
+
+    def fused_attention_dropout(self, threads: int = 1) -> bool:
+        """Whether the attention report measured the engine's op with dropout (its rows then include the dropout
+        of the probabilities, which the element-wise ops must not count again)."""
+        if not self.attention:
+            return False
+        rows, _ = self._pick(self.attention, threads, "attention")
+        return any(r["impl"].startswith("op:") and r.get("dropout", 0.0) > 0 for r in rows)
 
     def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1) -> float | None:
         """Seconds of one ring-attention block (forward + backward) worth ``flops`` (the bench's count), from the
@@ -162,10 +180,37 @@ class Rates:
             return 0.0
         rows, f = self._pick(self.elementwise, threads, "elementwise")
         mine = [r for r in rows if r["op"] == op and r["mode"] == mode]
+        if not mine and op in _STAND_IN:
+            other, passes = _STAND_IN[op]
+            self.note(f"element-wise ops: no {op} rows (an older report); priced as {passes} {other} passes")
+            return passes * self.elementwise_s(other, mode, elements, threads)
         if not mine:
             self.note(f"element-wise ops: no {op} {mode} rows; not priced")
             return 0.0
         return _linear(sorted((r["elements"], r["ms"] * 1e-3) for r in mine), elements) / f
+
+    def host_layer_s(self, mode: str, threads: int = 1) -> float | None:
+        """Seconds of the report's ``host_layer`` row (``mode`` fwd or bwd): one engine layer at shapes where its
+        arithmetic is nothing (:data:`omnitron.bench.elementwise.HOST_LAYER`); None without one (older reports)."""
+        if not self.elementwise:
+            return None
+        rows, _ = self._pick(self.elementwise, threads, "elementwise")  # host work: not scaled by threads
+        mine = [r["ms"] * 1e-3 for r in rows if r["op"] == "host_layer" and r["mode"] == mode]
+        return min(mine) if mine else None
+
+    def host_slowdown(self, op: str, busy: int) -> float | None:
+        """The comm report's measured slowdown of ``op`` (``host_gemm`` / ``host_stream``) with ``busy`` threads
+        working at once: piecewise linear in the measured rank counts from 1.0 at one; past the largest, its
+        slowdown times the further time-sharing of the cores. None without rows (older reports)."""
+        rows = sorted((r["ranks"], r["slowdown"]) for r in self.comm if r["op"] == op)
+        if not rows:
+            return None
+        if busy <= 1:
+            return 1.0
+        last_n, last = rows[-1]
+        if busy > last_n:
+            return last * max(1.0, busy / self.cpu_count) / max(1.0, last_n / self.cpu_count)
+        return max(1.0, _interp([(1, 1.0)] + rows, busy, True))  # below 1: the measurement's noise
 
     def comm_s(self, op: str, nbytes: float, ranks: int) -> float:
         """Seconds of one ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) of ``nbytes`` over

@@ -22,9 +22,11 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    (a stage's cost is ``max(compute, communication)``).
 5. **Shared cores** (CPU reports): every rank of the layout runs on one host of the report's
    ``cpu_count`` cores, with ``omnitron train``'s intra-op threads (cores / ranks, at least 1). The GEMM /
-   attention rows measured at that thread count are used; when ranks x threads exceed the cores, each
-   rank's compute is slowed by ``ranks x threads / cores`` (the cores are time-shared), and so are the
-   collectives (CPU work on gloo) beyond the time-sharing of their measurement (:mod:`omnitron.plan.rates`).
+   attention rows measured at that thread count are used; each rank's work is slowed by what the comm
+   report's ``host_gemm`` / ``host_stream`` rows measured for that many busy threads at once (hyperthreads,
+   memory bandwidth, time-sharing), or without them by ``ranks x threads / cores`` when that exceeds 1 (the
+   cores time-shared); the collectives (CPU work on gloo) likewise beyond the time-sharing of their
+   measurement (:mod:`omnitron.plan.rates`).
 
 6. **Element-wise ops** (norms, residual adds, dropouts, the MLP activation, cross-entropy; each forward and
    backward) and the optimizer step are priced per element from an ``omnitron bench elementwise`` report
@@ -34,7 +36,13 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    dispatch's all-to-alls over ep (and the gathers over etp), and the shared expert, at balanced routing
    (stated with the prediction); expert gradients are reduced over the expert-data-parallel group.
 
-Not modelled: the data loader, host overheads between ops.
+8. **The host's fixed cost of a layer** (Python, dispatch and autograd between and around its ops) from the
+   elementwise report's ``host_layer`` rows, less what the per-op rates already price that small layer at
+   (:func:`host_layer`); on a CPU it adds to the layer's time (the host is the device), on an accelerator the
+   host runs ahead, and a layer takes the longer of the two. The q / k / v split's backward is priced as
+   element-wise passes (:func:`work.qkv_split_backward`).
+
+Not modelled: the data loader, the host's fixed costs outside the layers (embedding, loss, the optimizer's loop).
 """
 from __future__ import annotations
 
@@ -47,7 +55,7 @@ from omnitron.plan import work
 from omnitron.plan.state import expert_data_parallel_size
 
 OVERLAPS = ("none", "dp", "all")
-KEYS = ("compute", "elementwise", "tp", "cp", "pp", "ep")
+KEYS = ("compute", "elementwise", "host", "tp", "cp", "pp", "ep")
 _DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -59,10 +67,14 @@ class StageCost:
     b: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KEYS, 0.0))
     attention_f: float = 0.0
     """One layer's core-attention forward (what selective recomputation repeats)."""
+    host_async: bool = False
+    """The host's fixed costs run ahead of an asynchronous device (an accelerator) instead of adding to it."""
 
     def total(self, kind: str, overlap: str) -> float:
         d = self.f if kind == "F" else self.b
-        work, comm = d["compute"] + d["elementwise"], d["tp"] + d["cp"] + d["pp"] + d["ep"]
+        dev = d["compute"] + d["elementwise"]
+        work = max(dev, d["host"]) if self.host_async else dev + d["host"]
+        comm = d["tp"] + d["cp"] + d["pp"] + d["ep"]
         return max(work, comm) if overlap == "all" else work + comm
 
 
@@ -73,6 +85,7 @@ class StepTime:
     total: float
     compute: float
     elementwise: float
+    host: float
     tp: float
     cp: float
     pp: float
@@ -85,17 +98,20 @@ class StepTime:
     notes: list[str]
 
     def breakdown(self) -> dict[str, float]:
-        keys = ("compute", "elementwise", "tp", "cp", "pp", "ep", "dp", "optimizer", "bubble")
+        keys = ("compute", "elementwise", "host", "tp", "cp", "pp", "ep", "dp", "optimizer", "bubble")
         return {k: getattr(self, k) for k in keys}
 
 
-def _threads(settings, rates) -> tuple[int, float]:
-    """(intra-op threads per rank, compute slow-down from ranks sharing the host's cores)."""
+def _threads(settings, rates, op: str = "host_gemm") -> tuple[int, float]:
+    """(intra-op threads per rank, slow-down from ranks sharing the host's cores): the comm report's measured
+    ``op`` slowdown (``host_gemm`` for GEMMs, attention and the host's own work, ``host_stream`` for
+    element-wise passes) at the layout's busy threads, else ``ranks x threads / cores`` (time-sharing only)."""
     if rates.device_type != "cpu":
         return max(rates.gemm), 1.0
     world, cores = settings.world_size, rates.cpu_count
     threads = settings.threads or (max(1, cores // world) if world > 1 else max(1, min(cores, 8)))
-    return threads, max(1.0, world * threads / cores)
+    measured = rates.host_slowdown(op, world * threads)
+    return threads, measured if measured is not None else max(1.0, world * threads / cores)
 
 
 def layer_collectives(settings, cfg, moe: bool) -> tuple[list, list]:
@@ -126,8 +142,10 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
+    stream = _threads(settings, rates, "host_stream")[1]
     ring = cp > 1 and rates.ring_block_s(dt, 1.0, True, cfg.attention_dropout > 0, threads) is not None
-    gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=not ring)
+    separate = not ring and not rates.fused_attention_dropout(threads)  # the probabilities' dropout, unpriced yet
+    gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=separate)
     if moe:
         m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
         act = "silu_mul" if cfg.swiglu else "gelu"
@@ -142,13 +160,43 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     c = StageCost(attention_f=attn / 3)
     c.f["compute"], c.b["compute"] = gemm + attn / 3, 2 * gemm + 2 * attn / 3
     c.f["cp"], c.b["cp"] = hops_f * hop, hops_b * hop
-    c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew + ring_f) * slow
+    bias = work.bias_passes(cfg, x, [g for g in gemms if g[0] != "router"])
+    c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew + ring_f + bias) * stream
     c.b["elementwise"] = (sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ew) +
-                          sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ring_b)) * slow
+                          sum(rates.elementwise_s(op, "fwd", n, threads)
+                              for op, n in ring_b + work.qkv_split_backward(x) + bias)) * stream
+    c.f["host"], c.b["host"] = (t * slow for t in host_layer(rates, threads))
     for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe)):
         for key, op, n, ranks in rows:
             d[key] += rates.comm_s(op, n, ranks)
     return c
+
+
+def host_layer(rates, threads: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's fixed host cost per micro-batch (Python, dispatch, autograd):
+    the report's ``host_layer`` rows (one engine layer at shapes where the arithmetic is nothing) less what the
+    per-op rates price that small layer's own work at, since each op's rate already holds its fixed cost
+    (an op's time at small sizes is mostly that). (0, 0) without the rows (older reports; noted)."""
+    from omnitron.bench.elementwise import HOST_LAYER
+    from omnitron.core.models.gpt.config import gpt2_tiny
+
+    f, b = rates.host_layer_s("fwd", threads), rates.host_layer_s("bwd", threads)
+    if f is None or b is None:
+        rates.note("host: no host_layer rows (an older `omnitron bench elementwise` report); the host's fixed "
+                   "cost of each layer is not priced")
+        return 0.0, 0.0
+    t, h = HOST_LAYER["tokens"], HOST_LAYER["hidden"]
+    cfg = gpt2_tiny(num_layers=1, hidden_size=h, num_attention_heads=2, ffn_hidden_size=4 * h, seq_length=t,
+                    max_position_embeddings=t)
+    x = work.local_shapes(cfg, 1, 1, 1)
+    gemm = sum(rates.gemm_s("fp32", m, n, k, threads) for _, m, n, k in work.layer_gemms(x))
+    attn = rates.attention_s("fp32", 3 * work.attention_flops(x), True, threads)
+    ew = work.layer_elementwise(cfg, x, False, attention_dropout=not rates.fused_attention_dropout(threads))
+    bias = work.bias_passes(cfg, x, work.layer_gemms(x))
+    ew_f = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew + bias)
+    ew_b = sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ew) + sum(
+        rates.elementwise_s(op, "fwd", n, threads) for op, n in work.qkv_split_backward(x) + bias)
+    return max(0.0, f - gemm - attn / 3 - ew_f), max(0.0, b - 2 * gemm - 2 * attn / 3 - ew_b)
 
 
 def _attention(cfg, x, rates, dt: str, threads: int) -> float:
@@ -176,7 +224,7 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
     kinds = {moe: _layer(settings, cfg, rates, moe) for moe in set(layers)}
-    c = StageCost()
+    c = StageCost(host_async=rates.device_type != "cpu")
     rec = _recomputed(cfg, len(layers))
     for i, moe in enumerate(layers):
         one = kinds[moe]
@@ -198,8 +246,9 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
         c.b["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.last_stage_tp(x, elem, sp)[1])
     ends = (work.embedding_elementwise(cfg, x, sp) if first else []) + (
         work.head_elementwise(cfg, x, sp) if last else [])
-    c.f["elementwise"] += sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ends) * slow
-    c.b["elementwise"] += sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ends) * slow
+    stream = _threads(settings, rates, "host_stream")[1]
+    c.f["elementwise"] += sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ends) * stream
+    c.b["elementwise"] += sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ends) * stream
     msg = work.pp_message(x, elem, sp)
     c.f["pp"] = rates.comm_s("p2p", msg, 2) if nxt else 0.0
     c.b["pp"] = rates.comm_s("p2p", msg, 2) if prev else 0.0
@@ -328,7 +377,7 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     crit = max(busy, key=busy.get)
     parts = {key: m * sum(sc.f[key] + sc.b[key] for sc in per_rank[crit]) for key in KEYS}
     if overlap == "all":  # hidden communication: what exceeds the compute beside it is charged to compute
-        parts.update(compute=busy[crit] - parts["elementwise"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
+        parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
     params = [stage_param_groups(cfg, settings, r, [x for c in range(vp) for x in layers[(r, c)]]) for r in range(pp)]
     dp = max(dp_time(settings, cfg, rates, r, [x for c in range(vp) for x in layers[(r, c)]]) for r in range(pp))
     opt = max(optimizer_time(settings, rates, n, e) for n, e in params)
@@ -337,7 +386,8 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
         dp = max(0.0, dp - sum(sc.total("B", overlap) for sc in per_rank[crit]))
     total = tl.makespan + dp + opt
     tokens = settings.training.global_batch_size * cfg.seq_length
-    return StepTime(total, parts["compute"], parts["elementwise"], parts["tp"], parts["cp"], parts["pp"], parts["ep"],
+    return StepTime(total, parts["compute"], parts["elementwise"], parts["host"], parts["tp"], parts["cp"], parts["pp"],
+                    parts["ep"],
                     dp, opt, tl.makespan - busy[crit], tokens / total, assumptions(settings, rates, overlap),
                     list(rates.notes))
 
@@ -354,7 +404,7 @@ def optimizer_time(settings, rates, params: float, expert: float = 0.0) -> float
         params = params / dp_cp + expert / expert_data_parallel_size(settings)
     else:
         params += expert
-    threads, slow = _threads(settings, rates)
+    threads, slow = _threads(settings, rates, "host_stream")
     return rates.elementwise_s("adamw", "step", params, threads) * slow
 
 
@@ -381,7 +431,7 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "
                    "(time-shared cores)")
-    out.append("not modelled: data loading, host overheads between ops, the loss and grad-norm reductions")
+    out.append("not modelled: data loading, host overheads outside the layers, the loss and grad-norm reductions")
     return out
 
 

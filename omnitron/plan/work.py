@@ -191,6 +191,24 @@ def layer_elementwise(cfg, x: Local, sp: bool, attention_dropout: bool = True) -
     return ops
 
 
+def bias_passes(cfg, x: Local, gemms) -> list[tuple[str, int]]:
+    """(op, elements) of the linear biases of ``gemms`` (``(name, m, n, k)``; ``--add-bias-linear``), priced as
+    add passes: forward, the GEMM's output gets the bias (addmm: one more pass over ``[m, n]``); backward, the
+    bias gradient sums the output gradient's rows (one more pass). Row-parallel biases (proj, fc2) are added
+    once, after the reduction, on every rank."""
+    if not cfg.add_bias_linear:
+        return []
+    return [("add", m * n) for _, m, n, _ in gemms]
+
+
+def qkv_split_backward(x: Local) -> list[tuple[str, int]]:
+    """(op, elements) of the backward of one layer's q / k / v split, priced at the forward rate of the op named:
+    autograd writes each piece's gradient into a zeroed tensor of the whole ``[T, (a + 2 g) d / tp]`` (select /
+    slice backward: a fill and a copy, about one third of an add pass each) and sums the three (two add passes),
+    about three add passes over the qkv elements in all."""
+    return [("add", 3 * x.tokens * (x.heads + 2 * x.groups) * x.head_dim)]
+
+
 def attention_dropout_elements(cfg, x: Local) -> int:
     """Elements of one layer's attention-probability dropout: ``[b, a / tp, s / cp, s]``."""
     return x.batch * x.heads * (x.seq // x.cp) * x.seq

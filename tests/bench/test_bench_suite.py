@@ -49,8 +49,9 @@ def test_subcommands_write_valid_reports(tmp_path, capsys):
 
     ew = {(r["op"], r["mode"], r["elements"]) for r in reps["elementwise"]["rows"]}
     modes = {"adamw": ("step",), "ring_merge": ("fwd",)}
+    host = elementwise.HOST_LAYER["tokens"] * elementwise.HOST_LAYER["hidden"]
     assert ew == {(op, mode, n) for op in elementwise.OPS for mode in modes.get(op, ("fwd", "bwd"))
-                  for n in (1024, 4096)}
+                  for n in ((1024, 4096) if op != "host_layer" else (host,))}
     assert all(r["ms"] >= 0 for r in reps["elementwise"]["rows"])
     assert {r["dtype"] for r in reps["gemm"]["rows"]} == {"fp32", "bf16", "fp8-tensor", "fp8-block"}
     assert {r["shape"] for r in reps["gemm"]["rows"]} >= {"square:64", "gpt2_tiny:qkv", "gpt2_tiny:fc1-wgrad"}
@@ -58,8 +59,15 @@ def test_subcommands_write_valid_reports(tmp_path, capsys):
     _figures_ok(reps["attention"], "ms", "tflops")
     ring = {(r["causal"], r["dropout"]) for r in reps["attention"]["rows"] if r["impl"] == "ring_block"}
     assert ring == {(True, 0.0), (True, 0.1), (False, 0.0), (False, 0.1)}
+    engine = {r["dropout"] for r in reps["attention"]["rows"] if r["impl"].startswith("op:")}
+    assert engine == {0.0, 0.1}  # the engine's attention without and with --attention-dropout
+    host = [r for r in reps["comm"]["rows"] if r["op"] in comm.HOST_OPS]
+    reps["comm"]["rows"] = [r for r in reps["comm"]["rows"] if r["op"] not in comm.HOST_OPS]
     _figures_ok(reps["comm"], "ms", "algbw_gbs", "busbw_gbs")
     assert {r["op"] for r in reps["comm"]["rows"]} == set(comm.OPS)
+    assert {r["op"] for r in host} == set(comm.HOST_OPS)
+    for row in host:  # at once / alone, both positive
+        assert row["ms"] > 0 and row["alone_ms"] > 0 and row["slowdown"] == pytest.approx(row["ms"] / row["alone_ms"])
     for row in reps["comm"]["rows"]:  # the report's figures follow the definition (float64 both ways: ~1e-16)
         assert row["algbw_gbs"] == pytest.approx(row["bytes"] / (row["ms"] * 1e-3) / 1e9, rel=1e-9)
         assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * comm.bus_factor(row["op"], 2), rel=1e-9)
