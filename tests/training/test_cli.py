@@ -44,10 +44,19 @@ def test_flags_config_file_and_precedence(tmp_path):
     (["--model", "gpt2_tiny", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], 1, "mxfp8 is not supported"),
     (["--model", "gpt2_tiny", "--reset-attention-mask", "--context-parallel-size", "2"], 2,
      "ring attention has no per-document mask"),
+    (["--model", "gpt2_tiny", "--sample-temperature", "0"], 1, "--sample-temperature 0.0 must be positive"),
 ])
 def test_cross_checks(argv, world, message):
     with pytest.raises(ConfigError, match=message):
         parse_settings(argv, world_size=world)
+
+
+def test_sample_temperature_reaches_the_settings():
+    import random
+
+    t = round(random.uniform(0.1, 2.0), 3)
+    assert parse_settings(["--model", "gpt2_tiny", "--sample-temperature", str(t)], world_size=1).sample_temperature == t
+    assert parse_settings(["--model", "gpt2_tiny"], world_size=1).sample_temperature == 0.8
 
 
 def test_missing_data_path_is_caught_before_launch(tmp_path):

@@ -47,15 +47,15 @@ def single_process_model(c) -> GPTModel | None:
     return to_device(model, c.backend.current_device()).eval()
 
 
-def print_sample(c, prompt: str, max_new_tokens: int, top_k: int = 1) -> str | None:
+def print_sample(c, prompt: str, max_new_tokens: int, top_k: int = 1, temperature: float = 0.8) -> str | None:
     """Collective: print (on rank 0) and return a continuation of ``prompt`` from the trained model."""
     model = single_process_model(c)
     if model is None:
         return None
     ids = c.tokenizer.encode(prompt)
-    params = SamplingParams(top_k=top_k, temperature=0.8, seed=c.settings.training.seed)
+    params = SamplingParams(top_k=top_k, temperature=temperature, seed=c.settings.training.seed)
     out = generate(model, ids, max_new_tokens, params=params, eod=getattr(c.tokenizer, "eod", None))
     text = c.tokenizer.decode(out)
-    how = "greedy" if top_k == 1 else f"top-{top_k} sampling"
+    how = "greedy" if top_k == 1 else f"top-{top_k} sampling at temperature {temperature:g}"
     print(f"\n--- sample ({how}, KV cache) ---\n{prompt}{text}\n---", flush=True)
     return text

@@ -193,6 +193,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--sample-tokens", type=int, metavar="N", help="tokens to sample for --prompt (default: 40)")
     launch.add_argument("--sample-top-k", type=int, metavar="K", help="sample among the K likeliest tokens; "
                         "1 is greedy (default: 20)")
+    launch.add_argument("--sample-temperature", type=float, metavar="T",
+                        help="divide the logits by T before sampling for --prompt (default: 0.8)")
     opts = options()
     seen_groups: dict[str, argparse._ArgumentGroup] = {}
     owner = {}
@@ -253,9 +255,18 @@ def _str_list(value) -> list[str]:
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
+def _sample_temperature(value) -> float:
+    """--sample-temperature, default 0.8; it must be positive (top-k 1 is the greedy choice)."""
+    t = 0.8 if value is None else float(value)
+    if not t > 0:
+        raise ConfigError(f"--sample-temperature {value} must be positive; for greedy sampling give --sample-top-k 1")
+    return t
+
+
 _str_list.__name__ = "list"
 _LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "model_family_module": _str_list, "nproc_per_node": int, "backend": str, "threads_per_process": int,
-                "prompt": str, "sample_tokens": int, "sample_top_k": int, "num_layers_per_virtual_pipeline_stage": int}
+                "prompt": str, "sample_tokens": int, "sample_top_k": int, "sample_temperature": float,
+                "num_layers_per_virtual_pipeline_stage": int}
 
 
 def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
@@ -330,6 +341,7 @@ class Settings:
     prompt: str | None
     sample_tokens: int
     sample_top_k: int
+    sample_temperature: float
     flat: dict[str, Any]
     """The merged flat settings (what a checkpoint records as the run's config)."""
     model_type: str = "gpt"
@@ -389,6 +401,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                     backend=merged.get("backend"), threads=merged.get("threads_per_process"),
                     prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
                     sample_top_k=int(merged.get("sample_top_k") or 20),
+                    sample_temperature=_sample_temperature(merged.get("sample_temperature")),
                     flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")}, model_type=model_type)
 
 

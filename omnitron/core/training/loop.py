@@ -228,7 +228,8 @@ def train(settings, backend, watchdog=None) -> dict:
     if settings.prompt:
         from omnitron.core.inference.sample import print_sample
 
-        print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k)
+        print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k,
+                     temperature=settings.sample_temperature)
     return result
 
 
