@@ -177,6 +177,12 @@ def host_layer(rates, threads: int) -> tuple[float, float]:
     the report's ``host_layer`` rows (one engine layer at shapes where the arithmetic is nothing) less what the
     per-op rates price that small layer's own work at, since each op's rate already holds its fixed cost
     (an op's time at small sizes is mostly that). (0, 0) without the rows (older reports; noted)."""
+    if ("host_layer", threads) not in rates.memo:
+        rates.memo[("host_layer", threads)] = _host_layer(rates, threads)
+    return rates.memo[("host_layer", threads)]
+
+
+def _host_layer(rates, threads: int) -> tuple[float, float]:
     from omnitron.bench.elementwise import HOST_LAYER
     from omnitron.core.models.gpt.config import gpt2_tiny
 
