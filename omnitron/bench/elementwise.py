@@ -8,11 +8,11 @@ kernels, rows of ``width``), ``softmax`` (rows of ``width``), ``add`` (the resid
 engine's vocab-parallel loss at one rank, rows of ``width`` classes), and ``adamw`` (one ``torch.optim.AdamW``
 step per element, mode ``step``); ``host_layer``: one engine Transformer layer (GPT-2 style, dropout on) at 8
 tokens and hidden 32, forward and backward, where the arithmetic is nothing and what remains is the host's
-fixed cost of a layer (Python, dispatch, autograd; measured once, whatever the sizes); ring attention's own:
-``moe_dispatch`` (the engine's MoE token dispatch and weighted combine at one ep rank,
+fixed cost of a layer (Python, dispatch, autograd; measured once, whatever the sizes); ``moe_dispatch`` (the
+engine's MoE token dispatch and weighted combine at one ep rank,
 :func:`omnitron.core.transformer.moe.dispatch.dispatch` / ``combine``: the pair mask's ``nonzero``, the
 ``index_select`` of the rows, the counts, the gate weighting and the ``index_add`` back; ``n`` = assignments x
-``width``, top-2 of 8 experts); ``block_dropout`` (the ring's
+``width``, top-2 of 8 experts); ring attention's own: ``block_dropout`` (the ring's
 seeded mask of one block, :func:`omnitron.core.parallel.context.ring.block_dropout`, and its multiply) and
 ``ring_merge`` (the merge of one block's partial result into the running output, head dim 64; forward only:
 the ring's backward recomputes instead). A row's ``ms`` is the median of the forward alone
