@@ -89,7 +89,7 @@ def measure(backend, rank: int, world: int, ops, byte_sizes, rounds: int, budget
     coll, device, rows = backend.collectives, backend.current_device(), []
     for op in ops:
         if op in HOST_OPS:
-            rows.append(_host_row(op, backend, rank, world, rounds, budget_s))
+            rows.append(_host_row(op, backend, rank, world, budget_s))
             continue
         if op == "p2p" and world < 2:
             continue
@@ -124,7 +124,7 @@ def _per_call_ms(fn, backend, seconds: float) -> float:
     return (time.perf_counter() - t0) * 1e3 / n
 
 
-def _host_row(op: str, backend, rank: int, world: int, rounds: int, budget_s: float) -> dict:
+def _host_row(op: str, backend, rank: int, world: int, budget_s: float) -> dict:
     """A :data:`HOST_OPS` row: rank 0 calling the op back to back alone (the others wait in a barrier), then
     every rank at once over the same wall-clock window, so the ranks' work overlaps throughout. Collective."""
     from omnitron.backends.collectives import ReduceOp

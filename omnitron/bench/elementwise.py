@@ -32,16 +32,24 @@ HOST_LAYER = dict(tokens=8, hidden=32)
 _FORWARD_ONLY = ("ring_merge",)
 
 
+def host_layer_config(dtype=torch.float32):
+    """The one-layer GPT-2-style config the ``host_layer`` op runs (and ``omnitron plan`` prices) at
+    :data:`HOST_LAYER`'s shapes."""
+    from omnitron.core.models.gpt.config import gpt2_tiny
+
+    t, h = HOST_LAYER["tokens"], HOST_LAYER["hidden"]
+    return gpt2_tiny(num_layers=1, hidden_size=h, num_attention_heads=2, ffn_hidden_size=4 * h, seq_length=t,
+                     max_position_embeddings=t, vocab_size=64, params_dtype=dtype)
+
+
 def _host_layer(backend, dtype):
     """(forward closure, input) of one engine layer at :data:`HOST_LAYER`'s shapes."""
     from omnitron.core.models.gpt import GPTModel
-    from omnitron.core.models.gpt.config import gpt2_tiny
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.parallel.tensor.sharding import to_device
 
     t, h = HOST_LAYER["tokens"], HOST_LAYER["hidden"]
-    cfg = gpt2_tiny(num_layers=1, hidden_size=h, num_attention_heads=2, ffn_hidden_size=4 * h, seq_length=t,
-                    max_position_embeddings=t, vocab_size=64, params_dtype=dtype)
+    cfg = host_layer_config(dtype)
     model = to_device(GPTModel(cfg, ParallelGroups.single(), backend=backend), backend.current_device()).train()
     layer = next(iter(model.decoder.layers.values()))
     x = torch.randn(t, 1, h, device=backend.current_device(), dtype=dtype, requires_grad=True)

@@ -183,17 +183,14 @@ def host_layer(rates, threads: int) -> tuple[float, float]:
 
 
 def _host_layer(rates, threads: int) -> tuple[float, float]:
-    from omnitron.bench.elementwise import HOST_LAYER
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.bench.elementwise import host_layer_config
 
     f, b = rates.host_layer_s("fwd", threads), rates.host_layer_s("bwd", threads)
     if f is None or b is None:
         rates.note("host: no host_layer rows (an older `omnitron bench elementwise` report); the host's fixed "
                    "cost of each layer is not priced")
         return 0.0, 0.0
-    t, h = HOST_LAYER["tokens"], HOST_LAYER["hidden"]
-    cfg = gpt2_tiny(num_layers=1, hidden_size=h, num_attention_heads=2, ffn_hidden_size=4 * h, seq_length=t,
-                    max_position_embeddings=t)
+    cfg = host_layer_config()
     x = work.local_shapes(cfg, 1, 1, 1)
     gemm = sum(rates.gemm_s("fp32", m, n, k, threads) for _, m, n, k in work.layer_gemms(x))
     attn = rates.attention_s("fp32", 3 * work.attention_flops(x), True, threads)
