@@ -86,11 +86,13 @@ def _to64(a):
     return a
 
 
-def _check(name, got, want, dtype, same_dtype_ref=None):
+def _check(name, got, want, dtype, same_dtype_ref=None, sum_atol=0.0):
     """``|got - want| <= atol + rtol |want| + 2 |ref - want|`` elementwise, where ``want`` is the
     float64 reference and ``ref`` the reference run in ``dtype`` (an implementation may be off by
-    twice the reference's own rounding error, e.g. a bias added in bf16 before a reduction)."""
+    twice the reference's own rounding error, e.g. a bias added in bf16 before a reduction); ``sum_atol``
+    is a case's bound for long float32 sums (``Case.sum_atol``), added to ``atol``."""
     atol, rtol = TOLERANCE[dtype]
+    atol = atol + sum_atol
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert not torch.isnan(got).any(), f"{name}: NaN in the output (unwritten or wrong element)"
     got, want = got.double(), want.double()
@@ -151,7 +153,7 @@ def test_forward_backward(op, name, dtype, backend):
         assert len(outs) == len(lows), f"{where}: {len(outs)} outputs, reference gives {len(lows)}"
         for k, (out, low, out64) in enumerate(zip(outs, lows, outs64)):
             assert out.dtype == low.dtype, f"{where}: output {k} dtype {out.dtype}, reference gives {low.dtype}"
-            _check(f"{where} output {k}", out, out64, dtype, None if own else low)
+            _check(f"{where} output {k}", out, out64, dtype, None if own else low, case.sum_atol)
         if not leaves:
             continue  # an op without autograd (e.g. the cross-entropy shard kernels): outputs only
         gos = [torch.randn(o.shape, device=device, dtype=torch.float64).to(o.dtype) for o in outs]
