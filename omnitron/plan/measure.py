@@ -68,3 +68,27 @@ def pipeline_bytes(cfg, layout, b: int) -> dict[tuple[int, int], int]:
         out[key] = rec.total
         hidden = y.detach().requires_grad_()
     return out
+
+
+def train_step_peak(argv: list[str], world: int, root: str) -> tuple[int, int]:
+    """(this rank's pipeline stage, peak bytes of every storage created during one training step): the run
+    of ``argv`` built in this process (one rank of a ``world``-rank job), one warm step first. Parameters,
+    gradient buffers and optimizer state exist before and count 0, so the peak is what the step adds:
+    activations, backward's transients, received pipeline tensors (``PeakTracker`` follows tensors, an
+    independent mechanism from the storages :class:`omnitron.plan.transients.Timeline` follows)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+    from omnitron.core.training.loop import data_iterator
+    from omnitron.core.training.step import train_step
+    from omnitron.kernels.benchmark import PeakTracker
+
+    s = parse_settings(argv + ["--num-workers", "0", "--train-iters", "3", "--no-tensorboard", "--data-cache-path",
+                               root], world)
+    c = build_components(s, get_backend())
+    it = data_iterator(c, c.train_data, 0)
+    train_step(c, it)
+    tracker = PeakTracker()
+    with tracker:
+        train_step(c, it)
+    return (c.groups.pp.rank if world > 1 else 0), tracker.peak

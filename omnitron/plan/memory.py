@@ -5,19 +5,27 @@ distributed-optimizer slice boundaries, and the largest is reported):
 
 - parameters, gradients, optimizer state: counted exactly on a meta-device skeleton (:mod:`.state`);
 - activations: one micro-batch's saved tensors per chunk (:mod:`.activations`: measured on small probes,
-  scaled by batch x sequence, and s^2 where attention materialises scores), times the micro-batches the
+  scaled by batch x sequence, and s^2 where attention materialises scores) and, but on the last chunk, the
+  chunk's output, which the pipeline runtime keeps to differentiate, times the micro-batches the
   schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
   it; the peak over the table counts. Under context parallelism a rank's sequence is ``s / cp``;
 - logits: the last stage's vocabulary-shard part of the head (``V_pad / tp`` columns, per token);
 - FP8 (assumed, not validated): one 1-byte copy of every 2-D layer weight when ``--fp8-format`` is on.
 
-- recompute (full recomputation only): one recompute chunk's plain activations, rematerialised in its
-  backward.
+- recompute and transient: what one micro-batch's forward and backward through the chunk holds at its
+  peak beyond that micro-batch's activation and logit terms, replayed from probes and scaled
+  (:mod:`.transients`); the stage takes its largest chunk's, on top of the activations it holds. Of it,
+  ``recompute`` is one recompute chunk's rematerialised activations (full recomputation; at most the
+  excess), ``transient`` the rest: the gradients backward creates while the saved tensors are still held
+  (logits' and activations' gradients, a weight's gradient before the data-parallel hook adds it into
+  ``main_grad``, a tied output layer's gradient held until the embedding's arrives) and the pipeline's
+  received activations and gradients.
 
-Not modelled: communication buffers, allocator fragmentation, backward's other transients (gradients of
-activations, measured at 1-12% of the activations in one process: BENCHMARKS.md), MoE routing tensors
-(MoE layers are probed as dense).
+Not modelled: communication buffers, allocator fragmentation, the optimizer step's temporaries, buffers
+fused kernels allocate internally, MoE routing tensors (MoE layers are probed as dense). The transient
+probe runs without sequence or context parallelism: under SP its hidden-sized gradients are counted
+whole (an overestimate of at most (1 - 1/tp) of them).
 """
 from __future__ import annotations
 
@@ -40,13 +48,17 @@ class StageMemory:
     logits: int
     fp8: int
     recompute: int
-    """Full recomputation: one recompute chunk's activations, rematerialised during its backward."""
+    """Full recomputation: one recompute chunk's activations, rematerialised during its backward (at most
+    what the step's peak holds beyond the activations and logits: the layers above are freed by then)."""
     inflight: int
     """Most micro-batches (over chunks) held at once by this rank's schedule."""
+    transient: int = 0
+    """Backward's own tensors at the step's peak, beyond the terms above (:mod:`.transients`)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8 + self.recompute
+        return (self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8 + self.recompute
+                + self.transient)
 
 
 def model_config(settings):
@@ -96,6 +108,18 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
     return acts + head, s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
 
 
+def output_bytes(settings, cfg, last: bool) -> float:
+    """The chunk output a pipeline keeps per micro-batch until its backward (``[s(/tp under SP), b, h]``;
+    autograd saves none of it, the runtime holds it to differentiate): 0 on the last chunk, which returns
+    the loss."""
+    pc = settings.parallel
+    if last:
+        return 0.0
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    return s * b * cfg.hidden_size * cfg.params_dtype.itemsize / (pc.tensor_model_parallel_size if pc.sequence_parallel
+                                                                  else 1)
+
+
 def peak_held(schedule, rank: int, per_chunk: dict[int, float]) -> tuple[float, int]:
     """(peak bytes, peak micro-batches) held by ``rank`` walking its action table."""
     split = schedule.split_backward(rank)
@@ -122,6 +146,28 @@ def recompute_bytes(settings, cfg) -> int:
     return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel))
 
 
+def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
+    """What one micro-batch's forward and backward through a chunk of ``layers`` layers holds at its peak
+    beyond the chunk's activation and logit terms: rematerialised layers and backward's transients (module
+    doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation)."""
+    from dataclasses import replace as _replace
+
+    from omnitron.core.models.gpt.config import padded_vocab_size
+    from omnitron.plan.activations import probe_config
+    from omnitron.plan.transients import _B0, _S0, Probe, scaled_peak
+
+    pc = settings.parallel
+    tp = pc.tensor_model_parallel_size
+    whole = _replace(settings, parallel=_replace(pc, sequence_parallel=False))
+    unit = (cfg.recompute_num_layers or 1) if cfg.recompute_granularity == "full" else 1
+    n = min(layers, 2 * unit)
+    probe, kh, kd = probe_config(cfg, tp)
+    real = scaled_peak(Probe(probe, n, first, last, _S0, _B0), cfg.seq_length // pc.context_parallel_size,
+                       settings.training.micro_batch_size, kh, kd, padded_vocab_size(cfg, tp) // tp)
+    acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
+    return max(0, round(real - acts - output_bytes(whole, cfg, last) - logits))
+
+
 def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
     if settings.fp8 is None:
         return 0
@@ -142,13 +188,18 @@ def estimate(settings) -> list[StageMemory]:
     for r in range(pp):
         acts, logits = {}, {}
         for c in range(vp):
-            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=(r, c) == (pp - 1, vp - 1), first=(r, c) == (0, 0))
+            last = (r, c) == (pp - 1, vp - 1)
+            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=last, first=(r, c) == (0, 0))
+            acts[c] += output_bytes(settings, cfg, last)
         act_peak, most = peak_held(schedule, r, acts)
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
+        excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=(r, c) == (0, 0),
+                                     last=(r, c) == (pp - 1, vp - 1)) for c in range(vp))
+        rec = min(recompute_bytes(settings, cfg), excess)  # what of the excess is rematerialised activations
         out.append(StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
-                               round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r),
-                               recompute_bytes(settings, cfg), most))
+                               round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most,
+                               excess - rec))
     return out
 
 
@@ -159,9 +210,10 @@ def _gib(n: int) -> str:
 def format_table(stages: list[StageMemory]) -> str:
     """One row per stage (GiB; values under 128 MiB in MiB, suffixed M) and the largest rank."""
     head = f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'params':>9} {'grads':>9} {'optimizer':>9} " \
-           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'total':>9}"
+           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'transient':>9} {'total':>9}"
     rows = [head] + [f"{s.stage:>5} {s.layers:>6} {s.inflight:>9} {_gib(s.params)} {_gib(s.grads)} {_gib(s.optimizer)}"
-                     f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.recompute)} {_gib(s.total)}" for s in stages]
+                     f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.recompute)} {_gib(s.transient)}"
+                     f" {_gib(s.total)}" for s in stages]
     top = max(stages, key=lambda s: s.total)
     rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes)")
     return "\n".join(rows)

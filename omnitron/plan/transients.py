@@ -1,0 +1,223 @@
+"""Peak bytes of one micro-batch's forward and backward through a stage chunk, transients included.
+
+The activation term (:mod:`.activations`) counts what autograd saves; a step's peak is higher because
+backward creates tensors of its own while the saved ones are still held: the gradient of the logits,
+gradients of activations, each weight's gradient before the data-parallel hook moves it into
+``main_grad``, the rematerialised layers of full recomputation, and (tied embeddings on one stage) the
+output layer's weight gradient, held until the embedding's half arrives.
+
+Derivation. Run one probe chunk (the tp-local widths divided by ``k = k_heads * k_dim``, as
+:func:`.activations.probe_config`) through forward and backward under a dispatch mode that logs every
+storage created and freed (:class:`Timeline`). Each logged storage is a product of the run's dimensions:
+``[s, b, w]`` activations, ``[b, heads, s, s]`` scores, ``[w, w]`` weight gradients, ``[s, b, V]`` logits,
+so its bytes are ``c * s^a * b^e * kh^p * kd^q * V^v`` with small integer exponents. Six probes (the base,
+and each of sequence, batch, head dimension, head count and vocabulary doubled) issue the same
+allocations in the same order (checked; the base has twice the probe's heads, as a tp rank's probe
+may hold one head and attention takes other paths for it); the ratio of a storage's bytes between the base and each
+doubled probe gives its exponent, which scales it to the real layout. Replaying the scaled log gives the
+real chunk's peak: exact for every storage that is such a monomial, which all of a dense layer's are.
+
+A chunk of ``n`` layers is probed with ``min(n, 2 u)`` layers (``u`` the recompute chunk, else 1); its
+excess over the activation model's own total at that depth is taken to be the same at ``n`` layers: the
+peak falls in the top layer's or the head's backward, above every layer's saved tensors.
+
+Not seen: buffers a fused kernel allocates internally (outside the dispatcher), the optimizer step's
+temporaries (after backward has freed the activations), communication buffers; MoE routing (probed as
+dense, like the activation term).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_S0, _B0 = 32, 2
+
+
+class Timeline(TorchDispatchMode):
+    """The storages ops create while active, in order: ``events`` holds ``(op, bytes)`` for a new storage
+    and ``(None, index of the event that created it)`` once it is freed. Storages that existed before
+    are never counted.
+
+    A storage is followed by a weak reference to it (not to the tensors viewing it), checked before every
+    op: it is freed when the last tensor, Python or autograd's, lets it go, and an address the allocator
+    hands out again is a new storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str | None, int]] = []
+        self._live: dict[int, tuple[StorageWeakRef, int | None]] = {}  # cdata -> (ref, creating event or None)
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            born = self._live.pop(key)[1]
+            if born is not None:
+                self.events.append((None, born))
+
+    def _see(self, t: torch.Tensor, op: str | None) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self._live:
+            self._live[key] = (StorageWeakRef(storage), None if op is None else len(self.events))
+            if op is not None:
+                self.events.append((op, storage.nbytes()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self._see(t, None)
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t, str(func))
+        return out
+
+    def __exit__(self, *exc):
+        self._sweep()
+        return super().__exit__(*exc)
+
+
+def peak(events: list[tuple[str | None, int]], sizes: list[float] | None = None) -> float:
+    """Peak of the live bytes replaying ``events`` (with each creation's bytes replaced by ``sizes``)."""
+    live = top = 0.0
+    for i, (op, n) in enumerate(events):
+        if op is None:
+            live -= sizes[n] if sizes is not None else events[n][1]
+        else:
+            live += sizes[i] if sizes is not None else n
+            top = max(top, live)
+    return top
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe chunk: ``layers`` layers of ``cfg`` (probe widths), holding the embedding (``first``)
+    and the head and loss (``last``), run at sequence ``s`` and batch ``b``."""
+
+    cfg: object
+    layers: int
+    first: bool
+    last: bool
+    s: int
+    b: int
+
+
+def _chunk(p: Probe):
+    """The probe chunk as training builds it (tp 1), and the parameters of every chunk built with it."""
+    from omnitron.core.checkpoint.reshard import Layout, skeleton_chunks
+
+    n, cfg = p.layers, p.cfg
+    if p.first and p.last:
+        layout, total, key = Layout(pp=1), n, (0, 0)
+    elif p.first:
+        layout, total, key = Layout(pp=2, first=n, last=1), n + 1, (0, 0)
+    elif p.last:
+        layout, total, key = Layout(pp=2, first=1, last=n), n + 1, (1, 0)
+    else:
+        layout, total, key = Layout(pp=3, first=1, last=1), n + 2, (1, 0)
+    c = replace(cfg, num_layers=total, seq_length=p.s, max_position_embeddings=max(p.s, cfg.max_position_embeddings or p.s),
+                recompute_num_layers=min(cfg.recompute_num_layers or 1, n) if cfg.recompute_granularity == "full"
+                else cfg.recompute_num_layers)
+    torch.manual_seed(0)
+    return skeleton_chunks(c, layout)[key].train()
+
+
+def _main_grads(module) -> None:
+    """The data-parallel wrapper's gradient path: each ``.grad`` is added into a buffer made beforehand
+    (``main_grad``) and freed by a post-accumulate hook (omnitron.core.parallel.data.ddp)."""
+    def hook(param):
+        param.main_grad.add_(param.grad)
+        param.grad = None
+
+    for param in module.parameters():
+        param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        param.register_post_accumulate_grad_hook(hook)
+
+
+_TIMELINES: dict[str, list[tuple[str | None, int]]] = {}
+
+
+def timeline(p: Probe) -> list[tuple[str | None, int]]:
+    """Events of one forward and backward of the probe chunk (after one warm-up pass; cached per probe)."""
+    key = repr(p)
+    if key not in _TIMELINES:
+        _TIMELINES[key] = _timeline(p)
+    return _TIMELINES[key]
+
+
+def _timeline(p: Probe) -> list[tuple[str | None, int]]:
+    m = _chunk(p)
+    _main_grads(m)
+    h = m.config.hidden_size if hasattr(m, "config") else p.cfg.hidden_size
+    torch.manual_seed(1)
+    tokens = torch.randint(0, p.cfg.vocab_size, (p.b, p.s))
+    positions = torch.arange(p.s).expand(p.b, p.s)
+    hidden = None if p.first else torch.randn(p.s, p.b, h, dtype=p.cfg.params_dtype)
+    dy = None if p.last else torch.randn(p.s, p.b, h, dtype=p.cfg.params_dtype)
+
+    def step():  # the received activation and output gradient are new buffers, as a pipeline's receives are
+        x = None if hidden is None else hidden.clone().requires_grad_()
+        y = m(tokens=tokens, position_ids=positions, hidden=x, labels=tokens if p.last else None)
+        if p.last:
+            y.float().mean().backward()
+        else:
+            y.backward(dy.clone())
+
+    step()
+    tl = Timeline()
+    with tl:
+        step()
+    return tl.events
+
+
+def _heads_doubled(c):
+    """``c`` with twice the heads (and query groups), hidden and ffn sizes, at the same head dimension."""
+    d = c.kv_channels or c.hidden_size // c.num_attention_heads
+    return replace(c, num_attention_heads=2 * c.num_attention_heads, kv_channels=d,
+                   num_query_groups=2 * c.num_query_groups if c.num_query_groups else None,
+                   hidden_size=2 * c.hidden_size, ffn_hidden_size=2 * c.ffn_hidden_size)
+
+
+_DIMENSIONS = ("sequence", "batch", "head dimension", "heads", "vocabulary")
+
+
+def _doubled(p: Probe) -> list[Probe]:
+    """The five probes with one dimension doubled, in the order of ``_DIMENSIONS``."""
+    c = p.cfg
+    d = c.kv_channels or c.hidden_size // c.num_attention_heads
+    vocab = replace(c, vocab_size=2 * c.vocab_size, make_vocab_size_divisible_by=2 * c.make_vocab_size_divisible_by)
+    return [replace(p, s=2 * p.s), replace(p, b=2 * p.b),
+            replace(p, cfg=replace(c, kv_channels=2 * d, hidden_size=2 * c.hidden_size,
+                                   ffn_hidden_size=2 * c.ffn_hidden_size)),
+            replace(p, cfg=_heads_doubled(c)), replace(p, cfg=vocab)]
+
+
+def scaled_peak(p: Probe, s: int, b: int, kh: int, kd: int, vocab: int) -> float:
+    """Peak bytes of the probe chunk's forward and backward scaled to sequence ``s``, batch ``b``, heads
+    times ``kh``, head dimension times ``kd`` and a vocabulary shard of ``vocab`` columns.
+
+    The logs are taken at twice the probe's heads (a tp rank's probe may hold one head, whose attention
+    takes other paths than several heads'), so heads scale by ``kh / 2``."""
+    p = replace(p, cfg=_heads_doubled(p.cfg))
+    base = timeline(p)
+    runs = [timeline(q) for q in _doubled(p)]
+    for dim, run in zip(_DIMENSIONS, runs):
+        if [op for op, _ in run] != [op for op, _ in base]:
+            raise RuntimeError(f"plan: the transient probes' allocations differ with the {dim} doubled ({len(base)} "
+                               f"against {len(run)} events); the memory model cannot scale them")
+    factors = (s / p.s, b / p.b, kd, kh / 2, vocab / p.cfg.vocab_size)
+    sizes = []
+    for i, (op, n) in enumerate(base):
+        if op is None or n == 0:
+            sizes.append(float(n))
+            continue
+        scale = 1.0
+        for f, run in zip(factors, runs):
+            scale *= f ** math.log2(run[i][1] / n) if run[i][1] else 0.0
+        sizes.append(n * scale)
+    return peak(base, sizes)

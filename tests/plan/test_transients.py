@@ -1,0 +1,119 @@
+"""The memory plan's step peak: the allocation log it replays, its scaling from probes, and whole training
+steps against what they really allocate.
+
+References: a hand-written allocation sequence (the log); the same chunk logged at its real size (the
+scaling, which is exact when every storage's bytes are a monomial in the probe's dimensions, as a dense
+layer's are: equal to the byte); ``PeakTracker`` over a real ``train_step`` (the whole step; it follows
+tensors where the log follows storages).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from omnitron.testing.distributed import run_distributed
+
+
+def test_timeline_logs_new_storages_and_their_frees():
+    from omnitron.plan.transients import Timeline, peak
+
+    old = torch.randn(1000)
+    tl = Timeline()
+    with tl:
+        a = old * 2.0  # new: 4000 bytes
+        v = a.view(10, 100)  # a view: nothing new
+        old.add_(1.0)  # in place on a pre-existing storage: nothing
+        b = torch.randn(500)  # new: 2000
+        del a
+        c = torch.randn(1000)  # new; the allocator may hand out a's address again: still new
+        del v
+        d = c + 1.0  # new: 4000, while c is live: 10000 in all
+        del b, c, d
+    ops = [(op is not None, n) for op, n in tl.events]
+    assert ops == [(True, 4000), (True, 2000), (True, 4000), (False, 0), (True, 4000), (False, 1), (False, 2),
+                   (False, 4)], tl.events
+    assert peak(tl.events) == 10000
+    assert peak(tl.events, [1.0, 0, 2.0, 0, 4.0, 0, 0, 0]) == 6.0  # replayed with other sizes
+
+
+_GPT = dict(num_layers=4, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072, seq_length=96,
+            max_position_embeddings=96, vocab_size=300)
+_LLAMA = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
+              seq_length=80, max_position_embeddings=80, vocab_size=300, normalization="RMSNorm",
+              swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+              untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+              recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.mark.parametrize("name,fields,b", [("gpt-h768", _GPT, 2), ("llama-h512-full-recompute", _LLAMA, 3)])
+@pytest.mark.parametrize("first,last", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["whole", "first", "last", "middle"])
+def test_scaled_probe_replay_equals_the_real_chunk(name, fields, b, first, last):
+    """Probed at a third (gpt: heads / 3) or half (llama: head dimension / 2) of the width, sequence 32, batch 2,
+    vocabulary 128, then scaled: the peak equals the chunk's own log at its real size."""
+    from omnitron.core.models.gpt.config import GPTConfig, padded_vocab_size
+    from omnitron.plan.activations import probe_config
+    from omnitron.plan.transients import _B0, _S0, Probe, peak, scaled_peak, timeline
+
+    cfg = GPTConfig(**fields)
+    probe, kh, kd = probe_config(cfg, 1)
+    assert kh * kd > 1  # the probe is narrower than the model
+    v = padded_vocab_size(cfg, 1)
+    got = scaled_peak(Probe(probe, 2, first, last, _S0, _B0), cfg.seq_length, b, kh, kd, v)
+    real = replace(cfg, vocab_size=v, make_vocab_size_divisible_by=v)
+    want = peak(timeline(Probe(real, 2, first, last, cfg.seq_length, b)))
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+
+
+def _args(root: str, extra: list[str]) -> list[str]:
+    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            "200", "--data-cache-path", os.path.join(root, "cache"), *extra]
+
+
+def _check_step(args: list[str], world: int, measured: list[tuple[int, int]], rel: float = 0.0) -> None:
+    """Predicted (activations + logits + recompute + transient) against the measured step peak, each stage.
+
+    Tolerance: two [s, b, h] fp32 tensors (128 KiB at b = 1) for what the step does besides the chunk's
+    forward and backward that the probe replays (the loss's reduction, the gradient-norm and optimizer
+    temporaries come after the peak and are smaller). A missed weight gradient (h x 4h: 256 KiB), an [s, b, V]
+    logits gradient (100 KiB at b = 1, with its 64 KiB input gradient) or an attention-score tensor
+    ([b, heads, s, s]: 256 KiB) is more. ``rel``: a relative bound instead, where more is not modelled."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import estimate
+
+    s = parse_settings(args, world)
+    stages = estimate(s)
+    b = s.training.micro_batch_size
+    for stage, peak in measured:
+        e = stages[stage]
+        pred = e.activations + e.logits + e.recompute + e.transient
+        assert abs(pred - peak) <= max(2 * 128 * b * 128 * 4, rel * peak), (stage, pred, peak, e)
+
+
+@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "full", "--recompute-method", "block",
+                                        "--recompute-num-layers", "2"]], ids=["tied", "full-block2"])
+def test_step_peak_one_process(extra, tmp_path):
+    from omnitron.plan.measure import train_step_peak
+
+    args = _args(str(tmp_path), extra)
+    torch.set_num_threads(1)
+    _check_step(args, 1, [train_step_peak(args, 1, str(tmp_path))])
+
+
+def test_step_peak_pipeline_two_ranks(tmp_path):
+    """pp2, 1F1B over 4 micro-batches of 2 (stage 0 holds two in flight), Llama-style layers; measured
+    without the suite's strict collective checking, whose own buffers a training run does not have. Bound:
+    the issue's 10% goal. With micro-batches in flight the model adds each one's saved tensors and output, but
+    not what else the runtime keeps of them (rope tables, received buffers: about two [s, b, h] tensors more
+    on stage 0 here, 1.3%); one layer's saved tensors missed per micro-batch (17%) fails it."""
+    from omnitron.plan.measure import train_step_peak
+
+    args = _args(str(tmp_path), ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                                 "--global-batch-size", "8", "--normalization", "RMSNorm", "--swiglu",
+                                 "--position-embedding-type", "rope", "--disable-bias-linear"])
+    measured = run_distributed(train_step_peak, 2, args, 2, str(tmp_path), env={"OMNITRON_STRICT_COLLECTIVES": "0"})
+    _check_step(args, 2, measured, rel=0.10)
