@@ -1,6 +1,7 @@
-"""Predicted (omnitron.plan) vs measured activation bytes of one micro-batch, every stage, tp1 layouts of the
-tiny GPT/Llama shapes and gpt2_tiny's layer at 100M-model width (hidden 768, 12 heads); the measured side is
-the distinct storages autograd saves in a real forward of each stage (omnitron.plan.measure).
+"""Predicted (omnitron.plan) vs measured memory, every stage, of tp1 layouts of the tiny GPT/Llama shapes and
+gpt2_tiny's layer at 100M-model width (hidden 768, 12 heads): first the peak of a whole training step (one
+process per pipeline rank, gloo), then one micro-batch's activations against the distinct storages autograd
+saves in a real forward of each stage (omnitron.plan.measure).
 
     PYTHONPATH=. python benchmarks/plan_memory.py
 """
@@ -38,44 +39,41 @@ LAYOUTS = {
 }
 
 
-STEP = {name: argv for name, (world, argv) in LAYOUTS.items() if world == 1}
-
-
-def step_peak(argv: list[str], root: str) -> tuple[int, int]:
-    """(bytes of every storage created during one training step at its peak, predicted activations + logits +
-    recompute):
-    one process, a warm step first; the parameters, gradient buffers and optimizer state exist before and
-    count 0 (omnitron.kernels.benchmark.PeakTracker), so the peak is activations plus backward transients."""
+def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
+    """This rank's (measured step peak, predicted activations + logits + recompute + transient of its stage);
+    the measurement is omnitron.plan.measure.train_step_peak."""
     import torch
 
-    from omnitron.backends import get_backend
-    from omnitron.core.training.components import build_components
-    from omnitron.core.training.loop import data_iterator
-    from omnitron.core.training.step import train_step
-    from omnitron.kernels.benchmark import PeakTracker
+    from omnitron.plan.measure import train_step_peak
     from omnitron.plan.memory import estimate
 
     torch.set_num_threads(1)
-    s = parse_settings(argv + ["--num-workers", "0", "--train-iters", "3", "--no-tensorboard", "--data-cache-path",
-                               root], 1)
-    c = build_components(s, get_backend())
-    it = data_iterator(c, c.train_data, 0)
-    train_step(c, it)
-    tracker = PeakTracker()
-    with tracker:
-        train_step(c, it)
-    e = estimate(s)[0]
-    return tracker.peak, e.activations + e.logits + e.recompute
+    stage, peak = train_step_peak(argv, world, root)
+    e = estimate(parse_settings(argv, world))[stage]
+    return peak, e.activations + e.logits + e.recompute + e.transient
+
+
+def step_peaks(name: str, root: str) -> list[tuple[int, int]]:
+    """(measured, predicted) per pipeline stage of one whole training step of layout ``name``."""
+    from omnitron.testing.distributed import run_distributed
+
+    world, argv = LAYOUTS[name]
+    if world == 1:
+        return [rank_step_peak(argv, root, 1)]
+    return run_distributed(rank_step_peak, world, argv, root, world)
 
 
 def main() -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
-        print(f"{'layout (one process)':28s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
-        for name, argv in STEP.items():
-            peak, pred = step_peak(argv, root)
-            print(f"{name:28s} {pred / 2**20:14.3f} {peak / 2**20:14.3f} {100 * (pred / peak - 1):+7.2f}%")
+        print(f"{'layout (whole step)':28s} {'stage':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
+        worst, start = 0.0, time.perf_counter()
+        for name in LAYOUTS:
+            for stage, (peak, pred) in enumerate(step_peaks(name, root)):
+                worst = max(worst, abs(pred / peak - 1))
+                print(f"{name:28s} {stage:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} {100 * (pred / peak - 1):+7.2f}%")
+        print(f"worst |error| {100 * worst:.2f}% over {len(LAYOUTS)} layouts, {time.perf_counter() - start:.0f} s")
     micro()
 
 
