@@ -39,6 +39,15 @@ LAYOUTS = {
 }
 
 
+TP2 = ["--tensor-model-parallel-size", "2"]
+WHOLE_STEP_ONLY = {  # tensor parallel: the per-micro-batch comparison below runs tp 1 only
+    "tiny tp2": (2, TINY + TP2),
+    "tiny tp2 sp": (2, TINY + TP2 + ["--sequence-parallel"]),
+    "h768 tp2 sp mbs2": (2, WIDE + TP2 + ["--sequence-parallel", "--micro-batch-size", "2"]),
+    "llama-tiny tp2 pp2 sp": (4, TINY + LLAMA + TP2 + PP2 + ["--sequence-parallel", "--global-batch-size", "4"]),
+}
+
+
 def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
     """This rank's (measured step peak, predicted activations + logits + recompute + transient of its stage);
     the measurement is omnitron.plan.measure.train_step_peak."""
@@ -54,10 +63,10 @@ def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
 
 
 def step_peaks(name: str, root: str) -> list[tuple[int, int]]:
-    """(measured, predicted) per pipeline stage of one whole training step of layout ``name``."""
+    """(measured, predicted) per rank of one whole training step of layout ``name``."""
     from omnitron.testing.distributed import run_distributed
 
-    world, argv = LAYOUTS[name]
+    world, argv = {**LAYOUTS, **WHOLE_STEP_ONLY}[name]
     if world == 1:
         return [rank_step_peak(argv, root, 1)]
     return run_distributed(rank_step_peak, world, argv, root, world)
@@ -67,13 +76,14 @@ def main() -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
-        print(f"{'layout (whole step)':28s} {'stage':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
+        print(f"{'layout (whole step)':28s} {'rank':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
         worst, start = 0.0, time.perf_counter()
-        for name in LAYOUTS:
-            for stage, (peak, pred) in enumerate(step_peaks(name, root)):
+        for name in [*LAYOUTS, *WHOLE_STEP_ONLY]:
+            for rank, (peak, pred) in enumerate(step_peaks(name, root)):
                 worst = max(worst, abs(pred / peak - 1))
-                print(f"{name:28s} {stage:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} {100 * (pred / peak - 1):+7.2f}%")
-        print(f"worst |error| {100 * worst:.2f}% over {len(LAYOUTS)} layouts, {time.perf_counter() - start:.0f} s")
+                print(f"{name:28s} {rank:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} {100 * (pred / peak - 1):+7.2f}%")
+        print(f"worst |error| {100 * worst:.2f}% over {len(LAYOUTS) + len(WHOLE_STEP_ONLY)} layouts, "
+              f"{time.perf_counter() - start:.0f} s")
     micro()
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import statistics
 import time
-import weakref
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from omnitron.kernels.alloc_log import Timeline, peak
 from omnitron.kernels.cases import OPS, Case, OpCases, cases
 from omnitron.kernels.registry import REFERENCE, implementations
 
@@ -38,38 +37,18 @@ class Row:
     """Fastest round (less sensitive to a loaded machine than the median)."""
 
 
-class PeakTracker(TorchDispatchMode):
+class PeakTracker(Timeline):
     """Peak bytes of storages created by ops while active (storages that existed before count 0)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: dict[int, int] = {}
-        self.size: dict[int, int] = {}
-        self.cur = self.peak = 0
+    @property
+    def peak(self) -> int:
+        return int(peak(self.events))
 
-    def _free(self, key: int) -> None:
-        self.count[key] -= 1
-        if self.count[key] == 0:
-            self.cur -= self.size.pop(key)
-            del self.count[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.count:
-                key = t.untyped_storage().data_ptr()
-                self.count[key], self.size[key] = 1, 0  # pre-existing storage: never freed, never counted
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self.count:
-                    self.count[key], self.size[key] = 0, storage.nbytes()
-                    self.cur += storage.nbytes()
-                    self.peak = max(self.peak, self.cur)
-                self.count[key] += 1
-                weakref.finalize(t, self._free, key)
-        return out
+    @property
+    def cur(self) -> int:
+        """Bytes of the storages created while active and still live."""
+        freed = {n for op, n in self.events if op is None}
+        return sum(n for i, (op, n) in enumerate(self.events) if op is not None and i not in freed)
 
 
 def _nbytes(tree) -> int:

@@ -74,8 +74,8 @@ def train_step_peak(argv: list[str], world: int, root: str) -> tuple[int, int]:
     """(this rank's pipeline stage, peak bytes of every storage created during one training step): the run
     of ``argv`` built in this process (one rank of a ``world``-rank job), one warm step first. Parameters,
     gradient buffers and optimizer state exist before and count 0, so the peak is what the step adds:
-    activations, backward's transients, received pipeline tensors (``PeakTracker`` follows tensors, an
-    independent mechanism from the storages :class:`omnitron.plan.transients.Timeline` follows)."""
+    activations, backward's transients, received pipeline tensors and collective buffers (``PeakTracker``:
+    the real run at its real size, where the plan replays small probes' logs scaled)."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import build_components

@@ -3,8 +3,8 @@ steps against what they really allocate.
 
 References: a hand-written allocation sequence (the log); the same chunk logged at its real size (the
 scaling, which is exact when every storage's bytes are a monomial in the probe's dimensions, as a dense
-layer's are: equal to the byte); ``PeakTracker`` over a real ``train_step`` (the whole step; it follows
-tensors where the log follows storages).
+layer's are: equal to the byte); ``PeakTracker`` over a real ``train_step`` at its real size (the whole
+step).
 """
 from __future__ import annotations
 
