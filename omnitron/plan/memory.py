@@ -30,10 +30,13 @@ buffers instead (tp2 + SP measured within 1%, with pp2 within 6.1%: BENCHMARKS.m
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from omnitron.plan.activations import activation_model
 from omnitron.plan.state import skeleton, state_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -195,8 +198,12 @@ def estimate(settings) -> list[StageMemory]:
         act_peak, most = peak_held(schedule, r, acts)
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
-        excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=(r, c) == (0, 0),
-                                     last=(r, c) == (pp - 1, vp - 1)) for c in range(vp))
+        try:
+            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=(r, c) == (0, 0),
+                                         last=(r, c) == (pp - 1, vp - 1)) for c in range(vp))
+        except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk
+            log.warning("%s; the memory estimate leaves backward's transients out", e)
+            excess = recompute_bytes(settings, cfg)
         rec = min(recompute_bytes(settings, cfg), excess)  # what of the excess is rematerialised activations
         out.append(StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
                                round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most,

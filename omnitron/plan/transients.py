@@ -12,8 +12,8 @@ storage created and freed (:class:`Timeline`). Each logged storage is a product 
 ``[s, b, w]`` activations, ``[b, heads, s, s]`` scores, ``[w, w]`` weight gradients, ``[s, b, V]`` logits,
 so its bytes are ``c * s^a * b^e * kh^p * kd^q * V^v`` with small integer exponents. Six probes (the base,
 and each of sequence, batch, head dimension, head count and vocabulary doubled) issue the same
-allocations in the same order (checked; the base has twice the probe's heads, as a tp rank's probe
-may hold one head and attention takes other paths for it); the ratio of a storage's bytes between the base and each
+allocations in the same order (checked; a probe with a single head or query group is logged at twice
+its heads, as attention takes other paths for one); the ratio of a storage's bytes between the base and each
 doubled probe gives its exponent, which scales it to the real layout. Replaying the scaled log gives the
 real chunk's peak: exact for every storage that is such a monomial, which all of a dense layer's are.
 
@@ -144,16 +144,19 @@ def scaled_peak(p: Probe, s: int, b: int, kh: int, kd: int, vocab: int) -> float
     """Peak bytes of the probe chunk's forward and backward scaled to sequence ``s``, batch ``b``, heads
     times ``kh``, head dimension times ``kd`` and a vocabulary shard of ``vocab`` columns.
 
-    The logs are taken at twice the probe's heads (a tp rank's probe may hold one head, whose attention
-    takes other paths than several heads'), so heads scale by ``kh / 2``."""
-    p = replace(p, cfg=_heads_doubled(p.cfg))
+    A probe with one head or one query group (a tp rank's may) is logged at twice its heads, so heads scale
+    by ``kh / 2``: attention takes other paths for a single head than for several."""
+    c = p.cfg
+    one = c.num_attention_heads == 1 or c.num_query_groups == 1
+    if one:
+        p = replace(p, cfg=_heads_doubled(c))
     base = timeline(p)
     runs = [timeline(q) for q in _doubled(p)]
     for dim, run in zip(_DIMENSIONS, runs):
         if [op for op, _ in run] != [op for op, _ in base]:
             raise RuntimeError(f"plan: the transient probes' allocations differ with the {dim} doubled ({len(base)} "
                                f"against {len(run)} events); the memory model cannot scale them")
-    factors = (s / p.s, b / p.b, kd, kh / 2, vocab / p.cfg.vocab_size)
+    factors = (s / p.s, b / p.b, kd, kh / 2 if one else kh, vocab / p.cfg.vocab_size)
     sizes = []
     for i, (op, n) in enumerate(base):
         if op is None or n == 0:
