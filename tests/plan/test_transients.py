@@ -51,7 +51,8 @@ _LLAMA = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_gr
 @pytest.mark.parametrize("fields,b,first,last", [
     pytest.param(_GPT, 2, True, True, id="gpt-whole"), pytest.param(_GPT, 2, False, False, id="gpt-middle"),
     pytest.param(_LLAMA, 3, True, False, id="llama-full-recompute-first"),
-    pytest.param(_LLAMA, 3, False, True, id="llama-full-recompute-last")])
+    pytest.param(_LLAMA, 3, False, True, id="llama-full-recompute-last"),
+    pytest.param({**_LLAMA, "num_query_groups": 1}, 2, True, True, id="llama-one-group-logged-at-two")])
 def test_scaled_probe_replay_equals_the_real_chunk(fields, b, first, last):
     """Probed at half the width (gpt: heads / 2; llama, GQA: head dimension / 2), sequence 32, batch 2,
     vocabulary 128, then scaled: the peak equals the chunk's own log at its real size."""
