@@ -8,7 +8,7 @@ output layer's weight gradient, held until the embedding's half arrives.
 
 Derivation. Run one probe chunk (the tp-local widths divided by ``k = k_heads * k_dim``, as
 :func:`.activations.probe_config`) through forward and backward under a dispatch mode that logs every
-storage created and freed (:class:`Timeline`). Each logged storage is a product of the run's dimensions:
+storage created and freed (:class:`omnitron.kernels.alloc_log.Timeline`). Each logged storage is a product of the run's dimensions:
 ``[s, b, w]`` activations, ``[b, heads, s, s]`` scores, ``[w, w]`` weight gradients, ``[s, b, V]`` logits,
 so its bytes are ``c * s^a * b^e * kh^p * kd^q * V^v`` with small integer exponents. Six probes (the base,
 and each of sequence, batch, head dimension, head count and vocabulary doubled) issue the same
@@ -51,7 +51,8 @@ class Probe:
 
 
 def _chunk(p: Probe):
-    """The probe chunk as training builds it (tp 1), and the parameters of every chunk built with it."""
+    """The probe chunk as training builds it (tp 1): a stage of a 1-, 2- or 3-stage skeleton whose other
+    stages hold one layer each."""
     from omnitron.core.checkpoint.reshard import Layout, skeleton_chunks
 
     n, cfg = p.layers, p.cfg
@@ -96,7 +97,7 @@ def timeline(p: Probe) -> list[tuple[str | None, int]]:
 def _timeline(p: Probe) -> list[tuple[str | None, int]]:
     m = _chunk(p)
     _main_grads(m)
-    h = m.config.hidden_size if hasattr(m, "config") else p.cfg.hidden_size
+    h = p.cfg.hidden_size
     torch.manual_seed(1)
     tokens = torch.randint(0, p.cfg.vocab_size, (p.b, p.s))
     positions = torch.arange(p.s).expand(p.b, p.s)
