@@ -201,10 +201,19 @@ def timed_wait(work, pending, group) -> None:
         # NOTE: a bounded wait, not polling: gloo's point-to-point works report is_completed() only once waited
         work.wait(timeout=datetime.timedelta(seconds=limit))
     except RuntimeError as err:  # our timeout, or a peer's closing the connection after its own
-        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
-            raise  # a lost peer (dead, or gone after its own report): no peer report to wait for
-        report = _peer_report(pending(), group, wait_s=min(10.0, limit))
+        text = str(err).lower()
+        closed = "connection closed" in text or "connection reset" in text
+        if not closed and "timed out" not in text and "timeout" not in text:
+            raise
         cause = str(err).splitlines()[0][:200]
+        if closed:  # gloo closes a pair when the peer's own bounded wait expires: its report is already posted
+            # (or, for a dead peer, never comes: the short wait bounds that)
+            report = _peer_report(pending(), group, wait_s=min(2.0, limit))
+            raise RuntimeError(f"strict collectives: a peer closed the connection while this rank waited ({cause}); "
+                               f"a peer that timed out in its own strict wait does so, and its report is among "
+                               f"these. Pending operations:\n{report}\nIf no peer reports a deadlock, the peer "
+                               f"died: its own log says why.") from None
+        report = _peer_report(pending(), group, wait_s=min(10.0, limit))
         raise TimeoutError(f"strict collectives: no progress for {limit:.0f} s ({cause}): a deadlock under NCCL's "
                            f"rules (point-to-point completes in the order posted; every rank must issue the "
                            f"same collectives). Pending operations:\n{report}\n"

@@ -52,6 +52,23 @@ def skipped_collective() -> str:
     return "no error"
 
 
+def peer_closes_after_its_timeout() -> None:
+    """As gloo does it: rank 1's bounded wait expires and gloo closes the pair, so rank 0's wait fails with a
+    closed connection before its own timeout (works standing in for gloo's, the wait is the real one)."""
+    from omnitron.backends import flight
+
+    me = dist.get_rank()
+
+    class Work:
+        def wait(self, timeout=None):
+            if me == 0:
+                time.sleep(0.5)
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5809")
+            raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv")
+
+    flight.timed_wait(Work(), lambda: [f"recv shape=[5] from rank {1 - me}"], dist.group.WORLD)
+
+
 def recv_before_send() -> str:
     """Both ranks receive from each other before sending: fine on gloo (matched by tag), a deadlock on NCCL."""
     coll = _coll()

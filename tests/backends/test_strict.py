@@ -57,6 +57,17 @@ def test_receive_before_send_deadlocks_under_nccl_order(monkeypatch):
     assert _site('[("recv", got, peer)])') in msg
 
 
+def test_a_peer_closing_after_its_timeout_still_gets_both_reports(monkeypatch):
+    """The rank whose connection closes (its peer timed out first) reports like the one that timed out, and
+    stays until the peer has read its report: each message names both ranks' pending receives."""
+    msg, took = _fails(strict_cases.peer_closes_after_its_timeout, monkeypatch, timeout_s=3)
+    assert took < 30, took
+    assert "deadlock under NCCL's rules" in msg and "a peer closed the connection" in msg, msg
+    for me in (0, 1):
+        assert f"rank {me} (this rank) waits on: recv shape=[5] from rank {1 - me}" in msg, msg
+        assert f"rank {me} waits on: recv shape=[5] from rank {1 - me}" in msg, msg  # as the peer reports it
+
+
 def test_receive_before_send_passes_on_gloo_without_strict(monkeypatch):
     """The same schedule completes on gloo's tag matching: the checker, not gloo, is what catches it."""
     monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", "0")
