@@ -196,5 +196,7 @@ def test_tensor_parallel_parity_tp2_on_sim():
     _check(run_distributed(_parity_bundle, 2, 2, backend="sim", env=REFERENCE_KERNELS), 2)
 
 
+@pytest.mark.slow  # NOTE: the suite's budget; tp2 runs the full matrix here, and tp4 stays in the default suite
+# through tests/parallel/test_vocab_ce.py and the tp4 checkpoint reshards (tests/checkpoint)
 def test_tensor_parallel_parity_tp4():
     _check(run_distributed(_parity_bundle, 4, 4, env=REFERENCE_KERNELS), 4)
