@@ -154,15 +154,13 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
     """What one micro-batch's forward and backward through a chunk of ``layers`` layers holds at its peak
     beyond the chunk's activation and logit terms: rematerialised layers and backward's transients (module
     doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation)."""
-    from dataclasses import replace as _replace
-
     from omnitron.core.models.gpt.config import padded_vocab_size
     from omnitron.plan.activations import probe_config
     from omnitron.plan.transients import _B0, _S0, Probe, scaled_peak
 
     pc = settings.parallel
     tp = pc.tensor_model_parallel_size
-    whole = _replace(settings, parallel=_replace(pc, sequence_parallel=False))
+    whole = replace(settings, parallel=replace(pc, sequence_parallel=False))
     unit = (cfg.recompute_num_layers or 1) if cfg.recompute_granularity == "full" else 1
     n = min(layers, 2 * unit)
     probe, kh, kd = probe_config(cfg, tp)
