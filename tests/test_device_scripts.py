@@ -1,0 +1,68 @@
+"""The prepared GPU scripts stay runnable without a GPU: syntax, the dry-run plan, the 9-minute budget.
+
+scripts/device_bench.sh is the one run a lent GPU gets (fifteen minutes of device time for everything,
+one rerun included), so its step limits must add up to at most 540 s and every file a step uses must
+exist in the checkout; DRY_RUN=1 checks both and runs nothing.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["device_bench.sh", "device_check.sh", "musa_smoke.sh", "prepare_corpus.sh", "lib/steps.sh"]
+BUDGET_S = 540  # 9 minutes of the 15 lent, leaving a rerun's worth
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_parses(name):
+    subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", name)], check=True)
+
+
+def _dry_run(script, tmp_path):
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", script)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    return proc, (tmp_path / "summary.md").read_text()
+
+
+def test_device_bench_dry_run_plan(tmp_path):
+    proc, summary = _dry_run("device_bench.sh", tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = re.findall(r"^\| ([\w.-]+) \| dry run \|", summary, re.M)
+    assert steps == ["environment", "conformance", "multirank", "planted", "train-1.3b", "fp8-profile", "bench-all"]
+    total = int(re.search(r"limits add up to (\d+)s", summary).group(1))
+    assert total <= BUDGET_S, f"device_bench.sh step limits add up to {total}s, over the {BUDGET_S}s budget"
+    assert "missing files: 0" in summary
+
+
+def test_dry_run_reports_a_missing_file(tmp_path):
+    """The plan check can fail: a step naming an absent file makes the dry run exit non-zero."""
+    lib = os.path.join(ROOT, "scripts", "lib", "steps.sh")
+    script = tmp_path / "plan.sh"
+    script.write_text(f'LOG_DIR={tmp_path}\nsource {lib}\nneed {tmp_path}/absent.py\n'
+                      f'run_step x 10 true\nwrite_summary plan\n')
+    proc = subprocess.run(["bash", str(script)], env=dict(os.environ, DRY_RUN="1"), capture_output=True, text=True)
+    assert proc.returncode != 0 and "MISSING" in proc.stdout
+
+
+def test_multirank_driver_layouts_parse():
+    """Every layout the device step runs is a valid `omnitron train` flag set (checked without training)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import device_multirank
+    finally:
+        sys.path.pop(0)
+    import argparse
+
+    from omnitron.core.training.arguments import add_arguments, build_settings, merge_settings
+
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
+    add_arguments(parser)
+    for name, (procs, flags) in device_multirank.LAYOUTS.items():
+        argv = ["--config", os.path.join(ROOT, device_multirank.CONFIG), "--nproc-per-node", str(procs),
+                "--train-iters", "2", *flags]
+        settings = build_settings(merge_settings(vars(parser.parse_args(argv))))
+        assert settings is not None, name
