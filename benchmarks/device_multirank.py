@@ -65,10 +65,12 @@ def main() -> int:
     ap.add_argument("--rtol", type=float, default=1e-3, help="loss agreement bound (derivation in the docstring)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--device-backend", default="cuda")
+    ap.add_argument("--extra", default="", help="more `omnitron train` flags for every run (one string)")
     args = ap.parse_args()
     results, failed = {}, 0
     for name in args.layouts.split(","):
         procs, flags = LAYOUTS[name]
+        flags = flags + args.extra.split()
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 dev, dev_s = train(args.device_backend, procs, flags, args.iters, tmp)

@@ -5,6 +5,8 @@ A vendor outside this repository ships a package that declares an entry point in
 change to omnitron. ``OMNITRON_EXTRA_BACKENDS="name=pkg.module:Class,..."`` adds backends the
 same way without packaging (a backend under development, or a test double such as
 ``omnitron.testing.musa_double``); it is read in every process, so spawned workers see it too.
+``OMNITRON_COLLECTIVES=host-staged`` runs the chosen backend's collectives over gloo on host copies
+(``backends/staged.py``: several ranks on one device, or a chip whose collective library is not ready).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import importlib
 import os
 from importlib import metadata
 
+from omnitron.backends import staged
 from omnitron.backends.base import Backend
 
 ENV_VAR = "OMNITRON_BACKEND"
@@ -119,6 +122,10 @@ def get_backend(name: str | None = None) -> Backend:
         ok, why = False, f"failed to load {known[name]}: {err}"
     if not ok:
         raise BackendUnavailableError(f"backend {name!r} cannot run here: {why}\nall backends:\n" + _explain(probe_all()))
+    try:
+        cls = staged.apply(cls)
+    except ValueError as err:
+        raise BackendUnavailableError(str(err)) from None
     _instances[name] = cls()
     return _instances[name]
 
