@@ -21,6 +21,7 @@ def register(sub) -> None:
     cmds = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
     ins = cmds.add_parser("inspect", help="layout, iteration, parameter count and tensor shapes of a checkpoint")
     ins.add_argument("dir", metavar="DIR", help="a --save directory (its latest) or an iter_N directory")
+    add_family_module_flag(ins)
     ins.set_defaults(func=run_inspect)
     conv = cmds.add_parser("convert", help="rewrite a checkpoint for another tensor/pipeline/virtual layout")
     conv.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
@@ -38,16 +39,26 @@ def register(sub) -> None:
     conv.add_argument("--target-ckpt-format", choices=("torch", "torch_dist"), metavar="F",
                       help="torch_dist (torch.distributed.checkpoint) or torch (one file per rank); default: the "
                            "source checkpoint's")
+    add_family_module_flag(conv)
     conv.set_defaults(func=run_convert)
     exp = cmds.add_parser("export", help="the full model weights of a checkpoint to one safetensors file")
     exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
     exp.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
+    add_family_module_flag(exp)
     exp.set_defaults(func=run_export)
     from omnitron.commands import hf, megatron  # import-hf / export-hf, import-megatron / export-megatron
 
     hf.register(cmds)
     megatron.register(cmds)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def add_family_module_flag(p) -> None:
+    """``--model-family-module`` on a command that reads an omnitron checkpoint (``omnitron.cli.main``
+    imports the modules before parsing): the way to load a checkpoint of a family of the user's own."""
+    p.add_argument("--model-family-module", action="append", metavar="MODULE", help="import MODULE first: the "
+                   "model family of your own the checkpoint was trained with (a checkpoint never imports the "
+                   "modules it names; repeatable)")
 
 
 def resolve(path: str) -> str:

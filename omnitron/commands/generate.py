@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from omnitron.commands.checkpoint import add_family_module_flag
 from omnitron.commands.serve import add_layout_flags, sharded_world
 
 
@@ -34,6 +35,7 @@ def register(sub) -> None:
     p.add_argument("--return-log-probs", action="store_true", help="print each token with its log-probability")
     p.add_argument("--backend", default=None, help="backend (default: $OMNITRON_BACKEND, else auto)")
     add_layout_flags(p)
+    add_family_module_flag(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON (the server's response shape)")
     image = p.add_mutually_exclusive_group()
     image.add_argument("--image-index", type=int, metavar="N", help="multimodal: caption sample N of the synthetic "

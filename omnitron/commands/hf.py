@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from omnitron.commands.checkpoint import _fail
+from omnitron.commands.checkpoint import _fail, add_family_module_flag
 
 
 def register(cmds) -> None:
@@ -26,6 +26,7 @@ def register(cmds) -> None:
     exp = cmds.add_parser("export-hf", help="an omnitron GPT-2 / Llama checkpoint to a Hugging Face directory")
     exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
     exp.add_argument("--out", required=True, metavar="DIR", help="directory for config.json + model.safetensors")
+    add_family_module_flag(exp)
     exp.set_defaults(func=run_export)
 
 

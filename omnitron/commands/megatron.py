@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from omnitron.commands.checkpoint import _fail
+from omnitron.commands.checkpoint import _fail, add_family_module_flag
 
 
 def register(cmds) -> None:
@@ -36,6 +36,7 @@ def register(cmds) -> None:
     exp.add_argument("--target-pipeline-model-parallel-size", type=int, required=True, metavar="P")
     exp.add_argument("--transformer-impl", default="transformer_engine", choices=("transformer_engine", "local"),
                      help="the Megatron layer spec to name tensors for (default: transformer_engine, Megatron's)")
+    add_family_module_flag(exp)
     exp.set_defaults(func=run_export)
 
 

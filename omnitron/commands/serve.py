@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from omnitron.commands.checkpoint import add_family_module_flag
+
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over HTTP: PUT /api {\"prompts\": [...], "
@@ -16,6 +18,7 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=5000, help="port (default: 5000; 0 picks a free one)")
     p.add_argument("--backend", default=None, help="backend (default: $OMNITRON_BACKEND, else auto)")
     add_layout_flags(p)
+    add_family_module_flag(p)
     p.set_defaults(func=run)
 
 

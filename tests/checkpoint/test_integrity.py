@@ -1,12 +1,11 @@
-"""Checkpoint integrity: per-shard checksums, crash-safe re-saves, a lost ``latest``, corrupt metadata,
-and no code run by a pickled Megatron file."""
+"""Checkpoint integrity: per-shard checksums, crash-safe re-saves, a lost ``latest``, corrupt metadata
+(Megatron's pickled files: test_untrusted_pickles.py)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
-import pickle
 
 import pytest
 import torch
@@ -153,45 +152,6 @@ def test_digest_sidecar_missing_is_refused(tmp_path):
     (d / "rank_00000.pt").write_bytes(os.urandom(100))
     with pytest.raises(integrity.IntegrityError, match="left no sha256 digest"):
         integrity.collect_digests(str(d), ["rank_00000.pt"])
-
-
-class _Payload:
-    """Unpickling this tries to create the file named (what a malicious checkpoint would do)."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def test_raw_pickle_megatron_import_runs_no_code(tmp_path):
-    from omnitron.core.checkpoint.megatron import MegatronConversionError, import_megatron
-    from omnitron.core.checkpoint.reshard import Layout
-
-    marker = tmp_path / "pwned"
-    src = tmp_path / "megatron"
-    (src / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
-    (src / "latest_checkpointed_iteration.txt").write_text("1")
-    (src / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(pickle.dumps(_Payload(str(marker))))
-    with pytest.raises(MegatronConversionError) as err:
-        import_megatron(str(src), str(tmp_path / "out"), Layout())
-    assert not marker.exists()
-    assert "model_optim_rng.pt: not a readable torch.save file" in _one_line(err)
-
-
-def test_legacy_torch_format_reads_through_the_restricted_unpickler(tmp_path):
-    """A pre-zip ``torch.save`` file still imports (its header records go through the restricted loader)."""
-    import argparse
-
-    from omnitron.core.checkpoint.megatron import Opaque, load_file
-
-    w = torch.randn(5, 3)
-    ckpt = {"args": argparse.Namespace(tp=1, odd=_Payload(str(tmp_path / "pwned"))), "model": {"w": w}}
-    torch.save(ckpt, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
-    got = load_file(str(tmp_path / "legacy.pt"))
-    assert torch.equal(got["model"]["w"], w) and got["args"].tp == 1
-    assert isinstance(got["args"].odd, Opaque) and not (tmp_path / "pwned").exists()
 
 
 def test_train_load_errors_are_one_line(tmp_path, capsys):

@@ -31,20 +31,21 @@ What the mapping absorbs (Megatron-Core's conventions; omnitron names tensors th
 
 Unsupported Megatron features (MoE, legacy non-Core names, exact-erf GeLU, squared ReLU, zero-centred
 norms, ``torch_dist`` checkpoints, ...) raise :class:`MegatronConversionError` naming the field.
-Files are unpickled by a restricted unpickler: tensors, containers, argparse / numpy values;
-any other class (Megatron enums in ``args``) becomes an inert placeholder, so no code runs.
+Files are read by :mod:`omnitron.core.checkpoint.safe_load` (``torch.load(weights_only=True)`` with an
+allow-list of exact names): tensors, containers, argparse / numpy values; ``megatron.*`` classes (the
+enums in ``args``) become inert placeholders; anything else is refused in one line, so no code runs.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import re
-import types
 
+import numpy as np
 import torch
 
 from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.checkpoint.safe_load import Opaque, load_untrusted
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
@@ -68,59 +69,32 @@ class MegatronConversionError(CheckpointError):
 
 
 # ---- reading files ---------------------------------------------------------------------------
-class Opaque:
-    """A pickled object whose class this reader does not import (Megatron enums, ...): its
-    constructor arguments and state are kept, no code runs."""
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.state = args, None
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__module__}.{type(self).__name__}{self.args}>"
-
-
-_BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range", "tuple", "list", "dict", "int", "float",
-             "bool", "str", "bytes"}  # constructors only: no getattr / eval / exec
-_ALLOWED = {("collections", "OrderedDict"), ("argparse", "Namespace"), ("_codecs", "encode"), ("_io", "BytesIO"),
-            ("io", "BytesIO"), ("torch", "Size"), ("torch", "device")}
+def _extra_classes() -> dict[str, object]:
+    """What a Megatron file holds beside tensors, by exact name: the run's ``argparse.Namespace`` and
+    numpy's RNG state (arrays, dtypes and scalars; numpy 1 and 2 spell the module differently)."""
+    reconstruct, scalar = np.zeros(0).__reduce__()[0], np.float64(0).__reduce__()[0]
+    out = {"argparse.Namespace": argparse.Namespace, "numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
+    for core in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out.update({f"{core}._reconstruct": reconstruct, f"{core}.scalar": scalar})
+    for code in np.typecodes["All"]:  # the dtype classes: never named in a file, but unpickled dtypes are theirs
+        cls = type(np.dtype(code))
+        out[f"numpy.dtypes.{cls.__name__}"] = cls
+    return out
 
 
-def _allowed(module: str, name: str) -> bool:
-    if (module, name) in _ALLOWED or (module == "builtins" and name in _BUILTINS):
-        return True
-    if module in ("torch._utils", "torch._tensor") and name.startswith("_rebuild_"):
-        return True
-    if module == "torch":
-        return isinstance(getattr(torch, name, None), torch.dtype)
-    return module.split(".")[0] == "numpy" and (name in ("_reconstruct", "ndarray", "dtype", "scalar")
-                                                or name.endswith("DType"))
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if _allowed(module, name):
-            return super().find_class(module, name)
-        return type(name, (Opaque,), {"__module__": module})
-
-
-def _restricted_load(file, **kwargs):
-    """``pickle.load`` through :class:`_Unpickler`: torch reads a legacy (non-zip) file's header
-    records with ``pickle_module.load``, so this must be as restricted as the Unpickler itself."""
-    return _Unpickler(file, **kwargs).load()
-
-
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=_restricted_load, __name__="omnitron_restricted_pickle")
+def _megatron_name(module: str, name: str) -> bool:
+    """Megatron's own classes (enums in ``args``, such as ``AttnBackend``) become inert placeholders."""
+    return module == "megatron" or module.startswith("megatron.")
 
 
 def load_file(path: str) -> dict:
-    """A Megatron ``model_optim_rng.pt`` read with the restricted unpickler (module docstring)."""
+    """A Megatron ``model_optim_rng.pt`` read safely (:func:`~omnitron.core.checkpoint.safe_load.load_untrusted`):
+    tensors, containers, the args Namespace, numpy RNG state; ``megatron.*`` classes become :class:`Opaque`."""
     try:
-        return torch.load(path, map_location="cpu", pickle_module=_PICKLE, weights_only=False)
-    except Exception as err:  # a truncated or foreign file: name it rather than show a pickle traceback
-        raise MegatronConversionError(f"{path}: not a readable torch.save file ({type(err).__name__}: {err})") from err
+        return load_untrusted(path, what="a Megatron checkpoint", extra=_extra_classes(), vouch=_megatron_name,
+                              fix="import only checkpoints from a trusted Megatron run")
+    except CheckpointError as err:
+        raise MegatronConversionError(str(err)) from None
 
 
 def resolve_dir(path: str) -> str:

@@ -120,14 +120,21 @@ def model_config(model: dict, family: str | None = None):
     return cls(**kw)
 
 
-def recorded_family(meta: dict) -> str | None:
-    """The ``--model-type`` a checkpoint's run recorded (None: older checkpoints; told by the fields), after
-    importing the ``--model-family-module`` modules it recorded (a family of the user's own)."""
-    from omnitron.core.models.family import import_family_modules
+def recorded_family(meta: dict, path: str = "the checkpoint") -> str | None:
+    """The ``--model-type`` a checkpoint's run recorded (None: older checkpoints; told by the fields).
+    Nothing the checkpoint names is imported: its family must be registered already (built in, an installed
+    entry point, or ``--model-family-module`` on this command line); one that is not is refused in one line."""
+    from omnitron.core.models.family import ENTRY_POINT_GROUP, families
 
     flat = meta.get("config", {})
-    import_family_modules(flat.get("model_family_module"))
-    return flat.get("model_type")
+    name = flat.get("model_type")
+    if name is not None and (not isinstance(name, str) or name not in families()):
+        mods = flat.get("model_family_module") or []
+        ran = f" (its run imported {', '.join(map(str, mods)) if isinstance(mods, list) else mods})" if mods else ""
+        raise CheckpointError(f"{path}: model family {str(name)[:80]!r}{ran[:200]} is not registered here and a "
+                              f"checkpoint never imports code; if you trust the family's module, pass "
+                              f"--model-family-module MODULE (or install it under the {ENTRY_POINT_GROUP} entry point)")
+    return name
 
 
 def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict[tuple[int, int], torch.nn.Module]:
@@ -259,7 +266,7 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
                               f"the torch format; reading it under another layout is not supported: resume it with "
                               f"the same layout, or train with --expert-tensor-parallel-size 1 or --ckpt-format "
                               f"torch_dist (the default) to reshard later")
-    skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta)), dataclasses.replace(layout, ep=1))  # every expert
+    skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta, path)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
     if dist:
@@ -373,7 +380,7 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
     say(f"reading {path} ...")
     full = read_full_state(path)
     meta = full.meta
-    cfg = model_config(meta["model"], recorded_family(meta))
+    cfg = model_config(meta["model"], recorded_family(meta, path))
     new_meta = {"consumed_samples": meta["consumed_samples"], "model": meta["model"], "layout": target.to_dict(),
                 "config": _target_config(meta.get("config", {}), cfg, target),
                 "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}

@@ -65,7 +65,7 @@ def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
     if path is None:
         raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
     meta = read_metadata(path)
-    return path, meta, replace(model_config(meta["model"], recorded_family(meta)), params_dtype=torch.float32)
+    return path, meta, replace(model_config(meta["model"], recorded_family(meta, path)), params_dtype=torch.float32)
 
 
 def _tokenizer(path: str, meta: dict, cfg):

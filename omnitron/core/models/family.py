@@ -10,11 +10,18 @@ Adding a family: write a package that builds a :class:`ModelFamily` and passes i
 :func:`register_family` when imported; then either list the package in the built-in table below, or
 name it with ``omnitron train --model-family-module PACKAGE`` (torchtitan's ``--experimental.custom_import``
 idea), or declare it under the ``omnitron.model_families`` entry-point group of an installed distribution.
+
+Only those three sources import a family's code. A checkpoint records the modules its run imported,
+but reading it imports none of them: a checkpoint whose family is not registered is refused
+(:func:`omnitron.core.checkpoint.reshard.recorded_family`), and the command that reads it takes
+``--model-family-module`` too. Modules given on a command line are passed to the processes it spawns
+through ``$OMNITRON_MODEL_FAMILY_MODULES``.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -96,6 +103,8 @@ class ModelFamily:
 
 _FAMILIES: dict[str, ModelFamily] = {}
 ENTRY_POINT_GROUP = "omnitron.model_families"
+MODULES_ENV = "OMNITRON_MODEL_FAMILY_MODULES"
+"""The ``--model-family-module`` modules of the command line that started this process (comma-separated)."""
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
@@ -128,16 +137,22 @@ def _load_builtins() -> None:
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         ep.load()  # the module registers its family on import
+    import_family_modules([m for m in os.environ.get(MODULES_ENV, "").split(",") if m])  # a spawned rank
 
 
 def import_family_modules(modules) -> None:
-    """Import each ``--model-family-module`` (a dotted module name that registers a family on import)."""
+    """Import each ``--model-family-module`` given on the command line (or in its ``--config`` file): a
+    dotted module name that registers a family on import. Never called with a name a checkpoint holds.
+    The names are added to ``$OMNITRON_MODEL_FAMILY_MODULES`` for the processes this one spawns."""
     for name in modules or ():
         try:
             importlib.import_module(name)
         except ImportError as err:
             raise ConfigError(f"--model-family-module {name}: cannot import it ({err}); give a dotted module name "
                               "on the Python path that calls omnitron.core.models.family.register_family") from None
+        known = [m for m in os.environ.get(MODULES_ENV, "").split(",") if m]
+        if name not in known:
+            os.environ[MODULES_ENV] = ",".join(known + [name])
 
 
 def families() -> dict[str, ModelFamily]:
