@@ -154,9 +154,11 @@ def test_digest_sidecar_missing_is_refused(tmp_path):
         integrity.collect_digests(str(d), ["rank_00000.pt"])
 
 
-def test_train_load_errors_are_one_line(tmp_path, capsys):
-    """``omnitron train --load``: a flipped byte, garbage metadata.json and a missing shard each end the
-    run with one line naming the file and exit code 2 (the first two before any worker starts)."""
+def test_train_load_errors_are_one_line(tmp_path, capsys, caplog):
+    """``omnitron train --load``: a flipped byte, garbage metadata.json, a missing shard and a flipped or
+    deleted DCP ``.metadata`` (the default torch_dist format) each end the run with one line naming the
+    file and exit code 2 (all but the missing shard before any worker starts). Read inside a worker
+    (``dist.read``), a bad ``.metadata`` is one CheckpointError and DCP logs no traceback of its fallback."""
     import shutil
 
     from omnitron.cli import main
@@ -176,7 +178,9 @@ def test_train_load_errors_are_one_line(tmp_path, capsys):
     it = os.path.join(save, "iter_0000001")
     for name, damage, words in (("rank_00000.pt", "flip", "rank_00000.pt is corrupt: its sha256"),
                                 ("metadata.json", b"{\"iteration\": 1,", "metadata.json is not valid JSON"),
-                                ("rank_00000.pt", None, "shard rank_00000.pt is missing")):
+                                ("rank_00000.pt", None, "shard rank_00000.pt is missing"),
+                                (".metadata", "flip", ".metadata is corrupt: its sha256"),
+                                (".metadata", None, ".metadata is missing")):
         broken = str(tmp_path / "broken")
         shutil.rmtree(broken, ignore_errors=True)
         shutil.copytree(save, broken)
@@ -192,4 +196,20 @@ def test_train_load_errors_are_one_line(tmp_path, capsys):
         rc, err = train("--train-iters", "2", "--load", broken)
         assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert err.startswith("omnitron train: error: ") and words in err and "iter_0000001" in err, err
+        if name == ".metadata":
+            _dist_read_is_one_line(os.path.join(broken, "iter_0000001"), it, words, caplog)
     assert train("--train-iters", "2", "--load", save)[0] == 0 and os.path.isdir(it)  # the intact copy resumes
+
+
+def _dist_read_is_one_line(broken: str, intact: str, words: str, caplog) -> None:
+    """``dist.read`` (what each rank runs) of checkpoint ``broken``: one CheckpointError, no DCP log record."""
+    from omnitron.core.checkpoint import dist
+    from omnitron.core.checkpoint.dist_planner import VerifiedReader
+
+    checksums = read_metadata(intact)["checksums"]
+    key = "model/embedding.word_embeddings.weight"
+    shape = tuple(VerifiedReader(intact, checksums).read_metadata().state_dict_metadata[key].size)
+    caplog.clear()
+    with pytest.raises(CheckpointError) as err, caplog.at_level(logging.DEBUG):
+        dist.read({key: (shape, [((0,) * len(shape), torch.zeros(shape))])}, broken, checksums, collective=False)
+    assert words in _one_line(err) and not [r for r in caplog.records if r.exc_info], caplog.records

@@ -27,6 +27,7 @@ import torch
 from omnitron.cli import main as cli
 from omnitron.core.checkpoint import CheckpointError
 from omnitron.core.checkpoint.megatron import MegatronConversionError, Opaque, import_megatron, load_file
+from omnitron.core.checkpoint import safe_load
 from omnitron.core.checkpoint.reshard import Layout
 
 
@@ -89,10 +90,11 @@ def _rewrite(pkl: bytes, variant: str, marker: str) -> bytes:
     return b"\x80\x04" + pkl[2:].replace(_HOOK, repl)
 
 
-def _payload(path: str, variant: str, marker: str, zipped: bool) -> None:
-    """Write the rewritten checkpoint as a zip or legacy torch.save file."""
+def _payload(path: str, variant: str, marker: str, zipped: bool, obj: dict | None = None) -> None:
+    """Write the rewritten checkpoint (``obj``: other entries holding one ``_Eval``) as a zip or legacy
+    torch.save file."""
     buf = io.BytesIO()
-    torch.save(_checkpoint(marker), buf, _use_new_zipfile_serialization=zipped)
+    torch.save(obj or _checkpoint(marker), buf, _use_new_zipfile_serialization=zipped)
     raw = buf.getvalue()
     if not zipped:  # legacy: the object's pickle is the 4th of the file's pickles; rewrite it in place
         f = io.BytesIO(raw)
@@ -244,3 +246,36 @@ def test_fuzz_dotted_and_nested_names(tmp_path):
         except CheckpointError as err:
             _one_line(str(err))
         assert not marker.exists(), f"seed {seed}: {what} ran code"
+
+
+@pytest.mark.parametrize("variant", ["global_eval", "dotted_builtins_get", "stack_global"])
+def test_hf_import_refuses_pytorch_model_bin(tmp_path, capsys, variant):
+    """``import-hf`` of a ``pytorch_model.bin`` holding a payload: one line naming the file, refused as
+    unsafe, pointing to safetensors, never torch's advice to load with ``weights_only=False``."""
+    marker, hf = tmp_path / "pwned", tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, '
+                                    '"vocab_size": 16, "n_positions": 8}')
+    weights = {"wte.weight": torch.randn(16, 8), "h.0.hook": _Eval(f"open({str(marker)!r}, 'w').close()")}
+    _payload(str(hf / "pytorch_model.bin"), variant, str(marker), True, obj=weights)
+    assert cli(["checkpoint", "import-hf", "--hf-dir", str(hf), "--save", str(tmp_path / "out")]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "pytorch_model.bin: refused as unsafe" in err and "safetensors" in err and "weights_only" not in err
+    assert not marker.exists()
+
+
+def test_torchs_own_refusal_is_one_line(tmp_path, monkeypatch):
+    """Were the allow-list to admit a name (here ``builtins.eval``), torch's weights-only loader still refuses
+    it; that refusal is one line too, without its advice to load unsafely."""
+    monkeypatch.setattr(safe_load, "torch_save_names", lambda: frozenset({"builtins.eval"}) | _TORCH_NAMES)
+    marker = tmp_path / "pwned"
+    _payload(str(tmp_path / "f.pt"), "global_eval", str(marker), True,
+             obj={"w": torch.ones(2), "x": _Eval(f"open({str(marker)!r}, 'w').close()")})
+    with pytest.raises(CheckpointError) as err:
+        load_file(str(tmp_path / "f.pt"))
+    msg = _one_line(str(err.value))
+    assert "refused as unsafe by torch's weights-only loader (" in msg and "eval" in msg.split("loader")[1], msg
+    assert "weights_only=False" not in msg and not marker.exists()
+
+
+_TORCH_NAMES = safe_load.torch_save_names()

@@ -265,10 +265,11 @@ def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bo
     ``collective`` (one process reading alone: DCP then plans locally, whatever the process group)."""
     import torch.distributed.checkpoint as dcp
 
+    reader = VerifiedReader(path, checksums)
+    reader.read_metadata()  # a missing, flipped or foreign .metadata: one CheckpointError, before DCP
     with torch.no_grad(), _one_line("load", path), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-        dcp.load(pieces, storage_reader=VerifiedReader(path, checksums), planner=PieceLoadPlanner(path),
-                 no_dist=not collective)
+        dcp.load(pieces, storage_reader=reader, planner=PieceLoadPlanner(path), no_dist=not collective)
 
 
 def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: bool) -> tuple[dict, dict]:

@@ -13,6 +13,7 @@ torch's size/dtype types only; every data file a rank reads is checksum-verified
 from __future__ import annotations
 
 import io
+import os
 import pickle
 
 import torch
@@ -132,15 +133,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class VerifiedReader(FileSystemReader):
     """:class:`FileSystemReader` that verifies every file against ``checksums`` before reading it and
-    reads ``.metadata`` through :class:`_MetadataUnpickler`."""
+    reads ``.metadata`` through :class:`_MetadataUnpickler`.
+
+    Call :meth:`read_metadata` before ``dcp.load`` (:func:`omnitron.core.checkpoint.dist.read` does): a bad
+    ``.metadata`` then raises one CheckpointError here. Inside ``dcp.load`` a failure of this method is
+    logged with its traceback and retried (DCP's fallback to per-rank metadata, whose shape changes
+    between torch versions) and ends as "metadata is None"; the metadata read first is kept and handed
+    to DCP, so its checks never depend on how DCP calls the reader."""
 
     def __init__(self, path: str, checksums: dict[str, str]) -> None:
         super().__init__(path)
-        self.dir, self.checksums, self.verified = path, checksums, set()
+        self.dir, self.checksums, self.verified, self.metadata = path, checksums, set(), None
 
     def _verify(self, name: str) -> None:
         if name in self.verified:
             return
+        if not os.path.isfile(f"{self.dir}/{name}"):
+            raise CheckpointError(f"{self.dir}/{name} is missing: the checkpoint is incomplete; load an earlier "
+                                  f"iteration (point 'latest' at it), or re-save")
         if name not in self.checksums:
             raise CheckpointError(f"{self.dir}/{name} has no checksum in metadata.json: the checkpoint is corrupt; "
                                   f"load an earlier iteration, or re-save")
@@ -151,17 +161,24 @@ class VerifiedReader(FileSystemReader):
         self.verified.add(name)
 
     def read_metadata(self, *args, **kwargs):
-        self._verify(".metadata")
-        with open(f"{self.dir}/.metadata", "rb") as f:
-            try:
-                md = _MetadataUnpickler(io.BytesIO(f.read())).load()
-            except Exception as err:
-                raise CheckpointError(f"{self.dir}/.metadata is unreadable ({err}); load an earlier iteration, or "
-                                      f"re-save") from None
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_meta.StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+        """DCP's ``Metadata`` of ``.metadata``, verified and restricted-unpickled once (any ``rank`` argument
+        of DCP's fallback is ignored: omnitron writes only the global file)."""
+        if self.metadata is None:
+            self._verify(".metadata")
+            with open(f"{self.dir}/.metadata", "rb") as f:
+                try:
+                    md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+                except Exception as err:
+                    raise CheckpointError(f"{self.dir}/.metadata is unreadable ({err}); load an earlier iteration, "
+                                          f"or re-save") from None
+            if not isinstance(md, dcp_meta.Metadata):
+                raise CheckpointError(f"{self.dir}/.metadata holds a {type(md).__name__}, not DCP's Metadata; load "
+                                      f"an earlier iteration, or re-save")
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = dcp_meta.StorageMeta()
+            self.metadata = md
+        self.metadata.storage_meta.load_id = self.load_id  # DCP's reset() draws a new id per load
+        return self.metadata
 
     def read_data(self, plan, planner):
         for item in plan.items:

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.checkpoint.safe_load import load_untrusted
 from omnitron.core.transformer.qkv import fuse_qkv, split_qkv
 
 
@@ -319,7 +320,8 @@ def state_to_hf(full: dict, cfg) -> dict[str, torch.Tensor]:
 # ---- directories -----------------------------------------------------------------------------
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, state dict) of a ``save_pretrained`` directory: ``model.safetensors``, sharded
-    safetensors (``model.safetensors.index.json``), or ``pytorch_model.bin`` (read ``weights_only``)."""
+    safetensors (``model.safetensors.index.json``), or ``pytorch_model.bin`` (read by
+    :func:`~omnitron.core.checkpoint.safe_load.load_untrusted`: tensors only, anything else refused)."""
     cfg_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(cfg_path):
         raise HFConversionError(f"--hf-dir {hf_dir}: no config.json there; pass a directory written by "
@@ -344,8 +346,10 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
             from safetensors.torch import load_file
 
             state.update(load_file(path))
-        else:
-            state.update(torch.load(path, map_location="cpu", weights_only=True))
+        else:  # a pickle: tensors only, exact names, refused in one line otherwise
+            state.update(load_untrusted(path, what="a Hugging Face weights file", fix="use the repository's "
+                                        "model.safetensors (safetensors holds no code) or re-save it as safetensors "
+                                        "from a trusted copy"))
     return config, state
 
 

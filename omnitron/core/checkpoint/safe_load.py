@@ -71,10 +71,11 @@ def plain_name(module: str, name: str) -> bool:
     return all(p.isidentifier() and not p.startswith("__") for p in (*module.split("."), name))
 
 
-def pickled_globals(path: str) -> Iterator[tuple[str, str]]:
+def pickled_globals(path: str, fix: str = "use a file from a trusted source") -> Iterator[tuple[str, str]]:
     """Every ``(module, name)`` the pickles of torch.save file ``path`` name, in file order, read without
     unpickling. Lazily, so a caller refusing a name stops before a later unreadable part; raises
-    :class:`UnsafeFileError` at a refused opcode, :class:`CheckpointError` when it is not a torch.save file."""
+    :class:`UnsafeFileError` at a refused opcode (``fix``: the remedy it names), :class:`CheckpointError`
+    when it is not a torch.save file."""
     with open(path, "rb") as f:
         zipped = f.read(4) == b"PK\x03\x04"  # torch's own test for its zip format
         f.seek(0)
@@ -87,19 +88,19 @@ def pickled_globals(path: str) -> Iterator[tuple[str, str]]:
             else:
                 streams = [f] * _LEGACY_PICKLES  # consecutive pickles of one file
             for stream in streams:
-                yield from _scan(stream, path)
+                yield from _scan(stream, path, fix)
         except UnsafeFileError:
             raise
         except Exception as err:  # bad zip, truncated or foreign pickle
             raise CheckpointError(f"{path}: not a readable torch.save file ({type(err).__name__}: {err})") from None
 
 
-def _scan(stream, path: str) -> Iterator[tuple[str, str]]:
+def _scan(stream, path: str, fix: str) -> Iterator[tuple[str, str]]:
     """The globals of one pickle in ``stream`` (read up to its STOP)."""
     for op, arg, _ in pickletools.genops(stream):
         if op.name in _REFUSED_OPS:
             raise UnsafeFileError(f"{path}: refused as unsafe: its pickle uses opcode {op.name}, which torch.save "
-                                  f"never writes (a way to reach code by name)")
+                                  f"never writes (a way to reach code by name); {fix}")
         if op.name == "GLOBAL":
             module, _, name = arg.partition(" ")
             yield module, name
@@ -114,7 +115,7 @@ def load_untrusted(path: str, *, what: str, fix: str, extra: Mapping[str, object
         raise CheckpointError(f"{path}: reading {what} safely needs torch >= 2.6 (torch.serialization.safe_globals "
                               f"with exact names); this is torch {torch.__version__}: upgrade torch")
     allowed, admitted = torch_save_names(), dict(extra or {})
-    for module, name in pickled_globals(path):
+    for module, name in pickled_globals(path, fix):
         full = f"{module}.{name}"
         if not plain_name(module, name) or not (full in allowed or full in admitted or vouch(module, name)):
             kind = "a dotted or dunder name" if not plain_name(module, name) else f"not something {what} holds"

@@ -79,6 +79,10 @@ def check_resume(settings) -> None:
     if missing:
         raise CheckpointError(f"--load {path}: shard {missing[0]} is missing ({len(missing)} of {len(meta['shards'])}"
                               f"); the checkpoint is incomplete: copy every rank_*.pt, or load an earlier iteration")
+    if meta.get("ckpt_format") == DIST_FORMAT:  # DCP's index: present, its checksum, DCP's classes only
+        from omnitron.core.checkpoint.dist_planner import VerifiedReader
+
+        VerifiedReader(path, meta.get("checksums") or {}).read_metadata()
     model = model_dict(settings.model)
     model["vocab_size"] = meta["model"].get("vocab_size")  # comes from the tokenizer; checked again in the worker
     check_compatible(meta, model, layout_dict(settings), path, reshard=True)
