@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from omnitron.core.lifetime import die_with_parent
 from omnitron.core.training.outputs import check_writable, lock_outputs
 
 log = logging.getLogger("omnitron.train")
@@ -76,8 +77,6 @@ def _threads(settings, local_world: int) -> int:
 def _worker(rank: int, world: int, port: int, settings, entry, launcher_pid: int) -> None:
     import torch
 
-    from omnitron.core.training.workers import die_with_parent
-
     die_with_parent(launcher_pid)
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -127,8 +126,6 @@ def launch(settings, entry=None) -> int:
         if int(os.environ["WORLD_SIZE"]) != settings.world_size:
             settings.world_size = int(os.environ["WORLD_SIZE"])
         import torch
-
-        from omnitron.core.training.workers import die_with_parent
 
         die_with_parent(os.getppid())  # torchrun's agent: its workers must not outlive it
         torch.set_num_threads(_threads(settings, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
