@@ -36,6 +36,6 @@ def main_from_dict(given: dict) -> int:
         return 2
     try:
         return launch(settings)
-    except CheckpointError as err:  # one process: a corrupt shard found while loading, in this process
+    except (ConfigError, CheckpointError) as err:  # --save held by another job; one process: a corrupt shard
         print(f"omnitron train: error: {err}", file=sys.stderr)
         return 2

@@ -213,3 +213,69 @@ def _dist_read_is_one_line(broken: str, intact: str, words: str, caplog) -> None
     with pytest.raises(CheckpointError) as err, caplog.at_level(logging.DEBUG):
         dist.read({key: (shape, [((0,) * len(shape), torch.zeros(shape))])}, broken, checksums, collective=False)
     assert words in _one_line(err) and not [r for r in caplog.records if r.exc_info], caplog.records
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_full_disk_during_a_save_is_one_line_and_leaves_no_partial_directory(tmp_path, capsys, monkeypatch, fmt):
+    """The disk fills up while iteration 2 is written (the write raises ENOSPC after part of its bytes, as a
+    full filesystem does): one line saying so, exit 2, no ``iter_0000002.tmp`` left, ``latest`` on iteration 1."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from omnitron.cli import main
+    from omnitron.core.checkpoint import io
+
+    def full(path: str) -> bool:
+        return "iter_0000002.tmp" in str(path)
+
+    if fmt == "torch_dist":
+        real_item = dcp_fs._write_item
+
+        def write_item(transforms, stream, data, *args, **kwargs):
+            if full(getattr(stream, "name", "")):
+                stream.write(b"\0" * 100)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_item(transforms, stream, data, *args, **kwargs)
+
+        monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    else:
+        real_file = io._write_file
+
+        def write_file(path, write):
+            if full(path):
+                open(path, "wb").write(b"\0" * 100)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real_file(path, write)
+
+        monkeypatch.setattr(io, "_write_file", write_file)
+    save = tmp_path / "ck"
+    rc = main(["train", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+               "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+               "100", "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-tensorboard",
+               "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "2", "--save-interval", "1",
+               "--ckpt-format", fmt, "--save", str(save)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("omnitron")]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"omnitron train: error: {save}: the disk is full (") and "saving iter_0000002; the " \
+        "partial iter_0000002.tmp was removed and 'latest' still names the previous checkpoint" in err[0], err
+    assert sorted(os.listdir(save)) == ["iter_0000001", "latest", "metrics.jsonl", "omnitron.lock"]
+    assert (save / "latest").read_text() == "iter_0000001"
+
+
+def test_a_short_write_counts_as_a_full_disk_only_when_space_is_low(tmp_path, monkeypatch):
+    """torch's zip writer reports a short write as "unexpected pos A vs B": a full disk when little space is left
+    (below ``LOW_SPACE_BYTES``), another fault otherwise; ENOSPC anywhere in the chain always is one."""
+    import errno
+
+    from omnitron.core.checkpoint import io
+
+    short = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    wrapped = CheckpointError("torch_dist save failed")
+    wrapped.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    free = {"bytes": io.LOW_SPACE_BYTES - 1}
+    monkeypatch.setattr(io, "_free_bytes", lambda d: free["bytes"])
+    assert io.disk_full(short, str(tmp_path)) and io.disk_full(wrapped, str(tmp_path))
+    free["bytes"] = io.LOW_SPACE_BYTES
+    assert not io.disk_full(short, str(tmp_path)) and io.disk_full(wrapped, str(tmp_path))
+    assert not io.disk_full(ValueError("bad shape"), str(tmp_path))

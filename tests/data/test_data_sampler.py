@@ -62,3 +62,40 @@ def test_data_args_roundtrip():
                                               "--vocab-size", "99", "--eod-mask-loss"]))
     assert cfg.data_path == ["0.7", "A", "0.3", "B"] and cfg.seq_length == 64 and cfg.eod_mask_loss
     assert tokenizer_from_config(cfg).vocab_size == 100 and cfg.seed == 1234
+
+
+WORKERS_SCRIPT = """
+import os, time, torch
+from omnitron.core.data import PretrainingSampler, build_data_loader
+class Slow(torch.utils.data.Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i):
+        if i >= 8:
+            time.sleep(120)  # busy reading when the rank dies: torch's own 5 s parent check never runs
+        return {"pid": torch.tensor(os.getpid())}
+pids = set()
+for batch in build_data_loader(Slow(), PretrainingSampler(64, 0, 1, 0, 1), num_workers=2):
+    pids.update(batch["pid"].tolist())
+    if len(pids) == 2:
+        print(*sorted(pids), flush=True)
+"""
+
+
+def test_loader_workers_die_with_their_rank():
+    """SIGKILL of the process that owns a DataLoader: its worker processes (busy in ``__getitem__``) are gone
+    within 3 s (the parent-death signal; before, they read on for as long as the item took)."""
+    import signal
+    import subprocess
+    import sys
+
+    from omnitron.testing.faults import alive, wait_gone
+
+    proc = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2 and all(alive(p) for p in workers), workers
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    wait_gone(workers, 3.0)

@@ -121,6 +121,21 @@ def test_filters_against_plain_torch():
     assert torch.allclose(freq, want, atol=0.03)
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-45, 1e-30])
+def test_tiny_temperatures_are_greedy_and_padding_is_never_drawn(temperature):
+    """A temperature in the documented range but tiny enough that logits / T overflow: the draw is the argmax
+    (plain torch) of the real columns, never a vocabulary-padding column (-inf logits); a row whose logits
+    hold a NaN falls back to its argmax of the rest."""
+    real, padded, rows = 32, 40, 8
+    logits = torch.randn(rows, padded) * 3
+    logits[:, real:] = float("-inf")
+    logits[0, 5] = float("nan")
+    gens = [torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())) + i) for i in range(rows)]
+    got = sample_next(logits, SamplingParams(temperature=temperature), gens)
+    want = torch.argmax(torch.nan_to_num(logits, nan=float("-inf")), dim=-1)
+    assert torch.equal(got, want) and int(got.max()) < real
+
+
 def test_bad_input_is_named():
     model = sharp_model(CONFIGS["gpt2"]())
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -129,6 +144,6 @@ def test_bad_input_is_named():
         generate_batch(model, [list(range(41))], 3)
     with pytest.raises(ValueError, match="outside \\[0, 300\\)"):
         generate_batch(model, [[1, 300]], 3)
-    for bad in (dict(top_k=-1), dict(top_p=1.5), dict(temperature=-0.1), dict(seed=-2)):
+    for bad in (dict(top_k=-1), dict(top_p=1.5), dict(temperature=-0.1), dict(seed=-2), dict(seed=2**63)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

@@ -249,3 +249,39 @@ def test_server_add_bos_and_stop_on_eol_as_megatron(gpt_ckpt):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_server_names_the_field_of_every_bad_request_and_tiny_temperatures_are_greedy(gpt_ckpt):
+    """Out-of-range seeds, JSON nested past any field's depth (in a field or the whole body: before, the
+    parser's RecursionError closed the connection unanswered), wrong types: 400 naming the field. Temperatures
+    down to 1e-320 (inside the documented range) answer the greedy continuation, ids inside the tokenizer's
+    vocabulary (before, a vocabulary-padding column's id)."""
+    _, path = gpt_ckpt
+    loaded = load_for_inference(path, get_backend("cpu"))
+    server = make_server(loaded, port=0, quiet=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_port
+        deep = b'{"prompts": ["1"], "temperature": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+        for bad, field in (({"prompts": ["1"], "random_seed": 2**80}, "random_seed must be an integer in [0, 2**63)"),
+                           ({"prompts": ["1"], "random_seed": -1}, "random_seed must be"),
+                           (deep, "temperature: JSON nested deeper than"),
+                           (b"[" * 5000 + b"]" * 5000, "the body: JSON nested deeper than"),
+                           ({"prompts": [["1"] * 3]}, "prompts must be"),
+                           ({"prompts": ["1"], "temperature": [[[[1.0]]]]}, "temperature must be a number"),
+                           ({"prompts": ["1"], "top_k": 1.5}, "top_k must be an integer"),
+                           ({"prompts": ["1"], "logprobs": "yes"}, "logprobs must be true or false"),
+                           ({"prompts": ["1 " * 40]}, "prompts: generate: prompt 0 has 40 tokens"),
+                           (b"\xff\xfe", "the body is not UTF-8 JSON")):
+            code, got = _put(port, bad)
+            assert code == 400 and got["error"].startswith(field) and len(got["error"]) < 300, (bad, got)
+        assert _put(port, {"prompts": ["1"], "random_seed": 2**63 - 1, "tokens_to_generate": 1})[0] == 200
+        greedy = complete(loaded, ["1 2", "7"], 8, params=SamplingParams(top_k=1))
+        for t in (1e-320, 1e-300, 1e-45):
+            code, got = _put(port, {"prompts": ["1 2", "7"], "tokens_to_generate": 8, "temperature": t,
+                                    "random_seed": 5})
+            ids = [int(w) for text in got["text"] for w in text.split()]
+            assert code == 200 and got == greedy and max(ids) < loaded.tokenizer.vocab_size, (t, got)
+    finally:
+        server.shutdown()
+        server.server_close()

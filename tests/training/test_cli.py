@@ -45,6 +45,7 @@ def test_flags_config_file_and_precedence(tmp_path):
     (["--model", "gpt2_tiny", "--reset-attention-mask", "--context-parallel-size", "2"], 2,
      "ring attention has no per-document mask"),
     (["--model", "gpt2_tiny", "--sample-temperature", "0"], 1, "--sample-temperature 0.0 must be positive"),
+    (["--model", "gpt2_tiny", "--nproc-per-node", "0"], 1, "--nproc-per-node must be >= 1 .*, got 0$"),
 ])
 def test_cross_checks(argv, world, message):
     with pytest.raises(ConfigError, match=message):

@@ -161,8 +161,9 @@ def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, 
     """Collective over the world: DCP writes every rank's pieces, each rank its ``rank_R.pt``; rank 0
     commits (see the module docstring). Returns the committed directory."""
     final = begin(c, save_dir, iteration, barrier)
-    write(final + ".tmp", c.groups.rank, {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}, local)
-    commit(c, save_dir, iteration, meta, barrier=barrier, keep_last_n=keep_last_n)
+    with io.removed_if_disk_full(save_dir, final):
+        write(final + ".tmp", c.groups.rank, {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}, local)
+        commit(c, save_dir, iteration, meta, barrier=barrier, keep_last_n=keep_last_n)
     return final
 
 
@@ -228,11 +229,12 @@ def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
     iteration = int(full.meta["iteration"])
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
     io._begin(save_dir, final)
-    write(final + ".tmp", 0, pieces, {}, collective=False)
-    for r in range(1, world_size):
-        io._write_shard(final + ".tmp", r, {})
-    meta = dict(meta, optimizer=full.optimizer_meta, scheduler=full.scheduler)
-    _commit_files(save_dir, iteration, meta, world_size, None)
+    with io.removed_if_disk_full(save_dir, final):
+        write(final + ".tmp", 0, pieces, {}, collective=False)
+        for r in range(1, world_size):
+            io._write_shard(final + ".tmp", r, {})
+        meta = dict(meta, optimizer=full.optimizer_meta, scheduler=full.scheduler)
+        _commit_files(save_dir, iteration, meta, world_size, None)
     return final
 
 

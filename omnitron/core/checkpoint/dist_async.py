@@ -116,6 +116,9 @@ class AsyncSaver:
             return None
         p.thread.join()
         failed = self._failed_ranks(c, bool(p.error))
+        if p.error and io.disk_full(p.error[0], p.save_dir):  # the partial directory removed, one line
+            with io.removed_if_disk_full(p.save_dir, os.path.join(p.save_dir, io.iter_dir_name(p.iteration))):
+                raise p.error[0]
         if failed:
             why = f" ({type(p.error[0]).__name__}: {' '.join(str(p.error[0]).split())[:300]})" if p.error else ""
             raise CheckpointError(f"{p.save_dir}: the background save of iteration {p.iteration} failed on rank "

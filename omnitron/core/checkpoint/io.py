@@ -10,6 +10,8 @@ arbitrary unpickling), after their SHA-256 is checked against the one ``metadata
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -62,6 +64,70 @@ def _write_file(path: str, write: Callable) -> None:
         os.fsync(f.fileno())
 
 
+class DiskFullError(CheckpointError):
+    """A save ran out of disk space; its partial ``iter_N.tmp`` was removed (the message says so)."""
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded")
+_SHORT_WRITE_TEXT = ("unexpected pos", "file write failed")  # torch's zip writer after a short write
+LOW_SPACE_BYTES = 256 << 20
+"""Free space under which a short write (torch's "unexpected pos") counts as a full disk."""
+
+
+def _causes(err: BaseException):
+    """``err``, its causes and contexts, and the per-rank failures a DCP ``CheckpointException`` carries."""
+    todo, seen = [err], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)
+        wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+        todo += [e.__cause__, e.__context__, *wrapped]
+
+
+def disk_full(err: BaseException, directory: str) -> bool:
+    """Whether ``err`` (raised while writing under ``directory``) means the disk is full: ENOSPC / EDQUOT
+    anywhere in its chain, or a short write while ``directory``'s filesystem has under LOW_SPACE_BYTES free."""
+    texts = []
+    for e in _causes(err):
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return True
+        texts.append(str(e).lower())
+    text = " ".join(texts)
+    if any(t in text for t in _NO_SPACE_TEXT):
+        return True
+    return any(t in text for t in _SHORT_WRITE_TEXT) and _free_bytes(directory) < LOW_SPACE_BYTES
+
+
+def _free_bytes(directory: str) -> int:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def removed_if_disk_full(save_dir: str, final: str):
+    """Around a save of ``final`` (``iter_N``): when the disk fills up, remove the partial ``iter_N.tmp`` (and
+    ``latest.tmp``), which would otherwise keep the space, and raise :class:`DiskFullError` in one line."""
+    try:
+        yield
+    except BaseException as err:
+        if isinstance(err, DiskFullError) or not disk_full(err, save_dir):
+            raise
+        shutil.rmtree(final + ".tmp", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(save_dir, "latest.tmp"))
+        name = os.path.basename(final)
+        raise DiskFullError(f"{save_dir}: the disk is full ({_free_bytes(save_dir) / 2**20:.0f} MiB free) while "
+                            f"saving {name}; the partial {name}.tmp was removed and 'latest' still names the previous "
+                            f"checkpoint; free space (or keep fewer with --keep-last-n) and resume with --load") from None
+
+
 def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, *, rank: int, world_size: int,
                     barrier: Callable[[], None], keep_last_n: int | None = None) -> str:
     """Collective: every rank calls with its own ``shard``; returns the committed directory."""
@@ -69,10 +135,11 @@ def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, 
     if rank == 0:
         _begin(save_dir, final)
     barrier()
-    _write_shard(final + ".tmp", rank, shard)
-    barrier()
-    if rank == 0:
-        _commit(save_dir, iteration, metadata, world_size, keep_last_n)
+    with removed_if_disk_full(save_dir, final):
+        _write_shard(final + ".tmp", rank, shard)
+        barrier()
+        if rank == 0:
+            _commit(save_dir, iteration, metadata, world_size, keep_last_n)
     barrier()
     return final
 
@@ -84,12 +151,13 @@ def write_checkpoint(save_dir: str, iteration: int, shards: Iterable[tuple[int, 
     final = os.path.join(save_dir, iter_dir_name(iteration))
     _begin(save_dir, final)
     written = set()
-    for rank, shard in shards:
-        _write_shard(final + ".tmp", rank, shard)
-        written.add(rank)
-    if written != set(range(world_size)):
-        raise CheckpointError(f"{save_dir}: wrote shards for ranks {sorted(written)}, expected 0..{world_size - 1}")
-    _commit(save_dir, iteration, metadata, world_size, None)
+    with removed_if_disk_full(save_dir, final):
+        for rank, shard in shards:
+            _write_shard(final + ".tmp", rank, shard)
+            written.add(rank)
+        if written != set(range(world_size)):
+            raise CheckpointError(f"{save_dir}: wrote shards for ranks {sorted(written)}, expected 0..{world_size - 1}")
+        _commit(save_dir, iteration, metadata, world_size, None)
     return final
 
 

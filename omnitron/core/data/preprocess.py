@@ -25,6 +25,8 @@ from typing import Iterator
 
 import numpy as np
 
+from omnitron.core.lifetime import die_with_parent
+
 from .indexed import IndexedDatasetBuilder, data_file, index_file, optimal_dtype
 from .sentences import split_sentences as cut_sentences
 from .tokenizers import Tokenizer, build_tokenizer
@@ -121,8 +123,9 @@ def _json_record(line: str, json_keys: list[str], stats: PreprocessStats) -> dic
 _WORKER_TOK: Tokenizer | None = None
 
 
-def _init_worker(tokenizer_kwargs: dict) -> None:
+def _init_worker(tokenizer_kwargs: dict, parent_pid: int) -> None:
     global _WORKER_TOK
+    die_with_parent(parent_pid)  # a killed ``omnitron preprocess`` leaves no worker tokenizing on
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _WORKER_TOK = build_tokenizer(**tokenizer_kwargs)
 
@@ -182,7 +185,7 @@ def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[s
     start = time.perf_counter()
     tasks = _chunks(iter_records(inputs, json_keys, txt_mode=txt_mode, invalid_utf8=invalid_utf8, stats=stats),
                     json_keys, append_eod, split_sentences)
-    pool = mp.get_context("fork").Pool(workers, _init_worker, (tokenizer_kwargs,)) if workers > 1 else None
+    pool = mp.get_context("fork").Pool(workers, _init_worker, (tokenizer_kwargs, os.getpid())) if workers > 1 else None
     if pool is None:
         global _WORKER_TOK
         _WORKER_TOK = tok

@@ -7,9 +7,13 @@ restart from a saved ``consumed_samples`` continues exactly where training stopp
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Iterator
 
 import torch
+
+from omnitron.core.lifetime import tie_worker
 
 
 class PretrainingSampler:
@@ -74,6 +78,8 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 def build_data_loader(dataset, sampler: PretrainingSampler, num_workers: int = 0) -> torch.utils.data.DataLoader:
-    """DataLoader over ``dataset`` with ``sampler`` as batch sampler and ``collate``."""
+    """DataLoader over ``dataset`` with ``sampler`` as batch sampler and ``collate``. Its worker processes die
+    with this process (:func:`omnitron.core.lifetime.tie_worker`): a killed rank leaves none reading on."""
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0,
+                                       worker_init_fn=functools.partial(tie_worker, os.getpid()))

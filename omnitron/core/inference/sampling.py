@@ -16,6 +16,16 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_SEED = 2**63
+"""Seeds are below it: row ``i`` seeds a generator with ``seed + i``, which takes at most 64 bits."""
+
+
+def _shown(v, limit: int = 60) -> str:
+    """``repr(v)``, cut to ``limit`` characters (an error line never echoes a whole request)."""
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How the next token is chosen (checked on construction, so a bad value fails before any forward)."""
@@ -31,14 +41,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filter, 1: greedy), got {self.top_k!r}")
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filter, 1: greedy), got {_shown(self.top_k)}")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be a number in [0, 1] (0: no nucleus filter), got {self.top_p!r}")
+            raise ValueError(f"top_p must be a number in [0, 1] (0: no nucleus filter), got {_shown(self.top_p)}")
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not 0.0 <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be a number in [0, 100] (0: greedy), got {self.temperature!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise ValueError(f"temperature must be a number in [0, 100] (0: greedy), got {_shown(self.temperature)}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {_shown(self.seed)}")
 
     @property
     def greedy(self) -> bool:
@@ -57,8 +68,12 @@ def row_generators(params: SamplingParams, rows: int) -> list[torch.Generator] |
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``[b, V]`` fp32 logits / temperature with the tokens outside top-k and the nucleus at -inf."""
-    x = logits / params.temperature
+    """``[b, V]`` fp32 (logits - row max) / temperature with the tokens outside top-k and the nucleus at -inf.
+
+    NOTE: the row max is subtracted first, so every entry is <= 0 before the division and the likeliest token
+    is exactly 0: a tiny temperature (1e-320) sends the others to -inf (greedy, its limit) instead of the
+    real logits to +-inf and their softmax to NaN; the padding columns stay at -inf."""
+    x = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]  # [b, 1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -83,4 +98,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[t
     ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     # NOTE: u * total can round onto the last cdf value; never step past the last kept token
     last_kept = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).int(), dim=-1)
-    return torch.minimum(ids, last_kept).to(logits.device)
+    ids = torch.minimum(ids, last_kept)
+    broken = ~torch.isfinite(cdf[:, -1])  # logits holding NaN or +inf: greedy, never a padding column
+    if bool(broken.any()):
+        ids = torch.where(broken, torch.argmax(torch.nan_to_num(logits.float().cpu(), nan=float("-inf")), dim=-1), ids)
+    return ids.to(logits.device)

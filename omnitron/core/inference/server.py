@@ -10,7 +10,8 @@ answers ``{"text": [...]}`` (plus ``"segments"`` and ``"logprobs"`` when ``logpr
 no top-k / top-p filter (plain sampling), 64 tokens. ``image_index`` (multimodal checkpoints only):
 one synthetic validation image per prompt. ``add_BOS`` and ``stop_on_eol`` (GPT checkpoints): Megatron's
 options, see :func:`omnitron.core.inference.text.complete_gpt`. A malformed request gets 400 with ``{"error": message}``
-naming the field; another path 404. Connections are served on their own (daemon) threads, each with
+naming the field (also a body nested deeper than :data:`MAX_DEPTH`, found before the parser recurses); an
+internal fault 500; another path 404. Connections are served on their own (daemon) threads, each with
 a socket timeout (a silent or trickling client gets 408 and is closed without blocking anyone); a
 body over the size limit is refused with 413 from its Content-Length, before it is read; model
 calls take one lock (one model, one KV cache), so requests are computed one at a time.
@@ -18,12 +19,13 @@ calls take one lock (one model, one KV cache), so requests are computed one at a
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from omnitron.core.inference.sampling import SamplingParams
+from omnitron.core.inference.sampling import SamplingParams, _shown
 from omnitron.core.inference.text import complete, synthetic_image
 
 MAX_PROMPTS = 128
@@ -35,6 +37,11 @@ FIELDS = {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "log
 GPT_ONLY = ("add_BOS", "stop_on_eol")  # Megatron's options of text continuation
 
 
+MAX_DEPTH = 32
+"""JSON nesting a body may have (no field needs more than 2): deeper is refused, naming the field, before
+the parser's recursion limit would end the connection without an answer."""
+
+
 class BadRequest(ValueError):
     """A request the server refuses with 400 (the message names the field and what it must be)."""
 
@@ -42,8 +49,52 @@ class BadRequest(ValueError):
 def _int(body: dict, key: str, default: int, low: int) -> int:
     v = body.get(key, default)
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise BadRequest(f"{key} must be an integer >= {low}, got {v!r}")
+        raise BadRequest(f"{key} must be an integer >= {low}, got {_shown(v)}")
     return v
+
+
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+
+
+def _too_deep(text: str, limit: int = MAX_DEPTH) -> str | None:
+    """The top-level field whose value nests deeper than ``limit`` ("the body" when not in a field), else None."""
+    depth, key, last = 0, None, None
+    for m in _JSON_TOKEN.finditer(text):
+        tok = m.group()
+        if tok == "[" or tok == "{":
+            depth += 1
+            if depth > limit:
+                return key or "the body"
+        elif tok == "]" or tok == "}":
+            depth -= 1
+        elif tok == ":" and depth == 1 and last:
+            key = last[1:-1][:60]  # the field's name as written (escapes left as they are)
+        last = tok if tok.startswith('"') else None
+    return None
+
+
+def parse_body(raw: bytes):
+    """The request's JSON value; BadRequest when it is not JSON or nests deeper than MAX_DEPTH."""
+    try:
+        text = raw.decode("utf-8") if raw else "null"
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the body is not UTF-8 JSON: {err}") from None
+    field = _too_deep(text)
+    if field is not None:
+        raise BadRequest(f"{field}: JSON nested deeper than {MAX_DEPTH} levels; no field takes more than 2")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"the body is not JSON: {err}") from None
+
+
+def _library_field(message: str) -> str:
+    """The request field a library ValueError is about (its message names prompts, images or the seed)."""
+    for word, field in (("image", "image_index"), ("seed", "random_seed"), ("prompt", "prompts"),
+                        ("source", "prompts"), ("token", "prompts")):
+        if word in message:
+            return field
+    return "prompts"
 
 
 def parse_request(body, loaded) -> dict:
@@ -79,7 +130,7 @@ def parse_request(body, loaded) -> dict:
         if key not in body:
             continue
         if not isinstance(body[key], bool):
-            raise BadRequest(f"{key} must be true or false, got {body[key]!r}")
+            raise BadRequest(f"{key} must be true or false, got {_shown(body[key])}")
         if loaded.family != "gpt":
             raise BadRequest(f"{key} applies to GPT checkpoints (text continuation); this one is {loaded.family}")
         out["add_bos" if key == "add_BOS" else key] = body[key]
@@ -140,23 +191,24 @@ def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, 
             if self.path.rstrip("/") != "/api":
                 return self._reply(404, {"error": f"no endpoint {self.path}; PUT /api"})
             try:
-                raw = self.rfile.read(_body_length(self.headers, max_body_bytes))
-                try:
-                    body = json.loads(raw or b"null")
-                except json.JSONDecodeError as err:
-                    raise BadRequest(f"the body is not JSON: {err}") from None
-                kwargs = parse_request(body, loaded)
+                kwargs = parse_request(parse_body(self.rfile.read(_body_length(self.headers, max_body_bytes))),
+                                       loaded)
                 prompts = kwargs.pop("prompts")
                 with lock:
                     result = run(prompts, kwargs.pop("tokens_to_generate"), **kwargs)
             except _TooLarge as err:
                 self.close_connection = True  # the unread body must not be parsed as the next request
                 return self._reply(413, {"error": str(err)})
-            except (BadRequest, ValueError) as err:  # ValueError: the library's own input checks
+            except BadRequest as err:
                 return self._reply(400, {"error": str(err)})
+            except ValueError as err:  # the library's own input checks: name the field they are about
+                return self._reply(400, {"error": f"{_library_field(str(err))}: {err}"})
             except TimeoutError:  # the body stopped arriving: free this thread
                 self.close_connection = True
                 return self._reply(408, {"error": f"the request body did not arrive within {timeout_s:g} s"})
+            except Exception as err:  # noqa: BLE001 - a fault of the server, not of the request: still an answer
+                self.log_error("internal error: %r", err)
+                return self._reply(500, {"error": f"internal error: {type(err).__name__}: {str(err)[:200]}"})
             return self._reply(200, result)
 
         def do_POST(self) -> None:  # noqa: N802

@@ -369,9 +369,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
         raise ConfigError(f"the model is not defined: give {flags}, or start from a preset with --model gpt2_tiny")
-    nproc = int(merged.get("nproc_per_node") or 1)
+    given_nproc = merged.get("nproc_per_node")
+    nproc = 1 if given_nproc is None else int(given_nproc)  # NOTE: not ``or 1``: 0 is a setting to refuse
     if nproc < 1:
-        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+        raise ConfigError(f"--nproc-per-node must be >= 1 (worker processes on this node), got {nproc}")
     world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
     precision = _build(PrecisionConfig, merged)
     family, model, parallel = _model_settings(merged, precision)

@@ -3,14 +3,19 @@
 Under torchrun (``RANK``/``WORLD_SIZE`` set) each process joins the default process group and
 trains. ``--nproc-per-node N`` spawns N workers with one thread each (processes x threads never
 exceed the cores unless ``--threads-per-process`` asks) and forwards SIGTERM to them; each
-worker finishes its step, saves and exits. Workers die with their launcher, and a failed job is
-summarised in a few lines naming the rank at fault (:mod:`omnitron.core.training.workers`).
+worker finishes its step, saves and exits. The launcher (rank 0 under torchrun) holds the lock on
+``--save`` for the job's life (:mod:`omnitron.core.training.outputs`). Workers die with their launcher,
+and a failed job is summarised in a few lines naming the rank at fault (:mod:`omnitron.core.training.workers`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+
+from omnitron.core.lifetime import die_with_parent
+from omnitron.core.training.outputs import check_writable, lock_outputs
 
 log = logging.getLogger("omnitron.train")
 
@@ -31,6 +36,7 @@ def precheck(settings) -> None:
 
         check_backend(settings.fp8, backend)  # e.g. a backend without FP8 formats: one clear line
     _check_files(settings)
+    check_writable(settings)  # a read-only --save is found now, not at the first save after the work
     from omnitron.core.training.wandb_log import check_available
 
     check_available(settings.logging)
@@ -70,8 +76,6 @@ def _threads(settings, local_world: int) -> int:
 
 def _worker(rank: int, world: int, port: int, settings, entry, launcher_pid: int) -> None:
     import torch
-
-    from omnitron.core.training.workers import die_with_parent
 
     die_with_parent(launcher_pid)
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port), RANK=str(rank),
@@ -123,17 +127,17 @@ def launch(settings, entry=None) -> int:
             settings.world_size = int(os.environ["WORLD_SIZE"])
         import torch
 
-        from omnitron.core.training.workers import die_with_parent
-
         die_with_parent(os.getppid())  # torchrun's agent: its workers must not outlive it
         torch.set_num_threads(_threads(settings, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        return _run_rank(settings, entry)
+        with lock_outputs(settings) if int(os.environ["RANK"]) == 0 else contextlib.nullcontext():
+            return _run_rank(settings, entry)
     n = settings.nproc_per_node
-    if n == 1:
-        import torch
+    with lock_outputs(settings):  # the launcher holds it: a killed launcher's lock goes with it
+        if n == 1:
+            import torch
 
-        torch.set_num_threads(_threads(settings, 1))
-        return _run_rank(settings, entry)
-    from omnitron.core.training.workers import run_workers
+            torch.set_num_threads(_threads(settings, 1))
+            return _run_rank(settings, entry)
+        from omnitron.core.training.workers import run_workers
 
-    return run_workers(settings, entry, n, _worker)
+        return run_workers(settings, entry, n, _worker)

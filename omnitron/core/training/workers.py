@@ -1,8 +1,7 @@
 """Worker processes that never outlive their launcher, join each restart attempt cleanly, and fail loudly.
 
-- :func:`die_with_parent`: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes)
-  plus a thread that polls the parent pid once a second (other systems, and the instant before prctl),
-  so a ``kill -9`` of the launcher or of torchrun's agent leaves no orphan training on.
+- the workers call :func:`omnitron.core.lifetime.die_with_parent`: a ``kill -9`` of the launcher or of
+  torchrun's agent leaves no orphan training on.
 - :func:`join_job`: one rendezvous store per restart attempt (``PrefixStore`` keyed on
   ``TORCHELASTIC_RESTART_COUNT``: a restarted torchrun attempt would otherwise read the dead attempt's
   gloo addresses and fail with "connectFullMesh ... Connection refused"), the process group with
@@ -14,40 +13,19 @@
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 
 from omnitron.core.training import failures
 from omnitron.core.training.watchdog import Watchdog, distributed_timeout_s, heartbeat_interval
 
-PR_SET_PDEATHSIG = 1
 HOSTED_STORE_ENV = "OMNITRON_LAUNCHER_STORE"
 """Set by the launcher for its workers: the store is hosted by the launcher, every rank is a client."""
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Kill this process (SIGKILL) as soon as ``parent_pid`` is no longer its parent."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if os.getppid() != parent_pid:  # gone already, before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-    threading.Thread(target=watch, name="omnitron-parent-watch", daemon=True).start()
 
 
 def attempt() -> int:

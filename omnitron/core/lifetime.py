@@ -1,0 +1,45 @@
+"""Processes that never outlive the process that started them (training ranks, data-loader and
+preprocessing workers).
+
+:func:`die_with_parent`: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes)
+plus a daemon thread that polls the parent pid once a second (other systems, and the instant before prctl
+takes effect), so a ``kill -9`` of a launcher, of torchrun's agent or of a rank leaves nothing running on.
+NOTE: Linux sends the signal when the *thread* that forked the child exits; every worker here is started
+from its parent's main thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+POLL_S = 1.0
+"""Seconds between the watch thread's checks of the parent pid (the fallback where prctl is missing)."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Kill this process (SIGKILL) as soon as ``parent_pid`` is no longer its parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if os.getppid() != parent_pid:  # gone already, before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="omnitron-parent-watch", daemon=True).start()
+
+
+def tie_worker(parent_pid: int, worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn`` (as ``functools.partial(tie_worker, os.getpid())``, made in the parent):
+    worker ``worker_id`` dies with ``parent_pid``."""
+    die_with_parent(parent_pid)
