@@ -119,8 +119,8 @@ class _StageRunner:
             if self.per_token_loss:  # the sum; the step divides the gradients by the global token count
                 self.loss_sum += total.detach().to(torch.float64)
                 out = total
-            else:
-                mean = total / count
+            else:  # NOTE: a fully masked micro-batch has count 0: it contributes 0 with zero gradients (Megatron's clamp)
+                mean = total / (count.clamp(min=1) if torch.is_tensor(count) else max(count, 1))
                 self.loss_sum += mean.detach().to(torch.float64)
                 out = mean / self.s.num_microbatches  # what backward differentiates
         else:
