@@ -5,11 +5,15 @@ distributed-optimizer slice boundaries, and the largest is reported):
 
 - parameters, gradients, optimizer state: counted exactly on a meta-device skeleton (:mod:`.state`);
 - activations: one micro-batch's saved tensors per chunk (:mod:`.activations`: measured on small probes,
-  scaled by batch x sequence, and s^2 where attention materialises scores) and, but on the last chunk, the
-  chunk's output, which the pipeline runtime keeps to differentiate, times the micro-batches the
+  scaled by batch x sequence, and s^2 where attention materialises scores) times the micro-batches the
   schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
-  it; the peak over the table counts. Under context parallelism a rank's sequence is ``s / cp``;
+  it; the peak over the table counts. A sent chunk output is not held (the runtime keeps its autograd node
+  only). Under context parallelism a rank's sequence is ``s / cp``;
+- boundary: the pipeline send still in flight while a backward runs: a rank releases a send's tensor at the
+  exchange after the next action (``core/parallel/pipeline/p2p.py``), so a ``B`` or ``W`` that follows an
+  action which sent an activation or input gradient (``[s(/tp under SP), b, h]``) runs beside it: the most
+  of that over the table, independent of the number of micro-batches;
 - logits: the last stage's vocabulary-shard part of the head (``V_pad / tp`` columns, per token);
 - FP8 (assumed, not validated): one 1-byte copy of every 2-D layer weight when ``--fp8-format`` is on.
 
@@ -58,11 +62,13 @@ class StageMemory:
     """Most micro-batches (over chunks) held at once by this rank's schedule."""
     transient: int = 0
     """Backward's own tensors at the step's peak, beyond the terms above (:mod:`.transients`)."""
+    boundary: int = 0
+    """The pipeline send in flight beside a backward (one boundary tensor at most; :func:`send_in_flight`)."""
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8 + self.recompute
-                + self.transient)
+                + self.transient + self.boundary)
 
 
 def model_config(settings):
@@ -113,9 +119,8 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
 
 
 def output_bytes(settings, cfg, last: bool) -> float:
-    """The chunk output a pipeline keeps per micro-batch until its backward (``[s(/tp under SP), b, h]``;
-    autograd saves none of it, the runtime holds it to differentiate): 0 on the last chunk, which returns
-    the loss."""
+    """A chunk's output, ``[s(/tp under SP), b, h]``, the size of every pipeline message: 0 on the last chunk,
+    which returns the loss."""
     pc = settings.parallel
     if last:
         return 0.0
@@ -137,6 +142,20 @@ def peak_held(schedule, rank: int, per_chunk: dict[int, float]) -> tuple[float, 
         elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.microbatch) not in split):
             held[a.chunk] -= 1
     return best, most
+
+
+def send_in_flight(schedule, rank: int, boundary: float) -> float:
+    """Bytes of the send still in flight while a backward (``B`` or ``W``) runs on ``rank``, the most over its
+    table: the previous action's message (an activation from a forward short of the last stage, an input
+    gradient from a backward past the first), ``boundary`` bytes each; released at the next exchange."""
+    table, last = schedule.tables[rank], schedule.num_stages - 1
+    best = 0.0
+    for prev, a in zip(table, table[1:]):
+        k = schedule.stage(rank, prev.chunk)
+        sends = (prev.kind == "F" and k < last) or (prev.kind == "B" and k > 0)
+        if a.kind in "BW" and sends:
+            best = boundary
+    return best
 
 
 def recompute_bytes(settings, cfg) -> int:
@@ -192,7 +211,6 @@ def estimate(settings) -> list[StageMemory]:
         for c in range(vp):
             last = (r, c) == (pp - 1, vp - 1)
             acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=last, first=(r, c) == (0, 0))
-            acts[c] += output_bytes(settings, cfg, last)
         act_peak, most = peak_held(schedule, r, acts)
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
@@ -205,7 +223,7 @@ def estimate(settings) -> list[StageMemory]:
         rec = min(recompute_bytes(settings, cfg), excess)  # what of the excess is rematerialised activations
         out.append(StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
                                round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most,
-                               excess - rec))
+                               excess - rec, round(send_in_flight(schedule, r, output_bytes(settings, cfg, False)))))
     return out
 
 
@@ -216,10 +234,10 @@ def _gib(n: int) -> str:
 def format_table(stages: list[StageMemory]) -> str:
     """One row per stage (GiB; values under 128 MiB in MiB, suffixed M) and the largest rank."""
     head = f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'params':>9} {'grads':>9} {'optimizer':>9} " \
-           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'transient':>9} {'total':>9}"
+           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'transient':>9} {'boundary':>9} {'total':>9}"
     rows = [head] + [f"{s.stage:>5} {s.layers:>6} {s.inflight:>9} {_gib(s.params)} {_gib(s.grads)} {_gib(s.optimizer)}"
                      f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.recompute)} {_gib(s.transient)}"
-                     f" {_gib(s.total)}" for s in stages]
+                     f" {_gib(s.boundary)} {_gib(s.total)}" for s in stages]
     top = max(stages, key=lambda s: s.total)
     rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes)")
     return "\n".join(rows)

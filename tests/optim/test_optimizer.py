@@ -159,3 +159,29 @@ def test_lr_schedules():
     other = LRScheduler(OptimizerConfig(lr=5.0), 10)
     other.load_state_dict(cos.state_dict())
     assert [other.lr(i) for i in range(1, 120)] == [cos.lr(i) for i in range(1, 120)]
+
+
+def test_fp32_grads_reuse_their_buffers():
+    """A bf16 parameter's fp32 gradient and a gradient-less parameter's zeros are buffers made once: the same
+    storage every step (no allocation per step), refilled each time -- the zeros stay zeros after a step that
+    scaled them by NaN (a NaN clip coefficient), and the converted gradient equals this step's bf16 one."""
+    from omnitron.kernels.benchmark import PeakTracker
+
+    model = _model(torch.bfloat16)
+    cfg = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0)
+    opt = MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu"))
+    params = list(model.parameters())
+    first = None
+    for s in range(3):
+        _fill_grads(model, 100 + s)
+        params[-1].grad = None  # no gradient this step: zeros
+        with PeakTracker() as tracker:
+            grads = opt._fp32_grads()
+        assert tracker.peak == 0 or s == 0, tracker.events  # nothing new after the first step
+        ptrs = [g.data_ptr() for g in grads]
+        assert first is None or ptrs == first
+        first = ptrs
+        for p, g in zip(params[:-1], grads):
+            assert g.dtype == torch.float32 and torch.equal(g, p.grad.float())
+        assert torch.count_nonzero(grads[-1]) == 0
+        torch._foreach_mul_(grads, float("nan"))  # what a NaN clip coefficient does to them in place

@@ -122,3 +122,29 @@ def test_weight_grad_split_falls_back_when_a_weight_is_shared():
     (torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(xr, w, b)), w, b) * g.double()).sum().backward()
     torch.testing.assert_close(lin.weight.grad.double(), w.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fully_masked_microbatch_contributes_zero_with_zero_gradient():
+    """A micro-batch whose loss mask is all zero contributes 0 to the loss and nothing to the gradients
+    (Megatron-Core clamps the token count at 1), where it gave 0 / 0 = NaN; the others are unchanged.
+    Reference: float64 plain torch over the unmasked micro-batches, each divided by the micro-batch count."""
+    groups = ParallelGroups.single()
+    model = DistributedDataParallel(_model(), groups)
+    model.zero_grad_buffer()
+    data = _data()
+    data[1]["loss_mask"] = torch.zeros(S, B)
+    out = forward_backward(None, [model], iter(data), groups, num_microbatches=M, seq_length=S,
+                           micro_batch_size=B, hidden_size=H, forward_step_fn=_step)
+    finalize_model_grads([model], groups)
+    ref = _model().double()
+    total = 0.0
+    for i, d in enumerate(data):
+        if i == 1:
+            continue
+        per_tok = ((ref(d["x"].double()) - d["y"].double()) ** 2).mean(-1)
+        mean = (per_tok * d["loss_mask"]).sum() / d["loss_mask"].sum()
+        (mean / M).backward()
+        total += mean.item()
+    assert out["loss"] == pytest.approx(total / M, rel=1e-6)
+    for p, r in zip(model.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.main_grad.double(), r.grad, rtol=1e-6, atol=1e-8)

@@ -102,7 +102,8 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
     def _fp32_grads(self) -> list[torch.Tensor]:
         """The owned slices' gradients as fp32. A rank owning no element (a tiny model over many ranks)
         gets one empty gradient on the backend's device, so its step's list ops and collectives still run."""
-        grads = [s.grad if s.grad.dtype == torch.float32 else s.grad.float() for s in self.slices]
+        grads = [s.grad if s.grad.dtype == torch.float32 else self._scratch(i, s.grad).copy_(s.grad)
+                 for i, s in enumerate(self.slices)]
         return grads or [torch.zeros(0, device=self.backend.current_device())]
 
     def _owners(self) -> list[torch.nn.Parameter]:

@@ -38,8 +38,8 @@ class FSDP2Optimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
 
     def _fp32_grads(self) -> list[torch.Tensor]:
         """The local shards of the (fp32, reduce-scattered) gradients; zeros for a parameter without one."""
-        return [torch.zeros_like(m) if p.grad is None else local_shard(p.grad)
-                for p, m in zip(self.params, self.masters)]
+        return [self._scratch(i, m).zero_() if p.grad is None else local_shard(p.grad)
+                for i, (p, m) in enumerate(zip(self.params, self.masters))]
 
     def _copy_to_model(self) -> None:
         """Nothing: the masters are the model's sharded parameters."""

@@ -65,6 +65,7 @@ class MixedPrecisionOptimizer:
         """The timer name of :meth:`_copy_to_model` (``--timing-log-level 1``)."""
         self._build_masters()
         self.state = self._zero_state()
+        self._scratch_bufs: dict[int, torch.Tensor] = {}
 
     def _build_masters(self) -> None:
         """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
@@ -83,16 +84,26 @@ class MixedPrecisionOptimizer:
         return state
 
     # ---- gradients ----------------------------------------------------------------------
+    def _scratch(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """An fp32 buffer shaped like ``like`` for gradient ``i``: made on first use and reused every step (the
+        step scales its gradients in place, so a caller refills it each time)."""
+        buf = self._scratch_bufs.get(i)
+        if buf is None or buf.shape != like.shape or buf.device != like.device:
+            buf = self._scratch_bufs[i] = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        return buf
+
     def _fp32_grads(self) -> list[torch.Tensor]:
+        """Each parameter's gradient as fp32: ``main_grad`` or ``.grad`` itself when fp32, else a reused buffer
+        (zeros for a parameter without a gradient, the converted gradient for a low-precision one)."""
         out = []
-        for p, m in zip(self.params, self.masters):
+        for i, (p, m) in enumerate(zip(self.params, self.masters)):
             g = getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad
             if g is None:
-                out.append(torch.zeros_like(m))
+                out.append(self._scratch(i, m).zero_())
             else:
-                out.append(g.detach().float() if g.dtype != torch.float32 else g.detach())
+                out.append(self._scratch(i, m).copy_(g) if g.dtype != torch.float32 else g.detach())
         return out
 
     def _found_inf(self, grads: list[torch.Tensor]) -> bool:

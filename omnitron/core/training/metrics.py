@@ -31,13 +31,28 @@ def default_log_dir(save: str | None) -> str:
     return save or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
+def _records(path: str) -> list[tuple[str, dict]]:
+    """Each line of a metrics file with its record. A last line that does not parse (a run killed while
+    writing it) is dropped with a warning; a bad line before it is an error naming the line."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append((line if line.endswith("\n") else line + "\n", json.loads(line)))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); repair or remove that line to resume") from e
+            log.warning("%s: its last line is cut short (a run stopped while writing it): dropped", path)
+    return out
+
+
 def _open_metrics(path: str, start_iteration: int):
     """A fresh run starts the file afresh; a resumed one keeps the records up to its checkpoint
     (dropping any written after it by the run that was interrupted), then appends."""
     keep = []
     if start_iteration > 0 and os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line).get("iteration", 0) <= start_iteration]
+        keep = [line for line, rec in _records(path) if rec.get("iteration", 0) <= start_iteration]
     f = open(path, "w")
     f.writelines(keep)
     f.flush()

@@ -13,7 +13,12 @@ planned from the schedule, which every rank knows:
   that is itself deadlock-free. A receive may come batches before its use (look-ahead that
   overlaps compute); per channel the order is the sender's order (FIFO matching, no tags).
 * :class:`StageP2P` posts batch ``i`` as one ``batch_p2p`` group before action ``i`` (and the last
-  after the last action), waits for its receives, and waits for sends at the end of the step.
+  after the last action), waits for its receives, then waits for the sends of the earlier batches and lets
+  their tensors go: a sent activation or input gradient lives one action past its send, not to the end of
+  the step (at m micro-batches that was 2m boundary tensors per stage). Waiting for an earlier batch's
+  sends cannot deadlock: the earliest unfinished transfer of the total order has both ends posted, as
+  above, whether a rank waits on its receives or its sends (NCCL's ``wait`` only orders streams; gloo's
+  returns once the peer has received).
 """
 from __future__ import annotations
 
@@ -73,10 +78,11 @@ class StageP2P:
         self.batches = plan_exchanges(schedule)[rank]
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, sent with the next batch
         self.inbox: dict[Message, torch.Tensor] = {}  # received, not yet consumed
-        self.sends: list[tuple[list, list]] = []
+        self.sends: list[tuple[list, list]] = []  # (handles, tensors) of posted sends not yet waited
 
     def exchange(self, step: int) -> None:
-        """Post batch ``step`` as one group; return once its receives have arrived."""
+        """Post batch ``step`` as one group; return once its receives have arrived and the earlier batches'
+        sends have completed (their tensors released)."""
         ops, recvs, sent = [], [], []
         for kind, peer, msg in self.batches[step]:
             if kind == "send":
@@ -88,13 +94,20 @@ class StageP2P:
                 tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 recvs.append((len(ops), msg, tensor))
             ops.append((kind, tensor, self.group.global_rank(peer)))
-        if not ops:
-            return
-        handles = self.coll.batch_p2p(ops, group=self.group.handle)
+        handles = self.coll.batch_p2p(ops, group=self.group.handle) if ops else []
         for i, msg, tensor in recvs:
             handles[i].wait()
             self.inbox[msg] = tensor
-        self.sends.append(([h for i, h in enumerate(handles) if ops[i][0] == "send"], sent))
+        self._release()
+        if sent:
+            self.sends.append(([h for i, h in enumerate(handles) if ops[i][0] == "send"], sent))
+
+    def _release(self) -> None:
+        """Wait for every send posted by an earlier exchange and drop this rank's references to its tensors."""
+        for handles, _ in self.sends:
+            for h in handles:
+                h.wait()
+        self.sends.clear()
 
     def recv(self, msg: Message) -> torch.Tensor:
         """The tensor of ``msg`` (received by an earlier :meth:`exchange`)."""
@@ -113,10 +126,7 @@ class StageP2P:
     def finish(self) -> None:
         """Post the last batch, wait for every send; check that nothing was left unexchanged."""
         self.exchange(len(self.batches) - 1)
-        for handles, _ in self.sends:
-            for h in handles:
-                h.wait()
-        self.sends.clear()
+        self._release()
         if self.outbox or self.inbox:
             raise RuntimeError(f"rank {self.rank}: messages never exchanged or consumed: "
                                f"{list(self.outbox) + list(self.inbox)}")

@@ -5,6 +5,8 @@ stage turn the per-token loss into this micro-batch's mean via ``loss_fn`` and k
 ``mean / num_microbatches`` as the backward target (``per_token_loss``: the micro-batch's loss sum, to be
 divided by the step's token count once it is known: ``--calculate-per-token-loss``); otherwise send the
 output on.
+A sent output keeps only its autograd node (:func:`graph_root`, Megatron's deallocate-output idea): its data
+goes once the send completes (``p2p.py``), unless autograd saved it for the chunk's own backward.
 ``B``: receive the output gradient (except on the last stage) and back-propagate. When the table
 also holds a ``W`` for the same chunk and micro-batch, ``B`` computes only the input gradient and
 ``W`` later accumulates the weight gradients from the retained graph (see ``wgrad.py``; the
@@ -19,6 +21,8 @@ import time
 from typing import Callable, Iterator
 
 import torch
+
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from omnitron.core.parallel.pipeline.p2p import StageP2P
 from omnitron.core.parallel.pipeline.schedules import Action, Schedule
@@ -58,6 +62,19 @@ class _Batches:
         if entry[1] == 0:
             del self.cache[mb]
         return entry[0]
+
+
+def graph_root(out: torch.Tensor) -> torch.Tensor | GradientEdge:
+    """What backward needs of a sent chunk output: its autograd edge, not its data.
+
+    Megatron frees a sent output by replacing its ``.data`` with a 1-element tensor and back-propagates
+    through the engine's internal ``run_backward``, which skips the shape check. Keeping the
+    :class:`GradientEdge` and dropping the tensor frees the same bytes (the send buffer is the only other
+    holder, released once the send completes) through public API (``torch.autograd.backward`` and ``grad``
+    take the edge and check the gradient against the node's recorded shape), and works for an output that
+    is a view too (Megatron asserts it is not). Whatever autograd saved of the output stays: its backward
+    needs it. A tensor outside any graph is kept as is."""
+    return get_gradient_edge(out) if out.requires_grad else out
 
 
 def _weight_grad_order(table: tuple[Action, ...], split: set) -> dict[int, int]:
@@ -102,12 +119,13 @@ class _StageRunner:
             if self.per_token_loss:  # the sum; the step divides the gradients by the global token count
                 self.loss_sum += total.detach().to(torch.float64)
                 out = total
-            else:
-                mean = total / count
+            else:  # NOTE: a fully masked micro-batch has count 0: it contributes 0 with zero gradients (Megatron's clamp)
+                mean = total / (count.clamp(min=1) if torch.is_tensor(count) else max(count, 1))
                 self.loss_sum += mean.detach().to(torch.float64)
                 out = mean / self.s.num_microbatches  # what backward differentiates
         else:
             self.p2p.send(("act", k + 1, a.microbatch), out)
+            out = graph_root(out)  # [s, b, h] freed once sent; backward starts from its autograd node
         if not self.forward_only:
             self.state[(a.chunk, a.microbatch)] = [hidden, out, None]
 

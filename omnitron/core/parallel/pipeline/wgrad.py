@@ -70,11 +70,12 @@ class WeightGradPlan:
         self.kept.clear()
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, hidden: torch.Tensor,
+def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, hidden: torch.Tensor,
                    params: list[torch.nn.Parameter]) -> tuple[torch.Tensor | None, WeightGradPlan]:
-    """B: the gradient w.r.t. ``hidden`` now; returns it and the plan W runs later."""
+    """B: the gradient w.r.t. ``hidden`` now; returns it and the plan W runs later. ``out``: the chunk output
+    or, once sent, its autograd edge (runtime.py's ``graph_root``)."""
     plan = WeightGradPlan(out, grad, params)
-    root = out.grad_fn
+    root = out.node if isinstance(out, GradientEdge) else out.grad_fn
     leaves = {get_gradient_edge(p).node: p for p in params}
     input_leaf = get_gradient_edge(hidden).node
     handles = []
