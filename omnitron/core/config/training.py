@@ -306,10 +306,18 @@ class LoggingConfig:
     """--profile-step-end: stop tracing after this iteration (E; E - S iterations are traced)."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """--profile-ranks: the global ranks that trace."""
+    log_straggler: bool = False
+    """--log-straggler: every --log-interval iterations, gather each rank's step time and compute time (its
+    forward and backward spans, waits for other ranks excluded), score every rank against the median, log the
+    slowest (metrics.jsonl ``straggler_*``; TensorBoard the largest score and its rank)."""
+    straggler_minmax_count: int = 1
+    """--straggler-minmax-count N: with --log-straggler, name the N slowest and N fastest ranks."""
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.straggler_minmax_count < 1:
+            raise ConfigError(f"--straggler-minmax-count must be >= 1, got {self.straggler_minmax_count}")
         if self.timing_log_level not in (0, 1, 2):
             raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")
         if self.timing_log_option not in ("max", "minmax", "all"):
