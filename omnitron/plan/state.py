@@ -91,7 +91,8 @@ def _owned(buf, size: int) -> int:
 
 def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
     """Masters (non-fp32 parameters) plus the optimizer's fp32 moments for ``numel`` elements."""
-    moments = 2 if optim.optimizer in ("adam", "adamw") else (1 if optim.sgd_momentum else 0)
+    # NOTE: Muon keeps Adam's two buffers for every parameter (exp_avg is its momentum; exp_avg_sq stays zero)
+    moments = 2 if optim.optimizer in ("adam", "adamw", "muon") else (1 if optim.sgd_momentum else 0)
     if optim.optimizer == "onebit_adam":  # two moments + the worker error; NOTE: the server error (1/dp) is left out
         moments = 3
     return 4 * numel * (moments + (dtype != torch.float32))

@@ -182,6 +182,22 @@ def test_timers_reach_tensorboard_only_when_asked(tmp_path, to_tensorboard, caps
     assert capsys.readouterr().out.splitlines()[-1] == "timers (ms, max over ranks): optimizer 3.00"
 
 
+def test_straggler_scalars_reach_tensorboard_lists_stay_in_the_file(tmp_path):
+    from omnitron.core.training.straggler import straggler_fields
+
+    fields, line = straggler_fields({"compute": [1.0, 3.0], "step": [5.0, 5.0], "forward": [0.5, 1.0],
+                                     "backward": [0.5, 2.0]}, 1)
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=1, enabled=True, tensorboard=False,
+                           progress_bar=False, start_iteration=0)
+    logger._tb = board = _Board()
+    logger.step(1, {"lm_loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "loss_scale": None, "skipped": False,
+                    "step_time_s": 0.5, "tokens_per_sec": 10.0, "log": fields, "log_lines": [line]})
+    logger.close()
+    assert {"straggler_max_score", "straggler_slowest_rank"} <= board.keys
+    rec = json.loads(open(tmp_path / "metrics.jsonl").read())
+    assert rec["straggler_slowest_ranks"] == [1] and rec["straggler_scores"] == [0.5, 1.5]
+
+
 @pytest.mark.parametrize("flags, world, message", [
     (["--profile-step-start", "5", "--profile-step-end", "5"], 1, "--profile-step-end (5) must be greater than "
                                                                    "--profile-step-start (5)"),

@@ -16,8 +16,9 @@ class OptimizerConfig:
     """The optimizer and its learning-rate schedule."""
 
     optimizer: str = "adam"
-    """--optimizer {adam,sgd,onebit_adam}: AdamW (decoupled weight decay), SGD with momentum, or 1-bit Adam
-    (AdamW for --onebit-freeze-step steps, then frozen variance and 1-bit compressed momentum over dp)."""
+    """--optimizer {adam,sgd,onebit_adam,muon}: AdamW (decoupled weight decay), SGD with momentum, 1-bit Adam
+    (AdamW for --onebit-freeze-step steps, then frozen variance and 1-bit compressed momentum over dp), or Muon
+    (Newton-Schulz orthogonalised momentum for the hidden 2-D weights, AdamW for the rest)."""
     lr: float = 1e-4
     """--lr: peak learning rate, reached at the end of warmup."""
     min_lr: float = 0.0
@@ -61,9 +62,33 @@ class OptimizerConfig:
     """--onebit-freeze-step N: with --optimizer onebit_adam, exact AdamW for the first N steps, then the
     variance is frozen and the momentum travels 1-bit compressed (default: 15% of --train-iters)."""
 
+    muon_momentum: float = 0.9
+    """--muon-momentum: Muon's momentum, an EMA of the gradients (Megatron's command-line default)."""
+    muon_nesterov: bool = False
+    """--muon-nesterov: orthogonalise ``lerp(g, m, momentum)`` instead of the momentum ``m``."""
+    muon_split_qkv: bool = True
+    """--muon-split-qkv / --muon-no-split-qkv: orthogonalise the fused QKV weight's q, k and v rows as three
+    matrices (Megatron's default)."""
+    muon_scale_mode: str = "spectral"
+    """--muon-scale-mode {spectral,unit_rms_norm,shape_scaling}: the orthogonalised update of an ``m x n`` matrix
+    is multiplied by sqrt(max(m, n)), sqrt(m / n), or sqrt(max(1, m / n))."""
+    muon_fp32_matmul_prec: str = "medium"
+    """--muon-fp32-matmul-prec {low,medium,high}: medium and low run the Newton-Schulz iterations in bf16 (as
+    Megatron), high in fp32."""
+    muon_coefficient_type: str = "quintic"
+    """--muon-coefficient-type {simple,quintic,polar_express}: the Newton-Schulz polynomial coefficients per step."""
+    muon_num_ns_steps: int = 5
+    """--muon-num-ns-steps: Newton-Schulz iterations (quintic: a multiple of 5; polar_express: at least 8)."""
+    muon_tp_mode: str = "duplicated"
+    """--muon-tp-mode {duplicated,blockwise}: duplicated gathers the whole matrix over tp and orthogonalises it
+    on every tp rank (the update is independent of the layout); blockwise orthogonalises each shard alone."""
+    muon_extra_scale_factor: float = 1.0
+    """--muon-extra-scale-factor: one more factor on the Muon update (0.2 matches AdamW's update RMS)."""
+
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "adamw", "sgd", "onebit_adam"):
-            raise ConfigError(f"--optimizer {self.optimizer!r} is not supported; use adam, sgd or onebit_adam")
+        if self.optimizer not in ("adam", "adamw", "sgd", "onebit_adam", "muon"):
+            raise ConfigError(f"--optimizer {self.optimizer!r} is not supported; use adam, sgd, onebit_adam or muon")
+        self._check_muon()
         if self.onebit_freeze_step is not None and self.onebit_freeze_step < 1:
             raise ConfigError(f"--onebit-freeze-step must be >= 1 (the variance needs warm-up steps), got "
                               f"{self.onebit_freeze_step}")
@@ -88,6 +113,24 @@ class OptimizerConfig:
             raise ConfigError("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0:
             raise ConfigError("--clip-grad and --weight-decay must be >= 0")
+
+    def _check_muon(self) -> None:
+        """The Muon settings, each against Megatron's choices."""
+        from omnitron.core.optim.newton_schulz import coefficient_schedule
+
+        if self.muon_scale_mode not in ("spectral", "unit_rms_norm", "shape_scaling"):
+            raise ConfigError(f"--muon-scale-mode {self.muon_scale_mode!r} is not supported; "
+                              "use spectral, unit_rms_norm or shape_scaling")
+        if self.muon_fp32_matmul_prec not in ("low", "medium", "high"):
+            raise ConfigError(f"--muon-fp32-matmul-prec {self.muon_fp32_matmul_prec!r}: use low, medium or high")
+        if self.muon_tp_mode not in ("duplicated", "blockwise"):
+            raise ConfigError(f"--muon-tp-mode {self.muon_tp_mode!r} is not supported; use duplicated or blockwise")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"--muon-momentum must lie in [0, 1), got {self.muon_momentum}")
+        try:
+            coefficient_schedule(self.muon_coefficient_type, self.muon_num_ns_steps)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     @property
     def decoupled_min_lr_or_default(self) -> float:
@@ -263,10 +306,18 @@ class LoggingConfig:
     """--profile-step-end: stop tracing after this iteration (E; E - S iterations are traced)."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """--profile-ranks: the global ranks that trace."""
+    log_straggler: bool = False
+    """--log-straggler: every --log-interval iterations, gather each rank's step time and compute time (its
+    forward and backward spans, waits for other ranks excluded), score every rank against the median, log the
+    slowest (metrics.jsonl ``straggler_*``; TensorBoard the largest score and its rank)."""
+    straggler_minmax_count: int = 1
+    """--straggler-minmax-count N: with --log-straggler, name the N slowest and N fastest ranks."""
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ConfigError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.straggler_minmax_count < 1:
+            raise ConfigError(f"--straggler-minmax-count must be >= 1, got {self.straggler_minmax_count}")
         if self.timing_log_level not in (0, 1, 2):
             raise ConfigError(f"--timing-log-level must be 0, 1 or 2, got {self.timing_log_level}")
         if self.timing_log_option not in ("max", "minmax", "all"):

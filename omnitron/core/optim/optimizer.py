@@ -76,7 +76,7 @@ class MixedPrecisionOptimizer:
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
         """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
         state: dict[str, list[torch.Tensor]] = {}
-        if self.config.optimizer in ("adam", "adamw", "onebit_adam"):
+        if self.config.optimizer in ("adam", "adamw", "onebit_adam", "muon"):  # Muon: exp_avg is its momentum
             state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
             state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
         elif self.config.optimizer == "sgd" and self.config.sgd_momentum:
@@ -203,11 +203,13 @@ class MixedPrecisionOptimizer:
             if p.dtype != torch.float32:
                 p.data.copy_(m)
 
-    def _adamw(self, grads: list[torch.Tensor], rates: list[float]) -> None:
-        """One fused AdamW launch per (weight decay, rate) group; ``rates``: each master's learning rate."""
+    def _adamw(self, grads: list[torch.Tensor], rates: list[float], only: list[int] | None = None) -> None:
+        """One fused AdamW launch per (weight decay, rate) group; ``rates``: each master's learning rate;
+        ``only``: the masters to step (default: all)."""
         c = self.config
-        for decay, lr in dict.fromkeys(zip(self.decay, rates)):
-            idx = [i for i, key in enumerate(zip(self.decay, rates)) if key == (decay, lr)]
+        keys = {i: (self.decay[i], rates[i]) for i in (range(len(self.masters)) if only is None else only)}
+        for decay, lr in dict.fromkeys(keys.values()):
+            idx = [i for i, key in keys.items() if key == (decay, lr)]
             self.backend.kernels.adamw_step(
                 [self.masters[i] for i in idx], [grads[i] for i in idx],
                 [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx],

@@ -218,6 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             help="layers per model chunk: interleaved pipeline schedule")
     seen_groups["model"].add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                                       help="no biases in linear layers (same as --no-add-bias-linear)")
+    seen_groups["optimizer"].add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
+                                          help="orthogonalise the fused QKV weight whole (same as --no-muon-split-qkv)")
     from omnitron.core.training.megatron_flags import add_megatron_flags
 
     add_megatron_flags(parser)
@@ -395,6 +397,9 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         check_fsdp2(ddp, family=family.name, model=model, parallel=parallel, dp=data_parallel_size(parallel, world),
                     fp8=fp8, checkpoint=checkpoint, training=training)
     _check_onebit(optim, ddp, precision, parallel, model)
+    if optim.optimizer == "muon" and ddp is not None and getattr(ddp, "use_torch_fsdp2", False):
+        raise ConfigError("--optimizer muon orthogonalises whole matrices, which --use-torch-fsdp2 shards by rows "
+                          "without a gather step yet; use --use-distributed-optimizer or drop --use-torch-fsdp2")
     _check_run(training, data, checkpoint)
     model_type = family.name
     return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,

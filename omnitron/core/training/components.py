@@ -20,6 +20,7 @@ from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
+from omnitron.core.optim.muon import DistributedMuon, Muon
 from omnitron.core.optim.onebit import OneBitAdam, resolve_freeze_step
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
@@ -151,8 +152,12 @@ def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> Mix
         from omnitron.core.optim.fsdp import FSDP2Optimizer
 
         return FSDP2Optimizer(named, settings.optim, groups, **kw)
+    muon = settings.optim.optimizer == "muon"
     if getattr(settings.ddp, "use_distributed_optimizer", False):
-        return DistributedOptimizer(named, settings.optim, groups, chunks=chunks, **kw)
+        cls = DistributedMuon if muon else DistributedOptimizer
+        return cls(named, settings.optim, groups, chunks=chunks, **kw)
+    if muon:
+        return Muon(named, settings.optim, groups, **kw)
     if settings.optim.optimizer == "onebit_adam":
         shared = [p for c in chunks for p in (getattr(getattr(c, "module", c), "shared_embedding_parameters",
                                                       None) or list)()]

@@ -22,6 +22,7 @@ from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_d
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
 from omnitron.core.training.signals import StopFlag
 from omnitron.core.training.step import evaluate, train_step
+from omnitron.core.training.straggler import StragglerDetector
 from omnitron.core.training.timers import StepProfiler, Timers, format_timers, timer_fields
 from omnitron.core.training.watchdog import NullWatchdog
 
@@ -95,14 +96,19 @@ def memory_fields(c) -> dict:
     return {name: int(v) for (_, name), v in zip(_MEMORY_FIELDS, t.tolist()) if v >= 0}
 
 
-def logged_values(c, timers: Timers, iterations: int) -> dict:
+def logged_values(c, timers: Timers, iterations: int, straggler: StragglerDetector | None = None) -> dict:
     """What a logged step adds to its record (``log``) and line (``log_lines``): timers over the last
-    ``iterations`` steps, and the norms and memory the flags ask for. Every rank calls it on the same steps."""
+    ``iterations`` steps, the straggler report (--log-straggler), and the norms and memory the flags ask for.
+    Every rank calls it on the same steps."""
     lg = c.settings.logging
     per_rank = timers.reduce(iterations)
     out = {"log": timer_fields(per_rank, lg.timing_log_option), "log_lines": []}
     if per_rank and (lg.timing_log_level >= 1 or "save-checkpoint" in per_rank):  # level 0: only after saves
         out["log_lines"].append(format_timers(per_rank, lg.timing_log_option))
+    if straggler is not None:
+        fields, line = straggler.report()
+        out["log"].update(fields)
+        out["log_lines"].append(line)
     if lg.log_params_norm:
         out["log"]["params_norm"] = params_norm(c)
     if lg.log_memory_to_tensorboard:
@@ -161,6 +167,11 @@ def train(settings, backend, watchdog=None) -> dict:
                            throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard,
                            wandb=_wandb_run(settings, log_dir) if rank0 else None)
     timers, profiler = _observers(c, log_dir)
+    straggler = None
+    if lg.log_straggler:
+        straggler = StragglerDetector(world_size=c.groups.world_size, collectives=backend.collectives,
+                                      device=backend.current_device(), minmax_count=lg.straggler_minmax_count,
+                                      host_clock_only=backend.capabilities().streams, rank=c.groups.rank)
     stop = StopFlag(enabled=ck.save_on_signal)
     deadline = time.monotonic() + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
@@ -183,8 +194,10 @@ def train(settings, backend, watchdog=None) -> dict:
             c.consumed_samples += batch
             values.update(_throughput(c, step_time, batch), consumed_samples=c.consumed_samples, global_batch_size=batch)
             losses[c.iteration] = values["lm_loss"]
+            if straggler is not None:
+                straggler.record(step_time, values.pop("compute_sections", None))
             if logs:
-                values.update(logged_values(c, timers, c.iteration - logged_at))
+                values.update(logged_values(c, timers, c.iteration - logged_at, straggler))
                 logged_at = c.iteration
             logger.step(c.iteration, values)
             skips.update(values["skipped"], c.iteration, c.groups.rank, values["loss_scale"])

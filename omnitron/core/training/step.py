@@ -22,7 +22,7 @@ from omnitron.core.parallel.context import context_parallel_batch, context_paral
 from omnitron.core.parallel.data import FullyShardedDataParallel, finalize_model_grads, scale_gradients
 from omnitron.core.parallel.pipeline import forward_backward
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
-from omnitron.core.training.timers import Timers, record_compute_split
+from omnitron.core.training.timers import Timers, compute_sections, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
 
 
@@ -104,7 +104,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         set_aux_loss_scale(c.modules, (scale or 1.0) / c.schedule.num_microbatches)
     # NOTE: host-clock compute spans measure device work only where the device is synchronous
     split = timers.enabled("forward-compute") and not c.backend.capabilities().streams
-    timeline = [] if split else None
+    spans = c.settings.logging.log_straggler  # the straggler detector's compute time (straggler.py)
+    timeline = [] if split or spans else None
     fb = timers("forward-backward")
     fb.start()
     loss, tokens = _run(c, _stage_iterator(c, data_iterator), forward_only=False, loss_scale=scale,
@@ -133,6 +134,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
            "skipped": res.skipped, "decoupled_lr": decoupled_lr}
     if count_zeros:
         out["num_zeros_in_grad"] = res.num_zeros_in_grad
+    if spans:
+        out["compute_sections"] = compute_sections(timeline)
     if moe:
         out["moe_aux_loss"] = moe_aux_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     return out

@@ -198,12 +198,18 @@ def record_compute_split(timers: Timers, timeline: list, forward_backward_s: flo
     (``(start, end, action)`` host-clock seconds): forward, backward (+ weight-gradient) compute and,
     with ``pipelined``, the rest (receive waits and sends). Host clocks measure device work only on
     synchronous devices; the caller passes a timeline only there."""
-    fwd = sum(e - s for s, e, a in timeline if "F" in a)
-    bwd = sum(e - s for s, e, a in timeline if "F" not in a)
-    timers("forward-compute").add(fwd)
-    timers("backward-compute").add(bwd)
+    sec = compute_sections(timeline)
+    timers("forward-compute").add(sec["forward"])
+    timers("backward-compute").add(sec["backward"])
     if pipelined:
-        timers("pipeline-wait").add(max(forward_backward_s - fwd - bwd, 0.0))
+        timers("pipeline-wait").add(max(forward_backward_s - sec["forward"] - sec["backward"], 0.0))
+
+
+def compute_sections(timeline: list) -> dict[str, float]:
+    """Seconds of forward and of backward (with weight-gradient) compute in one step's runtime spans
+    ``(start, end, action)``."""
+    fwd = sum(e - s for s, e, a in timeline if "F" in a)
+    return {"forward": fwd, "backward": sum(e - s for s, e, a in timeline if "F" not in a)}
 
 
 def timer_fields(per_rank: dict[str, list[float | None]], option: str) -> dict:

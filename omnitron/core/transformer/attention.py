@@ -64,6 +64,8 @@ class SelfAttention(nn.Module):
             self.groups_local = groups // group.size
             self.linear_qkv = ColumnParallelLinear(c.hidden_size, (heads + 2 * groups) * self.d,
                                                    init_std=c.init_method_std, **kw)
+            # rows per key/value group of q, k and v (Megatron's layout): --muon-split-qkv orthogonalises them apart
+            self.linear_qkv.weight.qkv_split_rows = [self.q_per_group * self.d, self.d, self.d]
         self.linear_proj = RowParallelLinear(heads * self.d, c.hidden_size, init_std=out_std,
                                              skip_bias_add=skip_out_bias, **kw)
         self.cp_group = None  # set by apply_context_parallel: attention over the cp-split sequence

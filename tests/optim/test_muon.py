@@ -1,0 +1,325 @@
+"""--optimizer muon against a float64 Muon written plainly here (Megatron's rule and update), step for step: one
+process, dp2, tp2 (whole-matrix orthogonalisation), the distributed optimizer at dp2 and tp2 x dp2; resume
+bit-exact, from the optimizer state and through the training loop's checkpoints."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from omnitron.testing.distributed import run_distributed
+
+STEPS, LR, WD, CLIP = 4, 2e-2, 0.1, 0.5
+# Megatron's quintic Newton-Schulz coefficients (emerging_optimizers' "quintic" set, from modded-nanogpt)
+QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+           (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)]
+# name: (full shape, tp dim (-1: replicated), stride, role); the qkv rows are 2 groups of [q 4, k 2, v 2] rows
+PARAMS = {"qkv": ((16, 8), 0, 1, "qkv"), "fc1": ((24, 8), 0, 2, "matrix"), "fc2": ((8, 12), 1, 1, "matrix"),
+          "dense": ((6, 8), -1, 1, "matrix"), "fc1_bias": ((24,), 0, 2, "bias"), "norm": ((8,), -1, 1, "norm"),
+          "emb": ((10, 8), 0, 1, "embedding")}
+QKV_ROWS = [4, 2, 2]
+
+
+# ---- the float64 reference -------------------------------------------------------------------
+def _ns(x: torch.Tensor) -> torch.Tensor:
+    """Plain Newton-Schulz: transpose a tall matrix, divide by the Frobenius norm, 5 quintic steps."""
+    t = x.shape[0] > x.shape[1]
+    X = x.T if t else x
+    X = X / X.norm()
+    for a, b, c in QUINTIC:
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if t else X
+
+
+def _orth(name: str, u: torch.Tensor, split_qkv: bool) -> torch.Tensor:
+    """sqrt(max(rows, cols)) x NS(u) ('spectral'); the qkv matrix per q / k / v block of every group."""
+    if split_qkv and PARAMS[name][3] == "qkv":
+        g = u.shape[0] // sum(QKV_ROWS)
+        blocks = u.view(g, sum(QKV_ROWS), -1).split(QKV_ROWS, dim=1)
+        outs = [_orth("", b.reshape(-1, u.shape[1]), False).view(g, -1, u.shape[1]) for b in blocks]
+        return torch.cat(outs, dim=1).reshape(u.shape)
+    return _ns(u) * math.sqrt(max(u.shape))
+
+
+def reference(init: dict, grads, *, momentum=0.9, nesterov=False, split_qkv=True) -> list[dict]:
+    """float64 Muon: clip by the global norm; matrices: decay, EMA momentum, orthogonalised step; the rest
+    (embedding, norm, bias): AdamW (decay on 2-D only). ``grads[s]``: the full mean gradients of step s."""
+    p = {k: v.double().clone() for k, v in init.items()}
+    m = {k: torch.zeros_like(v) for k, v in p.items()}
+    v2 = {k: torch.zeros_like(v) for k, v in p.items()}
+    out = []
+    for s, g in enumerate(grads, start=1):
+        norm = math.sqrt(sum(float(x.double().pow(2).sum()) for x in g.values()))
+        g = {k: x.double() * min(1.0, CLIP / (norm + 1e-6)) for k, x in g.items()}
+        for k in p:
+            if PARAMS[k][3] in ("matrix", "qkv"):
+                p[k] *= 1 - LR * WD
+                m[k] = momentum * m[k] + (1 - momentum) * g[k]
+                u = (1 - momentum) * g[k] + momentum * m[k] if nesterov else m[k]
+                p[k] -= LR * _orth(k, u, split_qkv)
+            else:
+                if p[k].ndim == 2:
+                    p[k] *= 1 - LR * WD
+                m[k] = 0.9 * m[k] + 0.1 * g[k]
+                v2[k] = 0.999 * v2[k] + 0.001 * g[k] ** 2
+                p[k] -= LR * (m[k] / (1 - 0.9 ** s)) / ((v2[k] / (1 - 0.999 ** s)).sqrt() + 1e-8)
+        out.append({k: x.clone() for k, x in p.items()})
+    return out
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+def full_init(seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g, dtype=torch.float64) * 0.3 for k, (shape, *_) in PARAMS.items()}
+
+
+def full_grads(step: int, rank: int) -> dict:
+    """Replica ``rank``'s gradients of step ``step`` (the engine averages them over dp)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {k: torch.randn(shape, generator=g, dtype=torch.float64) * (3.0 if k == "fc2" else 1.0)
+            for k, (shape, *_) in PARAMS.items()}
+
+
+class Toy(torch.nn.Module):
+    """The parameters of PARAMS, this tp rank's shards, with the engine's sharding attributes."""
+
+    def __init__(self, tp: int, rank: int, init: dict) -> None:
+        super().__init__()
+        from omnitron.core.parallel.tensor.sharding import set_attributes, shard_param
+
+        for name, (shape, dim, stride, role) in PARAMS.items():
+            local = list(shape)
+            if dim >= 0:
+                local[dim] //= tp
+            p = set_attributes(torch.nn.Parameter(torch.empty(local)), parallel=dim >= 0 and tp > 1, dim=dim,
+                               stride=stride)
+            p.data.copy_(shard_param(init[name].float(), p, tp, rank))
+            if role == "qkv":
+                p.qkv_split_rows = QKV_ROWS
+            if role == "embedding":
+                p.is_embedding_or_output_parameter = True
+            self.register_parameter(name, p)
+
+
+def build(groups, backend, *, distributed: bool, init: dict, **cfg):
+    """(DDP-wrapped toy, optimizer) for ``groups``; small buckets so matrices straddle the ZeRO slices."""
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.optim.muon import DistributedMuon, Muon
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
+
+    model = Toy(groups.tp.size, groups.tp.rank if groups.tp.size > 1 else 0, init)
+    ddp = DistributedDataParallel(model, groups, DataParallelConfig(use_distributed_optimizer=distributed,
+                                                                    bucket_size=100), collectives=backend.collectives)
+    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=CLIP, muon_fp32_matmul_prec="high",
+                             **cfg)
+    named = list(model.named_parameters())
+    opt = (DistributedMuon(named, config, groups, backend=backend, chunks=[ddp]) if distributed
+           else Muon(named, config, groups, backend=backend))
+    return ddp, opt
+
+
+def step(ddp, opt, groups, s: int) -> None:
+    """One step on replica ``dp rank``'s gradients of step ``s`` (the wrapper averages them over dp)."""
+    from omnitron.core.parallel.tensor.sharding import shard_param
+
+    ddp.zero_grad_buffer()
+    tp, rank = groups.tp.size, groups.tp.rank if groups.tp.size > 1 else 0
+    g = full_grads(s, groups.dp.rank if groups.dp.size > 1 else 0)
+    for name, p in ddp.module.named_parameters():
+        p.main_grad.copy_(shard_param(g[name].float(), p, tp, rank))
+    ddp.finish_grad_sync()
+    assert not opt.step(LR).skipped
+
+
+def full_params(model, groups) -> dict:
+    from omnitron.core.parallel.tensor.sharding import gather_param
+
+    return {n: gather_param(p.detach(), p, groups.tp).double().clone() for n, p in model.named_parameters()}
+
+
+def layout_worker(tp: int, resume: bool) -> dict:
+    """Every layout of this world with tensor-parallel size ``tp``, plain and distributed: the full parameters
+    after each step; with ``resume``, the distributed run also restarted from its state after 2 steps."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), backend=be)
+    out = {}
+    for distributed in (False, True):
+        ddp, opt = build(groups, be, distributed=distributed, init=full_init())
+        history = []
+        for s in range(STEPS):
+            step(ddp, opt, groups, s)
+            history.append(full_params(ddp.module, groups))
+            if resume and distributed and s == 1:
+                state = opt.state_dict()
+                ddp2, opt2 = build(groups, be, distributed=True, init={k: v for k, v in full_init(5).items()})
+                with torch.no_grad():
+                    for p2, p in zip(ddp2.module.parameters(), ddp.module.parameters()):
+                        p2.copy_(p)
+                opt2.reload_masters()
+                opt2.load_state_dict(state)
+        out["dist" if distributed else "plain"] = history
+        if resume and distributed:
+            resumed = []
+            for s in range(2, STEPS):
+                step(ddp2, opt2, groups, s)
+                resumed.append(full_params(ddp2.module, groups))
+            out["resumed"] = resumed
+    return out
+
+
+# Tolerance. The engine runs in fp32 (u = 6e-8) against float64. Gradient means, clipping and AdamW move each
+# parameter by <= ~1e-7 x lr per step. The Muon step is lr x sqrt(max(m, n)) x NS(U): U carries the fp32
+# momentum's relative error (~1e-7), and five quintic steps amplify an input perturbation by at most the
+# product of the polynomials' slopes, prod_k |a_k| ~ 4.1 x 4.0 x 3.7 x 2.9 x 2.8 = 500 (the slope at 0, the
+# largest), plus the fp32 rounding of ~k = 12-term dot products per matmul (~k u each, amplified likewise):
+# |dNS| <= 500 x 20 x 6e-8 ~ 6e-4 relative to |NS| ~ 1 in the worst direction, x sqrt(24) = 4.9 x lr (2e-2)
+# = 6e-5 per step, 2.4e-4 over four steps: far below what a wrong shard, block or scale gives (the update
+# itself, ~lr = 2e-2 per element; splitting qkv or not moves it by 5e-2). Measured: 5e-7.
+ATOL = 2.5e-4
+
+
+def _compare(history: list[dict], ref: list[dict], what: str) -> None:
+    for s, (got, want) in enumerate(zip(history, ref, strict=True)):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=ATOL, msg=lambda m: f"{what} step {s} {k}: {m}")
+
+
+def _mean_grads(dp: int) -> list[dict]:
+    return [{k: sum(full_grads(s, r)[k] for r in range(dp)) / dp for k in PARAMS} for s in range(STEPS)]
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nesterov,split", [(False, True), (True, False)])
+def test_one_process_matches_float64_reference(nesterov, split):
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    groups, be = ParallelGroups.single(), get_backend("cpu")
+    ddp, opt = build(groups, be, distributed=False, init=full_init(), muon_nesterov=nesterov, muon_split_qkv=split)
+    history = []
+    for s in range(STEPS):
+        step(ddp, opt, groups, s)
+        history.append(full_params(ddp.module, groups))
+    ref = reference(full_init(), _mean_grads(1), nesterov=nesterov, split_qkv=split)
+    _compare(history, ref, "one process")
+    # the Muon matrices moved by ~lr per element per step, the check is not vacuous
+    assert float((history[0]["fc2"] - full_init()["fc2"] * (1 - LR * WD)).abs().mean()) > 0.3 * LR
+
+
+def test_layout_and_modes_refused_or_accepted():
+    from omnitron.core.config import ConfigError
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.optim.muon import uses_muon
+
+    for bad in (dict(muon_num_ns_steps=4), dict(muon_coefficient_type="cubic"), dict(muon_scale_mode="x"),
+                dict(muon_tp_mode="distributed"), dict(muon_momentum=1.0)):
+        with pytest.raises(ConfigError, match="--muon-"):
+            OptimizerConfig(optimizer="muon", **bad)
+    OptimizerConfig(optimizer="muon", muon_coefficient_type="polar_express", muon_num_ns_steps=8)
+    from omnitron.core.training.arguments import parse_settings
+
+    flags = parse_settings(_train_args("/tmp/x", ["--muon-no-split-qkv", "--muon-momentum", "0.95"]), 2).optim
+    assert (flags.optimizer, flags.muon_split_qkv, flags.muon_momentum, flags.muon_nesterov) == ("muon", False, 0.95, True)
+    with pytest.raises(ConfigError, match="--optimizer muon .* --use-torch-fsdp2"):
+        parse_settings([a for a in _train_args("/tmp/x", ["--use-torch-fsdp2"], None)
+                        if a != "--use-distributed-optimizer"], 2)
+    emb = torch.nn.Parameter(torch.zeros(3, 2))
+    emb.is_embedding_or_output_parameter = True
+    assert uses_muon(torch.nn.Parameter(torch.zeros(3, 2))) and not uses_muon(emb)
+    assert not uses_muon(torch.nn.Parameter(torch.zeros(3)))
+
+
+def test_bf16_iterations_stay_near_fp32():
+    """--muon-fp32-matmul-prec medium (Megatron's default): bf16 iterations, the same orthogonal factor within
+    bf16's resolution (2^-8 = 4e-3 per rounding, a few roundings per step, not amplified near converged
+    singular values where the polynomials' slopes are < 1)."""
+    from omnitron.core.optim.newton_schulz import coefficient_schedule, orthogonalize
+
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(3))
+    coeffs = coefficient_schedule("quintic", 5)
+    hi, lo = orthogonalize(x, coeffs, bf16=False), orthogonalize(x, coeffs, bf16=True)
+    assert lo.dtype == torch.float32
+    assert float((lo - hi).norm() / hi.norm()) < 5e-2
+    torch.testing.assert_close(hi.double(), _ns(x.double()), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_world2_matches_float64_reference_and_resumes_bit_exact(tp):
+    """tp 1: dp2, plain and distributed; tp 2: whole-matrix orthogonalisation over tp (plain; the distributed
+    optimizer is then one shard). The distributed run restarted from its state after 2 steps continues bit
+    for bit."""
+    res = run_distributed(layout_worker, 2, tp, True)
+    dp = 2 // tp
+    ref = reference(full_init(), _mean_grads(dp))
+    for r in res:
+        _compare(r["plain"], ref, f"tp{tp} plain")
+        _compare(r["dist"], ref, f"tp{tp} distributed")
+        for got, want in zip(r["resumed"], r["dist"][2:], strict=True):
+            assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_tp2_dp2_distributed_matches_float64_reference():
+    res = run_distributed(layout_worker, 4, 2, False)
+    ref = reference(full_init(), _mean_grads(2))
+    for r in res:
+        _compare(r["dist"], ref, "tp2 dp2 distributed")
+        _compare(r["plain"], ref, "tp2 dp2 plain")
+
+
+def _train_args(root, extra=(), dtype="--bf16"):
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "200", "--num-workers", "0", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-iters", "4", "--lr", "3e-3", "--log-interval", "1", "--seed", "7", "--no-tensorboard",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--optimizer", "muon", "--muon-nesterov",
+            "--use-distributed-optimizer", *([dtype] if dtype else []), "--save", root,
+            "--data-cache-path", os.path.join(root, "cache"), *extra]
+
+
+def resume_worker(root: str) -> dict:
+    """bf16 at dp2: 4 iterations, and 2 + save + 2 resumed. fp32 at tp2: 4 iterations, and 2 + save + 2 resumed
+    at tp1 x dp2 (the torch_dist checkpoint resharded on load)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    be, world = get_backend(), dist.get_world_size()
+
+    def run(root, extra=(), dtype="--bf16"):
+        return train(parse_settings(_train_args(root, extra, dtype), world), be)["losses"]
+
+    out = {"full": run(os.path.join(root, "full"))}
+    part = os.path.join(root, "part")
+    out["resumed"] = {**run(part, ["--exit-interval", "2"]), **run(part, ["--load", part])}
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    out["tp2"] = run(os.path.join(root, "tp2"), tp2, None)
+    part = os.path.join(root, "tp2part")
+    out["tp2_to_dp2"] = {**run(part, [*tp2, "--exit-interval", "2"], None), **run(part, ["--load", part], None)}
+    return out
+
+
+def test_training_loop_resumes_bit_exact_and_reshards(tmp_path):
+    """--optimizer muon --use-distributed-optimizer through the CLI at world 2: bf16 dp2, 4 iterations == 2, save,
+    resume for 2, bit for bit (the checkpoint carries the Muon momentum); fp32 tp2 resumed at tp1 x dp2 continues
+    the tp2 run within fp32 rounding (whole-matrix orthogonalisation makes the update tp-independent; the layouts
+    differ in summation order only: 1.1e-7 relative seen at iteration 4; 1e-5 leaves a factor 90, while resuming
+    without the optimizer state (--no-load-optim) moves iteration 4's loss by 4.6e-4)."""
+    res = run_distributed(resume_worker, 2, str(tmp_path))
+    full = res[0]["full"]
+    assert sorted(full) == [1, 2, 3, 4] and len(set(full.values())) > 1
+    assert res[0]["resumed"] == full
+    ref, got = res[0]["tp2"], res[0]["tp2_to_dp2"]
+    assert sorted(got) == [1, 2, 3, 4]
+    for it in ref:
+        assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, got, ref)

@@ -1,0 +1,84 @@
+"""--log-straggler: a rank slowed by a planted sleep is named slowest in metrics.jsonl (dp2; dp4 under -m slow);
+the scores and orderings against a plain computation on fresh random times (the TensorBoard scalars:
+tests/training/test_observability.py)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.training.arguments import parse_settings
+from omnitron.core.training.straggler import straggler_fields
+from omnitron.testing.distributed import run_distributed
+
+SLEEP_S = 0.1
+
+
+def _args(root, *extra):
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+            "--num-workers", "0", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4",
+            "--lr", "1e-3", "--log-interval", "2", "--no-tensorboard", "--log-dir", root,
+            "--data-cache-path", os.path.join(root, "cache"), "--log-straggler", *extra]
+
+
+def slowed_worker(root: str, slow: int) -> None:
+    """Train data-parallel with every forward of rank ``slow`` sleeping SLEEP_S first (inside its compute spans)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import model as gpt
+    from omnitron.core.training.loop import train
+
+    if dist.get_rank() == slow:
+        inner = gpt.GPTModel.forward
+
+        def slow_forward(self, *a, **kw):
+            time.sleep(SLEEP_S)
+            return inner(self, *a, **kw)
+
+        gpt.GPTModel.forward = slow_forward
+    train(parse_settings(_args(root, "--straggler-minmax-count", "2"), dist.get_world_size()), get_backend())
+
+
+@pytest.mark.parametrize("world,slow", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_planted_sleep_is_named_slowest(tmp_path, world, slow):
+    run_distributed(slowed_worker, world, str(tmp_path), slow)
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if "lm_loss" in line]
+    assert [r["iteration"] for r in records] == [2, 4]
+    for r in records:
+        assert r["straggler_slowest_ranks"][0] == slow and r["straggler_slowest_rank"] == slow
+        assert len(r["straggler_slowest_ranks"]) == 2 and r["straggler_fastest_ranks"][0] != slow
+        # 8 / world micro-batches per step: the slow rank computes that many sleeps more per iteration
+        extra_ms = 8 // world * SLEEP_S * 1e3
+        compute = r["straggler_compute_ranks_ms"]
+        assert compute[slow] - min(compute) >= 0.9 * extra_ms
+        assert r["straggler_max_score"] == r["straggler_scores"][slow] > 1.5
+        # everyone ends the step together: the step time does not single the slow rank out
+        assert len(r["straggler_step_ranks_ms"]) == world and min(r["straggler_step_ranks_ms"]) > 0.9 * extra_ms
+
+
+def test_scores_and_order_against_a_plain_computation():
+    rng = random.Random(time.time_ns())
+    for world in (1, 2, 5, 8):
+        compute = [rng.uniform(10.0, 100.0) for _ in range(world)]
+        table = {"compute": compute, "step": [rng.uniform(100, 200) for _ in range(world)],
+                 "forward": [c / 3 for c in compute], "backward": [2 * c / 3 for c in compute]}
+        fields, line = straggler_fields(table, 2)
+        s = sorted(compute)
+        median = s[world // 2] if world % 2 else (s[world // 2 - 1] + s[world // 2]) / 2
+        assert fields["straggler_scores"] == pytest.approx([c / median for c in compute], rel=1e-12)
+        by_time = sorted(range(world), key=lambda r: compute[r], reverse=True)
+        assert fields["straggler_slowest_ranks"] == by_time[:min(2, world)]
+        assert fields["straggler_fastest_ranks"] == by_time[::-1][:min(2, world)]
+        assert fields["straggler_slowest_rank"] == by_time[0] and f"slowest rank {by_time[0]} " in line
+
+
+def test_bad_count_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="--straggler-minmax-count must be >= 1"):
+        parse_settings(_args(str(tmp_path), "--straggler-minmax-count", "0"), 1)
