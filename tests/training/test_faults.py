@@ -100,6 +100,45 @@ def test_step_deadline_fires_on_a_live_but_stuck_rank(tmp_path):
     assert "in stuck_in_p2p" in proc.stderr
 
 
+FROZEN_STORE = """
+import threading, time
+from omnitron.core.training.watchdog import Watchdog
+frozen = threading.Event()
+class Store(dict):
+    def _wait(self):
+        if frozen.is_set():
+            time.sleep(3600)  # the launcher hosting the store is SIGSTOPped: calls never return
+    def set(self, k, v):
+        self._wait(); self[k] = v.encode() if isinstance(v, str) else v
+    def get(self, k):
+        self._wait(); return self[k]
+    def check(self, keys):
+        self._wait(); return all(k in self for k in keys)
+store = Store()
+def healthy_rank_1():
+    n = 0
+    while not frozen.is_set():
+        n += 1; dict.__setitem__(store, "hb/1", str(n).encode()); time.sleep(0.05)
+threading.Thread(target=healthy_rank_1, daemon=True).start()
+wd = Watchdog(0, 2, 1.5, lambda: store, interval_s=0.2).start()
+with wd.deadline("iteration 3"):
+    time.sleep(0.5)
+    frozen.set()
+    time.sleep(30)
+"""
+
+
+def test_frozen_store_is_named_not_a_healthy_neighbour():
+    """The store's host (the launcher) freezes while rank 0 is inside a step and rank 1 heartbeats on: rank 0
+    stops (75) naming the store, not rank 1 (its heartbeats are unreadable, not missing) nor the step."""
+    proc = subprocess.run([sys.executable, "-c", FROZEN_STORE], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75, proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert re.search(r"rank 0 \(pid \d+\): the rendezvous store has not answered for \d+ s: the launcher or "
+                     r"torchrun agent that hosts it is frozen or gone", first), proc.stderr
+    assert "rank 1" not in proc.stderr.split("Python stacks")[0], proc.stderr
+
+
 def test_torchrun_restart_resumes_bit_identically(tmp_path):
     """torchrun --max-restarts 1, one worker killed after the checkpoint at iteration 4: the restarted attempt
     rendezvous, resumes from it and repeats the iterations the killed attempt had already run with the very
@@ -142,6 +181,14 @@ def test_summary_names_the_cause_first():
     assert summarize([w(0, 75, 0), w(1, -9, 1, killed=True)], reports) == [
         "rank 1 (pid 101) stopped responding: sent no heartbeat for 61 s: it is frozen",
         "rank 0 timed out waiting (watchdog: stacks and last collectives above)"]
+    store = "the rendezvous store has not answered for 61 s: the launcher or torchrun agent that hosts it is frozen"
+    reports = {r: {"rank": r, "kind": "store", "line": store, "suspect": None} for r in (0, 1)}
+    assert summarize([w(0, 75, 0), w(1, 75, 1)], reports) == [
+        "the rendezvous store stopped answering (the launcher or torchrun agent that hosts it was frozen or gone): "
+        "ranks 0, 1 stopped on it"]
+    reports[1] = {"rank": 1, "kind": "peer", "line": "Connection reset by peer"}
+    assert summarize([w(0, 75, 0), w(1, 1, 1)], reports)[1] == "rank 1 then lost the connection to it (Connection " \
+        "reset by peer)"
     err = classify(ValueError("bad shape"))
     reports = {1: {"rank": 1, "kind": err[0], "line": err[1]}, 0: {"rank": 0, "kind": "peer", "line": "closed"}}
     assert summarize([w(0, 1, 1), w(1, 1, 0)], reports) == [
