@@ -139,6 +139,45 @@ def test_frozen_store_is_named_not_a_healthy_neighbour():
     assert "rank 1" not in proc.stderr.split("Python stacks")[0], proc.stderr
 
 
+DUMPERS = """
+import multiprocessing as mp, threading, time
+from omnitron.backends import collectives  # noqa: F401 - imported once, before the fork
+from omnitron.core.training.watchdog import dump_state
+def rank_main(rank, barrier):
+    ns = {"time": time}
+    exec(f"def parked_on_rank_{rank}(depth):\\n    return parked_on_rank_{rank}(depth - 1) if depth else time.sleep(60)",
+         ns)
+    for _ in range(12):  # deep stacks: a dump of several pipe buffers
+        threading.Thread(target=ns[f"parked_on_rank_{rank}"], args=(40,), daemon=True).start()
+    time.sleep(0.3)
+    barrier.wait()
+    dump_state("test dump", rank)
+ctx = mp.get_context("fork")
+barrier = ctx.Barrier(4)
+procs = [ctx.Process(target=rank_main, args=(r, barrier)) for r in range(4)]
+[p.start() for p in procs]
+[p.join() for p in procs]
+"""
+
+
+def test_stack_dumps_of_ranks_that_fire_together_do_not_interleave():
+    """Four ranks dump at the same instant into one stderr pipe (each dump over 16 KiB, past the size a pipe
+    keeps whole): every dump comes out whole, its header, then only its own rank's frames, then its closing line."""
+    proc = subprocess.run([sys.executable, "-c", DUMPERS], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    heads = [i for i, line in enumerate(lines) if re.match(r"\[omnitron watchdog\] rank \d \(pid \d+\): test dump$",
+                                                             line)]
+    assert len(heads) == 4, proc.stderr[-2000:]
+    for start, end in zip(heads, heads[1:] + [len(lines)]):
+        rank = lines[start].split()[3]
+        block = lines[start:end]
+        assert block[-1].startswith(f"[omnitron watchdog] rank {rank}: "), block[-3:]
+        frames = [line for line in block if "parked_on_rank_" in line]
+        assert len(frames) >= 12 and all(f"parked_on_rank_{rank}" in f for f in frames), (rank, block[:5])
+        assert len("\n".join(block)) > 4 * 4096  # past PIPE_BUF: a pipe would not keep even one write whole
+
+
 def test_torchrun_restart_resumes_bit_identically(tmp_path):
     """torchrun --max-restarts 1, one worker killed after the checkpoint at iteration 4: the restarted attempt
     rendezvous, resumes from it and repeats the iterations the killed attempt had already run with the very

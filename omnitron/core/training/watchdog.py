@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -51,26 +52,80 @@ def heartbeat_interval(timeout_s: float) -> float:
 
 
 def dump_state(reason: str, rank: int, out=None) -> None:
-    """Print ``reason``, every Python thread's stack and the flight recorder's last collectives to stderr."""
-    out = out or sys.stderr
-    print(f"[omnitron watchdog] rank {rank} (pid {os.getpid()}): {reason}\n"
-          f"[omnitron watchdog] rank {rank}: Python stacks of every thread:", file=out, flush=True)
-    try:
-        faulthandler.dump_traceback(file=out, all_threads=True)
-    except (ValueError, OSError, AttributeError):  # no real file descriptor behind ``out``
-        pass
+    """Print ``reason``, every Python thread's stack and the flight recorder's last collectives to stderr
+    (or ``out``). The dump is composed whole, then written in one piece during this rank's turn
+    (:func:`_stderr_turn`), so the dumps of ranks that fire together never interleave line by line."""
+    text = dump_text(reason, rank)
+    fd = _fileno(out or sys.stderr)
+    if fd is None:
+        (out or sys.stderr).write(text)
+        (out or sys.stderr).flush()
+        return
+    (out or sys.stderr).flush()
+    with _stderr_turn():
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data):]
+
+
+def dump_text(reason: str, rank: int) -> str:
+    """The dump of :func:`dump_state` as one string (faulthandler writes to a file descriptor: a temporary file)."""
+    head = (f"[omnitron watchdog] rank {rank} (pid {os.getpid()}): {reason}\n"
+            f"[omnitron watchdog] rank {rank}: Python stacks of every thread:\n")
+    with tempfile.TemporaryFile("w+") as f:
+        try:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        except (ValueError, OSError, AttributeError):
+            pass
+        f.seek(0)
+        stacks = f.read()
     from omnitron.backends import collectives
 
     recorder = getattr(collectives, "flight_recorder_dump", None)
     lines = recorder() if recorder is not None else None
     if lines is None:
-        print(f"[omnitron watchdog] rank {rank}: this build has no collective flight recorder; the stacks above "
-              f"show where each thread waits", file=out, flush=True)
+        tail = (f"[omnitron watchdog] rank {rank}: this build has no collective flight recorder; the stacks above "
+                f"show where each thread waits\n")
     else:
-        print(f"[omnitron watchdog] rank {rank}: last collectives (flight recorder, oldest first):", file=out)
-        for line in lines:
-            print(f"  {line}", file=out)
-        out.flush()
+        tail = "".join([f"[omnitron watchdog] rank {rank}: last collectives (flight recorder, oldest first):\n",
+                        *(f"  {line}\n" for line in lines)])
+    return head + stacks + tail
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, ValueError, OSError):  # pytest's capture, a StringIO
+        return None
+
+
+@contextlib.contextmanager
+def _stderr_turn(wait_s: float = 5.0):
+    """Hold a lock shared by the job's ranks on this host while writing a dump (the launcher's report folder,
+    else one file per user in the temporary folder); after ``wait_s`` (a holder frozen mid-write) write anyway."""
+    import fcntl
+
+    folder = os.environ.get(failures.REPORT_DIR_ENV)
+    path = os.path.join(folder, "stderr.lock") if folder else \
+        os.path.join(tempfile.gettempdir(), f"omnitron-stderr-{os.getuid()}.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        give_up = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > give_up:
+                    break
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _frozen(rank: int, info: str, seconds: str) -> str:
