@@ -63,6 +63,68 @@ def test_killed_launcher_takes_its_workers(tmp_path):
     assert sorted(os.listdir(tmp_path / "ck")) == saved  # nobody trains on
 
 
+def test_start_up_watch_names_a_worker_without_cpu_time():
+    """The launcher's start-up check on real processes (fast): a stopped and a sleeping worker that have not
+    joined are frozen once they used no CPU time for the timeout; a busy one and one that joined are not."""
+    import torch.distributed as dist
+
+    from omnitron.core.training.workers import StartupWatch, prefixed
+
+    class Proc:
+        def __init__(self, then: str):
+            self.popen = subprocess.Popen([sys.executable, "-c", f"print('up', flush=True)\n{then}"],
+                                          stdout=subprocess.PIPE, text=True)
+            self.pid, self.exitcode = self.popen.pid, None
+
+    store = dist.HashStore()
+    sleep = "import time; time.sleep(60)"
+    procs = [Proc(sleep), Proc("while True: pass"), Proc(sleep), Proc(sleep)]
+    try:
+        assert all(p.popen.stdout.readline() == "up\n" for p in procs)  # past the interpreter's start-up
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        prefixed(store).set("arrived/3", "1")
+        watch = StartupWatch(store, procs, timeout_s=1.0)
+        found, t0 = {}, time.monotonic()
+        while sorted(found) != [0, 2] and time.monotonic() - t0 < 10:
+            frozen = watch.check(time.monotonic())
+            if frozen is None:
+                time.sleep(0.1)
+                continue
+            found[frozen[0]] = frozen[1]  # each call names the first frozen rank; drop it and look again
+            watch.arrived.add(frozen[0])
+        assert sorted(found) == [0, 2] and watch.arrived == {0, 2, 3}, found
+        assert re.fullmatch(r"froze during start-up, before joining the job: no CPU time for \d+ s, process state "
+                            r"S", found[0]), found
+        assert found[2].endswith("stopped (SIGSTOP or a debugger)"), found
+    finally:
+        for p in procs:
+            p.popen.kill()
+            p.popen.wait()
+
+
+@pytest.mark.slow
+def test_rank_frozen_in_start_up_ends_the_job_within_the_timeout(tmp_path):
+    """A worker stopped (SIGSTOP) before it joins the job, while the other waits for it at the store (which
+    waits 300 s for a slow start): the launcher ends the job after TIMEOUT_S without CPU time, naming it."""
+    proc = _run(tmp_path)
+    t0 = time.monotonic()
+    workers = children(proc.pid)
+    while len(workers) < 2:  # stop rank 1 as soon as it exists: still importing
+        assert proc.poll() is None and time.monotonic() - t0 < 60, proc.stdout.read() if proc.poll() else workers
+        time.sleep(0.005)
+        workers = children(proc.pid)
+    os.kill(workers[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_gone([proc.pid, *workers], 40)  # the timeout, a poll, the kill: well under the 300 s join wait
+    out = proc.stdout.read()
+    assert proc.wait() == 1 and time.monotonic() - stopped < 40
+    lines = _launcher_lines(out)
+    assert re.match(rf"omnitron train: rank 1 \(pid {workers[1]}\) stopped responding: froze during start-up, before "
+                    rf"joining the job: no CPU time for \d+ s, stopped \(SIGSTOP", lines[0]), out
+    assert lines[1] == "omnitron train: rank 0 still running then: killed by the launcher", out
+    assert "metrics.jsonl" not in os.listdir(tmp_path / "logs") if os.path.isdir(tmp_path / "logs") else True
+
+
 def test_killed_worker_is_named_first(tmp_path):
     proc = _run(tmp_path)
     wait_for_iteration(str(tmp_path / "logs" / "metrics.jsonl"), 2, proc)

@@ -6,7 +6,8 @@ peer or timed out: gloo's "Connection reset by peer", a collective timeout: the 
 rank's fault, not a cause) or ``error`` (anything else, printed with its traceback). Under ``omnitron train
 --nproc-per-node N`` it writes a JSON report (never a pickle) into ``$OMNITRON_FAILURE_DIR``; the watchdog
 writes ``watchdog`` reports naming the rank it suspects, or ``store`` reports when the rendezvous store (the
-launcher or torchrun's agent) stopped answering. :func:`summarize` turns the reports and exit codes
+launcher or torchrun's agent) stopped answering; the launcher writes a ``startup`` report for a worker frozen
+before it joined the job. :func:`summarize` turns the reports and exit codes
 into the launcher's lines: the first names the rank at fault, its pid and its signal or exception; the
 other ranks' reactions take one line per kind.
 """
@@ -127,8 +128,9 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
     if not failed:
         return []
     by_rank = {w["rank"]: w for w in workers}
-    suspects = [r["suspect"] for r in reports.values() if r["kind"] == "watchdog" and r.get("suspect") is not None]
-    reactions = ("peer", "watchdog", "store")
+    suspects = [r["suspect"] for r in reports.values() if r["kind"] in ("watchdog", "startup")
+                and r.get("suspect") is not None]
+    reactions = ("peer", "watchdog", "store", "startup")
     causes = [w for w in failed if not w["killed"] and reports.get(w["rank"], {}).get("kind") not in reactions]
     store = [r for r in reports.values() if r["kind"] == "store"]
     lines, explained = [], set()
