@@ -63,6 +63,68 @@ def test_killed_launcher_takes_its_workers(tmp_path):
     assert sorted(os.listdir(tmp_path / "ck")) == saved  # nobody trains on
 
 
+def test_start_up_watch_names_a_worker_without_cpu_time():
+    """The launcher's start-up check on real processes (fast): a stopped and a sleeping worker that have not
+    joined are frozen once they used no CPU time for the timeout; a busy one and one that joined are not."""
+    import torch.distributed as dist
+
+    from omnitron.core.training.workers import StartupWatch, prefixed
+
+    class Proc:
+        def __init__(self, then: str):
+            self.popen = subprocess.Popen([sys.executable, "-c", f"print('up', flush=True)\n{then}"],
+                                          stdout=subprocess.PIPE, text=True)
+            self.pid, self.exitcode = self.popen.pid, None
+
+    store = dist.HashStore()
+    sleep = "import time; time.sleep(60)"
+    procs = [Proc(sleep), Proc("while True: pass"), Proc(sleep), Proc(sleep)]
+    try:
+        assert all(p.popen.stdout.readline() == "up\n" for p in procs)  # past the interpreter's start-up
+        os.kill(procs[2].pid, signal.SIGSTOP)
+        prefixed(store).set("arrived/3", "1")
+        watch = StartupWatch(store, procs, timeout_s=1.0)
+        found, t0 = {}, time.monotonic()
+        while sorted(found) != [0, 2] and time.monotonic() - t0 < 10:
+            frozen = watch.check(time.monotonic())
+            if frozen is None:
+                time.sleep(0.1)
+                continue
+            found[frozen[0]] = frozen[1]  # each call names the first frozen rank; drop it and look again
+            watch.arrived.add(frozen[0])
+        assert sorted(found) == [0, 2] and watch.arrived == {0, 2, 3}, found
+        assert re.fullmatch(r"froze during start-up, before joining the job: no CPU time for \d+ s, process state "
+                            r"S", found[0]), found
+        assert found[2].endswith("stopped (SIGSTOP or a debugger)"), found
+    finally:
+        for p in procs:
+            p.popen.kill()
+            p.popen.wait()
+
+
+@pytest.mark.slow
+def test_rank_frozen_in_start_up_ends_the_job_within_the_timeout(tmp_path):
+    """A worker stopped (SIGSTOP) before it joins the job, while the other waits for it at the store (which
+    waits 300 s for a slow start): the launcher ends the job after TIMEOUT_S without CPU time, naming it."""
+    proc = _run(tmp_path)
+    t0 = time.monotonic()
+    workers = children(proc.pid)
+    while len(workers) < 2:  # stop rank 1 as soon as it exists: still importing
+        assert proc.poll() is None and time.monotonic() - t0 < 60, proc.stdout.read() if proc.poll() else workers
+        time.sleep(0.005)
+        workers = children(proc.pid)
+    os.kill(workers[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_gone([proc.pid, *workers], 40)  # the timeout, a poll, the kill: well under the 300 s join wait
+    out = proc.stdout.read()
+    assert proc.wait() == 1 and time.monotonic() - stopped < 40
+    lines = _launcher_lines(out)
+    assert re.match(rf"omnitron train: rank 1 \(pid {workers[1]}\) stopped responding: froze during start-up, before "
+                    rf"joining the job: no CPU time for \d+ s, stopped \(SIGSTOP", lines[0]), out
+    assert lines[1] == "omnitron train: rank 0 still running then: killed by the launcher", out
+    assert "metrics.jsonl" not in os.listdir(tmp_path / "logs") if os.path.isdir(tmp_path / "logs") else True
+
+
 def test_killed_worker_is_named_first(tmp_path):
     proc = _run(tmp_path)
     wait_for_iteration(str(tmp_path / "logs" / "metrics.jsonl"), 2, proc)
@@ -98,6 +160,84 @@ def test_step_deadline_fires_on_a_live_but_stuck_rank(tmp_path):
     assert proc.returncode == 75, proc.stderr
     assert re.search(r"rank 0 \(pid \d+\): iteration 7 has not finished after \d s", proc.stderr), proc.stderr
     assert "in stuck_in_p2p" in proc.stderr
+
+
+FROZEN_STORE = """
+import threading, time
+from omnitron.core.training.watchdog import Watchdog
+frozen = threading.Event()
+class Store(dict):
+    def _wait(self):
+        if frozen.is_set():
+            time.sleep(3600)  # the launcher hosting the store is SIGSTOPped: calls never return
+    def set(self, k, v):
+        self._wait(); self[k] = v.encode() if isinstance(v, str) else v
+    def get(self, k):
+        self._wait(); return self[k]
+    def check(self, keys):
+        self._wait(); return all(k in self for k in keys)
+store = Store()
+def healthy_rank_1():
+    n = 0
+    while not frozen.is_set():
+        n += 1; dict.__setitem__(store, "hb/1", str(n).encode()); time.sleep(0.05)
+threading.Thread(target=healthy_rank_1, daemon=True).start()
+wd = Watchdog(0, 2, 1.5, lambda: store, interval_s=0.2).start()
+with wd.deadline("iteration 3"):
+    time.sleep(0.5)
+    frozen.set()
+    time.sleep(30)
+"""
+
+
+def test_frozen_store_is_named_not_a_healthy_neighbour():
+    """The store's host (the launcher) freezes while rank 0 is inside a step and rank 1 heartbeats on: rank 0
+    stops (75) naming the store, not rank 1 (its heartbeats are unreadable, not missing) nor the step."""
+    proc = subprocess.run([sys.executable, "-c", FROZEN_STORE], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75, proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert re.search(r"rank 0 \(pid \d+\): the rendezvous store has not answered for \d+ s: the launcher or "
+                     r"torchrun agent that hosts it is frozen or gone", first), proc.stderr
+    assert "rank 1" not in proc.stderr.split("Python stacks")[0], proc.stderr
+
+
+DUMPERS = """
+import multiprocessing as mp, threading, time
+from omnitron.backends import collectives  # noqa: F401 - imported once, before the fork
+from omnitron.core.training.watchdog import dump_state
+def rank_main(rank, barrier):
+    ns = {"time": time}
+    exec(f"def parked_on_rank_{rank}(depth):\\n    return parked_on_rank_{rank}(depth - 1) if depth else time.sleep(60)",
+         ns)
+    for _ in range(12):  # deep stacks: a dump of several pipe buffers
+        threading.Thread(target=ns[f"parked_on_rank_{rank}"], args=(40,), daemon=True).start()
+    time.sleep(0.3)
+    barrier.wait()
+    dump_state("test dump", rank)
+ctx = mp.get_context("fork")
+barrier = ctx.Barrier(4)
+procs = [ctx.Process(target=rank_main, args=(r, barrier)) for r in range(4)]
+[p.start() for p in procs]
+[p.join() for p in procs]
+"""
+
+
+def test_stack_dumps_of_ranks_that_fire_together_do_not_interleave():
+    """Four ranks dump at the same instant into one stderr pipe (each dump over 16 KiB, past the size a pipe
+    keeps whole): every dump comes out whole, its header, then only its own rank's frames, then its closing line."""
+    proc = subprocess.run([sys.executable, "-c", DUMPERS], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    heads = [i for i, line in enumerate(lines) if re.match(r"\[omnitron watchdog\] rank \d \(pid \d+\): test dump$",
+                                                             line)]
+    assert len(heads) == 4, proc.stderr[-2000:]
+    for start, end in zip(heads, heads[1:] + [len(lines)]):
+        rank = lines[start].split()[3]
+        block = lines[start:end]
+        assert block[-1].startswith(f"[omnitron watchdog] rank {rank}: "), block[-3:]
+        frames = [line for line in block if "parked_on_rank_" in line]
+        assert len(frames) >= 12 and all(f"parked_on_rank_{rank}" in f for f in frames), (rank, block[:5])
+        assert len("\n".join(block)) > 4 * 4096  # past PIPE_BUF: a pipe would not keep even one write whole
 
 
 def test_torchrun_restart_resumes_bit_identically(tmp_path):
@@ -142,6 +282,14 @@ def test_summary_names_the_cause_first():
     assert summarize([w(0, 75, 0), w(1, -9, 1, killed=True)], reports) == [
         "rank 1 (pid 101) stopped responding: sent no heartbeat for 61 s: it is frozen",
         "rank 0 timed out waiting (watchdog: stacks and last collectives above)"]
+    store = "the rendezvous store has not answered for 61 s: the launcher or torchrun agent that hosts it is frozen"
+    reports = {r: {"rank": r, "kind": "store", "line": store, "suspect": None} for r in (0, 1)}
+    assert summarize([w(0, 75, 0), w(1, 75, 1)], reports) == [
+        "the rendezvous store stopped answering (the launcher or torchrun agent that hosts it was frozen or gone): "
+        "ranks 0, 1 stopped on it"]
+    reports[1] = {"rank": 1, "kind": "peer", "line": "Connection reset by peer"}
+    assert summarize([w(0, 75, 0), w(1, 1, 1)], reports)[1] == "rank 1 then lost the connection to it (Connection " \
+        "reset by peer)"
     err = classify(ValueError("bad shape"))
     reports = {1: {"rank": 1, "kind": err[0], "line": err[1]}, 0: {"rank": 0, "kind": "peer", "line": "closed"}}
     assert summarize([w(0, 1, 1), w(1, 1, 0)], reports) == [

@@ -85,7 +85,8 @@ def _causes(err: BaseException):
         seen.add(id(e))
         yield e
         failures = getattr(e, "failures", None)
-        wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+        wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()] \
+            if isinstance(failures, dict) else []
         todo += [e.__cause__, e.__context__, *wrapped]
 
 
@@ -125,7 +126,8 @@ def removed_if_disk_full(save_dir: str, final: str):
         name = os.path.basename(final)
         raise DiskFullError(f"{save_dir}: the disk is full ({_free_bytes(save_dir) / 2**20:.0f} MiB free) while "
                             f"saving {name}; the partial {name}.tmp was removed and 'latest' still names the previous "
-                            f"checkpoint; free space (or keep fewer with --keep-last-n) and resume with --load") from None
+                            f"checkpoint; free space (or keep fewer with --keep-last-n) and resume with "
+                            f"--load") from None
 
 
 def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, *, rank: int, world_size: int,

@@ -5,7 +5,9 @@ with a one-line reason: a non-finite loss, a bad setting or checkpoint), ``peer`
 peer or timed out: gloo's "Connection reset by peer", a collective timeout: the consequence of another
 rank's fault, not a cause) or ``error`` (anything else, printed with its traceback). Under ``omnitron train
 --nproc-per-node N`` it writes a JSON report (never a pickle) into ``$OMNITRON_FAILURE_DIR``; the watchdog
-writes ``watchdog`` reports naming the rank it suspects. :func:`summarize` turns the reports and exit codes
+writes ``watchdog`` reports naming the rank it suspects, or ``store`` reports when the rendezvous store (the
+launcher or torchrun's agent) stopped answering; the launcher writes a ``startup`` report for a worker frozen
+before it joined the job. :func:`summarize` turns the reports and exit codes
 into the launcher's lines: the first names the rank at fault, its pid and its signal or exception; the
 other ranks' reactions take one line per kind.
 """
@@ -126,11 +128,17 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
     if not failed:
         return []
     by_rank = {w["rank"]: w for w in workers}
-    suspects = [r["suspect"] for r in reports.values() if r["kind"] == "watchdog" and r.get("suspect") is not None]
-    causes = [w for w in failed if not w["killed"] and reports.get(w["rank"], {}).get("kind") not in ("peer",
-                                                                                                      "watchdog")]
+    suspects = [r["suspect"] for r in reports.values() if r["kind"] in ("watchdog", "startup")
+                and r.get("suspect") is not None]
+    reactions = ("peer", "watchdog", "store", "startup")
+    causes = [w for w in failed if not w["killed"] and reports.get(w["rank"], {}).get("kind") not in reactions]
+    store = [r for r in reports.values() if r["kind"] == "store"]
     lines, explained = [], set()
-    if suspects and suspects[0] in by_rank and not (causes and causes[0]["rank"] != suspects[0]):
+    if store and not suspects and not causes:  # the ranks' common dependency stopped, not a rank
+        lines.append(f"the rendezvous store stopped answering (the launcher or torchrun agent that hosts it was "
+                     f"frozen or gone): {_ranks([r['rank'] for r in store])} stopped on it")
+        explained.update(r["rank"] for r in store)
+    elif suspects and suspects[0] in by_rank and not (causes and causes[0]["rank"] != suspects[0]):
         w = by_rank[suspects[0]]
         why = next(r["line"] for r in reports.values() if r.get("suspect") == w["rank"])
         why = why.split(") ", 1)[1] if why.startswith(f"rank {w['rank']} (") else why
@@ -145,7 +153,7 @@ def summarize(workers: list[dict], reports: dict[int, dict]) -> list[str]:
             w["exitcode"])
         lines.append(f"rank {w['rank']} (pid {w['pid']}) {what}")
         explained.add(w["rank"])
-    first = reports.get(next(iter(explained)), {}).get("line") or ""
+    first = reports.get(min(explained), {}).get("line") or ""
     groups: dict[str, list[int]] = {}
     texts: dict[str, str] = {}
     for w in failed:

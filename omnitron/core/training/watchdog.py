@@ -7,8 +7,9 @@ Each rank runs two daemon threads from the moment its process group exists:
   is watched by one other, O(world) store traffic) and polls the job's ``abort`` key;
 - a *monitor* thread that does no I/O and fires when the training step (or validation) under
   :meth:`Watchdog.deadline` has run longer than the timeout, when the watched rank's counter has not
-  moved for the timeout, when the store itself has not answered for the timeout (the host of the store
-  frozen or gone; store calls cannot be relied on to time out), or when another rank published ``abort``.
+  moved for the timeout (between this rank's own reads of it), when a store call has not returned for the
+  timeout (the host of the store, the launcher or torchrun's agent, frozen or gone; store calls cannot be
+  relied on to time out: it is named, not the neighbours it hides), or when another rank published ``abort``.
 
 Firing publishes ``abort`` (so every reachable rank stops within one interval), dumps every Python thread's
 stack (faulthandler) and the last collectives of the flight recorder
@@ -25,6 +26,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -32,6 +34,8 @@ from omnitron.core.training import failures
 
 EXIT_CODE = 75
 """Exit status of a rank stopped by the watchdog (EX_TEMPFAIL: an elastic restart may succeed)."""
+STORE_KIND = "store"
+"""Failure-report kind of a rank that stopped because the rendezvous store stopped answering."""
 TIMEOUT_ENV = "OMNITRON_DISTRIBUTED_TIMEOUT_S"
 """Seconds, overriding --distributed-timeout-minutes (tests use a few seconds; minutes are too coarse)."""
 
@@ -48,26 +52,80 @@ def heartbeat_interval(timeout_s: float) -> float:
 
 
 def dump_state(reason: str, rank: int, out=None) -> None:
-    """Print ``reason``, every Python thread's stack and the flight recorder's last collectives to stderr."""
-    out = out or sys.stderr
-    print(f"[omnitron watchdog] rank {rank} (pid {os.getpid()}): {reason}\n"
-          f"[omnitron watchdog] rank {rank}: Python stacks of every thread:", file=out, flush=True)
-    try:
-        faulthandler.dump_traceback(file=out, all_threads=True)
-    except (ValueError, OSError, AttributeError):  # no real file descriptor behind ``out``
-        pass
+    """Print ``reason``, every Python thread's stack and the flight recorder's last collectives to stderr
+    (or ``out``). The dump is composed whole, then written in one piece during this rank's turn
+    (:func:`_stderr_turn`), so the dumps of ranks that fire together never interleave line by line."""
+    text = dump_text(reason, rank)
+    fd = _fileno(out or sys.stderr)
+    if fd is None:
+        (out or sys.stderr).write(text)
+        (out or sys.stderr).flush()
+        return
+    (out or sys.stderr).flush()
+    with _stderr_turn():
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data):]
+
+
+def dump_text(reason: str, rank: int) -> str:
+    """The dump of :func:`dump_state` as one string (faulthandler writes to a file descriptor: a temporary file)."""
+    head = (f"[omnitron watchdog] rank {rank} (pid {os.getpid()}): {reason}\n"
+            f"[omnitron watchdog] rank {rank}: Python stacks of every thread:\n")
+    with tempfile.TemporaryFile("w+") as f:
+        try:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        except (ValueError, OSError, AttributeError):
+            pass
+        f.seek(0)
+        stacks = f.read()
     from omnitron.backends import collectives
 
     recorder = getattr(collectives, "flight_recorder_dump", None)
     lines = recorder() if recorder is not None else None
     if lines is None:
-        print(f"[omnitron watchdog] rank {rank}: this build has no collective flight recorder; the stacks above "
-              f"show where each thread waits", file=out, flush=True)
+        tail = (f"[omnitron watchdog] rank {rank}: this build has no collective flight recorder; the stacks above "
+                f"show where each thread waits\n")
     else:
-        print(f"[omnitron watchdog] rank {rank}: last collectives (flight recorder, oldest first):", file=out)
-        for line in lines:
-            print(f"  {line}", file=out)
-        out.flush()
+        tail = "".join([f"[omnitron watchdog] rank {rank}: last collectives (flight recorder, oldest first):\n",
+                        *(f"  {line}\n" for line in lines)])
+    return head + stacks + tail
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, ValueError, OSError):  # pytest's capture, a StringIO
+        return None
+
+
+@contextlib.contextmanager
+def _stderr_turn(wait_s: float = 5.0):
+    """Hold a lock shared by the job's ranks on this host while writing a dump (the launcher's report folder,
+    else one file per user in the temporary folder); after ``wait_s`` (a holder frozen mid-write) write anyway."""
+    import fcntl
+
+    folder = os.environ.get(failures.REPORT_DIR_ENV)
+    path = os.path.join(folder, "stderr.lock") if folder else \
+        os.path.join(tempfile.gettempdir(), f"omnitron-stderr-{os.getuid()}.lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        give_up = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > give_up:
+                    break
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _frozen(rank: int, info: str, seconds: str) -> str:
@@ -100,8 +158,8 @@ class Watchdog(NullWatchdog):
         self._connect, self._peer = connect, (rank + 1) % world
         self._phase: tuple[str, float] | None = None
         self._stop, self._fired = threading.Event(), threading.Lock()
-        now = time.monotonic()
-        self._store_ok = self._peer_seen = now
+        self._peer_seen = self._peer_read = time.monotonic()
+        self._calling: float | None = None  # when the heartbeat's round of store calls in flight began
         self._peer_done, self._peer_info, self._abort = False, "", None
         self._threads = [threading.Thread(target=self._guard, args=(fn,), name=f"omnitron-watchdog-{fn.__name__}",
                                           daemon=True) for fn in (self._heartbeat, self._monitor)]
@@ -137,46 +195,61 @@ class Watchdog(NullWatchdog):
         except Exception as err:  # noqa: BLE001 - a broken store connection is itself the fault
             if not self._stop.is_set():
                 self.fire(f"the rendezvous store failed ({type(err).__name__}: {str(err).splitlines()[0][:160]}): "
-                          f"the launcher or torchrun agent that hosts it is gone")
+                          f"the launcher or torchrun agent that hosts it is gone", kind=STORE_KIND)
 
     def _heartbeat(self) -> None:
+        self._calling = time.monotonic()
         store = self._connect()
         store.set(f"info/{self.rank}", f"pid {os.getpid()} on {socket.gethostname()}")
+        self._calling = None
         count, last = 0, None
         peer_key, info_key = f"hb/{self._peer}", f"info/{self._peer}"
         while not self._stop.wait(self.interval):
             count += 1
+            self._calling = time.monotonic()
             store.set(f"hb/{self.rank}", str(count))
-            if store.check([peer_key]):
-                value = store.get(peer_key)
-                if value != last:
-                    last, self._peer_seen = value, time.monotonic()
-                self._peer_done = value == b"done"
+            value = store.get(peer_key) if store.check([peer_key]) else None
+            read = time.monotonic()
+            if value != last:
+                last, self._peer_seen = value, read
+            self._peer_read, self._peer_done = read, value == b"done"
             if not self._peer_info and store.check([info_key]):
                 self._peer_info = store.get(info_key).decode()
             if store.check(["abort"]):
                 self._abort = json.loads(store.get("abort").decode())
-            self._store_ok = time.monotonic()
+            self._calling = None
         store.set(f"hb/{self.rank}", "done")
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.interval / 2):
-            now, phase = time.monotonic(), self._phase
-            if self._abort is not None:
-                a = self._abort
-                self.fire(f"stopping because rank {a['rank']} gave up: {a['reason']}", a.get("suspect"), publish=False)
-            elif phase is not None and now - phase[1] > self.timeout:
-                waited = f"{phase[0]} has not finished after {now - phase[1]:.0f} s"
-                stale = self._census()  # a silent rank, if there is one, is the cause: name it
-                if stale:
-                    self.fire(_frozen(*stale[0], f"{2.5 * self.interval:.1f}") + f"; {waited}", suspect=stale[0][0])
-                self.fire(f"{waited} (a collective or p2p transfer that never completes; limit "
-                          f"--distributed-timeout-minutes)")
-            elif not self._peer_done and now - self._peer_seen > self.timeout:
-                self.fire(_frozen(self._peer, self._peer_info, f"{now - self._peer_seen:.0f}"), suspect=self._peer)
-            elif now - self._store_ok > self.timeout + self.interval:
-                self.fire(f"the rendezvous store has not answered for {now - self._store_ok:.0f} s: the launcher or "
-                          f"torchrun agent that hosts it is frozen or gone")
+            verdict = self._verdict(time.monotonic())
+            if verdict is not None:
+                self.fire(*verdict)
+
+    def _verdict(self, now: float) -> tuple | None:
+        """``fire``'s arguments when this rank must stop now, else None. NOTE: a peer's silence is measured
+        between this rank's own successful reads of its heartbeat, and the store is judged by a round of calls
+        that does not return: a frozen store (its host, the launcher or torchrun's agent) stops every read and
+        would otherwise get a healthy neighbour blamed (and a heartbeat thread starved by the load, no one)."""
+        phase, calling = self._phase, self._calling
+        stuck = 0.0 if calling is None else now - calling  # seconds inside one round of store calls
+        if self._abort is not None:
+            a = self._abort
+            return f"stopping because rank {a['rank']} gave up: {a['reason']}", a.get("suspect"), False
+        if stuck > self.timeout + self.interval:
+            return (f"the rendezvous store has not answered for {stuck:.0f} s: the launcher or torchrun agent "
+                    f"that hosts it is frozen or gone", None, True, STORE_KIND)
+        if phase is not None and now - phase[1] > self.timeout and stuck <= max(self.timeout / 2, 3 * self.interval):
+            waited = f"{phase[0]} has not finished after {now - phase[1]:.0f} s"
+            stale = self._census()  # a silent rank, if there is one, is the cause: name it
+            if stale:
+                return _frozen(*stale[0], f"{2.5 * self.interval:.1f}") + f"; {waited}", stale[0][0]
+            return (f"{waited} (a collective or p2p transfer that never completes; limit "
+                    f"--distributed-timeout-minutes)",)
+        silent = self._peer_read - self._peer_seen
+        if not self._peer_done and silent > self.timeout:
+            return _frozen(self._peer, self._peer_info, f"{silent:.0f}"), self._peer
+        return None
 
     def _census(self) -> list[tuple[int, str]]:
         """``(rank, info)`` of the ranks whose heartbeat did not move over 2.5 intervals (read when a deadline
@@ -200,8 +273,9 @@ class Watchdog(NullWatchdog):
         return list(found)
 
     # ---- firing ----------------------------------------------------------------------------
-    def fire(self, reason: str, suspect: int | None = None, publish: bool = True) -> None:
-        """Publish ``abort``, dump stacks and the flight recorder, report, exit (once, from any thread)."""
+    def fire(self, reason: str, suspect: int | None = None, publish: bool = True, kind: str = "watchdog") -> None:
+        """Publish ``abort``, dump stacks and the flight recorder, report (as ``kind``: :data:`STORE_KIND` when
+        the store stopped answering), exit (once, from any thread)."""
         if not self._fired.acquire(blocking=False):
             return
         if publish:  # best effort: the store may be the thing that is frozen
@@ -210,6 +284,6 @@ class Watchdog(NullWatchdog):
             t.start()
             t.join(timeout=2.0)
         self.dump(reason)
-        failures.write_report(self.rank, "watchdog", reason, suspect=suspect)
+        failures.write_report(self.rank, kind, reason, suspect=suspect)
         sys.stderr.flush()
         os._exit(EXIT_CODE)

@@ -7,7 +7,7 @@
   gloo addresses and fail with "connectFullMesh ... Connection refused"), the process group with
   ``--distributed-timeout-minutes``, and the rank's :class:`~omnitron.core.training.watchdog.Watchdog`.
 - :func:`run_workers`: ``--nproc-per-node N``. The launcher hosts the store (a frozen rank 0 does not take it
-  down), supervises the workers, and after the first failure gives the others a grace period to report,
+  down), supervises the workers (a worker frozen before it joins: :class:`StartupWatch`), and after the first failure gives the others a grace period to report,
   then kills what is left (a frozen worker, a worker stuck on a dead peer) and prints
   :func:`omnitron.core.training.failures.summarize`.
 """
@@ -33,6 +33,8 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+STARTUP_POLL_S = 1.0
+"""Seconds between the launcher's checks of its workers' start-up (:class:`StartupWatch`)."""
 JOIN_TIMEOUT_S = 300.0
 """The least time the store waits for every rank to arrive: a slow start (imports on a loaded machine) is
 not a hang, whatever the collective timeout (the watchdog and the collectives keep theirs)."""
@@ -46,6 +48,13 @@ def open_store(timeout_s: float, is_master: bool):
     wait = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                          is_master, wait, multi_tenant=is_master)
+    return prefixed(base)
+
+
+def prefixed(base):
+    """``base`` (a TCPStore) seen with this attempt's key prefix, as every rank sees it."""
+    import torch.distributed as dist
+
     return dist.PrefixStore(f"omnitron/attempt_{attempt()}/", base)
 
 
@@ -66,20 +75,83 @@ def join_job(settings, backend) -> Watchdog:
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
 
 
-def _supervise(procs: list, grace_s: float) -> list[dict]:
-    """Wait for every worker; ``grace_s`` after the first failure, kill the ones still running."""
+def _cpu(pid: int) -> tuple[str, int] | None:
+    """``(state, utime + stime in clock ticks)`` of a process (Linux ``/proc``; None elsewhere or when gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class StartupWatch:
+    """The launcher's deadline on its workers' start-up, before each joins the job (imports, settings, backend,
+    store): the ranks that have arrived wait up to JOIN_TIMEOUT_S for the others (a slow start on a loaded
+    machine is no hang), so a worker that has not arrived and has used no CPU time for the timeout (stopped,
+    blocked in the kernel, asleep on a lock) is frozen, and the job ends naming it. After arrival the
+    collective timeout and the watchdog (:func:`join_job`) cover every phase."""
+
+    def __init__(self, store, procs: list, timeout_s: float) -> None:
+        self.store, self.procs, self.timeout = prefixed(store), procs, timeout_s
+        self.arrived: set[int] = set()
+        self.moved: dict[int, tuple[int, float]] = {}  # rank -> (CPU ticks, when they last changed)
+
+    @property
+    def done(self) -> bool:
+        return len(self.arrived) == len(self.procs)
+
+    def check(self, now: float) -> tuple[int, str] | None:
+        """``(rank, reason)`` of a worker frozen in start-up, else None."""
+        for r, p in enumerate(self.procs):
+            if r in self.arrived or p.pid is None or p.exitcode is not None:
+                continue
+            if self.store.check([f"arrived/{r}"]):
+                self.arrived.add(r)
+                continue
+            cpu = _cpu(p.pid)
+            if cpu is None:
+                continue  # no /proc: the ranks' own join timeout applies
+            seen = self.moved.get(r)
+            if seen is None or seen[0] != cpu[1]:
+                self.moved[r] = (cpu[1], now)
+            elif now - seen[1] > self.timeout:
+                how = "stopped (SIGSTOP or a debugger)" if cpu[0] in "Tt" else f"process state {cpu[0]}"
+                return r, (f"froze during start-up, before joining the job: no CPU time for {now - seen[1]:.0f} s, "
+                           f"{how}")
+        return None
+
+
+def _frozen_at_start(startup: StartupWatch | None, failed_at) -> int | None:
+    """The rank ``startup`` finds frozen (its report written for the launcher's summary), else None."""
+    if startup is None or failed_at is not None or startup.done:
+        return None
+    found = startup.check(time.monotonic())
+    if found is None:
+        return None
+    failures.write_report(found[0], "startup", found[1], suspect=found[0])
+    return found[0]
+
+
+def _supervise(procs: list, grace_s: float, startup: StartupWatch | None = None) -> list[dict]:
+    """Wait for every worker; ``grace_s`` after the first failure, kill the ones still running. ``startup``:
+    polled every STARTUP_POLL_S until every worker has joined; a frozen one ends the job at once."""
     from multiprocessing.connection import wait
 
     pending = {p.sentinel: r for r, p in enumerate(procs)}
     order, killed, failed_at = {}, set(), None
     while pending:
         left = None if failed_at is None or killed else max(0.0, failed_at + grace_s - time.monotonic())
+        if failed_at is None and startup is not None and not startup.done:
+            left = STARTUP_POLL_S
         for sentinel in wait(list(pending), timeout=left):
             r = pending.pop(sentinel)
             procs[r].join()
             order[r] = len(order)
             if procs[r].exitcode and failed_at is None:
                 failed_at = time.monotonic()
+        if _frozen_at_start(startup, failed_at) is not None:
+            failed_at = time.monotonic() - grace_s  # nothing to wait for: every rank waits on the frozen one
         if failed_at is not None and not killed and pending and time.monotonic() >= failed_at + grace_s:
             for r in pending.values():
                 killed.add(r)
@@ -115,7 +187,8 @@ def run_workers(settings, entry, n: int, worker) -> int:
     try:
         for p in procs:
             p.start()
-        workers = _supervise(procs, grace_s=max(5.0, 2 * heartbeat_interval(timeout) + 2.0))
+        workers = _supervise(procs, grace_s=max(5.0, 2 * heartbeat_interval(timeout) + 2.0),
+                             startup=StartupWatch(store, procs, timeout))
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
