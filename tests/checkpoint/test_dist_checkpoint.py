@@ -213,7 +213,8 @@ def test_round_trip_is_bit_exact(results):
 
     meta = read_metadata(find_latest(str(root / "A")))
     assert meta["ckpt_format"] == "torch_dist" and meta["iteration"] == N and meta["dcp_files"]
-    assert set(meta["checksums"]) == {".metadata", *meta["dcp_files"], *meta["shards"]}
+    assert set(meta["checksums"]) == {".metadata", *meta["dcp_files"], *meta["shards"],
+                                      *(f + ".chunks.json" for f in meta["dcp_files"])}
     for r, rank in enumerate(res):
         assert rank["saved"]["step"] == N
         _same(rank["loaded"], rank["saved"], f"rank {r}")
@@ -317,6 +318,17 @@ def _read_whole(path: str, key: str, shape) -> torch.Tensor:
     return out
 
 
+def _chunk_middle(path: str, key: str, name: str) -> int:
+    """The middle byte of the first chunk of ``key`` in data file ``name`` (readers verify only what they read)."""
+    from omnitron.core.checkpoint import read_metadata
+    from omnitron.core.checkpoint.dist_planner import VerifiedReader
+
+    md = VerifiedReader(path, read_metadata(path)["checksums"]).read_metadata()
+    info = min((i for idx, i in md.storage_data.items() if idx.fqn == key and i.relative_path == name),
+               key=lambda i: i.offset)
+    return info.offset + info.length // 2
+
+
 def test_reader_verifies_and_unpickles_nothing_else(results, tmp_path):
     """A global tensor read alone equals the model's own gather; a flipped byte in a data file or in
     ``.metadata`` is an error naming the file; a ``.metadata`` pickle naming any other class is refused
@@ -336,8 +348,9 @@ def test_reader_verifies_and_unpickles_nothing_else(results, tmp_path):
     for victim in ("__0_0.distcp", ".metadata"):
         bad = str(tmp_path / victim.strip("_.")) + "_iter"
         shutil.copytree(src, bad)
-        with open(os.path.join(bad, victim), "r+b") as f:
-            f.seek(os.path.getsize(f.name) // 2)
+        with open(os.path.join(bad, victim), "r+b") as f:  # a data file: inside a chunk of the tensor read
+            f.seek(_chunk_middle(src, "model/" + name, victim) if victim.endswith(".distcp") else
+                   os.path.getsize(f.name) // 2)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 1]))

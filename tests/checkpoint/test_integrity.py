@@ -279,3 +279,24 @@ def test_a_short_write_counts_as_a_full_disk_only_when_space_is_low(tmp_path, mo
     free["bytes"] = io.LOW_SPACE_BYTES
     assert not io.disk_full(short, str(tmp_path)) and io.disk_full(wrapped, str(tmp_path))
     assert not io.disk_full(ValueError("bad shape"), str(tmp_path))
+
+
+def test_chunk_index_hashes_each_range_and_the_whole_file_in_one_pass(tmp_path):
+    """Reference: hashlib over the file's bytes and over each slice. A flipped byte fails only the chunk
+    holding it; the index is JSON with its own digest beside it."""
+    data = os.urandom(5000)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    ranges = [(0, 1200), (1200, 3000), (4200, 800)]
+    integrity.write_chunk_index(str(path), ranges)
+    index = integrity.read_chunk_index(str(path) + integrity.CHUNK_INDEX)
+    assert index == {(o, n): "sha256:" + hashlib.sha256(data[o:o + n]).hexdigest() for o, n in ranges}
+    assert (tmp_path / "__0_0.distcp.sha256").read_text() == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "__0_0.distcp.chunks.json.sha256").exists()
+    bad = bytearray(data)
+    bad[1500] ^= 1  # inside the second chunk
+    path.write_bytes(bytes(bad))
+    for o, n in ranges[::2]:
+        integrity.verify_range(str(path), o, n, index[(o, n)])
+    with pytest.raises(integrity.IntegrityError, match=r"__0_0.distcp is corrupt: bytes 1200..4200"):
+        integrity.verify_range(str(path), 1200, 3000, index[(1200, 3000)])

@@ -42,6 +42,7 @@ def _tp_parity(tp: int) -> dict:
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.precision.fp8 import FP8Config, FP8Linear, amax_groups_for
+    from omnitron.core.precision.fp8.scaling import AmaxReducer
 
     be = get_backend()
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), backend=be)
@@ -57,8 +58,10 @@ def _tp_parity(tp: int) -> dict:
     for recipe in ("tensorwise", "delayed", "blockwise"):
         cfg = FP8Config(fp8_recipe=recipe, fp8_format="hybrid", fp8_amax_history_len=3)
         ex_full = FP8Linear(cfg, be.fp8)  # single-process reference, same inputs
-        ex_col = FP8Linear(cfg, be.fp8, amax_groups=amax_groups_for(cfg, groups), collectives=be.collectives)
-        ex_row = FP8Linear(cfg, be.fp8, amax_groups=amax_groups_for(cfg, groups), collectives=be.collectives)
+        agroups = amax_groups_for(cfg, groups)  # delayed: both layers' amaxes reduced together, as enable_fp8 does
+        reducer = AmaxReducer(agroups, be.collectives) if recipe == "delayed" else None
+        ex_col = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=be.collectives, reducer=reducer)
+        ex_row = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=be.collectives, reducer=reducer)
         worst = 0.0
         for step in range(3):  # several steps so delayed scaling uses its history
             g = torch.Generator().manual_seed(step)  # identical on every rank

@@ -12,8 +12,10 @@ Directory (committed like every omnitron checkpoint: written as ``iter_N.tmp``, 
 Keys are layout-independent: ``model/<global name>`` (:func:`~.dist_layout.global_name`),
 ``optim/<kind>/<global name>`` (kind: ``exp_avg``, ``exp_avg_sq``, ``momentum``, ``master`` for
 low-precision parameters), each a global tensor (:mod:`~omnitron.core.checkpoint.dist_layout`). Who
-writes what (:func:`_writes`): weights and the plain optimizer's state by data x context parallel rank 0
-of each model-parallel position (the replicas hold copies; a parameter replicated over tp by tp rank 0);
+writes what (:func:`_share`): weights and the plain optimizer's state, which the data x context parallel
+ranks of a model-parallel position hold as copies, once between them, each rank a ``1 / (dp x cp)`` part
+of every tensor (:func:`_spread`: the largest writer about the mean; a parameter replicated over tp by tp
+rank 0's replicas);
 the distributed optimizer's state by every rank, its own flat-buffer slices only, mapped to boxes of the
 global tensors -- nothing is gathered (DCP's planning exchanges only the small plans), and nothing is
 copied: DCP writes straight from the live buffers (:func:`~.dist_planner.exact_storage`). Under FSDP2
@@ -29,7 +31,7 @@ Offline readers (``checkpoint convert|inspect|export``, the HF and Megatron expo
 tensors through :func:`read_full`: one process, no process group. ``--async-save``: the same
 :func:`begin` / :func:`write` / :func:`commit`, the write on a thread over a host snapshot
 (:mod:`~omnitron.core.checkpoint.dist_async`).
-MoE experts are global tensors of their own (named by global expert index), written by edp rank 0
+MoE experts are global tensors of their own (named by global expert index), spread over the edp ranks
 (each ep rank holds its experts; the distributed optimizer's expert slices, disjoint over edp, by every
 edp rank); replicated-KV attention writes its parts of the canonical ``linear_qkv`` (``linear_kv`` by
 tp rank 0), so any number of query groups per tp rank reads them.
@@ -79,16 +81,38 @@ def _split(c, p) -> tuple[int, int]:
     return g.size, local_rank(g)
 
 
-def _writes(c, p, *, replicas: bool) -> bool:
-    """Whether this rank writes ``p``'s pieces on save (exactly one writer per distinct piece). ``replicas``:
-    the data-parallel ranks hold copies (weights, the plain optimizer's state), so only rank 0 of dp x cp
-    (of edp for experts) writes; the distributed optimizer's slices are disjoint over those groups."""
+def _share(c, p, *, replicas: bool) -> tuple[int, int] | None:
+    """``(index, count)``: this rank writes part ``index`` of ``count`` of ``p``'s pieces on save (:func:`_spread`),
+    None: nothing (exactly one writer per byte). ``replicas``: the data-parallel ranks hold copies (weights, the
+    plain optimizer's state), so the ranks of dp x cp (of edp for experts) each write a ``1 / count`` part; the
+    distributed optimizer's slices and FSDP2's shards are disjoint over those groups and written whole."""
     if getattr(p, "shared_embedding", False):
-        return False  # the last stage's tied copy equals the first stage's embedding
+        return None  # the last stage's tied copy equals the first stage's embedding
+    if not tp_writer(p, _split(c, p)[1]):
+        return None
+    if not replicas:
+        return 0, 1
     replicated_over = c.groups.edp if getattr(p, "expert", False) else c.groups.dp_cp
-    if replicas and local_rank(replicated_over) != 0:
-        return False
-    return tp_writer(p, _split(c, p)[1])
+    return local_rank(replicated_over), replicated_over.size
+
+
+def _spread(pieces: list, index: int, count: int) -> list:
+    """Part ``index`` of ``count`` of each piece: its first dimension longer than 1 cut into near-equal spans
+    (a narrowing there keeps a contiguous view contiguous, so DCP still writes it without a copy). Replicas
+    then write a replicated tensor once between them, each about ``1 / count`` of it, instead of rank 0
+    writing all of it (629 MiB against 210 MiB at dp4 in BENCHMARKS.md)."""
+    if count == 1:
+        return pieces
+    out = []
+    for off, view in pieces:
+        if view.dim() == 0:
+            out += [(off, view)] if index == 0 else []
+            continue
+        d = next((i for i, n in enumerate(view.shape) if n > 1), 0)
+        lo, hi = view.shape[d] * index // count, view.shape[d] * (index + 1) // count
+        if hi > lo:
+            out.append((off[:d] + (off[d] + lo,) + off[d + 1:], view.narrow(d, lo, hi - lo)))
+    return out
 
 
 def _add(table: Pieces, key: str, shape, pieces) -> None:
@@ -97,30 +121,32 @@ def _add(table: Pieces, key: str, shape, pieces) -> None:
 
 
 def model_pieces(c, *, save: bool) -> Pieces:
-    """``model/<name>`` pieces of this rank's weights (on save: those it writes, :func:`_writes`)."""
+    """``model/<name>`` pieces of this rank's weights (on save: its part of those it writes, :func:`_share`)."""
     table: Pieces = {}
     for m in c.modules:
         for name, p in m.named_parameters():
             fsdp = isinstance(p, DTensor)
-            if save and not _writes(c, p, replicas=not fsdp):
+            share = _share(c, p, replicas=not fsdp) if save else (0, 1)
+            if share is None:
                 continue
             split = _split(c, p)
             pieces = row_pieces(p, split, p.to_local().detach(), shard_offset(p)) if fsdp else \
                 shard_pieces(p, split, p.detach())
-            _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), pieces)
+            _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), _spread(pieces, *share))
     return table
 
 
 def optimizer_pieces(c, *, save: bool) -> Pieces:
     """``optim/<kind>/<name>`` pieces of this rank's optimizer state: the distributed optimizer's own
-    slices, or (plain optimizer) the whole local shards (on save: those it writes, :func:`_writes`)."""
+    slices, or (plain optimizer) the whole local shards (on save: its part of those it writes, :func:`_share`)."""
     opt, table = c.optimizer, {}
     sliced = hasattr(opt, "slices")
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
     for j, i in enumerate(owners):
         p, name = opt.params[i], opt.names[i].split(".", 1)[1]  # the optimizer names chunk<c>.<name>
         fsdp = isinstance(p, DTensor)  # FSDP2: the state is shaped like the parameter's local shard
-        if save and not _writes(c, p, replicas=not (sliced or fsdp)):
+        share = _share(c, p, replicas=not (sliced or fsdp)) if save else (0, 1)
+        if share is None:
             continue
         name, split = global_name(name, p), _split(c, p)
         kinds = dict(opt.state)
@@ -132,7 +158,7 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
                 pieces = row_pieces(p, split, t, shard_offset(p))
             else:
                 pieces = slice_pieces(p, split, t, opt.slices[j].lo) if sliced else shard_pieces(p, split, t)
-            _add(table, f"optim/{kind}/{name}", global_shape(p, split[0]), pieces)
+            _add(table, f"optim/{kind}/{name}", global_shape(p, split[0]), _spread(pieces, *share))
     return table
 
 
@@ -186,10 +212,12 @@ def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None, *, colle
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
     with _one_line("save", tmp), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group,
-                 no_dist=not collective)
-    for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):
-        integrity.write_digest(f)
+        md = dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group,
+                      no_dist=not collective)
+    for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):  # digests of the file and its chunks
+        name = os.path.basename(f)
+        integrity.write_chunk_index(f, [(i.offset, i.length) for i in md.storage_data.values()
+                                        if i.relative_path == name])
     if rank == 0:
         integrity.write_digest(os.path.join(tmp, ".metadata"))
     io._write_shard(tmp, rank, local)
@@ -209,7 +237,7 @@ def _commit_files(save_dir: str, iteration: int, meta: dict, world_size: int, ke
     tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
     files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
     io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), world_size, keep_last_n,
-               extra=[".metadata", *files])
+               extra=[".metadata", *files, *(f + integrity.CHUNK_INDEX for f in files)])
 
 
 def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:

@@ -8,7 +8,9 @@ it (DCP's resharding), so a rank reads only its slices. DCP's global-plan valida
 
 :class:`VerifiedReader`: DCP's ``.metadata`` is a pickle. It is read only after its SHA-256 matches
 the one metadata.json records, and through an unpickler that admits DCP's metadata dataclasses and
-torch's size/dtype types only; every data file a rank reads is checksum-verified first.
+torch's size/dtype types only; every saved chunk a rank reads is checksum-verified first, against its data
+file's chunk index (``integrity.write_chunk_index``; the index's own checksum is in metadata.json), so a reader
+hashes what it reads, not each whole file it touches.
 """
 from __future__ import annotations
 
@@ -144,6 +146,10 @@ class VerifiedReader(FileSystemReader):
     def __init__(self, path: str, checksums: dict[str, str]) -> None:
         super().__init__(path)
         self.dir, self.checksums, self.verified, self.metadata = path, checksums, set(), None
+        self.verified_chunks: set = set()
+        self.indexes: dict[str, dict] = {}
+        self.hashed_bytes = 0
+        """Bytes of data chunks hashed (each chunk read is verified once)."""
 
     def _verify(self, name: str) -> None:
         if name in self.verified:
@@ -182,5 +188,36 @@ class VerifiedReader(FileSystemReader):
 
     def read_data(self, plan, planner):
         for item in plan.items:
-            self._verify(self.storage_data[item.storage_index].relative_path)
+            self._verify_chunk(self.storage_data[item.storage_index])
         return super().read_data(plan, planner)
+
+    def _verify_chunk(self, info) -> None:
+        """Verify the saved chunk ``info`` (a DCP ``_StorageInfo``: file, offset, length) against its file's chunk
+        index, once: a reader hashes only the chunks it reads, not every file it touches. A checkpoint without
+        chunk indexes (written before them) has its whole files verified."""
+        name, key = info.relative_path, (info.offset, info.length)
+        if (name, key) in self.verified_chunks:
+            return
+        index = self._chunk_index(name)
+        if index is None:
+            self._verify(name)
+            return
+        if key not in index:
+            raise CheckpointError(f"{self.dir}/{name}: bytes {key[0]}..{sum(key)} have no checksum in its chunk "
+                                  f"index: the checkpoint is corrupt; load an earlier iteration, or re-save")
+        try:
+            integrity.verify_range(f"{self.dir}/{name}", *key, index[key])
+        except (integrity.IntegrityError, FileNotFoundError) as err:
+            raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+        self.verified_chunks.add((name, key))
+        self.hashed_bytes += key[1]
+
+    def _chunk_index(self, name: str) -> dict | None:
+        """The verified chunk index of data file ``name`` (None when metadata.json records none)."""
+        side = name + integrity.CHUNK_INDEX
+        if side not in self.checksums:
+            return None
+        if side not in self.indexes:
+            self._verify(side)
+            self.indexes[side] = integrity.read_chunk_index(f"{self.dir}/{side}")
+        return self.indexes[side]

@@ -14,6 +14,7 @@ writer finishes an interrupted swap with :func:`repair` before touching anything
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -37,9 +38,85 @@ def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
     return f"{algorithm}:{h.hexdigest()}"
 
 
+def range_digests(path: str, ranges: list[tuple[int, int]], algorithm: str = ALGORITHM) -> tuple[str, dict]:
+    """One pass over ``path``: the whole file's digest and ``{(offset, length): digest}`` of each of the
+    disjoint byte ``ranges`` (chunks a reader may verify alone: :func:`verify_range`)."""
+    whole, out = hashlib.new(algorithm), {}
+    with open(path, "rb") as f:
+        pos = 0
+        for off, n in sorted(ranges) + [(os.path.getsize(path), 0)]:
+            whole.update(f.read(off - pos))  # bytes between ranges (none in a DCP file)
+            part = hashlib.new(algorithm)
+            for block in _blocks(f, n):
+                part.update(block)
+                whole.update(block)
+            if n:
+                out[(off, n)] = f"{algorithm}:{part.hexdigest()}"
+            pos = off + n
+    return f"{algorithm}:{whole.hexdigest()}", out
+
+
+def _blocks(f, n: int):
+    """``n`` bytes of ``f`` from where it is, in blocks of at most 8 MiB."""
+    while n > 0:
+        block = f.read(min(n, _CHUNK))
+        if not block:
+            raise IntegrityError(f"{f.name} ends {n} bytes before the range the checkpoint index gives")
+        n -= len(block)
+        yield block
+
+
+CHUNK_INDEX = ".chunks.json"
+"""Suffix of a data file's chunk index: ``{"offset:length": digest}`` of each chunk a reader may read alone."""
+
+
+def write_chunk_index(path: str, ranges: list[tuple[int, int]]) -> None:
+    """Hash ``path`` whole and per chunk (``ranges``) in one pass; leave ``path.sha256``, the chunk index
+    ``path.chunks.json`` and that index's own ``.sha256`` (so the commit records both)."""
+    whole, chunks = range_digests(path, ranges)
+    _store_digest(path, whole)
+    index = path + CHUNK_INDEX
+    with open(index, "w") as f:
+        json.dump({f"{o}:{n}": d for (o, n), d in sorted(chunks.items())}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    write_digest(index)
+
+
+def read_chunk_index(index: str) -> dict[tuple[int, int], str]:
+    """``{(offset, length): digest}`` of a chunk index (JSON: nothing is unpickled)."""
+    with open(index) as f:
+        raw = json.load(f)
+    out = {}
+    for key, digest in raw.items():
+        off, _, n = str(key).partition(":")
+        out[(int(off), int(n))] = str(digest)
+    return out
+
+
+def verify_range(path: str, offset: int, length: int, expected: str) -> None:
+    """Raise IntegrityError naming ``path`` and the range when bytes ``[offset, offset + length)`` do not hash
+    to ``expected`` (``ALGORITHM:HEX``)."""
+    algorithm, _, want = str(expected).partition(":")
+    if algorithm not in hashlib.algorithms_guaranteed or not want:
+        raise IntegrityError(f"{path}: the recorded checksum {str(expected)[:40]!r} is not ALGORITHM:HEX")
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for block in _blocks(f, length):
+            h.update(block)
+    if h.hexdigest() != want:
+        raise IntegrityError(f"{path} is corrupt: bytes {offset}..{offset + length} hash to {h.hexdigest()[:16]}..., "
+                             f"the checkpoint's chunk index records {want[:16]}...")
+
+
 def write_digest(path: str) -> str:
     """Hash ``path`` and write the digest to ``path.sha256`` (fsynced); returns the digest."""
-    digest = file_digest(path)
+    return _store_digest(path, file_digest(path))
+
+
+def _store_digest(path: str, digest: str) -> str:
+    """Write ``digest`` to ``path.sha256`` (fsynced); returns it."""
     with open(path + _SUFFIX, "w") as f:
         f.write(digest)
         f.flush()

@@ -21,6 +21,7 @@ from torch import nn
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.precision.fp8.config import FP8Config, check_backend
 from omnitron.core.precision.fp8.linear import FP8Linear
+from omnitron.core.precision.fp8.scaling import AmaxReducer
 
 log = logging.getLogger("omnitron.fp8")
 
@@ -127,13 +128,15 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
     keep_ends = recipe.first_last_layers_bf16 if first_last_layers_bf16 is None else first_last_layers_bf16
     wide = _wide_layers(model_or_chunks, recipe, groups, num_layers) if keep_ends else set()
     agroups = amax_groups_for(recipe, groups)
+    reducer = AmaxReducer(agroups, backend.collectives) if recipe.fp8_recipe == "delayed" else None
     enabled: dict[str, FP8Linear] = {}
     skipped = []
     for name, module in linear_modules(model_or_chunks):
         if not _selected(name, modules) or any(name == w or name.startswith(w + ".") for w in wide):
             skipped.append(name)
             continue
-        ex = FP8Linear(recipe, provider, amax_groups=agroups, collectives=backend.collectives, name=name)
+        ex = FP8Linear(recipe, provider, amax_groups=agroups, collectives=backend.collectives, name=name,
+                       reducer=reducer)
         module.fp8 = ex
         if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:  # no seam of its own
             module.forward = types.MethodType(_fp8_linear_forward, module)

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
-from omnitron.core.precision.fp8.scaling import DelayedScaling, reduce_amax
+from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
 from omnitron.backends.fp8 import scale_from_amax
 
 ROLES = ("input", "weight", "grad_output")
@@ -33,12 +33,14 @@ class FP8Linear:
 
     ``amax_groups``: ``Group`` objects over which per-tensor amaxes are MAX-reduced (the tensor-
     parallel group, plus context/data-parallel ones for ``delayed``); ``collectives`` carries them.
+    ``reducer``: under ``delayed``, the :class:`AmaxReducer` (over the same groups) this layer's recorded
+    amaxes are reduced by, batched with every other layer sharing it; None reduces each amax when taken.
     """
 
     def __init__(self, recipe: FP8Config, provider, *, amax_groups: Sequence = (), collectives=None,
-                 name: str = "") -> None:
+                 name: str = "", reducer: AmaxReducer | None = None) -> None:
         self.recipe, self.provider, self.name = recipe, provider, name
-        self.amax_groups, self.collectives = tuple(amax_groups), collectives
+        self.amax_groups, self.collectives, self.reducer = tuple(amax_groups), collectives, reducer
         self.states: dict[str, DelayedScaling] = {}
         self._wcache: tuple | None = None
         """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride), quantized weight)."""
@@ -115,10 +117,13 @@ class FP8Linear:
             amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
             state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
             q, qt, _ = cast(x, state.scale, fmt)
+            state.record(amax)
         else:
             q, qt, amax = cast(x, state.scale, fmt)
-            amax = reduce_amax(amax, self.amax_groups, self.collectives)
-        state.record(amax)
+            if self.reducer is None:
+                state.record(reduce_amax(amax, self.amax_groups, self.collectives))
+            else:  # reduced with every layer's when the next use needs it (scaling.py)
+                state.record(amax, self.reducer)
         return q, qt, state.scale_inv
 
     # ---- checkpoint state ---------------------------------------------------------------

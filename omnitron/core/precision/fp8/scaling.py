@@ -14,6 +14,11 @@ Definitions (the tests check these step by step):
   The push of ``a_t`` is applied lazily, at the start of use ``t+1`` (:meth:`DelayedScaling.flush`),
   so a forward recomputed during backward (activation checkpointing) still finds the scale its
   original forward used and re-quantizes bit for bit. All of it stays on the device (no host syncs).
+  Reduction (:class:`AmaxReducer`, shared by every FP8 linear of a model): a use records its local
+  ``a_t`` unreduced; the first flush that needs a recorded amax MAX-reduces every one recorded so far, of
+  every layer and role, as one stacked tensor: one all-reduce per amax group per flush point (in a step:
+  once per micro-batch's backward, whatever the layer count) instead of one per operand per call. The max
+  of a stack is the stack of the maxes, so the scales are those of reducing each amax alone.
 """
 from __future__ import annotations
 
@@ -34,6 +39,47 @@ def reduce_amax(amax: torch.Tensor, groups: Sequence, collectives) -> torch.Tens
         if g is not None and getattr(g, "handle", None) is not None and g.size > 1:
             collectives.all_reduce(amax, op=ReduceOp.MAX, group=g.handle)
     return amax
+
+
+class AmaxReducer:
+    """Delayed scaling's recorded amaxes over one set of amax groups, MAX-reduced together when a use first
+    needs one of them (module docstring). Every rank of the groups records the same uses in the same order,
+    so the stacked tensors line up; no host sync."""
+
+    def __init__(self, groups: Sequence, collectives) -> None:
+        self.groups, self.collectives = tuple(groups), collectives
+        self.waiting: list[_Recorded] = []
+        self.reductions = 0
+        """Batched reductions issued (each: one all-reduce per group of size > 1)."""
+
+    def add(self, amax: torch.Tensor) -> "_Recorded":
+        """Hold ``amax`` (a local 0-d float32) until the next :meth:`reduce`."""
+        rec = _Recorded(amax, self)
+        self.waiting.append(rec)
+        return rec
+
+    def reduce(self) -> None:
+        """MAX-reduce every held amax in one stacked collective per group; each holder then has its result."""
+        if not self.waiting:
+            return
+        waiting, self.waiting = self.waiting, []
+        stacked = reduce_amax(torch.stack([r.value for r in waiting]), self.groups, self.collectives)
+        for r, v in zip(waiting, stacked.unbind(0)):
+            r.value, r.reducer = v, None
+        self.reductions += 1
+
+
+class _Recorded:
+    """One use's amax: local until its reducer's next reduction (``reducer`` is None once reduced)."""
+
+    def __init__(self, value: torch.Tensor, reducer: AmaxReducer) -> None:
+        self.value, self.reducer = value, reducer
+
+    def result(self) -> torch.Tensor:
+        """The reduced amax (reducing every held one first if it is not yet)."""
+        if self.reducer is not None:
+            self.reducer.reduce()
+        return self.value
 
 
 class DelayedScaling:
@@ -74,15 +120,16 @@ class DelayedScaling:
             self.margin, self.algo)
         self.uses += 1
 
-    def record(self, amax: torch.Tensor) -> None:
-        """Keep this use's (group-reduced) amax; it is pushed when the next use begins."""
-        self.pending = amax
+    def record(self, amax: torch.Tensor, reducer: AmaxReducer | None = None) -> None:
+        """Keep this use's amax, pushed when the next use begins: group-reduced already, or local and reduced by
+        ``reducer`` with every other recorded one when first needed."""
+        self.pending = amax if reducer is None else reducer.add(amax)
 
     def flush(self, update=None) -> None:
         """Push the pending amax, if any (start of a use; before saving)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self.push(pending, update)
+            self.push(pending.result() if isinstance(pending, _Recorded) else pending, update)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         self.flush()  # the next use would push it first anyway: saving it pushed resumes identically
