@@ -112,16 +112,15 @@ def report(entries: list[dict]) -> str:
     for e in entries:
         at = [sum(e["losses"][i - 10:i]) / 10 for i in marks]
         val = e["validation"][-1]["val_loss"] if e["validation"] else float("nan")
-        lines.append(f"{e['variant']} | " + " | ".join(f"{x:.4f}" for x in at) +
-                     f" | {val:.4f} | {e['median_step_s'] * 1e3:.0f} (x{e['median_step_s'] / base['median_step_s']:.2f})"
-                     f" | {e['step_ms']:.0f} (x{e['step_ms'] / base['step_ms']:.2f})"
-                     f" | {e['optimizer_step_ms']:.1f} (x{e['optimizer_step_ms'] / base['optimizer_step_ms']:.2f})")
+        times = [f"{e[k] * scale:.{digits}f} (x{e[k] / base[k]:.2f})"
+                 for k, scale, digits in (("median_step_s", 1e3, 0), ("step_ms", 1, 0), ("optimizer_step_ms", 1, 1))]
+        lines.append(" | ".join([e["variant"], *(f"{x:.4f}" for x in at), f"{val:.4f}", *times]))
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results/muon")
     a = ap.parse_args()
