@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 STEPS, LR, WD, CLIP = 4, 2e-2, 0.1, 0.5
 # Megatron's quintic Newton-Schulz coefficients (emerging_optimizers' "quintic" set, from modded-nanogpt)
@@ -110,7 +111,9 @@ def build(groups, backend, *, distributed: bool, init: dict, **cfg):
     from omnitron.core.optim.muon import DistributedMuon, Muon
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
 
-    model = Toy(groups.tp.size, groups.tp.rank if groups.tp.size > 1 else 0, init)
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    model = to_device(Toy(groups.tp.size, groups.tp.rank if groups.tp.size > 1 else 0, init), backend.device())
     ddp = DistributedDataParallel(model, groups, DataParallelConfig(use_distributed_optimizer=distributed,
                                                                     bucket_size=100), collectives=backend.collectives)
     config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=CLIP, muon_fp32_matmul_prec="high",
@@ -137,7 +140,7 @@ def step(ddp, opt, groups, s: int) -> None:
 def full_params(model, groups) -> dict:
     from omnitron.core.parallel.tensor.sharding import gather_param
 
-    return {n: gather_param(p.detach(), p, groups.tp).double().clone() for n, p in model.named_parameters()}
+    return {n: gather_param(p.detach(), p, groups.tp).double().cpu().clone() for n, p in model.named_parameters()}
 
 
 def layout_worker(tp: int, resume: bool) -> dict:
@@ -251,12 +254,13 @@ def test_bf16_iterations_stay_near_fp32():
     torch.testing.assert_close(hi.double(), _ns(x.double()), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_world2_matches_float64_reference_and_resumes_bit_exact(tp):
+@pytest.mark.parametrize("tp,backend", [(1, "cpu"), (2, "cpu"),
+                                        pytest.param(1, "sim", marks=[pytest.mark.slow, requires_sim()])])
+def test_world2_matches_float64_reference_and_resumes_bit_exact(tp, backend):
     """tp 1: dp2, plain and distributed; tp 2: whole-matrix orthogonalisation over tp (plain; the distributed
     optimizer is then one shard). The distributed run restarted from its state after 2 steps continues bit
-    for bit."""
-    res = run_distributed(layout_worker, 2, tp, True)
+    for bit. ``sim``: the same on the simulated accelerator (device tensors, asynchronous streams)."""
+    res = run_distributed(layout_worker, 2, tp, True, backend=backend)
     dp = 2 // tp
     ref = reference(full_init(), _mean_grads(dp))
     for r in res:

@@ -43,7 +43,8 @@ def _predicted(args: list[str], world: int, pp_rank: int) -> tuple[int, int, int
 
 
 ONE = {"fp32": [], "bf16": ["--bf16"], "fp16_sgd": ["--fp16", "--optimizer", "sgd"],
-       "bf16_distopt_small_buckets": ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"]}
+       "bf16_distopt_small_buckets": ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"],
+       "bf16_muon_distopt": ["--bf16", "--optimizer", "muon", "--use-distributed-optimizer"]}
 
 
 @pytest.mark.parametrize("name", list(ONE))
