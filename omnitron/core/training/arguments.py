@@ -522,13 +522,18 @@ def _fp8_settings(merged: dict[str, Any]):
 
 
 def _ddp_settings(merged: dict[str, Any], precision: PrecisionConfig):
-    """The data-parallel config (bf16: gradients accumulated and all-reduced in fp32)."""
+    """The data-parallel config (bf16: gradients accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16)."""
     from dataclasses import replace
 
     ddp = _build(_ddp_config_class(), merged) if _ddp_config_class() else None
-    if ddp is not None and precision.bf16:
+    if ddp is None:
+        return None
+    if ddp.grad_reduce_in_bf16 and ddp.accumulate_allreduce_grads_in_fp32:
+        raise ConfigError("--grad-reduce-in-bf16 reduces gradients in bf16, --accumulate-allreduce-grads-in-fp32 in "
+                          "fp32: drop one of them")
+    if precision.bf16 and not ddp.grad_reduce_in_bf16:
         # as Megatron: bf16 training accumulates and all-reduces gradients in fp32 (bf16 sums of
-        # many micro-batches lose the small contributions)
+        # many micro-batches lose the small contributions) unless --grad-reduce-in-bf16 asks for bf16
         ddp = replace(ddp, accumulate_allreduce_grads_in_fp32=True)
     return ddp
 
