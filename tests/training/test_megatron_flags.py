@@ -168,8 +168,10 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
     recs = [json.loads(line) for line in open(tb / "metrics.jsonl")]
     assert [r["iteration"] for r in recs] == [1, 2, 3] and [r["consumed_samples"] for r in recs] == [4, 8, 12]
     said = proc.stdout + proc.stderr
-    # --decoupled-lr: logged beside lr, as Megatron; warmup over 4 samples of 4 per step reaches the peak at once
-    assert " | decoupled lr 5.000e-04 | " in said and recs[0]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
+    # --decoupled-lr: logged beside lr, as Megatron; the warm-up over 4 samples of 4 per step applies lr(0 samples) =
+    # 0 to the first step and the peak to the second (Megatron's scheduler counts the samples before the step)
+    assert " | decoupled lr 5.000e-04 | " in said and recs[1]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
+    assert recs[0]["lr"] == 0.0 and recs[0]["decoupled_lr"] == 0.0
     for flag in ("--use-mcore-models", "--attention-backend", "--cross-entropy-loss-fusion", "--no-mmap-bin-files",
                  "--tiktoken-pattern"):
         assert f"{flag}: accepted; " in said, flag

@@ -184,7 +184,8 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
 
     total = merged.get("train_samples") or merged.get("train_iters") or TrainingConfig.train_iters
     decay = merged.get(f"lr_decay_{unit}") or total
-    merged[f"lr_warmup_{unit}"] = int(fraction * decay)  # Megatron: lr_warmup_steps = fraction * lr_decay_steps
+    warmup = fraction * decay  # Megatron: lr_warmup_steps = fraction * lr_decay_steps, not rounded
+    merged[f"lr_warmup_{unit}"] = int(warmup) if warmup == int(warmup) else warmup
     return merged
 
 
