@@ -40,12 +40,14 @@ def test_every_selector_gives_a_reason_and_none_changes_the_maths():
 
 def _settings(argv):
     s = parse_settings(BASE + argv, 1)
-    return {k: dataclasses.asdict(getattr(s, k)) for k in ("model", "ddp", "optim", "training", "precision")}
+    return {k: dataclasses.asdict(getattr(s, k)) for k in ("model", "ddp", "optim", "training", "precision",
+                                                           "logging")}
 
 
 @pytest.mark.parametrize("flag", sorted(IMPLEMENTED))
-def test_implemented_flags_change_the_settings_and_name_a_test(flag):
-    assert _settings([flag]) != _settings([])
+def test_implemented_flags_change_the_settings_and_name_a_test(flag, tmp_path):
+    argv = [flag, str(tmp_path)] if flag == "--tensorboard-dir" else [flag]
+    assert _settings(argv) != _settings([])
     path, name = IMPLEMENTED[flag][2].split("::")
     assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), IMPLEMENTED[flag][2]
 

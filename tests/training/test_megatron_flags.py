@@ -24,11 +24,13 @@ def _same(a, b) -> None:
 def test_aliases_equal_omnitron_spelling(tmp_path):
     mega = parse_settings(BASE + ["--group-query-attention", "--num-query-groups", "2",
                                   "--use-rotary-position-embeddings", "--recompute-activations",
-                                  "--tensorboard-dir", str(tmp_path / "tb"), "--lr-warmup-fraction", "0.25"], 1)
+                                  "--lr-warmup-fraction", "0.25"], 1)
     own = parse_settings(BASE + ["--num-query-groups", "2", "--position-embedding-type", "rope",
-                                 "--recompute-granularity", "selective", "--log-dir", str(tmp_path / "tb"),
-                                 "--lr-warmup-iters", "10"], 1)
+                                 "--recompute-granularity", "selective", "--lr-warmup-iters", "10"], 1)
     _same(mega, own)
+    # --tensorboard-dir D: events in D itself (Megatron's place), metrics.jsonl there too unless --log-dir
+    tb = parse_settings(BASE + ["--tensorboard-dir", str(tmp_path / "tb")], 1).logging
+    assert tb.tensorboard_dir == tb.log_dir == str(tmp_path / "tb") and tb.tensorboard
     # Megatron's rule: warm-up = fraction x the decay iterations when they are given
     frac = parse_settings(BASE + ["--lr-decay-iters", "30", "--lr-warmup-fraction", "0.5"], 1)
     assert frac.optim.lr_warmup_iters == 15

@@ -224,6 +224,10 @@ class LoggingConfig:
     """--log-dir: metrics.jsonl and TensorBoard events (default: --save, else ./runs/<timestamp>)."""
     tensorboard: bool = True
     """--no-tensorboard turns TensorBoard events off (they are written only when installed)."""
+    tensorboard_dir: str | None = None
+    """--tensorboard-dir: write the TensorBoard events in this directory itself, with Megatron's tag names
+    (``lm loss``, ``learning-rate``, ...), as Megatron (default: LOG_DIR/tensorboard); also the --log-dir when
+    that is not given."""
     progress_bar: bool | None = None
     """--progress-bar / --no-progress-bar (default: on when stdout is a terminal)."""
     timing_log_level: int = 0

@@ -24,6 +24,11 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "the same: bf16 main_grad buffers and bf16 reduction (DataParallelConfig.grad_reduce_in_bf16); refused "
         "with --use-torch-fsdp2 (its policy reduces in fp32)",
         "tests/parallel/test_data_parallel.py::test_ddp_buckets_overlap_and_reduction_match_reference"),
+    "--tensorboard-dir": (
+        "TensorBoard events in DIR itself, tags `lm loss`, `learning-rate`, `grad-norm`, `lm loss validation`, ... "
+        "and their `vs samples` twins (training_log, evaluate_and_print_results)",
+        "the same directory and tag names (metrics.jsonl goes there too unless --log-dir)",
+        "tests/training/test_wandb_tensorboard.py::test_tensorboard_dir_holds_megatrons_tags"),
 }
 
 

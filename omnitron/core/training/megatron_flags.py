@@ -4,7 +4,7 @@ Three kinds:
 
 * **aliases** onto omnitron's settings (``--use-rotary-position-embeddings`` is
   ``--position-embedding-type rope``; ``--recompute-activations`` is ``--recompute-granularity selective``;
-  ``--tensorboard-dir D`` is ``--log-dir D``; ``--lr-warmup-fraction F`` sets the warm-up to ``F`` of the
+  ``--lr-warmup-fraction F`` sets the warm-up to ``F`` of the
   decay iterations, as Megatron does; ``--group-query-attention`` asks for ``--num-query-groups``);
 * **implementation selectors** (``--use-flash-attn``, ``--transformer-impl``, ``--no-masked-softmax-fusion``,
   ...): omnitron picks the fused kernel per backend itself (``omnitron info`` lists them), so these are
@@ -85,7 +85,6 @@ ALIASES: dict[str, tuple[str, dict]] = {
                               "--num-query-groups alone too)", {"action": "store_true"}),
     "use_rotary_position_embeddings": ("same as --position-embedding-type rope", {"action": "store_true"}),
     "recompute_activations": ("same as --recompute-granularity selective", {"action": "store_true"}),
-    "tensorboard_dir": ("same as --log-dir DIR (TensorBoard events and metrics.jsonl)", {"metavar": "DIR"}),
     "lr_warmup_fraction": ("warm up over this fraction of --lr-decay-iters (else --train-iters; with --train-samples: "
                            "of --lr-decay-samples, else --train-samples), as Megatron",
                            {"type": float, "metavar": "F"}),
@@ -157,8 +156,8 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("dataloader_type") not in (None, "single"):
         raise ConfigError(f"--dataloader-type {given['dataloader_type']}: omnitron reads in Megatron's 'single' order "
                           "only (each sample once per pass); drop the flag or use --dataloader-type single")
-    if given.get("tensorboard_dir"):
-        _alias(out, given, "tensorboard_dir", "log_dir", given["tensorboard_dir"])
+    if given.get("tensorboard_dir"):  # Megatron's events directory; metrics.jsonl goes there too unless --log-dir
+        out.setdefault("log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
     for key in ("lr_warmup_fraction", "no_position_embedding"):  # resolved on the merged settings (see resolve)
         if key in given:
