@@ -365,6 +365,8 @@ def _build(cls, merged: dict[str, Any], **extra):
 def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Settings:
     """Construct and cross-validate every config; raises ConfigError naming the flag and fix. One helper per
     concern below builds its configs and checks what it alone can, in this order."""
+    if "num_layers" not in merged and merged.get("encoder_num_layers"):  # Megatron's T5: --num-layers is the encoder's
+        merged = {**merged, "num_layers": merged["encoder_num_layers"]}
     missing = [o for o in ("num_layers", "hidden_size", "num_attention_heads") if o not in merged]
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)

@@ -94,6 +94,9 @@ ALIASES: dict[str, tuple[str, dict]] = {
                               {"action": "store_true"}),
     "dataloader_type": ("single (the only order omnitron reads in: each sample once per pass, from the checkpoint's "
                         "data position on)", {"metavar": "TYPE"}),
+    "freeze_LM": ("same as --freeze-language-model (LLaVA)", {"action": "store_true"}),
+    "freeze_ViT": ("same as --freeze-vision-model (LLaVA)", {"action": "store_true"}),
+    "disable_vision_class_token": ("same as --no-vision-class-token (LLaVA)", {"action": "store_true"}),
     "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
                             "turns it off)", {"action": "store_true"}),
 }
@@ -110,6 +113,8 @@ REFUSED: dict[str, tuple[str | None, str]] = {
     "no_save_optim": (None, "checkpoints always hold the optimizer state (resume needs it; --finetune loads "
                             "weights only); drop the flag"),
     "no_save_rng": (None, "checkpoints always hold the RNG states (--no-load-rng ignores them); drop the flag"),
+    "step_batch_size_schedule": ("SCHEDULE", "Megatron's step-wise batch-size schedule is not implemented; use "
+                                             "--rampup-batch-size START INCREMENT SAMPLES or a fixed --global-batch-size"),
     "fp8_param_gather": (None, "omnitron keeps the parameters in the training dtype and casts them to FP8 in each "
                                "linear, Megatron keeps them in FP8 (rounded once from the fp32 master, not twice "
                                "through bf16), so the FP8 weights differ; drop the flag (the FP8 recipe still runs)"),
@@ -146,6 +151,9 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _alias(out, given, "use_rotary_position_embeddings", "position_embedding_type", "rope")
     _alias(out, given, "recompute_activations", "recompute_granularity", "selective")
     _alias(out, given, "exit_signal_handler", "save_on_signal", True)
+    _alias(out, given, "freeze_LM", "freeze_language_model", True)
+    _alias(out, given, "freeze_ViT", "freeze_vision_model", True)
+    _alias(out, given, "disable_vision_class_token", "vision_class_token", False)
     if given.get("norm_epsilon") is not None:
         _alias(out, given, "norm_epsilon", "layernorm_epsilon", given["norm_epsilon"])
     if given.get("use_rope_scaling") and given.get("rope_scaling_factor") is None:
