@@ -68,7 +68,7 @@ def _args(layout, save, extra=()):
             "--max-position-embeddings", "16", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--num-workers", "0",
             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2", "--lr", "3e-3",
-            "--lr-warmup-iters", "1", "--lr-decay-style", "constant", "--clip-grad", "0.05", "--log-interval", "1",
+            "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--clip-grad", "0.05", "--log-interval", "1",
             "--seed", "7", "--no-tensorboard",
             "--save-interval", "1", "--save", save, "--data-cache-path", os.path.join(os.path.dirname(save), "cache"),
             *layout, *extra]

@@ -256,7 +256,7 @@ def _cfg(**kw) -> dict:
     (_cfg(hidden_act="gelu"), "hidden_act='gelu'"),
     (_cfg(intermediate_size=None), "config.json has no intermediate_size"),
     ({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 8, "vocab_size": V,
-      "activation_function": "gelu"}, "activation_function='gelu'"),
+      "activation_function": "relu"}, "activation_function='relu'"),
 ])
 def test_unsupported_config_names_the_field(cfg, match):
     with pytest.raises(HFConversionError, match=match):

@@ -275,18 +275,33 @@ def test_real_vocab_size():
         real_vocab_size({"tokenizer_type": "HuggingFaceTokenizer"})
 
 
+def test_gelu_kind_is_read_as_megatron_core_computes_it():
+    """Megatron-Core runs the tanh GeLU only inside its fused bias-GeLU (bias_gelu_fusion and biases), else
+    the exact one: the imported config computes the same, and the exported args say the same again."""
+    from omnitron.core.checkpoint.megatron import args_for, config_from_megatron
+    from omnitron.core.transformer.mlp import exact_gelu
+
+    cfg = _cfg("gpt2")
+    for over, exact in (({}, False), ({"bias_gelu_fusion": False}, True),
+                        ({"add_bias_linear": False, "bias_gelu_fusion": False}, True)):
+        args = vars(_args(cfg, 1, 1, **over))
+        got = config_from_megatron(args, vocab_size=V, dtype=torch.float32)
+        assert exact_gelu(got) is exact, over
+        back = args_for(got, 1, 1, 0, {}, "local")
+        assert back.bias_gelu_fusion is not exact and back.openai_gelu is False
+
+
 @pytest.mark.parametrize("case,message", [
     ("missing_shard", "mp_rank_01_001/model_optim_rng.pt is missing"),
     ("moe", "num_experts=8"),
     ("squared_relu", "squared_relu=True"),
-    ("erf_gelu", "exact (erf) GeLU"),
     ("no_args", "no 'args'"),
     ("wrong_shape", "has shape"),
     ("legacy_names", "legacy Megatron model names"),
     ("torch_dist", "a torch_dist checkpoint"),
 ])
 def test_import_errors(source, case, message, tmp_path, capsys):
-    over = {"moe": {"num_experts": 8}, "squared_relu": {"squared_relu": True}, "erf_gelu": {"bias_gelu_fusion": False},
+    over = {"moe": {"num_experts": 8}, "squared_relu": {"squared_relu": True},
             "wrong_shape": {"ffn_hidden_size": 96}}.get(case, {})
     meg = _make(tmp_path, source, "gpt2", **over)
     it = os.path.join(meg, "iter_0001234")

@@ -39,7 +39,7 @@ def _args(layout, save, extra=()):
             "--max-position-embeddings", "16", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--num-workers", "0",
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", str(2 * N), "--lr", "3e-3",
-            "--lr-warmup-iters", "1", "--clip-grad", "0.05", "--log-interval", "1", "--seed", "5", "--no-tensorboard",
+            "--lr-warmup-iters", "0", "--clip-grad", "0.05", "--log-interval", "1", "--seed", "5", "--no-tensorboard",
             "--save", save, "--data-cache-path", os.path.join(os.path.dirname(save), "cache"),
             "--ckpt-format", "torch", *layout, *extra]  # this file tests the torch format's resharding
 

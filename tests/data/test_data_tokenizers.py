@@ -143,3 +143,6 @@ def test_sentencepiece_tokenizer(tmp_path):
     assert tok.encode(text) == sp.encode(text)
     assert tok.decode(tok.encode(text)) == text
     assert (tok.vocab_size, tok.eod, tok.pad) == (300, sp.eos_id(), 3)
+    for megatron_name in ("Llama2Tokenizer", "GPTSentencePieceTokenizer"):  # Megatron's other names of it
+        same = build_tokenizer(megatron_name, tokenizer_model=str(tmp_path / "sp.model"))
+        assert (same.encode(text), same.eod) == (sp.encode(text), sp.eos_id())

@@ -81,8 +81,10 @@ def plain_gpt_loss(W, c, tokens, labels):
         if c.swiglu:
             gate, up = h.chunk(2, -1)
             h = F.silu(gate) * up
-        else:
+        elif c.bias_gelu_fusion and c.add_bias_linear:  # Megatron-Core: tanh only in its fused bias-GeLU kernel
             h = F.gelu(h, approximate="tanh")
+        else:  # --no-bias-gelu-fusion or --disable-bias-linear: F.gelu, exact
+            h = F.gelu(h)
         x = x + lin(h, p + "mlp.linear_fc2")
     x = _norm(x, W, "decoder.final_layernorm", c)
     out_w = W["output_layer.weight"] if c.untie_embeddings_and_output_weights else W["embedding.word_embeddings.weight"]
@@ -105,6 +107,10 @@ CASES = {
 CASES["llama_variants"] = dataclasses.replace(CASES["llama_gqa"], qk_layernorm=True, rotary_percent=0.5,
                                               rotary_interleaved=True, rope_scaling_factor=8.0, rotary_base=500.0,
                                               kv_channels=16)
+# exact (erf) GeLU as Megatron runs it: --no-bias-gelu-fusion, or no biases (tanh vs erf differ by up to 1e-3,
+# far above the 1e-5 bound below)
+CASES["gpt_exact_gelu"] = dataclasses.replace(CASES["gpt2"], bias_gelu_fusion=False)
+CASES["gpt_no_bias_gelu"] = dataclasses.replace(CASES["gpt2"], add_bias_linear=False)
 # --apply-layernorm-1p: the engine holds w - 1 for every norm's scale w (the reference gets w itself)
 CASES["gpt2_1p"] = dataclasses.replace(CASES["gpt2"], apply_layernorm_1p=True)
 CASES["llama_qk_1p"] = dataclasses.replace(CASES["llama_gqa"], apply_layernorm_1p=True, qk_layernorm=True)

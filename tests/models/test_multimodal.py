@@ -359,3 +359,8 @@ def test_train_settings_errors():
             parse_settings(base + extra, world_size=2)
     with pytest.raises(ConfigError, match="add --model-type multimodal"):
         parse_settings(["--model", "gpt2_tiny", "--img-h", "64"], world_size=1)
+    # LLaVA's launch-script spellings of the tower switches
+    mega = parse_settings(base + ["--freeze-LM", "--freeze-ViT", "--disable-vision-class-token"], world_size=1).model
+    own = parse_settings(base + ["--freeze-language-model", "--freeze-vision-model", "--no-vision-class-token"],
+                         world_size=1).model
+    assert mega == own and mega.freeze_language_model and mega.freeze_vision_model and not mega.vision_class_token

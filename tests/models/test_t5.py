@@ -217,6 +217,10 @@ def test_train_settings_for_t5(tmp_path):
             parse_settings(_train_args(tmp_path, *extra), world_size=2)
     with pytest.raises(ConfigError, match="add --model-type t5"):
         parse_settings(["--model", "gpt2_tiny", "--decoder-seq-length", "32"], world_size=1)
+    # Megatron's T5 scripts give --encoder-num-layers / --decoder-num-layers and no --num-layers
+    shape = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", "--mock-data"]
+    s = parse_settings(["--model-type", "t5", "--encoder-num-layers", "3", "--decoder-num-layers", "2", *shape], 1)
+    assert (s.model.num_layers, s.model.encoder_num_layers, s.model.decoder_num_layers) == (3, 3, 2)
 
 
 def test_train_command_loss_drops_and_checkpoint_reshards(tmp_path):

@@ -37,7 +37,7 @@ def test_schedule_gives_each_group_its_own_end_points(decoupled_min):
     sched = LRScheduler(cfg, train_iters=20)
     lo = 3e-5 if decoupled_min is None else decoupled_min  # Megatron: --decoupled-min-lr defaults to --min-lr
     for done in range(22):
-        i = done + 1
+        i = done  # the rate of the step after ``done`` successful ones: Megatron's lr(num_steps) before it
         # NOTE: both sides are a handful of float64 operations on the same values: equal to rounding
         assert sched.lr_for_step(done, 8) == pytest.approx(_cosine(i, 3e-5, 3e-4, 4, 20, 1e-5), rel=1e-12)
         assert sched.decoupled_lr_for_step(done, 8) == pytest.approx(_cosine(i, lo, 1e-3, 4, 20, 1e-5), rel=1e-12)
@@ -50,7 +50,7 @@ def test_checkpointed_schedule_keeps_the_decoupled_end_points():
     state = LRScheduler(cfg, train_iters=10).state_dict()
     other = LRScheduler(OptimizerConfig(lr=3e-4, lr_decay_style="linear"), train_iters=10)
     other.load_state_dict(state)  # the checkpoint's schedule is adopted, as for --lr
-    assert other.decoupled_lr_for_step(4, 1) == pytest.approx(1e-4 + (1e-3 - 1e-4) * (1 - 5 / 10), rel=1e-12)
+    assert other.decoupled_lr_for_step(4, 1) == pytest.approx(1e-4 + (1e-3 - 1e-4) * (1 - 4 / 10), rel=1e-12)
 
 
 def test_bad_decoupled_rates_are_refused():

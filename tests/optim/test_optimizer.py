@@ -152,7 +152,7 @@ def test_lr_schedules():
     lin = sched("linear")
     assert lin.lr(35) == pytest.approx(0.1 + 0.9 * 0.75)
     assert sched("constant").lr(100) == 1.0
-    wsd = sched("WSD", lr_wsd_decay_iters=20)
+    wsd = sched("WSD", lr_wsd_decay_iters=20, lr_wsd_decay_style="linear")
     assert wsd.lr(90) == 1.0 and wsd.lr(100) == pytest.approx(0.1 + 0.9 * 0.5) and wsd.lr(110) == pytest.approx(0.1)
     lrs = [cos.lr(i) for i in range(10, 111)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))

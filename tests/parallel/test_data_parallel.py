@@ -28,6 +28,7 @@ CASES = {  # name: (overlap, fp32 accumulation, reduce-scatter, dtype)
     "overlap": (True, False, False, torch.float32),
     "overlap_rs": (True, False, True, torch.float32),
     "bf16_fp32acc": (True, True, False, torch.bfloat16),
+    "bf16_bf16acc": (True, False, False, torch.bfloat16),  # --bf16 --grad-reduce-in-bf16: bf16 buffers and sums
 }
 
 

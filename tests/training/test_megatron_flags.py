@@ -24,11 +24,13 @@ def _same(a, b) -> None:
 def test_aliases_equal_omnitron_spelling(tmp_path):
     mega = parse_settings(BASE + ["--group-query-attention", "--num-query-groups", "2",
                                   "--use-rotary-position-embeddings", "--recompute-activations",
-                                  "--tensorboard-dir", str(tmp_path / "tb"), "--lr-warmup-fraction", "0.25"], 1)
+                                  "--lr-warmup-fraction", "0.25"], 1)
     own = parse_settings(BASE + ["--num-query-groups", "2", "--position-embedding-type", "rope",
-                                 "--recompute-granularity", "selective", "--log-dir", str(tmp_path / "tb"),
-                                 "--lr-warmup-iters", "10"], 1)
+                                 "--recompute-granularity", "selective", "--lr-warmup-iters", "10"], 1)
     _same(mega, own)
+    # --tensorboard-dir D: events in D itself (Megatron's place), metrics.jsonl there too unless --log-dir
+    tb = parse_settings(BASE + ["--tensorboard-dir", str(tmp_path / "tb")], 1).logging
+    assert tb.tensorboard_dir == tb.log_dir == str(tmp_path / "tb") and tb.tensorboard
     # Megatron's rule: warm-up = fraction x the decay iterations when they are given
     frac = parse_settings(BASE + ["--lr-decay-iters", "30", "--lr-warmup-fraction", "0.5"], 1)
     assert frac.optim.lr_warmup_iters == 15
@@ -136,7 +138,7 @@ LLAMA3_8B = """
 --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather
 --tensor-model-parallel-size 2 --context-parallel-size 1 --sequence-parallel
 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
---mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --tiktoken-pattern v2 --split 99,1,0
+--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --tiktoken-pattern v2 --split '99,1,0'
 --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
 --log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile
 --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
@@ -144,14 +146,19 @@ LLAMA3_8B = """
 
 
 def test_megatron_llama3_launch_line_trains(tmp_path):
-    """The script's line (paths and sizes swapped for tiny ones) parses and trains 3 iterations at tp2."""
+    """The script's line (paths and sizes swapped for tiny ones; ``'99,1,0'`` with the quotes its word splitting
+    leaves in) parses and trains 3 iterations at tp2, once --fp8-param-gather (refused: FP8 parameters round
+    differently) is dropped."""
     import json
     import subprocess
     import sys
 
+    with pytest.raises(ConfigError, match="^--fp8-param-gather: "):
+        parse_settings(LLAMA3_8B + ["--vocab-size", "256"], 2)
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
-    args = LLAMA3_8B + ["--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tb), "--data-cache-path",
-                        str(tmp_path / "cache"), "--vocab-size", "256", "--nproc-per-node", "2"]
+    args = [a for a in LLAMA3_8B if a != "--fp8-param-gather"] + [
+        "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tb), "--data-cache-path",
+        str(tmp_path / "cache"), "--vocab-size", "256", "--nproc-per-node", "2"]
     import os
     import pathlib
 
@@ -163,10 +170,12 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
     recs = [json.loads(line) for line in open(tb / "metrics.jsonl")]
     assert [r["iteration"] for r in recs] == [1, 2, 3] and [r["consumed_samples"] for r in recs] == [4, 8, 12]
     said = proc.stdout + proc.stderr
-    # --decoupled-lr: logged beside lr, as Megatron; warmup over 4 samples of 4 per step reaches the peak at once
-    assert " | decoupled lr 5.000e-04 | " in said and recs[0]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
-    for flag in ("--use-mcore-models", "--attention-backend", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
-                 "--fp8-param-gather", "--no-mmap-bin-files", "--tiktoken-pattern"):
+    # --decoupled-lr: logged beside lr, as Megatron; the warm-up over 4 samples of 4 per step applies lr(0 samples) =
+    # 0 to the first step and the peak to the second (Megatron's scheduler counts the samples before the step)
+    assert " | decoupled lr 5.000e-04 | " in said and recs[1]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
+    assert recs[0]["lr"] == 0.0 and recs[0]["decoupled_lr"] == 0.0
+    for flag in ("--use-mcore-models", "--attention-backend", "--cross-entropy-loss-fusion", "--no-mmap-bin-files",
+                 "--tiktoken-pattern"):
         assert f"{flag}: accepted; " in said, flag
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"
 
@@ -185,7 +194,7 @@ def test_every_selector_changes_nothing_and_says_what_runs(caplog):
     from omnitron.core.training.megatron_flags import SELECTORS
 
     plain = parse_settings(BASE, 1)
-    for dest, (metavar, instead) in SELECTORS.items():
+    for dest, (metavar, instead, _) in SELECTORS.items():
         flag = "--" + dest.replace("_", "-")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="omnitron.train"):

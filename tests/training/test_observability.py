@@ -177,7 +177,7 @@ def test_timers_reach_tensorboard_only_when_asked(tmp_path, to_tensorboard, caps
                     "step_time_s": 0.5, "tokens_per_sec": 10.0, "log": {"timers_optimizer_ms": 3.0, "params_norm": 2.0},
                     "log_lines": ["timers (ms, max over ranks): optimizer 3.00"]})
     logger.close()
-    assert "params_norm" in board.keys and ("timers_optimizer_ms" in board.keys) == to_tensorboard
+    assert "params-norm" in board.keys and ("timers_optimizer_ms" in board.keys) == to_tensorboard
     assert json.loads(open(tmp_path / "metrics.jsonl").read())["timers_optimizer_ms"] == 3.0  # always in the file
     assert capsys.readouterr().out.splitlines()[-1] == "timers (ms, max over ranks): optimizer 3.00"
 

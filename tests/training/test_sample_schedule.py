@@ -73,11 +73,11 @@ def test_sample_schedule_follows_the_ramp():
     """Cosine over samples with warmup from --lr-warmup-init, along a ramp, against the float64 formula."""
     ramp, lr, min_lr, init, warm, decay = BatchRamp(16, 2, (4, 4, 210)), 3e-3, 3e-5, 1e-4, 40, 600
     sched = LRScheduler(OptimizerConfig(lr=lr, min_lr=min_lr, lr_warmup_samples=warm, lr_decay_samples=decay,
-                                        lr_warmup_init=init), 80, 1000)
+                                        lr_warmup_init=init, lr_decay_style="cosine"), 80, 1000)
     consumed = 0
     for step in range(80):
         b = ramp.global_batch(consumed)
-        p = consumed + b
+        p = consumed  # Megatron: the rate of a step is lr(samples consumed before it)
         if p <= warm:
             want = init + (lr - init) * p / warm
         else:
@@ -85,7 +85,7 @@ def test_sample_schedule_follows_the_ramp():
         # both sides are float64 evaluations of the same expression in other orders: a few ulp (~1e-16) apart
         assert sched.lr_for_step(step, b) == pytest.approx(want, rel=1e-12)
         sched.advance(b)
-        consumed = p
+        consumed = p + b
 
 
 def test_schedule_unit_refusals():

@@ -36,6 +36,7 @@ import torch
 
 from omnitron.core.checkpoint.io import CheckpointError
 from omnitron.core.checkpoint.safe_load import load_untrusted
+from omnitron.core.transformer.mlp import exact_gelu
 from omnitron.core.transformer.qkv import fuse_qkv, split_qkv
 
 
@@ -81,8 +82,8 @@ def config_from_hf(hf: dict):
 
 
 def _gpt2_fields(hf: dict) -> dict:
-    _check(hf, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
-           "omnitron's GPT-2 MLP uses the tanh GeLU (gelu_new)")
+    _check(hf, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh", "gelu"),
+           "omnitron's GPT-2 MLP runs the tanh GeLU (gelu_new) or, with --no-bias-gelu-fusion, the exact one (gelu)")
     _check(hf, "scale_attn_weights", bool, "omnitron always scales attention scores by 1/sqrt(head_dim)")
     _check(hf, "scale_attn_by_inverse_layer_idx", lambda v: not v, "no per-layer attention scaling in omnitron")
     _check(hf, "add_cross_attention", lambda v: not v, "omnitron models are decoder-only")
@@ -93,7 +94,8 @@ def _gpt2_fields(hf: dict) -> dict:
                 max_position_embeddings=n, seq_length=n, layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
                 untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
                 hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
-                init_method_std=hf.get("initializer_range", 0.02))
+                init_method_std=hf.get("initializer_range", 0.02),
+                bias_gelu_fusion=hf.get("activation_function", "gelu_new") != "gelu")
 
 
 def _rope(hf: dict) -> tuple[float, float]:
@@ -169,7 +171,8 @@ def config_to_hf(cfg) -> dict:
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
                 "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
                 "n_positions": max_positions(cfg), "n_ctx": max_positions(cfg), "vocab_size": cfg.vocab_size,
-                "layer_norm_epsilon": cfg.layernorm_epsilon, "activation_function": "gelu_new",
+                "layer_norm_epsilon": cfg.layernorm_epsilon,
+                "activation_function": "gelu" if exact_gelu(cfg) else "gelu_new",
                 "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
                 "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
                 "scale_attn_weights": True, "tie_word_embeddings": tie, "torch_dtype": dtype}

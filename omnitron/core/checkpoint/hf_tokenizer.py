@@ -16,7 +16,7 @@ import shutil
 
 def write_tokenizer(run: dict, out_dir: str) -> int | None:
     """Tokenizer files of ``run`` (a checkpoint's flat config) into ``out_dir``; the eod id or None."""
-    from omnitron.core.data.tokenizers import GPT2_MERGES, GPT2_VOCAB, build_tokenizer
+    from omnitron.core.data.tokenizers import GPT2_MERGES, GPT2_VOCAB, SENTENCEPIECE_TYPES, build_tokenizer
 
     kind = run.get("tokenizer_type")
     if kind == "GPT2BPETokenizer":
@@ -38,7 +38,7 @@ def write_tokenizer(run: dict, out_dir: str) -> int | None:
 
         _config(out_dir, "PreTrainedTokenizerFast", Tokenizer.from_file(model).id_to_token(tok.eod))
         return tok.eod
-    if kind == "SentencePieceTokenizer" and model and os.path.isfile(model):
+    if kind in SENTENCEPIECE_TYPES and model and os.path.isfile(model):
         return _sentencepiece(model, out_dir)
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return _wordpiece(run, kind, out_dir)

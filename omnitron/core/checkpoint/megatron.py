@@ -167,8 +167,7 @@ def _need(args: dict, key: str):
 
 def _reject_unsupported(args: dict) -> None:
     """Raise naming the first Megatron setting omnitron's GPT model does not compute."""
-    swiglu, bias = bool(args.get("swiglu")), args.get("add_bias_linear", True)
-    tanh_gelu = args.get("openai_gelu") or (args.get("bias_gelu_fusion", True) and bias)
+    bias = args.get("add_bias_linear", True)
     checks = [("num_experts", not args.get("num_experts"), "Mixture-of-Experts checkpoints are not supported"),
               ("normalization", args.get("normalization", "LayerNorm") in ("LayerNorm", "RMSNorm"),
                "omnitron has LayerNorm and RMSNorm"),
@@ -180,9 +179,7 @@ def _reject_unsupported(args: dict) -> None:
               ("add_qkv_bias", bias or not args.get("add_qkv_bias"), "omnitron puts biases on every linear or none"),
               ("multi_latent_attention", not args.get("multi_latent_attention"), "no multi-latent attention"),
               ("mtp_num_layers", not args.get("mtp_num_layers"), "no multi-token prediction layers"),
-              ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights"),
-              ("bias_gelu_fusion", swiglu or tanh_gelu, "Megatron ran the exact (erf) GeLU (no bias-GeLU fusion); "
-               "omnitron's GPT MLP uses the tanh GeLU, so the logits would differ")]
+              ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
     for key, ok, why in checks:
         if not ok:
             raise MegatronConversionError(f"the checkpoint's args have {key}={args.get(key)!r}: {why}")
@@ -220,6 +217,10 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      hidden_dropout=args.get("hidden_dropout", 0.1),
                      attention_dropout=args.get("attention_dropout", 0.1),
                      add_bias_linear=bool(args.get("add_bias_linear", True)),
+                     # only where it decides the GeLU (biases on, no SwiGLU): elsewhere the default, as omnitron's
+                     # own runs record it (Megatron turns it off with --disable-bias-linear)
+                     bias_gelu_fusion=bool(args.get("swiglu")) or not args.get("add_bias_linear", True)
+                     or bool(args.get("bias_gelu_fusion", True)),
                      qk_layernorm=bool(args.get("qk_layernorm")),
                      apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),
                      init_method_std=args.get("init_method_std", 0.02), params_dtype=dtype)
@@ -262,7 +263,8 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         add_bias_linear=cfg.add_bias_linear, add_qkv_bias=False, qk_layernorm=cfg.qk_layernorm,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
-        bias_gelu_fusion=cfg.add_bias_linear and not cfg.swiglu, openai_gelu=not cfg.add_bias_linear and not cfg.swiglu,
+        # Megatron-Core's MLP runs the tanh GeLU iff bias_gelu_fusion and biases (it ignores openai_gelu)
+        bias_gelu_fusion=cfg.bias_gelu_fusion and cfg.add_bias_linear, openai_gelu=False,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, params_dtype=dt, bf16=dt == torch.bfloat16, fp16=dt == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,

@@ -23,16 +23,17 @@ class OptimizerConfig:
     """--lr: peak learning rate, reached at the end of warmup."""
     min_lr: float = 0.0
     """--min-lr: the rate the decay ends at (and stays at afterwards)."""
-    lr_decay_style: str = "cosine"
-    """--lr-decay-style {constant,linear,cosine,WSD}."""
+    lr_decay_style: str = "linear"
+    """--lr-decay-style {constant,linear,cosine,inverse-square-root,WSD} (Megatron's default: linear)."""
     lr_warmup_iters: int = 0
     """--lr-warmup-iters: linear warmup from 0 to --lr over this many iterations."""
     lr_decay_iters: int | None = None
     """--lr-decay-iters: iteration where the decay ends (default: --train-iters)."""
     lr_wsd_decay_iters: int | None = None
     """--lr-wsd-decay-iters: length of the final decay phase of WSD (default: 10% of the decay span)."""
-    lr_wsd_decay_style: str = "linear"
-    """--lr-wsd-decay-style {linear,cosine,exponential}: shape of WSD's final decay."""
+    lr_wsd_decay_style: str = "exponential"
+    """--lr-wsd-decay-style {linear,cosine,exponential,minus_sqrt}: shape of WSD's final decay (Megatron's default:
+    exponential, ``2 * 0.5**ratio - 1``)."""
     lr_warmup_samples: int = 0
     """--lr-warmup-samples: with --train-samples, warm up over this many samples (the schedule counts samples)."""
     lr_decay_samples: int | None = None
@@ -92,12 +93,12 @@ class OptimizerConfig:
         if self.onebit_freeze_step is not None and self.onebit_freeze_step < 1:
             raise ConfigError(f"--onebit-freeze-step must be >= 1 (the variance needs warm-up steps), got "
                               f"{self.onebit_freeze_step}")
-        if self.lr_decay_style not in ("constant", "linear", "cosine", "WSD"):
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root", "WSD"):
             raise ConfigError(f"--lr-decay-style {self.lr_decay_style!r} is not supported; "
-                              "use constant, linear, cosine or WSD")
-        if self.lr_wsd_decay_style not in ("linear", "cosine", "exponential"):
+                              "use constant, linear, cosine, inverse-square-root or WSD")
+        if self.lr_wsd_decay_style not in ("linear", "cosine", "exponential", "minus_sqrt"):
             raise ConfigError(f"--lr-wsd-decay-style {self.lr_wsd_decay_style!r} is not supported; "
-                              "use linear, cosine or exponential")
+                              "use linear, cosine, exponential or minus_sqrt")
         if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.lr})")
         if self.lr_warmup_iters < 0 or self.lr_warmup_samples < 0:
@@ -266,6 +267,10 @@ class LoggingConfig:
     """--log-dir: metrics.jsonl and TensorBoard events (default: --save, else ./runs/<timestamp>)."""
     tensorboard: bool = True
     """--no-tensorboard turns TensorBoard events off (they are written only when installed)."""
+    tensorboard_dir: str | None = None
+    """--tensorboard-dir: write the TensorBoard events in this directory itself, with Megatron's tag names
+    (``lm loss``, ``learning-rate``, ...), as Megatron (default: LOG_DIR/tensorboard); also the --log-dir when
+    that is not given."""
     progress_bar: bool | None = None
     """--progress-bar / --no-progress-bar (default: on when stdout is a terminal)."""
     timing_log_level: int = 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ConfigError
@@ -85,9 +86,14 @@ class DataConfig:
 
 
 def split_weights(split: str) -> list[float]:
-    """``"969,30,1"`` -> normalised [train, valid, test] weights (missing parts are 0)."""
+    """``"969,30,1"`` -> normalised [train, valid, test] weights (missing parts are 0). As Megatron (which reads the
+    numbers with ``re.findall(r"[.0-9]+", split)``), quotes a launch script left in (``'99,1,0'``) are ignored;
+    anything else that is not a number or a separator is refused."""
+    text = str(split)
+    if re.sub(r"[.0-9]+|[,/\s'\"]", "", text) or not re.findall(r"[0-9]", text):
+        raise ConfigError(f"--split {split!r}: expected up to three comma-separated numbers like 969,30,1")
     try:
-        parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+        parts = [float(x) for x in re.findall(r"[.0-9]+", text)]
     except ValueError:
         raise ConfigError(f"--split {split!r}: expected up to three comma-separated numbers like 969,30,1") from None
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:

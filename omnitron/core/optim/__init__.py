@@ -6,7 +6,7 @@
   parallel ranks (ZeRO-1, ``--use-distributed-optimizer``); same checkpoint format.
 * :class:`~omnitron.core.optim.fsdp.FSDP2Optimizer` — the same step on FSDP2's sharded fp32 parameters,
   which are their own masters (``--use-torch-fsdp2``; torch_dist checkpoints only).
-* :class:`LRScheduler` — warmup + constant/linear/cosine/WSD; ``lr(iteration)``.
+* :class:`LRScheduler` — Megatron's warmup + constant/linear/cosine/inverse-square-root/WSD; ``lr(progress)``.
 * :func:`global_grad_norm` — the single-process-equal norm over tp/pp/cp ranks.
 """
 from omnitron.core.optim.clip import global_grad_norm

@@ -1,9 +1,11 @@
-"""Learning-rate schedules: linear warmup, then constant / linear / cosine / WSD decay to --min-lr.
+"""Learning-rate schedules: linear warmup, then constant / linear / cosine / inverse-square-root / WSD decay to
+--min-lr: Megatron-Core's ``OptimizerParamScheduler`` (megatron/core/optimizer_param_scheduler.py at d98e8a6).
 
-``lr(progress)`` is a pure function of the 1-based iteration whose optimizer step uses it, or, in a
-``--train-samples`` run, of the samples consumed by the successful steps up to and including it
-(Megatron's sample-counted schedule, which follows a ``--rampup-batch-size`` ramp). A resumed run
-continues the exact schedule from the optimizer's step count or the state dict's sample count.
+``lr(progress)`` is a pure function of the progress *before* the step that applies it, as Megatron: the
+successful steps so far, or, in a ``--train-samples`` run, the samples they consumed (Megatron's scheduler
+starts at ``step(0)`` and advances after each successful optimizer step, so the first step of a warm-up from
+0 applies lr 0). A resumed run continues the exact schedule from the optimizer's step count or the state
+dict's sample count.
 With ``--decoupled-lr`` the input embedding and output layer follow the same shape between
 ``--decoupled-lr`` and ``--decoupled-min-lr`` (Megatron's per-group max_lr / min_lr).
 """
@@ -16,13 +18,14 @@ from omnitron.core.config.training import OptimizerConfig
 
 class LRScheduler:
     """Megatron's schedule shapes, counted in iterations or (``train_samples`` given: a ``--train-samples``
-    run) in samples. NOTE: step ``i`` (1-based) of warmup uses ``lr * i / warmup`` (in samples: the samples
-    consumed with that step), so the first step already moves (Megatron's first warmup step uses lr 0)."""
+    run) in samples. NOTE: step ``i`` (1-based) of warmup applies ``lr * (i - 1) / warmup`` (in samples: the
+    samples consumed before it), so with --lr-warmup-init 0 the first step applies lr 0, as Megatron's."""
 
     _KEYS = ("max_lr", "min_lr", "style", "warmup", "decay_iters", "wsd_decay", "wsd_style", "unit", "warmup_init",
              "samples", "decoupled_max_lr", "decoupled_min_lr")
 
-    def __init__(self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None) -> None:
+    def __init__(self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None,
+                 global_batch_size: int = 1) -> None:
         self.max_lr, self.min_lr, self.warmup_init = config.lr, config.min_lr, config.lr_warmup_init
         self.decoupled_max_lr = config.decoupled_lr
         self.decoupled_min_lr = config.decoupled_min_lr_or_default if config.decoupled_lr is not None else None
@@ -37,6 +40,9 @@ class LRScheduler:
         span = max(self.decay_iters - self.warmup, 0)
         self.wsd_decay = wsd if wsd is not None else max(span // 10, 1)
         self.wsd_style = config.lr_wsd_decay_style
+        self.per_step = 1 if train_samples else global_batch_size
+        """Samples per unit of progress: Megatron counts an iteration run in samples too (iterations x
+        --global-batch-size), which only the inverse square root's floor of one sample can tell apart."""
         self.samples = 0
         """Samples of the successful steps so far (the progress of a sample-counted schedule)."""
 
@@ -51,34 +57,33 @@ class LRScheduler:
         return self.lr(self._progress(successful_steps, batch), self.decoupled_max_lr, self.decoupled_min_lr)
 
     def _progress(self, successful_steps: int, batch: int) -> int:
-        return self.samples + batch if self.unit == "samples" else successful_steps + 1
+        """Megatron's ``num_steps`` when the step runs: what the successful steps before it consumed."""
+        return self.samples if self.unit == "samples" else successful_steps
 
     def advance(self, batch: int) -> None:
         """Count a successful step of ``batch`` sequences (a skipped fp16 step keeps its rate, as Megatron)."""
         self.samples += batch
 
-    def lr(self, progress: int, max_lr: float | None = None, min_lr: float | None = None) -> float:
-        """Learning rate at ``progress``: the 1-based iteration, or the samples consumed with the step;
-        ``max_lr``/``min_lr``: another group's end points (default: --lr and --min-lr)."""
+    def lr(self, progress: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """Learning rate at ``progress`` (successful steps, or samples, before the step); ``max_lr``/``min_lr``:
+        another group's end points (default: --lr and --min-lr). Megatron's ``get_lr``, branch for branch."""
         max_lr = self.max_lr if max_lr is None else max_lr
         min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup > 0 and progress <= self.warmup:
-            return self.warmup_init + (max_lr - self.warmup_init) * progress / self.warmup
+            return self.warmup_init + (max_lr - self.warmup_init) * float(progress) / float(self.warmup)
         if self.style == "constant":
             return max_lr
-        if progress >= self.decay_iters:
+        if progress > self.decay_iters:
             return min_lr
-        delta = max_lr - min_lr
+        if self.style == "inverse-square-root":
+            g = self.per_step
+            return max(min_lr, max_lr * max(self.warmup * g, 1) ** 0.5 / max(progress * g, 1) ** 0.5)
         if self.style == "WSD":
             start = self.decay_iters - self.wsd_decay
-            if progress <= start:
-                return max_lr
-            ratio = (progress - start) / self.wsd_decay
-            coeff = _shape(self.wsd_style, ratio)
+            coeff = 1.0 if progress <= start else _shape(self.wsd_style, (progress - start) / self.wsd_decay)
         else:
-            ratio = (progress - self.warmup) / max(self.decay_iters - self.warmup, 1)
-            coeff = _shape(self.style, ratio)
-        return min_lr + coeff * delta
+            coeff = _shape(self.style, (progress - self.warmup) / max(self.decay_iters - self.warmup, 1))
+        return min_lr + coeff * (max_lr - min_lr)
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._KEYS}
@@ -93,12 +98,15 @@ class LRScheduler:
 
 
 def _shape(style: str, ratio: float) -> float:
-    """Decay coefficient in [0, 1] for progress ``ratio`` in [0, 1]."""
+    """Decay coefficient in [0, 1] for progress ``ratio`` in [0, 1] (Megatron's formulas; its WSD
+    ``exponential`` is ``2 * 0.5**ratio - 1``, which reaches 0 at the end)."""
     ratio = min(max(ratio, 0.0), 1.0)
     if style == "linear":
         return 1.0 - ratio
     if style == "cosine":
         return 0.5 * (math.cos(math.pi * ratio) + 1.0)
     if style == "exponential":
-        return 0.5 ** (10.0 * ratio) if ratio < 1.0 else 0.0
+        return 2.0 * math.pow(0.5, ratio) - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(ratio)
     raise ValueError(f"unknown decay shape {style!r}")

@@ -367,6 +367,8 @@ def _build(cls, merged: dict[str, Any], **extra):
 def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Settings:
     """Construct and cross-validate every config; raises ConfigError naming the flag and fix. One helper per
     concern below builds its configs and checks what it alone can, in this order."""
+    if "num_layers" not in merged and merged.get("encoder_num_layers"):  # Megatron's T5: --num-layers is the encoder's
+        merged = {**merged, "num_layers": merged["encoder_num_layers"]}
     missing = [o for o in ("num_layers", "hidden_size", "num_attention_heads") if o not in merged]
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
@@ -528,13 +530,18 @@ def _fp8_settings(merged: dict[str, Any]):
 
 
 def _ddp_settings(merged: dict[str, Any], precision: PrecisionConfig):
-    """The data-parallel config (bf16: gradients accumulated and all-reduced in fp32)."""
+    """The data-parallel config (bf16: gradients accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16)."""
     from dataclasses import replace
 
     ddp = _build(_ddp_config_class(), merged) if _ddp_config_class() else None
-    if ddp is not None and precision.bf16:
+    if ddp is None:
+        return None
+    if ddp.grad_reduce_in_bf16 and ddp.accumulate_allreduce_grads_in_fp32:
+        raise ConfigError("--grad-reduce-in-bf16 reduces gradients in bf16, --accumulate-allreduce-grads-in-fp32 in "
+                          "fp32: drop one of them")
+    if precision.bf16 and not ddp.grad_reduce_in_bf16:
         # as Megatron: bf16 training accumulates and all-reduces gradients in fp32 (bf16 sums of
-        # many micro-batches lose the small contributions)
+        # many micro-batches lose the small contributions) unless --grad-reduce-in-bf16 asks for bf16
         ddp = replace(ddp, accumulate_allreduce_grads_in_fp32=True)
     return ddp
 

@@ -182,7 +182,7 @@ def build_components(settings, backend) -> Components:
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
     t = settings.training
-    scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples)
+    scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples, t.global_batch_size)
     train, valid = build_data(settings, tokenizer, groups, backend.collectives)
     c = Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
                    optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=None, train_data=train,

@@ -165,7 +165,7 @@ def train(settings, backend, watchdog=None) -> dict:
     logger = MetricsLogger(log_dir=log_dir, log_interval=lg.log_interval, train_iters=t.train_iters, enabled=rank0,
                            tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,
                            throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard,
-                           wandb=_wandb_run(settings, log_dir) if rank0 else None)
+                           wandb=_wandb_run(settings, log_dir) if rank0 else None, tensorboard_dir=lg.tensorboard_dir)
     timers, profiler = _observers(c, log_dir)
     straggler = None
     if lg.log_straggler:
@@ -208,7 +208,7 @@ def train(settings, backend, watchdog=None) -> dict:
                 with watchdog.deadline(f"validation after iteration {c.iteration}"):
                     val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
                 validation.append({"iteration": c.iteration, **val})
-                logger.validation(c.iteration, val)
+                logger.validation(c.iteration, val, c.consumed_samples)
                 house.after_eval()
             if deadline is not None and time.monotonic() >= deadline:
                 stop.requested = True  # --exit-duration-in-mins: agreed over the ranks like a signal

@@ -1,14 +1,18 @@
 """Megatron-LM flags with no field of their own, so that a Megatron launch script runs unchanged.
 
-Two kinds:
+Three kinds:
 
 * **aliases** onto omnitron's settings (``--use-rotary-position-embeddings`` is
   ``--position-embedding-type rope``; ``--recompute-activations`` is ``--recompute-granularity selective``;
-  ``--tensorboard-dir D`` is ``--log-dir D``; ``--lr-warmup-fraction F`` sets the warm-up to ``F`` of the
+  ``--lr-warmup-fraction F`` sets the warm-up to ``F`` of the
   decay iterations, as Megatron does; ``--group-query-attention`` asks for ``--num-query-groups``);
 * **implementation selectors** (``--use-flash-attn``, ``--transformer-impl``, ``--no-masked-softmax-fusion``,
   ...): omnitron picks the fused kernel per backend itself (``omnitron info`` lists them), so these are
-  accepted and each says in one line what runs instead.
+  accepted and each says in one line what runs instead, and gives the reason the trained model is the one
+  Megatron's run with the flag trains (a flag that would change the maths is not a selector);
+* **refused** flags: Megatron computes something omnitron does not; each stops before any work with the reason.
+
+docs/megatron-flags.md is the audit of every such flag (:mod:`omnitron.core.training.megatron_audit` writes it).
 
 :func:`add_megatron_flags` puts them in their own help group; :func:`translate` turns the given values
 into omnitron's (called on command-line and config-file settings alike) and returns the lines to log.
@@ -22,45 +26,58 @@ from typing import Any
 from omnitron.core.config.parallel import ConfigError
 
 _KERNELS = "the backend's kernel table picks the fused kernels (see `omnitron info`)"
-SELECTORS: dict[str, tuple[str | None, str]] = {
-    # dest: (metavar for a flag with a value, or None for a switch; what runs instead)
-    "use_flash_attn": (None, "attention runs the backend's fused attention where it has one"),
-    "attention_backend": ("NAME", "attention runs the backend's fused attention where it has one"),
-    "transformer_impl": ("NAME", "omnitron's own transformer layers run (no Transformer Engine binding)"),
-    "use_mcore_models": (None, "omnitron's models are Megatron-Core's layout already"),
-    "no_masked_softmax_fusion": (None, _KERNELS),
-    "no_bias_gelu_fusion": (None, _KERNELS),
-    "no_bias_swiglu_fusion": (None, _KERNELS),
-    "no_bias_dropout_fusion": (None, _KERNELS),
-    "no_rope_fusion": (None, _KERNELS),
-    "no_persist_layer_norm": (None, _KERNELS),
-    "no_gradient_accumulation_fusion": (None, "gradients accumulate into the fp32 main_grad buffers as always"),
-    "attention_softmax_in_fp32": (None, "the softmax is computed in fp32 always"),
+_FUSED = ("a fused kernel computes the function its unfused form does (each kernel is tested against its "
+          "plain-torch reference, tests/kernels)")
+_PERF = "it chooses how the work is scheduled or communicated, not what is computed"
+_LOG = "it changes what is logged, not what is trained"
+SELECTORS: dict[str, tuple[str | None, str, str]] = {
+    # dest: (metavar for a flag with a value, or None for a switch; what runs instead; why the trained model is
+    # the one Megatron's run with the flag trains). A flag that changes the maths has a field of its own
+    # (--no-bias-gelu-fusion, --grad-reduce-in-bf16) or is in REFUSED: docs/megatron-flags.md is this table.
+    "use_flash_attn": (None, "attention runs the backend's fused attention where it has one", _FUSED),
+    "attention_backend": ("NAME", "attention runs the backend's fused attention where it has one", _FUSED),
+    "transformer_impl": ("NAME", "omnitron's own transformer layers run (no Transformer Engine binding)",
+                         "Transformer Engine's and Megatron's local layers compute the same layer"),
+    "use_mcore_models": (None, "omnitron's models are Megatron-Core's layout already", "it is the only layout"),
+    "no_masked_softmax_fusion": (None, _KERNELS, _FUSED),
+    "no_bias_swiglu_fusion": (None, _KERNELS, _FUSED + "; SwiGLU has no approximation, fused or not"),
+    "no_bias_dropout_fusion": (None, _KERNELS, _FUSED),
+    "no_rope_fusion": (None, _KERNELS, _FUSED),
+    "no_persist_layer_norm": (None, _KERNELS, _FUSED),
+    "no_gradient_accumulation_fusion": (None, "gradients accumulate into the main_grad buffers as always",
+                                        "Megatron accumulates into the same buffers either way"),
+    "attention_softmax_in_fp32": (None, "the softmax is computed in fp32 always", "the flag asks for exactly that"),
     "apply_query_key_layer_scaling": (None, "the softmax is computed in fp32 always (what this scaling protects "
-                                            "fp16 from)"),
-    "cross_entropy_loss_fusion": (None, _KERNELS),
-    "moe_grouped_gemm": (None, "each local expert runs its own GEMMs (no grouped-GEMM kernel)"),
-    "moe_token_dispatcher_type": ("TYPE", "tokens go to their experts by all-to-all over the expert-parallel group"),
+                                            "fp16 from)", "Megatron divides the scores by the layer number and "
+                                      "multiplies them back inside the fp32 softmax: the same function"),
+    "cross_entropy_loss_fusion": (None, _KERNELS, _FUSED),
+    "moe_grouped_gemm": (None, "each local expert runs its own GEMMs (no grouped-GEMM kernel)",
+                         "a grouped GEMM is the per-expert GEMMs in one launch (Megatron's SequentialMLP computes "
+                         "the same experts one by one); only the speed differs"),
+    "moe_token_dispatcher_type": ("TYPE", "tokens go to their experts by all-to-all over the expert-parallel group",
+                                  "Megatron's allgather, alltoall and flex dispatchers move the same routed tokens "
+                                  "to the same experts and combine them with the same weights; " + _PERF),
     "no_create_attention_mask_in_dataloader": (None, "the data loader never builds attention masks (causal "
-                                                     "attention needs none)"),
-    "no_mmap_bin_files": (None, "the .bin files are read through a read-only memory map"),
-    "no_async_tensor_model_parallel_allreduce": (None, "tensor-parallel all-reduces run in issue order"),
-    "tp_comm_overlap": (None, "tensor-parallel communication is not overlapped with the GEMMs (no userbuffers)"),
-    "fp8_param_gather": (None, "the distributed optimizer gathers parameters in the training dtype; the linears "
-                               "cast them to FP8"),
-    "grad_reduce_in_bf16": (None, "with --bf16 gradients are accumulated and reduced in fp32"),
-    "tiktoken_pattern": ("PATTERN", "only TikTokenizer reads it"),
+                                                     "attention needs none)", _PERF),
+    "no_mmap_bin_files": (None, "the .bin files are read through a read-only memory map",
+                          "the same bytes are read either way"),
+    "no_async_tensor_model_parallel_allreduce": (None, "tensor-parallel all-reduces run in issue order", _PERF),
+    "tp_comm_overlap": (None, "tensor-parallel communication is not overlapped with the GEMMs (no userbuffers)",
+                        _PERF + "; only the speed differs"),
+    "tiktoken_pattern": ("PATTERN", "only TikTokenizer reads it", "as Megatron: other tokenizers ignore it"),
     "distributed_backend": ("NAME", "the backend's own collectives library is used (OMNITRON_BACKEND / --backend "
-                                    "picks the backend)"),
-    "log_world_size_to_tensorboard": (None, "the run's header line gives the layout and world size"),
-    "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size"),
-    "log_loss_scale_to_tensorboard": (None, "every record carries loss_scale"),
-    "log_validation_ppl_to_tensorboard": (None, "validation records carry val_ppl"),
-    "tensorboard_log_interval": ("N", "TensorBoard gets every record, at --log-interval"),
-    "tensorboard_queue_size": ("N", "the TensorBoard writer's own queue size is used"),
-    "use_pytorch_profiler": (None, "--profile always traces with torch.profiler"),
-    "fp8_interval": ("N", "FP8 scaling factors are updated every step (Megatron deprecated the interval)"),
-    "rerun_mode": ("MODE", "no iteration is ever re-run (Megatron's 'disabled')"),
+                                    "picks the backend)", _PERF),
+    "log_world_size_to_tensorboard": (None, "the run's header line gives the layout and world size", _LOG),
+    "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size", _LOG),
+    "log_loss_scale_to_tensorboard": (None, "every record carries loss_scale", _LOG),
+    "log_validation_ppl_to_tensorboard": (None, "validation records carry val_ppl", _LOG),
+    "tensorboard_log_interval": ("N", "TensorBoard gets every record, at --log-interval", _LOG),
+    "tensorboard_queue_size": ("N", "the TensorBoard writer's own queue size is used", _LOG),
+    "use_pytorch_profiler": (None, "--profile always traces with torch.profiler", _LOG),
+    "fp8_interval": ("N", "FP8 scaling factors are updated every step (Megatron deprecated the interval)",
+                     "Megatron ignores the interval too (deprecated, scaling factors update every step)"),
+    "rerun_mode": ("MODE", "no iteration is ever re-run (Megatron's 'disabled')",
+                   "only 'disabled' is accepted, which re-runs nothing in Megatron either"),
 }
 ALIASES: dict[str, tuple[str, dict]] = {
     # dest: (help, argparse keywords)
@@ -68,7 +85,6 @@ ALIASES: dict[str, tuple[str, dict]] = {
                               "--num-query-groups alone too)", {"action": "store_true"}),
     "use_rotary_position_embeddings": ("same as --position-embedding-type rope", {"action": "store_true"}),
     "recompute_activations": ("same as --recompute-granularity selective", {"action": "store_true"}),
-    "tensorboard_dir": ("same as --log-dir DIR (TensorBoard events and metrics.jsonl)", {"metavar": "DIR"}),
     "lr_warmup_fraction": ("warm up over this fraction of --lr-decay-iters (else --train-iters; with --train-samples: "
                            "of --lr-decay-samples, else --train-samples), as Megatron",
                            {"type": float, "metavar": "F"}),
@@ -78,6 +94,9 @@ ALIASES: dict[str, tuple[str, dict]] = {
                               {"action": "store_true"}),
     "dataloader_type": ("single (the only order omnitron reads in: each sample once per pass, from the checkpoint's "
                         "data position on)", {"metavar": "TYPE"}),
+    "freeze_LM": ("same as --freeze-language-model (LLaVA)", {"action": "store_true"}),
+    "freeze_ViT": ("same as --freeze-vision-model (LLaVA)", {"action": "store_true"}),
+    "disable_vision_class_token": ("same as --no-vision-class-token (LLaVA)", {"action": "store_true"}),
     "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
                             "turns it off)", {"action": "store_true"}),
 }
@@ -94,6 +113,11 @@ REFUSED: dict[str, tuple[str | None, str]] = {
     "no_save_optim": (None, "checkpoints always hold the optimizer state (resume needs it; --finetune loads "
                             "weights only); drop the flag"),
     "no_save_rng": (None, "checkpoints always hold the RNG states (--no-load-rng ignores them); drop the flag"),
+    "step_batch_size_schedule": ("SCHEDULE", "Megatron's step-wise batch-size schedule is not implemented; use "
+                                             "--rampup-batch-size START INCREMENT SAMPLES or a fixed --global-batch-size"),
+    "fp8_param_gather": (None, "omnitron keeps the parameters in the training dtype and casts them to FP8 in each "
+                               "linear, Megatron keeps them in FP8 (rounded once from the fp32 master, not twice "
+                               "through bf16), so the FP8 weights differ; drop the flag (the FP8 recipe still runs)"),
 }
 KEYS = frozenset(SELECTORS) | frozenset(ALIASES) | frozenset(REFUSED)
 """Setting names these flags add (also accepted as config-file keys)."""
@@ -102,7 +126,7 @@ KEYS = frozenset(SELECTORS) | frozenset(ALIASES) | frozenset(REFUSED)
 def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     """Add every flag of this module to ``parser`` (defaults suppressed, as for the other flags)."""
     group = parser.add_argument_group("Megatron compatibility (accepted so that Megatron scripts run)")
-    for dest, (metavar, instead) in SELECTORS.items():
+    for dest, (metavar, instead, _) in SELECTORS.items():
         flag = "--" + dest.replace("_", "-")
         if metavar is None:
             group.add_argument(flag, dest=dest, action="store_true", help=f"accepted: {instead}")
@@ -127,6 +151,9 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _alias(out, given, "use_rotary_position_embeddings", "position_embedding_type", "rope")
     _alias(out, given, "recompute_activations", "recompute_granularity", "selective")
     _alias(out, given, "exit_signal_handler", "save_on_signal", True)
+    _alias(out, given, "freeze_LM", "freeze_language_model", True)
+    _alias(out, given, "freeze_ViT", "freeze_vision_model", True)
+    _alias(out, given, "disable_vision_class_token", "vision_class_token", False)
     if given.get("norm_epsilon") is not None:
         _alias(out, given, "norm_epsilon", "layernorm_epsilon", given["norm_epsilon"])
     if given.get("use_rope_scaling") and given.get("rope_scaling_factor") is None:
@@ -137,8 +164,8 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("dataloader_type") not in (None, "single"):
         raise ConfigError(f"--dataloader-type {given['dataloader_type']}: omnitron reads in Megatron's 'single' order "
                           "only (each sample once per pass); drop the flag or use --dataloader-type single")
-    if given.get("tensorboard_dir"):
-        _alias(out, given, "tensorboard_dir", "log_dir", given["tensorboard_dir"])
+    if given.get("tensorboard_dir"):  # Megatron's events directory; metrics.jsonl goes there too unless --log-dir
+        out.setdefault("log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
     for key in ("lr_warmup_fraction", "no_position_embedding"):  # resolved on the merged settings (see resolve)
         if key in given:
@@ -164,7 +191,8 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
 
     total = merged.get("train_samples") or merged.get("train_iters") or TrainingConfig.train_iters
     decay = merged.get(f"lr_decay_{unit}") or total
-    merged[f"lr_warmup_{unit}"] = int(fraction * decay)  # Megatron: lr_warmup_steps = fraction * lr_decay_steps
+    warmup = fraction * decay  # Megatron: lr_warmup_steps = fraction * lr_decay_steps, not rounded
+    merged[f"lr_warmup_{unit}"] = int(warmup) if warmup == int(warmup) else warmup
     return merged
 
 

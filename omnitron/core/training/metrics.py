@@ -7,6 +7,7 @@ the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (Mo
 ``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it)
 and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and ``time``. Log lines
 start with the time and carry the consumed samples and the ETA of the rest of the run. Only global rank 0 writes.
+TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir.
 
 Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_ms`` and
 ``timers_<name>_ranks_ms`` (``--timing-log-option``; names in ``omnitron.core.training.timers``),
@@ -25,6 +26,33 @@ import sys
 import time
 
 log = logging.getLogger("omnitron.train")
+
+
+# record key -> Megatron's TensorBoard tag (megatron/training/training.py, training_log and evaluate_and_print_results,
+# at d98e8a6); the keys marked True also get Megatron's "<tag> vs samples" twin, stepped by the consumed samples.
+# Other keys keep omnitron's own name.
+_TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global_batch_size": ("batch-size", True),
+            "loss_scale": ("loss-scale", True), "grad_norm": ("grad-norm", True),
+            "num_zeros_in_grad": ("num-zeros", True),
+            "params_norm": ("params-norm", True), "step_time_s": ("iteration-time", False),
+            "tflops_per_device": ("throughput", False), "mem_allocated_bytes": ("mem-allocated-bytes", False),
+            "mem_reserved_bytes": ("mem-reserved-bytes", False),
+            "mem_max_allocated_bytes": ("mem-max-allocated-bytes", False),
+            "val_loss": ("lm loss validation", True), "val_ppl": ("lm loss validation ppl", True)}
+
+
+def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
+    """``(tag, value, step)`` for every number of ``record`` as Megatron names it (see ``_TB_TAGS``); the
+    ``vs samples`` twins only when the consumed samples are known. ``timers``: also the ``timers_*`` values."""
+    it = record["iteration"]
+    for k, v in record.items():
+        if k in ("iteration", "consumed_samples") or v is None or isinstance(v, bool) or \
+                not isinstance(v, (int, float)) or (k.startswith("timers_") and not timers):
+            continue
+        tag, twin = _TB_TAGS.get(k, (k, False))
+        yield tag, v, it
+        if twin and consumed_samples is not None:
+            yield f"{tag} vs samples", v, consumed_samples
 
 
 def default_log_dir(save: str | None) -> str:
@@ -106,7 +134,7 @@ class MetricsLogger:
 
     def __init__(self, *, log_dir: str, log_interval: int, train_iters: int, enabled: bool, tensorboard: bool,
                  progress_bar: bool | None, start_iteration: int, throughput: bool = False,
-                 tensorboard_timers: bool = False, wandb=None) -> None:
+                 tensorboard_timers: bool = False, wandb=None, tensorboard_dir: str | None = None) -> None:
         self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
         self.log_dir, self.throughput, self.tensorboard_timers = log_dir, throughput, tensorboard_timers
         self._pending: list[dict] = []
@@ -121,7 +149,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 # a resumed run replaces the events a crashed attempt wrote past its checkpoint
-                self._tb = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"),
+                self._tb = SummaryWriter(log_dir=tensorboard_dir or os.path.join(log_dir, "tensorboard"),
                                          purge_step=start_iteration + 1 if start_iteration else None)
             except ImportError:
                 self._tb = None
@@ -134,15 +162,13 @@ class MetricsLogger:
             self._bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
             self._log_through_bar = _BarLogging(self._bar)
 
-    def _emit(self, record: dict, line: str) -> None:
+    def _emit(self, record: dict, line: str, consumed_samples: int | None = None) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in record.items():
-                if k.startswith("timers_") and not self.tensorboard_timers:
-                    continue
-                if k != "iteration" and isinstance(v, (int, float)) and v is not None:
-                    self._tb.add_scalar(k, v, record["iteration"])
+            samples = record.get("consumed_samples", consumed_samples)
+            for tag, value, step in tensorboard_scalars(record, samples, self.tensorboard_timers):
+                self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
             self._wandb.log(record)
         if self._bar is not None:
@@ -220,12 +246,13 @@ class MetricsLogger:
             line += f" | peak mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
         return line
 
-    def validation(self, iteration: int, values: dict) -> None:
+    def validation(self, iteration: int, values: dict, consumed_samples: int | None = None) -> None:
+        """One validation record (``consumed_samples``: the training samples so far, for the ``vs samples`` tags)."""
         if not self.enabled:
             return
         rec = {"iteration": iteration, **values, "time": _now()}
         self._emit(rec, f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | validation loss "
-                        f"{values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}")
+                        f"{values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}", consumed_samples)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -2,27 +2,43 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 
+def exact_gelu(c) -> bool:
+    """Whether the GeLU MLP runs the exact erf GeLU: Megatron-Core runs the tanh approximation only inside its
+    fused bias-GeLU kernel, which it uses when ``bias_gelu_fusion`` and the linears have biases
+    (``megatron/core/transformer/mlp.py``, ``megatron/training/arguments.py``); otherwise ``F.gelu``."""
+    return not c.swiglu and not (getattr(c, "bias_gelu_fusion", True) and c.add_bias_linear)
+
+
+def activate(kernels, y: torch.Tensor, bias: torch.Tensor | None, *, swiglu: bool, exact: bool) -> torch.Tensor:
+    """The MLP's activation on ``y`` (+ ``bias`` when the GEMM left it out): SwiGLU, exact or tanh GeLU."""
+    if exact:  # the bias was added by the GEMM (no fused kernel takes it)
+        return F.gelu(y if bias is None else y + bias)
+    return kernels.swiglu(y, bias) if swiglu else kernels.bias_gelu(y, bias)
+
+
 class MLP(nn.Module):
     """``[s, b, h] -> ([s, b, h], bias)``. SwiGLU keeps ``[gate; up]`` fused in ``linear_fc1``
     (full layout: all gate rows, then all up rows; split block-wise so each rank holds matching
-    halves); otherwise bias + tanh-GeLU."""
+    halves); otherwise bias + GeLU (tanh or exact, see :func:`exact_gelu`)."""
 
     def __init__(self, c, *, group, sequence_parallel: bool, backend, out_std: float,
                  skip_out_bias: bool = True) -> None:
         super().__init__()
         from omnitron.core.transformer.shapes import ffn_size
 
-        self.swiglu, self.backend = c.swiglu, backend
+        self.swiglu, self.exact_gelu, self.backend = c.swiglu, exact_gelu(c), backend
         f = ffn_size(c)
         kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, dtype=c.params_dtype)
         # NOTE: the bias goes to the fused activation kernel when one exists; with the reference,
         # the GEMM adding it (addmm) saves a full pass over [s, b, f]
-        fused_act = backend.kernels.resolved("swiglu" if c.swiglu else "bias_gelu") != "reference"
+        fused_act = backend.kernels.resolved("swiglu" if c.swiglu else "bias_gelu") != "reference" \
+            and not self.exact_gelu
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, 2 * f if c.swiglu else f, init_std=c.init_method_std,
                                                stride=2 if c.swiglu else 1, skip_bias_add=fused_act, **kw)
         self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=out_std, skip_bias_add=skip_out_bias, **kw)
@@ -30,7 +46,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor):
         y = self.linear_fc1(x)  # [s, b, (2)f/tp]
         y, bias = y if isinstance(y, tuple) else (y, None)
-        k = self.backend.kernels
-        y = k.swiglu(y, bias) if self.swiglu else k.bias_gelu(y, bias)
+        y = activate(self.backend.kernels, y, bias, swiglu=self.swiglu, exact=self.exact_gelu)
         y = self.linear_fc2(y)
         return y if isinstance(y, tuple) else (y, None)

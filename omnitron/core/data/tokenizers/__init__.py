@@ -13,7 +13,11 @@ from .simple import NullTokenizer, SentencePieceTokenizer
 from .wordpiece import BertWordPieceTokenizer
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer",
-                   "BertWordPieceLowerCase", "BertWordPieceCase")
+                   "BertWordPieceLowerCase", "BertWordPieceCase", "Llama2Tokenizer", "GPTSentencePieceTokenizer")
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer")
+"""Megatron's three names of one tokenizer: at d98e8a6 (megatron/core/tokenizers/utils/build_tokenizer.py,
+``SP_TOKENIZERS``) all three build the same sentencepiece-library tokenizer of --tokenizer-model with the
+same options (plain ``encode_as_ids``, eod = the model's eos)."""
 
 
 def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str | None = None,
@@ -22,7 +26,8 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
     """Build the tokenizer named by ``tokenizer_type`` from local files.
 
     GPT2BPETokenizer: ``vocab_file`` + ``merge_file`` (both or neither; neither = bundled).
-    HuggingFaceTokenizer / SentencePieceTokenizer: ``tokenizer_model`` (path).
+    HuggingFaceTokenizer / SentencePieceTokenizer (or Megatron's Llama2Tokenizer, GPTSentencePieceTokenizer):
+    ``tokenizer_model`` (path).
     NullTokenizer: ``vocab_size``.
     BertWordPieceLowerCase / BertWordPieceCase: ``vocab_file`` (a BERT vocab.txt; None: bundled-corpus vocabulary);
     ``vocab_extra_ids`` sentinels ``<extra_id_i>`` appended (T5's ``--vocab-extra-ids``; these kinds only).
@@ -35,7 +40,7 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
             raise TokenizerError("GPT2BPETokenizer needs both --vocab-file and --merge-file, or neither "
                                  "(neither uses the bundled GPT-2 files)")
         return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
+    if tokenizer_type in ("HuggingFaceTokenizer", *SENTENCEPIECE_TYPES):
         if not tokenizer_model:
             raise TokenizerError(f"{tokenizer_type} needs --tokenizer-model PATH")
         cls = HuggingFaceTokenizer if tokenizer_type == "HuggingFaceTokenizer" else SentencePieceTokenizer
@@ -49,5 +54,5 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
 
 
 __all__ = ["Tokenizer", "TokenizerError", "build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer",
-           "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer", "BertWordPieceTokenizer", "GPT2_VOCAB",
+           "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer", "BertWordPieceTokenizer", "GPT2_VOCAB", "SENTENCEPIECE_TYPES",
            "GPT2_MERGES", "sha256_of"]

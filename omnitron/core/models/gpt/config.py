@@ -63,6 +63,10 @@ class GPTConfig:
     """--attention-dropout: dropout on attention probabilities."""
     add_bias_linear: bool = True
     """--add-bias-linear / --disable-bias-linear: biases in every linear layer."""
+    bias_gelu_fusion: bool = True
+    """--no-bias-gelu-fusion: as Megatron, the GeLU MLP (no --swiglu) runs the tanh approximation only through
+    the fused bias-GeLU, i.e. with this on and biases on; off, or with --disable-bias-linear, it runs the exact
+    erf GeLU (:func:`omnitron.core.transformer.mlp.exact_gelu`)."""
     qk_layernorm: bool = False
     """--qk-layernorm: normalize queries and keys per head (same norm type as the model)."""
     apply_layernorm_1p: bool = False

@@ -16,6 +16,9 @@ class DataParallelConfig:
     accumulate_allreduce_grads_in_fp32: bool = False
     """--accumulate-allreduce-grads-in-fp32: keep ``param.main_grad`` and reduce it in float32
     (otherwise in each parameter's own dtype)."""
+    grad_reduce_in_bf16: bool = False
+    """--grad-reduce-in-bf16: with --bf16, accumulate and reduce gradients in bfloat16 (Megatron's switch: it then
+    leaves --accumulate-allreduce-grads-in-fp32 off, halving the gradient buffers and the reduction's bytes)."""
     bucket_size: int | None = None
     """--ddp-bucket-size: elements per bucket; None picks max(40M, 1M x dp)."""
     reduce_scatter: bool = False
@@ -93,6 +96,8 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
                                               "forward; drop one of them"),
             ("--ckpt-format torch", checkpoint.ckpt_format != "torch_dist",
              "FSDP2 checkpoints through --ckpt-format torch_dist (each rank its shards); drop --ckpt-format torch"),
+            ("--grad-reduce-in-bf16", ddp.grad_reduce_in_bf16, "omnitron's FSDP2 policy reduces in fp32; drop "
+                                                                "--grad-reduce-in-bf16 or --use-torch-fsdp2"),
             (f"--pipeline-schedule {schedule}", schedule.startswith("zb"),
              "its deferred (zero-bubble) weight-gradient passes run after FSDP2 has freed the layer's gathered "
              "parameters; use 1f1b or interleaved"),

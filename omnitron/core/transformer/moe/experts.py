@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.transformer.mlp import activate
 from omnitron.core.transformer.moe.dispatch import _all_to_all
 
 
@@ -64,7 +65,7 @@ def expert_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     if y.shape[0] == 0:  # no tokens: nothing to activate (fused kernels take no empty input), but the GEMMs
         y = y[:, : y.shape[1] // 2] if mlp.swiglu else y  # still run: under FP8 they join the amax reductions
     else:
-        y = kernels.swiglu(y, bias) if mlp.swiglu else kernels.bias_gelu(y, bias)
+        y = activate(kernels, y, bias, swiglu=mlp.swiglu, exact=mlp.exact_gelu)
     return fc2._gemm(y, fc2.weight, None)
 
 

@@ -1,0 +1,58 @@
+"""The audit of Megatron's flags that omnitron accepts, implements or refuses (docs/megatron-flags.md).
+
+No flag may be accepted while computing something other than Megatron's run with it: a flag is either
+implemented (a setting of its own whose test compares the maths with an independent reference), a selector
+(accepted: what runs instead and why the trained model is the same, :data:`megatron_flags.SELECTORS`), an
+alias, or refused with the reason. :func:`audit_markdown` renders that table from the data, and a test keeps
+the docs equal to it.
+"""
+from __future__ import annotations
+
+from omnitron.core.training import megatron_flags as MF
+
+IMPLEMENTED: dict[str, tuple[str, str, str]] = {
+    # flag: (Megatron's behaviour, omnitron's, the test that pins it). Flags that were once accepted while
+    # computing something else (issue 36), now doing what Megatron does.
+    "--no-bias-gelu-fusion": (
+        "the GeLU MLP runs exact (erf) GeLU; the tanh approximation only runs inside the fused bias-GeLU, "
+        "which --disable-bias-linear also turns off (megatron/core/transformer/mlp.py, training/arguments.py)",
+        "the same rule (GPTConfig.bias_gelu_fusion, transformer/mlp.py exact_gelu); HF and Megatron "
+        "conversion carry it",
+        "tests/models/test_gpt_reference.py::test_engine_matches_plain_float64"),
+    "--grad-reduce-in-bf16": (
+        "with --bf16, gradients are accumulated and reduced in bf16 (accumulate_allreduce_grads_in_fp32 off)",
+        "the same: bf16 main_grad buffers and bf16 reduction (DataParallelConfig.grad_reduce_in_bf16); refused "
+        "with --use-torch-fsdp2 (its policy reduces in fp32)",
+        "tests/parallel/test_data_parallel.py::test_ddp_buckets_overlap_and_reduction_match_reference"),
+    "--tensorboard-dir": (
+        "TensorBoard events in DIR itself, tags `lm loss`, `learning-rate`, `grad-norm`, `lm loss validation`, ... "
+        "and their `vs samples` twins (training_log, evaluate_and_print_results)",
+        "the same directory and tag names (metrics.jsonl goes there too unless --log-dir)",
+        "tests/training/test_wandb_tensorboard.py::test_tensorboard_dir_holds_megatrons_tags"),
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def audit_rows() -> list[tuple[str, str, str, str]]:
+    """(flag, status, what omnitron does, why / the test) for every flag of the audit, in table order."""
+    rows = [(flag, "implemented", does, f"Megatron: {megatron}; test: `{test}`")
+            for flag, (megatron, does, test) in IMPLEMENTED.items()]
+    rows += [(_flag(d), "accepted", instead, why) for d, (_, instead, why) in MF.SELECTORS.items()]
+    rows += [(_flag(d), "alias", text, "the setting it names is Megatron's") for d, (text, _) in MF.ALIASES.items()]
+    rows += [(_flag(d), "refused", "stops before any work, in one line", why) for d, (_, why) in MF.REFUSED.items()]
+    return rows
+
+
+def audit_markdown() -> str:
+    """The audit as a markdown table (docs/megatron-flags.md holds exactly this between its markers)."""
+    esc = lambda t: t.replace("|", "\\|")  # noqa: E731
+    lines = ["| flag | status | omnitron | reason |", "|---|---|---|---|"]
+    lines += [f"| `{f}` | {st} | {esc(does)} | {esc(why)} |" for f, st, does, why in audit_rows()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m omnitron.core.training.megatron_audit > table.md
+    print(audit_markdown(), end="")
