@@ -23,10 +23,13 @@ def _fix_interpreter_loop_bounds() -> None:
     ``int(ndarray)`` over a 1-element 1-D array, which NumPy 2.4 rejects ("only 0-dimensional arrays can be
     converted to Python scalars"); Triton 3.9's interpreter squeezes the array first. This applies the same
     conversion on the Triton that lacks it; compiled kernels (a GPU) never pass through here."""
+    import inspect
+
     from triton.runtime import interpreter
 
     patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or getattr(patch, "squeezes_index", False):
+    # the old interpreter's _patch_lang_tensor(tensor); newer ones take a restoring scope and squeeze already
+    if patch is None or getattr(patch, "squeezes_index", False) or len(inspect.signature(patch).parameters) != 1:
         return
 
     def patch_lang_tensor(tensor):
