@@ -61,11 +61,23 @@ def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor, saturate: bool =
     return y.to(fp8_dtype(fmt))
 
 
+def zero_pad(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
+    """``F.pad(x, pad)`` with zeros, also for an empty ``x`` (an MoE expert that received no tokens):
+    torch 2.9 rejects a size-0 dimension padded by (0, 0) beside another padded one ("The input size 0,
+    plus negative padding 0 and 0 resulted in a negative output size"; 2.11 accepts it); the result is all zeros."""
+    if x.numel():
+        return torch.nn.functional.pad(x, pad)
+    shape = list(x.shape)
+    for i in range(len(pad) // 2):
+        shape[-1 - i] += pad[2 * i] + pad[2 * i + 1]
+    return x.new_zeros(shape)
+
+
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     m, k = x.shape
     if (m, k) == (rows, cols):
         return x
-    return torch.nn.functional.pad(x, (0, cols - k, 0, rows - m))
+    return zero_pad(x, (0, cols - k, 0, rows - m))
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -115,8 +127,8 @@ def _native_scaled_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: to
     pk, pn = -k % GEMM_ALIGN, -n % GEMM_ALIGN if sb.numel() == 1 else 0  # row-wise scales fix n
     if pk or pn:
         byte = torch.uint8
-        a = torch.nn.functional.pad(a.contiguous().view(byte), (0, pk)).view(a.dtype)
-        b = torch.nn.functional.pad(b.t().contiguous().view(byte), (0, pk, 0, pn)).view(b.dtype).t()
+        a = zero_pad(a.contiguous().view(byte), (0, pk)).view(a.dtype)
+        b = zero_pad(b.t().contiguous().view(byte), (0, pk, 0, pn)).view(b.dtype).t()
     elif b.stride(0) != 1:
         b = b.t().contiguous().t()  # column-major right operand
     y = torch._scaled_mm(a.contiguous(), b, scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype)

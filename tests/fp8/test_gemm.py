@@ -188,3 +188,23 @@ def test_scaled_mm_pads_unaligned_inner_and_output_dims(monkeypatch):
         (am, ak), (bk, bn), stride0 = seen[-1]
         assert ak % 16 == 0 and bk == ak and bn % 16 == 0 and stride0 == 1, seen[-1]
     assert len(seen) == 3  # every GEMM ran natively
+
+
+@pytest.mark.parametrize("path", ["scaled_mm", "emulated"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_expert_with_no_tokens(recipe, path, monkeypatch):
+    """An MoE expert that receives no tokens runs an FP8 linear over 0 rows (its amax reductions must still
+    join): the output has 0 rows and the weight and bias gradients are exactly zero (an empty sum). Its
+    GEMMs pad a size-0 dimension, which torch 2.9's ``F.pad`` rejects (``backends.fp8.zero_pad``)."""
+    monkeypatch.setenv("OMNITRON_FP8_PATH", path)
+    ex = FP8Linear(FP8Config(fp8_recipe=recipe, fp8_format="hybrid"), FP8Provider(get_backend()))
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(24, 40, generator=g) * 0.1).requires_grad_()
+    b = torch.randn(24, generator=g).requires_grad_()
+    x = torch.randn(0, 40, generator=g).requires_grad_()
+    for _ in range(2):  # delayed scaling: the second call uses the history the first one wrote
+        y = ex(x, w, b)
+        assert y.shape == (0, 24)
+        y.sum().backward()
+        assert x.grad.shape == (0, 40)
+        assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))

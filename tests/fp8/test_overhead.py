@@ -19,6 +19,17 @@ from omnitron.testing.ops import SYNC_OPS, OpCounter as _Ops
 # 123 before; about 110 / 110 / 240 before the lean-path rework); the bounds leave ~10% room. On the GPU
 # kernel table (Triton) those two ops are one launch each, so a GPU dispatches fewer still.
 MAX_OPS = {"tensorwise": 55, "delayed": 84, "blockwise": 136}
+# NOTE: torch before 2.11 shows a dispatch mode each ``detach`` twice: on 2.9.1 (2026-12-03) 4 / 12 / 16 detach
+# per call where 2.13 shows 2 / 6 / 8, every other op's count equal (52 / 85 / 131 in all). The same work, so
+# there the bound grows by the doubled detaches (2.10 is not in the matrix: it gets the older bound).
+DOUBLED_DETACH = {"tensorwise": 2, "delayed": 6, "blockwise": 8}
+
+
+def max_ops(recipe: str) -> float:
+    """The operator bound of ``recipe`` on the running torch (see the note above)."""
+    from omnitron.backends.torch_range import minor_of
+
+    return MAX_OPS[recipe] + (DOUBLED_DETACH[recipe] if minor_of(torch.__version__) < (2, 11) else 0)
 
 
 def _data(seed=0, dtype=torch.bfloat16):
@@ -56,7 +67,7 @@ def test_no_host_sync_and_bounded_ops(recipe, monkeypatch):
     syncs = {k: v for k, v in ops.counts.items() if k in SYNC_OPS}
     assert not syncs, f"host syncs on the FP8 hot path: {syncs}"
     per_call = sum(ops.counts.values()) / 2
-    assert per_call <= MAX_OPS[recipe], (per_call, dict(ops.counts))
+    assert per_call <= max_ops(recipe), (per_call, dict(ops.counts))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -16,6 +16,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _fix_interpreter_loop_bounds() -> None:
+    """Under ``TRITON_INTERPRET=1``, let a loop bound computed from ``tl.program_id`` index a ``range``.
+
+    The interpreters of Triton 3.5.1 and 3.6.0 (pinned by torch 2.9 and 2.10/2.11) convert such a bound with
+    ``int(ndarray)`` over a 1-element 1-D array, which NumPy 2.4 rejects ("only 0-dimensional arrays can be
+    converted to Python scalars"); Triton 3.9's interpreter squeezes the array first. This applies the same
+    conversion on the Triton that lacks it; compiled kernels (a GPU) never pass through here."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    # the old interpreter's _patch_lang_tensor(tensor); newer ones take a restoring scope and squeeze already
+    if patch is None or getattr(patch, "squeezes_index", False) or len(inspect.signature(patch).parameters) != 1:
+        return
+
+    def patch_lang_tensor(tensor):
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+
+    patch_lang_tensor.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def available() -> tuple[bool, str]:
     """Usable when interpreting, or when Triton has an active GPU driver in this process."""
     if interpreting():
@@ -54,3 +78,7 @@ def block_rows(block_cols: int) -> int:
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a contiguous ``[N, last]`` matrix."""
     return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+if interpreting():
+    _fix_interpreter_loop_bounds()
