@@ -100,6 +100,9 @@ class Rates:
         if text not in self.notes:
             self.notes.append(text)
 
+    def bind(self, settings) -> None:
+        """The layout being priced (a hierarchical machine needs it to place groups; a report does not)."""
+
     def _pick(self, table: dict[int, list[dict]], threads: int, what: str) -> tuple[list[dict], float]:
         """(rows, rate factor) for ``threads``-thread ranks: the matching report, else the nearest scaled."""
         if threads in table:
@@ -119,7 +122,7 @@ class Rates:
         tflops = _loglog(_points(mine, lambda r: 2.0 * r["m"] * r["n"] * r["k"]), flops) * f
         return flops / (tflops * 1e12)
 
-    def attention_s(self, dtype: str, flops: float, dropout: bool, threads: int = 1) -> float:
+    def attention_s(self, dtype: str, flops: float, dropout: bool, threads: int = 1, local=None) -> float:
         """Seconds of attention forward + backward worth ``flops`` (the bench's count: 3 x forward): the engine's
         op (``op:*`` rows) at the layer's attention dropout. Reports without dropout rows (before 2026-12-02)
         price attention with dropout at the math path's rows, its dropout left to the element-wise ops
@@ -214,9 +217,10 @@ class Rates:
             return last * max(1.0, busy / self.cpu_count) / max(1.0, last_n / self.cpu_count)
         return max(1.0, _interp([(1, 1.0)] + rows, busy, True))  # below 1: the measurement's noise
 
-    def comm_s(self, op: str, nbytes: float, ranks: int) -> float:
+    def comm_s(self, op: str, nbytes: float, ranks: int, group: str | None = None) -> float:
         """Seconds of one ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) of ``nbytes`` over
-        ``ranks`` ranks (``nbytes`` as the bench counts it: the buffer, the gathered output, the input)."""
+        ``ranks`` ranks (``nbytes`` as the bench counts it: the buffer, the gathered output, the input). ``group``
+        (which of the layout's groups) is for hierarchical machines; one host's report prices every group alike."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         rows = [r for r in self.comm if r["op"] == op]

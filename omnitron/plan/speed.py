@@ -107,7 +107,7 @@ def _threads(settings, rates, op: str = "host_gemm") -> tuple[int, float]:
     ``op`` slowdown (``host_gemm`` for GEMMs, attention and the host's own work, ``host_stream`` for
     element-wise passes) at the layout's busy threads, else ``ranks x threads / cores`` (time-sharing only)."""
     if rates.device_type != "cpu":
-        return max(rates.gemm), 1.0
+        return (max(rates.gemm) if rates.gemm else 1), 1.0
     world, cores = settings.world_size, rates.cpu_count
     threads = settings.threads or (max(1, cores // world) if world > 1 else max(1, min(cores, 8)))
     measured = rates.host_slowdown(op, world * threads)
@@ -156,7 +156,7 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     # ring attention's merges and gradient accumulations (its blocks' dropout is in their rate)
     ring_f, ring_b = work.cp_ring_elementwise(x) if ring else ([], [])
     hops_f, hops_b, per = work.cp_ring(x, elem)
-    hop = rates.comm_s("p2p", per, cp) if cp > 1 else 0.0
+    hop = rates.comm_s("p2p", per, cp, group="cp") if cp > 1 else 0.0
     c = StageCost(attention_f=attn / 3)
     c.f["compute"], c.b["compute"] = gemm + attn / 3, 2 * gemm + 2 * attn / 3
     c.f["cp"], c.b["cp"] = hops_f * hop, hops_b * hop
@@ -168,7 +168,8 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     c.f["host"], c.b["host"] = (t * slow for t in host_layer(rates, threads))
     for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe)):
         for key, op, n, ranks in rows:
-            d[key] += rates.comm_s(op, n, ranks)
+            group = "ep" if key == "ep" and ranks == pc.expert_model_parallel_size else "tp"  # etp, stats: tp-cp
+            d[key] += rates.comm_s(op, n, ranks, group=group)
     return c
 
 
@@ -213,7 +214,7 @@ def _attention(cfg, x, rates, dt: str, threads: int) -> float:
             return sum(blocks)
         rates.note("attention: no ring_block rows (an older `omnitron bench attention` report); ring attention "
                    "priced as cp calls of the fused path and its merges left out")
-    return x.cp * rates.attention_s(dt, 3 * work.attention_flops(x) / x.cp, drop, threads)
+    return x.cp * rates.attention_s(dt, 3 * work.attention_flops(x) / x.cp, drop, threads, local=x)
 
 
 def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool, nxt: bool,
@@ -239,22 +240,22 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
         if cfg.recompute_granularity == "selective":
             c.b["compute"] += one.attention_f
     if first:
-        c.f["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.first_stage_tp(cfg, x, elem, sp)[0])
-        c.b["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.first_stage_tp(cfg, x, elem, sp)[1])
+        c.f["tp"] += sum(rates.comm_s(op, n, tp, group="tp") for op, n in work.first_stage_tp(cfg, x, elem, sp)[0])
+        c.b["tp"] += sum(rates.comm_s(op, n, tp, group="tp") for op, n in work.first_stage_tp(cfg, x, elem, sp)[1])
     if last:
         _, m, n, k = work.head_gemm(x)
         c.f["compute"] += rates.gemm_s(dt, m, n, k, threads) * slow
         c.b["compute"] += 2 * rates.gemm_s(dt, m, n, k, threads) * slow
-        c.f["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.last_stage_tp(x, elem, sp)[0])
-        c.b["tp"] += sum(rates.comm_s(op, n, tp) for op, n in work.last_stage_tp(x, elem, sp)[1])
+        c.f["tp"] += sum(rates.comm_s(op, n, tp, group="tp") for op, n in work.last_stage_tp(x, elem, sp)[0])
+        c.b["tp"] += sum(rates.comm_s(op, n, tp, group="tp") for op, n in work.last_stage_tp(x, elem, sp)[1])
     ends = (work.embedding_elementwise(cfg, x, sp) if first else []) + (
         work.head_elementwise(cfg, x, sp) if last else [])
     stream = _threads(settings, rates, "host_stream")[1]
     c.f["elementwise"] += sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ends) * stream
     c.b["elementwise"] += sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ends) * stream
     msg = work.pp_message(x, elem, sp)
-    c.f["pp"] = rates.comm_s("p2p", msg, 2) if nxt else 0.0
-    c.b["pp"] = rates.comm_s("p2p", msg, 2) if prev else 0.0
+    c.f["pp"] = rates.comm_s("p2p", msg, 2, group="pp") if nxt else 0.0
+    c.b["pp"] = rates.comm_s("p2p", msg, 2, group="pp") if prev else 0.0
     return c
 
 
@@ -325,7 +326,9 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
 
 def dp_time(settings, cfg, rates, pp_rank: int, layers) -> float:
     """Seconds of :func:`dp_collectives` at the report's rates."""
-    return sum(rates.comm_s(op, n, g) for op, n, g in dp_collectives(settings, cfg, pp_rank, layers))
+    dense = settings.dp * settings.parallel.context_parallel_size
+    return sum(rates.comm_s(op, n, g, group="dp" if g == dense else "edp")
+               for op, n, g in dp_collectives(settings, cfg, pp_rank, layers))
 
 
 def pipeline(settings, costs: dict[int, StageCost], overlap: str):
@@ -368,6 +371,7 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     layers = _stage_layers(settings, cfg)
     rates.host_ranks = settings.world_size * _threads(settings, rates)[0]
+    rates.bind(settings)
     costs = {}
     for (r, c), kinds in layers.items():
         k = c * pp + r
@@ -419,7 +423,7 @@ def _embedding_sync(settings, cfg, rates) -> float:
     if pc.pipeline_model_parallel_size == 1 or cfg.untie_embeddings_and_output_weights:
         return 0.0
     n = padded_vocab_size(cfg, pc.tensor_model_parallel_size) // pc.tensor_model_parallel_size * cfg.hidden_size
-    return rates.comm_s("all_reduce", n * 4, 2)
+    return rates.comm_s("all_reduce", n * 4, 2, group="emb")
 
 
 def assumptions(settings, rates, overlap: str) -> list[str]:

@@ -1,0 +1,129 @@
+"""The speed model's rates from a device profile (:mod:`omnitron.plan.profile`) and a hierarchical machine
+(:mod:`omnitron.plan.machine`), for planning a cluster no ``omnitron bench`` report exists of.
+
+The same methods as :class:`omnitron.plan.rates.Rates` (the speed model calls either):
+
+- a GEMM: ``2 m n k / (peak x gemm(FLOPs))``, or the time to move its operands and output at the memory-bound
+  rate when longer (a roofline: thin GEMMs are bandwidth-bound);
+- attention: without attention dropout the fused (flash) kernel, its FLOPs (the causal count) at
+  ``peak x attention(FLOPs)``; with dropout the engine materialises the scores (so did Megatron-LM until
+  flash attention): the two batched GEMMs over the whole ``s x s`` scores (the mask does not halve them) by
+  the GEMM roofline, and the softmax's passes over the scores (forward: read, write; backward: read the
+  probabilities and their gradient, write) at the memory-bound rate; the probabilities' dropout is priced
+  as an element-wise op by the speed model;
+- an element-wise op: its bytes (:data:`PASSES` x elements) at ``bandwidth x memory(bytes)``;
+- a collective: :meth:`omnitron.plan.machine.Machine.collective` over the group's span in the layout bound by
+  :meth:`DeviceRates.bind` (``group``: tp, cp, dp, pp, ep, edp, emb).
+
+The host's fixed cost per layer is not priced (an accelerator's host runs ahead of it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omnitron.plan.machine import Machine, span, strides
+
+PASSES = {"add": (3, 3), "layer_norm": (2, 4), "rms_norm": (2, 4), "dropout": (2.5, 2.5), "gelu": (2, 3),
+          "silu_mul": (3, 5), "softmax": (2, 3), "cross_entropy": (6, 4), "ring_merge": (4, 0),
+          "block_dropout": (2.5, 2.5), "moe_dispatch": (6, 6)}
+"""(forward, backward) bytes per element, in units of the activation's element size: reads plus writes of one
+pass of the op (dropout: the 1-byte mask as half a 2-byte element; cross-entropy: fp32 logits, max, exp,
+sum and the target gather forward, the softmax gradient backward)."""
+ADAMW_BYTES = 32
+"""Per parameter of an AdamW step: fp32 master, gradient and two moments read, master and moments written
+(28), and the half-precision parameter copy written (2 + 2 rounding)."""
+_FLOAT = {"fp32": "tf32", "float32": "tf32"}
+
+
+@dataclass
+class DeviceRates:
+    """Rates of one device profile on a machine of ``gpus_per_node`` devices per node."""
+
+    profile: object
+    gpus_per_node: int
+    notes: list[str] = field(default_factory=list)
+    memo: dict = field(default_factory=dict, repr=False)
+    device_type: str = "accelerator"
+    host_ranks: int = 1
+    gemm: dict = field(default_factory=dict)
+    elem: int = 2
+    sizes: dict = field(default_factory=dict)
+    world: int = 1
+
+    def __post_init__(self):
+        self.machine = Machine(self.profile.links, self.gpus_per_node)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def bind(self, settings) -> None:
+        """The layout whose groups the collectives span (called by the speed model per prediction)."""
+        pc = settings.parallel
+        tp, cp, pp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.pipeline_model_parallel_size
+        self.world, self.elem = settings.world_size, settings.model.params_dtype.itemsize
+        self.sizes = strides(tp, cp, settings.dp, pp, pc.expert_model_parallel_size, pc.etp)
+
+    # ---- compute ---------------------------------------------------------------------------------------
+    def _peak(self, dtype: str) -> float:
+        if dtype in _FLOAT and "tf32" in self.profile.peak:
+            self.note("fp32 GEMMs priced at the TF32 tensor-core peak")
+            return self.profile.peak_of("tf32")
+        return self.profile.peak_of({"float16": "fp16", "bfloat16": "bf16"}.get(dtype, dtype))
+
+    def _stream_s(self, nbytes: float) -> float:
+        p = self.profile
+        return nbytes / (p.memory_bw * p.memory(nbytes)) if nbytes > 0 else 0.0
+
+    def gemm_s(self, dtype: str, m: int, n: int, k: int, threads: int = 1, batch: int = 1) -> float:
+        """Seconds of ``batch`` ``[m,k] @ [k,n]`` GEMMs (roofline of the GEMM curve and the memory-bound rate)."""
+        flops = 2.0 * m * n * k * batch
+        if flops <= 0:
+            return 0.0
+        compute = flops / (self._peak(dtype) * self.profile.gemm(flops))
+        elem = 1 if dtype == "fp8" else (4 if dtype in _FLOAT else 2)
+        return max(compute, self._stream_s(batch * elem * (m * k + k * n + m * n)))
+
+    def attention_s(self, dtype: str, flops: float, dropout: bool, threads: int = 1, local=None) -> float:
+        """Seconds of one layer's core attention forward + backward worth ``flops`` (the bench's count: 3 x the
+        causal forward); ``local``: the rank's shapes (:class:`omnitron.plan.work.Local`), needed on the
+        materialised path (module docstring)."""
+        if not dropout or local is None:
+            return flops / (self._peak(dtype) * self.profile.attention(flops))
+        x = local
+        bh, q, d = x.batch * x.heads, x.seq // x.cp, x.head_dim
+        gemm = self.gemm_s(dtype, q, x.seq, d, batch=bh)  # Q K^T over the whole scores; P V is alike
+        scores = bh * q * x.seq * self.elem
+        return 3 * 2 * gemm + self._stream_s(2 * scores) + self._stream_s(3 * scores)
+
+    def fused_attention_dropout(self, threads: int = 1) -> bool:
+        return False
+
+    def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1) -> float:
+        """One ring-attention block: the fused attention rate (its dropout not priced apart: noted)."""
+        if dropout:
+            self.note("context parallelism: ring blocks with attention dropout priced at the fused kernel's rate")
+        return flops / (self._peak(dtype) * self.profile.attention(flops))
+
+    def elementwise_s(self, op: str, mode: str, elements: float, threads: int = 1) -> float:
+        """Seconds of element-wise ``op`` (fwd, bwd; ``adamw`` step) over ``elements`` at the memory-bound rate."""
+        if op == "adamw":
+            return self._stream_s(ADAMW_BYTES * elements)
+        f, b = PASSES.get(op, (3, 3))
+        return self._stream_s((f if mode == "fwd" else b) * self.elem * elements)
+
+    def host_layer_s(self, mode: str, threads: int = 1) -> float:
+        return 0.0  # the host runs ahead of the device: not priced (module docstring)
+
+    def host_slowdown(self, op: str, busy: int):
+        return None
+
+    # ---- communication ---------------------------------------------------------------------------------
+    def comm_s(self, op: str, nbytes: float, ranks: int, group: str | None = None) -> float:
+        """Seconds of ``op`` over ``ranks`` ranks of the bound layout's ``group`` (stride 1 when None)."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        sp = span(ranks, self.sizes.get(group, 1), self.gpus_per_node)
+        if op == "p2p":  # a ring's or a pipeline's neighbours: the slowest hop paces every step
+            return self.machine.p2p(nbytes, sp.nodes > 1)
+        return self.machine.collective(op, nbytes, sp)[0]

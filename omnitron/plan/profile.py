@@ -1,0 +1,120 @@
+"""Device profiles: datasheet peaks, link bandwidths and achieved-efficiency curves of the accelerators users plan
+for, as data files (``omnitron/plan/devices/*.toml``, each value's source cited beside it).
+
+``omnitron plan --device NAME`` prices a layout with a profile when no ``omnitron bench`` report of the machine
+exists (:class:`omnitron.plan.device_rates.DeviceRates`). A profile holds:
+
+- ``peak_tflops``: dense FLOP/s per dtype (``fp32`` non-tensor, ``tf32``, ``bf16``, ``fp16``, ``fp8`` where the
+  device has it);
+- ``memory``: capacity (``usable_gib``: what the runtime reports) and bandwidth (GB/s);
+- ``links``: intra-node bandwidth per GPU and direction (``intra_gbs``), the fraction collectives reach of it,
+  one NIC's bandwidth per GPU (``nic_gbs``) and its fraction, per-step latencies; ``p2p_gbs`` where one peer
+  gets less than the aggregate (a mesh without a switch);
+- ``efficiency``: curves of the achieved fraction of peak by size: ``gemm`` (by FLOPs), ``attention`` (fused,
+  by FLOPs), ``memory`` (memory-bound kernels, by bytes moved); interpolated linearly in log(size), clamped.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import tomllib
+from dataclasses import dataclass
+
+from omnitron.core.config.parallel import ConfigError
+
+DEVICES_DIR = os.path.join(os.path.dirname(__file__), "devices")
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Achieved fraction by size: points ``(size, fraction)`` sorted by size."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __call__(self, size: float) -> float:
+        xs = [math.log(p[0]) for p in self.points]
+        x = math.log(max(size, 1e-30))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return self.points[0][1]
+        if i == len(xs):
+            return self.points[-1][1]
+        (x0, y0), (x1, y1) = (xs[i - 1], self.points[i - 1][1]), (xs[i], self.points[i][1])
+        return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class Links:
+    """A node's links, per GPU and direction (bytes/s), with the fractions collectives reach and step latencies."""
+
+    intra: str
+    intra_bw: float
+    intra_eff: float
+    intra_latency: float
+    nic: str
+    nic_bw: float
+    nic_eff: float
+    inter_latency: float
+    p2p_bw: float
+    """One peer's share of the intra-node links (``intra_bw`` behind a switch; one link in a mesh)."""
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator's datasheet peaks, memory, links and efficiency curves (module docstring)."""
+
+    name: str
+    title: str
+    path: str
+    gpus_per_node: int
+    peak: dict[str, float]
+    """Dense FLOP/s per dtype name (``bf16``, ``fp16``, ``fp8``, ``tf32``, ``fp32``)."""
+    memory_bytes: int
+    memory_bw: float
+    links: Links
+    gemm: Curve
+    attention: Curve
+    memory: Curve
+
+    def peak_of(self, dtype: str) -> float:
+        """Dense FLOP/s of ``dtype``; fp32 GEMMs run as TF32 where the device has it (noted by the caller)."""
+        if dtype in self.peak:
+            return self.peak[dtype]
+        raise ConfigError(f"device profile {self.name} has no {dtype} peak; use --bf16 or --fp16, or another device")
+
+
+def available() -> list[str]:
+    """Names of the shipped profiles."""
+    return sorted(f[:-5] for f in os.listdir(DEVICES_DIR) if f.endswith(".toml"))
+
+
+def _curve(table: dict, key: str) -> Curve:
+    xs, ys = table[key], table["fraction"]
+    if len(xs) != len(ys) or not xs:
+        raise ValueError(f"{key} and fraction differ in length")
+    return Curve(tuple(sorted(zip(map(float, xs), map(float, ys)))))
+
+
+def load(name: str) -> DeviceProfile:
+    """The profile ``name`` (a shipped one, or a path to a ``.toml`` of the same form); ConfigError naming the
+    shipped ones when there is none."""
+    path = name if name.endswith(".toml") else os.path.join(DEVICES_DIR, f"{name.lower()}.toml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--device {name!r}: no such device profile; shipped: {', '.join(available())} "
+                          "(or give a path to a .toml of the same form)")
+    with open(path, "rb") as f:
+        d = tomllib.load(f)
+    try:
+        ln, eff = d["links"], d["efficiency"]
+        links = Links(ln["intra"], ln["intra_gbs"] * 1e9, ln["intra_efficiency"], ln["intra_latency_us"] * 1e-6,
+                      ln["nic"], ln["nic_gbs"] * 1e9, ln["nic_efficiency"], ln["inter_latency_us"] * 1e-6,
+                      ln.get("p2p_gbs", ln["intra_gbs"]) * 1e9)
+        return DeviceProfile(d["name"], d["title"], path, int(d["gpus_per_node"]),
+                             {k: v * 1e12 for k, v in d["peak_tflops"].items()},
+                             int(d["memory"]["usable_gib"] * 2**30), d["memory"]["bandwidth_gbs"] * 1e9, links,
+                             _curve(eff["gemm"], "flops"), _curve(eff["attention"], "flops"),
+                             _curve(eff["memory"], "bytes"))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"--device {path}: malformed profile ({type(err).__name__}: {err}); compare with "
+                          f"{os.path.join(DEVICES_DIR, 'h100-sxm.toml')}") from None

@@ -1,0 +1,57 @@
+"""Device profiles (omnitron/plan/devices/*.toml): each loads, is internally consistent, and is shipped with the
+package (setup.py's package_data names the folder)."""
+from __future__ import annotations
+
+import math
+import tomllib
+
+import pytest
+
+from omnitron.plan.profile import DEVICES_DIR, available, load
+
+REQUIRED = {"a100-80gb-sxm", "h100-sxm", "h200", "b200", "mi300x", "mtt-s4000"}
+
+
+def test_required_profiles_ship():
+    assert REQUIRED <= set(available())
+    import pathlib
+
+    setup = (pathlib.Path(DEVICES_DIR).parents[2] / "setup.py").read_text()
+    assert "plan/devices/*.toml" in setup
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_profile_is_consistent(name):
+    """Peaks positive (fp8 twice bf16 where present, bf16 = fp16), efficiencies in (0, 1] and non-decreasing
+    with size (achieved never above peak), capacity as the runtime reports it at most the datasheet's, and
+    every value's source cited in the file (a comment per section)."""
+    p = load(name)
+    assert p.name == name and p.gpus_per_node >= 1
+    assert p.peak["bf16"] > 0 and p.peak["bf16"] == p.peak["fp16"]
+    if "fp8" in p.peak:
+        assert math.isclose(p.peak["fp8"], 2 * p.peak["bf16"], rel_tol=1e-3)
+    for curve in (p.gemm, p.attention, p.memory):
+        ys = [y for _, y in curve.points]
+        assert all(0 < y <= 1 for y in ys) and ys == sorted(ys)
+        assert curve(1e30) == ys[-1] and curve(1e-30) == ys[0]
+    assert 0 < p.links.intra_eff <= 1 and 0 < p.links.nic_eff <= 1
+    assert p.links.intra_bw >= p.links.p2p_bw > 0 and p.links.nic_bw > 0
+    with open(p.path, "rb") as f:
+        assert 0 < p.memory_bytes <= tomllib.load(f)["memory"]["capacity_gb"] * 1e9
+    text = open(p.path).read()
+    sections = [s for s in text.split("\n[")[1:]]
+    assert all("#" in s for s in sections), "a section without its source"
+
+
+def test_curve_interpolates_in_log_size():
+    """Halfway in log(size) between two points gives the mean of their fractions."""
+    p = load("a100-80gb-sxm")
+    (x0, y0), (x1, y1) = p.gemm.points[1:3]
+    assert math.isclose(p.gemm(math.sqrt(x0 * x1)), (y0 + y1) / 2)
+
+
+def test_unknown_profile_names_the_shipped_ones():
+    from omnitron.core.config.parallel import ConfigError
+
+    with pytest.raises(ConfigError, match="h100-sxm"):
+        load("h1000")
