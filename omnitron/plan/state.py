@@ -11,9 +11,9 @@ multiple of the replica group) and the tied embedding's isolated bucket are the 
   like the gradient buckets, so the padded size counts.
 - gradients: the ``main_grad`` buffers (fp32 with ``--accumulate-allreduce-grads-in-fp32``,
   which ``--bf16`` implies; else the parameter's dtype).
-- optimizer: fp32 masters for non-fp32 parameters plus Adam's two fp32 moments (SGD: one with
-  momentum); with ``--use-distributed-optimizer`` only the slices this data x context rank owns
-  of every bucket (the largest over the replica group's ranks is reported).
+- optimizer: fp32 masters for non-fp32 parameters plus Adam's two fp32 moments (SGD: one with momentum; Muon:
+  one, its momentum, for the matrices it orthogonalises); with ``--use-distributed-optimizer`` only the slices
+  this data x context rank owns of every bucket (the largest over the replica group's ranks is reported).
 - ``--use-torch-fsdp2``: every parameter, its gradient and its moments are fp32 shards of ceil(rows / (dp x
   cp)) rows (FSDP2's dim-0 sharding, padded storage; the shards are the masters: no second copy). FSDP2's
   transients inside a step (all-gathered layers, gradients accumulated unsharded before the step's
@@ -74,8 +74,9 @@ def _buffers(module, ddp, dp_cp: int, edp: int):
             for (dt, ex, _), ps in by.items()]
 
 
-def _owned(buf, size: int) -> int:
-    """Most parameter elements any one rank of ``size`` owns in ``buf`` (distributed optimizer slices)."""
+def _owned(buf, size: int, weight=lambda p: 1) -> int:
+    """Most parameter elements any one rank of ``size`` owns in ``buf`` (distributed optimizer slices), each
+    element of parameter ``p`` counted ``weight(p)`` times."""
     best = 0
     for r in range(size):
         n = 0
@@ -84,18 +85,29 @@ def _owned(buf, size: int) -> int:
             lo, hi = b.offset + r * k, b.offset + (r + 1) * k
             for p in b.params:
                 s, c = buf.param_range(p)
-                n += max(0, min(s + c, hi) - max(s, lo))
+                n += weight(p) * max(0, min(s + c, hi) - max(s, lo))
         best = max(best, n)
     return best
 
 
+def _moments(optim, p=None) -> int:
+    """fp32 optimizer buffers per element of parameter ``p``: Adam's two moments (Muon: its momentum alone for
+    the matrices it orthogonalises), SGD's momentum, 1-bit Adam's two moments and worker error (NOTE: the
+    server error, 1/dp, is left out)."""
+    if optim.optimizer == "onebit_adam":
+        return 3
+    if optim.optimizer == "muon" and p is not None:
+        from omnitron.core.optim.muon import uses_muon
+
+        return 1 if uses_muon(p) else 2
+    if optim.optimizer in ("adam", "adamw", "muon"):
+        return 2
+    return 1 if optim.sgd_momentum else 0
+
+
 def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
     """Masters (non-fp32 parameters) plus the optimizer's fp32 moments for ``numel`` elements."""
-    # NOTE: Muon keeps Adam's two buffers for every parameter (exp_avg is its momentum; exp_avg_sq stays zero)
-    moments = 2 if optim.optimizer in ("adam", "adamw", "muon") else (1 if optim.sgd_momentum else 0)
-    if optim.optimizer == "onebit_adam":  # two moments + the worker error; NOTE: the server error (1/dp) is left out
-        moments = 3
-    return 4 * numel * (moments + (dtype != torch.float32))
+    return 4 * numel * (_moments(optim) + (dtype != torch.float32))
 
 
 def expert_data_parallel_size(settings) -> int:
@@ -119,7 +131,10 @@ def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
             total = sum(p.numel() for p in buf.params)
             grads += buf.data.numel() * buf.data.element_size()
             params += (buf.data.numel() if dist else total) * dtype.itemsize
-            opt += _opt_bytes(_owned(buf, size) if dist else total, dtype, settings.optim)
+            def words(p, low=dtype != torch.float32) -> int:  # fp32 words per element: master and moments
+                return _moments(settings.optim, p) + low
+
+            opt += 4 * (_owned(buf, size, words) if dist else sum(words(p) * p.numel() for p in buf.params))
     return StateBytes(params, grads, opt)
 
 

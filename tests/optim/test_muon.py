@@ -169,6 +169,7 @@ def layout_worker(tp: int, resume: bool) -> dict:
                 opt2.reload_masters()
                 opt2.load_state_dict(state)
         out["dist" if distributed else "plain"] = history
+        out[f"{'dist' if distributed else 'plain'}_keys"] = {n: sorted(e) for n, e in opt.state_dict()["tensors"].items()}
         if resume and distributed:
             resumed = []
             for s in range(2, STEPS):
@@ -213,6 +214,10 @@ def test_one_process_matches_float64_reference(nesterov, split):
         history.append(full_params(ddp.module, groups))
     ref = reference(full_init(), _mean_grads(1), nesterov=nesterov, split_qkv=split)
     _compare(history, ref, "one process")
+    # fp32 parameters are their own masters: AdamW's two moments for the rest, the momentum alone for the matrices
+    adam = sum(p.numel() for p in ddp.module.parameters() if p.ndim == 1 or p is ddp.module.emb)
+    assert opt.state_bytes() == 4 * (sum(p.numel() for p in ddp.module.parameters()) + adam)
+    assert "exp_avg_sq" not in opt.state_dict()["tensors"]["fc1"] and "exp_avg_sq" in opt.state_dict()["tensors"]["emb"]
     # the Muon matrices moved by ~lr per element per step, the check is not vacuous
     assert float((history[0]["fc2"] - full_init()["fc2"] * (1 - LR * WD)).abs().mean()) > 0.3 * LR
 
@@ -266,6 +271,7 @@ def test_world2_matches_float64_reference_and_resumes_bit_exact(tp, backend):
     for r in res:
         _compare(r["plain"], ref, f"tp{tp} plain")
         _compare(r["dist"], ref, f"tp{tp} distributed")
+        assert r["dist_keys"] == r["plain_keys"] and r["plain_keys"]["fc2"] == ["exp_avg"]
         for got, want in zip(r["resumed"], r["dist"][2:], strict=True):
             assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -308,14 +314,17 @@ def resume_worker(root: str) -> dict:
     out["resumed"] = {**run(part, ["--exit-interval", "2"]), **run(part, ["--load", part])}
     tp2 = ["--tensor-model-parallel-size", "2"]
     out["tp2"] = run(os.path.join(root, "tp2"), tp2, None)
-    part = os.path.join(root, "tp2part")
-    out["tp2_to_dp2"] = {**run(part, [*tp2, "--exit-interval", "2"], None), **run(part, ["--load", part], None)}
+    for fmt in ("torch_dist", "torch"):
+        part, f = os.path.join(root, f"tp2part_{fmt}"), ["--ckpt-format", fmt]
+        out[f"tp2_to_dp2_{fmt}"] = {**run(part, [*tp2, *f, "--exit-interval", "2"], None),
+                                    **run(part, [*f, "--load", part], None)}
     return out
 
 
 def test_training_loop_resumes_bit_exact_and_reshards(tmp_path):
     """--optimizer muon --use-distributed-optimizer through the CLI at world 2: bf16 dp2, 4 iterations == 2, save,
-    resume for 2, bit for bit (the checkpoint carries the Muon momentum); fp32 tp2 resumed at tp1 x dp2 continues
+    resume for 2, bit for bit (the checkpoint carries the Muon momentum); fp32 tp2 resumed at tp1 x dp2 (both
+    checkpoint formats, resharded on load) continues
     the tp2 run within fp32 rounding (whole-matrix orthogonalisation makes the update tp-independent; the layouts
     differ in summation order only: 1.1e-7 relative seen at iteration 4; 1e-5 leaves a factor 90, while resuming
     without the optimizer state (--no-load-optim) moves iteration 4's loss by 4.6e-4)."""
@@ -323,7 +332,9 @@ def test_training_loop_resumes_bit_exact_and_reshards(tmp_path):
     full = res[0]["full"]
     assert sorted(full) == [1, 2, 3, 4] and len(set(full.values())) > 1
     assert res[0]["resumed"] == full
-    ref, got = res[0]["tp2"], res[0]["tp2_to_dp2"]
-    assert sorted(got) == [1, 2, 3, 4]
-    for it in ref:
-        assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, got, ref)
+    ref = res[0]["tp2"]
+    for fmt in ("torch_dist", "torch"):
+        got = res[0][f"tp2_to_dp2_{fmt}"]
+        assert sorted(got) == [1, 2, 3, 4]
+        for it in ref:
+            assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (fmt, it, got, ref)

@@ -153,6 +153,8 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
         if p.dtype != torch.float32:
             kinds["master"] = opt.masters
         for kind, values in kinds.items():
+            if not opt.keeps(kind, i):  # Muon's matrices keep no exp_avg_sq
+                continue
             t = values[j]
             if fsdp:
                 pieces = row_pieces(p, split, t, shard_offset(p))

@@ -339,7 +339,8 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
             per_kind["master"] = full_state_shards(chunk, masters, tp_size, tp_rank, keep_dtype=True)
         for name, p in chunk.named_parameters():
             if p.requires_grad:
-                entry = {k: _own(d[name]) for k, d in per_kind.items() if k != "master" or name in low}
+                # NOTE: a kind the optimizer keeps for some parameters only (Muon: exp_avg_sq) lacks the others
+                entry = {k: _own(d[name]) for k, d in per_kind.items() if name in d and (k != "master" or name in low)}
                 tensors[f"chunk{c}.{name}"] = entry
     return {"model": models, "optimizer": dict(full.optimizer_meta, tensors=tensors), "scheduler": full.scheduler}
 

@@ -181,7 +181,7 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
             full[key] = out
         tensors = {}
         for i, name in enumerate(self.names):
-            entry = {k: full[k][i] for k in self.state}
+            entry = {k: full[k][i] for k in self.state if self.keeps(k, i)}
             if self.params[i].dtype != torch.float32:
                 entry["master"] = full["master"][i]
             tensors[name] = entry
@@ -197,7 +197,8 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
             for j, s in enumerate(self.slices):
                 entry = state["tensors"][self.names[s.param]]
                 for key, bufs in self.state.items():
-                    bufs[j].copy_(entry[key].reshape(-1)[s.lo:s.hi])
+                    if self.keeps(key, s.param):
+                        bufs[j].copy_(entry[key].reshape(-1)[s.lo:s.hi])
                 if "master" in entry and self.params[s.param].dtype != torch.float32:
                     self.masters[j].copy_(entry["master"].reshape(-1)[s.lo:s.hi])
         self.load_counters(state)

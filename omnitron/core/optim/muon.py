@@ -30,8 +30,9 @@ replace the reduce-scatter by an all-reduce and the bucket gathers by per-owner 
 one fp32 all-gather of the buckets per step (the size of the fp32 parameters) and ~1/dp of the
 orthogonalisation work per rank.
 
-State: Adam's ``exp_avg`` doubles as Muon's momentum buffer, so checkpoints keep the engine's format (and the
-plain and distributed optimizers resume from each other's); ``exp_avg_sq`` stays zero for Muon matrices.
+State: Adam's ``exp_avg`` doubles as Muon's momentum buffer; Muon matrices keep no ``exp_avg_sq`` (4 bytes per
+element less than AdamW), and checkpoints leave it out for them (:meth:`keeps`). Otherwise the engine's format:
+the plain and distributed optimizers resume from each other's checkpoints, and they reshard like AdamW's.
 """
 from __future__ import annotations
 
@@ -61,6 +62,18 @@ class MuonMixin:
         self.muon = [uses_muon(self.params[self._param_of(j)]) for j in range(len(self.masters))]
         c = self.config
         self.ns_coefficients = coefficient_schedule(c.muon_coefficient_type, c.muon_num_ns_steps)
+
+    def _zero_state(self) -> dict[str, list[torch.Tensor]]:
+        """Adam's two moments for the AdamW masters; the momentum (``exp_avg``) alone for the Muon ones (their
+        ``exp_avg_sq`` is an empty placeholder, neither stepped nor checkpointed)."""
+        state = super()._zero_state()
+        for j, m in enumerate(self.masters):
+            if self.muon[j]:
+                state["exp_avg_sq"][j] = m.new_zeros(0)
+        return state
+
+    def keeps(self, key: str, i: int) -> bool:
+        return key != "exp_avg_sq" or not uses_muon(self.params[i])
 
     def _adamw(self, grads: list[torch.Tensor], rates: list[float], only=None) -> None:
         super()._adamw(grads, rates, only=[j for j in range(len(self.masters)) if not self.muon[j]])

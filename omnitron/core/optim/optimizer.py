@@ -237,13 +237,18 @@ class MixedPrecisionOptimizer:
         """Tensors keyed by parameter name; fp32 masters only for low-precision params."""
         out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": {}}
         for i, name in enumerate(self.names):
-            entry = {k: v[i] for k, v in self.state.items()}
+            entry = {k: v[i] for k, v in self.state.items() if self.keeps(k, i)}
             if self.params[i].dtype != torch.float32:
                 entry["master"] = self.masters[i]
             out["tensors"][name] = entry
         if self.loss_scaler is not None:
             out["loss_scaler"] = self.loss_scaler.state_dict()
         return out
+
+    def keeps(self, key: str, i: int) -> bool:
+        """Whether state ``key`` is kept (and checkpointed) for parameter ``i`` (Muon keeps no ``exp_avg_sq``
+        for its matrices)."""
+        return True
 
     def state_bytes(self) -> int:
         """Bytes of storage this rank holds for masters and optimizer states (masters that are the model's
@@ -271,7 +276,8 @@ class MixedPrecisionOptimizer:
             for i, name in enumerate(self.names):
                 entry = state["tensors"][name]
                 for key, bufs in self.state.items():
-                    bufs[i].copy_(entry[key])
+                    if self.keeps(key, i):
+                        bufs[i].copy_(entry[key])
                 if "master" in entry:
                     self.masters[i].copy_(entry["master"])
         self.load_counters(state)
