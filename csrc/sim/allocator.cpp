@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -185,51 +184,11 @@ struct SimAllocator final : c10::Allocator {
 
 SimAllocator g_allocator;
 
-// ---- pinned host memory --------------------------------------------------------------------------
-std::mutex g_pinned_mutex;
-std::map<uintptr_t, size_t> g_pinned;  // start -> bytes
-
-void pinned_free(void* ptr) {
-  {
-    std::lock_guard<std::mutex> lock(g_pinned_mutex);
-    g_pinned.erase(reinterpret_cast<uintptr_t>(ptr));
-  }
-  c10::free_cpu(ptr);
-}
-
-struct PinnedAllocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t nbytes) override {
-    void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    if (ptr) {
-      std::lock_guard<std::mutex> lock(g_pinned_mutex);
-      g_pinned[reinterpret_cast<uintptr_t>(ptr)] = nbytes;
-    }
-    return {ptr, ptr, &pinned_free, c10::Device(c10::kCPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &pinned_free; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    if (count) std::memcpy(dest, src, count);
-  }
-};
-
-PinnedAllocator g_pinned_allocator;
-
 }  // namespace
 
 void set_poison(bool on) { g_poison = on; }
 
 c10::Allocator* allocator() { return &g_allocator; }
-
-c10::Allocator* pinned_allocator() { return &g_pinned_allocator; }
-
-bool is_pinned(const void* ptr) {
-  auto p = reinterpret_cast<uintptr_t>(ptr);
-  std::lock_guard<std::mutex> lock(g_pinned_mutex);
-  auto it = g_pinned.upper_bound(p);
-  if (it == g_pinned.begin()) return false;
-  --it;
-  return p < it->first + it->second;
-}
 
 void note_use(const c10::Storage& storage, uint64_t point, const char* op) {
   Block* b = block_of(storage.data_ptr());

@@ -82,7 +82,9 @@ struct Staging {
 std::mutex g_site_mutex;
 std::function<std::pair<std::string, std::string>()> g_site_hook;
 
-std::pair<std::string, std::string> issue_site() {
+}  // namespace
+
+std::pair<std::string, std::string> python_site() {
   std::function<std::pair<std::string, std::string>()> hook;
   {
     std::lock_guard<std::mutex> lock(g_site_mutex);
@@ -91,6 +93,8 @@ std::pair<std::string, std::string> issue_site() {
   if (!hook) return {"(unknown site)", "thread"};
   return hook();
 }
+
+namespace {
 
 // ---- one collective -----------------------------------------------------------------------------
 struct Span {
@@ -436,7 +440,7 @@ class SimCollectives final : public c10d::Backend {
   template <typename F>
   c10::intrusive_ptr<c10d::Work> submit(const char* op, Staging& s, F&& launch, bool queued = true) {
     auto item = std::make_shared<Item>();
-    auto site = issue_site();
+    auto site = python_site();
     item->op = op;
     item->group = group_name(*this);
     item->site = site.first;

@@ -140,7 +140,19 @@ void copy_to_pinned_async(const at::Tensor& self, const at::Tensor& dst) {
   } else if (dst.scalar_type() != at::kBool) {
     dst.fill_(-1);
   }
-  enqueue_async(self.device().index(), [dst, snapshot]() mutable { dst.copy_(snapshot); });
+  int guard = -1;
+  if (dst.is_contiguous()) {
+    auto site = python_site();
+    guard = guard_pages(dst.data_ptr(), dst.nbytes(),
+                        "sim: host access to the destination of a non_blocking device-to-host copy (issued at " +
+                            site.first + ", thread " + site.second +
+                            ") before it completed: synchronize the stream (or an event recorded after the copy) "
+                            "before reading the host buffer");
+  }
+  enqueue_async(self.device().index(), [dst, snapshot, guard]() mutable {
+    release_guard(guard);
+    dst.copy_(snapshot);
+  });
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {

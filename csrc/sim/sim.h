@@ -67,8 +67,15 @@ void empty_cache();
 // A kernel on the current stream uses the memory of ``storage`` (its point on the stream: ``point``).
 void note_use(const c10::Storage& storage, uint64_t point, const char* op);
 void record_stream(const c10::DataPtr& data, const c10::Stream& stream);
+// ---- pinned host memory (pinned.cpp) ----------------------------------------------------
 c10::Allocator* pinned_allocator();
 bool is_pinned(const void* ptr);
+// Protect the whole pages of [data, data + nbytes) until release_guard: an access prints ``message``
+// and ends the process. Returns the guard (-1: nothing protected).
+int guard_pages(void* data, size_t nbytes, const std::string& message);
+void release_guard(int guard);
+// (call site, thread) of the Python code running now (collectives.cpp's hook).
+std::pair<std::string, std::string> python_site();
 c10::Allocator* allocator();
 MemoryStats memory_stats(c10::DeviceIndex index);
 void reset_peak(c10::DeviceIndex index);

@@ -9,6 +9,8 @@ orders on two ranks, and a background thread's collectives racing the main threa
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,6 +21,7 @@ from omnitron.testing.distributed import run_distributed
 from omnitron.testing.sim import requires_sim
 
 pytestmark = [requires_sim(), pytest.mark.multiprocess]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLOCK_S = 3  # OMNITRON_SIM_DEADLOCK_S for these runs: a deadlock is reported within ~3 s
 ENV = {"OMNITRON_SIM_DEADLOCK_S": str(DEADLOCK_S), "OMNITRON_STRICT_COLLECTIVES": "0"}
 # Strict mode is off: its fingerprint exchange is itself a collective per group, so opposite orders would
@@ -155,9 +158,36 @@ def test_side_stream_tensor_freed_without_record_stream(backend):
         assert "was freed while stream" in m and "record_stream" in m, m
 
 
+EARLY_READ = """
+import torch
+from omnitron.backends import get_backend
+be = get_backend("{backend}")
+x = torch.arange(4096, dtype=torch.float32, device=be.device())
+host = x.to("cpu", non_blocking=True)
+early = host.clone()  # a host read before synchronizing
+be.synchronize()
+print("silent", torch.equal(host, torch.arange(4096.0)))
+"""
+
+
 @pytest.mark.parametrize("backend", ["sim", "cpu"])
 def test_host_read_of_non_blocking_copy_before_synchronize(backend):
-    [r] = run_distributed(early_host_read, 1, backend=backend, env=ENV, timeout_s=60)
+    """sim guards the destination's pages until the copy lands: the read ends the process with the cause."""
+    proc = subprocess.run([sys.executable, "-c", EARLY_READ.format(backend=backend)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    if backend == "cpu":
+        assert proc.returncode == 0 and "silent True" in proc.stdout, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0, proc.stdout
+        assert "non_blocking device-to-host copy" in proc.stderr and "before it completed" in proc.stderr, proc.stderr
+        assert "<string>" in proc.stderr  # the call site
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_unguarded_early_read_shows_garbage(backend):
+    """With the guard pages off (or on a page the copy only partly covers) the early read is NaN on sim."""
+    env = {**ENV, "OMNITRON_SIM_GUARD_PAGES": "0"}
+    [r] = run_distributed(early_host_read, 1, backend=backend, env=env, timeout_s=60)
     # sim: the pinned destination holds NaN until the copy lands; cpu: the "copy" is the tensor itself
     assert r == {"early_nan": backend == "sim", "late_right": True}, r
 

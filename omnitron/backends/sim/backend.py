@@ -18,8 +18,10 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   Blocks are never split (inactive split bytes are 0); memory a CPU kernel allocated for a result is
   adopted, counted, checked, not cached.
 - *Asynchronous copies.* A ``non_blocking`` device-to-host copy into pinned memory lands after
-  ``OMNITRON_SIM_ASYNC_DELAY_MS`` (default 50) on a worker thread unless the host waits first; until then
-  the destination reads NaN (-1 in integer types).
+  ``OMNITRON_SIM_ASYNC_DELAY_MS`` (default 50) on a worker thread unless the host waits first. Until then
+  the destination's whole pages are protected: a host access ends the process with a message naming the
+  copy's call site (csrc/sim/pinned.cpp; ``OMNITRON_SIM_GUARD_PAGES=0`` turns it off), and its other
+  bytes read NaN (-1 in integer types).
 - *simccl is NCCL-shaped.* A collective's output is in flight until ``work.wait()`` (or
   ``isCompleted()``, or a device synchronize): any kernel touching it raises. One collective runs at a
   time per device, in issue order, so opposite orders on two ranks deadlock; after
