@@ -1,9 +1,17 @@
-// Device memory of the sim accelerator: host memory from c10::alloc_cpu, counted per device.
-// With poisoning on, fresh memory is all 0xff bytes (NaN in every float type), as a GPU's reused
-// memory is garbage: code that reads an empty() buffer before writing it shows up.
+// Device memory of the sim accelerator: a stream-ordered caching allocator over host memory.
 //
-// Nothing is cached, so "reserved" equals "allocated" (the statistics say so honestly). Memory a
-// CPU kernel allocated for a result is adopted (sim::adopt) rather than copied, and counted from then on.
+// As CUDA's caching allocator: a block belongs to the stream it was allocated on; when freed it goes
+// back to that stream's cache (rounded to 512 bytes, kept until empty_cache()) and is reused at once
+// by the next allocation of its size on that stream -- and on no other stream. A block given to
+// record_stream(s) is held back until stream s has passed the point where it was freed (the
+// allocation stream waited for s, or the host synchronized it). Freed blocks are poisoned (0xff bytes,
+// NaN in every float type) so a kernel still reading one reads garbage.
+//
+// What CUDA leaves silent is found here: a block used by a kernel on another stream and freed without
+// record_stream, while the allocation stream is not ordered after that use, is reported by the next
+// sim call (a deleter cannot raise). Blocks are never split, so inactive split bytes are always 0.
+// Memory a CPU kernel allocated for a result is adopted (sim::adopt) rather than copied: counted as
+// allocated and reserved while alive, checked on free like any block, but not cached.
 #include "sim.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -12,47 +20,161 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
 
 namespace sim {
 namespace {
 
+constexpr size_t kRound = 512;
+
 struct Counters {
-  std::atomic<int64_t> allocated{0}, peak{0}, allocations{0};
+  std::atomic<int64_t> allocated{0}, peak{0}, allocations{0}, reserved{0}, peak_reserved{0}, cached_blocks{0};
 };
 Counters g_mem[kMaxDevices];
 bool g_poison = false;
+const bool g_poison_free = [] {
+  const char* s = std::getenv("OMNITRON_SIM_POISON_FREED");
+  return !(s && std::string(s) == "0");
+}();
 
-void add_bytes(c10::DeviceIndex index, int64_t nbytes) {
-  auto& c = g_mem[index];
-  int64_t now = c.allocated.fetch_add(nbytes) + nbytes;
-  int64_t peak = c.peak.load();
-  while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {
+void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
+  int64_t p = peak.load();
+  while (now > p && !peak.compare_exchange_weak(p, now)) {
   }
+}
+
+void add_bytes(c10::DeviceIndex index, int64_t nbytes, bool fresh) {
+  auto& c = g_mem[index];
+  raise_peak(c.peak, c.allocated.fetch_add(nbytes) + nbytes);
+  if (fresh) raise_peak(c.peak_reserved, c.reserved.fetch_add(nbytes) + nbytes);
   c.allocations.fetch_add(1);
 }
 
-// What a device DataPtr owns: raw memory from alloc_cpu, or an adopted host DataPtr.
+// What a device DataPtr owns: a cached block of ``size`` bytes, or an adopted host DataPtr.
 struct Block {
-  size_t nbytes;
+  size_t size;
   c10::DeviceIndex index;
+  int stream;
   void* raw;
   c10::DataPtr adopted;
+  uint64_t recorded = 0;  // bit s: record_stream(s) was called
+  std::unique_ptr<uint64_t[]> uses;  // per foreign stream: the point of its last kernel on this block
+  const char* last_op = nullptr;
 };
+
+// A freed block waiting for the streams it was recorded on.
+struct Held {
+  void* raw;
+  size_t size;
+  int stream;
+  uint64_t recorded;
+  uint64_t points[kStreams];
+};
+
+struct Pool {
+  std::mutex m;
+  std::unordered_map<uint64_t, std::vector<void*>> free;  // key: stream << 48 | size
+  std::vector<Held> held;
+};
+Pool g_pools[kMaxDevices];
+std::mutex g_use_mutex;
+
+uint64_t key(int stream, size_t size) { return (static_cast<uint64_t>(stream) << 48) | size; }
+
+bool held_ready(c10::DeviceIndex index, const Held& h) {
+  for (int t = 0; t < kStreams; ++t)
+    if ((h.recorded >> t & 1) && !ordered_after(index, h.stream, t, h.points[t])) return false;
+  return true;
+}
+
+void* take_cached(c10::DeviceIndex index, int stream, size_t size) {
+  Pool& p = g_pools[index];
+  std::lock_guard<std::mutex> lock(p.m);
+  auto it = p.free.find(key(stream, size));
+  if (it != p.free.end() && !it->second.empty()) {
+    void* raw = it->second.back();
+    it->second.pop_back();
+    return raw;
+  }
+  for (size_t i = 0; i < p.held.size(); ++i) {
+    Held& h = p.held[i];
+    if (h.stream != stream || h.size != size || !held_ready(index, h)) continue;
+    void* raw = h.raw;
+    p.held.erase(p.held.begin() + static_cast<std::ptrdiff_t>(i));
+    return raw;
+  }
+  return nullptr;
+}
+
+// A use on a stream other than the block's, neither recorded nor waited for: a reuse would race with it.
+std::string unsafe_use(const Block& b) {
+  if (!b.uses) return "";
+  for (int t = 0; t < kStreams; ++t) {
+    if (!b.uses[t] || (b.recorded >> t & 1) || ordered_after(b.index, b.stream, t, b.uses[t])) continue;
+    std::ostringstream os;
+    os << "sim: a tensor (" << b.size << " bytes, allocated on stream " << b.stream << " of sim:" << int(b.index)
+       << ") was freed while stream " << t << " may still be using it (" << (b.last_op ? b.last_op : "a kernel")
+       << " ran on it there); its memory would be reused by stream " << b.stream
+       << ": call tensor.record_stream(stream) after using it on another stream, or make stream " << b.stream
+       << " wait for that stream (wait_stream) before freeing it";
+    return os.str();
+  }
+  return "";
+}
+
+void cache_block(Block* b) {
+  Pool& p = g_pools[b->index];
+  if (g_poison_free && b->size) std::memset(b->raw, 0xff, b->size);
+  std::lock_guard<std::mutex> lock(p.m);
+  g_mem[b->index].cached_blocks.fetch_add(1);
+  if (!b->recorded) {
+    p.free[key(b->stream, b->size)].push_back(b->raw);
+    return;
+  }
+  Held h{b->raw, b->size, b->stream, b->recorded, {}};
+  for (int t = 0; t < kStreams; ++t)
+    if (b->recorded >> t & 1) h.points[t] = stream_point(b->index, t);
+  p.held.push_back(h);
+}
 
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
-  g_mem[b->index].allocated.fetch_sub(static_cast<int64_t>(b->nbytes));
-  if (b->raw) c10::free_cpu(b->raw);
+  std::string hazard = unsafe_use(*b);
+  auto& c = g_mem[b->index];
+  c.allocated.fetch_sub(static_cast<int64_t>(b->size));
+  if (!hazard.empty()) defer_error(hazard);
+  if (b->raw && hazard.empty()) {
+    cache_block(b);
+  } else {
+    c.reserved.fetch_sub(static_cast<int64_t>(b->size));
+    if (b->raw) c10::free_cpu(b->raw);
+  }
   delete b;  // an adopted DataPtr frees its memory here
+}
+
+Block* block_of(const c10::DataPtr& dp) {
+  return dp.get_deleter() == &free_block ? static_cast<Block*>(dp.get_context()) : nullptr;
 }
 
 struct SimAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex index = current_device();
-    void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    if (ptr && g_poison) std::memset(ptr, 0xff, nbytes);  // NaN in every float type: reads before writes show
-    add_bytes(index, static_cast<int64_t>(nbytes));
-    auto* b = new Block{nbytes, index, ptr, c10::DataPtr()};
+    int stream = static_cast<int>(current_stream(index).id());
+    size_t size = nbytes ? (nbytes + kRound - 1) / kRound * kRound : 0;
+    void* ptr = size ? take_cached(index, stream, size) : nullptr;
+    bool fresh = ptr == nullptr;
+    if (fresh && size) {
+      ptr = c10::alloc_cpu(size);
+      if (g_poison) std::memset(ptr, 0xff, size);  // NaN in every float type: reads before writes show
+    } else if (size) {
+      g_mem[index].cached_blocks.fetch_sub(1);
+    }
+    add_bytes(index, static_cast<int64_t>(size), fresh);
+    auto* b = new Block{size, index, stream, ptr, c10::DataPtr()};
     return {ptr, b, &free_block, c10::Device(kSim, index)};
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -68,21 +190,56 @@ void set_poison(bool on) { g_poison = on; }
 
 c10::Allocator* allocator() { return &g_allocator; }
 
+void note_use(const c10::Storage& storage, uint64_t point, const char* op) {
+  Block* b = block_of(storage.data_ptr());
+  if (!b) return;
+  int s = static_cast<int>(current_stream(b->index).id());
+  if (s == b->stream) return;
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  if (!b->uses) b->uses.reset(new uint64_t[kStreams]());
+  b->uses[s] = std::max(b->uses[s], point);
+  b->last_op = op;
+}
+
+void record_stream(const c10::DataPtr& data, const c10::Stream& stream) {
+  Block* b = block_of(data);
+  if (!b || stream.id() == b->stream) return;
+  std::lock_guard<std::mutex> lock(g_use_mutex);
+  b->recorded |= uint64_t(1) << stream.id();
+}
+
 MemoryStats memory_stats(c10::DeviceIndex index) {
   check_index(index);
   const auto& c = g_mem[index];
-  return {c.allocated.load(), c.peak.load(), c.allocations.load()};
+  return {c.allocated.load(), c.peak.load(), c.allocations.load(), c.reserved.load(), c.peak_reserved.load(), 0,
+          c.cached_blocks.load()};
 }
 
 void reset_peak(c10::DeviceIndex index) {
   check_index(index);
   g_mem[index].peak.store(g_mem[index].allocated.load());
+  g_mem[index].peak_reserved.store(g_mem[index].reserved.load());
+}
+
+void empty_cache() {
+  for (int i = 0; i < kMaxDevices; ++i) {
+    Pool& p = g_pools[i];
+    std::lock_guard<std::mutex> lock(p.m);
+    for (auto& [k, ptrs] : p.free) {
+      size_t size = k & ((uint64_t(1) << 48) - 1);
+      for (void* raw : ptrs) c10::free_cpu(raw);
+      g_mem[i].reserved.fetch_sub(static_cast<int64_t>(size * ptrs.size()));
+      g_mem[i].cached_blocks.fetch_sub(static_cast<int64_t>(ptrs.size()));
+    }
+    p.free.clear();
+  }
 }
 
 c10::DataPtr adopt(c10::DataPtr&& host, size_t nbytes, c10::DeviceIndex index) {
   void* ptr = host.get();
-  add_bytes(index, static_cast<int64_t>(nbytes));
-  auto* b = new Block{nbytes, index, nullptr, std::move(host)};
+  add_bytes(index, static_cast<int64_t>(nbytes), true);
+  int stream = static_cast<int>(current_stream(index).id());
+  auto* b = new Block{nbytes, index, stream, nullptr, std::move(host)};
   return {ptr, b, &free_block, c10::Device(kSim, index)};
 }
 

@@ -1,20 +1,37 @@
-// "simccl": the sim device's process-group backend, gloo under explicit host staging copies.
+// "simccl": the sim device's process-group backend, gloo under explicit host staging copies, with
+// NCCL's communicator semantics.
 //
-// Every collective copies its device inputs to host buffers, runs gloo on those, and copies the
-// results back into the device tensors when the work is waited on (or seen complete), the way a
-// vendor library hands results back on its own stream. So a result read before wait() is stale
-// here, as it can be on real hardware. The staging copies are not counted as host syncs.
+// Every collective snapshots its device inputs into host buffers when issued (the point on the
+// caller's stream it waits for), and is queued on its device's communicator queue: one collective
+// kernel runs at a time per device (the worst case NCCL allows), in issue order, on a worker thread
+// that runs gloo on the host buffers and writes the results back into the device tensors. Until the
+// host calls work.wait() (or sees isCompleted(), or synchronizes the device) the output is "in
+// flight": any kernel or copy touching it raises, naming the collective and where it was issued.
+//
+// Two ranks that issue two groups' collectives in opposite orders deadlock here as on NCCL; a
+// collective that has waited OMNITRON_SIM_DEADLOCK_S seconds (default 60) for its peers while another
+// waits behind it is reported on its rank, naming both. A collective issued while another thread's
+// collective is still queued on the device is an error (ranks may order the two differently).
+// Point-to-point operations and barriers are not queued (a batched send/recv pair would otherwise
+// deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike.
 #include "sim.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
 #include <mutex>
+#include <sstream>
+#include <thread>
 
 namespace sim {
 namespace {
 
 using Tensors = std::vector<at::Tensor>;
+using SteadyClock = std::chrono::steady_clock;
 
 at::Tensor stage_in(const at::Tensor& t) {
   return t.is_privateuseone() ? host_copy(t).contiguous() : t;
@@ -27,6 +44,7 @@ at::Tensor stage_out(const at::Tensor& t) {
 // Host buffers of one collective and the device tensors they are copied back into.
 struct Staging {
   std::vector<std::pair<at::Tensor, at::Tensor>> back;  // (device, host)
+  c10::DeviceIndex device = -1;
 
   at::Tensor in(const at::Tensor& t, bool write_back = false) { return host(t, stage_in(t), write_back); }
   at::Tensor out(const at::Tensor& t) { return host(t, stage_out(t), true); }
@@ -51,60 +69,250 @@ struct Staging {
     return h;
   }
   at::Tensor host(const at::Tensor& dev, at::Tensor h, bool write_back) {
+    if (dev.is_privateuseone()) {
+      check_not_in_flight(dev, "a collective");
+      if (device < 0) device = dev.device().index();
+    }
     if (write_back && dev.is_privateuseone()) back.emplace_back(dev, h);
     return h;
   }
 };
 
-class StagedWork final : public c10d::Work {
+// ---- where and from which thread a collective was issued (a Python hook) ----------------------
+std::mutex g_site_mutex;
+std::function<std::pair<std::string, std::string>()> g_site_hook;
+
+}  // namespace
+
+std::pair<std::string, std::string> python_site() {
+  std::function<std::pair<std::string, std::string>()> hook;
+  {
+    std::lock_guard<std::mutex> lock(g_site_mutex);
+    hook = g_site_hook;
+  }
+  if (!hook) return {"(unknown site)", "thread"};
+  return hook();
+}
+
+namespace {
+
+// ---- one collective -----------------------------------------------------------------------------
+struct Span {
+  uintptr_t lo, hi;
+};
+
+Span span_of(const at::Tensor& t) {
+  auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  return {lo, lo + static_cast<uintptr_t>(extent * t.element_size())};
+}
+
+struct Item {
+  std::string op, group, site, thread;
+  std::function<c10::intrusive_ptr<c10d::Work>()> launch;
+  std::vector<std::pair<at::Tensor, at::Tensor>> back;
+  std::vector<Span> spans;
+  c10::intrusive_ptr<c10d::Work> inner;  // p2p: launched at once
+  bool done = false, released = false;
+  std::string error;
+
+  std::string describe() const { return op + " on group '" + group + "' (issued at " + site + ", thread " + thread + ")"; }
+  void copy_back() {
+    InternalCopy internal;
+    for (auto& [dev, host] : back) dev.copy_(host);
+    back.clear();
+  }
+};
+using ItemPtr = std::shared_ptr<Item>;
+
+// Outputs not yet waited for, across this process.
+std::mutex g_flight_mutex;
+std::vector<ItemPtr> g_flight;
+std::atomic<int> g_flight_count{0};
+
+void register_flight(const ItemPtr& item) {
+  for (auto& [dev, host] : item->back)
+    if (dev.numel()) item->spans.push_back(span_of(dev));
+  if (item->spans.empty()) return;
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  g_flight.push_back(item);
+  g_flight_count.store(static_cast<int>(g_flight.size()));
+}
+
+void release_flight(const ItemPtr& item) {
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  if (item->released) return;
+  item->released = true;
+  for (size_t i = 0; i < g_flight.size(); ++i) {
+    if (g_flight[i] != item) continue;
+    g_flight.erase(g_flight.begin() + static_cast<std::ptrdiff_t>(i));
+    break;
+  }
+  g_flight_count.store(static_cast<int>(g_flight.size()));
+}
+
+// ---- the communicator queue of one device ----------------------------------------------------------
+std::chrono::milliseconds deadlock_bound() {
+  static const int64_t ms = [] {
+    const char* s = std::getenv("OMNITRON_SIM_DEADLOCK_S");
+    return static_cast<int64_t>((s ? std::atof(s) : 60.0) * 1000);
+  }();
+  return std::chrono::milliseconds(ms);
+}
+
+struct Queue {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<ItemPtr> items;  // front: the collective running; the rest wait behind it
+  bool started = false;
+  std::string broken;
+  SteadyClock::time_point started_at;  // when the running collective was launched
+};
+Queue g_queues[kMaxDevices];
+
+void finish(Queue& q, const ItemPtr& item, const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(q.m);
+    if (item->done) return;  // already failed by the deadlock report
+  }
+  if (error.empty()) item->copy_back();
+  std::lock_guard<std::mutex> lock(q.m);
+  item->error = error;
+  item->done = true;
+  if (!q.items.empty() && q.items.front() == item) q.items.pop_front();
+  q.cv.notify_all();
+}
+
+// Report a deadlock (lock held): the running collective waits for peers stuck behind their own.
+// Fails every queued collective and every later one (the communicator is aborted, as NCCL's would be).
+void report_deadlock(Queue& q, int index, SteadyClock::duration waited) {
+  std::ostringstream os;
+  auto s = std::chrono::duration_cast<std::chrono::seconds>(waited).count();
+  os << "sim: collective deadlock on sim:" << index << ": " << q.items[0]->describe() << " has waited " << s
+     << " s for its peers while " << q.items[1]->describe()
+     << " waits behind it (a device runs one communicator kernel at a time, as NCCL may): every rank must issue "
+        "collectives on different groups in the same order, from one thread";
+  q.broken = os.str();
+  for (auto& item : q.items) {
+    item->error = q.broken;
+    item->done = true;
+  }
+  q.items.clear();
+  q.cv.notify_all();
+}
+
+// Runs one collective to completion. gloo's work completes only when waited on (some of its
+// collectives are lazy), so the worker blocks in wait() and the watchdog looks for deadlocks.
+void run_one(Queue& q, const ItemPtr& item) {
+  {
+    std::lock_guard<std::mutex> lock(q.m);
+    q.started_at = SteadyClock::now();
+  }
+  std::string error;
+  try {
+    item->launch()->wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  finish(q, item, error);
+}
+
+void worker(int index) {
+  Queue& q = g_queues[index];
+  for (;;) {
+    ItemPtr item;
+    {
+      std::unique_lock<std::mutex> lock(q.m);
+      q.cv.wait(lock, [&] { return !q.items.empty(); });
+      item = q.items.front();
+    }
+    run_one(q, item);
+  }
+}
+
+void watchdog(int index) {
+  Queue& q = g_queues[index];
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::lock_guard<std::mutex> lock(q.m);
+    auto waited = SteadyClock::now() - q.started_at;
+    if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
+  }
+}
+
+void enqueue(int index, const ItemPtr& item) {
+  Queue& q = g_queues[index];
+  std::lock_guard<std::mutex> lock(q.m);
+  TORCH_CHECK(q.broken.empty(), q.broken);
+  for (auto& other : q.items)
+    TORCH_CHECK(other->thread == item->thread, "sim: ", item->describe(), " was issued while ", other->describe(),
+                " is still queued on sim:", index,
+                ": collectives issued from two threads at once reach the device in an order that can differ between "
+                "ranks, which deadlocks NCCL; issue them from one thread, or use a gloo (CPU) group in the other");
+  q.items.push_back(item);
+  if (!q.started) {
+    std::thread(worker, index).detach();
+    std::thread(watchdog, index).detach();
+    q.started = true;
+  }
+  q.cv.notify_all();
+}
+
+class SimWork final : public c10d::Work {
  public:
-  StagedWork(c10::intrusive_ptr<c10d::Work> inner, Staging staging)
-      : inner_(std::move(inner)), back_(std::move(staging.back)) {}
+  explicit SimWork(ItemPtr item) : item_(std::move(item)) {}
   bool wait(std::chrono::milliseconds timeout) override {
-    bool ok = inner_->wait(timeout);
-    finish();
+    bool ok = true;
+    if (item_->inner) {
+      ok = item_->inner->wait(timeout);
+      settle_inner();
+    } else {
+      Queue& q = queue_of();
+      std::unique_lock<std::mutex> lock(q.m);
+      q.cv.wait(lock, [&] { return item_->done; });
+    }
+    release_flight(item_);
+    TORCH_CHECK(item_->error.empty(), item_->error);
     return ok;
   }
   bool isCompleted() override {
-    if (!inner_->isCompleted()) return false;
-    finish();
-    return true;
+    bool done;
+    if (item_->inner) {
+      done = item_->inner->isCompleted();
+      if (done) settle_inner();
+    } else {
+      std::lock_guard<std::mutex> lock(queue_of().m);
+      done = item_->done;
+    }
+    if (done) release_flight(item_);
+    return done;
   }
-  bool isSuccess() const override { return inner_->isSuccess(); }
-  std::exception_ptr exception() const override { return inner_->exception(); }
-  std::vector<at::Tensor> result() override { return inner_->result(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  bool isSuccess() const override { return item_->error.empty(); }
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> out;
+    for (auto& [dev, host] : item_->back) out.push_back(dev);
+    return out;
+  }
+
+  int device = 0;
 
  private:
-  void finish() {
+  Queue& queue_of() { return g_queues[device]; }
+  void settle_inner() {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [dev, host] : back_) dev.copy_(host);  // host-to-device: not a sync
-    back_.clear();
+    if (!item_->done) item_->copy_back();
+    item_->done = true;
   }
-  c10::intrusive_ptr<c10d::Work> inner_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> back_;
+  ItemPtr item_;
   std::mutex mutex_;
 };
 
-c10::intrusive_ptr<c10d::Work> staged(c10::intrusive_ptr<c10d::Work> work, Staging&& s) {
-  return c10::make_intrusive<StagedWork>(std::move(work), std::move(s));
-}
-
-// An in-place collective (all-reduce, broadcast): inputs staged in and copied back.
-template <typename F>
-c10::intrusive_ptr<c10d::Work> in_place(Tensors& ts, F&& call) {
-  Staging s;
-  auto h = s.in(ts, true);
-  return staged(call(h), std::move(s));
-}
-
-// A data-moving collective: inputs staged in, outputs staged out and copied back.
-template <typename O, typename I, typename F>
-c10::intrusive_ptr<c10d::Work> moving(O& outs, I& ins, F&& call) {
-  Staging s;
-  auto hi = s.in(ins);
-  auto ho = s.out(outs);
-  return staged(call(ho, hi), std::move(s));
+std::string group_name(const c10d::Backend& b) {
+  const std::string& desc = b.getGroupDesc();
+  const std::string& uid = b.getGroupUid();
+  if (desc.empty() || desc == "undefined") return uid;
+  return desc + " " + uid;
 }
 
 class SimCollectives final : public c10d::Backend {
@@ -115,77 +323,176 @@ class SimCollectives final : public c10d::Backend {
   const std::string getBackendName() const override { return "simccl"; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
-    return in_place(ts, [&](Tensors& h) { return gloo_->broadcast(h, o); });
+    Staging s;
+    auto h = s.in(ts, true);
+    return submit("broadcast", s, [g = gloo_, h, o]() mutable { return g->broadcast(h, o); });
   }
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
-    return in_place(ts, [&](Tensors& h) { return gloo_->allreduce(h, o); });
+    Staging s;
+    auto h = s.in(ts, true);
+    return submit("all_reduce", s, [g = gloo_, h, o]() mutable { return g->allreduce(h, o); });
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) override {
-    return in_place(ts, [&](Tensors& h) { return gloo_->allreduce_coalesced(h, o); });
+    Staging s;
+    auto h = s.in(ts, true);
+    return submit("all_reduce_coalesced", s, [g = gloo_, h, o]() mutable { return g->allreduce_coalesced(h, o); });
   }
   c10::intrusive_ptr<c10d::Work> reduce(Tensors& ts, const c10d::ReduceOptions& o) override {
-    return in_place(ts, [&](Tensors& h) { return gloo_->reduce(h, o); });
+    Staging s;
+    auto h = s.in(ts, true);
+    return submit("reduce", s, [g = gloo_, h, o]() mutable { return g->reduce(h, o); });
   }
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<Tensors>& outs, Tensors& ins,
                                            const c10d::AllgatherOptions& o) override {
-    return moving(outs, ins, [&](auto& ho, auto& hi) { return gloo_->allgather(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(ins);
+    auto ho = s.out(outs);
+    return submit("all_gather", s, [g = gloo_, ho, hi, o]() mutable { return g->allgather(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& o) override {
-    return moving(out, in, [&](auto& ho, auto& hi) { return gloo_->_allgather_base(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(in);
+    auto ho = s.out(out);
+    return submit("all_gather_into_tensor", s, [g = gloo_, ho, hi, o]() mutable { return g->_allgather_base(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::AllgatherOptions& o) override {
-    return moving(outs, ins, [&](auto& ho, auto& hi) { return gloo_->allgather_into_tensor_coalesced(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(ins);
+    auto ho = s.out(outs);
+    return submit("all_gather_into_tensor_coalesced", s,
+                  [g = gloo_, ho, hi, o]() mutable { return g->allgather_into_tensor_coalesced(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<Tensors>& outs, Tensors& ins,
                                         const c10d::GatherOptions& o) override {
-    return moving(outs, ins, [&](auto& ho, auto& hi) { return gloo_->gather(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(ins);
+    auto ho = s.out(outs);
+    return submit("gather", s, [g = gloo_, ho, hi, o]() mutable { return g->gather(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> scatter(Tensors& outs, std::vector<Tensors>& ins,
                                          const c10d::ScatterOptions& o) override {
-    return moving(outs, ins, [&](auto& ho, auto& hi) { return gloo_->scatter(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(ins);
+    auto ho = s.out(outs);
+    return submit("scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->scatter(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(Tensors& outs, std::vector<Tensors>& ins,
                                                 const c10d::ReduceScatterOptions& o) override {
-    return moving(outs, ins, [&](auto& ho, auto& hi) { return gloo_->reduce_scatter(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(ins);
+    auto ho = s.out(outs);
+    return submit("reduce_scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->reduce_scatter(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& o) override {
-    return moving(out, in, [&](auto& ho, auto& hi) { return gloo_->_reduce_scatter_base(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(in);
+    auto ho = s.out(out);
+    return submit("reduce_scatter_tensor", s,
+                  [g = gloo_, ho, hi, o]() mutable { return g->_reduce_scatter_base(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::ReduceScatterOptions& o) override {
-    return moving(outs, ins, [&](auto& ho, auto& hi) { return gloo_->reduce_scatter_tensor_coalesced(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(ins);
+    auto ho = s.out(outs);
+    return submit("reduce_scatter_tensor_coalesced", s,
+                  [g = gloo_, ho, hi, o]() mutable { return g->reduce_scatter_tensor_coalesced(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                                                std::vector<int64_t>& in_splits,
                                                const c10d::AllToAllOptions& o) override {
-    return moving(out, in, [&](auto& ho, auto& hi) { return gloo_->alltoall_base(ho, hi, out_splits, in_splits, o); });
+    Staging s;
+    auto hi = s.in(in);
+    auto ho = s.out(out);
+    return submit("all_to_all_single", s, [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
+      return g->alltoall_base(ho, hi, out_splits, in_splits, o);
+    });
   }
   c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override {
-    return moving(outs, ins, [&](auto& ho, auto& hi) { return gloo_->alltoall(ho, hi, o); });
+    Staging s;
+    auto hi = s.in(ins);
+    auto ho = s.out(outs);
+    return submit("all_to_all", s, [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> send(Tensors& ts, int dst, int tag) override {
-    Tensors none;
-    return moving(none, ts, [&](auto&, auto& hi) { return gloo_->send(hi, dst, tag); });
+    Staging s;
+    auto hi = s.in(ts);
+    return submit("send", s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); }, false);
   }
   c10::intrusive_ptr<c10d::Work> recv(Tensors& ts, int src, int tag) override {
-    Tensors none;
-    return moving(ts, none, [&](auto& ho, auto&) { return gloo_->recv(ho, src, tag); });
+    Staging s;
+    auto ho = s.out(ts);
+    return submit("recv", s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); }, false);
   }
   c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& ts, int tag) override {
-    Tensors none;
-    return moving(ts, none, [&](auto& ho, auto&) { return gloo_->recvAnysource(ho, tag); });
+    Staging s;
+    auto ho = s.out(ts);
+    return submit("recv", s, [g = gloo_, ho, tag]() mutable { return g->recvAnysource(ho, tag); }, false);
   }
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override { return gloo_->barrier(o); }
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
 
  private:
+  // One collective: queued on its device's communicator (``queued``) or launched at once (p2p).
+  template <typename F>
+  c10::intrusive_ptr<c10d::Work> submit(const char* op, Staging& s, F&& launch, bool queued = true) {
+    auto item = std::make_shared<Item>();
+    auto site = python_site();
+    item->op = op;
+    item->group = group_name(*this);
+    item->site = site.first;
+    item->thread = site.second;
+    item->back = std::move(s.back);
+    int index = s.device < 0 ? current_device() : s.device;
+    auto work = c10::make_intrusive<SimWork>(item);
+    work->device = index;
+    if (queued) {
+      item->launch = std::forward<F>(launch);
+      enqueue(index, item);
+    } else {
+      item->inner = launch();
+    }
+    register_flight(item);
+    return work;
+  }
+
   c10::intrusive_ptr<c10d::Backend> gloo_;
 };
 
 }  // namespace
+
+void check_not_in_flight(const at::Tensor& t, const char* op) {
+  if (g_flight_count.load(std::memory_order_relaxed) == 0 || !t.defined() || t.numel() == 0) return;
+  Span a = span_of(t);
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  for (const auto& item : g_flight)
+    for (const auto& b : item->spans)
+      TORCH_CHECK(a.hi <= b.lo || b.hi <= a.lo, "sim: ", op, " touched the output of ", item->describe(),
+                  " before its work.wait(): a collective's result is valid only after wait() (or a device synchronize)");
+}
+
+void synchronize_collectives() {
+  for (int i = 0; i < kMaxDevices; ++i) {
+    Queue& q = g_queues[i];
+    std::unique_lock<std::mutex> lock(q.m);
+    q.cv.wait(lock, [&] { return q.items.empty(); });
+  }
+  std::vector<ItemPtr> done;
+  {
+    std::lock_guard<std::mutex> lock(g_flight_mutex);
+    for (auto& item : g_flight)
+      if (!item->inner) done.push_back(item);
+  }
+  for (auto& item : done) release_flight(item);
+}
+
+void set_site_hook(std::function<std::pair<std::string, std::string>()> hook) {
+  std::lock_guard<std::mutex> lock(g_site_mutex);
+  g_site_hook = std::move(hook);
+}
 
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo) {
   return c10::make_intrusive<SimCollectives>(std::move(gloo));

@@ -1,7 +1,7 @@
 // Devices, device guard, hooks and generators of the sim accelerator.
 //
-// The current device is per thread (as on CUDA). Streams and events are synchronous: there is one
-// default stream per device, every event is complete as soon as it is recorded.
+// The current device and each device's current stream are per thread (as on CUDA). Streams and
+// events are stream.cpp's; pinned host memory is allocator.cpp's.
 #include "sim.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -101,21 +101,29 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     if (d.index() >= 0 && d.index() < g_device_count) g_current = d.index();
   }
-  c10::Stream getStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
-  c10::Stream exchangeStream(c10::Stream s) const override { return c10::Stream(c10::Stream::DEFAULT, s.device()); }
+  c10::Stream getStream(c10::Device d) const override { return current_stream(d.index()); }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return pool_stream(d.index()); }
+  c10::Stream getNewStream(c10::Device d, int) const override { return pool_stream(d.index()); }
+  c10::Stream exchangeStream(c10::Stream s) const override { return exchange_stream(s); }
   c10::DeviceIndex deviceCount() const noexcept override { return device_count(); }
-  // Events: work is complete when issued, so recording is nothing and every query says done.
-  void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {
-    if (*event == nullptr) *event = reinterpret_cast<void*>(1);
+  void record(void** event, const c10::Stream& s, const c10::DeviceIndex, const c10::EventFlag) const override {
+    event_record(event, s);
   }
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override { return true; }
-  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
-  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  void block(void* event, const c10::Stream& s) const override { event_block(event, s); }
+  bool queryEvent(void* event) const override { return event_query(event); }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override { event_destroy(event); }
+  bool queryStream(const c10::Stream& s) const override { return stream_query(s); }
+  void synchronizeStream(const c10::Stream& s) const override { stream_synchronize(s); }
+  void synchronizeEvent(void* event) const override { event_synchronize(event); }
+  void synchronizeDevice(const c10::DeviceIndex index) const override {
+    synchronize_collectives();
+    device_synchronize(index);
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    return event_elapsed_ms(start, end);
+  }
+  void recordDataPtrOnStream(const c10::DataPtr& data, const c10::Stream& s) const override { record_stream(data, s); }
 };
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
@@ -127,8 +135,8 @@ struct SimHooks final : at::PrivateUse1HooksInterface {
   const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override { return default_generator(index); }
   at::Generator getNewGenerator(c10::DeviceIndex index) const override { return new_generator(index); }
   at::Device getDeviceFromPtr(void*) const override { return c10::Device(kSim, current_device()); }
-  bool isPinnedPtr(const void*) const override { return false; }
-  c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  bool isPinnedPtr(const void* ptr) const override { return is_pinned(ptr); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return pinned_allocator(); }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   c10::DeviceIndex deviceCount() const override { return device_count(); }
   void setCurrentDevice(c10::DeviceIndex index) const override { set_current_device(index); }

@@ -40,6 +40,8 @@ struct Call {
   std::vector<const c10::StorageImpl*> host_inputs;
   c10::DeviceIndex device = -1;
   bool host_tensor = false, bool_index = false;
+  const char* op = "";
+  uint64_t point = 0;  // this kernel's point on its stream
 
   c10::Storage alias(const c10::Storage& st) {
     for (auto& s : storages)
@@ -57,6 +59,9 @@ struct Call {
       return t;
     }
     if (device < 0) device = t.device().index();
+    if (point == 0) point = note_kernel(device);
+    check_not_in_flight(t, op);
+    note_use(t.storage(), point, op);
     if (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte) bool_index = true;
     auto cpu = at::detail::make_tensor<c10::TensorImpl>(alias(t.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                                         t.dtype());
@@ -161,7 +166,9 @@ void sim_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   const auto& schema = op.schema();
   const std::string& name = schema.name();
   const size_t nargs = schema.arguments().size(), begin = stack->size() - nargs;
+  check_deferred();
   Call call;
+  call.op = name.c_str();
   for (size_t i = begin; i < stack->size(); ++i) (*stack)[i] = call.arg_to_cpu((*stack)[i]);
   TORCH_CHECK(!call.host_tensor || call.tensors.empty() || kHostIndices.count(name),
               "Expected all tensors to be on the same device, but found at least two devices, sim:",

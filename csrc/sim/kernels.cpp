@@ -3,6 +3,7 @@
 // Everything else runs through the boxed fallback (fallback.cpp). Copies and item() run on CPU
 // views of device memory; a device-to-host copy or item() outside the collective layer's staging
 // is counted as a host synchronization (the host waits for the device there on real hardware).
+// A non_blocking device-to-host copy into pinned memory completes asynchronously (stream.cpp).
 #include "sim.h"
 
 #include <ATen/EmptyTensor.h>
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <limits>
 #include <mutex>
 
 namespace sim {
@@ -121,8 +123,50 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
   return out;
 }
 
+// A kernel on the current stream of ``t``'s device touching ``t``: checked against collectives in
+// flight, and noted as a use of its memory on that stream.
+void touch(const at::Tensor& t, const char* op) {
+  if (!t.defined() || !t.is_privateuseone()) return;
+  check_not_in_flight(t, op);
+  note_use(t.storage(), note_kernel(t.device().index()), op);
+}
+
+// A non_blocking copy into pinned host memory completes later on the device's worker: until then the
+// destination holds garbage (NaN, or -1 in integer types), as a GPU's pinned buffer does before the event.
+void copy_to_pinned_async(const at::Tensor& self, const at::Tensor& dst) {
+  at::Tensor snapshot = cpu_view(self).clone();  // the source as the stream sees it at this point
+  if (dst.is_floating_point() || dst.is_complex()) {
+    dst.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else if (dst.scalar_type() != at::kBool) {
+    dst.fill_(-1);
+  }
+  int guard = -1;
+  if (dst.is_contiguous()) {
+    auto site = python_site();
+    guard = guard_pages(dst.data_ptr(), dst.nbytes(),
+                        "sim: host access to the destination of a non_blocking device-to-host copy (issued at " +
+                            site.first + ", thread " + site.second +
+                            ") before it completed: synchronize the stream (or an event recorded after the copy) "
+                            "before reading the host buffer");
+  }
+  enqueue_async(self.device().index(), [dst, snapshot, guard]() mutable {
+    release_guard(guard);
+    dst.copy_(snapshot);
+  });
+}
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
-  if (self.is_privateuseone() && dst.is_cpu() && !g_internal_copy && !non_blocking) count_sync("copy", "_copy_from");
+  if (!g_internal_copy) {
+    check_deferred();
+    touch(self, "copy_");
+    touch(dst, "copy_");
+  }
+  bool to_host = self.is_privateuseone() && dst.is_cpu();
+  if (to_host && non_blocking && !g_internal_copy && is_pinned(dst.data_ptr())) {
+    copy_to_pinned_async(self, dst);
+    return dst;
+  }
+  if (to_host && !g_internal_copy && !non_blocking) count_sync("copy", "_copy_from");
   at::Tensor src = cpu_view(self), out = cpu_view(dst);
   out.copy_(src);
   return dst;
@@ -178,6 +222,8 @@ at::Tensor& set_empty(at::Tensor& self) {
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  check_deferred();
+  check_not_in_flight(self, "item()");
   count_sync("item", "_local_scalar_dense");
   return at::_local_scalar_dense(cpu_view(self));
 }
@@ -193,7 +239,8 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   return {input.mul(mask).mul_(scale), mask};
 }
 
-void record_stream(at::Tensor&, c10::Stream) {}  // one synchronous stream: nothing to record
+// The caching allocator keeps the block from reuse until ``stream`` has passed the point of the free.
+void record_stream_kernel(at::Tensor& self, c10::Stream stream) { record_stream(self.storage().data_ptr(), stream); }
 
 }  // namespace
 
@@ -211,7 +258,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", set_source_tensor);
   m.impl("set_", set_empty);
   m.impl("_local_scalar_dense", local_scalar_dense);
-  m.impl("record_stream", record_stream);
+  m.impl("record_stream", record_stream_kernel);
   m.impl("native_dropout", native_dropout);
 }
 

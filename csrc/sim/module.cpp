@@ -7,11 +7,26 @@
 
 namespace sim {
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo);
+void set_site_hook(std::function<std::pair<std::string, std::string>()> hook);
 }
 
 namespace {
 
 py::object* g_py_hook = nullptr;  // leaked on exit on purpose: no Python object outlives the interpreter here
+py::object* g_py_site = nullptr;
+
+// fn() -> (call site, thread name) of a collective being issued, for simccl's messages.
+void set_py_site_hook(py::object fn) {
+  sim::set_site_hook(nullptr);
+  delete g_py_site;
+  g_py_site = nullptr;
+  if (fn.is_none()) return;
+  g_py_site = new py::object(std::move(fn));
+  sim::set_site_hook([]() -> std::pair<std::string, std::string> {
+    py::gil_scoped_acquire gil;
+    return (*g_py_site)().cast<std::pair<std::string, std::string>>();
+  });
+}
 
 void set_py_sync_hook(py::object fn) {
   sim::set_sync_hook(nullptr);
@@ -43,8 +58,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("memory_stats", [](int i) {
     auto s = sim::memory_stats(static_cast<c10::DeviceIndex>(i));
     return py::dict(py::arg("allocated") = s.allocated, py::arg("peak") = s.peak,
-                    py::arg("allocations") = s.allocations);
+                    py::arg("allocations") = s.allocations, py::arg("reserved") = s.reserved,
+                    py::arg("peak_reserved") = s.peak_reserved, py::arg("inactive_split") = s.inactive_split,
+                    py::arg("cached_blocks") = s.cached_blocks);
   });
+  m.def("empty_cache", &sim::empty_cache, "Return every cached free block to the host.");
+  m.def("synchronize", [](int i) {
+    py::gil_scoped_release nogil;
+    sim::synchronize_collectives();
+    sim::device_synchronize(static_cast<c10::DeviceIndex>(i));
+  }, "Block until the device's streams, async copies and collectives are done.");
+  m.def("check_deferred", &sim::check_deferred, "Raise an error found in a deleter (a tensor freed unsafely).");
+  m.def("set_site_hook", &set_py_site_hook, "fn() -> (call site, thread) of an issued collective (None: stop).");
   m.def("reset_peak", [](int i) { sim::reset_peak(static_cast<c10::DeviceIndex>(i)); });
   m.def("set_poison", &sim::set_poison, "Fill fresh device memory with 0xff bytes (NaN): uninitialised reads show.");
   m.def("sync_count", &sim::sync_count, py::arg("kind") = "");

@@ -23,10 +23,59 @@ c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex index);
 void check_index(c10::DeviceIndex index);
 
+// ---- streams and events (stream.cpp) ----------------------------------------------------
+constexpr int kStreams = 33;  // per device: id 0 is the default stream, 1..32 the pool (as CUDA's)
+// A vector clock over the streams of one device: v[s] = how many of stream s's kernels are ordered before.
+struct Clock {
+  uint64_t v[kStreams] = {};
+  void merge(const Clock& o) {
+    for (int i = 0; i < kStreams; ++i) v[i] = v[i] < o.v[i] ? o.v[i] : v[i];
+  }
+};
+c10::Stream current_stream(c10::DeviceIndex index);
+c10::Stream exchange_stream(const c10::Stream& s);  // returns the previous current stream
+c10::Stream pool_stream(c10::DeviceIndex index);
+uint64_t note_kernel(c10::DeviceIndex index);  // a kernel issued on the current stream: its point there
+uint64_t stream_point(c10::DeviceIndex index, int stream);
+// Whether ``stream`` (or the host) is ordered after ``other`` reached ``point``.
+bool ordered_after(c10::DeviceIndex index, int stream, int other, uint64_t point);
+void enqueue_async(c10::DeviceIndex index, std::function<void()> fn);  // on the current stream, after a delay
+void event_record(void** event, const c10::Stream& stream);
+void event_block(void* event, const c10::Stream& stream);
+bool event_query(void* event);
+void event_synchronize(void* event);
+void event_destroy(void* event);
+double event_elapsed_ms(void* start, void* end);
+bool stream_query(const c10::Stream& stream);
+void stream_synchronize(const c10::Stream& stream);
+void device_synchronize(c10::DeviceIndex index);
+
+// ---- errors found where they cannot be raised (a tensor's deleter) -----------------------------
+void defer_error(const std::string& message);  // raised by the next check_deferred()
+void check_deferred();
+
+// ---- collectives in flight (collectives.cpp) ---------------------------------------------------
+// Raise when ``t`` overlaps the output of a collective not yet waited for (``op``: the kernel touching it).
+void check_not_in_flight(const at::Tensor& t, const char* op);
+void synchronize_collectives();  // the host waits for every collective of this process
+
 // ---- memory (allocator.cpp) -----------------------------------------------------------
 struct MemoryStats {
-  int64_t allocated, peak, allocations;
+  int64_t allocated, peak, allocations, reserved, peak_reserved, inactive_split, cached_blocks;
 };
+void empty_cache();
+// A kernel on the current stream uses the memory of ``storage`` (its point on the stream: ``point``).
+void note_use(const c10::Storage& storage, uint64_t point, const char* op);
+void record_stream(const c10::DataPtr& data, const c10::Stream& stream);
+// ---- pinned host memory (pinned.cpp) ----------------------------------------------------
+c10::Allocator* pinned_allocator();
+bool is_pinned(const void* ptr);
+// Protect the whole pages of [data, data + nbytes) until release_guard: an access prints ``message``
+// and ends the process. Returns the guard (-1: nothing protected).
+int guard_pages(void* data, size_t nbytes, const std::string& message);
+void release_guard(int guard);
+// (call site, thread) of the Python code running now (collectives.cpp's hook).
+std::pair<std::string, std::string> python_site();
 c10::Allocator* allocator();
 MemoryStats memory_stats(c10::DeviceIndex index);
 void reset_peak(c10::DeviceIndex index);

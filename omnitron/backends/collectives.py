@@ -89,6 +89,14 @@ class Collectives:
         return dist.new_group(list(ranks), backend=self.dist_backend)
 
     @staticmethod
+    def new_host_group(ranks: Sequence[int]):
+        """A subgroup over ``ranks`` whose collectives run on host tensors (gloo) and never touch the device's
+        communicator: the group for collectives issued from a background thread. A device communicator
+        used from two threads at once deadlocks when ranks order the threads' collectives differently
+        (NCCL runs one at a time per device); a host group has no such order to agree on."""
+        return dist.new_group(list(ranks), backend="gloo")
+
+    @staticmethod
     def is_initialized() -> bool:
         return dist.is_available() and dist.is_initialized()
 

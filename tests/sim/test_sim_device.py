@@ -12,8 +12,30 @@ from omnitron.testing.sim import requires_sim
 pytestmark = [requires_sim(), __import__("pytest").mark.multiprocess]
 
 
+ROUND = 512  # the caching allocator's block granularity (as CUDA's)
+
+
+def _caching(be) -> dict:
+    """A freed block is cached (reserved stays) and reused by the next allocation of its size on its stream,
+    never by another stream's; it is poisoned when freed."""
+    be.empty_cache()
+    r0 = be.memory_stats()["reserved"]
+    y = torch.ones(1000, device=be.device())
+    ptr = y.data_ptr()
+    del y
+    cached = be.memory_stats()["reserved"] - r0
+    z = torch.empty(1000, device=be.device())
+    same = z.data_ptr() == ptr
+    poisoned = bool(z.isnan().all().cpu())
+    with be.stream(be.Stream()):
+        w = torch.empty(1000, device=be.device())
+    return {"cached": cached, "reused": same, "poisoned": poisoned, "other_stream_fresh": w.data_ptr() != ptr,
+            "reserved": be.memory_stats()["reserved"] - r0}
+
+
 def _memory(be) -> dict:
-    """Allocated bytes move by exactly a tensor's nbytes; the peak remembers a freed tensor."""
+    """Allocated bytes move by a tensor's nbytes rounded up to the block granularity; the peak remembers a
+    freed tensor."""
     be.reset_peak_memory_stats()
     base = be.memory_stats()["allocated"]
     x = torch.empty(1000, 3, dtype=torch.float64, device=be.device())
@@ -103,14 +125,19 @@ def device_checks() -> dict:
     from omnitron.backends import get_backend
 
     be = get_backend()
-    return {"memory": _memory(be), "rng": _rng(be), "syncs": _syncs(be), "placement": _placement(be),
+    return {"memory": _memory(be), "caching": _caching(be), "rng": _rng(be), "syncs": _syncs(be), "placement": _placement(be),
             "fallback": _fallback(be), "collective": _staged_collective(be)}
 
 
 def test_sim_device_against_host_torch():
     results = run_distributed(device_checks, 2, backend="sim", timeout_s=120)
     r = results[0]
-    assert r["memory"] == {"grown": 24000, "freed": 0, "peak": 24000, "poisoned": True}, r["memory"]
+    nbytes = -(-24000 // ROUND) * ROUND
+    assert r["memory"] == {"grown": nbytes, "freed": 0, "peak": nbytes, "poisoned": True}, r["memory"]
+    block = -(-4000 // ROUND) * ROUND
+    reserved = r["caching"].pop("reserved")  # both blocks, and the small results cached since
+    assert r["caching"] == {"cached": block, "reused": True, "poisoned": True, "other_stream_fresh": True}, r
+    assert 2 * block <= reserved <= 2 * block + 4 * ROUND, reserved
     assert r["rng"] == {"untouched": True, "same_stream": True}, r["rng"]
     assert r["syncs"] == {"quiet": 0, "item": 1, "copy": 1, "shape": 2, "compare": 1}, r["syncs"]
     p = r["placement"]

@@ -2,13 +2,40 @@
 
 Tensors live on ``torch.device("sim", i)`` (host memory behind a PrivateUse1 device, csrc/sim), so a
 tensor created on the host where the device was meant, a hidden host sync or a collective given a
-host tensor fails or is counted here as it would on a GPU. Capabilities are the simulator's own:
-streams and events are synchronous (``streams=False``), FP8 GEMMs are emulated, there is no flash
-attention and no peak FLOP/s. Memory statistics are the device allocator's bytes; "reserved" equals
-"allocated" because nothing is cached. The device RNG is a generator of its own, not the host's.
+host tensor fails or is counted here as it would on a GPU. FP8 GEMMs are emulated, there is no flash
+attention and no peak FLOP/s. The device RNG is a generator of its own, not the host's.
+
+Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
+
+- *Kernels run when issued, checked as if they had not.* An op's data is final when the host issues
+  it; what a GPU would run later is modelled by order: every stream, and the host, carries a vector
+  clock of how far it is ordered after each stream (``Event.record``/``wait``, ``wait_stream``,
+  ``synchronize``, a query that says done). Compute is never done on its own, so a missing wait is
+  found deterministically (the worst case a GPU allows), not when a race happens to lose.
+- *Stream-ordered caching allocator.* A freed block goes back to its allocation stream's cache,
+  poisoned (0xff: NaN); ``record_stream`` holds it until that stream passes the free. A block used on
+  another stream and freed without ``record_stream`` or a wait is an error raised by the next sim call.
+  Blocks are never split (inactive split bytes are 0); memory a CPU kernel allocated for a result is
+  adopted, counted, checked, not cached.
+- *Asynchronous copies.* A ``non_blocking`` device-to-host copy into pinned memory lands after
+  ``OMNITRON_SIM_ASYNC_DELAY_MS`` (default 50) on a worker thread unless the host waits first. Until then
+  the destination's whole pages are protected: a host access ends the process with a message naming the
+  copy's call site (csrc/sim/pinned.cpp; ``OMNITRON_SIM_GUARD_PAGES=0`` turns it off), and its other
+  bytes read NaN (-1 in integer types).
+- *simccl is NCCL-shaped.* A collective's output is in flight until ``work.wait()`` (or
+  ``isCompleted()``, or a device synchronize): any kernel touching it raises. One collective runs at a
+  time per device, in issue order, so opposite orders on two ranks deadlock; after
+  ``OMNITRON_SIM_DEADLOCK_S`` (default 60) with another waiting behind it, each rank reports both
+  collectives with their groups, call sites and threads. A collective issued while another thread's is
+  still queued is an error. ``work.wait()`` blocks the host (the kernels after it run on the host).
+
+Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
+``non_blocking`` host-to-device copy still reads (the copy is taken when issued), point-to-point and
+barrier ordering against collectives (they bypass the one-at-a-time queue).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 
@@ -60,14 +87,39 @@ class SimBackend(Backend):
         return torch.device(self.device_type, self._ext.current_device())
 
     def synchronize(self) -> None:
-        """Work is complete when issued: nothing to wait for (and not a counted host sync)."""
+        """Wait for the device's streams, asynchronous copies and collectives (not a counted host sync)."""
+        self._ext.synchronize(self._ext.current_device())
+
+    # ---- streams and events -------------------------------------------------------------
+    def Stream(self):  # noqa: N802
+        return torch.Stream(device=self.current_device())
+
+    def Event(self, enable_timing: bool = False):  # noqa: N802
+        return torch.Event(device=self.current_device(), enable_timing=enable_timing)
+
+    def current_stream(self):
+        return torch.accelerator.current_stream(self.current_device())
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        prev = self.current_stream()
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(prev)
 
     # ---- memory -------------------------------------------------------------------------
     def memory_stats(self) -> dict[str, int | None]:
+        """The caching allocator's bytes (``reserved`` includes cached free blocks; ``torch.sim.memory_stats()``
+        also has ``inactive_split``, 0 as blocks are never split, and ``cached_blocks``)."""
         s = self._ext.memory_stats(self._ext.current_device())
         total, free = _host_memory()
-        return {"allocated": s["allocated"], "reserved": s["allocated"], "peak_allocated": s["peak"],
-                "peak_reserved": s["peak"], "free": free, "total": total}
+        return {"allocated": s["allocated"], "reserved": s["reserved"], "peak_allocated": s["peak"],
+                "peak_reserved": s["peak_reserved"], "free": free, "total": total}
+
+    def empty_cache(self) -> None:
+        self._ext.empty_cache()
 
     def reset_peak_memory_stats(self) -> None:
         self._ext.reset_peak(self._ext.current_device())
@@ -108,7 +160,7 @@ class SimBackend(Backend):
                 fp8_collectives=False,  # gloo under simccl has no float8: sent as uint8, reduced in fp32
                 flash_attention=False,
                 peak_flops={"fp32": None, "bf16": None, "fp16": None, "fp8": None},
-                streams=False,  # one synchronous stream per device; events complete when recorded
+                streams=True,  # ordered and checked as the module docstring says; kernels run when issued
                 memory_total=_host_memory()[0],
             )
         return self._caps

@@ -9,6 +9,7 @@ Nothing here runs when omnitron is imported: only the sim backend (or a test tha
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -71,6 +72,7 @@ def claim(name: str = NAME):
 def load():
     """Import the extension as ``sim``: ``torch.device("sim")``, ``torch.sim`` and ``simccl`` (idempotent)."""
     ext = claim(NAME)
+    ext.set_site_hook(_issue_site)
     if not hasattr(torch, NAME):
         torch._register_device_module(NAME, _runtime_module(ext))
     register_collectives(ext, DIST_BACKEND, NAME)
@@ -86,6 +88,24 @@ def register_collectives(ext, dist_backend: str, device_type: str) -> None:
 
     if dist_backend.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(dist_backend, create, devices=[device_type])
+
+
+def _issue_site() -> tuple[str, str]:
+    """(call site, thread) of a collective being issued: the innermost frame outside torch and the
+    collective layer, and the issuing thread's name (threads torch's autograd engine runs count as the
+    main thread: their collectives are ordered by the backward call that waits for them)."""
+    import sys
+    import threading
+
+    thread = threading.current_thread()
+    name = threading.main_thread().name if isinstance(thread, threading._DummyThread) else thread.name
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/" not in path and not path.endswith("omnitron/backends/collectives.py"):
+            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})", name
+        frame = frame.f_back
+    return "(no Python frame)", name
 
 
 def _index(device=None) -> int:
@@ -109,21 +129,38 @@ def _runtime_module(ext) -> types.ModuleType:
     def memory_stats(device=None) -> dict:
         return ext.memory_stats(_index(device))
 
+    @contextlib.contextmanager
+    def stream(s):
+        prev = torch.accelerator.current_stream(s.device_index) if s is not None else None
+        if s is not None:
+            torch.accelerator.set_stream(s)
+        try:
+            yield
+        finally:
+            if prev is not None:
+                torch.accelerator.set_stream(prev)
+
     fns = dict(
         is_available=lambda: True, is_initialized=lambda: True, _is_in_bad_fork=lambda: False, _lazy_init=lambda: None,
         init=lambda: None, device_count=ext.device_count, current_device=ext.current_device,
-        set_device=lambda device: ext.set_device(_index(device)), synchronize=lambda device=None: None,
+        set_device=lambda device: ext.set_device(_index(device)),
+        synchronize=lambda device=None: ext.synchronize(_index(device)),
+        Stream=lambda device=None, priority=0: torch.Stream(device=torch.device(NAME, _index(device))),
+        Event=lambda enable_timing=False, **_: torch.Event(device=torch.device(NAME, _ext.current_device()),
+                                                         enable_timing=enable_timing),
+        current_stream=lambda device=None: torch.accelerator.current_stream(_index(device)),
+        set_stream=torch.accelerator.set_stream, stream=stream,
         manual_seed=lambda seed: ext.manual_seed(ext.current_device(), int(seed)), manual_seed_all=manual_seed_all,
         seed=lambda: ext.seed(ext.current_device()), seed_all=lambda: [ext.seed(i) for i in range(ext.device_count())],
         initial_seed=lambda: ext.initial_seed(ext.current_device()),
         get_rng_state=lambda device=None: ext.get_rng_state(_index(device)),
         set_rng_state=lambda state, device=None: ext.set_rng_state(_index(device), state),
         memory_allocated=lambda device=None: memory_stats(device)["allocated"],
-        memory_reserved=lambda device=None: memory_stats(device)["allocated"],
+        memory_reserved=lambda device=None: memory_stats(device)["reserved"],
         max_memory_allocated=lambda device=None: memory_stats(device)["peak"],
-        max_memory_reserved=lambda device=None: memory_stats(device)["peak"],
+        max_memory_reserved=lambda device=None: memory_stats(device)["peak_reserved"],
         reset_peak_memory_stats=lambda device=None: ext.reset_peak(_index(device)),
-        empty_cache=lambda: None, memory_stats=memory_stats,
+        empty_cache=ext.empty_cache, memory_stats=memory_stats,
         get_amp_supported_dtype=lambda: [torch.float16, torch.bfloat16],
         sync_count=ext.sync_count, reset_sync_count=ext.reset_sync_count,
     )

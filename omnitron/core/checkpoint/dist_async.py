@@ -13,10 +13,14 @@ commits (checksums into metadata.json, rename, ``latest``). A process killed bef
 ``iter_N.tmp`` uncommitted and ``latest`` on the previous checkpoint; the next save's ``_begin`` removes
 the stale directory.
 
-Collectives: the thread's DCP save (its planning and result exchange) runs over a process group of
-its own, made once over the world (every rank makes it at the same point: :meth:`AsyncSaver.prepare`,
+Collectives: the thread's DCP save (its planning and result exchange) runs over a host (gloo) process
+group of its own, made once over the world (every rank makes it at the same point: :meth:`AsyncSaver.prepare`,
 which training calls before its first step so that no save pays for it or for the staging buffers;
-else the first save), so it never interleaves with the training's collectives on the main thread's groups.
+else the first save). Being a host group it never reaches the device's communicator, so it cannot
+interleave with the training's collectives there (on NCCL two threads' collectives on one device
+deadlock when ranks issue them in different orders; the sim device reports it): safe by construction,
+as torch's ``dcp.async_save`` asks for a CPU group. The staged pieces are host memory, so DCP needs
+no device for them.
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ class AsyncSaver:
     def _writer_group(self, c) -> None:
         """Collective the first time: the background writes' own process group (none without one)."""
         if self.group is None and self.coll.is_initialized():
-            self.group = self.coll.new_group(range(c.groups.world_size))
+            self.group = self.coll.new_host_group(range(c.groups.world_size))
 
     def _staging(self, c, pieces: Pieces) -> Staging:
         """The staging buffers for ``pieces``: the cached ones, or (first use, or the pieces moved: a

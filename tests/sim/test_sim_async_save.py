@@ -1,0 +1,72 @@
+"""--async-save's writer group on the sim device: the background thread's collectives (DCP's planning and
+result exchange: object collectives and a barrier) run while the main thread trains, so they must not
+share the device's communicator, where NCCL runs one collective at a time and ranks may interleave the two
+threads differently. With the writer group on the device (simccl) sim reports the race; with the host
+(gloo) group :class:`~omnitron.core.checkpoint.dist_async.AsyncSaver` makes, it runs silently."""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
+
+pytestmark = [requires_sim(), pytest.mark.multiprocess]
+ENV = {"OMNITRON_SIM_DEADLOCK_S": "3", "OMNITRON_STRICT_COLLECTIVES": "0"}
+
+
+def save_while_training(device_group: bool) -> str:
+    """The writer thread's DCP-like collectives beside the main thread's all-reduces; '' or the first error."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.checkpoint.dist_async import AsyncSaver
+
+    be = get_backend()
+    saver = AsyncSaver(be.collectives)
+    if device_group:
+        saver.group = be.collectives.new_group([0, 1])  # what the writer group was before it became a host group
+    saver._writer_group(SimpleNamespace(groups=SimpleNamespace(world_size=2)))
+    errors, done = [], threading.Event()
+    device = be.current_device()
+
+    def writer():
+        be.set_device(device.index)
+        try:
+            for i in range(20):
+                out = [None, None]
+                dist.all_gather_object(out, {"plan": i}, group=saver.group)
+                dist.barrier(group=saver.group)
+        except RuntimeError as err:
+            errors.append(str(err))
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=writer, name="omnitron-async-save-1", daemon=True)
+    thread.start()
+    flag = torch.zeros(1024, device=device)  # a step's all-reduce, which also says whether a writer is done
+    try:
+        while True:
+            flag.fill_(float(done.is_set()))
+            be.collectives.all_reduce(flag)
+            if flag[0].item() > 0:  # every rank leaves at the same step
+                break
+    except RuntimeError as err:
+        errors.append(str(err))
+    thread.join(timeout=10)
+    if errors:
+        threading.Timer(4.0, __import__("os")._exit, (0,)).start()  # a stuck communicator: end once reported
+    return errors[0] if errors else ""
+
+
+def test_async_save_writer_group_is_safe_beside_training():
+    assert run_distributed(save_while_training, 2, False, backend="sim", env=ENV, timeout_s=90) == ["", ""]
+
+
+def test_writer_group_on_the_device_is_reported():
+    """The same run with the writer group on the device communicator (the old design) is caught."""
+    messages = run_distributed(save_while_training, 2, True, backend="sim", env=ENV, timeout_s=90)
+    assert any("two threads at once" in m or "collective deadlock" in m for m in messages), messages

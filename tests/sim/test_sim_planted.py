@@ -1,0 +1,216 @@
+"""Planted stream and collective bugs: each is caught on sim with a message naming the cause, and each
+passes silently on plain cpu/gloo (so the simulator, not the program, is what catches it).
+
+The cases are the bugs a GPU cluster shows on day one and a CPU never does: a collective's result read
+before ``wait()``, a tensor used on a side stream freed without ``record_stream``, a host read of a
+``non_blocking`` device-to-host copy before synchronizing, two groups' collectives issued in opposite
+orders on two ranks, and a background thread's collectives racing the main thread's.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
+
+pytestmark = [requires_sim(), pytest.mark.multiprocess]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEADLOCK_S = 3  # OMNITRON_SIM_DEADLOCK_S for these runs: a deadlock is reported within ~3 s
+ENV = {"OMNITRON_SIM_DEADLOCK_S": str(DEADLOCK_S), "OMNITRON_STRICT_COLLECTIVES": "0"}
+# Strict mode is off: its fingerprint exchange is itself a collective per group, so opposite orders would
+# block there first (on cpu too); the point here is what the device model catches on its own.
+
+
+def _exit_soon() -> None:
+    """Cases that leave a collective stuck in gloo (as a deadlocked NCCL communicator is) end their process
+    a few seconds after returning, once run_distributed has written the result: destroying the stuck group
+    could otherwise wait for gloo's own timeout."""
+    threading.Timer(4.0, os._exit, (0,)).start()
+
+
+def _outcome(fn) -> str:
+    """'' when ``fn`` runs silently, else the error's message."""
+    try:
+        fn()
+        return ""
+    except RuntimeError as err:
+        return str(err)
+
+
+def read_before_wait() -> str:
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    x = torch.full((64,), float(torch.distributed.get_rank() + 1), device=be.device())
+
+    def bug():
+        work = be.collectives.all_reduce(x, async_op=True)
+        try:
+            (x * 2).sum()  # reads the all-reduce's output before wait()
+        finally:
+            work.wait()
+    return _outcome(bug)
+
+
+def freed_without_record_stream() -> str:
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+
+    def bug():
+        x = torch.randn(4096, device=be.device())
+        side = be.Stream()
+        side.wait_stream(be.current_stream())
+        with be.stream(side):
+            y = x * 2  # x is read on the side stream...
+        del x  # ...and freed without x.record_stream(side): its block is free for the main stream at once
+        torch.ones(4, device=be.device()).add_(1)  # the next device call reports it
+        be.current_stream().wait_stream(side)
+        return y
+    return _outcome(bug)
+
+
+def early_host_read() -> dict:
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    x = torch.arange(1024, dtype=torch.float32, device=be.device())
+    host = x.to("cpu", non_blocking=True)
+    early = host.clone()  # a host read before synchronizing
+    be.synchronize()
+    return {"early_nan": bool(early.isnan().all()), "late_right": torch.equal(host, torch.arange(1024.0))}
+
+
+def opposite_orders() -> str:
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    rank = dist.get_rank()
+    g1, g2 = dist.new_group([0, 1]), dist.new_group([0, 1])
+    a, b = torch.ones(8, device=be.device()), torch.ones(8, device=be.device())
+    order = [(a, g1), (b, g2)] if rank == 0 else [(b, g2), (a, g1)]
+
+    def bug():
+        works = [dist.all_reduce(t, group=g, async_op=True) for t, g in order]
+        for w in works:
+            w.wait()
+    start = time.perf_counter()
+    message = _outcome(bug)
+    _exit_soon()
+    return f"{message} [{time.perf_counter() - start:.1f} s]" if message else ""
+
+
+def thread_race() -> str:
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    main_group, save_group = dist.new_group([0, 1]), dist.new_group([0, 1])
+    errors, stop = [], threading.Event()
+
+    def loop(group):
+        x = torch.ones(256, device=be.device())
+        for _ in range(200):
+            if stop.is_set():
+                return
+            try:
+                dist.all_reduce(x, group=group)
+            except RuntimeError as err:
+                errors.append(str(err))
+                stop.set()
+                return
+
+    background = threading.Thread(target=loop, args=(save_group,), name="background-save", daemon=True)
+    background.start()
+    loop(main_group)
+    background.join(timeout=DEADLOCK_S + 5)
+    _exit_soon()
+    return errors[0] if errors else ""
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_result_read_before_wait(backend):
+    messages = run_distributed(read_before_wait, 2, backend=backend, env=ENV, timeout_s=60)
+    for m in messages:
+        if backend == "cpu":
+            assert m == "", m
+        else:
+            assert "touched the output of all_reduce" in m and "before its work.wait()" in m, m
+            assert "test_sim_planted.py" in m, m  # the call site
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_side_stream_tensor_freed_without_record_stream(backend):
+    [m] = run_distributed(freed_without_record_stream, 1, backend=backend, env=ENV, timeout_s=60)
+    if backend == "cpu":
+        assert m == "", m
+    else:
+        assert "was freed while stream" in m and "record_stream" in m, m
+
+
+EARLY_READ = """
+import torch
+from omnitron.backends import get_backend
+be = get_backend("{backend}")
+x = torch.arange(4096, dtype=torch.float32, device=be.device())
+host = x.to("cpu", non_blocking=True)
+early = host.clone()  # a host read before synchronizing
+be.synchronize()
+print("silent", torch.equal(host, torch.arange(4096.0)))
+"""
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_host_read_of_non_blocking_copy_before_synchronize(backend):
+    """sim guards the destination's pages until the copy lands: the read ends the process with the cause."""
+    proc = subprocess.run([sys.executable, "-c", EARLY_READ.format(backend=backend)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    if backend == "cpu":
+        assert proc.returncode == 0 and "silent True" in proc.stdout, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0, proc.stdout
+        assert "non_blocking device-to-host copy" in proc.stderr and "before it completed" in proc.stderr, proc.stderr
+        assert "<string>" in proc.stderr  # the call site
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_unguarded_early_read_shows_garbage(backend):
+    """With the guard pages off (or on a page the copy only partly covers) the early read is NaN on sim."""
+    env = {**ENV, "OMNITRON_SIM_GUARD_PAGES": "0"}
+    [r] = run_distributed(early_host_read, 1, backend=backend, env=env, timeout_s=60)
+    # sim: the pinned destination holds NaN until the copy lands; cpu: the "copy" is the tensor itself
+    assert r == {"early_nan": backend == "sim", "late_right": True}, r
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_opposite_collective_orders_deadlock(backend):
+    messages = run_distributed(opposite_orders, 2, backend=backend, env=ENV, timeout_s=60)
+    for rank, m in enumerate(messages):
+        if backend == "cpu":
+            assert m == "", m  # gloo runs the two groups independently: no deadlock to see
+            continue
+        assert "collective deadlock" in m and m.count("all_reduce on group") == 2, m
+        assert m.count("test_sim_planted.py") == 2, m  # both call sites
+        seconds = float(m.rsplit("[", 1)[1].split()[0])
+        assert DEADLOCK_S <= seconds <= 30, m
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_background_thread_collectives_race_main(backend):
+    messages = run_distributed(thread_race, 2, backend=backend, env=ENV, timeout_s=90)
+    if backend == "cpu":
+        assert messages == ["", ""], messages
+        return
+    assert any("two threads at once" in m or "collective deadlock" in m for m in messages), messages
+    caught = next(m for m in messages if m)
+    assert "background-save" in caught and "MainThread" in caught, caught
