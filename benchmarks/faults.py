@@ -1,7 +1,7 @@
 """Fault-tolerance figures (BENCHMARKS.md): seconds from a frozen rank / a killed launcher / a killed worker to
 every process gone, torchrun's restart-to-resumed time, and the watchdog's cost per step.
 
-    python benchmarks/faults.py [--nproc 4] [--only freeze,launcher,worker,restart,cost]
+    python benchmarks/faults.py [--nproc 4] [--only freeze,launcher,worker,startup,store,restart,cost]
 
 The fault runs are a tiny GPT at tp2 x pp2 (4 processes) with ``--distributed-timeout-minutes 1``. The cost
 is measured side by side in one process: the same training steps with the watchdog (a real TCPStore, the
@@ -29,22 +29,50 @@ def _layout(nproc: int) -> list[str]:
             "--global-batch-size", "4"] if nproc >= 4 else ["--tensor-model-parallel-size", str(nproc)]
 
 
+def _first_worker(proc, nproc: int) -> list[int]:
+    """The launcher's workers as soon as rank 1 exists (still importing), rank 1 stopped."""
+    workers = children(proc.pid)
+    while len(workers) < 2:
+        assert proc.poll() is None
+        time.sleep(0.005)
+        workers = children(proc.pid)
+    os.kill(workers[1], signal.SIGSTOP)
+    while len(workers) < nproc:
+        time.sleep(0.05)
+        workers = children(proc.pid)
+    return workers
+
+
 def fault(kind: str, nproc: int) -> float:
-    """Seconds from the fault to every process of the job gone."""
+    """Seconds from the fault to every process of the job gone (``startup``: rank 1 stopped while importing;
+    ``store``: the launcher, which hosts the store, stopped until its workers are gone, then continued)."""
     tmp = tempfile.mkdtemp()
     proc = start(tiny_train_args(tmp, "--train-iters", "100000", "--nproc-per-node", str(nproc),
                                  "--distributed-timeout-minutes", "1", *_layout(nproc)))
-    wait_for_iteration(os.path.join(tmp, "logs", "metrics.jsonl"), 3, proc, timeout_s=600)
-    workers = children(proc.pid)
+    lines: list[str] = []  # drained as it comes: a full pipe would block the ranks' log and dump writes
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     t0 = time.monotonic()
+    if kind == "startup":
+        workers = _first_worker(proc, nproc)
+    else:
+        wait_for_iteration(os.path.join(tmp, "logs", "metrics.jsonl"), 3, proc, timeout_s=600)
+        workers = children(proc.pid)
+        t0 = time.monotonic()
     if kind == "freeze":
         os.kill(workers[1], signal.SIGSTOP)
     elif kind == "worker":
         os.kill(workers[1], signal.SIGKILL)
-    else:
+    elif kind == "store":
+        os.kill(proc.pid, signal.SIGSTOP)
+        seconds = wait_gone(workers, 300)
+        os.kill(proc.pid, signal.SIGCONT)
+    elif kind == "launcher":
         os.kill(proc.pid, signal.SIGKILL)
-    seconds = wait_gone([proc.pid, *workers], 300)
-    out = proc.stdout.read()
+    seconds = wait_gone([proc.pid, *workers], 300) if kind != "store" else seconds
+    proc.wait()
+    reader.join(timeout=10)
+    out = "".join(lines)
     first = next((line for line in out.splitlines() if line.startswith("omnitron train:")), "(no launcher line)")
     print(f"{kind}: all {nproc} workers and the launcher gone {seconds:.1f} s after the fault; {first}", flush=True)
     return seconds
@@ -132,7 +160,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("OMNITRON_KERNELS", "reference")
     for what in a.only.split(","):
-        if what in ("freeze", "launcher", "worker"):
+        if what in ("freeze", "launcher", "worker", "startup", "store"):
             fault(what, a.nproc)
         elif what == "restart":
             restart(a.nproc)

@@ -9,6 +9,7 @@ from its parent's main thread.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -41,5 +42,13 @@ def die_with_parent(parent_pid: int) -> None:
 
 def tie_worker(parent_pid: int, worker_id: int) -> None:
     """A DataLoader ``worker_init_fn`` (as ``functools.partial(tie_worker, os.getpid())``, made in the parent):
-    worker ``worker_id`` dies with ``parent_pid``."""
+    worker ``worker_id`` dies with ``parent_pid``, in a process group of its own. NOTE: torchrun stops a rank
+    with SIGTERM to the rank's whole process group, and a terminal's Ctrl-C reaches the whole foreground
+    group; workers dying of it first made the rank (which finishes its step and saves on those signals) fail
+    with torch's "DataLoader worker ... killed by signal" and a long traceback. Out of the group, the workers
+    are ended by the rank (its loader's shutdown, or its death). Ignoring the signals instead would not do:
+    multiprocessing ends daemonic children at exit with SIGTERM and then waits for them."""
+    if hasattr(os, "setpgid"):
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
     die_with_parent(parent_pid)

@@ -1,6 +1,8 @@
 """PretrainingSampler: data-parallel partition, exact resume; collate and the DataLoader path."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -99,3 +101,40 @@ def test_loader_workers_die_with_their_rank():
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     wait_gone(workers, 3.0)
+
+
+SIGTERM_SCRIPT = """
+import os, signal, torch
+from omnitron.core.data import PretrainingSampler, build_data_loader
+class Items(torch.utils.data.Dataset):
+    def __len__(self): return 10**9
+    def __getitem__(self, i): return {"pid": torch.tensor(os.getpid())}
+asked = []
+signal.signal(signal.SIGTERM, lambda *a: asked.append(1))  # a rank that finishes its step and saves
+batches = iter(build_data_loader(Items(), PretrainingSampler(10**9, 0, 2, 0, 1), num_workers=2))
+seen = set()
+while len(seen) < 2:  # both workers running
+    seen.update(next(batches)["pid"].tolist())
+print("reading", flush=True)
+while not asked:
+    next(batches)
+for _ in range(20):  # the step after the signal still reads its batches
+    next(batches)
+print("stopped cleanly", flush=True)
+"""
+
+
+def test_loader_workers_leave_sigterm_to_their_rank():
+    """SIGTERM to the rank's whole process group (as torchrun stops a worker): the loader's workers, in a group
+    of their own, do not get it; the rank reads on and stops on its own (before, they died and torch raised "DataLoader worker ... killed
+    by signal" with a long traceback)."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    assert proc.stdout.readline() == "reading\n"
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out == "stopped cleanly\n" and "Traceback" not in err, err
