@@ -4,6 +4,7 @@
 // results back into the device tensors when the work is waited on (or seen complete), the way a
 // vendor library hands results back on its own stream. So a result read before wait() is stale
 // here, as it can be on real hardware. The staging copies are not counted as host syncs.
+#include "compat.h"
 #include "sim.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -179,7 +180,9 @@ class SimCollectives final : public c10d::Backend {
     return moving(ts, none, [&](auto& ho, auto&) { return gloo_->recvAnysource(ho, tag); });
   }
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override { return gloo_->barrier(o); }
+#if SIM_BACKEND_HAS_SET_TIMEOUT
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
+#endif
 
  private:
   c10::intrusive_ptr<c10d::Backend> gloo_;
