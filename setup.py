@@ -66,16 +66,20 @@ setup(
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4,<2.14",
+        # The tested range (omnitron/backends/torch_range.py TESTED; scripts/torch_matrix.sh runs it): 2.9 is
+        # the oldest torch a current vendor stack ships (torch_musa v2.9.x), 2.13 the README's.
+        "torch>=2.9,<2.14",
         "numpy",
         "pyyaml",
         "tokenizers>=0.15",
         "safetensors",
         "tqdm",
     ],
+    # Triton: each torch pins its own (2.9: 3.5.1, 2.10/2.11: 3.6.0, 2.12: 3.7.0, 2.13: 3.7.1); the floor is
+    # the oldest torch's pin, so an extra never asks for a Triton the installed torch does not pin.
     extras_require={
-        "triton": ["triton>=3.7.1"],
-        "dev": ["pytest", "regex", "pybind11", "triton>=3.7.1", "sentencepiece", "matplotlib", "transformers>=4.45",
+        "triton": ["triton>=3.5.1"],
+        "dev": ["pytest", "regex", "pybind11", "triton>=3.5.1", "sentencepiece", "matplotlib", "transformers>=4.45",
                 "tensorboard"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],

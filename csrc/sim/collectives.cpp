@@ -14,6 +14,7 @@
 // collective is still queued on the device is an error (ranks may order the two differently).
 // Point-to-point operations and barriers are not queued (a batched send/recv pair would otherwise
 // deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike.
+#include "compat.h"
 #include "sim.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -433,7 +434,9 @@ class SimCollectives final : public c10d::Backend {
     return submit("recv", s, [g = gloo_, ho, tag]() mutable { return g->recvAnysource(ho, tag); }, false);
   }
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override { return gloo_->barrier(o); }
+#if SIM_BACKEND_HAS_SET_TIMEOUT
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
+#endif
 
  private:
   // One collective: queued on its device's communicator (``queued``) or launched at once (p2p).

@@ -1,5 +1,6 @@
 // Python bindings of omnitron._sim: device count and index, memory statistics, RNG state, the
 // host-sync counter and its hook, uncounted host copies, and the "simccl" collective backend.
+#include "compat.h"
 #include "sim.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -85,5 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_rng_state", [](int i, const at::Tensor& state) {
     with_generator(i, [&state](at::Generator& g) { g.set_state(state); return 0; });
   });
+  m.def("build_features", [] {
+    return py::dict(py::arg("torch") = TORCH_VERSION, py::arg("backend_set_timeout") = bool(SIM_BACKEND_HAS_SET_TIMEOUT),
+                    py::arg("autograd_fallback") = bool(SIM_REGISTERS_AUTOGRAD_FALLBACK));
+  }, "The torch this extension was compiled against and the version-dependent paths compiled (compat.h).");
   m.def("collective_backend", &sim::collective_backend, "Wrap a gloo backend as the sim device's collectives.");
 }

@@ -39,4 +39,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"strict collectives: {'on' if strict_enabled() else 'off'} (OMNITRON_STRICT_COLLECTIVES); "
           f"flight recorder: last {coll.flight_recorder_size()} calls per rank")
     print("versions:", ", ".join(f"{k} {v}" for k, v in backend.versions().items()))
+    import torch
+
+    from omnitron.backends.torch_range import describe as describe_torch
+
+    print(describe_torch(torch.__version__))
     return 0

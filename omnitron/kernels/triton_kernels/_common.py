@@ -22,19 +22,23 @@ def _fix_interpreter_loop_bounds() -> None:
     The interpreters of Triton 3.5.1 and 3.6.0 (pinned by torch 2.9 and 2.10/2.11) convert such a bound with
     ``int(ndarray)`` over a 1-element 1-D array, which NumPy 2.4 rejects ("only 0-dimensional arrays can be
     converted to Python scalars"); Triton 3.9's interpreter squeezes the array first. This applies the same
-    conversion on the Triton that lacks it; compiled kernels (a GPU) never pass through here."""
-    import inspect
-
+    conversion on every Triton (3.5's ``_patch_lang_tensor(tensor)``; 3.6+ pass a scope that restores the
+    patched attributes afterwards); compiled kernels (a GPU) never pass through here."""
     from triton.runtime import interpreter
 
     patch = getattr(interpreter, "_patch_lang_tensor", None)
-    # the old interpreter's _patch_lang_tensor(tensor); newer ones take a restoring scope and squeeze already
-    if patch is None or getattr(patch, "squeezes_index", False) or len(inspect.signature(patch).parameters) != 1:
+    if patch is None or getattr(patch, "squeezes_index", False):
         return
 
-    def patch_lang_tensor(tensor):
-        patch(tensor)
-        tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+    def index(self):
+        return int(self.handle.data.squeeze())
+
+    def patch_lang_tensor(tensor, *scope):
+        patch(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patch_lang_tensor.squeezes_index = True
     interpreter._patch_lang_tensor = patch_lang_tensor
