@@ -198,8 +198,9 @@ def test_export_native_model(name, tmp_path):
                         max_position_embeddings=16, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
                         attention_dropout=0.0)
     full, m = _native_full(cfg, seed=7)
-    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2))
-    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2))  # records no tokenizer: one is given
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"),
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(V - 1)]) == 0
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     tokens = _tokens(4)
     with torch.no_grad():

@@ -429,8 +429,8 @@ def export_hf(path: str, out_dir: str, tokenizer: dict | None = None) -> int:
     Refused, before anything is written, when there is no tokenizer or its vocabulary is not the model's."""
     from safetensors.torch import save_file
 
-    from omnitron.core.checkpoint.hf_tokenizer import make_readable, write_generation_config, write_tokenizer
-
+    from omnitron.core.checkpoint.hf_tokenizer import (ExportTokenizerError, make_readable, write_generation_config,
+                                                       write_tokenizer)
     from omnitron.core.checkpoint.reshard import model_config, read_full_state
 
     full = read_full_state(path, with_optimizer=False)
@@ -442,9 +442,10 @@ def export_hf(path: str, out_dir: str, tokenizer: dict | None = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     eod = write_tokenizer(run, out_dir)
-    if eod is not None:
-        hf_config.update(bos_token_id=eod, eos_token_id=eod)
-        write_generation_config(out_dir, eod)
+    if eod is None:  # _check_export_tokenizer built it, so its files exist: a type without an HF form
+        raise ExportTokenizerError(f"--tokenizer-type {run['tokenizer_type']} has no Hugging Face form to export")
+    hf_config.update(bos_token_id=eod, eos_token_id=eod)
+    write_generation_config(out_dir, eod)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     make_readable(out_dir)

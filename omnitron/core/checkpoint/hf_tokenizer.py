@@ -35,9 +35,10 @@ def write_tokenizer(run: dict, out_dir: str) -> int | None:
         _config(out_dir, "GPT2Tokenizer", eod_text)
         return tok.eod
     model = run.get("tokenizer_model")
-    if model and os.path.isdir(model):  # a directory holding tokenizer.json, as --tokenizer-model allows
-        model = os.path.join(model, "tokenizer.json")
-    if kind == "HuggingFaceTokenizer" and model and os.path.isfile(model):
+    if kind == "HuggingFaceTokenizer" and model:  # a file, a directory holding it, or a cached hub name
+        from omnitron.core.data.tokenizers.bpe import hf_tokenizer_file
+
+        model = str(hf_tokenizer_file(model))
         tok = build_tokenizer(kind, tokenizer_model=model)
         shutil.copyfile(model, os.path.join(out_dir, "tokenizer.json"))
         from tokenizers import Tokenizer
