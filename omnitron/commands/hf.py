@@ -27,6 +27,10 @@ def register(cmds) -> None:
     exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
     exp.add_argument("--out", required=True, metavar="DIR", help="directory for config.json + model.safetensors")
     add_family_module_flag(exp)
+    for flag, what in (("--tokenizer-type", "the tokenizer to write (default: the one the checkpoint records)"),
+                       ("--tokenizer-model", "its model file or directory"), ("--vocab-file", "its vocabulary file"),
+                       ("--merge-file", "its BPE merges"), ("--vocab-size", "NullTokenizer's vocabulary")):
+        exp.add_argument(flag, type=int if flag == "--vocab-size" else str, help=what)
     exp.set_defaults(func=run_export)
 
 
@@ -87,4 +91,7 @@ def run_export(args: argparse.Namespace) -> int:
     from omnitron.commands.checkpoint import run_export as export
     from omnitron.core.checkpoint.hf import export_hf
 
-    return export(args, what="export-hf", write=export_hf, note=" (config.json + model.safetensors)")
+    keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+    tokenizer = {k: getattr(args, k, None) for k in keys}
+    return export(args, what="export-hf", write=lambda path, out: export_hf(path, out, tokenizer),
+                  note=" (config.json + model.safetensors + tokenizer)")

@@ -198,8 +198,9 @@ def test_export_native_model(name, tmp_path):
                         max_position_embeddings=16, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
                         attention_dropout=0.0)
     full, m = _native_full(cfg, seed=7)
-    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2))
-    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2))  # records no tokenizer: one is given
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"),
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", str(V - 1)]) == 0
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     tokens = _tokens(4)
     with torch.no_grad():
@@ -294,10 +295,10 @@ def test_bad_inputs_fail_clearly(hf, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                                  "BertWordPieceLowerCase"])
+                                  "Llama2Tokenizer", "BertWordPieceLowerCase", "NullTokenizer"])
 def test_export_is_a_usable_model_repository(kind, tmp_path):
-    """AutoTokenizer loads the export and encodes as the run's tokenizer did; config.json and
-    generation_config.json carry the end-of-document id (HF generate stops there); files are 0644."""
+    """AutoTokenizer loads the export and encodes and decodes a sentence as the run's tokenizer does; config.json
+    and generation_config.json carry the end-of-document id (HF generate stops there); files are 0644."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.data.tokenizers import build_tokenizer
     from omnitron.core.models.gpt.config import gpt2_tiny
@@ -311,7 +312,9 @@ def test_export_is_a_usable_model_repository(kind, tmp_path):
         corpus.write_text("\n".join(moby_dick_documents()[:40]), encoding="utf-8")
         train_bpe([str(corpus)], 400, str(tmp_path / "tok" / "tokenizer.json"))
         run["tokenizer_model"] = str(tmp_path / "tok")
-    if kind == "SentencePieceTokenizer":
+    if kind == "NullTokenizer":
+        run["vocab_size"] = 300
+    if kind in ("SentencePieceTokenizer", "Llama2Tokenizer"):
         spm = pytest.importorskip("sentencepiece")
         from omnitron.core.data.corpus import moby_dick_documents
 
@@ -320,7 +323,7 @@ def test_export_is_a_usable_model_repository(kind, tmp_path):
         spm.SentencePieceTrainer.Train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300,
                                        model_type="bpe", eos_id=2, bos_id=1, unk_id=0, pad_id=-1)
         run["tokenizer_model"] = str(tmp_path / "sp.model")
-    ours = build_tokenizer(kind, tokenizer_model=run.get("tokenizer_model"))
+    ours = build_tokenizer(kind, tokenizer_model=run.get("tokenizer_model"), vocab_size=run.get("vocab_size"))
     cfg = gpt2_tiny(num_layers=1, hidden_size=32, ffn_hidden_size=64, vocab_size=ours.vocab_size, seq_length=16,
                     max_position_embeddings=16)
     full, _ = _native_full(cfg, seed=3)
@@ -328,10 +331,12 @@ def test_export_is_a_usable_model_repository(kind, tmp_path):
     out = tmp_path / "hf"
     assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(out)]) == 0
     theirs = transformers.AutoTokenizer.from_pretrained(str(out))
-    text = "Call me Ishmael. Some years ago - never mind how long precisely"
+    text = "3 1 4 1 5 9 2 6" if kind == "NullTokenizer" else "Call me Ishmael. Some years ago - never mind how long"
     # BERT's tokenizer wraps a text in [CLS] ... [SEP] by design (omnitron's datasets add them); the others add nothing
     bert = kind.startswith("BertWordPiece")
-    assert theirs.encode(text, add_special_tokens=not bert) == ours.encode(text) and theirs.eos_token_id == ours.eod
+    ids = theirs.encode(text, add_special_tokens=not bert)
+    assert ids == ours.encode(text) and theirs.eos_token_id == ours.eod
+    assert theirs.decode(ids) == ours.decode(ours.encode(text))  # and back to the same text
     assert json.load(open(out / "config.json"))["eos_token_id"] == ours.eod
     assert transformers.GenerationConfig.from_pretrained(str(out)).eos_token_id == ours.eod
     assert {oct(os.stat(p).st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
@@ -343,6 +348,40 @@ def test_export_is_a_usable_model_repository(kind, tmp_path):
         head.bias.zero_()
         head.bias[ours.eod] = 10.0
     model.lm_head = head
-    prompt = torch.tensor([ours.encode("Call me Ishmael.")])
+    prompt = torch.tensor([ours.encode(text)[:4]])
     done = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert done.shape[1] == prompt.shape[1] + 1 and int(done[0, -1]) == ours.eod
+
+
+def test_export_of_a_default_tokenizer_run_and_without_a_tokenizer(tmp_path, capsys):
+    """A run on the default tokenizer (no --tokenizer-type) records it, so its export is a usable repository; a
+    checkpoint that records no tokenizer is refused in one line, and export-hf --tokenizer-type supplies one."""
+    from omnitron.backends import get_backend
+    from omnitron.core.data.tokenizers import build_tokenizer
+    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--num-workers", "0", "--no-tensorboard",
+            "--save", str(tmp_path / "run"), "--data-cache-path", str(tmp_path / "cache")]
+    train(parse_settings(argv, 1), get_backend("cpu"))
+    meta = read_metadata(os.path.join(tmp_path, "run", "iter_0000001"))
+    assert meta["config"]["tokenizer_type"] == "GPT2BPETokenizer" and meta["config"]["lr_decay_style"] == "linear"
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    gpt2, text = build_tokenizer("GPT2BPETokenizer"), "Call me Ishmael."
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert theirs.encode(text) == gpt2.encode(text) and theirs.decode(gpt2.encode(text)) == text
+    cfg = gpt2_tiny(num_layers=1, hidden_size=32, ffn_hidden_size=64, vocab_size=50257, seq_length=16,
+                    max_position_embeddings=16)
+    write_weights_checkpoint(_native_full(cfg, seed=3)[0], cfg, str(tmp_path / "bare"), Layout())  # no config
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "bare"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "records no tokenizer" in err and "--tokenizer-type" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "bare"), "--out", str(tmp_path / "x"),
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]) == 2
+    assert "has 101 tokens, the model 50257" in capsys.readouterr().err
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "bare"), "--out", str(tmp_path / "x"),
+                "--tokenizer-type", "GPT2BPETokenizer"]) == 0
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "x")).encode(text) == gpt2.encode(text)

@@ -129,6 +129,34 @@ def test_trained_hf_tokenizer_roundtrip(tmp_path):
     assert len(tok.encode(corpus.read_text()[:5000])) < 0.6 * len(corpus.read_text()[:5000].encode())
 
 
+
+def test_hf_tokenizer_by_hub_name_from_the_local_cache(tmp_path, monkeypatch):
+    """As Megatron's ``AutoTokenizer.from_pretrained(NAME)``: a hub name resolves in the local HF cache (nothing is
+    downloaded), and the eod is the ``eos_token`` its tokenizer_config.json names (Megatron's eos_token_id)."""
+    import json
+
+    import huggingface_hub.constants as hub
+
+    from omnitron.commands.tokenizer import SPECIAL_TOKENS, train_bpe
+    from omnitron.core.data.corpus import moby_dick_documents
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(moby_dick_documents()[:20]), encoding="utf-8")
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    train_bpe([str(corpus)], 400, str(snap / "tokenizer.json"))
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    named = build_tokenizer("HuggingFaceTokenizer", tokenizer_model="org/tiny")
+    direct = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(snap))
+    assert named.encode("Call me Ishmael.") == direct.encode("Call me Ishmael.") and named.eod == direct.eod == 0
+    eos = SPECIAL_TOKENS[1]
+    (snap / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": eos}}))
+    assert build_tokenizer("HuggingFaceTokenizer", tokenizer_model="org/tiny").eod == 1
+    with pytest.raises(TokenizerError, match="no tokenizer.json of that hub name in the local Hugging Face cache"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model="org/absent")
+
+
 def test_sentencepiece_tokenizer(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     from omnitron.core.data.corpus import moby_dick_documents

@@ -61,6 +61,8 @@ def test_selectors_are_accepted_with_what_runs(caplog):
      "means --position-embedding-type rope, but --position-embedding-type learned_absolute was given"),
     (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction must lie in \[0, 1\]"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "not both"),
+    (["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v2"], "TikTokenizer: Megatron's, not omnitron's"),
+    (["--tokenizer-type", "MultimodalTokenizer"], "use --tokenizer-type HuggingFaceTokenizer"),
 ])
 def test_contradictions_name_the_fix(extra, message):
     with pytest.raises(ConfigError, match=message):

@@ -405,26 +405,51 @@ def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: 
     return write_checkpoint(save_dir, 0, shards(), meta, world_size=layout.world_size)
 
 
-def export_hf(path: str, out_dir: str) -> int:
+def _check_export_tokenizer(run: dict, cfg, path: str) -> None:
+    """The export's tokenizer exists and has the model's vocabulary (else the repository would load wrongly)."""
+    from omnitron.core.checkpoint.hf_tokenizer import ExportTokenizerError
+    from omnitron.core.data.tokenizers import TokenizerError, build_tokenizer
+
+    fix = "give export-hf --tokenizer-type (and --tokenizer-model, --vocab-file/--merge-file or --vocab-size)"
+    if not run.get("tokenizer_type"):
+        raise ExportTokenizerError(f"{path} records no tokenizer, so the export's AutoTokenizer would encode "
+                                   f"nothing; {fix}")
+    try:
+        tok = build_tokenizer(run["tokenizer_type"], vocab_file=run.get("vocab_file"), merge_file=run.get("merge_file"),
+                              tokenizer_model=run.get("tokenizer_model"), vocab_size=run.get("vocab_size"),
+                              vocab_extra_ids=int(run.get("vocab_extra_ids") or 0))
+    except TokenizerError as err:
+        raise ExportTokenizerError(f"the export's tokenizer: {err}; {fix}") from None
+    if tok.vocab_size != cfg.vocab_size:
+        raise ExportTokenizerError(f"the tokenizer {run['tokenizer_type']} has {tok.vocab_size} tokens, the model "
+                                   f"{cfg.vocab_size}; {fix} naming the run's own tokenizer")
+
+
+def export_hf(path: str, out_dir: str, tokenizer: dict | None = None) -> int:
     """Write checkpoint directory ``path`` (any layout) as ``config.json`` + ``model.safetensors`` in
-    ``out_dir``, with the run's tokenizer files, its eos id and ``generation_config.json`` where the tokenizer
-    has an HF form (:mod:`omnitron.core.checkpoint.hf_tokenizer`); returns the parameter count."""
+    ``out_dir``, with the run's tokenizer files, its eos id and ``generation_config.json``
+    (:mod:`omnitron.core.checkpoint.hf_tokenizer`); returns the parameter count. ``tokenizer``: tokenizer
+    settings (``tokenizer_type``, ``tokenizer_model``, ...) over the checkpoint's, for one that records none.
+    Refused, before anything is written, when there is no tokenizer or its vocabulary is not the model's."""
     from safetensors.torch import save_file
 
-    from omnitron.core.checkpoint.hf_tokenizer import make_readable, write_generation_config, write_tokenizer
-
+    from omnitron.core.checkpoint.hf_tokenizer import (ExportTokenizerError, make_readable, write_generation_config,
+                                                       write_tokenizer)
     from omnitron.core.checkpoint.reshard import model_config, read_full_state
 
     full = read_full_state(path, with_optimizer=False)
     cfg = model_config(full.meta["model"])
     hf_config = config_to_hf(cfg)
+    run = {**full.meta.get("config", {}), **{k: v for k, v in (tokenizer or {}).items() if v is not None}}
+    _check_export_tokenizer(run, cfg, path)
     state = state_to_hf(full.model, cfg)
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    eod = write_tokenizer(full.meta.get("config", {}), out_dir)
-    if eod is not None:
-        hf_config.update(bos_token_id=eod, eos_token_id=eod)
-        write_generation_config(out_dir, eod)
+    eod = write_tokenizer(run, out_dir)
+    if eod is None:  # _check_export_tokenizer built it, so its files exist: a type without an HF form
+        raise ExportTokenizerError(f"--tokenizer-type {run['tokenizer_type']} has no Hugging Face form to export")
+    hf_config.update(bos_token_id=eod, eos_token_id=eod)
+    write_generation_config(out_dir, eod)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     make_readable(out_dir)

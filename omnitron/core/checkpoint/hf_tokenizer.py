@@ -4,14 +4,20 @@
 its class, and ``generate`` stops only at an ``eos_token_id`` that ``config.json`` /
 ``generation_config.json`` declare. :func:`write_tokenizer` writes them for the tokenizer types that have
 an HF equivalent (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; a Hugging Face ``tokenizer.json``; SentencePiece:
-``tokenizer.model`` as Llama's tokenizer; BERT WordPiece: ``vocab.txt``) and returns the end-of-document id;
-NullTokenizer (ids without text) writes nothing.
+``tokenizer.model`` as Llama's tokenizer; BERT WordPiece: ``vocab.txt``; NullTokenizer: a word-level
+``tokenizer.json`` of the ids written as text, ``<eod>`` last) and returns the end-of-document id. A checkpoint
+that records no tokenizer is refused (:class:`ExportTokenizerError`) rather than exported as a repository whose
+``AutoTokenizer`` would build an empty tokenizer.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+
+
+class ExportTokenizerError(ValueError):
+    """The export would have no tokenizer, or one that does not fit the model."""
 
 
 def write_tokenizer(run: dict, out_dir: str) -> int | None:
@@ -29,9 +35,10 @@ def write_tokenizer(run: dict, out_dir: str) -> int | None:
         _config(out_dir, "GPT2Tokenizer", eod_text)
         return tok.eod
     model = run.get("tokenizer_model")
-    if model and os.path.isdir(model):  # a directory holding tokenizer.json, as --tokenizer-model allows
-        model = os.path.join(model, "tokenizer.json")
-    if kind == "HuggingFaceTokenizer" and model and os.path.isfile(model):
+    if kind == "HuggingFaceTokenizer" and model:  # a file, a directory holding it, or a cached hub name
+        from omnitron.core.data.tokenizers.bpe import hf_tokenizer_file
+
+        model = str(hf_tokenizer_file(model))
         tok = build_tokenizer(kind, tokenizer_model=model)
         shutil.copyfile(model, os.path.join(out_dir, "tokenizer.json"))
         from tokenizers import Tokenizer
@@ -42,7 +49,24 @@ def write_tokenizer(run: dict, out_dir: str) -> int | None:
         return _sentencepiece(model, out_dir)
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return _wordpiece(run, kind, out_dir)
+    if kind == "NullTokenizer" and run.get("vocab_size"):
+        return _null(int(run["vocab_size"]), out_dir)
     return None
+
+
+def _null(v: int, out_dir: str) -> int:
+    """Megatron's NullTokenizer (text = space-separated ids ``0..V-1``, eod = ``V``) as a word-level
+    ``tokenizer.json``: AutoTokenizer encodes ``"3 1 4"`` to ``[3, 1, 4]`` and decodes it back."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {str(i): i for i in range(v)}
+    vocab["<eod>"] = v
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eod>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<eod>"])
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    _config(out_dir, "PreTrainedTokenizerFast", "<eod>")
+    return v
 
 
 def _sentencepiece(model: str, out_dir: str) -> int:

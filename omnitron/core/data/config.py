@@ -63,6 +63,7 @@ class DataConfig:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
         split_weights(self.split)
+        _check_tokenizer_type(self.tokenizer_type)
         for name in ("vocab_file", "merge_file", "tokenizer_model"):  # checkpoints record where the files are,
             path = getattr(self, name)  # so generate, serve and exports find them from any directory
             if path and os.path.exists(path):
@@ -83,6 +84,22 @@ class DataConfig:
         named = (("--data-path", self.data_path), ("--train-data-path", self.train_data_path),
                  ("--valid-data-path", self.valid_data_path), ("--test-data-path", self.test_data_path))
         return [(flag, paths) for flag, paths in named if paths]
+
+
+_MEGATRON_ONLY = {"TikTokenizer": "tiktoken BPE files are not read", "MultimodalTokenizer": "its chat prompt "
+                  "formats are not implemented", "NullMultimodalTokenizer": "no multimodal null tokenizer",
+                  "SFTTokenizer": "no SFT prompt formats"}
+
+
+def _check_tokenizer_type(kind: str) -> None:
+    """An unknown ``--tokenizer-type`` stops before any work; Megatron's types omnitron lacks say why."""
+    from .tokenizers import TOKENIZER_TYPES
+
+    if kind in _MEGATRON_ONLY:
+        raise ConfigError(f"--tokenizer-type {kind}: Megatron's, not omnitron's ({_MEGATRON_ONLY[kind]}); convert the "
+                          "tokenizer to a tokenizer.json and use --tokenizer-type HuggingFaceTokenizer")
+    if kind not in TOKENIZER_TYPES:
+        raise ConfigError(f"--tokenizer-type {kind!r} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def split_weights(split: str) -> list[float]:

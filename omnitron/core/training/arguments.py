@@ -345,7 +345,7 @@ class Settings:
     sample_top_k: int
     sample_temperature: float
     flat: dict[str, Any]
-    """The merged flat settings (what a checkpoint records as the run's config)."""
+    """The merged flat settings: what was given (preset, file, flags)."""
     model_type: str = "gpt"
     """``--model-type``: the model family's registered name (``gpt``, ``bert``, ``t5``, ``multimodal``, ...)."""
 
@@ -356,6 +356,23 @@ class Settings:
     @property
     def num_microbatches(self) -> int:
         return self.training.global_batch_size // (self.training.micro_batch_size * self.dp)
+
+
+def resolved_config(settings: Settings) -> dict[str, Any]:
+    """What a checkpoint records as the run's config: every setting's value, defaults included (an export or
+    a later reader must not guess a default, e.g. the default tokenizer), the given ones over them, and the
+    values the configs resolved (the global batch size, the iterations of a --train-samples run)."""
+    from omnitron.core.models.family import families
+
+    others = {k for name, fam in families().items() if name != settings.model_type for k in fam.own_fields()}
+    out = {dest: opt.default for dest, opt in options().items() if dest not in others}  # not other families' own
+    # NOTE: not the model's vocab_size (the tokenizer's, padded rows excluded): --vocab-size is NullTokenizer's V
+    out.update({f.name: getattr(settings.model, f.name) for f in fields(settings.model)
+                if f.name in out and f.name != "vocab_size"})
+    for cfg in (settings.data, settings.training, settings.optim, settings.logging, settings.checkpoint):
+        out.update({f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in out})
+    out.update(settings.flat)
+    return out
 
 
 def _build(cls, merged: dict[str, Any], **extra):

@@ -16,6 +16,7 @@ from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_la
                                       reshard, save_checkpoint, set_rng_state)
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
 from omnitron.core.parallel.tensor.mappings import local_rank
+from omnitron.core.training.arguments import resolved_config
 
 DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without importing it
 
@@ -130,7 +131,7 @@ def save(c) -> str:
     fp8 = c.extra.get("fp8_state")
     if fp8 is not None:
         shard["fp8"] = fp8()
-    meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(s.flat), "model": model_dict(c.model),
+    meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(resolved_config(s)), "model": model_dict(c.model),
             "layout": layout_dict(s)}
     coll = c.backend.collectives
 
@@ -153,7 +154,7 @@ def _barrier(c):
 def _save_dist(c) -> str:
     """``--ckpt-format torch_dist`` (:mod:`omnitron.core.checkpoint.dist`)."""
     s = c.settings
-    meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(s.flat), "model": model_dict(c.model),
+    meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(resolved_config(s)), "model": model_dict(c.model),
             "layout": layout_dict(s), "optimizer": _dist().optimizer_meta(c), "scheduler": c.scheduler.state_dict()}
     save = _dist().save
     if s.checkpoint.async_save:

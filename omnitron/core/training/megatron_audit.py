@@ -24,6 +24,12 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "the same: bf16 main_grad buffers and bf16 reduction (DataParallelConfig.grad_reduce_in_bf16); refused "
         "with --use-torch-fsdp2 (its policy reduces in fp32)",
         "tests/parallel/test_data_parallel.py::test_ddp_buckets_overlap_and_reduction_match_reference"),
+    "--moe-grouped-gemm": (
+        "the local experts' GEMMs run as grouped GEMMs (TEGroupedMLP / GroupedMLP): the function SequentialMLP "
+        "computes one expert at a time",
+        "torch._grouped_mm for fp32/bf16/fp16 with 16-byte aligned widths (CPU and GPU in torch 2.13); otherwise "
+        "(FP8 experts, float64) the per-expert GEMMs, said once in the log",
+        "tests/models/test_moe.py::test_grouped_gemm_computes_the_per_expert_gemms"),
     "--tensorboard-dir": (
         "TensorBoard events in DIR itself, tags `lm loss`, `learning-rate`, `grad-norm`, `lm loss validation`, ... "
         "and their `vs samples` twins (training_log, evaluate_and_print_results)",

@@ -51,9 +51,6 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                             "fp16 from)", "Megatron divides the scores by the layer number and "
                                       "multiplies them back inside the fp32 softmax: the same function"),
     "cross_entropy_loss_fusion": (None, _KERNELS, _FUSED),
-    "moe_grouped_gemm": (None, "each local expert runs its own GEMMs (no grouped-GEMM kernel)",
-                         "a grouped GEMM is the per-expert GEMMs in one launch (Megatron's SequentialMLP computes "
-                         "the same experts one by one); only the speed differs"),
     "moe_token_dispatcher_type": ("TYPE", "tokens go to their experts by all-to-all over the expert-parallel group",
                                   "Megatron's allgather, alltoall and flex dispatchers move the same routed tokens "
                                   "to the same experts and combine them with the same weights; " + _PERF),

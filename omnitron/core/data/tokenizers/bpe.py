@@ -117,8 +117,10 @@ class GPT2BPETokenizer(_HFBacked):
 class HuggingFaceTokenizer(_HFBacked):
     """Any ``tokenizer.json`` (for example one written by ``omnitron tokenizer train``).
 
-    ``path`` is the file or a directory holding it. The eod id is the first of
-    ``EOD_CANDIDATES`` present in the vocabulary (``eod_token`` overrides); pad likewise.
+    ``path`` is the file, a directory holding it, or (as Megatron's ``AutoTokenizer.from_pretrained``) a hub
+    name such as ``meta-llama/Meta-Llama-3-8B`` already in the local Hugging Face cache (nothing is downloaded).
+    The eod id is the ``eos_token`` of a ``tokenizer_config.json`` beside it (what Megatron's HF tokenizer
+    uses), else the first of ``EOD_CANDIDATES`` present in the vocabulary (``eod_token`` overrides); pad likewise.
     """
 
     name = "HuggingFaceTokenizer"
@@ -126,14 +128,12 @@ class HuggingFaceTokenizer(_HFBacked):
     def __init__(self, path: str, eod_token: str | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
-        p = Path(path)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        p = _require_file(p, "--tokenizer-model")
+        p = hf_tokenizer_file(path)
         try:
             tok = HFTokenizer.from_file(str(p))
         except Exception as err:  # noqa: BLE001
             raise TokenizerError(f"--tokenizer-model {str(p)!r} is not a valid tokenizer.json: {err}") from err
+        eod_token = eod_token or _config_eos(p.parent / "tokenizer_config.json")
         names = (eod_token,) if eod_token else EOD_CANDIDATES
         eod = next((tok.token_to_id(t) for t in names if tok.token_to_id(t) is not None), None)
         if eod is None:
@@ -141,6 +141,32 @@ class HuggingFaceTokenizer(_HFBacked):
                                  "retrain it with one of them as a special token")
         pad = next((tok.token_to_id(t) for t in PAD_CANDIDATES if tok.token_to_id(t) is not None), eod)
         super().__init__(tok, eod, pad)
+
+
+def hf_tokenizer_file(path: str) -> Path:
+    """``tokenizer.json`` of ``path``: the file, in the directory, or in the local HF cache for a hub name."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    elif not p.exists() and path.count("/") == 1 and not path.startswith((".", "/")):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "tokenizer.json")
+        if not isinstance(cached, str):
+            raise TokenizerError(f"--tokenizer-model {path!r}: no such file or directory, and no tokenizer.json of "
+                                 "that hub name in the local Hugging Face cache; download it first (huggingface-cli "
+                                 "download NAME) or pass its directory")
+        p = Path(cached)
+    return _require_file(p, "--tokenizer-model")
+
+
+def _config_eos(config: Path) -> str | None:
+    """The ``eos_token`` a ``tokenizer_config.json`` names (a string or ``{"content": ...}``), if any."""
+    if not config.is_file():
+        return None
+    with open(config, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 def read_vocab_size(vocab_file: str) -> int:

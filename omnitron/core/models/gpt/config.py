@@ -122,6 +122,10 @@ class GPTConfig:
     moe_pad_expert_input_to_capacity: bool = False
     """--moe-pad-expert-input-to-capacity: every expert processes exactly its capacity (padding rows are
     tokens it was not routed to, weighted 0); needs --moe-expert-capacity-factor."""
+    moe_grouped_gemm: bool = False
+    """--moe-grouped-gemm: each MLP GEMM of the local experts runs as one grouped GEMM (``torch._grouped_mm``)
+    instead of one GEMM per expert (Megatron's SequentialMLP); the same function. Where its preconditions do
+    not hold (FP8 experts, float64, widths not 16-byte aligned) the per-expert GEMMs run, said once in the log."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),

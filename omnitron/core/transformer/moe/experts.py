@@ -69,10 +69,61 @@ def expert_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     return fc2._gemm(y, fc2.weight, None)
 
 
-def run_experts(rows: torch.Tensor, counts: list[int], experts: list, etp) -> torch.Tensor:
+class _ContiguousGrad(torch.autograd.Function):
+    """forward: identity; backward: the gradient made contiguous (``torch._grouped_mm``'s backward refuses
+    stride-0 gradients, e.g. of a ``sum``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+_SAID: set[str] = set()
+
+
+def _grouped_ok(rows: torch.Tensor, experts: list) -> bool:
+    """``torch._grouped_mm``'s preconditions: fp32/bf16/fp16, no FP8 GEMM seam, 16-byte aligned widths."""
+    fc1, fc2 = experts[0].linear_fc1, experts[0].linear_fc2
+    widths = (fc1.weight.shape[1], fc1.weight.shape[0], fc2.weight.shape[0])
+    why = ("FP8 expert GEMMs" if fc1.fp8 is not None or fc2.fp8 is not None else
+           f"dtype {rows.dtype}" if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16) else
+           f"widths {widths} not 16-byte aligned" if any(w * rows.element_size() % 16 for w in widths) else
+           "no torch._grouped_mm in this torch" if not hasattr(torch, "_grouped_mm") else None)
+    if why is not None and why not in _SAID:
+        import logging
+
+        _SAID.add(why)
+        logging.getLogger("omnitron.train").info("--moe-grouped-gemm: %s, so each expert runs its own GEMMs", why)
+    return why is None
+
+
+def grouped_expert_mlps(rows: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:
+    """Every local expert's MLP (without fc2's bias) on its ``counts`` rows of ``rows [R, h]`` in two grouped
+    GEMMs (``torch._grouped_mm``): what :func:`expert_mlp` computes per expert, in one launch each."""
+    mlp, n = experts[0], len(experts)
+    offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+    w1 = torch.stack([m.linear_fc1.weight for m in experts]).transpose(1, 2)  # [E, h, (2)f/etp]
+    y = _ContiguousGrad.apply(torch._grouped_mm(rows, w1, offs=offs))  # [R, (2)f/etp]
+    if mlp.linear_fc1.bias is not None:
+        index = torch.repeat_interleave(torch.arange(n, device=rows.device), torch.tensor(counts, device=rows.device))
+        y = y + torch.stack([m.linear_fc1.bias for m in experts]).index_select(0, index).to(y.dtype)
+    if y.shape[0]:
+        y = activate(mlp.backend.kernels, y, None, swiglu=mlp.swiglu, exact=mlp.exact_gelu)
+    else:
+        y = y[:, : y.shape[1] // 2] if mlp.swiglu else y
+    w2 = torch.stack([m.linear_fc2.weight for m in experts]).transpose(1, 2)  # [E, f/etp, h]
+    return _ContiguousGrad.apply(torch._grouped_mm(y.contiguous(), w2, offs=offs))
+
+
+def run_experts(rows: torch.Tensor, counts: list[int], experts: list, etp, grouped: bool = False) -> torch.Tensor:
     """``rows [R, h]`` grouped by local expert (``counts``) through ``experts`` -> ``[R, h]``.
 
-    ``etp``: the expert-tensor-parallel group (see the module docstring); identity at size 1.
+    ``etp``: the expert-tensor-parallel group (see the module docstring); identity at size 1. ``grouped``:
+    --moe-grouped-gemm (:func:`grouped_expert_mlps` where its preconditions hold).
     """
     perm, all_counts, sizes = None, counts, None
     if etp.size > 1:
@@ -87,8 +138,11 @@ def run_experts(rows: torch.Tensor, counts: list[int], experts: list, etp) -> to
         all_counts = per_rank.sum(dim=0).tolist()
     # NOTE: every expert runs, even on zero rows: under FP8 each expert GEMM MAX-reduces its amax over
     # its amax groups, so skipping the empty ones would issue different collectives on different ranks
-    outs = [expert_mlp(mlp, part) for part, mlp in zip(torch.split(rows, all_counts, dim=0), experts)]
-    y = torch.cat(outs, dim=0) if outs else rows
+    if grouped and experts and _grouped_ok(rows, experts):
+        y = grouped_expert_mlps(rows.contiguous(), all_counts, experts)
+    else:
+        outs = [expert_mlp(mlp, part) for part, mlp in zip(torch.split(rows, all_counts, dim=0), experts)]
+        y = torch.cat(outs, dim=0) if outs else rows
     if perm is not None:
         y = _ReduceScatterV.apply(y.index_select(0, torch.argsort(perm)), sizes, etp)  # own rows, summed
     biases = [mlp.linear_fc2.bias for mlp in experts]

@@ -59,7 +59,7 @@ class MoELayer(nn.Module):
 
         self.sp, self.tp, self.ep, self.etp, self.num_experts = (sequence_parallel, groups.tp, groups.ep, groups.etp,
                                                                  c.num_experts)
-        self.topk = c.moe_router_topk
+        self.topk, self.grouped = c.moe_router_topk, c.moe_grouped_gemm
         self.capacity = (c.moe_expert_capacity_factor, c.moe_token_drop_policy, c.moe_pad_expert_input_to_capacity)
         # the ranks whose tokens make up one micro-batch: its cp slices, and its tp shards under SP
         stats = groups.tp_cp if sequence_parallel else groups.cp
@@ -116,7 +116,7 @@ class MoELayer(nn.Module):
             gates = M.scatter_to_sp(gates.view(s, b, E), self.tp).reshape(-1, E)
             mask = M.split_first(mask.view(s, b, E), self.tp).reshape(-1, E)
         rows, plan = dispatch(x.reshape(-1, h), mask, self.ep)
-        y = run_experts(rows, plan.local_counts, list(self.experts.values()), self.etp)
+        y = run_experts(rows, plan.local_counts, list(self.experts.values()), self.etp, grouped=self.grouped)
         y = combine(y, gates, plan, self.ep).view(x.shape)
         if split:
             y = M.gather_from_sp(y, self.tp, grad_is_partial=False)  # [s, b, h]
