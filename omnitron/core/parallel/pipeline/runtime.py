@@ -21,7 +21,6 @@ import time
 from typing import Callable, Iterator
 
 import torch
-
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from omnitron.core.parallel.pipeline.p2p import StageP2P
