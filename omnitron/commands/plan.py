@@ -18,9 +18,15 @@ def register(sub) -> None:
                    "folders) of the target machine: also predict the step time, tokens/s and its breakdown")
     p.add_argument("--assume-overlap", choices=("none", "dp", "all"), help="communication hidden behind compute: "
                    "none (default), dp (gradient reduction), all")
-    p.add_argument("--devices", type=int, help="recommend layouts for this many devices (needs --device-memory, "
-                   "--bench and --global-batch-size): the fastest that fit, with their launch flags")
-    p.add_argument("--device-memory", help="memory per device for --devices, e.g. 80GiB or 80GB")
+    p.add_argument("--devices", type=int, help="recommend layouts for this many devices (needs --bench or --device, "
+                   "and --global-batch-size): the fastest that fit, with their launch flags")
+    p.add_argument("--device-memory", help="memory per device for --devices, e.g. 80GiB or 80GB (default with "
+                   "--device: the profile's)")
+    p.add_argument("--device", metavar="PROFILE", help="price on a device profile instead of a bench report: "
+                   "a100-80gb-sxm, h100-sxm, h200, b200, mi300x, mtt-s4000, or a .toml of the same form")
+    p.add_argument("--gpus-per-node", type=int, help="devices per node with --device (default: the profile's, 8)")
+    p.add_argument("--json", metavar="FILE", help="write each layout's prediction (step time, tokens/s, "
+                   "tflops_per_device by Megatron's formula, memory per stage) to FILE")
     p.add_argument("--top", type=int, help="layouts to print with --devices (default 5)")
     add_arguments(p)
     p.set_defaults(func=run)
@@ -57,16 +63,24 @@ def settings_of(given: dict):
 def run(args: argparse.Namespace) -> int:
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.memory import estimate, format_table
+    from omnitron.plan.recommend import Choice
+    from omnitron.plan.speed import predict
 
-    own = ("func", "command", "bench", "assume_overlap", "devices", "device_memory", "top")
+    own = ("func", "command", "bench", "assume_overlap", "devices", "device_memory", "top", "device", "gpus_per_node",
+           "json")
     given = {k: v for k, v in vars(args).items() if k not in own}
     bench, overlap = getattr(args, "bench", None), getattr(args, "assume_overlap", "none")
     if getattr(args, "devices", None) is not None:
         return _recommend(args, given, bench, overlap)
     try:
+        rates = _rates(args, bench)
         s = settings_of(given)
         stages = estimate(s)
-        step = _speed(s, bench, overlap) if bench else None
+        step = predict(s, rates, overlap) if rates else None
+        if step is not None and getattr(args, "json", None):
+            flags = {k: v for k, v in given.items() if k != "layout"}
+            flags.update(layout_flags(given["layout"])[0] if given.get("layout") else {})
+            _write(args, [Choice(flags, s, step, stages)], rates)
     except ConfigError as err:
         print(f"omnitron plan: error: {err}", file=sys.stderr)
         return 2
@@ -79,36 +93,72 @@ def run(args: argparse.Namespace) -> int:
     if step is not None:
         from omnitron.plan.speed import format_step
 
+        print(_named(rates))
         print(format_step(step))
     return 0
 
 
-def _speed(settings, bench: list[str], overlap: str):
+def _rates(args, bench):
+    """The rates to price with: the bench reports, or ``--device``'s profile on ``--gpus-per-node`` nodes; None
+    without either (memory only). ConfigError when both are given."""
+    from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.rates import Rates
-    from omnitron.plan.speed import predict
 
-    return predict(settings, Rates.from_reports(bench), overlap)
+    device = getattr(args, "device", None)
+    if device and bench:
+        raise ConfigError("give --bench (a measured report) or --device (a profile), not both")
+    if device:
+        from omnitron.plan.cluster import device_rates
+
+        return device_rates(device, getattr(args, "gpus_per_node", None))
+    if getattr(args, "gpus_per_node", None):
+        raise ConfigError("--gpus-per-node places a layout on --device's nodes; give --device too")
+    return Rates.from_reports(bench) if bench else None
+
+
+def _named(rates) -> str:
+    """The line naming what the prediction priced with."""
+    prof = getattr(rates, "profile", None)
+    if prof is None:
+        return "rates: omnitron bench report(s)"
+    return (f"device: {prof.name} ({prof.title}), {rates.gpus_per_node} per node, {prof.links.intra} + "
+            f"{prof.links.nic}; profile {prof.path}")
+
+
+def _write(args, choices, rates) -> None:
+    from omnitron.plan.cluster import record, write_json
+
+    prof = getattr(rates, "profile", None)
+    write_json(args.json, [record(c, prof.name if prof else "bench", getattr(rates, "gpus_per_node", 0))
+                           for c in choices])
 
 
 def _recommend(args, given: dict, bench, overlap: str) -> int:
     """``--devices``: the fastest layouts that fit, or one line naming what binds."""
     from omnitron.core.config.parallel import ConfigError
-    from omnitron.plan.rates import Rates
     from omnitron.plan.recommend import format_choices, parse_memory, recommend
 
     try:
-        if not getattr(args, "device_memory", None):
+        if not bench and not getattr(args, "device", None):
+            raise ConfigError("--devices needs --bench REPORT (an omnitron bench report of the target machine) or "
+                              "--device PROFILE (e.g. h100-sxm) to rank layouts by speed")
+        rates = _rates(args, bench)
+        prof = getattr(rates, "profile", None)
+        if not getattr(args, "device_memory", None) and prof is None:
             raise ConfigError("--devices needs --device-memory (e.g. 80GiB)")
-        if not bench:
-            raise ConfigError("--devices needs --bench REPORT (an omnitron bench report of the target machine) to "
-                              "rank layouts by speed")
         if given.get("layout"):
             raise ConfigError("--devices searches layouts; drop --layout")
-        memory = parse_memory(args.device_memory)
-        choices = recommend(given, args.devices, memory, Rates.from_reports(bench), overlap,
-                            getattr(args, "top", None) or 5)
+        memory = parse_memory(args.device_memory) if getattr(args, "device_memory", None) else prof.memory_bytes
+        choices = recommend(given, args.devices, memory, rates, overlap, getattr(args, "top", None) or 5,
+                            cluster=getattr(rates, "gpus_per_node", None))
+        if getattr(args, "json", None):
+            _write(args, choices, rates)
     except ConfigError as err:
         print(f"omnitron plan: error: {err}", file=sys.stderr)
         return 2
+    print(_named(rates))
     print(format_choices(choices, args.devices, memory))
+    if prof is not None:
+        print("search: tp within a node, the distributed optimizer on where dp x cp > 1; memory without backward's "
+              "transient probes (`--layout` with --device prices one layout with them)")
     return 0

@@ -63,6 +63,7 @@ class DeviceRates:
         tp, cp, pp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.pipeline_model_parallel_size
         self.world, self.elem = settings.world_size, settings.model.params_dtype.itemsize
         self.sizes = strides(tp, cp, settings.dp, pp, pc.expert_model_parallel_size, pc.etp)
+        self.memo[("host_layer", 1)] = (0.0, 0.0)  # the host runs ahead of the device: not priced
 
     # ---- compute ---------------------------------------------------------------------------------------
     def _peak(self, dtype: str) -> float:
@@ -113,7 +114,7 @@ class DeviceRates:
         return self._stream_s((f if mode == "fwd" else b) * self.elem * elements)
 
     def host_layer_s(self, mode: str, threads: int = 1) -> float:
-        return 0.0  # the host runs ahead of the device: not priced (module docstring)
+        return 0.0  # the host runs ahead of the device (module docstring)
 
     def host_slowdown(self, op: str, busy: int):
         return None
@@ -123,7 +124,11 @@ class DeviceRates:
         """Seconds of ``op`` over ``ranks`` ranks of the bound layout's ``group`` (stride 1 when None)."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
-        sp = span(ranks, self.sizes.get(group, 1), self.gpus_per_node)
-        if op == "p2p":  # a ring's or a pipeline's neighbours: the slowest hop paces every step
-            return self.machine.p2p(nbytes, sp.nodes > 1)
-        return self.machine.collective(op, nbytes, sp)[0]
+        key = ("comm", op, nbytes, ranks, self.sizes.get(group, 1))
+        if key not in self.memo:
+            sp = span(ranks, key[-1], self.gpus_per_node)
+            if op == "p2p":  # a ring's or a pipeline's neighbours: the slowest hop paces every step
+                self.memo[key] = self.machine.p2p(nbytes, sp.nodes > 1)
+            else:
+                self.memo[key] = self.machine.collective(op, nbytes, sp)[0]
+        return self.memo[key]

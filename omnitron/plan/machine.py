@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
 """Megatron's default rank order (``--rank-order`` is not an omnitron flag): tp fastest-varying."""
@@ -44,6 +45,7 @@ class Span:
     nodes: int
 
 
+@lru_cache(maxsize=4096)
 def span(size: int, stride: int, gpus_per_node: int) -> Span:
     """The :class:`Span` of the group ``{stride * i : i < size}`` (the group holding rank 0; with sizes dividing
     one another every group of the dimension lies alike)."""

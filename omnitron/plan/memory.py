@@ -196,8 +196,14 @@ def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
                for n, p in m.named_parameters() if p.dim() == 2 and ".layers." in n)
 
 
-def estimate(settings) -> list[StageMemory]:
-    """Every pipeline stage's :class:`StageMemory` for ``settings``."""
+class _Skipped(Exception):
+    """The transient probes not run (``estimate(..., transients=False)``)."""
+
+
+def estimate(settings, transients: bool = True) -> list[StageMemory]:
+    """Every pipeline stage's :class:`StageMemory` for ``settings``; ``transients=False`` leaves backward's own
+    tensors out (their probes take tens of seconds per new tp / recompute setting at 70B: a cluster search
+    ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does."""
     from omnitron.core.parallel.pipeline.schedules import build_schedule
 
     cfg, pc = model_config(settings), settings.parallel
@@ -215,8 +221,12 @@ def estimate(settings) -> list[StageMemory]:
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
         try:
+            if not transients:
+                raise _Skipped
             excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=(r, c) == (0, 0),
                                          last=(r, c) == (pp - 1, vp - 1)) for c in range(vp))
+        except _Skipped:
+            excess = recompute_bytes(settings, cfg)
         except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk
             log.warning("%s; the memory estimate leaves backward's transients out", e)
             excess = recompute_bytes(settings, cfg)

@@ -61,12 +61,12 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _grid(cfg, devices: int, gbs: int):
-    """(tp, pp, cp, dp, mbs, vpp) that pass the divisibility rules of the module docstring."""
+def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None):
+    """(tp, pp, cp, dp, mbs, vpp) that pass the divisibility rules of the module docstring (tp <= ``max_tp``)."""
     from omnitron.core.models.gpt.config import query_groups
 
     for tp in _divisors(devices):
-        if cfg.num_attention_heads % tp or query_groups(cfg) % tp:
+        if cfg.num_attention_heads % tp or query_groups(cfg) % tp or (max_tp and tp > max_tp):
             continue
         for pp in _divisors(devices // tp):
             if cfg.num_layers % pp:
@@ -91,9 +91,11 @@ def _with_ep(cfg, grid):
                 yield tp, pp, cp, dp, mbs, vpp, ep
 
 
-def candidates(given: dict, devices: int, minimal: bool = False) -> list[Choice]:
+def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | None = None) -> list[Choice]:
     """Every valid :class:`Choice` for the user's flags ``given`` on ``devices`` devices (``minimal``: only the
-    memory-minimal variant of each (tp, pp, cp))."""
+    memory-minimal variant of each (tp, pp, cp)). ``cluster``: the devices per node of a cluster search, which
+    keeps tp inside a node and the distributed optimizer on wherever dp x cp > 1 (it moves 3/4 of the
+    all-reduce's bytes, steps 1/(dp x cp) of the parameters and holds less: the other variant never wins)."""
     from omnitron.commands.plan import settings_of
     from omnitron.plan.memory import model_config
 
@@ -102,9 +104,9 @@ def candidates(given: dict, devices: int, minimal: bool = False) -> list[Choice]
     if not gbs:
         raise ConfigError("--devices: give --global-batch-size (the recommendation keeps it fixed)")
     out, seen = [], set()
-    for tp, pp, cp, dp, mbs, vpp, ep in _with_ep(cfg, _grid(cfg, devices, gbs)):
+    for tp, pp, cp, dp, mbs, vpp, ep in _with_ep(cfg, _grid(cfg, devices, gbs, cluster)):
         for rec in ((True,) if minimal else (False, True)):
-            for dist in ((True,) if minimal else (False, True)) if dp * cp > 1 else (False,):
+            for dist in ((True,) if minimal or cluster else (False, True)) if dp * cp > 1 else (False,):
                 key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, rec, dist)
                 if key in seen or minimal and (mbs, vpp) != (min(b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0), 1):
                     continue
@@ -133,42 +135,89 @@ def _with_world(given: dict, devices: int) -> dict:
     return given | {"nproc_per_node": devices}
 
 
-def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "none", top: int = 5) -> list[Choice]:
+def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "none", top: int = 5,
+              cluster: int | None = None) -> list[Choice]:
     """The ``top`` fastest layouts that fit ``memory`` bytes on every stage; ConfigError naming the binding
-    constraint when none does."""
+    constraint when none does. ``cluster``: devices per node of a device-profile search (:func:`candidates`;
+    memory without the transient probes, :func:`omnitron.plan.memory.estimate`)."""
     from omnitron.plan.memory import estimate
     from omnitron.plan.speed import predict
 
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     given = _with_world(given, devices)
-    cands = candidates(given, devices)
+    cands = candidates(given, devices, cluster=cluster)
+    full = cluster is None
     if not cands:
         raise ConfigError(f"no layout of {given.get('model') or 'the model'} divides {devices} devices: tp must "
                           "divide the heads and query groups, pp the layers, dp x micro-batch the global batch")
-    smallest = _smallest(given, devices)
-    if smallest.peak > memory:
-        raise ConfigError(_no_fit(smallest, memory))
+    if full:
+        smallest = _smallest(given, devices)
+        if smallest.peak > memory:
+            raise ConfigError(_no_fit(smallest, memory))
+    if not full:  # the parameters and optimizer state alone exceed the device: not worth pricing
+        cands = [c for c in cands if state_lower_bound(c.settings) <= memory] or cands
     for c in cands:
         c.step = predict(c.settings, rates, overlap)
     cands.sort(key=lambda c: -c.step.tokens_per_s)
-    fit = []
+    fit, over = [], set()
     for c in cands:
-        c.stages = estimate(c.settings)
+        if not full and (_dominated(c, over) or state_lower_bound(c.settings) > memory):
+            continue
+        c.stages = estimate(c.settings, transients=full)
         if c.peak <= memory:
             fit.append(c)
             if len(fit) == top:
                 break
+        else:
+            over.add(_shape(c))
+    if not fit:  # a cluster search finds out late (the smallest is not searched for up front: it is slow there)
+        raise ConfigError(_no_fit(_smallest(given, devices, full, cluster), memory))
     return fit
 
 
-def _smallest(given: dict, devices: int) -> Choice:
+def _shape(c: Choice) -> tuple:
+    """(structure, micro-batch, recomputation) of a candidate: memory grows with the micro-batch and without
+    recomputation, all else equal."""
+    pc = c.settings.parallel
+    return ((pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size, pc.context_parallel_size,
+             pc.expert_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1,
+             bool(c.flags.get("use_distributed_optimizer"))),
+            c.settings.training.micro_batch_size, bool(c.flags.get("recompute_granularity")))
+
+
+def _dominated(c: Choice, over: set) -> bool:
+    """Whether a candidate that needs no more memory than ``c`` (same structure, micro-batch no larger,
+    recomputation on where ``c`` has it off or both on) already did not fit."""
+    shape, mbs, rec = _shape(c)
+    return any(s == shape and m <= mbs and (r or not rec) for s, m, r in over)
+
+
+def state_lower_bound(settings) -> float:
+    """Bytes of parameters, gradients and optimizer state of the largest stage's rank, counted from the
+    analytic parameter count (no bucket padding: a lower bound of :func:`omnitron.plan.state.state_bytes`)."""
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.speed import _stage_layers, stage_param_groups
+
+    cfg, pc = model_config(settings), settings.parallel
+    ddp, p = settings.ddp, cfg.params_dtype.itemsize
+    g = 4 if ddp and ddp.accumulate_allreduce_grads_in_fp32 else p
+    opt = 4 * (2 + (p != 4))
+    share = settings.dp * pc.context_parallel_size if ddp and ddp.use_distributed_optimizer else 1
+    layers = _stage_layers(settings, cfg)
+    pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
+    most = max(sum(stage_param_groups(cfg, settings, r, [x for c in range(vp) for x in layers[(r, c)]]))
+               for r in range(pp))
+    return most * (p + g + opt / share)
+
+
+def _smallest(given: dict, devices: int, transients: bool = True, cluster: int | None = None) -> Choice:
     """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp)."""
     from omnitron.plan.memory import estimate
 
     best = None
-    for c in candidates(given, devices, minimal=True):
-        c.stages = estimate(c.settings)
+    for c in candidates(given, devices, minimal=True, cluster=cluster):
+        c.stages = estimate(c.settings, transients=transients)
         if best is None or c.peak < best.peak:
             best = c
     return best

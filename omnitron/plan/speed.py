@@ -47,7 +47,7 @@ Not modelled: the data loader, the host's fixed costs outside the layers (embedd
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omnitron.core.config.parallel import ConfigError
 from omnitron.plan import moe as moe_work
@@ -173,6 +173,20 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     return c
 
 
+def _layer_cached(settings, cfg, rates, moe: bool) -> StageCost:
+    """:func:`_layer`, kept in ``rates.memo`` across the layouts of a search on an accelerator (a layer's cost there
+    depends on the model, tp, cp, ep, SP and the micro-batch only; on a CPU also on the cores' sharing: not kept)."""
+    if rates.device_type == "cpu":
+        return _layer(settings, cfg, rates, moe)
+    pc = settings.parallel
+    key = ("layer", repr(replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
+           pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
+           pc.etp, settings.training.micro_batch_size, moe)
+    if key not in rates.memo:
+        rates.memo[key] = _layer(settings, cfg, rates, moe)
+    return rates.memo[key]
+
+
 def host_layer(rates, threads: int) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's fixed host cost per micro-batch (Python, dispatch, autograd):
     the report's ``host_layer`` rows (one engine layer at shapes where the arithmetic is nothing) less what the
@@ -227,7 +241,7 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
-    kinds = {moe: _layer(settings, cfg, rates, moe) for moe in set(layers)}
+    kinds = {moe: _layer_cached(settings, cfg, rates, moe) for moe in set(layers)}
     c = StageCost(host_async=rates.device_type != "cpu")
     rec = _recomputed(cfg, len(layers))
     for i, moe in enumerate(layers):
@@ -340,11 +354,13 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
     sched = build_schedule(settings.training.pipeline_schedule, pc.pipeline_model_parallel_size,
                            pc.virtual_pipeline_model_parallel_size, settings.num_microbatches)
 
-    def cost(k: int, kind: str) -> float:
-        b = costs[k].total("B", overlap)
-        return costs[k].total("F", overlap) if kind == "F" else b if kind == "BW" else b / 2  # ZB-H1: B = W
+    table = {}
+    for k, c in costs.items():
+        b = c.total("B", overlap)
+        table.update({(k, "F"): c.total("F", overlap), (k, "BW"): b, (k, "B"): b / 2, (k, "W"): b / 2})  # ZB-H1: B = W
 
-    return simulate(sched, stage_cost=cost), sched
+    # complete=False: build_schedule's tables are checked by the schedule tests; a search simulates thousands
+    return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False), sched
 
 
 def _stage_layers(settings, cfg) -> dict[tuple[int, int], list[bool]]:

@@ -112,6 +112,8 @@ class GPTModel(nn.Module):
         """Fill every parameter with its shard of the layout-independent full init for ``seed``."""
         tp = self.groups.tp
         for name, p in self.named_parameters():
+            if p.is_meta:  # a skeleton (the memory plan's): no storage to fill, and meta randn is slow
+                continue
             if hasattr(p, "init_from"):  # a part of a canonical fused tensor (replicated-KV attention)
                 suffix, shape, which, g, qpg, d = p.init_from
                 canonical = init_full(name.rsplit(".", 2)[0] + "." + suffix, shape, p.init, seed)

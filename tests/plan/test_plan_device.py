@@ -1,0 +1,65 @@
+"""``omnitron plan --device PROFILE``: layouts priced on a device profile without a bench report, the search kept
+to tp inside a node, ``--json`` records with Megatron's FLOPs per device, and one-line errors."""
+from __future__ import annotations
+
+import json
+import math
+
+from omnitron.cli import main
+
+ARGV = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--global-batch-size", "16", "--bf16"]
+
+
+def _megatron_flops(L: int, h: int, s: int, V: int, B: int) -> float:
+    """Megatron-LM's model FLOPs of a GPT step (4h MLP, MHA, no recomputation): 72 B s L h^2 (1 + s / 6h + V / 12 L h)."""
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def test_search_on_a_profile_writes_json(tmp_path, capsys):
+    """8 devices on nodes of 2: every listed layout keeps tp <= 2, the output names the profile, and each JSON
+    record's tflops_per_device is Megatron's FLOPs over its step time and the devices."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", *ARGV, "--devices", "8", "--device", "h100-sxm", "--gpus-per-node", "2", "--top", "3",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "device: h100-sxm" in text and "2 per node" in text
+    recs = json.loads(out.read_text())["layouts"]
+    assert len(recs) == 3
+    speeds = [r["tokens_per_s"] for r in recs]
+    assert speeds == sorted(speeds, reverse=True)
+    for r in recs:
+        assert r["device"] == "h100-sxm" and r["gpus_per_node"] == 2 and r["world"] == 8
+        assert "--tensor-model-parallel-size 1 " in r["launch"] or "--tensor-model-parallel-size 2 " in r["launch"]
+        # the logits over the padded vocabulary, as Megatron counts them: NullTokenizer's 256 ids + end of
+        # document = 257, padded to a multiple of 128 -> 384
+        want = _megatron_flops(4, 128, 64, 384, 16) / r["step_s"] / 8 / 1e12
+        assert math.isclose(r["tflops_per_device"], want, rel_tol=1e-9)
+        assert math.isclose(r["tokens_per_s"], 16 * 64 / r["step_s"], rel_tol=1e-9)
+        assert r["memory_per_stage"] and r["peak_gib"] == max(m["gib"] for m in r["memory_per_stage"])
+
+
+def test_layout_on_a_profile_matches_the_memory_model(tmp_path, capsys):
+    """``--layout`` with ``--device``: one record whose memory per stage is the memory model's own estimate."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.memory import estimate
+
+    out = tmp_path / "one.json"
+    assert main(["plan", *ARGV, "--layout", "tp2,pp2,dp2", "--device", "a100-80gb-sxm", "--json", str(out)]) == 0
+    assert "device: a100-80gb-sxm" in capsys.readouterr().out
+    (rec,) = json.loads(out.read_text())["layouts"]
+    given = {"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 256,
+             "seq_length": 64, "max_position_embeddings": 64, "global_batch_size": 16, "bf16": True,
+             "layout": "tp2,pp2,dp2"}
+    stages = estimate(settings_of(given))
+    assert [m["gib"] for m in rec["memory_per_stage"]] == [s.total / 2**30 for s in stages]
+    assert rec["step_s"] > 0 and rec["layout"].startswith("tp2 pp2 cp1 dp2")
+
+
+def test_bad_device_requests_get_one_line(capsys):
+    for argv, needle in ((["--device", "h1000", "--layout", "tp2"], "shipped: a100-80gb-sxm"),
+                         (["--device", "h200", "--bench", "x.json", "--layout", "tp2"], "not both"),
+                         (["--devices", "8"], "--device PROFILE")):
+        assert main(["plan", *ARGV, *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
