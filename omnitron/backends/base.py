@@ -46,6 +46,9 @@ class Capabilities:
     """True when streams/events are real (asynchronous); False for the no-op CPU objects."""
     memory_total: int | None = None
     """Device memory in bytes, when known."""
+    compiler: str | None = None
+    """The ``torch.compile`` backend that runs on this device (``"inductor"``: generated fused kernels;
+    ``"aot_eager"``: traced graphs run op by op) or None where none was shown to work (``--torch-compile``)."""
 
     def peak(self, dtype: torch.dtype | str) -> float | None:
         """Peak FLOP/s for a dtype (a ``torch.dtype`` or one of the names above), or None."""
@@ -215,6 +218,10 @@ class Backend(ABC):
     @abstractmethod
     def capabilities(self) -> Capabilities:
         """What the device can do, as facts (see :class:`Capabilities`)."""
+
+    def compile_unsupported_reason(self) -> str:
+        """Why ``capabilities().compiler`` is None (the ``--torch-compile`` refusal names it)."""
+        return "no torch.compile backend has been shown to run on this device"
 
     @property
     @abstractmethod

@@ -181,6 +181,8 @@ class FP8Provider:
         return "emulated", "no scaled FP8 GEMM on this device: float8 rounding by casting, fp32 accumulation"
 
     def _say(self, key: str, msg: str, *args, level=logging.INFO) -> None:
+        if torch.compiler.is_compiling():
+            return  # logging would split a compiled graph; eager calls say it
         if key not in self._said:
             self._said.add(key)
             log.log(level, msg, *args)

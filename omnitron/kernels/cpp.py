@@ -56,6 +56,8 @@ def _jit_build():
 
 def extension():
     """The loaded extension module, or None (the reason is in :func:`available`)."""
+    if "module" in _state:  # loaded (or refused) once: no lock, which also keeps torch.compile from breaking here
+        return _state["module"]
     with _lock:
         if "module" not in _state:
             module, why = None, ""

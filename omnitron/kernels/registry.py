@@ -8,6 +8,11 @@ A call no fast version accepts runs the reference, and the reason is logged once
 * ``OMNITRON_KERNELS=reference`` forces every op onto its reference;
 * ``OMNITRON_KERNELS=triton,reference`` sets the preference order for every op;
 * ``OMNITRON_KERNELS=rms_norm=triton,swiglu=reference`` pins single ops (may be mixed with the above).
+
+Under ``torch.compile`` (``--torch-compile``) a call only goes to an implementation marked ``traceable``
+(plain torch / ATen ops the compiler traces and fuses; every reference is one); the others (pybind C++
+functions, raw Triton launches) would each split the compiled graph, so the reference runs in their place
+and the compiler generates the fused kernel itself. Eager calls are unaffected.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 log = logging.getLogger("omnitron.kernels")
 
@@ -39,18 +46,23 @@ class Implementation:
     """Called with the op's arguments; None when this call is accepted, else the reason it is not."""
     backends: tuple[str, ...] | None = None
     """Backends allowed to select this implementation (None: any)."""
+    traceable: bool = False
+    """True when ``torch.compile`` traces ``fn`` without a graph break (plain torch / ATen calls only)."""
 
 
 _OPS: dict[str, dict[str, Implementation]] = {}
 
 
-def register(op: str, name: str, fn: Callable | None = None, *, available=None, supports=None, backends=None):
-    """Register ``fn`` as implementation ``name`` of ``op``; usable as a decorator when ``fn`` is None."""
+def register(op: str, name: str, fn: Callable | None = None, *, available=None, supports=None, backends=None,
+             traceable: bool | None = None):
+    """Register ``fn`` as implementation ``name`` of ``op``; usable as a decorator when ``fn`` is None.
+    ``traceable`` defaults to True for the reference (plain torch by contract), False otherwise."""
 
     def _do(f: Callable) -> Callable:
         impls = _OPS.setdefault(op, {})
         impls[name] = Implementation(op, name, f, available or _always, supports,
-                                     tuple(backends) if backends else None)
+                                     tuple(backends) if backends else None,
+                                     name == REFERENCE if traceable is None else traceable)
         return f
 
     return _do(fn) if fn is not None else _do
@@ -103,11 +115,14 @@ class _Dispatcher:
         self.__doc__ = reference.fn.__doc__
 
     def __call__(self, *args, **kwargs):
+        compiling = torch.compiler.is_compiling()  # a constant while dynamo traces: the branch is free
         for impl in self.candidates:
+            if compiling and not impl.traceable:
+                continue  # would break the graph; the reference traces and the compiler fuses it
             why = impl.supports(*args, **kwargs) if impl.supports is not None else None
             if why is None:
                 return impl.fn(*args, **kwargs)
-            if (impl.name, why) not in self._said:
+            if not compiling and (impl.name, why) not in self._said:
                 self._said.add((impl.name, why))
                 log.info("kernel %s: %s declined this call (%s); running the reference", self.op, impl.name, why)
         return self.reference.fn(*args, **kwargs)

@@ -46,14 +46,16 @@ def _bwd_supports(dout, q, k, v, out, lse, *, causal, scale, drop=None):
     return _why_not(q, k, v, causal, drop)
 
 
-@register("attention_block_forward", IMPL, available=_available, backends=("cpu",), supports=_fwd_supports)
+@register("attention_block_forward", IMPL, available=_available, backends=("cpu",), supports=_fwd_supports,
+          traceable=True)
 def block_forward(q, k, v, *, causal: bool, scale: float, drop=None):
     """(``out [b, hq, sq, d]`` in q's dtype, ``lse [b, hq, sq]`` float32 (float64 for float64 inputs))."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse.to(torch.promote_types(q.dtype, torch.float32))
 
 
-@register("attention_block_backward", IMPL, available=_available, backends=("cpu",), supports=_bwd_supports)
+@register("attention_block_backward", IMPL, available=_available, backends=("cpu",), supports=_bwd_supports,
+          traceable=True)
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None):
     """(dq, dk, dv) of one block given the final ``out`` and ``lse`` of its query rows."""
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

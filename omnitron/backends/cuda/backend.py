@@ -6,6 +6,7 @@ sm_89 and newer, where the tensor cores have it, and only when a tiny ``torch._s
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -24,11 +25,12 @@ FLASH_HEAD_DIMS = (8, 256)
 
 
 def cuda_capabilities(device_name: str, cc: tuple[int, int], memory_total: int | None, bf16: bool,
-                      scaled_mm: bool) -> Capabilities:
+                      scaled_mm: bool, triton: bool = True) -> Capabilities:
     """Capabilities of one CUDA device from plain facts (pure, so it is testable without a GPU).
 
     ``cc`` is the compute capability (major, minor); ``bf16`` what ``torch.cuda.is_bf16_supported``
-    says; ``scaled_mm`` whether a tiny ``torch._scaled_mm`` ran on the device (``fp8.scaled_mm_runs``).
+    says; ``scaled_mm`` whether a tiny ``torch._scaled_mm`` ran on the device (``fp8.scaled_mm_runs``);
+    ``triton`` whether Triton is importable (inductor's GPU code generator, for ``--torch-compile``).
     No Transformer Engine path is claimed: omnitron has no tested binding to TE's GEMM.
     """
     fp8 = tuple(cc) >= FP8_MIN_CC
@@ -50,6 +52,7 @@ def cuda_capabilities(device_name: str, cc: tuple[int, int], memory_total: int |
         peak_flops=peak_flops(device_name),
         streams=True,
         memory_total=memory_total,
+        compiler="inductor" if triton else None,
     )
 
 
@@ -136,8 +139,12 @@ class CUDABackend(Backend):
             cc = torch.cuda.get_device_capability(index)
             self._caps = cuda_capabilities(
                 torch.cuda.get_device_name(index), cc, int(props.total_memory), torch.cuda.is_bf16_supported(),
-                tuple(cc) >= FP8_MIN_CC and scaled_mm_runs(torch.device("cuda", index)))
+                tuple(cc) >= FP8_MIN_CC and scaled_mm_runs(torch.device("cuda", index)),
+                importlib.util.find_spec("triton") is not None)
         return self._caps
+
+    def compile_unsupported_reason(self) -> str:
+        return "Triton is not installed, and inductor generates its CUDA kernels with it; pip install triton"
 
     @property
     def collectives(self) -> Collectives:

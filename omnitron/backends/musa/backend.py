@@ -94,6 +94,10 @@ class MUSABackend(Backend):
                                        device_type=self.device_type)
         self._caps: Capabilities | None = None
 
+    def compile_unsupported_reason(self) -> str:
+        return ("torch.compile on MUSA devices (torch_musa's inductor backend) has not been probed by omnitron; "
+                "run eager")
+
     @classmethod
     def probe(cls) -> tuple[bool, str]:
         try:

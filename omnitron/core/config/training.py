@@ -227,6 +227,10 @@ class TrainingConfig:
     empty_unused_memory_level: int = 0
     """--empty-unused-memory-level {0,1,2}: release the device allocator's cached blocks after each step (1),
     and after validation too (2)."""
+    torch_compile: bool = False
+    """--torch-compile: compile each transformer layer once with torch.compile and reuse it for every layer,
+    micro-batch and pipeline chunk (regional compilation, torchtitan's compile.enable; Megatron has no such
+    flag); parameter names and checkpoints are unchanged. Refused on backends without a compiler."""
     check_for_nan_in_loss_and_grad: bool = True
     """--check-for-nan-in-loss-and-grad: stop before the optimizer step when the loss or the gradient norm
     is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron)."""

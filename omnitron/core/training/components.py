@@ -178,6 +178,10 @@ def build_components(settings, backend) -> Components:
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
+    if settings.training.torch_compile:  # after FP8 swaps the linears, so the compiled layers trace them
+        from omnitron.core.compile import compile_layers
+
+        compile_layers(modules, backend)
     chunks = wrap_data_parallel(modules, settings, groups, backend)
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))

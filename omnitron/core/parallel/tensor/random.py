@@ -28,10 +28,12 @@ class RNGTracker:
     """Named generator states swapped in and out of the device's default generator.
 
     ``backend`` supplies ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` (any device).
+    ``tp_size``: the tensor-parallel size; at 1 nothing is split over ranks, so code being compiled
+    (``--torch-compile``) skips the fork, whose generator-state swap dynamo cannot trace.
     """
 
-    def __init__(self, backend) -> None:
-        self.backend = backend
+    def __init__(self, backend, tp_size: int | None = None) -> None:
+        self.backend, self.tp_size = backend, tp_size
         self.states: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, seed: int) -> None:
@@ -56,6 +58,9 @@ class RNGTracker:
         """Run the enclosed code drawing from stream ``name``; the default generator is restored after."""
         if name not in self.states:
             raise KeyError(f"RNG stream {name!r} was never added (known: {sorted(self.states)})")
+        if self.tp_size == 1 and torch.compiler.is_compiling():
+            yield  # the compiled graph draws from the default generator: no cross-rank masks to decorrelate
+            return
         saved = self.backend.get_rng_state()
         self.backend.set_rng_state(self.states[name])
         try:

@@ -86,7 +86,8 @@ class FP8Linear:
         custom kernels) must call ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
         """
         r = self.recipe
-        if r.fp8_recipe == "delayed" or weight.is_inference():  # inference tensors keep no version counter
+        # inference tensors keep no version counter; a compiled layer quantizes in its graph (fused, no cache)
+        if r.fp8_recipe == "delayed" or torch.compiler.is_compiling() or weight.is_inference():
             return self._quantize_weight_now(weight)
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride())
         c = self._wcache

@@ -1,0 +1,213 @@
+"""``--torch-compile``: each transformer layer compiled once (regional), traced without graph breaks, reused by
+every layer, micro-batch and pipeline chunk, and training the same model as eager.
+
+Tracing checks use dynamo's ``aot_eager`` backend (the forward and backward graphs dynamo and AOTAutograd
+build, run op by op): what is tested is the capture, not inductor's code generation, which takes minutes on
+a loaded 2-core machine (the inductor variant is marked slow).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.core.config import ConfigError
+from omnitron.testing.distributed import run_distributed
+
+STEPS = 3
+
+# Eager and compiled runs differ only in the order of float32 sums: eager runs the C++ kernels (LayerNorm,
+# bias-GeLU, bias-dropout-add), the compiled layers their plain-torch references, which reduce the same n = 32
+# (hidden) terms in another order: ~sqrt(n) u = 3.4e-7 relative per reduction (u = 2^-24, random-rounding
+# model), inherited by the loss and gradients with condition ~1 (d on the first loss). As in
+# test_loop_3d.py's bound for the same optimizer settings (AdamW, lr 1e-2, clipping at 1.0, ~2.6e4
+# parameters), each step adds at most lr sqrt(N) d ||g|| / loss ~ 1.3e-7 + d from the clip factor: over 3
+# steps d + 3 (1.3e-7 + d) ~ 1.8e-6. REL leaves ~5x; a compiled layer computing something else (a dropped
+# bias, a wrong collective) moves the losses by 1e-3 or more.
+REL = 1e-5
+
+
+def _argv(*extra: str) -> list[str]:
+    """GPT-2 flavour (LayerNorm, GeLU, learned positions, tied embeddings): 2 layers, 2 micro-batches per step."""
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "96", "--num-workers", "0", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", str(STEPS), "--eval-interval", "0", "--optimizer", "adam",
+            "--lr", "1e-2", "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--log-interval", "1", "--no-tensorboard", "--seed", "1234", *extra]
+
+
+def _train(root: str, world: int, *extra: str) -> tuple[list[float], int]:
+    """(losses per step, graphs dynamo compiled in this process) of ``omnitron train`` with ``extra`` flags."""
+    from torch._dynamo.utils import counters
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    counters.clear()
+    res = train(parse_settings(_argv("--data-cache-path", root + "/cache", *extra), world), get_backend())
+    return [res["losses"][i] for i in sorted(res["losses"])], int(counters["stats"]["unique_graphs"])
+
+
+def _layer(groups=None, **overrides):
+    """A one-layer GPT model on this process's backend (one process unless ``groups``); every fused op resolved,
+    as compile_layers does."""
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import GPTModel, gpt2_tiny
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    be = get_backend()
+    shape = dict(vocab_size=61, num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8)
+    cfg = gpt2_tiny(**{**shape, **overrides})
+    model = GPTModel(cfg, groups or ParallelGroups.single(), seed=3, backend=be)
+    be.kernels.table()
+    return model.to(be.current_device()), be
+
+
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", num_query_groups=2,
+             add_bias_linear=False)
+
+
+@pytest.mark.parametrize("flavour", [dict(hidden_dropout=0.1, attention_dropout=0.1), dict(LLAMA, hidden_dropout=0.0,
+                                     attention_dropout=0.0)], ids=["gpt2-dropout", "llama"])
+def test_a_layer_traces_without_graph_breaks(flavour):
+    """Default kernel table (the C++ kernels are preferred on cpu) and dropout drawn inside the layer."""
+    model, _ = _layer(**flavour)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    freqs = model._rope_freqs(None, 8, x.device) if flavour.get("position_embedding_type") == "rope" else None
+    explained = torch._dynamo.explain(model.decoder.layers["0"])(x, freqs)
+    assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
+def test_compiled_training_matches_eager_and_compiles_one_graph(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
+    eager, graphs = _train(str(tmp_path / "eager"), 1)
+    assert graphs == 0 and len(set(eager)) == STEPS
+    compiled, graphs = _train(str(tmp_path / "compiled"), 1, "--torch-compile")
+    assert compiled == pytest.approx(eager, rel=REL), (compiled, eager)
+    # 2 layers x 2 micro-batches x 3 steps ran through ONE graph: no recompilation after the first call
+    assert graphs == 1
+
+
+@pytest.mark.slow
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.slow)])
+def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
+    """Emulated FP8 (cpu): amax, scale, casts and the GEMMs of every linear in one graph with the layer."""
+    from omnitron.core.compile import compile_layers
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.precision.fp8 import enable_fp8
+    from omnitron.core.precision.fp8.config import FP8Config
+
+    model, be = _layer(hidden_size=128, ffn_hidden_size=256, seq_length=128, hidden_dropout=0.0,
+                       attention_dropout=0.0)  # 128: the block-wise recipe's tile
+    enable_fp8([model], FP8Config(fp8_recipe=recipe), ParallelGroups.single(), num_layers=1, backend=be)
+    layer, x = model.decoder.layers["0"], torch.randn(128, 2, 128, requires_grad=True)
+    explained = torch._dynamo.explain(layer)(x, None)
+    assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+    want = layer(x, None)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), x)
+    compile_layers([model], be, "aot_eager")
+    got = layer(x, None)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), x)
+    # The compiled layer's norms and activations are the references, eager's the C++ kernels: values differ by
+    # fp32 reordering, ~1e-6 relative, which moves an element across an e4m3 rounding boundary (spacing 2^-3
+    # relative) with probability ~1e-6 / 2^-3 ~ 1e-5; each crossing changes it by one e4m3 step. Norm-wise:
+    # <= 2^-3 sqrt(1e-5) = 4e-4 on the quantized operands, carried with condition ~1. 2e-3 leaves 5x; an FP8
+    # path that lost a scale or a cast is off by O(1).
+    assert _relative_error(got, want) < 2e-3 and _relative_error(got_grad, want_grad) < 2e-3
+
+
+def _tp2_graph_breaks(sequence_parallel: bool) -> list[str]:
+    """Graph-break reasons of one tensor-parallel layer (dropout 0) on this worker's rank."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel),
+                                  backend=get_backend())
+    model, _ = _layer(groups, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(4 if sequence_parallel else 8, 2, 32, requires_grad=True)
+    explained = torch._dynamo.explain(model.decoder.layers["0"])(x, None)
+    return [str(b.reason).splitlines()[0] for b in explained.break_reasons] + [""] * explained.graph_break_count
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_a_tensor_parallel_layer_traces_its_collectives(sp):
+    """The all-reduce / all-gather / reduce-scatter of a tp layer are functional collectives in the graph."""
+    for rank, breaks in enumerate(run_distributed(_tp2_graph_breaks, 2, sp)):
+        assert breaks == [], (rank, breaks)
+
+
+def test_compiled_tp2_pp2_matches_one_eager_process(tmp_path, monkeypatch):
+    """tp2 x pp2 with sequence parallelism: the layers' collectives are traced (functional collectives)."""
+    monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
+    eager, _ = _train(str(tmp_path / "one"), 1)
+    ranks = run_distributed(_train, 4, str(tmp_path / "tp2pp2"), 4, "--tensor-model-parallel-size", "2",
+                            "--pipeline-model-parallel-size", "2", "--sequence-parallel", "--torch-compile",
+                            timeout_s=600)
+    for rank, (losses, graphs) in enumerate(ranks):
+        assert losses == pytest.approx(eager, rel=REL), (rank, losses, eager)
+        assert graphs == 1, (rank, graphs)  # one layer per stage, every micro-batch and step reuses its graph
+
+
+def test_backends_state_their_compiler_and_refusal_is_one_line():
+    from omnitron.backends import get_backend
+    from omnitron.core.compile import compiler_for
+
+    assert get_backend("cpu").capabilities().compiler == "inductor"
+
+    class NoCompiler:
+        name = "nocc"
+
+        def capabilities(self):
+            from dataclasses import replace
+
+            return replace(get_backend("cpu").capabilities(), compiler=None)
+
+        def compile_unsupported_reason(self):
+            return "no compiler here"
+
+    with pytest.raises(ConfigError, match=r"^--torch-compile: the nocc backend .*\(no compiler here\); drop"):
+        compiler_for(NoCompiler())
+
+
+def _sim_layer_eager_and_compiled() -> dict:
+    """(eager, compiled) output and input gradient of one layer on this worker's backend, and its compiler."""
+    from omnitron.core.compile import compile_layers
+
+    model, be = _layer(hidden_dropout=0.0, attention_dropout=0.0)  # dropout masks would differ
+    layer, out = model.decoder.layers["0"], {"compiler": be.capabilities().compiler}
+    x = torch.randn(8, 2, 32).to(be.current_device()).requires_grad_(True)
+    for name in ("eager", "compiled"):
+        if name == "compiled":
+            compile_layers([model], be)
+        y = layer(x, None)
+        out[name] = (y, torch.autograd.grad(y.square().sum(), x)[0])
+    return out
+
+
+def test_sim_layer_compiles_with_aot_eager_and_matches_eager():
+    """sim states aot_eager (inductor cannot lower its PrivateUse1 device); the compiled layer runs the same
+    reference ops as eager there, in the same order."""
+    (res,) = run_distributed(_sim_layer_eager_and_compiled, 1, backend="sim")
+    assert res["compiler"] == "aot_eager"
+    # NOTE: same ops on the same device; AOTAutograd may decompose an op into an equivalent sequence, which
+    # moves results by a few fp32 ulps: 1e-6 relative
+    for got, want in zip(res["compiled"], res["eager"]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_training_matches_eager(tmp_path, monkeypatch):
+    """The real code generator (C++/OpenMP on cpu): minutes to build on a loaded 2-core machine."""
+    monkeypatch.delenv("OMNITRON_TORCH_COMPILE_BACKEND", raising=False)
+    eager, _ = _train(str(tmp_path / "eager"), 1)
+    compiled, graphs = _train(str(tmp_path / "compiled"), 1, "--torch-compile")
+    assert compiled == pytest.approx(eager, rel=REL), (compiled, eager)
+    assert graphs == 1
