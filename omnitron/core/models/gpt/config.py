@@ -122,6 +122,32 @@ class GPTConfig:
     moe_pad_expert_input_to_capacity: bool = False
     """--moe-pad-expert-input-to-capacity: every expert processes exactly its capacity (padding rows are
     tokens it was not routed to, weighted 0); needs --moe-expert-capacity-factor."""
+    multi_latent_attention: bool = False
+    """--multi-latent-attention: DeepSeek-V2/V3 multi-head latent attention (transformer/mla.py) in place of
+    the grouped-query attention; RoPE on the --qk-pos-emb-head-dim channels only, whatever
+    --position-embedding-type says (as Megatron)."""
+    q_lora_rank: int | None = None
+    """--q-lora-rank: width of the compressed query latent (None: queries projected directly from the hidden)."""
+    kv_lora_rank: int = 32
+    """--kv-lora-rank: width of the compressed key/value latent."""
+    qk_head_dim: int = 128
+    """--qk-head-dim: per-head query/key channels without position (the query head is this plus the next)."""
+    qk_pos_emb_head_dim: int = 64
+    """--qk-pos-emb-head-dim: per-head rotated query/key channels (the key's are shared by the heads)."""
+    v_head_dim: int = 128
+    """--v-head-dim: per-head value channels."""
+    rotary_scaling_factor: float = 1.0
+    """--rotary-scaling-factor: YaRN's context extension factor of MLA's RoPE (1: plain RoPE)."""
+    mscale: float = 1.0
+    """--mscale: YaRN's mscale (the rotated parts are scaled by m(mscale) / m(mscale_all_dim))."""
+    mscale_all_dim: float = 0.0
+    """--mscale-all-dim: YaRN's mscale_all_dim (the softmax scale is m(mscale_all_dim)^2 / sqrt(d))."""
+    yarn_original_max_position_embeddings: int | None = None
+    """--yarn-original-max-position-embeddings: the context YaRN extends (None: 4096, Megatron's MLA default)."""
+    yarn_beta_fast: float | None = None
+    """--yarn-beta-fast: YaRN's fast correction rotations (None: 32)."""
+    yarn_beta_slow: float | None = None
+    """--yarn-beta-slow: YaRN's slow correction rotations (None: 1)."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
@@ -174,7 +200,9 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     are checked by the pipeline layer-placement code)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = c.num_attention_heads, query_groups(c)
-    if c.kv_channels is None and c.hidden_size % heads:
+    if c.multi_latent_attention:
+        _validate_mla(c, parallel.context_parallel_size)
+    elif c.kv_channels is None and c.hidden_size % heads:
         raise ConfigError(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or set --kv-channels")
     if heads % groups:
@@ -210,6 +238,29 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     validate_moe(c, parallel)
 
 
+def _validate_mla(c: GPTConfig, cp: int) -> None:
+    """Multi-latent attention's sizes, and the features it does not combine with (yet)."""
+    for flag, v in (("--kv-lora-rank", c.kv_lora_rank), ("--qk-head-dim", c.qk_head_dim),
+                    ("--qk-pos-emb-head-dim", c.qk_pos_emb_head_dim), ("--v-head-dim", c.v_head_dim),
+                    ("--q-lora-rank", 1 if c.q_lora_rank is None else c.q_lora_rank)):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{flag} must be a positive integer with --multi-latent-attention, got {v!r}")
+    if c.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim {c.qk_pos_emb_head_dim} must be even (RoPE rotates channel pairs)")
+    if c.num_query_groups is not None:
+        raise ConfigError("--num-query-groups (grouped-query attention) and --multi-latent-attention exclude each "
+                          "other, as in Megatron; drop one of them")
+    if cp > 1:
+        raise ConfigError(f"--multi-latent-attention does not run under --context-parallel-size {cp} yet; use "
+                          "--context-parallel-size 1")
+    if c.rotary_percent != 1.0:
+        raise ConfigError(f"--rotary-percent {c.rotary_percent}: multi-latent attention rotates all of its "
+                          "--qk-pos-emb-head-dim channels (YaRN); drop --rotary-percent")
+    if c.rotary_scaling_factor < 1.0:
+        raise ConfigError(f"--rotary-scaling-factor must be >= 1 (YaRN extends the context), got "
+                          f"{c.rotary_scaling_factor}")
+
+
 def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool, comm: str = "p2p",
                                sizes: list[int] | None = None) -> None:
     """The sequence splits into 2 x cp load-balanced chunks (and each rank's slice over tp under SP); a2a
@@ -242,6 +293,8 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
     if c.qk_layernorm:
         attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
+    if c.multi_latent_attention:
+        attn = mla_parameters(c)
 
     def mlp(width: int) -> int:
         fc1_out = 2 * width if c.swiglu else width
@@ -262,6 +315,16 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     if c.untie_embeddings_and_output_weights:
         total += v * h
     return total
+
+
+def mla_parameters(c: GPTConfig) -> int:
+    """Parameters of one multi-latent attention module (transformer/mla.py)."""
+    h, n, qr, kvr = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+    dq, norm = c.qk_head_dim + c.qk_pos_emb_head_dim, (2 if c.normalization == "LayerNorm" else 1)
+    q = h * n * dq if qr is None else h * qr + qr * n * dq + (qr * norm if c.qk_layernorm else 0)
+    kv = h * (kvr + c.qk_pos_emb_head_dim) + kvr * n * (c.qk_head_dim + c.v_head_dim)
+    kv += kvr * norm if c.qk_layernorm else 0
+    return q + kv + n * c.v_head_dim * h + (h if c.add_bias_linear else 0)
 
 
 def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = None, causal: bool = False) -> float:
@@ -341,8 +404,19 @@ def gpt3(size: str, **overrides) -> GPTConfig:
                              max_position_embeddings=2048, vocab_size=50257), **overrides)
 
 
+def uses_rope(c: GPTConfig) -> bool:
+    """Rotary angles are needed: ``--position-embedding-type rope``, or multi-latent attention (its
+    decoupled RoPE, whatever the position embedding type)."""
+    return c.position_embedding_type == "rope" or c.multi_latent_attention
+
+
 def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
-    """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled."""
+    """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled
+    (multi-latent attention: YaRN's over --qk-pos-emb-head-dim, :mod:`omnitron.core.transformer.yarn`)."""
+    if c.multi_latent_attention:
+        from omnitron.core.transformer.yarn import yarn_inv_freq
+
+        return yarn_inv_freq(c)
     rot = int(head_dim(c) * c.rotary_percent)
     rot -= rot % 2
     inv = 1.0 / (c.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
