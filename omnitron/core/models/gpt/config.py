@@ -122,6 +122,19 @@ class GPTConfig:
     moe_pad_expert_input_to_capacity: bool = False
     """--moe-pad-expert-input-to-capacity: every expert processes exactly its capacity (padding rows are
     tokens it was not routed to, weighted 0); needs --moe-expert-capacity-factor."""
+    moe_router_num_groups: int | None = None
+    """--moe-router-num-groups: group-limited routing: the experts form this many equal groups (DeepSeek's
+    device/node-limited routing)."""
+    moe_router_group_topk: int | None = None
+    """--moe-router-group-topk: groups each token may pick experts from (the groups with the largest sums of
+    their top-k / group-topk scores); None: no group limit."""
+    moe_router_topk_scaling_factor: float | None = None
+    """--moe-router-topk-scaling-factor: the routing probabilities are multiplied by this (DeepSeek-V3: 2.5)."""
+    moe_router_enable_expert_bias: bool = False
+    """--moe-router-enable-expert-bias: auxiliary-loss-free balancing (sigmoid scores): a per-expert bias added
+    to the scores for the selection only, moved after each step by the rate against the step's token counts."""
+    moe_router_bias_update_rate: float = 1e-3
+    """--moe-router-bias-update-rate: the expert bias moves by this times sign(mean count - count) per step."""
     multi_latent_attention: bool = False
     """--multi-latent-attention: DeepSeek-V2/V3 multi-head latent attention (transformer/mla.py) in place of
     the grouped-query attention; RoPE on the --qk-pos-emb-head-dim channels only, whatever
