@@ -403,6 +403,40 @@ def mixtral_8x7b(**overrides) -> GPTConfig:
                              rotary_base=1e6, num_experts=8, moe_router_topk=2, **_LLAMA), **overrides)
 
 
+_DEEPSEEK_ROUTING = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_bias_update_rate=1e-3, multi_latent_attention=True, qk_layernorm=True,
+                        mscale=1.0, mscale_all_dim=1.0)
+
+
+def deepseek_v3(**overrides) -> GPTConfig:
+    """DeepSeek-V3 (DeepSeek-AI, 2024; its config.json): 61 layers (the first 3 dense, SwiGLU 18432), hidden 7168,
+    MLA with 128 heads (q rank 1536, kv rank 512, head dims 128 + 64 rotated, values 128; YaRN x40 over 4096),
+    256 routed experts of 2048 (top-8 of sigmoid scores within the best 4 of 8 groups, weights x 2.5, expert bias)
+    plus one shared expert, vocabulary 129280, untied; 671,026,419,200 parameters (the model card's 671B; the
+    checkpoint's 685B adds the multi-token-prediction module, not built here)."""
+    return replace(GPTConfig(num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432,
+                             seq_length=4096, max_position_embeddings=163840, vocab_size=129280, q_lora_rank=1536,
+                             kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                             rotary_scaling_factor=40.0, yarn_original_max_position_embeddings=4096,
+                             num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                             moe_shared_expert_intermediate_size=2048, moe_layer_freq="[0]*3+[1]*58",
+                             moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+                             **_DEEPSEEK_ROUTING, **{**_LLAMA, "layernorm_epsilon": 1e-6}), **overrides)
+
+
+def deepseek_v3_tiny(**overrides) -> GPTConfig:
+    """DeepSeek-V3's architecture at debug size: 4 layers (the first dense), hidden 64, MLA with 4 heads (ranks
+    32 / 16, head dims 16 + 8 rotated, values 16; YaRN x40 over 32 positions), 8 experts of 32 (top-2 within the
+    best 2 of 4 groups, x 2.5, expert bias) plus a shared expert of 32, vocabulary 32000."""
+    return replace(GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                             seq_length=128, vocab_size=32000, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
+                             qk_pos_emb_head_dim=8, v_head_dim=16, rotary_scaling_factor=40.0,
+                             yarn_original_max_position_embeddings=32, num_experts=8, moe_router_topk=2,
+                             moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq="[0]+[1]*3",
+                             moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                             **_DEEPSEEK_ROUTING, **_LLAMA), **overrides)
+
+
 GPT3_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1p3b": (24, 2048, 16),
               "2p7b": (32, 2560, 32), "6p7b": (32, 4096, 32), "13b": (40, 5120, 40), "175b": (96, 12288, 96)}
 """GPT-3's sizes (Brown et al. 2020, Table 2.1): (layers, hidden, heads). NOTE: where the table's heads x head

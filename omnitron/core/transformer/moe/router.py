@@ -198,3 +198,17 @@ def update_expert_bias(modules, groups, *, sequence_parallel: bool) -> None:
     for r, n in zip(routers, counts):
         r.expert_bias += torch.sign(n.mean() - n) * r.bias_update_rate
         r.tokens_per_expert.zero_()
+
+
+def expert_bias_state(modules) -> list[dict[str, torch.Tensor]]:
+    """Each module's expert biases by buffer name (for checkpoints that hold parameters only: torch_dist)."""
+    return [{n: b.detach().clone() for n, b in m.named_buffers() if n.endswith("expert_bias")} for m in modules]
+
+
+@torch.no_grad()
+def load_expert_bias_state(modules, state: list[dict[str, torch.Tensor]]) -> None:
+    """Restore :func:`expert_bias_state` output into the same modules (same layout)."""
+    for m, saved in zip(modules, state):
+        buffers = dict(m.named_buffers())
+        for name, t in saved.items():
+            buffers[name].copy_(t)
