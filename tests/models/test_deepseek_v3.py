@@ -79,3 +79,47 @@ def test_deepseek_v3_tiny_trains(tmp_path):
     for b in biases:  # three sign steps of 0.01: each entry is a multiple of 0.01 in [-0.03, 0.03], not all 0
         steps = b / 0.01
         assert b.abs().max() <= 0.03 + 1e-6 and torch.allclose(steps, steps.round(), atol=1e-4) and b.any()
+
+
+def _tiny_args(tmp: str, *extra: str) -> list[str]:
+    return ["--model", "deepseek_v3_tiny", "--seq-length", "32", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "64", "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "3", "--lr", "1e-2", "--lr-warmup-iters", "0", "--log-interval", "100",
+            "--no-tensorboard", "--eval-interval", "0", "--log-dir", tmp, "--moe-router-bias-update-rate", "0.05",
+            *extra]
+
+
+LAYOUTS = {"tp2_sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+           "pp2": ("--pipeline-model-parallel-size", "2"),
+           "ep2": ("--expert-model-parallel-size", "2")}
+
+
+def _train_layouts(tmp: str) -> dict[str, dict]:
+    """Every rank: the tiny preset under each two-process layout (one spawn for all)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    return {name: train(parse_settings(_tiny_args(f"{tmp}/{name}", *lay), dist.get_world_size()),
+                        get_backend())["losses"] for name, lay in LAYOUTS.items()}
+
+
+@pytest.mark.slow  # three two-process trainings of the tiny preset: 30 s on the loaded 2-core machine
+@pytest.mark.multiprocess
+def test_deepseek_v3_tiny_layouts_match_one_process(tmp_path):
+    """MLA (tp2 + sp, pp2) and the routing with its expert bias (ep2, dp2 counts) train as one process does:
+    three steps' losses agree to float32 reduction-order rounding (1e-5 relative; the expert bias moves by a
+    sign, so a count that differed would change the routing and the loss far more)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+    from omnitron.testing.distributed import run_distributed
+
+    one = train(parse_settings(_tiny_args(str(tmp_path / "one")), 1), get_backend("cpu"))["losses"]
+    for rank_losses in run_distributed(_train_layouts, 2, str(tmp_path)):
+        for name, losses in rank_losses.items():
+            assert losses.keys() == one.keys(), name
+            for it in one:
+                assert losses[it] == pytest.approx(one[it], rel=1e-5), (name, it, losses, one)
