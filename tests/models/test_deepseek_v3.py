@@ -67,13 +67,14 @@ def test_deepseek_v3_tiny_trains(tmp_path):
     args = ["--model", "deepseek_v3_tiny", "--seq-length", "32", "--mock-data", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "64", "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "3", "--lr", "1e-3", "--log-interval", "100", "--no-tensorboard", "--eval-interval", "0",
-            "--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--log-dir", str(tmp_path),
-            "--moe-router-bias-update-rate", "0.01"]
+            "--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--ckpt-format", "torch",
+            "--log-dir", str(tmp_path), "--moe-router-bias-update-rate", "0.01"]
     settings = parse_settings(args, 1)
     assert settings.model.multi_latent_attention and settings.model.moe_router_enable_expert_bias
     losses = train(settings, get_backend("cpu"))["losses"]
     assert sorted(losses) == [1, 2, 3] and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
-    saved = read_shard(os.path.join(tmp_path, "ckpt", "iter_0000003"), 0)["expert_bias"][0]  # torch_dist: rank state
+    # torch format: in the model's state dict (torch_dist keeps it in the rank state: test_resume_restores_...)
+    saved = read_shard(os.path.join(tmp_path, "ckpt", "iter_0000003"), 0)["model"][0]
     biases = [v for k, v in saved.items() if k.endswith("router.expert_bias")]
     assert len(biases) == 3  # layers 1-3 (layer 0 is dense)
     for b in biases:  # three sign steps of 0.01: each entry is a multiple of 0.01 in [-0.03, 0.03], not all 0
