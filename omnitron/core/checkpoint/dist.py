@@ -166,7 +166,7 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
 
 def rank_state(c, get_rng_state) -> dict:
     """What only this rank has: RNG streams, tracker states, FP8 histories, the optimizer's per-rank state
-    (1-bit Adam's error feedback) (``rank_R.pt``)."""
+    (1-bit Adam's error feedback), the routers' expert biases (``rank_R.pt``)."""
     out = {"rng": get_rng_state(c.backend), "trackers": [m.rng_tracker.get_states() for m in c.modules]}
     optimizer = c.optimizer.rank_state_dict()
     if optimizer is not None:
@@ -174,6 +174,11 @@ def rank_state(c, get_rng_state) -> dict:
     fp8 = c.extra.get("fp8_state")
     if fp8 is not None:
         out["fp8"] = fp8()
+    from omnitron.core.transformer.moe.router import expert_bias_state
+
+    bias = expert_bias_state(c.modules)  # buffers, not parameters: kept with this rank's state
+    if any(bias):
+        out["expert_bias"] = bias
     return out
 
 

@@ -144,7 +144,8 @@ def hf_model_type(cfg) -> str:
     """``gpt2`` or ``llama``: the HF architecture ``cfg`` is (error naming the first field that fits neither)."""
     from omnitron.core.models.gpt.config import head_dim, query_groups
 
-    common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False)]
+    common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False),
+              ("--multi-latent-attention", getattr(cfg, "multi_latent_attention", False), False)]
     if cfg.position_embedding_type == "learned_absolute":
         kind, want = "gpt2", [("--normalization", cfg.normalization, "LayerNorm"), ("--swiglu", cfg.swiglu, False),
                               ("--add-bias-linear", cfg.add_bias_linear, True),

@@ -476,6 +476,8 @@ def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str) -> None:
     checks = [(transformer_impl in ("transformer_engine", "local"),
                f"--transformer-impl {transformer_impl!r}: use transformer_engine or local"),
               (not cfg.num_experts, f"--num-experts {cfg.num_experts}: MoE models do not export to Megatron"),
+              (not getattr(cfg, "multi_latent_attention", False),
+               "--multi-latent-attention: MLA models do not export to Megatron yet"),
               (cfg.num_layers % pp == 0, f"--target-pipeline-model-parallel-size {pp}: the model's {cfg.num_layers} "
                f"layers do not split evenly over {pp} stages (Megatron's torch checkpoints); pick a divisor"),
               (groups % tp == 0 and ffn_size(cfg) % tp == 0 and cfg.num_attention_heads % tp == 0,

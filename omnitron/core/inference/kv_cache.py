@@ -44,17 +44,20 @@ class KVCache:
     def _attend(self, module, q, k, v):
         """Attention of the new queries (the last ``s_new`` slots) over every cached slot."""
         s_new, s_all = q.shape[2], k.shape[2]
+        scale = getattr(module, "softmax_scale", None)  # multi-latent attention's YaRN-corrected scale
         if self.valid is None:
             if s_new > 1 and s_new != s_all:
                 raise ValueError("KVCache: multi-token steps after the prefill need a validity mask (set .valid)")
-            return module.backend.kernels.attention(q, k, v, causal=s_new > 1, dropout_p=0.0)
+            return module.backend.kernels.attention(q, k, v, causal=s_new > 1, dropout_p=0.0,
+                                                    **({} if scale is None else {"scale": scale}))
         if tuple(self.valid.shape) != (q.shape[0], s_all):
             raise ValueError(f"KVCache.valid must be [batch, slots] = {(q.shape[0], s_all)}, "
                              f"got {tuple(self.valid.shape)}")
         qpos = torch.arange(s_all - s_new, s_all, device=q.device)[:, None]  # [s_new, 1] slot of each query
         kpos = torch.arange(s_all, device=q.device)[None, :]  # [1, s_all]
         keep = (kpos <= qpos) & (self.valid[:, None, :] | (kpos == qpos))  # [b, s_new, s_all]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=k.shape[1] != q.shape[1],
+                                              scale=scale)
 
     def __enter__(self) -> "KVCache":
         for i, a in enumerate(self.attn):

@@ -16,7 +16,7 @@ log = logging.getLogger("omnitron.train")
 
 _NOT_ARCHITECTURE = {"hidden_dropout", "attention_dropout", "init_method_std", "apply_scaled_init",
                      "recompute_granularity", "recompute_method", "recompute_num_layers", "params_dtype",
-                     "moe_aux_loss_coeff", "moe_z_loss_coeff", "vocab_size"}
+                     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate", "vocab_size"}
 _TOKENIZER = ("model_type", "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
               "vocab_extra_ids")
 

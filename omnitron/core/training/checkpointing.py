@@ -261,6 +261,10 @@ def load(c) -> bool:
                  "start fresh from --seed; the data order continues from sample %d", path, meta["consumed_samples"])
     if "fp8" in shard and c.extra.get("fp8_load") is not None:
         c.extra["fp8_load"](shard["fp8"])
+    if "expert_bias" in shard:  # torch_dist under the same layout (the torch format has it in the model's state)
+        from omnitron.core.transformer.moe.router import load_expert_bias_state
+
+        load_expert_bias_state(c.modules, shard["expert_bias"])
     c.iteration = int(meta["iteration"])
     c.consumed_samples = int(meta["consumed_samples"])
     if c.groups.rank == 0:

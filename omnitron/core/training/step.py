@@ -24,6 +24,7 @@ from omnitron.core.parallel.pipeline import forward_backward
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, compute_sections, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
+from omnitron.core.transformer.moe.router import update_expert_bias
 
 
 def _unwrap(chunk):
@@ -117,6 +118,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         record_compute_split(timers, timeline, fb_seconds, pipelined=c.groups.pp.size > 1)
     with timers.phase("all-grads-sync"):
         finalize_model_grads(c.chunks, c.groups, collectives=c.backend.collectives)
+        if moe and getattr(c.model, "moe_router_enable_expert_bias", False):  # where Megatron updates it: in finalize_model_grads
+            update_expert_bias(c.modules, c.groups, sequence_parallel=c.groups.config.sequence_parallel)
         if c.settings.training.calculate_per_token_loss:
             # the data-parallel mean took 1 / (dp x cp) of the summed loss sums, and ``tokens`` is the step's global
             # count (each cp rank counts its micro-batch's tokens / cp): dp x cp / tokens leaves d(sum) / tokens

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from omnitron.core.transformer.attention import SelfAttention
+from omnitron.core.transformer.mla import MLASelfAttention
 from omnitron.core.transformer.mlp import MLP
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
@@ -27,7 +28,8 @@ class TransformerLayer(nn.Module):
         # output biases go to a fused bias-dropout-add kernel when one exists, else into the GEMM
         skip = backend.kernels.resolved("bias_dropout_add") != "reference"
         self.input_layernorm = Norm(c.hidden_size, **nkw)
-        self.self_attention = SelfAttention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
+        attention = MLASelfAttention if getattr(c, "multi_latent_attention", False) else SelfAttention
+        self.self_attention = attention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
                                             backend=backend, out_std=out_std, skip_out_bias=skip)
         self.pre_mlp_layernorm = Norm(c.hidden_size, **nkw)
         from omnitron.core.transformer.moe.pattern import is_moe_layer

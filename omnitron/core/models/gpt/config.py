@@ -127,6 +127,46 @@ class GPTConfig:
     instead of one GEMM per expert (Megatron's SequentialMLP); the same function. Where its preconditions do
     not hold (FP8 experts, float64, widths not 16-byte aligned) the per-expert GEMMs run, said once in the log."""
 
+    moe_router_num_groups: int | None = None
+    """--moe-router-num-groups: group-limited routing: the experts form this many equal groups (DeepSeek's
+    device/node-limited routing)."""
+    moe_router_group_topk: int | None = None
+    """--moe-router-group-topk: groups each token may pick experts from (the groups with the largest sums of
+    their top-k / group-topk scores); None: no group limit."""
+    moe_router_topk_scaling_factor: float | None = None
+    """--moe-router-topk-scaling-factor: the routing probabilities are multiplied by this (DeepSeek-V3: 2.5)."""
+    moe_router_enable_expert_bias: bool = False
+    """--moe-router-enable-expert-bias: auxiliary-loss-free balancing (sigmoid scores): a per-expert bias added
+    to the scores for the selection only, moved after each step by the rate against the step's token counts."""
+    moe_router_bias_update_rate: float = 1e-3
+    """--moe-router-bias-update-rate: the expert bias moves by this times sign(mean count - count) per step."""
+    multi_latent_attention: bool = False
+    """--multi-latent-attention: DeepSeek-V2/V3 multi-head latent attention (transformer/mla.py) in place of
+    the grouped-query attention; RoPE on the --qk-pos-emb-head-dim channels only, whatever
+    --position-embedding-type says (as Megatron)."""
+    q_lora_rank: int | None = None
+    """--q-lora-rank: width of the compressed query latent (None: queries projected directly from the hidden)."""
+    kv_lora_rank: int = 32
+    """--kv-lora-rank: width of the compressed key/value latent."""
+    qk_head_dim: int = 128
+    """--qk-head-dim: per-head query/key channels without position (the query head is this plus the next)."""
+    qk_pos_emb_head_dim: int = 64
+    """--qk-pos-emb-head-dim: per-head rotated query/key channels (the key's are shared by the heads)."""
+    v_head_dim: int = 128
+    """--v-head-dim: per-head value channels."""
+    rotary_scaling_factor: float = 1.0
+    """--rotary-scaling-factor: YaRN's context extension factor of MLA's RoPE (1: plain RoPE)."""
+    mscale: float = 1.0
+    """--mscale: YaRN's mscale (the rotated parts are scaled by m(mscale) / m(mscale_all_dim))."""
+    mscale_all_dim: float = 0.0
+    """--mscale-all-dim: YaRN's mscale_all_dim (the softmax scale is m(mscale_all_dim)^2 / sqrt(d))."""
+    yarn_original_max_position_embeddings: int | None = None
+    """--yarn-original-max-position-embeddings: the context YaRN extends (None: 4096, Megatron's MLA default)."""
+    yarn_beta_fast: float | None = None
+    """--yarn-beta-fast: YaRN's fast correction rotations (None: 32)."""
+    yarn_beta_slow: float | None = None
+    """--yarn-beta-slow: YaRN's slow correction rotations (None: 1)."""
+
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
                         ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length),
@@ -178,7 +218,9 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     are checked by the pipeline layer-placement code)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = c.num_attention_heads, query_groups(c)
-    if c.kv_channels is None and c.hidden_size % heads:
+    if c.multi_latent_attention:
+        _validate_mla(c, parallel.context_parallel_size)
+    elif c.kv_channels is None and c.hidden_size % heads:
         raise ConfigError(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or set --kv-channels")
     if heads % groups:
@@ -214,6 +256,29 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     validate_moe(c, parallel)
 
 
+def _validate_mla(c: GPTConfig, cp: int) -> None:
+    """Multi-latent attention's sizes, and the features it does not combine with (yet)."""
+    for flag, v in (("--kv-lora-rank", c.kv_lora_rank), ("--qk-head-dim", c.qk_head_dim),
+                    ("--qk-pos-emb-head-dim", c.qk_pos_emb_head_dim), ("--v-head-dim", c.v_head_dim),
+                    ("--q-lora-rank", 1 if c.q_lora_rank is None else c.q_lora_rank)):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{flag} must be a positive integer with --multi-latent-attention, got {v!r}")
+    if c.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim {c.qk_pos_emb_head_dim} must be even (RoPE rotates channel pairs)")
+    if c.num_query_groups is not None:
+        raise ConfigError("--num-query-groups (grouped-query attention) and --multi-latent-attention exclude each "
+                          "other, as in Megatron; drop one of them")
+    if cp > 1:
+        raise ConfigError(f"--multi-latent-attention does not run under --context-parallel-size {cp} yet; use "
+                          "--context-parallel-size 1")
+    if c.rotary_percent != 1.0:
+        raise ConfigError(f"--rotary-percent {c.rotary_percent}: multi-latent attention rotates all of its "
+                          "--qk-pos-emb-head-dim channels (YaRN); drop --rotary-percent")
+    if c.rotary_scaling_factor < 1.0:
+        raise ConfigError(f"--rotary-scaling-factor must be >= 1 (YaRN extends the context), got "
+                          f"{c.rotary_scaling_factor}")
+
+
 def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool, comm: str = "p2p",
                                sizes: list[int] | None = None) -> None:
     """The sequence splits into 2 x cp load-balanced chunks (and each rank's slice over tp under SP); a2a
@@ -246,6 +311,8 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
     if c.qk_layernorm:
         attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
+    if c.multi_latent_attention:
+        attn = mla_parameters(c)
 
     def mlp(width: int) -> int:
         fc1_out = 2 * width if c.swiglu else width
@@ -266,6 +333,16 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     if c.untie_embeddings_and_output_weights:
         total += v * h
     return total
+
+
+def mla_parameters(c: GPTConfig) -> int:
+    """Parameters of one multi-latent attention module (transformer/mla.py)."""
+    h, n, qr, kvr = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+    dq, norm = c.qk_head_dim + c.qk_pos_emb_head_dim, (2 if c.normalization == "LayerNorm" else 1)
+    q = h * n * dq if qr is None else h * qr + qr * n * dq + (qr * norm if c.qk_layernorm else 0)
+    kv = h * (kvr + c.qk_pos_emb_head_dim) + kvr * n * (c.qk_head_dim + c.v_head_dim)
+    kv += kvr * norm if c.qk_layernorm else 0
+    return q + kv + n * c.v_head_dim * h + (h if c.add_bias_linear else 0)
 
 
 def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = None, causal: bool = False) -> float:
@@ -331,6 +408,40 @@ def mixtral_8x7b(**overrides) -> GPTConfig:
                              rotary_base=1e6, num_experts=8, moe_router_topk=2, **_LLAMA), **overrides)
 
 
+_DEEPSEEK_ROUTING = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_bias_update_rate=1e-3, multi_latent_attention=True, qk_layernorm=True,
+                        mscale=1.0, mscale_all_dim=1.0)
+
+
+def deepseek_v3(**overrides) -> GPTConfig:
+    """DeepSeek-V3 (DeepSeek-AI, 2024; its config.json): 61 layers (the first 3 dense, SwiGLU 18432), hidden 7168,
+    MLA with 128 heads (q rank 1536, kv rank 512, head dims 128 + 64 rotated, values 128; YaRN x40 over 4096),
+    256 routed experts of 2048 (top-8 of sigmoid scores within the best 4 of 8 groups, weights x 2.5, expert bias)
+    plus one shared expert, vocabulary 129280, untied; 671,026,419,200 parameters (the model card's 671B; the
+    checkpoint's 685B adds the multi-token-prediction module, not built here)."""
+    return replace(GPTConfig(num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432,
+                             seq_length=4096, max_position_embeddings=163840, vocab_size=129280, q_lora_rank=1536,
+                             kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                             rotary_scaling_factor=40.0, yarn_original_max_position_embeddings=4096,
+                             num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                             moe_shared_expert_intermediate_size=2048, moe_layer_freq="[0]*3+[1]*58",
+                             moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+                             **_DEEPSEEK_ROUTING, **{**_LLAMA, "layernorm_epsilon": 1e-6}), **overrides)
+
+
+def deepseek_v3_tiny(**overrides) -> GPTConfig:
+    """DeepSeek-V3's architecture at debug size: 4 layers (the first dense), hidden 64, MLA with 4 heads (ranks
+    32 / 16, head dims 16 + 8 rotated, values 16; YaRN x40 over 32 positions), 8 experts of 32 (top-2 within the
+    best 2 of 4 groups, x 2.5, expert bias) plus a shared expert of 32, vocabulary 32000."""
+    return replace(GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                             seq_length=128, vocab_size=32000, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
+                             qk_pos_emb_head_dim=8, v_head_dim=16, rotary_scaling_factor=40.0,
+                             yarn_original_max_position_embeddings=32, num_experts=8, moe_router_topk=2,
+                             moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq="[0]+[1]*3",
+                             moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                             **_DEEPSEEK_ROUTING, **_LLAMA), **overrides)
+
+
 GPT3_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1p3b": (24, 2048, 16),
               "2p7b": (32, 2560, 32), "6p7b": (32, 4096, 32), "13b": (40, 5120, 40), "175b": (96, 12288, 96)}
 """GPT-3's sizes (Brown et al. 2020, Table 2.1): (layers, hidden, heads). NOTE: where the table's heads x head
@@ -345,8 +456,19 @@ def gpt3(size: str, **overrides) -> GPTConfig:
                              max_position_embeddings=2048, vocab_size=50257), **overrides)
 
 
+def uses_rope(c: GPTConfig) -> bool:
+    """Rotary angles are needed: ``--position-embedding-type rope``, or multi-latent attention (its
+    decoupled RoPE, whatever the position embedding type)."""
+    return c.position_embedding_type == "rope" or c.multi_latent_attention
+
+
 def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
-    """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled."""
+    """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled
+    (multi-latent attention: YaRN's over --qk-pos-emb-head-dim, :mod:`omnitron.core.transformer.yarn`)."""
+    if c.multi_latent_attention:
+        from omnitron.core.transformer.yarn import yarn_inv_freq
+
+        return yarn_inv_freq(c)
     rot = int(head_dim(c) * c.rotary_percent)
     rot -= rot % 2
     inv = 1.0 / (c.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))

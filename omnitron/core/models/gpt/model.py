@@ -99,7 +99,7 @@ class GPTModel(nn.Module):
                 # the last stage's copy of the word embedding: same initial values, grads all-reduced
                 self.output_layer.weight.init_name = WORD_EMBEDDING
                 self.output_layer.weight.shared_embedding = True
-        if config.position_embedding_type == "rope":
+        if C.uses_rope(config):
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
         comm = getattr(groups.config, "cp_comm_type", "p2p")
@@ -137,7 +137,7 @@ class GPTModel(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def _rope_freqs(self, position_ids: torch.Tensor | None, s: int, device) -> torch.Tensor | None:
-        if self.config.position_embedding_type != "rope":
+        if not C.uses_rope(self.config):
             return None
         if position_ids is None:
             pos = local_positions(s, self.groups.cp, device).float()[:, None]  # [s/cp, 1]

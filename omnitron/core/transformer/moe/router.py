@@ -17,22 +17,49 @@ from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.sharding import set_attributes
 
 
-def top_k_routing(logits: torch.Tensor, k: int, pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int):
+    """DeepSeek's group-limited top-k (Megatron's ``group_limited_topk``): the E experts form ``num_groups``
+    equal groups; a group's score is the sum of its ``k // group_topk`` best scores; each token keeps its
+    ``group_topk`` best groups and picks its k experts among theirs. ``(values [T, k], experts [T, k])``."""
+    T, E = scores.shape
+    group_scores = scores.view(T, num_groups, -1).topk(k // group_topk, dim=-1)[0].sum(dim=-1)  # [T, G]
+    groups = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+    return torch.topk(scores.masked_fill(~keep, float("-inf")), k, dim=-1)
+
+
+def _topk(scores: torch.Tensor, k: int, groups: tuple[int, int] | None):
+    """Top-k over all experts, or group-limited when ``groups = (num_groups, group_topk)``."""
+    return group_limited_topk(scores, k, *groups) if groups else torch.topk(scores, k, dim=-1)
+
+
+def top_k_routing(logits: torch.Tensor, k: int, pre_softmax: bool,
+                  groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs [T, k], experts [T, k])`` from router ``logits [T, E]``.
 
     Default (Megatron's): pick the k largest logits, then softmax over those k. With
     ``pre_softmax`` the probabilities are the softmax over all E experts, taken at the k picked.
+    ``groups``: group-limited selection (:func:`group_limited_topk`) over the logits or the softmax.
     """
     if pre_softmax:
-        return torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-    top, experts = torch.topk(logits, k, dim=-1)
+        return _topk(torch.softmax(logits, dim=-1), k, groups)
+    top, experts = _topk(logits, k, groups)
     return torch.softmax(top, dim=-1), experts
 
 
-def sigmoid_routing(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_routing(logits: torch.Tensor, k: int, groups: tuple[int, int] | None = None,
+                    expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 scores: ``sigmoid(logits)``, the k largest picked, then normalised to sum 1 over
-    the k picks when ``k > 1`` (Megatron's ``--moe-router-score-function sigmoid``)."""
-    top, experts = torch.topk(torch.sigmoid(logits), k, dim=-1)
+    the k picks when ``k > 1`` (Megatron's ``--moe-router-score-function sigmoid``). ``expert_bias [E]``
+    (auxiliary-loss-free balancing) is added to the scores for the selection only: the probabilities
+    are the unbiased scores of the picked experts."""
+    scores = torch.sigmoid(logits)
+    if expert_bias is None:
+        top, experts = _topk(scores, k, groups)
+    else:
+        experts = _topk(scores + expert_bias.to(scores.dtype), k, groups)[1]
+        top = scores.gather(1, experts)
     return (top / (top.sum(dim=-1, keepdim=True) + 1e-20) if k > 1 else top), experts
 
 
@@ -105,6 +132,10 @@ class TopKRouter(nn.Module):
     The gate ``weight [E, h]`` is replicated on every rank; routing is computed in float32.
     ``partial_grad``: the tokens are a tensor-parallel shard (sequence parallelism), so the
     weight's gradient is a partial sum over tp (marked ``sequence_parallel`` for the reduction).
+    ``--moe-router-num-groups`` / ``--moe-router-group-topk``: group-limited selection;
+    ``--moe-router-topk-scaling-factor``: the probabilities times it. ``--moe-router-enable-expert-bias``
+    (sigmoid scores): the persistent buffer ``expert_bias [E]`` steers the selection, and each training
+    forward adds its picks to ``tokens_per_expert`` for :func:`update_expert_bias` after the step.
     """
 
     def __init__(self, c, *, partial_grad: bool, stats_group=None) -> None:
@@ -112,17 +143,33 @@ class TopKRouter(nn.Module):
         self.k, self.num_experts, self.pre_softmax = c.moe_router_topk, c.num_experts, c.moe_router_pre_softmax
         self.coeff = c.moe_aux_loss_coeff if c.moe_router_load_balancing_type == "aux_loss" else 0.0
         self.score_function, self.z_coeff = c.moe_router_score_function, c.moe_z_loss_coeff or 0.0
+        self.groups = (c.moe_router_num_groups, c.moe_router_group_topk) if c.moe_router_group_topk else None
+        self.scaling_factor = c.moe_router_topk_scaling_factor
         self.stats_group = stats_group
         self.weight = set_attributes(nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=c.params_dtype)),
                                      parallel=False, init=("normal", c.init_method_std))
         self.weight.sequence_parallel = partial_grad
+        self.bias_update_rate = c.moe_router_bias_update_rate
+        # Megatron's buffers: the bias is saved with the model, the step's counts are not (None: no expert bias)
+        on = c.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(c.num_experts, dtype=torch.float32) if on else None)
+        self.register_buffer("tokens_per_expert", torch.zeros(c.num_experts, dtype=torch.float32) if on else None,
+                             persistent=False)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs [T, k], experts [T, k])`` of float32 ``logits [T, E]``."""
+        if self.score_function == "sigmoid":
+            probs, experts = sigmoid_routing(logits, self.k, self.groups, self.expert_bias)
+        else:
+            probs, experts = top_k_routing(logits, self.k, self.pre_softmax, self.groups)
+        return (probs * self.scaling_factor if self.scaling_factor else probs), experts
 
     def forward(self, x: torch.Tensor):
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        if self.score_function == "sigmoid":
-            probs, experts = sigmoid_routing(logits, self.k)
-        else:
-            probs, experts = top_k_routing(logits, self.k, self.pre_softmax)
+        probs, experts = self.route(logits)
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
         aux = None
         if self.training and torch.is_grad_enabled():
             if self.coeff > 0.0:
@@ -132,3 +179,36 @@ class TopKRouter(nn.Module):
                 z = z_loss(logits, self.z_coeff, self.stats_group)
                 aux = z if aux is None else aux + z
         return probs, experts, aux
+
+
+@torch.no_grad()
+def update_expert_bias(modules, groups, *, sequence_parallel: bool) -> None:
+    """Auxiliary-loss-free balancing after a step (Megatron's ``get_updated_expert_bias``, called where
+    Megatron finalizes the gradients): each router's token counts of the step, summed over the ranks whose
+    tokens differ (dp x cp, and tp under sequence parallelism: without it the tp ranks route the same
+    tokens), move its bias by ``rate * sign(mean count - count)``; the counts restart from zero."""
+    routers = [m for mod in modules for m in mod.modules()
+               if isinstance(m, TopKRouter) and m.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])  # [routers, E]
+    counts = M.all_reduce(counts, groups.dp_cp)
+    if sequence_parallel:
+        counts = M.all_reduce(counts, groups.tp)
+    for r, n in zip(routers, counts):
+        r.expert_bias += torch.sign(n.mean() - n) * r.bias_update_rate
+        r.tokens_per_expert.zero_()
+
+
+def expert_bias_state(modules) -> list[dict[str, torch.Tensor]]:
+    """Each module's expert biases by buffer name (for checkpoints that hold parameters only: torch_dist)."""
+    return [{n: b.detach().clone() for n, b in m.named_buffers() if n.endswith("expert_bias")} for m in modules]
+
+
+@torch.no_grad()
+def load_expert_bias_state(modules, state: list[dict[str, torch.Tensor]]) -> None:
+    """Restore :func:`expert_bias_state` output into the same modules (same layout)."""
+    for m, saved in zip(modules, state):
+        buffers = dict(m.named_buffers())
+        for name, t in saved.items():
+            buffers[name].copy_(t)

@@ -52,6 +52,28 @@ def _check_extras(c) -> None:
                           "--moe-router-score-function softmax")
     if c.moe_z_loss_coeff is not None and c.moe_z_loss_coeff < 0:
         raise ConfigError(f"--moe-z-loss-coeff must be >= 0, got {c.moe_z_loss_coeff}")
+    _check_deepseek_routing(c)
+
+
+def _check_deepseek_routing(c) -> None:
+    """Group-limited top-k and the expert bias, as Megatron's TransformerConfig checks them."""
+    if c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias (auxiliary-loss-free balancing) needs sigmoid scores: "
+                          "add --moe-router-score-function sigmoid or drop the flag")
+    if c.moe_router_bias_update_rate < 0:
+        raise ConfigError(f"--moe-router-bias-update-rate must be >= 0, got {c.moe_router_bias_update_rate}")
+    g, gk, k, e = c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk, c.num_experts
+    if gk is None:
+        return
+    if not g:
+        raise ConfigError("--moe-router-group-topk needs --moe-router-num-groups (the number of expert groups)")
+    if e % g:
+        raise ConfigError(f"--num-experts {e} is not divisible by --moe-router-num-groups {g}; change one of them")
+    if not 1 <= gk <= g:
+        raise ConfigError(f"--moe-router-group-topk {gk} must be between 1 and --moe-router-num-groups {g}")
+    if not gk <= k <= gk * (e // g):
+        raise ConfigError(f"--moe-router-topk {k} must be between --moe-router-group-topk {gk} (each group is scored "
+                          f"by its top topk // group-topk experts) and {gk} x the {e // g} experts of a group")
 
 
 def validate_moe(c, parallel: ParallelConfig) -> None:
