@@ -62,7 +62,9 @@ def save_while_training(device_group: bool, out: str = "") -> str:
             f.write(errors[0])
     thread.join(timeout=4.0)
     if errors:  # a stuck communicator: end once run_distributed's closing barrier (<= 4 s) wrote the result
-        threading.Timer(10.0, __import__("os")._exit, (0,)).start()
+        timer = threading.Timer(10.0, __import__("os")._exit, (0,))
+        timer.daemon = True
+        timer.start()
     return errors[0] if errors else ""
 
 
