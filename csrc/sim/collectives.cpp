@@ -33,6 +33,7 @@ namespace {
 
 using Tensors = std::vector<at::Tensor>;
 using SteadyClock = std::chrono::steady_clock;
+constexpr std::chrono::milliseconds kNoTimeout{0};  // c10d's "no timeout"
 
 at::Tensor stage_in(const at::Tensor& t) {
   return t.is_privateuseone() ? host_copy(t).contiguous() : t;
@@ -271,7 +272,13 @@ class SimWork final : public c10d::Work {
     } else {
       Queue& q = queue_of();
       std::unique_lock<std::mutex> lock(q.m);
-      q.cv.wait(lock, [&] { return item_->done; });
+      auto done = [&] { return item_->done; };
+      if (timeout == kNoTimeout) {
+        q.cv.wait(lock, done);
+      } else {  // a bounded wait (strict mode's) reports a deadlock its own way: say "timed out"
+        TORCH_CHECK(q.cv.wait_for(lock, timeout, done), "sim: ", item_->describe(), " timed out after ",
+                    timeout.count(), " ms waiting for its peers");
+      }
     }
     release_flight(item_);
     TORCH_CHECK(item_->error.empty(), item_->error);
@@ -452,13 +459,18 @@ class SimCollectives final : public c10d::Backend {
     int index = s.device < 0 ? current_device() : s.device;
     auto work = c10::make_intrusive<SimWork>(item);
     work->device = index;
-    if (queued) {
-      item->launch = std::forward<F>(launch);
-      enqueue(index, item);
-    } else {
-      item->inner = launch();
+    register_flight(item);  // before the worker can run it (its copy-back consumes item->back)
+    try {
+      if (queued) {
+        item->launch = std::forward<F>(launch);
+        enqueue(index, item);
+      } else {
+        item->inner = launch();
+      }
+    } catch (...) {
+      release_flight(item);
+      throw;
     }
-    register_flight(item);
     return work;
   }
 

@@ -149,3 +149,37 @@ def test_sim_device_against_host_torch():
     assert f == {"base": 0.0, "out": 0.0, "out_device": "sim:0", "grad": 0.0, "grad_device": "sim:0"}, f
     for res in results:
         assert res["collective"] == {"sum": [3.0] * 4, "device": "sim:0"}, res["collective"]
+
+
+def bounded_wait() -> dict:
+    """work.wait(timeout) on a queued simccl collective returns or raises within the bound (strict mode's
+    deadlock report relies on it); an unbounded wait afterwards still completes the collective."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    x = torch.ones(8, device=be.device())
+    if dist.get_rank() == 1:
+        time.sleep(2.0)  # the peer is late
+    work = dist.all_reduce(x, async_op=True)
+    t0, message = time.perf_counter(), ""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=0.5))
+    except RuntimeError as err:
+        message = str(err)
+    waited = time.perf_counter() - t0
+    work.wait()
+    return {"message": message, "waited": waited, "sum": x.cpu().tolist()}
+
+
+def test_bounded_wait_times_out_then_completes():
+    r0, r1 = run_distributed(bounded_wait, 2, backend="sim", timeout_s=60,
+                             env={"OMNITRON_STRICT_COLLECTIVES": "0"})
+    assert "timed out" in r0["message"] and "all_reduce" in r0["message"], r0
+    assert 0.5 <= r0["waited"] < 1.5, r0
+    assert r1["message"] == "", r1
+    assert r0["sum"] == r1["sum"] == [2.0] * 8

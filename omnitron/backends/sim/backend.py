@@ -27,7 +27,8 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   time per device, in issue order, so opposite orders on two ranks deadlock; after
   ``OMNITRON_SIM_DEADLOCK_S`` (default 60) with another waiting behind it, each rank reports both
   collectives with their groups, call sites and threads. A collective issued while another thread's is
-  still queued is an error. ``work.wait()`` blocks the host (the kernels after it run on the host).
+  still queued is an error. ``work.wait()`` blocks the host (the kernels after it run on the host);
+  ``wait(timeout)`` raises "timed out" at the bound, as strict mode's deadlock report expects.
 
 Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
 ``non_blocking`` host-to-device copy still reads (the copy is taken when issued), point-to-point and
