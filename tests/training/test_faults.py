@@ -207,10 +207,10 @@ from omnitron.backends import collectives  # noqa: F401 - imported once, before 
 from omnitron.core.training.watchdog import dump_state
 def rank_main(rank, barrier):
     ns = {"time": time}
-    exec(f"def parked_on_rank_{rank}(depth):\\n    return parked_on_rank_{rank}(depth - 1) if depth else time.sleep(60)",
-         ns)
-    for _ in range(12):  # deep stacks: a dump of several pipe buffers
-        threading.Thread(target=ns[f"parked_on_rank_{rank}"], args=(40,), daemon=True).start()
+    name = f"parked_on_rank_{rank}"
+    exec(f"def {name}(depth):\\n    return {name}(depth - 1) if depth else time.sleep(60)", ns)
+    for _ in range(12):  # deep stacks: each dump past the size a pipe keeps whole
+        threading.Thread(target=ns[name], args=(40,), daemon=True).start()
     time.sleep(0.3)
     barrier.wait()
     dump_state("test dump", rank)

@@ -7,9 +7,9 @@
   gloo addresses and fail with "connectFullMesh ... Connection refused"), the process group with
   ``--distributed-timeout-minutes``, and the rank's :class:`~omnitron.core.training.watchdog.Watchdog`.
 - :func:`run_workers`: ``--nproc-per-node N``. The launcher hosts the store (a frozen rank 0 does not take it
-  down), supervises the workers (a worker frozen before it joins: :class:`StartupWatch`), and after the first failure gives the others a grace period to report,
-  then kills what is left (a frozen worker, a worker stuck on a dead peer) and prints
-  :func:`omnitron.core.training.failures.summarize`.
+  down), supervises the workers (a worker frozen before it joins: :class:`StartupWatch`), and after the
+  first failure gives the others a grace period to report, then kills what is left (a frozen worker, a
+  worker stuck on a dead peer) and prints :func:`omnitron.core.training.failures.summarize`.
 """
 from __future__ import annotations
 
