@@ -215,7 +215,7 @@ def _dist_read_is_one_line(broken: str, intact: str, words: str, caplog) -> None
     assert words in _one_line(err) and not [r for r in caplog.records if r.exc_info], caplog.records
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch", "async"])
 def test_full_disk_during_a_save_is_one_line_and_leaves_no_partial_directory(tmp_path, capsys, monkeypatch, fmt):
     """The disk fills up while iteration 2 is written (the write raises ENOSPC after part of its bytes, as a
     full filesystem does): one line saying so, exit 2, no ``iter_0000002.tmp`` left, ``latest`` on iteration 1."""
@@ -229,7 +229,7 @@ def test_full_disk_during_a_save_is_one_line_and_leaves_no_partial_directory(tmp
     def full(path: str) -> bool:
         return "iter_0000002.tmp" in str(path)
 
-    if fmt == "torch_dist":
+    if fmt in ("torch_dist", "async"):  # async: DCP's write on the background thread
         real_item = dcp_fs._write_item
 
         def write_item(transforms, stream, data, *args, **kwargs):
@@ -254,7 +254,8 @@ def test_full_disk_during_a_save_is_one_line_and_leaves_no_partial_directory(tmp
                "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
                "100", "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-tensorboard",
                "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "2", "--save-interval", "1",
-               "--ckpt-format", fmt, "--save", str(save)])
+               *(["--ckpt-format", "torch_dist", "--async-save"] if fmt == "async" else ["--ckpt-format", fmt]),
+               "--save", str(save)])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("omnitron")]
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith(f"omnitron train: error: {save}: the disk is full (") and "saving iter_0000002; the " \

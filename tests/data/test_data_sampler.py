@@ -126,8 +126,8 @@ print("stopped cleanly", flush=True)
 
 def test_loader_workers_leave_sigterm_to_their_rank():
     """SIGTERM to the rank's whole process group (as torchrun stops a worker): the loader's workers, in a group
-    of their own, do not get it; the rank reads on and stops on its own (before, they died and torch raised "DataLoader worker ... killed
-    by signal" with a long traceback)."""
+    of their own, do not get it; the rank reads on and stops on its own (before, they died and torch raised
+    "DataLoader worker ... killed by signal" with a long traceback)."""
     import signal
     import subprocess
     import sys

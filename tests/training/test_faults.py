@@ -102,6 +102,32 @@ def test_start_up_watch_names_a_worker_without_cpu_time():
             p.popen.wait()
 
 
+AGENT = """
+import os, subprocess, sys
+env = dict(os.environ, TORCHELASTIC_RUN_ID="probe")
+rank0 = (
+    "import torch.distributed as dist\\n"
+    "from omnitron.core.training.workers import _wait_for_arrivals\\n"
+    "store = dist.HashStore(); store.set('arrived/0', '1')\\n"
+    "_wait_for_arrivals(store, 2, 1.0)\\n")
+rank1 = "import time; time.sleep(60)"  # frozen in its imports: no CPU time, never arrives
+others = [subprocess.Popen([sys.executable, "-c", rank1], env=dict(env, RANK="1"))]
+done = subprocess.run([sys.executable, "-c", rank0], env=dict(env, RANK="0"), capture_output=True, text=True)
+others[0].kill()
+print(done.returncode, others[0].pid, done.stderr.strip().splitlines()[-1])
+"""
+
+
+def test_under_torchrun_a_rank_names_a_sibling_frozen_in_start_up():
+    """Under torchrun (no launcher of ours), a rank waiting for the others to arrive names a sibling of the same
+    agent that has not arrived and used no CPU time for the timeout (fast: a stand-in agent, a HashStore)."""
+    proc = subprocess.run([sys.executable, "-c", AGENT], capture_output=True, text=True, timeout=120)
+    code, pid, line = proc.stdout.split(" ", 2)
+    assert code == "1", proc.stdout + proc.stderr
+    assert re.fullmatch(rf"omnitron\.core\.training\.nonfinite\.TrainingStopped: rank 1 \(pid {pid}\) froze during "
+                        rf"start-up, before joining the job: no CPU time for \d+ s, process state S\n", line), line
+
+
 @pytest.mark.slow
 def test_rank_frozen_in_start_up_ends_the_job_within_the_timeout(tmp_path):
     """A worker stopped (SIGSTOP) before it joins the job, while the other waits for it at the store (which
@@ -207,10 +233,10 @@ from omnitron.backends import collectives  # noqa: F401 - imported once, before 
 from omnitron.core.training.watchdog import dump_state
 def rank_main(rank, barrier):
     ns = {"time": time}
-    exec(f"def parked_on_rank_{rank}(depth):\\n    return parked_on_rank_{rank}(depth - 1) if depth else time.sleep(60)",
-         ns)
-    for _ in range(12):  # deep stacks: a dump of several pipe buffers
-        threading.Thread(target=ns[f"parked_on_rank_{rank}"], args=(40,), daemon=True).start()
+    name = f"parked_on_rank_{rank}"
+    exec(f"def {name}(depth):\\n    return {name}(depth - 1) if depth else time.sleep(60)", ns)
+    for _ in range(12):  # deep stacks: each dump past the size a pipe keeps whole
+        threading.Thread(target=ns[name], args=(40,), daemon=True).start()
     time.sleep(0.3)
     barrier.wait()
     dump_state("test dump", rank)

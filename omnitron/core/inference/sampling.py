@@ -20,7 +20,7 @@ MAX_SEED = 2**63
 """Seeds are below it: row ``i`` seeds a generator with ``seed + i``, which takes at most 64 bits."""
 
 
-def _shown(v, limit: int = 60) -> str:
+def short_repr(v, limit: int = 60) -> str:
     """``repr(v)``, cut to ``limit`` characters (an error line never echoes a whole request)."""
     text = repr(v)
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -41,15 +41,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filter, 1: greedy), got {_shown(self.top_k)}")
+            raise ValueError(f"top_k must be an integer >= 0 (0: no top-k filter, 1: greedy), got "
+                             f"{short_repr(self.top_k)}")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be a number in [0, 1] (0: no nucleus filter), got {_shown(self.top_p)}")
+            raise ValueError(f"top_p must be a number in [0, 1] (0: no nucleus filter), got {short_repr(self.top_p)}")
         if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
                 or not 0.0 <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be a number in [0, 100] (0: greedy), got {_shown(self.temperature)}")
+            raise ValueError(f"temperature must be a number in [0, 100] (0: greedy), got "
+                             f"{short_repr(self.temperature)}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {_shown(self.seed)}")
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {short_repr(self.seed)}")
 
     @property
     def greedy(self) -> bool:

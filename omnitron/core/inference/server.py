@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from omnitron.core.inference.sampling import SamplingParams, _shown
+from omnitron.core.inference.sampling import SamplingParams, short_repr
 from omnitron.core.inference.text import complete, synthetic_image
 
 MAX_PROMPTS = 128
@@ -49,7 +49,7 @@ class BadRequest(ValueError):
 def _int(body: dict, key: str, default: int, low: int) -> int:
     v = body.get(key, default)
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise BadRequest(f"{key} must be an integer >= {low}, got {_shown(v)}")
+        raise BadRequest(f"{key} must be an integer >= {low}, got {short_repr(v)}")
     return v
 
 
@@ -130,7 +130,7 @@ def parse_request(body, loaded) -> dict:
         if key not in body:
             continue
         if not isinstance(body[key], bool):
-            raise BadRequest(f"{key} must be true or false, got {_shown(body[key])}")
+            raise BadRequest(f"{key} must be true or false, got {short_repr(body[key])}")
         if loaded.family != "gpt":
             raise BadRequest(f"{key} applies to GPT checkpoints (text continuation); this one is {loaded.family}")
         out["add_bos" if key == "add_BOS" else key] = body[key]

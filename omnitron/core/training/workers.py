@@ -7,9 +7,9 @@
   gloo addresses and fail with "connectFullMesh ... Connection refused"), the process group with
   ``--distributed-timeout-minutes``, and the rank's :class:`~omnitron.core.training.watchdog.Watchdog`.
 - :func:`run_workers`: ``--nproc-per-node N``. The launcher hosts the store (a frozen rank 0 does not take it
-  down), supervises the workers (a worker frozen before it joins: :class:`StartupWatch`), and after the first failure gives the others a grace period to report,
-  then kills what is left (a frozen worker, a worker stuck on a dead peer) and prints
-  :func:`omnitron.core.training.failures.summarize`.
+  down), supervises the workers (a worker frozen before it joins: :class:`StartupWatch`), and after the
+  first failure gives the others a grace period to report, then kills what is left (a frozen worker, a
+  worker stuck on a dead peer) and prints :func:`omnitron.core.training.failures.summarize`.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def join_job(settings, backend) -> Watchdog:
     store = open_store(timeout, is_master=rank == 0 and not _store_hosted_elsewhere())
     # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
     store.set(f"arrived/{rank}", "1")
-    store.wait([f"arrived/{r}" for r in range(world)], datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT_S)))
+    _wait_for_arrivals(store, world, timeout)
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=timeout, store=store)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
 
@@ -101,9 +101,13 @@ class StartupWatch:
     def done(self) -> bool:
         return len(self.arrived) == len(self.procs)
 
+    def ranks(self):
+        """``(rank, process)`` pairs watched."""
+        return enumerate(self.procs)
+
     def check(self, now: float) -> tuple[int, str] | None:
         """``(rank, reason)`` of a worker frozen in start-up, else None."""
-        for r, p in enumerate(self.procs):
+        for r, p in self.ranks():
             if r in self.arrived or p.pid is None or p.exitcode is not None:
                 continue
             if self.store.check([f"arrived/{r}"]):
@@ -131,6 +135,69 @@ def _frozen_at_start(startup: StartupWatch | None, failed_at) -> int | None:
         return None
     failures.write_report(found[0], "startup", found[1], suspect=found[0])
     return found[0]
+
+
+def _wait_for_arrivals(store, world: int, timeout: float) -> None:
+    """Wait (up to ``max(timeout, JOIN_TIMEOUT_S)``) for every rank's ``arrived`` key. Under torchrun, whose
+    agent does not watch for freezes, the ranks on this host that have not arrived are checked once a second
+    as the launcher does (:class:`StartupWatch`): one frozen in start-up stops this rank in one line naming it
+    (torchrun then stops the others)."""
+    from omnitron.core.training.nonfinite import TrainingStopped
+
+    keys = [f"arrived/{r}" for r in range(world)]
+    give_up = time.monotonic() + max(timeout, JOIN_TIMEOUT_S)
+    siblings = _LocalSiblings(store, timeout) if os.environ.get("TORCHELASTIC_RUN_ID") else None
+    while True:
+        try:
+            store.wait(keys, datetime.timedelta(seconds=min(STARTUP_POLL_S, max(0.01, give_up - time.monotonic()))))
+            return
+        except RuntimeError:  # DistStoreError: not every rank arrived yet
+            if time.monotonic() >= give_up:
+                raise
+        frozen = siblings.check(time.monotonic()) if siblings is not None else None
+        if frozen is not None:
+            raise TrainingStopped(f"rank {frozen[0]} (pid {siblings.pid(frozen[0])}) {frozen[1]}")
+
+
+class _LocalSiblings(StartupWatch):
+    """:class:`StartupWatch` over this rank's siblings under torchrun: the agent's other children of this run
+    (their ``RANK`` read from ``/proc/PID/environ``; none where there is no ``/proc``)."""
+
+    def __init__(self, store, timeout_s: float) -> None:
+        self.store, self.timeout, self.arrived, self.moved = store, timeout_s, set(), {}
+        self.procs = _sibling_ranks(os.getppid(), os.environ.get("TORCHELASTIC_RUN_ID", ""))
+
+    @property
+    def done(self) -> bool:
+        return False
+
+    def pid(self, rank: int) -> int | None:
+        return self.procs[rank].pid if rank in self.procs else None
+
+    def ranks(self):
+        return self.procs.items()
+
+
+def _sibling_ranks(parent: int, run_id: str) -> dict:
+    """``{rank: process}`` (``pid``, ``exitcode`` None) of ``parent``'s other children in run ``run_id``."""
+    import types
+
+    found = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get(b"TORCHELASTIC_RUN_ID", b"").decode() == run_id and b"RANK" in env:
+            found[int(env[b"RANK"])] = types.SimpleNamespace(pid=int(entry), exitcode=None)
+    return found
 
 
 def _supervise(procs: list, grace_s: float, startup: StartupWatch | None = None) -> list[dict]:
