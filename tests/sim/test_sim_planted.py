@@ -20,7 +20,7 @@ import torch
 from omnitron.testing.distributed import run_distributed
 from omnitron.testing.sim import requires_sim
 
-pytestmark = [requires_sim(), pytest.mark.multiprocess]
+pytestmark = [requires_sim(), pytest.mark.multiprocess, pytest.mark.planted]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLOCK_S = 3  # OMNITRON_SIM_DEADLOCK_S for these runs: a deadlock is reported within ~3 s
 JOIN_S = 4.0  # how long a case waits for its other thread once one has failed
