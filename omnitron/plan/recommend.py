@@ -155,25 +155,54 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
         smallest = _smallest(given, devices)
         if smallest.peak > memory:
             raise ConfigError(_no_fit(smallest, memory))
-    if not full:  # the parameters and optimizer state alone exceed the device: not worth pricing
-        cands = [c for c in cands if state_lower_bound(c.settings) <= memory] or cands
+    if not full:
+        fit = _bounded(cands, memory, rates, overlap, top)
+        if not fit:  # found out late (the smallest is not searched for up front: it is slow at scale)
+            raise ConfigError(_no_fit(_smallest(given, devices, full, cluster), memory))
+        return fit
     for c in cands:
         c.step = predict(c.settings, rates, overlap)
     cands.sort(key=lambda c: -c.step.tokens_per_s)
-    fit, over = [], set()
+    fit = []
     for c in cands:
-        if not full and (_dominated(c, over) or state_lower_bound(c.settings) > memory):
-            continue
-        c.stages = estimate(c.settings, transients=full)
+        c.stages = estimate(c.settings)
         if c.peak <= memory:
             fit.append(c)
             if len(fit) == top:
                 break
-        else:
-            over.add(_shape(c))
-    if not fit:  # a cluster search finds out late (the smallest is not searched for up front: it is slow there)
-        raise ConfigError(_no_fit(_smallest(given, devices, full, cluster), memory))
     return fit
+
+
+def _bounded(cands: list[Choice], memory: int, rates, overlap: str, top: int) -> list[Choice]:
+    """The ``top`` fastest that fit, pricing exactly only what a bound cannot rule out: candidates whose
+    parameters and optimizer state alone exceed ``memory`` are dropped; the rest are visited by their step's
+    lower bound (:func:`omnitron.plan.speed.step_lower_bound`), each priced and, if it would enter the list,
+    its memory estimated (skipped when a sibling needing no more memory already failed); the walk stops when
+    the next bound is slower than the ``top``-th fitting layout."""
+    import heapq
+
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.speed import predict, step_lower_bound
+
+    order = sorted(((step_lower_bound(c.settings, rates, overlap), i) for i, c in enumerate(cands)
+                    if state_lower_bound(c.settings) <= memory))
+    fit, over = [], set()  # fit: a min-heap of (tokens/s, index) of the fastest that fit
+    for bound, i in order:
+        c = cands[i]
+        tokens = c.settings.training.global_batch_size * c.settings.model.seq_length
+        if len(fit) == top and tokens / bound <= fit[0][0]:
+            break
+        c.step = predict(c.settings, rates, overlap)
+        if len(fit) == top and c.step.tokens_per_s <= fit[0][0] or _dominated(c, over):
+            continue
+        c.stages = estimate(c.settings, transients=False)
+        if c.peak > memory:
+            over.add(_shape(c))
+            continue
+        heapq.heappush(fit, (c.step.tokens_per_s, i))
+        if len(fit) > top:
+            heapq.heappop(fit)
+    return [cands[i] for _, i in sorted(fit, reverse=True)]
 
 
 def _shape(c: Choice) -> tuple:

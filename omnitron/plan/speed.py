@@ -376,8 +376,8 @@ def _stage_layers(settings, cfg) -> dict[tuple[int, int], list[bool]]:
     return {k: moe[start:start + n] for k, (start, n) in ranges.items()}
 
 
-def predict(settings, rates, overlap: str = "none") -> StepTime:
-    """The :class:`StepTime` of ``settings``' layout on the machine of ``rates``."""
+def _stage_costs(settings, rates, overlap: str):
+    """(model config, layers per virtual stage, :class:`StageCost` per virtual stage) of a layout."""
     from omnitron.plan.memory import model_config
 
     if overlap not in OVERLAPS:
@@ -393,6 +393,25 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
         k = c * pp + r
         costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=k < pp * vp - 1,
                               prev=k > 0)
+    return cfg, layers, costs
+
+
+def step_lower_bound(settings, rates, overlap: str = "none") -> float:
+    """Seconds no less than :func:`predict`'s step: the busiest pipeline rank's work alone (no bubble, no data-
+    parallel reduction, no optimizer step); a search prices exactly only what this bound cannot rule out."""
+    _, _, costs = _stage_costs(settings, rates, overlap)
+    pp = settings.parallel.pipeline_model_parallel_size
+    per = {}
+    for k, c in costs.items():
+        per[k % pp] = per.get(k % pp, 0.0) + c.total("F", overlap) + c.total("B", overlap)
+    return settings.num_microbatches * max(per.values())
+
+
+def predict(settings, rates, overlap: str = "none") -> StepTime:
+    """The :class:`StepTime` of ``settings``' layout on the machine of ``rates``."""
+    cfg, layers, costs = _stage_costs(settings, rates, overlap)
+    pc = settings.parallel
+    pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     tl, sched = pipeline(settings, costs, overlap)
     m = settings.num_microbatches
     per_rank = {r: [costs[c * pp + r] for c in range(vp)] for r in range(pp)}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from omnitron.cli import main
 
 ARGV = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
@@ -63,3 +65,27 @@ def test_bad_device_requests_get_one_line(capsys):
         assert main(["plan", *ARGV, *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.slow  # ~60 s: every candidate's memory estimated for the exhaustive reference
+def test_bounded_search_equals_the_exhaustive_one():
+    """The cluster search prices exactly only what its bounds cannot rule out; its list must be the exhaustive
+    one: every candidate priced, memory checked fastest first (a limit that makes some of the fastest not fit)."""
+    from omnitron.plan.cluster import device_rates
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.recommend import candidates, recommend
+    from omnitron.plan.speed import predict
+
+    given = {"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 256,
+             "seq_length": 64, "max_position_embeddings": 64, "global_batch_size": 16, "bf16": True}
+    rates = device_rates("a100-80gb-sxm", 2)
+    every = candidates(given | {"nproc_per_node": 4}, 4, cluster=2)
+    for c in every:
+        c.step = predict(c.settings, rates)
+        c.stages = estimate(c.settings, transients=False)
+    every.sort(key=lambda c: -c.step.tokens_per_s)
+    limit = sorted(c.peak for c in every[:4])[1]  # some of the four fastest do not fit
+    want = [c.name() for c in every if c.peak <= limit][:3]
+    got = [c.name() for c in recommend(given, 4, limit, rates, top=3, cluster=2)]
+    assert len(want) == 3
+    assert got == want

@@ -1,0 +1,189 @@
+"""Predicted (``omnitron plan --device a100-80gb-sxm``) against published per-GPU throughput of Megatron-LM's
+weak-scaling runs (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", SC21, Table 1; reproduced in ../shared/REFERENCE.md).
+
+Per row: the row's own layout (tp, pp, data-parallel = GPUs / (tp pp)), global batch and micro-batch, and the
+interleaved schedule where the paper's scripts use it (Megatron-LM ``examples/sc21/run_table_1.sh``: micro-batch
+16, 16, 16, 8, 4, 2, 2, 1, 1, 1; ``--num-layers-per-virtual-pipeline-stage`` 5, 5, 3, 1 for the 76B, 145B, 310B
+and 530B rows; ``--recompute-method uniform`` (full recomputation, one layer a chunk) on every row; ``DDP=torch``
+(gradient all-reduce overlapped with backward) for the four smallest rows, ``DDP=local`` (not overlapped)
+for the others), priced by the speed model on the A100-80GB SXM profile with 8 GPUs a node (NVSwitch, 300 GB/s
+per GPU and direction; one 200 Gb/s HDR NIC per GPU). Model: GPT with LayerNorm, GeLU MLP of 4h, learned
+positions, tied embeddings, vocabulary 51,200, sequence 2048, fp16, attention and hidden dropout 0.1 (Megatron's
+defaults), so attention materialises its scores as Megatron did in 2021. FLOPs: the paper's convention,
+``96 B s l h^2 (1 + s / 6h + V / 16 l h)`` (recomputation counted).
+
+Assumptions stated with the output: no sequence parallelism (2021 Megatron had none: tp all-reduces and the
+element-wise ops on the whole sequence on every tp rank); pipeline messages at their full size (the paper's
+scatter/gather optimisation, which sends 1/tp of each over each NIC, is not modelled); no per-row parameter.
+
+Then the search (``--devices`` with the profile, 80 GiB): the published (tp, pp)'s rank among the search's
+(tp, pp) structures by their best fitting variant, and its predicted throughput against the search's best.
+
+    PYTHONPATH=. python benchmarks/plan_published.py [--rows 1.7B,1T] [--no-search] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+# name, heads, hidden, layers, tp, pp, GPUs, global batch, published TFLOP/s per GPU, micro-batch, layers per
+# virtual stage (None: 1F1B), gradient all-reduce overlapped (DDP=torch)
+ROWS = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, None, True),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, None, True),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 16, None, True),
+    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, None, True),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, None, False),
+    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5, False),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5, False),
+    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3, False),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, False),
+    ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, None, False),
+]
+DEVICE, GPN, SEQ, VOCAB = "a100-80gb-sxm", 8, 2048, 51200
+
+
+def model_flags(row) -> dict:
+    """The row's model as plan flags (the vocabulary: NullTokenizer's ids + end of document = 51,200)."""
+    _, heads, hidden, layers, *_ = row
+    return {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "seq_length": SEQ,
+            "max_position_embeddings": SEQ, "tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1,
+            "fp16": True, "attention_dropout": 0.1, "hidden_dropout": 0.1, "recompute_granularity": "full",
+            "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def paper_flops(row) -> float:
+    """The paper's FLOPs per step (recomputation counted)."""
+    _, _, h, L, _, _, _, B, *_ = row
+    return 96.0 * B * SEQ * L * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * L * h))
+
+
+def predict_row(row, rates):
+    """(settings, StepTime) of the row's published layout."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.speed import predict
+
+    name, _, _, L, tp, pp, n, gbs, _, mbs, per_virtual, overlapped = row
+    given = model_flags(row) | {"layout": f"tp{tp},pp{pp},dp{n // (tp * pp)}", "micro_batch_size": mbs,
+                                "global_batch_size": gbs}
+    if per_virtual:
+        given["num_layers_per_virtual_pipeline_stage"] = per_virtual
+    s = settings_of(given)
+    return s, predict(s, rates, "dp" if overlapped else "none")
+
+
+def search(row, rates, paper_space: bool, published) -> list:
+    """The search's candidates for the row's model, GPUs and batch (recomputation left to it) and the
+    ``published`` layout's own :class:`Choice`, ranked by predicted speed; left out: those whose parameters and
+    optimizer state alone exceed 80 GiB, and those whose step's lower bound is slower than the published
+    layout's prediction (they cannot rank above it). ``paper_space``: only what 2021's Megatron could run (no
+    context parallelism, full recomputation as every row used, no distributed optimizer)."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.recommend import Choice, candidates, state_lower_bound
+    from omnitron.plan.speed import predict, step_lower_bound
+
+    name, _, _, _, tp, pp, n, gbs, _, mbs, _, overlapped = row
+    given = model_flags(row) | {"global_batch_size": gbs, "nproc_per_node": n}
+    for k in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        given.pop(k)  # the search decides recomputation
+    memory = 80 * 2**30
+    cands = candidates(given, n, cluster=GPN)
+    if paper_space:
+        keep = [c for c in cands if c.settings.parallel.context_parallel_size == 1 and c.flags.get("recompute_granularity")]
+        plain = [{k: v for k, v in c.flags.items() if k != "use_distributed_optimizer"} for c in keep]
+        cands = [Choice(f, settings_of(given | f)) for f in plain]
+    overlap = "dp" if overlapped else "none"
+    floor = published.step.tokens_per_s
+    tokens = gbs * SEQ
+    cands = [c for c in cands if state_lower_bound(c.settings) <= memory
+             and tokens / step_lower_bound(c.settings, rates, overlap) > floor]
+    for c in cands:
+        c.step = predict(c.settings, rates, overlap)
+    cands.append(published)
+    cands.sort(key=lambda c: -c.step.tokens_per_s)
+    return cands
+
+
+def rank_of(row, cands):
+    """(rank of the published (tp, pp) among the (tp, pp) structures of ``cands``, each by its fastest variant
+    that fits 80 GiB; the best's tokens/s; the best's name). The walk stops at the published structure (the ones
+    after it do not change its rank)."""
+    from omnitron.plan.memory import estimate
+
+    tp, pp, memory = row[4], row[5], 80 * 2**30
+    fitting = {}
+    for c in cands:
+        pc = c.settings.parallel
+        key = (pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size)
+        if key in fitting:
+            continue
+        if c.stages is None:
+            c.stages = estimate(c.settings, transients=False)
+        if c.peak <= memory:
+            fitting[key] = c
+            if key == (tp, pp):
+                break
+    order = list(fitting)
+    rank = order.index((tp, pp)) + 1 if (tp, pp) in fitting else None
+    best = fitting[order[0]]
+    return rank, best.step.tokens_per_s, best.name()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", help="comma-separated row names (default: all)")
+    ap.add_argument("--no-search", action="store_true", help="skip the layout search (the rank columns)")
+    ap.add_argument("--json", help="write the rows to this file")
+    args = ap.parse_args()
+    from omnitron.plan.cluster import device_rates
+
+    rates = device_rates(DEVICE, GPN)
+    prof = rates.profile
+    print(f"device profile: {prof.name} ({prof.title}): {prof.peak['fp16'] / 1e12:.0f} TFLOP/s fp16 dense, "
+          f"{prof.memory_bw / 1e9:.0f} GB/s; {GPN} per node, {prof.links.intra} {prof.links.intra_bw / 1e9:.0f} GB/s x "
+          f"{prof.links.intra_eff}, {prof.links.nic} {prof.links.nic_bw / 1e9:.0f} GB/s x {prof.links.nic_eff}")
+    print("FLOPs: 96 B s l h^2 (1 + s/6h + V/16lh) per step (SC21's, recomputation counted); per GPU = / step / GPUs")
+    print("assumed: no sequence parallelism; pipeline messages at full size (scatter/gather not modelled); "
+          "DDP=torch rows overlap the gradient all-reduce; one efficiency curve per kernel kind, no per-row fit\n")
+    wanted = set(args.rows.split(",")) if args.rows else None
+    head = f"{'model':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'mbs':>3} {'vpp':>3} {'published':>9} {'predicted':>9} " \
+           f"{'error':>7}  {'rank':>4} {'best/':>6} {'best in 2021 space (cp1 recompute)':34s}" \
+           f"  {'rank':>4} {'best/':>6} {'best of the whole search':34s} {'s':>5}"
+    print(head)
+    out, errors = [], []
+    for row in ROWS:
+        if wanted and row[0] not in wanted:
+            continue
+        t0 = time.time()
+        s, st = predict_row(row, rates)
+        pred = paper_flops(row) / st.total / row[6] / 1e12
+        err = pred / row[8] - 1
+        errors.append(err)
+        rec = {"model": row[0], "tp": row[4], "pp": row[5], "gpus": row[6], "published_tflops": row[8],
+               "predicted_tflops": pred, "error": err, "breakdown_s": st.breakdown()}
+        cols = ""
+        if not args.no_search:
+            from omnitron.plan.recommend import Choice
+
+            for space in ("paper", "all"):
+                own = Choice({"recompute_granularity": "full"}, s, st)
+                rank, best, name = rank_of(row, search(row, rates, space == "paper", own))
+                rec[space] = {"rank": rank, "best_over_published_layout": best / st.tokens_per_s, "best": name}
+                cols += f"  {rank or 'none':>4} {best / st.tokens_per_s:6.3f} {name:34s}"
+        vpp = s.parallel.virtual_pipeline_model_parallel_size or 1
+        print(f"{row[0]:>8} {row[4]:>3} {row[5]:>3} {row[6]:>5} {row[9]:>3} {vpp:>3} {row[8]:>9} {pred:9.1f} "
+              f"{err:+7.1%}{cols} {time.time() - t0:5.0f}")
+        out.append(rec)
+    abs_err = [abs(e) for e in errors]
+    print(f"\n|error|: median {statistics.median(abs_err):.1%}, max {max(abs_err):.1%}; "
+          f"rows within 15%: {sum(e <= 0.15 for e in abs_err)}/{len(abs_err)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": DEVICE, "gpus_per_node": GPN, "rows": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
