@@ -12,11 +12,18 @@ What makes a layer trace without graph breaks:
   kernels and raw Triton launches would each split the graph; their plain-torch references are fused by the
   compiler instead) and every op is resolved before compilation, so no lookup happens while tracing;
 * dropout 0 never enters the tensor-parallel RNG tracker; at tensor-parallel size 1 the tracker's fork is
-  skipped while compiling (nothing is split over ranks, so there is nothing to decorrelate).
+  skipped while compiling (nothing is split over ranks, so there is nothing to decorrelate);
+* the tensor-parallel collectives are torch's functional collectives while tracing
+  (:mod:`omnitron.core.parallel.tensor.mappings`);
+* FP8 (tensorwise, blockwise): the weight is re-quantized inside the graph instead of cached, and the FP8
+  provider's log-once stays silent while tracing.
 
-Known graph breaks that remain (each measured with ``torch._dynamo.explain``): dropout > 0 at tensor-parallel
-size > 1 (the fork reads and writes the generator state, which dynamo refuses to trace: the compiled graph is
-split around it, correct but slower).
+Known graph breaks that remain (each measured with ``torch._dynamo.explain``, torch 2.13, 2026-12-03):
+dropout > 0 at tensor-parallel size > 1 (5 per layer with sequence parallelism: the fork reads and writes the
+generator state, which dynamo refuses to trace; the graph is split around it, correct but slower), and the
+``delayed`` FP8 recipe (15 per layer: its amax history is Python state mutated inside autograd functions).
+Under compilation, dropout masks come from the compiler's generator: training with dropout is statistically,
+not bitwise, the eager run.
 """
 from __future__ import annotations
 
