@@ -15,6 +15,8 @@ What makes a layer trace without graph breaks:
   skipped while compiling (nothing is split over ranks, so there is nothing to decorrelate);
 * the tensor-parallel collectives are torch's functional collectives while tracing
   (:mod:`omnitron.core.parallel.tensor.mappings`);
+* selective recomputation inside a layer: :func:`omnitron.core.parallel.tensor.random.checkpoint` is traced
+  as torch's checkpoint (full recomputation wraps the compiled layers from outside, unchanged);
 * FP8 (tensorwise, blockwise): the weight is re-quantized inside the graph instead of cached, and the FP8
   provider's log-once stays silent while tracing.
 
@@ -22,6 +24,10 @@ Known graph breaks that remain (each measured with ``torch._dynamo.explain``, to
 dropout > 0 at tensor-parallel size > 1 (5 per layer with sequence parallelism: the fork reads and writes the
 generator state, which dynamo refuses to trace; the graph is split around it, correct but slower), and the
 ``delayed`` FP8 recipe (15 per layer: its amax history is Python state mutated inside autograd functions).
+Checked against eager training (tests/training/test_torch_compile.py and runs of 2026-12-03): tp1 plain and
+selective recomputation, tp2 x pp2 with sequence parallelism, and (one run, not in the suite) dp2 with the
+distributed optimizer and --overlap-grad-reduce, and full recomputation: the same losses within float32
+reordering, one graph per process. Not yet checked: FSDP2, context and expert parallelism, bf16/fp16.
 Under compilation, dropout masks come from the compiler's generator: training with dropout is statistically,
 not bitwise, the eager run.
 """
