@@ -24,10 +24,13 @@ Known graph breaks that remain (each measured with ``torch._dynamo.explain``, to
 dropout > 0 at tensor-parallel size > 1 (5 per layer with sequence parallelism: the fork reads and writes the
 generator state, which dynamo refuses to trace; the graph is split around it, correct but slower), and the
 ``delayed`` FP8 recipe (15 per layer: its amax history is Python state mutated inside autograd functions).
-Checked against eager training (tests/training/test_torch_compile.py and runs of 2026-12-03): tp1 plain and
-selective recomputation, tp2 x pp2 with sequence parallelism, and (one run, not in the suite) dp2 with the
-distributed optimizer and --overlap-grad-reduce, and full recomputation: the same losses within float32
-reordering, one graph per process. Not yet checked: FSDP2, context and expert parallelism, bf16/fp16.
+Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
+the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
+process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,
+pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --overlap-grad-reduce, FSDP2 dp2.
+Correct but split: cp2 (8 graphs per rank: the ring's point-to-point exchanges are eager) and MoE ep2 (61-62
+graphs per rank: the token dispatch has data-dependent shapes, so the graph breaks and recompiles per routing).
+Not checked: fp16.
 Under compilation, dropout masks come from the compiler's generator: training with dropout is statistically,
 not bitwise, the eager run.
 """
