@@ -31,6 +31,10 @@ pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --ov
 Correct but split: cp2 (8 graphs per rank: the ring's point-to-point exchanges are eager) and MoE ep2 (61-62
 graphs per rank: the token dispatch has data-dependent shapes, so the graph breaks and recompiles per routing).
 Not checked: fp16.
+
+Compile caches: inductor's FX-graph and kernel caches (on by default, under ``TORCHINDUCTOR_CACHE_DIR``,
+default ``/tmp/torchinductor_<user>``) make a rerun with the same shapes skip code generation (4-layer h256 on
+2 loaded cores: 9 s instead of 25-80 s, BENCHMARKS.md); point that variable at persistent storage to keep them.
 Under compilation, dropout masks come from the compiler's generator: training with dropout is statistically,
 not bitwise, the eager run.
 """
