@@ -49,6 +49,8 @@ class Capabilities:
     compiler: str | None = None
     """The ``torch.compile`` backend that runs on this device (``"inductor"``: generated fused kernels;
     ``"aot_eager"``: traced graphs run op by op) or None where none was shown to work (``--torch-compile``)."""
+    graph_capture: bool = False
+    """True when :meth:`Backend.capture` records device graphs (CUDA graphs); False where it is the no-op."""
 
     def peak(self, dtype: torch.dtype | str) -> float | None:
         """Peak FLOP/s for a dtype (a ``torch.dtype`` or one of the names above), or None."""
@@ -218,6 +220,14 @@ class Backend(ABC):
     @abstractmethod
     def capabilities(self) -> Capabilities:
         """What the device can do, as facts (see :class:`Capabilities`)."""
+
+    def capture(self, fn, sample_args: tuple):
+        """``fn`` (a module or function of tensors) with its forward and backward captured once as device
+        graphs and replayed on every later call, which must pass tensors of ``sample_args``' shapes, dtypes and
+        ``requires_grad`` (no host syncs, no data-dependent shapes inside). Where the device has no graphs
+        (``capabilities().graph_capture`` False: cpu, sim) it returns ``fn`` itself, so callers are the same
+        everywhere and the eager path is what runs."""
+        return fn
 
     def compile_unsupported_reason(self) -> str:
         """Why ``capabilities().compiler`` is None (the ``--torch-compile`` refusal names it)."""

@@ -12,6 +12,7 @@ import torch
 
 from omnitron.core.config import ConfigError
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.parity import relative_error
 
 STEPS = 3
 
@@ -81,19 +82,31 @@ def test_a_layer_traces_without_graph_breaks(flavour):
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
 
 
-def test_compiled_training_matches_eager_and_compiles_one_graph(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recompute", [(), ("--recompute-granularity", "selective")], ids=["plain", "selective"])
+def test_compiled_training_matches_eager_and_compiles_one_graph(tmp_path, monkeypatch, recompute):
+    """Selective recomputation checkpoints core attention INSIDE the compiled layer."""
     monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
-    eager, graphs = _train(str(tmp_path / "eager"), 1)
+    eager, graphs = _train(str(tmp_path / "eager"), 1, *recompute)
     assert graphs == 0 and len(set(eager)) == STEPS
-    compiled, graphs = _train(str(tmp_path / "compiled"), 1, "--torch-compile")
+    compiled, graphs = _train(str(tmp_path / "compiled"), 1, "--torch-compile", *recompute)
     assert compiled == pytest.approx(eager, rel=REL), (compiled, eager)
     # 2 layers x 2 micro-batches x 3 steps ran through ONE graph: no recompilation after the first call
     assert graphs == 1
 
 
-@pytest.mark.slow
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+def test_recomputation_inside_a_compiled_region_keeps_the_dropout_mask():
+    """omnitron's checkpoint traced by dynamo: the gradient flows exactly where the forward kept elements."""
+    from omnitron.core.parallel.tensor.random import checkpoint
+
+    def region(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 3.0
+
+    x = torch.randn(4096, requires_grad=True)
+    y = torch.compile(lambda t: checkpoint(region, None, t), backend="aot_eager")(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    kept = y != 0  # x is continuous: a kept element is nonzero with probability 1
+    assert 0.4 < kept.float().mean() < 0.6  # 4096 draws of p = 0.5: sd 0.008, so +-0.1 is 12 sd
+    assert torch.equal(grad, kept.float() * 3.0 / 0.5)  # exact: one multiply of representable values
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.slow)])
@@ -120,11 +133,16 @@ def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
     # relative) with probability ~1e-6 / 2^-3 ~ 1e-5; each crossing changes it by one e4m3 step. Norm-wise:
     # <= 2^-3 sqrt(1e-5) = 4e-4 on the quantized operands, carried with condition ~1. 2e-3 leaves 5x; an FP8
     # path that lost a scale or a cast is off by O(1).
-    assert _relative_error(got, want) < 2e-3 and _relative_error(got_grad, want_grad) < 2e-3
+    assert relative_error(got, want) < 2e-3 and relative_error(got_grad, want_grad) < 2e-3
 
 
-def _tp2_graph_breaks(sequence_parallel: bool) -> list[str]:
-    """Graph-break reasons of one tensor-parallel layer (dropout 0) on this worker's rank."""
+def _tp2_graph_breaks() -> dict[bool, list[str]]:
+    """Graph-break reasons of one tensor-parallel layer (dropout 0) on this worker's rank, without and with
+    sequence parallelism (one spawn for both)."""
+    return {sp: _tp2_layer_graph_breaks(sp) for sp in (False, True)}
+
+
+def _tp2_layer_graph_breaks(sequence_parallel: bool) -> list[str]:
     from omnitron.backends import get_backend
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
@@ -137,13 +155,14 @@ def _tp2_graph_breaks(sequence_parallel: bool) -> list[str]:
     return [str(b.reason).splitlines()[0] for b in explained.break_reasons] + [""] * explained.graph_break_count
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_a_tensor_parallel_layer_traces_its_collectives(sp):
-    """The all-reduce / all-gather / reduce-scatter of a tp layer are functional collectives in the graph."""
-    for rank, breaks in enumerate(run_distributed(_tp2_graph_breaks, 2, sp)):
-        assert breaks == [], (rank, breaks)
+def test_a_tensor_parallel_layer_traces_its_collectives():
+    """The all-reduce (tp2) and all-gather / reduce-scatter (tp2 with sequence parallelism) of a layer are
+    functional collectives inside its graph."""
+    for rank, breaks in enumerate(run_distributed(_tp2_graph_breaks, 2)):
+        assert breaks == {False: [], True: []}, (rank, breaks)
 
 
+@pytest.mark.slow
 def test_compiled_tp2_pp2_matches_one_eager_process(tmp_path, monkeypatch):
     """tp2 x pp2 with sequence parallelism: the layers' collectives are traced (functional collectives)."""
     monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
@@ -177,12 +196,22 @@ def test_backends_state_their_compiler_and_refusal_is_one_line():
         compiler_for(NoCompiler())
 
 
+def test_capture_is_the_eager_callable_where_the_device_has_no_graphs():
+    """cpu (and sim, checked in its worker below): ``capture`` hands back the callable itself."""
+    from omnitron.backends import get_backend
+
+    be = get_backend("cpu")
+    mlp = torch.nn.Linear(4, 4)
+    assert be.capabilities().graph_capture is False and be.capture(mlp, (torch.randn(2, 4),)) is mlp
+
+
 def _sim_layer_eager_and_compiled() -> dict:
     """(eager, compiled) output and input gradient of one layer on this worker's backend, and its compiler."""
     from omnitron.core.compile import compile_layers
 
     model, be = _layer(hidden_dropout=0.0, attention_dropout=0.0)  # dropout masks would differ
     layer, out = model.decoder.layers["0"], {"compiler": be.capabilities().compiler}
+    out["capture_noop"] = not be.capabilities().graph_capture and be.capture(layer, ()) is layer
     x = torch.randn(8, 2, 32).to(be.current_device()).requires_grad_(True)
     for name in ("eager", "compiled"):
         if name == "compiled":
@@ -196,7 +225,7 @@ def test_sim_layer_compiles_with_aot_eager_and_matches_eager():
     """sim states aot_eager (inductor cannot lower its PrivateUse1 device); the compiled layer runs the same
     reference ops as eager there, in the same order."""
     (res,) = run_distributed(_sim_layer_eager_and_compiled, 1, backend="sim")
-    assert res["compiler"] == "aot_eager"
+    assert res["compiler"] == "aot_eager" and res["capture_noop"]
     # NOTE: same ops on the same device; AOTAutograd may decompose an op into an equivalent sequence, which
     # moves results by a few fp32 ulps: 1e-6 relative
     for got, want in zip(res["compiled"], res["eager"]):

@@ -53,6 +53,7 @@ def cuda_capabilities(device_name: str, cc: tuple[int, int], memory_total: int |
         streams=True,
         memory_total=memory_total,
         compiler="inductor" if triton else None,
+        graph_capture=True,
     )
 
 
@@ -142,6 +143,11 @@ class CUDABackend(Backend):
                 tuple(cc) >= FP8_MIN_CC and scaled_mm_runs(torch.device("cuda", index)),
                 importlib.util.find_spec("triton") is not None)
         return self._caps
+
+    def capture(self, fn, sample_args: tuple):
+        """CUDA graphs of ``fn``'s forward and backward (``torch.cuda.make_graphed_callables``: warm-up
+        iterations on a side stream, then one capture of each pass; later calls replay them)."""
+        return torch.cuda.make_graphed_callables(fn, sample_args)
 
     def compile_unsupported_reason(self) -> str:
         return "Triton is not installed, and inductor generates its CUDA kernels with it; pip install triton"

@@ -85,7 +85,12 @@ def checkpoint(fn: Callable, tracker: RNGTracker | None, *args, **kwargs):
 
     The recomputation starts from the RNG states the first forward saw (default generator and
     every tracker stream) and restores the current states afterwards, so dropout masks match.
+    While ``torch.compile`` traces (selective recomputation inside a compiled layer), torch's checkpoint is
+    traced into the graph instead (the generator swaps, which dynamo cannot trace, are skipped): the
+    backward's dropout masks are the forward's (tested with aot_eager and inductor).
     """
+    if torch.compiler.is_compiling():
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
     backend = tracker.backend if tracker is not None else None
     snap_default = backend.get_rng_state() if backend is not None else torch.get_rng_state()
     snap_tracker = tracker.get_states() if tracker is not None else None
