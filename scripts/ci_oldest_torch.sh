@@ -52,7 +52,7 @@ t1=$(date +%s)
 (cd "$tree" && PYTHONPATH="$tree" timeout 2400 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}") >>"$log" 2>&1
 rc=$?
 counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$log" | tail -1 | grep -oE '[0-9]+ (passed|failed|errors?|skipped)' \
-         | sed 's/passed/ok/; s/failed/failing/' | paste -sd, -)
+         | sed 's/passed/ok/; s/failed/failing/' | paste -sd, - | sed 's/,/, /g')
 if [ $rc -ne 0 ]; then
   show 80
   echo "oldest supported torch $torch: subset FAILED, exit $rc (${counts:-no counts}; $(minutes $t1))"
