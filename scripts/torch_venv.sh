@@ -22,25 +22,33 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
   pip install "torch==$version" --index-url "$TORCH_INDEX_URL" || exit 2
 else
   pip install --no-deps "torch==$version" || exit 2
-  # torch's requirements for this platform: "py NAME==VER" (Python) or "nv NAME==VER" (nvidia-*, lazy or not)
+  # torch's requirements here: "py REQ" (Python; cuda-toolkit[...] without the lazy extras), "nv REQ" (nvidia-*), "lazy REQ"
   reqs=$("$py" - <<'PY'
 from importlib.metadata import requires
 from pip._vendor.packaging.requirements import Requirement
 
+LAZY = ("cusolver", "nvrtc", "nvtx")
 for line in requires("torch") or []:
     r = Requirement(line)
     if r.marker is not None and not r.marker.evaluate({"extra": ""}):
         continue
-    kind = "py" if not r.name.startswith("nvidia-") else ("lazy" if any(
-        k in r.name for k in ("cusolver", "nvrtc", "nvtx")) else "nv")
-    print(kind, f"{r.name}{r.specifier}")
+    lazy = [e for e in sorted(r.extras) if e in LAZY]
+    if r.extras:  # torch >= 2.11: cuda-toolkit[cublas,cudart,...], a meta package whose extras are the libraries
+        print("py", f"{r.name}[{','.join(e for e in sorted(r.extras) if e not in LAZY)}]{r.specifier}")
+        if lazy:
+            print("lazy", f"{r.name}[{','.join(lazy)}]{r.specifier}")
+    elif r.name.startswith("nvidia-"):
+        print("lazy" if any(k in r.name for k in LAZY) else "nv", f"{r.name}{r.specifier}")
+    else:
+        print("py", f"{r.name}{r.specifier}")
 PY
 )
-  pip install $(awk '$1 == "py" {print $2}' <<<"$reqs") || exit 2
-  pip install --no-deps $(awk '$1 == "nv" {print $2}' <<<"$reqs") || exit 2
+  install() { [ -z "$2" ] || (set -f; pip install $1 $2); }   # OPTIONS "REQUIREMENTS" (none: nothing to do)
+  install "" "$(awk '$1 == "py" {print $2}' <<<"$reqs")" || exit 2
+  install --no-deps "$(awk '$1 == "nv" {print $2}' <<<"$reqs")" || exit 2
   if ! "$py" -c "import torch" 2>/dev/null; then
-    echo "torch $version does not import without its lazily loaded nvidia-* wheels; installing them" >&2
-    pip install --no-deps $(awk '$1 == "lazy" {print $2}' <<<"$reqs") || exit 2
+    echo "torch $version does not import without its lazily loaded CUDA libraries; installing them" >&2
+    install "" "$(awk '$1 == "lazy" {print $2}' <<<"$reqs")" || exit 2
   fi
 fi
 "$py" -c "import torch" || exit 2
