@@ -172,8 +172,12 @@ class SimBackend(Backend):
     def collectives(self) -> Collectives:
         return self._collectives
 
+    def register_kernels(self) -> None:
+        import omnitron.backends.sim.kernels  # noqa: F401 - registers the "sim_flash" implementations
+
     def kernel_preference(self) -> tuple[str, ...]:
-        return ("reference",)  # omnitron._C's kernels take host pointers; the references run on any device
+        # omnitron._C's kernels take host pointers; ATen's CPU flash attention runs on sim memory as it is
+        return ("sim_flash", "reference")
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__, "omnitron._sim": "built"}
