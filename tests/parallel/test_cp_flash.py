@@ -1,8 +1,8 @@
 """Context parallelism on the backend's fused block kernel: the ring, a2a and allgather paths at cp2 (cp4 slow)
 with grouped-query heads, causal and full, against float64 attention on the whole sequence; the dispatch log
 shows the block kernel that ran is the backend's flash kernel (``cpu_flash`` on cpu, ``sim_flash`` on sim);
-the log-sum-exp merge of flash blocks against a float64 direct computation; the ring's dropout seed is drawn
-without a host sync (sim counts syncs).
+the ring in bf16 on the bf16 flash kernel; the log-sum-exp merge of flash blocks against a float64 direct
+computation; the ring's dropout seed is drawn without a host sync (sim counts syncs).
 """
 from __future__ import annotations
 
@@ -102,6 +102,45 @@ def test_cp4_paths_run_the_flash_block_kernel_and_match_float64():
 @requires_sim()
 def test_cp_paths_on_sim_run_the_flash_block_kernel_and_match_float64():
     _check(run_distributed(flash_worker, 2, 2, backend="sim"), "sim")
+
+
+def bf16_ring_worker(cp: int) -> dict:
+    """The ring in bf16 (the flash kernel takes bf16 itself; blocks merge in fp32): max relative errors against
+    float64 attention of the same bf16-rounded inputs, causal and full, and the dispatch counts."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.context import backend_kernel, ring_attention
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    groups, errs = ParallelGroups.build(ParallelConfig(context_parallel_size=cp), be.collectives), {}
+    for causal in (True, False):
+        g = torch.Generator().manual_seed(77 + causal)
+        b, s, d, hq, hkv = 2, 32 * cp, 64, 8, 2
+        q, dout = (torch.randn(b, hq, s, d, generator=g).bfloat16().double() for _ in range(2))
+        k, v = (torch.randn(b, hkv, s, d, generator=g).bfloat16().double() for _ in range(2))
+        full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref = _attention64(*full, causal)
+        ref.backward(dout)
+        mine = [split_sequence(t, 2, cp, groups.cp.rank).bfloat16().requires_grad_(True) for t in (q, k, v)]
+        o = ring_attention(*mine, group=groups.cp, collectives=be.collectives, causal=causal, kernel=backend_kernel(be))
+        o.backward(split_sequence(dout, 2, cp, groups.cp.rank).bfloat16())
+        want = [split_sequence(t, 2, cp, groups.cp.rank) for t in [ref] + [t.grad for t in full]]
+        errs[causal] = [((a.double() - w).abs().max() / w.abs().max()).item()
+                        for a, w in zip([o] + [t.grad for t in mine], want)]
+        errs[causal].append(o.dtype == torch.bfloat16)
+    return {"errs": errs, "ran": dict(be.kernels.get("attention_block_backward").ran)}
+
+
+def test_ring_in_bf16_runs_the_flash_kernel_in_bf16():
+    # u = 2^-8 (bf16). Output: each block's output is rounded to bf16 by the kernel (u) and the merged fp32
+    # result once more (u): 2u. Gradients: the kernel's delta = rowsum(dout * out) reads the bf16 output (u),
+    # each block's gradient is rounded to bf16 (u), the fp32 sum over blocks is rounded once more (u): 3u; the
+    # fp32 accumulation inside the kernel (d = 64, s <= 64 terms) adds < 2^-17. Bound 4u on every tensor.
+    bound = 4 * 2.0 ** -8
+    for res in run_distributed(bf16_ring_worker, 2, 2):
+        assert set(res["ran"]) == {"cpu_flash"}, res["ran"]
+        for causal, (*errs, kept) in res["errs"].items():
+            assert kept and max(errs) < bound, (causal, errs)
 
 
 def test_lse_merge_of_flash_blocks_equals_float64_attention():
