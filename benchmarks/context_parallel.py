@@ -38,7 +38,11 @@ same cores that compute, so hiding is bounded by spare cycles, not by the schedu
 the scheduler's share), core attention and GPT step for the ring, ``a2a`` and ``a2a+p2p`` (2x2: all-to-all
 in pairs of consecutive ranks, the ring over the two pairs) against cp=1; no overlap study.
 
-    python benchmarks/context_parallel.py [--seq 4096] [--heads 4] [--layers 2] [--rounds 5] [--cp 2|4] [--json FILE]
+``--kernels``: core attention at cp=2 on each path before and after the fused block kernel (the ring on the float32
+reference blocks vs the backend's, a2a / allgather on SDPA / masked SDPA vs the backend's block kernel), against cp=1.
+
+    python benchmarks/context_parallel.py [--seq 4096] [--heads 4] [--layers 2] [--rounds 5] [--cp 2|4] [--kernels]
+        [--json FILE]
 """
 from __future__ import annotations
 
@@ -356,6 +360,57 @@ def cp4_worker(seq: int, heads: int, layers: int, rounds: int) -> dict:
     return {"times": times, "peaks": peaks, "waited": {}}
 
 
+def _variants_kernels(groups, seq: int, heads: int) -> dict:
+    """``--kernels``: core attention (fwd+bwd) at cp=2 on each path before (the float32 reference block kernel for
+    the ring; SDPA / masked SDPA for a2a / allgather) and after (the backend's fused block kernel everywhere)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.context import REFERENCE, backend_kernel, ring_attention, split_sequence
+    from omnitron.core.parallel.context.blocks import BlockedAttention
+    from omnitron.core.parallel.context.ulysses import a2a_attention, allgather_attention
+
+    be, cp, rank = get_backend(), groups.cp, groups.cp.rank
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, HEAD_DIM, generator=g) for _ in range(3))
+    mine = [split_sequence(t, 2, cp.size, rank) for t in (q, k, v)]
+    fused, scale = backend_kernel(be), HEAD_DIM ** -0.5
+    sdpa = lambda a, b, c: be.kernels.attention(a, b, c, causal=True)  # noqa: E731
+    masked = lambda a, b, c, keep: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=keep)  # noqa: E731
+    block = lambda a, b, c: BlockedAttention.apply(a, b, c, [(slice(None), slice(None), True)], fused, scale)  # noqa: E731
+
+    def ring(kernel):
+        return lambda a, b, c: ring_attention(a, b, c, group=cp, collectives=be.collectives, kernel=kernel)
+
+    return {
+        "core attention, cp=1 sdpa": (False, _backward_of(sdpa, q, k, v)),
+        "ring, before (reference blocks)": (True, _backward_of(ring(REFERENCE), *mine)),
+        "ring, after (fused blocks)": (True, _backward_of(ring(fused), *mine)),
+        "a2a, before (sdpa)": (True, _backward_of(lambda a, b, c: a2a_attention(a, b, c, group=cp, attend=sdpa), *mine)),
+        "a2a, after (fused block)": (True, _backward_of(lambda a, b, c: a2a_attention(a, b, c, group=cp, attend=block),
+                                                        *mine)),
+        "allgather, before (masked sdpa)": (True, _backward_of(
+            lambda a, b, c: allgather_attention(a, b, c, group=cp, attend_masked=masked), *mine)),
+        "allgather, after (fused blocks)": (True, _backward_of(
+            lambda a, b, c: allgather_attention(a, b, c, group=cp, kernel=fused), *mine)),
+    }
+
+
+def kernels_worker(seq: int, heads: int, layers: int, rounds: int) -> dict:
+    """``--kernels``: the before/after table of :func:`_variants_kernels` on a cp=2 world (``layers`` unused)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    groups = ParallelGroups.build(ParallelConfig(context_parallel_size=2), get_backend().collectives)
+    variants = _variants_kernels(groups, seq, heads)
+    times = interleaved(variants, groups.cp.rank, rounds, dist.barrier)
+    peaks: dict[str, int] = {}
+    for name, (distributed, fn) in variants.items():
+        on_ranks(distributed, groups.cp.rank, dist.barrier, lambda: peaks.__setitem__(name, peak_bytes(fn)))
+    return {"times": times, "peaks": peaks, "waited": {}}
+
+
 def summarize(ranks: list[dict]) -> dict:
     times, cpu = {}, {}
     for name in ranks[0]["times"]:
@@ -364,12 +419,13 @@ def summarize(ranks: list[dict]) -> dict:
         cpu[name] = statistics.median(sum(x[i][1] for x in runs) for i in range(len(runs[0]))) * 1e3
     peaks = {n: max(r["peaks"].get(n, 0) for r in ranks) / 2**20 for n in ranks[0]["peaks"]}
     rows = []
-    for group in ("core attention", "attention layer", "GPT step"):
-        names = [n for n in times if n.startswith(group)]
+    for group in ("core attention", "attention layer", "GPT step", "ring", "a2a", "allgather"):
+        names = [n for n in times if n.startswith(group + ",")]
+        base = "core attention, cp=1 sdpa" if group in ("ring", "a2a", "allgather") else names[0] if names else None
         for n in names:
-            rows.append({"variant": n, "ms": times[n], "ratio": times[n] / times[names[0]], "cpu_ms": cpu[n],
-                         "cpu_ratio": cpu[n] / cpu[names[0]], "peak": peaks.get(n),
-                         "peak_ratio": peaks.get(n, 0) / peaks[names[0]] if peaks.get(names[0]) else None})
+            rows.append({"variant": n, "ms": times[n], "ratio": times[n] / times[base], "cpu_ms": cpu[n],
+                         "cpu_ratio": cpu[n] / cpu[base], "peak": peaks.get(n),
+                         "peak_ratio": peaks.get(n, 0) / peaks[base] if peaks.get(base) else None})
     if "ring sequential" not in times:  # --cp 4: no overlap study
         return {"rows": rows}
     o, s, c = times["core attention, cp=2 ring"], times["ring sequential"], times["ring comm only"]
@@ -392,8 +448,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--cp", type=int, default=2, choices=(2, 4),
                     help="2: ring / a2a / allgather and the ring's overlap; 4: ring, a2a and a2a+p2p (2x2) on 4 ranks")
+    ap.add_argument("--kernels", action="store_true",
+                    help="cp=2 core attention before/after: reference vs fused ring blocks, SDPA vs fused a2a/allgather")
     args = ap.parse_args()
-    worker = cp_worker if args.cp == 2 else cp4_worker
+    worker = kernels_worker if args.kernels else cp_worker if args.cp == 2 else cp4_worker
     ranks = run_distributed(worker, args.cp, args.seq, args.heads, args.layers, args.rounds, timeout_s=900)
     res = summarize(ranks)
     res["args"] = vars(args)

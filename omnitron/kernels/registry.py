@@ -112,6 +112,8 @@ class _Dispatcher:
     def __init__(self, op: str, candidates: list[Implementation], reference: Implementation) -> None:
         self.op, self.candidates, self.reference = op, candidates, reference
         self._said: set[tuple[str, str]] = set()
+        self.ran: dict[str, int] = {}
+        """Eager calls per implementation name (the dispatch log: which kernel really ran)."""
         self.__doc__ = reference.fn.__doc__
 
     def __call__(self, *args, **kwargs):
@@ -121,10 +123,14 @@ class _Dispatcher:
                 continue  # would break the graph; the reference traces and the compiler fuses it
             why = impl.supports(*args, **kwargs) if impl.supports is not None else None
             if why is None:
+                if not compiling:
+                    self.ran[impl.name] = self.ran.get(impl.name, 0) + 1
                 return impl.fn(*args, **kwargs)
             if not compiling and (impl.name, why) not in self._said:
                 self._said.add((impl.name, why))
                 log.info("kernel %s: %s declined this call (%s); running the reference", self.op, impl.name, why)
+        if not compiling:
+            self.ran[REFERENCE] = self.ran.get(REFERENCE, 0) + 1
         return self.reference.fn(*args, **kwargs)
 
     @property

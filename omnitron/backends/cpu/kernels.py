@@ -17,18 +17,20 @@ IMPL = "cpu_flash"
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
-def _available() -> tuple[bool, str]:
+def flash_available() -> tuple[bool, str]:
+    """Whether this torch has ATen's CPU flash-attention kernel (and the reason when not)."""
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return False, "this torch has no aten::_scaled_dot_product_flash_attention_for_cpu"
     return True, ""
 
 
-def _why_not(q, k, v, causal: bool, drop) -> str | None:
+def _why_not(q, k, v, causal: bool, drop, device_type: str = "cpu") -> str | None:
     if drop is not None:
         return "attention dropout (the ring's per-block masks) runs the reference"
     for t in (q, k, v):
-        if t.device.type != "cpu" or t.dtype not in _DTYPES or t.dim() != 4:
-            return f"needs 4-D CPU tensors in {[str(d) for d in _DTYPES]}, got {t.dtype} on {t.device.type}"
+        if t.device.type != device_type or t.dtype not in _DTYPES or t.dim() != 4:
+            return (f"needs 4-D {device_type} tensors in {[str(d) for d in _DTYPES]}, "
+                    f"got {t.dtype} on {t.device.type}")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         return "q, k and v must share a dtype"
     if q.shape[1] % k.shape[1]:
@@ -38,15 +40,22 @@ def _why_not(q, k, v, causal: bool, drop) -> str | None:
     return None
 
 
-def _fwd_supports(q, k, v, *, causal, scale, drop=None):
-    return _why_not(q, k, v, causal, drop)
+def supports_on(device_type: str):
+    """The (forward, backward) ``supports`` checks of these kernels for tensors on ``device_type``."""
+
+    def fwd(q, k, v, *, causal, scale, drop=None):
+        return _why_not(q, k, v, causal, drop, device_type)
+
+    def bwd(dout, q, k, v, out, lse, *, causal, scale, drop=None):
+        return _why_not(q, k, v, causal, drop, device_type)
+
+    return fwd, bwd
 
 
-def _bwd_supports(dout, q, k, v, out, lse, *, causal, scale, drop=None):
-    return _why_not(q, k, v, causal, drop)
+_fwd_supports, _bwd_supports = supports_on("cpu")
 
 
-@register("attention_block_forward", IMPL, available=_available, backends=("cpu",), supports=_fwd_supports,
+@register("attention_block_forward", IMPL, available=flash_available, backends=("cpu",), supports=_fwd_supports,
           traceable=True)
 def block_forward(q, k, v, *, causal: bool, scale: float, drop=None):
     """(``out [b, hq, sq, d]`` in q's dtype, ``lse [b, hq, sq]`` float32 (float64 for float64 inputs))."""
@@ -54,7 +63,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float, drop=None):
     return out, lse.to(torch.promote_types(q.dtype, torch.float32))
 
 
-@register("attention_block_backward", IMPL, available=_available, backends=("cpu",), supports=_bwd_supports,
+@register("attention_block_backward", IMPL, available=flash_available, backends=("cpu",), supports=_bwd_supports,
           traceable=True)
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None):
     """(dq, dk, dv) of one block given the final ``out`` and ``lse`` of its query rows."""

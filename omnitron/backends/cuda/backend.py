@@ -156,8 +156,11 @@ class CUDABackend(Backend):
     def collectives(self) -> Collectives:
         return self._collectives
 
+    def register_kernels(self) -> None:
+        import omnitron.backends.cuda.kernels  # noqa: F401 - registers the "cuda_flash" implementations
+
     def kernel_preference(self) -> tuple[str, ...]:
-        return ("triton", "reference")
+        return ("triton", "cuda_flash", "reference")
 
     def profiler_activities(self) -> tuple:
         """The CPU and the CUDA kernels (CUPTI)."""

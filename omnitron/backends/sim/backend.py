@@ -2,8 +2,9 @@
 
 Tensors live on ``torch.device("sim", i)`` (host memory behind a PrivateUse1 device, csrc/sim), so a
 tensor created on the host where the device was meant, a hidden host sync or a collective given a
-host tensor fails or is counted here as it would on a GPU. FP8 GEMMs are emulated, there is no flash
-attention and no peak FLOP/s. The device RNG is a generator of its own, not the host's.
+host tensor fails or is counted here as it would on a GPU. FP8 GEMMs are emulated, attention's fused kernel
+is ATen's CPU flash kernel on sim memory (``sim_flash``, the ring's blocks), there is no peak FLOP/s. The
+device RNG is a generator of its own, not the host's.
 
 Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
 
@@ -173,8 +174,12 @@ class SimBackend(Backend):
     def collectives(self) -> Collectives:
         return self._collectives
 
+    def register_kernels(self) -> None:
+        import omnitron.backends.sim.kernels  # noqa: F401 - registers the "sim_flash" implementations
+
     def kernel_preference(self) -> tuple[str, ...]:
-        return ("reference",)  # omnitron._C's kernels take host pointers; the references run on any device
+        # omnitron._C's kernels take host pointers; ATen's CPU flash attention runs on sim memory as it is
+        return ("sim_flash", "reference")
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__, "omnitron._sim": "built"}

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnitron.core.parallel.context.blocks import backend_kernel
+from omnitron.core.parallel.context.blocks import BlockedAttention, backend_kernel
 from omnitron.core.parallel.context.ring import ring_attention
 from omnitron.core.parallel.groups import Group
 from omnitron.core.parallel.tensor import mappings as M
@@ -149,10 +149,8 @@ class SelfAttention(nn.Module):
         if self.cp_group is not None and self.cp_comm_type in ("a2a", "allgather"):
             return self._gathered_cp_attention(q, k, v, p)
         if self.cp_group is not None:
-            seed = 0
-            if p > 0.0:  # the ring draws its block masks from a seed taken from the tp-rank-specific stream
-                with self.tracker.fork():
-                    seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
+            # the ring draws its block masks from a seed taken from the tp-rank-specific stream (no host sync)
+            seed = self.tracker.draw_seed(q.device) if p > 0.0 else 0
             if self.cp_comm_type == "a2a+p2p":
                 return self._hierarchical_cp_attention(q, k, v, p, seed)
             return ring_attention(q, k, v, group=self.cp_group, collectives=self.backend.collectives, causal=True,
@@ -163,18 +161,22 @@ class SelfAttention(nn.Module):
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
 
     def _gathered_cp_attention(self, q, k, v, p: float) -> torch.Tensor:
-        """``--cp-comm-type a2a`` / ``allgather`` (:mod:`omnitron.core.parallel.context.ulysses`)."""
+        """``--cp-comm-type a2a`` / ``allgather`` (:mod:`omnitron.core.parallel.context.ulysses`): without
+        dropout on the ring's block kernel (the backend's flash kernel with log-sum-exp where it has one),
+        with dropout on the attention kernel (SDPA, whose fused kernels draw dropout inside on CUDA)."""
         from omnitron.core.parallel.context.ulysses import a2a_attention, allgather_attention
 
+        kernel = backend_kernel(self.backend) if p == 0.0 else None
+
         def full(q, k, v):
-            if p == 0.0:
-                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
+            if kernel is not None:  # one causal block over the whole sequence
+                return BlockedAttention.apply(q, k, v, [(slice(None), slice(None), True)], kernel, self.d ** -0.5)
             with self.tracker.fork():
                 return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
 
         if self.cp_comm_type == "a2a":
             return a2a_attention(q, k, v, group=self.cp_group, attend=full)
-        return allgather_attention(q, k, v, group=self.cp_group,
+        return allgather_attention(q, k, v, group=self.cp_group, kernel=kernel,
                                    attend_masked=lambda q, k, v, keep: self._masked_sdpa(q, k, v, keep, p))
 
     def _hierarchical_cp_attention(self, q, k, v, p: float, seed: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Attention over one key/value block with its log-sum-exp, and that block's backward given the
 final (all-block) output and log-sum-exp: the compute kernel of ring attention (context parallelism).
 
-Plain PyTorch maths in the caller's dtype (the ring passes fp32, or fp64 for fp64 inputs).
+Plain PyTorch maths in fp32 (fp64 for fp64 inputs) whatever the inputs' dtype: the ring passes its
+inputs as they are, and a flash implementation takes bf16/fp16 natively.
 ``drop`` (optional) is an attention-dropout multiplier ``[b, hq, sq, sk]`` (0 or ``1 / (1 - p)``)
 applied to the block's probabilities. Grouped-query attention is computed without repeating
 keys/values: queries are viewed as ``[b, hkv, hq/hkv, s, d]``. Fast versions (a flash kernel that
@@ -18,6 +19,12 @@ def _group(q: torch.Tensor, hkv: int) -> torch.Tensor:
     """``[b, hq, s, d] -> [b, hkv, hq/hkv, s, d]`` (query heads of one key/value head together)."""
     b, hq, s, d = q.shape
     return q.reshape(b, hkv, hq // hkv, s, d)
+
+
+def _upcast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``ts`` in fp32 (fp64 when the first is fp64): the reference's compute dtype."""
+    cdt = torch.promote_types(ts[0].dtype, torch.float32)
+    return tuple(t.to(cdt) for t in ts)
 
 
 def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -38,6 +45,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     ``out`` is normalised within the block; ``lse`` is the log of the block's softmax denominator,
     which is all the ring needs to merge blocks exactly (dropout leaves it unchanged). Every query
     row must see a key."""
+    q, k, v = _upcast(q, k, v)
     b, hq, sq, d = q.shape
     s = _scores(_group(q, k.shape[1]), k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # [b, hkv, rep, sq]
@@ -57,6 +65,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     ``ds = p * (dout v^T - rowsum(dout * out))``, ``dq = ds k * scale``, ``dk = ds^T q * scale``
     (with dropout: ``p * drop`` in ``dv`` and ``dout v^T * drop`` in ``ds``).
     Returns ``(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d])``."""
+    dout, q, k, v, out, lse = _upcast(dout, q, k, v, out, lse)
     hkv = k.shape[1]
     qg, dog = _group(q, hkv), _group(dout, hkv)
     p = torch.exp(_scores(qg, k, causal, scale) - _group(lse.unsqueeze(-1), hkv))  # [b, hkv, rep, sq, sk]

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel
+from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, merge
 
 
 class _Ring:
@@ -47,13 +47,6 @@ class _Ring:
 def _wait(handles: list) -> None:
     for h in handles:
         h.wait()
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-    """In place: ``out, lse`` <- the exact softmax combination of two partial results."""
-    new = torch.logaddexp(lse, l)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
-    lse.copy_(new)
 
 
 def _step_slices(step: int, src: int, rank: int, c: int, causal: bool) -> tuple[slice, slice, bool]:
@@ -101,18 +94,17 @@ class RingAttention(torch.autograd.Function):
         ctx.group, ctx.collectives, ctx.causal, ctx.scale, ctx.kernel = group, collectives, causal, scale, kernel
         ctx.dropout_p, ctx.seed = dropout_p, seed
         ring, cdt = _Ring(group, collectives), torch.promote_types(q.dtype, torch.float32)
-        qc = q.to(cdt)
         out, lse = None, None
         kv = torch.stack([k, v])  # [2, b, hkv, s, d], the circulating block
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
             st = _Step(ctx, ring, i, q, cdt)
-            o, l = kernel.forward(qc[:, :, st.rows], kv[0, :, :, st.cols].to(cdt), kv[1, :, :, st.cols].to(cdt),
-                                  **st.kw(scale))
+            o, l = kernel.forward(q[:, :, st.rows], kv[0, :, :, st.cols], kv[1, :, :, st.cols], **st.kw(scale))
+            o, l = o.to(cdt), l.to(cdt)  # merged in fp32 (fp64 for fp64 inputs) whatever the kernel's dtype
             if out is None:
                 out, lse = o, l  # step 0 covers every row
             else:
-                _merge(out[:, :, st.rows], lse[:, :, st.rows], o, l)
+                merge(out[:, :, st.rows], lse[:, :, st.rows], o, l)
             _wait(handles)
             kv = nxt
         result = out.to(q.dtype)
@@ -123,17 +115,16 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, cdt = _Ring(ctx.group, ctx.collectives), torch.promote_types(q.dtype, torch.float32)
-        qc, oc, doc = q.to(cdt), out.to(cdt), dout.to(cdt)
-        dq = torch.zeros_like(qc)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         kv = torch.stack([k, v])
         dkv_in, dkv_handles = None, []
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
             st = _Step(ctx, ring, i, q, cdt)
             r, cols = st.rows, st.cols
-            dq_b, dk_b, dv_b = ctx.kernel.backward(doc[:, :, r], qc[:, :, r], kv[0, :, :, cols].to(cdt),
-                                                   kv[1, :, :, cols].to(cdt), oc[:, :, r], lse[:, :, r],
-                                                   **st.kw(ctx.scale))
+            dq_b, dk_b, dv_b = ctx.kernel.backward(dout[:, :, r], q[:, :, r], kv[0, :, :, cols], kv[1, :, :, cols],
+                                                   out[:, :, r], lse[:, :, r], **st.kw(ctx.scale))
             dq[:, :, r] += dq_b
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
             dkv[0, :, :, cols], dkv[1, :, :, cols] = dk_b, dv_b
@@ -154,7 +145,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
 
     ``q [b, hq, s/cp, d]``, ``k, v [b, hkv, s/cp, d]`` (hq a multiple of hkv), rows in the
     load-balanced order of :mod:`omnitron.core.parallel.context.layout`. Returns ``[b, hq, s/cp, d]``
-    in ``q``'s dtype; blocks are computed in fp32 (fp64 for fp64 inputs). ``dropout_p > 0``: attention
+    in ``q``'s dtype; the block kernel takes the inputs' dtype (the reference computes in fp32, fp64 for
+    fp64 inputs; a flash kernel in bf16/fp16 accumulates in fp32) and block results merge in fp32. ``dropout_p > 0``: attention
     dropout with masks drawn from ``seed`` (draw it from the caller's RNG stream per call)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")

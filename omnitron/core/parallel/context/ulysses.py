@@ -9,7 +9,9 @@ to this rank's chunks with every head. Needs the local heads divisible by cp (ke
 are repeated per query head first, grouped-query attention's expansion).
 
 ``allgather``: keys and values are all-gathered over cp (their gradients reduce-scattered back); each
-rank's queries attend over the whole sequence with the causal mask of their global positions.
+rank's queries attend over the whole sequence with the causal mask of their global positions: without
+dropout as blocks on the backend's block kernel (the ring's flash kernel with log-sum-exp), with dropout
+through a masked SDPA.
 
 Both are differentiable (the collectives' backward is the reverse collective) and give the one-process
 result up to the attention kernel's rounding.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from omnitron.core.parallel.context.blocks import BlockedAttention
 from omnitron.core.parallel.context.layout import chunk_positions
 from omnitron.core.parallel.tensor.mappings import gather_from_sp
 from omnitron.core.transformer.moe.dispatch import all_to_all
@@ -63,9 +66,23 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, a
     return _sequence_to_heads(out.index_select(2, order).contiguous(), group)
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, attend_masked) -> torch.Tensor:
-    """This rank's queries against the all-gathered keys and values; ``attend_masked(q, k, v, keep)`` with a
-    boolean ``keep [s_q, s_k]`` (True = attend)."""
+def allgather_tasks(local_length: int, group) -> list:
+    """The blocks of this rank's queries (two chunks of ``c`` rows) against the gathered keys in sequence
+    order under the causal mask: each chunk sees every earlier chunk whole and its own chunk causally."""
+    c, r, n = local_length // 2, group.rank, group.size
+    tasks = []
+    for rows, chunk in ((slice(0, c), r), (slice(c, 2 * c), 2 * n - 1 - r)):
+        if chunk > 0:
+            tasks.append((rows, slice(0, chunk * c), False))
+        tasks.append((rows, slice(chunk * c, (chunk + 1) * c), True))
+    return tasks
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, attend_masked=None,
+                        kernel=None, scale: float | None = None) -> torch.Tensor:
+    """This rank's queries against the all-gathered keys and values. With ``kernel`` (a :class:`.blocks.BlockKernel`)
+    the causal blocks of :func:`allgather_tasks` run on it and merge by log-sum-exp (no mask, no scores);
+    otherwise ``attend_masked(q, k, v, keep)`` with a boolean ``keep [s_q, s_k]`` (True = attend)."""
     seq = q.shape[2] * group.size
     order = _order(seq, group, q.device)
     natural = torch.argsort(order)
@@ -74,6 +91,9 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gr
         full = gather_from_sp(t.permute(2, 0, 1, 3).contiguous(), group, grad_is_partial=True)
         return full.index_select(0, natural).permute(1, 2, 0, 3)
 
+    if kernel is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return BlockedAttention.apply(q, gather(k), gather(v), allgather_tasks(q.shape[2], group), kernel, scale)
     mine = chunk_positions(seq, group.size, group.rank, q.device)
     keep = mine[:, None] >= torch.arange(seq, device=q.device)[None, :]
     return attend_masked(q, gather(k), gather(v), keep)

@@ -15,6 +15,7 @@ recomputed forward from the snapshot, so results are identical to no recomputati
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Callable, Iterator
 
 import torch
@@ -68,6 +69,18 @@ class RNGTracker:
         finally:
             self.states[name] = self.backend.get_rng_state()
             self.backend.set_rng_state(saved)
+
+
+    def draw_seed(self, device, name: str = MODEL_PARALLEL) -> int:
+        """A seed from stream ``name`` without a host sync: a hash of the stream's host-side generator state,
+        then one draw on ``device`` to advance the stream (so each call gets a new seed, and a recomputation
+        replayed from the same states gets the same one)."""
+        if name not in self.states:
+            raise KeyError(f"RNG stream {name!r} was never added (known: {sorted(self.states)})")
+        digest = hashlib.blake2b(self.states[name].cpu().numpy().tobytes(), digest_size=8).digest()
+        with self.fork(name):
+            torch.empty(1, device=device).uniform_()
+        return int.from_bytes(digest, "little") % 2**62
 
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> int:
