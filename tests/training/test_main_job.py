@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from omnitron.core.checkpoint import integrity
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = "Call me Ishmael. Some years ago"
 
@@ -47,7 +49,8 @@ def test_example_config_runs_end_to_end(main_job):
     it = os.path.join(save, "iter_0000003")  # the default --ckpt-format torch_dist: DCP's files, then the ranks'
     meta = json.load(open(os.path.join(it, "metadata.json")))
     assert meta["ckpt_format"] == "torch_dist" and meta["dcp_files"]
-    assert sorted(os.listdir(it)) == sorted([".metadata", "metadata.json", *meta["dcp_files"],
+    chunk_indexes = [f + integrity.CHUNK_INDEX for f in meta["dcp_files"]]  # each data file's per-chunk digests
+    assert sorted(os.listdir(it)) == sorted([".metadata", "metadata.json", *meta["dcp_files"], *chunk_indexes,
                                              *(f"rank_{r:05d}.pt" for r in range(4))])
     assert "--- sample (" in proc.stdout and PROMPT in _sample(proc.stdout)
 
