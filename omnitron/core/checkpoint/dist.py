@@ -44,6 +44,7 @@ import os
 import warnings
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.tensor import DTensor
 
@@ -200,6 +201,22 @@ def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, 
     return final
 
 
+class _RecordingWriter(FileSystemWriter):
+    """A :class:`FileSystemWriter` that keeps this rank's written chunks (``written``: DCP ``_StorageInfo`` of
+    file, offset, length) from its own ``write_data`` results: the ``Metadata`` that ``dcp.save`` returns
+    carries them on some torch versions only (its ``storage_data`` is None on 2.9)."""
+
+    written: list = []
+
+    def write_data(self, plan, planner):
+        def keep(fut):
+            results = fut.value()
+            self.written = [r.storage_data for r in results]
+            return results
+
+        return super().write_data(plan, planner).then(keep)
+
+
 def begin(c, save_dir: str, iteration: int, barrier) -> str:
     """Collective: rank 0 makes an empty ``iter_N.tmp`` (:func:`io._begin`); returns ``iter_N``'s path."""
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
@@ -216,15 +233,14 @@ def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None, *, colle
     thread, over a snapshot)."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer = _RecordingWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
     with _one_line("save", tmp), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-        md = dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group,
-                      no_dist=not collective)
+        dcp.save(pieces, storage_writer=writer, planner=PieceSavePlanner(), process_group=group,
+                 no_dist=not collective)
     for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):  # digests of the file and its chunks
         name = os.path.basename(f)
-        integrity.write_chunk_index(f, [(i.offset, i.length) for i in md.storage_data.values()
-                                        if i.relative_path == name])
+        integrity.write_chunk_index(f, [(i.offset, i.length) for i in writer.written if i.relative_path == name])
     if rank == 0:
         integrity.write_digest(os.path.join(tmp, ".metadata"))
     io._write_shard(tmp, rank, local)
