@@ -81,16 +81,17 @@ def requires_double():
 
 
 # ---- muDNN ops torch_musa adds to torch ----------------------------------------------------
-def _rope(input: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False, batch_first: bool = False,
+def _rope(input: torch.Tensor, freq_cis: torch.Tensor, rotary_interleaved: bool, batch_first: bool,
           multi_latent_attention: bool = False) -> torch.Tensor:
-    """torch_musa's RoPE: ``input`` [s,b,h,d] (or [b,s,h,d] when batch_first), ``freqs`` [s,d] of
+    """torch_musa's RoPE: ``input`` [s,b,h,d] (or [b,s,h,d] when batch_first), ``freq_cis`` [s,d] of
     Megatron-style angles (each pair's angle twice); rotates every channel, fp32 inside."""
     if multi_latent_attention:
         raise NotImplementedError("MUSA-double: multi_latent_attention RoPE is not simulated")
     s = input.shape[1] if batch_first else input.shape[0]
-    if input.dim() != 4 or tuple(freqs.shape) != (s, input.shape[-1]):
-        raise RuntimeError(f"rope: freqs must be [seq, head_dim] = [{s}, {input.shape[-1]}], got {tuple(freqs.shape)}")
-    f = freqs.float()[None, :, None, :] if batch_first else freqs.float()[:, None, None, :]
+    if input.dim() != 4 or tuple(freq_cis.shape) != (s, input.shape[-1]):
+        raise RuntimeError(f"rope: freq_cis must be [seq, head_dim] = [{s}, {input.shape[-1]}], "
+                           f"got {tuple(freq_cis.shape)}")
+    f = freq_cis.float()[None, :, None, :] if batch_first else freq_cis.float()[:, None, None, :]
     x = input.float()
     if rotary_interleaved:
         rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)

@@ -2,6 +2,7 @@
 kernel preconditions. Everything here runs on the double (results are MUSA-double, not MUSA)."""
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 import re
@@ -12,7 +13,7 @@ import torch
 from omnitron.backends.musa import backend as musa_backend
 from omnitron.backends.musa import kernels as musa_kernels
 from omnitron.backends.musa.backend import MUSABackend, musa_capabilities
-from omnitron.testing import musa_double
+from omnitron.testing import musa_double, torch_musa_api
 from omnitron.testing.musa_double import DoubleConfig, MUSADoubleBackend, requires_double
 
 MUSA_DIR = pathlib.Path(musa_backend.__file__).resolve().parent
@@ -46,6 +47,64 @@ def test_backend_never_aliases_torch_musa():
     hits = [f"{p.name}:{i}" for p in MUSA_DIR.glob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if alias.search(line)]
     assert not hits, hits
+
+
+TAGS = torch_musa_api.shipped()
+
+
+def test_a_torch_musa_list_is_shipped():
+    assert "v2.7.1" in TAGS, "scripts/extract_torch_musa_api.py output for torch_musa v2.7.1 is missing"
+    for tag, path in TAGS.items():
+        assert torch_musa_api.header(path)["tag"] == tag
+
+
+@pytest.mark.parametrize("tag", sorted(TAGS))
+def test_manifest_names_exist_in_torch_musa_source(tag):
+    api = torch_musa_api.load(TAGS[tag])
+    missing = musa_double.read_manifest() - set(api)
+    assert not missing, f"not in torch_musa {tag}'s source: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("tag", sorted(TAGS))
+def test_backend_calls_match_torch_musa_signatures(tag):
+    """Every call the backend spells to a torch_musa function binds to that function's signature in the source."""
+    api = {k: v for k, v in torch_musa_api.load(TAGS[tag]).items() if v is not None}
+    found = [c for p in MUSA_DIR.glob("*.py") for c in torch_musa_api.calls(p.read_text(), set(api))]
+    assert {"torch.rope", "torch.musa.Event", "torch.musa.amp.autocast"} <= {c[0] for c in found}  # the walk works
+    bad = [f"{name} line {line}: {why}" for name, n, kw, line in found
+           if (why := torch_musa_api.accepts(api[name], n, kw)) is not None]
+    assert not bad, bad
+
+
+def _double_signature(name: str) -> inspect.Signature:
+    """The double's signature for a manifest name (``torch.musa.Stream.query`` without ``self``, ``torch.rope``)."""
+    import sys
+
+    musa = name.startswith("torch.musa.")
+    owner, obj = None, sys.modules["torch.musa"] if musa else torch
+    for attr in name.split(".")[2 if musa else 1:]:
+        owner, obj = obj, getattr(obj, attr)
+    sig = inspect.signature(obj)
+    if isinstance(owner, type):
+        sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return sig
+
+
+@requires_double()
+@pytest.mark.parametrize("tag", sorted(TAGS))
+def test_double_signatures_match_torch_musa_source(tag):
+    """The double takes the same parameters (names, kinds, defaults) as torch_musa's definitions."""
+    api = torch_musa_api.load(TAGS[tag])
+    checked, bad = 0, []
+    with musa_double.installed():
+        for name in sorted(musa_double.read_manifest()):
+            if api.get(name) is None:
+                continue  # a module, a C-extension binding or a fact: no Python signature to compare
+            ours = _double_signature(name)
+            if torch_musa_api.shape(ours) != torch_musa_api.shape(api[name]):
+                bad.append(f"{name}: double {ours}, torch_musa {tag} {api[name]}")
+            checked += 1
+    assert checked >= 40 and not bad, "\n".join(bad)
 
 
 @requires_double()

@@ -50,7 +50,7 @@ def musa_capabilities(device_name: str, cc: tuple[int, int], memory_total: int |
                       scaled_mm: bool, fp8_transport: bool) -> Capabilities:
     """Capabilities of one MUSA device from plain facts (pure: testable without torch_musa).
 
-    ``bf16`` is ``torch.musa.is_bf16_supported()``; ``scaled_mm`` whether a tiny ``torch._scaled_mm``
+    ``bf16`` is ``torch.musa.is_bf16_supported(including_emulation=False)`` (native bf16); ``scaled_mm`` whether a tiny ``torch._scaled_mm``
     ran on the device (``fp8.scaled_mm_runs``; no Transformer Engine path is claimed); ``fp8_transport`` whether the process-group
     backend carries float8 tensors (MCCL does).
     """
@@ -178,7 +178,7 @@ class MUSABackend(Backend):
             cc = tuple(torch.musa.get_device_capability(index))
             self._caps = musa_capabilities(
                 torch.musa.get_device_name(index), cc,
-                int(props.total_memory), bool(torch.musa.is_bf16_supported()),
+                int(props.total_memory), bool(torch.musa.is_bf16_supported(including_emulation=False)),
                 arch_number(cc) >= FP8_MIN_ARCH and scaled_mm_runs(self.device(index)), self.fp8_transport)
         return self._caps
 

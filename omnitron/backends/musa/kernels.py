@@ -50,7 +50,7 @@ def rms_norm_supports(x, weight, eps=1e-5) -> str | None:
     return None
 
 
-# ---- rope: torch.rope(input, freqs, rotary_interleaved, batch_first) ----------------------
+# ---- rope: torch.rope(input, freq_cis, rotary_interleaved, batch_first) ------------------
 def _rope_layout(t: torch.Tensor, freqs: torch.Tensor) -> str | None:
     """``"sbhd"`` or ``"bshd"`` when ``freqs`` is one angle row per position of ``t``, else None."""
     if t.dim() != 4 or freqs.dim() != 4:
