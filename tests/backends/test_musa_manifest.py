@@ -202,3 +202,26 @@ def test_double_resolves_through_the_registry_only_when_declared(monkeypatch):
     monkeypatch.setenv("OMNITRON_EXTRA_BACKENDS", "musa-double")
     with pytest.raises(ValueError, match="not name=module:Class"):
         registry.known_backends()
+
+
+@requires_double()
+def test_mccl_settings_mirror_nccl_and_exist_in_torch_musa_source(monkeypatch):
+    """The MUSA backend prepares for MCCL the watchdog settings the CUDA backend prepares for NCCL, under
+    names torch_musa's C++ reads, without overriding what the user set."""
+    from omnitron.backends.cuda.backend import CUDABackend
+
+    mccl_env = MUSADoubleBackend().collectives.env
+    nccl_env = CUDABackend().collectives.env
+    musa_double.uninstall()
+    assert {k.replace("TORCH_MCCL_", "") for k in mccl_env} == {k.replace("TORCH_NCCL_", "") for k in nccl_env}
+    assert mccl_env["TORCH_MCCL_ASYNC_ERROR_HANDLING"] == "3" and int(mccl_env["TORCH_MCCL_TRACE_BUFFER_SIZE"]) > 0
+    for tag, path in TAGS.items():
+        unknown = {f"env:{k}" for k in mccl_env} - set(torch_musa_api.load(path))
+        assert not unknown, f"torch_musa {tag} reads no {sorted(unknown)}"
+    for name in mccl_env:
+        monkeypatch.setenv(name, "")  # recorded, so the test leaves the environment as it found it
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_MCCL_DUMP_ON_TIMEOUT", "0")  # the user's choice stands
+    collectives = musa_backend.Collectives("mccl", env=mccl_env)
+    assert collectives.prepare_env() == {**mccl_env, "TORCH_MCCL_DUMP_ON_TIMEOUT": "0"}
+    assert os.environ["TORCH_MCCL_TRACE_BUFFER_SIZE"] == mccl_env["TORCH_MCCL_TRACE_BUFFER_SIZE"]

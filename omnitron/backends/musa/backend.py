@@ -17,7 +17,7 @@ import os
 import torch
 
 from omnitron.backends.base import Backend, Capabilities
-from omnitron.backends.collectives import Collectives
+from omnitron.backends.collectives import Collectives, watchdog_env
 from omnitron.backends.fp8 import scaled_mm_runs
 
 BF16_MIN_ARCH = 22
@@ -90,8 +90,10 @@ class MUSABackend(Backend):
 
     def __init__(self) -> None:
         _import_torch_musa()
+        # TORCH_MCCL_*: ProcessGroupMCCL is a port of ProcessGroupNCCL and reads the same settings under
+        # its own prefix (checked against torch_musa's source by tests/backends/test_musa_manifest.py)
         self._collectives = Collectives(self.dist_backend, fp8_native=self.fp8_transport,
-                                       device_type=self.device_type)
+                                        device_type=self.device_type, env=watchdog_env("TORCH_MCCL_"))
         self._caps: Capabilities | None = None
 
     def compile_unsupported_reason(self) -> str:
