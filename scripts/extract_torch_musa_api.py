@@ -13,6 +13,9 @@ What it lists, one line each (``name`` or ``name(params)``, Python parameter syn
   a name bound from the C extension has none.
 - ``torch_musa.__version__`` (written by its setup.py from version.txt).
 - ``torch.<op>(params)``: the functions torch_musa's patch adds to ATen's ``native_functions.yaml``.
+- ``torch.backends.<name>.<attr>``: what a module it installs as ``torch.backends.<name>`` binds, class-level
+  properties included (``torch.backends.mudnn.allow_tf32``); ``default:<flag>:<value>`` for its TF32 switch's
+  initial value in the C++ (``bool allow_tf32_ = ...``).
 - ``process_group:<name>``: process-group backends its C++ registers with ``Backend.register_backend``.
 - ``env:<NAME>``: the ``TORCH_MCCL_*`` / ``TORCH_*MUBLAS*`` environment variables its C++ sources spell.
 
@@ -32,6 +35,9 @@ YAML_PATCH = "torch_patches/aten_src_ATen_native_native_functions.yaml.patch"
 CPP_DIRS = ("torch_musa/csrc/distributed", "torch_musa/csrc/aten/utils", "torch_musa/csrc/core")
 ENV = re.compile(r'"((?:TORCH_MCCL_|TORCH_ALLOW_TF32_)[A-Z0-9_]+)"')
 REGISTER = re.compile(r'register_backend\(\s*"(\w+)"')
+BACKENDS_MODULE = re.compile(r'torch\.backends\.__setattr__\(\s*"(\w+)",\s*sys\.modules\["([\w.]+)"\]')
+TF32_DEFAULT = re.compile(r"bool allow_tf32_ = (true|false);")
+TF32_CONTEXT = "torch_musa/csrc/aten/utils/Context.h"
 
 
 class Source:
@@ -176,6 +182,23 @@ def native_functions(src: Source) -> list[str]:
     return lines
 
 
+def backends_modules(src: Source) -> list[str]:
+    """``torch.backends.<name>.<attr>`` for modules ``torch_musa/__init__.py`` installs under ``torch.backends``,
+    and the C++ default of the TF32 switch they expose."""
+    lines = []
+    for name, dotted in BACKENDS_MODULE.findall(src.read(src.module_file(PKG))):
+        mod = Module(src, dotted)
+        props = [t.id for c in mod.tree.body if isinstance(c, ast.ClassDef) for a in c.body
+                 if isinstance(a, ast.Assign) for t in a.targets if isinstance(t, ast.Name) and t.id != "__all__"]
+        lines += entries(f"torch.backends.{name}", bindings(src, dotted), src)
+        lines += [f"torch.backends.{name}.{p}" for p in props]
+        if "allow_tf32" in props and TF32_CONTEXT in src.files:
+            default = TF32_DEFAULT.search(src.read(TF32_CONTEXT))
+            if default:
+                lines.append(f"default:torch.backends.{name}.allow_tf32:{default.group(1).capitalize()}")
+    return lines
+
+
 def cpp_facts(src: Source) -> list[str]:
     """``process_group:<name>`` and ``env:<NAME>`` lines from the C++ sources."""
     groups, env = set(), set()
@@ -190,7 +213,7 @@ def extract(git_dir: str, tag: str) -> tuple[Source, list[str]]:
     src = Source(git_dir, tag)
     lines = entries("torch.musa", bindings(src, PKG), src)
     lines.append(f"{PKG}.__version__")
-    lines += native_functions(src) + cpp_facts(src)
+    lines += native_functions(src) + backends_modules(src) + cpp_facts(src)
     return src, sorted(set(lines))
 
 

@@ -126,13 +126,18 @@ def _build() -> types.ModuleType:
             setattr(mod, name, fn)
         mod.amp = types.ModuleType("torch_musa.amp")
         mod.amp.autocast = musa_runtime.autocast
-        mod.__version__ = "0.0+musa.double"
+        mod.__version__ = "2.7.1+musa.double"  # the release whose source signatures it is checked against
         mod.__omnitron_double__ = True
         _module = mod
     return _module
 
 
 _TORCH_ADDITIONS = {"rope": _rope, "swish_glu": _swish_glu}
+_MUDNN = types.ModuleType("torch_musa.core.mudnn", f"{LABEL}: torch.backends.mudnn")
+_MUDNN.allow_tf32 = False
+"""torch_musa v2.7.1 starts this switch True (float32 GEMMs as TF32); the double's GEMMs are the sim device's
+full-precision float32 kernels whatever it says, so it starts False: the backend then reports ``fp32``, as
+the double computes."""
 
 
 def is_installed() -> bool:
@@ -180,6 +185,7 @@ def install(config: DoubleConfig | None = None) -> None:
     musa_runtime._State.installed = True
     for name, fn in _TORCH_ADDITIONS.items():
         setattr(torch, name, fn)
+    torch.backends.mudnn = _MUDNN
     sim_device.register_collectives(musa_runtime._State.ext, DIST_BACKEND, musa_runtime.DEVICE)
 
 
@@ -193,6 +199,8 @@ def uninstall() -> None:
     for name in _TORCH_ADDITIONS:
         if hasattr(torch, name):
             delattr(torch, name)
+    if hasattr(torch.backends, "mudnn"):
+        del torch.backends.mudnn
     musa_runtime._State.installed = False
     musa_runtime._State.config = DoubleConfig()
 
@@ -220,6 +228,7 @@ def surface() -> set[str]:
         if isinstance(obj, type):
             names |= {f"torch.musa.{attr}.{m}" for m in vars(obj) if not m.startswith("_")}
     names |= {f"torch.{a}" for a in _TORCH_ADDITIONS if hasattr(torch, a)}
+    names |= {f"torch.backends.mudnn.{a}" for a in vars(_MUDNN) if not a.startswith("_")}
     if DIST_BACKEND.upper() in dist.Backend._plugins:
         names.add(f"process_group:{DIST_BACKEND}")
     return names

@@ -225,3 +225,28 @@ def test_mccl_settings_mirror_nccl_and_exist_in_torch_musa_source(monkeypatch):
     collectives = musa_backend.Collectives("mccl", env=mccl_env)
     assert collectives.prepare_env() == {**mccl_env, "TORCH_MCCL_DUMP_ON_TIMEOUT": "0"}
     assert os.environ["TORCH_MCCL_TRACE_BUFFER_SIZE"] == mccl_env["TORCH_MCCL_TRACE_BUFFER_SIZE"]
+
+
+def test_fp32_gemm_precision_per_release():
+    """v2.7.1's TF32 switch starts as its source says (so float32 GEMMs run as TF32 there); from v2.9 they run
+    in FP32 unless the switch or the override variable asks for TF32 (release note: no v2.9 source to read)."""
+    from omnitron.backends.musa.backend import musa_fp32_matmul, torch_musa_release
+
+    api = torch_musa_api.load(TAGS["v2.7.1"])
+    default = next(n.rsplit(":", 1)[1] for n in api if n.startswith("default:torch.backends.mudnn.allow_tf32:"))
+    assert musa_fp32_matmul(torch_musa_release("2.7.1+0bc05bf"), default == "True", None) == "tf32"
+    assert musa_fp32_matmul((2, 7), False, "1") == "fp32", "the mublas override is a v2.9 variable"
+    assert musa_fp32_matmul(torch_musa_release("2.9.1"), False, None) == "fp32"
+    assert musa_fp32_matmul((2, 9), False, "1") == musa_fp32_matmul((2, 11), True, None) == "tf32"
+    assert musa_fp32_matmul(torch_musa_release("unknown"), True, None) is None
+
+
+@requires_double()
+def test_double_reports_the_fp32_gemms_it_computes():
+    with musa_double.installed():
+        assert MUSADoubleBackend().capabilities().fp32_matmul == "fp32"
+        torch.backends.mudnn.allow_tf32 = True  # what v2.7.1 starts with
+        try:
+            assert MUSADoubleBackend().capabilities().fp32_matmul == "tf32"
+        finally:
+            torch.backends.mudnn.allow_tf32 = False
