@@ -107,6 +107,26 @@ def _swish_glu(input: torch.Tensor) -> torch.Tensor:
     return (F.silu(a) * b).to(input.dtype)
 
 
+def _fused_cross_entropy_loss_2d_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                                         reduction: int = 1, ignore_index: int = -100,
+                                         label_smoothing: float = 0.0) -> torch.Tensor:
+    """torch_musa's fused 2-D cross-entropy: what its patched ``at::cross_entropy_loss`` returns in place of the
+    stock path for the same arguments (LossNLL.cpp.patch), so ``F.cross_entropy`` semantics; fp32 inside,
+    ``reduction`` as ``at::Reduction`` (0 none, 1 mean, 2 sum)."""
+    if self.dim() != 2:
+        raise RuntimeError(f"_fused_cross_entropy_loss_2d_forward: self must be [rows, classes], got {tuple(self.shape)}")
+    mode = ("none", "mean", "sum")[reduction]
+    loss = F.cross_entropy(self.float(), target, weight, ignore_index=ignore_index, reduction=mode,
+                           label_smoothing=label_smoothing)
+    return loss.to(self.dtype)
+
+
+def _cross_entropy_loss_2d_choice(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                                  reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> int:
+    """Nonzero where the fused kernel takes the call: the double's takes every 2-D one."""
+    return int(self.dim() == 2)
+
+
 # ---- building and installing --------------------------------------------------------------
 _module: types.ModuleType | None = None
 
@@ -132,12 +152,19 @@ def _build() -> types.ModuleType:
     return _module
 
 
-_TORCH_ADDITIONS = {"rope": _rope, "swish_glu": _swish_glu}
+_TORCH_ADDITIONS = {"rope": _rope, "swish_glu": _swish_glu,
+                    "_fused_cross_entropy_loss_2d_forward": _fused_cross_entropy_loss_2d_forward,
+                    "cross_entropy_loss_2d_choice": _cross_entropy_loss_2d_choice}
 _MUDNN = types.ModuleType("torch_musa.core.mudnn", f"{LABEL}: torch.backends.mudnn")
 _MUDNN.allow_tf32 = False
 """torch_musa v2.7.1 starts this switch True (float32 GEMMs as TF32); the double's GEMMs are the sim device's
 full-precision float32 kernels whatever it says, so it starts False: the backend then reports ``fp32``, as
 the double computes."""
+
+
+def sync_returns_none() -> bool:
+    """Whether the double's ``mccl`` returns no work for synchronous calls (the sim build can tell one)."""
+    return bool(musa_runtime._State.ext is not None and musa_runtime._State.ext.build_features().get("sync_returns_none"))
 
 
 def is_installed() -> bool:
@@ -186,7 +213,8 @@ def install(config: DoubleConfig | None = None) -> None:
     for name, fn in _TORCH_ADDITIONS.items():
         setattr(torch, name, fn)
     torch.backends.mudnn = _MUDNN
-    sim_device.register_collectives(musa_runtime._State.ext, DIST_BACKEND, musa_runtime.DEVICE)
+    # as torch_musa's MCCL from v2.9.1: synchronous collectives run to completion and return no work
+    sim_device.register_collectives(musa_runtime._State.ext, DIST_BACKEND, musa_runtime.DEVICE, sync_returns_none=True)
 
 
 def uninstall() -> None:

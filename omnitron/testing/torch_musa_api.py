@@ -20,6 +20,10 @@ class SourceText(str):
     """A default value as written in torch_musa's source (not evaluated)."""
 
 
+ATEN_ENUMS = {"Mean": 1, "Sum": 2}
+"""Defaults native_functions.yaml spells by name: ``at::Reduction`` (None 0, Mean 1, Sum 2)."""
+
+
 def shipped() -> dict[str, pathlib.Path]:
     """tag -> list file, for every tag shipped."""
     return {p.stem: p for p in sorted(API_DIR.glob("*.txt"))}
@@ -109,7 +113,9 @@ def shape(sig: inspect.Signature) -> list[tuple[str, object, object]]:
     out = []
     for p in sig.parameters.values():
         default = p.default
-        if isinstance(default, SourceText):
+        if isinstance(default, SourceText) and default in ATEN_ENUMS:
+            default = ATEN_ENUMS[default]
+        elif isinstance(default, SourceText):
             try:
                 default = ast.literal_eval(default)
             except (ValueError, SyntaxError):

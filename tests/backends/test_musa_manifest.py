@@ -250,3 +250,56 @@ def test_double_reports_the_fp32_gemms_it_computes():
             assert MUSADoubleBackend().capabilities().fp32_matmul == "tf32"
         finally:
             torch.backends.mudnn.allow_tf32 = False
+
+
+@requires_double()
+def test_double_synchronous_collectives_return_no_work():
+    """As torch_musa's MCCL from v2.9.1 ("comm operators in synchronous mode ... return nullptr"): a synchronous
+    collective completes before it returns and returns no work; an asynchronous one returns its work. The
+    engine's whole run on the double (test_musa_double_training.py) shows nothing waits on the former."""
+    import torch.distributed as dist
+
+    with musa_double.installed():
+        if not musa_double.sync_returns_none():
+            pytest.skip("this torch's collective options carry no asyncOp (before 2.9)")
+        dist.init_process_group("mccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            backend = dist.group.WORLD._get_backend(torch.device("musa"))
+            x = torch.randn(64, dtype=torch.float64)
+            t = x.to("musa")
+            opts = dist.AllreduceOptions()
+            opts.asyncOp = False
+            assert backend.allreduce([t], opts) is None
+            assert torch.equal(t.cpu(), x), "one rank: the sum is the input, readable at once (no work to wait)"
+            opts.asyncOp = True
+            work = backend.allreduce([t], opts)
+            assert work is not None
+            work.wait()
+            out = torch.empty(64, dtype=torch.float64, device="musa")
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renames it
+            assert gather(out, t) is None and dist.broadcast(t, src=0) is None
+            assert dist.barrier() is None and torch.equal(out.cpu(), x)
+        finally:
+            dist.destroy_process_group()
+
+
+@requires_double()
+def test_fused_cross_entropy_is_registered_where_torch_musa_takes_it(monkeypatch):
+    """softmax_cross_entropy resolves to torch_musa's fused op on the double (its conformance against the
+    reference runs in tests/backends/test_backend_kernels.py[musa-double]); label smoothing goes to the reference,
+    as torch_musa's own F.cross_entropy sends it elsewhere."""
+    monkeypatch.delenv("OMNITRON_KERNELS", raising=False)
+    try:
+        be = MUSADoubleBackend()
+        assert be.kernels.resolved("softmax_cross_entropy") == "musa"
+        logits = torch.randn(4, 3, 11, device="musa")
+        target = torch.randint(0, 11, (4, 3), device="musa")
+        assert musa_kernels.softmax_cross_entropy_supports(logits, target) is None
+        assert "label smoothing" in musa_kernels.softmax_cross_entropy_supports(logits, target, 0.1)
+        want = torch.nn.functional.cross_entropy(logits.cpu().double().reshape(-1, 11), target.cpu().reshape(-1),
+                                                 reduction="none").reshape(4, 3)
+        # fp32 log-softmax over 11 classes of |x| < ~5: error ~ 1e-6 relative; 1e-5 leaves a margin
+        torch.testing.assert_close(musa_kernels.softmax_cross_entropy(logits, target).cpu().double(), want,
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        musa_double.uninstall()
