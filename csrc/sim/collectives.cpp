@@ -323,22 +323,32 @@ std::string group_name(const c10d::Backend& b) {
   return desc + " " + uid;
 }
 
+template <typename Options>
+bool async_of(const Options& o) {
+#if SIM_OPTIONS_HAVE_ASYNC_OP
+  return o.asyncOp;
+#else
+  (void)o;
+  return true;
+#endif
+}
+
 class SimCollectives final : public c10d::Backend {
  public:
-  explicit SimCollectives(c10::intrusive_ptr<c10d::Backend> gloo)
-      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)) {}
+  SimCollectives(c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none)
+      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)), sync_returns_none_(sync_returns_none) {}
 
   const std::string getBackendName() const override { return "simccl"; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
     Staging s;
     auto h = s.in(ts, true);
-    return submit("broadcast", s, [g = gloo_, h, o]() mutable { return g->broadcast(h, o); });
+    return settle(submit("broadcast", s, [g = gloo_, h, o]() mutable { return g->broadcast(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
     Staging s;
     auto h = s.in(ts, true);
-    return submit("all_reduce", s, [g = gloo_, h, o]() mutable { return g->allreduce(h, o); });
+    return settle(submit("all_reduce", s, [g = gloo_, h, o]() mutable { return g->allreduce(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) override {
     Staging s;
@@ -348,21 +358,21 @@ class SimCollectives final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce(Tensors& ts, const c10d::ReduceOptions& o) override {
     Staging s;
     auto h = s.in(ts, true);
-    return submit("reduce", s, [g = gloo_, h, o]() mutable { return g->reduce(h, o); });
+    return settle(submit("reduce", s, [g = gloo_, h, o]() mutable { return g->reduce(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<Tensors>& outs, Tensors& ins,
                                            const c10d::AllgatherOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return submit("all_gather", s, [g = gloo_, ho, hi, o]() mutable { return g->allgather(ho, hi, o); });
+    return settle(submit("all_gather", s, [g = gloo_, ho, hi, o]() mutable { return g->allgather(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& o) override {
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return submit("all_gather_into_tensor", s, [g = gloo_, ho, hi, o]() mutable { return g->_allgather_base(ho, hi, o); });
+    return settle(submit("all_gather_into_tensor", s, [g = gloo_, ho, hi, o]() mutable { return g->_allgather_base(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::AllgatherOptions& o) override {
@@ -377,29 +387,29 @@ class SimCollectives final : public c10d::Backend {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return submit("gather", s, [g = gloo_, ho, hi, o]() mutable { return g->gather(ho, hi, o); });
+    return settle(submit("gather", s, [g = gloo_, ho, hi, o]() mutable { return g->gather(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> scatter(Tensors& outs, std::vector<Tensors>& ins,
                                          const c10d::ScatterOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return submit("scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->scatter(ho, hi, o); });
+    return settle(submit("scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->scatter(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(Tensors& outs, std::vector<Tensors>& ins,
                                                 const c10d::ReduceScatterOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return submit("reduce_scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->reduce_scatter(ho, hi, o); });
+    return settle(submit("reduce_scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->reduce_scatter(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& o) override {
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return submit("reduce_scatter_tensor", s,
-                  [g = gloo_, ho, hi, o]() mutable { return g->_reduce_scatter_base(ho, hi, o); });
+    return settle(submit("reduce_scatter_tensor", s,
+                  [g = gloo_, ho, hi, o]() mutable { return g->_reduce_scatter_base(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::ReduceScatterOptions& o) override {
@@ -415,15 +425,15 @@ class SimCollectives final : public c10d::Backend {
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return submit("all_to_all_single", s, [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
+    return settle(submit("all_to_all_single", s, [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
       return g->alltoall_base(ho, hi, out_splits, in_splits, o);
-    });
+    }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return submit("all_to_all", s, [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); });
+    return settle(submit("all_to_all", s, [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> send(Tensors& ts, int dst, int tag) override {
     Staging s;
@@ -440,12 +450,22 @@ class SimCollectives final : public c10d::Backend {
     auto ho = s.out(ts);
     return submit("recv", s, [g = gloo_, ho, tag]() mutable { return g->recvAnysource(ho, tag); }, false);
   }
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override { return gloo_->barrier(o); }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override {
+    return settle(gloo_->barrier(o), async_of(o));
+  }
 #if SIM_BACKEND_HAS_SET_TIMEOUT
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
 #endif
 
  private:
+  // ``sync_returns_none``: a synchronous call (``async_op=False``) completes before it returns and returns no work,
+  // as torch_musa's MCCL does from v2.9.1 ("comm operators in synchronous mode ... return nullptr").
+  c10::intrusive_ptr<c10d::Work> settle(c10::intrusive_ptr<c10d::Work> work, bool async_op) {
+    if (!sync_returns_none_ || async_op) return work;
+    work->wait();
+    return {};
+  }
+
   // One collective: queued on its device's communicator (``queued``) or launched at once (p2p).
   template <typename F>
   c10::intrusive_ptr<c10d::Work> submit(const char* op, Staging& s, F&& launch, bool queued = true) {
@@ -475,6 +495,7 @@ class SimCollectives final : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
+  bool sync_returns_none_;
 };
 
 }  // namespace
@@ -509,8 +530,8 @@ void set_site_hook(std::function<std::pair<std::string, std::string>()> hook) {
   g_site_hook = std::move(hook);
 }
 
-c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo) {
-  return c10::make_intrusive<SimCollectives>(std::move(gloo));
+c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none) {
+  return c10::make_intrusive<SimCollectives>(std::move(gloo), sync_returns_none);
 }
 
 }  // namespace sim

@@ -16,3 +16,8 @@
 // before it a PrivateUse1 extension registers one, or every op without an autograd kernel (the c10d
 // collectives among them) fails with "Could not run ... from the 'Autograd<device>' backend".
 #define SIM_REGISTERS_AUTOGRAD_FALLBACK (!SIM_TORCH_AT_LEAST(2, 10))
+
+// The collectives' options carry ``asyncOp`` (the Python call's ``async_op``) from torch 2.9 on at the latest
+// (2.9.1 is where torch_musa's MCCL starts returning no work for synchronous calls); before it a backend
+// cannot tell a synchronous call, so the sim collectives always return their work there.
+#define SIM_OPTIONS_HAVE_ASYNC_OP SIM_TORCH_AT_LEAST(2, 9)

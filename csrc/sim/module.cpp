@@ -7,7 +7,7 @@
 #include <torch/python.h>
 
 namespace sim {
-c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo);
+c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none);
 void set_site_hook(std::function<std::pair<std::string, std::string>()> hook);
 }
 
@@ -88,7 +88,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("build_features", [] {
     return py::dict(py::arg("torch") = TORCH_VERSION, py::arg("backend_set_timeout") = bool(SIM_BACKEND_HAS_SET_TIMEOUT),
-                    py::arg("autograd_fallback") = bool(SIM_REGISTERS_AUTOGRAD_FALLBACK));
+                    py::arg("autograd_fallback") = bool(SIM_REGISTERS_AUTOGRAD_FALLBACK),
+                    py::arg("sync_returns_none") = bool(SIM_OPTIONS_HAVE_ASYNC_OP));
   }, "The torch this extension was compiled against and the version-dependent paths compiled (compat.h).");
-  m.def("collective_backend", &sim::collective_backend, "Wrap a gloo backend as the sim device's collectives.");
+  m.def("collective_backend", &sim::collective_backend, py::arg("gloo"), py::arg("sync_returns_none") = false,
+        "Wrap a gloo backend as the sim device's collectives (sync_returns_none: synchronous calls return no work).");
 }

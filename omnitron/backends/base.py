@@ -36,6 +36,9 @@ class Capabilities:
     """How FP8 GEMMs execute: ``"scaled_mm"`` (a probe GEMM ran on the device), ``"emulated"`` or None."""
     fp8_collectives: bool = False
     """True when the process-group backend carries float8 tensors natively."""
+    fp32_matmul: str | None = None
+    """How float32 GEMMs execute: ``"tf32"`` (tensor cores on inputs rounded to a 10-bit mantissa) or ``"fp32"``
+    (full precision); None where the backend does not say."""
     flash_attention: bool = False
     """True when a fused (flash) attention kernel is available through SDPA."""
     flash_head_dims: tuple[int, int] | None = None

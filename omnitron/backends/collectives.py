@@ -50,19 +50,38 @@ class _Handle:
         return self._work is None or self._work.is_completed()
 
 
+def watchdog_env(prefix: str, trace_entries: int = 2000) -> dict[str, str]:
+    """Settings for a device library whose process group is a port of torch's ProcessGroupNCCL (its variables
+    are ``<prefix>TRACE_BUFFER_SIZE``, ...): keep a flight-recorder ring of ``trace_entries`` events (the
+    library's own recorder is off while this is 0), dump it when a collective times out (which needs the
+    monitor thread on), and tear the process down on an asynchronous error (3: without clean-up, which can
+    hang). The heartbeat timeout keeps the library's default."""
+    return {f"{prefix}TRACE_BUFFER_SIZE": str(trace_entries), f"{prefix}DUMP_ON_TIMEOUT": "1",
+            f"{prefix}ENABLE_MONITORING": "1", f"{prefix}ASYNC_ERROR_HANDLING": "3"}
+
+
 class Collectives:
     """Collectives over the process-group backend ``dist_backend``.
 
     ``fp8_native`` says whether the transport carries float8; when False, float8 tensors are
     sent as ``uint8`` views and reduced in float32. ``device_type`` is where tensors of calls that
     carry none (barrier, gather_object) live for the strict check: a device library such as NCCL
-    takes no host tensors.
+    takes no host tensors. ``env``: environment variables the library reads when a process group is
+    created (:func:`watchdog_env`), set before the first one unless the user set them.
     """
 
-    def __init__(self, dist_backend: str, fp8_native: bool = False, device_type: str = "cpu") -> None:
+    def __init__(self, dist_backend: str, fp8_native: bool = False, device_type: str = "cpu",
+                 env: dict[str, str] | None = None) -> None:
         self.dist_backend = dist_backend
         self.fp8_native = fp8_native
         self.device_type = device_type
+        self.env = dict(env or {})
+
+    def prepare_env(self) -> dict[str, str]:
+        """Set ``env`` in ``os.environ`` where the user has not; returns the values now in effect."""
+        for name, value in self.env.items():
+            os.environ.setdefault(name, value)
+        return {name: os.environ[name] for name in self.env}
 
     def _no_tensor(self) -> torch.Tensor:
         """An empty tensor on the current device, for the records and checks of tensor-less calls."""
@@ -75,6 +94,7 @@ class Collectives:
         ``timeout_s``: how long a collective may wait)."""
         if dist.is_initialized():
             return
+        self.prepare_env()
         kwargs = {}
         if rank is not None:
             kwargs.update(rank=rank, world_size=world_size)

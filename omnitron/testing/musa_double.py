@@ -81,16 +81,17 @@ def requires_double():
 
 
 # ---- muDNN ops torch_musa adds to torch ----------------------------------------------------
-def _rope(input: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False, batch_first: bool = False,
+def _rope(input: torch.Tensor, freq_cis: torch.Tensor, rotary_interleaved: bool, batch_first: bool,
           multi_latent_attention: bool = False) -> torch.Tensor:
-    """torch_musa's RoPE: ``input`` [s,b,h,d] (or [b,s,h,d] when batch_first), ``freqs`` [s,d] of
+    """torch_musa's RoPE: ``input`` [s,b,h,d] (or [b,s,h,d] when batch_first), ``freq_cis`` [s,d] of
     Megatron-style angles (each pair's angle twice); rotates every channel, fp32 inside."""
     if multi_latent_attention:
         raise NotImplementedError("MUSA-double: multi_latent_attention RoPE is not simulated")
     s = input.shape[1] if batch_first else input.shape[0]
-    if input.dim() != 4 or tuple(freqs.shape) != (s, input.shape[-1]):
-        raise RuntimeError(f"rope: freqs must be [seq, head_dim] = [{s}, {input.shape[-1]}], got {tuple(freqs.shape)}")
-    f = freqs.float()[None, :, None, :] if batch_first else freqs.float()[:, None, None, :]
+    if input.dim() != 4 or tuple(freq_cis.shape) != (s, input.shape[-1]):
+        raise RuntimeError(f"rope: freq_cis must be [seq, head_dim] = [{s}, {input.shape[-1]}], "
+                           f"got {tuple(freq_cis.shape)}")
+    f = freq_cis.float()[None, :, None, :] if batch_first else freq_cis.float()[:, None, None, :]
     x = input.float()
     if rotary_interleaved:
         rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
@@ -104,6 +105,26 @@ def _swish_glu(input: torch.Tensor) -> torch.Tensor:
     """torch_musa's fused SwiGLU: ``silu(a) * b`` for ``[a, b] = input.chunk(2, -1)``, fp32 inside."""
     a, b = input.float().chunk(2, dim=-1)
     return (F.silu(a) * b).to(input.dtype)
+
+
+def _fused_cross_entropy_loss_2d_forward(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                                         reduction: int = 1, ignore_index: int = -100,
+                                         label_smoothing: float = 0.0) -> torch.Tensor:
+    """torch_musa's fused 2-D cross-entropy: what its patched ``at::cross_entropy_loss`` returns in place of the
+    stock path for the same arguments (LossNLL.cpp.patch), so ``F.cross_entropy`` semantics; fp32 inside,
+    ``reduction`` as ``at::Reduction`` (0 none, 1 mean, 2 sum)."""
+    if self.dim() != 2:
+        raise RuntimeError(f"_fused_cross_entropy_loss_2d_forward: self must be [rows, classes], got {tuple(self.shape)}")
+    mode = ("none", "mean", "sum")[reduction]
+    loss = F.cross_entropy(self.float(), target, weight, ignore_index=ignore_index, reduction=mode,
+                           label_smoothing=label_smoothing)
+    return loss.to(self.dtype)
+
+
+def _cross_entropy_loss_2d_choice(self: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                                  reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> int:
+    """Nonzero where the fused kernel takes the call: the double's takes every 2-D one."""
+    return int(self.dim() == 2)
 
 
 # ---- building and installing --------------------------------------------------------------
@@ -125,13 +146,25 @@ def _build() -> types.ModuleType:
             setattr(mod, name, fn)
         mod.amp = types.ModuleType("torch_musa.amp")
         mod.amp.autocast = musa_runtime.autocast
-        mod.__version__ = "0.0+musa.double"
+        mod.__version__ = "2.7.1+musa.double"  # the release whose source signatures it is checked against
         mod.__omnitron_double__ = True
         _module = mod
     return _module
 
 
-_TORCH_ADDITIONS = {"rope": _rope, "swish_glu": _swish_glu}
+_TORCH_ADDITIONS = {"rope": _rope, "swish_glu": _swish_glu,
+                    "_fused_cross_entropy_loss_2d_forward": _fused_cross_entropy_loss_2d_forward,
+                    "cross_entropy_loss_2d_choice": _cross_entropy_loss_2d_choice}
+_MUDNN = types.ModuleType("torch_musa.core.mudnn", f"{LABEL}: torch.backends.mudnn")
+_MUDNN.allow_tf32 = False
+"""torch_musa v2.7.1 starts this switch True (float32 GEMMs as TF32); the double's GEMMs are the sim device's
+full-precision float32 kernels whatever it says, so it starts False: the backend then reports ``fp32``, as
+the double computes."""
+
+
+def sync_returns_none() -> bool:
+    """Whether the double's ``mccl`` returns no work for synchronous calls (the sim build can tell one)."""
+    return bool(musa_runtime._State.ext is not None and musa_runtime._State.ext.build_features().get("sync_returns_none"))
 
 
 def is_installed() -> bool:
@@ -179,7 +212,9 @@ def install(config: DoubleConfig | None = None) -> None:
     musa_runtime._State.installed = True
     for name, fn in _TORCH_ADDITIONS.items():
         setattr(torch, name, fn)
-    sim_device.register_collectives(musa_runtime._State.ext, DIST_BACKEND, musa_runtime.DEVICE)
+    torch.backends.mudnn = _MUDNN
+    # as torch_musa's MCCL from v2.9.1: synchronous collectives run to completion and return no work
+    sim_device.register_collectives(musa_runtime._State.ext, DIST_BACKEND, musa_runtime.DEVICE, sync_returns_none=True)
 
 
 def uninstall() -> None:
@@ -192,6 +227,8 @@ def uninstall() -> None:
     for name in _TORCH_ADDITIONS:
         if hasattr(torch, name):
             delattr(torch, name)
+    if hasattr(torch.backends, "mudnn"):
+        del torch.backends.mudnn
     musa_runtime._State.installed = False
     musa_runtime._State.config = DoubleConfig()
 
@@ -219,6 +256,7 @@ def surface() -> set[str]:
         if isinstance(obj, type):
             names |= {f"torch.musa.{attr}.{m}" for m in vars(obj) if not m.startswith("_")}
     names |= {f"torch.{a}" for a in _TORCH_ADDITIONS if hasattr(torch, a)}
+    names |= {f"torch.backends.mudnn.{a}" for a in vars(_MUDNN) if not a.startswith("_")}
     if DIST_BACKEND.upper() in dist.Backend._plugins:
         names.add(f"process_group:{DIST_BACKEND}")
     return names

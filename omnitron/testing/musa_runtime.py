@@ -88,7 +88,7 @@ def synchronize(device=None) -> None:
     _valid(device)
 
 
-def get_device_properties(device=None) -> types.SimpleNamespace:
+def get_device_properties(device) -> types.SimpleNamespace:
     cfg = _State.config
     _valid(device)
     return types.SimpleNamespace(name=cfg.device_name, major=cfg.capability[0], minor=cfg.capability[1],
@@ -104,7 +104,8 @@ def get_device_capability(device=None) -> tuple[int, int]:
     return props.major, props.minor
 
 
-def is_bf16_supported() -> bool:
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """Native bf16 from mp_22 (the double emulates nothing, so ``including_emulation`` changes nothing)."""
     return tuple(_State.config.capability) >= (2, 2)
 
 
@@ -129,7 +130,7 @@ class device:  # noqa: N801 - torch_musa's spelling
 class Stream:
     """A queue on one device. The double has one synchronous queue per device: work is done when issued."""
 
-    def __init__(self, device=None, priority: int = 0) -> None:
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
         self.device, self.priority = torch.device(DEVICE, _valid(device)), priority
 
     def synchronize(self) -> None:

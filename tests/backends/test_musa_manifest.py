@@ -2,6 +2,7 @@
 kernel preconditions. Everything here runs on the double (results are MUSA-double, not MUSA)."""
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 import re
@@ -12,7 +13,7 @@ import torch
 from omnitron.backends.musa import backend as musa_backend
 from omnitron.backends.musa import kernels as musa_kernels
 from omnitron.backends.musa.backend import MUSABackend, musa_capabilities
-from omnitron.testing import musa_double
+from omnitron.testing import musa_double, torch_musa_api
 from omnitron.testing.musa_double import DoubleConfig, MUSADoubleBackend, requires_double
 
 MUSA_DIR = pathlib.Path(musa_backend.__file__).resolve().parent
@@ -46,6 +47,64 @@ def test_backend_never_aliases_torch_musa():
     hits = [f"{p.name}:{i}" for p in MUSA_DIR.glob("*.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if alias.search(line)]
     assert not hits, hits
+
+
+TAGS = torch_musa_api.shipped()
+
+
+def test_a_torch_musa_list_is_shipped():
+    assert "v2.7.1" in TAGS, "scripts/extract_torch_musa_api.py output for torch_musa v2.7.1 is missing"
+    for tag, path in TAGS.items():
+        assert torch_musa_api.header(path)["tag"] == tag
+
+
+@pytest.mark.parametrize("tag", sorted(TAGS))
+def test_manifest_names_exist_in_torch_musa_source(tag):
+    api = torch_musa_api.load(TAGS[tag])
+    missing = musa_double.read_manifest() - set(api)
+    assert not missing, f"not in torch_musa {tag}'s source: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("tag", sorted(TAGS))
+def test_backend_calls_match_torch_musa_signatures(tag):
+    """Every call the backend spells to a torch_musa function binds to that function's signature in the source."""
+    api = {k: v for k, v in torch_musa_api.load(TAGS[tag]).items() if v is not None}
+    found = [c for p in MUSA_DIR.glob("*.py") for c in torch_musa_api.calls(p.read_text(), set(api))]
+    assert {"torch.rope", "torch.musa.Event", "torch.musa.amp.autocast"} <= {c[0] for c in found}  # the walk works
+    bad = [f"{name} line {line}: {why}" for name, n, kw, line in found
+           if (why := torch_musa_api.accepts(api[name], n, kw)) is not None]
+    assert not bad, bad
+
+
+def _double_signature(name: str) -> inspect.Signature:
+    """The double's signature for a manifest name (``torch.musa.Stream.query`` without ``self``, ``torch.rope``)."""
+    import sys
+
+    musa = name.startswith("torch.musa.")
+    owner, obj = None, sys.modules["torch.musa"] if musa else torch
+    for attr in name.split(".")[2 if musa else 1:]:
+        owner, obj = obj, getattr(obj, attr)
+    sig = inspect.signature(obj)
+    if isinstance(owner, type):
+        sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return sig
+
+
+@requires_double()
+@pytest.mark.parametrize("tag", sorted(TAGS))
+def test_double_signatures_match_torch_musa_source(tag):
+    """The double takes the same parameters (names, kinds, defaults) as torch_musa's definitions."""
+    api = torch_musa_api.load(TAGS[tag])
+    checked, bad = 0, []
+    with musa_double.installed():
+        for name in sorted(musa_double.read_manifest()):
+            if api.get(name) is None:
+                continue  # a module, a C-extension binding or a fact: no Python signature to compare
+            ours = _double_signature(name)
+            if torch_musa_api.shape(ours) != torch_musa_api.shape(api[name]):
+                bad.append(f"{name}: double {ours}, torch_musa {tag} {api[name]}")
+            checked += 1
+    assert checked >= 40 and not bad, "\n".join(bad)
 
 
 @requires_double()
@@ -143,3 +202,104 @@ def test_double_resolves_through_the_registry_only_when_declared(monkeypatch):
     monkeypatch.setenv("OMNITRON_EXTRA_BACKENDS", "musa-double")
     with pytest.raises(ValueError, match="not name=module:Class"):
         registry.known_backends()
+
+
+@requires_double()
+def test_mccl_settings_mirror_nccl_and_exist_in_torch_musa_source(monkeypatch):
+    """The MUSA backend prepares for MCCL the watchdog settings the CUDA backend prepares for NCCL, under
+    names torch_musa's C++ reads, without overriding what the user set."""
+    from omnitron.backends.cuda.backend import CUDABackend
+
+    mccl_env = MUSADoubleBackend().collectives.env
+    nccl_env = CUDABackend().collectives.env
+    musa_double.uninstall()
+    assert {k.replace("TORCH_MCCL_", "") for k in mccl_env} == {k.replace("TORCH_NCCL_", "") for k in nccl_env}
+    assert mccl_env["TORCH_MCCL_ASYNC_ERROR_HANDLING"] == "3" and int(mccl_env["TORCH_MCCL_TRACE_BUFFER_SIZE"]) > 0
+    for tag, path in TAGS.items():
+        unknown = {f"env:{k}" for k in mccl_env} - set(torch_musa_api.load(path))
+        assert not unknown, f"torch_musa {tag} reads no {sorted(unknown)}"
+    for name in mccl_env:
+        monkeypatch.setenv(name, "")  # recorded, so the test leaves the environment as it found it
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_MCCL_DUMP_ON_TIMEOUT", "0")  # the user's choice stands
+    collectives = musa_backend.Collectives("mccl", env=mccl_env)
+    assert collectives.prepare_env() == {**mccl_env, "TORCH_MCCL_DUMP_ON_TIMEOUT": "0"}
+    assert os.environ["TORCH_MCCL_TRACE_BUFFER_SIZE"] == mccl_env["TORCH_MCCL_TRACE_BUFFER_SIZE"]
+
+
+def test_fp32_gemm_precision_per_release():
+    """v2.7.1's TF32 switch starts as its source says (so float32 GEMMs run as TF32 there); from v2.9 they run
+    in FP32 unless the switch or the override variable asks for TF32 (release note: no v2.9 source to read)."""
+    from omnitron.backends.musa.backend import musa_fp32_matmul, torch_musa_release
+
+    api = torch_musa_api.load(TAGS["v2.7.1"])
+    default = next(n.rsplit(":", 1)[1] for n in api if n.startswith("default:torch.backends.mudnn.allow_tf32:"))
+    assert musa_fp32_matmul(torch_musa_release("2.7.1+0bc05bf"), default == "True", None) == "tf32"
+    assert musa_fp32_matmul((2, 7), False, "1") == "fp32", "the mublas override is a v2.9 variable"
+    assert musa_fp32_matmul(torch_musa_release("2.9.1"), False, None) == "fp32"
+    assert musa_fp32_matmul((2, 9), False, "1") == musa_fp32_matmul((2, 11), True, None) == "tf32"
+    assert musa_fp32_matmul(torch_musa_release("unknown"), True, None) is None
+
+
+@requires_double()
+def test_double_reports_the_fp32_gemms_it_computes():
+    with musa_double.installed():
+        assert MUSADoubleBackend().capabilities().fp32_matmul == "fp32"
+        torch.backends.mudnn.allow_tf32 = True  # what v2.7.1 starts with
+        try:
+            assert MUSADoubleBackend().capabilities().fp32_matmul == "tf32"
+        finally:
+            torch.backends.mudnn.allow_tf32 = False
+
+
+@requires_double()
+def test_double_synchronous_collectives_return_no_work():
+    """As torch_musa's MCCL from v2.9.1 ("comm operators in synchronous mode ... return nullptr"): a synchronous
+    collective completes before it returns and returns no work; an asynchronous one returns its work. The
+    engine's whole run on the double (test_musa_double_training.py) shows nothing waits on the former."""
+    import torch.distributed as dist
+
+    with musa_double.installed():
+        if not musa_double.sync_returns_none():
+            pytest.skip("this torch's collective options carry no asyncOp (before 2.9)")
+        dist.init_process_group("mccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            backend = dist.group.WORLD._get_backend(torch.device("musa"))
+            x = torch.randn(64, dtype=torch.float64)
+            t = x.to("musa")
+            opts = dist.AllreduceOptions()
+            opts.asyncOp = False
+            assert backend.allreduce([t], opts) is None
+            assert torch.equal(t.cpu(), x), "one rank: the sum is the input, readable at once (no work to wait)"
+            opts.asyncOp = True
+            work = backend.allreduce([t], opts)
+            assert work is not None
+            work.wait()
+            out = torch.empty(64, dtype=torch.float64, device="musa")
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renames it
+            assert gather(out, t) is None and dist.broadcast(t, src=0) is None
+            assert dist.barrier() is None and torch.equal(out.cpu(), x)
+        finally:
+            dist.destroy_process_group()
+
+
+@requires_double()
+def test_fused_cross_entropy_is_registered_where_torch_musa_takes_it(monkeypatch):
+    """softmax_cross_entropy resolves to torch_musa's fused op on the double (its conformance against the
+    reference runs in tests/backends/test_backend_kernels.py[musa-double]); label smoothing goes to the reference,
+    as torch_musa's own F.cross_entropy sends it elsewhere."""
+    monkeypatch.delenv("OMNITRON_KERNELS", raising=False)
+    try:
+        be = MUSADoubleBackend()
+        assert be.kernels.resolved("softmax_cross_entropy") == "musa"
+        logits = torch.randn(4, 3, 11, device="musa")
+        target = torch.randint(0, 11, (4, 3), device="musa")
+        assert musa_kernels.softmax_cross_entropy_supports(logits, target) is None
+        assert "label smoothing" in musa_kernels.softmax_cross_entropy_supports(logits, target, 0.1)
+        want = torch.nn.functional.cross_entropy(logits.cpu().double().reshape(-1, 11), target.cpu().reshape(-1),
+                                                 reduction="none").reshape(4, 3)
+        # fp32 log-softmax over 11 classes of |x| < ~5: error ~ 1e-6 relative; 1e-5 leaves a margin
+        torch.testing.assert_close(musa_kernels.softmax_cross_entropy(logits, target).cpu().double(), want,
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        musa_double.uninstall()

@@ -66,4 +66,5 @@ def test_sim_build_features_match_the_running_torch():
     assert torch_range.minor_of(feats["torch"]) == minor, f"omnitron._sim built for {feats['torch']}; rebuild it"
     assert feats["backend_set_timeout"] == (minor >= (2, 9))
     assert feats["autograd_fallback"] == (minor < (2, 10))
+    assert feats["sync_returns_none"] == (minor >= (2, 9))
     assert feats["fallback"], "no autograd fallback for the sim device: c10d collectives cannot dispatch"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from omnitron.backends.base import Backend, Capabilities
-from omnitron.backends.collectives import Collectives
+from omnitron.backends.collectives import Collectives, watchdog_env
 from omnitron.backends.fp8 import scaled_mm_runs
 from omnitron.backends.cuda.peaks import peak_flops
 
@@ -65,7 +65,8 @@ class CUDABackend(Backend):
     dist_backend = "nccl"
 
     def __init__(self) -> None:
-        self._collectives = Collectives("nccl", fp8_native=False, device_type="cuda")
+        # TORCH_NCCL_*: flight recorder on, dumped on a timeout; async errors end the process
+        self._collectives = Collectives("nccl", fp8_native=False, device_type="cuda", env=watchdog_env("TORCH_NCCL_"))
         self._caps: Capabilities | None = None
 
     @classmethod

@@ -17,7 +17,7 @@ import os
 import torch
 
 from omnitron.backends.base import Backend, Capabilities
-from omnitron.backends.collectives import Collectives
+from omnitron.backends.collectives import Collectives, watchdog_env
 from omnitron.backends.fp8 import scaled_mm_runs
 
 BF16_MIN_ARCH = 22
@@ -26,6 +26,13 @@ FP8_MIN_ARCH = 31
 """S5000 (mp_31) is the first MUSA part with FP8 (claimed only where ``torch._scaled_mm`` runs)."""
 FLASH_HEAD_DIMS = (64, 192)
 """Head dims muDNN's flash attention takes in Moore Threads' Transformer Engine port."""
+
+FP32_GEMM_DEFAULT_FROM = (2, 9)
+"""torch_musa v2.9.0 (release note; the public source snapshot ends at v2.7.1): float32 GEMMs run in FP32
+unless ``torch.backends.musa.matmul.allow_tf32`` is set or ``TORCH_ALLOW_TF32_MUBLAS_OVERRIDE=1``. Before it
+(v2.7.1's source: csrc/aten/utils/Context.h, ``allow_tf32_ = true``) muDNN's switch
+``torch.backends.mudnn.allow_tf32`` starts True, so they run as TF32."""
+TF32_OVERRIDE_ENV = "TORCH_ALLOW_TF32_MUBLAS_OVERRIDE"
 
 _T = 1e12
 # Dense peak FLOP/s from Moore Threads' datasheets; parts not listed report None.
@@ -46,11 +53,39 @@ def musa_peak_flops(device_name: str) -> dict[str, float | None]:
     return {"fp32": None, "bf16": None, "fp16": None, "fp8": None}
 
 
+def torch_musa_release(version: str) -> tuple[int, int] | None:
+    """``"2.7.1+abc1234"`` -> (2, 7); None when the string is not a release number."""
+    parts = version.split("+", 1)[0].split(".")
+    return (int(parts[0]), int(parts[1])) if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit() else None
+
+
+def musa_fp32_matmul(release: tuple[int, int] | None, allow_tf32: bool | None, override: str | None) -> str | None:
+    """``"tf32"`` or ``"fp32"``: how the installed torch_musa runs float32 GEMMs (see ``FP32_GEMM_DEFAULT_FROM``).
+
+    ``allow_tf32`` is the release's switch (``torch.backends.musa.matmul.allow_tf32`` from v2.9,
+    ``torch.backends.mudnn.allow_tf32`` before); ``override`` the ``TORCH_ALLOW_TF32_MUBLAS_OVERRIDE`` value."""
+    if release is None or allow_tf32 is None:
+        return None
+    if release >= FP32_GEMM_DEFAULT_FROM:
+        return "tf32" if allow_tf32 or override == "1" else "fp32"
+    return "tf32" if allow_tf32 else "fp32"
+
+
+def _tf32_switch(release: tuple[int, int] | None) -> bool | None:
+    """The installed release's TF32 switch for float32 GEMMs (None when it has none)."""
+    if release is not None and release >= FP32_GEMM_DEFAULT_FROM:
+        matmul = getattr(getattr(torch.backends, "musa", None), "matmul", None)  # v2.9's name: not in the v2.7.1 source
+        return None if matmul is None else bool(matmul.allow_tf32)
+    if not hasattr(torch.backends, "mudnn"):
+        return None
+    return bool(torch.backends.mudnn.allow_tf32)
+
+
 def musa_capabilities(device_name: str, cc: tuple[int, int], memory_total: int | None, bf16: bool,
-                      scaled_mm: bool, fp8_transport: bool) -> Capabilities:
+                      scaled_mm: bool, fp8_transport: bool, fp32_matmul: str | None = None) -> Capabilities:
     """Capabilities of one MUSA device from plain facts (pure: testable without torch_musa).
 
-    ``bf16`` is ``torch.musa.is_bf16_supported()``; ``scaled_mm`` whether a tiny ``torch._scaled_mm``
+    ``bf16`` is ``torch.musa.is_bf16_supported(including_emulation=False)`` (native bf16); ``scaled_mm`` whether a tiny ``torch._scaled_mm``
     ran on the device (``fp8.scaled_mm_runs``; no Transformer Engine path is claimed); ``fp8_transport`` whether the process-group
     backend carries float8 tensors (MCCL does).
     """
@@ -66,6 +101,7 @@ def musa_capabilities(device_name: str, cc: tuple[int, int], memory_total: int |
         fp8_recipes=("delayed", "tensorwise", "blockwise") if gemm else (),
         fp8_gemm=gemm,
         fp8_collectives=fp8 and fp8_transport,
+        fp32_matmul=fp32_matmul,
         flash_attention=arch >= BF16_MIN_ARCH,
         flash_head_dims=FLASH_HEAD_DIMS if arch >= BF16_MIN_ARCH else None,
         peak_flops=musa_peak_flops(device_name),
@@ -90,8 +126,10 @@ class MUSABackend(Backend):
 
     def __init__(self) -> None:
         _import_torch_musa()
+        # TORCH_MCCL_*: ProcessGroupMCCL is a port of ProcessGroupNCCL and reads the same settings under
+        # its own prefix (checked against torch_musa's source by tests/backends/test_musa_manifest.py)
         self._collectives = Collectives(self.dist_backend, fp8_native=self.fp8_transport,
-                                       device_type=self.device_type)
+                                        device_type=self.device_type, env=watchdog_env("TORCH_MCCL_"))
         self._caps: Capabilities | None = None
 
     def compile_unsupported_reason(self) -> str:
@@ -176,10 +214,12 @@ class MUSABackend(Backend):
             index = torch.musa.current_device()
             props = torch.musa.get_device_properties(index)
             cc = tuple(torch.musa.get_device_capability(index))
+            release = torch_musa_release(self.versions()["torch_musa"])
+            fp32 = musa_fp32_matmul(release, _tf32_switch(release), os.environ.get(TF32_OVERRIDE_ENV))
             self._caps = musa_capabilities(
                 torch.musa.get_device_name(index), cc,
-                int(props.total_memory), bool(torch.musa.is_bf16_supported()),
-                arch_number(cc) >= FP8_MIN_ARCH and scaled_mm_runs(self.device(index)), self.fp8_transport)
+                int(props.total_memory), bool(torch.musa.is_bf16_supported(including_emulation=False)),
+                arch_number(cc) >= FP8_MIN_ARCH and scaled_mm_runs(self.device(index)), self.fp8_transport, fp32)
         return self._caps
 
     @property

@@ -5,6 +5,14 @@ one); everything else runs the reference, and the registry logs the reason once.
 and ``torch.swish_glu`` are torch_musa additions, absent from stock torch: their presence is
 checked when the table is built, never assumed.
 
+``softmax_cross_entropy`` calls ``torch._fused_cross_entropy_loss_2d_forward``. torch_musa's other fused
+ops (as its v2.7.1 source has them, ``torch_musa_api/v2.7.1.txt``) are not registered:
+``_fused_rmsnorm_forward/backward`` is what its patched ``torch.rms_norm`` calls on a MUSA tensor
+(torch_patches/aten_src_ATen_native_layer_norm.cpp.patch), so ``rms_norm`` below reaches it already;
+``gated_silu`` is fp32/fp16-only and its derivatives.yaml patch gives it no backward (``swish_glu`` has one,
+through ``_fused_swiglu_forward``); ``_scaled_dot_product_attention_flash_musa`` is what SDPA's flash path
+calls on MUSA (attention.cpp.patch), which ``attention`` below selects.
+
 Not wrapped: torch_musa's fused AdamW optimizer keeps its own optimizer state, which does not map
 onto the stateless multi-tensor ``adamw_step`` op; the engine's optimizer may use it directly.
 """
@@ -50,7 +58,7 @@ def rms_norm_supports(x, weight, eps=1e-5) -> str | None:
     return None
 
 
-# ---- rope: torch.rope(input, freqs, rotary_interleaved, batch_first) ----------------------
+# ---- rope: torch.rope(input, freq_cis, rotary_interleaved, batch_first) ------------------
 def _rope_layout(t: torch.Tensor, freqs: torch.Tensor) -> str | None:
     """``"sbhd"`` or ``"bshd"`` when ``freqs`` is one angle row per position of ``t``, else None."""
     if t.dim() != 4 or freqs.dim() != 4:
@@ -104,6 +112,33 @@ def swiglu_supports(x, bias=None) -> str | None:
     return None
 
 
+# ---- softmax_cross_entropy: aten::_fused_cross_entropy_loss_2d_forward --------------------------
+REDUCTION_NONE = 0
+"""``at::Reduction::None``: the fused op returns one loss per row."""
+
+
+def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """torch_musa's fused 2-D cross-entropy (its patched ``F.cross_entropy`` calls it for [rows, V] logits without
+    label smoothing when ``cross_entropy_loss_2d_choice`` says so: LossNLL.cpp.patch); per-token float32 loss."""
+    v = logits.shape[-1]
+    loss = torch._fused_cross_entropy_loss_2d_forward(logits.reshape(-1, v), target.reshape(-1), None, REDUCTION_NONE,
+                                                      -100, label_smoothing)
+    return loss.reshape(target.shape).float()
+
+
+def softmax_cross_entropy_supports(logits, target, label_smoothing=0.0) -> str | None:
+    if logits.dtype not in _FLOATS:
+        return f"dtype {logits.dtype} is not fp32/bf16/fp16"
+    if label_smoothing:
+        return "torch_musa takes its fused cross-entropy only without label smoothing"
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        return f"target {tuple(target.shape)} is not logits {tuple(logits.shape)} without the class dim"
+    rows, v = logits.reshape(-1, logits.shape[-1]), logits.shape[-1]
+    if not torch.cross_entropy_loss_2d_choice(rows, target.reshape(-1), None, REDUCTION_NONE, -100, 0.0):
+        return f"cross_entropy_loss_2d_choice declines {tuple(rows.shape)} (vocabulary {v})"
+    return None
+
+
 # ---- attention: SDPA restricted to muDNN's flash kernel ----------------------------------
 def attention(q, k, v, causal: bool = True, dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -147,3 +182,5 @@ def register_musa_kernels() -> None:
     register("rope", IMPL, rope, available=_provided("rope"), supports=rope_supports)
     register("swiglu", IMPL, swiglu, available=_provided("swish_glu"), supports=swiglu_supports)
     register("attention", IMPL, attention, available=_provided(), supports=attention_supports)
+    register("softmax_cross_entropy", IMPL, softmax_cross_entropy,
+             available=_provided("_fused_cross_entropy_loss_2d_forward"), supports=softmax_cross_entropy_supports)

@@ -79,12 +79,14 @@ def load():
     return ext
 
 
-def register_collectives(ext, dist_backend: str, device_type: str) -> None:
-    """Register ``dist_backend`` for ``device_type`` tensors: gloo on host staging copies (idempotent)."""
+def register_collectives(ext, dist_backend: str, device_type: str, sync_returns_none: bool = False) -> None:
+    """Register ``dist_backend`` for ``device_type`` tensors: gloo on host staging copies (idempotent).
+    ``sync_returns_none``: a synchronous call completes before it returns and returns no work (where the
+    build can tell one: ``ext.build_features()["sync_returns_none"]``)."""
     import torch.distributed as dist
 
     def create(store, rank, size, timeout):
-        return ext.collective_backend(dist.ProcessGroupGloo(store, rank, size, timeout))
+        return ext.collective_backend(dist.ProcessGroupGloo(store, rank, size, timeout), sync_returns_none)
 
     if dist_backend.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(dist_backend, create, devices=[device_type])
