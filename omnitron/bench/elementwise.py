@@ -106,7 +106,7 @@ def _fn(op: str, n: int, width: int, dtype, dev, kernels=None):
 
         return (lambda: x * block_dropout(1, 0, 1, x.shape, 0.1, dtype, dev)), x
     if op == "ring_merge":
-        from omnitron.core.parallel.context.ring import _merge
+        from omnitron.core.parallel.context.blocks import merge as _merge
 
         shape = (1, 1, max(1, n // 64), 64)
         out, o = (torch.randn(shape, device=dev, dtype=dtype) for _ in range(2))
