@@ -279,3 +279,27 @@ def test_torchs_own_refusal_is_one_line(tmp_path, monkeypatch):
 
 
 _TORCH_NAMES = safe_load.torch_save_names()
+
+
+def test_crafted_omnitron_shard_is_one_line(tmp_path):
+    """An omnitron shard replaced by a payload, its checksum in metadata.json rewritten to match: torch's
+    weights-only loader refuses it, and the error is one line without torch's advice to load unsafely."""
+    import json
+
+    from omnitron.core.checkpoint.integrity import file_digest
+    from omnitron.core.checkpoint.io import read_shard, save_checkpoint
+
+    marker = tmp_path / "pwned"
+    path = save_checkpoint(str(tmp_path / "ck"), 1, {"w": torch.randn(4)}, {"model": {}, "layout": {}},
+                           rank=0, world_size=1, barrier=lambda: None)
+    shard = os.path.join(path, "rank_00000.pt")
+    _payload(shard, "global_eval", str(marker), True,
+             obj={"w": torch.ones(2), "x": _Eval(f"open({str(marker)!r}, 'w').close()")})
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    meta["checksums"]["rank_00000.pt"] = file_digest(shard)
+    json.dump(meta, open(os.path.join(path, "metadata.json"), "w"))
+    with pytest.raises(CheckpointError) as err:
+        read_shard(path, 0)
+    msg = _one_line(str(err.value))
+    assert "rank_00000.pt is unreadable (weights-only refusal: " in msg and "weights_only" not in msg, msg
+    assert not marker.exists()

@@ -330,6 +330,15 @@ def read_shard(path: str, rank: int, meta: dict | None = None) -> dict:
     try:
         return torch.load(shard_path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated file, bad zip, refused pickle: all mean "cannot use this shard"
-        why = " ".join(str(err).split())[:300]  # torch's weights_only refusals span many lines
-        raise CheckpointError(f"{shard_path} is unreadable ({type(err).__name__}: {why}); the checkpoint is "
+        raise CheckpointError(f"{shard_path} is unreadable ({torch_load_reason(err)}); the checkpoint is "
                               f"corrupt: load an earlier iteration, or re-save") from err
+
+
+def torch_load_reason(err: Exception) -> str:
+    """Why ``torch.load`` failed, in one line: a weights-only refusal's own reason, without torch's advice
+    to load with ``weights_only=False`` (the unsafe thing); else the message, squashed."""
+    text = str(err)
+    refusal = re.search(r"WeightsUnpickler error: (.*?)(?:\.\s|$)", text, re.S)
+    if refusal:
+        return "weights-only refusal: " + " ".join(refusal.group(1).split())[:200]
+    return f"{type(err).__name__}: " + " ".join(text.split())[:300]

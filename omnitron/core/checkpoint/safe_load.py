@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import io
 import pickletools
-import re
 import zipfile
 from typing import Callable, Iterator, Mapping
 
 import torch
 
-from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.checkpoint.io import CheckpointError, torch_load_reason
 
 _REBUILD = ("torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
             "torch._utils._rebuild_parameter_with_state", "torch._tensor._rebuild_from_type_v2")
@@ -132,11 +131,9 @@ def load_untrusted(path: str, *, what: str, fix: str, extra: Mapping[str, object
 
 def _load_error(path: str, err: Exception, fix: str) -> CheckpointError:
     """One line for a failed ``torch.load``: torch's refusal without its advice to load unsafely."""
-    text = str(err)
-    refusal = re.search(r"WeightsUnpickler error: (.*?)(?:\.\s|$)", text, re.S)
-    if refusal:
-        why = " ".join(refusal.group(1).split())[:200]
-        return UnsafeFileError(f"{path}: refused as unsafe by torch's weights-only loader ({why}); {fix}")
-    why = " ".join(text.split())[:200]
-    return CheckpointError(f"{path}: not a readable torch.save file ({type(err).__name__}: {why})")
+    why = torch_load_reason(err)
+    if why.startswith("weights-only refusal: "):
+        return UnsafeFileError(f"{path}: refused as unsafe by torch's weights-only loader "
+                               f"({why.removeprefix('weights-only refusal: ')}); {fix}")
+    return CheckpointError(f"{path}: not a readable torch.save file ({why})")
 
