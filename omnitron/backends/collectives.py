@@ -9,6 +9,7 @@ the other members of its group (``backends/flight.py``; :func:`flight_recorder_d
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from typing import Sequence
 
@@ -55,9 +56,29 @@ def watchdog_env(prefix: str, trace_entries: int = 2000) -> dict[str, str]:
     are ``<prefix>TRACE_BUFFER_SIZE``, ...): keep a flight-recorder ring of ``trace_entries`` events (the
     library's own recorder is off while this is 0), dump it when a collective times out (which needs the
     monitor thread on), and tear the process down on an asynchronous error (3: without clean-up, which can
-    hang). The heartbeat timeout keeps the library's default."""
+    hang). The settings that depend on the job are :func:`job_watchdog_env`'s."""
     return {f"{prefix}TRACE_BUFFER_SIZE": str(trace_entries), f"{prefix}DUMP_ON_TIMEOUT": "1",
             f"{prefix}ENABLE_MONITORING": "1", f"{prefix}ASYNC_ERROR_HANDLING": "3"}
+
+
+HEARTBEAT_DEFAULT_S = 480
+"""ProcessGroupNCCL's heartbeat timeout when ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` is unset (8 minutes)."""
+HEARTBEAT_MARGIN_S = 60
+"""How much later than the job's collective timeout the library's monitor may abort the process."""
+
+
+def job_watchdog_env(prefix: str, timeout_s: float, nan_check: bool) -> dict[str, str]:
+    """The settings of a ProcessGroupNCCL port that follow the job. The library's monitor thread aborts the
+    process, with its own terse message, when its watchdog thread has not beaten for
+    ``<prefix>HEARTBEAT_TIMEOUT_SEC``; omnitron's watchdog must speak first, so the heartbeat timeout is the
+    job's collective timeout plus a margin (never below the library's default). ``nan_check`` (strict mode,
+    a debugging run) turns on ``<prefix>NAN_CHECK``: every collective's input is checked for NaN on the
+    device, which names the first collective that carries one at the cost of a kernel per call."""
+    heartbeat = max(HEARTBEAT_DEFAULT_S, math.ceil(timeout_s) + HEARTBEAT_MARGIN_S)
+    env = {f"{prefix}HEARTBEAT_TIMEOUT_SEC": str(heartbeat)}
+    if nan_check:
+        env[f"{prefix}NAN_CHECK"] = "1"
+    return env
 
 
 class Collectives:
@@ -67,21 +88,27 @@ class Collectives:
     sent as ``uint8`` views and reduced in float32. ``device_type`` is where tensors of calls that
     carry none (barrier, gather_object) live for the strict check: a device library such as NCCL
     takes no host tensors. ``env``: environment variables the library reads when a process group is
-    created (:func:`watchdog_env`), set before the first one unless the user set them.
+    created (:func:`watchdog_env`), set before the first one unless the user set them; ``env_prefix``: the
+    library's variable prefix, for the settings that follow the job (:func:`job_watchdog_env`).
     """
 
     def __init__(self, dist_backend: str, fp8_native: bool = False, device_type: str = "cpu",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, env_prefix: str | None = None) -> None:
         self.dist_backend = dist_backend
         self.fp8_native = fp8_native
         self.device_type = device_type
         self.env = dict(env or {})
+        self.env_prefix = env_prefix
 
-    def prepare_env(self) -> dict[str, str]:
-        """Set ``env`` in ``os.environ`` where the user has not; returns the values now in effect."""
-        for name, value in self.env.items():
+    def prepare_env(self, timeout_s: float | None = None) -> dict[str, str]:
+        """Set ``env`` (and, given the job's collective ``timeout_s`` and an ``env_prefix``, the settings
+        that follow the job) in ``os.environ`` where the user has not; returns the values now in effect."""
+        env = dict(self.env)
+        if self.env_prefix is not None and timeout_s is not None:
+            env.update(job_watchdog_env(self.env_prefix, timeout_s, nan_check=strict_enabled()))
+        for name, value in env.items():
             os.environ.setdefault(name, value)
-        return {name: os.environ[name] for name in self.env}
+        return {name: os.environ[name] for name in env}
 
     def _no_tensor(self) -> torch.Tensor:
         """An empty tensor on the current device, for the records and checks of tensor-less calls."""
@@ -94,7 +121,7 @@ class Collectives:
         ``timeout_s``: how long a collective may wait)."""
         if dist.is_initialized():
             return
-        self.prepare_env()
+        self.prepare_env(timeout_s)
         kwargs = {}
         if rank is not None:
             kwargs.update(rank=rank, world_size=world_size)

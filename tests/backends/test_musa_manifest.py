@@ -227,6 +227,33 @@ def test_mccl_settings_mirror_nccl_and_exist_in_torch_musa_source(monkeypatch):
     assert os.environ["TORCH_MCCL_TRACE_BUFFER_SIZE"] == mccl_env["TORCH_MCCL_TRACE_BUFFER_SIZE"]
 
 
+@requires_double()
+@pytest.mark.parametrize("strict", [False, True])
+def test_mccl_heartbeat_follows_the_job_timeout_and_nan_check_follows_strict(monkeypatch, strict):
+    """The library's monitor aborts a process whose watchdog thread stops beating for HEARTBEAT_TIMEOUT_SEC:
+    it must not fire before omnitron's own watchdog reports (the job's collective timeout), nor earlier than
+    the library's default. NAN_CHECK, a device kernel per collective, is on in strict (debugging) runs only.
+    Both variables are read by torch_musa's C++ at the shipped tag, and NCCL's pair by torch's."""
+    from omnitron.backends.cuda.backend import CUDABackend
+
+    backends = {"TORCH_MCCL_": MUSADoubleBackend().collectives, "TORCH_NCCL_": CUDABackend().collectives}
+    musa_double.uninstall()
+    api = set(torch_musa_api.load(TAGS["v2.7.1"]))
+    assert {"env:TORCH_MCCL_HEARTBEAT_TIMEOUT_SEC", "env:TORCH_MCCL_NAN_CHECK"} <= api
+    monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", "1" if strict else "0")
+    timeout_s = float(torch.randint(1, 7200, ()).item()) + 0.5  # the job's, any length, not whole seconds
+    for prefix, collectives in backends.items():
+        for name in (f"{prefix}HEARTBEAT_TIMEOUT_SEC", f"{prefix}NAN_CHECK", *collectives.env):
+            monkeypatch.setenv(name, "")  # recorded, so the test leaves the environment as it found it
+            monkeypatch.delenv(name)
+        env = collectives.prepare_env(timeout_s)
+        heartbeat = int(env[f"{prefix}HEARTBEAT_TIMEOUT_SEC"])
+        assert heartbeat >= timeout_s + 60 and heartbeat >= 480 and heartbeat <= max(480, timeout_s + 61)
+        assert (env.get(f"{prefix}NAN_CHECK") == "1") is strict
+        monkeypatch.setenv(f"{prefix}HEARTBEAT_TIMEOUT_SEC", "17")  # the user's choice stands
+        assert collectives.prepare_env(timeout_s)[f"{prefix}HEARTBEAT_TIMEOUT_SEC"] == "17"
+
+
 def test_fp32_gemm_precision_per_release():
     """v2.7.1's TF32 switch starts as its source says (so float32 GEMMs run as TF32 there); from v2.9 they run
     in FP32 unless the switch or the override variable asks for TF32 (release note: no v2.9 source to read)."""

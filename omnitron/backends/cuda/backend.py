@@ -66,7 +66,8 @@ class CUDABackend(Backend):
 
     def __init__(self) -> None:
         # TORCH_NCCL_*: flight recorder on, dumped on a timeout; async errors end the process
-        self._collectives = Collectives("nccl", fp8_native=False, device_type="cuda", env=watchdog_env("TORCH_NCCL_"))
+        self._collectives = Collectives("nccl", fp8_native=False, device_type="cuda", env=watchdog_env("TORCH_NCCL_"),
+                                        env_prefix="TORCH_NCCL_")
         self._caps: Capabilities | None = None
 
     @classmethod

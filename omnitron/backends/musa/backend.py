@@ -129,7 +129,8 @@ class MUSABackend(Backend):
         # TORCH_MCCL_*: ProcessGroupMCCL is a port of ProcessGroupNCCL and reads the same settings under
         # its own prefix (checked against torch_musa's source by tests/backends/test_musa_manifest.py)
         self._collectives = Collectives(self.dist_backend, fp8_native=self.fp8_transport,
-                                        device_type=self.device_type, env=watchdog_env("TORCH_MCCL_"))
+                                        device_type=self.device_type, env=watchdog_env("TORCH_MCCL_"),
+                                        env_prefix="TORCH_MCCL_")
         self._caps: Capabilities | None = None
 
     def compile_unsupported_reason(self) -> str:
