@@ -167,11 +167,13 @@ struct Queue {
   std::mutex m;
   std::condition_variable cv;
   std::deque<ItemPtr> items;  // front: the collective running; the rest wait behind it
-  bool started = false;
+  std::thread worker, watchdog;  // started by the first collective, joined by stop_collective_workers()
+  bool stop = false;
   std::string broken;
   SteadyClock::time_point started_at;  // when the running collective was launched
 };
-Queue g_queues[kMaxDevices];
+// Never destroyed: a static destructor running at exit would destroy a condition variable a thread waits on.
+Queue* const g_queues = new Queue[kMaxDevices];
 
 void finish(Queue& q, const ItemPtr& item, const std::string& error) {
   {
@@ -226,7 +228,8 @@ void worker(int index) {
     ItemPtr item;
     {
       std::unique_lock<std::mutex> lock(q.m);
-      q.cv.wait(lock, [&] { return !q.items.empty(); });
+      q.cv.wait(lock, [&] { return !q.items.empty() || q.stop; });
+      if (q.items.empty()) return;  // stopped with nothing queued
       item = q.items.front();
     }
     run_one(q, item);
@@ -235,9 +238,9 @@ void worker(int index) {
 
 void watchdog(int index) {
   Queue& q = g_queues[index];
+  std::unique_lock<std::mutex> lock(q.m);
   for (;;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    std::lock_guard<std::mutex> lock(q.m);
+    if (q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return q.stop; })) return;
     auto waited = SteadyClock::now() - q.started_at;
     if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
   }
@@ -253,13 +256,36 @@ void enqueue(int index, const ItemPtr& item) {
                 ": collectives issued from two threads at once reach the device in an order that can differ between "
                 "ranks, which deadlocks NCCL; issue them from one thread, or use a gloo (CPU) group in the other");
   q.items.push_back(item);
-  if (!q.started) {
-    std::thread(worker, index).detach();
-    std::thread(watchdog, index).detach();
-    q.started = true;
+  if (!q.worker.joinable()) {
+    q.worker = std::thread(worker, index);
+    q.watchdog = std::thread(watchdog, index);
   }
   q.cv.notify_all();
 }
+
+// Stop and join one device's communicator threads once what is queued has run. A collective still
+// running after the deadlock bound (its peers never came) cannot be interrupted: its threads are
+// detached then, and the communicator is marked broken, as an aborted NCCL communicator is.
+void stop_queue(Queue& q) {
+  std::thread w, d;
+  bool drained;
+  {
+    std::unique_lock<std::mutex> lock(q.m);
+    if (!q.worker.joinable()) return;
+    drained = q.cv.wait_for(lock, deadlock_bound(), [&] { return q.items.empty(); });
+    if (!drained && q.broken.empty()) q.broken = "sim: the communicator was shut down while " + q.items.front()->describe() + " was still running";
+    q.stop = true;
+    q.cv.notify_all();
+    w = std::move(q.worker);
+    d = std::move(q.watchdog);
+  }
+  d.join();
+  if (drained) w.join(); else w.detach();
+  std::lock_guard<std::mutex> lock(q.m);
+  q.stop = false;  // a later collective starts new threads
+}
+
+std::atomic<int> g_live_communicators{0};  // SimCollectives not yet shut down or destroyed
 
 class SimWork final : public c10d::Work {
  public:
@@ -336,9 +362,18 @@ bool async_of(const Options& o) {
 class SimCollectives final : public c10d::Backend {
  public:
   SimCollectives(c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none)
-      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)), sync_returns_none_(sync_returns_none) {}
+      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)), sync_returns_none_(sync_returns_none) {
+    g_live_communicators.fetch_add(1);
+  }
+  ~SimCollectives() override { release(); }
 
   const std::string getBackendName() const override { return "simccl"; }
+
+  // destroy_process_group calls this on every group: the last communicator to go joins the device threads.
+  void shutdown() override {
+    release();
+    gloo_->shutdown();
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
     Staging s;
@@ -494,8 +529,13 @@ class SimCollectives final : public c10d::Backend {
     return work;
   }
 
+  void release() {
+    if (!released_.exchange(true) && g_live_communicators.fetch_sub(1) == 1) stop_collective_workers();
+  }
+
   c10::intrusive_ptr<c10d::Backend> gloo_;
   bool sync_returns_none_;
+  std::atomic<bool> released_{false};
 };
 
 }  // namespace
@@ -523,6 +563,10 @@ void synchronize_collectives() {
       if (!item->inner) done.push_back(item);
   }
   for (auto& item : done) release_flight(item);
+}
+
+void stop_collective_workers() {
+  for (int i = 0; i < kMaxDevices; ++i) stop_queue(g_queues[i]);
 }
 
 void set_site_hook(std::function<std::pair<std::string, std::string>()> hook) {

@@ -69,6 +69,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     sim::synchronize_collectives();
     sim::device_synchronize(static_cast<c10::DeviceIndex>(i));
   }, "Block until the device's streams, async copies and collectives are done.");
+  m.def("shutdown", [] {
+    py::gil_scoped_release nogil;
+    sim::stop_collective_workers();
+    sim::stop_async_workers();
+  }, "Join the device's background threads (communicators, async copies) after their queued work; at exit.");
   m.def("check_deferred", &sim::check_deferred, "Raise an error found in a deleter (a tensor freed unsafely).");
   m.def("set_site_hook", &set_py_site_hook, "fn() -> (call site, thread) of an issued collective (None: stop).");
   m.def("reset_peak", [](int i) { sim::reset_peak(static_cast<c10::DeviceIndex>(i)); });

@@ -9,6 +9,7 @@ Nothing here runs when omnitron is imported: only the sim backend (or a test tha
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import importlib.util
@@ -59,6 +60,7 @@ def claim(name: str = NAME):
         ext = importlib.import_module("omnitron._sim")
     except ImportError as err:
         raise SimUnavailableError(f"omnitron._sim is not built ({err}); {BUILD_HINT}") from err
+    atexit.register(ext.shutdown)  # join the communicator and copy threads before the interpreter goes
     ext.set_device_count(int(os.environ.get(DEVICES_ENV, "8")))
     ext.set_poison(os.environ.get(POISON_ENV) == "1")
     if claimed_name() != name:
