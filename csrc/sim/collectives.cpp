@@ -14,11 +14,15 @@
 // collective is still queued on the device is an error (ranks may order the two differently).
 // Point-to-point operations and barriers are not queued (a batched send/recv pair would otherwise
 // deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike.
+#include "comm.h"
 #include "compat.h"
 #include "sim.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <map>
 
 #include <chrono>
 #include <condition_variable>
@@ -82,18 +86,22 @@ struct Staging {
 
 // ---- where and from which thread a collective was issued (a Python hook) ----------------------
 std::mutex g_site_mutex;
-std::function<std::pair<std::string, std::string>()> g_site_hook;
+std::function<Site()> g_site_hook;
 
 }  // namespace
 
-std::pair<std::string, std::string> python_site() {
-  std::function<std::pair<std::string, std::string>()> hook;
+Site python_site_full() {
+  std::function<Site()> hook;
   {
     std::lock_guard<std::mutex> lock(g_site_mutex);
     hook = g_site_hook;
   }
-  if (!hook) return {"(unknown site)", "thread"};
-  return hook();
+  return hook ? hook() : Site{};
+}
+
+std::pair<std::string, std::string> python_site() {
+  Site site = python_site_full();
+  return {site.where, site.thread};
 }
 
 namespace {
@@ -113,6 +121,10 @@ Span span_of(const at::Tensor& t) {
 struct Item {
   std::string op, group, site, thread;
   std::function<c10::intrusive_ptr<c10d::Work>()> launch;
+  int64_t record = -1;                     // its flight record (comm_check.cpp)
+  c10::intrusive_ptr<c10d::Backend> gloo;  // strict mode: exchange ``key`` on it before launching
+  std::string key;
+  std::function<std::string()> on_settle;  // p2p receive: the order check, once it completed ("" = fine)
   std::vector<std::pair<at::Tensor, at::Tensor>> back;
   std::vector<Span> spans;
   c10::intrusive_ptr<c10d::Work> inner;  // p2p: launched at once
@@ -167,11 +179,13 @@ struct Queue {
   std::mutex m;
   std::condition_variable cv;
   std::deque<ItemPtr> items;  // front: the collective running; the rest wait behind it
-  bool started = false;
+  std::thread worker, watchdog;  // started by the first collective, joined by stop_collective_workers()
+  bool stop = false;
   std::string broken;
   SteadyClock::time_point started_at;  // when the running collective was launched
 };
-Queue g_queues[kMaxDevices];
+// Never destroyed: a static destructor running at exit would destroy a condition variable a thread waits on.
+Queue* const g_queues = new Queue[kMaxDevices];
 
 void finish(Queue& q, const ItemPtr& item, const std::string& error) {
   {
@@ -179,10 +193,24 @@ void finish(Queue& q, const ItemPtr& item, const std::string& error) {
     if (item->done) return;  // already failed by the deadlock report
   }
   if (error.empty()) item->copy_back();
+  record_finish(item->record, error);
   std::lock_guard<std::mutex> lock(q.m);
   item->error = error;
   item->done = true;
   if (!q.items.empty() && q.items.front() == item) q.items.pop_front();
+  q.cv.notify_all();
+}
+
+// Mark the communicator broken with ``message`` and fail what is queued (lock held), as an aborted NCCL
+// communicator does: every later collective on the device raises it.
+void abort_queue(Queue& q, const std::string& message) {
+  q.broken = message;
+  for (auto& item : q.items) {
+    item->error = q.broken;
+    item->done = true;
+    record_finish(item->record, q.broken);
+  }
+  q.items.clear();
   q.cv.notify_all();
 }
 
@@ -195,13 +223,7 @@ void report_deadlock(Queue& q, int index, SteadyClock::duration waited) {
      << " s for its peers while " << q.items[1]->describe()
      << " waits behind it (a device runs one communicator kernel at a time, as NCCL may): every rank must issue "
         "collectives on different groups in the same order, from one thread";
-  q.broken = os.str();
-  for (auto& item : q.items) {
-    item->error = q.broken;
-    item->done = true;
-  }
-  q.items.clear();
-  q.cv.notify_all();
+  abort_queue(q, os.str());
 }
 
 // Runs one collective to completion. gloo's work completes only when waited on (some of its
@@ -213,7 +235,8 @@ void run_one(Queue& q, const ItemPtr& item) {
   }
   std::string error;
   try {
-    item->launch()->wait();
+    if (item->gloo) error = exchange_fingerprints(*item->gloo, item->group, item->key, item->site);
+    if (error.empty()) item->launch()->wait();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -226,20 +249,61 @@ void worker(int index) {
     ItemPtr item;
     {
       std::unique_lock<std::mutex> lock(q.m);
-      q.cv.wait(lock, [&] { return !q.items.empty(); });
+      q.cv.wait(lock, [&] { return !q.items.empty() || q.stop; });
+      if (q.items.empty()) return;  // stopped with nothing queued
       item = q.items.front();
     }
     run_one(q, item);
   }
 }
 
+// Groups this process sent point-to-point on: a receiver that finds the order broken leaves its report under
+// ``key`` in the group's store, and the sender's watchdog aborts the sender's communicator with it.
+struct P2PWatch {
+  const void* owner;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string key;
+  int device;
+};
+std::mutex g_watch_mutex;
+std::vector<P2PWatch> g_watches;
+
+void poll_p2p_reports(Queue& q, int index) {
+  std::vector<P2PWatch> watches;
+  {
+    std::lock_guard<std::mutex> lock(g_watch_mutex);
+    for (const auto& w : g_watches)
+      if (w.device == index) watches.push_back(w);
+  }
+  for (const auto& w : watches) {
+    try {
+      if (!w.store->check({w.key})) continue;
+      auto raw = w.store->get(w.key);
+      w.store->deleteKey(w.key);
+      std::lock_guard<std::mutex> lock(q.m);
+      if (q.broken.empty()) abort_queue(q, std::string(raw.begin(), raw.end()));
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+    }
+  }
+}
+
 void watchdog(int index) {
   Queue& q = g_queues[index];
   for (;;) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    std::lock_guard<std::mutex> lock(q.m);
-    auto waited = SteadyClock::now() - q.started_at;
-    if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
+    {
+      std::unique_lock<std::mutex> lock(q.m);
+      if (q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return q.stop; })) return;
+      auto waited = SteadyClock::now() - q.started_at;
+      if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
+    }
+    poll_p2p_reports(q, index);
+  }
+}
+
+void start_threads(Queue& q, int index) {  // lock held
+  if (!q.worker.joinable()) {
+    q.worker = std::thread(worker, index);
+    q.watchdog = std::thread(watchdog, index);
   }
 }
 
@@ -253,13 +317,33 @@ void enqueue(int index, const ItemPtr& item) {
                 ": collectives issued from two threads at once reach the device in an order that can differ between "
                 "ranks, which deadlocks NCCL; issue them from one thread, or use a gloo (CPU) group in the other");
   q.items.push_back(item);
-  if (!q.started) {
-    std::thread(worker, index).detach();
-    std::thread(watchdog, index).detach();
-    q.started = true;
-  }
+  start_threads(q, index);
   q.cv.notify_all();
 }
+
+// Stop and join one device's communicator threads once what is queued has run. A collective still
+// running after the deadlock bound (its peers never came) cannot be interrupted: its threads are
+// detached then, and the communicator is marked broken, as an aborted NCCL communicator is.
+void stop_queue(Queue& q) {
+  std::thread w, d;
+  bool drained;
+  {
+    std::unique_lock<std::mutex> lock(q.m);
+    if (!q.worker.joinable()) return;
+    drained = q.cv.wait_for(lock, deadlock_bound(), [&] { return q.items.empty(); });
+    if (!drained && q.broken.empty()) q.broken = "sim: the communicator was shut down while " + q.items.front()->describe() + " was still running";
+    q.stop = true;
+    q.cv.notify_all();
+    w = std::move(q.worker);
+    d = std::move(q.watchdog);
+  }
+  d.join();
+  if (drained) w.join(); else w.detach();
+  std::lock_guard<std::mutex> lock(q.m);
+  q.stop = false;  // a later collective starts new threads
+}
+
+std::atomic<int> g_live_communicators{0};  // SimCollectives not yet shut down or destroyed
 
 class SimWork final : public c10d::Work {
  public:
@@ -281,6 +365,7 @@ class SimWork final : public c10d::Work {
       }
     }
     release_flight(item_);
+    record_wait(item_->record);
     TORCH_CHECK(item_->error.empty(), item_->error);
     return ok;
   }
@@ -293,7 +378,10 @@ class SimWork final : public c10d::Work {
       std::lock_guard<std::mutex> lock(queue_of().m);
       done = item_->done;
     }
-    if (done) release_flight(item_);
+    if (done) {
+      release_flight(item_);
+      record_wait(item_->record);
+    }
     return done;
   }
   bool isSuccess() const override { return item_->error.empty(); }
@@ -309,8 +397,11 @@ class SimWork final : public c10d::Work {
   Queue& queue_of() { return g_queues[device]; }
   void settle_inner() {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!item_->done) item_->copy_back();
+    if (item_->done) return;
+    if (item_->on_settle) item_->error = item_->on_settle();
+    if (item_->error.empty()) item_->copy_back();
     item_->done = true;
+    record_finish(item_->record, item_->error);
   }
   ItemPtr item_;
   std::mutex mutex_;
@@ -333,53 +424,75 @@ bool async_of(const Options& o) {
 #endif
 }
 
+// Send and receive counters of one communicator, per (peer, tag): gloo and NCCL match the n-th send to a peer
+// with the n-th receive from it.
+using PeerTag = std::pair<int, int>;
+
 class SimCollectives final : public c10d::Backend {
  public:
-  SimCollectives(c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none)
-      : c10d::Backend(gloo->getRank(), gloo->getSize()), gloo_(std::move(gloo)), sync_returns_none_(sync_returns_none) {}
+  SimCollectives(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none)
+      : c10d::Backend(gloo->getRank(), gloo->getSize()),
+        store_(std::move(store)),
+        gloo_(std::move(gloo)),
+        sync_returns_none_(sync_returns_none) {
+    g_live_communicators.fetch_add(1);
+  }
+  ~SimCollectives() override { release(); }
 
   const std::string getBackendName() const override { return "simccl"; }
+
+  // destroy_process_group calls this on every group: the last communicator to go joins the device threads.
+  void shutdown() override {
+    release();
+    gloo_->shutdown();
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
     Staging s;
     auto h = s.in(ts, true);
-    return settle(submit("broadcast", s, [g = gloo_, h, o]() mutable { return g->broadcast(h, o); }), async_of(o));
+    return settle(submit("broadcast", fingerprint(ts, "root=" + std::to_string(o.rootRank)), s,
+                         [g = gloo_, h, o]() mutable { return g->broadcast(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
     Staging s;
     auto h = s.in(ts, true);
-    return settle(submit("all_reduce", s, [g = gloo_, h, o]() mutable { return g->allreduce(h, o); }), async_of(o));
+    return settle(submit("all_reduce", fingerprint(ts, reduce_name(o.reduceOp)), s,
+                         [g = gloo_, h, o]() mutable { return g->allreduce(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) override {
     Staging s;
     auto h = s.in(ts, true);
-    return submit("all_reduce_coalesced", s, [g = gloo_, h, o]() mutable { return g->allreduce_coalesced(h, o); });
+    return submit("all_reduce_coalesced", fingerprint(ts, reduce_name(o.reduceOp)), s,
+                  [g = gloo_, h, o]() mutable { return g->allreduce_coalesced(h, o); });
   }
   c10::intrusive_ptr<c10d::Work> reduce(Tensors& ts, const c10d::ReduceOptions& o) override {
     Staging s;
     auto h = s.in(ts, true);
-    return settle(submit("reduce", s, [g = gloo_, h, o]() mutable { return g->reduce(h, o); }), async_of(o));
+    return settle(submit("reduce", fingerprint(ts, reduce_name(o.reduceOp) + " root=" + std::to_string(o.rootRank)), s,
+                         [g = gloo_, h, o]() mutable { return g->reduce(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<Tensors>& outs, Tensors& ins,
                                            const c10d::AllgatherOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return settle(submit("all_gather", s, [g = gloo_, ho, hi, o]() mutable { return g->allgather(ho, hi, o); }), async_of(o));
+    return settle(submit("all_gather", fingerprint(ins), s,
+                         [g = gloo_, ho, hi, o]() mutable { return g->allgather(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& o) override {
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return settle(submit("all_gather_into_tensor", s, [g = gloo_, ho, hi, o]() mutable { return g->_allgather_base(ho, hi, o); }), async_of(o));
+    return settle(submit("all_gather_into_tensor", fingerprint({in}), s,
+                         [g = gloo_, ho, hi, o]() mutable { return g->_allgather_base(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::AllgatherOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return submit("all_gather_into_tensor_coalesced", s,
+    return submit("all_gather_into_tensor_coalesced", fingerprint(ins), s,
                   [g = gloo_, ho, hi, o]() mutable { return g->allgather_into_tensor_coalesced(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<Tensors>& outs, Tensors& ins,
@@ -387,36 +500,39 @@ class SimCollectives final : public c10d::Backend {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return settle(submit("gather", s, [g = gloo_, ho, hi, o]() mutable { return g->gather(ho, hi, o); }), async_of(o));
+    return settle(submit("gather", fingerprint(ins, "root=" + std::to_string(o.rootRank)), s,
+                         [g = gloo_, ho, hi, o]() mutable { return g->gather(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> scatter(Tensors& outs, std::vector<Tensors>& ins,
                                          const c10d::ScatterOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return settle(submit("scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->scatter(ho, hi, o); }), async_of(o));
+    return settle(submit("scatter", fingerprint(outs, "root=" + std::to_string(o.rootRank)), s,
+                         [g = gloo_, ho, hi, o]() mutable { return g->scatter(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(Tensors& outs, std::vector<Tensors>& ins,
                                                 const c10d::ReduceScatterOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return settle(submit("reduce_scatter", s, [g = gloo_, ho, hi, o]() mutable { return g->reduce_scatter(ho, hi, o); }), async_of(o));
+    return settle(submit("reduce_scatter", fingerprint(outs, reduce_name(o.reduceOp)), s,
+                         [g = gloo_, ho, hi, o]() mutable { return g->reduce_scatter(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& o) override {
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return settle(submit("reduce_scatter_tensor", s,
-                  [g = gloo_, ho, hi, o]() mutable { return g->_reduce_scatter_base(ho, hi, o); }), async_of(o));
+    return settle(submit("reduce_scatter_tensor", fingerprint({out}, reduce_name(o.reduceOp)), s,
+                         [g = gloo_, ho, hi, o]() mutable { return g->_reduce_scatter_base(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::ReduceScatterOptions& o) override {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return submit("reduce_scatter_tensor_coalesced", s,
+    return submit("reduce_scatter_tensor_coalesced", fingerprint(outs, reduce_name(o.reduceOp)), s,
                   [g = gloo_, ho, hi, o]() mutable { return g->reduce_scatter_tensor_coalesced(ho, hi, o); });
   }
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
@@ -425,7 +541,7 @@ class SimCollectives final : public c10d::Backend {
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return settle(submit("all_to_all_single", s, [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
+    return settle(submit("all_to_all_single", fingerprint({in}), s, [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
       return g->alltoall_base(ho, hi, out_splits, in_splits, o);
     }), async_of(o));
   }
@@ -433,22 +549,28 @@ class SimCollectives final : public c10d::Backend {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return settle(submit("all_to_all", s, [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }), async_of(o));
+    return settle(submit("all_to_all", fingerprint(ins), s,
+                         [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> send(Tensors& ts, int dst, int tag) override {
     Staging s;
     auto hi = s.in(ts);
-    return submit("send", s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); }, false);
+    std::string detail = fingerprint(ts, "to rank " + std::to_string(dst) + " tag=" + std::to_string(tag));
+    return submit("send", detail, s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); },
+                  Order::send, dst, tag);
   }
   c10::intrusive_ptr<c10d::Work> recv(Tensors& ts, int src, int tag) override {
     Staging s;
     auto ho = s.out(ts);
-    return submit("recv", s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); }, false);
+    std::string detail = fingerprint(ts, "from rank " + std::to_string(src) + " tag=" + std::to_string(tag));
+    return submit("recv", detail, s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); },
+                  Order::recv, src, tag);
   }
   c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& ts, int tag) override {
     Staging s;
     auto ho = s.out(ts);
-    return submit("recv", s, [g = gloo_, ho, tag]() mutable { return g->recvAnysource(ho, tag); }, false);
+    return submit("recv", fingerprint(ts, "from any rank"), s,
+                  [g = gloo_, ho, tag]() mutable { return g->recvAnysource(ho, tag); }, Order::none);
   }
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override {
     return settle(gloo_->barrier(o), async_of(o));
@@ -458,6 +580,10 @@ class SimCollectives final : public c10d::Backend {
 #endif
 
  private:
+  // How an operation is ordered: queued on the device's communicator (a collective), or launched at once
+  // with its place among the group's collectives published (send) or checked against the sender's (recv).
+  enum class Order { queued, send, recv, none };
+
   // ``sync_returns_none``: a synchronous call (``async_op=False``) completes before it returns and returns no work,
   // as torch_musa's MCCL does from v2.9.1 ("comm operators in synchronous mode ... return nullptr").
   c10::intrusive_ptr<c10d::Work> settle(c10::intrusive_ptr<c10d::Work> work, bool async_op) {
@@ -466,36 +592,115 @@ class SimCollectives final : public c10d::Backend {
     return {};
   }
 
-  // One collective: queued on its device's communicator (``queued``) or launched at once (p2p).
+  // One operation: queued on its device's communicator, or launched at once (point-to-point).
   template <typename F>
-  c10::intrusive_ptr<c10d::Work> submit(const char* op, Staging& s, F&& launch, bool queued = true) {
+  c10::intrusive_ptr<c10d::Work> submit(const char* op, const std::string& detail, Staging& s, F&& launch,
+                                        Order order = Order::queued, int peer = -1, int tag = 0) {
     auto item = std::make_shared<Item>();
-    auto site = python_site();
+    Site site = python_site_full();
     item->op = op;
     item->group = group_name(*this);
-    item->site = site.first;
-    item->thread = site.second;
+    item->site = site.where;
+    item->thread = site.thread;
     item->back = std::move(s.back);
+    item->record = record_issue(op, item->group, detail, site);
     int index = s.device < 0 ? current_device() : s.device;
     auto work = c10::make_intrusive<SimWork>(item);
     work->device = index;
     register_flight(item);  // before the worker can run it (its copy-back consumes item->back)
     try {
-      if (queued) {
+      if (order == Order::queued) {
+        place(item, detail, site);
         item->launch = std::forward<F>(launch);
         enqueue(index, item);
       } else {
+        check_unbroken(index);
+        if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
         item->inner = launch();
       }
     } catch (...) {
       release_flight(item);
+      record_finish(item->record, "failed when issued");
       throw;
     }
     return work;
   }
 
+  // A collective's place on the group: counted for the point-to-point order; in strict mode (and not issued
+  // by the engine's collective layer, which checks its own) its fingerprint is exchanged before it runs.
+  void place(const ItemPtr& item, const std::string& detail, const Site& site) {
+    std::lock_guard<std::mutex> lock(p2p_mutex_);
+    ++collectives_;
+    last_ = item->describe();
+    if (getSize() > 1 && !site.engine && strict_enabled()) {
+      item->gloo = gloo_;
+      item->key = std::string(item->op) + " #" + std::to_string(++checked_) + " " + detail;
+    }
+  }
+
+  // A send publishes its place among the group's collectives in the group's store before it is launched; the
+  // matching receive compares its own once it completed (the message has arrived, so the key is there).
+  void order_p2p(const ItemPtr& item, Order order, int peer, int tag, const std::string& detail, int index) {
+    P2PPosition pos;
+    int src = order == Order::send ? getRank() : peer, dst = order == Order::send ? peer : getRank();
+    std::string key;
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      pos = {collectives_, last_, item->op + " " + detail + " (issued at " + item->site + ")"};
+      auto& count = (order == Order::send ? sends_ : recvs_)[PeerTag{peer, tag}];
+      key = "simccl/p2p/" + std::to_string(src) + ">" + std::to_string(dst) + "/" + std::to_string(tag) + "/" +
+            std::to_string(count++);
+    }
+    if (order == Order::send) {
+      watch(index);
+      store_->set(key, encode_position(pos));
+      return;
+    }
+    item->on_settle = [store = store_, key, pos, group = item->group, src, dst]() {
+      auto raw = store->get(key);
+      store->deleteKey(key);
+      std::string report = compare_positions(group, src, dst, std::string(raw.begin(), raw.end()), pos);
+      if (!report.empty()) store->set(deadlock_key(src), report);  // the sender's watchdog raises it there
+      return report;
+    };
+  }
+
+  static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
+
+  void watch(int index) {
+    std::lock_guard<std::mutex> lock(g_watch_mutex);
+    for (const auto& w : g_watches)
+      if (w.owner == this) return;
+    g_watches.push_back({this, store_, deadlock_key(getRank()), index});
+    Queue& q = g_queues[index];
+    std::lock_guard<std::mutex> qlock(q.m);
+    start_threads(q, index);
+  }
+
+  static void check_unbroken(int index) {
+    Queue& q = g_queues[index];
+    std::lock_guard<std::mutex> lock(q.m);
+    TORCH_CHECK(q.broken.empty(), q.broken);
+  }
+
+  void release() {
+    if (released_.exchange(true)) return;
+    {
+      std::lock_guard<std::mutex> lock(g_watch_mutex);
+      g_watches.erase(std::remove_if(g_watches.begin(), g_watches.end(), [&](const P2PWatch& w) { return w.owner == this; }),
+                      g_watches.end());
+    }
+    if (g_live_communicators.fetch_sub(1) == 1) stop_collective_workers();
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   bool sync_returns_none_;
+  std::atomic<bool> released_{false};
+  std::mutex p2p_mutex_;
+  int64_t collectives_ = 0, checked_ = 0;
+  std::string last_;
+  std::map<PeerTag, int64_t> sends_, recvs_;
 };
 
 }  // namespace
@@ -525,13 +730,18 @@ void synchronize_collectives() {
   for (auto& item : done) release_flight(item);
 }
 
-void set_site_hook(std::function<std::pair<std::string, std::string>()> hook) {
+void stop_collective_workers() {
+  for (int i = 0; i < kMaxDevices; ++i) stop_queue(g_queues[i]);
+}
+
+void set_site_hook(std::function<Site()> hook) {
   std::lock_guard<std::mutex> lock(g_site_mutex);
   g_site_hook = std::move(hook);
 }
 
-c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none) {
-  return c10::make_intrusive<SimCollectives>(std::move(gloo), sync_returns_none);
+c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
+                                                     c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none) {
+  return c10::make_intrusive<SimCollectives>(std::move(store), std::move(gloo), sync_returns_none);
 }
 
 }  // namespace sim

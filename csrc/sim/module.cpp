@@ -1,5 +1,6 @@
 // Python bindings of omnitron._sim: device count and index, memory statistics, RNG state, the
 // host-sync counter and its hook, uncounted host copies, and the "simccl" collective backend.
+#include "comm.h"
 #include "compat.h"
 #include "sim.h"
 
@@ -7,8 +8,9 @@
 #include <torch/python.h>
 
 namespace sim {
-c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none);
-void set_site_hook(std::function<std::pair<std::string, std::string>()> hook);
+c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
+                                                     c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none);
+void set_site_hook(std::function<Site()> hook);
 }
 
 namespace {
@@ -16,16 +18,17 @@ namespace {
 py::object* g_py_hook = nullptr;  // leaked on exit on purpose: no Python object outlives the interpreter here
 py::object* g_py_site = nullptr;
 
-// fn() -> (call site, thread name) of a collective being issued, for simccl's messages.
+// fn() -> (call site, thread name, engine) of a collective being issued, for simccl's messages and checks.
 void set_py_site_hook(py::object fn) {
   sim::set_site_hook(nullptr);
   delete g_py_site;
   g_py_site = nullptr;
   if (fn.is_none()) return;
   g_py_site = new py::object(std::move(fn));
-  sim::set_site_hook([]() -> std::pair<std::string, std::string> {
+  sim::set_site_hook([]() -> sim::Site {
     py::gil_scoped_acquire gil;
-    return (*g_py_site)().cast<std::pair<std::string, std::string>>();
+    auto [where, thread, engine] = (*g_py_site)().cast<std::tuple<std::string, std::string, bool>>();
+    return {where, thread, engine};
   });
 }
 
@@ -69,8 +72,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     sim::synchronize_collectives();
     sim::device_synchronize(static_cast<c10::DeviceIndex>(i));
   }, "Block until the device's streams, async copies and collectives are done.");
+  m.def("shutdown", [] {
+    py::gil_scoped_release nogil;
+    sim::stop_collective_workers();
+    sim::stop_async_workers();
+  }, "Join the device's background threads (communicators, async copies) after their queued work; at exit.");
   m.def("check_deferred", &sim::check_deferred, "Raise an error found in a deleter (a tensor freed unsafely).");
-  m.def("set_site_hook", &set_py_site_hook, "fn() -> (call site, thread) of an issued collective (None: stop).");
+  m.def("set_site_hook", &set_py_site_hook,
+        "fn() -> (call site, thread, issued by the engine's collective layer) of an issued collective (None: stop).");
+  m.def("flight_records", &sim::comm_records,
+        "simccl's record of every operation (issue, completion on the communicator, the host's wait), oldest first.");
   m.def("reset_peak", [](int i) { sim::reset_peak(static_cast<c10::DeviceIndex>(i)); });
   m.def("set_poison", &sim::set_poison, "Fill fresh device memory with 0xff bytes (NaN): uninitialised reads show.");
   m.def("sync_count", &sim::sync_count, py::arg("kind") = "");
@@ -91,6 +102,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("autograd_fallback") = bool(SIM_REGISTERS_AUTOGRAD_FALLBACK),
                     py::arg("sync_returns_none") = bool(SIM_OPTIONS_HAVE_ASYNC_OP));
   }, "The torch this extension was compiled against and the version-dependent paths compiled (compat.h).");
-  m.def("collective_backend", &sim::collective_backend, py::arg("gloo"), py::arg("sync_returns_none") = false,
+  m.def("collective_backend", &sim::collective_backend, py::arg("store"), py::arg("gloo"), py::arg("sync_returns_none") = false,
         "Wrap a gloo backend as the sim device's collectives (sync_returns_none: synchronous calls return no work).");
 }

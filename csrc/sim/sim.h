@@ -58,6 +58,10 @@ void check_deferred();
 // Raise when ``t`` overlaps the output of a collective not yet waited for (``op``: the kernel touching it).
 void check_not_in_flight(const at::Tensor& t, const char* op);
 void synchronize_collectives();  // the host waits for every collective of this process
+// Join the communicator threads once their queues have run (the last communicator's shutdown, and exit).
+void stop_collective_workers();
+// Join the asynchronous-copy workers once their queues have run (stream.cpp; at exit).
+void stop_async_workers();
 
 // ---- memory (allocator.cpp) -----------------------------------------------------------
 struct MemoryStats {

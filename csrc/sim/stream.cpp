@@ -47,11 +47,13 @@ struct DeviceState {
   Clock host;  // how far the host has observed each stream
   std::deque<AsyncItem> queue;
   int hurry = 0;  // host threads waiting: the worker runs queued items without their delay
-  bool worker_started = false;
+  bool stop = false;  // shutdown: run what is queued without delay, then end
+  std::thread worker;
   std::atomic<int> next_pool{0};
 };
 
-DeviceState g_devices[kMaxDevices];
+// Never destroyed: a static destructor running at exit would destroy a condition variable a worker waits on.
+DeviceState* const g_devices = new DeviceState[kMaxDevices];
 thread_local int64_t g_current_stream[kMaxDevices] = {};
 
 std::chrono::milliseconds async_delay() {
@@ -66,11 +68,12 @@ void worker_loop(DeviceState* d) {
   std::unique_lock<std::mutex> lock(d->m);
   for (;;) {
     if (d->queue.empty()) {
+      if (d->stop) return;
       d->cv.wait(lock);
       continue;
     }
     AsyncItem& head = d->queue.front();
-    if (d->hurry == 0 && SteadyClock::now() < head.ready) {
+    if (d->hurry == 0 && !d->stop && SteadyClock::now() < head.ready) {
       d->cv.wait_until(lock, head.ready);
       continue;
     }
@@ -149,13 +152,27 @@ void enqueue_async(c10::DeviceIndex index, std::function<void()> fn) {
   DeviceState& d = device_state(index);
   int s = static_cast<int>(g_current_stream[index]);
   std::lock_guard<std::mutex> lock(d.m);
-  if (!d.worker_started) {
-    std::thread(worker_loop, &d).detach();
-    d.worker_started = true;
-  }
+  if (!d.worker.joinable()) d.worker = std::thread(worker_loop, &d);
   uint64_t ticket = ++d.streams[s].async_issued;
   d.queue.push_back({s, ticket, SteadyClock::now() + async_delay(), std::move(fn)});
   d.cv.notify_all();
+}
+
+void stop_async_workers() {
+  for (int i = 0; i < kMaxDevices; ++i) {
+    DeviceState& d = g_devices[i];
+    std::thread worker;
+    {
+      std::lock_guard<std::mutex> lock(d.m);
+      if (!d.worker.joinable()) continue;
+      d.stop = true;
+      worker = std::move(d.worker);
+      d.cv.notify_all();
+    }
+    worker.join();  // it performs what is queued (copies into live host memory), then returns
+    std::lock_guard<std::mutex> lock(d.m);
+    d.stop = false;  // a later async copy starts a new worker
+  }
 }
 
 // ---- events ------------------------------------------------------------------------------------

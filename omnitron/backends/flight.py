@@ -97,9 +97,20 @@ class FlightRecorder:
 RECORDER = FlightRecorder(int(os.environ.get("OMNITRON_FLIGHT_RECORDER_SIZE", "256")))
 
 
+_SOURCES: list = []
+
+
+def add_source(fn) -> None:
+    """Add ``fn() -> list[str]``, a process-group backend's own record (issue and completion of every
+    operation it ran, whoever issued it), to what :func:`flight_recorder_dump` returns (idempotent)."""
+    if fn not in _SOURCES:
+        _SOURCES.append(fn)
+
+
 def flight_recorder_dump() -> list[str]:
-    """The last recorded collective / p2p calls of this rank, oldest first, one line each."""
-    return RECORDER.dump()
+    """The last recorded collective / p2p calls of this rank, oldest first, one line each; then the
+    process-group backends' records (``simccl #N ... completed HH:MM:SS.mmm``), where one keeps them."""
+    return RECORDER.dump() + [line for fn in _SOURCES for line in fn()]
 
 
 def fingerprint(shape: tuple, dtype, extra: str = "") -> str:

@@ -280,8 +280,6 @@ def test_double_reports_the_fp32_gemms_it_computes():
 
 
 @requires_double()
-@pytest.mark.slow  # NOTE: in-process mccl on the double leaves the interpreter hanging at exit (sim's communicator
-# worker is not joined; seen 2026-12-03): outside the default suite until that is fixed
 def test_double_synchronous_collectives_return_no_work():
     """As torch_musa's MCCL from v2.9.1 ("comm operators in synchronous mode ... return nullptr"): a synchronous
     collective completes before it returns and returns no work; an asynchronous one returns its work. The

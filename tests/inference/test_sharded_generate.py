@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 V = 300  # NullTokenizer --vocab-size: the model's vocabulary is V + 1 (its end-of-document id)
 PROMPTS = ["3 14 15 92 65", "35 89"]
@@ -82,14 +83,17 @@ def _assert_same(got: dict, want: dict, label) -> None:
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=LP_ATOL, msg=str(label))
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 2), pytest.param(2, 1, marks=pytest.mark.slow),
-                                   pytest.param(1, 2, marks=pytest.mark.slow)])
-def test_sharded_generation_matches_one_process(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp,pp,backend", [(2, 2, None), pytest.param(2, 1, None, marks=pytest.mark.slow),
+                                           pytest.param(1, 2, None, marks=pytest.mark.slow),
+                                           pytest.param(2, 2, "sim", marks=[pytest.mark.slow, requires_sim()])])
+def test_sharded_generation_matches_one_process(tmp_path, tp, pp, backend):
+    """Every rank's text, segments and log-probabilities equal one process's (``backend``: the ranks' backend;
+    None: the session's; sim: 86 s on the loaded 2-core machine, 2026-12-03)."""
     root = str(tmp_path / "ck")
     _checkpoint(root)
     want = [_one_process(root, s) for s in SAMPLINGS]
     assert want[0]["text"] != want[1]["text"]  # the sampled run really samples
-    for rank, got in enumerate(run_distributed(_rank, tp * pp, root, tp, pp, SAMPLINGS)):
+    for rank, got in enumerate(run_distributed(_rank, tp * pp, root, tp, pp, SAMPLINGS, backend=backend)):
         for g, w, s in zip(got, want, SAMPLINGS):
             _assert_same(g, w, (tp, pp, rank, s))
 

@@ -12,7 +12,10 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 from test_sharded_generate import PROMPTS, _checkpoint, _one_process
+
+from omnitron.testing.sim import requires_sim
 
 
 def _put(port: int, body: dict) -> tuple[int, dict]:
@@ -35,12 +38,16 @@ def _wait_for_port(proc, deadline_s: float) -> int:
     raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
 
 
-def test_server_under_tensor_parallelism_answers_like_one_process(tmp_path):
+@pytest.mark.parametrize("backend", [None, pytest.param("sim", marks=[pytest.mark.slow, requires_sim()])])
+def test_server_under_tensor_parallelism_answers_like_one_process(tmp_path, backend):
+    """``backend``: the server ranks' (None: the session's; sim: 100 s on the loaded 2-core machine, 2026-12-03)."""
     root = str(tmp_path / "ck")
     _checkpoint(root)
     want = _one_process(root, {"temperature": 0.0})["text"]
     repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    if backend is not None:
+        env["OMNITRON_BACKEND"] = backend
     proc = subprocess.Popen([sys.executable, "-m", "omnitron", "serve", "--load", root, "--port", "0",
                              "--tensor-model-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=tmp_path)

@@ -17,6 +17,7 @@ from omnitron.core.optim.onebit import SCALE_BLOCK, OneBitAdam, resolve_freeze_s
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
 from omnitron.testing.onebit import adam_reference
+from omnitron.testing.sim import requires_sim
 
 
 def _model(dtype=torch.float32, seed=0):
@@ -27,7 +28,7 @@ def _model(dtype=torch.float32, seed=0):
 def _fill(model, seed):
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.device, p.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -84,7 +85,7 @@ def compressed_stage_worker() -> dict:
 
     be = get_backend()
     groups = ParallelGroups.build(ParallelConfig(), backend=be)
-    model = _model()
+    model = _model().to(be.device())
     ddp = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True))
     opt = OneBitAdam(model.named_parameters(), OptimizerConfig(optimizer="onebit_adam", **HYPER), groups, backend=be,
                      freeze_step=FREEZE)
@@ -92,7 +93,7 @@ def compressed_stage_worker() -> dict:
     for step in range(1, STEPS + 1):
         ddp.zero_grad_buffer()
         ddp.reduce_over_dp = opt.grad_reduction_over_dp()  # what the training step does
-        x, y = _batch(groups.dp.rank, step)
+        x, y = (t.to(be.device()) for t in _batch(groups.dp.rank, step))
         ((ddp(x.float()) - y.float()) ** 2).mean().backward()
         ddp.finish_grad_sync()
         norms.append(opt.step(LR).grad_norm)
@@ -100,9 +101,11 @@ def compressed_stage_worker() -> dict:
     return {"params": params, "norms": norms}
 
 
-@pytest.mark.parametrize("dp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_compressed_stage_matches_float64_simulation(dp):
-    res = run_distributed(compressed_stage_worker, dp)
+@pytest.mark.parametrize("dp,backend", [(2, None), pytest.param(4, None, marks=pytest.mark.slow),
+                                        pytest.param(2, "sim", marks=[pytest.mark.slow, requires_sim()])])
+def test_compressed_stage_matches_float64_simulation(dp, backend):
+    """``backend``: the ranks' (None: the session's; sim: 47 s on the loaded 2-core machine, 2026-12-03)."""
+    res = run_distributed(compressed_stage_worker, dp, backend=backend)
 
     def local_grads(step, params):
         out = []
@@ -281,7 +284,7 @@ def temporaries_worker(dp_widths: int) -> dict:
     be = get_backend()
     groups = ParallelGroups.build(ParallelConfig(), backend=be)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dp_widths, dp_widths, bias=False) for _ in range(4)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(dp_widths, dp_widths, bias=False) for _ in range(4)]).to(be.device())
     opt = OneBitAdam(model.named_parameters(), OptimizerConfig(optimizer="onebit_adam", **HYPER), groups, backend=be,
                      freeze_step=1)
     peaks = []

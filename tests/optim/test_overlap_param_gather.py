@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 from tests.optim.test_distributed_optimizer import _args, _Run
 
 STEPS, MORE = 3, 2
@@ -115,7 +116,7 @@ def _deferred(overlap: bool) -> dict:
     groups = ParallelGroups.build(ParallelConfig(), be.collectives)
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 3)).to(torch.bfloat16)
+                                torch.nn.Linear(16, 3)).to(be.device(), torch.bfloat16)
     ddp = DistributedDataParallel(model, groups, DataParallelConfig(
         use_distributed_optimizer=True, overlap_param_gather=overlap, bucket_size=50,
         accumulate_allreduce_grads_in_fp32=True), collectives=be.collectives)
@@ -129,7 +130,7 @@ def _deferred(overlap: bool) -> dict:
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         for mb in range(2):
-            x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 3, generator=gen)
+            x, y = (torch.randn(*shape, generator=gen).to(be.device()) for shape in ((4, 8), (4, 3)))
             with ddp.no_sync() if mb == 0 else contextlib.nullcontext():
                 loss = ((ddp(x.bfloat16()).float() - y) ** 2).mean()
                 loss.backward()
@@ -156,16 +157,17 @@ def _deferred(overlap: bool) -> dict:
 def _in_place() -> dict:
     from omnitron.backends import get_backend
 
-    coll = get_backend().collectives
+    be = get_backend()
+    coll = be.collectives
     rank, world = coll.rank(), coll.world_size()
     out = {}
     for dt in (torch.float32, torch.bfloat16):
-        buf = torch.full((world * 5,), -1.0, dtype=dt)
-        buf[rank * 5:(rank + 1) * 5] = torch.randn(5, generator=torch.Generator().manual_seed(rank)).to(dt)
+        buf = torch.full((world * 5,), -1.0, dtype=dt, device=be.device())
+        buf[rank * 5:(rank + 1) * 5] = torch.randn(5, generator=torch.Generator().manual_seed(rank)).to(be.device(), dt)
         coll.all_gather_in_place(buf, async_op=True).wait()
         out[str(dt)] = buf
     try:
-        coll.all_gather_in_place(torch.zeros(world * 5 + 1))
+        coll.all_gather_in_place(torch.zeros(world * 5 + 1, device=be.device()))
     except ValueError as err:
         out["error"] = str(err)
     return out
@@ -179,9 +181,11 @@ def _worker(root):
     return out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("overlap")))
+@pytest.fixture(scope="module", params=[None, pytest.param("sim", marks=[pytest.mark.slow, requires_sim()])])
+def results(request, tmp_path_factory):
+    """The ranks' results (``request.param``: their backend; None: the session's; sim: 61 s on the loaded
+    2-core machine, 2026-12-03)."""
+    return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("overlap")), backend=request.param)
 
 
 def _equal_params(a: dict, b: dict) -> None:

@@ -183,3 +183,31 @@ def test_bounded_wait_times_out_then_completes():
     assert 0.5 <= r0["waited"] < 1.5, r0
     assert r1["message"] == "", r1
     assert r0["sum"] == r1["sum"] == [2.0] * 8
+
+
+EXIT_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from omnitron.backends import get_backend
+be = get_backend("sim")
+dist.init_process_group("simccl", store=dist.HashStore(), rank=0, world_size=1)
+x = torch.ones(8, device=be.device())
+dist.all_reduce(x)
+x.to("cpu", non_blocking=True)  # starts the asynchronous-copy worker too
+if sys.argv[1] == "destroy":
+    dist.destroy_process_group()
+print("done", flush=True)
+"""
+
+
+def test_interpreter_exits_with_communicator_threads_joined():
+    """The communicator's worker and watchdog threads (and the async-copy worker) are joined at
+    destroy_process_group and at exit: the interpreter ends instead of hanging in a static destructor."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for how in ("destroy", "exit"):
+        proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, how], capture_output=True, text=True, timeout=90,
+                              cwd=root, env={**os.environ, "PYTHONPATH": root})
+        assert proc.returncode == 0 and "done" in proc.stdout, (how, proc.stderr[-2000:])

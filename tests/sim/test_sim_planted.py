@@ -227,3 +227,46 @@ def test_background_thread_collectives_race_main(backend, tmp_path):
     assert any("two threads at once" in m or "collective deadlock" in m for m in messages), messages
     caught = next(m for m in messages if m)
     assert "background-save" in caught and "MainThread" in caught, caught
+
+
+def p2p_between_collectives() -> str:
+    """A send issued between two collectives of its group on rank 0, its receive after both on rank 1: NCCL
+    runs the group's operations in issue order, so rank 0's second all-reduce waits behind the send, which waits
+    for rank 1's receive, which waits behind rank 1's second all-reduce."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    rank, group = dist.get_rank(), dist.new_group([0, 1])
+    a, b, c = (torch.ones(4, device=be.device()) for _ in range(3))
+    x = torch.arange(6.0, device=be.device())
+
+    def bug():
+        dist.all_reduce(a, group=group)
+        if rank == 0:
+            send = dist.isend(x, 1, group=group)
+            dist.all_reduce(b, group=group)
+            send.wait()
+        else:
+            dist.all_reduce(b, group=group)
+            dist.irecv(x, 0, group=group).wait()
+    message = _outcome(bug)
+    if not message:  # rank 0's report comes with its next operation on the group (its communicator is aborted)
+        message = _outcome(lambda: dist.all_reduce(c, group=group))
+    if message:
+        _exit_soon()
+    return message
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_send_between_collectives_received_after_them_deadlocks(backend):
+    messages = run_distributed(p2p_between_collectives, 2, backend=backend, env=ENV, timeout_s=60)
+    for m in messages:
+        if backend == "cpu":
+            assert m == "", m  # gloo's send does not wait behind the group's collectives
+            continue
+        assert "\n" not in m and "point-to-point deadlock" in m, m
+        assert "rank 0 (of the group) issued send" in m and "after 1 of the group's collectives" in m, m
+        assert "rank 1 issued recv" in m and "after 2 of the group's collectives" in m, m
+        assert m.count("test_sim_planted.py") >= 2, m  # both call sites

@@ -30,10 +30,17 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   collectives with their groups, call sites and threads. A collective issued while another thread's is
   still queued is an error. ``work.wait()`` blocks the host (the kernels after it run on the host);
   ``wait(timeout)`` raises "timed out" at the bound, as strict mode's deadlock report expects.
+- *Point-to-point order.* A send publishes how many of its group's collectives were issued before it (in
+  the group's store); the receive compares its own count once it completed. A difference deadlocks NCCL
+  (the two wait behind each other's collectives): the receiver raises naming both, and the sender's
+  watchdog aborts the sender's communicator with the same line.
+- *Every collective, at the process-group level* (csrc/sim/comm_check.cpp): each operation is recorded
+  with its issue, completion and wait (``flight_recorder_dump()``), and in strict mode the fingerprint of
+  each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
 
 Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
-``non_blocking`` host-to-device copy still reads (the copy is taken when issued), point-to-point and
-barrier ordering against collectives (they bypass the one-at-a-time queue).
+``non_blocking`` host-to-device copy still reads (the copy is taken when issued), barriers against
+collectives (they bypass the one-at-a-time queue).
 """
 from __future__ import annotations
 

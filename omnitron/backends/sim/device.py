@@ -9,6 +9,7 @@ Nothing here runs when omnitron is imported: only the sim backend (or a test tha
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import importlib.util
@@ -59,6 +60,7 @@ def claim(name: str = NAME):
         ext = importlib.import_module("omnitron._sim")
     except ImportError as err:
         raise SimUnavailableError(f"omnitron._sim is not built ({err}); {BUILD_HINT}") from err
+    atexit.register(ext.shutdown)  # join the communicator and copy threads before the interpreter goes
     ext.set_device_count(int(os.environ.get(DEVICES_ENV, "8")))
     ext.set_poison(os.environ.get(POISON_ENV) == "1")
     if claimed_name() != name:
@@ -73,6 +75,9 @@ def load():
     """Import the extension as ``sim``: ``torch.device("sim")``, ``torch.sim`` and ``simccl`` (idempotent)."""
     ext = claim(NAME)
     ext.set_site_hook(_issue_site)
+    from omnitron.backends import flight
+
+    flight.add_source(ext.flight_records)
     if not hasattr(torch, NAME):
         torch._register_device_module(NAME, _runtime_module(ext))
     register_collectives(ext, DIST_BACKEND, NAME)
@@ -85,29 +90,35 @@ def register_collectives(ext, dist_backend: str, device_type: str, sync_returns_
     build can tell one: ``ext.build_features()["sync_returns_none"]``)."""
     import torch.distributed as dist
 
-    def create(store, rank, size, timeout):
-        return ext.collective_backend(dist.ProcessGroupGloo(store, rank, size, timeout), sync_returns_none)
+    def create(store, rank, size, timeout):  # the store: where sends publish their order (csrc/sim/comm_check.cpp)
+        return ext.collective_backend(store, dist.ProcessGroupGloo(store, rank, size, timeout), sync_returns_none)
 
     if dist_backend.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(dist_backend, create, devices=[device_type])
 
 
-def _issue_site() -> tuple[str, str]:
-    """(call site, thread) of a collective being issued: the innermost frame outside torch and the
-    collective layer, and the issuing thread's name (threads torch's autograd engine runs count as the
-    main thread: their collectives are ordered by the backward call that waits for them)."""
+_ENGINE_LAYER = ("omnitron/backends/collectives.py", "omnitron/backends/flight.py")
+
+
+def _issue_site() -> tuple[str, str, bool]:
+    """(call site, thread, engine) of a collective being issued: the innermost frame outside torch and the
+    collective layer, the issuing thread's name (threads torch's autograd engine runs count as the main
+    thread: their collectives are ordered by the backward call that waits for them), and whether the
+    engine's collective layer issued it (it records and, in strict mode, checks those itself; simccl
+    checks the rest: FSDP2's, DCP's, plain torch.distributed calls)."""
     import sys
     import threading
 
     thread = threading.current_thread()
     name = threading.main_thread().name if isinstance(thread, threading._DummyThread) else thread.name
-    frame = sys._getframe(1)
+    frame, engine = sys._getframe(1), False
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/" not in path and not path.endswith("omnitron/backends/collectives.py"):
-            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})", name
+        engine = engine or path.endswith(_ENGINE_LAYER)
+        if "/torch/" not in path and not path.endswith(_ENGINE_LAYER[0]):
+            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})", name, engine
         frame = frame.f_back
-    return "(no Python frame)", name
+    return "(no Python frame)", name, engine
 
 
 def _index(device=None) -> int:
