@@ -78,16 +78,18 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
     backend.manual_seed(s)
 
 
-def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
+def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend, *,
+                       on_device: bool = True) -> list[GPTModel]:
     """This pipeline rank's chunks (one per virtual stage), each its family's stage over its layer range
-    (a family that is not pipelined, T5 / LLaVA: its one chunk; no stages)."""
+    (a family that is not pipelined, T5 / LLaVA: its one chunk; no stages); on the backend's device unless
+    not ``on_device`` (sliced inference loading builds meta parameters and places them itself)."""
     family, pc = family_of(cfg), groups.config
     pp, vp = groups.pp.size, pc.virtual_pipeline_model_parallel_size or 1
     ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
                                    pc.decoder_last_pipeline_num_layers) if family.pipelined else {}
     rank = groups.pp.rank if pp > 1 else 0
     chunks = family.build_chunks(cfg, groups, ranges, rank, pp, vp, backend=backend, seed=seed)
-    return [to_device(chunk, backend.current_device()) for _, chunk in sorted(chunks.items())]
+    return [to_device(chunk, backend.current_device()) if on_device else chunk for _, chunk in sorted(chunks.items())]
 
 
 def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
