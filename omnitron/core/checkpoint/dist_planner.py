@@ -234,15 +234,17 @@ class VerifiedReader(FileSystemReader):
                                       f"earlier iteration, or re-save")
             open_chunks[key] = ChunkBytes(f"{self.dir}/{info.relative_path}", info.offset, info.length, size,
                                           algorithm, digests[(info.offset, info.length)])
-        try:
+        target = planner.resolve_tensor(item).detach()
+        direct = target.is_contiguous() and target.device.type == "cpu" and target.dtype == md.properties.dtype
+        try:  # straight into the live tensor where it is a contiguous host view of the same dtype
             box = read_box(open_chunks[key], tuple(saved.sizes), md.properties.dtype, tuple(item.storage_offsets),
-                           tuple(item.lengths))
+                           tuple(item.lengths), into=target if direct else None)
         except integrity.IntegrityError as err:
             raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
         if box is None:
             return False
-        target = planner.resolve_tensor(item).detach()
-        target.copy_(box)
+        if not direct:
+            target.copy_(box)
         planner.commit_tensor(item, target)
         return True
 

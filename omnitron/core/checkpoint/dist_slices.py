@@ -47,27 +47,34 @@ class ChunkBytes(io.RawIOBase):
         self.file.close()
         super().close()
 
-    def _block(self, j: int) -> bytes:
-        if j not in self.cache:
-            self.file.seek(self.base + j * self.block)
-            data = self.file.read(min(self.block, self.length - j * self.block))
-            self.read_bytes += len(data)
-            if hashlib.new(self.algorithm, data).hexdigest() != self.digests[j]:
-                raise IntegrityError(f"{self.path} is corrupt: bytes {self.base + j * self.block}.."
-                                     f"{self.base + j * self.block + len(data)} do not match the chunk index's "
-                                     f"block digest")
+    def _block(self, j: int, keep: bool) -> bytes:
+        """Block ``j``, read and verified (``keep``: cached, for the archive's headers read piecewise)."""
+        if j in self.cache:
+            return self.cache[j]
+        self.file.seek(self.base + j * self.block)
+        data = self.file.read(min(self.block, self.length - j * self.block))
+        self.read_bytes += len(data)
+        if hashlib.new(self.algorithm, data).hexdigest() != self.digests[j]:
+            raise IntegrityError(f"{self.path} is corrupt: bytes {self.base + j * self.block}.."
+                                 f"{self.base + j * self.block + len(data)} do not match the chunk index's "
+                                 f"block digest")
+        if keep:
             self.cache[j] = data
-        return self.cache[j]
+        return data
 
-    def pread(self, offset: int, n: int) -> bytes:
-        """Bytes ``[offset, offset + n)`` of the chunk (clipped at its end), from verified blocks."""
+    def pread(self, offset: int, n: int, into: memoryview | None = None, keep: bool = True) -> bytes | None:
+        """Bytes ``[offset, offset + n)`` of the chunk (clipped at its end), from verified blocks; with ``into``
+        (a byte view of ``n`` bytes) written there instead of returned, without caching the blocks."""
         n = max(0, min(n, self.length - offset))
-        if n == 0:
-            return b""
-        first, last = offset // self.block, (offset + n - 1) // self.block
-        data = b"".join(self._block(j) for j in range(first, last + 1))
-        start = offset - first * self.block
-        return data[start:start + n]
+        out = bytearray(n) if into is None else into
+        pos = offset
+        while pos < offset + n:
+            j = pos // self.block
+            data = self._block(j, keep and into is None)
+            lo, hi = pos - j * self.block, min(len(data), offset + n - j * self.block)
+            out[pos - offset:pos - offset + hi - lo] = data[lo:hi]
+            pos += hi - lo
+        return bytes(out) if into is None else None
 
     # the file protocol zipfile needs
     def readable(self) -> bool:
@@ -119,15 +126,19 @@ def box_runs(sizes: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[in
         yield sum(i * s for i, s in zip(idx, strides)) + offsets[k] * strides[k], run
 
 
-def read_box(chunk: ChunkBytes, sizes, dtype: torch.dtype, offsets, lengths) -> torch.Tensor | None:
-    """The box ``offsets`` / ``lengths`` of the saved tensor of ``sizes`` and ``dtype`` in ``chunk`` (a new
-    contiguous tensor), reading only its runs' blocks; None when the chunk is not a plain archive."""
+def read_box(chunk: ChunkBytes, sizes, dtype: torch.dtype, offsets, lengths,
+             into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The box ``offsets`` / ``lengths`` of the saved tensor of ``sizes`` and ``dtype`` in ``chunk``, reading only
+    its runs' blocks, written into ``into`` (a contiguous host tensor of that shape and dtype) or a new tensor;
+    None when the chunk is not a plain archive."""
     item = torch.empty((), dtype=dtype).element_size()
     data = storage_offset(chunk, math.prod(sizes) * item)
     if data is None:
         return None
-    parts = [chunk.pread(data + start * item, count * item) for start, count in box_runs(sizes, offsets, lengths)]
-    raw = bytearray(b"".join(parts))
-    if not raw:
-        return torch.empty(tuple(lengths), dtype=dtype)
-    return torch.frombuffer(raw, dtype=dtype).view(tuple(lengths))
+    out = torch.empty(tuple(lengths), dtype=dtype) if into is None else into
+    raw = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else None
+    at = 0
+    for start, count in box_runs(sizes, offsets, lengths):  # straight into the box: no staging copy
+        chunk.pread(data + start * item, count * item, into=raw[at:at + count * item])
+        at += count * item
+    return out
