@@ -40,6 +40,7 @@ class ChunkBytes(io.RawIOBase):
         self.path, self.base, self.length, self.block = path, base, length, block
         self.algorithm, self.digests = algorithm, digests
         self.cache: dict[int, bytes] = {}
+        self.last: tuple[int, bytes] = (-1, b"")
         self.pos, self.read_bytes = 0, 0
         self.file = open(path, "rb")
 
@@ -51,6 +52,8 @@ class ChunkBytes(io.RawIOBase):
         """Block ``j``, read and verified (``keep``: cached, for the archive's headers read piecewise)."""
         if j in self.cache:
             return self.cache[j]
+        if self.last[0] == j:  # runs come in file order: the next run often starts in the block just read
+            return self.last[1]
         self.file.seek(self.base + j * self.block)
         data = self.file.read(min(self.block, self.length - j * self.block))
         self.read_bytes += len(data)
@@ -60,6 +63,7 @@ class ChunkBytes(io.RawIOBase):
                                  f"block digest")
         if keep:
             self.cache[j] = data
+        self.last = (j, data)
         return data
 
     def pread(self, offset: int, n: int, into: memoryview | None = None, keep: bool = True) -> bytes | None:

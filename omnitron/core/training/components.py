@@ -141,9 +141,12 @@ def enable_fp8_if_asked(modules, settings, groups, cfg, backend) -> dict:
     if settings.fp8 is None:
         return {}
     from omnitron.core.precision.fp8 import enable_fp8, fp8_state_dict, load_fp8_state_dict
+    from omnitron.core.precision.fp8.enable import fp8_step
 
-    enable_fp8(modules, settings.fp8, groups, num_layers=cfg.num_layers, backend=backend)
-    return {"fp8_state": lambda: fp8_state_dict(modules), "fp8_load": lambda st: load_fp8_state_dict(modules, st)}
+    # delayed scaling: one packed amax reduction per step (train_step calls fp8_step), as Transformer Engine
+    enabled = enable_fp8(modules, settings.fp8, groups, num_layers=cfg.num_layers, backend=backend, per_step=True)
+    return {"fp8_state": lambda: fp8_state_dict(modules), "fp8_load": lambda st: load_fp8_state_dict(modules, st),
+            "fp8_step": lambda: fp8_step(enabled)}
 
 
 def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> MixedPrecisionOptimizer:

@@ -114,11 +114,13 @@ class FP8Linear:
             q, qt, _ = cast(x, state.scale, fmt)
             return q, qt, state.scale_inv
         state.flush(self.provider.backend.kernels.fp8_amax_history_push)
-        if state.uses == 0:  # no history yet: this first use is scaled from its own amax
+        per_step = self.reducer is not None and self.reducer.per_step
+        if state.uses == 0 and not state.bootstrapped:  # no history yet: this first use is scaled from its own amax
             amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
             state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
+            state.bootstrapped = per_step  # per step: later uses of step 1 keep this scale until the step ends
             q, qt, _ = cast(x, state.scale, fmt)
-            state.record(amax)
+            state.record(amax, self.reducer if per_step else None)
         else:
             q, qt, amax = cast(x, state.scale, fmt)
             if self.reducer is None:
