@@ -124,6 +124,33 @@ def amax_reduction_group(groups, collectives):
     return mine
 
 
+def tensorwise_role_groups(kind: str, groups) -> dict[str, tuple]:
+    """Under ``tensorwise``, the groups each operand of a ``kind`` (``column`` / ``row``) tensor-parallel linear
+    differs over -- the only ones its amax must be MAX-reduced over (a max over copies is the copy):
+
+    * column: the input is whole over tp (copied or all-gathered before the GEMM): context parallel only; the
+      weight and output gradient are tp shards (the weight is the same on every cp rank): tp, and tp x cp;
+    * row: the input is a tp shard: tp x cp; the weight: tp; the output gradient is the gradient of the summed
+      output, the same on every tp rank: cp only.
+    """
+    tp, cp, tp_cp = groups.tp, groups.cp, groups.tp_cp
+    if kind == "column":
+        return {"input": (cp,), "weight": (tp,), "grad_output": (tp_cp,)}
+    return {"input": (tp_cp,), "weight": (tp,), "grad_output": (cp,)}
+
+
+def _role_groups(module, recipe: FP8Config, groups) -> dict[str, tuple] | None:
+    """:func:`tensorwise_role_groups` for a tensor-parallel linear over ``groups.tp`` under tensorwise, else None
+    (every operand over the amax groups)."""
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    if groups is None or recipe.fp8_recipe != "tensorwise" or getattr(module, "group", None) != groups.tp:
+        return None  # NOTE: a one-rank "replicated" column layer (MLA) sees sequence shards: keep tp x cp
+    if isinstance(module, ColumnParallelLinear):
+        return tensorwise_role_groups("column", groups)
+    return tensorwise_role_groups("row", groups) if isinstance(module, RowParallelLinear) else None
+
+
 def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_bf16: bool | None = None,
                modules: Sequence[str] | Callable[[str], bool] | None = None, num_layers: int | None = None,
                backend=None, per_step: bool = False) -> dict[str, FP8Linear]:
@@ -158,7 +185,7 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
             skipped.append(name)
             continue
         ex = FP8Linear(recipe, provider, amax_groups=agroups, collectives=backend.collectives, name=name,
-                       reducer=reducer)
+                       reducer=reducer, role_groups=_role_groups(module, recipe, groups))
         module.fp8 = ex
         if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:  # no seam of its own
             module.forward = types.MethodType(_fp8_linear_forward, module)
