@@ -149,7 +149,8 @@ class VerifiedReader(FileSystemReader):
         self.verified_chunks: set = set()
         self.indexes: dict[str, dict] = {}
         self.hashed_bytes = 0
-        """Bytes of data chunks hashed (each chunk read is verified once)."""
+        """Bytes of data chunks hashed (each chunk read whole is verified once; a chunk read through its block
+        digests: the blocks read)."""
         self.read_bytes = 0
         """Bytes of tensor data read from the data files: a chunk read whole counts its length per read, a part
         of a chunk (:mod:`~.dist_slices`) the blocks it read."""
@@ -191,9 +192,9 @@ class VerifiedReader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan, planner):
-        """Read each item of ``plan``: a part of a saved chunk through its verified blocks (only its bytes,
-        :func:`~.dist_slices.read_box`), a whole chunk (or one without block digests) as DCP does, verified
-        first."""
+        """Read each item of ``plan`` through its saved chunk's verified blocks (only the item's bytes,
+        :func:`~.dist_slices.read_box`); a chunk without block digests (older checkpoints) or not a plain archive
+        as DCP does, verified first."""
         whole, open_chunks = [], {}
         try:
             for item in plan.items:
@@ -202,6 +203,7 @@ class VerifiedReader(FileSystemReader):
         finally:
             for chunk in open_chunks.values():
                 self.read_bytes += chunk.read_bytes
+                self.hashed_bytes += chunk.read_bytes  # every block read was hashed
                 chunk.close()
         for item in whole:
             info = self.storage_data[item.storage_index]
@@ -220,8 +222,8 @@ class VerifiedReader(FileSystemReader):
             return False
         md = self.metadata.state_dict_metadata[item.storage_index.fqn]
         saved = next(c for c in md.chunks if tuple(c.offsets) == tuple(item.storage_index.offset))
-        if tuple(item.lengths) == tuple(saved.sizes):
-            return False  # the whole chunk: DCP's read, verified by the chunk's digest
+        # NOTE: a whole chunk too: verified block by block as it is read, one pass (DCP's read after hashing the
+        # chunk read every byte twice)
         blocks = self._block_index(info.relative_path)
         if blocks is None:
             return False
