@@ -25,7 +25,13 @@ optimizer) trains one iteration to build its state and times ``checkpointing.loa
 ``torch_dist`` directory (both saved at dp4): the old format assembles every rank's shard from full tensors,
 torch_dist reads each rank's slices.
 
+``--rates``: instead of the above, one spawn at dp ``--dp`` x tp ``--tp`` (distributed optimizer) times the
+synchronous ``torch_dist`` save and its load (same layout) per rank, with the rank's bytes: files it wrote, and
+``rchar`` (bytes its read calls returned: the data files, plus DCP's small planning messages over gloo) for
+the load; GB/s is bytes / seconds (10**9 bytes).
+
     python benchmarks/checkpoint.py [--dp 4] [--no-reshard] [--workdir DIR] [--json FILE]
+    python benchmarks/checkpoint.py --rates --dp 2 --tp 2 [--json FILE]
 """
 from __future__ import annotations
 
@@ -142,6 +148,50 @@ def reshard_worker(root: str, world: int) -> dict:
     return out
 
 
+def rate_worker(root: str, dp: int, tp: int) -> dict:
+    """torch_dist save and load seconds and bytes of this rank at dp x tp (``--rates``)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training import checkpointing
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    c = train(parse_settings(MODEL + ["--global-batch-size", str(dp), "--use-distributed-optimizer",
+                                      "--tensor-model-parallel-size", str(tp), "--data-cache-path",
+                                      os.path.join(root, "cache"), "--seed", "1"], dp * tp), be)["components"]
+    ck = c.settings.checkpoint
+    ck.save, ck.ckpt_format, ck.async_save = os.path.join(root, "rates"), "torch_dist", False
+    be.collectives.barrier()
+    out = {"save": _measured(lambda: checkpointing.save(c) and None)}
+    out["save"]["bytes"] = _own_files_bytes(os.path.join(ck.save, "iter_0000001"), c.groups.rank)
+    ck.save, ck.load = None, os.path.join(root, "rates")
+    be.collectives.barrier()
+    read0 = _io()["rchar"]
+    out["load"] = _measured(lambda: checkpointing.load(c) and None)
+    out["load"]["bytes"] = _io()["rchar"] - read0
+    return out
+
+
+def rates(args) -> None:
+    """``--rates``: the per-rank table of torch_dist save / load seconds and GB/s."""
+    from omnitron.testing.distributed import run_distributed
+
+    root = args.workdir or tempfile.mkdtemp(prefix="omnitron_ckpt_")
+    try:
+        res = run_distributed(rate_worker, args.dp * args.tp, root, args.dp, args.tp, threads=1, timeout_s=1800)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    rows = [{"what": what, "rank": rank, "s": r[what]["s"], "mib": r[what]["bytes"] / 2 ** 20,
+             "gbs": r[what]["bytes"] / r[what]["s"] / 1e9, "peak": r[what]["peak_over_mib"]}
+            for what in ("save", "load") for rank, r in enumerate(res)]
+    print(f"torch_dist at dp{args.dp} x tp{args.tp}, distributed optimizer, {args.dp * args.tp} processes x 1 thread")
+    print_table(rows, [("what", "what", ""), ("rank", "rank", "d"), ("s", "s", ".2f"), ("MiB", "mib", ".0f"),
+                       ("GB/s", "gbs", ".3f"), ("peak RSS over start MiB", "peak", ".0f")])
+    dump_json(args.json, {"dp": args.dp, "tp": args.tp, "rows": rows})
+
+
 def main() -> None:
     from omnitron.testing.distributed import run_distributed
 
@@ -150,7 +200,12 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-reshard", dest="reshard", action="store_false", help="skip the load under tp2")
+    ap.add_argument("--rates", action="store_true", help="torch_dist save/load seconds and GB/s at --dp x --tp only")
+    ap.add_argument("--tp", type=int, default=1, help="with --rates: the tensor-parallel size")
     args = ap.parse_args()
+    if args.rates:
+        rates(args)
+        return
     root = args.workdir or tempfile.mkdtemp(prefix="omnitron_ckpt_")
     t0 = time.perf_counter()
     try:

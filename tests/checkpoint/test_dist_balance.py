@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -87,7 +88,8 @@ def test_a_flipped_byte_in_a_chunk_another_rank_reads_is_caught_on_every_rank(re
 
 
 def test_a_reader_hashes_only_the_chunks_it_reads(results):
-    """One tensor read alone: the bytes hashed are exactly its chunks' (from DCP's index), not the files'."""
+    """One tensor read alone: the bytes hashed are at most its chunks' (from DCP's index) and at least its data,
+    not the files' (each chunk is read through its block digests: its tensor bytes and archive headers)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -106,4 +108,5 @@ def test_a_reader_hashes_only_the_chunks_it_reads(results):
         dcp.load({key: (shape, [((0,) * len(shape), torch.empty(shape))])}, storage_reader=reader,
                  planner=PieceLoadPlanner(ckpt), no_dist=True)
     files = sum(r["bytes"] for r in results)
-    assert reader.hashed_bytes == want and 0 < want < files / 8, (reader.hashed_bytes, want, files)
+    data = math.prod(shape) * md.state_dict_metadata[key].properties.dtype.itemsize
+    assert data <= reader.hashed_bytes <= want and 0 < want < files / 8, (reader.hashed_bytes, data, want, files)

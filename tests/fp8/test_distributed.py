@@ -42,6 +42,7 @@ def _tp_parity(tp: int) -> dict:
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.precision.fp8 import FP8Config, FP8Linear, amax_groups_for
+    from omnitron.core.precision.fp8.enable import tensorwise_role_groups
     from omnitron.core.precision.fp8.scaling import AmaxReducer
 
     be = get_backend()
@@ -60,8 +61,13 @@ def _tp_parity(tp: int) -> dict:
         ex_full = FP8Linear(cfg, be.fp8)  # single-process reference, same inputs
         agroups = amax_groups_for(cfg, groups)  # delayed: both layers' amaxes reduced together, as enable_fp8 does
         reducer = AmaxReducer(agroups, be.collectives) if recipe == "delayed" else None
-        ex_col = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=be.collectives, reducer=reducer)
-        ex_row = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=be.collectives, reducer=reducer)
+        # tensorwise: each operand reduced only over the groups it differs over (enable_fp8's choice)
+        roles = {k: tensorwise_role_groups(k, groups) if recipe == "tensorwise" else None for k in ("column", "row")}
+        coll = _Counting(be.collectives)
+        ex_col = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=coll, reducer=reducer,
+                           role_groups=roles["column"])
+        ex_row = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=coll, reducer=reducer,
+                           role_groups=roles["row"])
         worst = 0.0
         for step in range(3):  # several steps so delayed scaling uses its history
             g = torch.Generator().manual_seed(step)  # identical on every rank
@@ -86,7 +92,19 @@ def _tp_parity(tp: int) -> dict:
                          (allsum(yr), yf), (xr.grad, xf.grad[:, cols]), (wr.grad, wf.grad[:, cols])):
                 worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
         errs[recipe] = worst
+        errs[recipe + " all-reduces"] = coll.calls
     return errs
+
+
+class _Counting:
+    """Collectives that count all-reduces and delegate everything."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def all_reduce(self, *a, **kw):
+        self.calls += 1
+        return self.inner.all_reduce(*a, **kw)
 
 
 def _all_cases(world: int) -> dict:
@@ -99,6 +117,11 @@ def test_fp8_over_gloo_and_tensor_parallel_amax_sharing(backend):
     results = run_distributed(_all_cases, 2, 2, backend=backend)
     for res in results:
         assert all(res["travel"].values()), res["travel"]
-        for recipe, err in res["tp"].items():
+        tp = res["tp"]
+        # tensorwise over tp2 (cp1), 3 steps: column 2 per step (weight, output gradient: the input is whole),
+        # row 2 (input, weight: the output gradient is whole), where reducing every operand took 6
+        assert tp.pop("tensorwise all-reduces") == 3 * 4, tp
+        assert tp.pop("blockwise all-reduces") == 0 and tp.pop("delayed all-reduces") > 0, tp
+        for recipe, err in tp.items():
             # shards share the whole tensor's scales: only fp32 summation order differs
             assert err < 1e-5, (recipe, err)

@@ -312,10 +312,11 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     read(pieces, path, meta.get("checksums") or {})
 
 
-def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True) -> None:
+def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True) -> VerifiedReader:
     """Fill every piece of ``pieces`` from checkpoint directory ``path``, each file verified against
     ``checksums`` first. Collective over the world when a process group exists, unless not
-    ``collective`` (one process reading alone: DCP then plans locally, whatever the process group)."""
+    ``collective`` (one process reading alone: DCP then plans locally, whatever the process group).
+    Returns the reader (its ``read_bytes``: the tensor bytes this rank read)."""
     import torch.distributed.checkpoint as dcp
 
     reader = VerifiedReader(path, checksums)
@@ -323,6 +324,7 @@ def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bo
     with torch.no_grad(), _one_line("load", path), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
         dcp.load(pieces, storage_reader=reader, planner=PieceLoadPlanner(path), no_dist=not collective)
+    return reader
 
 
 def read_full(path: str, meta: dict, chunks, tp: int, *, keep, with_optimizer: bool) -> tuple[dict, dict]:

@@ -428,5 +428,6 @@ def export_safetensors(path: str, out_file: str) -> int:
     full = read_full_state(path, with_optimizer=False)
     tensors = {n: t.contiguous() for n, t in full.model.items()}
     save_file(tensors, out_file, metadata={"model": json.dumps(full.meta["model"]),
+                                           "config": json.dumps(full.meta.get("config", {})),
                                            "iteration": str(full.meta["iteration"])})
     return sum(t.numel() for t in tensors.values())

@@ -30,6 +30,9 @@ class Loaded:
     sharded: object | None = None
     """A tp x pp job's :class:`~omnitron.core.inference.sharded.ShardedStage` (``model`` is then this rank's
     stage); None in one process."""
+    read_bytes: int | None = None
+    """Weight bytes this rank read (sliced reads: torch_dist and safetensors; None: the torch format's whole
+    shards)."""
 
     @property
     def spec(self):
@@ -57,14 +60,19 @@ def _build(cfg, backend):
 
 
 def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
-    """(path, metadata, fp32 model config) of the latest checkpoint under ``load``."""
+    """(path, metadata, fp32 model config) of the latest checkpoint under ``load``, or of the safetensors file
+    ``load`` (``checkpoint export``'s)."""
     from omnitron.core.checkpoint.io import read_metadata
     from omnitron.core.checkpoint.reshard import model_config, recorded_family
+    from omnitron.core.inference.shard_load import safetensors_meta
 
-    path = find_latest(load, quiet=quiet)
-    if path is None:
-        raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
-    meta = read_metadata(path)
+    if load.endswith(".safetensors"):
+        path, meta = load, safetensors_meta(load)
+    else:
+        path = find_latest(load, quiet=quiet)
+        if path is None:
+            raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
+        meta = read_metadata(path)
     return path, meta, replace(model_config(meta["model"], recorded_family(meta, path)), params_dtype=torch.float32)
 
 
@@ -91,6 +99,8 @@ def load_for_inference(load: str, backend=None) -> Loaded:
     backend = resolve_backend(backend, None)  # the entry points pass the chosen one
     path, meta, cfg = _checkpoint(load)
     tokenizer = _tokenizer(path, meta, cfg)
+    if path.endswith(".safetensors"):
+        return _load_sliced(path, meta, cfg, ParallelGroups.single(), backend, tokenizer)
     full = read_full_state(path, with_optimizer=False)
     state = torch.random.get_rng_state()
     model, family = _build(cfg, backend)
@@ -101,24 +111,46 @@ def load_for_inference(load: str, backend=None) -> Loaded:
 
 
 def load_sharded(load: str, groups, backend) -> Loaded:
-    """This rank's eval-mode fp32 stage of the latest checkpoint under ``load`` over ``groups`` (tp x pp; built
-    with sequence parallelism off), reading only the tensors the stage owns; GPT-family checkpoints."""
-    from omnitron.core.checkpoint.reshard import needed_owners, read_full_state
-    from omnitron.core.inference.sharded import ShardedStage, build_stage
+    """This rank's eval-mode fp32 stage of the latest checkpoint under ``load`` (or safetensors file) over
+    ``groups`` (tp x pp; built with sequence parallelism off); GPT-family checkpoints. The stage is built
+    without weights and filled with its own slices (:mod:`~omnitron.core.inference.shard_load`): from a
+    torch_dist checkpoint or a safetensors file only the bytes of its slices are read; the torch format's
+    shards are read whole for the tensors the stage owns."""
+    from omnitron.core.inference.sharded import ShardedStage
     from omnitron.core.models.family import family_of
-    from omnitron.core.models.gpt.state import shard_full_state
 
     path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0)
     family = family_of(cfg)
     if family.generate is None or not family.pipelined or family.takes_images:
         raise CheckpointError(f"a {family.name} checkpoint generates in one process only; drop "
                               "--tensor-model-parallel-size / --pipeline-model-parallel-size")
-    tokenizer = _tokenizer(path, meta, cfg)
-    state = torch.random.get_rng_state()
-    stage = build_stage(cfg, groups, backend)
-    torch.random.set_rng_state(state)
-    full = read_full_state(path, owners=needed_owners([stage]), with_optimizer=False)
-    shard_full_state(stage, full.model, groups)
-    stage = stage.eval()
-    return Loaded(model=stage, tokenizer=tokenizer, family=family.name, meta=meta,
-                  sharded=ShardedStage(stage, groups, backend.collectives))
+    loaded = _load_sliced(path, meta, cfg, groups, backend, _tokenizer(path, meta, cfg))
+    loaded.sharded = ShardedStage(loaded.model, groups, backend.collectives)
+    return loaded
+
+
+def _load_sliced(path: str, meta: dict, cfg, groups, backend, tokenizer) -> Loaded:
+    """This rank's stage over ``groups``, built on ``meta``, given storage for its shards only and filled from
+    ``path`` (torch_dist, safetensors or torch format), on the backend's device, in eval mode."""
+    from omnitron.core.checkpoint.reshard import needed_owners, read_full_state
+    from omnitron.core.inference import shard_load
+    from omnitron.core.inference.sharded import build_stage
+    from omnitron.core.models.family import family_of
+    from omnitron.core.models.gpt.state import shard_full_state
+
+    if not family_of(cfg).pipelined:
+        raise CheckpointError(f"--load {path}: sliced loading reads GPT-family models; load a {family_of(cfg).name} "
+                              f"checkpoint directory (torch or torch_dist) instead")
+    with shard_load.meta_parameters():
+        stage = build_stage(cfg, groups, backend, on_device=False)
+    stage = shard_load.materialize(stage, "cpu")
+    read = None
+    if path.endswith(".safetensors"):
+        read = shard_load.read_safetensors(path, stage, shard_load.stage_pieces(stage, groups))
+    elif meta.get("ckpt_format") == "torch_dist":
+        read = shard_load.read_dist(path, meta, shard_load.stage_pieces(stage, groups))
+    else:
+        full = read_full_state(path, owners=needed_owners([stage]), with_optimizer=False)
+        shard_full_state(stage, full.model, groups)
+    stage = to_device(stage, backend.current_device()).eval()
+    return Loaded(model=stage, tokenizer=tokenizer, family=family_of(cfg).name, meta=meta, read_bytes=read)

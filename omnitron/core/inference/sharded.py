@@ -93,11 +93,12 @@ class ShardedPicker(Picker):
         return buf[:, 0].to(torch.long), (buf[:, 1].tolist() if want_lp else None)
 
 
-def build_stage(cfg, groups, backend):
-    """This rank's stage of ``cfg`` (a GPT-family model) over ``groups``, in fp32, weights uninitialised-safe."""
+def build_stage(cfg, groups, backend, *, on_device: bool = True):
+    """This rank's stage of ``cfg`` (a GPT-family model) over ``groups``, in fp32, weights uninitialised-safe;
+    on the backend's device, or (not ``on_device``) where it was built (meta parameters stay meta)."""
     from omnitron.core.training.components import build_model_chunks
 
-    chunks = build_model_chunks(cfg, groups, seed=0, backend=backend)
+    chunks = build_model_chunks(cfg, groups, seed=0, backend=backend, on_device=on_device)
     if len(chunks) != 1:
         raise ValueError("sharded generation runs one stage per rank (no virtual pipeline stages)")
     return chunks[0]

@@ -42,6 +42,14 @@ def _groups(sizes: dict[str, int], vary: tuple[str, ...]) -> list[list[int]]:
     return sorted(out)
 
 
+def dense_groups(cfg: ParallelConfig, world_size: int, vary: tuple[str, ...]) -> list[list[int]]:
+    """Groups of the dense grid (dims ``tp, cp, dp, pp``) that vary the dims ``vary``: a group
+    :func:`rank_grid` does not build for everyone (FP8's amax reduction group: ``("tp", "cp", "dp")``)."""
+    dense = {"tp": cfg.tensor_model_parallel_size, "cp": cfg.context_parallel_size,
+             "dp": data_parallel_size(cfg, world_size), "pp": cfg.pipeline_model_parallel_size}
+    return _groups(dense, vary)
+
+
 def rank_grid(cfg: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
     """Every process group as lists of world ranks, keyed by name.
 

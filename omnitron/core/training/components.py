@@ -78,16 +78,18 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
     backend.manual_seed(s)
 
 
-def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend) -> list[GPTModel]:
+def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend, *,
+                       on_device: bool = True) -> list[GPTModel]:
     """This pipeline rank's chunks (one per virtual stage), each its family's stage over its layer range
-    (a family that is not pipelined, T5 / LLaVA: its one chunk; no stages)."""
+    (a family that is not pipelined, T5 / LLaVA: its one chunk; no stages); on the backend's device unless
+    not ``on_device`` (sliced inference loading builds meta parameters and places them itself)."""
     family, pc = family_of(cfg), groups.config
     pp, vp = groups.pp.size, pc.virtual_pipeline_model_parallel_size or 1
     ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
                                    pc.decoder_last_pipeline_num_layers) if family.pipelined else {}
     rank = groups.pp.rank if pp > 1 else 0
     chunks = family.build_chunks(cfg, groups, ranges, rank, pp, vp, backend=backend, seed=seed)
-    return [to_device(chunk, backend.current_device()) for _, chunk in sorted(chunks.items())]
+    return [to_device(chunk, backend.current_device()) if on_device else chunk for _, chunk in sorted(chunks.items())]
 
 
 def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
@@ -139,9 +141,12 @@ def enable_fp8_if_asked(modules, settings, groups, cfg, backend) -> dict:
     if settings.fp8 is None:
         return {}
     from omnitron.core.precision.fp8 import enable_fp8, fp8_state_dict, load_fp8_state_dict
+    from omnitron.core.precision.fp8.enable import fp8_step
 
-    enable_fp8(modules, settings.fp8, groups, num_layers=cfg.num_layers, backend=backend)
-    return {"fp8_state": lambda: fp8_state_dict(modules), "fp8_load": lambda st: load_fp8_state_dict(modules, st)}
+    # delayed scaling: one packed amax reduction per step (train_step calls fp8_step), as Transformer Engine
+    enabled = enable_fp8(modules, settings.fp8, groups, num_layers=cfg.num_layers, backend=backend, per_step=True)
+    return {"fp8_state": lambda: fp8_state_dict(modules), "fp8_load": lambda st: load_fp8_state_dict(modules, st),
+            "fp8_step": lambda: fp8_step(enabled)}
 
 
 def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> MixedPrecisionOptimizer:

@@ -116,6 +116,9 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     check_loss(loss, check)  # the same loss on every rank: all stop here together, nothing updated
     if split:
         record_compute_split(timers, timeline, fb_seconds, pipelined=c.groups.pp.size > 1)
+    fp8_step = c.extra.get("fp8_step")
+    if fp8_step is not None:  # delayed scaling: the step's one amax reduction and scale update
+        fp8_step()
     with timers.phase("all-grads-sync"):
         finalize_model_grads(c.chunks, c.groups, collectives=c.backend.collectives)
         if moe and getattr(c.model, "moe_router_enable_expert_bias", False):  # where Megatron updates it: in finalize_model_grads

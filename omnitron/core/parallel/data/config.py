@@ -92,8 +92,9 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
             (f"--model-type {family}", family != "gpt", "FSDP2 units are GPT decoder layers; drop the flag"),
             ("MoE (--num-experts)", getattr(model, "num_experts", None) is not None,
              "experts are replicated over expert-data-parallel ranks, not dp x cp; drop one of them"),
-            ("--fp8-format", fp8 is not None, "FP8 linears cache quantized weights of parameters FSDP2 swaps every "
-                                              "forward; drop one of them"),
+            ("--fp8-format", fp8 is not None, "FP8 linears with FSDP2's sharded parameters (torchao's float8 "
+                                              "all-gather) are not implemented; for sharded FP8 training use "
+                                              "--use-distributed-optimizer instead of --use-torch-fsdp2"),
             ("--ckpt-format torch", checkpoint.ckpt_format != "torch_dist",
              "FSDP2 checkpoints through --ckpt-format torch_dist (each rank its shards); drop --ckpt-format torch"),
             ("--grad-reduce-in-bf16", ddp.grad_reduce_in_bf16, "omnitron's FSDP2 policy reduces in fp32; drop "

@@ -110,10 +110,55 @@ def amax_groups_for(recipe: FP8Config, groups) -> tuple:
     return (groups.tp_cp, groups.dp) if recipe.fp8_recipe == "delayed" else (groups.tp_cp,)
 
 
+def amax_reduction_group(groups, collectives):
+    """This rank's group over the tensor x context x data parallel ranks (Transformer Engine's amax reduction
+    group; the world when pp = 1), made now: every rank of the world calls this together."""
+    from omnitron.core.parallel.grid import dense_groups
+    from omnitron.core.parallel.groups import Group
+
+    mine = None
+    for members in dense_groups(groups.config, groups.world_size, ("tp", "cp", "dp")):
+        handle = collectives.new_group(members) if len(members) > 1 else None
+        if groups.rank in members:
+            mine = Group("amax", tuple(members), handle, collectives if handle is not None else None)
+    return mine
+
+
+def tensorwise_role_groups(kind: str, groups) -> dict[str, tuple]:
+    """Under ``tensorwise``, the groups each operand of a ``kind`` (``column`` / ``row``) tensor-parallel linear
+    differs over -- the only ones its amax must be MAX-reduced over (a max over copies is the copy):
+
+    * column: the input is whole over tp (copied or all-gathered before the GEMM): context parallel only; the
+      weight and output gradient are tp shards (the weight is the same on every cp rank): tp, and tp x cp;
+    * row: the input is a tp shard: tp x cp; the weight: tp; the output gradient is the gradient of the summed
+      output, the same on every tp rank: cp only.
+    """
+    tp, cp, tp_cp = groups.tp, groups.cp, groups.tp_cp
+    if kind == "column":
+        return {"input": (cp,), "weight": (tp,), "grad_output": (tp_cp,)}
+    return {"input": (tp_cp,), "weight": (tp,), "grad_output": (cp,)}
+
+
+def _role_groups(module, recipe: FP8Config, groups) -> dict[str, tuple] | None:
+    """:func:`tensorwise_role_groups` for a tensor-parallel linear over ``groups.tp`` under tensorwise, else None
+    (every operand over the amax groups)."""
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    if groups is None or recipe.fp8_recipe != "tensorwise" or getattr(module, "group", None) != groups.tp:
+        return None  # NOTE: a one-rank "replicated" column layer (MLA) sees sequence shards: keep tp x cp
+    if isinstance(module, ColumnParallelLinear):
+        return tensorwise_role_groups("column", groups)
+    return tensorwise_role_groups("row", groups) if isinstance(module, RowParallelLinear) else None
+
+
 def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_bf16: bool | None = None,
                modules: Sequence[str] | Callable[[str], bool] | None = None, num_layers: int | None = None,
-               backend=None) -> dict[str, FP8Linear]:
+               backend=None, per_step: bool = False) -> dict[str, FP8Linear]:
     """Set ``.fp8`` on the selected linears; returns {module name: executor}.
+
+    ``per_step`` (delayed recipe; collective over the world): one amax reduction per optimizer step over the
+    amax reduction group, issued by :func:`fp8_step` at each step's end, which the caller must then call
+    (:mod:`~omnitron.core.precision.fp8.scaling`); otherwise one batched reduction per micro-batch.
 
     ``modules``: fnmatch patterns (or a predicate) on module names choosing the FP8 linears; by
     default every linear except the output layer. ``first_last_layers_bf16`` (default: the recipe's
@@ -128,7 +173,11 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
     keep_ends = recipe.first_last_layers_bf16 if first_last_layers_bf16 is None else first_last_layers_bf16
     wide = _wide_layers(model_or_chunks, recipe, groups, num_layers) if keep_ends else set()
     agroups = amax_groups_for(recipe, groups)
-    reducer = AmaxReducer(agroups, backend.collectives) if recipe.fp8_recipe == "delayed" else None
+    reducer = None
+    if recipe.fp8_recipe == "delayed":
+        step_groups = (amax_reduction_group(groups, backend.collectives),) if per_step and groups is not None else agroups
+        reducer = AmaxReducer(step_groups if per_step else agroups, backend.collectives, per_step=per_step,
+                              update=backend.kernels.fp8_amax_history_push)
     enabled: dict[str, FP8Linear] = {}
     skipped = []
     for name, module in linear_modules(model_or_chunks):
@@ -136,7 +185,7 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
             skipped.append(name)
             continue
         ex = FP8Linear(recipe, provider, amax_groups=agroups, collectives=backend.collectives, name=name,
-                       reducer=reducer)
+                       reducer=reducer, role_groups=_role_groups(module, recipe, groups))
         module.fp8 = ex
         if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:  # no seam of its own
             module.forward = types.MethodType(_fp8_linear_forward, module)
@@ -147,6 +196,15 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
     log.info("%s; recipe %s, format %s; %d linears in FP8, %d kept wide%s", provider.describe(), recipe.fp8_recipe,
              recipe.fp8_format, len(enabled), len(skipped), f" ({', '.join(skipped)})" if skipped else "")
     return enabled
+
+
+def fp8_step(enabled: dict[str, FP8Linear]) -> None:
+    """End of an optimizer step under ``enable_fp8(..., per_step=True)``: the one packed amax reduction and
+    every history push (:meth:`~omnitron.core.precision.fp8.scaling.AmaxReducer.step`); nothing otherwise."""
+    reducers = {id(ex.reducer): ex.reducer for ex in enabled.values() if ex.reducer is not None}
+    for reducer in reducers.values():
+        if reducer.per_step:
+            reducer.step()
 
 
 def disable_fp8(model_or_chunks) -> None:

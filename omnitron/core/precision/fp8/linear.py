@@ -38,9 +38,12 @@ class FP8Linear:
     """
 
     def __init__(self, recipe: FP8Config, provider, *, amax_groups: Sequence = (), collectives=None,
-                 name: str = "", reducer: AmaxReducer | None = None) -> None:
+                 name: str = "", reducer: AmaxReducer | None = None, role_groups: dict | None = None) -> None:
         self.recipe, self.provider, self.name = recipe, provider, name
         self.amax_groups, self.collectives, self.reducer = tuple(amax_groups), collectives, reducer
+        self.role_groups = dict(role_groups or {})
+        """tensorwise: per role, the groups its amax is reduced over instead of ``amax_groups`` (those its operand
+        differs over: :func:`~omnitron.core.precision.fp8.enable.tensorwise_role_groups`)."""
         self.states: dict[str, DelayedScaling] = {}
         self._wcache: tuple | None = None
         """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride), quantized weight)."""
@@ -71,7 +74,7 @@ class FP8Linear:
         if self.recipe.fp8_recipe == "delayed":
             return self._quantize_delayed(self.states[role].to(x.device), role, x, fmt,
                                           kernels.fp8_cast_transpose_amax)
-        amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
+        amax = reduce_amax(_amax(x), self.role_groups.get(role, self.amax_groups), self.collectives)
         return kernels.fp8_cast_transpose_from_amax(x, amax, fmt, self.recipe.fp8_margin)
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple:
@@ -114,11 +117,13 @@ class FP8Linear:
             q, qt, _ = cast(x, state.scale, fmt)
             return q, qt, state.scale_inv
         state.flush(self.provider.backend.kernels.fp8_amax_history_push)
-        if state.uses == 0:  # no history yet: this first use is scaled from its own amax
+        per_step = self.reducer is not None and self.reducer.per_step
+        if state.uses == 0 and not state.bootstrapped:  # no history yet: this first use is scaled from its own amax
             amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
             state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
+            state.bootstrapped = per_step  # per step: later uses of step 1 keep this scale until the step ends
             q, qt, _ = cast(x, state.scale, fmt)
-            state.record(amax)
+            state.record(amax, self.reducer if per_step else None)
         else:
             q, qt, amax = cast(x, state.scale, fmt)
             if self.reducer is None:

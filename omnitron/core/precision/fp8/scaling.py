@@ -19,6 +19,13 @@ Definitions (the tests check these step by step):
   every layer and role, as one stacked tensor: one all-reduce per amax group per flush point (in a step:
   once per micro-batch's backward, whatever the layer count) instead of one per operand per call. The max
   of a stack is the stack of the maxes, so the scales are those of reducing each amax alone.
+* **delayed, per step** (:class:`AmaxReducer` with ``per_step``; what training uses, as Transformer Engine's
+  global amax reduction): within an optimizer step every use quantizes with the scale in force and only
+  max-accumulates its local amax per tensor role (no collective); :meth:`AmaxReducer.step`, called once at
+  the step's end, packs every role's step amax into one buffer, MAX-reduces it in one all-reduce over the
+  amax reduction group (tensor x context x data parallel) and pushes each role's history once:
+  ``a_step = max over ranks and the step's uses``, ``history <- [a_step, history[:-1]]``, scale as above.
+  The first use of a role (no history) still scales from its own amax, reduced at once (step 1 only).
 """
 from __future__ import annotations
 
@@ -46,11 +53,33 @@ class AmaxReducer:
     needs one of them (module docstring). Every rank of the groups records the same uses in the same order,
     so the stacked tensors line up; no host sync."""
 
-    def __init__(self, groups: Sequence, collectives) -> None:
+    def __init__(self, groups: Sequence, collectives, *, per_step: bool = False, update=None) -> None:
         self.groups, self.collectives = tuple(groups), collectives
         self.waiting: list[_Recorded] = []
         self.reductions = 0
         """Batched reductions issued (each: one all-reduce per group of size > 1)."""
+        self.per_step, self.update = per_step, update
+        """``per_step``: roles accumulate their step amax and :meth:`step` reduces and pushes them (module
+        docstring); ``update``: the ``fp8_amax_history_push`` implementation :meth:`step` pushes with."""
+        self.observed: dict[int, DelayedScaling] = {}
+        """Roles with a step amax this step, in first-use order (the same on every rank of the group)."""
+
+    def observe(self, state: "DelayedScaling", amax: torch.Tensor) -> None:
+        """Max-accumulate a use's local ``amax`` into ``state``'s step amax (per-step mode; on the device)."""
+        state.step_amax = amax.float() if state.step_amax is None else torch.maximum(state.step_amax, amax.float())
+        self.observed.setdefault(id(state), state)
+
+    def step(self) -> None:
+        """End of an optimizer step: every observed role's step amax MAX-reduced in one packed collective per
+        group (one group: the amax reduction group), then each role's history pushed once."""
+        if not self.observed:
+            return
+        states, self.observed = list(self.observed.values()), {}
+        packed = reduce_amax(torch.stack([s.step_amax for s in states]), self.groups, self.collectives)
+        for s, amax in zip(states, packed.unbind(0)):
+            s.step_amax = None
+            s.push(amax, self.update)
+        self.reductions += 1
 
     def add(self, amax: torch.Tensor) -> "_Recorded":
         """Hold ``amax`` (a local 0-d float32) until the next :meth:`reduce`."""
@@ -95,6 +124,10 @@ class DelayedScaling:
         """Amaxes pushed so far (host-side count; 0 means "no history yet")."""
         self.pending: torch.Tensor | None = None
         """The last use's amax, pushed at the start of the next use."""
+        self.step_amax: torch.Tensor | None = None
+        """Per-step mode: the max of this step's local amaxes, pushed by :meth:`AmaxReducer.step`."""
+        self.bootstrapped = False
+        """Whether a first use set the scale from its own amax (per-step mode pushes only at step ends)."""
 
     def to(self, device: torch.device) -> "DelayedScaling":
         """Move the state to ``device`` (done on first use, where the tensors live)."""
@@ -122,8 +155,12 @@ class DelayedScaling:
 
     def record(self, amax: torch.Tensor, reducer: AmaxReducer | None = None) -> None:
         """Keep this use's amax, pushed when the next use begins: group-reduced already, or local and reduced by
-        ``reducer`` with every other recorded one when first needed."""
-        self.pending = amax if reducer is None else reducer.add(amax)
+        ``reducer`` with every other recorded one when first needed; a per-step ``reducer`` accumulates it for
+        its :meth:`AmaxReducer.step` instead."""
+        if reducer is not None and reducer.per_step:
+            reducer.observe(self, amax)
+        else:
+            self.pending = amax if reducer is None else reducer.add(amax)
 
     def flush(self, update=None) -> None:
         """Push the pending amax, if any (start of a use; before saving)."""
@@ -145,4 +182,4 @@ class DelayedScaling:
         self.amax_history = hist.detach().float().clone().to(device)
         self.set_scale(state["scale"].detach().float().clone().reshape(()).to(device))
         self.uses = int(state["uses"])
-        self.pending = None
+        self.pending, self.step_amax = None, None
