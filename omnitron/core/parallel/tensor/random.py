@@ -81,8 +81,11 @@ class RNGTracker:
 
     @staticmethod
     def in_graph() -> bool:
-        """True while dynamo traces: dropout sites draw :meth:`keep_multiplier` masks instead of forking."""
-        return torch.compiler.is_compiling()
+        """True while dynamo traces or a device graph is captured (:func:`omnitron.core.capture.in_graph`):
+        dropout sites draw :meth:`keep_multiplier` masks instead of forking."""
+        from omnitron.core.capture import in_graph
+
+        return in_graph()
 
     def keep_multiplier(self, shape, p: float, like: torch.Tensor, split_dim: int | None = None) -> torch.Tensor:
         """Dropout multiplier (0 or ``1 / (1 - p)``, ``like``'s dtype and device) of ``shape``, drawn from the
