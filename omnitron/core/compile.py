@@ -23,7 +23,17 @@ What makes a layer trace without graph breaks:
   provider's log-once stays silent while tracing.
 
 Known graph breaks that remain (each measured with ``torch._dynamo.explain``, torch 2.13, 2026-12-03):
-the ``delayed`` FP8 recipe (15 per layer: its amax history is Python state mutated inside autograd functions).
+
+* the ``delayed`` FP8 recipe: 25 per GPT layer (4 FP8 linears, after a first use): 10 where a use asks whether
+  autograd is running a backward (``torch._C._current_graph_task_id``, how a recomputed forward is told to reuse
+  the original scale; dynamo cannot trace a call returning an int) and 15 where the amax history, a Python
+  object, is updated inside the autograd function (dynamo refuses side effects inside it). Removing them needs
+  the state moved out of the function: scales passed in as tensors, amaxes returned, and the gradient's scale
+  (read in the backward, after other micro-batches' updates under pipelining) kept as a buffer the backward
+  graph mutates. Not done; the split layer is correct (tensorwise and blockwise trace whole);
+* context parallelism's ring: 8 graphs per rank at cp2 (the point-to-point exchanges run eagerly between them);
+* MoE token dispatch: 61-62 graphs per rank at ep2 (data-dependent token counts per expert recompile per
+  routing; not re-measured with ``--moe-expert-capacity-factor``).
 Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
 the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
 process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,
