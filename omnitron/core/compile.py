@@ -11,8 +11,10 @@ What makes a layer trace without graph breaks:
 * the kernel registry sends calls to ``traceable`` implementations only while dynamo traces (pybind C++
   kernels and raw Triton launches would each split the graph; their plain-torch references are fused by the
   compiler instead) and every op is resolved before compilation, so no lookup happens while tracing;
-* dropout 0 never enters the tensor-parallel RNG tracker; at tensor-parallel size 1 the tracker's fork is
-  skipped while compiling (nothing is split over ranks, so there is nothing to decorrelate);
+* dropout never enters the tensor-parallel RNG tracker's fork while dynamo traces (its generator-state swap
+  cannot be traced): every dropout of the layer draws an explicit mask from the default generator at the full
+  (unsplit) shape and a rank whose tensor is split keeps its slice, so shards stay independent and the tp2
+  layer computes the tp1 layer with the same masks (:meth:`RNGTracker.keep_multiplier`, tested);
 * the tensor-parallel collectives are torch's functional collectives while tracing
   (:mod:`omnitron.core.parallel.tensor.mappings`);
 * selective recomputation inside a layer: :func:`omnitron.core.parallel.tensor.random.checkpoint` is traced
@@ -21,9 +23,17 @@ What makes a layer trace without graph breaks:
   provider's log-once stays silent while tracing.
 
 Known graph breaks that remain (each measured with ``torch._dynamo.explain``, torch 2.13, 2026-12-03):
-dropout > 0 at tensor-parallel size > 1 (5 per layer with sequence parallelism: the fork reads and writes the
-generator state, which dynamo refuses to trace; the graph is split around it, correct but slower), and the
-``delayed`` FP8 recipe (15 per layer: its amax history is Python state mutated inside autograd functions).
+
+* the ``delayed`` FP8 recipe: 25 per GPT layer (4 FP8 linears, after a first use): 10 where a use asks whether
+  autograd is running a backward (``torch._C._current_graph_task_id``, how a recomputed forward is told to reuse
+  the original scale; dynamo cannot trace a call returning an int) and 15 where the amax history, a Python
+  object, is updated inside the autograd function (dynamo refuses side effects inside it). Removing them needs
+  the state moved out of the function: scales passed in as tensors, amaxes returned, and the gradient's scale
+  (read in the backward, after other micro-batches' updates under pipelining) kept as a buffer the backward
+  graph mutates. Not done; the split layer is correct (tensorwise and blockwise trace whole);
+* context parallelism's ring: 8 graphs per rank at cp2 (the point-to-point exchanges run eagerly between them);
+* MoE token dispatch: 61-62 graphs per rank at ep2 (data-dependent token counts per expert recompile per
+  routing; not re-measured with ``--moe-expert-capacity-factor``).
 Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
 the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
 process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,

@@ -231,11 +231,19 @@ class TrainingConfig:
     """--torch-compile: compile each transformer layer once with torch.compile and reuse it for every layer,
     micro-batch and pipeline chunk (regional compilation, torchtitan's compile.enable; Megatron has no such
     flag); parameter names and checkpoints are unchanged. Refused on backends without a compiler."""
+    cuda_graph_impl: str = "none"
+    """--cuda-graph-impl {none,local}: capture each transformer layer's forward and backward as device graphs
+    and replay them (Megatron's flag; omnitron.core.capture). Refused where the backend has no graphs."""
+    enable_cuda_graph: bool = False
+    """--enable-cuda-graph: Megatron's older spelling of --cuda-graph-impl local."""
     check_for_nan_in_loss_and_grad: bool = True
     """--check-for-nan-in-loss-and-grad: stop before the optimizer step when the loss or the gradient norm
     is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron)."""
 
     def __post_init__(self) -> None:
+        from omnitron.core.capture import resolve_impl
+
+        self.cuda_graph_impl, self.enable_cuda_graph = resolve_impl(self.cuda_graph_impl, self.enable_cuda_graph), False
         for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--train-iters", self.train_iters)):
             if v < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {v}")

@@ -420,6 +420,9 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         raise ConfigError("--optimizer muon orthogonalises whole matrices, which --use-torch-fsdp2 shards by rows "
                           "without a gather step yet; use --use-distributed-optimizer or drop --use-torch-fsdp2")
     _check_run(training, data, checkpoint)
+    from omnitron.core.capture import check_settings
+
+    check_settings(training, model, parallel, fp8, ddp)
     model_type = family.name
     return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,
                     ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world, nproc_per_node=nproc,

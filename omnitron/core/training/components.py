@@ -187,6 +187,10 @@ def build_components(settings, backend) -> Components:
         from omnitron.core.compile import compile_layers
 
         compile_layers(modules, backend)
+    if settings.training.cuda_graph_impl == "local":  # after FP8, so the captured layers run its linears
+        from omnitron.core.capture import capture_layers
+
+        capture_layers(modules, backend)
     chunks = wrap_data_parallel(modules, settings, groups, backend)
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))

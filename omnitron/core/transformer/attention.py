@@ -43,6 +43,22 @@ from omnitron.core.transformer import qkv as QKV
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
+def in_graph_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
+                               p: float, tracker, scale: float | None = None) -> torch.Tensor:
+    """Attention with dropout inside a compiled layer, as SDPA's math path computes it: ``softmax(q k^T scale)``
+    (``keep``: True = attend; None = causal) times the tracker's dropout multiplier, drawn over all heads and
+    sliced to this rank's (heads are split over tp), then ``@ v``. ``[b, h, s, d]``, grouped-query heads
+    repeated. Traceable: no generator swap (:mod:`omnitron.core.parallel.tensor.random`)."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if keep is None:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")).float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs * tracker.keep_multiplier(probs.shape, p, probs, split_dim=1), v)
+
+
 class SelfAttention(nn.Module):
     """``[s, b, h] -> ([s, b, h], bias)``: QKV projection, optional QK-norm and RoPE, core
     attention from the kernel registry, output projection (bias returned for fused add)."""
@@ -157,6 +173,8 @@ class SelfAttention(nn.Module):
                                   dropout_p=p, seed=seed, kernel=backend_kernel(self.backend))
         if p == 0.0:
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
+        if self.tracker.in_graph():
+            return in_graph_dropout_attention(q, k, v, None, p, self.tracker)
         with self.tracker.fork():
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
 
@@ -224,6 +242,8 @@ class SelfAttention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        if self.tracker.in_graph():
+            return in_graph_dropout_attention(q, k, v, keep, p, self.tracker)
         with self.tracker.fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
 

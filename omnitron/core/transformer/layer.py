@@ -47,6 +47,9 @@ class TransformerLayer(nn.Module):
     def _bias_dropout_add(self, out_and_bias, residual: torch.Tensor) -> torch.Tensor:
         out, bias = out_and_bias
         p = self.c.hidden_dropout if self.training else 0.0
+        if p > 0.0 and self.tracker.in_graph():  # compiled: an explicit mask, this rank's slice under sp
+            y = out if bias is None else out + bias
+            return residual + y * self.tracker.keep_multiplier(y.shape, p, y, split_dim=0 if self.sp else None)
         # NOTE: sequence shards differ per tp rank, so their dropout masks must too
         ctx = self.tracker.fork() if (self.sp and p > 0.0) else contextlib.nullcontext()
         with ctx:

@@ -33,6 +33,7 @@ from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParall
 from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer import yarn
+from omnitron.core.transformer.attention import in_graph_dropout_attention
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
@@ -103,7 +104,7 @@ class MLASelfAttention(nn.Module):
                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, n/tp, s, d]`` in and out (SelfAttention's signature, so the generation KV cache can stand in
         for it; no padding mask: MLA is causal); dropout from the tp-rank-specific stream (local heads)."""
-        p = self.c.attention_dropout if self.training else 0.0
+        p, keep = (self.c.attention_dropout if self.training else 0.0), None
         if document_ids is not None:
             s = q.shape[2]
             causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
@@ -115,6 +116,8 @@ class MLASelfAttention(nn.Module):
                                                             scale=self.softmax_scale)
         if p == 0.0:
             return attend()
+        if self.tracker.in_graph():
+            return in_graph_dropout_attention(q, k, v, keep, p, self.tracker, self.softmax_scale)
         with self.tracker.fork():
             return attend()
 

@@ -106,7 +106,7 @@ def init_single_stage(model: GPTModel, config, groups, *, backend, seed: int, nu
     model.pre_process, model.post_process = pre_process, post_process
     model.label_smoothing, model.layer_offset, model.num_local_layers = 0.0, layer_offset, num_layers
     model.sp = bool(groups.config.sequence_parallel and groups.tp.size > 1)
-    model.rng_tracker = RNGTracker(model.backend, groups.tp.size)
+    model.rng_tracker = RNGTracker(model.backend, groups.tp.size, M.local_rank(groups.tp))
     model.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(groups.tp), M.local_rank(groups.pp)))
 
 

@@ -77,7 +77,7 @@ class GPTModel(nn.Module):
         if layer_offset < 0 or layer_offset + n > config.num_layers:
             raise ValueError(f"layers [{layer_offset}, {layer_offset + n}) outside the model's {config.num_layers}")
         self.layer_offset, self.num_local_layers = layer_offset, n
-        self.rng_tracker = RNGTracker(self.backend, tp.size)
+        self.rng_tracker = RNGTracker(self.backend, tp.size, M.local_rank(tp))
         self.rng_tracker.add(MODEL_PARALLEL, model_parallel_seed(seed, M.local_rank(tp), M.local_rank(groups.pp)))
         lkw = dict(group=tp, sequence_parallel=self.sp, tracker=self.rng_tracker, backend=self.backend, groups=groups)
         if pre_process:

@@ -29,6 +29,9 @@ class FP8Config:
     """--fp8-amax-history-len: amax values kept per tensor by the ``delayed`` recipe."""
     fp8_amax_compute_algo: str = "max"
     """--fp8-amax-compute-algo: ``max`` of the history, or its ``most_recent`` value (``delayed`` only)."""
+    fp8_impl: str = "omnitron"
+    """--fp8-impl: whose FP8 linear runs: ``omnitron`` (its own recipes, every backend) or ``torchao`` (torchao's
+    Float8Linear math, tensorwise recipe only; needs torchao installed). fp8/torchao_impl.py."""
     first_last_layers_bf16: bool = False
     """--first-last-layers-bf16: keep the first and last transformer layers out of FP8."""
     num_layers_at_start_in_bf16: int = 1
@@ -42,6 +45,9 @@ class FP8Config:
                               "with 1x32 e8m0 scales); use --fp8-recipe blockwise for fine-grained scaling")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"--fp8-recipe {self.fp8_recipe!r} is unknown: use one of {', '.join(FP8_RECIPES)}")
+        from omnitron.core.precision.fp8.torchao_impl import check
+
+        check(self.fp8_impl, self.fp8_recipe)
         if self.fp8_format not in FP8_FORMATS:
             raise ConfigError(f"--fp8-format {self.fp8_format!r} is unknown: use one of {', '.join(FP8_FORMATS)}")
         if self.fp8_amax_compute_algo not in AMAX_ALGOS:

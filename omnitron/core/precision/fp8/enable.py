@@ -22,6 +22,7 @@ from omnitron.core.config.parallel import ConfigError
 from omnitron.core.precision.fp8.config import FP8Config, check_backend
 from omnitron.core.precision.fp8.linear import FP8Linear
 from omnitron.core.precision.fp8.scaling import AmaxReducer
+from omnitron.core.precision.fp8.torchao_impl import TorchaoLinear, check_layout
 
 log = logging.getLogger("omnitron.fp8")
 
@@ -151,6 +152,15 @@ def _role_groups(module, recipe: FP8Config, groups) -> dict[str, tuple] | None:
     return tensorwise_role_groups("row", groups) if isinstance(module, RowParallelLinear) else None
 
 
+def _executor(recipe: FP8Config, provider, agroups, backend, name: str, reducer, role_groups):
+    """The FP8 executor of one linear: omnitron's :class:`FP8Linear`, or torchao's (``--fp8-impl torchao``;
+    emulated where the device has no FP8 GEMM)."""
+    if recipe.fp8_impl == "torchao":
+        return TorchaoLinear(recipe.fp8_format, backend.capabilities().fp8_gemm != "scaled_mm", name)
+    return FP8Linear(recipe, provider, amax_groups=agroups, collectives=backend.collectives, name=name,
+                     reducer=reducer, role_groups=role_groups)
+
+
 def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_bf16: bool | None = None,
                modules: Sequence[str] | Callable[[str], bool] | None = None, num_layers: int | None = None,
                backend=None, per_step: bool = False) -> dict[str, FP8Linear]:
@@ -169,6 +179,8 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
 
     backend = resolve_backend(backend, groups)
     check_backend(recipe, backend)
+    if recipe.fp8_impl == "torchao":
+        check_layout(groups)
     provider = backend.fp8
     keep_ends = recipe.first_last_layers_bf16 if first_last_layers_bf16 is None else first_last_layers_bf16
     wide = _wide_layers(model_or_chunks, recipe, groups, num_layers) if keep_ends else set()
@@ -184,8 +196,7 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
         if not _selected(name, modules) or any(name == w or name.startswith(w + ".") for w in wide):
             skipped.append(name)
             continue
-        ex = FP8Linear(recipe, provider, amax_groups=agroups, collectives=backend.collectives, name=name,
-                       reducer=reducer, role_groups=_role_groups(module, recipe, groups))
+        ex = _executor(recipe, provider, agroups, backend, name, reducer, _role_groups(module, recipe, groups))
         module.fp8 = ex
         if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:  # no seam of its own
             module.forward = types.MethodType(_fp8_linear_forward, module)
@@ -210,7 +221,7 @@ def fp8_step(enabled: dict[str, FP8Linear]) -> None:
 def disable_fp8(model_or_chunks) -> None:
     """Return every linear to its wide GEMM (``.fp8 = None``)."""
     for _, module in linear_modules(model_or_chunks):
-        if isinstance(getattr(module, "fp8", None), FP8Linear):
+        if isinstance(getattr(module, "fp8", None), (FP8Linear, TorchaoLinear)):
             module.fp8 = None
 
 

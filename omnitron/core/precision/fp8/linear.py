@@ -24,6 +24,7 @@ import torch
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
 from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
 from omnitron.backends.fp8 import scale_from_amax
+from omnitron.core.capture import in_graph
 
 ROLES = ("input", "weight", "grad_output")
 
@@ -89,8 +90,9 @@ class FP8Linear:
         custom kernels) must call ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
         """
         r = self.recipe
-        # inference tensors keep no version counter; a compiled layer quantizes in its graph (fused, no cache)
-        if r.fp8_recipe == "delayed" or torch.compiler.is_compiling() or weight.is_inference():
+        # inference tensors keep no version counter; a compiled or captured layer quantizes in its graph (fused,
+        # no cache: nothing Python runs on a graph's replay)
+        if r.fp8_recipe == "delayed" or in_graph() or weight.is_inference():
             return self._quantize_weight_now(weight)
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride())
         c = self._wcache

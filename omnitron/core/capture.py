@@ -1,0 +1,131 @@
+"""``--cuda-graph-impl local`` (Megatron's flag; ``--enable-cuda-graph`` is its older spelling): the forward and
+backward of every transformer layer captured once as device graphs through :meth:`Backend.capture` and replayed
+on every later training call with the same shapes, so a layer's many small launches (the FP8 casts, norms,
+activations) cost one graph launch each way.
+
+Capture is lazy: a layer's first training call (grad enabled, training mode) captures it with that call's
+shapes; validation and generation run the eager forward. What the captured code must not do, since no Python
+runs on replay: swap generator states (the tensor-parallel RNG fork) or consult host-side caches (the FP8 weight
+cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
+their traceable form (explicit dropout masks from the default generator, the weight re-quantized in the graph).
+
+Refused (one line each, :func:`check_settings`, as Megatron refuses its own incompatible options): both
+spellings at once; an implementation other than ``local``; pipeline parallelism (each in-flight micro-batch would
+need its own graph, since a replay overwrites the static activations of the previous one); activation
+recomputation; ``--torch-compile`` (choose one); the ``delayed`` FP8 recipe (its amax history is Python state
+updated per call); MoE without ``--moe-expert-capacity-factor`` (data-dependent shapes); FSDP2 (module hooks);
+backends whose ``capabilities().graph_capture`` is False (cpu, sim: no device graphs; :func:`capture_layers`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from omnitron.core.config import ConfigError
+
+IMPLS = ("none", "local")
+
+_capturing = [False]
+
+
+def in_graph() -> bool:
+    """True while dynamo traces or a device graph is being captured: no Python runs later, so generator swaps
+    and host-side caches are off."""
+    return _capturing[0] or torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Mark a capture under way (see :func:`in_graph`)."""
+    saved, _capturing[0] = _capturing[0], True
+    try:
+        yield
+    finally:
+        _capturing[0] = saved
+
+
+def resolve_impl(cuda_graph_impl: str, enable_cuda_graph: bool) -> str:
+    """The implementation asked for: ``--enable-cuda-graph`` means ``local``; both at once is refused."""
+    if enable_cuda_graph and cuda_graph_impl != "none":
+        raise ConfigError("--enable-cuda-graph with --cuda-graph-impl: --enable-cuda-graph is the older spelling of "
+                          "--cuda-graph-impl local; give one of them")
+    impl = "local" if enable_cuda_graph else cuda_graph_impl
+    if impl not in IMPLS:
+        raise ConfigError(f"--cuda-graph-impl {impl!r}: omnitron captures with its own 'local' implementation "
+                          f"(transformer_engine and full_iteration are not available); use --cuda-graph-impl local")
+    return impl
+
+
+def check_settings(training, model, parallel, fp8, ddp) -> None:
+    """Refuse the options a per-layer graph cannot run with (module docstring), one line each."""
+    if training.cuda_graph_impl == "none":
+        return
+    flag = "--cuda-graph-impl local"
+    checks = [
+        (parallel.pipeline_model_parallel_size > 1, "pipeline parallelism keeps several micro-batches in flight and "
+         "a replay overwrites the previous one's activations; use --pipeline-model-parallel-size 1"),
+        (getattr(model, "recompute_granularity", None) is not None,
+         "activation recomputation re-runs the forward inside the backward; drop --recompute-granularity"),
+        (training.torch_compile, "--torch-compile is another way to cut launches; choose one of them"),
+        (fp8 is not None and fp8.fp8_recipe == "delayed", "the delayed FP8 recipe updates its amax history in Python "
+         "on every call; use --fp8-recipe tensorwise or blockwise"),
+        (getattr(model, "num_experts", None) and getattr(model, "moe_expert_capacity_factor", None) is None,
+         "dropless MoE routing has data-dependent shapes; set --moe-expert-capacity-factor"),
+        (ddp is not None and getattr(ddp, "use_torch_fsdp2", False), "FSDP2 gathers parameters in module hooks "
+         "outside the graph; drop --use-torch-fsdp2"),
+    ]
+    for bad, why in checks:
+        if bad:
+            raise ConfigError(f"{flag}: {why}")
+
+
+class CapturedForward:
+    """Stands in for one layer's ``forward``: eager outside training, else the graphed callable captured for
+    this call's shapes (captured on first use)."""
+
+    def __init__(self, layer: nn.Module, backend) -> None:
+        self.layer, self.backend, self.eager = layer, backend, layer.forward
+        self.graphs: dict[tuple, object] = {}
+        self.captures = 0
+
+    def __call__(self, x: torch.Tensor, freqs: torch.Tensor | None = None, document_ids=None) -> torch.Tensor:
+        if document_ids is not None or not (self.layer.training and torch.is_grad_enabled()):
+            return self.eager(x, freqs, document_ids)
+        args = (x,) if freqs is None else (x, freqs)
+        key = tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)
+        graphed = self.graphs.get(key)
+        if graphed is None:
+            sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+            with capturing():
+                graphed = self.graphs[key] = self.backend.capture(_Call(self.eager, self.layer), sample)
+            self.captures += 1
+        return graphed(*args)
+
+
+class _Call(nn.Module):
+    """``forward(x[, freqs])`` of a layer as a module holding its parameters (what graph capture takes)."""
+
+    def __init__(self, forward, layer: nn.Module) -> None:
+        super().__init__()
+        self.fn, self.layer = forward, layer
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fn(x, freqs)
+
+
+def capture_layers(modules: list[nn.Module], backend) -> list[CapturedForward]:
+    """Replace every transformer layer's ``forward`` by a :class:`CapturedForward`; refused in one line where the
+    backend has no device graphs."""
+    from omnitron.core.compile import transformer_layers
+
+    if not backend.capabilities().graph_capture:
+        raise ConfigError(f"--cuda-graph-impl local: the {backend.name} backend has no device graphs "
+                          f"(capabilities().graph_capture is False); drop --cuda-graph-impl")
+    out = []
+    for layer in transformer_layers(modules):
+        layer.forward = CapturedForward(layer, backend)
+        out.append(layer.forward)
+    return out
