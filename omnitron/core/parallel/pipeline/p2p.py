@@ -11,7 +11,9 @@ planned from the schedule, which every rank knows:
   ``i``. Both ends of a transfer see it at the same place of the same total order, so the earliest
   unfinished transfer always has both ends at it: no deadlock under NCCL's rules, for any schedule
   that is itself deadlock-free. A receive may come batches before its use (look-ahead that
-  overlaps compute); per channel the order is the sender's order (FIFO matching, no tags).
+  overlaps compute); per channel the order is the sender's order (FIFO matching, no tags). A message
+  between two chunks of one rank (the turn of a V-shaped schedule) is no transfer: :meth:`StageP2P.send`
+  hands it to the rank's own inbox.
 * :class:`StageP2P` posts batch ``i`` as one ``batch_p2p`` group before action ``i`` (and the last
   after the last action), waits for its receives, then waits for the sends of the earlier batches and lets
   their tensors go: a sent activation or input gradient lives one action past its send, not to the end of
@@ -51,7 +53,7 @@ def plan_exchanges(schedule: Schedule) -> dict[int, list[list[Transfer]]]:
         for i, (start, end, action) in enumerate(rank_spans):
             events[r].append(((start, 1, r, i), i))
             msg = _message(schedule, r, action)
-            if msg is not None:
+            if msg is not None and schedule.place(msg[1])[0] != r:  # V turn: same rank, no transfer
                 dst = schedule.place(msg[1])[0]
                 key = (end, 0, r, i)  # NOTE: ties between transfers are broken the same way on every rank
                 events[r].append((key, ("send", dst, msg)))
@@ -121,6 +123,9 @@ class StageP2P:
             raise RuntimeError(f"stage output {tuple(tensor.shape)} {tensor.dtype} differs from the pipeline "
                                f"tensor shape {self.shape} {self.dtype}; check --seq-length, --micro-batch-size, "
                                f"--hidden-size and --sequence-parallel")
+        if self.schedule.place(msg[1])[0] == self.rank:  # the V's turn (stage p-1 to p): handed over in place
+            self.inbox[msg] = tensor.detach()
+            return
         self.outbox[msg] = tensor.detach().contiguous()
 
     def finish(self) -> None:
