@@ -37,6 +37,13 @@ def virtual_stage(rank: int, chunk: int, pp: int, style: str = "loop") -> int:
     return chunk * pp + rank
 
 
+def place_stage(stage: int, pp: int, style: str = "loop") -> tuple[int, int]:
+    """(rank, chunk) holding virtual ``stage``: the inverse of :func:`virtual_stage`."""
+    if style == "v":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
 @dataclass(frozen=True)
 class Action:
     """One unit of work on one pipeline rank."""
@@ -82,9 +89,7 @@ class Schedule:
 
     def place(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual ``stage``."""
-        if self.style == "v":
-            return (stage, 0) if stage < self.pp else (2 * self.pp - 1 - stage, 1)
-        return stage % self.pp, stage // self.pp
+        return place_stage(stage, self.pp, self.style)
 
     def split_backward(self, rank: int) -> set[tuple[int, int]]:
         """(chunk, microbatch) pairs whose backward is split into B (input grad) and W."""
