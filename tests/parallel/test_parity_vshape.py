@@ -12,6 +12,7 @@ from omnitron.core.config import ParallelConfig
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
 from omnitron.testing.parity import reference_kernels
+from omnitron.testing.sim import requires_sim
 from tests.parallel.test_parity_3d import SEED, _config, _gpt_step, _sgd, assert_run_matches, train_one_process
 
 STEPS, MBS, SEQ = 3, 2, 16
@@ -27,8 +28,8 @@ def _data(m: int) -> torch.Tensor:
     return torch.randint(0, 96, (STEPS, MBS * m, SEQ + 1), generator=g)
 
 
-def _iterator(data: torch.Tensor):
-    for step in data:
+def _iterator(data: torch.Tensor, device=None):
+    for step in data.to(device):
         for mb in step.view(-1, MBS, SEQ + 1):
             yield {"tokens": mb[:, :-1], "labels": mb[:, 1:]}
 
@@ -51,8 +52,9 @@ def vshape_worker(runs) -> dict:
                   for c in build_model_chunks(_config(), groups, SEED, be, sched)]
         kw = dict(num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32,
                   forward_step_fn=_gpt_step, dtype=torch.float64)
-        ev = forward_backward(sched, chunks, _iterator(_data(m)[:1]), groups, forward_only=True, **kw)
-        data, losses = _iterator(_data(m)), [ev["loss"]]
+        dev = be.device()  # the data on the backend's device (the chunks are put there by build_model_chunks)
+        ev = forward_backward(sched, chunks, _iterator(_data(m)[:1], dev), groups, forward_only=True, **kw)
+        data, losses = _iterator(_data(m), dev), [ev["loss"]]
         for _ in range(STEPS):
             for c in chunks:
                 c.zero_grad_buffer()
@@ -63,7 +65,7 @@ def vshape_worker(runs) -> dict:
             losses.append(res["loss"])
         state = {}
         for c in chunks:
-            state.update(gather_full_state(c.module, groups))
+            state.update({k: v.cpu() for k, v in gather_full_state(c.module, groups).items()})
         out[(sched, m)] = (losses, state)
     return out
 
@@ -84,3 +86,10 @@ def test_parity_vshape_pp2():
 def test_parity_vshape_pp4():
     """pp4: zb-v at 4 and 8 micro-batches, dualpipe-v at 8 (it needs m >= 2p)."""
     _check(run_distributed(vshape_worker, 4, [("zb-v", 4), ("zb-v", 8), ("dualpipe-v", 8)], env=REFERENCE_KERNELS))
+
+
+@pytest.mark.slow
+@requires_sim()
+def test_parity_vshape_pp2_on_sim():
+    """The same on the simulated device (same tolerance: placement moves nothing when right)."""
+    _check(run_distributed(vshape_worker, 2, [("zb-v", 4), ("dualpipe-v", 8)], backend="sim", env=REFERENCE_KERNELS))
