@@ -1,10 +1,11 @@
 """Pipeline bubble: the real runtime with synthetic stages of controlled, equal cost.
 
 Each stage sleeps ``t`` per forward, ``t`` per input-gradient pass and ``t`` per weight-gradient
-pass (a full backward costs ``2t``; interleaved chunks cost ``t / v`` each), so the measured idle
+pass (a full backward costs ``2t``; interleaved and V-shaped chunks cost ``t / v`` each), so the measured idle
 time is the schedule's bubble plus communication and Python overhead, not CPU contention. Each rank
 records its compute spans; idle fraction = 1 - busy / (common end - common start), averaged over
-ranks, printed against theory: 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1).
+ranks, printed against theory: 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1),
+ZB-V and DualPipeV (p-1)/(6m+p-1) (two chunks per rank in a V).
 
     python benchmarks/pipeline_bubble.py [--unit-ms 40]   (shorter units show per-action overhead)
 """
@@ -111,11 +112,12 @@ def main() -> None:
     ap.add_argument("--unit-ms", type=float, default=40.0, help="cost of one F (or B, or W) pass of one stage")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1"])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"])
     args = ap.parse_args()
     print(f"| schedule | p | v | m | measured idle | theory | diff (pp) |\n|---|---|---|---|---|---|---|")
     for pp in args.pp:
-        configs = [(n, 2 if n == "interleaved" else None, m) for m in args.microbatches for n in args.schedules]
+        configs = [(n, 2 if n in ("interleaved", "zb-v", "dualpipe-v") else None, m) for m in args.microbatches
+                   for n in args.schedules if n != "dualpipe-v" or m >= 2 * pp]
         for name, p, v, m, idle in run_distributed(bench_worker, pp, configs, args.unit_ms / 1000)[0]:
             th = theory_bubble(name, p, m, v)
             print(f"| {name} | {p} | {v} | {m} | {idle:.3f} | {th:.3f} | {100 * (idle - th):+.1f} |", flush=True)

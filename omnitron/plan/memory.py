@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.state import skeleton, state_bytes
 
@@ -93,7 +94,8 @@ def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:
     pc = settings.parallel
     ranges = pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
                                    pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers)
+                                   pc.decoder_last_pipeline_num_layers,
+                                   style=schedule_style(settings.training.pipeline_schedule))
     return {k: n for k, (_, n) in ranges.items()}
 
 
@@ -192,7 +194,8 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
 def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
     if settings.fp8 is None:
         return 0
-    return sum(p.numel() for m in skeleton(cfg, settings.parallel, pp_rank)
+    return sum(p.numel() for m in skeleton(cfg, settings.parallel, pp_rank,
+                                           schedule_style(settings.training.pipeline_schedule))
                for n, p in m.named_parameters() if p.dim() == 2 and ".layers." in n)
 
 
@@ -214,17 +217,17 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
     out = []
     for r in range(pp):
         acts, logits = {}, {}
+        ends = {c: (schedule.stage(r, c) == 0, schedule.stage(r, c) == schedule.num_stages - 1) for c in range(vp)}
         for c in range(vp):
-            last = (r, c) == (pp - 1, vp - 1)
-            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=last, first=(r, c) == (0, 0))
+            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=ends[c][1], first=ends[c][0])
         act_peak, most = peak_held(schedule, r, acts)
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
         try:
             if not transients:
                 raise _Skipped
-            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=(r, c) == (0, 0),
-                                         last=(r, c) == (pp - 1, vp - 1)) for c in range(vp))
+            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1])
+                         for c in range(vp))
         except _Skipped:
             excess = recompute_bytes(settings, cfg)
         except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk

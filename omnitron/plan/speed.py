@@ -50,6 +50,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.parallel.pipeline.schedules import place_stage, virtual_stage
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
 from omnitron.plan.state import expert_data_parallel_size
@@ -294,7 +295,7 @@ def stage_param_groups(cfg, settings, pp_rank: int, layers) -> tuple[float, floa
     emb = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size
     if pp_rank == 0:
         n += emb + (max_positions(cfg) * cfg.hidden_size if cfg.position_embedding_type == "learned_absolute" else 0)
-    if pp_rank == pp - 1:
+    if pp_rank == _head_rank(settings):
         n += cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
         if cfg.untie_embeddings_and_output_weights or pp > 1:
             n += emb
@@ -322,7 +323,7 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
     fp32 = bool(ddp and ddp.accumulate_allreduce_grads_in_fp32)
     g_elem, p_elem = 4 if fp32 else cfg.params_dtype.itemsize, cfg.params_dtype.itemsize
     dense, expert = stage_param_groups(cfg, settings, pp_rank, layers)
-    tied = not cfg.untie_embeddings_and_output_weights and (pp_rank == 0 or pp_rank == pp - 1)
+    tied = not cfg.untie_embeddings_and_output_weights and pp_rank in (0, _head_rank(settings))
     iso = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size if tied and (dist or bool(ddp and ddp.reduce_scatter)) \
         else 0
     out = []
@@ -371,7 +372,7 @@ def _stage_layers(settings, cfg) -> dict[tuple[int, int], list[bool]]:
     pc = settings.parallel
     ranges = pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
                                    pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers)
+                                   pc.decoder_last_pipeline_num_layers, style=_style(settings))
     moe = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [False] * cfg.num_layers
     return {k: moe[start:start + n] for k, (start, n) in ranges.items()}
 
@@ -390,10 +391,27 @@ def _stage_costs(settings, rates, overlap: str):
     rates.bind(settings)
     costs = {}
     for (r, c), kinds in layers.items():
-        k = c * pp + r
-        costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=k < pp * vp - 1,
-                              prev=k > 0)
+        style = _style(settings)
+        k = virtual_stage(r, c, pp, style)
+        # NOTE: the V's turn (stage p-1 to p) stays on rank p-1: no transfer
+        nxt = k < pp * vp - 1 and place_stage(k + 1, pp, style)[0] != r
+        prev = k > 0 and place_stage(k - 1, pp, style)[0] != r
+        costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=nxt, prev=prev)
     return cfg, layers, costs
+
+
+def _style(settings) -> str:
+    """The chunks' placement of the layout's ``--pipeline-schedule`` (``v`` for zb-v / dualpipe-v)."""
+    from omnitron.core.parallel.pipeline.schedules import schedule_style
+
+    return schedule_style(settings.training.pipeline_schedule)
+
+
+def _head_rank(settings) -> int:
+    """The pipeline rank holding the last stage (the output layer): rank 0 under a V-shaped schedule."""
+    pp = settings.parallel.pipeline_model_parallel_size
+    return place_stage(pp * (settings.parallel.virtual_pipeline_model_parallel_size or 1) - 1, pp,
+                       _style(settings))[0]
 
 
 def step_lower_bound(settings, rates, overlap: str = "none") -> float:
@@ -403,7 +421,8 @@ def step_lower_bound(settings, rates, overlap: str = "none") -> float:
     pp = settings.parallel.pipeline_model_parallel_size
     per = {}
     for k, c in costs.items():
-        per[k % pp] = per.get(k % pp, 0.0) + c.total("F", overlap) + c.total("B", overlap)
+        r = place_stage(k, pp, _style(settings))[0]
+        per[r] = per.get(r, 0.0) + c.total("F", overlap) + c.total("B", overlap)
     return settings.num_microbatches * max(per.values())
 
 
@@ -414,7 +433,7 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     tl, sched = pipeline(settings, costs, overlap)
     m = settings.num_microbatches
-    per_rank = {r: [costs[c * pp + r] for c in range(vp)] for r in range(pp)}
+    per_rank = {r: [costs[virtual_stage(r, c, pp, sched.style)] for c in range(vp)] for r in range(pp)}
     busy = {r: sum(tl_e - tl_s for tl_s, tl_e, _ in tl.spans[r]) for r in range(pp)}
     crit = max(busy, key=busy.get)
     parts = {key: m * sum(sc.f[key] + sc.b[key] for sc in per_rank[crit]) for key in KEYS}
@@ -455,8 +474,8 @@ def _embedding_sync(settings, cfg, rates) -> float:
     from omnitron.core.models.gpt.config import padded_vocab_size
 
     pc = settings.parallel
-    if pc.pipeline_model_parallel_size == 1 or cfg.untie_embeddings_and_output_weights:
-        return 0.0
+    if pc.pipeline_model_parallel_size == 1 or cfg.untie_embeddings_and_output_weights or _style(settings) == "v":
+        return 0.0  # V-shaped schedules: both copies on rank 0, summed there
     n = padded_vocab_size(cfg, pc.tensor_model_parallel_size) // pc.tensor_model_parallel_size * cfg.hidden_size
     return rates.comm_s("all_reduce", n * 4, 2, group="emb")
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omnitron.core.parallel.pipeline.schedules import schedule_style
+
 
 @dataclass(frozen=True)
 class StateBytes:
@@ -34,14 +36,15 @@ class StateBytes:
     optimizer: int
 
 
-def skeleton(model_cfg, parallel, pp_rank: int) -> list[torch.nn.Module]:
-    """This pipeline rank's chunks (tp rank 0, ep rank 0) on the meta device."""
+def skeleton(model_cfg, parallel, pp_rank: int, style: str = "loop") -> list[torch.nn.Module]:
+    """This pipeline rank's chunks (tp rank 0, ep rank 0) on the meta device; ``style``: the chunks' placement
+    (``v`` for the V-shaped schedules)."""
     from omnitron.core.checkpoint.reshard import Layout, skeleton_chunks
 
     layout = Layout(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
                     vp=parallel.virtual_pipeline_model_parallel_size, cp=parallel.context_parallel_size,
                     first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers,
-                    ep=parallel.expert_model_parallel_size)
+                    ep=parallel.expert_model_parallel_size, style=style)
     etp = parallel.etp if getattr(model_cfg, "num_experts", None) else 1
     key = f"{model_cfg!r}/{layout!r}/etp{etp}"
     if _SKELETON.get("key") != key:  # every stage's chunks are built at once: keep them for the next rank's call
@@ -122,10 +125,11 @@ def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     dp_cp = settings.dp * pc.context_parallel_size
     edp = expert_data_parallel_size(settings)
     ddp, dist = settings.ddp, bool(settings.ddp and settings.ddp.use_distributed_optimizer)
+    chunks = skeleton(model_cfg, pc, pp_rank, schedule_style(settings.training.pipeline_schedule))
     if getattr(ddp, "use_torch_fsdp2", False):
-        return _fsdp2_bytes(skeleton(model_cfg, pc, pp_rank), dp_cp, settings.optim)
+        return _fsdp2_bytes(chunks, dp_cp, settings.optim)
     params = grads = opt = 0
-    for module in skeleton(model_cfg, pc, pp_rank):
+    for module in chunks:
         for buf, size in _buffers(module, ddp, dp_cp, edp):
             dtype = buf.params[0].dtype
             total = sum(p.numel() for p in buf.params)

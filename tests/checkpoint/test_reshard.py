@@ -3,8 +3,9 @@
 One 4-process spawn trains a Llama-style model (GQA with 2 query groups, SwiGLU, RoPE, biases, a
 tied embedding, padded vocabulary) for N iterations at tp2 x pp2 x vp2 and saves. The trained
 state is gathered live with the model's own collective gather (the reference). The checkpoint is
-then loaded under four other layouts (tp1 dp4; tp4, whose 2 query groups force replicated KV;
-uneven pp2 dp2; tp2 dp2 with sequence parallelism and the distributed optimizer), each saved
+then loaded under five other layouts (tp1 dp4; tp4, whose 2 query groups force replicated KV;
+uneven pp2 dp2; tp2 dp2 with sequence parallelism and the distributed optimizer; pp2 dp2 with the
+V-shaped zb-v schedule), each saved
 straight back (compared with the reference tensor by tensor, exactly) and trained N more
 iterations (losses equal to continuing at tp2 x pp2 x vp2, fp32 tolerance; dropout is off, so
 fresh RNG streams do not matter). The same spawn does it once more in bf16 (fp32 masters) into
@@ -27,7 +28,10 @@ A = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
 B = {"tp1_dp4": [],
      "tp4_replicated_kv": ["--tensor-model-parallel-size", "4"],
      "pp2_uneven_dp2": ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
-     "tp2_dp2_sp_zero": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"]}
+     "tp2_dp2_sp_zero": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"],
+     # the V placement (rank 0 holds layer 0, layer 3 and both tied embedding copies)
+     "pp2_zb_v_dp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                      "--pipeline-schedule", "zb-v"]}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-tensor-parallel-size", "1",
        "--expert-model-parallel-size", "2"]
 MOE_A, MOE_B = ["--tensor-model-parallel-size", "2", *MOE], ["--pipeline-model-parallel-size", "2", *MOE]

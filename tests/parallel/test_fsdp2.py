@@ -299,6 +299,8 @@ def test_fsdp2_low_precision_resume_is_bit_exact(tmp_path, precision):
     (("--num-experts", "4", "--moe-router-topk", "2"), 4, "experts are replicated"),
     (("--ckpt-format", "torch"), 4, "--ckpt-format torch_dist"),
     (("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"), 4, "zero-bubble"),
+    (("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipe-v", "--num-layers", "4",
+      "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16"), 4, "zero-bubble"),
 ])
 def test_fsdp2_refuses_what_it_cannot_run(tmp_path, extra, world, says):
     from omnitron.core.training.arguments import parse_settings

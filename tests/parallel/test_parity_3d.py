@@ -64,21 +64,23 @@ def _sgd(chunks) -> None:
 
 def reference() -> tuple[list[float], dict]:
     """One process, whole global batch per step (dp=2 data; dp=1 layouts use its first half)."""
+    return {dp: train_one_process(_data(dp)) for dp in (1, 2)}
+
+
+def train_one_process(data: torch.Tensor) -> tuple[list[float], dict]:
+    """(per-step losses, full state) of SGD on one process over ``data`` [steps, batch, SEQ + 1]."""
     from omnitron.core.models.gpt import GPTModel, gather_full_state
 
-    out = {}
-    for dp in (1, 2):
-        groups = ParallelGroups.single()
-        model = GPTModel(_config(), groups, seed=SEED)
-        losses = []
-        for step in _data(dp):
-            model.zero_grad()
-            loss = model(tokens=step[:, :-1], labels=step[:, 1:]).mean()
-            loss.backward()
-            losses.append(loss.item())
-            _sgd([model])
-        out[dp] = (losses, gather_full_state(model, groups))
-    return out
+    groups = ParallelGroups.single()
+    model = GPTModel(_config(), groups, seed=SEED)
+    losses = []
+    for step in data:
+        model.zero_grad()
+        loss = model(tokens=step[:, :-1], labels=step[:, 1:]).mean()
+        loss.backward()
+        losses.append(loss.item())
+        _sgd([model])
+    return losses, gather_full_state(model, groups)
 
 
 def _variants(pp: int, tp: int):
@@ -145,16 +147,18 @@ def parity_worker(layouts) -> dict:
 def _check(results_per_rank, ref) -> None:
     keys = results_per_rank[0].keys()
     for key in keys:
-        tp, pp, dp = key[:3]
-        ref_losses, ref_state = ref[dp]
-        merged = {}
-        for res in results_per_rank:
-            losses, state = res[key]
-            assert losses == pytest.approx([ref_losses[0]] + ref_losses, rel=TOL), (key, losses, ref_losses)
-            merged.update(state)
-        assert merged.keys() == ref_state.keys(), key
-        for name, w in ref_state.items():
-            torch.testing.assert_close(merged[name], w, rtol=TOL, atol=TOL, msg=lambda s: f"{key} {name}: {s}")
+        assert_run_matches(key, [res[key] for res in results_per_rank], *ref[key[2]])
+
+
+def assert_run_matches(key, per_rank: list, ref_losses: list[float], ref_state: dict, tol: float = TOL) -> None:
+    """Every rank's (evaluation + per-step losses, its part of the state) against one process's."""
+    merged = {}
+    for losses, state in per_rank:
+        assert losses == pytest.approx([ref_losses[0]] + ref_losses, rel=tol), (key, losses, ref_losses)
+        merged.update(state)
+    assert merged.keys() == ref_state.keys(), key
+    for name, w in ref_state.items():
+        torch.testing.assert_close(merged[name], w, rtol=tol, atol=tol, msg=lambda s: f"{key} {name}: {s}")
 
 
 @pytest.fixture(scope="module")

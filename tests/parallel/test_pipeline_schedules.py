@@ -12,7 +12,9 @@ from omnitron.core.parallel.pipeline.schedules import Schedule, schedule_1f1b, z
 CASES = [("none", 1, 1, m) for m in (1, 3)] + [
     ("1f1b", p, 1, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 5, 8, 16)] + [
     ("zb-h1", p, 1, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 5, 8, 16)] + [
-    ("interleaved", p, v, m) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)]
+    ("interleaved", p, v, m) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)] + [
+    ("zb-v", p, 2, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 5, 8, 16)] + [
+    ("dualpipe-v", p, 2, m) for p in (2, 3, 4, 8) for m in (2 * p, 2 * p + 1, 4 * p)]
 
 
 @pytest.mark.parametrize("name,pp,vp,m", CASES)
@@ -24,8 +26,10 @@ def test_every_schedule_is_complete_ordered_and_deadlock_free(name, pp, vp, m):
         # each chunk forwards micro-batches in order, and exactly once
         for c in range(vp):
             assert [a.microbatch for a in fs if a.chunk == c] == list(range(m))
-        if name == "zb-h1":
-            assert sum(a.kind == "W" for a in table) == m
+        if name in ("zb-h1", "zb-v"):  # every backward split
+            assert sum(a.kind == "W" for a in table) == m * vp
+        elif name == "dualpipe-v":  # the split only where the phases use it (see vshape.py)
+            assert 0 < sum(a.kind == "W" for a in table) < m * vp
         else:
             assert all(a.kind != "W" for a in table)
     # the simulation honours dependencies: a stage's F starts after the previous stage's F ends
@@ -58,6 +62,23 @@ def test_bubble_and_peak_activations_match_theory(pp, m):
     for r in range(pp):
         assert zb.peak_before_backward[r] <= min(pp - r, m)
         assert zb.peak_inflight[r] <= min(2 * pp - 1 - r, m)
+
+
+@pytest.mark.parametrize("name,pp,m", [(n, p, m) for n in ("zb-v", "dualpipe-v") for p, m in
+                                       [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]] + [("zb-v", 4, 4)])
+def test_v_schedules_bubble_and_activations_match_theory(name, pp, m):
+    """Chunk passes F = B = W = 1 (stage 0: B free, W = 2): the step is 6m chunk passes per rank plus the
+    start-up of p - 1 forwards (theory_bubble); the memory bound is the builders' (vshape.py)."""
+    s = build_schedule(name, pp, 2, m)
+    assert s.style == "v" and s.stage(0, 0) == 0 and s.stage(0, 1) == 2 * pp - 1 and s.place(pp) == (pp - 1, 1)
+    tl = simulate(s, stage_cost=zb_stage_cost)
+    assert all(sum(e - st for st, e, _ in tl.spans[r]) == 6 * m for r in range(pp))
+    measured = max(tl.bubble(r) for r in range(pp))
+    assert abs(measured - theory_bubble(name, pp, m)) < 0.02
+    zb = simulate(build_schedule("zb-h1", pp, 1, m), stage_cost=zb_stage_cost)
+    assert measured < max(zb.bubble(r) for r in range(pp))
+    bound = 2 * pp + 1 if name == "dualpipe-v" else 2 * pp + 3  # chunk activations (half a stage each)
+    assert max(tl.peak_inflight.values()) <= bound
 
 
 def test_simulator_catches_broken_tables():
@@ -128,13 +149,50 @@ def test_exchange_plan_completes_under_nccl_order(name, pp, vp, m, forward_only)
             k = s.stage(r, a.chunk)
             need = ("act", k, a.microbatch) if a.kind == "F" and k > 0 else (
                 ("grad", k, a.microbatch) if a.kind == "B" and k < s.num_stages - 1 else None)
-            if need is not None:
+            producer = None if need is None else need[1] + (-1 if need[0] == "act" else 1)
+            if need is not None and s.place(producer)[0] != r:  # a message within the rank is no transfer
                 got = [j for j, (kind, _, msg) in ops if kind == "recv" and msg == need]
                 assert len(got) == 1 and got[0] <= i, (r, a, got)
     sends = sorted((r, p, msg) for r in plan for b in plan[r] for kind, p, msg in b if kind == "send")
     recvs = sorted((p, r, msg) for r in plan for b in plan[r] for kind, p, msg in b if kind == "recv")
-    assert sends == recvs and len(sends) == m * (s.num_stages - 1) * (1 if forward_only else 2)
+    turns = 1 if s.style == "v" else 0  # the V's turn (stage p-1 to p) stays on rank p-1
+    assert sends == recvs and len(sends) == m * (s.num_stages - 1 - turns) * (1 if forward_only else 2)
     _nccl_order_run(plan)
+
+
+def _batched_makespan(s: Schedule, plan: dict[int, list[list]]) -> float:
+    """The step's length when each rank posts exchange batch i's sends on reaching it and starts action i once
+    the batch's receives have been posted by their senders (the runtime's rule), on ``zb_stage_cost``."""
+    split = {r: s.split_backward(r) for r in s.tables}
+    posted: dict = {}
+    pos, clock = {r: 0 for r in s.tables}, {r: 0.0 for r in s.tables}
+    while any(pos[r] <= len(s.tables[r]) for r in s.tables):
+        progressed = False
+        for r, table in s.tables.items():
+            while pos[r] <= len(table):
+                batch = plan[r][pos[r]]
+                for kind, _, msg in batch:
+                    if kind == "send" and msg not in posted:
+                        posted[msg], progressed = clock[r], True
+                recvs = [msg for kind, _, msg in batch if kind == "recv"]
+                if any(msg not in posted for msg in recvs):
+                    break
+                start = max([clock[r]] + [posted[msg] for msg in recvs])
+                if pos[r] < len(table):
+                    a = table[pos[r]]
+                    unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
+                    start += zb_stage_cost(s.stage(r, a.chunk), "BW" if unsplit else a.kind)
+                clock[r], pos[r], progressed = start, pos[r] + 1, True
+        assert progressed, f"exchange plan deadlocks at {pos}"
+    return max(clock.values())
+
+
+@pytest.mark.parametrize("name,pp,vp,m", [c for c in CASES if c[3] >= c[1]])
+def test_exchange_plan_adds_no_wait(name, pp, vp, m):
+    """Batching the transfers between actions delays no action past the ideal clock (an exchange waits only for
+    what has been sent by then)."""
+    s = build_schedule(name, pp, vp, m)
+    assert _batched_makespan(s, plan_exchanges(s)) == simulate(s, stage_cost=zb_stage_cost).makespan
 
 
 def test_nccl_order_checker_catches_receive_posted_before_send():
@@ -155,6 +213,11 @@ def test_schedule_errors_name_the_fix():
         build_schedule("1f1b", 2, 2, 4)
     with pytest.raises(ConfigError, match="micro-batches"):
         build_schedule("1f1b", 2, 1, 0)
+    for name, pp, vp, m, match in [("zb-v", 4, 1, 8, "two model chunks per rank"),
+                                   ("dualpipe-v", 2, 3, 8, "two model chunks per rank"),
+                                   ("dualpipe-v", 4, 2, 4, "at least 2 x pipeline size = 8 micro-batches")]:
+        with pytest.raises(ConfigError, match=match):
+            build_schedule(name, pp, vp, m)
     assert build_schedule(None, 1, 1, 2).name == "none"
     assert build_schedule(None, 2, 2, 2).name == "interleaved"
 
@@ -168,6 +231,9 @@ def test_layer_ranges_even_uneven_and_virtual():
                                                             (3, 0): (7, 3)}
     assert pipeline_layer_ranges(6, 3, first=0) == {(0, 0): (0, 0), (1, 0): (0, 3), (2, 0): (3, 3)}
     assert pipeline_layer_ranges(5, 2, first=2, last=3) == {(0, 0): (0, 2), (1, 0): (2, 3)}
+    # V: rank r holds stages r and 2p-1-r
+    assert pipeline_layer_ranges(8, 2, 2, style="v") == {(0, 0): (0, 2), (1, 0): (2, 2), (1, 1): (4, 2),
+                                                         (0, 1): (6, 2)}
     for kw in [dict(num_layers=14, pp=4, vp=2, first=2, last=4)]:
         rng = pipeline_layer_ranges(**kw)
         assert sum(n for _, n in rng.values()) == 14
@@ -181,6 +247,8 @@ def test_layer_ranges_even_uneven_and_virtual():
     (dict(num_layers=8, pp=2, first=3, last=3), "must hold all"),
     (dict(num_layers=8, pp=1, first=3), "pipeline-model-parallel-size > 1"),
     (dict(num_layers=9, pp=4, first=1), "layers left after"),
+    (dict(num_layers=8, pp=2, vp=2, first=2, style="v"), "V-shaped"),
+    (dict(num_layers=12, pp=2, vp=3, style="v"), "two chunks"),
 ])
 def test_layer_range_errors(kw, match):
     with pytest.raises(ConfigError, match=match):

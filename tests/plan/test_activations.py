@@ -54,7 +54,8 @@ def test_microbatch_bytes_match_saved_tensors(name):
 
 
 @pytest.mark.parametrize("name,pp,vp,m", [("1f1b", 4, 1, 8), ("1f1b", 4, 1, 2), ("interleaved", 2, 2, 4),
-                                          ("interleaved", 4, 2, 8), ("zb-h1", 4, 1, 8), ("none", 1, 1, 3)])
+                                          ("interleaved", 4, 2, 8), ("zb-h1", 4, 1, 8), ("none", 1, 1, 3),
+                                          ("zb-v", 4, 2, 8), ("dualpipe-v", 4, 2, 8)])
 def test_inflight_matches_the_simulator(name, pp, vp, m):
     sched = build_schedule(name, pp, vp, m)
     peaks = simulate(sched).peak_inflight

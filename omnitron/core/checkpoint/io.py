@@ -36,10 +36,13 @@ MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
                     "qk_layernorm", "max_position_embeddings", "num_experts", "moe_ffn_hidden_size")
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "context_parallel_size", "data_parallel_size", "decoder_first_pipeline_num_layers",
-               "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")
-_FLAGS = {"data_parallel_size": "the number of processes / data-parallel size"}
+               "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
+               "pipeline_chunk_placement")
+_FLAGS = {"data_parallel_size": "the number of processes / data-parallel size",
+          "pipeline_chunk_placement": "pipeline chunk placement (--pipeline-schedule)"}
 # layout keys added after format 1 was fixed: an older checkpoint's missing key means this value
-_LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
+_LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+                    "pipeline_chunk_placement": "loop"}
 
 
 class CheckpointError(RuntimeError):

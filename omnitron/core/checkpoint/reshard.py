@@ -52,11 +52,14 @@ class Layout:
     etp: int = 1
     """Experts' tensor-parallel split as recorded (1 for dense models and for converted checkpoints,
     which hold whole experts; reading etp > 1 is refused)."""
+    style: str = "loop"
+    """Chunk placement: ``loop`` (Megatron's interleaving) or ``v`` (--pipeline-schedule zb-v / dualpipe-v)."""
 
     _KEYS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
              "vp": "virtual_pipeline_model_parallel_size", "dp": "data_parallel_size", "cp": "context_parallel_size",
              "first": "decoder_first_pipeline_num_layers", "last": "decoder_last_pipeline_num_layers",
-             "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size"}
+             "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
+             "style": "pipeline_chunk_placement"}
 
     @classmethod
     def from_dict(cls, layout: dict) -> "Layout":
@@ -87,7 +90,7 @@ class Layout:
         s = f"tp{self.tp} pp{self.pp}" + (f" vp{self.vp}" if self.vp else "") + f" dp{self.dp}"
         s += (f" cp{self.cp}" if self.cp > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
         return s + (f" first{self.first}" if self.first is not None else "") + \
-            (f" last{self.last}" if self.last is not None else "")
+            (f" last{self.last}" if self.last is not None else "") + (" V" if self.style == "v" else "")
 
 
 @dataclass
@@ -153,11 +156,11 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict
     if etp > 1:
         groups.groups["etp"] = _Seen("etp", tuple(range(etp)), None)
     family = family_of(cfg)  # a family that is not pipelined (T5, LLaVA): one stage, one chunk
-    ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last) \
-        if family.pipelined else {}
+    ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last,
+                                   style=layout.style) if family.pipelined else {}
     # NOTE: host-memory skeletons on the host CPU backend whatever the run's backend (no communication)
     return family.build_chunks(cfg, groups, ranges, None, layout.pp, layout.chunks,
-                               backend=host_backend(), seed=0)
+                               backend=host_backend(), seed=0, style=layout.style)
 
 
 @dataclass(frozen=True)

@@ -212,8 +212,9 @@ class TrainingConfig:
     the mean of each micro-batch's token mean; the two differ when the micro-batches hold different numbers of
     loss tokens (a loss mask: --eod-mask-loss, BERT's masked positions, SFT prompts)."""
     pipeline_schedule: str | None = None
-    """--pipeline-schedule {none,1f1b,interleaved,zb-h1} (default: none at pp 1, 1f1b, or interleaved
-    with virtual stages)."""
+    """--pipeline-schedule {none,1f1b,interleaved,zb-h1,zb-v,dualpipe-v} (default: none at pp 1, 1f1b, or
+    interleaved with virtual stages). zb-v and dualpipe-v place two chunks per rank in a V and need
+    --num-layers-per-virtual-pipeline-stage = num-layers / (2 x pp)."""
     distributed_timeout_minutes: float = 10
     """--distributed-timeout-minutes: a collective, p2p or training step that does not finish in this time (or a
     rank that stops sending heartbeats for this long) makes every reachable rank dump its stacks and exit

@@ -86,17 +86,22 @@ class ModelFamily:
         return tuple(f.name for f in dataclasses.fields(self.config_cls) if f.name not in shared)
 
     def build_chunks(self, cfg, groups, ranges: Mapping[tuple[int, int], tuple[int, int]], pp_rank: int,
-                     pp: int, chunks: int, *, backend, seed: int) -> dict[tuple[int, int], Any]:
+                     pp: int, chunks: int, *, backend, seed: int, style: str = "loop") -> dict[tuple[int, int], Any]:
         """``{(pp rank, chunk): stage}`` for ``pp_rank`` (None: every rank) from the layer ranges; a family
-        that is not pipelined gets its one chunk ``(0, 0)``."""
+        that is not pipelined gets its one chunk ``(0, 0)``. ``style``: the chunks' placement (``v`` for the
+        V-shaped schedules, see ``pipeline/schedules.py``), which decides the chunks holding the first and
+        the last stage."""
+        from omnitron.core.parallel.pipeline.schedules import virtual_stage
+
         if not self.pipelined:
             return {(0, 0): self.build_stage(cfg, groups, backend=backend, seed=seed)}
         out = {}
         for (r, c), (offset, n) in sorted(ranges.items()):
             if pp_rank is not None and r != pp_rank:
                 continue
-            out[(r, c)] = self.build_stage(cfg, groups, pre_process=r == 0 and c == 0,
-                                           post_process=r == pp - 1 and c == chunks - 1, layer_offset=offset,
+            stage = virtual_stage(r, c, pp, style)
+            out[(r, c)] = self.build_stage(cfg, groups, pre_process=stage == 0,
+                                           post_process=stage == pp * chunks - 1, layer_offset=offset,
                                            num_layers=n, backend=backend, seed=seed)
         return out
 

@@ -460,9 +460,11 @@ def _model_settings(merged: dict[str, Any], precision: PrecisionConfig):
     validate_model(model, parallel, check_layers=not parallel.uneven_pipeline)
     if parallel.uneven_pipeline:  # the layer split itself is checked here, naming the flags
         from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+        from omnitron.core.parallel.pipeline.schedules import schedule_style
 
         pipeline_layer_ranges(model.num_layers, pp, vp, parallel.decoder_first_pipeline_num_layers,
-                              parallel.decoder_last_pipeline_num_layers)
+                              parallel.decoder_last_pipeline_num_layers,
+                              style=schedule_style(merged.get("pipeline_schedule")))
     return family, model, parallel
 
 

@@ -15,6 +15,7 @@ import os
 from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state, read_metadata,
                                       reshard, save_checkpoint, set_rng_state)
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
+from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.training.arguments import resolved_config
 
@@ -62,7 +63,9 @@ def layout_dict(settings) -> dict:
             "decoder_last_pipeline_num_layers": p.decoder_last_pipeline_num_layers,
             "expert_model_parallel_size": p.expert_model_parallel_size,
             # experts' tensor-parallel split (meaningful for MoE models only; dense models record 1)
-            "expert_tensor_parallel_size": p.etp if getattr(settings.model, "num_experts", None) else 1}
+            "expert_tensor_parallel_size": p.etp if getattr(settings.model, "num_experts", None) else 1,
+            # which chunk holds which stage: `v` under --pipeline-schedule zb-v / dualpipe-v
+            "pipeline_chunk_placement": schedule_style(settings.training.pipeline_schedule)}
 
 
 def check_resume(settings) -> None:

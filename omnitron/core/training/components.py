@@ -24,7 +24,7 @@ from omnitron.core.optim.muon import DistributedMuon, Muon
 from omnitron.core.optim.onebit import OneBitAdam, resolve_freeze_step
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
-from omnitron.core.parallel.pipeline.schedules import build_schedule
+from omnitron.core.parallel.pipeline.schedules import build_schedule, schedule_style
 from omnitron.core.parallel.tensor.random import default_seed
 from omnitron.core.parallel.tensor.sharding import to_device
 from omnitron.core.precision import build_loss_scaler
@@ -78,17 +78,19 @@ def seed_everything(seed: int, pp_rank: int, backend) -> None:
     backend.manual_seed(s)
 
 
-def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend, *,
-                       on_device: bool = True) -> list[GPTModel]:
+def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backend,
+                       schedule: str | None = None, *, on_device: bool = True) -> list[GPTModel]:
     """This pipeline rank's chunks (one per virtual stage), each its family's stage over its layer range
-    (a family that is not pipelined, T5 / LLaVA: its one chunk; no stages); on the backend's device unless
-    not ``on_device`` (sliced inference loading builds meta parameters and places them itself)."""
+    (a family that is not pipelined, T5 / LLaVA: its one chunk; no stages). ``schedule``
+    (``--pipeline-schedule``) places the chunks in a V for ``zb-v`` / ``dualpipe-v``; on the backend's device
+    unless not ``on_device`` (sliced inference loading builds meta parameters and places them itself)."""
     family, pc = family_of(cfg), groups.config
     pp, vp = groups.pp.size, pc.virtual_pipeline_model_parallel_size or 1
+    style = schedule_style(schedule)
     ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers) if family.pipelined else {}
+                                   pc.decoder_last_pipeline_num_layers, style=style) if family.pipelined else {}
     rank = groups.pp.rank if pp > 1 else 0
-    chunks = family.build_chunks(cfg, groups, ranges, rank, pp, vp, backend=backend, seed=seed)
+    chunks = family.build_chunks(cfg, groups, ranges, rank, pp, vp, backend=backend, seed=seed, style=style)
     return [to_device(chunk, backend.current_device()) if on_device else chunk for _, chunk in sorted(chunks.items())]
 
 
@@ -181,7 +183,7 @@ def build_components(settings, backend) -> Components:
                                 tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
                                 **family_of(settings.model).tokenizer_kwargs(settings.model))  # T5's sentinels
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
-    modules = build_model_chunks(cfg, groups, settings.training.seed, backend)
+    modules = build_model_chunks(cfg, groups, settings.training.seed, backend, settings.training.pipeline_schedule)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
     if settings.training.torch_compile:  # after FP8 swaps the linears, so the compiled layers trace them
         from omnitron.core.compile import compile_layers

@@ -99,7 +99,7 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
              "FSDP2 checkpoints through --ckpt-format torch_dist (each rank its shards); drop --ckpt-format torch"),
             ("--grad-reduce-in-bf16", ddp.grad_reduce_in_bf16, "omnitron's FSDP2 policy reduces in fp32; drop "
                                                                 "--grad-reduce-in-bf16 or --use-torch-fsdp2"),
-            (f"--pipeline-schedule {schedule}", schedule.startswith("zb"),
+            (f"--pipeline-schedule {schedule}", schedule.startswith("zb") or schedule == "dualpipe-v",
              "its deferred (zero-bubble) weight-gradient passes run after FSDP2 has freed the layer's gathered "
              "parameters; use 1f1b or interleaved"),
 ):

@@ -4,7 +4,8 @@ Order (Megatron's): data-parallel reduction of each chunk's buckets; gradients t
 over tensor ranks (``param.sequence_parallel``: norm weights fed sequence shards, QK-norm weights, the
 replicated key/value projection of replicated-KV attention) summed over ``groups.tp``; tied
 word-embedding gradients summed over ``groups.embedding`` (first and last pipeline stage) so both
-copies take the same update. Under FSDP2 (``--use-torch-fsdp2``) the sums run over each rank's local
+copies take the same update (on one rank, without communication, when a V-shaped schedule puts both
+stages there). Under FSDP2 (``--use-torch-fsdp2``) the sums run over each rank's local
 gradient shards: tp ranks shard their (identical-shape) replicated parameters alike, and the two stages'
 embedding copies have the same shape and the same dp sharding, so the shards summed are the same rows.
 """
@@ -60,13 +61,27 @@ def finalize_model_grads(chunks: list, groups, *, collectives=None, sequence_par
         if grads:
             _all_reduce_coalesced(grads, groups.tp, coll)
     if groups.embedding.size > 1:
-        shared = []
+        owners = []  # per chunk holding tied copies: their gradients
         for c in chunks:
             fn = getattr(unwrap_model(c), "shared_embedding_parameters", None)
-            shared += list(fn()) if fn is not None else []
-        grads = [g if (g := _grad(p)) is not None else _zero_grad(p) for p in shared]
-        if grads:
-            _all_reduce_coalesced(grads, groups.embedding, coll)
+            shared = list(fn()) if fn is not None else []
+            if shared:
+                owners.append([g if (g := _grad(p)) is not None else _zero_grad(p) for p in shared])
+        if len(owners) > 1:  # a V-shaped schedule: the first and the last stage are chunks of this rank
+            _sum_local_copies(owners)
+        elif owners:
+            _all_reduce_coalesced(owners[0], groups.embedding, coll)
+
+
+def _sum_local_copies(owners: list[list[torch.Tensor]]) -> None:
+    """Give every chunk's copy of a tied parameter the sum of the copies' gradients (no communication: the
+    other ranks of ``groups.embedding`` hold no copy then)."""
+    for copies in zip(*owners):
+        total = copies[0].clone()
+        for g in copies[1:]:
+            total += g
+        for g in copies:
+            g.copy_(total)
 
 
 def _zero_grad(p: torch.nn.Parameter) -> torch.Tensor:

@@ -18,8 +18,10 @@ Entry point the training loop calls once per step::
 - ``loss_fn(output, batch) -> (loss_sum, num_tokens)`` (default: sum and count, honouring
   ``batch["loss_mask"]``); each micro-batch contributes ``loss_sum / num_tokens / m`` to backward.
 - Gradients are NOT reduced here: call ``finalize_model_grads(chunks, groups)`` afterwards.
-- ``schedule_name``: ``none`` | ``1f1b`` | ``interleaved`` | ``zb-h1`` (``--pipeline-schedule``),
-  or None to pick from pp and vp.
+- ``schedule_name``: ``none`` | ``1f1b`` | ``interleaved`` | ``zb-h1`` | ``zb-v`` | ``dualpipe-v``
+  (``--pipeline-schedule``), or None to pick from pp and vp. ``zb-v`` and ``dualpipe-v`` take two chunks
+  per rank placed in a V (chunk 1 of rank r is stage 2p-1-r: build them with
+  ``pipeline_layer_ranges(..., style="v")``).
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ Megatron semantics: the first and last pipeline ranks may get a set number of la
 (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``); the other
 ranks split the rest evenly; with interleaving each rank's layers are split evenly over its
 ``vp`` chunks, and virtual stage ``c * pp + r`` (chunk c of rank r) follows stage ``c * pp + r - 1``.
-The embedding lives on virtual stage 0 and the output head on the last one.
+The embedding lives on virtual stage 0 and the output head on the last one. With ``style="v"``
+(``--pipeline-schedule zb-v`` / ``dualpipe-v``) rank r's chunk 0 is stage r and its chunk 1 stage
+``2 pp - 1 - r``: rank 0 holds both the embedding and the head.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def _per_rank(num_layers: int, pp: int, first: int | None, last: int | None) -> 
 
 
 def pipeline_layer_ranges(num_layers: int, pp: int, vp: int | None = None, first: int | None = None,
-                          last: int | None = None) -> dict[tuple[int, int], tuple[int, int]]:
+                          last: int | None = None, style: str = "loop") -> dict[tuple[int, int], tuple[int, int]]:
     """``{(pp_rank, vp_rank): (layer_offset, num_layers)}`` for every stage chunk.
 
     Raises :class:`ConfigError` naming the flag when the layers do not split.
@@ -52,6 +54,8 @@ def pipeline_layer_ranges(num_layers: int, pp: int, vp: int | None = None, first
     vp = vp or 1
     if num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {num_layers}")
+    if style == "v":
+        return _v_ranges(num_layers, pp, vp, first, last)
     counts = _per_rank(num_layers, pp, first, last)
     for r, n in enumerate(counts):
         if n % vp:
@@ -64,3 +68,20 @@ def pipeline_layer_ranges(num_layers: int, pp: int, vp: int | None = None, first
             out[(r, c)] = (offset, n)
             offset += n
     return out
+
+
+def _v_ranges(num_layers: int, pp: int, vp: int, first: int | None, last: int | None) -> dict:
+    """The V placement: 2 pp equal chunks, stage k on rank k (k < pp) or 2 pp - 1 - k."""
+    from omnitron.core.parallel.pipeline.schedules import virtual_stage
+
+    if first is not None or last is not None:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers do not apply to the V-shaped schedules (rank 0 "
+                          "holds the first and the last stage); drop them or use another --pipeline-schedule")
+    if vp != 2:
+        raise ConfigError(f"the V-shaped schedules hold two chunks per rank, got {vp}; set "
+                          f"--num-layers-per-virtual-pipeline-stage to --num-layers / (2 x pipeline size)")
+    if num_layers % (2 * pp):
+        raise ConfigError(f"--num-layers {num_layers} must divide evenly over 2 x {pp} virtual stages; change "
+                          f"--num-layers or --pipeline-model-parallel-size")
+    n = num_layers // (2 * pp)
+    return {(r, c): (virtual_stage(r, c, pp, "v") * n, n) for c in range(2) for r in range(pp)}

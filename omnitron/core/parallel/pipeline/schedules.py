@@ -4,8 +4,11 @@ An :class:`Action` is ``(chunk, kind, microbatch)`` printed as ``"1F3"`` (chunk 
 micro-batch 3). Kinds: ``F`` forward; ``B`` backward (full, or input-gradient only when the same
 table also holds a ``W`` for that chunk and micro-batch); ``W`` weight-gradient.
 
-Stage numbering follows Megatron's interleaving: model chunk ``c`` on pipeline rank ``r`` is
-virtual stage ``c * pp + r``; activations flow from stage ``k`` to ``k + 1``, gradients back.
+Stage numbering follows Megatron's interleaving (style ``loop``): model chunk ``c`` on pipeline rank
+``r`` is virtual stage ``c * pp + r``. The V-shaped schedules (``zb-v``, ``dualpipe-v``; style ``v``)
+hold two chunks per rank: chunk 0 is stage ``r`` and chunk 1 stage ``2 pp - 1 - r``, so rank 0 holds
+the first and the last stage and rank ``pp - 1`` passes its own activation from stage ``pp - 1`` to
+``pp`` without communication. Activations flow from stage ``k`` to ``k + 1``, gradients back.
 Every builder here is checked without processes by :func:`simulate` (dependencies, no deadlock,
 timeline and peak in-flight activations) and executed by the one runtime in ``runtime.py``.
 """
@@ -16,8 +19,29 @@ from typing import Callable
 
 from omnitron.core.config.parallel import ConfigError
 
-SCHEDULES = ("none", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("none", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 """Values of ``--pipeline-schedule`` (``none`` = gradient accumulation without a pipeline)."""
+V_SCHEDULES = ("zb-v", "dualpipe-v")
+"""The schedules whose two chunks per rank sit in a V (style ``v``)."""
+
+
+def schedule_style(name: str | None) -> str:
+    """``v`` for the V-shaped schedules (chunk 1 of rank r is stage 2p-1-r), else ``loop``."""
+    return "v" if name in V_SCHEDULES else "loop"
+
+
+def virtual_stage(rank: int, chunk: int, pp: int, style: str = "loop") -> int:
+    """Virtual stage index of ``chunk`` on pipeline ``rank`` (see the module docstring)."""
+    if style == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def place_stage(stage: int, pp: int, style: str = "loop") -> tuple[int, int]:
+    """(rank, chunk) holding virtual ``stage``: the inverse of :func:`virtual_stage`."""
+    if style == "v":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
 
 
 @dataclass(frozen=True)
@@ -52,6 +76,8 @@ class Schedule:
     vp: int
     num_microbatches: int
     tables: dict[int, tuple[Action, ...]]
+    style: str = "loop"
+    """Chunk placement: ``loop`` (stage ``c * pp + r``) or ``v`` (stages ``r`` and ``2 pp - 1 - r``)."""
 
     @property
     def num_stages(self) -> int:
@@ -59,11 +85,11 @@ class Schedule:
 
     def stage(self, rank: int, chunk: int) -> int:
         """Virtual stage index of ``chunk`` on ``rank``."""
-        return chunk * self.pp + rank
+        return virtual_stage(rank, chunk, self.pp, self.style)
 
     def place(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual ``stage``."""
-        return stage % self.pp, stage // self.pp
+        return place_stage(stage, self.pp, self.style)
 
     def split_backward(self, rank: int) -> set[tuple[int, int]]:
         """(chunk, microbatch) pairs whose backward is split into B (input grad) and W."""
@@ -212,6 +238,14 @@ def build_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: 
         name = "none" if pp == 1 else ("interleaved" if vp > 1 else "1f1b")
     if name not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule {name!r} unknown; choose one of {', '.join(SCHEDULES)}")
+    if name in V_SCHEDULES:
+        from omnitron.core.parallel.pipeline.vshape import schedule_dualpipe_v, schedule_zb_v
+
+        if vp != 2 or pp < 2:
+            raise ConfigError(f"--pipeline-schedule {name} runs two model chunks per rank in a V over "
+                              f"--pipeline-model-parallel-size >= 2, got pp={pp} and {vp} chunk(s) per rank; set "
+                              f"--num-layers-per-virtual-pipeline-stage to num-layers / (2 x pp)")
+        return (schedule_zb_v if name == "zb-v" else schedule_dualpipe_v)(pp, num_microbatches)
     if name != "interleaved" and vp > 1:
         raise ConfigError(f"--pipeline-schedule {name} runs one model chunk per rank, but virtual pipeline size is "
                           f"{vp}; use --pipeline-schedule interleaved or drop --num-layers-per-virtual-pipeline-stage")

@@ -120,7 +120,9 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
 
 def theory_bubble(name: str, pp: int, m: int, vp: int = 1) -> float:
     """The textbook bubble fraction: 1F1B (p-1)/(m+p-1); interleaved (p-1)/(v*m+p-1);
-    ZB-H1 (p-1)/(3m+p-1) with F = B = W (a third of 1F1B's idle time)."""
+    ZB-H1 (p-1)/(3m+p-1) with F = B = W (a third of 1F1B's idle time); ZB-V and DualPipeV
+    (p-1)/(6m+p-1) in chunk passes (half a stage each): only the start-up of p-1 chunk forwards is idle
+    (see ``vshape.py``; DualPipeV with m >= 2p)."""
     if name in ("none",) or pp == 1:
         return 0.0
     if name == "1f1b":
@@ -129,4 +131,6 @@ def theory_bubble(name: str, pp: int, m: int, vp: int = 1) -> float:
         return (pp - 1) / (vp * m + pp - 1)
     if name == "zb-h1":
         return (pp - 1) / (3 * m + pp - 1)
+    if name in ("zb-v", "dualpipe-v"):
+        return (pp - 1) / (6 * m + pp - 1)
     raise ValueError(name)

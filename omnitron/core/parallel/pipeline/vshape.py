@@ -1,0 +1,179 @@
+"""The V-shaped schedules: two chunks per rank, chunk 0 = stage ``r``, chunk 1 = stage ``2p - 1 - r``.
+
+Both split the backward into B (input gradient) and W (weight gradient) and leave the W passes to fill
+the gaps, as ZB-H1 does; the V puts the first and the last stage on rank 0, so a micro-batch turns at
+rank ``p - 1`` without communication and every rank's work is balanced at ``2m`` chunk passes of each kind.
+
+* ``zb-v`` (Qi et al., "Zero Bubble Pipeline Parallelism", section 6): list-scheduled on an ideal clock
+  with the priority B > F > W and a cap on the micro-batch chunks held between F and W.
+* ``dualpipe-v`` (DeepSeek's DualPipe cut in half, as torchtitan and FlagScale ship it): the published
+  eight phases: warm-up forwards of chunk 0, pairs of chunk-0 / chunk-1 forwards, zero-bubble chunk-1
+  backwards, then the steady state of two "overlapped" pairs per micro-batch (F of chunk 0 with B of
+  chunk 1, F of chunk 1 with B of chunk 0), and a cool-down whose second half splits B and W.
+
+NOTE: the runtime runs one action at a time: DualPipeV's pair (forward of one micro-batch, backward of
+another) is two consecutive table entries, so its order and its bubble are DualPipeV's but the pair's
+compute does not hide the other's communication inside one rank. The point-to-point transfers are posted
+ahead and complete while the rank computes (``p2p.py``), as for every schedule.
+
+Ideal clock with chunk passes F = B = W = 1 (stage 0: B = 0, W = 2, see ``zb_stage_cost``): rank
+``p - 1`` cannot start before ``p - 1`` forwards have run and every rank has ``6m`` units of work, so the
+step takes at least ``6m + p - 1`` units; both schedules reach it (dualpipe-v at its m >= 2p; zb-v at
+m >= p for p = 2 ... 8, 0.25 points above it at p = 16, m = 128): bubble ``(p - 1) / (6m + p - 1)``
+(``theory_bubble``), half of ZB-H1's idle time in the same units of model work.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.parallel.pipeline.schedules import Action, Schedule, _check, virtual_stage, zb_stage_cost
+
+
+class _VClock:
+    """List scheduling of one V-shaped step on an ideal clock (state of :func:`_list_schedule`)."""
+
+    def __init__(self, pp: int, m: int, stage_cost: Callable[[int, str], float]) -> None:
+        self.pp, self.m, self.cost, self.last = pp, m, stage_cost, 2 * pp - 1
+        self.done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
+        self.tables: dict[int, list[Action]] = {r: [] for r in range(pp)}
+        self.next_f = [[0, 0] for _ in range(pp)]
+        self.next_b = [[0, 0] for _ in range(pp)]
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+        self.held = [0] * pp  # chunk activations between F and the end of W
+
+    def ready(self, kind: str, stage: int, mb: int, t: float) -> bool:
+        if kind == "F":
+            need = ("F", stage - 1, mb) if stage > 0 else None
+        else:
+            need = ("F", stage, mb) if stage == self.last else ("B", stage + 1, mb)
+        return need is None or self.done.get(need, float("inf")) <= t
+
+    def pick(self, r: int, t: float, cap: int) -> Action | None:
+        """B of the oldest ready micro-batch, else F (chunk 1 first) under the cap, else the oldest W."""
+        backs = [(self.next_b[r][c], c) for c in (0, 1) if self.next_b[r][c] < self.next_f[r][c]
+                 and self.ready("B", virtual_stage(r, c, self.pp, "v"), self.next_b[r][c], t)]
+        if backs:
+            mb, c = min(backs)
+            self.next_b[r][c] += 1
+            self.pending_w[r].append((c, mb))
+            return Action(c, "B", mb)
+        if self.held[r] < cap:
+            for c in (1, 0):
+                mb = self.next_f[r][c]
+                if mb < self.m and self.ready("F", virtual_stage(r, c, self.pp, "v"), mb, t):
+                    self.next_f[r][c] += 1
+                    self.held[r] += 1
+                    return Action(c, "F", mb)
+        if self.pending_w[r]:
+            c, mb = self.pending_w[r].pop(0)
+            self.held[r] -= 1
+            return Action(c, "W", mb)
+        return None
+
+
+def _list_schedule(pp: int, m: int, cap: int, stage_cost: Callable[[int, str], float]) -> Schedule | None:
+    """ZB-V's table for one cap on held chunk activations, or None when the cap starves the pipeline."""
+    clock = _VClock(pp, m, stage_cost)
+    busy_until, t = [0.0] * pp, 0
+    while any(len(clock.tables[r]) < 6 * m for r in range(pp)):
+        if t > 8 * m * pp + 8:  # far past any schedule's makespan: nothing can start any more
+            return None
+        started = []
+        for r in range(pp):
+            while busy_until[r] <= t:  # zero-cost actions let a rank start another in the same tick
+                act = clock.pick(r, t, cap)
+                if act is None:
+                    break
+                clock.tables[r].append(act)
+                stage = virtual_stage(r, act.chunk, pp, "v")
+                busy_until[r] = t + stage_cost(stage, act.kind)
+                started.append(((act.kind, stage, act.microbatch), busy_until[r]))
+        for key, end in started:
+            clock.done[key] = end
+        t += 1
+    return Schedule("zb-v", pp, 2, m, {r: tuple(v) for r, v in clock.tables.items()}, style="v")
+
+
+def schedule_zb_v(pp: int, num_microbatches: int,
+                  stage_cost: Callable[[int, str], float] = zb_stage_cost) -> Schedule:
+    """ZB-V: B > F > W list scheduling over the V, with the smallest cap on held chunk activations
+    (tried from ``2p``, 1F1B's peak in half-stage units, to ``2p + 3``) whose step is shortest.
+
+    The cap that reaches the bound ``6m + p - 1`` depends on p (2p at p = 4, 2p + 2 at p = 8), so the
+    candidates are simulated and the first shortest kept: peak activations at most ``2p + 3`` chunks
+    (p + 1.5 stages' worth; 1F1B holds p stages on rank 0), the same on every rank. NOTE: pure Python, built
+    once per micro-batch count: 0.9 s at p = 8, m = 64; 18 s at p = 32, m = 256.
+    """
+    from omnitron.core.parallel.pipeline.simulate import simulate
+
+    _check(pp, num_microbatches)
+    best, best_span = None, float("inf")
+    for cap in range(2 * pp, 2 * pp + 4):
+        s = _list_schedule(pp, num_microbatches, cap, stage_cost)
+        if s is None:
+            continue
+        span = simulate(s, stage_cost=stage_cost).makespan
+        if span < best_span:
+            best, best_span = s, span
+        if span <= 6 * num_microbatches + pp - 1:
+            break
+    if best is None:  # NOTE: not reached for pp >= 1, m >= 1 (cap 2p always leaves a forward to start)
+        raise ConfigError(f"zb-v found no schedule for pp={pp}, m={num_microbatches}; use --pipeline-schedule zb-h1")
+    return best
+
+
+def schedule_dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
+    """DualPipeV's eight phases per rank (see the module docstring); needs ``m >= 2 pp``.
+
+    Backwards are full (B and W together) in the steady state; the zero-bubble split (B now, W queued,
+    first in first out) is used in phase 3, from the middle of phase 6 on, and in phase 7.
+    """
+    _check(pp, num_microbatches)
+    m = num_microbatches
+    if m < 2 * pp:
+        raise ConfigError(f"--pipeline-schedule dualpipe-v needs at least 2 x pipeline size = {2 * pp} micro-batches, "
+                          f"got {m}; raise --global-batch-size or use --pipeline-schedule zb-v")
+    return Schedule("dualpipe-v", pp, 2, m, {r: _dualpipe_v_rank(pp, r, m) for r in range(pp)}, style="v")
+
+
+def _dualpipe_v_rank(pp: int, r: int, m: int) -> tuple[Action, ...]:
+    """Rank ``r``'s DualPipeV table."""
+    table: list[Action] = []
+    nf, nb, queue = [0, 0], [0, 0], []
+
+    def f(c: int) -> None:
+        table.append(Action(c, "F", nf[c]))
+        nf[c] += 1
+
+    def b(c: int, split: bool = False) -> None:
+        table.append(Action(c, "B", nb[c]))
+        if split:
+            queue.append((c, nb[c]))
+        nb[c] += 1
+
+    def w() -> None:
+        c, mb = queue.pop(0)
+        table.append(Action(c, "W", mb))
+
+    for _ in range(2 * (pp - r - 1)):  # 1: chunk-0 forwards
+        f(0)
+    for _ in range(r + 1):  # 2: chunk-0 and chunk-1 forwards
+        f(0), f(1)
+    for _ in range(pp - r - 1):  # 3: zero-bubble chunk-1 backward, its W, a chunk-1 forward
+        b(1, True), w(), f(1)
+    for _ in range(m - 2 * pp + r + 1):  # 4: steady state, pairs (F0 & B1), (F1 & B0)
+        f(0), b(1), f(1), b(0)
+    for _ in range(pp - r - 1):  # 5: B1, pair (F1 & B0)
+        b(1), f(1), b(0)
+    split = False
+    for i in range(r + 1):  # 6: backwards of both chunks; the split starts half-way
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        b(1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        b(0, split)
+    for _ in range(pp - r - 1):  # 7: W, zero-bubble chunk-0 backward
+        w(), b(0, True)
+    while queue:  # 8: the remaining W passes (r + 1 of them)
+        w()
+    return tuple(table)
