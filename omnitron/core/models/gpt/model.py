@@ -26,6 +26,7 @@ from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, che
 from omnitron.core.parallel.tensor.sharding import full_shape, init_full, set_attributes, shard_param
 from omnitron.core.transformer.attention import extract_rows
 from omnitron.core.transformer.layer import TransformerLayer
+from omnitron.core.transformer.offload import ActivationOffloader
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -102,6 +103,10 @@ class GPTModel(nn.Module):
         if C.uses_rope(config):
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
+        self.offloader = None
+        if C.offload_layers(config):
+            self.offloader = ActivationOffloader(self.backend, activations=config.cpu_offloading_activations,
+                                                 weights=config.cpu_offloading_weights)
         comm = getattr(groups.config, "cp_comm_type", "p2p")
         sub = (groups.cp_a2a, groups.cp_p2p) if comm == "a2a+p2p" and groups.cp.size > 1 else None
         apply_context_parallel(self, groups.cp, comm, sub)
@@ -149,7 +154,18 @@ class GPTModel(nn.Module):
         layers = list(self.decoder.layers.values())
         chunks = {c[0]: c for c in C.recompute_layers(self.config, len(layers))}
         extra = () if document_ids is None else (document_ids,)  # NOTE: BertModel's layers take two arguments
+        offload = C.offload_layers(self.config) if self.offloader and self.training and torch.is_grad_enabled() else 0
         i = 0
+        while i < offload:  # saved tensors to the host; layer i's come back as layer i + 1's backward starts
+            with self.offloader.layer(layers[i]) as group:
+                x = layers[i](x, freqs, *extra)
+            if i:
+                self.offloader.prefetch_hook(previous, x)
+            previous, i = group, i + 1
+        if offload:
+            x = layers[i](x, freqs, *extra)  # offload < len(layers) (validated)
+            self.offloader.prefetch_hook(previous, x)
+            i += 1
         while i < len(layers):
             if i in chunks and self.training and torch.is_grad_enabled():
                 chunk = [layers[j] for j in chunks[i]]
