@@ -246,6 +246,21 @@ def _validate_offloading(c: GPTConfig, parallel: ParallelConfig) -> None:
                           "(Megatron refuses the pair too); choose one")
 
 
+def _validate_moe_overlap(c: GPTConfig, parallel: ParallelConfig) -> None:
+    """Where --overlap-moe-expert-parallel-comm runs (Megatron's limits, and pipelining not yet)."""
+    if not getattr(parallel, "overlap_moe_expert_parallel_comm", False):
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    if not c.num_experts or parallel.expert_model_parallel_size < 2:
+        raise ConfigError(f"{flag} overlaps expert-parallel all-to-alls: it needs --num-experts and "
+                          f"--expert-model-parallel-size >= 2")
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{flag} pairs micro-batches without pipelining only; use --pipeline-model-parallel-size 1")
+    if c.recompute_granularity is not None or offload_layers(c):
+        raise ConfigError(f"{flag} with --recompute-granularity or --cpu-offloading is not supported (Megatron "
+                          f"refuses recomputation with it too); drop one")
+
+
 def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool = True) -> None:
     """Check the model against the parallel layout; raise ConfigError naming the flag and the fix.
 
@@ -270,6 +285,7 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     if ffn_size(c) % tp:
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
     _validate_offloading(c, parallel)
+    _validate_moe_overlap(c, parallel)
     cp = parallel.context_parallel_size
     if cp > 1:
         _validate_context_parallel(c, cp, tp, parallel.sequence_parallel, getattr(parallel, "cp_comm_type", "p2p"),

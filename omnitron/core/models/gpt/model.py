@@ -190,6 +190,30 @@ class GPTModel(nn.Module):
         ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
         at -inf. Other stages return the hidden states for the next stage. ``document_ids [b, s]``
         (every stage, ``--reset-attention-mask``): attention stays within each packed document."""
+        x, freqs = self._inputs(tokens, position_ids, hidden)
+        x = self._run_layers(x, freqs, document_ids)
+        return self._outputs(x, labels)
+
+    def forward_pair(self, first: dict, second: dict) -> list[torch.Tensor]:
+        """Two micro-batches' forwards (each given as :meth:`forward`'s keyword arguments), layer by layer with
+        the layers' steps interleaved: one micro-batch's MoE dispatch or combine all-to-all is in flight while
+        the other computes (``--overlap-moe-expert-parallel-comm``). Per micro-batch the same operations on
+        the same data as :meth:`forward`; returns both outputs."""
+        from omnitron.core.transformer.moe.overlap import interleave
+
+        runs = []
+        for kw in (first, second):
+            x, freqs = self._inputs(kw.get("tokens"), kw.get("position_ids"), kw.get("hidden"))
+            runs.append([x, freqs, kw.get("document_ids")])
+        for layer in self.decoder.layers.values():
+            outs = interleave([layer.forward_steps(x, freqs, docs) for x, freqs, docs in runs])
+            for run, out in zip(runs, outs):
+                run[0] = out
+        return [self._outputs(run[0], kw.get("labels")) for run, kw in zip(runs, (first, second))]
+
+    def _inputs(self, tokens, position_ids, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first layer's input ``[s, b, h]`` (embedded tokens, or the previous stage's hidden states) and the
+        rotary frequencies."""
         if self.pre_process:
             if tokens is None:
                 raise ValueError("the first pipeline stage needs tokens [b, s]")
@@ -201,7 +225,10 @@ class GPTModel(nn.Module):
                 raise ValueError("a non-first pipeline stage needs hidden [s, b, h] from the previous stage")
             x = hidden
         s = x.shape[0] * (self.groups.tp.size if self.sp else 1)
-        x = self._run_layers(x, self._rope_freqs(position_ids, s, x.device), document_ids)
+        return x, self._rope_freqs(position_ids, s, x.device)
+
+    def _outputs(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The stage's output from the last layer's: hidden states, or (last stage) the loss or the logits."""
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
