@@ -63,6 +63,9 @@ class GPTEmbedding(nn.Module):
 class GPTModel(nn.Module):
     """A GPT stage. See the module docstring; ``forward`` documents the tensors in and out."""
 
+    offloader: ActivationOffloader | None = None
+    """--cpu-offloading's offloader (None: off; also for subclasses that build their own layers)."""
+
     def __init__(self, config: C.GPTConfig, groups, *, pre_process: bool = True, post_process: bool = True,
                  layer_offset: int = 0, num_layers: int | None = None, backend=None, seed: int = 1234,
                  label_smoothing: float = 0.0) -> None:
@@ -103,7 +106,6 @@ class GPTModel(nn.Module):
         if C.uses_rope(config):
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
-        self.offloader = None
         if C.offload_layers(config):
             self.offloader = ActivationOffloader(self.backend, activations=config.cpu_offloading_activations,
                                                  weights=config.cpu_offloading_weights)
