@@ -3,7 +3,8 @@
 # stand-ins claim, measured on the device, in under 9 minutes (the step limits add up to 540 s; the test
 # tests/test_device_scripts.py holds them to it). Results land in benchmarks/results/<gpu>-<date>/ (or $OUT):
 # device_check.log (everything), summary.md (one row per step), junit-*.xml, metrics-*.jsonl, bench/*.json.
-#   1. environment, `omnitron info`, the cuda conformance suite (every kernel against its float64 reference)
+#   1. environment, `omnitron info`, the cuda conformance suite (every kernel against its float64 reference),
+#      the golden loss curve (omnitron/testing/golden.py: 100 steps of a tiny GPT, recorded as golden/cuda.json)
 #   2. multi-rank on one GPU: benchmarks/device_multirank.py (4 processes on the one device over host-staged
 #      gloo, losses against the CPU run of the same layout; world-1 layouts on NCCL)
 #   3. the planted stream/collective bugs that `sim` catches (tests marked `planted`): today those cases are
@@ -30,7 +31,12 @@ export LOG_DIR
 # ---- 1. environment and conformance ----------------------------------------------------------
 env_step 30
 need tests/backends tests/kernels/test_conformance.py
-pytest_step conformance 120 tests/backends tests/kernels/test_conformance.py -rfE -x
+pytest_step conformance 100 tests/backends tests/kernels/test_conformance.py -rfE -x
+
+# golden loss curve: the fixed tiny GPT's 100 losses on cuda into golden/cuda.json (commit it as
+# tests/golden/cuda.json); the log line says whether it matches the record already there
+need omnitron/testing/golden.py
+run_step golden 20 python3 -m omnitron.testing.golden cuda --out "$LOG_DIR/golden"
 
 # ---- 2. multi-rank on one GPU ------------------------------------------------------------------
 need benchmarks/device_multirank.py examples/moby_dick_tp2_pp2.yaml

@@ -32,7 +32,7 @@ def test_device_bench_dry_run_plan(tmp_path):
     proc, summary = _dry_run("device_bench.sh", tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = re.findall(r"^\| ([\w.-]+) \| dry run \|", summary, re.M)
-    assert steps == ["environment", "conformance", "multirank", "planted", "train-1.3b", "fp8-profile", "bench-all"]
+    assert steps == ["environment", "conformance", "golden", "multirank", "planted", "train-1.3b", "fp8-profile", "bench-all"]
     total = int(re.search(r"limits add up to (\d+)s", summary).group(1))
     assert total <= BUDGET_S, f"device_bench.sh step limits add up to {total}s, over the {BUDGET_S}s budget"
     assert "missing files: 0" in summary

@@ -83,6 +83,17 @@ class GPTConfig:
     """--recompute-method: ``uniform`` (chunks of recompute_num_layers) or ``block`` (first N layers of a stage)."""
     recompute_num_layers: int | None = None
     """--recompute-num-layers: layers per chunk (uniform) or layers recomputed per stage (block)."""
+    cpu_offloading: bool = False
+    """--cpu-offloading: move what the first --cpu-offloading-num-layers layers save for backward to host
+    memory during forward, back before their backward (omnitron/core/transformer/offload.py); implied by
+    --cpu-offloading-num-layers > 0, as in Megatron."""
+    cpu_offloading_num_layers: int = 0
+    """--cpu-offloading-num-layers: how many layers (the first ones; fewer than --num-layers) offload."""
+    cpu_offloading_activations: bool = True
+    """--cpu-offloading-activations / --no-cpu-offloading-activations: offload saved activations."""
+    cpu_offloading_weights: bool = False
+    """--cpu-offloading-weights: also offload saved tensors that are parameters (frees nothing while the
+    parameter stays on the device; counted)."""
     params_dtype: torch.dtype = torch.float32
     """Dtype parameters are stored in (fp32 masters are the optimizer's business)."""
     num_experts: int | None = None
@@ -211,6 +222,45 @@ def recompute_layers(c: GPTConfig, num_layers: int) -> list[list[int]]:
     return [list(range(i, min(i + n, num_layers))) for i in range(0, num_layers, n)]
 
 
+def offload_layers(c: GPTConfig) -> int:
+    """How many leading layers offload their saved tensors (0: offloading off)."""
+    return c.cpu_offloading_num_layers if (c.cpu_offloading or c.cpu_offloading_num_layers) else 0
+
+
+def _validate_offloading(c: GPTConfig, parallel: ParallelConfig) -> None:
+    """Megatron's limits on --cpu-offloading (transformer_config.py), each with its fix."""
+    n = c.cpu_offloading_num_layers
+    if not (c.cpu_offloading or n):
+        return
+    if not 0 < n < c.num_layers:
+        raise ConfigError(f"--cpu-offloading-num-layers {n}: offload between 1 and --num-layers - 1 "
+                          f"({c.num_layers - 1}) layers (the last layer's backward comes first: it stays)")
+    if not (c.cpu_offloading_activations or c.cpu_offloading_weights):
+        raise ConfigError("--cpu-offloading with --no-cpu-offloading-activations and no --cpu-offloading-weights "
+                          "offloads nothing; drop one of them")
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError("--cpu-offloading with --pipeline-model-parallel-size > 1 is not supported (nor in "
+                          "Megatron); use --pipeline-model-parallel-size 1")
+    if c.recompute_granularity is not None:
+        raise ConfigError("--cpu-offloading with --recompute-granularity: recomputed layers save nothing to offload "
+                          "(Megatron refuses the pair too); choose one")
+
+
+def _validate_moe_overlap(c: GPTConfig, parallel: ParallelConfig) -> None:
+    """Where --overlap-moe-expert-parallel-comm runs (Megatron's limits, and pipelining not yet)."""
+    if not getattr(parallel, "overlap_moe_expert_parallel_comm", False):
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    if not c.num_experts or parallel.expert_model_parallel_size < 2:
+        raise ConfigError(f"{flag} overlaps expert-parallel all-to-alls: it needs --num-experts and "
+                          f"--expert-model-parallel-size >= 2")
+    if parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{flag} pairs micro-batches without pipelining only; use --pipeline-model-parallel-size 1")
+    if c.recompute_granularity is not None or offload_layers(c):
+        raise ConfigError(f"{flag} with --recompute-granularity or --cpu-offloading is not supported (Megatron "
+                          f"refuses recomputation with it too); drop one")
+
+
 def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool = True) -> None:
     """Check the model against the parallel layout; raise ConfigError naming the flag and the fix.
 
@@ -234,6 +284,8 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
                           f"replicated (tp a multiple of groups); change one of them")
     if ffn_size(c) % tp:
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
+    _validate_offloading(c, parallel)
+    _validate_moe_overlap(c, parallel)
     cp = parallel.context_parallel_size
     if cp > 1:
         _validate_context_parallel(c, cp, tp, parallel.sequence_parallel, getattr(parallel, "cp_comm_type", "p2p"),

@@ -26,6 +26,7 @@ from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, che
 from omnitron.core.parallel.tensor.sharding import full_shape, init_full, set_attributes, shard_param
 from omnitron.core.transformer.attention import extract_rows
 from omnitron.core.transformer.layer import TransformerLayer
+from omnitron.core.transformer.offload import ActivationOffloader
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -61,6 +62,9 @@ class GPTEmbedding(nn.Module):
 
 class GPTModel(nn.Module):
     """A GPT stage. See the module docstring; ``forward`` documents the tensors in and out."""
+
+    offloader: ActivationOffloader | None = None
+    """--cpu-offloading's offloader (None: off; also for subclasses that build their own layers)."""
 
     def __init__(self, config: C.GPTConfig, groups, *, pre_process: bool = True, post_process: bool = True,
                  layer_offset: int = 0, num_layers: int | None = None, backend=None, seed: int = 1234,
@@ -102,6 +106,9 @@ class GPTModel(nn.Module):
         if C.uses_rope(config):
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
+        if C.offload_layers(config):
+            self.offloader = ActivationOffloader(self.backend, activations=config.cpu_offloading_activations,
+                                                 weights=config.cpu_offloading_weights)
         comm = getattr(groups.config, "cp_comm_type", "p2p")
         sub = (groups.cp_a2a, groups.cp_p2p) if comm == "a2a+p2p" and groups.cp.size > 1 else None
         apply_context_parallel(self, groups.cp, comm, sub)
@@ -149,7 +156,18 @@ class GPTModel(nn.Module):
         layers = list(self.decoder.layers.values())
         chunks = {c[0]: c for c in C.recompute_layers(self.config, len(layers))}
         extra = () if document_ids is None else (document_ids,)  # NOTE: BertModel's layers take two arguments
+        offload = C.offload_layers(self.config) if self.offloader and self.training and torch.is_grad_enabled() else 0
         i = 0
+        while i < offload:  # saved tensors to the host; layer i's come back as layer i + 1's backward starts
+            with self.offloader.layer(layers[i]) as group:
+                x = layers[i](x, freqs, *extra)
+            if i:
+                self.offloader.prefetch_hook(previous, x)
+            previous, i = group, i + 1
+        if offload:
+            x = layers[i](x, freqs, *extra)  # offload < len(layers) (validated)
+            self.offloader.prefetch_hook(previous, x)
+            i += 1
         while i < len(layers):
             if i in chunks and self.training and torch.is_grad_enabled():
                 chunk = [layers[j] for j in chunks[i]]
@@ -174,6 +192,30 @@ class GPTModel(nn.Module):
         ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
         at -inf. Other stages return the hidden states for the next stage. ``document_ids [b, s]``
         (every stage, ``--reset-attention-mask``): attention stays within each packed document."""
+        x, freqs = self._inputs(tokens, position_ids, hidden)
+        x = self._run_layers(x, freqs, document_ids)
+        return self._outputs(x, labels)
+
+    def forward_pair(self, first: dict, second: dict) -> list[torch.Tensor]:
+        """Two micro-batches' forwards (each given as :meth:`forward`'s keyword arguments), layer by layer with
+        the layers' steps interleaved: one micro-batch's MoE dispatch or combine all-to-all is in flight while
+        the other computes (``--overlap-moe-expert-parallel-comm``). Per micro-batch the same operations on
+        the same data as :meth:`forward`; returns both outputs."""
+        from omnitron.core.transformer.moe.overlap import interleave
+
+        runs = []
+        for kw in (first, second):
+            x, freqs = self._inputs(kw.get("tokens"), kw.get("position_ids"), kw.get("hidden"))
+            runs.append([x, freqs, kw.get("document_ids")])
+        for layer in self.decoder.layers.values():
+            outs = interleave([layer.forward_steps(x, freqs, docs) for x, freqs, docs in runs])
+            for run, out in zip(runs, outs):
+                run[0] = out
+        return [self._outputs(run[0], kw.get("labels")) for run, kw in zip(runs, (first, second))]
+
+    def _inputs(self, tokens, position_ids, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first layer's input ``[s, b, h]`` (embedded tokens, or the previous stage's hidden states) and the
+        rotary frequencies."""
         if self.pre_process:
             if tokens is None:
                 raise ValueError("the first pipeline stage needs tokens [b, s]")
@@ -185,7 +227,10 @@ class GPTModel(nn.Module):
                 raise ValueError("a non-first pipeline stage needs hidden [s, b, h] from the previous stage")
             x = hidden
         s = x.shape[0] * (self.groups.tp.size if self.sp else 1)
-        x = self._run_layers(x, self._rope_freqs(position_ids, s, x.device), document_ids)
+        return x, self._rope_freqs(position_ids, s, x.device)
+
+    def _outputs(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The stage's output from the last layer's: hidden states, or (last stage) the loss or the logits."""
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)

@@ -111,7 +111,15 @@ class _StageRunner:
         if hidden is not None and not self.forward_only:
             hidden.requires_grad_(True)
         batch = self.batches.get(a.microbatch)
-        out = self.forward_step_fn(self.chunks[a.chunk], batch, hidden)
+        self._finish_forward(a, k, batch, hidden, self.forward_step_fn(self.chunks[a.chunk], batch, hidden))
+
+    def forward_pair(self, a: Action, b: Action, k: int, pair_fn: Callable) -> None:
+        """``a`` and ``b`` (adjacent forwards of one chunk, one stage) as one interleaved forward."""
+        batches = [self.batches.get(x.microbatch) for x in (a, b)]
+        for x, batch, out in zip((a, b), batches, pair_fn(self.chunks[a.chunk], batches)):
+            self._finish_forward(x, k, batch, None, out)
+
+    def _finish_forward(self, a: Action, k: int, batch, hidden, out) -> None:
         if k == self.last_stage:
             total, count = self.loss_fn(out, batch)
             self.tokens += count.detach().to(torch.float64) if torch.is_tensor(count) else float(count)
@@ -158,13 +166,14 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
                  forward_step_fn: Callable, loss_fn: Callable, pp_group, collectives,
                  tensor_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  forward_only: bool = False, timeline: list | None = None,
-                 per_token_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 per_token_loss: bool = False,
+                 forward_pair_fn: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``schedule.tables[rank]``; returns this rank's (sum of micro-batch mean losses, tokens); with
     ``per_token_loss``, (sum of micro-batch loss sums, tokens).
 
     Both are zero except on the rank holding the last stage. ``timeline``, when given, receives
     ``(start, end, str(action))`` compute spans (``time.perf_counter`` seconds; receive waits
-    excluded) for bubble studies.
+    excluded) for bubble studies. ``forward_pair_fn``: two adjacent forwards run as one (one stage only).
     """
     if forward_only:  # the same order without backward work (and so without gradient messages)
         schedule = dataclasses.replace(schedule, tables={r: tuple(a for a in t if a.kind == "F")
@@ -172,12 +181,21 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
     p2p = StageP2P(schedule, rank, pp_group, collectives, tensor_shape, dtype, device)
     runner = _StageRunner(schedule, rank, chunks, _Batches(data_iterator, uses=schedule.vp), p2p,
                           forward_step_fn, loss_fn, device, forward_only, per_token_loss)
-    for step, a in enumerate(schedule.tables[rank]):
+    table, paired = schedule.tables[rank], -1
+    for step, a in enumerate(table):
+        if step == paired:
+            continue  # ran with the forward before it
         try:
             k = schedule.stage(rank, a.chunk)
             p2p.exchange(step)  # this step's batch of sends and receives, one group (see p2p.py)
             t0 = time.perf_counter()
-            if a.kind == "F":
+            nxt = table[step + 1] if step + 1 < len(table) else None
+            if forward_pair_fn is not None and a.kind == "F" and nxt is not None and nxt.kind == "F" \
+                    and schedule.num_stages == 1:
+                paired = step + 1
+                p2p.exchange(paired)
+                runner.forward_pair(a, nxt, k, forward_pair_fn)
+            elif a.kind == "F":
                 runner.forward(a, k)
             elif a.kind == "B":
                 runner.backward(a, k, step)

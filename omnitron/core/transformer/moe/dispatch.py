@@ -15,13 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
+from omnitron.core.transformer.moe.overlap import Steps, drive
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """Rows ``send[j]`` of ``x`` (in order) go to member ``j``; ``recv[i]`` rows arrive from ``i``."""
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, pending: list | None = None) -> torch.Tensor:
+    """Rows ``send[j]`` of ``x`` (in order) go to member ``j``; ``recv[i]`` rows arrive from ``i``. With
+    ``pending``, issued without waiting: the handle is appended there and the output is not to be read
+    before it is waited."""
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-    group.collectives.all_to_all(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                                 group=group.handle)
+    work = group.collectives.all_to_all(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                        group=group.handle, async_op=pending is not None)
+    if pending is not None:
+        pending.append(work)
     return out
 
 
@@ -38,9 +43,36 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
+class _Received(torch.autograd.Function):
+    """forward: ``received``, the result of an all-to-all of ``x`` already waited for; backward: the reverse
+    all-to-all into ``x``'s gradient. (The exchange runs outside autograd so that no autograd node ever
+    holds a tensor still in flight.)"""
+
+    @staticmethod
+    def forward(ctx, x, received, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return received
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.recv, ctx.send, ctx.group), None, None, None, None
+
+
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     """Differentiable all-to-all of dim-0 rows over ``group`` (identity at group size 1)."""
     return x if group.size == 1 else _AllToAll.apply(x, send, recv, group)
+
+
+def all_to_all_steps(x: torch.Tensor, send: list[int], recv: list[int], group) -> Steps[torch.Tensor]:
+    """:func:`all_to_all` as steps: issue, yield (other work runs while it is in flight), wait."""
+    if group.size == 1:
+        return x
+    pending: list = []
+    received = _all_to_all(x.detach(), send, recv, group, pending)
+    yield
+    for work in pending:
+        work.wait()
+    return _Received.apply(x, received, send, recv, group)
 
 
 @dataclass
@@ -64,6 +96,11 @@ class DispatchPlan:
 def dispatch(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, DispatchPlan]:
     """``x [N, h]`` tokens, ``mask [N, E]`` the processed (token, expert) pairs -> rows for this rank's
     local experts ``[R, h]``, grouped by local expert (``plan.local_counts``), and the plan."""
+    return drive(dispatch_steps(x, mask, group))
+
+
+def dispatch_steps(x: torch.Tensor, mask: torch.Tensor, group) -> Steps[tuple[torch.Tensor, DispatchPlan]]:
+    """:func:`dispatch` as steps (the rows' all-to-all in flight at the yield; the counts' is waited)."""
     num_experts, ep = mask.shape[1], group.size
     expert, token = mask.t().nonzero(as_tuple=True)  # [A] each, expert-major, tokens ascending
     rows = x.index_select(0, token)  # [A, h]
@@ -77,7 +114,7 @@ def dispatch(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, 
     recv_counts = recv_counts.view(ep, local)  # [source rank, local expert]
     send = counts.view(ep, local).sum(dim=1).tolist()
     recv = recv_counts.sum(dim=1).tolist()
-    received = all_to_all(rows, send, recv, group)  # source-major, then expert
+    received = yield from all_to_all_steps(rows, send, recv, group)  # source-major, then expert
     # key of each received row = (local expert, source): a stable sort makes it expert-major
     keys = (torch.arange(local, device=x.device)[None, :] * ep + torch.arange(ep, device=x.device)[:, None])
     row_keys = torch.repeat_interleave(keys.reshape(-1), recv_counts.reshape(-1))  # [R]
@@ -89,9 +126,14 @@ def dispatch(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, 
 def combine(y: torch.Tensor, gates: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
     """Expert outputs ``y [R, h]`` (as :func:`dispatch` grouped them) back to their tokens, weighted
     by ``gates [N, E]`` (the routing probability of each pair, 0 where not picked) and summed: ``[N, h]``."""
+    return drive(combine_steps(y, gates, plan, group))
+
+
+def combine_steps(y: torch.Tensor, gates: torch.Tensor, plan: DispatchPlan, group) -> Steps[torch.Tensor]:
+    """:func:`combine` as steps (the outputs' all-to-all in flight at the yield)."""
     if plan.regroup is not None:
         y = y.index_select(0, torch.argsort(plan.regroup))  # back to source-major
-        y = all_to_all(y, plan.recv, plan.send, group)
+        y = yield from all_to_all_steps(y, plan.recv, plan.send, group)
     weight = gates[plan.token, plan.expert].to(y.dtype)  # [A]
     out = y.new_zeros((gates.shape[0], y.shape[-1]))
     return out.index_add(0, plan.token, y * weight.unsqueeze(-1))

@@ -31,8 +31,9 @@ from torch import nn
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.transformer.mlp import MLP
 from omnitron.core.transformer.moe.capacity import routing_mask
-from omnitron.core.transformer.moe.dispatch import combine, dispatch
+from omnitron.core.transformer.moe.dispatch import combine_steps, dispatch_steps
 from omnitron.core.transformer.moe.experts import run_experts
+from omnitron.core.transformer.moe.overlap import Steps, drive
 from omnitron.core.transformer.moe.router import TopKRouter, attach_aux_loss
 
 
@@ -106,6 +107,10 @@ class MoELayer(nn.Module):
         return gates, (M.split_first(mask, self.tp) if whole else mask)
 
     def forward(self, hidden: torch.Tensor):
+        return drive(self.forward_steps(hidden))
+
+    def forward_steps(self, hidden: torch.Tensor) -> Steps:
+        """:meth:`forward` as steps: it yields with the dispatch, then with the combine, in flight."""
         s, b, h = hidden.shape
         gates, mask = self._route(hidden.reshape(s * b, h))  # [s*b, E] each
         split = self.tp.size > 1 and not self.sp  # replicated tokens: each tp rank takes its sequence slice
@@ -115,9 +120,9 @@ class MoELayer(nn.Module):
             x = M.scatter_to_sp(hidden, self.tp)  # [s/tp, b, h]
             gates = M.scatter_to_sp(gates.view(s, b, E), self.tp).reshape(-1, E)
             mask = M.split_first(mask.view(s, b, E), self.tp).reshape(-1, E)
-        rows, plan = dispatch(x.reshape(-1, h), mask, self.ep)
+        rows, plan = yield from dispatch_steps(x.reshape(-1, h), mask, self.ep)
         y = run_experts(rows, plan.local_counts, list(self.experts.values()), self.etp, grouped=self.grouped)
-        y = combine(y, gates, plan, self.ep).view(x.shape)
+        y = (yield from combine_steps(y, gates, plan, self.ep)).view(x.shape)
         if split:
             y = M.gather_from_sp(y, self.tp, grad_is_partial=False)  # [s, b, h]
         if self.shared_experts is not None:
