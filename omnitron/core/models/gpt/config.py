@@ -92,7 +92,8 @@ class GPTConfig:
     moe_ffn_hidden_size: int | None = None
     """--moe-ffn-hidden-size: width of each expert's MLP; default --ffn-hidden-size."""
     moe_router_load_balancing_type: str = "aux_loss"
-    """--moe-router-load-balancing-type: ``aux_loss`` (Switch/GShard load-balancing loss) or ``none``."""
+    """--moe-router-load-balancing-type: ``aux_loss`` (Switch/GShard load-balancing loss over the micro-batch),
+    ``seq_aux_loss`` (DeepSeek-V3's, per sequence, averaged over the sequences) or ``none``."""
     moe_aux_loss_coeff: float = 0.0
     """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss. 0 (Megatron's default)
     turns it off; 1e-2 is the usual setting for training MoE models from scratch."""
