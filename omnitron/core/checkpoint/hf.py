@@ -145,7 +145,8 @@ def hf_model_type(cfg) -> str:
     from omnitron.core.models.gpt.config import head_dim, query_groups
 
     common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False),
-              ("--multi-latent-attention", getattr(cfg, "multi_latent_attention", False), False)]
+              ("--multi-latent-attention", getattr(cfg, "multi_latent_attention", False), False),
+              ("--mtp-num-layers", getattr(cfg, "mtp_num_layers", None), None)]
     if cfg.position_embedding_type == "learned_absolute":
         kind, want = "gpt2", [("--normalization", cfg.normalization, "LayerNorm"), ("--swiglu", cfg.swiglu, False),
                               ("--add-bias-linear", cfg.add_bias_linear, True),

@@ -167,6 +167,11 @@ class GPTConfig:
     """--yarn-beta-fast: YaRN's fast correction rotations (None: 32)."""
     yarn_beta_slow: float | None = None
     """--yarn-beta-slow: YaRN's slow correction rotations (None: 1)."""
+    mtp_num_layers: int | None = None
+    """--mtp-num-layers: multi-token prediction depths (DeepSeek-V3; transformer/mtp.py) on the last pipeline
+    stage, depth k predicting the token k + 1 ahead (None: none)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """--mtp-loss-scaling-factor: lambda, the weight of the mean of the depths' losses added to the LM loss."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
@@ -219,6 +224,8 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     are checked by the pipeline layer-placement code)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = c.num_attention_heads, query_groups(c)
+    if c.mtp_num_layers is not None:
+        _validate_mtp(c, parallel.context_parallel_size)
     if c.multi_latent_attention:
         _validate_mla(c, parallel.context_parallel_size)
     elif c.kv_channels is None and c.hidden_size % heads:
@@ -255,6 +262,21 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     from omnitron.core.transformer.moe.validate import validate_moe
 
     validate_moe(c, parallel)
+
+
+def _validate_mtp(c: GPTConfig, cp: int) -> None:
+    """Multi-token prediction's settings, and what it does not combine with (yet)."""
+    if not isinstance(c.mtp_num_layers, int) or c.mtp_num_layers < 1:
+        raise ConfigError(f"--mtp-num-layers must be a positive integer, got {c.mtp_num_layers!r}")
+    if c.mtp_loss_scaling_factor < 0:
+        raise ConfigError(f"--mtp-loss-scaling-factor must be >= 0, got {c.mtp_loss_scaling_factor}")
+    if cp > 1:
+        raise ConfigError(f"--mtp-num-layers with --context-parallel-size {cp}: the shifted tokens cross the cp "
+                          "slices, which is not implemented yet; use --context-parallel-size 1")
+    if not uses_rope(c):
+        raise ConfigError("--mtp-num-layers needs rotary positions (--position-embedding-type rope or "
+                          "--multi-latent-attention): the MTP modules embed the shifted tokens without learned "
+                          "position embeddings")
 
 
 def _validate_mla(c: GPTConfig, cp: int) -> None:
@@ -320,13 +342,18 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
         return fc1_out * h + b * fc1_out + width * h + b * h
 
     layers = c.num_layers * (attn + 2 * norm + mlp(f))
+    last_ffn = mlp(f)  # the last layer's MLP: the kind an MTP depth's layer has
     if c.num_experts:  # MoE layers: E experts at --moe-ffn-hidden-size, the router [E, h], a shared expert
         from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
         moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h)
         if c.moe_shared_expert_intermediate_size:
             moe += mlp(c.moe_shared_expert_intermediate_size)
-        layers += sum(moe_layer_pattern(c.moe_layer_freq, c.num_layers)) * (moe - mlp(f))
+        pattern = moe_layer_pattern(c.moe_layer_freq, c.num_layers)
+        layers += sum(pattern) * (moe - mlp(f))
+        last_ffn = moe if pattern[-1] else last_ffn
+    if c.mtp_num_layers:  # per depth: enorm, hnorm, eh_proj [h, 2h], one layer, its final norm
+        layers += c.mtp_num_layers * (3 * norm + 2 * h * h + attn + 2 * norm + last_ffn)
     v = padded_vocab_size(c, tp)
     total = layers + norm + v * h
     if c.position_embedding_type == "learned_absolute":
@@ -418,8 +445,9 @@ def deepseek_v3(**overrides) -> GPTConfig:
     """DeepSeek-V3 (DeepSeek-AI, 2024; its config.json): 61 layers (the first 3 dense, SwiGLU 18432), hidden 7168,
     MLA with 128 heads (q rank 1536, kv rank 512, head dims 128 + 64 rotated, values 128; YaRN x40 over 4096),
     256 routed experts of 2048 (top-8 of sigmoid scores within the best 4 of 8 groups, weights x 2.5, expert bias)
-    plus one shared expert, vocabulary 129280, untied; 671,026,419,200 parameters (the model card's 671B; the
-    checkpoint's 685B adds the multi-token-prediction module, not built here)."""
+    plus one shared expert, vocabulary 129280, untied; 671,026,419,200 parameters (the model card's 671B). The
+    checkpoint's 685B adds the multi-token-prediction module (``mtp_num_layers=1``: 682,636,487,424 with the
+    biases; the checkpoint also stores copies of the embedding and the output head in it, and FP8 scales)."""
     return replace(GPTConfig(num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432,
                              seq_length=4096, max_position_embeddings=163840, vocab_size=129280, q_lora_rank=1536,
                              kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,

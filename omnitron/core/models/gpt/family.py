@@ -18,9 +18,13 @@ def forward_step(chunk, m, batch: dict | None, hidden):
     batch's document ids under ``--reset-attention-mask``."""
     labels = batch["labels"] if m.post_process else None
     docs = batch.get("document_ids") if batch is not None else None  # --reset-attention-mask: every stage
+    # multi-token prediction on the last stage reads the tokens and the loss mask too
+    mtp = {"tokens": batch["tokens"], "loss_mask": batch.get("loss_mask")} if m.post_process and \
+        getattr(m, "mtp", None) is not None else {}
     if m.pre_process:
-        return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels, document_ids=docs)
-    return chunk(hidden=hidden, labels=labels, document_ids=docs)
+        mtp["tokens"] = batch["tokens"]
+        return chunk(position_ids=batch["position_ids"], labels=labels, document_ids=docs, **mtp)
+    return chunk(hidden=hidden, labels=labels, document_ids=docs, **mtp)
 
 
 def build_datasets(settings, tokenizer, **sizes):
