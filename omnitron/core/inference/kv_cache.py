@@ -45,6 +45,9 @@ class KVCache:
         """Attention of the new queries (the last ``s_new`` slots) over every cached slot."""
         s_new, s_all = q.shape[2], k.shape[2]
         scale = getattr(module, "softmax_scale", None)  # multi-latent attention's YaRN-corrected scale
+        sinks = module.sinks() if hasattr(module, "sinks") else None
+        if getattr(module, "window", None) is not None or sinks is not None:
+            return self._window_sink(module, q, k, v, sinks)
         if self.valid is None:
             if s_new > 1 and s_new != s_all:
                 raise ValueError("KVCache: multi-token steps after the prefill need a validity mask (set .valid)")
@@ -58,6 +61,19 @@ class KVCache:
         keep = (kpos <= qpos) & (self.valid[:, None, :] | (kpos == qpos))  # [b, s_new, s_all]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=k.shape[1] != q.shape[1],
                                               scale=scale)
+
+    def _window_sink(self, module, q, k, v, sinks):
+        """Sliding window and attention sinks (transformer/window.py) over the cached slots: slot distances are
+        position distances (a row's real tokens are contiguous after its left padding)."""
+        from omnitron.core.transformer.window import keep_mask, sink_attention
+
+        s_new, s_all = q.shape[2], k.shape[2]
+        qpos, kpos = torch.arange(s_all - s_new, s_all, device=q.device), torch.arange(s_all, device=q.device)
+        keep = keep_mask(qpos, kpos, module.window)  # [s_new, s_all]
+        if self.valid is not None:
+            keep = keep & (self.valid[:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
+            keep = keep[:, None]
+        return sink_attention(q, k, v, keep, None if sinks is None else sinks.to(q.device))
 
     def __enter__(self) -> "KVCache":
         for i, a in enumerate(self.attn):

@@ -167,6 +167,24 @@ class GPTConfig:
     """--yarn-beta-fast: YaRN's fast correction rotations (None: 32)."""
     yarn_beta_slow: float | None = None
     """--yarn-beta-slow: YaRN's slow correction rotations (None: 1)."""
+    window_size: str | None = None
+    """--window-size LEFT,RIGHT: sliding-window attention (transformer/window.py): query i attends to keys
+    i - LEFT .. i (causal: RIGHT must be 0; -1: unbounded). Hugging Face's sliding_window W is W-1,0."""
+    window_attn_skip_freq: str | None = None
+    """--window-attn-skip-freq: N: every N-th layer (1-based) keeps full attention, the rest the window
+    (gpt-oss: 2); or a 0/1 per-layer list expression, 1 = window. None: every layer has the window."""
+    softmax_type: str = "vanilla"
+    """--softmax-type: ``vanilla``; ``off-by-one`` (an extra zero logit in each attention softmax) or
+    ``learnable`` (gpt-oss's attention sinks: one learned logit per head, ``softmax_offset``)."""
+    quick_geglu: bool = False
+    """--quick-geglu: the gated MLP (as --swiglu, which it implies) with ``x sigmoid(1.702 x)`` on the gate."""
+    glu_linear_offset: float = 0.0
+    """--glu-linear-offset: the gated MLP computes ``act(gate) * (up + offset)`` (gpt-oss: 1)."""
+    activation_func_clamp_value: float | None = None
+    """--activation-func-clamp-value: the gated MLP clamps the gate to at most C and up to [-C, C] (gpt-oss: 7)."""
+    moe_router_bias: bool = False
+    """A learned bias on the router's logits (gpt-oss's router; Megatron's gpt-oss support adds it with
+    --add-bias-linear). Off by default."""
     mtp_num_layers: int | None = None
     """--mtp-num-layers: multi-token prediction depths (DeepSeek-V3; transformer/mtp.py) on the last pipeline
     stage, depth k predicting the token k + 1 ahead (None: none)."""
@@ -194,6 +212,21 @@ class GPTConfig:
         from omnitron.core.transformer.moe.validate import check_moe_fields
 
         check_moe_fields(self)
+        if self.quick_geglu:  # Megatron: --quick-geglu sets the gated linear unit
+            self.swiglu = True
+        self._check_window_and_sinks()
+
+    def _check_window_and_sinks(self) -> None:
+        """--window-size, --window-attn-skip-freq, --softmax-type by themselves."""
+        from omnitron.core.transformer.window import SOFTMAX_TYPES, parse_window, window_layers
+
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ConfigError(f"--softmax-type {self.softmax_type!r} is not one of {', '.join(SOFTMAX_TYPES)}")
+        window = parse_window(self.window_size)
+        if window is not None and window[1] not in (0, -1):
+            raise ConfigError(f"--window-size {self.window_size}: GPT attention is causal, the right side is 0 "
+                              f"(use {window[0]},0)")
+        window_layers(self)  # raises on a bad --window-attn-skip-freq
 
 
 # ---- derived values ------------------------------------------------------------------------
@@ -228,6 +261,10 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
         _validate_mtp(c, parallel.context_parallel_size)
     if c.multi_latent_attention:
         _validate_mla(c, parallel.context_parallel_size)
+    if (c.window_size is not None or c.softmax_type != "vanilla") and (
+            c.multi_latent_attention or parallel.context_parallel_size > 1):
+        raise ConfigError("--window-size / --softmax-type run with grouped-query attention and "
+                          "--context-parallel-size 1 only, yet; drop them or --multi-latent-attention / cp")
     elif c.kv_channels is None and c.hidden_size % heads:
         raise ConfigError(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or set --kv-channels")
@@ -334,6 +371,8 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
     if c.qk_layernorm:
         attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
+    if c.softmax_type == "learnable":
+        attn += heads
     if c.multi_latent_attention:
         attn = mla_parameters(c)
 
@@ -346,7 +385,7 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     if c.num_experts:  # MoE layers: E experts at --moe-ffn-hidden-size, the router [E, h], a shared expert
         from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
-        moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h)
+        moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h + (1 if c.moe_router_bias else 0))
         if c.moe_shared_expert_intermediate_size:
             moe += mlp(c.moe_shared_expert_intermediate_size)
         pattern = moe_layer_pattern(c.moe_layer_freq, c.num_layers)
@@ -469,6 +508,30 @@ def deepseek_v3_tiny(**overrides) -> GPTConfig:
                              moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq="[0]+[1]*3",
                              moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
                              **_DEEPSEEK_ROUTING, **_LLAMA), **overrides)
+
+
+def gpt_oss_20b(**overrides) -> GPTConfig:
+    """gpt-oss-20b (OpenAI, 2025; its config.json): 24 layers, hidden 2880, 64 heads of 64 / 8 KV groups with
+    biases and learned attention sinks, a 128-token sliding window on every other layer (from the first), 32
+    experts of 2880 (top-4, softmax over the picks, router bias) with gpt-oss's clamped SwiGLU, vocabulary
+    201088, untied. NOTE: its YaRN RoPE (factor 32 over 4096) is not modelled on grouped-query attention here:
+    plain RoPE with base 150000, the same parameters."""
+    return replace(GPTConfig(num_layers=24, hidden_size=2880, num_attention_heads=64, num_query_groups=8,
+                             kv_channels=64, ffn_hidden_size=2880, seq_length=4096, max_position_embeddings=131072,
+                             vocab_size=201088, rotary_base=150000.0, num_experts=32, moe_router_topk=4,
+                             moe_ffn_hidden_size=2880, moe_router_bias=True, window_size="127,0",
+                             window_attn_skip_freq="2", softmax_type="learnable", quick_geglu=True,
+                             glu_linear_offset=1.0, activation_func_clamp_value=7.0, moe_router_load_balancing_type="none",
+                             **{**_LLAMA, "add_bias_linear": True}), **overrides)
+
+
+def qwen3_30b_a3b(**overrides) -> GPTConfig:
+    """Qwen3-30B-A3B (Qwen, 2025; its config.json): 48 layers, hidden 2048, 32 heads of 128 / 4 KV groups with
+    QK-norm, 128 experts of 768 (top-8, softmax over the picks), RoPE base 1e6, vocabulary 151936, untied."""
+    return replace(GPTConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                             kv_channels=128, ffn_hidden_size=6144, seq_length=4096, max_position_embeddings=40960,
+                             vocab_size=151936, rotary_base=1e6, qk_layernorm=True, num_experts=128, moe_router_topk=8,
+                             moe_ffn_hidden_size=768, **{**_LLAMA, "layernorm_epsilon": 1e-6}), **overrides)
 
 
 GPT3_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1p3b": (24, 2048, 16),

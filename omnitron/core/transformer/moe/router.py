@@ -173,6 +173,11 @@ class TopKRouter(nn.Module):
         self.weight = set_attributes(nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=c.params_dtype)),
                                      parallel=False, init=("normal", c.init_method_std))
         self.weight.sequence_parallel = partial_grad
+        self.bias = None
+        if getattr(c, "moe_router_bias", False):  # gpt-oss's router bias on the logits
+            self.bias = set_attributes(nn.Parameter(torch.empty(c.num_experts, dtype=c.params_dtype)),
+                                       parallel=False, init=("zeros",))
+            self.bias.sequence_parallel = partial_grad
         self.bias_update_rate = c.moe_router_bias_update_rate
         # Megatron's buffers: the bias is saved with the model, the step's counts are not (None: no expert bias)
         on = c.moe_router_enable_expert_bias
@@ -190,7 +195,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, batch_size: int = 1):
         """``x [s*b, h]`` (the ``[s, b, h]`` layout flattened; ``batch_size`` b matters to ``seq_aux_loss``)."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())  # [T, E]
         probs, experts = self.route(logits)
         if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():
