@@ -1,4 +1,5 @@
-"""Hugging Face DeepSeek-V3 and gpt-oss layouts against ``transformers`` itself, both directions, in float64.
+"""Hugging Face DeepSeek-V3, gpt-oss and Qwen3-MoE layouts against ``transformers`` itself, both directions, in
+float64 (Qwen3-MoE: QK-norm, a dense first layer, 4 softmax-routed experts).
 
 Import: a tiny random ``DeepseekV3ForCausalLM`` (MLA with q and kv ranks, a dense first layer, 8 sigmoid-routed
 experts in 4 groups with a shared expert, routed scaling 2.5; plain RoPE and YaRN) or ``GptOssForCausalLM`` (GQA
@@ -47,6 +48,19 @@ HF_CONFIGS = {
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
         max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
         tie_word_embeddings=False),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], max_position_embeddings=64,
+        tie_word_embeddings=False),
+    # the released config's YaRN (factor 32 over 4096, ramp ends not rounded), over a short original context so
+    # that the 12 positions here reach the interpolated channels
+    "gpt_oss_yarn": lambda: transformers.GptOssConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=64, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 8}),
 }
 
 

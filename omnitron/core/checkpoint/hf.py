@@ -78,13 +78,14 @@ def config_from_hf(hf: dict):
         return GPTConfig(**_gpt2_fields(hf), params_dtype=_dtype(hf))
     if kind == "llama":
         return GPTConfig(**_llama_fields(hf), params_dtype=_dtype(hf))
-    if kind in ("deepseek_v3", "gpt_oss"):
+    if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
         from omnitron.core.checkpoint import hf_moe
 
-        fields = hf_moe.deepseek_fields(hf) if kind == "deepseek_v3" else hf_moe.gpt_oss_fields(hf)
+        fields = {"deepseek_v3": hf_moe.deepseek_fields, "gpt_oss": hf_moe.gpt_oss_fields,
+                  "qwen3_moe": hf_moe.qwen3_moe_fields}[kind](hf)
         return GPTConfig(**fields, params_dtype=_dtype(hf))
     raise HFConversionError(f"config.json: model_type {kind!r} is not supported; omnitron imports 'gpt2' "
-                            f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'deepseek_v3' and 'gpt_oss'")
+                            f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'deepseek_v3', 'gpt_oss' and 'qwen3_moe'")
 
 
 def _gpt2_fields(hf: dict) -> dict:
@@ -155,6 +156,9 @@ def hf_model_type(cfg) -> str:
         return "deepseek_v3"
     if getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False) and cfg.num_experts:
         return "gpt_oss"
+    plain = getattr(cfg, "window_size", None) is None and getattr(cfg, "softmax_type", "vanilla") == "vanilla"
+    if cfg.num_experts and cfg.qk_layernorm and cfg.swiglu and cfg.position_embedding_type == "rope" and plain:
+        return "qwen3_moe"
     common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False),
               ("--mtp-num-layers", getattr(cfg, "mtp_num_layers", None), None),
               ("--window-size", getattr(cfg, "window_size", None), None),
@@ -180,23 +184,34 @@ def hf_model_type(cfg) -> str:
 def config_to_hf(cfg) -> dict:
     """The ``config.json`` dict of the Hugging Face model equal to ``cfg`` (written in the
     transformers-4 spelling, which transformers 5 reads too)."""
-    from omnitron.core.models.gpt.config import ffn_size, head_dim, max_positions, query_groups
-
     kind, dtype = hf_model_type(cfg), str(cfg.params_dtype).replace("torch.", "")
-    tie = not cfg.untie_embeddings_and_output_weights
-    if kind in ("deepseek_v3", "gpt_oss"):
+    if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
         from omnitron.core.checkpoint import hf_moe
 
-        return (hf_moe.deepseek_to_hf if kind == "deepseek_v3" else hf_moe.gpt_oss_to_hf)(cfg, dtype)
-    if kind == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
-                "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
-                "n_positions": max_positions(cfg), "n_ctx": max_positions(cfg), "vocab_size": cfg.vocab_size,
-                "layer_norm_epsilon": cfg.layernorm_epsilon,
-                "activation_function": "gelu" if exact_gelu(cfg) else "gelu_new",
-                "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
-                "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-                "scale_attn_weights": True, "tie_word_embeddings": tie, "torch_dtype": dtype}
+        return {"deepseek_v3": hf_moe.deepseek_to_hf, "gpt_oss": hf_moe.gpt_oss_to_hf,
+                "qwen3_moe": hf_moe.qwen3_moe_to_hf}[kind](cfg, dtype)
+    return _llama_config(cfg, dtype) if kind == "llama" else _gpt2_config(cfg, dtype)
+
+
+def _gpt2_config(cfg, dtype: str) -> dict:
+    """The ``GPT2LMHeadModel`` config.json of ``cfg``."""
+    from omnitron.core.models.gpt.config import max_positions
+
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
+            "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
+            "n_positions": max_positions(cfg), "n_ctx": max_positions(cfg), "vocab_size": cfg.vocab_size,
+            "layer_norm_epsilon": cfg.layernorm_epsilon,
+            "activation_function": "gelu" if exact_gelu(cfg) else "gelu_new",
+            "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+            "scale_attn_weights": True, "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+            "torch_dtype": dtype}
+
+
+def _llama_config(cfg, dtype: str) -> dict:
+    """The ``LlamaForCausalLM`` config.json of ``cfg`` (also the base of Qwen3-MoE's)."""
+    from omnitron.core.models.gpt.config import ffn_size, head_dim, max_positions, query_groups
+
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
            "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
            "num_key_value_heads": query_groups(cfg), "head_dim": head_dim(cfg), "intermediate_size": ffn_size(cfg),
@@ -204,7 +219,7 @@ def config_to_hf(cfg) -> dict:
            "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base,
            "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
            "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-           "tie_word_embeddings": tie, "torch_dtype": dtype}
+           "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "torch_dtype": dtype}
     if cfg.rope_scaling_factor != 1.0:
         out["rope_scaling"] = dict(rope_type="llama3", factor=cfg.rope_scaling_factor, **_LLAMA3_ROPE)
     return out
@@ -286,7 +301,7 @@ def _rules(cfg) -> list[Rule]:
     from omnitron.core.checkpoint import hf_moe
 
     build = {"gpt2": _gpt2_rules, "llama": _llama_rules, "deepseek_v3": hf_moe.deepseek_rules,
-             "gpt_oss": hf_moe.gpt_oss_rules}[hf_model_type(cfg)]
+             "gpt_oss": hf_moe.gpt_oss_rules, "qwen3_moe": hf_moe.qwen3_moe_rules}[hf_model_type(cfg)]
     rules = build(cfg)
     if not cfg.apply_layernorm_1p:
         return rules

@@ -11,13 +11,14 @@ untrained or a freshly initialised model) and refuses another, the export writes
 
 gpt-oss: q/k/v and their biases fuse as Llama's; ``sinks`` are the attention's ``softmax_offset``; the experts
 are stacked ``gate_up_proj [E, h, 2f]`` with gate and up in alternating columns (``::2`` gate, ``1::2`` up),
-``down_proj [E, f, h]``, each with a bias; the router has a bias. Its YaRN RoPE is refused (plain RoPE only).
+``down_proj [E, f, h]``, each with a bias; the router has a bias. YaRN RoPE maps to --rotary-scaling-factor and
+its settings (HF's ``truncate`` is --yarn-correction-range-round-to-int).
 """
 from __future__ import annotations
 
 import torch
 
-from omnitron.core.checkpoint.hf import HFConversionError, Rule, _check, _need, _rope
+from omnitron.core.checkpoint.hf import HFConversionError, Rule, _check, _need
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -52,24 +53,37 @@ def deepseek_fields(hf: dict) -> dict:
                moe_router_enable_expert_bias=True, moe_router_num_groups=groups if groups > 1 else None,
                moe_router_group_topk=group_topk if groups > 1 else None,
                moe_router_topk_scaling_factor=None if scale == 1.0 else scale)
-    out.update(_deepseek_rope(hf))
+    out.update(_yarn_rope(hf))
     return out
 
 
-def _deepseek_rope(hf: dict) -> dict:
-    """RoPE base and YaRN's settings (rope_type ``yarn``) of a DeepSeek-V3 config."""
+def _yarn_rope(hf: dict, mscale: float = 1.0) -> dict:
+    """RoPE base and YaRN's settings (rope_type ``yarn``) of a config; ``mscale``: the default of a config that
+    names none. HF's ``attention_factor`` is omnitron's concentration only in its derived form."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return dict(rotary_base=theta)
-    if kind != "yarn" or params.get("truncate", True) is False:
-        raise HFConversionError(f"config.json: rope {kind!r} (truncate={params.get('truncate')}) is not supported for "
-                                "DeepSeek-V3; omnitron implements plain RoPE and YaRN with rounded correction range")
+    if kind != "yarn" or params.get("attention_factor") is not None:
+        raise HFConversionError(f"config.json: rope {kind!r} (attention_factor={params.get('attention_factor')}) is "
+                                "not supported; omnitron implements plain RoPE and YaRN with the derived factor")
     return dict(rotary_base=theta, rotary_scaling_factor=float(params["factor"]),
-                mscale=float(params.get("mscale", 1.0)), mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+                mscale=float(params.get("mscale") or mscale), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
                 yarn_original_max_position_embeddings=int(params.get("original_max_position_embeddings", 4096)),
-                yarn_beta_fast=float(params.get("beta_fast", 32.0)), yarn_beta_slow=float(params.get("beta_slow", 1.0)))
+                yarn_beta_fast=float(params.get("beta_fast", 32.0)), yarn_beta_slow=float(params.get("beta_slow", 1.0)),
+                yarn_correction_range_round_to_int=bool(params.get("truncate", True)))
+
+
+def _yarn_to_hf(cfg) -> dict:
+    """``rope_parameters`` of ``cfg``: plain RoPE, or YaRN."""
+    out = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rotary_scaling_factor != 1.0:
+        out = {"rope_type": "yarn", "rope_theta": cfg.rotary_base, "factor": cfg.rotary_scaling_factor,
+               "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim, "beta_fast": cfg.yarn_beta_fast or 32.0,
+               "beta_slow": cfg.yarn_beta_slow or 1.0, "truncate": cfg.yarn_correction_range_round_to_int,
+               "original_max_position_embeddings": cfg.yarn_original_max_position_embeddings or 4096}
+    return out
 
 
 def gpt_oss_fields(hf: dict) -> dict:
@@ -77,9 +91,6 @@ def gpt_oss_fields(hf: dict) -> dict:
     _check(hf, "attention_bias", bool, "gpt-oss's experts carry biases, and omnitron puts biases on every linear "
                                        "(--add-bias-linear) or on none")
     _check(hf, "swiglu_alpha", lambda v: float(v) == 1.702, "omnitron's quick GeGLU uses alpha 1.702")
-    theta, factor = _rope(hf)
-    if factor != 1.0:
-        raise HFConversionError("config.json: gpt-oss's rope scaling is not supported; omnitron imports plain RoPE")
     L = _need(hf, "num_hidden_layers")
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
     window = hf.get("sliding_window")
@@ -89,7 +100,7 @@ def gpt_oss_fields(hf: dict) -> dict:
                 ffn_hidden_size=_need(hf, "intermediate_size"), moe_ffn_hidden_size=hf["intermediate_size"],
                 vocab_size=_need(hf, "vocab_size"), max_position_embeddings=n, seq_length=min(n, 4096),
                 normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-5), swiglu=True,
-                position_embedding_type="rope", rotary_base=theta,
+                position_embedding_type="rope", **_yarn_rope(hf),
                 untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), hidden_dropout=0.0,
                 attention_dropout=float(hf.get("attention_dropout", 0.0)), add_bias_linear=True,
                 init_method_std=hf.get("initializer_range", 0.02), num_experts=_need(hf, "num_local_experts"),
@@ -99,6 +110,63 @@ def gpt_oss_fields(hf: dict) -> dict:
                 "[" + ",".join("1" if t == "sliding_attention" else "0" for t in types) + "]",
                 softmax_type="learnable", quick_geglu=True, glu_linear_offset=1.0,
                 activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)))
+
+
+def qwen3_moe_fields(hf: dict) -> dict:
+    """GPTConfig fields of a ``qwen3_moe`` config.json (Llama's attention with QK-norm, softmax-routed experts)."""
+    from omnitron.core.checkpoint.hf import _llama_fields
+
+    _check(hf, "use_sliding_window", lambda v: not v, "Qwen3-MoE's sliding window is not imported")
+    base = {**hf, "mlp_bias": hf.get("attention_bias", False)}
+    out = _llama_fields(base)
+    L, step = out["num_layers"], int(hf.get("decoder_sparse_step", 1))
+    dense = set(hf.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(L)]
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes the latter
+    if not experts:
+        raise HFConversionError("config.json has no num_experts, which a qwen3_moe config needs")
+    out.update(qk_layernorm=True, num_experts=experts, moe_router_topk=_need(hf, "num_experts_per_tok"),
+               moe_ffn_hidden_size=_need(hf, "moe_intermediate_size"), moe_layer_freq=str(pattern),
+               moe_router_pre_softmax=not hf.get("norm_topk_prob", False))
+    return out
+
+
+def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
+    """The ``config.json`` of a Qwen3-MoE-layout ``cfg`` (Llama's fields plus QK-norm and the experts)."""
+    from omnitron.core.checkpoint.hf import _llama_config
+    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+    if cfg.moe_shared_expert_intermediate_size or cfg.moe_router_score_function != "softmax" or \
+            cfg.moe_router_group_topk or cfg.moe_router_topk_scaling_factor or cfg.moe_router_bias:
+        raise HFConversionError("a Hugging Face Qwen3-MoE model routes on a softmax without groups, scaling, bias or "
+                                "shared experts; this model differs")
+    pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
+    out = _llama_config(cfg, dtype)
+    out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=cfg.num_experts,
+               num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+               norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
+               mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
+    out.pop("mlp_bias", None)
+    return out
+
+
+def qwen3_moe_rules(cfg) -> list[Rule]:
+    """Llama's rules for attention (plus ``q_norm`` / ``k_norm``) and dense layers; MoE layers' router and
+    per-expert SwiGLU."""
+    from omnitron.core.checkpoint.hf import _llama_rules
+    from omnitron.core.transformer.moe.pattern import is_moe_layer
+
+    moe = {i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
+    rules = [r for r in _llama_rules(cfg) if not any(r.omni.startswith(f"decoder.layers.{i}.mlp.") for i in moe)]
+    for i in range(cfg.num_layers):
+        o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        rules += [Rule(o + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",)),
+                  Rule(o + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",))]
+        if i in moe:
+            rules.append(Rule(o + "mlp.router.weight", (h + "mlp.gate.weight",)))
+            for e in range(cfg.num_experts):
+                rules += _swiglu_mlp(f"{o}mlp.experts.{e}.", f"{h}mlp.experts.{e}.")
+    return rules
 
 
 def deepseek_to_hf(cfg, dtype: str) -> dict:
@@ -133,12 +201,7 @@ def deepseek_to_hf(cfg, dtype: str) -> dict:
            "rope_interleave": True, "attention_bias": False, "attention_dropout": cfg.attention_dropout,
            "initializer_range": cfg.init_method_std, "num_nextn_predict_layers": 0,
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "torch_dtype": dtype,
-           "rope_theta": cfg.rotary_base}
-    if cfg.rotary_scaling_factor != 1.0:
-        out["rope_scaling"] = {"rope_type": "yarn", "factor": cfg.rotary_scaling_factor, "mscale": cfg.mscale,
-                               "mscale_all_dim": cfg.mscale_all_dim, "beta_fast": cfg.yarn_beta_fast or 32.0,
-                               "beta_slow": cfg.yarn_beta_slow or 1.0,
-                               "original_max_position_embeddings": cfg.yarn_original_max_position_embeddings or 4096}
+           "rope_parameters": _yarn_to_hf(cfg)}
     return out
 
 
@@ -167,7 +230,7 @@ def gpt_oss_to_hf(cfg, dtype: str) -> dict:
             "swiglu_limit": cfg.activation_func_clamp_value, "attention_bias": True,
             "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "torch_dtype": dtype,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base}}
+            "rope_parameters": _yarn_to_hf(cfg)}
 
 
 # ---- weights ---------------------------------------------------------------------------------

@@ -71,6 +71,9 @@ class SelfAttention(nn.Module):
         self.cp_group = None  # set by apply_context_parallel: attention over the cp-split sequence
         self.cp_comm_type = "p2p"  # --cp-comm-type: the ring, or all-to-all / all-gather (context/ulysses.py)
         self.cp_subgroups = None  # a2a+p2p: (a2a group, p2p group) of this rank (context/hierarchical.py)
+        from omnitron.core.transformer.yarn import concentration
+
+        self.rope_factor = concentration(c) if getattr(c, "rotary_scaling_factor", 1.0) != 1.0 else 1.0
         self.window = None  # (left, right): this layer's sliding window (set by TransformerLayer), None: full
         self.softmax_type = getattr(c, "softmax_type", "vanilla")  # attention sinks (transformer/window.py)
         if self.softmax_type == "learnable":  # one sink logit per head, split over tp with the heads
@@ -269,6 +272,8 @@ class SelfAttention(nn.Module):
         if freqs is not None:
             rope = self.backend.kernels.rope
             q, k = rope(q, freqs, self.c.rotary_interleaved), rope(k, freqs, self.c.rotary_interleaved)
+            if self.rope_factor != 1.0:  # YaRN's concentration on the rotated q and k (transformer/yarn.py)
+                q, k = q * self.rope_factor, k * self.rope_factor
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         masks = (key_padding_mask,) if document_ids is None else (key_padding_mask, document_ids)
         if self.c.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():

@@ -156,7 +156,8 @@ class GPTConfig:
     v_head_dim: int = 128
     """--v-head-dim: per-head value channels."""
     rotary_scaling_factor: float = 1.0
-    """--rotary-scaling-factor: YaRN's context extension factor of MLA's RoPE (1: plain RoPE)."""
+    """--rotary-scaling-factor: YaRN's context extension factor (transformer/yarn.py) of MLA's RoPE, or of the
+    grouped-query attention's RoPE (gpt-oss) when above 1 (1: plain RoPE)."""
     mscale: float = 1.0
     """--mscale: YaRN's mscale (the rotated parts are scaled by m(mscale) / m(mscale_all_dim))."""
     mscale_all_dim: float = 0.0
@@ -167,6 +168,8 @@ class GPTConfig:
     """--yarn-beta-fast: YaRN's fast correction rotations (None: 32)."""
     yarn_beta_slow: float | None = None
     """--yarn-beta-slow: YaRN's slow correction rotations (None: 1)."""
+    yarn_correction_range_round_to_int: bool = True
+    """--no-yarn-correction-range-round-to-int: YaRN's ramp ends stay fractional (gpt-oss; HF ``truncate: false``)."""
     window_size: str | None = None
     """--window-size LEFT,RIGHT: sliding-window attention (transformer/window.py): query i attends to keys
     i - LEFT .. i (causal: RIGHT must be 0; -1: unbounded). Hugging Face's sliding_window W is W-1,0."""
@@ -514,11 +517,12 @@ def gpt_oss_20b(**overrides) -> GPTConfig:
     """gpt-oss-20b (OpenAI, 2025; its config.json): 24 layers, hidden 2880, 64 heads of 64 / 8 KV groups with
     biases and learned attention sinks, a 128-token sliding window on every other layer (from the first), 32
     experts of 2880 (top-4, softmax over the picks, router bias) with gpt-oss's clamped SwiGLU, vocabulary
-    201088, untied. NOTE: its YaRN RoPE (factor 32 over 4096) is not modelled on grouped-query attention here:
-    plain RoPE with base 150000, the same parameters."""
+    201088, untied; YaRN RoPE (base 150000, factor 32 over 4096, ramp ends not rounded)."""
     return replace(GPTConfig(num_layers=24, hidden_size=2880, num_attention_heads=64, num_query_groups=8,
                              kv_channels=64, ffn_hidden_size=2880, seq_length=4096, max_position_embeddings=131072,
-                             vocab_size=201088, rotary_base=150000.0, num_experts=32, moe_router_topk=4,
+                             vocab_size=201088, rotary_base=150000.0, rotary_scaling_factor=32.0,
+                             yarn_original_max_position_embeddings=4096, mscale_all_dim=0.0,
+                             yarn_correction_range_round_to_int=False, num_experts=32, moe_router_topk=4,
                              moe_ffn_hidden_size=2880, moe_router_bias=True, window_size="127,0",
                              window_attn_skip_freq="2", softmax_type="learnable", quick_geglu=True,
                              glu_linear_offset=1.0, activation_func_clamp_value=7.0, moe_router_load_balancing_type="none",
@@ -557,12 +561,17 @@ def uses_rope(c: GPTConfig) -> bool:
 def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
     """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled
     (multi-latent attention: YaRN's over --qk-pos-emb-head-dim, :mod:`omnitron.core.transformer.yarn`)."""
-    if c.multi_latent_attention:
-        from omnitron.core.transformer.yarn import yarn_inv_freq
+    from omnitron.core.transformer.yarn import yarn_inv_freq
 
+    if c.multi_latent_attention:
         return yarn_inv_freq(c)
     rot = int(head_dim(c) * c.rotary_percent)
     rot -= rot % 2
+    if c.rotary_scaling_factor != 1.0:
+        if c.rope_scaling_factor != 1.0 or c.rotary_percent != 1.0:
+            raise ConfigError("--rotary-scaling-factor (YaRN) rotates every channel, without --rope-scaling-factor "
+                              "(Llama 3.1) or --rotary-percent; drop those")
+        return yarn_inv_freq(c, rot)
     inv = 1.0 / (c.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     if c.rope_scaling_factor != 1.0:
         low, high, orig = 1.0, 4.0, 8192  # Llama-3.1 constants
