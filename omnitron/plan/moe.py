@@ -94,7 +94,8 @@ def moe_collectives(cfg, m: MoELocal, elem: int, stats: int) -> tuple[list, list
     capacity, bias = cfg.moe_expert_capacity_factor is not None, cfg.add_bias_linear
     fwd, bwd = [], []
     if stats > 1:  # float32 sums: the load-balancing loss's counts, tokens and probabilities; the z-loss's two
-        lb = cfg.moe_router_load_balancing_type == "aux_loss" and cfg.moe_aux_loss_coeff > 0
+        # NOTE: seq_aux_loss sums b x E counts and scores (priced here at E, as the micro-batch's loss)
+        lb = cfg.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and cfg.moe_aux_loss_coeff > 0
         fwd += [("all_reduce", 4 * m.experts, stats), ("all_reduce", 4, stats), ("all_reduce", 4 * m.experts, stats)
                 ] if lb else []
         fwd += [("all_reduce", 4, stats)] * 2 if cfg.moe_z_loss_coeff else []

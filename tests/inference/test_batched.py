@@ -28,6 +28,11 @@ CONFIGS = {
     "gpt2": lambda: gpt2_tiny(num_layers=2, hidden_size=64, vocab_size=V, seq_length=40, max_position_embeddings=40),
     "llama_gqa": lambda: llama_tiny(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                     vocab_size=V, seq_length=40),
+    # gpt-oss's attention: a 4-token window on every other layer and sinks; the window is shorter than the
+    # generated rows, so cached decoding must drop keys that fell out of it
+    "gpt_oss_window_sinks": lambda: llama_tiny(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                               num_query_groups=2, vocab_size=V, seq_length=40, window_size="3,0",
+                                               window_attn_skip_freq="2", softmax_type="off-by-one"),
 }
 
 

@@ -12,7 +12,7 @@ from omnitron.core.models.family import get_family
 from omnitron.core.models.gpt.config import num_parameters
 
 # DeepSeek-V3's main model in the released checkpoint (its config.json; the model card's "671B"), without the
-# multi-token-prediction module (layer 61: the checkpoint's 685B total), which omnitron does not build yet. It
+# multi-token-prediction module (layer 61: the checkpoint's 685B total; --mtp-num-layers 1 builds it). It
 # counts the 58 MoE layers' 256-entry routing bias (`e_score_correction_bias`): a buffer here, as in Megatron.
 RELEASED_MAIN = 671_026_419_200
 BIAS_ENTRIES = 58 * 256

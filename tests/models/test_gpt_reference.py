@@ -74,11 +74,26 @@ def plain_gpt_loss(W, c, tokens, labels):
             q, k = _rope(q, c), _rope(k, c)
         k, v = k.repeat_interleave(hq // g, dim=2), v.repeat_interleave(hq // g, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-        att = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, hq * d)
+        masked = torch.ones(s, s, dtype=torch.bool).triu(1)
+        if c.window_size is not None and (i + 1) % int(c.window_attn_skip_freq or c.num_layers + 1) != 0:
+            left = int(c.window_size.split(",")[0])  # query q sees keys q - left .. q
+            masked |= torch.ones(s, s, dtype=torch.bool).tril(-left - 1)
+        scores = scores.masked_fill(masked, float("-inf"))
+        if c.softmax_type == "vanilla":
+            probs = scores.softmax(-1)
+        else:  # one extra logit per head in the denominator (a sink): learned, or 0 (off-by-one)
+            sink = W[p + "self_attention.softmax_offset"] if c.softmax_type == "learnable" else torch.zeros(hq)
+            e = (scores - scores.amax(-1, keepdim=True)).exp()
+            probs = e / (e.sum(-1, keepdim=True) + (sink.view(1, hq, 1, 1) - scores.amax(-1, keepdim=True)).exp())
+        att = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, hq * d)
         x = x + lin(att, p + "self_attention.linear_proj")
         h = lin(_norm(x, W, p + "pre_mlp_layernorm", c), p + "mlp.linear_fc1")
-        if c.swiglu:
+        if c.quick_geglu:  # gpt-oss: x sigmoid(1.702 x) on the clamped gate, times (clamped up + offset)
+            gate, up = h.chunk(2, -1)
+            lim = c.activation_func_clamp_value
+            gate, up = torch.minimum(gate, torch.tensor(lim)), torch.clamp(up, -lim, lim)
+            h = gate * torch.sigmoid(1.702 * gate) * (up + c.glu_linear_offset)
+        elif c.swiglu:
             gate, up = h.chunk(2, -1)
             h = F.silu(gate) * up
         elif c.bias_gelu_fusion and c.add_bias_linear:  # Megatron-Core: tanh only in its fused bias-GeLU kernel
@@ -114,6 +129,12 @@ CASES["gpt_no_bias_gelu"] = dataclasses.replace(CASES["gpt2"], add_bias_linear=F
 # --apply-layernorm-1p: the engine holds w - 1 for every norm's scale w (the reference gets w itself)
 CASES["gpt2_1p"] = dataclasses.replace(CASES["gpt2"], apply_layernorm_1p=True)
 CASES["llama_qk_1p"] = dataclasses.replace(CASES["llama_gqa"], apply_layernorm_1p=True, qk_layernorm=True)
+# gpt-oss: a 4-key window on layer 0 (every 2nd layer full), learned sinks, the clamped quick-GeGLU (clamp 0.05:
+# below the fc1 outputs' spread at this init, so both sides of the clamp are exercised), with biases
+CASES["gpt_oss_features"] = dataclasses.replace(CASES["llama_gqa"], window_size="3,0", window_attn_skip_freq="2",
+                                                softmax_type="learnable", quick_geglu=True, glu_linear_offset=1.0,
+                                                activation_func_clamp_value=0.05, add_bias_linear=True)
+CASES["off_by_one_window_all"] = dataclasses.replace(CASES["llama_gqa"], window_size="2,0", softmax_type="off-by-one")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -129,6 +150,10 @@ def test_engine_matches_plain_float64(name):
         with torch.no_grad():  # away from 0, so that a missing or doubled + 1 shows
             for n in norms:
                 model.get_parameter(n).normal_(0.0, 0.2, generator=gen)
+    with torch.no_grad():  # sinks away from their zero init, so a sign or head mix-up shows
+        for n, p in model.named_parameters():
+            if n.endswith("softmax_offset"):
+                p.normal_(0.0, 1.0, generator=gen)
     tokens = torch.randint(0, c.vocab_size, (2, c.seq_length), generator=gen)
     labels = torch.randint(0, c.vocab_size, (2, c.seq_length), generator=gen)
     loss = model(tokens, labels=labels)

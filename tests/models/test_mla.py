@@ -209,7 +209,7 @@ def test_mla_trains_through_the_cli(tmp_path):
 
 
 def test_mla_generation_cache_matches_full_recompute():
-    """The KV cache (full keys and values, not yet the latent) decodes MLA with its YaRN softmax scale:
+    """The KV cache keeps MLA's latent and rotated shared key part and decodes with its YaRN softmax scale:
     greedy tokens equal re-running the whole sequence."""
     from omnitron.core.inference import generate
     from omnitron.core.models.gpt import GPTModel
@@ -224,3 +224,26 @@ def test_mla_generation_cache_matches_full_recompute():
     prompt = torch.randint(0, 300, (5,)).tolist()
     cached = generate(model, prompt, 10)
     assert cached == generate(model, prompt, 10, use_cache=False) and len(cached) == 10
+
+
+def test_latent_cache_holds_the_latent_and_matches_recompute():
+    """Prefill then two single-token steps through the cache: the last logits equal the full forward (float64,
+    same sums in another order: < 1e-10), and the cache holds per token and layer the kv_lora_rank latent plus the
+    qk_pos_emb_head_dim rotated key part (10 + 4 numbers here), not heads x (dn + dr + dv) = 4 x 15."""
+    from omnitron.core.inference.kv_cache import KVCache
+    from omnitron.core.models.gpt import GPTModel
+
+    cfg = _config(vocab_size=50, rotary_scaling_factor=4.0, mscale_all_dim=1.0)
+    model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu"), seed=5).eval()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        full = model(tokens=tokens, position_ids=pos)
+        with KVCache(model) as cache:
+            model(tokens=tokens[:, :7], position_ids=pos[:, :7])
+            model(tokens=tokens[:, 7:8], position_ids=pos[:, 7:8])
+            last = model(tokens=tokens[:, 8:], position_ids=pos[:, 8:])
+            assert cache.keys[0].shape == (9, 2, cfg.kv_lora_rank) and cache.values[0].shape == (9, 2, 1, 4)
+            per_token = cache.bytes_per_token()
+    torch.testing.assert_close(last[0], full[8], rtol=1e-10, atol=1e-12)
+    assert per_token == cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) * 8  # float64

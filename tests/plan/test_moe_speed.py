@@ -71,7 +71,7 @@ def _args(root: str, extra: list[str]) -> list[str]:
             "--num-experts", "4", "--moe-router-topk", "2", "--data-cache-path", os.path.join(root, "cache"), *extra]
 
 
-def _round_robin(self, x):
+def _round_robin(self, x, batch_size=1):
     """The router with token ``t``'s picks fixed to experts ``(t k + j) mod E``: balanced routing."""
     import torch.nn.functional as F
 

@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 / Llama checkpoints to and from omnitron's full (layout-independent) state.
+"""Hugging Face GPT-2 / Llama (and DeepSeek-V3 / gpt-oss, :mod:`.hf_moe`) checkpoints to and from omnitron's
+full (layout-independent) state.
 
 omnitron's full state names every weight globally at its full, unpadded shape
 (``decoder.layers.7.self_attention.linear_qkv.weight``; see :mod:`omnitron.core.checkpoint.reshard`).
@@ -77,8 +78,14 @@ def config_from_hf(hf: dict):
         return GPTConfig(**_gpt2_fields(hf), params_dtype=_dtype(hf))
     if kind == "llama":
         return GPTConfig(**_llama_fields(hf), params_dtype=_dtype(hf))
+    if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
+        from omnitron.core.checkpoint import hf_moe
+
+        fields = {"deepseek_v3": hf_moe.deepseek_fields, "gpt_oss": hf_moe.gpt_oss_fields,
+                  "qwen3_moe": hf_moe.qwen3_moe_fields}[kind](hf)
+        return GPTConfig(**fields, params_dtype=_dtype(hf))
     raise HFConversionError(f"config.json: model_type {kind!r} is not supported; omnitron imports 'gpt2' "
-                            f"(GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)")
+                            f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'deepseek_v3', 'gpt_oss' and 'qwen3_moe'")
 
 
 def _gpt2_fields(hf: dict) -> dict:
@@ -141,11 +148,24 @@ def _llama_fields(hf: dict) -> dict:
 
 
 def hf_model_type(cfg) -> str:
-    """``gpt2`` or ``llama``: the HF architecture ``cfg`` is (error naming the first field that fits neither)."""
+    """``gpt2``, ``llama``, ``deepseek_v3`` (multi-latent attention) or ``gpt_oss`` (attention sinks, quick
+    GeGLU, MoE): the HF architecture ``cfg`` is (error naming the first field that fits none)."""
     from omnitron.core.models.gpt.config import head_dim, query_groups
 
+    if getattr(cfg, "multi_latent_attention", False):
+        return "deepseek_v3"
+    if getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False) and cfg.num_experts:
+        return "gpt_oss"
+    plain = getattr(cfg, "window_size", None) is None and getattr(cfg, "softmax_type", "vanilla") == "vanilla"
+    if cfg.num_experts and cfg.qk_layernorm and cfg.swiglu and cfg.position_embedding_type == "rope" and plain:
+        return "qwen3_moe"
     common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False),
-              ("--multi-latent-attention", getattr(cfg, "multi_latent_attention", False), False)]
+              ("--mtp-num-layers", getattr(cfg, "mtp_num_layers", None), None),
+              ("--window-size", getattr(cfg, "window_size", None), None),
+              ("--softmax-type", getattr(cfg, "softmax_type", "vanilla"), "vanilla"),
+              ("--quick-geglu", getattr(cfg, "quick_geglu", False), False),
+              ("--glu-linear-offset", getattr(cfg, "glu_linear_offset", 0.0), 0.0),
+              ("--activation-func-clamp-value", getattr(cfg, "activation_func_clamp_value", None), None)]
     if cfg.position_embedding_type == "learned_absolute":
         kind, want = "gpt2", [("--normalization", cfg.normalization, "LayerNorm"), ("--swiglu", cfg.swiglu, False),
                               ("--add-bias-linear", cfg.add_bias_linear, True),
@@ -164,19 +184,34 @@ def hf_model_type(cfg) -> str:
 def config_to_hf(cfg) -> dict:
     """The ``config.json`` dict of the Hugging Face model equal to ``cfg`` (written in the
     transformers-4 spelling, which transformers 5 reads too)."""
+    kind, dtype = hf_model_type(cfg), str(cfg.params_dtype).replace("torch.", "")
+    if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
+        from omnitron.core.checkpoint import hf_moe
+
+        return {"deepseek_v3": hf_moe.deepseek_to_hf, "gpt_oss": hf_moe.gpt_oss_to_hf,
+                "qwen3_moe": hf_moe.qwen3_moe_to_hf}[kind](cfg, dtype)
+    return _llama_config(cfg, dtype) if kind == "llama" else _gpt2_config(cfg, dtype)
+
+
+def _gpt2_config(cfg, dtype: str) -> dict:
+    """The ``GPT2LMHeadModel`` config.json of ``cfg``."""
+    from omnitron.core.models.gpt.config import max_positions
+
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
+            "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
+            "n_positions": max_positions(cfg), "n_ctx": max_positions(cfg), "vocab_size": cfg.vocab_size,
+            "layer_norm_epsilon": cfg.layernorm_epsilon,
+            "activation_function": "gelu" if exact_gelu(cfg) else "gelu_new",
+            "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
+            "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
+            "scale_attn_weights": True, "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+            "torch_dtype": dtype}
+
+
+def _llama_config(cfg, dtype: str) -> dict:
+    """The ``LlamaForCausalLM`` config.json of ``cfg`` (also the base of Qwen3-MoE's)."""
     from omnitron.core.models.gpt.config import ffn_size, head_dim, max_positions, query_groups
 
-    kind, dtype = hf_model_type(cfg), str(cfg.params_dtype).replace("torch.", "")
-    tie = not cfg.untie_embeddings_and_output_weights
-    if kind == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.num_layers,
-                "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
-                "n_positions": max_positions(cfg), "n_ctx": max_positions(cfg), "vocab_size": cfg.vocab_size,
-                "layer_norm_epsilon": cfg.layernorm_epsilon,
-                "activation_function": "gelu" if exact_gelu(cfg) else "gelu_new",
-                "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout,
-                "attn_pdrop": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-                "scale_attn_weights": True, "tie_word_embeddings": tie, "torch_dtype": dtype}
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
            "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
            "num_key_value_heads": query_groups(cfg), "head_dim": head_dim(cfg), "intermediate_size": ffn_size(cfg),
@@ -184,7 +219,7 @@ def config_to_hf(cfg) -> dict:
            "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base,
            "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
            "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-           "tie_word_embeddings": tie, "torch_dtype": dtype}
+           "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "torch_dtype": dtype}
     if cfg.rope_scaling_factor != 1.0:
         out["rope_scaling"] = dict(rope_type="llama3", factor=cfg.rope_scaling_factor, **_LLAMA3_ROPE)
     return out
@@ -263,7 +298,11 @@ def _llama_rules(cfg) -> list[Rule]:
 
 
 def _rules(cfg) -> list[Rule]:
-    rules = _gpt2_rules(cfg) if hf_model_type(cfg) == "gpt2" else _llama_rules(cfg)
+    from omnitron.core.checkpoint import hf_moe
+
+    build = {"gpt2": _gpt2_rules, "llama": _llama_rules, "deepseek_v3": hf_moe.deepseek_rules,
+             "gpt_oss": hf_moe.gpt_oss_rules, "qwen3_moe": hf_moe.qwen3_moe_rules}[hf_model_type(cfg)]
+    rules = build(cfg)
     if not cfg.apply_layernorm_1p:
         return rules
     # --apply-layernorm-1p: omnitron holds w - 1 for a Hugging Face norm weight w
@@ -289,8 +328,14 @@ def _canonical_names(state: dict, kind: str) -> dict:
 
 def state_from_hf(hf_state: dict, cfg) -> dict[str, torch.Tensor]:
     """omnitron's full state (global names) from an HF state dict of the model ``cfg`` describes."""
+    from omnitron.core.checkpoint import hf_moe
+
     kind = hf_model_type(cfg)
     hf = _canonical_names(hf_state, kind)
+    if kind == "gpt_oss":
+        hf = hf_moe.unstack_gpt_oss_experts(hf)
+    if kind == "deepseek_v3":
+        hf_moe.take_routing_bias(hf)
     emb = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
     if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in hf:
         if emb in hf and not torch.equal(hf["lm_head.weight"], hf[emb]):
@@ -318,6 +363,13 @@ def state_to_hf(full: dict, cfg) -> dict[str, torch.Tensor]:
         if r.omni not in full:
             raise HFConversionError(f"the checkpoint holds no {r.omni!r}; it does not match its own model config")
         out.update({n: t.contiguous() for n, t in zip(r.hf, r.to_hf(full[r.omni]))})
+    from omnitron.core.checkpoint import hf_moe
+
+    kind = hf_model_type(cfg)
+    if kind == "gpt_oss":
+        out = hf_moe.stack_gpt_oss_experts(out)
+    if kind == "deepseek_v3":
+        out.update(hf_moe.routing_bias(cfg, full))
     return out
 
 

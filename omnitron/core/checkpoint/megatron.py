@@ -478,6 +478,8 @@ def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str) -> None:
               (not cfg.num_experts, f"--num-experts {cfg.num_experts}: MoE models do not export to Megatron"),
               (not getattr(cfg, "multi_latent_attention", False),
                "--multi-latent-attention: MLA models do not export to Megatron yet"),
+              (not getattr(cfg, "mtp_num_layers", None),
+               "--mtp-num-layers: multi-token prediction does not export to Megatron yet"),
               (cfg.num_layers % pp == 0, f"--target-pipeline-model-parallel-size {pp}: the model's {cfg.num_layers} "
                f"layers do not split evenly over {pp} stages (Megatron's torch checkpoints); pick a divisor"),
               (groups % tp == 0 and ffn_size(cfg) % tp == 0 and cfg.num_attention_heads % tp == 0,

@@ -9,6 +9,10 @@ slots ``k <= q`` (and to itself, so a padding query never sees an empty row: its
 but an all-masked softmax would put NaN into the cache). Without padding the backend's fused
 attention kernel runs as before (causal prefill, then single queries over the whole cache).
 
+Multi-latent attention (DeepSeek) keeps each slot's normalised latent and its rotated shared key part
+(``kv_lora_rank + qk_pos_emb_head_dim`` numbers per token and layer) instead of every head's key and
+value, and expands them with the layer's up-projection at each step (:meth:`KVCache.bytes_per_token`).
+
 :class:`CrossKVCache` memoizes each T5 decoder layer's cross-attention key/value projection of the
 encoder output ("memory"), which does not change while decoding: computed on the first step, reused.
 """
@@ -23,6 +27,7 @@ class KVCache:
 
     def __init__(self, model) -> None:
         self.attn = [layer.self_attention for layer in model.decoder.layers.values()]
+        self.latent = all(hasattr(a, "latent_cache") for a in self.attn)  # multi-latent attention: latents kept
         self.keys: list[torch.Tensor | None] = [None] * len(self.attn)
         self.values: list[torch.Tensor | None] = [None] * len(self.attn)
         self.valid: torch.Tensor | None = None
@@ -45,6 +50,9 @@ class KVCache:
         """Attention of the new queries (the last ``s_new`` slots) over every cached slot."""
         s_new, s_all = q.shape[2], k.shape[2]
         scale = getattr(module, "softmax_scale", None)  # multi-latent attention's YaRN-corrected scale
+        sinks = module.sinks() if hasattr(module, "sinks") else None
+        if getattr(module, "window", None) is not None or sinks is not None:
+            return self._window_sink(module, q, k, v, sinks)
         if self.valid is None:
             if s_new > 1 and s_new != s_all:
                 raise ValueError("KVCache: multi-token steps after the prefill need a validity mask (set .valid)")
@@ -59,14 +67,57 @@ class KVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=k.shape[1] != q.shape[1],
                                               scale=scale)
 
+    def _window_sink(self, module, q, k, v, sinks):
+        """Sliding window and attention sinks (transformer/window.py) over the cached slots: slot distances are
+        position distances (a row's real tokens are contiguous after its left padding)."""
+        from omnitron.core.transformer.window import keep_mask, sink_attention
+
+        s_new, s_all = q.shape[2], k.shape[2]
+        qpos, kpos = torch.arange(s_all - s_new, s_all, device=q.device), torch.arange(s_all, device=q.device)
+        keep = keep_mask(qpos, kpos, module.window)  # [s_new, s_all]
+        if self.valid is not None:
+            keep = keep & (self.valid[:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
+            keep = keep[:, None]
+        return sink_attention(q, k, v, keep, None if sinks is None else sinks.to(q.device))
+
+    def _latent(self, i: int):
+        """Multi-latent attention's cache: the layer's normalised latents and rotated shared key parts
+        (``[slots, b, r]``, ``[slots, b, 1, dr]``), from which it expands every slot's keys and values."""
+        def latent_cache(latent, k_pe):
+            if self.keys[i] is not None:
+                latent, k_pe = torch.cat([self.keys[i], latent]), torch.cat([self.values[i], k_pe])
+            self.keys[i], self.values[i] = latent, k_pe
+            return latent, k_pe
+
+        return latent_cache
+
+    def _attend_only(self, module):
+        def core_attention(q, k, v, key_padding_mask=None, document_ids=None):  # keys and values: every slot
+            return self._attend(module, q, k, v)
+
+        return core_attention
+
+    def bytes_per_token(self) -> float:
+        """Cache bytes per cached slot (all layers, one batch row): what generation holds per token."""
+        held = [t for t in self.keys + self.values if t is not None]
+        if not held:
+            return 0.0
+        slots, rows = (held[0].shape[0], held[0].shape[1]) if self.latent else (held[0].shape[2], held[0].shape[0])
+        return sum(t.numel() * t.element_size() for t in held) / (slots * rows)
+
     def __enter__(self) -> "KVCache":
         for i, a in enumerate(self.attn):
-            a.core_attention = self._core(i, a)
+            if self.latent:
+                a.latent_cache, a.core_attention = self._latent(i), self._attend_only(a)
+            else:
+                a.core_attention = self._core(i, a)
         return self
 
     def __exit__(self, *exc) -> None:
         for a in self.attn:
             del a.core_attention  # back to the class method
+            if self.latent:
+                a.latent_cache = None
 
 
 class CrossKVCache:

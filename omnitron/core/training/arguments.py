@@ -401,6 +401,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     if training.calculate_per_token_loss and getattr(model, "num_experts", None):
         raise ConfigError("--calculate-per-token-loss with MoE: the load-balancing loss is weighted per micro-batch, "
                           "not per token, yet; drop --calculate-per-token-loss (or train a dense model)")
+    _check_mtp(merged, family.name, training)
     if training.rampup_batch_size:
         _check_ramp_schedules(training, parallel, data_parallel_size(parallel, world))
     data = _data_settings(merged, model, parallel, training)
@@ -466,6 +467,21 @@ def _model_settings(merged: dict[str, Any], precision: PrecisionConfig):
                               parallel.decoder_last_pipeline_num_layers,
                               style=schedule_style(merged.get("pipeline_schedule")))
     return family, model, parallel
+
+
+def _check_mtp(merged: dict[str, Any], family: str, training: TrainingConfig) -> None:
+    """Multi-token prediction runs in the GPT family, weighted per micro-batch, on unpacked documents."""
+    if not merged.get("mtp_num_layers"):
+        return
+    if family != "gpt":
+        raise ConfigError(f"--mtp-num-layers: multi-token prediction is built for the gpt family only, not "
+                          f"{family}; drop the flag")
+    if training.calculate_per_token_loss:
+        raise ConfigError("--mtp-num-layers with --calculate-per-token-loss: the MTP loss is weighted per "
+                          "micro-batch, not per token, yet; drop --calculate-per-token-loss")
+    if merged.get("reset_attention_mask"):
+        raise ConfigError("--mtp-num-layers with --reset-attention-mask: the shifted tokens would cross document "
+                          "boundaries; drop --reset-attention-mask")
 
 
 def _training_settings(merged: dict[str, Any], dp: int) -> TrainingConfig:

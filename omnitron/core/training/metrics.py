@@ -3,7 +3,7 @@
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
 the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
 ``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
-the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models),
+the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
 ``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it)
 and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and ``time``. Log lines
 start with the time and carry the consumed samples and the ETA of the rest of the run. Only global rank 0 writes.
@@ -208,8 +208,9 @@ class MetricsLogger:
             vals = [v[key] for v in self._pending if v.get(key) is not None]
             rec[key] = sum(vals) / len(vals) if vals else None
         rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
-        if "moe_aux_loss" in last:  # MoE: the load-balancing loss added to lm_loss
-            rec["moe_aux_loss"] = sum(v["moe_aux_loss"] for v in self._pending) / n
+        for key in ("moe_aux_loss", "mtp_loss"):  # MoE's load-balancing loss, MTP's loss: added to lm_loss
+            if key in last:
+                rec[key] = sum(v[key] for v in self._pending) / n
         if "num_zeros_in_grad" in last:
             rec["num_zeros_in_grad"] = last["num_zeros_in_grad"]
         if last.get("decoupled_lr") is not None:
@@ -233,6 +234,8 @@ class MetricsLogger:
             line += f" | params norm {rec['params_norm']:.3f}"
         if "moe_aux_loss" in rec:
             line += f" | moe aux loss {rec['moe_aux_loss']:.4f}"
+        if "mtp_loss" in rec:
+            line += f" | mtp loss {rec['mtp_loss']:.4f}"
         if rec["loss_scale"] is not None:
             line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']}"
         if self.throughput and rec["tokens_per_sec_per_device"] is not None:

@@ -25,6 +25,7 @@ from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, compute_sections, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
 from omnitron.core.transformer.moe.router import update_expert_bias
+from omnitron.core.transformer.mtp import mtp_loss, set_mtp_loss_scale
 
 
 def _unwrap(chunk):
@@ -104,8 +105,11 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     scaler = c.optimizer.loss_scaler
     scale = scaler.scale if scaler is not None else None
     moe = c.model.num_experts is not None
+    mtp = bool(getattr(c.model, "mtp_num_layers", None))
     if moe:  # each micro-batch's load-balancing loss gets the weight of its LM loss
         set_aux_loss_scale(c.modules, (scale or 1.0) / c.schedule.num_microbatches)
+    if mtp:  # so does its multi-token-prediction loss
+        set_mtp_loss_scale(c.modules, (scale or 1.0) / c.schedule.num_microbatches)
     # NOTE: host-clock compute spans measure device work only where the device is synchronous
     split = timers.enabled("forward-compute") and not c.backend.capabilities().streams
     spans = c.settings.logging.log_straggler  # the straggler detector's compute time (straggler.py)
@@ -147,6 +151,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         out["compute_sections"] = compute_sections(timeline)
     if moe:
         out["moe_aux_loss"] = moe_aux_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
+    if mtp:
+        out["mtp_loss"] = mtp_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     return out
 
 

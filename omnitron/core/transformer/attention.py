@@ -87,6 +87,14 @@ class SelfAttention(nn.Module):
         self.cp_group = None  # set by apply_context_parallel: attention over the cp-split sequence
         self.cp_comm_type = "p2p"  # --cp-comm-type: the ring, or all-to-all / all-gather (context/ulysses.py)
         self.cp_subgroups = None  # a2a+p2p: (a2a group, p2p group) of this rank (context/hierarchical.py)
+        from omnitron.core.transformer.yarn import concentration
+
+        self.rope_factor = concentration(c) if getattr(c, "rotary_scaling_factor", 1.0) != 1.0 else 1.0
+        self.window = None  # (left, right): this layer's sliding window (set by TransformerLayer), None: full
+        self.softmax_type = getattr(c, "softmax_type", "vanilla")  # attention sinks (transformer/window.py)
+        if self.softmax_type == "learnable":  # one sink logit per head, split over tp with the heads
+            w = torch.empty(heads // group.size, dtype=c.params_dtype)
+            self.softmax_offset = set_attributes(nn.Parameter(w), parallel=True, dim=0, init=("zeros",))
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
             nkw = norm_kwargs(c, backend, partial_grad=group.size > 1)
@@ -151,6 +159,32 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, : self.q_per_group].reshape(s, b, -1, self.d)  # [s, b, hq/tp, d]
         return q, qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
 
+    def sinks(self) -> torch.Tensor | None:
+        """This rank's heads' sink logits ``[hq/tp]`` (``--softmax-type``), None for the plain softmax."""
+        if self.softmax_type == "learnable":
+            return self.softmax_offset
+        if self.softmax_type == "off-by-one":
+            return torch.zeros(self.c.num_attention_heads // self.group.size, dtype=torch.float32)
+        return None
+
+    def _window_sink_attention(self, q, k, v, document_ids, p: float) -> torch.Tensor:
+        """Causal attention within this layer's window, with attention sinks (transformer/window.py)."""
+        from omnitron.core.transformer.window import keep_mask, sink_attention
+
+        if self.cp_group is not None:
+            raise ValueError("--window-size / --softmax-type do not run under context parallelism yet; use "
+                             "--context-parallel-size 1")
+        pos = torch.arange(q.shape[2], device=q.device)
+        keep = keep_mask(pos, pos, self.window)
+        if document_ids is not None:
+            keep = (keep & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+        sinks = self.sinks()
+        sinks = None if sinks is None else sinks.to(q.device)
+        if p == 0.0:
+            return sink_attention(q, k, v, keep, sinks)
+        with self.tracker.fork():
+            return sink_attention(q, k, v, keep, sinks, dropout_p=p)
+
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        key_padding_mask: torch.Tensor | None = None,
                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,6 +192,8 @@ class SelfAttention(nn.Module):
         ``key_padding_mask [b, s]`` (bool, True = padding key) selects bidirectional attention;
         ``document_ids [b, s]`` causal attention within each document (see the module docstring)."""
         p = self.c.attention_dropout if self.training else 0.0
+        if (self.window is not None or self.softmax_type != "vanilla") and key_padding_mask is None:
+            return self._window_sink_attention(q, k, v, document_ids, p)
         if key_padding_mask is not None:
             return self._padded_attention(q, k, v, key_padding_mask, p)
         if document_ids is not None:
@@ -256,6 +292,8 @@ class SelfAttention(nn.Module):
         if freqs is not None:
             rope = self.backend.kernels.rope
             q, k = rope(q, freqs, self.c.rotary_interleaved), rope(k, freqs, self.c.rotary_interleaved)
+            if self.rope_factor != 1.0:  # YaRN's concentration on the rotated q and k (transformer/yarn.py)
+                q, k = q * self.rope_factor, k * self.rope_factor
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         masks = (key_padding_mask,) if document_ids is None else (key_padding_mask, document_ids)
         if self.c.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():

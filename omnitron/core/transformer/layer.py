@@ -31,6 +31,10 @@ class TransformerLayer(nn.Module):
         attention = MLASelfAttention if getattr(c, "multi_latent_attention", False) else SelfAttention
         self.self_attention = attention(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker,
                                             backend=backend, out_std=out_std, skip_out_bias=skip)
+        if attention is SelfAttention:
+            from omnitron.core.transformer.window import attention_window
+
+            self.self_attention.window = attention_window(c, layer_number)
         self.pre_mlp_layernorm = Norm(c.hidden_size, **nkw)
         from omnitron.core.transformer.moe.pattern import is_moe_layer
 

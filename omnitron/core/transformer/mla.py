@@ -76,6 +76,9 @@ class MLASelfAttention(nn.Module):
                                              sequence_parallel=sequence_parallel, init_std=out_std,
                                              skip_bias_add=skip_out_bias, dtype=c.params_dtype)
         self.softmax_scale, self.rope_factor = yarn.softmax_scale(c), yarn.concentration(c)
+        # generation: ``(latent [s, b, r], k_pe [s, b, 1, dr]) -> the same over every cached slot`` (the KV cache
+        # keeps the normalised latent and the rotated shared key part, not the per-head keys and values)
+        self.latent_cache = None
 
     def _rope(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         t = self.backend.kernels.rope(t, freqs, True)  # interleaved pairs (see the module docstring)
@@ -90,10 +93,14 @@ class MLASelfAttention(nn.Module):
         s, b = q.shape[:2]
         q = q.view(s, b, -1, self.dn + self.dr)
         latent, k_pe = self.linear_kv_down_proj(x).split([self.c.kv_lora_rank, self.dr], dim=-1)
-        kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(s, b, -1, self.dn + self.dv)
+        latent = self.kv_layernorm(latent)
         # the shared rotated key part feeds every local head: its gradient is a partial sum over tp
         k_pe = M.gather_from_sp(k_pe, self.group) if self.sp else M.copy_to_tp(k_pe, self.group)
         k_pe = self._rope(k_pe.unsqueeze(2), freqs)  # [s, b, 1, dr]
+        if self.latent_cache is not None:  # generation: every cached slot's latent, then this step's
+            latent, k_pe = self.latent_cache(latent, k_pe)
+        kv = self.linear_kv_up_proj(latent)  # [s(k), b, ...]: under sp the up-projection gathers the latents
+        kv = kv.view(kv.shape[0], b, -1, self.dn + self.dv)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
         q = torch.cat([q_nope, self._rope(q_pe, freqs)], dim=-1)
@@ -127,7 +134,7 @@ class MLASelfAttention(nn.Module):
             raise ValueError("multi-latent attention is causal only (GPT); a padding mask (BERT) is not supported")
         if freqs is None:
             raise ValueError("multi-latent attention needs the rotation angles of its decoupled RoPE (freqs)")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in self._project(x, freqs))  # [b, n/tp, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in self._project(x, freqs))  # [b, n/tp, s(k), d]
         s, b = q.shape[2], q.shape[0]
         masks = () if document_ids is None else (None, document_ids)
         if self.c.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():

@@ -15,8 +15,33 @@ def exact_gelu(c) -> bool:
     return not c.swiglu and not (getattr(c, "bias_gelu_fusion", True) and c.add_bias_linear)
 
 
-def activate(kernels, y: torch.Tensor, bias: torch.Tensor | None, *, swiglu: bool, exact: bool) -> torch.Tensor:
-    """The MLP's activation on ``y`` (+ ``bias`` when the GEMM left it out): SwiGLU, exact or tanh GeLU."""
+def glu_variant(c) -> tuple[str, float, float | None] | None:
+    """``(activation, offset, clamp)`` of a gated MLP other than plain SwiGLU, else None: ``--quick-geglu``
+    (``x sigmoid(1.702 x)``), ``--glu-linear-offset``, ``--activation-func-clamp-value`` (gpt-oss)."""
+    quick, offset = getattr(c, "quick_geglu", False), getattr(c, "glu_linear_offset", 0.0)
+    clamp = getattr(c, "activation_func_clamp_value", None)
+    if not quick and offset == 0.0 and clamp is None:
+        return None
+    return ("quick_gelu" if quick else "silu"), offset, clamp
+
+
+def gated_activation(y: torch.Tensor, act: str, offset: float, clamp: float | None) -> torch.Tensor:
+    """``act(gate) * (up + offset)`` of ``y = [gate | up]`` (each half of the last dim); with ``clamp`` the gate
+    is clamped above at it and ``up`` to ``[-clamp, clamp]`` first (gpt-oss's SwiGLU, Megatron's
+    ``activation_func_clamp_value``)."""
+    gate, up = y.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+    gate = gate * torch.sigmoid(1.702 * gate) if act == "quick_gelu" else F.silu(gate)
+    return gate * (up + offset)
+
+
+def activate(kernels, y: torch.Tensor, bias: torch.Tensor | None, *, swiglu: bool, exact: bool,
+             glu: tuple | None = None) -> torch.Tensor:
+    """The MLP's activation on ``y`` (+ ``bias`` when the GEMM left it out): SwiGLU, exact or tanh GeLU, or
+    the gated variant ``glu`` (:func:`glu_variant`)."""
+    if glu is not None:
+        return gated_activation(y if bias is None else y + bias, *glu)
     if exact:  # the bias was added by the GEMM (no fused kernel takes it)
         return F.gelu(y if bias is None else y + bias)
     return kernels.swiglu(y, bias) if swiglu else kernels.bias_gelu(y, bias)
@@ -32,13 +57,13 @@ class MLP(nn.Module):
         super().__init__()
         from omnitron.core.transformer.shapes import ffn_size
 
-        self.swiglu, self.exact_gelu, self.backend = c.swiglu, exact_gelu(c), backend
+        self.swiglu, self.exact_gelu, self.backend, self.glu = c.swiglu, exact_gelu(c), backend, glu_variant(c)
         f = ffn_size(c)
         kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, dtype=c.params_dtype)
         # NOTE: the bias goes to the fused activation kernel when one exists; with the reference,
         # the GEMM adding it (addmm) saves a full pass over [s, b, f]
         fused_act = backend.kernels.resolved("swiglu" if c.swiglu else "bias_gelu") != "reference" \
-            and not self.exact_gelu
+            and not self.exact_gelu and self.glu is None
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, 2 * f if c.swiglu else f, init_std=c.init_method_std,
                                                stride=2 if c.swiglu else 1, skip_bias_add=fused_act, **kw)
         self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=out_std, skip_bias_add=skip_out_bias, **kw)
@@ -46,6 +71,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor):
         y = self.linear_fc1(x)  # [s, b, (2)f/tp]
         y, bias = y if isinstance(y, tuple) else (y, None)
-        y = activate(self.backend.kernels, y, bias, swiglu=self.swiglu, exact=self.exact_gelu)
+        y = activate(self.backend.kernels, y, bias, swiglu=self.swiglu, exact=self.exact_gelu, glu=self.glu)
         y = self.linear_fc2(y)
         return y if isinstance(y, tuple) else (y, None)

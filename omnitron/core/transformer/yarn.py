@@ -1,4 +1,6 @@
-"""YaRN rotary scaling of multi-latent attention (Megatron-Core's ``YarnRotaryEmbedding``).
+"""YaRN rotary scaling (Megatron-Core's ``YarnRotaryEmbedding``) of multi-latent attention, and of grouped-query
+attention when ``--rotary-scaling-factor`` is above 1 (gpt-oss: its rotated q and k are multiplied by the
+concentration factor, its softmax scale stays ``1/sqrt(d)``).
 
 The rotated channels of MLA (``--qk-pos-emb-head-dim`` of them) use the inverse frequencies
 ``inv = inter * (1 - mask) + extra * mask``: ``extra = base^(-2i/d)`` (plain RoPE), ``inter = extra /
@@ -39,17 +41,21 @@ def _correction_dim(rotations: float, dim: int, base: float, positions: int) -> 
     return dim * math.log(positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def yarn_inv_freq(c) -> torch.Tensor:
-    """Inverse frequencies ``[qk_pos_emb_head_dim / 2]`` (float32, computed in float64)."""
-    d, base, s = c.qk_pos_emb_head_dim, c.rotary_base, c.rotary_scaling_factor
+def yarn_inv_freq(c, dim: int | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[dim / 2]`` (default ``qk_pos_emb_head_dim``; float32, computed in float64).
+    ``--no-yarn-correction-range-round-to-int`` (HF's ``truncate: false``, gpt-oss) keeps the ramp's ends
+    fractional."""
+    d, base, s = dim or c.qk_pos_emb_head_dim, c.rotary_base, c.rotary_scaling_factor
     extra = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     if s == 1.0:
         return extra.float()
     positions = c.yarn_original_max_position_embeddings or ORIGINAL_MAX_POSITIONS
     fast = BETA_FAST if c.yarn_beta_fast is None else c.yarn_beta_fast
     slow = BETA_SLOW if c.yarn_beta_slow is None else c.yarn_beta_slow
-    low = max(math.floor(_correction_dim(fast, d, base, positions)), 0)
-    high = min(math.ceil(_correction_dim(slow, d, base, positions)), d - 1)
+    low, high = _correction_dim(fast, d, base, positions), _correction_dim(slow, d, base, positions)
+    if getattr(c, "yarn_correction_range_round_to_int", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001  # Megatron's guard against a zero-width ramp
     ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

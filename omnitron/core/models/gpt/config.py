@@ -103,7 +103,8 @@ class GPTConfig:
     moe_ffn_hidden_size: int | None = None
     """--moe-ffn-hidden-size: width of each expert's MLP; default --ffn-hidden-size."""
     moe_router_load_balancing_type: str = "aux_loss"
-    """--moe-router-load-balancing-type: ``aux_loss`` (Switch/GShard load-balancing loss) or ``none``."""
+    """--moe-router-load-balancing-type: ``aux_loss`` (Switch/GShard load-balancing loss over the micro-batch),
+    ``seq_aux_loss`` (DeepSeek-V3's, per sequence, averaged over the sequences) or ``none``."""
     moe_aux_loss_coeff: float = 0.0
     """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss. 0 (Megatron's default)
     turns it off; 1e-2 is the usual setting for training MoE models from scratch."""
@@ -166,7 +167,8 @@ class GPTConfig:
     v_head_dim: int = 128
     """--v-head-dim: per-head value channels."""
     rotary_scaling_factor: float = 1.0
-    """--rotary-scaling-factor: YaRN's context extension factor of MLA's RoPE (1: plain RoPE)."""
+    """--rotary-scaling-factor: YaRN's context extension factor (transformer/yarn.py) of MLA's RoPE, or of the
+    grouped-query attention's RoPE (gpt-oss) when above 1 (1: plain RoPE)."""
     mscale: float = 1.0
     """--mscale: YaRN's mscale (the rotated parts are scaled by m(mscale) / m(mscale_all_dim))."""
     mscale_all_dim: float = 0.0
@@ -177,6 +179,31 @@ class GPTConfig:
     """--yarn-beta-fast: YaRN's fast correction rotations (None: 32)."""
     yarn_beta_slow: float | None = None
     """--yarn-beta-slow: YaRN's slow correction rotations (None: 1)."""
+    yarn_correction_range_round_to_int: bool = True
+    """--no-yarn-correction-range-round-to-int: YaRN's ramp ends stay fractional (gpt-oss; HF ``truncate: false``)."""
+    window_size: str | None = None
+    """--window-size LEFT,RIGHT: sliding-window attention (transformer/window.py): query i attends to keys
+    i - LEFT .. i (causal: RIGHT must be 0; -1: unbounded). Hugging Face's sliding_window W is W-1,0."""
+    window_attn_skip_freq: str | None = None
+    """--window-attn-skip-freq: N: every N-th layer (1-based) keeps full attention, the rest the window
+    (gpt-oss: 2); or a 0/1 per-layer list expression, 1 = window. None: every layer has the window."""
+    softmax_type: str = "vanilla"
+    """--softmax-type: ``vanilla``; ``off-by-one`` (an extra zero logit in each attention softmax) or
+    ``learnable`` (gpt-oss's attention sinks: one learned logit per head, ``softmax_offset``)."""
+    quick_geglu: bool = False
+    """--quick-geglu: the gated MLP (as --swiglu, which it implies) with ``x sigmoid(1.702 x)`` on the gate."""
+    glu_linear_offset: float = 0.0
+    """--glu-linear-offset: the gated MLP computes ``act(gate) * (up + offset)`` (gpt-oss: 1)."""
+    activation_func_clamp_value: float | None = None
+    """--activation-func-clamp-value: the gated MLP clamps the gate to at most C and up to [-C, C] (gpt-oss: 7)."""
+    moe_router_bias: bool = False
+    """A learned bias on the router's logits (gpt-oss's router; Megatron's gpt-oss support adds it with
+    --add-bias-linear). Off by default."""
+    mtp_num_layers: int | None = None
+    """--mtp-num-layers: multi-token prediction depths (DeepSeek-V3; transformer/mtp.py) on the last pipeline
+    stage, depth k predicting the token k + 1 ahead (None: none)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """--mtp-loss-scaling-factor: lambda, the weight of the mean of the depths' losses added to the LM loss."""
 
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
@@ -199,6 +226,21 @@ class GPTConfig:
         from omnitron.core.transformer.moe.validate import check_moe_fields
 
         check_moe_fields(self)
+        if self.quick_geglu:  # Megatron: --quick-geglu sets the gated linear unit
+            self.swiglu = True
+        self._check_window_and_sinks()
+
+    def _check_window_and_sinks(self) -> None:
+        """--window-size, --window-attn-skip-freq, --softmax-type by themselves."""
+        from omnitron.core.transformer.window import SOFTMAX_TYPES, parse_window, window_layers
+
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ConfigError(f"--softmax-type {self.softmax_type!r} is not one of {', '.join(SOFTMAX_TYPES)}")
+        window = parse_window(self.window_size)
+        if window is not None and window[1] not in (0, -1):
+            raise ConfigError(f"--window-size {self.window_size}: GPT attention is causal, the right side is 0 "
+                              f"(use {window[0]},0)")
+        window_layers(self)  # raises on a bad --window-attn-skip-freq
 
 
 # ---- derived values ------------------------------------------------------------------------
@@ -268,8 +310,14 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     are checked by the pipeline layer-placement code)."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = c.num_attention_heads, query_groups(c)
+    if c.mtp_num_layers is not None:
+        _validate_mtp(c, parallel.context_parallel_size)
     if c.multi_latent_attention:
         _validate_mla(c, parallel.context_parallel_size)
+    if (c.window_size is not None or c.softmax_type != "vanilla") and (
+            c.multi_latent_attention or parallel.context_parallel_size > 1):
+        raise ConfigError("--window-size / --softmax-type run with grouped-query attention and "
+                          "--context-parallel-size 1 only, yet; drop them or --multi-latent-attention / cp")
     elif c.kv_channels is None and c.hidden_size % heads:
         raise ConfigError(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or set --kv-channels")
@@ -306,6 +354,21 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     from omnitron.core.transformer.moe.validate import validate_moe
 
     validate_moe(c, parallel)
+
+
+def _validate_mtp(c: GPTConfig, cp: int) -> None:
+    """Multi-token prediction's settings, and what it does not combine with (yet)."""
+    if not isinstance(c.mtp_num_layers, int) or c.mtp_num_layers < 1:
+        raise ConfigError(f"--mtp-num-layers must be a positive integer, got {c.mtp_num_layers!r}")
+    if c.mtp_loss_scaling_factor < 0:
+        raise ConfigError(f"--mtp-loss-scaling-factor must be >= 0, got {c.mtp_loss_scaling_factor}")
+    if cp > 1:
+        raise ConfigError(f"--mtp-num-layers with --context-parallel-size {cp}: the shifted tokens cross the cp "
+                          "slices, which is not implemented yet; use --context-parallel-size 1")
+    if not uses_rope(c):
+        raise ConfigError("--mtp-num-layers needs rotary positions (--position-embedding-type rope or "
+                          "--multi-latent-attention): the MTP modules embed the shifted tokens without learned "
+                          "position embeddings")
 
 
 def _validate_mla(c: GPTConfig, cp: int) -> None:
@@ -363,6 +426,8 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
     if c.qk_layernorm:
         attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
+    if c.softmax_type == "learnable":
+        attn += heads
     if c.multi_latent_attention:
         attn = mla_parameters(c)
 
@@ -371,13 +436,18 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
         return fc1_out * h + b * fc1_out + width * h + b * h
 
     layers = c.num_layers * (attn + 2 * norm + mlp(f))
+    last_ffn = mlp(f)  # the last layer's MLP: the kind an MTP depth's layer has
     if c.num_experts:  # MoE layers: E experts at --moe-ffn-hidden-size, the router [E, h], a shared expert
         from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
-        moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h)
+        moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h + (1 if c.moe_router_bias else 0))
         if c.moe_shared_expert_intermediate_size:
             moe += mlp(c.moe_shared_expert_intermediate_size)
-        layers += sum(moe_layer_pattern(c.moe_layer_freq, c.num_layers)) * (moe - mlp(f))
+        pattern = moe_layer_pattern(c.moe_layer_freq, c.num_layers)
+        layers += sum(pattern) * (moe - mlp(f))
+        last_ffn = moe if pattern[-1] else last_ffn
+    if c.mtp_num_layers:  # per depth: enorm, hnorm, eh_proj [h, 2h], one layer, its final norm
+        layers += c.mtp_num_layers * (3 * norm + 2 * h * h + attn + 2 * norm + last_ffn)
     v = padded_vocab_size(c, tp)
     total = layers + norm + v * h
     if c.position_embedding_type == "learned_absolute":
@@ -469,8 +539,9 @@ def deepseek_v3(**overrides) -> GPTConfig:
     """DeepSeek-V3 (DeepSeek-AI, 2024; its config.json): 61 layers (the first 3 dense, SwiGLU 18432), hidden 7168,
     MLA with 128 heads (q rank 1536, kv rank 512, head dims 128 + 64 rotated, values 128; YaRN x40 over 4096),
     256 routed experts of 2048 (top-8 of sigmoid scores within the best 4 of 8 groups, weights x 2.5, expert bias)
-    plus one shared expert, vocabulary 129280, untied; 671,026,419,200 parameters (the model card's 671B; the
-    checkpoint's 685B adds the multi-token-prediction module, not built here)."""
+    plus one shared expert, vocabulary 129280, untied; 671,026,419,200 parameters (the model card's 671B). The
+    checkpoint's 685B adds the multi-token-prediction module (``mtp_num_layers=1``: 682,636,487,424 with the
+    biases; the checkpoint also stores copies of the embedding and the output head in it, and FP8 scales)."""
     return replace(GPTConfig(num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432,
                              seq_length=4096, max_position_embeddings=163840, vocab_size=129280, q_lora_rank=1536,
                              kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
@@ -492,6 +563,31 @@ def deepseek_v3_tiny(**overrides) -> GPTConfig:
                              moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32, moe_layer_freq="[0]+[1]*3",
                              moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
                              **_DEEPSEEK_ROUTING, **_LLAMA), **overrides)
+
+
+def gpt_oss_20b(**overrides) -> GPTConfig:
+    """gpt-oss-20b (OpenAI, 2025; its config.json): 24 layers, hidden 2880, 64 heads of 64 / 8 KV groups with
+    biases and learned attention sinks, a 128-token sliding window on every other layer (from the first), 32
+    experts of 2880 (top-4, softmax over the picks, router bias) with gpt-oss's clamped SwiGLU, vocabulary
+    201088, untied; YaRN RoPE (base 150000, factor 32 over 4096, ramp ends not rounded)."""
+    return replace(GPTConfig(num_layers=24, hidden_size=2880, num_attention_heads=64, num_query_groups=8,
+                             kv_channels=64, ffn_hidden_size=2880, seq_length=4096, max_position_embeddings=131072,
+                             vocab_size=201088, rotary_base=150000.0, rotary_scaling_factor=32.0,
+                             yarn_original_max_position_embeddings=4096, mscale_all_dim=0.0,
+                             yarn_correction_range_round_to_int=False, num_experts=32, moe_router_topk=4,
+                             moe_ffn_hidden_size=2880, moe_router_bias=True, window_size="127,0",
+                             window_attn_skip_freq="2", softmax_type="learnable", quick_geglu=True,
+                             glu_linear_offset=1.0, activation_func_clamp_value=7.0, moe_router_load_balancing_type="none",
+                             **{**_LLAMA, "add_bias_linear": True}), **overrides)
+
+
+def qwen3_30b_a3b(**overrides) -> GPTConfig:
+    """Qwen3-30B-A3B (Qwen, 2025; its config.json): 48 layers, hidden 2048, 32 heads of 128 / 4 KV groups with
+    QK-norm, 128 experts of 768 (top-8, softmax over the picks), RoPE base 1e6, vocabulary 151936, untied."""
+    return replace(GPTConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                             kv_channels=128, ffn_hidden_size=6144, seq_length=4096, max_position_embeddings=40960,
+                             vocab_size=151936, rotary_base=1e6, qk_layernorm=True, num_experts=128, moe_router_topk=8,
+                             moe_ffn_hidden_size=768, **{**_LLAMA, "layernorm_epsilon": 1e-6}), **overrides)
 
 
 GPT3_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1p3b": (24, 2048, 16),
@@ -517,12 +613,17 @@ def uses_rope(c: GPTConfig) -> bool:
 def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
     """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled
     (multi-latent attention: YaRN's over --qk-pos-emb-head-dim, :mod:`omnitron.core.transformer.yarn`)."""
-    if c.multi_latent_attention:
-        from omnitron.core.transformer.yarn import yarn_inv_freq
+    from omnitron.core.transformer.yarn import yarn_inv_freq
 
+    if c.multi_latent_attention:
         return yarn_inv_freq(c)
     rot = int(head_dim(c) * c.rotary_percent)
     rot -= rot % 2
+    if c.rotary_scaling_factor != 1.0:
+        if c.rope_scaling_factor != 1.0 or c.rotary_percent != 1.0:
+            raise ConfigError("--rotary-scaling-factor (YaRN) rotates every channel, without --rope-scaling-factor "
+                              "(Llama 3.1) or --rotary-percent; drop those")
+        return yarn_inv_freq(c, rot)
     inv = 1.0 / (c.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     if c.rope_scaling_factor != 1.0:
         low, high, orig = 1.0, 4.0, 8192  # Llama-3.1 constants

@@ -18,9 +18,13 @@ def forward_step(chunk, m, batch: dict | None, hidden):
     batch's document ids under ``--reset-attention-mask``."""
     labels = batch["labels"] if m.post_process else None
     docs = batch.get("document_ids") if batch is not None else None  # --reset-attention-mask: every stage
+    # multi-token prediction on the last stage reads the tokens and the loss mask too
+    mtp = {"tokens": batch["tokens"], "loss_mask": batch.get("loss_mask")} if m.post_process and \
+        getattr(m, "mtp", None) is not None else {}
     if m.pre_process:
-        return chunk(tokens=batch["tokens"], position_ids=batch["position_ids"], labels=labels, document_ids=docs)
-    return chunk(hidden=hidden, labels=labels, document_ids=docs)
+        mtp["tokens"] = batch["tokens"]
+        return chunk(position_ids=batch["position_ids"], labels=labels, document_ids=docs, **mtp)
+    return chunk(hidden=hidden, labels=labels, document_ids=docs, **mtp)
 
 
 def forward_pair(chunk, batches: list[dict]):
@@ -47,7 +51,8 @@ GPT_FAMILY = ModelFamily(
     name="gpt", description="gpt (default): decoder-only GPT-2 / Llama", config_cls=C.GPTConfig,
     presets={"gpt2_tiny": C.gpt2_tiny, "llama_tiny": C.llama_tiny, "gpt_1p3b": C.gpt_1p3b, "llama3_8b": C.llama3_8b,
              "llama3_70b": C.llama3_70b, "mixtral_8x7b": C.mixtral_8x7b,
-             "deepseek_v3": C.deepseek_v3, "deepseek_v3_tiny": C.deepseek_v3_tiny,
+             "deepseek_v3": C.deepseek_v3, "deepseek_v3_tiny": C.deepseek_v3_tiny, "gpt_oss_20b": C.gpt_oss_20b,
+             "qwen3_30b_a3b": C.qwen3_30b_a3b,
              **{f"gpt3_{size}": functools.partial(C.gpt3, size) for size in C.GPT3_SIZES}},
     build_stage=build_stage, forward_step=forward_step, build_datasets=build_datasets,
     num_parameters=C.num_parameters, generate=generate)

@@ -53,11 +53,15 @@ class GPTEmbedding(nn.Module):
         if self.position_embeddings is not None:
             pos = self.position_embeddings(position_ids.t())  # [s, b, h], replicated over tp
             x = x + (M.scatter_to_sp(pos, self.group) if self.sp else pos)
-        p = self.c.hidden_dropout if self.training else 0.0
-        if p == 0.0:
-            return x
-        with self.tracker.fork() if self.sp else contextlib.nullcontext():
-            return torch.nn.functional.dropout(x, p, training=True)
+        return embedding_dropout(x, self.c.hidden_dropout if self.training else 0.0, self.tracker, self.sp)
+
+
+def embedding_dropout(x: torch.Tensor, p: float, tracker, sp: bool) -> torch.Tensor:
+    """Hidden dropout on an embedding output; sequence shards (``sp``) draw from the tp-rank-specific stream."""
+    if p == 0.0:
+        return x
+    with tracker.fork() if sp else contextlib.nullcontext():
+        return torch.nn.functional.dropout(x, p, training=True)
 
 
 class GPTModel(nn.Module):
@@ -103,6 +107,8 @@ class GPTModel(nn.Module):
                 # the last stage's copy of the word embedding: same initial values, grads all-reduced
                 self.output_layer.weight.init_name = WORD_EMBEDDING
                 self.output_layer.weight.shared_embedding = True
+        if post_process and config.mtp_num_layers:
+            self._build_mtp(config, lkw)
         if C.uses_rope(config):
             self.register_buffer("inv_freq", C.rope_inv_freq(config), persistent=False)
         self.reset_parameters(seed)
@@ -112,6 +118,34 @@ class GPTModel(nn.Module):
         comm = getattr(groups.config, "cp_comm_type", "p2p")
         sub = (groups.cp_a2a, groups.cp_p2p) if comm == "a2a+p2p" and groups.cp.size > 1 else None
         apply_context_parallel(self, groups.cp, comm, sub)
+
+    def _build_mtp(self, config: C.GPTConfig, layer_kw: dict) -> None:
+        """Multi-token prediction on the last stage (transformer/mtp.py). Its embedding: the first stage's own
+        here, else the tied output copy, else (untied) a copy of the word embedding tied across stages."""
+        from omnitron.core.transformer.mtp import MultiTokenPrediction
+
+        self.mtp = MultiTokenPrediction(config, **layer_kw)
+        if self.pre_process or not config.untie_embeddings_and_output_weights:
+            return
+        tp = self.groups.tp
+        self.mtp_embedding = VocabParallelEmbedding(C.padded_vocab_size(config, tp.size), config.hidden_size,
+                                                    group=tp, vocab_size=config.vocab_size,
+                                                    init_std=config.init_method_std, dtype=config.params_dtype)
+        w = self.mtp_embedding.weight
+        w.init_name, w.shared_embedding, w.is_embedding_or_output_parameter = WORD_EMBEDDING, True, True
+
+    def _mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The word embedding of ``tokens [b, s]`` on the last stage: ``[s(/tp), b, h]``, with hidden dropout."""
+        from omnitron.core.parallel.tensor.layers import embedding_lookup
+
+        if self.pre_process:
+            weight = self.embedding.word_embeddings.weight
+        elif hasattr(self, "mtp_embedding"):
+            weight = self.mtp_embedding.weight
+        else:
+            weight = self.output_layer.weight  # the tied copy of the word embedding
+        x = embedding_lookup(tokens.t(), weight, self.groups.tp, reduce_scatter=self.sp)
+        return embedding_dropout(x, self.config.hidden_dropout if self.training else 0.0, self.rng_tracker, self.sp)
 
     # ---- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -134,7 +168,11 @@ class GPTModel(nn.Module):
         """Parameters whose grads are all-reduced over ``groups.embedding`` when tied across stages:
         the first stage's word embedding and the last stage's output copy (empty when untied)."""
         if self.config.untie_embeddings_and_output_weights:
-            return []
+            # multi-token prediction on a later stage than the embedding: its copy (mtp_embedding) is tied
+            mtp = bool(self.config.mtp_num_layers) and not (self.pre_process and self.post_process)
+            if not mtp:
+                return []
+            return [self.embedding.word_embeddings.weight if self.pre_process else self.mtp_embedding.weight]
         out = []
         if self.pre_process:
             out.append(self.embedding.word_embeddings.weight)
@@ -186,15 +224,17 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: ``tokens [b, s]`` int64. Later stages: ``hidden [s, b, h]`` (``[s/tp, b, h]``
         under sequence parallelism; ``s`` is ``s/cp``, this rank's slice, under context parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
         ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
         at -inf. Other stages return the hidden states for the next stage. ``document_ids [b, s]``
-        (every stage, ``--reset-attention-mask``): attention stays within each packed document."""
+        (every stage, ``--reset-attention-mask``): attention stays within each packed document.
+        Multi-token prediction (``--mtp-num-layers``): a last stage given ``labels`` also reads ``tokens`` and
+        ``loss_mask [b, s]`` (default all ones), and its loss joins the backward of the returned loss."""
         x, freqs = self._inputs(tokens, position_ids, hidden)
         x = self._run_layers(x, freqs, document_ids)
-        return self._outputs(x, labels)
+        return self._outputs(x, labels, tokens, loss_mask, freqs)
 
     def forward_pair(self, first: dict, second: dict) -> list[torch.Tensor]:
         """Two micro-batches' forwards (each given as :meth:`forward`'s keyword arguments), layer by layer with
@@ -211,7 +251,8 @@ class GPTModel(nn.Module):
             outs = interleave([layer.forward_steps(x, freqs, docs) for x, freqs, docs in runs])
             for run, out in zip(runs, outs):
                 run[0] = out
-        return [self._outputs(run[0], kw.get("labels")) for run, kw in zip(runs, (first, second))]
+        return [self._outputs(run[0], kw.get("labels"), kw.get("tokens"), kw.get("loss_mask"), run[1])
+                for run, kw in zip(runs, (first, second))]
 
     def _inputs(self, tokens, position_ids, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first layer's input ``[s, b, h]`` (embedded tokens, or the previous stage's hidden states) and the
@@ -229,18 +270,35 @@ class GPTModel(nn.Module):
         s = x.shape[0] * (self.groups.tp.size if self.sp else 1)
         return x, self._rope_freqs(position_ids, s, x.device)
 
-    def _outputs(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        """The stage's output from the last layer's: hidden states, or (last stage) the loss or the logits."""
+    def _outputs(self, x: torch.Tensor, labels: torch.Tensor | None, tokens: torch.Tensor | None = None,
+                 loss_mask: torch.Tensor | None = None, freqs: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's output from the last layer's: hidden states, or (last stage) the loss (with multi-token
+        prediction's joined, which reads the micro-batch's ``tokens``) or the logits."""
         if not self.post_process:
             return x
         x = self.decoder.final_layernorm(x)
-        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        logits = self.output_layer(x, weight)  # [s, b, V_pad/tp]
         if labels is None:
-            return self._mask_padding(logits)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
-                                            label_smoothing=self.label_smoothing, kernels=self.backend.kernels)
-        return loss.t()  # [b, s] float32
+            return self._mask_padding(self._logits(x))
+        loss = self._per_token_loss(x, labels)
+        if getattr(self, "mtp", None) is not None and torch.is_grad_enabled():
+            if tokens is None:
+                raise ValueError("multi-token prediction: the last pipeline stage needs the micro-batch's tokens")
+            mask = torch.ones_like(labels) if loss_mask is None else loss_mask
+            extra = self.mtp.loss(x, tokens, labels, mask, freqs, self._mtp_embed, self._per_token_loss)
+            loss = self.mtp.attach(loss, extra)
+        return loss
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer on final hidden states: tp-local ``[s, b, V_pad/tp]``."""
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        return self.output_layer(x, weight)
+
+    def _per_token_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` float32 cross-entropy of the output layer on ``x`` against ``labels [b, s]``."""
+        loss = vocab_parallel_cross_entropy(self._logits(x), labels.t(), self.groups.tp,
+                                            vocab_size=self.config.vocab_size, label_smoothing=self.label_smoothing,
+                                            kernels=self.backend.kernels)
+        return loss.t()
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padding vocabulary columns at -inf, so sampling and softmax never pick them."""

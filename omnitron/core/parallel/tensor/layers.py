@@ -128,9 +128,18 @@ class VocabParallelEmbedding(nn.Module):
                                      parallel=True, dim=0, init=("normal", init_std), valid_rows=vocab_size)
 
     def forward(self, ids: torch.Tensor, reduce_scatter: bool = False) -> torch.Tensor:
-        if self.group.size == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.start) | (ids >= self.start + self.rows)
-        local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return M.reduce_scatter_to_sp(out, self.group) if reduce_scatter else M.reduce_from_tp(out, self.group)
+        return embedding_lookup(ids, self.weight, self.group, reduce_scatter=reduce_scatter)
+
+
+def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor, group, *, reduce_scatter: bool = False) -> torch.Tensor:
+    """A vocab-parallel lookup in ``weight`` (this tp rank's rows of the padded vocabulary, in rank order): each
+    rank looks up the ids in its rows, zeros elsewhere, and the partial results are summed over ``group``
+    (reduce-scattered into sequence shards when ``reduce_scatter``)."""
+    if group.size == 1:
+        return F.embedding(ids, weight)
+    rows = weight.shape[0]
+    start = M.local_rank(group) * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local = (ids - start).masked_fill(outside, 0)
+    out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return M.reduce_scatter_to_sp(out, group) if reduce_scatter else M.reduce_from_tp(out, group)

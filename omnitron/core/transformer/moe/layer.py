@@ -83,11 +83,11 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0
         self.aux_loss_total: torch.Tensor | None = None
 
-    def _route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, tokens: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gates [T, E], mask [T, E])``: routing probability of each (token, expert) pair (0 where not
         picked) and the pairs processed (capacity decided over the whole micro-batch: under sequence
         parallelism the tp shards' gates are gathered for it)."""
-        probs, experts, aux = self.router(tokens)  # [T, k] each
+        probs, experts, aux = self.router(tokens, batch_size)  # [T, k] each
         if aux is not None:
             # NOTE: each cp rank's LM loss share is cp times its slice's (context_parallel_batch) and the router's
             # gradient is averaged over dp x cp: its aux loss (the whole micro-batch's value) gets the same factor
@@ -112,7 +112,7 @@ class MoELayer(nn.Module):
     def forward_steps(self, hidden: torch.Tensor) -> Steps:
         """:meth:`forward` as steps: it yields with the dispatch, then with the combine, in flight."""
         s, b, h = hidden.shape
-        gates, mask = self._route(hidden.reshape(s * b, h))  # [s*b, E] each
+        gates, mask = self._route(hidden.reshape(s * b, h), b)  # [s*b, E] each
         split = self.tp.size > 1 and not self.sp  # replicated tokens: each tp rank takes its sequence slice
         x = hidden
         if split:

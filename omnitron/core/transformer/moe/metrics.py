@@ -24,11 +24,17 @@ def set_aux_loss_scale(modules, scale: float) -> None:
 def moe_aux_loss(modules, groups, collectives, num_microbatches: int) -> float:
     """Collective over pp and dp x cp: the load-balancing loss added to the LM loss this step (summed
     over layers, averaged over micro-batches and data-parallel replicas); resets the layers' totals."""
+    return logged_loss(modules, moe_layers(modules), "aux_loss_total", groups, collectives, num_microbatches)
+
+
+def logged_loss(modules, holders, attr: str, groups, collectives, num_microbatches: int) -> float:
+    """Collective over pp and dp x cp: the sum of the ``holders``' ``attr`` totals (detached losses added this
+    step), averaged over micro-batches and data-parallel replicas; resets them to None."""
     total = torch.zeros(1, dtype=torch.float64)
-    for layer in moe_layers(modules):
-        if layer.aux_loss_total is not None:
-            total += layer.aux_loss_total.detach().double().cpu()
-            layer.aux_loss_total = None
+    for holder in holders:
+        if getattr(holder, attr) is not None:
+            total += getattr(holder, attr).detach().double().cpu()
+            setattr(holder, attr, None)
     device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
     total = total.to(device)
     for group in (groups.pp, groups.dp_cp):

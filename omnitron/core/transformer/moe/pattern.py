@@ -78,15 +78,17 @@ class _Parser:
         return out
 
 
-def moe_layer_pattern(spec, num_layers: int) -> list[bool]:
+def moe_layer_pattern(spec, num_layers: int, flag: str = "--moe-layer-freq",
+                      meaning: tuple[str, str] = ("dense MLP", "MoE")) -> list[bool]:
     """``[num_layers]`` True where the layer is MoE, from ``--moe-layer-freq`` (int, digit string,
-    0/1 list or list expression). Raises ConfigError naming the flag and the fix."""
+    0/1 list or list expression). Raises ConfigError naming the flag and the fix. ``flag`` / ``meaning``: the
+    names in the errors when another per-layer 0/1 pattern is read (``--window-attn-skip-freq``)."""
     if isinstance(spec, (list, tuple)):
         pattern = [int(v) for v in spec]
     elif isinstance(spec, int) or (isinstance(spec, str) and spec.strip().isdigit()):
         n = int(spec)
         if n < 1:
-            raise ConfigError(f"--moe-layer-freq {n} must be >= 1 (every N-th layer is MoE)")
+            raise ConfigError(f"{flag} {n} must be >= 1 (every N-th layer is {meaning[1]})")
         return [i % n == 0 for i in range(num_layers)]
     else:
         try:
@@ -95,11 +97,11 @@ def moe_layer_pattern(spec, num_layers: int) -> list[bool]:
             if parser.peek() is not None:
                 raise ValueError(f"trailing {parser.peek()!r}")
         except ValueError as e:
-            raise ConfigError(f"--moe-layer-freq {spec!r} is not an integer or a 0/1 list expression such as "
+            raise ConfigError(f"{flag} {spec!r} is not an integer or a 0/1 list expression such as "
                               f"'([0]+[1]*3)*2' ({e})") from None
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
-        raise ConfigError(f"--moe-layer-freq {spec!r} gives {pattern}: it needs exactly --num-layers {num_layers} "
-                          f"entries, each 0 (dense MLP) or 1 (MoE)")
+        raise ConfigError(f"{flag} {spec!r} gives {pattern}: it needs exactly --num-layers {num_layers} "
+                          f"entries, each 0 ({meaning[0]}) or 1 ({meaning[1]})")
     return [bool(v) for v in pattern]
 
 

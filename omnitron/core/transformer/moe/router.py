@@ -104,6 +104,28 @@ def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts
     return coeff * num_experts * torch.sum(frac * mean_prob)
 
 
+def sequence_load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, batch_size: int, num_experts: int,
+                                 coeff: float, stats_group=None) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (``seq_aux_loss``): per sequence ``sum_e f_e * P_e`` with
+    ``f_e = E / (k s) * (tokens of the sequence routed to e)`` and ``P_e`` the sequence's mean normalised score,
+    averaged over the micro-batch's sequences, times ``coeff``.
+
+    ``scores [s*b, E]`` (token ``i * b + j`` is position i of sequence j, the ``[s, b, h]`` layout flattened);
+    ``experts [s*b, k]``. Under ``stats_group`` (context or sequence parallelism) each rank holds a slice of
+    every sequence: the counts, the score sums and the lengths are summed over it (backward: identity).
+    """
+    k = experts.shape[-1]
+    picked = torch.zeros_like(scores).scatter_(1, experts, 1.0)  # [T, E]
+    counts = picked.view(-1, batch_size, num_experts).sum(dim=0)  # [b, E], no gradient
+    prob_sum = scores.view(-1, batch_size, num_experts).sum(dim=0)  # [b, E]
+    length = torch.tensor(float(scores.shape[0] // batch_size), dtype=scores.dtype, device=scores.device)
+    if stats_group is not None and stats_group.size > 1:
+        counts, length = M.all_reduce(counts, stats_group), M.all_reduce(length, stats_group)
+        prob_sum = M.reduce_from_tp(prob_sum, stats_group)
+    frac = counts * num_experts / (length * k)
+    return coeff * (frac * prob_sum / length).sum(dim=1).mean()
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     """forward: identity on ``x`` (the aux loss is not part of the output); backward: also seed the
     aux loss's own backward with ``scale`` (the weight the step gives each micro-batch's loss)."""
@@ -127,7 +149,8 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.T
 
 class TopKRouter(nn.Module):
     """``[T, h] -> (probs [T, k], experts [T, k], aux loss or None)``; the aux loss is the sum of
-    the load-balancing loss and the z-loss, whichever are enabled.
+    the load-balancing loss (over the micro-batch, ``aux_loss``, or per sequence, ``seq_aux_loss``) and the
+    z-loss, whichever are enabled.
 
     The gate ``weight [E, h]`` is replicated on every rank; routing is computed in float32.
     ``partial_grad``: the tokens are a tensor-parallel shard (sequence parallelism), so the
@@ -141,7 +164,8 @@ class TopKRouter(nn.Module):
     def __init__(self, c, *, partial_grad: bool, stats_group=None) -> None:
         super().__init__()
         self.k, self.num_experts, self.pre_softmax = c.moe_router_topk, c.num_experts, c.moe_router_pre_softmax
-        self.coeff = c.moe_aux_loss_coeff if c.moe_router_load_balancing_type == "aux_loss" else 0.0
+        self.balancing = c.moe_router_load_balancing_type
+        self.coeff = c.moe_aux_loss_coeff if self.balancing in ("aux_loss", "seq_aux_loss") else 0.0
         self.score_function, self.z_coeff = c.moe_router_score_function, c.moe_z_loss_coeff or 0.0
         self.groups = (c.moe_router_num_groups, c.moe_router_group_topk) if c.moe_router_group_topk else None
         self.scaling_factor = c.moe_router_topk_scaling_factor
@@ -149,6 +173,11 @@ class TopKRouter(nn.Module):
         self.weight = set_attributes(nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=c.params_dtype)),
                                      parallel=False, init=("normal", c.init_method_std))
         self.weight.sequence_parallel = partial_grad
+        self.bias = None
+        if getattr(c, "moe_router_bias", False):  # gpt-oss's router bias on the logits
+            self.bias = set_attributes(nn.Parameter(torch.empty(c.num_experts, dtype=c.params_dtype)),
+                                       parallel=False, init=("zeros",))
+            self.bias.sequence_parallel = partial_grad
         self.bias_update_rate = c.moe_router_bias_update_rate
         # Megatron's buffers: the bias is saved with the model, the step's counts are not (None: no expert bias)
         on = c.moe_router_enable_expert_bias
@@ -164,8 +193,9 @@ class TopKRouter(nn.Module):
             probs, experts = top_k_routing(logits, self.k, self.pre_softmax, self.groups)
         return (probs * self.scaling_factor if self.scaling_factor else probs), experts
 
-    def forward(self, x: torch.Tensor):
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+    def forward(self, x: torch.Tensor, batch_size: int = 1):
+        """``x [s*b, h]`` (the ``[s, b, h]`` layout flattened; ``batch_size`` b matters to ``seq_aux_loss``)."""
+        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())  # [T, E]
         probs, experts = self.route(logits)
         if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():
@@ -174,7 +204,11 @@ class TopKRouter(nn.Module):
         if self.training and torch.is_grad_enabled():
             if self.coeff > 0.0:
                 scores = aux_loss_scores(logits, self.k, self.score_function)  # [T, E]
-                aux = load_balancing_loss(scores, experts, self.num_experts, self.coeff, self.stats_group)
+                if self.balancing == "seq_aux_loss":
+                    aux = sequence_load_balancing_loss(scores, experts, batch_size, self.num_experts, self.coeff,
+                                                       self.stats_group)
+                else:
+                    aux = load_balancing_loss(scores, experts, self.num_experts, self.coeff, self.stats_group)
             if self.z_coeff > 0.0:
                 z = z_loss(logits, self.z_coeff, self.stats_group)
                 aux = z if aux is None else aux + z

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
 
-LOAD_BALANCING = ("aux_loss", "none")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 

@@ -1,0 +1,78 @@
+"""DeepSeek-V3's sequence-wise auxiliary loss (``--moe-router-load-balancing-type seq_aux_loss``) against a plain
+float64 re-implementation written from the paper's equations (17)-(20), sequence by sequence and token by token:
+the value, its gradient, and the MoE layer's plumbing of the batch size."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.core.transformer.moe.router import aux_loss_scores, sequence_load_balancing_loss, sigmoid_routing
+from omnitron.core.transformer.moe.router import top_k_routing
+
+
+def _ref_seq_aux(logits: torch.Tensor, experts: torch.Tensor, s: int, b: int, k: int, coeff: float,
+                 score_function: str) -> torch.Tensor:
+    """``coeff * mean_j sum_e f_je P_je``: ``f_je = E / (k s) * #{t in seq j: e picked}``, ``P_je = mean_t
+    s'_te`` with ``s'`` the softmax, or the sigmoid normalised over the experts (k > 1). Token ``i * b + j``."""
+    E = logits.shape[1]
+    total = 0.0
+    for j in range(b):
+        rows = [i * b + j for i in range(s)]
+        for e in range(E):
+            f = E / (k * s) * sum(1.0 for t in rows if e in experts[t].tolist())
+            p = 0.0
+            for t in rows:
+                if score_function == "softmax":
+                    z = sum(torch.exp(logits[t, x]) for x in range(E))
+                    p = p + torch.exp(logits[t, e]) / z
+                else:
+                    sig = [torch.sigmoid(logits[t, x]) for x in range(E)]
+                    p = p + (sig[e] / sum(sig) if k > 1 else sig[e])
+            total = total + f * p / s
+    return coeff * total / b
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_seq_aux_loss_matches_its_definition(score_function):
+    g = torch.Generator().manual_seed(38 + len(score_function))
+    for s, b, E, k in ((5, 3, 6, 2), (7, 1, 4, 1), (4, 2, 8, 3)):
+        logits = torch.randn(s * b, E, generator=g, dtype=torch.float64)
+        ref_in, ours_in = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        if score_function == "softmax":
+            experts = top_k_routing(logits, k, False)[1]
+        else:
+            experts = sigmoid_routing(logits, k)[1]
+        ref = _ref_seq_aux(ref_in, experts, s, b, k, 0.03, score_function)
+        ours = sequence_load_balancing_loss(aux_loss_scores(ours_in, k, score_function), experts, b, E, 0.03)
+        # float64 sums of O(s E) terms of size O(1): rounding ~1e-15 relative
+        torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+        ref.backward()
+        ours.backward()
+        torch.testing.assert_close(ours_in.grad, ref_in.grad, rtol=1e-10, atol=1e-14)
+        if b > 1:  # not the micro-batch's loss: that one pools the sequences' counts and scores
+            from omnitron.core.transformer.moe import load_balancing_loss
+
+            pooled = load_balancing_loss(aux_loss_scores(logits, k, score_function), experts, E, 0.03)
+            assert abs(pooled.item() - ref.item()) > 1e-9
+
+
+def test_moe_layer_passes_the_batch_to_the_seq_aux_loss():
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import gpt2_tiny
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.moe import MoELayer
+
+    c = gpt2_tiny(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, seq_length=8,
+                  max_position_embeddings=8, vocab_size=64, num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=20,
+                  moe_aux_loss_coeff=0.1, moe_router_load_balancing_type="seq_aux_loss",
+                  moe_router_score_function="sigmoid", params_dtype=torch.float64)
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(8, 3, c.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    layer(x)
+    logits = x.reshape(-1, c.hidden_size) @ layer.router.weight.t()
+    experts = sigmoid_routing(logits.float(), 2)[1]  # the router picks on float32 logits
+    ref = _ref_seq_aux(logits, experts, 8, 3, 2, 0.1, "sigmoid")
+    # the router runs in float32: logits carry ~1e-7 relative error, the loss (a sum of positive terms) too
+    torch.testing.assert_close(layer.aux_loss_total.double(), ref.detach(), rtol=1e-5, atol=0.0)
