@@ -139,3 +139,32 @@ def test_bench_report_replaces_the_profile_where_it_has_rows(tmp_path, capsys):
     assert main(["plan", *ARGV, "--layout", "tp2", "--device", "h100-sxm", "--bench", str(cpu)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "measured on a cpu" in err
+
+
+def test_selective_recompute_repeats_the_attention_dropout():
+    """Selective recomputation re-runs core attention with its dropout: on a profile (the scores materialised
+    under --attention-dropout) the backward's element-wise time grows by one forward dropout pass over the
+    ``[b, a/tp, s, s]`` probabilities, and its compute by the core attention's forward."""
+    import random
+
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan import speed
+    from omnitron.plan.cluster import device_rates
+    from omnitron.plan.memory import model_config
+
+    tp, b = random.choice([1, 2, 4]), random.choice([1, 2])
+    given = {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 512,
+             "max_position_embeddings": 512, "tokenizer_type": "NullTokenizer", "vocab_size": 1000, "bf16": True,
+             "attention_dropout": 0.1, "layout": f"tp{tp}", "micro_batch_size": b, "global_batch_size": b}
+    costs = {}
+    for rec in (None, "selective"):
+        s = settings_of(given | ({"recompute_granularity": rec} if rec else {}))
+        rates = device_rates("a100-80gb-sxm", 8)
+        rates.bind(s)
+        costs[rec] = speed.stage_cost(s, model_config(s), rates, [False], False, False, False, False)
+        layer = speed._layer(s, model_config(s), rates, False)
+    probs = b * (8 // tp) * 512 * 512
+    want = rates.elementwise_s("dropout", "fwd", probs)
+    assert math.isclose(costs["selective"].b["elementwise"] - costs[None].b["elementwise"], want, rel_tol=1e-9)
+    assert layer.attention_f > 0 and layer.attention_ew_f == want
+    assert math.isclose(costs["selective"].b["compute"] - costs[None].b["compute"], layer.attention_f, rel_tol=1e-9)
