@@ -39,8 +39,10 @@ def register(sub) -> None:
     c.add_argument("--max-bytes", type=_bytes, default=1 << 26, help="largest message (e.g. 1G)")
     c.add_argument("--factor", type=int, default=4, help="size step")
     c.add_argument("--ops", nargs="+", default=None, help="subset of all_reduce all_gather reduce_scatter "
-                   "all_to_all broadcast p2p, and host_gemm host_stream (how the ranks share the host's cores)")
-    c.add_argument("--rounds", type=int, default=10)
+                   "all_to_all broadcast sendrecv p2p, and host_gemm host_stream (how the ranks share the host's cores)")
+    c.add_argument("--rounds", "--iters", type=int, default=20, help="timed calls per size, back to back (nccl-tests "
+                   "-n; fewer where one call is slow)")
+    c.add_argument("--warmup-iters", type=int, default=5, help="untimed calls per size first (nccl-tests -w)")
     c.set_defaults(func=run_comm)
     m = b.add_parser("memory", help="device copy / read / write bandwidth")
     _common(m)
@@ -141,9 +143,11 @@ def run_comm(args) -> int:
         return 2
     be = _backend(args.backend)
     rows = comm.run(be.name, nproc=args.nproc_per_node, ops=ops, byte_sizes=comm.sizes(args.min_bytes, args.max_bytes,
-                                                                                      args.factor), rounds=args.rounds)
+                                                                                      args.factor), rounds=args.rounds,
+                     warmup=args.warmup_iters)
     for r in rows:
-        print(f"{r['op']:15s} {r['bytes']:>12d} B x{r['ranks']}: {r['ms']:9.3f} ms  algbw {r['algbw_gbs']:8.3f} "
+        where = f" {r['group']:5s}" if "group" in r else ""
+        print(f"{r['op']:15s}{where} {r['bytes']:>12d} B x{r['ranks']}: {r['ms']:9.3f} ms  algbw {r['algbw_gbs']:8.3f} "
               f"busbw {r['busbw_gbs']:8.3f} GB/s")
     if int(os.environ.get("RANK", "0")) != 0:
         return 0

@@ -22,8 +22,9 @@ def register(sub) -> None:
                    "and --global-batch-size): the fastest that fit, with their launch flags")
     p.add_argument("--device-memory", help="memory per device for --devices, e.g. 80GiB or 80GB (default with "
                    "--device: the profile's)")
-    p.add_argument("--device", metavar="PROFILE", help="price on a device profile instead of a bench report: "
-                   "a100-80gb-sxm, h100-sxm, h200, b200, mi300x, mtt-s4000, or a .toml of the same form")
+    p.add_argument("--device", metavar="PROFILE", help="price on a device profile: a100-80gb-sxm, h100-sxm, h200, "
+                   "b200, mi300x, mtt-s4000, or a .toml of the same form; with --bench, a report of that accelerator "
+                   "replaces the profile where it has rows")
     p.add_argument("--gpus-per-node", type=int, help="devices per node with --device (default: the profile's, 8)")
     p.add_argument("--json", metavar="FILE", help="write each layout's prediction (step time, tokens/s, "
                    "tflops_per_device by Megatron's formula, memory per stage) to FILE")
@@ -105,12 +106,10 @@ def _rates(args, bench):
     from omnitron.plan.rates import Rates
 
     device = getattr(args, "device", None)
-    if device and bench:
-        raise ConfigError("give --bench (a measured report) or --device (a profile), not both")
     if device:
         from omnitron.plan.cluster import device_rates
 
-        return device_rates(device, getattr(args, "gpus_per_node", None))
+        return device_rates(device, getattr(args, "gpus_per_node", None), bench)
     if getattr(args, "gpus_per_node", None):
         raise ConfigError("--gpus-per-node places a layout on --device's nodes; give --device too")
     return Rates.from_reports(bench) if bench else None
@@ -122,7 +121,8 @@ def _named(rates) -> str:
     if prof is None:
         return "rates: omnitron bench report(s)"
     return (f"device: {prof.name} ({prof.title}), {rates.gpus_per_node} per node, {prof.links.intra} + "
-            f"{prof.links.nic}; profile {prof.path}")
+            f"{prof.links.nic}; profile {prof.path}" + ("; measured rows from the bench report(s) where they exist"
+                                                        if rates.measured is not None else ""))
 
 
 def _write(args, choices, rates) -> None:

@@ -14,9 +14,10 @@ import json
 from omnitron.core.config.parallel import ConfigError
 
 
-def device_rates(name: str, gpus_per_node: int | None):
+def device_rates(name: str, gpus_per_node: int | None, bench: list[str] | None = None):
     """:class:`omnitron.plan.device_rates.DeviceRates` of the profile ``name`` on nodes of ``gpus_per_node``
-    devices (the profile's usual node when None)."""
+    devices (the profile's usual node when None); ``bench``: reports of the same accelerator whose rows replace
+    the profile's where they have them."""
     from omnitron.plan.device_rates import DeviceRates
     from omnitron.plan.profile import load
 
@@ -24,7 +25,15 @@ def device_rates(name: str, gpus_per_node: int | None):
     gpn = gpus_per_node or prof.gpus_per_node
     if gpn < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {gpn}")
-    return DeviceRates(prof, gpn)
+    measured = None
+    if bench:
+        from omnitron.plan.rates import Rates
+
+        measured = Rates.from_reports(bench)
+        if measured.device_type == "cpu":
+            raise ConfigError(f"--bench {' '.join(bench)} was measured on a cpu, --device {name} is an accelerator; "
+                              "give reports measured on that accelerator, or drop one of the two")
+    return DeviceRates(prof, gpn, measured=measured)
 
 
 def step_flops(settings, cfg, recompute: bool = False) -> float:

@@ -16,6 +16,12 @@ The same methods as :class:`omnitron.plan.rates.Rates` (the speed model calls ei
   :meth:`DeviceRates.bind` (``group``: tp, cp, dp, pp, ep, edp, emb).
 
 The host's fixed cost per layer is not priced (an accelerator's host runs ahead of it).
+
+``measured`` (``omnitron plan --device PROFILE --bench REPORT``): an ``omnitron bench`` report of the same
+accelerator (:class:`omnitron.plan.rates.Rates`) replaces the profile where it has rows: GEMMs of a dtype it
+measured, attention, element-wise ops it measured, and collectives of a group that lies inside one node at a
+rank count it measured (intra-node rows). The profile keeps the rest: what spans nodes, and what the report
+lacks (noted).
 """
 from __future__ import annotations
 
@@ -35,6 +41,12 @@ ADAMW_BYTES = 32
 _FLOAT = {"fp32": "tf32", "float32": "tf32"}
 
 
+def _own(table: dict) -> int:
+    """The host-thread count a report of an accelerator was measured with (its rows are the device's, whatever
+    the host's threads: taken as they are, never rescaled by threads)."""
+    return max(table) if table else 1
+
+
 @dataclass
 class DeviceRates:
     """Rates of one device profile on a machine of ``gpus_per_node`` devices per node."""
@@ -49,9 +61,21 @@ class DeviceRates:
     elem: int = 2
     sizes: dict = field(default_factory=dict)
     world: int = 1
+    measured: object = None
+    """A bench report's :class:`omnitron.plan.rates.Rates` of the same accelerator (module docstring), or None."""
 
     def __post_init__(self):
         self.machine = Machine(self.profile.links, self.gpus_per_node)
+        if self.measured is not None:
+            self.measured.notes = self.notes  # one list of fallbacks, printed with the plan
+
+    def _report_has(self, kind: str, **match) -> bool:
+        """Whether the measured report holds a row of ``kind`` with the fields of ``match``."""
+        if self.measured is None:
+            return False
+        table = getattr(self.measured, kind)
+        rows = table if isinstance(table, list) else [r for rs in table.values() for r in rs]
+        return any(all(r.get(k) == v for k, v in match.items()) for r in rows)
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -64,6 +88,12 @@ class DeviceRates:
         self.world, self.elem = settings.world_size, settings.model.params_dtype.itemsize
         self.sizes = strides(tp, cp, settings.dp, pp, pc.expert_model_parallel_size, pc.etp)
         self.memo[("host_layer", 1)] = (0.0, 0.0)  # the host runs ahead of the device: not priced
+
+    def _measured_inside_node(self, op: str, ranks: int) -> bool:
+        """Whether the report measured ``op`` at ``ranks`` ranks inside one node."""
+        return self.measured is not None and any(
+            r["op"] == op and r["ranks"] == ranks and r.get("group", "world") != "inter" and r.get("nodes", 1) == 1
+            for r in self.measured.comm)
 
     # ---- compute ---------------------------------------------------------------------------------------
     def _peak(self, dtype: str) -> float:
@@ -78,6 +108,8 @@ class DeviceRates:
 
     def gemm_s(self, dtype: str, m: int, n: int, k: int, threads: int = 1, batch: int = 1) -> float:
         """Seconds of ``batch`` ``[m,k] @ [k,n]`` GEMMs (roofline of the GEMM curve and the memory-bound rate)."""
+        if batch == 1 and self._report_has("gemm", dtype=dtype):
+            return self.measured.gemm_s(dtype, m, n, k, _own(self.measured.gemm))
         flops = 2.0 * m * n * k * batch
         if flops <= 0:
             return 0.0
@@ -89,6 +121,8 @@ class DeviceRates:
         """Seconds of one layer's core attention forward + backward worth ``flops`` (the bench's count: 3 x the
         causal forward); ``local``: the rank's shapes (:class:`omnitron.plan.work.Local`), needed on the
         materialised path (module docstring)."""
+        if self.measured is not None and self.measured.attention:
+            return self.measured.attention_s(dtype, flops, dropout, _own(self.measured.attention), local=local)
         if not dropout or local is None:
             return flops / (self._peak(dtype) * self.profile.attention(flops))
         x = local
@@ -98,16 +132,24 @@ class DeviceRates:
         return 3 * 2 * gemm + self._stream_s(2 * scores) + self._stream_s(3 * scores)
 
     def fused_attention_dropout(self, threads: int = 1) -> bool:
-        return False
+        m = self.measured
+        return m is not None and bool(m.attention) and m.fused_attention_dropout(_own(m.attention))
 
     def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1) -> float:
-        """One ring-attention block: the fused attention rate (its dropout not priced apart: noted)."""
+        """One ring-attention block: the report's ``ring_block`` rows, else the fused attention rate (its dropout not
+        priced apart: noted)."""
+        m = self.measured
+        mine = m.ring_block_s(dtype, flops, causal, dropout, _own(m.attention)) if m is not None else None
+        if mine is not None:
+            return mine
         if dropout:
             self.note("context parallelism: ring blocks with attention dropout priced at the fused kernel's rate")
         return flops / (self._peak(dtype) * self.profile.attention(flops))
 
     def elementwise_s(self, op: str, mode: str, elements: float, threads: int = 1) -> float:
         """Seconds of element-wise ``op`` (fwd, bwd; ``adamw`` step) over ``elements`` at the memory-bound rate."""
+        if self._report_has("elementwise", op=op, mode=mode):
+            return self.measured.elementwise_s(op, mode, elements, _own(self.measured.elementwise))
         if op == "adamw":
             return self._stream_s(ADAMW_BYTES * elements)
         f, b = PASSES.get(op, (3, 3))
@@ -127,7 +169,9 @@ class DeviceRates:
         key = ("comm", op, nbytes, ranks, self.sizes.get(group, 1))
         if key not in self.memo:
             sp = span(ranks, key[-1], self.gpus_per_node)
-            if op == "p2p":  # a ring's or a pipeline's neighbours: the slowest hop paces every step
+            if sp.nodes == 1 and self._measured_inside_node(op, ranks):
+                self.memo[key] = self.measured.comm_s(op, nbytes, ranks)
+            elif op == "p2p":  # a ring's or a pipeline's neighbours: the slowest hop paces every step
                 self.memo[key] = self.machine.p2p(nbytes, sp.nodes > 1)
             else:
                 self.memo[key] = self.machine.collective(op, nbytes, sp)[0]

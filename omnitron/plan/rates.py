@@ -223,7 +223,7 @@ class Rates:
         (which of the layout's groups) is for hierarchical machines; one host's report prices every group alike."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
-        rows = [r for r in self.comm if r["op"] == op]
+        rows = [r for r in self.comm if r["op"] == op and r.get("group", "world") != "inter"]  # one host's links
         if not rows:
             raise ConfigError(f"--bench: no comm rows of {op}; run `omnitron bench comm --ops {op} ...` on the "
                               "target machine and pass its report too")

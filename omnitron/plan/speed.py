@@ -7,7 +7,7 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    stage's logits) + core attention + its tensor-parallel collectives + ring hops + the send of its output
    to the next stage; backward = 2 x the forward GEMMs and attention (input and weight gradients), the
    backward collectives, and, with ``--recompute-granularity full``, the recomputed layers' forward again
-   (``selective``: the core attention's forward again). Context parallelism's attention is its ring's steps,
+   (``selective``: the core attention's forward again, the probabilities' dropout included). Context parallelism's attention is its ring's steps,
    each block at the report's ``ring_block`` rate (the engine's block kernel with the ring's own dropout
    masks), plus the merges of the partial results and the backward's gradient accumulations.
 2. **The pipeline**: those costs run through the schedule's own action table on an ideal clock
@@ -68,6 +68,8 @@ class StageCost:
     b: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KEYS, 0.0))
     attention_f: float = 0.0
     """One layer's core-attention forward (what selective recomputation repeats)."""
+    attention_ew_f: float = 0.0
+    """The element-wise part of that forward priced apart (the probabilities' dropout): repeated with it."""
     host_async: bool = False
     """The host's fixed costs run ahead of an asynchronous device (an accelerator) instead of adding to it."""
 
@@ -163,6 +165,8 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     c.f["cp"], c.b["cp"] = hops_f * hop, hops_b * hop
     bias = work.bias_passes(cfg, x, [g for g in gemms if g[0] != "router"])
     c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew + ring_f + bias) * stream
+    probs = work.attention_dropout_elements(cfg, x) if separate and cfg.attention_dropout > 0 else None
+    c.attention_ew_f = rates.elementwise_s("dropout", "fwd", probs, threads) * stream if probs else 0.0
     c.b["elementwise"] = (sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ew) +
                           sum(rates.elementwise_s(op, "fwd", n, threads)
                               for op, n in ring_b + work.qkv_split_backward(x) + bias)) * stream
@@ -252,8 +256,9 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
             c.b[key] += one.b[key]
             if i < rec:  # full recomputation: this layer's forward again, before its backward
                 c.b[key] += one.f[key]
-        if cfg.recompute_granularity == "selective":
+        if cfg.recompute_granularity == "selective":  # core attention again, its dropout included
             c.b["compute"] += one.attention_f
+            c.b["elementwise"] += one.attention_ew_f
     if first:
         c.f["tp"] += sum(rates.comm_s(op, n, tp, group="tp") for op, n in work.first_stage_tp(cfg, x, elem, sp)[0])
         c.b["tp"] += sum(rates.comm_s(op, n, tp, group="tp") for op, n in work.first_stage_tp(cfg, x, elem, sp)[1])

@@ -46,16 +46,28 @@ def skeleton(model_cfg, parallel, pp_rank: int, style: str = "loop") -> list[tor
                     first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers,
                     ep=parallel.expert_model_parallel_size, style=style)
     etp = parallel.etp if getattr(model_cfg, "num_experts", None) else 1
-    key = f"{model_cfg!r}/{layout!r}/etp{etp}"
-    if _SKELETON.get("key") != key:  # every stage's chunks are built at once: keep them for the next rank's call
+    key = f"{_structure(model_cfg)}/{layout!r}/etp{etp}"
+    if key not in _SKELETON:  # every stage's chunks are built at once: kept for the next ranks and layouts
+        if len(_SKELETON) >= 8:
+            _SKELETON.pop(next(iter(_SKELETON)))
         with torch.device("meta"):
-            _SKELETON.update(key=key, chunks=skeleton_chunks(model_cfg, layout, etp=etp))
-    chunks = _SKELETON["chunks"]
+            _SKELETON[key] = skeleton_chunks(model_cfg, layout, etp=etp)
+    chunks = _SKELETON[key]
     return [m for (r, _), m in sorted(chunks.items()) if r == pp_rank or layout.pp == 1]
 
 
 _SKELETON: dict = {}
-"""The last layout's meta chunks (one entry: a plan walks the stages of one layout in turn)."""
+"""The last 8 layouts' meta chunks, oldest first (a search revisits the few (tp, pp, vpp) of a model often)."""
+_STATE: dict = {}
+""":func:`state_bytes` by everything it depends on (a search prices many layouts sharing tp / pp / dp)."""
+
+
+def _structure(model_cfg) -> str:
+    """The model config's repr without its recomputation settings (they change no parameter)."""
+    from dataclasses import fields, replace
+
+    names = {f.name for f in fields(model_cfg)} & {"recompute_granularity", "recompute_method", "recompute_num_layers"}
+    return repr(replace(model_cfg, **dict.fromkeys(names)))
 
 
 def _buffers(module, ddp, dp_cp: int, edp: int):
@@ -79,16 +91,33 @@ def _buffers(module, ddp, dp_cp: int, edp: int):
 
 def _owned(buf, size: int, weight=lambda p: 1) -> int:
     """Most parameter elements any one rank of ``size`` owns in ``buf`` (distributed optimizer slices), each
-    element of parameter ``p`` counted ``weight(p)`` times."""
+    element of parameter ``p`` counted ``weight(p)`` times: per bucket a prefix sum of the weights at the
+    parameters' edges, so each rank's slice costs two bisections instead of a walk over the parameters."""
+    import bisect
+
+    prefix = []  # per bucket: (edges, weight below each edge, weight per element from each edge on)
+    for b in buf.buckets:
+        spans = sorted((buf.param_range(p)[0], buf.param_range(p)[1], weight(p)) for p in b.params)
+        edges, below, rate, acc, end = [], [], [], 0, None
+        for s0, c, w in spans:
+            if end is not None and s0 > end:  # a gap (padding) between parameters weighs nothing
+                edges.append(end), below.append(acc), rate.append(0)
+            edges.append(s0), below.append(acc), rate.append(w)
+            acc, end = acc + w * c, s0 + c
+        if end is not None:
+            edges.append(end), below.append(acc), rate.append(0)
+        prefix.append((b, edges, below, rate))
+
+    def upto(x: int, edges, below, rate) -> int:
+        i = bisect.bisect_right(edges, x) - 1
+        return 0 if i < 0 else below[i] + rate[i] * (x - edges[i])
+
     best = 0
     for r in range(size):
         n = 0
-        for b in buf.buckets:
+        for b, edges, below, rate in prefix:
             k = b.data.numel() // size
-            lo, hi = b.offset + r * k, b.offset + (r + 1) * k
-            for p in b.params:
-                s, c = buf.param_range(p)
-                n += weight(p) * max(0, min(s + c, hi) - max(s, lo))
+            n += upto(b.offset + (r + 1) * k, edges, below, rate) - upto(b.offset + r * k, edges, below, rate)
         best = max(best, n)
     return best
 
@@ -120,7 +149,22 @@ def expert_data_parallel_size(settings) -> int:
 
 
 def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
-    """Bytes of parameters, gradients and optimizer state on one rank of pipeline stage ``pp_rank``."""
+    """Bytes of parameters, gradients and optimizer state on one rank of pipeline stage ``pp_rank`` (kept per
+    model structure, layout, replica groups, data-parallel and optimizer settings)."""
+    pc = settings.parallel
+    key = (_structure(model_cfg), pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size,
+           pc.virtual_pipeline_model_parallel_size, pc.context_parallel_size, pc.decoder_first_pipeline_num_layers,
+           pc.decoder_last_pipeline_num_layers, pc.expert_model_parallel_size, pc.etp, pp_rank,
+           settings.dp * pc.context_parallel_size, expert_data_parallel_size(settings), repr(settings.ddp),
+           repr(settings.optim))
+    if key not in _STATE:
+        if len(_STATE) > 4096:
+            _STATE.clear()
+        _STATE[key] = _state_bytes(settings, model_cfg, pp_rank)
+    return _STATE[key]
+
+
+def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     pc = settings.parallel
     dp_cp = settings.dp * pc.context_parallel_size
     edp = expert_data_parallel_size(settings)

@@ -71,6 +71,7 @@ def test_subcommands_write_valid_reports(tmp_path, capsys):
     for row in reps["comm"]["rows"]:  # the report's figures follow the definition (float64 both ways: ~1e-16)
         assert row["algbw_gbs"] == pytest.approx(row["bytes"] / (row["ms"] * 1e-3) / 1e9, rel=1e-9)
         assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * comm.bus_factor(row["op"], 2), rel=1e-9)
+        assert row["group"] == "world" and row["devices"] == ["cpu:0", "cpu:0"] and 1 <= row["iters"] <= 3
     m = reps["comm"]["machine"]
     assert m["backend"] == "cpu" and m["world_size"] == 2 and m["torch"] and m["cpu_count"] >= 1
 

@@ -60,7 +60,7 @@ def test_layout_on_a_profile_matches_the_memory_model(tmp_path, capsys):
 
 def test_bad_device_requests_get_one_line(capsys):
     for argv, needle in ((["--device", "h1000", "--layout", "tp2"], "shipped: a100-80gb-sxm"),
-                         (["--device", "h200", "--bench", "x.json", "--layout", "tp2"], "not both"),
+                         (["--device", "h200", "--bench", "x.json", "--layout", "tp2"], "x.json"),
                          (["--devices", "8"], "--device PROFILE")):
         assert main(["plan", *ARGV, *argv]) == 2
         err = capsys.readouterr().err.strip()
@@ -89,3 +89,82 @@ def test_bounded_search_equals_the_exhaustive_one():
     got = [c.name() for c in recommend(given, 4, limit, rates, top=3, cluster=2)]
     assert len(want) == 3
     assert got == want
+
+
+def _accelerator_report(tmp_path, kind: str, rows: list[dict]) -> str:
+    """A report of ``kind`` as if measured on an accelerator (the machine fields of a cpu one, retyped)."""
+    from omnitron.backends import get_backend
+    from omnitron.bench.report import new_report
+
+    rep = new_report(kind, get_backend("cpu"), rows)
+    rep["machine"]["device_type"] = "cuda"
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps(rep))
+    return str(path)
+
+
+def test_bench_report_replaces_the_profile_where_it_has_rows(tmp_path, capsys):
+    """``--device`` with ``--bench``: a GEMM of a measured dtype costs the report's rate, one of another dtype the
+    profile's; a collective inside one node at a measured rank count costs the report's time, one spanning nodes
+    the machine model's; a cpu report is refused in one line."""
+    import random
+
+    from omnitron.plan.cluster import device_rates
+    from omnitron.plan.machine import span
+
+    rng = random.Random()
+    tf = rng.uniform(100, 500)  # the measured bf16 TFLOP/s at every size
+    gemm = [{"dtype": "bf16", "shape": f"square:{n}", "m": n, "n": n, "k": n, "ms": 2 * n ** 3 / (tf * 1e9),
+             "tflops": tf} for n in (1024, 8192)]
+    ms = {b: rng.uniform(0.01, 5.0) for b in (1 << 20, 1 << 26)}
+    comm = [{"op": "all_reduce", "bytes": b, "ranks": 8, "ms": t, "algbw_gbs": b / t / 1e6, "busbw_gbs": 1.0,
+             "group": "intra", "local": 8, "nodes": 1} for b, t in ms.items()]
+    paths = [_accelerator_report(tmp_path, "gemm", gemm), _accelerator_report(tmp_path, "comm", comm)]
+    r = device_rates("h100-sxm", 8, paths)
+    m, n, k = (rng.randint(512, 8192) for _ in range(3))
+    assert math.isclose(r.gemm_s("bf16", m, n, k), 2 * m * n * k / (tf * 1e12), rel_tol=1e-9)
+    plain = device_rates("h100-sxm", 8)
+    assert r.gemm_s("fp16", m, n, k) == plain.gemm_s("fp16", m, n, k)  # not measured: the profile's curve
+    r.sizes = plain.sizes = {"tp": 1, "dp": 8}
+    assert math.isclose(r.comm_s("all_reduce", 1 << 26, 8, group="tp"), ms[1 << 26] * 1e-3, rel_tol=1e-9)
+    across = r.comm_s("all_reduce", 1 << 26, 8, group="dp")  # stride 8: one device on each of 8 nodes
+    assert across == r.machine.collective("all_reduce", 1 << 26, span(8, 8, 8))[0]
+    assert main(["plan", *ARGV, "--layout", "tp2,dp4", "--device", "h100-sxm", "--bench", *paths]) == 0
+    assert "measured rows from the bench report" in capsys.readouterr().out
+    cpu = tmp_path / "cpu.json"
+    from omnitron.backends import get_backend
+    from omnitron.bench.report import new_report
+
+    cpu.write_text(json.dumps(new_report("gemm", get_backend("cpu"), gemm)))
+    assert main(["plan", *ARGV, "--layout", "tp2", "--device", "h100-sxm", "--bench", str(cpu)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "measured on a cpu" in err
+
+
+def test_selective_recompute_repeats_the_attention_dropout():
+    """Selective recomputation re-runs core attention with its dropout: on a profile (the scores materialised
+    under --attention-dropout) the backward's element-wise time grows by one forward dropout pass over the
+    ``[b, a/tp, s, s]`` probabilities, and its compute by the core attention's forward."""
+    import random
+
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan import speed
+    from omnitron.plan.cluster import device_rates
+    from omnitron.plan.memory import model_config
+
+    tp, b = random.choice([1, 2, 4]), random.choice([1, 2])
+    given = {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 512,
+             "max_position_embeddings": 512, "tokenizer_type": "NullTokenizer", "vocab_size": 1000, "bf16": True,
+             "attention_dropout": 0.1, "layout": f"tp{tp}", "micro_batch_size": b, "global_batch_size": b}
+    costs = {}
+    for rec in (None, "selective"):
+        s = settings_of(given | ({"recompute_granularity": rec} if rec else {}))
+        rates = device_rates("a100-80gb-sxm", 8)
+        rates.bind(s)
+        costs[rec] = speed.stage_cost(s, model_config(s), rates, [False], False, False, False, False)
+        layer = speed._layer(s, model_config(s), rates, False)
+    probs = b * (8 // tp) * 512 * 512
+    want = rates.elementwise_s("dropout", "fwd", probs)
+    assert math.isclose(costs["selective"].b["elementwise"] - costs[None].b["elementwise"], want, rel_tol=1e-9)
+    assert layer.attention_f > 0 and layer.attention_ew_f == want
+    assert math.isclose(costs["selective"].b["compute"] - costs[None].b["compute"], layer.attention_f, rel_tol=1e-9)
