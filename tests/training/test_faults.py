@@ -162,7 +162,9 @@ def test_killed_worker_is_named_first(tmp_path):
     lines = _launcher_lines(out)
     assert lines[0] == f"omnitron train: rank 1 (pid {workers[1]}) was killed by signal SIGKILL", out
     assert lines[1].startswith("omnitron train: rank 0 then lost the connection to it ("), out
-    assert lines[2] == "omnitron train: worker exit codes [1, -9]"
+    # rank 0 exits 1 after its report, or is killed (-9) by the launcher when its exit outlasts the grace
+    # period on a loaded machine (seen once on torch 2.9.1 at load 20+): either way its report came first
+    assert lines[2] in ("omnitron train: worker exit codes [1, -9]", "omnitron train: worker exit codes [-9, -9]")
     assert "Traceback" not in out  # the other rank's gloo error is the one line above
 
 
