@@ -89,6 +89,7 @@ def test_routing_and_bias_updates_match_plain_reference(case):
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=gen, dtype=torch.float64))
     bias = [0.0] * c.num_experts if c.moe_router_enable_expert_bias else None
+    moved = False  # the bias left zero at some step (it can oscillate back to all zeros: +r, -r, +r, -r)
     for _ in range(4):
         counts = [0] * c.num_experts
         for _ in range(2):
@@ -109,8 +110,9 @@ def test_routing_and_bias_updates_match_plain_reference(case):
             bias = [b + c.moe_router_bias_update_rate * ((mean > n) - (mean < n)) for b, n in zip(bias, counts)]
             assert router.expert_bias.tolist() == pytest.approx(bias, abs=1e-7)  # float32 buffer
             assert not router.tokens_per_expert.any()  # the counts restart each step
+            moved = moved or any(b != 0.0 for b in bias)
     if bias is not None:
-        assert any(b != 0.0 for b in bias) and "expert_bias" in router.state_dict()
+        assert moved and "expert_bias" in router.state_dict()
 
 
 def test_bias_leaves_evaluation_counts_alone():
