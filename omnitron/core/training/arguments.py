@@ -635,7 +635,7 @@ def preload_family_modules(argv: list[str]) -> None:
 
 def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:
     """argv -> Settings (argparse exits with code 2 on unknown flags; ConfigError on bad values)."""
-    from omnitron.cli import Parser
+    from omnitron.core.config.parser import Parser
 
     preload_family_modules(argv)
     parser = Parser(prog="omnitron train", argument_default=argparse.SUPPRESS)
