@@ -54,3 +54,52 @@ def test_the_reader_sees_every_import_form(tmp_path):
     found = [name for _, name in imported_modules(src, tmp_path) if upward(name)]
     assert found == ["omnitron.cli", "omnitron.testing", "omnitron.plan.memory", "omnitron.plan.memory.estimate",
                      "omnitron.commands", "omnitron.commands.train"]
+
+
+COMMAND_LAYER = ("omnitron.cli", "omnitron.commands", "omnitron.__main__", "omnitron.train")
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_only_the_command_layer_imports_the_command_layer():
+    """The planner, the benchmarks, the backends and the test harnesses are built under the command line."""
+    hits = sorted({f"{p.relative_to(ROOT)}:{line}: {name}" for p in (ROOT / "omnitron").rglob("*.py")
+                   if not _module(p).startswith(COMMAND_LAYER) for line, name in imported_modules(p)
+                   if name.startswith(("omnitron.cli", "omnitron.commands"))})
+    assert not hits, "imports of the command layer from below it:\n" + "\n".join(hits)
+
+
+def test_no_import_cycles_among_the_command_layer_and_the_planner():
+    """Module-level graph of omnitron/cli.py, omnitron/commands and omnitron/plan, every import (function-local
+    too): no cycle (``checkpoint`` registers ``hf`` / ``megatron``, which share ``checkpoint_args``; the planner's
+    settings live in ``plan.settings``, not in ``commands.plan``)."""
+    files = [ROOT / "omnitron" / "cli.py", *(ROOT / "omnitron" / "commands").rglob("*.py"),
+             *(ROOT / "omnitron" / "plan").rglob("*.py")]
+    mods = {_module(p): p for p in files}
+
+    def target(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: {t for _, n in imported_modules(p) if (t := target(n)) and t != m} for m, p in mods.items()}
+    done, path = set(), []
+
+    def visit(m: str) -> list[str] | None:  # depth-first; returns a cycle when one closes
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        path.append(m)
+        for n in sorted(graph[m]):
+            if (cycle := visit(n)):
+                return cycle
+        path.pop()
+        done.add(m)
+        return None
+
+    cycles = [c for m in sorted(graph) if (c := visit(m))]
+    assert not cycles, "import cycle: " + " -> ".join(cycles[0])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from omnitron.commands.checkpoint import add_family_module_flag
+from omnitron.commands.checkpoint_args import add_family_module_flag
 from omnitron.commands.serve import add_layout_flags, sharded_world
 
 

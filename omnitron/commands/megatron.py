@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from omnitron.commands.checkpoint import _fail, add_family_module_flag
+from omnitron.commands.checkpoint_args import add_family_module_flag, fail
 
 
 def register(cmds) -> None:
@@ -57,7 +57,7 @@ def run_import(args: argparse.Namespace) -> int:
         layout = import_layout(args)
         out = import_megatron(args.load, args.save, layout, vocab_size=args.vocab_size)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
-        return _fail("import-megatron", err)
+        return fail("import-megatron", err)
     meta = read_metadata(out)
     src = meta["imported_from"]
     print(f"imported {src['megatron_dir']} (Megatron {src['ckpt_format']} checkpoint, iteration {src['iteration']}, "
@@ -69,7 +69,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from omnitron.commands.checkpoint import resolve
+    from omnitron.commands.checkpoint_args import resolve
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.megatron import export_megatron
     from omnitron.core.config.parallel import ConfigError
@@ -80,7 +80,7 @@ def run_export(args: argparse.Namespace) -> int:
                               args.target_pipeline_model_parallel_size, transformer_impl=args.transformer_impl,
                               ckpt_format=args.ckpt_format)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
-        return _fail("export-megatron", err)
+        return fail("export-megatron", err)
     print(f"exported {path} to {out} (Megatron --ckpt-format {args.ckpt_format}, "
           f"tp{args.target_tensor_model_parallel_size} "
           f"pp{args.target_pipeline_model_parallel_size}); weights only: load it in Megatron with --finetune "

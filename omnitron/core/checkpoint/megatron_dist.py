@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from omnitron.core.checkpoint.dist import read as dcp_read
 from omnitron.core.checkpoint.dist_planner import ForeignReader, PieceSavePlanner, read_dcp_metadata
 from omnitron.core.checkpoint.io import _write_file
-from omnitron.core.checkpoint.megatron import (_TE_EXTRA, _TE_NORMS, _VOCAB, CHECKPOINT_VERSION,
+from omnitron.core.checkpoint.megatron_base import (_TE_EXTRA, _TE_NORMS, _VOCAB, CHECKPOINT_VERSION,
                                                MegatronConversionError, _check_state, _tp_dim, commit_iteration,
                                                load_file, run_args)
 
