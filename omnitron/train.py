@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from omnitron.cli import Parser
+    from omnitron.core.config.parser import Parser
     from omnitron.commands.train import main_from_dict
     from omnitron.core.training.arguments import add_arguments
 

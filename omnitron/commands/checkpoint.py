@@ -12,8 +12,9 @@ weights to one safetensors file. ``DIR`` is a ``--save`` directory
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from omnitron.commands.checkpoint_args import add_family_module_flag, fail, resolve, run_export
 
 
 def register(sub) -> None:
@@ -53,31 +54,6 @@ def register(sub) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
-def add_family_module_flag(p) -> None:
-    """``--model-family-module`` on a command that reads an omnitron checkpoint (``omnitron.cli.main``
-    imports the modules before parsing): the way to load a checkpoint of a family of the user's own."""
-    p.add_argument("--model-family-module", action="append", metavar="MODULE", help="import MODULE first: the "
-                   "model family of your own the checkpoint was trained with (a checkpoint never imports the "
-                   "modules it names; repeatable)")
-
-
-def resolve(path: str) -> str:
-    """An ``iter_N`` directory from a --save directory (its latest) or an ``iter_N`` directory."""
-    from omnitron.core.checkpoint import CheckpointError, find_latest
-
-    if os.path.exists(os.path.join(path, "metadata.json")):
-        return path
-    found = find_latest(path)
-    if found is None:
-        raise CheckpointError(f"{path}: no checkpoint there (no metadata.json, no 'latest', no iter_* directory)")
-    return found
-
-
-def _fail(what: str, err: Exception) -> int:
-    print(f"omnitron checkpoint {what}: error: {err}", file=sys.stderr)
-    return 2
-
-
 def run_inspect(args: argparse.Namespace) -> int:
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.reshard import Layout, read_full_state
@@ -86,7 +62,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         path = resolve(args.dir)
         full = read_full_state(path)
     except (CheckpointError, OSError, ValueError) as err:
-        return _fail("inspect", err)
+        return fail("inspect", err)
     meta = full.meta
     print(f"checkpoint   {path}")
     print(f"iteration    {meta['iteration']} ({meta['consumed_samples']} samples consumed)")
@@ -137,7 +113,7 @@ def run_convert(args: argparse.Namespace) -> int:
         target = _target_layout(args, cfg.num_layers)
         out = convert(path, args.save, target, args.target_ckpt_format, say=say, progress=progress)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
-        return _fail("convert", err)
+        return fail("convert", err)
     say(f"converted {path} ({Layout.from_dict(read_metadata(path)['layout'])}) to {out} ({target}); a resume "
         f"continues the data order with fresh RNG streams")
     return 0
@@ -166,15 +142,3 @@ def _target_layout(args: argparse.Namespace, num_layers: int):
                   last=args.target_decoder_last_pipeline_num_layers)
 
 
-def run_export(args: argparse.Namespace, *, what: str = "export", write=None, note: str = "") -> int:
-    """``export`` (``write`` = export_safetensors); ``export-hf`` passes its own writer and wording."""
-    from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.checkpoint.reshard import export_safetensors
-
-    try:
-        path = resolve(args.load)
-        n = (write or export_safetensors)(path, args.out)
-    except (CheckpointError, OSError, ValueError) as err:
-        return _fail(what, err)
-    print(f"exported {n:,} parameters of {path} to {args.out}{note}")
-    return 0

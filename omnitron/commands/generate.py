@@ -12,10 +12,9 @@ tp x pp processes (``--nproc-per-node``, default their product, or torchrun), ea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from omnitron.commands.checkpoint import add_family_module_flag
+from omnitron.commands.checkpoint_args import add_family_module_flag
 from omnitron.commands.serve import add_layout_flags, sharded_world
 
 
@@ -68,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.inference.loader import load_for_inference
     from omnitron.core.inference.sampling import SamplingParams
-    from omnitron.core.inference.text import complete
+    from omnitron.core.inference.text import complete, print_result
 
     if args.max_new_tokens < 1:
         print("omnitron generate: error: --max-new-tokens must be >= 1", file=sys.stderr)
@@ -92,21 +91,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print_result(out, args.json, args.return_log_probs, truth)
     return 0
-
-
-def print_result(out: dict, as_json: bool, log_probs: bool, truth: str | None) -> None:
-    """The command's output: JSON (the server's response shape), or each text (and its tokens' log-probs)."""
-    if as_json:
-        print(json.dumps(out), flush=True)
-        return
-    for i, text in enumerate(out["text"]):
-        print(f"--- {i} ---\n{text}")
-        if log_probs:
-            lps = [None] + out["logprobs"][i]
-            print(" ".join(f"{s!r}" + ("" if lp is None else f":{lp:.3f}") for s, lp in zip(out["segments"][i], lps)))
-    if truth is not None:
-        print(f"--- true caption ---\n{truth}")
-    sys.stdout.flush()
 
 
 def _run_sharded(args: argparse.Namespace, world: int) -> int:

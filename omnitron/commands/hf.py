@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from omnitron.commands.checkpoint import _fail, add_family_module_flag
+from omnitron.commands.checkpoint_args import add_family_module_flag, fail
 
 
 def register(cmds) -> None:
@@ -59,7 +59,7 @@ def run_import(args: argparse.Namespace) -> int:
         layout = import_layout(args)
         out = import_hf(args.hf_dir, args.save, layout)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
-        return _fail("import-hf", err)
+        return fail("import-hf", err)
     meta = read_metadata(out)
     print(f"imported {args.hf_dir} ({meta['imported_from']['model_type']}) to {out} ({layout}); weights only: "
           f"training from it starts at iteration 0 with a fresh optimizer")
@@ -88,7 +88,7 @@ def train_hint(save: str, meta: dict) -> str:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from omnitron.commands.checkpoint import run_export as export
+    from omnitron.commands.checkpoint_args import run_export as export
     from omnitron.core.checkpoint.hf import export_hf
 
     keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")

@@ -2,24 +2,25 @@
 
 ``import-megatron --load MEGATRON_DIR --save OUT [--tensor-model-parallel-size T
 --pipeline-model-parallel-size P]`` reads a Megatron-Core GPT checkpoint saved with
-``--ckpt-format torch`` (any tensor / pipeline / virtual-pipeline layout) and writes a weights-only
-omnitron checkpoint (iteration 0, fresh optimizer, as ``--finetune``), printing the model flags a
-training run must repeat. ``export-megatron --load DIR --out MEGATRON_DIR
---target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P`` writes the reverse.
-The mapping is :mod:`omnitron.core.checkpoint.megatron`. Registered under ``omnitron checkpoint``
+``--ckpt-format torch_dist`` (Megatron's default) or ``torch`` (any tensor / pipeline / virtual-pipeline
+layout) and writes a weights-only omnitron checkpoint (iteration 0, fresh optimizer, as ``--finetune``),
+printing the model flags a training run must repeat. ``export-megatron --load DIR --out MEGATRON_DIR
+--target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P [--ckpt-format F]``
+writes the reverse (default torch_dist). The mapping is :mod:`omnitron.core.checkpoint.megatron` and
+:mod:`omnitron.core.checkpoint.megatron_dist`. Registered under ``omnitron checkpoint``
 by :mod:`omnitron.commands.checkpoint`.
 """
 from __future__ import annotations
 
 import argparse
 
-from omnitron.commands.checkpoint import _fail, add_family_module_flag
+from omnitron.commands.checkpoint_args import add_family_module_flag, fail
 
 
 def register(cmds) -> None:
     """Add ``import-megatron`` and ``export-megatron`` to the ``omnitron checkpoint`` sub-parsers ``cmds``."""
-    imp = cmds.add_parser("import-megatron", help="a Megatron-LM GPT checkpoint (--ckpt-format torch) to an "
-                          "omnitron checkpoint")
+    imp = cmds.add_parser("import-megatron", help="a Megatron-LM GPT checkpoint (--ckpt-format torch_dist or "
+                          "torch) to an omnitron checkpoint")
     imp.add_argument("--load", required=True, metavar="DIR", help="a Megatron --save directory (its "
                      "latest_checkpointed_iteration.txt) or one iter_N directory")
     imp.add_argument("--save", required=True, metavar="DIR", help="where the omnitron checkpoint goes")
@@ -29,13 +30,16 @@ def register(cmds) -> None:
                      "one (default: from the checkpoint's tokenizer args)")
     imp.set_defaults(func=run_import)
     exp = cmds.add_parser("export-megatron", help="an omnitron GPT checkpoint to a Megatron-LM checkpoint "
-                          "(--ckpt-format torch)")
+                          "(--ckpt-format torch_dist or torch)")
     exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
     exp.add_argument("--out", required=True, metavar="DIR", help="the Megatron --load directory to write")
     exp.add_argument("--target-tensor-model-parallel-size", type=int, required=True, metavar="T")
     exp.add_argument("--target-pipeline-model-parallel-size", type=int, required=True, metavar="P")
     exp.add_argument("--transformer-impl", default="transformer_engine", choices=("transformer_engine", "local"),
-                     help="the Megatron layer spec to name tensors for (default: transformer_engine, Megatron's)")
+                     help="the Megatron layer spec to name tensors for, --ckpt-format torch only (torch_dist "
+                     "serves both; default: transformer_engine, Megatron's)")
+    exp.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch"),
+                     help="Megatron's checkpoint format to write (default: torch_dist, Megatron's)")
     add_family_module_flag(exp)
     exp.set_defaults(func=run_export)
 
@@ -53,10 +57,10 @@ def run_import(args: argparse.Namespace) -> int:
         layout = import_layout(args)
         out = import_megatron(args.load, args.save, layout, vocab_size=args.vocab_size)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
-        return _fail("import-megatron", err)
+        return fail("import-megatron", err)
     meta = read_metadata(out)
     src = meta["imported_from"]
-    print(f"imported {src['megatron_dir']} (Megatron iteration {src['iteration']}, "
+    print(f"imported {src['megatron_dir']} (Megatron {src['ckpt_format']} checkpoint, iteration {src['iteration']}, "
           f"tp{src['tensor_model_parallel_size']} pp{src['pipeline_model_parallel_size']}) to {out} ({layout}); "
           f"weights only: Megatron's optimizer state is not carried, training from it starts at iteration 0 with "
           f"a fresh optimizer")
@@ -65,7 +69,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from omnitron.commands.checkpoint import resolve
+    from omnitron.commands.checkpoint_args import resolve
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.megatron import export_megatron
     from omnitron.core.config.parallel import ConfigError
@@ -73,10 +77,12 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         path = resolve(args.load)
         out = export_megatron(path, args.out, args.target_tensor_model_parallel_size,
-                              args.target_pipeline_model_parallel_size, transformer_impl=args.transformer_impl)
+                              args.target_pipeline_model_parallel_size, transformer_impl=args.transformer_impl,
+                              ckpt_format=args.ckpt_format)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
-        return _fail("export-megatron", err)
-    print(f"exported {path} to {out} (Megatron --ckpt-format torch, tp{args.target_tensor_model_parallel_size} "
+        return fail("export-megatron", err)
+    print(f"exported {path} to {out} (Megatron --ckpt-format {args.ckpt_format}, "
+          f"tp{args.target_tensor_model_parallel_size} "
           f"pp{args.target_pipeline_model_parallel_size}); weights only: load it in Megatron with --finetune "
           f"(or --no-load-optim --no-load-rng)")
     return 0

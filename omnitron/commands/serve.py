@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from omnitron.commands.checkpoint import add_family_module_flag
+from omnitron.commands.checkpoint_args import add_family_module_flag
 
 
 def register(sub) -> None:

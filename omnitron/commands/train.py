@@ -35,7 +35,20 @@ def main_from_dict(given: dict) -> int:
         print(f"omnitron train: error: {err}", file=sys.stderr)
         return 2
     try:
-        return launch(settings)
+        return launch(settings, training_entry(settings))
     except (ConfigError, CheckpointError) as err:  # --save held by another job; one process: a corrupt shard
         print(f"omnitron train: error: {err}", file=sys.stderr)
         return 2
+
+
+def training_entry(settings):
+    """What every rank runs: the training loop, given the planner's memory table under --log-memory-estimate
+    (a partial of module-level functions, so spawned workers can import it)."""
+    if not settings.logging.log_memory_estimate:
+        return None  # launch's default: the training loop
+    import functools
+
+    from omnitron.core.training.loop import train
+    from omnitron.plan.memory import memory_table
+
+    return functools.partial(train, memory_table=memory_table)

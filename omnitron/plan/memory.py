@@ -244,6 +244,11 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:9.3f}" if n >= 2**27 else f"{n / 2**20:8.2f}M"
 
 
+def memory_table(settings) -> str:
+    """:func:`format_table` of :func:`estimate`: what ``--log-memory-estimate`` logs at the start of training."""
+    return format_table(estimate(settings))
+
+
 def format_table(stages: list[StageMemory]) -> str:
     """One row per stage (GiB; values under 128 MiB in MiB, suffixed M) and the largest rank."""
     head = f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'params':>9} {'grads':>9} {'optimizer':>9} " \

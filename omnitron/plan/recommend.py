@@ -96,7 +96,7 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
     memory-minimal variant of each (tp, pp, cp)). ``cluster``: the devices per node of a cluster search, which
     keeps tp inside a node and the distributed optimizer on wherever dp x cp > 1 (it moves 3/4 of the
     all-reduce's bytes, steps 1/(dp x cp) of the parameters and holds less: the other variant never wins)."""
-    from omnitron.commands.plan import settings_of
+    from omnitron.plan.settings import settings_of
     from omnitron.plan.memory import model_config
 
     base = settings_of(given | {"nproc_per_node": 1})

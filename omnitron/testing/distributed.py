@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+from omnitron.core.training.workers import free_port  # noqa: F401 - the tests' name for it
 
 
 REFERENCE_KERNELS = {"OMNITRON_KERNELS": "reference"}
@@ -23,10 +24,6 @@ REFERENCE_KERNELS = {"OMNITRON_KERNELS": "reference"}
 layout-parity run is a statement about the parallel maths alone (no CPU-specific rounding)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _to_host(value):

@@ -214,7 +214,8 @@ def test_export_equals_longhand(source, kind, tmp_path):
     write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=1), config={"tokenizer_type": "NullTokenizer"})
     out = str(tmp_path / "meg")
     assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", out,
-                "--target-tensor-model-parallel-size", str(TP), "--target-pipeline-model-parallel-size", str(PP)]) == 0
+                "--target-tensor-model-parallel-size", str(TP), "--target-pipeline-model-parallel-size", str(PP),
+                "--ckpt-format", "torch"]) == 0
     with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "0"
     want = _longhand(full, cfg, TP, PP)
@@ -256,7 +257,7 @@ def test_export_import_round_trip(source, kind, tp, pp, impl, tmp_path):
     write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=2, pp=2))
     assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg"),
                 "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp),
-                "--transformer-impl", impl]) == 0
+                "--transformer-impl", impl, "--ckpt-format", "torch"]) == 0
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "back"),
                 "--tensor-model-parallel-size", "2"]) == 0
     meta = read_metadata(str(tmp_path / "back" / "iter_0000000"))
@@ -298,7 +299,7 @@ def test_gelu_kind_is_read_as_megatron_core_computes_it():
     ("no_args", "no 'args'"),
     ("wrong_shape", "has shape"),
     ("legacy_names", "legacy Megatron model names"),
-    ("torch_dist", "a torch_dist checkpoint"),
+    ("torch_dist", "DCP files without Megatron's metadata.json"),
 ])
 def test_import_errors(source, case, message, tmp_path, capsys):
     over = {"moe": {"num_experts": 8}, "squared_relu": {"squared_relu": True},
@@ -330,7 +331,8 @@ def test_import_errors(source, case, message, tmp_path, capsys):
 def test_export_errors(source, tmp_path, capsys):
     cfg, _, full = source["llama"]
     write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout())
-    base = ["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg")]
+    base = ["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg"),
+            "--ckpt-format", "torch"]
     assert cli(base + ["--target-tensor-model-parallel-size", "4", "--target-pipeline-model-parallel-size", "1"]) == 2
     assert "whole query groups (2)" in capsys.readouterr().err
     assert cli(base + ["--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "3"]) == 2

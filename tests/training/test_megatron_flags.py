@@ -203,3 +203,32 @@ def test_every_selector_changes_nothing_and_says_what_runs(caplog):
             s = parse_settings(BASE + ([flag] if metavar is None else [flag, _VALUES.get(dest, "1")]), 1)
         _same(s, plain)
         assert f"{flag}: accepted; {instead}" in caplog.text, flag
+
+
+# examples/bert/train_bert_340m_distributed.sh of Megatron-LM d98e8a6, shapes and parallel sizes scaled down, data
+# swapped for --mock-data: nothing in it says BERT (pretrain_bert.py does), so --entry names the script
+BERT_SCRIPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+               "--max-position-embeddings", "32", "--attention-backend", "auto",
+               "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "20", "--weight-decay", "1e-2",
+               "--clip-grad", "1.0", "--lr", "0.0001", "--lr-decay-iters", "19", "--lr-decay-style", "linear",
+               "--min-lr", "1.0e-5", "--weight-decay", "1e-2", "--lr-warmup-fraction", ".01", "--clip-grad", "1.0",
+               "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+               "--mock-data", "--split", "949,50,1",
+               "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10"]
+
+
+def test_megatron_bert_script_by_its_entry(tmp_path):
+    """``--entry pretrain_bert`` (the script's name, any path, .py or not) trains BERT exactly as --model-type bert
+    does; the same flags without it are a GPT run; a contradiction or an unknown script is one line."""
+    vocab = tmp_path / "bert-vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(60)]) + "\n")
+    script = BERT_SCRIPT + ["--vocab-file", str(vocab)]
+    by_entry = parse_settings(script + ["--entry", "/opt/Megatron-LM/pretrain_bert.py"], 1)
+    assert by_entry.model_type == "bert"
+    _same(by_entry, parse_settings(script + ["--model-type", "bert"], 1))
+    assert parse_settings(script + ["--entry", "pretrain_bert", "--model-type", "bert"], 1).model_type == "bert"
+    assert parse_settings(script + ["--tokenizer-type", "BertWordPieceLowerCase"], 1).model_type == "gpt"
+    with pytest.raises(ConfigError, match="--entry pretrain_bert trains bert, but --model-type .* says gpt"):
+        parse_settings(script + ["--entry", "pretrain_bert", "--model-type", "gpt"], 1)
+    with pytest.raises(ConfigError, match="--entry pretrain_mamba: not a Megatron training script omnitron runs"):
+        parse_settings(script + ["--entry", "pretrain_mamba"], 1)

@@ -312,14 +312,16 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     read(pieces, path, meta.get("checksums") or {})
 
 
-def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True) -> VerifiedReader:
+def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True,
+         reader: VerifiedReader | None = None) -> VerifiedReader:
     """Fill every piece of ``pieces`` from checkpoint directory ``path``, each file verified against
-    ``checksums`` first. Collective over the world when a process group exists, unless not
-    ``collective`` (one process reading alone: DCP then plans locally, whatever the process group).
-    Returns the reader (its ``read_bytes``: the tensor bytes this rank read)."""
+    ``checksums`` first (``reader``: another program's checkpoint, a
+    :class:`~omnitron.core.checkpoint.dist_planner.ForeignReader`). Collective over the world when a process
+    group exists, unless not ``collective`` (one process reading alone: DCP then plans locally, whatever the
+    process group). Returns the reader (its ``read_bytes``: the tensor bytes this rank read)."""
     import torch.distributed.checkpoint as dcp
 
-    reader = VerifiedReader(path, checksums)
+    reader = reader or VerifiedReader(path, checksums)
     reader.read_metadata()  # a missing, flipped or foreign .metadata: one CheckpointError, before DCP
     with torch.no_grad(), _one_line("load", path), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended

@@ -120,6 +120,9 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in
             ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "BytesStorageMetadata",
              "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+# Megatron-Core's .metadata also keeps the save plans it caches (plain dataclasses and an enum)
+_ALLOWED |= {("torch.distributed.checkpoint.planner", n) for n in
+             ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
 _ALLOWED |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
              ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "layout"),
              ("torch", "memory_format"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
@@ -133,6 +136,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
 
 
+def read_dcp_metadata(path: str, fix: str = "load an earlier iteration, or re-save") -> dcp_meta.Metadata:
+    """DCP's ``Metadata`` of checkpoint directory ``path``'s ``.metadata`` through :class:`_MetadataUnpickler`
+    (nothing but DCP's dataclasses and torch's size / dtype types is built); one CheckpointError naming
+    ``fix`` when it is missing, unreadable or something else."""
+    try:
+        with open(f"{path}/.metadata", "rb") as f:
+            md = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except Exception as err:
+        raise CheckpointError(f"{path}/.metadata is unreadable ({err}); {fix}") from None
+    if not isinstance(md, dcp_meta.Metadata):
+        raise CheckpointError(f"{path}/.metadata holds a {type(md).__name__}, not DCP's Metadata; {fix}")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = dcp_meta.StorageMeta()
+    return md
+
+
 class VerifiedReader(FileSystemReader):
     """:class:`FileSystemReader` that verifies every file against ``checksums`` before reading it and
     reads ``.metadata`` through :class:`_MetadataUnpickler`.
@@ -142,6 +161,8 @@ class VerifiedReader(FileSystemReader):
     logged with its traceback and retried (DCP's fallback to per-rank metadata, whose shape changes
     between torch versions) and ends as "metadata is None"; the metadata read first is kept and handed
     to DCP, so its checks never depend on how DCP calls the reader."""
+
+    fix = "load an earlier iteration, or re-save"
 
     def __init__(self, path: str, checksums: dict[str, str]) -> None:
         super().__init__(path)
@@ -176,18 +197,7 @@ class VerifiedReader(FileSystemReader):
         of DCP's fallback is ignored: omnitron writes only the global file)."""
         if self.metadata is None:
             self._verify(".metadata")
-            with open(f"{self.dir}/.metadata", "rb") as f:
-                try:
-                    md = _MetadataUnpickler(io.BytesIO(f.read())).load()
-                except Exception as err:
-                    raise CheckpointError(f"{self.dir}/.metadata is unreadable ({err}); load an earlier iteration, "
-                                          f"or re-save") from None
-            if not isinstance(md, dcp_meta.Metadata):
-                raise CheckpointError(f"{self.dir}/.metadata holds a {type(md).__name__}, not DCP's Metadata; load "
-                                      f"an earlier iteration, or re-save")
-            if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = dcp_meta.StorageMeta()
-            self.metadata = md
+            self.metadata = read_dcp_metadata(self.dir, self.fix)
         self.metadata.storage_meta.load_id = self.load_id  # DCP's reset() draws a new id per load
         return self.metadata
 
@@ -289,3 +299,17 @@ class VerifiedReader(FileSystemReader):
             self._verify(side)
             cache[side] = parse(f"{self.dir}/{side}")
         return cache[side]
+
+
+class ForeignReader(VerifiedReader):
+    """A reader of another program's DCP checkpoint (Megatron-Core's ``torch_dist``), which records no
+    checksums: nothing is verified, but ``.metadata`` is still read through the restricted unpickler, and
+    only tensors are read (DCP's bytes items are ``torch.load``-ed unrestricted: never plan one)."""
+
+    fix = "use a checkpoint from a trusted Megatron run"
+
+    def _verify(self, name: str) -> None:
+        """Nothing to verify against."""
+
+    def _verify_chunk(self, info) -> None:
+        """Nothing to verify against."""

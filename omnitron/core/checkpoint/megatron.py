@@ -1,4 +1,5 @@
-"""Megatron-LM GPT checkpoints (``--ckpt-format torch``) to and from omnitron's full state.
+"""Megatron-LM GPT checkpoints (``--ckpt-format torch``; ``torch_dist`` through
+:mod:`~omnitron.core.checkpoint.megatron_dist`) to and from omnitron's full state.
 
 Megatron's per-rank ("legacy torch") layout::
 
@@ -29,8 +30,9 @@ What the mapping absorbs (Megatron-Core's conventions; omnitron names tensors th
 - Tied embeddings: a last stage that is not also the first holds a copy, ``output_layer.weight``
   (dropped on import, written on export).
 
-Unsupported Megatron features (MoE, legacy non-Core names, exact-erf GeLU, squared ReLU, zero-centred
-norms, ``torch_dist`` checkpoints, ...) raise :class:`MegatronConversionError` naming the field.
+``--ckpt-format torch_dist`` (Megatron's default) is :mod:`omnitron.core.checkpoint.megatron_dist`; this
+module keeps the model mapping both share. Unsupported Megatron features (MoE, legacy non-Core names,
+squared ReLU, ...) raise :class:`MegatronConversionError` naming the field.
 Files are read by :mod:`omnitron.core.checkpoint.safe_load` (``torch.load(weights_only=True)`` with an
 allow-list of exact names): tensors, containers, argparse / numpy values; ``megatron.*`` classes (the
 enums in ``args``) become inert placeholders; anything else is refused in one line, so no code runs.
@@ -41,62 +43,18 @@ import argparse
 import os
 import re
 
-import numpy as np
 import torch
 
-from omnitron.core.checkpoint.io import CheckpointError
-from omnitron.core.checkpoint.safe_load import Opaque, load_untrusted
+from omnitron.core.checkpoint.megatron_base import (_COLUMNS, _ROWS, _TE_EXTRA, _TE_NORMS, _VOCAB,  # noqa: F401
+                                                    CHECKPOINT_VERSION, TRACKER, MegatronConversionError, Opaque,
+                                                    _check_state, _tp_dim, commit_iteration, load_file, run_args)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
-CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-             "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-             "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
-_TE_EXTRA = ("self_attention.core_attention._extra_state", "self_attention.linear_qkv._extra_state",
-             "self_attention.linear_proj._extra_state", "mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
-_ROWS = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-         "linear_fc1.weight", "linear_fc1.bias")
-_COLUMNS = ("linear_proj.weight", "linear_fc2.weight")
-_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
-class MegatronConversionError(CheckpointError):
-    """A Megatron checkpoint omnitron cannot map, or a model Megatron's layout cannot hold (names the field)."""
-
-
-# ---- reading files ---------------------------------------------------------------------------
-def _extra_classes() -> dict[str, object]:
-    """What a Megatron file holds beside tensors, by exact name: the run's ``argparse.Namespace`` and
-    numpy's RNG state (arrays, dtypes and scalars; numpy 1 and 2 spell the module differently)."""
-    reconstruct, scalar = np.zeros(0).__reduce__()[0], np.float64(0).__reduce__()[0]
-    out = {"argparse.Namespace": argparse.Namespace, "numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
-    for core in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        out.update({f"{core}._reconstruct": reconstruct, f"{core}.scalar": scalar})
-    for code in np.typecodes["All"]:  # the dtype classes: never named in a file, but unpickled dtypes are theirs
-        cls = type(np.dtype(code))
-        out[f"numpy.dtypes.{cls.__name__}"] = cls
-    return out
-
-
-def _megatron_name(module: str, name: str) -> bool:
-    """Megatron's own classes (enums in ``args``, such as ``AttnBackend``) become inert placeholders."""
-    return module == "megatron" or module.startswith("megatron.")
-
-
-def load_file(path: str) -> dict:
-    """A Megatron ``model_optim_rng.pt`` read safely (:func:`~omnitron.core.checkpoint.safe_load.load_untrusted`):
-    tensors, containers, the args Namespace, numpy RNG state; ``megatron.*`` classes become :class:`Opaque`."""
-    try:
-        return load_untrusted(path, what="a Megatron checkpoint", extra=_extra_classes(), vouch=_megatron_name,
-                              fix="import only checkpoints from a trusted Megatron run")
-    except CheckpointError as err:
-        raise MegatronConversionError(str(err)) from None
-
-
+# ---- reading files (the safe loader itself: megatron_base) -----------------------------------
 def resolve_dir(path: str) -> str:
     """The ``iter_N`` (or ``release``) directory of a Megatron ``--save`` directory (its tracker
     file) or of an iteration directory itself."""
@@ -108,23 +66,17 @@ def resolve_dir(path: str) -> str:
         if name is None:
             raise MegatronConversionError(f"{tracker} holds {it!r}, not an iteration number or 'release'")
         path = os.path.join(path, name)
+    from omnitron.core.checkpoint.megatron_dist import CONFIG, is_torch_dist
+
+    if os.path.isdir(path) and is_torch_dist(path):
+        return path
     if not os.path.isdir(path) or not any(_RANK_DIR.match(n) for n in os.listdir(path)):
         dist = os.path.isdir(path) and any(n.endswith(".distcp") or n == "common.pt" for n in os.listdir(path))
-        hint = (" (a torch_dist checkpoint: re-save it with Megatron's --ckpt-format torch, e.g. "
-                "--ckpt-convert-format torch --ckpt-convert-save DIR)") if dist else ""
-        raise MegatronConversionError(f"--load {path}: no {TRACKER} and no mp_rank_* directories there{hint}; pass "
-                                      f"a Megatron --save directory written with --ckpt-format torch")
+        hint = f" (DCP files without Megatron's {CONFIG}: copy the whole iteration directory)" if dist else ""
+        raise MegatronConversionError(f"--load {path}: no {TRACKER}, no mp_rank_* directories and no torch_dist "
+                                      f"{CONFIG} there{hint}; pass a Megatron --save directory (--ckpt-format "
+                                      f"torch_dist or torch)")
     return path
-
-
-def _args_dict(ckpt: dict, path: str) -> dict:
-    args = ckpt.get("args")
-    if isinstance(args, (argparse.Namespace, Opaque)):
-        args = dict(vars(args)) if isinstance(args, argparse.Namespace) else args.state
-    if not isinstance(args, dict):
-        raise MegatronConversionError(f"{path}: no 'args' (the run's argparse Namespace) in the checkpoint, so the "
-                                      f"model's shape is unknown; save it with a Megatron version that records args")
-    return args
 
 
 def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]:
@@ -134,7 +86,7 @@ def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]
     if any(_RANK_DIR.match(n).group(3) for n in names):
         raise MegatronConversionError(f"{iter_dir}: expert-parallel rank directories ({names[0]}): MoE checkpoints "
                                       f"are not supported by the Megatron importer")
-    args = _args_dict(load_file(os.path.join(iter_dir, names[0], FILE)), iter_dir)
+    args = run_args(load_file(os.path.join(iter_dir, names[0], FILE)), iter_dir)
     tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
     out = {}
     for p in range(pp):
@@ -273,11 +225,6 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
 
 
 # ---- weights ---------------------------------------------------------------------------------
-def _tp_dim(name: str) -> int | None:
-    """The dimension Megatron splits ``name`` over tensor-parallel ranks (None: replicated)."""
-    return 0 if name.endswith(_ROWS) else 1 if name.endswith(_COLUMNS) else None
-
-
 def _merge(name: str, parts: list[torch.Tensor], cfg) -> torch.Tensor:
     """The full tensor of ``name`` from its tp shards (rank order): vocab padding dropped, SwiGLU's
     per-rank ``[gate; up]`` regrouped as all gate rows, then all up rows."""
@@ -351,34 +298,6 @@ def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: st
     return full
 
 
-def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Global name -> full (unpadded) shape of every tensor of ``cfg``'s model (a one-rank skeleton)."""
-    from omnitron.core.checkpoint.reshard import Layout, skeleton_chunks
-
-    out = {}
-    for name, p in skeleton_chunks(cfg, Layout())[(0, 0)].named_parameters():
-        if getattr(p, "shared_embedding", False):
-            continue  # a tied output layer reads the word embedding
-        rows = getattr(p, "valid_rows", None)
-        out[name] = ((rows,) if rows is not None else tuple(p.shape[:1])) + tuple(p.shape[1:])
-    return out
-
-
-def _check_state(full: dict, cfg, path: str) -> None:
-    want = _expected_shapes(cfg)
-    for name, shape in want.items():
-        if name not in full:
-            raise MegatronConversionError(f"{path}: no tensor {name} in the shards, which the args' model needs; "
-                                          f"the checkpoint and its args do not match")
-        if tuple(full[name].shape) != shape:
-            raise MegatronConversionError(f"{path}: {name} has shape {tuple(full[name].shape)}, the args' model "
-                                          f"{shape}; the checkpoint and its args do not match")
-    extra = sorted(set(full) - set(want))
-    if extra:
-        raise MegatronConversionError(f"{path}: {len(extra)} tensors have no place in omnitron's GPT model (first: "
-                                      f"{extra[0]}); the args do not describe these weights")
-
-
 def stage_state_dicts(full: dict, cfg, tp: int, pp: int, transformer_impl: str) -> dict[tuple[int, int], dict]:
     """``{(tp_rank, pp_rank): Megatron-Core model state dict}`` of omnitron full state ``full``
     (even pipeline split, local layer numbers, TE-fused norm names unless ``local``)."""
@@ -422,26 +341,37 @@ def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None 
     ``vocab_size`` overrides :func:`real_vocab_size` (the rows of the padded vocabulary to keep)."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
 
+    from omnitron.core.checkpoint import megatron_dist
+
     iter_dir = resolve_dir(load)
-    args, shards = read_shards(iter_dir)
-    dtype = next(t.dtype for sd in shards[(0, 0)] for t in sd.values() if isinstance(t, torch.Tensor))
-    cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
-    full = state_from_megatron(shards, cfg, iter_dir)
-    del shards
-    source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"),
+    if megatron_dist.is_torch_dist(iter_dir):
+        fmt, (args, tensors) = "torch_dist", megatron_dist.read(iter_dir)
+        dtype = tensors.get("embedding.word_embeddings.weight", next(iter(tensors.values()))).dtype
+        cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
+        full = megatron_dist.state_from_tensors(tensors, cfg, iter_dir)
+        del tensors
+    else:
+        fmt, (args, shards) = "torch", read_shards(iter_dir)
+        dtype = next(t.dtype for sd in shards[(0, 0)] for t in sd.values() if isinstance(t, torch.Tensor))
+        cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
+        full = state_from_megatron(shards, cfg, iter_dir)
+        del shards
+    source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"), "ckpt_format": fmt,
               "tensor_model_parallel_size": args.get("tensor_model_parallel_size", 1),
               "pipeline_model_parallel_size": args.get("pipeline_model_parallel_size", 1)}
     return write_weights_checkpoint(full, cfg, save_dir, layout, config=_tokenizer_settings(args, cfg),
                                     imported_from=source)
 
 
-def export_megatron(path: str, out_dir: str, tp: int, pp: int, *,
-                    transformer_impl: str = "transformer_engine") -> str:
-    """Write omnitron checkpoint directory ``path`` (any layout) as a Megatron ``--ckpt-format torch``
-    checkpoint at ``tp`` x ``pp`` under ``out_dir`` (model weights, args, iteration; no optimizer or
-    RNG state: load it in Megatron with ``--finetune`` or ``--no-load-optim --no-load-rng``);
-    returns the iteration directory. Written to ``iter_N.tmp`` and renamed, then the tracker file."""
-    from omnitron.core.checkpoint.io import _fsync_dir, _write_file
+def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_impl: str = "transformer_engine",
+                    ckpt_format: str = "torch_dist") -> str:
+    """Write omnitron checkpoint directory ``path`` (any layout) as a Megatron checkpoint of a run at
+    ``tp`` x ``pp`` under ``out_dir``, in ``ckpt_format`` (``torch_dist``, Megatron's default:
+    :mod:`~omnitron.core.checkpoint.megatron_dist`; or ``torch``, one file per rank): model weights,
+    args, iteration; no optimizer or RNG state (load it in Megatron with ``--finetune`` or
+    ``--no-load-optim --no-load-rng``). Returns the iteration directory. Written to ``iter_N.tmp``
+    and renamed, then the tracker file."""
+    from omnitron.core.checkpoint import megatron_dist
     from omnitron.core.checkpoint.reshard import model_config, read_full_state
     from omnitron.core.models.gpt.config import GPTConfig
 
@@ -449,23 +379,33 @@ def export_megatron(path: str, out_dir: str, tp: int, pp: int, *,
     cfg, it = model_config(full.meta["model"]), int(full.meta["iteration"])
     if type(cfg) is not GPTConfig:
         raise MegatronConversionError(f"{path} holds a {type(cfg).__name__} model; only GPT models export to Megatron")
-    _check_exportable(cfg, tp, pp, transformer_impl)
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise MegatronConversionError(f"--ckpt-format {ckpt_format!r}: use torch_dist or torch")
+    _check_exportable(cfg, tp, pp, transformer_impl, ckpt_format)
     args = args_for(cfg, tp, pp, it, full.meta.get("config", {}), transformer_impl)
+    args.ckpt_format = ckpt_format
     final = os.path.join(out_dir, f"iter_{it:07d}")
     if os.path.exists(final):
         raise MegatronConversionError(f"{final} exists already; remove it or choose another --out")
-    for (t, p), sd in stage_state_dicts(full.model, cfg, tp, pp, transformer_impl).items():
-        os.makedirs(os.path.join(final + ".tmp", rank_dir(t, p, pp)), exist_ok=True)
-        ckpt = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": sd}
-        _write_file(os.path.join(final + ".tmp", rank_dir(t, p, pp), FILE), lambda f, c=ckpt: torch.save(c, f))
-    os.replace(final + ".tmp", final)
-    _write_file(os.path.join(out_dir, TRACKER + ".tmp"), lambda f: f.write(str(it).encode()))
-    os.replace(os.path.join(out_dir, TRACKER + ".tmp"), os.path.join(out_dir, TRACKER))
-    _fsync_dir(out_dir)
+    if ckpt_format == "torch_dist":
+        return megatron_dist.write(full.model, cfg, args, out_dir, it, tp)
+    _write_rank_files(full.model, cfg, args, out_dir, it, tp, pp, transformer_impl)
     return final
 
 
-def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str) -> None:
+def _write_rank_files(full: dict, cfg, args, out_dir: str, it: int, tp: int, pp: int, transformer_impl: str) -> None:
+    """``--ckpt-format torch``: one ``model_optim_rng.pt`` per rank into ``iter_N.tmp``, renamed, then the tracker."""
+    from omnitron.core.checkpoint.io import _write_file
+
+    final = os.path.join(out_dir, f"iter_{it:07d}")
+    for (t, p), sd in stage_state_dicts(full, cfg, tp, pp, transformer_impl).items():
+        os.makedirs(os.path.join(final + ".tmp", rank_dir(t, p, pp)), exist_ok=True)
+        ckpt = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it, "model": sd}
+        _write_file(os.path.join(final + ".tmp", rank_dir(t, p, pp), FILE), lambda f, c=ckpt: torch.save(c, f))
+    commit_iteration(out_dir, it)
+
+
+def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str, ckpt_format: str = "torch") -> None:
     """Raise naming the flag when Megatron's layout cannot hold ``cfg`` at ``tp`` x ``pp``."""
     from omnitron.core.models.gpt.config import ffn_size, query_groups
 
@@ -480,7 +420,8 @@ def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str) -> None:
                "--multi-latent-attention: MLA models do not export to Megatron yet"),
               (not getattr(cfg, "mtp_num_layers", None),
                "--mtp-num-layers: multi-token prediction does not export to Megatron yet"),
-              (cfg.num_layers % pp == 0, f"--target-pipeline-model-parallel-size {pp}: the model's {cfg.num_layers} "
+              (cfg.num_layers % pp == 0 or ckpt_format == "torch_dist",  # torch_dist is whole over pp
+               f"--target-pipeline-model-parallel-size {pp}: the model's {cfg.num_layers} "
                f"layers do not split evenly over {pp} stages (Megatron's torch checkpoints); pick a divisor"),
               (groups % tp == 0 and ffn_size(cfg) % tp == 0 and cfg.num_attention_heads % tp == 0,
                f"--target-tensor-model-parallel-size {tp}: Megatron splits whole query groups ({groups}), heads "

@@ -70,12 +70,13 @@ def plain_name(module: str, name: str) -> bool:
     return all(p.isidentifier() and not p.startswith("__") for p in (*module.split("."), name))
 
 
-def pickled_globals(path: str, fix: str = "use a file from a trusted source") -> Iterator[tuple[str, str]]:
-    """Every ``(module, name)`` the pickles of torch.save file ``path`` name, in file order, read without
-    unpickling. Lazily, so a caller refusing a name stops before a later unreadable part; raises
-    :class:`UnsafeFileError` at a refused opcode (``fix``: the remedy it names), :class:`CheckpointError`
-    when it is not a torch.save file."""
-    with open(path, "rb") as f:
+def pickled_globals(path: str, fix: str = "use a file from a trusted source", data: bytes | None = None
+                    ) -> Iterator[tuple[str, str]]:
+    """Every ``(module, name)`` the pickles of torch.save file ``path`` (or of its bytes ``data``, ``path``
+    then naming them) name, in file order, read without unpickling. Lazily, so a caller refusing a name
+    stops before a later unreadable part; raises :class:`UnsafeFileError` at a refused opcode (``fix``: the
+    remedy it names), :class:`CheckpointError` when it is not a torch.save file."""
+    with open(path, "rb") if data is None else io.BytesIO(data) as f:
         zipped = f.read(4) == b"PK\x03\x04"  # torch's own test for its zip format
         f.seek(0)
         try:
@@ -106,15 +107,16 @@ def _scan(stream, path: str, fix: str) -> Iterator[tuple[str, str]]:
 
 
 def load_untrusted(path: str, *, what: str, fix: str, extra: Mapping[str, object] | None = None,
-                   vouch: Callable[[str, str], bool] = lambda module, name: False):
-    """``torch.load`` of an untrusted file (module docstring). ``extra`` maps exact names to classes
+                   vouch: Callable[[str, str], bool] = lambda module, name: False, data: bytes | None = None):
+    """``torch.load`` of an untrusted file (module docstring), or of its bytes ``data`` (a torch.save
+    payload held inside another file; ``path`` then names it). ``extra`` maps exact names to classes
     or functions the file may hold beside tensors; ``vouch(module, name)`` admits other plain names as
     :class:`Opaque` placeholders. ``what`` names the kind of file and ``fix`` the remedy in errors."""
     if not torch.__version__ >= "2.6":
         raise CheckpointError(f"{path}: reading {what} safely needs torch >= 2.6 (torch.serialization.safe_globals "
                               f"with exact names); this is torch {torch.__version__}: upgrade torch")
     allowed, admitted = torch_save_names(), dict(extra or {})
-    for module, name in pickled_globals(path, fix):
+    for module, name in pickled_globals(path, fix, data):
         full = f"{module}.{name}"
         if not plain_name(module, name) or not (full in allowed or full in admitted or vouch(module, name)):
             kind = "a dotted or dunder name" if not plain_name(module, name) else f"not something {what} holds"
@@ -124,7 +126,7 @@ def load_untrusted(path: str, *, what: str, fix: str, extra: Mapping[str, object
             admitted[full] = type(name, (Opaque,), {"__module__": module, "__qualname__": name})
     with torch.serialization.safe_globals([(obj, full) for full, obj in admitted.items()]):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as err:
             raise _load_error(path, err, fix) from None
 

@@ -151,9 +151,8 @@ class GenerateJob(ShardedJob):
 
 def run_generate_job(job: GenerateJob, backend, watchdog=None) -> None:
     """One rank of a sharded ``omnitron generate``: load this rank's stage, generate, rank 0 prints."""
-    from omnitron.commands.generate import print_result
     from omnitron.core.inference.sampling import SamplingParams
-    from omnitron.core.inference.text import complete
+    from omnitron.core.inference.text import complete, print_result
 
     groups, loaded = job.load_stage(backend)
     sampling = dict(job.sampling)

@@ -8,6 +8,8 @@ for all its placeholders) and ``logprobs`` (one per segment after the first).
 """
 from __future__ import annotations
 
+import json
+import sys
 import weakref
 
 import numpy as np
@@ -122,3 +124,18 @@ def complete_caption(loaded, prompts: list[str], tokens_to_generate: int, *, par
     return _result(tok, [p + t for p, t in zip(ids, out.tokens)],
                    [tok.decode(p + [t for t in toks if t != eod]) for p, toks in zip(ids, out.tokens)], out, logprobs,
                    ["<image>"])
+
+
+def print_result(out: dict, as_json: bool, log_probs: bool, truth: str | None) -> None:
+    """The command's output: JSON (the server's response shape), or each text (and its tokens' log-probs)."""
+    if as_json:
+        print(json.dumps(out), flush=True)
+        return
+    for i, text in enumerate(out["text"]):
+        print(f"--- {i} ---\n{text}")
+        if log_probs:
+            lps = [None] + out["logprobs"][i]
+            print(" ".join(f"{s!r}" + ("" if lp is None else f":{lp:.3f}") for s, lp in zip(out["segments"][i], lps)))
+    if truth is not None:
+        print(f"--- true caption ---\n{truth}")
+    sys.stdout.flush()

@@ -181,6 +181,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p for fam in fams for p in fam.presets) + " (a preset implies its --model-type)")
     launch.add_argument("--model-type", choices=[fam.name for fam in fams], help="model family: " + ", ".join(
         fam.description for fam in fams))
+    launch.add_argument("--entry", metavar="SCRIPT", help="the Megatron training script these flags were written "
+                        "for: " + ", ".join(MEGATRON_ENTRIES) + " (a path or .py is fine); sets --model-type, since "
+                        "a script's flags alone do not tell BERT from GPT")
     launch.add_argument("--model-family-module", action="append", metavar="MODULE", help="import MODULE first (a "
                         "dotted module name on the Python path); it registers a model family of its own with "
                         "omnitron.core.models.family.register_family (repeatable)")
@@ -266,7 +269,7 @@ def _sample_temperature(value) -> float:
 
 
 _str_list.__name__ = "list"
-_LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "model_family_module": _str_list, "nproc_per_node": int, "backend": str, "threads_per_process": int,
+_LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "entry": str, "model_family_module": _str_list, "nproc_per_node": int, "backend": str, "threads_per_process": int,
                 "prompt": str, "sample_tokens": int, "sample_top_k": int, "sample_temperature": float,
                 "num_layers_per_virtual_pipeline_stage": int}
 
@@ -621,12 +624,34 @@ def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> 
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
 
 
+MEGATRON_ENTRIES = {"pretrain_gpt": "gpt", "pretrain_bert": "bert", "pretrain_t5": "t5", "pretrain_vlm": "multimodal"}
+"""Megatron-LM's training scripts -> the model family each trains (``--entry``)."""
+
+
+def _entry_model_type(merged: dict[str, Any]) -> None:
+    """``--entry pretrain_bert`` (or ``path/to/pretrain_bert.py``): set ``model_type`` to the script's family;
+    ConfigError naming both when ``--model-type`` or a preset says otherwise."""
+    entry = merged.get("entry")
+    if entry is None:
+        return
+    name = os.path.basename(str(entry)).removesuffix(".py")
+    if name not in MEGATRON_ENTRIES:
+        raise ConfigError(f"--entry {entry}: not a Megatron training script omnitron runs; use one of "
+                          f"{', '.join(MEGATRON_ENTRIES)}")
+    want, have = MEGATRON_ENTRIES[name], merged.get("model_type")
+    if have not in (None, want):
+        raise ConfigError(f"--entry {name} trains {want}, but --model-type (or the --model preset) says {have}; "
+                          f"drop one of them")
+    merged["model_type"] = want
+
+
 def _model_family(merged: dict[str, Any]):
     """The ``--model-type`` family (a preset implies its own); another family's own flags without it are
     errors, then the family's ``check_flags`` refuses what does not apply to it and sets its defaults (BERT
     and T5: the BertWordPieceLowerCase tokenizer; T5's ``--encoder-seq-length`` sets ``--seq-length``)."""
     from omnitron.core.models.family import families, get_family
 
+    _entry_model_type(merged)
     family = get_family(merged.get("model_type") or "gpt")
     for other in families().values():
         only = [k for k in other.own_fields() if k in merged and k not in family.own_fields()]
@@ -656,7 +681,7 @@ def preload_family_modules(argv: list[str]) -> None:
 
 def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:
     """argv -> Settings (argparse exits with code 2 on unknown flags; ConfigError on bad values)."""
-    from omnitron.cli import Parser
+    from omnitron.core.config.parser import Parser
 
     preload_family_modules(argv)
     parser = Parser(prog="omnitron train", argument_default=argparse.SUPPRESS)

@@ -67,6 +67,37 @@ def write_report(rank: int, kind: str, line: str, suspect: int | None = None) ->
     os.replace(tmp, os.path.join(folder, f"rank{rank}.json"))
 
 
+def elastic_line(rank: int, kind: str, line: str) -> str:
+    """The one line a failed rank leaves in torchrun's report: the command, the rank and pid, the cause."""
+    from omnitron.core.training.workers import command_name
+
+    if not line.startswith(f"rank {rank} ("):  # the watchdog's reasons name their rank already
+        line = f"rank {rank} (pid {os.getpid()}) {'failed' if kind in ('error', 'peer') else 'stopped'}: {line}"
+    return f"{command_name()}: error: {line}"
+
+
+def write_elastic_report(rank: int, kind: str, line: str) -> None:
+    """Under torchrun (``$TORCHELASTIC_ERROR_FILE``, the file its agent reads for each worker): this rank's
+    one line in the JSON torchrun's error handler writes (never a pickle). torchrun prints its report last,
+    after its own traceback, and shows a failure's ``py_callstack`` as the "traceback" of its "Root Cause"
+    block; with this file that field, the report's last line, is the cause in one line instead of "To
+    enable traceback see ...". torchrun names the earliest failure as the root cause: a reaction to
+    another rank's fault (``peer``, ``store``) is dated one second later, so it never outranks the rank
+    at fault (which writes before it exits, before any peer can notice)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = elastic_line(rank, kind, line)
+    stamp = int(time.time()) + (1 if kind in ("peer", "store") else 0)
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": text, "timestamp": str(stamp)}}}
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+    except OSError as err:  # the report is a courtesy; the rank's own stderr line stands
+        log.warning("rank %d: could not write torchrun's error file %s (%s)", rank, path, err)
+
+
 def handle(exc: BaseException, rank: int, dump) -> int:
     """Report the exception that ended this rank; returns the exit code. ``dump(reason)``: the watchdog's
     stack and flight-recorder dump, used when a collective timed out."""
@@ -75,6 +106,7 @@ def handle(exc: BaseException, rank: int, dump) -> int:
         dump(f"a collective timed out: {line}")
     if kind == "error":
         traceback.print_exception(exc, file=sys.stderr)
+    write_elastic_report(rank, kind, line)
     if os.environ.get(REPORT_DIR_ENV):
         write_report(rank, kind, line)
     elif kind == "peer":

@@ -143,9 +143,11 @@ def _check_before_save(c) -> None:
             c.iteration, c.groups.rank)
 
 
-def train(settings, backend, watchdog=None) -> dict:
+def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     """Train to ``--train-iters``; returns ``{"losses": {iteration: lm_loss}, "validation": [...]}``.
-    ``watchdog``: the rank's :class:`~omnitron.core.training.watchdog.Watchdog` (deadlines on steps)."""
+    ``watchdog``: the rank's :class:`~omnitron.core.training.watchdog.Watchdog` (deadlines on steps);
+    ``memory_table(settings) -> str``: the predicted memory table ``--log-memory-estimate`` logs (the planner's,
+    passed in by the command: core does not import ``omnitron.plan``)."""
     watchdog = watchdog or NullWatchdog()
     c = build_components(settings, backend)
     checkpointing.load(c)
@@ -157,10 +159,8 @@ def train(settings, backend, watchdog=None) -> dict:
         log.info("omnitron: %s | %.2fM parameters | %s | %d micro-batches/step | backend %s",
                  layout[0] if layout else "", model_parameters(c.model) / 1e6,
                  settings.precision.params_dtype_name, settings.num_microbatches, backend.name)
-        if settings.logging.log_memory_estimate:
-            from omnitron.plan.memory import estimate, format_table
-
-            log.info("predicted memory per rank (omnitron plan):\n%s", format_table(estimate(settings)))
+        if settings.logging.log_memory_estimate and memory_table is not None:
+            log.info("predicted memory per rank (omnitron plan):\n%s", memory_table(settings))
     log_dir = lg.log_dir or default_log_dir(ck.save)
     logger = MetricsLogger(log_dir=log_dir, log_interval=lg.log_interval, train_iters=t.train_iters, enabled=rank0,
                            tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,

@@ -285,5 +285,6 @@ class Watchdog(NullWatchdog):
             t.join(timeout=2.0)
         self.dump(reason)
         failures.write_report(self.rank, kind, reason, suspect=suspect)
+        failures.write_elastic_report(self.rank, kind, reason)
         sys.stderr.flush()
         os._exit(EXIT_CODE)

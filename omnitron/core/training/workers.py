@@ -17,6 +17,7 @@ import datetime
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -227,12 +228,17 @@ def _supervise(procs: list, grace_s: float, startup: StartupWatch | None = None)
             for r, p in enumerate(procs)]
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it), for the job's store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_workers(settings, entry, n: int, worker) -> int:
     """Spawn ``worker(rank, n, port, settings, entry, launcher_pid)`` for every rank; the job's exit code."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
-
-    from omnitron.testing.distributed import free_port
 
     port = int(os.environ.get("MASTER_PORT") or free_port())
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)

@@ -1,0 +1,37 @@
+"""The argument parser every omnitron command line uses (``omnitron`` and its sub-commands, ``omnitron train``'s
+settings, ``python -m omnitron.train``): Megatron's no-abbreviation rule and close-match suggestions.
+
+It lives in core because core parses training settings (:func:`omnitron.core.training.arguments.parse_settings`)
+and core imports nothing from the command line layer (``omnitron.cli``, ``omnitron.commands``).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--micro-batch`` is not ``--micro-batch-size``, as in Megatron), and an
+    unknown flag gets the closest ones of its own sub-command as suggestions."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        unknown = [a for a in extras if a.startswith("--")]
+        if unknown and self._subparsers is None:  # a sub-command's parser: it knows its own flags
+            self.error(_unknown(unknown, self))
+        return parsed, extras
+
+
+def _unknown(flags: list[str], parser: argparse.ArgumentParser) -> str:
+    import difflib
+
+    known = [s for s in parser._option_string_actions if s.startswith("--")]
+    parts = []
+    for flag in flags:
+        name = flag.split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        parts.append(f"{name} (did you mean {' or '.join(close)}?)" if close else name)
+    return "unrecognized arguments: " + ", ".join(parts)

@@ -1,0 +1,78 @@
+"""megatron-core's side of tests/checkpoint/test_megatron_core_interop.py, run as a script in its own process
+(it needs a process group and megatron-core's parallel state): ``python megatron_core_side.py KIND DIR``.
+
+1. Builds megatron-core's ``GPTModel`` (local layer spec, CPU) for the test's model ``KIND``, loads the
+   torch_dist checkpoint ``DIR/omnitron/iter_0000000`` (omnitron's export) with
+   ``megatron.core.dist_checkpointing.load`` as Megatron's training loop does, and writes the logits of
+   ``DIR/tokens.pt`` to ``DIR/loaded_logits.pt``.
+2. Re-initialises the model's weights at random, saves them with ``dist_checkpointing.save`` (the state
+   dict Megatron's training loop writes: model, args, iteration, checkpoint_version) to
+   ``DIR/megatron/iter_0000005`` with its tracker, and writes that model's logits to ``DIR/saved_logits.pt``.
+
+On CPU, CUDA calls are stood in for: the RoPE buffer's device, the tensor-parallel RNG tracker and the
+default causal mask (forward), ``torch.cuda.synchronize`` (the saver's wait); none changes what a
+checkpoint holds.
+"""
+import contextlib
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def main(kind: str, root: str) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    torch.cuda.current_device = lambda: "cpu"  # RoPE moves its inv_freq to the current CUDA device
+    torch.cuda.synchronize = lambda *a, **k: None  # the saver waits for the device before writing
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # dropout is 0
+    args = torch.load(os.path.join(root, "args.pt"), weights_only=False)  # the test's own file
+    llama = kind == "llama"
+    cfg = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if llama else args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, normalization=args.normalization,
+        gated_linear_unit=llama, activation_func=F.silu if llama else F.gelu, add_bias_linear=not llama,
+        layernorm_epsilon=args.norm_epsilon, use_cpu_initialization=True, bias_activation_fusion=not llama,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization=cfg.normalization),
+                     vocab_size=args.padded_vocab_size, max_sequence_length=args.seq_length,
+                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights).eval()
+    tokens = torch.load(os.path.join(root, "tokens.pt"))
+    pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+    mask = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1]), 1).bool()[None, None]  # True: masked
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            return model(tokens, pos, mask).clone()
+
+    state = {"model": model.sharded_state_dict()}
+    state = dist_checkpointing.load(state, os.path.join(root, "omnitron", "iter_0000000"))
+    model.load_state_dict(state["model"], strict=True)
+    torch.save(logits(), os.path.join(root, "loaded_logits.pt"))
+
+    g = torch.Generator().manual_seed(int(os.environ.get("SEED", "1")))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=g) * 0.1)
+    it = os.path.join(root, "megatron", "iter_0000005")
+    os.makedirs(it)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": 5,
+                             "checkpoint_version": 3.0}, it)
+    with open(os.path.join(root, "megatron", "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    torch.save(logits(), os.path.join(root, "saved_logits.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
