@@ -81,6 +81,10 @@ void worker_loop(DeviceState* d) {
     d->queue.pop_front();
     lock.unlock();
     item.fn();
+    // NOTE: destroy the callable (its captured tensors) before taking the lock: dropping the last reference
+    // to a tensor with a Python object takes the GIL, and a Python thread holding the GIL may be waiting for
+    // this lock (an event record from an autograd hook): a lock-order inversion that hangs both
+    item.fn = nullptr;
     lock.lock();
     d->streams[item.stream].async_done = item.ticket;
     d->cv.notify_all();
