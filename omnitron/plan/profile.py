@@ -12,6 +12,10 @@ exists (:class:`omnitron.plan.device_rates.DeviceRates`). A profile holds:
   gets less than the aggregate (a mesh without a switch);
 - ``efficiency``: curves of the achieved fraction of peak by size: ``gemm`` (by FLOPs), ``attention`` (fused,
   by FLOPs), ``memory`` (memory-bound kernels, by bytes moved); interpolated linearly in log(size), clamped.
+
+A profile may describe the same hardware under another software stack: ``based_on = "NAME"`` takes every
+table of profile NAME and overrides what this file gives, and ``[stack] kernel_rate`` scales every kernel
+rate (peaks and memory bandwidth; links unchanged) by the stack's measured rate relative to the base's.
 """
 from __future__ import annotations
 
@@ -96,23 +100,45 @@ def _curve(table: dict, key: str) -> Curve:
     return Curve(tuple(sorted(zip(map(float, xs), map(float, ys)))))
 
 
-def load(name: str) -> DeviceProfile:
-    """The profile ``name`` (a shipped one, or a path to a ``.toml`` of the same form); ConfigError naming the
-    shipped ones when there is none."""
+def _path(name: str) -> str:
     path = name if name.endswith(".toml") else os.path.join(DEVICES_DIR, f"{name.lower()}.toml")
     if not os.path.isfile(path):
         raise ConfigError(f"--device {name!r}: no such device profile; shipped: {', '.join(available())} "
                           "(or give a path to a .toml of the same form)")
+    return path
+
+
+def _read(path: str, seen: tuple = ()) -> dict:
+    """The file's tables, over those of the profile it is ``based_on`` (table by table, key by key)."""
     with open(path, "rb") as f:
         d = tomllib.load(f)
+    base = d.pop("based_on", None)
+    if base is None:
+        return d
+    if base in seen:
+        raise ConfigError(f"--device {path}: profiles based on each other ({' -> '.join(seen + (base,))})")
+    merged = _read(_path(base), seen + (base,))
+    for key, value in d.items():
+        merged[key] = merged.get(key, {}) | value if isinstance(value, dict) else value
+    return merged
+
+
+def load(name: str) -> DeviceProfile:
+    """The profile ``name`` (a shipped one, or a path to a ``.toml`` of the same form); ConfigError naming the
+    shipped ones when there is none."""
+    path = _path(name)
+    d = _read(path)
     try:
+        rate = float(d.get("stack", {}).get("kernel_rate", 1.0))
+        if not 0 < rate <= 1.5:
+            raise ValueError(f"stack.kernel_rate {rate} outside (0, 1.5]")
         ln, eff = d["links"], d["efficiency"]
         links = Links(ln["intra"], ln["intra_gbs"] * 1e9, ln["intra_efficiency"], ln["intra_latency_us"] * 1e-6,
                       ln["nic"], ln["nic_gbs"] * 1e9, ln["nic_efficiency"], ln["inter_latency_us"] * 1e-6,
                       ln.get("p2p_gbs", ln["intra_gbs"]) * 1e9)
         return DeviceProfile(d["name"], d["title"], path, int(d["gpus_per_node"]),
-                             {k: v * 1e12 for k, v in d["peak_tflops"].items()},
-                             int(d["memory"]["usable_gib"] * 2**30), d["memory"]["bandwidth_gbs"] * 1e9, links,
+                             {k: v * 1e12 * rate for k, v in d["peak_tflops"].items()},
+                             int(d["memory"]["usable_gib"] * 2**30), d["memory"]["bandwidth_gbs"] * 1e9 * rate, links,
                              _curve(eff["gemm"], "flops"), _curve(eff["attention"], "flops"),
                              _curve(eff["memory"], "bytes"))
     except (KeyError, TypeError, ValueError) as err:

@@ -3,11 +3,10 @@ package (setup.py's package_data names the folder)."""
 from __future__ import annotations
 
 import math
-import tomllib
 
 import pytest
 
-from omnitron.plan.profile import DEVICES_DIR, available, load
+from omnitron.plan.profile import DEVICES_DIR, _read, available, load
 
 REQUIRED = {"a100-80gb-sxm", "h100-sxm", "h200", "b200", "mi300x", "mtt-s4000"}
 
@@ -20,7 +19,7 @@ def test_required_profiles_ship():
     assert "plan/devices/*.toml" in setup
 
 
-@pytest.mark.parametrize("name", sorted(REQUIRED))
+@pytest.mark.parametrize("name", available())
 def test_profile_is_consistent(name):
     """Peaks positive (fp8 twice bf16 where present, bf16 = fp16), efficiencies in (0, 1] and non-decreasing
     with size (achieved never above peak), capacity as the runtime reports it at most the datasheet's, and
@@ -36,8 +35,7 @@ def test_profile_is_consistent(name):
         assert curve(1e30) == ys[-1] and curve(1e-30) == ys[0]
     assert 0 < p.links.intra_eff <= 1 and 0 < p.links.nic_eff <= 1
     assert p.links.intra_bw >= p.links.p2p_bw > 0 and p.links.nic_bw > 0
-    with open(p.path, "rb") as f:
-        assert 0 < p.memory_bytes <= tomllib.load(f)["memory"]["capacity_gb"] * 1e9
+    assert 0 < p.memory_bytes <= _read(p.path)["memory"]["capacity_gb"] * 1e9
     text = open(p.path).read()
     sections = [s for s in text.split("\n[")[1:]]
     assert all("#" in s for s in sections), "a section without its source"
@@ -55,3 +53,31 @@ def test_unknown_profile_names_the_shipped_ones():
 
     with pytest.raises(ConfigError, match="h100-sxm"):
         load("h1000")
+
+
+def test_profile_based_on_another_takes_its_tables_and_scales_kernel_rates(tmp_path):
+    """A file with ``based_on`` gets every table of the base, its own keys override key by key, and
+    ``[stack] kernel_rate`` scales the peaks and memory bandwidth only (links, curves, capacity as the base)."""
+    import random
+
+    base = load("h100-sxm")
+    rate = random.uniform(0.5, 1.0)
+    f = tmp_path / "h100-other.toml"
+    f.write_text(f'name = "h100-other"\nbased_on = "h100-sxm"\n[stack]\n# test\nkernel_rate = {rate!r}\n'
+                 '[links]\n# test\nnic_gbs = 12.5\n')
+    p = load(str(f))
+    assert p.name == "h100-other" and p.title == base.title
+    assert all(math.isclose(p.peak[k], base.peak[k] * rate) for k in base.peak)
+    assert math.isclose(p.memory_bw, base.memory_bw * rate) and p.memory_bytes == base.memory_bytes
+    assert p.links.nic_bw == 12.5e9 and p.links.intra_bw == base.links.intra_bw
+    assert p.gemm == base.gemm and p.attention == base.attention and p.memory == base.memory
+
+
+def test_profiles_based_on_each_other_are_refused(tmp_path):
+    from omnitron.core.config.parallel import ConfigError
+
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text(f'based_on = "{b}"\n')
+    b.write_text(f'based_on = "{a}"\n')
+    with pytest.raises(ConfigError, match="based on each other"):
+        load(str(a))
