@@ -131,13 +131,12 @@ def search(row, rates, paper_space: bool, published) -> list:
         plain = [{k: v for k, v in c.flags.items() if k != "use_distributed_optimizer"} | {"sequence_parallel": False}
                  for c in keep]  # 2021's Megatron had neither the distributed optimizer nor sequence parallelism
         cands = [Choice(f, settings_of(given | f)) for f in plain]
-    overlap = "dp" if overlapped else "none"
     floor = published.step.tokens_per_s
     tokens = gbs * SEQ
     cands = [c for c in cands if state_lower_bound(c.settings) <= memory
-             and tokens / step_lower_bound(c.settings, rates, overlap) > floor]
+             and tokens / step_lower_bound(c.settings, rates, _overlap(c, overlapped, paper_space)) > floor]
     for c in cands:
-        c.step = predict(c.settings, rates, overlap)
+        c.step = predict(c.settings, rates, _overlap(c, overlapped, paper_space))
     cands.append(published)
     cands.sort(key=lambda c: -c.step.tokens_per_s)
     return cands
@@ -158,6 +157,14 @@ def peak_2021(c, torch_ddp: bool) -> int:
     return peak
 
 
+def _overlap(c, torch_ddp: bool, paper_space: bool) -> str:
+    """The gradient all-reduce's overlap for candidate ``c``: DDP=torch overlaps it, but 2021 Megatron allowed
+    torch's DDP only without pipelining (aed2f75 ``megatron/training.py``: "We only support local DDP with
+    multiple micro-batches", asserted when pp > 1 or with virtual stages), and local DDP does not overlap."""
+    piped = c.settings.parallel.pipeline_model_parallel_size > 1
+    return "dp" if torch_ddp and not (paper_space and piped) else "none"
+
+
 def rank_of(row, cands, stack_2021: bool = False):
     """(rank of the published (tp, pp) among the (tp, pp) structures of ``cands``, each by its fastest variant
     that fits 80 GiB (``stack_2021``: with 2021 Megatron's state bytes, :func:`peak_2021`); the best's tokens/s;
@@ -173,7 +180,8 @@ def rank_of(row, cands, stack_2021: bool = False):
             continue
         if c.stages is None:
             c.stages = estimate(c.settings, transients=False)
-        if (peak_2021(c, row[11]) if stack_2021 else c.peak) <= memory:
+        torch_ddp = row[11] and pc.pipeline_model_parallel_size == 1
+        if (peak_2021(c, torch_ddp) if stack_2021 else c.peak) <= memory:
             fitting[key] = c
             if key == (tp, pp):
                 break
