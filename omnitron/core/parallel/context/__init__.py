@@ -17,6 +17,7 @@ def apply_context_parallel(model, group, comm_type: str = "p2p", subgroups=None)
     ``model``. ``a2a+p2p`` needs ``subgroups``: this rank's ``(a2a group, p2p group)`` (``groups.cp_a2a``,
     ``groups.cp_p2p``). Inputs must then be this rank's load-balanced slice."""
     from omnitron.core.transformer.attention import SelfAttention
+    from omnitron.core.transformer.mla import MLASelfAttention
 
     if comm_type == "a2a+p2p" and group.size > 1:
         if subgroups is None:
@@ -27,7 +28,7 @@ def apply_context_parallel(model, group, comm_type: str = "p2p", subgroups=None)
             raise ValueError(f"a2a+p2p sub-groups {a2a.ranks} x {p2p.ranks} do not split the cp group {group.ranks}")
     if group.size > 1:
         for m in model.modules():
-            if isinstance(m, SelfAttention):
+            if isinstance(m, (SelfAttention, MLASelfAttention)):
                 m.cp_group, m.cp_comm_type = group, comm_type
                 m.cp_subgroups = tuple(subgroups) if comm_type == "a2a+p2p" else None
     return model

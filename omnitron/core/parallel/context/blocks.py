@@ -64,7 +64,8 @@ class BlockedAttention(torch.autograd.Function):
                 merge(out[:, :, rows], lse[:, :, rows], o, l)
             else:
                 if out is None:
-                    out, lse = q.new_empty(q.shape, dtype=cdt), q.new_empty(q.shape[:3], dtype=cdt)
+                    out = q.new_empty(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
+                    lse = q.new_empty(q.shape[:3], dtype=cdt)
                 out[:, :, rows], lse[:, :, rows] = o, l
             seen.append(rows)
         result = out.to(q.dtype)
