@@ -140,7 +140,8 @@ def test_mtp_trains_through_the_cli(tmp_path):
 
 
 LAYOUTS = {"pp2": ("--pipeline-model-parallel-size", "2"),
-           "tp2_sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel")}
+           "tp2_sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+           "cp2": ("--context-parallel-size", "2")}  # MLA's ring and the shifts across chunks (test_cp_variants)
 
 
 def _train_layouts(tmp: str) -> dict[str, dict]:
@@ -157,7 +158,7 @@ def _train_layouts(tmp: str) -> dict[str, dict]:
 @pytest.mark.multiprocess
 def test_mtp_layouts_match_one_process(tmp_path):
     """pp2 (the MTP depth and a copy of the untied embedding on the last stage, its gradient summed with the
-    first stage's) and tp2 + sp train as one process: three steps' LM losses agree to float32 reduction-order
+    first stage's), tp2 + sp and cp2 train as one process: three steps' LM losses agree to float32 reduction-order
     rounding (1e-5 relative). Steps 2 and 3 depend on the MTP gradients of the steps before (lr 1e-2)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train

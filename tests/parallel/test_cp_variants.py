@@ -188,6 +188,25 @@ def test_refusals():
         ring_attention(q, q, q, group=one, collectives=None, sinks=torch.zeros(2))
 
 
+def test_mla_refusals_and_flash_declines():
+    """MLA under cp refuses per-document masks (the ring's blocks know positions, not documents); the fused block
+    kernels decline a value head dim unlike the query's (MLA), so the ring runs the reference there."""
+    from omnitron.backends import get_backend
+    from omnitron.backends.cpu.kernels import supports_on
+    from omnitron.core.parallel.tensor import RNGTracker
+    from omnitron.core.transformer.mla import MLASelfAttention
+
+    be, single = get_backend("cpu"), ParallelGroups.single()
+    attn = MLASelfAttention(_config("mla"), group=single.tp, sequence_parallel=False, tracker=RNGTracker(be),
+                            backend=be, out_std=0.02)
+    attn.cp_group = types.SimpleNamespace(size=2, rank=0)
+    q, v = torch.zeros(1, 4, 4, 10), torch.zeros(1, 4, 4, 6)
+    with pytest.raises(ValueError, match="--reset-attention-mask .* does not run under context parallelism"):
+        attn.core_attention(q, q, v, None, torch.zeros(1, 4, dtype=torch.long))
+    fwd, _ = supports_on("cpu")
+    assert "head dim" in fwd(q, q, v, causal=True, scale=1.0) and fwd(q, q, q, causal=True, scale=1.0) is None
+
+
 # ---- (b) models ----------------------------------------------------------------------------------
 SEQ = 16
 
