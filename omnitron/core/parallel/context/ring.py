@@ -33,6 +33,7 @@ Keys and values travel as one tensor, concatenated on the head dim, so ``v``'s h
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -98,9 +99,13 @@ def _trim(rng: range, keep: torch.Tensor) -> tuple[slice, int, int]:
     return slice(rng.start + a, rng.start + b), a, b
 
 
-def step_plan(step: int, rank: int, size: int, local_length: int, causal: bool, window=None) -> Plan | None:
+@functools.lru_cache(maxsize=512)
+def step_plan(step: int, rank: int, size: int, local_length: int, causal: bool, window=None,
+              device: torch.device | None = None) -> Plan | None:
     """What cp rank ``rank`` computes at ring ``step`` (None: nothing, the block is outside the window).
-    ``window = (left, right)`` of :mod:`omnitron.core.transformer.window` (None or ``left < 0``: unbounded)."""
+    ``window = (left, right)`` of :mod:`omnitron.core.transformer.window` (None or ``left < 0``: unbounded).
+    Cached: every layer's forward and backward reuse the plan and its mask (built on the host, kept on
+    ``device``), so a step costs no host work or copy after the first."""
     src = (rank - step) % size
     rows, cols, sq_causal = _step_slices(step, src, rank, local_length // 2, causal)
     if window is None or window[0] < 0:
@@ -115,19 +120,18 @@ def step_plan(step: int, rank: int, size: int, local_length: int, causal: bool, 
     rows, r0, r1 = _trim(r_rng, keep.any(1))
     cols, c0, c1 = _trim(c_rng, keep.any(0))
     keep = keep[r0:r1, c0:c1]
-    return Plan(rows, cols, False, None if keep.all() else keep)
+    return Plan(rows, cols, False, None if keep.all() else keep.to(device))
 
 
 class _Step:
     """What one ring step computes on this rank: query rows, key rows, mask and dropout multiplier."""
 
     def __init__(self, ctx, ring: _Ring, i: int, q: torch.Tensor, cdt) -> None:
-        self.plan = step_plan(i, ring.rank, ring.size, q.shape[2], ctx.causal, ctx.window)
+        self.plan = step_plan(i, ring.rank, ring.size, q.shape[2], ctx.causal, ctx.window, q.device)
         self.drop = None
         if self.plan is None:
             return
-        self.rows, self.cols, mask = self.plan.rows, self.plan.cols, self.plan.mask
-        self.mask = None if mask is None else mask.to(q.device)
+        self.rows, self.cols, self.mask = self.plan.rows, self.plan.cols, self.plan.mask
         if ctx.dropout_p > 0.0:
             sq, sk = len(range(q.shape[2])[self.rows]), len(range(q.shape[2])[self.cols])
             self.drop = block_dropout(ctx.seed, ring.rank, i, (q.shape[0], q.shape[1], sq, sk), ctx.dropout_p, cdt,
