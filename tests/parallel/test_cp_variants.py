@@ -6,7 +6,9 @@ causal sliding window (blocks outside it skipped, cut ones masked), attention si
 grouped-query heads, and ring attention dropout (the reference uses the ring's own masks, assembled).
 (b) GPT models in float64 at cp2 against the one-process model: multi-latent attention (decoupled RoPE at the
 chunks' global positions, YaRN), alternating sliding windows with learnable / off-by-one sinks (GQA), and
-multi-token prediction (the shifts crossing chunk boundaries): loss and every gradient.
+multi-token prediction (the shifts crossing chunk boundaries): loss and every gradient (cp4 and tp2 x cp2 with
+sequence parallelism, -m slow). (c) The training loop with windows and sinks at cp2 (-m slow). Sim variants of
+(a) and (b) are -m slow.
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 ``layout`` (which positions a cp rank holds; batch slicing and the loss share), ``blocks`` (the
 per-block attention kernel with its log-sum-exp), ``ring`` (the autograd Function), ``ulysses``
 (``a2a`` and ``allgather``), ``hierarchical`` (``a2a+p2p``: all-to-all, then the ring), and
-:func:`apply_context_parallel`, which points a model's attention modules at the cp group.
+:func:`apply_context_parallel`, which points a model's attention modules (grouped-query and multi-latent) at
+the cp group. Every path takes a value head dim unlike the query's, causal sliding windows and attention
+sinks (:mod:`omnitron.core.transformer.cp_attention` picks the path per module).
 """
 from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, backend_kernel, block_backward, block_forward
 from omnitron.core.parallel.context.layout import (chunk_positions, context_parallel_batch, context_parallel_loss,
