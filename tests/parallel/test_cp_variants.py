@@ -30,10 +30,12 @@ from omnitron.testing.sim import requires_sim
 TOL = 1e-11
 DROP_SEED = 7
 
-# (name, hq, hkv, dqk, dv, window, sinks, dropout): sizes per test at s = 8 x cp (chunks of 4 rows)
-ATTN = [("mla", 4, 4, 10, 6, None, False, 0.0), ("window-sinks-gqa", 4, 2, 8, 8, (3, 0), True, 0.0),
-        ("window-mqa-wide", 4, 1, 8, 8, (100, 0), False, 0.0), ("window0-sinks", 4, 4, 6, 4, (0, 0), True, 0.0),
-        ("mla-dropout", 4, 4, 10, 6, None, False, 0.3), ("window-sinks-dropout", 4, 2, 8, 8, (5, 0), True, 0.3)]
+# (name, hq, hkv, dqk, dv, window, sinks, dropout, rows per chunk): s = 2 cp x rows per chunk. The last case
+# cuts each 96-row chunk into tiles of 65 and 31 rows (.tiles: causal, whole, cut and skipped tiles all occur)
+ATTN = [("mla", 4, 4, 10, 6, None, False, 0.0, 4), ("window-sinks-gqa", 4, 2, 8, 8, (3, 0), True, 0.0, 4),
+        ("window-mqa-wide", 4, 1, 8, 8, (100, 0), False, 0.0, 4), ("window0-sinks", 4, 4, 6, 4, (0, 0), True, 0.0, 4),
+        ("mla-dropout", 4, 4, 10, 6, None, False, 0.3, 4), ("window-sinks-dropout", 4, 2, 8, 8, (5, 0), True, 0.3, 4),
+        ("window-tiles-sinks", 4, 1, 8, 8, (64, 0), True, 0.0, 96)]
 
 
 def _ring_dropout(cp: int, shape, window, p: float) -> torch.Tensor:
@@ -47,12 +49,10 @@ def _ring_dropout(cp: int, shape, window, p: float) -> torch.Tensor:
     pos = [chunk_positions(s, cp, r) for r in range(cp)]
     for r in range(cp):
         for i in range(cp):
-            plan = step_plan(i, r, cp, s // cp, True, window)
-            if plan is None:
-                continue
-            qi, ki = pos[r][plan.rows], pos[(r - i) % cp][plan.cols]
-            full[:, :, qi[:, None], ki[None, :]] = block_dropout(DROP_SEED, r, i, (b, hq, len(qi), len(ki)), p,
-                                                                 torch.float64, "cpu")
+            for tile in step_plan(i, r, cp, s // cp, True, window):
+                qi, ki = pos[r][tile.rows], pos[(r - i) % cp][tile.cols]
+                full[:, :, qi[:, None], ki[None, :]] = block_dropout(DROP_SEED, r, tile.key, (b, hq, len(qi), len(ki)),
+                                                                     p, torch.float64, "cpu")
     return full
 
 
@@ -105,11 +105,11 @@ def attention_worker(cps) -> list:
         for comm, cfg in _layouts(cp):
             groups = ParallelGroups.build(cfg, be.collectives)
             rank = groups.cp.rank
-            for n, (name, hq, hkv, dqk, dv, window, with_sinks, p) in enumerate(ATTN):
+            for n, (name, hq, hkv, dqk, dv, window, with_sinks, p, c) in enumerate(ATTN):
                 if p and (comm != "p2p" or dev.type != "cpu"):
                     continue  # a2a / allgather draw dropout inside the attention kernel; sim's generator is its own
                 g = torch.Generator().manual_seed(100 * cp + n)  # the same full tensors on every rank
-                b, s, scale = 2, 8 * cp, 0.37
+                b, s, scale = 2, 2 * cp * c, 0.37
                 q = torch.randn(b, hq, s, dqk, generator=g, dtype=torch.float64)
                 k = torch.randn(b, hkv, s, dqk, generator=g, dtype=torch.float64)
                 v, dout = (torch.randn(b, h, s, dv, generator=g, dtype=torch.float64) for h in (hkv, hq))
@@ -138,7 +138,7 @@ def attention_worker(cps) -> list:
 
 
 def _check_attention(per_rank, cps, dropout: bool) -> None:
-    want = sum(len(_layouts(cp)) * 4 + (2 if dropout else 0) for cp in cps)  # 4 cases without dropout per layout
+    want = sum(len(_layouts(cp)) * 5 + (2 if dropout else 0) for cp in cps)  # 5 cases without dropout per layout
     for rank_result in per_rank:
         assert len(rank_result) == want, [c for c, *_ in rank_result]
         for case, err, dropped in rank_result:
@@ -146,44 +146,47 @@ def _check_attention(per_rank, cps, dropout: bool) -> None:
 
 
 def test_cp_attention_variants_match_full_attention():
-    _check_attention(run_distributed(attention_worker, 2, [2], env=REFERENCE_KERNELS), [2], dropout=True)
+    # the backend's kernels (cpu: ATen's flash kernel in float64 on whole and causal tiles, the reference on cut ones)
+    _check_attention(run_distributed(attention_worker, 2, [2]), [2], dropout=True)
 
 
 @pytest.mark.slow
 def test_cp_attention_variants_at_cp4_match_full_attention():
     """cp4: chunks of 4 rows in 32, a2a+p2p as 2 x 2 (the ring over super-chunks keeps global positions)."""
-    _check_attention(run_distributed(attention_worker, 4, [4], env=REFERENCE_KERNELS), [4], dropout=True)
+    _check_attention(run_distributed(attention_worker, 4, [4]), [4], dropout=True)
 
 
 @pytest.mark.slow
 @requires_sim()
 def test_cp_attention_variants_on_sim_match_full_attention():
-    _check_attention(run_distributed(attention_worker, 4, [2, 4], backend="sim", env=REFERENCE_KERNELS), [2, 4],
-                     dropout=False)
+    _check_attention(run_distributed(attention_worker, 4, [2, 4], backend="sim"), [2, 4], dropout=False)
 
 
-def test_ring_plan_skips_blocks_outside_the_window():
-    """cp4, chunks of 2 rows, window 1: each rank's far blocks are skipped, the rest trimmed to what the band
-    touches; every (query, key) pair of the band is covered exactly once across the steps."""
+@pytest.mark.parametrize("cp,s_l,left", [(4, 4, 1), (2, 512, 100), (2, 512, 0), (4, 256, 300)])
+def test_ring_tiles_cover_the_window_once(cp, s_l, left):
+    """The tiles of every rank and step cover each (query, key) pair of the causal window exactly once; with a
+    window narrower than a chunk they touch O(s x (left + tile)) pairs, not O(s^2); masks stay per tile."""
     from omnitron.core.parallel.context import chunk_positions
-    from omnitron.core.parallel.context.ring import step_plan
+    from omnitron.core.parallel.context.tiles import TILE_MIN, step_plan
 
-    cp, s_l, window = 4, 4, (1, 0)
-    seen = torch.zeros(cp * s_l, cp * s_l, dtype=torch.int64)
-    skipped = 0
+    s = cp * s_l
+    seen = torch.zeros(s, s, dtype=torch.int64)
+    touched = 0
     for r in range(cp):
         for i in range(cp):
-            plan = step_plan(i, r, cp, s_l, True, window)
-            if plan is None:
-                skipped += 1
-                continue
-            qi = chunk_positions(cp * s_l, cp, r)[plan.rows]
-            ki = chunk_positions(cp * s_l, cp, (r - i) % cp)[plan.cols]
-            keep = plan.mask if plan.mask is not None else torch.ones(len(qi), len(ki), dtype=torch.bool)
-            seen[qi[:, None], ki[None, :]] += keep.long()
-    d = torch.arange(cp * s_l)[:, None] - torch.arange(cp * s_l)[None, :]
-    assert torch.equal(seen, ((d >= 0) & (d <= 1)).long())
-    assert skipped >= cp  # most of the 16 blocks lie outside a window of one token
+            for tile in step_plan(i, r, cp, s_l, True, (left, 0)):
+                qi = chunk_positions(s, cp, r)[tile.rows]
+                ki = chunk_positions(s, cp, (r - i) % cp)[tile.cols]
+                keep = torch.ones(len(qi), len(ki), dtype=torch.bool)
+                if tile.mask is not None:
+                    keep = tile.mask
+                elif tile.causal:
+                    keep = keep.tril()
+                seen[qi[:, None], ki[None, :]] += keep.long()
+                touched += len(qi) * len(ki)
+    assert torch.equal(seen, _keep(s, (left, 0)).long())
+    t = max(TILE_MIN, left + 1)
+    assert touched <= s * (left + 2 * t), (touched, s)
 
 
 def test_refusals():

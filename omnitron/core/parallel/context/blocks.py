@@ -36,9 +36,11 @@ Task = tuple[slice, slice, bool]
 
 def merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
     """In place: ``out, lse`` <- the exact softmax combination of two partial results (``o``, ``l``: the
-    block's output normalised within the block and its log-sum-exp)."""
+    block's output normalised within the block and its log-sum-exp). A row with ``-inf`` on both sides (no
+    key seen yet, none in the block) stays at zero and ``-inf``."""
     new = torch.logaddexp(lse, l)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
+    shift = new.nan_to_num(neginf=0.0)  # a row with no key at all: exp(-inf - 0) = 0 on both sides, not nan
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(o * torch.exp(l - shift).unsqueeze(-1))
     lse.copy_(new)
 
 

@@ -20,9 +20,10 @@ Attention dropout: each step's block draws its keep-mask from a generator seeded
 ``(seed, rank, step)`` (:func:`block_dropout`), so backward regenerates exactly the forward's masks
 without storing them.
 
-Sliding window (``window = (left, right)``, causal): a step's block is trimmed to the query rows and key
-rows that meet inside the window (global positions from :func:`.layout.chunk_positions`), skipped when
-none do, and masked when the window cuts it (:func:`step_plan`; a masked block runs the reference kernel).
+Sliding window (``window = (left, right)``, causal): a step's block is cut into tiles by global position
+(:mod:`.tiles`): tiles outside the window are skipped, whole ones run the kernel, those the window's edge
+cuts run the reference kernel with their mask. Blocks and tiles merge by log-sum-exp from an empty start
+(a row that has seen no key yet has ``lse = -inf``).
 Attention sinks (``sinks [hq]``, one logit ``a`` per query head): the merged blocks give the output ``o``
 and log-sum-exp ``L`` over every key; the sink enters each row's denominator once, after the merge:
 ``L' = logaddexp(L, a)``, ``o' = o exp(L - L')``. Backward runs the blocks given ``o', L'`` (the sink's
@@ -33,14 +34,12 @@ Keys and values travel as one tensor, concatenated on the head dim, so ``v``'s h
 """
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
 import torch
 
 from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, merge
-from omnitron.core.parallel.context.layout import chunk_positions
+from omnitron.core.parallel.context.tiles import _step_slices, step_plan  # noqa: F401 - tests read _step_slices
 
 
 class _Ring:
@@ -63,18 +62,6 @@ def _wait(handles: list) -> None:
         h.wait()
 
 
-def _step_slices(step: int, src: int, rank: int, c: int, causal: bool) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, causal mask) this rank computes against rank ``src``'s block at ``step``."""
-    every = slice(None)
-    if not causal:
-        return every, every, False
-    if step == 0:
-        return every, every, True
-    if src < rank:
-        return every, slice(0, c), False
-    return slice(c, None), every, False
-
-
 def block_dropout(seed: int, rank: int, step: int, shape, p: float, dtype, device) -> torch.Tensor:
     """The dropout multiplier (0 or ``1 / (1 - p)``) of cp rank ``rank``'s block at ring ``step``."""
     g = torch.Generator(device=device)
@@ -83,67 +70,28 @@ def block_dropout(seed: int, rank: int, step: int, shape, p: float, dtype, devic
     return keep.to(dtype) / (1.0 - p)
 
 
-class Plan(NamedTuple):
-    """One ring step's block on one rank: query rows, key rows, the square causal mask or a keep ``mask``."""
-
-    rows: slice
-    cols: slice
-    causal: bool
-    mask: torch.Tensor | None
-
-
-def _trim(rng: range, keep: torch.Tensor) -> tuple[slice, int, int]:
-    """The sub-slice of ``rng`` where ``keep`` (bool, one per entry) is True from first to last, and its bounds."""
-    hit = keep.nonzero().flatten()
-    a, b = int(hit[0]), int(hit[-1]) + 1
-    return slice(rng.start + a, rng.start + b), a, b
-
-
-@functools.lru_cache(maxsize=512)
-def step_plan(step: int, rank: int, size: int, local_length: int, causal: bool, window=None,
-              device: torch.device | None = None) -> Plan | None:
-    """What cp rank ``rank`` computes at ring ``step`` (None: nothing, the block is outside the window).
-    ``window = (left, right)`` of :mod:`omnitron.core.transformer.window` (None or ``left < 0``: unbounded).
-    Cached: every layer's forward and backward reuse the plan and its mask (built on the host, kept on
-    ``device``), so a step costs no host work or copy after the first."""
-    src = (rank - step) % size
-    rows, cols, sq_causal = _step_slices(step, src, rank, local_length // 2, causal)
-    if window is None or window[0] < 0:
-        return Plan(rows, cols, sq_causal, None)
-    seq = local_length * size
-    r_rng, c_rng = range(local_length)[rows], range(local_length)[cols]
-    qpos, kpos = chunk_positions(seq, size, rank)[rows], chunk_positions(seq, size, src)[cols]
-    d = qpos[:, None] - kpos[None, :]
-    keep = (d >= 0) & (d <= window[0])
-    if not keep.any():
-        return None
-    rows, r0, r1 = _trim(r_rng, keep.any(1))
-    cols, c0, c1 = _trim(c_rng, keep.any(0))
-    keep = keep[r0:r1, c0:c1]
-    return Plan(rows, cols, False, None if keep.all() else keep.to(device))
-
-
 class _Step:
-    """What one ring step computes on this rank: query rows, key rows, mask and dropout multiplier."""
+    """What one ring step computes on this rank: its tiles (:func:`.tiles.step_plan`) with their dropout
+    multipliers."""
 
     def __init__(self, ctx, ring: _Ring, i: int, q: torch.Tensor, cdt) -> None:
-        self.plan = step_plan(i, ring.rank, ring.size, q.shape[2], ctx.causal, ctx.window, q.device)
-        self.drop = None
-        if self.plan is None:
-            return
-        self.rows, self.cols, self.mask = self.plan.rows, self.plan.cols, self.plan.mask
+        self.tiles = step_plan(i, ring.rank, ring.size, q.shape[2], ctx.causal, ctx.window, q.device)
+        self.drops = [None] * len(self.tiles)
         if ctx.dropout_p > 0.0:
-            sq, sk = len(range(q.shape[2])[self.rows]), len(range(q.shape[2])[self.cols])
-            self.drop = block_dropout(ctx.seed, ring.rank, i, (q.shape[0], q.shape[1], sq, sk), ctx.dropout_p, cdt,
-                                      q.device)
+            n = range(q.shape[2])
+            self.drops = [block_dropout(ctx.seed, ring.rank, t.key, (q.shape[0], q.shape[1], len(n[t.rows]),
+                                                                     len(n[t.cols])), ctx.dropout_p, cdt, q.device)
+                          for t in self.tiles]
 
-    def kernel(self, kernel: BlockKernel) -> BlockKernel:
-        """``kernel``, or the reference where the block is masked (only the reference takes a mask)."""
-        return kernel if self.mask is None else REFERENCE
+    def __iter__(self):
+        """``(tile, its kernel, its keyword arguments)``: masked tiles run the reference (only it takes a mask)."""
+        for t, drop in zip(self.tiles, self.drops):
+            kw = dict(causal=t.causal, scale=self.scale, drop=drop)
+            yield t, (self.kernel if t.mask is None else REFERENCE), kw if t.mask is None else {**kw, "mask": t.mask}
 
-    def kw(self, scale: float) -> dict:
-        kw = dict(causal=self.plan.causal, scale=scale, drop=self.drop)
-        return kw if self.mask is None else {**kw, "mask": self.mask}
+    def bind(self, kernel: BlockKernel, scale: float) -> "_Step":
+        self.kernel, self.scale = kernel, scale
+        return self
 
 
 def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,19 +116,17 @@ class RingAttention(torch.autograd.Function):
         ctx.group, ctx.collectives, ctx.causal, ctx.scale, ctx.kernel = group, collectives, causal, scale, kernel
         ctx.dropout_p, ctx.seed, ctx.window, ctx.dk = dropout_p, seed, window, k.shape[-1]
         ring, cdt = _Ring(group, collectives), torch.promote_types(q.dtype, torch.float32)
-        out, lse, dk = None, None, ctx.dk
+        dk = ctx.dk
+        out = q.new_zeros(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
         kv = torch.cat([k, v], dim=-1)  # [b, hkv, s, dk + dv], the circulating block
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
-            st = _Step(ctx, ring, i, q, cdt)
-            if st.plan is not None:
-                blk = kv[:, :, st.cols]
-                o, l = st.kernel(kernel).forward(q[:, :, st.rows], blk[..., :dk], blk[..., dk:], **st.kw(scale))
-                o, l = o.to(cdt), l.to(cdt)  # merged in fp32 (fp64 for fp64 inputs) whatever the kernel's dtype
-                if out is None:
-                    out, lse = o, l  # step 0 covers every row (each query sees itself)
-                else:
-                    merge(out[:, :, st.rows], lse[:, :, st.rows], o, l)
+            for t, kern, kw in _Step(ctx, ring, i, q, cdt).bind(kernel, scale):
+                blk = kv[:, :, t.cols]
+                o, l = kern.forward(q[:, :, t.rows], blk[..., :dk], blk[..., dk:], **kw)
+                # merged in fp32 (fp64 for fp64 inputs) whatever the kernel's dtype
+                merge(out[:, :, t.rows], lse[:, :, t.rows], o.to(cdt), l.to(cdt))
             _wait(handles)
             kv = nxt
         if sinks is not None:
@@ -199,16 +145,14 @@ class RingAttention(torch.autograd.Function):
         dkv_in, dkv_handles = None, []
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
-            st = _Step(ctx, ring, i, q, cdt)
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
-            if st.plan is not None:
-                r, cols = st.rows, st.cols
-                blk = kv[:, :, cols]
-                dq_b, dk_b, dv_b = st.kernel(ctx.kernel).backward(dout[:, :, r], q[:, :, r], blk[..., :dk],
-                                                                  blk[..., dk:], out[:, :, r], lse[:, :, r],
-                                                                  **st.kw(ctx.scale))
+            for t, kern, kw in _Step(ctx, ring, i, q, cdt).bind(ctx.kernel, ctx.scale):
+                r, cols, blk = t.rows, t.cols, kv[:, :, t.cols]
+                dq_b, dk_b, dv_b = kern.backward(dout[:, :, r], q[:, :, r], blk[..., :dk], blk[..., dk:],
+                                                 out[:, :, r], lse[:, :, r], **kw)
                 dq[:, :, r] += dq_b
-                dkv[:, :, cols, :dk], dkv[:, :, cols, dk:] = dk_b, dv_b
+                dkv[:, :, cols, :dk] += dk_b
+                dkv[:, :, cols, dk:] += dv_b
             _wait(dkv_handles)  # the accumulator of this block from the ranks before us
             if dkv_in is not None:
                 dkv += dkv_in
