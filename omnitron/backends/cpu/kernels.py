@@ -33,6 +33,8 @@ def _why_not(q, k, v, causal: bool, drop, device_type: str = "cpu") -> str | Non
                     f"got {t.dtype} on {t.device.type}")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         return "q, k and v must share a dtype"
+    if v.shape[-1] != q.shape[-1]:
+        return "v's head dim differs from q's (multi-latent attention): the fused kernels take one head dim"
     if q.shape[1] % k.shape[1]:
         return "query heads must be a multiple of key/value heads"
     if causal and q.shape[2] != k.shape[2]:

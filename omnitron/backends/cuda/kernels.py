@@ -37,6 +37,8 @@ def _why_not(q, k, v, causal: bool, drop) -> str | None:
             return f"needs 4-D CUDA tensors in {[str(d) for d in _DTYPES]}, got {t.dtype} on {t.device.type}"
     if q.dtype != k.dtype or k.dtype != v.dtype:
         return "q, k and v must share a dtype"
+    if v.shape[-1] != q.shape[-1]:
+        return "v's head dim differs from q's (multi-latent attention): the fused kernels take one head dim"
     if q.shape[-1] > _MAX_HEAD_DIM or q.shape[-1] % 8:
         return f"head dim {q.shape[-1]} is not a multiple of 8 up to {_MAX_HEAD_DIM}"
     if q.shape[1] % k.shape[1]:

@@ -15,7 +15,8 @@ canonical ``linear_qkv`` tensors, so checkpoints and parity checks see one layou
 Context parallelism (:func:`omnitron.core.parallel.context.apply_context_parallel` sets
 ``cp_group``): the rows are this cp rank's slice of the sequence and core attention is the ring
 over the cp group (``--cp-comm-type p2p``), all-to-all / all-gather (``a2a``, ``allgather``) or the
-hierarchical all-to-all then ring (``a2a+p2p``, over ``cp_subgroups``).
+hierarchical all-to-all then ring (``a2a+p2p``, over ``cp_subgroups``), sliding windows and sinks included
+(:mod:`omnitron.core.transformer.cp_attention`).
 
 Bidirectional attention (BERT): ``forward(x, freqs, key_padding_mask)`` with a ``[b, s]`` bool mask
 (True at padding keys) attends over every non-padding key, no causal mask; without the mask
@@ -32,14 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnitron.core.parallel.context.blocks import BlockedAttention, backend_kernel
-from omnitron.core.parallel.context.ring import ring_attention
 from omnitron.core.parallel.groups import Group
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer import qkv as QKV
+from omnitron.core.transformer.cp_attention import cp_attention
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
@@ -171,9 +171,8 @@ class SelfAttention(nn.Module):
         """Causal attention within this layer's window, with attention sinks (transformer/window.py)."""
         from omnitron.core.transformer.window import keep_mask, sink_attention
 
-        if self.cp_group is not None:
-            raise ValueError("--window-size / --softmax-type do not run under context parallelism yet; use "
-                             "--context-parallel-size 1")
+        if self.cp_group is not None:  # (document_ids: the ring's blocks know positions, not documents)
+            self._document_attention(q, k, v, document_ids, p)  # raises its refusal
         pos = torch.arange(q.shape[2], device=q.device)
         keep = keep_mask(pos, pos, self.window)
         if document_ids is not None:
@@ -192,64 +191,20 @@ class SelfAttention(nn.Module):
         ``key_padding_mask [b, s]`` (bool, True = padding key) selects bidirectional attention;
         ``document_ids [b, s]`` causal attention within each document (see the module docstring)."""
         p = self.c.attention_dropout if self.training else 0.0
-        if (self.window is not None or self.softmax_type != "vanilla") and key_padding_mask is None:
-            return self._window_sink_attention(q, k, v, document_ids, p)
         if key_padding_mask is not None:
             return self._padded_attention(q, k, v, key_padding_mask, p)
+        if self.cp_group is not None and document_ids is None:  # windows and sinks too (transformer/cp_attention.py)
+            return cp_attention(self, q, k, v, p, window=self.window, sinks=self.sinks())
+        if self.window is not None or self.softmax_type != "vanilla":
+            return self._window_sink_attention(q, k, v, document_ids, p)
         if document_ids is not None:
             return self._document_attention(q, k, v, document_ids, p)
-        if self.cp_group is not None and self.cp_comm_type in ("a2a", "allgather"):
-            return self._gathered_cp_attention(q, k, v, p)
-        if self.cp_group is not None:
-            # the ring draws its block masks from a seed taken from the tp-rank-specific stream (no host sync)
-            seed = self.tracker.draw_seed(q.device) if p > 0.0 else 0
-            if self.cp_comm_type == "a2a+p2p":
-                return self._hierarchical_cp_attention(q, k, v, p, seed)
-            return ring_attention(q, k, v, group=self.cp_group, collectives=self.backend.collectives, causal=True,
-                                  dropout_p=p, seed=seed, kernel=backend_kernel(self.backend))
         if p == 0.0:
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
         if self.tracker.in_graph():
             return in_graph_dropout_attention(q, k, v, None, p, self.tracker)
         with self.tracker.fork():
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
-
-    def _gathered_cp_attention(self, q, k, v, p: float) -> torch.Tensor:
-        """``--cp-comm-type a2a`` / ``allgather`` (:mod:`omnitron.core.parallel.context.ulysses`): without
-        dropout on the ring's block kernel (the backend's flash kernel with log-sum-exp where it has one),
-        with dropout on the attention kernel (SDPA, whose fused kernels draw dropout inside on CUDA)."""
-        from omnitron.core.parallel.context.ulysses import a2a_attention, allgather_attention
-
-        kernel = backend_kernel(self.backend) if p == 0.0 else None
-
-        def full(q, k, v):
-            if kernel is not None:  # one causal block over the whole sequence
-                return BlockedAttention.apply(q, k, v, [(slice(None), slice(None), True)], kernel, self.d ** -0.5)
-            with self.tracker.fork():
-                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
-
-        if self.cp_comm_type == "a2a":
-            return a2a_attention(q, k, v, group=self.cp_group, attend=full)
-        return allgather_attention(q, k, v, group=self.cp_group, kernel=kernel,
-                                   attend_masked=lambda q, k, v, keep: self._masked_sdpa(q, k, v, keep, p))
-
-    def _hierarchical_cp_attention(self, q, k, v, p: float, seed: int) -> torch.Tensor:
-        """``--cp-comm-type a2a+p2p`` (:mod:`omnitron.core.parallel.context.hierarchical`)."""
-        from omnitron.core.parallel.context.hierarchical import a2a_p2p_attention
-
-        if self.cp_subgroups is None:
-            raise ValueError("--cp-comm-type a2a+p2p: the attention module has no a2a/p2p sub-groups; build the "
-                             "model over groups made with --hierarchical-context-parallel-sizes")
-        a2a, p2p = self.cp_subgroups
-
-        def full(q, k, v):  # p2p size 1: Ulysses over the a2a group
-            if p == 0.0:
-                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=0.0)
-            with self.tracker.fork():
-                return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
-
-        return a2a_p2p_attention(q, k, v, a2a_group=a2a, p2p_group=p2p, collectives=self.backend.collectives,
-                                 attend=full, dropout_p=p, seed=seed, kernel=backend_kernel(self.backend))
 
     def _padded_attention(self, q, k, v, key_padding_mask: torch.Tensor, p: float) -> torch.Tensor:
         """Non-causal attention over the keys that are not padding (plain SDPA with a boolean mask)."""

@@ -19,7 +19,12 @@ are replicated on every tp rank; ``W_uq`` / ``W_q`` and ``W_ukv`` are column-par
 rank, rows per head ``[nope | pe]`` and ``[k_nope | v]``); ``W_o`` is row-parallel. Under sequence
 parallelism the down-projections see this rank's sequence shard (their gradients are partial sums over
 tp, marked ``sequence_parallel``), the up-projections all-gather the latents, and the shared rotated key
-part is all-gathered. Context parallelism is refused by the model's validation.
+part is all-gathered.
+
+Context parallelism: the rows are this cp rank's load-balanced chunks and ``freqs`` their global positions
+(the model's), so the decoupled RoPE rotates by the global position; core attention runs over the cp group
+(:mod:`omnitron.core.transformer.cp_attention`, any ``--cp-comm-type``) with the YaRN scale, the ring's
+keys and values travelling as one tensor although ``dv != dn + dr``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer import yarn
 from omnitron.core.transformer.attention import in_graph_dropout_attention
+from omnitron.core.transformer.cp_attention import cp_attention
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
@@ -79,6 +85,8 @@ class MLASelfAttention(nn.Module):
         # generation: ``(latent [s, b, r], k_pe [s, b, 1, dr]) -> the same over every cached slot`` (the KV cache
         # keeps the normalised latent and the rotated shared key part, not the per-head keys and values)
         self.latent_cache = None
+        # set by apply_context_parallel (as on SelfAttention): attention over the cp-split sequence
+        self.cp_group, self.cp_comm_type, self.cp_subgroups = None, "p2p", None
 
     def _rope(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         t = self.backend.kernels.rope(t, freqs, True)  # interleaved pairs (see the module docstring)
@@ -112,6 +120,11 @@ class MLASelfAttention(nn.Module):
         """``[b, n/tp, s, d]`` in and out (SelfAttention's signature, so the generation KV cache can stand in
         for it; no padding mask: MLA is causal); dropout from the tp-rank-specific stream (local heads)."""
         p, keep = (self.c.attention_dropout if self.training else 0.0), None
+        if self.cp_group is not None:
+            if document_ids is not None:
+                raise ValueError("--reset-attention-mask (attention within each packed document) does not run "
+                                 "under context parallelism; use --context-parallel-size 1 or drop it")
+            return cp_attention(self, q, k, v, p, scale=self.softmax_scale)
         if document_ids is not None:
             s = q.shape[2]
             causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()

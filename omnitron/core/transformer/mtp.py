@@ -16,6 +16,13 @@ The modules live on the last pipeline stage; a last stage without the embedding 
 to the first stage's (:meth:`GPTModel.shared_embedding_parameters`). Under sequence parallelism the shifted
 tokens' embedding is reduce-scattered like the first stage's and ``eh_proj`` (replicated over tp) gets
 partial gradients, summed over tp.
+
+Under context parallelism each rank holds chunks ``r`` and ``2cp-1-r`` of the sequence, so the token ``k``
+positions on may sit in another rank's chunk: the shift runs on the whole sequence (:class:`GlobalShift`:
+the micro-batch's tokens, labels and mask all-gathered over cp, a few integers per token, shifted, and this
+rank's positions taken back). ``L_k``'s denominator is the whole sequence's count and each rank's share is
+``cp x`` its partial sum over it, as the LM loss's (:func:`omnitron.core.parallel.context.context_parallel_batch`):
+the gradient average over dp x cp gives back the one-process loss.
 """
 from __future__ import annotations
 
@@ -35,6 +42,42 @@ def shift_left(t: torch.Tensor, k: int) -> torch.Tensor:
     if k < t.shape[1]:
         out[:, : t.shape[1] - k] = t[:, k:]
     return out
+
+
+class GlobalShift:
+    """:func:`shift_left` on the whole sequence of cp-split ``[b, s/cp]`` tensors, each rank's positions kept
+    (the identity split at cp 1). ``count(m)``: the whole sequence's sum of a shifted mask."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, s/cp]`` -> ``[b, s]`` in sequence order (no gradient: tokens, labels and masks)."""
+        if self.group is None or self.group.size == 1:
+            return t
+        from omnitron.core.parallel.context.layout import chunk_positions
+        from omnitron.core.parallel.tensor.mappings import gather_from_sp
+
+        cp, s = self.group.size, t.shape[1] * self.group.size
+        rows = gather_from_sp(t.detach().t().contiguous(), self.group)  # [s, b]: the ranks' chunks in rank order
+        order = torch.cat([chunk_positions(s, cp, r, t.device) for r in range(cp)])
+        return rows.index_select(0, torch.argsort(order)).t()
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a ``[b, s]`` sequence."""
+        if self.group is None or self.group.size == 1:
+            return full
+        from omnitron.core.parallel.context.layout import chunk_positions
+
+        return full.index_select(1, chunk_positions(full.shape[1], self.group.size, self.group.rank, full.device))
+
+    def shifted(self, full: torch.Tensor, k: int) -> torch.Tensor:
+        """This rank's positions of ``full`` shifted ``k`` left."""
+        return self.local(shift_left(full, k))
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else self.group.size
 
 
 class MTPLayer(nn.Module):
@@ -71,18 +114,21 @@ class MultiTokenPrediction(nn.Module):
         self.layers = nn.ModuleList([MTPLayer(c, **layer_kw) for _ in range(c.mtp_num_layers)])
         self.aux_loss_scale = 1.0
         self.loss_total: torch.Tensor | None = None
+        groups = layer_kw.get("groups")
+        self.shift = GlobalShift(None if groups is None else groups.cp)
 
     def loss(self, hidden: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
              freqs, embed, per_token_loss) -> torch.Tensor:
         """``lambda / D * sum_k L_k`` (see the module docstring). ``embed(tokens [b, s]) -> [s, b, h]``;
         ``per_token_loss(hidden, labels [b, s]) -> [b, s]`` float32: the model's output head and loss."""
-        total = None
-        mask = loss_mask.float()
+        total, sh = None, self.shift
+        tokens, labels, mask = (sh.full(t) for t in (tokens, labels, loss_mask.float()))
         for k, layer in enumerate(self.layers, start=1):
-            hidden = layer(hidden, embed(shift_left(tokens, k)), freqs)
-            m = shift_left(mask, k)
-            ce = per_token_loss(hidden, shift_left(labels, k))
-            depth = (ce * m).sum() / m.sum().clamp(min=1.0)
+            hidden = layer(hidden, embed(sh.shifted(tokens, k)), freqs)
+            m = sh.shifted(mask, k)
+            ce = per_token_loss(hidden, sh.shifted(labels, k))
+            # this rank's share: cp x its partial sum over the whole sequence's count (the module docstring)
+            depth = (ce * m).sum() * sh.size / shift_left(mask, k).sum().clamp(min=1.0)
             total = depth if total is None else total + depth
         return self.scaling * total
 

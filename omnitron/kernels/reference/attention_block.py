@@ -4,7 +4,9 @@ final (all-block) output and log-sum-exp: the compute kernel of ring attention (
 Plain PyTorch maths in fp32 (fp64 for fp64 inputs) whatever the inputs' dtype: the ring passes its
 inputs as they are, and a flash implementation takes bf16/fp16 natively.
 ``drop`` (optional) is an attention-dropout multiplier ``[b, hq, sq, sk]`` (0 or ``1 / (1 - p)``)
-applied to the block's probabilities. Grouped-query attention is computed without repeating
+applied to the block's probabilities; ``mask`` (optional, bool ``[sq, sk]``, True = attend) replaces the
+square causal mask (the sliding windows of context parallelism; only the reference takes it). A query row
+with no key in the block gets ``lse = -inf`` and a zero output. Grouped-query attention is computed without repeating
 keys/values: queries are viewed as ``[b, hkv, hq/hkv, s, d]``. Fast versions (a flash kernel that
 returns the log-sum-exp) register under the same op names.
 """
@@ -27,10 +29,14 @@ def _upcast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(cdt) for t in ts)
 
 
-def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """``[b, hkv, rep, sq, sk]`` scaled scores; ``causal`` masks key j > query i (square blocks)."""
+def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``[b, hkv, rep, sq, sk]`` scaled scores; ``causal`` masks key j > query i (square blocks), ``mask``
+    (True = attend) every key it does not keep."""
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    elif causal:
         sq, sk = s.shape[-2:]
         future = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(future, float("-inf"))
@@ -39,26 +45,28 @@ def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> to
 
 @register("attention_block_forward", "reference")
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                  drop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  drop: torch.Tensor | None = None,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [b, hq, sq, d]``, ``k, v [b, hkv, sk, d]`` -> (``out [b, hq, sq, d]``, ``lse [b, hq, sq]``).
 
     ``out`` is normalised within the block; ``lse`` is the log of the block's softmax denominator,
-    which is all the ring needs to merge blocks exactly (dropout leaves it unchanged). Every query
-    row must see a key."""
+    which is all the ring needs to merge blocks exactly (dropout leaves it unchanged). ``out`` has ``v``'s
+    head dim (multi-latent attention's differs from ``q``'s)."""
     q, k, v = _upcast(q, k, v)
-    b, hq, sq, d = q.shape
-    s = _scores(_group(q, k.shape[1]), k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)  # [b, hkv, rep, sq]
-    p = torch.exp(s - lse.unsqueeze(-1))
+    b, hq, sq, _ = q.shape
+    s = _scores(_group(q, k.shape[1]), k, causal, scale, mask)
+    lse = torch.logsumexp(s, dim=-1)  # [b, hkv, rep, sq]; -inf where a row sees no key of this block
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1))  # such a row: exp(-inf) = 0, not nan
     if drop is not None:
         p = p * _group(drop, k.shape[1])
     out = torch.matmul(p, v.unsqueeze(2))  # [b, hkv, rep, sq, d]
-    return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
+    return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
 
 
 @register("attention_block_backward", "reference")
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, *, causal: bool, scale: float, drop: torch.Tensor | None = None):
+                   lse: torch.Tensor, *, causal: bool, scale: float, drop: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None):
     """Gradients of one block given the FINAL (all-block) ``out`` and ``lse`` of these query rows.
 
     With ``p = exp(s - lse)`` the block's share of the final softmax: ``dv = p^T dout``,
@@ -68,7 +76,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dout, q, k, v, out, lse = _upcast(dout, q, k, v, out, lse)
     hkv = k.shape[1]
     qg, dog = _group(q, hkv), _group(dout, hkv)
-    p = torch.exp(_scores(qg, k, causal, scale) - _group(lse.unsqueeze(-1), hkv))  # [b, hkv, rep, sq, sk]
+    p = torch.exp(_scores(qg, k, causal, scale, mask) - _group(lse.unsqueeze(-1), hkv))  # [b, hkv, rep, sq, sk]
     dg = None if drop is None else _group(drop, hkv)
     dv = torch.matmul((p if dg is None else p * dg).transpose(-1, -2), dog).sum(2)
     dp = torch.matmul(dog, v.unsqueeze(2).transpose(-1, -2))

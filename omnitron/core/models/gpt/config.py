@@ -311,13 +311,12 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = c.num_attention_heads, query_groups(c)
     if c.mtp_num_layers is not None:
-        _validate_mtp(c, parallel.context_parallel_size)
+        _validate_mtp(c)
     if c.multi_latent_attention:
-        _validate_mla(c, parallel.context_parallel_size)
-    if (c.window_size is not None or c.softmax_type != "vanilla") and (
-            c.multi_latent_attention or parallel.context_parallel_size > 1):
-        raise ConfigError("--window-size / --softmax-type run with grouped-query attention and "
-                          "--context-parallel-size 1 only, yet; drop them or --multi-latent-attention / cp")
+        _validate_mla(c)
+    if (c.window_size is not None or c.softmax_type != "vanilla") and c.multi_latent_attention:
+        raise ConfigError("--window-size / --softmax-type run with grouped-query attention only, yet; drop them "
+                          "or --multi-latent-attention")
     elif c.kv_channels is None and c.hidden_size % heads:
         raise ConfigError(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {heads}; "
                           f"change one of them or set --kv-channels")
@@ -356,22 +355,19 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     validate_moe(c, parallel)
 
 
-def _validate_mtp(c: GPTConfig, cp: int) -> None:
+def _validate_mtp(c: GPTConfig) -> None:
     """Multi-token prediction's settings, and what it does not combine with (yet)."""
     if not isinstance(c.mtp_num_layers, int) or c.mtp_num_layers < 1:
         raise ConfigError(f"--mtp-num-layers must be a positive integer, got {c.mtp_num_layers!r}")
     if c.mtp_loss_scaling_factor < 0:
         raise ConfigError(f"--mtp-loss-scaling-factor must be >= 0, got {c.mtp_loss_scaling_factor}")
-    if cp > 1:
-        raise ConfigError(f"--mtp-num-layers with --context-parallel-size {cp}: the shifted tokens cross the cp "
-                          "slices, which is not implemented yet; use --context-parallel-size 1")
     if not uses_rope(c):
         raise ConfigError("--mtp-num-layers needs rotary positions (--position-embedding-type rope or "
                           "--multi-latent-attention): the MTP modules embed the shifted tokens without learned "
                           "position embeddings")
 
 
-def _validate_mla(c: GPTConfig, cp: int) -> None:
+def _validate_mla(c: GPTConfig) -> None:
     """Multi-latent attention's sizes, and the features it does not combine with (yet)."""
     for flag, v in (("--kv-lora-rank", c.kv_lora_rank), ("--qk-head-dim", c.qk_head_dim),
                     ("--qk-pos-emb-head-dim", c.qk_pos_emb_head_dim), ("--v-head-dim", c.v_head_dim),
@@ -383,9 +379,6 @@ def _validate_mla(c: GPTConfig, cp: int) -> None:
     if c.num_query_groups is not None:
         raise ConfigError("--num-query-groups (grouped-query attention) and --multi-latent-attention exclude each "
                           "other, as in Megatron; drop one of them")
-    if cp > 1:
-        raise ConfigError(f"--multi-latent-attention does not run under --context-parallel-size {cp} yet; use "
-                          "--context-parallel-size 1")
     if c.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {c.rotary_percent}: multi-latent attention rotates all of its "
                           "--qk-pos-emb-head-dim channels (YaRN); drop --rotary-percent")

@@ -3,7 +3,9 @@
 ``layout`` (which positions a cp rank holds; batch slicing and the loss share), ``blocks`` (the
 per-block attention kernel with its log-sum-exp), ``ring`` (the autograd Function), ``ulysses``
 (``a2a`` and ``allgather``), ``hierarchical`` (``a2a+p2p``: all-to-all, then the ring), and
-:func:`apply_context_parallel`, which points a model's attention modules at the cp group.
+:func:`apply_context_parallel`, which points a model's attention modules (grouped-query and multi-latent) at
+the cp group. Every path takes a value head dim unlike the query's, causal sliding windows and attention
+sinks (:mod:`omnitron.core.transformer.cp_attention` picks the path per module).
 """
 from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, backend_kernel, block_backward, block_forward
 from omnitron.core.parallel.context.layout import (chunk_positions, context_parallel_batch, context_parallel_loss,
@@ -17,6 +19,7 @@ def apply_context_parallel(model, group, comm_type: str = "p2p", subgroups=None)
     ``model``. ``a2a+p2p`` needs ``subgroups``: this rank's ``(a2a group, p2p group)`` (``groups.cp_a2a``,
     ``groups.cp_p2p``). Inputs must then be this rank's load-balanced slice."""
     from omnitron.core.transformer.attention import SelfAttention
+    from omnitron.core.transformer.mla import MLASelfAttention
 
     if comm_type == "a2a+p2p" and group.size > 1:
         if subgroups is None:
@@ -27,7 +30,7 @@ def apply_context_parallel(model, group, comm_type: str = "p2p", subgroups=None)
             raise ValueError(f"a2a+p2p sub-groups {a2a.ranks} x {p2p.ranks} do not split the cp group {group.ranks}")
     if group.size > 1:
         for m in model.modules():
-            if isinstance(m, SelfAttention):
+            if isinstance(m, (SelfAttention, MLASelfAttention)):
                 m.cp_group, m.cp_comm_type = group, comm_type
                 m.cp_subgroups = tuple(subgroups) if comm_type == "a2a+p2p" else None
     return model

@@ -36,9 +36,11 @@ Task = tuple[slice, slice, bool]
 
 def merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
     """In place: ``out, lse`` <- the exact softmax combination of two partial results (``o``, ``l``: the
-    block's output normalised within the block and its log-sum-exp)."""
+    block's output normalised within the block and its log-sum-exp). A row with ``-inf`` on both sides (no
+    key seen yet, none in the block) stays at zero and ``-inf``."""
     new = torch.logaddexp(lse, l)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
+    shift = new.nan_to_num(neginf=0.0)  # a row with no key at all: exp(-inf - 0) = 0 on both sides, not nan
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1)).add_(o * torch.exp(l - shift).unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -64,7 +66,8 @@ class BlockedAttention(torch.autograd.Function):
                 merge(out[:, :, rows], lse[:, :, rows], o, l)
             else:
                 if out is None:
-                    out, lse = q.new_empty(q.shape, dtype=cdt), q.new_empty(q.shape[:3], dtype=cdt)
+                    out = q.new_empty(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
+                    lse = q.new_empty(q.shape[:3], dtype=cdt)
                 out[:, :, rows], lse[:, :, rows] = o, l
             seen.append(rows)
         result = out.to(q.dtype)

@@ -54,14 +54,16 @@ def check_sizes(heads: int, a2a_size: int) -> None:
 
 def a2a_p2p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a2a_group, p2p_group, collectives,
                       attend, scale: float | None = None, dropout_p: float = 0.0, seed: int = 0,
-                      kernel: BlockKernel = REFERENCE) -> torch.Tensor:
+                      kernel: BlockKernel = REFERENCE, window=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's slice over the whole cp-split sequence, hierarchically.
 
     ``q [b, hq, s/cp, d]``, ``k, v [b, hkv, s/cp, d]`` in the load-balanced order of :mod:`.layout` (cp =
     ``a2a_group.size x p2p_group.size``, the groups of :func:`omnitron.core.parallel.grid.rank_grid`'s
     ``cp_a2a`` / ``cp_p2p``). ``attend(q, k, v)``: full causal attention (used when the p2p size is 1).
     The ring's arguments (``collectives``, ``scale``, ``dropout_p``, ``seed``, ``kernel``) as in
-    :func:`.ring.ring_attention`. Returns ``[b, hq, s/cp, d]``."""
+    :func:`.ring.ring_attention`, and ``window`` (the super-chunks are a cp-``P`` layout, so the ring's global
+    positions hold) and ``sinks`` (``[hq / A]``: this member's head group's, :func:`.ulysses.head_slice`;
+    ``attend`` applies its own). Returns ``[b, hq, s/cp, dv]``."""
     a, p = a2a_group.size, p2p_group.size
     hq, hkv, s_l = q.shape[1], k.shape[1], q.shape[2]
     check_sizes(hq, a)
@@ -77,7 +79,7 @@ def a2a_p2p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a2a_
     if p > 1:
         out = ring_attention(q, k, v, group=p2p_group, collectives=collectives, causal=True, scale=scale,
                              dropout_p=dropout_p, seed=head_group_seed(seed, a2a_group.rank) if a > 1 else seed,
-                             kernel=kernel)
+                             kernel=kernel, window=window, sinks=sinks)
     else:
         out = attend(q, k, v)
     if order is not None:

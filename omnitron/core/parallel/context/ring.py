@@ -19,6 +19,18 @@ backward (autograd never differentiates through it).
 Attention dropout: each step's block draws its keep-mask from a generator seeded by
 ``(seed, rank, step)`` (:func:`block_dropout`), so backward regenerates exactly the forward's masks
 without storing them.
+
+Sliding window (``window = (left, right)``, causal): a step's block is cut into tiles by global position
+(:mod:`.tiles`): tiles outside the window are skipped, whole ones run the kernel, those the window's edge
+cuts run the reference kernel with their mask. Blocks and tiles merge by log-sum-exp from an empty start
+(a row that has seen no key yet has ``lse = -inf``).
+Attention sinks (``sinks [hq]``, one logit ``a`` per query head): the merged blocks give the output ``o``
+and log-sum-exp ``L`` over every key; the sink enters each row's denominator once, after the merge:
+``L' = logaddexp(L, a)``, ``o' = o exp(L - L')``. Backward runs the blocks given ``o', L'`` (the sink's
+column carries no value) and ``da = -sum_rows exp(a - L') rowsum(do * o')``.
+
+Keys and values travel as one tensor, concatenated on the head dim, so ``v``'s head dim may differ from
+``q``'s and ``k``'s (multi-latent attention).
 """
 from __future__ import annotations
 
@@ -27,6 +39,7 @@ import math
 import torch
 
 from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, merge
+from omnitron.core.parallel.context.tiles import _step_slices, step_plan  # noqa: F401 - tests read _step_slices
 
 
 class _Ring:
@@ -49,18 +62,6 @@ def _wait(handles: list) -> None:
         h.wait()
 
 
-def _step_slices(step: int, src: int, rank: int, c: int, causal: bool) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, causal mask) this rank computes against rank ``src``'s block at ``step``."""
-    every = slice(None)
-    if not causal:
-        return every, every, False
-    if step == 0:
-        return every, every, True
-    if src < rank:
-        return every, slice(0, c), False
-    return slice(c, None), every, False
-
-
 def block_dropout(seed: int, rank: int, step: int, shape, p: float, dtype, device) -> torch.Tensor:
     """The dropout multiplier (0 or ``1 / (1 - p)``) of cp rank ``rank``'s block at ring ``step``."""
     g = torch.Generator(device=device)
@@ -70,64 +71,88 @@ def block_dropout(seed: int, rank: int, step: int, shape, p: float, dtype, devic
 
 
 class _Step:
-    """What one ring step computes on this rank: query rows, key rows, mask and dropout multiplier."""
+    """What one ring step computes on this rank: its tiles (:func:`.tiles.step_plan`) with their dropout
+    multipliers."""
 
     def __init__(self, ctx, ring: _Ring, i: int, q: torch.Tensor, cdt) -> None:
-        c = q.shape[2] // 2
-        self.rows, self.cols, self.causal = _step_slices(i, (ring.rank - i) % ring.size, ring.rank, c, ctx.causal)
-        self.drop = None
+        self.tiles = step_plan(i, ring.rank, ring.size, q.shape[2], ctx.causal, ctx.window, q.device)
+        self.drops = [None] * len(self.tiles)
         if ctx.dropout_p > 0.0:
-            sq, sk = len(range(q.shape[2])[self.rows]), len(range(q.shape[2])[self.cols])
-            self.drop = block_dropout(ctx.seed, ring.rank, i, (q.shape[0], q.shape[1], sq, sk), ctx.dropout_p, cdt,
-                                      q.device)
+            n = range(q.shape[2])
+            self.drops = [block_dropout(ctx.seed, ring.rank, t.key, (q.shape[0], q.shape[1], len(n[t.rows]),
+                                                                     len(n[t.cols])), ctx.dropout_p, cdt, q.device)
+                          for t in self.tiles]
 
-    def kw(self, scale: float) -> dict:
-        return dict(causal=self.causal, scale=scale, drop=self.drop)
+    def __iter__(self):
+        """``(tile, its kernel, its keyword arguments)``: masked tiles run the reference (only it takes a mask)."""
+        for t, drop in zip(self.tiles, self.drops):
+            kw = dict(causal=t.causal, scale=self.scale, drop=drop)
+            yield t, (self.kernel if t.mask is None else REFERENCE), kw if t.mask is None else {**kw, "mask": t.mask}
+
+    def bind(self, kernel: BlockKernel, scale: float) -> "_Step":
+        self.kernel, self.scale = kernel, scale
+        return self
+
+
+def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o', L')``: the merged output and log-sum-exp with each head's sink logit in the denominator once."""
+    a = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    new = torch.logaddexp(lse, a)
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``d sinks [hq]`` given the final output and log-sum-exp (sink included) of these query rows."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [b, hq, s]
+    return -(torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
 
 
 class RingAttention(torch.autograd.Function):
-    """forward: ring attention over the cp group; backward: the ring in reverse for dk/dv."""
+    """forward: ring attention over the cp group; backward: the ring in reverse for dk/dv (and the sinks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, collectives, causal: bool, scale: float, kernel: BlockKernel,
-                dropout_p: float, seed: int):
+    def forward(ctx, q, k, v, sinks, group, collectives, causal: bool, scale: float, kernel: BlockKernel,
+                dropout_p: float, seed: int, window):
         ctx.group, ctx.collectives, ctx.causal, ctx.scale, ctx.kernel = group, collectives, causal, scale, kernel
-        ctx.dropout_p, ctx.seed = dropout_p, seed
+        ctx.dropout_p, ctx.seed, ctx.window, ctx.dk = dropout_p, seed, window, k.shape[-1]
         ring, cdt = _Ring(group, collectives), torch.promote_types(q.dtype, torch.float32)
-        out, lse = None, None
-        kv = torch.stack([k, v])  # [2, b, hkv, s, d], the circulating block
+        dk = ctx.dk
+        out = q.new_zeros(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
+        kv = torch.cat([k, v], dim=-1)  # [b, hkv, s, dk + dv], the circulating block
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
-            st = _Step(ctx, ring, i, q, cdt)
-            o, l = kernel.forward(q[:, :, st.rows], kv[0, :, :, st.cols], kv[1, :, :, st.cols], **st.kw(scale))
-            o, l = o.to(cdt), l.to(cdt)  # merged in fp32 (fp64 for fp64 inputs) whatever the kernel's dtype
-            if out is None:
-                out, lse = o, l  # step 0 covers every row
-            else:
-                merge(out[:, :, st.rows], lse[:, :, st.rows], o, l)
+            for t, kern, kw in _Step(ctx, ring, i, q, cdt).bind(kernel, scale):
+                blk = kv[:, :, t.cols]
+                o, l = kern.forward(q[:, :, t.rows], blk[..., :dk], blk[..., dk:], **kw)
+                # merged in fp32 (fp64 for fp64 inputs) whatever the kernel's dtype
+                merge(out[:, :, t.rows], lse[:, :, t.rows], o.to(cdt), l.to(cdt))
             _wait(handles)
             kv = nxt
+        if sinks is not None:
+            out, lse = _add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, cdt = _Ring(ctx.group, ctx.collectives), torch.promote_types(q.dtype, torch.float32)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        ring, cdt, dk = _Ring(ctx.group, ctx.collectives), torch.promote_types(q.dtype, torch.float32), ctx.dk
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.cat([k, v], dim=-1)
         dkv_in, dkv_handles = None, []
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
-            st = _Step(ctx, ring, i, q, cdt)
-            r, cols = st.rows, st.cols
-            dq_b, dk_b, dv_b = ctx.kernel.backward(dout[:, :, r], q[:, :, r], kv[0, :, :, cols], kv[1, :, :, cols],
-                                                   out[:, :, r], lse[:, :, r], **st.kw(ctx.scale))
-            dq[:, :, r] += dq_b
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
-            dkv[0, :, :, cols], dkv[1, :, :, cols] = dk_b, dv_b
+            for t, kern, kw in _Step(ctx, ring, i, q, cdt).bind(ctx.kernel, ctx.scale):
+                r, cols, blk = t.rows, t.cols, kv[:, :, t.cols]
+                dq_b, dk_b, dv_b = kern.backward(dout[:, :, r], q[:, :, r], blk[..., :dk], blk[..., dk:],
+                                                 out[:, :, r], lse[:, :, r], **kw)
+                dq[:, :, r] += dq_b
+                dkv[:, :, cols, :dk] += dk_b
+                dkv[:, :, cols, dk:] += dv_b
             _wait(dkv_handles)  # the accumulator of this block from the ranks before us
             if dkv_in is not None:
                 dkv += dkv_in
@@ -135,19 +160,23 @@ class RingAttention(torch.autograd.Function):
             _wait(handles)
             kv = nxt
         _wait(dkv_handles)
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), *([None] * 7)
+        dsinks = None if sinks is None or not ctx.needs_input_grad[3] else sink_grad(dout, out, lse, sinks)
+        return (dq.to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype), dsinks,
+                *([None] * 8))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, collectives, causal: bool = True,
                    scale: float | None = None, dropout_p: float = 0.0, seed: int = 0,
-                   kernel: BlockKernel = REFERENCE) -> torch.Tensor:
+                   kernel: BlockKernel = REFERENCE, window: tuple[int, int] | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this cp rank's queries over the whole (cp-split) sequence.
 
-    ``q [b, hq, s/cp, d]``, ``k, v [b, hkv, s/cp, d]`` (hq a multiple of hkv), rows in the
-    load-balanced order of :mod:`omnitron.core.parallel.context.layout`. Returns ``[b, hq, s/cp, d]``
+    ``q [b, hq, s/cp, d]``, ``k [b, hkv, s/cp, d]``, ``v [b, hkv, s/cp, dv]`` (hq a multiple of hkv), rows in the
+    load-balanced order of :mod:`omnitron.core.parallel.context.layout`. Returns ``[b, hq, s/cp, dv]``
     in ``q``'s dtype; the block kernel takes the inputs' dtype (the reference computes in fp32, fp64 for
     fp64 inputs; a flash kernel in bf16/fp16 accumulates in fp32) and block results merge in fp32. ``dropout_p > 0``: attention
-    dropout with masks drawn from ``seed`` (draw it from the caller's RNG stream per call)."""
+    dropout with masks drawn from ``seed`` (draw it from the caller's RNG stream per call). ``window``: causal
+    sliding window ``(left, right)``; ``sinks [hq]``: one sink logit per query head (see the module docstring)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if causal and q.shape[2] % 2:
@@ -158,4 +187,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         raise ValueError("ring attention needs a context-parallel group of at least 2 ranks")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"ring attention: dropout_p must be in [0, 1), got {dropout_p}")
-    return RingAttention.apply(q, k, v, group, collectives, causal, scale, kernel, dropout_p, seed)
+    if window is not None and not causal:
+        raise ValueError("ring attention: a sliding window is causal here; pass causal=True")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"ring attention: sinks must hold one logit per query head ({q.shape[1]}), "
+                         f"got shape {tuple(sinks.shape)}")
+    return RingAttention.apply(q, k, v, sinks, group, collectives, causal, scale, kernel, dropout_p, seed,
+                               None if window is None else tuple(window))

@@ -49,6 +49,12 @@ def _sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     return got.reshape(cp, b, hc, s_all // cp, d).transpose(0, 1).reshape(b, cp * hc, s_all // cp, d)
 
 
+def head_slice(t: torch.Tensor | None, group) -> torch.Tensor | None:
+    """The entries of per-head ``t [h]`` (attention sinks) of the head group this rank holds after
+    :func:`_heads_to_sequence` (group rank ``j``: heads ``j h/n .. (j+1) h/n - 1``); None stays None."""
+    return None if t is None else t.view(group.size, -1)[group.rank]
+
+
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, attend) -> torch.Tensor:
     """Causal attention over the cp-split sequence by all-to-all; ``attend(q, k, v)`` is the full causal
     attention (``[b, h, s, d]``, grouped-query heads allowed)."""
@@ -79,10 +85,11 @@ def allgather_tasks(local_length: int, group) -> list:
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, attend_masked=None,
-                        kernel=None, scale: float | None = None) -> torch.Tensor:
+                        kernel=None, scale: float | None = None, window=None) -> torch.Tensor:
     """This rank's queries against the all-gathered keys and values. With ``kernel`` (a :class:`.blocks.BlockKernel`)
     the causal blocks of :func:`allgather_tasks` run on it and merge by log-sum-exp (no mask, no scores);
-    otherwise ``attend_masked(q, k, v, keep)`` with a boolean ``keep [s_q, s_k]`` (True = attend)."""
+    otherwise ``attend_masked(q, k, v, keep)`` with a boolean ``keep [s_q, s_k]`` (True = attend: causal, within
+    the sliding ``window`` of :mod:`omnitron.core.transformer.window` when given)."""
     seq = q.shape[2] * group.size
     order = _order(seq, group, q.device)
     natural = torch.argsort(order)
@@ -94,6 +101,10 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gr
     if kernel is not None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return BlockedAttention.apply(q, gather(k), gather(v), allgather_tasks(q.shape[2], group), kernel, scale)
-    mine = chunk_positions(seq, group.size, group.rank, q.device)
-    keep = mine[:, None] >= torch.arange(seq, device=q.device)[None, :]
+    if window is not None and kernel is not None:
+        raise ValueError("allgather attention: a sliding window runs on attend_masked, not on the block kernel")
+    from omnitron.core.transformer.window import keep_mask
+
+    keep = keep_mask(chunk_positions(seq, group.size, group.rank, q.device), torch.arange(seq, device=q.device),
+                     window)
     return attend_masked(q, gather(k), gather(v), keep)

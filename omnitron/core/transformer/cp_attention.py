@@ -1,0 +1,92 @@
+"""Core attention of one context-parallel rank's slice over the whole cp-split sequence, shared by
+:class:`~omnitron.core.transformer.attention.SelfAttention` and
+:class:`~omnitron.core.transformer.mla.MLASelfAttention`.
+
+The module ``m`` carries what :func:`omnitron.core.parallel.context.apply_context_parallel` set
+(``cp_group``, ``cp_comm_type``, ``cp_subgroups``) and its ``tracker`` and ``backend``. Per
+``--cp-comm-type``: ``p2p`` the ring (:mod:`omnitron.core.parallel.context.ring`), ``a2a`` / ``allgather``
+(:mod:`.ulysses`), ``a2a+p2p`` (:mod:`.hierarchical`). Every path takes the softmax ``scale`` (MLA's
+YaRN scale), a value head dim that differs from the query's (MLA), a causal sliding ``window`` and
+attention ``sinks [hq]`` (:mod:`omnitron.core.transformer.window`). The all-to-all paths split the heads,
+so each rank applies the sinks of the head group it holds (:func:`.ulysses.head_slice`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omnitron.core.parallel.context.blocks import BlockedAttention, backend_kernel
+from omnitron.core.parallel.context.ring import ring_attention
+
+
+def _masked(m, q, k, v, keep: torch.Tensor, p: float, scale: float, sinks) -> torch.Tensor:
+    """Attention with a boolean ``keep`` mask (True = attend) and optional sinks; dropout from the tp stream."""
+    from omnitron.core.transformer.attention import in_graph_dropout_attention
+    from omnitron.core.transformer.window import sink_attention
+
+    if sinks is not None or k.shape[-1] != v.shape[-1]:  # sinks, or MLA's head dims: the plain-torch softmax
+        if p == 0.0:
+            return sink_attention(q, k, v, keep, sinks, scale)
+        with m.tracker.fork():
+            return sink_attention(q, k, v, keep, sinks, scale, dropout_p=p)
+    if p > 0.0 and m.tracker.in_graph():
+        return in_graph_dropout_attention(q, k, v, keep, p, m.tracker, scale)
+    if k.shape[1] != q.shape[1]:  # grouped-query heads: repeat each key/value head for its queries
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if p == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+    with m.tracker.fork():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, scale=scale)
+
+
+def _full(m, p: float, scale: float, window, sinks):
+    """``attend(q, k, v)``: causal attention over a whole sequence (rows in order) on this rank's heads."""
+    from omnitron.core.transformer.window import keep_mask
+
+    kernel = backend_kernel(m.backend)
+
+    def attend(q, k, v):
+        if window is not None or sinks is not None:
+            pos = torch.arange(q.shape[2], device=q.device)
+            return _masked(m, q, k, v, keep_mask(pos, pos, window), p, scale, sinks)
+        if p == 0.0:  # one causal block on the ring's kernel (the backend's flash kernel where it has one)
+            return BlockedAttention.apply(q, k, v, [(slice(None), slice(None), True)], kernel, scale)
+        with m.tracker.fork():
+            return m.backend.kernels.attention(q, k, v, causal=True, dropout_p=p, scale=scale)
+
+    return attend
+
+
+def cp_attention(m, q, k, v, p: float, *, scale: float | None = None, window=None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [b, hq, s/cp, d]``, ``k [b, hkv, s/cp, d]``, ``v [b, hkv, s/cp, dv]`` of this cp rank's chunks ->
+    ``[b, hq, s/cp, dv]``; ``p`` the attention dropout (0 in eval), ``window`` / ``sinks`` as in
+    :mod:`omnitron.core.transformer.window`."""
+    from omnitron.core.parallel.context.ulysses import a2a_attention, allgather_attention, head_slice
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    sinks = None if sinks is None else sinks.to(q.device)
+    comm, group = m.cp_comm_type, m.cp_group
+    if comm == "a2a":
+        return a2a_attention(q, k, v, group=group, attend=_full(m, p, scale, window, head_slice(sinks, group)))
+    if comm == "allgather":
+        plain = p == 0.0 and window is None and sinks is None
+        return allgather_attention(q, k, v, group=group, kernel=backend_kernel(m.backend) if plain else None,
+                                   scale=scale, window=window,
+                                   attend_masked=lambda q, k, v, keep: _masked(m, q, k, v, keep, p, scale, sinks))
+    # the ring draws its block masks from a seed taken from the tp-rank-specific stream (no host sync)
+    seed = m.tracker.draw_seed(q.device) if p > 0.0 else 0
+    kw = dict(collectives=m.backend.collectives, scale=scale, dropout_p=p, seed=seed,
+              kernel=backend_kernel(m.backend), window=window)
+    if comm == "a2a+p2p":
+        from omnitron.core.parallel.context.hierarchical import a2a_p2p_attention
+
+        if m.cp_subgroups is None:
+            raise ValueError("--cp-comm-type a2a+p2p: the attention module has no a2a/p2p sub-groups; build the "
+                             "model over groups made with --hierarchical-context-parallel-sizes")
+        a2a, p2p = m.cp_subgroups
+        local = head_slice(sinks, a2a) if a2a.size > 1 else sinks
+        return a2a_p2p_attention(q, k, v, a2a_group=a2a, p2p_group=p2p, attend=_full(m, p, scale, window, local),
+                                 sinks=local, **kw)
+    return ring_attention(q, k, v, group=group, causal=True, sinks=sinks, **kw)

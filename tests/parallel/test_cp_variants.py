@@ -1,0 +1,396 @@
+"""Context parallelism for the 2025-26 attention variants, against one process in float64.
+
+(a) Core attention over the cp-split sequence (``transformer/cp_attention.py``: p2p ring, a2a, allgather,
+a2a+p2p) against plain float64 attention on the whole sequence: a value head dim unlike the query's (MLA), a
+causal sliding window (blocks outside it skipped, cut ones masked), attention sinks (the sink once per row),
+grouped-query heads, and ring attention dropout (the reference uses the ring's own masks, assembled).
+(b) GPT models in float64 at cp2 against the one-process model: multi-latent attention (decoupled RoPE at the
+chunks' global positions, YaRN), alternating sliding windows with learnable / off-by-one sinks (GQA), and
+multi-token prediction (the shifts crossing chunk boundaries): loss and every gradient (cp4 and tp2 x cp2 with
+sequence parallelism, -m slow). (c) The training loop with windows and sinks at cp2 (-m slow). Sim variants of
+(a) and (b) are -m slow.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from omnitron.core.config import ParallelConfig
+from omnitron.core.parallel.context import split_sequence
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
+from omnitron.testing.sim import requires_sim
+
+# float64 throughout: the collectives move values exactly and the layouts differ from the references only in
+# the order of the softmax's and the GEMMs' sums (<= 64 keys, a few chained GEMMs in the models): relative
+# errors ~ n u ~ 1e-14. A wrong window position, a sink counted per block or a shift inside the chunk moves
+# results by 1e-2 or more. 1e-11 leaves three orders of magnitude.
+TOL = 1e-11
+DROP_SEED = 7
+
+# (name, hq, hkv, dqk, dv, window, sinks, dropout, rows per chunk): s = 2 cp x rows per chunk. The last case
+# cuts each 96-row chunk into tiles of 65 and 31 rows (.tiles: causal, whole, cut and skipped tiles all occur)
+ATTN = [("mla", 4, 4, 10, 6, None, False, 0.0, 4), ("window-sinks-gqa", 4, 2, 8, 8, (3, 0), True, 0.0, 4),
+        ("window-mqa-wide", 4, 1, 8, 8, (100, 0), False, 0.0, 4), ("window0-sinks", 4, 4, 6, 4, (0, 0), True, 0.0, 4),
+        ("mla-dropout", 4, 4, 10, 6, None, False, 0.3, 4), ("window-sinks-dropout", 4, 2, 8, 8, (5, 0), True, 0.3, 4),
+        ("window-tiles-sinks", 4, 1, 8, 8, (64, 0), True, 0.0, 96)]
+
+
+def _ring_dropout(cp: int, shape, window, p: float) -> torch.Tensor:
+    """The ring's dropout multipliers ``[b, hq, s, s]`` over the whole sequence from every rank's step blocks
+    (entries no block covers are masked and stay 1)."""
+    from omnitron.core.parallel.context import chunk_positions
+    from omnitron.core.parallel.context.ring import block_dropout, step_plan
+
+    b, hq, s, _ = shape
+    full = torch.ones(b, hq, s, s, dtype=torch.float64)
+    pos = [chunk_positions(s, cp, r) for r in range(cp)]
+    for r in range(cp):
+        for i in range(cp):
+            for tile in step_plan(i, r, cp, s // cp, True, window):
+                qi, ki = pos[r][tile.rows], pos[(r - i) % cp][tile.cols]
+                full[:, :, qi[:, None], ki[None, :]] = block_dropout(DROP_SEED, r, tile.key, (b, hq, len(qi), len(ki)),
+                                                                     p, torch.float64, "cpu")
+    return full
+
+
+def _keep(s: int, window) -> torch.Tensor:
+    """``[s, s]`` True where query i sees key j: causal, within ``window``."""
+    d = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+    return (d >= 0) & (d <= (window[0] if window else s))
+
+
+def _reference(q, k, v, scale, window, sinks, drop=None):
+    """softmax([q k^T scale + causal window mask | sink]) without the sink column (* dropout) @ v, whole sequence."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~_keep(q.shape[2], window), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    prob = torch.softmax(s, -1)[..., : q.shape[2]]
+    return (prob if drop is None else prob * drop) @ v
+
+
+def _module(groups, comm: str, backend):
+    """The attributes cp_attention reads from an attention module."""
+    from omnitron.core.parallel.tensor import RNGTracker
+    from omnitron.core.parallel.tensor.random import MODEL_PARALLEL
+
+    tracker = RNGTracker(backend)
+    tracker.add(MODEL_PARALLEL, 5)
+    sub = (groups.cp_a2a, groups.cp_p2p) if comm == "a2a+p2p" else None
+    return types.SimpleNamespace(cp_group=groups.cp, cp_comm_type=comm, cp_subgroups=sub, tracker=tracker,
+                                 backend=backend)
+
+
+def _layouts(cp: int):
+    """(comm type, ParallelConfig) pairs run at this cp."""
+    out = [(c, ParallelConfig(context_parallel_size=cp, cp_comm_type=c)) for c in ("p2p", "a2a", "allgather")]
+    if cp == 4:
+        out.append(("a2a+p2p", ParallelConfig(context_parallel_size=4, cp_comm_type="a2a+p2p",
+                                              hierarchical_context_parallel_sizes=[2, 2])))
+    return out
+
+
+def attention_worker(cps) -> list:
+    from omnitron.backends import get_backend
+    from omnitron.core.transformer.cp_attention import cp_attention
+
+    torch.set_num_threads(1)
+    be, out = get_backend(), []
+    dev = be.device()  # sim: the attention runs on sim tensors, the reference on the host
+    for cp in cps:
+        for comm, cfg in _layouts(cp):
+            groups = ParallelGroups.build(cfg, be.collectives)
+            rank = groups.cp.rank
+            for n, (name, hq, hkv, dqk, dv, window, with_sinks, p, c) in enumerate(ATTN):
+                if p and (comm != "p2p" or dev.type != "cpu"):
+                    continue  # a2a / allgather draw dropout inside the attention kernel; sim's generator is its own
+                g = torch.Generator().manual_seed(100 * cp + n)  # the same full tensors on every rank
+                b, s, scale = 2, 2 * cp * c, 0.37
+                q = torch.randn(b, hq, s, dqk, generator=g, dtype=torch.float64)
+                k = torch.randn(b, hkv, s, dqk, generator=g, dtype=torch.float64)
+                v, dout = (torch.randn(b, h, s, dv, generator=g, dtype=torch.float64) for h in (hkv, hq))
+                sinks = torch.randn(hq, generator=g, dtype=torch.float64) + 1.0 if with_sinks else None
+                full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                fs = None if sinks is None else sinks.clone().requires_grad_(True)
+                drop = _ring_dropout(cp, q.shape, window, p) if p else None
+                ref = _reference(*full, scale, window, fs, drop)
+                ref.backward(dout)
+                want = [split_sequence(t, 2, cp, rank) for t in [ref] + [t.grad for t in full]]
+                mine = [split_sequence(t, 2, cp, rank).to(dev).requires_grad_(True) for t in (q, k, v)]
+                ms = None if sinks is None else sinks.to(dev).requires_grad_(True)
+                m = _module(groups, comm, be)
+                if p:
+                    m.tracker.draw_seed = lambda device: DROP_SEED  # the ring's seed, as the reference's masks
+                o = cp_attention(m, *mine, p, scale=scale, window=window, sinks=ms)
+                o.backward(split_sequence(dout, 2, cp, rank).to(dev))
+                got = [o] + [t.grad for t in mine]
+                if ms is not None:  # each rank's share of the sinks' gradient: summed over cp as the data grads
+                    be.collectives.all_reduce(ms.grad, group=groups.cp.handle)
+                    got, want = got + [ms.grad], want + [fs.grad]
+                err = max(((a.cpu() - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
+                dropped = p == 0 or 0.2 < (drop == 0)[:, :, _keep(s, window)].double().mean().item() < 0.4
+                out.append(((cp, comm, name), err, dropped))
+    return out
+
+
+def _check_attention(per_rank, cps, dropout: bool) -> None:
+    want = sum(len(_layouts(cp)) * 5 + (2 if dropout else 0) for cp in cps)  # 5 cases without dropout per layout
+    for rank_result in per_rank:
+        assert len(rank_result) == want, [c for c, *_ in rank_result]
+        for case, err, dropped in rank_result:
+            assert dropped and err < TOL, (case, err)
+
+
+def test_cp_attention_variants_match_full_attention():
+    # the backend's kernels (cpu: ATen's flash kernel in float64 on whole and causal tiles, the reference on cut ones)
+    _check_attention(run_distributed(attention_worker, 2, [2]), [2], dropout=True)
+
+
+@pytest.mark.slow
+def test_cp_attention_variants_at_cp4_match_full_attention():
+    """cp4: chunks of 4 rows in 32, a2a+p2p as 2 x 2 (the ring over super-chunks keeps global positions)."""
+    _check_attention(run_distributed(attention_worker, 4, [4]), [4], dropout=True)
+
+
+@pytest.mark.slow
+@requires_sim()
+def test_cp_attention_variants_on_sim_match_full_attention():
+    _check_attention(run_distributed(attention_worker, 4, [2, 4], backend="sim"), [2, 4], dropout=False)
+
+
+@pytest.mark.parametrize("cp,s_l,left", [(4, 4, 1), (2, 512, 100), (2, 512, 0), (4, 256, 300)])
+def test_ring_tiles_cover_the_window_once(cp, s_l, left):
+    """The tiles of every rank and step cover each (query, key) pair of the causal window exactly once; with a
+    window narrower than a chunk they touch O(s x (left + tile)) pairs, not O(s^2); masks stay per tile."""
+    from omnitron.core.parallel.context import chunk_positions
+    from omnitron.core.parallel.context.tiles import TILE_MIN, step_plan
+
+    s = cp * s_l
+    seen = torch.zeros(s, s, dtype=torch.int64)
+    touched = 0
+    for r in range(cp):
+        for i in range(cp):
+            for tile in step_plan(i, r, cp, s_l, True, (left, 0)):
+                qi = chunk_positions(s, cp, r)[tile.rows]
+                ki = chunk_positions(s, cp, (r - i) % cp)[tile.cols]
+                keep = torch.ones(len(qi), len(ki), dtype=torch.bool)
+                if tile.mask is not None:
+                    keep = tile.mask
+                elif tile.causal:
+                    keep = keep.tril()
+                seen[qi[:, None], ki[None, :]] += keep.long()
+                touched += len(qi) * len(ki)
+    assert torch.equal(seen, _keep(s, (left, 0)).long())
+    t = max(TILE_MIN, left + 1)
+    assert touched <= s * (left + 2 * t), (touched, s)
+
+
+def test_refusals():
+    from omnitron.core.parallel.context import ring_attention
+
+    one = types.SimpleNamespace(size=2, rank=0)
+    q = torch.zeros(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="a sliding window is causal here"):
+        ring_attention(q, q, q, group=one, collectives=None, causal=False, window=(2, 0))
+    with pytest.raises(ValueError, match="one logit per query head \\(4\\)"):
+        ring_attention(q, q, q, group=one, collectives=None, sinks=torch.zeros(2))
+
+
+def test_mla_refusals_and_flash_declines():
+    """MLA under cp refuses per-document masks (the ring's blocks know positions, not documents); the fused block
+    kernels decline a value head dim unlike the query's (MLA), so the ring runs the reference there."""
+    from omnitron.backends import get_backend
+    from omnitron.backends.cpu.kernels import supports_on
+    from omnitron.core.parallel.tensor import RNGTracker
+    from omnitron.core.transformer.mla import MLASelfAttention
+
+    be, single = get_backend("cpu"), ParallelGroups.single()
+    attn = MLASelfAttention(_config("mla"), group=single.tp, sequence_parallel=False, tracker=RNGTracker(be),
+                            backend=be, out_std=0.02)
+    attn.cp_group = types.SimpleNamespace(size=2, rank=0)
+    q, v = torch.zeros(1, 4, 4, 10), torch.zeros(1, 4, 4, 6)
+    with pytest.raises(ValueError, match="--reset-attention-mask .* does not run under context parallelism"):
+        attn.core_attention(q, q, v, None, torch.zeros(1, 4, dtype=torch.long))
+    fwd, _ = supports_on("cpu")
+    assert "head dim" in fwd(q, q, v, causal=True, scale=1.0) and fwd(q, q, q, causal=True, scale=1.0) is None
+
+
+# ---- (b) models ----------------------------------------------------------------------------------
+SEQ = 16
+
+
+def _config(kind: str):
+    from omnitron.core.models.gpt import GPTConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=SEQ,
+                vocab_size=61, make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0,
+                normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+                untie_embeddings_and_output_weights=True, params_dtype=torch.float64)
+    mla = dict(multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=6, qk_pos_emb_head_dim=4,
+               v_head_dim=5, qk_layernorm=True, rotary_scaling_factor=8.0, mscale=0.707, mscale_all_dim=0.3,
+               yarn_original_max_position_embeddings=8)
+    gqa = dict(num_query_groups=2)
+    window = dict(gqa, window_size="3,0", window_attn_skip_freq="2")
+    kinds = {"mla": mla, "mla+mtp": dict(mla, mtp_num_layers=1, mtp_loss_scaling_factor=0.5),
+             "window+learnable": dict(window, softmax_type="learnable"),
+             "window+off-by-one": dict(window, softmax_type="off-by-one"),
+             "mtp": dict(gqa, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)}
+    return GPTConfig(**{**base, **kinds[kind]})
+
+
+MODEL_CASES = [("mla", "p2p"), ("mla", "a2a"), ("mla+mtp", "allgather"), ("window+learnable", "p2p"),
+               ("window+learnable", "a2a"), ("window+off-by-one", "allgather"), ("mtp", "p2p")]
+
+
+def _batch():
+    g = torch.Generator().manual_seed(21)
+    tokens = torch.randint(0, 61, (2, SEQ), generator=g)
+    labels = torch.randint(0, 61, (2, SEQ), generator=g)
+    return {"tokens": tokens, "labels": labels, "loss_mask": (torch.rand(2, SEQ, generator=g) > 0.25).double()}
+
+
+def _perturb(model) -> None:
+    """Sinks and norm weights away from their initial 0 / 1, so a sink or norm mistake shows: the same full
+    values in every layout (drawn per name at the full shape, this tp rank's shard kept)."""
+    import zlib
+
+    from omnitron.core.parallel.tensor import mappings as M
+    from omnitron.core.parallel.tensor.sharding import full_shape, shard_param
+
+    tp = model.groups.tp
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "softmax_offset" in name or "norm" in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                full = torch.randn(full_shape(p, tp.size), generator=g, dtype=p.dtype) * 0.5
+                p.add_(shard_param(full, p, tp.size, M.local_rank(tp)).to(p.device))
+
+
+def _loss(model, batch, count):
+    """The step's objective: masked LM loss sum / count (multi-token prediction joins it in backward)."""
+    out = model(tokens=batch["tokens"], position_ids=batch.get("position_ids"), labels=batch["labels"],
+                loss_mask=batch["loss_mask"])
+    return (out * batch["loss_mask"]).sum() / count
+
+
+def one_process(kind: str) -> tuple[float, float, dict]:
+    """(LM loss, MTP loss, gradients) of the one-process float64 model."""
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import GPTModel, gather_full_state
+
+    model = GPTModel(_config(kind), ParallelGroups.single(), backend=get_backend("cpu"), seed=3)
+    _perturb(model)
+    batch = _batch()
+    loss = _loss(model, batch, batch["loss_mask"].sum())
+    loss.backward()
+    mtp = model.mtp.loss_total.item() if getattr(model, "mtp", None) is not None else 0.0
+    return loss.item(), mtp, gather_full_state(model, ParallelGroups.single(), grads=True)
+
+
+def model_worker(cases, cp: int = 2, tp: int = 1) -> dict:
+    """Per case at cp (x tp with sequence parallelism): the LM and MTP losses and every full gradient, averaged over
+    cp as the dp x cp reduction does."""
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import GPTModel, allreduce_sequence_parallel_grads, gather_full_state
+    from omnitron.core.parallel.context import context_parallel_batch
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    torch.set_num_threads(1)
+    be, out = get_backend(), {}
+    for kind, comm in cases:
+        extra = dict(hierarchical_context_parallel_sizes=[2, cp // 2]) if comm == "a2a+p2p" else {}
+        groups = ParallelGroups.build(ParallelConfig(context_parallel_size=cp, cp_comm_type=comm,
+                                                     tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                                     **extra), be.collectives)
+        dev = be.device()  # the host for cpu; sim tensors for sim (its collectives take no host tensors)
+        model = to_device(GPTModel(_config(kind), groups, backend=be, seed=3), dev)
+        _perturb(model)
+        batch = context_parallel_batch({k: v.to(dev) for k, v in _batch().items()}, groups.cp)
+        loss = _loss(model, batch, batch["cp_num_tokens"])
+        loss.backward()
+        allreduce_sequence_parallel_grads(model, groups)
+        has_mtp = getattr(model, "mtp", None) is not None
+        mtp = model.mtp.loss_total.detach().clone() if has_mtp else torch.zeros((), device=dev)
+        vals = torch.stack([loss.detach(), mtp.double()])
+        for t in [vals] + [p.grad for p in model.parameters()]:
+            be.collectives.all_reduce(t, group=groups.cp.handle)
+            t /= groups.cp.size
+        out[(kind, comm)] = (vals.cpu().tolist(), gather_full_state(model, groups, grads=True))
+    return out
+
+
+def _check_models(per_rank, cases) -> None:
+    from omnitron.testing.parity import reference_kernels
+
+    with reference_kernels():  # as the workers (REFERENCE_KERNELS): the fused CPU rope and norms round in float32
+        refs = {kind: one_process(kind) for kind in {k for k, _ in cases}}
+    for case in cases:
+        lm, mtp, grads = refs[case[0]]
+        (got_lm, got_mtp), got = per_rank[0][case]
+        assert got_lm == pytest.approx(lm, rel=TOL) and got_mtp == pytest.approx(mtp, rel=TOL, abs=1e-300), case
+        assert (mtp > 0.05) == ("mtp" in case[0])  # the MTP term is there, not a vanishing one
+        assert got.keys() == grads.keys(), case
+        for name, g in grads.items():
+            scale = g.abs().max().item()
+            assert scale > 0 and (got[name] - g).abs().max().item() <= TOL * scale, (case, name)
+
+
+def test_models_at_cp2_match_one_process():
+    _check_models(run_distributed(model_worker, 2, MODEL_CASES, env=REFERENCE_KERNELS), MODEL_CASES)
+
+
+@pytest.mark.slow
+@requires_sim()
+def test_models_at_cp2_on_sim_match_one_process():
+    cases = [("mla+mtp", "p2p"), ("window+learnable", "p2p"), ("window+off-by-one", "a2a")]
+    _check_models(run_distributed(model_worker, 2, cases, backend="sim", env=REFERENCE_KERNELS), cases)
+
+
+@pytest.mark.slow
+def test_models_at_cp4_and_tp2_cp2_match_one_process():
+    """cp4 (chunks of 2 rows: a window of 3 spans three chunks; a2a+p2p as 2 x 2) and tp2 x cp2 with sequence
+    parallelism (sinks split over tp, then over cp by a2a)."""
+    cp4 = [("mla+mtp", "p2p"), ("window+learnable", "a2a+p2p"), ("mtp", "allgather"), ("window+off-by-one", "p2p")]
+    _check_models(run_distributed(model_worker, 4, cp4, 4, env=REFERENCE_KERNELS), cp4)
+    tp2 = [("mla", "p2p"), ("window+learnable", "a2a"), ("mtp", "p2p")]
+    _check_models(run_distributed(model_worker, 4, tp2, 2, 2, env=REFERENCE_KERNELS), tp2)
+
+
+GPT_OSS = ("--window-size", "3,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable")
+
+
+def loop_worker(root: str) -> dict:
+    """The training loop (``omnitron train``'s) with windows and learnable sinks at cp2 over p2p and a2a."""
+    from test_cp_comm_types import _train_args
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    torch.set_num_threads(1)
+    return {comm: list(train(parse_settings(_train_args(f"{root}/{comm}", *GPT_OSS, "--context-parallel-size", "2",
+                                                        "--cp-comm-type", comm), 2), get_backend())["losses"].values())
+            for comm in ("p2p", "a2a")}
+
+
+@pytest.mark.slow
+def test_window_sink_training_at_cp2_matches_one_process(tmp_path):
+    """Three SGD steps of a windowed model with learnable sinks (fp32): cp2 losses equal one process's to 1e-5
+    (test_cp_comm_types' bound: fp32 sums in other orders, amplified by lr-0.5 steps)."""
+    from test_cp_comm_types import _train_args
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    one = list(train(parse_settings(_train_args(str(tmp_path / "one"), *GPT_OSS), 1), get_backend("cpu"))
+               ["losses"].values())
+    plain = list(train(parse_settings(_train_args(str(tmp_path / "plain")), 1), get_backend("cpu"))["losses"].values())
+    assert abs(one[-1] - plain[-1]) > 1e-4 * abs(plain[-1])  # the window and sinks move the run 10x the bound
+    for res in run_distributed(loop_worker, 2, str(tmp_path / "cp")):
+        for comm, losses in res.items():
+            assert losses == pytest.approx(one, rel=1e-5), (comm, losses, one)
