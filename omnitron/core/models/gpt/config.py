@@ -482,8 +482,14 @@ def mla_parameters(c: GPTConfig) -> int:
 def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = None, causal: bool = False) -> float:
     """Training FLOPs (forward + backward) for ``batch_size`` sequences, Megatron's formula:
     GEMMs of attention and MLP, attention scores non-causal (``causal=True`` halves that term),
-    logits counted. ``12 B s L h^2 (attn + mlp + logits)``."""
+    logits counted. ``12 B s L h^2 (attn + mlp + logits)``. MoE, multi-latent-attention and MTP models take
+    Megatron's current formula (:func:`omnitron.core.models.gpt.flops.megatron_flops`: routed experts, MLA's
+    projections, the MTP depths; causal core attention, as Megatron counts it now)."""
     s = seq_length or c.seq_length
+    if c.num_experts or c.multi_latent_attention or c.mtp_num_layers:
+        from omnitron.core.models.gpt.flops import megatron_flops
+
+        return megatron_flops(c, batch_size, s)
     h, L = c.hidden_size, c.num_layers
     q_ratio = head_dim(c) * c.num_attention_heads / h
     score = s / h / (2.0 if causal else 1.0)
