@@ -23,7 +23,7 @@ def _settings(tmp_path, extra):
 def test_plan_parameters_are_the_models(tmp_path, extra):
     """Every stage's parameters in the plan's count (speed model) equal the meta-device model's gradient buffers
     (fp32: 4 bytes each), MLA's replicated down-projections and the MTP depths on the last stage included."""
-    from omnitron.core.models.gpt.config import num_parameters
+    from omnitron.core.models.gpt.config import num_parameters, padded_vocab_size
     from omnitron.plan.memory import model_config
     from omnitron.plan.speed import _stage_layers, stage_params
     from omnitron.plan.state import state_bytes
@@ -34,8 +34,9 @@ def test_plan_parameters_are_the_models(tmp_path, extra):
     pp = s.parallel.pipeline_model_parallel_size
     for r in range(pp):
         assert stage_params(cfg, s, r, layers[(r, 0)]) * 4 == state_bytes(s, cfg, r).grads, (extra, r)
-    if s.parallel.tensor_model_parallel_size == 1 and pp == 1:
-        assert stage_params(cfg, s, 0, layers[(0, 0)]) == num_parameters(cfg)
+    if s.parallel.tensor_model_parallel_size == 1:  # the whole model once, plus the last stage's embedding copy
+        copy = padded_vocab_size(cfg, 1) * cfg.hidden_size if pp > 1 else 0
+        assert sum(stage_params(cfg, s, r, layers[(r, 0)]) for r in range(pp)) == num_parameters(cfg) + copy
 
 
 def _megatron(args, batch: int, seq: int) -> float:
