@@ -146,5 +146,6 @@ def moe_layer_params(cfg, tp: int, ep: int, etp: int) -> tuple[float, float]:
         fc1 = 2 * width if cfg.swiglu else width
         return (fc1 * (h + bias) + width * h) / split + bias * h
 
-    dense = layer_params(cfg, tp) - mlp(f, tp) + cfg.num_experts * h + (mlp(shared, tp) if shared else 0)
+    router = cfg.num_experts * (h + (1 if getattr(cfg, "moe_router_bias", False) else 0))
+    dense = layer_params(cfg, tp) - mlp(f, tp) + router + (mlp(shared, tp) if shared else 0)
     return dense, cfg.num_experts // ep * mlp(cfg.moe_ffn_hidden_size or f, etp)

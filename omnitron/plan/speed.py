@@ -300,11 +300,28 @@ def stage_param_groups(cfg, settings, pp_rank: int, layers) -> tuple[float, floa
     emb = padded_vocab_size(cfg, tp) // tp * cfg.hidden_size
     if pp_rank == 0:
         n += emb + (max_positions(cfg) * cfg.hidden_size if cfg.position_embedding_type == "learned_absolute" else 0)
+    experts = sum(kinds) * expert_moe
     if pp_rank == _head_rank(settings):
         n += cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
         if cfg.untie_embeddings_and_output_weights or pp > 1:
             n += emb
-    return n, sum(kinds) * expert_moe
+        if getattr(cfg, "mtp_num_layers", None):  # the MTP depths live beside the head (transformer/mtp.py)
+            dense, expert = mtp_params(cfg, tp, pc.expert_model_parallel_size, pc.etp)
+            n += dense + (emb if pp > 1 and cfg.untie_embeddings_and_output_weights else 0)  # + the embedding copy
+            experts += expert
+    return n, experts
+
+
+def mtp_params(cfg, tp: int, ep: int, etp: int) -> tuple[float, float]:
+    """(dense, expert) parameters of the MTP depths on one rank: per depth enorm, hnorm, the replicated
+    ``eh_proj [h, 2h]``, a final norm and one layer of the last decoder layer's kind."""
+    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+    h = cfg.hidden_size
+    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
+    moe = bool(cfg.num_experts) and moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)[-1]
+    dense, expert = moe_work.moe_layer_params(cfg, tp, ep, etp) if moe else (work.layer_params(cfg, tp), 0.0)
+    return cfg.mtp_num_layers * (3 * norm + 2 * h * h + dense), cfg.mtp_num_layers * expert
 
 
 def stage_params(cfg, settings, pp_rank: int, layers) -> float:

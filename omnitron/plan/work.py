@@ -169,8 +169,25 @@ def layer_params(cfg, tp: int) -> float:
     bias = 1 if cfg.add_bias_linear else 0
     norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
     fc1 = 2 * f if cfg.swiglu else f
-    split = (a + 2 * g) * d * (h + bias) + a * d * h + fc1 * (h + bias) + f * h
-    return split / tp + 2 * norm + 2 * bias * h
+    split = fc1 * (h + bias) + f * h
+    return split / tp + attention_params(cfg, tp) + 2 * norm + bias * h
+
+
+def attention_params(cfg, tp: int) -> float:
+    """Parameters of one layer's attention on one tp rank (its output bias, replicated, included). Multi-latent
+    attention: the down-projections and latent norms replicated, the up-projections and output split over tp."""
+    h, d, a, g = cfg.hidden_size, head_dim(cfg), cfg.num_attention_heads, query_groups(cfg)
+    bias = 1 if cfg.add_bias_linear else 0
+    norm = 2 if cfg.normalization == "LayerNorm" else 1
+    if getattr(cfg, "multi_latent_attention", False):
+        n, qr, kvr, rope = a, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
+        dq, qk_norm = cfg.qk_head_dim + rope, (norm if cfg.qk_layernorm else 0)
+        split = (h * n * dq if qr is None else qr * n * dq) + kvr * n * (cfg.qk_head_dim + cfg.v_head_dim) \
+            + n * cfg.v_head_dim * h
+        whole = (0 if qr is None else h * qr + qr * qk_norm) + h * (kvr + rope) + kvr * qk_norm
+        return split / tp + whole + bias * h
+    split = (a + 2 * g) * d * (h + bias) + a * d * h + (a if cfg.softmax_type == "learnable" else 0)
+    return split / tp + bias * h + (2 * d * norm if cfg.qk_layernorm else 0)
 
 
 # ---- element-wise work per micro-batch ---------------------------------------------------------------

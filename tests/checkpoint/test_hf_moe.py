@@ -35,11 +35,11 @@ TOL = 5e-6
 
 HF_CONFIGS = {
     "deepseek_v3": lambda **kw: transformers.DeepseekV3Config(
-        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
         kv_lora_rank=8, q_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=6, n_group=4, topk_group=2,
         num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=64,
-        tie_word_embeddings=False, num_nextn_predict_layers=0, **kw),
+        tie_word_embeddings=False, **{"num_nextn_predict_layers": 0, "num_hidden_layers": 2, **kw}),
     "deepseek_v3_yarn": lambda: HF_CONFIGS["deepseek_v3"](rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}),
@@ -53,6 +53,11 @@ HF_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], max_position_embeddings=64,
         tie_word_embeddings=False),
+    "qwen3_moe_window": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=64, tie_word_embeddings=False,
+        use_sliding_window=True, sliding_window=4),
     # the released config's YaRN (factor 32 over 4096, ramp ends not rounded), over a short original context so
     # that the 12 positions here reach the interpolated channels
     "gpt_oss_yarn": lambda: transformers.GptOssConfig(
@@ -122,3 +127,130 @@ def test_export_loads_in_transformers_with_the_same_logits(name, tmp_path):
     hf.eval()
     tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(4))
     _close(_hf_logits(hf, tokens), _omni_logits(model, tokens))
+
+
+# DeepSeek-V3's MTP layer and a trained routing bias. transformers builds no MTP module (it ignores layer 61 of the
+# released checkpoint), so the MTP layer's tensors are made by transformers' own DeepseekV3DecoderLayer and RMSNorm
+# (layer index num_hidden_layers, as the released files name it) and appended to the saved weights; the reference
+# MTP loss runs those modules on transformers' final hidden states. Tolerance: the routers' float32 logits as
+# above (the MTP layer adds one MoE layer and one head: the same bound).
+def _hf_mtp_modules(hf, seed: int, tmp):
+    """transformers' modules of one MTP depth and their tensors under the released names: the decoder layer is
+    layer ``num_hidden_layers`` of a one-layer-deeper model of the same config, saved by ``save_pretrained``
+    (its own expert layout)."""
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    c, h = hf.config, hf.config.hidden_size
+    deeper = transformers.AutoModelForCausalLM.from_config(
+        HF_CONFIGS["deepseek_v3"](num_hidden_layers=c.num_hidden_layers + 1), dtype=torch.float64,
+        experts_implementation="eager").eval()
+    _randomize(deeper, seed)
+    L = f"model.layers.{c.num_hidden_layers}."
+    with torch.no_grad():
+        deeper.model.layers[-1].mlp.gate.e_score_correction_bias.copy_(torch.randn(c.n_routed_experts) * 0.1)
+    deeper.save_pretrained(tmp)
+    state = {k: t for k, t in load_file(str(tmp / "model.safetensors")).items() if k.startswith(L)}
+    mods = torch.nn.ModuleDict({"enorm": DeepseekV3RMSNorm(h, c.rms_norm_eps), "hnorm": DeepseekV3RMSNorm(h, c.rms_norm_eps),
+                                "eh_proj": torch.nn.Linear(2 * h, h, bias=False),
+                                "norm": DeepseekV3RMSNorm(h, c.rms_norm_eps)}).double()
+    _randomize(mods, seed + 1)
+    mods["layer"] = deeper.model.layers[-1]
+    state.update({L + "enorm.weight": mods["enorm"].weight, L + "hnorm.weight": mods["hnorm"].weight,
+                  L + "eh_proj.weight": mods["eh_proj"].weight, L + "shared_head.norm.weight": mods["norm"].weight,
+                  L + "embed_tokens.weight": hf.model.embed_tokens.weight, L + "shared_head.head.weight": hf.lm_head.weight})
+    return mods, {k: t.detach().clone().contiguous() for k, t in state.items()}
+
+
+def _hf_mtp_loss(hf, mods, tokens, lam: float) -> torch.Tensor:
+    """lambda x the depth-1 loss: eh_proj([enorm(Emb(t_{i+1})) ; hnorm(h_i)]) through the layer and the head,
+    CE against t_{i+2}, the last two positions masked (omnitron's labels are the tokens shifted by one)."""
+    b, s = tokens.shape
+    with torch.no_grad():
+        hidden = hf.model(tokens).last_hidden_state
+        nxt = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)
+        x = mods["eh_proj"](torch.cat([mods["enorm"](hf.model.embed_tokens(nxt)), mods["hnorm"](hidden)], -1))
+        pos = torch.arange(s).expand(b, s)
+        mask = torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1).expand(b, 1, s, s)
+        y = mods["layer"](x, attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        y = y[0] if isinstance(y, tuple) else y
+        logits = hf.lm_head(mods["norm"](y))[:, : s - 2]
+        return lam * torch.nn.functional.cross_entropy(logits.reshape(-1, V), tokens[:, 2:].reshape(-1))
+
+
+def test_deepseek_mtp_layer_and_routing_bias_import(tmp_path):
+    """The MTP layer (enorm, hnorm, eh_proj, its decoder layer, shared_head) and non-zero
+    e_score_correction_bias in every MoE layer import: the logits and the MTP loss are transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from omnitron.core.checkpoint.io import read_shard
+
+    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS["deepseek_v3"](num_nextn_predict_layers=1),
+                                                       dtype=torch.float64, experts_implementation="eager").eval()
+    _randomize(hf, 5)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    mods, mtp_state = _hf_mtp_modules(hf, 6, tmp_path / "deeper")
+    weights = tmp_path / "hf" / "model.safetensors"
+    save_file({**load_file(str(weights)), **mtp_state}, str(weights), metadata={"format": "pt"})
+    path = import_hf(str(tmp_path / "hf"), str(tmp_path / "omni"), Layout())
+    cfg = config_from_hf(hf.config.to_dict())
+    assert cfg.mtp_num_layers == 1
+    model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu"))
+    model.load_state_dict(read_shard(path, 0)["model"][0])
+    biases = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    assert sorted(biases) == ["decoder.layers.1.mlp.router.expert_bias", "mtp.layers.0.transformer_layer.mlp.router.expert_bias"]
+    assert all(b.abs().min() > 0 for b in biases.values())
+    tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(7))
+    _close(_omni_logits(model.eval(), tokens), _hf_logits(hf, tokens))
+    labels = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)
+    mask = torch.ones_like(tokens, dtype=torch.float64)
+    mask[:, -1] = 0
+    model(tokens=tokens, labels=labels, loss_mask=mask)  # grad enabled: the MTP loss is computed and kept
+    ref = _hf_mtp_loss(hf, mods, tokens, cfg.mtp_loss_scaling_factor)
+    assert abs(model.mtp.loss_total.item() - ref.item()) < TOL * ref.item(), (model.mtp.loss_total, ref)
+    with torch.no_grad():  # the MTP copies of the embedding and head must be the shared ones
+        hf.lm_head.weight.add_(1.0)
+    hf.save_pretrained(tmp_path / "hf2")
+    save_file({**load_file(str(tmp_path / "hf2" / "model.safetensors")), **mtp_state},
+              str(tmp_path / "hf2" / "model.safetensors"), metadata={"format": "pt"})
+    from omnitron.core.checkpoint.hf import HFConversionError
+
+    with pytest.raises(HFConversionError, match="shared_head.head.weight differs from lm_head.weight"):
+        import_hf(str(tmp_path / "hf2"), str(tmp_path / "omni2"), Layout())
+
+
+def test_deepseek_mtp_layer_and_routing_bias_export(tmp_path):
+    """The export writes the MTP layer under the released names and the routers' expert bias: transformers
+    loads the main model (logits equal; only layer num_hidden_layers is left unused, which it builds no module
+    for) and the import of the exported files gives back every tensor and buffer exactly."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from omnitron.core.checkpoint.io import read_shard
+
+    cfg = config_from_hf(HF_CONFIGS["deepseek_v3"](num_nextn_predict_layers=1).to_dict())
+    model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu")).eval()
+    _randomize(model, 8)
+    full = gather_full_state(model, ParallelGroups.single())
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("expert_bias"):
+                b.copy_(torch.randn(b.shape) * 0.1)
+                full[n] = b.clone()
+    save_file(state_to_hf(full, cfg), str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float64, experts_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert info["unexpected_keys"] and all(k.startswith("model.layers.2.") for k in info["unexpected_keys"])
+    tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(9))
+    _close(_hf_logits(hf.eval(), tokens), _omni_logits(model, tokens))
+    back = read_shard(import_hf(str(tmp_path), str(tmp_path / "omni"), Layout()), 0)["model"][0]
+    ours = model.state_dict()
+    assert sorted(back) == sorted(ours)
+    for n, t in ours.items():  # the vocabulary's padding rows are not exported (zeros on import)
+        rows = V if n in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+        assert torch.equal(back[n][:rows], t[:rows]), n

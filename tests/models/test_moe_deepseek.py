@@ -74,6 +74,9 @@ CASES = [
     dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.1),
     dict(moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=0.5),
     dict(moe_router_pre_softmax=True, moe_router_num_groups=4, moe_router_group_topk=3, moe_router_topk=3),
+    # Megatron's DeepSeek-V3 scripts pass --moe-router-pre-softmax with sigmoid scores: it changes nothing there
+    dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=True, moe_router_enable_expert_bias=True,
+         moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5),
 ]
 
 

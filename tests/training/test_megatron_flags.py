@@ -189,7 +189,9 @@ def test_megatron_flags_not_yet_supported_are_refused(flag):
 
 
 _VALUES = {"rerun_mode": "disabled", "moe_token_dispatcher_type": "alltoall", "transformer_impl": "local",
-           "attention_backend": "auto", "distributed_backend": "gloo", "tiktoken_pattern": "v2"}
+           "attention_backend": "auto", "distributed_backend": "gloo", "tiktoken_pattern": "v2",
+           "moe_router_dtype": "fp32", "dist_ckpt_strictness": "log_all", "moe_flex_dispatcher_backend": "deepep",
+           "recompute_modules": "core_attn"}
 
 
 def test_every_selector_changes_nothing_and_says_what_runs(caplog):

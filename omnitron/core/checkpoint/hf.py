@@ -156,7 +156,7 @@ def hf_model_type(cfg) -> str:
         return "deepseek_v3"
     if getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False) and cfg.num_experts:
         return "gpt_oss"
-    plain = getattr(cfg, "window_size", None) is None and getattr(cfg, "softmax_type", "vanilla") == "vanilla"
+    plain = getattr(cfg, "softmax_type", "vanilla") == "vanilla"  # Qwen3-MoE may window (every layer)
     if cfg.num_experts and cfg.qk_layernorm and cfg.swiglu and cfg.position_embedding_type == "rope" and plain:
         return "qwen3_moe"
     common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False),
@@ -334,8 +334,7 @@ def state_from_hf(hf_state: dict, cfg) -> dict[str, torch.Tensor]:
     hf = _canonical_names(hf_state, kind)
     if kind == "gpt_oss":
         hf = hf_moe.unstack_gpt_oss_experts(hf)
-    if kind == "deepseek_v3":
-        hf_moe.take_routing_bias(hf)
+    extra = hf_moe.take_deepseek_extras(hf, cfg) if kind == "deepseek_v3" else {}
     emb = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
     if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in hf:
         if emb in hf and not torch.equal(hf["lm_head.weight"], hf[emb]):
@@ -353,7 +352,7 @@ def state_from_hf(hf_state: dict, cfg) -> dict[str, torch.Tensor]:
         names = sorted(hf)
         raise HFConversionError(f"{len(names)} Hugging Face weights have no place in the omnitron model "
                                 f"(first: {names[0]!r}); config.json does not describe these weights")
-    return out
+    return {**out, **extra}
 
 
 def state_to_hf(full: dict, cfg) -> dict[str, torch.Tensor]:
@@ -369,7 +368,7 @@ def state_to_hf(full: dict, cfg) -> dict[str, torch.Tensor]:
     if kind == "gpt_oss":
         out = hf_moe.stack_gpt_oss_experts(out)
     if kind == "deepseek_v3":
-        out.update(hf_moe.routing_bias(cfg, full))
+        out.update(hf_moe.deepseek_extras(cfg, full))
     return out
 
 

@@ -6,8 +6,9 @@ DeepSeek-V3: MLA's projections map one to one (``q_a_proj`` / ``q_b_proj`` / ``k
 ``kv_b_proj``: the rows per head are ``[nope | rope]`` and ``[k_nope | v]`` in both; HF's
 ``rope_interleave`` rotates the same channel pairs omnitron does); experts are saved per expert
 (``mlp.experts.{e}.gate_proj``), the gate and up halves of ``linear_fc1``. The routing bias
-``e_score_correction_bias`` is a buffer in both models: the import takes a zero bias (the bias of an
-untrained or a freshly initialised model) and refuses another, the export writes zeros.
+``e_score_correction_bias`` is a buffer in both models, omnitron's ``expert_bias``: it travels both ways (the
+export writes zeros where a checkpoint holds none). The MTP layers (``num_nextn_predict_layers``) are HF's
+layers ``num_hidden_layers + d``, which transformers itself does not build.
 
 gpt-oss: q/k/v and their biases fuse as Llama's; ``sinks`` are the attention's ``softmax_offset``; the experts
 are stacked ``gate_up_proj [E, h, 2f]`` with gate and up in alternating columns (``::2`` gate, ``1::2`` up),
@@ -52,7 +53,8 @@ def deepseek_fields(hf: dict) -> dict:
                moe_layer_freq=f"[0]*{k}+[1]*{L - k}", moe_router_score_function="sigmoid",
                moe_router_enable_expert_bias=True, moe_router_num_groups=groups if groups > 1 else None,
                moe_router_group_topk=group_topk if groups > 1 else None,
-               moe_router_topk_scaling_factor=None if scale == 1.0 else scale)
+               moe_router_topk_scaling_factor=None if scale == 1.0 else scale,
+               mtp_num_layers=hf.get("num_nextn_predict_layers") or None)
     out.update(_yarn_rope(hf))
     return out
 
@@ -116,7 +118,6 @@ def qwen3_moe_fields(hf: dict) -> dict:
     """GPTConfig fields of a ``qwen3_moe`` config.json (Llama's attention with QK-norm, softmax-routed experts)."""
     from omnitron.core.checkpoint.hf import _llama_fields
 
-    _check(hf, "use_sliding_window", lambda v: not v, "Qwen3-MoE's sliding window is not imported")
     base = {**hf, "mlp_bias": hf.get("attention_bias", False)}
     out = _llama_fields(base)
     L, step = out["num_layers"], int(hf.get("decoder_sparse_step", 1))
@@ -128,6 +129,9 @@ def qwen3_moe_fields(hf: dict) -> dict:
     out.update(qk_layernorm=True, num_experts=experts, moe_router_topk=_need(hf, "num_experts_per_tok"),
                moe_ffn_hidden_size=_need(hf, "moe_intermediate_size"), moe_layer_freq=str(pattern),
                moe_router_pre_softmax=not hf.get("norm_topk_prob", False))
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window:  # transformers 5 windows every layer (max_window_layers is no longer read): keys i-W+1..i
+        out.update(window_size=f"{window - 1},0")  # every layer (no --window-attn-skip-freq)
     return out
 
 
@@ -142,12 +146,28 @@ def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
                                 "shared experts; this model differs")
     pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
     out = _llama_config(cfg, dtype)
+    window = _all_layer_window(cfg)
+    out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.num_layers)
     out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=cfg.num_experts,
                num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
                norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
     out.pop("mlp_bias", None)
     return out
+
+
+def _all_layer_window(cfg) -> int | None:
+    """HF's ``sliding_window`` (keys ``i-W+1..i``) of a model windowed on every layer, None without a window;
+    another pattern has no Qwen3-MoE form."""
+    from omnitron.core.transformer.window import parse_window, window_layers
+
+    window = parse_window(cfg.window_size)
+    if window is None:
+        return None
+    if not all(window_layers(cfg)) or window[0] < 0:
+        raise HFConversionError("a Hugging Face Qwen3-MoE model windows every layer or none, with a bounded "
+                                "window; give --window-attn-skip-freq with every layer windowed")
+    return window[0] + 1
 
 
 def qwen3_moe_rules(cfg) -> list[Rule]:
@@ -178,9 +198,9 @@ def deepseek_to_hf(cfg, dtype: str) -> dict:
     if pattern != [False] * k + [True] * (cfg.num_layers - k) or not cfg.qk_layernorm or cfg.add_bias_linear:
         raise HFConversionError("a Hugging Face DeepSeek-V3 model has dense layers first then MoE layers "
                                 "(--moe-layer-freq), latent norms (--qk-layernorm) and no biases; this model differs")
-    if cfg.moe_router_score_function != "sigmoid" or cfg.mtp_num_layers:
-        raise HFConversionError("a Hugging Face DeepSeek-V3 model routes on sigmoid scores and has no "
-                                "multi-token-prediction layer here (--mtp-num-layers is not exported yet)")
+    if cfg.moe_router_score_function != "sigmoid":
+        raise HFConversionError("a Hugging Face DeepSeek-V3 model routes on sigmoid scores; give "
+                                "--moe-router-score-function sigmoid")
     shared = cfg.moe_shared_expert_intermediate_size
     if shared and shared % cfg.moe_ffn_hidden_size:
         raise HFConversionError(f"--moe-shared-expert-intermediate-size {shared} is not a multiple of "
@@ -199,7 +219,7 @@ def deepseek_to_hf(cfg, dtype: str) -> dict:
            "n_group": cfg.moe_router_num_groups or 1, "topk_group": cfg.moe_router_group_topk or 1,
            "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0, "norm_topk_prob": True,
            "rope_interleave": True, "attention_bias": False, "attention_dropout": cfg.attention_dropout,
-           "initializer_range": cfg.init_method_std, "num_nextn_predict_layers": 0,
+           "initializer_range": cfg.init_method_std, "num_nextn_predict_layers": cfg.mtp_num_layers or 0,
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "torch_dtype": dtype,
            "rope_parameters": _yarn_to_hf(cfg)}
     return out
@@ -250,32 +270,46 @@ def _common(cfg) -> list[Rule]:
 
 
 def deepseek_rules(cfg) -> list[Rule]:
+    """The decoder's layers, then each MTP depth d as HF's layer ``num_hidden_layers + d``: its transformer layer
+    (the last decoder layer's kind), ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` (omnitron's
+    ``final_layernorm``); ``embed_tokens`` and ``shared_head.head`` are the shared embedding and head
+    (:func:`take_deepseek_extras`, :func:`deepseek_extras`)."""
     from omnitron.core.transformer.moe.pattern import is_moe_layer
 
     rules = _common(cfg)
     for i in range(cfg.num_layers):
-        o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        a, sa = o + "self_attention.", h + "self_attn."
-        rules += [Rule(o + "input_layernorm.weight", (h + "input_layernorm.weight",)),
-                  Rule(o + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
-                  Rule(a + "linear_kv_down_proj.weight", (sa + "kv_a_proj_with_mqa.weight",)),
-                  Rule(a + "kv_layernorm.weight", (sa + "kv_a_layernorm.weight",)),
-                  Rule(a + "linear_kv_up_proj.weight", (sa + "kv_b_proj.weight",)),
-                  Rule(a + "linear_proj.weight", (sa + "o_proj.weight",))]
-        if cfg.q_lora_rank is None:
-            rules.append(Rule(a + "linear_q_proj.weight", (sa + "q_proj.weight",)))
-        else:
-            rules += [Rule(a + "linear_q_down_proj.weight", (sa + "q_a_proj.weight",)),
-                      Rule(a + "q_layernorm.weight", (sa + "q_a_layernorm.weight",)),
-                      Rule(a + "linear_q_up_proj.weight", (sa + "q_b_proj.weight",))]
-        if not is_moe_layer(cfg, i):
-            rules += _swiglu_mlp(o + "mlp.", h + "mlp.")
-            continue
-        rules.append(Rule(o + "mlp.router.weight", (h + "mlp.gate.weight",)))
-        for e in range(cfg.num_experts):
-            rules += _swiglu_mlp(f"{o}mlp.experts.{e}.", f"{h}mlp.experts.{e}.")
-        if cfg.moe_shared_expert_intermediate_size:
-            rules += _swiglu_mlp(o + "mlp.shared_experts.", h + "mlp.shared_experts.")
+        rules += _deepseek_layer(cfg, f"decoder.layers.{i}.", f"model.layers.{i}.", is_moe_layer(cfg, i))
+    for d in range(cfg.mtp_num_layers or 0):
+        o, h = f"mtp.layers.{d}.", f"model.layers.{cfg.num_layers + d}."
+        rules += _deepseek_layer(cfg, o + "transformer_layer.", h, is_moe_layer(cfg, cfg.num_layers - 1))
+        rules += [Rule(o + n, (h + m,)) for n, m in (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
+                                                     ("eh_proj.weight", "eh_proj.weight"),
+                                                     ("final_layernorm.weight", "shared_head.norm.weight"))]
+    return rules
+
+
+def _deepseek_layer(cfg, o: str, h: str, moe: bool) -> list[Rule]:
+    """One DeepSeek-V3 decoder layer: omnitron names under ``o``, HF's under ``h``."""
+    a, sa = o + "self_attention.", h + "self_attn."
+    rules = [Rule(o + "input_layernorm.weight", (h + "input_layernorm.weight",)),
+             Rule(o + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
+             Rule(a + "linear_kv_down_proj.weight", (sa + "kv_a_proj_with_mqa.weight",)),
+             Rule(a + "kv_layernorm.weight", (sa + "kv_a_layernorm.weight",)),
+             Rule(a + "linear_kv_up_proj.weight", (sa + "kv_b_proj.weight",)),
+             Rule(a + "linear_proj.weight", (sa + "o_proj.weight",))]
+    if cfg.q_lora_rank is None:
+        rules.append(Rule(a + "linear_q_proj.weight", (sa + "q_proj.weight",)))
+    else:
+        rules += [Rule(a + "linear_q_down_proj.weight", (sa + "q_a_proj.weight",)),
+                  Rule(a + "q_layernorm.weight", (sa + "q_a_layernorm.weight",)),
+                  Rule(a + "linear_q_up_proj.weight", (sa + "q_b_proj.weight",))]
+    if not moe:
+        return rules + _swiglu_mlp(o + "mlp.", h + "mlp.")
+    rules.append(Rule(o + "mlp.router.weight", (h + "mlp.gate.weight",)))
+    for e in range(cfg.num_experts):
+        rules += _swiglu_mlp(f"{o}mlp.experts.{e}.", f"{h}mlp.experts.{e}.")
+    if cfg.moe_shared_expert_intermediate_size:
+        rules += _swiglu_mlp(o + "mlp.shared_experts.", h + "mlp.shared_experts.")
     return rules
 
 
@@ -340,20 +374,39 @@ def stack_gpt_oss_experts(hf: dict) -> dict:
     return out
 
 
-def take_routing_bias(hf: dict) -> None:
-    """Remove DeepSeek-V3's ``e_score_correction_bias`` buffers from ``hf``; a non-zero one is refused (the
-    import writes weights only: the routing bias would be lost)."""
-    for name in [n for n in hf if n.endswith("mlp.gate.e_score_correction_bias")]:
-        if hf.pop(name).abs().max().item() != 0.0:
-            raise HFConversionError(f"{name} is not zero: the import carries weights only and would lose the "
-                                    "routing bias of a trained DeepSeek-V3; this is not supported yet")
-
-
-def routing_bias(cfg, full: dict) -> dict:
-    """``e_score_correction_bias`` of every MoE layer: the checkpoint's expert bias where its state holds one,
-    else zeros."""
+def _bias_names(cfg) -> dict[str, str]:
+    """{HF ``e_score_correction_bias`` name: omnitron's ``expert_bias`` buffer} of every MoE layer, MTP's too."""
     from omnitron.core.transformer.moe.pattern import is_moe_layer
 
-    return {f"model.layers.{i}.mlp.gate.e_score_correction_bias":
-            full.get(f"decoder.layers.{i}.mlp.router.expert_bias", torch.zeros(cfg.num_experts)).float()
-            for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
+    names = {f"model.layers.{i}.": f"decoder.layers.{i}." for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
+    if is_moe_layer(cfg, cfg.num_layers - 1):
+        names.update({f"model.layers.{cfg.num_layers + d}.": f"mtp.layers.{d}.transformer_layer."
+                      for d in range(cfg.mtp_num_layers or 0)})
+    return {h + "mlp.gate.e_score_correction_bias": o + "mlp.router.expert_bias" for h, o in names.items()}
+
+
+def take_deepseek_extras(hf: dict, cfg) -> dict[str, torch.Tensor]:
+    """Remove from ``hf`` what no rule maps: the routing biases, returned under omnitron's buffer names (float32,
+    as the buffer), and each MTP layer's copies of the embedding and the head, which must equal the model's
+    (omnitron shares them, as DeepSeek-V3 does)."""
+    out = {o: hf.pop(h).float() for h, o in _bias_names(cfg).items() if h in hf}
+    head = "lm_head.weight" if cfg.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
+    for d in range(cfg.mtp_num_layers or 0):
+        h = f"model.layers.{cfg.num_layers + d}."
+        for name, same in ((h + "embed_tokens.weight", "model.embed_tokens.weight"), (h + "shared_head.head.weight", head)):
+            if name in hf and not torch.equal(hf.pop(name), hf[same]):
+                raise HFConversionError(f"{name} differs from {same}: omnitron's multi-token prediction shares the "
+                                        "embedding and the output head with the model, as DeepSeek-V3 trains them")
+    return out
+
+
+def deepseek_extras(cfg, full: dict) -> dict:
+    """What :func:`take_deepseek_extras` takes, for the export: ``e_score_correction_bias`` of every MoE layer (the
+    checkpoint's expert bias where its state holds one, else zeros) and the MTP layers' embedding and head copies."""
+    out = {h: full.get(o, torch.zeros(cfg.num_experts)).float() for h, o in _bias_names(cfg).items()}
+    emb = full["embedding.word_embeddings.weight"]
+    head = full["output_layer.weight"] if cfg.untie_embeddings_and_output_weights else emb
+    for d in range(cfg.mtp_num_layers or 0):
+        h = f"model.layers.{cfg.num_layers + d}."
+        out.update({h + "embed_tokens.weight": emb.clone(), h + "shared_head.head.weight": head.clone()})  # own storage
+    return out

@@ -333,7 +333,9 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
     for c, chunk in enumerate(chunks):
         local = full_state_shards(chunk, full.model, tp_size, tp_rank)
         sd = chunk.state_dict()
-        models.append({k: _own(local[k]) if k in local else v for k, v in sd.items()})
+        # buffers a full state may hold (HF DeepSeek-V3's routing bias: the routers' expert_bias) are carried too
+        models.append({k: _own(local[k]) if k in local else _own(full.model[k].to(v.dtype))
+                       if k.endswith("expert_bias") and k in full.model else v for k, v in sd.items()})
         # frozen parameters (requires_grad False) have no optimizer state: not strict here
         per_kind = {k: full_state_shards(chunk, d, tp_size, tp_rank, keep_dtype=True, strict=False)
                     for k, d in kinds.items()}

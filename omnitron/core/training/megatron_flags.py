@@ -75,7 +75,36 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                      "Megatron ignores the interval too (deprecated, scaling factors update every step)"),
     "rerun_mode": ("MODE", "no iteration is ever re-run (Megatron's 'disabled')",
                    "only 'disabled' is accepted, which re-runs nothing in Megatron either"),
+    "recompute_modules": ("MODULE", "selective recomputation (--recompute-granularity selective) recomputes core "
+                                    "attention; the modules named keep their activations",
+                          "recomputing a module computes again the values its forward computed (dropout masks "
+                          "kept), so the gradients are the same; only the memory differs"),
+    "moe_flex_dispatcher_backend": ("NAME", "tokens go to their experts by all-to-all over the expert-parallel "
+                                            "group", "DeepEP and HybridEP move the same routed tokens as the "
+                                    "all-to-all dispatcher; " + _PERF),
+    "moe_permute_fusion": (None, "tokens are permuted to their experts by index gathers",
+                           "a fused permutation moves the same rows to the same places"),
+    "moe_router_dtype": ("fp32", "the router's logits, scores and top-k are computed in float32 always",
+                         "the flag asks for exactly that ('fp64' is refused)"),
+    "auto_detect_ckpt_format": (None, "--load reads the format a checkpoint records in its own metadata",
+                                "the same tensors are read from a checkpoint of either format"),
+    "dist_ckpt_strictness": ("MODE", "a key the model needs and the checkpoint lacks stops the load; keys the "
+                                     "model lacks are not read", "a checkpoint holding the model's keys loads the "
+                             "same tensors under every mode; a mismatch stops here instead of loading part"),
+    "logging_level": ("LEVEL", "omnitron's log lines keep their own levels", _LOG),
+    "enable_experimental": (None, "nothing in omnitron is gated by it",
+                            "in Megatron it unlocks experimental code paths (fused permutation, ...) that compute "
+                            "what the default paths compute"),
+    "export_force_local_attention": (None, "attention runs the backend's fused attention where it has one",
+                                     "a ModelOpt switch between Megatron's local and Transformer Engine's core "
+                                     "attention, which compute the same attention; " + _FUSED),
+    "enable_gpt_oss": (None, "nothing: a ModelOpt flag, which pretrain_gpt.py applies (YaRN factor 32 over 131072 "
+                             "positions) only while building from a ModelOpt checkpoint; omnitron reads none, so give "
+                             "YaRN as --rotary-scaling-factor / --yarn-original-max-position-embeddings",
+                       "Megatron's run that loads no ModelOpt checkpoint builds the same model with or without it"),
 }
+NARGS = {"recompute_modules": "+"}
+"""Selectors that take several values (Megatron's nargs)."""
 ALIASES: dict[str, tuple[str, dict]] = {
     # dest: (help, argparse keywords)
     "group_query_attention": ("with --num-query-groups N: grouped-query attention (omnitron reads "
@@ -112,6 +141,9 @@ REFUSED: dict[str, tuple[str | None, str]] = {
     "no_save_rng": (None, "checkpoints always hold the RNG states (--no-load-rng ignores them); drop the flag"),
     "step_batch_size_schedule": ("SCHEDULE", "Megatron's step-wise batch-size schedule is not implemented; use "
                                              "--rampup-batch-size START INCREMENT SAMPLES or a fixed --global-batch-size"),
+    "moe_router_force_load_balancing": (None, "Megatron routes on random logits (a benchmark of balanced "
+                                              "experts), not the router's; omnitron trains the router; drop the "
+                                              "flag"),
     "fp8_param_gather": (None, "omnitron keeps the parameters in the training dtype and casts them to FP8 in each "
                                "linear, Megatron keeps them in FP8 (rounded once from the fp32 master, not twice "
                                "through bf16), so the FP8 weights differ; drop the flag (the FP8 recipe still runs)"),
@@ -128,7 +160,7 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
         if metavar is None:
             group.add_argument(flag, dest=dest, action="store_true", help=f"accepted: {instead}")
         else:
-            group.add_argument(flag, dest=dest, metavar=metavar, help=f"accepted: {instead}")
+            group.add_argument(flag, dest=dest, metavar=metavar, nargs=NARGS.get(dest), help=f"accepted: {instead}")
     for dest, (text, kwargs) in ALIASES.items():
         group.add_argument("--" + dest.replace("_", "-"), dest=dest, help=text, **kwargs)
     for dest, (metavar, why) in REFUSED.items():
@@ -158,6 +190,9 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("rerun_mode") not in (None, "disabled"):
         raise ConfigError(f"--rerun-mode {given['rerun_mode']}: omnitron re-runs no iteration (only 'disabled'); "
                           "--check-for-nan-in-loss-and-grad stops on a non-finite loss instead")
+    if given.get("moe_router_dtype") not in (None, "fp32"):
+        raise ConfigError(f"--moe-router-dtype {given['moe_router_dtype']}: omnitron routes in float32 only; drop "
+                          "the flag or give fp32")
     if given.get("dataloader_type") not in (None, "single"):
         raise ConfigError(f"--dataloader-type {given['dataloader_type']}: omnitron reads in Megatron's 'single' order "
                           "only (each sample once per pass); drop the flag or use --dataloader-type single")

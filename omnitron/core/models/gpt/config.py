@@ -39,6 +39,9 @@ class GPTConfig:
     """Real vocabulary size (from the tokenizer); padded per :func:`padded_vocab_size`."""
     make_vocab_size_divisible_by: int = 128
     """--make-vocab-size-divisible-by: the padded vocabulary is a multiple of this times tp."""
+    padded_vocab_size: int | None = None
+    """--padded-vocab-size: the embedding and output rows, as given (Megatron: no rounding then); a multiple of
+    tp, at least the tokenizer's vocabulary. None: rounded per --make-vocab-size-divisible-by."""
     normalization: str = "LayerNorm"
     """--normalization: ``LayerNorm`` or ``RMSNorm``."""
     layernorm_epsilon: float = 1e-5
@@ -109,7 +112,8 @@ class GPTConfig:
     """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss. 0 (Megatron's default)
     turns it off; 1e-2 is the usual setting for training MoE models from scratch."""
     moe_router_pre_softmax: bool = False
-    """--moe-router-pre-softmax: softmax over all experts before the top-k (default: over the k picked)."""
+    """--moe-router-pre-softmax: softmax over all experts before the top-k (default: over the k picked). With
+    sigmoid scores it changes nothing, as in Megatron's ``topk_routing_with_score_function``."""
     moe_router_score_function: str = "softmax"
     """--moe-router-score-function: ``softmax`` or ``sigmoid`` (DeepSeek-V3: sigmoid scores, the k picks
     normalised to sum 1)."""
@@ -249,7 +253,15 @@ def max_positions(c: GPTConfig) -> int:
 
 
 def padded_vocab_size(c: GPTConfig, tp: int = 1) -> int:
-    """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron)."""
+    """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron), or
+    ``--padded-vocab-size`` as given (Megatron uses it unrounded)."""
+    given = getattr(c, "padded_vocab_size", None)
+    if given:
+        if given % tp or given < c.vocab_size:
+            raise ConfigError(f"--padded-vocab-size {given} must be a multiple of --tensor-model-parallel-size {tp} "
+                              f"and at least the tokenizer's vocabulary ({c.vocab_size}); give such a size or drop "
+                              "it to round per --make-vocab-size-divisible-by")
+        return given
     m = c.make_vocab_size_divisible_by * tp
     return -(-c.vocab_size // m) * m
 
@@ -463,8 +475,14 @@ def mla_parameters(c: GPTConfig) -> int:
 def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = None, causal: bool = False) -> float:
     """Training FLOPs (forward + backward) for ``batch_size`` sequences, Megatron's formula:
     GEMMs of attention and MLP, attention scores non-causal (``causal=True`` halves that term),
-    logits counted. ``12 B s L h^2 (attn + mlp + logits)``."""
+    logits counted. ``12 B s L h^2 (attn + mlp + logits)``. MoE, multi-latent-attention and MTP models take
+    Megatron's current formula (:func:`omnitron.core.models.gpt.flops.megatron_flops`: routed experts, MLA's
+    projections, the MTP depths; causal core attention, as Megatron counts it now)."""
     s = seq_length or c.seq_length
+    if c.num_experts or c.multi_latent_attention or c.mtp_num_layers:
+        from omnitron.core.models.gpt.flops import megatron_flops
+
+        return megatron_flops(c, batch_size, s)
     h, L = c.hidden_size, c.num_layers
     q_ratio = head_dim(c) * c.num_attention_heads / h
     score = s / h / (2.0 if causal else 1.0)

@@ -47,9 +47,6 @@ def _check_extras(c) -> None:
     if c.moe_router_score_function not in SCORE_FUNCTIONS:
         raise ConfigError(f"--moe-router-score-function {c.moe_router_score_function!r} is not one of "
                           f"{', '.join(SCORE_FUNCTIONS)}")
-    if c.moe_router_score_function == "sigmoid" and c.moe_router_pre_softmax:
-        raise ConfigError("--moe-router-pre-softmax applies to softmax scores only; drop it or use "
-                          "--moe-router-score-function softmax")
     if c.moe_z_loss_coeff is not None and c.moe_z_loss_coeff < 0:
         raise ConfigError(f"--moe-z-loss-coeff must be >= 0, got {c.moe_z_loss_coeff}")
     _check_deepseek_routing(c)
