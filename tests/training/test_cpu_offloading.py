@@ -69,11 +69,13 @@ def train_offloading(root: str, extra: tuple) -> dict:
     from omnitron.core.training.loop import train
 
     torch.set_num_threads(1)
-    res = train(parse_settings(_args(root, extra), 1), get_backend())
+    res = train(parse_settings(_args(root, extra), torch.distributed.get_world_size()), get_backend())
     model = unwrap_model(res["components"].modules[0])
     n = offload_layers(model.config)
-    out = {"losses": res["losses"], "stats": dataclasses.asdict(model.offloader.stats) if model.offloader else None}
-    if n:
+    stats = [dataclasses.asdict(unwrap_model(c).offloader.stats) for c in res["components"].modules
+             if unwrap_model(c).offloader]
+    out = {"losses": res["losses"], "stats": stats[0] if len(stats) == 1 else stats or None}
+    if n and model.pre_process:  # a chunk that takes tokens (a later pipeline stage takes the previous' output)
         out["expected"] = saved_bytes_per_forward(model, n)
     return out
 
@@ -139,3 +141,33 @@ def test_sim_catches_a_missing_record_stream(tmp_path):
     until the block is reused under it; sim's allocator names it at the first free."""
     with pytest.raises(RuntimeError, match="record_stream"):
         run_distributed(train_without_record_stream, 1, str(tmp_path), backend="sim")
+
+
+PP_MICRO_BATCHES = 4
+
+
+def _pp_args(layers: int, extra: tuple = ()) -> tuple:
+    """pp2, 4 micro-batches of 2 (four in flight on the first stage), ``layers`` layers, dropout on."""
+    return ("--num-layers", str(layers), "--pipeline-model-parallel-size", "2", "--global-batch-size",
+            str(2 * PP_MICRO_BATCHES), *extra)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, layers, extra", [
+    ("1f1b", 4, ()), pytest.param("interleaved", 8, ("--num-layers-per-virtual-pipeline-stage", "2"),
+                                  marks=pytest.mark.slow)])
+def test_offloading_with_pipeline_parallelism(tmp_path, schedule, layers, extra):
+    """Every pipeline chunk offloads its first layer: the losses are bit-identical to pp2 without offloading,
+    every offloaded tensor of every in-flight micro-batch came back by the prefetch (as the next layer's
+    backward started, before its own), and the host bytes are what one layer saves per forward (counted
+    independently on the first stage, the layers being alike) x chunks x forwards."""
+    base = _pp_args(layers, ("--pipeline-schedule", schedule) + extra)
+    plain = run_distributed(train_offloading, 2, str(tmp_path / "a"), base)
+    off = run_distributed(train_offloading, 2, str(tmp_path / "b"), base + ("--cpu-offloading-num-layers", "1"))
+    assert [r["losses"] for r in off] == [r["losses"] for r in plain], "offloading changed the losses"
+    stats = [s for r in off for s in (r["stats"] if isinstance(r["stats"], list) else [r["stats"]])]
+    assert len(stats) == 2 * (2 if extra else 1)  # one offloader per chunk
+    forwards = ITERS * PP_MICRO_BATCHES
+    for s in stats:
+        assert s["reloaded"] == s["tensors"] > 0 and s["reloaded_late"] == 0, s
+        assert s["activation_bytes"] == forwards * off[0]["expected"]["activation"] and s["weight_bytes"] == 0

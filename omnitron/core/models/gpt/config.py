@@ -88,7 +88,8 @@ class GPTConfig:
     memory during forward, back before their backward (omnitron/core/transformer/offload.py); implied by
     --cpu-offloading-num-layers > 0, as in Megatron."""
     cpu_offloading_num_layers: int = 0
-    """--cpu-offloading-num-layers: how many layers (the first ones; fewer than --num-layers) offload."""
+    """--cpu-offloading-num-layers: how many layers (the first ones; fewer than --num-layers) offload; with
+    pipeline parallelism, the first ones of every pipeline chunk (fewer than the chunk holds)."""
     cpu_offloading_activations: bool = True
     """--cpu-offloading-activations / --no-cpu-offloading-activations: offload saved activations."""
     cpu_offloading_weights: bool = False
@@ -280,9 +281,16 @@ def _validate_offloading(c: GPTConfig, parallel: ParallelConfig) -> None:
     if not (c.cpu_offloading_activations or c.cpu_offloading_weights):
         raise ConfigError("--cpu-offloading with --no-cpu-offloading-activations and no --cpu-offloading-weights "
                           "offloads nothing; drop one of them")
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError("--cpu-offloading with --pipeline-model-parallel-size > 1 is not supported (nor in "
-                          "Megatron); use --pipeline-model-parallel-size 1")
+    if parallel.pipeline_model_parallel_size > 1:  # each chunk offloads its own first n layers
+        from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+
+        fewest = min(k for _, k in pipeline_layer_ranges(
+            c.num_layers, parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size,
+            parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers).values())
+        if n >= fewest:
+            raise ConfigError(f"--cpu-offloading-num-layers {n} with pipeline parallelism offloads the first {n} "
+                              f"layers of every pipeline chunk, but a chunk holds {fewest}; offload at most "
+                              f"{fewest - 1} (a chunk's last layer stays: its backward comes first)")
     if c.recompute_granularity is not None:
         raise ConfigError("--cpu-offloading with --recompute-granularity: recomputed layers save nothing to offload "
                           "(Megatron refuses the pair too); choose one")
