@@ -15,6 +15,7 @@ timeline and peak in-flight activations) and executed by the one runtime in ``ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Callable
 
 from omnitron.core.config.parallel import ConfigError
@@ -281,3 +282,10 @@ def build_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: 
     if name == "zb-h1":
         return schedule_zb_h1(pp, num_microbatches)
     return schedule_interleaved(pp, vp, num_microbatches)
+
+
+@lru_cache(maxsize=256)
+def cached_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: int) -> Schedule:
+    """:func:`build_schedule`, kept for the planner's search: its candidates share a few tables, and ZB-V's
+    builder simulates several of them (callers must not change the returned schedule)."""
+    return build_schedule(name, pp, vp, num_microbatches)
