@@ -24,13 +24,14 @@ def _args(root: str, extra) -> list[str]:
             "--lr", "1e-2", "--train-iters", str(ITERS), "--clip-grad", "1.0", *extra]
 
 
-def saved_bytes_per_forward(model, offloaded: int) -> dict[str, int]:
-    """Bytes the first ``offloaded`` layers save for backward in one training forward, by kind (a tensor that
-    shares storage with one of the model's parameters is a weight), from a recording hook of its own."""
+def saved_bytes_per_forward(model, offloaded: int, modules: list | None = None) -> dict[str, int]:
+    """Bytes the first ``offloaded`` layers (or the given ``modules``) save for backward in one training forward,
+    by kind (a tensor that shares storage with one of the model's parameters is a weight), from a recording
+    hook of its own."""
     import torch
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers = list(model.decoder.layers.values())[:offloaded]
+    layers = modules if modules is not None else list(model.decoder.layers.values())[:offloaded]
     inside, out = [False], {"activation": 0, "weight": 0}
 
     def pack(t):
@@ -44,11 +45,15 @@ def saved_bytes_per_forward(model, offloaded: int) -> dict[str, int]:
     b, s, v = 2, model.config.seq_length, model.config.vocab_size
     tokens, labels = torch.randint(0, v, (b, s), device=device), torch.randint(0, v, (b, s), device=device)
     saved, model.offloader = model.offloader, None
+    if hasattr(saved, "enabled"):  # the fine-grained offloader's hooks sit on the modules themselves
+        saved.enabled = False
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(tokens=tokens, labels=labels).sum().backward()
     finally:
         model.offloader = saved
+        if hasattr(saved, "enabled"):
+            saved.enabled = True
         for h in hooks:
             h.remove()
     model.zero_grad(set_to_none=True)
@@ -77,6 +82,12 @@ def train_offloading(root: str, extra: tuple) -> dict:
     out = {"losses": res["losses"], "stats": stats[0] if len(stats) == 1 else stats or None}
     if n and model.pre_process:  # a chunk that takes tokens (a later pipeline stage takes the previous' output)
         out["expected"] = saved_bytes_per_forward(model, n)
+    if model.config.fine_grained_activation_offloading:  # the chosen submodules of every layer, by their paths
+        paths = {"attn_norm": "input_layernorm", "attn_proj": "self_attention.linear_proj",
+                 "mlp_norm": "pre_mlp_layernorm", "qkv_linear": "self_attention.linear_qkv"}
+        chosen = [layer.get_submodule(paths[name]) for layer in model.decoder.layers.values()
+                  for name in model.config.offload_modules]
+        out["expected"] = saved_bytes_per_forward(model, 0, chosen)
     return out
 
 
@@ -111,7 +122,21 @@ def test_weights_only_on_sim(tmp_path):
                              "--cpu-offloading-weights"), {"weight"})
 
 
+@pytest.mark.multiprocess
+def test_fine_grained_offloading_of_chosen_modules_on_cpu(tmp_path):
+    """Megatron's --fine-grained-activation-offloading --offload-modules: what the chosen submodules of every
+    layer save (activations, no size floor) moves; same losses, bytes counted independently per module."""
+    _check("cpu", tmp_path, ("--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "qkv_linear",
+                             "attn_proj", "--min-offloaded-tensor-size", "0"), {"activation"})
+
+
 @pytest.mark.parametrize("flags, message", [
+    (("--fine-grained-activation-offloading", "--offload-modules", "core_attn"), "core attention is a method"),
+    (("--fine-grained-activation-offloading", "--offload-modules", "fused_group_mlp"), "op fuser"),
+    (("--fine-grained-activation-offloading",), "needs --offload-modules"),
+    (("--offload-modules", "attn_norm"), "needs --fine-grained-activation-offloading"),
+    (("--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "--cpu-offloading-num-layers", "1"),
+     "cannot be combined"),
     (("--cpu-offloading",), "offload between 1 and"),
     (("--cpu-offloading-num-layers", str(LAYERS)), "offload between 1 and"),
     (("--cpu-offloading-num-layers", "1", "--no-cpu-offloading-activations"), "offloads nothing"),
