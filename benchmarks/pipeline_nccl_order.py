@@ -19,38 +19,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnitron.core.parallel.pipeline import build_schedule, simulate  # noqa: E402
-from omnitron.core.parallel.pipeline.p2p import input_message, plan_exchanges  # noqa: E402
+from omnitron.core.parallel.pipeline.p2p import nccl_order_makespan  # noqa: E402
 from omnitron.core.parallel.pipeline.schedules import zb_stage_cost  # noqa: E402
-
-
-def stream_order_makespan(s) -> float:
-    """The step length of ``s`` under the in-order rule (a fixed point of the rules in the module docstring)."""
-    plan, split = plan_exchanges(s), {r: s.split_backward(r) for r in s.tables}
-    where = {(kind, msg): (r, j) for r, bs in plan.items() for j, b in enumerate(bs) for kind, _, msg in b}
-    start = {r: [0.0] * len(plan[r]) for r in plan}  # stream start of each batch
-    done = {r: [0.0] * len(plan[r]) for r in plan}  # completion of each batch
-    end = {r: [0.0] * len(s.tables[r]) for r in plan}  # end of each action
-    for _ in range(100000):
-        changed = False
-        for r, table in s.tables.items():
-            for i in range(len(plan[r])):
-                posted = end[r][i - 1] if i else 0.0
-                st = max(posted, done[r][i - 1] if i else 0.0)
-                fin = max([st] + [start[p][j] for p, j in (where[("recv" if k == "send" else "send", msg)]
-                                                            for k, _, msg in plan[r][i])])
-                changed |= (start[r][i], done[r][i]) != (st, fin)
-                start[r][i], done[r][i] = st, fin
-                if i == len(table):
-                    continue
-                a, need = table[i], input_message(s, r, table[i])
-                begin = max(posted, done[r][where[("recv", need)][1]]) if ("recv", need) in where else posted
-                unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
-                e = begin + zb_stage_cost(s.stage(r, a.chunk), "BW" if unsplit else a.kind)
-                changed |= end[r][i] != e
-                end[r][i] = e
-        if not changed:
-            return max(max(v) for v in end.values())
-    raise RuntimeError("no fixed point: the plan deadlocks under the in-order rule")
 
 
 def main() -> None:
@@ -67,7 +37,7 @@ def main() -> None:
                 rows += [("dualpipe-v, pairs consecutive", dataclasses.replace(dual, pairs={})), ("dualpipe-v", dual)]
             for name, s in rows:
                 print(f"| {name} | {pp} | {m} | {simulate(s, stage_cost=zb_stage_cost).makespan:g} | "
-                      f"{stream_order_makespan(s):g} |", flush=True)
+                      f"{nccl_order_makespan(s):g} |", flush=True)
 
 
 if __name__ == "__main__":

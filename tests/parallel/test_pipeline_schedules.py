@@ -5,7 +5,7 @@ import pytest
 from omnitron.core.config import ConfigError
 from omnitron.core.parallel.pipeline import (Action, ScheduleError, build_schedule, pipeline_layer_ranges, simulate,
                                              theory_bubble)
-from omnitron.core.parallel.pipeline.p2p import input_message, plan_exchanges
+from omnitron.core.parallel.pipeline.p2p import input_message, nccl_order_makespan, plan_exchanges
 from omnitron.core.parallel.pipeline.schedules import Schedule, schedule_1f1b, zb_stage_cost
 
 CASES = [("none", 1, 1, m) for m in (1, 3)] + [
@@ -210,6 +210,17 @@ def test_exchange_plan_adds_no_wait(name, pp, vp, m):
     what has been sent by then)."""
     s = build_schedule(name, pp, vp, m)
     assert _batched_makespan(s, plan_exchanges(s)) == simulate(s, stage_cost=zb_stage_cost).makespan
+
+
+@pytest.mark.parametrize("name,pp,vp,m", [c for c in CASES if c[3] >= c[1]])
+def test_exchange_plan_under_nccl_order_stays_near_the_ideal_clock(name, pp, vp, m):
+    """With a rank's batches completing in the order posted (NCCL), the step is the ideal clock's for the
+    one-chunk and interleaved schedules, and at most one unit longer for the V ones (DualPipeV: a forward's send
+    can queue behind its pair's early receive; ZB-V at p = 3, m = 4). Receives posted at the producer's end
+    instead (the plan before 2026-12-03) cost DualPipeV up to 27 units (p = 8, m = 32: 226 of 199)."""
+    s = build_schedule(name, pp, vp, m)
+    ideal = simulate(s, stage_cost=zb_stage_cost).makespan
+    assert ideal <= nccl_order_makespan(s) <= ideal + (1 if s.style == "v" else 0)
 
 
 def test_nccl_order_checker_catches_receive_posted_before_send():

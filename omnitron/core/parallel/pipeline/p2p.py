@@ -68,12 +68,24 @@ def _early_receives(schedule: Schedule, spans: dict) -> dict[Message, tuple]:
     return early
 
 
+def _receive_key(key: tuple, receiver: list, early: tuple | None) -> tuple:
+    """Where the receiver posts a transfer the sender posts at ``key``: before the receiver's action that is
+    running when it is produced (``receiver``: its spans), so that under NCCL's in-order rule the send finds
+    its receive posted and does not hold the sender's stream until that action ends; earlier for a pair's
+    backward input (``early``)."""
+    out = key if early is None else min(key, early)
+    running = [start for start, end, _ in receiver if start < key[0] < end]
+    return min(out, (running[0], 0, -1, -1)) if running else out
+
+
 def plan_exchanges(schedule: Schedule) -> dict[int, list[list[Transfer]]]:
     """Per rank, ``len(table) + 1`` batches: batch ``i`` is exchanged just before action ``i``.
 
-    The receive of a pair's backward sits in the batch before the pair's forward; its send stays where the
-    sender produces it. The receiver then posts it out of the global order (the one departure from it), and with
-    it every receive its sender sends before it on that channel (matching is first in, first out per peer: a
+    A receive sits in the batch before the receiver's action that runs while the sender produces it (priced
+    under NCCL's order by ``benchmarks/pipeline_nccl_order.py``: DualPipeV at p = 4, m = 16 took 110 units of an
+    ideal 99 with receives at the producer's end, 100 so), and a pair's backward input in the batch before the
+    pair's forward; sends stay where the sender produces them. The receiver then posts those out of the global
+    order (the one departure from it), and with each every receive its sender sends before it on that channel (matching is first in, first out per peer: a
     receive posted ahead of one sent earlier would take the other's tensor). The NCCL-order check in the tests
     runs every schedule's plan, channel order included (DualPipe itself waits for both receives before the pair).
     """
@@ -92,7 +104,7 @@ def plan_exchanges(schedule: Schedule) -> dict[int, list[list[Transfer]]]:
                 dst = schedule.place(msg[1])[0]
                 key = (end, 0, r, i)  # NOTE: ties between transfers are broken the same way on every rank
                 events[r].append(((key, ()), ("send", dst, msg)))
-                channels.setdefault((r, dst), []).append((key, min(key, early.get(msg, key)), msg))
+                channels.setdefault((r, dst), []).append((key, _receive_key(key, spans[dst], early.get(msg)), msg))
     for (src, dst), sent in channels.items():  # receives in the sender's order: a suffix minimum of their keys
         first = None
         for key, recv_key, msg in sorted(sent, reverse=True):
@@ -108,6 +120,39 @@ def plan_exchanges(schedule: Schedule) -> dict[int, list[list[Transfer]]]:
                 batches[-1].append(ev)
         plan[r] = batches
     return plan
+
+
+def nccl_order_makespan(s: Schedule) -> float:
+    """The step of ``s`` on the ideal clock (``zb_stage_cost``) when NCCL's in-order rule holds: a rank posts batch i
+    on reaching exchange i, its stream starts it once the previous batch completed, a batch completes once every
+    peer's matching batch has started (transfers take no time), action i starts once its input's batch completed.
+    A fixed point of those rules (``benchmarks/pipeline_nccl_order.py`` prints it beside the ideal clock)."""
+    plan, split = plan_exchanges(s), {r: s.split_backward(r) for r in s.tables}
+    where = {(kind, msg): (r, j) for r, bs in plan.items() for j, b in enumerate(bs) for kind, _, msg in b}
+    start = {r: [0.0] * len(plan[r]) for r in plan}  # stream start of each batch
+    done = {r: [0.0] * len(plan[r]) for r in plan}  # completion of each batch
+    end = {r: [0.0] * len(s.tables[r]) for r in plan}  # end of each action
+    for _ in range(100000):
+        changed = False
+        for r, table in s.tables.items():
+            for i in range(len(plan[r])):
+                posted = end[r][i - 1] if i else 0.0
+                st = max(posted, done[r][i - 1] if i else 0.0)
+                fin = max([st] + [start[p][j] for p, j in (where[("recv" if k == "send" else "send", msg)]
+                                                            for k, _, msg in plan[r][i])])
+                changed |= (start[r][i], done[r][i]) != (st, fin)
+                start[r][i], done[r][i] = st, fin
+                if i == len(table):
+                    continue
+                a, need = table[i], input_message(s, r, table[i])
+                begin = max(posted, done[r][where[("recv", need)][1]]) if ("recv", need) in where else posted
+                unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
+                e = begin + zb_stage_cost(s.stage(r, a.chunk), "BW" if unsplit else a.kind)
+                changed |= end[r][i] != e
+                end[r][i] = e
+        if not changed:
+            return max(max(v) for v in end.values())
+    raise RuntimeError("no fixed point: the plan deadlocks under the in-order rule")
 
 
 class StageP2P:
