@@ -5,7 +5,9 @@ pass (a full backward costs ``2t``; interleaved and V-shaped chunks cost ``t / v
 time is the schedule's bubble plus communication and Python overhead, not CPU contention. Each rank
 records its compute spans; idle fraction = 1 - busy / (common end - common start), averaged over
 ranks, printed against theory: 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)/(3m+p-1),
-ZB-V and DualPipeV (p-1)/(6m+p-1) (two chunks per rank in a V).
+ZB-V and DualPipeV (p-1)/(6m+p-1) (two chunks per rank in a V), with the step time (common end - common start).
+``dualpipe-v-seq`` is DualPipeV's table with its forward/backward pairs run as two consecutive actions (no
+receive posted ahead of the forward): the before/after of the pairs' communication overlap, in one run.
 
     python benchmarks/pipeline_bubble.py [--unit-ms 40]   (shorter units show per-action overhead)
 """
@@ -88,20 +90,32 @@ def bench_worker(configs, unit: float):
         groups = dataclasses.replace(base, config=ParallelConfig(pipeline_model_parallel_size=pp,
                                                                  virtual_pipeline_model_parallel_size=vp))
         chunks = [SleepStage(unit / (vp or 1), first=dist.get_rank() == 0 and c == 0) for c in range(vp or 1)]
+        schedule = _schedule(name, pp, vp, m)
         for attempt in range(2):  # the first run warms up
             data = iter([torch.randn(SEQ, MBS, HIDDEN) for _ in range(m)])
             spans: list = []
             dist.barrier()
-            forward_backward(name, chunks, data, groups, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS,
+            forward_backward(schedule, chunks, data, groups, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS,
                              hidden_size=HIDDEN, forward_step_fn=_step, timeline=spans)
         busy = sum(e - s for s, e, _ in spans)
         bounds = torch.tensor([-spans[0][0], spans[-1][1]], dtype=torch.float64)
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-        idle = 1.0 - busy / (bounds[1].item() + bounds[0].item())
-        t = torch.tensor([idle], dtype=torch.float64)
+        step = bounds[1].item() + bounds[0].item()
+        t = torch.tensor([1.0 - busy / step], dtype=torch.float64)
         dist.all_reduce(t)
-        out.append((name, pp, vp or 1, m, t.item() / pp))
+        out.append((name, pp, vp or 1, m, t.item() / pp, step))
     return out
+
+
+def _schedule(name: str, pp: int, vp: int | None, m: int):
+    """The built schedule; ``dualpipe-v-seq``: DualPipeV without its overlapped pairs."""
+    import dataclasses
+
+    from omnitron.core.parallel.pipeline import build_schedule
+
+    if name == "dualpipe-v-seq":
+        return dataclasses.replace(build_schedule("dualpipe-v", pp, vp, m), pairs={})
+    return build_schedule(name, pp, vp, m)
 
 
 def main() -> None:
@@ -112,15 +126,18 @@ def main() -> None:
     ap.add_argument("--unit-ms", type=float, default=40.0, help="cost of one F (or B, or W) pass of one stage")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"])
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v"],
+                    help="also dualpipe-v-seq (DualPipeV's pairs as consecutive actions)")
     args = ap.parse_args()
-    print(f"| schedule | p | v | m | measured idle | theory | diff (pp) |\n|---|---|---|---|---|---|---|")
+    two = ("interleaved", "zb-v", "dualpipe-v", "dualpipe-v-seq")
+    print(f"| schedule | p | v | m | measured idle | theory | diff (pp) | step ms |\n|---|---|---|---|---|---|---|---|")
     for pp in args.pp:
-        configs = [(n, 2 if n in ("interleaved", "zb-v", "dualpipe-v") else None, m) for m in args.microbatches
-                   for n in args.schedules if n != "dualpipe-v" or m >= 2 * pp]
-        for name, p, v, m, idle in run_distributed(bench_worker, pp, configs, args.unit_ms / 1000)[0]:
-            th = theory_bubble(name, p, m, v)
-            print(f"| {name} | {p} | {v} | {m} | {idle:.3f} | {th:.3f} | {100 * (idle - th):+.1f} |", flush=True)
+        configs = [(n, 2 if n in two else None, m) for m in args.microbatches
+                   for n in args.schedules if not n.startswith("dualpipe-v") or m >= 2 * pp]
+        for name, p, v, m, idle, step in run_distributed(bench_worker, pp, configs, args.unit_ms / 1000)[0]:
+            th = theory_bubble(name.removesuffix("-seq"), p, m, v)
+            print(f"| {name} | {p} | {v} | {m} | {idle:.3f} | {th:.3f} | {100 * (idle - th):+.1f} | "
+                  f"{1000 * step:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -207,11 +207,11 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
     """Every pipeline stage's :class:`StageMemory` for ``settings``; ``transients=False`` leaves backward's own
     tensors out (their probes take tens of seconds per new tp / recompute setting at 70B: a cluster search
     ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does."""
-    from omnitron.core.parallel.pipeline.schedules import build_schedule
+    from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
     cfg, pc = model_config(settings), settings.parallel
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
-    schedule = build_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
+    schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
                               settings.num_microbatches)
     layers = chunk_layers(settings, cfg)
     out = []

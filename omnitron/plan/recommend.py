@@ -4,7 +4,10 @@ ranked by predicted tokens/s, the fastest that fit in device memory.
 The search (:func:`candidates`): tp divides the devices, the attention heads and the query groups; pp divides
 the rest and the layers; cp (1, 2, 4, 8) divides the rest and splits the sequence into ``2 cp`` chunks; dp is
 what remains and with the micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give
-it; vpp (1, 2, 4) where pp > 1 divides the layers per stage; full recomputation (uniform, 1 layer) on / off;
+it; vpp (1, 2, 4) where pp > 1 divides the layers per stage; where pp > 1 and the layers per stage are even, the
+V-shaped schedules too (``--pipeline-schedule zb-v``, and ``dualpipe-v`` with at least 2 pp micro-batches: two
+chunks per rank, their bubble from the schedule's simulation and their memory from walking its table, as every
+schedule's); full recomputation (uniform, 1 layer) on / off;
 the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
 memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate
 is a full :class:`Settings`, so the engine's own validation rejects what it would.
@@ -49,9 +52,10 @@ class Choice:
     def name(self) -> str:
         pc, s = self.settings.parallel, self.settings
         vp = pc.virtual_pipeline_model_parallel_size or 1
-        ep = pc.expert_model_parallel_size
+        ep, sched = pc.expert_model_parallel_size, self.flags.get("pipeline_schedule")
         return (f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size} "
-                f"dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" vpp{vp}" if vp > 1 else "")
+                f"dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" {sched}" if sched else "")
+                + (f" vpp{vp}" if vp > 1 and not sched else "")
                 + f" mbs{s.training.micro_batch_size}"
                 + (" recompute" if self.flags.get("recompute_granularity") else "")
                 + (" distopt" if self.flags.get("use_distributed_optimizer") else ""))
@@ -61,8 +65,23 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _schedules(cfg, pp: int, m: int):
+    """(vpp, --pipeline-schedule or None for the default) tried for ``pp`` stages and ``m`` micro-batches."""
+    if pp == 1:
+        yield 1, None
+        return
+    for vpp in (1, 2, 4):
+        if vpp == 1 or not ((cfg.num_layers // pp) % vpp or m % pp):
+            yield vpp, None
+    if (cfg.num_layers // pp) % 2 == 0:  # the V: two chunks per rank
+        yield 2, "zb-v"
+        if m >= 2 * pp:
+            yield 2, "dualpipe-v"
+
+
 def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None):
-    """(tp, pp, cp, dp, mbs, vpp) that pass the divisibility rules of the module docstring (tp <= ``max_tp``)."""
+    """(tp, pp, cp, dp, mbs, vpp, schedule) that pass the divisibility rules of the module docstring (tp <=
+    ``max_tp``)."""
     from omnitron.core.models.gpt.config import query_groups
 
     for tp in _divisors(devices):
@@ -74,21 +93,18 @@ def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None):
             for cp in (c for c in (1, 2, 4, 8) if (devices // (tp * pp)) % c == 0 and cfg.seq_length % (2 * c) == 0):
                 dp = devices // (tp * pp * cp)
                 for mbs in (b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0):
-                    m = gbs // (mbs * dp)
-                    for vpp in ((1, 2, 4) if pp > 1 else (1,)):
-                        if vpp > 1 and ((cfg.num_layers // pp) % vpp or m % pp):
-                            continue
-                        yield tp, pp, cp, dp, mbs, vpp
+                    for vpp, sched in _schedules(cfg, pp, gbs // (mbs * dp)):
+                        yield tp, pp, cp, dp, mbs, vpp, sched
 
 
 def _with_ep(cfg, grid):
     """Each grid point with every expert-parallel size of a MoE model (1 for a dense one): ep divides the experts
     and etp (= tp) x ep divides tp x cp x dp."""
-    for tp, pp, cp, dp, mbs, vpp in grid:
+    for tp, pp, cp, dp, mbs, vpp, sched in grid:
         experts = getattr(cfg, "num_experts", None) or 1
         for ep in _divisors(experts):
             if (tp * cp * dp) % (tp * ep) == 0:
-                yield tp, pp, cp, dp, mbs, vpp, ep
+                yield tp, pp, cp, dp, mbs, vpp, sched, ep
 
 
 def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | None = None) -> list[Choice]:
@@ -104,11 +120,12 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
     if not gbs:
         raise ConfigError("--devices: give --global-batch-size (the recommendation keeps it fixed)")
     out, seen = [], set()
-    for tp, pp, cp, dp, mbs, vpp, ep in _with_ep(cfg, _grid(cfg, devices, gbs, cluster)):
+    for tp, pp, cp, dp, mbs, vpp, sched, ep in _with_ep(cfg, _grid(cfg, devices, gbs, cluster)):
         for rec in ((True,) if minimal else (False, True)):
             for dist in ((True,) if minimal or cluster else (False, True)) if dp * cp > 1 else (False,):
-                key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, rec, dist)
-                if key in seen or minimal and (mbs, vpp) != (min(b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0), 1):
+                key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, sched, rec, dist)
+                least = min(b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0)
+                if key in seen or minimal and (mbs, vpp, sched) != (least, 1, None):
                     continue
                 seen.add(key)
                 flags = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -116,6 +133,8 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
                          "sequence_parallel": tp > 1}
                 if getattr(cfg, "num_experts", None):
                     flags["expert_model_parallel_size"] = ep
+                if sched:
+                    flags["pipeline_schedule"] = sched
                 if vpp > 1:
                     flags["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (pp * vpp)
                 if rec:
@@ -211,7 +230,7 @@ def _shape(c: Choice) -> tuple:
     pc = c.settings.parallel
     return ((pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size, pc.context_parallel_size,
              pc.expert_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1,
-             bool(c.flags.get("use_distributed_optimizer"))),
+             c.flags.get("pipeline_schedule"), bool(c.flags.get("use_distributed_optimizer"))),
             c.settings.training.micro_batch_size, bool(c.flags.get("recompute_granularity")))
 
 

@@ -370,11 +370,11 @@ def dp_time(settings, cfg, rates, pp_rank: int, layers) -> float:
 
 def pipeline(settings, costs: dict[int, StageCost], overlap: str):
     """(timeline of the schedule on the ideal clock, the schedule) with ``costs`` per virtual stage."""
-    from omnitron.core.parallel.pipeline.schedules import build_schedule
+    from omnitron.core.parallel.pipeline.schedules import cached_schedule
     from omnitron.core.parallel.pipeline.simulate import simulate
 
     pc = settings.parallel
-    sched = build_schedule(settings.training.pipeline_schedule, pc.pipeline_model_parallel_size,
+    sched = cached_schedule(settings.training.pipeline_schedule, pc.pipeline_model_parallel_size,
                            pc.virtual_pipeline_model_parallel_size, settings.num_microbatches)
 
     table = {}

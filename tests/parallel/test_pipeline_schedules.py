@@ -1,12 +1,11 @@
 """Pipeline schedules and layer placement as pure data: no processes."""
-import dataclasses
 
 import pytest
 
 from omnitron.core.config import ConfigError
 from omnitron.core.parallel.pipeline import (Action, ScheduleError, build_schedule, pipeline_layer_ranges, simulate,
                                              theory_bubble)
-from omnitron.core.parallel.pipeline.p2p import plan_exchanges
+from omnitron.core.parallel.pipeline.p2p import input_message, nccl_order_makespan, plan_exchanges
 from omnitron.core.parallel.pipeline.schedules import Schedule, schedule_1f1b, zb_stage_cost
 
 CASES = [("none", 1, 1, m) for m in (1, 3)] + [
@@ -109,10 +108,25 @@ def test_printable_forms_and_grid():
     assert [str(a) for a in s.tables[0][:4]] == ["0F0", "0F1", "0F2", "0F3"]
 
 
+def _channel_order(batches: dict[int, list[list]]) -> None:
+    """Per (sender, receiver), the receives are posted in the order of the sends: matching is first in, first out
+    per peer (no tags), so a receive posted out of order takes another message's tensor."""
+    posted = {(kind, r, peer): [] for r in batches for b in batches[r] for kind, peer, _ in b}
+    for r in batches:
+        for b in batches[r]:
+            for kind, peer, msg in b:
+                posted[(kind, r, peer)].append(msg)
+    for (kind, r, peer), msgs in posted.items():
+        if kind == "send":
+            assert posted[("recv", peer, r)] == msgs, f"rank {peer} receives from rank {r} out of its send order"
+
+
 def _nccl_order_run(batches: dict[int, list[list]]) -> None:
     """Execute per-rank p2p batches under NCCL's rules, without processes: a rank's batches run one
     after another; an op completes only while its counterpart is in the peer's current batch; a
-    batch ends when all its ops have. Raises AssertionError on deadlock (no progress)."""
+    batch ends when all its ops have. Raises AssertionError on deadlock (no progress) or on a channel whose
+    receives are not in its sends' order."""
+    _channel_order(batches)
     pos = {r: 0 for r in batches}
     done = {r: set() for r in batches}  # indices of completed ops of the current batch
 
@@ -140,7 +154,7 @@ def _nccl_order_run(batches: dict[int, list[list]]) -> None:
 def test_exchange_plan_completes_under_nccl_order(name, pp, vp, m, forward_only):
     s = build_schedule(name, pp, vp, m)
     if forward_only:
-        s = dataclasses.replace(s, tables={r: tuple(a for a in t if a.kind == "F") for r, t in s.tables.items()})
+        s = s.forwards_only()
     plan = plan_exchanges(s)
     for r, table in s.tables.items():
         assert len(plan[r]) == len(table) + 1
@@ -162,8 +176,10 @@ def test_exchange_plan_completes_under_nccl_order(name, pp, vp, m, forward_only)
 
 def _batched_makespan(s: Schedule, plan: dict[int, list[list]]) -> float:
     """The step's length when each rank posts exchange batch i's sends on reaching it and starts action i once
-    the batch's receives have been posted by their senders (the runtime's rule), on ``zb_stage_cost``."""
+    the receive it consumes has been posted by its sender (the runtime's rule: a receive posted early, as a
+    pair's backward's, is waited only before its action), on ``zb_stage_cost``."""
     split = {r: s.split_backward(r) for r in s.tables}
+    received = {r: {msg for b in plan[r] for kind, _, msg in b if kind == "recv"} for r in plan}
     posted: dict = {}
     pos, clock = {r: 0 for r in s.tables}, {r: 0.0 for r in s.tables}
     while any(pos[r] <= len(s.tables[r]) for r in s.tables):
@@ -174,7 +190,8 @@ def _batched_makespan(s: Schedule, plan: dict[int, list[list]]) -> float:
                 for kind, _, msg in batch:
                     if kind == "send" and msg not in posted:
                         posted[msg], progressed = clock[r], True
-                recvs = [msg for kind, _, msg in batch if kind == "recv"]
+                need = input_message(s, r, table[pos[r]]) if pos[r] < len(table) else None
+                recvs = [need] if need in received[r] else []
                 if any(msg not in posted for msg in recvs):
                     break
                 start = max([clock[r]] + [posted[msg] for msg in recvs])
@@ -195,6 +212,17 @@ def test_exchange_plan_adds_no_wait(name, pp, vp, m):
     assert _batched_makespan(s, plan_exchanges(s)) == simulate(s, stage_cost=zb_stage_cost).makespan
 
 
+@pytest.mark.parametrize("name,pp,vp,m", [c for c in CASES if c[3] >= c[1]])
+def test_exchange_plan_under_nccl_order_stays_near_the_ideal_clock(name, pp, vp, m):
+    """With a rank's batches completing in the order posted (NCCL), the step is the ideal clock's for the
+    one-chunk and interleaved schedules, and at most one unit longer for the V ones (DualPipeV: a forward's send
+    can queue behind its pair's early receive; ZB-V at p = 3, m = 4). Receives posted at the producer's end
+    instead (the plan before 2026-12-03) cost DualPipeV up to 27 units (p = 8, m = 32: 226 of 199)."""
+    s = build_schedule(name, pp, vp, m)
+    ideal = simulate(s, stage_cost=zb_stage_cost).makespan
+    assert ideal <= nccl_order_makespan(s) <= ideal + (1 if s.style == "v" else 0)
+
+
 def test_nccl_order_checker_catches_receive_posted_before_send():
     """The pattern p2p.py used to have (a receive pre-posted alone, then the send) deadlocks."""
     act, grad = ("act", 1, 0), ("grad", 0, 0)
@@ -202,6 +230,9 @@ def test_nccl_order_checker_catches_receive_posted_before_send():
     with pytest.raises(AssertionError, match="deadlock under NCCL order"):
         _nccl_order_run(unfixed)
     _nccl_order_run({0: [[("send", 1, act)], [("recv", 1, grad)]], 1: [[("recv", 0, act)], [("send", 0, grad)]]})
+    act2 = ("act", 1, 1)  # two messages on one channel, received in the other order: gloo swaps their tensors
+    with pytest.raises(AssertionError, match="out of its send order"):
+        _nccl_order_run({0: [[("send", 1, act), ("send", 1, act2)]], 1: [[("recv", 0, act2), ("recv", 0, act)]]})
 
 
 def test_schedule_errors_name_the_fix():

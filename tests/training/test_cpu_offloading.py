@@ -24,13 +24,14 @@ def _args(root: str, extra) -> list[str]:
             "--lr", "1e-2", "--train-iters", str(ITERS), "--clip-grad", "1.0", *extra]
 
 
-def saved_bytes_per_forward(model, offloaded: int) -> dict[str, int]:
-    """Bytes the first ``offloaded`` layers save for backward in one training forward, by kind (a tensor that
-    shares storage with one of the model's parameters is a weight), from a recording hook of its own."""
+def saved_bytes_per_forward(model, offloaded: int, modules: list | None = None) -> dict[str, int]:
+    """Bytes the first ``offloaded`` layers (or the given ``modules``) save for backward in one training forward,
+    by kind (a tensor that shares storage with one of the model's parameters is a weight), from a recording
+    hook of its own."""
     import torch
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers = list(model.decoder.layers.values())[:offloaded]
+    layers = modules if modules is not None else list(model.decoder.layers.values())[:offloaded]
     inside, out = [False], {"activation": 0, "weight": 0}
 
     def pack(t):
@@ -44,11 +45,15 @@ def saved_bytes_per_forward(model, offloaded: int) -> dict[str, int]:
     b, s, v = 2, model.config.seq_length, model.config.vocab_size
     tokens, labels = torch.randint(0, v, (b, s), device=device), torch.randint(0, v, (b, s), device=device)
     saved, model.offloader = model.offloader, None
+    if hasattr(saved, "enabled"):  # the fine-grained offloader's hooks sit on the modules themselves
+        saved.enabled = False
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(tokens=tokens, labels=labels).sum().backward()
     finally:
         model.offloader = saved
+        if hasattr(saved, "enabled"):
+            saved.enabled = True
         for h in hooks:
             h.remove()
     model.zero_grad(set_to_none=True)
@@ -69,12 +74,20 @@ def train_offloading(root: str, extra: tuple) -> dict:
     from omnitron.core.training.loop import train
 
     torch.set_num_threads(1)
-    res = train(parse_settings(_args(root, extra), 1), get_backend())
+    res = train(parse_settings(_args(root, extra), torch.distributed.get_world_size()), get_backend())
     model = unwrap_model(res["components"].modules[0])
     n = offload_layers(model.config)
-    out = {"losses": res["losses"], "stats": dataclasses.asdict(model.offloader.stats) if model.offloader else None}
-    if n:
+    stats = [dataclasses.asdict(unwrap_model(c).offloader.stats) for c in res["components"].modules
+             if unwrap_model(c).offloader]
+    out = {"losses": res["losses"], "stats": stats[0] if len(stats) == 1 else stats or None}
+    if n and model.pre_process:  # a chunk that takes tokens (a later pipeline stage takes the previous' output)
         out["expected"] = saved_bytes_per_forward(model, n)
+    if model.config.fine_grained_activation_offloading:  # the chosen submodules of every layer, by their paths
+        paths = {"attn_norm": "input_layernorm", "attn_proj": "self_attention.linear_proj",
+                 "mlp_norm": "pre_mlp_layernorm", "qkv_linear": "self_attention.linear_qkv"}
+        chosen = [layer.get_submodule(paths[name]) for layer in model.decoder.layers.values()
+                  for name in model.config.offload_modules]
+        out["expected"] = saved_bytes_per_forward(model, 0, chosen)
     return out
 
 
@@ -109,7 +122,21 @@ def test_weights_only_on_sim(tmp_path):
                              "--cpu-offloading-weights"), {"weight"})
 
 
+@pytest.mark.multiprocess
+def test_fine_grained_offloading_of_chosen_modules_on_cpu(tmp_path):
+    """Megatron's --fine-grained-activation-offloading --offload-modules: what the chosen submodules of every
+    layer save (activations, no size floor) moves; same losses, bytes counted independently per module."""
+    _check("cpu", tmp_path, ("--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "qkv_linear",
+                             "attn_proj", "--min-offloaded-tensor-size", "0"), {"activation"})
+
+
 @pytest.mark.parametrize("flags, message", [
+    (("--fine-grained-activation-offloading", "--offload-modules", "core_attn"), "core attention is a method"),
+    (("--fine-grained-activation-offloading", "--offload-modules", "fused_group_mlp"), "op fuser"),
+    (("--fine-grained-activation-offloading",), "needs --offload-modules"),
+    (("--offload-modules", "attn_norm"), "needs --fine-grained-activation-offloading"),
+    (("--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "--cpu-offloading-num-layers", "1"),
+     "cannot be combined"),
     (("--cpu-offloading",), "offload between 1 and"),
     (("--cpu-offloading-num-layers", str(LAYERS)), "offload between 1 and"),
     (("--cpu-offloading-num-layers", "1", "--no-cpu-offloading-activations"), "offloads nothing"),
@@ -139,3 +166,33 @@ def test_sim_catches_a_missing_record_stream(tmp_path):
     until the block is reused under it; sim's allocator names it at the first free."""
     with pytest.raises(RuntimeError, match="record_stream"):
         run_distributed(train_without_record_stream, 1, str(tmp_path), backend="sim")
+
+
+PP_MICRO_BATCHES = 4
+
+
+def _pp_args(layers: int, extra: tuple = ()) -> tuple:
+    """pp2, 4 micro-batches of 2 (four in flight on the first stage), ``layers`` layers, dropout on."""
+    return ("--num-layers", str(layers), "--pipeline-model-parallel-size", "2", "--global-batch-size",
+            str(2 * PP_MICRO_BATCHES), *extra)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule, layers, extra", [
+    ("1f1b", 4, ()), pytest.param("interleaved", 8, ("--num-layers-per-virtual-pipeline-stage", "2"),
+                                  marks=pytest.mark.slow)])
+def test_offloading_with_pipeline_parallelism(tmp_path, schedule, layers, extra):
+    """Every pipeline chunk offloads its first layer: the losses are bit-identical to pp2 without offloading,
+    every offloaded tensor of every in-flight micro-batch came back by the prefetch (as the next layer's
+    backward started, before its own), and the host bytes are what one layer saves per forward (counted
+    independently on the first stage, the layers being alike) x chunks x forwards."""
+    base = _pp_args(layers, ("--pipeline-schedule", schedule) + extra)
+    plain = run_distributed(train_offloading, 2, str(tmp_path / "a"), base)
+    off = run_distributed(train_offloading, 2, str(tmp_path / "b"), base + ("--cpu-offloading-num-layers", "1"))
+    assert [r["losses"] for r in off] == [r["losses"] for r in plain], "offloading changed the losses"
+    stats = [s for r in off for s in (r["stats"] if isinstance(r["stats"], list) else [r["stats"]])]
+    assert len(stats) == 2 * (2 if extra else 1)  # one offloader per chunk
+    forwards = ITERS * PP_MICRO_BATCHES
+    for s in stats:
+        assert s["reloaded"] == s["tensors"] > 0 and s["reloaded_late"] == 0, s
+        assert s["activation_bytes"] == forwards * off[0]["expected"]["activation"] and s["weight_bytes"] == 0

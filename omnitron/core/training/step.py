@@ -11,7 +11,6 @@ one-process mean (same loss, same gradients).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Iterator
 
@@ -52,8 +51,7 @@ def _zero_grads(c) -> None:
 
 def forward_only_schedule(schedule):
     """The schedule's forwards alone (validation): no gradient messages are planned or awaited."""
-    tables = {r: tuple(a for a in t if a.kind == "F") for r, t in schedule.tables.items()}
-    return dataclasses.replace(schedule, tables=tables)
+    return schedule.forwards_only()
 
 
 def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: float | None,

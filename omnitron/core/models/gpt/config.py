@@ -91,7 +91,16 @@ class GPTConfig:
     memory during forward, back before their backward (omnitron/core/transformer/offload.py); implied by
     --cpu-offloading-num-layers > 0, as in Megatron."""
     cpu_offloading_num_layers: int = 0
-    """--cpu-offloading-num-layers: how many layers (the first ones; fewer than --num-layers) offload."""
+    """--cpu-offloading-num-layers: how many layers (the first ones; fewer than --num-layers) offload; with
+    pipeline parallelism, the first ones of every pipeline chunk (fewer than the chunk holds)."""
+    fine_grained_activation_offloading: bool = False
+    """--fine-grained-activation-offloading (Megatron's): the --offload-modules of every layer offload what they
+    save for backward (omnitron/core/transformer/offload_modules.py); not with --cpu-offloading."""
+    offload_modules: list[str] | None = None
+    """--offload-modules: Megatron's names attn_norm, qkv_linear, attn_proj, mlp_norm (its core_attn, expert_fc1,
+    moe_act, fused_group_mlp and gdp_qkv are refused with the reason)."""
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """--min-offloaded-tensor-size: elements below which a saved tensor stays on the device (Megatron's default)."""
     cpu_offloading_activations: bool = True
     """--cpu-offloading-activations / --no-cpu-offloading-activations: offload saved activations."""
     cpu_offloading_weights: bool = False
@@ -292,12 +301,45 @@ def _validate_offloading(c: GPTConfig, parallel: ParallelConfig) -> None:
     if not (c.cpu_offloading_activations or c.cpu_offloading_weights):
         raise ConfigError("--cpu-offloading with --no-cpu-offloading-activations and no --cpu-offloading-weights "
                           "offloads nothing; drop one of them")
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError("--cpu-offloading with --pipeline-model-parallel-size > 1 is not supported (nor in "
-                          "Megatron); use --pipeline-model-parallel-size 1")
+    if parallel.pipeline_model_parallel_size > 1:  # each chunk offloads its own first n layers
+        from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+
+        fewest = min(k for _, k in pipeline_layer_ranges(
+            c.num_layers, parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size,
+            parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers).values())
+        if n >= fewest:
+            raise ConfigError(f"--cpu-offloading-num-layers {n} with pipeline parallelism offloads the first {n} "
+                              f"layers of every pipeline chunk, but a chunk holds {fewest}; offload at most "
+                              f"{fewest - 1} (a chunk's last layer stays: its backward comes first)")
     if c.recompute_granularity is not None:
         raise ConfigError("--cpu-offloading with --recompute-granularity: recomputed layers save nothing to offload "
                           "(Megatron refuses the pair too); choose one")
+
+
+def _validate_fine_grained(c: GPTConfig) -> None:
+    """Megatron's limits on --fine-grained-activation-offloading, and the modules omnitron maps."""
+    from omnitron.core.transformer.offload_modules import MODULES, REFUSED
+
+    if not c.fine_grained_activation_offloading:
+        if c.offload_modules:
+            raise ConfigError("--offload-modules needs --fine-grained-activation-offloading")
+        return
+    if offload_layers(c):
+        raise ConfigError("--fine-grained-activation-offloading cannot be combined with --cpu-offloading (nor in "
+                          "Megatron); choose one")
+    if not c.offload_modules:
+        raise ConfigError(f"--fine-grained-activation-offloading needs --offload-modules (of {', '.join(MODULES)})")
+    for name in c.offload_modules:
+        if name in REFUSED:
+            raise ConfigError(f"--offload-modules {name} is not supported: {REFUSED[name]}; use "
+                              f"{', '.join(MODULES)}")
+        if name not in MODULES:
+            raise ConfigError(f"--offload-modules {name!r} unknown; choose from {', '.join(MODULES)}")
+    if c.min_offloaded_tensor_size < 0:
+        raise ConfigError(f"--min-offloaded-tensor-size must be >= 0, got {c.min_offloaded_tensor_size}")
+    if c.recompute_granularity == "full":
+        raise ConfigError("--fine-grained-activation-offloading with --recompute-granularity full: recomputed "
+                          "layers save nothing to offload; choose one")
 
 
 def _validate_moe_overlap(c: GPTConfig, parallel: ParallelConfig) -> None:
@@ -344,6 +386,7 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
     if ffn_size(c) % tp:
         raise ConfigError(f"--ffn-hidden-size {ffn_size(c)} is not divisible by --tensor-model-parallel-size {tp}")
     _validate_offloading(c, parallel)
+    _validate_fine_grained(c)
     _validate_moe_overlap(c, parallel)
     cp = parallel.context_parallel_size
     if cp > 1:

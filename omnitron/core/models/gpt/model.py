@@ -27,6 +27,7 @@ from omnitron.core.parallel.tensor.sharding import full_shape, init_full, set_at
 from omnitron.core.transformer.attention import extract_rows
 from omnitron.core.transformer.layer import TransformerLayer
 from omnitron.core.transformer.offload import ActivationOffloader
+from omnitron.core.transformer.offload_modules import ModuleOffloader
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -115,6 +116,9 @@ class GPTModel(nn.Module):
         if C.offload_layers(config):
             self.offloader = ActivationOffloader(self.backend, activations=config.cpu_offloading_activations,
                                                  weights=config.cpu_offloading_weights)
+        elif config.fine_grained_activation_offloading:
+            self.offloader = ModuleOffloader(self.backend, min_numel=config.min_offloaded_tensor_size)
+            self.offloader.attach(list(self.decoder.layers.values()), config.offload_modules)
         comm = getattr(groups.config, "cp_comm_type", "p2p")
         sub = (groups.cp_a2a, groups.cp_p2p) if comm == "a2a+p2p" and groups.cp.size > 1 else None
         apply_context_parallel(self, groups.cp, comm, sub)

@@ -16,7 +16,6 @@ is set, so gradient all-reduces start only on the last one.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Iterator
 
@@ -166,19 +165,20 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
                  forward_step_fn: Callable, loss_fn: Callable, pp_group, collectives,
                  tensor_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  forward_only: bool = False, timeline: list | None = None,
-                 per_token_loss: bool = False,
-                 forward_pair_fn: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 per_token_loss: bool = False, forward_pair_fn: Callable | None = None,
+                 trace: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``schedule.tables[rank]``; returns this rank's (sum of micro-batch mean losses, tokens); with
     ``per_token_loss``, (sum of micro-batch loss sums, tokens).
 
     Both are zero except on the rank holding the last stage. ``timeline``, when given, receives
     ``(start, end, str(action))`` compute spans (``time.perf_counter`` seconds; receive waits
     excluded) for bubble studies. ``forward_pair_fn``: two adjacent forwards run as one (one stage only).
+    ``trace``, when given, receives the order of events: ``("post" | "wait", "send" | "recv", message)`` from
+    the exchanges and ``("start" | "end", "compute", action)`` around each action (the overlap test reads it).
     """
     if forward_only:  # the same order without backward work (and so without gradient messages)
-        schedule = dataclasses.replace(schedule, tables={r: tuple(a for a in t if a.kind == "F")
-                                                         for r, t in schedule.tables.items()})
-    p2p = StageP2P(schedule, rank, pp_group, collectives, tensor_shape, dtype, device)
+        schedule = schedule.forwards_only()
+    p2p = StageP2P(schedule, rank, pp_group, collectives, tensor_shape, dtype, device, trace)
     runner = _StageRunner(schedule, rank, chunks, _Batches(data_iterator, uses=schedule.vp), p2p,
                           forward_step_fn, loss_fn, device, forward_only, per_token_loss)
     table, paired = schedule.tables[rank], -1
@@ -189,6 +189,8 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
             k = schedule.stage(rank, a.chunk)
             p2p.exchange(step)  # this step's batch of sends and receives, one group (see p2p.py)
             t0 = time.perf_counter()
+            if trace is not None:
+                trace.append(("start", "compute", str(a)))
             nxt = table[step + 1] if step + 1 < len(table) else None
             if forward_pair_fn is not None and a.kind == "F" and nxt is not None and nxt.kind == "F" \
                     and schedule.num_stages == 1:
@@ -203,6 +205,8 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
                 runner.weight(a, step)
             if timeline is not None:  # compute span: exchange waits excluded
                 timeline.append((t0, time.perf_counter(), str(a)))
+            if trace is not None:
+                trace.append(("end", "compute", str(a)))
         except Exception as err:
             raise PipelineError(f"pipeline rank {rank} failed at step {step} ({a}): {type(err).__name__}: {err}\n"
                                 f"{schedule.format()}") from err

@@ -14,7 +14,8 @@ timeline and peak in-flight activations) and executed by the one runtime in ``ru
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Callable
 
 from omnitron.core.config.parallel import ConfigError
@@ -78,6 +79,27 @@ class Schedule:
     tables: dict[int, tuple[Action, ...]]
     style: str = "loop"
     """Chunk placement: ``loop`` (stage ``c * pp + r``) or ``v`` (stages ``r`` and ``2 pp - 1 - r``)."""
+    pairs: dict[int, frozenset[int]] = field(default_factory=dict)
+    """Per rank, the table indices ``i`` whose forward runs overlapped with the backward at ``i + 1``
+    (DualPipe's pair): the receives of both are posted before the forward computes, the forward's send is in
+    flight while the backward computes (``runtime.py``); the simulation starts the pair once both inputs are in."""
+
+    def __post_init__(self) -> None:
+        for r, firsts in self.pairs.items():
+            table = self.tables[r]
+            for i in firsts:
+                if not (i + 1 < len(table) and table[i].kind == "F" and table[i + 1].kind == "B"):
+                    raise ValueError(f"{self.name}: rank {r} pairs step {i} with step {i + 1}, which are not a "
+                                     f"forward then a backward")
+
+    def paired(self, rank: int, index: int) -> bool:
+        """Whether action ``index`` of ``rank`` is the forward of an overlapped pair."""
+        return index in self.pairs.get(rank, ())
+
+    def forwards_only(self) -> "Schedule":
+        """The same order without backward work (validation, ``forward_only``): no gradient messages, no pairs."""
+        return replace(self, tables={r: tuple(a for a in t if a.kind == "F") for r, t in self.tables.items()},
+                       pairs={})
 
     @property
     def num_stages(self) -> int:
@@ -96,12 +118,14 @@ class Schedule:
         return {(a.chunk, a.microbatch) for a in self.tables[rank] if a.kind == "W"}
 
     def format(self) -> str:
-        """The step-by-rank grid (one column per rank), for logs and error messages."""
+        """The step-by-rank grid (one column per rank), for logs and error messages; ``&1B3``: the backward
+        overlapped with the forward above it."""
         steps = max(len(t) for t in self.tables.values())
         lines = [f"{self.name} pp={self.pp} vp={self.vp} m={self.num_microbatches}",
                  "step " + " ".join(f"{'r' + str(r):>6}" for r in range(self.pp))]
         for i in range(steps):
-            cells = [str(self.tables[r][i]) if i < len(self.tables[r]) else "" for r in range(self.pp)]
+            cells = [("&" if self.paired(r, i - 1) else "") + str(self.tables[r][i]) if i < len(self.tables[r])
+                     else "" for r in range(self.pp)]
             lines.append(f"{i:>4} " + " ".join(f"{c:>6}" for c in cells))
         return "\n".join(lines)
 
@@ -258,3 +282,10 @@ def build_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: 
     if name == "zb-h1":
         return schedule_zb_h1(pp, num_microbatches)
     return schedule_interleaved(pp, vp, num_microbatches)
+
+
+@lru_cache(maxsize=256)
+def cached_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: int) -> Schedule:
+    """:func:`build_schedule`, kept for the planner's search: its candidates share a few tables, and ZB-V's
+    builder simulates several of them (callers must not change the returned schedule)."""
+    return build_schedule(name, pp, vp, num_microbatches)

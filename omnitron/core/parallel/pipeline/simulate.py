@@ -57,6 +57,17 @@ def check_complete(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {r}: {c}{kind}{i} comes before the work it needs")
 
 
+def _need(schedule: Schedule, rank: int, a: Action) -> tuple[str, int, int] | None:
+    """The (kind, stage, micro-batch) whose end ``a`` waits for: the previous stage's F (forward), the next
+    stage's B (backward; the loss on the last stage: its own F), its own B (weight gradient)."""
+    k = schedule.stage(rank, a.chunk)
+    if a.kind == "F":
+        return ("F", k - 1, a.microbatch) if k > 0 else None
+    if a.kind == "B":
+        return ("B", k + 1, a.microbatch) if k < schedule.num_stages - 1 else ("F", k, a.microbatch)
+    return ("B", k, a.microbatch)
+
+
 def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
              stage_cost: Callable[[int, str], float] | None = None, complete: bool = True) -> Timeline:
     """Run the tables on an ideal clock; raise :class:`ScheduleError` on deadlock.
@@ -69,7 +80,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
     if complete:
         check_complete(schedule)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
-    pp, last = schedule.pp, schedule.num_stages - 1
+    pp = schedule.pp
     split = {r: schedule.split_backward(r) for r in range(pp)}
     finish: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     pos, clock = [0] * pp, [0.0] * pp
@@ -82,12 +93,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
             while pos[r] < len(table):
                 a = table[pos[r]]
                 k = schedule.stage(r, a.chunk)
-                if a.kind == "F":
-                    need = ("F", k - 1, a.microbatch) if k > 0 else None
-                elif a.kind == "B":
-                    need = ("B", k + 1, a.microbatch) if k < last else ("F", k, a.microbatch)
-                else:
-                    need = ("B", k, a.microbatch)
+                need = _need(schedule, r, a)
                 if need is not None and need not in finish:
                     break
                 start = max(clock[r], finish[need] if need else 0.0)

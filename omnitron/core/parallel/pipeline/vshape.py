@@ -11,10 +11,14 @@ rank ``p - 1`` without communication and every rank's work is balanced at ``2m``
   backwards, then the steady state of two "overlapped" pairs per micro-batch (F of chunk 0 with B of
   chunk 1, F of chunk 1 with B of chunk 0), and a cool-down whose second half splits B and W.
 
-NOTE: the runtime runs one action at a time: DualPipeV's pair (forward of one micro-batch, backward of
-another) is two consecutive table entries, so its order and its bubble are DualPipeV's but the pair's
-compute does not hide the other's communication inside one rank. The point-to-point transfers are posted
-ahead and complete while the rank computes (``p2p.py``), as for every schedule.
+DualPipeV's overlapped pairs (forward of one micro-batch, backward of another: ``Schedule.pairs``) are two
+consecutive table entries that the runtime overlaps as DualPipe does with communication: the backward's
+receive is posted before the forward computes and waited after it, the forward's send is posted before the
+backward computes and waited after it (``p2p.py``; order recorded in ``tests/parallel/test_pipeline_overlap.py``).
+Unlike DualPipe, which waits for both receives before the pair, the forward does not wait for the backward's
+input, so the pair costs no bubble on the ideal clock. NOTE: the two passes' compute runs one after the other
+(MoE all-to-all inside a pair is not overlapped with the other pass: ``--overlap-moe-expert-parallel-comm``
+pairs forwards without pipelining only).
 
 Ideal clock with chunk passes F = B = W = 1 (stage 0: B = 0, W = 2, see ``zb_stage_cost``): rank
 ``p - 1`` cannot start before ``p - 1`` forwards have run and every rank has ``6m`` units of work, so the
@@ -134,13 +138,15 @@ def schedule_dualpipe_v(pp: int, num_microbatches: int) -> Schedule:
     if m < 2 * pp:
         raise ConfigError(f"--pipeline-schedule dualpipe-v needs at least 2 x pipeline size = {2 * pp} micro-batches, "
                           f"got {m}; raise --global-batch-size or use --pipeline-schedule zb-v")
-    return Schedule("dualpipe-v", pp, 2, m, {r: _dualpipe_v_rank(pp, r, m) for r in range(pp)}, style="v")
+    ranks = {r: _dualpipe_v_rank(pp, r, m) for r in range(pp)}
+    return Schedule("dualpipe-v", pp, 2, m, {r: t for r, (t, _) in ranks.items()}, style="v",
+                    pairs={r: frozenset(p) for r, (_, p) in ranks.items()})
 
 
-def _dualpipe_v_rank(pp: int, r: int, m: int) -> tuple[Action, ...]:
-    """Rank ``r``'s DualPipeV table."""
+def _dualpipe_v_rank(pp: int, r: int, m: int) -> tuple[tuple[Action, ...], list[int]]:
+    """Rank ``r``'s DualPipeV table, and the indices of the forwards overlapped with the backward after them."""
     table: list[Action] = []
-    nf, nb, queue = [0, 0], [0, 0], []
+    nf, nb, queue, pairs = [0, 0], [0, 0], [], []
 
     def f(c: int) -> None:
         table.append(Action(c, "F", nf[c]))
@@ -162,10 +168,14 @@ def _dualpipe_v_rank(pp: int, r: int, m: int) -> tuple[Action, ...]:
         f(0), f(1)
     for _ in range(pp - r - 1):  # 3: zero-bubble chunk-1 backward, its W, a chunk-1 forward
         b(1, True), w(), f(1)
+    def pair(c: int) -> None:
+        pairs.append(len(table))
+        f(c), b(1 - c)
+
     for _ in range(m - 2 * pp + r + 1):  # 4: steady state, pairs (F0 & B1), (F1 & B0)
-        f(0), b(1), f(1), b(0)
+        pair(0), pair(1)
     for _ in range(pp - r - 1):  # 5: B1, pair (F1 & B0)
-        b(1), f(1), b(0)
+        b(1), pair(1)
     split = False
     for i in range(r + 1):  # 6: backwards of both chunks; the split starts half-way
         split = split or (i == (r + 1) // 2 and r % 2 == 1)
@@ -176,4 +186,4 @@ def _dualpipe_v_rank(pp: int, r: int, m: int) -> tuple[Action, ...]:
         w(), b(0, True)
     while queue:  # 8: the remaining W passes (r + 1 of them)
         w()
-    return tuple(table)
+    return tuple(table), pairs
