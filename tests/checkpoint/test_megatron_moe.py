@@ -251,3 +251,23 @@ def test_torch_format_mla_at_tp2_is_refused(tmp_path, capsys):
                 "--ckpt-format", "torch"]) == 2
     err = capsys.readouterr().err
     assert "use --ckpt-format torch_dist" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind,tp,pp", [("gqa", 2, 1), ("mla", 1, 3)])
+def test_torch_format_round_trip(kind, tp, pp, tmp_path):
+    """``--ckpt-format torch`` export at tp x pp (experts split over tp as Megatron's expert tensor parallelism
+    equal to tp; MTP on the last stage) imports back bit for bit; every rank file holds its TE extra states."""
+    cfg = _cfg(kind)
+    W = _weights(cfg, seed=int.from_bytes(os.urandom(4), "little"))
+    write_weights_checkpoint(W, cfg, str(tmp_path / "ck0"), Layout(), config={"tokenizer_type": "NullTokenizer"})
+    assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck0"), "--out", str(tmp_path / "meg"),
+                "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp),
+                "--ckpt-format", "torch"]) == 0
+    last = torch.load(tmp_path / "meg" / "iter_0000000" / (f"mp_rank_00_{pp - 1:03d}" if pp > 1 else "mp_rank_00") /
+                      "model_optim_rng.pt", weights_only=False)["model"]
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2._extra_state" in last
+    if cfg.mtp_num_layers:
+        assert "mtp.layers.0.eh_proj._extra_state" in last and "mtp.layers.0.eh_proj.weight" in last
+    assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
+    back = read_full_state(str(tmp_path / "ck" / "iter_0000000")).model
+    assert sorted(back) == sorted(W) and all(torch.equal(back[n], W[n]) for n in W)
