@@ -72,7 +72,6 @@ def run_export(args: argparse.Namespace) -> int:
     from omnitron.commands.checkpoint_args import resolve
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.megatron import export_megatron
-    from omnitron.core.checkpoint.reshard import read_metadata
     from omnitron.core.config.parallel import ConfigError
 
     try:
@@ -86,7 +85,4 @@ def run_export(args: argparse.Namespace) -> int:
           f"tp{args.target_tensor_model_parallel_size} "
           f"pp{args.target_pipeline_model_parallel_size}); weights only: load it in Megatron with --finetune "
           f"(or --no-load-optim --no-load-rng)")
-    if read_metadata(path)["model"].get("moe_router_enable_expert_bias"):
-        print("note: the routers' expert_bias (auxiliary-loss-free balancing state, kept per rank by omnitron) is "
-              "written as zeros: Megatron's routing starts unbiased and the bias is re-learned")
     return 0
