@@ -31,8 +31,10 @@ What the mapping absorbs (Megatron-Core's conventions; omnitron names tensors th
   (dropped on import, written on export).
 
 ``--ckpt-format torch_dist`` (Megatron's default) is :mod:`omnitron.core.checkpoint.megatron_dist`; this
-module keeps the model mapping both share. Unsupported Megatron features (MoE, legacy non-Core names,
-squared ReLU, ...) raise :class:`MegatronConversionError` naming the field.
+module keeps the model mapping both share. MoE / MLA / MTP names: :mod:`omnitron.core.checkpoint.megatron_names`
+(SequentialMLP experts are written, SequentialMLP and TEGroupedMLP read; MLA / MTP at tp 1 only in this format,
+whose shards there depend on the layer spec). Unsupported Megatron features (expert-parallel rank directories,
+legacy non-Core names, squared ReLU, ...) raise :class:`MegatronConversionError` naming the field.
 Files are read by :mod:`omnitron.core.checkpoint.safe_load` (``torch.load(weights_only=True)`` with an
 allow-list of exact names): tensors, containers, argparse / numpy values; ``megatron.*`` classes (the
 enums in ``args``) become inert placeholders; anything else is refused in one line, so no code runs.
