@@ -30,7 +30,8 @@ from tests.models.test_gpt_reference import plain_gpt_loss
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install megatron-core to run this check)")
+                                reason="megatron-core is not installed (pip install megatron-core psutil to run this check; its saver "
+                                "needs psutil)")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
