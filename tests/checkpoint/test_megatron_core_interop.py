@@ -29,9 +29,10 @@ from tests.checkpoint.test_megatron_dist import V, _args, _cfg, _weights
 from tests.models.test_gpt_reference import plain_gpt_loss
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
-                                or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install megatron-core psutil to run this check; its saver "
-                                "needs psutil)")
+                                or importlib.util.find_spec("megatron.core") is None
+                                or importlib.util.find_spec("psutil") is None,  # its saver's forked writers need it
+                                reason="megatron-core (with psutil) is not installed: pip install megatron-core psutil "
+                                "to run this check")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
