@@ -46,7 +46,31 @@ def model_flags(model: dict) -> str:
         out.append(f"--{key.replace('_', '-')}" + ("" if v is True else f" {v}"))
     if not model.get("add_bias_linear", True):
         out.append("--disable-bias-linear")
+    out += _architecture_flags(model)
     return " ".join(out)
+
+
+_ARCHITECTURE = ("moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_pre_softmax",
+                 "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                 "moe_router_group_topk", "moe_router_topk_scaling_factor", "multi_latent_attention", "q_lora_rank",
+                 "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
+                 "mscale_all_dim", "yarn_original_max_position_embeddings", "mtp_num_layers")
+"""Model fields beyond the shape keys that change what an MoE / MLA / MTP model computes."""
+
+
+def _architecture_flags(model: dict) -> list[str]:
+    """The flags of :data:`_ARCHITECTURE` fields whose recorded value is not GPTConfig's default."""
+    import dataclasses
+
+    from omnitron.core.models.gpt.config import GPTConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    out = []
+    for key in _ARCHITECTURE:
+        v = model.get(key, defaults.get(key))
+        if key in defaults and v != defaults[key] and v is not None:
+            out.append(f"--{key.replace('_', '-')}" + ("" if v is True else f" {v}"))
+    return out
 
 
 def run_import(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 ``import-megatron --load MEGATRON_DIR --save OUT [--tensor-model-parallel-size T
 --pipeline-model-parallel-size P]`` reads a Megatron-Core GPT checkpoint saved with
 ``--ckpt-format torch_dist`` (Megatron's default) or ``torch`` (any tensor / pipeline / virtual-pipeline
-layout) and writes a weights-only omnitron checkpoint (iteration 0, fresh optimizer, as ``--finetune``),
+layout; dense, MoE, MLA and MTP models) and writes a weights-only omnitron checkpoint (iteration 0, fresh
+optimizer, as ``--finetune``; the routers' expert bias carried),
 printing the model flags a training run must repeat. ``export-megatron --load DIR --out MEGATRON_DIR
 --target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P [--ckpt-format F]``
 writes the reverse (default torch_dist). The mapping is :mod:`omnitron.core.checkpoint.megatron` and

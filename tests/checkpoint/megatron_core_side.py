@@ -61,9 +61,19 @@ def main(kind: str, root: str) -> None:
     model.load_state_dict(state["model"], strict=True)
     torch.save(logits(), os.path.join(root, "loaded_logits.pt"))
 
+    save_random(model, args, root, model.named_parameters())
+    torch.save(logits(), os.path.join(root, "saved_logits.pt"))
+
+
+def save_random(model, args, root: str, tensors) -> None:
+    """Give ``tensors`` (name, tensor) fresh random values (seed ``$SEED``; norms near 1) and save ``model`` with
+    megatron-core's ``dist_checkpointing.save`` as Megatron's training loop does (model, args, iteration,
+    checkpoint_version) to ``root/megatron/iter_0000005``, with its tracker file."""
+    from megatron.core import dist_checkpointing
+
     g = torch.Generator().manual_seed(int(os.environ.get("SEED", "1")))
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in tensors:
             p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=g) * 0.1)
     it = os.path.join(root, "megatron", "iter_0000005")
     os.makedirs(it)
@@ -71,7 +81,6 @@ def main(kind: str, root: str) -> None:
                              "checkpoint_version": 3.0}, it)
     with open(os.path.join(root, "megatron", "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("5")
-    torch.save(logits(), os.path.join(root, "saved_logits.pt"))
 
 
 if __name__ == "__main__":

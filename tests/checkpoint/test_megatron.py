@@ -294,7 +294,7 @@ def test_gelu_kind_is_read_as_megatron_core_computes_it():
 
 @pytest.mark.parametrize("case,message", [
     ("missing_shard", "mp_rank_01_001/model_optim_rng.pt is missing"),
-    ("moe", "num_experts=8"),
+    ("moe", "no tensor decoder.layers.0.mlp.router.weight"),
     ("squared_relu", "squared_relu=True"),
     ("no_args", "no 'args'"),
     ("wrong_shape", "has shape"),

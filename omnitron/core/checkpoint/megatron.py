@@ -31,8 +31,10 @@ What the mapping absorbs (Megatron-Core's conventions; omnitron names tensors th
   (dropped on import, written on export).
 
 ``--ckpt-format torch_dist`` (Megatron's default) is :mod:`omnitron.core.checkpoint.megatron_dist`; this
-module keeps the model mapping both share. Unsupported Megatron features (MoE, legacy non-Core names,
-squared ReLU, ...) raise :class:`MegatronConversionError` naming the field.
+module keeps the model mapping both share. MoE / MLA / MTP names: :mod:`omnitron.core.checkpoint.megatron_names`
+(SequentialMLP experts are written, SequentialMLP and TEGroupedMLP read; MLA / MTP at tp 1 only in this format,
+whose shards there depend on the layer spec). Unsupported Megatron features (expert-parallel rank directories,
+legacy non-Core names, squared ReLU, ...) raise :class:`MegatronConversionError` naming the field.
 Files are read by :mod:`omnitron.core.checkpoint.safe_load` (``torch.load(weights_only=True)`` with an
 allow-list of exact names): tensors, containers, argparse / numpy values; ``megatron.*`` classes (the
 enums in ``args``) become inert placeholders; anything else is refused in one line, so no code runs.
@@ -48,10 +50,12 @@ import torch
 from omnitron.core.checkpoint.megatron_base import (_COLUMNS, _ROWS, _TE_EXTRA, _TE_NORMS, _VOCAB,  # noqa: F401
                                                     CHECKPOINT_VERSION, TRACKER, MegatronConversionError, Opaque,
                                                     _check_state, _tp_dim, commit_iteration, load_file, run_args)
+from omnitron.core.checkpoint.megatron_names import extra_state_modules, is_moe, layer_of, omnitron_rest, torch_rest
 
 FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
 
 
 # ---- reading files (the safe loader itself: megatron_base) -----------------------------------
@@ -120,8 +124,7 @@ def _need(args: dict, key: str):
 def _reject_unsupported(args: dict) -> None:
     """Raise naming the first Megatron setting omnitron's GPT model does not compute."""
     bias = args.get("add_bias_linear", True)
-    checks = [("num_experts", not args.get("num_experts"), "Mixture-of-Experts checkpoints are not supported"),
-              ("normalization", args.get("normalization", "LayerNorm") in ("LayerNorm", "RMSNorm"),
+    checks = [("normalization", args.get("normalization", "LayerNorm") in ("LayerNorm", "RMSNorm"),
                "omnitron has LayerNorm and RMSNorm"),
               ("position_embedding_type", args.get("position_embedding_type", "learned_absolute") in
                ("learned_absolute", "rope"), "omnitron has learned_absolute and rope"),
@@ -129,8 +132,8 @@ def _reject_unsupported(args: dict) -> None:
               ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
                "omnitron's residual is taken before the norm"),
               ("add_qkv_bias", bias or not args.get("add_qkv_bias"), "omnitron puts biases on every linear or none"),
-              ("multi_latent_attention", not args.get("multi_latent_attention"), "no multi-latent attention"),
-              ("mtp_num_layers", not args.get("mtp_num_layers"), "no multi-token prediction layers"),
+              ("moe_router_pre_softmax", not (args.get("moe_router_pre_softmax") and args.get("moe_router_topk_scaling_"
+               "factor")), "omnitron scales the top-k probabilities without --moe-router-pre-softmax only"),
               ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
     for key, ok, why in checks:
         if not ok:
@@ -175,7 +178,37 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      or bool(args.get("bias_gelu_fusion", True)),
                      qk_layernorm=bool(args.get("qk_layernorm")),
                      apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),
-                     init_method_std=args.get("init_method_std", 0.02), params_dtype=dtype)
+                     init_method_std=args.get("init_method_std", 0.02), params_dtype=dtype,
+                     **_moe_mla_mtp_fields(args))
+
+
+_SAME_NAMED = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type",
+               "moe_aux_loss_coeff", "moe_router_pre_softmax", "moe_router_score_function", "moe_z_loss_coeff",
+               "moe_shared_expert_intermediate_size", "moe_expert_capacity_factor", "moe_token_drop_policy",
+               "moe_pad_expert_input_to_capacity", "moe_grouped_gemm", "moe_router_num_groups",
+               "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
+               "moe_router_bias_update_rate", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+               "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+               "beta_fast", "beta_slow", "mtp_num_layers", "mtp_loss_scaling_factor")
+"""Megatron args that are GPTConfig fields of the same name (MoE, MLA, MTP); ``beta_*`` are ``yarn_beta_*``."""
+
+
+def _moe_mla_mtp_fields(args: dict) -> dict:
+    """GPTConfig fields of a Megatron run's MoE / MLA / MTP args (only those recorded and not None)."""
+    out = {k: args[k] for k in _SAME_NAMED if args.get(k) is not None}
+    for beta in ("beta_fast", "beta_slow"):
+        if beta in out:
+            out["yarn_" + beta] = float(out.pop(beta))
+    if args.get("original_max_position_embeddings") and out.get("multi_latent_attention"):
+        out["yarn_original_max_position_embeddings"] = int(args["original_max_position_embeddings"])
+    if out.get("multi_latent_attention") and args.get("rope_type") == "rope":
+        out["rotary_scaling_factor"] = 1.0  # Megatron's MLA: plain RoPE unless rope_type yarn
+    freq = args.get("moe_layer_freq")
+    if out.get("num_experts") and freq is not None:
+        out["moe_layer_freq"] = freq if isinstance(freq, int) else "[" + ",".join(str(int(x)) for x in freq) + "]"
+    if not out.get("num_experts"):
+        out = {k: v for k, v in out.items() if not k.startswith("moe_")}
+    return out
 
 
 def real_vocab_size(args: dict) -> int:
@@ -221,7 +254,24 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
         init_method_std=cfg.init_method_std, params_dtype=dt, bf16=dt == torch.bfloat16, fp16=dt == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         transformer_impl=transformer_impl, use_mcore_models=True, ckpt_format="torch", iteration=iteration,
-        consumed_train_samples=0, num_experts=None)
+        consumed_train_samples=0, **_moe_mla_mtp_args(cfg))
+
+
+def _moe_mla_mtp_args(cfg) -> dict:
+    """The MoE / MLA / MTP args of a Megatron run of ``cfg`` (inverse of :func:`_moe_mla_mtp_fields`);
+    ``--moe-layer-freq`` as Megatron's parsed list (an int when it is one)."""
+    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+
+    out = {k: getattr(cfg, k) for k in _SAME_NAMED if k not in ("beta_fast", "beta_slow")}
+    if cfg.num_experts:
+        freq = cfg.moe_layer_freq
+        out["moe_layer_freq"] = int(freq) if str(freq).strip().isdigit() else \
+            [int(x) for x in moe_layer_pattern(freq, cfg.num_layers)]
+    if cfg.multi_latent_attention:
+        out.update(rope_type="yarn" if cfg.rotary_scaling_factor != 1.0 else "rope",
+                   original_max_position_embeddings=cfg.yarn_original_max_position_embeddings or 4096,
+                   beta_fast=cfg.yarn_beta_fast or 32.0, beta_slow=cfg.yarn_beta_slow or 1.0)
+    return out
 
 
 # ---- weights ---------------------------------------------------------------------------------
@@ -262,12 +312,15 @@ def _to_omnitron_names(sd: dict, offset: int, path: str) -> tuple[dict, int]:
         if name.startswith("language_model."):
             raise MegatronConversionError(f"{path}: legacy Megatron model names ({name}); the importer reads "
                                           f"Megatron-Core GPTModel checkpoints (--use-mcore-models)")
-        m = _LAYER.match(name)
+        m, mtp = _LAYER.match(name), _MTP_LAYER.match(name)
         if m:
-            local, rest = int(m.group(1)), m.group(2)
-            rest = {v: k for k, v in _TE_NORMS.items()}.get(rest, rest)
+            local = int(m.group(1))
             layers.add(local)
-            name = f"decoder.layers.{offset + local}.{rest}"
+            name = f"decoder.layers.{offset + local}.{omnitron_rest(m.group(2))}"
+        elif mtp:
+            name = mtp.group(1) + omnitron_rest(mtp.group(2))
+        if name in out and not torch.equal(out[name], t):
+            raise MegatronConversionError(f"{path}: two names of {name} hold different tensors")
         out[name] = t
     if layers != set(range(len(layers))):
         raise MegatronConversionError(f"{path}: the stage's local layer numbers {sorted(layers)} are not 0..n-1")
@@ -301,27 +354,42 @@ def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: st
 def stage_state_dicts(full: dict, cfg, tp: int, pp: int, transformer_impl: str) -> dict[tuple[int, int], dict]:
     """``{(tp_rank, pp_rank): Megatron-Core model state dict}`` of omnitron full state ``full``
     (even pipeline split, local layer numbers, TE-fused norm names unless ``local``)."""
-    per, te = cfg.num_layers // pp, transformer_impl == "transformer_engine"
+    from omnitron.core.checkpoint.megatron_dist import _zero_expert_bias
+
+    per, te, mla = cfg.num_layers // pp, transformer_impl == "transformer_engine", bool(cfg.multi_latent_attention)
     out = {(t, p): {} for p in range(pp) for t in range(tp)}
-    for name, t in full.items():
-        m = _LAYER.match(name)
-        stages = [int(m.group(1)) // per] if m else [0] if name.startswith("embedding.") else [pp - 1]
+    for name, t in {**_zero_expert_bias(cfg), **full}.items():
+        layer = layer_of(name)
+        stages = [layer[1] // per] if layer and layer[1] is not None else [0] if name.startswith("embedding.") \
+            else [pp - 1]
         if name == "embedding.word_embeddings.weight" and pp > 1 and not cfg.untie_embeddings_and_output_weights:
             stages.append(pp - 1)  # the last stage's output_layer copy
         for p in stages:
             local = name
-            if m:
-                rest = _TE_NORMS.get(m.group(2), m.group(2)) if te else m.group(2)
-                local = f"decoder.layers.{int(m.group(1)) - p * per}.{rest}"
+            if layer:
+                prefix, i, _, rest = layer
+                rest = torch_rest(rest, mla=mla, moe=is_moe(cfg, i), te=te)
+                local = (prefix if i is None else f"decoder.layers.{i - p * per}.") + rest
             elif p == pp - 1 and p > 0 and name == "embedding.word_embeddings.weight":
                 local = "output_layer.weight"
             for r, shard in enumerate(_split(name, t, cfg, tp)):
                 out[(r, p)][local] = shard
     if te:
-        for (r, p), sd in out.items():
-            for i in range(per):
-                sd.update({f"decoder.layers.{i}.{k}": None for k in _TE_EXTRA})
+        for sd in out.values():
+            sd.update(_te_extra_states(sd))
     return out
+
+
+def _te_extra_states(sd: dict) -> dict:
+    """``None`` for the ``_extra_state`` of every TE module (linears, core attention) of a stage's state dict."""
+    groups: dict[str, set[str]] = {}
+    for name in sd:
+        m = _LAYER.match(name) or _MTP_LAYER.match(name) or re.match(r"^mtp\.layers\.\d+\.(eh_proj\..+)$", name)
+        if m:
+            rest = m.group(m.lastindex)
+            groups.setdefault(name[:len(name) - len(rest)], set()).add(rest)
+    return {f"{prefix}{mod}._extra_state": None for prefix, rests in groups.items()
+            for mod in extra_state_modules(rests)}
 
 
 # ---- directories -----------------------------------------------------------------------------
@@ -354,6 +422,11 @@ def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None 
         fmt, (args, shards) = "torch", read_shards(iter_dir)
         dtype = next(t.dtype for sd in shards[(0, 0)] for t in sd.values() if isinstance(t, torch.Tensor))
         cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
+        tp = int(args.get("tensor_model_parallel_size") or 1)
+        if tp > 1 and (cfg.multi_latent_attention or cfg.mtp_num_layers):
+            raise MegatronConversionError(f"{iter_dir}: an MLA / MTP checkpoint at tensor parallel {tp} in "
+                                          f"--ckpt-format torch (its shards depend on the layer spec); re-save it "
+                                          f"with --ckpt-format torch_dist or at tp 1")
         full = state_from_megatron(shards, cfg, iter_dir)
         del shards
     source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"), "ckpt_format": fmt,
@@ -377,6 +450,8 @@ def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_im
 
     full = read_full_state(path, with_optimizer=False)
     cfg, it = model_config(full.meta["model"]), int(full.meta["iteration"])
+    if getattr(cfg, "moe_router_enable_expert_bias", False):
+        full.model.update(_expert_biases(path, full.meta))
     if type(cfg) is not GPTConfig:
         raise MegatronConversionError(f"{path} holds a {type(cfg).__name__} model; only GPT models export to Megatron")
     if ckpt_format not in ("torch", "torch_dist"):
@@ -391,6 +466,21 @@ def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_im
         return megatron_dist.write(full.model, cfg, args, out_dir, it, tp)
     _write_rank_files(full.model, cfg, args, out_dir, it, tp, pp, transformer_impl)
     return final
+
+
+def _expert_biases(path: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The routers' ``expert_bias`` buffers of omnitron checkpoint ``path`` (per-rank state, the same on every rank
+    of a stage): each pipeline stage's first rank's, from its model state (torch format) or ``expert_bias``
+    (torch_dist's rank file), under the global names."""
+    from omnitron.core.checkpoint.io import read_shard
+    from omnitron.core.checkpoint.reshard import Layout, _stage_ranks
+
+    out = {}
+    for _, (ranks, _) in sorted(_stage_ranks(Layout.from_dict(meta["layout"])).items()):
+        shard = read_shard(path, ranks[0], meta)
+        for chunk in shard.get("expert_bias") or shard.get("model") or []:
+            out.update({n: t for n, t in chunk.items() if n.endswith(".mlp.router.expert_bias")})
+    return out
 
 
 def _write_rank_files(full: dict, cfg, args, out_dir: str, it: int, tp: int, pp: int, transformer_impl: str) -> None:
@@ -415,11 +505,16 @@ def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str, ckpt_format:
     groups = query_groups(cfg)
     checks = [(transformer_impl in ("transformer_engine", "local"),
                f"--transformer-impl {transformer_impl!r}: use transformer_engine or local"),
-              (not cfg.num_experts, f"--num-experts {cfg.num_experts}: MoE models do not export to Megatron"),
-              (not getattr(cfg, "multi_latent_attention", False),
-               "--multi-latent-attention: MLA models do not export to Megatron yet"),
-              (not getattr(cfg, "mtp_num_layers", None),
-               "--mtp-num-layers: multi-token prediction does not export to Megatron yet"),
+              (tp == 1 or ckpt_format == "torch_dist" or not (cfg.multi_latent_attention or cfg.mtp_num_layers),
+               f"--target-tensor-model-parallel-size {tp} with --ckpt-format torch: MLA's down projections and MTP's "
+               f"eh_proj split differently under Megatron's TE and local specs; use --ckpt-format torch_dist"),
+              (not cfg.moe_router_bias, "the router's bias (gpt-oss): Megatron-Core's TopKRouter has none"),
+              (cfg.multi_latent_attention or cfg.rotary_scaling_factor == 1.0,
+               f"--rotary-scaling-factor {cfg.rotary_scaling_factor}: YaRN on grouped-query attention does not "
+               f"export to Megatron yet (its GPT args would say plain RoPE)"),
+              (not (cfg.window_size or cfg.softmax_type != "vanilla" or cfg.quick_geglu or cfg.glu_linear_offset
+                    or cfg.activation_func_clamp_value is not None),
+               "sliding windows, attention sinks and gpt-oss's clamped SwiGLU do not export to Megatron yet"),
               (cfg.num_layers % pp == 0 or ckpt_format == "torch_dist",  # torch_dist is whole over pp
                f"--target-pipeline-model-parallel-size {pp}: the model's {cfg.num_layers} "
                f"layers do not split evenly over {pp} stages (Megatron's torch checkpoints); pick a divisor"),

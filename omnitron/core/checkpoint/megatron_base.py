@@ -24,6 +24,8 @@ _ROWS = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "
          "linear_fc1.weight", "linear_fc1.bias")
 _COLUMNS = ("linear_proj.weight", "linear_fc2.weight")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+BUFFERS = (".mlp.router.expert_bias",)
+"""Buffers a full state may carry beside the parameters: the routers' expert bias (auxiliary-loss-free balancing)."""
 
 
 class MegatronConversionError(CheckpointError):
@@ -97,7 +99,8 @@ def _check_state(full: dict, cfg, path: str) -> None:
         if tuple(full[name].shape) != shape:
             raise MegatronConversionError(f"{path}: {name} has shape {tuple(full[name].shape)}, the args' model "
                                           f"{shape}; the checkpoint and its args do not match")
-    extra = sorted(set(full) - set(want))
+    extra = sorted(n for n in set(full) - set(want) if not (n.endswith(BUFFERS) and full[n].shape == (cfg.num_experts,)
+                                                            and cfg.moe_router_enable_expert_bias))
     if extra:
         raise MegatronConversionError(f"{path}: {len(extra)} tensors have no place in omnitron's GPT model (first: "
                                       f"{extra[0]}); the args do not describe these weights")

@@ -36,7 +36,10 @@ global one (whole over tensor and pipeline parallelism; DCP reshards on load):
   either spec; keys a checkpoint holds beyond a model's (the core attention's, for the local spec)
   are skipped by Megatron's default ``--dist-ckpt-strictness assume_ok_unexpected``. Hence one export
   loads under both specs (checked against megatron-core 0.16.1's ``dist_checkpointing.load`` and
-  ``GPTModel``, local spec, on CPU: see docs/megatron.md).
+  ``GPTModel``, local spec, on CPU: tests/checkpoint/test_megatron_core_interop.py).
+- MoE / MLA / MTP names: :mod:`omnitron.core.checkpoint.megatron_names`; experts are one key with an expert
+  axis (``mlp.experts.experts.*``), a ``--moe-layer-freq`` pattern makes the layers per-layer keys, norms that
+  the TE and the local spec key differently are written under both.
 
 Optimizer (``optimizer.*``) and RNG state are neither read nor written: an import is weights only, and an
 export loads in Megatron with ``--finetune`` or ``--no-load-optim --no-load-rng``.
@@ -44,6 +47,7 @@ export loads in Megatron with ``--finetune`` or ``--no-load-optim --no-load-rng`
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import re
@@ -58,9 +62,11 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from omnitron.core.checkpoint.dist import read as dcp_read
 from omnitron.core.checkpoint.dist_planner import ForeignReader, PieceSavePlanner, read_dcp_metadata
 from omnitron.core.checkpoint.io import _write_file
-from omnitron.core.checkpoint.megatron_base import (_TE_EXTRA, _TE_NORMS, _VOCAB, CHECKPOINT_VERSION,
+from omnitron.core.checkpoint.megatron_base import (_VOCAB, CHECKPOINT_VERSION,
                                                MegatronConversionError, _check_state, _tp_dim, commit_iteration,
                                                load_file, run_args)
+from omnitron.core.checkpoint.megatron_names import (STACKED_EXPERTS, dist_rests, extra_state_modules, homogeneous,
+                                                     is_moe, layer_of, omnitron_rest)
 
 CONFIG = "metadata.json"
 COMMON = "common.pt"
@@ -72,6 +78,8 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 _STACKED = re.compile(r"^decoder\.layers\.([A-Za-z_].*)$")
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+_MTP_OWN = re.compile(r"^mtp\.layers\.\d+\.((?:eh_proj|enorm|hnorm|final_layernorm)\..+)$")
 _OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
 _FIX = "import only checkpoints from a trusted Megatron run"
 
@@ -146,25 +154,20 @@ def _read_tensors(iter_dir: str, md) -> dict[str, torch.Tensor]:
 
 
 def state_from_tensors(tensors: dict[str, torch.Tensor], cfg, path: str) -> dict:
-    """omnitron's full state (global names, real vocabulary rows) of :func:`read`'s Megatron tensors."""
-    back = {v: k for k, v in _TE_NORMS.items()}
+    """omnitron's full state (global names, real vocabulary rows; routers' ``expert_bias`` buffers kept) of
+    :func:`read`'s Megatron tensors: stacked or per-layer keys, experts on their axis, any spec's norm names."""
     full = {}
     for key, t in tensors.items():
         if key.endswith(".inv_freq"):
             continue  # RoPE frequencies are recomputed
-        m, stacked = _PER_LAYER.match(key), _STACKED.match(key)
-        if m:
-            layers = [(int(m.group(1)), m.group(2), t)]
-        elif stacked:
-            if t.dim() == 0 or t.shape[0] != cfg.num_layers:
-                raise MegatronConversionError(f"{path}: {key} stacks {tuple(t.shape)[:1]} layers, the args' model "
-                                              f"{cfg.num_layers}; the checkpoint and its args do not match")
-            layers = [(i, stacked.group(1), t[i]) for i in range(cfg.num_layers)]
-        else:
-            full[key] = t
-            continue
-        for i, rest, x in layers:
-            full[f"decoder.layers.{i}.{back.get(rest, rest)}"] = x.clone()  # a copy: not a view of the stack
+        for prefix, rest, x in _layers_of(key, t, cfg, path):
+            if prefix is None:
+                full[key] = t
+            elif rest.startswith(STACKED_EXPERTS) and not rest[len(STACKED_EXPERTS)].isdigit():
+                for e in range(x.shape[0]):  # the expert axis of SequentialMLP's / TEGroupedMLP's one key
+                    _put(full, f"{prefix}mlp.experts.{e}.{rest[len(STACKED_EXPERTS):]}", x[e], path)
+            else:
+                _put(full, prefix + omnitron_rest(rest), x, path)
     for name in [n for n in full if n.endswith(("linear_fc1.weight_w", "linear_fc1.bias_w"))]:
         full[name[:-2]] = torch.cat([full.pop(name), full.pop(name[:-2] + "_v")])  # singleton SwiGLU halves
     for name in _VOCAB:
@@ -176,54 +179,117 @@ def state_from_tensors(tensors: dict[str, torch.Tensor], cfg, path: str) -> dict
     return full
 
 
+def _layers_of(key: str, t: torch.Tensor, cfg, path: str):
+    """``(omnitron layer prefix, Megatron layer rest, tensor)`` of each layer key ``key`` holds (a stacked key:
+    one per layer); ``(None, None, t)`` for a key outside the layers."""
+    m, mtp, stacked = _PER_LAYER.match(key), _MTP_LAYER.match(key), _STACKED.match(key)
+    if m:
+        return [(f"decoder.layers.{m.group(1)}.", m.group(2), t)]
+    if mtp:
+        return [(mtp.group(1), mtp.group(2), t)]
+    if stacked:
+        if t.dim() == 0 or t.shape[0] != cfg.num_layers:
+            raise MegatronConversionError(f"{path}: {key} stacks {tuple(t.shape)[:1]} layers, the args' model "
+                                          f"{cfg.num_layers}; the checkpoint and its args do not match")
+        return [(f"decoder.layers.{i}.", stacked.group(1), t[i]) for i in range(cfg.num_layers)]
+    return [(None, None, t)]
+
+
+def _put(full: dict, name: str, t: torch.Tensor, path: str) -> None:
+    """``full[name] = t`` (a copy: not a view of a stack); a second spelling of a name (the TE and the local
+    spec's norm keys, both in omnitron's exports) must hold the same tensor."""
+    if name in full:
+        if not torch.equal(full[name], t):
+            raise MegatronConversionError(f"{path}: two keys of {name} (the TE and the local layer spec's names) "
+                                          f"hold different tensors; the checkpoint is inconsistent")
+        return
+    full[name] = t.clone()
+
+
 # ---- writing ---------------------------------------------------------------------------------
 def megatron_tensors(full: dict, cfg, tp: int) -> dict[str, torch.Tensor]:
-    """``{Megatron key: global tensor}`` of omnitron full state ``full``: layers stacked, TE-fused norm
-    names (under either layer spec), vocabulary rows zero-padded for tensor-parallel size ``tp``."""
+    """``{Megatron key: global tensor}`` of omnitron full state ``full``: layers stacked when Megatron stacks them
+    (:func:`~omnitron.core.checkpoint.megatron_names.homogeneous`), experts stacked on their axis, the TE and
+    the local spec's norm keys (:func:`~omnitron.core.checkpoint.megatron_names.dist_rests`), a zero
+    ``expert_bias`` where the router has one and ``full`` does not, vocabulary rows zero-padded for ``tp``."""
     from omnitron.core.models.gpt.config import padded_vocab_size
 
-    out, layers = {}, {}
-    for name, t in full.items():
-        m = _PER_LAYER.match(name)
-        if m:
-            rest = _TE_NORMS.get(m.group(2), m.group(2))
-            layers.setdefault(rest, {})[int(m.group(1))] = t
-        elif name in _VOCAB:
-            out[name] = torch.cat([t, t.new_zeros(padded_vocab_size(cfg, tp) - t.shape[0], *t.shape[1:])])
-        else:
-            out[name] = t
-    for rest, per in layers.items():
-        out[f"decoder.layers.{rest}"] = torch.stack([per[i] for i in range(cfg.num_layers)])
+    mla, out, per, experts = bool(cfg.multi_latent_attention), {}, {}, {}
+    for name, t in {**_zero_expert_bias(cfg), **full}.items():
+        layer = layer_of(name)
+        if layer is None:
+            pad = padded_vocab_size(cfg, tp) - t.shape[0] if name in _VOCAB else 0
+            out[name] = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+            continue
+        prefix, i, _, rest = layer
+        for mrest in dist_rests(rest, mla=mla, moe=is_moe(cfg, i)):
+            if mrest.startswith(STACKED_EXPERTS):
+                experts.setdefault((prefix, mrest), {})[int(rest.split(".")[2])] = t
+            else:
+                per[(prefix, mrest)] = t
+    for (prefix, mrest), ts in experts.items():
+        per[(prefix, mrest)] = torch.stack([ts[e] for e in range(cfg.num_experts)])
+    stack = homogeneous(cfg)
+    for mrest in sorted({r for p, r in per if stack and p.startswith("decoder.")}):
+        out[f"decoder.layers.{mrest}"] = torch.stack([per.pop((f"decoder.layers.{i}.", mrest))
+                                                      for i in range(cfg.num_layers)])
+    out.update({prefix + mrest: t for (prefix, mrest), t in per.items()})
     return out
+
+
+def _zero_expert_bias(cfg) -> dict[str, torch.Tensor]:
+    """A zero ``mlp.router.expert_bias`` (float32, as Megatron's buffer) of every MoE layer whose router has one."""
+    if not (cfg.num_experts and cfg.moe_router_enable_expert_bias):
+        return {}
+    prefixes = [f"decoder.layers.{i}." for i in range(cfg.num_layers) if is_moe(cfg, i)]
+    prefixes += [f"mtp.layers.{k}.transformer_layer." for k in range(cfg.mtp_num_layers or 0) if is_moe(cfg, None)]
+    return {f"{p}mlp.router.expert_bias": torch.zeros(cfg.num_experts) for p in prefixes}
 
 
 def pieces_of(key: str, g: torch.Tensor, tp: int, swiglu: bool) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """The pieces Megatron's ranks write of global tensor ``g``: one per layer (stacked keys) and tensor
-    rank (SwiGLU's fc1: 2 tp, gate and up fragments), each ``(offsets, contiguous copy)``."""
+    """The pieces Megatron's ranks write of global tensor ``g``: one per layer (stacked keys), expert (the
+    experts' keys) and tensor rank (SwiGLU's fc1: 2 tp, gate and up fragments), each ``(offsets, copy)``."""
+    lead = bool(_STACKED.match(key)) + (STACKED_EXPERTS in key)
     dim = _tp_dim(key)
-    stacked = bool(_STACKED.match(key))
     parts = 1 if dim is None else 2 * tp if swiglu and ".linear_fc1." in key else tp
-    dim = (dim or 0) + stacked
+    dim = (dim or 0) + lead
     out = []
-    for layer in range(g.shape[0]) if stacked else [None]:
-        base = g[layer:layer + 1] if stacked else g
-        n = base.shape[dim] // parts
-        for j in range(parts):
-            off = [0] * g.dim()
-            off[0] = layer if stacked else off[0]
-            off[dim] += j * n
-            out.append((tuple(off), base.narrow(dim, j * n, n).contiguous()))
+    for idx in itertools.product(*(range(n) for n in g.shape[:lead])):
+        base = g[tuple(slice(i, i + 1) for i in idx)]
+        n = base.shape[dim] // parts if dim < g.dim() else 0
+        for j in range(parts if n else 1):
+            off = list(idx) + [0] * (g.dim() - lead)
+            if n:
+                off[dim] += j * n
+            out.append((tuple(off), (base.narrow(dim, j * n, n) if n else base).contiguous()))
     return out
 
 
-def _extra_states(num_layers: int) -> dict[str, io.BytesIO]:
-    """TE modules' ``_extra_state`` ShardedObjects of every layer, empty: bytes items as Megatron names them."""
-    out = {}
-    for mod in _TE_EXTRA:
-        for i in range(num_layers):
-            buf = io.BytesIO()
-            torch.save([None], buf)
-            out[f"decoder.layers.{mod}/shard_{i}_{num_layers}"] = buf  # mod ends in ._extra_state
+def _extra_states(tensors: dict[str, torch.Tensor], cfg) -> dict[str, io.BytesIO]:
+    """Every linear's (and TE's core attention's) ``_extra_state`` ShardedObject of the Megatron keys ``tensors``,
+    empty (``[None]``, no FP8 state): bytes items ``<module>._extra_state/shard_<offsets>_<shape>`` as Megatron
+    names them (stacked: one per layer; experts: one per expert)."""
+    groups: dict[str, set[str]] = {}
+    for key in tensors:
+        m = _STACKED.match(key) or _PER_LAYER.match(key) or _MTP_LAYER.match(key) or _MTP_OWN.match(key)
+        if m:  # the layer's rest is the last group, its prefix what precedes it
+            rest = m.group(m.lastindex)
+            groups.setdefault(key[:len(key) - len(rest)], set()).add(rest)
+    out, L, E = {}, cfg.num_layers, cfg.num_experts
+    for prefix, rests in groups.items():
+        stacked = prefix == "decoder.layers."
+        for mod in extra_state_modules(rests):
+            expert = mod.startswith(STACKED_EXPERTS)
+            for i in range(L) if stacked else [0]:
+                for e in range(E) if expert else [None]:
+                    off = ([i] if stacked else []) + ([e] if expert else [])
+                    shape = ([L] if stacked else []) + ([E] if expert else [])
+                    if not off:
+                        off, shape = [0], [1]
+                    buf = io.BytesIO()
+                    torch.save([None], buf)
+                    name = f"{prefix}{mod}._extra_state/shard_{'.'.join(map(str, off))}_{'.'.join(map(str, shape))}"
+                    out[name] = buf
     return out
 
 
@@ -235,8 +301,9 @@ def write(full: dict, cfg, args, out_dir: str, iteration: int, tp: int) -> str:
     final = os.path.join(out_dir, f"iter_{iteration:07d}")
     tmp = final + ".tmp"
     os.makedirs(tmp, exist_ok=True)
-    pieces = {k: (tuple(g.shape), pieces_of(k, g, tp, cfg.swiglu)) for k, g in megatron_tensors(full, cfg, tp).items()}
-    planner = MegatronSavePlanner(_extra_states(cfg.num_layers))
+    tensors = megatron_tensors(full, cfg, tp)
+    pieces = {k: (tuple(g.shape), pieces_of(k, g, tp, cfg.swiglu)) for k, g in tensors.items()}
+    planner = MegatronSavePlanner(_extra_states(tensors, cfg))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
         dcp.save(pieces, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1),

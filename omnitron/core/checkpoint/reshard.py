@@ -333,7 +333,9 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
     for c, chunk in enumerate(chunks):
         local = full_state_shards(chunk, full.model, tp_size, tp_rank)
         sd = chunk.state_dict()
-        # buffers a full state may hold (HF DeepSeek-V3's routing bias: the routers' expert_bias) are carried too
+        # buffers a full state may hold (imported routing biases: the routers' expert_bias), under the global
+        # names the parameters carry, or under the chunk's own names
+        local.update(_buffers_of(chunk, full.model))
         models.append({k: _own(local[k]) if k in local else _own(full.model[k].to(v.dtype))
                        if k.endswith("expert_bias") and k in full.model else v for k, v in sd.items()})
         # frozen parameters (requires_grad False) have no optimizer state: not strict here
@@ -348,6 +350,20 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
                 entry = {k: _own(d[name]) for k, d in per_kind.items() if name in d and (k != "master" or name in low)}
                 tensors[f"chunk{c}.{name}"] = entry
     return {"model": models, "optimizer": dict(full.optimizer_meta, tensors=tensors), "scheduler": full.scheduler}
+
+
+def _buffers_of(chunk, model: dict) -> dict[str, torch.Tensor]:
+    """``{chunk's buffer name: tensor}`` of the routers' ``expert_bias`` buffers ``model`` holds under their global
+    names (an imported checkpoint's; the router's ``weight`` parameter carries the global name)."""
+    params, out = dict(chunk.named_parameters()), {}
+    for name, b in chunk.named_buffers():
+        weight = name[:-len("expert_bias")] + "weight"
+        if not name.endswith("router.expert_bias") or weight not in params:
+            continue
+        key = getattr(params[weight], "init_name", weight)
+        if key[:-len("weight")] + "expert_bias" in model:
+            out[name] = model[key[:-len("weight")] + "expert_bias"].to(b.dtype)
+    return out
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
