@@ -53,7 +53,7 @@ from omnitron.core.checkpoint.dist_layout import (global_name, global_shape, row
                                                   tp_writer)
 from omnitron.core.checkpoint.dist_planner import Pieces, PieceLoadPlanner, PieceSavePlanner, VerifiedReader
 from omnitron.core.checkpoint.io import CheckpointError
-from omnitron.core.parallel.data.fsdp import shard_offset
+from omnitron.core.parallel.data.fsdp import local_shard, shard_offset
 from omnitron.core.parallel.tensor.mappings import local_rank
 
 FORMAT = "torch_dist"
@@ -131,7 +131,7 @@ def model_pieces(c, *, save: bool) -> Pieces:
             if share is None:
                 continue
             split = _split(c, p)
-            pieces = row_pieces(p, split, p.to_local().detach(), shard_offset(p)) if fsdp else \
+            pieces = row_pieces(p, split, local_shard(p.detach()), shard_offset(p)) if fsdp else \
                 shard_pieces(p, split, p.detach())
             _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), _spread(pieces, *share))
     return table
