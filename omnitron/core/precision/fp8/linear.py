@@ -124,7 +124,9 @@ class FP8Linear:
         state.flush(self.provider.backend.kernels.fp8_amax_history_push)
         per_step = self.reducer is not None and self.reducer.per_step
         if state.uses == 0 and not state.bootstrapped:  # no history yet: this first use is scaled from its own amax
-            amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
+            amax = _amax(x)
+            if not per_step:  # per step: this rank's own amax, no collective (scaling.py); the step's end shares it
+                amax = reduce_amax(amax, self.amax_groups, self.collectives)
             state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
             state.bootstrapped = per_step  # per step: later uses of step 1 keep this scale until the step ends
             q, qt, _ = cast(x, state.scale, fmt)
