@@ -34,7 +34,7 @@ ENV = {"OMNITRON_FP8_PATH": "emulated"}
 FP8_REL = 1.1e-4
 
 
-def _train_recorded(root: str, world: int, layers: int) -> dict:
+def _train_recorded(root: str, world: int, layers: int, extra: tuple = ()) -> dict:
     """``omnitron train`` with FSDP2 and FP8 at ``layers`` layers; per step, the all-reduces the backend issued
     (op, numel) and the all-gathers' input bytes; plus the bytes one layer unit's all-gather should carry."""
     import torch.distributed as dist
@@ -69,13 +69,13 @@ def _train_recorded(root: str, world: int, layers: int) -> dict:
 
     be.collectives.all_reduce, dist.all_gather_single, loop.train_step = counted_reduce, counted_gather, step
     try:
-        res = loop.train(parse_settings(_argv(root, "--use-torch-fsdp2", *FP8, "--num-layers", str(layers)), world),
+        res = loop.train(parse_settings(_argv(root, "--use-torch-fsdp2", *FP8, "--num-layers", str(layers), *extra), world),
                          be)
     finally:
         be.collectives.all_reduce, dist.all_gather_single, loop.train_step = reduce, gather, train_step
     c = res["components"]
     return {"losses": [res["losses"][i] for i in sorted(res["losses"])],
-            "val": [v["val_loss"] for v in res["validation"]], "steps": steps, **_unit_bytes(c, world)}
+            "val": [v["val_loss"] for v in res["validation"]], "steps": steps, **_unit_bytes(c, c.groups.dp_cp.size)}
 
 
 def _unit_bytes(c, world: int) -> dict:
@@ -91,10 +91,10 @@ def _unit_bytes(c, world: int) -> dict:
             "fp8_weights": sum(f for _, f in sizes) * len(layers)}
 
 
-def _worker(root: str, layer_counts: tuple) -> dict:
+def _worker(root: str, layer_counts: tuple, extra: tuple = ()) -> dict:
     import torch.distributed as dist
 
-    return {n: _train_recorded(f"{root}/l{n}", dist.get_world_size(), n) for n in layer_counts}
+    return {n: _train_recorded(f"{root}/l{n}", dist.get_world_size(), n, extra) for n in layer_counts}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +166,15 @@ def test_fsdp2_fp8_dp4_trains_as_one_process(one_process, tmp_path):
     _check_parity(one_process, [r[2] for r in ranks])
     for r in ranks:
         _check_gathers(r[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--tensor-model-parallel-size", "2"), ("--pipeline-model-parallel-size", "2")])
+def test_fsdp2_fp8_with_tp2_or_pp2_trains_as_one_process(one_process, tmp_path, layout):
+    """tp2 x dp2 (each weight's amax reduced over its tp shards and dp shards in the one all-reduce) and pp2 x dp2
+    (each stage its own reduction group); same bound: the layouts differ from one process only in fp32 sums."""
+    ranks = run_distributed(_worker, 4, str(tmp_path), (2,), layout, env=ENV, timeout_s=900)
+    _check_parity(one_process, [r[2] for r in ranks])
 
 
 @requires_sim()
