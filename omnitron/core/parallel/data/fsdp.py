@@ -22,7 +22,8 @@ accumulate unsharded gradients in ``reduce_dtype`` (4 bytes per parameter of the
 step's backwards). ``--fsdp2-reduce-every-microbatch`` instead reduce-scatters after every micro-batch's
 backward and accumulates the sharded gradients: ZeRO-3's memory during the step, for one reduce-scatter per
 micro-batch (``benchmarks/fsdp2.py`` measures both). Mixed precision: ``MixedPrecisionPolicy(param_dtype=
-the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP's mean over dp x cp.
+the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP's mean over dp x cp. With FP8
+(tensorwise), the FP8 linears' weights are all-gathered in e4m3 instead (:mod:`omnitron.core.precision.fp8.fsdp`).
 """
 from __future__ import annotations
 
