@@ -96,11 +96,11 @@ def _assert_scales(got: list[list[dict]], want: list[list[dict]]) -> None:
 
 @pytest.mark.parametrize("layers", [2, 6])
 def test_one_amax_collective_per_step_whatever_the_layers_and_micro_batches(layers):
-    """Step 1: each role's first use scales from its own amax (one reduction each: 3 per layer) plus the step's
-    one packed reduction; later steps: exactly one. Scales equal the reference from the local amaxes."""
+    """Every step, step 1 included, issues exactly one (packed) reduction: step 1's first uses scale from their
+    own local amaxes without a collective. Scales equal the reference from the local amaxes."""
     coll = _Counting()
     counts, amaxes, scales = _train(layers, (_Pair(),), coll, seed=0)
-    assert counts == [3 * layers + 1] + [1] * (STEPS - 1), counts
+    assert counts == [1] * STEPS, counts
     _assert_scales(scales, _reference_scales([amaxes]))
 
 
@@ -116,10 +116,10 @@ def _rank(layers: int) -> tuple[list[int], list, list]:
 
 
 def test_two_ranks_scale_from_the_max_of_both_ranks_amaxes():
-    """Over gloo (dp2, different inputs per rank): one all-reduce per step after the first, and every rank's
-    scales equal the reference computed from both ranks' local step amaxes."""
+    """Over gloo (dp2, different inputs per rank): one all-reduce per step from step 1 on, and every rank's
+    scales equal the reference computed from both ranks' local step amaxes (step 1's local scales included)."""
     results = run_distributed(_rank, 2, 2)
     want = _reference_scales([amaxes for _, amaxes, _ in results])
     for counts, _, scales in results:
-        assert counts[1:] == [1] * (STEPS - 1), counts
+        assert counts == [1] * STEPS, counts
         _assert_scales(scales, want)

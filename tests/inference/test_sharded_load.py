@@ -17,7 +17,10 @@ from omnitron.testing.distributed import run_distributed
 
 V = 300
 IDS = [[3, 14, 15, 92, 65, 35], [89, 7, 9, 3, 2, 38]]
-BLOCK = 64  # bytes per block digest in the test checkpoint: torch.save aligns tensor data to 64 bytes
+MIN_PIECE = 64  # the smallest row-aligned piece in the test checkpoint: its rows are 64-384 bytes (fp32)
+ARCHIVE = 2048
+"""Bytes of a saved chunk around its tensor data (torch.save's zip headers, pickle and directory: ~1.2 KiB for one
+tensor), read whole as the blocks before and after the tensor's pieces."""
 # fp32 tp2 against float64: 4 layers of GEMMs over n <= 192 terms (fp32 sums: relative error ~ n 2**-24
 # worst case ~1.1e-5 per GEMM, about 3 GEMMs per layer plus the head, so ~1.5e-4 relative), on logits of
 # |x| <= max|ref| (the weights are sharpened x4); the bound below is that relative error times max|ref|.
@@ -33,7 +36,7 @@ def _cfg():
 
 def _write(root: str, monkeypatch) -> tuple[str, str, torch.Tensor]:
     """(torch_dist checkpoint dir, safetensors file, float64 reference logits [s, b, V+1])."""
-    from omnitron.core.checkpoint import integrity
+    from omnitron.core.checkpoint import dist_slices
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.checkpoint.reshard import Layout, convert, export_safetensors
     from omnitron.core.models.gpt.model import GPTModel
@@ -49,7 +52,7 @@ def _write(root: str, monkeypatch) -> tuple[str, str, torch.Tensor]:
     full = {n: t.clone() for n, t in gather_full_state(model, model.groups).items()}
     write_weights_checkpoint(full, cfg, root + "/torch", Layout(tp=1), config={"tokenizer_type": "NullTokenizer",
                                                                               "vocab_size": V})
-    monkeypatch.setattr(integrity, "BLOCK", BLOCK)
+    monkeypatch.setattr(dist_slices, "MIN_PIECE", MIN_PIECE)
     dist = convert(root + "/torch/iter_0000000", root + "/dist", Layout(tp=1), "torch_dist")
     export_safetensors(dist, root + "/m.safetensors")
     ref = GPTModel(dataclasses.replace(cfg, params_dtype=torch.float64), ParallelGroups.single(), seed=0).eval()
@@ -115,7 +118,9 @@ def test_each_tp_rank_reads_its_own_bytes_and_a_flipped_byte_is_caught(tmp_path,
         for src in (dist, safe):
             loaded = load_sharded(src, _seen_tp2(rank), get_backend("cpu"))
             own, n = _own_bytes(loaded.model, rank), len(list(loaded.model.parameters()))
-            assert own <= loaded.read_bytes <= own + (0 if src == safe else n * (4 * BLOCK + 2048)), (rank, src)
+            # torch_dist: every split cuts rows at piece boundaries (row halves and quarters of >= MIN_PIECE bytes), so
+            # the rank reads its own bytes plus each tensor's archive bytes, whatever the split dimension
+            assert own <= loaded.read_bytes <= own + (0 if src == safe else n * ARCHIVE), (rank, src)
     want = load_sharded(safe, _seen_tp2(1), get_backend("cpu")).model.decoder.layers["0"].mlp.linear_fc1.weight
     data = next(f for f in __import__("glob").glob(dist + "/iter_*/__0_*.distcp"))
     raw = bytearray(open(data, "rb").read())
@@ -141,6 +146,21 @@ def test_tp2_reads_only_its_slices_and_matches_float64(tmp_path, monkeypatch):
             torch.testing.assert_close(got["logits"].double(), want, rtol=0, atol=tol, msg=f"rank {rank}")
         # safetensors: get_slice copies exactly the rank's boxes
         assert from_safe["read"] == from_safe["own"], rank
-        # torch_dist: the blocks holding the boxes (64-byte aligned runs: no partial blocks), plus per tensor
-        # the archive's directory and headers (at most 4 blocks and torch.save's 2 KiB of pickle around them)
-        assert from_dist["own"] <= from_dist["read"] <= from_dist["own"] + from_dist["tensors"] * (4 * BLOCK + 2048)
+        # torch_dist: the row-aligned pieces holding the boxes, plus per tensor the archive's bytes
+        assert from_dist["own"] <= from_dist["read"] <= from_dist["own"] + from_dist["tensors"] * ARCHIVE
+
+
+def test_an_index_without_row_layouts_still_loads(tmp_path, monkeypatch):
+    """A checkpoint whose chunk index has uniform blocks only (written before row-aligned pieces) loads the same
+    weights, reading whole blocks around each run."""
+    from omnitron.backends import get_backend
+    from omnitron.core.checkpoint import dist as dist_format
+    from omnitron.core.inference.loader import load_sharded
+
+    new, _, _ = _write(str(tmp_path / "new"), monkeypatch)
+    monkeypatch.setattr(dist_format, "_row_layouts", lambda *a: {})
+    old, _, _ = _write(str(tmp_path / "old"), monkeypatch)
+    a, b = (load_sharded(src, _seen_tp2(1), get_backend("cpu")) for src in (new, old))
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name
+    assert a.read_bytes < b.read_bytes, (a.read_bytes, b.read_bytes)

@@ -295,7 +295,9 @@ def test_fsdp2_low_precision_resume_is_bit_exact(tmp_path, precision):
     (("--overlap-grad-reduce",), 4, "drop --overlap-grad-reduce"),
     (("--use-distributed-optimizer", "--overlap-param-gather"), 4, "drop --use-distributed-optimizer"),
     (("--ddp-bucket-size", "1000"), 4, "drop --ddp-bucket-size"),
-    (("--fp8-format", "hybrid"), 4, "use --use-distributed-optimizer instead of --use-torch-fsdp2"),
+    (("--fp8-format", "hybrid"), 4, "--fp8-recipe delayed: FP8 weights are all-gathered under tensorwise scaling "
+                                    "only (scales precomputed once per step); use --fp8-recipe tensorwise"),
+    (("--fp8-format", "hybrid", "--fp8-recipe", "blockwise"), 4, "use --fp8-recipe tensorwise"),
     (("--num-experts", "4", "--moe-router-topk", "2"), 4, "experts are replicated"),
     (("--ckpt-format", "torch"), 4, "--ckpt-format torch_dist"),
     (("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"), 4, "zero-bubble"),

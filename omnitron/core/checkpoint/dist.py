@@ -53,7 +53,7 @@ from omnitron.core.checkpoint.dist_layout import (global_name, global_shape, row
                                                   tp_writer)
 from omnitron.core.checkpoint.dist_planner import Pieces, PieceLoadPlanner, PieceSavePlanner, VerifiedReader
 from omnitron.core.checkpoint.io import CheckpointError
-from omnitron.core.parallel.data.fsdp import shard_offset
+from omnitron.core.parallel.data.fsdp import local_shard, shard_offset
 from omnitron.core.parallel.tensor.mappings import local_rank
 
 FORMAT = "torch_dist"
@@ -131,7 +131,7 @@ def model_pieces(c, *, save: bool) -> Pieces:
             if share is None:
                 continue
             split = _split(c, p)
-            pieces = row_pieces(p, split, p.to_local().detach(), shard_offset(p)) if fsdp else \
+            pieces = row_pieces(p, split, local_shard(p.detach()), shard_offset(p)) if fsdp else \
                 shard_pieces(p, split, p.detach())
             _add(table, "model/" + global_name(name, p), global_shape(p, split[0]), _spread(pieces, *share))
     return table
@@ -207,14 +207,36 @@ class _RecordingWriter(FileSystemWriter):
     carries them on some torch versions only (its ``storage_data`` is None on 2.9)."""
 
     written: list = []
+    shapes: dict = {}
+    """``{(file, offset, length): (saved chunk sizes, bytes per element)}`` of the tensors written (the row
+    layout of each chunk's block digests: :func:`~.dist_slices.chunk_layout`)."""
 
     def write_data(self, plan, planner):
+        tensors = {item.index: item.tensor_data for item in plan.items if item.tensor_data is not None}
+
         def keep(fut):
             results = fut.value()
             self.written = [r.storage_data for r in results]
+            self.shapes = {(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length):
+                           (tuple(tensors[r.index].chunk.sizes), tensors[r.index].properties.dtype.itemsize)
+                           for r in results if r.index in tensors}
             return results
 
         return super().write_data(plan, planner).then(keep)
+
+
+def _row_layouts(path: str, name: str, ranges, shapes: dict) -> dict:
+    """``{(offset, length): (start, piece, end)}``: each tensor chunk's bytes cut at row-aligned pieces for its block
+    digests (:func:`~.dist_slices.chunk_layout`), so a reader of a column slice reads only its own bytes."""
+    from omnitron.core.checkpoint.dist_slices import chunk_layout
+
+    out = {}
+    for off, n in ranges:
+        if (name, off, n) in shapes:
+            layout = chunk_layout(path, off, n, *shapes[(name, off, n)], integrity.BLOCK)
+            if layout is not None:
+                out[(off, n)] = layout
+    return out
 
 
 def begin(c, save_dir: str, iteration: int, barrier) -> str:
@@ -240,7 +262,8 @@ def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None, *, colle
                  no_dist=not collective)
     for f in glob.glob(os.path.join(glob.escape(tmp), f"__{rank}_*.distcp")):  # digests of the file and its chunks
         name = os.path.basename(f)
-        integrity.write_chunk_index(f, [(i.offset, i.length) for i in writer.written if i.relative_path == name])
+        ranges = [(i.offset, i.length) for i in writer.written if i.relative_path == name]
+        integrity.write_chunk_index(f, ranges, _row_layouts(f, name, ranges, writer.shapes))
     if rank == 0:
         integrity.write_digest(os.path.join(tmp, ".metadata"))
     io._write_shard(tmp, rank, local)

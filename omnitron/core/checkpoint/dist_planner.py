@@ -244,8 +244,9 @@ class VerifiedReader(FileSystemReader):
                 raise CheckpointError(f"{self.dir}/{info.relative_path}: bytes {info.offset}..{info.offset + info.length}"
                                       f" have no block digests in its chunk index: the checkpoint is corrupt; load an "
                                       f"earlier iteration, or re-save")
+            layout, chunk_digests = digests[(info.offset, info.length)]
             open_chunks[key] = ChunkBytes(f"{self.dir}/{info.relative_path}", info.offset, info.length, size,
-                                          algorithm, digests[(info.offset, info.length)])
+                                          algorithm, chunk_digests, layout)
         target = planner.resolve_tensor(item).detach()
         direct = target.is_contiguous() and target.device.type == "cpu" and target.dtype == md.properties.dtype
         try:  # straight into the live tensor where it is a contiguous host view of the same dtype

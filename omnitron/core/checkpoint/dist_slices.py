@@ -12,6 +12,7 @@ that is not the chunk's) returns None and the caller reads the chunk whole, as D
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import itertools
@@ -22,25 +23,50 @@ import zipfile
 
 import torch
 
-from omnitron.core.checkpoint.integrity import IntegrityError
+from omnitron.core.checkpoint.integrity import IntegrityError, block_bounds
 
 _STORAGE = re.compile(r"^[^/]+/data/\d+$")
 
 
-class ChunkBytes(io.RawIOBase):
-    """A seekable, read-only view of the saved chunk at bytes ``[base, base + length)`` of file ``path``, read
-    block by block (``block`` bytes), each block hashed with ``algorithm`` and checked against ``digests``
-    before any of it is returned; ``read_bytes`` counts the bytes read from disk."""
+MIN_PIECE = 1 << 10
+SPAN = 4 << 20
+"""Most bytes one file read of consecutive blocks fetches (a whole-chunk read is hashed and copied span by span)."""
+"""Smallest row-aligned piece a chunk index cuts a tensor's rows into (:func:`piece_bytes`)."""
 
-    def __init__(self, path: str, base: int, length: int, block: int, algorithm: str, digests: list[str]) -> None:
+
+def piece_bytes(sizes: tuple[int, ...], itemsize: int, block: int) -> int:
+    """Bytes per verified piece of a saved tensor of ``sizes``: a row (the last dimension) halved up to three times
+    while the half stays at least :data:`MIN_PIECE` and a whole number of elements -- so a tensor-parallel column
+    slice at tp 2, 4 or 8 starts and ends on piece boundaries and reads only its own bytes -- and further while
+    over ``block``; rows shorter than :data:`MIN_PIECE` are grouped, as many whole rows as fit in ``block``."""
+    row = (sizes[-1] if sizes else 1) * itemsize
+    if row < MIN_PIECE:
+        return max(1, block // max(row, 1)) * max(row, 1)
+    piece, halvings = row, 0
+    while piece % (2 * itemsize) == 0 and (piece // 2 >= MIN_PIECE and halvings < 3 or piece > block):
+        piece, halvings = piece // 2, halvings + 1
+    return piece
+
+
+def chunk_layout(path: str, base: int, length: int, sizes: tuple[int, ...], itemsize: int,
+                 block: int) -> tuple[int, int, int] | None:
+    """``(start, piece, end)`` of the saved chunk at ``[base, base + length)`` of ``path`` (its tensor's bytes
+    ``[start, end)`` within the chunk, cut every ``piece`` bytes: :func:`~.integrity.block_bounds`), read
+    unverified at save time from the file just written; None when the chunk is not a plain one-storage archive."""
+    nbytes = math.prod(sizes) * itemsize
+    with FileWindow(path, base, length) as window:
+        start = storage_offset(window, nbytes)
+    return None if start is None else (start, piece_bytes(tuple(sizes), itemsize, block), start + nbytes)
+
+
+class FileWindow(io.RawIOBase):
+    """A seekable, read-only view of bytes ``[base, base + length)`` of file ``path`` (the file protocol zipfile
+    needs, plus :meth:`pread`); ``read_bytes`` counts the bytes read from disk. Unverified: :class:`ChunkBytes`
+    verifies."""
+
+    def __init__(self, path: str, base: int, length: int) -> None:
         super().__init__()
-        if len(digests) != max(1, math.ceil(length / block)) and length:
-            raise IntegrityError(f"{path}: the chunk at {base} has {len(digests)} block digests, its "
-                                 f"{length} bytes need {math.ceil(length / block)}")
-        self.path, self.base, self.length, self.block = path, base, length, block
-        self.algorithm, self.digests = algorithm, digests
-        self.cache: dict[int, bytes] = {}
-        self.last: tuple[int, bytes] = (-1, b"")
+        self.path, self.base, self.length = path, base, length
         self.pos, self.read_bytes = 0, 0
         self.file = open(path, "rb")
 
@@ -48,37 +74,16 @@ class ChunkBytes(io.RawIOBase):
         self.file.close()
         super().close()
 
-    def _block(self, j: int, keep: bool) -> bytes:
-        """Block ``j``, read and verified (``keep``: cached, for the archive's headers read piecewise)."""
-        if j in self.cache:
-            return self.cache[j]
-        if self.last[0] == j:  # runs come in file order: the next run often starts in the block just read
-            return self.last[1]
-        self.file.seek(self.base + j * self.block)
-        data = self.file.read(min(self.block, self.length - j * self.block))
-        self.read_bytes += len(data)
-        if hashlib.new(self.algorithm, data).hexdigest() != self.digests[j]:
-            raise IntegrityError(f"{self.path} is corrupt: bytes {self.base + j * self.block}.."
-                                 f"{self.base + j * self.block + len(data)} do not match the chunk index's "
-                                 f"block digest")
-        if keep:
-            self.cache[j] = data
-        self.last = (j, data)
-        return data
-
     def pread(self, offset: int, n: int, into: memoryview | None = None, keep: bool = True) -> bytes | None:
-        """Bytes ``[offset, offset + n)`` of the chunk (clipped at its end), from verified blocks; with ``into``
-        (a byte view of ``n`` bytes) written there instead of returned, without caching the blocks."""
+        """Bytes ``[offset, offset + n)`` of the window (clipped at its end), or written into ``into``."""
         n = max(0, min(n, self.length - offset))
-        out = bytearray(n) if into is None else into
-        pos = offset
-        while pos < offset + n:
-            j = pos // self.block
-            data = self._block(j, keep and into is None)
-            lo, hi = pos - j * self.block, min(len(data), offset + n - j * self.block)
-            out[pos - offset:pos - offset + hi - lo] = data[lo:hi]
-            pos += hi - lo
-        return bytes(out) if into is None else None
+        self.file.seek(self.base + offset)
+        data = self.file.read(n)
+        self.read_bytes += len(data)
+        if into is None:
+            return data
+        into[:len(data)] = data
+        return None
 
     # the file protocol zipfile needs
     def readable(self) -> bool:
@@ -99,6 +104,67 @@ class ChunkBytes(io.RawIOBase):
         self.pos += len(out)
         return out
 
+
+class ChunkBytes(FileWindow):
+    """A :class:`FileWindow` over one saved chunk read block by block (``block`` bytes, or the row-aligned
+    ``layout``: :func:`~.integrity.block_bounds`), each block hashed with ``algorithm`` and checked against
+    ``digests`` before any of it is returned; consecutive blocks a read needs are fetched in one file read."""
+
+    def __init__(self, path: str, base: int, length: int, block: int, algorithm: str, digests: list[str],
+                 layout: tuple[int, int, int] | None = None) -> None:
+        super().__init__(path, base, length)
+        self.bounds = block_bounds(length, layout, block)
+        if len(digests) != max(1, len(self.bounds) - 1) and length:
+            raise IntegrityError(f"{path}: the chunk at {base} has {len(digests)} block digests, its "
+                                 f"{length} bytes need {len(self.bounds) - 1}")
+        self.algorithm, self.digests = algorithm, digests
+        self.cache: dict[int, bytes] = {}
+        self.last: tuple[int, bytes] = (-1, b"")
+
+    def _held(self, j: int):
+        """Block ``j`` if already read and kept (runs come in file order: the next often starts in the last)."""
+        return self.cache.get(j, self.last[1] if self.last[0] == j else None)
+
+    def _stretch(self, j: int, j1: int, keep: bool) -> list[tuple[int, memoryview]]:
+        """Blocks ``j..k`` (k <= ``j1``), verified: block ``j`` alone when already held, else the blocks not held
+        from ``j`` on, up to :data:`SPAN` bytes, in one file read (``keep``: cached, for the archive's headers
+        read piecewise). Only the last block outlives the call (``last``), as a copy."""
+        if self._held(j) is not None:
+            return [(j, memoryview(self._held(j)))]
+        k = j
+        while k < j1 and self._held(k + 1) is None and self.bounds[k + 2] - self.bounds[j] <= SPAN:
+            k += 1
+        self.file.seek(self.base + self.bounds[j])
+        raw = memoryview(self.file.read(self.bounds[k + 1] - self.bounds[j]))
+        self.read_bytes += len(raw)
+        out = []
+        for i in range(j, k + 1):
+            data = raw[self.bounds[i] - self.bounds[j]:self.bounds[i + 1] - self.bounds[j]]
+            self._check(i, data)
+            if keep:
+                self.cache[i] = bytes(data)
+            out.append((i, data))
+        self.last = (k, bytes(out[-1][1]))
+        return out
+
+    def _check(self, j: int, data) -> None:
+        want = self.digests[j]
+        if hashlib.new(self.algorithm, data).hexdigest()[:len(want)] != want or len(data) != self.bounds[j + 1] - self.bounds[j]:
+            raise IntegrityError(f"{self.path} is corrupt: bytes {self.base + self.bounds[j]}.."
+                                 f"{self.base + self.bounds[j + 1]} do not match the chunk index's block digest")
+
+    def pread(self, offset: int, n: int, into: memoryview | None = None, keep: bool = True) -> bytes | None:
+        """Bytes ``[offset, offset + n)`` of the chunk (clipped at its end), from verified blocks; with ``into``
+        (a byte view of ``n`` bytes) written there instead of returned, without caching the blocks."""
+        n = max(0, min(n, self.length - offset))
+        out = bytearray(n) if into is None else into
+        j, j1 = bisect.bisect_right(self.bounds, offset) - 1, bisect.bisect_right(self.bounds, offset + n - 1) - 1
+        while n and j <= j1:
+            for i, data in self._stretch(j, j1, keep and into is None):
+                lo, hi = max(offset, self.bounds[i]), min(offset + n, self.bounds[i + 1])
+                out[lo - offset:hi - offset] = data[lo - self.bounds[i]:hi - self.bounds[i]]
+                j = i + 1
+        return bytes(out) if into is None else None
 
 def storage_offset(chunk: ChunkBytes, nbytes: int) -> int | None:
     """Offset in ``chunk`` of the ``torch.save`` archive's tensor bytes when they are its one stored storage

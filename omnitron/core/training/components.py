@@ -105,11 +105,34 @@ def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
     from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
 
     if uses_fsdp2(settings):
+        scales = fp8_weight_scales(settings, groups, backend)
         return [FullyShardedDataParallel(m, groups, compute_dtype=settings.model.params_dtype,
                                          device_type=backend.device_type, collectives=backend.collectives,
-                                         reduce_every_microbatch=settings.ddp.fsdp2_reduce_every_microbatch)
+                                         reduce_every_microbatch=settings.ddp.fsdp2_reduce_every_microbatch,
+                                         fp8_scales=scales)
                 for m in modules]
     return [DistributedDataParallel(m, groups, settings.ddp) for m in modules]
+
+
+def fp8_weight_scales(settings, groups, backend):
+    """With FP8 and --use-torch-fsdp2: the :class:`~omnitron.core.precision.fp8.fsdp.WeightScales` that makes FSDP2
+    all-gather the FP8 linears' weights in FP8 (over the amax reduction group, made here by every rank); else None."""
+    if settings.fp8 is None:
+        return None
+    from omnitron.core.precision.fp8.enable import amax_reduction_group
+    from omnitron.core.precision.fp8.fsdp import WeightScales
+
+    return WeightScales(amax_reduction_group(groups, backend.collectives), backend.collectives,
+                        margin=settings.fp8.fp8_margin)
+
+
+def fp8_refresh_hook(chunks) -> dict:
+    """``{"fp8_refresh": ...}``: the FP8-gathered weights' scale refresh (one batched amax all-reduce), which
+    train_step calls after each optimizer step and train after loading; empty without FP8 weight gathers."""
+    scales = {id(s): s for ch in chunks for s in [getattr(ch, "fp8_scales", None)] if s is not None}
+    if not scales:
+        return {}
+    return {"fp8_refresh": lambda: [s.refresh() for s in scales.values()]}
 
 
 def uses_fsdp2(settings) -> bool:
@@ -198,6 +221,7 @@ def build_components(settings, backend) -> Components:
 
         capture_layers(modules, backend)
     chunks = wrap_data_parallel(modules, settings, groups, backend)
+    extra.update(fp8_refresh_hook(chunks))
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
     t = settings.training

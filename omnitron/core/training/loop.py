@@ -151,6 +151,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     watchdog = watchdog or NullWatchdog()
     c = build_components(settings, backend)
     checkpointing.load(c)
+    if "fp8_refresh" in c.extra:  # the FP8-gathered weights' scales from the weights the run starts from
+        c.extra["fp8_refresh"]()
     checkpointing.prepare_saves(c)
     t, ck, lg = settings.training, settings.checkpoint, settings.logging
     rank0 = c.groups.rank == 0

@@ -141,6 +141,9 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
                                check_norm=check_grad_norm if check else None, decoupled_lr=decoupled_lr)
     if not res.skipped:
         c.scheduler.advance(batch)
+    refresh = c.extra.get("fp8_refresh")
+    if refresh is not None:  # FSDP2's FP8 weight gathers: every weight's scale in one amax all-reduce (fp8/fsdp.py)
+        refresh()
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
            "skipped": res.skipped, "decoupled_lr": decoupled_lr}
     if count_zeros:

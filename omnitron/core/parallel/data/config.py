@@ -86,15 +86,18 @@ def check_fsdp2(ddp: DataParallelConfig | None, *, family: str, model, parallel,
         return
     cp = parallel.context_parallel_size
     schedule = training.pipeline_schedule or ""
+    fp8_why = None
+    if fp8 is not None:
+        from omnitron.core.precision.fp8.fsdp import fsdp_refusal
+
+        fp8_why = fsdp_refusal(fp8)
     for what, bad, fix in (
             (f"data x context parallel size {dp} x {cp}", dp * cp == 1,
              "there is nothing to shard over one replica; run more data-parallel ranks or drop the flag"),
             (f"--model-type {family}", family != "gpt", "FSDP2 units are GPT decoder layers; drop the flag"),
             ("MoE (--num-experts)", getattr(model, "num_experts", None) is not None,
              "experts are replicated over expert-data-parallel ranks, not dp x cp; drop one of them"),
-            ("--fp8-format", fp8 is not None, "FP8 linears with FSDP2's sharded parameters (torchao's float8 "
-                                              "all-gather) are not implemented; for sharded FP8 training use "
-                                              "--use-distributed-optimizer instead of --use-torch-fsdp2"),
+            (fp8_why[0] if fp8_why else "--fp8-format", fp8_why is not None, fp8_why[1] if fp8_why else ""),
             ("--ckpt-format torch", checkpoint.ckpt_format != "torch_dist",
              "FSDP2 checkpoints through --ckpt-format torch_dist (each rank its shards); drop --ckpt-format torch"),
             ("--grad-reduce-in-bf16", ddp.grad_reduce_in_bf16, "omnitron's FSDP2 policy reduces in fp32; drop "

@@ -22,7 +22,8 @@ accumulate unsharded gradients in ``reduce_dtype`` (4 bytes per parameter of the
 step's backwards). ``--fsdp2-reduce-every-microbatch`` instead reduce-scatters after every micro-batch's
 backward and accumulates the sharded gradients: ZeRO-3's memory during the step, for one reduce-scatter per
 micro-batch (``benchmarks/fsdp2.py`` measures both). Mixed precision: ``MixedPrecisionPolicy(param_dtype=
-the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP's mean over dp x cp.
+the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP's mean over dp x cp. With FP8
+(tensorwise), the FP8 linears' weights are all-gathered in e4m3 instead (:mod:`omnitron.core.precision.fp8.fsdp`).
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
 
 @torch.no_grad()
 def apply_fsdp2(module: nn.Module, groups, *, compute_dtype: torch.dtype, device_type: str,
-                collectives) -> nn.Module:
-    """Shard ``module`` over ``groups.dp_cp`` in place (see the module docstring); returns it."""
+                collectives, fp8_scales=None) -> nn.Module:
+    """Shard ``module`` over ``groups.dp_cp`` in place (see the module docstring); returns it. ``fp8_scales``: a
+    :class:`~omnitron.core.precision.fp8.fsdp.WeightScales` whose FP8 linears' weights are all-gathered in FP8."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dp_mesh(groups, device_type)
@@ -69,12 +71,17 @@ def apply_fsdp2(module: nn.Module, groups, *, compute_dtype: torch.dtype, device
         if p.dtype != torch.float32:
             p.data = p.data.float()  # exact: every bf16 / fp16 value is an fp32 value
         collectives.broadcast(p.data, src=groups.dp_cp.global_rank(0), group=groups.dp_cp.handle)
+    if fp8_scales is not None:  # after the broadcast: the wrapped masters are the replicas' common values
+        fp8_scales.wrap(module)
+        attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for unit in shard_units(module):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     for name, p in module.named_parameters():
         p.__dict__.update(attrs[name])
+    if fp8_scales is not None:
+        fp8_scales.collect(module)
     return module
 
 
@@ -83,10 +90,11 @@ class FullyShardedDataParallel(ChunkWrapper):
     attributes fall through to it (like :class:`~omnitron.core.parallel.data.DistributedDataParallel`)."""
 
     def __init__(self, module: nn.Module, groups, *, compute_dtype: torch.dtype, device_type: str,
-                 collectives, reduce_every_microbatch: bool = False) -> None:
+                 collectives, reduce_every_microbatch: bool = False, fp8_scales=None) -> None:
         super().__init__(apply_fsdp2(module, groups, compute_dtype=compute_dtype, device_type=device_type,
-                                     collectives=collectives))
+                                     collectives=collectives, fp8_scales=fp8_scales))
         self._last, self.reduce_every_microbatch = True, reduce_every_microbatch
+        self.fp8_scales = fp8_scales
 
     def reshard(self) -> None:
         """Free every all-gathered parameter and register the sharded ones again. NOTE: FSDP2 keeps the root
@@ -115,10 +123,13 @@ class FullyShardedDataParallel(ChunkWrapper):
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (a view of its storage), else ``t``."""
+    """This rank's part of ``t``: the local shard of a DTensor (a view of its storage), else ``t``; the fp32 master
+    inside an FP8-gathered weight's shard (:mod:`omnitron.core.precision.fp8.fsdp`)."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    from omnitron.core.precision.fp8.fsdp import master_of
+
+    return master_of(t.to_local() if isinstance(t, DTensor) else t)
 
 
 def shard_offset(p: torch.Tensor) -> int:

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
+from omnitron.core.precision.fp8.fsdp import FP8GatheredWeight
 from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
 from omnitron.backends.fp8 import scale_from_amax
 from omnitron.core.capture import in_graph
@@ -90,6 +91,8 @@ class FP8Linear:
         custom kernels) must call ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
         """
         r = self.recipe
+        if isinstance(weight, FP8GatheredWeight):  # FSDP2 all-gathered it in FP8, scale precomputed (fp8/fsdp.py)
+            return weight.operands()
         # inference tensors keep no version counter; a compiled or captured layer quantizes in its graph (fused,
         # no cache: nothing Python runs on a graph's replay)
         if r.fp8_recipe == "delayed" or in_graph() or weight.is_inference():
@@ -121,7 +124,9 @@ class FP8Linear:
         state.flush(self.provider.backend.kernels.fp8_amax_history_push)
         per_step = self.reducer is not None and self.reducer.per_step
         if state.uses == 0 and not state.bootstrapped:  # no history yet: this first use is scaled from its own amax
-            amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
+            amax = _amax(x)
+            if not per_step:  # per step: this rank's own amax, no collective (scaling.py); the step's end shares it
+                amax = reduce_amax(amax, self.amax_groups, self.collectives)
             state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
             state.bootstrapped = per_step  # per step: later uses of step 1 keep this scale until the step ends
             q, qt, _ = cast(x, state.scale, fmt)

@@ -25,7 +25,11 @@ Definitions (the tests check these step by step):
   the step's end, packs every role's step amax into one buffer, MAX-reduces it in one all-reduce over the
   amax reduction group (tensor x context x data parallel) and pushes each role's history once:
   ``a_step = max over ranks and the step's uses``, ``history <- [a_step, history[:-1]]``, scale as above.
-  The first use of a role (no history) still scales from its own amax, reduced at once (step 1 only).
+  The first use of a role (no history: step 1) scales from this rank's own local amax, with no collective, so
+  step 1 issues the same one packed reduction as every later step. NOTE: in step 1 only, the ranks of the amax
+  group may therefore quantize with different scales (a tensor-parallel shard by its own amax, not the whole
+  tensor's); each GEMM still dequantizes with the scales it quantized with, so the result is exact FP8 math, only
+  not bit-identical to one process. From the end of step 1 every rank holds the reduced history and scale.
 """
 from __future__ import annotations
 
