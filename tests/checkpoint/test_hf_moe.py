@@ -202,6 +202,12 @@ def test_deepseek_mtp_layer_and_routing_bias_import(tmp_path):
     biases = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
     assert sorted(biases) == ["decoder.layers.1.mlp.router.expert_bias", "mtp.layers.0.transformer_layer.mlp.router.expert_bias"]
     assert all(b.abs().min() > 0 for b in biases.values())
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    full = read_full_state(path, with_optimizer=False)  # what export-hf / export-megatron read back from disk
+    assert all(torch.equal(full.model[n], b) for n, b in biases.items())
+    back = state_to_hf(full.model, cfg)["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(back.to(torch.float64), hf.model.layers[1].mlp.gate.e_score_correction_bias.double())
     tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(7))
     _close(_omni_logits(model.eval(), tokens), _hf_logits(hf, tokens))
     labels = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], 1)

@@ -171,8 +171,8 @@ def _check_import(tmp_path, cfg, W: dict) -> None:
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
     path = str(tmp_path / "ck" / "iter_0000000")
     params = {n: t for n, t in W.items() if not n.endswith("expert_bias")}
-    got = read_full_state(path).model
-    assert sorted(got) == sorted(params) and all(torch.equal(got[n], params[n]) for n in params)
+    got = read_full_state(path).model  # the expert biases too (buffers): W holds them under the global names
+    assert sorted(got) == sorted(W) and all(torch.equal(got[n], W[n]) for n in W)
     assert model_config(read_metadata(path)["model"]) == cfg
     model = GPTModel(cfg, ParallelGroups.single()).eval()
     model.load_state_dict(read_shard(path, 0)["model"][0])
@@ -241,7 +241,7 @@ def test_torch_format_import(kind, grouped, tmp_path):
 @pytest.mark.parametrize("kind", ["mla", "gqa"])
 def test_torch_dist_export_holds_both_specs_keys(kind, tmp_path):
     """Every key of the TE and the local spec's transcription is in the export with its tensor; the expert bias
-    (not in omnitron's full state) is zero; export -> import is bit-exact."""
+    (W holds none: the checkpoint's zeros) is zero; export -> import is bit-exact."""
     cfg = _cfg(kind)
     W = _weights(cfg, seed=int.from_bytes(os.urandom(4), "little"))
     write_weights_checkpoint(W, cfg, str(tmp_path / "ck0"), Layout(), config={"tokenizer_type": "NullTokenizer"})
@@ -259,7 +259,17 @@ def test_torch_dist_export_holds_both_specs_keys(kind, tmp_path):
     assert any(".mlp.experts.experts.linear_fc1._extra_state/shard_" in k for k in objects)
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
     back = read_full_state(str(tmp_path / "ck" / "iter_0000000")).model
-    assert sorted(back) == sorted(W) and all(torch.equal(back[n], W[n]) for n in W)
+    _assert_weights_and_zero_biases(back, W)
+
+
+def _assert_weights_and_zero_biases(back: dict, W: dict) -> None:
+    """``back`` (a full state read from disk) is ``W`` bit for bit plus one zero ``expert_bias`` per router (``W``
+    holds none: the checkpoint's routers kept their initial zeros through export and import)."""
+    bias = {n: t for n, t in back.items() if n.endswith("expert_bias")}
+    assert sorted(n[:-len("expert_bias")] for n in bias) == sorted(
+        n[:-len("weight")] for n in W if n.endswith("mlp.router.weight"))
+    assert not any(t.any() for t in bias.values())
+    assert sorted(set(back) - set(bias)) == sorted(W) and all(torch.equal(back[n], W[n]) for n in W)
 
 
 def test_torch_format_mla_at_tp2_is_refused(tmp_path, capsys):
@@ -290,4 +300,4 @@ def test_torch_format_round_trip(kind, tp, pp, tmp_path):
         assert "mtp.layers.0.eh_proj._extra_state" in last and "mtp.layers.0.eh_proj.weight" in last
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
     back = read_full_state(str(tmp_path / "ck" / "iter_0000000")).model
-    assert sorted(back) == sorted(W) and all(torch.equal(back[n], W[n]) for n in W)
+    _assert_weights_and_zero_biases(back, W)

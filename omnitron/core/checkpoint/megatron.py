@@ -450,8 +450,6 @@ def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_im
 
     full = read_full_state(path, with_optimizer=False)
     cfg, it = model_config(full.meta["model"]), int(full.meta["iteration"])
-    if getattr(cfg, "moe_router_enable_expert_bias", False):
-        full.model.update(_expert_biases(path, full.meta))
     if type(cfg) is not GPTConfig:
         raise MegatronConversionError(f"{path} holds a {type(cfg).__name__} model; only GPT models export to Megatron")
     if ckpt_format not in ("torch", "torch_dist"):
@@ -466,21 +464,6 @@ def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_im
         return megatron_dist.write(full.model, cfg, args, out_dir, it, tp)
     _write_rank_files(full.model, cfg, args, out_dir, it, tp, pp, transformer_impl)
     return final
-
-
-def _expert_biases(path: str, meta: dict) -> dict[str, torch.Tensor]:
-    """The routers' ``expert_bias`` buffers of omnitron checkpoint ``path`` (per-rank state, the same on every rank
-    of a stage): each pipeline stage's first rank's, from its model state (torch format) or ``expert_bias``
-    (torch_dist's rank file), under the global names."""
-    from omnitron.core.checkpoint.io import read_shard
-    from omnitron.core.checkpoint.reshard import Layout, _stage_ranks
-
-    out = {}
-    for _, (ranks, _) in sorted(_stage_ranks(Layout.from_dict(meta["layout"])).items()):
-        shard = read_shard(path, ranks[0], meta)
-        for chunk in shard.get("expert_bias") or shard.get("model") or []:
-            out.update({n: t for n, t in chunk.items() if n.endswith(".mlp.router.expert_bias")})
-    return out
 
 
 def _write_rank_files(full: dict, cfg, args, out_dir: str, it: int, tp: int, pp: int, transformer_impl: str) -> None:

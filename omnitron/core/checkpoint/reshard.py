@@ -272,6 +272,8 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta, path)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
+    if meta["model"].get("moe_router_enable_expert_bias"):  # buffers, kept with each rank's state
+        full.model.update({n: b for n, b in expert_biases(path, meta).items() if keep(n)})
     if dist:
         return _read_dist(path, full, skeletons, layout, keep, with_optimizer)
     for pp_rank, (ranks, others) in sorted(_stage_ranks(layout).items()):
@@ -299,6 +301,20 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     return full
 
 
+def expert_biases(path: str, meta: dict) -> dict[str, torch.Tensor]:
+    """The routers' ``expert_bias`` buffers of omnitron checkpoint ``path`` (per-rank state, the same on every rank
+    of a stage): each pipeline stage's first rank's, from its model state (torch format) or ``expert_bias``
+    (torch_dist's rank file), under the global names."""
+    from omnitron.core.checkpoint.io import read_shard
+
+    out = {}
+    for _, (ranks, _) in sorted(_stage_ranks(Layout.from_dict(meta["layout"])).items()):
+        shard = read_shard(path, ranks[0], meta)
+        for chunk in shard.get("expert_bias") or shard.get("model") or []:
+            out.update({n: t for n, t in chunk.items() if n.endswith(".mlp.router.expert_bias")})
+    return out
+
+
 def _read_dist(path: str, full: FullState, skeletons: dict, layout: Layout, keep, with_optimizer: bool) -> FullState:
     """:func:`read_full_state` of a ``--ckpt-format torch_dist`` checkpoint: the global tensors through
     DCP in this process (:func:`omnitron.core.checkpoint.dist.read_full`); counters from metadata.json."""
@@ -308,7 +324,7 @@ def _read_dist(path: str, full: FullState, skeletons: dict, layout: Layout, keep
     model, optim = dist.read_full(path, meta, list(skeletons.values()), layout.tp, keep=keep,
                                   with_optimizer=with_optimizer)
     # NOTE: no fuse_full_state: torch_dist holds replicated KV as the canonical linear_qkv and every expert whole
-    full.model, full.optimizer = model, optim
+    full.model, full.optimizer = model | full.model, optim  # the expert biases read above
     full.optimizer_meta, full.scheduler = dict(meta["optimizer"]), meta["scheduler"]
     full.dropped = ["fp8"] if "fp8" in read_shard(path, 0, meta) else []
     return full
