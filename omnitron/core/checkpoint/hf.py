@@ -461,16 +461,14 @@ def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: 
 def _check_export_tokenizer(run: dict, cfg, path: str) -> None:
     """The export's tokenizer exists and has the model's vocabulary (else the repository would load wrongly)."""
     from omnitron.core.checkpoint.hf_tokenizer import ExportTokenizerError
-    from omnitron.core.data.tokenizers import TokenizerError, build_tokenizer
+    from omnitron.core.data.tokenizers import TokenizerError, build_tokenizer, tokenizer_kwargs
 
     fix = "give export-hf --tokenizer-type (and --tokenizer-model, --vocab-file/--merge-file or --vocab-size)"
     if not run.get("tokenizer_type"):
         raise ExportTokenizerError(f"{path} records no tokenizer, so the export's AutoTokenizer would encode "
                                    f"nothing; {fix}")
     try:
-        tok = build_tokenizer(run["tokenizer_type"], vocab_file=run.get("vocab_file"), merge_file=run.get("merge_file"),
-                              tokenizer_model=run.get("tokenizer_model"), vocab_size=run.get("vocab_size"),
-                              vocab_extra_ids=int(run.get("vocab_extra_ids") or 0))
+        tok = build_tokenizer(**tokenizer_kwargs(run), vocab_extra_ids=int(run.get("vocab_extra_ids") or 0))
     except TokenizerError as err:
         raise ExportTokenizerError(f"the export's tokenizer: {err}; {fix}") from None
     if tok.vocab_size != cfg.vocab_size:

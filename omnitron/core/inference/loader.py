@@ -78,12 +78,11 @@ def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
 
 def _tokenizer(path: str, meta: dict, cfg):
     from omnitron.core.data import build_tokenizer
+    from omnitron.core.data.tokenizers import tokenizer_kwargs
     from omnitron.core.models.family import family_of
 
     flat = meta.get("config", {})
-    tokenizer = build_tokenizer(flat.get("tokenizer_type") or "GPT2BPETokenizer", vocab_file=flat.get("vocab_file"),
-                                merge_file=flat.get("merge_file"), tokenizer_model=flat.get("tokenizer_model"),
-                                vocab_size=flat.get("vocab_size"), **family_of(cfg).tokenizer_kwargs(cfg))
+    tokenizer = build_tokenizer(**tokenizer_kwargs(flat), **family_of(cfg).tokenizer_kwargs(cfg))
     if tokenizer.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{path}: the model's vocabulary ({cfg.vocab_size}) differs from its tokenizer's "
                               f"({tokenizer.vocab_size}); the tokenizer files named in the checkpoint changed")
