@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ConfigError
 
-
-def default_cache_dir() -> str:
-    """``$OMNITRON_CACHE`` or ``~/.cache/omnitron``: index caches and the tokenized demo corpus."""
-    return os.environ.get("OMNITRON_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnitron")
+from .cache import default_cache_dir  # noqa: F401 - re-exported: callers import it from here
+from .tokenizers import TOKENIZER_TYPES, build_tokenizer, tokenizer_kwargs
 
 
 @dataclass(kw_only=True)
@@ -110,8 +108,6 @@ _MEGATRON_ONLY = {"NullMultimodalTokenizer": "no multimodal null tokenizer", "SF
 
 def _check_tokenizer_type(kind: str) -> None:
     """An unknown ``--tokenizer-type`` stops before any work; Megatron's types omnitron lacks say why."""
-    from .tokenizers import TOKENIZER_TYPES
-
     if kind in _MEGATRON_ONLY:
         raise ConfigError(f"--tokenizer-type {kind}: Megatron's, not omnitron's ({_MEGATRON_ONLY[kind]}); convert the "
                           "tokenizer to a tokenizer.json and use --tokenizer-type HuggingFaceTokenizer")
@@ -164,8 +160,6 @@ def parse_data_path(data_path: list[str] | str) -> list[tuple[float, str]]:
 
 def add_tokenizer_args(parser) -> None:
     """``--tokenizer-type --vocab-file --merge-file --tokenizer-model --vocab-size`` (Megatron spellings)."""
-    from .tokenizers import TOKENIZER_TYPES
-
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: the bundled one)")
@@ -214,6 +208,4 @@ def data_config_from_args(args) -> DataConfig:
 
 def tokenizer_from_config(config: DataConfig):
     """The tokenizer a ``DataConfig`` names."""
-    from .tokenizers import build_tokenizer, tokenizer_kwargs
-
     return build_tokenizer(**tokenizer_kwargs(config))

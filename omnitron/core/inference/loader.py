@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.core.checkpoint import CheckpointError, find_latest
+from omnitron.core.inference.stage import ShardedStage, build_stage
 from omnitron.core.parallel.tensor.sharding import to_device
 
 
@@ -115,7 +116,6 @@ def load_sharded(load: str, groups, backend) -> Loaded:
     without weights and filled with its own slices (:mod:`~omnitron.core.inference.shard_load`): from a
     torch_dist checkpoint or a safetensors file only the bytes of its slices are read; the torch format's
     shards are read whole for the tensors the stage owns."""
-    from omnitron.core.inference.sharded import ShardedStage
     from omnitron.core.models.family import family_of
 
     path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0)
@@ -133,7 +133,6 @@ def _load_sliced(path: str, meta: dict, cfg, groups, backend, tokenizer) -> Load
     ``path`` (torch_dist, safetensors or torch format), on the backend's device, in eval mode."""
     from omnitron.core.checkpoint.reshard import needed_owners, read_full_state
     from omnitron.core.inference import shard_load
-    from omnitron.core.inference.sharded import build_stage
     from omnitron.core.models.family import family_of
     from omnitron.core.models.gpt.state import shard_full_state
 
