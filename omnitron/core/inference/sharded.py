@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omnitron.core.config.parallel import ParallelConfig
 from omnitron.core.config.training import TrainingConfig
 from omnitron.core.inference.loader import load_sharded
+from omnitron.core.inference.sampling import SamplingParams
 from omnitron.core.inference.stage import (  # noqa: F401 - re-exported: callers import them from here
     ShardedPicker, ShardedStage, build_stage)
+from omnitron.core.parallel.groups import ParallelGroups
 
 
 @dataclass
@@ -40,15 +43,11 @@ class ShardedJob:
     """Only its ``distributed_timeout_minutes`` is read (the launcher's and the process group's timeout)."""
 
     def parallel_config(self):
-        from omnitron.core.config.parallel import ParallelConfig
-
         return ParallelConfig(tensor_model_parallel_size=self.tensor_model_parallel_size,
                               pipeline_model_parallel_size=self.pipeline_model_parallel_size)
 
     def load_stage(self, backend):
         """(groups, this rank's loaded stage) of the job's layout over the initialised world."""
-        from omnitron.core.parallel.groups import ParallelGroups
-
         groups = ParallelGroups.build(self.parallel_config(), backend=backend)
         if groups.dp_size != 1:
             raise ValueError(f"sharded inference runs on tensor x pipeline = {self.world_size // groups.dp_size} "
@@ -70,7 +69,6 @@ class GenerateJob(ShardedJob):
 
 def run_generate_job(job: GenerateJob, backend, watchdog=None) -> None:
     """One rank of a sharded ``omnitron generate``: load this rank's stage, generate, rank 0 prints."""
-    from omnitron.core.inference.sampling import SamplingParams
     from omnitron.core.inference.text import complete, print_result
 
     groups, loaded = job.load_stage(backend)

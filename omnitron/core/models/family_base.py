@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn
+from omnitron.core.parallel.pipeline.schedules import virtual_stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +74,6 @@ class ModelFamily:
         that is not pipelined gets its one chunk ``(0, 0)``. ``style``: the chunks' placement (``v`` for the
         V-shaped schedules, see ``pipeline/schedules.py``), which decides the chunks holding the first and
         the last stage."""
-        from omnitron.core.parallel.pipeline.schedules import virtual_stage
-
         if not self.pipelined:
             return {(0, 0): self.build_stage(cfg, groups, backend=backend, seed=seed)}
         out = {}

@@ -31,6 +31,7 @@ from typing import Any
 from omnitron.core.config.parallel import ConfigError, ParallelConfig, data_parallel_size
 from omnitron.core.config.training import (CheckpointConfig, LoggingConfig, OptimizerConfig, PrecisionConfig,
                                            TrainingConfig)
+from omnitron.core.training import megatron_flags as MF
 
 log = logging.getLogger("omnitron.train")
 
@@ -276,8 +277,6 @@ _LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "entry": str, "m
 
 def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     """Preset < config file < command line, every value type-checked; unknown file keys rejected."""
-    from omnitron.core.training import megatron_flags as MF
-
     opts = options()
     merged: dict[str, Any] = {}
     file_values = load_config_file(given["config"]) if given.get("config") else {}

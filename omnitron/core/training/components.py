@@ -15,13 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnitron.core.data import build_tokenizer
 from omnitron.core.data.config import default_cache_dir
+from omnitron.core.data.tokenizers import tokenizer_kwargs
 from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
 from omnitron.core.optim.muon import DistributedMuon, Muon
 from omnitron.core.optim.onebit import OneBitAdam, resolve_freeze_step
+from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 from omnitron.core.parallel.pipeline.paired import pair_forwards
@@ -102,8 +105,6 @@ def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
     """Chunks wrapped by the data-parallel package (gradient buckets; their reduction, the sequence-parallel and
     the tied-embedding sums: :func:`omnitron.core.parallel.data.finalize_model_grads`); with --use-torch-fsdp2,
     each sharded in place by FSDP2 (:mod:`omnitron.core.parallel.data.fsdp`)."""
-    from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
-
     if uses_fsdp2(settings):
         return [FullyShardedDataParallel(m, groups, compute_dtype=settings.model.params_dtype,
                                          device_type=backend.device_type, collectives=backend.collectives,
@@ -180,8 +181,6 @@ def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> Mix
 
 
 def build_components(settings, backend) -> Components:
-    from omnitron.core.data import build_tokenizer
-    from omnitron.core.data.tokenizers import tokenizer_kwargs
 
     groups = ParallelGroups.build(settings.parallel, backend=backend)
     seed_everything(settings.training.seed, groups.pp.rank, backend)
