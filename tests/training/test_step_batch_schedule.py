@@ -147,3 +147,22 @@ def test_step_schedule_run_batches(tmp_path):
     train(settings, get_backend("cpu"))
     recs = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
     assert [r["global_batch_size"] for r in recs] == sizes
+
+
+def test_gpt3_175b_training_args_parse():
+    """examples/gpt3/train_gpt3_175b_distributed.sh's TRAINING_ARGS (Megatron-LM d98e8a6), model sizes scaled
+    down: the schedule and its matching --global-batch-size are accepted, every step's batch is Megatron's."""
+    training = ["--micro-batch-size", "1", "--global-batch-size", "1536", "--step-batch-size-schedule", GPT3_175B,
+                "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+                "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style",
+                "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000"]
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "2048",
+             "--max-position-embeddings", "2048", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+             "100"]
+    s = parse_settings(model + training, 1)
+    assert s.training.global_batch_size == 1536 and s.training.step_batch_size_schedule == GPT3_175B
+    from omnitron.core.training.arguments import batch_ramp
+
+    ramp, ref = batch_ramp(s.training, 1, 2048), megatron_schedule(GPT3_175B, 2048)
+    for consumed in (0, 1171874, 1171875, 4687499, 4687500, 5859375):
+        assert ramp.global_batch(consumed) == megatron_batch(ref, consumed)
