@@ -79,8 +79,9 @@ setup(
     # the oldest torch's pin, so an extra never asks for a Triton the installed torch does not pin.
     extras_require={
         "triton": ["triton>=3.5.1"],
+        "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
         "dev": ["pytest", "regex", "pybind11", "triton>=3.5.1", "sentencepiece", "matplotlib", "transformers>=4.45",
-                "tensorboard"],
+                "tensorboard", "tiktoken"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },

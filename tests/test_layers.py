@@ -26,12 +26,19 @@ def imported_modules(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[tupl
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolved against this file's package
-                up = package[:len(package) - node.level + 1]
-                base = ".".join(up + ([base] if base else []))
+            base = from_base(node, package)
             out += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}") for a in node.names]
     return out
+
+
+def from_base(node: ast.ImportFrom, package: list[str]) -> str:
+    """The module a ``from ... import`` statement in ``package`` (a list of names) reads from; relative forms are
+    resolved against the package."""
+    base = node.module or ""
+    if node.level:
+        up = package[:len(package) - node.level + 1]
+        base = ".".join(up + ([base] if base else []))
+    return base
 
 
 def upward(name: str) -> bool:
@@ -86,6 +93,12 @@ def test_no_import_cycles_among_the_command_layer_and_the_planner():
         return name or None
 
     graph = {m: {t for _, n in imported_modules(p) if (t := target(n)) and t != m} for m, p in mods.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (module -> modules it imports), or None."""
     done, path = set(), []
 
     def visit(m: str) -> list[str] | None:  # depth-first; returns a cycle when one closes
@@ -101,5 +114,42 @@ def test_no_import_cycles_among_the_command_layer_and_the_planner():
         done.add(m)
         return None
 
-    cycles = [c for m in sorted(graph) if (c := visit(m))]
-    assert not cycles, "import cycle: " + " -> ".join(cycles[0])
+    return next((c for m in sorted(graph) if (c := visit(m))), None)
+
+
+def import_graph(files: list[pathlib.Path], root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of ``files`` whose names it takes (every import statement, function-local too):
+    ``import a.b`` -> ``a.b``; ``from p import x`` -> ``p.x`` when that is a module, else ``p``."""
+    mods = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
+    graph = {}
+    for m, p in mods.items():
+        edges = set()
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = from_base(node, list(p.relative_to(root).parts[:-1]))
+                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names}
+        graph[m] = {e for e in edges if e in mods and e != m}
+    return graph
+
+
+def test_no_import_cycles_among_omnitrons_modules():
+    """No module of the package imports, through any chain of imports (function-local ones included), a module
+    that imports it: shared names live in the lower module (a function-local import does not hide a cycle)."""
+    graph = import_graph(sorted((ROOT / "omnitron").rglob("*.py")))
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_a_function_local_cycle(tmp_path):
+    """A cycle closed only by an import inside a function is found (so the package test can fail)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("def g():\n    from pkg import a\n    return a\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    graph = import_graph(sorted(tmp_path.rglob("*.py")), tmp_path)
+    assert _cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+    (tmp_path / "pkg" / "b.py").write_text("def g():\n    return 1\n")
+    assert _cycle(import_graph(sorted(tmp_path.rglob("*.py")), tmp_path)) is None

@@ -52,11 +52,11 @@ def _flops_ratio(settings) -> float:
     from dataclasses import replace
 
     from omnitron.core.data import build_tokenizer
+    from omnitron.core.data.tokenizers import tokenizer_kwargs
     from omnitron.core.models.gpt.config import flops_per_iteration
 
     d = settings.data
-    tok = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                          tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size)
+    tok = build_tokenizer(**tokenizer_kwargs(d))
     cfg = replace(settings.model, vocab_size=tok.vocab_size)
     b = settings.training.global_batch_size
     return flops_per_iteration(cfg, b, causal=True) / flops_per_iteration(cfg, b)

@@ -19,8 +19,9 @@ def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
 
 
 def tokenizer_kwargs(args: argparse.Namespace) -> dict:
-    return {"tokenizer_type": args.tokenizer_type, "vocab_file": args.vocab_file, "merge_file": args.merge_file,
-            "tokenizer_model": args.tokenizer_model, "vocab_size": args.vocab_size}
+    from omnitron.core.data.tokenizers import tokenizer_kwargs as of
+
+    return of(args)
 
 
 def register(sub) -> None:

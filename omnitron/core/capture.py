@@ -18,33 +18,13 @@ backends whose ``capabilities().graph_capture`` is False (cpu, sim: no device gr
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 from torch import nn
 
 from omnitron.core.config import ConfigError
+from omnitron.core.graph_state import capturing, in_graph  # noqa: F401 - re-exported: callers import them from here
 
 IMPLS = ("none", "local")
-
-_capturing = [False]
-
-
-def in_graph() -> bool:
-    """True while dynamo traces or a device graph is being captured: no Python runs later, so generator swaps
-    and host-side caches are off."""
-    return _capturing[0] or torch.compiler.is_compiling()
-
-
-@contextlib.contextmanager
-def capturing() -> Iterator[None]:
-    """Mark a capture under way (see :func:`in_graph`)."""
-    saved, _capturing[0] = _capturing[0], True
-    try:
-        yield
-    finally:
-        _capturing[0] = saved
 
 
 def resolve_impl(cuda_graph_impl: str, enable_cuda_graph: bool) -> str:

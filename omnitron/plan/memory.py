@@ -75,13 +75,12 @@ class StageMemory:
 def model_config(settings):
     """The model config as training builds it: the vocabulary is the tokenizer's (preset's without one)."""
     from omnitron.core.data import build_tokenizer
+    from omnitron.core.data.tokenizers import tokenizer_kwargs
     from omnitron.core.models.family import family_of
 
     d, cfg = settings.data, settings.model
     try:
-        tok = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                              tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
-                              **family_of(cfg).tokenizer_kwargs(cfg))
+        tok = build_tokenizer(**tokenizer_kwargs(d), **family_of(cfg).tokenizer_kwargs(cfg))
         return replace(cfg, vocab_size=tok.vocab_size)
     except Exception:  # noqa: BLE001  no tokenizer files at plan time: the preset's vocabulary
         return cfg

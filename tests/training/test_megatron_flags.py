@@ -61,8 +61,10 @@ def test_selectors_are_accepted_with_what_runs(caplog):
      "means --position-embedding-type rope, but --position-embedding-type learned_absolute was given"),
     (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction must lie in \[0, 1\]"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], "not both"),
-    (["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v2"], "TikTokenizer: Megatron's, not omnitron's"),
-    (["--tokenizer-type", "MultimodalTokenizer"], "use --tokenizer-type HuggingFaceTokenizer"),
+    (["--tokenizer-type", "SFTTokenizer"], "SFTTokenizer: Megatron's, not omnitron's"),
+    (["--tokenizer-type", "NullMultimodalTokenizer"], "use --tokenizer-type HuggingFaceTokenizer"),
+    (["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v3"], "--tiktoken-pattern 'v3': expected v1 or v2"),
+    (["--special-tokens", "<image>", "--tokenizer-special-tokens", "<img>"], "drop one of them"),
 ])
 def test_contradictions_name_the_fix(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -177,7 +179,7 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
     assert " | decoupled lr 5.000e-04 | " in said and recs[1]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
     assert recs[0]["lr"] == 0.0 and recs[0]["decoupled_lr"] == 0.0
     for flag in ("--use-mcore-models", "--attention-backend", "--cross-entropy-loss-fusion", "--no-mmap-bin-files",
-                 "--tiktoken-pattern"):
+):
         assert f"{flag}: accepted; " in said, flag
     assert (ckpt / "latest").read_text().strip() == "iter_0000003"
 
@@ -189,7 +191,7 @@ def test_megatron_flags_not_yet_supported_are_refused(flag):
 
 
 _VALUES = {"rerun_mode": "disabled", "moe_token_dispatcher_type": "alltoall", "transformer_impl": "local",
-           "attention_backend": "auto", "distributed_backend": "gloo", "tiktoken_pattern": "v2",
+           "attention_backend": "auto", "distributed_backend": "gloo",
            "moe_router_dtype": "fp32", "dist_ckpt_strictness": "log_all", "moe_flex_dispatcher_backend": "deepep",
            "recompute_modules": "core_attn"}
 

@@ -19,13 +19,12 @@ import torch
 from omnitron.backends.base import Backend, Capabilities
 from omnitron.backends.collectives import Collectives, watchdog_env
 from omnitron.backends.fp8 import scaled_mm_runs
+from omnitron.backends.musa.kernels import FLASH_HEAD_DIMS, register_musa_kernels
 
 BF16_MIN_ARCH = 22
 """S4000 (mp_22) is the first MUSA part with native bf16."""
 FP8_MIN_ARCH = 31
 """S5000 (mp_31) is the first MUSA part with FP8 (claimed only where ``torch._scaled_mm`` runs)."""
-FLASH_HEAD_DIMS = (64, 192)
-"""Head dims muDNN's flash attention takes in Moore Threads' Transformer Engine port."""
 
 FP32_GEMM_DEFAULT_FROM = (2, 9)
 """torch_musa v2.9.0 (release note; the public source snapshot ends at v2.7.1): float32 GEMMs run in FP32
@@ -228,8 +227,6 @@ class MUSABackend(Backend):
         return self._collectives
 
     def register_kernels(self) -> None:
-        from omnitron.backends.musa.kernels import register_musa_kernels
-
         register_musa_kernels()
 
     def kernel_preference(self) -> tuple[str, ...]:

@@ -23,10 +23,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from omnitron.backends.musa.backend import FLASH_HEAD_DIMS
 from omnitron.kernels.registry import register
 
 IMPL = "musa"
+FLASH_HEAD_DIMS = (64, 192)
+"""Head dims muDNN's flash attention takes in Moore Threads' Transformer Engine port."""
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 

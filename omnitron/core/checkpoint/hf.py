@@ -30,23 +30,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.checkpoint import hf_moe
+from omnitron.core.checkpoint.hf_llama import (  # noqa: F401 - re-exported: callers import them from here
+    _LLAMA3_ROPE, HFConversionError, Rule, _check, _half_rope_rows, _llama_config, _llama_fields, _llama_rules,
+    _need, _rope)
 from omnitron.core.checkpoint.safe_load import load_untrusted
 from omnitron.core.transformer.mlp import exact_gelu
 from omnitron.core.transformer.qkv import fuse_qkv, split_qkv
-
-
-class HFConversionError(CheckpointError):
-    """A Hugging Face checkpoint or config omnitron cannot map (the message names the field)."""
-
-
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-"""The Llama-3.1 rope-scaling constants omnitron's ``rope_inv_freq`` implements."""
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -56,17 +49,6 @@ def _dtype(hf: dict) -> torch.dtype:
     if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
         raise HFConversionError(f"config.json: torch_dtype {name!r} is not a floating-point torch dtype")
     return dt
-
-
-def _need(hf: dict, field: str):
-    if hf.get(field) is None:
-        raise HFConversionError(f"config.json has no {field}, which a {hf.get('model_type')} config needs")
-    return hf[field]
-
-
-def _check(hf: dict, field: str, ok: Callable, why: str) -> None:
-    if field in hf and hf[field] is not None and not ok(hf[field]):
-        raise HFConversionError(f"config.json: {field}={hf[field]!r} is not supported: {why}")
 
 
 def config_from_hf(hf: dict):
@@ -79,8 +61,6 @@ def config_from_hf(hf: dict):
     if kind == "llama":
         return GPTConfig(**_llama_fields(hf), params_dtype=_dtype(hf))
     if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
-        from omnitron.core.checkpoint import hf_moe
-
         fields = {"deepseek_v3": hf_moe.deepseek_fields, "gpt_oss": hf_moe.gpt_oss_fields,
                   "qwen3_moe": hf_moe.qwen3_moe_fields}[kind](hf)
         return GPTConfig(**fields, params_dtype=_dtype(hf))
@@ -103,48 +83,6 @@ def _gpt2_fields(hf: dict) -> dict:
                 hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
                 init_method_std=hf.get("initializer_range", 0.02),
                 bias_gelu_fusion=hf.get("activation_function", "gelu_new") != "gelu")
-
-
-def _rope(hf: dict) -> tuple[float, float]:
-    """(rope theta, Llama-3.1 scaling factor) from ``rope_parameters`` (transformers 5) or
-    ``rope_theta`` + ``rope_scaling`` (transformers 4)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return float(theta), 1.0
-    if kind != "llama3":
-        raise HFConversionError(f"config.json: {field} rope_type {kind!r} is not supported; omnitron implements "
-                                f"plain RoPE and Llama-3.1 scaling ('llama3')")
-    for key, want in _LLAMA3_ROPE.items():
-        if float(params.get(key, -1)) != want:
-            raise HFConversionError(f"config.json: {field} {key}={params.get(key)!r} is not supported; omnitron's "
-                                    f"Llama-3.1 rope scaling uses {key}={want}")
-    return float(theta), float(params["factor"])
-
-
-def _llama_fields(hf: dict) -> dict:
-    _check(hf, "hidden_act", lambda v: v == "silu", "omnitron's Llama MLP is SwiGLU (silu)")
-    _check(hf, "partial_rotary_factor", lambda v: v == 1.0, "Llama rotates every channel")
-    bias = bool(hf.get("attention_bias", False))
-    if bool(hf.get("mlp_bias", False)) != bias:
-        raise HFConversionError(f"config.json: attention_bias={bias} but mlp_bias={hf.get('mlp_bias')}: omnitron's "
-                                f"--add-bias-linear puts biases on every linear layer or on none")
-    h, heads = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
-    head_dim, groups = hf.get("head_dim") or h // heads, hf.get("num_key_value_heads") or heads
-    theta, factor = _rope(hf)
-    n = hf.get("max_position_embeddings", 2048)
-    # defaults stay None (as a run's own flags leave them), so the checkpoint's shape check agrees
-    return dict(num_layers=_need(hf, "num_hidden_layers"), hidden_size=h, num_attention_heads=heads,
-                num_query_groups=None if groups == heads else groups,
-                kv_channels=None if head_dim * heads == h else head_dim,
-                ffn_hidden_size=_need(hf, "intermediate_size"), vocab_size=_need(hf, "vocab_size"),
-                max_position_embeddings=n, seq_length=min(n, 4096), normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-                swiglu=True, position_embedding_type="rope", rotary_base=theta, rope_scaling_factor=factor,
-                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-                hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
-                add_bias_linear=bias, init_method_std=hf.get("initializer_range", 0.02))
 
 
 def hf_model_type(cfg) -> str:
@@ -186,8 +124,6 @@ def config_to_hf(cfg) -> dict:
     transformers-4 spelling, which transformers 5 reads too)."""
     kind, dtype = hf_model_type(cfg), str(cfg.params_dtype).replace("torch.", "")
     if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
-        from omnitron.core.checkpoint import hf_moe
-
         return {"deepseek_v3": hf_moe.deepseek_to_hf, "gpt_oss": hf_moe.gpt_oss_to_hf,
                 "qwen3_moe": hf_moe.qwen3_moe_to_hf}[kind](cfg, dtype)
     return _llama_config(cfg, dtype) if kind == "llama" else _gpt2_config(cfg, dtype)
@@ -208,41 +144,7 @@ def _gpt2_config(cfg, dtype: str) -> dict:
             "torch_dtype": dtype}
 
 
-def _llama_config(cfg, dtype: str) -> dict:
-    """The ``LlamaForCausalLM`` config.json of ``cfg`` (also the base of Qwen3-MoE's)."""
-    from omnitron.core.models.gpt.config import ffn_size, head_dim, max_positions, query_groups
-
-    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
-           "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
-           "num_key_value_heads": query_groups(cfg), "head_dim": head_dim(cfg), "intermediate_size": ffn_size(cfg),
-           "vocab_size": cfg.vocab_size, "max_position_embeddings": max_positions(cfg), "hidden_act": "silu",
-           "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base,
-           "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
-           "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.init_method_std,
-           "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "torch_dtype": dtype}
-    if cfg.rope_scaling_factor != 1.0:
-        out["rope_scaling"] = dict(rope_type="llama3", factor=cfg.rope_scaling_factor, **_LLAMA3_ROPE)
-    return out
-
-
 # ---- weights ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Rule:
-    """One omnitron tensor and the HF tensors it is made of: ``to_omni(*hf) -> omni`` and
-    ``to_hf(omni) -> tuple of hf`` (inverse functions)."""
-
-    omni: str
-    hf: tuple[str, ...]
-    to_omni: Callable = lambda t: t
-    to_hf: Callable = lambda t: (t,)
-
-
-def _half_rope_rows(t, d: int):
-    """Rows of each ``d``-row head reordered from interleaved-pair RoPE (2i, 2i+1) to HF's halves (i, i+d/2)."""
-    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
-    return t.reshape(-1, d, *t.shape[1:])[:, perm].reshape(t.shape)
-
-
 def _gpt2_rules(cfg) -> list[Rule]:
     heads, T = cfg.num_attention_heads, (lambda t: t.t())  # Conv1D [in, out] <-> Linear [out, in]
     rules = [Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",)),
@@ -269,37 +171,7 @@ def _gpt2_rules(cfg) -> list[Rule]:
     return rules
 
 
-def _llama_rules(cfg) -> list[Rule]:
-    from omnitron.core.models.gpt.config import head_dim, query_groups
-
-    g, hq, d = query_groups(cfg), cfg.num_attention_heads, head_dim(cfg)
-    rope_rows = (lambda t: _half_rope_rows(t, d)) if cfg.rotary_interleaved else (lambda t: t)
-    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
-             Rule("decoder.final_layernorm.weight", ("model.norm.weight",))]
-    if cfg.untie_embeddings_and_output_weights:
-        rules.append(Rule("output_layer.weight", ("lm_head.weight",)))
-    kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
-    for i in range(cfg.num_layers):
-        o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        rules += [Rule(o + "input_layernorm.weight", (h + "input_layernorm.weight",)),
-                  Rule(o + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",))]
-        for k in kinds:
-            def qkv_to_hf(t, k=k):
-                q, kk, v = split_qkv(t, g, hq)
-                return rope_rows(q), rope_rows(kk), v
-
-            rules += [Rule(o + "self_attention.linear_qkv." + k, tuple(f"{h}self_attn.{p}_proj.{k}" for p in "qkv"),
-                           lambda q, kk, v: fuse_qkv(q, kk, v, g), qkv_to_hf),
-                      Rule(o + "self_attention.linear_proj." + k, (f"{h}self_attn.o_proj.{k}",)),
-                      Rule(o + "mlp.linear_fc1." + k, (f"{h}mlp.gate_proj.{k}", f"{h}mlp.up_proj.{k}"),
-                           lambda a, b: torch.cat([a, b], 0), lambda t: tuple(t.chunk(2, 0))),
-                      Rule(o + "mlp.linear_fc2." + k, (f"{h}mlp.down_proj.{k}",))]
-    return rules
-
-
 def _rules(cfg) -> list[Rule]:
-    from omnitron.core.checkpoint import hf_moe
-
     build = {"gpt2": _gpt2_rules, "llama": _llama_rules, "deepseek_v3": hf_moe.deepseek_rules,
              "gpt_oss": hf_moe.gpt_oss_rules, "qwen3_moe": hf_moe.qwen3_moe_rules}[hf_model_type(cfg)]
     rules = build(cfg)
@@ -328,8 +200,6 @@ def _canonical_names(state: dict, kind: str) -> dict:
 
 def state_from_hf(hf_state: dict, cfg) -> dict[str, torch.Tensor]:
     """omnitron's full state (global names) from an HF state dict of the model ``cfg`` describes."""
-    from omnitron.core.checkpoint import hf_moe
-
     kind = hf_model_type(cfg)
     hf = _canonical_names(hf_state, kind)
     if kind == "gpt_oss":
@@ -362,8 +232,6 @@ def state_to_hf(full: dict, cfg) -> dict[str, torch.Tensor]:
         if r.omni not in full:
             raise HFConversionError(f"the checkpoint holds no {r.omni!r}; it does not match its own model config")
         out.update({n: t.contiguous() for n, t in zip(r.hf, r.to_hf(full[r.omni]))})
-    from omnitron.core.checkpoint import hf_moe
-
     kind = hf_model_type(cfg)
     if kind == "gpt_oss":
         out = hf_moe.stack_gpt_oss_experts(out)
@@ -460,16 +328,14 @@ def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: 
 def _check_export_tokenizer(run: dict, cfg, path: str) -> None:
     """The export's tokenizer exists and has the model's vocabulary (else the repository would load wrongly)."""
     from omnitron.core.checkpoint.hf_tokenizer import ExportTokenizerError
-    from omnitron.core.data.tokenizers import TokenizerError, build_tokenizer
+    from omnitron.core.data.tokenizers import TokenizerError, build_tokenizer, tokenizer_kwargs
 
     fix = "give export-hf --tokenizer-type (and --tokenizer-model, --vocab-file/--merge-file or --vocab-size)"
     if not run.get("tokenizer_type"):
         raise ExportTokenizerError(f"{path} records no tokenizer, so the export's AutoTokenizer would encode "
                                    f"nothing; {fix}")
     try:
-        tok = build_tokenizer(run["tokenizer_type"], vocab_file=run.get("vocab_file"), merge_file=run.get("merge_file"),
-                              tokenizer_model=run.get("tokenizer_model"), vocab_size=run.get("vocab_size"),
-                              vocab_extra_ids=int(run.get("vocab_extra_ids") or 0))
+        tok = build_tokenizer(**tokenizer_kwargs(run), vocab_extra_ids=int(run.get("vocab_extra_ids") or 0))
     except TokenizerError as err:
         raise ExportTokenizerError(f"the export's tokenizer: {err}; {fix}") from None
     if tok.vocab_size != cfg.vocab_size:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from omnitron.core.checkpoint.hf import HFConversionError, Rule, _check, _need
+from omnitron.core.checkpoint.hf_llama import (HFConversionError, Rule, _check, _llama_config, _llama_fields,
+                                               _llama_rules, _need)
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -116,8 +117,6 @@ def gpt_oss_fields(hf: dict) -> dict:
 
 def qwen3_moe_fields(hf: dict) -> dict:
     """GPTConfig fields of a ``qwen3_moe`` config.json (Llama's attention with QK-norm, softmax-routed experts)."""
-    from omnitron.core.checkpoint.hf import _llama_fields
-
     base = {**hf, "mlp_bias": hf.get("attention_bias", False)}
     out = _llama_fields(base)
     L, step = out["num_layers"], int(hf.get("decoder_sparse_step", 1))
@@ -137,7 +136,6 @@ def qwen3_moe_fields(hf: dict) -> dict:
 
 def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
     """The ``config.json`` of a Qwen3-MoE-layout ``cfg`` (Llama's fields plus QK-norm and the experts)."""
-    from omnitron.core.checkpoint.hf import _llama_config
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
     if cfg.moe_shared_expert_intermediate_size or cfg.moe_router_score_function != "softmax" or \
@@ -173,7 +171,6 @@ def _all_layer_window(cfg) -> int | None:
 def qwen3_moe_rules(cfg) -> list[Rule]:
     """Llama's rules for attention (plus ``q_norm`` / ``k_norm``) and dense layers; MoE layers' router and
     per-expert SwiGLU."""
-    from omnitron.core.checkpoint.hf import _llama_rules
     from omnitron.core.transformer.moe.pattern import is_moe_layer
 
     moe = {i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}

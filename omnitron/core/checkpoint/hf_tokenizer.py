@@ -5,7 +5,8 @@ its class, and ``generate`` stops only at an ``eos_token_id`` that ``config.json
 ``generation_config.json`` declare. :func:`write_tokenizer` writes them for the tokenizer types that have
 an HF equivalent (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; a Hugging Face ``tokenizer.json``; SentencePiece:
 ``tokenizer.model`` as Llama's tokenizer; BERT WordPiece: ``vocab.txt``; NullTokenizer: a word-level
-``tokenizer.json`` of the ids written as text, ``<eod>`` last) and returns the end-of-document id. A checkpoint
+``tokenizer.json`` of the ids written as text, ``<eod>`` last; TikTokenizer: the same ranks as a byte-level BPE
+``tokenizer.json``; MultimodalTokenizer: its ``tokenizer.json`` with the added image tokens) and returns the end-of-document id. A checkpoint
 that records no tokenizer is refused (:class:`ExportTokenizerError`) rather than exported as a repository whose
 ``AutoTokenizer`` would build an empty tokenizer.
 """
@@ -51,7 +52,49 @@ def write_tokenizer(run: dict, out_dir: str) -> int | None:
         return _wordpiece(run, kind, out_dir)
     if kind == "NullTokenizer" and run.get("vocab_size"):
         return _null(int(run["vocab_size"]), out_dir)
+    if kind in ("TikTokenizer", "MultimodalTokenizer"):
+        from omnitron.core.data.tokenizers import tokenizer_kwargs
+
+        tok = build_tokenizer(**tokenizer_kwargs(run))
+        hf = tiktoken_to_hf(tok) if kind == "TikTokenizer" else tok._tok
+        hf.save(os.path.join(out_dir, "tokenizer.json"))
+        _config(out_dir, "PreTrainedTokenizerFast", hf.id_to_token(tok.eod), pad_token=hf.id_to_token(tok.pad))
+        return tok.eod
     return None
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (what byte-level ``tokenizer.json`` files spell)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    out, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in out:
+            out[b], extra = chr(256 + extra), extra + 1
+    return out
+
+
+def tiktoken_to_hf(tok):
+    """A TikTokenizer as a byte-level BPE ``tokenizers.Tokenizer`` with the same ids: each multi-byte token's
+    merges are its splits into two known tokens, ranked by the token's own rank (tiktoken merges the pair whose
+    join ranks lowest), and a pre-token that is itself a token is taken whole (``ignore_merges``, as tiktoken)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from omnitron.core.data.tokenizers.tik import PATTERNS
+
+    ranks, enc = tok.ranks, byte_to_unicode()
+    text = {token: "".join(enc[b] for b in token) for token in ranks}
+    merges = []
+    for token, _ in sorted(ranks.items(), key=lambda kv: kv[1]):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(text[a], text[b]) for a, b in sorted(pairs, key=lambda p: (ranks[p[0]], ranks[p[1]]))]
+    vocab = {**{t: i for i, t in enumerate(tok.special_tokens)}, **{text[t]: r for t, r in ranks.items()}}
+    hf = Tokenizer(models.BPE(vocab, merges, ignore_merges=True))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PATTERNS[tok.pattern_name]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(tok.special_tokens)  # in the vocabulary at ids 0..num_special-1, so they keep those ids
+    return hf
 
 
 def _null(v: int, out_dir: str) -> int:

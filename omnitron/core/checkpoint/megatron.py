@@ -47,6 +47,8 @@ import re
 
 import torch
 
+from omnitron.core.checkpoint import megatron_dist
+from omnitron.core.checkpoint.io import _write_file
 from omnitron.core.checkpoint.megatron_base import (_COLUMNS, _ROWS, _TE_EXTRA, _TE_NORMS, _VOCAB,  # noqa: F401
                                                     CHECKPOINT_VERSION, TRACKER, MegatronConversionError, Opaque,
                                                     _check_state, _tp_dim, commit_iteration, load_file, run_args)
@@ -409,8 +411,6 @@ def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None 
     ``vocab_size`` overrides :func:`real_vocab_size` (the rows of the padded vocabulary to keep)."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
 
-    from omnitron.core.checkpoint import megatron_dist
-
     iter_dir = resolve_dir(load)
     if megatron_dist.is_torch_dist(iter_dir):
         fmt, (args, tensors) = "torch_dist", megatron_dist.read(iter_dir)
@@ -444,7 +444,6 @@ def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_im
     args, iteration; no optimizer or RNG state (load it in Megatron with ``--finetune`` or
     ``--no-load-optim --no-load-rng``). Returns the iteration directory. Written to ``iter_N.tmp``
     and renamed, then the tracker file."""
-    from omnitron.core.checkpoint import megatron_dist
     from omnitron.core.checkpoint.reshard import model_config, read_full_state
     from omnitron.core.models.gpt.config import GPTConfig
 
@@ -468,8 +467,6 @@ def export_megatron(path: str, out_dir: str, tp: int, pp: int, *, transformer_im
 
 def _write_rank_files(full: dict, cfg, args, out_dir: str, it: int, tp: int, pp: int, transformer_impl: str) -> None:
     """``--ckpt-format torch``: one ``model_optim_rng.pt`` per rank into ``iter_N.tmp``, renamed, then the tracker."""
-    from omnitron.core.checkpoint.io import _write_file
-
     final = os.path.join(out_dir, f"iter_{it:07d}")
     for (t, p), sd in stage_state_dicts(full, cfg, tp, pp, transformer_impl).items():
         os.makedirs(os.path.join(final + ".tmp", rank_dir(t, p, pp)), exist_ok=True)

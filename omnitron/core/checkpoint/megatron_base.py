@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.checkpoint.io import CheckpointError, _fsync_dir, _write_file
 from omnitron.core.checkpoint.safe_load import Opaque, load_untrusted
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -108,8 +108,6 @@ def _check_state(full: dict, cfg, path: str) -> None:
 
 def commit_iteration(out_dir: str, it: int) -> str:
     """Rename the written ``iter_N.tmp`` of ``out_dir`` to ``iter_N``, then point Megatron's tracker file at it."""
-    from omnitron.core.checkpoint.io import _fsync_dir, _write_file
-
     final = os.path.join(out_dir, f"iter_{it:07d}")
     os.replace(final + ".tmp", final)
     _write_file(os.path.join(out_dir, TRACKER + ".tmp"), lambda f: f.write(str(it).encode()))

@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omnitron.core.checkpoint import dist
 from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, write_checkpoint
-from omnitron.core.parallel.groups import Group
+from omnitron.core.config.parallel import ParallelConfig
+from omnitron.core.parallel.grid import coord_of, rank_grid
+from omnitron.core.parallel.groups import Group, ParallelGroups, host_backend
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
@@ -78,8 +81,6 @@ class Layout:
         return self.tp * self.cp * self.dp * self.pp
 
     def parallel_config(self):
-        from omnitron.core.config.parallel import ParallelConfig
-
         return ParallelConfig(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                               virtual_pipeline_model_parallel_size=self.vp, context_parallel_size=self.cp,
                               decoder_first_pipeline_num_layers=self.first,
@@ -146,7 +147,6 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict
     carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic.
     ``etp``: the experts' tensor-parallel split (the memory plan's; checkpoints hold whole experts)."""
     from omnitron.core.models.family import family_of
-    from omnitron.core.parallel.groups import ParallelGroups, host_backend
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 
     groups = ParallelGroups.single()
@@ -233,8 +233,6 @@ def _finish_chunk(skel, c: int, model: dict, optim: dict, path: str) -> None:
 
 def _stage_ranks(layout: Layout) -> dict[int, tuple[list[int], list[int]]]:
     """Per pipeline rank: (world ranks of tp ranks 0..tp-1 at dp = cp = 0, the stage's other ranks)."""
-    from omnitron.core.parallel.grid import coord_of
-
     cfg, out = layout.parallel_config(), {}
     for w in range(layout.world_size):
         co = coord_of(cfg, layout.world_size, w)
@@ -318,8 +316,6 @@ def expert_biases(path: str, meta: dict) -> dict[str, torch.Tensor]:
 def _read_dist(path: str, full: FullState, skeletons: dict, layout: Layout, keep, with_optimizer: bool) -> FullState:
     """:func:`read_full_state` of a ``--ckpt-format torch_dist`` checkpoint: the global tensors through
     DCP in this process (:func:`omnitron.core.checkpoint.dist.read_full`); counters from metadata.json."""
-    from omnitron.core.checkpoint import dist
-
     meta = full.meta
     model, optim = dist.read_full(path, meta, list(skeletons.values()), layout.tp, keep=keep,
                                   with_optimizer=with_optimizer)
@@ -423,16 +419,12 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
                 "config": _target_config(meta.get("config", {}), cfg, target),
                 "resharded_from": Layout.from_dict(meta["layout"]).to_dict()}
     if (ckpt_format or meta.get("ckpt_format", "torch")) == "torch_dist":
-        from omnitron.core.checkpoint import dist
-
         skeleton_chunks(cfg, target)  # raises ConfigError when the model does not split so
         whole = list(skeleton_chunks(cfg, Layout()).values())  # every parameter, in its tp1 form
         new_meta["config"]["ckpt_format"] = "torch_dist"
         say(f"writing {target.world_size} ranks' pieces as torch_dist under {save_dir} ...")
         return dist.write_full(save_dir, full, whole, new_meta, target.world_size)
     new_meta["config"]["ckpt_format"] = "torch"
-    from omnitron.core.parallel.grid import coord_of, rank_grid
-
     pc = target.parallel_config()
     ep_rank = {w: g.index(w) for g in rank_grid(pc, target.world_size)["ep"] for w in g}
     skeletons = {0: skeleton_chunks(cfg, target)}  # per ep rank; raises ConfigError when the model does not split

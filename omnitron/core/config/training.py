@@ -195,6 +195,10 @@ class TrainingConfig:
     rampup_batch_size: list[int] | None = None
     """--rampup-batch-size START INCREMENT SAMPLES: with --train-samples, start at START sequences per step and
     grow by INCREMENT evenly over the first SAMPLES samples up to --global-batch-size."""
+    step_batch_size_schedule: str | None = None
+    """--step-batch-size-schedule "THRESHOLD:BS ...": Megatron's step-wise batch size: each step's global batch is
+    the BS of the last THRESHOLD (tokens, suffixes K M B T; divided by --seq-length into samples) that the samples
+    consumed before it reach; the first THRESHOLD is 0 (omnitron.core.training.batches)."""
     seed: int = 1234
     """--seed: initialisation, data order and dropout all derive from it."""
     eval_interval: int = 0
@@ -260,6 +264,8 @@ class TrainingConfig:
             if self.train_samples is None:
                 raise ConfigError("--rampup-batch-size needs a sample-based run: give --train-samples instead of "
                                   "--train-iters (as Megatron)")
+        if self.step_batch_size_schedule is not None and self.rampup_batch_size is not None:
+            raise ConfigError("give --step-batch-size-schedule or --rampup-batch-size, not both")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.eval_interval < 0 or self.eval_iters < 0:

@@ -15,6 +15,11 @@ from typing import Callable
 import numpy as np
 
 
+def default_cache_dir() -> str:
+    """``$OMNITRON_CACHE`` or ``~/.cache/omnitron``: index caches and the tokenized demo corpus."""
+    return os.environ.get("OMNITRON_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnitron")
+
+
 class IndexCacheMissing(RuntimeError):
     """A non-builder rank found no cache; the builder rank has not built it (or wrote elsewhere)."""
 

@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ConfigError
 
-
-def default_cache_dir() -> str:
-    """``$OMNITRON_CACHE`` or ``~/.cache/omnitron``: index caches and the tokenized demo corpus."""
-    return os.environ.get("OMNITRON_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnitron")
+from .cache import default_cache_dir  # noqa: F401 - re-exported: callers import it from here
+from .tokenizers import TOKENIZER_TYPES, build_tokenizer, tokenizer_kwargs
 
 
 @dataclass(kw_only=True)
@@ -40,15 +38,30 @@ class DataConfig:
     num_workers: int = 2
     """``--num-workers``: DataLoader worker processes per rank (0 = load in the training process)."""
     tokenizer_type: str = "GPT2BPETokenizer"
-    """``--tokenizer-type``: GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, NullTokenizer."""
+    """``--tokenizer-type``: GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer, NullTokenizer,
+    TikTokenizer, MultimodalTokenizer, ... (see omnitron.core.data.tokenizers)."""
     vocab_file: str | None = None
     """``--vocab-file``: GPT-2 vocab.json (default: the bundled one)."""
     merge_file: str | None = None
     """``--merge-file``: GPT-2 merges.txt (default: the bundled one)."""
     tokenizer_model: str | None = None
-    """``--tokenizer-model``: tokenizer.json (HuggingFace) or .model (SentencePiece)."""
+    """``--tokenizer-model``: tokenizer.json (HuggingFace), .model (SentencePiece), a tiktoken JSON vocabulary
+    (TikTokenizer) or a Hugging Face tokenizer directory (MultimodalTokenizer)."""
     vocab_size: int | None = None
-    """``--vocab-size``: NullTokenizer's vocabulary (ids 0..V-1, eod = V)."""
+    """``--vocab-size``: NullTokenizer's vocabulary (ids 0..V-1, eod = V); TikTokenizer's whole vocabulary
+    (special tokens included; default 131072)."""
+    tiktoken_pattern: str | None = None
+    """``--tiktoken-pattern``: TikTokenizer's pre-tokenizer regex, Megatron's v1 or v2 (default v2)."""
+    tiktoken_num_special_tokens: int = 1000
+    """``--tiktoken-num-special-tokens``: TikTokenizer's special-token ids before the BPE ranks."""
+    tokenizer_special_tokens: list[str] = field(default_factory=list)
+    """``--tokenizer-special-tokens`` (or Megatron's older --tiktoken-special-tokens / --special-tokens):
+    TikTokenizer's named special tokens (must hold <unk> <s> </s> <mask> <pad> <cls> <sep>); MultimodalTokenizer's
+    added tokens (default <image>)."""
+    tokenizer_prompt_format: str | None = None
+    """``--tokenizer-prompt-format``: MultimodalTokenizer's chat format (llama3, llama3p1, chatml, qwen2p5, ...)."""
+    image_tag_type: str = ""
+    """``--image-tag-type``: MultimodalTokenizer's tags around <image>: nvlm, internvl or none."""
     eod_mask_loss: bool = False
     """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
     reset_position_ids: bool = False
@@ -64,6 +77,10 @@ class DataConfig:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
         split_weights(self.split)
         _check_tokenizer_type(self.tokenizer_type)
+        if self.tiktoken_pattern not in (None, "v1", "v2"):
+            raise ConfigError(f"--tiktoken-pattern {self.tiktoken_pattern!r}: expected v1 or v2 (Megatron's patterns)")
+        if self.image_tag_type not in ("", "nvlm", "internvl"):
+            raise ConfigError(f"--image-tag-type {self.image_tag_type!r}: expected nvlm, internvl or nothing")
         for name in ("vocab_file", "merge_file", "tokenizer_model"):  # checkpoints record where the files are,
             path = getattr(self, name)  # so generate, serve and exports find them from any directory
             if path and os.path.exists(path):
@@ -86,15 +103,11 @@ class DataConfig:
         return [(flag, paths) for flag, paths in named if paths]
 
 
-_MEGATRON_ONLY = {"TikTokenizer": "tiktoken BPE files are not read", "MultimodalTokenizer": "its chat prompt "
-                  "formats are not implemented", "NullMultimodalTokenizer": "no multimodal null tokenizer",
-                  "SFTTokenizer": "no SFT prompt formats"}
+_MEGATRON_ONLY = {"NullMultimodalTokenizer": "no multimodal null tokenizer", "SFTTokenizer": "no SFT prompt formats"}
 
 
 def _check_tokenizer_type(kind: str) -> None:
     """An unknown ``--tokenizer-type`` stops before any work; Megatron's types omnitron lacks say why."""
-    from .tokenizers import TOKENIZER_TYPES
-
     if kind in _MEGATRON_ONLY:
         raise ConfigError(f"--tokenizer-type {kind}: Megatron's, not omnitron's ({_MEGATRON_ONLY[kind]}); convert the "
                           "tokenizer to a tokenizer.json and use --tokenizer-type HuggingFaceTokenizer")
@@ -147,14 +160,22 @@ def parse_data_path(data_path: list[str] | str) -> list[tuple[float, str]]:
 
 def add_tokenizer_args(parser) -> None:
     """``--tokenizer-type --vocab-file --merge-file --tokenizer-model --vocab-size`` (Megatron spellings)."""
-    from .tokenizers import TOKENIZER_TYPES
-
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: the bundled one)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (default: the bundled one)")
     g.add_argument("--tokenizer-model", default=None, help="tokenizer.json (HuggingFace) or .model (SentencePiece)")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer / TikTokenizer vocabulary size")
+    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None, help="TikTokenizer regex (default v2)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, help="TikTokenizer special-token ids")
+    g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", "--special-tokens", nargs="+",
+                   default=[], help="TikTokenizer's special tokens; MultimodalTokenizer's added tokens")
+    g.add_argument("--tokenizer-prompt-format", default=None, help="MultimodalTokenizer chat format")
+    g.add_argument("--image-tag-type", default="", help="MultimodalTokenizer image tags: nvlm, internvl or none")
+
+
+_TOKENIZER_FLAGS = ("tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
+                    "tokenizer_prompt_format", "image_tag_type")
 
 
 def add_data_args(parser) -> None:
@@ -180,13 +201,11 @@ def data_config_from_args(args) -> DataConfig:
                       seq_length=args.seq_length, seed=args.seed, data_cache_path=args.data_cache_path,
                       num_workers=args.num_workers, tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                      **{k: getattr(args, k) for k in _TOKENIZER_FLAGS},
                       eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
                       reset_attention_mask=args.reset_attention_mask)
 
 
 def tokenizer_from_config(config: DataConfig):
     """The tokenizer a ``DataConfig`` names."""
-    from .tokenizers import build_tokenizer
-
-    return build_tokenizer(config.tokenizer_type, vocab_file=config.vocab_file, merge_file=config.merge_file,
-                           tokenizer_model=config.tokenizer_model, vocab_size=config.vocab_size)
+    return build_tokenizer(**tokenizer_kwargs(config))

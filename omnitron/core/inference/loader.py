@@ -14,6 +14,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.core.checkpoint import CheckpointError, find_latest
+from omnitron.core.checkpoint.io import read_metadata
+from omnitron.core.inference import shard_load
+from omnitron.core.inference.stage import ShardedStage, build_stage
+from omnitron.core.models.gpt.state import shard_full_state
+from omnitron.core.parallel.groups import ParallelGroups, resolve_backend
 from omnitron.core.parallel.tensor.sharding import to_device
 
 
@@ -51,7 +56,6 @@ def _build(cfg, backend):
     """The single-process model of ``cfg``'s family, and the family's name (CheckpointError: a family
     that does not generate)."""
     from omnitron.core.models.family import family_of
-    from omnitron.core.parallel.groups import ParallelGroups
 
     family = family_of(cfg)
     if family.generate is None:
@@ -62,7 +66,6 @@ def _build(cfg, backend):
 def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
     """(path, metadata, fp32 model config) of the latest checkpoint under ``load``, or of the safetensors file
     ``load`` (``checkpoint export``'s)."""
-    from omnitron.core.checkpoint.io import read_metadata
     from omnitron.core.checkpoint.reshard import model_config, recorded_family
     from omnitron.core.inference.shard_load import safetensors_meta
 
@@ -78,12 +81,11 @@ def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
 
 def _tokenizer(path: str, meta: dict, cfg):
     from omnitron.core.data import build_tokenizer
+    from omnitron.core.data.tokenizers import tokenizer_kwargs
     from omnitron.core.models.family import family_of
 
     flat = meta.get("config", {})
-    tokenizer = build_tokenizer(flat.get("tokenizer_type") or "GPT2BPETokenizer", vocab_file=flat.get("vocab_file"),
-                                merge_file=flat.get("merge_file"), tokenizer_model=flat.get("tokenizer_model"),
-                                vocab_size=flat.get("vocab_size"), **family_of(cfg).tokenizer_kwargs(cfg))
+    tokenizer = build_tokenizer(**tokenizer_kwargs(flat), **family_of(cfg).tokenizer_kwargs(cfg))
     if tokenizer.vocab_size != cfg.vocab_size:
         raise CheckpointError(f"{path}: the model's vocabulary ({cfg.vocab_size}) differs from its tokenizer's "
                               f"({tokenizer.vocab_size}); the tokenizer files named in the checkpoint changed")
@@ -93,8 +95,6 @@ def _tokenizer(path: str, meta: dict, cfg):
 def load_for_inference(load: str, backend=None) -> Loaded:
     """The latest checkpoint under ``load`` as one fp32, eval-mode model on ``backend``'s device."""
     from omnitron.core.checkpoint.reshard import read_full_state
-    from omnitron.core.models.gpt.state import shard_full_state
-    from omnitron.core.parallel.groups import ParallelGroups, resolve_backend
 
     backend = resolve_backend(backend, None)  # the entry points pass the chosen one
     path, meta, cfg = _checkpoint(load)
@@ -116,7 +116,6 @@ def load_sharded(load: str, groups, backend) -> Loaded:
     without weights and filled with its own slices (:mod:`~omnitron.core.inference.shard_load`): from a
     torch_dist checkpoint or a safetensors file only the bytes of its slices are read; the torch format's
     shards are read whole for the tensors the stage owns."""
-    from omnitron.core.inference.sharded import ShardedStage
     from omnitron.core.models.family import family_of
 
     path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0)
@@ -133,10 +132,7 @@ def _load_sliced(path: str, meta: dict, cfg, groups, backend, tokenizer) -> Load
     """This rank's stage over ``groups``, built on ``meta``, given storage for its shards only and filled from
     ``path`` (torch_dist, safetensors or torch format), on the backend's device, in eval mode."""
     from omnitron.core.checkpoint.reshard import needed_owners, read_full_state
-    from omnitron.core.inference import shard_load
-    from omnitron.core.inference.sharded import build_stage
     from omnitron.core.models.family import family_of
-    from omnitron.core.models.gpt.state import shard_full_state
 
     if not family_of(cfg).pipelined:
         raise CheckpointError(f"--load {path}: sliced loading reads GPT-family models; load a {family_of(cfg).name} "

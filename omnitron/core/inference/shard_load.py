@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from omnitron.core.checkpoint import CheckpointError
+from omnitron.core.checkpoint import CheckpointError, dist
 
 
 @contextlib.contextmanager
@@ -69,8 +69,6 @@ def stage_pieces(stage, groups) -> dict:
 def read_dist(path: str, meta: dict, pieces: dict) -> int:
     """Fill ``pieces`` from the torch_dist checkpoint ``path`` (this process alone: no collective); returns
     the bytes of tensor data read."""
-    from omnitron.core.checkpoint import dist
-
     return dist.read(pieces, path, meta.get("checksums") or {}, collective=False).read_bytes
 
 

@@ -25,7 +25,7 @@ class LRScheduler:
              "samples", "decoupled_max_lr", "decoupled_min_lr")
 
     def __init__(self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None,
-                 global_batch_size: int = 1) -> None:
+                 global_batch_size: int = 1, varying_batch: bool = False) -> None:
         self.max_lr, self.min_lr, self.warmup_init = config.lr, config.min_lr, config.lr_warmup_init
         self.decoupled_max_lr = config.decoupled_lr
         self.decoupled_min_lr = config.decoupled_min_lr_or_default if config.decoupled_lr is not None else None
@@ -45,6 +45,9 @@ class LRScheduler:
         --global-batch-size), which only the inverse square root's floor of one sample can tell apart."""
         self.samples = 0
         """Samples of the successful steps so far (the progress of a sample-counted schedule)."""
+        self.varying_batch = varying_batch
+        """An iteration-counted run whose batch size changes (--step-batch-size-schedule): Megatron's progress is
+        then the samples consumed over --global-batch-size, not the step count."""
 
     def lr_for_step(self, successful_steps: int, batch: int) -> float:
         """The rate of the next step, after ``successful_steps`` successful ones; ``batch``: its sequences."""
@@ -58,6 +61,8 @@ class LRScheduler:
 
     def _progress(self, successful_steps: int, batch: int) -> int:
         """Megatron's ``num_steps`` when the step runs: what the successful steps before it consumed."""
+        if self.unit == "iterations" and self.varying_batch:
+            return self.samples / self.per_step
         return self.samples if self.unit == "samples" else successful_steps
 
     def advance(self, batch: int) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 from omnitron.core.config.parallel import ConfigError, ParallelConfig, data_parallel_size
 from omnitron.core.config.training import (CheckpointConfig, LoggingConfig, OptimizerConfig, PrecisionConfig,
                                            TrainingConfig)
+from omnitron.core.training import megatron_flags as MF
 
 log = logging.getLogger("omnitron.train")
 
@@ -276,8 +277,6 @@ _LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "entry": str, "m
 
 def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     """Preset < config file < command line, every value type-checked; unknown file keys rejected."""
-    from omnitron.core.training import megatron_flags as MF
-
     opts = options()
     merged: dict[str, Any] = {}
     file_values = load_config_file(given["config"]) if given.get("config") else {}
@@ -400,13 +399,13 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
     precision = _build(PrecisionConfig, merged)
     family, model, parallel = _model_settings(merged, precision)
-    training = _training_settings(merged, data_parallel_size(parallel, world))
+    training = _training_settings(merged, data_parallel_size(parallel, world), model.seq_length)
     if training.calculate_per_token_loss and getattr(model, "num_experts", None):
         raise ConfigError("--calculate-per-token-loss with MoE: the load-balancing loss is weighted per micro-batch, "
                           "not per token, yet; drop --calculate-per-token-loss (or train a dense model)")
     _check_mtp(merged, family.name, training)
-    if training.rampup_batch_size:
-        _check_ramp_schedules(training, parallel, data_parallel_size(parallel, world))
+    if training.rampup_batch_size or training.step_batch_size_schedule:
+        _check_ramp_schedules(training, parallel, data_parallel_size(parallel, world), model.seq_length)
     data = _data_settings(merged, model, parallel, training)
     fp8 = _fp8_settings(merged)
     logging_cfg = _build(LoggingConfig, merged)
@@ -487,12 +486,15 @@ def _check_mtp(merged: dict[str, Any], family: str, training: TrainingConfig) ->
                           "boundaries; drop --reset-attention-mask")
 
 
-def _training_settings(merged: dict[str, Any], dp: int) -> TrainingConfig:
-    """The training config; ``--global-batch-size`` defaults to one micro-batch per data-parallel rank."""
+def _training_settings(merged: dict[str, Any], dp: int, seq_length: int) -> TrainingConfig:
+    """The training config; ``--global-batch-size`` defaults to one micro-batch per data-parallel rank, or with
+    ``--step-batch-size-schedule`` to the schedule's last batch size."""
     from dataclasses import replace
 
     training = _build(TrainingConfig, merged)
     mbs = training.micro_batch_size
+    if training.step_batch_size_schedule is not None:
+        training = replace(training, global_batch_size=_schedule_final_batch(training, seq_length))
     if training.global_batch_size is None:
         training = replace(training, global_batch_size=mbs * dp)
     if training.global_batch_size % (mbs * dp):
@@ -501,31 +503,48 @@ def _training_settings(merged: dict[str, Any], dp: int) -> TrainingConfig:
     _check_schedule_units(merged, training)
     if training.train_samples is None:
         return training
-    iters = batch_ramp(training, dp).iterations(training.train_samples)
+    iters = batch_ramp(training, dp, seq_length).iterations(training.train_samples)
     if iters < 1:
         raise ConfigError(f"--train-samples {training.train_samples} is less than one global batch "
                           f"({training.global_batch_size}); give more samples")
     return replace(training, train_iters=iters)
 
 
-def batch_ramp(training: TrainingConfig, dp: int):
+def batch_ramp(training: TrainingConfig, dp: int, seq_length: int):
     """The run's :class:`~omnitron.core.training.batches.BatchRamp` (batch size per step)."""
-    from omnitron.core.training.batches import BatchRamp
+    from omnitron.core.training.batches import BatchRamp, parse_step_schedule
 
     ramp = tuple(training.rampup_batch_size) if training.rampup_batch_size else None
-    return BatchRamp(training.global_batch_size, training.micro_batch_size * dp, ramp)
+    text = training.step_batch_size_schedule
+    steps = parse_step_schedule(text, seq_length) if text else None
+    return BatchRamp(training.global_batch_size, training.micro_batch_size * dp, ramp, steps)
 
 
-def _check_ramp_schedules(training: TrainingConfig, parallel: ParallelConfig, dp: int) -> None:
+def _schedule_final_batch(training: TrainingConfig, seq_length: int) -> int:
+    """The schedule's last batch size (the run's --global-batch-size); a different --global-batch-size is refused.
+    NOTE: Megatron at d98e8a6 refuses any --global-batch-size beside the schedule, though its GPT-3 175B script
+    passes the schedule's last size; that one agrees with the schedule, so it is accepted here."""
+    from omnitron.core.training.batches import parse_step_schedule
+
+    steps = parse_step_schedule(training.step_batch_size_schedule, seq_length)
+    final = steps[-1][1]
+    if training.global_batch_size not in (None, final):
+        raise ConfigError(f"--global-batch-size {training.global_batch_size} with --step-batch-size-schedule: the "
+                          f"schedule ends at {final}; drop --global-batch-size (the schedule sets every step's)")
+    return final
+
+
+def _check_ramp_schedules(training: TrainingConfig, parallel: ParallelConfig, dp: int, seq_length: int) -> None:
     """Every micro-batch count of the ramp has a pipeline schedule (interleaving needs multiples of pp)."""
     from omnitron.core.parallel.pipeline.schedules import build_schedule
 
-    for n in batch_ramp(training, dp).sizes():
+    for n in batch_ramp(training, dp, seq_length).sizes():
         try:
             build_schedule(training.pipeline_schedule, parallel.pipeline_model_parallel_size,
                            parallel.virtual_pipeline_model_parallel_size, n)
         except ConfigError as err:
-            raise ConfigError(f"--rampup-batch-size: a step of {n} micro-batches: {err}") from None
+            flag = "--rampup-batch-size" if training.rampup_batch_size else "--step-batch-size-schedule"
+            raise ConfigError(f"{flag}: a step of {n} micro-batches: {err}") from None
 
 
 _ITER_LR = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")

@@ -18,7 +18,8 @@ _NOT_ARCHITECTURE = {"hidden_dropout", "attention_dropout", "init_method_std", "
                      "recompute_granularity", "recompute_method", "recompute_num_layers", "params_dtype",
                      "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate", "vocab_size"}
 _TOKENIZER = ("model_type", "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
-              "vocab_extra_ids")
+              "vocab_extra_ids", "tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
+              "tokenizer_prompt_format", "image_tag_type")
 
 
 def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:

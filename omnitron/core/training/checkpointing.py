@@ -12,8 +12,8 @@ import dataclasses
 import logging
 import os
 
-from omnitron.core.checkpoint import (CheckpointError, check_compatible, find_latest, get_rng_state, read_metadata,
-                                      reshard, save_checkpoint, set_rng_state)
+from omnitron.core.checkpoint import (CheckpointError, check_compatible, dist, find_latest, get_rng_state,
+                                      read_metadata, reshard, save_checkpoint, set_rng_state)
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
@@ -25,8 +25,6 @@ DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without impo
 def _dist():
     """``omnitron.core.checkpoint.dist``, imported on first use: it brings torch.distributed.checkpoint and
     DTensor (about 0.8 s per process), which runs that never touch a torch_dist checkpoint do without."""
-    from omnitron.core.checkpoint import dist
-
     return dist
 
 

@@ -15,13 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnitron.core.data import build_tokenizer
 from omnitron.core.data.config import default_cache_dir
+from omnitron.core.data.tokenizers import tokenizer_kwargs
 from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import GPTConfig
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.optim import DistributedOptimizer, LRScheduler, MixedPrecisionOptimizer
 from omnitron.core.optim.muon import DistributedMuon, Muon
 from omnitron.core.optim.onebit import OneBitAdam, resolve_freeze_step
+from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 from omnitron.core.parallel.pipeline.paired import pair_forwards
@@ -102,8 +105,6 @@ def wrap_data_parallel(modules: list[GPTModel], settings, groups, backend):
     """Chunks wrapped by the data-parallel package (gradient buckets; their reduction, the sequence-parallel and
     the tied-embedding sums: :func:`omnitron.core.parallel.data.finalize_model_grads`); with --use-torch-fsdp2,
     each sharded in place by FSDP2 (:mod:`omnitron.core.parallel.data.fsdp`)."""
-    from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
-
     if uses_fsdp2(settings):
         scales = fp8_weight_scales(settings, groups, backend)
         return [FullyShardedDataParallel(m, groups, compute_dtype=settings.model.params_dtype,
@@ -153,6 +154,8 @@ def build_data(settings, tokenizer, groups, collectives):
     evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
     sizes = {"train_samples": t.train_samples or t.train_iters * gbs, "valid_samples": t.eval_iters * gbs if evals else 0}
+    if t.step_batch_size_schedule:  # every step's batch, the last one's overshoot of --train-samples included
+        sizes["train_samples"] = batch_ramp(t, settings.dp, settings.model.seq_length).samples(t.train_iters)
     start, rank0 = time.perf_counter(), groups.rank == 0
     if rank0:
         where = "" if settings.data.mock_data else f" (index caches under {settings.data.data_cache_path or default_cache_dir()})"
@@ -201,14 +204,11 @@ def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> Mix
 
 
 def build_components(settings, backend) -> Components:
-    from omnitron.core.data import build_tokenizer
 
     groups = ParallelGroups.build(settings.parallel, backend=backend)
     seed_everything(settings.training.seed, groups.pp.rank, backend)
     d = settings.data
-    tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
-                                **family_of(settings.model).tokenizer_kwargs(settings.model))  # T5's sentinels
+    tokenizer = build_tokenizer(**tokenizer_kwargs(d), **family_of(settings.model).tokenizer_kwargs(settings.model))  # T5's sentinels
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend, settings.training.pipeline_schedule)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
@@ -225,10 +225,11 @@ def build_components(settings, backend) -> Components:
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
     t = settings.training
-    scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples, t.global_batch_size)
+    scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples, t.global_batch_size,
+                            varying_batch=bool(t.step_batch_size_schedule))
     train, valid = build_data(settings, tokenizer, groups, backend.collectives)
     c = Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
                    optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=None, train_data=train,
-                   valid_data=valid, extra=extra, batches=batch_ramp(t, settings.dp))
+                   valid_data=valid, extra=extra, batches=batch_ramp(t, settings.dp, settings.model.seq_length))
     c.schedule = c.schedule_for(settings.num_microbatches)
     return c

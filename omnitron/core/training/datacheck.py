@@ -13,6 +13,7 @@ def check_tokenizer_and_data(settings) -> None:
     scan is cached: workers reuse it). Raises ConfigError naming the flag, the file and the fix."""
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.data import TokenizerError, build_tokenizer
+    from omnitron.core.data.tokenizers import tokenizer_kwargs
     from omnitron.core.data.builder import DataError, check_vocabulary
     from omnitron.core.data.config import default_cache_dir, parse_data_path
     from omnitron.core.data.indexed import IndexedDataset, IndexedDatasetError
@@ -20,9 +21,7 @@ def check_tokenizer_and_data(settings) -> None:
 
     d, family = settings.data, family_of(settings.model)
     try:
-        tokenizer = build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                    tokenizer_model=d.tokenizer_model, vocab_size=d.vocab_size,
-                                    **family.tokenizer_kwargs(settings.model))
+        tokenizer = build_tokenizer(**tokenizer_kwargs(d), **family.tokenizer_kwargs(settings.model))
     except TokenizerError as err:
         raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {err}") from None
     if d.mock_data or family.synthetic_data:  # samples made in memory: no files to check

@@ -69,8 +69,6 @@ def write_report(rank: int, kind: str, line: str, suspect: int | None = None) ->
 
 def elastic_line(rank: int, kind: str, line: str) -> str:
     """The one line a failed rank leaves in torchrun's report: the command, the rank and pid, the cause."""
-    from omnitron.core.training.workers import command_name
-
     if not line.startswith(f"rank {rank} ("):  # the watchdog's reasons name their rank already
         line = f"rank {rank} (pid {os.getpid()}) {'failed' if kind in ('error', 'peer') else 'stopped'}: {line}"
     return f"{command_name()}: error: {line}"
@@ -112,8 +110,6 @@ def handle(exc: BaseException, rank: int, dump) -> int:
     elif kind == "peer":
         log.error("rank %d: lost a peer (%s); the failing rank's own message comes first", rank, line)
     elif kind == "stopped":  # one process: the reason is the whole message
-        from omnitron.core.training.workers import command_name
-
         print(f"{command_name()}: error: {line}", file=sys.stderr)
     else:
         log.error("rank %d: %s", rank, line)
@@ -210,3 +206,13 @@ def _reaction(w: dict, rep: dict | None, first: str) -> tuple[str, str]:
     if rep["kind"] == "stopped" and line.split(": ", 1)[-1] == first.split(": ", 1)[-1]:
         return "same", "stopped the same way"
     return f"{rep['kind']}: {line}", f"failed: {line}"
+
+
+def command_name() -> str:
+    """``omnitron <sub-command>`` this process runs (``omnitron train`` when started otherwise, e.g. ``python -m
+    omnitron.train``): the prefix of its one-line failure reports."""
+    args = sys.argv[1:]
+    sub = next((a for a in args if not a.startswith("-")), None)
+    known = ("train", "generate", "serve")
+    return f"omnitron {sub}" if os.path.basename(sys.argv[0]) in ("omnitron", "__main__.py") and sub in known \
+        else "omnitron train"

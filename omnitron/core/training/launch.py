@@ -14,7 +14,9 @@ import logging
 import os
 import sys
 
+from omnitron.core.config.parallel import ConfigError
 from omnitron.core.lifetime import die_with_parent
+from omnitron.core.training import failures
 from omnitron.core.training.outputs import check_writable, lock_outputs
 
 log = logging.getLogger("omnitron.train")
@@ -23,7 +25,6 @@ log = logging.getLogger("omnitron.train")
 def precheck(settings) -> None:
     """Checks that need files or the backend but no process group (raise ConfigError/CheckpointError)."""
     from omnitron.backends.registry import BackendUnavailableError, get_backend
-    from omnitron.core.config.parallel import ConfigError
 
     try:
         backend = get_backend(settings.backend)
@@ -51,7 +52,6 @@ def precheck(settings) -> None:
 
 def _check_files(settings) -> None:
     """Data and tokenizer files named on the command line exist (before workers start)."""
-    from omnitron.core.config.parallel import ConfigError
     from omnitron.core.data.config import parse_data_path
 
     d = settings.data
@@ -89,7 +89,6 @@ def _run_rank(settings, entry=None) -> int:
     """Join the job (store per restart attempt, process group, watchdog), run ``entry``; the exit code.
     A failure is reported in one line (:mod:`omnitron.core.training.failures`)."""
     from omnitron.backends import get_backend
-    from omnitron.core.training import failures
     from omnitron.core.training.loop import train
     from omnitron.core.training.watchdog import NullWatchdog
     from omnitron.core.training.workers import join_job

@@ -11,6 +11,7 @@ import time
 import torch
 
 from omnitron.backends.collectives import ReduceOp
+from omnitron.core.data import PretrainingSampler, build_data_loader
 from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import flops_per_iteration
 from omnitron.core.optim.clip import global_grad_norm
@@ -31,8 +32,6 @@ log = logging.getLogger("omnitron.train")
 
 def data_iterator(c, dataset, consumed: int):
     """Micro-batches for this data-parallel rank from sample ``consumed`` on (RNG untouched)."""
-    from omnitron.core.data import PretrainingSampler, build_data_loader
-
     if dataset is None:
         return None
     g = c.groups

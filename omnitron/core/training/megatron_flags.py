@@ -61,7 +61,6 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
     "no_async_tensor_model_parallel_allreduce": (None, "tensor-parallel all-reduces run in issue order", _PERF),
     "tp_comm_overlap": (None, "tensor-parallel communication is not overlapped with the GEMMs (no userbuffers)",
                         _PERF + "; only the speed differs"),
-    "tiktoken_pattern": ("PATTERN", "only TikTokenizer reads it", "as Megatron: other tokenizers ignore it"),
     "distributed_backend": ("NAME", "the backend's own collectives library is used (OMNITRON_BACKEND / --backend "
                                     "picks the backend)", _PERF),
     "log_world_size_to_tensorboard": (None, "the run's header line gives the layout and world size", _LOG),
@@ -123,6 +122,10 @@ ALIASES: dict[str, tuple[str, dict]] = {
     "freeze_LM": ("same as --freeze-language-model (LLaVA)", {"action": "store_true"}),
     "freeze_ViT": ("same as --freeze-vision-model (LLaVA)", {"action": "store_true"}),
     "disable_vision_class_token": ("same as --no-vision-class-token (LLaVA)", {"action": "store_true"}),
+    "tiktoken_special_tokens": ("same as --tokenizer-special-tokens (Megatron's older spelling)",
+                                {"nargs": "+", "metavar": "TOKEN"}),
+    "special_tokens": ("same as --tokenizer-special-tokens (Megatron's multimodal spelling)",
+                       {"nargs": "+", "metavar": "TOKEN"}),
     "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
                             "turns it off)", {"action": "store_true"}),
 }
@@ -139,8 +142,6 @@ REFUSED: dict[str, tuple[str | None, str]] = {
     "no_save_optim": (None, "checkpoints always hold the optimizer state (resume needs it; --finetune loads "
                             "weights only); drop the flag"),
     "no_save_rng": (None, "checkpoints always hold the RNG states (--no-load-rng ignores them); drop the flag"),
-    "step_batch_size_schedule": ("SCHEDULE", "Megatron's step-wise batch-size schedule is not implemented; use "
-                                             "--rampup-batch-size START INCREMENT SAMPLES or a fixed --global-batch-size"),
     "moe_router_force_load_balancing": (None, "Megatron routes on random logits (a benchmark of balanced "
                                               "experts), not the router's; omnitron trains the router; drop the "
                                               "flag"),
@@ -180,6 +181,9 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     _alias(out, given, "use_rotary_position_embeddings", "position_embedding_type", "rope")
     _alias(out, given, "recompute_activations", "recompute_granularity", "selective")
     _alias(out, given, "exit_signal_handler", "save_on_signal", True)
+    for key in ("tiktoken_special_tokens", "special_tokens"):
+        if given.get(key):
+            _alias(out, given, key, "tokenizer_special_tokens", list(given[key]))
     _alias(out, given, "freeze_LM", "freeze_language_model", True)
     _alias(out, given, "freeze_ViT", "freeze_vision_model", True)
     _alias(out, given, "disable_vision_class_token", "vision_class_token", False)

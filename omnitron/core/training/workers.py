@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from omnitron.core.training import failures
+from omnitron.core.training.failures import command_name
 from omnitron.core.training.watchdog import Watchdog, distributed_timeout_s, heartbeat_interval
 
 HOSTED_STORE_ENV = "OMNITRON_LAUNCHER_STORE"
@@ -278,13 +279,3 @@ def run_workers(settings, entry, n: int, worker) -> int:
         print(f"{name}: {line}", file=sys.stderr)
     print(f"{name}: worker exit codes {codes}", file=sys.stderr)
     return 1
-
-
-def command_name() -> str:
-    """``omnitron <sub-command>`` this process runs (``omnitron train`` when started otherwise, e.g. ``python -m
-    omnitron.train``): the prefix of its one-line failure reports."""
-    args = sys.argv[1:]
-    sub = next((a for a in args if not a.startswith("-")), None)
-    known = ("train", "generate", "serve")
-    return f"omnitron {sub}" if os.path.basename(sys.argv[0]) in ("omnitron", "__main__.py") and sub in known \
-        else "omnitron train"

@@ -32,6 +32,7 @@ from torch import nn
 
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer.layer import TransformerLayer
+from omnitron.core.transformer.moe.metrics import logged_loss
 from omnitron.core.transformer.moe.router import attach_aux_loss
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
@@ -152,6 +153,4 @@ def set_mtp_loss_scale(modules, scale: float) -> None:
 def mtp_loss(modules, groups, collectives, num_microbatches: int) -> float:
     """Collective over pp and dp x cp: the MTP loss added to the LM loss this step (``lambda / D * sum_k L_k``,
     averaged over micro-batches and data-parallel replicas); resets the totals."""
-    from omnitron.core.transformer.moe.metrics import logged_loss
-
     return logged_loss(modules, mtp_blocks(modules), "loss_total", groups, collectives, num_microbatches)

@@ -18,6 +18,8 @@ import os
 import uuid
 from pathlib import Path
 
+from ..cache import default_cache_dir
+from ..moby import moby_dick_documents
 from .base import TokenizerError
 from .bpe import _HFBacked, _require_file
 
@@ -87,9 +89,6 @@ def build_wordpiece_vocab(texts, vocab_size: int, *, lower_case: bool = True) ->
 def default_vocab_file(lower_case: bool = True, cache_dir: str | None = None) -> Path:
     """The cached vocab.txt built from the bundled corpus (built on first use; safe under concurrent ranks:
     the first complete file to be linked into place wins, every rank then reads that one)."""
-    from ..config import default_cache_dir
-    from ..corpus import moby_dick_documents
-
     case = "uncased" if lower_case else "cased"
     path = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"moby_dick_wordpiece_{case}_{DEFAULT_VOCAB_SIZE}.txt"
     if path.is_file():

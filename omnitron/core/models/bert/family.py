@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.models.bert import config as B
-from omnitron.core.models.family import ModelFamily
+from omnitron.core.models.family_base import ModelFamily
 
 
 def build_stage(cfg, groups, **kw):

@@ -13,6 +13,7 @@ import torch
 
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
 from omnitron.core.transformer.shapes import ffn_size, head_dim, query_groups  # noqa: F401 - re-exported
+from omnitron.core.transformer.yarn import yarn_inv_freq
 
 
 @dataclass(kw_only=True)
@@ -667,8 +668,6 @@ def uses_rope(c: GPTConfig) -> bool:
 def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
     """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled
     (multi-latent attention: YaRN's over --qk-pos-emb-head-dim, :mod:`omnitron.core.transformer.yarn`)."""
-    from omnitron.core.transformer.yarn import yarn_inv_freq
-
     if c.multi_latent_attention:
         return yarn_inv_freq(c)
     rot = int(head_dim(c) * c.rotary_percent)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 
-from omnitron.core.models.family import ModelFamily
+from omnitron.core.models.family_base import ModelFamily
 from omnitron.core.models.gpt import config as C
 
 

@@ -21,14 +21,14 @@ from omnitron.core.parallel.context import apply_context_parallel, local_positio
 from omnitron.core.parallel.groups import resolve_backend
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding
+from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, VocabParallelEmbedding, embedding_lookup
 from omnitron.core.parallel.tensor.random import MODEL_PARALLEL, RNGTracker, checkpoint, model_parallel_seed
 from omnitron.core.parallel.tensor.sharding import full_shape, init_full, set_attributes, shard_param
 from omnitron.core.transformer.attention import extract_rows
 from omnitron.core.transformer.layer import TransformerLayer
+from omnitron.core.transformer.norm import Norm, norm_kwargs
 from omnitron.core.transformer.offload import ActivationOffloader
 from omnitron.core.transformer.offload_modules import ModuleOffloader
-from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -140,8 +140,6 @@ class GPTModel(nn.Module):
 
     def _mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The word embedding of ``tokens [b, s]`` on the last stage: ``[s(/tp), b, h]``, with hidden dropout."""
-        from omnitron.core.parallel.tensor.layers import embedding_lookup
-
         if self.pre_process:
             weight = self.embedding.word_embeddings.weight
         elif hasattr(self, "mtp_embedding"):

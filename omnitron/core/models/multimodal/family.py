@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from omnitron.core.config.parallel import ConfigError
-from omnitron.core.models.family import ModelFamily
+from omnitron.core.models.family_base import ModelFamily
 from omnitron.core.models.multimodal import config as MM
 
 

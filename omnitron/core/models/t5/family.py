@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from omnitron.core.models.bert.family import check_wordpiece_flags
-from omnitron.core.models.family import ModelFamily
+from omnitron.core.models.family_base import ModelFamily
 from omnitron.core.models.t5 import config as T
 
 

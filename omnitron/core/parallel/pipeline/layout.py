@@ -11,6 +11,7 @@ The embedding lives on virtual stage 0 and the output head on the last one. With
 from __future__ import annotations
 
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.parallel.pipeline.schedules import virtual_stage
 
 
 def _per_rank(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
@@ -72,8 +73,6 @@ def pipeline_layer_ranges(num_layers: int, pp: int, vp: int | None = None, first
 
 def _v_ranges(num_layers: int, pp: int, vp: int, first: int | None, last: int | None) -> dict:
     """The V placement: 2 pp equal chunks, stage k on rank k (k < pp) or 2 pp - 1 - k."""
-    from omnitron.core.parallel.pipeline.schedules import virtual_stage
-
     if first is not None or last is not None:
         raise ConfigError("--decoder-first/last-pipeline-num-layers do not apply to the V-shaped schedules (rank 0 "
                           "holds the first and the last stage); drop them or use another --pipeline-schedule")

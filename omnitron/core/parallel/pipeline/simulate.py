@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from omnitron.core.parallel.pipeline.schedules import Action, Schedule
+from omnitron.core.parallel.pipeline.actions import Action, Schedule
 
 
 class ScheduleError(RuntimeError):

@@ -31,7 +31,8 @@ from __future__ import annotations
 from typing import Callable
 
 from omnitron.core.config.parallel import ConfigError
-from omnitron.core.parallel.pipeline.schedules import Action, Schedule, _check, virtual_stage, zb_stage_cost
+from omnitron.core.parallel.pipeline.actions import Action, Schedule, _check, virtual_stage, zb_stage_cost
+from omnitron.core.parallel.pipeline.simulate import simulate
 
 
 class _VClock:
@@ -109,7 +110,6 @@ def schedule_zb_v(pp: int, num_microbatches: int,
     (p + 1.5 stages' worth; 1F1B holds p stages on rank 0), the same on every rank. NOTE: pure Python, built
     once per micro-batch count: 0.9 s at p = 8, m = 64; 18 s at p = 32, m = 256.
     """
-    from omnitron.core.parallel.pipeline.simulate import simulate
 
     _check(pp, num_microbatches)
     best, best_span = None, float("inf")

@@ -29,6 +29,8 @@ from typing import Callable, Iterator
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from omnitron.core.graph_state import in_graph
+
 MODEL_PARALLEL = "model-parallel"
 """Name of the tracker stream that differs across tensor-parallel ranks."""
 
@@ -83,8 +85,6 @@ class RNGTracker:
     def in_graph() -> bool:
         """True while dynamo traces or a device graph is captured (:func:`omnitron.core.capture.in_graph`):
         dropout sites draw :meth:`keep_multiplier` masks instead of forking."""
-        from omnitron.core.capture import in_graph
-
         return in_graph()
 
     def keep_multiplier(self, shape, p: float, like: torch.Tensor, split_dim: int | None = None) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.precision.fp8.torchao_impl import check
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
@@ -45,8 +46,6 @@ class FP8Config:
                               "with 1x32 e8m0 scales); use --fp8-recipe blockwise for fine-grained scaling")
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"--fp8-recipe {self.fp8_recipe!r} is unknown: use one of {', '.join(FP8_RECIPES)}")
-        from omnitron.core.precision.fp8.torchao_impl import check
-
         check(self.fp8_impl, self.fp8_recipe)
         if self.fp8_format not in FP8_FORMATS:
             raise ConfigError(f"--fp8-format {self.fp8_format!r} is unknown: use one of {', '.join(FP8_FORMATS)}")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 
 from omnitron.backends.collectives import ReduceOp
+from omnitron.core.transformer.moe.layer import MoELayer
 
 
 def moe_layers(modules) -> list:
     """Every :class:`MoELayer` inside ``modules`` (model chunks, wrapped or not)."""
-    from omnitron.core.transformer.moe.layer import MoELayer
-
     return [m for mod in modules for m in mod.modules() if isinstance(m, MoELayer)]
 
 

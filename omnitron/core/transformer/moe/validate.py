@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.transformer.moe.capacity import DROP_POLICIES
 
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -28,7 +29,6 @@ def check_moe_fields(c) -> None:
 
 def _check_extras(c) -> None:
     """Layer pattern, shared expert, capacity and router-score settings."""
-    from omnitron.core.transformer.moe.capacity import DROP_POLICIES
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
     moe_layer_pattern(c.moe_layer_freq, c.num_layers)  # raises on a bad pattern
