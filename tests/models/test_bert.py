@@ -16,7 +16,7 @@ from omnitron.core.models.bert import BertConfig, BertModel, bert_loss, num_para
 from omnitron.core.models.gpt import gather_full_state
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
-from omnitron.testing.parity import assert_parity, relative_error as _rel, tp_sp_parity
+from omnitron.testing.parity import assert_parity, on_groups_device, relative_error as _rel, tp_sp_parity
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
             hidden_dropout=0.0, attention_dropout=0.0)
@@ -144,6 +144,7 @@ def _parity_step(c, g):
 
     batch = _batch(c, torch.Generator().manual_seed(4))
     model = BertModel(c, g, seed=8)
+    model, batch = on_groups_device(g, model, batch)  # the backend under test (the host for one process)
     lm, binary = _forward(model, batch)
     loss, _ = bert_loss((lm, binary), batch)
     loss.backward()
