@@ -285,7 +285,8 @@ def _pipeline_layouts() -> dict:
 
             for ch in chunks:
                 ch.zero_grad_buffer()
-            mine = iter(step[groups.dp.rank * per:(groups.dp.rank + 1) * per])
+            mine = iter([{k: v.to(be.device()) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                         for b in step[groups.dp.rank * per:(groups.dp.rank + 1) * per]])  # on the modules' device
             res = forward_backward(sched, chunks, mine, groups, num_microbatches=per, seq_length=c.seq_length,
                                    micro_batch_size=MB, hidden_size=c.hidden_size, forward_step_fn=forward_step,
                                    loss_fn=loss_fn)

@@ -21,7 +21,8 @@ def _full(q, k, v):
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     n = q.shape[2]
-    return torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")), -1) @ v
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(s.masked_fill(causal, float("-inf")), -1) @ v
 
 
 def _masked(q, k, v, keep):
