@@ -273,7 +273,7 @@ def _pipeline_layouts() -> dict:
     for name, (tp, pp, vp, sp, sched) in LAYOUTS.items():
         groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                      virtual_pipeline_model_parallel_size=vp, sequence_parallel=sp),
-                                      be.collectives)
+                                      backend=be)  # the pipeline's receive buffers on the backend's device
         modules = build_model_chunks(c, groups, 8, be)
         chunks = [DistributedDataParallel(m, groups, DataParallelConfig(bucket_size=4000)) for m in modules]
         per = NMB // groups.dp.size
