@@ -1,12 +1,13 @@
 """Cost of the simulated accelerator against cpu on the parity tests' workers (side by side, one run).
 
 Runs the workers of tests/parallel/test_parity_3d.py (pp2: every schedule; 3d4: (1,4,1) (2,2,1) (1,2,2)
-(2,1,2)) and tests/optim/test_distributed_optimizer.py (4 ranks) on ``cpu`` and on ``sim``, alternating
+(2,1,2)), tests/optim/test_distributed_optimizer.py (4 ranks) and the README's main job for 3 steps (``main``:
+tests/training/test_main_job.py's command, tp2 x pp2 through ``omnitron train``) on ``cpu`` and on ``sim``, alternating
 the backends per case so machine noise hits both alike (after a warm-up that starts the fork server),
 and prints each case's wall time and the
 sim/cpu ratio (process start-up included: it is what CI pays).
 
-    python benchmarks/sim_cost.py [--cases pp2,3d4,distopt]
+    python benchmarks/sim_cost.py [--cases pp2,3d4,distopt,main]
 """
 from __future__ import annotations
 
@@ -31,15 +32,31 @@ def _cases() -> dict:
         "pp2": (p3d.parity_worker, 2, ([(1, 2, 1)],), REFERENCE_KERNELS),
         "3d4": (p3d.parity_worker, 4, ([(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)],), REFERENCE_KERNELS),
         "distopt": (distopt._worker, 4, None, None),
+        "main": None,  # a subprocess: :func:`main_job`
     }
+
+
+def main_job(backend: str, root: str) -> None:
+    """The main job for 3 steps on ``backend`` (the command of tests/training/test_main_job.py)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "omnitron", "train", "--config", os.path.join(ROOT, "examples", "moby_dick_tp2_pp2.yaml"),
+           "--train-iters", "3", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+           "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--lr-warmup-iters", "0",
+           "--save", os.path.join(root, "run"), "--sample-tokens", "4", "--no-tensorboard", "--backend", backend]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=900, cwd=ROOT,
+                   env=dict(os.environ, PYTHONPATH=ROOT))
 
 
 def timed(backend: str, case) -> float:
     from omnitron.testing.distributed import run_distributed
 
-    fn, world, args, env = case
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
+        if case is None:
+            main_job(backend, root)
+            return time.perf_counter() - t0
+        fn, world, args, env = case
         run_distributed(fn, world, *(args if args is not None else (root,)), backend=backend, env=env,
                         timeout_s=900)
         return time.perf_counter() - t0
@@ -59,7 +76,7 @@ def warm_up() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="pp2,3d4,distopt")
+    ap.add_argument("--cases", default="pp2,3d4,distopt,main")
     names = ap.parse_args().cases.split(",")
     cases, total = _cases(), {"cpu": 0.0, "sim": 0.0}
     warm_up()

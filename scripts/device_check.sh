@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with an NVIDIA GPU (python3 with a CUDA torch, pytest; no
-# network; the repository copied but not pip-installed). Finishes in under 6 minutes:
+# network; the repository copied but not pip-installed). Finishes in under 8 minutes:
 #   1. environment: GPU, torch/CUDA/NCCL/Triton versions, `omnitron info` on cuda
 #   2. backend conformance suite on cuda + the CUDA GPU tests (tests/backends --backend cuda)
 #   3. every other @pytest.mark.gpu test in the tree
-#   4. hooks: kernel benchmark, FP8 GEMM benchmark, 1.3B training benchmark (filled in by the lead)
-# Steps 1-3 are limited to 45 + 210 + 60 s (cold Triton compiles dominate step 2); each hook adds
+#   4. the sim model's planted bugs on this GPU (benchmarks/planted_ground_truth.py): what NCCL and the CUDA
+#      caching allocator really do with each (ground truth that sim catches what a GPU would); the two-rank
+#      cases are written as skipped on a one-GPU machine (NCCL takes one GPU per rank)
+#   5. hooks: kernel benchmark, FP8 GEMM benchmark, 1.3B training benchmark (filled in by the lead)
+# Steps 1-4 are limited to 45 + 210 + 60 + 150 s (cold Triton compiles dominate step 2); each hook adds
 # its own limit. Then it prints a short table. Logs go to $OUT when set (else /tmp/omnitron_device_check):
-#   device_check.log (everything), summary.md (the table), junit-*.xml (per pytest step).
+#   device_check.log (everything), summary.md (the table), junit-*.xml (per pytest step), planted.jsonl.
 # usage: scripts/device_check.sh            (env: STEP_SCALE=2 doubles every step's time limit;
 #                                            DRY_RUN=1 prints the steps and runs nothing)
 set -uo pipefail
@@ -27,6 +30,10 @@ pytest_step conformance "${CONFORMANCE_LIMIT:-210}" tests/backends -rfE -s
 
 # ---- 3. every other GPU-marked test ---------------------------------------------------------
 pytest_step gpu-tests 60 tests -m gpu --ignore=tests/backends -rfE
+
+# ---- 4. planted bugs on the GPU: ground truth for the sim model ----------------------------
+run_step planted-ground-truth "${PLANTED_LIMIT:-150}" python3 benchmarks/planted_ground_truth.py --backend cuda \
+  --out "$LOG_DIR/planted.jsonl"
 
 # ==== HOOK: kernel benchmark ==================================================================
 # Fused kernels (Triton / reference) vs torch eager on this GPU. Set KERNEL_BENCH_CMD, or edit:

@@ -1,5 +1,8 @@
-"""Shared pytest options: ``--backend NAME`` selects the backend the conformance suite runs on; strict
-collective checking (``OMNITRON_STRICT_COLLECTIVES=1``) is on unless the environment says otherwise."""
+"""Shared pytest options: ``--backend NAME`` selects the backend the conformance suite and every multi-rank test
+of the shared harness (``run_distributed``, ``tp_sp_parity``) run on; strict collective checking
+(``OMNITRON_STRICT_COLLECTIVES=1``) is on unless the environment says otherwise. Tests marked
+``host_only(reason)`` (host by design) or ``device_port(reason)`` (not yet ported) are skipped with that reason
+under any backend but cpu."""
 from __future__ import annotations
 
 import os
@@ -17,6 +20,10 @@ def pytest_configure(config):
     # DESIGN rule 7: the suite runs under NCCL's rules (fingerprinted collectives, in-order p2p)
     os.environ.setdefault("OMNITRON_STRICT_COLLECTIVES", "1")
     _prepare_musa_double(name)
+    if name == "sim":  # loaded before any backward: autograd sizes its device queues at the first one
+        from omnitron.backends import get_backend
+
+        get_backend(name)
 
 
 def _prepare_musa_double(name: str) -> None:
@@ -51,3 +58,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and name in ("cpu", "sim", "musa-double"):  # sim (and the double over it) is simulated
             item.add_marker(skip_gpu)
+        for marker, why in (("host_only", "host only on purpose"), ("device_port", "not yet ported to a device")):
+            found = item.get_closest_marker(marker)
+            if found is not None and name != "cpu":  # never silently: the reason is the skip's
+                item.add_marker(pytest.mark.skip(reason=f"{why} ({name!r} not run): {found.args[0]}"))

@@ -12,8 +12,8 @@
 // collective that has waited OMNITRON_SIM_DEADLOCK_S seconds (default 60) for its peers while another
 // waits behind it is reported on its rank, naming both. A collective issued while another thread's
 // collective is still queued on the device is an error (ranks may order the two differently).
-// Point-to-point operations and barriers are not queued (a batched send/recv pair would otherwise
-// deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike.
+// Barriers are queued like collectives. Point-to-point operations are not (a batched send/recv pair would
+// otherwise deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike.
 #include "comm.h"
 #include "compat.h"
 #include "sim.h"
@@ -572,8 +572,12 @@ class SimCollectives final : public c10d::Backend {
     return submit("recv", fingerprint(ts, "from any rank"), s,
                   [g = gloo_, ho, tag]() mutable { return g->recvAnysource(ho, tag); }, Order::none);
   }
+  // Queued, fingerprinted and recorded like the collectives (NCCL's barrier is an all-reduce on the communicator).
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override {
-    return settle(gloo_->barrier(o), async_of(o));
+    Staging s;
+    if (o.device.has_value() && o.device->is_privateuseone() && o.device->has_index()) s.device = o.device->index();
+    return settle(submit("barrier", fingerprint({}), s, [g = gloo_, o]() mutable { return g->barrier(o); }),
+                  async_of(o));
   }
 #if SIM_BACKEND_HAS_SET_TIMEOUT
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }

@@ -110,9 +110,12 @@ class Collectives:
             os.environ.setdefault(name, value)
         return {name: os.environ[name] for name in env}
 
-    def _no_tensor(self) -> torch.Tensor:
-        """An empty tensor on the current device, for the records and checks of tensor-less calls."""
-        return torch.zeros(0, device=self.device_type)
+    def _no_tensor(self, group=None) -> torch.Tensor:
+        """An empty tensor for the records and checks of tensor-less calls on ``group``: on the device, or on
+        the host for a host group (:meth:`new_host_group`: gloo takes no sim or MUSA tensor, so strict mode's
+        fingerprint exchange of a background writer's barrier would fail there)."""
+        host = dist.is_initialized() and dist.distributed_c10d._get_object_coll_device(group) == "cpu"
+        return torch.zeros(0, device="cpu" if host else self.device_type)
 
     # ---- process groups -----------------------------------------------------------------
     def init_process_group(self, rank: int | None = None, world_size: int | None = None,
@@ -297,7 +300,7 @@ class Collectives:
 
         NOTE: the payload is unpickled on ``dst``: use only between ranks of one job, never for
         data from outside it."""
-        self._enter("gather_object", self._no_tensor(), group, f"dst={dst}")
+        self._enter("gather_object", self._no_tensor(group), group, f"dst={dst}")
         n = self.world_size(group)
         parts = [None] * n if self.rank() == dst else None
         dist.gather_object(obj, parts, dst=dst, group=group)
@@ -306,7 +309,7 @@ class Collectives:
     def barrier(self, group=None) -> None:
         """Wait for every member of ``group`` (checked like any collective in strict mode)."""
         if dist.is_initialized():
-            self._enter("barrier", self._no_tensor(), group)
+            self._enter("barrier", self._no_tensor(group), group)
             dist.barrier(group=group)
 
     @staticmethod

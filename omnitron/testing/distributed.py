@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
         be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180)
         value = _to_host(fn(*args))
         be.collectives.barrier()  # checked in strict mode: a rank that skipped a collective fails here, named
-        result = {"ok": True, "value": value}
+        result = {"ok": True, "value": value, "device_peak": be.memory_stats().get("peak_allocated")}
     except BaseException as err:  # noqa: BLE001 - report everything to the parent
         result = {"ok": False, "error": f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"}
     finally:
@@ -115,6 +115,9 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = 
                 res = pickle.load(f)
             if res["ok"]:
                 results.append(res["value"])
+                if backend == "sim" and not res.get("device_peak"):
+                    import warnings
+                    warnings.warn(f"{getattr(fn, '__name__', fn)}: rank {r} ran on sim but allocated nothing there")
             else:
                 errors.append(res["error"])
                 results.append(None)

@@ -23,7 +23,6 @@ It refuses to install over a real torch_musa.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import pathlib
 import sys
 import types
@@ -281,10 +280,6 @@ class MUSADoubleBackend(MUSABackend):
     def __init__(self) -> None:
         install()
         super().__init__()
-
-    def capabilities(self):
-        """The simulated part's facts, except streams: the double's queues are synchronous."""
-        return dataclasses.replace(super().capabilities(), streams=False)
 
     def sync_count(self, kind: str = "") -> int:
         """Host synchronizations counted by the sim device underneath (see ``SimBackend.sync_count``)."""

@@ -5,8 +5,8 @@ and ``core/amp``: names, signatures, defaults, the ``memory_stats`` key names) o
 
 Nothing here is stubbed: the current device is the extension's, memory figures are its allocator's
 bytes, the generator is the device's own (a device draw never advances the host RNG), and tensors are
-``torch.device("musa", i)`` tensors. What differs from a MUSA GPU, on purpose: streams and events are
-synchronous (one queue per device), and "reserved" equals "allocated" (the sim allocator caches nothing).
+``torch.device("musa", i)`` tensors; streams and events are the sim device's (ordered, checked, with its
+stream-ordered caching allocator: ``capabilities().streams`` is True, as on MUSA).
 """
 from __future__ import annotations
 
@@ -127,20 +127,27 @@ class device:  # noqa: N801 - torch_musa's spelling
 
 
 # ---- streams and events ------------------------------------------------------------------
-class Stream:
-    """A queue on one device. The double has one synchronous queue per device: work is done when issued."""
+class Stream(torch.Stream):
+    """A queue on one device: a ``torch.Stream`` of the sim device underneath (as ``torch.musa.Stream`` is one
+    of the MUSA device), so work on it is ordered and checked as csrc/sim/stream.cpp models a GPU's: events,
+    ``wait_stream``, ``record_stream`` and the stream-ordered caching allocator behave as on sim."""
+
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
+        if "stream_id" in kwargs:  # an existing stream (current_stream / default_stream)
+            return super().__new__(cls, **kwargs)
+        return super().__new__(cls, device=torch.device(DEVICE, _valid(device)), priority=priority)
 
     def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
-        self.device, self.priority = torch.device(DEVICE, _valid(device)), priority
+        pass  # torch.Stream is built in __new__
 
     def synchronize(self) -> None:
-        pass
+        super().synchronize()
 
     def wait_stream(self, stream: "Stream") -> None:
-        pass
+        self.wait_event(stream.record_event())
 
     def wait_event(self, event: "Event") -> None:
-        pass
+        super().wait_event(event)
 
     def record_event(self, event: "Event | None" = None) -> "Event":
         event = Event() if event is None else event
@@ -148,26 +155,35 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        return True
+        return super().query()
 
 
-class Event:
-    """Records wall-clock time, so ``elapsed_time`` (milliseconds) is meaningful over synchronous work."""
+def _wrap(s: torch.Stream) -> Stream:
+    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+class Event(torch.Event):
+    """A ``torch.Event`` of the sim device (recorded, waited and queried as csrc/sim models); ``elapsed_time``
+    is wall-clock between the records (milliseconds): the sim device runs a kernel when it is issued."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        return super().__new__(cls, device=torch.device(DEVICE, _valid()), enable_timing=enable_timing)
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing, self._t = enable_timing, None
 
     def record(self, stream: Stream | None = None) -> None:
+        super().record(stream)
         self._t = time.perf_counter()
 
     def wait(self, stream: Stream | None = None) -> None:
-        pass
+        super().wait(stream)
 
     def query(self) -> bool:
-        return True
+        return super().query()
 
     def synchronize(self) -> None:
-        pass
+        super().synchronize()
 
     def elapsed_time(self, end_event: "Event") -> float:
         if not (self.enable_timing and end_event.enable_timing):
@@ -177,23 +193,19 @@ class Event:
         return (end_event._t - self._t) * 1e3
 
 
-_current_streams: dict[int, Stream] = {}
-_default_streams: dict[int, Stream] = {}
-
-
 def default_stream(device=None) -> Stream:
     i = _valid(device)
-    return _default_streams.setdefault(i, Stream(i))
+    current = torch.accelerator.current_stream(i)
+    return Stream(stream_id=0, device_index=i, device_type=current.device_type)
 
 
 def current_stream(device=None) -> Stream:
-    i = _valid(device)
-    return _current_streams.get(i) or default_stream(i)
+    return _wrap(torch.accelerator.current_stream(_valid(device)))
 
 
 def set_stream(stream: Stream | None) -> None:
     if stream is not None:
-        _current_streams[stream.device.index] = stream
+        torch.accelerator.set_stream(stream)
 
 
 class stream:  # noqa: N801 - torch_musa's spelling (a function returning a StreamContext there)
@@ -215,14 +227,13 @@ class stream:  # noqa: N801 - torch_musa's spelling (a function returning a Stre
 
 # ---- memory ------------------------------------------------------------------------------
 def memory_stats(device=None) -> "collections.OrderedDict[str, int]":
-    """The allocator's statistics under torch_musa's key names (bytes; counts for ``allocation``).
-
-    Only what the sim allocator measures: ``allocated_bytes.all.{current,peak}``, the same figures as
-    ``reserved_bytes`` (nothing is cached), and ``allocation.all.allocated`` (allocations so far)."""
+    """The allocator's statistics under torch_musa's key names (bytes; counts for ``allocation``): the sim
+    device's stream-ordered caching allocator, so ``reserved_bytes`` includes its cached free blocks, and
+    ``inactive_split_bytes`` is 0 (it never splits a block)."""
     s = _ext().memory_stats(_valid(device))
     stats = {"allocated_bytes.all.current": s["allocated"], "allocated_bytes.all.peak": s["peak"],
-             "reserved_bytes.all.current": s["allocated"], "reserved_bytes.all.peak": s["peak"],
-             "allocation.all.allocated": s["allocations"]}
+             "reserved_bytes.all.current": s["reserved"], "reserved_bytes.all.peak": s["peak_reserved"],
+             "inactive_split_bytes.all.current": 0, "allocation.all.allocated": s["allocations"]}
     return collections.OrderedDict(sorted(stats.items()))
 
 
@@ -247,7 +258,8 @@ def reset_peak_memory_stats(device=None) -> None:
 
 
 def empty_cache() -> None:
-    """Nothing is cached: every freed block went back at once."""
+    """Release the sim allocator's cached free blocks (those no stream still holds)."""
+    _ext().empty_cache()
 
 
 def mem_get_info(device=None) -> tuple[int, int]:

@@ -4,7 +4,8 @@
 :func:`tp_sp_parity` runs one forward + backward per configuration on a tensor-parallel group
 (without and with sequence parallelism) and on one process, and returns the errors of every
 compared tensor; :func:`assert_parity` checks every rank's result against a tolerance;
-:func:`reference_kernels` puts this process on the reference kernels for a block.
+:func:`reference_kernels` puts this process on the reference kernels for a block;
+:func:`on_groups_device` moves a step's model and batch to the device its groups run on.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def reference_kernels():
     from omnitron.core.parallel.groups import host_backend
     from omnitron.kernels.registry import REFERENCE, KernelTable
 
-    # the environment's backend and the host backend that modules built without one resolve to
-    backends = {id(b): b for b in (get_backend(), host_backend())}.values()
+    # the environment's backend, the cpu backend a reference names (a different instance when the suite runs
+    # on another backend) and the host backend that modules built without one resolve to
+    backends = {id(b): b for b in (get_backend(), get_backend("cpu"), host_backend())}.values()
     saved = [(be, be.kernels) for be in backends]
     for be, _ in saved:
         be._kernel_table = KernelTable(be.name, (REFERENCE,))
@@ -34,9 +36,20 @@ def reference_kernels():
             be._kernel_table = table
 
 
+def on_groups_device(groups, model: torch.nn.Module, batch: dict) -> tuple[torch.nn.Module, dict]:
+    """``model`` and ``batch``'s tensors on the device of the backend ``groups`` run on (the backend under
+    test for built groups, the host for one process): a parity step's parallel side runs where the suite's
+    ``--backend`` says, its one-process reference on the host."""
+    from omnitron.core.parallel.groups import resolve_backend
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    dev = resolve_backend(None, groups).device()
+    return to_device(model, dev), {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` in float64 (``b`` the reference)."""
-    a, b = a.detach().double(), b.detach().double()
+    """``||a - b|| / ||b||`` in float64 (``b`` the reference; either may be on a device)."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -53,7 +66,7 @@ def tp_sp_parity(tp: int, configs: dict, step: Callable) -> dict:
     single, out = ParallelGroups.single(), {}
     for sp in (False, True):
         groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
-                                      get_backend().collectives)
+                                      backend=get_backend())
         for name, cfg in configs.items():
             got, want = step(cfg, groups), step(cfg, single)
             gg, gw = got.pop("grads"), want.pop("grads")

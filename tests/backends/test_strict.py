@@ -90,6 +90,7 @@ def test_p2p_shape_mismatch_names_both_sites(monkeypatch):
 def test_flight_recorder_dump(monkeypatch, strict):
     monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", strict)
     for lines in run_distributed(strict_cases.recorder_lines, 2, timeout_s=60):
+        lines = [line for line in lines if line.startswith("#")]  # the engine's (on sim, simccl's records follow)
         assert "all_reduce ranks=[0, 1] shape=[2, 3] dtype=float32" in lines[-2], lines
         assert lines[-2].endswith(_site("coll.all_reduce(torch.ones(2, 3))")), lines
         assert "broadcast ranks=[0, 1] shape=[4] dtype=float64 src=0" in lines[-1], lines

@@ -122,15 +122,17 @@ def _tp2_worker(paths: list[str], tokens: torch.Tensor) -> list[torch.Tensor]:
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.sharding import to_device
 
     torch.set_num_threads(1)
-    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), get_backend().collectives)
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=get_backend())
     out = []
     for path in paths:
         m = GPTModel(model_config(read_metadata(path)["model"]), groups).eval()
         m.load_state_dict(read_shard(path, groups.rank)["model"][0])
+        m = to_device(m, groups.backend.device())
         with torch.no_grad():
-            out.append(m(tokens).transpose(0, 1).contiguous())
+            out.append(m(tokens.to(groups.backend.device())).transpose(0, 1).contiguous())
     return out
 
 

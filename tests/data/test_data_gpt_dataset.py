@@ -191,11 +191,12 @@ def _rank_checks(cache_dir, prefix):
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), coll)
     ds = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_position_ids=True)
     mine = collate([ds[i] for i in range(4)]) if groups.tp.rank == 0 else None
-    got = broadcast_batch(mine, group=groups.tp, collectives=coll, micro_batch_size=4, seq_length=16)
+    dev = get_backend().device()  # the batch lands on the device, as the training loop asks
+    got = broadcast_batch(mine, group=groups.tp, collectives=coll, micro_batch_size=4, seq_length=16, device=dev)
     docs = MockGPTDataset(8, seq_length=16, vocab_size=50, eod=49, reset_attention_mask=True, seed=3)
     mine = collate([docs[i] for i in range(4)]) if groups.tp.rank == 0 else None
     got_docs = broadcast_batch(mine, group=groups.tp, collectives=coll, micro_batch_size=4, seq_length=16,
-                               document_ids=True)
+                               document_ids=True, device=dev)
     return digest, needs_batch(groups), {k: v.tolist() for k, v in got.items()}, got_docs["document_ids"].tolist()
 
 

@@ -135,14 +135,18 @@ def _train(recipe: str | None, steps: int, groups, *, seed: int = 1234, layers: 
 
     torch.manual_seed(seed)
     cfg = _gpt_config(layers)
-    model = GPTModel(cfg, groups, seed=seed)
+    from omnitron.core.parallel.groups import resolve_backend
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    dev = resolve_backend(None, groups).device()  # the groups' device (sim under --backend sim); tp1: the host
+    model = to_device(GPTModel(cfg, groups, seed=seed), dev)
     if recipe is not None:
         enable_fp8(model, FP8Config(fp8_recipe=recipe, fp8_format="hybrid", fp8_amax_history_len=16), groups)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
     losses = []
     for tokens, labels in _batches(steps, 8, cfg.seq_length):
         opt.zero_grad()
-        loss = model(tokens, labels=labels).mean()
+        loss = model(tokens.to(dev), labels=labels.to(dev)).mean()
         loss.backward()
         allreduce_sequence_parallel_grads(model, groups)
         opt.step()
@@ -159,9 +163,9 @@ def _tp_bundle(tp: int, steps: int) -> dict:
 
     torch.set_num_threads(1)
     groups = {"tp1": ParallelGroups.single(),
-              "tp2": ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), get_backend().collectives),
+              "tp2": ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), backend=get_backend()),
               "tp2_sp": ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=True),
-                                             get_backend().collectives)}
+                                             backend=get_backend())}
     if dist.get_rank() != 0:
         del groups["tp1"]  # the one-process run has no collectives: rank 0's copy is the one compared
     return {(recipe, k): _train(recipe, steps, g) for recipe in RECIPES for k, g in groups.items()}

@@ -16,7 +16,7 @@ from omnitron.core.models.bert import BertConfig, BertModel, bert_loss, num_para
 from omnitron.core.models.gpt import gather_full_state
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
-from omnitron.testing.parity import assert_parity, relative_error as _rel, tp_sp_parity
+from omnitron.testing.parity import assert_parity, on_groups_device, relative_error as _rel, tp_sp_parity
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
             hidden_dropout=0.0, attention_dropout=0.0)
@@ -144,6 +144,7 @@ def _parity_step(c, g):
 
     batch = _batch(c, torch.Generator().manual_seed(4))
     model = BertModel(c, g, seed=8)
+    model, batch = on_groups_device(g, model, batch)  # the backend under test (the host for one process)
     lm, binary = _forward(model, batch)
     loss, _ = bert_loss((lm, binary), batch)
     loss.backward()
@@ -272,7 +273,7 @@ def _pipeline_layouts() -> dict:
     for name, (tp, pp, vp, sp, sched) in LAYOUTS.items():
         groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                      virtual_pipeline_model_parallel_size=vp, sequence_parallel=sp),
-                                      be.collectives)
+                                      backend=be)  # the pipeline's receive buffers on the backend's device
         modules = build_model_chunks(c, groups, 8, be)
         chunks = [DistributedDataParallel(m, groups, DataParallelConfig(bucket_size=4000)) for m in modules]
         per = NMB // groups.dp.size
@@ -284,7 +285,8 @@ def _pipeline_layouts() -> dict:
 
             for ch in chunks:
                 ch.zero_grad_buffer()
-            mine = iter(step[groups.dp.rank * per:(groups.dp.rank + 1) * per])
+            mine = iter([{k: v.to(be.device()) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                         for b in step[groups.dp.rank * per:(groups.dp.rank + 1) * per]])  # on the modules' device
             res = forward_backward(sched, chunks, mine, groups, num_microbatches=per, seq_length=c.seq_length,
                                    micro_batch_size=MB, hidden_size=c.hidden_size, forward_step_fn=forward_step,
                                    loss_fn=loss_fn)

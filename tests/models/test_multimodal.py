@@ -16,7 +16,7 @@ from omnitron.core.models.multimodal import (IMAGE_TOKEN, LLaVAModel, Multimodal
                                              num_parameters, validate_multimodal)
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
-from omnitron.testing.parity import assert_parity, relative_error as _rel, tp_sp_parity
+from omnitron.testing.parity import assert_parity, on_groups_device, relative_error as _rel, tp_sp_parity
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12, vocab_size=203,
             hidden_dropout=0.0, attention_dropout=0.0, img_h=8, img_w=12, patch_dim=4, num_channels=2,
@@ -212,6 +212,7 @@ def _parity_step(c, g):
 
     batch = _batch(c, torch.Generator().manual_seed(4))
     model = LLaVAModel(c, g, seed=8)
+    model, batch = on_groups_device(g, model, batch)  # the backend under test (the host for one process)
     loss, per_token = _loss(model, batch)
     loss.backward()
     allreduce_sequence_parallel_grads(model, g)

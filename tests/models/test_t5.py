@@ -15,7 +15,7 @@ from omnitron.core.models.gpt import gather_full_state
 from omnitron.core.models.t5 import T5Config, T5Model, num_parameters, validate_t5
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import run_distributed
-from omnitron.testing.parity import assert_parity, relative_error as _rel, tp_sp_parity
+from omnitron.testing.parity import assert_parity, on_groups_device, relative_error as _rel, tp_sp_parity
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=12,
             decoder_seq_length=8, vocab_size=203, hidden_dropout=0.0, attention_dropout=0.0)
@@ -174,6 +174,7 @@ def _parity_step(c, g):
 
     batch = _batch(c, torch.Generator().manual_seed(4))
     model = T5Model(c, g, seed=8)
+    model, batch = on_groups_device(g, model, batch)  # the backend under test (the host for one process)
     token_loss = _forward(model, batch)
     _loss(token_loss, batch).backward()
     allreduce_sequence_parallel_grads(model, g)

@@ -54,10 +54,12 @@ def compressed_worker(block) -> dict:
         fn = getattr(coll, op)
         setattr(coll, op, lambda out, inp, _fn=fn, _op=op, **kw: (wire.append((_op, out.dtype, inp.dtype,
                                                                                  inp.numel())), _fn(out, inp, **kw))[1])
-    rank, state = groups.dp.rank, ErrorFeedback.zeros(NUMEL, groups.dp.size, dtype=torch.float64, block=block)
+    dev = be.device()  # the backend under test's device
+    rank = groups.dp.rank
+    state = ErrorFeedback.zeros(NUMEL, groups.dp.size, dtype=torch.float64, device=dev, block=block)
     outs = []
     for step in range(STEPS):
-        x = _inputs(rank, step)
+        x = _inputs(rank, step).to(dev)
         outs.append(compressed_all_reduce(x, state, groups.dp, coll).clone())
     return {"outs": outs, "worker": state.worker, "server": state.server, "wire": wire}
 
@@ -97,13 +99,14 @@ def feedback_worker(steps: int) -> dict:
 
     be = get_backend()
     groups = ParallelGroups.build(ParallelConfig(), backend=be)
-    x = torch.randn(EF_NUMEL, generator=torch.Generator().manual_seed(5 + groups.dp.rank), dtype=torch.float64)
-    state = ErrorFeedback.zeros(EF_NUMEL, 2, dtype=torch.float64)
+    dev = be.device()  # the backend under test's device
+    x = torch.randn(EF_NUMEL, generator=torch.Generator().manual_seed(5 + groups.dp.rank), dtype=torch.float64).to(dev)
+    state = ErrorFeedback.zeros(EF_NUMEL, 2, dtype=torch.float64, device=dev)
     total, total_plain, sums = torch.zeros_like(x), torch.zeros_like(x), []
     for _ in range(steps):
         total += compressed_all_reduce(x.clone(), state, groups.dp, be.collectives)
-        total_plain += compressed_all_reduce(x.clone(), ErrorFeedback.zeros(EF_NUMEL, 2, dtype=torch.float64),
-                                             groups.dp, be.collectives)  # no feedback: fresh zero errors
+        fresh = ErrorFeedback.zeros(EF_NUMEL, 2, dtype=torch.float64, device=dev)  # no feedback: zero errors
+        total_plain += compressed_all_reduce(x.clone(), fresh, groups.dp, be.collectives)
         sums.append(total.clone())
     return {"x": x, "sums": sums, "plain": total_plain, "worker": state.worker, "server": state.server}
 

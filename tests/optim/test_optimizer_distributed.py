@@ -46,9 +46,9 @@ def _worker(inject_inf: bool):
         items.append(("out", LAYOUT["embed"]))  # the tied copy on the last stage
     for name, (shape, dim, _) in items:
         src = "embed" if name == "out" else name
-        p = torch.nn.Parameter(_shard(full_p[src], dim, 2, tp))
+        p = torch.nn.Parameter(_shard(full_p[src], dim, 2, tp).to(be.device()))  # the backend under test's
         p.tensor_model_parallel = dim is not None
-        p.main_grad = _shard(full_g[src], dim, 2, tp) * 8.0  # loss scale 8
+        p.main_grad = _shard(full_g[src], dim, 2, tp).to(be.device()) * 8.0  # loss scale 8
         if inject_inf and groups.rank == 3 and name == "b.norm":
             p.main_grad[0] = float("inf")
         named.append((name, p))

@@ -57,7 +57,7 @@ def ring_worker(cps: list[int]) -> list:
     from omnitron.core.parallel.context import ring_attention
 
     torch.set_num_threads(1)
-    coll, out = get_backend().collectives, []
+    coll, out, dev = get_backend().collectives, [], get_backend().device()  # the backend under test's device
     for cp in cps:
         groups = ParallelGroups.build(ParallelConfig(context_parallel_size=cp), coll)
         for n, (causal, hq, hkv, dtype, p) in enumerate(ATTN_CASES):
@@ -69,10 +69,11 @@ def ring_worker(cps: list[int]) -> list:
             drop = _full_dropout(cp, q.shape, causal, p) if p else None
             ref = _reference_attention(*full, causal, drop)
             ref.backward(dout)
-            mine = [split_sequence(t, 2, cp, groups.cp.rank).to(dtype).requires_grad_(True) for t in (q, k, v)]
+            # the ring on the backend under test's device; the reference above on the host
+            mine = [split_sequence(t, 2, cp, groups.cp.rank).to(dev, dtype).requires_grad_(True) for t in (q, k, v)]
             o = ring_attention(*mine, group=groups.cp, collectives=coll, causal=causal, dropout_p=p, seed=DROP_SEED)
-            o.backward(split_sequence(dout, 2, cp, groups.cp.rank).to(dtype))
-            got = [o] + [t.grad for t in mine]
+            o.backward(split_sequence(dout, 2, cp, groups.cp.rank).to(dev, dtype))
+            got = [t.cpu() for t in [o] + [t.grad for t in mine]]
             want = [split_sequence(t, 2, cp, groups.cp.rank) for t in [ref] + [t.grad for t in full]]
             err = max(((a.double() - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
             seen = torch.ones(s, s, dtype=torch.bool).tril() if causal else torch.ones(s, s, dtype=torch.bool)
@@ -125,9 +126,9 @@ def _data() -> list[dict]:
     return [{"tokens": i[:, :-1], "labels": i[:, 1:], "loss_mask": m} for i, m in zip(ids, mask)]
 
 
-def _micro_batches(step: dict, lo: int, hi: int):
+def _micro_batches(step: dict, lo: int, hi: int, device=None):
     for s in range(lo, hi, MBS):
-        yield {k: v[s:s + MBS] for k, v in step.items()}
+        yield {k: v[s:s + MBS].to(device) for k, v in step.items()}
 
 
 def reference(family: str) -> tuple[list[float], dict, dict]:
@@ -173,9 +174,12 @@ def _build(tp, cp, pp, sp, family):
 
     cfg = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
                          sequence_parallel=sp)
-    groups = ParallelGroups.build(cfg, get_backend().collectives)
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    groups = ParallelGroups.build(cfg, backend=get_backend())  # the backend under test: its device
     model = GPTModel(_model_config(family), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
                      layer_offset=2 * groups.pp.rank if pp > 1 else 0, num_layers=4 // pp, seed=SEED)
+    model = to_device(model, get_backend().device())
     return groups, DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
 
 
@@ -220,7 +224,8 @@ def gpt_worker(layouts, root: str) -> dict:
         losses, grads = [], None
         for step in _data():
             chunk.zero_grad_buffer()
-            data = (context_parallel_batch(b, groups.cp) for b in _micro_batches(step, lo, lo + per_dp))
+            data = (context_parallel_batch(b, groups.cp) for b in _micro_batches(step, lo, lo + per_dp,
+                                                                                 groups.backend.device()))
             out = forward_backward(model_chunks=[chunk], data_iterator=data, groups=groups, **kw)
             finalize_model_grads([chunk], groups)
             losses.append(out["loss"])

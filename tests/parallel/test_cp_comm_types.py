@@ -21,7 +21,8 @@ def _full(q, k, v):
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     n = q.shape[2]
-    return torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1) @ v
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(s.masked_fill(causal, float("-inf")), -1) @ v
 
 
 def _masked(q, k, v, keep):
@@ -37,6 +38,7 @@ def attention_worker(cps) -> list:
 
     torch.set_num_threads(1)
     coll, out = get_backend().collectives, []
+    dev = get_backend().device()  # the backend under test's device
     for cp in cps:
         groups = ParallelGroups.build(ParallelConfig(context_parallel_size=cp), coll)
         for n, (hq, hkv) in enumerate(CASES):
@@ -49,13 +51,13 @@ def attention_worker(cps) -> list:
             ref.backward(dout)
             want = [split_sequence(t, 2, cp, groups.cp.rank) for t in [ref] + [t.grad for t in full]]
             for kind in ("a2a", "allgather"):
-                mine = [split_sequence(t, 2, cp, groups.cp.rank).clone().requires_grad_(True) for t in (q, k, v)]
+                mine = [split_sequence(t, 2, cp, groups.cp.rank).to(dev).requires_grad_(True) for t in (q, k, v)]
                 if kind == "a2a":
                     o = a2a_attention(*mine, group=groups.cp, attend=_full)
                 else:
                     o = allgather_attention(*mine, group=groups.cp, attend_masked=_masked)
-                o.backward(split_sequence(dout, 2, cp, groups.cp.rank))
-                got = [o] + [t.grad for t in mine]
+                o.backward(split_sequence(dout, 2, cp, groups.cp.rank).to(dev))
+                got = [t.cpu() for t in [o] + [t.grad for t in mine]]  # the reference above is on the host
                 err = max(((a - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
                 out.append(((cp, kind, hq, hkv), err))
     return out
@@ -99,7 +101,7 @@ def loop_worker(root: str) -> dict:
     from omnitron.core.training.loop import train
 
     torch.set_num_threads(1)
-    return {name: list(train(parse_settings(_train_args(f"{root}/{i}", *flags), 4), get_backend("cpu"))
+    return {name: list(train(parse_settings(_train_args(f"{root}/{i}", *flags), 4), get_backend())
                        ["losses"].values()) for i, (name, flags) in enumerate(RUNS.items())}
 
 

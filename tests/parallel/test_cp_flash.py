@@ -90,8 +90,8 @@ def _check(results: list, backend: str) -> None:
             assert set(ran) == {FLASH[backend]} and ran[FLASH[backend]] > 0, (op, ran)
 
 
-def test_cp_paths_run_the_flash_block_kernel_and_match_float64():
-    _check(run_distributed(flash_worker, 2, 2), "cpu")
+def test_cp_paths_run_the_flash_block_kernel_and_match_float64(backend_name):
+    _check(run_distributed(flash_worker, 2, 2), backend_name)  # the suite's backend (--backend)
 
 
 @pytest.mark.slow
@@ -121,24 +121,25 @@ def bf16_ring_worker(cp: int) -> dict:
         full = [t.clone().requires_grad_(True) for t in (q, k, v)]
         ref = _attention64(*full, causal)
         ref.backward(dout)
-        mine = [split_sequence(t, 2, cp, groups.cp.rank).bfloat16().requires_grad_(True) for t in (q, k, v)]
+        dev = be.device()  # the backend under test's device; the float64 reference on the host
+        mine = [split_sequence(t, 2, cp, groups.cp.rank).to(dev, torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
         o = ring_attention(*mine, group=groups.cp, collectives=be.collectives, causal=causal, kernel=backend_kernel(be))
-        o.backward(split_sequence(dout, 2, cp, groups.cp.rank).bfloat16())
+        o.backward(split_sequence(dout, 2, cp, groups.cp.rank).to(dev, torch.bfloat16))
         want = [split_sequence(t, 2, cp, groups.cp.rank) for t in [ref] + [t.grad for t in full]]
-        errs[causal] = [((a.double() - w).abs().max() / w.abs().max()).item()
+        errs[causal] = [((a.cpu().double() - w).abs().max() / w.abs().max()).item()
                         for a, w in zip([o] + [t.grad for t in mine], want)]
         errs[causal].append(o.dtype == torch.bfloat16)
     return {"errs": errs, "ran": dict(be.kernels.get("attention_block_backward").ran)}
 
 
-def test_ring_in_bf16_runs_the_flash_kernel_in_bf16():
+def test_ring_in_bf16_runs_the_flash_kernel_in_bf16(backend_name):
     # u = 2^-8 (bf16). Output: each block's output is rounded to bf16 by the kernel (u) and the merged fp32
     # result once more (u): 2u. Gradients: the kernel's delta = rowsum(dout * out) reads the bf16 output (u),
     # each block's gradient is rounded to bf16 (u), the fp32 sum over blocks is rounded once more (u): 3u; the
     # fp32 accumulation inside the kernel (d = 64, s <= 64 terms) adds < 2^-17. Bound 4u on every tensor.
     bound = 4 * 2.0 ** -8
     for res in run_distributed(bf16_ring_worker, 2, 2):
-        assert set(res["ran"]) == {"cpu_flash"}, res["ran"]
+        assert set(res["ran"]) == {FLASH[backend_name]}, res["ran"]
         for causal, (*errs, kept) in res["errs"].items():
             assert kept and max(errs) < bound, (causal, errs)
 

@@ -77,11 +77,12 @@ def attention_worker(sizes: list) -> list:
             ref = _full(*full, drop)
             ref.backward(dout)
             want = [split_sequence(t, 2, cp, rank) for t in [ref] + [t.grad for t in full]]
-            mine = [split_sequence(t, 2, cp, rank).to(dtype).requires_grad_(True) for t in (q, k, v)]
+            dev = get_backend().device()  # the backend under test's device; the reference above on the host
+            mine = [split_sequence(t, 2, cp, rank).to(dev, dtype).requires_grad_(True) for t in (q, k, v)]
             o = a2a_p2p_attention(*mine, a2a_group=groups.cp_a2a, p2p_group=groups.cp_p2p, collectives=coll,
                                   attend=_full, dropout_p=p, seed=DROP_SEED)
-            o.backward(split_sequence(dout, 2, cp, rank).to(dtype))
-            got = [o] + [t.grad for t in mine]
+            o.backward(split_sequence(dout, 2, cp, rank).to(dev, dtype))
+            got = [t.cpu() for t in [o] + [t.grad for t in mine]]
             err = max(((x.double() - w).abs().max() / w.abs().max()).item() for x, w in zip(got, want))
             dropped = p == 0 or 0.2 < (drop == 0)[:, :, torch.ones(s, s, dtype=torch.bool).tril()].double().mean() < 0.4
             out.append(((a, p2p, hq, hkv, str(dtype), p), err, o.dtype == dtype and bool(dropped)))
@@ -128,7 +129,7 @@ def loop_worker(root: str, runs: dict, world: int) -> dict:
     from omnitron.core.training.loop import train
 
     torch.set_num_threads(1)
-    return {name: list(train(parse_settings(_train_args(f"{root}/{i}", *flags), world), get_backend("cpu"))
+    return {name: list(train(parse_settings(_train_args(f"{root}/{i}", *flags), world), get_backend())
                        ["losses"].values()) for i, (name, flags) in enumerate(runs.items())}
 
 

@@ -91,9 +91,13 @@ def _run(coll, tp: int, cp: int, ep: int, sp: bool) -> dict:
     from omnitron.core.parallel.pipeline import forward_backward
     from omnitron.core.transformer.moe import moe_aux_loss, set_aux_loss_scale
 
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    be = get_backend()  # the backend under test (coll's): the model and batches on its device
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                                 expert_model_parallel_size=ep, sequence_parallel=sp), coll)
-    model = GPTModel(_config(), groups, seed=SEED)
+                                                 expert_model_parallel_size=ep, sequence_parallel=sp), coll, backend=be)
+    model = to_device(GPTModel(_config(), groups, seed=SEED), be.device())
     chunk = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=4000))
     opt = _optimizer(model, groups)
     dp = groups.dp.size
@@ -104,7 +108,7 @@ def _run(coll, tp: int, cp: int, ep: int, sp: bool) -> dict:
     losses, norms, aux = [], [], []
     for step in _data():
         chunk.zero_grad_buffer()
-        mbs = step[lo:lo + per_dp].view(-1, MBS, SEQ + 1)
+        mbs = step[lo:lo + per_dp].view(-1, MBS, SEQ + 1).to(be.device())
         data = (context_parallel_batch({"tokens": mb[:, :-1], "labels": mb[:, 1:]}, groups.cp) for mb in mbs)
         out = forward_backward(None, [chunk], data, groups, num_microbatches=m, seq_length=SEQ,
                                micro_batch_size=MBS, hidden_size=32, forward_step_fn=_step, loss_fn=_loss)
@@ -122,7 +126,11 @@ LOOP_FLAGS = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2
 def _loop(root: str, world: int, *extra: str):
     from test_context_parallel import _train, _train_args
 
-    return _train(_train_args(root, *MOE_FLAGS, *extra), world)
+    from omnitron.backends import get_backend
+
+    # workers: the backend under test; the one-process reference: cpu (this process has run a backward before
+    # any device was loaded, and autograd sizes its device queues at the first backward)
+    return _train(_train_args(root, *MOE_FLAGS, *extra), world, get_backend().name if world > 1 else "cpu")
 
 
 def worker(root: str) -> dict:

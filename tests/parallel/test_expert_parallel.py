@@ -86,10 +86,14 @@ def _layer_run(coll, tp: int, ep: int, sp: bool, etp: int) -> dict:
 
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                                  expert_tensor_parallel_size=etp, sequence_parallel=sp), coll)
-    layer = _build_layer(groups, sp and tp > 1)
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.tensor.sharding import to_device
+
+    dev = get_backend().device()  # the backend under test (the reference stays on the host)
+    layer = to_device(_build_layer(groups, sp and tp > 1), dev)
     xs, ws = _layer_data(groups.dp.size)
     d = M.local_rank(groups.dp)
-    x, w = xs[d], ws[d]
+    x, w = xs[d].to(dev), ws[d].to(dev)
     if sp and tp > 1:
         x, w = M.split_first(x, groups.tp), M.split_first(w, groups.tp)
     x = x.clone().requires_grad_(True)

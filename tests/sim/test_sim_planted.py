@@ -158,9 +158,13 @@ def test_result_read_before_wait(backend):
             assert "test_sim_planted.py" in m, m  # the call site
 
 
-@pytest.mark.parametrize("backend", ["sim", "cpu"])
+@pytest.mark.parametrize("backend", ["sim", "cpu", "musa-double"])
 def test_side_stream_tensor_freed_without_record_stream(backend):
-    [m] = run_distributed(freed_without_record_stream, 1, backend=backend, env=ENV, timeout_s=60)
+    """Also on the MUSA double: its streams are the sim device's (they were no-ops, and the bug ran silently)."""
+    from omnitron.testing.musa_double import TARGET
+
+    env = {**ENV, "OMNITRON_EXTRA_BACKENDS": TARGET} if backend == "musa-double" else ENV
+    [m] = run_distributed(freed_without_record_stream, 1, backend=backend, env=env, timeout_s=60)
     if backend == "cpu":
         assert m == "", m
     else:

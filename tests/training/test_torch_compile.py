@@ -71,6 +71,9 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
              add_bias_linear=False)
 
 
+@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
+                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
+                         "device mismatch'); not yet ported to a device backend")
 @pytest.mark.parametrize("flavour", [dict(hidden_dropout=0.1, attention_dropout=0.1), dict(LLAMA, hidden_dropout=0.0,
                                      attention_dropout=0.0)], ids=["gpt2-dropout", "llama"])
 def test_a_layer_traces_without_graph_breaks(flavour):
@@ -109,6 +112,9 @@ def test_recomputation_inside_a_compiled_region_keeps_the_dropout_mask():
     assert torch.equal(grad, kept.float() * 3.0 / 0.5)  # exact: one multiply of representable values
 
 
+@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
+                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
+                         "device mismatch'); not yet ported to a device backend")
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.slow)])
 def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
     """Emulated FP8 (cpu): amax, scale, casts and the GEMMs of every linear in one graph with the layer."""
@@ -239,6 +245,9 @@ def test_dropout_at_tp2_draws_the_unsplit_layers_masks():
             assert max(errors) < 1e-5, (rank, sp, errors)
 
 
+@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
+                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
+                         "device mismatch'); not yet ported to a device backend")
 def test_compiled_dropout_is_the_eager_layer_with_the_same_masks(monkeypatch):
     """tp1, aot_eager: the compiled layer against the eager layer run through the same explicit-mask path (forced);
     bound as REL above (C++ kernels eager, references compiled; same masks from the same generator)."""
@@ -252,6 +261,9 @@ def test_compiled_dropout_is_the_eager_layer_with_the_same_masks(monkeypatch):
     assert relative_error(got[0], _tp_layer_with_dropout(1, False, compiled=False, seed=12)[0]) > 100 * REL
 
 
+@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
+                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
+                         "device mismatch'); not yet ported to a device backend")
 def test_a_tensor_parallel_layer_traces_its_collectives():
     """The all-reduce (tp2) and all-gather / reduce-scatter (tp2 with sequence parallelism) of a layer are
     functional collectives inside its graph, and dropout of split tensors draws explicit masks (no RNG fork)."""

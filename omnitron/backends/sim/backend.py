@@ -39,8 +39,8 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
 
 Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
-``non_blocking`` host-to-device copy still reads (the copy is taken when issued), barriers against
-collectives (they bypass the one-at-a-time queue).
+``non_blocking`` host-to-device copy still reads (the copy is taken when issued). Barriers are queued,
+checked and recorded like the collectives.
 """
 from __future__ import annotations
 

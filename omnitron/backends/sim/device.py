@@ -98,6 +98,21 @@ def register_collectives(ext, dist_backend: str, device_type: str, sync_returns_
 
 
 _ENGINE_LAYER = ("omnitron/backends/collectives.py", "omnitron/backends/flight.py")
+_WRAPPERS = ("/typing_extensions.py", "/contextlib.py", "/functools.py", "/distributed_c10d.py", "/c10d_logger.py")
+"""Frames that only pass a collective on: the wrappers torch puts around its collectives (typing_extensions'
+``deprecated``, its loggers, context managers) and torch.distributed's own entry points."""
+
+
+def _is_library(path: str) -> bool:
+    """torch, or a wrapper around it: never the call site a message should name."""
+    return "/torch/" in path or path.endswith(_WRAPPERS)
+
+
+def _frame_site(frame) -> str:
+    path = frame.f_code.co_filename.replace("\\", "/")
+    if "/torch/" in path:
+        path = "torch/" + path.rsplit("/torch/", 1)[1]
+    return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 def _issue_site() -> tuple[str, str, bool]:
@@ -105,20 +120,44 @@ def _issue_site() -> tuple[str, str, bool]:
     collective layer, the issuing thread's name (threads torch's autograd engine runs count as the main
     thread: their collectives are ordered by the backward call that waits for them), and whether the
     engine's collective layer issued it (it records and, in strict mode, checks those itself; simccl
-    checks the rest: FSDP2's, DCP's, plain torch.distributed calls)."""
+    checks the rest: FSDP2's, DCP's, plain torch.distributed calls). A collective issued from a hook on
+    autograd's device thread has only torch frames: its site is the innermost of them plus the backward
+    call the main thread waits in (:func:`_backward_site`)."""
     import sys
     import threading
 
     thread = threading.current_thread()
-    name = threading.main_thread().name if isinstance(thread, threading._DummyThread) else thread.name
-    frame, engine = sys._getframe(1), False
+    autograd = isinstance(thread, threading._DummyThread)
+    name = threading.main_thread().name if autograd else thread.name
+    frame, engine, innermost = sys._getframe(1), False, None
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
         engine = engine or path.endswith(_ENGINE_LAYER)
-        if "/torch/" not in path and not path.endswith(_ENGINE_LAYER[0]):
-            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})", name, engine
+        if not _is_library(path) and not path.endswith(_ENGINE_LAYER[0]):
+            return _frame_site(frame), name, engine
+        if innermost is None and not path.endswith(_WRAPPERS):
+            innermost = frame
         frame = frame.f_back
-    return "(no Python frame)", name, engine
+    where = _frame_site(innermost) if innermost is not None else "(no Python frame)"
+    if autograd:
+        where += f" (autograd thread{_backward_site()})"
+    return where, name, engine
+
+
+def _backward_site() -> str:
+    """``; backward called at FILE:LINE (fn)``: where the main thread waits in a backward call (the call that
+    runs the autograd thread's hooks), else ""."""
+    import sys
+    import threading
+
+    frame, in_backward = sys._current_frames().get(threading.main_thread().ident), False
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        in_backward = in_backward or "/torch/autograd/" in path
+        if in_backward and not _is_library(path):
+            return f"; backward called at {_frame_site(frame)}"
+        frame = frame.f_back
+    return ""
 
 
 def _index(device=None) -> int:
