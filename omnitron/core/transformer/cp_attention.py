@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from omnitron.core.parallel.context.blocks import BlockedAttention, backend_kernel
 from omnitron.core.parallel.context.ring import ring_attention
+from omnitron.core.transformer.dropout_attention import in_graph_dropout_attention
 
 
 def _masked(m, q, k, v, keep: torch.Tensor, p: float, scale: float, sinks) -> torch.Tensor:
     """Attention with a boolean ``keep`` mask (True = attend) and optional sinks; dropout from the tp stream."""
-    from omnitron.core.transformer.attention import in_graph_dropout_attention
     from omnitron.core.transformer.window import sink_attention
 
     if sinks is not None or k.shape[-1] != v.shape[-1]:  # sinks, or MLA's head dims: the plain-torch softmax

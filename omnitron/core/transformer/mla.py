@@ -38,7 +38,7 @@ from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParall
 from omnitron.core.parallel.tensor.random import checkpoint
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer import yarn
-from omnitron.core.transformer.attention import in_graph_dropout_attention
+from omnitron.core.transformer.dropout_attention import in_graph_dropout_attention
 from omnitron.core.transformer.cp_attention import cp_attention
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 

@@ -6,6 +6,8 @@ they live here rather than in one family's package: a family's config only has t
 """
 from __future__ import annotations
 
+from omnitron.core.config.parallel import ConfigError
+
 
 def ffn_size(c) -> int:
     """``--ffn-hidden-size``, Megatron's default 4 x hidden."""
@@ -20,3 +22,17 @@ def query_groups(c) -> int:
 def head_dim(c) -> int:
     """``--kv-channels``, default hidden / heads."""
     return c.kv_channels or c.hidden_size // c.num_attention_heads
+
+
+def padded_vocab_size(c, tp: int = 1) -> int:
+    """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron), or
+    ``--padded-vocab-size`` as given (Megatron uses it unrounded)."""
+    given = getattr(c, "padded_vocab_size", None)
+    if given:
+        if given % tp or given < c.vocab_size:
+            raise ConfigError(f"--padded-vocab-size {given} must be a multiple of --tensor-model-parallel-size {tp} "
+                              f"and at least the tokenizer's vocabulary ({c.vocab_size}); give such a size or drop "
+                              "it to round per --make-vocab-size-divisible-by")
+        return given
+    m = c.make_vocab_size_divisible_by * tp
+    return -(-c.vocab_size // m) * m

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.core.config.parallel import ConfigError, ParallelConfig
-from omnitron.core.transformer.shapes import ffn_size, head_dim, query_groups  # noqa: F401 - re-exported
+from omnitron.core.transformer.shapes import ffn_size, head_dim, padded_vocab_size, query_groups  # noqa: F401 - re-exported
 from omnitron.core.transformer.yarn import yarn_inv_freq
 
 
@@ -260,20 +260,6 @@ class GPTConfig:
 # ---- derived values ------------------------------------------------------------------------
 def max_positions(c: GPTConfig) -> int:
     return c.max_position_embeddings or c.seq_length
-
-
-def padded_vocab_size(c: GPTConfig, tp: int = 1) -> int:
-    """Vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron), or
-    ``--padded-vocab-size`` as given (Megatron uses it unrounded)."""
-    given = getattr(c, "padded_vocab_size", None)
-    if given:
-        if given % tp or given < c.vocab_size:
-            raise ConfigError(f"--padded-vocab-size {given} must be a multiple of --tensor-model-parallel-size {tp} "
-                              f"and at least the tokenizer's vocabulary ({c.vocab_size}); give such a size or drop "
-                              "it to round per --make-vocab-size-divisible-by")
-        return given
-    m = c.make_vocab_size_divisible_by * tp
-    return -(-c.vocab_size // m) * m
 
 
 def recompute_layers(c: GPTConfig, num_layers: int) -> list[list[int]]:

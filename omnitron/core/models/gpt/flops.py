@@ -17,12 +17,12 @@ multiply-add per rank element (the ``+ 1``) and no other norm.
 """
 from __future__ import annotations
 
+from omnitron.core.transformer.moe.pattern import moe_layer_pattern
+from omnitron.core.transformer.shapes import ffn_size, head_dim, padded_vocab_size, query_groups
+
 
 def megatron_flops(c, batch_size: int, seq_length: int) -> float:
     """Megatron's training FLOPs of ``batch_size`` sequences of ``seq_length`` tokens (see the module docstring)."""
-    from omnitron.core.models.gpt.config import ffn_size, head_dim, padded_vocab_size, query_groups
-    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
-
     h, s, D = c.hidden_size, seq_length, c.mtp_num_layers or 0
     tokens = batch_size * s
     pattern = moe_layer_pattern(c.moe_layer_freq, c.num_layers) if c.num_experts else [False] * c.num_layers

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
-from omnitron.core.precision.fp8.fsdp import FP8GatheredWeight
+from omnitron.core.precision.fp8.gathered import FP8GatheredWeight
 from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
 from omnitron.backends.fp8 import scale_from_amax
 from omnitron.core.capture import in_graph
