@@ -20,17 +20,20 @@ What makes a layer trace without graph breaks:
 * selective recomputation inside a layer: :func:`omnitron.core.parallel.tensor.random.checkpoint` is traced
   as torch's checkpoint (full recomputation wraps the compiled layers from outside, unchanged);
 * FP8 (tensorwise, blockwise): the weight is re-quantized inside the graph instead of cached, and the FP8
-  provider's log-once stays silent while tracing.
+  provider's log-once stays silent while tracing;
+* FP8 ``delayed`` (as training runs it, one amax reduction and history push per optimizer step): the scale and
+  history change only at the step's end, outside the compiled layers; inside, a use casts with the scale in force
+  and max-accumulates its amax into a buffer in place, in the forward and in the backward, which dynamo and
+  AOTAutograd trace (:mod:`omnitron.core.precision.fp8.scaling`). 0 graph breaks; TWO graphs per layer shape:
+  the first step's (no history yet: every use scaled from its own amax, reduced in the graph) and every later
+  step's, compiled on step 2's first call (the layer reads one Python flag, ``AmaxReducer.primed``).
 
 Known graph breaks that remain (each measured with ``torch._dynamo.explain``, torch 2.13, 2026-12-03):
 
-* the ``delayed`` FP8 recipe: 25 per GPT layer (4 FP8 linears, after a first use): 10 where a use asks whether
-  autograd is running a backward (``torch._C._current_graph_task_id``, how a recomputed forward is told to reuse
-  the original scale; dynamo cannot trace a call returning an int) and 15 where the amax history, a Python
-  object, is updated inside the autograd function (dynamo refuses side effects inside it). Removing them needs
-  the state moved out of the function: scales passed in as tensors, amaxes returned, and the gradient's scale
-  (read in the backward, after other micro-batches' updates under pipelining) kept as a buffer the backward
-  graph mutates. Not done; the split layer is correct (tensorwise and blockwise trace whole);
+* the ``delayed`` FP8 recipe with one update per use (``enable_fp8(per_step=False)``, not what training runs):
+  a recomputed forward is recognized by asking autograd whether it runs a backward
+  (``torch._C._current_graph_task_id``, an int dynamo cannot trace) and the amax history, a Python object, is
+  updated inside the autograd function: 25 breaks per GPT layer;
 * context parallelism's ring: 8 graphs per rank at cp2 (the point-to-point exchanges run eagerly between them);
 * MoE token dispatch: 61-62 graphs per rank at ep2 (data-dependent token counts per expert recompile per
   routing; not re-measured with ``--moe-expert-capacity-factor``).

@@ -96,11 +96,12 @@ def _assert_scales(got: list[list[dict]], want: list[list[dict]]) -> None:
 
 @pytest.mark.parametrize("layers", [2, 6])
 def test_one_amax_collective_per_step_whatever_the_layers_and_micro_batches(layers):
-    """Step 1: each role's first use scales from its own amax (one reduction each: 3 per layer) plus the step's
-    one packed reduction; later steps: exactly one. Scales equal the reference from the local amaxes."""
+    """Step 1 (no history): every use scales from its own amax (one reduction each: 3 per layer and micro-batch)
+    plus the step's one packed reduction; later steps: exactly one. Scales equal the reference from the local
+    amaxes."""
     coll = _Counting()
     counts, amaxes, scales = _train(layers, (_Pair(),), coll, seed=0)
-    assert counts == [3 * layers + 1] + [1] * (STEPS - 1), counts
+    assert counts == [3 * layers * MICRO + 1] + [1] * (STEPS - 1), counts
     _assert_scales(scales, _reference_scales([amaxes]))
 
 
@@ -123,3 +124,27 @@ def test_two_ranks_scale_from_the_max_of_both_ranks_amaxes():
     for counts, _, scales in results:
         assert counts[1:] == [1] * (STEPS - 1), counts
         _assert_scales(scales, want)
+
+
+def test_a_role_unused_in_a_step_keeps_its_history_and_scale():
+    """The step pushes every registered role's history on the device (no host sync to ask which were used): one
+    left unused in a step keeps its history and scale bit for bit, a used one takes the step's amax (exact: a max
+    of floats) and its scale follows."""
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST)
+    be = get_backend("cpu")
+    reducer = AmaxReducer((), None, per_step=True)
+    used, unused = (FP8Linear(cfg, be.fp8, reducer=reducer) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(16, 16, generator=g).requires_grad_(), torch.randn(8, 16, generator=g)
+    for ex in (used, unused):
+        ex(x, w, None).sum().backward()
+    reducer.step()
+    before = {r: (s.amax_history.clone(), s.scale.clone()) for r, s in unused.states.items()}
+    x2 = torch.randn(8, 16, generator=g) * 3
+    used(x2, w, None).sum().backward()
+    reducer.step()
+    for r, s in unused.states.items():
+        assert torch.equal(s.amax_history, before[r][0]) and torch.equal(s.scale, before[r][1]), r
+    hist = used.states["input"].amax_history
+    assert hist[0].item() == x2.abs().max().item() and hist[1].item() == x.abs().max().item()
+    assert used.states["input"].scale.item() == pytest.approx(448.0 / hist.max().item(), rel=2 ** -23)

@@ -186,17 +186,20 @@ def test_resume_is_exact_with_recipe_state():
         load_fp8_state_dict(b, ckpt["fp8"])
 
 
-def test_delayed_scaling_is_exact_under_activation_recomputation():
-    """A forward recomputed during backward re-quantizes with its original scale and records no amax:
-    gradients and the recipe state equal those of the run that keeps its activations."""
+@pytest.mark.parametrize("per_step", [False, True], ids=["per-use", "per-step"])
+def test_delayed_scaling_is_exact_under_activation_recomputation(per_step):
+    """A forward recomputed during backward re-quantizes with its original scale and changes no state (per use:
+    it records no amax; per step: the scale is the step's and re-observing an amax is a no-op): gradients and
+    the recipe state equal those of the run that keeps its activations."""
     from torch.utils.checkpoint import checkpoint
+
+    from omnitron.core.precision.fp8.enable import fp8_step
 
     torch.manual_seed(3)
     cfg = FP8Config(fp8_recipe="delayed", fp8_amax_history_len=4)
     plain = _Stack()
     recomputed = copy.deepcopy(plain)
-    enable_fp8(plain, cfg, None)
-    enable_fp8(recomputed, cfg, None)
+    enabled = [enable_fp8(m, cfg, None, per_step=per_step) for m in (plain, recomputed)]
 
     def run(model, x, ckpt):
         for layer in model.layers.values():
@@ -212,6 +215,8 @@ def test_delayed_scaling_is_exact_under_activation_recomputation():
             grads.append([p.grad.clone() for p in model.parameters()])
         for a, b in zip(*grads):
             assert torch.equal(a, b), f"step {step}"
+        for e in enabled:
+            fp8_step(e)
     sa, sb = fp8_state_dict(plain), fp8_state_dict(recomputed)
     for name in sa:
         for role in sa[name]:
