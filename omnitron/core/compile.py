@@ -34,15 +34,23 @@ Known graph breaks that remain (each measured with ``torch._dynamo.explain``, to
   a recomputed forward is recognized by asking autograd whether it runs a backward
   (``torch._C._current_graph_task_id``, an int dynamo cannot trace) and the amax history, a Python object, is
   updated inside the autograd function: 25 breaks per GPT layer;
-* context parallelism's ring: 8 graphs per rank at cp2 (the point-to-point exchanges run eagerly between them);
-* MoE token dispatch: 61-62 graphs per rank at ep2 (data-dependent token counts per expert recompile per
-  routing; not re-measured with ``--moe-expert-capacity-factor``).
+* MoE token exchange (``--num-experts``): the dispatch, the experts and the combine run eagerly between graphs
+  (``torch.compiler.disable``): the rows each rank sends and each expert takes come from the routing and the
+  all-to-all takes them as Python ints, so a traced exchange breaks the graph at each host read and recompiles
+  at each new routing (61-62 graphs per rank at ep2 before, 2026-12-03). Disabled: 4 graphs per rank whatever
+  the routing (the layer before and after the MoE block, the block's router before it and its output after it)
+  and no recompilation. A static exchange (``--moe-pad-expert-input-to-capacity``: fixed sizes) could be traced
+  whole; not done: the dispatch still derives its sizes from the mask.
+
+Context parallelism's ring traces whole: its exchanges are functional all-to-alls while dynamo traces
+(:meth:`omnitron.core.parallel.context.ring._Ring.exchange`), one graph per rank at cp2 (was 8: the
+point-to-point exchanges split it). Attention dropout under cp (a seeded generator per ring step) not checked.
 Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
 the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
 process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,
 pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --overlap-grad-reduce, FSDP2 dp2.
-Correct but split: cp2 (8 graphs per rank: the ring's point-to-point exchanges are eager) and MoE ep2 (61-62
-graphs per rank: the token dispatch has data-dependent shapes, so the graph breaks and recompiles per routing).
+Also cp2 (one graph per rank) and MoE ep2 (4 graphs per rank, the token exchange eager), equal to eager's losses;
+the delayed FP8 recipe at tp1 and tp2 with sequence parallelism (2 graphs per rank, equal losses).
 Not checked: fp16.
 
 Compile caches: inductor's FX-graph and kernel caches (on by default, under ``TORCHINDUCTOR_CACHE_DIR``,
