@@ -160,6 +160,8 @@ class FP8Linear:
                              f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
         for role, s in state.items():
             self.states[role].load_state_dict(s)
+        if self.reducer is not None and self.reducer.per_step and any(s.uses for s in self.states.values()):
+            self.reducer.primed = True  # a history to scale from: the resumed step quantizes as the uninterrupted one
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
