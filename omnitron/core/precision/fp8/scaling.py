@@ -96,6 +96,10 @@ class AmaxReducer:
         through ``where``."""
         if not self.states:
             return
+        devices = {s.step_amax.device for s in self.states}  # a role never used yet is still where it was made
+        device = next((d for d in devices if d.type != "cpu"), next(iter(devices)))
+        for s in self.states:
+            s.to(device)
         packed = reduce_amax(torch.stack([s.step_amax for s in self.states]), self.groups, self.collectives)
         for s, amax in zip(self.states, packed.unbind(0)):
             s.push_if_used(amax, self.update)
