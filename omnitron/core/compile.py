@@ -26,7 +26,9 @@ What makes a layer trace without graph breaks:
   and max-accumulates its amax into a buffer in place, in the forward and in the backward, which dynamo and
   AOTAutograd trace (:mod:`omnitron.core.precision.fp8.scaling`). 0 graph breaks; TWO graphs per layer shape:
   the first step's (no history yet: every use scaled from its own amax, reduced in the graph) and every later
-  step's, compiled on step 2's first call (the layer reads one Python flag, ``AmaxReducer.primed``).
+  step's, compiled on step 2's first call (the layer reads one Python flag, ``AmaxReducer.primed``). Inductor
+  (one run, 2026-12-03, the layer test's 3 steps): the same 2 graphs, outputs equal to eager's, input gradients
+  to 1e-8 and amax histories to 8e-8 relative.
 
 Known graph breaks that remain (each measured with ``torch._dynamo.explain``, torch 2.13, 2026-12-03):
 
