@@ -48,6 +48,21 @@ def step_fn(model: GPTModel):
     return step
 
 
+def alternate(steps: dict, rounds: int) -> tuple[dict, dict, dict]:
+    """Run ``rounds + 1`` rounds of every step callable in turn (the first round: warm-up, tracing, compiling),
+    so machine noise hits all alike: per name, (wall seconds, this process's CPU seconds, losses) per round."""
+    times = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
+    losses: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds + 1):
+        for name, step in steps.items():
+            t, c = time.perf_counter(), time.process_time()
+            losses[name].append(step())
+            times[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    return times, cpu, losses
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -60,15 +75,7 @@ def main() -> None:
     compiled = copy.deepcopy(eager)
     compile_layers([compiled], compiled.backend, a.compiler)
     steps = {"eager": step_fn(eager), "compiled": step_fn(compiled)}
-    times = {k: [] for k in steps}
-    cpu = {k: [] for k in steps}
-    losses: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(a.steps + 1):  # the first round: eager warm-up, compiled traces and builds
-        for name, step in steps.items():
-            t, c = time.perf_counter(), time.process_time()
-            losses[name].append(step())
-            times[name].append(time.perf_counter() - t)
-            cpu[name].append(time.process_time() - c)
+    times, cpu, losses = alternate(steps, a.steps)
     out = {k: statistics.median(v[1:]) for k, v in times.items()}
     out.update({f"{k}_cpu": statistics.median(v[1:]) for k, v in cpu.items()})
     out.update(compile_s=times["compiled"][0] - out["eager"], times=times, cpu=cpu, losses=losses)

@@ -20,26 +20,39 @@ What makes a layer trace without graph breaks:
 * selective recomputation inside a layer: :func:`omnitron.core.parallel.tensor.random.checkpoint` is traced
   as torch's checkpoint (full recomputation wraps the compiled layers from outside, unchanged);
 * FP8 (tensorwise, blockwise): the weight is re-quantized inside the graph instead of cached, and the FP8
-  provider's log-once stays silent while tracing.
+  provider's log-once stays silent while tracing;
+* FP8 ``delayed`` (as training runs it, one amax reduction and history push per optimizer step): the scale and
+  history change only at the step's end, outside the compiled layers; inside, a use casts with the scale in force
+  and max-accumulates its amax into a buffer in place, in the forward and in the backward, which dynamo and
+  AOTAutograd trace (:mod:`omnitron.core.precision.fp8.scaling`). 0 graph breaks; TWO graphs per layer shape:
+  the first step's (no history yet: every use scaled from its own amax, reduced in the graph) and every later
+  step's, compiled on step 2's first call (the layer reads one Python flag, ``AmaxReducer.primed``). Inductor
+  (one run, 2026-12-03, the layer test's 3 steps): the same 2 graphs, outputs equal to eager's, input gradients
+  to 1e-8 and amax histories to 8e-8 relative.
 
 Known graph breaks that remain (each measured with ``torch._dynamo.explain``, torch 2.13, 2026-12-03):
 
-* the ``delayed`` FP8 recipe: 25 per GPT layer (4 FP8 linears, after a first use): 10 where a use asks whether
-  autograd is running a backward (``torch._C._current_graph_task_id``, how a recomputed forward is told to reuse
-  the original scale; dynamo cannot trace a call returning an int) and 15 where the amax history, a Python
-  object, is updated inside the autograd function (dynamo refuses side effects inside it). Removing them needs
-  the state moved out of the function: scales passed in as tensors, amaxes returned, and the gradient's scale
-  (read in the backward, after other micro-batches' updates under pipelining) kept as a buffer the backward
-  graph mutates. Not done; the split layer is correct (tensorwise and blockwise trace whole);
-* context parallelism's ring: 8 graphs per rank at cp2 (the point-to-point exchanges run eagerly between them);
-* MoE token dispatch: 61-62 graphs per rank at ep2 (data-dependent token counts per expert recompile per
-  routing; not re-measured with ``--moe-expert-capacity-factor``).
+* the ``delayed`` FP8 recipe with one update per use (``enable_fp8(per_step=False)``, not what training runs):
+  a recomputed forward is recognized by asking autograd whether it runs a backward
+  (``torch._C._current_graph_task_id``, an int dynamo cannot trace) and the amax history, a Python object, is
+  updated inside the autograd function: 25 breaks per GPT layer;
+* MoE token exchange (``--num-experts``): the dispatch, the experts and the combine run eagerly between graphs
+  (``torch.compiler.disable``): the rows each rank sends and each expert takes come from the routing and the
+  all-to-all takes them as Python ints, so a traced exchange breaks the graph at each host read and recompiles
+  at each new routing (61-62 graphs per rank at ep2 before, 2026-12-03). Disabled: 4 graphs per rank whatever
+  the routing (the layer before and after the MoE block, the block's router before it and its output after it)
+  and no recompilation. A static exchange (``--moe-pad-expert-input-to-capacity``: fixed sizes) could be traced
+  whole; not done: the dispatch still derives its sizes from the mask.
+
+Context parallelism's ring traces whole: its exchanges are functional all-to-alls while dynamo traces
+(:meth:`omnitron.core.parallel.context.ring._Ring.exchange`), one graph per rank at cp2 (was 8: the
+point-to-point exchanges split it). Attention dropout under cp (a seeded generator per ring step) not checked.
 Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
 the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
 process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,
 pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --overlap-grad-reduce, FSDP2 dp2.
-Correct but split: cp2 (8 graphs per rank: the ring's point-to-point exchanges are eager) and MoE ep2 (61-62
-graphs per rank: the token dispatch has data-dependent shapes, so the graph breaks and recompiles per routing).
+Also cp2 (one graph per rank) and MoE ep2 (4 graphs per rank, the token exchange eager), equal to eager's losses;
+the delayed FP8 recipe at tp1 and tp2 with sequence parallelism (2 graphs per rank, equal losses).
 Not checked: fp16.
 
 Compile caches: inductor's FX-graph and kernel caches (on by default, under ``TORCHINDUCTOR_CACHE_DIR``,

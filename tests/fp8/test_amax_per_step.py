@@ -123,3 +123,27 @@ def test_two_ranks_scale_from_the_max_of_both_ranks_amaxes():
     for counts, _, scales in results:
         assert counts == [1] * STEPS, counts
         _assert_scales(scales, want)
+
+
+def test_a_role_unused_in_a_step_keeps_its_history_and_scale():
+    """The step pushes every registered role's history on the device (no host sync to ask which were used): one
+    left unused in a step keeps its history and scale bit for bit, a used one takes the step's amax (exact: a max
+    of floats) and its scale follows."""
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST)
+    be = get_backend("cpu")
+    reducer = AmaxReducer((), None, per_step=True)
+    used, unused = (FP8Linear(cfg, be.fp8, reducer=reducer) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(16, 16, generator=g).requires_grad_(), torch.randn(8, 16, generator=g)
+    for ex in (used, unused):
+        ex(x, w, None).sum().backward()
+    reducer.step()
+    before = {r: (s.amax_history.clone(), s.scale.clone()) for r, s in unused.states.items()}
+    x2 = torch.randn(8, 16, generator=g) * 3
+    used(x2, w, None).sum().backward()
+    reducer.step()
+    for r, s in unused.states.items():
+        assert torch.equal(s.amax_history, before[r][0]) and torch.equal(s.scale, before[r][1]), r
+    hist = used.states["input"].amax_history
+    assert hist[0].item() == x2.abs().max().item() and hist[1].item() == x.abs().max().item()
+    assert used.states["input"].scale.item() == pytest.approx(448.0 / hist.max().item(), rel=2 ** -23)

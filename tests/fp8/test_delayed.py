@@ -142,41 +142,49 @@ def test_enable_fp8_selection():
     assert 0 < (y - yr).abs().max() < 0.1 * yr.abs().max()
 
 
-def _train(model, steps, x, t, opt):
+def _train(model, steps, x, t, opt, enabled=None):
+    """``steps`` steps; ``enabled`` (per-step delayed scaling): its update at each step's end."""
+    from omnitron.core.precision.fp8.enable import fp8_step
+
     losses = []
     for _ in range(steps):
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), t)
         loss.backward()
         opt.step()
+        if enabled is not None:
+            fp8_step(enabled)
         losses.append(loss.item())
     return losses
 
 
-def test_resume_is_exact_with_recipe_state():
+@pytest.mark.parametrize("per_step", [False, True], ids=["per-use", "per-step"])
+def test_resume_is_exact_with_recipe_state(per_step):
     """Checkpoint = weights + optimizer + fp8_state_dict; the resumed run repeats the uninterrupted one bit for bit,
-    and without the FP8 state it does not."""
+    and without the FP8 state it does not (per step: the restored state also ends the first step's current
+    scaling)."""
     torch.manual_seed(0)
     x, t = torch.randn(64, 32), torch.randn(64, 8)
     cfg = FP8Config(fp8_recipe="delayed", fp8_amax_history_len=4)
     base = _Stack()
     a = copy.deepcopy(base)
-    enable_fp8(a, cfg, None)
+    enabled = enable_fp8(a, cfg, None, per_step=per_step)
+    enabled = enabled if per_step else None
     opt_a = torch.optim.SGD(a.parameters(), lr=0.05)
-    _train(a, 3, x, t, opt_a)
+    _train(a, 3, x, t, opt_a, enabled)
     ckpt = copy.deepcopy({"model": a.state_dict(), "opt": opt_a.state_dict(), "fp8": fp8_state_dict(a)})
     assert all(len(v) == 3 for v in ckpt["fp8"].values())  # input, weight, grad_output per linear
-    tail = _train(a, 4, x, t, opt_a)
+    tail = _train(a, 4, x, t, opt_a, enabled)
 
     def resumed(with_fp8_state):
         b = _Stack()
-        enable_fp8(b, cfg, None)
+        en = enable_fp8(b, cfg, None, per_step=per_step)
         b.load_state_dict(ckpt["model"])
         opt_b = torch.optim.SGD(b.parameters(), lr=0.05)
         opt_b.load_state_dict(ckpt["opt"])
         if with_fp8_state:
             load_fp8_state_dict(b, ckpt["fp8"])
-        return _train(b, 4, x, t, opt_b)
+        return _train(b, 4, x, t, opt_b, en if per_step else None)
 
     assert resumed(True) == tail
     assert resumed(False) != tail
@@ -186,17 +194,20 @@ def test_resume_is_exact_with_recipe_state():
         load_fp8_state_dict(b, ckpt["fp8"])
 
 
-def test_delayed_scaling_is_exact_under_activation_recomputation():
-    """A forward recomputed during backward re-quantizes with its original scale and records no amax:
-    gradients and the recipe state equal those of the run that keeps its activations."""
+@pytest.mark.parametrize("per_step", [False, True], ids=["per-use", "per-step"])
+def test_delayed_scaling_is_exact_under_activation_recomputation(per_step):
+    """A forward recomputed during backward re-quantizes with its original scale and changes no state (per use:
+    it records no amax; per step: the scale is the step's and re-observing an amax is a no-op): gradients and
+    the recipe state equal those of the run that keeps its activations."""
     from torch.utils.checkpoint import checkpoint
+
+    from omnitron.core.precision.fp8.enable import fp8_step
 
     torch.manual_seed(3)
     cfg = FP8Config(fp8_recipe="delayed", fp8_amax_history_len=4)
     plain = _Stack()
     recomputed = copy.deepcopy(plain)
-    enable_fp8(plain, cfg, None)
-    enable_fp8(recomputed, cfg, None)
+    enabled = [enable_fp8(m, cfg, None, per_step=per_step) for m in (plain, recomputed)]
 
     def run(model, x, ckpt):
         for layer in model.layers.values():
@@ -212,6 +223,8 @@ def test_delayed_scaling_is_exact_under_activation_recomputation():
             grads.append([p.grad.clone() for p in model.parameters()])
         for a, b in zip(*grads):
             assert torch.equal(a, b), f"step {step}"
+        for e in enabled:
+            fp8_step(e)
     sa, sb = fp8_state_dict(plain), fp8_state_dict(recomputed)
     for name in sa:
         for role in sa[name]:

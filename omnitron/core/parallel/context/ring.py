@@ -51,10 +51,25 @@ class _Ring:
         self.next, self.prev = group.global_rank((r + 1) % n), group.global_rank((r - 1) % n)
 
     def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Post ``send`` to the next rank and a receive of the same shape from the previous one."""
+        """Post ``send`` to the next rank and a receive of the same shape from the previous one. While dynamo
+        traces (``--torch-compile``): the same shift as one functional all-to-all that sends only to the next
+        rank and receives only from the previous one, which dynamo records into the graph (point-to-point
+        operations have no functional form)."""
+        if torch.compiler.is_compiling():
+            return self._shift(send), []
         recv = torch.empty_like(send)
         handles = self.coll.batch_p2p([("send", send, self.next), ("recv", recv, self.prev)], group=self.group.handle)
         return recv, handles
+
+
+    def _shift(self, send: torch.Tensor) -> torch.Tensor:
+        """``send`` of the previous rank (graph-traceable: see :meth:`exchange`)."""
+        import torch.distributed._functional_collectives as funcol
+
+        n, flat = send.numel(), send.contiguous().reshape(-1)
+        to_next = [n if j == (self.rank + 1) % self.size else 0 for j in range(self.size)]
+        from_prev = [n if j == (self.rank - 1) % self.size else 0 for j in range(self.size)]
+        return funcol.all_to_all_single(flat, from_prev, to_next, self.group.handle).reshape(send.shape)
 
 
 def _wait(handles: list) -> None:

@@ -54,6 +54,9 @@ class FP8Linear:
                    "grad_output": recipe.backward_format}
             self.states = {r: DelayedScaling(fmt[r], recipe.fp8_amax_history_len, recipe.fp8_amax_compute_algo,
                                              recipe.fp8_margin) for r in ROLES}
+            if reducer is not None and reducer.per_step:
+                for state in self.states.values():
+                    reducer.register(state)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         dev = x.device.type
@@ -116,21 +119,19 @@ class FP8Linear:
         self._wcache = None
 
     def _quantize_delayed(self, state: DelayedScaling, role: str, x: torch.Tensor, fmt: str, cast):
+        if self.reducer is not None and self.reducer.per_step:
+            return self._quantize_per_step(state, x, fmt, cast)
         # a forward run while autograd executes a backward is an activation recomputation:
         # reuse the scale in force (the original forward's) and record nothing
         if role != "grad_output" and torch._C._current_graph_task_id() != -1:
             q, qt, _ = cast(x, state.scale, fmt)
             return q, qt, state.scale_inv
         state.flush(self.provider.backend.kernels.fp8_amax_history_push)
-        per_step = self.reducer is not None and self.reducer.per_step
-        if state.uses == 0 and not state.bootstrapped:  # no history yet: this first use is scaled from its own amax
-            amax = _amax(x)
-            if not per_step:  # per step: this rank's own amax, no collective (scaling.py); the step's end shares it
-                amax = reduce_amax(amax, self.amax_groups, self.collectives)
+        if state.uses == 0:  # no history yet: this first use is scaled from its own amax
+            amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
             state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
-            state.bootstrapped = per_step  # per step: later uses of step 1 keep this scale until the step ends
             q, qt, _ = cast(x, state.scale, fmt)
-            state.record(amax, self.reducer if per_step else None)
+            state.record(amax)
         else:
             q, qt, amax = cast(x, state.scale, fmt)
             if self.reducer is None:
@@ -138,6 +139,19 @@ class FP8Linear:
             else:  # reduced with every layer's when the next use needs it (scaling.py)
                 state.record(amax, self.reducer)
         return q, qt, state.scale_inv
+
+    def _quantize_per_step(self, state: DelayedScaling, x: torch.Tensor, fmt: str, cast):
+        """Delayed scaling, one update per optimizer step (scaling.py): the scale in force (the first step: this
+        use's own local amax, no collective: the step's end reduces it with the rest) and the local amax
+        max-accumulated in place. Nothing else changes, so a recomputed forward quantizes as its original and the
+        path traces into a compiled layer's graph."""
+        if self.reducer.primed:
+            q, qt, amax = cast(x, state.scale, fmt)
+            self.reducer.observe(state, amax)
+            return q, qt, state.scale_inv
+        amax = _amax(x)
+        self.reducer.observe(state, amax)
+        return self.provider.backend.kernels.fp8_cast_transpose_from_amax(x, amax, fmt, self.recipe.fp8_margin)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -150,6 +164,8 @@ class FP8Linear:
                              f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
         for role, s in state.items():
             self.states[role].load_state_dict(s)
+        if self.reducer is not None and self.reducer.per_step and any(s.uses for s in self.states.values()):
+            self.reducer.primed = True  # a history to scale from: the resumed step quantizes as the uninterrupted one
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:

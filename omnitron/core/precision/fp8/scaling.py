@@ -21,15 +21,22 @@ Definitions (the tests check these step by step):
   of a stack is the stack of the maxes, so the scales are those of reducing each amax alone.
 * **delayed, per step** (:class:`AmaxReducer` with ``per_step``; what training uses, as Transformer Engine's
   global amax reduction): within an optimizer step every use quantizes with the scale in force and only
-  max-accumulates its local amax per tensor role (no collective); :meth:`AmaxReducer.step`, called once at
-  the step's end, packs every role's step amax into one buffer, MAX-reduces it in one all-reduce over the
-  amax reduction group (tensor x context x data parallel) and pushes each role's history once:
-  ``a_step = max over ranks and the step's uses``, ``history <- [a_step, history[:-1]]``, scale as above.
-  The first use of a role (no history: step 1) scales from this rank's own local amax, with no collective, so
-  step 1 issues the same one packed reduction as every later step. NOTE: in step 1 only, the ranks of the amax
-  group may therefore quantize with different scales (a tensor-parallel shard by its own amax, not the whole
-  tensor's); each GEMM still dequantizes with the scales it quantized with, so the result is exact FP8 math, only
-  not bit-identical to one process. From the end of step 1 every rank holds the reduced history and scale.
+  max-accumulates its local amax into its role's step-amax buffer (in place, no collective);
+  :meth:`AmaxReducer.step`, called once at the step's end, stacks every registered role's step amax, MAX-reduces
+  the stack in one all-reduce over the amax reduction group (tensor x context x data parallel) and pushes the
+  history of each role used this step once: ``a_step = max over ranks and the step's uses``,
+  ``history <- [a_step, history[:-1]]``, scale as above. Until the first :meth:`~AmaxReducer.step` there is no
+  history: every use of the first step is scaled from this rank's own local amax, with no collective, so step 1
+  issues the same one packed reduction as every later step. NOTE: in step 1 only, the ranks of the amax group may
+  therefore quantize with different scales (a tensor-parallel shard by its own amax, not the whole tensor's);
+  each GEMM still dequantizes with the scales it quantized with, so the result is exact FP8 math, only not
+  bit-identical to one process. From the end of step 1 every rank holds the reduced history and scale.
+  Written for the compiler (``--torch-compile``): the scale and history change only at the step boundary,
+  outside the compiled layers, and a use's only state change is the in-place max into a buffer, which dynamo
+  traces (in the forward and in the backward). So a forward recomputed during the backward quantizes as its
+  original did without asking autograd whether it runs a backward (the step's scale is the same; the first
+  step's scale a function of the same input), re-observing an amax changes nothing (``max(a, a) = a``), and
+  the only Python state a layer reads is :attr:`AmaxReducer.primed`: one graph for the first step, one after.
 """
 from __future__ import annotations
 
@@ -41,14 +48,20 @@ from omnitron.kernels.reference.fp8 import fp8_amax_history_push
 
 
 def reduce_amax(amax: torch.Tensor, groups: Sequence, collectives) -> torch.Tensor:
-    """MAX-reduce ``amax`` in place over each group (``Group`` objects; size-1 groups cost nothing)."""
+    """MAX-reduce ``amax`` over each group (``Group`` objects; size-1 groups cost nothing): in place, or into a
+    new tensor through torch's functional all-reduce while dynamo traces (which records it into the graph)."""
     if collectives is None:
         return amax
     from torch.distributed import ReduceOp
 
     for g in groups:
         if g is not None and getattr(g, "handle", None) is not None and g.size > 1:
-            collectives.all_reduce(amax, op=ReduceOp.MAX, group=g.handle)
+            if torch.compiler.is_compiling():
+                import torch.distributed._functional_collectives as funcol
+
+                amax = funcol.all_reduce(amax, "max", g.handle)
+            else:
+                collectives.all_reduce(amax, op=ReduceOp.MAX, group=g.handle)
     return amax
 
 
@@ -65,24 +78,37 @@ class AmaxReducer:
         self.per_step, self.update = per_step, update
         """``per_step``: roles accumulate their step amax and :meth:`step` reduces and pushes them (module
         docstring); ``update``: the ``fp8_amax_history_push`` implementation :meth:`step` pushes with."""
-        self.observed: dict[int, DelayedScaling] = {}
-        """Roles with a step amax this step, in first-use order (the same on every rank of the group)."""
+        self.states: list[DelayedScaling] = []
+        """Per-step mode: every role sharing this reducer, in model order (the same on every rank of the group:
+        the stacked step amaxes line up whichever roles a step used)."""
+        self.primed = False
+        """Per-step mode: whether a step has pushed the histories (before, every use scales from its own amax)."""
+
+    def register(self, state: "DelayedScaling") -> None:
+        """Add ``state`` to the roles :meth:`step` reduces and pushes (per-step mode)."""
+        self.states.append(state)
 
     def observe(self, state: "DelayedScaling", amax: torch.Tensor) -> None:
-        """Max-accumulate a use's local ``amax`` into ``state``'s step amax (per-step mode; on the device)."""
-        state.step_amax = amax.float() if state.step_amax is None else torch.maximum(state.step_amax, amax.float())
-        self.observed.setdefault(id(state), state)
+        """Max-accumulate a use's local ``amax`` into ``state``'s step-amax buffer, in place (per-step mode; on
+        the device, traceable: no Python state changes)."""
+        state.step_amax.copy_(torch.maximum(state.step_amax, amax.float()))
 
     def step(self) -> None:
-        """End of an optimizer step: every observed role's step amax MAX-reduced in one packed collective per
-        group (one group: the amax reduction group), then each role's history pushed once."""
-        if not self.observed:
+        """End of an optimizer step: every registered role's step amax MAX-reduced in one packed collective per
+        group (one group: the amax reduction group), then the history of each role used this step pushed once;
+        the step amaxes reset. No host sync: an unused role (step amax still -1 on every rank) keeps its state
+        through ``where``."""
+        if not self.states:
             return
-        states, self.observed = list(self.observed.values()), {}
-        packed = reduce_amax(torch.stack([s.step_amax for s in states]), self.groups, self.collectives)
-        for s, amax in zip(states, packed.unbind(0)):
-            s.step_amax = None
-            s.push(amax, self.update)
+        devices = {s.step_amax.device for s in self.states}  # a role never used yet is still where it was made
+        device = next((d for d in devices if d.type != "cpu"), next(iter(devices)))
+        for s in self.states:
+            s.to(device)
+        packed = reduce_amax(torch.stack([s.step_amax for s in self.states]), self.groups, self.collectives)
+        for s, amax in zip(self.states, packed.unbind(0)):
+            s.push_if_used(amax, self.update)
+            s.step_amax.fill_(-1.0)
+        self.primed = True
         self.reductions += 1
 
     def add(self, amax: torch.Tensor) -> "_Recorded":
@@ -128,10 +154,9 @@ class DelayedScaling:
         """Amaxes pushed so far (host-side count; 0 means "no history yet")."""
         self.pending: torch.Tensor | None = None
         """The last use's amax, pushed at the start of the next use."""
-        self.step_amax: torch.Tensor | None = None
-        """Per-step mode: the max of this step's local amaxes, pushed by :meth:`AmaxReducer.step`."""
-        self.bootstrapped = False
-        """Whether a first use set the scale from its own amax (per-step mode pushes only at step ends)."""
+        self.step_amax = torch.full((), -1.0)
+        """Per-step mode: the max of this step's local amaxes (-1: no use yet), pushed by :meth:`AmaxReducer.step`;
+        a buffer updated in place (a compiled layer mutates it)."""
 
     def to(self, device: torch.device) -> "DelayedScaling":
         """Move the state to ``device`` (done on first use, where the tensors live)."""
@@ -139,6 +164,7 @@ class DelayedScaling:
             self.amax_history = self.amax_history.to(device)
             self.scale = self.scale.to(device)
             self.scale_inv = self.scale_inv.to(device)
+            self.step_amax = self.step_amax.to(device)
         return self
 
     def set_scale(self, scale: torch.Tensor) -> None:
@@ -157,14 +183,19 @@ class DelayedScaling:
             self.margin, self.algo)
         self.uses += 1
 
+    def push_if_used(self, amax: torch.Tensor, update=None) -> None:
+        """:meth:`push` where ``amax`` is a step amax (not -1, "unused"; NaN counts as used and poisons the history
+        as a pushed NaN does), else the state unchanged: chosen on the device, without a host sync."""
+        history, scale, scale_inv = self.amax_history, self.scale, self.scale_inv
+        self.push(amax.clamp(min=0.0), update)
+        used = ~(amax < 0)
+        self.amax_history = torch.where(used, self.amax_history, history)
+        self.scale, self.scale_inv = torch.where(used, self.scale, scale), torch.where(used, self.scale_inv, scale_inv)
+
     def record(self, amax: torch.Tensor, reducer: AmaxReducer | None = None) -> None:
         """Keep this use's amax, pushed when the next use begins: group-reduced already, or local and reduced by
-        ``reducer`` with every other recorded one when first needed; a per-step ``reducer`` accumulates it for
-        its :meth:`AmaxReducer.step` instead."""
-        if reducer is not None and reducer.per_step:
-            reducer.observe(self, amax)
-        else:
-            self.pending = amax if reducer is None else reducer.add(amax)
+        ``reducer`` with every other recorded one when first needed (per-step reducers observe instead)."""
+        self.pending = amax if reducer is None else reducer.add(amax)
 
     def flush(self, update=None) -> None:
         """Push the pending amax, if any (start of a use; before saving)."""
@@ -186,4 +217,5 @@ class DelayedScaling:
         self.amax_history = hist.detach().float().clone().to(device)
         self.set_scale(state["scale"].detach().float().clone().reshape(()).to(device))
         self.uses = int(state["uses"])
-        self.pending, self.step_amax = None, None
+        self.pending = None
+        self.step_amax = torch.full((), -1.0, device=device)

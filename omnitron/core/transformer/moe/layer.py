@@ -107,27 +107,46 @@ class MoELayer(nn.Module):
         return gates, (M.split_first(mask, self.tp) if whole else mask)
 
     def forward(self, hidden: torch.Tensor):
+        if torch.compiler.is_compiling():  # --torch-compile: no generator (dynamo would run it all eagerly)
+            x, gates, mask, split = self._tokens(hidden)
+            y = _experts_eager(self, x.reshape(-1, x.shape[-1]), gates, mask).view(x.shape)
+            return self._output(y, hidden, split)
         return drive(self.forward_steps(hidden))
 
     def forward_steps(self, hidden: torch.Tensor) -> Steps:
         """:meth:`forward` as steps: it yields with the dispatch, then with the combine, in flight."""
+        x, gates, mask, split = self._tokens(hidden)
+        y = (yield from self.experts_steps(x.reshape(-1, x.shape[-1]), gates, mask)).view(x.shape)
+        return self._output(y, hidden, split)
+
+    def _tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(this rank's tokens ``[s', b, h]``, their gates and processed pairs ``[s'*b, E]``, whether the sequence
+        was split over tp: replicated tokens, each tp rank takes its slice)."""
         s, b, h = hidden.shape
         gates, mask = self._route(hidden.reshape(s * b, h), b)  # [s*b, E] each
-        split = self.tp.size > 1 and not self.sp  # replicated tokens: each tp rank takes its sequence slice
+        split = self.tp.size > 1 and not self.sp
         x = hidden
         if split:
             E = self.num_experts
             x = M.scatter_to_sp(hidden, self.tp)  # [s/tp, b, h]
             gates = M.scatter_to_sp(gates.view(s, b, E), self.tp).reshape(-1, E)
             mask = M.split_first(mask.view(s, b, E), self.tp).reshape(-1, E)
-        rows, plan = yield from dispatch_steps(x.reshape(-1, h), mask, self.ep)
-        y = run_experts(rows, plan.local_counts, list(self.experts.values()), self.etp, grouped=self.grouped)
-        y = (yield from combine_steps(y, gates, plan, self.ep)).view(x.shape)
+        return x, gates, mask, split
+
+    def _output(self, y: torch.Tensor, hidden: torch.Tensor, split: bool):
+        """The layer's output from the experts' ``y``: gathered back over tp where split, plus the shared expert."""
         if split:
             y = M.gather_from_sp(y, self.tp, grad_is_partial=False)  # [s, b, h]
         if self.shared_experts is not None:
             y = y + self.shared_experts(hidden)[0]
         return y, None
+
+    def experts_steps(self, x: torch.Tensor, gates: torch.Tensor, mask: torch.Tensor) -> Steps[torch.Tensor]:
+        """Tokens ``x [T, h]`` through their experts and back, weighted by ``gates``: dispatch (all-to-all over ep),
+        the local experts, combine; yields with each exchange in flight."""
+        rows, plan = yield from dispatch_steps(x, mask, self.ep)
+        y = run_experts(rows, plan.local_counts, list(self.experts.values()), self.etp, grouped=self.grouped)
+        return (yield from combine_steps(y, gates, plan, self.ep))
 
     # ---- full (layout-independent) state -----------------------------------------------------
     def fuse_full_state(self, prefix: str, out: dict[str, torch.Tensor]) -> None:
@@ -145,3 +164,12 @@ class MoELayer(nn.Module):
                 pieces = M.gather_first(t.unsqueeze(0).contiguous(), self.ep)  # [ep, ...]
                 for r in range(self.ep.size):
                     out[f"{prefix}experts.{r * local + i}.{suffix}"] = pieces[r]
+
+
+@torch.compiler.disable
+def _experts_eager(moe: MoELayer, x: torch.Tensor, gates: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:meth:`MoELayer.experts_steps` run eagerly inside a compiled layer (``--torch-compile``): the exchange's
+    sizes come from the routing (data-dependent row counts, sent as Python ints), so a traced exchange would
+    break the graph at each host read and recompile at each new routing (61-62 graphs per rank at ep2 before,
+    2026-12-03); disabled, the layer is two graphs, before and after it, whatever the routing."""
+    return drive(moe.experts_steps(x, gates, mask))
