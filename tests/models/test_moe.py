@@ -332,7 +332,6 @@ def test_layer_pattern_parameter_count_and_errors():
                       (dict(moe_token_drop_policy="random"), "--moe-token-drop-policy 'random'"),
                       (dict(moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
                       (dict(moe_router_score_function="tanh"), "--moe-router-score-function 'tanh'"),
-                      (dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=True), "softmax scores only"),
                       (dict(moe_shared_expert_intermediate_size=0), "--moe-shared-expert-intermediate-size must")):
         with pytest.raises(ConfigError, match=match):
             _moe_config(**kw)
