@@ -40,6 +40,32 @@ def _to_host(value):
     return value
 
 
+_WEDGED = False
+
+
+def device_wedged() -> None:
+    """Called by a worker whose device holds a collective that will never complete (a planted deadlock, as a
+    stuck NCCL communicator): its closing barrier waits on the rendezvous store instead, since under NCCL's
+    semantics (which sim follows: one communicator kernel a device at a time) a collective barrier would queue
+    behind the stuck collective. Every rank of such a case must call it (each waits for all)."""
+    global _WEDGED
+    _WEDGED = True
+
+
+def _store_barrier(world: int, timeout_s: float = 60.0) -> None:
+    """Wait on the rendezvous store (host TCP, no communicator) until every rank has arrived: a wedged rank
+    keeps its process, and so its side of the stuck communicator, until its peers have reported theirs."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.add("omnitron_closing", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("omnitron_closing", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str, backend: str,
             threads: int, env: dict[str, str]) -> None:
     import torch
@@ -57,7 +83,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
         be = get_backend(backend)
         be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180)
         value = _to_host(fn(*args))
-        be.collectives.barrier()  # checked in strict mode: a rank that skipped a collective fails here, named
+        if _WEDGED:
+            _store_barrier(world)
+        else:
+            be.collectives.barrier()  # checked in strict mode: a rank that skipped a collective fails here, named
         result = {"ok": True, "value": value, "device_peak": be.memory_stats().get("peak_allocated")}
     except BaseException as err:  # noqa: BLE001 - report everything to the parent
         result = {"ok": False, "error": f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"}
