@@ -69,6 +69,7 @@ import os
 from torch import nn
 
 from omnitron.core.config import ConfigError
+from omnitron.core.transformer.moe.layer import prepare_for_compile
 
 log = logging.getLogger("omnitron.compile")
 
@@ -104,6 +105,7 @@ def compile_layers(modules: list[nn.Module], backend, compiler: str | None = Non
         raise ConfigError("--torch-compile: this model has no TransformerLayer to compile (regional compilation "
                           "covers the GPT-style decoder layers); drop --torch-compile")
     backend.kernels.table()  # resolve every fused op now: a first lookup while dynamo traces would break the graph
+    prepare_for_compile()  # the MoE exchange's eager wrapper, made now that dynamo is wanted
     for layer in layers:
         layer.compile(backend=compiler, dynamic=False)
     log.info("--torch-compile: %d transformer layers compiled with %s (traced once on the first step)",

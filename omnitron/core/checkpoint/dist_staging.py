@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from omnitron.backends.host_memory import host_buffer
 from omnitron.core.checkpoint.dist_planner import Pieces
 
 
@@ -50,16 +51,6 @@ def _runs(views: list[torch.Tensor]) -> list[list[int]]:
     return runs
 
 
-def _host_buffer(n: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-    """``n`` elements of host memory, pinned when asked and the accelerator's runtime can pin."""
-    if pin:
-        try:
-            return torch.empty(n, dtype=dtype, pin_memory=True)
-        except RuntimeError:  # a device without a pinned-memory allocator: pageable memory, synchronous copies
-            pass
-    return torch.empty(n, dtype=dtype)
-
-
 class Staging:
     """Host buffers holding one copy of a piece table (see the module docstring)."""
 
@@ -72,7 +63,7 @@ class Staging:
         for run in _runs(views):
             first = views[run[0]]
             n = sum(views[i].numel() for i in run)
-            buf = _host_buffer(n, first.dtype, pin=pin and first.device.type != "cpu")
+            buf = host_buffer(n, first.dtype, pin=pin and first.device.type != "cpu")
             buf.zero_()  # touch every page now, not in the first save
             src = first.as_strided((n,), (1,), first.storage_offset()) if len(run) > 1 else first
             self.copies.append((buf if len(run) > 1 else buf.view(first.shape), src))

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnitron.core.checkpoint import dist
 from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, write_checkpoint
 from omnitron.core.config.parallel import ParallelConfig
 from omnitron.core.parallel.grid import coord_of, rank_grid
@@ -316,6 +315,8 @@ def expert_biases(path: str, meta: dict) -> dict[str, torch.Tensor]:
 def _read_dist(path: str, full: FullState, skeletons: dict, layout: Layout, keep, with_optimizer: bool) -> FullState:
     """:func:`read_full_state` of a ``--ckpt-format torch_dist`` checkpoint: the global tensors through
     DCP in this process (:func:`omnitron.core.checkpoint.dist.read_full`); counters from metadata.json."""
+    from omnitron.core.checkpoint import dist  # DCP and DTensor: 0.6 s, only for torch_dist checkpoints
+
     meta = full.meta
     model, optim = dist.read_full(path, meta, list(skeletons.values()), layout.tp, keep=keep,
                                   with_optimizer=with_optimizer)
@@ -423,6 +424,8 @@ def convert(path: str, save_dir: str, target: Layout, ckpt_format: str | None = 
         whole = list(skeleton_chunks(cfg, Layout()).values())  # every parameter, in its tp1 form
         new_meta["config"]["ckpt_format"] = "torch_dist"
         say(f"writing {target.world_size} ranks' pieces as torch_dist under {save_dir} ...")
+        from omnitron.core.checkpoint import dist
+
         return dist.write_full(save_dir, full, whole, new_meta, target.world_size)
     new_meta["config"]["ckpt_format"] = "torch"
     pc = target.parallel_config()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnitron.core.checkpoint.dist_staging import _host_buffer
+from omnitron.backends.host_memory import host_buffer
 
 
 @dataclass
@@ -104,7 +104,7 @@ class ActivationOffloader:
         weight = t.untyped_storage().data_ptr() in param_storages
         if not (self.weights if weight else self.activations):
             return t
-        host = _host_buffer(t.numel(), t.dtype, pin=self.streams).as_strided(t.shape, _dense_strides(t))
+        host = host_buffer(t.numel(), t.dtype, pin=self.streams).as_strided(t.shape, _dense_strides(t))
         if self.streams:
             side = self.side_stream
             side.wait_stream(self.backend.current_stream())  # t is written on the compute stream

@@ -109,6 +109,9 @@ class MoELayer(nn.Module):
     def forward(self, hidden: torch.Tensor):
         if torch.compiler.is_compiling():  # --torch-compile: no generator (dynamo would run it all eagerly)
             x, gates, mask, split = self._tokens(hidden)
+            if _experts_eager is None:
+                raise RuntimeError("MoE layer compiled outside omnitron.core.compile.compile_layers; compile it "
+                                   "through --torch-compile")
             y = _experts_eager(self, x.reshape(-1, x.shape[-1]), gates, mask).view(x.shape)
             return self._output(y, hidden, split)
         return drive(self.forward_steps(hidden))
@@ -166,10 +169,21 @@ class MoELayer(nn.Module):
                     out[f"{prefix}experts.{r * local + i}.{suffix}"] = pieces[r]
 
 
-@torch.compiler.disable
-def _experts_eager(moe: MoELayer, x: torch.Tensor, gates: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _run_experts(moe: MoELayer, x: torch.Tensor, gates: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """:meth:`MoELayer.experts_steps` run eagerly inside a compiled layer (``--torch-compile``): the exchange's
     sizes come from the routing (data-dependent row counts, sent as Python ints), so a traced exchange would
     break the graph at each host read and recompile at each new routing (61-62 graphs per rank at ep2 before,
     2026-12-03); disabled, the layer is two graphs, before and after it, whatever the routing."""
     return drive(moe.experts_steps(x, gates, mask))
+
+
+_experts_eager = None
+""":func:`_run_experts` wrapped in ``torch.compiler.disable`` by :func:`prepare_for_compile` (wrapping at import
+would import dynamo, 0.5 s, into every process that builds a model)."""
+
+
+def prepare_for_compile() -> None:
+    """Called by :func:`omnitron.core.compile.compile_layers` before anything is traced."""
+    global _experts_eager
+    if _experts_eager is None:
+        _experts_eager = torch.compiler.disable(_run_experts)
