@@ -1,6 +1,6 @@
 """FP8 with ``--use-torch-fsdp2`` (:mod:`omnitron.core.precision.fp8.fsdp`): ``omnitron train`` at dp2 (and dp4,
 slow; sim, slow) against the same FP8 command on one process, the bytes FSDP2's all-gathers carry (counted at
-``torch.distributed.all_gather_single``, what FSDP2 calls) and the amax all-reduces of each step (counted at the
+``torch.distributed.all_gather_single`` on torch 2.13, ``all_gather_into_tensor`` before: what FSDP2 calls) and the amax all-reduces of each step (counted at the
 backend's collectives) at 2 and 4 layers.
 
 The model and run are tests/parallel/test_fsdp2.py's (2 layers, hidden 32, 3 SGD steps, fp32 outside the GEMMs),
@@ -32,6 +32,8 @@ ENV = {"OMNITRON_FP8_PATH": "emulated"}
 # linearly over 3 steps: 24 x 3 x 2d = 1.0e-4; with the fp32 part, FP8_REL = 1.1e-4. A weight all-gathered
 # with a wrong scale or stale codes moves the loss by ~e4m3's step, 2^-3 relative on the GEMMs: percents.
 FP8_REL = 1.1e-4
+GATHER_NAME = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
+"""What FSDP2 calls for its all-gathers: torch 2.13 renamed ``all_gather_into_tensor``."""
 
 
 def _train_recorded(root: str, world: int, layers: int, extra: tuple = ()) -> dict:
@@ -46,7 +48,8 @@ def _train_recorded(root: str, world: int, layers: int, extra: tuple = ()) -> di
     torch.set_num_threads(1)
     be = get_backend()
     steps, current = [], None
-    reduce, gather, train_step = be.collectives.all_reduce, dist.all_gather_single, loop.train_step
+    name = GATHER_NAME
+    reduce, gather, train_step = be.collectives.all_reduce, getattr(dist, name), loop.train_step
 
     def counted_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if current is not None:
@@ -67,12 +70,14 @@ def _train_recorded(root: str, world: int, layers: int, extra: tuple = ()) -> di
             steps.append(current)
             current = None
 
-    be.collectives.all_reduce, dist.all_gather_single, loop.train_step = counted_reduce, counted_gather, step
+    be.collectives.all_reduce, loop.train_step = counted_reduce, step
+    setattr(dist, name, counted_gather)
     try:
         res = loop.train(parse_settings(_argv(root, "--use-torch-fsdp2", *FP8, "--num-layers", str(layers), *extra), world),
                          be)
     finally:
-        be.collectives.all_reduce, dist.all_gather_single, loop.train_step = reduce, gather, train_step
+        be.collectives.all_reduce, loop.train_step = reduce, train_step
+        setattr(dist, name, gather)
     c = res["components"]
     return {"losses": [res["losses"][i] for i in sorted(res["losses"])],
             "val": [v["val_loss"] for v in res["validation"]], "steps": steps, **_unit_bytes(c, c.groups.dp_cp.size)}
@@ -128,7 +133,9 @@ def _check_gathers(r: dict) -> None:
     for step in r["steps"]:
         layers = [b for b in step["gathers"] if b == r["unit_fp8"]]
         assert layers and r["unit_fp32"] not in step["gathers"], step["gathers"]
-        assert len(set(step["gathers"]) - {r["unit_fp8"]}) <= 1, step["gathers"]  # the root unit
+        # the root unit; torch 2.9's FSDP2 also all-gathers a few hundred bytes that are no unit's weights (every
+        # unit's parameters go in one flat buffer, so no weight of this model is gathered alone at that size)
+        assert len({b for b in step["gathers"] if b > 1024} - {r["unit_fp8"]}) <= 1, step["gathers"]
 
 
 @pytest.fixture(scope="module")
