@@ -269,15 +269,19 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta, path)), dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
-    if meta["model"].get("moe_router_enable_expert_bias"):  # buffers, kept with each rank's state
-        full.model.update({n: b for n, b in expert_biases(path, meta).items() if keep(n)})
+    biased = bool(meta["model"].get("moe_router_enable_expert_bias"))  # buffers, kept with each rank's state
     if dist:
+        if biased:  # torch_dist keeps them in the small per-rank files
+            full.model.update({n: b for n, b in expert_biases(path, meta).items() if keep(n)})
         return _read_dist(path, full, skeletons, layout, keep, with_optimizer)
     for pp_rank, (ranks, others) in sorted(_stage_ranks(layout).items()):
         stage = {c: m for (r, c), m in skeletons.items() if r == pp_rank}
         if pp_rank and owners is not None and not owners & needed_owners(stage.values()):
             continue
         shards = _read_stage(path, ranks, layout)
+        if biased:  # the stage's model state holds them (the same on every rank of the stage): no second read
+            full.model.update({n: t for chunk in shards[0].get("model", ()) for n, t in chunk.items()
+                               if n.endswith(".mlp.router.expert_bias") and keep(n)})
         if pp_rank == 0:
             full.optimizer_meta = {k: v for k, v in shards[0]["optimizer"].items() if k != "tensors"}
             full.scheduler = shards[0]["scheduler"]
