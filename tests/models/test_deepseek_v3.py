@@ -145,3 +145,64 @@ def test_resume_restores_the_expert_bias(tmp_path, fmt):
     run("first", "--train-iters", "2", "--save", ckpt, "--save-interval", "2")
     resumed = run("resumed", "--load", ckpt)
     assert resumed[3] == whole[3], (resumed, whole)
+
+
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+EXPERT_LAYOUTS = {"ep2_dp4": ("--expert-model-parallel-size", "2"),
+                  "tp2_sp_ep2_etp2": ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2")}
+
+
+def _fp8_args(tmp: str, recipe: str | None, *layout: str) -> list[str]:
+    fp8 = () if recipe is None else ("--fp8-format", "hybrid", "--fp8-recipe", recipe)
+    return _tiny_args(tmp, "--global-batch-size", "8", *fp8, *layout)
+
+
+def _train_fp8_layouts(tmp: str) -> dict:
+    """Every rank of 4: the tiny preset (MLA, sigmoid routing with expert bias, grouped top-k, shared expert,
+    dense first layer) under each expert layout, wide and with each FP8 recipe (one spawn for all)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    return {(name, r): train(parse_settings(_fp8_args(f"{tmp}/{name}-{r}", r, *lay), dist.get_world_size()),
+                             get_backend())["losses"]
+            for name, lay in EXPERT_LAYOUTS.items() for r in (None, *FP8_RECIPES)}
+
+
+@pytest.mark.slow  # eight four-process trainings of the tiny preset: about a minute on the 2-core machine
+@pytest.mark.multiprocess
+def test_deepseek_routing_under_ep_etp_with_fp8_within_the_fp8_bound(tmp_path):
+    """DeepSeek routing (the expert bias moving every step) under ep2 x dp4 and tp2 + sp x ep2 x etp2, with
+    each FP8 recipe, trains as one process within the FP8 bound.
+
+    Wide runs (no FP8) must equal one process to float32 reduction order (1e-5 relative, as the layouts test
+    above). FP8 runs cannot be equal: a per-tensor / per-block scale is a statistic of the rows a GEMM sees,
+    and an expert or a tp shard sees other rows than the one-process run. Both runs round the same operands
+    to e4m3/e5m2 after scaling, so the parallel run's deviation from the wide one-process run is another
+    realisation of a sum of rounding errors of the same number and sizes as the one-process FP8 run's:
+    bound = 3 x the one-process FP8 gap (1 for its own size, x2 for an independent realisation whose signs
+    need not agree, rounded up for the three steps sampled; tests/parallel/test_expert_fp8.py derives the
+    same bound). A routing count or bias update that differed between layouts moves the loss by far more."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+    from omnitron.testing.distributed import run_distributed
+
+    def one(recipe):
+        return train(parse_settings(_fp8_args(str(tmp_path / f"one-{recipe}"), recipe), 1), get_backend("cpu"))["losses"]
+
+    wide = one(None)
+    gaps = {}
+    for r in FP8_RECIPES:
+        ref = one(r)
+        gaps[r] = max(abs(ref[i] - wide[i]) / abs(wide[i]) for i in wide)
+        assert 0 < gaps[r] < 0.05, (r, gaps[r])  # FP8 ran, and trains the same model
+    for rank_losses in run_distributed(_train_fp8_layouts, 4, str(tmp_path)):
+        for (name, recipe), losses in rank_losses.items():
+            assert losses.keys() == wide.keys(), (name, recipe)
+            worst = max(abs(losses[i] - wide[i]) / abs(wide[i]) for i in wide)
+            bound = 1e-5 if recipe is None else 3 * gaps[recipe]
+            assert worst <= bound, f"{name} {recipe}: {worst:.2e} from one process (bound {bound:.2e})"
