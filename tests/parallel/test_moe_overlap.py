@@ -84,6 +84,7 @@ def test_combined_keeps_losses_and_gradients_at_ep2_on_sim(tmp_path):
     _check_equal("sim", tmp_path, 2, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_combined_keeps_losses_and_gradients_at_ep2_pp2_1f1b_on_cpu(tmp_path):
     _check_equal("cpu", tmp_path, 4, 4, ("--pipeline-model-parallel-size", "2"))

@@ -195,17 +195,18 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
             if combined_fn is not None and schedule.combined and schedule.paired(rank, step):
                 skip = step + 1
                 runner.combined(a, table[skip], skip, combined_fn)
-                p2p.exchange(skip)  # nothing the pair needs: its backward's input came early (p2p.py)
             elif a.kind == "F":
                 runner.forward(a, k)
             elif a.kind == "B":
                 runner.backward(a, k, step)
             else:
                 runner.weight(a, step)
-            if timeline is not None:  # compute span: exchange waits excluded
-                timeline.append((t0, time.perf_counter(), str(a)))
+            if timeline is not None:  # compute span: exchange waits excluded; a combined pair's is "0F2&0B1"
+                timeline.append((t0, time.perf_counter(), str(a) if step + 1 != skip else f"{a}&{table[skip]}"))
             if trace is not None:
                 trace.append(("end", "compute", str(a)))
+            if step + 1 == skip:  # after a combined pair: its batch holds nothing the pair needed (p2p.py)
+                p2p.exchange(skip)
         except Exception as err:
             raise PipelineError(f"pipeline rank {rank} failed at step {step} ({a}): {type(err).__name__}: {err}\n"
                                 f"{schedule.format()}") from err

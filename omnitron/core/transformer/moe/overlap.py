@@ -15,13 +15,16 @@ alone: losses and gradients are bit for bit those of the schedule without the ov
 :func:`run_combined`, :func:`handoff` does nothing (the all-to-all is waited at once).
 
 The backward runs in the helper thread (or on the autograd engine's device thread, which ``handoff`` handles
-alike): thread-local state the forward sets (grad mode, autocast) stays with the forward.
+alike): thread-local state the forward sets (grad mode, autocast) stays with the forward; the helper thread
+takes the caller's accelerator device (thread-local in CUDA-like runtimes: waits would order device 0's stream).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 from typing import Callable, Generator, TypeVar
+
+import torch
 
 T = TypeVar("T")
 Steps = Generator[None, None, T]
@@ -31,11 +34,20 @@ class _Aborted(RuntimeError):
     """Raised inside a paused backward when its forward failed (so the helper thread ends)."""
 
 
+def _caller_device() -> Callable[[], None]:
+    """What makes a new thread's current accelerator device the calling thread's (nothing without one)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not acc.is_available():
+        return lambda: None
+    index = acc.current_device_index()
+    return lambda: acc.set_device_index(index)
+
+
 class _Backward:
     """The backward half of a combined pair: ``fn`` in a helper thread, run in turns with the forward."""
 
     def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
+        self.fn, self.set_device = fn, _caller_device()
         self.go, self.back = threading.Semaphore(0), threading.Semaphore(0)
         self.running = self.done = self.aborted = False  # running: the backward holds the baton
         self.error: BaseException | None = None
@@ -46,6 +58,7 @@ class _Backward:
         self.go.acquire()
         try:
             if not self.aborted:
+                self.set_device()
                 self.fn()
         except BaseException as err:  # handed to the forward's thread by resume()
             self.error = err
