@@ -163,12 +163,33 @@ def test_combined_tables(name, pp, vp, m):
     assert max(t.peak_inflight.values()) <= 2 * max(t0.peak_inflight.values())
 
 
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_dualpipe_v_pairs_combined(pp, m):
+    """DualPipeV's own pairs, combined: deadlock-free on the ideal clock and under NCCL's in-order rule, at most
+    pp - 1 units longer than the plain table (its forward's output now leaves at the pair's end)."""
+    plain = build_schedule("dualpipe-v", pp, 2, m)
+    combined = combine_1f1b(plain)
+    assert combined.combined and combined.pairs == plain.pairs and combined.tables == plain.tables
+    assert simulate(combined).makespan <= simulate(plain).makespan + pp - 1
+    assert nccl_order_makespan(combined) <= nccl_order_makespan(plain) + pp - 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_combined_keeps_losses_and_gradients_at_ep2_pp2_dualpipe_v_on_cpu(tmp_path):
+    _check_equal("cpu", tmp_path, 4, 4, ("--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                           "--num-layers-per-virtual-pipeline-stage", "1",
+                                           "--pipeline-schedule", "dualpipe-v"))
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--expert-model-parallel-size", "1"), "needs --num-experts and --expert-model-parallel-size >= 2"),
     (("--recompute-granularity", "full", "--recompute-method", "uniform"), "drop one"),
     (("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"),
      "--overlap-moe-expert-parallel-comm pairs the forwards and backwards of --pipeline-schedule none, 1f1b, "
-     "interleaved, not zb-h1"),
+     "interleaved, dualpipe-v, not zb-h1"),
+    (("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v", "--num-layers", "4",
+      "--num-layers-per-virtual-pipeline-stage", "1"), "not zb-v; use one of those or drop the flag"),
 ])
 def test_refused_layouts(tmp_path, extra, message):
     from omnitron.core.training.arguments import parse_settings

@@ -25,8 +25,8 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None
     """--expert-tensor-parallel-size: tensor parallelism inside each expert (default: tp)."""
     overlap_moe_expert_parallel_comm: bool = False
-    """--overlap-moe-expert-parallel-comm: Megatron's combined 1F1B: in the steady state of the none, 1f1b or
-    interleaved schedule one micro-batch's forward and another's backward run in turns, so each one's MoE
+    """--overlap-moe-expert-parallel-comm: Megatron's combined 1F1B: in the steady state of the none, 1f1b,
+    interleaved or dualpipe-v schedule one micro-batch's forward and another's backward run in turns, so each one's MoE
     dispatch / combine all-to-all (forward or backward) is in flight while the other computes (one more warm-up
     forward per rank, pp - r more in 1F1B; see pipeline/combined.py)."""
     cp_comm_type: str = "p2p"

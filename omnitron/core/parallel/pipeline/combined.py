@@ -18,6 +18,11 @@ the ranks' pairs run one after another, 27 -> 45 units at pp 2, m 8 on the ideal
 the gradient comes from a pair two rounds back and the step keeps 1F1B's 27 units (33 at pp 4, m 8), for up
 to twice 1F1B's activations on rank 0 (interleaved already warms up twice as deep: one more suffices there).
 Backwards keep their order, so gradients accumulate in the same order as without the pairs.
+
+``dualpipe-v`` has such pairs by design (``Schedule.pairs``, forward of one chunk with the other chunk's
+backward): they are combined as they are. Its forward's activation then leaves at the pair's end instead of
+before the backward computes, 1-3 units longer on the ideal clock (pp 2, m 8: 49 -> 50; pp 4, m 16: 99 -> 102),
+which the hidden all-to-alls are to pay for. ZB-H1 and ZB-V have no forward/backward pairs: refused.
 """
 from __future__ import annotations
 
@@ -26,8 +31,8 @@ import dataclasses
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.pipeline.actions import Action, Schedule
 
-SUPPORTED = ("none", "1f1b", "interleaved")
-"""The schedules the pairs are built from (the one-forward-one-backward tables)."""
+SUPPORTED = ("none", "1f1b", "interleaved", "dualpipe-v")
+"""The schedules whose pairs are built (the one-forward-one-backward tables) or given (DualPipeV)."""
 
 
 def check_schedule(name: str | None) -> None:
@@ -52,8 +57,11 @@ def _deeper_warmup(table: tuple[Action, ...], extra: int) -> tuple[list[Action],
 
 
 def combine_1f1b(schedule: Schedule) -> Schedule:
-    """``schedule`` (``none``, ``1f1b`` or ``interleaved``) with its steady-state forward/backward pairs combined."""
+    """``schedule`` (``none``, ``1f1b``, ``interleaved`` or ``dualpipe-v``) with its steady-state forward/backward
+    pairs combined."""
     check_schedule(schedule.name)
+    if schedule.pairs:  # DualPipeV: its own pairs
+        return dataclasses.replace(schedule, name=f"{schedule.name}+combined", combined=True)
     tables, pairs = {}, {}
     for r, table in schedule.tables.items():
         new, firsts = _deeper_warmup(table, schedule.pp - r if schedule.name == "1f1b" else 1)
