@@ -196,3 +196,33 @@ def test_refused_layouts(tmp_path, extra, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_settings(_args(str(tmp_path), 2, (*OVERLAP, *extra)), 4)
+
+
+def test_run_combined_turns_and_errors():
+    """The hand-over protocol alone: the backward starts, the two alternate at each hand-over, the forward's
+    result comes back; a backward's error reaches the caller; a forward's error ends the paused backward."""
+    import threading
+
+    from omnitron.core.transformer.moe import overlap
+
+    order = []
+
+    def side(name: str, turns: int, fail_at: int | None = None):
+        def run():
+            for i in range(turns):
+                if i == fail_at:
+                    raise ValueError(f"{name} failed")
+                order.append(f"{name}{i}")
+                overlap.handoff()
+            return name
+        return run
+
+    assert overlap.run_combined(side("F", 3), side("B", 2)) == "F"
+    assert order == ["B0", "F0", "B1", "F1", "F2"]
+    with pytest.raises(ValueError, match="B failed"):
+        overlap.run_combined(side("F", 3), side("B", 3, fail_at=1))
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="F failed"):
+        overlap.run_combined(side("F", 3, fail_at=1), side("B", 3))
+    assert threading.active_count() <= before and overlap._active is None
+    overlap.handoff()  # outside a pair: nothing

@@ -93,6 +93,7 @@ class _Backward:
         while not self.done:
             self.go.release()
             self.back.acquire()
+        self.thread.join()
 
 
 _active: _Backward | None = None
