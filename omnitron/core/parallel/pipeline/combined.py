@@ -60,7 +60,7 @@ def combine_1f1b(schedule: Schedule) -> Schedule:
     """``schedule`` (``none``, ``1f1b``, ``interleaved`` or ``dualpipe-v``) with its steady-state forward/backward
     pairs combined."""
     check_schedule(schedule.name)
-    if schedule.pairs:  # DualPipeV: its own pairs
+    if schedule.name == "dualpipe-v":  # its own pairs (W passes and all: never rebuilt)
         return dataclasses.replace(schedule, name=f"{schedule.name}+combined", combined=True)
     tables, pairs = {}, {}
     for r, table in schedule.tables.items():
