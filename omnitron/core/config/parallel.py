@@ -25,9 +25,10 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None
     """--expert-tensor-parallel-size: tensor parallelism inside each expert (default: tp)."""
     overlap_moe_expert_parallel_comm: bool = False
-    """--overlap-moe-expert-parallel-comm: run micro-batches' forwards in pairs, layer by layer, so one's MoE
-    dispatch / combine all-to-all is in flight while the other computes (without pipelining; backward is
-    not overlapped; dropout masks are drawn in the interleaved order)."""
+    """--overlap-moe-expert-parallel-comm: Megatron's combined 1F1B: in the steady state of the none, 1f1b,
+    interleaved or dualpipe-v schedule one micro-batch's forward and another's backward run in turns, so each one's MoE
+    dispatch / combine all-to-all (forward or backward) is in flight while the other computes (one more warm-up
+    forward per rank, pp - r more in 1F1B; see pipeline/combined.py)."""
     cp_comm_type: str = "p2p"
     """--cp-comm-type {p2p,a2a,allgather,a2a+p2p}: how context parallelism shares the sequence in attention: p2p,
     the ring of K/V blocks; a2a, all-to-all of heads and sequence (DeepSpeed-Ulysses; the local heads must divide

@@ -404,6 +404,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         raise ConfigError("--calculate-per-token-loss with MoE: the load-balancing loss is weighted per micro-batch, "
                           "not per token, yet; drop --calculate-per-token-loss (or train a dense model)")
     _check_mtp(merged, family.name, training)
+    if parallel.overlap_moe_expert_parallel_comm:
+        from omnitron.core.parallel.pipeline.combined import check_schedule
+
+        check_schedule(training.pipeline_schedule)
     if training.rampup_batch_size or training.step_batch_size_schedule:
         _check_ramp_schedules(training, parallel, data_parallel_size(parallel, world), model.seq_length)
     data = _data_settings(merged, model, parallel, training)

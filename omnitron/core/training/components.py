@@ -27,7 +27,7 @@ from omnitron.core.optim.onebit import OneBitAdam, resolve_freeze_step
 from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
-from omnitron.core.parallel.pipeline.paired import pair_forwards
+from omnitron.core.parallel.pipeline.combined import combine_1f1b
 from omnitron.core.parallel.pipeline.schedules import build_schedule, schedule_style
 from omnitron.core.parallel.tensor.random import default_seed
 from omnitron.core.parallel.tensor.sharding import to_device
@@ -70,8 +70,8 @@ class Components:
             s, pc = self.settings, self.groups.config
             schedule = build_schedule(s.training.pipeline_schedule, self.groups.pp.size,
                                       pc.virtual_pipeline_model_parallel_size, num_microbatches)
-            if pc.overlap_moe_expert_parallel_comm:  # forwards in pairs (pipeline/paired.py)
-                schedule = pair_forwards(schedule)
+            if pc.overlap_moe_expert_parallel_comm:  # forward/backward pairs (pipeline/combined.py)
+                schedule = combine_1f1b(schedule)
             self.schedules[num_microbatches] = schedule
         return self.schedules[num_microbatches]
 

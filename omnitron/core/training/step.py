@@ -68,15 +68,15 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
         return (total * loss_scale if loss_scale else total), count
 
     t = c.settings.training
-    pair = None
-    if c.groups.config.overlap_moe_expert_parallel_comm:
-        from omnitron.core.models.gpt.family import forward_pair as pair
+    combined = None
+    if c.groups.config.overlap_moe_expert_parallel_comm:  # combined 1F1B pairs (pipeline/combined.py)
+        from omnitron.core.transformer.moe.overlap import run_combined as combined
     out = forward_backward(schedule, c.chunks, data_iterator, c.groups, num_microbatches=schedule.num_microbatches,
                            seq_length=c.model.seq_length, micro_batch_size=t.micro_batch_size,
                            hidden_size=c.model.hidden_size, forward_step_fn=forward_step, dtype=c.model.params_dtype,
                            loss_fn=loss_fn, forward_only=forward_only, collectives=c.backend.collectives,
                            device=c.backend.current_device(), timeline=timeline,
-                           per_token_loss=t.calculate_per_token_loss, forward_pair_fn=pair)
+                           per_token_loss=t.calculate_per_token_loss, combined_fn=combined)
     loss = out["loss"] / loss_scale if loss_scale else out["loss"]  # NOTE: loss scales are powers of two
     return loss, out["tokens"]
 

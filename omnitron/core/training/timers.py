@@ -207,7 +207,8 @@ def record_compute_split(timers: Timers, timeline: list, forward_backward_s: flo
 
 def compute_sections(timeline: list) -> dict[str, float]:
     """Seconds of forward and of backward (with weight-gradient) compute in one step's runtime spans
-    ``(start, end, action)``."""
+    ``(start, end, action)``. A combined pair's span (``0F2&0B1``, --overlap-moe-expert-parallel-comm: the two
+    passes run in turns) counts as forward: its parts are not timed apart."""
     fwd = sum(e - s for s, e, a in timeline if "F" in a)
     return {"forward": fwd, "backward": sum(e - s for s, e, a in timeline if "F" not in a)}
 

@@ -66,15 +66,3 @@ class TransformerLayer(nn.Module):
         x = self._bias_dropout_add(attn, x)
         x = self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
         return x
-
-    def forward_steps(self, x: torch.Tensor, freqs: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None):
-        """:meth:`forward` as steps (:mod:`omnitron.core.transformer.moe.overlap`): an MoE layer yields with its
-        dispatch and its combine in flight; a dense layer runs through. Kept beside ``forward`` (not under it):
-        ``--torch-compile`` compiles ``forward``, which stays free of generators."""
-        attn = self.self_attention(self.input_layernorm(x), freqs, document_ids=document_ids)
-        x = self._bias_dropout_add(attn, x)
-        steps = getattr(self.mlp, "forward_steps", None)
-        h = self.pre_mlp_layernorm(x)
-        out = (yield from steps(h)) if steps is not None else self.mlp(h)
-        return self._bias_dropout_add(out, x)

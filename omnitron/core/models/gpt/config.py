@@ -330,15 +330,13 @@ def _validate_fine_grained(c: GPTConfig) -> None:
 
 
 def _validate_moe_overlap(c: GPTConfig, parallel: ParallelConfig) -> None:
-    """Where --overlap-moe-expert-parallel-comm runs (Megatron's limits, and pipelining not yet)."""
+    """Where --overlap-moe-expert-parallel-comm runs (Megatron's limits; the schedules: pipeline/combined.py)."""
     if not getattr(parallel, "overlap_moe_expert_parallel_comm", False):
         return
     flag = "--overlap-moe-expert-parallel-comm"
     if not c.num_experts or parallel.expert_model_parallel_size < 2:
         raise ConfigError(f"{flag} overlaps expert-parallel all-to-alls: it needs --num-experts and "
                           f"--expert-model-parallel-size >= 2")
-    if parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"{flag} pairs micro-batches without pipelining only; use --pipeline-model-parallel-size 1")
     if c.recompute_granularity is not None or offload_layers(c):
         raise ConfigError(f"{flag} with --recompute-granularity or --cpu-offloading is not supported (Megatron "
                           f"refuses recomputation with it too); drop one")

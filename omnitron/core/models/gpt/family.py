@@ -27,14 +27,6 @@ def forward_step(chunk, m, batch: dict | None, hidden):
     return chunk(hidden=hidden, labels=labels, document_ids=docs, **mtp)
 
 
-def forward_pair(chunk, batches: list[dict]):
-    """Two micro-batches through one whole-model chunk as one interleaved forward (``GPTModel.forward_pair``,
-    --overlap-moe-expert-parallel-comm); their per-token losses."""
-    m = getattr(chunk, "module", chunk)
-    return m.forward_pair(*[dict(tokens=b["tokens"], position_ids=b["position_ids"], labels=b["labels"],
-                                 document_ids=b.get("document_ids")) for b in batches])
-
-
 def build_datasets(settings, tokenizer, **sizes):
     from omnitron.core.data import build_gpt_datasets
 

@@ -238,24 +238,6 @@ class GPTModel(nn.Module):
         x = self._run_layers(x, freqs, document_ids)
         return self._outputs(x, labels, tokens, loss_mask, freqs)
 
-    def forward_pair(self, first: dict, second: dict) -> list[torch.Tensor]:
-        """Two micro-batches' forwards (each given as :meth:`forward`'s keyword arguments), layer by layer with
-        the layers' steps interleaved: one micro-batch's MoE dispatch or combine all-to-all is in flight while
-        the other computes (``--overlap-moe-expert-parallel-comm``). Per micro-batch the same operations on
-        the same data as :meth:`forward`; returns both outputs."""
-        from omnitron.core.transformer.moe.overlap import interleave
-
-        runs = []
-        for kw in (first, second):
-            x, freqs = self._inputs(kw.get("tokens"), kw.get("position_ids"), kw.get("hidden"))
-            runs.append([x, freqs, kw.get("document_ids")])
-        for layer in self.decoder.layers.values():
-            outs = interleave([layer.forward_steps(x, freqs, docs) for x, freqs, docs in runs])
-            for run, out in zip(runs, outs):
-                run[0] = out
-        return [self._outputs(run[0], kw.get("labels"), kw.get("tokens"), kw.get("loss_mask"), run[1])
-                for run, kw in zip(runs, (first, second))]
-
     def _inputs(self, tokens, position_ids, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first layer's input ``[s, b, h]`` (embedded tokens, or the previous stage's hidden states) and the
         rotary frequencies."""

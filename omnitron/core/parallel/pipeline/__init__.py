@@ -54,7 +54,7 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
                      forward_step_fn: Callable, dtype: torch.dtype = torch.float32, loss_fn: Callable | None = None,
                      forward_only: bool = False, collectives=None, device: torch.device | None = None,
                      timeline: list | None = None, per_token_loss: bool = False,
-                     forward_pair_fn: Callable | None = None, trace: list | None = None) -> dict:
+                     combined_fn: Callable | None = None, trace: list | None = None) -> dict:
     """Run one step's forward and backward passes over ``num_microbatches`` micro-batches.
 
     Returns ``{"loss": float, "tokens": float, "schedule": Schedule}``, identical on every rank.
@@ -63,8 +63,8 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
     parallel ranks); the caller divides the gradients by the count (see ``training/step.py``).
     ``schedule_name`` may be a built :class:`Schedule` (the training step's, or its forwards alone).
     The loss and token sums are reduced in float64 (the logged loss does not depend on the rank count's
-    rounding). ``forward_pair_fn(chunk, [batch, batch])``: runs two adjacent forwards of the table as one
-    (``--overlap-moe-expert-parallel-comm``; see ``pipeline/paired.py``). ``trace``: the order of this rank's
+    rounding). ``combined_fn(forward, backward)``: runs the two passes of a combined pair in turns
+    (``--overlap-moe-expert-parallel-comm``; see ``pipeline/combined.py``). ``trace``: the order of this rank's
     posts, waits and computes (``run_schedule``).
     """
     from omnitron.core.parallel.groups import resolve_backend
@@ -87,7 +87,7 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
                                         forward_step_fn=forward_step_fn, loss_fn=loss_fn or default_loss_fn,
                                         pp_group=groups.pp, collectives=coll, tensor_shape=shape, dtype=dtype,
                                         device=device, forward_only=forward_only, timeline=timeline,
-                                        per_token_loss=per_token_loss, forward_pair_fn=forward_pair_fn,
+                                        per_token_loss=per_token_loss, combined_fn=combined_fn,
                                         trace=trace)
     stats = torch.stack([loss_sum.reshape(()), tokens.reshape(())]).to(torch.float64)
     if groups.pp.size > 1:  # only the last stage holds non-zeros: the sum is a broadcast

@@ -62,6 +62,9 @@ class Schedule:
     """Per rank, the table indices ``i`` whose forward runs overlapped with the backward at ``i + 1``
     (DualPipe's pair): the receives of both are posted before the forward computes, the forward's send is in
     flight while the backward computes (``runtime.py``); the simulation starts the pair once both inputs are in."""
+    combined: bool = False
+    """The pairs run as one action (``combined.py``, the MoE all-to-all overlap): the forward's output leaves with
+    the backward's, at the pair's end."""
 
     def __post_init__(self) -> None:
         for r, firsts in self.pairs.items():
@@ -78,7 +81,7 @@ class Schedule:
     def forwards_only(self) -> "Schedule":
         """The same order without backward work (validation, ``forward_only``): no gradient messages, no pairs."""
         return replace(self, tables={r: tuple(a for a in t if a.kind == "F") for r, t in self.tables.items()},
-                       pairs={})
+                       pairs={}, combined=False)
 
     @property
     def num_stages(self) -> int:

@@ -102,6 +102,8 @@ def plan_exchanges(schedule: Schedule) -> dict[int, list[list[Transfer]]]:
             msg = _message(schedule, r, action)
             if msg is not None and schedule.place(msg[1])[0] != r:  # V turn: same rank, no transfer
                 dst = schedule.place(msg[1])[0]
+                if schedule.combined and schedule.paired(r, i):  # a combined pair's forward sends at its end
+                    end = rank_spans[i + 1][1]
                 key = (end, 0, r, i)  # NOTE: ties between transfers are broken the same way on every rank
                 events[r].append(((key, ()), ("send", dst, msg)))
                 channels.setdefault((r, dst), []).append((key, _receive_key(key, spans[dst], early.get(msg)), msg))

@@ -112,11 +112,11 @@ class _StageRunner:
         batch = self.batches.get(a.microbatch)
         self._finish_forward(a, k, batch, hidden, self.forward_step_fn(self.chunks[a.chunk], batch, hidden))
 
-    def forward_pair(self, a: Action, b: Action, k: int, pair_fn: Callable) -> None:
-        """``a`` and ``b`` (adjacent forwards of one chunk, one stage) as one interleaved forward."""
-        batches = [self.batches.get(x.microbatch) for x in (a, b)]
-        for x, batch, out in zip((a, b), batches, pair_fn(self.chunks[a.chunk], batches)):
-            self._finish_forward(x, k, batch, None, out)
+    def combined(self, f: Action, b: Action, step: int, combined_fn: Callable) -> None:
+        """A combined pair (``combined.py``): forward ``f`` and backward ``b`` (table index ``step``) handed to
+        ``combined_fn(forward, backward)``, which runs them in turns (``--overlap-moe-expert-parallel-comm``)."""
+        kf, kb = self.s.stage(self.rank, f.chunk), self.s.stage(self.rank, b.chunk)
+        combined_fn(lambda: self.forward(f, kf), lambda: self.backward(b, kb, step))
 
     def _finish_forward(self, a: Action, k: int, batch, hidden, out) -> None:
         if k == self.last_stage:
@@ -165,14 +165,15 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
                  forward_step_fn: Callable, loss_fn: Callable, pp_group, collectives,
                  tensor_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  forward_only: bool = False, timeline: list | None = None,
-                 per_token_loss: bool = False, forward_pair_fn: Callable | None = None,
+                 per_token_loss: bool = False, combined_fn: Callable | None = None,
                  trace: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``schedule.tables[rank]``; returns this rank's (sum of micro-batch mean losses, tokens); with
     ``per_token_loss``, (sum of micro-batch loss sums, tokens).
 
     Both are zero except on the rank holding the last stage. ``timeline``, when given, receives
     ``(start, end, str(action))`` compute spans (``time.perf_counter`` seconds; receive waits
-    excluded) for bubble studies. ``forward_pair_fn``: two adjacent forwards run as one (one stage only).
+    excluded) for bubble studies. ``combined_fn(forward, backward)``: runs a combined pair's two passes in turns
+    (``Schedule.combined``; without it the pair runs one pass after the other).
     ``trace``, when given, receives the order of events: ``("post" | "wait", "send" | "recv", message)`` from
     the exchanges and ``("start" | "end", "compute", action)`` around each action (the overlap test reads it).
     """
@@ -181,32 +182,31 @@ def run_schedule(schedule: Schedule, rank: int, chunks: list, data_iterator: Ite
     p2p = StageP2P(schedule, rank, pp_group, collectives, tensor_shape, dtype, device, trace)
     runner = _StageRunner(schedule, rank, chunks, _Batches(data_iterator, uses=schedule.vp), p2p,
                           forward_step_fn, loss_fn, device, forward_only, per_token_loss)
-    table, paired = schedule.tables[rank], -1
+    table, skip = schedule.tables[rank], -1
     for step, a in enumerate(table):
-        if step == paired:
-            continue  # ran with the forward before it
+        if step == skip:
+            continue  # ran with the forward before it (a combined pair)
         try:
             k = schedule.stage(rank, a.chunk)
             p2p.exchange(step)  # this step's batch of sends and receives, one group (see p2p.py)
             t0 = time.perf_counter()
             if trace is not None:
                 trace.append(("start", "compute", str(a)))
-            nxt = table[step + 1] if step + 1 < len(table) else None
-            if forward_pair_fn is not None and a.kind == "F" and nxt is not None and nxt.kind == "F" \
-                    and schedule.num_stages == 1:
-                paired = step + 1
-                p2p.exchange(paired)
-                runner.forward_pair(a, nxt, k, forward_pair_fn)
+            if combined_fn is not None and schedule.combined and schedule.paired(rank, step):
+                skip = step + 1
+                runner.combined(a, table[skip], skip, combined_fn)
             elif a.kind == "F":
                 runner.forward(a, k)
             elif a.kind == "B":
                 runner.backward(a, k, step)
             else:
                 runner.weight(a, step)
-            if timeline is not None:  # compute span: exchange waits excluded
-                timeline.append((t0, time.perf_counter(), str(a)))
+            if timeline is not None:  # compute span: exchange waits excluded; a combined pair's is "0F2&0B1"
+                timeline.append((t0, time.perf_counter(), str(a) if step + 1 != skip else f"{a}&{table[skip]}"))
             if trace is not None:
                 trace.append(("end", "compute", str(a)))
+            if step + 1 == skip:  # after a combined pair: its batch holds nothing the pair needed (p2p.py)
+                p2p.exchange(skip)
         except Exception as err:
             raise PipelineError(f"pipeline rank {rank} failed at step {step} ({a}): {type(err).__name__}: {err}\n"
                                 f"{schedule.format()}") from err

@@ -2,7 +2,8 @@
 
 Models the runtime exactly: each rank runs its table in order, sends are asynchronous and an
 action waits only for the message it consumes (activation from the previous stage for ``F``,
-gradient from the next stage for ``B``). Used by the unit tests (every micro-batch once per
+gradient from the next stage for ``B``); a combined pair (``combined.py``) waits for both and both its
+outputs leave at its end. Used by the unit tests (every micro-batch once per
 stage, dependencies, deadlock, peak activations) and by the bubble benchmark's theory column.
 """
 from __future__ import annotations
@@ -86,34 +87,43 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
     pos, clock = [0] * pp, [0.0] * pp
     tl = Timeline(spans={r: [] for r in range(pp)})
     held, peak, before_b, peak_b = [0] * pp, [0] * pp, [0] * pp, [0] * pp
+
+    def duration(r: int, a: Action) -> float:
+        unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
+        if stage_cost is not None:
+            return stage_cost(schedule.stage(r, a.chunk), "BW" if unsplit else a.kind)
+        return cost["B"] + cost["W"] if unsplit else cost[a.kind]
+
+    def account(r: int, a: Action) -> None:  # micro-batches held
+        unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
+        if a.kind == "F":
+            held[r] += 1
+            before_b[r] += 1
+            peak[r], peak_b[r] = max(peak[r], held[r]), max(peak_b[r], before_b[r])
+        if a.kind == "B":
+            before_b[r] -= 1
+        if a.kind == "W" or unsplit:
+            held[r] -= 1
+
     while True:
         progressed = False
         for r in range(pp):
             table = schedule.tables[r]
             while pos[r] < len(table):
-                a = table[pos[r]]
-                k = schedule.stage(r, a.chunk)
-                need = _need(schedule, r, a)
-                if need is not None and need not in finish:
+                # a combined pair (combined.py) is one action: both inputs in, both outputs out at its end
+                n = 2 if schedule.combined and schedule.paired(r, pos[r]) else 1
+                acts = table[pos[r]:pos[r] + n]
+                needs = [x for x in (_need(schedule, r, a) for a in acts) if x is not None]
+                if any(x not in finish for x in needs):
                     break
-                start = max(clock[r], finish[need] if need else 0.0)
-                unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
-                if stage_cost is not None:
-                    dur = stage_cost(k, "BW" if unsplit else a.kind)
-                else:
-                    dur = cost["B"] + cost["W"] if unsplit else cost[a.kind]
-                clock[r] = start + dur
-                finish[(a.kind, k, a.microbatch)] = clock[r]
-                tl.spans[r].append((start, clock[r], a))
-                if a.kind == "F":
-                    held[r] += 1
-                    before_b[r] += 1
-                    peak[r], peak_b[r] = max(peak[r], held[r]), max(peak_b[r], before_b[r])
-                if a.kind == "B":
-                    before_b[r] -= 1
-                if a.kind == "W" or unsplit:
-                    held[r] -= 1
-                pos[r] += 1
+                clock[r] = max([clock[r]] + [finish[x] for x in needs])
+                for a in acts:
+                    begin, clock[r] = clock[r], clock[r] + duration(r, a)
+                    tl.spans[r].append((begin, clock[r], a))
+                    account(r, a)
+                for a in acts:
+                    finish[(a.kind, schedule.stage(r, a.chunk), a.microbatch)] = clock[r]
+                pos[r] += n
                 progressed = True
         if all(pos[r] == len(schedule.tables[r]) for r in range(pp)):
             break

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omnitron.core.transformer.moe.overlap import Steps, drive
+from omnitron.core.transformer.moe.overlap import Steps, drive, handoff, note_all_to_all
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, pending: list | None = None) -> torch.Tensor:
@@ -40,7 +40,20 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_to_all(g, ctx.recv, ctx.send, ctx.group), None, None, None
+        return _reverse_all_to_all(g, ctx), None, None, None
+
+
+def _reverse_all_to_all(g: torch.Tensor, ctx) -> torch.Tensor:
+    """The backward of an all-to-all: the reverse exchange of ``g``, issued, then (in a combined pair,
+    ``overlap.py``) in flight while the other micro-batch's forward computes, then waited."""
+    pending: list = []
+    out = _all_to_all(g, ctx.recv, ctx.send, ctx.group, pending)
+    note_all_to_all("issue")
+    handoff()
+    for work in pending:
+        work.wait()
+    note_all_to_all("wait")
+    return out
 
 
 class _Received(torch.autograd.Function):
@@ -55,7 +68,7 @@ class _Received(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_to_all(g, ctx.recv, ctx.send, ctx.group), None, None, None, None
+        return _reverse_all_to_all(g, ctx), None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -69,9 +82,11 @@ def all_to_all_steps(x: torch.Tensor, send: list[int], recv: list[int], group) -
         return x
     pending: list = []
     received = _all_to_all(x.detach(), send, recv, group, pending)
+    note_all_to_all("issue")
     yield
     for work in pending:
         work.wait()
+    note_all_to_all("wait")
     return _Received.apply(x, received, send, recv, group)
 
 
