@@ -112,10 +112,9 @@ def predict_row(row, rates, selective: bool = False):
 def search(row, rates, paper_space: bool, published) -> list:
     """The search's candidates for the row's model, GPUs and batch (recomputation left to it) and the
     ``published`` layout's own :class:`Choice`, ranked by predicted speed; left out: those whose parameters and
-    optimizer state alone exceed 80 GiB, and those whose step's lower bound is slower than the published
-    layout's prediction (they cannot rank above it). ``paper_space``: only what 2021's Megatron could run (no
-    context parallelism, full recomputation as every row used, no distributed optimizer, no sequence
-    parallelism)."""
+    optimizer state alone exceed the profile's memory, and those whose step's lower bound is slower than the
+    published layout's prediction (they cannot rank above it). ``paper_space``: only what 2021's Megatron could
+    run (:func:`in_2021_space`, without the distributed optimizer and sequence parallelism)."""
     from omnitron.commands.plan import settings_of
     from omnitron.plan.recommend import Choice, candidates, state_lower_bound
     from omnitron.plan.speed import predict, step_lower_bound
@@ -124,12 +123,11 @@ def search(row, rates, paper_space: bool, published) -> list:
     given = model_flags(row) | {"global_batch_size": gbs, "nproc_per_node": n}
     for k in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         given.pop(k)  # the search decides recomputation
-    memory = 80 * 2**30
+    memory = rates.profile.memory_bytes
     cands = candidates(given, n, cluster=GPN)
     if paper_space:
-        keep = [c for c in cands if c.settings.parallel.context_parallel_size == 1 and c.flags.get("recompute_granularity")]
         plain = [{k: v for k, v in c.flags.items() if k != "use_distributed_optimizer"} | {"sequence_parallel": False}
-                 for c in keep]  # 2021's Megatron had neither the distributed optimizer nor sequence parallelism
+                 for c in cands if in_2021_space(c)]  # 2021 had neither the distributed optimizer nor SP
         cands = [Choice(f, settings_of(given | f)) for f in plain]
     floor = published.step.tokens_per_s
     tokens = gbs * SEQ
@@ -142,18 +140,38 @@ def search(row, rates, paper_space: bool, published) -> list:
     return cands
 
 
+def in_2021_space(c) -> bool:
+    """Whether 2021's Megatron (aed2f75) could run candidate ``c`` (up to the distributed optimizer and sequence
+    parallelism, which the caller turns off): no context parallelism, full recomputation (every SC21 row used it),
+    and the 1F1B or interleaved schedule (``megatron/schedules.py`` has only those: zero-bubble and DualPipe's V
+    shapes came in 2023-24)."""
+    return (c.settings.parallel.context_parallel_size == 1 and bool(c.flags.get("recompute_granularity"))
+            and not c.flags.get("pipeline_schedule"))
+
+
 def peak_2021(c, torch_ddp: bool) -> int:
-    """The largest stage's peak bytes under 2021 Megatron's fp16 state (Megatron-LM at aed2f75, April 2021,
-    ``megatron/optimizer/optimizer.py`` ``_copy_model_grads_to_main_grads``: ``main_param.grad =
-    model_param.grad.float()``, an fp32 copy of every fp16 gradient made in the optimizer step, beside the fp16
-    gradients; with ``--DDP-impl torch`` torch 1.8's DDP also keeps its fp16 gradient buckets, not views): 20
-    bytes a parameter at the optimizer step (22 with torch's DDP) against the engine's 16. The fp32 copy exists
-    only inside the step, when the activations are gone; the buckets live throughout."""
+    """The largest stage's peak bytes under 2021 Megatron's fp16 state, n fp16 parameters a stage (Megatron-LM at
+    aed2f75, April 2021, the code of the SC21 runs):
+
+    - ``megatron/optimizer/optimizer.py``: the optimizer step makes ``main_param.grad = model_param.grad.float()``,
+      an fp32 copy of every gradient, and ``zero_grad`` clears only the fp16 and the fp32 (not fp16-derived)
+      groups, so those copies stay referenced by the fp32 parameters through the next step's forward and
+      backward: 4n bytes held throughout (upstream released them only from 4fd6432, 2021-07-09, "fixed
+      zero_grad for fp32_from_float16_groups", and 6f2bff5, 2021-07-16);
+    - ``--DDP-impl torch``: torch 1.8's DDP keeps its fp16 gradient buckets beside the gradients (no views):
+      2n throughout;
+    - ``--DDP-impl local`` without contiguous buffers (the scripts' default): ``allreduce_gradients`` flattens
+      every fp16 gradient into one tensor before the all-reduce (``megatron/model/distributed.py``), 2n more
+      after the backward, when the activations are gone (dp > 1).
+
+    So 20 bytes a parameter beside the activations (22 with torch's DDP) against the engine's 16 (its stage
+    terms), and 22 at the local all-reduce."""
     peak = 0
     for st in c.stages:
         n = st.params // 2  # fp16 parameters
         bucket = 2 * n if torch_ddp else 0
-        peak = max(peak, st.total + bucket, st.params + st.grads + st.optimizer + bucket + 4 * n)
+        flat = 2 * n if not torch_ddp and c.settings.dp > 1 else 0
+        peak = max(peak, st.total + 4 * n + bucket, st.params + st.grads + st.optimizer + 4 * n + flat)
     return peak
 
 
@@ -165,13 +183,13 @@ def _overlap(c, torch_ddp: bool, paper_space: bool) -> str:
     return "dp" if torch_ddp and not (paper_space and piped) else "none"
 
 
-def rank_of(row, cands, stack_2021: bool = False):
+def rank_of(row, cands, memory: int, stack_2021: bool = False):
     """(rank of the published (tp, pp) among the (tp, pp) structures of ``cands``, each by its fastest variant
-    that fits 80 GiB (``stack_2021``: with 2021 Megatron's state bytes, :func:`peak_2021`); the best's tokens/s;
-    the best's name). The walk stops at the published structure (the ones after it do not change its rank)."""
+    that fits ``memory`` bytes (``stack_2021``: with 2021 Megatron's state bytes, :func:`peak_2021`); the best's
+    tokens/s; the best's name). The walk stops at the published structure (the ones after it do not change its rank)."""
     from omnitron.plan.memory import estimate
 
-    tp, pp, memory = row[4], row[5], 80 * 2**30
+    tp, pp = row[4], row[5]
     fitting = {}
     for c in cands:
         pc = c.settings.parallel
@@ -234,7 +252,8 @@ def main() -> None:
 
             for space in ("paper", "all") if args.whole else ("paper",):
                 own = Choice({"recompute_granularity": "full"}, s, st)
-                rank, best, name = rank_of(row, search(row, rates, space == "paper", own), space == "paper")
+                rank, best, name = rank_of(row, search(row, rates, space == "paper", own), prof.memory_bytes,
+                                         space == "paper")
                 rec[space] = {"rank": rank, "best_over_published_layout": best / st.tokens_per_s, "best": name}
                 cols += f"  {rank or 'none':>4} {best / st.tokens_per_s:6.3f} {name:34s}"
         vpp = s.parallel.virtual_pipeline_model_parallel_size or 1
