@@ -28,6 +28,10 @@ held-out even rows. Why such a constant exists: SC21's 1T and 530B rows do the s
 replica as the 2022 paper's 1T and 530B runs (same layout, micro-batch, micro-batches per replica), on the
 same machine type, yet took 8.7% and 10.3% longer per step (102.6 s vs 94.4 s; 54.1 s vs 49.1 s).
 
+With ``--figures``: only the paper's own layout comparisons at a fixed model (sec. 5.4, Figs. 13-15: 162B over
+(tp, pp) with tp x pp = 64, 5.9B over (pp, dp) and (tp, dp)), each sweep's predicted TFLOP/s per GPU and whether
+their order is the one the paper reports (the figures' values are not in its text).
+
 The SC21 rows are priced by default with ``a100-80gb-sxm-2021``: the same profile with its kernel rates x 0.920,
 the ratio of two published step times of the same work (Korthikanti et al. 2022's 1T run, 94.42 s, against
 SC21's 1T row, 102.63 s: same layout, micro-batch and micro-batches per replica, no interleaving in either);
@@ -35,7 +39,8 @@ no planner prediction enters that number, and the other nine rows are held out f
 the 2021 space counts 2021 Megatron's fp16 state (:func:`peak_2021`). ``--device a100-80gb-sxm`` prices them
 with the 2022 stack's profile.
 
-    PYTHONPATH=. python benchmarks/plan_published.py [--rows 1.7B,1T] [--device NAME] [--no-search] [--whole] [--fit] [--json F]
+    PYTHONPATH=. python benchmarks/plan_published.py [--rows 1.7B,1T] [--device NAME] [--no-search] [--whole] [--fit]
+        [--figures] [--json F]
 """
 from __future__ import annotations
 
@@ -219,6 +224,8 @@ def main() -> None:
                     "under 2021's stack; the 2022 rows always use a100-80gb-sxm)")
     ap.add_argument("--fit", action="store_true", help="fit the 2021 stack's kernel rate on the odd rows and report "
                     "the even ones held out")
+    ap.add_argument("--figures", action="store_true", help="only the paper's sec. 5.4 layout sweeps (Figs. 13-15): "
+                    "the predicted order against the one the paper reports")
     args = ap.parse_args()
     from omnitron.plan.cluster import device_rates
 
@@ -230,6 +237,12 @@ def main() -> None:
     print("FLOPs: 96 B s l h^2 (1 + s/6h + V/16lh) per step (SC21's, recomputation counted); per GPU = / step / GPUs")
     print("assumed: no sequence parallelism; pipeline messages at full size (scatter/gather not modelled); "
           "DDP=torch rows overlap the gradient all-reduce; one efficiency curve per kernel kind, no per-row fit\n")
+    if args.figures:
+        found = figures(rates)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": args.device, "figures": found}, f, indent=1)
+        return
     wanted = set(args.rows.split(",")) if args.rows else None
     head = f"{'model':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'mbs':>3} {'vpp':>3} {'published':>9} {'predicted':>9} " \
            f"{'error':>7}  {'rank':>4} {'best/':>6} {'best in 2021 space (cp1 recompute)':34s}" \
@@ -270,6 +283,36 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "gpus_per_node": GPN, "rows": out, "rows_2022": later, "fit": fitted}, f,
                       indent=1)
+
+
+# SC21 sec. 5.4's layout comparisons at a fixed model on 64 GPUs, micro-batch 1, local DDP, full recomputation, 1F1B
+# (Megatron-LM examples/sc21/run_figure_13.sh, _14.sh, _15.sh at 6985e58): figure, model, heads, hidden, layers,
+# global batches, (tp, pp) of the sweep, the ordering the paper reports and its test on the predicted TFLOP/s.
+FIGURES = [
+    ("13", "162.2B", 128, 20480, 32, (32, 128), [(64 // p, p) for p in (2, 4, 8, 16, 32)],
+     "peak at tp 8 (sec. 5.4.1)", lambda tps, v: tps[v.index(max(v))] == 8),
+    ("14", "5.9B", 32, 3840, 32, (32, 128, 512), [(1, p) for p in (2, 4, 8, 16, 32)],
+     "falls as pp grows (sec. 5.4.2)", lambda tps, v: all(a > b for a, b in zip(v, v[1:]))),
+    ("15", "5.9B", 32, 3840, 32, (32, 128, 512), [(t, 1) for t in (2, 4, 8, 16, 32)],
+     "falls as tp grows (sec. 5.4.3)", lambda tps, v: all(a > b for a, b in zip(v, v[1:]))),
+]
+
+
+def figures(rates) -> list[dict]:
+    """Predicted TFLOP/s per GPU of every layout of :data:`FIGURES`, with whether their order is the paper's."""
+    print("SC21 sec. 5.4 (Figs. 13-15): predicted TFLOP/s per GPU along each sweep; 64 GPUs, micro-batch 1")
+    out = []
+    for fig, name, heads, hidden, layers, batches, sweep, claim, holds in FIGURES:
+        for gbs in batches:
+            rows = [(name, heads, hidden, layers, tp, pp, 64, gbs, None, 1, None, False) for tp, pp in sweep]
+            steps = [predict_row(r, rates)[1] for r in rows]
+            tflops = [paper_flops(r) / st.total / 64 / 1e12 for r, st in zip(rows, steps)]
+            ok = holds([tp for tp, _ in sweep], tflops)
+            print(f"  Fig. {fig} {name} B {gbs:>3}: " + "  ".join(f"tp{tp} pp{pp} {v:5.1f}" for (tp, pp), v in
+                                                              zip(sweep, tflops)) + f"  | paper: {claim}: {ok}")
+            out.append({"figure": fig, "batch": gbs, "layouts": [f"tp{tp} pp{pp}" for tp, pp in sweep],
+                        "tflops": tflops, "paper_order_holds": ok, "breakdown_s": [st.breakdown() for st in steps]})
+    return out
 
 
 def _scaled(profile, f: float):
