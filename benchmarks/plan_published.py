@@ -28,14 +28,20 @@ held-out even rows. Why such a constant exists: SC21's 1T and 530B rows do the s
 replica as the 2022 paper's 1T and 530B runs (same layout, micro-batch, micro-batches per replica), on the
 same machine type, yet took 8.7% and 10.3% longer per step (102.6 s vs 94.4 s; 54.1 s vs 49.1 s).
 
+With ``--figures``: only the paper's own layout comparisons at a fixed model (sec. 5.4, Figs. 13-15: 162B over
+(tp, pp) with tp x pp = 64, 5.9B over (pp, dp) and (tp, dp)), each sweep's predicted TFLOP/s per GPU and whether
+their order is the one the paper reports (the figures' values are not in its text).
+
 The SC21 rows are priced by default with ``a100-80gb-sxm-2021``: the same profile with its kernel rates x 0.920,
 the ratio of two published step times of the same work (Korthikanti et al. 2022's 1T run, 94.42 s, against
 SC21's 1T row, 102.63 s: same layout, micro-batch and micro-batches per replica, no interleaving in either);
-no planner prediction enters that number, and the other nine rows are held out from it. The layout search in
-the 2021 space counts 2021 Megatron's fp16 state (:func:`peak_2021`). ``--device a100-80gb-sxm`` prices them
+no planner prediction enters that number, and the other nine rows are held out from it; its usable memory is
+79 GiB (the 2021 CUDA context). The layout search in the 2021 space counts 2021 Megatron's fp16 state, fp32
+gradient copies held throughout (:func:`peak_2021`), and only its schedules (:func:`in_2021_space`). ``--device a100-80gb-sxm`` prices them
 with the 2022 stack's profile.
 
-    PYTHONPATH=. python benchmarks/plan_published.py [--rows 1.7B,1T] [--device NAME] [--no-search] [--whole] [--fit] [--json F]
+    PYTHONPATH=. python benchmarks/plan_published.py [--rows 1.7B,1T] [--device NAME] [--no-search] [--whole] [--fit]
+        [--figures] [--json F]
 """
 from __future__ import annotations
 
@@ -112,10 +118,9 @@ def predict_row(row, rates, selective: bool = False):
 def search(row, rates, paper_space: bool, published) -> list:
     """The search's candidates for the row's model, GPUs and batch (recomputation left to it) and the
     ``published`` layout's own :class:`Choice`, ranked by predicted speed; left out: those whose parameters and
-    optimizer state alone exceed 80 GiB, and those whose step's lower bound is slower than the published
-    layout's prediction (they cannot rank above it). ``paper_space``: only what 2021's Megatron could run (no
-    context parallelism, full recomputation as every row used, no distributed optimizer, no sequence
-    parallelism)."""
+    optimizer state alone exceed the profile's memory, and those whose step's lower bound is slower than the
+    published layout's prediction (they cannot rank above it). ``paper_space``: only what 2021's Megatron could
+    run (:func:`in_2021_space`, without the distributed optimizer and sequence parallelism)."""
     from omnitron.commands.plan import settings_of
     from omnitron.plan.recommend import Choice, candidates, state_lower_bound
     from omnitron.plan.speed import predict, step_lower_bound
@@ -124,12 +129,11 @@ def search(row, rates, paper_space: bool, published) -> list:
     given = model_flags(row) | {"global_batch_size": gbs, "nproc_per_node": n}
     for k in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         given.pop(k)  # the search decides recomputation
-    memory = 80 * 2**30
+    memory = rates.profile.memory_bytes
     cands = candidates(given, n, cluster=GPN)
     if paper_space:
-        keep = [c for c in cands if c.settings.parallel.context_parallel_size == 1 and c.flags.get("recompute_granularity")]
         plain = [{k: v for k, v in c.flags.items() if k != "use_distributed_optimizer"} | {"sequence_parallel": False}
-                 for c in keep]  # 2021's Megatron had neither the distributed optimizer nor sequence parallelism
+                 for c in cands if in_2021_space(c)]  # 2021 had neither the distributed optimizer nor SP
         cands = [Choice(f, settings_of(given | f)) for f in plain]
     floor = published.step.tokens_per_s
     tokens = gbs * SEQ
@@ -142,18 +146,38 @@ def search(row, rates, paper_space: bool, published) -> list:
     return cands
 
 
+def in_2021_space(c) -> bool:
+    """Whether 2021's Megatron (aed2f75) could run candidate ``c`` (up to the distributed optimizer and sequence
+    parallelism, which the caller turns off): no context parallelism, full recomputation (every SC21 row used it),
+    and the 1F1B or interleaved schedule (``megatron/schedules.py`` has only those: zero-bubble and DualPipe's V
+    shapes came in 2023-24)."""
+    return (c.settings.parallel.context_parallel_size == 1 and bool(c.flags.get("recompute_granularity"))
+            and not c.flags.get("pipeline_schedule"))
+
+
 def peak_2021(c, torch_ddp: bool) -> int:
-    """The largest stage's peak bytes under 2021 Megatron's fp16 state (Megatron-LM at aed2f75, April 2021,
-    ``megatron/optimizer/optimizer.py`` ``_copy_model_grads_to_main_grads``: ``main_param.grad =
-    model_param.grad.float()``, an fp32 copy of every fp16 gradient made in the optimizer step, beside the fp16
-    gradients; with ``--DDP-impl torch`` torch 1.8's DDP also keeps its fp16 gradient buckets, not views): 20
-    bytes a parameter at the optimizer step (22 with torch's DDP) against the engine's 16. The fp32 copy exists
-    only inside the step, when the activations are gone; the buckets live throughout."""
+    """The largest stage's peak bytes under 2021 Megatron's fp16 state, n fp16 parameters a stage (Megatron-LM at
+    aed2f75, April 2021, the code of the SC21 runs):
+
+    - ``megatron/optimizer/optimizer.py``: the optimizer step makes ``main_param.grad = model_param.grad.float()``,
+      an fp32 copy of every gradient, and ``zero_grad`` clears only the fp16 and the fp32 (not fp16-derived)
+      groups, so those copies stay referenced by the fp32 parameters through the next step's forward and
+      backward: 4n bytes held throughout (upstream released them only from 4fd6432, 2021-07-09, "fixed
+      zero_grad for fp32_from_float16_groups", and 6f2bff5, 2021-07-16);
+    - ``--DDP-impl torch``: torch 1.8's DDP keeps its fp16 gradient buckets beside the gradients (no views):
+      2n throughout;
+    - ``--DDP-impl local`` without contiguous buffers (the scripts' default): ``allreduce_gradients`` flattens
+      every fp16 gradient into one tensor before the all-reduce (``megatron/model/distributed.py``), 2n more
+      after the backward, when the activations are gone (dp > 1).
+
+    So 20 bytes a parameter beside the activations (22 with torch's DDP) against the engine's 16 (its stage
+    terms), and 22 at the local all-reduce."""
     peak = 0
     for st in c.stages:
         n = st.params // 2  # fp16 parameters
         bucket = 2 * n if torch_ddp else 0
-        peak = max(peak, st.total + bucket, st.params + st.grads + st.optimizer + bucket + 4 * n)
+        flat = 2 * n if not torch_ddp and c.settings.dp > 1 else 0
+        peak = max(peak, st.total + 4 * n + bucket, st.params + st.grads + st.optimizer + 4 * n + flat)
     return peak
 
 
@@ -165,13 +189,13 @@ def _overlap(c, torch_ddp: bool, paper_space: bool) -> str:
     return "dp" if torch_ddp and not (paper_space and piped) else "none"
 
 
-def rank_of(row, cands, stack_2021: bool = False):
+def rank_of(row, cands, memory: int, stack_2021: bool = False):
     """(rank of the published (tp, pp) among the (tp, pp) structures of ``cands``, each by its fastest variant
-    that fits 80 GiB (``stack_2021``: with 2021 Megatron's state bytes, :func:`peak_2021`); the best's tokens/s;
-    the best's name). The walk stops at the published structure (the ones after it do not change its rank)."""
+    that fits ``memory`` bytes (``stack_2021``: with 2021 Megatron's state bytes, :func:`peak_2021`); the best's
+    tokens/s; the best's name). The walk stops at the published structure (the ones after it do not change its rank)."""
     from omnitron.plan.memory import estimate
 
-    tp, pp, memory = row[4], row[5], 80 * 2**30
+    tp, pp = row[4], row[5]
     fitting = {}
     for c in cands:
         pc = c.settings.parallel
@@ -201,6 +225,8 @@ def main() -> None:
                     "under 2021's stack; the 2022 rows always use a100-80gb-sxm)")
     ap.add_argument("--fit", action="store_true", help="fit the 2021 stack's kernel rate on the odd rows and report "
                     "the even ones held out")
+    ap.add_argument("--figures", action="store_true", help="only the paper's sec. 5.4 layout sweeps (Figs. 13-15): "
+                    "the predicted order against the one the paper reports")
     args = ap.parse_args()
     from omnitron.plan.cluster import device_rates
 
@@ -212,6 +238,12 @@ def main() -> None:
     print("FLOPs: 96 B s l h^2 (1 + s/6h + V/16lh) per step (SC21's, recomputation counted); per GPU = / step / GPUs")
     print("assumed: no sequence parallelism; pipeline messages at full size (scatter/gather not modelled); "
           "DDP=torch rows overlap the gradient all-reduce; one efficiency curve per kernel kind, no per-row fit\n")
+    if args.figures:
+        found = figures(rates)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": args.device, "figures": found}, f, indent=1)
+        return
     wanted = set(args.rows.split(",")) if args.rows else None
     head = f"{'model':>8} {'tp':>3} {'pp':>3} {'GPUs':>5} {'mbs':>3} {'vpp':>3} {'published':>9} {'predicted':>9} " \
            f"{'error':>7}  {'rank':>4} {'best/':>6} {'best in 2021 space (cp1 recompute)':34s}" \
@@ -234,7 +266,8 @@ def main() -> None:
 
             for space in ("paper", "all") if args.whole else ("paper",):
                 own = Choice({"recompute_granularity": "full"}, s, st)
-                rank, best, name = rank_of(row, search(row, rates, space == "paper", own), space == "paper")
+                rank, best, name = rank_of(row, search(row, rates, space == "paper", own), prof.memory_bytes,
+                                         space == "paper")
                 rec[space] = {"rank": rank, "best_over_published_layout": best / st.tokens_per_s, "best": name}
                 cols += f"  {rank or 'none':>4} {best / st.tokens_per_s:6.3f} {name:34s}"
         vpp = s.parallel.virtual_pipeline_model_parallel_size or 1
@@ -251,6 +284,36 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "gpus_per_node": GPN, "rows": out, "rows_2022": later, "fit": fitted}, f,
                       indent=1)
+
+
+# SC21 sec. 5.4's layout comparisons at a fixed model on 64 GPUs, micro-batch 1, local DDP, full recomputation, 1F1B
+# (Megatron-LM examples/sc21/run_figure_13.sh, _14.sh, _15.sh at 6985e58): figure, model, heads, hidden, layers,
+# global batches, (tp, pp) of the sweep, the ordering the paper reports and its test on the predicted TFLOP/s.
+FIGURES = [
+    ("13", "162.2B", 128, 20480, 32, (32, 128), [(64 // p, p) for p in (2, 4, 8, 16, 32)],
+     "peak at tp 8 (sec. 5.4.1)", lambda tps, v: tps[v.index(max(v))] == 8),
+    ("14", "5.9B", 32, 3840, 32, (32, 128, 512), [(1, p) for p in (2, 4, 8, 16, 32)],
+     "falls as pp grows (sec. 5.4.2)", lambda tps, v: all(a > b for a, b in zip(v, v[1:]))),
+    ("15", "5.9B", 32, 3840, 32, (32, 128, 512), [(t, 1) for t in (2, 4, 8, 16, 32)],
+     "falls as tp grows (sec. 5.4.3)", lambda tps, v: all(a > b for a, b in zip(v, v[1:]))),
+]
+
+
+def figures(rates) -> list[dict]:
+    """Predicted TFLOP/s per GPU of every layout of :data:`FIGURES`, with whether their order is the paper's."""
+    print("SC21 sec. 5.4 (Figs. 13-15): predicted TFLOP/s per GPU along each sweep; 64 GPUs, micro-batch 1")
+    out = []
+    for fig, name, heads, hidden, layers, batches, sweep, claim, holds in FIGURES:
+        for gbs in batches:
+            rows = [(name, heads, hidden, layers, tp, pp, 64, gbs, None, 1, None, False) for tp, pp in sweep]
+            steps = [predict_row(r, rates)[1] for r in rows]
+            tflops = [paper_flops(r) / st.total / 64 / 1e12 for r, st in zip(rows, steps)]
+            ok = holds([tp for tp, _ in sweep], tflops)
+            print(f"  Fig. {fig} {name} B {gbs:>3}: " + "  ".join(f"tp{tp} pp{pp} {v:5.1f}" for (tp, pp), v in
+                                                              zip(sweep, tflops)) + f"  | paper: {claim}: {ok}")
+            out.append({"figure": fig, "batch": gbs, "layouts": [f"tp{tp} pp{pp}" for tp, pp in sweep],
+                        "tflops": tflops, "paper_order_holds": ok, "breakdown_s": [st.breakdown() for st in steps]})
+    return out
 
 
 def _scaled(profile, f: float):
