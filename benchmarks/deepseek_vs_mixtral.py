@@ -9,8 +9,10 @@ non-expert parameter plus top-k experts per MoE layer, the MTP depth included), 
 Each model trains ``--iters`` steps through ``omnitron train`` on 2 gloo processes (``--expert-model-parallel-size
 2``, data parallel 2), mock data; reported: the median ``step_time_s`` after the first step, tokens/s, and
 ``peak_memory_bytes`` (the largest rank's peak of the backend's allocator: process RSS growth on CPU).
+``--profile`` instead splits the time: each model in this one process (no expert parallelism, one thread), the
+median forward + backward of one micro-batch, then torch.profiler's operators by self CPU time over two of them.
 
-    python benchmarks/deepseek_vs_mixtral.py [--iters 8] [--json FILE]
+    python benchmarks/deepseek_vs_mixtral.py [--iters 8] [--json FILE] [--profile]
 """
 from __future__ import annotations
 
@@ -77,13 +79,48 @@ def run(name: str, args: list[str], iters: int) -> dict:
             "final_loss": recs[-1]["lm_loss"]}
 
 
+def profile(args: list[str], rows: int = 12) -> None:
+    """One micro-batch's forward + backward of the model ``args`` builds, timed and profiled in this process."""
+    import time
+    from dataclasses import replace
+
+    import torch
+
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.training.arguments import parse_settings
+
+    i = args.index("--expert-model-parallel-size")
+    c = replace(parse_settings(args[:i] + args[i + 2:], 1).model, vocab_size=VOCAB)
+    torch.set_num_threads(1)
+    model, tokens = GPTModel(c, ParallelGroups.single(), seed=1), torch.randint(0, VOCAB, (2, SEQ))
+    positions, labels = torch.arange(SEQ).expand(2, -1), torch.randint(0, VOCAB, (2, SEQ))
+
+    def step() -> float:
+        t = time.perf_counter()
+        model(tokens, positions, labels=labels).mean().backward()
+        return time.perf_counter() - t
+
+    times = [step() for _ in range(7)][2:]
+    with torch.profiler.profile() as prof:
+        step(), step()
+    print(f"forward + backward of one micro-batch [2, {SEQ}]: median {statistics.median(times) * 1e3:.1f} ms")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="split one process's time by operator instead")
     a = ap.parse_args()
     want = active_parameters(COMMON + DEEPSEEK)
     width = min(range(64, 1025, 8), key=lambda w: abs(active_parameters(COMMON + mixtral(w)) - want))
+    if a.profile:
+        for name, extra in (("DeepSeek-V3 shape", DEEPSEEK), (f"Mixtral shape (F={width})", mixtral(width))):
+            print(f"== {name}")
+            profile(COMMON + extra)
+        return
     rows = [run("DeepSeek-V3 shape", COMMON + DEEPSEEK, a.iters), run(f"Mixtral shape (F={width})",
                                                                        COMMON + mixtral(width), a.iters)]
     for r in rows:
