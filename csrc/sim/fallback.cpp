@@ -8,6 +8,9 @@
 // fresh results have their host memory adopted as device memory (counted, not copied).
 // Real-device rules are kept: a host tensor with dimensions beside device tensors, or a CPU
 // generator for a device op, is an error; data-dependent output shapes count as host syncs.
+// Each call is a kernel on the current stream for the race detector (race.cpp): an argument annotated
+// ``Tensor(a!)`` is written, a view op's aliased input is not accessed, any other is read, and a fresh
+// result is written; the accesses are checked before the CPU kernel runs.
 #include "sim.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -22,6 +22,7 @@
 #include "sim.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -44,6 +45,7 @@ struct History {
 namespace {
 
 constexpr size_t kPrune = 64, kCoalesce = 4096;
+std::atomic<int64_t> g_accesses{0}, g_ordered{0};  // accesses recorded; cross-stream conflicts found ordered
 std::mutex g_mutex;  // every block's history (taken before a device's stream lock, never after)
 std::mutex g_names_mutex;
 std::string g_comm_names[kMaxDevices][kCommStreams];
@@ -127,6 +129,8 @@ void prune(History& h, c10::DeviceIndex index) {
 
 }  // namespace
 
+std::pair<int64_t, int64_t> race_stats() { return {g_accesses.load(), g_ordered.load()}; }
+
 void drop_history(History* h) { delete h; }  // the block is gone: no kernel holds it
 
 void name_comm_stream(c10::DeviceIndex index, int stream, const std::string& group) {
@@ -155,12 +159,14 @@ void Kernel::check() {
       if (r.stream == stream_ || !overlaps(r, a.lo, a.hi) || (r.use == Use::read && a.use == Use::read)) continue;
       if (!after) after = stream_clock(index_, stream_);
       TORCH_CHECK(after->v[r.stream] >= r.point, message(index_, stream_, op_, a.use, r, a.nbytes));
+      g_ordered.fetch_add(1, std::memory_order_relaxed);
     }
   }
 }
 
 void Kernel::commit() {
   if (accesses_.empty()) return;
+  g_accesses.fetch_add(static_cast<int64_t>(accesses_.size()), std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(g_mutex);
   for (const Access& a : accesses_) {
     History*& h = *a.slot;

@@ -78,6 +78,8 @@ struct History;                  // the accesses to one allocation block
 void drop_history(History* h);   // the block was freed
 History** history_slot(const c10::Storage& storage);  // allocator.cpp: the block's, nullptr if not a sim block
 void name_comm_stream(c10::DeviceIndex index, int stream, const std::string& group);
+// (accesses recorded, conflicts with another stream's access found ordered): what the detector has checked.
+std::pair<int64_t, int64_t> race_stats();
 enum class Use : uint8_t { read, write };
 // One kernel's accesses to device memory, checked against the earlier kernels of other streams (check) and
 // then recorded (commit). A kernel on ``stream`` at ``point``; ``op`` must outlive the process (a schema
