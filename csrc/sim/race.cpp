@@ -84,12 +84,14 @@ std::string fix(int s, int t, const std::string& sn, const std::string& tn, cons
   return f;
 }
 
-std::string message(c10::DeviceIndex index, int s, const char* op, Use use, const Record& r, size_t nbytes) {
+// ``[lo, hi)``: the access's bytes (the message names those both touch).
+std::string message(c10::DeviceIndex index, int s, const char* op, Use use, const Record& r, uint64_t lo, uint64_t hi,
+                    size_t nbytes) {
   const char* kind = use == Use::read ? "read-after-write" : r.use == Use::write ? "write-after-write" : "write-after-read";
   std::string sn = stream_name(index, s), tn = stream_name(index, r.stream);
   std::string ss = "stream " + std::to_string(s), ts = "stream " + std::to_string(r.stream);  // short, for the fix
   std::ostringstream os;
-  os << "sim: race (" << kind << ") on sim:" << int(index) << " memory (bytes [" << r.lo << ", " << r.hi << ") of a "
+  os << "sim: race (" << kind << ") on sim:" << int(index) << " memory (bytes [" << std::max(lo, r.lo) << ", " << std::min(hi, r.hi) << ") of a "
      << nbytes << "-byte block): " << op << " " << verb(use) << " it on " << sn << " while " << r.op << " "
      << past(r.use) << " it on " << tn << " at its point " << r.point << ", with nothing ordering " << sn
      << " after that: " << fix(s, r.stream, ss, ts, op, use);
@@ -158,7 +160,7 @@ void Kernel::check() {
     for (const Record& r : h->records) {
       if (r.stream == stream_ || !overlaps(r, a.lo, a.hi) || (r.use == Use::read && a.use == Use::read)) continue;
       if (!after) after = stream_clock(index_, stream_);
-      TORCH_CHECK(after->v[r.stream] >= r.point, message(index_, stream_, op_, a.use, r, a.nbytes));
+      TORCH_CHECK(after->v[r.stream] >= r.point, message(index_, stream_, op_, a.use, r, a.lo, a.hi, a.nbytes));
       g_ordered.fetch_add(1, std::memory_order_relaxed);
     }
   }

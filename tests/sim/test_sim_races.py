@@ -82,6 +82,23 @@ def overwrite_while_read(be, x, ref, sync):
     return y, ref * 2
 
 
+def slices(be, x, ref, sync):
+    """Two streams update slices of one tensor with no order between them: overlapping slices race;
+    disjoint ones (``sync``) do not -- the detector's granularity is a tensor's byte extent, not its block."""
+    n = x.numel()
+    cut = n // 2 if sync else n // 2 + 64
+    side = be.Stream()
+    side.wait_stream(be.current_stream())
+    with be.stream(side):
+        x[:cut].add_(1.0)
+    x[n // 2:].add_(2.0)  # main stream
+    _join(be, side)
+    want = ref.clone()
+    want[:cut] += 1.0
+    want[n // 2:] += 2.0
+    return x, want
+
+
 def all_reduce_read_early(be, x, sync, others):
     """An async all-reduce's output read on the current stream before ``work.wait()``."""
     work = be.collectives.all_reduce(x, async_op=True)
@@ -126,7 +143,7 @@ def gather_input_overwritten(be, x, sync, others):
 
 
 LOCAL = {"cross_stream_read": cross_stream_read, "missing_event_wait": missing_event_wait, "host_item": host_read,
-         "host_cpu": lambda be, x, ref, sync: host_read(be, x, ref, sync, read="cpu"), "war": overwrite_while_read}
+         "host_cpu": lambda be, x, ref, sync: host_read(be, x, ref, sync, read="cpu"), "war": overwrite_while_read, "slices": slices}
 COLLECTIVE = {"all_reduce_read_early": all_reduce_read_early, "all_reduce_other_stream": all_reduce_other_stream,
               "gather_input_overwritten": gather_input_overwritten}
 
@@ -172,6 +189,8 @@ EXPECTED = {
     "host_cpu": ["race (read-after-write)", "a blocking copy to the host reads", "aten::sum", "synchronize"],
     "war": ["race (write-after-read)", "aten::zero_ writes", "aten::mul read", "stream 0 (the default stream)",
             "record_stream("],
+    # main's in-place add on a slice reaches the device as aten::add with out=: its read of self is checked first
+    "slices": ["race (read-after-write)", "aten::add reads", "aten::add wrote", "bytes [8192, 8448)"],
     "all_reduce_read_early": ["all_reduce", "before its work.wait()"],  # the in-flight check, before the detector
     "all_reduce_other_stream": ["race (read-after-write)", "aten::mul", "all_reduce wrote it on the communicator stream",
                                 "work.wait()"],
