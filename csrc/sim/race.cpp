@@ -19,6 +19,8 @@
 // same stream's reads it covers. Past kPrune records a block drops those the host has observed
 // (every later kernel is ordered after them); past kCoalesce the rest are merged per (stream, kind)
 // into one span at the latest point, which may then report disjoint spans (never seen in the tests).
+// Missed: a race between two communicators sharing a stream slot (sim.h), and one between kernels
+// that two host threads issue at once (each checks before the other records).
 #include "sim.h"
 
 #include <algorithm>

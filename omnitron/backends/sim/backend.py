@@ -51,7 +51,9 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
 
 Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
-``non_blocking`` host-to-device copy still reads (the copy is taken when issued). Barriers are queued,
+``non_blocking`` host-to-device copy still reads (the copy is taken when issued); the race detector misses a
+race between two communicators sharing a stream slot, and one between kernels two host threads issue at the
+same instant (each checks before the other records). Barriers are queued,
 checked and recorded like the collectives.
 """
 from __future__ import annotations
