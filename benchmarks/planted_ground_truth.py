@@ -1,4 +1,5 @@
-"""The planted bugs of tests/sim/test_sim_planted.py on a real device: what each one does there.
+"""The planted bugs of tests/sim/test_sim_planted.py (and test_sim_races.py's cross-stream read) on a real device:
+what each one does there.
 
 On sim each bug is reported with a message naming its cause (the tests); on cpu/gloo each runs silently. This
 script is the ground truth for that model: it runs the same bugs on a GPU (``--backend cuda``: NCCL, the
@@ -100,6 +101,27 @@ def early_host_read(tries: int) -> dict:
     return {"effect": f"host read differs from the copy in {garbage} of {tries}", "caught": garbage > 0}
 
 
+def cross_stream_read(tries: int) -> dict:
+    """A side-stream kernel reads what the main stream writes, with no ``wait_stream`` between them."""
+    from omnitron.backends import get_backend
+
+    be = get_backend()
+    dev, wrong = _device(be), 0
+    for _ in range(tries):
+        x = torch.randn(1 << 22, device=dev)
+        want = x * 2 + 1
+        side = be.Stream()
+        side.wait_stream(be.current_stream())  # the side stream is ordered after x, not after what follows
+        _slow_chain(dev)
+        y = x * 2  # runs late on the main stream
+        with be.stream(side):
+            z = y + 1  # the bug: no side.wait_stream(main) before reading y
+        be.current_stream().wait_stream(side)  # y's free (next try) is ordered after the side stream's read
+        be.synchronize()
+        wrong += int(not torch.equal(z, want))
+    return {"effect": f"wrong side-stream result in {wrong} of {tries}", "caught": wrong > 0}
+
+
 def opposite_orders(tries: int) -> dict:
     """Two groups' all-reduces issued in opposite orders on the two ranks."""
     import torch.distributed as dist
@@ -124,7 +146,8 @@ def opposite_orders(tries: int) -> dict:
 
 
 CASES = {"read_before_wait": (read_before_wait, 2), "freed_without_record_stream": (freed_without_record_stream, 1),
-         "early_host_read": (early_host_read, 1), "opposite_orders": (opposite_orders, 2)}
+         "early_host_read": (early_host_read, 1), "opposite_orders": (opposite_orders, 2),
+         "cross_stream_read": (cross_stream_read, 1)}
 
 
 def run_case(name: str, backend: str, tries: int) -> dict:

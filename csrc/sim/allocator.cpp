@@ -64,6 +64,7 @@ struct Block {
   uint64_t recorded = 0;  // bit s: record_stream(s) was called
   std::unique_ptr<uint64_t[]> uses;  // per foreign stream: the point of its last kernel on this block
   const char* last_op = nullptr;
+  History* history = nullptr;  // the race detector's record of its accesses (race.cpp)
 };
 
 // A freed block waiting for the streams it was recorded on.
@@ -153,6 +154,7 @@ void free_block(void* ctx) {
     c.reserved.fetch_sub(static_cast<int64_t>(b->size));
     if (b->raw) c10::free_cpu(b->raw);
   }
+  drop_history(b->history);
   delete b;  // an adopted DataPtr frees its memory here
 }
 
@@ -199,6 +201,11 @@ void note_use(const c10::Storage& storage, uint64_t point, const char* op) {
   if (!b->uses) b->uses.reset(new uint64_t[kStreams]());
   b->uses[s] = std::max(b->uses[s], point);
   b->last_op = op;
+}
+
+History** history_slot(const c10::Storage& storage) {
+  Block* b = block_of(storage.data_ptr());
+  return b ? &b->history : nullptr;
 }
 
 void record_stream(const c10::DataPtr& data, const c10::Stream& stream) {

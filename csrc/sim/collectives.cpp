@@ -50,6 +50,7 @@ at::Tensor stage_out(const at::Tensor& t) {
 // Host buffers of one collective and the device tensors they are copied back into.
 struct Staging {
   std::vector<std::pair<at::Tensor, at::Tensor>> back;  // (device, host)
+  std::vector<std::pair<at::Tensor, Use>> uses;         // the device tensors, as the collective's kernel uses them
   c10::DeviceIndex device = -1;
 
   at::Tensor in(const at::Tensor& t, bool write_back = false) { return host(t, stage_in(t), write_back); }
@@ -78,6 +79,7 @@ struct Staging {
     if (dev.is_privateuseone()) {
       check_not_in_flight(dev, "a collective");
       if (device < 0) device = dev.device().index();
+      uses.emplace_back(dev, write_back ? Use::write : Use::read);
     }
     if (write_back && dev.is_privateuseone()) back.emplace_back(dev, h);
     return h;
@@ -130,6 +132,9 @@ struct Item {
   c10::intrusive_ptr<c10d::Work> inner;  // p2p: launched at once
   bool done = false, released = false;
   std::string error;
+  void* event = nullptr;  // recorded on the communicator stream after its kernel: what wait() orders after
+
+  ~Item() { event_destroy(event); }
 
   std::string describe() const { return op + " on group '" + group + "' (issued at " + site + ", thread " + thread + ")"; }
   void copy_back() {
@@ -344,6 +349,7 @@ void stop_queue(Queue& q) {
 }
 
 std::atomic<int> g_live_communicators{0};  // SimCollectives not yet shut down or destroyed
+std::atomic<int> g_next_comm_stream{0};
 
 class SimWork final : public c10d::Work {
  public:
@@ -367,6 +373,7 @@ class SimWork final : public c10d::Work {
     release_flight(item_);
     record_wait(item_->record);
     TORCH_CHECK(item_->error.empty(), item_->error);
+    event_block(item_->event, current_stream(device));  // as NCCL's: the current stream waits, the host need not
     return ok;
   }
   bool isCompleted() override {
@@ -381,6 +388,7 @@ class SimWork final : public c10d::Work {
     if (done) {
       release_flight(item_);
       record_wait(item_->record);
+      event_query(item_->event);  // the host has seen the communicator stream reach it
     }
     return done;
   }
@@ -434,7 +442,8 @@ class SimCollectives final : public c10d::Backend {
       : c10d::Backend(gloo->getRank(), gloo->getSize()),
         store_(std::move(store)),
         gloo_(std::move(gloo)),
-        sync_returns_none_(sync_returns_none) {
+        sync_returns_none_(sync_returns_none),
+        comm_stream_(kFirstComm + g_next_comm_stream.fetch_add(1) % kCommStreams) {
     g_live_communicators.fetch_add(1);
   }
   ~SimCollectives() override { release(); }
@@ -604,11 +613,12 @@ class SimCollectives final : public c10d::Backend {
     Site site = python_site_full();
     item->op = op;
     item->group = group_name(*this);
+    int index = s.device < 0 ? current_device() : s.device;
+    run_on_comm_stream(index, op, item, s);
     item->site = site.where;
     item->thread = site.thread;
     item->back = std::move(s.back);
     item->record = record_issue(op, item->group, detail, site);
-    int index = s.device < 0 ? current_device() : s.device;
     auto work = c10::make_intrusive<SimWork>(item);
     work->device = index;
     register_flight(item);  // before the worker can run it (its copy-back consumes item->back)
@@ -628,6 +638,17 @@ class SimCollectives final : public c10d::Backend {
       throw;
     }
     return work;
+  }
+
+  // The operation's kernel on the communicator stream, which waits for the issuing thread's current stream first
+  // (as NCCL's): its accesses are checked against other streams' (race.cpp), then an event marks its end.
+  void run_on_comm_stream(int index, const char* op, const ItemPtr& item, const Staging& s) {
+    name_comm_stream(index, comm_stream_, item->group);
+    Kernel k(index, comm_stream_, comm_kernel(index, comm_stream_), op);
+    for (const auto& [t, use] : s.uses) k.use(t, use);
+    k.check();
+    k.commit();
+    event_record(&item->event, c10::Stream(c10::Stream::UNSAFE, c10::Device(kSim, index), comm_stream_));
   }
 
   // A collective's place on the group: counted for the point-to-point order; in strict mode (and not issued
@@ -700,6 +721,7 @@ class SimCollectives final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   bool sync_returns_none_;
+  int comm_stream_;  // this communicator's stream on each device (race.cpp's detector orders by it)
   std::atomic<bool> released_{false};
   std::mutex p2p_mutex_;
   int64_t collectives_ = 0, checked_ = 0;

@@ -8,11 +8,15 @@
 // fresh results have their host memory adopted as device memory (counted, not copied).
 // Real-device rules are kept: a host tensor with dimensions beside device tensors, or a CPU
 // generator for a device op, is an error; data-dependent output shapes count as host syncs.
+// Each call is a kernel on the current stream for the race detector (race.cpp): an argument annotated
+// ``Tensor(a!)`` is written, a view op's aliased input is not accessed, any other is read, and a fresh
+// result is written; the accesses are checked before the CPU kernel runs.
 #include "sim.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -42,6 +46,14 @@ struct Call {
   bool host_tensor = false, bool_index = false;
   const char* op = "";
   uint64_t point = 0;  // this kernel's point on its stream
+  std::optional<Kernel> kernel;  // its accesses, for the race detector
+
+  Kernel& race_kernel() {
+    if (device < 0) device = current_device();
+    if (point == 0) point = note_kernel(device);
+    if (!kernel) kernel.emplace(device, static_cast<int>(current_stream(device).id()), point, op);
+    return *kernel;
+  }
 
   c10::Storage alias(const c10::Storage& st) {
     for (auto& s : storages)
@@ -50,7 +62,8 @@ struct Call {
     return storages.back().host;
   }
 
-  at::Tensor to_cpu(const at::Tensor& t) {
+  // ``use``: how the kernel accesses the tensor's memory (none: a view op's aliased input).
+  at::Tensor to_cpu(const at::Tensor& t, std::optional<Use> use) {
     if (!t.defined()) return t;
     if (!t.is_privateuseone()) {
       if (t.dim() > 0) host_tensor = true;
@@ -59,9 +72,10 @@ struct Call {
       return t;
     }
     if (device < 0) device = t.device().index();
-    if (point == 0) point = note_kernel(device);
+    Kernel& k = race_kernel();
     check_not_in_flight(t, op);
     note_use(t.storage(), point, op);
+    if (use) k.use(t, *use);
     if (t.scalar_type() == at::kBool || t.scalar_type() == at::kByte) bool_index = true;
     auto cpu = at::detail::make_tensor<c10::TensorImpl>(alias(t.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                                         t.dtype());
@@ -72,17 +86,17 @@ struct Call {
     return cpu;
   }
 
-  c10::IValue arg_to_cpu(const c10::IValue& v) {
-    if (v.isTensor()) return to_cpu(v.toTensor());
+  c10::IValue arg_to_cpu(const c10::IValue& v, std::optional<Use> use) {
+    if (v.isTensor()) return to_cpu(v.toTensor(), use);
     if (v.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& t : v.toTensorList()) out.push_back(to_cpu(t));
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(to_cpu(t, use));
       return out;
     }
     if (v.isList()) {
       auto in = v.toList();
       c10::impl::GenericList out(in.elementType());
-      for (const c10::IValue& e : in) out.push_back(e.isTensor() ? c10::IValue(to_cpu(e.toTensor())) : e);
+      for (const c10::IValue& e : in) out.push_back(e.isTensor() ? c10::IValue(to_cpu(e.toTensor(), use)) : e);
       return out;
     }
     if (v.isDevice() && v.toDevice().type() == kSim) {
@@ -122,7 +136,7 @@ struct Call {
     if (shared) {  // memory someone else holds: copy it into fresh device memory
       c10::Storage fresh(c10::Storage::use_byte_size_t(), t.storage().nbytes(), allocator(), true);
       std::memcpy(fresh.mutable_data(), t.storage().data(), t.storage().nbytes());
-      return wrap_storage(std::move(fresh), t);
+      return written(wrap_storage(std::move(fresh), t));
     }
     size_t nbytes = t.storage().nbytes();
     c10::Storage host = t.storage();
@@ -130,9 +144,26 @@ struct Call {
     c10::Storage adopted(c10::Storage::use_byte_size_t(), nbytes, adopt(std::move(data), nbytes, index), allocator(),
                          true);
     storages.push_back({adopted, host, nullptr});  // later results over the same memory share it
-    return wrap_storage(std::move(adopted), t);
+    return written(wrap_storage(std::move(adopted), t));
+  }
+
+  // A fresh result: written by this kernel on its stream.
+  at::Tensor written(at::Tensor t) {
+    race_kernel().use(t, Use::write);
+    return t;
   }
 };
+
+// How an op accesses an argument (its schema's alias annotation): written (``Tensor(a!)``), not at all
+// (``Tensor(a)``: a view op's input, which its result aliases), else read.
+std::optional<Use> use_of(const c10::Argument& arg) {
+  const c10::AliasInfo* info = arg.alias_info();
+  if (!info) return Use::read;
+  if (info->isWrite()) return Use::write;
+  for (const auto& contained : info->containedTypes())
+    if (contained.isWrite()) return Use::write;
+  return std::nullopt;
+}
 
 bool is_optional_generator(const c10::Argument& arg) {
   auto type = arg.type();
@@ -169,7 +200,8 @@ void sim_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   check_deferred();
   Call call;
   call.op = name.c_str();
-  for (size_t i = begin; i < stack->size(); ++i) (*stack)[i] = call.arg_to_cpu((*stack)[i]);
+  for (size_t i = begin; i < stack->size(); ++i)
+    (*stack)[i] = call.arg_to_cpu((*stack)[i], use_of(schema.arguments()[i - begin]));
   TORCH_CHECK(!call.host_tensor || call.tensors.empty() || kHostIndices.count(name),
               "Expected all tensors to be on the same device, but found at least two devices, sim:",
               int(call.device), " and cpu! (when checking arguments for ", name, ")");
@@ -179,6 +211,7 @@ void sim_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
   // index_put_ with a boolean mask sizes its work from device data (aten::index turns masks into
   // nonzero before it gets here, and nonzero is counted).
   if (kHostIndices.count(name) && name != "aten::index" && call.bool_index) count_sync("shape", name.c_str());
+  if (call.kernel) call.kernel->check();  // before the kernel runs: a race leaves the data as it was
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   call.write_back();
   const size_t rbegin = stack->size() - schema.returns().size();
@@ -193,6 +226,7 @@ void sim_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit
       v = out;
     }
   }
+  if (call.kernel) call.kernel->commit();
 }
 
 }  // namespace

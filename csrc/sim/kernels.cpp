@@ -13,6 +13,7 @@
 #include <ATen/ops/view_native.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <mutex>
@@ -123,12 +124,26 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
   return out;
 }
 
-// A kernel on the current stream of ``t``'s device touching ``t``: checked against collectives in
-// flight, and noted as a use of its memory on that stream.
-void touch(const at::Tensor& t, const char* op) {
-  if (!t.defined() || !t.is_privateuseone()) return;
-  check_not_in_flight(t, op);
-  note_use(t.storage(), note_kernel(t.device().index()), op);
+// A kernel ``op`` on the current stream of each tensor's device: checked against collectives in flight and
+// other streams' accesses (race.cpp), and noted as a use of the memory on that stream. ``uses[i]``: how
+// ``ts[i]`` is accessed. Tensors on two devices (a copy between them) are a kernel on each.
+void run_checks(std::initializer_list<std::pair<const at::Tensor*, Use>> uses, const char* op) {
+  std::vector<Kernel> kernels;
+  for (auto& [t, use] : uses) {
+    if (!t->defined() || !t->is_privateuseone()) continue;
+    auto index = t->device().index();
+    auto stream = static_cast<int>(current_stream(index).id());
+    auto it = std::find_if(kernels.begin(), kernels.end(), [&](const Kernel& k) { return k.device() == index; });
+    if (it == kernels.end()) {
+      kernels.emplace_back(index, stream, note_kernel(index), op);
+      it = kernels.end() - 1;
+    }
+    check_not_in_flight(*t, op);
+    note_use(t->storage(), it->point(), op);
+    it->use(*t, use);
+  }
+  for (auto& k : kernels) k.check();
+  for (auto& k : kernels) k.commit();
 }
 
 // A non_blocking copy into pinned host memory completes later on the device's worker: until then the
@@ -156,19 +171,20 @@ void copy_to_pinned_async(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  bool to_host = self.is_privateuseone() && dst.is_cpu();
+  bool blocking_read = to_host && !non_blocking && !g_internal_copy;
   if (!g_internal_copy) {
     check_deferred();
-    touch(self, "copy_");
-    touch(dst, "copy_");
+    run_checks({{&self, Use::read}, {&dst, Use::write}}, blocking_read ? "a blocking copy to the host" : "copy_");
   }
-  bool to_host = self.is_privateuseone() && dst.is_cpu();
   if (to_host && non_blocking && !g_internal_copy && is_pinned(dst.data_ptr())) {
     copy_to_pinned_async(self, dst);
     return dst;
   }
-  if (to_host && !g_internal_copy && !non_blocking) count_sync("copy", "_copy_from");
+  if (blocking_read) count_sync("copy", "_copy_from");
   at::Tensor src = cpu_view(self), out = cpu_view(dst);
   out.copy_(src);
+  if (blocking_read) host_waits_current(self.device().index());  // as CUDA's: the host waits for this stream only
   return dst;
 }
 
@@ -223,8 +239,9 @@ at::Tensor& set_empty(at::Tensor& self) {
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
   check_deferred();
-  check_not_in_flight(self, "item()");
+  run_checks({{&self, Use::read}}, "item()");
   count_sync("item", "_local_scalar_dense");
+  host_waits_current(self.device().index());  // a blocking copy to the host on the current stream
   return at::_local_scalar_dense(cpu_view(self));
 }
 

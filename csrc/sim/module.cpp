@@ -82,6 +82,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fn() -> (call site, thread, issued by the engine's collective layer) of an issued collective (None: stop).");
   m.def("flight_records", &sim::comm_records,
         "simccl's record of every operation (issue, completion on the communicator, the host's wait), oldest first.");
+  m.def("race_stats", [] {
+    auto [accesses, ordered] = sim::race_stats();
+    return py::dict(py::arg("accesses") = accesses, py::arg("ordered_conflicts") = ordered);
+  }, "The race detector's counts: device memory accesses recorded, cross-stream conflicts found ordered.");
   m.def("reset_peak", [](int i) { sim::reset_peak(static_cast<c10::DeviceIndex>(i)); });
   m.def("set_poison", &sim::set_poison, "Fill fresh device memory with 0xff bytes (NaN): uninitialised reads show.");
   m.def("sync_count", &sim::sync_count, py::arg("kind") = "");

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace sim {
 
@@ -24,7 +25,10 @@ void set_current_device(c10::DeviceIndex index);
 void check_index(c10::DeviceIndex index);
 
 // ---- streams and events (stream.cpp) ----------------------------------------------------
-constexpr int kStreams = 33;  // per device: id 0 is the default stream, 1..32 the pool (as CUDA's)
+// Per device: id 0 is the default stream, 1..32 the pool (as CUDA's), then simccl's communicator streams
+// (a communicator takes slot ``n % kCommStreams``: two sharing one are ordered, which hides, never invents, a race).
+constexpr int kPoolStreams = 32, kCommStreams = 8;
+constexpr int kFirstComm = 1 + kPoolStreams, kStreams = kFirstComm + kCommStreams;
 // A vector clock over the streams of one device: v[s] = how many of stream s's kernels are ordered before.
 struct Clock {
   uint64_t v[kStreams] = {};
@@ -37,6 +41,12 @@ c10::Stream exchange_stream(const c10::Stream& s);  // returns the previous curr
 c10::Stream pool_stream(c10::DeviceIndex index);
 uint64_t note_kernel(c10::DeviceIndex index);  // a kernel issued on the current stream: its point there
 uint64_t stream_point(c10::DeviceIndex index, int stream);
+// A kernel on communicator stream ``comm``, which first waits for the current stream's work: its point there.
+uint64_t comm_kernel(c10::DeviceIndex index, int comm);
+// The clock a kernel on ``stream`` is ordered after (its waits, and what the host observed before issuing it).
+Clock stream_clock(c10::DeviceIndex index, int stream);
+Clock host_clock(c10::DeviceIndex index);  // how far the host has observed each stream
+void host_waits_current(c10::DeviceIndex index);  // a blocking copy to the host: the host observed the current stream
 // Whether ``stream`` (or the host) is ordered after ``other`` reached ``point``.
 bool ordered_after(c10::DeviceIndex index, int stream, int other, uint64_t point);
 void enqueue_async(c10::DeviceIndex index, std::function<void()> fn);  // on the current stream, after a delay
@@ -62,6 +72,41 @@ void synchronize_collectives();  // the host waits for every collective of this 
 void stop_collective_workers();
 // Join the asynchronous-copy workers once their queues have run (stream.cpp; at exit).
 void stop_async_workers();
+
+// ---- the happens-before race detector (race.cpp) ---------------------------------------------
+struct History;                  // the accesses to one allocation block
+void drop_history(History* h);   // the block was freed
+History** history_slot(const c10::Storage& storage);  // allocator.cpp: the block's, nullptr if not a sim block
+void name_comm_stream(c10::DeviceIndex index, int stream, const std::string& group);
+// (accesses recorded, conflicts with another stream's access found ordered): what the detector has checked.
+std::pair<int64_t, int64_t> race_stats();
+enum class Use : uint8_t { read, write };
+// One kernel's accesses to device memory, checked against the earlier kernels of other streams (check) and
+// then recorded (commit). A kernel on ``stream`` at ``point``; ``op`` must outlive the process (a schema
+// name or a literal).
+class Kernel {
+ public:
+  Kernel(c10::DeviceIndex index, int stream, uint64_t point, const char* op)
+      : index_(index), stream_(stream), point_(point), op_(op) {}
+  void use(const at::Tensor& t, Use u);
+  void check();   // raise (one line naming both kernels, both streams and the fix) on an unordered conflict
+  void commit();  // record the accesses: later kernels are checked against them
+  c10::DeviceIndex device() const { return index_; }
+  uint64_t point() const { return point_; }
+
+ private:
+  struct Access {
+    History** slot;
+    uint64_t lo, hi;
+    size_t nbytes;
+    Use use;
+  };
+  c10::DeviceIndex index_;
+  int stream_;
+  uint64_t point_;
+  const char* op_;
+  std::vector<Access> accesses_;
+};
 
 // ---- memory (allocator.cpp) -----------------------------------------------------------
 struct MemoryStats {

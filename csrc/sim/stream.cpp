@@ -135,7 +135,7 @@ c10::Stream exchange_stream(const c10::Stream& s) {
 
 c10::Stream pool_stream(c10::DeviceIndex index) {
   if (index < 0) index = current_device();
-  int id = 1 + device_state(index).next_pool.fetch_add(1) % (kStreams - 1);  // 32 pool streams, as CUDA has
+  int id = 1 + device_state(index).next_pool.fetch_add(1) % kPoolStreams;  // 32 pool streams, as CUDA has
   return c10::Stream(c10::Stream::UNSAFE, c10::Device(kSim, index), id);
 }
 
@@ -150,6 +150,36 @@ bool ordered_after(c10::DeviceIndex index, int stream, int other, uint64_t point
 }
 
 uint64_t stream_point(c10::DeviceIndex index, int stream) { return device_state(index).streams[stream].ops.load(); }
+
+uint64_t comm_kernel(c10::DeviceIndex index, int comm) {
+  DeviceState& d = device_state(index);
+  auto cur = g_current_stream[index];
+  std::lock_guard<std::mutex> lock(d.m);
+  StreamState& c = d.streams[comm];
+  c.known.merge(d.streams[cur].known);
+  c.known.v[cur] = std::max(c.known.v[cur], d.streams[cur].ops.load());
+  return c.ops.fetch_add(1) + 1;
+}
+
+Clock stream_clock(c10::DeviceIndex index, int stream) {
+  DeviceState& d = device_state(index);
+  std::lock_guard<std::mutex> lock(d.m);
+  Clock c = d.streams[stream].known;
+  c.merge(d.host);
+  return c;
+}
+
+Clock host_clock(c10::DeviceIndex index) {
+  DeviceState& d = device_state(index);
+  std::lock_guard<std::mutex> lock(d.m);
+  return d.host;
+}
+
+void host_waits_current(c10::DeviceIndex index) {
+  DeviceState& d = device_state(index);
+  std::lock_guard<std::mutex> lock(d.m);
+  observe_stream(d, static_cast<int>(g_current_stream[index]));
+}
 
 // ---- async work --------------------------------------------------------------------------------
 void enqueue_async(c10::DeviceIndex index, std::function<void()> fn) {

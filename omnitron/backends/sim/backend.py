@@ -13,6 +13,15 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   clock of how far it is ordered after each stream (``Event.record``/``wait``, ``wait_stream``,
   ``synchronize``, a query that says done). Compute is never done on its own, so a missing wait is
   found deterministically (the worst case a GPU allows), not when a race happens to lose.
+- *Happens-before race detector* (csrc/sim/race.cpp). Each allocation block keeps its accesses (byte
+  extent, stream, point, read or write, op); a kernel whose read or write conflicts with another
+  stream's access that its stream is not ordered after raises a ``RuntimeError`` from the op, one line
+  naming both kernels, both streams and the fix (read-after-write, write-after-write,
+  write-after-read). Reads and writes come from the op's schema (``Tensor(a!)``: written; a view's
+  input: not accessed); fresh results are written. ``.cpu()``, ``.item()``, ``.tolist()`` are
+  kernels on the current stream and order the host after that stream only, as CUDA's blocking copies.
+  Granularity is a tensor's extent in its block: disjoint slices on two streams are fine; interleaved
+  strided views (``x[0::2]``, ``x[1::2]``) overlap in extent and are reported.
 - *Stream-ordered caching allocator.* A freed block goes back to its allocation stream's cache,
   poisoned (0xff: NaN); ``record_stream`` holds it until that stream passes the free. A block used on
   another stream and freed without ``record_stream`` or a wait is an error raised by the next sim call.
@@ -23,8 +32,11 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   the destination's whole pages are protected: a host access ends the process with a message naming the
   copy's call site (csrc/sim/pinned.cpp; ``OMNITRON_SIM_GUARD_PAGES=0`` turns it off), and its other
   bytes read NaN (-1 in integer types).
-- *simccl is NCCL-shaped.* A collective's output is in flight until ``work.wait()`` (or
-  ``isCompleted()``, or a device synchronize): any kernel touching it raises. One collective runs at a
+- *simccl is NCCL-shaped.* Each communicator has a stream per device (8 slots; two communicators may
+  share one). A collective is a kernel there, after the issuing thread's current stream, reading its
+  inputs and writing its outputs; ``work.wait()`` makes the current stream (not another) wait for it.
+  Its output is in flight until ``work.wait()`` (or ``isCompleted()``, or a device synchronize): any
+  kernel touching it raises. One collective runs at a
   time per device, in issue order, so opposite orders on two ranks deadlock; after
   ``OMNITRON_SIM_DEADLOCK_S`` (default 60) with another waiting behind it, each rank reports both
   collectives with their groups, call sites and threads. A collective issued while another thread's is
@@ -39,7 +51,9 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
 
 Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
-``non_blocking`` host-to-device copy still reads (the copy is taken when issued). Barriers are queued,
+``non_blocking`` host-to-device copy still reads (the copy is taken when issued); the race detector misses a
+race between two communicators sharing a stream slot, and one between kernels two host threads issue at the
+same instant (each checks before the other records). Barriers are queued,
 checked and recorded like the collectives.
 """
 from __future__ import annotations
