@@ -20,7 +20,13 @@ instead of modelling op by op (see :class:`omnitron.plan.measure.SavedBytes`):
    chunk with ``--recompute-granularity full``, else 1): recomputation is measured, not assumed;
 4. the ends: a 2-layer probe split over 2 pipeline stages, each stage minus its layer, gives the first
    stage's embedding bytes and the last stage's head (final norm, logits, loss) bytes; the head at two
-   vocabularies ``V1, 2 V1`` separates the part that scales with the rank's ``V_pad / tp`` columns.
+   vocabularies ``V1, 2 V1`` separates the part that scales with the rank's ``V_pad / tp`` columns. The
+   ends are probed without multi-token prediction;
+5. multi-token prediction (``--mtp-num-layers D``, on the last stage): each depth is a transformer layer
+   (the layer rate), a head of its own (logits and loss, as the main head's) and its inputs: the shifted
+   tokens' embedding, the two input norms and the ``[s, b, 2h]`` concatenation ``eh_proj`` saves. The last
+   stage probed with one depth, minus the stage without it, its layer and its head, gives those inputs'
+   bytes per token (``mtp_inputs``; all of them ``[s(/tp under SP), b, .]``).
 
 Errors (bounded in tests/plan/test_activations.py): per-token norm statistics are multiplied by
 ``k`` in step 1 when ``k > 1`` (hidden sizes above 256 only; the tests' models are probed at ``k = 1``).
@@ -148,6 +154,8 @@ class ActivationModel:
     """Per token and vocabulary column of the rank's logits shard."""
     embedding: float
     """Per token: the first stage's embedding output (and dropout mask)."""
+    mtp_inputs: float = 0.0
+    """Per token and MTP depth: its embedding, input norms and ``eh_proj`` input (step 5 of the module doc)."""
 
 
 _CACHE: dict[str, ActivationModel] = {}
@@ -174,11 +182,16 @@ def _activation_model(cfg, tp: int) -> ActivationModel:
         recomputed = _layer_rate(replace(probe, recompute_method="uniform", recompute_num_layers=n), kh, kd, n)
     # embedding and head: the stages of a 2-layer, 2-stage probe minus their layer, at two vocabularies
     own = layer.lin * _S1 / k + layer.quad * _S1 * _S1 / kh  # the probe layer's own bytes
-    first, h1 = _ends(plain, own)
-    _, h2 = _ends(replace(plain, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), own)
+    main = replace(plain, mtp_num_layers=None)
+    first, h1 = _ends(main, own)
+    _, h2 = _ends(replace(main, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), own)
     per_col = (h2 - h1) / (_S1 * _V1)
+    mtp_inputs = 0.0
+    if cfg.mtp_num_layers:  # step 5: the stage with one depth, minus the stage without it, its layer and its head
+        _, m1 = _ends(replace(plain, mtp_num_layers=1), own)
+        mtp_inputs = (m1 - h1 - own - h1) / _S1 * k
     return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k,
-                           cfg.hidden_size * cfg.params_dtype.itemsize, per_col, first / _S1 * k)
+                           cfg.hidden_size * cfg.params_dtype.itemsize, per_col, first / _S1 * k, mtp_inputs)
 
 
 def _ends(probe, own: float) -> tuple[float, float]:
