@@ -30,6 +30,10 @@ instead of modelling op by op (see :class:`omnitron.plan.measure.SavedBytes`):
 
 Errors (bounded in tests/plan/test_activations.py): per-token norm statistics are multiplied by
 ``k`` in step 1 when ``k > 1`` (hidden sizes above 256 only; the tests' models are probed at ``k = 1``).
+Multi-latent attention is probed at ``k_dim = 1`` (its head dimensions kept) with its latent ranks divided by
+``k``; its shared rotated key part does not grow with the widths, so its layer's ``lin`` is split into the
+part that does and the part that does not by one more probe at twice the widths (``lin = W + C``, real
+``k W + C``; the norm statistics fall into ``C`` as well).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.plan.measure import SavedBytes
+from omnitron.plan.transients import heads_doubled
 
 _S1, _V1 = 64, 128
 
@@ -80,17 +85,20 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _scale(h: int, heads: int, groups: int, d: int, ffn: int) -> tuple[int, int]:
+def _scale(h: int, heads: int, groups: int, d: int, ffn: int, ranks: tuple[int, ...] = ()) -> tuple[int, int]:
     """(k_heads, k_dim): the probe divides the head count by ``k_heads`` and the head dimension by ``k_dim``
     (every width by ``k = k_heads * k_dim``), the largest ``k`` dividing hidden and ffn with a hidden size
-    of at least 256 and an even head dimension of at least 16 (RoPE pairs)."""
+    of at least 256 and an even head dimension of at least 16 (RoPE pairs). Multi-latent attention
+    (``ranks``: its latent ranks, which ``k`` must divide): ``k_dim = 1``, its head dimensions are kept."""
     best = (1, 1)
     for kh in _divisors(heads):
         if groups % kh:
             continue
-        for kd in _divisors(d):
+        for kd in [1] if ranks else _divisors(d):
             k = kh * kd
-            if h % k or ffn % k or h // k < 256 or (d // kd) % 2 or d // kd < 16:
+            if h % k or ffn % k or h // k < 256 or any(r % k for r in ranks):
+                continue
+            if not ranks and ((d // kd) % 2 or d // kd < 16):
                 continue
             if k > best[0] * best[1]:
                 best = (kh, kd)
@@ -103,13 +111,18 @@ def probe_config(cfg, tp: int):
     groups = cfg.num_query_groups or heads
     ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     lh, lg, lf = heads // tp, max(1, groups // tp), ffn // tp
-    kh, kd = _scale(cfg.hidden_size, lh, lg, d, lf)
+    mla = getattr(cfg, "multi_latent_attention", False)
+    ranks = tuple(r for r in (cfg.q_lora_rank, cfg.kv_lora_rank) if r) if mla else ()
+    kh, kd = _scale(cfg.hidden_size, lh, lg, d, lf, ranks)
     k = kh * kd
     # NOTE: MoE layers are probed as dense layers of the same ffn width (the router and expert dispatch are
     # not measured)
     probe = replace(cfg, hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh, kv_channels=d // kd,
                     num_query_groups=(lg // kh) if cfg.num_query_groups else None, ffn_hidden_size=lf // k,
                     vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
+    if mla:  # the latents are per-token widths: divided with the hidden size; the head dimensions kept (kd = 1)
+        probe = replace(probe, q_lora_rank=cfg.q_lora_rank // k if cfg.q_lora_rank else None,
+                        kv_lora_rank=cfg.kv_lora_rank // k)
     return probe, kh, kd
 
 
@@ -125,6 +138,12 @@ def _layer_rate(probe, kh: int, kd: int, n: int) -> LayerRate:
     hidden = (per_layer(wide, _S1) - a) / _S1  # the hidden-proportional part doubles
     k = kh * kd
     gathered = 0.0 if probe.recompute_granularity == "full" else _gathered_per_token(probe) * k
+    if k > 1 and getattr(probe, "multi_latent_attention", False):
+        # multi-latent attention's shared rotated key part ([s, b, dr]) and the norms' statistics do not grow
+        # with the widths: ``lin = W + C``; the probe at twice the widths (heads, hidden, ffn, latent ranks)
+        # gives ``W`` and ``C``, and the real layer ``k W + C``
+        lin2 = (per_layer(heads_doubled(probe), _S1) - 2 * quad * _S1 * _S1) / _S1
+        return LayerRate((k - 1) * lin2 - (k - 2) * lin, kh * quad, k * hidden, gathered)
     return LayerRate(k * lin, kh * quad, k * hidden, gathered)
 
 
