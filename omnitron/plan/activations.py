@@ -20,10 +20,20 @@ instead of modelling op by op (see :class:`omnitron.plan.measure.SavedBytes`):
    chunk with ``--recompute-granularity full``, else 1): recomputation is measured, not assumed;
 4. the ends: a 2-layer probe split over 2 pipeline stages, each stage minus its layer, gives the first
    stage's embedding bytes and the last stage's head (final norm, logits, loss) bytes; the head at two
-   vocabularies ``V1, 2 V1`` separates the part that scales with the rank's ``V_pad / tp`` columns.
+   vocabularies ``V1, 2 V1`` separates the part that scales with the rank's ``V_pad / tp`` columns. The
+   ends are probed without multi-token prediction;
+5. multi-token prediction (``--mtp-num-layers D``, on the last stage): each depth is a transformer layer
+   (the layer rate), a head of its own (logits and loss, as the main head's) and its inputs: the shifted
+   tokens' embedding, the two input norms and the ``[s, b, 2h]`` concatenation ``eh_proj`` saves. The last
+   stage probed with one depth, minus the stage without it, its layer and its head, gives those inputs'
+   bytes per token (``mtp_inputs``; all of them ``[s(/tp under SP), b, .]``).
 
 Errors (bounded in tests/plan/test_activations.py): per-token norm statistics are multiplied by
 ``k`` in step 1 when ``k > 1`` (hidden sizes above 256 only; the tests' models are probed at ``k = 1``).
+Multi-latent attention is probed at ``k_dim = 1`` (its head dimensions kept) with its latent ranks divided by
+``k``; its shared rotated key part does not grow with the widths, so its layer's ``lin`` is split into the
+part that does and the part that does not by one more probe at twice the widths (``lin = W + C``, real
+``k W + C``; the norm statistics fall into ``C`` as well).
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.plan.measure import SavedBytes
+from omnitron.plan.transients import heads_doubled
 
 _S1, _V1 = 64, 128
 
@@ -74,17 +85,20 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _scale(h: int, heads: int, groups: int, d: int, ffn: int) -> tuple[int, int]:
+def _scale(h: int, heads: int, groups: int, d: int, ffn: int, ranks: tuple[int, ...] = ()) -> tuple[int, int]:
     """(k_heads, k_dim): the probe divides the head count by ``k_heads`` and the head dimension by ``k_dim``
     (every width by ``k = k_heads * k_dim``), the largest ``k`` dividing hidden and ffn with a hidden size
-    of at least 256 and an even head dimension of at least 16 (RoPE pairs)."""
+    of at least 256 and an even head dimension of at least 16 (RoPE pairs). Multi-latent attention
+    (``ranks``: its latent ranks, which ``k`` must divide): ``k_dim = 1``, its head dimensions are kept."""
     best = (1, 1)
     for kh in _divisors(heads):
         if groups % kh:
             continue
-        for kd in _divisors(d):
+        for kd in [1] if ranks else _divisors(d):
             k = kh * kd
-            if h % k or ffn % k or h // k < 256 or (d // kd) % 2 or d // kd < 16:
+            if h % k or ffn % k or h // k < 256 or any(r % k for r in ranks):
+                continue
+            if not ranks and ((d // kd) % 2 or d // kd < 16):
                 continue
             if k > best[0] * best[1]:
                 best = (kh, kd)
@@ -97,13 +111,18 @@ def probe_config(cfg, tp: int):
     groups = cfg.num_query_groups or heads
     ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     lh, lg, lf = heads // tp, max(1, groups // tp), ffn // tp
-    kh, kd = _scale(cfg.hidden_size, lh, lg, d, lf)
+    mla = getattr(cfg, "multi_latent_attention", False)
+    ranks = tuple(r for r in (cfg.q_lora_rank, cfg.kv_lora_rank) if r) if mla else ()
+    kh, kd = _scale(cfg.hidden_size, lh, lg, d, lf, ranks)
     k = kh * kd
     # NOTE: MoE layers are probed as dense layers of the same ffn width (the router and expert dispatch are
     # not measured)
     probe = replace(cfg, hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh, kv_channels=d // kd,
                     num_query_groups=(lg // kh) if cfg.num_query_groups else None, ffn_hidden_size=lf // k,
                     vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
+    if mla:  # the latents are per-token widths: divided with the hidden size; the head dimensions kept (kd = 1)
+        probe = replace(probe, q_lora_rank=cfg.q_lora_rank // k if cfg.q_lora_rank else None,
+                        kv_lora_rank=cfg.kv_lora_rank // k)
     return probe, kh, kd
 
 
@@ -119,6 +138,12 @@ def _layer_rate(probe, kh: int, kd: int, n: int) -> LayerRate:
     hidden = (per_layer(wide, _S1) - a) / _S1  # the hidden-proportional part doubles
     k = kh * kd
     gathered = 0.0 if probe.recompute_granularity == "full" else _gathered_per_token(probe) * k
+    if k > 1 and getattr(probe, "multi_latent_attention", False):
+        # multi-latent attention's shared rotated key part ([s, b, dr]) and the norms' statistics do not grow
+        # with the widths: ``lin = W + C``; the probe at twice the widths (heads, hidden, ffn, latent ranks)
+        # gives ``W`` and ``C``, and the real layer ``k W + C``
+        lin2 = (per_layer(heads_doubled(probe), _S1) - 2 * quad * _S1 * _S1) / _S1
+        return LayerRate((k - 1) * lin2 - (k - 2) * lin, kh * quad, k * hidden, gathered)
     return LayerRate(k * lin, kh * quad, k * hidden, gathered)
 
 
@@ -148,6 +173,8 @@ class ActivationModel:
     """Per token and vocabulary column of the rank's logits shard."""
     embedding: float
     """Per token: the first stage's embedding output (and dropout mask)."""
+    mtp_inputs: float = 0.0
+    """Per token and MTP depth: its embedding, input norms and ``eh_proj`` input (step 5 of the module doc)."""
 
 
 _CACHE: dict[str, ActivationModel] = {}
@@ -174,11 +201,16 @@ def _activation_model(cfg, tp: int) -> ActivationModel:
         recomputed = _layer_rate(replace(probe, recompute_method="uniform", recompute_num_layers=n), kh, kd, n)
     # embedding and head: the stages of a 2-layer, 2-stage probe minus their layer, at two vocabularies
     own = layer.lin * _S1 / k + layer.quad * _S1 * _S1 / kh  # the probe layer's own bytes
-    first, h1 = _ends(plain, own)
-    _, h2 = _ends(replace(plain, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), own)
+    main = replace(plain, mtp_num_layers=None)
+    first, h1 = _ends(main, own)
+    _, h2 = _ends(replace(main, vocab_size=2 * _V1, make_vocab_size_divisible_by=2 * _V1), own)
     per_col = (h2 - h1) / (_S1 * _V1)
+    mtp_inputs = 0.0
+    if cfg.mtp_num_layers:  # step 5: the stage with one depth, minus the stage without it, its layer and its head
+        _, m1 = _ends(replace(plain, mtp_num_layers=1), own)
+        mtp_inputs = (m1 - h1 - own - h1) / _S1 * k
     return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k,
-                           cfg.hidden_size * cfg.params_dtype.itemsize, per_col, first / _S1 * k)
+                           cfg.hidden_size * cfg.params_dtype.itemsize, per_col, first / _S1 * k, mtp_inputs)
 
 
 def _ends(probe, own: float) -> tuple[float, float]:

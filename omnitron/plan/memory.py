@@ -15,6 +15,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
   action which sent an activation or input gradient (``[s(/tp under SP), b, h]``) runs beside it: the most
   of that over the table, independent of the number of micro-batches;
 - logits: the last stage's vocabulary-shard part of the head (``V_pad / tp`` columns, per token);
+- multi-token prediction (:func:`mtp_bytes`): on the last stage, each of the ``--mtp-num-layers`` depths holds
+  one layer's activations, its embedding and projection inputs, and a head's loss buffers and logits as the
+  main head's (in the activation and logit terms of the last chunk's micro-batch);
 - FP8 (assumed, not validated): one 1-byte copy of every 2-D layer weight when ``--fp8-format`` is on.
 
 - recompute and transient: what one micro-batch's forward and backward through the chunk holds at its
@@ -116,7 +119,26 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
     from omnitron.core.models.gpt.config import padded_vocab_size
 
     head = s * b * ((am.head_fixed - am.head_gathered) / tp + am.head_gathered if sp else am.head_fixed)
-    return acts + head, s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
+    logits = s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
+    mtp_acts, mtp_logits = mtp_bytes(settings, cfg, head, logits)
+    return acts + head + mtp_acts, logits + mtp_logits
+
+
+def mtp_bytes(settings, cfg, head: float, logits: float) -> tuple[float, float]:
+    """(activations, logits) bytes of one micro-batch through the multi-token prediction depths on the last stage:
+    per depth a layer (not recomputed: the depths sit outside the decoder's recompute chunks), its inputs
+    (``mtp_inputs``, split over tp under SP) and a head of ``head`` and ``logits`` bytes, the main head's.
+    Under SP one ``[s/tp, b, h]`` more a depth: the previous depth's output, which its ``hnorm`` saves as the
+    shard and the head as the all-gathered sequence (one storage in the one-process probe)."""
+    depths = cfg.mtp_num_layers or 0
+    if not depths:
+        return 0.0, 0.0
+    pc = settings.parallel
+    tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    am = activation_model(cfg, tp)
+    inputs = s * b * (am.mtp_inputs + am.head_gathered) / tp if sp else s * b * am.mtp_inputs
+    return depths * (am.layer.bytes(s, b, tp, sp) + inputs + head), depths * logits
 
 
 def output_bytes(settings, cfg, last: bool) -> float:

@@ -119,12 +119,16 @@ def _timeline(p: Probe) -> list[tuple[str | None, int]]:
     return tl.events
 
 
-def _heads_doubled(c):
-    """``c`` with twice the heads (and query groups), hidden and ffn sizes, at the same head dimension."""
+def heads_doubled(c):
+    """``c`` with twice the heads (and query groups), hidden and ffn sizes (and multi-latent attention's latent
+    ranks, which the probe divides with them), at the same head dimension."""
     d = c.kv_channels or c.hidden_size // c.num_attention_heads
-    return replace(c, num_attention_heads=2 * c.num_attention_heads, kv_channels=d,
-                   num_query_groups=2 * c.num_query_groups if c.num_query_groups else None,
-                   hidden_size=2 * c.hidden_size, ffn_hidden_size=2 * c.ffn_hidden_size)
+    c = replace(c, num_attention_heads=2 * c.num_attention_heads, kv_channels=d,
+                num_query_groups=2 * c.num_query_groups if c.num_query_groups else None,
+                hidden_size=2 * c.hidden_size, ffn_hidden_size=2 * c.ffn_hidden_size)
+    if getattr(c, "multi_latent_attention", False):
+        c = replace(c, q_lora_rank=2 * c.q_lora_rank if c.q_lora_rank else None, kv_lora_rank=2 * c.kv_lora_rank)
+    return c
 
 
 _DIMENSIONS = ("sequence", "batch", "head dimension", "heads", "vocabulary")
@@ -138,7 +142,7 @@ def _doubled(p: Probe) -> list[Probe]:
     return [replace(p, s=2 * p.s), replace(p, b=2 * p.b),
             replace(p, cfg=replace(c, kv_channels=2 * d, hidden_size=2 * c.hidden_size,
                                    ffn_hidden_size=2 * c.ffn_hidden_size)),
-            replace(p, cfg=_heads_doubled(c)), replace(p, cfg=vocab)]
+            replace(p, cfg=heads_doubled(c)), replace(p, cfg=vocab)]
 
 
 def scaled_peak(p: Probe, s: int, b: int, kh: int, kd: int, vocab: int) -> float:
@@ -150,7 +154,7 @@ def scaled_peak(p: Probe, s: int, b: int, kh: int, kd: int, vocab: int) -> float
     c = p.cfg
     one = c.num_attention_heads == 1 or c.num_query_groups == 1
     if one:
-        p = replace(p, cfg=_heads_doubled(c))
+        p = replace(p, cfg=heads_doubled(c))
     base = timeline(p)
     runs = [timeline(q) for q in _doubled(p)]
     for dim, run in zip(_DIMENSIONS, runs):

@@ -8,7 +8,13 @@ s = 64 and 128, b = 1. That form is exact for every tensor shaped [s, b, w] or [
 misses is a tensor that does not scale with b (a [s, s] causal mask or [s, d] RoPE table shared by the
 batch), counted b times, and tensors that only exist at some s. Measured at most 1 KiB of ~8 MiB
 (0.012%) on these layouts; 0.5% bounds it with room and still fails on any missing per-layer tensor
-(one [s, b, h] fp32 tensor is >= 1.2% of a layer here)."""
+(one [s, b, h] fp32 tensor is >= 1.2% of a layer here). The multi-token prediction layouts (GPT defaults: attention
+dropout, so attention saves its [b, a, s, s] scores) fail it when the depths' layers are scaled linearly in s
+from the s = 64 head probe (measured 2026-12-04: -3.4% at one depth, -8.0% on the last stage at two).
+Multi-latent attention at hidden 512 is probed at k = 2: there the ends' per-token constants (the head's norm
+statistics and per-token loss buffers) are multiplied by k as the module says, measured +0.22% in all, inside
+the bound; scaling its latents and shared rotated key part by k as if they were head widths is +15.0%
+(measured 2026-12-04 on mla_probe_k2_mtp1)."""
 from __future__ import annotations
 
 import pytest
@@ -25,6 +31,10 @@ BASE = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--num-query-groups", "2",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--ffn-hidden-size", "352"]
+MLA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+       "--hidden-dropout", "0", "--attention-dropout", "0", "--multi-latent-attention", "--q-lora-rank", "64",
+       "--kv-lora-rank", "32", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32",
+       "--qk-layernorm"]
 LAYOUTS = {  # name: (world, flags)
     "pp1": (1, []),
     "pp1_mbs2_s256": (1, ["--micro-batch-size", "2", "--seq-length", "256"]),
@@ -37,6 +47,10 @@ LAYOUTS = {  # name: (world, flags)
                     "--global-batch-size", "4"]),
     "llama_pp1_bf16": (1, LLAMA + ["--bf16"]),
     "llama_pp2_mbs2": (2, LLAMA + ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
+    "mtp1": (1, ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]),
+    "mla": (1, MLA),
+    "mla_probe_k2_mtp1": (1, MLA + ["--hidden-size", "512", "--num-attention-heads", "8", "--mtp-num-layers", "1"]),
+    "mtp2_pp2": (2, ["--position-embedding-type", "rope", "--mtp-num-layers", "2", "--pipeline-model-parallel-size", "2"]),
 }
 
 

@@ -48,14 +48,22 @@ _LLAMA = dict(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_gr
               recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
 
+_MLA = dict(num_layers=4, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1024, seq_length=64,
+            max_position_embeddings=64, vocab_size=300, normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+            position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True,
+            q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32, qk_layernorm=True)
+
+
 @pytest.mark.parametrize("fields,b,first,last", [
     pytest.param(_GPT, 2, True, True, id="gpt-whole"), pytest.param(_GPT, 2, False, False, id="gpt-middle"),
     pytest.param(_LLAMA, 3, True, False, id="llama-full-recompute-first"),
     pytest.param(_LLAMA, 3, False, True, id="llama-full-recompute-last"),
-    pytest.param({**_LLAMA, "num_query_groups": 1}, 2, True, True, id="llama-one-group-logged-at-two")])
+    pytest.param({**_LLAMA, "num_query_groups": 1}, 2, True, True, id="llama-one-group-logged-at-two"),
+    pytest.param(_MLA, 2, False, True, id="mla-latents-with-the-heads")])
 def test_scaled_probe_replay_equals_the_real_chunk(fields, b, first, last):
-    """Probed at half the width (gpt: heads / 2; llama, GQA: head dimension / 2), sequence 32, batch 2,
-    vocabulary 128, then scaled: the peak equals the chunk's own log at its real size."""
+    """Probed at half the width (gpt: heads / 2; llama, GQA: head dimension / 2; MLA: heads and latent ranks / 2,
+    head dimensions kept), sequence 32, batch 2, vocabulary 128, then scaled: the peak equals the chunk's own log
+    at its real size."""
     from omnitron.core.models.gpt.config import GPTConfig, padded_vocab_size
     from omnitron.plan.activations import probe_config
     from omnitron.plan.transients import _B0, _S0, Probe, peak, scaled_peak, timeline

@@ -11,7 +11,9 @@ attention kernel runs as before (causal prefill, then single queries over the wh
 
 Multi-latent attention (DeepSeek) keeps each slot's normalised latent and its rotated shared key part
 (``kv_lora_rank + qk_pos_emb_head_dim`` numbers per token and layer) instead of every head's key and
-value, and expands them with the layer's up-projection at each step (:meth:`KVCache.bytes_per_token`).
+value (:meth:`KVCache.bytes_per_token`); single-token steps attend to the latents directly, the up-projection
+absorbed into the query and the output (:mod:`omnitron.core.transformer.mla_absorbed`), other steps expand
+them with the layer's up-projection.
 
 :class:`CrossKVCache` memoizes each T5 decoder layer's cross-attention key/value projection of the
 encoder output ("memory"), which does not change while decoding: computed on the first step, reused.
@@ -58,14 +60,22 @@ class KVCache:
                 raise ValueError("KVCache: multi-token steps after the prefill need a validity mask (set .valid)")
             return module.backend.kernels.attention(q, k, v, causal=s_new > 1, dropout_p=0.0,
                                                     **({} if scale is None else {"scale": scale}))
-        if tuple(self.valid.shape) != (q.shape[0], s_all):
-            raise ValueError(f"KVCache.valid must be [batch, slots] = {(q.shape[0], s_all)}, "
-                             f"got {tuple(self.valid.shape)}")
-        qpos = torch.arange(s_all - s_new, s_all, device=q.device)[:, None]  # [s_new, 1] slot of each query
-        kpos = torch.arange(s_all, device=q.device)[None, :]  # [1, s_all]
-        keep = (kpos <= qpos) & (self.valid[:, None, :] | (kpos == qpos))  # [b, s_new, s_all]
+        keep = self.keep(q.shape[0], s_new, s_all, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=k.shape[1] != q.shape[1],
                                               scale=scale)
+
+    def keep(self, b: int, s_new: int, s_all: int, device) -> torch.Tensor | None:
+        """``[b|1, s_new, s_all]`` bool: the slots each new query (the last ``s_new``) attends to, causal and valid
+        (and itself); None when that is every slot (one query, no padding)."""
+        if self.valid is None and s_new == 1:
+            return None
+        qpos = torch.arange(s_all - s_new, s_all, device=device)[:, None]  # [s_new, 1] slot of each query
+        kpos = torch.arange(s_all, device=device)[None, :]  # [1, s_all]
+        if self.valid is None:
+            return (kpos <= qpos)[None]
+        if tuple(self.valid.shape) != (b, s_all):
+            raise ValueError(f"KVCache.valid must be [batch, slots] = {(b, s_all)}, got {tuple(self.valid.shape)}")
+        return (kpos <= qpos) & (self.valid[:, None, :] | (kpos == qpos))  # [b, s_new, s_all]
 
     def _window_sink(self, module, q, k, v, sinks):
         """Sliding window and attention sinks (transformer/window.py) over the cached slots: slot distances are
@@ -79,17 +89,6 @@ class KVCache:
             keep = keep & (self.valid[:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
             keep = keep[:, None]
         return sink_attention(q, k, v, keep, None if sinks is None else sinks.to(q.device))
-
-    def _latent(self, i: int):
-        """Multi-latent attention's cache: the layer's normalised latents and rotated shared key parts
-        (``[slots, b, r]``, ``[slots, b, 1, dr]``), from which it expands every slot's keys and values."""
-        def latent_cache(latent, k_pe):
-            if self.keys[i] is not None:
-                latent, k_pe = torch.cat([self.keys[i], latent]), torch.cat([self.values[i], k_pe])
-            self.keys[i], self.values[i] = latent, k_pe
-            return latent, k_pe
-
-        return latent_cache
 
     def _attend_only(self, module):
         def core_attention(q, k, v, key_padding_mask=None, document_ids=None):  # keys and values: every slot
@@ -108,7 +107,7 @@ class KVCache:
     def __enter__(self) -> "KVCache":
         for i, a in enumerate(self.attn):
             if self.latent:
-                a.latent_cache, a.core_attention = self._latent(i), self._attend_only(a)
+                a.latent_cache, a.core_attention = LatentSlots(self, i), self._attend_only(a)
             else:
                 a.core_attention = self._core(i, a)
         return self
@@ -118,6 +117,25 @@ class KVCache:
             del a.core_attention  # back to the class method
             if self.latent:
                 a.latent_cache = None
+
+
+class LatentSlots:
+    """Multi-latent attention layer ``i``'s cache: ``(latent [s, b, r], k_pe [s, b, 1, dr])`` of the new slots in,
+    the same over every slot out (the layer's normalised latents and rotated shared key parts); :meth:`keep`
+    the slots its new queries see (:meth:`KVCache.keep`)."""
+
+    def __init__(self, cache: KVCache, i: int) -> None:
+        self.cache, self.i = cache, i
+
+    def __call__(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, i = self.cache, self.i
+        if c.keys[i] is not None:
+            latent, k_pe = torch.cat([c.keys[i], latent]), torch.cat([c.values[i], k_pe])
+        c.keys[i], c.values[i] = latent, k_pe
+        return latent, k_pe
+
+    def keep(self, b: int, s_new: int, s_all: int, device) -> torch.Tensor | None:
+        return self.cache.keep(b, s_new, s_all, device)
 
 
 class CrossKVCache:

@@ -25,6 +25,10 @@ Context parallelism: the rows are this cp rank's load-balanced chunks and ``freq
 (the model's), so the decoupled RoPE rotates by the global position; core attention runs over the cp group
 (:mod:`omnitron.core.transformer.cp_attention`, any ``--cp-comm-type``) with the YaRN scale, the ring's
 keys and values travelling as one tensor although ``dv != dn + dr``.
+
+Generation: the KV cache keeps each slot's latent and rotated key part (``latent_cache``); single-token steps
+attend to them with the up-projection absorbed into the query and the output (``absorb``, where it applies and
+where the expanded path runs instead: :mod:`omnitron.core.transformer.mla_absorbed`).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer import yarn
 from omnitron.core.transformer.dropout_attention import in_graph_dropout_attention
 from omnitron.core.transformer.cp_attention import cp_attention
+from omnitron.core.transformer.mla_absorbed import absorbed_attention
 from omnitron.core.transformer.norm import Norm, norm_kwargs
 
 
@@ -85,6 +90,9 @@ class MLASelfAttention(nn.Module):
         # generation: ``(latent [s, b, r], k_pe [s, b, 1, dr]) -> the same over every cached slot`` (the KV cache
         # keeps the normalised latent and the rotated shared key part, not the per-head keys and values)
         self.latent_cache = None
+        self.absorb: bool | None = None
+        """Absorbed attention over the cached latents: None on single-token cached steps, True on every cached step
+        (refused where it cannot apply), False never (:mod:`omnitron.core.transformer.mla_absorbed`)."""
         # set by apply_context_parallel (as on SelfAttention): attention over the cp-split sequence
         self.cp_group, self.cp_comm_type, self.cp_subgroups = None, "p2p", None
 
@@ -92,14 +100,18 @@ class MLASelfAttention(nn.Module):
         t = self.backend.kernels.rope(t, freqs, True)  # interleaved pairs (see the module docstring)
         return t if self.rope_factor == 1.0 else t * self.rope_factor
 
-    def _project(self, x: torch.Tensor, freqs: torch.Tensor):
-        """``q, k [s, b, n/tp, dn + dr]``, ``v [s, b, n/tp, dv]``."""
+    def _query(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """``q [s, b, n/tp, dn + dr]``, its rope part rotated."""
         if self.c.q_lora_rank is None:
             q = self.linear_q_proj(x)
         else:
             q = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)))
-        s, b = q.shape[:2]
-        q = q.view(s, b, -1, self.dn + self.dr)
+        q_nope, q_pe = q.view(q.shape[0], q.shape[1], -1, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
+        return torch.cat([q_nope, self._rope(q_pe, freqs)], dim=-1)
+
+    def _latents(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``latent [s(k), b, r]`` (this rank's sequence shard under sp) and ``k_pe [s(k), b, 1, dr]``: in
+        generation every cached slot's."""
         latent, k_pe = self.linear_kv_down_proj(x).split([self.c.kv_lora_rank, self.dr], dim=-1)
         latent = self.kv_layernorm(latent)
         # the shared rotated key part feeds every local head: its gradient is a partial sum over tp
@@ -107,13 +119,26 @@ class MLASelfAttention(nn.Module):
         k_pe = self._rope(k_pe.unsqueeze(2), freqs)  # [s, b, 1, dr]
         if self.latent_cache is not None:  # generation: every cached slot's latent, then this step's
             latent, k_pe = self.latent_cache(latent, k_pe)
+        return latent, k_pe
+
+    def _project(self, x: torch.Tensor, freqs: torch.Tensor):
+        """``q, k [s, b, n/tp, dn + dr]``, ``v [s, b, n/tp, dv]``."""
+        q, (latent, k_pe) = self._query(x, freqs), self._latents(x, freqs)
         kv = self.linear_kv_up_proj(latent)  # [s(k), b, ...]: under sp the up-projection gathers the latents
-        kv = kv.view(kv.shape[0], b, -1, self.dn + self.dv)
-        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        kv = kv.view(kv.shape[0], q.shape[1], -1, self.dn + self.dv)
         k_nope, v = kv.split([self.dn, self.dv], dim=-1)
-        q = torch.cat([q_nope, self._rope(q_pe, freqs)], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         return q, k, v
+
+    def _absorbs(self, s_new: int) -> bool:
+        """Whether this step attends to the cached latents directly (``absorb``; mla_absorbed.py says where)."""
+        if self.latent_cache is None or self.absorb is False:
+            return False
+        blocked = self.sp or self.cp_group is not None or (self.training and self.c.attention_dropout > 0)
+        if self.absorb and blocked:
+            raise ValueError("MLASelfAttention.absorb=True: the absorbed attention does not run under sequence or "
+                             "context parallelism or with attention dropout in training; set absorb to None or False")
+        return not blocked and (bool(self.absorb) or s_new == 1)
 
     def core_attention(self, q, k, v, key_padding_mask: torch.Tensor | None = None,
                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,6 +172,11 @@ class MLASelfAttention(nn.Module):
             raise ValueError("multi-latent attention is causal only (GPT); a padding mask (BERT) is not supported")
         if freqs is None:
             raise ValueError("multi-latent attention needs the rotation angles of its decoupled RoPE (freqs)")
+        if self._absorbs(x.shape[0]):
+            q, (latent, k_pe) = self._query(x, freqs), self._latents(x, freqs)
+            keep = self.latent_cache.keep(q.shape[1], q.shape[0], latent.shape[0], q.device)
+            y = self.linear_proj(absorbed_attention(self, q, latent, k_pe, keep))
+            return y if isinstance(y, tuple) else (y, None)
         q, k, v = (t.permute(1, 2, 0, 3) for t in self._project(x, freqs))  # [b, n/tp, s(k), d]
         s, b = q.shape[2], q.shape[0]
         masks = () if document_ids is None else (None, document_ids)
