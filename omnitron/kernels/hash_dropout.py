@@ -6,14 +6,18 @@ stored: a tile of any shape, a ring step, a cp layout (p2p ring, a2a, allgather,
 recomputation makes the same mask from the index ranges it covers, so context parallelism equals one process
 exactly (positions are GLOBAL sequence positions, heads the rank's query-head index before any cp head split).
 
-The hash is a chain of :func:`mix32` (a bijective 32-bit integer mix: xor-shift, odd multiply, twice): a row key
-from ``(seed, batch, head, q)`` on the small ``[b, h, rows, 1]`` tensor, then two mixes per element with the key
-position. Tensors hold the 32-bit values as int32 bit patterns (int32 ops are ~20x faster than int64 ones on the
-CPU: vectorised shifts and multiplies): a logical shift is an arithmetic one masked, a product wraps modulo
-2^32 (two's complement; :func:`mix32_int`, plain Python integers, is the exact reference the tests hold every
+The hash is a chain of 32-bit mixes (:func:`mix32_int`: bijective; xor-shift, odd multiply, twice): a row key from
+``(seed, batch, head, q)`` on the small ``[b, h, rows, 1]`` tensor, a column key from ``k`` on the ``[cols]``
+one, and one mix per element of their xor. Two elements collide exactly when their row keys differ as their
+column keys do, so among ``n`` elements about ``n^2 / 2^33`` pairs share a 32-bit value, as for a random
+function; the mix's avalanche makes the decisions of elements with related keys unrelated.
+
+Tensors hold the 32-bit values as int32 bit patterns (int32 ops are ~20x faster than int64 ones on the CPU:
+vectorised shifts and multiplies): a logical shift is an arithmetic one masked, a product wraps modulo 2^32
+(two's complement; :func:`mix32_int`, plain Python integers, is the exact reference the tests hold every
 backend's tensors to), and the unsigned comparison with the threshold flips the sign bit on both sides.
 
-Statistics: within a row the key positions map to distinct 32-bit values (``mix32`` is a bijection);
+Statistics: within a row the key positions map to distinct 32-bit values (the mixes are bijections);
 ``threshold(p) = round(p 2^32)``, so over the hash's outputs an element is kept with probability
 ``1 - threshold / 2^32``, within ``2^-33`` of ``1 - p`` (the quantisation). Tested: the keep rate of large
 tiles within its binomial bound, and masks of different seeds, heads, batches and positions uncorrelated.
@@ -26,7 +30,7 @@ import torch
 
 MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x21F0AAAD, 0x735A2D97  # odd multipliers of a good xor-shift-multiply 32-bit mix, both < 2^31
-_SALT = 0x1E3779B9  # (< 2^31) splits the row key into the two keys the element mix uses
+_SALT = 0x1E3779B9  # (< 2^31) sets the column keys apart from the row chain's
 _SIGN = -2 ** 31  # the sign bit of an int32
 
 
@@ -72,8 +76,7 @@ def keep(seed: int, p: float, batch: torch.Tensor, head: torch.Tensor, q: torch.
     """Boolean keep mask broadcast over int32 index tensors ``batch, head, q`` (shaped to broadcast, e.g.
     ``[b,1,1,1]``, ``[1,h,1,1]``, ``[1,1,rows,1]``) and ``k`` (``[1,1,1,cols]``), all ``>= 0``."""
     row = mix32_(mix32_(mix32_(batch ^ as_int32(seed_key(seed))) ^ head) ^ q)  # [b, h, rows, 1]: cheap
-    salt = mix32_(row ^ _SALT)
-    x = mix32_(mix32_(row ^ k) ^ salt)  # the one [b, h, rows, cols] tensor, mixed in place
+    x = mix32_(row ^ mix32_(k ^ _SALT))  # the one [b, h, rows, cols] tensor, mixed in place
     return (x ^ _SIGN) >= threshold(p) + _SIGN  # unsigned x >= threshold
 
 
@@ -101,7 +104,7 @@ class HashDropout(NamedTuple):
         h = torch.arange(self.head0, self.head0 + heads, device=dev, dtype=torch.int32).view(1, -1, 1, 1)
         q, k = self.q_pos[rows].view(1, 1, -1, 1), self.k_pos.view(1, 1, 1, -1)
         kept = keep(self.seed, self.p, b, h, q.to(torch.int32), k.to(torch.int32))
-        return kept.to(dtype) * (1.0 / (1.0 - self.p))
+        return torch.zeros(kept.shape, dtype=dtype, device=dev).masked_fill_(kept, 1.0 / (1.0 - self.p))
 
 
 def block_positions(q_pos: torch.Tensor, k_pos: torch.Tensor, seed: int, p: float, head0: int = 0,

@@ -42,7 +42,7 @@ def _keep_int(seed: int, p: float, b: int, h: int, q: int, k: int) -> bool:
     """The keep decision of one element in exact integer arithmetic (the module's documented chain)."""
     m = H.mix32_int
     row = m(m(m(H.seed_key(seed) ^ b) ^ h) ^ q)
-    return m(m(row ^ k) ^ m(row ^ H._SALT)) >= round(p * 2 ** 32)
+    return m(row ^ m(k ^ H._SALT)) >= round(p * 2 ** 32)
 
 
 # ---- (a) the hash ---------------------------------------------------------------------------------

@@ -78,11 +78,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     out = q.new_empty(qg.shape[:-1] + v.shape[-1:])  # [b, hkv, rep, sq, dv]
     lse = q.new_empty(qg.shape[:-1])
     for rows in _chunks(sq):
-        s = _scores(qg, k, causal, scale, mask, rows)
-        lse[..., rows] = torch.logsumexp(s, dim=-1)  # -inf where a row sees no key of this block
-        p = torch.exp(s - lse[..., rows].nan_to_num(neginf=0.0).unsqueeze(-1))  # such a row: exp(-inf) = 0
+        p = _scores(qg, k, causal, scale, mask, rows)
+        lse[..., rows] = torch.logsumexp(p, dim=-1)  # -inf where a row sees no key of this block
+        p.sub_(lse[..., rows].nan_to_num(neginf=0.0).unsqueeze(-1)).exp_()  # such a row: exp(-inf) = 0
         d = _drop(drop, b, hq, hkv, rows, p.dtype)
-        out[..., rows, :] = torch.matmul(p if d is None else p * d, v.unsqueeze(2))
+        out[..., rows, :] = torch.matmul(p if d is None else p.mul_(d), v.unsqueeze(2))
     return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
 
 
@@ -102,14 +102,15 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     qg, dog, og, lg = _group(q, hkv), _group(dout, hkv), _group(out, hkv), _group(lse.unsqueeze(-1), hkv)
     dq, dk, dv = torch.empty_like(qg), torch.zeros_like(k), torch.zeros_like(v)
     for rows in _chunks(sq):
-        p = torch.exp(_scores(qg, k, causal, scale, mask, rows) - lg[..., rows, :])  # [b, hkv, rep, rows, sk]
+        p = _scores(qg, k, causal, scale, mask, rows).sub_(lg[..., rows, :]).exp_()  # [b, hkv, rep, rows, sk]
         do = dog[..., rows, :]
         dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
         d = _drop(drop, b, hq, hkv, rows, p.dtype)
         if d is not None:
-            dp = dp * d
+            dp.mul_(d)
         dv += torch.matmul((p if d is None else p * d).transpose(-1, -2), do).sum(2)
-        ds = p * (dp - (do * og[..., rows, :]).sum(-1, keepdim=True))
+        del d
+        ds = dp.sub_((do * og[..., rows, :]).sum(-1, keepdim=True)).mul_(p)
         dq[..., rows, :] = torch.matmul(ds, k.unsqueeze(2)) * scale
         dk += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
     return dq.reshape(q.shape), dk, dv
