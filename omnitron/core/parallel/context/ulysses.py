@@ -25,7 +25,6 @@ from omnitron.core.parallel.context.blocks import BlockedAttention
 from omnitron.core.parallel.context.layout import chunk_positions
 from omnitron.core.parallel.tensor.mappings import gather_from_sp
 from omnitron.core.transformer.moe.dispatch import all_to_all
-from omnitron.kernels.hash_dropout import block_positions
 
 
 def _order(seq: int, group, device) -> torch.Tensor:
@@ -87,11 +86,10 @@ def allgather_tasks(local_length: int, group) -> list:
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, attend_masked=None,
-                        kernel=None, scale: float | None = None, window=None, dropout_p: float = 0.0,
-                        seed: int = 0) -> torch.Tensor:
+                        kernel=None, scale: float | None = None, window=None, drop=None) -> torch.Tensor:
     """This rank's queries against the all-gathered keys and values. With ``kernel`` (a :class:`.blocks.BlockKernel`)
-    the causal blocks of :func:`allgather_tasks` run on it and merge by log-sum-exp (no mask, no scores; attention
-    dropout ``dropout_p`` from the hash of ``seed`` and the global positions);
+    the causal blocks of :func:`allgather_tasks` run on it and merge by log-sum-exp (no mask, no scores; ``drop``:
+    the hash dropout of this rank's rows against the whole sequence, :mod:`omnitron.kernels.hash_dropout`);
     otherwise ``attend_masked(q, k, v, keep)`` with a boolean ``keep [s_q, s_k]`` (True = attend: causal, within
     the sliding ``window`` of :mod:`omnitron.core.transformer.window` when given)."""
     seq = q.shape[2] * group.size
@@ -106,8 +104,6 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gr
         raise ValueError("allgather attention: a sliding window runs on attend_masked, not on the block kernel")
     if kernel is not None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        drop = block_positions(order[group.rank * q.shape[2]: (group.rank + 1) * q.shape[2]],
-                               torch.arange(seq, device=q.device), seed, dropout_p, device=q.device)
         return BlockedAttention.apply(q, gather(k), gather(v), allgather_tasks(q.shape[2], group), kernel, scale,
                                       drop)
     from omnitron.core.transformer.window import keep_mask
