@@ -10,7 +10,8 @@ backward regenerates is the forward's.
 (c) cp2 p2p ring, a2a and allgather with dropout through the engine's entry (``cp_attention``, the seed drawn
 from the tracker): loss and every gradient against the direct one-process float64 attention with the same hash
 mask; the seed is the same on both cp ranks. A GPT model at cp2 draws a new seed per layer and per step, and
-selective recomputation replays them (gradients identical). Slow: cp4 (a2a+p2p 2x2 too) and tp2 x cp2 (tp ranks
+selective recomputation replays them (gradients identical). On sim, dropout adds no host sync to any path
+(sim counts them). Slow: cp4 (a2a+p2p 2x2 too) and tp2 x cp2 (tp ranks
 draw different seeds, cp ranks the same).
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from omnitron.core.parallel.context import split_sequence
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.kernels import hash_dropout as H
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 from test_cp_variants import _layouts  # p2p, a2a, allgather (and a2a+p2p 2 x 2 at cp4)
 
 
@@ -267,3 +269,31 @@ def test_model_seeds_per_layer_and_step_shared_over_cp():
 @pytest.mark.slow
 def test_model_seeds_differ_over_tp():
     _check_model(run_distributed(model_worker, 4, 2, "a2a"), 2)
+
+
+def sync_worker() -> dict:
+    """Host syncs sim counts in one cp2 attention forward + backward per comm type, with and without dropout
+    (the same seeded stream: the dropout seed is drawn from it without a sync)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.tensor import RNGTracker
+    from omnitron.core.parallel.tensor.random import MODEL_PARALLEL
+    from omnitron.core.transformer.cp_attention import cp_attention
+
+    be, out = get_backend(), {}
+    for comm in ("p2p", "a2a", "allgather"):
+        groups = ParallelGroups.build(ParallelConfig(context_parallel_size=2, cp_comm_type=comm), be.collectives)
+        tracker = RNGTracker(be)
+        tracker.add(MODEL_PARALLEL, 5)
+        for p in (0.0, 0.3):
+            q, k, v = (torch.randn(2, 4, 16, 8, device=be.device(), requires_grad=True) for _ in range(3))
+            be.reset_sync_count()
+            cp_attention(_module(groups, comm, be, tracker), q, k, v, p).sum().backward()
+            out[comm, p] = be.sync_count()
+    return out
+
+
+@requires_sim()
+def test_dropout_adds_no_host_sync_on_sim():
+    # the count without dropout is the path's own (under OMNITRON_STRICT_COLLECTIVES, the collectives' checks)
+    for counts in run_distributed(sync_worker, 2, backend="sim"):
+        assert all(counts[comm, 0.3] == counts[comm, 0.0] for comm in ("p2p", "a2a", "allgather")), counts
