@@ -14,7 +14,8 @@ same op names.
 Both directions run in chunks of :data:`ROW_CHUNK` query rows (each chunk sees all the block's keys, so its
 log-sum-exp is exact without a merge; backward's rows are independent given the final ``out`` and ``lse``):
 scores, probabilities and the chunk's dropout multiplier, drawn from the hash, are ``O(ROW_CHUNK x sk)``,
-never ``O(sq x sk)``; the mask is regenerated in backward, never stored.
+never ``O(sq x sk)``; the mask is regenerated in backward, never stored. A causal square block's chunk takes
+only the keys up to its last row (the rest are masked): half the work of the whole block.
 """
 from __future__ import annotations
 
@@ -39,9 +40,11 @@ ROW_CHUNK = 256
 """Query rows per chunk of the reference block (peak scores ``[b, hq, ROW_CHUNK, sk]``)."""
 
 
-def _chunks(sq: int):
+def _chunks(sq: int, causal: bool, mask):
+    """``(rows, keys)`` per chunk: a causal square block's chunk needs only the keys up to its last row."""
     for lo in range(0, sq, ROW_CHUNK):
-        yield slice(lo, min(lo + ROW_CHUNK, sq))
+        hi = min(lo + ROW_CHUNK, sq)
+        yield slice(lo, hi), slice(0, hi) if causal and mask is None else slice(None)
 
 
 def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
@@ -58,9 +61,9 @@ def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, mask:
     return s
 
 
-def _drop(drop, b: int, hq: int, hkv: int, rows: slice, dtype) -> torch.Tensor | None:
-    """The chunk's dropout multiplier ``[b, hkv, rep, rows, sk]`` (None without dropout)."""
-    return None if drop is None else _group(drop.multiplier(b, hq, rows, dtype), hkv)
+def _drop(drop, b: int, hq: int, hkv: int, rows: slice, keys: slice, dtype) -> torch.Tensor | None:
+    """The chunk's dropout multiplier ``[b, hkv, rep, rows, keys]`` (None without dropout)."""
+    return None if drop is None else _group(drop.narrow(slice(None), keys).multiplier(b, hq, rows, dtype), hkv)
 
 
 @register("attention_block_forward", "reference")
@@ -77,12 +80,12 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     qg = _group(q, hkv)
     out = q.new_empty(qg.shape[:-1] + v.shape[-1:])  # [b, hkv, rep, sq, dv]
     lse = q.new_empty(qg.shape[:-1])
-    for rows in _chunks(sq):
-        p = _scores(qg, k, causal, scale, mask, rows)
+    for rows, keys in _chunks(sq, causal, mask):
+        p = _scores(qg, k[:, :, keys], causal, scale, mask, rows)
         lse[..., rows] = torch.logsumexp(p, dim=-1)  # -inf where a row sees no key of this block
         p.sub_(lse[..., rows].nan_to_num(neginf=0.0).unsqueeze(-1)).exp_()  # such a row: exp(-inf) = 0
-        d = _drop(drop, b, hq, hkv, rows, p.dtype)
-        out[..., rows, :] = torch.matmul(p if d is None else p.mul_(d), v.unsqueeze(2))
+        d = _drop(drop, b, hq, hkv, rows, keys, p.dtype)
+        out[..., rows, :] = torch.matmul(p if d is None else p.mul_(d), v[:, :, keys].unsqueeze(2))
     return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
 
 
@@ -101,16 +104,17 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     hkv = k.shape[1]
     qg, dog, og, lg = _group(q, hkv), _group(dout, hkv), _group(out, hkv), _group(lse.unsqueeze(-1), hkv)
     dq, dk, dv = torch.empty_like(qg), torch.zeros_like(k), torch.zeros_like(v)
-    for rows in _chunks(sq):
-        p = _scores(qg, k, causal, scale, mask, rows).sub_(lg[..., rows, :]).exp_()  # [b, hkv, rep, rows, sk]
+    for rows, keys in _chunks(sq, causal, mask):
+        kc, vc = k[:, :, keys], v[:, :, keys]
+        p = _scores(qg, kc, causal, scale, mask, rows).sub_(lg[..., rows, :]).exp_()  # [b, hkv, rep, rows, keys]
         do = dog[..., rows, :]
-        dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
-        d = _drop(drop, b, hq, hkv, rows, p.dtype)
+        dp = torch.matmul(do, vc.unsqueeze(2).transpose(-1, -2))
+        d = _drop(drop, b, hq, hkv, rows, keys, p.dtype)
         if d is not None:
             dp.mul_(d)
-        dv += torch.matmul((p if d is None else p * d).transpose(-1, -2), do).sum(2)
+        dv[:, :, keys] += torch.matmul((p if d is None else p * d).transpose(-1, -2), do).sum(2)
         del d
         ds = dp.sub_((do * og[..., rows, :]).sum(-1, keepdim=True)).mul_(p)
-        dq[..., rows, :] = torch.matmul(ds, k.unsqueeze(2)) * scale
-        dk += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
+        dq[..., rows, :] = torch.matmul(ds, kc.unsqueeze(2)) * scale
+        dk[:, :, keys] += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
     return dq.reshape(q.shape), dk, dv
