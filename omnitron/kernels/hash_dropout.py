@@ -62,7 +62,7 @@ def threshold(p: float) -> int:
     """The 32-bit threshold below which an element is dropped (keep probability ``1 - threshold / 2^32``)."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"hash dropout: p must be in [0, 1), got {p}")
-    return int(round(p * 2.0 ** 32))
+    return min(int(round(p * 2.0 ** 32)), MASK32)  # (p within 2^-33 of 1 keeps 1 value in 2^32)
 
 
 def seed_key(seed: int) -> int:
