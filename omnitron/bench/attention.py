@@ -62,16 +62,16 @@ def run(backend, *, seqs: list[int], heads: int = 8, head_dim: int = 64, batch: 
 
 def _ring_rows(backend, q, k, v, grad, rounds: int, budget_s: float, log) -> list[dict]:
     """``ring_block`` rows at this sequence length: causal and full blocks, with and without dropout."""
-    from omnitron.core.parallel.context.ring import block_dropout
+    from omnitron.kernels.hash_dropout import block_positions
 
     kern, (b, h, s, d) = backend.kernels, q.shape
     out = []
     for causal in (True, False):
         for p in (0.0, 0.1):
             def step(causal=causal, p=p):
-                drop = block_dropout(1, 0, 1, (b, h, s, s), p, q.dtype, q.device) if p else None
+                pos = torch.arange(s, device=q.device)
+                drop = block_positions(pos, pos, 1, p, device=q.device)  # the ring's hash dropout (None at p 0)
                 o, lse = kern.attention_block_forward(q, k, v, causal=causal, scale=d ** -0.5, drop=drop)
-                drop = block_dropout(1, 0, 1, (b, h, s, s), p, q.dtype, q.device) if p else None
                 kern.attention_block_backward(grad, q, k, v, o, lse, causal=causal, scale=d ** -0.5, drop=drop)
 
             ms = median_ms(step, backend, rounds=rounds, budget_s=budget_s)

@@ -12,8 +12,9 @@ fixed cost of a layer (Python, dispatch, autograd; measured once, whatever the s
 engine's MoE token dispatch and weighted combine at one ep rank,
 :func:`omnitron.core.transformer.moe.dispatch.dispatch` / ``combine``: the pair mask's ``nonzero``, the
 ``index_select`` of the rows, the counts, the gate weighting and the ``index_add`` back; ``n`` = assignments x
-``width``, top-2 of 8 experts); ring attention's own: ``block_dropout`` (the ring's
-seeded mask of one block, :func:`omnitron.core.parallel.context.ring.block_dropout`, and its multiply) and
+``width``, top-2 of 8 experts); ring attention's own: ``block_dropout`` (the
+hash dropout multiplier of one block's rows x ``width`` keys, :class:`omnitron.kernels.hash_dropout.HashDropout`,
+and its multiply) and
 ``ring_merge`` (the merge of one block's partial result into the running output, head dim 64; forward only:
 the ring's backward recomputes instead). A row's ``ms`` is the median of the forward alone
 (mode ``fwd``) or of the backward alone (mode ``bwd``: forward + backward minus forward).
@@ -102,9 +103,10 @@ def _fn(op: str, n: int, width: int, dtype, dev, kernels=None):
         y = torch.randn_like(x, requires_grad=True)
         return (lambda: x + y), x
     if op == "block_dropout":
-        from omnitron.core.parallel.context.ring import block_dropout
+        from omnitron.kernels.hash_dropout import HashDropout
 
-        return (lambda: x * block_dropout(1, 0, 1, x.shape, 0.1, dtype, dev)), x
+        drop = HashDropout(1, 0.1, torch.arange(rows, device=dev), torch.arange(width, device=dev))
+        return (lambda: x * drop.multiplier(1, 1, slice(None), dtype)[0, 0]), x
     if op == "ring_merge":
         from omnitron.core.parallel.context.blocks import merge as _merge
 

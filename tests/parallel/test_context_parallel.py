@@ -22,22 +22,14 @@ ATTN_CASES += [(True, 4, 2, torch.float64, 0.3), (False, 4, 1, torch.float64, 0.
 DROP_SEED = 99
 
 
-def _full_dropout(cp: int, shape, causal: bool, p: float) -> torch.Tensor:
-    """The ring's dropout multipliers ``[b, hq, s, s]`` over the whole sequence, assembled from every
-    rank's per-step blocks (entries no block covers are causally masked and stay 1)."""
-    from omnitron.core.parallel.context.ring import _step_slices, block_dropout
+def _full_dropout(shape, p: float) -> torch.Tensor:
+    """The hash dropout multipliers ``[b, hq, s, s]`` of the whole sequence (omnitron.kernels.hash_dropout, its
+    own tests check it against the integer reference): every cp layout draws exactly these."""
+    from omnitron.kernels.hash_dropout import HashDropout
 
     b, hq, s, _ = shape
-    full = torch.ones(b, hq, s, s, dtype=torch.float64)
-    pos = [chunk_positions(s, cp, r) for r in range(cp)]
-    for r in range(cp):
-        for i in range(cp):
-            src = (r - i) % cp
-            rows, cols, _ = _step_slices(i, src, r, s // cp // 2, causal)
-            qi, ki = pos[r][rows], pos[src][cols]
-            block = block_dropout(DROP_SEED, r, i, (b, hq, len(qi), len(ki)), p, torch.float64, "cpu")
-            full[:, :, qi[:, None], ki[None, :]] = block
-    return full
+    pos = torch.arange(s)
+    return HashDropout(DROP_SEED, p, pos, pos).multiplier(b, hq, slice(None), torch.float64)
 
 
 def _reference_attention(q, k, v, causal: bool, drop=None) -> torch.Tensor:
@@ -66,7 +58,7 @@ def ring_worker(cps: list[int]) -> list:
             q, dout = (torch.randn(b, hq, s, d, generator=g, dtype=torch.float64) for _ in range(2))
             k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
             full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-            drop = _full_dropout(cp, q.shape, causal, p) if p else None
+            drop = _full_dropout(q.shape, p) if p else None
             ref = _reference_attention(*full, causal, drop)
             ref.backward(dout)
             # the ring on the backend under test's device; the reference above on the host

@@ -10,7 +10,7 @@ import torch
 
 from omnitron.core.config import ParallelConfig
 from omnitron.core.config.parallel import ConfigError
-from omnitron.core.parallel.context import chunk_positions, split_sequence
+from omnitron.core.parallel.context import split_sequence
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.parallel.grid import rank_grid
 from omnitron.testing.distributed import run_distributed
@@ -33,25 +33,14 @@ def _full(q, k, v, drop=None):
     return (p if drop is None else p * drop) @ v
 
 
-def _full_dropout(a: int, p2p: int, shape, p: float) -> torch.Tensor:
-    """The dropout multipliers ``[b, hq, s, s]`` a2a+p2p draws: head group ``j`` of ring member ``g`` holds the
-    super-chunks of a cp-``p2p`` split and seeds its ring blocks with ``head_group_seed(seed, j)``."""
-    from omnitron.core.parallel.context.hierarchical import head_group_seed
-    from omnitron.core.parallel.context.ring import _step_slices, block_dropout
+def _full_dropout(shape, p: float) -> torch.Tensor:
+    """The hash dropout multipliers ``[b, hq, s, s]`` of the whole sequence: a2a+p2p's ring numbers member ``j``'s
+    heads from ``j hq / A`` at the super-chunks' global positions, so it draws exactly these."""
+    from omnitron.kernels.hash_dropout import HashDropout
 
     b, hq, s, _ = shape
-    full, hg = torch.ones(b, hq, s, s, dtype=torch.float64), hq // a
-    pos = [chunk_positions(s, p2p, g) for g in range(p2p)]
-    for j in range(a):
-        seed = head_group_seed(DROP_SEED, j) if a > 1 else DROP_SEED
-        for g in range(p2p):
-            for i in range(p2p):
-                src = (g - i) % p2p
-                rows, cols, _ = _step_slices(i, src, g, s // p2p // 2, True)
-                qi, ki = pos[g][rows], pos[src][cols]
-                block = block_dropout(seed, g, i, (b, hg, len(qi), len(ki)), p, torch.float64, "cpu")
-                full[:, j * hg:(j + 1) * hg, qi[:, None], ki[None, :]] = block
-    return full
+    pos = torch.arange(s)
+    return HashDropout(DROP_SEED, p, pos, pos).multiplier(b, hq, slice(None), torch.float64)
 
 
 def attention_worker(sizes: list) -> list:
@@ -73,7 +62,7 @@ def attention_worker(sizes: list) -> list:
             q, dout = (torch.randn(b, hq, s, d, generator=g, dtype=torch.float64) for _ in range(2))
             k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
             full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-            drop = _full_dropout(a, p2p, q.shape, p) if p else None
+            drop = _full_dropout(q.shape, p) if p else None
             ref = _full(*full, drop)
             ref.backward(dout)
             want = [split_sequence(t, 2, cp, rank) for t in [ref] + [t.grad for t in full]]

@@ -3,7 +3,7 @@
 (a) Core attention over the cp-split sequence (``transformer/cp_attention.py``: p2p ring, a2a, allgather,
 a2a+p2p) against plain float64 attention on the whole sequence: a value head dim unlike the query's (MLA), a
 causal sliding window (blocks outside it skipped, cut ones masked), attention sinks (the sink once per row),
-grouped-query heads, and ring attention dropout (the reference uses the ring's own masks, assembled).
+grouped-query heads, and attention dropout (the hash masks of the whole sequence: every layout draws those).
 (b) GPT models in float64 at cp2 against the one-process model: multi-latent attention (decoupled RoPE at the
 chunks' global positions, YaRN), alternating sliding windows with learnable / off-by-one sinks (GQA), and
 multi-token prediction (the shifts crossing chunk boundaries): loss and every gradient (cp4 and tp2 x cp2 with
@@ -38,22 +38,13 @@ ATTN = [("mla", 4, 4, 10, 6, None, False, 0.0, 4), ("window-sinks-gqa", 4, 2, 8,
         ("window-tiles-sinks", 4, 1, 8, 8, (64, 0), True, 0.0, 96)]
 
 
-def _ring_dropout(cp: int, shape, window, p: float) -> torch.Tensor:
-    """The ring's dropout multipliers ``[b, hq, s, s]`` over the whole sequence from every rank's step blocks
-    (entries no block covers are masked and stay 1)."""
-    from omnitron.core.parallel.context import chunk_positions
-    from omnitron.core.parallel.context.ring import block_dropout, step_plan
+def _full_dropout(shape, p: float) -> torch.Tensor:
+    """The hash dropout multipliers ``[b, hq, s, s]`` of the whole sequence, which every cp layout draws."""
+    from omnitron.kernels.hash_dropout import HashDropout
 
     b, hq, s, _ = shape
-    full = torch.ones(b, hq, s, s, dtype=torch.float64)
-    pos = [chunk_positions(s, cp, r) for r in range(cp)]
-    for r in range(cp):
-        for i in range(cp):
-            for tile in step_plan(i, r, cp, s // cp, True, window):
-                qi, ki = pos[r][tile.rows], pos[(r - i) % cp][tile.cols]
-                full[:, :, qi[:, None], ki[None, :]] = block_dropout(DROP_SEED, r, tile.key, (b, hq, len(qi), len(ki)),
-                                                                     p, torch.float64, "cpu")
-    return full
+    pos = torch.arange(s)
+    return HashDropout(DROP_SEED, p, pos, pos).multiplier(b, hq, slice(None), torch.float64)
 
 
 def _keep(s: int, window) -> torch.Tensor:
@@ -106,8 +97,6 @@ def attention_worker(cps) -> list:
             groups = ParallelGroups.build(cfg, be.collectives)
             rank = groups.cp.rank
             for n, (name, hq, hkv, dqk, dv, window, with_sinks, p, c) in enumerate(ATTN):
-                if p and (comm != "p2p" or dev.type != "cpu"):
-                    continue  # a2a / allgather draw dropout inside the attention kernel; sim's generator is its own
                 g = torch.Generator().manual_seed(100 * cp + n)  # the same full tensors on every rank
                 b, s, scale = 2, 2 * cp * c, 0.37
                 q = torch.randn(b, hq, s, dqk, generator=g, dtype=torch.float64)
@@ -116,7 +105,7 @@ def attention_worker(cps) -> list:
                 sinks = torch.randn(hq, generator=g, dtype=torch.float64) + 1.0 if with_sinks else None
                 full = [t.clone().requires_grad_(True) for t in (q, k, v)]
                 fs = None if sinks is None else sinks.clone().requires_grad_(True)
-                drop = _ring_dropout(cp, q.shape, window, p) if p else None
+                drop = _full_dropout(q.shape, p) if p else None
                 ref = _reference(*full, scale, window, fs, drop)
                 ref.backward(dout)
                 want = [split_sequence(t, 2, cp, rank) for t in [ref] + [t.grad for t in full]]
@@ -124,7 +113,7 @@ def attention_worker(cps) -> list:
                 ms = None if sinks is None else sinks.to(dev).requires_grad_(True)
                 m = _module(groups, comm, be)
                 if p:
-                    m.tracker.draw_seed = lambda device: DROP_SEED  # the ring's seed, as the reference's masks
+                    m.tracker.draw_seed = lambda device: DROP_SEED  # the hash's seed, as the reference's masks
                 o = cp_attention(m, *mine, p, scale=scale, window=window, sinks=ms)
                 o.backward(split_sequence(dout, 2, cp, rank).to(dev))
                 got = [o] + [t.grad for t in mine]
@@ -137,8 +126,8 @@ def attention_worker(cps) -> list:
     return out
 
 
-def _check_attention(per_rank, cps, dropout: bool) -> None:
-    want = sum(len(_layouts(cp)) * 5 + (2 if dropout else 0) for cp in cps)  # 5 cases without dropout per layout
+def _check_attention(per_rank, cps) -> None:
+    want = sum(7 * len(_layouts(cp)) for cp in cps)  # per layout: 5 cases without dropout, 2 with
     for rank_result in per_rank:
         assert len(rank_result) == want, [c for c, *_ in rank_result]
         for case, err, dropped in rank_result:
@@ -147,19 +136,19 @@ def _check_attention(per_rank, cps, dropout: bool) -> None:
 
 def test_cp_attention_variants_match_full_attention():
     # the backend's kernels (cpu: ATen's flash kernel in float64 on whole and causal tiles, the reference on cut ones)
-    _check_attention(run_distributed(attention_worker, 2, [2]), [2], dropout=True)
+    _check_attention(run_distributed(attention_worker, 2, [2]), [2])
 
 
 @pytest.mark.slow
 def test_cp_attention_variants_at_cp4_match_full_attention():
     """cp4: chunks of 4 rows in 32, a2a+p2p as 2 x 2 (the ring over super-chunks keeps global positions)."""
-    _check_attention(run_distributed(attention_worker, 4, [4]), [4], dropout=True)
+    _check_attention(run_distributed(attention_worker, 4, [4]), [4])
 
 
 @pytest.mark.slow
 @requires_sim()
 def test_cp_attention_variants_on_sim_match_full_attention():
-    _check_attention(run_distributed(attention_worker, 4, [2, 4], backend="sim"), [2, 4], dropout=False)
+    _check_attention(run_distributed(attention_worker, 4, [2, 4], backend="sim"), [2, 4])
 
 
 @pytest.mark.parametrize("cp,s_l,left", [(4, 4, 1), (2, 512, 100), (2, 512, 0), (4, 256, 300)])

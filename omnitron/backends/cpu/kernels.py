@@ -4,8 +4,8 @@
 run ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which tile the block
 and never build its ``[sq, sk]`` score matrix, and return the log-sum-exp the ring merges blocks
 with. Their backward, given the final output and log-sum-exp, is exactly the ring's per-block
-gradient. Calls with attention dropout (the ring's own masks) or a non-square causal block decline
-and run the reference.
+gradient. Calls with attention dropout (context parallelism's hash masks, :mod:`omnitron.kernels.hash_dropout`)
+or a non-square causal block decline and run the (chunked) reference.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def flash_available() -> tuple[bool, str]:
 
 def _why_not(q, k, v, causal: bool, drop, device_type: str = "cpu") -> str | None:
     if drop is not None:
-        return "attention dropout (the ring's per-block masks) runs the reference"
+        return "attention dropout (context parallelism's hash masks) runs the chunked reference"
     for t in (q, k, v):
         if t.device.type != device_type or t.dtype not in _DTYPES or t.dim() != 4:
             return (f"needs 4-D {device_type} tensors in {[str(d) for d in _DTYPES]}, "

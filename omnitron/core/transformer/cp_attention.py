@@ -9,6 +9,12 @@ The module ``m`` carries what :func:`omnitron.core.parallel.context.apply_contex
 YaRN scale), a value head dim that differs from the query's (MLA), a causal sliding ``window`` and
 attention ``sinks [hq]`` (:mod:`omnitron.core.transformer.window`). The all-to-all paths split the heads,
 so each rank applies the sinks of the head group it holds (:func:`.ulysses.head_slice`).
+
+Attention dropout is the counter-based hash of :mod:`omnitron.kernels.hash_dropout` on every path: the seed is drawn once per call from the tracker's model-parallel
+stream (:meth:`~omnitron.core.parallel.tensor.random.RNGTracker.draw_seed`: no host sync; the same on every cp
+rank, whose streams are seeded alike, different on each tp rank, layer and call, replayed by recomputation),
+positions are global and heads numbered before the all-to-all's head split, so every layout (windows and sinks
+included) draws the masks of one process.
 """
 from __future__ import annotations
 
@@ -16,44 +22,39 @@ import torch
 import torch.nn.functional as F
 
 from omnitron.core.parallel.context.blocks import BlockedAttention, backend_kernel
+from omnitron.core.parallel.context.layout import chunk_positions
 from omnitron.core.parallel.context.ring import ring_attention
-from omnitron.core.transformer.dropout_attention import in_graph_dropout_attention
+from omnitron.kernels.hash_dropout import block_positions
 
 
-def _masked(m, q, k, v, keep: torch.Tensor, p: float, scale: float, sinks) -> torch.Tensor:
-    """Attention with a boolean ``keep`` mask (True = attend) and optional sinks; dropout from the tp stream."""
+def _masked(q, k, v, keep: torch.Tensor, scale: float, sinks, drop) -> torch.Tensor:
+    """Attention with a boolean ``keep`` mask (True = attend), optional sinks and hash dropout ``drop`` (a
+    :class:`omnitron.kernels.hash_dropout.HashDropout` of these rows and keys, None without dropout)."""
     from omnitron.core.transformer.window import sink_attention
 
-    if sinks is not None or k.shape[-1] != v.shape[-1]:  # sinks, or MLA's head dims: the plain-torch softmax
-        if p == 0.0:
-            return sink_attention(q, k, v, keep, sinks, scale)
-        with m.tracker.fork():
-            return sink_attention(q, k, v, keep, sinks, scale, dropout_p=p)
-    if p > 0.0 and m.tracker.in_graph():
-        return in_graph_dropout_attention(q, k, v, keep, p, m.tracker, scale)
+    if drop is not None or sinks is not None or k.shape[-1] != v.shape[-1]:  # the plain-torch softmax
+        return sink_attention(q, k, v, keep, sinks, scale, drop=drop)
     if k.shape[1] != q.shape[1]:  # grouped-query heads: repeat each key/value head for its queries
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if p == 0.0:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
-    with m.tracker.fork():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
 
 
-def _full(m, p: float, scale: float, window, sinks):
-    """``attend(q, k, v)``: causal attention over a whole sequence (rows in order) on this rank's heads."""
+def _full(m, p: float, scale: float, window, sinks, seed: int = 0, head0: int = 0):
+    """``attend(q, k, v)``: causal attention over a whole sequence (rows in order) on this rank's heads (the first
+    is head ``head0`` of the layer's, for the hash dropout of ``seed``)."""
     from omnitron.core.transformer.window import keep_mask
 
     kernel = backend_kernel(m.backend)
 
     def attend(q, k, v):
+        pos = torch.arange(q.shape[2], device=q.device)
+        drop = block_positions(pos, pos, seed, p, head0, q.device)
         if window is not None or sinks is not None:
-            pos = torch.arange(q.shape[2], device=q.device)
-            return _masked(m, q, k, v, keep_mask(pos, pos, window), p, scale, sinks)
-        if p == 0.0:  # one causal block on the ring's kernel (the backend's flash kernel where it has one)
-            return BlockedAttention.apply(q, k, v, [(slice(None), slice(None), True)], kernel, scale)
-        with m.tracker.fork():
-            return m.backend.kernels.attention(q, k, v, causal=True, dropout_p=p, scale=scale)
+            return _masked(q, k, v, keep_mask(pos, pos, window), scale, sinks, drop)
+        # one causal block on the ring's kernel (the backend's flash kernel where it has one; with dropout the
+        # chunked reference drawing the hash masks)
+        return BlockedAttention.apply(q, k, v, [(slice(None), slice(None), True)], kernel, scale, drop)
 
     return attend
 
@@ -68,15 +69,20 @@ def cp_attention(m, q, k, v, p: float, *, scale: float | None = None, window=Non
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     sinks = None if sinks is None else sinks.to(q.device)
     comm, group = m.cp_comm_type, m.cp_group
-    if comm == "a2a":
-        return a2a_attention(q, k, v, group=group, attend=_full(m, p, scale, window, head_slice(sinks, group)))
-    if comm == "allgather":
-        plain = p == 0.0 and window is None and sinks is None
-        return allgather_attention(q, k, v, group=group, kernel=backend_kernel(m.backend) if plain else None,
-                                   scale=scale, window=window,
-                                   attend_masked=lambda q, k, v, keep: _masked(m, q, k, v, keep, p, scale, sinks))
-    # the ring draws its block masks from a seed taken from the tp-rank-specific stream (no host sync)
+    # the hash dropout's seed from the tp-rank-specific stream (module docstring), drawn on every path alike
     seed = m.tracker.draw_seed(q.device) if p > 0.0 else 0
+    if comm == "a2a":
+        head0 = group.rank * (q.shape[1] // group.size)  # the first head of this rank's head group
+        return a2a_attention(q, k, v, group=group,
+                             attend=_full(m, p, scale, window, head_slice(sinks, group), seed, head0))
+    if comm == "allgather":
+        plain = window is None and sinks is None
+        seq = q.shape[2] * group.size
+        drop = block_positions(chunk_positions(seq, group.size, group.rank, q.device),
+                               torch.arange(seq, device=q.device), seed, p, 0, q.device)
+        return allgather_attention(q, k, v, group=group, kernel=backend_kernel(m.backend) if plain else None,
+                                   scale=scale, window=window, drop=drop,
+                                   attend_masked=lambda q, k, v, keep: _masked(q, k, v, keep, scale, sinks, drop))
     kw = dict(collectives=m.backend.collectives, scale=scale, dropout_p=p, seed=seed,
               kernel=backend_kernel(m.backend), window=window)
     if comm == "a2a+p2p":
@@ -87,6 +93,7 @@ def cp_attention(m, q, k, v, p: float, *, scale: float | None = None, window=Non
                              "model over groups made with --hierarchical-context-parallel-sizes")
         a2a, p2p = m.cp_subgroups
         local = head_slice(sinks, a2a) if a2a.size > 1 else sinks
-        return a2a_p2p_attention(q, k, v, a2a_group=a2a, p2p_group=p2p, attend=_full(m, p, scale, window, local),
-                                 sinks=local, **kw)
+        head0 = a2a.rank * (q.shape[1] // a2a.size)  # the ring's / attend's first head (hierarchical.py)
+        return a2a_p2p_attention(q, k, v, a2a_group=a2a, p2p_group=p2p, sinks=local,
+                                 attend=_full(m, p, scale, window, local, seed, head0), **kw)
     return ring_attention(q, k, v, group=group, causal=True, sinks=sinks, **kw)

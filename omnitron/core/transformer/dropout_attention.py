@@ -1,7 +1,7 @@
 """Attention with the tracker's dropout written as plain tensor operations, so a compiled layer traces it whole.
 
-Used by self-attention and MLA inside compiled layers and by the context-parallel paths' masked tiles
-(:mod:`omnitron.core.transformer.cp_attention`); below both so neither imports the other for it.
+Used by self-attention and MLA inside compiled layers (context parallelism draws hash masks instead,
+:mod:`omnitron.kernels.hash_dropout`); below both so neither imports the other for it.
 """
 from __future__ import annotations
 

@@ -67,10 +67,13 @@ def keep_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: tuple[int, int] | 
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                   sinks: torch.Tensor | None, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+                   sinks: torch.Tensor | None, scale: float | None = None, dropout_p: float = 0.0,
+                   drop=None) -> torch.Tensor:
     """``softmax([q k^T * scale | sink]) v`` without the sink's column: ``q [b, hq, sq, d]``, ``k, v [b, g, sk,
     d]`` (grouped-query heads repeated), ``keep`` broadcastable to ``[b, hq, sq, sk]``, ``sinks [hq]`` (None:
-    a plain masked softmax). The softmax runs in float32 (float64 stays float64)."""
+    a plain masked softmax). The softmax runs in float32 (float64 stays float64). Dropout: ``dropout_p`` from the
+    current generator, or ``drop`` (:class:`omnitron.kernels.hash_dropout.HashDropout` of these rows and keys:
+    context parallelism's hash masks)."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -82,6 +85,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
         scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1)
     probs = probs[..., :-1] if sinks is not None else probs
-    if dropout_p > 0.0:
+    if drop is not None:
+        probs = probs * drop.multiplier(q.shape[0], q.shape[1], slice(None), acc)
+    elif dropout_p > 0.0:
         probs = torch.nn.functional.dropout(probs, dropout_p, training=True)
     return (probs @ v.to(acc)).to(q.dtype)

@@ -50,15 +50,18 @@ class BlockedAttention(torch.autograd.Function):
     ``tasks`` lists the blocks; every query row must be covered by at least one, and two tasks' row slices are
     equal or disjoint (the first task of a row slice starts it, later ones merge into it). Forward keeps only the
     merged output and log-sum-exp (fp32, fp64 for fp64 inputs); backward runs the kernel's backward per
-    block given them, so no ``[sq, sk]`` scores are stored (the all-gather path of context parallelism)."""
+    block given them, so no ``[sq, sk]`` scores are stored (the all-gather path of context parallelism).
+    ``drop``: the hash dropout of all of ``q``'s rows against all of ``k``'s (:class:`omnitron.kernels.hash_dropout.
+    HashDropout`), narrowed to each task's block (None: no dropout)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tasks: list[Task], kernel: BlockKernel, scale: float):
+    def forward(ctx, q, k, v, tasks: list[Task], kernel: BlockKernel, scale: float, drop=None):
         cdt = torch.promote_types(q.dtype, torch.float32)
         out = lse = None
         seen: list[slice] = []  # row slices written so far (a row slice is either one seen before or disjoint)
         for rows, cols, causal in tasks:
-            o, l = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal=causal, scale=scale)
+            o, l = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal=causal, scale=scale,
+                                  drop=_narrow(drop, rows, cols))
             o, l = o.to(cdt), l.to(cdt)
             if rows == slice(None) and not seen:  # a block over every row: its result is the start
                 out, lse = o, l
@@ -71,7 +74,7 @@ class BlockedAttention(torch.autograd.Function):
                 out[:, :, rows], lse[:, :, rows] = o, l
             seen.append(rows)
         result = out.to(q.dtype)
-        ctx.tasks, ctx.kernel, ctx.scale = tasks, kernel, scale
+        ctx.tasks, ctx.kernel, ctx.scale, ctx.drop = tasks, kernel, scale, drop
         ctx.save_for_backward(q, k, v, result, lse)
         return result
 
@@ -80,12 +83,18 @@ class BlockedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cdt, dout = lse.dtype, dout.contiguous()
         if len(ctx.tasks) == 1 and ctx.tasks[0][:2] == (slice(None), slice(None)):  # one block: its gradients
-            g = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.tasks[0][2], scale=ctx.scale)
-            return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), None, None, None
+            g = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.tasks[0][2], scale=ctx.scale, drop=ctx.drop)
+            return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), None, None, None, None
         dq, dk, dv = (torch.zeros(t.shape, dtype=cdt, device=t.device) for t in (q, k, v))
         for rows, cols, causal in ctx.tasks:
             g = ctx.kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-                                    lse[:, :, rows], causal=causal, scale=ctx.scale)
+                                    lse[:, :, rows], causal=causal, scale=ctx.scale,
+                                    drop=_narrow(ctx.drop, rows, cols))
             for acc, part in zip((dq[:, :, rows], dk[:, :, cols], dv[:, :, cols]), g):
                 acc += part
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _narrow(drop, rows: slice, cols: slice):
+    """``drop`` narrowed to one block (None stays None)."""
+    return None if drop is None else drop.narrow(rows, cols)

@@ -16,9 +16,10 @@ inverse reorder and all-to-all bring the output back to this rank's chunks with 
 
 Degenerate sizes: ``A == 1`` is the ring (no all-to-all); ``P == 1`` is Ulysses on the a2a group (the
 ring is replaced by the full causal attention ``attend``). Key/value heads that do not divide by ``A``
-are repeated per query head first (as in ``a2a``). Attention dropout: in the ring, each head group's
-masks come from a seed derived from ``(seed, j)`` (the ring seeds by ring rank and step, and the ``A``
-members of a ring rank hold different heads); with ``P == 1``, ``attend`` draws them. Differentiable:
+are repeated per query head first (as in ``a2a``). Attention dropout: the ring's hash masks
+(:mod:`omnitron.kernels.hash_dropout`) number member ``j``'s heads from ``j hq / A`` (its head group's place
+among the layer's heads) at the super-chunks' global positions, so they are one process's; with ``P == 1``,
+``attend`` draws them. Differentiable:
 the all-to-all's backward is the inverse all-to-all, the ring is its own autograd Function.
 """
 from __future__ import annotations
@@ -38,11 +39,6 @@ def super_chunk_order(a2a_size: int, local_length: int, device=None) -> torch.Te
     early = [torch.arange(j * 2 * c, j * 2 * c + c, device=device) for j in range(a2a_size)]
     late = [torch.arange(j * 2 * c + c, (j + 1) * 2 * c, device=device) for j in reversed(range(a2a_size))]
     return torch.cat(early + late)
-
-
-def head_group_seed(seed: int, head_group: int) -> int:
-    """The ring's dropout seed for a2a member ``head_group`` (distinct head groups draw distinct masks)."""
-    return (seed * 1_000_033 + head_group * 998_244_353 + head_group) % 2**62
 
 
 def check_sizes(heads: int, a2a_size: int) -> None:
@@ -78,8 +74,8 @@ def a2a_p2p_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a2a_
         q, k, v = (_heads_to_sequence(t, a2a_group).index_select(2, order) for t in (q, k, v))
     if p > 1:
         out = ring_attention(q, k, v, group=p2p_group, collectives=collectives, causal=True, scale=scale,
-                             dropout_p=dropout_p, seed=head_group_seed(seed, a2a_group.rank) if a > 1 else seed,
-                             kernel=kernel, window=window, sinks=sinks)
+                             dropout_p=dropout_p, seed=seed, kernel=kernel, window=window, sinks=sinks,
+                             head_offset=a2a_group.rank * (hq // a))
     else:
         out = attend(q, k, v)
     if order is not None:

@@ -16,9 +16,10 @@ gradient accumulator for each block along with it; after ``cp`` hops it is back 
 holding every rank's contribution. Communication happens only inside this Function's forward and
 backward (autograd never differentiates through it).
 
-Attention dropout: each step's block draws its keep-mask from a generator seeded by
-``(seed, rank, step)`` (:func:`block_dropout`), so backward regenerates exactly the forward's masks
-without storing them.
+Attention dropout is counter-based (:mod:`omnitron.kernels.hash_dropout`): a score element is kept by a hash
+of ``(seed, batch, head_offset + head, global query position, global key position)``, so each tile draws its
+mask from the positions it covers, backward regenerates it, nothing is stored, and the ring's masks are those
+of one process (or any other cp layout) under the same seed.
 
 Sliding window (``window = (left, right)``, causal): a step's block is cut into tiles by global position
 (:mod:`.tiles`): tiles outside the window are skipped, whole ones run the kernel, those the window's edge
@@ -39,7 +40,9 @@ import math
 import torch
 
 from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, merge
+from omnitron.core.parallel.context.layout import chunk_positions
 from omnitron.core.parallel.context.tiles import _step_slices, step_plan  # noqa: F401 - tests read _step_slices
+from omnitron.kernels.hash_dropout import block_positions
 
 
 class _Ring:
@@ -77,26 +80,19 @@ def _wait(handles: list) -> None:
         h.wait()
 
 
-def block_dropout(seed: int, rank: int, step: int, shape, p: float, dtype, device) -> torch.Tensor:
-    """The dropout multiplier (0 or ``1 / (1 - p)``) of cp rank ``rank``'s block at ring ``step``."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + rank * 10_007 + step) % 2**63)
-    keep = torch.rand(shape, generator=g, device=device, dtype=dtype) >= p
-    return keep.to(dtype) / (1.0 - p)
-
-
 class _Step:
-    """What one ring step computes on this rank: its tiles (:func:`.tiles.step_plan`) with their dropout
-    multipliers."""
+    """What one ring step computes on this rank: its tiles (:func:`.tiles.step_plan`) with their dropout (the
+    hash dropout of the tile's global positions; None without dropout)."""
 
-    def __init__(self, ctx, ring: _Ring, i: int, q: torch.Tensor, cdt) -> None:
-        self.tiles = step_plan(i, ring.rank, ring.size, q.shape[2], ctx.causal, ctx.window, q.device)
+    def __init__(self, ctx, ring: _Ring, i: int, q: torch.Tensor) -> None:
+        s_l = q.shape[2]
+        self.tiles = step_plan(i, ring.rank, ring.size, s_l, ctx.causal, ctx.window, q.device)
         self.drops = [None] * len(self.tiles)
         if ctx.dropout_p > 0.0:
-            n = range(q.shape[2])
-            self.drops = [block_dropout(ctx.seed, ring.rank, t.key, (q.shape[0], q.shape[1], len(n[t.rows]),
-                                                                     len(n[t.cols])), ctx.dropout_p, cdt, q.device)
-                          for t in self.tiles]
+            mine, theirs = (chunk_positions(s_l * ring.size, ring.size, r, q.device)
+                            for r in (ring.rank, (ring.rank - i) % ring.size))
+            drop = block_positions(mine, theirs, ctx.seed, ctx.dropout_p, ctx.head_offset, q.device)
+            self.drops = [drop.narrow(t.rows, t.cols) for t in self.tiles]
 
     def __iter__(self):
         """``(tile, its kernel, its keyword arguments)``: masked tiles run the reference (only it takes a mask)."""
@@ -127,9 +123,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, group, collectives, causal: bool, scale: float, kernel: BlockKernel,
-                dropout_p: float, seed: int, window):
+                dropout_p: float, seed: int, head_offset: int, window):
         ctx.group, ctx.collectives, ctx.causal, ctx.scale, ctx.kernel = group, collectives, causal, scale, kernel
-        ctx.dropout_p, ctx.seed, ctx.window, ctx.dk = dropout_p, seed, window, k.shape[-1]
+        ctx.dropout_p, ctx.seed, ctx.head_offset, ctx.window, ctx.dk = dropout_p, seed, head_offset, window, k.shape[-1]
         ring, cdt = _Ring(group, collectives), torch.promote_types(q.dtype, torch.float32)
         dk = ctx.dk
         out = q.new_zeros(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
@@ -137,7 +133,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=-1)  # [b, hkv, s, dk + dv], the circulating block
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
-            for t, kern, kw in _Step(ctx, ring, i, q, cdt).bind(kernel, scale):
+            for t, kern, kw in _Step(ctx, ring, i, q).bind(kernel, scale):
                 blk = kv[:, :, t.cols]
                 o, l = kern.forward(q[:, :, t.rows], blk[..., :dk], blk[..., dk:], **kw)
                 # merged in fp32 (fp64 for fp64 inputs) whatever the kernel's dtype
@@ -161,7 +157,7 @@ class RingAttention(torch.autograd.Function):
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
-            for t, kern, kw in _Step(ctx, ring, i, q, cdt).bind(ctx.kernel, ctx.scale):
+            for t, kern, kw in _Step(ctx, ring, i, q).bind(ctx.kernel, ctx.scale):
                 r, cols, blk = t.rows, t.cols, kv[:, :, t.cols]
                 dq_b, dk_b, dv_b = kern.backward(dout[:, :, r], q[:, :, r], blk[..., :dk], blk[..., dk:],
                                                  out[:, :, r], lse[:, :, r], **kw)
@@ -177,20 +173,21 @@ class RingAttention(torch.autograd.Function):
         _wait(dkv_handles)
         dsinks = None if sinks is None or not ctx.needs_input_grad[3] else sink_grad(dout, out, lse, sinks)
         return (dq.to(q.dtype), dkv_in[..., :dk].to(k.dtype), dkv_in[..., dk:].to(v.dtype), dsinks,
-                *([None] * 8))
+                *([None] * 9))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, collectives, causal: bool = True,
                    scale: float | None = None, dropout_p: float = 0.0, seed: int = 0,
                    kernel: BlockKernel = REFERENCE, window: tuple[int, int] | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, head_offset: int = 0) -> torch.Tensor:
     """Attention of this cp rank's queries over the whole (cp-split) sequence.
 
     ``q [b, hq, s/cp, d]``, ``k [b, hkv, s/cp, d]``, ``v [b, hkv, s/cp, dv]`` (hq a multiple of hkv), rows in the
     load-balanced order of :mod:`omnitron.core.parallel.context.layout`. Returns ``[b, hq, s/cp, dv]``
     in ``q``'s dtype; the block kernel takes the inputs' dtype (the reference computes in fp32, fp64 for
     fp64 inputs; a flash kernel in bf16/fp16 accumulates in fp32) and block results merge in fp32. ``dropout_p > 0``: attention
-    dropout with masks drawn from ``seed`` (draw it from the caller's RNG stream per call). ``window``: causal
+    dropout, the hash masks of ``seed`` (draw it from the caller's RNG stream per call, the same on every cp rank)
+    with query heads numbered from ``head_offset`` (the head split of a2a+p2p). ``window``: causal
     sliding window ``(left, right)``; ``sinks [hq]``: one sink logit per query head (see the module docstring)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
@@ -208,4 +205,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
         raise ValueError(f"ring attention: sinks must hold one logit per query head ({q.shape[1]}), "
                          f"got shape {tuple(sinks.shape)}")
     return RingAttention.apply(q, k, v, sinks, group, collectives, causal, scale, kernel, dropout_p, seed,
-                               None if window is None else tuple(window))
+                               head_offset, None if window is None else tuple(window))

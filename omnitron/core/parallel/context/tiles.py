@@ -26,13 +26,12 @@ TILE_MIN = 64
 
 class Tile(NamedTuple):
     """One block of a ring step: local query rows, local key rows of the visiting block, the square causal
-    mask or a keep ``mask`` ``[rows, cols]`` (True = attend), and ``key``: its dropout draw's step number."""
+    mask or a keep ``mask`` ``[rows, cols]`` (True = attend)."""
 
     rows: slice
     cols: slice
     causal: bool
     mask: torch.Tensor | None
-    key: int
 
 
 def _step_slices(step: int, src: int, rank: int, c: int, causal: bool) -> tuple[slice, slice, bool]:
@@ -87,12 +86,12 @@ def step_plan(step: int, rank: int, size: int, local_length: int, causal: bool, 
     src, c = (rank - step) % size, local_length // 2
     rows, cols, square = _step_slices(step, src, rank, c, causal)
     if window is None or window[0] < 0:
-        return [Tile(rows, cols, square, None, step)]
+        return [Tile(rows, cols, square, None)]
     left, t = window[0], max(TILE_MIN, window[0] + 1)
     tiles = []
     for q in _pieces(_runs(rank, size, c, rows), t):
         for k in _pieces(_runs(src, size, c, cols), t):
             kind = _tile(q, k, left, device)
-            if kind is not None:  # the dropout key: unique per (step, tile), the step itself for the first
-                tiles.append(Tile(slice(q[0], q[1]), slice(k[0], k[1]), *kind, step + size * len(tiles)))
+            if kind is not None:
+                tiles.append(Tile(slice(q[0], q[1]), slice(k[0], k[1]), *kind))
     return tiles

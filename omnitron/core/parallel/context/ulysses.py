@@ -9,9 +9,10 @@ to this rank's chunks with every head. Needs the local heads divisible by cp (ke
 are repeated per query head first, grouped-query attention's expansion).
 
 ``allgather``: keys and values are all-gathered over cp (their gradients reduce-scattered back); each
-rank's queries attend over the whole sequence with the causal mask of their global positions: without
-dropout as blocks on the backend's block kernel (the ring's flash kernel with log-sum-exp), with dropout
-through a masked SDPA.
+rank's queries attend over the whole sequence with the causal mask of their global positions: as blocks on the
+backend's block kernel (the ring's flash kernel with log-sum-exp; with attention dropout the hash masks of
+:mod:`omnitron.kernels.hash_dropout` at the rows' global positions, on the chunked reference), or with a
+sliding window or sinks through a masked attention.
 
 Both are differentiable (the collectives' backward is the reverse collective) and give the one-process
 result up to the attention kernel's rounding.
@@ -85,9 +86,10 @@ def allgather_tasks(local_length: int, group) -> list:
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, attend_masked=None,
-                        kernel=None, scale: float | None = None, window=None) -> torch.Tensor:
+                        kernel=None, scale: float | None = None, window=None, drop=None) -> torch.Tensor:
     """This rank's queries against the all-gathered keys and values. With ``kernel`` (a :class:`.blocks.BlockKernel`)
-    the causal blocks of :func:`allgather_tasks` run on it and merge by log-sum-exp (no mask, no scores);
+    the causal blocks of :func:`allgather_tasks` run on it and merge by log-sum-exp (no mask, no scores; ``drop``:
+    the hash dropout of this rank's rows against the whole sequence, :mod:`omnitron.kernels.hash_dropout`);
     otherwise ``attend_masked(q, k, v, keep)`` with a boolean ``keep [s_q, s_k]`` (True = attend: causal, within
     the sliding ``window`` of :mod:`omnitron.core.transformer.window` when given)."""
     seq = q.shape[2] * group.size
@@ -98,11 +100,12 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gr
         full = gather_from_sp(t.permute(2, 0, 1, 3).contiguous(), group, grad_is_partial=True)
         return full.index_select(0, natural).permute(1, 2, 0, 3)
 
-    if kernel is not None:
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return BlockedAttention.apply(q, gather(k), gather(v), allgather_tasks(q.shape[2], group), kernel, scale)
     if window is not None and kernel is not None:
         raise ValueError("allgather attention: a sliding window runs on attend_masked, not on the block kernel")
+    if kernel is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return BlockedAttention.apply(q, gather(k), gather(v), allgather_tasks(q.shape[2], group), kernel, scale,
+                                      drop)
     from omnitron.core.transformer.window import keep_mask
 
     keep = keep_mask(chunk_positions(seq, group.size, group.rank, q.device), torch.arange(seq, device=q.device),
