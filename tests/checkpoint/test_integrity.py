@@ -301,3 +301,48 @@ def test_chunk_index_hashes_each_range_and_the_whole_file_in_one_pass(tmp_path):
         integrity.verify_range(str(path), o, n, index[(o, n)])
     with pytest.raises(integrity.IntegrityError, match=r"__0_0.distcp is corrupt: bytes 1200..4200"):
         integrity.verify_range(str(path), 1200, 3000, index[(1200, 3000)])
+
+
+def test_block_index_packs_each_chunks_digests_and_refuses_a_malformed_one(tmp_path):
+    """Reference: hashlib per block (64 KiB blocks; row-aligned pieces keep PIECE_HEX hex characters). The parsed
+    index holds one bytes object of raw digests per chunk, item j equal to block j's digest; digests of unequal
+    length, odd length or not hexadecimal are refused in one line naming the chunk."""
+    block = integrity.BLOCK
+    data = os.urandom(2 * block + 777)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    ranges = [(0, len(data) - 100), (len(data) - 100, 100)]
+    integrity.write_chunk_index(str(path), ranges)
+    index = str(path) + integrity.CHUNK_INDEX
+    size, algorithm, chunks = integrity.read_block_index(index)
+    assert (size, algorithm) == (block, "sha256")
+    for o, n in ranges:
+        layout, digests = chunks[(o, n)]
+        want = [hashlib.sha256(data[o + a:o + min(a + block, n)]).digest() for a in range(0, n, block)]
+        assert layout is None and isinstance(digests.raw, bytes) and len(digests) == len(want)
+        assert [digests[j] for j in range(len(digests))] == want
+    # a row-aligned chunk: a header block, 300-byte pieces, a trailer block; PIECE_HEX hex characters a digest
+    layout = (64, 300, 64 + 300 * 7 + 50)
+    integrity.write_chunk_index(str(path), [(0, 4000)], layouts={(0, 4000): layout})
+    _, _, chunks = integrity.read_block_index(index)
+    bounds = integrity.block_bounds(4000, layout, block)
+    assert chunks[(0, 4000)][0] == layout and chunks[(0, 4000)][1].width == integrity.PIECE_HEX // 2
+    assert [chunks[(0, 4000)][1][j] for j in range(len(bounds) - 1)] == [
+        hashlib.sha256(data[a:b]).digest()[:integrity.PIECE_HEX // 2] for a, b in zip(bounds, bounds[1:])]
+    short = json.loads(open(index).read())
+    short["blocks"]["0:4000"]["digests"] = [d[:integrity.PIECE_HEX - 2] for d in short["blocks"]["0:4000"]["digests"]]
+    with open(index, "w") as f:
+        json.dump(short, f)
+    with pytest.raises(integrity.IntegrityError, match="chunk 0:4000 has a malformed block layout or digests shorter"):
+        integrity.read_block_index(index)
+    integrity.write_chunk_index(str(path), ranges)
+    raw = json.loads(open(index).read())
+    key = f"{ranges[0][0]}:{ranges[0][1]}"
+    for bad, match in ((lambda d: d[:-1] + [d[-1][:-2]], "unequal or odd"), (lambda d: [x[:-1] for x in d], "odd"),
+                       (lambda d: ["zz" + x[2:] for x in d], "not hexadecimal")):
+        broken = json.loads(json.dumps(raw))
+        broken["blocks"][key] = bad(raw["blocks"][key])
+        with open(index, "w") as f:
+            json.dump(broken, f)
+        with pytest.raises(integrity.IntegrityError, match=f"chunk {key}: .*{match}.*re-save the checkpoint"):
+            integrity.read_block_index(index)

@@ -108,9 +108,10 @@ class FileWindow(io.RawIOBase):
 class ChunkBytes(FileWindow):
     """A :class:`FileWindow` over one saved chunk read block by block (``block`` bytes, or the row-aligned
     ``layout``: :func:`~.integrity.block_bounds`), each block hashed with ``algorithm`` and checked against
-    ``digests`` before any of it is returned; consecutive blocks a read needs are fetched in one file read."""
+    ``digests`` (raw digest bytes per block, :class:`~.integrity.PackedDigests`) before any of it is returned;
+    consecutive blocks a read needs are fetched in one file read."""
 
-    def __init__(self, path: str, base: int, length: int, block: int, algorithm: str, digests: list[str],
+    def __init__(self, path: str, base: int, length: int, block: int, algorithm: str, digests,
                  layout: tuple[int, int, int] | None = None) -> None:
         super().__init__(path, base, length)
         self.bounds = block_bounds(length, layout, block)
@@ -149,7 +150,7 @@ class ChunkBytes(FileWindow):
 
     def _check(self, j: int, data) -> None:
         want = self.digests[j]
-        if hashlib.new(self.algorithm, data).hexdigest()[:len(want)] != want or len(data) != self.bounds[j + 1] - self.bounds[j]:
+        if hashlib.new(self.algorithm, data).digest()[:len(want)] != want or len(data) != self.bounds[j + 1] - self.bounds[j]:
             raise IntegrityError(f"{self.path} is corrupt: bytes {self.base + self.bounds[j]}.."
                                  f"{self.base + self.bounds[j + 1]} do not match the chunk index's block digest")
 

@@ -124,8 +124,7 @@ def write_chunk_index(path: str, ranges: list[tuple[int, int]], layouts: dict | 
 
 def read_chunk_index(index: str) -> dict[tuple[int, int], str]:
     """``{(offset, length): digest}`` of a chunk index (JSON: nothing is unpickled)."""
-    with open(index) as f:
-        raw = json.load(f)
+    raw = _load_index(index)
     out = {}
     for key, digest in raw.items():
         if key == "blocks":
@@ -135,12 +134,37 @@ def read_chunk_index(index: str) -> dict[tuple[int, int], str]:
     return out
 
 
+class PackedDigests:
+    """One chunk's block digests as one ``bytes`` of equal-width raw digests: item ``j`` is block ``j``'s digest
+    (``width`` bytes). A loader holds the digests of every chunk it may read until the load ends; as Python
+    strings of hex they cost ~90 bytes each (a 32-character str and its list slot), packed 16-32."""
+
+    __slots__ = ("raw", "width")
+
+    def __init__(self, hex_digests: list, where: str) -> None:
+        widths = {len(str(d)) for d in hex_digests}
+        if len(widths) > 1 or any(w % 2 for w in widths):
+            raise IntegrityError(f"{where}: block digests of unequal or odd hex lengths {sorted(widths)}: the chunk "
+                                 "index is corrupt; re-save the checkpoint")
+        try:
+            self.raw = bytes.fromhex("".join(str(d) for d in hex_digests))
+        except ValueError:
+            raise IntegrityError(f"{where}: a block digest is not hexadecimal: the chunk index is corrupt; re-save "
+                                 "the checkpoint") from None
+        self.width = widths.pop() // 2 if widths else 0
+
+    def __len__(self) -> int:
+        return len(self.raw) // self.width if self.width else 0
+
+    def __getitem__(self, j: int) -> bytes:
+        return self.raw[j * self.width:(j + 1) * self.width]
+
+
 def read_block_index(index: str) -> tuple[int, str, dict[tuple[int, int], tuple]] | None:
-    """``(block size, algorithm, {(offset, length): (layout or None, [hex digest per block])})`` of a chunk index
+    """``(block size, algorithm, {(offset, length): (layout or None, PackedDigests)})`` of a chunk index
     (:func:`block_bounds` gives each chunk's blocks); None for an index written before block digests (its chunks
     are verified whole)."""
-    with open(index) as f:
-        raw = json.load(f).get("blocks")
+    raw = _load_index(index).get("blocks")
     if not isinstance(raw, dict):
         return None
     size, algorithm = int(raw.pop("size")), str(raw.pop("algorithm"))
@@ -149,13 +173,27 @@ def read_block_index(index: str) -> tuple[int, str, dict[tuple[int, int], tuple]
     out = {}
     for key, entry in raw.items():
         off, _, n = str(key).partition(":")
-        layout, digests = (None, entry) if isinstance(entry, list) else (tuple(int(v) for v in entry["layout"]),
-                                                                          entry["digests"])
-        if layout is not None and (len(layout) != 3 or any(len(str(d)) < PIECE_HEX for d in digests)):
-            raise IntegrityError(f"{index}: chunk {key} has a malformed block layout or digests shorter than "
-                                 f"{PIECE_HEX} hex characters")
-        out[(int(off), int(n))] = (layout, [str(d) for d in digests])
+        if isinstance(entry, list):
+            layout, digests = None, PackedDigests(entry, f"{index}: chunk {key}")
+        else:
+            layout, digests = tuple(int(v) for v in entry["layout"]), entry.get("digests")
+            if len(layout) != 3 or not isinstance(digests, PackedDigests) or 2 * digests.width < PIECE_HEX:
+                raise IntegrityError(f"{index}: chunk {key} has a malformed block layout or digests shorter than "
+                                     f"{PIECE_HEX} hex characters")
+        out[(int(off), int(n))] = (layout, digests)
     return size, algorithm, out
+
+
+def _load_index(index: str) -> dict:
+    """A chunk index's JSON with each row-aligned chunk's digest list packed as it is parsed (``object_hook``), so
+    the strings of one chunk at a time are alive, not the whole index's (~2% of the data for row-aligned pieces)."""
+    def pack(entry: dict) -> dict:
+        if isinstance(entry.get("digests"), list) and "layout" in entry:
+            entry["digests"] = PackedDigests(entry["digests"], f"{index}: a row-aligned chunk's block digests")
+        return entry
+
+    with open(index) as f:
+        return json.load(f, object_hook=pack)
 
 
 def verify_range(path: str, offset: int, length: int, expected: str) -> None:
