@@ -158,7 +158,7 @@ def _delayed_fp8_steps(compiled: bool, steps: int = 3) -> list:
     if compiled:
         compile_layers([model], be, "aot_eager")
     for i in range(steps):
-        x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(i)).to(be.device()).requires_grad_()
         y = layer(x, None)
         outs.append((y, torch.autograd.grad(y.square().sum(), x)[0]))
         fp8_step(enabled)
