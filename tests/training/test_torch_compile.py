@@ -71,15 +71,12 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
              add_bias_linear=False)
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 @pytest.mark.parametrize("flavour", [dict(hidden_dropout=0.1, attention_dropout=0.1), dict(LLAMA, hidden_dropout=0.0,
                                      attention_dropout=0.0)], ids=["gpt2-dropout", "llama"])
 def test_a_layer_traces_without_graph_breaks(flavour):
     """Default kernel table (the C++ kernels are preferred on cpu) and dropout drawn inside the layer."""
-    model, _ = _layer(**flavour)
-    x = torch.randn(8, 2, 32, requires_grad=True)
+    model, be = _layer(**flavour)
+    x = torch.randn(8, 2, 32, device=be.device(), requires_grad=True)
     freqs = model._rope_freqs(None, 8, x.device) if flavour.get("position_embedding_type") == "rope" else None
     explained = torch._dynamo.explain(model.decoder.layers["0"])(x, freqs)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
@@ -112,9 +109,6 @@ def test_recomputation_inside_a_compiled_region_keeps_the_dropout_mask():
     assert torch.equal(grad, kept.float() * 3.0 / 0.5)  # exact: one multiply of representable values
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.slow)])
 def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
     """Emulated FP8 (cpu): amax, scale, casts and the GEMMs of every linear in one graph with the layer."""
@@ -126,7 +120,7 @@ def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
     model, be = _layer(hidden_size=128, ffn_hidden_size=256, seq_length=128, hidden_dropout=0.0,
                        attention_dropout=0.0)  # 128: the block-wise recipe's tile
     enable_fp8([model], FP8Config(fp8_recipe=recipe), ParallelGroups.single(), num_layers=1, backend=be)
-    layer, x = model.decoder.layers["0"], torch.randn(128, 2, 128, requires_grad=True)
+    layer, x = model.decoder.layers["0"], torch.randn(128, 2, 128, device=be.device(), requires_grad=True)
     explained = torch._dynamo.explain(layer)(x, None)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
     want = layer(x, None)
