@@ -223,7 +223,7 @@ def _layer_graph_breaks(parallel: dict, seq: int, **dropout) -> list[str]:
 
     groups = ParallelGroups.build(ParallelConfig(**parallel), backend=get_backend())
     model, _ = _layer(groups, **(dropout or DROPOUT))  # training mode: dropout of split tensors inside the graph too
-    x = torch.randn(seq, 2, 32, requires_grad=True)
+    x = torch.randn(seq, 2, 32, device=get_backend().device(), requires_grad=True)
     explained = torch._dynamo.explain(model.decoder.layers["0"])(x, None)
     return [str(b.reason).splitlines()[0] for b in explained.break_reasons] + [""] * explained.graph_break_count
 
@@ -246,10 +246,10 @@ def _tp_layer_with_dropout(tp: int, sp: bool, compiled: bool = True, seed: int =
     model.train()
     if compiled:
         compile_layers([model], be, "aot_eager")
-    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(7)).to(be.device())
     rank = torch.distributed.get_rank() if tp > 1 else 0
     x = (x.chunk(tp)[rank] if sp else x).clone().requires_grad_(True)
-    torch.manual_seed(seed)
+    be.manual_seed(seed)  # the generator the layer's dropout draws from: the backend device's
     y = model.decoder.layers["0"](x, None)
     return y.detach(), torch.autograd.grad(y.square().sum(), x)[0]
 
@@ -278,9 +278,6 @@ def test_dropout_at_tp2_draws_the_unsplit_layers_masks():
             assert max(errors) < 1e-5, (rank, sp, errors)
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 def test_compiled_dropout_is_the_eager_layer_with_the_same_masks(monkeypatch):
     """tp1, aot_eager: the compiled layer against the eager layer run through the same explicit-mask path (forced);
     bound as REL above (C++ kernels eager, references compiled; same masks from the same generator)."""
@@ -294,9 +291,6 @@ def test_compiled_dropout_is_the_eager_layer_with_the_same_masks(monkeypatch):
     assert relative_error(got[0], _tp_layer_with_dropout(1, False, compiled=False, seed=12)[0]) > 100 * REL
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 def test_a_tensor_or_context_parallel_layer_traces_its_collectives():
     """The all-reduce (tp2) and all-gather / reduce-scatter (tp2 with sequence parallelism) of a layer are
     functional collectives inside its graph, and dropout of split tensors draws explicit masks (no RNG fork); the
