@@ -125,6 +125,11 @@ class Backend(ABC):
     dist_backend: str = ""
     """The ``torch.distributed`` process-group backend name this device uses."""
 
+    def __deepcopy__(self, memo) -> "Backend":
+        """A backend is this process's device and its library, not data: a deep-copied model shares it (a copy
+        would split its caches and counters, and sim's, holding its extension module, cannot be copied)."""
+        return self
+
     # ---- availability -------------------------------------------------------------------
     @classmethod
     @abstractmethod

@@ -9,6 +9,7 @@ the other members of its group (``backends/flight.py``; :func:`flight_recorder_d
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 from typing import Sequence
@@ -27,6 +28,29 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 FP8_DTYPES = tuple(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)
 )
+
+
+_NO_BACKEND = "No backend type associated with device type "
+
+
+def _device_checked(method):
+    """Turn torch's "No backend type associated with device type X" (a tensor on a device ``group`` has no
+    backend for: a host tensor on an NCCL / simccl group, or the reverse) into one line that names the
+    operation, the group's backend and the fix. Only a raised error is inspected: no check per call."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as err:
+            if _NO_BACKEND not in str(err):
+                raise
+            got = str(err).split(_NO_BACKEND, 1)[1].split()[0]
+            group = kwargs.get("group")
+            raise ValueError(f"{method.__name__}: a {got!r} tensor on a {dist.get_backend(group)!r} process group, "
+                             f"which has no {got!r} transport: move the tensor to the device the group serves "
+                             f"(the job's groups: backend.device(); ParallelGroups.build(..., backend=be) gives "
+                             f"modules that device)") from err
+    return call
 
 
 class _Handle:
@@ -190,6 +214,7 @@ class Collectives:
             flight.check_collective(op, flight.fingerprint(shape, tensor.dtype, extra), group, site, tensor.device)
 
     # ---- reductions ---------------------------------------------------------------------
+    @_device_checked
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
         """In-place all-reduce of ``tensor`` over ``group``."""
         self._enter("all_reduce", tensor, group, f"op={op}")
@@ -199,6 +224,7 @@ class Collectives:
             return self._done(work, lambda: tensor.copy_(wide), async_op)
         return self._done(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), None, async_op)
 
+    @_device_checked
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                        async_op: bool = False):
         """``output`` (1/n of ``input`` along dim 0) receives the reduced shard of this rank."""
@@ -214,6 +240,7 @@ class Collectives:
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if self._is_fp8_gap(t) else t
 
+    @_device_checked
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
         """Concatenate every rank's ``input`` along dim 0 into ``output``."""
         self._enter("all_gather", input, group)
@@ -233,6 +260,7 @@ class Collectives:
         k, r = buffer.numel() // n, self.rank(group)
         return self.all_gather(buffer, buffer[r * k:(r + 1) * k], group=group, async_op=async_op)
 
+    @_device_checked
     def all_gather_list(self, outputs: list[torch.Tensor], input: torch.Tensor, group=None):
         """Gather tensors of possibly different shapes (one per rank) into ``outputs``.
 
@@ -251,12 +279,14 @@ class Collectives:
         for o, b in zip(outputs, bufs):
             o.copy_(b[: o.numel()].view(o.shape))
 
+    @_device_checked
     def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
         """Broadcast from world rank ``src``."""
         self._enter("broadcast", tensor, group, f"src={src}")
         return self._done(dist.broadcast(self._wire(tensor), src=src, group=group, async_op=async_op),
                           None, async_op)
 
+    @_device_checked
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                    input_split_sizes=None, group=None, async_op: bool = False):
         """Exchange dim-0 splits of ``input`` with every rank of ``group``."""
@@ -275,6 +305,7 @@ class Collectives:
         for h in self.batch_p2p([("recv", tensor, src)], group=group):
             h.wait()
 
+    @_device_checked
     def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]], group=None) -> list:
         """Issue ``("send"|"recv", tensor, peer_world_rank)`` operations as one group; returns handles to wait.
 

@@ -1,6 +1,8 @@
 """Conformance: device API, streams/events, memory statistics, RNG, capabilities, autocast, FP8."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from omnitron.backends.base import Capabilities
@@ -22,6 +24,10 @@ def test_device_api(suite_backend):
     assert be.name and be.dist_backend == be.collectives.dist_backend
     ok, why = type(be).probe()
     assert ok and why
+    holder = torch.nn.Linear(2, 2).to(be.device())
+    holder.backend = be
+    twin = copy.deepcopy(holder)  # a copied model shares the process's backend (sim's holds its extension module)
+    assert twin.backend is be and twin.weight.device == holder.weight.device and twin.weight is not holder.weight
 
 
 def test_streams_and_events(suite_backend):

@@ -164,6 +164,7 @@ def attention_worker(layouts) -> list:
     torch.set_num_threads(1)
     AB.ROW_CHUNK = 12  # several ragged row chunks per block at these sizes
     be, out = get_backend(), []
+    dev = be.device()  # the attention on the backend's device (simccl takes no host tensors), the reference here
     for n, (comm, cfg) in enumerate(layouts):
         groups = ParallelGroups.build(cfg, be.collectives)
         cp, rank = groups.cp.size, groups.cp.rank
@@ -174,9 +175,9 @@ def attention_worker(layouts) -> list:
         tracker = RNGTracker(be)
         tracker.add(MODEL_PARALLEL, 5)
         seeds = _recording(tracker)
-        mine = [split_sequence(t, 2, cp, rank).requires_grad_(True) for t in (q, k, v)]
+        mine = [split_sequence(t, 2, cp, rank).to(dev).requires_grad_(True) for t in (q, k, v)]
         o = cp_attention(_module(groups, comm, be, tracker), *mine, p, scale=scale)
-        loss = (o * split_sequence(dout, 2, cp, rank)).sum()
+        loss = (o * split_sequence(dout, 2, cp, rank).to(dev)).sum()
         loss.backward()
         be.collectives.all_reduce(loss.detach(), group=groups.cp.handle)
         # the direct reference with the hash mask of the seed the engine drew
@@ -188,7 +189,7 @@ def attention_worker(layouts) -> list:
         ref_loss.backward()
         got = [o] + [t.grad for t in mine]
         want = [split_sequence(t, 2, cp, rank) for t in [ref] + [t.grad for t in full]]
-        err = max(((a - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
+        err = max(((a.cpu() - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
         err = max(err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         dropped = (mult == 0)[:, :, torch.ones(s, s, dtype=torch.bool).tril()].double().mean().item()
         out.append(((cp, comm), err, seeds, dropped))
@@ -229,17 +230,19 @@ def model_worker(tp: int, comm: str) -> dict:
     from omnitron.core.models.gpt import GPTModel
     from omnitron.core.parallel.context import context_parallel_batch
     from omnitron.core.parallel.tensor import mappings as M
+    from omnitron.core.parallel.tensor.sharding import to_device
 
     torch.set_num_threads(1)
     be = get_backend()
+    dev = be.device()  # the host for cpu; sim tensors for sim (its collectives take no host tensors)
     groups = ParallelGroups.build(ParallelConfig(context_parallel_size=2, cp_comm_type=comm,
                                                  tensor_model_parallel_size=tp), be.collectives)
     g = torch.Generator().manual_seed(5)
-    batch = context_parallel_batch({"tokens": torch.randint(0, 61, (2, 16), generator=g),
-                                    "labels": torch.randint(0, 61, (2, 16), generator=g)}, groups.cp)
+    batch = context_parallel_batch({"tokens": torch.randint(0, 61, (2, 16), generator=g).to(dev),
+                                    "labels": torch.randint(0, 61, (2, 16), generator=g).to(dev)}, groups.cp)
     grads, seeds = [], []
     for recompute in (False, True):
-        model = GPTModel(_config(recompute), groups, backend=be, seed=3)
+        model = to_device(GPTModel(_config(recompute), groups, backend=be, seed=3), dev)
         drawn = _recording(model.rng_tracker)
         for _ in range(2):  # two steps
             model.zero_grad()

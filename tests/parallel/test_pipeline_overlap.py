@@ -1,8 +1,9 @@
-"""DualPipeV's overlapped pairs, read from the runtime's recorded order of posts, waits and computes (gloo, strict
-NCCL-order checking on as everywhere in the suite): in a pair (forward of one micro-batch, backward of another),
-the backward's receive is posted before the forward computes and waited only after it, and the forward's send is
-posted before the backward computes and waited only after it. Two consecutive actions (the runtime before the
-pairs) post the backward's receive after the forward: the first assertion fails on them.
+"""DualPipeV's overlapped pairs, read from the runtime's recorded order of posts, waits and computes (the
+session's backend, strict NCCL-order checking on as everywhere in the suite): in a pair (forward of one
+micro-batch, backward of another), the backward's receive is posted before the forward computes and waited only
+after it, and the forward's send is posted before the backward computes and waited only after it. Two
+consecutive actions (the runtime before the pairs) post the backward's receive after the forward: the first
+assertion fails on them.
 """
 import dataclasses
 
@@ -29,16 +30,17 @@ def trace_worker(m: int) -> dict:
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.parallel.pipeline import build_schedule, forward_backward
 
-    pp = dist.get_world_size()
-    base = ParallelGroups.build(ParallelConfig(pipeline_model_parallel_size=pp), get_backend().collectives)
+    pp, be = dist.get_world_size(), get_backend()
+    dev = be.device()  # the host on cpu; sim tensors on sim (simccl groups take no host tensors)
+    base = ParallelGroups.build(ParallelConfig(pipeline_model_parallel_size=pp), backend=be)
     groups = dataclasses.replace(base, config=ParallelConfig(pipeline_model_parallel_size=pp,
                                                              virtual_pipeline_model_parallel_size=2))
     torch.manual_seed(dist.get_rank())
-    chunks = [torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2)]
+    chunks = [torch.nn.Linear(HIDDEN, HIDDEN).to(dev) for _ in range(2)]
     paired = build_schedule("dualpipe-v", pp, 2, m)
     out = {}
     for name, schedule in [("paired", paired), ("sequential", dataclasses.replace(paired, pairs={}))]:
-        data = iter([torch.randn(SEQ, MBS, HIDDEN) for _ in range(m)])
+        data = iter([torch.randn(SEQ, MBS, HIDDEN).to(dev) for _ in range(m)])
         out[name] = []
         forward_backward(schedule, chunks, data, groups, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS,
                          hidden_size=HIDDEN, forward_step_fn=_step, trace=out[name])

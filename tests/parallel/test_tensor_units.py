@@ -57,18 +57,19 @@ def test_init_full_is_deterministic_and_padded():
 
 def test_tracker_fork_is_separate_stream():
     be = get_backend()
+    dev = be.device()  # the tracker swaps the backend device's generator: draw there (the host on cpu)
     tr = RNGTracker(be)
     tr.add("model-parallel", 123)
-    torch.manual_seed(0)
-    expected_default = torch.rand(3)
-    torch.manual_seed(0)
+    be.manual_seed(0)
+    expected_default = torch.rand(3, device=dev)
+    be.manual_seed(0)
     with tr.fork():
-        a = torch.rand(3)
-    assert torch.equal(torch.rand(3), expected_default)  # default stream untouched by the fork
+        a = torch.rand(3, device=dev)
+    assert torch.equal(torch.rand(3, device=dev), expected_default)  # default stream untouched by the fork
     with tr.fork():
-        b = torch.rand(3)
-    torch.manual_seed(123)
-    ref = torch.rand(6)
+        b = torch.rand(3, device=dev)
+    be.manual_seed(123)
+    ref = torch.rand(6, device=dev)
     assert torch.equal(torch.cat([a, b]), ref)  # the fork continues its own stream
     with pytest.raises(ValueError):
         tr.add("model-parallel", 1)
@@ -105,21 +106,23 @@ def test_recompute_with_dropout_is_identical(recompute):
 
 
 def test_checkpoint_replays_tracker_stream():
-    tr = RNGTracker(get_backend())
+    be = get_backend()
+    dev = be.device()  # dropout on the backend's device, whose generator the tracker and checkpoint swap
+    tr = RNGTracker(be)
     tr.add("model-parallel", 7)
-    x = torch.randn(64, requires_grad=True)
+    x = torch.randn(64, device=dev, requires_grad=True)
 
     def fn(t):
         with tr.fork():
             t = F.dropout(t, 0.5)
         return F.dropout(t, 0.5) * 2
 
-    torch.manual_seed(1)
+    be.manual_seed(1)
     y = checkpoint(fn, tr, x)
     y.sum().backward()
-    tr2 = RNGTracker(get_backend())
+    tr2 = RNGTracker(be)
     tr2.add("model-parallel", 7)
-    torch.manual_seed(1)
+    be.manual_seed(1)
     x2 = x.detach().clone().requires_grad_()
     with tr2.fork():
         z = F.dropout(x2, 0.5)

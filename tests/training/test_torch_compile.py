@@ -71,15 +71,12 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
              add_bias_linear=False)
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 @pytest.mark.parametrize("flavour", [dict(hidden_dropout=0.1, attention_dropout=0.1), dict(LLAMA, hidden_dropout=0.0,
                                      attention_dropout=0.0)], ids=["gpt2-dropout", "llama"])
 def test_a_layer_traces_without_graph_breaks(flavour):
     """Default kernel table (the C++ kernels are preferred on cpu) and dropout drawn inside the layer."""
-    model, _ = _layer(**flavour)
-    x = torch.randn(8, 2, 32, requires_grad=True)
+    model, be = _layer(**flavour)
+    x = torch.randn(8, 2, 32, device=be.device(), requires_grad=True)
     freqs = model._rope_freqs(None, 8, x.device) if flavour.get("position_embedding_type") == "rope" else None
     explained = torch._dynamo.explain(model.decoder.layers["0"])(x, freqs)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
@@ -112,9 +109,6 @@ def test_recomputation_inside_a_compiled_region_keeps_the_dropout_mask():
     assert torch.equal(grad, kept.float() * 3.0 / 0.5)  # exact: one multiply of representable values
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 @pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("blockwise", marks=pytest.mark.slow)])
 def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
     """Emulated FP8 (cpu): amax, scale, casts and the GEMMs of every linear in one graph with the layer."""
@@ -126,7 +120,7 @@ def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
     model, be = _layer(hidden_size=128, ffn_hidden_size=256, seq_length=128, hidden_dropout=0.0,
                        attention_dropout=0.0)  # 128: the block-wise recipe's tile
     enable_fp8([model], FP8Config(fp8_recipe=recipe), ParallelGroups.single(), num_layers=1, backend=be)
-    layer, x = model.decoder.layers["0"], torch.randn(128, 2, 128, requires_grad=True)
+    layer, x = model.decoder.layers["0"], torch.randn(128, 2, 128, device=be.device(), requires_grad=True)
     explained = torch._dynamo.explain(layer)(x, None)
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
     want = layer(x, None)
@@ -158,7 +152,7 @@ def _delayed_fp8_steps(compiled: bool, steps: int = 3) -> list:
     if compiled:
         compile_layers([model], be, "aot_eager")
     for i in range(steps):
-        x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(i)).to(be.device()).requires_grad_()
         y = layer(x, None)
         outs.append((y, torch.autograd.grad(y.square().sum(), x)[0]))
         fp8_step(enabled)
@@ -229,7 +223,7 @@ def _layer_graph_breaks(parallel: dict, seq: int, **dropout) -> list[str]:
 
     groups = ParallelGroups.build(ParallelConfig(**parallel), backend=get_backend())
     model, _ = _layer(groups, **(dropout or DROPOUT))  # training mode: dropout of split tensors inside the graph too
-    x = torch.randn(seq, 2, 32, requires_grad=True)
+    x = torch.randn(seq, 2, 32, device=get_backend().device(), requires_grad=True)
     explained = torch._dynamo.explain(model.decoder.layers["0"])(x, None)
     return [str(b.reason).splitlines()[0] for b in explained.break_reasons] + [""] * explained.graph_break_count
 
@@ -252,10 +246,10 @@ def _tp_layer_with_dropout(tp: int, sp: bool, compiled: bool = True, seed: int =
     model.train()
     if compiled:
         compile_layers([model], be, "aot_eager")
-    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(7)).to(be.device())
     rank = torch.distributed.get_rank() if tp > 1 else 0
     x = (x.chunk(tp)[rank] if sp else x).clone().requires_grad_(True)
-    torch.manual_seed(seed)
+    be.manual_seed(seed)  # the generator the layer's dropout draws from: the backend device's
     y = model.decoder.layers["0"](x, None)
     return y.detach(), torch.autograd.grad(y.square().sum(), x)[0]
 
@@ -284,9 +278,6 @@ def test_dropout_at_tp2_draws_the_unsplit_layers_masks():
             assert max(errors) < 1e-5, (rank, sp, errors)
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 def test_compiled_dropout_is_the_eager_layer_with_the_same_masks(monkeypatch):
     """tp1, aot_eager: the compiled layer against the eager layer run through the same explicit-mask path (forced);
     bound as REL above (C++ kernels eager, references compiled; same masks from the same generator)."""
@@ -300,9 +291,6 @@ def test_compiled_dropout_is_the_eager_layer_with_the_same_masks(monkeypatch):
     assert relative_error(got[0], _tp_layer_with_dropout(1, False, compiled=False, seed=12)[0]) > 100 * REL
 
 
-@pytest.mark.device_port("builds its layer and inputs on the host but resolves the session's backend for "
-                         "kernels and RNG: on sim its inputs land on sim:0 beside host weights (dynamo: 'Tensor "
-                         "device mismatch'); not yet ported to a device backend")
 def test_a_tensor_or_context_parallel_layer_traces_its_collectives():
     """The all-reduce (tp2) and all-gather / reduce-scatter (tp2 with sequence parallelism) of a layer are
     functional collectives inside its graph, and dropout of split tensors draws explicit masks (no RNG fork); the

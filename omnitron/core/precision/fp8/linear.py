@@ -52,8 +52,10 @@ class FP8Linear:
         if recipe.fp8_recipe == "delayed":
             fmt = {"input": recipe.forward_format, "weight": recipe.forward_format,
                    "grad_output": recipe.backward_format}
+            backend = getattr(provider, "backend", None)
+            device = backend.current_device() if backend is not None else None
             self.states = {r: DelayedScaling(fmt[r], recipe.fp8_amax_history_len, recipe.fp8_amax_compute_algo,
-                                             recipe.fp8_margin) for r in ROLES}
+                                             recipe.fp8_margin, device) for r in ROLES}
             if reducer is not None and reducer.per_step:
                 for state in self.states.values():
                     reducer.register(state)

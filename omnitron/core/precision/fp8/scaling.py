@@ -144,17 +144,19 @@ class _Recorded:
 class DelayedScaling:
     """The amax history and scale of one tensor role (input, weight or grad_output) of one linear."""
 
-    def __init__(self, fmt: str, history_len: int, algo: str, margin: int) -> None:
+    def __init__(self, fmt: str, history_len: int, algo: str, margin: int, device=None) -> None:
+        """``device``: where the layer's tensors will be (its backend's): made there, the state is never moved
+        inside a compiled layer (a move there is a mutation dynamo refuses: one graph break per role)."""
         self.fmt, self.history_len, self.algo, self.margin = fmt, history_len, algo, margin
-        self.amax_history = torch.zeros(history_len)
-        self.scale = torch.ones(())
-        self.scale_inv = torch.ones(())
+        self.amax_history = torch.zeros(history_len, device=device)
+        self.scale = torch.ones((), device=device)
+        self.scale_inv = torch.ones((), device=device)
         """``1 / scale``, kept beside it (the GEMMs take it; computed once per update, not per use)."""
         self.uses = 0
         """Amaxes pushed so far (host-side count; 0 means "no history yet")."""
         self.pending: torch.Tensor | None = None
         """The last use's amax, pushed at the start of the next use."""
-        self.step_amax = torch.full((), -1.0)
+        self.step_amax = torch.full((), -1.0, device=device)
         """Per-step mode: the max of this step's local amaxes (-1: no use yet), pushed by :meth:`AmaxReducer.step`;
         a buffer updated in place (a compiled layer mutates it)."""
 
