@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import math
 import os
 from typing import Sequence
@@ -45,7 +46,8 @@ def _device_checked(method):
             if _NO_BACKEND not in str(err):
                 raise
             got = str(err).split(_NO_BACKEND, 1)[1].split()[0]
-            group = kwargs.get("group")
+            bound = inspect.signature(method).bind(self, *args, **kwargs)  # the group, however it was passed
+            group = bound.arguments.get("group")
             raise ValueError(f"{method.__name__}: a {got!r} tensor on a {dist.get_backend(group)!r} process group, "
                              f"which has no {got!r} transport: move the tensor to the device the group serves "
                              f"(the job's groups: backend.device(); ParallelGroups.build(..., backend=be) gives "
