@@ -84,13 +84,13 @@ def _rank(sources: list[str]) -> list[dict]:
     torch.set_num_threads(1)
     be = get_backend()
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=be)
-    ids = torch.tensor(IDS)
+    ids = torch.tensor(IDS, device=be.device())  # the tokens on the device the loaded stage lives on
     out = []
     for src in sources:
         loaded = load_sharded(src, groups, be)
         with torch.no_grad():
-            logits = loaded.sharded.forward(ids, torch.arange(ids.shape[1]).expand_as(ids))
-        out.append({"logits": logits[..., :V + 1], "read": loaded.read_bytes, "own": _own_bytes(loaded.model, groups.tp.rank),
+            logits = loaded.sharded.forward(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
+        out.append({"logits": logits[..., :V + 1].cpu(), "read": loaded.read_bytes, "own": _own_bytes(loaded.model, groups.tp.rank),
                     "tensors": len(dict(loaded.model.named_parameters()))})
     return out
 
