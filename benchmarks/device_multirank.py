@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 CONFIG = "examples/moby_dick_tp2_pp2.yaml"
 SINGLE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
@@ -38,15 +39,15 @@ LAYOUTS = {  # name: (processes, flags over the config)
 }
 
 
-def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str) -> tuple[list[float], float]:
-    """Run one training; returns (losses per iteration, seconds)."""
-    log_dir = os.path.join(workdir, backend)
+def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str, tag: str) -> tuple[list[float], float]:
+    """Run one training in ``workdir/tag``; returns (losses per iteration, seconds)."""
+    log_dir = os.path.join(workdir, tag)
     env = dict(os.environ, OMNITRON_BACKEND=backend, PYTHONUNBUFFERED="1")
     if backend != "cpu" and procs > 1:
         env["OMNITRON_COLLECTIVES"] = "host-staged"
     cmd = [sys.executable, "-m", "omnitron", "train", "--config", CONFIG, "--backend", backend,
            "--nproc-per-node", str(procs), "--train-iters", str(iters), "--log-interval", "1",
-           "--eval-interval", "0", "--log-dir", log_dir, "--save", os.path.join(workdir, f"ckpt-{backend}"),
+           "--eval-interval", "0", "--log-dir", log_dir, "--save", os.path.join(workdir, f"ckpt-{tag}"),
            "--lr-warmup-iters", "2", *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -58,6 +59,23 @@ def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str) 
     return [r["lm_loss"] for r in rows if "lm_loss" in r and "iteration" in r], dt
 
 
+def run_layout(name: str, args) -> dict:
+    """One layout on the device and on the CPU, side by side (two launches at once); the per-layout result."""
+    procs, flags = LAYOUTS[name]
+    flags = flags + args.extra.split()
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(train, b, procs, flags, args.iters, tmp, tag)
+                for b, tag in ((args.device_backend, "device"), ("cpu", "cpu"))]
+        try:
+            (dev, dev_s), (ref, ref_s) = [r.result() for r in runs]
+        except RuntimeError as err:
+            return {"status": "error", "error": str(err)[-2000:]}
+    worst = max((abs(a - b) / abs(b) for a, b in zip(dev, ref)), default=float("inf"))
+    ok = len(dev) == len(ref) == args.iters and worst <= args.rtol
+    return {"status": "ok" if ok else "mismatch", "procs": procs, "device_losses": dev, "cpu_losses": ref,
+            "max_rel_diff": worst, "device_s": dev_s, "cpu_s": ref_s}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file for the per-layout results")
@@ -66,27 +84,23 @@ def main() -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--device-backend", default="cuda")
     ap.add_argument("--extra", default="", help="more `omnitron train` flags for every run (one string)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="layouts run at once (each is two launches, device and CPU, side by side); the "
+                         "launches are start-up bound, so a 16-core host runs six layouts in the time of two")
     args = ap.parse_args()
-    results, failed = {}, 0
-    for name in args.layouts.split(","):
-        procs, flags = LAYOUTS[name]
-        flags = flags + args.extra.split()
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                dev, dev_s = train(args.device_backend, procs, flags, args.iters, tmp)
-                ref, ref_s = train("cpu", procs, flags, args.iters, tmp)
-            except RuntimeError as err:
-                results[name] = {"status": "error", "error": str(err)[-2000:]}
-                print(f"{name:14s} ERROR {str(err).splitlines()[0]}")
-                failed += 1
-                continue
-        worst = max((abs(a - b) / abs(b) for a, b in zip(dev, ref)), default=float("inf"))
-        ok = len(dev) == len(ref) == args.iters and worst <= args.rtol
-        failed += not ok
-        results[name] = {"status": "ok" if ok else "mismatch", "procs": procs, "device_losses": dev,
-                         "cpu_losses": ref, "max_rel_diff": worst, "device_s": dev_s, "cpu_s": ref_s}
-        print(f"{name:14s} {'ok' if ok else 'MISMATCH':8s} procs {procs}  max rel diff {worst:.2e}  "
-              f"device {dev_s:.0f}s cpu {ref_s:.0f}s  last loss {dev[-1] if dev else float('nan'):.4f}")
+    names = args.layouts.split(",")
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = dict(zip(names, pool.map(lambda n: run_layout(n, args), names)))
+    failed = 0
+    for name, r in results.items():
+        if r["status"] == "error":
+            print(f"{name:14s} ERROR {r['error'].splitlines()[0]}")
+        else:
+            dev = r["device_losses"]
+            print(f"{name:14s} {r['status'].upper() if r['status'] != 'ok' else 'ok':8s} procs {r['procs']}  "
+                  f"max rel diff {r['max_rel_diff']:.2e}  device {r['device_s']:.0f}s cpu {r['cpu_s']:.0f}s  "
+                  f"last loss {dev[-1] if dev else float('nan'):.4f}")
+        failed += r["status"] != "ok"
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 1 if failed else 0

@@ -3,10 +3,14 @@
 # and finally write_summary TITLE.
 # DRY_RUN=1: each step prints its command and limit and runs nothing (the row says "dry run"), so a machine
 # without a GPU can check the script's plan; `need PATH...` still checks that each file a step uses exists.
+# BUDGET_S=N: the whole run's wall-clock budget. A step gets min(its limit, what is left); a step that would
+# start with under 15 s left is skipped (its row says so), so a script whose limits add up to more than the
+# lease allows still ends in time, having run its steps in the order written (most important first).
 LOG="$LOG_DIR/device_check.log"
 SUMMARY="$LOG_DIR/summary.md"
 SCALE=${STEP_SCALE:-1}
 START=$(date +%s)
+BUDGET=${BUDGET_S:-0}
 LIMIT_TOTAL=0
 MISSING=0
 declare -a ROWS=()
@@ -24,11 +28,21 @@ run_step() {
   local name=$1 limit=$(( $2 * SCALE )) t0 rc
   shift 2
   LIMIT_TOTAL=$((LIMIT_TOTAL + limit))
-  echo "=== [$name] $* (limit ${limit}s)" | tee -a "$LOG"
   if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "=== [$name] $* (limit ${limit}s)" | tee -a "$LOG"
     ROWS+=("| $name | dry run | limit ${limit}s | - |")
     return 0
   fi
+  if [ "$BUDGET" -gt 0 ]; then
+    local left=$(( BUDGET - ($(date +%s) - START) ))
+    if [ "$left" -lt 15 ]; then
+      echo "=== [$name] skipped: ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"
+      ROWS+=("| $name | skipped (budget) | - | - |")
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  echo "=== [$name] $* (limit ${limit}s)" | tee -a "$LOG"
   t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
@@ -56,10 +70,16 @@ print(f"{n('tests') - failed - n('skipped')} passed, {failed} failed, {n('skippe
 PY
 }
 
-pytest_step() {  # pytest_step NAME LIMIT ARGS...
-  local name=$1 limit=$2
+# pytest_step NAME LIMIT ARGS...: pytest on the cuda backend, a junit file per step. With pytest-xdist
+# installed the tests spread over PYTEST_WORKERS processes (default 4; 0 = one process): a cold Triton
+# cache makes the conformance suite compile-bound on the host, and the GPU has room for four of them.
+pytest_step() {
+  local name=$1 limit=$2 workers=()
   shift 2
-  run_step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider --backend cuda \
+  if [ "${PYTEST_WORKERS:-4}" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    workers=(-n "${PYTEST_WORKERS:-4}")
+  fi
+  run_step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider --backend cuda "${workers[@]}" \
     --junitxml="$LOG_DIR/junit-$name.xml" -o junit_family=xunit2 "$@"
 }
 
