@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,8 +41,10 @@ LAYOUTS = {  # name: (processes, flags over the config)
 }
 
 
-def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str, tag: str) -> tuple[list[float], float]:
-    """Run one training in ``workdir/tag``; returns (losses per iteration, seconds)."""
+def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str, tag: str,
+          timeout_s: float = 120.0) -> tuple[list[float], float]:
+    """Run one training in ``workdir/tag``; returns (losses per iteration, seconds). A launch that fails or
+    outlives ``timeout_s`` raises with the end of its output."""
     log_dir = os.path.join(workdir, tag)
     env = dict(os.environ, OMNITRON_BACKEND=backend, PYTHONUNBUFFERED="1")
     if backend != "cpu" and procs > 1:
@@ -50,10 +54,18 @@ def train(backend: str, procs: int, flags: list[str], iters: int, workdir: str, 
            "--eval-interval", "0", "--log-dir", log_dir, "--save", os.path.join(workdir, f"ckpt-{tag}"),
            "--lr-warmup-iters", "2", *flags]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # its own process group, so a launch past the timeout is ended with every rank it started
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise RuntimeError(f"{backend} run timed out after {timeout_s:.0f}s:\n{out[-3000:]}\n{err[-3000:]}")
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{backend} run failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{backend} run failed (rc {proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r["lm_loss"] for r in rows if "lm_loss" in r and "iteration" in r], dt
@@ -64,7 +76,7 @@ def run_layout(name: str, args) -> dict:
     procs, flags = LAYOUTS[name]
     flags = flags + args.extra.split()
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(train, b, procs, flags, args.iters, tmp, tag)
+        runs = [pool.submit(train, b, procs, flags, args.iters, tmp, tag, args.timeout)
                 for b, tag in ((args.device_backend, "device"), ("cpu", "cpu"))]
         try:
             (dev, dev_s), (ref, ref_s) = [r.result() for r in runs]
@@ -85,25 +97,38 @@ def main() -> int:
     ap.add_argument("--device-backend", default="cuda")
     ap.add_argument("--extra", default="", help="more `omnitron train` flags for every run (one string)")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="layouts run at once (each is two launches, device and CPU, side by side); the "
-                         "launches are start-up bound, so a 16-core host runs six layouts in the time of two")
+                    help="layouts run at once (each is two launches, device and CPU, side by side): the "
+                         "small model's launches are start-up bound, so a many-core host overlaps them")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one launch may take")
     args = ap.parse_args()
     names = args.layouts.split(",")
+    results: dict[str, dict] = {}
+
+    lock = threading.Lock()
+
+    def one(name: str) -> None:  # print and save each layout as it ends: a cut-short run keeps what finished
+        r = run_layout(name, args)
+        with lock:
+            results[name] = r
+            report(name, r)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        results = dict(zip(names, pool.map(lambda n: run_layout(n, args), names)))
-    failed = 0
-    for name, r in results.items():
-        if r["status"] == "error":
-            print(f"{name:14s} ERROR {r['error'].splitlines()[0]}")
-        else:
-            dev = r["device_losses"]
-            print(f"{name:14s} {r['status'].upper() if r['status'] != 'ok' else 'ok':8s} procs {r['procs']}  "
-                  f"max rel diff {r['max_rel_diff']:.2e}  device {r['device_s']:.0f}s cpu {r['cpu_s']:.0f}s  "
-                  f"last loss {dev[-1] if dev else float('nan'):.4f}")
-        failed += r["status"] != "ok"
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    return 1 if failed else 0
+        list(pool.map(one, names))
+    return 1 if any(r["status"] != "ok" for r in results.values()) else 0
+
+
+def report(name: str, r: dict) -> None:
+    """One line per layout; a failed one also prints the end of its output (the cause is usually there)."""
+    if r["status"] == "error":
+        lines = r["error"].splitlines()
+        print(f"{name:14s} ERROR {lines[0]}\n    " + "\n    ".join(lines[-15:]), flush=True)
+        return
+    dev = r["device_losses"]
+    print(f"{name:14s} {r['status'] if r['status'] == 'ok' else r['status'].upper():8s} procs {r['procs']}  "
+          f"max rel diff {r['max_rel_diff']:.2e}  device {r['device_s']:.0f}s cpu {r['cpu_s']:.0f}s  "
+          f"last loss {dev[-1] if dev else float('nan'):.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@
 #                                             step uses exists, run nothing
 #        STEP_SCALE=2 ...                     doubles every limit (a slower GPU)
 #        BUDGET_S=420 ...                     a shorter lease: the steps past it are skipped
+#        ONLY=multirank,conformance ...       a rerun of the named steps alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMNITRON_BACKEND=cuda
@@ -61,7 +62,7 @@ run_step fp8-profile 45 bash -c "python3 benchmarks/fp8_profile.py --json $LOG_D
 
 # ---- 4. multi-rank on one GPU ------------------------------------------------------------------
 need benchmarks/device_multirank.py examples/moby_dick_tp2_pp2.yaml
-run_step multirank 60 python3 benchmarks/device_multirank.py --jobs 6 --out "$LOG_DIR/multirank.json"
+run_step multirank 120 python3 benchmarks/device_multirank.py --jobs 6 --timeout 100 --out "$LOG_DIR/multirank.json"
 
 # ---- 5. conformance ----------------------------------------------------------------------------
 need tests/backends tests/kernels/test_conformance.py

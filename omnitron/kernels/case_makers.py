@@ -363,6 +363,26 @@ def fp8_cast_transpose_amax(device, dtype, size):
     return [Case(f"{fmt}-x{k}", (x, (fit * k).float().reshape(()), fmt)) for fmt, k in fmts]
 
 
+def fp8_cast_transpose_from_amax(device, dtype, size):
+    """Current scaling from a given amax: the tensor's own (fits), a quarter of it (saturates), with and
+    without a margin, and the degenerate amax 0 (scale 1), in both formats."""
+    x = _t((48, 80), dtype, device, scale=3.0)
+    amax = x.float().abs().amax().reshape(())
+    picks = (("e4m3", 1.0, 0), ("e4m3", 0.25, 0), ("e5m2", 1.0, 2), ("e5m2", 0.0, 0))
+    return [Case(f"{fmt}-amax-x{k}-m{m}", (x, (amax * k).float(), fmt, m)) for fmt, k, m in picks]
+
+
+def fp8_amax_history_push(device, dtype, size):
+    """One delayed-scaling update on a float32 history of 16 (the dtype does not apply: FP8 state is float32):
+    a new amax above and below the history's max, under both algorithms, and a zero amax that keeps the
+    previous scale under "most_recent"."""
+    hist = torch.rand(16, device=device) * 4
+    scale = torch.tensor(100.0, device=device)
+    picks = (("max", 7.5, "e4m3"), ("max", 0.5, "e5m2"), ("most_recent", 2.0, "e4m3"), ("most_recent", 0.0, "e4m3"))
+    return [Case(f"{algo}-{a}-{fmt}", (hist, torch.tensor(a, device=device), scale, fmt, 0, algo))
+            for algo, a, fmt in picks]
+
+
 # torch-native fused baselines for the benchmark, called like the op
 def native_rms_norm(x, w, eps):
     return F.rms_norm(x, (x.shape[-1],), w, eps)

@@ -72,4 +72,6 @@ OPS: dict[str, OpCases] = {  # the benchmark runs its ops in this order
     "adamw_step": OpCases(mk.adamw_step, native=mk.native_adamw, float_only=True, float64=False),
     "grad_norm_sq": OpCases(mk.grad_norm_sq, native=mk.native_grad_norm_sq, float64=False),
     "fp8_cast_transpose_amax": OpCases(mk.fp8_cast_transpose_amax, float64=False),
+    "fp8_cast_transpose_from_amax": OpCases(mk.fp8_cast_transpose_from_amax, bench=False, float64=False),
+    "fp8_amax_history_push": OpCases(mk.fp8_amax_history_push, bench=False, float64=False),
 }

@@ -111,6 +111,24 @@ def _context():
     return ctx
 
 
+def _staged_if_ranks_share_a_device(backend: str, world_size: int, env: dict[str, str] | None):
+    """``env`` with ``OMNITRON_COLLECTIVES=host-staged`` when ``world_size`` ranks would share fewer devices of
+    a backend whose collective library refuses that (NCCL: "duplicate GPU"), as on a one-GPU machine: the
+    engine's collectives then run over gloo on host copies of the device tensors (omnitron/backends/staged.py),
+    everything else on the device. gloo backends and sim (its communicators model several ranks per
+    device) are left alone, as is an explicit choice in ``env`` or the environment."""
+    from omnitron.backends.staged import ENV_VAR
+
+    if backend in ("cpu", "sim") or ENV_VAR in (env or {}) or ENV_VAR in os.environ:
+        return env
+    from omnitron.backends import get_backend
+
+    be = get_backend(backend)
+    if be.dist_backend == "gloo" or not 0 < be.device_count() < world_size:
+        return env
+    return {**(env or {}), ENV_VAR: "host-staged"}
+
+
 def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = None, threads: int = 1,
                     timeout_s: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` processes with the default process group initialised.
@@ -119,6 +137,7 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = 
     imported there (e.g. ``REFERENCE_KERNELS``). Returns the per-rank results, ordered by rank.
     """
     backend = backend or os.environ.get("OMNITRON_BACKEND", "cpu")
+    env = _staged_if_ranks_share_a_device(backend, world_size, env)
     port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
         ctx = _context()

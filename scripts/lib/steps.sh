@@ -6,6 +6,7 @@
 # BUDGET_S=N: the whole run's wall-clock budget. A step gets min(its limit, what is left); a step that would
 # start with under 15 s left is skipped (its row says so), so a script whose limits add up to more than the
 # lease allows still ends in time, having run its steps in the order written (most important first).
+# ONLY=name,name: run just those steps (a rerun of the ones that failed); the others get no row.
 LOG="$LOG_DIR/device_check.log"
 SUMMARY="$LOG_DIR/summary.md"
 SCALE=${STEP_SCALE:-1}
@@ -28,6 +29,9 @@ run_step() {
   local name=$1 limit=$(( $2 * SCALE )) t0 rc
   shift 2
   LIMIT_TOTAL=$((LIMIT_TOTAL + limit))
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    return 0
+  fi
   if [ "${DRY_RUN:-0}" = 1 ]; then
     echo "=== [$name] $* (limit ${limit}s)" | tee -a "$LOG"
     ROWS+=("| $name | dry run | limit ${limit}s | - |")
