@@ -29,7 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-_HERE = (os.path.join("omnitron", "backends", "collectives.py"), os.path.join("omnitron", "backends", "flight.py"))
+_HERE = (os.path.join("omnitron", "backends", "collectives.py"), os.path.join("omnitron", "backends", "flight.py"),
+         os.path.join("omnitron", "backends", "staged.py"))  # the host-staged layer is the collectives layer too
 HEADER_BYTES = 512
 """Size of one encoded fingerprint (call sites are truncated to fit)."""
 

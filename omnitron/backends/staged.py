@@ -29,7 +29,9 @@ def _host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
     """``t`` itself when it is on the host, else a host tensor (a copy of it, or uninitialised)."""
     if t.device.type == "cpu":
         return t
-    return t.detach().to("cpu") if copy else torch.empty(t.shape, dtype=t.dtype)
+    # device="cpu" named: under torch.set_default_device (the tests' and some users' habit) a bare empty()
+    # would land on the device and reach gloo as device memory (on CUDA: "Read error ... Bad address")
+    return t.detach().to("cpu") if copy else torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
 
 class _StagedHandle:

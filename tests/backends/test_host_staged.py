@@ -37,3 +37,21 @@ def test_native_mode_keeps_the_backend_class():
     from omnitron.backends.cpu import CPUBackend
 
     assert staged.apply(CPUBackend) is CPUBackend
+
+
+@pytest.mark.multiprocess
+def test_staged_p2p_and_call_sites_on_sim():
+    """Found on the H200 (2026-12-04): a staged receive buffer made with a bare ``torch.empty`` landed on the
+    device under ``torch.set_default_device`` and reached gloo as device memory ("Bad address" on CUDA; a
+    wrong-device error on sim), and the flight recorder named staged.py as every call's site. Here both
+    ranks' batched send/receive delivers the peer's value, and the recorded sites are the caller's lines."""
+    pytest.importorskip("omnitron._sim")
+    import strict_cases
+
+    env = {staged.ENV_VAR: "host-staged", "OMNITRON_STRICT_COLLECTIVES": "1"}
+    got = run_distributed(strict_cases.send_recv_batched, 2, backend="sim", timeout_s=120, env=env)
+    assert got == [1.0, 0.0]
+    for lines in run_distributed(strict_cases.recorder_lines, 2, backend="sim", timeout_s=120, env=env):
+        engine = [line for line in lines if line.startswith("#")]
+        assert "all_reduce" in engine[-2] and "strict_cases.py" in engine[-2], engine
+        assert not any("staged.py" in line for line in engine), engine
