@@ -6,8 +6,8 @@
 # headline figures taken. Results land in benchmarks/results/<gpu>-<date>/ (or $OUT): device_check.log
 # (everything), summary.md (one row per step), junit-*.xml, metrics-*.jsonl, bench/*.json.
 #   1. environment and `omnitron info`
-#   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile (the
-#      FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves and tokens/s
+#   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile, then
+#      both with --cuda-graph-impl local (the FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
 #   3. one FP8 layer profiled (benchmarks/fp8_profile.py) and the FP8 linear table (benchmarks/fp8_gemm.py)
 #   4. multi-rank on one GPU: benchmarks/device_multirank.py (2-4 processes on the one device over
 #      host-staged gloo, losses against the CPU run of the same layout; world-1 layouts on NCCL)
@@ -54,6 +54,9 @@ train_step 45 bf16
 train_step 45 fp8-tensorwise "${FP8_TW[@]}"
 train_step 80 bf16-compiled --torch-compile
 train_step 80 fp8-tensorwise-compiled "${FP8_TW[@]}" --torch-compile
+# each layer's forward and backward captured as CUDA graphs and replayed (never run on a GPU before)
+train_step 80 fp8-tensorwise-graphs "${FP8_TW[@]}" --cuda-graph-impl local
+train_step 80 bf16-graphs --cuda-graph-impl local
 
 # ---- 3. one FP8 layer profiled, the FP8 linear table -------------------------------------------
 need benchmarks/fp8_profile.py benchmarks/fp8_gemm.py

@@ -25,8 +25,11 @@ LAYOUT_KEYS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-par
 
 
 def parse_layout(layout: str) -> tuple[dict[str, int], int]:
-    """``"tp2,pp2,dp2"`` -> ({"tp": 2, "pp": 2, "dp": 2}, world 8); a missing dimension is 1."""
+    """``"tp2,pp2,dp2"`` -> ({"tp": 2, "pp": 2, "dp": 2}, world 8); a missing dimension is 1. ``"single"`` (the
+    name the reports give a one-device run, and `bench all`'s accelerator layout) is every dimension 1."""
     out = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1}
+    if layout.strip().lower() == "single":
+        return out, 1
     for part in filter(None, re.split(r"[,x ]+", layout.strip().lower())):
         m = re.fullmatch(r"(tp|pp|cp|ep|dp)(\d+)", part)
         if not m:

@@ -119,11 +119,14 @@ def _staged_if_ranks_share_a_device(backend: str, world_size: int, env: dict[str
     device) are left alone, as is an explicit choice in ``env`` or the environment."""
     from omnitron.backends.staged import ENV_VAR
 
-    if backend in ("cpu", "sim") or ENV_VAR in (env or {}) or ENV_VAR in os.environ:
+    if world_size < 2 or backend in ("cpu", "sim") or ENV_VAR in (env or {}) or ENV_VAR in os.environ:
         return env
-    from omnitron.backends import get_backend
+    from omnitron.backends import BackendUnavailableError, get_backend
 
-    be = get_backend(backend)
+    try:
+        be = get_backend(backend)
+    except BackendUnavailableError:  # e.g. a plug-in only the workers register: they report it themselves
+        return env
     if be.dist_backend == "gloo" or not 0 < be.device_count() < world_size:
         return env
     return {**(env or {}), ENV_VAR: "host-staged"}

@@ -159,3 +159,14 @@ def test_gemm_and_memory_on_the_musa_double():
         rows += memory.run(be, byte_sizes=[1 << 12], rounds=3, budget_s=0.1, log=lambda *_: None)
         rep = new_report("gemm", be, [r for r in rows if "tflops" in r])
     assert rep["machine"]["backend"] == "musa-double" and all(r["ms"] > 0 for r in rows)
+
+
+def test_the_single_layout_parses_as_one_device():
+    """`bench all` on an accelerator trains at layout "single" (the name its rows give a one-device run); on
+    the H200 (2026-12-04) the parser refused it and the train report was lost."""
+    from omnitron.bench.train import parse_layout
+
+    assert parse_layout("single") == ({"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1}, 1)
+    assert parse_layout("tp2,dp2") == ({"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 2}, 4)
+    with pytest.raises(ValueError, match="not tpN"):
+        parse_layout("singular")
