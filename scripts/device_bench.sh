@@ -14,8 +14,8 @@
 #   5. the cuda conformance suite (every kernel against its float64 reference)
 #   6. delayed-scaling FP8 at 1.3B; the golden loss curve (omnitron/testing/golden.py: 100 steps of a tiny
 #      GPT, recorded as golden/cuda.json); `omnitron bench all` (the report `omnitron plan --bench` and
-#      `bench compare` read); the planted stream/collective bugs that `sim` catches (tests marked `planted`:
-#      written for sim and cpu, they skip here until their CUDA + NCCL variants exist)
+#      `bench compare` read); the planted stream bugs that `sim` catches, run on the GPU to count how often
+#      they corrupt results there (benchmarks/planted_on_device.py; the two-rank cases need two GPUs)
 # usage: scripts/device_bench.sh              on the GPU machine (python3 with a CUDA torch, pytest)
 #        DRY_RUN=1 scripts/device_bench.sh    anywhere: print every step and its limit, check every file a
 #                                             step uses exists, run nothing
@@ -71,6 +71,10 @@ run_step multirank 120 python3 benchmarks/device_multirank.py --jobs 6 --timeout
 need tests/backends tests/kernels/test_conformance.py
 pytest_step conformance 100 tests/backends tests/kernels/test_conformance.py -rfE
 
+# the planted stream bugs on the device: how often do they corrupt results here? (sim catches them)
+need benchmarks/planted_on_device.py
+run_step planted 40 python3 benchmarks/planted_on_device.py --json "$LOG_DIR/planted.json"
+
 # ---- 6. the rest, as the budget allows ---------------------------------------------------------
 train_step 45 fp8-delayed --fp8-format hybrid --fp8-recipe delayed
 # golden loss curve: the fixed tiny GPT's 100 losses on cuda into golden/cuda.json (commit it as
@@ -78,7 +82,5 @@ train_step 45 fp8-delayed --fp8-format hybrid --fp8-recipe delayed
 need omnitron/testing/golden.py
 run_step golden 20 python3 -m omnitron.testing.golden cuda --out "$LOG_DIR/golden"
 run_step bench-all 85 python3 -m omnitron bench all --backend cuda --out "$LOG_DIR/bench"
-need tests/sim
-pytest_step planted 30 tests/sim -m planted -rfE
 
 write_summary device_bench

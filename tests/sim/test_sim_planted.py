@@ -8,6 +8,7 @@ orders on two ranks, and a background thread's collectives racing the main threa
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -278,3 +279,22 @@ def test_send_between_collectives_received_after_them_deadlocks(backend):
         assert "rank 0 (of the group) issued send" in m and "after 1 of the group's collectives" in m, m
         assert "rank 1 issued recv" in m and "after 2 of the group's collectives" in m, m
         assert m.count("test_sim_planted.py") >= 2, m  # both call sites
+
+
+@pytest.mark.parametrize("backend", ["sim", pytest.param("cpu", marks=pytest.mark.slow)])
+def test_the_device_scripts_planted_cases(backend, tmp_path):
+    """benchmarks/planted_on_device.py (the GPU script's ground truth for these bugs): sim catches both
+    one-process cases, naming the cause; cpu runs them silently, with right numbers."""
+    out = tmp_path / "planted.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "planted_on_device.py"), "--backend",
+                           backend, "--trials", "2", "--elements", "8192", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"early-host-read", "freed-without-record-stream"}
+    if backend == "cpu":
+        assert all(r["outcome"] == "silent" and r["manifested"] == 0 for r in rows.values()), rows
+    else:
+        assert rows["early-host-read"]["outcome"] == "caught" and "before it completed" in rows["early-host-read"]["message"]
+        assert rows["freed-without-record-stream"]["outcome"] == "caught"
+        assert "record_stream" in rows["freed-without-record-stream"]["message"], rows
