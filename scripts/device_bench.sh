@@ -8,7 +8,8 @@
 #   1. environment and `omnitron info`
 #   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile, then
 #      both with --cuda-graph-impl local (the FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
-#   3. one FP8 layer profiled (benchmarks/fp8_profile.py) and the FP8 linear table (benchmarks/fp8_gemm.py)
+#   3. one FP8 layer profiled (benchmarks/fp8_profile.py), the FP8 linear table (benchmarks/fp8_gemm.py), and
+#      one compiled FP8 training step traced (`--profile`: the device's idle fraction, top kernels)
 #   4. multi-rank on one GPU: benchmarks/device_multirank.py (2-4 processes on the one device over
 #      host-staged gloo, losses against the CPU run of the same layout; world-1 layouts on NCCL)
 #   5. the cuda conformance suite (every kernel against its float64 reference)
@@ -42,7 +43,9 @@ need examples/gpt_1p3b_bench.yaml
 train() {  # train NAME EXTRA_FLAGS...: 15 iterations, metrics kept as metrics-NAME.jsonl
   local name=$1; shift
   python3 -m omnitron train --config examples/gpt_1p3b_bench.yaml --train-iters 15 --log-interval 5 \
-    --log-dir "/tmp/omnitron-$name" "$@" && cp "/tmp/omnitron-$name/metrics.jsonl" "$LOG_DIR/metrics-$name.jsonl"
+    --log-dir "/tmp/omnitron-$name" "$@" && cp "/tmp/omnitron-$name/metrics.jsonl" "$LOG_DIR/metrics-$name.jsonl" &&
+    { [ ! -f "/tmp/omnitron-$name/profile/summary_rank0.json" ] ||
+      cp "/tmp/omnitron-$name/profile/summary_rank0.json" "$LOG_DIR/profile-$name.json"; }
 }
 export -f train
 train_step() {  # train_step LIMIT NAME FLAGS...: one training as its own step (`timeout` runs no function)
@@ -62,6 +65,10 @@ train_step 80 bf16-graphs --cuda-graph-impl local
 need benchmarks/fp8_profile.py benchmarks/fp8_gemm.py
 run_step fp8-profile 45 bash -c "python3 benchmarks/fp8_profile.py --json $LOG_DIR/fp8_profile.json &&
   python3 benchmarks/fp8_gemm.py --step-layers 4 --json $LOG_DIR/fp8_gemm.json"
+# the whole compiled FP8 step under torch.profiler (iterations 5-6): device busy / idle, top kernels
+# (omnitron/core/training/trace_summary.py; profile-*.json, and the log line)
+train_step 90 fp8-step-profile "${FP8_TW[@]}" --torch-compile --train-iters 6 --profile --profile-step-start 4 \
+  --profile-step-end 6
 
 # ---- 4. multi-rank on one GPU ------------------------------------------------------------------
 need benchmarks/device_multirank.py examples/moby_dick_tp2_pp2.yaml

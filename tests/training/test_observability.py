@@ -87,9 +87,13 @@ def test_one_process_timers_norms_memory_profile(tmp_path):
     norm, zeros = _full_norm_and_zeros(res["components"])  # the state after iteration 4, the last logged
     assert recs[-1]["params_norm"] == pytest.approx(norm, rel=1e-6)
     assert recs[-1]["num_zeros_in_grad"] == zeros > 0
-    traces = os.listdir(os.path.join(log_dir, "profile"))
-    assert traces == ["trace_rank0_iters2-3.json"]
-    assert _trace_iterations(os.path.join(log_dir, "profile", traces[0])) == {2, 3}
+    files = sorted(os.listdir(os.path.join(log_dir, "profile")))
+    assert files == ["summary_rank0.json", "trace_rank0_iters2-3.json"]
+    assert _trace_iterations(os.path.join(log_dir, "profile", files[1])) == {2, 3}
+    with open(os.path.join(log_dir, "profile", files[0])) as f:
+        summary = json.load(f)
+    assert summary["iterations"] == [2, 3] and summary["window_ms"] > 0
+    assert summary["device_idle_fraction"] is None  # cpu: no device events to measure
 
 
 def _tp2_worker(root):
@@ -123,7 +127,7 @@ def test_tp2_timers_over_ranks_and_counts_each_shard_once(tmp_path):
     assert out[0]["norm"] == pytest.approx(out[1]["norm"], rel=1e-12) and out[0]["zeros"] == out[1]["zeros"]
     assert recs[-1]["params_norm"] == pytest.approx(out[0]["norm"], rel=1e-6)
     assert recs[-1]["num_zeros_in_grad"] == out[0]["zeros"] > 0
-    assert os.listdir(tmp_path / "logs" / "profile") == ["trace_rank1_iters2-2.json"]  # --profile-ranks 1 only
+    assert sorted(os.listdir(tmp_path / "logs" / "profile")) == ["summary_rank1.json", "trace_rank1_iters2-2.json"]
 
 
 def test_timers_levels_reduction_and_fields():

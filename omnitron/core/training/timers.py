@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import json
 import math
 import os
 import time
@@ -256,6 +257,7 @@ class StepProfiler:
         self._first: int | None = None
         self._last: int | None = None
         self.trace_path: str | None = None
+        self.summary_path: str | None = None
 
     @contextlib.contextmanager
     def step(self, iteration: int) -> Iterator[None]:
@@ -291,3 +293,19 @@ class StepProfiler:
         prof.export_chrome_trace(self.trace_path)
         log.info("rank %d: profiler trace of iterations %d-%d written to %s", self.rank, self._first, self._last,
                  self.trace_path)
+        self._summarize()
+
+    def _summarize(self) -> None:
+        """Device busy / idle over the window and the top kernels, logged and written beside the trace
+        (``summary_rank<r>.json``); a trace it cannot read costs a warning, never the run."""
+        from omnitron.core.training import trace_summary
+
+        try:
+            summary = trace_summary.summarize_file(self.trace_path)
+        except (OSError, ValueError, KeyError) as err:
+            log.warning("rank %d: could not summarise %s: %s", self.rank, self.trace_path, err)
+            return
+        self.summary_path = os.path.join(os.path.dirname(self.trace_path), f"summary_rank{self.rank}.json")
+        with open(self.summary_path, "w") as f:
+            json.dump(summary, f, indent=1)
+        log.info("rank %d: %s", self.rank, trace_summary.one_line(summary))
