@@ -4,7 +4,7 @@
 # DRY_RUN=1: each step prints its command and limit and runs nothing (the row says "dry run"), so a machine
 # without a GPU can check the script's plan; `need PATH...` still checks that each file a step uses exists.
 # BUDGET_S=N: the whole run's wall-clock budget. A step gets min(its limit, what is left); a step that would
-# start with under 15 s left is skipped (its row says so), so a script whose limits add up to more than the
+# start with under BUDGET_MIN_STEP_S (default 15) seconds left is skipped (its row says so), so a script whose limits add up to more than the
 # lease allows still ends in time, having run its steps in the order written (most important first).
 # ONLY=name,name: run just those steps (a rerun of the ones that failed); the others get no row.
 LOG="$LOG_DIR/device_check.log"
@@ -39,7 +39,7 @@ run_step() {
   fi
   if [ "$BUDGET" -gt 0 ]; then
     local left=$(( BUDGET - ($(date +%s) - START) ))
-    if [ "$left" -lt 15 ]; then
+    if [ "$left" -lt "${BUDGET_MIN_STEP_S:-15}" ]; then
       echo "=== [$name] skipped: ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"
       ROWS+=("| $name | skipped (budget) | - | - |")
       return 0
