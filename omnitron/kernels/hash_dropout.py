@@ -43,13 +43,16 @@ def mix32_int(x: int) -> int:
     return x ^ (x >> 15)
 
 
-def mix32_(x: torch.Tensor) -> torch.Tensor:
-    """In place: the 32-bit mix of an int32 tensor (its bit patterns as unsigned values); returns ``x``."""
-    x ^= (x >> 16) & 0xFFFF
-    x *= _MUL1
-    x ^= (x >> 15) & 0x1FFFF
-    x *= _MUL2
-    x ^= (x >> 15) & 0x1FFFF
+def mix32_(x: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: the 32-bit mix of an int32 tensor (its bit patterns as unsigned values); returns ``x``. Each
+    logical shift goes through ``tmp`` (an int32 tensor of ``x``'s shape, made when not given) in place: one
+    scratch tensor for the whole mix instead of two new ones per shift (the peak and the page faults of the
+    ``[b, h, rows, cols]`` mask's words)."""
+    tmp = torch.empty_like(x) if tmp is None else tmp
+    for shift, mul in ((16, _MUL1), (15, _MUL2), (15, None)):
+        x ^= torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_(MASK32 >> shift)
+        if mul is not None:
+            x *= mul
     return x
 
 
@@ -84,8 +87,8 @@ def keep(seed: "int | torch.Tensor", p: float, batch: torch.Tensor, head: torch.
     ``[b,1,1,1]``, ``[1,h,1,1]``, ``[1,1,rows,1]``) and ``k`` (``[1,1,1,cols]``), all ``>= 0``; ``seed`` as
     :func:`row_key` takes it."""
     row = mix32_(mix32_(mix32_(batch ^ row_key(seed)) ^ head) ^ q)  # [b, h, rows, 1]: cheap
-    x = mix32_(row ^ mix32_(k ^ _SALT))  # the one [b, h, rows, cols] tensor, mixed in place
-    return (x ^ _SIGN) >= threshold(p) + _SIGN  # unsigned x >= threshold
+    x = mix32_(row ^ mix32_(k ^ _SALT))  # the one [b, h, rows, cols] tensor (and its scratch), mixed in place
+    return x.bitwise_xor_(_SIGN) >= threshold(p) + _SIGN  # unsigned x >= threshold
 
 
 class HashDropout(NamedTuple):

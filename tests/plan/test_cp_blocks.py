@@ -98,9 +98,9 @@ def _peak(args: list[str], root: str):
 def test_cp2_step_with_attention_dropout_against_its_plan(tmp_path):
     """cp2 p2p ring, attention dropout 0.1, s 1024 (512 rows a rank), 4 layers: the plan (activations, logits,
     transient) within the pipeline test's 10% of the measured step peak on each rank. Measured 2026-12-04: plan
-    +4.4% (33.5 MB against 32.1 MB); before, with the one-process path's scores and mask priced per layer, +128%
-    (73.3 MB). The additive chunk term is an upper bound where the probe's own peak falls elsewhere; without it
-    (the layer priced as no dropout) the plan is 35% under."""
+    +4.0% (29.6 MB against 28.4 MB); before, with the one-process path's scores and mask priced per layer, +128%
+    (73.3 MB against 32.1 MB, the block's chunk then holding five chunk-sized tensors, now three). The additive chunk term is an upper bound where the probe's own peak falls elsewhere; without it
+    (the layer priced as no dropout) the plan is 26% under."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
 
