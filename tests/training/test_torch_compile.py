@@ -333,10 +333,10 @@ def _cp_layer_calls(compiled: bool, selective: bool) -> tuple[list[torch.Tensor]
     return out, int(counters["stats"]["unique_graphs"]), dict(counters["graph_break"])
 
 
-def _cp_compiled_against_eager() -> dict:
-    """Per recomputation setting (none, selective): this rank's errors, graphs, breaks and call-to-call change."""
+def _cp_compiled_against_eager(settings: tuple[bool, ...]) -> dict:
+    """Per recomputation setting (selective or not): this rank's errors, graphs, breaks and call-to-call change."""
     out = {}
-    for selective in (False, True):
+    for selective in settings:
         got, graphs, breaks = _cp_layer_calls(True, selective)
         want, _, _ = _cp_layer_calls(False, selective)
         out[selective] = dict(errors=[relative_error(g, w) for g, w in zip(got, want)], graphs=graphs, breaks=breaks,
@@ -344,7 +344,8 @@ def _cp_compiled_against_eager() -> dict:
     return out
 
 
-def test_compiled_cp2_layer_with_attention_dropout_is_the_eager_layer():
+@pytest.mark.parametrize("selective", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "selective"])
+def test_compiled_cp2_layer_with_attention_dropout_is_the_eager_layer(selective):
     """cp2 ring with attention dropout (the hash masks; was 3 graph breaks at the seed's host-side draw, 6 counted
     by explain): one graph per rank, no break, no recompilation as the seed changes, and each call's output and
     input gradient the eager layer's with the same seeds: the graph's seed op makes eager's draw, so the masks
@@ -353,7 +354,7 @@ def test_compiled_cp2_layer_with_attention_dropout_is_the_eager_layer():
     recomputation replays the core attention inside the graph (the seed op is saved, not recomputed: recomputed,
     it drew the next seed, and the gradient moved by 4e-3). Each call draws a new seed: calls differ by far more
     than REL."""
-    for rank, res in enumerate(run_distributed(_cp_compiled_against_eager, 2)):
+    for rank, res in enumerate(run_distributed(_cp_compiled_against_eager, 2, (selective,))):
         for selective, r in res.items():
             assert r["graphs"] == 1 and not r["breaks"], (rank, selective, r)
             assert max(r["errors"]) < REL, (rank, selective, r)
