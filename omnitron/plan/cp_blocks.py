@@ -13,7 +13,11 @@ int32 words, ``O(256 x s/cp)`` per head; its peak is replayed from the kernel it
 the real shape under the storage log (:class:`omnitron.kernels.alloc_log.Timeline`: exact for the kernel's own
 allocations, no arithmetic, well under a second at s 8192). It is added to the stage's transient term: it is
 live while one layer's core attention runs, on top of what the probe's peak holds (an upper bound where the
-probe's peak falls elsewhere, in the logits' backward).
+probe's peak falls elsewhere, in the logits' backward; but the ring's own buffers, its fp32 accumulators and
+exchanged blocks, are not modelled at all, and the sum covers them). Measured against cp2 training steps
+(4 layers, h 128, 2026-12-04): p2p s 256 / 1024 / 2048 +8.4% / +4.0% / -1.6%, a2a s 1024 +12.3%, allgather
+-8.2%. Placing the chunk at the probe's attention calls instead (what is live there plus the chunk) gave -9.8% /
+-8.9% / -13.5%, a2a -1.4%, allgather -18.7%: the ring's buffers then go missing.
 
 Not covered (priced as before, the probes' one-process path): sliding windows and attention sinks under a2a or
 allgather, which run the plain-torch masked softmax over whole scores.
