@@ -46,7 +46,13 @@ Known graph breaks that remain (each measured with ``torch._dynamo.explain``, to
 
 Context parallelism's ring traces whole: its exchanges are functional all-to-alls while dynamo traces
 (:meth:`omnitron.core.parallel.context.ring._Ring.exchange`), one graph per rank at cp2 (was 8: the
-point-to-point exchanges split it). Attention dropout under cp (a seeded generator per ring step) not checked.
+point-to-point exchanges split it). Its attention dropout (the counter-based hash masks) takes its seed from an op
+in the graph (:meth:`omnitron.core.parallel.tensor.random.RNGTracker.hash_seed`) that makes eager's host-side draw
+each time the graph runs: 0 graph breaks (was 3, at the draw's hash of the generator state; 6 counted by
+``explain``), one graph per rank whatever the seed, the eager layer's masks (tested, with selective recomputation
+too: a traced checkpoint saves the seed op's output instead of drawing again in backward). Inductor (one run,
+2026-12-04, cpu, the cp2 layer without hidden dropout, two calls): one graph per rank, 0 breaks, outputs and input
+gradients the eager layer's within 1.3e-8 relative, the two calls 2-4e-3 apart (new seeds).
 Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
 the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
 process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,
@@ -59,7 +65,7 @@ Compile caches: inductor's FX-graph and kernel caches (on by default, under ``TO
 default ``/tmp/torchinductor_<user>``) make a rerun with the same shapes skip code generation (4-layer h256 on
 2 loaded cores: 9 s instead of 25-80 s, BENCHMARKS.md); point that variable at persistent storage to keep them.
 Under compilation, dropout masks come from the compiler's generator: training with dropout is statistically,
-not bitwise, the eager run.
+not bitwise, the eager run (the hash masks of attention dropout under context parallelism excepted: eager's).
 """
 from __future__ import annotations
 

@@ -43,13 +43,16 @@ def mix32_int(x: int) -> int:
     return x ^ (x >> 15)
 
 
-def mix32_(x: torch.Tensor) -> torch.Tensor:
-    """In place: the 32-bit mix of an int32 tensor (its bit patterns as unsigned values); returns ``x``."""
-    x ^= (x >> 16) & 0xFFFF
-    x *= _MUL1
-    x ^= (x >> 15) & 0x1FFFF
-    x *= _MUL2
-    x ^= (x >> 15) & 0x1FFFF
+def mix32_(x: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: the 32-bit mix of an int32 tensor (its bit patterns as unsigned values); returns ``x``. Each
+    logical shift goes through ``tmp`` (an int32 tensor of ``x``'s shape, made when not given) in place: one
+    scratch tensor for the whole mix instead of two new ones per shift (the peak and the page faults of the
+    ``[b, h, rows, cols]`` mask's words)."""
+    tmp = torch.empty_like(x) if tmp is None else tmp
+    for shift, mul in ((16, _MUL1), (15, _MUL2), (15, None)):
+        x ^= torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_(MASK32 >> shift)
+        if mul is not None:
+            x *= mul
     return x
 
 
@@ -71,22 +74,31 @@ def seed_key(seed: int) -> int:
     return mix32_int(mix32_int(seed >> 32) ^ (seed & MASK32))
 
 
-def keep(seed: int, p: float, batch: torch.Tensor, head: torch.Tensor, q: torch.Tensor,
+def row_key(seed: "int | torch.Tensor") -> "int | torch.Tensor":
+    """The int32 bit pattern of :func:`seed_key` that starts every row key: from a Python ``seed``, or ``seed``
+    itself where it is a 0-dim int32 tensor that already holds it (what a compiled layer draws at run time:
+    :meth:`omnitron.core.parallel.tensor.random.RNGTracker.hash_seed`; the same bits, so the same masks)."""
+    return seed if isinstance(seed, torch.Tensor) else as_int32(seed_key(seed))
+
+
+def keep(seed: "int | torch.Tensor", p: float, batch: torch.Tensor, head: torch.Tensor, q: torch.Tensor,
          k: torch.Tensor) -> torch.Tensor:
     """Boolean keep mask broadcast over int32 index tensors ``batch, head, q`` (shaped to broadcast, e.g.
-    ``[b,1,1,1]``, ``[1,h,1,1]``, ``[1,1,rows,1]``) and ``k`` (``[1,1,1,cols]``), all ``>= 0``."""
-    row = mix32_(mix32_(mix32_(batch ^ as_int32(seed_key(seed))) ^ head) ^ q)  # [b, h, rows, 1]: cheap
-    x = mix32_(row ^ mix32_(k ^ _SALT))  # the one [b, h, rows, cols] tensor, mixed in place
-    return (x ^ _SIGN) >= threshold(p) + _SIGN  # unsigned x >= threshold
+    ``[b,1,1,1]``, ``[1,h,1,1]``, ``[1,1,rows,1]``) and ``k`` (``[1,1,1,cols]``), all ``>= 0``; ``seed`` as
+    :func:`row_key` takes it."""
+    row = mix32_(mix32_(mix32_(batch ^ row_key(seed)) ^ head) ^ q)  # [b, h, rows, 1]: cheap
+    x = mix32_(row ^ mix32_(k ^ _SALT))  # the one [b, h, rows, cols] tensor (and its scratch), mixed in place
+    return x.bitwise_xor_(_SIGN) >= threshold(p) + _SIGN  # unsigned x >= threshold
 
 
 class HashDropout(NamedTuple):
-    """The dropout of one attention block: ``seed``, ``p``, the global positions of its query rows ``q_pos
+    """The dropout of one attention block: ``seed`` (a Python int, or its key as a 0-dim int32 tensor inside a
+    compiled layer: :func:`row_key`), ``p``, the global positions of its query rows ``q_pos
     [sq]`` and key rows ``k_pos [sk]`` (int64, on the block's device) and the index of its first query head
     (``head0``: the head split of all-to-all context parallelism). A kernel that takes it draws
     :meth:`multiplier` for the rows it computes; one that cannot declines the call."""
 
-    seed: int
+    seed: "int | torch.Tensor"
     p: float
     q_pos: torch.Tensor
     k_pos: torch.Tensor
@@ -107,10 +119,11 @@ class HashDropout(NamedTuple):
         return torch.zeros(kept.shape, dtype=dtype, device=dev).masked_fill_(kept, 1.0 / (1.0 - self.p))
 
 
-def block_positions(q_pos: torch.Tensor, k_pos: torch.Tensor, seed: int, p: float, head0: int = 0,
+def block_positions(q_pos: torch.Tensor, k_pos: torch.Tensor, seed: "int | torch.Tensor", p: float, head0: int = 0,
                     device=None) -> HashDropout | None:
     """A :class:`HashDropout` on ``device`` (None when ``p == 0``: no dropout)."""
     if p == 0.0:
         return None
     threshold(p)  # refuses a p outside [0, 1)
-    return HashDropout(int(seed), float(p), q_pos.to(device), k_pos.to(device), int(head0))
+    seed = seed if isinstance(seed, torch.Tensor) else int(seed)
+    return HashDropout(seed, float(p), q_pos.to(device), k_pos.to(device), int(head0))

@@ -31,9 +31,11 @@ from omnitron.plan.machine import Machine, span, strides
 
 PASSES = {"add": (3, 3), "layer_norm": (2, 4), "rms_norm": (2, 4), "dropout": (2.5, 2.5), "gelu": (2, 3),
           "silu_mul": (3, 5), "softmax": (2, 3), "cross_entropy": (6, 4), "ring_merge": (4, 0),
-          "block_dropout": (2.5, 2.5), "moe_dispatch": (6, 6)}
+          "block_dropout": (2, 4), "moe_dispatch": (6, 6)}
 """(forward, backward) bytes per element, in units of the activation's element size: reads plus writes of one
-pass of the op (dropout: the 1-byte mask as half a 2-byte element; cross-entropy: fp32 logits, max, exp,
+pass of the op (dropout: the 1-byte mask as half a 2-byte element; block_dropout, the cp blocks' hash mask: no
+mask stored or read, it is computed from positions, in the forward applied to the probabilities and in the
+backward computed again and applied to them and to their gradient; cross-entropy: fp32 logits, max, exp,
 sum and the target gather forward, the softmax gradient backward)."""
 ADAMW_BYTES = 32
 """Per parameter of an AdamW step: fp32 master, gradient and two moments read, master and moments written

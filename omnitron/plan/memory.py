@@ -5,7 +5,8 @@ distributed-optimizer slice boundaries, and the largest is reported):
 
 - parameters, gradients, optimizer state: counted exactly on a meta-device skeleton (:mod:`.state`);
 - activations: one micro-batch's saved tensors per chunk (:mod:`.activations`: measured on small probes,
-  scaled by batch x sequence, and s^2 where attention materialises scores) times the micro-batches the
+  scaled by batch x sequence, and s^2 where attention materialises scores: not under context parallelism's
+  block kernels, whose attention dropout stores nothing score-sized, :mod:`.cp_blocks`) times the micro-batches the
   schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
   it; the peak over the table counts. A sent chunk output is not held (the runtime keeps its autograd node
@@ -27,7 +28,8 @@ distributed-optimizer slice boundaries, and the largest is reported):
   excess), ``transient`` the rest: the gradients backward creates while the saved tensors are still held
   (logits' and activations' gradients, a weight's gradient before the data-parallel hook adds it into
   ``main_grad``, a tied output layer's gradient held until the embedding's arrives) and the pipeline's
-  received activations and gradients.
+  received activations and gradients; with attention dropout on cp's block kernels, their chunk's peak
+  (:func:`.cp_blocks.block_dropout_bytes`).
 
 Not modelled: communication buffers, allocator fragmentation, the optimizer step's temporaries, buffers
 fused kernels allocate internally, MoE routing tensors (MoE layers are probed as dense). The transient
@@ -42,6 +44,7 @@ from dataclasses import dataclass, replace
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
+from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
 from omnitron.plan.state import skeleton, state_bytes
 
 log = logging.getLogger(__name__)
@@ -230,7 +233,8 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
     ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does."""
     from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
-    cfg, pc = model_config(settings), settings.parallel
+    given, pc = model_config(settings), settings.parallel
+    cfg = priced_config(settings, given)  # attention dropout on cp's block kernels: probed without it
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
                               settings.num_microbatches)
@@ -248,7 +252,7 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
             if not transients:
                 raise _Skipped
             excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1])
-                         for c in range(vp))
+                         for c in range(vp)) + block_dropout_bytes(settings, given)
         except _Skipped:
             excess = recompute_bytes(settings, cfg)
         except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk

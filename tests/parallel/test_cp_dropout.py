@@ -67,6 +67,9 @@ def test_tile_mask_equals_elementwise_hash_and_tiles_compose():
     want = torch.tensor([[[[_keep_int(seed, p, b, 3 + h, int(qi), int(ki)) for ki in k_pos] for qi in q_pos]
                           for h in range(2)] for b in range(2)], dtype=torch.float64) / (1 - p)
     assert torch.equal(got, want)
+    # the compiled layer's seed: its key as a 0-dim int32 tensor (RNGTracker.hash_seed) draws the same mask
+    key = torch.tensor(H.row_key(seed), dtype=torch.int32)
+    assert torch.equal(drop._replace(seed=key).multiplier(2, 2, slice(None), torch.float64), want)
     rows, cols = slice(2, 7), slice(1, 5)
     assert torch.equal(drop.narrow(rows, cols).multiplier(2, 2, slice(1, 4), torch.float64),
                        got[:, :, rows][:, :, 1:4, cols])

@@ -212,7 +212,7 @@ def _tp2_graph_breaks() -> dict:
     sequence parallelism, and of one context-parallel layer (the ring; one spawn for all three)."""
     out = {sp: _layer_graph_breaks(dict(tensor_model_parallel_size=2, sequence_parallel=sp), 4 if sp else 8)
            for sp in (False, True)}
-    out["cp2"] = _layer_graph_breaks(dict(context_parallel_size=2), 4, hidden_dropout=0.2, attention_dropout=0.0)
+    out["cp2"] = _layer_graph_breaks(dict(context_parallel_size=2), 4)  # attention dropout: the hash's seed op
     return out
 
 
@@ -294,9 +294,71 @@ def test_compiled_dropout_is_the_eager_layer_with_the_same_masks(monkeypatch):
 def test_a_tensor_or_context_parallel_layer_traces_its_collectives():
     """The all-reduce (tp2) and all-gather / reduce-scatter (tp2 with sequence parallelism) of a layer are
     functional collectives inside its graph, and dropout of split tensors draws explicit masks (no RNG fork); the
-    ring attention's exchanges (cp2) are functional all-to-alls (was: 8 graphs, split at each point-to-point)."""
+    ring attention's exchanges (cp2) are functional all-to-alls (was: 8 graphs, split at each point-to-point) and its
+    attention dropout's seed an op in the graph (was: 3 breaks at the host-side draw)."""
     for rank, breaks in enumerate(run_distributed(_tp2_graph_breaks, 2)):
         assert breaks == {False: [], True: [], "cp2": []}, (rank, breaks)
+
+
+def _cp_layer_calls(compiled: bool, selective: bool) -> tuple[list[torch.Tensor], int, dict]:
+    """Outputs and input gradients of two training-mode calls of one cp2 layer with attention (hash) and hidden
+    dropout on this rank's rows, the default generator seeded alike on every rank; the graphs dynamo compiled
+    and its graph breaks. Eager runs the explicit hidden-dropout masks the compiled layer draws (forced)."""
+    from torch._dynamo.utils import counters
+
+    from omnitron.backends import get_backend
+    from omnitron.core.compile import compile_layers
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.random import RNGTracker
+
+    torch._dynamo.reset()
+    counters.clear()
+    groups = ParallelGroups.build(ParallelConfig(context_parallel_size=2), backend=get_backend())
+    model, be = _layer(groups, **DROPOUT, seq_length=16, recompute_granularity="selective" if selective else None)
+    model.train()
+    if compiled:
+        compile_layers([model], be, "aot_eager")
+    saved, RNGTracker.in_graph = RNGTracker.in_graph, staticmethod(lambda: True)
+    try:
+        be.manual_seed(5)
+        x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(7 + groups.cp.rank)).to(be.device())
+        out = []
+        for _ in range(2):  # the second call draws a new seed from the stream: other masks, the same graph
+            x_ = x.clone().requires_grad_(True)
+            y = model.decoder.layers["0"](x_, None)
+            out += [y.detach(), torch.autograd.grad(y.square().sum(), x_)[0]]
+    finally:
+        RNGTracker.in_graph = saved
+    return out, int(counters["stats"]["unique_graphs"]), dict(counters["graph_break"])
+
+
+def _cp_compiled_against_eager(settings: tuple[bool, ...]) -> dict:
+    """Per recomputation setting (selective or not): this rank's errors, graphs, breaks and call-to-call change."""
+    out = {}
+    for selective in settings:
+        got, graphs, breaks = _cp_layer_calls(True, selective)
+        want, _, _ = _cp_layer_calls(False, selective)
+        out[selective] = dict(errors=[relative_error(g, w) for g, w in zip(got, want)], graphs=graphs, breaks=breaks,
+                              calls_differ=relative_error(got[0], got[2]))
+    return out
+
+
+@pytest.mark.parametrize("selective", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "selective"])
+def test_compiled_cp2_layer_with_attention_dropout_is_the_eager_layer(selective):
+    """cp2 ring with attention dropout (the hash masks; was 3 graph breaks at the seed's host-side draw, 6 counted
+    by explain): one graph per rank, no break, no recompilation as the seed changes, and each call's output and
+    input gradient the eager layer's with the same seeds: the graph's seed op makes eager's draw, so the masks
+    are the same bits. Bound as REL above (C++ kernels eager, references compiled; the attention itself is the
+    same chunked reference on both sides). The backward's masks are the forward's, also when selective
+    recomputation replays the core attention inside the graph (the seed op is saved, not recomputed: recomputed,
+    it drew the next seed, and the gradient moved by 4e-3). Each call draws a new seed: calls differ by far more
+    than REL."""
+    for rank, res in enumerate(run_distributed(_cp_compiled_against_eager, 2, (selective,))):
+        for selective, r in res.items():
+            assert r["graphs"] == 1 and not r["breaks"], (rank, selective, r)
+            assert max(r["errors"]) < REL, (rank, selective, r)
+            assert r["calls_differ"] > 100 * REL, (rank, selective, r)
 
 
 @pytest.mark.slow
@@ -314,13 +376,15 @@ def test_compiled_tp2_pp2_matches_one_eager_process(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, graphs", [(("--context-parallel-size", "2"), 1),
+                                            (("--context-parallel-size", "2", "--attention-dropout", "0.2"), 1),
                                             (("--num-experts", "4", "--expert-model-parallel-size", "2"), 4)],
-                         ids=["cp2", "ep2"])
+                         ids=["cp2", "cp2-attention-dropout", "ep2"])
 def test_compiled_cp2_and_ep2_match_eager_in_counted_graphs(tmp_path, monkeypatch, layout, graphs):
     """cp2: the ring inside the compiled layer (functional all-to-all shifts), one graph per rank (was 8). ep2: the
     MoE token exchange runs eagerly between graphs (``torch.compiler.disable``: its sizes come from the routing),
     4 graphs per rank whatever the routing (the layer and the MoE block, each before and after it; was 61-62,
-    recompiled per routing). Eager's losses within REL (the same ops; AOTAutograd's decompositions at most
+    recompiled per routing). cp2 with attention dropout: the hash masks are eager's (the graph's seed op makes the
+    eager draw), so the losses are eager's within REL too. Eager's losses within REL (the same ops; AOTAutograd's decompositions at most
     reorder fp32 sums)."""
     monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
     want = run_distributed(_train, 2, str(tmp_path / "eager"), 2, *layout, timeout_s=600)

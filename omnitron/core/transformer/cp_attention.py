@@ -70,7 +70,7 @@ def cp_attention(m, q, k, v, p: float, *, scale: float | None = None, window=Non
     sinks = None if sinks is None else sinks.to(q.device)
     comm, group = m.cp_comm_type, m.cp_group
     # the hash dropout's seed from the tp-rank-specific stream (module docstring), drawn on every path alike
-    seed = m.tracker.draw_seed(q.device) if p > 0.0 else 0
+    seed = m.tracker.hash_seed(q) if p > 0.0 else 0
     if comm == "a2a":
         head0 = group.rank * (q.shape[1] // group.size)  # the first head of this rank's head group
         return a2a_attention(q, k, v, group=group,

@@ -15,7 +15,9 @@ Both directions run in chunks of :data:`ROW_CHUNK` query rows (each chunk sees a
 log-sum-exp is exact without a merge; backward's rows are independent given the final ``out`` and ``lse``):
 scores, probabilities and the chunk's dropout multiplier, drawn from the hash, are ``O(ROW_CHUNK x sk)``,
 never ``O(sq x sk)``; the mask is regenerated in backward, never stored. A causal square block's chunk takes
-only the keys up to its last row (the rest are masked): half the work of the whole block.
+only the keys up to its last row (the rest are masked): half the work of the whole block. At most three
+chunk-sized tensors are alive at once (the scores scaled and masked in place, the hash's words mixed through one
+scratch tensor, backward's multiplier drawn before ``dp`` and turned into ``p * m`` in place; five before).
 """
 from __future__ import annotations
 
@@ -51,13 +53,13 @@ def _scores(qg: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, mask:
             rows: slice) -> torch.Tensor:
     """``[b, hkv, rep, len(rows), sk]`` scaled scores of the query rows ``rows`` of ``qg``; ``causal`` masks key
     j > query i (square blocks), ``mask`` (True = attend, ``[sq, sk]``) every key it does not keep."""
-    s = torch.matmul(qg[..., rows, :], k.unsqueeze(2).transpose(-1, -2)) * scale
+    s = torch.matmul(qg[..., rows, :], k.unsqueeze(2).transpose(-1, -2)).mul_(scale)  # one chunk-sized tensor
     if mask is not None:
-        s = s.masked_fill(~mask[rows], float("-inf"))
+        s.masked_fill_(~mask[rows], float("-inf"))
     elif causal:
         sk = s.shape[-1]
         i = torch.arange(rows.start, rows.stop, device=s.device)
-        s = s.masked_fill(i[:, None] < torch.arange(sk, device=s.device)[None, :], float("-inf"))
+        s.masked_fill_(i[:, None] < torch.arange(sk, device=s.device)[None, :], float("-inf"))
     return s
 
 
@@ -108,11 +110,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         kc, vc = k[:, :, keys], v[:, :, keys]
         p = _scores(qg, kc, causal, scale, mask, rows).sub_(lg[..., rows, :]).exp_()  # [b, hkv, rep, rows, keys]
         do = dog[..., rows, :]
+        d = _drop(drop, b, hq, hkv, rows, keys, p.dtype)  # before dp: the hash's words and p, not dp too
         dp = torch.matmul(do, vc.unsqueeze(2).transpose(-1, -2))
-        d = _drop(drop, b, hq, hkv, rows, keys, p.dtype)
         if d is not None:
             dp.mul_(d)
-        dv[:, :, keys] += torch.matmul((p if d is None else p * d).transpose(-1, -2), do).sum(2)
+        dv[:, :, keys] += torch.matmul((p if d is None else d.mul_(p)).transpose(-1, -2), do).sum(2)  # d: done
         del d
         ds = dp.sub_((do * og[..., rows, :]).sum(-1, keepdim=True)).mul_(p)
         dq[..., rows, :] = torch.matmul(ds, kc.unsqueeze(2)) * scale

@@ -24,15 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
+import weakref
 from typing import Callable, Iterator
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from omnitron.core.graph_state import in_graph
+from omnitron.kernels.hash_dropout import row_key
 
 MODEL_PARALLEL = "model-parallel"
 """Name of the tracker stream that differs across tensor-parallel ranks."""
+
+_TRACKERS: "weakref.WeakValueDictionary[int, RNGTracker]" = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
 
 
 class RNGTracker:
@@ -46,6 +52,8 @@ class RNGTracker:
     def __init__(self, backend, tp_size: int | None = None, tp_rank: int = 0) -> None:
         self.backend, self.tp_size, self.tp_rank = backend, tp_size, tp_rank
         self.states: dict[str, torch.Tensor] = {}
+        self.number = next(_NUMBERS)  # how the compiled graph's seed op finds this tracker (:meth:`hash_seed`)
+        _TRACKERS[self.number] = self
 
     def add(self, name: str, seed: int) -> None:
         """Create stream ``name`` seeded with ``seed`` (the default generator is left untouched)."""
@@ -110,6 +118,30 @@ class RNGTracker:
             torch.empty(1, device=device).uniform_()
         return int.from_bytes(digest, "little") % 2**62
 
+    def hash_seed(self, like: torch.Tensor, name: str = MODEL_PARALLEL) -> "int | torch.Tensor":
+        """The seed of a counter-based hash dropout (:mod:`omnitron.kernels.hash_dropout`) on ``like``'s device.
+        Eager: :meth:`draw_seed`. While dynamo traces (``--torch-compile``), whose graph cannot run the host-side
+        hash (it broke the graph three times): the op ``omnitron::hash_seed_key`` in the graph, which makes the
+        same :meth:`draw_seed` call each time the graph runs and returns its key as a 0-dim int32 tensor on the
+        device (:func:`~omnitron.kernels.hash_dropout.row_key`): the same stream advance, seed and masks as eager,
+        a new seed per call without recompilation, and no host sync (the key is filled in by a launch)."""
+        if not torch.compiler.is_compiling():
+            return self.draw_seed(like.device, name)
+        return torch.ops.omnitron.hash_seed_key(like, self.number, name)
+
+
+@torch.library.custom_op("omnitron::hash_seed_key", mutates_args=())
+def _hash_seed_key(like: torch.Tensor, tracker: int, name: str) -> torch.Tensor:
+    """Run time of :meth:`RNGTracker.hash_seed` in a compiled graph: tracker number ``tracker``'s
+    :meth:`~RNGTracker.draw_seed` on ``like``'s device, as the 0-dim int32 key of the hash."""
+    seed = _TRACKERS[tracker].draw_seed(like.device, name)
+    return torch.full((), row_key(seed), dtype=torch.int32, device=like.device)
+
+
+@_hash_seed_key.register_fake
+def _(like: torch.Tensor, tracker: int, name: str) -> torch.Tensor:
+    return like.new_empty((), dtype=torch.int32)
+
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> int:
     """Seed of the tracker stream for one (tp, pp) position (Megatron's offsets)."""
@@ -121,6 +153,18 @@ def default_seed(seed: int, pp_rank: int) -> int:
     return seed + 100 * pp_rank
 
 
+def _save_seeds(ctx, op, *args, **kwargs):
+    """Selective-checkpoint policy: the seed op (:meth:`RNGTracker.hash_seed`) is saved, since running it again
+    in backward would draw the NEXT seed (other masks, a stream one draw ahead); everything else recomputed."""
+    policy = torch_checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if op is torch.ops.omnitron.hash_seed_key.default else policy.PREFER_RECOMPUTE
+
+
+def _keep_seeds():
+    """Context pair of a traced checkpoint under :func:`_save_seeds`."""
+    return torch_checkpoint.create_selective_checkpoint_contexts(_save_seeds)
+
+
 def checkpoint(fn: Callable, tracker: RNGTracker | None, *args, **kwargs):
     """``fn(*args, **kwargs)`` without keeping its activations; backward recomputes them.
 
@@ -128,10 +172,11 @@ def checkpoint(fn: Callable, tracker: RNGTracker | None, *args, **kwargs):
     every tracker stream) and restores the current states afterwards, so dropout masks match.
     While ``torch.compile`` traces (selective recomputation inside a compiled layer), torch's checkpoint is
     traced into the graph instead (the generator swaps, which dynamo cannot trace, are skipped): the
-    backward's dropout masks are the forward's (tested with aot_eager and inductor).
+    backward's dropout masks are the forward's (tested with aot_eager and inductor), and the hash dropout's seed op
+    is saved, never recomputed (:func:`_keep_seeds`).
     """
     if torch.compiler.is_compiling():
-        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_keep_seeds, **kwargs)
     backend = tracker.backend if tracker is not None else None
     snap_default = backend.get_rng_state() if backend is not None else torch.get_rng_state()
     snap_tracker = tracker.get_states() if tracker is not None else None

@@ -1,0 +1,115 @@
+"""Memory of attention dropout under context parallelism: the block path's transient, nothing score-sized saved.
+
+With ``--attention-dropout`` and cp > 1 the engine runs attention on its block kernels (the p2p ring, a2a, the
+all-gather's blocks, a2a+p2p: :mod:`omnitron.core.transformer.cp_attention`) with the counter-based hash mask
+(:mod:`omnitron.kernels.hash_dropout`): a block keeps only its output and log-sum-exp, and the mask is drawn
+again in backward, so no ``[b, heads, s, s]`` scores and no 1-byte mask per score are saved (what the one-process
+layer with dropout saves, and the activation and transient probes measure). So the plan probes such a layer
+WITHOUT attention dropout (:func:`priced_config`: the saved tensors of the fused path, ``q, k, v``, the output and
+the log-sum-exp) and adds the block kernel's own peak (:func:`block_dropout_bytes`): the chunked reference block
+that takes the hash mask (:mod:`omnitron.kernels.reference.attention_block`) holds ``ROW_CHUNK = 256`` query rows
+against the block's keys at a time, fp32 scores, probabilities, their gradient, the multiplier and the hash's
+int32 words, ``O(256 x s/cp)`` per head; its peak is replayed from the kernel itself run on ``meta`` tensors at
+the real shape under the storage log (:class:`omnitron.kernels.alloc_log.Timeline`: exact for the kernel's own
+allocations, no arithmetic, well under a second at s 8192). It is added to the stage's transient term: it is
+live while one layer's core attention runs, on top of what the probe's peak holds (an upper bound where the
+probe's peak falls elsewhere, in the logits' backward; but the ring's own buffers, its fp32 accumulators and
+exchanged blocks, are not modelled at all, and the sum covers them). Measured against cp2 training steps
+(4 layers, h 128, 2026-12-04): p2p s 256 / 1024 / 2048 +8.4% / +4.0% / -1.6%, a2a s 1024 +12.3%, allgather
+-8.2%. Placing the chunk at the probe's attention calls instead (what is live there plus the chunk) gave -9.8% /
+-8.9% / -13.5%, a2a -1.4%, allgather -18.7%: the ring's buffers then go missing.
+
+Not covered (priced as before, the probes' one-process path): sliding windows and attention sinks under a2a or
+allgather, which run the plain-torch masked softmax over whole scores.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from omnitron.core.transformer.shapes import head_dim, query_groups
+
+
+@dataclass(frozen=True)
+class Block:
+    """The largest block one rank's attention runs: ``heads`` query heads over ``kv_heads``, ``rows`` query rows
+    against ``keys`` keys (``causal``: a square block under the causal mask)."""
+
+    heads: int
+    kv_heads: int
+    rows: int
+    keys: int
+    causal: bool
+
+
+def block_path(settings, cfg) -> bool:
+    """Whether this layout's attention dropout runs on the cp block kernels with the hash mask (module doc)."""
+    pc = settings.parallel
+    if pc.context_parallel_size == 1 or not cfg.attention_dropout:
+        return False
+    plain = cfg.window_size is None and cfg.softmax_type == "vanilla"
+    return pc.cp_comm_type == "p2p" or plain
+
+
+def priced_config(settings, cfg):
+    """``cfg`` as the activation and transient probes should run it: without attention dropout where the engine
+    takes the block path (nothing score-sized is saved), else unchanged."""
+    return replace(cfg, attention_dropout=0.0) if block_path(settings, cfg) else cfg
+
+
+def largest_block(settings, cfg) -> Block:
+    """The block whose reference chunk is the largest, per ``--cp-comm-type`` (``s`` the sequence, ``c = s / 2cp``
+    a load-balanced chunk): p2p the ring's first, causal, step ``(s/cp, s/cp)``; a2a the whole sequence causal on
+    ``1 / cp`` of the heads; allgather a late chunk's rows against the keys before it ``(c, s - c)``; a2a+p2p the
+    ring over the p2p ranks on the a2a group's heads."""
+    pc = settings.parallel
+    tp, cp, s = pc.tensor_model_parallel_size, pc.context_parallel_size, cfg.seq_length
+    hq, hkv = cfg.num_attention_heads // tp, max(1, query_groups(cfg) // tp)
+    comm = pc.cp_comm_type
+    if comm == "allgather":
+        c = s // (2 * cp)
+        return Block(hq, hkv, c, s - c, False)
+    heads = {"a2a": cp, "a2a+p2p": (pc.hierarchical_context_parallel_sizes or [1])[0]}.get(comm, 1)
+    ring = cp // heads  # the ranks the sequence stays split over
+    return Block(hq // heads, max(1, hkv // heads), s // ring, s // ring, True)
+
+
+@functools.lru_cache(maxsize=256)
+def block_peak(blk: Block, batch: int, d: int, dv: int, dtype: torch.dtype, p: float) -> int:
+    """Peak bytes the reference block kernel allocates in its forward or its backward (the larger) for ``blk`` at
+    ``batch``, head dims ``d`` (queries, keys) and ``dv`` (values), inputs of ``dtype``, hash dropout ``p`` (0:
+    none), replayed on ``meta`` tensors (module docstring)."""
+    from omnitron.kernels.alloc_log import Timeline, peak
+    from omnitron.kernels.hash_dropout import HashDropout
+    from omnitron.kernels.reference.attention_block import block_backward, block_forward
+
+    dev = torch.device("meta")
+    q = torch.empty(batch, blk.heads, blk.rows, d, device=dev, dtype=dtype)
+    k = torch.empty(batch, blk.kv_heads, blk.keys, d, device=dev, dtype=dtype)
+    v = torch.empty(batch, blk.kv_heads, blk.keys, dv, device=dev, dtype=dtype)
+    drop = HashDropout(0, p, torch.arange(blk.rows, device=dev), torch.arange(blk.keys, device=dev)) if p else None
+    kw = dict(causal=blk.causal, scale=1.0, drop=drop)
+    fwd = Timeline()
+    with fwd:
+        out, lse = block_forward(q, k, v, **kw)
+    out = out.to(dtype)  # as the ring passes them: its merged output and the output gradient in the inputs' dtype
+    dout, bwd = torch.empty_like(out), Timeline()
+    with bwd:
+        block_backward(dout, q, k, v, out, lse, **kw)
+    return round(max(peak(fwd.events), peak(bwd.events)))
+
+
+def block_dropout_bytes(settings, cfg) -> int:
+    """The block path's transient on one rank (0 where the layout does not take it): :func:`block_peak` of
+    :func:`largest_block` at the micro-batch size."""
+    if not block_path(settings, cfg):
+        return 0
+    mla = getattr(cfg, "multi_latent_attention", False)
+    d = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim if mla else head_dim(cfg)
+    blk = largest_block(settings, cfg)
+    if mla:  # every query head has its own key and value
+        blk = replace(blk, kv_heads=blk.heads)
+    return block_peak(blk, settings.training.micro_batch_size, d, cfg.v_head_dim if mla else d, cfg.params_dtype,
+                      cfg.attention_dropout)
