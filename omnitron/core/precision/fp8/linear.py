@@ -48,15 +48,20 @@ class FP8Linear:
         differs over: :func:`~omnitron.core.precision.fp8.enable.tensorwise_role_groups`)."""
         self.states: dict[str, DelayedScaling] = {}
         self._wcache: tuple | None = None
-        """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride), quantized weight)."""
+        """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride, delayed update count), FP8 form)."""
         self._delayed, self.per_tensor = recipe.fp8_recipe == "delayed", recipe.per_tensor
         self.margin = recipe.fp8_margin
         self.fwd_fmt, self.bwd_fmt = recipe.forward_format, recipe.backward_format
         """The recipe's constants, read once here rather than through its properties on every call."""
         self._groups = {r: self.role_groups.get(r, self.amax_groups) for r in ROLES}
+        self._per_step = reducer is not None and reducer.per_step
         self._ops: tuple = (None, None, None, None)
         """(kernel table, its cast_transpose_from_amax, cast_transpose_amax, amax_history_push dispatchers):
-        resolved on first use and again only when the backend's table is replaced (``testing.parity``)."""
+        resolved here (in eager: inside a compiled layer, a first resolution would be a traced attribute write,
+        guarded, and the next call would recompile) and again only when the backend's table is replaced
+        (``testing.parity``)."""
+        if getattr(provider, "backend", None) is not None:
+            self.kernel_ops()
         if self._delayed:
             fmt = {"input": recipe.forward_format, "weight": recipe.forward_format,
                    "grad_output": recipe.backward_format}
@@ -110,17 +115,21 @@ class FP8Linear:
         ``data_ptr`` and ``_version`` (in-place updates bump it), i.e. across the micro-batches of one
         optimizer step and in activation recomputation. Exact, since tensorwise and block-wise scales are
         functions of the weight alone; every tensor-parallel rank hits or misses alike (same updates),
-        so the amax all-reduce is skipped in step. Not under ``delayed``: each use there feeds the amax
-        history and may meet a new scale. NOTE: writes that bypass the version counter (``p.data.copy_``,
-        custom kernels) must call ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
+        so the amax all-reduce is skipped in step. Under ``delayed`` only when updated once per step (training:
+        the reducer's ``per_step``), keyed also by the weight role's update count: within a step its scale is
+        fixed and re-observing the same amax changes nothing (``max(a, a) = a``), so the cached form is the one
+        a new quantization would give; used per use (standalone), each use moves the history. NOTE: writes that
+        bypass the version counter (``p.data.copy_``, custom kernels) must call
+        ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
         """
         if isinstance(weight, FP8GatheredWeight):  # FSDP2 all-gathered it in FP8, scale precomputed (fp8/fsdp.py)
             return weight.operands()
         # inference tensors keep no version counter; a compiled or captured layer quantizes in its graph (fused,
         # no cache: nothing Python runs on a graph's replay)
-        if self._delayed or in_graph() or weight.is_inference():
+        if (self._delayed and not self._per_step) or in_graph() or weight.is_inference():
             return self._quantize_weight_now(weight)
-        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride())
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride(),
+               self.states["weight"].uses if self._delayed else 0)
         c = self._wcache
         if c is not None and c[0]() is weight and c[1] == key:
             return c[2]
@@ -138,7 +147,7 @@ class FP8Linear:
         self._wcache = None
 
     def _quantize_delayed(self, state: DelayedScaling, role: str, x: torch.Tensor, fmt: str, cast):
-        if self.reducer is not None and self.reducer.per_step:
+        if self._per_step:
             return self._quantize_per_step(state, x, fmt, cast)
         # a forward run while autograd executes a backward is an activation recomputation:
         # reuse the scale in force (the original forward's) and record nothing
@@ -183,6 +192,7 @@ class FP8Linear:
                              f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
         for role, s in state.items():
             self.states[role].load_state_dict(s)
+        self.drop_weight_cache()  # its key counts updates, and a loaded state may repeat a count with another scale
         if self.reducer is not None and self.reducer.per_step and any(s.uses for s in self.states.values()):
             self.reducer.primed = True  # a history to scale from: the resumed step quantizes as the uninterrupted one
 
