@@ -248,12 +248,15 @@ class Backend(ABC):
 
     @property
     def kernels(self) -> "KernelTable":
-        """Fused ops resolved for this backend (see ``omnitron.kernels``)."""
+        """Fused ops resolved for this backend (see ``omnitron.kernels``). Read on every fused call (an FP8
+        linear reads it per use): a built table returns before the import statement."""
+        table = getattr(self, "_kernel_table", None)
+        if table is not None:
+            return table
         from omnitron.kernels.registry import KernelTable
 
-        if getattr(self, "_kernel_table", None) is None:
-            self.register_kernels()
-            self._kernel_table = KernelTable(self.name, self.kernel_preference())
+        self.register_kernels()
+        self._kernel_table = KernelTable(self.name, self.kernel_preference())
         return self._kernel_table
 
     def register_kernels(self) -> None:

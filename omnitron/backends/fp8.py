@@ -45,7 +45,8 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
     tensor needs no scaling, and an inf/nan amax must not poison the scale for later steps.
     Six small device ops and no host sync (this runs once per quantized tensor).
     """
-    amax = amax.float()
+    if amax.dtype != torch.float32:  # (``.float()`` of a float32 tensor is itself, but still a call)
+        amax = amax.float()
     target = FP8_MAX[fmt] / (2.0 ** margin)
     ok = (amax > 0) & (amax < math.inf)  # False for nan too
     fresh = amax.reciprocal().mul_(target)  # lanes where not ok are discarded below
@@ -108,7 +109,8 @@ def mul_blocks_(y: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> tor
 def _gemm_scale(s: torch.Tensor, rowwise_shape: tuple[int, int]) -> torch.Tensor:
     """A dequantization factor as ``_scaled_mm`` takes it: float32, 0-d per-tensor or ``rowwise_shape``.
     Already-right tensors pass through without a dispatch (this runs three times per FP8 linear)."""
-    s = s.float()
+    if s.dtype != torch.float32:
+        s = s.float()
     if s.numel() > 1:
         return s.reshape(rowwise_shape)
     return s if s.dim() == 0 else s.reshape(())
@@ -221,7 +223,8 @@ class FP8Provider:
         Scales are dequantization factors: per-tensor scalars, or row-wise (``[m,1]`` for ``a``,
         ``[1,n]`` for ``b``).
         """
-        self._say("path", "FP8 GEMM path on backend %s: %s (%s)", self.backend.name, self.path, self.path_reason)
+        if "path" not in self._said:
+            self._say("path", "FP8 GEMM path on backend %s: %s (%s)", self.backend.name, self.path, self.path_reason)
         sa, sb = _gemm_scale(scale_a_inv, (-1, 1)), _gemm_scale(scale_b_inv, (1, -1))
         if self.path == "scaled_mm":
             try:

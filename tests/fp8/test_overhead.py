@@ -14,11 +14,13 @@ from omnitron.backends import get_backend
 from omnitron.core.precision.fp8 import FP8Config, FP8Linear
 from omnitron.testing.ops import SYNC_OPS, OpCounter as _Ops
 
-# NOTE: per forward + backward with a bias, reference kernels: 50 / 79 / 123 since current scaling casts
-# through fp8_cast_transpose_from_amax and delayed scaling updates through fp8_amax_history_push (58 / 79 /
-# 123 before; about 110 / 110 / 240 before the lean-path rework); the bounds leave ~10% room. On the GPU
-# kernel table (Triton) those two ops are one launch each, so a GPU dispatches fewer still.
-MAX_OPS = {"tensorwise": 55, "delayed": 84, "blockwise": 136}
+# NOTE: per forward + backward with a bias, reference kernels: 44 / 75 / 119 since the host-path trim of
+# 2026-12-04 (no views of 2-D operands, no .float() / reshape(()) of float32 / 0-d tensors); 50 / 79 / 123 since
+# current scaling casts through fp8_cast_transpose_from_amax and delayed scaling updates through
+# fp8_amax_history_push (58 / 79 / 123 before; about 110 / 110 / 240 before the lean-path rework); the bounds
+# leave ~10% room. On the GPU kernel table (Triton) those two ops are one launch each, so a GPU dispatches
+# fewer still.
+MAX_OPS = {"tensorwise": 48, "delayed": 82, "blockwise": 130}
 # NOTE: torch before 2.11 shows a dispatch mode each ``detach`` twice: on 2.9.1 (2026-12-03) 4 / 12 / 16 detach
 # per call where 2.13 shows 2 / 6 / 8, every other op's count equal (52 / 85 / 131 in all). The same work, so
 # there the bound grows by the doubled detaches (2.10 is not in the matrix: it gets the older bound).
@@ -134,3 +136,41 @@ def test_optimizer_step_invalidates_fp8_weight_cache():
     fresh = FP8Linear(FP8Config(fp8_recipe="tensorwise", fp8_format="hybrid"), be.fp8)(x, w)
     assert not torch.equal(ex._wcache[2][0].view(torch.uint8), before.view(torch.uint8))
     assert torch.equal(y, fresh)
+
+
+def test_delayed_per_step_quantizes_the_weight_once_per_step(monkeypatch):
+    """Delayed scaling updated once per step (training) reuses the FP8 weight across a step's micro-batches: within
+    a step the weight's scale is fixed and its amax re-observed unchanged. Outputs, gradients, histories and scales
+    equal, bit for bit, those of a twin whose cache is dropped before every call (each use quantizes anew), over
+    three steps of three micro-batches; the weight is quantized once per step."""
+    from omnitron.core.precision.fp8.scaling import AmaxReducer
+
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=4)
+    be = get_backend()
+    cached, fresh = (FP8Linear(cfg, be.fp8, reducer=AmaxReducer((), None, per_step=True)) for _ in range(2))
+    calls = []
+    real = cached._quantize_weight_now
+    monkeypatch.setattr(cached, "_quantize_weight_now", lambda w: calls.append(1) or real(w))
+    x, w, b, gy = _data(3)
+    for step in range(3):
+        for mb in range(3):
+            outs = []
+            for ex in (cached, fresh):
+                if ex is fresh:
+                    ex.drop_weight_cache()
+                xx = (x * (1 + mb + step)).detach().requires_grad_()
+                w.grad = None
+                y = ex(xx, w, b)
+                y.backward(gy)
+                outs.append((y, xx.grad, w.grad.clone()))
+            for got, want in zip(*outs):
+                assert torch.equal(got, want)
+        for ex in (cached, fresh):
+            ex.reducer.step()
+        for role in cached.states:
+            a, f = cached.states[role], fresh.states[role]
+            assert torch.equal(a.amax_history, f.amax_history) and torch.equal(a.scale, f.scale), role
+        if step == 0:  # the optimizer's update; after step 1 none (a skipped step): the new scale alone re-quantizes
+            with torch.no_grad():
+                w.mul_(0.9)
+    assert len(calls) == 3, f"{len(calls)} weight quantizations in 3 steps"

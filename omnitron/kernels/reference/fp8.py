@@ -37,7 +37,7 @@ def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str =
     ``amax`` is 0, inf or nan, see :func:`omnitron.backends.fp8.scale_from_amax`), ``q`` and ``q_t`` as
     :func:`fp8_cast_transpose_amax` makes them with that scale, ``scale_inv = 1 / scale`` (float32
     scalar, the GEMM's dequantization factor). ``amax`` is a float32 scalar tensor."""
-    scale = scale_from_amax(amax.reshape(()), fmt, margin)
+    scale = scale_from_amax(amax if amax.dim() == 0 else amax.reshape(()), fmt, margin)
     q, qt = _cast_transpose(x, scale, fmt, "fp8_cast_transpose_from_amax")
     return q, qt, scale.reciprocal()
 
@@ -49,7 +49,9 @@ def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str, op: str) -> 
         raise ValueError(f"{op} takes a 2-D [m, n] tensor, got shape {tuple(x.shape)}: "
                          "flatten leading dims first (x.reshape(-1, x.shape[-1]))")
     dtype, limit = FORMATS[fmt]
-    q = x.detach().to(torch.float32, copy=True).mul_(scale.float()).clamp_(-limit, limit).to(dtype)
+    if scale.dtype != torch.float32:
+        scale = scale.float()
+    q = x.detach().to(torch.float32, copy=True).mul_(scale).clamp_(-limit, limit).to(dtype)
     return q, q.t().contiguous()
 
 

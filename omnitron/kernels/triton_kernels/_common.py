@@ -11,9 +11,13 @@ GPU_BACKENDS = ("cuda", "musa")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``). Read once, at import:
+    Triton itself decides it when the kernels are defined, and :func:`check` runs on every kernel call."""
+    return _INTERPRETING
 
 
 def _fix_interpreter_loop_bounds() -> None:

@@ -9,6 +9,8 @@ interpreter (whose own float8 casts are not exact).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -96,9 +98,19 @@ def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str =
     return _launch(x, amax.float(), fmt, from_amax=True, margin=margin)  # any 1-element tensor: the kernel loads [0]
 
 
+@functools.lru_cache(maxsize=None)
+def _constants(fmt: str, from_amax: bool, margin: int) -> dict:
+    """The cast kernel's compile-time arguments for one format, mode and margin (derived once, not per launch)."""
+    _, mant, bias, limit = FORMATS[fmt]
+    shift = 23 - mant
+    return dict(LIMIT=limit, SHIFT=shift, HALF_M1=(1 << (shift - 1)) - 1, REBIAS=(127 - bias) << mant,
+                SUB_SCALE=float(2.0 ** (bias - 1 + mant)), MIN_NORMAL=float(2.0 ** (1 - bias)),
+                TARGET=limit / 2.0 ** margin, FROM_AMAX=from_amax)
+
+
 def _launch(x: torch.Tensor, scale_or_amax: torch.Tensor, fmt: str, *, from_amax: bool, margin: int = 0):
     """One kernel launch; returns (q, q_t, amax partials) or, ``from_amax``, (q, q_t, scale_inv)."""
-    dtype, mant, bias, limit = FORMATS[fmt]
+    dtype = FORMATS[fmt][0]
     x = x.contiguous()
     m, n = x.shape
     q = torch.empty(m, n, dtype=torch.uint8, device=x.device)
@@ -110,11 +122,8 @@ def _launch(x: torch.Tensor, scale_or_amax: torch.Tensor, fmt: str, *, from_amax
     else:
         extra = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     if m and n:
-        shift = 23 - mant
-        _cast_transpose[grid](x, scale_or_amax, q, qt, extra, extra, m, n, LIMIT=limit, SHIFT=shift,
-                              HALF_M1=(1 << (shift - 1)) - 1, REBIAS=(127 - bias) << mant,
-                              SUB_SCALE=float(2.0 ** (bias - 1 + mant)), MIN_NORMAL=float(2.0 ** (1 - bias)),
-                              TARGET=limit / 2.0 ** margin, FROM_AMAX=from_amax, BM=bm, BN=bn)
+        _cast_transpose[grid](x, scale_or_amax, q, qt, extra, extra, m, n, **_constants(fmt, from_amax, margin),
+                              BM=bm, BN=bn)
     return q.view(dtype), qt.view(dtype), extra
 
 

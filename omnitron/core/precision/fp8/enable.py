@@ -188,8 +188,7 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
     reducer = None
     if recipe.fp8_recipe == "delayed":
         step_groups = (amax_reduction_group(groups, backend.collectives),) if per_step and groups is not None else agroups
-        reducer = AmaxReducer(step_groups if per_step else agroups, backend.collectives, per_step=per_step,
-                              update=backend.kernels.fp8_amax_history_push)
+        reducer = AmaxReducer(step_groups if per_step else agroups, backend.collectives, per_step=per_step)
     enabled: dict[str, FP8Linear] = {}
     skipped = []
     for name, module in linear_modules(model_or_chunks):

@@ -48,8 +48,21 @@ class FP8Linear:
         differs over: :func:`~omnitron.core.precision.fp8.enable.tensorwise_role_groups`)."""
         self.states: dict[str, DelayedScaling] = {}
         self._wcache: tuple | None = None
-        """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride), quantized weight)."""
-        if recipe.fp8_recipe == "delayed":
+        """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride, delayed update count), FP8 form)."""
+        self._delayed, self.per_tensor = recipe.fp8_recipe == "delayed", recipe.per_tensor
+        self.margin = recipe.fp8_margin
+        self.fwd_fmt, self.bwd_fmt = recipe.forward_format, recipe.backward_format
+        """The recipe's constants, read once here rather than through its properties on every call."""
+        self._groups = {r: self.role_groups.get(r, self.amax_groups) for r in ROLES}
+        self._per_step = reducer is not None and reducer.per_step
+        self._ops: tuple = (None, None, None, None)
+        """(kernel table, its cast_transpose_from_amax, cast_transpose_amax, amax_history_push dispatchers):
+        resolved here (in eager: inside a compiled layer, a first resolution would be a traced attribute write,
+        guarded, and the next call would recompile) and again only when the backend's table is replaced
+        (``testing.parity``)."""
+        if getattr(provider, "backend", None) is not None:
+            self.kernel_ops()
+        if self._delayed:
             fmt = {"input": recipe.forward_format, "weight": recipe.forward_format,
                    "grad_output": recipe.backward_format}
             backend = getattr(provider, "backend", None)
@@ -62,10 +75,20 @@ class FP8Linear:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         dev = x.device.type
-        if torch.is_autocast_enabled(dev):  # same output dtype as F.linear under autocast
-            x = x.to(torch.get_autocast_dtype(dev))
+        if not torch.is_autocast_enabled(dev):  # the common case: no context to enter and leave on every call
+            return _FP8LinearFn.apply(x, weight, bias, self)
+        x = x.to(torch.get_autocast_dtype(dev))  # same output dtype as F.linear under autocast
         with torch.autocast(dev, enabled=False):  # the emulation must accumulate in fp32, not autocast's dtype
             return _FP8LinearFn.apply(x, weight, bias, self)
+
+    def kernel_ops(self) -> tuple:
+        """(cast_transpose_from_amax, cast_transpose_amax, amax_history_push) of the backend's kernel table,
+        looked up once per table instead of through the table's ``__getattr__`` on every quantization."""
+        table = self.provider.backend.kernels
+        if table is not self._ops[0]:
+            self._ops = (table, table.get("fp8_cast_transpose_from_amax"), table.get("fp8_cast_transpose_amax"),
+                         table.get("fp8_amax_history_push"))
+        return self._ops[1:]
 
     def __repr__(self) -> str:
         r = self.recipe
@@ -77,12 +100,13 @@ class FP8Linear:
         updating the role's state. Current scaling (tensorwise) reduces the amax over the amax groups,
         then one fused kernel (``fp8_cast_transpose_from_amax``) derives the scale and casts; delayed
         scaling casts with the scale in force (``fp8_cast_transpose_amax``). Both saturate."""
-        kernels = self.provider.backend.kernels
-        if self.recipe.fp8_recipe == "delayed":
-            return self._quantize_delayed(self.states[role].to(x.device), role, x, fmt,
-                                          kernels.fp8_cast_transpose_amax)
-        amax = reduce_amax(_amax(x), self.role_groups.get(role, self.amax_groups), self.collectives)
-        return kernels.fp8_cast_transpose_from_amax(x, amax, fmt, self.recipe.fp8_margin)
+        from_amax, cast, _ = self.kernel_ops()
+        if self._delayed:
+            return self._quantize_delayed(self.states[role].to(x.device), role, x, fmt, cast)
+        amax = _amax(x)
+        if self.collectives is not None:
+            amax = reduce_amax(amax, self._groups[role], self.collectives)
+        return from_amax(x, amax, fmt, self.margin)
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple:
         """The weight's FP8 form: ``(q, q.t(), scale_inv)`` (per-tensor) or ``(q, scale_inv)`` (block-wise).
@@ -91,18 +115,21 @@ class FP8Linear:
         ``data_ptr`` and ``_version`` (in-place updates bump it), i.e. across the micro-batches of one
         optimizer step and in activation recomputation. Exact, since tensorwise and block-wise scales are
         functions of the weight alone; every tensor-parallel rank hits or misses alike (same updates),
-        so the amax all-reduce is skipped in step. Not under ``delayed``: each use there feeds the amax
-        history and may meet a new scale. NOTE: writes that bypass the version counter (``p.data.copy_``,
-        custom kernels) must call ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
+        so the amax all-reduce is skipped in step. Under ``delayed`` only when updated once per step (training:
+        the reducer's ``per_step``), keyed also by the weight role's update count: within a step its scale is
+        fixed and re-observing the same amax changes nothing (``max(a, a) = a``), so the cached form is the one
+        a new quantization would give; used per use (standalone), each use moves the history. NOTE: writes that
+        bypass the version counter (``p.data.copy_``, custom kernels) must call
+        ``torch.autograd.graph.increment_version(p)``, as the optimizer does.
         """
-        r = self.recipe
         if isinstance(weight, FP8GatheredWeight):  # FSDP2 all-gathered it in FP8, scale precomputed (fp8/fsdp.py)
             return weight.operands()
         # inference tensors keep no version counter; a compiled or captured layer quantizes in its graph (fused,
         # no cache: nothing Python runs on a graph's replay)
-        if r.fp8_recipe == "delayed" or in_graph() or weight.is_inference():
+        if (self._delayed and not self._per_step) or in_graph() or weight.is_inference():
             return self._quantize_weight_now(weight)
-        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride())
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride(),
+               self.states["weight"].uses if self._delayed else 0)
         c = self._wcache
         if c is not None and c[0]() is weight and c[1] == key:
             return c[2]
@@ -111,27 +138,26 @@ class FP8Linear:
         return out
 
     def _quantize_weight_now(self, weight: torch.Tensor) -> tuple:
-        r = self.recipe
-        if r.per_tensor:
-            return self.quantize("weight", weight, r.forward_format)
-        return self.provider.quantize_blocks(weight, r.forward_format, BLOCK_WEIGHT, r.fp8_margin)
+        if self.per_tensor:
+            return self.quantize("weight", weight, self.fwd_fmt)
+        return self.provider.quantize_blocks(weight, self.fwd_fmt, BLOCK_WEIGHT, self.margin)
 
     def drop_weight_cache(self) -> None:
         """Forget the cached FP8 weight (frees its memory; the next call re-quantizes)."""
         self._wcache = None
 
     def _quantize_delayed(self, state: DelayedScaling, role: str, x: torch.Tensor, fmt: str, cast):
-        if self.reducer is not None and self.reducer.per_step:
+        if self._per_step:
             return self._quantize_per_step(state, x, fmt, cast)
         # a forward run while autograd executes a backward is an activation recomputation:
         # reuse the scale in force (the original forward's) and record nothing
         if role != "grad_output" and torch._C._current_graph_task_id() != -1:
             q, qt, _ = cast(x, state.scale, fmt)
             return q, qt, state.scale_inv
-        state.flush(self.provider.backend.kernels.fp8_amax_history_push)
+        state.flush(self.kernel_ops()[2])
         if state.uses == 0:  # no history yet: this first use is scaled from its own amax
             amax = reduce_amax(_amax(x), self.amax_groups, self.collectives)
-            state.set_scale(scale_from_amax(amax, fmt, self.recipe.fp8_margin))
+            state.set_scale(scale_from_amax(amax, fmt, self.margin))
             q, qt, _ = cast(x, state.scale, fmt)
             state.record(amax)
         else:
@@ -153,7 +179,7 @@ class FP8Linear:
             return q, qt, state.scale_inv
         amax = _amax(x)
         self.reducer.observe(state, amax)
-        return self.provider.backend.kernels.fp8_cast_transpose_from_amax(x, amax, fmt, self.recipe.fp8_margin)
+        return self.kernel_ops()[0](x, amax, fmt, self.margin)
 
     # ---- checkpoint state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -166,6 +192,7 @@ class FP8Linear:
                              f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
         for role, s in state.items():
             self.states[role].load_state_dict(s)
+        self.drop_weight_cache()  # its key counts updates, and a loaded state may repeat a count with another scale
         if self.reducer is not None and self.reducer.per_step and any(s.uses for s in self.states.values()):
             self.reducer.primed = True  # a history to scale from: the resumed step quantizes as the uninterrupted one
 
@@ -180,7 +207,8 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    """``t`` as ``[tokens, features]``; a 2-D ``t`` as it is (no view to dispatch)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class _FP8LinearFn(torch.autograd.Function):
@@ -188,16 +216,16 @@ class _FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, ex: FP8Linear):
-        r, prov = ex.recipe, ex.provider
+        prov = ex.provider
         x2 = _flat(x)  # [tokens, in]
-        if r.per_tensor:
-            qx, qx_t, sx = ex.quantize("input", x2, r.forward_format)
+        if ex.per_tensor:
+            qx, qx_t, sx = ex.quantize("input", x2, ex.fwd_fmt)
             qw, qw_t, sw = ex.quantize_weight(weight)
             y = prov.scaled_mm(qx, qw.t(), sx, sw, out_dtype=x.dtype)  # [tokens, out]
             # the backward GEMMs read the transposed copies: [in, tokens] and [in, out], both FP8
             ctx.save_for_backward(qx_t, sx, qw_t, sw)
         else:
-            qx, sx = prov.quantize_blocks(x2, r.forward_format, BLOCK_ACT, r.fp8_margin)
+            qx, sx = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT, ex.margin)
             qw, sw = ex.quantize_weight(weight)
             y = prov.blockwise_mm(qx, sx, BLOCK_ACT, qw.t(), sw.t(), BLOCK_WEIGHT[::-1], out_dtype=x.dtype)
             # NOTE: the weight-grad GEMM contracts over tokens, so x is re-tiled along tokens there;
@@ -207,38 +235,42 @@ class _FP8LinearFn(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         ctx.ex, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = ex, x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        if y.dtype != x.dtype:  # the GEMMs return x's dtype already; a bias of another dtype promotes
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, gy):
+        if not torch.is_autocast_enabled(gy.device.type):  # as in FP8Linear.__call__: no context when off
+            return _FP8LinearFn._backward(ctx, gy)
         with torch.autocast(gy.device.type, enabled=False):
             return _FP8LinearFn._backward(ctx, gy)
 
     @staticmethod
     def _backward(ctx, gy):
         ex = ctx.ex
-        r, prov = ex.recipe, ex.provider
+        prov = ex.provider
         g2 = _flat(gy)  # [tokens, out]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
-        if r.per_tensor:
+        if ex.per_tensor:
             qx_t, sx, qw_t, sw = ctx.saved_tensors
-            qg, qg_t, sg = ex.quantize("grad_output", g2, r.backward_format)
+            qg, qg_t, sg = ex.quantize("grad_output", g2, ex.bwd_fmt)
             if need_dx:  # [tokens, out] @ [out, in]
                 dx = prov.scaled_mm(qg, qw_t.t(), sg, sw, out_dtype=ctx.x_dtype)
             if need_dw:  # [out, tokens] @ [tokens, in], rounded once from the fp32 accumulator to the weight dtype
                 dw = prov.scaled_mm(qg_t, qx_t.t(), sg, sx, out_dtype=ctx.w_dtype)
         else:
             x2, qw, sw = ctx.saved_tensors
-            fmt = r.backward_format
+            fmt, margin = ex.bwd_fmt, ex.margin
             if need_dx:
-                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, r.fp8_margin)
+                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, margin)
                 dx = prov.blockwise_mm(qg, sg, BLOCK_ACT, qw, sw, BLOCK_WEIGHT, out_dtype=ctx.x_dtype)
             if need_dw:
-                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, r.fp8_margin)      # tiles along tokens
-                qxt, sxt = prov.quantize_blocks(x2, r.forward_format, BLOCK_ACT[::-1], r.fp8_margin)
+                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, margin)      # tiles along tokens
+                qxt, sxt = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT[::-1], margin)
                 dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=ctx.w_dtype)
-        if dx is not None:
+        if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.w_dtype)
