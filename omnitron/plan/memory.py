@@ -89,20 +89,53 @@ def model_config(settings):
         return cfg
 
 
-def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:
-    """``{(pp_rank, chunk): local layer count}``."""
+def _ranges(settings, cfg) -> dict[tuple[int, int], tuple[int, int]]:
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 
     pc = settings.parallel
-    ranges = pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
-                                   pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers,
-                                   style=schedule_style(settings.training.pipeline_schedule))
-    return {k: n for k, (_, n) in ranges.items()}
+    return pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
+                                 pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
+                                 pc.decoder_last_pipeline_num_layers,
+                                 style=schedule_style(settings.training.pipeline_schedule))
 
 
-def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False) -> tuple[float, float]:
-    """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers."""
+def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:
+    """``{(pp_rank, chunk): local layer count}``."""
+    return {k: n for k, (_, n) in _ranges(settings, cfg).items()}
+
+
+def chunk_moe_layers(settings, cfg) -> dict[tuple[int, int], int]:
+    """``{(pp_rank, chunk): how many of its layers are Mixture-of-Experts}`` (``--moe-layer-freq``)."""
+    from omnitron.core.transformer.moe.pattern import is_moe_layer
+
+    return {k: sum(is_moe_layer(cfg, i) for i in range(o, o + n)) for k, (o, n) in _ranges(settings, cfg).items()}
+
+
+def moe_extra(settings, cfg, moe: int) -> float:
+    """``moe`` MoE layers' saved bytes beyond the dense layers the probe prices (:mod:`.moe_activations`), one
+    micro-batch, for layers that keep their activations (a fully recomputed layer keeps its input only)."""
+    if not moe:
+        return 0.0
+    from omnitron.plan.moe_activations import moe_layer_extra
+
+    pc = settings.parallel
+    return moe * moe_layer_extra(cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
+                                 pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
+                                 pc.etp)
+
+
+def _moe_exchange(settings, cfg) -> float:
+    """An MoE layer's backward exchange buffers beyond the dense probe's transients (:mod:`.moe_activations`)."""
+    from omnitron.plan.moe_activations import moe_exchange_transient
+
+    pc = settings.parallel
+    return moe_exchange_transient(cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
+                                  pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
+                                  pc.etp)
+
+
+def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False, moe: int = 0) -> tuple[float, float]:
+    """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers, ``moe`` of them MoE."""
     pc, t = settings.parallel, settings.training
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
     s, b = cfg.seq_length // pc.context_parallel_size, t.micro_batch_size
@@ -112,6 +145,7 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
     else:
         n_rec = 0
     acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
+    acts += moe_extra(settings, cfg, max(0, moe - n_rec))
     if first:
         acts += s * b * am.embedding / (tp if sp else 1)
     if not last:
@@ -181,15 +215,18 @@ def send_in_flight(schedule, rank: int, boundary: float) -> float:
     return best
 
 
-def recompute_bytes(settings, cfg) -> int:
-    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises."""
+def recompute_bytes(settings, cfg, moe: bool = True) -> int:
+    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises;
+    ``moe=False``: its layers priced dense, as the transient probe runs them."""
     if cfg.recompute_granularity != "full":
         return 0
     pc = settings.parallel
     tp = pc.tensor_model_parallel_size
     s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     n = 1 if cfg.recompute_method == "block" else (cfg.recompute_num_layers or 1)
-    return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel))
+    moe = n if cfg.num_experts and moe else 0  # NOTE: the rematerialised chunk priced as MoE layers when the model has any
+    return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel)
+                 + moe_extra(settings, cfg, moe))
 
 
 def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
@@ -234,13 +271,14 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
                               settings.num_microbatches)
-    layers = chunk_layers(settings, cfg)
+    layers, moe = chunk_layers(settings, cfg), chunk_moe_layers(settings, cfg)
     out = []
     for r in range(pp):
         acts, logits = {}, {}
         ends = {c: (schedule.stage(r, c) == 0, schedule.stage(r, c) == schedule.num_stages - 1) for c in range(vp)}
         for c in range(vp):
-            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=ends[c][1], first=ends[c][0])
+            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=ends[c][1], first=ends[c][0],
+                                                  moe=moe[(r, c)])
         act_peak, most = peak_held(schedule, r, acts)
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
@@ -249,6 +287,9 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
                 raise _Skipped
             excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1])
                          for c in range(vp))
+            excess += recompute_bytes(settings, cfg) - recompute_bytes(settings, cfg, moe=False)  # probed dense
+            if any(moe[(r, c)] for c in range(vp)):
+                excess += round(_moe_exchange(settings, cfg))
         except _Skipped:
             excess = recompute_bytes(settings, cfg)
         except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk
