@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from omnitron.plan.measure import SavedBytes
+from omnitron.plan.measure import SavedBytes, one_thread
 from omnitron.plan.transients import heads_doubled
 
 _S1, _V1 = 64, 128
@@ -184,7 +184,8 @@ def activation_model(cfg, tp: int) -> ActivationModel:
     """Measure the probes for ``cfg`` at tensor-parallel size ``tp`` (cached per config)."""
     key = f"{cfg!r}/{tp}"
     if key not in _CACHE:
-        _CACHE[key] = _activation_model(cfg, tp)
+        with one_thread():
+            _CACHE[key] = _activation_model(cfg, tp)
     return _CACHE[key]
 
 

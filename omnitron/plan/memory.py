@@ -134,16 +134,20 @@ def _moe_exchange(settings, cfg) -> float:
                                   pc.etp)
 
 
+def _recomputed(cfg, layers: int) -> int:
+    """How many of a chunk's ``layers`` layers full recomputation reruns (they keep their inputs only)."""
+    if cfg.recompute_granularity != "full":
+        return 0
+    return min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
+
+
 def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False, moe: int = 0) -> tuple[float, float]:
     """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers, ``moe`` of them MoE."""
     pc, t = settings.parallel, settings.training
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
     s, b = cfg.seq_length // pc.context_parallel_size, t.micro_batch_size
     am = activation_model(cfg, tp)
-    if cfg.recompute_granularity == "full":
-        n_rec = min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
-    else:
-        n_rec = 0
+    n_rec = _recomputed(cfg, layers)
     acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
     acts += moe_extra(settings, cfg, max(0, moe - n_rec))
     if first:
@@ -215,24 +219,24 @@ def send_in_flight(schedule, rank: int, boundary: float) -> float:
     return best
 
 
-def recompute_bytes(settings, cfg, moe: bool = True) -> int:
-    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises;
-    ``moe=False``: its layers priced dense, as the transient probe runs them."""
+def recompute_bytes(settings, cfg) -> int:
+    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises."""
     if cfg.recompute_granularity != "full":
         return 0
     pc = settings.parallel
     tp = pc.tensor_model_parallel_size
     s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     n = 1 if cfg.recompute_method == "block" else (cfg.recompute_num_layers or 1)
-    moe = n if cfg.num_experts and moe else 0  # NOTE: the rematerialised chunk priced as MoE layers when the model has any
+    moe = n if cfg.num_experts else 0  # NOTE: the rematerialised chunk priced as MoE layers when the model has any
     return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel)
                  + moe_extra(settings, cfg, moe))
 
 
-def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
+def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False) -> int:
     """What one micro-batch's forward and backward through a chunk of ``layers`` layers holds at its peak
     beyond the chunk's activation and logit terms: rematerialised layers and backward's transients (module
-    doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation)."""
+    doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation),
+    every one MoE when the chunk has any (``moe``, :func:`omnitron.plan.moe_activations.transient_probe`)."""
     from omnitron.core.models.gpt.config import padded_vocab_size
     from omnitron.plan.activations import probe_config
     from omnitron.plan.transients import _B0, _S0, Probe, scaled_peak
@@ -243,9 +247,15 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
     unit = (cfg.recompute_num_layers or 1) if cfg.recompute_granularity == "full" else 1
     n = min(layers, 2 * unit)
     probe, kh, kd = probe_config(cfg, tp)
-    real = scaled_peak(Probe(probe, n, first, last, _S0, _B0), cfg.seq_length // pc.context_parallel_size,
-                       settings.training.micro_batch_size, kh, kd, padded_vocab_size(cfg, tp) // tp)
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    if moe:
+        from omnitron.plan.moe_activations import probe_layer_extra, transient_probe
+
+        probe = transient_probe(cfg, probe, kh * kd, tp, pc.etp)
+    real = scaled_peak(Probe(probe, n, first, last, _S0, _B0), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
     acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
+    if moe:
+        acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, tp, pc.etp)
     return max(0, round(real - acts - output_bytes(whole, cfg, last) - logits))
 
 
@@ -285,9 +295,8 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
         try:
             if not transients:
                 raise _Skipped
-            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1])
-                         for c in range(vp))
-            excess += recompute_bytes(settings, cfg) - recompute_bytes(settings, cfg, moe=False)  # probed dense
+            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1],
+                                         moe=moe[(r, c)] > 0) for c in range(vp))
             if any(moe[(r, c)] for c in range(vp)):
                 excess += round(_moe_exchange(settings, cfg))
         except _Skipped:

@@ -39,7 +39,11 @@ per token, the same probe).
 Backward (:func:`moe_exchange_transient`): with etp > 1 the reduce-scatter's backward is an all-gather of the
 output gradient (``_gather_v``): its input repeated etp times and its output, ``[R_e, h]`` each in the
 activation dtype, live together beside every layer's saved tensors; the dense transient probe has no such
-exchange. Measured without it (2026-12-04, tiny Mixtral, tp2 + SP, etp2): the step peak 5.4% above the plan
+exchange. The rest of the MoE block's backward is probed with the transient probe's layers MoE
+(:func:`transient_probe`): every expert padded to a capacity of ``T k / E`` rows, which is balanced routing with
+shapes that are monomials in the probe's dimensions, as the replay needs; the probe runs the tp-local layer in
+one process, so it routes all ``T`` tokens (the real rank ``T / tp``): at tp > 1 its MoE transients are an upper
+bound. Measured without it (2026-12-04, tiny Mixtral, tp2 + SP, etp2): the step peak 5.4% above the plan
 on both ranks, 0.26 MiB of 0.25 MiB these buffers. Not modelled: routing imbalance (a rank's bytes move with the rows it receives;
 the ep group's mean is the prediction), backward's transients of the MoE block (the transient probe runs the
 layers dense), the multi-token-prediction depths' MoE (priced dense), FP8 expert GEMMs' saved copies.
@@ -51,7 +55,7 @@ from types import SimpleNamespace
 
 import torch
 
-from omnitron.plan.measure import SavedBytes
+from omnitron.plan.measure import SavedBytes, one_thread
 
 _T1 = 64
 
@@ -77,21 +81,31 @@ def _saved(fn, x: torch.Tensor, module) -> int:
     return rec.total
 
 
+_W0 = 64
+
+
 def _mlp_row(cfg, width: int, expert: bool) -> float:
     """Bytes per row an MLP of ``width`` saves beyond its input: the expert path (``expert_mlp``) or the dense
-    ``MLP.forward``."""
+    ``MLP.forward``. Its tensors are ``[rows, c w]`` (fc1's output, the activation's), so it is probed at hidden
+    and widths ``64, 128`` and the line through them taken at ``width`` (a real-size MLP would be built at
+    hundreds of millions of parameters)."""
+    if not width:
+        return 0.0
+    one, two = _mlp_probe(cfg, _W0, expert), _mlp_probe(cfg, 2 * _W0, expert)
+    return one + (two - one) * (width - _W0) / _W0
+
+
+def _mlp_probe(cfg, width: int, expert: bool) -> float:
     from omnitron.backends import get_backend
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.transformer.mlp import MLP
     from omnitron.core.transformer.moe.experts import expert_mlp
 
-    if not width:
-        return 0.0
-    c = replace(cfg, ffn_hidden_size=width)
+    c = replace(cfg, hidden_size=_W0, ffn_hidden_size=width)
     torch.manual_seed(0)
     mlp = MLP(c, group=ParallelGroups.single().tp, sequence_parallel=False, backend=get_backend(), out_std=0.02,
               skip_out_bias=not expert)
-    x = torch.randn(_T1, 1, cfg.hidden_size, dtype=cfg.params_dtype, requires_grad=True)
+    x = torch.randn(_T1, 1, _W0, dtype=cfg.params_dtype, requires_grad=True)
     if expert:
         return _saved(lambda t: expert_mlp(mlp, t.view(_T1, -1)), x, mlp) / _T1
     return _saved(mlp, x, mlp) / _T1
@@ -129,9 +143,10 @@ def moe_rates(cfg, tp: int, etp: int) -> MoERates:
     if key not in _CACHE:
         f = cfg.moe_ffn_hidden_size or ffn_size(cfg)
         shared = cfg.moe_shared_expert_intermediate_size or 0
-        rho, rho0 = _router(cfg)
-        _CACHE[key] = MoERates(rho, rho0, _mlp_row(cfg, f // etp, True), _mlp_row(cfg, shared // tp, False),
-                               _mlp_row(cfg, ffn_size(cfg) // tp, False))
+        with one_thread():
+            rho, rho0 = _router(cfg)
+            _CACHE[key] = MoERates(rho, rho0, _mlp_row(cfg, f // etp, True), _mlp_row(cfg, shared // tp, False),
+                                   _mlp_row(cfg, ffn_size(cfg) // tp, False))
     return _CACHE[key]
 
 
@@ -164,3 +179,33 @@ def moe_exchange_transient(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp:
         return 0.0
     m = moe_local(cfg, SimpleNamespace(tokens=s * b, tp=tp), ep, etp, sp)
     return 2.0 * m.assignments * etp * cfg.hidden_size * cfg.params_dtype.itemsize
+
+
+def _local(cfg, tp: int, etp: int):
+    """``cfg`` as the transient probe runs its tp-local MoE layer in one process: the dense MLP at ``F / tp``, the
+    experts at ``f / etp``, the shared expert at ``shared / tp``, dropless."""
+    from omnitron.core.models.gpt.config import ffn_size
+
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    return replace(cfg, ffn_hidden_size=ffn_size(cfg) // tp, moe_ffn_hidden_size=(cfg.moe_ffn_hidden_size
+                                                                                   or ffn_size(cfg)) // etp,
+                   moe_shared_expert_intermediate_size=shared // tp or None, moe_expert_capacity_factor=None,
+                   moe_pad_expert_input_to_capacity=False)
+
+
+def transient_probe(cfg, probe, k: int, tp: int, etp: int):
+    """The transient probe ``probe`` (widths divided by ``k``) with every layer MoE at balanced routing: each
+    expert padded to a capacity of ``T k / E`` rows (module docstring)."""
+    local = _local(cfg, tp, etp)
+    widths = (local.moe_ffn_hidden_size, local.moe_shared_expert_intermediate_size or 0)
+    if any(w % k for w in widths):
+        raise RuntimeError(f"plan: the MoE widths {widths} do not divide by the probe's {k}; the memory model "
+                           "cannot scale their transients")
+    return replace(probe, num_experts=cfg.num_experts, moe_layer_freq=1, moe_ffn_hidden_size=widths[0] // k,
+                   moe_shared_expert_intermediate_size=widths[1] // k or None, moe_expert_capacity_factor=1.0,
+                   moe_pad_expert_input_to_capacity=True)
+
+
+def probe_layer_extra(cfg, s: int, b: int, tp: int, etp: int) -> float:
+    """What one layer of :func:`transient_probe`, scaled to the real size, saves beyond the dense layer."""
+    return moe_layer_extra(_local(cfg, tp, etp), s, b, 1, False, 1, 1)
