@@ -28,9 +28,13 @@ distributed-optimizer slice boundaries, and the largest is reported):
   (logits' and activations' gradients, a weight's gradient before the data-parallel hook adds it into
   ``main_grad``, a tied output layer's gradient held until the embedding's arrives) and the pipeline's
   received activations and gradients.
+- Mixture-of-Experts layers (:mod:`.moe_activations`, at balanced routing): what an MoE layer saves beyond the
+  dense layer the probe measures (router, dispatch pairs, gate weights, expert rows and MLPs, shared expert,
+  ep / etp permutations), per chunk by ``--moe-layer-freq``; their backward probed with the layers MoE, and the
+  etp all-gather's buffers.
 
-Not modelled: communication buffers, allocator fragmentation, the optimizer step's temporaries, buffers
-fused kernels allocate internally, MoE routing tensors (MoE layers are probed as dense). The transient
+Not modelled: communication buffers (but the etp all-gather's), allocator fragmentation, the optimizer step's
+temporaries, buffers fused kernels allocate internally, MoE routing imbalance and dropped tokens. The transient
 probe runs the tp-local layer without collectives and without sequence or context parallelism: under SP
 it counts the hidden-sized gradients whole, where the real run holds the all-gather and reduce-scatter
 buffers instead (tp2 + SP measured within 1%, with pp2 within 6.1%: BENCHMARKS.md).
@@ -164,7 +168,8 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
 
 def mtp_bytes(settings, cfg, head: float, logits: float) -> tuple[float, float]:
     """(activations, logits) bytes of one micro-batch through the multi-token prediction depths on the last stage:
-    per depth a layer (not recomputed: the depths sit outside the decoder's recompute chunks), its inputs
+    per depth a layer (not recomputed: the depths sit outside the decoder's recompute chunks; MoE when the
+    decoder's last layer is, as the engine builds it), its inputs
     (``mtp_inputs``, split over tp under SP) and a head of ``head`` and ``logits`` bytes, the main head's.
     Under SP one ``[s/tp, b, h]`` more a depth: the previous depth's output, which its ``hnorm`` saves as the
     shard and the head as the all-gathered sequence (one storage in the one-process probe)."""
@@ -176,7 +181,10 @@ def mtp_bytes(settings, cfg, head: float, logits: float) -> tuple[float, float]:
     s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     am = activation_model(cfg, tp)
     inputs = s * b * (am.mtp_inputs + am.head_gathered) / tp if sp else s * b * am.mtp_inputs
-    return depths * (am.layer.bytes(s, b, tp, sp) + inputs + head), depths * logits
+    from omnitron.core.transformer.moe.pattern import is_moe_layer
+
+    layer = am.layer.bytes(s, b, tp, sp) + moe_extra(settings, cfg, is_moe_layer(cfg, cfg.num_layers - 1))
+    return depths * (layer + inputs + head), depths * logits
 
 
 def output_bytes(settings, cfg, last: bool) -> float:

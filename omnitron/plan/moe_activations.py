@@ -36,17 +36,18 @@ dropless routing, since every term is linear in the rows a rank holds):
 The layer's extra bytes are the MoE block's minus the dense MLP's (``T h e`` and its internals at ``F / tp``
 per token, the same probe).
 
-Backward (:func:`moe_exchange_transient`): with etp > 1 the reduce-scatter's backward is an all-gather of the
-output gradient (``_gather_v``): its input repeated etp times and its output, ``[R_e, h]`` each in the
-activation dtype, live together beside every layer's saved tensors; the dense transient probe has no such
-exchange. The rest of the MoE block's backward is probed with the transient probe's layers MoE
-(:func:`transient_probe`): every expert padded to a capacity of ``T k / E`` rows, which is balanced routing with
-shapes that are monomials in the probe's dimensions, as the replay needs; the probe runs the tp-local layer in
-one process, so it routes all ``T`` tokens (the real rank ``T / tp``): at tp > 1 its MoE transients are an upper
-bound. Measured without it (2026-12-04, tiny Mixtral, tp2 + SP, etp2): the step peak 5.4% above the plan
-on both ranks, 0.26 MiB of 0.25 MiB these buffers. Not modelled: routing imbalance (a rank's bytes move with the rows it receives;
-the ep group's mean is the prediction), backward's transients of the MoE block (the transient probe runs the
-layers dense), the multi-token-prediction depths' MoE (priced dense), FP8 expert GEMMs' saved copies.
+Backward: the MoE block's backward is probed with the transient probe's layers MoE (:func:`transient_probe`):
+every expert padded to a capacity of ``T k / E`` rows, which is balanced routing with shapes that are monomials
+in the probe's dimensions, as the replay needs. The probe runs the tp-local layer in one process, so it routes
+all ``T`` tokens (the real rank ``T / tp``): at tp > 1 its MoE transients are an upper bound. It has no
+exchange: with etp > 1 the reduce-scatter's backward is an all-gather of the output gradient (``_gather_v``),
+its input repeated etp times and its output, ``[R_e, h]`` each in the activation dtype, live beside every
+layer's saved tensors (:func:`moe_exchange_transient`; without it the tiny Mixtral at tp2 + SP, etp2 was
+0.26 MiB, 5.4%, under its step peak on both ranks, 2026-12-04: these buffers are 0.25 MiB).
+
+Not modelled: routing imbalance (a rank's bytes move with the rows it receives; the ep group's mean is the
+prediction), dropped tokens (a capacity factor is taken as dropping nothing at balanced routing), the ep
+all-to-all's buffers in backward, FP8 expert GEMMs' saved copies.
 """
 from __future__ import annotations
 
