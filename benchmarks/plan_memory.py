@@ -66,6 +66,8 @@ MOE = {  # whole step only: routing decides each rank's rows (the plan assumes b
     "mixtral-tiny tp2 sp etp2": (2, MIXTRAL + TP2 + ["--sequence-parallel"]),
     "mixtral-tiny tp2 ep2 etp1": (2, MIXTRAL + TP2 + EP2 + ["--expert-tensor-parallel-size", "1"]),
     "mixtral-tiny pp2 ep2": (4, MIXTRAL + PP2 + EP2 + ["--global-batch-size", "4"]),
+    "mixtral-tiny cp2 ep2": (2, MIXTRAL + EP2 + ["--context-parallel-size", "2"]),
+    "llama-tiny cp2 (dense)": (2, TINY + LLAMA + ["--context-parallel-size", "2"]),
     "mixtral-tiny full uniform1": (1, MIXTRAL + ["--recompute-granularity", "full", "--recompute-method", "uniform"]),
 }
 
