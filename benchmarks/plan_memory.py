@@ -4,6 +4,7 @@ process per pipeline rank, gloo), then one micro-batch's activations against the
 saves in a real forward of each stage (omnitron.plan.measure).
 
     PYTHONPATH=. python benchmarks/plan_memory.py
+    PYTHONPATH=. python benchmarks/plan_memory.py --moe   # MoE layouts (deepseek_v3_tiny, a tiny Mixtral), whole steps
 """
 from __future__ import annotations
 
@@ -48,6 +49,29 @@ WHOLE_STEP_ONLY = {  # tensor parallel: the per-micro-batch comparison below run
 }
 
 
+DSV3 = ["--model", "deepseek_v3_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000"]
+MIXTRAL = TINY + LLAMA + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+EP2 = ["--expert-model-parallel-size", "2"]
+MOE = {  # whole step only: routing decides each rank's rows (the plan assumes balanced routing)
+    "dsv3-tiny pp1": (1, DSV3),
+    "dsv3-tiny v200 pp1": (1, DSV3 + ["--vocab-size", "200"]),
+    "dsv3-tiny ep2": (2, DSV3 + EP2),
+    "dsv3-tiny v200 ep2": (2, DSV3 + EP2 + ["--vocab-size", "200"]),
+    "mixtral-tiny pp1": (1, MIXTRAL),
+    "mixtral-tiny ep2": (2, MIXTRAL + EP2),
+    "mixtral-tiny ep2 capacity1": (2, MIXTRAL + EP2 + ["--moe-expert-capacity-factor", "1.0"]),
+    "mixtral-tiny ep2 capacity1 pad": (2, MIXTRAL + EP2 + ["--moe-expert-capacity-factor", "1.0",
+                                                           "--moe-pad-expert-input-to-capacity"]),
+    "mixtral-tiny tp2 etp2": (2, MIXTRAL + TP2),
+    "mixtral-tiny tp2 sp etp2": (2, MIXTRAL + TP2 + ["--sequence-parallel"]),
+    "mixtral-tiny tp2 ep2 etp1": (2, MIXTRAL + TP2 + EP2 + ["--expert-tensor-parallel-size", "1"]),
+    "mixtral-tiny pp2 ep2": (4, MIXTRAL + PP2 + EP2 + ["--global-batch-size", "4"]),
+    "mixtral-tiny cp2 ep2": (2, MIXTRAL + EP2 + ["--context-parallel-size", "2"]),
+    "llama-tiny cp2 (dense)": (2, TINY + LLAMA + ["--context-parallel-size", "2"]),
+    "mixtral-tiny full uniform1": (1, MIXTRAL + ["--recompute-granularity", "full", "--recompute-method", "uniform"]),
+}
+
+
 def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
     """This rank's (measured step peak, predicted activations + logits + recompute + transient of its stage);
     the measurement is omnitron.plan.measure.train_step_peak."""
@@ -66,25 +90,28 @@ def step_peaks(name: str, root: str) -> list[tuple[int, int]]:
     """(measured, predicted) per rank of one whole training step of layout ``name``."""
     from omnitron.testing.distributed import run_distributed
 
-    world, argv = {**LAYOUTS, **WHOLE_STEP_ONLY}[name]
+    world, argv = {**LAYOUTS, **WHOLE_STEP_ONLY, **MOE}[name]
     if world == 1:
         return [rank_step_peak(argv, root, 1)]
     return run_distributed(rank_step_peak, world, argv, root, world)
 
 
 def main() -> None:
+    import sys
     import tempfile
 
+    moe = "--moe" in sys.argv[1:]
     with tempfile.TemporaryDirectory() as root:
         print(f"{'layout (whole step)':28s} {'rank':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
         worst, start = 0.0, time.perf_counter()
-        for name in [*LAYOUTS, *WHOLE_STEP_ONLY]:
+        names = list(MOE) if moe else [*LAYOUTS, *WHOLE_STEP_ONLY]
+        for name in names:
             for rank, (peak, pred) in enumerate(step_peaks(name, root)):
                 worst = max(worst, abs(pred / peak - 1))
                 print(f"{name:28s} {rank:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} {100 * (pred / peak - 1):+7.2f}%")
-        print(f"worst |error| {100 * worst:.2f}% over {len(LAYOUTS) + len(WHOLE_STEP_ONLY)} layouts, "
-              f"{time.perf_counter() - start:.0f} s")
-    micro()
+        print(f"worst |error| {100 * worst:.2f}% over {len(names)} layouts, {time.perf_counter() - start:.0f} s")
+    if not moe:
+        micro()
 
 
 def micro() -> None:

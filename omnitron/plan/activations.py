@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from omnitron.plan.measure import SavedBytes
+from omnitron.plan.measure import SavedBytes, one_thread
 from omnitron.plan.transients import heads_doubled
 
 _S1, _V1 = 64, 128
@@ -115,8 +115,8 @@ def probe_config(cfg, tp: int):
     ranks = tuple(r for r in (cfg.q_lora_rank, cfg.kv_lora_rank) if r) if mla else ()
     kh, kd = _scale(cfg.hidden_size, lh, lg, d, lf, ranks)
     k = kh * kd
-    # NOTE: MoE layers are probed as dense layers of the same ffn width (the router and expert dispatch are
-    # not measured)
+    # NOTE: every layer is probed dense (the MLP at --ffn-hidden-size); an MoE layer's difference is
+    # omnitron.plan.moe_activations'
     probe = replace(cfg, hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh, kv_channels=d // kd,
                     num_query_groups=(lg // kh) if cfg.num_query_groups else None, ffn_hidden_size=lf // k,
                     vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
@@ -184,7 +184,8 @@ def activation_model(cfg, tp: int) -> ActivationModel:
     """Measure the probes for ``cfg`` at tensor-parallel size ``tp`` (cached per config)."""
     key = f"{cfg!r}/{tp}"
     if key not in _CACHE:
-        _CACHE[key] = _activation_model(cfg, tp)
+        with one_thread():
+            _CACHE[key] = _activation_model(cfg, tp)
     return _CACHE[key]
 
 

@@ -12,6 +12,18 @@ from contextlib import contextmanager
 import torch
 
 
+@contextmanager
+def one_thread():
+    """Run the plan's probes on one intra-op thread: their ops are tiny, and on a loaded host the threads spin
+    (an MoE probe ran 10x slower on the 2-core box at load 4.4, 2026-12-04); their bytes do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class SavedBytes:
     """Bytes of the distinct storages saved for backward inside :meth:`record`."""
 

@@ -30,9 +30,13 @@ distributed-optimizer slice boundaries, and the largest is reported):
   ``main_grad``, a tied output layer's gradient held until the embedding's arrives) and the pipeline's
   received activations and gradients; with attention dropout on cp's block kernels, their chunk's peak
   (:func:`.cp_blocks.block_dropout_bytes`).
+- Mixture-of-Experts layers (:mod:`.moe_activations`, at balanced routing): what an MoE layer saves beyond the
+  dense layer the probe measures (router, dispatch pairs, gate weights, expert rows and MLPs, shared expert,
+  ep / etp permutations), per chunk by ``--moe-layer-freq``; their backward probed with the layers MoE, and the
+  etp all-gather's buffers.
 
-Not modelled: communication buffers, allocator fragmentation, the optimizer step's temporaries, buffers
-fused kernels allocate internally, MoE routing tensors (MoE layers are probed as dense). The transient
+Not modelled: communication buffers (but the etp all-gather's), allocator fragmentation, the optimizer step's
+temporaries, buffers fused kernels allocate internally, MoE routing imbalance and dropped tokens. The transient
 probe runs the tp-local layer without collectives and without sequence or context parallelism: under SP
 it counts the hidden-sized gradients whole, where the real run holds the all-gather and reduce-scatter
 buffers instead (tp2 + SP measured within 1%, with pp2 within 6.1%: BENCHMARKS.md).
@@ -92,29 +96,67 @@ def model_config(settings):
         return cfg
 
 
-def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:
-    """``{(pp_rank, chunk): local layer count}``."""
+def _ranges(settings, cfg) -> dict[tuple[int, int], tuple[int, int]]:
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
 
     pc = settings.parallel
-    ranges = pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
-                                   pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers,
-                                   style=schedule_style(settings.training.pipeline_schedule))
-    return {k: n for k, (_, n) in ranges.items()}
+    return pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
+                                 pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
+                                 pc.decoder_last_pipeline_num_layers,
+                                 style=schedule_style(settings.training.pipeline_schedule))
 
 
-def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False) -> tuple[float, float]:
-    """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers."""
+def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:
+    """``{(pp_rank, chunk): local layer count}``."""
+    return {k: n for k, (_, n) in _ranges(settings, cfg).items()}
+
+
+def chunk_moe_layers(settings, cfg) -> dict[tuple[int, int], int]:
+    """``{(pp_rank, chunk): how many of its layers are Mixture-of-Experts}`` (``--moe-layer-freq``)."""
+    from omnitron.core.transformer.moe.pattern import is_moe_layer
+
+    return {k: sum(is_moe_layer(cfg, i) for i in range(o, o + n)) for k, (o, n) in _ranges(settings, cfg).items()}
+
+
+def moe_extra(settings, cfg, moe: int) -> float:
+    """``moe`` MoE layers' saved bytes beyond the dense layers the probe prices (:mod:`.moe_activations`), one
+    micro-batch, for layers that keep their activations (a fully recomputed layer keeps its input only)."""
+    if not moe:
+        return 0.0
+    from omnitron.plan.moe_activations import moe_layer_extra
+
+    pc = settings.parallel
+    return moe * moe_layer_extra(cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
+                                 pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
+                                 pc.etp)
+
+
+def _moe_exchange(settings, cfg) -> float:
+    """An MoE layer's backward exchange buffers beyond the dense probe's transients (:mod:`.moe_activations`)."""
+    from omnitron.plan.moe_activations import moe_exchange_transient
+
+    pc = settings.parallel
+    return moe_exchange_transient(cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
+                                  pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
+                                  pc.etp)
+
+
+def _recomputed(cfg, layers: int) -> int:
+    """How many of a chunk's ``layers`` layers full recomputation reruns (they keep their inputs only)."""
+    if cfg.recompute_granularity != "full":
+        return 0
+    return min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
+
+
+def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False, moe: int = 0) -> tuple[float, float]:
+    """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers, ``moe`` of them MoE."""
     pc, t = settings.parallel, settings.training
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
     s, b = cfg.seq_length // pc.context_parallel_size, t.micro_batch_size
     am = activation_model(cfg, tp)
-    if cfg.recompute_granularity == "full":
-        n_rec = min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
-    else:
-        n_rec = 0
+    n_rec = _recomputed(cfg, layers)
     acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
+    acts += moe_extra(settings, cfg, max(0, moe - n_rec))
     if first:
         acts += s * b * am.embedding / (tp if sp else 1)
     if not last:
@@ -129,7 +171,8 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
 
 def mtp_bytes(settings, cfg, head: float, logits: float) -> tuple[float, float]:
     """(activations, logits) bytes of one micro-batch through the multi-token prediction depths on the last stage:
-    per depth a layer (not recomputed: the depths sit outside the decoder's recompute chunks), its inputs
+    per depth a layer (not recomputed: the depths sit outside the decoder's recompute chunks; MoE when the
+    decoder's last layer is, as the engine builds it), its inputs
     (``mtp_inputs``, split over tp under SP) and a head of ``head`` and ``logits`` bytes, the main head's.
     Under SP one ``[s/tp, b, h]`` more a depth: the previous depth's output, which its ``hnorm`` saves as the
     shard and the head as the all-gathered sequence (one storage in the one-process probe)."""
@@ -141,7 +184,10 @@ def mtp_bytes(settings, cfg, head: float, logits: float) -> tuple[float, float]:
     s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     am = activation_model(cfg, tp)
     inputs = s * b * (am.mtp_inputs + am.head_gathered) / tp if sp else s * b * am.mtp_inputs
-    return depths * (am.layer.bytes(s, b, tp, sp) + inputs + head), depths * logits
+    from omnitron.core.transformer.moe.pattern import is_moe_layer
+
+    layer = am.layer.bytes(s, b, tp, sp) + moe_extra(settings, cfg, is_moe_layer(cfg, cfg.num_layers - 1))
+    return depths * (layer + inputs + head), depths * logits
 
 
 def output_bytes(settings, cfg, last: bool) -> float:
@@ -192,13 +238,16 @@ def recompute_bytes(settings, cfg) -> int:
     tp = pc.tensor_model_parallel_size
     s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     n = 1 if cfg.recompute_method == "block" else (cfg.recompute_num_layers or 1)
-    return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel))
+    moe = n if cfg.num_experts else 0  # NOTE: the rematerialised chunk priced as MoE layers when the model has any
+    return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel)
+                 + moe_extra(settings, cfg, moe))
 
 
-def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
+def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False) -> int:
     """What one micro-batch's forward and backward through a chunk of ``layers`` layers holds at its peak
     beyond the chunk's activation and logit terms: rematerialised layers and backward's transients (module
-    doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation)."""
+    doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation),
+    every one MoE when the chunk has any (``moe``, :func:`omnitron.plan.moe_activations.transient_probe`)."""
     from omnitron.core.models.gpt.config import padded_vocab_size
     from omnitron.plan.activations import probe_config
     from omnitron.plan.transients import _B0, _S0, Probe, scaled_peak
@@ -209,9 +258,15 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool) -> int:
     unit = (cfg.recompute_num_layers or 1) if cfg.recompute_granularity == "full" else 1
     n = min(layers, 2 * unit)
     probe, kh, kd = probe_config(cfg, tp)
-    real = scaled_peak(Probe(probe, n, first, last, _S0, _B0), cfg.seq_length // pc.context_parallel_size,
-                       settings.training.micro_batch_size, kh, kd, padded_vocab_size(cfg, tp) // tp)
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    if moe:
+        from omnitron.plan.moe_activations import probe_layer_extra, transient_probe
+
+        probe = transient_probe(cfg, probe, kh * kd, tp, pc.etp)
+    real = scaled_peak(Probe(probe, n, first, last, _S0, _B0), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
     acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
+    if moe:
+        acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, tp, pc.etp)
     return max(0, round(real - acts - output_bytes(whole, cfg, last) - logits))
 
 
@@ -238,21 +293,24 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
                               settings.num_microbatches)
-    layers = chunk_layers(settings, cfg)
+    layers, moe = chunk_layers(settings, cfg), chunk_moe_layers(settings, cfg)
     out = []
     for r in range(pp):
         acts, logits = {}, {}
         ends = {c: (schedule.stage(r, c) == 0, schedule.stage(r, c) == schedule.num_stages - 1) for c in range(vp)}
         for c in range(vp):
-            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=ends[c][1], first=ends[c][0])
+            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=ends[c][1], first=ends[c][0],
+                                                  moe=moe[(r, c)])
         act_peak, most = peak_held(schedule, r, acts)
         logit_peak, _ = peak_held(schedule, r, logits)
         st = state_bytes(settings, cfg, r)
         try:
             if not transients:
                 raise _Skipped
-            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1])
-                         for c in range(vp)) + block_dropout_bytes(settings, given)
+            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1],
+                                         moe=moe[(r, c)] > 0) for c in range(vp)) + block_dropout_bytes(settings, given)
+            if any(moe[(r, c)] for c in range(vp)):
+                excess += round(_moe_exchange(settings, cfg))
         except _Skipped:
             excess = recompute_bytes(settings, cfg)
         except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk

@@ -22,8 +22,8 @@ excess over the activation model's own total at that depth is taken to be the sa
 peak falls in the top layer's or the head's backward, above every layer's saved tensors.
 
 Not seen: buffers a fused kernel allocates internally (outside the dispatcher), the optimizer step's
-temporaries (after backward has freed the activations), communication buffers; MoE routing (probed as
-dense, like the activation term).
+temporaries (after backward has freed the activations), communication buffers. A chunk with MoE layers is
+probed with every layer MoE at balanced routing (:func:`omnitron.plan.moe_activations.transient_probe`).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.kernels.alloc_log import Timeline, peak
+from omnitron.plan.measure import one_thread
 
 _S0, _B0 = 32, 2
 
@@ -90,7 +91,8 @@ def timeline(p: Probe) -> list[tuple[str | None, int]]:
     """Events of one forward and backward of the probe chunk (after one warm-up pass; cached per probe)."""
     key = repr(p)
     if key not in _TIMELINES:
-        _TIMELINES[key] = _timeline(p)
+        with one_thread():
+            _TIMELINES[key] = _timeline(p)
     return _TIMELINES[key]
 
 
@@ -128,7 +130,16 @@ def heads_doubled(c):
                 hidden_size=2 * c.hidden_size, ffn_hidden_size=2 * c.ffn_hidden_size)
     if getattr(c, "multi_latent_attention", False):
         c = replace(c, q_lora_rank=2 * c.q_lora_rank if c.q_lora_rank else None, kv_lora_rank=2 * c.kv_lora_rank)
-    return c
+    return _experts_doubled(c)
+
+
+def _experts_doubled(c):
+    """``c`` with its MoE widths (experts, shared expert) doubled, as the ffn."""
+    if not c.num_experts:
+        return c
+    shared = c.moe_shared_expert_intermediate_size
+    return replace(c, moe_ffn_hidden_size=2 * c.moe_ffn_hidden_size, moe_shared_expert_intermediate_size=2 * shared
+                   if shared else None)
 
 
 _DIMENSIONS = ("sequence", "batch", "head dimension", "heads", "vocabulary")
@@ -140,8 +151,8 @@ def _doubled(p: Probe) -> list[Probe]:
     d = c.kv_channels or c.hidden_size // c.num_attention_heads
     vocab = replace(c, vocab_size=2 * c.vocab_size, make_vocab_size_divisible_by=2 * c.make_vocab_size_divisible_by)
     return [replace(p, s=2 * p.s), replace(p, b=2 * p.b),
-            replace(p, cfg=replace(c, kv_channels=2 * d, hidden_size=2 * c.hidden_size,
-                                   ffn_hidden_size=2 * c.ffn_hidden_size)),
+            replace(p, cfg=_experts_doubled(replace(c, kv_channels=2 * d, hidden_size=2 * c.hidden_size,
+                                                    ffn_hidden_size=2 * c.ffn_hidden_size))),
             replace(p, cfg=heads_doubled(c)), replace(p, cfg=vocab)]
 
 

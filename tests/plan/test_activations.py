@@ -14,7 +14,10 @@ from the s = 64 head probe (measured 2026-12-04: -3.4% at one depth, -8.0% on th
 Multi-latent attention at hidden 512 is probed at k = 2: there the ends' per-token constants (the head's norm
 statistics and per-token loss buffers) are multiplied by k as the module says, measured +0.22% in all, inside
 the bound; scaling its latents and shared rotated key part by k as if they were head widths is +15.0%
-(measured 2026-12-04 on mla_probe_k2_mtp1)."""
+(measured 2026-12-04 on mla_probe_k2_mtp1).
+Mixture-of-Experts layers (:mod:`omnitron.plan.moe_activations`): dropless routing makes every routed tensor's rows
+``T k`` in one process whatever the router picks (an expert's share moves, the sum does not), so the same bound
+holds; priced dense, as before 2026-12-04, the tiny Mixtral was 44% under and ``deepseek_v3_tiny`` 15% under."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +26,7 @@ from omnitron.core.parallel.pipeline.schedules import build_schedule
 from omnitron.core.parallel.pipeline.simulate import simulate
 from omnitron.core.training.arguments import parse_settings
 from omnitron.plan.measure import stage_microbatch_bytes
-from omnitron.plan.memory import chunk_layers, microbatch_bytes, model_config, peak_held
+from omnitron.plan.memory import chunk_layers, chunk_moe_layers, microbatch_bytes, model_config, peak_held
 
 TOL = 0.005
 BASE = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
@@ -35,6 +38,8 @@ MLA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-
        "--hidden-dropout", "0", "--attention-dropout", "0", "--multi-latent-attention", "--q-lora-rank", "64",
        "--kv-lora-rank", "32", "--qk-head-dim", "32", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32",
        "--qk-layernorm"]
+MOE = LLAMA + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+               "--moe-shared-expert-intermediate-size", "64"]
 LAYOUTS = {  # name: (world, flags)
     "pp1": (1, []),
     "pp1_mbs2_s256": (1, ["--micro-batch-size", "2", "--seq-length", "256"]),
@@ -50,6 +55,10 @@ LAYOUTS = {  # name: (world, flags)
     "mtp1": (1, ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]),
     "mla": (1, MLA),
     "mla_probe_k2_mtp1": (1, MLA + ["--hidden-size", "512", "--num-attention-heads", "8", "--mtp-num-layers", "1"]),
+    "moe": (1, MOE),
+    "moe_pp2_selective": (2, MOE + ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"]),
+    "deepseek_v3_tiny_pp2": (2, ["--model", "deepseek_v3_tiny", "--pipeline-model-parallel-size", "2"]),
+    "deepseek_v3_tiny_mtp1": (1, ["--model", "deepseek_v3_tiny", "--mtp-num-layers", "1"]),
     "mtp2_pp2": (2, ["--position-embedding-type", "rope", "--mtp-num-layers", "2", "--pipeline-model-parallel-size", "2"]),
 }
 
@@ -60,10 +69,11 @@ def test_microbatch_bytes_match_saved_tensors(name):
     s = parse_settings(BASE + flags, world)
     cfg = model_config(s)
     measured = stage_microbatch_bytes(s, cfg)
-    layers = chunk_layers(s, cfg)
+    layers, moe = chunk_layers(s, cfg), chunk_moe_layers(s, cfg)
     pp, vp = s.parallel.pipeline_model_parallel_size, s.parallel.virtual_pipeline_model_parallel_size or 1
     for key, real in measured.items():
-        acts, logits = microbatch_bytes(s, cfg, layers[key], last=key == (pp - 1, vp - 1), first=key == (0, 0))
+        acts, logits = microbatch_bytes(s, cfg, layers[key], last=key == (pp - 1, vp - 1), first=key == (0, 0),
+                                        moe=moe[key])
         assert abs((acts + logits) / real - 1) < TOL, (key, acts + logits, real)
 
 

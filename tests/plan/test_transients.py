@@ -78,13 +78,34 @@ def test_scaled_probe_replay_equals_the_real_chunk(fields, b, first, last):
     assert got == pytest.approx(want, rel=1e-12, abs=0)
 
 
+def test_scaled_moe_probe_replay_equals_the_real_chunk():
+    """The MoE transient probe (every expert padded to ``T k / E`` rows: balanced routing) at half the heads and
+    widths, experts and shared expert included, sequence 32, batch 2, scaled: the peak equals the same chunk's
+    own log at its real size (the replay is exact when every storage is a monomial in the doubled dimensions)."""
+    from omnitron.core.models.gpt.config import GPTConfig, padded_vocab_size
+    from omnitron.plan.activations import probe_config
+    from omnitron.plan.moe_activations import transient_probe
+    from omnitron.plan.transients import _B0, _S0, Probe, peak, scaled_peak, timeline
+
+    cfg = GPTConfig(**{**_GPT, "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 1024,
+                       "moe_shared_expert_intermediate_size": 512, "moe_aux_loss_coeff": 0.01})
+    probe, kh, kd = probe_config(cfg, 1)
+    assert kh * kd > 1
+    v = padded_vocab_size(cfg, 1)
+    got = scaled_peak(Probe(transient_probe(cfg, probe, kh * kd, 1, 1), 2, True, True, _S0, _B0), cfg.seq_length, 2,
+                      kh, kd, v)
+    real = transient_probe(cfg, replace(cfg, vocab_size=v, make_vocab_size_divisible_by=v), 1, 1, 1)
+    want = peak(timeline(Probe(real, 2, True, True, cfg.seq_length, 2)))
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+
+
 def _args(root: str, extra: list[str]) -> list[str]:
     return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
             "--max-position-embeddings", "128", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
             "200", "--data-cache-path", os.path.join(root, "cache"), *extra]
 
 
-def _check_step(args: list[str], world: int, measured: list[tuple[int, int]], rel: float = 0.0) -> None:
+def _check_step(args: list[str], world: int, measured: list[tuple[int, int]], rel: float = 0.0, slack: int = 0) -> None:
     """Predicted (activations + logits + recompute + transient + boundary) against the measured step peak, each
     stage.
 
@@ -92,7 +113,8 @@ def _check_step(args: list[str], world: int, measured: list[tuple[int, int]], re
     forward and backward that the probe replays (the loss's reduction, the gradient-norm and optimizer
     temporaries come after the peak and are smaller). A missed weight gradient (h x 4h: 256 KiB), an [s, b, V]
     logits gradient (100 KiB at b = 1, with its 64 KiB input gradient) or an attention-score tensor
-    ([b, heads, s, s]: 256 KiB) is more. ``rel``: a relative bound instead, where more is not modelled."""
+    ([b, heads, s, s]: 256 KiB) is more. ``rel``: a relative bound instead, where more is not modelled;
+    ``slack``: bytes more, where the measurement itself moves (named by the caller)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
 
@@ -102,14 +124,16 @@ def _check_step(args: list[str], world: int, measured: list[tuple[int, int]], re
     for stage, peak in measured:
         e = stages[stage]
         pred = e.activations + e.logits + e.recompute + e.transient + e.boundary
-        assert abs(pred - peak) <= max(2 * 128 * b * 128 * 4, rel * peak), (stage, pred, peak, e)
+        assert abs(pred - peak) <= max(2 * 128 * b * 128 * 4, rel * peak) + slack, (stage, pred, peak, e)
 
 
 @pytest.mark.host_only("the planner's step-peak model follows the cpu backend's kernel table; on sim (flash "
                         "attention blocks, the device allocator's peak) the measured peak differs by 7-15% "
                         "(0.5-2.8 MB here): a planner question for device kernel tables (issue 34)")
 @pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "full", "--recompute-method", "block",
-                                        "--recompute-num-layers", "2"]], ids=["tied", "full-block2"])
+                                        "--recompute-num-layers", "2"], ["--swiglu", "--num-experts", "8",
+                                        "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "64"]],
+                         ids=["tied", "full-block2", "moe"])
 def test_step_peak_one_process(extra, tmp_path):
     from omnitron.plan.measure import train_step_peak
 
@@ -146,6 +170,30 @@ def test_step_peak_pipeline_two_ranks(vp, tmp_path):
     measured = run_distributed(step_peaks, 2, argvs, 2, str(tmp_path), env={"OMNITRON_STRICT_COLLECTIVES": "0"})
     for i, args in enumerate(argvs):
         _check_step(args, 2, [rank[i] for rank in measured], rel=0.10)
+
+
+_MOE = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+
+
+@pytest.mark.slow
+@pytest.mark.host_only("the planner's step-peak model follows the cpu backend's kernel table (see above)")
+def test_step_peak_moe_two_ranks(tmp_path):
+    """MoE layers on 2 ranks, every rank's step peak: ep2 with every expert padded to its capacity (each rank's
+    rows are then the capacity's whatever the router picks, so the balanced-routing plan is exact), and tp2 + SP
+    with etp2 (the ranks share their rows; the backward's etp all-gather buffers, 2 [R_e, h] fp32 = 256 KiB here,
+    fail the bound when left out: measured 2026-12-04 5.4% under). Bound: ``_check_step``'s two [s, b, h] fp32
+    tensors; at ep2 plus the forward exchange's send and receive buffers, ``2 [A, h]`` fp32 (A = s k = 256 rows,
+    256 KiB): gloo's worker may drop them after ``wait`` returns, so the measured peak holds them or not (seen
+    2026-12-04: the same run 0, 66 KiB or 230 KiB higher). Still fails on any per-assignment ``[A, h]`` tensor
+    missed in the 4 layers (512 KiB). Dropless ep2 is not checked per rank: a rank's peak moves with the rows
+    routed to it (+-5% here)."""
+    argvs = [_args(str(tmp_path), _MOE + extra) for extra in (
+        ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0",
+         "--moe-pad-expert-input-to-capacity"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"])]
+    measured = run_distributed(step_peaks, 2, argvs, 2, str(tmp_path), env={"OMNITRON_STRICT_COLLECTIVES": "0"})
+    for i, (args, slack) in enumerate(zip(argvs, (2 * 256 * 128 * 4, 0))):
+        _check_step(args, 2, [rank[i] for rank in measured], slack=slack)
 
 
 def test_probes_that_do_not_align_leave_the_transients_out_with_a_warning(monkeypatch, caplog):

@@ -1,0 +1,70 @@
+"""The MoE layer's memory term (:mod:`omnitron.plan.moe_activations`) worked by hand: the formula on fixed probe rates,
+and the probe rates against the tensors the engine's router and SwiGLU experts save (counted from the code path).
+The models against measured bytes are in test_activations.py, test_tp_activations.py and test_transients.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.core.models.gpt.config import llama_tiny
+
+
+def _cfg(**kw):
+    return llama_tiny(hidden_size=16, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=24, num_experts=4,
+                      moe_router_topk=2, **kw)
+
+
+@pytest.fixture
+def fixed_rates(monkeypatch):
+    import omnitron.plan.moe_activations as M
+
+    def rates(cfg, tp, etp):  # the shared expert's rate is 0 without one, as the probe's
+        return M.MoERates(rho=10, rho0=3, expert=7, shared=5 if cfg.moe_shared_expert_intermediate_size else 0, dense=11)
+
+    monkeypatch.setattr(M, "moe_rates", rates)
+
+
+def test_layer_extra_tp2_sp_ep2_etp2_by_hand(fixed_rates):
+    """h 16, fp32 (e 4), E 4, k 2, shared 8; s 8, b 2 (T 16), tp2 + SP, ep2, etp2. Balanced: 8 rows an expert,
+    A = 4 x 8 / 2 = 16 dispatched, R_e = 2 A = 32 at the experts, the router on T / 2 = 8 tokens.
+    router 10 x 8 + 3 x 2 = 86; pairs, weights, mul and index_add inputs 16 (16 + 4 + 2 x 16 x 4) = 2368;
+    expert rows 32 (16 x 4 + 7) = 2272; ep permutations 16 x 16 = 256; etp permutations 16 x 32 = 512;
+    shared 16 x 5 = 80; inputs under SP: the router's shard 8 x 16 x 4 = 512, the shared fc1's gathered
+    16 x 16 x 4 = 1024; minus the dense MLP 16 (16 x 4 + 11) = 1200: 5910. Backward's etp all-gather:
+    2 x 32 x 16 x 4 = 4096."""
+    from omnitron.plan.moe_activations import moe_exchange_transient, moe_layer_extra
+
+    cfg = _cfg(moe_shared_expert_intermediate_size=8)
+    assert moe_layer_extra(cfg, 8, 2, tp=2, sp=True, ep=2, etp=2) == 5910
+    assert moe_exchange_transient(cfg, 8, 2, tp=2, sp=True, ep=2, etp=2) == 4096
+    assert moe_exchange_transient(cfg, 8, 2, tp=2, sp=True, ep=2, etp=1) == 0
+
+
+def test_layer_extra_bf16_capacity_bias_by_hand(fixed_rates):
+    """bf16 (e 2), fc biases, no shared expert, capacity factor 0.5: each expert keeps ceil(0.5 x 16 x 2 / 4) = 4
+    of its 8 rows, A = R_e = 16; tp1, ep1. router 10 x 16 + 3 x 2 = 166; pairs etc. 16 (16 + 2 + 2 x 16 x 2) =
+    1312; rows 16 (16 x 2 + 7) = 624; bias index 8 x 16 = 128; the norm output is not kept (bf16: the router
+    keeps a float32 copy, in its rate; no shared expert); minus the dense MLP 16 (16 x 2 + 11) = 688: 1542."""
+    from omnitron.plan.moe_activations import moe_layer_extra
+
+    cfg = _cfg(params_dtype=torch.bfloat16, add_bias_linear=True, moe_expert_capacity_factor=0.5)
+    assert moe_layer_extra(cfg, 8, 2, tp=1, sp=False, ep=1, etp=1) == 1542
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_rates_are_the_saved_tensors(dtype):
+    """The probes against the code path's tensors, counted by hand: the softmax router with a load-balancing loss
+    saves per token the [E] float32 scores of the loss, the top-k's int64 indices and float32 probabilities
+    (plus, in bf16, its float32 input copy [h]), per micro-batch the loss's [E] counts and token count (plus,
+    in bf16, the float32 copy of the [E, h] weight); a SwiGLU expert of width w saves per row its fc1 output
+    [2 w] (the activation's input) and the activation's [w] (fc2's input)."""
+    from omnitron.plan.moe_activations import moe_rates
+
+    h, E, k, w, e = 128, 8, 2, 352, dtype.itemsize
+    cfg = llama_tiny(num_experts=E, moe_router_topk=k, moe_aux_loss_coeff=0.01, params_dtype=dtype,
+                     moe_shared_expert_intermediate_size=64)
+    r = moe_rates(cfg, 2, 2)
+    copy = e != 4
+    assert r.rho == 4 * E + 12 * k + copy * 4 * h
+    assert r.rho0 == 4 * E + 4 + copy * 4 * E * h
+    assert r.expert == 3 * (w // 2) * e and r.dense == 3 * (w // 2) * e and r.shared == 3 * (64 // 2) * e
