@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from omnitron.plan.settings import layout_flags, settings_of  # noqa: F401 - also imported from here
+from omnitron.plan.settings import flat_flags, layout_flags, settings_of  # noqa: F401 - also imported from here
 
 
 def register(sub) -> None:
@@ -53,9 +53,7 @@ def run(args: argparse.Namespace) -> int:
         stages = estimate(s)
         step = predict(s, rates, overlap) if rates else None
         if step is not None and getattr(args, "json", None):
-            flags = {k: v for k, v in given.items() if k != "layout"}
-            flags.update(layout_flags(given["layout"])[0] if given.get("layout") else {})
-            _write(args, [Choice(flags, s, step, stages)], rates)
+            _write(args, [Choice(flat_flags(given), s, step, stages)], rates)
     except ConfigError as err:
         print(f"omnitron plan: error: {err}", file=sys.stderr)
         return 2

@@ -19,15 +19,50 @@ def layout_flags(layout: str) -> tuple[dict, int]:
     return flags, world
 
 
+_DIMS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
+         "ep": "expert_model_parallel_size"}
+
+
+def _merged(layout: str, flags: dict, given: dict) -> dict:
+    """The layout's sizes, except that a dimension the layout string does not name keeps its flag (``--layout
+    tp4,pp4,dp4 --expert-model-parallel-size 4`` plans ep4, as the flag says); a named dimension and a flag that
+    disagree are a one-line error rather than one silently winning."""
+    import re
+
+    from omnitron.core.config.parallel import ConfigError
+
+    named = set(re.findall(r"(tp|pp|cp|ep|dp)\d+", layout.lower()))
+    out = {}
+    for dim, key in _DIMS.items():
+        if dim not in named and key in given:
+            continue
+        if dim in named and key in given and int(given[key]) != flags[key]:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"--layout {layout!r} says {dim}{flags[key]} but {flag} is {given[key]}: "
+                              f"give the size once (in the layout, or drop {dim} from it)")
+        out[key] = flags[key]
+    return out
+
+
+def flat_flags(given: dict) -> dict:
+    """``given`` with ``--layout`` turned into the parallel-size flags it means (as :func:`settings_of` prices)."""
+    given = dict(given)
+    layout = given.pop("layout", None)
+    if layout:
+        given.update(_merged(layout, layout_flags(layout)[0], given))
+    return given
+
+
 def settings_of(given: dict):
-    """Validated Settings for the plan (the layout's sizes override the flags of the same meaning)."""
+    """Validated Settings for the plan: the layout's sizes, with flags for the dimensions it does not name."""
     from omnitron.core.training.arguments import build_settings, merge_settings
 
     given = dict(given)
     world = None
     if given.get("layout"):
-        flags, world = layout_flags(given.pop("layout"))
-        given.update(flags)
+        layout = given.pop("layout")
+        flags, world = layout_flags(layout)
+        given.update(_merged(layout, flags, given))
     else:
         given.pop("layout", None)
     return build_settings(merge_settings(given), world)

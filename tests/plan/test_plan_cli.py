@@ -45,3 +45,17 @@ def test_train_logs_the_estimate(tmp_path, caplog):
     assert main(argv) == 0
     text = caplog.text
     assert "predicted memory per rank (omnitron plan)" in text and "largest rank: stage 0" in text
+
+
+def test_layout_and_parallel_flags_combine_or_refuse():
+    """A dimension the layout does not name keeps its flag (found 2026-12-04: `--layout tp4,pp4,dp4
+    --expert-model-parallel-size 4` planned ep1 silently); a named one that disagrees with its flag is refused."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.settings import flat_flags
+
+    base = {"model": "gpt2_tiny", "layout": "tp2,dp2"}
+    assert flat_flags({**base, "expert_model_parallel_size": 4})["expert_model_parallel_size"] == 4
+    assert flat_flags(base)["expert_model_parallel_size"] == 1
+    assert flat_flags({**base, "tensor_model_parallel_size": 2})["tensor_model_parallel_size"] == 2  # agrees
+    with pytest.raises(ConfigError, match="says tp2 but --tensor-model-parallel-size is 4"):
+        flat_flags({**base, "tensor_model_parallel_size": 4})
