@@ -35,7 +35,6 @@ CASES = {  # name: (S, T)
     "tp1_pp2_dp4": (DENSE_S, ["--pipeline-model-parallel-size", "2", *ZERO]),
     "moe_ep2_to_ep1": (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", *MOE, *ZERO],
                        [*MOE, *ZERO]),
-    "via_torch_dp8": (DENSE_S, ZERO),  # S's iteration 1 converted to --ckpt-format torch (tp1) and back first
     "torch_format_dp8": (DENSE_S, ZERO),  # ... loading that torch-format intermediate (the flag says torch_dist)
 }
 SLOW = {
@@ -45,6 +44,9 @@ SLOW = {
     "vpp_tp1_pp2_dp4": (DENSE_S, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                                   "1", *ZERO]),
     "zero_off": (DENSE_S, DENSE_S[:-1]),
+    # S's iteration 1 converted to --ckpt-format torch (tp1) and back first (slow since 2026-12-04, for the
+    # suite's 10 minutes: torch_format_dp8 still loads the converted intermediate in the default set)
+    "via_torch_dp8": (DENSE_S, ZERO),
     "moe_zero_off_ep4": (CASES["moe_ep2_to_ep1"][0], ["--expert-model-parallel-size", "4", *MOE]),
 }
 # Loss bound (fp32, u = 2^-24 ~ 6e-8): T reorders the sums of every matmul (length k <= 128) and of the
