@@ -7,7 +7,8 @@
 # (everything), summary.md (one row per step), junit-*.xml, metrics-*.jsonl, bench/*.json.
 #   1. environment and `omnitron info`
 #   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile, then
-#      both with --cuda-graph-impl local (the FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
+#      both with --cuda-graph-impl local, then torchao's FP8 (--fp8-impl torchao) where its wheel was carried
+#      (the FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
 #   3. one FP8 layer profiled (benchmarks/fp8_profile.py), the FP8 linear table (benchmarks/fp8_gemm.py), and
 #      one compiled FP8 training step traced (`--profile`: the device's idle fraction, top kernels)
 #   4. multi-rank on one GPU: benchmarks/device_multirank.py (2-4 processes on the one device over
@@ -35,6 +36,16 @@ source scripts/lib/steps.sh
 export LOG_DIR
 export BUDGET_S=${BUDGET_S:-540}
 
+# torchao for `--fp8-impl torchao`, where its wheel was carried (the image has none and cannot fetch one). Here,
+# before the lease: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#   --platform manylinux_2_28_x86_64 -d .whl torchao   (0.18.0, 3.3 MB; `.whl/` is git-ignored: name it in carry)
+TORCHAO=0
+if [ "${DRY_RUN:-0}" != 1 ] && ls .whl/torchao-*.whl >/dev/null 2>&1 &&
+   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/torchao-*.whl; then
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  TORCHAO=1
+fi
+
 # ---- 1. environment ---------------------------------------------------------------------------
 env_step 30
 
@@ -60,6 +71,11 @@ train_step 80 fp8-tensorwise-compiled "${FP8_TW[@]}" --torch-compile
 # each layer's forward and backward captured as CUDA graphs and replayed (never run on a GPU before)
 train_step 80 fp8-tensorwise-graphs "${FP8_TW[@]}" --cuda-graph-impl local
 train_step 80 bf16-graphs --cuda-graph-impl local
+# torchao's Float8Linear behind --fp8-impl torchao (tensorwise), eager and compiled, where the wheel came along
+if [ "$TORCHAO" = 1 ]; then
+  train_step 60 fp8-torchao "${FP8_TW[@]}" --fp8-impl torchao
+  train_step 80 fp8-torchao-compiled "${FP8_TW[@]}" --fp8-impl torchao --torch-compile
+fi
 
 # ---- 3. one FP8 layer profiled, the FP8 linear table -------------------------------------------
 need benchmarks/fp8_profile.py benchmarks/fp8_gemm.py
