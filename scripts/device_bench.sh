@@ -16,8 +16,8 @@
 #   5. the cuda conformance suite (every kernel against its float64 reference)
 #   6. delayed-scaling FP8 at 1.3B; the golden loss curve (omnitron/testing/golden.py: 100 steps of a tiny
 #      GPT, recorded as golden/cuda.json); `omnitron bench all` (the report `omnitron plan --bench` and
-#      `bench compare` read); the planted stream bugs that `sim` catches, run on the GPU to count how often
-#      they corrupt results there (benchmarks/planted_on_device.py; the two-rank cases need two GPUs)
+#      `bench compare` read); the planted stream bugs that `sim` catches, run on the GPU to see what they do
+#      there (benchmarks/planted_ground_truth.py, as scripts/device_check.sh; two-rank cases skip on one GPU)
 # usage: scripts/device_bench.sh              on the GPU machine (python3 with a CUDA torch, pytest)
 #        DRY_RUN=1 scripts/device_bench.sh    anywhere: print every step and its limit, check every file a
 #                                             step uses exists, run nothing
@@ -95,8 +95,8 @@ need tests/backends tests/kernels/test_conformance.py
 pytest_step conformance 100 tests/backends tests/kernels/test_conformance.py -rfE
 
 # the planted stream bugs on the device: how often do they corrupt results here? (sim catches them)
-need benchmarks/planted_on_device.py
-run_step planted 40 python3 benchmarks/planted_on_device.py --json "$LOG_DIR/planted.json"
+need benchmarks/planted_ground_truth.py
+run_step planted 60 python3 benchmarks/planted_ground_truth.py --backend cuda --tries 3 --out "$LOG_DIR/planted.jsonl"
 
 # ---- 6. the rest, as the budget allows ---------------------------------------------------------
 train_step 45 fp8-delayed --fp8-format hybrid --fp8-recipe delayed
