@@ -57,12 +57,5 @@ def settings_of(given: dict):
     """Validated Settings for the plan: the layout's sizes, with flags for the dimensions it does not name."""
     from omnitron.core.training.arguments import build_settings, merge_settings
 
-    given = dict(given)
-    world = None
-    if given.get("layout"):
-        layout = given.pop("layout")
-        flags, world = layout_flags(layout)
-        given.update(_merged(layout, flags, given))
-    else:
-        given.pop("layout", None)
-    return build_settings(merge_settings(given), world)
+    world = layout_flags(given["layout"])[1] if given.get("layout") else None
+    return build_settings(merge_settings(flat_flags(given)), world)
