@@ -6,11 +6,11 @@
 # headline figures taken. Results land in benchmarks/results/<gpu>-<date>/ (or $OUT): device_check.log
 # (everything), summary.md (one row per step), junit-*.xml, metrics-*.jsonl, bench/*.json.
 #   1. environment and `omnitron info`
-#   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile, then
-#      both with --cuda-graph-impl local, then torchao's FP8 (--fp8-impl torchao) where its wheel was carried
+#   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile (micro-
+#      batch 4 and 8), then both with --cuda-graph-impl local, then torchao's FP8 (--fp8-impl torchao) where its wheel was carried
 #      (the FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
 #   3. one FP8 layer profiled (benchmarks/fp8_profile.py), the FP8 linear table (benchmarks/fp8_gemm.py), and
-#      one compiled FP8 training step traced (`--profile`: the device's idle fraction, top kernels)
+#      one compiled FP8 and one compiled bf16 training step traced (`--profile`: idle fraction, top kernels)
 #   4. multi-rank on one GPU: benchmarks/device_multirank.py (2-4 processes on the one device over
 #      host-staged gloo, losses against the CPU run of the same layout; world-1 layouts on NCCL)
 #   5. the cuda conformance suite (every kernel against its float64 reference)
@@ -68,6 +68,11 @@ train_step 45 bf16
 train_step 45 fp8-tensorwise "${FP8_TW[@]}"
 train_step 80 bf16-compiled --torch-compile
 train_step 80 fp8-tensorwise-compiled "${FP8_TW[@]}" --torch-compile
+# the same pair at micro-batch 8 (4 micro-batches of 8 x 2048 tokens): larger GEMMs, the casts and launches a
+# smaller share of the step
+MBS8=(--micro-batch-size 8 --global-batch-size 32)
+train_step 90 bf16-compiled-mbs8 --torch-compile "${MBS8[@]}"
+train_step 90 fp8-tensorwise-compiled-mbs8 "${FP8_TW[@]}" --torch-compile "${MBS8[@]}"
 # each layer's forward and backward captured as CUDA graphs and replayed (never run on a GPU before)
 train_step 80 fp8-tensorwise-graphs "${FP8_TW[@]}" --cuda-graph-impl local
 train_step 80 bf16-graphs --cuda-graph-impl local
@@ -85,6 +90,7 @@ run_step fp8-profile 45 bash -c "python3 benchmarks/fp8_profile.py --json $LOG_D
 # (omnitron/core/training/trace_summary.py; profile-*.json, and the log line)
 train_step 90 fp8-step-profile "${FP8_TW[@]}" --torch-compile --train-iters 6 --profile --profile-step-start 4 \
   --profile-step-end 6
+train_step 90 bf16-step-profile --torch-compile --train-iters 6 --profile --profile-step-start 4 --profile-step-end 6
 
 # ---- 4. multi-rank on one GPU ------------------------------------------------------------------
 need benchmarks/device_multirank.py examples/moby_dick_tp2_pp2.yaml

@@ -301,7 +301,7 @@ class StepProfiler:
         from omnitron.core.training import trace_summary
 
         try:
-            summary = trace_summary.summarize_file(self.trace_path)
+            summary = trace_summary.summarize_file(self.trace_path, top=60)
         except (OSError, ValueError, KeyError) as err:
             log.warning("rank %d: could not summarise %s: %s", self.rank, self.trace_path, err)
             return

@@ -49,7 +49,9 @@ def check_layout(groups) -> None:
 
 class TorchaoLinear:
     """``executor(x, weight, bias)`` computing torchao ``Float8Linear``'s forward and backward (module docstring).
-    Stateless: no checkpoint state, nothing cached between calls."""
+    Stateless: no checkpoint state, nothing cached between calls, no amax reducer (``fp8_step`` skips it)."""
+
+    reducer = None
 
     def __init__(self, fp8_format: str, emulate: bool, name: str = "") -> None:
         from torchao.float8.config import CastConfig, Float8LinearConfig
