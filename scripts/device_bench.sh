@@ -6,9 +6,10 @@
 # headline figures taken. Results land in benchmarks/results/<gpu>-<date>/ (or $OUT): device_check.log
 # (everything), summary.md (one row per step), junit-*.xml, metrics-*.jsonl, bench/*.json.
 #   1. environment and `omnitron info`
-#   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile (micro-
-#      batch 4 and 8), then both with --cuda-graph-impl local, then torchao's FP8 (--fp8-impl torchao) where its wheel was carried
-#      (the FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
+#   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile (FP8's
+#      cast as a Triton graph op and as inductor's lowering; delayed FP8 too; micro-batch 4 and 8), then both
+#      with --cuda-graph-impl local, then torchao's FP8 (--fp8-impl torchao) where its wheel was carried (the
+#      FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
 #   3. one FP8 layer profiled (benchmarks/fp8_profile.py), the FP8 linear table (benchmarks/fp8_gemm.py), and
 #      one compiled FP8 and one compiled bf16 training step traced (`--profile`: idle fraction, top kernels)
 #   4. multi-rank on one GPU: benchmarks/device_multirank.py (2-4 processes on the one device over
@@ -68,6 +69,12 @@ train_step 45 bf16
 train_step 45 fp8-tensorwise "${FP8_TW[@]}"
 train_step 80 bf16-compiled --torch-compile
 train_step 80 fp8-tensorwise-compiled "${FP8_TW[@]}" --torch-compile
+# A/B of the compiled FP8 cast: the Triton cast-transpose as one graph op (the default since 2026-12-04) against
+# the plain-torch reference lowered by inductor (the default before), and delayed scaling compiled (its cast
+# takes the amax in the same pass)
+OMNITRON_KERNELS=fp8_cast_transpose_from_amax=reference \
+  train_step 80 fp8-tensorwise-compiled-refcast "${FP8_TW[@]}" --torch-compile
+train_step 80 fp8-delayed-compiled --fp8-format hybrid --fp8-recipe delayed --torch-compile
 # the same pair at micro-batch 8 (4 micro-batches of 8 x 2048 tokens): larger GEMMs, the casts and launches a
 # smaller share of the step
 MBS8=(--micro-batch-size 8 --global-batch-size 32)
