@@ -162,7 +162,10 @@ class CUDABackend(Backend):
         import omnitron.backends.cuda.kernels  # noqa: F401 - registers the "cuda_flash" implementations
 
     def kernel_preference(self) -> tuple[str, ...]:
-        return ("triton", "cuda_flash", "reference")
+        # cuda_flash implements only the ring's attention block (ATen's flash kernels, which decline attention
+        # dropout): first for it, so a block without dropout runs FlashAttention-2 and one with the hash dropout
+        # the fused Triton block; every other op resolves to Triton as before.
+        return ("cuda_flash", "triton", "reference")
 
     def profiler_activities(self) -> tuple:
         """The CPU and the CUDA kernels (CUPTI)."""

@@ -6,9 +6,10 @@ or, for fp32 blocks, ``aten::_scaled_dot_product_efficient_attention`` (memory-e
 its log-sum-exp), and their backwards given the final output and log-sum-exp, which is exactly the ring's
 per-block gradient. Neither builds the block's ``[sq, sk]`` scores. Grouped-query blocks repeat each
 key/value head for its query heads (the raw ops take equal head counts) and sum the gradients back.
-Calls with context parallelism's attention dropout decline and run the chunked reference (logged once by the
-registry): its masks are a hash of global positions (:mod:`omnitron.kernels.hash_dropout`), which these kernels'
-own RNG does not draw.
+Calls with context parallelism's attention dropout decline (logged once by the registry): its masks are a hash
+of global positions (:mod:`omnitron.kernels.hash_dropout`), which these kernels' own RNG does not draw; they run
+the fused Triton block (:mod:`omnitron.kernels.triton_kernels.flash_block`, next in the backend's preference),
+or the chunked reference without Triton.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _available() -> tuple[bool, str]:
 
 def _why_not(q, k, v, causal: bool, drop) -> str | None:
     if drop is not None:
-        return "attention dropout (context parallelism's hash masks) runs the chunked reference"
+        return "attention dropout (context parallelism's hash masks) runs the Triton flash block or the reference"
     for t in (q, k, v):
         if t.device.type != "cuda" or t.dtype not in _DTYPES or t.dim() != 4:
             return f"needs 4-D CUDA tensors in {[str(d) for d in _DTYPES]}, got {t.dtype} on {t.device.type}"

@@ -30,4 +30,4 @@ if _wanted():
         triton = None
 
 if triton is not None:
-    from omnitron.kernels.triton_kernels import activations, fp8, losses, norms, optim, rope  # noqa: F401
+    from omnitron.kernels.triton_kernels import activations, flash_block, fp8, losses, norms, optim, rope  # noqa: F401
