@@ -99,6 +99,12 @@ train_step 90 fp8-step-profile "${FP8_TW[@]}" --torch-compile --train-iters 6 --
   --profile-step-end 6
 train_step 90 bf16-step-profile --torch-compile --train-iters 6 --profile --profile-step-start 4 --profile-step-end 6
 
+# context parallelism's hash dropout fused into the Triton flash block: masks and accuracy checked on the device,
+# then fused vs the chunked reference vs the flash kernel without dropout (one ring block, s 4096, GQA 32/8)
+need benchmarks/flash_hash_dropout.py
+run_step flash-hash-dropout 60 bash -c "python3 benchmarks/flash_hash_dropout.py --backend cuda --check &&
+  python3 benchmarks/flash_hash_dropout.py --backend cuda --causal"
+
 # ---- 4. multi-rank on one GPU ------------------------------------------------------------------
 need benchmarks/device_multirank.py examples/moby_dick_tp2_pp2.yaml
 run_step multirank 120 python3 benchmarks/device_multirank.py --jobs 6 --timeout 100 --out "$LOG_DIR/multirank.json"
