@@ -69,11 +69,11 @@ train_step 45 bf16
 train_step 45 fp8-tensorwise "${FP8_TW[@]}"
 train_step 80 bf16-compiled --torch-compile
 train_step 80 fp8-tensorwise-compiled "${FP8_TW[@]}" --torch-compile
-# A/B of the compiled FP8 cast: the Triton cast-transpose as one graph op (the default since 2026-12-04) against
-# the plain-torch reference lowered by inductor (the default before), and delayed scaling compiled (its cast
+# A/B of the compiled FP8 cast: the Triton cast-transpose as one graph op (opt-in `triton_graph`, never measured)
+# against the default (the plain-torch reference lowered by inductor), and delayed scaling compiled (its cast
 # takes the amax in the same pass)
-OMNITRON_KERNELS=fp8_cast_transpose_from_amax=reference \
-  train_step 80 fp8-tensorwise-compiled-refcast "${FP8_TW[@]}" --torch-compile
+OMNITRON_KERNELS=fp8_cast_transpose_from_amax=triton_graph,fp8_cast_transpose_amax=triton_graph \
+  train_step 80 fp8-tensorwise-compiled-graphop "${FP8_TW[@]}" --torch-compile
 train_step 80 fp8-delayed-compiled --fp8-format hybrid --fp8-recipe delayed --torch-compile
 # the same pair at micro-batch 8 (4 micro-batches of 8 x 2048 tokens): larger GEMMs, the casts and launches a
 # smaller share of the step

@@ -1,5 +1,5 @@
-"""The Triton FP8 cast-transpose inside a compiled graph: one opaque ``omnitron::`` operator, not a graph break and
-not the reference's strided pointwise kernel.
+"""The Triton FP8 cast-transpose inside a compiled graph (the opt-in ``triton_graph`` implementation): one opaque
+``omnitron::`` operator, not a graph break and not the reference's strided pointwise kernel.
 
 Run on CPU through Triton's interpreter in a child process (``TRITON_INTERPRET=1`` must be set before the kernels
 are defined). Inside: both ops traced with ``fullgraph=True`` (a break fails the trace), the graph holding the
@@ -44,6 +44,10 @@ CHILD = textwrap.dedent("""
             assert w.dtype == o.dtype and w.shape == o.shape, (w.dtype, o.dtype, w.shape, o.shape)
             assert torch.equal(w.view(torch.uint8) if w.element_size() == 1 else w,
                                o.view(torch.uint8) if o.element_size() == 1 else o), fmt
+    from omnitron.kernels import implementations
+    for op in ("fp8_cast_transpose_from_amax", "fp8_cast_transpose_amax"):  # opt-in: the default stays measured
+        impls = implementations(op)
+        assert not impls["triton"].traceable and impls["triton_graph"].traceable, op
     print("OPS", sorted(set(ops)))
 """)
 
