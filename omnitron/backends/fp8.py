@@ -242,8 +242,14 @@ class FP8Provider:
 
         ``a [m,k]`` has tiles ``a_block`` and ``scale_a_inv [ceil(m/am), ceil(k/ak)]``; likewise ``b [k,n]``.
         DeepSeek-V3 layouts: ``(1,128) x (128,128)`` (forward, data-grad), ``(1,128) x (128,1)`` (weight-grad).
-        The native kernel is tried once per layout and checked against the emulation before use.
+        The native kernel is tried once per layout and checked against the emulation before use. Inside a compiled
+        graph (``--torch-compile``) the emulation runs, which the compiler fuses: the probe, the refusal caught
+        and the first-use check are host-side work that a traced graph cannot hold (a refusal raised while tracing
+        ends the compilation instead of falling back). The native block-wise kernel refused every layout on the
+        torch of 2026-12-04 (2.11, H200) anyway.
         """
+        if torch.compiler.is_compiling():
+            return self._emulated_blockwise(a, scale_a_inv, a_block, b, scale_b_inv, b_block, out_dtype)
         key = f"{a_block}x{b_block}"
         if self.block_path == "untried":
             self._probe_blockwise(a.device)
@@ -254,6 +260,10 @@ class FP8Provider:
                 return native
         self._say(f"blockpath:{key}", "FP8 block-wise GEMM %s on backend %s: emulated (per-tile dequantization, "
                   "fp32 accumulation)", key, self.backend.name)
+        return self._emulated_blockwise(a, scale_a_inv, a_block, b, scale_b_inv, b_block, out_dtype)
+
+    @staticmethod
+    def _emulated_blockwise(a, scale_a_inv, a_block, b, scale_b_inv, b_block, out_dtype):
         da = mul_blocks_(a.to(torch.float32, memory_format=torch.contiguous_format), scale_a_inv, a_block)
         db = mul_blocks_(b.to(torch.float32, memory_format=torch.contiguous_format), scale_b_inv, b_block)
         return (da @ db).to(out_dtype)

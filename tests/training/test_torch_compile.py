@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnitron.backends import get_backend
 from omnitron.core.config import ConfigError
 from omnitron.testing.distributed import run_distributed
 from omnitron.testing.parity import relative_error
@@ -134,6 +135,32 @@ def test_an_fp8_layer_traces_whole_and_matches_eager(recipe):
     # <= 2^-3 sqrt(1e-5) = 4e-4 on the quantized operands, carried with condition ~1. 2e-3 leaves 5x; an FP8
     # path that lost a scale or a cast is off by O(1).
     assert relative_error(got, want) < 2e-3 and relative_error(got_grad, want_grad) < 2e-3
+
+
+def test_blockwise_fp8_on_the_scaled_mm_path_compiles(monkeypatch):
+    """On a device whose FP8 GEMM path is ``scaled_mm`` (a GPU; forced here where ``torch._scaled_mm`` runs), the
+    block-wise recipe's first GEMM probes the native block-scaled kernel and catches its refusal. Traced, that
+    refusal raised out of the compilation (torch 2.11-2.13 refuse the (1,128)x(128,128) scale layout); compiled,
+    the GEMMs now run the emulation, the path eager falls back to. Against eager on the same path: the same
+    dequantizations and fp32 GEMMs, so only fp32 reordering differs (~sqrt(K) u = 16 x 6e-8 = 1e-6); 1e-5."""
+    from omnitron.backends.fp8 import PATH_ENV, FP8Provider, scaled_mm_runs
+    from omnitron.core.precision.fp8 import FP8Config, FP8Linear
+
+    be = get_backend()
+    if not scaled_mm_runs(be.device()):
+        pytest.skip(f"torch._scaled_mm does not run on {be.device()}")
+    monkeypatch.setenv(PATH_ENV, "scaled_mm")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    x = torch.randn(128, 256, generator=g).to(be.device()).requires_grad_()
+    w = (torch.randn(128, 256, generator=g) * 0.05).to(be.device()).requires_grad_()
+    outs = []
+    for compiled in (False, True):
+        ex = FP8Linear(FP8Config(fp8_recipe="blockwise", fp8_format="hybrid"), FP8Provider(be))
+        fn = torch.compile(lambda x, w: ex(x, w, None), backend="aot_eager", fullgraph=True) if compiled else ex
+        y = fn(x, w)
+        outs.append((y, *torch.autograd.grad(y.square().sum(), (x, w))))
+    for want, got in zip(*outs):
+        assert relative_error(got, want) < 1e-5
 
 
 def _delayed_fp8_steps(compiled: bool, steps: int = 3) -> list:
