@@ -33,8 +33,10 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    (:func:`work.layer_elementwise`); without one they are left out (noted).
 
 7. **MoE layers** (:mod:`omnitron.plan.moe`) replace the dense MLP by the router, the local experts' GEMMs, the
-   dispatch's all-to-alls over ep (and the gathers over etp), and the shared expert, at balanced routing
-   (stated with the prediction); expert gradients are reduced over the expert-data-parallel group.
+   dispatch's all-to-alls over ep (and the gathers over etp), and the shared expert, at balanced routing, or
+   with ``--moe-expert-load FILE`` at a measured routing histogram's imbalance and drops, priced on the ep
+   group's busiest rank (:mod:`omnitron.plan.routing`; stated with the prediction); expert gradients are
+   reduced over the expert-data-parallel group.
 
 8. **The host's fixed cost of a layer** (Python, dispatch and autograd between and around its ops) from the
    elementwise report's ``host_layer`` rows, less what the per-op rates already price that small layer at
@@ -117,10 +119,11 @@ def _threads(settings, rates, op: str = "host_gemm") -> tuple[int, float]:
     return threads, measured if measured is not None else max(1.0, world * threads / cores)
 
 
-def layer_collectives(settings, cfg, moe: bool) -> tuple[list, list]:
+def layer_collectives(settings, cfg, moe: bool, share=None) -> tuple[list, list]:
     """(forward, backward) ``(key, op, bytes, ranks)`` of one layer's collectives per micro-batch: the tensor-
     parallel ones (``tp``: :func:`work.tp_collectives`; a MoE layer keeps the attention's half, and the MLP's
-    for its shared expert) and a MoE layer's dispatch (``ep``: :func:`moe_work.moe_collectives`)."""
+    for its shared expert) and a MoE layer's dispatch (``ep``: :func:`moe_work.moe_collectives`; ``share``: a
+    routing histogram's row, :mod:`omnitron.plan.routing`)."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
@@ -131,7 +134,7 @@ def layer_collectives(settings, cfg, moe: bool) -> tuple[list, list]:
         f, b = f[: len(f) // 2 * keep], b[: len(b) // 2 * keep]
     fwd, bwd = [("tp", op, n, tp) for op, n in f], [("tp", op, n, tp) for op, n in b]
     if moe:
-        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
+        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp, share)
         mf, mb = moe_work.moe_collectives(cfg, m, elem, cp * (tp if sp else 1))
         fwd, bwd = fwd + [("ep", *c) for c in mf], bwd + [("ep", *c) for c in mb]
     return fwd, bwd
@@ -139,7 +142,21 @@ def layer_collectives(settings, cfg, moe: bool) -> tuple[list, list]:
 
 def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     """:class:`StageCost` of one Transformer layer, dense or MoE (:mod:`omnitron.plan.moe`), without
-    recomputation: the GEMMs, core attention, element-wise ops, tp / ep collectives and ring hops."""
+    recomputation: the GEMMs, core attention, element-wise ops, tp / ep collectives and ring hops. With a
+    routing histogram (``rates.expert_load``) a MoE layer costs the mean over its layers' rows."""
+    load = getattr(rates, "expert_load", None)
+    if not moe or load is None:
+        return _layer_routed(settings, cfg, rates, moe, None)
+    load.check(cfg.num_experts)
+    costs = [_layer_routed(settings, cfg, rates, True, share) for share in load.shares]
+    out = replace(costs[0], attention_f=sum(c.attention_f for c in costs) / len(costs),
+                  attention_ew_f=sum(c.attention_ew_f for c in costs) / len(costs))
+    out.f, out.b = ({k: sum(getattr(c, d)[k] for c in costs) / len(costs) for k in KEYS} for d in ("f", "b"))
+    return out
+
+
+def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
+    """:func:`_layer` with a MoE layer's routing given by ``share`` (None: balanced)."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
@@ -150,7 +167,7 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     separate = not ring and not rates.fused_attention_dropout(threads)  # the probabilities' dropout, unpriced yet
     gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=separate)
     if moe:
-        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
+        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp, share)
         act = "silu_mul" if cfg.swiglu else "gelu"
         gemms = gemms[:2] + moe_work.moe_gemms(m)  # attention's qkv and proj, then the MoE MLP
         ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
@@ -171,7 +188,7 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
                           sum(rates.elementwise_s(op, "fwd", n, threads)
                               for op, n in ring_b + work.qkv_split_backward(x) + bias)) * stream
     c.f["host"], c.b["host"] = (t * slow for t in host_layer(rates, threads))
-    for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe)):
+    for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe, share)):
         for key, op, n, ranks in rows:
             group = "ep" if key == "ep" and ranks == pc.expert_model_parallel_size else "tp"  # etp, stats: tp-cp
             d[key] += rates.comm_s(op, n, ranks, group=group)
@@ -186,7 +203,7 @@ def _layer_cached(settings, cfg, rates, moe: bool) -> StageCost:
     pc = settings.parallel
     key = ("layer", repr(replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
            pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
-           pc.etp, settings.training.micro_batch_size, moe)
+           pc.etp, settings.training.micro_batch_size, moe, getattr(getattr(rates, "expert_load", None), "key", None))
     if key not in rates.memo:
         rates.memo[key] = _layer(settings, cfg, rates, moe)
     return rates.memo[key]
@@ -509,13 +526,30 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
             "all": "all communication hidden behind compute where shorter"}
     out = [f"overlap: {overlap} ({what[overlap]})"]
     if getattr(settings.model, "num_experts", None):
-        out.append("MoE: balanced routing (every expert receives tokens x top-k / experts rows)")
+        out.append(_routing_assumption(settings, rates))
     if rates.device_type == "cpu":
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "
                    "(time-shared cores)")
     out.append("not modelled: data loading, host overheads outside the layers, the loss and grad-norm reductions")
     return out
+
+
+def _routing_assumption(settings, rates) -> str:
+    """The MoE routing the prediction priced: balanced, or the histogram's imbalance and drops at this ep."""
+    load = getattr(rates, "expert_load", None)
+    if load is None:
+        return "MoE: balanced routing (every expert receives tokens x top-k / experts rows)"
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.routing import imbalance
+
+    cfg, pc = model_config(settings), settings.parallel
+    x = work.local_shapes(cfg, pc.tensor_model_parallel_size, pc.context_parallel_size,
+                          settings.training.micro_batch_size)
+    ratio, drop = imbalance(cfg, x.tokens, load, pc.expert_model_parallel_size)
+    return (f"MoE: routing from {load.path} ({len(load.shares)} layer(s)): the busiest ep rank's experts take "
+            f"{ratio:.2f}x the mean rank's rows, {100 * drop:.2f}% of assignments dropped (means over its layers); "
+            "memory at balanced routing")
 
 
 def format_step(st: StepTime) -> str:
