@@ -113,7 +113,8 @@ class Machine:
     def _across_nodes(self, op: str, nbytes: float, sp: Span) -> float:
         """The inter-node part of a hierarchical ``op``: each device's ``1 / local`` share over its own NIC."""
         k = 2 if op == "all_reduce" else 1
-        return k * ((sp.nodes - 1) / sp.nodes * nbytes / sp.local / self.b_n + (sp.nodes - 1) * self.links.inter_latency)
+        per_nic = (sp.nodes - 1) / sp.nodes * nbytes / sp.local / self.b_n
+        return k * (per_nic + (sp.nodes - 1) * self.links.inter_latency)
 
     def nvls(self, op: str, nbytes: float, sp: Span) -> float:
         """NVLink SHARP all-reduce (module docstring); inf where the switch does not reduce or the group has one

@@ -118,3 +118,20 @@ def imbalance(cfg, tokens: int, load: ExpertLoad, ep: int) -> tuple[float, float
         ratio += sum(c[r * local:(r + 1) * local]) / (sum(c) / ep) if sum(c) else 1.0
         drop += dropped(cfg, tokens, share)
     return ratio / len(load.shares), drop / len(load.shares)
+
+
+def describe(settings, rates) -> str:
+    """The MoE routing the prediction priced: balanced, or the histogram's imbalance and drops at this ep."""
+    load = getattr(rates, "expert_load", None)
+    if load is None:
+        return "MoE: balanced routing (every expert receives tokens x top-k / experts rows)"
+    from omnitron.plan import work
+    from omnitron.plan.memory import model_config
+
+    cfg, pc = model_config(settings), settings.parallel
+    x = work.local_shapes(cfg, pc.tensor_model_parallel_size, pc.context_parallel_size,
+                          settings.training.micro_batch_size)
+    ratio, drop = imbalance(cfg, x.tokens, load, pc.expert_model_parallel_size)
+    return (f"MoE: routing from {load.path} ({len(load.shares)} layer(s)): the busiest ep rank's experts take "
+            f"{ratio:.2f}x the mean rank's rows, {100 * drop:.2f}% of assignments dropped (means over its layers); "
+            "memory at balanced routing")

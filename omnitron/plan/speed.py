@@ -526,30 +526,15 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
             "all": "all communication hidden behind compute where shorter"}
     out = [f"overlap: {overlap} ({what[overlap]})"]
     if getattr(settings.model, "num_experts", None):
-        out.append(_routing_assumption(settings, rates))
+        from omnitron.plan.routing import describe
+
+        out.append(describe(settings, rates))
     if rates.device_type == "cpu":
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "
                    "(time-shared cores)")
     out.append("not modelled: data loading, host overheads outside the layers, the loss and grad-norm reductions")
     return out
-
-
-def _routing_assumption(settings, rates) -> str:
-    """The MoE routing the prediction priced: balanced, or the histogram's imbalance and drops at this ep."""
-    load = getattr(rates, "expert_load", None)
-    if load is None:
-        return "MoE: balanced routing (every expert receives tokens x top-k / experts rows)"
-    from omnitron.plan.memory import model_config
-    from omnitron.plan.routing import imbalance
-
-    cfg, pc = model_config(settings), settings.parallel
-    x = work.local_shapes(cfg, pc.tensor_model_parallel_size, pc.context_parallel_size,
-                          settings.training.micro_batch_size)
-    ratio, drop = imbalance(cfg, x.tokens, load, pc.expert_model_parallel_size)
-    return (f"MoE: routing from {load.path} ({len(load.shares)} layer(s)): the busiest ep rank's experts take "
-            f"{ratio:.2f}x the mean rank's rows, {100 * drop:.2f}% of assignments dropped (means over its layers); "
-            "memory at balanced routing")
 
 
 def format_step(st: StepTime) -> str:
