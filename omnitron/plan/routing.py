@@ -16,8 +16,9 @@ routes (:mod:`omnitron.core.transformer.moe.capacity`, :mod:`omnitron.core.trans
   and activation, and its all-to-alls, priced at the larger of what a rank sends (``sum_e c_e / tp`` rows) and
   what the busiest receives (``sum_{e of r} c_e ep / tp``).
 
-A histogram of several layers prices each MoE layer at the mean of its cost over them (the stages' own layers
-are not told apart). Assumed: every source routes by the same shares; a histogram summed over many steps
+A histogram with one row per MoE layer prices each layer at its own row (in the model's order, so the pipeline
+stage holding the skewed layers is the slower one); any other number of rows prices every MoE layer at the
+mean of its cost over them. Assumed: every source routes by the same shares; a histogram summed over many steps
 understates one micro-batch's imbalance by its sampling noise. Memory stays at balanced routing
 (:mod:`omnitron.plan.moe_activations`).
 """

@@ -74,3 +74,37 @@ def test_skewed_histogram_priced_by_hand(tmp_path):
     capped = replace(s, model=replace(s.model, moe_expert_capacity_factor=1.0))
     assert any("1.11x the mean rank's rows, 25.00% of assignments dropped" in a
                for a in predict(capped, rates).assumptions)
+
+
+def test_each_moe_layer_priced_at_its_own_row(tmp_path):
+    """Two MoE layers on pp2 (one a stage), histogram rows (skewed, flat): stage 0 costs what it costs under the
+    one-row histogram (skewed) and stage 1 what it costs under (flat); reversed rows swap them; three rows for two
+    layers price both at the mean (each stage as under the one-row histogram of the three's mean cost)."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.cluster import device_rates
+    from omnitron.plan.routing import read_expert_load
+    from omnitron.plan.speed import KEYS, _stage_costs
+
+    from tests.plan.test_moe_speed import _args
+
+    big = ["--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "4096", "--max-position-embeddings",
+           "4096", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--bf16"]
+    s = parse_settings(_args(str(tmp_path), big), 4)
+    n = random.randint(1, 50)
+    skew, flat = [3 * n, n, n, n], [n] * 4
+
+    def stages(*rows):
+        path = tmp_path / "load.json"
+        path.write_text(json.dumps({"tokens_per_expert": list(rows)}))
+        rates = device_rates("h100-sxm", 8)
+        rates.expert_load = read_expert_load(str(path))
+        costs = _stage_costs(s, rates, "none")[2]
+        return [tuple(costs[k].f[key] + costs[k].b[key] for key in KEYS) for k in (0, 1)]
+
+    one_skew, one_flat = stages(skew), stages(flat)
+    assert one_skew[0] != one_flat[0]
+    assert stages(skew, flat) == [one_skew[0], one_flat[1]]
+    assert stages(flat, skew) == [one_flat[0], one_skew[1]]
+    three = stages(skew, flat, flat)
+    mean = [tuple((2 * f + k) / 3 for f, k in zip(one_flat[i], one_skew[i])) for i in (0, 1)]
+    assert three == [pytest.approx(mean[0], rel=1e-12), pytest.approx(mean[1], rel=1e-12)]
