@@ -52,6 +52,8 @@ WHOLE_STEP_ONLY = {  # tensor parallel: the per-micro-batch comparison below run
 DSV3 = ["--model", "deepseek_v3_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000"]
 MIXTRAL = TINY + LLAMA + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 EP2 = ["--expert-model-parallel-size", "2"]
+PAD_K4 = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity", "--seq-length", "1024",
+          "--max-position-embeddings", "1024", "--moe-router-topk", "4"]
 MOE = {  # whole step only: routing decides each rank's rows (the plan assumes balanced routing)
     "dsv3-tiny pp1": (1, DSV3),
     "dsv3-tiny v200 pp1": (1, DSV3 + ["--vocab-size", "200"]),
@@ -69,6 +71,10 @@ MOE = {  # whole step only: routing decides each rank's rows (the plan assumes b
     "mixtral-tiny cp2 ep2": (2, MIXTRAL + EP2 + ["--context-parallel-size", "2"]),
     "llama-tiny cp2 (dense)": (2, TINY + LLAMA + ["--context-parallel-size", "2"]),
     "mixtral-tiny full uniform1": (1, MIXTRAL + ["--recompute-granularity", "full", "--recompute-method", "uniform"]),
+    # the ep exchange's buffers (2 MiB each: 4096 rows x 128 x 4 B) against the same layer without ep; padded so
+    # both ranks hold the same rows
+    "mixtral-tiny pad k4 s1024": (1, MIXTRAL + PAD_K4),
+    "mixtral-tiny pad k4 s1024 ep2": (2, MIXTRAL + EP2 + PAD_K4),
 }
 
 

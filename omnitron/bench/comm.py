@@ -248,8 +248,10 @@ def _worker(rank: int, world: int, port: int, backend_name: str | None, ops, byt
 
 
 def _with_devices(backend, rows: list[dict], index: int, world: int) -> list[dict]:
-    """``rows`` with ``devices``: the device each world rank ran on (all-gathered; collective)."""
+    """``rows`` with ``devices``: the device each world rank's buffers were on (all-gathered; collective): the
+    current device the sweep allocated on, ``index`` (the placement) where the device type has no index."""
     dev = backend.current_device()
+    index = index if dev.index is None else dev.index
     mine, every = torch.tensor([index], dtype=torch.int64, device=dev), torch.empty(world, dtype=torch.int64, device=dev)
     backend.collectives.all_gather(every, mine)
     names = [f"{dev.type}:{i}" for i in every.tolist()]

@@ -88,6 +88,13 @@ def register(sub) -> None:
     cmp.add_argument("reports", nargs="+", help="report files, or `bench all` folders")
     cmp.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
     cmp.set_defaults(func=run_compare)
+    cal = b.add_parser("calibrate", help="measured over a device profile's datasheet figures and curves (GEMM, "
+                       "memory, intra-node collectives) from reports of this machine")
+    cal.add_argument("reports", nargs="+", help="report files, or a `bench all` folder, measured on this machine")
+    cal.add_argument("--device", required=True, metavar="PROFILE", help="its device profile (e.g. h200, or a .toml)")
+    cal.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's)")
+    cal.add_argument("--json", default=None, metavar="OUT", help="write the rows and the summary here")
+    cal.set_defaults(func=run_calibrate)
     al = b.add_parser("all", help="the whole suite, one report per kind, into --out DIR")
     al.add_argument("--backend", default=None)
     al.add_argument("--out", required=True, metavar="DIR")
@@ -249,6 +256,32 @@ def run_compare(args) -> int:
         except ImportError:
             print("omnitron bench compare: error: --plots needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from omnitron.bench import calibrate
+    from omnitron.bench.report import ReportError, load
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.profile import load as load_profile
+
+    try:
+        profile = load_profile(args.device)
+        reports = [load(p) for p in _report_paths(args.reports)]
+        cpu = [r["machine"].get("device_type") for r in reports if r["machine"].get("device_type") == "cpu"]
+        if cpu:
+            raise ConfigError(f"{len(cpu)} report(s) were measured on a cpu; calibrate an accelerator's reports "
+                              f"against its profile ({args.device})")
+        result = calibrate.calibrate(profile, reports, args.gpus_per_node)
+        if not result["rows"]:
+            raise ConfigError("no gemm, memory or intra-node collective rows in the reports given")
+    except (ReportError, ConfigError) as err:
+        print(f"omnitron bench calibrate: error: {err}", file=sys.stderr)
+        return 2
+    print(calibrate.format_calibration(result))
+    if args.json:
+        calibrate.write_json(args.json, result)
+        print(f"wrote {args.json}")
     return 0
 
 

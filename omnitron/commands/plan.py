@@ -31,6 +31,9 @@ def register(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write each layout's prediction (step time, tokens/s, "
                    "tflops_per_device by Megatron's formula, memory per stage) to FILE")
     p.add_argument("--top", type=int, help="layouts to print with --devices (default 5)")
+    p.add_argument("--moe-expert-load", metavar="FILE", help='a measured routing histogram, JSON {"tokens_per_expert": '
+                   "[[count per expert], ...]} one row per MoE layer: MoE layers priced at its imbalance (the ep "
+                   "group's busiest rank) and capacity drops instead of balanced routing")
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.plan.speed import predict
 
     own = ("func", "command", "bench", "assume_overlap", "devices", "device_memory", "top", "device", "gpus_per_node",
-           "json")
+           "json", "moe_expert_load")
     given = {k: v for k, v in vars(args).items() if k not in own}
     bench, overlap = getattr(args, "bench", None), getattr(args, "assume_overlap", "none")
     if getattr(args, "devices", None) is not None:
@@ -81,10 +84,18 @@ def _rates(args, bench):
     if device:
         from omnitron.plan.cluster import device_rates
 
-        return device_rates(device, getattr(args, "gpus_per_node", None), bench)
-    if getattr(args, "gpus_per_node", None):
+        rates = device_rates(device, getattr(args, "gpus_per_node", None), bench)
+    elif getattr(args, "gpus_per_node", None):
         raise ConfigError("--gpus-per-node places a layout on --device's nodes; give --device too")
-    return Rates.from_reports(bench) if bench else None
+    else:
+        rates = Rates.from_reports(bench) if bench else None
+    if getattr(args, "moe_expert_load", None):
+        from omnitron.plan.routing import read_expert_load
+
+        if rates is None:
+            raise ConfigError("--moe-expert-load prices MoE layers' speed; give --device or --bench too")
+        rates.expert_load = read_expert_load(args.moe_expert_load)
+    return rates
 
 
 def _named(rates) -> str:

@@ -65,6 +65,8 @@ class DeviceRates:
     world: int = 1
     measured: object = None
     """A bench report's :class:`omnitron.plan.rates.Rates` of the same accelerator (module docstring), or None."""
+    expert_load: object = None
+    """A routing histogram (:class:`omnitron.plan.routing.ExpertLoad`) MoE layers are priced at, or None: balanced."""
 
     def __post_init__(self):
         self.machine = Machine(self.profile.links, self.gpus_per_node)

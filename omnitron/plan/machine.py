@@ -22,9 +22,17 @@ all-gather, the input for reduce-scatter; ``B_i``, ``B_n`` the achieved intra-no
 - **tree** (all-reduce across nodes): the ring's bandwidth term with ``2 log2(nodes)`` inter-node steps, NCCL's
   double binary tree (it wins on latency only).
 
+- **nvls** (all-reduce, where the profile's switch reduces: NVLink SHARP, ``nvls_efficiency`` ``e``): each
+  device writes its buffer into the switch, which sums the ``local`` copies and multicasts the sum back, so a
+  device's link carries ``(local-1)/local S`` out and as much in at once (full duplex), half the ring's
+  ``2 (local-1)/local S`` each way: ``(local-1)/local S / (e B_link) + 2 a_i`` (two steps: the reduction and the
+  multicast; ``B_link`` the datasheet's ``intra_gbs``, which ``e`` is measured against). Across nodes (NCCL's
+  NVLS-tree) the hierarchical all-reduce's two intra-node halves are that one NVLS pass; the NICs' part is
+  unchanged. All-gather and reduce-scatter move the same bytes either way and stay ring / hierarchical.
+
 The cheapest algorithm is taken (NCCL's tuner picks per size too). Point-to-point: ``S / B + a`` on the link it
-crosses (the intra-node ``p2p_gbs`` share, or the NIC). NVLink SHARP (NVLS) and in-network reductions are not
-modelled.
+crosses (the intra-node ``p2p_gbs`` share, or the NIC). In-network reductions between nodes (SHARP on
+InfiniBand switches, CollNet) are not modelled.
 """
 from __future__ import annotations
 
@@ -64,6 +72,8 @@ def strides(tp: int, cp: int, dp: int, pp: int, ep: int = 1, etp: int = 1) -> di
             "emb": max(1, (pp - 1) * tp * cp * dp)}
 
 
+ALGORITHMS = ("ring", "hierarchical", "tree", "nvls")
+
 _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
           "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1}
 
@@ -98,9 +108,22 @@ class Machine:
             return math.inf
         k = 2 if op == "all_reduce" else 1
         intra = k * ((sp.local - 1) / sp.local * nbytes / self.b_i + (sp.local - 1) * self.links.intra_latency)
-        inter = k * ((sp.nodes - 1) / sp.nodes * nbytes / sp.local / self.b_n
-                     + (sp.nodes - 1) * self.links.inter_latency)
-        return intra + inter
+        return intra + self._across_nodes(op, nbytes, sp)
+
+    def _across_nodes(self, op: str, nbytes: float, sp: Span) -> float:
+        """The inter-node part of a hierarchical ``op``: each device's ``1 / local`` share over its own NIC."""
+        k = 2 if op == "all_reduce" else 1
+        per_nic = (sp.nodes - 1) / sp.nodes * nbytes / sp.local / self.b_n
+        return k * (per_nic + (sp.nodes - 1) * self.links.inter_latency)
+
+    def nvls(self, op: str, nbytes: float, sp: Span) -> float:
+        """NVLink SHARP all-reduce (module docstring); inf where the switch does not reduce or the group has one
+        device per node."""
+        eff = self.links.nvls_eff
+        if op != "all_reduce" or eff <= 0 or sp.local == 1:
+            return math.inf
+        intra = (sp.local - 1) / sp.local * nbytes / (self.links.intra_bw * eff) + 2 * self.links.intra_latency
+        return intra + (self._across_nodes(op, nbytes, sp) if sp.nodes > 1 else 0.0)
 
     def tree(self, op: str, nbytes: float, sp: Span) -> float:
         if op != "all_reduce" or sp.nodes == 1:
@@ -114,7 +137,7 @@ class Machine:
         """(seconds, algorithm) of the cheapest algorithm for ``op`` of ``nbytes`` over the group ``sp``."""
         if sp.size <= 1 or nbytes <= 0:
             return 0.0, "none"
-        return min((getattr(self, a)(op, nbytes, sp), a) for a in ("ring", "hierarchical", "tree"))
+        return min((getattr(self, a)(op, nbytes, sp), a) for a in ALGORITHMS)
 
     def p2p(self, nbytes: float, crosses_nodes: bool) -> float:
         """One message of ``nbytes`` between two devices, on the NIC or inside the node."""
@@ -129,6 +152,6 @@ class Machine:
         if sp.nodes == 1 or sp.size <= 1:
             return 0.0
         _, algo = self.collective(op, nbytes, sp)
-        if algo == "hierarchical":
+        if algo in ("hierarchical", "nvls"):
             return (2 if op == "all_reduce" else 1) * (sp.nodes - 1) / sp.nodes * nbytes / sp.local
         return bus_factor(op, sp.size) * nbytes / max(1, sp.local)

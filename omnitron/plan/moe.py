@@ -21,13 +21,17 @@ What one rank does (:class:`omnitron.core.transformer.moe.layer.MoELayer`):
 Capacity (``--moe-expert-capacity-factor F``): each expert processes ``min(T k / E, ceil(F T k / E))`` rows
 of the micro-batch (exactly the capacity with ``--moe-pad-expert-input-to-capacity``), ``T`` the rank's
 tokens before the tp split (:mod:`omnitron.core.transformer.moe.capacity`).
+
+With a measured routing histogram (``share``: each expert's part of the assignments) the rows follow it, the
+capacity drops what exceeds it, and the sizes are those of the ep group's busiest rank
+(:mod:`omnitron.plan.routing`); balanced routing is the histogram ``1 / E`` each.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from omnitron.core.models.gpt.config import ffn_size
+from omnitron.plan.routing import busiest_rank, expert_rows, rows_floor
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,14 @@ class MoELocal:
     """T: the tokens of the micro-batch on this rank before the tp split (``b s / cp``)."""
     router_tokens: int
     per_expert: int
-    """Rows each expert processes from the whole micro-batch (all tp shards)."""
+    """Rows the busiest local expert processes from one micro-batch (all tp shards)."""
     assignments: int
-    """A: rows this rank dispatches (= rows its local experts receive from the ep group, balanced)."""
+    """A: rows this rank dispatches."""
+    received: int
+    """R: rows the ep group's busiest rank receives for its local experts (= A at balanced routing)."""
     local_experts: int
-    expert_rows: int
-    """Rows each local expert's GEMMs see after the ep exchange and the etp gather."""
+    rows: tuple[int, ...]
+    """Rows each local expert's GEMMs see after the ep exchange and the etp gather (on the busiest rank)."""
     hidden: int
     ffn: int
     fc1: int
@@ -57,20 +63,21 @@ class MoELocal:
     sp: bool
 
 
-def moe_local(cfg, x, ep: int, etp: int, sp: bool) -> MoELocal:
-    """:class:`MoELocal` from the dense shapes ``x`` (:func:`omnitron.plan.work.local_shapes`)."""
-    E, k, tp = cfg.num_experts, cfg.moe_router_topk, x.tp
+def moe_local(cfg, x, ep: int, etp: int, sp: bool, share=None) -> MoELocal:
+    """:class:`MoELocal` from the dense shapes ``x`` (:func:`omnitron.plan.work.local_shapes`); ``share``: each
+    expert's part of the assignments (a measured routing histogram's row; None: balanced)."""
+    E, tp = cfg.num_experts, x.tp
     T = x.tokens
-    per = T * k // E
-    if cfg.moe_expert_capacity_factor is not None:
-        cap = min(T, math.ceil(cfg.moe_expert_capacity_factor * T * k / E))
-        per = cap if cfg.moe_pad_expert_input_to_capacity else min(per, cap)
+    c = expert_rows(cfg, T, share)
     local = E // ep
-    A = E * per // tp
+    r = busiest_rank(c, ep)
+    mine = c[r * local:(r + 1) * local]
     f = cfg.moe_ffn_hidden_size or ffn_size(cfg)
     shared = cfg.moe_shared_expert_intermediate_size or 0
-    return MoELocal(tokens=T, router_tokens=T // tp if sp else T, per_expert=per, assignments=A, local_experts=local,
-                    expert_rows=per * ep * etp // tp, hidden=cfg.hidden_size, ffn=f // etp,
+    return MoELocal(tokens=T, router_tokens=T // tp if sp else T, per_expert=rows_floor(max(mine)),
+                    assignments=rows_floor(sum(c) / tp), received=rows_floor(sum(mine) * ep / tp),
+                    local_experts=local, rows=tuple(rows_floor(v * ep * etp / tp) for v in mine),
+                    hidden=cfg.hidden_size, ffn=f // etp,
                     fc1=(2 * f if cfg.swiglu else f) // etp, shared_ffn=shared // tp,
                     shared_fc1=(2 * shared if cfg.swiglu else shared) // tp, experts=E, tp=tp, ep=ep, etp=etp, sp=sp)
 
@@ -78,8 +85,8 @@ def moe_local(cfg, x, ep: int, etp: int, sp: bool) -> MoELocal:
 def moe_gemms(m: MoELocal) -> list[tuple[str, int, int, int]]:
     """(name, m, n, k) of one MoE layer's forward GEMMs on one rank (the router's is float32)."""
     out = [("router", m.router_tokens, m.experts, m.hidden)]
-    out += [("expert_fc1", m.expert_rows, m.fc1, m.hidden), ("expert_fc2", m.expert_rows, m.hidden, m.ffn)] * (
-        m.local_experts)
+    for rows in m.rows:
+        out += [("expert_fc1", rows, m.fc1, m.hidden), ("expert_fc2", rows, m.hidden, m.ffn)]
     if m.shared_ffn:
         out += [("shared_fc1", m.tokens, m.shared_fc1, m.hidden), ("shared_fc2", m.tokens, m.hidden, m.shared_ffn)]
     return out
@@ -105,14 +112,15 @@ def moe_collectives(cfg, m: MoELocal, elem: int, stats: int) -> tuple[list, list
         bwd += [("all_gather", T * h * elem, m.tp), ("all_gather", T * E * 4, m.tp)]
     if m.tp > 1 and m.sp and capacity:  # capacity decided over the whole micro-batch: gates and picks gathered
         fwd += [("all_gather", T * E * 4, m.tp), ("all_gather", T * E, m.tp)]
-    rows = m.assignments * h * elem
+    rows = max(m.assignments, m.received) * h * elem  # the larger of a rank's sends and the busiest's receipts
     if m.ep > 1:
         fwd += [("all_to_all", E * 8, m.ep), ("all_to_all", rows, m.ep), ("all_to_all", rows, m.ep)]
         bwd += [("all_to_all", rows, m.ep), ("all_to_all", rows, m.ep)]
     if m.etp > 1:
-        fwd += [("all_gather", m.local_experts * 8 * m.etp, m.etp), ("all_to_all", m.etp * rows, m.etp),
-                ("all_to_all", m.etp * rows, m.etp)]
-        bwd += [("all_to_all", m.etp * rows, m.etp), ("all_to_all", m.etp * rows, m.etp)]
+        got = m.received * h * elem  # the etp peers gather what their ep exchange received
+        fwd += [("all_gather", m.local_experts * 8 * m.etp, m.etp), ("all_to_all", m.etp * got, m.etp),
+                ("all_to_all", m.etp * got, m.etp)]
+        bwd += [("all_to_all", m.etp * got, m.etp), ("all_to_all", m.etp * got, m.etp)]
         if bias:  # the local experts' fc2 biases: gradients summed over etp
             bwd.append(("all_reduce", m.local_experts * h * elem, m.etp))
     return fwd, bwd
@@ -125,10 +133,10 @@ def moe_elementwise(cfg, m: MoELocal) -> list[tuple[str, int]]:
     weighting, the scatter-add); the shared expert's activation. The router's softmax and top-k over
     ``[T_r, E]`` are priced as one ``add``."""
     act = "silu_mul" if cfg.swiglu else "gelu"
-    ops = [(act, m.local_experts * m.expert_rows * m.ffn)]
+    ops = [(act, sum(m.rows) * m.ffn)]
     ops += [("moe_dispatch", m.assignments * m.hidden), ("add", m.router_tokens * m.experts)]
     if m.ep > 1:  # the received rows regrouped expert-major, and back before the return all-to-all (two gathers)
-        ops += [("add", m.assignments * m.hidden)] * 2
+        ops += [("add", m.received * m.hidden)] * 2
     if m.shared_ffn:
         ops.append((act, m.tokens * m.shared_ffn))
     return ops

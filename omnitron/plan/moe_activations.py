@@ -46,8 +46,10 @@ layer's saved tensors (:func:`moe_exchange_transient`; without it the tiny Mixtr
 0.26 MiB, 5.4%, under its step peak on both ranks, 2026-12-04: these buffers are 0.25 MiB).
 
 Not modelled: routing imbalance (a rank's bytes move with the rows it receives; the ep group's mean is the
-prediction), dropped tokens (a capacity factor is taken as dropping nothing at balanced routing), the ep
-all-to-all's buffers in backward, FP8 expert GEMMs' saved copies.
+prediction; the speed model takes a measured histogram, :mod:`omnitron.plan.routing`), dropped tokens (a
+capacity factor is taken as dropping nothing at balanced routing), FP8 expert GEMMs' saved copies. The ep
+all-to-all's buffers in backward are left out on evidence: with 2 MiB buffers (1.8% of the step) a padded
+ep2 step's peak rose by the regroup indices the plan adds and not by them (BENCHMARKS.md, 2026-12-04).
 """
 from __future__ import annotations
 

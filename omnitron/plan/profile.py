@@ -9,7 +9,8 @@ exists (:class:`omnitron.plan.device_rates.DeviceRates`). A profile holds:
 - ``memory``: capacity (``usable_gib``: what the runtime reports) and bandwidth (GB/s);
 - ``links``: intra-node bandwidth per GPU and direction (``intra_gbs``), the fraction collectives reach of it,
   one NIC's bandwidth per GPU (``nic_gbs``) and its fraction, per-step latencies; ``p2p_gbs`` where one peer
-  gets less than the aggregate (a mesh without a switch);
+  gets less than the aggregate (a mesh without a switch); ``nvls_efficiency`` where the switch reduces
+  (NVLink SHARP on NVSwitch 3 and later: H100, H200, B200);
 - ``efficiency``: curves of the achieved fraction of peak by size: ``gemm`` (by FLOPs), ``attention`` (fused,
   by FLOPs), ``memory`` (memory-bound kernels, by bytes moved); interpolated linearly in log(size), clamped.
 
@@ -62,6 +63,9 @@ class Links:
     inter_latency: float
     p2p_bw: float
     """One peer's share of the intra-node links (``intra_bw`` behind a switch; one link in a mesh)."""
+    nvls_eff: float = 0.0
+    """NVLink SHARP (NVLS): the fraction of ``intra_bw`` an all-reduce reduced in the switch reaches
+    (:meth:`omnitron.plan.machine.Machine.nvls`); 0 where the switch does not reduce (no NVLS)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def load(name: str) -> DeviceProfile:
         ln, eff = d["links"], d["efficiency"]
         links = Links(ln["intra"], ln["intra_gbs"] * 1e9, ln["intra_efficiency"], ln["intra_latency_us"] * 1e-6,
                       ln["nic"], ln["nic_gbs"] * 1e9, ln["nic_efficiency"], ln["inter_latency_us"] * 1e-6,
-                      ln.get("p2p_gbs", ln["intra_gbs"]) * 1e9)
+                      ln.get("p2p_gbs", ln["intra_gbs"]) * 1e9, float(ln.get("nvls_efficiency", 0.0)))
         return DeviceProfile(d["name"], d["title"], path, int(d["gpus_per_node"]),
                              {k: v * 1e12 * rate for k, v in d["peak_tflops"].items()},
                              int(d["memory"]["usable_gib"] * 2**30), d["memory"]["bandwidth_gbs"] * 1e9 * rate, links,

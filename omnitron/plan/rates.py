@@ -72,6 +72,8 @@ class Rates:
     notes: list[str] = field(default_factory=list)
     memo: dict = field(default_factory=dict, repr=False)
     """Derived figures computed once per report (the host term of :func:`omnitron.plan.speed.host_layer`)."""
+    expert_load: object = None
+    """A routing histogram (:class:`omnitron.plan.routing.ExpertLoad`) MoE layers are priced at, or None: balanced."""
     host_ranks: int = 1
     """Intra-op threads of every rank the layout runs on one CPU host (set per prediction): collectives on a CPU
     are CPU work, so rows measured with fewer processes than cores are slowed as the cores get time-shared."""

@@ -33,8 +33,11 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    (:func:`work.layer_elementwise`); without one they are left out (noted).
 
 7. **MoE layers** (:mod:`omnitron.plan.moe`) replace the dense MLP by the router, the local experts' GEMMs, the
-   dispatch's all-to-alls over ep (and the gathers over etp), and the shared expert, at balanced routing
-   (stated with the prediction); expert gradients are reduced over the expert-data-parallel group.
+   dispatch's all-to-alls over ep (and the gathers over etp), and the shared expert, at balanced routing, or
+   with ``--moe-expert-load FILE`` at a measured routing histogram's imbalance and drops, priced on the ep
+   group's busiest rank, each MoE layer at its own row where the histogram has one per MoE layer
+   (:mod:`omnitron.plan.routing`; stated with the prediction); expert gradients are reduced over the
+   expert-data-parallel group.
 
 8. **The host's fixed cost of a layer** (Python, dispatch and autograd between and around its ops) from the
    elementwise report's ``host_layer`` rows, less what the per-op rates already price that small layer at
@@ -117,10 +120,11 @@ def _threads(settings, rates, op: str = "host_gemm") -> tuple[int, float]:
     return threads, measured if measured is not None else max(1.0, world * threads / cores)
 
 
-def layer_collectives(settings, cfg, moe: bool) -> tuple[list, list]:
+def layer_collectives(settings, cfg, moe: bool, share=None) -> tuple[list, list]:
     """(forward, backward) ``(key, op, bytes, ranks)`` of one layer's collectives per micro-batch: the tensor-
     parallel ones (``tp``: :func:`work.tp_collectives`; a MoE layer keeps the attention's half, and the MLP's
-    for its shared expert) and a MoE layer's dispatch (``ep``: :func:`moe_work.moe_collectives`)."""
+    for its shared expert) and a MoE layer's dispatch (``ep``: :func:`moe_work.moe_collectives`; ``share``: a
+    routing histogram's row, :mod:`omnitron.plan.routing`)."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
@@ -131,15 +135,32 @@ def layer_collectives(settings, cfg, moe: bool) -> tuple[list, list]:
         f, b = f[: len(f) // 2 * keep], b[: len(b) // 2 * keep]
     fwd, bwd = [("tp", op, n, tp) for op, n in f], [("tp", op, n, tp) for op, n in b]
     if moe:
-        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
+        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp, share)
         mf, mb = moe_work.moe_collectives(cfg, m, elem, cp * (tp if sp else 1))
         fwd, bwd = fwd + [("ep", *c) for c in mf], bwd + [("ep", *c) for c in mb]
     return fwd, bwd
 
 
-def _layer(settings, cfg, rates, moe: bool) -> StageCost:
+def _layer(settings, cfg, rates, moe: bool, row: int | None = None) -> StageCost:
     """:class:`StageCost` of one Transformer layer, dense or MoE (:mod:`omnitron.plan.moe`), without
-    recomputation: the GEMMs, core attention, element-wise ops, tp / ep collectives and ring hops."""
+    recomputation: the GEMMs, core attention, element-wise ops, tp / ep collectives and ring hops. With a
+    routing histogram (``rates.expert_load``) a MoE layer is priced at its ``row``, or at the mean over its rows
+    (``row`` None)."""
+    load = getattr(rates, "expert_load", None)
+    if not moe or load is None:
+        return _layer_routed(settings, cfg, rates, moe, None)
+    load.check(cfg.num_experts)
+    if row is not None:
+        return _layer_routed(settings, cfg, rates, True, load.shares[row])
+    costs = [_layer_routed(settings, cfg, rates, True, share) for share in load.shares]
+    out = replace(costs[0], attention_f=sum(c.attention_f for c in costs) / len(costs),
+                  attention_ew_f=sum(c.attention_ew_f for c in costs) / len(costs))
+    out.f, out.b = ({k: sum(getattr(c, d)[k] for c in costs) / len(costs) for k in KEYS} for d in ("f", "b"))
+    return out
+
+
+def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
+    """:func:`_layer` with a MoE layer's routing given by ``share`` (None: balanced)."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
@@ -150,7 +171,7 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
     separate = not ring and not rates.fused_attention_dropout(threads)  # the probabilities' dropout, unpriced yet
     gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=separate)
     if moe:
-        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp)
+        m = moe_work.moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, sp, share)
         act = "silu_mul" if cfg.swiglu else "gelu"
         gemms = gemms[:2] + moe_work.moe_gemms(m)  # attention's qkv and proj, then the MoE MLP
         ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
@@ -171,24 +192,25 @@ def _layer(settings, cfg, rates, moe: bool) -> StageCost:
                           sum(rates.elementwise_s(op, "fwd", n, threads)
                               for op, n in ring_b + work.qkv_split_backward(x) + bias)) * stream
     c.f["host"], c.b["host"] = (t * slow for t in host_layer(rates, threads))
-    for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe)):
+    for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe, share)):
         for key, op, n, ranks in rows:
             group = "ep" if key == "ep" and ranks == pc.expert_model_parallel_size else "tp"  # etp, stats: tp-cp
             d[key] += rates.comm_s(op, n, ranks, group=group)
     return c
 
 
-def _layer_cached(settings, cfg, rates, moe: bool) -> StageCost:
+def _layer_cached(settings, cfg, rates, moe: bool, row: int | None = None) -> StageCost:
     """:func:`_layer`, kept in ``rates.memo`` across the layouts of a search on an accelerator (a layer's cost there
     depends on the model, tp, cp, ep, SP and the micro-batch only; on a CPU also on the cores' sharing: not kept)."""
     if rates.device_type == "cpu":
-        return _layer(settings, cfg, rates, moe)
+        return _layer(settings, cfg, rates, moe, row)
     pc = settings.parallel
     key = ("layer", repr(replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
            pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
-           pc.etp, settings.training.micro_batch_size, moe)
+           pc.etp, settings.training.micro_batch_size, moe, getattr(getattr(rates, "expert_load", None), "key", None),
+           row)
     if key not in rates.memo:
-        rates.memo[key] = _layer(settings, cfg, rates, moe)
+        rates.memo[key] = _layer(settings, cfg, rates, moe, row)
     return rates.memo[key]
 
 
@@ -237,20 +259,22 @@ def _attention(cfg, x, rates, dt: str, threads: int) -> float:
 
 
 def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool, nxt: bool,
-               prev: bool) -> StageCost:
+               prev: bool, rows: list | None = None) -> StageCost:
     """:class:`StageCost` of a virtual stage whose layers are ``layers`` (True: MoE) (``nxt`` / ``prev``: it
-    has a next / previous stage to send its output / input gradient to). Full recomputation adds each
-    recomputed layer's forward to the backward, selective the core attention's forward."""
+    has a next / previous stage to send its output / input gradient to; ``rows``: each layer's routing
+    histogram row, :func:`_stage_layers`). Full recomputation adds each recomputed layer's forward to the
+    backward, selective the core attention's forward."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
-    kinds = {moe: _layer_cached(settings, cfg, rates, moe) for moe in set(layers)}
+    keys = list(zip(layers, rows or [None] * len(layers)))
+    kinds = {key: _layer_cached(settings, cfg, rates, *key) for key in set(keys)}
     c = StageCost(host_async=rates.device_type != "cpu")
     rec = _recomputed(cfg, len(layers))
-    for i, moe in enumerate(layers):
-        one = kinds[moe]
+    for i, key in enumerate(keys):
+        one = kinds[key]
         for key in KEYS:
             c.f[key] += one.f[key]
             c.b[key] += one.b[key]
@@ -386,8 +410,10 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
     return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False), sched
 
 
-def _stage_layers(settings, cfg) -> dict[tuple[int, int], list[bool]]:
-    """``{(pp_rank, chunk): [is MoE] of its layers}`` (the pipeline's layer ranges)."""
+def _stage_layers(settings, cfg, histogram_rows: int | None = None):
+    """``{(pp_rank, chunk): [is MoE] of its layers}`` (the pipeline's layer ranges); with ``histogram_rows``
+    (a routing histogram's row count) instead ``[histogram row of each layer]``: row ``j`` for the ``j``-th MoE
+    layer when there is one row per MoE layer, None for dense layers and otherwise (the mean over the rows)."""
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
@@ -396,6 +422,9 @@ def _stage_layers(settings, cfg) -> dict[tuple[int, int], list[bool]]:
                                    pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
                                    pc.decoder_last_pipeline_num_layers, style=_style(settings))
     moe = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [False] * cfg.num_layers
+    if histogram_rows is not None:
+        ordinal = [sum(moe[:i]) if m else None for i, m in enumerate(moe)]
+        moe = ordinal if histogram_rows == sum(moe) else [None] * len(moe)
     return {k: moe[start:start + n] for k, (start, n) in ranges.items()}
 
 
@@ -409,6 +438,8 @@ def _stage_costs(settings, rates, overlap: str):
     pc = settings.parallel
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     layers = _stage_layers(settings, cfg)
+    load = getattr(rates, "expert_load", None)
+    rows = _stage_layers(settings, cfg, len(load.shares)) if load is not None else {}
     rates.host_ranks = settings.world_size * _threads(settings, rates)[0]
     rates.bind(settings)
     costs = {}
@@ -418,7 +449,8 @@ def _stage_costs(settings, rates, overlap: str):
         # NOTE: the V's turn (stage p-1 to p) stays on rank p-1: no transfer
         nxt = k < pp * vp - 1 and place_stage(k + 1, pp, style)[0] != r
         prev = k > 0 and place_stage(k - 1, pp, style)[0] != r
-        costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=nxt, prev=prev)
+        costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=nxt, prev=prev,
+                              rows=rows.get((r, c)))
     return cfg, layers, costs
 
 
@@ -509,7 +541,9 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
             "all": "all communication hidden behind compute where shorter"}
     out = [f"overlap: {overlap} ({what[overlap]})"]
     if getattr(settings.model, "num_experts", None):
-        out.append("MoE: balanced routing (every expert receives tokens x top-k / experts rows)")
+        from omnitron.plan.routing import describe
+
+        out.append(describe(settings, rates))
     if rates.device_type == "cpu":
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "

@@ -109,6 +109,14 @@ def test_two_cpu_ranks_each_placed_and_timed():  # (the fast suite runs 2 cpu ra
         assert r["busbw_gbs"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e9 * comm.bus_factor(r["op"], 2))
 
 
+@pytest.mark.slow
+def test_two_sim_ranks_each_on_their_own_device():
+    """On sim (8 simulated devices) two spawned ranks allocate and time on sim:0 and sim:1, the devices their
+    buffers were on as each rank reports them (57 s at load 14 on the 2-core EPYC, 2026-12-04: slow)."""
+    rows = comm.run("sim", nproc=2, ops=["all_reduce"], byte_sizes=[4096], rounds=2, budget_s=0.2, warmup=1)
+    assert rows and all(r["devices"] == ["sim:0", "sim:1"] for r in rows)
+
+
 def test_placement_uses_local_rank(monkeypatch):
     class Dev:
         index = None

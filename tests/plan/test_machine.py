@@ -96,3 +96,53 @@ def test_pipeline_message_priced_on_the_link_it_crosses():
     assert math.isclose(r.comm_s("p2p", 100e6, 2, group="pp"), 1e-3)
     r.sizes = strides(8, 1, 1, 2)
     assert math.isclose(r.comm_s("p2p", 100e6, 2, group="pp"), 10e-3)
+
+
+def test_nvls_all_reduce_by_hand():
+    """NVLink SHARP on a switch that reduces (links 100 GB/s a direction, rings reach 0.8 of it, NVLS 0.5; 5 us
+    a step inside the node). tp8, 1 GB all-reduce: ring 2 x 7/8 x 1 GB / 80 GB/s + 14 x 5 us = 21.945 ms; NVLS
+    sends 7/8 GB into the switch while the sum comes back: 7/8 x 1 GB / 50 GB/s + 2 x 5 us = 17.51 ms, chosen.
+    All-gather moves the same bytes either way: no NVLS. A switch without it (efficiency 0) keeps the ring."""
+    nv = Links("switch", 100 * GB, 0.8, 5e-6, "nic", 25 * GB, 1.0, 0.0, 100 * GB, nvls_eff=0.5)
+    m, sp = Machine(nv, 8), span(8, 1, 8)
+    assert math.isclose(m.ring("all_reduce", GB, sp), 21.875e-3 + 70e-6)
+    assert math.isclose(m.nvls("all_reduce", GB, sp), 17.5e-3 + 10e-6)
+    assert m.collective("all_reduce", GB, sp) == (pytest.approx(17.51e-3), "nvls")
+    assert m.nvls("all_gather", GB, sp) == math.inf and m.collective("all_gather", GB, sp)[1] == "ring"
+    plain = Machine(Links("switch", 100 * GB, 0.8, 5e-6, "nic", 25 * GB, 1.0, 0.0, 100 * GB), 8)
+    assert plain.nvls("all_reduce", GB, sp) == math.inf and plain.collective("all_reduce", GB, sp)[1] == "ring"
+
+
+def test_nvls_across_two_nodes_by_hand():
+    """dp16 on two 8-device nodes, 1 GB, NICs 25 GB/s, no latency. ring: min(80, 8 x 25) = 80 GB/s,
+    2 x 15/16 / 80 = 23.4375 ms. hierarchical: 2 x 7/8 / 80 = 21.875 ms + the NICs' all-reduce of 1/8 GB,
+    2 x 1/2 x 0.125 / 25 = 5 ms: 26.875 ms. NVLS-tree: the intra-node halves as one NVLS pass, 7/8 / 50 =
+    17.5 ms + 5 ms = 22.5 ms: chosen, with 0.125 GB on each NIC. One device per node (stride 8): no NVLS."""
+    nv = Links("switch", 100 * GB, 0.8, 0.0, "nic", 25 * GB, 1.0, 0.0, 100 * GB, nvls_eff=0.5)
+    m, sp = Machine(nv, 8), span(16, 1, 8)
+    assert math.isclose(m.ring("all_reduce", GB, sp), 23.4375e-3)
+    assert math.isclose(m.hierarchical("all_reduce", GB, sp), 26.875e-3)
+    assert math.isclose(m.nvls("all_reduce", GB, sp), 22.5e-3)
+    assert m.collective("all_reduce", GB, sp)[1] == "nvls"
+    assert math.isclose(m.inter_node_bytes("all_reduce", GB, sp), 0.125 * GB)
+    assert m.nvls("all_reduce", GB, span(2, 8, 8)) == math.inf
+
+
+@pytest.mark.parametrize("name,algo", [("h100-sxm", "nvls"), ("h200", "nvls"), ("b200", "nvls"),
+                                       ("a100-80gb-sxm", "ring"), ("mi300x", "ring")])
+def test_profiles_price_tp8_all_reduce_with_nvls_where_the_switch_reduces(name, algo):
+    """A 1 GiB tp8 all-reduce inside one node through the profile: NVLS on NVSwitch 3 / 4 (H100, H200, B200),
+    rings elsewhere. On H100 the NVLS bus bandwidth nccl-tests would report (S x 2 (n-1)/n / t) is within the
+    470-490 GB/s the profile cites, and the ring's at its 360 (0.8 x 450) less 42 us of steps: above 350."""
+    from omnitron.plan.device_rates import DeviceRates
+    from omnitron.plan.profile import load
+
+    prof = load(name)
+    r = DeviceRates(prof, 8)
+    r.sizes = strides(8, 1, 4, 1)
+    S = 2**30
+    t = r.comm_s("all_reduce", S, 8, group="tp")
+    assert r.machine.collective("all_reduce", S, span(8, 1, 8)) == (t, algo)
+    if name == "h100-sxm":
+        assert 470e9 <= S * 2 * 7 / 8 / t <= 490e9
+        assert 350e9 <= S * 2 * 7 / 8 / r.machine.ring("all_reduce", S, span(8, 1, 8)) <= 370e9

@@ -6,9 +6,23 @@ factor, and tp2 without it, and the stage's parameters against the gradient buff
 Routing. The model assumes balanced routing; the distributed test makes it exact by routing token ``t`` to
 experts ``(t k + j) mod E`` (a round-robin router with the real router's GEMM, softmax and loss statistics), so
 every expert receives ``T k / E`` rows and each collective's size is determined. The FLOP count needs no such
-router: the expert GEMMs' total work depends only on the number of processed assignments, ``T k``."""
+router: the expert GEMMs' total work depends only on the number of processed assignments, ``T k``.
+
+Imbalance (:mod:`omnitron.plan.routing`), in the same two-rank run before the round-robin router is put in: a
+skewed router (sigmoid scores plus a random expert bias on one expert, the engine's
+``--moe-router-enable-expert-bias`` selection) records each layer's router picks per expert (the histogram) and
+the rows each rank's local experts process (``run_experts``' counts, after the ep exchange and any capacity
+drop). The plan, given only the histogram (summed over the ranks that share the ep group's sources), must give
+the busiest ep rank's rows per local expert, what it receives, and the dropped fraction exactly (integer rows;
+the fraction to float rounding):
+
+- ep2, tp1, dropless: each rank routes its own micro-batch; expert ``e`` receives both ranks' picks, which is
+  ``p_e T k ep`` for the summed shares ``p_e``;
+- tp2 + SP, ep2 (the tp pair is the ep group), capacity factor 1.0: the capacity is decided over the whole
+  micro-batch, so expert ``e`` processes ``min(p_e T k, ceil(T k / E))`` rows and the rest are dropped."""
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections import Counter
@@ -124,12 +138,109 @@ def _expected(root: str, extra: list[str]) -> Counter:
     return Counter(want)
 
 
-def test_moe_collectives_match_a_real_step(tmp_path):
-    got = run_distributed(_recorded, 2, str(tmp_path), 2)
+def _both(root: str, world: int, bias: list[float]) -> dict:
+    """One two-rank run for both distributed tests: the skewed router's routing first (the round-robin router
+    replaces the real one for good after)."""
+    return {"routed": _routed(root, world, bias), "collectives": _recorded(root, world)}
+
+
+@pytest.fixture(scope="module")
+def real_steps(tmp_path_factory):
+    """(root, per-rank results of :func:`_both`) with a random expert bias on one expert (sigmoid scores lie in
+    (0, 1): that expert wins most picks)."""
+    root = tmp_path_factory.mktemp("moe")
+    bias = [0.0] * 4
+    bias[random.randrange(4)] = random.uniform(0.4, 0.8)
+    return root, run_distributed(_both, 2, str(root), 2, bias)
+
+
+def test_moe_collectives_match_a_real_step(real_steps):
+    root, got = real_steps
     for name, extra in CASES.items():
-        want = _expected(str(tmp_path), extra)
+        want = _expected(str(root), extra)
         for r in range(2):
-            assert Counter(got[r][name]) == want, (name, r, sorted(got[r][name]), sorted(want.elements()))
+            rec = got[r]["collectives"][name]
+            assert Counter(rec) == want, (name, r, sorted(rec), sorted(want.elements()))
+
+
+SKEW = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+SKEWED = {
+    "ep2 dropless": ["--expert-model-parallel-size", "2", *SKEW],
+    "tp2 sp ep2 capacity": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
+                            "2", "--expert-tensor-parallel-size", "1", "--moe-expert-capacity-factor", "1.0", *SKEW],
+}
+
+
+def _routed(root: str, world: int, bias: list[float]) -> dict:
+    """{case: (picks per expert of each layer's router on this rank, each layer's local expert rows)}."""
+    import torch
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+    from omnitron.core.transformer.moe import layer as moe_layer
+    from omnitron.core.transformer.moe.router import TopKRouter
+
+    from tests.plan.test_tp_volume import forward_backward
+
+    run, out = moe_layer.run_experts, {}
+    for name, extra in SKEWED.items():
+        s = parse_settings(_args(root, extra), world)
+        m = build_components(s, get_backend()).modules[0].train()
+        picks, rows = [], []
+        for mod in m.modules():
+            if isinstance(mod, TopKRouter):
+                mod.expert_bias.copy_(torch.tensor(bias))
+                mod.register_forward_hook(lambda _m, _i, o: picks.append(
+                    torch.bincount(o[1].reshape(-1), minlength=len(bias)).tolist()))
+
+        def counted(x, counts, *a, **k):
+            rows.append(list(counts))
+            return run(x, counts, *a, **k)
+
+        moe_layer.run_experts = counted
+        try:
+            forward_backward(s, m, 200)
+        finally:
+            moe_layer.run_experts = run
+        out[name] = (picks, rows)
+    return out
+
+
+def test_busiest_rank_rows_and_drops_match_a_real_skewed_step(real_steps):
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan import work
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.moe import moe_local
+    from omnitron.plan.routing import dropped, read_expert_load
+
+    tmp_path, both = real_steps
+    got = [rank["routed"] for rank in both]
+    drops = 0.0
+    for name, extra in SKEWED.items():
+        s = parse_settings(_args(str(tmp_path), extra), 2)
+        cfg, pc = model_config(s), s.parallel
+        x = work.local_shapes(cfg, pc.tensor_model_parallel_size, 1, s.training.micro_batch_size)
+        layers = len(got[0][name][0])
+        hist = [[sum(got[r][name][0][i][e] for r in range(2)) for e in range(4)] for i in range(layers)]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"tokens_per_expert": hist}))
+        load = read_expert_load(str(path))
+        T, k = x.tokens, cfg.moe_router_topk
+        for i, share in enumerate(load.shares):
+            per_rank = [got[r][name][1][i] for r in range(2)]
+            busiest = max(per_rank, key=sum)  # the first on a tie, as the plan takes it
+            m = moe_local(cfg, x, pc.expert_model_parallel_size, pc.etp, pc.sequence_parallel, share)
+            assert list(m.rows) == busiest and m.received == sum(busiest), (name, i, hist[i], per_rank, m)
+            processed = sum(map(sum, per_rank))
+            sources = 2 // pc.tensor_model_parallel_size  # micro-batches routed into the ep group
+            want = 1 - processed / (sources * T * k)
+            assert dropped(cfg, T, share) == pytest.approx(want, abs=1e-12), (name, i, hist[i], per_rank)
+            if "dropless" in name:  # each rank sends all its micro-batch's picks
+                assert m.assignments == T * k
+            drops += want
+        assert max(max(h) for h in hist) > T * k // 4 * (3 - pc.tensor_model_parallel_size)  # routing was skewed
+    assert drops > 0  # the capacity case dropped assignments
 
 
 @pytest.mark.parametrize("extra", [["--expert-model-parallel-size", "2"],
