@@ -9,11 +9,15 @@ bit for bit (:mod:`omnitron.testing.dropout_masks`), and its output and gradient
 float64 reference with the same mask. Rows: ``triton p=P`` (fused), ``triton p=0`` (the same kernel without the
 hash: its cost), ``reference p=P``, ``<flash> p=0``.
 
+``--tiles fwd=128x64w8s3,dkdv=32x128w4s3,dq=128x32w4s3`` (repeatable) times the fused block again with other tile
+sizes (``BMxBN``, warps, pipeline stages) per kernel: the rows ``triton[SPEC]``.
+
     python benchmarks/flash_hash_dropout.py --backend cuda --check [--seq 4096] [--heads 32] [--kv-heads 8]
 """
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -88,6 +92,35 @@ def measure(be, fwd, bwd, q, k, v, causal: bool, drop, rounds: int) -> tuple[flo
     return statistics.median(times), (peak - base) if peak is not None and base is not None else -1
 
 
+def parse_tiles(spec: str) -> dict:
+    """``"fwd=128x64w8s3,dq=..."`` -> ``{kind: (BM, BN, {num_warps, num_stages})}`` (kinds left out keep theirs)."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(fwd|dkdv|dq)=(\d+)x(\d+)w(\d+)s(\d+)", part.strip())
+        if m is None:
+            raise SystemExit(f"--tiles {spec!r}: each part is KIND=BMxBNwWARPSsSTAGES, KIND fwd, dkdv or dq")
+        out[m[1]] = (int(m[2]), int(m[3]), dict(num_warps=int(m[4]), num_stages=int(m[5])))
+    return out
+
+
+def with_tiles(spec: str):
+    """A context in which the fused block uses the tiles of ``spec`` (:func:`parse_tiles`)."""
+    import contextlib
+
+    from omnitron.kernels.triton_kernels import flash_block
+
+    @contextlib.contextmanager
+    def ctx():
+        table, default = parse_tiles(spec), flash_block._tiles
+        flash_block._tiles = lambda kind, bd: table.get(kind) or default(kind, bd)
+        try:
+            yield
+        finally:
+            flash_block._tiles = default
+
+    return ctx()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="cuda")
@@ -101,6 +134,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="verify masks and accuracy on the device first")
+    ap.add_argument("--tiles", action="append", default=[], help="other tile sizes of the fused block (docstring)")
     a = ap.parse_args()
     from omnitron.backends import get_backend
 
@@ -120,6 +154,12 @@ def main() -> None:
         fwd, bwd = _block(be, impl)
         s, peak = measure(be, fwd, bwd, q, k, v, a.causal, drop if p else None, a.rounds)
         print(f"  {impl:>10} p={p:<4}: {s * 1e3:9.2f} ms   peak +{peak / 2 ** 20:9.1f} MiB")
+    for spec in a.tiles:
+        fwd, bwd = _block(be, "triton")
+        with with_tiles(spec):
+            for p in (a.p, 0.0):
+                s, peak = measure(be, fwd, bwd, q, k, v, a.causal, drop if p else None, a.rounds)
+                print(f"  triton[{spec}] p={p:<4}: {s * 1e3:9.2f} ms   peak +{peak / 2 ** 20:9.1f} MiB")
 
 
 if __name__ == "__main__":
