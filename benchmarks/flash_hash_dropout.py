@@ -4,7 +4,7 @@ chunked reference (both with dropout) and the backend's flash kernel without dro
 Per kernel: forward + backward of one ``[b, hq, s, d]`` block (``--causal``: the diagonal block of a ring step;
 otherwise an off-diagonal one), the median seconds of ``--rounds`` after a warm-up, and the peak bytes allocated
 during one forward + backward above what was allocated before it (inputs excluded). ``--check`` first verifies
-on the device: the fused kernel's drop positions (forward, and backward's dq, dk, dv) equal the hash's
+on the device, in ``--dtype``: the fused kernel's drop positions (forward, and backward's dq, dk, dv) equal the hash's
 bit for bit (:mod:`omnitron.testing.dropout_masks`), and its output and gradients at small shapes match the
 float64 reference with the same mask. Rows: ``triton p=P`` (fused), ``triton p=0`` (the same kernel without the
 hash: its cost), ``reference p=P``, ``<flash> p=0``.
@@ -48,7 +48,7 @@ def check(be, dtype) -> None:
     dev = be.current_device()
     fwd, bwd = _block(be, "triton")
     rfwd, rbwd = _block(be, "reference")
-    for causal, (sq, sk) in ((False, (150, 200)), (True, (200, 200))):
+    for causal, (sq, sk) in ((False, (100, 120)), (True, (120, 120))):  # several tiles; head dims <= 128
         drop = _drop(0.25, sq, sk, dev, seed=2 ** 40 + 7, head0=3)
         want = M.expected(drop, 2, 4, sq, sk, causal, dev)
         fk = M.forward_kept(fwd, drop, 2, 4, 2, sq, sk, causal, dtype, dev)
@@ -141,8 +141,7 @@ def main() -> None:
     be = get_backend(a.backend)
     dtype = getattr(torch, a.dtype)
     if a.check:
-        check(be, dtype)
-        check(be, torch.float32)
+        check(be, dtype)  # (each dtype compiles its own kernels: about a minute on the H200)
     dev = be.current_device()
     q = torch.randn(a.batch, a.heads, a.seq, a.head_dim, device=dev, dtype=dtype)
     k, v = (torch.randn(a.batch, a.kv_heads, a.seq, a.head_dim, device=dev, dtype=dtype) for _ in range(2))

@@ -226,6 +226,19 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QP, KP, SEEDP, seed, thr, inv_keep, qk_
     tl.store(DQ + (sb + rows[:, None]) * d + dc[None, :], dq * scale, mask=rmask[:, None] & (dc < d)[None, :])
 
 
+@triton.jit
+def _delta(O, DO, DELTA, sq, dv, sob, soh, sos, sdb, sdh, sds, hq, BM: tl.constexpr, BDV: tl.constexpr):
+    """``delta[b, h, rows] = rowsum(dout * out)`` in fp32 (the softmax gradient's correction), without the
+    ``[b, hq, sq, dv]`` fp32 products a torch expression would allocate."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    vc = tl.arange(0, BDV)
+    b, h = bh // hq, bh % hq
+    o = _tile(_at(O, b, h, sob, soh), rows, sq, sos, vc, dv).to(tl.float32)
+    do = _tile(_at(DO, b, h, sdb, sdh), rows, sq, sds, vc, dv).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * sq + rows, tl.sum(o * do, 1), mask=rows < sq)
+
+
 class _Drop:
     """The kernels' dropout arguments from a :class:`~omnitron.kernels.hash_dropout.HashDropout` (or none): the
     positions as int32, the seed key as an int32 scalar or, inside a compiled layer, the 0-dim int32 tensor that
@@ -294,11 +307,15 @@ def flash_forward(q, k, v, *, causal: bool, scale: float, drop=None):
 
 def flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None):
     """(dq, dk, dv), float32, of one block given the final ``out`` and ``lse`` of its query rows."""
-    q, k, v, dout = (_last_contiguous(t) for t in (q, k, v, dout))
+    q, k, v, dout, out = (_last_contiguous(t) for t in (q, k, v, dout, out))
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     lse = lse.float().contiguous()
-    delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out) [b, hq, sq]
+    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    bdv = max(16, triton.next_power_of_2(dv))
+    rows = max(1, min(64, 8192 // bdv))
+    _delta[(b * hq, triton.cdiv(sq, rows))](out, dout, delta, sq, dv, *_strides(out), *_strides(dout), hq, BM=rows,
+                                            BDV=bdv)
     dq = torch.empty(b, hq, sq, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(b, hkv, sk, d, dtype=torch.float32, device=q.device)
     dvv = torch.empty(b, hkv, sk, dv, dtype=torch.float32, device=q.device)
