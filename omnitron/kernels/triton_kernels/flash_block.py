@@ -343,6 +343,8 @@ def _why_not(q, k, v, drop, mask) -> str | None:
         return "needs 4-D q, k, v [b, h, s, d]"
     if q.dtype != k.dtype or k.dtype != v.dtype:
         return "q, k and v must share a dtype"
+    if interpreting() and q.dtype == torch.bfloat16:
+        return "bf16 under TRITON_INTERPRET: the interpreter's tl.dot of bf16 tiles is wrong (Triton 3.9; GPUs are not)"
     if q.shape[1] % k.shape[1]:
         return "query heads must be a multiple of key/value heads"
     if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
