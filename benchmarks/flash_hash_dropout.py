@@ -4,16 +4,20 @@ chunked reference (both with dropout) and the backend's flash kernel without dro
 Per kernel: forward + backward of one ``[b, hq, s, d]`` block (``--causal``: the diagonal block of a ring step;
 otherwise an off-diagonal one), the median seconds of ``--rounds`` after a warm-up, and the peak bytes allocated
 during one forward + backward above what was allocated before it (inputs excluded). ``--check`` first verifies
-on the device: the fused kernel's drop positions (forward, and backward's dq, dk, dv) equal the hash's
+on the device, in ``--dtype``: the fused kernel's drop positions (forward, and backward's dq, dk, dv) equal the hash's
 bit for bit (:mod:`omnitron.testing.dropout_masks`), and its output and gradients at small shapes match the
 float64 reference with the same mask. Rows: ``triton p=P`` (fused), ``triton p=0`` (the same kernel without the
 hash: its cost), ``reference p=P``, ``<flash> p=0``.
+
+``--tiles fwd=128x64w8s3,dkdv=32x128w4s3,dq=128x32w4s3`` (repeatable) times the fused block again with other tile
+sizes (``BMxBN``, warps, pipeline stages) per kernel: the rows ``triton[SPEC]``.
 
     python benchmarks/flash_hash_dropout.py --backend cuda --check [--seq 4096] [--heads 32] [--kv-heads 8]
 """
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -44,7 +48,7 @@ def check(be, dtype) -> None:
     dev = be.current_device()
     fwd, bwd = _block(be, "triton")
     rfwd, rbwd = _block(be, "reference")
-    for causal, (sq, sk) in ((False, (150, 200)), (True, (200, 200))):
+    for causal, (sq, sk) in ((False, (100, 120)), (True, (120, 120))):  # several tiles; head dims <= 128
         drop = _drop(0.25, sq, sk, dev, seed=2 ** 40 + 7, head0=3)
         want = M.expected(drop, 2, 4, sq, sk, causal, dev)
         fk = M.forward_kept(fwd, drop, 2, 4, 2, sq, sk, causal, dtype, dev)
@@ -88,6 +92,35 @@ def measure(be, fwd, bwd, q, k, v, causal: bool, drop, rounds: int) -> tuple[flo
     return statistics.median(times), (peak - base) if peak is not None and base is not None else -1
 
 
+def parse_tiles(spec: str) -> dict:
+    """``"fwd=128x64w8s3,dq=..."`` -> ``{kind: (BM, BN, {num_warps, num_stages})}`` (kinds left out keep theirs)."""
+    out = {}
+    for part in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(fwd|dkdv|dq)=(\d+)x(\d+)w(\d+)s(\d+)", part.strip())
+        if m is None:
+            raise SystemExit(f"--tiles {spec!r}: each part is KIND=BMxBNwWARPSsSTAGES, KIND fwd, dkdv or dq")
+        out[m[1]] = (int(m[2]), int(m[3]), dict(num_warps=int(m[4]), num_stages=int(m[5])))
+    return out
+
+
+def with_tiles(spec: str):
+    """A context in which the fused block uses the tiles of ``spec`` (:func:`parse_tiles`)."""
+    import contextlib
+
+    from omnitron.kernels.triton_kernels import flash_block
+
+    @contextlib.contextmanager
+    def ctx():
+        table, default = parse_tiles(spec), flash_block._tiles
+        flash_block._tiles = lambda kind, bd: table.get(kind) or default(kind, bd)
+        try:
+            yield
+        finally:
+            flash_block._tiles = default
+
+    return ctx()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="cuda")
@@ -101,14 +134,14 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="verify masks and accuracy on the device first")
+    ap.add_argument("--tiles", action="append", default=[], help="other tile sizes of the fused block (docstring)")
     a = ap.parse_args()
     from omnitron.backends import get_backend
 
     be = get_backend(a.backend)
     dtype = getattr(torch, a.dtype)
     if a.check:
-        check(be, dtype)
-        check(be, torch.float32)
+        check(be, dtype)  # (each dtype compiles its own kernels: about a minute on the H200)
     dev = be.current_device()
     q = torch.randn(a.batch, a.heads, a.seq, a.head_dim, device=dev, dtype=dtype)
     k, v = (torch.randn(a.batch, a.kv_heads, a.seq, a.head_dim, device=dev, dtype=dtype) for _ in range(2))
@@ -120,6 +153,12 @@ def main() -> None:
         fwd, bwd = _block(be, impl)
         s, peak = measure(be, fwd, bwd, q, k, v, a.causal, drop if p else None, a.rounds)
         print(f"  {impl:>10} p={p:<4}: {s * 1e3:9.2f} ms   peak +{peak / 2 ** 20:9.1f} MiB")
+    for spec in a.tiles:
+        fwd, bwd = _block(be, "triton")
+        with with_tiles(spec):
+            for p in (a.p, 0.0):
+                s, peak = measure(be, fwd, bwd, q, k, v, a.causal, drop if p else None, a.rounds)
+                print(f"  triton[{spec}] p={p:<4}: {s * 1e3:9.2f} ms   peak +{peak / 2 ** 20:9.1f} MiB")
 
 
 if __name__ == "__main__":

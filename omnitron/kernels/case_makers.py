@@ -310,12 +310,22 @@ def attention(device, dtype, size):
 
 
 def _attention_blocks(device):
-    """Ring-attention blocks, in float32 whatever the dtype asked for (the ring computes its blocks in fp32)."""
-    for label, hq, hkv, sq, sk, causal in (("mha-causal", 4, 4, 16, 16, True), ("gqa-rect", 4, 2, 16, 24, False),
-                                           ("mqa-causal", 4, 1, 16, 16, True)):
+    """Ring-attention blocks, in float32 whatever the dtype asked for (the ring computes its blocks in fp32); the
+    ``-dropout`` ones with context parallelism's hash dropout at scattered global positions (a fused kernel must
+    draw the reference's mask: :mod:`omnitron.kernels.hash_dropout`)."""
+    from omnitron.kernels.hash_dropout import block_positions
+
+    for label, hq, hkv, sq, sk, causal, p in (("mha-causal", 4, 4, 16, 16, True, 0.0),
+                                              ("gqa-rect", 4, 2, 16, 24, False, 0.0),
+                                              ("mqa-causal", 4, 1, 16, 16, True, 0.0),
+                                              ("gqa-rect-dropout", 4, 2, 16, 24, False, 0.2),
+                                              ("mha-causal-dropout", 2, 2, 24, 24, True, 0.5)):
         q = _t((2, hq, sq, 32), torch.float32, device)
-        k, v = (_t((2, hkv, sk, 32), torch.float32, device) for _ in range(2))
-        yield label, q, k, v, {"causal": causal, "scale": 0.2}
+        kv = _t((2, hkv, sk, 64), torch.float32, device)  # views of one buffer, as the ring's circulating block
+        k, v = kv[..., :32], kv[..., 32:]
+        pos = torch.randperm(4 * (sq + sk), device=device)
+        drop = block_positions(pos[:sq], pos[sq:sq + sk], int(torch.randint(0, 2 ** 62, ())), p, 1, device)
+        yield label, q, k, v, {"causal": causal, "scale": 0.2, "drop": drop}
 
 
 def attention_block_forward(device, dtype, size):

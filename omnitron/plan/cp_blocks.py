@@ -19,6 +19,12 @@ exchanged blocks, are not modelled at all, and the sum covers them). Measured ag
 -8.2%. Placing the chunk at the probe's attention calls instead (what is live there plus the chunk) gave -9.8% /
 -8.9% / -13.5%, a2a -1.4%, allgather -18.7%: the ring's buffers then go missing.
 
+On an accelerator backend (``--backend`` other than cpu, sim or auto) the blocks run the fused flash block with the
+hash dropout (:mod:`omnitron.kernels.triton_kernels.flash_block`), which holds no chunk: its own allocations are
+its float32 outputs (forward: the block's output and log-sum-exp; backward: dq, dk, dv, the row sums of
+``dout * out`` and a contiguous copy of the log-sum-exp rows) and the positions as int32
+(:func:`fused_block_peak`, written out: the kernel runs only on a GPU or under Triton's interpreter).
+
 Not covered (priced as before, the probes' one-process path): sliding windows and attention sinks under a2a or
 allgather, which run the plain-torch masked softmax over whole scores.
 """
@@ -101,9 +107,23 @@ def block_peak(blk: Block, batch: int, d: int, dv: int, dtype: torch.dtype, p: f
     return round(max(peak(fwd.events), peak(bwd.events)))
 
 
+def fused_block_peak(blk: Block, batch: int, d: int, dv: int) -> int:
+    """Peak bytes the fused flash block with hash dropout allocates in its forward or its backward (the larger) for
+    ``blk`` at ``batch``, head dims ``d`` and ``dv`` (module docstring)."""
+    pos = 4 * (blk.rows + blk.keys)
+    fwd = 4 * batch * blk.heads * blk.rows * (dv + 1)
+    bwd = 4 * batch * (blk.heads * blk.rows * (2 + d) + blk.kv_heads * blk.keys * (d + dv))
+    return max(fwd, bwd) + pos
+
+
+def fused_blocks(settings) -> bool:
+    """Whether the layout's blocks run the fused flash block (an accelerator backend named by ``--backend``)."""
+    return (getattr(settings, "backend", None) or "cpu") not in ("cpu", "sim", "auto")
+
+
 def block_dropout_bytes(settings, cfg) -> int:
-    """The block path's transient on one rank (0 where the layout does not take it): :func:`block_peak` of
-    :func:`largest_block` at the micro-batch size."""
+    """The block path's transient on one rank (0 where the layout does not take it): :func:`block_peak` (or on an
+    accelerator :func:`fused_block_peak`) of :func:`largest_block` at the micro-batch size."""
     if not block_path(settings, cfg):
         return 0
     mla = getattr(cfg, "multi_latent_attention", False)
@@ -111,5 +131,7 @@ def block_dropout_bytes(settings, cfg) -> int:
     blk = largest_block(settings, cfg)
     if mla:  # every query head has its own key and value
         blk = replace(blk, kv_heads=blk.heads)
-    return block_peak(blk, settings.training.micro_batch_size, d, cfg.v_head_dim if mla else d, cfg.params_dtype,
-                      cfg.attention_dropout)
+    dv, batch = cfg.v_head_dim if mla else d, settings.training.micro_batch_size
+    if fused_blocks(settings):
+        return fused_block_peak(blk, batch, d, dv)
+    return block_peak(blk, batch, d, dv, cfg.params_dtype, cfg.attention_dropout)

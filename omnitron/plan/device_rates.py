@@ -37,6 +37,16 @@ pass of the op (dropout: the 1-byte mask as half a 2-byte element; block_dropout
 mask stored or read, it is computed from positions, in the forward applied to the probabilities and in the
 backward computed again and applied to them and to their gradient; cross-entropy: fp32 logits, max, exp,
 sum and the target gather forward, the softmax gradient backward)."""
+HASH_INT_OPS = 38
+"""32-bit integer operations per visible score of a ring block with the hash dropout, forward + backward, in the fused
+flash block (:mod:`omnitron.kernels.triton_kernels.flash_block`), which stores no mask and reads none: the element's
+mix of its row and column keys (an xor, then 3 shifts, 3 xors and 2 multiplies), the unsigned compare, the select
+and the ``1 / (1 - p)`` scale: 12 in the forward and in the dq kernel, 14 in the dk/dv kernel (select and scale of
+both the probabilities and their gradient). The per-tile row and column keys (3 and 1 mixes per row or key of a
+tile) are negligible beside them."""
+INT32_PER_FP32_FLOP = 0.25
+"""32-bit integer operations per second per (non-tensor) fp32 FLOP/s of a profile: NVIDIA's SMs since Volta issue
+64 INT32 lanes beside 128 FP32 ones, whose FMA counts 2 FLOPs: a quarter. UNCERTAIN on other architectures."""
 ADAMW_BYTES = 32
 """Per parameter of an AdamW step: fp32 master, gradient and two moments read, master and moments written
 (28), and the half-precision parameter copy written (2 + 2 rounding)."""
@@ -139,16 +149,29 @@ class DeviceRates:
         m = self.measured
         return m is not None and bool(m.attention) and m.fused_attention_dropout(_own(m.attention))
 
-    def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1) -> float:
-        """One ring-attention block: the report's ``ring_block`` rows, else the fused attention rate (its dropout not
-        priced apart: noted)."""
+    def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1,
+                     head_dim: int | None = None) -> float:
+        """One ring-attention block worth ``flops`` (the bench's count, ``3 x 4 b h rows keys d``, halved when
+        causal): the report's ``ring_block`` rows, else the fused attention rate; with attention dropout the fused
+        flash block's hash on top (:meth:`hash_s` of the block's visible scores, ``flops / (12 head_dim)``; not
+        without ``head_dim``)."""
         m = self.measured
         mine = m.ring_block_s(dtype, flops, causal, dropout, _own(m.attention)) if m is not None else None
         if mine is not None:
             return mine
-        if dropout:
-            self.note("context parallelism: ring blocks with attention dropout priced at the fused kernel's rate")
-        return flops / (self._peak(dtype) * self.profile.attention(flops))
+        fused = flops / (self._peak(dtype) * self.profile.attention(flops))
+        if not dropout or head_dim is None:
+            return fused
+        self.note("context parallelism: ring blocks with attention dropout priced as the fused flash block: the fused "
+                  f"attention rate plus the hash mask's integer work ({HASH_INT_OPS} int32 ops per visible score at "
+                  f"{INT32_PER_FP32_FLOP:g} x the fp32 peak; no mask stored); the Triton block itself ran 1.45-2.1x "
+                  "ATen flash's time without dropout on the H200 (BENCHMARKS.md, 2026-12-04), not priced")
+        return fused + self.hash_s(flops / (12 * head_dim))
+
+    def hash_s(self, scores: float) -> float:
+        """Seconds of the hash dropout's integer work over ``scores`` visible scores, forward + backward
+        (:data:`HASH_INT_OPS` each at :data:`INT32_PER_FP32_FLOP` x the profile's fp32 peak)."""
+        return HASH_INT_OPS * scores / (INT32_PER_FP32_FLOP * self.profile.peak_of("fp32"))
 
     def elementwise_s(self, op: str, mode: str, elements: float, threads: int = 1) -> float:
         """Seconds of element-wise ``op`` (fwd, bwd; ``adamw`` step) over ``elements`` at the memory-bound rate."""

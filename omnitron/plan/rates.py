@@ -161,9 +161,11 @@ class Rates:
         rows, _ = self._pick(self.attention, threads, "attention")
         return any(r["impl"].startswith("op:") and r.get("dropout", 0.0) > 0 for r in rows)
 
-    def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1) -> float | None:
+    def ring_block_s(self, dtype: str, flops: float, causal: bool, dropout: bool, threads: int = 1,
+                     head_dim: int | None = None) -> float | None:
         """Seconds of one ring-attention block (forward + backward) worth ``flops`` (the bench's count), from the
-        report's ``ring_block`` rows of that mask and dropout; None when the report has none (older reports)."""
+        report's ``ring_block`` rows of that mask and dropout (their time holds the dropout's: ``head_dim``
+        unused); None when the report has none (older reports)."""
         if not self.attention:
             return None
         rows, f = self._pick(self.attention, threads, "attention")

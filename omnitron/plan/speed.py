@@ -250,7 +250,8 @@ def _attention(cfg, x, rates, dt: str, threads: int) -> float:
     calls of ``1 / cp`` of the work at the attention rate (noted)."""
     drop = cfg.attention_dropout > 0
     if x.cp > 1:
-        blocks = [rates.ring_block_s(dt, fl, causal, drop, threads) for fl, causal in work.cp_blocks(x)]
+        blocks = [rates.ring_block_s(dt, fl, causal, drop, threads, head_dim=x.head_dim)
+                  for fl, causal in work.cp_blocks(x)]
         if None not in blocks:
             return sum(blocks)
         rates.note("attention: no ring_block rows (an older `omnitron bench attention` report); ring attention "

@@ -359,6 +359,94 @@ def test_attention_block(op, name, backend):
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+def _dropout_attention64(q, k, v, causal: bool, scale: float, drop):
+    """Float64 attention with the hash dropout written out: full scores, softmax, multiplier, matmul. Returns the
+    leaf inputs, ``out``, ``lse``, the probabilities ``P``, the multiplier ``M`` and the heads-repeated ``k, v``."""
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    kr, vr = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k64, v64))
+    s = q64 @ kr.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse, prob = torch.logsumexp(s, -1), torch.softmax(s, -1)
+    mult = drop.multiplier(q.shape[0], q.shape[1], slice(None), torch.float64)
+    return (q64, k64, v64), (prob * mult) @ vr, lse, prob.detach(), mult, kr.detach(), vr.detach()
+
+
+def _heads_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[b, hq, s, d] -> [b, hkv, s, d]``: summed over each key/value head's query heads."""
+    return x.unflatten(1, (hkv, -1)).sum(2)
+
+
+def _dropout_bounds(q, k, out64, lse64, prob, mult, kr, vr, dout, scale):
+    """Componentwise rounding bounds of an fp32 flash block against float64 (u = 2^-24; gamma_n ~ n u the bound of
+    an n-term fp32 dot product relative to the sum of |terms|, Higham ch. 3). A score carries (d + 4) u of
+    ``scale |q| |k|`` (dot, scale, log2(e), max subtracted), an absolute error in the exponent, so each probability
+    ``p`` a relative ``e_p = 2 (d + 4) u max_j scale |q_i| |k_j| + (8 + |lse|) 4u`` (exp2, the log-sum-exp
+    rounded). Forward: ``out`` adds the sk-term sums of the numerator and of the normaliser, ``lse`` the
+    normaliser's log; backward adds to ``dv = (P M)^T dO`` its sq*rep-term sum, to ``dS = P (dO V^T M - delta)``
+    the errors of ``dP`` (dv terms), of ``delta = rowsum(dO out)`` (dv terms) and ``e_p``, and to
+    ``dq = scale dS K``, ``dk = scale dS^T Q`` their sums. Each bound doubled (the rescaling of the online
+    softmax, a few more roundings than counted). Returns (out, lse, dq, dk, dv) bounds."""
+    u, (b, hq, sq, d), (hkv, sk, dv) = 2.0 ** -24, q.shape, (k.shape[1], k.shape[2], vr.shape[-1])
+    qa = q.double().abs()
+    e_p = (2 * (d + 4) * u * scale * (qa @ kr.abs().transpose(-1, -2)).amax(-1, keepdim=True)
+           + 4 * u * (8 + lse64.abs().unsqueeze(-1)))
+    pm, do = prob * mult, dout.double().abs()
+    b_out = 2 * (2 * e_p + (2 * sk + 16) * u) * (pm @ vr.abs())
+    b_lse = 2 * (e_p.squeeze(-1) + (sk + 8) * u + u * lse64.abs())
+    b_dv = 2 * _heads_sum((e_p * pm).transpose(-1, -2) @ do + (sq * hq // hkv + 2) * u * (pm.transpose(-1, -2) @ do),
+                          hkv)
+    dp = dout.double() @ vr.transpose(-1, -2)
+    delta = (dout.double() * out64).sum(-1, keepdim=True)
+    g = (dp * mult - delta).abs()
+    e_dp, e_delta = (dv + 2) * u * (do @ vr.abs().transpose(-1, -2)), (dv + 2) * u * (do * out64.abs()).sum(-1, True)
+    e_ds = prob * ((e_p + 2 * u) * g + e_dp * mult + e_delta)
+    ds = prob * g
+    b_dq = 2 * scale * (e_ds @ kr.abs() + (sk + 2) * u * (ds @ kr.abs()))
+    b_dk = 2 * scale * _heads_sum(e_ds.transpose(-1, -2) @ qa + (sq * hq // hkv + 2) * u * (ds.transpose(-1, -2) @ qa),
+                                  hkv)
+    return b_out, b_lse, b_dq, b_dk, b_dv
+
+
+@pytest.mark.parametrize("op,name", _impl_params(["attention_block_forward"]))
+def test_attention_block_dropout(op, name, backend):
+    """One ring-attention block with context parallelism's hash dropout (scattered global positions, a head
+    offset, a 64-bit seed): the drop positions it applies in forward and in backward's dq, dk and dv are the
+    hash's bit for bit (read back from the outputs: omnitron.testing.dropout_masks), also with the seed given as
+    its int32 key on the device (a compiled layer's); output, log-sum-exp and gradients against float64
+    attention with the same mask written out here, within the fp32 rounding bound of ``_dropout_bounds``."""
+    from omnitron.kernels.hash_dropout import block_positions, row_key
+    from omnitron.testing import dropout_masks as masks
+
+    fwd = _resolve(op, name, backend)
+    bwd = _resolve("attention_block_backward", name, backend)
+    dev, seed = backend.current_device(), int.from_bytes(os.urandom(8), "little")
+    for hq, hkv, sq, sk, causal, p in ((4, 2, 24, 40, False, 0.3), (2, 2, 24, 24, True, 0.6)):
+        pos = torch.randperm(3 * (sq + sk), device=dev)
+        drop = block_positions(pos[:sq], pos[sq:sq + sk], seed, p, 3, dev)
+        want = masks.expected(drop, 2, hq, sq, sk, causal, dev)
+        keyed = drop._replace(seed=torch.tensor(row_key(seed), dtype=torch.int32, device=dev))
+        for d in (drop, keyed):
+            assert torch.equal(masks.forward_kept(fwd, d, 2, hq, hkv, sq, sk, causal, torch.float32, dev), want)
+        for got, where in zip(masks.backward_kept(bwd, drop, 2, hq, sq, sk, causal, torch.float32, dev),
+                              ("dq", "dk", "dv")):
+            assert torch.equal(got, want), f"{name}: backward's {where} drops other elements than the hash"
+        q, k, v = (torch.randn(2, h, s, 16, device=dev) for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
+        leaves, out64, lse64, prob, mult, kr, vr = _dropout_attention64(q, k, v, causal, 0.3, drop)
+        dout = torch.randn(out64.shape, device=dev)
+        out64.backward(dout.double())
+        out, lse = fwd(q, k, v, causal=causal, scale=0.3, drop=drop)
+        grads = bwd(dout, q, k, v, out64.detach().float(), lse64.detach().float(), causal=causal, scale=0.3,
+                    drop=drop)
+        bounds = _dropout_bounds(q, k, out64.detach(), lse64.detach(), prob, mult, kr, vr, dout, 0.3)
+        for what, got, ref, bound in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                         (out64, lse64, *(t.grad for t in leaves)), bounds):
+            err = (got.double() - ref.detach()).abs()
+            assert got.shape == ref.shape and bool((err <= bound).all()), \
+                f"{name} {what} (causal={causal}): max error {float(err.max()):.3g}, worst error/bound " \
+                f"{float((err / bound).max()):.3g}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("op,name", _impl_params(["cross_entropy_shard_stats"]))
 def test_cross_entropy_shards(op, name, dtype, backend):

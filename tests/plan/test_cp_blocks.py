@@ -48,6 +48,55 @@ def test_block_term_is_what_the_kernel_allocates():
     assert block_peak(blk, b, d, d, dtype, 0.1) == want, (blk, b, d, dtype)
 
 
+_FUSED_PEAK = """
+import json, sys, torch
+from omnitron.kernels.alloc_log import Timeline, peak
+from omnitron.kernels.hash_dropout import HashDropout
+from omnitron.kernels.triton_kernels.flash_block import flash_backward, flash_forward
+b, hq, hkv, sq, sk, d, dv, causal, half = json.loads(sys.argv[1])
+dt = torch.float16 if half else torch.float32
+q = torch.randn(b, hq, sq, d).to(dt)
+k, v = torch.randn(b, hkv, sk, d).to(dt), torch.randn(b, hkv, sk, dv).to(dt)
+drop = HashDropout(7, 0.1, torch.randperm(3 * sq)[:sq], torch.randperm(3 * sk)[:sk])
+kw = dict(causal=causal, scale=d ** -0.5, drop=drop)
+fwd, bwd = Timeline(), Timeline()
+with fwd:
+    out, lse = flash_forward(q, k, v, **kw)
+out, dout = out.to(dt), torch.randn(out.shape).to(dt)
+rows = torch.randn(b, hq, sq + 3)[..., :sq].copy_(lse)  # a row slice of the ring's log-sum-exp
+with bwd:
+    flash_backward(dout, q, k, v, out, rows, **kw)
+print(json.dumps([peak(fwd.events), peak(bwd.events)]))
+"""
+
+
+@pytest.mark.slow  # ~10 s: a Triton-interpreter subprocess
+def test_fused_block_term_is_what_the_fused_kernel_allocates():
+    """On an accelerator backend the term is the fused flash block's (cp_blocks.fused_block_peak, written out):
+    against the storages the kernel creates run under Triton's interpreter at a random shape (GQA, causal or not,
+    fp32 or fp16 inputs, a row slice of the log-sum-exp as the ring passes it), equal to the byte; and
+    block_dropout_bytes takes it with ``--backend`` naming an accelerator, the reference's chunk without."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from omnitron.plan.cp_blocks import Block, fused_block_peak, fused_blocks
+
+    g = _fresh()
+    r = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    kv, causal = r(1, 3), bool(r(0, 2))
+    b, hq, sq, d, dv = r(1, 3), kv * r(1, 3), r(8, 40), 8 * r(1, 5), 8 * r(1, 5)
+    sk = sq if causal else r(8, 40)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", _FUSED_PEAK, json.dumps([b, hq, kv, sq, sk, d, dv, causal, r(0, 2)])],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = max(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert fused_block_peak(Block(hq, kv, sq, sk, causal), b, d, dv) == got, (b, hq, kv, sq, sk, d, dv, causal)
+    assert fused_blocks(type("S", (), {"backend": "cuda"})()) and not fused_blocks(type("S", (), {"backend": None})())
+
+
 def test_block_term_grows_linearly_with_the_sequence():
     """Chunks of 256 query rows: at s = 2048, 4096, 8192 (square causal blocks) the peak is affine in s (the
     outputs [s, d] and the chunk [256, s] grow with s, a few index tensors do not): its increments double exactly,

@@ -58,3 +58,40 @@ def test_ring_block_rate_reads_its_rows(tmp_path):
         assert rates.ring_block_s("fp32", flops, causal, drop) == pytest.approx(flops / (tf * 1e12), rel=1e-9)
     # the fused / math lookups never read ring rows
     assert rates.attention_s("fp32", flops, True) == pytest.approx(flops / 5e12, rel=1e-9)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_device_ring_blocks_price_the_hash_of_their_visible_scores(cp):
+    """On a device profile without a bench report, one layer's ring attention with attention dropout costs the same
+    blocks without it plus the fused flash block's hash: HASH_INT_OPS int32 operations per visible score at a
+    quarter of the profile's fp32 peak (no mask bytes), the scores counted here from the ring's own slices (the
+    busiest rank's block of each step; a causal block's visible half, as the FLOP count takes it). A plan with
+    the hash says so in its notes."""
+    from dataclasses import replace
+
+    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.parallel.context.ring import _step_slices
+    from omnitron.plan import speed
+    from omnitron.plan.device_rates import DeviceRates
+    from omnitron.plan.profile import load
+
+    rng = random.Random()
+    heads, b = rng.choice([4, 8]), rng.choice([1, 2])
+    cfg = gpt2_tiny(seq_length=2 * cp * rng.choice([256, 1024]), num_attention_heads=heads, hidden_size=64 * heads)
+    x = work.local_shapes(cfg, 1, cp, b)
+    local, c = cfg.seq_length // cp, cfg.seq_length // (2 * cp)
+    scores = 0.0
+    for step in range(cp):
+        per_rank = []
+        for rank in range(cp):
+            rows, cols, causal = _step_slices(step, (rank - step) % cp, rank, c, True)
+            per_rank.append(b * heads * len(range(local)[rows]) * len(range(local)[cols]) * (0.5 if causal else 1.0))
+        scores += max(per_rank)
+    prof = load("h200")
+    rates = DeviceRates(prof, 8)
+    plain = speed._attention(replace(cfg, attention_dropout=0.0), x, rates, "bf16", 1)
+    assert not rates.notes
+    dropped = speed._attention(replace(cfg, attention_dropout=0.1), x, rates, "bf16", 1)
+    hash_s = 38 * scores / (0.25 * prof.peak["fp32"])
+    assert dropped - plain == pytest.approx(hash_s, rel=1e-9)
+    assert any("hash" in n for n in rates.notes)

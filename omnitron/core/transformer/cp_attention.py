@@ -53,7 +53,7 @@ def _full(m, p: float, scale: float, window, sinks, seed: int = 0, head0: int = 
         if window is not None or sinks is not None:
             return _masked(q, k, v, keep_mask(pos, pos, window), scale, sinks, drop)
         # one causal block on the ring's kernel (the backend's flash kernel where it has one; with dropout the
-        # chunked reference drawing the hash masks)
+        # fused Triton block on GPUs, the chunked reference elsewhere, drawing the hash masks)
         return BlockedAttention.apply(q, k, v, [(slice(None), slice(None), True)], kernel, scale, drop)
 
     return attend

@@ -90,10 +90,14 @@ def _tile(base, rows, n, stride, cols, ncols):
 
 
 @triton.jit
-def _query_program(hq, rep, BM: tl.constexpr):
-    """A program over one query tile of one (batch, query head): ``(tile, b * hq + h, b, h, kv head, rows)``."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
+def _query_program(hq, rep, CAUSAL: tl.constexpr, BM: tl.constexpr):
+    """A program over one query tile of one (batch, query head): ``(tile, b * hq + h, b, h, kv head, rows)``. The
+    grid is ``(b * hq, tiles)``, heads varying fastest, and causal blocks take their last query tiles (the most
+    keys) first: the longest programs start first and the short ones fill in behind them."""
+    bh = tl.program_id(0)
+    pid = tl.program_id(1)
+    if CAUSAL:
+        pid = tl.num_programs(1) - 1 - pid
     h = bh % hq
     return pid, bh, bh // hq, h, h // rep, pid * BM + tl.arange(0, BM)
 
@@ -111,7 +115,7 @@ def _fwd(Q, K, V, O, LSE, QP, KP, SEEDP, seed, thr, inv_keep, qk_scale, sq, sk, 
          sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
          CAUSAL: tl.constexpr, DROP: tl.constexpr, SEED_PTR: tl.constexpr, PREC: tl.constexpr,
          BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-    pid, bh, b, h, hk, rows = _query_program(hq, rep, BM)
+    pid, bh, b, h, hk, rows = _query_program(hq, rep, CAUSAL, BM)
     rmask = rows < sq
     dc, vc = tl.arange(0, BD), tl.arange(0, BDV)
     kb, vb = _at(K, b, hk, skb, skh), _at(V, b, hk, svb, svh)
@@ -147,8 +151,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, QP, KP, SEEDP, seed, thr, inv_kee
               sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
               CAUSAL: tl.constexpr, DROP: tl.constexpr, SEED_PTR: tl.constexpr, PREC: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
+    pid = tl.program_id(1)  # key tiles slowest: a causal block's first ones (the most query rows) start first
     b, hk = bh // hkv, bh % hkv
     cols = pid * BN + tl.arange(0, BN)
     cmask = cols < sk
@@ -195,7 +199,7 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QP, KP, SEEDP, seed, thr, inv_keep, qk_
             sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
             CAUSAL: tl.constexpr, DROP: tl.constexpr, SEED_PTR: tl.constexpr, PREC: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-    pid, bh, b, h, hk, rows = _query_program(hq, rep, BM)
+    pid, bh, b, h, hk, rows = _query_program(hq, rep, CAUSAL, BM)
     rmask = rows < sq
     dc, vc = tl.arange(0, BD), tl.arange(0, BDV)
     q = _tile(_at(Q, b, h, sqb, sqh), rows, sq, sqs, dc, d)
@@ -220,6 +224,19 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QP, KP, SEEDP, seed, thr, inv_keep, qk_
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     tl.store(DQ + (sb + rows[:, None]) * d + dc[None, :], dq * scale, mask=rmask[:, None] & (dc < d)[None, :])
+
+
+@triton.jit
+def _delta(O, DO, DELTA, sq, dv, sob, soh, sos, sdb, sdh, sds, hq, BM: tl.constexpr, BDV: tl.constexpr):
+    """``delta[b, h, rows] = rowsum(dout * out)`` in fp32 (the softmax gradient's correction), without the
+    ``[b, hq, sq, dv]`` fp32 products a torch expression would allocate."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    vc = tl.arange(0, BDV)
+    b, h = bh // hq, bh % hq
+    o = _tile(_at(O, b, h, sob, soh), rows, sq, sos, vc, dv).to(tl.float32)
+    do = _tile(_at(DO, b, h, sdb, sdh), rows, sq, sds, vc, dv).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * sq + rows, tl.sum(o * do, 1), mask=rows < sq)
 
 
 class _Drop:
@@ -282,7 +299,7 @@ def flash_forward(q, k, v, *, causal: bool, scale: float, drop=None):
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     dr, dims = _Drop(drop, q), _dims(q, v)
     bm, bn, opts = _tiles("fwd", dims["BD"])
-    _fwd[(triton.cdiv(sq, bm), b * hq)](
+    _fwd[(b * hq, triton.cdiv(sq, bm))](
         q, k, v, out, lse, *dr.args(), scale * _LOG2E, sq, sk, hq, hq // hkv, dr.head0, d, dv,
         *_strides(q), *_strides(k), *_strides(v), CAUSAL=causal, **dr.flags(), **dims, BM=bm, BN=bn, **opts)
     return out, lse
@@ -290,11 +307,15 @@ def flash_forward(q, k, v, *, causal: bool, scale: float, drop=None):
 
 def flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None):
     """(dq, dk, dv), float32, of one block given the final ``out`` and ``lse`` of its query rows."""
-    q, k, v, dout = (_last_contiguous(t) for t in (q, k, v, dout))
+    q, k, v, dout, out = (_last_contiguous(t) for t in (q, k, v, dout, out))
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     lse = lse.float().contiguous()
-    delta = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dout * out) [b, hq, sq]
+    delta = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    bdv = max(16, triton.next_power_of_2(dv))
+    rows = max(1, min(64, 8192 // bdv))
+    _delta[(b * hq, triton.cdiv(sq, rows))](out, dout, delta, sq, dv, *_strides(out), *_strides(dout), hq, BM=rows,
+                                            BDV=bdv)
     dq = torch.empty(b, hq, sq, d, dtype=torch.float32, device=q.device)
     dk = torch.empty(b, hkv, sk, d, dtype=torch.float32, device=q.device)
     dvv = torch.empty(b, hkv, sk, dv, dtype=torch.float32, device=q.device)
@@ -302,11 +323,11 @@ def flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=
     common = (*dr.args(), scale * _LOG2E, scale)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     bm, bn, opts = _tiles("dkdv", dims["BD"])
-    _bwd_dkdv[(triton.cdiv(sk, bn), b * hkv)](
+    _bwd_dkdv[(b * hkv, triton.cdiv(sk, bn))](
         q, k, v, dout, lse, delta, dk, dvv, *common, sq, sk, hq, hkv, hq // hkv, dr.head0, d, dv, *strides,
         CAUSAL=causal, **dr.flags(), **dims, BM=bm, BN=bn, **opts)
     bm, bn, opts = _tiles("dq", dims["BD"])
-    _bwd_dq[(triton.cdiv(sq, bm), b * hq)](
+    _bwd_dq[(b * hq, triton.cdiv(sq, bm))](
         q, k, v, dout, lse, delta, dq, *common, sq, sk, hq, hq // hkv, dr.head0, d, dv, *strides,
         CAUSAL=causal, **dr.flags(), **dims, BM=bm, BN=bn, **opts)
     return dq, dk, dvv
@@ -322,6 +343,8 @@ def _why_not(q, k, v, drop, mask) -> str | None:
         return "needs 4-D q, k, v [b, h, s, d]"
     if q.dtype != k.dtype or k.dtype != v.dtype:
         return "q, k and v must share a dtype"
+    if interpreting() and q.dtype == torch.bfloat16:
+        return "bf16 under TRITON_INTERPRET: the interpreter's tl.dot of bf16 tiles is wrong (Triton 3.9; GPUs are not)"
     if q.shape[1] % k.shape[1]:
         return "query heads must be a multiple of key/value heads"
     if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:

@@ -11,8 +11,8 @@ are repeated per query head first, grouped-query attention's expansion).
 ``allgather``: keys and values are all-gathered over cp (their gradients reduce-scattered back); each
 rank's queries attend over the whole sequence with the causal mask of their global positions: as blocks on the
 backend's block kernel (the ring's flash kernel with log-sum-exp; with attention dropout the hash masks of
-:mod:`omnitron.kernels.hash_dropout` at the rows' global positions, on the chunked reference), or with a
-sliding window or sinks through a masked attention.
+:mod:`omnitron.kernels.hash_dropout` at the rows' global positions, drawn inside the fused Triton block on GPUs
+and by the chunked reference on the CPU), or with a sliding window or sinks through a masked attention.
 
 Both are differentiable (the collectives' backward is the reverse collective) and give the one-process
 result up to the attention kernel's rounding.
