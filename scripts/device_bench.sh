@@ -102,8 +102,9 @@ train_step 90 bf16-step-profile --torch-compile --train-iters 6 --profile --prof
 # context parallelism's hash dropout fused into the Triton flash block: masks and accuracy checked on the device,
 # then fused vs the chunked reference vs the flash kernel without dropout (one ring block, s 4096, GQA 32/8)
 need benchmarks/flash_hash_dropout.py
-run_step flash-hash-dropout 60 bash -c "python3 benchmarks/flash_hash_dropout.py --backend cuda --check &&
-  python3 benchmarks/flash_hash_dropout.py --backend cuda --causal"
+run_step flash-hash-dropout 90 bash -c "python3 benchmarks/flash_hash_dropout.py --backend cuda --check --causal \
+  --rounds 10 --tiles dkdv=64x64w4s3,dq=64x64w4s3 --tiles dkdv=32x64w4s3 &&
+  python3 benchmarks/flash_hash_dropout.py --backend cuda --rounds 10"
 
 # ---- 4. multi-rank on one GPU ------------------------------------------------------------------
 need benchmarks/device_multirank.py examples/moby_dick_tp2_pp2.yaml
