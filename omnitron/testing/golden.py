@@ -45,15 +45,22 @@ def model_args(root: str) -> list[str]:
 
 
 def environment() -> dict:
-    """What a bitwise record depends on: torch's minor version, the CPU kernels' vector capability and
-    the backend's device."""
+    """What a bitwise record depends on: torch's minor version, the CPU kernels' vector capability, the
+    backend's device and, for a backend other than cpu, the host's CPU (``host``): sim and the MUSA double
+    compute on the host's kernels, and their curves differed in the last bits between an Intel Xeon and an
+    AMD EPYC of the same vector capability (step 2 by 1.1e-7, 2026-12-04), which cpu's device name told apart
+    and theirs did not. A record without ``host`` (older) is compared within the bound, not bitwise."""
     import torch
 
     from omnitron.backends import get_backend
 
-    return {"torch": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "device": get_backend().capabilities().device_name}
+    be = get_backend()
+    env = {"torch": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "device": be.capabilities().device_name}
+    if be.name != "cpu":
+        env["host"] = get_backend("cpu").capabilities().device_name
+    return env
 
 
 def train_losses(root: str) -> dict:

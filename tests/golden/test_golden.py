@@ -1,6 +1,6 @@
 """Golden loss curves (omnitron.testing.golden): the fixed tiny GPT's 100 losses on each backend against the
 loss file recorded for it. cpu, sim and the MUSA double are deterministic (the same run twice gives the same
-bits), so where this environment (torch minor, CPU capability, device) has a record the curve must match it
+bits), so where this environment (torch minor, CPU capability, device, host CPU) has a record the curve must match it
 bitwise; elsewhere, and on cuda (atomics in backward kernels order sums differently run to run), within
 golden.REL_BOUND relative of the backend's nearest record (the error analysis is beside the bound).
 A miss prints the first step that moved. Regenerate: python -m omnitron.testing.golden cpu sim musa-double."""
