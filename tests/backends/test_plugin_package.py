@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -16,9 +17,13 @@ PLUGIN = ROOT / "examples" / "backend_plugin"
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    target = tmp_path_factory.mktemp("plugin")
+    """The plugin pip-installed into a directory of its own, built from a copy of its source: setuptools builds in
+    the source tree (build/, *.egg-info), and two xdist workers building examples/backend_plugin at once left one
+    target with the entry point but without the package ('No module named omnitron_example_backend')."""
+    target, source = tmp_path_factory.mktemp("plugin"), tmp_path_factory.mktemp("plugin_src") / "backend_plugin"
+    shutil.copytree(PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--no-index", "--target", str(target), str(PLUGIN)], capture_output=True, text=True,
+                           "--no-index", "--target", str(target), str(source)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     env = dict(os.environ)

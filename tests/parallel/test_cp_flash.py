@@ -95,8 +95,8 @@ def test_cp_paths_run_the_flash_block_kernel_and_match_float64(backend_name):
 
 
 @pytest.mark.slow
-def test_cp4_paths_run_the_flash_block_kernel_and_match_float64():
-    _check(run_distributed(flash_worker, 4, 4), "cpu")
+def test_cp4_paths_run_the_flash_block_kernel_and_match_float64(backend_name):
+    _check(run_distributed(flash_worker, 4, 4), backend_name)  # the suite's backend (--backend), as at cp2
 
 
 @requires_sim()

@@ -61,17 +61,17 @@ def test_example_config_runs_end_to_end(main_job):
 
 @pytest.mark.slow
 def test_generate_reproduces_the_training_sample(main_job):
-    """omnitron generate rebuilds the tp2 x pp2 layout from the checkpoint: the same sample."""
+    """omnitron generate rebuilds the tp2 x pp2 layout from the checkpoint: the same sample (on the job's backend:
+    the sample is drawn from that device's generator)."""
     save, proc = main_job
     assert proc.returncode == 0
-    if "--backend" in proc.args:
-        pytest.skip("the sample was drawn from the sim device's generator; generate samples on the host's")
     import re
 
+    on = proc.args[proc.args.index("--backend"):][:2] if "--backend" in proc.args else []  # the job's device
     k, t = re.search(r"--- sample \(top-(\d+) sampling at temperature ([0-9.]+),", proc.stdout).groups()
     gen = subprocess.run([sys.executable, "-m", "omnitron", "generate", "--load", save, "--prompt", PROMPT,
-                          "--max-new-tokens", "4", "--top-k", k, "--temperature", t], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
+                          "--max-new-tokens", "4", "--top-k", k, "--temperature", t, *on], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
     assert gen.returncode == 0, gen.stdout[-3000:] + gen.stderr[-3000:]
     generated = gen.stdout.split("--- 0 ---\n", 1)[1].split("\n---", 1)[0].rstrip("\n")
     trained = _sample(proc.stdout).split("---\n", 1)[1]  # the text under the sample's header line
