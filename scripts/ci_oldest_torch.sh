@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI on the oldest supported torch (the low end of omnitron/backends/torch_range.py TESTED), after the
-# README's suite on the newest: a fresh venv with PyPI's torch (scripts/torch_venv.sh), omnitron built in
+# README's suite on the newest: a fresh venv with the CPU build of torch (scripts/torch_venv.sh), omnitron built in
 # it, a quick subset (backend conformance on cpu and sim, tp/pp/dp parity on cpu and sim, the golden loss
 # curves, FP8 GEMMs and FP8 MoE, a checkpoint round trip through a bit-exact resume, the MUSA double, the
 # version checks) and the README's main job for 20 iterations.
@@ -11,7 +11,8 @@
 #
 # usage: scripts/ci_oldest_torch.sh           run it (exit status 1 when anything fails)
 #        scripts/ci_oldest_torch.sh --tests   print the subset's pytest arguments (for scripts/torch_matrix.sh)
-# env:   OLDEST_TORCH (default 2.9.1), OLDEST_TORCH_DIR (default ${TMPDIR:-/tmp}/omnitron-oldest-torch)
+# env:   OLDEST_TORCH (default 2.9.1), OLDEST_TORCH_DIR (default ${TMPDIR:-/tmp}/omnitron-oldest-torch),
+#        OLDEST_TORCH_INDEX (default PyTorch's CPU index; empty: PyPI), OLDEST_TRITON (default 3.5.1, 2.9.1's pin)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TESTS=(
@@ -39,8 +40,21 @@ minutes() { awk -v s=$(( $(date +%s) - $1 )) 'BEGIN {printf "%.1f min", s / 60}'
 show() { grep -vE '^(=+ )?[0-9]+ (passed|failed|errors?|skipped|deselected)' "$log" | tail -n "$1"; }
 t0=$(date +%s)
 echo "oldest supported torch: installing torch $version and building omnitron in $dir"
-scripts/torch_venv.sh "$version" "$venv" "$tree" >>"$log" 2>&1
-rc=$?
+# PyTorch's CPU index first (~0.2 GB: no CUDA build, no nvidia-* wheels), with the Triton PyPI's wheel of that
+# torch pins; where that index cannot be reached, PyPI's CUDA wheel in its slimmest importable install.
+# OLDEST_TORCH_INDEX= (empty) goes to PyPI directly.
+index=${OLDEST_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+rc=2
+if [ -n "$index" ]; then
+  TORCH_INDEX_URL=$index TORCH_LOCAL=+cpu TRITON_VERSION=${OLDEST_TRITON:-3.5.1} \
+    scripts/torch_venv.sh "$version" "$venv" "$tree" >>"$log" 2>&1
+  rc=$?
+  [ $rc -eq 2 ] && echo "oldest supported torch: $index not usable; installing PyPI's wheel instead"
+fi
+if [ $rc -eq 2 ]; then
+  scripts/torch_venv.sh "$version" "$venv" "$tree" >>"$log" 2>&1
+  rc=$?
+fi
 if [ $rc -ne 0 ]; then
   [ $rc -eq 3 ] && cat "$tree/build.log" >>"$log"
   show 60

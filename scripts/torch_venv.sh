@@ -7,7 +7,8 @@
 # the nvidia-* wheels except those torch only dlopens on first use: cuSOLVER (linalg), NVRTC (jit) and
 # NVTX (profiling ranges); libtorch_cuda.so links every other one (checked with readelf -d on 2.9.1).
 # If that torch does not import, the skipped wheels are installed too. Set TORCH_INDEX_URL to take torch
-# from another index instead (PyTorch's CPU index: ~0.2 GB, no nvidia-* wheels).
+# from another index instead (PyTorch's CPU index: ~0.2 GB, no nvidia-* wheels; with TORCH_LOCAL=+cpu and
+# TRITON_VERSION, what scripts/ci_oldest_torch.sh tries first).
 #
 # usage: scripts/torch_venv.sh VERSION VENV_DIR TREE_DIR    (TREE_DIR: where the copy is built; env PYTHON)
 # Exit status: 2 torch install failed, 3 omnitron build failed (log: TREE_DIR/build.log).
@@ -19,7 +20,12 @@ rm -rf "$venv" "$tree"
 py="$venv/bin/python"
 pip() { "$py" -m pip -q "$@"; }
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
-  pip install "torch==$version" --index-url "$TORCH_INDEX_URL" || exit 2
+  # TORCH_LOCAL: the index's local version label (PyTorch's CPU index: +cpu, which also keeps a mirror's CUDA build
+  # of the same version from being picked); a short timeout, so an unreachable index fails fast
+  pip install --timeout 30 --retries 1 "torch==$version${TORCH_LOCAL:-}" --index-url "$TORCH_INDEX_URL" || exit 2
+  # the Triton the PyPI wheel of this torch pins (its kernels are tested on it under the interpreter); CPU wheels
+  # do not require one
+  [ -z "${TRITON_VERSION:-}" ] || pip install "triton==$TRITON_VERSION" || exit 2
 else
   pip install --no-deps "torch==$version" || exit 2
   # torch's requirements here: "py REQ" (Python; cuda-toolkit[...] without the lazy extras), "nv REQ" (nvidia-*), "lazy REQ"
