@@ -121,15 +121,16 @@ def imbalance(cfg, tokens: int, load: ExpertLoad, ep: int) -> tuple[float, float
     return ratio / len(load.shares), drop / len(load.shares)
 
 
-def describe(settings, rates) -> str:
-    """The MoE routing the prediction priced: balanced, or the histogram's imbalance and drops at this ep."""
+def describe(cfg, settings, rates) -> str:
+    """The MoE routing the prediction priced: balanced, or the histogram's imbalance and drops at this ep.
+    ``cfg``: the model config as training builds it (:func:`omnitron.plan.memory.model_config`, which the caller
+    holds: the memory model imports this module's users)."""
     load = getattr(rates, "expert_load", None)
     if load is None:
         return "MoE: balanced routing (every expert receives tokens x top-k / experts rows)"
     from omnitron.plan import work
-    from omnitron.plan.memory import model_config
 
-    cfg, pc = model_config(settings), settings.parallel
+    pc = settings.parallel
     x = work.local_shapes(cfg, pc.tensor_model_parallel_size, pc.context_parallel_size,
                           settings.training.micro_batch_size)
     ratio, drop = imbalance(cfg, x.tokens, load, pc.expert_model_parallel_size)

@@ -542,9 +542,10 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
             "all": "all communication hidden behind compute where shorter"}
     out = [f"overlap: {overlap} ({what[overlap]})"]
     if getattr(settings.model, "num_experts", None):
+        from omnitron.plan.memory import model_config
         from omnitron.plan.routing import describe
 
-        out.append(describe(settings, rates))
+        out.append(describe(model_config(settings), settings, rates))
     if rates.device_type == "cpu":
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "
