@@ -50,7 +50,7 @@ def test_swiglu_bias_is_applied(backend):
 def test_bad_target_is_a_clear_error(backend):
     logits = torch.randn(2, 5, device=backend.current_device())
     with pytest.raises((IndexError, RuntimeError), match=r"(?i)target|index|out of bounds"):
-        backend.kernels.softmax_cross_entropy(logits, torch.tensor([1, 7]), 0.0)
+        backend.kernels.softmax_cross_entropy(logits, torch.tensor([1, 7], device=logits.device), 0.0)
 
 
 def test_rope_with_trainable_freqs_falls_back(backend):

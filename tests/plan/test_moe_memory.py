@@ -51,6 +51,8 @@ def test_layer_extra_bf16_capacity_bias_by_hand(fixed_rates):
     assert moe_layer_extra(cfg, 8, 2, tp=1, sp=False, ep=1, etp=1) == 1542
 
 
+@pytest.mark.host_only("the probe's rates are the cpu kernel table's saved tensors, which the planner models; on "
+                       "sim the fused activation kernel saves a third more per expert row (issue 34)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_probe_rates_are_the_saved_tensors(dtype):
     """The probes against the code path's tensors, counted by hand: the softmax router with a load-balancing loss
