@@ -34,11 +34,11 @@ CHILD = textwrap.dedent("""
     for fmt in ("e4m3", "e5m2"):
         amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
         want = ref.fp8_cast_transpose_from_amax(x, amax, fmt, 1)
-        got = torch.compile(lambda x, a: tri.fp8_cast_transpose_from_amax(x, a, fmt, 1), backend=record,
+        got = torch.compile(lambda x, a: tri.graph_cast_transpose_from_amax(x, a, fmt, 1), backend=record,
                             fullgraph=True)(x, amax)
         scale = torch.tensor(0.37)
         want2 = ref.fp8_cast_transpose_amax(x, scale, fmt)
-        got2 = torch.compile(lambda x, s: tri.fp8_cast_transpose_amax(x, s, fmt), backend=record,
+        got2 = torch.compile(lambda x, s: tri.graph_cast_transpose_amax(x, s, fmt), backend=record,
                              fullgraph=True)(x, scale)
         for w, o in zip((*want, *want2), (*got, *got2)):
             assert w.dtype == o.dtype and w.shape == o.shape, (w.dtype, o.dtype, w.shape, o.shape)

@@ -89,62 +89,57 @@ def _supports(x, scale, fmt="e4m3", margin=0) -> str | None:
 
 
 @register("fp8_cast_transpose_amax", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
-@register("fp8_cast_transpose_amax", GRAPH_NAME, available=available, backends=GPU_BACKENDS, supports=_supports,
-          traceable=True)
 def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3"):
-    """(``x * scale`` in FP8 ``[m, n]``, the same values transposed ``[n, m]``, amax of ``|x|`` float32 scalar).
-    As ``triton_graph``, inside a compiled graph it is the opaque op ``omnitron::fp8_cast_transpose_amax``
-    (:func:`_as_graph_op`); as ``triton`` a compiling caller never reaches it (not traceable)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.omnitron.fp8_cast_transpose_amax(x, scale, fmt)
-    return _cast_amax(x, scale, fmt)
-
-
-def _cast_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str):
+    """(``x * scale`` in FP8 ``[m, n]``, the same values transposed ``[n, m]``, amax of ``|x|`` float32 scalar)."""
     q, qt, part = _launch(x, scale.reshape(1).float(), fmt, from_amax=False)
     amax = part.max() if part.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
     return q, qt, amax
 
 
 @register("fp8_cast_transpose_from_amax", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
-@register("fp8_cast_transpose_from_amax", GRAPH_NAME, available=available, backends=GPU_BACKENDS, supports=_supports,
-          traceable=True)
 def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str = "e4m3", margin: int = 0):
-    """(FP8 ``x * scale``, its transpose, ``1 / scale``) with ``scale`` derived from ``amax`` inside the kernel.
-    As ``triton_graph``, the opaque op ``omnitron::fp8_cast_transpose_from_amax`` inside a compiled graph."""
-    if torch.compiler.is_compiling():
-        return torch.ops.omnitron.fp8_cast_transpose_from_amax(x, amax, fmt, margin)
-    return _cast_from_amax(x, amax, fmt, margin)
-
-
-def _cast_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str, margin: int):
+    """(FP8 ``x * scale``, its transpose, ``1 / scale``) with ``scale`` derived from ``amax`` inside the kernel."""
     if not x.numel():  # nothing to launch over; the scale still follows the (group-reduced) amax
         return reference_from_amax(x, amax, fmt, margin)
     return _launch(x, amax.float(), fmt, from_amax=True, margin=margin)  # any 1-element tensor: the kernel loads [0]
 
 
-def _as_graph_op(name: str, eager, signature_args: str):
-    """``omnitron::<name>``: the eager cast-transpose as one opaque operator of a compiled graph.
+def _as_graph_op(name: str, eager, schema: str) -> None:
+    """``omnitron::<name>``: the eager cast-transpose as one opaque operator of a compiled graph (what the
+    ``triton_graph`` implementations below call; ``triton`` stays the plain launch).
 
-    Why: inductor cannot see into a user Triton launch, so the dispatcher used to hand a compiling caller the
-    plain-torch reference, which inductor lowers to a pointwise kernel whose transposed store is strided; this
-    kernel reads a 64x64 tile once and writes both layouts through shared memory. The fake implementation gives
-    the outputs' shapes and dtypes (``[m, n]`` and ``[n, m]`` FP8, a float32 scalar) for tracing; outputs are
-    fresh tensors (no aliasing), so autograd and functionalization need nothing more."""
+    Why: inductor cannot see into a user Triton launch, so the dispatcher hands a compiling caller the plain-torch
+    reference, which inductor lowers to a pointwise kernel whose transposed store is strided; this kernel reads a
+    64x64 tile once and writes both layouts through shared memory. The fake implementation gives the outputs'
+    shapes and dtypes (``[m, n]`` and ``[n, m]`` FP8, a float32 scalar) for tracing; outputs are fresh tensors (no
+    aliasing), so autograd and functionalization need nothing more."""
     def fake(x, other, fmt, *rest):
         dtype = FORMATS[fmt][0]
         m, n = x.shape
         return (x.new_empty((m, n), dtype=dtype), x.new_empty((n, m), dtype=dtype),
                 x.new_empty((), dtype=torch.float32))
 
-    op = torch.library.custom_op(f"omnitron::{name}", eager, mutates_args=(), schema=signature_args)
-    op.register_fake(fake)
-    return op
+    torch.library.custom_op(f"omnitron::{name}", eager, mutates_args=(), schema=schema).register_fake(fake)
 
 
-_as_graph_op("fp8_cast_transpose_amax", _cast_amax, "(Tensor x, Tensor scale, str fmt) -> (Tensor, Tensor, Tensor)")
-_as_graph_op("fp8_cast_transpose_from_amax", _cast_from_amax,
+_as_graph_op("fp8_cast_transpose_amax", fp8_cast_transpose_amax,
+             "(Tensor x, Tensor scale, str fmt) -> (Tensor, Tensor, Tensor)")
+_as_graph_op("fp8_cast_transpose_from_amax", fp8_cast_transpose_from_amax,
              "(Tensor x, Tensor amax, str fmt, int margin) -> (Tensor, Tensor, Tensor)")
+
+
+@register("fp8_cast_transpose_amax", GRAPH_NAME, available=available, backends=GPU_BACKENDS, supports=_supports,
+          traceable=True)
+def graph_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3"):
+    """:func:`fp8_cast_transpose_amax` as the graph op ``omnitron::fp8_cast_transpose_amax``."""
+    return torch.ops.omnitron.fp8_cast_transpose_amax(x, scale, fmt)
+
+
+@register("fp8_cast_transpose_from_amax", GRAPH_NAME, available=available, backends=GPU_BACKENDS,
+          supports=_supports, traceable=True)
+def graph_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str = "e4m3", margin: int = 0):
+    """:func:`fp8_cast_transpose_from_amax` as the graph op ``omnitron::fp8_cast_transpose_from_amax``."""
+    return torch.ops.omnitron.fp8_cast_transpose_from_amax(x, amax, fmt, margin)
 
 
 @functools.lru_cache(maxsize=None)
