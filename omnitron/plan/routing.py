@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.transformer.moe.capacity import expert_capacity
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def expert_rows(cfg, tokens: int, share: Sequence[float] | None) -> list[float]:
     E, k = cfg.num_experts, cfg.moe_router_topk
     c = [float(tokens * k // E)] * E if share is None else [p * tokens * k for p in share]
     if cfg.moe_expert_capacity_factor is not None:
-        cap = min(tokens, math.ceil(cfg.moe_expert_capacity_factor * tokens * k / E))
+        cap = expert_capacity(tokens, k, E, cfg.moe_expert_capacity_factor)  # as the engine sizes it
         c = [float(cap)] * E if cfg.moe_pad_expert_input_to_capacity else [min(v, cap) for v in c]
     return c
 
