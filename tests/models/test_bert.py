@@ -316,6 +316,28 @@ def _train_run(tmp: str, world: int, *layout: str) -> dict:
     return train(parse_settings(args, world), get_backend())["losses"]
 
 
+TRAIN_LR, TRAIN_STEPS = 3e-3, 3  # _train_args' --lr and _train_run's --train-iters
+
+
+def _without_key_bias(state: dict) -> dict:
+    """``state`` with each attention's key bias taken out of ``linear_qkv.bias`` (and checked).
+
+    The key bias has no gradient: it adds ``q . b_k`` to every score of a query's row, which the softmax cancels,
+    so its true gradient is 0 and what autograd returns is rounding noise (~1e-10 here, differing between
+    layouts). Adam divides that noise by its own RMS, so the key bias moves by up to a learning rate a step in
+    a direction the noise picks: the weight comparison cannot hold it to 1e-5 (it once failed by that alone,
+    losses equal). Adam's step on an element is at most lr (sqrt(1 - b2^t) / (1 - b1^t)) (1 - b1) sum_i b1^(t-i)
+    |g_i| / sqrt((1 - b2) sum_i b2^(t-i) g_i^2) <= 1.01 lr for t <= 3 (Cauchy-Schwarz over the three
+    weights), so from its zero init each element stays within 3.03 lr: that is what is asserted of it."""
+    out = dict(state)
+    for k in [k for k in state if k.endswith("self_attention.linear_qkv.bias")]:
+        heads, hd = 4, 64 // 4  # _train_args: --num-attention-heads 4, --hidden-size 64 (no grouped queries)
+        qkv = state[k].view(heads, 3, hd)
+        assert qkv[:, 1].abs().max() <= 1.01 * TRAIN_STEPS * TRAIN_LR, k
+        out[k] = qkv[:, 0::2].reshape(-1)  # the query and value biases, which do learn
+    return out
+
+
 def _pipeline_worker(tmp: str) -> dict:
     """Every rank: the layouts, then the loop at pp2 x vp2 x dp2 and at pp4 (middle stages read batches)."""
     return {"layouts": _pipeline_layouts(),
@@ -363,7 +385,8 @@ def test_pipeline_parallel_bert_matches_one_process(tmp_path):
     src, ref_ck = (sorted((tmp_path / d / "ckpt").glob("iter_*"))[-1] for d in ("pp", "one"))
     full, single = read_full_state(str(src)), read_full_state(str(ref_ck))
     assert full.model.keys() == single.model.keys()
-    bad = {k: _rel(full.model[k], single.model[k]) for k in single.model if not _rel(full.model[k], single.model[k]) < 1e-5}
+    got, want = _without_key_bias(full.model), _without_key_bias(single.model)
+    bad = {k: _rel(got[k], want[k]) for k in want if not _rel(got[k], want[k]) < 1e-5}
     assert not bad, bad
     pp1 = read_full_state(convert(str(src), str(tmp_path / "pp1"), Layout(pp=1)))
     assert pp1.model.keys() == full.model.keys() and all(torch.equal(pp1.model[k], full.model[k]) for k in full.model)
