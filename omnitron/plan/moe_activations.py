@@ -45,9 +45,14 @@ its input repeated etp times and its output, ``[R_e, h]`` each in the activation
 layer's saved tensors (:func:`moe_exchange_transient`; without it the tiny Mixtral at tp2 + SP, etp2 was
 0.26 MiB, 5.4%, under its step peak on both ranks, 2026-12-04: these buffers are 0.25 MiB).
 
-Not modelled: routing imbalance (a rank's bytes move with the rows it receives; the ep group's mean is the
-prediction; the speed model takes a measured histogram, :mod:`omnitron.plan.routing`), dropped tokens (a
-capacity factor is taken as dropping nothing at balanced routing), FP8 expert GEMMs' saved copies. The ep
+Routing imbalance: with a routing histogram's row (``share``) and an ep rank, ``A`` is what the rank dispatches
+and ``R`` / ``R_e`` what that rank's experts receive, from the speed model's rows
+(:func:`omnitron.plan.moe.moe_local`, :func:`omnitron.plan.routing.expert_rows`: capped or padded at the
+capacity, the drops taken off); :func:`omnitron.plan.memory.estimate` prices every ep rank and reports the
+busiest. Its backward transients stay balanced (the probe's): the hot expert's backward gradients on its extra
+rows are left out (3.4% of a skewed ep2 step's peak at most in tests/plan/test_transients.py, 2026-12-04).
+Not modelled: dropped tokens at balanced routing (a capacity factor is taken as dropping nothing), FP8 expert
+GEMMs' saved copies. The ep
 all-to-all's buffers in backward are left out on evidence: with 2 MiB buffers (1.8% of the step) a padded
 ep2 step's peak rose by the regroup indices the plan adds and not by them (BENCHMARKS.md, 2026-12-04).
 """

@@ -105,7 +105,9 @@ def test_estimate_prices_each_stage_on_its_busiest_ep_rank(fixed_rates, tmp_path
     """A two-layer MoE model (fp32 h 64, s 32, b 2: T k = 128), ep2, pp1, histogram rows (4:2:1:1, flat): layer 0
     puts R = 2 (64 + 32) = 192 rows on ep rank 0 (balanced 128), layer 1 balanced; rank 0's activations exceed the
     balanced stage's by 64 (64 x 4 + 7 + 16 + 8) = 18368 bytes (rows, their MLP rate, the ep permutations and
-    the fc2 biases' index: GPT's linears have biases; transients off). Rows reversed (1:1:2:4), rank 1 is the busiest by as much; flat rows price balanced."""
+    the fc2 biases' index: GPT's linears have biases; transients off). Rows reversed (1:1:2:4), rank 1 is the
+    busiest by as much; flat rows price balanced. Three rows for two MoE layers (two 4:2:1:1, one flat): every
+    layer at the rows' mean, 2/3 of the excess each (the bytes are linear in the rows)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
     from omnitron.plan.routing import read_expert_load
@@ -120,3 +122,6 @@ def test_estimate_prices_each_stage_on_its_busiest_ep_rank(fixed_rates, tmp_path
         got = estimate(s, transients=False, load=read_expert_load(str(path)))[0]
         assert (got.ep_rank, got.activations - plain.activations, got.balanced) == (rank, 18368, plain.total)
         assert got.total - plain.total == 18368
+    path.write_text(json.dumps({"tokens_per_expert": [[4, 2, 1, 1], [8, 4, 2, 2], [1, 1, 1, 1]]}))  # 3 rows, 2 layers
+    got = estimate(s, transients=False, load=read_expert_load(str(path)))[0]
+    assert got.activations - plain.activations == round(2 * 2 * 18368 / 3)  # each layer at the rows' mean

@@ -92,7 +92,7 @@ def test_one_process_counts_each_training_forward_once(tmp_path):
 def test_written_histogram_is_the_routers_picks(tmp_path, world, extra, capsys):
     """ep2 (dp2), and ep2 with pp2 (layer 1 on stage 0, layers 2-3 on stage 1; 2 micro-batches a step): the file's
     rows equal the reference count exactly (integers), layer by layer in the model's order; ``omnitron plan
-    --moe-expert-load`` reads it and prices the busiest ep rank."""
+    --moe-expert-load`` reads it and prices each stage's busiest ep rank (its table and ``--json``)."""
     from omnitron.cli import main
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
@@ -103,9 +103,12 @@ def test_written_histogram_is_the_routers_picks(tmp_path, world, extra, capsys):
     steps, gbs = 2, (8 if world == 4 else 4)
     assert table == want and all(sum(row) == steps * gbs * 32 * 2 for row in table), (table, want)
     assert len(table) == 3 and not list(tmp_path.glob("load.json.tmp*"))
-    assert main(["plan", *argv, "--nproc-per-node", str(world), "--moe-expert-load",
-                 str(tmp_path / "load.json")]) == 0
+    out = tmp_path / "plan.json"
+    assert main(["plan", *argv, "--nproc-per-node", str(world), "--moe-expert-load", str(tmp_path / "load.json"),
+                 "--device", "h100-sxm", "--json", str(out)]) == 0
     assert "each stage priced on its busiest ep rank" in capsys.readouterr().out
+    stages = json.loads(out.read_text())["layouts"][0]["memory_per_stage"]
+    assert all(m["busiest_ep_rank"] in (0, 1) and m["balanced_gib"] > 0 for m in stages), stages
 
 
 def test_no_experts_is_one_line(tmp_path):
