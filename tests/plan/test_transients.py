@@ -234,9 +234,9 @@ def test_step_peak_busiest_ep_rank_under_skewed_routing(tmp_path):
     hold them at the peak or not, as in test_step_peak_moe_two_ranks); under it by at most that plus the
     transient the model keeps at balanced routing: the hot expert's backward on its ``n`` rows instead of the
     balanced ``n0 = s k ep / E = 64``, ``(n - n0)`` rows of its input, fc1-output and fc2-input gradients
-    ``(h + 3 f) `` fp32 each (f = 4h = 512: 6.5 KiB a row). Measured 2026-12-04: 0.3% and 3.4% under in two runs
-    (the expert backward at the step's peak in the second); the balanced plan, or the rows at balanced, is 17%
-    (3 MiB) under: this fails."""
+    ``(h + 3 f)`` fp32 each (f = 4h = 512: 6.5 KiB a row). Measured 2026-12-04 (BENCHMARKS.md): 0.3-3.4% under in
+    four runs (part of the expert's backward at the step's peak in two); the balanced plan, or the rows at
+    balanced, is 16-18% (3 MB) under: this fails (planted, 2026-12-04)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
     from omnitron.plan.routing import read_expert_load
