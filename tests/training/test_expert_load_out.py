@@ -49,8 +49,8 @@ def _train(argv: list[str], world: int) -> list[tuple[int, torch.Tensor, torch.T
     finally:
         TopKRouter.forward = forward
     names = {id(m): name for chunk in c.modules for name, m in chunk.named_modules()}
-    # "...layers.<global index>.mlp.router"
-    return [(int(names[id(r)].split(".")[-3]), x, w) for r, x, w in seen]
+    # "decoder.layers.<global index>.mlp.router" (a multi-token prediction depth's router is not a decoder layer's)
+    return [(int(names[id(r)].split(".")[-3]), x, w) for r, x, w in seen if names[id(r)].startswith("decoder.")]
 
 
 def _reference(captured: list, pattern: list[bool], k: int, E: int) -> list[list[int]]:
@@ -65,14 +65,17 @@ def _reference(captured: list, pattern: list[bool], k: int, E: int) -> list[list
 
 def test_one_process_counts_each_training_forward_once(tmp_path):
     """One process, 3 steps of 2 micro-batches, full recomputation (every MoE forward runs again in backward),
-    validation after every step and a checkpoint at step 2 (the file is written there and at the end): the rows
-    are the reference's, each training forward counted once, before the capacity; the plan's reader takes it."""
+    validation after every step, a checkpoint at step 2 (the file is written there and at the end) and a
+    multi-token prediction depth with an MoE layer (not a decoder layer: left out): the rows are the decoder
+    routers' reference counts, each training forward counted once, before the capacity; the plan's reader takes
+    it."""
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
     from omnitron.plan.routing import read_expert_load
 
     extra = ["--moe-layer-freq", "[0,1,1,1]", "--train-iters", "3", "--global-batch-size", "4", "--recompute-granularity",
              "full", "--recompute-method", "uniform", "--recompute-num-layers", "1", "--eval-interval", "1",
-             "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "2",
+             "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "2", "--mtp-num-layers", "1",
+             "--position-embedding-type", "rope",
              "--seed", str(random.randint(1, 10**6))]
     argv = _argv(str(tmp_path), extra)
     captured = _train(argv, 1)
