@@ -72,11 +72,10 @@ def test_one_process_counts_each_training_forward_once(tmp_path):
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
     from omnitron.plan.routing import read_expert_load
 
-    extra = ["--moe-layer-freq", "[0,1,1,1]", "--train-iters", "3", "--global-batch-size", "4", "--recompute-granularity",
-             "full", "--recompute-method", "uniform", "--recompute-num-layers", "1", "--eval-interval", "1",
-             "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "2", "--mtp-num-layers", "1",
-             "--position-embedding-type", "rope",
-             "--seed", str(random.randint(1, 10**6))]
+    extra = ["--moe-layer-freq", "[0,1,1,1]", "--train-iters", "3", "--global-batch-size", "4",
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+             "--eval-interval", "1", "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "2",
+             "--mtp-num-layers", "1", "--position-embedding-type", "rope", "--seed", str(random.randint(1, 10**6))]
     argv = _argv(str(tmp_path), extra)
     captured = _train(argv, 1)
     want = _reference(captured, moe_layer_pattern([0, 1, 1, 1], 4), 2, 4)
