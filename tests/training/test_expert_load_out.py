@@ -64,24 +64,25 @@ def _reference(captured: list, pattern: list[bool], k: int, E: int) -> list[list
 
 
 def test_one_process_counts_each_training_forward_once(tmp_path):
-    """One process, 3 steps of 2 micro-batches, full recomputation (every MoE forward runs again in backward),
-    validation after every step, a checkpoint at step 2 (the file is written there and at the end) and a
+    """One process, 2 steps of 2 micro-batches, full recomputation (every MoE forward runs again in backward),
+    validation and a checkpoint after every step (the file is rewritten at each; the ep2 runs below write it
+    at the end, without checkpoints) and a
     multi-token prediction depth with an MoE layer (not a decoder layer: left out): the rows are the decoder
     routers' reference counts, each training forward counted once, before the capacity; the plan's reader takes
     it."""
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
     from omnitron.plan.routing import read_expert_load
 
-    extra = ["--moe-layer-freq", "[0,1,1,1]", "--train-iters", "3", "--global-batch-size", "4",
+    extra = ["--moe-layer-freq", "[0,1,1,1]", "--train-iters", "2", "--global-batch-size", "4",
              "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-             "--eval-interval", "1", "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "2",
+             "--eval-interval", "1", "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--save-interval", "1",
              "--mtp-num-layers", "1", "--position-embedding-type", "rope", "--seed", str(random.randint(1, 10**6))]
     argv = _argv(str(tmp_path), extra)
     captured = _train(argv, 1)
     want = _reference(captured, moe_layer_pattern([0, 1, 1, 1], 4), 2, 4)
     table = json.loads((tmp_path / "load.json").read_text())["tokens_per_expert"]
-    assert len(captured) == 3 * 2 * 3 and table == want, (len(captured), table, want)
-    assert all(sum(row) == 3 * 4 * 32 * 2 for row in table)
+    assert len(captured) == 2 * 2 * 3 and table == want, (len(captured), table, want)
+    assert all(sum(row) == 2 * 4 * 32 * 2 for row in table)
     assert read_expert_load(str(tmp_path / "load.json")).shares[0] == tuple(v / sum(table[0]) for v in table[0])
 
 
