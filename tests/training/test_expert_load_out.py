@@ -66,10 +66,9 @@ def _reference(captured: list, pattern: list[bool], k: int, E: int) -> list[list
 def test_one_process_counts_each_training_forward_once(tmp_path):
     """One process, 2 steps of 2 micro-batches, full recomputation (every MoE forward runs again in backward),
     validation and a checkpoint after every step (the file is rewritten at each; the ep2 runs below write it
-    at the end, without checkpoints) and a
-    multi-token prediction depth with an MoE layer (not a decoder layer: left out): the rows are the decoder
-    routers' reference counts, each training forward counted once, before the capacity; the plan's reader takes
-    it."""
+    at the end, without checkpoints) and a multi-token prediction depth with an MoE layer (not a decoder layer:
+    left out): the rows are the decoder routers' reference counts, each training forward counted once, before
+    the capacity; the plan's reader takes it."""
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
     from omnitron.plan.routing import read_expert_load
 
