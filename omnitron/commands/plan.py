@@ -32,8 +32,9 @@ def register(sub) -> None:
                    "tflops_per_device by Megatron's formula, memory per stage) to FILE")
     p.add_argument("--top", type=int, help="layouts to print with --devices (default 5)")
     p.add_argument("--moe-expert-load", metavar="FILE", help='a measured routing histogram, JSON {"tokens_per_expert": '
-                   "[[count per expert], ...]} one row per MoE layer: MoE layers priced at its imbalance (the ep "
-                   "group's busiest rank) and capacity drops instead of balanced routing")
+                   "[[count per expert], ...]} one row per MoE layer (`omnitron train --moe-expert-load-out` writes "
+                   "one): MoE layers priced at its imbalance and capacity drops instead of balanced routing, speed "
+                   "on the ep group's busiest rank, memory on each stage's busiest ep rank")
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -51,9 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "devices", None) is not None:
         return _recommend(args, given, bench, overlap)
     try:
-        rates = _rates(args, bench)
+        rates, load = _rates(args, bench), _load(args)
         s = settings_of(given)
-        stages = estimate(s)
+        stages = estimate(s, load=load)
         step = predict(s, rates, overlap) if rates else None
         if step is not None and getattr(args, "json", None):
             _write(args, [Choice(flat_flags(given), s, step, stages)], rates)
@@ -89,13 +90,18 @@ def _rates(args, bench):
         raise ConfigError("--gpus-per-node places a layout on --device's nodes; give --device too")
     else:
         rates = Rates.from_reports(bench) if bench else None
-    if getattr(args, "moe_expert_load", None):
-        from omnitron.plan.routing import read_expert_load
-
-        if rates is None:
-            raise ConfigError("--moe-expert-load prices MoE layers' speed; give --device or --bench too")
-        rates.expert_load = read_expert_load(args.moe_expert_load)
+    if rates is not None:
+        rates.expert_load = _load(args)
     return rates
+
+
+def _load(args):
+    """``--moe-expert-load``'s histogram (:func:`omnitron.plan.routing.read_expert_load`), or None."""
+    if not getattr(args, "moe_expert_load", None):
+        return None
+    from omnitron.plan.routing import read_expert_load
+
+    return read_expert_load(args.moe_expert_load)
 
 
 def _named(rates) -> str:

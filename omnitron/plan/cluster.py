@@ -61,6 +61,7 @@ def record(choice, device: str, gpus_per_node: int) -> dict:
     per = [{"stage": m.stage, "layers": m.layers, "gib": m.total / 2**30, "params_gib": m.params / 2**30,
             "grads_gib": m.grads / 2**30, "optimizer_gib": m.optimizer / 2**30,
             "activations_gib": m.activations / 2**30, "transient_gib": (m.transient + m.recompute) / 2**30}
+           | ({} if m.ep_rank is None else {"busiest_ep_rank": m.ep_rank, "balanced_gib": m.balanced / 2**30})
            for m in choice.stages or []]
     out = {"layout": choice.name(), "world": s.world_size, "device": device, "gpus_per_node": gpus_per_node,
            "launch": launch_flags(choice), "step_s": st.total, "tokens_per_s": st.tokens_per_s,

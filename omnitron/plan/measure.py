@@ -82,9 +82,10 @@ def pipeline_bytes(cfg, layout, b: int) -> dict[tuple[int, int], int]:
     return out
 
 
-def train_step_peak(argv: list[str], world: int, root: str) -> tuple[int, int]:
+def train_step_peak(argv: list[str], world: int, root: str, prepare=None) -> tuple[int, int]:
     """(this rank's pipeline stage, peak bytes of every storage created during one training step): the run
-    of ``argv`` built in this process (one rank of a ``world``-rank job), one warm step first. Parameters,
+    of ``argv`` built in this process (one rank of a ``world``-rank job), one warm step first (``prepare``:
+    called with the built components before it, e.g. a test's routing). Parameters,
     gradient buffers and optimizer state exist before and count 0, so the peak is what the step adds:
     activations, backward's transients, received pipeline tensors and collective buffers (``PeakTracker``:
     the real run at its real size, where the plan replays small probes' logs scaled)."""
@@ -98,6 +99,8 @@ def train_step_peak(argv: list[str], world: int, root: str) -> tuple[int, int]:
     s = parse_settings(argv + ["--num-workers", "0", "--train-iters", "3", "--no-tensorboard", "--data-cache-path",
                                root], world)
     c = build_components(s, get_backend())
+    if prepare is not None:
+        prepare(c)
     it = data_iterator(c, c.train_data, 0)
     train_step(c, it)
     tracker = PeakTracker()

@@ -30,13 +30,18 @@ distributed-optimizer slice boundaries, and the largest is reported):
   ``main_grad``, a tied output layer's gradient held until the embedding's arrives) and the pipeline's
   received activations and gradients; with attention dropout on cp's block kernels, their chunk's peak
   (:func:`.cp_blocks.block_dropout_bytes`).
-- Mixture-of-Experts layers (:mod:`.moe_activations`, at balanced routing): what an MoE layer saves beyond the
+- Mixture-of-Experts layers (:mod:`.moe_activations`): what an MoE layer saves beyond the
   dense layer the probe measures (router, dispatch pairs, gate weights, expert rows and MLPs, shared expert,
   ep / etp permutations), per chunk by ``--moe-layer-freq``; their backward probed with the layers MoE, and the
-  etp all-gather's buffers.
+  etp all-gather's buffers. At balanced routing, or with a routing histogram (``--moe-expert-load``,
+  :mod:`.routing`) on each stage's **busiest ep rank**: every ep rank ``r`` is priced with each MoE layer's rows
+  for ``r``'s experts (the histogram row of that layer, capped or padded at the capacity by
+  :func:`.routing.expert_rows`, the speed model's rows), and the rank whose activations and etp buffers peak
+  highest is the stage's figure (:attr:`StageMemory.ep_rank`, beside the balanced total).
 
 Not modelled: communication buffers (but the etp all-gather's), allocator fragmentation, the optimizer step's
-temporaries, buffers fused kernels allocate internally, MoE routing imbalance and dropped tokens. The transient
+temporaries, buffers fused kernels allocate internally. Under a routing histogram backward's transients, the
+rematerialised chunk and the multi-token prediction depths stay at balanced routing. The transient
 probe runs the tp-local layer without collectives and without sequence or context parallelism: under SP
 it counts the hidden-sized gradients whole, where the real run holds the all-gather and reduce-scatter
 buffers instead (tp2 + SP measured within 1%, with pp2 within 6.1%: BENCHMARKS.md).
@@ -75,6 +80,10 @@ class StageMemory:
     """Backward's own tensors at the step's peak, beyond the terms above (:mod:`.transients`)."""
     boundary: int = 0
     """The pipeline send in flight beside a backward (one boundary tensor at most; :func:`send_in_flight`)."""
+    ep_rank: int | None = None
+    """Under a routing histogram: the ep rank priced (the stage's busiest); None at balanced routing."""
+    balanced: int | None = None
+    """Under a routing histogram: the stage's total at balanced routing."""
 
     @property
     def total(self) -> int:
@@ -118,27 +127,64 @@ def chunk_moe_layers(settings, cfg) -> dict[tuple[int, int], int]:
     return {k: sum(is_moe_layer(cfg, i) for i in range(o, o + n)) for k, (o, n) in _ranges(settings, cfg).items()}
 
 
-def moe_extra(settings, cfg, moe: int) -> float:
+def moe_routing(settings, cfg, load) -> dict[tuple[int, int], list[tuple]]:
+    """``{(pp_rank, chunk): [the histogram rows one MoE layer of the chunk is priced at, per MoE layer]}``:
+    its own row when ``load`` has one per MoE layer, else all of them (priced at their mean), as the speed
+    model maps them (:func:`omnitron.plan.speed._stage_layers`)."""
+    from omnitron.plan.speed import _stage_layers
+
+    load.check(cfg.num_experts)
+    kinds, rows = _stage_layers(settings, cfg), _stage_layers(settings, cfg, len(load.shares))
+    return {k: [load.shares if j is None else (load.shares[j],) for moe, j in zip(kinds[k], rows[k]) if moe]
+            for k in kinds}
+
+
+def _moe_args(settings, cfg) -> tuple:
+    pc = settings.parallel
+    return (cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
+            pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size, pc.etp)
+
+
+def _routed(fn, args: tuple, spec: tuple, rank: int) -> float:
+    """``fn`` of one MoE layer priced at each histogram row of ``spec`` on ep rank ``rank``, their mean."""
+    return sum(fn(*args, share, rank) for share in spec) / len(spec)
+
+
+def _distinct(specs: list) -> list[tuple[tuple, int]]:
+    """(spec, how many layers have it) of a :func:`moe_routing` list: the layers priced at the mean over every
+    row share one spec, priced once (a histogram of 61 rows for 58 layers at ep 64 is 226k layer prices else)."""
+    counts, first = {}, {}
+    for spec in specs:
+        counts[id(spec)] = counts.get(id(spec), 0) + 1
+        first.setdefault(id(spec), spec)
+    return [(first[k], n) for k, n in counts.items()]
+
+
+def moe_extra(settings, cfg, moe: int, routed=None) -> float:
     """``moe`` MoE layers' saved bytes beyond the dense layers the probe prices (:mod:`.moe_activations`), one
-    micro-batch, for layers that keep their activations (a fully recomputed layer keeps its input only)."""
+    micro-batch, for layers that keep their activations (a fully recomputed layer keeps its input only).
+    ``routed``: (the chunk's :func:`moe_routing` list, an ep rank): its last ``moe`` MoE layers priced at their
+    histogram rows on that rank's experts; None: balanced."""
     if not moe:
         return 0.0
     from omnitron.plan.moe_activations import moe_layer_extra
 
-    pc = settings.parallel
-    return moe * moe_layer_extra(cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
-                                 pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
-                                 pc.etp)
+    args = _moe_args(settings, cfg)
+    if routed is None:
+        return moe * moe_layer_extra(*args)
+    specs, rank = routed
+    return sum(n * _routed(moe_layer_extra, args, spec, rank) for spec, n in _distinct(specs[len(specs) - moe:]))
 
 
-def _moe_exchange(settings, cfg) -> float:
-    """An MoE layer's backward exchange buffers beyond the dense probe's transients (:mod:`.moe_activations`)."""
+def _moe_exchange(settings, cfg, specs=(), rank: int | None = None) -> float:
+    """An MoE layer's backward exchange buffers beyond the dense probe's transients (:mod:`.moe_activations`):
+    balanced, or the largest of the MoE layers ``specs`` (:func:`moe_routing` rows) on ep rank ``rank``."""
     from omnitron.plan.moe_activations import moe_exchange_transient
 
-    pc = settings.parallel
-    return moe_exchange_transient(cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
-                                  pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
-                                  pc.etp)
+    args = _moe_args(settings, cfg)
+    if rank is None:
+        return moe_exchange_transient(*args)
+    return max((_routed(moe_exchange_transient, args, spec, rank) for spec, _ in _distinct(specs)), default=0.0)
 
 
 def _recomputed(cfg, layers: int) -> int:
@@ -148,15 +194,17 @@ def _recomputed(cfg, layers: int) -> int:
     return min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
 
 
-def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False, moe: int = 0) -> tuple[float, float]:
-    """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers, ``moe`` of them MoE."""
+def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False, moe: int = 0,
+                     routed=None) -> tuple[float, float]:
+    """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers, ``moe`` of them MoE
+    (``routed``: their routing, :func:`moe_extra`)."""
     pc, t = settings.parallel, settings.training
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
     s, b = cfg.seq_length // pc.context_parallel_size, t.micro_batch_size
     am = activation_model(cfg, tp)
     n_rec = _recomputed(cfg, layers)
     acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
-    acts += moe_extra(settings, cfg, max(0, moe - n_rec))
+    acts += moe_extra(settings, cfg, max(0, moe - n_rec), routed)
     if first:
         acts += s * b * am.embedding / (tp if sp else 1)
     if not last:
@@ -278,14 +326,29 @@ def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
                for n, p in m.named_parameters() if p.dim() == 2 and ".layers." in n)
 
 
+def _held(settings, cfg, schedule, r: int, ends: dict, routing, rank: int | None) -> tuple:
+    """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers) of pipeline rank
+    ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced)."""
+    layers, moe = chunk_layers(settings, cfg), chunk_moe_layers(settings, cfg)
+    acts, logits, specs = {}, {}, []
+    for c, (first, last) in ends.items():
+        routed = None if rank is None else (routing[(r, c)], rank)
+        specs += [] if rank is None else routing[(r, c)]
+        acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=last, first=first, moe=moe[(r, c)],
+                                              routed=routed)
+    exchange = round(_moe_exchange(settings, cfg, specs, rank)) if any(moe[(r, c)] for c in ends) else 0
+    return (*peak_held(schedule, r, acts), peak_held(schedule, r, logits)[0], exchange)
+
+
 class _Skipped(Exception):
     """The transient probes not run (``estimate(..., transients=False)``)."""
 
 
-def estimate(settings, transients: bool = True) -> list[StageMemory]:
+def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
     """Every pipeline stage's :class:`StageMemory` for ``settings``; ``transients=False`` leaves backward's own
     tensors out (their probes take tens of seconds per new tp / recompute setting at 70B: a cluster search
-    ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does."""
+    ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does.
+    ``load``: a routing histogram (:class:`omnitron.plan.routing.ExpertLoad`): each stage on its busiest ep rank."""
     from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
     given, pc = model_config(settings), settings.parallel
@@ -294,32 +357,36 @@ def estimate(settings, transients: bool = True) -> list[StageMemory]:
     schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
                               settings.num_microbatches)
     layers, moe = chunk_layers(settings, cfg), chunk_moe_layers(settings, cfg)
+    routing = moe_routing(settings, cfg, load) if load is not None and cfg.num_experts else None
     out = []
     for r in range(pp):
-        acts, logits = {}, {}
         ends = {c: (schedule.stage(r, c) == 0, schedule.stage(r, c) == schedule.num_stages - 1) for c in range(vp)}
-        for c in range(vp):
-            acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=ends[c][1], first=ends[c][0],
-                                                  moe=moe[(r, c)])
-        act_peak, most = peak_held(schedule, r, acts)
-        logit_peak, _ = peak_held(schedule, r, logits)
+        has_moe = any(moe[(r, c)] for c in range(vp))
+        probed = False
+        ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
+        each = {k: _held(settings, cfg, schedule, r, ends, routing, k) for k in ranks}
+        rank = max(each, key=lambda k: each[k][0] + transients * each[k][3])
+        act_peak, most, logit_peak, exchange = each[rank]
         st = state_bytes(settings, cfg, r)
         try:
             if not transients:
                 raise _Skipped
             excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1],
                                          moe=moe[(r, c)] > 0) for c in range(vp)) + block_dropout_bytes(settings, given)
-            if any(moe[(r, c)] for c in range(vp)):
-                excess += round(_moe_exchange(settings, cfg))
+            excess, probed = excess + exchange, True
         except _Skipped:
             excess = recompute_bytes(settings, cfg)
         except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk
             log.warning("%s; the memory estimate leaves backward's transients out", e)
             excess = recompute_bytes(settings, cfg)
         rec = min(recompute_bytes(settings, cfg), excess)  # what of the excess is rematerialised activations
-        out.append(StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
-                               round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most,
-                               excess - rec, round(send_in_flight(schedule, r, output_bytes(settings, cfg, False)))))
+        m = StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
+                        round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most, excess - rec,
+                        round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))))
+        if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
+            plain = _held(settings, cfg, schedule, r, ends, None, None)
+            m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak - plain[0]) - probed * (exchange - plain[3]))
+        out.append(m)
     return out
 
 
@@ -341,4 +408,9 @@ def format_table(stages: list[StageMemory]) -> str:
                      f" {_gib(s.boundary)} {_gib(s.total)}" for s in stages]
     top = max(stages, key=lambda s: s.total)
     rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes)")
+    routed = [s for s in stages if s.ep_rank is not None]
+    if routed:
+        rows.append("routing histogram: each stage priced on its busiest ep rank (" + "; ".join(
+            f"stage {s.stage}: ep rank {s.ep_rank}, {s.total / 2**30:.3f} GiB, balanced {s.balanced / 2**30:.3f} GiB"
+            for s in routed) + ")")
     return "\n".join(rows)

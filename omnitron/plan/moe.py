@@ -46,7 +46,8 @@ class MoELocal:
     assignments: int
     """A: rows this rank dispatches."""
     received: int
-    """R: rows the ep group's busiest rank receives for its local experts (= A at balanced routing)."""
+    """R: rows the ep group's busiest rank (or the rank asked for) receives for its local experts (= A at balanced
+    routing)."""
     local_experts: int
     rows: tuple[int, ...]
     """Rows each local expert's GEMMs see after the ep exchange and the etp gather (on the busiest rank)."""
@@ -63,14 +64,15 @@ class MoELocal:
     sp: bool
 
 
-def moe_local(cfg, x, ep: int, etp: int, sp: bool, share=None) -> MoELocal:
+def moe_local(cfg, x, ep: int, etp: int, sp: bool, share=None, rank: int | None = None) -> MoELocal:
     """:class:`MoELocal` from the dense shapes ``x`` (:func:`omnitron.plan.work.local_shapes`); ``share``: each
-    expert's part of the assignments (a measured routing histogram's row; None: balanced)."""
+    expert's part of the assignments (a measured routing histogram's row; None: balanced); ``rank``: the ep rank
+    whose experts' rows are taken (None: the busiest)."""
     E, tp = cfg.num_experts, x.tp
     T = x.tokens
     c = expert_rows(cfg, T, share)
     local = E // ep
-    r = busiest_rank(c, ep)
+    r = busiest_rank(c, ep) if rank is None else rank
     mine = c[r * local:(r + 1) * local]
     f = cfg.moe_ffn_hidden_size or ffn_size(cfg)
     shared = cfg.moe_shared_expert_intermediate_size or 0

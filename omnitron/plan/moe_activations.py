@@ -45,9 +45,14 @@ its input repeated etp times and its output, ``[R_e, h]`` each in the activation
 layer's saved tensors (:func:`moe_exchange_transient`; without it the tiny Mixtral at tp2 + SP, etp2 was
 0.26 MiB, 5.4%, under its step peak on both ranks, 2026-12-04: these buffers are 0.25 MiB).
 
-Not modelled: routing imbalance (a rank's bytes move with the rows it receives; the ep group's mean is the
-prediction; the speed model takes a measured histogram, :mod:`omnitron.plan.routing`), dropped tokens (a
-capacity factor is taken as dropping nothing at balanced routing), FP8 expert GEMMs' saved copies. The ep
+Routing imbalance: with a routing histogram's row (``share``) and an ep rank, ``A`` is what the rank dispatches
+and ``R`` / ``R_e`` what that rank's experts receive, from the speed model's rows
+(:func:`omnitron.plan.moe.moe_local`, :func:`omnitron.plan.routing.expert_rows`: capped or padded at the
+capacity, the drops taken off); :func:`omnitron.plan.memory.estimate` prices every ep rank and reports the
+busiest. Its backward transients stay balanced (the probe's): the hot expert's backward gradients on its extra
+rows are left out (3.4% of a skewed ep2 step's peak at most in tests/plan/test_transients.py, 2026-12-04).
+Not modelled: dropped tokens at balanced routing (a capacity factor is taken as dropping nothing), FP8 expert
+GEMMs' saved copies. The ep
 all-to-all's buffers in backward are left out on evidence: with 2 MiB buffers (1.8% of the step) a padded
 ep2 step's peak rose by the regroup indices the plan adds and not by them (BENCHMARKS.md, 2026-12-04).
 """
@@ -153,18 +158,20 @@ def moe_rates(cfg, tp: int, etp: int) -> MoERates:
     return _CACHE[key]
 
 
-def moe_layer_extra(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int) -> float:
+def moe_layer_extra(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, share=None,
+                    rank: int | None = None) -> float:
     """Bytes one MoE layer saves beyond the dense layer of the same config, one micro-batch of ``b`` sequences
-    of ``s`` tokens on this rank (``s`` already divided by cp), following the module docstring's terms."""
+    of ``s`` tokens on this rank (``s`` already divided by cp), following the module docstring's terms.
+    ``share``: a routing histogram's row (None: balanced), priced on ep rank ``rank``'s experts (None: the
+    layer's busiest; :func:`omnitron.plan.moe.moe_local`)."""
     from omnitron.plan.moe import moe_local
 
-    m = moe_local(cfg, SimpleNamespace(tokens=s * b, tp=tp), ep, etp, sp)
+    m = moe_local(cfg, SimpleNamespace(tokens=s * b, tp=tp), ep, etp, sp, share, rank)
     r = moe_rates(cfg, tp, etp)
     e, h, T = cfg.params_dtype.itemsize, cfg.hidden_size, m.tokens
-    A = m.assignments
-    rows = A * etp
+    A, R, rows = m.assignments, m.received, sum(m.rows)  # sent; received; at the experts (R_e = etp R)
     block = r.rho * m.router_tokens + r.rho0 * b + A * (16 + e + 2 * h * e) + rows * (h * e + r.expert)
-    block += 16 * A * (ep > 1) + 16 * rows * (etp > 1) + 8 * A * bool(cfg.add_bias_linear)
+    block += 16 * R * (ep > 1) + 16 * rows * (etp > 1) + 8 * R * bool(cfg.add_bias_linear)
     shared = bool(cfg.moe_shared_expert_intermediate_size)
     block += T * r.shared
     if sp and tp > 1:  # the router keeps its input shard (e = 4), the shared expert its all-gathered input
@@ -174,14 +181,16 @@ def moe_layer_extra(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int) -
     return block - T * (h * e + r.dense)
 
 
-def moe_exchange_transient(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int) -> float:
-    """The etp all-gather's buffers in an MoE layer's backward (module docstring): ``2 R_e h e``, 0 at etp 1."""
+def moe_exchange_transient(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, share=None,
+                           rank: int | None = None) -> float:
+    """The etp all-gather's buffers in an MoE layer's backward (module docstring): ``2 R_e h e``, 0 at etp 1
+    (``share``, ``rank``: as :func:`moe_layer_extra`)."""
     from omnitron.plan.moe import moe_local
 
     if etp == 1:
         return 0.0
-    m = moe_local(cfg, SimpleNamespace(tokens=s * b, tp=tp), ep, etp, sp)
-    return 2.0 * m.assignments * etp * cfg.hidden_size * cfg.params_dtype.itemsize
+    m = moe_local(cfg, SimpleNamespace(tokens=s * b, tp=tp), ep, etp, sp, share, rank)
+    return 2.0 * sum(m.rows) * cfg.hidden_size * cfg.params_dtype.itemsize
 
 
 _PROBE_EXPERTS = 16

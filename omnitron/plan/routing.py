@@ -19,8 +19,9 @@ routes (:mod:`omnitron.core.transformer.moe.capacity`, :mod:`omnitron.core.trans
 A histogram with one row per MoE layer prices each layer at its own row (in the model's order, so the pipeline
 stage holding the skewed layers is the slower one); any other number of rows prices every MoE layer at the
 mean of its cost over them. Assumed: every source routes by the same shares; a histogram summed over many steps
-understates one micro-batch's imbalance by its sampling noise. Memory stays at balanced routing
-(:mod:`omnitron.plan.moe_activations`).
+understates one micro-batch's imbalance by its sampling noise. The memory model takes the same rows
+(:func:`expert_rows`) for each ep rank's experts and reports each stage's busiest
+(:func:`omnitron.plan.memory.estimate`).
 """
 from __future__ import annotations
 
@@ -137,4 +138,4 @@ def describe(cfg, settings, rates) -> str:
     ratio, drop = imbalance(cfg, x.tokens, load, pc.expert_model_parallel_size)
     return (f"MoE: routing from {load.path} ({len(load.shares)} layer(s)): the busiest ep rank's experts take "
             f"{ratio:.2f}x the mean rank's rows, {100 * drop:.2f}% of assignments dropped (means over its layers); "
-            "memory at balanced routing")
+            "memory on each stage's busiest ep rank")

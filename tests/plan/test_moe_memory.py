@@ -3,6 +3,8 @@ and the probe rates against the tensors the engine's router and SwiGLU experts s
 The models against measured bytes are in test_activations.py, test_tp_activations.py and test_transients.py."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -70,3 +72,56 @@ def test_probe_rates_are_the_saved_tensors(dtype):
     assert r.rho == 4 * E + 12 * k + copy * 4 * h
     assert r.rho0 == 4 * E + 4 + copy * 4 * E * h
     assert r.expert == 3 * (w // 2) * e and r.dense == 3 * (w // 2) * e and r.shared == 3 * (64 // 2) * e
+
+
+def test_busiest_ep_rank_bytes_by_hand(fixed_rates):
+    """Routing histogram (1/2, 1/4, 1/8, 1/8) (counts 4:2:1:1 times a random n), fp32 h 16, E 4, k 2, s 8, b 2 (T 16,
+    T k = 32), tp1, ep2: expert rows c = 16, 8, 4, 4 of each rank's micro-batch; ep rank 0 holds experts 0-1 and
+    receives both ranks' rows for them, R = 2 (16 + 8) = 48 (rank 1: 16; balanced 32); each rank dispatches A = 32.
+    router 10 x 16 + 3 x 2 = 166; pairs etc. 32 (16 + 4 + 2 x 16 x 4) = 4736; expert rows R (16 x 4 + 7) = 71 R;
+    ep permutations 16 R; the norm output (fp32) 16 x 16 x 4 = 1024; minus the dense MLP 16 (64 + 11) = 1200:
+    4726 + 87 R = 8902 (rank 0), 6118 (rank 1), 7510 (balanced, their mean). Capacity factor 1.0 (cap 8): c = 8,
+    8, 4, 4, A = 24, R = 32 on rank 0: 166 + 24 x 148 + 87 x 32 - 176 = 6326; padded to it: A = 32, R = 32 on both
+    ranks: the balanced 7510. etp2 (tp1): every local expert's rows gathered over 2 etp ranks, R_e = 2 R = 96 on
+    rank 0, the backward's buffers 2 x 96 x 16 x 4 = 12288."""
+    import random
+
+    from omnitron.plan.moe_activations import moe_exchange_transient, moe_layer_extra
+
+    n = random.randint(1, 9)
+    share = tuple(v / (8 * n) for v in (4 * n, 2 * n, n, n))
+    cfg = _cfg()
+    assert [moe_layer_extra(cfg, 8, 2, 1, False, 2, 1, share, r) for r in (0, 1)] == [8902, 6118]
+    assert moe_layer_extra(cfg, 8, 2, 1, False, 2, 1, share) == 8902  # the busiest when none is named
+    assert moe_layer_extra(cfg, 8, 2, 1, False, 2, 1) == 7510
+    capped = _cfg(moe_expert_capacity_factor=1.0)
+    assert moe_layer_extra(capped, 8, 2, 1, False, 2, 1, share, 0) == 6326
+    padded = _cfg(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    assert [moe_layer_extra(padded, 8, 2, 1, False, 2, 1, share, r) for r in (0, 1)] == [7510, 7510]
+    assert moe_exchange_transient(cfg, 8, 2, 1, False, 2, 2, share, 0) == 12288
+
+
+def test_estimate_prices_each_stage_on_its_busiest_ep_rank(fixed_rates, tmp_path):
+    """A two-layer MoE model (fp32 h 64, s 32, b 2: T k = 128), ep2, pp1, histogram rows (4:2:1:1, flat): layer 0
+    puts R = 2 (64 + 32) = 192 rows on ep rank 0 (balanced 128), layer 1 balanced; rank 0's activations exceed the
+    balanced stage's by 64 (64 x 4 + 7 + 16 + 8) = 18368 bytes (rows, their MLP rate, the ep permutations and
+    the fc2 biases' index: GPT's linears have biases; transients off). Rows reversed (1:1:2:4), rank 1 is the
+    busiest by as much; flat rows price balanced. Three rows for two MoE layers (two 4:2:1:1, one flat): every
+    layer at the rows' mean, 2/3 of the excess each (the bytes are linear in the rows)."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.routing import read_expert_load
+
+    from tests.plan.test_moe_speed import _args
+
+    s = parse_settings(_args(str(tmp_path), ["--expert-model-parallel-size", "2"]), 2)
+    plain = estimate(s, transients=False)[0]
+    for rows, rank in (([4, 2, 1, 1], 0), ([1, 1, 2, 4], 1)):
+        path = tmp_path / "load.json"
+        path.write_text(json.dumps({"tokens_per_expert": [rows, [1, 1, 1, 1]]}))
+        got = estimate(s, transients=False, load=read_expert_load(str(path)))[0]
+        assert (got.ep_rank, got.activations - plain.activations, got.balanced) == (rank, 18368, plain.total)
+        assert got.total - plain.total == 18368
+    path.write_text(json.dumps({"tokens_per_expert": [[4, 2, 1, 1], [8, 4, 2, 2], [1, 1, 1, 1]]}))  # 3 rows, 2 layers
+    got = estimate(s, transients=False, load=read_expert_load(str(path)))[0]
+    assert got.activations - plain.activations == round(2 * 2 * 18368 / 3)  # each layer at the rows' mean

@@ -311,6 +311,10 @@ class LoggingConfig:
     log_memory_estimate: bool = False
     """--log-memory-estimate: rank 0 logs omnitron.plan's predicted memory per pipeline stage (the table of
     ``omnitron plan``) before the first step."""
+    moe_expert_load_out: str | None = None
+    """--moe-expert-load-out FILE (omnitron's; Megatron-LM has none): write the run's routing histogram, each
+    decoder MoE layer's router picks per expert before capacity, to FILE at every checkpoint save and at the
+    end, in the form ``omnitron plan --moe-expert-load`` reads (:mod:`omnitron.core.transformer.moe.expert_load`)."""
     log_memory_to_tensorboard: bool = False
     """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
     log_timers_to_tensorboard: bool = False

@@ -26,6 +26,7 @@ from omnitron.core.training.step import evaluate, train_step
 from omnitron.core.training.straggler import StragglerDetector
 from omnitron.core.training.timers import StepProfiler, Timers, format_timers, timer_fields
 from omnitron.core.training.watchdog import NullWatchdog
+from omnitron.core.transformer.moe import expert_load
 
 log = logging.getLogger("omnitron.train")
 
@@ -155,6 +156,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     checkpointing.prepare_saves(c)
     t, ck, lg = settings.training, settings.checkpoint, settings.logging
     rank0 = c.groups.rank == 0
+    if lg.moe_expert_load_out:
+        expert_load.start(c.modules, c.model)
     if rank0:
         layout = (c.groups.describe() or "").splitlines()
         log.info("omnitron: %s | %.2fM parameters | %s | %d micro-batches/step | backend %s",
@@ -222,6 +225,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                 began = time.perf_counter()
                 with timers.phase("save-checkpoint"):
                     checkpointing.save(c)
+                _write_expert_load(c)
                 if rank0:
                     log.info("checkpoint save at iteration %d took %.1f s", c.iteration, time.perf_counter() - began)
                 saved_at = c.iteration
@@ -231,6 +235,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                              f" (checkpoint saved at {saved_at})" if saved_at == c.iteration else "")
                 break
         checkpointing.finish_saves(c)  # --async-save: the last background write, committed
+        if saved_at != c.iteration:  # written with the last save otherwise
+            _write_expert_load(c)
         if saved_at is not None and saved_at >= logged_at:  # a save no log line has reported yet
             _report_last_save(c, timers, rank0)
     finally:
@@ -245,6 +251,13 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k,
                      temperature=settings.sample_temperature)
     return result
+
+
+def _write_expert_load(c) -> None:
+    """--moe-expert-load-out: the routing histogram so far (collective; every rank calls it)."""
+    path = c.settings.logging.moe_expert_load_out
+    if path:
+        expert_load.write(path, c.modules, c.model, c.groups, c.groups.config.sequence_parallel)
 
 
 def _wandb_run(settings, log_dir: str):

@@ -44,6 +44,7 @@ class TransformerLayer(nn.Module):
             if groups is None:
                 raise ValueError("an MoE layer (num_experts set) needs groups=ParallelGroups for its expert groups")
             self.mlp = MoELayer(c, groups=groups, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std)
+            self.mlp.layer_number = layer_number
         else:
             self.mlp = MLP(c, group=group, sequence_parallel=sequence_parallel, backend=backend, out_std=out_std,
                            skip_out_bias=skip)

@@ -97,6 +97,8 @@ class MTPLayer(nn.Module):
         self.transformer_layer = TransformerLayer(c, group=group, sequence_parallel=sequence_parallel,
                                                   tracker=tracker, backend=backend, groups=groups,
                                                   layer_number=c.num_layers - 1)
+        if hasattr(self.transformer_layer.mlp, "layer_number"):  # an MoE layer, but no decoder layer
+            self.transformer_layer.mlp.layer_number = None
         self.final_layernorm = Norm(c.hidden_size, **nkw)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, freqs) -> torch.Tensor:

@@ -165,6 +165,15 @@ def _keep_seeds():
     return torch_checkpoint.create_selective_checkpoint_contexts(_save_seeds)
 
 
+_RECOMPUTING = [0]
+
+
+def recomputing() -> bool:
+    """Whether :func:`checkpoint` is rerunning a forward in backward now (a counter of the forward's work, such
+    as the routers' picks for ``--moe-expert-load-out``, skips it)."""
+    return _RECOMPUTING[0] > 0
+
+
 def checkpoint(fn: Callable, tracker: RNGTracker | None, *args, **kwargs):
     """``fn(*args, **kwargs)`` without keeping its activations; backward recomputes them.
 
@@ -192,9 +201,11 @@ def checkpoint(fn: Callable, tracker: RNGTracker | None, *args, **kwargs):
         (backend.set_rng_state if backend is not None else torch.set_rng_state)(snap_default)
         if tracker is not None:
             tracker.set_states(snap_tracker)
+        _RECOMPUTING[0] += 1
         try:
             return fn(*a, **kw)
         finally:
+            _RECOMPUTING[0] -= 1
             (backend.set_rng_state if backend is not None else torch.set_rng_state)(live_default)
             if tracker is not None:
                 tracker.set_states(live_tracker)

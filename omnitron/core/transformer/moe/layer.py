@@ -82,6 +82,9 @@ class MoELayer(nn.Module):
                                       backend=backend, out_std=out_std, skip_out_bias=False)
         self.aux_loss_scale = 1.0
         self.aux_loss_total: torch.Tensor | None = None
+        self.layer_number: int | None = None
+        """The global decoder layer it is the MLP of (0-based; set by the layer; None in a multi-token prediction
+        depth): the row of its router's picks in ``--moe-expert-load-out``'s histogram."""
 
     def _route(self, tokens: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gates [T, E], mask [T, E])``: routing probability of each (token, expert) pair (0 where not

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.parallel.tensor.random import recomputing
 from omnitron.core.parallel.tensor.sharding import set_attributes
 
 
@@ -184,6 +185,8 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(c.num_experts, dtype=torch.float32) if on else None)
         self.register_buffer("tokens_per_expert", torch.zeros(c.num_experts, dtype=torch.float32) if on else None,
                              persistent=False)
+        # --moe-expert-load-out: the run's picks per expert (int64, on the device; :mod:`.expert_load` sets it)
+        self.register_buffer("expert_picks", None, persistent=False)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(probs [T, k], experts [T, k])`` of float32 ``logits [T, E]``."""
@@ -200,6 +203,10 @@ class TopKRouter(nn.Module):
         if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
+        if self.expert_picks is not None and self.training and torch.is_grad_enabled() and not recomputing():
+            with torch.no_grad():  # scatter_add_: no host sync (a device bincount reads its size back)
+                picks = experts.reshape(-1)
+                self.expert_picks.scatter_add_(0, picks, torch.ones_like(picks))
         aux = None
         if self.training and torch.is_grad_enabled():
             if self.coeff > 0.0:
