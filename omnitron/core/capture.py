@@ -4,7 +4,7 @@ on every later training call with the same shapes, so a layer's many small launc
 activations) cost one graph launch each way.
 
 Capture is lazy: a layer's first training call (grad enabled, training mode) captures it with that call's
-shapes; validation and generation run the eager forward. What the captured code must not do, since no Python
+shapes; validation and generation run the eager forward (the compiled one under ``--torch-compile``). What the captured code must not do, since no Python
 runs on replay: swap generator states (the tensor-parallel RNG fork) or consult host-side caches (the FP8 weight
 cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
 their traceable form (explicit dropout masks from the default generator, the weight re-quantized in the graph).
@@ -21,12 +21,13 @@ compiled (:func:`omnitron.core.compile.prepare_layers`, one dynamo graph shared 
 forward is what gets captured: the fused kernels keep their fusion and lose their launches, the AOTAutograd
 wrappers and dynamo's guard checks. Sound because (a) the capture's warm-up iterations run the compiled forward
 and backward with the sample's shapes first, so dynamo and inductor compile (and autotune) before the capture
-begins: a compilation under capture fails loudly (torch issues #131782, #167639: dynamo reads the generator
-state), it is never silent on CUDA; (b) nothing a guard checks changes between replays: shapes, dtypes and
-``requires_grad`` key the graphs as without compilation, only training calls with grad enabled are captured, and
-the one Python flag a layer reads per step (the delayed recipe's ``AmaxReducer.primed``) belongs to a refused
-recipe; (c) the compiled layer has no graph break (tested) and so no host sync; tensorwise / blockwise FP8
-re-quantize the weight in the graph (:func:`in_graph`). Refused besides: MoE, whose token exchange runs eagerly
+begins; a compilation under capture fails loudly on CUDA (torch issues #131782, #167639: dynamo reads the
+generator state; on ROCm it is silently wrong, #185074); (b) nothing a guard checks changes between replays:
+shapes, dtypes and ``requires_grad`` key the graphs as without compilation, only training calls with grad
+enabled are captured, the capture flag itself is never read while dynamo traces (:func:`in_graph`), and the one
+Python flag a layer reads per step (the delayed recipe's ``AmaxReducer.primed``) belongs to a refused recipe;
+(c) the compiled layer has no graph break (tested), so no Python runs between its kernels that a replay would
+skip; tensorwise / blockwise FP8 re-quantize the weight in the graph. Refused besides: MoE, whose token exchange runs eagerly
 between a compiled layer's graphs and reads the routing's sizes on the host.
 """
 from __future__ import annotations

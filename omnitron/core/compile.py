@@ -5,6 +5,8 @@ Each :class:`~omnitron.core.transformer.layer.TransformerLayer` is compiled in p
 data-parallel wrappers are those of the eager model. Every layer runs the same ``forward`` code on
 parameters of the same shapes, so dynamo traces it once and the other layers (and every micro-batch and
 pipeline chunk) reuse the graph; the embedding, the loss, the pipeline schedule and the optimizer stay eager.
+With ``--cuda-graph-impl local`` too, each layer's forward is compiled by
+:func:`omnitron.core.capture.capture_layers` instead and the compiled forward is captured as device graphs.
 
 What makes a layer trace without graph breaks:
 
