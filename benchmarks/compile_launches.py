@@ -136,7 +136,8 @@ def main() -> None:
             r = out[f"{precision} {'compiled' if compiled else 'eager'}"] = measure(precision, compiled)
             print(f"{precision:4s} {'compiled' if compiled else 'eager':8s} launches {r['launches']:5d} compute "
                   f"{r['compute']:5d} (aten "
-                  f"{r['aten']} of which optimizer {r['optimizer']}, inductor {r['inductor']}; generated {r['generated']} "
+                  f"{r['aten']} of which optimizer {r['optimizer']}, inductor {r['inductor']}; "
+                  f"generated {r['generated']} "
                   f"({r['generated_fwd']} forward), graphs {r['graphs']}) step {r['step_ms']:.0f} ms, "
                   f"first {r['first_step_s']:.1f} s, loss {r['loss']:.5f}; top {r['top_aten'][:4]}", flush=True)
     if a.json:

@@ -4,9 +4,9 @@ on every later training call with the same shapes, so a layer's many small launc
 activations) cost one graph launch each way.
 
 Capture is lazy: a layer's first training call (grad enabled, training mode) captures it with that call's
-shapes; validation and generation run the eager forward (the compiled one under ``--torch-compile``). What the captured code must not do, since no Python
-runs on replay: swap generator states (the tensor-parallel RNG fork) or consult host-side caches (the FP8 weight
-cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
+shapes; validation and generation run the eager forward (the compiled one under ``--torch-compile``). What the
+captured code must not do, since no Python runs on replay: swap generator states (the tensor-parallel RNG fork)
+or consult host-side caches (the FP8 weight cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
 their traceable form (explicit dropout masks from the default generator, the weight re-quantized in the graph).
 
 Refused (one line each, :func:`check_settings`, as Megatron refuses its own incompatible options): both
@@ -27,8 +27,8 @@ shapes, dtypes and ``requires_grad`` key the graphs as without compilation, only
 enabled are captured, the capture flag itself is never read while dynamo traces (:func:`in_graph`), and the one
 Python flag a layer reads per step (the delayed recipe's ``AmaxReducer.primed``) belongs to a refused recipe;
 (c) the compiled layer has no graph break (tested), so no Python runs between its kernels that a replay would
-skip; tensorwise / blockwise FP8 re-quantize the weight in the graph. Refused besides: MoE, whose token exchange runs eagerly
-between a compiled layer's graphs and reads the routing's sizes on the host.
+skip; tensorwise / blockwise FP8 re-quantize the weight in the graph. Refused besides: MoE, whose token exchange
+runs eagerly between a compiled layer's graphs and reads the routing's sizes on the host.
 """
 from __future__ import annotations
 
