@@ -8,10 +8,11 @@
 #   1. environment and `omnitron info`
 #   2. the 1.3B GPT, 15 iterations each: bf16 and tensorwise FP8 eager, then both with --torch-compile (FP8's
 #      cast as a Triton graph op and as inductor's lowering; delayed FP8 too; micro-batch 4 and 8), then both
-#      with --cuda-graph-impl local, then torchao's FP8 (--fp8-impl torchao) where its wheel was carried (the
+#      with --cuda-graph-impl local, and compiled with it (the compiled layers captured), then torchao's FP8 (--fp8-impl torchao) where its wheel was carried (the
 #      FP8-vs-bf16 goal), metrics-*.jsonl kept for the loss curves
 #   3. one FP8 layer profiled (benchmarks/fp8_profile.py), the FP8 linear table (benchmarks/fp8_gemm.py), and
-#      one compiled FP8 and one compiled bf16 training step traced (`--profile`: idle fraction, top kernels)
+#      compiled FP8, compiled bf16 and compiled + captured FP8 training steps traced (`--profile`: idle
+#      fraction, top kernels; two untraced iterations after them in the same run)
 #   4. multi-rank on one GPU: benchmarks/device_multirank.py (2-4 processes on the one device over
 #      host-staged gloo, losses against the CPU run of the same layout; world-1 layouts on NCCL)
 #   5. the cuda conformance suite (every kernel against its float64 reference)
@@ -83,6 +84,11 @@ train_step 90 fp8-tensorwise-compiled-mbs8 "${FP8_TW[@]}" --torch-compile "${MBS
 # each layer's forward and backward captured as CUDA graphs and replayed (never run on a GPU before)
 train_step 80 fp8-tensorwise-graphs "${FP8_TW[@]}" --cuda-graph-impl local
 train_step 80 bf16-graphs --cuda-graph-impl local
+# each COMPILED layer's forward and backward captured as CUDA graphs (--torch-compile with --cuda-graph-impl
+# local): inductor's fused kernels replayed without their launches, AOTAutograd's wrappers and dynamo's guard
+# checks; the A/B against the compiled steps above (BENCHMARKS.md, the 2026-12-04 analysis of FP8's idle time)
+train_step 80 bf16-compiled-graphs --torch-compile --cuda-graph-impl local
+train_step 80 fp8-tensorwise-compiled-graphs "${FP8_TW[@]}" --torch-compile --cuda-graph-impl local
 # torchao's Float8Linear behind --fp8-impl torchao (tensorwise), eager and compiled, where the wheel came along
 if [ "$TORCHAO" = 1 ]; then
   train_step 60 fp8-torchao "${FP8_TW[@]}" --fp8-impl torchao
@@ -94,10 +100,12 @@ need benchmarks/fp8_profile.py benchmarks/fp8_gemm.py
 run_step fp8-profile 45 bash -c "python3 benchmarks/fp8_profile.py --json $LOG_DIR/fp8_profile.json &&
   python3 benchmarks/fp8_gemm.py --step-layers 4 --json $LOG_DIR/fp8_gemm.json"
 # the whole compiled FP8 step under torch.profiler (iterations 5-6): device busy / idle, top kernels
-# (omnitron/core/training/trace_summary.py; profile-*.json, and the log line)
-train_step 90 fp8-step-profile "${FP8_TW[@]}" --torch-compile --train-iters 6 --profile --profile-step-start 4 \
-  --profile-step-end 6
-train_step 90 bf16-step-profile --torch-compile --train-iters 6 --profile --profile-step-start 4 --profile-step-end 6
+# (omnitron/core/training/trace_summary.py; profile-*.json, and the log line); iterations 7-8 run untraced in the
+# same process and every iteration is logged, so metrics-*-step-profile.jsonl shows what the profiler itself adds
+PROFILE=(--torch-compile --train-iters 8 --log-interval 1 --profile --profile-step-start 4 --profile-step-end 6)
+train_step 90 fp8-step-profile "${FP8_TW[@]}" "${PROFILE[@]}"
+train_step 90 bf16-step-profile "${PROFILE[@]}"
+train_step 90 fp8-tensorwise-compiled-graphs-step-profile "${FP8_TW[@]}" "${PROFILE[@]}" --cuda-graph-impl local
 
 # context parallelism's hash dropout fused into the Triton flash block: masks and accuracy checked on the device,
 # then fused vs the chunked reference vs the flash kernel without dropout (one ring block, s 4096, GQA 32/8)

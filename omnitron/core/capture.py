@@ -4,17 +4,31 @@ on every later training call with the same shapes, so a layer's many small launc
 activations) cost one graph launch each way.
 
 Capture is lazy: a layer's first training call (grad enabled, training mode) captures it with that call's
-shapes; validation and generation run the eager forward. What the captured code must not do, since no Python
-runs on replay: swap generator states (the tensor-parallel RNG fork) or consult host-side caches (the FP8 weight
-cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
+shapes; validation and generation run the eager forward (the compiled one under ``--torch-compile``). What the
+captured code must not do, since no Python runs on replay: swap generator states (the tensor-parallel RNG fork)
+or consult host-side caches (the FP8 weight cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
 their traceable form (explicit dropout masks from the default generator, the weight re-quantized in the graph).
 
 Refused (one line each, :func:`check_settings`, as Megatron refuses its own incompatible options): both
 spellings at once; an implementation other than ``local``; pipeline parallelism (each in-flight micro-batch would
 need its own graph, since a replay overwrites the static activations of the previous one); activation
-recomputation; ``--torch-compile`` (choose one); the ``delayed`` FP8 recipe (its amax history is Python state
+recomputation; the ``delayed`` FP8 recipe (its amax history is Python state
 updated per call); MoE without ``--moe-expert-capacity-factor`` (data-dependent shapes); FSDP2 (module hooks);
 backends whose ``capabilities().graph_capture`` is False (cpu, sim: no device graphs; :func:`capture_layers`).
+
+With ``--torch-compile`` (Megatron graphs Transformer Engine's fused layers the same way) each layer's forward is
+compiled (:func:`omnitron.core.compile.prepare_layers`, one dynamo graph shared by every layer) and the compiled
+forward is what gets captured: the fused kernels keep their fusion and lose their launches, the AOTAutograd
+wrappers and dynamo's guard checks. Sound because (a) the capture's warm-up iterations run the compiled forward
+and backward with the sample's shapes first, so dynamo and inductor compile (and autotune) before the capture
+begins; a compilation under capture fails loudly on CUDA (torch issues #131782, #167639: dynamo reads the
+generator state; on ROCm it is silently wrong, #185074); (b) nothing a guard checks changes between replays:
+shapes, dtypes and ``requires_grad`` key the graphs as without compilation, only training calls with grad
+enabled are captured, the capture flag itself is never read while dynamo traces (:func:`in_graph`), and the one
+Python flag a layer reads per step (the delayed recipe's ``AmaxReducer.primed``) belongs to a refused recipe;
+(c) the compiled layer has no graph break (tested), so no Python runs between its kernels that a replay would
+skip; tensorwise / blockwise FP8 re-quantize the weight in the graph. Refused besides: MoE, whose token exchange
+runs eagerly between a compiled layer's graphs and reads the routing's sizes on the host.
 """
 from __future__ import annotations
 
@@ -49,7 +63,8 @@ def check_settings(training, model, parallel, fp8, ddp) -> None:
          "a replay overwrites the previous one's activations; use --pipeline-model-parallel-size 1"),
         (getattr(model, "recompute_granularity", None) is not None,
          "activation recomputation re-runs the forward inside the backward; drop --recompute-granularity"),
-        (training.torch_compile, "--torch-compile is another way to cut launches; choose one of them"),
+        (training.torch_compile and getattr(model, "num_experts", None), "with --torch-compile the MoE token "
+         "exchange runs eagerly between the compiled graphs and reads its sizes on the host; drop --torch-compile"),
         (fp8 is not None and fp8.fp8_recipe == "delayed", "the delayed FP8 recipe updates its amax history in Python "
          "on every call; use --fp8-recipe tensorwise or blockwise"),
         (getattr(model, "num_experts", None) and getattr(model, "moe_expert_capacity_factor", None) is None,
@@ -63,11 +78,12 @@ def check_settings(training, model, parallel, fp8, ddp) -> None:
 
 
 class CapturedForward:
-    """Stands in for one layer's ``forward``: eager outside training, else the graphed callable captured for
-    this call's shapes (captured on first use)."""
+    """Stands in for one layer's ``forward``: ``run`` (the eager forward, or the compiled one under
+    ``--torch-compile``) outside training, else the graphed callable of ``run`` captured for this call's shapes
+    (captured on first use)."""
 
-    def __init__(self, layer: nn.Module, backend) -> None:
-        self.layer, self.backend, self.eager = layer, backend, layer.forward
+    def __init__(self, layer: nn.Module, backend, run=None) -> None:
+        self.layer, self.backend, self.eager = layer, backend, run or layer.forward
         self.graphs: dict[tuple, object] = {}
         self.captures = 0
 
@@ -96,16 +112,20 @@ class _Call(nn.Module):
         return self.fn(x, freqs)
 
 
-def capture_layers(modules: list[nn.Module], backend) -> list[CapturedForward]:
-    """Replace every transformer layer's ``forward`` by a :class:`CapturedForward`; refused in one line where the
-    backend has no device graphs."""
-    from omnitron.core.compile import transformer_layers
+def capture_layers(modules: list[nn.Module], backend, compiled: bool = False,
+                   compiler: str | None = None) -> list[CapturedForward]:
+    """Replace every transformer layer's ``forward`` by a :class:`CapturedForward` of the eager forward, or with
+    ``compiled`` of the forward compiled by ``torch.compile`` (``compiler``: the device's own unless given);
+    refused in one line where the backend has no device graphs."""
+    from omnitron.core.compile import prepare_layers, transformer_layers
 
     if not backend.capabilities().graph_capture:
         raise ConfigError(f"--cuda-graph-impl local: the {backend.name} backend has no device graphs "
                           f"(capabilities().graph_capture is False); drop --cuda-graph-impl")
+    layers, compiler = prepare_layers(modules, backend, compiler) if compiled else (transformer_layers(modules), None)
     out = []
-    for layer in transformer_layers(modules):
-        layer.forward = CapturedForward(layer, backend)
+    for layer in layers:
+        run = torch.compile(layer.forward, backend=compiler, dynamic=False) if compiled else None
+        layer.forward = CapturedForward(layer, backend, run)
         out.append(layer.forward)
     return out

@@ -5,6 +5,8 @@ Each :class:`~omnitron.core.transformer.layer.TransformerLayer` is compiled in p
 data-parallel wrappers are those of the eager model. Every layer runs the same ``forward`` code on
 parameters of the same shapes, so dynamo traces it once and the other layers (and every micro-batch and
 pipeline chunk) reuse the graph; the embedding, the loss, the pipeline schedule and the optimizer stay eager.
+With ``--cuda-graph-impl local`` too, each layer's forward is compiled by
+:func:`omnitron.core.capture.capture_layers` instead and the compiled forward is captured as device graphs.
 
 What makes a layer trace without graph breaks:
 
@@ -101,10 +103,10 @@ def transformer_layers(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for chunk in modules for m in chunk.modules() if isinstance(m, TransformerLayer)]
 
 
-def compile_layers(modules: list[nn.Module], backend, compiler: str | None = None) -> int:
-    """Compile every transformer layer of ``modules`` in place; returns how many. ``compiler``: a
-    ``torch.compile`` backend name (default: the device's own, e.g. ``"inductor"``; tests pass
-    ``"aot_eager"`` to check tracing without code generation)."""
+def prepare_layers(modules: list[nn.Module], backend, compiler: str | None = None) -> tuple[list[nn.Module], str]:
+    """The transformer layers to compile and the ``torch.compile`` backend, with everything a trace must not do
+    first done now: the fused ops resolved, the MoE exchange's eager wrapper made. Refused in one line where the
+    model has no such layer."""
     compiler = compiler or compiler_for(backend)
     layers = transformer_layers(modules)
     if not layers:
@@ -112,6 +114,14 @@ def compile_layers(modules: list[nn.Module], backend, compiler: str | None = Non
                           "covers the GPT-style decoder layers); drop --torch-compile")
     backend.kernels.table()  # resolve every fused op now: a first lookup while dynamo traces would break the graph
     prepare_for_compile()  # the MoE exchange's eager wrapper, made now that dynamo is wanted
+    return layers, compiler
+
+
+def compile_layers(modules: list[nn.Module], backend, compiler: str | None = None) -> int:
+    """Compile every transformer layer of ``modules`` in place; returns how many. ``compiler``: a
+    ``torch.compile`` backend name (default: the device's own, e.g. ``"inductor"``; tests pass
+    ``"aot_eager"`` to check tracing without code generation)."""
+    layers, compiler = prepare_layers(modules, backend, compiler)
     for layer in layers:
         layer.compile(backend=compiler, dynamic=False)
     log.info("--torch-compile: %d transformer layers compiled with %s (traced once on the first step)",

@@ -15,8 +15,10 @@ _capturing = [False]
 
 def in_graph() -> bool:
     """True while dynamo traces or a device graph is being captured: no Python runs later, so generator swaps
-    and host-side caches are off."""
-    return _capturing[0] or torch.compiler.is_compiling()
+    and host-side caches are off. ``is_compiling()`` is asked first: dynamo folds it to True and never reads the
+    capture flag, so a compiled layer installs no guard on it and the graph traced inside a capture
+    (``--torch-compile`` with ``--cuda-graph-impl local``) is the one every other call reuses."""
+    return torch.compiler.is_compiling() or _capturing[0]
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import torch
 
 from omnitron.core.config import ConfigError
 
-from test_torch_compile import STEPS, _argv
+from test_torch_compile import REL, STEPS, _argv
 
 
 def _settings(*extra: str, world: int = 2):
@@ -30,7 +30,8 @@ def test_both_spellings_select_the_local_implementation(flags):
     (("--cuda-graph-impl", "transformer_engine"), "use --cuda-graph-impl local"),
     (("--cuda-graph-impl", "local", "--pipeline-model-parallel-size", "2"), "--pipeline-model-parallel-size 1"),
     (("--cuda-graph-impl", "local", "--recompute-granularity", "selective"), "drop --recompute-granularity"),
-    (("--cuda-graph-impl", "local", "--torch-compile"), "choose one"),
+    (("--cuda-graph-impl", "local", "--torch-compile", "--num-experts", "2", "--moe-expert-capacity-factor", "1.0"),
+     "drop --torch-compile"),
     (("--cuda-graph-impl", "local", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"), "--fp8-recipe tensorwise"),
     (("--cuda-graph-impl", "local", "--num-experts", "2"), "--moe-expert-capacity-factor"),
 ])
@@ -50,7 +51,9 @@ def test_backends_without_graphs_refuse_naming_the_fix():
 
 class GraphDouble:
     """The cpu backend stating graph support; ``capture`` records what it is handed and whether the capture-time
-    paths were on while it ran the callable once (as a real capture's warm-up does), then returns it."""
+    paths were on while it ran the callable's forward and backward once as a real capture's warm-up does
+    (``torch.cuda.make_graphed_callables``: grad enabled, ``autograd.grad`` to the inputs and parameters, so
+    nothing accumulates into ``.grad``), then returns it."""
 
     def __init__(self) -> None:
         from omnitron.backends import get_backend
@@ -68,8 +71,8 @@ class GraphDouble:
     def capture(self, fn, sample_args):
         from omnitron.core.capture import in_graph
 
-        with torch.no_grad():
-            fn(*sample_args)
+        wrt = [a for a in sample_args if a.requires_grad] + [p for p in fn.parameters() if p.requires_grad]
+        torch.autograd.grad(fn(*sample_args).square().sum(), wrt)
         self.captured.append(([tuple(a.shape) for a in sample_args], in_graph(), isinstance(fn, torch.nn.Module)
                               and len(list(fn.parameters())) > 0))
         return fn
@@ -95,3 +98,35 @@ def test_each_layer_is_captured_once_and_trains_as_eager(tmp_path):
     captured = _losses(str(tmp_path / "graphs"), double, "--enable-cuda-graph")
     assert captured == eager and len(set(eager)) == STEPS
     assert double.captured == [([(16, 2, 32)], True, True)] * 2
+
+
+
+FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+
+
+@pytest.mark.parametrize("fp8, rel", [(FP8, 2e-3), pytest.param((), REL, marks=pytest.mark.slow)],
+                         ids=["fp8-tensorwise", "fp32"])
+def test_compiled_layers_are_captured_once_and_train_as_eager(tmp_path, monkeypatch, fp8, rel):
+    """--torch-compile with --cuda-graph-impl local (the A/B the GPU script runs): what each layer's capture is
+    handed is its COMPILED forward (one dynamo graph for both layers, traced in the first capture's warm-up with
+    the FP8 weight re-quantized in the graph, never again: 2 layers x 2 micro-batches x 3 steps and the warm-ups
+    all reuse it), each layer captured once with the capture-time paths on, and eager's losses. NOTE: the bounds
+    are test_torch_compile.py's: REL (fp32: the compiled references reduce in another float32 order) and, with
+    FP8, its FP8 layer test's 2e-3 (that reordering moves ~1e-5 of the elements across an FP8 rounding boundary,
+    one FP8 step each, carried into the loss with condition ~1); a lost scale or cast moves the loss by O(1)."""
+    from torch._dynamo.utils import counters
+
+    from omnitron.backends import get_backend
+
+    monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
+    eager = _losses(str(tmp_path / "eager"), get_backend("cpu"), *fp8)
+    torch._dynamo.reset()
+    counters.clear()
+    double, graphs_at_capture = GraphDouble(), []
+    capture = double.capture
+    double.capture = lambda fn, args: (capture(fn, args), graphs_at_capture.append(
+        int(counters["stats"]["unique_graphs"])))[0]
+    captured = _losses(str(tmp_path / "graphs"), double, "--cuda-graph-impl", "local", "--torch-compile", *fp8)
+    assert captured == pytest.approx(eager, rel=rel), (captured, eager)
+    assert double.captured == [([(16, 2, 32)], True, True)] * 2
+    assert graphs_at_capture == [1, 1] and int(counters["stats"]["unique_graphs"]) == 1

@@ -28,6 +28,21 @@ def test_busy_is_the_union_clipped_to_the_window():
     assert s["device_idle_fraction"] == pytest.approx(0.55)
     assert s["top_kernels"][0]["name"] == "gemm" and s["top_kernels"][0]["calls"] == 1  # [900, ..) starts outside
     assert "idle 55.0%" in one_line(s)
+    # idle stretches: [1250, 1500) and [1600, 1900), 250 and 300 us, both in the 100 us - 1 ms class
+    assert s["idle_gaps"] == {"under_10us": {"count": 0, "ms": 0.0}, "under_100us": {"count": 0, "ms": 0.0},
+                              "under_1000us": {"count": 2, "ms": pytest.approx(0.55)},
+                              "over_1000us": {"count": 0, "ms": 0.0}}
+
+
+def test_idle_gaps_at_the_class_edges_and_the_window_ends():
+    # window [0, 5000); kernels [5, 100), [110, 200), [300, 400), [1400, 1500): idle stretches of 5 us (before the
+    # first kernel), 10, 100, 1000 and 3500 us (after the last one); a class holds the lengths below its edge
+    trace = {"traceEvents": [_ev("user_annotation", "iteration 1", 0, 5000)]
+             + [_ev("kernel", "k", ts, end - ts) for ts, end in ((5, 100), (110, 200), (300, 400), (1400, 1500))]}
+    g = summarize(trace)["idle_gaps"]
+    assert {k: v["count"] for k, v in g.items()} == {"under_10us": 1, "under_100us": 1, "under_1000us": 1,
+                                                      "over_1000us": 2}
+    assert [v["ms"] for v in g.values()] == pytest.approx([0.005, 0.010, 0.100, 4.5])
 
 
 def test_random_intervals_against_a_microsecond_grid():
@@ -44,10 +59,23 @@ def test_random_intervals_against_a_microsecond_grid():
     s = summarize(trace)
     assert s["device_busy_ms"] * 1e3 == pytest.approx(len(covered), abs=1e-6), seed
     assert s["device_idle_fraction"] == pytest.approx(1 - len(covered) / 2000, abs=1e-9), seed
+    # idle stretches: runs of uncovered microseconds in the window, classed by length (< 10, < 100, < 1000, rest)
+    runs, n = [], 0
+    for t in range(500, 2501):
+        if t < 2500 and t not in covered:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    for name, lo, hi in (("under_10us", 0, 10), ("under_100us", 10, 100), ("under_1000us", 100, 1000),
+                         ("over_1000us", 1000, 1 << 30)):
+        want = [r for r in runs if lo <= r < hi]
+        assert s["idle_gaps"][name]["count"] == len(want), (seed, name)
+        assert s["idle_gaps"][name]["ms"] * 1e3 == pytest.approx(sum(want), abs=1e-6), (seed, name)
 
 
 def test_host_only_trace_and_a_foreign_trace():
     s = summarize({"traceEvents": [_ev("user_annotation", "iteration 2", 0, 50), _ev("cpu_op", "aten::add", 0, 10)]})
-    assert s["device_idle_fraction"] is None and "no device events" in one_line(s)
+    assert s["device_idle_fraction"] is None and s["idle_gaps"] is None and "no device events" in one_line(s)
     with pytest.raises(ValueError, match="no 'iteration N' spans"):
         summarize({"traceEvents": [_ev("kernel", "k", 0, 10)]})

@@ -238,7 +238,8 @@ class TrainingConfig:
     flag); parameter names and checkpoints are unchanged. Refused on backends without a compiler."""
     cuda_graph_impl: str = "none"
     """--cuda-graph-impl {none,local}: capture each transformer layer's forward and backward as device graphs
-    and replay them (Megatron's flag; omnitron.core.capture). Refused where the backend has no graphs."""
+    and replay them (Megatron's flag; omnitron.core.capture); with --torch-compile, the compiled layers.
+    Refused where the backend has no graphs."""
     enable_cuda_graph: bool = False
     """--enable-cuda-graph: Megatron's older spelling of --cuda-graph-impl local."""
     check_for_nan_in_loss_and_grad: bool = True

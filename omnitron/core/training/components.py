@@ -212,19 +212,19 @@ def build_components(settings, backend) -> Components:
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend, settings.training.pipeline_schedule)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
-    if settings.training.torch_compile:  # after FP8 swaps the linears, so the compiled layers trace them
+    t = settings.training
+    if t.cuda_graph_impl == "local":  # after FP8, so the captured (and compiled) layers run its linears
+        from omnitron.core.capture import capture_layers
+
+        capture_layers(modules, backend, compiled=t.torch_compile)
+    elif t.torch_compile:  # after FP8 swaps the linears, so the compiled layers trace them
         from omnitron.core.compile import compile_layers
 
         compile_layers(modules, backend)
-    if settings.training.cuda_graph_impl == "local":  # after FP8, so the captured layers run its linears
-        from omnitron.core.capture import capture_layers
-
-        capture_layers(modules, backend)
     chunks = wrap_data_parallel(modules, settings, groups, backend)
     extra.update(fp8_refresh_hook(chunks))
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
-    t = settings.training
     scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples, t.global_batch_size,
                             varying_batch=bool(t.step_batch_size_schedule))
     train, valid = build_data(settings, tokenizer, groups, backend.collectives)

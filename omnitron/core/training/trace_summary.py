@@ -18,27 +18,42 @@ import json
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def _union_us(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Total length of the union of ``[start, end)`` intervals, clipped to ``[lo, hi)``."""
-    total, cur_s, cur_e = 0.0, None, None
+GAP_BINS_US = (10.0, 100.0, 1000.0)
+"""Upper edges of the idle-gap classes (microseconds): launch-bound idle is many gaps of a few to tens of
+microseconds between kernels; a host stall (a sync, the optimizer's host work, data) is a few long ones."""
+
+
+def _merged(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The union of ``[start, end)`` intervals, clipped to ``[lo, hi)``, as disjoint sorted intervals."""
+    out: list[list[float]] = []
     for s, e in sorted((max(s, lo), min(e, hi)) for s, e in intervals):
         if e <= s:
             continue
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
+        if not out or s > out[-1][1]:
+            out.append([s, e])
         else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+            out[-1][1] = max(out[-1][1], e)
+    return [(s, e) for s, e in out]
+
+
+def _idle_gaps(busy: list[tuple[float, float]], lo: float, hi: float) -> dict[str, dict]:
+    """Count and total ms of the window's idle stretches by length class (:data:`GAP_BINS_US`)."""
+    edges = [lo] + [x for iv in busy for x in iv] + [hi]
+    gaps = [edges[i + 1] - edges[i] for i in range(0, len(edges), 2) if edges[i + 1] > edges[i]]
+    names = [f"under_{int(b)}us" for b in GAP_BINS_US] + [f"over_{int(GAP_BINS_US[-1])}us"]
+    out = {n: {"count": 0, "ms": 0.0} for n in names}
+    for g in gaps:
+        n = names[next((i for i, b in enumerate(GAP_BINS_US) if g < b), len(GAP_BINS_US))]
+        out[n]["count"] += 1
+        out[n]["ms"] += g / 1e3
+    return out
 
 
 def summarize(trace: dict, top: int = 10) -> dict:
     """The summary of a loaded Chrome trace: ``window_ms``, ``device_busy_ms``, ``device_idle_fraction``
     (None when the trace has no device events: a host-only backend), ``iterations``, ``top_kernels``
-    (name, calls, total ms, share of busy time)."""
+    (name, calls, total ms, share of busy time) and, with device events, ``idle_gaps``: the idle stretches by length
+    (count and ms under 10 us, under 100 us, under 1 ms and over it)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     spans = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("iteration ")]
     if not spans:
@@ -47,12 +62,15 @@ def summarize(trace: dict, top: int = 10) -> dict:
     hi = max(float(e["ts"]) + float(e["dur"]) for e in spans)
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
     out = {"iterations": sorted(int(e["name"].split()[1]) for e in spans), "window_ms": (hi - lo) / 1e3,
-           "device_events": len(device), "device_busy_ms": None, "device_idle_fraction": None, "top_kernels": []}
+           "device_events": len(device), "device_busy_ms": None, "device_idle_fraction": None, "idle_gaps": None,
+           "top_kernels": []}
     if not device:
         return out
-    busy = _union_us([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device], lo, hi)
+    merged = _merged([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device], lo, hi)
+    busy = sum(e - s for s, e in merged)
     out["device_busy_ms"] = busy / 1e3
     out["device_idle_fraction"] = 1.0 - busy / (hi - lo) if hi > lo else None
+    out["idle_gaps"] = _idle_gaps(merged, lo, hi)
     by_name: dict[str, list[float]] = {}
     for e in device:
         if lo <= float(e["ts"]) < hi:
@@ -76,5 +94,9 @@ def one_line(s: dict) -> str:
         return head + "; no device events in the trace (a host-only backend)"
     k = s["top_kernels"][0] if s["top_kernels"] else None
     top = f"; top kernel {k['name'][:60]} x{k['calls']} {k['total_ms']:.1f} ms" if k else ""
+    g = s.get("idle_gaps") or {}
+    short = sum(v["ms"] for k, v in g.items() if k in ("under_10us", "under_100us"))
+    long_ = g.get(f"over_{int(GAP_BINS_US[-1])}us", {}).get("ms", 0.0)
     return (head + f", device busy {s['device_busy_ms']:.1f} ms, idle {100 * s['device_idle_fraction']:.1f}%"
-            f" ({s['device_events']} device events){top}")
+            f" ({s['device_events']} device events; idle in gaps under 100 us {short:.1f} ms, over 1 ms "
+            f"{long_:.1f} ms){top}")
