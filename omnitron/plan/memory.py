@@ -130,11 +130,11 @@ def chunk_moe_layers(settings, cfg) -> dict[tuple[int, int], int]:
 def moe_routing(settings, cfg, load) -> dict[tuple[int, int], list[tuple]]:
     """``{(pp_rank, chunk): [the histogram rows one MoE layer of the chunk is priced at, per MoE layer]}``:
     its own row when ``load`` has one per MoE layer, else all of them (priced at their mean), as the speed
-    model maps them (:func:`omnitron.plan.speed._stage_layers`)."""
-    from omnitron.plan.speed import _stage_layers
+    model maps them (:func:`omnitron.plan.stage_layers.stage_layers`)."""
+    from omnitron.plan.stage_layers import stage_layers
 
     load.check(cfg.num_experts)
-    kinds, rows = _stage_layers(settings, cfg), _stage_layers(settings, cfg, len(load.shares))
+    kinds, rows = stage_layers(settings, cfg), stage_layers(settings, cfg, len(load.shares))
     return {k: [load.shares if j is None else (load.shares[j],) for moe, j in zip(kinds[k], rows[k]) if moe]
             for k in kinds}
 

@@ -245,14 +245,15 @@ def state_lower_bound(settings) -> float:
     """Bytes of parameters, gradients and optimizer state of the largest stage's rank, counted from the
     analytic parameter count (no bucket padding: a lower bound of :func:`omnitron.plan.state.state_bytes`)."""
     from omnitron.plan.memory import model_config
-    from omnitron.plan.speed import _stage_layers, stage_param_groups
+    from omnitron.plan.speed import stage_param_groups
+    from omnitron.plan.stage_layers import stage_layers
 
     cfg, pc = model_config(settings), settings.parallel
     ddp, p = settings.ddp, cfg.params_dtype.itemsize
     g = 4 if ddp and ddp.accumulate_allreduce_grads_in_fp32 else p
     opt = 4 * (2 + (p != 4))
     share = settings.dp * pc.context_parallel_size if ddp and ddp.use_distributed_optimizer else 1
-    layers = _stage_layers(settings, cfg)
+    layers = stage_layers(settings, cfg)
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     most = max(sum(stage_param_groups(cfg, settings, r, [x for c in range(vp) for x in layers[(r, c)]]))
                for r in range(pp))

@@ -56,6 +56,7 @@ from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.pipeline.schedules import place_stage, virtual_stage
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
+from omnitron.plan.stage_layers import stage_layers
 from omnitron.plan.state import expert_data_parallel_size
 
 OVERLAPS = ("none", "dp", "all")
@@ -263,8 +264,8 @@ def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool
                prev: bool, rows: list | None = None) -> StageCost:
     """:class:`StageCost` of a virtual stage whose layers are ``layers`` (True: MoE) (``nxt`` / ``prev``: it
     has a next / previous stage to send its output / input gradient to; ``rows``: each layer's routing
-    histogram row, :func:`_stage_layers`). Full recomputation adds each recomputed layer's forward to the
-    backward, selective the core attention's forward."""
+    histogram row, :func:`~omnitron.plan.stage_layers.stage_layers`). Full recomputation adds each recomputed
+    layer's forward to the backward, selective the core attention's forward."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
@@ -411,24 +412,6 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
     return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False), sched
 
 
-def _stage_layers(settings, cfg, histogram_rows: int | None = None):
-    """``{(pp_rank, chunk): [is MoE] of its layers}`` (the pipeline's layer ranges); with ``histogram_rows``
-    (a routing histogram's row count) instead ``[histogram row of each layer]``: row ``j`` for the ``j``-th MoE
-    layer when there is one row per MoE layer, None for dense layers and otherwise (the mean over the rows)."""
-    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
-    from omnitron.core.transformer.moe.pattern import moe_layer_pattern
-
-    pc = settings.parallel
-    ranges = pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
-                                   pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers, style=_style(settings))
-    moe = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers) if cfg.num_experts else [False] * cfg.num_layers
-    if histogram_rows is not None:
-        ordinal = [sum(moe[:i]) if m else None for i, m in enumerate(moe)]
-        moe = ordinal if histogram_rows == sum(moe) else [None] * len(moe)
-    return {k: moe[start:start + n] for k, (start, n) in ranges.items()}
-
-
 def _stage_costs(settings, rates, overlap: str):
     """(model config, layers per virtual stage, :class:`StageCost` per virtual stage) of a layout."""
     from omnitron.plan.memory import model_config
@@ -438,9 +421,9 @@ def _stage_costs(settings, rates, overlap: str):
     cfg = model_config(settings)
     pc = settings.parallel
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
-    layers = _stage_layers(settings, cfg)
+    layers = stage_layers(settings, cfg)
     load = getattr(rates, "expert_load", None)
-    rows = _stage_layers(settings, cfg, len(load.shares)) if load is not None else {}
+    rows = stage_layers(settings, cfg, len(load.shares)) if load is not None else {}
     rates.host_ranks = settings.world_size * _threads(settings, rates)[0]
     rates.bind(settings)
     costs = {}

@@ -64,12 +64,13 @@ def _expected(root: str, extra: list[str], pp_rank: int) -> Counter:
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan import work
     from omnitron.plan.memory import model_config
-    from omnitron.plan.speed import _stage_layers, dp_collectives
+    from omnitron.plan.speed import dp_collectives
+    from omnitron.plan.stage_layers import stage_layers
 
     s = parse_settings(_args(root, extra), 2)
     cfg, pc = model_config(s), s.parallel
     pp = pc.pipeline_model_parallel_size
-    want = list(dp_collectives(s, cfg, pp_rank, _stage_layers(s, cfg)[(pp_rank, 0)]))
+    want = list(dp_collectives(s, cfg, pp_rank, stage_layers(s, cfg)[(pp_rank, 0)]))
     if pp > 1:
         x = work.local_shapes(cfg, 1, 1, s.training.micro_batch_size)
         want += [("p2p", work.pp_message(x, 4, False), 2)] * s.num_microbatches  # activations or their gradients

@@ -25,12 +25,13 @@ def test_plan_parameters_are_the_models(tmp_path, extra):
     (fp32: 4 bytes each), MLA's replicated down-projections and the MTP depths on the last stage included."""
     from omnitron.core.models.gpt.config import num_parameters, padded_vocab_size
     from omnitron.plan.memory import model_config
-    from omnitron.plan.speed import _stage_layers, stage_params
+    from omnitron.plan.speed import stage_params
+    from omnitron.plan.stage_layers import stage_layers
     from omnitron.plan.state import state_bytes
 
     s = _settings(tmp_path, extra)
     cfg = model_config(s)
-    layers = _stage_layers(s, cfg)
+    layers = stage_layers(s, cfg)
     pp = s.parallel.pipeline_model_parallel_size
     for r in range(pp):
         assert stage_params(cfg, s, r, layers[(r, 0)]) * 4 == state_bytes(s, cfg, r).grads, (extra, r)

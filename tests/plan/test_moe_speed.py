@@ -251,12 +251,13 @@ def test_moe_stage_params_are_the_gradient_buffers(tmp_path, extra):
     model's real parameters; fp32 gradients, no padding at dp 1 and the bucket sizes used)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import model_config
-    from omnitron.plan.speed import _stage_layers, stage_param_groups
+    from omnitron.plan.speed import stage_param_groups
+    from omnitron.plan.stage_layers import stage_layers
     from omnitron.plan.state import state_bytes
 
     s = parse_settings(_args(str(tmp_path), extra), 2)
     cfg = model_config(s)
-    kinds = _stage_layers(s, cfg)[(0, 0)]
+    kinds = stage_layers(s, cfg)[(0, 0)]
     dense, expert = stage_param_groups(cfg, s, 0, kinds)
     assert expert > 0
     assert (dense + expert) * 4 == state_bytes(s, cfg, 0).grads
