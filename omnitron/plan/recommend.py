@@ -166,25 +166,25 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     given = _with_world(given, devices)
     cands = candidates(given, devices, cluster=cluster)
-    full = cluster is None
+    full, load = cluster is None, getattr(rates, "expert_load", None)
     if not cands:
         raise ConfigError(f"no layout of {given.get('model') or 'the model'} divides {devices} devices: tp must "
                           "divide the heads and query groups, pp the layers, dp x micro-batch the global batch")
     if full:
-        smallest = _smallest(given, devices)
+        smallest = _smallest(given, devices, load=load)
         if smallest.peak > memory:
             raise ConfigError(_no_fit(smallest, memory))
     if not full:
         fit = _bounded(cands, memory, rates, overlap, top)
         if not fit:  # found out late (the smallest is not searched for up front: it is slow at scale)
-            raise ConfigError(_no_fit(_smallest(given, devices, full, cluster), memory))
+            raise ConfigError(_no_fit(_smallest(given, devices, full, cluster, load), memory))
         return fit
     for c in cands:
         c.step = predict(c.settings, rates, overlap)
     cands.sort(key=lambda c: -c.step.tokens_per_s)
     fit = []
     for c in cands:
-        c.stages = estimate(c.settings, load=getattr(rates, "expert_load", None))
+        c.stages = estimate(c.settings, load=load)
         if c.peak <= memory:
             fit.append(c)
             if len(fit) == top:
@@ -260,13 +260,14 @@ def state_lower_bound(settings) -> float:
     return most * (p + g + opt / share)
 
 
-def _smallest(given: dict, devices: int, transients: bool = True, cluster: int | None = None) -> Choice:
-    """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp)."""
+def _smallest(given: dict, devices: int, transients: bool = True, cluster: int | None = None, load=None) -> Choice:
+    """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp); with ``load``
+    (``--moe-expert-load``) each priced on its busiest ep rank, as the search prices them."""
     from omnitron.plan.memory import estimate
 
     best = None
     for c in candidates(given, devices, minimal=True, cluster=cluster):
-        c.stages = estimate(c.settings, transients=transients)
+        c.stages = estimate(c.settings, transients=transients, load=load)
         if best is None or c.peak < best.peak:
             best = c
     return best
@@ -274,8 +275,10 @@ def _smallest(given: dict, devices: int, transients: bool = True, cluster: int |
 
 def _no_fit(best: Choice, memory: int) -> str:
     top = max(best.stages, key=lambda s: s.total)
+    routed = top.ep_rank is not None and best.settings.parallel.expert_model_parallel_size > 1
+    where = f" on its busiest ep rank ({top.ep_rank}, --moe-expert-load)" if routed else ""
     return (f"no layout fits {memory / 2**30:.4g} GiB: the smallest needs {top.total / 2**30:.4g} GiB on stage "
-            f"{top.stage} ({best.name()}); add devices, lower --seq-length or --global-batch-size, or use "
+            f"{top.stage}{where} ({best.name()}); add devices, lower --seq-length or --global-batch-size, or use "
             "--bf16")
 
 

@@ -107,3 +107,31 @@ def test_no_fit_names_the_smallest_need(tmp_path, constant_rates):
     need = float(str(err.value).split("the smallest needs ")[1].split(" GiB")[0]) * 2**30
     least = min(max(s.total for s in estimate(c.settings)) for c in candidates(GIVEN | {"nproc_per_node": 2}, 2))
     assert abs(need / least - 1) < 1e-3  # the message prints 4 significant digits
+
+
+def test_the_smallest_layout_is_priced_under_the_routing_histogram(tmp_path, monkeypatch):
+    """With ``--moe-expert-load`` the up-front "no layout fits" check prices each memory-minimal layout under the
+    histogram, as the search does (it priced them at balanced routing: a memory between the two passed the check
+    and the search came back empty), and its message names the busiest ep rank. A one-layer, one-head model, so
+    the memory-minimal layouts differ in ep and cp only and the smallest is an ep2 one."""
+    import omnitron.plan.memory as memory
+    from omnitron.plan.recommend import _no_fit, _smallest
+    from omnitron.plan.routing import read_expert_load
+
+    given = GIVEN | {"num_experts": 4, "nproc_per_node": 2, "num_attention_heads": 1, "num_query_groups": 1,
+                     "num_layers": 1}
+    path = tmp_path / "load.json"
+    path.write_text('{"tokens_per_expert": [[97, 1, 1, 1]]}')  # one row: every MoE layer at these shares
+    load, seen, estimate = read_expert_load(str(path)), [], memory.estimate
+
+    def recorded(settings, transients=True, load=None):
+        seen.append(load)
+        return estimate(settings, transients, load)
+
+    monkeypatch.setattr(memory, "estimate", recorded)
+    smallest = _smallest(given, 2, False, load=load)
+    assert seen and all(x is load for x in seen), seen  # every candidate priced under the histogram
+    assert smallest.settings.parallel.expert_model_parallel_size == 2, smallest.name()
+    msg = _no_fit(smallest, 1)
+    assert f"on stage 0 on its busiest ep rank ({smallest.stages[0].ep_rank}, --moe-expert-load)" in msg, msg
+    assert "busiest" not in _no_fit(_smallest(given, 2, False), 1)
