@@ -326,10 +326,11 @@ def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
                for n, p in m.named_parameters() if p.dim() == 2 and ".layers." in n)
 
 
-def _held(settings, cfg, schedule, r: int, ends: dict, routing, rank: int | None) -> tuple:
+def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None) -> tuple:
     """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers) of pipeline rank
-    ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced)."""
-    layers, moe = chunk_layers(settings, cfg), chunk_moe_layers(settings, cfg)
+    ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced); ``chunks``: the
+    (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank."""
+    layers, moe = chunks
     acts, logits, specs = {}, {}, []
     for c, (first, last) in ends.items():
         routed = None if rank is None else (routing[(r, c)], rank)
@@ -364,7 +365,7 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
         has_moe = any(moe[(r, c)] for c in range(vp))
         probed = False
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
-        each = {k: _held(settings, cfg, schedule, r, ends, routing, k) for k in ranks}
+        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k) for k in ranks}
         rank = max(each, key=lambda k: each[k][0] + transients * each[k][3])
         act_peak, most, logit_peak, exchange = each[rank]
         st = state_bytes(settings, cfg, r)
@@ -384,7 +385,7 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
                         round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most, excess - rec,
                         round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))))
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
-            plain = _held(settings, cfg, schedule, r, ends, None, None)
+            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None)
             m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak - plain[0]) - probed * (exchange - plain[3]))
         out.append(m)
     return out
