@@ -138,3 +138,36 @@ def test_loader_workers_leave_sigterm_to_their_rank():
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out == "stopped cleanly\n" and "Traceback" not in err, err
+
+
+class _StateProbe(torch.utils.data.Dataset):
+    """Each item: whether the worker holds state its rank set at run time (a forked worker has it; a spawned or
+    forkserver one starts from fresh imports)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import omnitron.core.data.sampler as sampler
+
+        return {"inherited": torch.tensor([getattr(sampler, "_rank_state", 0)])}
+
+
+def _loader_inherits_rank_state():
+    import omnitron.core.data.sampler as sampler
+
+    sampler._rank_state = 7  # set after import: no fresh interpreter can know it
+    batches = list(build_data_loader(_StateProbe(), PretrainingSampler(4, 0, 2, 0, 1), num_workers=1))
+    return [int(v) for b in batches for v in b["inherited"].flatten()]
+
+
+@pytest.mark.skipif(not os.sys.platform.startswith("linux"), reason="fork is Linux's start method here")
+def test_loader_workers_fork_inside_a_spawned_rank():
+    """A rank that ``omnitron train``'s launcher spawned (here a forkserver child: its default start method is
+    not fork either) forks its loader workers instead of starting fresh interpreters that import torch again.
+    Fails with the loader's default context: under spawn the worker reads 0 for every item; under forkserver
+    (this harness; Python 3.14's default on Linux) tie_worker kills the worker at once, its parent being the
+    server, not the rank."""
+    from omnitron.testing.distributed import run_distributed
+
+    assert run_distributed(_loader_inherits_rank_state, 1, backend="cpu") == [[7, 7, 7, 7]]
