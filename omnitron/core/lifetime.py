@@ -40,6 +40,31 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="omnitron-parent-watch", daemon=True).start()
 
 
+def die_with(pid: int) -> None:
+    """Kill this process (SIGKILL) once process ``pid`` (not this one's parent: a grandparent, such as the
+    launcher of a rank forked by its fork server) no longer exists; at once if it is gone already. Polled
+    every POLL_S by a daemon thread: the parent's own end may come later (the fork server finalises torch
+    before it exits, seconds on a loaded machine)."""
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # exists, owned by another user
+            return False
+        return False
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if gone():
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="omnitron-launcher-watch", daemon=True).start()
+
+
 def tie_worker(parent_pid: int, worker_id: int) -> None:
     """A DataLoader ``worker_init_fn`` (as ``functools.partial(tie_worker, os.getpid())``, made in the parent):
     worker ``worker_id`` dies with ``parent_pid``, in a process group of its own. NOTE: torchrun stops a rank

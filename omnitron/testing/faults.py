@@ -27,8 +27,10 @@ def start(args: list[str], env: dict | None = None, launcher: tuple = ("-m", "om
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` that run Python (the spawned workers, not helper processes)."""
-    out = []
+    """The worker processes of launcher ``pid``: the ranks its fork server forked (the server is ``pid``'s
+    child running multiprocessing's forkserver), or its direct Python children that are not the server (spawned
+    ranks, torchrun's workers), never other helper processes."""
+    table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -36,12 +38,12 @@ def children(pid: int) -> list[int]:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
+                table[int(entry)] = (ppid, f.read())
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and (b"spawn_main" in cmd or b"omnitron" in cmd):
-            out.append(int(entry))
-    return sorted(out)
+    servers = {p for p, (ppid, cmd) in table.items() if ppid == pid and b"multiprocessing.forkserver" in cmd}
+    return sorted(p for p, (ppid, cmd) in table.items()
+                  if ppid in servers or (ppid == pid and p not in servers and (b"spawn_main" in cmd or b"omnitron" in cmd)))
 
 
 def alive(pid: int) -> bool:

@@ -1,7 +1,7 @@
 """Run the training function on this process (torchrun, one process) or on N spawned local workers.
 
 Under torchrun (``RANK``/``WORLD_SIZE`` set) each process joins the default process group and
-trains. ``--nproc-per-node N`` spawns N workers with one thread each (processes x threads never
+trains. ``--nproc-per-node N`` starts N workers with one thread each (processes x threads never
 exceed the cores unless ``--threads-per-process`` asks) and forwards SIGTERM to them; each
 worker finishes its step, saves and exits. The launcher (rank 0 under torchrun) holds the lock on
 ``--save`` for the job's life (:mod:`omnitron.core.training.outputs`). Workers die with their launcher,
@@ -74,10 +74,12 @@ def _threads(settings, local_world: int) -> int:
     return max(1, cores // local_world) if local_world > 1 else max(1, min(cores, 8))
 
 
-def _worker(rank: int, world: int, port: int, settings, entry, launcher_pid: int) -> None:
+def _worker(rank: int, world: int, port: int, settings, entry, launcher_pid: int, env: dict[str, str]) -> None:
     import torch
 
-    die_with_parent(launcher_pid)
+    from omnitron.core.training.workers import enter_worker
+
+    enter_worker(launcher_pid, env)
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(_threads(settings, world))

@@ -1,0 +1,66 @@
+"""How ``omnitron train --nproc-per-node N`` starts its ranks: forked from a server that imported torch once,
+each with the launcher's environment of the moment, each dying with the launcher."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from omnitron.core.training.workers import enter_worker, worker_context
+from omnitron.testing.faults import alive, wait_gone
+
+
+def _report(launcher_pid: int, env: dict, path: str) -> None:
+    preloaded = "torch" in sys.modules  # before anything of the rank's imports it
+    enter_worker(launcher_pid, env)
+    with open(path, "w") as f:
+        f.write(f"{os.environ.get('OMNITRON_PROBE')} {int(preloaded)}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is what Linux starts ranks from")
+def test_ranks_take_the_launchers_environment_of_the_moment(tmp_path, monkeypatch):
+    """The server's own environment is the one it started with; each rank gets the launcher's at its start
+    (a second job in one process, as the tests run them, must not see the first job's report directory).
+    Fails without the hand-over: the second rank reads the first value (or none)."""
+    ctx = worker_context()
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv("OMNITRON_PROBE", value)
+        path = str(tmp_path / value)
+        p = ctx.Process(target=_report, args=(os.getpid(), dict(os.environ), path))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        seen.append(open(path).read())
+    assert seen == ["first 1", "second 1"]  # and torch came with the fork, not imported afresh
+
+
+WATCHER = """
+import sys, time
+from omnitron.core.lifetime import die_with
+die_with(int(sys.argv[1]))
+print("watching", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_rank_dies_with_its_launcher_not_only_its_parent():
+    """``die_with``: a process watching another (not its parent, as a forked rank watches its launcher through
+    the fork server) is killed within the poll interval once that process is gone. Fails if the watch
+    never fires: the watcher sleeps on for 60 s."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(launcher.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert watcher.stdout.readline() == "watching\n"
+        launcher.kill()
+        launcher.wait()
+        t0 = time.monotonic()
+        wait_gone([watcher.pid], 10)
+        assert watcher.wait() == -9 and time.monotonic() - t0 < 10
+    finally:
+        for p in (launcher, watcher):
+            if alive(p.pid):
+                p.kill()
