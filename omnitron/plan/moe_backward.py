@@ -5,7 +5,7 @@ balanced ``T k / E`` rows. On a skewed rank the experts' backward holds other si
 received (``[R, h]``), the input gradients of the experts done so far, and, while one expert runs its backward,
 that expert's own gradients (``[n_i, .]``), while it frees the tensors that expert saved in the forward; which of
 them meet at the peak depends on the sizes and on the order (the experts run their backward last to first; one
-measured in one process, 2026-12-05: a hot expert with 4x the balanced rows raised the chunk's peak by 7.7 KB of
+measured in one process, 2026-12-04: a hot expert with 4x the balanced rows raised the chunk's peak by 7.7 KB of
 14.9 MB).
 
 So the local experts' forward and backward (:func:`omnitron.core.transformer.moe.experts.run_experts`, each weight's

@@ -233,8 +233,8 @@ def test_step_peak_busiest_ep_rank_under_skewed_routing(tmp_path):
     fp32 (A = s k = 256 rows sent, R the busiest rank's receipts; gloo may hold them at the peak or not, as in
     test_step_peak_moe_two_ranks) either way. Measured 2026-12-04 (BENCHMARKS.md) with the rank's local experts'
     backward at balanced rows: 0.3-3.4% under in four runs; priced at the rank's rows (omnitron/plan/moe_backward.py)
-    -0.11% and +0.08% (2026-12-05). The balanced plan, or the rows at balanced, is 16-18% (3 MB) under: this fails
-    (planted, 2026-12-04)."""
+    +0.4% to +1.5% over in six runs (2026-12-04, 23:00 UTC). The balanced plan, or the rows at balanced, is 16-18%
+    (3 MB) under: this fails (planted, 2026-12-04)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
     from omnitron.plan.routing import read_expert_load
