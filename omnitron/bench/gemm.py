@@ -33,7 +33,8 @@ def _fp8_call(kind: str, a, b, provider):
     """A closure timing one FP8 GEMM of ``kind``. Quantization, the dequantization factors and the right operand's
     column-major layout (what ``torch._scaled_mm`` takes, and what the FP8 linear's cast-transpose writes) are done
     once, outside the timing: until 2026-12-04 the per-tensor and row-wise rows also timed a transposing copy of
-    ``b`` and two reciprocals per call, about half the H200's rate at the 1.3B's shapes."""
+    ``b`` and two reciprocals per call (they read 0.29-0.47 of the H200's FP8 peak on 2026-12-04, against
+    0.42-0.73 for the GEMM alone in ``benchmarks/fp8_gemm.py`` and a step's profile; not re-measured since)."""
     fmt = "e4m3"
     if kind == "fp8-block":
         qa, sa = provider.quantize_blocks(a, fmt, (1, 128))

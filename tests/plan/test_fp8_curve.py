@@ -141,3 +141,22 @@ def test_bench_gemm_fp8_rows_time_the_gemm_alone():
             assert [o for o in seen.ops if o not in ("view", "t")] == ["_scaled_mm"], (kind, seen.ops)
     finally:
         provider.path = path
+
+
+def test_calibrate_takes_fp8_rows_over_the_fp8_curve():
+    """``omnitron bench calibrate`` on the H200 profile: a per-tensor FP8 GEMM row of a random size and rate is
+    measured over the FP8 peak times the profile's FP8 curve at its FLOPs (what the plan prices FP8 GEMMs at), a
+    bf16 row over the bf16 curve."""
+    import random
+
+    from omnitron.bench.calibrate import calibrate
+
+    p = load("h200")
+    m, n, k = (random.choice([1024, 2048, 4096, 8192]) for _ in range(3))
+    t8, t16 = random.uniform(300, 1500), random.uniform(200, 800)
+    rows = [{"dtype": "fp8-tensor", "m": m, "n": n, "k": k, "tflops": t8},
+            {"dtype": "bf16", "m": m, "n": n, "k": k, "tflops": t16}]
+    got = {r["kind"]: r["of_profile"] for r in calibrate(p, [{"kind": "gemm", "rows": rows}])["rows"]}
+    flops = 2.0 * m * n * k
+    assert got["gemm fp8-tensor"] == pytest.approx(t8 * 1e12 / (p.peak["fp8"] * p.gemm_fp8(flops)), rel=1e-12)
+    assert got["gemm bf16"] == pytest.approx(t16 * 1e12 / (p.peak["bf16"] * p.gemm(flops)), rel=1e-12)
