@@ -5,7 +5,8 @@ on it (``bench all``'s folder, or gemm / memory / comm reports).
 Per row:
 
 - GEMM (a dtype the profile has a peak for): ``TFLOP/s / peak`` (the achieved fraction of the datasheet), and
-  ``/ (peak x gemm(2 m n k))`` (measured over what the profile predicts for that size);
+  ``/ (peak x gemm(2 m n k))`` (measured over what the profile predicts for that size; FP8 rows over its
+  ``gemm_fp8`` curve where it has one);
 - memory ``copy`` / ``read`` / ``write``: ``GB/s / bandwidth`` and ``/ (bandwidth x memory(bytes moved))``;
 - collectives inside one node (all-reduce, all-gather, reduce-scatter, all-to-all): ``busbw / intra_gbs`` and the
   machine model's time over the measured one (:meth:`omnitron.plan.machine.Machine.collective`), so above 1 means
@@ -32,9 +33,10 @@ def _gemm_rows(profile, rows: list[dict]) -> list[dict]:
             continue
         flops = 2.0 * r["m"] * r["n"] * r["k"]
         peak = profile.peak[peak_name]
+        curve = profile.gemm_fp8 if peak_name == "fp8" and profile.gemm_fp8 is not None else profile.gemm
         out.append({"kind": f"gemm {r['dtype']}", "what": f"{r['m']}x{r['n']}x{r['k']}", "measured": r["tflops"],
                     "unit": "TFLOP/s", "of_datasheet": r["tflops"] * 1e12 / peak,
-                    "of_profile": r["tflops"] * 1e12 / (peak * profile.gemm(flops))})
+                    "of_profile": r["tflops"] * 1e12 / (peak * curve(flops))})
     return out
 
 

@@ -30,7 +30,11 @@ def model_shapes(model: str, tokens: int) -> list[tuple[str, int, int, int]]:
 
 
 def _fp8_call(kind: str, a, b, provider):
-    """A closure timing one FP8 GEMM of ``kind`` (quantization done once, outside the timing)."""
+    """A closure timing one FP8 GEMM of ``kind``. Quantization, the dequantization factors and the right operand's
+    column-major layout (what ``torch._scaled_mm`` takes, and what the FP8 linear's cast-transpose writes) are done
+    once, outside the timing: until 2026-12-04 the per-tensor and row-wise rows also timed a transposing copy of
+    ``b`` and two reciprocals per call (they read 0.29-0.47 of the H200's FP8 peak on 2026-12-04, against
+    0.42-0.73 for the GEMM alone in ``benchmarks/fp8_gemm.py`` and a step's profile; not re-measured since)."""
     fmt = "e4m3"
     if kind == "fp8-block":
         qa, sa = provider.quantize_blocks(a, fmt, (1, 128))
@@ -45,8 +49,9 @@ def _fp8_call(kind: str, a, b, provider):
         sa, sb = scale_from_amax(a.abs().amax().float(), fmt), scale_from_amax(b.abs().amax().float(), fmt)
     from omnitron.backends.fp8 import cast_to_fp8
 
-    qa, qb = cast_to_fp8(a, fmt, sa), cast_to_fp8(b, fmt, sb)
-    return lambda: provider.scaled_mm(qa, qb, sa.reciprocal(), sb.reciprocal(), out_dtype=torch.bfloat16)
+    qa, qb = cast_to_fp8(a, fmt, sa), cast_to_fp8(b, fmt, sb).t().contiguous().t()
+    ia, ib = sa.reciprocal(), sb.reciprocal()
+    return lambda: provider.scaled_mm(qa, qb, ia, ib, out_dtype=torch.bfloat16)
 
 
 def bench_one(backend, dtype: str, m: int, n: int, k: int, *, rounds: int, budget_s: float) -> tuple[float, str]:

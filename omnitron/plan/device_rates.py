@@ -31,12 +31,13 @@ from omnitron.plan.machine import Machine, span, strides
 
 PASSES = {"add": (3, 3), "layer_norm": (2, 4), "rms_norm": (2, 4), "dropout": (2.5, 2.5), "gelu": (2, 3),
           "silu_mul": (3, 5), "softmax": (2, 3), "cross_entropy": (6, 4), "ring_merge": (4, 0),
-          "block_dropout": (2, 4), "moe_dispatch": (6, 6)}
+          "block_dropout": (2, 4), "moe_dispatch": (6, 6), "fp8_cast": (3, 3)}
 """(forward, backward) bytes per element, in units of the activation's element size: reads plus writes of one
 pass of the op (dropout: the 1-byte mask as half a 2-byte element; block_dropout, the cp blocks' hash mask: no
 mask stored or read, it is computed from positions, in the forward applied to the probabilities and in the
 backward computed again and applied to them and to their gradient; cross-entropy: fp32 logits, max, exp,
-sum and the target gather forward, the softmax gradient backward)."""
+sum and the target gather forward, the softmax gradient backward; fp8_cast: the source read for its amax and for
+the cast, the FP8 operand and its transpose written, :mod:`omnitron.plan.fp8`)."""
 HASH_INT_OPS = 38
 """32-bit integer operations per visible score of a ring block with the hash dropout, forward + backward, in the fused
 flash block (:mod:`omnitron.kernels.triton_kernels.flash_block`), which stores no mask and reads none: the element's
@@ -127,9 +128,18 @@ class DeviceRates:
         flops = 2.0 * m * n * k * batch
         if flops <= 0:
             return 0.0
-        compute = flops / (self._peak(dtype) * self.profile.gemm(flops))
+        compute = flops / (self._peak(dtype) * self._gemm_curve(dtype)(flops))
         elem = 1 if dtype == "fp8" else (4 if dtype in _FLOAT else 2)
         return max(compute, self._stream_s(batch * elem * (m * k + k * n + m * n)))
+
+    def _gemm_curve(self, dtype: str):
+        """The profile's FP8 GEMM curve for ``fp8`` where it has one, else its GEMM curve (noted for fp8)."""
+        p = self.profile
+        if dtype != "fp8" or p.gemm_fp8 is not None:
+            return p.gemm_fp8 if dtype == "fp8" else p.gemm
+        self.note(f"gemm: profile {p.name} has no measured FP8 GEMM curve ([efficiency.gemm_fp8]); FP8 GEMMs at its "
+                  "bf16 curve over the FP8 peak (optimistic: on the H200 that curve was 1.1-1.5x the measured rate)")
+        return p.gemm
 
     def attention_s(self, dtype: str, flops: float, dropout: bool, threads: int = 1, local=None) -> float:
         """Seconds of one layer's core attention forward + backward worth ``flops`` (the bench's count: 3 x the

@@ -40,8 +40,10 @@ distributed-optimizer slice boundaries, and the largest is reported):
   highest is the stage's figure (:attr:`StageMemory.ep_rank`, beside the balanced total).
 
 Not modelled: communication buffers (but the etp all-gather's), allocator fragmentation, the optimizer step's
-temporaries, buffers fused kernels allocate internally. Under a routing histogram backward's transients, the
-rematerialised chunk and the multi-token prediction depths stay at balanced routing. The transient
+temporaries, buffers fused kernels allocate internally. Under a routing histogram the rank's local experts'
+backward is priced at its rows (:mod:`.moe_backward`), the rematerialised chunk at the rank's rows of the stage's
+heaviest MoE layers, and the multi-token prediction depths' MoE layers at the mean of the last chunk's rows (the
+histogram has no rows of theirs). The transient
 probe runs the tp-local layer without collectives and without sequence or context parallelism: under SP
 it counts the hidden-sized gradients whole, where the real run holds the all-gather and reduce-scatter
 buffers instead (tp2 + SP measured within 1%, with pp2 within 6.1%: BENCHMARKS.md).
@@ -187,6 +189,23 @@ def _moe_exchange(settings, cfg, specs=(), rank: int | None = None) -> float:
     return max((_routed(moe_exchange_transient, args, spec, rank) for spec, _ in _distinct(specs)), default=0.0)
 
 
+def _experts_skew(settings, cfg, specs: list, rank: int, room: float | None) -> int:
+    """What a chunk's peak gains from ep rank ``rank``'s local experts' backward at its rows under the chunk's
+    :func:`moe_routing` ``specs``: the largest over its MoE layers of :func:`.moe_backward.skew_bytes` beyond
+    ``room``, how far the chunk's balanced peak lay above the experts' backward in the probe
+    (:func:`transient_bytes`); 0 without MoE layers, or when their probes do not align (warned)."""
+    from omnitron.plan.moe_backward import skew_bytes
+
+    if room is None or not specs:
+        return 0
+    try:
+        most = max(_routed(skew_bytes, _moe_args(settings, cfg), spec, rank) for spec, _ in _distinct(specs))
+    except RuntimeError as e:
+        log.warning("%s; the MoE experts' backward is priced at balanced routing", e)
+        return 0
+    return max(0, round(most - room))
+
+
 def _recomputed(cfg, layers: int) -> int:
     """How many of a chunk's ``layers`` layers full recomputation reruns (they keep their inputs only)."""
     if cfg.recompute_granularity != "full":
@@ -213,17 +232,19 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
 
     head = s * b * ((am.head_fixed - am.head_gathered) / tp + am.head_gathered if sp else am.head_fixed)
     logits = s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
-    mtp_acts, mtp_logits = mtp_bytes(settings, cfg, head, logits)
+    mtp_acts, mtp_logits = mtp_bytes(settings, cfg, head, logits, routed)
     return acts + head + mtp_acts, logits + mtp_logits
 
 
-def mtp_bytes(settings, cfg, head: float, logits: float) -> tuple[float, float]:
+def mtp_bytes(settings, cfg, head: float, logits: float, routed=None) -> tuple[float, float]:
     """(activations, logits) bytes of one micro-batch through the multi-token prediction depths on the last stage:
     per depth a layer (not recomputed: the depths sit outside the decoder's recompute chunks; MoE when the
     decoder's last layer is, as the engine builds it), its inputs
     (``mtp_inputs``, split over tp under SP) and a head of ``head`` and ``logits`` bytes, the main head's.
     Under SP one ``[s/tp, b, h]`` more a depth: the previous depth's output, which its ``hnorm`` saves as the
-    shard and the head as the all-gathered sequence (one storage in the one-process probe)."""
+    shard and the head as the all-gathered sequence (one storage in the one-process probe). ``routed``: the last
+    chunk's (:func:`moe_routing` rows, ep rank), as :func:`moe_extra`: a depth's MoE layer at the mean of those
+    rows on that rank (a histogram has none of the depths': ``--moe-expert-load-out`` does not count them)."""
     depths = cfg.mtp_num_layers or 0
     if not depths:
         return 0.0, 0.0
@@ -234,7 +255,8 @@ def mtp_bytes(settings, cfg, head: float, logits: float) -> tuple[float, float]:
     inputs = s * b * (am.mtp_inputs + am.head_gathered) / tp if sp else s * b * am.mtp_inputs
     from omnitron.core.transformer.moe.pattern import is_moe_layer
 
-    layer = am.layer.bytes(s, b, tp, sp) + moe_extra(settings, cfg, is_moe_layer(cfg, cfg.num_layers - 1))
+    mine = None if routed is None or not routed[0] else ([tuple(x for spec in routed[0] for x in spec)], routed[1])
+    layer = am.layer.bytes(s, b, tp, sp) + moe_extra(settings, cfg, is_moe_layer(cfg, cfg.num_layers - 1), mine)
     return depths * (layer + inputs + head), depths * logits
 
 
@@ -278,8 +300,10 @@ def send_in_flight(schedule, rank: int, boundary: float) -> float:
     return best
 
 
-def recompute_bytes(settings, cfg) -> int:
-    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises."""
+def recompute_bytes(settings, cfg, routed=None) -> int:
+    """One full-recompute chunk's plain activations (one micro-batch): what its backward rematerialises.
+    ``routed``: (the stage's :func:`moe_routing` rows, an ep rank): its MoE layers at that rank's rows of the
+    stage's heaviest MoE layers (which chunk is rematerialised at the peak is not known: an upper bound)."""
     if cfg.recompute_granularity != "full":
         return 0
     pc = settings.parallel
@@ -288,17 +312,33 @@ def recompute_bytes(settings, cfg) -> int:
     n = 1 if cfg.recompute_method == "block" else (cfg.recompute_num_layers or 1)
     moe = n if cfg.num_experts else 0  # NOTE: the rematerialised chunk priced as MoE layers when the model has any
     return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel)
-                 + moe_extra(settings, cfg, moe))
+                 + (_heaviest(settings, cfg, moe, *routed) if routed and routed[0] and moe else moe_extra(settings, cfg,
+                                                                                                     moe)))
 
 
-def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False) -> int:
+def _heaviest(settings, cfg, moe: int, specs: list, rank: int) -> float:
+    """The most ``moe`` of the MoE layers ``specs`` (:func:`moe_routing` rows) save on ep rank ``rank`` (the
+    heaviest one again where they are fewer)."""
+    from omnitron.plan.moe_activations import moe_layer_extra
+
+    args = _moe_args(settings, cfg)
+    per = sorted((v for spec, n in _distinct(specs) for v in [_routed(moe_layer_extra, args, spec, rank)] * n),
+                 reverse=True)
+    return sum(per[:moe]) + per[0] * max(0, moe - len(per))
+
+
+def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False,
+                    slack: bool = False):
     """What one micro-batch's forward and backward through a chunk of ``layers`` layers holds at its peak
     beyond the chunk's activation and logit terms: rematerialised layers and backward's transients (module
     doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation),
-    every one MoE when the chunk has any (``moe``, :func:`omnitron.plan.moe_activations.transient_probe`)."""
+    every one MoE when the chunk has any (``moe``, :func:`omnitron.plan.moe_activations.transient_probe`).
+    ``slack``: (that, how far the peak lies above the most the MoE experts' backward holds in the probe; None
+    without MoE layers): how much more the experts' backward may hold before it sets the peak."""
     from omnitron.core.models.gpt.config import padded_vocab_size
+    from omnitron.kernels.alloc_log import peak
     from omnitron.plan.activations import probe_config
-    from omnitron.plan.transients import _B0, _S0, Probe, scaled_peak
+    from omnitron.plan.transients import _B0, _S0, Probe, experts_windows, scaled_log
 
     pc = settings.parallel
     tp = pc.tensor_model_parallel_size
@@ -311,11 +351,16 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
         from omnitron.plan.moe_activations import probe_layer_extra, transient_probe
 
         probe = transient_probe(cfg, probe, kh * kd, tp, pc.etp)
-    real = scaled_peak(Probe(probe, n, first, last, _S0, _B0), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
+    events, sizes = scaled_log(Probe(probe, n, first, last, _S0, _B0), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
+    real = peak(events, sizes)
     acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
     if moe:
         acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, tp, pc.etp)
-    return max(0, round(real - acts - output_bytes(whole, cfg, last) - logits))
+    excess = max(0, round(real - acts - output_bytes(whole, cfg, last) - logits))
+    if not slack:
+        return excess
+    windows = experts_windows(events, sizes)
+    return excess, (real - max(windows) if windows else None)
 
 
 def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
@@ -345,6 +390,36 @@ class _Skipped(Exception):
     """The transient probes not run (``estimate(..., transients=False)``)."""
 
 
+def _excess(settings, cfg, given, r: int, ends: dict, chunks: tuple, routing, rank: int | None, exchange: int,
+            transients: bool) -> tuple[int, int, int, bool]:
+    """(what pipeline rank ``r``'s peak holds beyond its activations and logits, one rematerialised chunk's
+    activations, what ep rank ``rank``'s rows add to the two over balanced routing, whether the transients were
+    probed). Under a routing histogram the rematerialised chunk is priced at the rank's rows
+    (:func:`recompute_bytes`) and so is its local experts' backward (:func:`_experts_skew`), each added to the
+    balanced probe's peak where it would set it (the chunk's: whole, an upper bound). Without the probes
+    (``transients`` False, or logs that do not align): the rematerialised chunk alone."""
+    layers, moe = chunks
+    plain_rec = recompute_bytes(settings, cfg)
+    stage = [] if rank is None else [s for c in ends for s in routing[(r, c)]]
+    rec = plain_rec if rank is None else recompute_bytes(settings, cfg, (stage, rank))
+    try:
+        if not transients:
+            raise _Skipped
+        probes = [transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1],
+                                  moe=moe[(r, c)] > 0, slack=True) for c in ends]
+        plain = max(t for t, _ in probes)
+        skew = rec - plain_rec
+        if rank is not None:
+            skew += max(t + _experts_skew(settings, cfg, routing[(r, c)], rank, room)
+                        for c, (t, room) in zip(ends, probes)) - plain
+        return plain + skew + block_dropout_bytes(settings, given) + exchange, rec, skew, True
+    except _Skipped:
+        pass
+    except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk
+        log.warning("%s; the memory estimate leaves backward's transients out", e)
+    return rec, rec, rec - plain_rec, False
+
+
 def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
     """Every pipeline stage's :class:`StageMemory` for ``settings``; ``transients=False`` leaves backward's own
     tensors out (their probes take tens of seconds per new tp / recompute setting at 70B: a cluster search
@@ -363,30 +438,23 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
     for r in range(pp):
         ends = {c: (schedule.stage(r, c) == 0, schedule.stage(r, c) == schedule.num_stages - 1) for c in range(vp)}
         has_moe = any(moe[(r, c)] for c in range(vp))
-        probed = False
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
         each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k) for k in ranks}
-        rank = max(each, key=lambda k: each[k][0] + transients * each[k][3])
+        stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
+        rank = max(each, key=lambda k: each[k][0] + transients * each[k][3] +
+                   (recompute_bytes(settings, cfg, (stage, k)) if k is not None else 0))
         act_peak, most, logit_peak, exchange = each[rank]
         st = state_bytes(settings, cfg, r)
-        try:
-            if not transients:
-                raise _Skipped
-            excess = max(transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1],
-                                         moe=moe[(r, c)] > 0) for c in range(vp)) + block_dropout_bytes(settings, given)
-            excess, probed = excess + exchange, True
-        except _Skipped:
-            excess = recompute_bytes(settings, cfg)
-        except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk
-            log.warning("%s; the memory estimate leaves backward's transients out", e)
-            excess = recompute_bytes(settings, cfg)
-        rec = min(recompute_bytes(settings, cfg), excess)  # what of the excess is rematerialised activations
+        excess, rec, skew, probed = _excess(settings, cfg, given, r, ends, (layers, moe), routing, rank, exchange,
+                                            transients)
+        rec = min(rec, excess)  # what of the excess is rematerialised activations
         m = StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
                         round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most, excess - rec,
                         round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))))
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
             plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None)
-            m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak - plain[0]) - probed * (exchange - plain[3]))
+            m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak - plain[0]) - probed * (exchange - plain[3])
+                        - skew)
         out.append(m)
     return out
 

@@ -49,8 +49,9 @@ Routing imbalance: with a routing histogram's row (``share``) and an ep rank, ``
 and ``R`` / ``R_e`` what that rank's experts receive, from the speed model's rows
 (:func:`omnitron.plan.moe.moe_local`, :func:`omnitron.plan.routing.expert_rows`: capped or padded at the
 capacity, the drops taken off); :func:`omnitron.plan.memory.estimate` prices every ep rank and reports the
-busiest. Its backward transients stay balanced (the probe's): the hot expert's backward gradients on its extra
-rows are left out (3.4% of a skewed ep2 step's peak at most in tests/plan/test_transients.py, 2026-12-04).
+busiest. Its backward transients are the probe's at balanced routing plus what the rank's local experts'
+backward holds at its own rows beyond balanced rows (:mod:`.moe_backward`; left out before 2026-12-04 23:00 UTC:
+a skewed ep2 step's peak was then up to 3.4% over the plan in tests/plan/test_transients.py).
 Not modelled: dropped tokens at balanced routing (a capacity factor is taken as dropping nothing), FP8 expert
 GEMMs' saved copies. The ep
 all-to-all's buffers in backward are left out on evidence: with 2 MiB buffers (1.8% of the step) a padded

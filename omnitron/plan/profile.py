@@ -12,7 +12,9 @@ exists (:class:`omnitron.plan.device_rates.DeviceRates`). A profile holds:
   gets less than the aggregate (a mesh without a switch); ``nvls_efficiency`` where the switch reduces
   (NVLink SHARP on NVSwitch 3 and later: H100, H200, B200);
 - ``efficiency``: curves of the achieved fraction of peak by size: ``gemm`` (by FLOPs), ``attention`` (fused,
-  by FLOPs), ``memory`` (memory-bound kernels, by bytes moved); interpolated linearly in log(size), clamped.
+  by FLOPs), ``memory`` (memory-bound kernels, by bytes moved); interpolated linearly in log(size), clamped;
+  ``gemm_fp8`` (optional, by FLOPs, a fraction of the ``fp8`` peak): FP8 GEMMs where they were measured to fall
+  short of ``gemm`` at the doubled peak (H200, H100); without it FP8 GEMMs take the ``gemm`` curve (noted).
 
 A profile may describe the same hardware under another software stack: ``based_on = "NAME"`` takes every
 table of profile NAME and overrides what this file gives, and ``[stack] kernel_rate`` scales every kernel
@@ -84,6 +86,8 @@ class DeviceProfile:
     gemm: Curve
     attention: Curve
     memory: Curve
+    gemm_fp8: Curve | None = None
+    """FP8 GEMMs' fraction of the ``fp8`` peak by FLOPs; None: the ``gemm`` curve (module docstring)."""
 
     def peak_of(self, dtype: str) -> float:
         """Dense FLOP/s of ``dtype``; fp32 GEMMs run as TF32 where the device has it (noted by the caller)."""
@@ -144,7 +148,8 @@ def load(name: str) -> DeviceProfile:
                              {k: v * 1e12 * rate for k, v in d["peak_tflops"].items()},
                              int(d["memory"]["usable_gib"] * 2**30), d["memory"]["bandwidth_gbs"] * 1e9 * rate, links,
                              _curve(eff["gemm"], "flops"), _curve(eff["attention"], "flops"),
-                             _curve(eff["memory"], "bytes"))
+                             _curve(eff["memory"], "bytes"),
+                             _curve(eff["gemm_fp8"], "flops") if "gemm_fp8" in eff else None)
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"--device {path}: malformed profile ({type(err).__name__}: {err}); compare with "
                           f"{os.path.join(DEVICES_DIR, 'h100-sxm.toml')}") from None

@@ -54,9 +54,12 @@ def _points(rows, flops_of) -> list[tuple[float, float]]:
     return sorted((x, math.exp(sum(v) / len(v))) for x, v in by.items())
 
 
-_STAND_IN = {"moe_dispatch": ("add", 3)}
-"""Ops of newer reports, priced in older ones as passes of another op: (op, passes)."""
+_STAND_IN = {"moe_dispatch": ("add", 3), "fp8_cast": ("add", 1)}
+"""Ops a report has no rows of (moe_dispatch: older reports; fp8_cast: not measured by the bench, its 6 bytes an
+element as one add's), priced as passes of another op: (op, passes)."""
 _GEMM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_GEMM_ROWS = {"fp8": "fp8-tensor"}
+"""The bench's rows a dtype of the speed model is priced at (FP8 linears: the per-tensor scaled GEMM)."""
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Rates:
     def gemm_s(self, dtype: str, m: int, n: int, k: int, threads: int = 1) -> float:
         """Seconds of one ``[m,k] @ [k,n]`` GEMM in ``dtype`` (``fp32``, ``bf16``, ...)."""
         rows, f = self._pick(self.gemm, threads, "gemm")
-        mine = [r for r in rows if r["dtype"] == dtype]
+        mine = [r for r in rows if r["dtype"] == _GEMM_ROWS.get(dtype, dtype)]
         if not mine:
             self.note(f"gemm: no {dtype} rows; using fp32's")
             mine = [r for r in rows if r["dtype"] == "fp32"] or rows
@@ -191,7 +194,7 @@ class Rates:
         mine = [r for r in rows if r["op"] == op and r["mode"] == mode]
         if not mine and op in _STAND_IN:
             other, passes = _STAND_IN[op]
-            self.note(f"element-wise ops: no {op} rows (an older report); priced as {passes} {other} passes")
+            self.note(f"element-wise ops: no {op} rows in the report; priced as {passes} {other} passes")
             return passes * self.elementwise_s(other, mode, elements, threads)
         if not mine:
             self.note(f"element-wise ops: no {op} {mode} rows; not priced")

@@ -45,6 +45,9 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    host runs ahead, and a layer takes the longer of the two. The q / k / v split's backward is priced as
    element-wise passes (:func:`work.qkv_split_backward`).
 
+9. **FP8** (``--fp8-format``): the layers' GEMMs at the device's FP8 rate and the casts feeding them as
+   element-wise passes (:mod:`omnitron.plan.fp8`).
+
 Not modelled: the data loader, the host's fixed costs outside the layers (embedding, loss, the optimizer's loop).
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ from dataclasses import dataclass, field, replace
 
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.pipeline.schedules import place_stage, virtual_stage
+from omnitron.plan import fp8
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
 from omnitron.plan.stage_layers import stage_layers
@@ -176,7 +180,8 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
         act = "silu_mul" if cfg.swiglu else "gelu"
         gemms = gemms[:2] + moe_work.moe_gemms(m)  # attention's qkv and proj, then the MoE MLP
         ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
-    gemm = sum(rates.gemm_s("fp32" if name == "router" else dt, mm, n, k, threads) for name, mm, n, k in gemms) * slow
+    gemm = sum(rates.gemm_s(fp8.gemm_dtype(settings, name, dt), mm, n, k, threads) for name, mm, n, k in gemms) * slow
+    cast_f, cast_b = fp8.casts(settings, gemms)
     attn = _attention(cfg, x, rates, dt, threads) * slow
     # ring attention's merges and gradient accumulations (its blocks' dropout is in their rate)
     ring_f, ring_b = work.cp_ring_elementwise(x) if ring else ([], [])
@@ -186,12 +191,13 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
     c.f["compute"], c.b["compute"] = gemm + attn / 3, 2 * gemm + 2 * attn / 3
     c.f["cp"], c.b["cp"] = hops_f * hop, hops_b * hop
     bias = work.bias_passes(cfg, x, [g for g in gemms if g[0] != "router"])
-    c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads) for op, n in ew + ring_f + bias) * stream
+    c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads)
+                             for op, n in ew + ring_f + bias + cast_f) * stream
     probs = work.attention_dropout_elements(cfg, x) if separate and cfg.attention_dropout > 0 else None
     c.attention_ew_f = rates.elementwise_s("dropout", "fwd", probs, threads) * stream if probs else 0.0
     c.b["elementwise"] = (sum(rates.elementwise_s(op, "bwd", n, threads) for op, n in ew) +
                           sum(rates.elementwise_s(op, "fwd", n, threads)
-                              for op, n in ring_b + work.qkv_split_backward(x) + bias)) * stream
+                              for op, n in ring_b + work.qkv_split_backward(x) + bias + cast_b)) * stream
     c.f["host"], c.b["host"] = (t * slow for t in host_layer(rates, threads))
     for d, rows in zip((c.f, c.b), layer_collectives(settings, cfg, moe, share)):
         for key, op, n, ranks in rows:
@@ -209,7 +215,7 @@ def _layer_cached(settings, cfg, rates, moe: bool, row: int | None = None) -> St
     key = ("layer", repr(replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
            pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
            pc.etp, settings.training.micro_batch_size, moe, getattr(getattr(rates, "expert_load", None), "key", None),
-           row)
+           row, repr(settings.fp8))
     if key not in rates.memo:
         rates.memo[key] = _layer(settings, cfg, rates, moe, row)
     return rates.memo[key]
@@ -523,7 +529,7 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
     what = {"none": "every communication on the critical path",
             "dp": "dp gradient reduction hidden behind the last backward",
             "all": "all communication hidden behind compute where shorter"}
-    out = [f"overlap: {overlap} ({what[overlap]})"]
+    out = [f"overlap: {overlap} ({what[overlap]})"] + ([fp8.describe(settings)] if settings.fp8 is not None else [])
     if getattr(settings.model, "num_experts", None):
         from omnitron.plan.memory import model_config
         from omnitron.plan.routing import describe

@@ -27,6 +27,7 @@ probed with every layer MoE at balanced routing (:func:`omnitron.plan.moe_activa
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -96,6 +97,34 @@ def timeline(p: Probe) -> list[tuple[str | None, int]]:
     return _TIMELINES[key]
 
 
+EXPERTS = "<experts backward>"
+"""The marker event (0 bytes) logged when an MoE layer's local experts start their backward; :data:`EXPERTS_END`
+when they end (:func:`experts_windows`)."""
+EXPERTS_END = "<experts backward end>"
+
+
+@contextlib.contextmanager
+def _mark_experts(events: list):
+    """While active, the MoE layers' ``run_experts`` calls mark their backward's start and end in ``events`` (the
+    gradient of their output arrives; that of their input rows leaves)."""
+    import omnitron.core.transformer.moe.layer as layer
+
+    real = layer.run_experts
+
+    def marked(rows, *args, **kwargs):
+        y = real(rows, *args, **kwargs)
+        if y.requires_grad and rows.requires_grad:
+            y.register_hook(lambda g: events.append((EXPERTS, 0)))
+            rows.register_hook(lambda g: events.append((EXPERTS_END, 0)))
+        return y
+
+    layer.run_experts = marked
+    try:
+        yield
+    finally:
+        layer.run_experts = real
+
+
 def _timeline(p: Probe) -> list[tuple[str | None, int]]:
     m = _chunk(p)
     _main_grads(m)
@@ -116,7 +145,7 @@ def _timeline(p: Probe) -> list[tuple[str | None, int]]:
 
     step()
     tl = Timeline()
-    with tl:
+    with tl, (_mark_experts(tl.events) if p.cfg.num_experts else contextlib.nullcontext()):
         step()
     return tl.events
 
@@ -157,8 +186,32 @@ def _doubled(p: Probe) -> list[Probe]:
 
 
 def scaled_peak(p: Probe, s: int, b: int, kh: int, kd: int, vocab: int) -> float:
-    """Peak bytes of the probe chunk's forward and backward scaled to sequence ``s``, batch ``b``, heads
-    times ``kh``, head dimension times ``kd`` and a vocabulary shard of ``vocab`` columns.
+    """Peak bytes of the probe chunk's forward and backward scaled (:func:`scaled_log`)."""
+    return peak(*scaled_log(p, s, b, kh, kd, vocab))
+
+
+def experts_windows(events: list, sizes: list[float]) -> list[float]:
+    """The most live bytes inside each MoE layer's local experts' backward (between the :data:`EXPERTS` markers) of
+    a replayed log, in backward order."""
+    live, out, inside = 0.0, [], False
+    for i, (op, n) in enumerate(events):
+        if op == EXPERTS:
+            out.append(live)
+            inside = True
+        elif op == EXPERTS_END:
+            inside = False
+        elif op is None:
+            live -= sizes[n]
+        else:
+            live += sizes[i]
+            if inside:
+                out[-1] = max(out[-1], live)
+    return out
+
+
+def scaled_log(p: Probe, s: int, b: int, kh: int, kd: int, vocab: int) -> tuple[list, list[float]]:
+    """(events, each creation's bytes) of the probe chunk's forward and backward scaled to sequence ``s``, batch
+    ``b``, heads times ``kh``, head dimension times ``kd`` and a vocabulary shard of ``vocab`` columns.
 
     A probe with one head or one query group (a tp rank's may) is logged at twice its heads, so heads scale
     by ``kh / 2``: attention takes other paths for a single head than for several."""
@@ -182,4 +235,4 @@ def scaled_peak(p: Probe, s: int, b: int, kh: int, kd: int, vocab: int) -> float
         for f, run in zip(factors, runs):
             scale *= f ** math.log2(run[i][1] / n) if run[i][1] else 0.0
         sizes.append(n * scale)
-    return peak(base, sizes)
+    return base, sizes

@@ -125,3 +125,86 @@ def test_estimate_prices_each_stage_on_its_busiest_ep_rank(fixed_rates, tmp_path
     path.write_text(json.dumps({"tokens_per_expert": [[4, 2, 1, 1], [8, 4, 2, 2], [1, 1, 1, 1]]}))  # 3 rows, 2 layers
     got = estimate(s, transients=False, load=read_expert_load(str(path)))[0]
     assert got.activations - plain.activations == round(2 * 2 * 18368 / 3)  # each layer at the rows' mean
+
+
+def test_experts_backward_on_the_busiest_rank_by_hand():
+    """The local experts' backward above what their forward left (omnitron/plan/moe_backward.py), fp32 h 16, SwiGLU
+    f 24, no biases, worked from the code path: each expert saved its fc1 output ``[n, 2f]`` and activation ``[n, f]``,
+    and the concatenated output ``[R, h]`` is held. Backward takes the output gradient ``[R, h]``, then the experts
+    last to first; expert ``j``, after the later ones (each left ``(h - 3f) n_i``: its input gradient held, its saved
+    tensors freed; their sum ``D``), peaks at the most of: fc2's weight gradient ``h f`` with the activation's
+    gradient ``f n`` (m1), the fc1 output's gradient ``2f n`` once the activation's saved output is freed (m2), or
+    fc1's weight gradient ``2 f h`` with the input gradient ``h n`` once the saved fc1 output and the activation's
+    gradient are freed (m3): ``R h + D + max(h f + f n, 2 f n, 2 f h + (h - f) n)``.
+    Rows (E 4, k 2, s 8, b 2, ep2, as test_busiest_ep_rank_bytes_by_hand): balanced 16, 16 (R 32): the last expert's
+    m1 = m2 = 512 + 768 = 1280 elements, 5120 bytes. Histogram (1/8, 1/8, 1/4, 1/2): ep rank 1 holds rows 16, 32
+    (R 48): m2 = 768 + 1536 = 2304, 9216 bytes, 4096 over balanced; rank 0 (8, 8; R 16): m3 = 256 + 768 - 64 = 960,
+    under balanced: 0. Reversed (1/2, 1/4, 1/8, 1/8): rank 0 holds 32, 16: the last expert (16 rows) m1 = 768 + 768
+    = 1536 (the first, D = -56 x 16, less), 6144 bytes: 1024 over; the hot expert's rows count less when it runs
+    after the others have freed their saved tensors. At balanced routing nothing is added."""
+    from omnitron.plan.moe_backward import backward_peak, skew_bytes
+
+    cfg = _cfg()
+    assert [backward_peak(cfg, rows, 16, 24) for rows in ([16, 16], [16, 32], [8, 8], [32, 16])] == \
+        [5120, 9216, 3840, 6144]
+    assert [skew_bytes(cfg, 8, 2, 1, False, 2, 1, (0.125, 0.125, 0.25, 0.5), r) for r in (0, 1)] == [0, 4096]
+    assert [skew_bytes(cfg, 8, 2, 1, False, 2, 1, (0.5, 0.25, 0.125, 0.125), r) for r in (0, 1)] == [1024, 0]
+    assert skew_bytes(cfg, 8, 2, 1, False, 2, 1, None, 0) == 0
+
+
+def test_experts_backward_replay_equals_their_log_at_other_sizes():
+    """The replay from the small probes (hidden 16, width 16, 8 rows an expert) at random rows per expert, hidden and
+    width, bf16 with biases: the same peak as the experts' own log at those sizes (exact: every storage is linear in
+    the rows and a monomial in the widths)."""
+    import random
+
+    from omnitron.plan.moe_backward import _BACKWARD, _events, backward_peak
+
+    cfg = _cfg(params_dtype=torch.bfloat16, add_bias_linear=True)
+    rows = [random.randint(0, 40) for _ in range(3)]
+    h, f = random.choice([32, 48, 64]), random.choice([24, 40, 72])
+    log = _events(cfg, h, f, rows)
+    mark = log.index((_BACKWARD, 0))
+    assert backward_peak(cfg, rows, h, f) == pytest.approx(_most_after(log, mark) - _live(log[:mark]), rel=1e-12,
+                                                           abs=0), (rows, h, f)
+
+
+def _live(events) -> float:
+    live = 0.0
+    for op, n in events:
+        live += -events[n][1] if op is None else (n if not op.startswith("<") else 0)
+    return live
+
+
+def _most_after(events, mark: int) -> float:
+    live, top = 0.0, 0.0
+    for i, (op, n) in enumerate(events):
+        live += -events[n][1] if op is None else (n if not op.startswith("<") else 0)
+        if i >= mark:
+            top = max(top, live)
+    return top
+
+
+@pytest.mark.parametrize("what", ["recompute", "mtp"])
+def test_rematerialised_chunk_and_mtp_depths_on_the_busiest_ep_rank(fixed_rates, tmp_path, what):
+    """test_estimate_prices_each_stage_on_its_busiest_ep_rank's model and histogram (layer 0 at 4:2:1:1, 18368
+    bytes over balanced on ep rank 0; layer 1 flat), transients off. Full recomputation of one layer (block): layer 0
+    keeps its input only, so the activations are balanced, and the rematerialised chunk is the stage's heaviest MoE
+    layer at the rank's rows: 18368 over. One multi-token prediction depth: its MoE layer at the mean of the last
+    chunk's rows (the histogram has none of its own), (18368 + 0) / 2 = 9184 over, beside layer 0's 18368."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import estimate
+    from omnitron.plan.routing import read_expert_load
+
+    from tests.plan.test_moe_speed import _args
+
+    extra = (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
+             if what == "recompute" else ["--mtp-num-layers", "1", "--position-embedding-type", "rope"])
+    s = parse_settings(_args(str(tmp_path), ["--expert-model-parallel-size", "2", *extra]), 2)
+    plain = estimate(s, transients=False)[0]
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps({"tokens_per_expert": [[4, 2, 1, 1], [1, 1, 1, 1]]}))
+    got = estimate(s, transients=False, load=read_expert_load(str(path)))[0]
+    want = (0, 18368) if what == "recompute" else (18368 + 9184, 0)
+    assert (got.ep_rank, got.activations - plain.activations, got.recompute - plain.recompute) == (0, *want)
+    assert got.balanced == plain.total

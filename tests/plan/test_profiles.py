@@ -29,7 +29,7 @@ def test_profile_is_consistent(name):
     assert p.peak["bf16"] > 0 and p.peak["bf16"] == p.peak["fp16"]
     if "fp8" in p.peak:
         assert math.isclose(p.peak["fp8"], 2 * p.peak["bf16"], rel_tol=1e-3)
-    for curve in (p.gemm, p.attention, p.memory):
+    for curve in (p.gemm, p.attention, p.memory) + ((p.gemm_fp8,) if p.gemm_fp8 is not None else ()):
         ys = [y for _, y in curve.points]
         assert all(0 < y <= 1 for y in ys) and ys == sorted(ys)
         assert curve(1e30) == ys[-1] and curve(1e-30) == ys[0]
