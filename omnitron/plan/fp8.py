@@ -13,8 +13,10 @@ adds the casts that feed them, priced as element-wise passes (:data:`CAST`):
 Each cast reads its source twice (its amax, then the cast) and writes the FP8 operand and its transpose (the
 weight-gradient GEMM's): ``2 x 2 + 2 x 1`` = 6 bytes an element from bf16, three 2-byte passes.
 
-Not modelled: the delayed recipe's amax history (its per-step reduction), ``--first-last-layers-bf16`` (every
-layer priced in FP8), and the block-wise recipe's scales: its GEMMs are priced as per-tensor ones although they
+``--first-last-layers-bf16``: the layers it keeps wide are priced as without FP8
+(:func:`omnitron.plan.stage_layers.wide_layers`, :func:`omnitron.plan.speed.stage_cost`).
+
+Not modelled: the delayed recipe's amax history (its per-step reduction), and the block-wise recipe's scales: its GEMMs are priced as per-tensor ones although they
 ran emulated on the H200's torch of 2026-12-04 (0.2x bf16, BENCHMARKS.md), so a block-wise prediction is
 optimistic (noted with it).
 """
@@ -53,5 +55,6 @@ def describe(settings) -> str | None:
     if fp8.fp8_recipe == "blockwise":
         out += "; block-wise GEMMs priced as per-tensor ones (they ran emulated on the H200, 0.2x bf16): optimistic"
     if fp8.first_last_layers_bf16:
-        out += "; --first-last-layers-bf16 not modelled (every layer priced in FP8)"
+        out += (f"; --first-last-layers-bf16: the first {fp8.num_layers_at_start_in_bf16} and last "
+                f"{fp8.num_layers_at_end_in_bf16} layer(s) priced wide, without casts, on the stages holding them")
     return out
