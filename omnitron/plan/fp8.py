@@ -33,7 +33,8 @@ element from bf16) plus the transpose's copy on CPU; on CUDA the per-tensor cast
 
 Not modelled: the delayed recipe's amax history (its per-step reduction); the scale arithmetic's own tiny kernels
 (fused into the cast in a compiled layer); the transposed FP8 store's rate, priced at the copy rate: the recorded
-H200 step's casts took about twice these bytes at that rate (BENCHMARKS.md, 2026-12-04 23:xx section).
+H200 step's casts took about 1.7x what these bytes cost at that rate (BENCHMARKS.md, "`omnitron plan`: FP8 recipes
+priced as the engine runs them").
 """
 from __future__ import annotations
 
