@@ -31,13 +31,20 @@ from omnitron.plan.machine import Machine, span, strides
 
 PASSES = {"add": (3, 3), "layer_norm": (2, 4), "rms_norm": (2, 4), "dropout": (2.5, 2.5), "gelu": (2, 3),
           "silu_mul": (3, 5), "softmax": (2, 3), "cross_entropy": (6, 4), "ring_merge": (4, 0),
-          "block_dropout": (2, 4), "moe_dispatch": (6, 6), "fp8_cast": (3, 3)}
+          "block_dropout": (2, 4), "moe_dispatch": (6, 6), "fp8_amax": (1, 1), "fp8_cast": (2, 2),
+          "fp8_cast_block": (1.5 + 2 / 128, 1.5 + 2 / 128)}
 """(forward, backward) bytes per element, in units of the activation's element size: reads plus writes of one
 pass of the op (dropout: the 1-byte mask as half a 2-byte element; block_dropout, the cp blocks' hash mask: no
 mask stored or read, it is computed from positions, in the forward applied to the probabilities and in the
 backward computed again and applied to them and to their gradient; cross-entropy: fp32 logits, max, exp,
-sum and the target gather forward, the softmax gradient backward; fp8_cast: the source read for its amax and for
-the cast, the FP8 operand and its transpose written, :mod:`omnitron.plan.fp8`)."""
+sum and the target gather forward, the softmax gradient backward; the FP8 quantization's kernels,
+:mod:`omnitron.plan.fp8`: fp8_amax, the source read; fp8_cast, the source read, the FP8 operand and its transpose
+written; fp8_cast_block, the source read, the FP8 tensor and a 4-byte scale per 128 elements written)."""
+DEQUANT_BYTES = 5
+"""Per operand element of an emulated block-wise FP8 GEMM: the FP8 code read, its fp32 dequantized value written
+(the block's scale read is 1/128 or 1/16384 of that; compiled: ``to(float32)`` and the scale's multiply fused)."""
+RESULT_BYTES = 6
+"""Per output element of an emulated block-wise FP8 GEMM: the fp32 result read, the output dtype's value written."""
 HASH_INT_OPS = 38
 """32-bit integer operations per visible score of a ring block with the hash dropout, forward + backward, in the fused
 flash block (:mod:`omnitron.kernels.triton_kernels.flash_block`), which stores no mask and reads none: the element's
@@ -125,12 +132,30 @@ class DeviceRates:
         """Seconds of ``batch`` ``[m,k] @ [k,n]`` GEMMs (roofline of the GEMM curve and the memory-bound rate)."""
         if batch == 1 and self._report_has("gemm", dtype=dtype):
             return self.measured.gemm_s(dtype, m, n, k, _own(self.measured.gemm))
+        if dtype == "fp8-block":
+            return self._block_gemm_s(m, n, k)
         flops = 2.0 * m * n * k * batch
         if flops <= 0:
             return 0.0
         compute = flops / (self._peak(dtype) * self._gemm_curve(dtype)(flops))
         elem = 1 if dtype == "fp8" else (4 if dtype in _FLOAT else 2)
         return max(compute, self._stream_s(batch * elem * (m * k + k * n + m * n)))
+
+    def _block_gemm_s(self, m: int, n: int, k: int) -> float:
+        """A block-wise FP8 GEMM (:mod:`omnitron.plan.fp8`): native where the profile says ``[fp8] block_gemm =
+        "native"`` (at the per-tensor FP8 rate); else emulated as the engine's provider runs it: both operands
+        dequantized (:data:`DEQUANT_BYTES`), an fp32 GEMM at the non-tensor fp32 peak on the profile's GEMM curve
+        (no TF32: ``allow_tf32`` is off), its result cast (:data:`RESULT_BYTES`)."""
+        p = self.profile
+        if p.fp8_block_gemm == "native":
+            return self.gemm_s("fp8", m, n, k)
+        if p.fp8_block_gemm is None:
+            self.note(f"gemm: profile {p.name} does not say whether block-scaled FP8 GEMMs run natively ([fp8] "
+                      "block_gemm); priced emulated, as the engine runs them where torch refuses the layout")
+        flops = 2.0 * m * n * k
+        gemm = max(flops / (p.peak_of("fp32") * p.gemm(flops)), self._stream_s(4 * (m * k + k * n + m * n)))
+        return gemm + self._stream_s(DEQUANT_BYTES * m * k) + self._stream_s(DEQUANT_BYTES * k * n) + \
+            self._stream_s(RESULT_BYTES * m * n)
 
     def _gemm_curve(self, dtype: str):
         """The profile's FP8 GEMM curve for ``fp8`` where it has one, else its GEMM curve (noted for fp8)."""

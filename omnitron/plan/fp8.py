@@ -1,45 +1,75 @@
 """What ``--fp8-format`` changes in a step's work, for the speed model (:mod:`omnitron.plan.speed`).
 
 FP8 runs the linear layers' GEMMs (every layer GEMM but the router's; the output layer stays wide, as
-:data:`omnitron.core.precision.fp8.enable.DEFAULT_EXCLUDE` keeps it) at the device's FP8 rate
-(``gemm_s("fp8", ...)``: a profile's ``[efficiency.gemm_fp8]`` curve, a bench report's ``fp8-tensor`` rows), and
-adds the casts that feed them, priced as element-wise passes (:data:`CAST`):
+:data:`omnitron.core.precision.fp8.enable.DEFAULT_EXCLUDE` keeps it, and so do the layers
+``--first-last-layers-bf16`` keeps: :func:`omnitron.plan.stage_layers.wide_layers`) and adds the casts that feed
+them, priced as element-wise kernels. What is priced follows the code path of
+:mod:`omnitron.core.precision.fp8.linear` as a compiled layer runs it (inductor fuses each chain of element-wise
+ops into one kernel; a reduction ends a kernel); eager runs more passes (below).
 
-- forward: the input ``[m, k]`` and the weight ``[k, n]`` of each FP8 GEMM (the weight every micro-batch: what the
-  compiled tensorwise layer does; eager reuses it across micro-batches, so this over-prices eager by the weights'
-  share, about 7 ms a step of 503 at 1.3B on the H200, BENCHMARKS.md "Where the FP8 step's idle time sits");
-- backward: the output gradient ``[m, n]``.
+**Per-tensor recipes** (``delayed``, ``tensorwise``): the GEMMs at the device's FP8 rate (``gemm_s("fp8", ...)``:
+a profile's ``[efficiency.gemm_fp8]`` curve, a bench report's ``fp8-tensor`` rows). Each quantized tensor -- the
+input ``[m, k]`` and the weight ``[k, n]`` forward (the weight every micro-batch: the compiled layer quantizes in
+its graph; eager reuses it across micro-batches, so this over-prices eager by the weights' share, about 7 ms a step
+of 503 at 1.3B on the H200), the output gradient ``[m, n]`` backward -- is two kernels, counted from
+``FP8Linear.quantize``: its amax (``vector_norm(x, inf)``, a reduction: the 2-byte source read once, :data:`AMAX`)
+and the cast-transpose (``fp8_cast_transpose_from_amax``: the source read again, the FP8 operand and its
+transpose written, 4 bytes an element, :data:`CAST`), each priced at the memory-bound rate of its own bytes.
 
-Each cast reads its source twice (its amax, then the cast) and writes the FP8 operand and its transpose (the
-weight-gradient GEMM's): ``2 x 2 + 2 x 1`` = 6 bytes an element from bf16, three 2-byte passes.
+**Block-wise** (1x128 tiles of activations and gradients, 128x128 blocks of weights): ``quantize_blocks`` is a
+block amax (the source read, :data:`AMAX`) and a cast writing the FP8 tensor and one fp32 scale per 128 elements,
+no transpose (3.03 bytes an element, :data:`CAST_BLOCK`). The weight-gradient GEMM contracts over tokens, so the
+backward quantizes the output gradient twice (row tiles for the data gradient, tiles along tokens for the weight
+gradient) and the input, saved wide, again in 128x1 tiles: per GEMM the input twice, the weight once, the output
+gradient twice. The GEMMs (``gemm_s("fp8-block", ...)``) run natively only where the device profile says so
+(``[fp8] block_gemm = "native"``, at the per-tensor FP8 rate); otherwise emulated, as on the H200 with torch 2.11
+(``F.scaled_mm`` refused every block-wise layout): each operand dequantized into fp32, an fp32 GEMM (no TF32:
+the engine leaves ``allow_tf32`` off), its fp32 result cast to the output dtype
+(:meth:`omnitron.plan.device_rates.DeviceRates.gemm_s`).
 
-Not modelled: the delayed recipe's amax history (its per-step reduction), ``--first-last-layers-bf16`` (every
-layer priced in FP8), and the block-wise recipe's scales: its GEMMs are priced as per-tensor ones although they
-ran emulated on the H200's torch of 2026-12-04 (0.2x bf16, BENCHMARKS.md), so a block-wise prediction is
-optimistic (noted with it).
+Eager runs the reference ops unfused: the cast as four fp32 passes (to fp32, scale, clamp, to FP8: 27 bytes an
+element from bf16) plus the transpose's copy on CPU; on CUDA the per-tensor cast-transpose is one Triton kernel
+(the 4 bytes above); the block-wise dequantization 13 bytes an operand element instead of 5. Not priced.
+
+Not modelled: the delayed recipe's amax history (its per-step reduction); the scale arithmetic's own tiny kernels
+(fused into the cast in a compiled layer); the transposed FP8 store's rate, priced at the copy rate: the recorded
+H200 step's casts took about 1.7x what these bytes cost at that rate (BENCHMARKS.md, "`omnitron plan`: FP8 recipes
+priced as the engine runs them").
 """
 from __future__ import annotations
 
 WIDE = ("router", "logits")
 """GEMMs that stay in the model's dtype under FP8 (the router runs in float32)."""
+AMAX = "fp8_amax"
+"""The amax reduction of one quantized tensor (:data:`omnitron.plan.device_rates.PASSES`: its 2-byte source read)."""
 CAST = "fp8_cast"
-"""The element-wise op of one cast (:data:`omnitron.plan.device_rates.PASSES`: 3 passes of a 2-byte element)."""
+"""The per-tensor cast-transpose kernel: the source read, the FP8 operand and its transpose written (4 bytes)."""
+CAST_BLOCK = "fp8_cast_block"
+"""The block-wise cast: the source read, the FP8 tensor and a float32 scale per 128 elements written."""
 
 
 def gemm_dtype(settings, name: str, dt: str) -> str:
-    """The dtype GEMM ``name`` runs in: ``fp8`` under ``--fp8-format`` unless it is one of :data:`WIDE`."""
+    """The dtype GEMM ``name`` runs in: ``fp8`` (per-tensor recipes) or ``fp8-block`` (block-wise) under
+    ``--fp8-format`` unless it is one of :data:`WIDE`."""
     if name == "router":
         return "fp32"
-    return "fp8" if settings.fp8 is not None and name not in WIDE else dt
+    if settings.fp8 is None or name in WIDE:
+        return dt
+    return "fp8-block" if settings.fp8.fp8_recipe == "blockwise" else "fp8"
 
 
 def casts(settings, gemms) -> tuple[list, list]:
-    """(forward, backward) ``(CAST, elements)`` of the FP8 casts feeding ``gemms`` (``(name, m, n, k)``, one
-    micro-batch's forward GEMMs); empty without FP8."""
+    """(forward, backward) ``(op, elements)`` of the FP8 quantizations feeding ``gemms`` (``(name, m, n, k)``, one
+    micro-batch's forward GEMMs): per quantized tensor its :data:`AMAX` and its cast; empty without FP8."""
     if settings.fp8 is None:
         return [], []
     fp8 = [(m, n, k) for name, m, n, k in gemms if name not in WIDE and m * n * k > 0]
-    return ([(CAST, e) for m, n, k in fp8 for e in (m * k, k * n)], [(CAST, m * n) for m, n, _ in fp8])
+    if settings.fp8.fp8_recipe == "blockwise":
+        cast, fwd = CAST_BLOCK, [e for m, n, k in fp8 for e in (m * k, k * n)]
+        bwd = [e for m, n, k in fp8 for e in (m * n, m * n, m * k)]  # dgrad's and wgrad's gradient, wgrad's input
+    else:
+        cast, fwd, bwd = CAST, [e for m, n, k in fp8 for e in (m * k, k * n)], [m * n for m, n, _ in fp8]
+    return ([(op, e) for e in fwd for op in (AMAX, cast)], [(op, e) for e in bwd for op in (AMAX, cast)])
 
 
 def describe(settings) -> str | None:
@@ -47,11 +77,18 @@ def describe(settings) -> str | None:
     fp8 = settings.fp8
     if fp8 is None:
         return None
-    out = (f"FP8 ({fp8.fp8_format}, {fp8.fp8_recipe}): the layers' GEMMs at the device's FP8 rate, their casts "
-           "(inputs and weights forward, output gradients backward) at 6 bytes an element; the output layer and "
-           "the router wide")
     if fp8.fp8_recipe == "blockwise":
-        out += "; block-wise GEMMs priced as per-tensor ones (they ran emulated on the H200, 0.2x bf16): optimistic"
+        out = (f"FP8 ({fp8.fp8_format}, blockwise): the layers' GEMMs block-scaled (emulated unless the device "
+               "profile says native: operands dequantized to fp32, an fp32 GEMM, its result cast), each input, "
+               "weight and output gradient quantized as the compiled layer does it (an amax pass, a cast writing "
+               "FP8 and a scale per 128; the input and the output gradient again for the weight gradient)")
+    else:
+        out = (f"FP8 ({fp8.fp8_format}, {fp8.fp8_recipe}): the layers' GEMMs at the device's FP8 rate; each input, "
+               "weight (every micro-batch) and output gradient quantized as the compiled layer does it: an amax "
+               "pass (2 bytes an element) and a cast-transpose (4), at the copy rate (the transposed store's "
+               "slower rate not modelled)")
+    out += "; the output layer and the router wide"
     if fp8.first_last_layers_bf16:
-        out += "; --first-last-layers-bf16 not modelled (every layer priced in FP8)"
+        out += (f"; --first-last-layers-bf16: the first {fp8.num_layers_at_start_in_bf16} and last "
+                f"{fp8.num_layers_at_end_in_bf16} layer(s) priced wide, without casts, on the stages holding them")
     return out

@@ -14,7 +14,9 @@ exists (:class:`omnitron.plan.device_rates.DeviceRates`). A profile holds:
 - ``efficiency``: curves of the achieved fraction of peak by size: ``gemm`` (by FLOPs), ``attention`` (fused,
   by FLOPs), ``memory`` (memory-bound kernels, by bytes moved); interpolated linearly in log(size), clamped;
   ``gemm_fp8`` (optional, by FLOPs, a fraction of the ``fp8`` peak): FP8 GEMMs where they were measured to fall
-  short of ``gemm`` at the doubled peak (H200, H100); without it FP8 GEMMs take the ``gemm`` curve (noted).
+  short of ``gemm`` at the doubled peak (H200, H100); without it FP8 GEMMs take the ``gemm`` curve (noted);
+- ``fp8``: ``block_gemm`` (``native`` or ``emulated``), how block-scaled FP8 GEMMs run on the device's recorded
+  software stack (:mod:`omnitron.plan.fp8`); unset: emulated (noted).
 
 A profile may describe the same hardware under another software stack: ``based_on = "NAME"`` takes every
 table of profile NAME and overrides what this file gives, and ``[stack] kernel_rate`` scales every kernel
@@ -88,6 +90,8 @@ class DeviceProfile:
     memory: Curve
     gemm_fp8: Curve | None = None
     """FP8 GEMMs' fraction of the ``fp8`` peak by FLOPs; None: the ``gemm`` curve (module docstring)."""
+    fp8_block_gemm: str | None = None
+    """``[fp8] block_gemm``: ``native`` or ``emulated``, how block-scaled FP8 GEMMs run; None: unknown (emulated)."""
 
     def peak_of(self, dtype: str) -> float:
         """Dense FLOP/s of ``dtype``; fp32 GEMMs run as TF32 where the device has it (noted by the caller)."""
@@ -106,6 +110,12 @@ def _curve(table: dict, key: str) -> Curve:
     if len(xs) != len(ys) or not xs:
         raise ValueError(f"{key} and fraction differ in length")
     return Curve(tuple(sorted(zip(map(float, xs), map(float, ys)))))
+
+
+def _block_gemm(value):
+    if value not in (None, "native", "emulated"):
+        raise ValueError(f"fp8.block_gemm {value!r} is not 'native' or 'emulated'")
+    return value
 
 
 def _path(name: str) -> str:
@@ -149,7 +159,8 @@ def load(name: str) -> DeviceProfile:
                              int(d["memory"]["usable_gib"] * 2**30), d["memory"]["bandwidth_gbs"] * 1e9 * rate, links,
                              _curve(eff["gemm"], "flops"), _curve(eff["attention"], "flops"),
                              _curve(eff["memory"], "bytes"),
-                             _curve(eff["gemm_fp8"], "flops") if "gemm_fp8" in eff else None)
+                             _curve(eff["gemm_fp8"], "flops") if "gemm_fp8" in eff else None,
+                             _block_gemm(d.get("fp8", {}).get("block_gemm")))
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"--device {path}: malformed profile ({type(err).__name__}: {err}); compare with "
                           f"{os.path.join(DEVICES_DIR, 'h100-sxm.toml')}") from None

@@ -54,9 +54,11 @@ def _points(rows, flops_of) -> list[tuple[float, float]]:
     return sorted((x, math.exp(sum(v) / len(v))) for x, v in by.items())
 
 
-_STAND_IN = {"moe_dispatch": ("add", 3), "fp8_cast": ("add", 1)}
-"""Ops a report has no rows of (moe_dispatch: older reports; fp8_cast: not measured by the bench, its 6 bytes an
-element as one add's), priced as passes of another op: (op, passes)."""
+_STAND_IN = {"moe_dispatch": ("add", 3), "fp8_amax": ("add", 1 / 3), "fp8_cast": ("add", 2 / 3),
+             "fp8_cast_block": ("add", (3 + 4 / 128) / 6)}
+"""Ops a report has no rows of (moe_dispatch: older reports; the FP8 quantization's kernels, not measured by the
+bench: their bytes, :data:`omnitron.plan.device_rates.PASSES`, over an add's 6), priced as passes of another op:
+(op, passes)."""
 _GEMM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _GEMM_ROWS = {"fp8": "fp8-tensor"}
 """The bench's rows a dtype of the speed model is priced at (FP8 linears: the per-tensor scaled GEMM)."""

@@ -46,7 +46,9 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    element-wise passes (:func:`work.qkv_split_backward`).
 
 9. **FP8** (``--fp8-format``): the layers' GEMMs at the device's FP8 rate and the casts feeding them as
-   element-wise passes (:mod:`omnitron.plan.fp8`).
+   element-wise passes (:mod:`omnitron.plan.fp8`); the layers ``--first-last-layers-bf16`` keeps wide priced
+   as without FP8 on the stages that hold them (the first and last stages get slower; the pipeline's
+   simulation and the busiest rank see it).
 
 Not modelled: the data loader, the host's fixed costs outside the layers (embedding, loss, the optimizer's loop).
 """
@@ -60,7 +62,7 @@ from omnitron.core.parallel.pipeline.schedules import place_stage, virtual_stage
 from omnitron.plan import fp8
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
-from omnitron.plan.stage_layers import stage_layers
+from omnitron.plan.stage_layers import stage_layers, wide_layers
 from omnitron.plan.state import expert_data_parallel_size
 
 OVERLAPS = ("none", "dp", "all")
@@ -267,18 +269,21 @@ def _attention(cfg, x, rates, dt: str, threads: int) -> float:
 
 
 def stage_cost(settings, cfg, rates, layers: list[bool], first: bool, last: bool, nxt: bool,
-               prev: bool, rows: list | None = None) -> StageCost:
+               prev: bool, rows: list | None = None, wide: list | None = None) -> StageCost:
     """:class:`StageCost` of a virtual stage whose layers are ``layers`` (True: MoE) (``nxt`` / ``prev``: it
     has a next / previous stage to send its output / input gradient to; ``rows``: each layer's routing
-    histogram row, :func:`~omnitron.plan.stage_layers.stage_layers`). Full recomputation adds each recomputed
+    histogram row, :func:`~omnitron.plan.stage_layers.stage_layers`; ``wide``: each layer kept out of FP8 by
+    ``--first-last-layers-bf16``, :func:`~omnitron.plan.stage_layers.wide_layers`, priced as without
+    ``--fp8-format``: its GEMMs at the model dtype's rate, no casts). Full recomputation adds each recomputed
     layer's forward to the backward, selective the core attention's forward."""
     pc = settings.parallel
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
-    keys = list(zip(layers, rows or [None] * len(layers)))
-    kinds = {key: _layer_cached(settings, cfg, rates, *key) for key in set(keys)}
+    keys = list(zip(layers, rows or [None] * len(layers), wide or [False] * len(layers)))
+    bf16 = replace(settings, fp8=None) if settings.fp8 is not None and any(wide or []) else settings
+    kinds = {key: _layer_cached(bf16 if key[2] else settings, cfg, rates, *key[:2]) for key in set(keys)}
     c = StageCost(host_async=rates.device_type != "cpu")
     rec = _recomputed(cfg, len(layers))
     for i, key in enumerate(keys):
@@ -427,7 +432,7 @@ def _stage_costs(settings, rates, overlap: str):
     cfg = model_config(settings)
     pc = settings.parallel
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
-    layers = stage_layers(settings, cfg)
+    layers, wide = stage_layers(settings, cfg), wide_layers(settings, cfg)
     load = getattr(rates, "expert_load", None)
     rows = stage_layers(settings, cfg, len(load.shares)) if load is not None else {}
     rates.host_ranks = settings.world_size * _threads(settings, rates)[0]
@@ -440,7 +445,7 @@ def _stage_costs(settings, rates, overlap: str):
         nxt = k < pp * vp - 1 and place_stage(k + 1, pp, style)[0] != r
         prev = k > 0 and place_stage(k - 1, pp, style)[0] != r
         costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=nxt, prev=prev,
-                              rows=rows.get((r, c)))
+                              rows=rows.get((r, c)), wide=wide[(r, c)])
     return cfg, layers, costs
 
 
