@@ -27,19 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omnitron.plan import fp8
 from omnitron.plan.machine import Machine, span, strides
 
 PASSES = {"add": (3, 3), "layer_norm": (2, 4), "rms_norm": (2, 4), "dropout": (2.5, 2.5), "gelu": (2, 3),
           "silu_mul": (3, 5), "softmax": (2, 3), "cross_entropy": (6, 4), "ring_merge": (4, 0),
-          "block_dropout": (2, 4), "moe_dispatch": (6, 6), "fp8_amax": (1, 1), "fp8_cast": (2, 2),
-          "fp8_cast_block": (1.5 + 2 / 128, 1.5 + 2 / 128)}
+          "block_dropout": (2, 4), "moe_dispatch": (6, 6)}
 """(forward, backward) bytes per element, in units of the activation's element size: reads plus writes of one
 pass of the op (dropout: the 1-byte mask as half a 2-byte element; block_dropout, the cp blocks' hash mask: no
 mask stored or read, it is computed from positions, in the forward applied to the probabilities and in the
 backward computed again and applied to them and to their gradient; cross-entropy: fp32 logits, max, exp,
-sum and the target gather forward, the softmax gradient backward; the FP8 quantization's kernels,
-:mod:`omnitron.plan.fp8`: fp8_amax, the source read; fp8_cast, the source read, the FP8 operand and its transpose
-written; fp8_cast_block, the source read, the FP8 tensor and a 4-byte scale per 128 elements written)."""
+sum and the target gather forward, the softmax gradient backward). The FP8 quantization's kernels write FP8
+whatever the source's dtype: their bytes are :func:`omnitron.plan.fp8.op_bytes`'s."""
 DEQUANT_BYTES = 5
 """Per operand element of an emulated block-wise FP8 GEMM: the FP8 code read, its fp32 dequantized value written
 (the block's scale read is 1/128 or 1/16384 of that; compiled: ``to(float32)`` and the scale's multiply fused)."""
@@ -214,6 +213,8 @@ class DeviceRates:
             return self.measured.elementwise_s(op, mode, elements, _own(self.measured.elementwise))
         if op == "adamw":
             return self._stream_s(ADAMW_BYTES * elements)
+        if op in fp8.WRITTEN:
+            return self._stream_s(fp8.op_bytes(op, self.elem) * elements)
         f, b = PASSES.get(op, (3, 3))
         return self._stream_s((f if mode == "fwd" else b) * self.elem * elements)
 

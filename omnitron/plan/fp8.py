@@ -12,14 +12,16 @@ a profile's ``[efficiency.gemm_fp8]`` curve, a bench report's ``fp8-tensor`` row
 input ``[m, k]`` and the weight ``[k, n]`` forward (the weight every micro-batch: the compiled layer quantizes in
 its graph; eager reuses it across micro-batches, so this over-prices eager by the weights' share, about 7 ms a step
 of 503 at 1.3B on the H200), the output gradient ``[m, n]`` backward -- is two kernels, counted from
-``FP8Linear.quantize``: its amax (``vector_norm(x, inf)``, a reduction: the 2-byte source read once, :data:`AMAX`)
+``FP8Linear.quantize``: its amax (``vector_norm(x, inf)``, a reduction: the source read once, :data:`AMAX`)
 and the cast-transpose (``fp8_cast_transpose_from_amax``: the source read again, the FP8 operand and its
-transpose written, 4 bytes an element, :data:`CAST`), each priced at the memory-bound rate of its own bytes.
+transpose written, 4 bytes an element from bf16, 6 from fp32, :data:`CAST`), each priced at the memory-bound rate
+of its own bytes (:func:`op_bytes`: the source in the model's dtype).
 
 **Block-wise** (1x128 tiles of activations and gradients, 128x128 blocks of weights): ``quantize_blocks`` is a
 block amax (the source read, :data:`AMAX`) and a cast writing the FP8 tensor and one fp32 scale per 128 elements,
-no transpose (3.03 bytes an element, :data:`CAST_BLOCK`). The weight-gradient GEMM contracts over tokens, so the
-backward quantizes the output gradient twice (row tiles for the data gradient, tiles along tokens for the weight
+no transpose (3.03 bytes an element from bf16, 5.03 from fp32, :data:`CAST_BLOCK`). The weight-gradient GEMM
+contracts over tokens, so the backward
+quantizes the output gradient twice (row tiles for the data gradient, tiles along tokens for the weight
 gradient) and the input, saved wide, again in 128x1 tiles: per GEMM the input twice, the weight once, the output
 gradient twice. The GEMMs (``gemm_s("fp8-block", ...)``) run natively only where the device profile says so
 (``[fp8] block_gemm = "native"``, at the per-tensor FP8 rate); otherwise emulated, as on the H200 with torch 2.11
@@ -46,6 +48,15 @@ CAST = "fp8_cast"
 """The per-tensor cast-transpose kernel: the source read, the FP8 operand and its transpose written (4 bytes)."""
 CAST_BLOCK = "fp8_cast_block"
 """The block-wise cast: the source read, the FP8 tensor and a float32 scale per 128 elements written."""
+WRITTEN = {AMAX: 0.0, CAST: 2.0, CAST_BLOCK: 1 + 4 / 128}
+"""Bytes each quantization kernel writes per source element (FP8 codes, their transpose, block scales)."""
+
+
+def op_bytes(op: str, elem: int) -> float:
+    """Bytes per element of quantization kernel ``op`` (:data:`WRITTEN`'s keys) over a source of ``elem``-byte
+    elements: the source read once (the model's dtype: 2 bytes under ``--bf16`` / ``--fp16``, 4 without, where
+    the linears' inputs, weights and gradients are fp32) plus what it writes."""
+    return elem + WRITTEN[op]
 
 
 def gemm_dtype(settings, name: str, dt: str) -> str:

@@ -19,7 +19,8 @@ distributed-optimizer slice boundaries, and the largest is reported):
 - multi-token prediction (:func:`mtp_bytes`): on the last stage, each of the ``--mtp-num-layers`` depths holds
   one layer's activations, its embedding and projection inputs, and a head's loss buffers and logits as the
   main head's (in the activation and logit terms of the last chunk's micro-batch);
-- FP8 (assumed, not validated): one 1-byte copy of every 2-D layer weight when ``--fp8-format`` is on.
+- FP8 (:mod:`.fp8_memory`): each FP8 linear's cached FP8 weight and scales (and the delayed recipe's amax
+  histories), none for the output layer or the layers ``--first-last-layers-bf16`` keeps wide;
 
 - recompute and transient: what one micro-batch's forward and backward through the chunk holds at its
   peak beyond that micro-batch's activation and logit terms, replayed from probes and scaled
@@ -56,7 +57,8 @@ from dataclasses import dataclass, replace
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
-from omnitron.plan.state import skeleton, state_bytes
+from omnitron.plan.fp8_memory import fp8_bytes
+from omnitron.plan.state import state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -363,14 +365,6 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
     return excess, (real - max(windows) if windows else None)
 
 
-def _fp8_bytes(settings, cfg, pp_rank: int) -> int:
-    if settings.fp8 is None:
-        return 0
-    return sum(p.numel() for m in skeleton(cfg, settings.parallel, pp_rank,
-                                           schedule_style(settings.training.pipeline_schedule))
-               for n, p in m.named_parameters() if p.dim() == 2 and ".layers." in n)
-
-
 def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None) -> tuple:
     """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers) of pipeline rank
     ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced); ``chunks``: the
@@ -449,7 +443,7 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
                                             transients)
         rec = min(rec, excess)  # what of the excess is rematerialised activations
         m = StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
-                        round(act_peak), round(logit_peak), _fp8_bytes(settings, cfg, r), rec, most, excess - rec,
+                        round(act_peak), round(logit_peak), fp8_bytes(settings, cfg, r), rec, most, excess - rec,
                         round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))))
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
             plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None)

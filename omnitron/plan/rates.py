@@ -57,8 +57,8 @@ def _points(rows, flops_of) -> list[tuple[float, float]]:
 _STAND_IN = {"moe_dispatch": ("add", 3), "fp8_amax": ("add", 1 / 3), "fp8_cast": ("add", 2 / 3),
              "fp8_cast_block": ("add", (3 + 4 / 128) / 6)}
 """Ops a report has no rows of (moe_dispatch: older reports; the FP8 quantization's kernels, not measured by the
-bench: their bytes, :data:`omnitron.plan.device_rates.PASSES`, over an add's 6), priced as passes of another op:
-(op, passes)."""
+bench: their bytes from a 2-byte source, :func:`omnitron.plan.fp8.op_bytes`, over an add's 6), priced as passes of
+another op: (op, passes)."""
 _GEMM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _GEMM_ROWS = {"fp8": "fp8-tensor"}
 """The bench's rows a dtype of the speed model is priced at (FP8 linears: the per-tensor scaled GEMM)."""

@@ -185,3 +185,27 @@ def test_mi300x_fp8_curve_is_amds_published_maximum():
     rates = DeviceRates(p, 8)
     rates.gemm_s("fp8", 8192, 8192, 8192)
     assert not any("no measured FP8 GEMM curve" in n for n in rates.notes)
+
+
+def test_quantization_bytes_follow_the_model_dtype():
+    """The quantization kernels read their source in the model's dtype (2 bytes under ``--bf16``, 4 without: the
+    linears' inputs, weights and gradients are then fp32) and write FP8 whatever it is: per element, the amax
+    reads the source; the per-tensor cast-transpose also writes the FP8 operand and its transpose (2 bytes); the
+    block-wise cast the FP8 tensor and a 4-byte scale per 128 elements. Each priced at the H200's memory-bound rate
+    of its own bytes, forward and backward."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.device_rates import DeviceRates
+    from omnitron.plan.fp8 import AMAX, CAST, CAST_BLOCK
+
+    p = load("h200")
+    rates = DeviceRates(p, 8)
+    n = random.randint(10**5, 10**8)
+    base = {"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 256,
+            "fp8_format": "hybrid", "fp8_recipe": "tensorwise"}
+    for wide, elem in (({"bf16": True}, 2), ({}, 4)):
+        rates.bind(settings_of(base | wide))
+        for op, written in ((AMAX, 0), (CAST, 2), (CAST_BLOCK, 1 + 4 / 128)):
+            nbytes = (elem + written) * n
+            for mode in ("fwd", "bwd"):
+                assert math.isclose(rates.elementwise_s(op, mode, n), nbytes / (p.memory_bw * p.memory(nbytes)),
+                                    rel_tol=1e-12), (op, mode, elem)
