@@ -23,8 +23,9 @@ transpose (1 byte an element, and a 4-byte scale) where ``F.linear`` would save 
 run the wide model), so per-tensor activations are over-counted by up to 1 byte per FP8-linear input element held.
 
 Not modelled: ``--torch-compile`` (a compiled layer quantizes the weight in its graph, uncached), backward's own
-quantized operands (transients of one layer), the delayed reducer's packed buffers, multi-token prediction layers
-under ``--first-last-layers-bf16`` (counted in FP8).
+quantized operands and an emulated GEMM's fp32 dequantized copies (transients of one layer: 0.66 MiB at the tiny
+GPT's block-wise peak on CPU, BENCHMARKS.md), the delayed reducer's packed buffers, ``--fp8-impl torchao``,
+multi-token prediction layers under ``--first-last-layers-bf16`` (counted in FP8).
 """
 from __future__ import annotations
 
