@@ -259,3 +259,21 @@ def test_layout_change_names_a_restart_only_where_there_is_state():
         m(torch.randn(8, 32)).sum().backward()
         held[recipe] = _holds_tensors(fp8_state_dict(m))
     assert held == {"delayed": True, "tensorwise": False, "blockwise": False}
+
+
+def test_first_last_layers_bf16_leaves_multi_token_prediction_in_fp8():
+    """Megatron gives MTP layers ``layer_no=-1``, never kept wide by ``--first-last-layers-bf16``: the MTP depth's
+    linears are converted with the flag as without it, and only the decoder's first and last layers stay wide.
+    Fails when ``mtp.layers.0`` is numbered as decoder layer 1 (it was: the flag then dropped the depth)."""
+    from omnitron.core.models.gpt import GPTConfig, GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    cfg = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=64,
+                    make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0,
+                    position_embedding_type="rope", mtp_num_layers=1)
+    single = ParallelGroups.single()
+    plain = enable_fp8(GPTModel(cfg, single), FP8Config(fp8_recipe="tensorwise"), single)
+    ends = enable_fp8(GPTModel(cfg, single), FP8Config(fp8_recipe="tensorwise", first_last_layers_bf16=True), single)
+    mtp = {n for n in plain if n.startswith("mtp.")}
+    assert len(mtp) == 4 and mtp <= set(ends)  # qkv, proj, fc1, fc2 of the depth's layer, in both
+    assert {n.split(".")[2] for n in ends if n.startswith("decoder.")} == {"1", "2"}

@@ -61,11 +61,13 @@ def linear_modules(model_or_chunks) -> Iterable[tuple[str, nn.Module]]:
 
 def _layer_numbers(model_or_chunks) -> dict[str, int]:
     """Transformer-layer path -> 1-based global layer number: the layer's ``layer_number`` attribute if
-    it has one, else its index in the path (``...layers.<i>``, global in GPTModel at every layout)."""
+    it has one, else its index in the path (``...layers.<i>``, global in GPTModel at every layout).
+    Multi-token prediction's depths (``mtp.layers.<i>``) are no decoder layers and have no number: Megatron
+    passes them ``layer_no=-1``, which ``--first-last-layers-bf16`` never keeps wide, so they stay FP8."""
     out = {}
     for prefix, chunk in _chunks(model_or_chunks):
         for name, module in chunk.named_modules():
-            if re.search(r"(?:^|\.)layers\.\d+$", name):
+            if re.search(r"(?:^|\.)layers\.\d+$", name) and not re.search(r"(?:^|\.)mtp\.layers\.\d+$", name):
                 num = getattr(module, "layer_number", None)
                 out[prefix + name] = int(num) if num is not None else int(_LAYER_RE.search(name).group(1)) + 1
     return out
