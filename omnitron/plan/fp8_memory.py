@@ -24,8 +24,9 @@ run the wide model), so per-tensor activations are over-counted by up to 1 byte 
 
 Not modelled: ``--torch-compile`` (a compiled layer quantizes the weight in its graph, uncached), backward's own
 quantized operands and an emulated GEMM's fp32 dequantized copies (transients of one layer: 0.66 MiB at the tiny
-GPT's block-wise peak on CPU, BENCHMARKS.md), the delayed reducer's packed buffers, ``--fp8-impl torchao``,
-multi-token prediction layers under ``--first-last-layers-bf16`` (counted in FP8).
+GPT's block-wise peak on CPU, BENCHMARKS.md), the delayed reducer's packed buffers, ``--fp8-impl torchao``.
+Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them
+(Megatron's ``layer_no=-1``: never kept wide).
 """
 from __future__ import annotations
 
