@@ -17,9 +17,11 @@ void ce_stats_kernel(const T* x, const int64_t* tgt, float* stats, int64_t n, in
     for (int64_t i = b; i < e; ++i) {
       const T* xr = x + i * v;
       A m = -INFINITY;
-      bool nan = false;
-#pragma omp simd reduction(max : m) reduction(|| : nan)
-      for (int64_t j = 0; j < valid; ++j) { A xv = ld(xr[j]); m = xv > m ? xv : m; nan = nan || (xv != xv); }
+      // NaNs counted in an integer sum: a bool `||` reduction kept gcc from vectorising this loop (4x slower)
+      int64_t nans = 0;
+#pragma omp simd reduction(max : m) reduction(+ : nans)
+      for (int64_t j = 0; j < valid; ++j) { A xv = ld(xr[j]); m = xv > m ? xv : m; nans += (xv != xv); }
+      const bool nan = nans != 0;
       A mref = std::isinf(m) ? A(0) : m;  // all -inf (or +inf) rows: keep exp finite, result inf/nan as eager
       A s = 0, sx = 0;
 #pragma omp simd reduction(+ : s, sx)
