@@ -1,7 +1,8 @@
 // Softmax cross-entropy pieces over contiguous logits [N, V] (a whole vocabulary, or one
 // tensor-parallel shard of it), read in their own dtype: no float32 copy of the logits is made.
 // `stats` gives per-row partial statistics that combine across shards (max, then rescaled sums);
-// `grad` writes d logits = dloss * (softmax - (1 - ls) * onehot(target) - ls / V) in one pass.
+// `grad` writes d logits = dloss * (softmax - (1 - ls) * onehot(target) - ls / V) in one pass, into a new
+// tensor or into `out`, which may be the logits themselves (the loss's backward then allocates nothing).
 #include "common.h"
 #include "ops.h"
 
@@ -45,11 +46,13 @@ void ce_grad_kernel(const float* dloss, const T* x, const int64_t* tgt, const fl
       const T* xr = x + i * v;
       T* dr = dx + i * v;
       const A g = dloss[i], l = lse[i], off = A(ls) / A(vocab);
+      const int64_t t = tgt[i] - start;
+      const bool here = t >= 0 && t < valid;
+      const A xt = here ? ld(xr[t]) : A(0);  // read before the row is written: dx may alias x (in place)
 #pragma omp simd
       for (int64_t j = 0; j < valid; ++j) dr[j] = st<T>(g * (fast_exp(ld(xr[j]) - l) - off));
       for (int64_t j = valid; j < v; ++j) dr[j] = st<T>(A(0));
-      const int64_t t = tgt[i] - start;
-      if (t >= 0 && t < valid) dr[t] = st<T>(g * (fast_exp(ld(xr[t]) - l) - off - (A(1) - A(ls))));
+      if (here) dr[t] = st<T>(g * (fast_exp(xt - l) - off - (A(1) - A(ls))));
     }
   });
 }
@@ -83,12 +86,16 @@ at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& targe
 
 at::Tensor cross_entropy_grad(const at::Tensor& dloss, const at::Tensor& logits, const at::Tensor& target,
                               const at::Tensor& lse, int64_t start, int64_t valid, int64_t vocab,
-                              double label_smoothing) {
+                              double label_smoothing, const c10::optional<at::Tensor>& out) {
   check_shard(logits, target, start, valid, vocab);
   TORCH_CHECK(dloss.scalar_type() == at::kFloat && dloss.is_contiguous() && dloss.numel() == logits.size(0) &&
                   lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == logits.size(0),
               "omnitron._C cross_entropy_grad: dloss and lse must be contiguous float32 [N]");
-  auto dx = at::empty_like(logits);
+  // `out` (optional) receives the gradient; it may be `logits` itself (each element is read before it is written)
+  TORCH_CHECK(!out.has_value() || (out->sizes() == logits.sizes() && out->scalar_type() == logits.scalar_type() &&
+                                   out->is_contiguous() && out->device() == logits.device()),
+              "omnitron._C cross_entropy_grad: out must be a contiguous tensor of the logits' shape and dtype");
+  auto dx = out.has_value() ? *out : at::empty_like(logits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "cross_entropy_grad", [&] {
     ce_grad_kernel<scalar_t>(dloss.data_ptr<float>(), logits.data_ptr<scalar_t>(), target.data_ptr<int64_t>(),
                              lse.data_ptr<float>(), dx.data_ptr<scalar_t>(), logits.size(0), logits.size(1), start,

@@ -32,7 +32,7 @@ at::Tensor cross_entropy_stats(const at::Tensor& logits, const at::Tensor& targe
                                int64_t vocab);
 at::Tensor cross_entropy_grad(const at::Tensor& dloss, const at::Tensor& logits, const at::Tensor& target,
                               const at::Tensor& lse, int64_t start, int64_t valid, int64_t vocab,
-                              double label_smoothing);
+                              double label_smoothing, const c10::optional<at::Tensor>& out);
 // Multi-tensor AdamW (float32 params/moments; grads float32 or bf16/fp16), in place.
 void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> exp_avgs,
                 std::vector<at::Tensor> exp_avg_sqs, int64_t step, double lr, double beta1, double beta2, double eps,

@@ -245,7 +245,7 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> tor
 
 # ---------------------------------------------------------------- cross-entropy
 _CROSS_ENTROPY = whole_vocab_cross_entropy(lambda *a: extension().cross_entropy_stats(*a),
-                                           lambda *a: extension().cross_entropy_grad(*a))
+                                           lambda *a: extension().cross_entropy_grad(*a, None))
 
 
 def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
@@ -280,12 +280,14 @@ def cross_entropy_shard_stats(logits, target, start: int, valid: int, vocab: int
 @register("cross_entropy_shard_grad", NAME, available=available, backends=("cpu",),
           supports=lambda dloss, logits, target, lse, *a, **k: _ce_supports(logits, target))
 def cross_entropy_shard_grad(dloss, logits, target, lse, start: int, valid: int, vocab: int,
-                             label_smoothing: float = 0.0) -> torch.Tensor:
-    """d loss / d logits for a shard (see the reference), written in one pass in the logits' dtype."""
+                             label_smoothing: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d logits for a shard (see the reference), written in one pass in the logits' dtype, into ``out``
+    where given (contiguous; it may be ``logits`` itself)."""
     x2 = logits.reshape(-1, logits.shape[-1]).contiguous()
+    o2 = None if out is None else out.view(x2.shape)
     dx = extension().cross_entropy_grad(dloss.reshape(-1).float().contiguous(), x2,
                                         target.reshape(-1).long().contiguous(), lse.reshape(-1).float().contiguous(),
-                                        int(start), int(valid), int(vocab), float(label_smoothing))
+                                        int(start), int(valid), int(vocab), float(label_smoothing), o2)
     return dx.view(logits.shape)
 
 

@@ -252,6 +252,31 @@ def test_grad_norm_sq(op, name, backend):
     assert torch.isnan(fn(ts))
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("op,name", _impl_params(["cross_entropy_shard_grad"]))
+def test_cross_entropy_grad_into_its_logits(op, name, dtype, backend):
+    """``out=logits``: the gradient written over its own input (what ``inplace_backward`` runs) equals the float64
+    formula; the target's column, read and written twice in a row, is where an alias goes wrong. Shard of global
+    ids [start, start + 40) with 33 real columns, label smoothing 0.1. Tolerance: ``TOLERANCE``."""
+    fn = _resolve(op, name, backend)
+    device = backend.current_device()
+    n, width, start, valid, vocab, ls = 9, 40, 60, 33, 93, 0.1
+    x = (torch.randn(n, width, device=device) * 3).to(dtype)
+    target = torch.randint(start, start + valid, (n,), device=device)
+    target[0] = 0  # a target in another shard
+    lse = torch.logsumexp(x[:, :valid].double(), -1) + torch.rand(n, device=device, dtype=torch.float64)
+    dloss = torch.randn(n, device=device)
+    p = torch.exp(x.double() - lse[:, None]) - ls / vocab
+    p[:, valid:] = 0.0
+    rows = torch.nonzero(target >= start).squeeze(-1)
+    p[rows, target[rows] - start] -= 1.0 - ls
+    want = p * dloss.double()[:, None]
+    out = fn(dloss, x, target, lse.float(), start, valid, vocab, ls, out=x)
+    assert out.data_ptr() == x.data_ptr() and out.dtype == dtype
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(x.double(), want, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("fmt", ("e4m3", "e5m2"))
 @pytest.mark.parametrize("op,name", _impl_params(["fp8_cast_transpose_amax"]))
 def test_fp8_cast_transpose_amax(op, name, fmt, backend):

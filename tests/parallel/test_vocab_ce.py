@@ -110,3 +110,41 @@ def test_nan_row_and_bad_input():
         vocab_parallel_cross_entropy(x, torch.zeros(5, dtype=torch.long), g1)
     with pytest.raises(ValueError, match="vocab_size 51"):
         vocab_parallel_cross_entropy(x, torch.zeros(4, dtype=torch.long), g1, vocab_size=51)
+
+
+def test_gradient_written_over_the_logits():
+    """``inplace_backward``: the shard gradient lands in the logits' own storage and equals float64's; every
+    implementation here allows that alias (the target column read before its row is written); a second backward
+    over the graph fails instead of reading a gradient as logits. Tolerances: ``TOL`` (fp32: the kernels' fp32
+    exp to ~2 ulp of terms of order 1; bf16: one bf16 rounding of a value below 1 is 2^-9, plus the logits'
+    own bf16 inputs being exact in float64 both sides)."""
+    import pytest
+
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor import vocab_parallel_cross_entropy
+    from omnitron.kernels.registry import KernelTable
+
+    g1 = ParallelGroups.single().tp
+    tables = {"table": get_backend().kernels, "reference": KernelTable(get_backend().name, ("reference",))}
+    vocab, width = 45, 50  # 5 padding columns
+    for name, kernels in tables.items():
+        for dtype, ls in ((torch.float32, 0.0), (torch.bfloat16, 0.1)):
+            x = (torch.randn(7, 3, width, dtype=torch.float64) * 3).to(dtype).requires_grad_()
+            target = torch.randint(0, vocab, (7, 3))
+            dloss = torch.randn(7, 3)
+            logits = x * 1  # a non-leaf, as the output layer's
+            storage = logits.data_ptr()
+            loss = vocab_parallel_cross_entropy(logits, target, g1, vocab_size=vocab, label_smoothing=ls,
+                                                kernels=kernels, inplace_backward=True)
+            loss.backward(dloss, retain_graph=True)
+            x64 = x.detach()[..., :vocab].double().requires_grad_()
+            want = F.cross_entropy(x64.reshape(-1, vocab), target.reshape(-1), reduction="none", label_smoothing=ls)
+            want.view(7, 3).backward(dloss.double())
+            g_want = F.pad(x64.grad, (0, width - vocab))
+            tol = TOL[dtype][1]
+            assert float((x.grad.double() - g_want).abs().max()) < tol, (name, dtype)
+            assert float((logits.detach().double() - g_want).abs().max()) < tol, (name, dtype, "not in place")
+            assert logits.data_ptr() == storage
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward(dloss)

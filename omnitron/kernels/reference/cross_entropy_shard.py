@@ -41,9 +41,15 @@ def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, start:
 
 @register("cross_entropy_shard_grad", "reference")
 def cross_entropy_shard_grad(dloss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                             start: int, valid: int, vocab: int, label_smoothing: float = 0.0) -> torch.Tensor:
+                             start: int, valid: int, vocab: int, label_smoothing: float = 0.0,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """d loss / d logits for this shard, in ``logits.dtype``: ``dloss * (softmax - (1 - ls) onehot
-    - ls / vocab)`` on real columns, 0 on padding columns. ``lse`` is the global log-sum-exp."""
+    - ls / vocab)`` on real columns, 0 on padding columns. ``lse`` is the global log-sum-exp.
+
+    ``out`` (optional, the logits' shape and dtype) receives the result and is returned; it may be ``logits``
+    itself, so a loss whose logits are dead after its backward writes its gradient over them (Megatron's
+    cross-entropy does the same) and allocates no second logits-sized tensor. Fast implementations must allow
+    that alias: each element read before it is written."""
     x = logits.to(compute_dtype(logits))
     p = torch.exp(x - lse.to(x.dtype).unsqueeze(-1)) - label_smoothing / vocab
     p[..., valid:] = 0.0
@@ -51,7 +57,8 @@ def cross_entropy_shard_grad(dloss: torch.Tensor, logits: torch.Tensor, target: 
     inside = (local >= 0) & (local < valid)
     p.scatter_add_(-1, local.clamp(0, max(logits.shape[-1] - 1, 0)).unsqueeze(-1),
                    -(1.0 - label_smoothing) * inside.unsqueeze(-1).to(x.dtype))
-    return (p * dloss.to(x.dtype).unsqueeze(-1)).to(logits.dtype)
+    grad = (p * dloss.to(x.dtype).unsqueeze(-1)).to(logits.dtype)
+    return grad if out is None else out.copy_(grad)
 
 
 def loss_from_stats(stats: torch.Tensor, vocab: int, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,9 +73,9 @@ def _stats(x2, t, start, valid, vocab):
     return stats
 
 
-def _grad(dloss, x2, t, lse, start, valid, vocab, ls):
+def _grad(dloss, x2, t, lse, start, valid, vocab, ls, out=None):
     n, v = x2.shape
-    dx = torch.empty_like(x2)
+    dx = torch.empty_like(x2) if out is None else out  # out may be x2 itself: each tile is read, then written
     bm, bv = _ce_tiles(n, v)
     if n and v:
         _ce_grad[(triton.cdiv(n, bm), triton.cdiv(v, bv))](dloss, x2, t, lse, dx, n, v, start, valid, vocab, ls,
@@ -114,10 +114,13 @@ def cross_entropy_shard_stats(logits, target, start: int, valid: int, vocab: int
 @register("cross_entropy_shard_grad", NAME, available=available, backends=GPU_BACKENDS,
           supports=lambda dloss, logits, target, lse, *a, **k: _ce_supports(logits, target))
 def cross_entropy_shard_grad(dloss, logits, target, lse, start: int, valid: int, vocab: int,
-                             label_smoothing: float = 0.0) -> torch.Tensor:
-    """d loss / d logits for a shard (see the reference), in the logits' dtype."""
-    dx = _grad(dloss.reshape(-1).float().contiguous(), as_rows(logits), target.reshape(-1).long().contiguous(),
-               lse.reshape(-1).float().contiguous(), int(start), int(valid), int(vocab), float(label_smoothing))
+                             label_smoothing: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d loss / d logits for a shard (see the reference), in the logits' dtype, into ``out`` where given
+    (contiguous; it may be ``logits`` itself)."""
+    x2 = as_rows(logits)
+    dx = _grad(dloss.reshape(-1).float().contiguous(), x2, target.reshape(-1).long().contiguous(),
+               lse.reshape(-1).float().contiguous(), int(start), int(valid), int(vocab), float(label_smoothing),
+               None if out is None else out.view(x2.shape))
     return dx.view(logits.shape)
 
 

@@ -281,7 +281,7 @@ class GPTModel(nn.Module):
         """``[b, s]`` float32 cross-entropy of the output layer on ``x`` against ``labels [b, s]``."""
         loss = vocab_parallel_cross_entropy(self._logits(x), labels.t(), self.groups.tp,
                                             vocab_size=self.config.vocab_size, label_smoothing=self.label_smoothing,
-                                            kernels=self.backend.kernels)
+                                            kernels=self.backend.kernels, inplace_backward=True)
         return loss.t()
 
     def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:

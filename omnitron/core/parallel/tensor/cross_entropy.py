@@ -46,7 +46,7 @@ class _VocabParallelCE(torch.autograd.Function):
     columns, in the logits' dtype (recomputed from the logits and the global log-sum-exp)."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size, label_smoothing, kernels):
+    def forward(ctx, logits, target, group, vocab_size, label_smoothing, kernels, inplace_backward=False):
         v_local = logits.shape[-1]
         start = local_rank(group) * v_local
         valid = max(0, min(v_local, vocab_size - start))  # real (unpadded) columns on this rank
@@ -56,23 +56,35 @@ class _VocabParallelCE(torch.autograd.Function):
         ctx.save_for_backward(logits, target, lse)
         ctx.meta = (start, valid, vocab_size, label_smoothing)
         ctx.kernels = kernels
+        ctx.inplace = inplace_backward and logits.is_contiguous()
         return loss
 
     @staticmethod
     def backward(ctx, g):
         logits, target, lse = ctx.saved_tensors
         start, valid, vocab_size, ls = ctx.meta
-        grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls)
-        return grad, None, None, None, None, None
+        if not ctx.inplace:
+            grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls)
+            return grad, None, None, None, None, None, None
+        grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls, out=logits)
+        # the kernels write through a data pointer, which autograd does not see: mark the logits changed, so a
+        # second backward over this graph (retain_graph) fails at unpacking them instead of reading a gradient
+        torch.autograd.graph.increment_version(logits)
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, *, vocab_size: int | None = None,
-                                 label_smoothing: float = 0.0, kernels=None) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, kernels=None,
+                                 inplace_backward: bool = False) -> torch.Tensor:
     """Per-token float32 loss of tp-local ``logits [..., V_pad/tp]`` against global ``target [...]``.
 
     ``vocab_size`` is the real vocabulary (columns past it are padding); default: all columns.
     ``kernels``: the backend's kernel table (the model's ``backend.kernels``); default: the host CPU
     backend's.
+    ``inplace_backward``: the backward writes the logits' gradient over the (contiguous) logits, as Megatron's
+    cross-entropy does: no second logits-sized tensor at the loss's backward (on a host device, no fresh
+    allocation to fault in: 16 MiB a micro-batch for the main job's shape). Only for logits nothing else reads
+    after the backward (a model's own output layer); a second backward over the graph then fails loudly.
     Targets must be global ids in ``[0, vocab_size)``.
     """
     if not 0.0 <= label_smoothing < 1.0:
@@ -89,4 +101,4 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         from omnitron.core.parallel.groups import host_backend
 
         kernels = host_backend().kernels
-    return _VocabParallelCE.apply(logits, target, group, vocab_size, label_smoothing, kernels)
+    return _VocabParallelCE.apply(logits, target, group, vocab_size, label_smoothing, kernels, inplace_backward)
