@@ -193,7 +193,7 @@ class BertModel(GPTModel):
         if labels is None:
             return self._mask_padding(logits), binary
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
-                                            kernels=self.backend.kernels)
+                                            kernels=self.backend.kernels, inplace_backward=True)
         return loss.t(), binary  # [b, s] float32
 
 

@@ -89,7 +89,7 @@ class LLaVAModel(GPTModel):
         text = labels != MM.IMAGE_TOKEN
         loss = vocab_parallel_cross_entropy(logits, labels.masked_fill(~text, 0).t(), self.groups.tp,
                                             vocab_size=self.config.vocab_size, label_smoothing=self.label_smoothing,
-                                            kernels=self.backend.kernels)
+                                            kernels=self.backend.kernels, inplace_backward=True)
         return loss.t() * text  # [b, s] float32
 
     def shared_embedding_parameters(self) -> list[nn.Parameter]:

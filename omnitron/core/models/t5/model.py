@@ -112,7 +112,7 @@ class T5Model(GPTModel):
         if labels is None:
             return self._mask_padding(logits)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.groups.tp, vocab_size=self.config.vocab_size,
-                                            kernels=self.backend.kernels)
+                                            kernels=self.backend.kernels, inplace_backward=True)
         return loss.t()  # [b, s_dec] float32
 
     def shared_embedding_parameters(self) -> list[nn.Parameter]:
