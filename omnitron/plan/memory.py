@@ -20,7 +20,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
   one layer's activations, its embedding and projection inputs, and a head's loss buffers and logits as the
   main head's (in the activation and logit terms of the last chunk's micro-batch);
 - FP8 (:mod:`.fp8_memory`): each FP8 linear's cached FP8 weight and scales (and the delayed recipe's amax
-  histories), none for the output layer or the layers ``--first-last-layers-bf16`` keeps wide;
+  histories), none for the output layer or the layers ``--first-last-layers-bf16`` keeps wide; under a
+  per-tensor recipe the activation term holds the FP8 linears' saved inputs at 1 byte an element
+  (:func:`.fp8_memory.saved_less`, taken off the probes' wide bytes);
 
 - recompute and transient: what one micro-batch's forward and backward through the chunk holds at its
   peak beyond that micro-batch's activation and logit terms, replayed from probes and scaled
@@ -57,7 +59,7 @@ from dataclasses import dataclass, replace
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
-from omnitron.plan.fp8_memory import fp8_bytes
+from omnitron.plan.fp8_memory import fp8_bytes, saved_less
 from omnitron.plan.state import state_bytes
 
 log = logging.getLogger(__name__)
@@ -371,11 +373,13 @@ def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, r
     (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank."""
     layers, moe = chunks
     acts, logits, specs = {}, {}, []
+    less = saved_less(settings, cfg, r)  # per-tensor FP8 linears save their inputs in 1 byte
     for c, (first, last) in ends.items():
         routed = None if rank is None else (routing[(r, c)], rank)
         specs += [] if rank is None else routing[(r, c)]
         acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=last, first=first, moe=moe[(r, c)],
                                               routed=routed)
+        acts[c] -= less.get(c, 0.0)
     exchange = round(_moe_exchange(settings, cfg, specs, rank)) if any(moe[(r, c)] for c in ends) else 0
     return (*peak_held(schedule, r, acts), peak_held(schedule, r, logits)[0], exchange)
 
