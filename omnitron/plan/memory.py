@@ -367,13 +367,14 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
     return excess, (real - max(windows) if windows else None)
 
 
-def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None) -> tuple:
+def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None,
+          less: dict) -> tuple:
     """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers) of pipeline rank
     ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced); ``chunks``: the
-    (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank."""
+    (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank; ``less``: per chunk
+    what per-tensor FP8 linears' 1-byte saved inputs take off (:func:`.fp8_memory.saved_less`)."""
     layers, moe = chunks
     acts, logits, specs = {}, {}, []
-    less = saved_less(settings, cfg, r)  # per-tensor FP8 linears save their inputs in 1 byte
     for c, (first, last) in ends.items():
         routed = None if rank is None else (routing[(r, c)], rank)
         specs += [] if rank is None else routing[(r, c)]
@@ -437,7 +438,8 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
         ends = {c: (schedule.stage(r, c) == 0, schedule.stage(r, c) == schedule.num_stages - 1) for c in range(vp)}
         has_moe = any(moe[(r, c)] for c in range(vp))
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
-        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k) for k in ranks}
+        less = saved_less(settings, cfg, r)
+        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k, less) for k in ranks}
         stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
         rank = max(each, key=lambda k: each[k][0] + transients * each[k][3] +
                    (recompute_bytes(settings, cfg, (stage, k)) if k is not None else 0))
@@ -450,7 +452,7 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
                         round(act_peak), round(logit_peak), fp8_bytes(settings, cfg, r), rec, most, excess - rec,
                         round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))))
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
-            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None)
+            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less)
             m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak - plain[0]) - probed * (exchange - plain[3])
                         - skew)
         out.append(m)
