@@ -5,6 +5,8 @@ saves in a real forward of each stage (omnitron.plan.measure).
 
     PYTHONPATH=. python benchmarks/plan_memory.py
     PYTHONPATH=. python benchmarks/plan_memory.py --moe   # MoE layouts (deepseek_v3_tiny, a tiny Mixtral), whole steps
+    PYTHONPATH=. python benchmarks/plan_memory.py --fp8   # FP8 recipes on the tiny GPT in bf16, whole steps (the
+                                                          # prediction with the fp8 and boundary terms)
 """
 from __future__ import annotations
 
@@ -78,9 +80,26 @@ MOE = {  # whole step only: routing decides each rank's rows (the plan assumes b
 }
 
 
+BF16 = TINY + ["--bf16"]
+TENSORWISE, BLOCKWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], ["--fp8-format", "e4m3",
+                                                                                   "--fp8-recipe", "blockwise"]
+ENDS = ["--first-last-layers-bf16"]
+FP8 = {  # whole step only (one process each)
+    "tiny bf16": (1, BF16),
+    "tiny bf16 tensorwise": (1, BF16 + TENSORWISE),
+    "tiny bf16 tensorwise ends wide": (1, BF16 + TENSORWISE + ENDS),
+    "tiny bf16 blockwise": (1, BF16 + BLOCKWISE),
+    "tiny bf16 blockwise ends wide": (1, BF16 + BLOCKWISE + ENDS),
+    "tiny bf16 tensorwise selective": (1, BF16 + TENSORWISE + ["--recompute-granularity", "selective"]),
+    "tiny bf16 tensorwise full block1": (1, BF16 + TENSORWISE + ["--recompute-granularity", "full",
+                                                                 "--recompute-method", "block",
+                                                                 "--recompute-num-layers", "1"]),
+}
+
+
 def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
-    """This rank's (measured step peak, predicted activations + logits + recompute + transient of its stage);
-    the measurement is omnitron.plan.measure.train_step_peak."""
+    """This rank's (measured step peak, predicted activations + logits + recompute + transient of its stage, and
+    under FP8 its fp8 and boundary terms); the measurement is omnitron.plan.measure.train_step_peak."""
     import torch
 
     from omnitron.plan.measure import train_step_peak
@@ -88,15 +107,16 @@ def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
 
     torch.set_num_threads(1)
     stage, peak = train_step_peak(argv, world, root)
-    e = estimate(parse_settings(argv, world))[stage]
-    return peak, e.activations + e.logits + e.recompute + e.transient
+    s = parse_settings(argv, world)
+    e = estimate(s)[stage]
+    return peak, e.activations + e.logits + e.recompute + e.transient + (e.fp8 + e.boundary if s.fp8 else 0)
 
 
 def step_peaks(name: str, root: str) -> list[tuple[int, int]]:
     """(measured, predicted) per rank of one whole training step of layout ``name``."""
     from omnitron.testing.distributed import run_distributed
 
-    world, argv = {**LAYOUTS, **WHOLE_STEP_ONLY, **MOE}[name]
+    world, argv = {**LAYOUTS, **WHOLE_STEP_ONLY, **MOE, **FP8}[name]
     if world == 1:
         return [rank_step_peak(argv, root, 1)]
     return run_distributed(rank_step_peak, world, argv, root, world)
@@ -106,17 +126,18 @@ def main() -> None:
     import sys
     import tempfile
 
-    moe = "--moe" in sys.argv[1:]
+    moe, fp8 = "--moe" in sys.argv[1:], "--fp8" in sys.argv[1:]
     with tempfile.TemporaryDirectory() as root:
-        print(f"{'layout (whole step)':28s} {'rank':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
+        print(f"{'layout (whole step)':32s} {'rank':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
         worst, start = 0.0, time.perf_counter()
-        names = list(MOE) if moe else [*LAYOUTS, *WHOLE_STEP_ONLY]
+        names = list(MOE) if moe else list(FP8) if fp8 else [*LAYOUTS, *WHOLE_STEP_ONLY]
         for name in names:
             for rank, (peak, pred) in enumerate(step_peaks(name, root)):
                 worst = max(worst, abs(pred / peak - 1))
-                print(f"{name:28s} {rank:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} {100 * (pred / peak - 1):+7.2f}%")
+                print(f"{name:32s} {rank:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} "
+                      f"{100 * (pred / peak - 1):+7.2f}%")
         print(f"worst |error| {100 * worst:.2f}% over {len(names)} layouts, {time.perf_counter() - start:.0f} s")
-    if not moe:
+    if not moe and not fp8:
         micro()
 
 

@@ -11,7 +11,8 @@ The same methods as :class:`omnitron.plan.rates.Rates` (the speed model calls ei
   the GEMM roofline, and the softmax's passes over the scores (forward: read, write; backward: read the
   probabilities and their gradient, write) at the memory-bound rate; the probabilities' dropout is priced
   as an element-wise op by the speed model;
-- an element-wise op: its bytes (:data:`PASSES` x elements) at ``bandwidth x memory(bytes)``;
+- an element-wise op: its bytes (:data:`PASSES` x elements) at ``bandwidth x memory(bytes)``; the per-tensor FP8
+  cast-transpose at that times its measured fraction (:meth:`DeviceRates.cast_transpose`);
 - a collective: :meth:`omnitron.plan.machine.Machine.collective` over the group's span in the layout bound by
   :meth:`DeviceRates.bind` (``group``: tp, cp, dp, pp, ep, edp, emb).
 
@@ -19,8 +20,9 @@ The host's fixed cost per layer is not priced (an accelerator's host runs ahead 
 
 ``measured`` (``omnitron plan --device PROFILE --bench REPORT``): an ``omnitron bench`` report of the same
 accelerator (:class:`omnitron.plan.rates.Rates`) replaces the profile where it has rows: GEMMs of a dtype it
-measured, attention, element-wise ops it measured, and collectives of a group that lies inside one node at a
-rank count it measured (intra-node rows). The profile keeps the rest: what spans nodes, and what the report
+measured, attention, element-wise ops it measured, the FP8 cast-transpose's rate over the copy's (a kernels
+report's ``fp8_cast_transpose_amax`` row: :meth:`DeviceRates.cast_transpose`), and collectives of a group that
+lies inside one node at a rank count it measured (intra-node rows). The profile keeps the rest: what spans nodes, and what the report
 lacks (noted).
 """
 from __future__ import annotations
@@ -214,9 +216,25 @@ class DeviceRates:
         if op == "adamw":
             return self._stream_s(ADAMW_BYTES * elements)
         if op in fp8.WRITTEN:
-            return self._stream_s(fp8.op_bytes(op, self.elem) * elements)
+            t = self._stream_s(fp8.op_bytes(op, self.elem) * elements)
+            return t / self.cast_transpose() if op == fp8.CAST else t
         f, b = PASSES.get(op, (3, 3))
         return self._stream_s((f if mode == "fwd" else b) * self.elem * elements)
+
+    def cast_transpose(self) -> float:
+        """The per-tensor FP8 cast-transpose's rate over the copy rate of its bytes (:data:`omnitron.plan.fp8.CAST`):
+        the bench report's where it has a kernels row of it, else the profile's ``[fp8] cast_transpose``, else 1
+        (noted)."""
+        m, p = getattr(self.measured, "cast_transpose", None), self.profile
+        if m is not None:
+            self.note(f"fp8: the cast-transpose at {m['fraction']:.3f} of the copy rate, the bench report's "
+                      f"{m['impl']} kernel ({m['gbs']:.0f} of {m['copy_gbs']:.0f} GB/s)")
+            return m["fraction"]
+        if p.fp8_cast_transpose is not None:
+            return p.fp8_cast_transpose
+        self.note(f"fp8: profile {p.name} has no measured cast-transpose rate ([fp8] cast_transpose); the per-tensor "
+                  "cast-transpose priced at the copy rate (on the H200 its Triton kernel ran at 0.21 of it)")
+        return 1.0
 
     def host_layer_s(self, mode: str, threads: int = 1) -> float:
         return 0.0  # the host runs ahead of the device (module docstring)

@@ -15,7 +15,12 @@ of 503 at 1.3B on the H200), the output gradient ``[m, n]`` backward -- is two k
 ``FP8Linear.quantize``: its amax (``vector_norm(x, inf)``, a reduction: the source read once, :data:`AMAX`)
 and the cast-transpose (``fp8_cast_transpose_from_amax``: the source read again, the FP8 operand and its
 transpose written, 4 bytes an element from bf16, 6 from fp32, :data:`CAST`), each priced at the memory-bound rate
-of its own bytes (:func:`op_bytes`: the source in the model's dtype).
+of its own bytes (:func:`op_bytes`: the source in the model's dtype); the cast-transpose at that rate times the
+device's measured cast-transpose fraction (:meth:`omnitron.plan.device_rates.DeviceRates.cast_transpose`: a bench
+report's ``fp8_cast_transpose_amax`` row over its copy bandwidth, else the profile's ``[fp8] cast_transpose``, else 1,
+noted). That fraction is the Triton kernel's (0.208 on the H200, 2026-12-04), which the CUDA backend runs eager and
+a compiled layer only with the opt-in ``triton_graph`` op; by default a compiled layer runs inductor's lowering of
+the reference, whose rate alone is unmeasured (BENCHMARKS.md, "the FP8 cast-transpose at its measured rate").
 
 **Block-wise** (1x128 tiles of activations and gradients, 128x128 blocks of weights): ``quantize_blocks`` is a
 block amax (the source read, :data:`AMAX`) and a cast writing the FP8 tensor and one fp32 scale per 128 elements,
@@ -34,9 +39,8 @@ element from bf16) plus the transpose's copy on CPU; on CUDA the per-tensor cast
 (the 4 bytes above); the block-wise dequantization 13 bytes an operand element instead of 5. Not priced.
 
 Not modelled: the delayed recipe's amax history (its per-step reduction); the scale arithmetic's own tiny kernels
-(fused into the cast in a compiled layer); the transposed FP8 store's rate, priced at the copy rate: the recorded
-H200 step's casts took about 1.7x what these bytes cost at that rate (BENCHMARKS.md, "`omnitron plan`: FP8 recipes
-priced as the engine runs them").
+(fused into the cast in a compiled layer); the fusion of a cast with its producer (GELU's backward with the output
+gradient's cast, in the recorded compiled H200 step: BENCHMARKS.md, "Where the FP8 step's idle time sits").
 """
 from __future__ import annotations
 
@@ -96,8 +100,8 @@ def describe(settings) -> str | None:
     else:
         out = (f"FP8 ({fp8.fp8_format}, {fp8.fp8_recipe}): the layers' GEMMs at the device's FP8 rate; each input, "
                "weight (every micro-batch) and output gradient quantized as the compiled layer does it: an amax "
-               "pass (2 bytes an element) and a cast-transpose (4), at the copy rate (the transposed store's "
-               "slower rate not modelled)")
+               "pass (2 bytes an element) at the copy rate and a cast-transpose (4) at the device's measured "
+               "cast-transpose rate (the Triton kernel's; the copy rate where none is measured)")
     out += "; the output layer and the router wide"
     if fp8.first_last_layers_bf16:
         out += (f"; --first-last-layers-bf16: the first {fp8.num_layers_at_start_in_bf16} and last "

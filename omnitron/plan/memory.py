@@ -20,7 +20,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
   one layer's activations, its embedding and projection inputs, and a head's loss buffers and logits as the
   main head's (in the activation and logit terms of the last chunk's micro-batch);
 - FP8 (:mod:`.fp8_memory`): each FP8 linear's cached FP8 weight and scales (and the delayed recipe's amax
-  histories), none for the output layer or the layers ``--first-last-layers-bf16`` keeps wide;
+  histories), none for the output layer or the layers ``--first-last-layers-bf16`` keeps wide; under a
+  per-tensor recipe the activation term holds the FP8 linears' saved inputs at 1 byte an element
+  (:func:`.fp8_memory.saved_less`, taken off the probes' wide bytes);
 
 - recompute and transient: what one micro-batch's forward and backward through the chunk holds at its
   peak beyond that micro-batch's activation and logit terms, replayed from probes and scaled
@@ -57,7 +59,7 @@ from dataclasses import dataclass, replace
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
-from omnitron.plan.fp8_memory import fp8_bytes
+from omnitron.plan.fp8_memory import fp8_bytes, saved_less
 from omnitron.plan.state import state_bytes
 
 log = logging.getLogger(__name__)
@@ -365,10 +367,12 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
     return excess, (real - max(windows) if windows else None)
 
 
-def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None) -> tuple:
+def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None,
+          less: dict) -> tuple:
     """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers) of pipeline rank
     ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced); ``chunks``: the
-    (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank."""
+    (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank; ``less``: per chunk
+    what per-tensor FP8 linears' 1-byte saved inputs take off (:func:`.fp8_memory.saved_less`)."""
     layers, moe = chunks
     acts, logits, specs = {}, {}, []
     for c, (first, last) in ends.items():
@@ -376,6 +380,7 @@ def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, r
         specs += [] if rank is None else routing[(r, c)]
         acts[c], logits[c] = microbatch_bytes(settings, cfg, layers[(r, c)], last=last, first=first, moe=moe[(r, c)],
                                               routed=routed)
+        acts[c] -= less.get(c, 0.0)
     exchange = round(_moe_exchange(settings, cfg, specs, rank)) if any(moe[(r, c)] for c in ends) else 0
     return (*peak_held(schedule, r, acts), peak_held(schedule, r, logits)[0], exchange)
 
@@ -433,7 +438,8 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
         ends = {c: (schedule.stage(r, c) == 0, schedule.stage(r, c) == schedule.num_stages - 1) for c in range(vp)}
         has_moe = any(moe[(r, c)] for c in range(vp))
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
-        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k) for k in ranks}
+        less = saved_less(settings, cfg, r)
+        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k, less) for k in ranks}
         stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
         rank = max(each, key=lambda k: each[k][0] + transients * each[k][3] +
                    (recompute_bytes(settings, cfg, (stage, k)) if k is not None else 0))
@@ -446,7 +452,7 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
                         round(act_peak), round(logit_peak), fp8_bytes(settings, cfg, r), rec, most, excess - rec,
                         round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))))
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
-            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None)
+            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less)
             m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak - plain[0]) - probed * (exchange - plain[3])
                         - skew)
         out.append(m)

@@ -16,7 +16,9 @@ exists (:class:`omnitron.plan.device_rates.DeviceRates`). A profile holds:
   ``gemm_fp8`` (optional, by FLOPs, a fraction of the ``fp8`` peak): FP8 GEMMs where they were measured to fall
   short of ``gemm`` at the doubled peak (H200, H100); without it FP8 GEMMs take the ``gemm`` curve (noted);
 - ``fp8``: ``block_gemm`` (``native`` or ``emulated``), how block-scaled FP8 GEMMs run on the device's recorded
-  software stack (:mod:`omnitron.plan.fp8`); unset: emulated (noted).
+  software stack (:mod:`omnitron.plan.fp8`); unset: emulated (noted). ``cast_transpose``: the per-tensor
+  cast-transpose kernel's measured rate (bf16 read, the FP8 operand and its transpose written) as a fraction of a
+  device copy's measured in the same run, applied over the ``memory`` curve; unset: the copy rate (noted).
 
 A profile may describe the same hardware under another software stack: ``based_on = "NAME"`` takes every
 table of profile NAME and overrides what this file gives, and ``[stack] kernel_rate`` scales every kernel
@@ -92,6 +94,9 @@ class DeviceProfile:
     """FP8 GEMMs' fraction of the ``fp8`` peak by FLOPs; None: the ``gemm`` curve (module docstring)."""
     fp8_block_gemm: str | None = None
     """``[fp8] block_gemm``: ``native`` or ``emulated``, how block-scaled FP8 GEMMs run; None: unknown (emulated)."""
+    fp8_cast_transpose: float | None = None
+    """``[fp8] cast_transpose``: the per-tensor cast-transpose's rate over a copy's of the same bytes; None: 1
+    (noted)."""
 
     def peak_of(self, dtype: str) -> float:
         """Dense FLOP/s of ``dtype``; fp32 GEMMs run as TF32 where the device has it (noted by the caller)."""
@@ -116,6 +121,12 @@ def _block_gemm(value):
     if value not in (None, "native", "emulated"):
         raise ValueError(f"fp8.block_gemm {value!r} is not 'native' or 'emulated'")
     return value
+
+
+def _fraction(value, key: str):
+    if value is not None and not 0 < float(value) <= 1:
+        raise ValueError(f"{key} {value} outside (0, 1]")
+    return None if value is None else float(value)
 
 
 def _path(name: str) -> str:
@@ -160,7 +171,8 @@ def load(name: str) -> DeviceProfile:
                              _curve(eff["gemm"], "flops"), _curve(eff["attention"], "flops"),
                              _curve(eff["memory"], "bytes"),
                              _curve(eff["gemm_fp8"], "flops") if "gemm_fp8" in eff else None,
-                             _block_gemm(d.get("fp8", {}).get("block_gemm")))
+                             _block_gemm(d.get("fp8", {}).get("block_gemm")),
+                             _fraction(d.get("fp8", {}).get("cast_transpose"), "fp8.cast_transpose"))
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"--device {path}: malformed profile ({type(err).__name__}: {err}); compare with "
                           f"{os.path.join(DEVICES_DIR, 'h100-sxm.toml')}") from None

@@ -59,6 +59,25 @@ _STAND_IN = {"moe_dispatch": ("add", 3), "fp8_amax": ("add", 1 / 3), "fp8_cast":
 """Ops a report has no rows of (moe_dispatch: older reports; the FP8 quantization's kernels, not measured by the
 bench: their bytes from a 2-byte source, :func:`omnitron.plan.fp8.op_bytes`, over an add's 6), priced as passes of
 another op: (op, passes)."""
+CAST_TRANSPOSE = "fp8_cast_transpose_amax"
+"""The kernels report's op timing the per-tensor cast-transpose (bf16 read, the FP8 operand and its transpose
+written: the bytes :data:`omnitron.plan.fp8.CAST` prices)."""
+
+
+def cast_transpose_rate(report: dict) -> dict | None:
+    """The cast-transpose's measured rate over the same run's copy bandwidth, from an ``omnitron bench kernels``
+    report: its fastest :data:`CAST_TRANSPOSE` row but the eager reference's (unfused passes, which neither the
+    accelerator's kernel table nor a compiled layer runs), bf16 rows where there are any; None without such a row
+    or without the report's ``copy_gbs``. ``{"fraction", "impl", "gbs", "copy_gbs"}``."""
+    copy = report.get("extra", {}).get("copy_gbs")
+    rows = [r for r in report["rows"] if r["op"] == CAST_TRANSPOSE and r.get("impl") != "eager" and r.get("gbs")]
+    rows = [r for r in rows if r.get("dtype") == "bfloat16"] or rows
+    if not copy or not rows:
+        return None
+    best = max(rows, key=lambda r: r["gbs"])
+    return {"fraction": best["gbs"] / copy, "impl": best["impl"], "gbs": best["gbs"], "copy_gbs": copy}
+
+
 _GEMM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _GEMM_ROWS = {"fp8": "fp8-tensor"}
 """The bench's rows a dtype of the speed model is priced at (FP8 linears: the per-tensor scaled GEMM)."""
@@ -79,6 +98,8 @@ class Rates:
     """Derived figures computed once per report (the host term of :func:`omnitron.plan.speed.host_layer`)."""
     expert_load: object = None
     """A routing histogram (:class:`omnitron.plan.routing.ExpertLoad`) MoE layers are priced at, or None: balanced."""
+    cast_transpose: dict | None = None
+    """A kernels report's per-tensor FP8 cast-transpose over its copy (:func:`cast_transpose_rate`), or None."""
     host_ranks: int = 1
     """Intra-op threads of every rank the layout runs on one CPU host (set per prediction): collectives on a CPU
     are CPU work, so rows measured with fewer processes than cores are slowed as the cores get time-shared."""
@@ -98,6 +119,8 @@ class Rates:
                 r.device_type, r.cpu_count = m.get("device_type", "cpu"), int(m.get("cpu_count") or 1)
             elif rep["kind"] == "comm":
                 r.comm.extend(rep["rows"])
+            elif rep["kind"] == "kernels":
+                r.cast_transpose = cast_transpose_rate(rep) or r.cast_transpose
         if not r.gemm:
             raise ConfigError(f"--bench {' '.join(items)}: no gemm report among them; run `omnitron bench gemm "
                               "--json gemm.json` (or `omnitron bench all --out DIR`) on the target machine")

@@ -85,7 +85,7 @@ def test_fp8_step_is_the_bf16_step_with_fp8_gemms_and_their_casts():
     """One stage on the H200's profile: the FP8 step less the bf16 step is, per layer and micro-batch, three times
     each linear GEMM's (FP8 - bf16) time (forward, input and weight gradient) plus the casts (input and weight
     forward, output gradient backward; each an amax kernel of 2 bytes an element and a cast-transpose of 4, at the
-    memory-bound rate of its own bytes), worked here
+    memory-bound rate of its own bytes, the cast-transpose at the profile's measured fraction of it), worked here
     from the profile's tables; the output layer's GEMM stays bf16. One rates object prices both (its per-layer
     memo must tell them apart)."""
     from omnitron.plan.device_rates import DeviceRates
@@ -104,8 +104,8 @@ def test_fp8_step_is_the_bf16_step_with_fp8_gemms_and_their_casts():
 
     t, h, f = 2 * 128, 512, 2048
     shapes = [(t, 3 * h, h), (t, h, h), (t, f, h), (t, h, f)]  # qkv, proj, fc1, fc2: (m, n, k)
-    def cast(elements):  # the amax kernel (2 bytes an element), then the cast-transpose (4)
-        return stream(2 * elements) + stream(4 * elements)
+    def cast(elements):  # the amax kernel (2 bytes an element), then the cast-transpose (4) at its measured rate
+        return stream(2 * elements) + stream(4 * elements) / p.fp8_cast_transpose
 
     per_layer = sum(3 * (gemm(p.peak["fp8"], p.gemm_fp8, 1, *s) - gemm(p.peak["bf16"], p.gemm, 2, *s)) +
                     cast(s[0] * s[2]) + cast(s[2] * s[1]) + cast(s[0] * s[1]) for s in shapes)

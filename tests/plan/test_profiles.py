@@ -22,7 +22,7 @@ def test_required_profiles_ship():
 @pytest.mark.parametrize("name", available())
 def test_profile_is_consistent(name):
     """Peaks positive (fp8 twice bf16 where present, bf16 = fp16), efficiencies in (0, 1] and non-decreasing
-    with size (achieved never above peak), capacity as the runtime reports it at most the datasheet's, and
+    with size (achieved never above peak; the FP8 cast-transpose's fraction of the copy rate in (0, 1]), capacity as the runtime reports it at most the datasheet's, and
     every value's source cited in the file (a comment per section)."""
     p = load(name)
     assert p.name == name and p.gpus_per_node >= 1
@@ -34,6 +34,7 @@ def test_profile_is_consistent(name):
         assert all(0 < y <= 1 for y in ys) and ys == sorted(ys)
         assert curve(1e30) == ys[-1] and curve(1e-30) == ys[0]
     assert 0 < p.links.intra_eff <= 1 and 0 < p.links.nic_eff <= 1
+    assert p.fp8_cast_transpose is None or 0 < p.fp8_cast_transpose <= 1  # the cast-transpose under the copy rate
     assert p.links.intra_bw >= p.links.p2p_bw > 0 and p.links.nic_bw > 0
     assert 0 < p.memory_bytes <= _read(p.path)["memory"]["capacity_gb"] * 1e9
     text = open(p.path).read()
