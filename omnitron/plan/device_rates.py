@@ -233,7 +233,8 @@ class DeviceRates:
         if p.fp8_cast_transpose is not None:
             return p.fp8_cast_transpose
         self.note(f"fp8: profile {p.name} has no measured cast-transpose rate ([fp8] cast_transpose); the per-tensor "
-                  "cast-transpose priced at the copy rate (on the H200 its Triton kernel ran at 0.21 of it)")
+                  "cast-transpose priced at the copy rate (a compiled layer's fused cast is unmeasured; on the H200 "
+                  "the eager path's Triton kernel ran at 0.21 of it)")
         return 1.0
 
     def host_layer_s(self, mode: str, threads: int = 1) -> float:

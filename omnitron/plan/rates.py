@@ -66,11 +66,14 @@ written: the bytes :data:`omnitron.plan.fp8.CAST` prices)."""
 
 def cast_transpose_rate(report: dict) -> dict | None:
     """The cast-transpose's measured rate over the same run's copy bandwidth, from an ``omnitron bench kernels``
-    report: its fastest :data:`CAST_TRANSPOSE` row but the eager reference's (unfused passes, which neither the
-    accelerator's kernel table nor a compiled layer runs), bf16 rows where there are any; None without such a row
-    or without the report's ``copy_gbs``. ``{"fraction", "impl", "gbs", "copy_gbs"}``."""
+    report: its :data:`CAST_TRANSPOSE` rows of the ``compile`` implementation (inductor's lowering of the
+    reference: what a compiled layer runs, and the speed model prices compiled layers, :mod:`omnitron.plan.fp8`),
+    bf16 rows where there are any; None without such a row or without the report's ``copy_gbs``. The hand-written
+    kernel's rows (``triton``: the eager path's) are not taken: on the H200 (0.208 of copy) they priced the 1.3B
+    FP8 step 0.91x bf16 against 1.09x measured compiled (BENCHMARKS.md, 2026-12-05).
+    ``{"fraction", "impl", "gbs", "copy_gbs"}``."""
     copy = report.get("extra", {}).get("copy_gbs")
-    rows = [r for r in report["rows"] if r["op"] == CAST_TRANSPOSE and r.get("impl") != "eager" and r.get("gbs")]
+    rows = [r for r in report["rows"] if r["op"] == CAST_TRANSPOSE and r.get("impl") == "compile" and r.get("gbs")]
     rows = [r for r in rows if r.get("dtype") == "bfloat16"] or rows
     if not copy or not rows:
         return None

@@ -105,7 +105,7 @@ def test_fp8_step_is_the_bf16_step_with_fp8_gemms_and_their_casts():
     t, h, f = 2 * 128, 512, 2048
     shapes = [(t, 3 * h, h), (t, h, h), (t, f, h), (t, h, f)]  # qkv, proj, fc1, fc2: (m, n, k)
     def cast(elements):  # the amax kernel (2 bytes an element), then the cast-transpose (4) at its measured rate
-        return stream(2 * elements) + stream(4 * elements) / p.fp8_cast_transpose
+        return stream(2 * elements) + stream(4 * elements) / (p.fp8_cast_transpose or 1.0)
 
     per_layer = sum(3 * (gemm(p.peak["fp8"], p.gemm_fp8, 1, *s) - gemm(p.peak["bf16"], p.gemm, 2, *s)) +
                     cast(s[0] * s[2]) + cast(s[2] * s[1]) + cast(s[0] * s[1]) for s in shapes)

@@ -45,7 +45,7 @@ def _fp8_layer_extra(p) -> float:
         return nbytes / (p.memory_bw * p.memory(nbytes))
 
     def cast(elements):
-        return stream(2 * elements) + stream(4 * elements) / p.fp8_cast_transpose
+        return stream(2 * elements) + stream(4 * elements) / (p.fp8_cast_transpose or 1.0)
 
     t, h, f = TOKENS, HIDDEN, FFN
     shapes = [(t, 3 * h, h), (t, h, h), (t, f, h), (t, h, f)]  # qkv, proj, fc1, fc2: (m, n, k)
@@ -78,8 +78,8 @@ def test_first_last_layers_bf16_priced_wide_on_the_stages_holding_them():
     p = load("h200")
     rates = DeviceRates(p, 8)
     extra = _fp8_layer_extra(p)
-    # a wide layer changes its stage's time: the sign is the profile's (at the H200's measured cast-transpose rate
-    # an FP8 layer of these shapes is 0.5 ms slower than bf16; at the copy rate it was 1.0 ms faster)
+    # a wide layer changes its stage's time; the sign is the profile's (at the copy rate an FP8 layer of these shapes
+    # is 1.0 ms faster than bf16; at the eager Triton kernel's 0.208 of it, 0.5 ms slower)
     assert abs(extra) > 1e-4
 
     plain, flagged = _settings(layers, 2, True), _settings(layers, 2, True, (start, end))
@@ -206,7 +206,7 @@ def test_quantization_bytes_follow_the_model_dtype():
             "fp8_format": "hybrid", "fp8_recipe": "tensorwise"}
     for wide, elem in (({"bf16": True}, 2), ({}, 4)):
         rates.bind(settings_of(base | wide))
-        for op, written, rate in ((AMAX, 0, 1), (CAST, 2, p.fp8_cast_transpose), (CAST_BLOCK, 1 + 4 / 128, 1)):
+        for op, written, rate in ((AMAX, 0, 1), (CAST, 2, p.fp8_cast_transpose or 1.0), (CAST_BLOCK, 1 + 4 / 128, 1)):
             nbytes = (elem + written) * n
             for mode in ("fwd", "bwd"):
                 assert math.isclose(rates.elementwise_s(op, mode, n), nbytes / (p.memory_bw * p.memory(nbytes) * rate),
