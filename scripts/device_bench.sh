@@ -99,6 +99,11 @@ fi
 need benchmarks/fp8_profile.py benchmarks/fp8_gemm.py
 run_step fp8-profile 45 bash -c "python3 benchmarks/fp8_profile.py --json $LOG_DIR/fp8_profile.json &&
   python3 benchmarks/fp8_gemm.py --step-layers 4 --json $LOG_DIR/fp8_gemm.json"
+# the per-tensor cast-transpose as a compiled layer runs it (inductor's lowering: the `compile` row) beside the
+# Triton kernel eager runs: `omnitron plan --bench` takes the compile row over the run's copy bandwidth
+# (omnitron/plan/rates.py cast_transpose_rate); the shipped h200 profile prices it at the copy rate until then
+run_step fp8-cast-compiled 40 python3 -m omnitron bench kernels --backend cuda --ops fp8_cast_transpose_amax \
+  --compile --size large --dtypes bfloat16 --json "$LOG_DIR/fp8_cast_compiled.json"
 # the whole compiled FP8 step under torch.profiler (iterations 5-6): device busy / idle, top kernels
 # (omnitron/core/training/trace_summary.py; profile-*.json, and the log line); iterations 7-8 run untraced in the
 # same process and every iteration is logged, so metrics-*-step-profile.jsonl shows what the profiler itself adds
