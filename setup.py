@@ -80,7 +80,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.5.1"],
         "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
-        "dev": ["pytest", "regex", "pybind11", "triton>=3.5.1", "sentencepiece", "matplotlib", "transformers>=4.45",
+        "dev": ["pytest", "pytest-xdist", "regex", "pybind11", "triton>=3.5.1", "sentencepiece", "matplotlib", "transformers>=4.45",
                 "tensorboard", "tiktoken"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
