@@ -148,3 +148,33 @@ def test_fully_masked_microbatch_contributes_zero_with_zero_gradient():
     assert out["loss"] == pytest.approx(total / M, rel=1e-6)
     for p, r in zip(model.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p.main_grad.double(), r.grad, rtol=1e-6, atol=1e-8)
+
+
+def test_weight_grad_fallback_reruns_a_loss_that_writes_its_gradient_in_place():
+    """A chunk ending in the models' loss (``inplace_backward``) whose W falls back to a full backward (the output
+    weight used twice, as multi-token prediction's heads share it): B must leave the logits intact for W's second
+    pass, and the weight gradient is float64's. Failed before B ran under ``backward_reruns`` (zb-h1 / zb-v with
+    --mtp-num-layers: 'modified by an inplace operation')."""
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.pipeline.wgrad import backward_input
+    from omnitron.core.parallel.tensor import vocab_parallel_cross_entropy
+
+    torch.manual_seed(3)
+    vocab, tp = 40, ParallelGroups.single().tp
+    head = torch.nn.Linear(H, vocab, bias=False)
+    x, target = torch.randn(S, B, H, requires_grad=True), torch.randint(0, vocab, (S, B))
+
+    def loss_of(w, inp):
+        h = torch.tanh(inp @ w[:H].t())  # the shared weight on the input path too: no clean split
+        return vocab_parallel_cross_entropy(h @ w.t(), target, tp, inplace_backward=True).sum()
+
+    out = loss_of(head.weight, x)
+    g_in, plan = backward_input(out, None, x, [head.weight])
+    assert plan.fallback
+    plan.run()
+    w = head.weight.detach().double().requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    h = torch.tanh(xr @ w[:H].t())
+    torch.nn.functional.cross_entropy((h @ w.t()).reshape(-1, vocab), target.reshape(-1), reduction="sum").backward()
+    torch.testing.assert_close(head.weight.grad.double(), w.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)

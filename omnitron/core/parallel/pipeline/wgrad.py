@@ -10,12 +10,17 @@ not a second full backward, and the data-parallel hooks fire as usual.
 
 When the graph does not split cleanly (a weight reachable from two boundaries, or also from
 the input path) :func:`backward_input` returns a plan that makes W a plain backward to the
-weights over the retained graph, which is always correct.
+weights over the retained graph, which is always correct; its B then runs under
+:func:`~omnitron.core.parallel.tensor.cross_entropy.backward_reruns`, so a loss keeps its logits for that second pass.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from omnitron.core.parallel.tensor.cross_entropy import backward_reruns
 
 
 def _reach(root, targets: set) -> tuple[dict, list]:
@@ -105,7 +110,9 @@ def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, 
             for node, _ in plan.boundaries:
                 handles.append(node.register_prehook(lambda g, node=node: plan.kept.__setitem__(node, g)))
     try:
-        (g_in,) = torch.autograd.grad(out, hidden, grad, retain_graph=True, allow_unused=True)
+        # a fallback W re-runs the whole backward: the loss must not write its gradient over the logits in B
+        with backward_reruns() if plan.fallback else contextlib.nullcontext():
+            (g_in,) = torch.autograd.grad(out, hidden, grad, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()

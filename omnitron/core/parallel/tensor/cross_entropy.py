@@ -12,6 +12,8 @@ excluded from the softmax and given zero gradient, so padding never changes the 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from omnitron.backends.collectives import ReduceOp
@@ -41,6 +43,23 @@ def _combine_(stats: torch.Tensor, group, smoothing: bool) -> torch.Tensor:
     return stats
 
 
+_RERUN = [0]
+"""How many enclosing :func:`backward_reruns` blocks are open (a list: the backward may run on autograd's device
+threads, so a thread-local would not reach it)."""
+
+
+@contextlib.contextmanager
+def backward_reruns():
+    """Within this block a loss's backward writes a new gradient tensor even with ``inplace_backward``: the caller
+    will run a second backward over the same graph (the pipeline's split backward when its weight pass falls back
+    to a full backward, :mod:`omnitron.core.parallel.pipeline.wgrad`), which must find the logits intact."""
+    _RERUN[0] += 1
+    try:
+        yield
+    finally:
+        _RERUN[0] -= 1
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """forward: per-token loss (fp32); backward: ``softmax - (1-ls) onehot - ls/V`` on local
     columns, in the logits' dtype (recomputed from the logits and the global log-sum-exp)."""
@@ -63,7 +82,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, g):
         logits, target, lse = ctx.saved_tensors
         start, valid, vocab_size, ls = ctx.meta
-        if not ctx.inplace:
+        if not ctx.inplace or _RERUN[0]:
             grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls)
             return grad, None, None, None, None, None, None
         grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls, out=logits)
