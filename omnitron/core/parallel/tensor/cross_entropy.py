@@ -82,13 +82,13 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, g):
         logits, target, lse = ctx.saved_tensors
         start, valid, vocab_size, ls = ctx.meta
-        if not ctx.inplace or _RERUN[0]:
-            grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls)
-            return grad, None, None, None, None, None, None
-        grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls, out=logits)
-        # the kernels write through a data pointer, which autograd does not see: mark the logits changed, so a
-        # second backward over this graph (retain_graph) fails at unpacking them instead of reading a gradient
-        torch.autograd.graph.increment_version(logits)
+        inplace = ctx.inplace and not _RERUN[0]
+        out = {"out": logits} if inplace else {}  # `out` only when used: a plug-in's kernel may predate it
+        grad = ctx.kernels.cross_entropy_shard_grad(g, logits, target, lse, start, valid, vocab_size, ls, **out)
+        if inplace:
+            # the kernels write through a data pointer, which autograd does not see: mark the logits changed, so a
+            # second backward over this graph (retain_graph) fails at unpacking them instead of reading a gradient
+            torch.autograd.graph.increment_version(logits)
         return grad, None, None, None, None, None, None
 
 
