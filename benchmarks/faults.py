@@ -116,10 +116,10 @@ def cost(rounds: int = 8, iters: int = 30) -> tuple[float, float]:
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
     from omnitron.core.training.watchdog import NullWatchdog, Watchdog
-    from omnitron.testing.distributed import free_port
+    from omnitron.core.training.workers import host_store
 
-    port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    host = host_store(1, 60.0)
+    port = host.port
     connect = lambda: dist.PrefixStore("bench/", dist.TCPStore("127.0.0.1", port, 1, False,  # noqa: E731
                                                                datetime.timedelta(seconds=60)))
     per = {"off": [], "on": []}

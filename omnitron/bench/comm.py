@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -234,10 +233,11 @@ def _worker(rank: int, world: int, port: int, backend_name: str | None, ops, byt
     os.environ.pop("LOCAL_RANK", None)  # a spawned rank's own index places it
     torch.set_num_threads(1)
     from omnitron.backends import get_backend
+    from omnitron.core.training.workers import client_store
 
     backend = get_backend(backend_name)
     index = placement(backend, rank)
-    backend.collectives.init_process_group(rank, world)
+    backend.collectives.init_process_group(rank, world, store=client_store(port, world, 300.0))
     rows = measure(backend, rank, world, ops, byte_sizes, rounds, budget_s, warmup=warmup)
     rows = _with_devices(backend, rows, index, world)
     if rank == 0:
@@ -274,9 +274,10 @@ def run(backend_name: str | None, *, nproc: int, ops, byte_sizes, rounds: int = 
         return _with_devices(backend, rows, index, world)
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from omnitron.core.training.workers import host_store
+
+    store = host_store(nproc, 300.0)  # held here: no rank races another process for the port
+    port = store.port
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         mp.spawn(_worker, args=(nproc, port, backend_name, list(ops), list(byte_sizes), rounds, budget_s, out, warmup),

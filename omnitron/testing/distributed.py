@@ -2,7 +2,8 @@
 
 Used by the multi-process tests and the backend conformance suite. Each worker gets one
 thread (processes x threads must not exceed the cores), a fresh port, and the rank's
-exceptions are re-raised in the parent with the worker's traceback. Workers inherit
+exceptions are re-raised in the parent with the worker's traceback. The parent hosts the rendezvous store
+on a port the OS gave it, so two runs side by side (pytest-xdist) never race for a port. Workers inherit
 ``OMNITRON_STRICT_COLLECTIVES`` (tests/conftest.py turns it on for the whole suite), and every
 rank ends with a (checked) barrier so a rank that skipped a collective is named.
 """
@@ -16,7 +17,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from omnitron.core.training.workers import free_port  # noqa: F401 - the tests' name for it
+from omnitron.core.training.workers import client_store, host_store
 
 
 REFERENCE_KERNELS = {"OMNITRON_KERNELS": "reference"}
@@ -81,7 +82,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
         from omnitron.backends import get_backend
 
         be = get_backend(backend)
-        be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180)
+        be.collectives.init_process_group(rank=rank, world_size=world, timeout_s=180,
+                                          store=client_store(port, world, 180.0))
         value = _to_host(fn(*args))
         if _WEDGED:
             _store_barrier(world)
@@ -141,7 +143,8 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = 
     """
     backend = backend or os.environ.get("OMNITRON_BACKEND", "cpu")
     env = _staged_if_ranks_share_a_device(backend, world_size, env)
-    port = free_port()
+    store = host_store(world_size, timeout_s)
+    port = store.port
     with tempfile.TemporaryDirectory() as outdir:
         ctx = _context()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, outdir, backend, threads,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 def main(kind: str, root: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     torch.cuda.current_device = lambda: "cpu"  # RoPE moves its inv_freq to the current CUDA device
     torch.cuda.synchronize = lambda *a, **k: None  # the saver waits for the device before writing
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel

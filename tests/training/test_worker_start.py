@@ -64,3 +64,20 @@ def test_a_rank_dies_with_its_launcher_not_only_its_parent():
         for p in (launcher, watcher):
             if alive(p.pid):
                 p.kill()
+
+
+def test_the_store_holds_its_port_from_the_moment_it_is_told():
+    """The job's store is bound before its port is handed to any rank, so no other process can take the
+    port in between (two suites side by side once lost a run to EADDRINUSE when the port was found free,
+    closed, and bound again by rank 0). Fails with a found-then-closed port: the second bind succeeds."""
+    import errno
+    import socket
+
+    from omnitron.core.training.workers import client_store, host_store
+
+    store = host_store(2, 10.0)
+    with socket.socket() as thief, pytest.raises(OSError) as taken:
+        thief.bind(("127.0.0.1", store.port))
+    assert taken.value.errno == errno.EADDRINUSE
+    client_store(store.port, 2, 10.0).set("probe", "ok")  # a rank reaches the store it was told of
+    assert store.get("probe") == b"ok"

@@ -18,7 +18,6 @@ import datetime
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -231,11 +230,23 @@ def _supervise(procs: list, grace_s: float, startup: StartupWatch | None = None)
             for r, p in enumerate(procs)]
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (the OS picks it), for the job's store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_store(world: int, timeout_s: float, port: int = 0):
+    """The job's rendezvous store, hosted by this process on ``port`` (0: the OS picks one, and the store holds
+    it from that moment; ``.port`` tells it to the ranks, which all connect as clients: :func:`client_store`).
+    A port found free (bound to 0, closed) and bound again later by rank 0 can be taken in between by any
+    other process's outgoing connection (a gloo pair, another job's store client): with two test runs side
+    by side, rank 0 once failed with EADDRINUSE while its peers waited 180 s for it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S)),
+                         wait_for_workers=False)
+
+
+def client_store(port: int, world: int, timeout_s: float, host: str = "127.0.0.1"):
+    """A rank's connection to the store :func:`host_store` started (its waits last ``timeout_s``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=timeout_s))
 
 
 def worker_context():
@@ -268,13 +279,9 @@ def enter_worker(launcher_pid: int, env: dict[str, str]) -> None:
 def run_workers(settings, entry, n: int, worker) -> int:
     """Start ``worker(rank, n, port, settings, entry, launcher_pid, env)`` for every rank (the worker calls
     :func:`enter_worker` first); the job's exit code."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    port = int(os.environ.get("MASTER_PORT") or free_port())
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
-    store = dist.TCPStore("127.0.0.1", port, n, True, datetime.timedelta(seconds=max(timeout, JOIN_TIMEOUT_S)),
-                          wait_for_workers=False)
+    store = host_store(n, timeout, int(os.environ.get("MASTER_PORT") or 0))
+    port = store.port
     report_dir = tempfile.mkdtemp(prefix="omnitron-failures-")
     saved = {k: os.environ.get(k) for k in (HOSTED_STORE_ENV, failures.REPORT_DIR_ENV)}
     os.environ.update({HOSTED_STORE_ENV: "1", failures.REPORT_DIR_ENV: report_dir})  # inherited by spawn
