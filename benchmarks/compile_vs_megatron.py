@@ -8,6 +8,11 @@ Two shapes (GPT-2 flavour: LayerNorm, GeLU, learned positions, tied embeddings, 
 * ``bars``: the 4-layer hidden-256 step of ``benchmarks/compile_step.py`` (ffn 1024, vocab 4096, sequence 256,
   one micro-batch of 4).
 
+Both run GeLU's tanh approximation, as Megatron-LM trains a GPT with biases by default (``--no-bias-gelu-fusion``
+not given): omnitron's bias-GeLU, and megatron-core's ``bias_activation_fusion`` (its ``bias_gelu_impl``, whose
+forward and backward functions its ``jit_fuser`` compiles with ``torch.compile``). Before 2026-12-05 04:50 UTC
+megatron-core ran with that fusion off, which is the exact erf GeLU: a slightly different model.
+
 megatron-core starts from omnitron's initial weights (the state-dict names are Megatron's), so the first step's
 losses agree to fp32 reordering: the check that the three run the same model. Every model steps with
 ``torch.optim.AdamW`` (the same update); steps rotate over the three so machine noise hits all alike, the first
@@ -69,9 +74,7 @@ def megatron_core_cpu() -> None:
     mcu.GlobalMemoryBuffer.get_tensor = cpu_buffer
     mcr.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
 
@@ -86,7 +89,7 @@ def megatron_core_gpt(shape: dict, like: GPTModel):
     cfg = TransformerConfig(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
                             num_attention_heads=m["num_attention_heads"], ffn_hidden_size=m["ffn_hidden_size"],
                             hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+                            bias_activation_fusion=True, masked_softmax_fusion=False, persist_layer_norm=False,
                             gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False)
     model = McoreGPT(cfg, get_gpt_layer_local_spec(), vocab_size=m["vocab_size"], max_sequence_length=m["seq_length"],
                      position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
