@@ -420,6 +420,21 @@ def test_compiled_cp2_and_ep2_match_eager_in_counted_graphs(tmp_path, monkeypatc
         assert g == pytest.approx(w, rel=REL) and n == graphs, (rank, g, w, n)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--use-distributed-optimizer",), ("--use-torch-fsdp2",)],
+                         ids=["dp2-distributed-optimizer", "fsdp2-dp2"])
+def test_compiled_data_parallel_matches_eager(tmp_path, monkeypatch, layout):
+    """dp2 with the distributed optimizer (its bucketed reduce-scatter hooks on the compiled layers' parameters)
+    and FSDP2 (each layer sharded and gathered by its hooks): eager's losses within REL on both ranks (the same
+    ops), and one graph a rank for every micro-batch and step (no recompilation as the shards are gathered and
+    freed)."""
+    monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
+    want = run_distributed(_train, 2, str(tmp_path / "eager"), 2, *layout, timeout_s=600)
+    got = run_distributed(_train, 2, str(tmp_path / "compiled"), 2, *layout, "--torch-compile", timeout_s=600)
+    for rank, ((w, _), (g, n)) in enumerate(zip(want, got)):
+        assert g == pytest.approx(w, rel=REL) and n == 1, (rank, g, w, n)
+
+
 def test_backends_state_their_compiler_and_refusal_is_one_line():
     from omnitron.backends import get_backend
     from omnitron.core.compile import compiler_for
