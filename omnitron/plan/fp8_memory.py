@@ -293,9 +293,10 @@ def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
 
 def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int]]]:
     """Per chunk of pipeline rank ``pp_rank``: ``{(layer counted from the chunk's top, name in the layer): (out, in,
-    saved less)}`` of its FP8 decoder linears (tp-local weight shapes), ``saved less`` what its 1-byte saved input
-    takes off the wide activations where its layer keeps them (per-tensor: ``(e - 1) x in x tokens - 4``, the
-    :func:`saved_less` of a linear reading its own input; block-wise: 0); empty without ``--fp8-format``."""
+    saved less, saved)}`` of its FP8 decoder linears (tp-local weight shapes), ``saved less`` what its 1-byte saved
+    input takes off the wide activations where its layer keeps them (per-tensor: ``(e - 1) x in x tokens - 4``, the
+    :func:`saved_less` of a linear reading its own input; block-wise: 0), ``saved`` the bytes of that saved input and
+    its scale (``in x tokens + 4``; block-wise: 0, it saves the wide input); empty without ``--fp8-format``."""
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
 
     if settings.fp8 is None:
@@ -317,8 +318,8 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
             if flags[i]:
                 continue
             o, k = m.weight.shape
-            less = (e - SAVED_INPUT) * k * t - SCALE if settings.fp8.per_tensor else 0
-            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, less)
+            saved = SAVED_INPUT * k * t + SCALE if settings.fp8.per_tensor else 0
+            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, e * k * t - saved if saved else 0, saved)
     return out
 
 
@@ -346,15 +347,16 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
     """(peak of a wide transient probe's replayed log (:func:`omnitron.plan.transients.scaled_log`, with
     :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s entry for it) run it, the
     probed layers' 1-byte savings (``saved less``) that the activation term takes off the whole chunk). Each moment
-    counts a saving only while the FP8 linear holds its saved input (from its forward to the end of its backward; a
-    wide moment after the top layer's MLP backward, such as selective recomputation's rerun attention, holds none of
-    that layer's). At a linear's ``forward`` and ``backward`` markers, what its FP8 pass creates
+    counts a saving only while it is one: from the end of the forward of the module holding the linear (until then
+    its wide input, that module's argument or local, is live beside the saved FP8 copy, which counts) to the end of
+    the linear's backward (a wide moment after the top layer's MLP backward, such as selective recomputation's rerun
+    attention, holds none of that layer's). At a linear's ``forward`` and ``backward`` markers, what its FP8 pass creates
     (:func:`linear_peak`) is added. ``layers``: the probe's; a layer it recomputes in full
     (:func:`~omnitron.plan.transients.probe_recomputed`) holds its FP8 saved inputs from its rerun forward, and the activation term takes
     nothing off for it."""
     recomputed = probe_recomputed(cfg, layers)
     live = held = 0.0
-    best, total, seen, holding = 0.0, 0, {}, set()
+    best, total, seen, pending, holding = 0.0, 0, {}, set(), set()
     for i, (op, n) in enumerate(events):
         if op is None:
             live -= sizes[n]
@@ -367,15 +369,19 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         key = (int(layer), name)
         if key not in linears:
             continue
-        o, k, less = linears[key]
+        o, k, less, saved = linears[key]
         if kind in ("forward", "backward"):
             best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native))
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
             if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun
-                holding.add(key)
-                held += less
+                pending.add(key)
+                held -= saved  # the saved FP8 input beside the wide one
                 total += 0 if key[0] in recomputed else less
+        elif kind == "done" and key in pending:  # the wide input, an argument or local of its module, is freed now
+            pending.discard(key)
+            holding.add(key)
+            held += less + saved
         elif kind == "end" and key in holding:
             holding.discard(key)
             held -= less

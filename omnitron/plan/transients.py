@@ -134,8 +134,8 @@ LINEAR = "<linear "
 
 def marker(kind: str, layer: int, name: str) -> str:
     """The marker event of linear ``name`` (in its layer) of layer ``layer`` (counted from the chunk's top) at
-    ``kind``: ``forward`` (its forward starts), ``backward`` (its output's gradient has arrived), ``end`` (its input's
-    gradient is complete)."""
+    ``kind``: ``forward`` (its forward starts), ``done`` (the forward of the module holding it has returned),
+    ``backward`` (its output's gradient has arrived), ``end`` (its input's gradient is complete)."""
     return f"{LINEAR}{kind} {layer} {name}>"
 
 
@@ -154,8 +154,9 @@ def probe_recomputed(cfg, layers: int) -> set[int]:
 @contextlib.contextmanager
 def _mark_linears(chunk, tl: Timeline):
     """While active, each decoder linear of ``chunk`` (the output layer's not) logs a marker event (0 bytes,
-    :func:`marker`) into ``tl`` as its forward starts, as the gradient of its output arrives
-    (its backward starts) and as its input's gradient is complete (its backward has ended), each after logging the
+    :func:`marker`) into ``tl`` as its forward starts, as the forward of the module holding it ends (its input, that
+    module's argument or local, is freed unless saved), as the gradient of its output arrives (its backward starts)
+    and as its input's gradient is complete (its backward has ended), each after logging the
     storages freed since the last op: the moments an FP8 linear's own tensors and its 1-byte saved input are priced
     at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`). Layers are counted from the chunk's top (0: the top one)."""
     from omnitron.core.precision.fp8.enable import linear_modules
@@ -177,9 +178,11 @@ def _mark_linears(chunk, tl: Timeline):
     hooks = []
     for name, m, d in named:
         key = (top - int(d.group(1)), name[d.end():])
+        parent = chunk.get_submodule(name.rsplit(".", 1)[0])
         hooks += [m.register_forward_pre_hook(lambda mod, args, k=key: forward(args, k)),
                   m.register_forward_hook(lambda mod, args, out, k=key:
-                                          on_grad(out[0] if isinstance(out, tuple) else out, "backward", k))]
+                                          on_grad(out[0] if isinstance(out, tuple) else out, "backward", k)),
+                  parent.register_forward_hook(lambda mod, args, out, k=key: mark("done", k))]
     try:
         yield
     finally:

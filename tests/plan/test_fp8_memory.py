@@ -237,21 +237,26 @@ def test_native_path_by_hand():
         [True, False, False]
 
 
-@pytest.mark.parametrize("recipe,extra", [("tensorwise", ["--recompute-granularity", "selective"]),
+@pytest.mark.parametrize("recipe,extra", [("tensorwise", []), ("tensorwise", ["--recompute-granularity", "selective"]),
+                                          ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
+                                                          "block", "--recompute-num-layers", "1"]),
                                           ("blockwise", [])])
 def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
-    """The wide transient probe's log replayed with the FP8 linears' passes added at their markers and their 1-byte
-    saved inputs held from their forward to their backward's end (:func:`replay_fp8`) peaks where the same probe
-    chunk run with its linears in FP8 peaks, to the byte: a 2-layer chunk with the embedding and head; tensorwise with
-    selective recomputation (its rerun attention, after the top layer's MLP backward, holds none of those linears'
-    saved inputs), block-wise at whole 128-tiles."""
+    """The wide transient probe's log replayed with the FP8 linears' passes added at their markers and their saved
+    inputs accounted at theirs (:func:`replay_fp8`) peaks where the same probe chunk run with its linears in FP8
+    peaks, to the byte (integer byte counts replayed in the same order: nothing to round): a 2-layer chunk with the
+    embedding and head; tensorwise (a random MLP width moves the peak between fc2's forward, where fc1's wide input,
+    the MLP's argument, is still live beside its FP8 copy, and backward); with selective recomputation (the peak in
+    the rerun attention, after the top layer's MLP backward: it holds none of those linears' saved inputs); with full
+    recomputation of the lower layer (its rerun forward holds its FP8 saved inputs, which the activation term does
+    not take off); block-wise at whole 128-tiles."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.kernels.alloc_log import peak
     from omnitron.plan.fp8_memory import chunk_linears, replay_fp8
     from omnitron.plan.memory import model_config
     from omnitron.plan.transients import Probe, _timeline
 
-    h, f, s, b = (128, 256, 128, 1) if recipe == "blockwise" else (64, random.choice([96, 160]), 32, 2)
+    h, f, s, b = (128, 256, 128, 1) if recipe == "blockwise" else (64, random.choice([160, 224]), 32, 2)
     argv = ["--num-layers", "2", "--hidden-size", str(h), "--num-attention-heads", "4", "--ffn-hidden-size", str(f),
             "--seq-length", str(s), "--max-position-embeddings", str(s), "--micro-batch-size", str(b), "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--bf16", "--fp8-recipe", recipe,
