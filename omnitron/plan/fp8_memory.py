@@ -31,15 +31,33 @@ multi-latent attention's down-projections) reads the sequence shard, ``1 / tp`` 
 recomputation: a recomputed layer keeps its input only (``recompute_layers``), nothing to take off; selective
 recomputation reruns core attention only, the linears' inputs stay saved.
 
+**Transients** (:func:`replay_fp8`, in the ``transient`` term of :mod:`omnitron.plan.memory`). The transient probes
+run the wide model and log a marker at each decoder linear's forward, at the end of its module's forward, at the
+arrival of its output's gradient and at the end of its backward (:func:`omnitron.plan.transients._mark_linears`); the
+replayed log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`), and
+holds its saved input as FP8 from its module's end (until then the wide input, the module's argument, is live beside
+the FP8 copy) to its backward's end. Per pass (``t`` tokens, weight ``[out, in]``): backward, the output gradient's FP8
+form and transpose and scale (``2 t out + 4``) held to the end, then dx and dw; emulated, each GEMM's fp32 copies of
+its operands and its fp32 product, and the reference cast's fp32 copy (:func:`per_tensor_backward`); block-wise, the
+gradient quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs'
+fp32 operands and products (:func:`blockwise_backward`); the forwards likewise (:func:`per_tensor_forward`,
+:func:`blockwise_forward`). Native or emulated as the engine's provider decides, from the device profile
+(:func:`native_gemm`): per-tensor GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is
+``native``; the block-wise quantizations are torch code with an fp32 copy on every device.
+
 Not modelled: an input that is a view of a wider tensor, whose whole storage the wide linear keeps (multi-latent
 attention without ``--qk-layernorm``: the key-value up-projection reads a slice of the down-projection's output; its
 saving priced at the slice's width: the estimate over-counts the rest of that storage); the rematerialised chunk of full
-recomputation (its FP8 linears' inputs priced wide: an over-count of one chunk's saving), multi-token prediction's
+recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide,
+an over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's
 depths and their ``eh_proj``, an MoE layer's expert and router linears (their inputs priced wide; the attention linears
 of an MoE layer are taken off), ``--torch-compile`` (a compiled layer quantizes the weight in its graph, uncached, and
-inductor decides what it saves), backward's own quantized operands and an emulated GEMM's fp32 dequantized copies
-(transients of one layer: 0.66 MiB at the tiny GPT's block-wise peak on CPU, 0.63 MiB at its tensorwise one,
-BENCHMARKS.md), the delayed reducer's packed buffers, ``--fp8-impl torchao``.
+inductor decides what it saves), the delayed reducer's packed buffers and its amax casts (priced as tensorwise's),
+``--fp8-impl torchao``; in the transients, block-wise tiles that are not whole (a ragged dimension pads a copy and
+expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the
+GEMM (one more output-sized tensor), MoE layers' routed and shared experts' linears (:func:`chunk_linears` leaves
+them out: their rows are the MoE model's),
+and a wide input a module keeps past its own return.
 Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them
 (Megatron's ``layer_no=-1``: never kept wide).
 """
@@ -291,12 +309,13 @@ def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
 
 
 
-def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int]]]:
+def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int, int]]]:
     """Per chunk of pipeline rank ``pp_rank``: ``{(layer counted from the chunk's top, name in the layer): (out, in,
-    saved less, saved)}`` of its FP8 decoder linears (tp-local weight shapes), ``saved less`` what its 1-byte saved
-    input takes off the wide activations where its layer keeps them (per-tensor: ``(e - 1) x in x tokens - 4``, the
-    :func:`saved_less` of a linear reading its own input; block-wise: 0), ``saved`` the bytes of that saved input and
-    its scale (``in x tokens + 4``; block-wise: 0, it saves the wide input); empty without ``--fp8-format``."""
+    saved less, saved)}`` of its FP8 decoder linears but MoE experts' (tp-local weight shapes). ``saved less``: what
+    its 1-byte saved input takes off the wide activations where its layer keeps them (per-tensor:
+    ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise: 0);
+    ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``; block-wise: 0, it saves the wide
+    input). Empty without ``--fp8-format``."""
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
 
     if settings.fp8 is None:
@@ -309,7 +328,8 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
     out = {}
     for c, chunk in enumerate(chunks):
         named = [(name, m, d) for name, m in linear_modules(chunk) for d in [_DECODER.search(name)]
-                 if d and not any(fnmatch.fnmatch(name, p) for p in DEFAULT_EXCLUDE)]
+                 if d and "experts" not in name[d.end():] and not any(fnmatch.fnmatch(name, p)
+                                                                      for p in DEFAULT_EXCLUDE)]
         first = min((int(d.group(1)) for _, _, d in named), default=0)
         flags = wide[(pp_rank, c)]
         out[c] = {}
@@ -345,15 +365,15 @@ def fp8_replay_peak(settings, cfg, events: list, sizes: list[float], linears: di
 def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
                layers: int) -> tuple[float, int]:
     """(peak of a wide transient probe's replayed log (:func:`omnitron.plan.transients.scaled_log`, with
-    :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s entry for it) run it, the
-    probed layers' 1-byte savings (``saved less``) that the activation term takes off the whole chunk). Each moment
-    counts a saving only while it is one: from the end of the forward of the module holding the linear (until then
-    its wide input, that module's argument or local, is live beside the saved FP8 copy, which counts) to the end of
-    the linear's backward (a wide moment after the top layer's MLP backward, such as selective recomputation's rerun
-    attention, holds none of that layer's). At a linear's ``forward`` and ``backward`` markers, what its FP8 pass creates
-    (:func:`linear_peak`) is added. ``layers``: the probe's; a layer it recomputes in full
-    (:func:`~omnitron.plan.transients.probe_recomputed`) holds its FP8 saved inputs from its rerun forward, and the activation term takes
-    nothing off for it."""
+    :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s
+    entry for it) run it, the probed layers' 1-byte savings (``saved less``) that the activation term takes off the
+    whole chunk). Each moment counts a saving only while it is one: from the end of the forward of the module holding
+    the linear (until then its wide input, that module's argument or local, is live beside the saved FP8 copy, which
+    counts) to the end of the linear's backward (a wide moment after the top layer's MLP backward, such as selective
+    recomputation's rerun attention, holds none of that layer's). At a linear's ``forward`` and ``backward`` markers,
+    what its FP8 pass creates (:func:`linear_peak`) is added. ``layers``: the probe's; a layer it recomputes in full
+    (:func:`~omnitron.plan.transients.probe_recomputed`) holds its FP8 saved inputs from its rerun forward, and the
+    activation term takes nothing off for it."""
     recomputed = probe_recomputed(cfg, layers)
     live = held = 0.0
     best, total, seen, pending, holding = 0.0, 0, {}, set(), set()

@@ -22,7 +22,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
 - FP8 (:mod:`.fp8_memory`): each FP8 linear's cached FP8 weight and scales (and the delayed recipe's amax
   histories), none for the output layer or the layers ``--first-last-layers-bf16`` keeps wide; under a
   per-tensor recipe the activation term holds the FP8 linears' saved inputs at 1 byte an element
-  (:func:`.fp8_memory.saved_less`, taken off the probes' wide bytes);
+  (:func:`.fp8_memory.saved_less`, taken off the probes' wide bytes); in the transient term, each FP8 linear's own
+  forward and backward tensors (FP8 operands; emulated GEMMs' fp32 copies where the device has no FP8 GEMM:
+  ``estimate``'s ``device``) at its moments of the replayed probe (:func:`.fp8_memory.replay_fp8`);
 
 - recompute and transient: what one micro-batch's forward and backward through the chunk holds at its
   peak beyond that micro-batch's activation and logit terms, replayed from probes and scaled
@@ -83,8 +85,8 @@ class StageMemory:
     inflight: int
     """Most micro-batches (over chunks) held at once by this rank's schedule."""
     transient: int = 0
-    """Backward's own tensors at the step's peak, beyond the terms above (:mod:`.transients`); with FP8 linears, at
-    the moment one of them holds the most of its own (:func:`.fp8_memory.fp8_replay_peak`) where that is higher."""
+    """Backward's own tensors at the step's peak, beyond the terms above (:mod:`.transients`); with FP8 linears, the
+    probe's log replayed as they run it (:func:`.fp8_memory.replay_fp8`): their own forward and backward tensors."""
     boundary: int = 0
     """The pipeline send in flight beside a backward (one boundary tensor at most; :func:`send_in_flight`)."""
     ep_rank: int | None = None
