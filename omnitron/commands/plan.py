@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rates, load = _rates(args, bench), _load(args)
         s = settings_of(given)
-        stages = estimate(s, load=load)
+        stages = estimate(s, load=load, device=getattr(rates, "profile", None))
         step = predict(s, rates, overlap) if rates else None
         if step is not None and getattr(args, "json", None):
             _write(args, [Choice(flat_flags(given), s, step, stages)], rates)

@@ -31,15 +31,33 @@ multi-latent attention's down-projections) reads the sequence shard, ``1 / tp`` 
 recomputation: a recomputed layer keeps its input only (``recompute_layers``), nothing to take off; selective
 recomputation reruns core attention only, the linears' inputs stay saved.
 
+**Transients** (:func:`replay_fp8`, in the ``transient`` term of :mod:`omnitron.plan.memory`). The transient probes
+run the wide model and log a marker at each decoder linear's forward, at the end of its module's forward, at the
+arrival of its output's gradient and at the end of its backward (:func:`omnitron.plan.transients._mark_linears`); the
+replayed log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`), and
+holds its saved input as FP8 from its module's end (until then the wide input, the module's argument, is live beside
+the FP8 copy) to its backward's end. Per pass (``t`` tokens, weight ``[out, in]``): backward, the output gradient's FP8
+form and transpose and scale (``2 t out + 4``) held to the end, then dx and dw; emulated, each GEMM's fp32 copies of
+its operands and its fp32 product, and the reference cast's fp32 copy (:func:`per_tensor_backward`); block-wise, the
+gradient quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs'
+fp32 operands and products (:func:`blockwise_backward`); the forwards likewise (:func:`per_tensor_forward`,
+:func:`blockwise_forward`). Native or emulated as the engine's provider decides, from the device profile
+(:func:`native_gemm`): per-tensor GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is
+``native``; the block-wise quantizations are torch code with an fp32 copy on every device.
+
 Not modelled: an input that is a view of a wider tensor, whose whole storage the wide linear keeps (multi-latent
 attention without ``--qk-layernorm``: the key-value up-projection reads a slice of the down-projection's output; its
 saving priced at the slice's width: the estimate over-counts the rest of that storage); the rematerialised chunk of full
-recomputation (its FP8 linears' inputs priced wide: an over-count of one chunk's saving), multi-token prediction's
+recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide,
+an over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's
 depths and their ``eh_proj``, an MoE layer's expert and router linears (their inputs priced wide; the attention linears
 of an MoE layer are taken off), ``--torch-compile`` (a compiled layer quantizes the weight in its graph, uncached, and
-inductor decides what it saves), backward's own quantized operands and an emulated GEMM's fp32 dequantized copies
-(transients of one layer: 0.66 MiB at the tiny GPT's block-wise peak on CPU, 0.63 MiB at its tensorwise one,
-BENCHMARKS.md), the delayed reducer's packed buffers, ``--fp8-impl torchao``.
+inductor decides what it saves), the delayed reducer's packed buffers and its amax casts (priced as tensorwise's),
+``--fp8-impl torchao``; in the transients, block-wise tiles that are not whole (a ragged dimension pads a copy and
+expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the
+GEMM (one more output-sized tensor), MoE layers' routed and shared experts' linears (:func:`chunk_linears` leaves
+them out: their rows are the MoE model's),
+and a wide input a module keeps past its own return.
 Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them
 (Megatron's ``layer_no=-1``: never kept wide).
 """
@@ -47,13 +65,13 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 
 import torch
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.stage_layers import wide_layers
 from omnitron.plan.state import skeleton
+from omnitron.plan.transients import DECODER as _DECODER, LINEAR, probe_recomputed
 
 PER_TENSOR_WEIGHT = 2
 """Bytes per weight element a per-tensor recipe caches: the FP8 weight and its contiguous transpose."""
@@ -63,7 +81,6 @@ SAVED_INPUT = 1
 """Bytes per element of what a per-tensor FP8 linear saves of its input: its FP8 transpose (``qx_t``)."""
 DELAYED_SCALARS = 3
 """float32 scalars of one role's ``DelayedScaling`` beside its history: scale, scale_inv, step_amax."""
-_DECODER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
 
 
 def fp8_linears(settings, cfg, pp_rank: int) -> list[tuple[int, int]]:
@@ -191,3 +208,201 @@ def saved_less(settings, cfg, pp_rank: int) -> dict[int, float]:
                     less += (elem - n * SAVED_INPUT) * k * tokens / split - SCALE * n
         out[c] = less
     return out
+
+
+# ---- one FP8 linear's own transients (forward and backward) ---------------------------------------------------
+F32 = 4
+"""Bytes of a float32 element: the emulated GEMMs' dequantized operands and products, the reference casts' copies."""
+
+
+def native_gemm(fp8, device=None) -> bool:
+    """Whether recipe ``fp8``'s GEMMs run natively (no fp32 copies) on ``device`` (a
+    :class:`~omnitron.plan.profile.DeviceProfile`), as the engine's provider decides (``backends/fp8.py``):
+    per-tensor GEMMs where the device has an FP8 peak (``torch._scaled_mm`` runs there); block-wise ones only where
+    the profile says ``[fp8] block_gemm = "native"`` (``F.scaled_mm`` refused every block-wise layout on the H200,
+    torch 2.11). Without a profile: this process's backend (``fp8_gemm``; block-wise emulated)."""
+    if device is None:
+        if fp8.fp8_recipe == "blockwise":
+            return False
+        from omnitron.backends import get_backend
+
+        return get_backend().capabilities().fp8_gemm == "scaled_mm"
+    if fp8.fp8_recipe == "blockwise":
+        return device.fp8_block_gemm == "native"
+    return "fp8" in device.peak
+
+
+def _emulated_mm(m: int, k: int, n: int) -> int:
+    """Most bytes the emulated per-tensor GEMM ``(a.float() * sa) @ (b.float() * sb)`` of ``a [m, k]``, ``b [k, n]``
+    holds beside its FP8 operands: an operand's fp32 copy beside its scaled copy (the copy freed once scaled), then
+    the fp32 product beside both scaled operands (freed before the cast to the output dtype)."""
+    return F32 * max(2 * m * k, m * k + 2 * k * n, m * k + k * n + m * n)
+
+
+def _per_tensor_cast(m: int, n: int, native: bool) -> int:
+    """Most bytes quantizing ``[m, n]`` (``FP8Linear.quantize``, current scaling) holds: native (the device's fused
+    cast-transpose kernel): the FP8 tensor, its transpose and the scale; the reference (CPU): the amax, the scale,
+    an fp32 copy of the source and the FP8 tensor cast from it (the copy freed before the transpose is made)."""
+    return 2 * m * n + SCALE if native else F32 * m * n + m * n + 2 * SCALE
+
+
+def per_tensor_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool) -> int:
+    """Peak bytes a per-tensor FP8 linear's backward (``_FP8LinearFn._backward``) creates for ``t`` tokens, weight
+    ``[out, inp]``, the input's dtype ``e`` bytes and the weight's ``ew``: the output gradient's FP8 form ``qg``
+    ``[t, out]``, its transpose ``qg_t`` and scale (1, 1 byte an element and 4 bytes, held to the end), then
+    ``dx = qg @ w`` and ``dw = qg_t @ x_t`` in the input's and weight's dtype. Emulated (no FP8 GEMM), each GEMM's
+    fp32 copies of its operands and its fp32 product (:func:`_emulated_mm`), and the reference cast's fp32 copy;
+    native (``_scaled_mm``), none."""
+    q, dx, dw = 2 * t * out + SCALE, e * t * inp, ew * out * inp
+    if native:
+        return q + dx + dw
+    return max(_per_tensor_cast(t, out, False), q + _emulated_mm(t, out, inp), q + F32 * t * inp + dx,
+               q + dx + _emulated_mm(out, t, inp), q + dx + F32 * out * inp + dw)
+
+
+def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
+    """Peak bytes a per-tensor FP8 linear's forward creates beside the weight's cached FP8 form: the input's FP8 form
+    ``qx`` ``[t, inp]``, its transpose ``qx_t`` (saved for backward) and scale, then ``y`` ``[t, out]`` in the
+    input's dtype (``e`` bytes); emulated, the GEMM's fp32 copies and product and the reference cast's copy."""
+    q, y = 2 * t * inp + SCALE, e * t * out
+    if native:
+        return q + y
+    return max(_per_tensor_cast(t, inp, False), q + _emulated_mm(t, inp, out), q + F32 * t * out + y)
+
+
+def _block_scales(m: int, k: int, block: tuple[int, int]) -> int:
+    """Bytes of the fp32 scales of ``[m, k]`` quantized in ``block`` tiles."""
+    return SCALE * math.ceil(m / block[0]) * math.ceil(k / block[1])
+
+
+def _quantize_blocks(m: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
+    """(most bytes ``FP8Provider.quantize_blocks`` of ``[m, k]`` holds: the scales, the source's fp32 copy and the FP8
+    tensor cast from it; what it returns: the FP8 tensor and the scales' inverses). Tiles whole (a dimension a multiple
+    of the tile's): a ragged one also pads a copy and expands the scales, not counted."""
+    s = _block_scales(m, k, block)
+    return s + F32 * m * k + m * k, m * k + s
+
+
+def _block_mm(m: int, k: int, n: int) -> int:
+    """fp32 bytes the emulated block-wise GEMM (``FP8Provider._emulated_blockwise``) of ``[m, k] @ [k, n]`` holds
+    while casting its product: both dequantized operands (locals, held to its return) and the product."""
+    return F32 * (m * k + k * n + m * n)
+
+
+def blockwise_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool) -> int:
+    """Peak bytes a block-wise FP8 linear's backward creates: the output gradient quantized in 1x128 tiles (``qg``,
+    held to the end) for ``dx``, then again along tokens (``qgt`` ``[out, t]``) and the saved wide input in 128x1
+    tiles (``qxt``) for ``dw``; emulated, each GEMM's fp32 operands and product beside its output. Native: the FP8
+    operands and the quantizations' fp32 copies only (``quantize_blocks`` is torch code on every device)."""
+    (pg, g), (pgt, gt), (px, xq) = (_quantize_blocks(t, out, (1, 128)), _quantize_blocks(out, t, (1, 128)),
+                                    _quantize_blocks(t, inp, (128, 1)))
+    dx, dw = e * t * inp, ew * out * inp
+    mm = (lambda m, k, n: 0) if native else _block_mm
+    return max(pg, g + mm(t, out, inp) + dx, g + dx + pgt, g + dx + gt + px, g + dx + gt + xq + mm(out, t, inp) + dw)
+
+
+def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
+    """Peak bytes a block-wise FP8 linear's forward creates beside the cached weight: the input quantized in 1x128
+    tiles (not saved: the forward saves the input wide), then ``y``; emulated, the GEMM's fp32 operands and product."""
+    p, q = _quantize_blocks(t, inp, (1, 128))
+    return max(p, q + (0 if native else _block_mm(t, inp, out)) + e * t * out)
+
+
+
+def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int, int]]]:
+    """Per chunk of pipeline rank ``pp_rank``: ``{(layer counted from the chunk's top, name in the layer): (out, in,
+    saved less, saved)}`` of its FP8 decoder linears but MoE experts' (tp-local weight shapes). ``saved less``: what
+    its 1-byte saved input takes off the wide activations where its layer keeps them (per-tensor:
+    ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise: 0);
+    ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``; block-wise: 0, it saves the wide
+    input). Empty without ``--fp8-format``."""
+    from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
+
+    if settings.fp8 is None:
+        return {}
+    pc = settings.parallel
+    t = cfg.seq_length // pc.context_parallel_size * settings.training.micro_batch_size
+    e = cfg.params_dtype.itemsize
+    chunks = skeleton(cfg, pc, pp_rank, schedule_style(settings.training.pipeline_schedule))
+    wide = wide_layers(settings, cfg)
+    out = {}
+    for c, chunk in enumerate(chunks):
+        named = [(name, m, d) for name, m in linear_modules(chunk) for d in [_DECODER.search(name)]
+                 if d and "experts" not in name[d.end():] and not any(fnmatch.fnmatch(name, p)
+                                                                      for p in DEFAULT_EXCLUDE)]
+        first = min((int(d.group(1)) for _, _, d in named), default=0)
+        flags = wide[(pp_rank, c)]
+        out[c] = {}
+        for name, m, d in named:
+            i = int(d.group(1)) - first
+            if flags[i]:
+                continue
+            o, k = m.weight.shape
+            saved = SAVED_INPUT * k * t + SCALE if settings.fp8.per_tensor else 0
+            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, e * k * t - saved if saved else 0, saved)
+    return out
+
+
+def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool) -> int:
+    """Peak bytes one FP8 linear of weight ``[out, inp]`` creates in its ``kind`` pass (``forward`` or ``backward``)
+    for one micro-batch of ``settings`` (tokens: the whole sequence over cp; the model's dtype)."""
+    t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
+    e = cfg.params_dtype.itemsize
+    if settings.fp8.per_tensor:
+        return per_tensor_forward(t, out, inp, e, native) if kind == "forward" else \
+            per_tensor_backward(t, out, inp, e, e, native)
+    return blockwise_forward(t, out, inp, e, native) if kind == "forward" else \
+        blockwise_backward(t, out, inp, e, e, native)
+
+
+def fp8_replay_peak(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
+                    layers: int) -> float:
+    """Peak of a wide transient probe's replayed log as the chunk's FP8 linears run it, plus the probed layers' 1-byte
+    savings, which the activation term takes off the whole chunk (:func:`replay_fp8`)."""
+    return sum(replay_fp8(settings, cfg, events, sizes, linears, native, layers))
+
+
+def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
+               layers: int) -> tuple[float, int]:
+    """(peak of a wide transient probe's replayed log (:func:`omnitron.plan.transients.scaled_log`, with
+    :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s
+    entry for it) run it, the probed layers' 1-byte savings (``saved less``) that the activation term takes off the
+    whole chunk). Each moment counts a saving only while it is one: from the end of the forward of the module holding
+    the linear (until then its wide input, that module's argument or local, is live beside the saved FP8 copy, which
+    counts) to the end of the linear's backward (a wide moment after the top layer's MLP backward, such as selective
+    recomputation's rerun attention, holds none of that layer's). At a linear's ``forward`` and ``backward`` markers,
+    what its FP8 pass creates (:func:`linear_peak`) is added. ``layers``: the probe's; a layer it recomputes in full
+    (:func:`~omnitron.plan.transients.probe_recomputed`) holds its FP8 saved inputs from its rerun forward, and the
+    activation term takes nothing off for it."""
+    recomputed = probe_recomputed(cfg, layers)
+    live = held = 0.0
+    best, total, seen, pending, holding = 0.0, 0, {}, set(), set()
+    for i, (op, n) in enumerate(events):
+        if op is None:
+            live -= sizes[n]
+            continue
+        if not op.startswith(LINEAR):
+            live += sizes[i]
+            best = max(best, live - held)
+            continue
+        kind, layer, name = op[len(LINEAR):-1].split(" ")
+        key = (int(layer), name)
+        if key not in linears:
+            continue
+        o, k, less, saved = linears[key]
+        if kind in ("forward", "backward"):
+            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native))
+        if kind == "forward":
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun
+                pending.add(key)
+                held -= saved  # the saved FP8 input beside the wide one
+                total += 0 if key[0] in recomputed else less
+        elif kind == "done" and key in pending:  # the wide input, an argument or local of its module, is freed now
+            pending.discard(key)
+            holding.add(key)
+            held += less + saved
+        elif kind == "end" and key in holding:
+            holding.discard(key)
+            held -= less
+    return best, total

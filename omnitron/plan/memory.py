@@ -22,7 +22,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
 - FP8 (:mod:`.fp8_memory`): each FP8 linear's cached FP8 weight and scales (and the delayed recipe's amax
   histories), none for the output layer or the layers ``--first-last-layers-bf16`` keeps wide; under a
   per-tensor recipe the activation term holds the FP8 linears' saved inputs at 1 byte an element
-  (:func:`.fp8_memory.saved_less`, taken off the probes' wide bytes);
+  (:func:`.fp8_memory.saved_less`, taken off the probes' wide bytes); in the transient term, each FP8 linear's own
+  forward and backward tensors (FP8 operands; emulated GEMMs' fp32 copies where the device has no FP8 GEMM:
+  ``estimate``'s ``device``) at its moments of the replayed probe (:func:`.fp8_memory.replay_fp8`);
 
 - recompute and transient: what one micro-batch's forward and backward through the chunk holds at its
   peak beyond that micro-batch's activation and logit terms, replayed from probes and scaled
@@ -59,7 +61,7 @@ from dataclasses import dataclass, replace
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
-from omnitron.plan.fp8_memory import fp8_bytes, saved_less
+from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, native_gemm, saved_less
 from omnitron.plan.state import state_bytes
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,8 @@ class StageMemory:
     inflight: int
     """Most micro-batches (over chunks) held at once by this rank's schedule."""
     transient: int = 0
-    """Backward's own tensors at the step's peak, beyond the terms above (:mod:`.transients`)."""
+    """Backward's own tensors at the step's peak, beyond the terms above (:mod:`.transients`); with FP8 linears, the
+    probe's log replayed as they run it (:func:`.fp8_memory.replay_fp8`): their own forward and backward tensors."""
     boundary: int = 0
     """The pipeline send in flight beside a backward (one boundary tensor at most; :func:`send_in_flight`)."""
     ep_rank: int | None = None
@@ -332,13 +335,15 @@ def _heaviest(settings, cfg, moe: int, specs: list, rank: int) -> float:
 
 
 def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False,
-                    slack: bool = False):
+                    slack: bool = False, fp8: dict | None = None, native: bool = False):
     """What one micro-batch's forward and backward through a chunk of ``layers`` layers holds at its peak
     beyond the chunk's activation and logit terms: rematerialised layers and backward's transients (module
     doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation),
     every one MoE when the chunk has any (``moe``, :func:`omnitron.plan.moe_activations.transient_probe`).
     ``slack``: (that, how far the peak lies above the most the MoE experts' backward holds in the probe; None
-    without MoE layers): how much more the experts' backward may hold before it sets the peak."""
+    without MoE layers): how much more the experts' backward may hold before it sets the peak. ``fp8``: the chunk's
+    FP8 linears (:func:`.fp8_memory.chunk_linears`): the wide probe replayed as they run it, their own tensors (GEMMs
+    ``native`` or emulated) and 1-byte saved inputs at their moments (:func:`.fp8_memory.fp8_replay_peak`)."""
     from omnitron.core.models.gpt.config import padded_vocab_size
     from omnitron.kernels.alloc_log import peak
     from omnitron.plan.activations import probe_config
@@ -356,7 +361,7 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
 
         probe = transient_probe(cfg, probe, kh * kd, tp, pc.etp)
     events, sizes = scaled_log(Probe(probe, n, first, last, _S0, _B0), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
-    real = peak(events, sizes)
+    real = fp8_replay_peak(settings, cfg, events, sizes, fp8, native, n) if fp8 else peak(events, sizes)
     acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
     if moe:
         acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, tp, pc.etp)
@@ -390,7 +395,7 @@ class _Skipped(Exception):
 
 
 def _excess(settings, cfg, given, r: int, ends: dict, chunks: tuple, routing, rank: int | None, exchange: int,
-            transients: bool) -> tuple[int, int, int, bool]:
+            transients: bool, device=None) -> tuple[int, int, int, bool]:
     """(what pipeline rank ``r``'s peak holds beyond its activations and logits, one rematerialised chunk's
     activations, what ep rank ``rank``'s rows add to the two over balanced routing, whether the transients were
     probed). Under a routing histogram the rematerialised chunk is priced at the rank's rows
@@ -404,8 +409,9 @@ def _excess(settings, cfg, given, r: int, ends: dict, chunks: tuple, routing, ra
     try:
         if not transients:
             raise _Skipped
+        fp8, native = chunk_linears(settings, cfg, r), settings.fp8 is not None and native_gemm(settings.fp8, device)
         probes = [transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1],
-                                  moe=moe[(r, c)] > 0, slack=True) for c in ends]
+                                  moe=moe[(r, c)] > 0, slack=True, fp8=fp8.get(c), native=native) for c in ends]
         plain = max(t for t, _ in probes)
         skew = rec - plain_rec
         if rank is not None:
@@ -419,11 +425,13 @@ def _excess(settings, cfg, given, r: int, ends: dict, chunks: tuple, routing, ra
     return rec, rec, rec - plain_rec, False
 
 
-def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
+def estimate(settings, transients: bool = True, load=None, device=None) -> list[StageMemory]:
     """Every pipeline stage's :class:`StageMemory` for ``settings``; ``transients=False`` leaves backward's own
     tensors out (their probes take tens of seconds per new tp / recompute setting at 70B: a cluster search
     ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does.
-    ``load``: a routing histogram (:class:`omnitron.plan.routing.ExpertLoad`): each stage on its busiest ep rank."""
+    ``load``: a routing histogram (:class:`omnitron.plan.routing.ExpertLoad`): each stage on its busiest ep rank.
+    ``device``: the :class:`~omnitron.plan.profile.DeviceProfile` run on (whether FP8 GEMMs are native there:
+    :func:`.fp8_memory.native_gemm`); None: this process's backend."""
     from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
     given, pc = model_config(settings), settings.parallel
@@ -446,7 +454,7 @@ def estimate(settings, transients: bool = True, load=None) -> list[StageMemory]:
         act_peak, most, logit_peak, exchange = each[rank]
         st = state_bytes(settings, cfg, r)
         excess, rec, skew, probed = _excess(settings, cfg, given, r, ends, (layers, moe), routing, rank, exchange,
-                                            transients)
+                                            transients, device)
         rec = min(rec, excess)  # what of the excess is rematerialised activations
         m = StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
                         round(act_peak), round(logit_peak), fp8_bytes(settings, cfg, r), rec, most, excess - rec,

@@ -184,7 +184,7 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
     cands.sort(key=lambda c: -c.step.tokens_per_s)
     fit = []
     for c in cands:
-        c.stages = estimate(c.settings, load=load)
+        c.stages = estimate(c.settings, load=load, device=getattr(rates, "profile", None))
         if c.peak <= memory:
             fit.append(c)
             if len(fit) == top:
@@ -214,7 +214,8 @@ def _bounded(cands: list[Choice], memory: int, rates, overlap: str, top: int) ->
         c.step = predict(c.settings, rates, overlap)
         if len(fit) == top and c.step.tokens_per_s <= fit[0][0] or _dominated(c, over):
             continue
-        c.stages = estimate(c.settings, transients=False, load=getattr(rates, "expert_load", None))
+        c.stages = estimate(c.settings, transients=False, load=getattr(rates, "expert_load", None),
+                            device=getattr(rates, "profile", None))
         if c.peak > memory:
             over.add(_shape(c))
             continue

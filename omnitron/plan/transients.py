@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -125,8 +126,78 @@ def _mark_experts(events: list):
         layer.run_experts = real
 
 
-def _timeline(p: Probe) -> list[tuple[str | None, int]]:
+DECODER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+"""A decoder layer's linear's module name; group 1 its layer number."""
+LINEAR = "<linear "
+"""Prefix of the marker events the transient probes log at each decoder linear's moments (:func:`marker`)."""
+
+
+def marker(kind: str, layer: int, name: str) -> str:
+    """The marker event of linear ``name`` (in its layer) of layer ``layer`` (counted from the chunk's top) at
+    ``kind``: ``forward`` (its forward starts), ``done`` (the forward of the module holding it has returned),
+    ``backward`` (its output's gradient has arrived), ``end`` (its input's gradient is complete)."""
+    return f"{LINEAR}{kind} {layer} {name}>"
+
+
+def probe_recomputed(cfg, layers: int) -> set[int]:
+    """The layers (counted from the top) a transient probe of ``layers`` layers recomputes in full
+    (:func:`_chunk`'s recompute chunk): they keep their input only, no FP8 saved input."""
+    from omnitron.core.models.gpt.config import recompute_layers
+
+    if cfg.recompute_granularity != "full":
+        return set()
+    probe = replace(cfg, recompute_num_layers=min(cfg.recompute_num_layers or 1, layers))
+    return {layers - 1 - i for run in recompute_layers(probe, layers) for i in run}
+
+
+
+@contextlib.contextmanager
+def _mark_linears(chunk, tl: Timeline):
+    """While active, each decoder linear of ``chunk`` (the output layer's not) logs a marker event (0 bytes,
+    :func:`marker`) into ``tl`` as its forward starts, as the forward of the module holding it ends (its input, that
+    module's argument or local, is freed unless saved), as the gradient of its output arrives (its backward starts)
+    and as its input's gradient is complete (its backward has ended), each after logging the
+    storages freed since the last op: the moments an FP8 linear's own tensors and its 1-byte saved input are priced
+    at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`). Layers are counted from the chunk's top (0: the top one)."""
+    from omnitron.core.precision.fp8.enable import linear_modules
+    named = [(name, m, d) for name, m in linear_modules(chunk) for d in [DECODER.search(name)] if d]
+    top = max((int(d.group(1)) for _, _, d in named), default=0)
+
+    def mark(kind, key):
+        tl._sweep()
+        tl.events.append((marker(kind, *key), 0))
+
+    def on_grad(t, kind, key):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda g: mark(kind, key))
+
+    def forward(args, key):
+        mark("forward", key)
+        on_grad(args[0] if args else None, "end", key)
+
+    hooks = []
+    for name, m, d in named:
+        key = (top - int(d.group(1)), name[d.end():])
+        parent = chunk.get_submodule(name.rsplit(".", 1)[0])
+        hooks += [m.register_forward_pre_hook(lambda mod, args, k=key: forward(args, k)),
+                  m.register_forward_hook(lambda mod, args, out, k=key:
+                                          on_grad(out[0] if isinstance(out, tuple) else out, "backward", k)),
+                  parent.register_forward_hook(lambda mod, args, out, k=key: mark("done", k))]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
+    """The events of :func:`timeline`; ``fp8`` (an ``FP8Config``): with the chunk's linears in FP8, as training
+    converts them (the tests' reference for :func:`omnitron.plan.fp8_memory.fp8_replay_peak`)."""
     m = _chunk(p)
+    if fp8 is not None:
+        from omnitron.core.precision.fp8.enable import enable_fp8
+
+        enable_fp8(m, fp8, None, num_layers=p.cfg.num_layers)
     _main_grads(m)
     h = p.cfg.hidden_size
     torch.manual_seed(1)
@@ -145,7 +216,7 @@ def _timeline(p: Probe) -> list[tuple[str | None, int]]:
 
     step()
     tl = Timeline()
-    with tl, (_mark_experts(tl.events) if p.cfg.num_experts else contextlib.nullcontext()):
+    with tl, _mark_linears(m, tl), (_mark_experts(tl.events) if p.cfg.num_experts else contextlib.nullcontext()):
         step()
     return tl.events
 

@@ -170,3 +170,100 @@ def test_saved_inputs_under_sequence_parallelism_by_hand():
         s = settings_of(given | {"sequence_parallel": sp})
         down = (e - 2) * 64 * (t // tp if sp else t)  # q_down and kv_down: one input
         assert saved_less(s, model_config(s), 0) == {0: 2 * (own + down - 4 * 7)}, sp
+
+
+# ---- one FP8 linear's own transients, and the probe replayed with them -------------------------------------------
+def _passes(recipe: str, t: int, inp: int, out: int) -> tuple[int, int]:
+    """(forward, backward) peak bytes one FP8 linear (weight ``[out, inp]``, bf16, no bias) creates for ``t`` tokens on
+    this CPU (emulated GEMMs), measured with ``PeakTracker``, the planner's step tracker; the forward with the weight's
+    FP8 form already cached, as every micro-batch after a step's first finds it."""
+    import torch
+
+    from omnitron.backends import get_backend
+    from omnitron.core.precision.fp8.config import FP8Config
+    from omnitron.core.precision.fp8.linear import FP8Linear
+    from omnitron.kernels.benchmark import PeakTracker
+
+    provider = get_backend().fp8
+    assert provider.path == "emulated" and provider.block_path == "emulated", provider.describe()
+    w = torch.randn(out, inp, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(t, inp, dtype=torch.bfloat16, requires_grad=True)
+    ex = FP8Linear(FP8Config(fp8_recipe=recipe, fp8_format="e4m3" if recipe == "blockwise" else "hybrid"), provider)
+    ex(x, w, None)  # caches the weight's FP8 form
+    fwd, bwd = PeakTracker(), PeakTracker()
+    with fwd:
+        y = ex(x, w, None)
+    g = torch.randn_like(y)
+    with bwd:
+        y.backward(g)
+    return fwd.peak, bwd.peak
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_one_linear_pass_against_the_bytes_it_allocates(recipe):
+    """What one FP8 linear's forward and backward create on the emulated path (the output gradient's FP8 form and
+    transpose or its two block quantizations and the input's, each GEMM's fp32 operands and product, the casts' fp32
+    copies, dx, dw) against the bytes the tracker sees, to the byte (every size is an integer count of elements:
+    nothing to round), on random shapes: any for tensorwise, whole 128-tiles for block-wise (ragged ones pad, not
+    modelled)."""
+    from omnitron.plan.fp8_memory import (blockwise_backward, blockwise_forward, per_tensor_backward,
+                                          per_tensor_forward)
+
+    if recipe == "tensorwise":
+        t, inp, out = (random.randint(16, 200) for _ in range(3))
+        want = per_tensor_forward(t, out, inp, 2, False), per_tensor_backward(t, out, inp, 2, 2, False)
+    else:
+        t, inp, out = (128 * random.randint(1, 3) for _ in range(3))
+        want = blockwise_forward(t, out, inp, 2, False), blockwise_backward(t, out, inp, 2, 2, False)
+    assert _passes(recipe, t, inp, out) == want, (t, inp, out)
+
+
+def test_native_path_by_hand():
+    """Where the device runs ``_scaled_mm`` (profiles with an ``fp8`` peak), a per-tensor linear's backward creates
+    the output gradient's FP8 form and transpose (1 byte an element each) and its scale, then dx and dw, no fp32
+    copies; its forward the input's FP8 form and transpose, its scale and y. The 1.3B GPT's fc1 at 8192 tokens, worked
+    by hand. Block-wise GEMMs are native only where the profile says so (the h200's: emulated)."""
+    from omnitron.core.precision.fp8.config import FP8Config
+    from omnitron.plan.fp8_memory import native_gemm, per_tensor_backward, per_tensor_forward
+    from omnitron.plan.profile import load
+
+    t, out, inp = 8192, 8192, 2048
+    mib = 2**20
+    assert per_tensor_backward(t, out, inp, 2, 2, True) == (64 + 64) * mib + 4 + 32 * mib + 32 * mib
+    assert per_tensor_forward(t, out, inp, 2, True) == (16 + 16) * mib + 4 + 128 * mib
+    tensorwise, blockwise = FP8Config(fp8_recipe="tensorwise"), FP8Config(fp8_recipe="blockwise", fp8_format="e4m3")
+    h200, a100 = load("h200"), load("a100-80gb-sxm")
+    assert [native_gemm(tensorwise, h200), native_gemm(blockwise, h200), native_gemm(tensorwise, a100)] == \
+        [True, False, False]
+
+
+@pytest.mark.parametrize("recipe,extra", [("tensorwise", []), ("tensorwise", ["--recompute-granularity", "selective"]),
+                                          ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
+                                                          "block", "--recompute-num-layers", "1"]),
+                                          ("blockwise", [])])
+def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
+    """The wide transient probe's log replayed with the FP8 linears' passes added at their markers and their saved
+    inputs accounted at theirs (:func:`replay_fp8`) peaks where the same probe chunk run with its linears in FP8
+    peaks, to the byte (integer byte counts replayed in the same order: nothing to round): a 2-layer chunk with the
+    embedding and head; tensorwise (a random MLP width moves the peak between fc2's forward, where fc1's wide input,
+    the MLP's argument, is still live beside its FP8 copy, and backward); with selective recomputation (the peak in
+    the rerun attention, after the top layer's MLP backward: it holds none of those linears' saved inputs); with full
+    recomputation of the lower layer (its rerun forward holds its FP8 saved inputs, which the activation term does
+    not take off); block-wise at whole 128-tiles."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.kernels.alloc_log import peak
+    from omnitron.plan.fp8_memory import chunk_linears, replay_fp8
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.transients import Probe, _timeline
+
+    h, f, s, b = (128, 256, 128, 1) if recipe == "blockwise" else (64, random.choice([160, 224]), 32, 2)
+    argv = ["--num-layers", "2", "--hidden-size", str(h), "--num-attention-heads", "4", "--ffn-hidden-size", str(f),
+            "--seq-length", str(s), "--max-position-embeddings", str(s), "--micro-batch-size", str(b), "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--bf16", "--fp8-recipe", recipe,
+            "--fp8-format", "e4m3" if recipe == "blockwise" else "hybrid", *extra]
+    settings = parse_settings(argv, 1)
+    cfg = model_config(settings)
+    probe = Probe(cfg, 2, True, True, s, b)
+    wide = _timeline(probe)
+    best, _ = replay_fp8(settings, cfg, wide, [float(n) for _, n in wide], chunk_linears(settings, cfg, 0)[0], False, 2)
+    assert best == peak(_timeline(probe, settings.fp8))
