@@ -150,7 +150,6 @@ def probe_recomputed(cfg, layers: int) -> set[int]:
     return {layers - 1 - i for run in recompute_layers(probe, layers) for i in run}
 
 
-
 @contextlib.contextmanager
 def _mark_linears(chunk, tl: Timeline):
     """While active, each decoder linear of ``chunk`` (the output layer's not) logs a marker event (0 bytes,
