@@ -19,11 +19,48 @@ def pytest_configure(config):
     os.environ["OMNITRON_BACKEND"] = name
     # DESIGN rule 7: the suite runs under NCCL's rules (fingerprinted collectives, in-order p2p)
     os.environ.setdefault("OMNITRON_STRICT_COLLECTIVES", "1")
+    _share_the_cores()
     _prepare_musa_double(name)
     if name == "sim":  # loaded before any backward: autograd sizes its device queues at the first one
         from omnitron.backends import get_backend
 
         get_backend(name)
+
+
+def _xdist_threads() -> int | None:
+    """Torch threads for one pytest-xdist worker: its share of the cores (None outside xdist, or where
+    ``OMP_NUM_THREADS`` is set: the environment's choice stands)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+_THREADS = _xdist_threads()
+
+
+def _share_the_cores() -> None:
+    """Under ``-n N`` each worker runs torch on cores // N threads, and so do the processes it starts (through
+    ``OMP_NUM_THREADS``). Torch's default is every core per process: two workers on 2 cores then run 4 spinning
+    OpenMP threads, and a CPU-bound test took 6x its time (test_bert's train command: 56 s with a copy of
+    itself beside it, 9 s with one thread each; 2026-12-05, this 2-core Xeon)."""
+    if _THREADS is not None:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+        torch.set_num_threads(_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _threads_share():
+    """A test that launched training in this process (``omnitron train`` sets torch's threads from the cores)
+    leaves the worker at its share again."""
+    yield
+    if _THREADS is not None:
+        import torch
+
+        if torch.get_num_threads() != _THREADS:
+            torch.set_num_threads(_THREADS)
 
 
 def _prepare_musa_double(name: str) -> None:
