@@ -15,7 +15,8 @@ Firing publishes ``abort`` (so every reachable rank stops within one interval), 
 stack (faulthandler) and the last collectives of the flight recorder
 (``omnitron.backends.collectives.flight_recorder_dump`` where the build has one), writes the launcher's
 failure report and exits with :data:`EXIT_CODE`. This works on any backend, including p2p waits, which
-gloo never times out; collectives additionally carry the process-group timeout (the same value).
+gloo never times out; collectives additionally carry the process-group timeout, a little longer
+(:func:`collective_timeout_s`), so the watchdog, which names the rank at fault, stops a hung job first.
 A rank that finishes writes ``done`` as its last heartbeat, so its watcher stops watching it.
 """
 from __future__ import annotations
@@ -49,6 +50,15 @@ def distributed_timeout_s(minutes: float) -> float:
 def heartbeat_interval(timeout_s: float) -> float:
     """Seconds between heartbeats: a twelfth of the timeout, between 0.2 s and 5 s."""
     return min(5.0, max(0.2, timeout_s / 12.0))
+
+
+def collective_timeout_s(timeout_s: float) -> float:
+    """The process group's timeout under a watchdog of ``timeout_s``: that limit plus what the watchdog takes to
+    name the rank at fault and stop (a check every half interval, the census of silent ranks: 2.5 intervals,
+    joined within 3 intervals + 2 s, then the dump). With the same value, a rank blocked in a collective on a
+    frozen peer could raise the collective's own timeout first and be reported as the failure, the frozen peer
+    second (seen once in a loaded test run, 2026-12-05)."""
+    return timeout_s + 4 * heartbeat_interval(timeout_s) + 3.0
 
 
 def dump_state(reason: str, rank: int, out=None) -> None:

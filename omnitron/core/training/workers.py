@@ -25,7 +25,7 @@ import time
 from omnitron.core.lifetime import die_with, die_with_parent
 from omnitron.core.training import failures
 from omnitron.core.training.failures import command_name
-from omnitron.core.training.watchdog import Watchdog, distributed_timeout_s, heartbeat_interval
+from omnitron.core.training.watchdog import Watchdog, collective_timeout_s, distributed_timeout_s, heartbeat_interval
 
 HOSTED_STORE_ENV = "OMNITRON_LAUNCHER_STORE"
 """Set by the launcher for its workers: the store is hosted by the launcher, every rank is a client."""
@@ -74,7 +74,8 @@ def join_job(settings, backend) -> Watchdog:
     # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
     store.set(f"arrived/{rank}", "1")
     _wait_for_arrivals(store, world, timeout)
-    backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=timeout, store=store)
+    backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
+                                           store=store)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
 
 
