@@ -308,7 +308,6 @@ def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
     return max(p, q + (0 if native else _block_mm(t, inp, out)) + e * t * out)
 
 
-
 def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int, int]]]:
     """Per chunk of pipeline rank ``pp_rank``: ``{(layer counted from the chunk's top, name in the layer): (out, in,
     saved less, saved)}`` of its FP8 decoder linears but MoE experts' (tp-local weight shapes). ``saved less``: what
