@@ -81,3 +81,23 @@ def test_the_store_holds_its_port_from_the_moment_it_is_told():
     assert taken.value.errno == errno.EADDRINUSE
     client_store(store.port, 2, 10.0).set("probe", "ok")  # a rank reaches the store it was told of
     assert store.get("probe") == b"ok"
+
+
+def test_worker_threads_follow_the_flag_then_omp_num_threads_then_the_core_share(monkeypatch):
+    """``--threads-per-process`` wins; else ``OMP_NUM_THREADS`` (torchrun's 1, a scheduler's share) as torch itself
+    honours it; else the node's cores split among its workers. A malformed value is refused with its name."""
+    from types import SimpleNamespace
+
+    from omnitron.core.training.launch import _threads
+
+    cores = os.cpu_count() or 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert _threads(SimpleNamespace(threads=None), 2 * cores) == 1
+    assert _threads(SimpleNamespace(threads=None), 1) == min(cores, 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _threads(SimpleNamespace(threads=None), 2 * cores) == 3
+    assert _threads(SimpleNamespace(threads=5), 2 * cores) == 5
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
+            _threads(SimpleNamespace(threads=None), 1)

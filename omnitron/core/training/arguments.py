@@ -189,10 +189,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "dotted module name on the Python path); it registers a model family of its own with "
                         "omnitron.core.models.family.register_family (repeatable)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
-                        "(one thread each); not needed under torchrun (default: 1)")
+                        "(each with its share of the cores); not needed under torchrun (default: 1)")
     launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
     launch.add_argument("--threads-per-process", type=int, metavar="T",
-                        help="torch threads per worker (default: 1 when several workers share the machine)")
+                        help="torch threads per worker (default: $OMP_NUM_THREADS, else the cores shared "
+                        "among the node's workers)")
     launch.add_argument("--prompt", help="after training, print a sampled continuation of this text")
     launch.add_argument("--sample-tokens", type=int, metavar="N", help="tokens to sample for --prompt (default: 40)")
     launch.add_argument("--sample-top-k", type=int, metavar="K", help="sample among the K likeliest tokens; "

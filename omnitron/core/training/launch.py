@@ -1,8 +1,8 @@
 """Run the training function on this process (torchrun, one process) or on N spawned local workers.
 
 Under torchrun (``RANK``/``WORLD_SIZE`` set) each process joins the default process group and
-trains. ``--nproc-per-node N`` starts N workers with one thread each (processes x threads never
-exceed the cores unless ``--threads-per-process`` asks) and forwards SIGTERM to them; each
+trains. ``--nproc-per-node N`` starts N workers, each with its share of the cores (processes x threads never
+exceed them unless ``--threads-per-process`` or ``OMP_NUM_THREADS`` asks), and forwards SIGTERM to them; each
 worker finishes its step, saves and exits. The launcher (rank 0 under torchrun) holds the lock on
 ``--save`` for the job's life (:mod:`omnitron.core.training.outputs`). Workers die with their launcher,
 and a failed job is summarised in a few lines naming the rank at fault (:mod:`omnitron.core.training.workers`).
@@ -68,8 +68,16 @@ def _check_files(settings) -> None:
 
 
 def _threads(settings, local_world: int) -> int:
+    """Torch threads for one worker: ``--threads-per-process``, else ``OMP_NUM_THREADS`` where the environment set
+    it (torchrun's 1, a scheduler's share, a test runner's), else the cores shared among the node's workers."""
     if settings.threads:
         return settings.threads
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={env!r} is not a positive integer: set it to the threads each worker "
+                             "should use, or unset it")
+        return int(env)
     cores = os.cpu_count() or 1
     return max(1, cores // local_world) if local_world > 1 else max(1, min(cores, 8))
 
@@ -141,4 +149,5 @@ def launch(settings, entry=None) -> int:
             return _run_rank(settings, entry)
         from omnitron.core.training.workers import run_workers
 
+        _threads(settings, n)  # a bad OMP_NUM_THREADS stops the launcher, not each of its workers
         return run_workers(settings, entry, n, _worker)
