@@ -20,7 +20,8 @@ format; the CPU emulates the FP8 GEMM) on every linear but the output layer.
 
 ``generated`` is split into the forward graph's kernels (``generated_fwd``: counted once the forward ran; the
 backward graph is compiled at the first backward) and the rest. ``OMNITRON_FP8_PATH=scaled_mm`` traces the FP8
-GEMMs as ``torch._scaled_mm`` (the GPU's path) instead of the CPU's emulation.
+GEMMs as ``torch._scaled_mm`` (the GPU's path) instead of the CPU's emulation. Compiled FP8 holds the weights'
+FP8 form outside the graphs as training does; ``OMNITRON_FP8_WEIGHT_IN_GRAPH=1`` quantizes them in the graph.
 """
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ def build(precision: str, compiled: bool):
                    backend=model.backend)
     if compiled:
         compile_layers([model], model.backend, "inductor")
+        if precision == "fp8":  # as training does: the weights' FP8 form held outside the graphs (static_weights.py)
+            from omnitron.core.precision.fp8.static_weights import hold_static_weights
+
+            hold_static_weights([model])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, SHAPE["vocab_size"], (MICRO, SHAPE["seq_length"]), generator=torch.Generator().manual_seed(0))
 

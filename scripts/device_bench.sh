@@ -76,6 +76,10 @@ train_step 80 fp8-tensorwise-compiled "${FP8_TW[@]}" --torch-compile
 OMNITRON_KERNELS=fp8_cast_transpose_from_amax=triton_graph,fp8_cast_transpose_amax=triton_graph \
   train_step 80 fp8-tensorwise-compiled-graphop "${FP8_TW[@]}" --torch-compile
 train_step 80 fp8-delayed-compiled --fp8-format hybrid --fp8-recipe delayed --torch-compile
+# A/B of the weights' FP8 form held outside the compiled layers and refreshed once per step (the default since
+# 2026-12-05, static_weights.py) against quantized inside every layer call, as fp8-tensorwise-compiled ran before
+OMNITRON_FP8_WEIGHT_IN_GRAPH=1 \
+  train_step 80 fp8-tensorwise-compiled-weight-in-graph "${FP8_TW[@]}" --torch-compile
 # the same pair at micro-batch 8 (4 micro-batches of 8 x 2048 tokens): larger GEMMs, the casts and launches a
 # smaller share of the step
 MBS8=(--micro-batch-size 8 --global-batch-size 32)

@@ -7,7 +7,8 @@ Capture is lazy: a layer's first training call (grad enabled, training mode) cap
 shapes; validation and generation run the eager forward (the compiled one under ``--torch-compile``). What the
 captured code must not do, since no Python runs on replay: swap generator states (the tensor-parallel RNG fork)
 or consult host-side caches (the FP8 weight cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
-their traceable form (explicit dropout masks from the default generator, the weight re-quantized in the graph).
+their traceable form (explicit dropout masks from the default generator, the FP8 weight read from its held tensors
+or re-quantized in the graph).
 
 Refused (one line each, :func:`check_settings`, as Megatron refuses its own incompatible options): both
 spellings at once; an implementation other than ``local``; pipeline parallelism (each in-flight micro-batch would
@@ -27,7 +28,8 @@ shapes, dtypes and ``requires_grad`` key the graphs as without compilation, only
 enabled are captured, the capture flag itself is never read while dynamo traces (:func:`in_graph`), and the one
 Python flag a layer reads per step (the delayed recipe's ``AmaxReducer.primed``) belongs to a refused recipe;
 (c) the compiled layer has no graph break (tested), so no Python runs between its kernels that a replay would
-skip; tensorwise / blockwise FP8 re-quantize the weight in the graph. Refused besides: MoE, whose token exchange
+skip; tensorwise / blockwise FP8 read the weights' FP8 form from tensors refreshed in place before the layers run
+(:mod:`omnitron.core.precision.fp8.static_weights`), or without them re-quantize the weight in the graph. Refused besides: MoE, whose token exchange
 runs eagerly between a compiled layer's graphs and reads the routing's sizes on the host.
 """
 from __future__ import annotations

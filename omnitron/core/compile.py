@@ -21,8 +21,9 @@ What makes a layer trace without graph breaks:
   (:mod:`omnitron.core.parallel.tensor.mappings`);
 * selective recomputation inside a layer: :func:`omnitron.core.parallel.tensor.random.checkpoint` is traced
   as torch's checkpoint (full recomputation wraps the compiled layers from outside, unchanged);
-* FP8 (tensorwise, blockwise): the weight is re-quantized inside the graph instead of cached, and the FP8
-  provider's log-once stays silent while tracing;
+* FP8: the graph reads each weight's FP8 form from tensors refreshed in place once per optimizer step outside
+  it (:mod:`omnitron.core.precision.fp8.static_weights`, installed by training; a layer compiled without them
+  quantizes the weight in its graph), and the FP8 provider's log-once stays silent while tracing;
 * FP8 ``delayed`` (as training runs it, one amax reduction and history push per optimizer step): the scale and
   history change only at the step's end, outside the compiled layers; inside, a use casts with the scale in force
   and max-accumulates its amax into a buffer in place, in the forward and in the backward, which dynamo and

@@ -221,6 +221,10 @@ def build_components(settings, backend) -> Components:
         from omnitron.core.compile import compile_layers
 
         compile_layers(modules, backend)
+    if (t.torch_compile or t.cuda_graph_impl == "local") and settings.fp8 is not None and not uses_fsdp2(settings):
+        from omnitron.core.precision.fp8.static_weights import hold_static_weights
+
+        hold_static_weights(modules)  # the FP8 weights quantized once per step, outside the layers' graphs
     chunks = wrap_data_parallel(modules, settings, groups, backend)
     extra.update(fp8_refresh_hook(chunks))
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]

@@ -49,6 +49,9 @@ class FP8Linear:
         self.states: dict[str, DelayedScaling] = {}
         self._wcache: tuple | None = None
         """(weak ref to the weight, its (data_ptr, _version, dtype, shape, stride, delayed update count), FP8 form)."""
+        self.static: tuple | None = None
+        """The weight's FP8 form in tensors kept for the run and rewritten in place by :meth:`refresh_static` (a
+        compiled or captured layer reads them instead of quantizing in its graph); None: quantize in the graph."""
         self._delayed, self.per_tensor = recipe.fp8_recipe == "delayed", recipe.per_tensor
         self.margin = recipe.fp8_margin
         self.fwd_fmt, self.bwd_fmt = recipe.forward_format, recipe.backward_format
@@ -124,8 +127,10 @@ class FP8Linear:
         """
         if isinstance(weight, FP8GatheredWeight):  # FSDP2 all-gathered it in FP8, scale precomputed (fp8/fsdp.py)
             return weight.operands()
-        # inference tensors keep no version counter; a compiled or captured layer quantizes in its graph (fused,
-        # no cache: nothing Python runs on a graph's replay)
+        if in_graph() and self.static is not None:  # refreshed before the layer ran (static_weights.py)
+            return self.static
+        # inference tensors keep no version counter; a compiled or captured layer without static operands
+        # quantizes in its graph (fused, no cache: nothing Python runs on a graph's replay)
         if (self._delayed and not self._per_step) or in_graph() or weight.is_inference():
             return self._quantize_weight_now(weight)
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.stride(),
@@ -141,6 +146,30 @@ class FP8Linear:
         if self.per_tensor:
             return self.quantize("weight", weight, self.fwd_fmt)
         return self.provider.quantize_blocks(weight, self.fwd_fmt, BLOCK_WEIGHT, self.margin)
+
+    @property
+    def caches_weight(self) -> bool:
+        """Whether one quantization serves every use within an optimizer step (all but ``delayed`` updated per use)."""
+        return not (self._delayed and not self._per_step)
+
+    def refresh_static(self, weight: torch.Tensor) -> None:
+        """Eager, before a compiled or captured layer runs: make :attr:`static` this weight's FP8 form. The first
+        call adopts the cached form's tensors; a later one that finds the weight changed (the cache's key: an
+        optimizer step, a load) quantizes it and copies into them in place, so a graph holding their addresses
+        reads the new values and a compiled graph finds tensors of the same shapes (no recompilation)."""
+        with torch.no_grad():  # as inside the autograd function: the FP8 form is no function of the weight's graph
+            fresh = self.quantize_weight(weight)
+        if fresh is self.static:
+            return
+        if self.static is None:
+            self.static = fresh
+            return
+        with torch.no_grad():
+            for dst, src in zip(self.static, fresh):
+                dst.copy_(src)
+        c = self._wcache
+        if c is not None and c[2] is fresh:
+            self._wcache = (c[0], c[1], self.static)  # the fresh copies go
 
     def drop_weight_cache(self) -> None:
         """Forget the cached FP8 weight (frees its memory; the next call re-quantizes)."""
