@@ -123,3 +123,24 @@ def test_compiled_fp8_training_holds_its_weights_and_matches_eager(tmp_path, mon
     assert held == [8] and graphs == 1
     assert compiled == pytest.approx(eager, rel=FP8_REL), (compiled, eager)
     assert len(set(eager)) == len(eager)
+
+
+@pytest.mark.parametrize("extra, held", [
+    (("--torch-compile",), True),
+    (("--cuda-graph-impl", "local"), True),
+    ((), False),
+    (("--torch-compile", "--use-torch-fsdp2"), False),
+    (("--torch-compile", "--use-distributed-optimizer", "--overlap-param-gather"), False),
+    (("--torch-compile", "--use-distributed-optimizer"), True),
+])
+def test_weights_are_held_only_where_they_are_current_before_the_chunk_runs(extra, held):
+    """Compiled or captured FP8 layers hold their weights, except where a weight becomes current only in its own
+    module's hook (FSDP2's gather; --overlap-param-gather's wait), which a refresh at the chunk's start precedes."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import holds_fp8_weights
+
+    from test_torch_compile import _argv
+
+    fp8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+    assert holds_fp8_weights(parse_settings(_argv(*fp8, *extra), 2)) is held
+    assert holds_fp8_weights(parse_settings(_argv(*extra), 2)) is False

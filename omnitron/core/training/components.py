@@ -136,6 +136,16 @@ def fp8_refresh_hook(chunks) -> dict:
     return {"fp8_refresh": lambda: [s.refresh() for s in scales.values()]}
 
 
+def holds_fp8_weights(settings) -> bool:
+    """Whether compiled or captured layers read FP8 weights quantized once per step outside their graphs
+    (:mod:`omnitron.core.precision.fp8.static_weights`). Not where a weight is not current before its own module
+    runs: FSDP2 gathers it in the module's hook, and ``--overlap-param-gather`` waits for its all-gather there (a
+    refresh at the chunk's start would read it mid-gather)."""
+    t = settings.training
+    return ((t.torch_compile or t.cuda_graph_impl == "local") and settings.fp8 is not None
+            and not uses_fsdp2(settings) and not getattr(settings.ddp, "overlap_param_gather", False))
+
+
 def uses_fsdp2(settings) -> bool:
     return bool(getattr(settings.ddp, "use_torch_fsdp2", False))
 
@@ -221,7 +231,7 @@ def build_components(settings, backend) -> Components:
         from omnitron.core.compile import compile_layers
 
         compile_layers(modules, backend)
-    if (t.torch_compile or t.cuda_graph_impl == "local") and settings.fp8 is not None and not uses_fsdp2(settings):
+    if holds_fp8_weights(settings):
         from omnitron.core.precision.fp8.static_weights import hold_static_weights
 
         hold_static_weights(modules)  # the FP8 weights quantized once per step, outside the layers' graphs

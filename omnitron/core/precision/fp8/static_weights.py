@@ -15,8 +15,10 @@ quantization would compute; under ``delayed`` the weight's amax is observed once
 Memory: the FP8 form (2 bytes a parameter per-tensor, 1 and the block scales block-wise) is held the whole run, as
 the eager cache holds it (priced so by :mod:`omnitron.plan.fp8_memory`).
 
-Not used where the layer's weight does not exist before its forward (FSDP2 gathers it in the layer's own hook;
-with FP8 all-gathers it arrives quantized) or a recipe updates per use (``delayed`` outside training).
+Not used where the layer's weight is not current before its own module runs (FSDP2 gathers it in the module's
+hook, with FP8 all-gathers quantized; ``--overlap-param-gather`` waits for its all-gather there:
+:func:`omnitron.core.training.components.holds_fp8_weights`) or a recipe updates per use (``delayed`` outside
+training).
 ``OMNITRON_FP8_WEIGHT_IN_GRAPH=1`` keeps the in-graph quantization (the A/B of ``scripts/device_bench.sh``).
 """
 from __future__ import annotations
