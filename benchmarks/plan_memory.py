@@ -83,11 +83,13 @@ MOE = {  # whole step only: routing decides each rank's rows (the plan assumes b
 BF16 = TINY + ["--bf16"]
 TENSORWISE, BLOCKWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], ["--fp8-format", "e4m3",
                                                                                    "--fp8-recipe", "blockwise"]
+DELAYED = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
 ENDS = ["--first-last-layers-bf16"]
 FP8 = {  # whole step only (one process each)
     "tiny bf16": (1, BF16),
     "tiny bf16 tensorwise": (1, BF16 + TENSORWISE),
     "tiny bf16 tensorwise ends wide": (1, BF16 + TENSORWISE + ENDS),
+    "tiny bf16 delayed": (1, BF16 + DELAYED),
     "tiny bf16 blockwise": (1, BF16 + BLOCKWISE),
     "tiny bf16 blockwise ends wide": (1, BF16 + BLOCKWISE + ENDS),
     "tiny bf16 tensorwise selective": (1, BF16 + TENSORWISE + ["--recompute-granularity", "selective"]),
@@ -99,9 +101,11 @@ FP8 = {  # whole step only (one process each)
 
 def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
     """This rank's (measured step peak, predicted activations + logits + recompute + transient of its stage, and
-    under FP8 its fp8 and boundary terms); the measurement is omnitron.plan.measure.train_step_peak."""
+    under FP8 its fp8 and boundary terms, the fp8 term less the delayed recipe's scaling state, which exists before
+    the step and counts 0 there); the measurement is omnitron.plan.measure.train_step_peak."""
     import torch
 
+    from omnitron.plan.fp8_memory import fp8_state_bytes
     from omnitron.plan.measure import train_step_peak
     from omnitron.plan.memory import estimate
 
@@ -109,7 +113,8 @@ def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
     stage, peak = train_step_peak(argv, world, root)
     s = parse_settings(argv, world)
     e = estimate(s)[stage]
-    return peak, e.activations + e.logits + e.recompute + e.transient + (e.fp8 + e.boundary if s.fp8 else 0)
+    fp8 = e.fp8 + e.boundary - fp8_state_bytes(s, model_config(s), stage) if s.fp8 else 0
+    return peak, e.activations + e.logits + e.recompute + e.transient + fp8
 
 
 def step_peaks(name: str, root: str) -> list[tuple[int, int]]:

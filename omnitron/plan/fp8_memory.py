@@ -10,21 +10,29 @@ chunks (:func:`~omnitron.core.precision.fp8.enable.linear_modules`, tp-local sha
 **Per FP8 linear, weight ``[out, in]``** (held the whole step: ``FP8Linear.quantize_weight`` caches the weight's
 FP8 form until an optimizer update changes it, and every micro-batch's forward saves the cached tensors):
 
-- per-tensor recipes (``delayed``, ``tensorwise``): ``(q, q.t() contiguous, scale_inv)``: 2 bytes an element and a
-  4-byte scale (:data:`PER_TENSOR_WEIGHT`);
+- per-tensor recipes (``delayed``, ``tensorwise``): ``(q, q.t() contiguous, scale_inv)``: 2 bytes an element
+  (:data:`PER_TENSOR_WEIGHT`) and, tensorwise, a 4-byte scale (delayed: the weight role's own ``scale_inv``, in its
+  state; :func:`own_scale`);
 - ``blockwise``: ``(q, scale_inv)``: 1 byte an element and one fp32 scale per 128x128 block
   (``ceil(out/128) x ceil(in/128)``, :data:`omnitron.core.precision.fp8.config.BLOCK_WEIGHT`);
 - ``delayed`` also keeps per role (input, weight, output gradient) a ``DelayedScaling``: its amax history
-  (``--fp8-amax-history-len`` fp32) and three fp32 scalars (scale, its inverse, the step's amax).
+  (``--fp8-amax-history-len`` fp32) and three fp32 scalars (scale, its inverse, the step's amax)
+  (:func:`delayed_state`, :func:`fp8_state_bytes`; made with the model, updated in place at each step's end).
+
+Delayed is priced as training runs it after its first step (``per_step``, the reducer primed): every cast uses its
+role's scale in force and returns that role's ``scale_inv``, nothing new (:mod:`omnitron.plan.fp8_passes`). Its
+first step quantizes as tensorwise does (no history yet), a few 4-byte scalars more.
 
 **Saved activations** (:func:`saved_less`, taken off the activation term by :mod:`omnitron.plan.memory`). The block-wise
 forward saves its input wide (the tensor ``F.linear`` saves, which the activation probes measure) and no activation
 scale: nothing changes. The per-tensor forward saves ``(qx_t, sx, qw_t, sw)``: the input's FP8 transpose (1 byte an
-element) and its fp32 scale where ``F.linear`` saved the input (the cached weight's are in the weight term). The probes
+element) and its fp32 scale (tensorwise: a new one; delayed: the input role's, in the weight term) where ``F.linear``
+saved the input (the cached weight's are in the weight term). The probes
 run the wide model, which saves an input once however many linears read it; FP8 linears each save their own copy. So per
 FP8 layer and micro-batch, for each group of its linears reading one input tensor (:func:`input_groups`: one hooked
 forward of a one-layer probe; in a GPT layer qkv, proj, fc1 and fc2 each read their own),
-``(e - n) x in x tokens - 4 n`` bytes less (``e`` the dtype's bytes, ``n`` the group's linears). Tokens are the micro-batch's whole sequence (over
+``(e - n) x in x tokens - 4 n`` bytes less (``e`` the dtype's bytes, ``n`` the group's linears; delayed: no
+``4 n``). Tokens are the micro-batch's whole sequence (over
 cp): a row-parallel linear's input is not split by sequence, and under sequence parallelism a column-parallel linear
 saves the input it all-gathered, each its own gather (a group of its own); a replicated linear (a one-rank group:
 multi-latent attention's down-projections) reads the sequence shard, ``1 / tp`` of the tokens (:func:`_reads`). Full
@@ -36,13 +44,15 @@ run the wide model and log a marker at each decoder linear's forward, at the end
 arrival of its output's gradient and at the end of its backward (:func:`omnitron.plan.transients._mark_linears`); the
 replayed log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`), and
 holds its saved input as FP8 from its module's end (until then the wide input, the module's argument, is live beside
-the FP8 copy) to its backward's end. Per pass (``t`` tokens, weight ``[out, in]``): backward, the output gradient's FP8
-form and transpose and scale (``2 t out + 4``) held to the end, then dx and dw; emulated, each GEMM's fp32 copies of
-its operands and its fp32 product, and the reference cast's fp32 copy (:func:`per_tensor_backward`); block-wise, the
+the FP8 copy) to its backward's end. Per pass (``t`` tokens, weight ``[out, in]``; :mod:`omnitron.plan.fp8_passes`):
+backward, the output gradient's FP8 form and transpose and, tensorwise, scale (``2 t out + 4``) held to the end, then
+dx and dw; emulated, each GEMM's fp32 copies of its operands and its fp32 product, and the reference cast's fp32 copy
+(:func:`~omnitron.plan.fp8_passes.per_tensor_backward`); delayed, its cast's amax and step-amax update (4 bytes each;
+natively the Triton cast's per-tile amaxes: :func:`~omnitron.plan.fp8_passes.per_tensor_cast`); block-wise, the
 gradient quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs'
-fp32 operands and products (:func:`blockwise_backward`); the forwards likewise (:func:`per_tensor_forward`,
-:func:`blockwise_forward`). Native or emulated as the engine's provider decides, from the device profile
-(:func:`native_gemm`): per-tensor GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is
+fp32 operands and products (:func:`~omnitron.plan.fp8_passes.blockwise_backward`); the forwards likewise. Native or
+emulated as the engine's provider decides, from the device profile
+(:func:`~omnitron.plan.fp8_passes.native_gemm`): per-tensor GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is
 ``native``; the block-wise quantizations are torch code with an fp32 copy on every device.
 
 Not modelled: an input that is a view of a wider tensor, whose whole storage the wide linear keeps (multi-latent
@@ -52,8 +62,8 @@ recomputation without the transient probes (``estimate(..., transients=False)``:
 an over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's
 depths and their ``eh_proj``, an MoE layer's expert and router linears (their inputs priced wide; the attention linears
 of an MoE layer are taken off), ``--torch-compile`` (a compiled layer quantizes the weight in its graph, uncached, and
-inductor decides what it saves), the delayed reducer's packed buffers and its amax casts (priced as tensorwise's),
-``--fp8-impl torchao``; in the transients, block-wise tiles that are not whole (a ragged dimension pads a copy and
+inductor decides what it saves), the delayed reducer's step-end temporaries (``push_packed``'s stacked histories,
+a few ``[roles, history]`` fp32 tensors, after the backward has freed the activations), ``--fp8-impl torchao``; in the transients, block-wise tiles that are not whole (a ragged dimension pads a copy and
 expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the
 GEMM (one more output-sized tensor), MoE layers' routed and shared experts' linears (:func:`chunk_linears` leaves
 them out: their rows are the MoE model's),
@@ -69,14 +79,14 @@ import math
 import torch
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
+from omnitron.plan.fp8_passes import SCALE, blockwise_backward, blockwise_forward, per_tensor_backward, \
+    per_tensor_forward
 from omnitron.plan.stage_layers import wide_layers
 from omnitron.plan.state import skeleton
 from omnitron.plan.transients import DECODER as _DECODER, LINEAR, probe_recomputed
 
 PER_TENSOR_WEIGHT = 2
 """Bytes per weight element a per-tensor recipe caches: the FP8 weight and its contiguous transpose."""
-SCALE = 4
-"""Bytes of one scale (float32)."""
 SAVED_INPUT = 1
 """Bytes per element of what a per-tensor FP8 linear saves of its input: its FP8 transpose (``qx_t``)."""
 DELAYED_SCALARS = 3
@@ -104,19 +114,36 @@ def fp8_linears(settings, cfg, pp_rank: int) -> list[tuple[int, int]]:
     return out
 
 
+def own_scale(fp8) -> int:
+    """Bytes of the scale a per-tensor quantization returns new: tensorwise's, 4; delayed's is its role's
+    ``scale_inv``, held by the ``DelayedScaling`` (:func:`delayed_state`), 0."""
+    return 0 if fp8.fp8_recipe == "delayed" else SCALE
+
+
+def delayed_state(fp8) -> int:
+    """Bytes of one FP8 linear's delayed-scaling state (0 for the other recipes): per role (input, weight, output
+    gradient) its amax history and three fp32 scalars. Made at ``enable_fp8`` and updated in place at each step's end
+    (``push_packed``), so it exists before any step (the benchmark's step peak counts it 0)."""
+    return 3 * SCALE * (fp8.fp8_amax_history_len + DELAYED_SCALARS) if fp8.fp8_recipe == "delayed" else 0
+
+
 def linear_bytes(fp8, out: int, inp: int) -> int:
     """What one FP8 linear of weight ``[out, inp]`` holds under recipe ``fp8`` (an ``FP8Config``)."""
     if fp8.fp8_recipe == "blockwise":
         return out * inp + SCALE * math.ceil(out / 128) * math.ceil(inp / 128)
-    held = PER_TENSOR_WEIGHT * out * inp + SCALE
-    if fp8.fp8_recipe == "delayed":
-        held += 3 * SCALE * (fp8.fp8_amax_history_len + DELAYED_SCALARS)
-    return held
+    return PER_TENSOR_WEIGHT * out * inp + own_scale(fp8) + delayed_state(fp8)
 
 
 def fp8_bytes(settings, cfg, pp_rank: int) -> int:
     """The ``fp8`` term of pipeline rank ``pp_rank``: 0 without ``--fp8-format``."""
     return sum(linear_bytes(settings.fp8, o, i) for o, i in fp8_linears(settings, cfg, pp_rank))
+
+
+def fp8_state_bytes(settings, cfg, pp_rank: int) -> int:
+    """What of :func:`fp8_bytes` is delayed-scaling state (:func:`delayed_state`): 0 for the other recipes."""
+    if settings.fp8 is None:
+        return 0
+    return delayed_state(settings.fp8) * len(fp8_linears(settings, cfg, pp_rank))
 
 
 _GROUPS: dict[str, tuple] = {}
@@ -183,7 +210,7 @@ def saved_less(settings, cfg, pp_rank: int) -> dict[int, float]:
         return {}
     pc = settings.parallel
     tokens = cfg.seq_length // pc.context_parallel_size * settings.training.micro_batch_size
-    elem, groups = cfg.params_dtype.itemsize, input_groups(cfg)
+    elem, groups, scale = cfg.params_dtype.itemsize, input_groups(cfg), own_scale(settings.fp8)
     chunks = skeleton(cfg, pc, pp_rank, schedule_style(settings.training.pipeline_schedule))
     wide = wide_layers(settings, cfg)
     out = {}
@@ -205,107 +232,9 @@ def saved_less(settings, cfg, pp_rank: int) -> dict[int, float]:
                 shared = [(k, split) for k, gathers, split in mine if not gathers]
                 for part in [[o] for o in own] + ([shared] if shared else []):
                     (k, split), n = part[0], len(part)
-                    less += (elem - n * SAVED_INPUT) * k * tokens / split - SCALE * n
+                    less += (elem - n * SAVED_INPUT) * k * tokens / split - scale * n
         out[c] = less
     return out
-
-
-# ---- one FP8 linear's own transients (forward and backward) ---------------------------------------------------
-F32 = 4
-"""Bytes of a float32 element: the emulated GEMMs' dequantized operands and products, the reference casts' copies."""
-
-
-def native_gemm(fp8, device=None) -> bool:
-    """Whether recipe ``fp8``'s GEMMs run natively (no fp32 copies) on ``device`` (a
-    :class:`~omnitron.plan.profile.DeviceProfile`), as the engine's provider decides (``backends/fp8.py``):
-    per-tensor GEMMs where the device has an FP8 peak (``torch._scaled_mm`` runs there); block-wise ones only where
-    the profile says ``[fp8] block_gemm = "native"`` (``F.scaled_mm`` refused every block-wise layout on the H200,
-    torch 2.11). Without a profile: this process's backend (``fp8_gemm``; block-wise emulated)."""
-    if device is None:
-        if fp8.fp8_recipe == "blockwise":
-            return False
-        from omnitron.backends import get_backend
-
-        return get_backend().capabilities().fp8_gemm == "scaled_mm"
-    if fp8.fp8_recipe == "blockwise":
-        return device.fp8_block_gemm == "native"
-    return "fp8" in device.peak
-
-
-def _emulated_mm(m: int, k: int, n: int) -> int:
-    """Most bytes the emulated per-tensor GEMM ``(a.float() * sa) @ (b.float() * sb)`` of ``a [m, k]``, ``b [k, n]``
-    holds beside its FP8 operands: an operand's fp32 copy beside its scaled copy (the copy freed once scaled), then
-    the fp32 product beside both scaled operands (freed before the cast to the output dtype)."""
-    return F32 * max(2 * m * k, m * k + 2 * k * n, m * k + k * n + m * n)
-
-
-def _per_tensor_cast(m: int, n: int, native: bool) -> int:
-    """Most bytes quantizing ``[m, n]`` (``FP8Linear.quantize``, current scaling) holds: native (the device's fused
-    cast-transpose kernel): the FP8 tensor, its transpose and the scale; the reference (CPU): the amax, the scale,
-    an fp32 copy of the source and the FP8 tensor cast from it (the copy freed before the transpose is made)."""
-    return 2 * m * n + SCALE if native else F32 * m * n + m * n + 2 * SCALE
-
-
-def per_tensor_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool) -> int:
-    """Peak bytes a per-tensor FP8 linear's backward (``_FP8LinearFn._backward``) creates for ``t`` tokens, weight
-    ``[out, inp]``, the input's dtype ``e`` bytes and the weight's ``ew``: the output gradient's FP8 form ``qg``
-    ``[t, out]``, its transpose ``qg_t`` and scale (1, 1 byte an element and 4 bytes, held to the end), then
-    ``dx = qg @ w`` and ``dw = qg_t @ x_t`` in the input's and weight's dtype. Emulated (no FP8 GEMM), each GEMM's
-    fp32 copies of its operands and its fp32 product (:func:`_emulated_mm`), and the reference cast's fp32 copy;
-    native (``_scaled_mm``), none."""
-    q, dx, dw = 2 * t * out + SCALE, e * t * inp, ew * out * inp
-    if native:
-        return q + dx + dw
-    return max(_per_tensor_cast(t, out, False), q + _emulated_mm(t, out, inp), q + F32 * t * inp + dx,
-               q + dx + _emulated_mm(out, t, inp), q + dx + F32 * out * inp + dw)
-
-
-def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
-    """Peak bytes a per-tensor FP8 linear's forward creates beside the weight's cached FP8 form: the input's FP8 form
-    ``qx`` ``[t, inp]``, its transpose ``qx_t`` (saved for backward) and scale, then ``y`` ``[t, out]`` in the
-    input's dtype (``e`` bytes); emulated, the GEMM's fp32 copies and product and the reference cast's copy."""
-    q, y = 2 * t * inp + SCALE, e * t * out
-    if native:
-        return q + y
-    return max(_per_tensor_cast(t, inp, False), q + _emulated_mm(t, inp, out), q + F32 * t * out + y)
-
-
-def _block_scales(m: int, k: int, block: tuple[int, int]) -> int:
-    """Bytes of the fp32 scales of ``[m, k]`` quantized in ``block`` tiles."""
-    return SCALE * math.ceil(m / block[0]) * math.ceil(k / block[1])
-
-
-def _quantize_blocks(m: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
-    """(most bytes ``FP8Provider.quantize_blocks`` of ``[m, k]`` holds: the scales, the source's fp32 copy and the FP8
-    tensor cast from it; what it returns: the FP8 tensor and the scales' inverses). Tiles whole (a dimension a multiple
-    of the tile's): a ragged one also pads a copy and expands the scales, not counted."""
-    s = _block_scales(m, k, block)
-    return s + F32 * m * k + m * k, m * k + s
-
-
-def _block_mm(m: int, k: int, n: int) -> int:
-    """fp32 bytes the emulated block-wise GEMM (``FP8Provider._emulated_blockwise``) of ``[m, k] @ [k, n]`` holds
-    while casting its product: both dequantized operands (locals, held to its return) and the product."""
-    return F32 * (m * k + k * n + m * n)
-
-
-def blockwise_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool) -> int:
-    """Peak bytes a block-wise FP8 linear's backward creates: the output gradient quantized in 1x128 tiles (``qg``,
-    held to the end) for ``dx``, then again along tokens (``qgt`` ``[out, t]``) and the saved wide input in 128x1
-    tiles (``qxt``) for ``dw``; emulated, each GEMM's fp32 operands and product beside its output. Native: the FP8
-    operands and the quantizations' fp32 copies only (``quantize_blocks`` is torch code on every device)."""
-    (pg, g), (pgt, gt), (px, xq) = (_quantize_blocks(t, out, (1, 128)), _quantize_blocks(out, t, (1, 128)),
-                                    _quantize_blocks(t, inp, (128, 1)))
-    dx, dw = e * t * inp, ew * out * inp
-    mm = (lambda m, k, n: 0) if native else _block_mm
-    return max(pg, g + mm(t, out, inp) + dx, g + dx + pgt, g + dx + gt + px, g + dx + gt + xq + mm(out, t, inp) + dw)
-
-
-def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
-    """Peak bytes a block-wise FP8 linear's forward creates beside the cached weight: the input quantized in 1x128
-    tiles (not saved: the forward saves the input wide), then ``y``; emulated, the GEMM's fp32 operands and product."""
-    p, q = _quantize_blocks(t, inp, (1, 128))
-    return max(p, q + (0 if native else _block_mm(t, inp, out)) + e * t * out)
 
 
 def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int, int]]]:
@@ -337,7 +266,7 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
             if flags[i]:
                 continue
             o, k = m.weight.shape
-            saved = SAVED_INPUT * k * t + SCALE if settings.fp8.per_tensor else 0
+            saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
             out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, e * k * t - saved if saved else 0, saved)
     return out
 
@@ -348,8 +277,9 @@ def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool) -> i
     t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
     if settings.fp8.per_tensor:
-        return per_tensor_forward(t, out, inp, e, native) if kind == "forward" else \
-            per_tensor_backward(t, out, inp, e, e, native)
+        delayed = settings.fp8.fp8_recipe == "delayed"
+        return per_tensor_forward(t, out, inp, e, native, delayed) if kind == "forward" else \
+            per_tensor_backward(t, out, inp, e, e, native, delayed)
     return blockwise_forward(t, out, inp, e, native) if kind == "forward" else \
         blockwise_backward(t, out, inp, e, e, native)
 

@@ -191,12 +191,16 @@ def _mark_linears(chunk, tl: Timeline):
 
 def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
     """The events of :func:`timeline`; ``fp8`` (an ``FP8Config``): with the chunk's linears in FP8, as training
-    converts them (the tests' reference for :func:`omnitron.plan.fp8_memory.fp8_replay_peak`)."""
+    converts them (the tests' reference for :func:`omnitron.plan.fp8_memory.fp8_replay_peak`): one amax reduction a
+    step (``per_step``); under ``delayed``, the logged pass runs a step after the first (the reducer primed: each cast
+    with its role's scale in force) with the weights' FP8 form cached at that step's scales, as every micro-batch of
+    training after a step's first."""
     m = _chunk(p)
+    enabled = {}
     if fp8 is not None:
         from omnitron.core.precision.fp8.enable import enable_fp8
 
-        enable_fp8(m, fp8, None, num_layers=p.cfg.num_layers)
+        enabled = enable_fp8(m, fp8, None, num_layers=p.cfg.num_layers, per_step=True)
     _main_grads(m)
     h = p.cfg.hidden_size
     torch.manual_seed(1)
@@ -214,6 +218,11 @@ def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
             y.backward(dy.clone())
 
     step()
+    if fp8 is not None and fp8.fp8_recipe == "delayed":
+        from omnitron.core.precision.fp8.enable import fp8_step
+
+        fp8_step(enabled)
+        step()
     tl = Timeline()
     with tl, _mark_linears(m, tl), (_mark_experts(tl.events) if p.cfg.num_experts else contextlib.nullcontext()):
         step()
