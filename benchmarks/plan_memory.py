@@ -96,6 +96,8 @@ FP8 = {  # whole step only (one process each)
     "tiny bf16 tensorwise full block1": (1, BF16 + TENSORWISE + ["--recompute-granularity", "full",
                                                                  "--recompute-method", "block",
                                                                  "--recompute-num-layers", "1"]),
+    "mixtral-tiny bf16": (1, MIXTRAL + ["--bf16"]),
+    "mixtral-tiny bf16 tensorwise": (1, MIXTRAL + ["--bf16"] + TENSORWISE),
 }
 
 

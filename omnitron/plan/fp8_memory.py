@@ -12,7 +12,7 @@ FP8 form until an optimizer update changes it, and every micro-batch's forward s
 
 - per-tensor recipes (``delayed``, ``tensorwise``): ``(q, q.t() contiguous, scale_inv)``: 2 bytes an element
   (:data:`PER_TENSOR_WEIGHT`) and, tensorwise, a 4-byte scale (delayed: the weight role's own ``scale_inv``, in its
-  state; :func:`own_scale`);
+  state; :func:`~omnitron.plan.fp8_passes.own_scale`);
 - ``blockwise``: ``(q, scale_inv)``: 1 byte an element and one fp32 scale per 128x128 block
   (``ceil(out/128) x ceil(in/128)``, :data:`omnitron.core.precision.fp8.config.BLOCK_WEIGHT`);
 - ``delayed`` also keeps per role (input, weight, output gradient) a ``DelayedScaling``: its amax history
@@ -79,8 +79,8 @@ import math
 import torch
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
-from omnitron.plan.fp8_passes import SCALE, blockwise_backward, blockwise_forward, per_tensor_backward, \
-    per_tensor_forward
+from omnitron.plan.fp8_passes import (SCALE, blockwise_backward, blockwise_forward, own_scale, per_tensor_backward,
+                                     per_tensor_forward)
 from omnitron.plan.stage_layers import wide_layers
 from omnitron.plan.state import skeleton
 from omnitron.plan.transients import DECODER as _DECODER, LINEAR, probe_recomputed
@@ -114,12 +114,6 @@ def fp8_linears(settings, cfg, pp_rank: int) -> list[tuple[int, int]]:
     return out
 
 
-def own_scale(fp8) -> int:
-    """Bytes of the scale a per-tensor quantization returns new: tensorwise's, 4; delayed's is its role's
-    ``scale_inv``, held by the ``DelayedScaling`` (:func:`delayed_state`), 0."""
-    return 0 if fp8.fp8_recipe == "delayed" else SCALE
-
-
 def delayed_state(fp8) -> int:
     """Bytes of one FP8 linear's delayed-scaling state (0 for the other recipes): per role (input, weight, output
     gradient) its amax history and three fp32 scalars. Made at ``enable_fp8`` and updated in place at each step's end
@@ -149,11 +143,14 @@ def fp8_state_bytes(settings, cfg, pp_rank: int) -> int:
 _GROUPS: dict[str, tuple] = {}
 
 
-def input_groups(cfg) -> tuple[tuple[str, ...], ...]:
-    """One dense decoder layer's linears (names in the layer) grouped by the input tensor they read, from one
-    forward (no grad) of a one-layer probe at the activation probes' widths
-    (:func:`omnitron.plan.activations.probe_config`, one process: no sequence parallelism), a pre-hook on each
-    linear keeping its input (so no later tensor reuses the storage); cached per config."""
+def input_groups(cfg) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    """One dense decoder layer's linears (names in the layer) grouped by the input tensor they read, each group with
+    whether an op other than a linear saves that tensor for backward too (then the wide model keeps it whatever the
+    linears do: core attention's output, which ``scaled_dot_product_attention``'s flash and memory-efficient paths
+    save, is the projection's input). From one forward of a one-layer probe at the activation probes' widths
+    (:func:`omnitron.plan.activations.probe_config`, one process: no sequence parallelism, training mode), a pre-hook
+    on each linear keeping its input (so no later tensor reuses the storage) and a saved-tensor hook noting what is
+    saved outside the linears' calls; cached per config."""
     from dataclasses import replace
 
     from omnitron.core.models.gpt import GPTModel
@@ -170,11 +167,27 @@ def input_groups(cfg) -> tuple[tuple[str, ...], ...]:
         torch.manual_seed(0)
         model = GPTModel(probe, ParallelGroups.single())
         seen: list[tuple[str, torch.Tensor]] = []
-        hooks = [m.register_forward_pre_hook(lambda mod, args, n=name[d.end():]: seen.append((n, args[0])))
-                 for name, m in linear_modules(model) for d in [_DECODER.search(name)] if d is not None]
+        inside: list[str] = []  # the decoder linear whose call runs now
+        kept: set[int] = set()  # storages saved outside those calls
+
+        def enter(name, x):
+            seen.append((name, x))
+            inside.append(name)
+
+        def leave(*_):
+            inside.pop()  # (a forward hook's return value would replace the output)
+
+        def pack(t):
+            if not inside:
+                kept.add(t.untyped_storage().data_ptr())
+            return t
+
+        named = [(name[d.end():], m) for name, m in linear_modules(model) for d in [_DECODER.search(name)] if d]
+        hooks = [h for n, m in named for h in (m.register_forward_pre_hook(lambda mod, args, n=n: enter(n, args[0])),
+                                               m.register_forward_hook(leave))]
         try:
             tokens = torch.randint(0, probe.vocab_size, (1, s))
-            with torch.no_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 model(tokens=tokens, position_ids=torch.arange(s)[None])
         finally:
             for h in hooks:
@@ -182,8 +195,15 @@ def input_groups(cfg) -> tuple[tuple[str, ...], ...]:
         groups: dict[int, list[str]] = {}
         for n, x in seen:
             groups.setdefault(x.untyped_storage().data_ptr(), []).append(n)
-        _GROUPS[key] = tuple(tuple(g) for g in groups.values())
+        _GROUPS[key] = tuple((tuple(g), ptr in kept) for ptr, g in groups.items())
     return _GROUPS[key]
+
+
+def kept_inputs(cfg) -> set[str]:
+    """Names (in the layer) of the dense decoder linears whose wide input stays saved whatever their own FP8 saves
+    (:func:`input_groups`): another op saves it too, or it is the input of an earlier linear of its group (the one
+    that stands for the group's wide input; multi-latent attention's two down-projections read one)."""
+    return {n for names, kept in input_groups(cfg) for i, n in enumerate(names) if kept or i}
 
 
 def _reads(settings, m) -> tuple[bool, int]:
@@ -200,11 +220,15 @@ def _reads(settings, m) -> tuple[bool, int]:
     return (True, 1) if m.sequence_parallel and m.group.size > 1 else (False, tp if m.group.size == 1 else 1)
 
 
-def saved_less(settings, cfg, pp_rank: int) -> dict[int, float]:
+def saved_less(settings, cfg, pp_rank: int, routed=None) -> dict[int, float]:
     """Per chunk of pipeline rank ``pp_rank``: the bytes one micro-batch's FP8 layers save less than the wide model
-    the activation probes measure (module docstring, "Saved activations"); empty without a per-tensor recipe."""
+    the activation probes measure (module docstring, "Saved activations"), an MoE layer's experts' included
+    (:func:`omnitron.plan.fp8_moe.layer_less`) at balanced routing or, with ``routed`` (``(routing, ep rank)``,
+    ``routing`` as :func:`omnitron.plan.memory.moe_routing`'s), each MoE layer at its histogram rows on that ep rank's
+    experts; empty without a per-tensor recipe."""
     from omnitron.core.models.gpt.config import recompute_layers
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
+    from omnitron.plan.fp8_moe import layer_less
 
     if settings.fp8 is None or not settings.fp8.per_tensor:
         return {}
@@ -222,29 +246,48 @@ def saved_less(settings, cfg, pp_rank: int) -> dict[int, float]:
                 layers.setdefault(int(d.group(1)), {})[name[d.end():]] = (m.weight.shape[1], *_reads(settings, m))
         first = min(layers, default=0)
         recomputed = {i for run in recompute_layers(cfg, len(wide[(pp_rank, c)])) for i in run}
+        moe = [i for i in sorted(layers) if any("experts" in n for n in layers[i])]
         less = 0.0
         for i, inputs in layers.items():
             if wide[(pp_rank, c)][i - first] or i - first in recomputed:
                 continue
-            for g in groups:
+            if i in moe:
+                less += _experts_less(settings, cfg, layer_less, None if routed is None else
+                                      (routed[0][(pp_rank, c)][moe.index(i)], routed[1]))
+            for g, kept in groups:
                 mine = [inputs[n] for n in g if n in inputs]
                 own = [(k, 1) for k, gathers, _ in mine if gathers]  # under SP: each its own gathered copy
                 shared = [(k, split) for k, gathers, split in mine if not gathers]
-                for part in [[o] for o in own] + ([shared] if shared else []):
-                    (k, split), n = part[0], len(part)
-                    less += (elem - n * SAVED_INPUT) * k * tokens / split - scale * n
+                for part, was in [([o], elem) for o in own] + ([(shared, 0 if kept else elem)] if shared else []):
+                    (k, split), n = part[0], len(part)  # was: 0 where another op keeps the (shared) input anyway
+                    less += (was - n * SAVED_INPUT) * k * tokens / split - scale * n
         out[c] = less
     return out
 
 
-def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int, int]]]:
+def _experts_less(settings, cfg, fn, routed) -> float:
+    """``fn`` (:func:`omnitron.plan.fp8_moe.layer_less`) of one MoE layer: balanced (``routed`` None), or the mean
+    over the histogram rows of ``routed`` (``(rows, ep rank)``) on that rank's experts."""
+    pc = settings.parallel
+    args = (settings.fp8, cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
+            pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size, pc.etp)
+    if routed is None:
+        return fn(*args)
+    rows, rank = routed
+    return sum(fn(*args, share, rank) for share in rows) / len(rows)
+
+
+def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple]]:
     """Per chunk of pipeline rank ``pp_rank``: ``{(layer counted from the chunk's top, name in the layer): (out, in,
-    saved less, saved)}`` of its FP8 decoder linears but MoE experts' (tp-local weight shapes). ``saved less``: what
-    its 1-byte saved input takes off the wide activations where its layer keeps them (per-tensor:
-    ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise: 0);
-    ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``; block-wise: 0, it saves the wide
-    input). Empty without ``--fp8-format``."""
+    saved less, saved, tokens)}`` of its FP8 decoder linears (tp-local weight shapes) as the transient probe runs
+    them. ``saved less``: what its 1-byte saved input takes off the wide activations where its layer keeps them
+    (per-tensor: ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise:
+    0); ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``, delayed without the 4; block-wise:
+    0, it saves the wide input); ``tokens``: the rows its GEMMs see (the micro-batch's whole sequence over cp). A chunk
+    with MoE layers is probed with every layer MoE: each of its FP8 layers gets the probe's experts'
+    (:func:`omnitron.plan.fp8_moe.probe_experts`). Empty without ``--fp8-format``."""
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
+    from omnitron.plan.fp8_moe import probe_experts
 
     if settings.fp8 is None:
         return {}
@@ -252,29 +295,34 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
     t = cfg.seq_length // pc.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
     chunks = skeleton(cfg, pc, pp_rank, schedule_style(settings.training.pipeline_schedule))
-    wide = wide_layers(settings, cfg)
+    wide, kept = wide_layers(settings, cfg), kept_inputs(cfg) if settings.fp8.per_tensor else set()
     out = {}
     for c, chunk in enumerate(chunks):
         named = [(name, m, d) for name, m in linear_modules(chunk) for d in [_DECODER.search(name)]
-                 if d and "experts" not in name[d.end():] and not any(fnmatch.fnmatch(name, p)
-                                                                      for p in DEFAULT_EXCLUDE)]
+                 if d and not any(fnmatch.fnmatch(name, p) for p in DEFAULT_EXCLUDE)]
         first = min((int(d.group(1)) for _, _, d in named), default=0)
         flags = wide[(pp_rank, c)]
-        out[c] = {}
+        moe = next((chunk.get_submodule(name[:d.end() - 1]) for name, _, d in named if "experts" in name[d.end():]),
+                   None)
+        experts = probe_experts(settings, cfg, moe) if moe is not None else {}
+        out[c] = {(len(flags) - 1 - i, n): v for i, kept_wide in enumerate(flags) if not kept_wide
+                  for n, v in experts.items()}
         for name, m, d in named:
             i = int(d.group(1)) - first
-            if flags[i]:
+            if flags[i] or "experts" in name[d.end():]:
                 continue
             o, k = m.weight.shape
             saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
-            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, e * k * t - saved if saved else 0, saved)
+            wide = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
+            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, wide - saved if saved else 0, saved, t)
     return out
 
 
-def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool) -> int:
+def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None) -> float:
     """Peak bytes one FP8 linear of weight ``[out, inp]`` creates in its ``kind`` pass (``forward`` or ``backward``)
-    for one micro-batch of ``settings`` (tokens: the whole sequence over cp; the model's dtype)."""
-    t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
+    for ``t`` rows (None: one micro-batch of ``settings``, the whole sequence over cp) in the model's dtype."""
+    if t is None:
+        t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
     if settings.fp8.per_tensor:
         delayed = settings.fp8.fp8_recipe == "delayed"
@@ -318,9 +366,9 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         key = (int(layer), name)
         if key not in linears:
             continue
-        o, k, less, saved = linears[key]
+        o, k, less, saved, t = linears[key]
         if kind in ("forward", "backward"):
-            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native))
+            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native, t))
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
             if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun

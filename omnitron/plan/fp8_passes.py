@@ -32,6 +32,12 @@ F32 = 4
 """Bytes of a float32 element: the emulated GEMMs' dequantized operands and products, the reference casts' copies."""
 
 
+def own_scale(fp8) -> int:
+    """Bytes of the scale a per-tensor quantization of recipe ``fp8`` returns new: tensorwise's, 4; delayed's is its
+    role's ``scale_inv``, held by the role's ``DelayedScaling`` (the ``fp8`` term's state), 0."""
+    return 0 if fp8.fp8_recipe == "delayed" else SCALE
+
+
 def native_gemm(fp8, device=None) -> bool:
     """Whether recipe ``fp8``'s GEMMs run natively (no fp32 copies) on ``device`` (a
     :class:`~omnitron.plan.profile.DeviceProfile`), as the engine's provider decides (``backends/fp8.py``):

@@ -448,7 +448,8 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
         has_moe = any(moe[(r, c)] for c in range(vp))
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
         less = saved_less(settings, cfg, r)
-        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k, less) for k in ranks}
+        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k,
+                         less if k is None else saved_less(settings, cfg, r, (routing, k))) for k in ranks}
         stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
         rank = max(each, key=lambda k: each[k][0] + transients * each[k][3] +
                    (recompute_bytes(settings, cfg, (stage, k)) if k is not None else 0))

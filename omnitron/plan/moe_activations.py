@@ -216,6 +216,12 @@ def _local(cfg, tp: int, etp: int):
                    moe_pad_expert_input_to_capacity=False, **experts)
 
 
+def probe_num_experts(cfg, tp: int, etp: int) -> int:
+    """How many experts an MoE layer of :func:`transient_probe` has (:func:`_local`: ``E``, or 16 when more divide
+    by it)."""
+    return _local(cfg, tp, etp).num_experts
+
+
 def transient_probe(cfg, probe, k: int, tp: int, etp: int):
     """The transient probe ``probe`` (widths divided by ``k``) with every layer MoE at balanced routing: each
     expert padded to a capacity of ``T k / E`` rows (module docstring)."""

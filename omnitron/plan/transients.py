@@ -128,6 +128,8 @@ def _mark_experts(events: list):
 
 DECODER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
 """A decoder layer's linear's module name; group 1 its layer number."""
+ROUTED = re.compile(r"^mlp\.experts\.(\d+)\.linear_fc([12])$")
+"""A routed expert's linear's name in its layer (group 1 the expert's index, group 2 which of its two linears)."""
 LINEAR = "<linear "
 """Prefix of the marker events the transient probes log at each decoder linear's moments (:func:`marker`)."""
 
@@ -157,8 +159,15 @@ def _mark_linears(chunk, tl: Timeline):
     module's argument or local, is freed unless saved), as the gradient of its output arrives (its backward starts)
     and as its input's gradient is complete (its backward has ended), each after logging the
     storages freed since the last op: the moments an FP8 linear's own tensors and its 1-byte saved input are priced
-    at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`). Layers are counted from the chunk's top (0: the top one)."""
+    at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`). Layers are counted from the chunk's top (0: the top one).
+
+    An MoE layer's routed experts run their linears' GEMMs without calling the modules (``expert_mlp``), so theirs are
+    marked by wrapping each one's ``_gemm``; an expert's fc2 input, a local of ``expert_mlp``, is freed when it
+    returns (its ``done``), its fc1 input, the dispatched rows, when the layer's ``experts_steps`` has returned."""
     from omnitron.core.precision.fp8.enable import linear_modules
+    from omnitron.core.transformer.moe import experts as moe_experts
+    from omnitron.core.transformer.moe.layer import MoELayer
+
     named = [(name, m, d) for name, m in linear_modules(chunk) for d in [DECODER.search(name)] if d]
     top = max((int(d.group(1)) for _, _, d in named), default=0)
 
@@ -174,19 +183,54 @@ def _mark_linears(chunk, tl: Timeline):
         mark("forward", key)
         on_grad(args[0] if args else None, "end", key)
 
-    hooks = []
+    def gemm(real, key):
+        def marked(x, weight, bias=None):
+            forward((x,), key)
+            y = real(x, weight, bias)
+            on_grad(y, "backward", key)
+            return y
+        return marked
+
+    hooks, gemms, fc2, fc1 = [], [], {}, {}
     for name, m, d in named:
         key = (top - int(d.group(1)), name[d.end():])
         parent = chunk.get_submodule(name.rsplit(".", 1)[0])
+        routed = ROUTED.match(key[1])
+        if routed:  # parent: the expert's MLP; its MoE layer two levels up
+            m._gemm = gemm(m._gemm, key)
+            gemms.append(m)
+            if routed.group(2) == "2":
+                fc2[id(parent)] = key
+            else:
+                fc1.setdefault(id(chunk.get_submodule(name.rsplit(".", 3)[0])), []).append(key)
+            continue
         hooks += [m.register_forward_pre_hook(lambda mod, args, k=key: forward(args, k)),
                   m.register_forward_hook(lambda mod, args, out, k=key:
                                           on_grad(out[0] if isinstance(out, tuple) else out, "backward", k)),
                   parent.register_forward_hook(lambda mod, args, out, k=key: mark("done", k))]
+    real_mlp, real_steps = moe_experts.expert_mlp, MoELayer.experts_steps
+
+    def expert_mlp(mlp, x):
+        y = real_mlp(mlp, x)
+        if id(mlp) in fc2:
+            mark("done", fc2[id(mlp)])
+        return y
+
+    def experts_steps(layer, *args):
+        y = yield from real_steps(layer, *args)
+        for k in fc1.get(id(layer), ()):
+            mark("done", k)
+        return y
+
+    moe_experts.expert_mlp, MoELayer.experts_steps = expert_mlp, experts_steps
     try:
         yield
     finally:
+        moe_experts.expert_mlp, MoELayer.experts_steps = real_mlp, real_steps
         for h in hooks:
             h.remove()
+        for m in gemms:
+            del m._gemm
 
 
 def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
