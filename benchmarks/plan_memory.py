@@ -96,8 +96,12 @@ FP8 = {  # whole step only (one process each)
     "tiny bf16 tensorwise full block1": (1, BF16 + TENSORWISE + ["--recompute-granularity", "full",
                                                                  "--recompute-method", "block",
                                                                  "--recompute-num-layers", "1"]),
+    "llama-tiny bf16 tensorwise": (1, TINY + LLAMA + ["--bf16"] + TENSORWISE),
     "mixtral-tiny bf16": (1, MIXTRAL + ["--bf16"]),
     "mixtral-tiny bf16 tensorwise": (1, MIXTRAL + ["--bf16"] + TENSORWISE),
+    "mixtral-tiny bf16 delayed": (1, MIXTRAL + ["--bf16"] + DELAYED),
+    "mixtral shared64 bf16 tensorwise": (1, MIXTRAL + ["--bf16", "--moe-shared-expert-intermediate-size", "64"]
+                                         + TENSORWISE),
 }
 
 

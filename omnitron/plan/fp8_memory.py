@@ -340,29 +340,32 @@ def fp8_replay_peak(settings, cfg, events: list, sizes: list[float], linears: di
 
 
 def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
-               layers: int) -> tuple[float, int]:
+               layers: int) -> tuple[float, float]:
     """(peak of a wide transient probe's replayed log (:func:`omnitron.plan.transients.scaled_log`, with
     :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s
     entry for it) run it, the probed layers' 1-byte savings (``saved less``) that the activation term takes off the
-    whole chunk). Each moment counts a saving only while it is one: from the end of the forward of the module holding
-    the linear (until then its wide input, that module's argument or local, is live beside the saved FP8 copy, which
-    counts) to the end of the linear's backward (a wide moment after the top layer's MLP backward, such as selective
-    recomputation's rerun attention, holds none of that layer's). At a linear's ``forward`` and ``backward`` markers,
-    what its FP8 pass creates (:func:`linear_peak`) is added. ``layers``: the probe's; a layer it recomputes in full
-    (:func:`~omnitron.plan.transients.probe_recomputed`) holds its FP8 saved inputs from its rerun forward, and the
-    activation term takes nothing off for it."""
+    whole chunk). A linear's FP8 saved input is held from its forward to the end of its own backward. Its wide input,
+    which the wide log holds until the last linear saving it has run its backward, is taken off from the end of the
+    forward of the module holding the linear (until then it is that module's argument or local) to that free in the
+    wide log, once a storage, unless another op keeps it (``saved less + saved`` 0: :func:`kept_inputs`). At a
+    linear's ``forward`` and ``backward`` markers, what its FP8 pass creates (:func:`linear_peak`) is added.
+    ``layers``: the probe's; a layer it recomputes in full (:func:`~omnitron.plan.transients.probe_recomputed`) holds
+    its FP8 saved inputs from its rerun forward, and the activation term takes nothing off for it."""
     recomputed = probe_recomputed(cfg, layers)
-    live = held = 0.0
-    best, total, seen, pending, holding = 0.0, 0, {}, set(), set()
+    live = held = total = best = 0.0
+    seen, pending, holding, alive, credits = {}, {}, set(), set(), {}
     for i, (op, n) in enumerate(events):
         if op is None:
             live -= sizes[n]
+            alive.discard(n)
+            held -= credits.pop(n, 0.0)  # the wide input freed in the wide log: nothing more to take off
             continue
         if not op.startswith(LINEAR):
             live += sizes[i]
+            alive.add(i)
             best = max(best, live - held)
             continue
-        kind, layer, name = op[len(LINEAR):-1].split(" ")
+        kind, layer, name, source = op[len(LINEAR):-1].split(" ")
         key = (int(layer), name)
         if key not in linears:
             continue
@@ -372,14 +375,16 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
             if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun
-                pending.add(key)
+                pending[key] = None if source == "-" else int(source)
                 held -= saved  # the saved FP8 input beside the wide one
                 total += 0 if key[0] in recomputed else less
         elif kind == "done" and key in pending:  # the wide input, an argument or local of its module, is freed now
-            pending.discard(key)
+            source = pending.pop(key)
             holding.add(key)
-            held += less + saved
+            if less + saved > 0 and source in alive and source not in credits:
+                credits[source] = sizes[source]
+                held += sizes[source]
         elif kind == "end" and key in holding:
             holding.discard(key)
-            held -= less
+            held += saved
     return best, total

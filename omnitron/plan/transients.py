@@ -134,11 +134,13 @@ LINEAR = "<linear "
 """Prefix of the marker events the transient probes log at each decoder linear's moments (:func:`marker`)."""
 
 
-def marker(kind: str, layer: int, name: str) -> str:
+def marker(kind: str, layer: int, name: str, source: int | None = None) -> str:
     """The marker event of linear ``name`` (in its layer) of layer ``layer`` (counted from the chunk's top) at
-    ``kind``: ``forward`` (its forward starts), ``done`` (the forward of the module holding it has returned),
-    ``backward`` (its output's gradient has arrived), ``end`` (its input's gradient is complete)."""
-    return f"{LINEAR}{kind} {layer} {name}>"
+    ``kind``: ``forward`` (its forward starts; ``source``: the index of the event that created its input's storage,
+    None where the log did not see it created), ``done`` (the forward of the module holding it has returned),
+    ``backward`` (its output's gradient has arrived), ``end`` (its own backward has ended: the gradient it passes
+    to its input has arrived)."""
+    return f"{LINEAR}{kind} {layer} {name} {'-' if source is None else source}>"
 
 
 def probe_recomputed(cfg, layers: int) -> set[int]:
@@ -157,9 +159,11 @@ def _mark_linears(chunk, tl: Timeline):
     """While active, each decoder linear of ``chunk`` (the output layer's not) logs a marker event (0 bytes,
     :func:`marker`) into ``tl`` as its forward starts, as the forward of the module holding it ends (its input, that
     module's argument or local, is freed unless saved), as the gradient of its output arrives (its backward starts)
-    and as its input's gradient is complete (its backward has ended), each after logging the
-    storages freed since the last op: the moments an FP8 linear's own tensors and its 1-byte saved input are priced
-    at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`). Layers are counted from the chunk's top (0: the top one).
+    and as its own backward has ended, each after logging the storages freed since the last op: the moments an FP8
+    linear's own tensors and its 1-byte saved input are priced at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`).
+    Layers are counted from the chunk's top (0: the top one). The linear gets an alias (``view_as``: no storage) of
+    its input, whose gradient is its own, complete when its backward ends even where other ops read the input too
+    (an MoE layer's shared expert, multi-latent attention's down-projections).
 
     An MoE layer's routed experts run their linears' GEMMs without calling the modules (``expert_mlp``), so theirs are
     marked by wrapping each one's ``_gemm``; an expert's fc2 input, a local of ``expert_mlp``, is freed when it
@@ -171,21 +175,31 @@ def _mark_linears(chunk, tl: Timeline):
     named = [(name, m, d) for name, m in linear_modules(chunk) for d in [DECODER.search(name)] if d]
     top = max((int(d.group(1)) for _, _, d in named), default=0)
 
-    def mark(kind, key):
+    def mark(kind, key, source=None):
         tl._sweep()
-        tl.events.append((marker(kind, *key), 0))
+        tl.events.append((marker(kind, *key, source), 0))
 
     def on_grad(t, kind, key):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(lambda g: mark(kind, key))
 
     def forward(args, key):
-        mark("forward", key)
-        on_grad(args[0] if args else None, "end", key)
+        """The marker, and ``args`` with the input replaced by an alias whose gradient marks the end (None: as
+        they are)."""
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            mark("forward", key)
+            return None
+        mark("forward", key, tl._live.get(x.untyped_storage()._cdata, (None, None))[1])
+        if not x.requires_grad:
+            return None
+        alias = x.view_as(x)
+        on_grad(alias, "end", key)
+        return (alias, *args[1:])
 
     def gemm(real, key):
         def marked(x, weight, bias=None):
-            forward((x,), key)
+            x = (forward((x,), key) or (x,))[0]
             y = real(x, weight, bias)
             on_grad(y, "backward", key)
             return y

@@ -131,10 +131,16 @@ With ``--qk-layernorm`` (DeepSeek's): without it the key-value up-projection rea
 output, whose whole storage the wide linear keeps (fp8_memory's docstring: not modelled)."""
 
 
+NO_DROPOUT = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--attention-dropout", "0",
+              "--hidden-dropout", "0"]
+"""Without attention dropout core attention runs ``scaled_dot_product_attention``'s fused path, which saves its output,
+the projection's input: the wide model keeps it whatever the projection saves (``fp8_memory.kept_inputs``)."""
+
+
 @pytest.mark.parametrize("recipe,recompute", [("tensorwise", []), ("tensorwise", ["--recompute-granularity", "selective"]),
                                               ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
                                                               "block", "--recompute-num-layers", "1"]),
-                                              ("tensorwise", MLA), ("delayed", [])])
+                                              ("tensorwise", MLA), ("delayed", []), ("tensorwise", NO_DROPOUT)])
 def test_per_tensor_saved_inputs_against_a_real_fp8_forward(recipe, recompute):
     """Per-tensor FP8 linears save their input's FP8 transpose (1 byte an element) and, tensorwise, a 4-byte scale
     (delayed: its input role's, held by its state) where the wide linear saved the input: what one micro-batch of a
@@ -142,7 +148,8 @@ def test_per_tensor_saved_inputs_against_a_real_fp8_forward(recipe, recompute):
     states left out) is the wide forward's less :func:`saved_less` of that chunk, to the byte. Random ends kept wide;
     no recomputation, selective (core attention rerun: the linears' inputs still saved), full block 1 (the first
     layer of a stage keeps its input only), multi-latent attention (two linears reading one input: ``e - 2`` bytes
-    an element less, here none), and delayed after its first step."""
+    an element less, here none), delayed after its first step, and without dropout (the projection's FP8 input
+    saved beside the wide one core attention keeps: 1 byte an element more)."""
     from omnitron.core.checkpoint.reshard import Layout
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.fp8_memory import saved_less
@@ -161,6 +168,65 @@ def test_per_tensor_saved_inputs_against_a_real_fp8_forward(recipe, recompute):
     plain, fp8 = _saved(cfg, Layout(pp=2)), _saved(cfg, Layout(pp=2), s.fp8)
     for r in (0, 1):
         assert plain[(r, 0)] - fp8[(r, 0)] == saved_less(s, cfg, r)[0], (r, wide, recompute)
+
+
+MOE = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--num-experts", "4",
+       "--moe-aux-loss-coeff", "0.01"]
+"""A tiny Mixtral-style MoE layer (dropless, softmax top-k: the rows its experts see sum to ``T k`` whatever the
+routing)."""
+
+
+@pytest.mark.parametrize("recipe,extra", [("tensorwise", ["--bf16"]),
+                                          ("tensorwise", ["--bf16", "--moe-shared-expert-intermediate-size", "32"]),
+                                          ("delayed", ["--moe-shared-expert-intermediate-size", "32"])])
+def test_moe_experts_saved_inputs_against_a_real_fp8_forward(recipe, extra):
+    """FP8 experts (:mod:`omnitron.plan.fp8_moe`): each routed expert's fc1 saves its rows' FP8 transpose where the
+    wide ones saved views of the dispatched rows, each fc2 its input's, the shared expert's two likewise; what one
+    micro-batch of a real FP8 forward saves (pp2, 4 layers, all MoE, each stage chunk in this process) is the wide
+    forward's less :func:`saved_less`, to the byte: bf16; with a shared expert; float32 delayed with a shared expert
+    (the router keeps the shared fc1's input as it is: its FP8 copy costs ``T h + 0`` bytes more). Random top-k and
+    expert width (``T k`` a multiple of the 4 experts: balanced rows sum to the real ones)."""
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.fp8_memory import saved_less
+    from omnitron.plan.memory import model_config
+
+    k, f = random.choice([1, 2]), random.choice([32, 48, 64])
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+            "--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid", "--fp8-recipe", recipe, *MOE,
+            "--moe-router-topk", str(k), "--moe-ffn-hidden-size", str(f), *extra]
+    s = parse_settings(argv, 2)
+    cfg = model_config(s)
+    plain, fp8 = _saved(cfg, Layout(pp=2)), _saved(cfg, Layout(pp=2), s.fp8)
+    for r in (0, 1):
+        assert plain[(r, 0)] - fp8[(r, 0)] == saved_less(s, cfg, r)[0], (r, k, f)
+
+
+def test_moe_experts_saved_inputs_on_a_skewed_ep_rank_by_hand():
+    """Under a routing histogram each ep rank's FP8 experts are priced at their rows: ep2, 4 experts of top-2 over
+    ``T = 32`` tokens a rank, shares (1/2, 1/4, 1/8, 1/8): expert ``i`` receives ``T k share_i`` rows from each of the
+    two ep ranks; rank 0 holds experts 0 and 1 (64 + 32 rows), rank 1 experts 2 and 3 (16 + 16). Each row saves
+    ``(e - 1)`` bytes less per element of fc1's input (hidden 64) and fc2's (expert width 96), each of the rank's
+    four linears one 4-byte scale more; a shared expert (width 32) on the rank's 32 tokens likewise."""
+    from dataclasses import replace
+
+    import torch
+
+    from omnitron.core.models.gpt.config import GPTConfig
+    from omnitron.core.precision.fp8.config import FP8Config
+    from omnitron.plan.fp8_moe import layer_less
+
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=96, swiglu=True, params_dtype=torch.bfloat16)
+    share = (0.5, 0.25, 0.125, 0.125)
+    tw = FP8Config(fp8_recipe="tensorwise")
+    got = [layer_less(tw, cfg, 32, 1, 1, False, 2, 1, share, r) for r in (0, 1)]
+    assert got == [(64 + 32) * (64 + 96) - 4 * 4, (16 + 16) * (64 + 96) - 4 * 4]
+    shared = replace(cfg, moe_shared_expert_intermediate_size=32)
+    assert layer_less(tw, shared, 32, 1, 1, False, 2, 1, share, 1) == got[1] + 32 * (64 + 32) - 2 * 4
+    assert layer_less(FP8Config(fp8_recipe="delayed"), cfg, 32, 1, 1, False, 2, 1, share, 0) == got[0] + 4 * 4
+    assert layer_less(FP8Config(fp8_recipe="blockwise", fp8_format="e4m3"), cfg, 32, 1, 1, False, 2, 1, share, 0) == 0
 
 
 def test_saved_inputs_under_sequence_parallelism_by_hand():
@@ -267,7 +333,9 @@ def test_native_path_by_hand():
 @pytest.mark.parametrize("recipe,extra", [("tensorwise", []), ("tensorwise", ["--recompute-granularity", "selective"]),
                                           ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
                                                           "block", "--recompute-num-layers", "1"]),
-                                          ("delayed", []), ("blockwise", [])])
+                                          ("delayed", []), ("blockwise", []), ("tensorwise", NO_DROPOUT),
+                                          ("tensorwise", MOE), ("delayed", MOE + ["--moe-shared-expert-intermediate-size",
+                                                                                "32"])])
 def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     """The wide transient probe's log replayed with the FP8 linears' passes added at their markers and their saved
     inputs accounted at theirs (:func:`replay_fp8`) peaks where the same probe chunk run with its linears in FP8
@@ -277,11 +345,15 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     the rerun attention, after the top layer's MLP backward: it holds none of those linears' saved inputs); with full
     recomputation of the lower layer (its rerun forward holds its FP8 saved inputs, which the activation term does
     not take off); delayed after its first step (no new scales; the amax taken after the cast); block-wise at whole
-    128-tiles."""
+    128-tiles; without dropout (core attention keeps the projection's wide input); MoE layers, probed as the plan
+    probes them (every expert padded to ``T k / E`` rows), their experts' FP8 passes and saved inputs included (the
+    dispatched rows freed when the experts are done; with a shared expert, whose input the router and the dispatch
+    read too, its FP8 copy freed when its own backward ends)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.kernels.alloc_log import peak
     from omnitron.plan.fp8_memory import chunk_linears, replay_fp8
     from omnitron.plan.memory import model_config
+    from omnitron.plan.moe_activations import transient_probe
     from omnitron.plan.transients import Probe, _timeline
 
     h, f, s, b = (128, 256, 128, 1) if recipe == "blockwise" else (64, random.choice([160, 224]), 32, 2)
@@ -291,7 +363,7 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
             "--fp8-format", "e4m3" if recipe == "blockwise" else "hybrid", *extra]
     settings = parse_settings(argv, 1)
     cfg = model_config(settings)
-    probe = Probe(cfg, 2, True, True, s, b)
+    probe = Probe(transient_probe(cfg, cfg, 1, 1, 1) if cfg.num_experts else cfg, 2, True, True, s, b)
     wide = _timeline(probe)
     best, _ = replay_fp8(settings, cfg, wide, [float(n) for _, n in wide], chunk_linears(settings, cfg, 0)[0], False, 2)
     assert best == peak(_timeline(probe, settings.fp8))
