@@ -100,6 +100,8 @@ FP8 = {  # whole step only (one process each)
     "mixtral-tiny bf16": (1, MIXTRAL + ["--bf16"]),
     "mixtral-tiny bf16 tensorwise": (1, MIXTRAL + ["--bf16"] + TENSORWISE),
     "mixtral-tiny bf16 delayed": (1, MIXTRAL + ["--bf16"] + DELAYED),
+    "mixtral-tiny ep2 bf16": (2, MIXTRAL + EP2 + ["--bf16"]),
+    "mixtral-tiny ep2 bf16 tensorwise": (2, MIXTRAL + EP2 + ["--bf16"] + TENSORWISE),
     "mixtral shared64 bf16 tensorwise": (1, MIXTRAL + ["--bf16", "--moe-shared-expert-intermediate-size", "64"]
                                          + TENSORWISE),
 }

@@ -32,42 +32,50 @@ run the wide model, which saves an input once however many linears read it; FP8 
 FP8 layer and micro-batch, for each group of its linears reading one input tensor (:func:`input_groups`: one hooked
 forward of a one-layer probe; in a GPT layer qkv, proj, fc1 and fc2 each read their own),
 ``(e - n) x in x tokens - 4 n`` bytes less (``e`` the dtype's bytes, ``n`` the group's linears; delayed: no
-``4 n``). Tokens are the micro-batch's whole sequence (over
+``4 n``), or ``- n x in x tokens - 4 n`` where another op saves that tensor too, so the wide one stays (the same
+probe's saved-tensor hook: core attention's output, the projection's input, which ``scaled_dot_product_attention``'s
+fused paths save; :func:`kept_inputs`). An MoE layer's experts: :func:`omnitron.plan.fp8_moe.layer_less` (their rows
+at the plan's routing, balanced or a histogram's on each ep rank). Tokens are the micro-batch's whole sequence (over
 cp): a row-parallel linear's input is not split by sequence, and under sequence parallelism a column-parallel linear
 saves the input it all-gathered, each its own gather (a group of its own); a replicated linear (a one-rank group:
 multi-latent attention's down-projections) reads the sequence shard, ``1 / tp`` of the tokens (:func:`_reads`). Full
 recomputation: a recomputed layer keeps its input only (``recompute_layers``), nothing to take off; selective
 recomputation reruns core attention only, the linears' inputs stay saved.
 
-**Transients** (:func:`replay_fp8`, in the ``transient`` term of :mod:`omnitron.plan.memory`). The transient probes
-run the wide model and log a marker at each decoder linear's forward, at the end of its module's forward, at the
-arrival of its output's gradient and at the end of its backward (:func:`omnitron.plan.transients._mark_linears`); the
-replayed log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`), and
-holds its saved input as FP8 from its module's end (until then the wide input, the module's argument, is live beside
-the FP8 copy) to its backward's end. Per pass (``t`` tokens, weight ``[out, in]``; :mod:`omnitron.plan.fp8_passes`):
-backward, the output gradient's FP8 form and transpose and, tensorwise, scale (``2 t out + 4``) held to the end, then
-dx and dw; emulated, each GEMM's fp32 copies of its operands and its fp32 product, and the reference cast's fp32 copy
+**Transients** (:func:`replay_fp8`, in the ``transient`` term of :mod:`omnitron.plan.memory`). The transient probes run
+the wide model and log a marker at each decoder linear's forward (with the event that created its input), at the end of
+its module's forward, at the arrival of its output's gradient and at the end of its own backward
+(:func:`omnitron.plan.transients._mark_linears`; an MoE layer's routed experts through their GEMM seam); the replayed
+log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`, at the rows it
+sees: an expert's, :func:`omnitron.plan.fp8_moe.probe_experts`), holds its FP8 copy from its forward to its backward's
+end, and takes its wide input off from its module's end (until then the wide input, the module's argument, is live
+beside the FP8 copy) until the wide log frees it (once a storage; never where another op keeps it). Per pass (``t``
+tokens, weight ``[out, in]``; :mod:`omnitron.plan.fp8_passes`): backward, the output gradient's FP8 form and transpose
+and, tensorwise, scale (``2 t out + 4``) held to the end, then dx and dw; emulated, each GEMM's fp32 copies of its
+operands and its fp32 product, and the reference cast's fp32 copy
 (:func:`~omnitron.plan.fp8_passes.per_tensor_backward`); delayed, its cast's amax and step-amax update (4 bytes each;
-natively the Triton cast's per-tile amaxes: :func:`~omnitron.plan.fp8_passes.per_tensor_cast`); block-wise, the
-gradient quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs'
-fp32 operands and products (:func:`~omnitron.plan.fp8_passes.blockwise_backward`); the forwards likewise. Native or
-emulated as the engine's provider decides, from the device profile
-(:func:`~omnitron.plan.fp8_passes.native_gemm`): per-tensor GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is
-``native``; the block-wise quantizations are torch code with an fp32 copy on every device.
+natively the Triton cast's per-tile amaxes: :func:`~omnitron.plan.fp8_passes.per_tensor_cast`); block-wise, the gradient
+quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs' fp32
+operands and products (:func:`~omnitron.plan.fp8_passes.blockwise_backward`); the forwards likewise. Native or emulated
+as the engine's provider decides, from the device profile (:func:`~omnitron.plan.fp8_passes.native_gemm`): per-tensor
+GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is ``native``; the block-wise
+quantizations are torch code with an fp32 copy on every device.
 
 Not modelled: an input that is a view of a wider tensor, whose whole storage the wide linear keeps (multi-latent
 attention without ``--qk-layernorm``: the key-value up-projection reads a slice of the down-projection's output; its
 saving priced at the slice's width: the estimate over-counts the rest of that storage); the rematerialised chunk of full
-recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide,
-an over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's
-depths and their ``eh_proj``, an MoE layer's expert and router linears (their inputs priced wide; the attention linears
-of an MoE layer are taken off), ``--torch-compile`` (a compiled layer quantizes the weight in its graph, uncached, and
-inductor decides what it saves), the delayed reducer's step-end temporaries (``push_packed``'s stacked histories,
-a few ``[roles, history]`` fp32 tensors, after the backward has freed the activations), ``--fp8-impl torchao``; in the transients, block-wise tiles that are not whole (a ragged dimension pads a copy and
-expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the
-GEMM (one more output-sized tensor), MoE layers' routed and shared experts' linears (:func:`chunk_linears` leaves
-them out: their rows are the MoE model's),
-and a wide input a module keeps past its own return.
+recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide, an
+over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's depths and their
+``eh_proj`` (an MoE depth's experts too), ``--torch-compile`` (a compiled layer quantizes the weight in its graph,
+uncached, and inductor decides what it saves), the delayed reducer's step-end temporaries (``push_packed``'s stacked
+histories, a few ``[roles, history]`` fp32 tensors, after the backward has freed the activations), ``--fp8-impl
+torchao``, which op keeps a linear's input on another device (the probe's attention path is this CPU's); in the
+transients, block-wise tiles that are not whole (a ragged dimension pads a copy and expands the scales),
+``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the GEMM (one more
+output-sized tensor), an MoE chunk's experts under ``--moe-grouped-gemm`` (the wide probe runs the grouped GEMM, which
+marks no expert: their FP8 passes are left out, though FP8 runs each expert's own), the experts of a probe with fewer
+experts than the model (16 for more that divide by it: each expert's rows and passes larger, an upper bound), and a wide
+input a module keeps past its own return.
 Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them
 (Megatron's ``layer_no=-1``: never kept wide).
 """

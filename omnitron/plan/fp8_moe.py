@@ -18,8 +18,9 @@ router keeps it (``e = 4`` without SP).
 **Transients** (:func:`probe_experts`): the transient probe runs every layer of an MoE chunk as an MoE layer of
 ``E'`` experts (``E``, or 16 when more divide by it: :func:`omnitron.plan.moe_activations.probe_num_experts`), each
 padded to ``T k / E'`` rows, and marks each expert linear's moments (:func:`omnitron.plan.transients._mark_linears`);
-the replay adds each one's FP8 forward and backward at those rows and holds its saved input as FP8 as for a dense
-linear (each reads its own input; the routed fc1s' wide rows are freed when the layer's ``experts_steps`` returns).
+the replay holds each one's saved input as FP8 at those rows as for a dense linear (the routed fc1s' wide rows are freed
+when the layer's ``experts_steps`` returns) and adds its FP8 forward and backward at the rows a routed expert sees on
+the rank (``T k ep etp / (tp E)`` at balanced routing: the probe has no ep).
 """
 from __future__ import annotations
 
@@ -61,15 +62,21 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
     """``{name in the layer: (out, in, saved less, saved, tokens)}`` of the FP8 expert linears of one MoE layer of the
     transient probe (module docstring), as :func:`omnitron.plan.fp8_memory.chunk_linears` gives a dense linear's, the
     shapes those of ``layer`` (a decoder layer of the rank's skeleton with an MoE MLP: its tp-local, etp-sharded
-    weights): its
-    ``E'`` experts' fc1 and fc2 at ``T k / E'`` rows each, the shared expert's at ``T``; the probe runs without SP,
-    so a float32 router keeps the shared fc1's input (its ``saved less`` is then the FP8 copy's bytes, negative)."""
+    weights); ``tokens``, the rows each pass is priced at: a routed expert's on the rank at balanced routing
+    (:func:`omnitron.plan.moe.moe_local`: ``T k ep etp / (tp E)``, which the probe's one process, routing ``T`` tokens
+    over its ``E'`` experts with no ep, does not see), the shared expert's ``T``. Saved inputs as the probe holds
+    them: the ``E'`` experts' fc1 and fc2 at ``T k / E'`` rows each, the shared expert's at ``T``; the probe runs
+    without SP, so a float32 router keeps the shared fc1's input (its ``saved less`` is then the FP8 copy's bytes,
+    negative)."""
     from omnitron.core.precision.fp8.enable import linear_modules
+    from omnitron.plan.moe import moe_local
     from omnitron.plan.moe_activations import probe_num_experts
 
     pc, fp8 = settings.parallel, settings.fp8
     T = cfg.seq_length // pc.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
+    tp, ep, etp = pc.tensor_model_parallel_size, pc.expert_model_parallel_size, pc.etp
+    real = max(moe_local(cfg, SimpleNamespace(tokens=T, tp=tp), ep, etp, pc.sequence_parallel).rows)
     shapes = {}
     for name, m in linear_modules(layer):
         routed = ROUTED.match(name)
@@ -77,12 +84,13 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
             shapes.setdefault(f"fc{routed.group(2)}", tuple(m.weight.shape))
         elif name in SHARED:
             shapes[name] = tuple(m.weight.shape)
-    rows = T * cfg.moe_router_topk / probe_num_experts(cfg, pc.tensor_model_parallel_size, pc.etp)
+    experts = probe_num_experts(cfg, tp, etp)
+    rows = T * cfg.moe_router_topk / experts
     out = {}
-    for j in range(probe_num_experts(cfg, pc.tensor_model_parallel_size, pc.etp)):
+    for j in range(experts):
         for which in ("fc1", "fc2"):
             o, k = shapes[which]
-            out[f"mlp.experts.{j}.linear_{which}"] = _entry(fp8, e, o, k, rows, True)
+            out[f"mlp.experts.{j}.linear_{which}"] = (*_entry(fp8, e, o, k, rows, True)[:4], real)
     for name in SHARED:
         if name in shapes:
             o, k = shapes[name]

@@ -137,7 +137,8 @@ NO_DROPOUT = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
 the projection's input: the wide model keeps it whatever the projection saves (``fp8_memory.kept_inputs``)."""
 
 
-@pytest.mark.parametrize("recipe,recompute", [("tensorwise", []), ("tensorwise", ["--recompute-granularity", "selective"]),
+@pytest.mark.parametrize("recipe,recompute", [("tensorwise", []),
+                                              ("tensorwise", ["--recompute-granularity", "selective"]),
                                               ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
                                                               "block", "--recompute-num-layers", "1"]),
                                               ("tensorwise", MLA), ("delayed", []), ("tensorwise", NO_DROPOUT)])
@@ -334,8 +335,8 @@ def test_native_path_by_hand():
                                           ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
                                                           "block", "--recompute-num-layers", "1"]),
                                           ("delayed", []), ("blockwise", []), ("tensorwise", NO_DROPOUT),
-                                          ("tensorwise", MOE), ("delayed", MOE + ["--moe-shared-expert-intermediate-size",
-                                                                                "32"])])
+                                          ("tensorwise", MOE),
+                                          ("delayed", MOE + ["--moe-shared-expert-intermediate-size", "32"])])
 def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     """The wide transient probe's log replayed with the FP8 linears' passes added at their markers and their saved
     inputs accounted at theirs (:func:`replay_fp8`) peaks where the same probe chunk run with its linears in FP8
