@@ -5,8 +5,9 @@ saves in a real forward of each stage (omnitron.plan.measure).
 
     PYTHONPATH=. python benchmarks/plan_memory.py
     PYTHONPATH=. python benchmarks/plan_memory.py --moe   # MoE layouts (deepseek_v3_tiny, a tiny Mixtral), whole steps
-    PYTHONPATH=. python benchmarks/plan_memory.py --fp8   # FP8 recipes on the tiny GPT in bf16, whole steps (the
-                                                          # prediction with the fp8 and boundary terms)
+    PYTHONPATH=. python benchmarks/plan_memory.py --fp8   # FP8 recipes on the tiny GPT, Llama and Mixtral in bf16,
+                                                          # whole steps (the prediction with the fp8 and boundary
+                                                          # terms, less the delayed state made before the step)
 """
 from __future__ import annotations
 
