@@ -5,8 +5,9 @@ saves in a real forward of each stage (omnitron.plan.measure).
 
     PYTHONPATH=. python benchmarks/plan_memory.py
     PYTHONPATH=. python benchmarks/plan_memory.py --moe   # MoE layouts (deepseek_v3_tiny, a tiny Mixtral), whole steps
-    PYTHONPATH=. python benchmarks/plan_memory.py --fp8   # FP8 recipes on the tiny GPT in bf16, whole steps (the
-                                                          # prediction with the fp8 and boundary terms)
+    PYTHONPATH=. python benchmarks/plan_memory.py --fp8   # FP8 recipes on the tiny GPT, Llama and Mixtral in bf16,
+                                                          # whole steps (the prediction with the fp8 and boundary
+                                                          # terms, less the delayed state made before the step)
 """
 from __future__ import annotations
 
@@ -83,25 +84,37 @@ MOE = {  # whole step only: routing decides each rank's rows (the plan assumes b
 BF16 = TINY + ["--bf16"]
 TENSORWISE, BLOCKWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"], ["--fp8-format", "e4m3",
                                                                                    "--fp8-recipe", "blockwise"]
+DELAYED = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
 ENDS = ["--first-last-layers-bf16"]
 FP8 = {  # whole step only (one process each)
     "tiny bf16": (1, BF16),
     "tiny bf16 tensorwise": (1, BF16 + TENSORWISE),
     "tiny bf16 tensorwise ends wide": (1, BF16 + TENSORWISE + ENDS),
+    "tiny bf16 delayed": (1, BF16 + DELAYED),
     "tiny bf16 blockwise": (1, BF16 + BLOCKWISE),
     "tiny bf16 blockwise ends wide": (1, BF16 + BLOCKWISE + ENDS),
     "tiny bf16 tensorwise selective": (1, BF16 + TENSORWISE + ["--recompute-granularity", "selective"]),
     "tiny bf16 tensorwise full block1": (1, BF16 + TENSORWISE + ["--recompute-granularity", "full",
                                                                  "--recompute-method", "block",
                                                                  "--recompute-num-layers", "1"]),
+    "llama-tiny bf16 tensorwise": (1, TINY + LLAMA + ["--bf16"] + TENSORWISE),
+    "mixtral-tiny bf16": (1, MIXTRAL + ["--bf16"]),
+    "mixtral-tiny bf16 tensorwise": (1, MIXTRAL + ["--bf16"] + TENSORWISE),
+    "mixtral-tiny bf16 delayed": (1, MIXTRAL + ["--bf16"] + DELAYED),
+    "mixtral-tiny ep2 bf16": (2, MIXTRAL + EP2 + ["--bf16"]),
+    "mixtral-tiny ep2 bf16 tensorwise": (2, MIXTRAL + EP2 + ["--bf16"] + TENSORWISE),
+    "mixtral shared64 bf16 tensorwise": (1, MIXTRAL + ["--bf16", "--moe-shared-expert-intermediate-size", "64"]
+                                         + TENSORWISE),
 }
 
 
 def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
     """This rank's (measured step peak, predicted activations + logits + recompute + transient of its stage, and
-    under FP8 its fp8 and boundary terms); the measurement is omnitron.plan.measure.train_step_peak."""
+    under FP8 its fp8 and boundary terms, the fp8 term less the delayed recipe's scaling state, which exists before
+    the step and counts 0 there); the measurement is omnitron.plan.measure.train_step_peak."""
     import torch
 
+    from omnitron.plan.fp8_memory import fp8_state_bytes
     from omnitron.plan.measure import train_step_peak
     from omnitron.plan.memory import estimate
 
@@ -109,7 +122,8 @@ def rank_step_peak(argv: list[str], root: str, world: int) -> tuple[int, int]:
     stage, peak = train_step_peak(argv, world, root)
     s = parse_settings(argv, world)
     e = estimate(s)[stage]
-    return peak, e.activations + e.logits + e.recompute + e.transient + (e.fp8 + e.boundary if s.fp8 else 0)
+    fp8 = e.fp8 + e.boundary - fp8_state_bytes(s, model_config(s), stage) if s.fp8 else 0
+    return peak, e.activations + e.logits + e.recompute + e.transient + fp8
 
 
 def step_peaks(name: str, root: str) -> list[tuple[int, int]]:

@@ -10,54 +10,72 @@ chunks (:func:`~omnitron.core.precision.fp8.enable.linear_modules`, tp-local sha
 **Per FP8 linear, weight ``[out, in]``** (held the whole step: ``FP8Linear.quantize_weight`` caches the weight's
 FP8 form until an optimizer update changes it, and every micro-batch's forward saves the cached tensors):
 
-- per-tensor recipes (``delayed``, ``tensorwise``): ``(q, q.t() contiguous, scale_inv)``: 2 bytes an element and a
-  4-byte scale (:data:`PER_TENSOR_WEIGHT`);
+- per-tensor recipes (``delayed``, ``tensorwise``): ``(q, q.t() contiguous, scale_inv)``: 2 bytes an element
+  (:data:`PER_TENSOR_WEIGHT`) and, tensorwise, a 4-byte scale (delayed: the weight role's own ``scale_inv``, in its
+  state; :func:`~omnitron.plan.fp8_passes.own_scale`);
 - ``blockwise``: ``(q, scale_inv)``: 1 byte an element and one fp32 scale per 128x128 block
   (``ceil(out/128) x ceil(in/128)``, :data:`omnitron.core.precision.fp8.config.BLOCK_WEIGHT`);
 - ``delayed`` also keeps per role (input, weight, output gradient) a ``DelayedScaling``: its amax history
-  (``--fp8-amax-history-len`` fp32) and three fp32 scalars (scale, its inverse, the step's amax).
+  (``--fp8-amax-history-len`` fp32) and three fp32 scalars (scale, its inverse, the step's amax)
+  (:func:`delayed_state`, :func:`fp8_state_bytes`; made with the model, updated in place at each step's end).
+
+Delayed is priced as training runs it after its first step (``per_step``, the reducer primed): every cast uses its
+role's scale in force and returns that role's ``scale_inv``, nothing new (:mod:`omnitron.plan.fp8_passes`). Its
+first step quantizes as tensorwise does (no history yet), a few 4-byte scalars more.
 
 **Saved activations** (:func:`saved_less`, taken off the activation term by :mod:`omnitron.plan.memory`). The block-wise
 forward saves its input wide (the tensor ``F.linear`` saves, which the activation probes measure) and no activation
 scale: nothing changes. The per-tensor forward saves ``(qx_t, sx, qw_t, sw)``: the input's FP8 transpose (1 byte an
-element) and its fp32 scale where ``F.linear`` saved the input (the cached weight's are in the weight term). The probes
+element) and its fp32 scale (tensorwise: a new one; delayed: the input role's, in the weight term) where ``F.linear``
+saved the input (the cached weight's are in the weight term). The probes
 run the wide model, which saves an input once however many linears read it; FP8 linears each save their own copy. So per
 FP8 layer and micro-batch, for each group of its linears reading one input tensor (:func:`input_groups`: one hooked
 forward of a one-layer probe; in a GPT layer qkv, proj, fc1 and fc2 each read their own),
-``(e - n) x in x tokens - 4 n`` bytes less (``e`` the dtype's bytes, ``n`` the group's linears). Tokens are the micro-batch's whole sequence (over
+``(e - n) x in x tokens - 4 n`` bytes less (``e`` the dtype's bytes, ``n`` the group's linears; delayed: no
+``4 n``), or ``- n x in x tokens - 4 n`` where another op saves that tensor too, so the wide one stays (the same
+probe's saved-tensor hook: core attention's output, the projection's input, which ``scaled_dot_product_attention``'s
+fused paths save; :func:`kept_inputs`). An MoE layer's experts: :func:`omnitron.plan.fp8_moe.layer_less` (their rows
+at the plan's routing, balanced or a histogram's on each ep rank). Tokens are the micro-batch's whole sequence (over
 cp): a row-parallel linear's input is not split by sequence, and under sequence parallelism a column-parallel linear
 saves the input it all-gathered, each its own gather (a group of its own); a replicated linear (a one-rank group:
 multi-latent attention's down-projections) reads the sequence shard, ``1 / tp`` of the tokens (:func:`_reads`). Full
 recomputation: a recomputed layer keeps its input only (``recompute_layers``), nothing to take off; selective
 recomputation reruns core attention only, the linears' inputs stay saved.
 
-**Transients** (:func:`replay_fp8`, in the ``transient`` term of :mod:`omnitron.plan.memory`). The transient probes
-run the wide model and log a marker at each decoder linear's forward, at the end of its module's forward, at the
-arrival of its output's gradient and at the end of its backward (:func:`omnitron.plan.transients._mark_linears`); the
-replayed log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`), and
-holds its saved input as FP8 from its module's end (until then the wide input, the module's argument, is live beside
-the FP8 copy) to its backward's end. Per pass (``t`` tokens, weight ``[out, in]``): backward, the output gradient's FP8
-form and transpose and scale (``2 t out + 4``) held to the end, then dx and dw; emulated, each GEMM's fp32 copies of
-its operands and its fp32 product, and the reference cast's fp32 copy (:func:`per_tensor_backward`); block-wise, the
-gradient quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs'
-fp32 operands and products (:func:`blockwise_backward`); the forwards likewise (:func:`per_tensor_forward`,
-:func:`blockwise_forward`). Native or emulated as the engine's provider decides, from the device profile
-(:func:`native_gemm`): per-tensor GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is
-``native``; the block-wise quantizations are torch code with an fp32 copy on every device.
+**Transients** (:func:`replay_fp8`, in the ``transient`` term of :mod:`omnitron.plan.memory`). The transient probes run
+the wide model and log a marker at each decoder linear's forward (with the event that created its input), at the end of
+its module's forward, at the arrival of its output's gradient and at the end of its own backward
+(:func:`omnitron.plan.transients._mark_linears`; an MoE layer's routed experts through their GEMM seam); the replayed
+log adds, at a linear's forward and backward markers, what its FP8 pass creates (:func:`linear_peak`, at the rows it
+sees: an expert's, :func:`omnitron.plan.fp8_moe.probe_experts`), holds its FP8 copy from its forward to its backward's
+end, and takes its wide input off from its module's end (until then the wide input, the module's argument, is live
+beside the FP8 copy) until the wide log frees it (once a storage; never where another op keeps it). Per pass (``t``
+tokens, weight ``[out, in]``; :mod:`omnitron.plan.fp8_passes`): backward, the output gradient's FP8 form and transpose
+and, tensorwise, scale (``2 t out + 4``) held to the end, then dx and dw; emulated, each GEMM's fp32 copies of its
+operands and its fp32 product, and the reference cast's fp32 copy
+(:func:`~omnitron.plan.fp8_passes.per_tensor_backward`); delayed, its cast's amax and step-amax update (4 bytes each;
+natively the Triton cast's per-tile amaxes: :func:`~omnitron.plan.fp8_passes.per_tensor_cast`); block-wise, the gradient
+quantized twice and the saved wide input once in 128-tiles, each with an fp32 copy, and the emulated GEMMs' fp32
+operands and products (:func:`~omnitron.plan.fp8_passes.blockwise_backward`); the forwards likewise. Native or emulated
+as the engine's provider decides, from the device profile (:func:`~omnitron.plan.fp8_passes.native_gemm`): per-tensor
+GEMMs native where it has an ``fp8`` peak, block-wise where ``[fp8] block_gemm`` is ``native``; the block-wise
+quantizations are torch code with an fp32 copy on every device.
 
 Not modelled: an input that is a view of a wider tensor, whose whole storage the wide linear keeps (multi-latent
 attention without ``--qk-layernorm``: the key-value up-projection reads a slice of the down-projection's output; its
 saving priced at the slice's width: the estimate over-counts the rest of that storage); the rematerialised chunk of full
-recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide,
-an over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's
-depths and their ``eh_proj``, an MoE layer's expert and router linears (their inputs priced wide; the attention linears
-of an MoE layer are taken off), ``--torch-compile`` (a compiled layer quantizes the weight in its graph, uncached, and
-inductor decides what it saves), the delayed reducer's packed buffers and its amax casts (priced as tensorwise's),
-``--fp8-impl torchao``; in the transients, block-wise tiles that are not whole (a ragged dimension pads a copy and
-expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the
-GEMM (one more output-sized tensor), MoE layers' routed and shared experts' linears (:func:`chunk_linears` leaves
-them out: their rows are the MoE model's),
-and a wide input a module keeps past its own return.
+recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide, an
+over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's depths and their
+``eh_proj`` (an MoE depth's experts too), ``--torch-compile`` (a compiled layer quantizes the weight in its graph,
+uncached, and inductor decides what it saves), the delayed reducer's step-end temporaries (``push_packed``'s stacked
+histories, a few ``[roles, history]`` fp32 tensors, after the backward has freed the activations), ``--fp8-impl
+torchao``, which op keeps a linear's input on another device (the probe's attention path is this CPU's); in the
+transients, block-wise tiles that are not whole (a ragged dimension pads a copy and expands the scales),
+``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the GEMM (one more
+output-sized tensor), an MoE chunk's experts under ``--moe-grouped-gemm`` (the wide probe runs the grouped GEMM, which
+marks no expert: their FP8 passes are left out, though FP8 runs each expert's own), the experts of a probe with fewer
+experts than the model (16 for more that divide by it: each expert's rows and passes larger, an upper bound), and a wide
+input a module keeps past its own return.
 Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them
 (Megatron's ``layer_no=-1``: never kept wide).
 """
@@ -69,14 +87,14 @@ import math
 import torch
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
+from omnitron.plan.fp8_passes import (SCALE, blockwise_backward, blockwise_forward, own_scale, per_tensor_backward,
+                                     per_tensor_forward)
 from omnitron.plan.stage_layers import wide_layers
 from omnitron.plan.state import skeleton
 from omnitron.plan.transients import DECODER as _DECODER, LINEAR, probe_recomputed
 
 PER_TENSOR_WEIGHT = 2
 """Bytes per weight element a per-tensor recipe caches: the FP8 weight and its contiguous transpose."""
-SCALE = 4
-"""Bytes of one scale (float32)."""
 SAVED_INPUT = 1
 """Bytes per element of what a per-tensor FP8 linear saves of its input: its FP8 transpose (``qx_t``)."""
 DELAYED_SCALARS = 3
@@ -104,14 +122,18 @@ def fp8_linears(settings, cfg, pp_rank: int) -> list[tuple[int, int]]:
     return out
 
 
+def delayed_state(fp8) -> int:
+    """Bytes of one FP8 linear's delayed-scaling state (0 for the other recipes): per role (input, weight, output
+    gradient) its amax history and three fp32 scalars. Made at ``enable_fp8`` and updated in place at each step's end
+    (``push_packed``), so it exists before any step (the benchmark's step peak counts it 0)."""
+    return 3 * SCALE * (fp8.fp8_amax_history_len + DELAYED_SCALARS) if fp8.fp8_recipe == "delayed" else 0
+
+
 def linear_bytes(fp8, out: int, inp: int) -> int:
     """What one FP8 linear of weight ``[out, inp]`` holds under recipe ``fp8`` (an ``FP8Config``)."""
     if fp8.fp8_recipe == "blockwise":
         return out * inp + SCALE * math.ceil(out / 128) * math.ceil(inp / 128)
-    held = PER_TENSOR_WEIGHT * out * inp + SCALE
-    if fp8.fp8_recipe == "delayed":
-        held += 3 * SCALE * (fp8.fp8_amax_history_len + DELAYED_SCALARS)
-    return held
+    return PER_TENSOR_WEIGHT * out * inp + own_scale(fp8) + delayed_state(fp8)
 
 
 def fp8_bytes(settings, cfg, pp_rank: int) -> int:
@@ -119,14 +141,24 @@ def fp8_bytes(settings, cfg, pp_rank: int) -> int:
     return sum(linear_bytes(settings.fp8, o, i) for o, i in fp8_linears(settings, cfg, pp_rank))
 
 
+def fp8_state_bytes(settings, cfg, pp_rank: int) -> int:
+    """What of :func:`fp8_bytes` is delayed-scaling state (:func:`delayed_state`): 0 for the other recipes."""
+    if settings.fp8 is None:
+        return 0
+    return delayed_state(settings.fp8) * len(fp8_linears(settings, cfg, pp_rank))
+
+
 _GROUPS: dict[str, tuple] = {}
 
 
-def input_groups(cfg) -> tuple[tuple[str, ...], ...]:
-    """One dense decoder layer's linears (names in the layer) grouped by the input tensor they read, from one
-    forward (no grad) of a one-layer probe at the activation probes' widths
-    (:func:`omnitron.plan.activations.probe_config`, one process: no sequence parallelism), a pre-hook on each
-    linear keeping its input (so no later tensor reuses the storage); cached per config."""
+def input_groups(cfg) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    """One dense decoder layer's linears (names in the layer) grouped by the input tensor they read, each group with
+    whether an op other than a linear saves that tensor for backward too (then the wide model keeps it whatever the
+    linears do: core attention's output, which ``scaled_dot_product_attention``'s flash and memory-efficient paths
+    save, is the projection's input). From one forward of a one-layer probe at the activation probes' widths
+    (:func:`omnitron.plan.activations.probe_config`, one process: no sequence parallelism, training mode), a pre-hook
+    on each linear keeping its input (so no later tensor reuses the storage) and a saved-tensor hook noting what is
+    saved outside the linears' calls; cached per config."""
     from dataclasses import replace
 
     from omnitron.core.models.gpt import GPTModel
@@ -143,11 +175,27 @@ def input_groups(cfg) -> tuple[tuple[str, ...], ...]:
         torch.manual_seed(0)
         model = GPTModel(probe, ParallelGroups.single())
         seen: list[tuple[str, torch.Tensor]] = []
-        hooks = [m.register_forward_pre_hook(lambda mod, args, n=name[d.end():]: seen.append((n, args[0])))
-                 for name, m in linear_modules(model) for d in [_DECODER.search(name)] if d is not None]
+        inside: list[str] = []  # the decoder linear whose call runs now
+        kept: set[int] = set()  # storages saved outside those calls
+
+        def enter(name, x):
+            seen.append((name, x))
+            inside.append(name)
+
+        def leave(*_):
+            inside.pop()  # (a forward hook's return value would replace the output)
+
+        def pack(t):
+            if not inside:
+                kept.add(t.untyped_storage().data_ptr())
+            return t
+
+        named = [(name[d.end():], m) for name, m in linear_modules(model) for d in [_DECODER.search(name)] if d]
+        hooks = [h for n, m in named for h in (m.register_forward_pre_hook(lambda mod, args, n=n: enter(n, args[0])),
+                                               m.register_forward_hook(leave))]
         try:
             tokens = torch.randint(0, probe.vocab_size, (1, s))
-            with torch.no_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 model(tokens=tokens, position_ids=torch.arange(s)[None])
         finally:
             for h in hooks:
@@ -155,8 +203,15 @@ def input_groups(cfg) -> tuple[tuple[str, ...], ...]:
         groups: dict[int, list[str]] = {}
         for n, x in seen:
             groups.setdefault(x.untyped_storage().data_ptr(), []).append(n)
-        _GROUPS[key] = tuple(tuple(g) for g in groups.values())
+        _GROUPS[key] = tuple((tuple(g), ptr in kept) for ptr, g in groups.items())
     return _GROUPS[key]
+
+
+def kept_inputs(cfg) -> set[str]:
+    """Names (in the layer) of the dense decoder linears whose wide input stays saved whatever their own FP8 saves
+    (:func:`input_groups`): another op saves it too, or it is the input of an earlier linear of its group (the one
+    that stands for the group's wide input; multi-latent attention's two down-projections read one)."""
+    return {n for names, kept in input_groups(cfg) for i, n in enumerate(names) if kept or i}
 
 
 def _reads(settings, m) -> tuple[bool, int]:
@@ -173,17 +228,21 @@ def _reads(settings, m) -> tuple[bool, int]:
     return (True, 1) if m.sequence_parallel and m.group.size > 1 else (False, tp if m.group.size == 1 else 1)
 
 
-def saved_less(settings, cfg, pp_rank: int) -> dict[int, float]:
+def saved_less(settings, cfg, pp_rank: int, routed=None) -> dict[int, float]:
     """Per chunk of pipeline rank ``pp_rank``: the bytes one micro-batch's FP8 layers save less than the wide model
-    the activation probes measure (module docstring, "Saved activations"); empty without a per-tensor recipe."""
+    the activation probes measure (module docstring, "Saved activations"), an MoE layer's experts' included
+    (:func:`omnitron.plan.fp8_moe.layer_less`) at balanced routing or, with ``routed`` (``(routing, ep rank)``,
+    ``routing`` as :func:`omnitron.plan.memory.moe_routing`'s), each MoE layer at its histogram rows on that ep rank's
+    experts; empty without a per-tensor recipe."""
     from omnitron.core.models.gpt.config import recompute_layers
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
+    from omnitron.plan.fp8_moe import layer_less
 
     if settings.fp8 is None or not settings.fp8.per_tensor:
         return {}
     pc = settings.parallel
     tokens = cfg.seq_length // pc.context_parallel_size * settings.training.micro_batch_size
-    elem, groups = cfg.params_dtype.itemsize, input_groups(cfg)
+    elem, groups, scale = cfg.params_dtype.itemsize, input_groups(cfg), own_scale(settings.fp8)
     chunks = skeleton(cfg, pc, pp_rank, schedule_style(settings.training.pipeline_schedule))
     wide = wide_layers(settings, cfg)
     out = {}
@@ -195,127 +254,48 @@ def saved_less(settings, cfg, pp_rank: int) -> dict[int, float]:
                 layers.setdefault(int(d.group(1)), {})[name[d.end():]] = (m.weight.shape[1], *_reads(settings, m))
         first = min(layers, default=0)
         recomputed = {i for run in recompute_layers(cfg, len(wide[(pp_rank, c)])) for i in run}
+        moe = [i for i in sorted(layers) if any("experts" in n for n in layers[i])]
         less = 0.0
         for i, inputs in layers.items():
             if wide[(pp_rank, c)][i - first] or i - first in recomputed:
                 continue
-            for g in groups:
+            if i in moe:
+                less += _experts_less(settings, cfg, layer_less, None if routed is None else
+                                      (routed[0][(pp_rank, c)][moe.index(i)], routed[1]))
+            for g, kept in groups:
                 mine = [inputs[n] for n in g if n in inputs]
                 own = [(k, 1) for k, gathers, _ in mine if gathers]  # under SP: each its own gathered copy
                 shared = [(k, split) for k, gathers, split in mine if not gathers]
-                for part in [[o] for o in own] + ([shared] if shared else []):
-                    (k, split), n = part[0], len(part)
-                    less += (elem - n * SAVED_INPUT) * k * tokens / split - SCALE * n
+                for part, was in [([o], elem) for o in own] + ([(shared, 0 if kept else elem)] if shared else []):
+                    (k, split), n = part[0], len(part)  # was: 0 where another op keeps the (shared) input anyway
+                    less += (was - n * SAVED_INPUT) * k * tokens / split - scale * n
         out[c] = less
     return out
 
 
-# ---- one FP8 linear's own transients (forward and backward) ---------------------------------------------------
-F32 = 4
-"""Bytes of a float32 element: the emulated GEMMs' dequantized operands and products, the reference casts' copies."""
+def _experts_less(settings, cfg, fn, routed) -> float:
+    """``fn`` (:func:`omnitron.plan.fp8_moe.layer_less`) of one MoE layer: balanced (``routed`` None), or the mean
+    over the histogram rows of ``routed`` (``(rows, ep rank)``) on that rank's experts."""
+    pc = settings.parallel
+    args = (settings.fp8, cfg, cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size,
+            pc.tensor_model_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size, pc.etp)
+    if routed is None:
+        return fn(*args)
+    rows, rank = routed
+    return sum(fn(*args, share, rank) for share in rows) / len(rows)
 
 
-def native_gemm(fp8, device=None) -> bool:
-    """Whether recipe ``fp8``'s GEMMs run natively (no fp32 copies) on ``device`` (a
-    :class:`~omnitron.plan.profile.DeviceProfile`), as the engine's provider decides (``backends/fp8.py``):
-    per-tensor GEMMs where the device has an FP8 peak (``torch._scaled_mm`` runs there); block-wise ones only where
-    the profile says ``[fp8] block_gemm = "native"`` (``F.scaled_mm`` refused every block-wise layout on the H200,
-    torch 2.11). Without a profile: this process's backend (``fp8_gemm``; block-wise emulated)."""
-    if device is None:
-        if fp8.fp8_recipe == "blockwise":
-            return False
-        from omnitron.backends import get_backend
-
-        return get_backend().capabilities().fp8_gemm == "scaled_mm"
-    if fp8.fp8_recipe == "blockwise":
-        return device.fp8_block_gemm == "native"
-    return "fp8" in device.peak
-
-
-def _emulated_mm(m: int, k: int, n: int) -> int:
-    """Most bytes the emulated per-tensor GEMM ``(a.float() * sa) @ (b.float() * sb)`` of ``a [m, k]``, ``b [k, n]``
-    holds beside its FP8 operands: an operand's fp32 copy beside its scaled copy (the copy freed once scaled), then
-    the fp32 product beside both scaled operands (freed before the cast to the output dtype)."""
-    return F32 * max(2 * m * k, m * k + 2 * k * n, m * k + k * n + m * n)
-
-
-def _per_tensor_cast(m: int, n: int, native: bool) -> int:
-    """Most bytes quantizing ``[m, n]`` (``FP8Linear.quantize``, current scaling) holds: native (the device's fused
-    cast-transpose kernel): the FP8 tensor, its transpose and the scale; the reference (CPU): the amax, the scale,
-    an fp32 copy of the source and the FP8 tensor cast from it (the copy freed before the transpose is made)."""
-    return 2 * m * n + SCALE if native else F32 * m * n + m * n + 2 * SCALE
-
-
-def per_tensor_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool) -> int:
-    """Peak bytes a per-tensor FP8 linear's backward (``_FP8LinearFn._backward``) creates for ``t`` tokens, weight
-    ``[out, inp]``, the input's dtype ``e`` bytes and the weight's ``ew``: the output gradient's FP8 form ``qg``
-    ``[t, out]``, its transpose ``qg_t`` and scale (1, 1 byte an element and 4 bytes, held to the end), then
-    ``dx = qg @ w`` and ``dw = qg_t @ x_t`` in the input's and weight's dtype. Emulated (no FP8 GEMM), each GEMM's
-    fp32 copies of its operands and its fp32 product (:func:`_emulated_mm`), and the reference cast's fp32 copy;
-    native (``_scaled_mm``), none."""
-    q, dx, dw = 2 * t * out + SCALE, e * t * inp, ew * out * inp
-    if native:
-        return q + dx + dw
-    return max(_per_tensor_cast(t, out, False), q + _emulated_mm(t, out, inp), q + F32 * t * inp + dx,
-               q + dx + _emulated_mm(out, t, inp), q + dx + F32 * out * inp + dw)
-
-
-def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
-    """Peak bytes a per-tensor FP8 linear's forward creates beside the weight's cached FP8 form: the input's FP8 form
-    ``qx`` ``[t, inp]``, its transpose ``qx_t`` (saved for backward) and scale, then ``y`` ``[t, out]`` in the
-    input's dtype (``e`` bytes); emulated, the GEMM's fp32 copies and product and the reference cast's copy."""
-    q, y = 2 * t * inp + SCALE, e * t * out
-    if native:
-        return q + y
-    return max(_per_tensor_cast(t, inp, False), q + _emulated_mm(t, inp, out), q + F32 * t * out + y)
-
-
-def _block_scales(m: int, k: int, block: tuple[int, int]) -> int:
-    """Bytes of the fp32 scales of ``[m, k]`` quantized in ``block`` tiles."""
-    return SCALE * math.ceil(m / block[0]) * math.ceil(k / block[1])
-
-
-def _quantize_blocks(m: int, k: int, block: tuple[int, int]) -> tuple[int, int]:
-    """(most bytes ``FP8Provider.quantize_blocks`` of ``[m, k]`` holds: the scales, the source's fp32 copy and the FP8
-    tensor cast from it; what it returns: the FP8 tensor and the scales' inverses). Tiles whole (a dimension a multiple
-    of the tile's): a ragged one also pads a copy and expands the scales, not counted."""
-    s = _block_scales(m, k, block)
-    return s + F32 * m * k + m * k, m * k + s
-
-
-def _block_mm(m: int, k: int, n: int) -> int:
-    """fp32 bytes the emulated block-wise GEMM (``FP8Provider._emulated_blockwise``) of ``[m, k] @ [k, n]`` holds
-    while casting its product: both dequantized operands (locals, held to its return) and the product."""
-    return F32 * (m * k + k * n + m * n)
-
-
-def blockwise_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool) -> int:
-    """Peak bytes a block-wise FP8 linear's backward creates: the output gradient quantized in 1x128 tiles (``qg``,
-    held to the end) for ``dx``, then again along tokens (``qgt`` ``[out, t]``) and the saved wide input in 128x1
-    tiles (``qxt``) for ``dw``; emulated, each GEMM's fp32 operands and product beside its output. Native: the FP8
-    operands and the quantizations' fp32 copies only (``quantize_blocks`` is torch code on every device)."""
-    (pg, g), (pgt, gt), (px, xq) = (_quantize_blocks(t, out, (1, 128)), _quantize_blocks(out, t, (1, 128)),
-                                    _quantize_blocks(t, inp, (128, 1)))
-    dx, dw = e * t * inp, ew * out * inp
-    mm = (lambda m, k, n: 0) if native else _block_mm
-    return max(pg, g + mm(t, out, inp) + dx, g + dx + pgt, g + dx + gt + px, g + dx + gt + xq + mm(out, t, inp) + dw)
-
-
-def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:
-    """Peak bytes a block-wise FP8 linear's forward creates beside the cached weight: the input quantized in 1x128
-    tiles (not saved: the forward saves the input wide), then ``y``; emulated, the GEMM's fp32 operands and product."""
-    p, q = _quantize_blocks(t, inp, (1, 128))
-    return max(p, q + (0 if native else _block_mm(t, inp, out)) + e * t * out)
-
-
-def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple[int, int, int, int]]]:
+def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str], tuple]]:
     """Per chunk of pipeline rank ``pp_rank``: ``{(layer counted from the chunk's top, name in the layer): (out, in,
-    saved less, saved)}`` of its FP8 decoder linears but MoE experts' (tp-local weight shapes). ``saved less``: what
-    its 1-byte saved input takes off the wide activations where its layer keeps them (per-tensor:
-    ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise: 0);
-    ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``; block-wise: 0, it saves the wide
-    input). Empty without ``--fp8-format``."""
+    saved less, saved, tokens)}`` of its FP8 decoder linears (tp-local weight shapes) as the transient probe runs
+    them. ``saved less``: what its 1-byte saved input takes off the wide activations where its layer keeps them
+    (per-tensor: ``(e - 1) x in x tokens - 4``, the :func:`saved_less` of a linear reading its own input; block-wise:
+    0); ``saved``: the bytes of that saved input and its scale (``in x tokens + 4``, delayed without the 4; block-wise:
+    0, it saves the wide input); ``tokens``: the rows its GEMMs see (the micro-batch's whole sequence over cp). A chunk
+    with MoE layers is probed with every layer MoE: each of its FP8 layers gets the probe's experts'
+    (:func:`omnitron.plan.fp8_moe.probe_experts`). Empty without ``--fp8-format``."""
     from omnitron.core.precision.fp8.enable import DEFAULT_EXCLUDE, linear_modules
+    from omnitron.plan.fp8_moe import probe_experts
 
     if settings.fp8 is None:
         return {}
@@ -323,33 +303,39 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
     t = cfg.seq_length // pc.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
     chunks = skeleton(cfg, pc, pp_rank, schedule_style(settings.training.pipeline_schedule))
-    wide = wide_layers(settings, cfg)
+    wide, kept = wide_layers(settings, cfg), kept_inputs(cfg) if settings.fp8.per_tensor else set()
     out = {}
     for c, chunk in enumerate(chunks):
         named = [(name, m, d) for name, m in linear_modules(chunk) for d in [_DECODER.search(name)]
-                 if d and "experts" not in name[d.end():] and not any(fnmatch.fnmatch(name, p)
-                                                                      for p in DEFAULT_EXCLUDE)]
+                 if d and not any(fnmatch.fnmatch(name, p) for p in DEFAULT_EXCLUDE)]
         first = min((int(d.group(1)) for _, _, d in named), default=0)
         flags = wide[(pp_rank, c)]
-        out[c] = {}
+        moe = next((chunk.get_submodule(name[:d.end() - 1]) for name, _, d in named if "experts" in name[d.end():]),
+                   None)
+        experts = probe_experts(settings, cfg, moe) if moe is not None else {}
+        out[c] = {(len(flags) - 1 - i, n): v for i, kept_wide in enumerate(flags) if not kept_wide
+                  for n, v in experts.items()}
         for name, m, d in named:
             i = int(d.group(1)) - first
-            if flags[i]:
+            if flags[i] or "experts" in name[d.end():]:
                 continue
             o, k = m.weight.shape
-            saved = SAVED_INPUT * k * t + SCALE if settings.fp8.per_tensor else 0
-            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, e * k * t - saved if saved else 0, saved)
+            saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
+            wide = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
+            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, wide - saved if saved else 0, saved, t)
     return out
 
 
-def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool) -> int:
+def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None) -> float:
     """Peak bytes one FP8 linear of weight ``[out, inp]`` creates in its ``kind`` pass (``forward`` or ``backward``)
-    for one micro-batch of ``settings`` (tokens: the whole sequence over cp; the model's dtype)."""
-    t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
+    for ``t`` rows (None: one micro-batch of ``settings``, the whole sequence over cp) in the model's dtype."""
+    if t is None:
+        t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
     if settings.fp8.per_tensor:
-        return per_tensor_forward(t, out, inp, e, native) if kind == "forward" else \
-            per_tensor_backward(t, out, inp, e, e, native)
+        delayed = settings.fp8.fp8_recipe == "delayed"
+        return per_tensor_forward(t, out, inp, e, native, delayed) if kind == "forward" else \
+            per_tensor_backward(t, out, inp, e, e, native, delayed)
     return blockwise_forward(t, out, inp, e, native) if kind == "forward" else \
         blockwise_backward(t, out, inp, e, e, native)
 
@@ -362,46 +348,51 @@ def fp8_replay_peak(settings, cfg, events: list, sizes: list[float], linears: di
 
 
 def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, native: bool,
-               layers: int) -> tuple[float, int]:
+               layers: int) -> tuple[float, float]:
     """(peak of a wide transient probe's replayed log (:func:`omnitron.plan.transients.scaled_log`, with
     :func:`~omnitron.plan.transients.marker` events) as the chunk's FP8 linears (``linears``: :func:`chunk_linears`'s
     entry for it) run it, the probed layers' 1-byte savings (``saved less``) that the activation term takes off the
-    whole chunk). Each moment counts a saving only while it is one: from the end of the forward of the module holding
-    the linear (until then its wide input, that module's argument or local, is live beside the saved FP8 copy, which
-    counts) to the end of the linear's backward (a wide moment after the top layer's MLP backward, such as selective
-    recomputation's rerun attention, holds none of that layer's). At a linear's ``forward`` and ``backward`` markers,
-    what its FP8 pass creates (:func:`linear_peak`) is added. ``layers``: the probe's; a layer it recomputes in full
-    (:func:`~omnitron.plan.transients.probe_recomputed`) holds its FP8 saved inputs from its rerun forward, and the
-    activation term takes nothing off for it."""
+    whole chunk). A linear's FP8 saved input is held from its forward to the end of its own backward. Its wide input,
+    which the wide log holds until the last linear saving it has run its backward, is taken off from the end of the
+    forward of the module holding the linear (until then it is that module's argument or local) to that free in the
+    wide log, once a storage, unless another op keeps it (``saved less + saved`` 0: :func:`kept_inputs`). At a
+    linear's ``forward`` and ``backward`` markers, what its FP8 pass creates (:func:`linear_peak`) is added.
+    ``layers``: the probe's; a layer it recomputes in full (:func:`~omnitron.plan.transients.probe_recomputed`) holds
+    its FP8 saved inputs from its rerun forward, and the activation term takes nothing off for it."""
     recomputed = probe_recomputed(cfg, layers)
-    live = held = 0.0
-    best, total, seen, pending, holding = 0.0, 0, {}, set(), set()
+    live = held = total = best = 0.0
+    seen, pending, holding, alive, credits = {}, {}, set(), set(), {}
     for i, (op, n) in enumerate(events):
         if op is None:
             live -= sizes[n]
+            alive.discard(n)
+            held -= credits.pop(n, 0.0)  # the wide input freed in the wide log: nothing more to take off
             continue
         if not op.startswith(LINEAR):
             live += sizes[i]
+            alive.add(i)
             best = max(best, live - held)
             continue
-        kind, layer, name = op[len(LINEAR):-1].split(" ")
+        kind, layer, name, source = op[len(LINEAR):-1].split(" ")
         key = (int(layer), name)
         if key not in linears:
             continue
-        o, k, less, saved = linears[key]
+        o, k, less, saved, t = linears[key]
         if kind in ("forward", "backward"):
-            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native))
+            best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native, t))
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
             if seen[key] == (2 if key[0] in recomputed else 1):  # kept: the forward; recomputed: the rerun
-                pending.add(key)
+                pending[key] = None if source == "-" else int(source)
                 held -= saved  # the saved FP8 input beside the wide one
                 total += 0 if key[0] in recomputed else less
         elif kind == "done" and key in pending:  # the wide input, an argument or local of its module, is freed now
-            pending.discard(key)
+            source = pending.pop(key)
             holding.add(key)
-            held += less + saved
+            if less + saved > 0 and source in alive and source not in credits:
+                credits[source] = sizes[source]
+                held += sizes[source]
         elif kind == "end" and key in holding:
             holding.discard(key)
-            held -= less
+            held += saved
     return best, total

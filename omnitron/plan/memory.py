@@ -61,7 +61,8 @@ from dataclasses import dataclass, replace
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
-from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, native_gemm, saved_less
+from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, saved_less
+from omnitron.plan.fp8_passes import native_gemm
 from omnitron.plan.state import state_bytes
 
 log = logging.getLogger(__name__)
@@ -431,7 +432,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
     ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does.
     ``load``: a routing histogram (:class:`omnitron.plan.routing.ExpertLoad`): each stage on its busiest ep rank.
     ``device``: the :class:`~omnitron.plan.profile.DeviceProfile` run on (whether FP8 GEMMs are native there:
-    :func:`.fp8_memory.native_gemm`); None: this process's backend."""
+    :func:`.fp8_passes.native_gemm`); None: this process's backend."""
     from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
     given, pc = model_config(settings), settings.parallel
@@ -447,7 +448,8 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
         has_moe = any(moe[(r, c)] for c in range(vp))
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
         less = saved_less(settings, cfg, r)
-        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k, less) for k in ranks}
+        each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k,
+                         less if k is None else saved_less(settings, cfg, r, (routing, k))) for k in ranks}
         stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
         rank = max(each, key=lambda k: each[k][0] + transients * each[k][3] +
                    (recompute_bytes(settings, cfg, (stage, k)) if k is not None else 0))

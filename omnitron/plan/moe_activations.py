@@ -52,8 +52,8 @@ capacity, the drops taken off); :func:`omnitron.plan.memory.estimate` prices eve
 busiest. Its backward transients are the probe's at balanced routing plus what the rank's local experts'
 backward holds at its own rows beyond balanced rows (:mod:`.moe_backward`; left out before 2026-12-04 23:00 UTC:
 a skewed ep2 step's peak was then up to 3.4% over the plan in tests/plan/test_transients.py).
-Not modelled: dropped tokens at balanced routing (a capacity factor is taken as dropping nothing), FP8 expert
-GEMMs' saved copies. The ep
+Not modelled: dropped tokens at balanced routing (a capacity factor is taken as dropping nothing). FP8 experts
+save their own copies (:mod:`.fp8_moe`, taken off with the FP8 linears' savings). The ep
 all-to-all's buffers in backward are left out on evidence: with 2 MiB buffers (1.8% of the step) a padded
 ep2 step's peak rose by the regroup indices the plan adds and not by them (BENCHMARKS.md, 2026-12-04).
 """
@@ -214,6 +214,12 @@ def _local(cfg, tp: int, etp: int):
                                                                                    or ffn_size(cfg)) // etp,
                    moe_shared_expert_intermediate_size=shared // tp or None, moe_expert_capacity_factor=None,
                    moe_pad_expert_input_to_capacity=False, **experts)
+
+
+def probe_num_experts(cfg, tp: int, etp: int) -> int:
+    """How many experts an MoE layer of :func:`transient_probe` has (:func:`_local`: ``E``, or 16 when more divide
+    by it)."""
+    return _local(cfg, tp, etp).num_experts
 
 
 def transient_probe(cfg, probe, k: int, tp: int, etp: int):

@@ -128,15 +128,19 @@ def _mark_experts(events: list):
 
 DECODER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
 """A decoder layer's linear's module name; group 1 its layer number."""
+ROUTED = re.compile(r"^mlp\.experts\.(\d+)\.linear_fc([12])$")
+"""A routed expert's linear's name in its layer (group 1 the expert's index, group 2 which of its two linears)."""
 LINEAR = "<linear "
 """Prefix of the marker events the transient probes log at each decoder linear's moments (:func:`marker`)."""
 
 
-def marker(kind: str, layer: int, name: str) -> str:
+def marker(kind: str, layer: int, name: str, source: int | None = None) -> str:
     """The marker event of linear ``name`` (in its layer) of layer ``layer`` (counted from the chunk's top) at
-    ``kind``: ``forward`` (its forward starts), ``done`` (the forward of the module holding it has returned),
-    ``backward`` (its output's gradient has arrived), ``end`` (its input's gradient is complete)."""
-    return f"{LINEAR}{kind} {layer} {name}>"
+    ``kind``: ``forward`` (its forward starts; ``source``: the index of the event that created its input's storage,
+    None where the log did not see it created), ``done`` (the forward of the module holding it has returned),
+    ``backward`` (its output's gradient has arrived), ``end`` (its own backward has ended: the gradient it passes
+    to its input has arrived)."""
+    return f"{LINEAR}{kind} {layer} {name} {'-' if source is None else source}>"
 
 
 def probe_recomputed(cfg, layers: int) -> set[int]:
@@ -155,48 +159,106 @@ def _mark_linears(chunk, tl: Timeline):
     """While active, each decoder linear of ``chunk`` (the output layer's not) logs a marker event (0 bytes,
     :func:`marker`) into ``tl`` as its forward starts, as the forward of the module holding it ends (its input, that
     module's argument or local, is freed unless saved), as the gradient of its output arrives (its backward starts)
-    and as its input's gradient is complete (its backward has ended), each after logging the
-    storages freed since the last op: the moments an FP8 linear's own tensors and its 1-byte saved input are priced
-    at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`). Layers are counted from the chunk's top (0: the top one)."""
+    and as its own backward has ended, each after logging the storages freed since the last op: the moments an FP8
+    linear's own tensors and its 1-byte saved input are priced at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`).
+    Layers are counted from the chunk's top (0: the top one). The linear gets an alias (``view_as``: no storage) of
+    its input, whose gradient is its own, complete when its backward ends even where other ops read the input too
+    (an MoE layer's shared expert, multi-latent attention's down-projections).
+
+    An MoE layer's routed experts run their linears' GEMMs without calling the modules (``expert_mlp``), so theirs are
+    marked by wrapping each one's ``_gemm``; an expert's fc2 input, a local of ``expert_mlp``, is freed when it
+    returns (its ``done``), its fc1 input, the dispatched rows, when the layer's ``experts_steps`` has returned."""
     from omnitron.core.precision.fp8.enable import linear_modules
+    from omnitron.core.transformer.moe import experts as moe_experts
+    from omnitron.core.transformer.moe.layer import MoELayer
+
     named = [(name, m, d) for name, m in linear_modules(chunk) for d in [DECODER.search(name)] if d]
     top = max((int(d.group(1)) for _, _, d in named), default=0)
 
-    def mark(kind, key):
+    def mark(kind, key, source=None):
         tl._sweep()
-        tl.events.append((marker(kind, *key), 0))
+        tl.events.append((marker(kind, *key, source), 0))
 
     def on_grad(t, kind, key):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(lambda g: mark(kind, key))
 
     def forward(args, key):
-        mark("forward", key)
-        on_grad(args[0] if args else None, "end", key)
+        """The marker, and ``args`` with the input replaced by an alias whose gradient marks the end (None: as
+        they are)."""
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            mark("forward", key)
+            return None
+        mark("forward", key, tl._live.get(x.untyped_storage()._cdata, (None, None))[1])
+        if not x.requires_grad:
+            return None
+        alias = x.view_as(x)
+        on_grad(alias, "end", key)
+        return (alias, *args[1:])
 
-    hooks = []
+    def gemm(real, key):
+        def marked(x, weight, bias=None):
+            x = (forward((x,), key) or (x,))[0]
+            y = real(x, weight, bias)
+            on_grad(y, "backward", key)
+            return y
+        return marked
+
+    hooks, gemms, fc2, fc1 = [], [], {}, {}
     for name, m, d in named:
         key = (top - int(d.group(1)), name[d.end():])
         parent = chunk.get_submodule(name.rsplit(".", 1)[0])
+        routed = ROUTED.match(key[1])
+        if routed:  # parent: the expert's MLP; its MoE layer two levels up
+            m._gemm = gemm(m._gemm, key)
+            gemms.append(m)
+            if routed.group(2) == "2":
+                fc2[id(parent)] = key
+            else:
+                fc1.setdefault(id(chunk.get_submodule(name.rsplit(".", 3)[0])), []).append(key)
+            continue
         hooks += [m.register_forward_pre_hook(lambda mod, args, k=key: forward(args, k)),
                   m.register_forward_hook(lambda mod, args, out, k=key:
                                           on_grad(out[0] if isinstance(out, tuple) else out, "backward", k)),
                   parent.register_forward_hook(lambda mod, args, out, k=key: mark("done", k))]
+    real_mlp, real_steps = moe_experts.expert_mlp, MoELayer.experts_steps
+
+    def expert_mlp(mlp, x):
+        y = real_mlp(mlp, x)
+        if id(mlp) in fc2:
+            mark("done", fc2[id(mlp)])
+        return y
+
+    def experts_steps(layer, *args):
+        y = yield from real_steps(layer, *args)
+        for k in fc1.get(id(layer), ()):
+            mark("done", k)
+        return y
+
+    moe_experts.expert_mlp, MoELayer.experts_steps = expert_mlp, experts_steps
     try:
         yield
     finally:
+        moe_experts.expert_mlp, MoELayer.experts_steps = real_mlp, real_steps
         for h in hooks:
             h.remove()
+        for m in gemms:
+            del m._gemm
 
 
 def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
     """The events of :func:`timeline`; ``fp8`` (an ``FP8Config``): with the chunk's linears in FP8, as training
-    converts them (the tests' reference for :func:`omnitron.plan.fp8_memory.fp8_replay_peak`)."""
+    converts them (the tests' reference for :func:`omnitron.plan.fp8_memory.fp8_replay_peak`): one amax reduction a
+    step (``per_step``); under ``delayed``, the logged pass runs a step after the first (the reducer primed: each cast
+    with its role's scale in force) with the weights' FP8 form cached at that step's scales, as every micro-batch of
+    training after a step's first."""
     m = _chunk(p)
+    enabled = {}
     if fp8 is not None:
         from omnitron.core.precision.fp8.enable import enable_fp8
 
-        enable_fp8(m, fp8, None, num_layers=p.cfg.num_layers)
+        enabled = enable_fp8(m, fp8, None, num_layers=p.cfg.num_layers, per_step=True)
     _main_grads(m)
     h = p.cfg.hidden_size
     torch.manual_seed(1)
@@ -214,6 +276,11 @@ def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
             y.backward(dy.clone())
 
     step()
+    if fp8 is not None and fp8.fp8_recipe == "delayed":
+        from omnitron.core.precision.fp8.enable import fp8_step
+
+        fp8_step(enabled)
+        step()
     tl = Timeline()
     with tl, _mark_linears(m, tl), (_mark_experts(tl.events) if p.cfg.num_experts else contextlib.nullcontext()):
         step()

@@ -61,11 +61,16 @@ def test_blockwise_caches_one_byte_and_a_scale_per_128x128_block():
 
 @pytest.mark.parametrize("history", [16, 1024])
 def test_delayed_adds_three_amax_histories_per_linear(history):
-    """Delayed, pp2: the per-tensor weight (2 bytes an element and a scale) plus, per role (input, weight, output
-    gradient), the amax history (``--fp8-amax-history-len`` fp32) and three fp32 scalars (scale, its inverse,
-    the step's amax)."""
-    per_layer = sum(2 * o * i + 4 + 3 * 4 * (history + 3) for o, i in SHAPES)
-    assert _stage(_settings("delayed", history=history), 1) == 2 * per_layer
+    """Delayed, pp2: the per-tensor weight (2 bytes an element; its scale's inverse is the weight role's, in the
+    state) plus, per role (input, weight, output gradient), the amax history (``--fp8-amax-history-len`` fp32) and
+    three fp32 scalars (scale, its inverse, the step's amax); :func:`fp8_state_bytes` is that state alone."""
+    from omnitron.plan.fp8_memory import fp8_state_bytes
+    from omnitron.plan.memory import model_config
+
+    per_layer = sum(2 * o * i + 3 * 4 * (history + 3) for o, i in SHAPES)
+    s = _settings("delayed", history=history)
+    assert _stage(s, 1) == 2 * per_layer
+    assert fp8_state_bytes(s, model_config(s), 1) == 2 * len(SHAPES) * 3 * 4 * (history + 3)
 
 
 def test_estimate_reports_the_fp8_term():
@@ -83,13 +88,14 @@ def test_estimate_reports_the_fp8_term():
 
 def _saved(cfg, layout, fp8=None) -> dict:
     """Saved bytes of one micro-batch through every stage chunk (tp 1, in this process), the linears in FP8 when
-    ``fp8`` (an ``FP8Config``) is given: ``omnitron.plan.measure``'s storages seen by autograd's saved-tensor
-    hooks, deduplicated; with the FP8 weights' cached transposes (saved by each FP8 linear, counted by the ``fp8``
-    term, not here) also returned as ``(bytes, count)``."""
+    ``fp8`` (an ``FP8Config``) is given, as training converts them (``per_step``; delayed: a forward after the first
+    step's, the reducer primed): ``omnitron.plan.measure``'s storages seen by autograd's saved-tensor hooks,
+    deduplicated, less the FP8 weights' cached transposes and scales and the delayed roles' scales (saved by each
+    FP8 linear, counted by the ``fp8`` term, not here)."""
     import torch
 
     from omnitron.core.checkpoint.reshard import skeleton_chunks
-    from omnitron.core.precision.fp8.enable import enable_fp8
+    from omnitron.core.precision.fp8.enable import enable_fp8, fp8_step
     from omnitron.plan.measure import SavedBytes
 
     torch.manual_seed(0)
@@ -98,15 +104,21 @@ def _saved(cfg, layout, fp8=None) -> dict:
     tokens = torch.randint(0, cfg.vocab_size, (1, s))
     for key in sorted(chunks, key=lambda k: k[1] * layout.pp + k[0]):
         m = chunks[key].train()
-        ex = enable_fp8(m, fp8, None, num_layers=cfg.num_layers) if fp8 is not None else {}
-        rec = SavedBytes(m.parameters())
+        ex = enable_fp8(m, fp8, None, num_layers=cfg.num_layers, per_step=True) if fp8 is not None else {}
+
+        def forward():
+            return m(tokens=tokens, position_ids=torch.arange(s)[None], hidden=hidden,
+                     labels=tokens if key == (layout.pp - 1, layout.chunks - 1) else None)
+
+        if fp8 is not None and fp8.fp8_recipe == "delayed":
+            forward()
+            fp8_step(ex)
+        states = [st.scale_inv for e in ex.values() for st in e.states.values()]
+        rec = SavedBytes([*m.parameters(), *states])
         with rec.record():
-            y = m(tokens=tokens, position_ids=torch.arange(s)[None], hidden=hidden,
-                  labels=tokens if key == (layout.pp - 1, layout.chunks - 1) else None)
-        weights = [e._wcache[2] for e in ex.values() if e._wcache is not None]
-        cached = sum(qt.untyped_storage().nbytes() + sw.untyped_storage().nbytes() for _, qt, sw in weights
-                     if qt.untyped_storage().data_ptr() in rec.storages)
-        out[key] = rec.total - cached
+            y = forward()
+        weights = [t for e in ex.values() if e._wcache is not None for t in e._wcache[2][1:]]  # (q_t, scale_inv)
+        out[key] = rec.total - sum(rec.storages.get(t.untyped_storage().data_ptr(), 0) for t in weights)
         hidden = y.detach().requires_grad_()
     return out
 
@@ -119,16 +131,26 @@ With ``--qk-layernorm`` (DeepSeek's): without it the key-value up-projection rea
 output, whose whole storage the wide linear keeps (fp8_memory's docstring: not modelled)."""
 
 
-@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "selective"],
-                                       ["--recompute-granularity", "full", "--recompute-method", "block",
-                                        "--recompute-num-layers", "1"], MLA])
-def test_per_tensor_saved_inputs_against_a_real_fp8_forward(recompute):
-    """Per-tensor FP8 linears save their input's FP8 transpose (1 byte an element) and a 4-byte scale where the
-    wide linear saved the input: what one micro-batch of a real FP8 forward saves (pp2, each stage chunk run in
-    this process, the cached FP8 weights left out) is the wide forward's less :func:`saved_less` of that chunk,
-    to the byte. Random ends kept wide; no recomputation, selective (core attention rerun: the linears' inputs
-    still saved), full block 1 (the first layer of a stage keeps its input only), and multi-latent attention (two
-    linears reading one input: ``e - 2`` bytes an element less, here none)."""
+NO_DROPOUT = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--attention-dropout", "0",
+              "--hidden-dropout", "0"]
+"""Without attention dropout core attention runs ``scaled_dot_product_attention``'s fused path, which saves its output,
+the projection's input: the wide model keeps it whatever the projection saves (``fp8_memory.kept_inputs``)."""
+
+
+@pytest.mark.parametrize("recipe,recompute", [("tensorwise", []),
+                                              ("tensorwise", ["--recompute-granularity", "selective"]),
+                                              ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
+                                                              "block", "--recompute-num-layers", "1"]),
+                                              ("tensorwise", MLA), ("delayed", []), ("tensorwise", NO_DROPOUT)])
+def test_per_tensor_saved_inputs_against_a_real_fp8_forward(recipe, recompute):
+    """Per-tensor FP8 linears save their input's FP8 transpose (1 byte an element) and, tensorwise, a 4-byte scale
+    (delayed: its input role's, held by its state) where the wide linear saved the input: what one micro-batch of a
+    real FP8 forward saves (pp2, each stage chunk run in this process, the cached FP8 weights and the delayed
+    states left out) is the wide forward's less :func:`saved_less` of that chunk, to the byte. Random ends kept wide;
+    no recomputation, selective (core attention rerun: the linears' inputs still saved), full block 1 (the first
+    layer of a stage keeps its input only), multi-latent attention (two linears reading one input: ``e - 2`` bytes
+    an element less, here none), delayed after its first step, and without dropout (the projection's FP8 input
+    saved beside the wide one core attention keeps: 1 byte an element more)."""
     from omnitron.core.checkpoint.reshard import Layout
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.fp8_memory import saved_less
@@ -138,7 +160,7 @@ def test_per_tensor_saved_inputs_against_a_real_fp8_forward(recompute):
     argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96",
             "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "64", "--bf16", "--pipeline-model-parallel-size", "2",
-            "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", *recompute]
+            "--fp8-format", "hybrid", "--fp8-recipe", recipe, *recompute]
     if wide is not None:
         argv += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(wide[0]),
                  "--num-layers-at-end-in-bf16", str(wide[1])]
@@ -147,6 +169,65 @@ def test_per_tensor_saved_inputs_against_a_real_fp8_forward(recompute):
     plain, fp8 = _saved(cfg, Layout(pp=2)), _saved(cfg, Layout(pp=2), s.fp8)
     for r in (0, 1):
         assert plain[(r, 0)] - fp8[(r, 0)] == saved_less(s, cfg, r)[0], (r, wide, recompute)
+
+
+MOE = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--num-experts", "4",
+       "--moe-aux-loss-coeff", "0.01"]
+"""A tiny Mixtral-style MoE layer (dropless, softmax top-k: the rows its experts see sum to ``T k`` whatever the
+routing)."""
+
+
+@pytest.mark.parametrize("recipe,extra", [("tensorwise", ["--bf16"]),
+                                          ("tensorwise", ["--bf16", "--moe-shared-expert-intermediate-size", "32"]),
+                                          ("delayed", ["--moe-shared-expert-intermediate-size", "32"])])
+def test_moe_experts_saved_inputs_against_a_real_fp8_forward(recipe, extra):
+    """FP8 experts (:mod:`omnitron.plan.fp8_moe`): each routed expert's fc1 saves its rows' FP8 transpose where the
+    wide ones saved views of the dispatched rows, each fc2 its input's, the shared expert's two likewise; what one
+    micro-batch of a real FP8 forward saves (pp2, 4 layers, all MoE, each stage chunk in this process) is the wide
+    forward's less :func:`saved_less`, to the byte: bf16; with a shared expert; float32 delayed with a shared expert
+    (the router keeps the shared fc1's input as it is: its FP8 copy costs ``T h + 0`` bytes more). Random top-k and
+    expert width (``T k`` a multiple of the 4 experts: balanced rows sum to the real ones)."""
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.fp8_memory import saved_less
+    from omnitron.plan.memory import model_config
+
+    k, f = random.choice([1, 2]), random.choice([32, 48, 64])
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+            "--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid", "--fp8-recipe", recipe, *MOE,
+            "--moe-router-topk", str(k), "--moe-ffn-hidden-size", str(f), *extra]
+    s = parse_settings(argv, 2)
+    cfg = model_config(s)
+    plain, fp8 = _saved(cfg, Layout(pp=2)), _saved(cfg, Layout(pp=2), s.fp8)
+    for r in (0, 1):
+        assert plain[(r, 0)] - fp8[(r, 0)] == saved_less(s, cfg, r)[0], (r, k, f)
+
+
+def test_moe_experts_saved_inputs_on_a_skewed_ep_rank_by_hand():
+    """Under a routing histogram each ep rank's FP8 experts are priced at their rows: ep2, 4 experts of top-2 over
+    ``T = 32`` tokens a rank, shares (1/2, 1/4, 1/8, 1/8): expert ``i`` receives ``T k share_i`` rows from each of the
+    two ep ranks; rank 0 holds experts 0 and 1 (64 + 32 rows), rank 1 experts 2 and 3 (16 + 16). Each row saves
+    ``(e - 1)`` bytes less per element of fc1's input (hidden 64) and fc2's (expert width 96), each of the rank's
+    four linears one 4-byte scale more; a shared expert (width 32) on the rank's 32 tokens likewise."""
+    from dataclasses import replace
+
+    import torch
+
+    from omnitron.core.models.gpt.config import GPTConfig
+    from omnitron.core.precision.fp8.config import FP8Config
+    from omnitron.plan.fp8_moe import layer_less
+
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=96, swiglu=True, params_dtype=torch.bfloat16)
+    share = (0.5, 0.25, 0.125, 0.125)
+    tw = FP8Config(fp8_recipe="tensorwise")
+    got = [layer_less(tw, cfg, 32, 1, 1, False, 2, 1, share, r) for r in (0, 1)]
+    assert got == [(64 + 32) * (64 + 96) - 4 * 4, (16 + 16) * (64 + 96) - 4 * 4]
+    shared = replace(cfg, moe_shared_expert_intermediate_size=32)
+    assert layer_less(tw, shared, 32, 1, 1, False, 2, 1, share, 1) == got[1] + 32 * (64 + 32) - 2 * 4
+    assert layer_less(FP8Config(fp8_recipe="delayed"), cfg, 32, 1, 1, False, 2, 1, share, 0) == got[0] + 4 * 4
+    assert layer_less(FP8Config(fp8_recipe="blockwise", fp8_format="e4m3"), cfg, 32, 1, 1, False, 2, 1, share, 0) == 0
 
 
 def test_saved_inputs_under_sequence_parallelism_by_hand():
@@ -176,19 +257,26 @@ def test_saved_inputs_under_sequence_parallelism_by_hand():
 def _passes(recipe: str, t: int, inp: int, out: int) -> tuple[int, int]:
     """(forward, backward) peak bytes one FP8 linear (weight ``[out, inp]``, bf16, no bias) creates for ``t`` tokens on
     this CPU (emulated GEMMs), measured with ``PeakTracker``, the planner's step tracker; the forward with the weight's
-    FP8 form already cached, as every micro-batch after a step's first finds it."""
+    FP8 form already cached, as every micro-batch after a step's first finds it; delayed as training runs it (one
+    amax reduction a step), after its first step (the reducer primed)."""
     import torch
 
     from omnitron.backends import get_backend
     from omnitron.core.precision.fp8.config import FP8Config
     from omnitron.core.precision.fp8.linear import FP8Linear
+    from omnitron.core.precision.fp8.scaling import AmaxReducer
     from omnitron.kernels.benchmark import PeakTracker
 
     provider = get_backend().fp8
     assert provider.path == "emulated" and provider.block_path == "emulated", provider.describe()
     w = torch.randn(out, inp, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(t, inp, dtype=torch.bfloat16, requires_grad=True)
-    ex = FP8Linear(FP8Config(fp8_recipe=recipe, fp8_format="e4m3" if recipe == "blockwise" else "hybrid"), provider)
+    reducer = AmaxReducer((), None, per_step=True) if recipe == "delayed" else None
+    ex = FP8Linear(FP8Config(fp8_recipe=recipe, fp8_format="e4m3" if recipe == "blockwise" else "hybrid"), provider,
+                   reducer=reducer)
+    if reducer is not None:  # the first step: every role's amax observed, then pushed
+        ex(x, w, None).backward(torch.randn(t, out, dtype=torch.bfloat16))
+        reducer.step()
     ex(x, w, None)  # caches the weight's FP8 form
     fwd, bwd = PeakTracker(), PeakTracker()
     with fwd:
@@ -199,19 +287,20 @@ def _passes(recipe: str, t: int, inp: int, out: int) -> tuple[int, int]:
     return fwd.peak, bwd.peak
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
 def test_one_linear_pass_against_the_bytes_it_allocates(recipe):
     """What one FP8 linear's forward and backward create on the emulated path (the output gradient's FP8 form and
     transpose or its two block quantizations and the input's, each GEMM's fp32 operands and product, the casts' fp32
-    copies, dx, dw) against the bytes the tracker sees, to the byte (every size is an integer count of elements:
-    nothing to round), on random shapes: any for tensorwise, whole 128-tiles for block-wise (ragged ones pad, not
-    modelled)."""
-    from omnitron.plan.fp8_memory import (blockwise_backward, blockwise_forward, per_tensor_backward,
+    copies, dx, dw; delayed: no new scale, the amax taken after the cast) against the bytes the tracker sees, to the
+    byte (every size is an integer count of elements: nothing to round), on random shapes: any for the per-tensor
+    recipes, whole 128-tiles for block-wise (ragged ones pad, not modelled)."""
+    from omnitron.plan.fp8_passes import (blockwise_backward, blockwise_forward, per_tensor_backward,
                                           per_tensor_forward)
 
-    if recipe == "tensorwise":
+    if recipe != "blockwise":
         t, inp, out = (random.randint(16, 200) for _ in range(3))
-        want = per_tensor_forward(t, out, inp, 2, False), per_tensor_backward(t, out, inp, 2, 2, False)
+        d = recipe == "delayed"
+        want = per_tensor_forward(t, out, inp, 2, False, d), per_tensor_backward(t, out, inp, 2, 2, False, d)
     else:
         t, inp, out = (128 * random.randint(1, 3) for _ in range(3))
         want = blockwise_forward(t, out, inp, 2, False), blockwise_backward(t, out, inp, 2, 2, False)
@@ -222,15 +311,20 @@ def test_native_path_by_hand():
     """Where the device runs ``_scaled_mm`` (profiles with an ``fp8`` peak), a per-tensor linear's backward creates
     the output gradient's FP8 form and transpose (1 byte an element each) and its scale, then dx and dw, no fp32
     copies; its forward the input's FP8 form and transpose, its scale and y. The 1.3B GPT's fc1 at 8192 tokens, worked
-    by hand. Block-wise GEMMs are native only where the profile says so (the h200's: emulated)."""
+    by hand; delayed: no new scale, and its cast (the Triton kernel's) writes one fp32 amax per 64x64 tile beside the
+    FP8 tensors, then their max. Block-wise GEMMs are native only where the profile says so (the h200's: emulated)."""
     from omnitron.core.precision.fp8.config import FP8Config
-    from omnitron.plan.fp8_memory import native_gemm, per_tensor_backward, per_tensor_forward
+    from omnitron.plan.fp8_passes import native_gemm, per_tensor_backward, per_tensor_cast, per_tensor_forward
     from omnitron.plan.profile import load
 
     t, out, inp = 8192, 8192, 2048
     mib = 2**20
     assert per_tensor_backward(t, out, inp, 2, 2, True) == (64 + 64) * mib + 4 + 32 * mib + 32 * mib
     assert per_tensor_forward(t, out, inp, 2, True) == (16 + 16) * mib + 4 + 128 * mib
+    assert per_tensor_backward(t, out, inp, 2, 2, True, True) == (64 + 64) * mib + 32 * mib + 32 * mib
+    assert per_tensor_forward(t, out, inp, 2, True, True) == (16 + 16) * mib + 128 * mib
+    assert per_tensor_cast(t, inp, True, True) == ((16 + 16) * mib + 4 * (128 * 32 + 1), (16 + 16) * mib)
+    assert per_tensor_cast(100, 10, True, True)[0] == 2000 + 4 * (2 + 1)  # 2 tiles (ragged rows), their max
     tensorwise, blockwise = FP8Config(fp8_recipe="tensorwise"), FP8Config(fp8_recipe="blockwise", fp8_format="e4m3")
     h200, a100 = load("h200"), load("a100-80gb-sxm")
     assert [native_gemm(tensorwise, h200), native_gemm(blockwise, h200), native_gemm(tensorwise, a100)] == \
@@ -240,7 +334,9 @@ def test_native_path_by_hand():
 @pytest.mark.parametrize("recipe,extra", [("tensorwise", []), ("tensorwise", ["--recompute-granularity", "selective"]),
                                           ("tensorwise", ["--recompute-granularity", "full", "--recompute-method",
                                                           "block", "--recompute-num-layers", "1"]),
-                                          ("blockwise", [])])
+                                          ("delayed", []), ("blockwise", []), ("tensorwise", NO_DROPOUT),
+                                          ("tensorwise", MOE + ["--moe-shared-expert-intermediate-size", "32"]),
+                                          pytest.param("delayed", MOE, marks=pytest.mark.slow)])
 def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     """The wide transient probe's log replayed with the FP8 linears' passes added at their markers and their saved
     inputs accounted at theirs (:func:`replay_fp8`) peaks where the same probe chunk run with its linears in FP8
@@ -249,11 +345,17 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     the MLP's argument, is still live beside its FP8 copy, and backward); with selective recomputation (the peak in
     the rerun attention, after the top layer's MLP backward: it holds none of those linears' saved inputs); with full
     recomputation of the lower layer (its rerun forward holds its FP8 saved inputs, which the activation term does
-    not take off); block-wise at whole 128-tiles."""
+    not take off); delayed after its first step (no new scales; the amax taken after the cast); block-wise at whole
+    128-tiles; without dropout (core attention keeps the projection's wide input); MoE layers, probed as the plan
+    probes them (every expert padded to ``T k / E`` rows), their experts' FP8 passes and saved inputs included (the
+    dispatched rows freed when the experts are done; the shared expert's input, which the router and the dispatch
+    read too, gets its whole gradient after the experts' backward, its FP8 copy is freed when its own backward ends);
+    delayed MoE (slow: three steps of the probe before the logged one)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.kernels.alloc_log import peak
     from omnitron.plan.fp8_memory import chunk_linears, replay_fp8
     from omnitron.plan.memory import model_config
+    from omnitron.plan.moe_activations import transient_probe
     from omnitron.plan.transients import Probe, _timeline
 
     h, f, s, b = (128, 256, 128, 1) if recipe == "blockwise" else (64, random.choice([160, 224]), 32, 2)
@@ -263,7 +365,7 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
             "--fp8-format", "e4m3" if recipe == "blockwise" else "hybrid", *extra]
     settings = parse_settings(argv, 1)
     cfg = model_config(settings)
-    probe = Probe(cfg, 2, True, True, s, b)
+    probe = Probe(transient_probe(cfg, cfg, 1, 1, 1) if cfg.num_experts else cfg, 2, True, True, s, b)
     wide = _timeline(probe)
     best, _ = replay_fp8(settings, cfg, wide, [float(n) for _, n in wide], chunk_linears(settings, cfg, 0)[0], False, 2)
     assert best == peak(_timeline(probe, settings.fp8))
