@@ -66,8 +66,8 @@ attention without ``--qk-layernorm``: the key-value up-projection reads a slice 
 saving priced at the slice's width: the estimate over-counts the rest of that storage); the rematerialised chunk of full
 recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide, an
 over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's depths and their
-``eh_proj`` (an MoE depth's experts too), ``--torch-compile`` (a compiled layer quantizes the weight in its graph,
-uncached, and inductor decides what it saves), the delayed reducer's step-end temporaries (``push_packed``'s stacked
+``eh_proj`` (an MoE depth's experts too), ``--torch-compile``'s saved tensors (inductor decides what a compiled layer
+saves; its weights' FP8 form is held for the step as eager's is: ``core/precision/fp8/static_weights.py``), the delayed reducer's step-end temporaries (``push_packed``'s stacked
 histories, a few ``[roles, history]`` fp32 tensors, after the backward has freed the activations), ``--fp8-impl
 torchao``, which op keeps a linear's input on another device (the probe's attention path is this CPU's); in the
 transients, block-wise tiles that are not whole (a ragged dimension pads a copy and expands the scales),
