@@ -19,6 +19,8 @@ def pytest_configure(config):
     os.environ["OMNITRON_BACKEND"] = name
     # DESIGN rule 7: the suite runs under NCCL's rules (fingerprinted collectives, in-order p2p)
     os.environ.setdefault("OMNITRON_STRICT_COLLECTIVES", "1")
+    # the planner's probes run in every session (tests/plan/test_probe_cache.py turns its disk cache on)
+    os.environ.setdefault("OMNITRON_PLAN_CACHE", "off")
     _share_the_cores()
     _prepare_musa_double(name)
     if name == "sim":  # loaded before any backward: autograd sizes its device queues at the first one

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.kernels.alloc_log import Timeline, peak
+from omnitron.plan import probe_cache
 from omnitron.plan.measure import one_thread
 
 _S0, _B0 = 32, 2
@@ -90,11 +91,16 @@ _TIMELINES: dict[str, list[tuple[str | None, int]]] = {}
 
 
 def timeline(p: Probe) -> list[tuple[str | None, int]]:
-    """Events of one forward and backward of the probe chunk (after one warm-up pass; cached per probe)."""
+    """Events of one forward and backward of the probe chunk (after one warm-up pass; cached per probe, in this
+    process and on disk between runs: :mod:`omnitron.plan.probe_cache`)."""
     key = repr(p)
     if key not in _TIMELINES:
-        with one_thread():
-            _TIMELINES[key] = _timeline(p)
+        events = probe_cache.load(key)
+        if events is None:
+            with one_thread():
+                events = _timeline(p)
+            probe_cache.store(key, events)
+        _TIMELINES[key] = events
     return _TIMELINES[key]
 
 
