@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from omnitron.core.config import ConfigError
-from omnitron.core.graph_state import capturing, in_graph  # noqa: F401 - re-exported: callers import them from here
+from omnitron.core.graph_state import capturing, in_graph, mark_region  # noqa: F401 - in_graph re-exported
 
 IMPLS = ("none", "local")
 
@@ -129,5 +129,6 @@ def capture_layers(modules: list[nn.Module], backend, compiled: bool = False,
     for layer in layers:
         run = torch.compile(layer.forward, backend=compiler, dynamic=False) if compiled else None
         layer.forward = CapturedForward(layer, backend, run)
+        mark_region(layer)  # its hooks (parameter-gather waits, FP8 refresh) run before each replay, not inside
         out.append(layer.forward)
     return out

@@ -1,10 +1,16 @@
 """``--torch-compile``: regional compilation, one transformer layer at a time (torchtitan's ``compile.enable``).
 
-Each :class:`~omnitron.core.transformer.layer.TransformerLayer` is compiled in place with
-:meth:`torch.nn.Module.compile`, so parameter names, ``state_dict`` keys, checkpoints and the hooks of the
-data-parallel wrappers are those of the eager model. Every layer runs the same ``forward`` code on
+Each :class:`~omnitron.core.transformer.layer.TransformerLayer`'s ``forward`` is compiled in place (the instance's
+``forward`` becomes ``torch.compile(layer.forward)``), so parameter names, ``state_dict`` keys, checkpoints and the
+hooks of the data-parallel wrappers are those of the eager model. Every layer runs the same ``forward`` code on
 parameters of the same shapes, so dynamo traces it once and the other layers (and every micro-batch and
 pipeline chunk) reuse the graph; the embedding, the loss, the pipeline schedule and the optimizer stay eager.
+The layer's own hooks run eagerly around its compiled forward (:meth:`torch.nn.Module.compile` would compile
+``_call_impl`` and trace them inside: checked on torch 2.13): each compiled layer is marked a graph region
+(:func:`omnitron.core.graph_state.mark_region`) and what must happen outside its graph hooks the layer itself.
+``--overlap-param-gather`` waits there for every bucket holding one of the layer's parameters (its submodules get
+no waiter of their own: a wait inside the graph, on a ``Work`` handle, broke it into 10 graphs at dp2 with 3
+buckets per layer), and held FP8 weights are refreshed there, after those waits, layer by layer.
 With ``--cuda-graph-impl local`` too, each layer's forward is compiled by
 :func:`omnitron.core.capture.capture_layers` instead and the compiled forward is captured as device graphs.
 
@@ -75,9 +81,11 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 from torch import nn
 
 from omnitron.core.config import ConfigError
+from omnitron.core.graph_state import mark_region
 from omnitron.core.transformer.moe.layer import prepare_for_compile
 
 log = logging.getLogger("omnitron.compile")
@@ -118,13 +126,15 @@ def prepare_layers(modules: list[nn.Module], backend, compiler: str | None = Non
     return layers, compiler
 
 
-def compile_layers(modules: list[nn.Module], backend, compiler: str | None = None) -> int:
-    """Compile every transformer layer of ``modules`` in place; returns how many. ``compiler``: a
-    ``torch.compile`` backend name (default: the device's own, e.g. ``"inductor"``; tests pass
-    ``"aot_eager"`` to check tracing without code generation)."""
+def compile_layers(modules: list[nn.Module], backend, compiler=None) -> int:
+    """Compile the ``forward`` of every transformer layer of ``modules`` in place and mark each a graph region;
+    returns how many. ``compiler``: a ``torch.compile`` backend (default: the device's own, e.g. ``"inductor"``;
+    tests pass ``"aot_eager"`` to check tracing without code generation). Call it before the data-parallel
+    wrapper is built: the wrapper puts its parameter-gather waits on the regions it finds."""
     layers, compiler = prepare_layers(modules, backend, compiler)
     for layer in layers:
-        layer.compile(backend=compiler, dynamic=False)
+        layer.forward = torch.compile(layer.forward, backend=compiler, dynamic=False)
+        mark_region(layer)
     log.info("--torch-compile: %d transformer layers compiled with %s (traced once on the first step)",
              len(layers), compiler)
     return len(layers)
