@@ -9,8 +9,8 @@ The layer's own hooks run eagerly around its compiled forward (:meth:`torch.nn.M
 ``_call_impl`` and trace them inside: checked on torch 2.13): each compiled layer is marked a graph region
 (:func:`omnitron.core.graph_state.mark_region`) and what must happen outside its graph hooks the layer itself.
 ``--overlap-param-gather`` waits there for every bucket holding one of the layer's parameters (its submodules get
-no waiter of their own: a wait inside the graph, on a ``Work`` handle, broke it into 10 graphs at dp2 with 3
-buckets per layer), and held FP8 weights are refreshed there, after those waits, layer by layer.
+no waiter of their own: waits inside the graph, on ``Work`` handles, made 10 graphs and 6 breaks per rank at dp2
+with 2000-element buckets, 2026-12-05), and held FP8 weights are refreshed there, after those waits, layer by layer.
 With ``--cuda-graph-impl local`` too, each layer's forward is compiled by
 :func:`omnitron.core.capture.capture_layers` instead and the compiled forward is captured as device graphs.
 
@@ -65,7 +65,11 @@ gradients the eager layer's within 1.3e-8 relative, the two calls 2-4e-3 apart (
 Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
 the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
 process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,
-pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --overlap-grad-reduce, FSDP2 dp2.
+pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --overlap-grad-reduce, FSDP2 dp2;
+dp2 with the distributed optimizer, --overlap-param-gather and 2000-element buckets (several per layer), fp32 over
+3 steps and tensorwise FP8 with held weights over 4, on cpu and sim, the gathers deferred to their waits
+(tests/training/test_compiled_param_gather.py): one graph per rank, 0 breaks, each layer's gathers waited before
+its compiled forward while the other layer's are pending.
 Also cp2 (one graph per rank) and MoE ep2 (4 graphs per rank, the token exchange eager), equal to eager's losses;
 the delayed FP8 recipe at tp1 and tp2 with sequence parallelism (2 graphs per rank, equal losses).
 Not checked: fp16.

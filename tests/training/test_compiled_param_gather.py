@@ -25,9 +25,9 @@ OVERLAP = ("--use-distributed-optimizer", "--overlap-param-gather", "--overlap-g
 
 
 def _deferred(gather):
-    """The in-place all-gather run only when its handle is waited on: gloo (and sim, whose step-end synchronize
-    completes it) would otherwise finish it before the next forward, hiding a read that precedes the wait. Every
-    rank waits in the same (module) order, so the deferred collectives match."""
+    """The in-place all-gather run only when its handle is waited on. Otherwise, on gloo and on sim, the gathers
+    had completed by the next forward in these runs, hiding a read that precedes the wait (a refresh planted
+    before it changed no loss). Every rank waits in the same (module) order, so the deferred collectives match."""
     class Deferred:
         def __init__(self, buffer, group) -> None:
             self.buffer, self.group = buffer, group
@@ -45,20 +45,17 @@ def _eager_and_compiled(root: str, *extra: str) -> dict:
     the compiled run its graphs, graph breaks, FP8 linears holding their weights and, per compiled-layer call,
     (buckets of the layer's parameters still gathering, other buckets still gathering) as the call begins; pending
     gathers waited outside and inside the compiled calls."""
-    from omnitron.backends import get_backend
     from torch._dynamo.utils import counters
 
     import omnitron.core.compile as compile_module
     import omnitron.core.parallel.data.ddp as ddp
     import omnitron.core.precision.fp8.static_weights as static_weights
+    from omnitron.backends import get_backend
     from omnitron.core.parallel.data.buffers import Bucket
 
-    collectives = get_backend().collectives
-    collectives.all_gather_in_place = _deferred(collectives.all_gather_in_place)
-    eager, _ = _train(root + "/eager", 2, *OVERLAP, *extra)
     bucket_of, calls, held, inside, waits = {}, [], [], [False], {True: 0, False: 0}
-    hooks, compile_layers, hold = ddp._param_gather_hooks, compile_module.compile_layers, static_weights.hold_static_weights
-    wait = Bucket.wait_param_gather
+    hooks, compile_layers, wait = ddp._param_gather_hooks, compile_module.compile_layers, Bucket.wait_param_gather
+    hold, collectives = static_weights.hold_static_weights, get_backend().collectives
 
     def spy_hooks(module, of):
         bucket_of.update(of)
@@ -86,9 +83,12 @@ def _eager_and_compiled(root: str, *extra: str) -> dict:
             layer.forward = probe(layer, layer.forward)  # around the compiled forward, inside the layer's hooks
         return n
 
-    ddp._param_gather_hooks, compile_module.compile_layers, Bucket.wait_param_gather = spy_hooks, spy_compile, spy_wait
-    static_weights.hold_static_weights = lambda modules: held.append(hold(modules)) or held[-1]
+    collectives.all_gather_in_place = _deferred(collectives.all_gather_in_place)
     try:
+        eager, _ = _train(root + "/eager", 2, *OVERLAP, *extra)
+        ddp._param_gather_hooks, compile_module.compile_layers = spy_hooks, spy_compile
+        Bucket.wait_param_gather = spy_wait
+        static_weights.hold_static_weights = lambda modules: held.append(hold(modules)) or held[-1]
         compiled, graphs = _train(root + "/compiled", 2, *OVERLAP, "--torch-compile", *extra)
     finally:
         ddp._param_gather_hooks, compile_module.compile_layers, Bucket.wait_param_gather = hooks, compile_layers, wait
