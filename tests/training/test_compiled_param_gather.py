@@ -4,9 +4,10 @@ outside the graph; its submodules get none), so the layer traces whole (was 10 g
 several buckets per layer: a ``Work.wait`` inside the graph) and later layers' gathers still overlap it. Held FP8
 weights are refreshed per layer after those waits.
 
-One spawn of 2 ranks per test trains eagerly and then compiled (aot_eager) with the same flags, spying on the waits
-and on each compiled layer's calls; it runs on the session's backend (``--backend sim`` models asynchronous
-collectives).
+One spawn of 2 ranks trains eagerly and then compiled (aot_eager) with the same flags, fp32 and then FP8, spying on
+the waits and on each compiled layer's calls; it runs on the session's backend (``--backend sim`` models
+asynchronous collectives: 8.7 s there, 7.3 s on cpu, 2026-12-05, load average 1.4). A captured layer (through a
+backend double, one process) is checked the same way.
 """
 from __future__ import annotations
 
