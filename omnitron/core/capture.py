@@ -31,6 +31,10 @@ Python flag a layer reads per step (the delayed recipe's ``AmaxReducer.primed``)
 skip; tensorwise / blockwise FP8 read the weights' FP8 form from tensors refreshed in place before the layers run
 (:mod:`omnitron.core.precision.fp8.static_weights`), or without them re-quantize the weight in the graph. Refused besides: MoE, whose token exchange
 runs eagerly between a compiled layer's graphs and reads the routing's sizes on the host.
+
+Each captured layer is a graph region (:func:`omnitron.core.graph_state.mark_region`): its own hooks run eagerly
+before the captured forward, ``--overlap-param-gather``'s waits for all its parameters' gathers first, then its FP8
+weight refresh; its submodules get no waiter (a replay runs no Python, so a wait inside would be skipped).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import torch
 from torch import nn
 
 from omnitron.core.config import ConfigError
-from omnitron.core.graph_state import capturing, in_graph  # noqa: F401 - re-exported: callers import them from here
+from omnitron.core.graph_state import capturing, in_graph, mark_region  # noqa: F401 - in_graph re-exported
 
 IMPLS = ("none", "local")
 
@@ -129,5 +133,6 @@ def capture_layers(modules: list[nn.Module], backend, compiled: bool = False,
     for layer in layers:
         run = torch.compile(layer.forward, backend=compiler, dynamic=False) if compiled else None
         layer.forward = CapturedForward(layer, backend, run)
+        mark_region(layer)  # its hooks (parameter-gather waits, FP8 refresh) run before each replay, not inside
         out.append(layer.forward)
     return out

@@ -1,10 +1,16 @@
 """``--torch-compile``: regional compilation, one transformer layer at a time (torchtitan's ``compile.enable``).
 
-Each :class:`~omnitron.core.transformer.layer.TransformerLayer` is compiled in place with
-:meth:`torch.nn.Module.compile`, so parameter names, ``state_dict`` keys, checkpoints and the hooks of the
-data-parallel wrappers are those of the eager model. Every layer runs the same ``forward`` code on
+Each :class:`~omnitron.core.transformer.layer.TransformerLayer`'s ``forward`` is compiled in place (the instance's
+``forward`` becomes ``torch.compile(layer.forward)``), so parameter names, ``state_dict`` keys, checkpoints and the
+hooks of the data-parallel wrappers are those of the eager model. Every layer runs the same ``forward`` code on
 parameters of the same shapes, so dynamo traces it once and the other layers (and every micro-batch and
 pipeline chunk) reuse the graph; the embedding, the loss, the pipeline schedule and the optimizer stay eager.
+The layer's own hooks run eagerly around its compiled forward (:meth:`torch.nn.Module.compile` would compile
+``_call_impl`` and trace them inside: checked on torch 2.13): each compiled layer is marked a graph region
+(:func:`omnitron.core.graph_state.mark_region`) and what must happen outside its graph hooks the layer itself.
+``--overlap-param-gather`` waits there for every bucket holding one of the layer's parameters (its submodules get
+no waiter of their own: waits inside the graph, on ``Work`` handles, made 10 graphs and 6 breaks per rank at dp2
+with 2000-element buckets, 2026-12-05), and held FP8 weights are refreshed there, after those waits, layer by layer.
 With ``--cuda-graph-impl local`` too, each layer's forward is compiled by
 :func:`omnitron.core.capture.capture_layers` instead and the compiled forward is captured as device graphs.
 
@@ -59,7 +65,11 @@ gradients the eager layer's within 1.3e-8 relative, the two calls 2-4e-3 apart (
 Checked against eager training (tests/training/test_torch_compile.py and single runs of 2026-12-03 through
 the same ``_train``, aot_eager, 3 steps): the same losses within float32 (bf16) reordering and ONE graph per
 process for tp1 plain and with selective or full recomputation, --bf16, tp2 x pp2 with sequence parallelism,
-pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --overlap-grad-reduce, FSDP2 dp2.
+pp2 interleaved (2 chunks per rank), dp2 with the distributed optimizer and --overlap-grad-reduce, FSDP2 dp2;
+dp2 with the distributed optimizer, --overlap-param-gather and 2000-element buckets (several per layer), fp32 over
+3 steps and tensorwise FP8 with held weights over 4, on cpu and sim, the gathers deferred to their waits
+(tests/training/test_compiled_param_gather.py): one graph per rank, 0 breaks, each layer's gathers waited before
+its compiled forward while the other layer's are pending.
 Also cp2 (one graph per rank) and MoE ep2 (4 graphs per rank, the token exchange eager), equal to eager's losses;
 the delayed FP8 recipe at tp1 and tp2 with sequence parallelism (2 graphs per rank, equal losses).
 Not checked: fp16.
@@ -75,9 +85,11 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 from torch import nn
 
 from omnitron.core.config import ConfigError
+from omnitron.core.graph_state import mark_region
 from omnitron.core.transformer.moe.layer import prepare_for_compile
 
 log = logging.getLogger("omnitron.compile")
@@ -118,13 +130,15 @@ def prepare_layers(modules: list[nn.Module], backend, compiler: str | None = Non
     return layers, compiler
 
 
-def compile_layers(modules: list[nn.Module], backend, compiler: str | None = None) -> int:
-    """Compile every transformer layer of ``modules`` in place; returns how many. ``compiler``: a
-    ``torch.compile`` backend name (default: the device's own, e.g. ``"inductor"``; tests pass
-    ``"aot_eager"`` to check tracing without code generation)."""
+def compile_layers(modules: list[nn.Module], backend, compiler=None) -> int:
+    """Compile the ``forward`` of every transformer layer of ``modules`` in place and mark each a graph region;
+    returns how many. ``compiler``: a ``torch.compile`` backend (default: the device's own, e.g. ``"inductor"``;
+    tests pass ``"aot_eager"`` to check tracing without code generation). Call it before the data-parallel
+    wrapper is built: the wrapper puts its parameter-gather waits on the regions it finds."""
     layers, compiler = prepare_layers(modules, backend, compiler)
     for layer in layers:
-        layer.compile(backend=compiler, dynamic=False)
+        layer.forward = torch.compile(layer.forward, backend=compiler, dynamic=False)
+        mark_region(layer)
     log.info("--torch-compile: %d transformer layers compiled with %s (traced once on the first step)",
              len(layers), compiler)
     return len(layers)

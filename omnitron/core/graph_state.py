@@ -1,4 +1,5 @@
-"""Whether a graph is being traced or captured: the one flag dropout, RNG forks and FP8 caches consult.
+"""Whether a graph is being traced or captured: the one flag dropout, RNG forks and FP8 caches consult; and which
+modules are graph regions.
 
 Kept apart from :mod:`omnitron.core.capture` (which builds on the transformer layers) so the layers' own
 modules can read it without importing what is built on them.
@@ -9,8 +10,10 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch import nn
 
 _capturing = [False]
+_REGION = "_omnitron_graph_region"
 
 
 def in_graph() -> bool:
@@ -29,3 +32,26 @@ def capturing() -> Iterator[None]:
         yield
     finally:
         _capturing[0] = saved
+
+
+def mark_region(module: nn.Module) -> None:
+    """Mark ``module`` a graph region: its ``forward`` runs as a compiled or captured graph while its own hooks run
+    eagerly around it (:func:`omnitron.core.compile.compile_layers`, :func:`omnitron.core.capture.capture_layers`).
+    What must run outside the graph before the region's parameters are read (data parallelism's all-gather waits,
+    the FP8 weight refresh) hooks the region itself, never a module inside it. A plain attribute: parameter names
+    and ``state_dict`` keys are unchanged."""
+    setattr(module, _REGION, True)
+
+
+def is_region(module: nn.Module) -> bool:
+    return bool(getattr(module, _REGION, False))
+
+
+def outer_regions(module: nn.Module) -> list[nn.Module]:
+    """The graph regions of ``module`` (itself included) not inside another one, in module order."""
+    out, inside = [], set()
+    for m in module.modules():
+        if id(m) not in inside and is_region(m):
+            out.append(m)
+            inside.update(id(s) for s in m.modules())
+    return out

@@ -18,7 +18,7 @@ FP8_REL = 2e-3
 
 
 class _Outer(nn.Module):
-    """The eager module around a compiled layer (a model chunk's role): the refresh hook runs here, outside."""
+    """The eager module around a compiled layer (a model chunk's role)."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -68,6 +68,7 @@ def test_the_compiled_layer_reads_the_held_weight_and_follows_its_updates(held):
     (the four linears' inputs), not 8 (their weights too)."""
     from torch._dynamo.utils import counters
 
+    from omnitron.core.compile import compile_layers
     from omnitron.core.precision.fp8.static_weights import hold_static_weights
 
     seed = int(torch.randint(0, 2 ** 31, ()))
@@ -77,7 +78,7 @@ def test_the_compiled_layer_reads_the_held_weight_and_follows_its_updates(held):
     torch._dynamo.reset()
     counters.clear()
     fw_graphs: list = []
-    layer.compile(backend=_recording_backend(fw_graphs), dynamic=False)
+    compile_layers([outer], be, _recording_backend(fw_graphs))
     assert hold_static_weights([outer] if held else []) == (4 if held else 0)
     weights, twins = ([p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2]
                       for m in (layer, twin))
@@ -130,12 +131,13 @@ def test_compiled_fp8_training_holds_its_weights_and_matches_eager(tmp_path, mon
     (("--cuda-graph-impl", "local"), True),
     ((), False),
     (("--torch-compile", "--use-torch-fsdp2"), False),
-    (("--torch-compile", "--use-distributed-optimizer", "--overlap-param-gather"), False),
+    (("--torch-compile", "--use-distributed-optimizer", "--overlap-param-gather"), True),
     (("--torch-compile", "--use-distributed-optimizer"), True),
 ])
-def test_weights_are_held_only_where_they_are_current_before_the_chunk_runs(extra, held):
-    """Compiled or captured FP8 layers hold their weights, except where a weight becomes current only in its own
-    module's hook (FSDP2's gather; --overlap-param-gather's wait), which a refresh at the chunk's start precedes."""
+def test_weights_are_held_only_where_they_are_current_before_the_layer_runs(extra, held):
+    """Compiled or captured FP8 layers hold their weights, except under FSDP2 (it gathers a weight, in FP8, in its
+    own module's hook). --overlap-param-gather's waits precede each layer's refresh
+    (test_compiled_param_gather.py)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import holds_fp8_weights
 

@@ -138,12 +138,10 @@ def fp8_refresh_hook(chunks) -> dict:
 
 def holds_fp8_weights(settings) -> bool:
     """Whether compiled or captured layers read FP8 weights quantized once per step outside their graphs
-    (:mod:`omnitron.core.precision.fp8.static_weights`). Not where a weight is not current before its own module
-    runs: FSDP2 gathers it in the module's hook, and ``--overlap-param-gather`` waits for its all-gather there (a
-    refresh at the chunk's start would read it mid-gather)."""
+    (:mod:`omnitron.core.precision.fp8.static_weights`). Not with FSDP2, which gathers a weight (in FP8) in its
+    module's hook. ``--overlap-param-gather`` is fine: each layer's refresh runs after the layer's gather waits."""
     t = settings.training
-    return ((t.torch_compile or t.cuda_graph_impl == "local") and settings.fp8 is not None
-            and not uses_fsdp2(settings) and not getattr(settings.ddp, "overlap_param_gather", False))
+    return (t.torch_compile or t.cuda_graph_impl == "local") and settings.fp8 is not None and not uses_fsdp2(settings)
 
 
 def uses_fsdp2(settings) -> bool:

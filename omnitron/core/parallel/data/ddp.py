@@ -12,7 +12,7 @@ Adam's compressed stage) skips both: ``main_grad`` keeps this rank's own gradien
 For the distributed optimizer (``use_distributed_optimizer``) the parameters move into flat buffers
 laid out like the gradient buckets (``param.data`` is a view), so updated shards are all-gathered in
 place; with ``overlap_param_gather`` forward pre-hooks wait for a bucket's pending gather just before
-the first module using one of its parameters runs.
+the first module using one of its parameters runs (a compiled or captured layer as one module, outside its graph).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import contextlib
 
 import torch
 
+from omnitron.core.graph_state import is_region
 from omnitron.core.parallel.data.buffers import Bucket, GradBuffer
 from omnitron.core.parallel.data.config import DataParallelConfig, bucket_elements
 from omnitron.core.parallel.data.wrapper import ChunkWrapper
@@ -169,14 +170,25 @@ class _ShardCopy:
 
 
 def _param_gather_hooks(module: torch.nn.Module, bucket_of: dict[int, Bucket]) -> list:
-    """Forward pre-hooks on every submodule that owns parameters directly: before it runs, wait for the
-    pending all-gathers of the buckets holding its parameters. The first module to touch a bucket waits;
-    later ones (and later micro-batches) find no handle left."""
-    hooks = []
-    for m in module.modules():
-        buckets = list({id(b): b for p in m.parameters(recurse=False) if (b := bucket_of.get(id(p)))}.values())
+    """Forward pre-hooks that wait, before a module runs, for the pending all-gathers of the buckets holding its
+    parameters. The first module to touch a bucket waits; later ones (and later micro-batches) find no handle left.
+
+    Eager code: one on every submodule that owns parameters directly. A graph region (a compiled or captured
+    transformer layer, :func:`omnitron.core.graph_state.is_region`): one on the region for every parameter under
+    it and none inside, so the waits run eagerly just before its graph (a wait inside would break a compiled graph
+    and be skipped by a replayed one) and a layer still waits for its own buckets only, the later layers' gathers
+    overlapping it. Prepended: another pre-hook that reads the parameters (the FP8 weight refresh of a region,
+    :mod:`omnitron.core.precision.fp8.static_weights`) runs after the wait, whenever it was registered."""
+    hooks, inside = [], set()
+    for m in module.modules():  # pre-order: a region comes before what it holds
+        if id(m) in inside:
+            continue
+        region = is_region(m)
+        if region:
+            inside.update(id(s) for s in m.modules())
+        buckets = list({id(b): b for p in m.parameters(recurse=region) if (b := bucket_of.get(id(p)))}.values())
         if buckets:
-            hooks.append(m.register_forward_pre_hook(_waiter(buckets)))
+            hooks.append(m.register_forward_pre_hook(_waiter(buckets), prepend=True))
     return hooks
 
 
