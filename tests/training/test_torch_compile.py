@@ -95,6 +95,21 @@ def test_compiled_training_matches_eager_and_compiles_one_graph(tmp_path, monkey
     assert graphs == 1
 
 
+def test_compiled_fp16_training_matches_eager_in_one_graph(tmp_path, monkeypatch):
+    """--fp16 (activations in half precision, fp32 master weights, the dynamic loss scaler outside the layers).
+    NOTE: the compiled layer's norms and activations (plain-torch references) and eager's C++ kernels both compute
+    in fp32 and round to fp16; they differ by fp32 reordering (~3.4e-7 relative, REL's analysis), which moves a
+    fraction ~3.4e-7 / 2^-11 ~ 7e-4 of the elements across an fp16 rounding boundary, one fp16 step (2^-11
+    relative) each: norm-wise sqrt(7e-4) 2^-11 ~ 1.3e-5 per layer's output, two layers, carried into the loss with
+    condition ~1 and, through the steps, as REL's analysis carries its d: ~3 x 2.6e-5 ~ 8e-5. FP16_REL = 3e-4 leaves
+    ~4x; a layer computing another function (a lost cast to fp16, a dropped bias) moves the losses by 1e-3 or more."""
+    monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
+    eager, _ = _train(str(tmp_path / "eager"), 1, "--fp16")
+    compiled, graphs = _train(str(tmp_path / "compiled"), 1, "--torch-compile", "--fp16")
+    assert compiled == pytest.approx(eager, rel=3e-4) and graphs == 1, (compiled, eager, graphs)
+    assert len(set(eager)) == STEPS
+
+
 def test_recomputation_inside_a_compiled_region_keeps_the_dropout_mask():
     """omnitron's checkpoint traced by dynamo: the gradient flows exactly where the forward kept elements."""
     from omnitron.core.parallel.tensor.random import checkpoint
