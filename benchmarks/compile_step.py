@@ -6,7 +6,11 @@ alternate between the two so machine noise hits both alike; the median step is r
 this process's CPU seconds (less sensitive to other tenants of a shared machine), and the compiled model's
 first step minus the eager median as the compile time.
 
-    python benchmarks/compile_step.py [--steps 6] [--threads 2] [--compiler inductor] [--json FILE]
+With ``--fp8``: three models instead, fp32 eager, FP8 tensorwise eager and FP8 tensorwise compiled (the CPU emulates
+the FP8 GEMMs; the compiled model's weights held outside its graphs as training holds them), each step's time
+against fp32 eager's: what the emulation costs eager and what is left of it once the casts are fused.
+
+    python benchmarks/compile_step.py [--steps 6] [--threads 2] [--compiler inductor] [--fp8] [--json FILE]
 """
 from __future__ import annotations
 
@@ -68,9 +72,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compiler", default=None, help="torch.compile backend (default: the device's, inductor)")
+    ap.add_argument("--fp8", action="store_true", help="fp32 eager, FP8 eager and FP8 compiled side by side")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.fp8:
+        return fp8_main(a)
     eager = GPTModel(GPTConfig(**SHAPE), ParallelGroups.single(), seed=1)
     compiled = copy.deepcopy(eager)
     compile_layers([compiled], compiled.backend, a.compiler)
@@ -83,6 +90,31 @@ def main() -> None:
           f"{out['compiled'] * 1e3:.0f} ms/step ({out['compiled_cpu']:.2f} CPU s): {out['eager'] / out['compiled']:.2f}x "
           f"wall, {out['eager_cpu'] / out['compiled_cpu']:.2f}x CPU; compile {out['compile_s']:.1f} s; "
           f"last losses {losses['eager'][-1]:.5f} / {losses['compiled'][-1]:.5f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+def fp8_main(a) -> None:
+    """fp32 eager, FP8 tensorwise eager and FP8 tensorwise compiled, stepping alternately."""
+    from omnitron.core.precision.fp8 import enable_fp8
+    from omnitron.core.precision.fp8.config import FP8Config
+    from omnitron.core.precision.fp8.static_weights import hold_static_weights
+
+    fp32 = GPTModel(GPTConfig(**SHAPE), ParallelGroups.single(), seed=1)
+    fp8_eager, fp8_compiled = copy.deepcopy(fp32), copy.deepcopy(fp32)
+    for m in (fp8_eager, fp8_compiled):
+        enable_fp8([m], FP8Config(fp8_recipe="tensorwise"), ParallelGroups.single(), num_layers=SHAPE["num_layers"],
+                   backend=m.backend)
+    compile_layers([fp8_compiled], fp8_compiled.backend, a.compiler)
+    held = hold_static_weights([fp8_compiled])
+    steps = {"fp32 eager": step_fn(fp32), "fp8 eager": step_fn(fp8_eager), "fp8 compiled": step_fn(fp8_compiled)}
+    times, cpu, losses = alternate(steps, a.steps)
+    out = {k: statistics.median(v[1:]) for k, v in times.items()}
+    base = out["fp32 eager"]
+    for k in steps:
+        print(f"{k:13s} {out[k] * 1e3:7.0f} ms/step ({statistics.median(cpu[k][1:]):.2f} CPU s)  "
+              f"{out[k] / base:.2f}x fp32 eager  last loss {losses[k][-1]:.5f}")
+    out.update(held_fp8_weights=held, times=times, cpu=cpu, losses=losses)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 
