@@ -105,6 +105,9 @@ FP8 = {  # whole step only (one process each)
     "mixtral-tiny ep2 bf16 tensorwise": (2, MIXTRAL + EP2 + ["--bf16"] + TENSORWISE),
     "mixtral shared64 bf16 tensorwise": (1, MIXTRAL + ["--bf16", "--moe-shared-expert-intermediate-size", "64"]
                                          + TENSORWISE),
+    "mixtral-tiny bf16 grouped": (1, MIXTRAL + ["--bf16", "--moe-grouped-gemm"]),  # wide: stacked weights saved
+    "mixtral-tiny bf16 tensorwise grouped": (1, MIXTRAL + ["--bf16", "--moe-grouped-gemm"] + TENSORWISE),
+    "mixtral-tiny ep2 bf16 tensorwise grouped": (2, MIXTRAL + EP2 + ["--bf16", "--moe-grouped-gemm"] + TENSORWISE),
 }
 
 
@@ -142,13 +145,13 @@ def main() -> None:
 
     moe, fp8 = "--moe" in sys.argv[1:], "--fp8" in sys.argv[1:]
     with tempfile.TemporaryDirectory() as root:
-        print(f"{'layout (whole step)':32s} {'rank':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
+        print(f"{'layout (whole step)':42s} {'rank':>5s} {'predicted MiB':>14s} {'step peak MiB':>14s} {'error':>8s}")
         worst, start = 0.0, time.perf_counter()
         names = list(MOE) if moe else list(FP8) if fp8 else [*LAYOUTS, *WHOLE_STEP_ONLY]
         for name in names:
             for rank, (peak, pred) in enumerate(step_peaks(name, root)):
                 worst = max(worst, abs(pred / peak - 1))
-                print(f"{name:32s} {rank:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} "
+                print(f"{name:42s} {rank:5d} {pred / 2**20:14.3f} {peak / 2**20:14.3f} "
                       f"{100 * (pred / peak - 1):+7.2f}%")
         print(f"worst |error| {100 * worst:.2f}% over {len(names)} layouts, {time.perf_counter() - start:.0f} s")
     if not moe and not fp8:

@@ -72,8 +72,10 @@ histories, a few ``[roles, history]`` fp32 tensors, after the backward has freed
 torchao``, which op keeps a linear's input on another device (the probe's attention path is this CPU's); in the
 transients, block-wise tiles that are not whole (a ragged dimension pads a copy and expands the scales),
 ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the GEMM (one more
-output-sized tensor), an MoE chunk's experts under ``--moe-grouped-gemm`` (the wide probe runs the grouped GEMM, which
-marks no expert: their FP8 passes are left out, though FP8 runs each expert's own), the experts of a probe with fewer
+output-sized tensor), the experts of the layers ``--first-last-layers-bf16`` keeps wide under ``--moe-grouped-gemm``
+(they run the grouped GEMM, which saves a stacked copy of the local experts' weights, but are priced as each expert's
+own GEMMs: FP8 experts run those, so the plan probes every layer without the grouped GEMM,
+:func:`omnitron.plan.fp8_moe.experts_as_run`), the experts of a probe with fewer
 experts than the model (16 for more that divide by it: each expert's rows and passes larger, an upper bound), and a wide
 input a module keeps past its own return.
 Multi-token prediction's layers are counted in FP8 under ``--first-last-layers-bf16`` too, as the engine runs them

@@ -3,7 +3,12 @@
 :func:`~omnitron.core.precision.fp8.enable.enable_fp8` converts every routed expert's two linears and the shared
 expert's (the router has no FP8 seam: it stays float32), so their cached FP8 weights are in the ``fp8`` term with
 every other linear's (:func:`~omnitron.plan.fp8_memory.fp8_linears`: the rank's ``E / ep`` local experts at their
-etp shard). Under FP8 ``--moe-grouped-gemm`` falls back to each expert's own GEMMs (``_grouped_ok``), as priced here.
+etp shard). Under FP8 ``--moe-grouped-gemm`` falls back to each expert's own GEMMs: ``_grouped_ok`` in
+:mod:`omnitron.core.transformer.moe.experts` refuses experts with an FP8 seam, so they run :func:`expert_mlp` per
+expert, in FP8, as without the flag; the plan prices them so (:func:`experts_as_run`: the probes run the layers
+without the grouped GEMM, which would stack every expert's weights and mark no expert linear). A tiny Mixtral in bf16,
+tensorwise (2026-12-05): the step's peak with the flag is the step's without it to the byte (13.095 MiB); the plan
+gave +31.7% before, -0.19% after.
 
 **Saved inputs** (:func:`layer_less`, per-tensor recipes). The wide experts' fc1s save views of one storage, the
 ``[R_e, h]`` rows the dispatch gathered, and each fc2 its own activation output ``[rows, f / etp]``; in FP8 each
@@ -24,6 +29,7 @@ the rank (``T k ep etp / (tp E)`` at balanced routing: the probe has no ep).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from omnitron.plan.fp8_passes import own_scale
@@ -31,6 +37,13 @@ from omnitron.plan.transients import ROUTED
 
 SHARED = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 """The shared expert's linears' names in their layer."""
+
+
+def experts_as_run(settings, cfg):
+    """``cfg`` as the engine runs its MoE layers' experts: under ``--fp8-format`` without ``--moe-grouped-gemm``
+    (FP8 experts take each expert's own GEMMs, module docstring), else unchanged. The layers
+    ``--first-last-layers-bf16`` keeps wide run the grouped GEMM still; they are priced as the rest (not modelled)."""
+    return replace(cfg, moe_grouped_gemm=False) if settings.fp8 is not None and cfg.moe_grouped_gemm else cfg
 
 
 def _router_keeps(e: int, tp: int, sp: bool) -> bool:

@@ -62,6 +62,7 @@ from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
 from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, saved_less
+from omnitron.plan.fp8_moe import experts_as_run
 from omnitron.plan.fp8_passes import native_gemm
 from omnitron.plan.state import state_bytes
 
@@ -437,6 +438,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
 
     given, pc = model_config(settings), settings.parallel
     cfg = priced_config(settings, given)  # attention dropout on cp's block kernels: probed without it
+    cfg = experts_as_run(settings, cfg)  # FP8 experts: each its own GEMMs, --moe-grouped-gemm or not
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
                               settings.num_microbatches)

@@ -86,12 +86,13 @@ def test_estimate_reports_the_fp8_term():
     assert _stage(replace(s, fp8=None), 1) == 0
 
 
-def _saved(cfg, layout, fp8=None) -> dict:
+def _saved(cfg, layout, fp8=None, cached: dict | None = None) -> dict:
     """Saved bytes of one micro-batch through every stage chunk (tp 1, in this process), the linears in FP8 when
     ``fp8`` (an ``FP8Config``) is given, as training converts them (``per_step``; delayed: a forward after the first
     step's, the reducer primed): ``omnitron.plan.measure``'s storages seen by autograd's saved-tensor hooks,
     deduplicated, less the FP8 weights' cached transposes and scales and the delayed roles' scales (saved by each
-    FP8 linear, counted by the ``fp8`` term, not here)."""
+    FP8 linear, counted by the ``fp8`` term, not here). ``cached``: filled with each chunk's bytes of cached FP8
+    weights after the forward (distinct storages)."""
     import torch
 
     from omnitron.core.checkpoint.reshard import skeleton_chunks
@@ -119,6 +120,10 @@ def _saved(cfg, layout, fp8=None) -> dict:
             y = forward()
         weights = [t for e in ex.values() if e._wcache is not None for t in e._wcache[2][1:]]  # (q_t, scale_inv)
         out[key] = rec.total - sum(rec.storages.get(t.untyped_storage().data_ptr(), 0) for t in weights)
+        if cached is not None:
+            held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for e in ex.values() if e._wcache is not None for t in e._wcache[2]}
+            cached[key] = sum(held.values())
         hidden = y.detach().requires_grad_()
     return out
 
@@ -202,6 +207,32 @@ def test_moe_experts_saved_inputs_against_a_real_fp8_forward(recipe, extra):
     plain, fp8 = _saved(cfg, Layout(pp=2)), _saved(cfg, Layout(pp=2), s.fp8)
     for r in (0, 1):
         assert plain[(r, 0)] - fp8[(r, 0)] == saved_less(s, cfg, r)[0], (r, k, f)
+
+
+def test_moe_grouped_gemm_experts_run_fp8_as_priced():
+    """``--moe-grouped-gemm`` under FP8: the engine runs each FP8 expert's own GEMMs (the grouped GEMM takes no FP8
+    seam), so a real FP8 forward with the flag (pp2, 4 MoE layers, each stage chunk in this process) caches every
+    expert's FP8 weight, the stage's ``fp8`` term to the byte, and saves the per-expert wide forward's bytes (the
+    one the activation term prices) less :func:`saved_less`, to the byte, as the plan runs it
+    (:func:`omnitron.plan.fp8_moe.experts_as_run`). Random top-k and expert width, tensorwise bf16."""
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.fp8_memory import fp8_bytes, saved_less
+    from omnitron.plan.fp8_moe import experts_as_run
+    from omnitron.plan.memory import model_config
+
+    k, f = random.choice([1, 2]), random.choice([32, 48, 64])  # bf16 widths 16-byte aligned: grouped would run
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+            "--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", *MOE,
+            "--moe-router-topk", str(k), "--moe-ffn-hidden-size", str(f), "--bf16", "--moe-grouped-gemm"]
+    s = parse_settings(argv, 2)
+    cfg = model_config(s)
+    priced, cached = experts_as_run(s, cfg), {}
+    plain, fp8 = _saved(priced, Layout(pp=2)), _saved(cfg, Layout(pp=2), s.fp8, cached)
+    for r in (0, 1):
+        assert cached[(r, 0)] == fp8_bytes(s, priced, r), (r, k, f)
+        assert plain[(r, 0)] - fp8[(r, 0)] == saved_less(s, priced, r)[0], (r, k, f)
 
 
 def test_moe_experts_saved_inputs_on_a_skewed_ep_rank_by_hand():
@@ -336,6 +367,7 @@ def test_native_path_by_hand():
                                                           "block", "--recompute-num-layers", "1"]),
                                           ("delayed", []), ("blockwise", []), ("tensorwise", NO_DROPOUT),
                                           ("tensorwise", MOE + ["--moe-shared-expert-intermediate-size", "32"]),
+                                          ("tensorwise", MOE + ["--moe-grouped-gemm"]),
                                           pytest.param("delayed", MOE, marks=pytest.mark.slow)])
 def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     """The wide transient probe's log replayed with the FP8 linears' passes added at their markers and their saved
@@ -350,10 +382,13 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     probes them (every expert padded to ``T k / E`` rows), their experts' FP8 passes and saved inputs included (the
     dispatched rows freed when the experts are done; the shared expert's input, which the router and the dispatch
     read too, gets its whole gradient after the experts' backward, its FP8 copy is freed when its own backward ends);
-    delayed MoE (slow: three steps of the probe before the logged one)."""
+    MoE with ``--moe-grouped-gemm``, the real probe run with the flag, which its FP8 experts ignore (each runs its own
+    GEMMs), the wide one as the plan runs it (:func:`omnitron.plan.fp8_moe.experts_as_run`: without the grouped GEMM,
+    which marks no expert); delayed MoE (slow: three steps of the probe before the logged one)."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.kernels.alloc_log import peak
     from omnitron.plan.fp8_memory import chunk_linears, replay_fp8
+    from omnitron.plan.fp8_moe import experts_as_run
     from omnitron.plan.memory import model_config
     from omnitron.plan.moe_activations import transient_probe
     from omnitron.plan.transients import Probe, _timeline
@@ -365,7 +400,12 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
             "--fp8-format", "e4m3" if recipe == "blockwise" else "hybrid", *extra]
     settings = parse_settings(argv, 1)
     cfg = model_config(settings)
-    probe = Probe(transient_probe(cfg, cfg, 1, 1, 1) if cfg.num_experts else cfg, 2, True, True, s, b)
-    wide = _timeline(probe)
-    best, _ = replay_fp8(settings, cfg, wide, [float(n) for _, n in wide], chunk_linears(settings, cfg, 0)[0], False, 2)
-    assert best == peak(_timeline(probe, settings.fp8))
+    priced = experts_as_run(settings, cfg)
+
+    def probe(c):
+        return Probe(transient_probe(c, c, 1, 1, 1) if c.num_experts else c, 2, True, True, s, b)
+
+    wide = _timeline(probe(priced))
+    best, _ = replay_fp8(settings, priced, wide, [float(n) for _, n in wide], chunk_linears(settings, priced, 0)[0],
+                         False, 2)
+    assert best == peak(_timeline(probe(cfg), settings.fp8))
