@@ -105,7 +105,7 @@ FP8 = {  # whole step only (one process each)
     "mixtral-tiny ep2 bf16 tensorwise": (2, MIXTRAL + EP2 + ["--bf16"] + TENSORWISE),
     "mixtral shared64 bf16 tensorwise": (1, MIXTRAL + ["--bf16", "--moe-shared-expert-intermediate-size", "64"]
                                          + TENSORWISE),
-    "mixtral-tiny bf16 grouped": (1, MIXTRAL + ["--bf16", "--moe-grouped-gemm"]),  # wide: stacked weights saved
+    "mixtral-tiny bf16 grouped": (1, MIXTRAL + ["--bf16", "--moe-grouped-gemm"]),  # wide: the grouped GEMM
     "mixtral-tiny bf16 tensorwise grouped": (1, MIXTRAL + ["--bf16", "--moe-grouped-gemm"] + TENSORWISE),
     "mixtral-tiny ep2 bf16 tensorwise grouped": (2, MIXTRAL + EP2 + ["--bf16", "--moe-grouped-gemm"] + TENSORWISE),
 }

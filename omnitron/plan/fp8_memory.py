@@ -73,8 +73,8 @@ torchao``, which op keeps a linear's input on another device (the probe's attent
 transients, block-wise tiles that are not whole (a ragged dimension pads a copy and expands the scales),
 ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the GEMM (one more
 output-sized tensor), the experts of the layers ``--first-last-layers-bf16`` keeps wide under ``--moe-grouped-gemm``
-(they run the grouped GEMM, which saves a stacked copy of the local experts' weights, but are priced as each expert's
-own GEMMs: FP8 experts run those, so the plan probes every layer without the grouped GEMM,
+(they run the grouped GEMM, which stacks the local experts' weights in its forward and again in its backward, but
+are priced as each expert's own GEMMs: FP8 experts run those, so the plan probes every layer without the grouped GEMM,
 :func:`omnitron.plan.fp8_moe.experts_as_run`), the experts of a probe with fewer
 experts than the model (16 for more that divide by it: each expert's rows and passes larger, an upper bound), and a wide
 input a module keeps past its own return.

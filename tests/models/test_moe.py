@@ -121,14 +121,26 @@ def test_moe_layer_matches_dense_evaluation(swiglu):
     assert torch.allclose(layer.aux_loss_total, raux.detach().float().to(layer.aux_loss_total.dtype), rtol=1e-5)
 
 
+def _filled_layer(c, grouped: bool, seed: int):
+    """An MoE layer of ``c`` (grouped GEMM or not) with every parameter drawn N(0, 0.3) from ``seed``."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.moe import MoELayer
+
+    layer = MoELayer(dataclasses.replace(c, moe_grouped_gemm=grouped), groups=ParallelGroups.single(),
+                     sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+    return layer
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_grouped_gemm_computes_the_per_expert_gemms(swiglu, monkeypatch):
     """--moe-grouped-gemm (torch._grouped_mm, fp32) against the per-expert path above (checked against the float64
     dense reference): forward and every gradient, with an expert that gets no tokens. Both are fp32 sums of the
     same products in another order: ~1e-7 relative, the 1e-5 bound is a hundredfold margin."""
-    from omnitron.backends import get_backend
-    from omnitron.core.parallel.groups import ParallelGroups
-    from omnitron.core.transformer.moe import MoELayer
     from omnitron.core.transformer.moe import experts as E
 
     ran, real = [], E.grouped_expert_mlps
@@ -136,12 +148,8 @@ def test_grouped_gemm_computes_the_per_expert_gemms(swiglu, monkeypatch):
     c = _moe_config(swiglu=swiglu, add_bias_linear=not swiglu, params_dtype=torch.float32)
     outs = []
     for grouped in (False, True):
-        layer = MoELayer(dataclasses.replace(c, moe_grouped_gemm=grouped), groups=ParallelGroups.single(),
-                         sequence_parallel=False, backend=get_backend(), out_std=0.02)
-        torch.manual_seed(7)
+        layer = _filled_layer(c, grouped, 7)
         with torch.no_grad():
-            for p in layer.parameters():
-                p.normal_(0.0, 0.3)
             layer.router.weight[1] = -20.0  # expert 1: no tokens
         g = torch.Generator().manual_seed(3)
         x = torch.randn(8, 3, c.hidden_size, generator=g).requires_grad_(True)
@@ -154,6 +162,34 @@ def test_grouped_gemm_computes_the_per_expert_gemms(swiglu, monkeypatch):
     torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
+def test_grouped_gemm_keeps_no_copy_of_the_expert_weights(recompute):
+    """The grouped path stacks the experts' weights for ``torch._grouped_mm``; the stack is not what backward
+    keeps (it is stacked again there): after the forward, the grouped layer holds the bytes the per-expert layer
+    holds plus the int32 group offsets (4 bytes an expert), where keeping the stacks held a copy of every local
+    expert's fc1 and fc2 weights more (23,040 bytes here). Under recomputation (omnitron's checkpoint, torch's
+    non-reentrant one) the same, and the gradients are the per-expert path's."""
+    from omnitron.core.parallel.tensor.random import checkpoint
+    from omnitron.kernels.alloc_log import Timeline
+
+    c = _moe_config(swiglu=True, add_bias_linear=False, params_dtype=torch.float32)
+    held, grads = [], []
+    for grouped in (False, True):
+        layer = _filled_layer(c, grouped, 5)
+        x = torch.randn(8, 3, c.hidden_size, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+        tl = Timeline()
+        with tl:
+            y = checkpoint(lambda t: layer(t)[0], None, x) if recompute else layer(x)[0]
+        live = {i for i, (op, n) in enumerate(tl.events) if op is not None}
+        live -= {n for op, n in tl.events if op is None}
+        held.append(sum(tl.events[i][1] for i in live))
+        y.square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+    assert held[1] - held[0] == (4 * c.num_experts if not recompute else 0), held
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # the bound of the test above
 
 
 def test_bad_moe_settings_are_named():

@@ -101,13 +101,44 @@ def _grouped_ok(rows: torch.Tensor, experts: list) -> bool:
     return why is None
 
 
+def _grouped_mm(x: torch.Tensor, weights: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
+    """``x [R, k]`` by each weight ``[n, k]`` on its rows (``offs``), in one ``torch._grouped_mm`` over the weights
+    stacked ``[E, k, n]``. The stack is a copy of every weight; ``_grouped_mm`` would save it for its backward, one
+    copy of the local experts' weights per MoE layer and micro-batch in flight. It is saved as the recipe instead
+    and stacked again when the backward reads it (the weights do not change before then). Not where other
+    saved-tensor hooks are active (activation recomputation's checkpoint): they keep nothing of the forward
+    already, and hooks of ours would override theirs for the GEMM's other saved tensors."""
+    w = torch.stack(weights).transpose(1, 2)
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return torch._grouped_mm(x, w, offs=offs)
+    ptr, shape = w.data_ptr(), w.shape
+
+    def pack(t: torch.Tensor):
+        return _Restack(weights) if t.data_ptr() == ptr and t.shape == shape else t
+
+    def unpack(p):
+        return p.stack() if isinstance(p, _Restack) else p
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return torch._grouped_mm(x, w, offs=offs)
+
+
+class _Restack:
+    """A saved stack of expert weights, kept as the weights themselves (parameters: no copy)."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        self.weights = [w.detach() for w in weights]
+
+    def stack(self) -> torch.Tensor:
+        return torch.stack(self.weights).transpose(1, 2)
+
+
 def grouped_expert_mlps(rows: torch.Tensor, counts: list[int], experts: list) -> torch.Tensor:
     """Every local expert's MLP (without fc2's bias) on its ``counts`` rows of ``rows [R, h]`` in two grouped
     GEMMs (``torch._grouped_mm``): what :func:`expert_mlp` computes per expert, in one launch each."""
     mlp, n = experts[0], len(experts)
     offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-    w1 = torch.stack([m.linear_fc1.weight for m in experts]).transpose(1, 2)  # [E, h, (2)f/etp]
-    y = _ContiguousGrad.apply(torch._grouped_mm(rows, w1, offs=offs))  # [R, (2)f/etp]
+    y = _ContiguousGrad.apply(_grouped_mm(rows, [m.linear_fc1.weight for m in experts], offs))  # [R, (2)f/etp]
     if mlp.linear_fc1.bias is not None:
         index = torch.repeat_interleave(torch.arange(n, device=rows.device), torch.tensor(counts, device=rows.device))
         y = y + torch.stack([m.linear_fc1.bias for m in experts]).index_select(0, index).to(y.dtype)
@@ -115,8 +146,7 @@ def grouped_expert_mlps(rows: torch.Tensor, counts: list[int], experts: list) ->
         y = activate(mlp.backend.kernels, y, None, swiglu=mlp.swiglu, exact=mlp.exact_gelu, glu=mlp.glu)
     else:
         y = y[:, : y.shape[1] // 2] if mlp.swiglu else y
-    w2 = torch.stack([m.linear_fc2.weight for m in experts]).transpose(1, 2)  # [E, f/etp, h]
-    return _ContiguousGrad.apply(torch._grouped_mm(y.contiguous(), w2, offs=offs))
+    return _ContiguousGrad.apply(_grouped_mm(y.contiguous(), [m.linear_fc2.weight for m in experts], offs))
 
 
 def run_experts(rows: torch.Tensor, counts: list[int], experts: list, etp, grouped: bool = False) -> torch.Tensor:
