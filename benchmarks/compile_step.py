@@ -94,19 +94,27 @@ def main() -> None:
         Path(a.json).write_text(json.dumps(out, indent=1))
 
 
-def fp8_main(a) -> None:
-    """fp32 eager, FP8 tensorwise eager and FP8 tensorwise compiled, stepping alternately."""
+def fp8_model(model: GPTModel, compiler: str | None = None, held: bool = True) -> int:
+    """Tensorwise FP8 on ``model``'s linears; with ``compiler`` its layers compiled and (``held``) their weights'
+    FP8 form held outside the graphs, as training does. Returns how many weights are held."""
     from omnitron.core.precision.fp8 import enable_fp8
     from omnitron.core.precision.fp8.config import FP8Config
     from omnitron.core.precision.fp8.static_weights import hold_static_weights
 
+    enable_fp8([model], FP8Config(fp8_recipe="tensorwise"), ParallelGroups.single(), num_layers=SHAPE["num_layers"],
+               backend=model.backend)
+    if compiler is None:
+        return 0
+    compile_layers([model], model.backend, compiler)
+    return hold_static_weights([model]) if held else 0
+
+
+def fp8_main(a) -> None:
+    """fp32 eager, FP8 tensorwise eager and FP8 tensorwise compiled, stepping alternately."""
     fp32 = GPTModel(GPTConfig(**SHAPE), ParallelGroups.single(), seed=1)
     fp8_eager, fp8_compiled = copy.deepcopy(fp32), copy.deepcopy(fp32)
-    for m in (fp8_eager, fp8_compiled):
-        enable_fp8([m], FP8Config(fp8_recipe="tensorwise"), ParallelGroups.single(), num_layers=SHAPE["num_layers"],
-                   backend=m.backend)
-    compile_layers([fp8_compiled], fp8_compiled.backend, a.compiler)
-    held = hold_static_weights([fp8_compiled])
+    fp8_model(fp8_eager)
+    held = fp8_model(fp8_compiled, a.compiler or "inductor")
     steps = {"fp32 eager": step_fn(fp32), "fp8 eager": step_fn(fp8_eager), "fp8 compiled": step_fn(fp8_compiled)}
     times, cpu, losses = alternate(steps, a.steps)
     out = {k: statistics.median(v[1:]) for k, v in times.items()}

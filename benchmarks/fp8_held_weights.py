@@ -13,29 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
-SHAPE = dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, vocab_size=4096,
-             seq_length=256, max_position_embeddings=256, hidden_dropout=0.0, attention_dropout=0.0)
-"""The 4-layer hidden-256 model of ``benchmarks/compile_step.py`` (the "bars" shape)."""
+from compile_step import SHAPE, GPTConfig, GPTModel, ParallelGroups, alternate, fp8_model  # benchmarks/ is on the path when run as a script
 
 
 def build(held: bool, micro_batches: int, micro: int):
-    from omnitron.core.compile import compile_layers
-    from omnitron.core.models.gpt import GPTConfig, GPTModel
-    from omnitron.core.parallel.groups import ParallelGroups
-    from omnitron.core.precision.fp8 import enable_fp8
-    from omnitron.core.precision.fp8.config import FP8Config
-    from omnitron.core.precision.fp8.static_weights import hold_static_weights
-
     model = GPTModel(GPTConfig(**SHAPE), ParallelGroups.single(), seed=1)
-    enable_fp8([model], FP8Config(fp8_recipe="tensorwise"), ParallelGroups.single(), num_layers=SHAPE["num_layers"],
-               backend=model.backend)
-    compile_layers([model], model.backend, "inductor")
-    if held:
-        hold_static_weights([model])
+    fp8_model(model, "inductor", held)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, SHAPE["vocab_size"], (micro, SHAPE["seq_length"]), generator=gen)
@@ -64,14 +50,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     steps = {name: build(name == "held", a.micro_batches, a.micro) for name in ("held", "in-graph")}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    losses: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(a.steps + 1):  # step 0 compiles
-        for name, step in steps.items():
-            t = time.perf_counter()
-            losses[name].append(step())
-            if i:
-                times[name].append(time.perf_counter() - t)
+    times, _, losses = alternate(steps, a.steps)  # round 0 compiles
+    times = {name: ts[1:] for name, ts in times.items()}
     med = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
     out = dict(shape=SHAPE, micro_batches=a.micro_batches, micro=a.micro, steps=a.steps, threads=a.threads,
                median_ms=med, ratio_held_over_in_graph=med["held"] / med["in-graph"], losses=losses)

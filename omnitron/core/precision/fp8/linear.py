@@ -159,12 +159,11 @@ class FP8Linear:
         reads the new values and a compiled graph finds tensors of the same shapes (no recompilation)."""
         with torch.no_grad():  # as inside the autograd function: the FP8 form is no function of the weight's graph
             fresh = self.quantize_weight(weight)
-        if fresh is self.static:
-            return
-        if self.static is None:
-            self.static = fresh
-            return
-        with torch.no_grad():
+            if fresh is self.static:
+                return
+            if self.static is None:
+                self.static = fresh
+                return
             for dst, src in zip(self.static, fresh):
                 dst.copy_(src)
         c = self._wcache
