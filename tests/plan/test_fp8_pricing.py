@@ -211,3 +211,25 @@ def test_quantization_bytes_follow_the_model_dtype():
             for mode in ("fwd", "bwd"):
                 assert math.isclose(rates.elementwise_s(op, mode, n), nbytes / (p.memory_bw * p.memory(nbytes) * rate),
                                     rel_tol=1e-12), (op, mode, elem)
+
+
+def test_b200_fp8_curve_keeps_the_h200_margin_to_the_published_maximum():
+    """B200's FP8 GEMM curve (the H200's measured one moved to B200's rate) against the maximum-achievable FP8
+    matmul rates in Bekman's ML Engineering Open Book (B200 SXM 3,432.5 TFLOP/s at 15360x4096x3072, H200 SXM
+    1,453.4 at 1280x4096x12032): at B200's best shape it never exceeds the published maximum, and falls below it
+    by no more than the H200's measured curve falls below the H200's maximum, widened by the 7% spread of the
+    H200's measured shapes at one FLOP count (0.60-0.68 around 0.63); at no size is an FP8 GEMM slower than the
+    bf16 one of the same FLOPs; the plan names no bf16-curve fallback for B200."""
+    from omnitron.plan.device_rates import DeviceRates
+
+    b200, h200 = load("b200"), load("h200")
+    margin_h200 = h200.peak["fp8"] * h200.gemm_fp8(2.0 * 1280 * 4096 * 12032) / 1453.4e12
+    assert 0.85 < margin_h200 < 1.0  # the H200's measured curve is itself under its published maximum
+    margin_b200 = b200.peak["fp8"] * b200.gemm_fp8(2.0 * 15360 * 4096 * 3072) / 3432.5e12
+    assert margin_h200 - 0.07 <= margin_b200 <= 1.0
+    sizes = [10 ** (e / 4) for e in range(28, 60)]
+    assert all(b200.peak["fp8"] * b200.gemm_fp8(f) <= 3432.5e12 for f in sizes)
+    assert all(b200.peak["fp8"] * b200.gemm_fp8(f) >= 0.999 * b200.peak["bf16"] * b200.gemm(f) for f in sizes)
+    rates = DeviceRates(b200, 8)
+    rates.gemm_s("fp8", 8192, 8192, 8192)
+    assert not any("no measured FP8 GEMM curve" in n for n in rates.notes)
