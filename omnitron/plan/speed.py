@@ -17,9 +17,12 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
 3. **Data parallelism** after the pipeline: the stage's gradient buckets all-reduced over dp x cp, or
    reduce-scattered and the parameters all-gathered with ``--use-distributed-optimizer``.
 4. **Overlap** is an assumption (``--assume-overlap``): ``none`` adds every communication to the
-   critical path; ``dp`` hides the gradient reduction behind the last micro-batch's backward (Megatron's
-   ``--overlap-grad-reduce``); ``all`` also hides tp / cp / pp communication behind the compute it runs beside
-   (a stage's cost is ``max(compute, communication)``).
+   critical path; ``dp`` hides each chunk's gradient reduction behind the backward work that follows its
+   readiness on the pipeline's timeline (``--overlap-grad-reduce``: a chunk's buckets during its last backward,
+   the later chunks' behind the earlier chunks' cool-down; :mod:`omnitron.plan.dp_overlap`); ``all`` also hides
+   the distributed optimizer's parameter all-gather behind the next step's forward, layer by layer
+   (``--overlap-param-gather``), and tp / cp / pp communication behind the compute it runs beside (a stage's
+   cost is ``max(compute, communication)``).
 5. **Shared cores** (CPU reports): every rank of the layout runs on one host of the report's
    ``cpu_count`` cores, with ``omnitron train``'s intra-op threads (cores / ranks, at least 1). The GEMM /
    attention rows measured at that thread count are used; each rank's work is slowed by what the comm
@@ -62,6 +65,7 @@ from omnitron.core.parallel.pipeline.schedules import place_stage, virtual_stage
 from omnitron.plan import fp8
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
+from omnitron.plan import dp_overlap
 from omnitron.plan.stage_layers import stage_layers, wide_layers
 from omnitron.plan.state import expert_data_parallel_size
 
@@ -400,9 +404,16 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
 
 def dp_time(settings, cfg, rates, pp_rank: int, layers) -> float:
     """Seconds of :func:`dp_collectives` at the report's rates."""
+    return sum(dp_parts(settings, cfg, rates, pp_rank, layers))
+
+
+def dp_parts(settings, cfg, rates, pp_rank: int, layers) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds of :func:`dp_collectives` at the report's rates."""
     dense = settings.dp * settings.parallel.context_parallel_size
-    return sum(rates.comm_s(op, n, g, group="dp" if g == dense else "edp")
-               for op, n, g in dp_collectives(settings, cfg, pp_rank, layers))
+    out = [0.0, 0.0]
+    for op, n, g in dp_collectives(settings, cfg, pp_rank, layers):
+        out[op == "all_gather"] += rates.comm_s(op, n, g, group="dp" if g == dense else "edp")
+    return out[0], out[1]
 
 
 def pipeline(settings, costs: dict[int, StageCost], overlap: str):
@@ -488,18 +499,26 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     parts = {key: m * sum(sc.f[key] + sc.b[key] for sc in per_rank[crit]) for key in KEYS}
     if overlap == "all":  # hidden communication: what exceeds the compute beside it is charged to compute
         parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
-    params = [stage_param_groups(cfg, settings, r, [x for c in range(vp) for x in layers[(r, c)]]) for r in range(pp)]
-    dp = max(dp_time(settings, cfg, rates, r, [x for c in range(vp) for x in layers[(r, c)]]) for r in range(pp))
-    opt = max(optimizer_time(settings, rates, n, e) for n, e in params)
+    held = {r: [x for c in range(vp) for x in layers[(r, c)]] for r in range(pp)}
+    opt = max(optimizer_time(settings, rates, *stage_param_groups(cfg, settings, r, held[r])) for r in range(pp))
+    if overlap == "none":
+        dp = max(dp_time(settings, cfg, rates, r, held[r]) for r in range(pp))
+    else:
+        dp = dp_overlap.exposed(tl, {r: (*dp_parts(settings, cfg, rates, r, held[r]), _shares(per_rank[r], overlap),
+                                         max(len(layers[(r, c)]) for c in range(vp))) for r in range(pp)}, overlap)
     dp += _embedding_sync(settings, cfg, rates)
-    if overlap in ("dp", "all"):
-        dp = max(0.0, dp - sum(sc.total("B", overlap) for sc in per_rank[crit]))
     total = tl.makespan + dp + opt
     tokens = settings.training.global_batch_size * cfg.seq_length
     return StepTime(total, parts["compute"], parts["elementwise"], parts["host"], parts["tp"], parts["cp"], parts["pp"],
                     parts["ep"],
                     dp, opt, tl.makespan - busy[crit], tokens / total, assumptions(settings, rates, overlap),
                     list(rates.notes))
+
+
+def _shares(chunks: list, overlap: str) -> list[float]:
+    """Each chunk's part of a rank's data-parallel bytes, taken as its part of the rank's backward work."""
+    b = [sc.total("B", overlap) for sc in chunks]
+    return [x / sum(b) for x in b] if sum(b) > 0 else [1 / len(b)] * len(b)
 
 
 def optimizer_time(settings, rates, params: float, expert: float = 0.0) -> float:
@@ -532,8 +551,9 @@ def _embedding_sync(settings, cfg, rates) -> float:
 def assumptions(settings, rates, overlap: str) -> list[str]:
     threads, slow = _threads(settings, rates)
     what = {"none": "every communication on the critical path",
-            "dp": "dp gradient reduction hidden behind the last backward",
-            "all": "all communication hidden behind compute where shorter"}
+            "dp": "dp gradient reduction hidden behind the backward after each chunk's last one",
+            "all": "all communication hidden behind compute where shorter; parameter all-gather behind the "
+                   "next forward"}
     out = [f"overlap: {overlap} ({what[overlap]})"] + ([fp8.describe(settings)] if settings.fp8 is not None else [])
     if getattr(settings.model, "num_experts", None):
         from omnitron.plan.memory import model_config
