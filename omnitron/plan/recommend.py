@@ -16,9 +16,9 @@ First the smallest need is found over the memory-minimal choice of every (tp, pp
 no vpp, recomputation and the distributed optimizer on): when even that does not fit, the error names it. Else
 the candidates are ranked by predicted tokens/s (:func:`omnitron.plan.speed.predict`) and memory is checked
 fastest first (:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit. A device-profile
-search (``cluster``, :func:`_bounded`) screens with the estimate without backward's transient probes and prices a
-layout with them once it would enter the list: every layout listed fits by the full memory model, as ``--layout``
-prices it.
+search (``cluster``, :func:`_bounded`) screens a layout that would enter the list with the estimate without
+backward's transient probes (less its rematerialised chunk: a lower bound, :func:`_floor`) and prices it with them:
+every layout listed fits by the full memory model, as ``--layout`` prices it.
 """
 from __future__ import annotations
 
