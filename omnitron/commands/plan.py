@@ -148,6 +148,6 @@ def _recommend(args, given: dict, bench, overlap: str) -> int:
     print(_named(rates))
     print(format_choices(choices, args.devices, memory))
     if prof is not None:
-        print("search: tp within a node, the distributed optimizer on where dp x cp > 1; memory without backward's "
-              "transient probes (`--layout` with --device prices one layout with them)")
+        print("search: tp within a node, the distributed optimizer on where dp x cp > 1; screened without backward's "
+              "transient probes, every layout listed priced with them (as `--layout` prices one)")
     return 0

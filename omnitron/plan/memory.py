@@ -429,8 +429,10 @@ def _excess(settings, cfg, given, r: int, ends: dict, chunks: tuple, routing, ra
 
 def estimate(settings, transients: bool = True, load=None, device=None) -> list[StageMemory]:
     """Every pipeline stage's :class:`StageMemory` for ``settings``; ``transients=False`` leaves backward's own
-    tensors out (their probes take tens of seconds per new tp / recompute setting at 70B: a cluster search
-    ranks layouts without them and names it), counting one rematerialised chunk as the probes' failure path does.
+    tensors out (their probes take seconds per new tp / recompute setting at 70B: a cluster search screens
+    layouts without them and prices with them those it may list, :func:`omnitron.plan.recommend._bounded`),
+    counting one rematerialised chunk as the probes' failure path does (not a bound of the full estimate: the
+    probes' excess may be less than that chunk).
     ``load``: a routing histogram (:class:`omnitron.plan.routing.ExpertLoad`): each stage on its busiest ep rank.
     ``device``: the :class:`~omnitron.plan.profile.DeviceProfile` run on (whether FP8 GEMMs are native there:
     :func:`.fp8_passes.native_gemm`); None: this process's backend."""

@@ -15,7 +15,10 @@ is a full :class:`Settings`, so the engine's own validation rejects what it woul
 First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
 no vpp, recomputation and the distributed optimizer on): when even that does not fit, the error names it. Else
 the candidates are ranked by predicted tokens/s (:func:`omnitron.plan.speed.predict`) and memory is checked
-fastest first (:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit.
+fastest first (:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit. A device-profile
+search (``cluster``, :func:`_bounded`) screens a layout that would enter the list with the estimate without
+backward's transient probes (less its rematerialised chunk: a lower bound, :func:`_floor`) and prices it with them:
+every layout listed fits by the full memory model, as ``--layout`` prices it.
 """
 from __future__ import annotations
 
@@ -157,8 +160,9 @@ def _with_world(given: dict, devices: int) -> dict:
 def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "none", top: int = 5,
               cluster: int | None = None) -> list[Choice]:
     """The ``top`` fastest layouts that fit ``memory`` bytes on every stage; ConfigError naming the binding
-    constraint when none does. ``cluster``: devices per node of a device-profile search (:func:`candidates`;
-    memory without the transient probes, :func:`omnitron.plan.memory.estimate`)."""
+    constraint when none does; memory by the full model (:func:`omnitron.plan.memory.estimate`, backward's
+    transients included). ``cluster``: devices per node of a device-profile search (:func:`candidates`,
+    :func:`_bounded`)."""
     from omnitron.plan.memory import estimate
     from omnitron.plan.speed import predict
 
@@ -177,7 +181,8 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
     if not full:
         fit = _bounded(cands, memory, rates, overlap, top)
         if not fit:  # found out late (the smallest is not searched for up front: it is slow at scale)
-            raise ConfigError(_no_fit(_smallest(given, devices, full, cluster, load), memory))
+            raise ConfigError(_no_fit(_smallest(given, devices, full, cluster, load, getattr(rates, "profile", None)),
+                                      memory))
         return fit
     for c in cands:
         c.step = predict(c.settings, rates, overlap)
@@ -196,13 +201,17 @@ def _bounded(cands: list[Choice], memory: int, rates, overlap: str, top: int) ->
     """The ``top`` fastest that fit, pricing exactly only what a bound cannot rule out: candidates whose
     parameters and optimizer state alone exceed ``memory`` are dropped; the rest are visited by their step's
     lower bound (:func:`omnitron.plan.speed.step_lower_bound`), each priced and, if it would enter the list,
-    its memory estimated (skipped when a sibling needing no more memory already failed); the walk stops when
-    the next bound is slower than the ``top``-th fitting layout."""
+    its memory estimated (skipped when a sibling needing no more memory already failed): first without
+    backward's transient probes, then, unless that bounds it over ``memory`` (:func:`_floor`), with them (a new
+    probe set takes seconds at 70B; its logs serve every layout of the same tp, recomputation and chunk ends, and
+    are kept on disk: :mod:`omnitron.plan.probe_cache`). A layout that fits only without the transients is dropped
+    as one that does not fit; the walk stops when the next bound is slower than the ``top``-th fitting layout."""
     import heapq
 
     from omnitron.plan.memory import estimate
     from omnitron.plan.speed import predict, step_lower_bound
 
+    priced = {"load": getattr(rates, "expert_load", None), "device": getattr(rates, "profile", None)}
     order = sorted(((step_lower_bound(c.settings, rates, overlap), i) for i, c in enumerate(cands)
                     if state_lower_bound(c.settings) <= memory))
     fit, over = [], set()  # fit: a min-heap of (tokens/s, index) of the fastest that fit
@@ -214,8 +223,9 @@ def _bounded(cands: list[Choice], memory: int, rates, overlap: str, top: int) ->
         c.step = predict(c.settings, rates, overlap)
         if len(fit) == top and c.step.tokens_per_s <= fit[0][0] or _dominated(c, over):
             continue
-        c.stages = estimate(c.settings, transients=False, load=getattr(rates, "expert_load", None),
-                            device=getattr(rates, "profile", None))
+        c.stages = estimate(c.settings, transients=False, **priced)
+        if _floor(c, priced["load"]) <= memory:  # it may fit: priced again with backward's transients
+            c.stages = estimate(c.settings, **priced)
         if c.peak > memory:
             over.add(_shape(c))
             continue
@@ -223,6 +233,15 @@ def _bounded(cands: list[Choice], memory: int, rates, overlap: str, top: int) ->
         if len(fit) > top:
             heapq.heappop(fit)
     return [cands[i] for _, i in sorted(fit, reverse=True)]
+
+
+def _floor(c: Choice, load) -> float:
+    """A lower bound of ``c``'s peak by the full memory model from its estimate without the transient probes
+    (``c.stages``): each stage's total less its rematerialised chunk. At balanced routing the two estimates share
+    every other term and the full one adds, in the chunk's place, what the probes hold beyond the activations (>= 0;
+    it may be less than the chunk: deepseek_v3_tiny's recomputed layouts, 4-10%). Under a routing histogram
+    (``load``) they may price different ep ranks: no bound (0)."""
+    return 0 if load is not None else max(s.total - s.recompute for s in c.stages)
 
 
 def _shape(c: Choice) -> tuple:
@@ -261,16 +280,20 @@ def state_lower_bound(settings) -> float:
     return most * (p + g + opt / share)
 
 
-def _smallest(given: dict, devices: int, transients: bool = True, cluster: int | None = None, load=None) -> Choice:
+def _smallest(given: dict, devices: int, transients: bool = True, cluster: int | None = None, load=None,
+              device=None) -> Choice:
     """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp); with ``load``
-    (``--moe-expert-load``) each priced on its busiest ep rank, as the search prices them."""
+    (``--moe-expert-load``) each priced on its busiest ep rank, as the search prices them. ``transients`` False:
+    ranked without backward's transient probes (slow at scale), the one found priced with them."""
     from omnitron.plan.memory import estimate
 
     best = None
     for c in candidates(given, devices, minimal=True, cluster=cluster):
-        c.stages = estimate(c.settings, transients=transients, load=load)
+        c.stages = estimate(c.settings, transients=transients, load=load, device=device)
         if best is None or c.peak < best.peak:
             best = c
+    if not transients:
+        best.stages = estimate(best.settings, load=load, device=device)
     return best
 
 
@@ -304,5 +327,6 @@ def format_choices(choices: list[Choice], devices: int, memory: int) -> str:
         rows.append(f"   launch: --nproc-per-node {devices} (or torchrun's world) {launch_flags(c)}")
     rows += [f"assumption (#1): {a}" for a in choices[0].step.assumptions]
     rows += [f"fallback: {n}" for n in choices[0].step.notes]
-    rows.append(f"fits {memory / 2**30:.4g} GiB per device by omnitron plan's memory model (every stage)")
+    rows.append(f"fits {memory / 2**30:.4g} GiB per device by omnitron plan's memory model, backward's transients "
+                "included (every stage)")
     return "\n".join(rows)

@@ -70,7 +70,8 @@ def test_bad_device_requests_get_one_line(capsys):
 @pytest.mark.slow  # ~60 s: every candidate's memory estimated for the exhaustive reference
 def test_bounded_search_equals_the_exhaustive_one():
     """The cluster search prices exactly only what its bounds cannot rule out; its list must be the exhaustive
-    one: every candidate priced, memory checked fastest first (a limit that makes some of the fastest not fit)."""
+    one: every candidate priced, memory (the full model, backward's transients included) checked fastest first (a
+    limit that makes some of the fastest not fit)."""
     from omnitron.plan.cluster import device_rates
     from omnitron.plan.memory import estimate
     from omnitron.plan.recommend import candidates, recommend
@@ -82,7 +83,7 @@ def test_bounded_search_equals_the_exhaustive_one():
     every = candidates(given | {"nproc_per_node": 4}, 4, cluster=2)
     for c in every:
         c.step = predict(c.settings, rates)
-        c.stages = estimate(c.settings, transients=False)
+        c.stages = estimate(c.settings)
     every.sort(key=lambda c: -c.step.tokens_per_s)
     limit = sorted(c.peak for c in every[:4])[1]  # some of the four fastest do not fit
     want = [c.name() for c in every if c.peak <= limit][:3]

@@ -124,9 +124,9 @@ def test_the_smallest_layout_is_priced_under_the_routing_histogram(tmp_path, mon
     path.write_text('{"tokens_per_expert": [[97, 1, 1, 1]]}')  # one row: every MoE layer at these shares
     load, seen, estimate = read_expert_load(str(path)), [], memory.estimate
 
-    def recorded(settings, transients=True, load=None):
+    def recorded(settings, transients=True, load=None, device=None):
         seen.append(load)
-        return estimate(settings, transients, load)
+        return estimate(settings, transients, load, device)
 
     monkeypatch.setattr(memory, "estimate", recorded)
     smallest = _smallest(given, 2, False, load=load)
