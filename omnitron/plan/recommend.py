@@ -4,7 +4,8 @@ ranked by predicted tokens/s, the fastest that fit in device memory.
 The search (:func:`candidates`): tp divides the devices, the attention heads and the query groups; pp divides
 the rest and the layers; cp (1, 2, 4, 8) divides the rest and splits the sequence into ``2 cp`` chunks; dp is
 what remains and with the micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give
-it; vpp (1, 2, 4) where pp > 1 divides the layers per stage; where pp > 1 and the layers per stage are even, the
+it; vpp (every divisor of the layers per stage up to 16, so one layer a virtual stage where a stage has 16 or
+fewer) where pp > 1; where pp > 1 and the layers per stage are even, the
 V-shaped schedules too (``--pipeline-schedule zb-v``, and ``dualpipe-v`` with at least 2 pp micro-batches: two
 chunks per rank, their bubble from the schedule's simulation and their memory from walking its table, as every
 schedule's); full recomputation (uniform, 1 layer) on / off;
@@ -68,13 +69,17 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+MAX_VPP = 16
+"""The most virtual stages a rank's layers are split into in the search (each halves the bubble less)."""
+
+
 def _schedules(cfg, pp: int, m: int):
     """(vpp, --pipeline-schedule or None for the default) tried for ``pp`` stages and ``m`` micro-batches."""
     if pp == 1:
         yield 1, None
         return
-    for vpp in (1, 2, 4):
-        if vpp == 1 or not ((cfg.num_layers // pp) % vpp or m % pp):
+    for vpp in _divisors(cfg.num_layers // pp):  # down to one layer a virtual stage, as Megatron allows
+        if vpp == 1 or vpp <= MAX_VPP and not m % pp:
             yield vpp, None
     if (cfg.num_layers // pp) % 2 == 0:  # the V: two chunks per rank
         yield 2, "zb-v"
