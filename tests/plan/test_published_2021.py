@@ -69,8 +69,9 @@ def test_peak_2021_holds_fp32_grads_throughout(torch_ddp, dp):
 
 def test_2021_space_has_no_v_schedules_and_recomputes():
     """Of a real search's candidates (8 devices, a small GPT), the 2021 space keeps exactly those with cp 1, full
-    recomputation and the default schedule (1F1B / interleaved; 2021 Megatron had no V-shaped ones), read from
-    each candidate's settings, and the search offered V-shaped ones to drop."""
+    recomputation and the default schedule (1F1B / interleaved; 2021 Megatron had no V-shaped ones), interleaved
+    only at pp > 2 (2021's arguments.py asserted it), read from each candidate's settings, and the search offered
+    V-shaped ones and pp2 interleaving to drop."""
     from omnitron.plan.recommend import candidates
 
     given = {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
@@ -78,9 +79,14 @@ def test_2021_space_has_no_v_schedules_and_recomputes():
              "global_batch_size": 16, "nproc_per_node": 8}
     cands = candidates(given, 8, cluster=8)
     assert any(c.settings.training.pipeline_schedule for c in cands)
+    pp2_interleaved = [c for c in cands if c.settings.parallel.pipeline_model_parallel_size == 2
+                       and (c.settings.parallel.virtual_pipeline_model_parallel_size or 1) > 1]
+    assert pp2_interleaved
     for c in cands:
-        want = (c.settings.parallel.context_parallel_size == 1 and c.settings.model.recompute_granularity == "full"
-                and c.settings.training.pipeline_schedule is None)
+        pc = c.settings.parallel
+        want = (pc.context_parallel_size == 1 and c.settings.model.recompute_granularity == "full"
+                and c.settings.training.pipeline_schedule is None
+                and not (pc.pipeline_model_parallel_size <= 2 and (pc.virtual_pipeline_model_parallel_size or 1) > 1))
         assert plan_published.in_2021_space(c) == want, c.name()
 
 
