@@ -136,7 +136,8 @@ def strong_scaling(rates, dropout: float) -> list[dict]:
             got.append(flops_2024(row) / predict(settings_of(flags), rates, OVERLAP).total / row[7] / 1e12)
         ratios = [g / got[0] for g in got]
         out.append({"vpp": vpp, "tflops": got, "ratio_to_96": ratios})
-        print(f"  vpp {vpp:>2}: " + "  ".join(f"{p[0]:>4} GPUs {g:6.1f} ({r:.3f})" for p, g, r in zip(STRONG, got, ratios)))
+        cells = (f"{p[0]:>4} GPUs {g:6.1f} ({r:.3f})" for p, g, r in zip(STRONG, got, ratios))
+        print(f"  vpp {vpp:>2}: " + "  ".join(cells))
     pub = [m / STRONG[0][2] for _, _, m in STRONG]
     rng = [((m - 0.005) / (STRONG[0][2] + 0.005), (m + 0.005) / (STRONG[0][2] - 0.005)) for _, _, m in STRONG]
     print("  published: " + "  ".join(f"{p[0]:>4} GPUs {r:.3f} ({lo:.3f}-{hi:.3f})" for p, r, (lo, hi) in
