@@ -264,7 +264,8 @@ def test_moe_experts_saved_inputs_on_a_skewed_ep_rank_by_hand():
 def test_saved_inputs_under_sequence_parallelism_by_hand():
     """tp2, fp32 model (4 bytes an element: a shared input saves ``4 - 2`` bytes, not nothing), multi-latent
     attention: per layer the two down-projections share the input and, replicated, read the sequence shard under
-    SP (half the tokens); the up-projections and fc1 save their own all-gathered input; proj and fc2 their
+    SP (half the tokens); the up-projections and fc1 save, in FP8, their own all-gathered input (1 byte, the whole
+    sequence) where the wide ones keep the shard (4 bytes, half the tokens; since 2026-12-05); proj and fc2 their
     tp-local input; each linear one 4-byte scale. Worked from the layer's widths, with and without SP."""
     from omnitron.commands.plan import settings_of
     from omnitron.plan.fp8_memory import saved_less
@@ -277,11 +278,12 @@ def test_saved_inputs_under_sequence_parallelism_by_hand():
              "disable_bias_linear": True, "multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 16,
              "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "qk_layernorm": True}
     t, e, tp = 32 * 2, 4, 2
-    own = (e - 1) * t * (32 + 16 + 4 // tp * 16 + 64 + 96 // tp)  # q_up, kv_up, proj, fc1, fc2
+    local = (e - 1) * t * (4 // tp * 16 + 96 // tp)  # proj, fc2
     for sp in (False, True):
         s = settings_of(given | {"sequence_parallel": sp})
+        gathers = (e * t // tp - t if sp else (e - 1) * t) * (32 + 16 + 64)  # q_up, kv_up, fc1
         down = (e - 2) * 64 * (t // tp if sp else t)  # q_down and kv_down: one input
-        assert saved_less(s, model_config(s), 0) == {0: 2 * (own + down - 4 * 7)}, sp
+        assert saved_less(s, model_config(s), 0) == {0: 2 * (local + gathers + down - 4 * 7)}, sp
 
 
 # ---- one FP8 linear's own transients, and the probe replayed with them -------------------------------------------
