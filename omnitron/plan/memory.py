@@ -367,11 +367,26 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
     acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
     if moe:
         acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, tp, pc.etp)
-    excess = max(0, round(real - acts - output_bytes(whole, cfg, last) - logits))
+    excess = max(0, round(real - acts - output_bytes(whole, cfg, last) - logits + regather_bytes(settings, cfg, last)))
     if not slack:
         return excess
     windows = experts_windows(events, sizes)
     return excess, (real - max(windows) if windows else None)
+
+
+def regather_bytes(settings, cfg, last: bool) -> float:
+    """What a plain column-parallel linear's backward holds under SP beyond the one-process probe's (no SP) replay:
+    its input gradient's ``[s/tp, b, h]`` shard, reduce-scattered before it re-gathers its saved input shard for the
+    weight gradient (:mod:`omnitron.core.parallel.tensor.gather_linear`), beside that whole-sequence input, where the
+    probe's ``F.linear`` backward held the whole input gradient in the input's place (measured 2026-12-05 on the tp2
+    SP rows of benchmarks/plan_memory.py: the plan 0.7% under each step peak without it, the shard's size). 0 without
+    SP, and on a chunk whose column-parallel linears are all FP8 (the output layer, on the last, never is)."""
+    pc = settings.parallel
+    tp = pc.tensor_model_parallel_size
+    if not pc.sequence_parallel or tp == 1 or (settings.fp8 is not None and not last):
+        return 0.0
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    return s * b * cfg.hidden_size * cfg.params_dtype.itemsize / tp
 
 
 def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None,
