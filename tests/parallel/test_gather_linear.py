@@ -1,7 +1,8 @@
 """A sequence-parallel column-parallel linear at tp2 (omnitron/core/parallel/tensor/gather_linear.py): its output and
 gradients against one process's ``X W^T + b`` in float64, and what its forward saves for backward: the input SHARD
 (``s/tp x b x h`` elements), not the all-gathered ``[s, b, h]`` input that ``gather_from_sp`` + ``F.linear`` saved
-(before 2026-12-05: twice the bytes at tp2, so the memory check fails on the old path).
+(before 2026-12-05: twice the bytes at tp2, so the memory check fails on the old path), eager and compiled
+(``torch.compile``, aot_eager, one graph: without the checkpointed gather the partitioner saved the gathered input).
 
 Tolerance: float64 (u = 1.1e-16); the layout only reorders the sums (h = 24 terms in dx, s b = 16 in dW and db,
 and one 2-rank reduce-scatter), a relative error of a few u; 1e-12 leaves a factor > 1000, and a wrong shard,
@@ -16,7 +17,7 @@ from omnitron.testing.distributed import run_distributed
 S, B, H, OUT = 8, 2, 24, 12
 
 
-def _case(bias: bool, recompute: bool) -> dict:
+def _case(bias: bool, recompute: bool, compiled: bool = False) -> dict:
     """One forward + backward of the tp2 layer and of the one-process reference; relative errors and saved bytes."""
     from omnitron.backends import get_backend
     from omnitron.core.config.parallel import ParallelConfig
@@ -42,9 +43,13 @@ def _case(bias: bool, recompute: bool) -> dict:
         if bias:
             layer.bias.copy_(bvec[rows])
     shard = x[seq].clone().to(dev).requires_grad_()
+    fn = layer
+    if compiled:  # one graph; AOTAutograd's partitioner decides what the compiled forward saves
+        torch._dynamo.reset()
+        fn = torch.compile(layer, backend="aot_eager", fullgraph=True)
     rec = SavedBytes(layer.parameters())
     with rec.record():
-        y = checkpoint(layer, None, shard) if recompute else layer(shard)
+        y = checkpoint(fn, None, shard) if recompute else fn(shard)
     (y * dy[:, :, rows].to(dev)).sum().backward()
 
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -60,12 +65,14 @@ def _case(bias: bool, recompute: bool) -> dict:
 
 def _cases() -> dict:
     torch.set_num_threads(1)
-    return {(bias, rec): _case(bias, rec) for bias in (True, False) for rec in (False, True)}
+    out = {(bias, rec, False): _case(bias, rec) for bias in (True, False) for rec in (False, True)}
+    out[(True, False, True)] = _case(True, False, compiled=True)
+    return out
 
 
 def test_sp_column_parallel_grads_and_saved_shard_tp2():
     for rank in run_distributed(_cases, 2):
-        for (bias, recompute), got in rank.items():
-            assert max(got["err"].values()) < 1e-12, (bias, recompute, got["err"])
+        for (bias, recompute, compiled), got in rank.items():
+            assert max(got["err"].values()) < 1e-12, (bias, recompute, compiled, got["err"])
             if not recompute:  # the saved bytes: the shard only (the parameters are not activations)
-                assert got["saved"] == got["shard"], (bias, got["saved"], got["shard"])
+                assert got["saved"] == got["shard"], (bias, compiled, got["saved"], got["shard"])

@@ -15,6 +15,8 @@ again in backward; :func:`gather_linear` does the same:
   ``dx_full`` beside the saved ``x_full``). Every tp rank issues the same collectives in the same order
   (reduce-scatter, all-gather), both skipped alike where autograd needs no such gradient.
 
+While ``torch.compile`` traces, the same is a checkpointed all-gather and ``F.linear`` (:func:`_compiled`): the
+compiled graph saves the shard and recomputes the gather in backward (its order there is the partitioner's).
 The FP8 GEMM seam does not come here (its function saves its own FP8 copy of the gathered input), nor tp = 1.
 """
 from __future__ import annotations
@@ -58,4 +60,16 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``all-gather(x) W^T + b`` over dim 0 of ``x`` (a sequence shard), saving the shard (module doc)."""
     if group.size == 1:
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():  # see _compiled
+        return _compiled(x, weight, bias, group)
     return _GatherLinear.apply(x, weight, bias, group)
+
+
+def _compiled(x, weight, bias, group):
+    """While dynamo traces: AOTAutograd's partitioner moves backward work that needs no gradient into the forward
+    graph, so :class:`_GatherLinear`'s re-gather would run forward and its output be saved (measured: the gathered
+    bytes, as before). A non-reentrant checkpoint of the gather marks it for recomputation in backward instead."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    full = torch_checkpoint.checkpoint(M.gather_from_sp, x, group, use_reentrant=False)
+    return F.linear(full, weight, bias)
