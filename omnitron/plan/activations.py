@@ -167,10 +167,9 @@ class ActivationModel:
     layer: LayerRate
     recomputed: LayerRate
     head_fixed: float
-    """Per token: head and loss bytes independent of the vocabulary."""
-    head_gathered: float
-    """Per token: the head's bytes kept whole under sequence parallelism (0: the output layer saves its input
-    shard since 2026-12-05, :mod:`omnitron.core.parallel.tensor.gather_linear`; before, its all-gathered input)."""
+    """Per token: head and loss bytes independent of the vocabulary (split over tp under SP: the output layer keeps
+    its input shard since 2026-12-05, :mod:`omnitron.core.parallel.tensor.gather_linear`; it kept the all-gathered
+    input before, ``e h`` a token that stayed whole)."""
     head_vocab: float
     """Per token and vocabulary column of the rank's logits shard."""
     embedding: float
@@ -212,8 +211,7 @@ def _activation_model(cfg, tp: int) -> ActivationModel:
     if cfg.mtp_num_layers:  # step 5: the stage with one depth, minus the stage without it, its layer and its head
         _, m1 = _ends(replace(plain, mtp_num_layers=1), own)
         mtp_inputs = (m1 - h1 - own - h1) / _S1 * k
-    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k, 0.0, per_col, first / _S1 * k,
-                           mtp_inputs)
+    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k, per_col, first / _S1 * k, mtp_inputs)
 
 
 def _ends(probe, own: float) -> tuple[float, float]:
