@@ -12,10 +12,12 @@ instead of modelling op by op (see :class:`omnitron.plan.measure.SavedBytes`):
    this process at ``b = 1`` and two sequence lengths ``s1, 2 s1``: ``alpha, beta`` solve the two
    equations; ``alpha`` times ``k``, ``beta`` (per head, whatever its dimension) times ``k_heads``;
 2. the same at hidden ``2 h / k``: the difference is the part proportional to the hidden size, which
-   sequence parallelism splits over tp except the inputs the column-parallel linears save: they are
-   all-gathered to the whole sequence first (measured on 2 ranks: the QKV and fc1 inputs are [s, b*h],
-   the norms' [s/tp, b, h]), so ``e * h`` bytes per token per such linear stay (``e`` the activation
-   dtype's size; ``gathered``); of the head likewise the output layer's gathered input;
+   sequence parallelism splits over tp, the inputs the column-parallel linears save included: they all-gather
+   their input shard inside and save the shard (:mod:`omnitron.core.parallel.tensor.gather_linear`, since
+   2026-12-05; before, each saved its all-gathered ``[s, b, h]`` input, ``e * h`` bytes per token per such
+   linear that stayed whole, and the head likewise its output layer's); what SP adds whole is the input the
+   key/value projection replicated over tp (fewer query groups than tp ranks) saves all-gathered, ``e * h``
+   per token (``gathered``; ``e`` the activation dtype's size);
 3. a layer's rate = (model of ``2 n`` layers - model of ``n`` layers) / ``n`` (``n`` = the recompute
    chunk with ``--recompute-granularity full``, else 1): recomputation is measured, not assumed;
 4. the ends: a 2-layer probe split over 2 pipeline stages, each stage minus its layer, gives the first
@@ -50,8 +52,8 @@ _S1, _V1 = 64, 128
 @dataclass(frozen=True)
 class LayerRate:
     """Saved bytes per sample of one layer: ``lin * s + quad * s^2``, ``hidden`` the part of ``lin``
-    proportional to the hidden size, ``gathered`` the part of that which stays whole under sequence
-    parallelism (the all-gathered inputs that column-parallel linears save)."""
+    proportional to the hidden size (split over tp by sequence parallelism), ``gathered`` what sequence
+    parallelism adds whole beyond it (an all-gathered input a linear saves: :func:`_gathered_per_token`)."""
 
     lin: float
     quad: float
@@ -59,7 +61,7 @@ class LayerRate:
     gathered: float = 0.0
 
     def bytes(self, s: int, b: int, tp: int = 1, sp: bool = False) -> float:
-        lin = self.lin - ((self.hidden - self.gathered) * (1 - 1 / tp) if sp else 0.0)
+        lin = self.lin - (self.hidden * (1 - 1 / tp) - self.gathered if sp and tp > 1 else 0.0)
         return b * (lin * s + self.quad * s * s)
 
 
@@ -137,27 +139,25 @@ def _layer_rate(probe, kh: int, kd: int, n: int) -> LayerRate:
     wide = replace(probe, hidden_size=2 * probe.hidden_size)
     hidden = (per_layer(wide, _S1) - a) / _S1  # the hidden-proportional part doubles
     k = kh * kd
-    gathered = 0.0 if probe.recompute_granularity == "full" else _gathered_per_token(probe) * k
     if k > 1 and getattr(probe, "multi_latent_attention", False):
         # multi-latent attention's shared rotated key part ([s, b, dr]) and the norms' statistics do not grow
         # with the widths: ``lin = W + C``; the probe at twice the widths (heads, hidden, ffn, latent ranks)
         # gives ``W`` and ``C``, and the real layer ``k W + C``
         lin2 = (per_layer(heads_doubled(probe), _S1) - 2 * quad * _S1 * _S1) / _S1
-        return LayerRate((k - 1) * lin2 - (k - 2) * lin, kh * quad, k * hidden, gathered)
-    return LayerRate(k * lin, kh * quad, k * hidden, gathered)
+        return LayerRate((k - 1) * lin2 - (k - 2) * lin, kh * quad, k * hidden)
+    return LayerRate(k * lin, kh * quad, k * hidden)
 
 
-def _gathered_per_token(probe) -> float:
-    """Bytes per token of the hidden-sized inputs one layer's column-parallel linears save (probe widths)."""
-    from omnitron.core.models.gpt import GPTModel
-    from omnitron.core.parallel.groups import ParallelGroups
-    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+def _gathered_per_token(cfg, tp: int) -> float:
+    """Bytes per token a layer saves whole under sequence parallelism beyond the probe's split hidden part: the
+    input the key/value projection replicated over tp saves, all-gathered by ``gather_from_sp`` (``SelfAttention
+    ._project``, fewer query groups than tp ranks; the probe's one-process layer saves that input once, as the
+    shard the query projection keeps). Every column-parallel linear saves its input shard
+    (:mod:`omnitron.core.parallel.tensor.gather_linear`)."""
+    from omnitron.core.transformer.shapes import query_groups
 
-    with torch.device("meta"):
-        m = GPTModel(replace(probe, num_layers=1), ParallelGroups.single())
-    layer = next(iter(m.decoder.layers.values()))
-    n = sum(isinstance(mod, ColumnParallelLinear) for mod in layer.modules())
-    return n * probe.hidden_size * probe.params_dtype.itemsize
+    mla = getattr(cfg, "multi_latent_attention", False)
+    return float(cfg.hidden_size * cfg.params_dtype.itemsize) if tp > 1 and not mla and query_groups(cfg) < tp else 0.0
 
 
 @dataclass(frozen=True)
@@ -167,8 +167,9 @@ class ActivationModel:
     layer: LayerRate
     recomputed: LayerRate
     head_fixed: float
-    """Per token: head and loss bytes independent of the vocabulary."""
-    head_gathered: float
+    """Per token: head and loss bytes independent of the vocabulary (split over tp under SP: the output layer keeps
+    its input shard since 2026-12-05, :mod:`omnitron.core.parallel.tensor.gather_linear`; it kept the all-gathered
+    input before, ``e h`` a token that stayed whole)."""
     head_vocab: float
     """Per token and vocabulary column of the rank's logits shard."""
     embedding: float
@@ -195,7 +196,7 @@ def _activation_model(cfg, tp: int) -> ActivationModel:
     plain = replace(probe, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
     if cfg.recompute_granularity == "selective":
         plain = replace(plain, recompute_granularity="selective")
-    layer = _layer_rate(plain, kh, kd, 1)
+    layer = replace(_layer_rate(plain, kh, kd, 1), gathered=_gathered_per_token(cfg, tp))
     recomputed = layer
     if cfg.recompute_granularity == "full":
         n = cfg.recompute_num_layers or 1 if cfg.recompute_method == "uniform" else 1
@@ -210,8 +211,7 @@ def _activation_model(cfg, tp: int) -> ActivationModel:
     if cfg.mtp_num_layers:  # step 5: the stage with one depth, minus the stage without it, its layer and its head
         _, m1 = _ends(replace(plain, mtp_num_layers=1), own)
         mtp_inputs = (m1 - h1 - own - h1) / _S1 * k
-    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k,
-                           cfg.hidden_size * cfg.params_dtype.itemsize, per_col, first / _S1 * k, mtp_inputs)
+    return ActivationModel(layer, recomputed, (h1 / _S1 - per_col * _V1) * k, per_col, first / _S1 * k, mtp_inputs)
 
 
 def _ends(probe, own: float) -> tuple[float, float]:

@@ -36,9 +36,11 @@ forward of a one-layer probe; in a GPT layer qkv, proj, fc1 and fc2 each read th
 probe's saved-tensor hook: core attention's output, the projection's input, which ``scaled_dot_product_attention``'s
 fused paths save; :func:`kept_inputs`). An MoE layer's experts: :func:`omnitron.plan.fp8_moe.layer_less` (their rows
 at the plan's routing, balanced or a histogram's on each ep rank). Tokens are the micro-batch's whole sequence (over
-cp): a row-parallel linear's input is not split by sequence, and under sequence parallelism a column-parallel linear
-saves the input it all-gathered, each its own gather (a group of its own); a replicated linear (a one-rank group:
-multi-latent attention's down-projections) reads the sequence shard, ``1 / tp`` of the tokens (:func:`_reads`). Full
+cp): a row-parallel linear's input is not split by sequence, and under sequence parallelism an FP8 column-parallel
+linear saves the input it all-gathered, the whole sequence, where the wide one keeps the shard
+(:mod:`omnitron.core.parallel.tensor.gather_linear`, since 2026-12-05: the wide model's input of such a group is the
+shard, ``e / tp`` bytes a token and element); a replicated linear (a one-rank group: multi-latent attention's
+down-projections) reads the sequence shard, ``1 / tp`` of the tokens (:func:`_reads`, :func:`_group_less`). Full
 recomputation: a recomputed layer keeps its input only (``recompute_layers``), nothing to take off; selective
 recomputation reruns core attention only, the linears' inputs stay saved.
 
@@ -217,9 +219,9 @@ def kept_inputs(cfg) -> set[str]:
 
 
 def _reads(settings, m) -> tuple[bool, int]:
-    """(whether linear ``m`` saves an input of its own, the divisor of the micro-batch's tokens it reads) under
-    the layout: with sequence parallelism over tp > 1 a column-parallel linear all-gathers its input (a copy of its
-    own, the whole sequence) and a replicated one (a one-rank group: multi-latent attention's down-projections)
+    """(whether linear ``m`` all-gathers its input, the divisor of the micro-batch's tokens its GEMM reads) under
+    the layout: with sequence parallelism over tp > 1 a column-parallel linear all-gathers its input shard (its FP8
+    GEMM saves a copy of its own, the whole sequence) and a replicated one (a one-rank group: multi-latent attention's down-projections)
     reads the sequence shard; every other linear the whole sequence."""
     from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
 
@@ -227,7 +229,8 @@ def _reads(settings, m) -> tuple[bool, int]:
     tp = pc.tensor_model_parallel_size
     if not (pc.sequence_parallel and tp > 1 and isinstance(m, ColumnParallelLinear)):
         return False, 1
-    return (True, 1) if m.sequence_parallel and m.group.size > 1 else (False, tp if m.group.size == 1 else 1)
+    # the plan's skeleton is built without the layout's SP flag: every column-parallel linear of a tp group gathers
+    return (True, 1) if m.group.size > 1 else (False, tp)
 
 
 def saved_less(settings, cfg, pp_rank: int, routed=None) -> dict[int, float]:
@@ -265,14 +268,23 @@ def saved_less(settings, cfg, pp_rank: int, routed=None) -> dict[int, float]:
                 less += _experts_less(settings, cfg, layer_less, None if routed is None else
                                       (routed[0][(pp_rank, c)][moe.index(i)], routed[1]))
             for g, kept in groups:
-                mine = [inputs[n] for n in g if n in inputs]
-                own = [(k, 1) for k, gathers, _ in mine if gathers]  # under SP: each its own gathered copy
-                shared = [(k, split) for k, gathers, split in mine if not gathers]
-                for part, was in [([o], elem) for o in own] + ([(shared, 0 if kept else elem)] if shared else []):
-                    (k, split), n = part[0], len(part)  # was: 0 where another op keeps the (shared) input anyway
-                    less += (was - n * SAVED_INPUT) * k * tokens / split - scale * n
+                less += _group_less([inputs[n] for n in g if n in inputs], 0 if kept else elem, tokens, scale,
+                                   pc.tensor_model_parallel_size)
         out[c] = less
     return out
+
+
+def _group_less(mine: list, was: int, tokens: int, scale: int, tp: int) -> float:
+    """What the FP8 linears ``mine`` (``(in, gathers, split)`` each, :func:`_reads`) reading one input tensor save less
+    than the wide model, which saves that input once (``was`` bytes an element; 0 where another op keeps it): the
+    whole sequence, or its shard under SP (when a member reads the shard: a replicated linear, or one that all-gathers
+    it, whose wide GEMM saves the shard: :mod:`omnitron.core.parallel.tensor.gather_linear`); each FP8 linear saves its
+    own 1-byte copy of what its GEMM reads (an all-gathering one: the whole sequence) and a scale."""
+    if not mine:
+        return 0.0
+    k = mine[0][0]
+    wide = was * k * tokens / (tp if any(gathers or split > 1 for _, gathers, split in mine) else 1)
+    return wide - sum(SAVED_INPUT * k * tokens / split for k, _, split in mine) - scale * len(mine)
 
 
 def _experts_less(settings, cfg, fn, routed) -> float:

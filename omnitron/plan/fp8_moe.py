@@ -16,9 +16,10 @@ linear saves its own input's 1-byte transpose and, tensorwise, a 4-byte scale, a
 else, so one MoE layer saves ``(e - 1) R_e (h + f / etp) - 2 x 4 x E / ep`` less (``R_e``: its local experts' rows at
 the plan's routing, :func:`omnitron.plan.moe.moe_local`: balanced, or a histogram's rows on an ep rank; an expert
 with no rows still saves its scales). The shared expert is a dense MLP on the layer's ``T`` tokens: fc2
-``(e - 1) T shared / tp - 4``; fc1 ``(e - 1) T h - 4`` where nothing else keeps its input (the norm output: a bf16
-router casts its own float32 copy; under SP fc1 all-gathers a copy of its own), ``- T h - 4`` where the float32
-router keeps it (``e = 4`` without SP).
+``(e - 1) T shared / tp - 4``; fc1 ``e T_r h - T h - 4``, its FP8 copy of the ``T`` tokens on and the wide input (the
+norm output, the ``T_r = T / tp`` shard under SP, which the wide fc1 saves: since 2026-12-05, before its all-gathered
+``T h e``) off where nothing else keeps it (a bf16 router casts its own float32 copy), ``- T h - 4`` where the float32
+router keeps it (``e = 4``).
 
 **Transients** (:func:`probe_experts`): the transient probe runs every layer of an MoE chunk as an MoE layer of
 ``E'`` experts (``E``, or 16 when more divide by it: :func:`omnitron.plan.moe_activations.probe_num_experts`), each
@@ -46,10 +47,11 @@ def experts_as_run(settings, cfg):
     return replace(cfg, moe_grouped_gemm=False) if settings.fp8 is not None and cfg.moe_grouped_gemm else cfg
 
 
-def _router_keeps(e: int, tp: int, sp: bool) -> bool:
-    """Whether the router keeps the shared expert's input, the norm output: a float32 model's router saves it as it
-    is (``x.float()`` is ``x``), unless under SP, where the shared expert's fc1 all-gathers a copy of its own."""
-    return e == 4 and not (sp and tp > 1)
+def _router_keeps(e: int) -> bool:
+    """Whether the router keeps the shared expert's input, the norm output (under SP its shard, which the wide shared
+    fc1 saves too: :mod:`omnitron.core.parallel.tensor.gather_linear`): a float32 model's router saves it as it is
+    (``x.float()`` is ``x``)."""
+    return e == 4
 
 
 def layer_less(fp8, cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, share=None,
@@ -66,7 +68,7 @@ def layer_less(fp8, cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, s
     e, h, own = cfg.params_dtype.itemsize, cfg.hidden_size, own_scale(fp8)
     less = (e - 1) * sum(m.rows) * (h + m.ffn) - 2 * own * m.local_experts
     if m.shared_ffn:
-        fc1 = (e * (not _router_keeps(e, tp, sp)) - 1) * m.tokens * h
+        fc1 = e * (not _router_keeps(e)) * m.router_tokens * h - m.tokens * h  # the wide shard off, its FP8 copy on
         less += fc1 + (e - 1) * m.tokens * m.shared_ffn - 2 * own
     return less
 
@@ -107,7 +109,7 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
     for name in SHARED:
         if name in shapes:
             o, k = shapes[name]
-            out[name] = _entry(fp8, e, o, k, T, name != SHARED[0] or not _router_keeps(e, 1, False))
+            out[name] = _entry(fp8, e, o, k, T, name != SHARED[0] or not _router_keeps(e))
     return out
 
 

@@ -239,7 +239,7 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
         return acts, 0.0
     from omnitron.core.models.gpt.config import padded_vocab_size
 
-    head = s * b * ((am.head_fixed - am.head_gathered) / tp + am.head_gathered if sp else am.head_fixed)
+    head = s * b * am.head_fixed / (tp if sp else 1)
     logits = s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
     mtp_acts, mtp_logits = mtp_bytes(settings, cfg, head, logits, routed)
     return acts + head + mtp_acts, logits + mtp_logits
@@ -249,9 +249,9 @@ def mtp_bytes(settings, cfg, head: float, logits: float, routed=None) -> tuple[f
     """(activations, logits) bytes of one micro-batch through the multi-token prediction depths on the last stage:
     per depth a layer (not recomputed: the depths sit outside the decoder's recompute chunks; MoE when the
     decoder's last layer is, as the engine builds it), its inputs
-    (``mtp_inputs``, split over tp under SP) and a head of ``head`` and ``logits`` bytes, the main head's.
-    Under SP one ``[s/tp, b, h]`` more a depth: the previous depth's output, which its ``hnorm`` saves as the
-    shard and the head as the all-gathered sequence (one storage in the one-process probe). ``routed``: the last
+    (``mtp_inputs``, split over tp under SP) and a head of ``head`` and ``logits`` bytes, the main head's (under
+    SP its output layer keeps its input shard; before 2026-12-05 the all-gathered sequence, priced as one
+    ``[s/tp, b, h]`` more a depth). ``routed``: the last
     chunk's (:func:`moe_routing` rows, ep rank), as :func:`moe_extra`: a depth's MoE layer at the mean of those
     rows on that rank (a histogram has none of the depths': ``--moe-expert-load-out`` does not count them)."""
     depths = cfg.mtp_num_layers or 0
@@ -261,7 +261,7 @@ def mtp_bytes(settings, cfg, head: float, logits: float, routed=None) -> tuple[f
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
     s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     am = activation_model(cfg, tp)
-    inputs = s * b * (am.mtp_inputs + am.head_gathered) / tp if sp else s * b * am.mtp_inputs
+    inputs = s * b * am.mtp_inputs / tp if sp else s * b * am.mtp_inputs
     from omnitron.core.transformer.moe.pattern import is_moe_layer
 
     mine = None if routed is None or not routed[0] else ([tuple(x for spec in routed[0] for x in spec)], routed[1])
@@ -367,11 +367,26 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
     acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
     if moe:
         acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, tp, pc.etp)
-    excess = max(0, round(real - acts - output_bytes(whole, cfg, last) - logits))
+    excess = max(0, round(real - acts - output_bytes(whole, cfg, last) - logits + regather_bytes(settings, cfg, last)))
     if not slack:
         return excess
     windows = experts_windows(events, sizes)
     return excess, (real - max(windows) if windows else None)
+
+
+def regather_bytes(settings, cfg, last: bool) -> float:
+    """What a plain column-parallel linear's backward holds under SP beyond the one-process probe's (no SP) replay:
+    its input gradient's ``[s/tp, b, h]`` shard, reduce-scattered before it re-gathers its saved input shard for the
+    weight gradient (:mod:`omnitron.core.parallel.tensor.gather_linear`), beside that whole-sequence input, where the
+    probe's ``F.linear`` backward held the whole input gradient in the input's place (measured 2026-12-05 on the tp2
+    SP rows of benchmarks/plan_memory.py: the plan 0.7% under each step peak without it, the shard's size). 0 without
+    SP, and on a chunk whose column-parallel linears are all FP8 (the output layer, on the last, never is)."""
+    pc = settings.parallel
+    tp = pc.tensor_model_parallel_size
+    if not pc.sequence_parallel or tp == 1 or (settings.fp8 is not None and not last):
+        return 0.0
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    return s * b * cfg.hidden_size * cfg.params_dtype.itemsize / tp
 
 
 def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None,

@@ -29,11 +29,12 @@ dropless routing, since every term is linear in the rows a rank holds):
   of their ``index_select``: ``8 R``;
 - the shared expert: a dense tensor-parallel MLP of ``--moe-shared-expert-intermediate-size`` on all ``T``
   tokens (its internals probed as the experts', at ``shared / tp``);
-- the norm output the MLP input is: the dense MLP's fc1 keeps it (all-gathered under SP: ``T h e`` both
-  ways); the MoE layer keeps it only through the router (``e = 4``: ``x.float()`` is the input itself,
-  ``T_r`` tokens) or the shared expert's fc1 (``T h e``; one storage with the router's without SP).
+- the norm output the MLP input is: the dense MLP's fc1 keeps it (``T_r h e``: under SP its sequence shard,
+  :mod:`omnitron.core.parallel.tensor.gather_linear`; before 2026-12-05 the all-gathered ``T h e``); the MoE layer
+  keeps it only through the router (``e = 4``: ``x.float()`` is the input itself) or the shared expert's fc1 (its
+  shard likewise), one storage ``T_r h e``.
 
-The layer's extra bytes are the MoE block's minus the dense MLP's (``T h e`` and its internals at ``F / tp``
+The layer's extra bytes are the MoE block's minus the dense MLP's (``T_r h e`` and its internals at ``F / tp``
 per token, the same probe).
 
 Backward: the MoE block's backward is probed with the transient probe's layers MoE (:func:`transient_probe`):
@@ -175,11 +176,10 @@ def moe_layer_extra(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, s
     block += 16 * R * (ep > 1) + 16 * rows * (etp > 1) + 8 * R * bool(cfg.add_bias_linear)
     shared = bool(cfg.moe_shared_expert_intermediate_size)
     block += T * r.shared
-    if sp and tp > 1:  # the router keeps its input shard (e = 4), the shared expert its all-gathered input
-        block += m.router_tokens * h * e * (e == 4) + T * h * e * shared
-    else:  # one storage: the norm output
-        block += T * h * e * (e == 4 or shared)
-    return block - T * (h * e + r.dense)
+    # one storage: the norm output (the sequence shard under SP, ``T_r`` tokens), which the router keeps (e = 4) and
+    # the shared expert's fc1 (its input shard: gather_linear), as the dense MLP's fc1 does
+    block += m.router_tokens * h * e * (e == 4 or shared)
+    return block - m.router_tokens * h * e - T * r.dense
 
 
 def moe_exchange_transient(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, share=None,

@@ -140,7 +140,7 @@ def layer_collectives(settings, cfg, moe: bool, share=None) -> tuple[list, list]
     tp, cp, sp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel
     x = work.local_shapes(cfg, tp, cp, settings.training.micro_batch_size)
     elem = cfg.params_dtype.itemsize
-    f, b = work.stage_tp_collectives(cfg, x, elem, sp, 1, False, False)
+    f, b = work.stage_tp_collectives(cfg, x, elem, sp, 1, False, False, regather=settings.fp8 is None)
     if moe:
         keep = 2 if cfg.moe_shared_expert_intermediate_size else 1  # halves: attention, then the MLP
         f, b = f[: len(f) // 2 * keep], b[: len(b) // 2 * keep]

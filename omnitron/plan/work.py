@@ -73,34 +73,40 @@ def attention_flops(x: Local) -> float:
 
 
 # ---- bytes moved per micro-batch --------------------------------------------------------------------
-def tp_collectives(x: Local, elem: int, sp: bool) -> list[tuple[str, int]]:
-    """(op, bytes) of one layer's tensor-parallel collectives, forward and backward, per micro-batch.
+def tp_collectives(x: Local, elem: int, sp: bool,
+                   regather: bool = True) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(forward, backward) (op, bytes) of one layer's tensor-parallel collectives per micro-batch, each the
+    attention's half, then the MLP's.
 
     Without SP: the row-parallel outputs (attention proj, fc2) are all-reduced forward and the
-    column-parallel inputs' gradients backward: 4 all-reduces of ``[T, h]``. With SP each all-reduce is an
-    all-gather (the column-parallel input, forward; its re-gather for the weight gradient is not counted:
-    it is kept) and a reduce-scatter: 2 + 2 forward, 2 + 2 backward, each of the full ``[T, h]``."""
+    column-parallel inputs' gradients backward: 2 + 2 all-reduces of ``[T, h]``. With SP each all-reduce is an
+    all-gather (the column-parallel input, forward; the row-parallel output's gradient, backward) and a
+    reduce-scatter; and a column-parallel linear on the plain GEMM path (``regather``; not an FP8 one, which
+    saves its own copy of the gathered input) all-gathers its saved input shard again in backward for its weight
+    gradient (:mod:`omnitron.core.parallel.tensor.gather_linear`, as Megatron-LM; since 2026-12-05): per half
+    forward 1 + 1, backward 1 + 1 (+ 1), each of the full ``[T, h]``."""
     if x.tp == 1:
-        return []
+        return [], []
     full = x.tokens * x.hidden * elem
     if not sp:
-        return [("all_reduce", full)] * 4
-    return [("all_gather", full), ("reduce_scatter", full)] * 4
+        return [("all_reduce", full)] * 2, [("all_reduce", full)] * 2
+    back = [("all_gather", full), ("reduce_scatter", full)] + [("all_gather", full)] * regather
+    return [("all_gather", full), ("reduce_scatter", full)] * 2, back * 2
 
 
 def stage_tp_collectives(cfg, x: Local, elem: int, sp: bool, layers: int, first: bool,
-                         last: bool) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+                         last: bool, regather: bool = True) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """(forward, backward) (op, bytes) of a stage's tensor-parallel collectives per micro-batch: its layers'
-    (:func:`tp_collectives`), the first stage's vocabulary-parallel embedding (all-reduce; under SP a
-    reduce-scatter, all-gathered backward, and the learned positions' split, all-gathered backward), the last
-    stage's output layer (its input's gradient all-reduced; under SP gathered forward, reduce-scattered
-    backward) and the vocabulary-parallel cross-entropy's fp32 all-reduces of ``[T]`` (max) and ``[2, T]``
-    (sum of exponentials, target logit)."""
+    (:func:`tp_collectives`; ``regather``: their column-parallel linears on the plain GEMM path), the first
+    stage's vocabulary-parallel embedding (all-reduce; under SP a reduce-scatter, all-gathered backward, and the
+    learned positions' split, all-gathered backward), the last stage's output layer (its input's gradient
+    all-reduced; under SP gathered forward, reduce-scattered backward and its input re-gathered) and the
+    vocabulary-parallel cross-entropy's fp32 all-reduces of ``[T]`` (max) and ``[2, T]`` (sum of exponentials,
+    target logit)."""
     if x.tp == 1:
         return [], []
-    per = tp_collectives(x, elem, sp)
-    fwd = [c for i, c in enumerate(per) if i % 4 < 2] * layers
-    bwd = [c for i, c in enumerate(per) if i % 4 >= 2] * layers
+    f, b = tp_collectives(x, elem, sp, regather)
+    fwd, bwd = f * layers, b * layers
     for end, on in ((first_stage_tp(cfg, x, elem, sp), first), (last_stage_tp(x, elem, sp), last)):
         if on:
             fwd, bwd = fwd + end[0], bwd + end[1]
@@ -122,7 +128,8 @@ def last_stage_tp(x: Local, elem: int, sp: bool) -> tuple[list[tuple[str, int]],
         return [], []
     full = x.tokens * x.hidden * elem
     fwd = ([("all_gather", full)] if sp else []) + [("all_reduce", 4 * x.tokens), ("all_reduce", 8 * x.tokens)]
-    return fwd, [("reduce_scatter" if sp else "all_reduce", full)]
+    # under SP the output layer (never FP8) reduce-scatters its input's gradient and re-gathers its input shard
+    return fwd, [("reduce_scatter", full), ("all_gather", full)] if sp else [("all_reduce", full)]
 
 
 def cp_ring(x: Local, elem: int) -> tuple[int, int, int]:

@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from omnitron.testing.distributed import run_distributed
+
 H, FFN = 192, 320
 """The test layer: hidden and MLP sizes off multiples of 128, so the block-wise scales' ceilings count."""
 SHAPES = [(3 * H, H), (H, H), (FFN, H), (H, FFN)]
@@ -264,7 +266,8 @@ def test_moe_experts_saved_inputs_on_a_skewed_ep_rank_by_hand():
 def test_saved_inputs_under_sequence_parallelism_by_hand():
     """tp2, fp32 model (4 bytes an element: a shared input saves ``4 - 2`` bytes, not nothing), multi-latent
     attention: per layer the two down-projections share the input and, replicated, read the sequence shard under
-    SP (half the tokens); the up-projections and fc1 save their own all-gathered input; proj and fc2 their
+    SP (half the tokens); the up-projections and fc1 save, in FP8, their own all-gathered input (1 byte, the whole
+    sequence) where the wide ones keep the shard (4 bytes, half the tokens; since 2026-12-05); proj and fc2 their
     tp-local input; each linear one 4-byte scale. Worked from the layer's widths, with and without SP."""
     from omnitron.commands.plan import settings_of
     from omnitron.plan.fp8_memory import saved_less
@@ -277,11 +280,12 @@ def test_saved_inputs_under_sequence_parallelism_by_hand():
              "disable_bias_linear": True, "multi_latent_attention": True, "q_lora_rank": 32, "kv_lora_rank": 16,
              "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "qk_layernorm": True}
     t, e, tp = 32 * 2, 4, 2
-    own = (e - 1) * t * (32 + 16 + 4 // tp * 16 + 64 + 96 // tp)  # q_up, kv_up, proj, fc1, fc2
+    local = (e - 1) * t * (4 // tp * 16 + 96 // tp)  # proj, fc2
     for sp in (False, True):
         s = settings_of(given | {"sequence_parallel": sp})
+        gathers = (e * t // tp - t if sp else (e - 1) * t) * (32 + 16 + 64)  # q_up, kv_up, fc1
         down = (e - 2) * 64 * (t // tp if sp else t)  # q_down and kv_down: one input
-        assert saved_less(s, model_config(s), 0) == {0: 2 * (own + down - 4 * 7)}, sp
+        assert saved_less(s, model_config(s), 0) == {0: 2 * (local + gathers + down - 4 * 7)}, sp
 
 
 # ---- one FP8 linear's own transients, and the probe replayed with them -------------------------------------------
@@ -409,3 +413,55 @@ def test_replayed_probe_against_a_real_fp8_probe(recipe, extra):
     best, _ = replay_fp8(settings, priced, wide, [float(n) for _, n in wide], chunk_linears(settings, priced, 0)[0],
                          False, 2)
     assert best == peak(_timeline(probe(cfg), settings.fp8))
+
+
+def _tp2_sp_fp8_saved(cases: list[list[str]]) -> list[tuple[int, float]]:
+    """Per case: (the wide forward's saved bytes less the FP8 forward's, cached FP8 weights left out; saved_less) of
+    this rank's tp2 + SP model, one micro-batch, the loss included."""
+    import torch
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.precision.fp8.enable import enable_fp8
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.fp8_memory import saved_less
+    from omnitron.plan.measure import SavedBytes
+    from omnitron.plan.memory import model_config
+
+    torch.set_num_threads(1)
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                                  backend=get_backend())
+    out = []
+    for argv in cases:
+        s = parse_settings(argv, 2)
+        cfg, got = model_config(s), []
+        for fp8 in (None, s.fp8):
+            torch.manual_seed(0)
+            m = GPTModel(cfg, groups).train()
+            ex = enable_fp8(m, fp8, None, num_layers=cfg.num_layers) if fp8 is not None else {}
+            tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_length))
+            rec = SavedBytes(m.parameters())
+            with rec.record():
+                m(tokens=tokens, position_ids=torch.arange(cfg.seq_length)[None], labels=tokens)
+            weights = [t for e in ex.values() if e._wcache is not None for t in e._wcache[2][1:]]
+            got.append(rec.total - sum(rec.storages.get(t.untyped_storage().data_ptr(), 0) for t in weights))
+        out.append((got[0] - got[1], saved_less(s, cfg, 0)[0]))
+    return out
+
+
+@pytest.mark.host_only("the cpu kernel table's attention, as the other saved-input checks")
+def test_saved_inputs_under_sequence_parallelism_against_a_real_tp2_forward():
+    """tp2 + SP, bf16, tensorwise: the wide forward's saved bytes less the FP8 forward's equal :func:`saved_less` to the
+    byte, GPT and multi-latent attention (a shared input of two replicated down-projections beside all-gathering
+    up-projections). The wide column-parallel linears keep their input shard (gather_linear), the FP8 ones their own
+    1-byte copy of the gathered input: priced as before 2026-12-05 (the gathered wide input taken off) the GPT case is
+    13,280 B against the real 5,088."""
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "96",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "64", "--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    for rank in run_distributed(_tp2_sp_fp8_saved, 2, [base, base + MLA]):
+        for real, priced in rank:
+            assert real == priced, rank

@@ -31,13 +31,14 @@ def test_layer_extra_tp2_sp_ep2_etp2_by_hand(fixed_rates):
     A = 4 x 8 / 2 = 16 dispatched, R_e = 2 A = 32 at the experts, the router on T / 2 = 8 tokens.
     router 10 x 8 + 3 x 2 = 86; pairs, weights, mul and index_add inputs 16 (16 + 4 + 2 x 16 x 4) = 2368;
     expert rows 32 (16 x 4 + 7) = 2272; ep permutations 16 x 16 = 256; etp permutations 16 x 32 = 512;
-    shared 16 x 5 = 80; inputs under SP: the router's shard 8 x 16 x 4 = 512, the shared fc1's gathered
-    16 x 16 x 4 = 1024; minus the dense MLP 16 (16 x 4 + 11) = 1200: 5910. Backward's etp all-gather:
-    2 x 32 x 16 x 4 = 4096."""
+    shared 16 x 5 = 80; inputs under SP: the norm output's shard 8 x 16 x 4 = 512 (one storage: the router's and
+    the shared fc1's, which saves its input shard since 2026-12-05; before, its all-gathered 16 x 16 x 4 = 1024
+    more); minus the dense MLP: its fc1's input shard 8 x 16 x 4 = 512 and 16 x 11 = 176: 5398. Backward's etp
+    all-gather: 2 x 32 x 16 x 4 = 4096."""
     from omnitron.plan.moe_activations import moe_exchange_transient, moe_layer_extra
 
     cfg = _cfg(moe_shared_expert_intermediate_size=8)
-    assert moe_layer_extra(cfg, 8, 2, tp=2, sp=True, ep=2, etp=2) == 5910
+    assert moe_layer_extra(cfg, 8, 2, tp=2, sp=True, ep=2, etp=2) == 5398
     assert moe_exchange_transient(cfg, 8, 2, tp=2, sp=True, ep=2, etp=2) == 4096
     assert moe_exchange_transient(cfg, 8, 2, tp=2, sp=True, ep=2, etp=1) == 0
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.parallel.tensor.gather_linear import gather_linear
 from omnitron.core.parallel.tensor.sharding import set_attributes
 
 
@@ -38,7 +39,8 @@ class ColumnParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with ``A`` split by output rows over tp: each rank computes ``[.., out/tp]``.
 
     ``gather_output`` all-gathers the result to ``[.., out]``. With ``sequence_parallel`` the input
-    is a sequence shard that is all-gathered first (backward: reduce-scatter). ``stride`` > 1 keeps
+    is a sequence shard that is all-gathered first (backward: reduce-scatter); on the plain GEMM path autograd
+    keeps the shard, not the gathered input (:mod:`.gather_linear`). ``stride`` > 1 keeps
     ``stride`` fused blocks (e.g. SwiGLU's ``[gate; up]``) split block-wise. ``weight=False`` uses
     a weight passed to forward (tied output layer).
     """
@@ -63,12 +65,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:
-            x = M.gather_from_sp(x, self.group)  # [s/tp, b, h] -> [s, b, h]
-        else:
-            x = M.copy_to_tp(x, self.group)
         bias = None if self.skip_bias_add else self.bias
-        y = self._gemm(x, weight, bias)  # [s, b, out/tp]
+        if self.sequence_parallel and self.fp8 is None and self.group.size > 1:  # [s/tp, b, h] gathered inside; the shard saved
+            y = gather_linear(x, weight, bias, self.group)  # [s, b, out/tp]
+        else:
+            if self.sequence_parallel:  # the FP8 GEMM saves its own FP8 copy of the gathered input
+                x = M.gather_from_sp(x, self.group)  # [s/tp, b, h] -> [s, b, h]
+            else:
+                x = M.copy_to_tp(x, self.group)
+            y = self._gemm(x, weight, bias)  # [s, b, out/tp]
         if self.gather_output:
             y = M.gather_from_tp(y, self.group)
         return (y, self.bias) if self.skip_bias_add else y

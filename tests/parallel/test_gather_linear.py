@@ -1,0 +1,78 @@
+"""A sequence-parallel column-parallel linear at tp2 (omnitron/core/parallel/tensor/gather_linear.py): its output and
+gradients against one process's ``X W^T + b`` in float64, and what its forward saves for backward: the input SHARD
+(``s/tp x b x h`` elements), not the all-gathered ``[s, b, h]`` input that ``gather_from_sp`` + ``F.linear`` saved
+(before 2026-12-05: twice the bytes at tp2, so the memory check fails on the old path), eager and compiled
+(``torch.compile``, aot_eager, one graph: without the checkpointed gather the partitioner saved the gathered input).
+
+Tolerance: float64 (u = 1.1e-16); the layout only reorders the sums (h = 24 terms in dx, s b = 16 in dW and db,
+and one 2-rank reduce-scatter), a relative error of a few u; 1e-12 leaves a factor > 1000, and a wrong shard,
+a missing reduce-scatter or a gradient of the wrong rows moves them by O(1). One spawn runs every case; with
+``--backend sim`` the same checks run on the simulated device under the suite's strict collective checking."""
+from __future__ import annotations
+
+import torch
+
+from omnitron.testing.distributed import run_distributed
+
+S, B, H, OUT = 8, 2, 24, 12
+
+
+def _case(bias: bool, recompute: bool, compiled: bool = False) -> dict:
+    """One forward + backward of the tp2 layer and of the one-process reference; relative errors and saved bytes."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor import checkpoint
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+    from omnitron.plan.measure import SavedBytes
+    from omnitron.testing.parity import relative_error
+
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
+    tp, r = groups.tp.size, groups.tp.rank
+    dev = be.device()
+    gen = torch.Generator().manual_seed(7)  # the same fresh inputs on both ranks
+    x, w = torch.randn(S, B, H, generator=gen, dtype=torch.float64), torch.randn(OUT, H, generator=gen, dtype=torch.float64)
+    bvec, dy = torch.randn(OUT, generator=gen, dtype=torch.float64), torch.randn(S, B, OUT, generator=gen, dtype=torch.float64)
+    rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
+
+    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=bias, sequence_parallel=True, dtype=torch.float64,
+                                 device=dev)
+    with torch.no_grad():
+        layer.weight.copy_(w[rows])
+        if bias:
+            layer.bias.copy_(bvec[rows])
+    shard = x[seq].clone().to(dev).requires_grad_()
+    fn = layer
+    if compiled:  # one graph; AOTAutograd's partitioner decides what the compiled forward saves
+        torch._dynamo.reset()
+        fn = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    rec = SavedBytes(layer.parameters())
+    with rec.record():
+        y = checkpoint(fn, None, shard) if recompute else fn(shard)
+    (y * dy[:, :, rows].to(dev)).sum().backward()
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    br = bvec.clone().requires_grad_() if bias else None
+    yr = torch.nn.functional.linear(xr, wr, br)
+    (yr * dy).sum().backward()
+    err = {"y": relative_error(y.cpu(), yr[:, :, rows].detach()), "dx": relative_error(shard.grad.cpu(), xr.grad[seq]),
+           "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows])}
+    if bias:
+        err["db"] = relative_error(layer.bias.grad.cpu(), br.grad[rows])
+    return {"err": err, "saved": rec.total, "shard": S // tp * B * H * 8}
+
+
+def _cases() -> dict:
+    torch.set_num_threads(1)
+    out = {(bias, rec, False): _case(bias, rec) for bias in (True, False) for rec in (False, True)}
+    out[(True, False, True)] = _case(True, False, compiled=True)
+    return out
+
+
+def test_sp_column_parallel_grads_and_saved_shard_tp2():
+    for rank in run_distributed(_cases, 2):
+        for (bias, recompute, compiled), got in rank.items():
+            assert max(got["err"].values()) < 1e-12, (bias, recompute, compiled, got["err"])
+            if not recompute:  # the saved bytes: the shard only (the parameters are not activations)
+                assert got["saved"] == got["shard"], (bias, compiled, got["saved"], got["shard"])
