@@ -335,19 +335,25 @@ def _log_errors(profile, f: float, rows) -> list[float]:
 
 def held_out_fit(profile) -> dict:
     """Fit ``f`` on the odd rows (secant on the mean log error), then the errors of every row at ``f``."""
-    fit_rows, held = ROWS[0::2], ROWS[1::2]
-    a, b = 1.0, 0.9
-    ga, gb = (statistics.mean(_log_errors(profile, x, fit_rows)) for x in (a, b))
+    return fit_odd_rows(lambda f, rows: _log_errors(profile, f, rows), ROWS, 0.9, "the 2021 stack's kernels at")
+
+
+def fit_odd_rows(log_errors, table, start: float, what: str) -> dict:
+    """One constant ``f`` fitted on ``table``'s odd rows (secant from 1 and ``start`` on the mean of
+    ``log_errors(f, rows)``, each row's log of predicted over published), then every row's error at ``f``, the
+    even rows held out; printed and returned."""
+    fit_rows, held = table[0::2], table[1::2]
+    a, b = 1.0, start
+    ga, gb = (statistics.mean(log_errors(x, fit_rows)) for x in (a, b))
     for _ in range(6):
         if abs(gb) < 1e-4 or gb == ga:
             break
         a, b, ga = b, b - gb * (b - a) / (gb - ga), gb
-        gb = statistics.mean(_log_errors(profile, b, fit_rows))
-    print(f"\nfitted on {', '.join(r[0] for r in fit_rows)}: the 2021 stack's kernels at f = {b:.3f} of the "
-          "profile's rates")
+        gb = statistics.mean(log_errors(b, fit_rows))
+    print(f"\nfitted on {', '.join(r[0] for r in fit_rows)}: {what} f = {b:.3f} of the profile's rates")
     out = {"f": b, "rows": {}}
     for label, rows in (("fitted", fit_rows), ("held out", held)):
-        errs = [math.exp(e) - 1 for e in _log_errors(profile, b, rows)]
+        errs = [math.exp(e) - 1 for e in log_errors(b, rows)]
         out["rows"].update({r[0]: e for r, e in zip(rows, errs)})
         print(f"  {label:8s}: " + ", ".join(f"{r[0]} {e:+.1%}" for r, e in zip(rows, errs)) +
               f"; |error| median {statistics.median(map(abs, errs)):.1%}, max {max(map(abs, errs)):.1%}")

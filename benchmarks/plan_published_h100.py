@@ -145,43 +145,22 @@ def strong_scaling(rates, dropout: float) -> list[dict]:
     return out
 
 
-def _scaled(f: float):
-    """DeviceRates of the profile with every kernel rate (peaks, memory bandwidth) x ``f``; links unchanged."""
-    from dataclasses import replace
-
-    from omnitron.plan.device_rates import DeviceRates
-    from omnitron.plan.profile import load
-
-    p = load(DEVICE)
-    return DeviceRates(replace(p, peak={k: v * f for k, v in p.peak.items()}, memory_bw=p.memory_bw * f), GPN)
-
-
 def held_out_fit(dropout: float) -> dict:
-    """One constant ``f`` on the profile's kernel rates, fitted on the odd rows (1.7B, 16B, 70B, 177B, 462B: mean
-    log error 0, secant), then every row's error at ``f``: how much of the gap a single rate explains."""
+    """One constant ``f`` on the profile's kernel rates (peaks, memory bandwidth; links unchanged), fitted on the odd
+    rows (1.7B, 16B, 70B, 177B, 462B: mean log error 0), then every row's error at ``f``: how much of the gap a
+    single rate explains (:func:`plan_published.fit_odd_rows`)."""
     import math
 
+    from plan_published import _scaled, fit_odd_rows
+
+    from omnitron.plan.profile import load
+
     def errors(f, rows):
-        rates = _scaled(f)
+        rates = _scaled(load(DEVICE), f)
         return [math.log(flops_2024(r) / best_variant(r, rates, dropout).step.total / r[7] / 1e12 / r[9])
                 for r in rows]
 
-    fit_rows, held = ROWS[0::2], ROWS[1::2]
-    a, b = 1.0, 0.75
-    ga, gb = (statistics.mean(errors(x, fit_rows)) for x in (a, b))
-    for _ in range(6):
-        if abs(gb) < 1e-3 or gb == ga:
-            break
-        a, b, ga = b, b - gb * (b - a) / (gb - ga), gb
-        gb = statistics.mean(errors(b, fit_rows))
-    print(f"\nfitted on {', '.join(r[0] for r in fit_rows)}: kernel rates x {b:.3f}")
-    out = {"f": b, "rows": {}}
-    for label, rows in (("fitted", fit_rows), ("held out", held)):
-        errs = [math.exp(e) - 1 for e in errors(b, rows)]
-        out["rows"].update({r[0]: e for r, e in zip(rows, errs)})
-        print(f"  {label:8s}: " + ", ".join(f"{r[0]} {e:+.1%}" for r, e in zip(rows, errs)) +
-              f"; |error| median {statistics.median(map(abs, errs)):.1%}, max {max(map(abs, errs)):.1%}")
-    return out
+    return fit_odd_rows(errors, ROWS, 0.75, "kernel rates at")
 
 
 def main() -> None:

@@ -62,10 +62,9 @@ from dataclasses import dataclass, field, replace
 
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.pipeline.schedules import place_stage, virtual_stage
-from omnitron.plan import fp8
+from omnitron.plan import dp_overlap, fp8
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
-from omnitron.plan import dp_overlap
 from omnitron.plan.stage_layers import stage_layers, wide_layers
 from omnitron.plan.state import expert_data_parallel_size
 

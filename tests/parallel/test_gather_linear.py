@@ -32,7 +32,8 @@ def _case(bias: bool, recompute: bool, compiled: bool = False) -> dict:
     tp, r = groups.tp.size, groups.tp.rank
     dev = be.device()
     gen = torch.Generator().manual_seed(7)  # the same fresh inputs on both ranks
-    x, w = torch.randn(S, B, H, generator=gen, dtype=torch.float64), torch.randn(OUT, H, generator=gen, dtype=torch.float64)
+    x = torch.randn(S, B, H, generator=gen, dtype=torch.float64)
+    w = torch.randn(OUT, H, generator=gen, dtype=torch.float64)
     bvec, dy = torch.randn(OUT, generator=gen, dtype=torch.float64), torch.randn(S, B, OUT, generator=gen, dtype=torch.float64)
     rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
 

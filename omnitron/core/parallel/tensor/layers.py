@@ -66,7 +66,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
         weight = self.weight if weight is None else weight
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel and self.fp8 is None and self.group.size > 1:  # [s/tp, b, h] gathered inside; the shard saved
+        if self.sequence_parallel and self.fp8 is None and self.group.size > 1:  # gathered inside, the shard saved
             y = gather_linear(x, weight, bias, self.group)  # [s, b, out/tp]
         else:
             if self.sequence_parallel:  # the FP8 GEMM saves its own FP8 copy of the gathered input
