@@ -11,7 +11,8 @@ from omnitron.core.models.gpt.config import num_parameters
 from omnitron.core.parallel.groups import ParallelGroups
 
 # totals of the released checkpoints (their safetensors headers): exact integers
-EXACT = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "mixtral_8x7b": 46_702_792_704}
+EXACT = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800,
+         "mixtral_8x7b": 46_702_792_704}
 # GPT-3 (Brown et al. 2020, Table 2.1) in millions. NOTE: the paper rounds to two or three digits and does not
 # say how it pads the 50257-token vocabulary or whether it counts the position table; its own figures are off
 # the formula 12 L h^2 + (V + s) h by up to 1.7% (350M: 355.9M), so each preset is held to 2% of the figure.

@@ -561,6 +561,13 @@ def llama3_70b(**overrides) -> GPTConfig:
                    **overrides)
 
 
+def llama3_405b(**overrides) -> GPTConfig:
+    """Llama 3 405B (Meta, 2024): 126 layers, hidden 16384, 128 heads / 8 KV groups, SwiGLU 53248;
+    405,853,388,800 parameters."""
+    return replace(llama3_8b(num_layers=126, hidden_size=16384, num_attention_heads=128, ffn_hidden_size=53248),
+                   **overrides)
+
+
 def mixtral_8x7b(**overrides) -> GPTConfig:
     """Mixtral 8x7B (Mistral AI, 2024): 32 layers of 8 SwiGLU experts (top-2 routing, softmax over the picks'
     logits), hidden 4096, 32 heads / 8 KV groups, RoPE base 1e6, vocabulary 32000; 46,702,792,704 parameters."""

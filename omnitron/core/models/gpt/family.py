@@ -42,7 +42,8 @@ def generate(loaded, prompts, tokens, **kw) -> dict:
 GPT_FAMILY = ModelFamily(
     name="gpt", description="gpt (default): decoder-only GPT-2 / Llama", config_cls=C.GPTConfig,
     presets={"gpt2_tiny": C.gpt2_tiny, "llama_tiny": C.llama_tiny, "gpt_1p3b": C.gpt_1p3b, "llama3_8b": C.llama3_8b,
-             "llama3_70b": C.llama3_70b, "mixtral_8x7b": C.mixtral_8x7b,
+             "llama3_70b": C.llama3_70b, "llama3_405b": C.llama3_405b,
+             "mixtral_8x7b": C.mixtral_8x7b,
              "deepseek_v3": C.deepseek_v3, "deepseek_v3_tiny": C.deepseek_v3_tiny, "gpt_oss_20b": C.gpt_oss_20b,
              "qwen3_30b_a3b": C.qwen3_30b_a3b,
              **{f"gpt3_{size}": functools.partial(C.gpt3, size) for size in C.GPT3_SIZES}},
