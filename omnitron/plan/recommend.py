@@ -306,9 +306,10 @@ def _no_fit(best: Choice, memory: int) -> str:
     top = max(best.stages, key=lambda s: s.total)
     routed = top.ep_rank is not None and best.settings.parallel.expert_model_parallel_size > 1
     where = f" on its busiest ep rank ({top.ep_rank}, --moe-expert-load)" if routed else ""
+    half = best.settings.model.params_dtype.itemsize < 4
     return (f"no layout fits {memory / 2**30:.4g} GiB: the smallest needs {top.total / 2**30:.4g} GiB on stage "
-            f"{top.stage}{where} ({best.name()}); add devices, lower --seq-length or --global-batch-size, or use "
-            "--bf16")
+            f"{top.stage}{where} ({best.name()}); add devices or lower --seq-length or --global-batch-size"
+            + ("" if half else ", or use --bf16"))
 
 
 def launch_flags(c: Choice) -> str:

@@ -95,6 +95,15 @@ def test_bad_requests_get_one_line(extra, needle, tmp_path, constant_reports, ca
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+@pytest.mark.parametrize("dtype,advice", [([], True), (["--bf16"], False)])
+def test_no_fit_suggests_bf16_only_in_fp32(dtype, advice, tmp_path, constant_reports, capsys):
+    reports = constant_reports(tmp_path, 0.05, 5.0)
+    argv = ["plan", *ARGV, "--devices", "4", "--bench", *reports, "--device-memory", "1MiB", "--global-batch-size", "8"]
+    assert main(argv + dtype) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no layout fits" in err and err.endswith("or use --bf16") == advice, err
+
+
 def test_no_fit_names_the_smallest_need(tmp_path, constant_rates):
     """The error's figure is the least peak over the memory-minimal variants, and no candidate needs less."""
     from omnitron.core.config.parallel import ConfigError
