@@ -79,7 +79,7 @@ def _check_v(vp: int, first: int | None, last: int | None) -> None:
                           "holds the first and the last stage); drop them or use another --pipeline-schedule")
     if vp != 2:
         raise ConfigError(f"the V-shaped schedules hold two chunks per rank, got {vp}; set "
-                          f"--num-layers-per-virtual-pipeline-stage to --num-layers / (2 x pipeline size)")
+                          f"--num-virtual-stages-per-pipeline-rank 2")
 
 
 def _stage_sizes(num_layers: int, pp: int, vp: int, first: int | None, last: int | None, style: str,
