@@ -383,6 +383,8 @@ def test_account_and_virtual_stage_flags_from_the_command_line():
         with pytest.raises(ConfigError, match=match) as info:
             _cli(126, 16, *flags)
         assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="a pipeline chunk holds no layer"):  # --cpu-offloading runs per chunk
+        _cli(6, 2, *both, "--num-virtual-stages-per-pipeline-rank", "4", "--cpu-offloading-num-layers", "1")
 
 
 @pytest.mark.parametrize("kw,match", [
