@@ -12,6 +12,7 @@ weights to one safetensors file. ``DIR`` is a ``--save`` directory
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from omnitron.commands.checkpoint_args import add_family_module_flag, fail, resolve, run_export
@@ -31,8 +32,14 @@ def register(sub) -> None:
     conv.add_argument("--target-pipeline-model-parallel-size", type=int, required=True, metavar="P")
     conv.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, metavar="V",
                       help="interleaved pipeline: layers per virtual stage (default: not interleaved)")
+    conv.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, metavar="V",
+                      help="interleaved pipeline: virtual stages per pipeline rank (default: not interleaved)")
     conv.add_argument("--target-decoder-first-pipeline-num-layers", type=int, metavar="N")
     conv.add_argument("--target-decoder-last-pipeline-num-layers", type=int, metavar="N")
+    conv.add_argument("--target-account-for-embedding-in-pipeline-split", action="store_true",
+                      help="the embedding counts as a layer of the pipeline split")
+    conv.add_argument("--target-account-for-loss-in-pipeline-split", action="store_true",
+                      help="the loss counts as a layer of the pipeline split")
     conv.add_argument("--target-expert-model-parallel-size", type=int, default=1, metavar="E",
                       help="MoE models: ranks the experts are spread over (default: 1)")
     conv.add_argument("--target-data-parallel-size", type=int, default=1, metavar="D",
@@ -123,22 +130,25 @@ def _target_layout(args: argparse.Namespace, num_layers: int):
     """The Layout the --target-* flags ask for (ConfigError naming the flag when they do not fit)."""
     from omnitron.core.checkpoint.reshard import Layout
     from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges, virtual_pipeline_size
 
-    tp, pp, per = (args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size,
-                   args.target_num_layers_per_virtual_pipeline_stage)
+    tp, pp = args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size
+    first, last = args.target_decoder_first_pipeline_num_layers, args.target_decoder_last_pipeline_num_layers
+    embedding = args.target_account_for_embedding_in_pipeline_split
+    loss = args.target_account_for_loss_in_pipeline_split
     for flag, v in (("--target-tensor-model-parallel-size", tp), ("--target-pipeline-model-parallel-size", pp),
                     ("--target-data-parallel-size", args.target_data_parallel_size),
                     ("--target-expert-model-parallel-size", args.target_expert_model_parallel_size)):
         if v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
-    vp = None
-    if per:
-        if per < 1 or num_layers % (pp * per):
-            raise ConfigError(f"--target-num-layers-per-virtual-pipeline-stage {per}: the model's {num_layers} "
-                              f"layers do not split into {pp} stages x chunks of {per}; pick a divisor")
-        vp = num_layers // (pp * per)
+    try:  # the training flags' rules, their names with --target- in front
+        vp = virtual_pipeline_size(num_layers, pp, args.target_num_layers_per_virtual_pipeline_stage,
+                                   args.target_num_virtual_stages_per_pipeline_rank, first, last, embedding, loss)
+        pipeline_layer_ranges(num_layers, pp, vp, first, last, embedding=embedding, loss=loss)
+    except ConfigError as err:
+        raise ConfigError(re.sub(r"--(?=pipeline-model|num-layers-per|num-virtual|decoder-|account-for)", "--target-",
+                                 str(err))) from None
     return Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size, ep=args.target_expert_model_parallel_size,
-                  first=args.target_decoder_first_pipeline_num_layers,
-                  last=args.target_decoder_last_pipeline_num_layers)
+                  first=first, last=last, embedding=embedding, loss=loss)
 
 

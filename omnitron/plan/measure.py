@@ -57,7 +57,8 @@ def stage_microbatch_bytes(settings, cfg) -> dict[tuple[int, int], int]:
     if pc.tensor_model_parallel_size != 1 or pc.context_parallel_size != 1:
         raise ValueError("stage_microbatch_bytes runs tensor- and context-parallel size 1 layouts in one process")
     layout = Layout(pp=pc.pipeline_model_parallel_size, vp=pc.virtual_pipeline_model_parallel_size,
-                    first=pc.decoder_first_pipeline_num_layers, last=pc.decoder_last_pipeline_num_layers)
+                    first=pc.decoder_first_pipeline_num_layers, last=pc.decoder_last_pipeline_num_layers,
+                    embedding=pc.account_for_embedding_in_pipeline_split, loss=pc.account_for_loss_in_pipeline_split)
     return pipeline_bytes(cfg, layout, settings.training.micro_batch_size)
 
 

@@ -117,13 +117,9 @@ def model_config(settings):
 
 
 def _ranges(settings, cfg) -> dict[tuple[int, int], tuple[int, int]]:
-    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+    from omnitron.core.parallel.pipeline.layout import config_layer_ranges
 
-    pc = settings.parallel
-    return pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
-                                 pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
-                                 pc.decoder_last_pipeline_num_layers,
-                                 style=schedule_style(settings.training.pipeline_schedule))
+    return config_layer_ranges(cfg.num_layers, settings.parallel, schedule_style(settings.training.pipeline_schedule))
 
 
 def chunk_layers(settings, cfg) -> dict[tuple[int, int], int]:

@@ -73,35 +73,41 @@ MAX_VPP = 16
 """The most virtual stages a rank's layers are split into in the search (each halves the bubble less)."""
 
 
-def _schedules(cfg, pp: int, m: int):
-    """(vpp, --pipeline-schedule or None for the default) tried for ``pp`` stages and ``m`` micro-batches."""
+def _schedules(slots: int, pp: int, m: int):
+    """(vpp, --pipeline-schedule or None for the default) tried for ``pp`` stages and ``m`` micro-batches of a
+    model of ``slots`` layers (the embedding / loss included under --account-for-...-in-pipeline-split)."""
     if pp == 1:
         yield 1, None
         return
-    for vpp in _divisors(cfg.num_layers // pp):  # down to one layer a virtual stage, as Megatron allows
+    for vpp in _divisors(slots // pp):  # down to one layer a virtual stage, as Megatron allows
         if vpp == 1 or vpp <= MAX_VPP and not m % pp:
             yield vpp, None
-    if (cfg.num_layers // pp) % 2 == 0:  # the V: two chunks per rank
+    if (slots // pp) % 2 == 0:  # the V: two chunks per rank
         yield 2, "zb-v"
         if m >= 2 * pp:
             yield 2, "dualpipe-v"
 
 
-def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None):
+_VPP_FLAGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+
+
+def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, slots: int | None = None):
     """(tp, pp, cp, dp, mbs, vpp, schedule) that pass the divisibility rules of the module docstring (tp <=
-    ``max_tp``)."""
+    ``max_tp``); ``slots``: the layers the pipeline splits (default: the model's)."""
     from omnitron.core.models.gpt.config import query_groups
+
+    slots = slots or cfg.num_layers
 
     for tp in _divisors(devices):
         if cfg.num_attention_heads % tp or query_groups(cfg) % tp or (max_tp and tp > max_tp):
             continue
         for pp in _divisors(devices // tp):
-            if cfg.num_layers % pp:
+            if slots % pp:
                 continue
             for cp in (c for c in (1, 2, 4, 8) if (devices // (tp * pp)) % c == 0 and cfg.seq_length % (2 * c) == 0):
                 dp = devices // (tp * pp * cp)
                 for mbs in (b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0):
-                    for vpp, sched in _schedules(cfg, pp, gbs // (mbs * dp)):
+                    for vpp, sched in _schedules(slots, pp, gbs // (mbs * dp)):
                         yield tp, pp, cp, dp, mbs, vpp, sched
 
 
@@ -123,12 +129,15 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
     from omnitron.plan.settings import settings_of
     from omnitron.plan.memory import model_config
 
+    given = {k: v for k, v in given.items() if k not in _VPP_FLAGS}  # the search sets the virtual stages
     base = settings_of(given | {"nproc_per_node": 1})
-    cfg, gbs = model_config(base), given.get("global_batch_size")
+    cfg, gbs, pc = model_config(base), given.get("global_batch_size"), base.parallel
     if not gbs:
         raise ConfigError("--devices: give --global-batch-size (the recommendation keeps it fixed)")
+    slots = cfg.num_layers + pc.account_for_embedding_in_pipeline_split + pc.account_for_loss_in_pipeline_split
+    sized_ends = pc.decoder_first_pipeline_num_layers is not None or pc.decoder_last_pipeline_num_layers is not None
     out, seen = [], set()
-    for tp, pp, cp, dp, mbs, vpp, sched, ep in _with_ep(cfg, _grid(cfg, devices, gbs, cluster)):
+    for tp, pp, cp, dp, mbs, vpp, sched, ep in _with_ep(cfg, _grid(cfg, devices, gbs, cluster, slots)):
         for rec in ((True,) if minimal else (False, True)):
             for dist in ((True,) if minimal or cluster else (False, True)) if dp * cp > 1 else (False,):
                 key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, sched, rec, dist)
@@ -143,8 +152,10 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
                     flags["expert_model_parallel_size"] = ep
                 if sched:
                     flags["pipeline_schedule"] = sched
-                if vpp > 1:
-                    flags["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (pp * vpp)
+                if vpp > 1 and sized_ends:  # Megatron's one form for set first/last stage sizes
+                    flags["num_virtual_stages_per_pipeline_rank"] = vpp
+                elif vpp > 1:
+                    flags["num_layers_per_virtual_pipeline_stage"] = slots // (pp * vpp)
                 if rec:
                     flags.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                 if dist:

@@ -4,18 +4,14 @@ kinds (MoE or dense) per virtual stage, the routing histogram row each MoE layer
 module so :mod:`omnitron.plan.speed` and :mod:`omnitron.plan.memory` share it without importing each other."""
 from __future__ import annotations
 
-from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+from omnitron.core.parallel.pipeline.layout import config_layer_ranges
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
 
 def _ranges(settings, cfg) -> dict:
     """``{(pp_rank, chunk): (first layer, layer count)}`` of the layout's pipeline (global 0-based numbering)."""
-    pc = settings.parallel
-    return pipeline_layer_ranges(cfg.num_layers, pc.pipeline_model_parallel_size,
-                                 pc.virtual_pipeline_model_parallel_size, pc.decoder_first_pipeline_num_layers,
-                                 pc.decoder_last_pipeline_num_layers,
-                                 style=schedule_style(settings.training.pipeline_schedule))
+    return config_layer_ranges(cfg.num_layers, settings.parallel, schedule_style(settings.training.pipeline_schedule))
 
 
 def stage_layers(settings, cfg, histogram_rows: int | None = None):

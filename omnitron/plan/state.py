@@ -44,7 +44,9 @@ def skeleton(model_cfg, parallel, pp_rank: int, style: str = "loop") -> list[tor
     layout = Layout(tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
                     vp=parallel.virtual_pipeline_model_parallel_size, cp=parallel.context_parallel_size,
                     first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers,
-                    ep=parallel.expert_model_parallel_size, style=style)
+                    embedding=parallel.account_for_embedding_in_pipeline_split,
+                    loss=parallel.account_for_loss_in_pipeline_split, ep=parallel.expert_model_parallel_size,
+                    style=style)
     etp = parallel.etp if getattr(model_cfg, "num_experts", None) else 1
     key = f"{_structure(model_cfg)}/{layout!r}/etp{etp}"
     if key not in _SKELETON:  # every stage's chunks are built at once: kept for the next ranks and layouts
@@ -154,7 +156,8 @@ def state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     pc = settings.parallel
     key = (_structure(model_cfg), pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size,
            pc.virtual_pipeline_model_parallel_size, pc.context_parallel_size, pc.decoder_first_pipeline_num_layers,
-           pc.decoder_last_pipeline_num_layers, pc.expert_model_parallel_size, pc.etp, pp_rank,
+           pc.decoder_last_pipeline_num_layers, pc.account_for_embedding_in_pipeline_split,
+           pc.account_for_loss_in_pipeline_split, pc.expert_model_parallel_size, pc.etp, pp_rank,
            settings.dp * pc.context_parallel_size, expert_data_parallel_size(settings), repr(settings.ddp),
            repr(settings.optim))
     if key not in _STATE:

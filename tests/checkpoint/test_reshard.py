@@ -5,7 +5,7 @@ tied embedding, padded vocabulary) for N iterations at tp2 x pp2 x vp2 and saves
 state is gathered live with the model's own collective gather (the reference). The checkpoint is
 then loaded under five other layouts (tp1 dp4; tp4, whose 2 query groups force replicated KV;
 uneven pp2 dp2; tp2 dp2 with sequence parallelism and the distributed optimizer; pp2 dp2 with the
-V-shaped zb-v schedule), each saved
+V-shaped zb-v schedule; pp2 x vpp3 dp2 with the embedding and the loss counted as layers), each saved
 straight back (compared with the reference tensor by tensor, exactly) and trained N more
 iterations (losses equal to continuing at tp2 x pp2 x vp2, fp32 tolerance; dropout is off, so
 fresh RNG streams do not matter). The same spawn does it once more in bf16 (fp32 masters) into
@@ -31,7 +31,10 @@ B = {"tp1_dp4": [],
      "tp2_dp2_sp_zero": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"],
      # the V placement (rank 0 holds layer 0, layer 3 and both tied embedding copies)
      "pp2_zb_v_dp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-                      "--pipeline-schedule", "zb-v"]}
+                      "--pipeline-schedule", "zb-v"],
+     # the embedding and the loss counted as layers: 6 slots at pp2 x vpp3, the end chunks hold no layer
+     "pp2_account_vp3_dp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                             "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]}
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-tensor-parallel-size", "1",
        "--expert-model-parallel-size", "2"]
 MOE_A, MOE_B = ["--tensor-model-parallel-size", "2", *MOE], ["--pipeline-model-parallel-size", "2", *MOE]
@@ -255,6 +258,52 @@ def test_convert_round_trip_is_bit_exact(trained, tmp_path, capsys):
     assert "decoder.layers.3.self_attention.linear_qkv.weight" in text and "(64, 32)" in text  # (4 + 2*2) heads x 8
     assert main(["checkpoint", "export", "--load", back, "--out", str(tmp_path / "m.safetensors")]) == 0
     _assert_equal(load_file(str(tmp_path / "m.safetensors")), live["live"]["model"], "export")
+
+
+def test_convert_to_and_from_the_account_layout(trained, tmp_path, capsys):
+    """A -> pp2 x vpp3 with --target-account-for-embedding/loss-in-pipeline-split (end chunks without layers) holds
+    the trained tensors, records the layout and the flags a resume reads, and converts back to A bit for bit;
+    target flags that do not fit are refused in one line naming the --target- flag."""
+    from omnitron.cli import main
+    from omnitron.core.checkpoint import find_latest, read_metadata
+
+    root, _, live = trained
+    src = find_latest(str(root / "A"))
+    account = ["--target-pipeline-model-parallel-size", "2", "--target-account-for-embedding-in-pipeline-split",
+               "--target-account-for-loss-in-pipeline-split"]
+    assert main(["checkpoint", "convert", "--load", src, "--save", str(tmp_path / "acc"),
+                 "--target-tensor-model-parallel-size", "1", *account,
+                 "--target-num-layers-per-virtual-pipeline-stage", "1"]) == 0
+    acc = find_latest(str(tmp_path / "acc"))
+    meta = read_metadata(acc)
+    assert meta["layout"]["virtual_pipeline_model_parallel_size"] == 3
+    assert meta["layout"]["account_for_embedding_in_pipeline_split"] is True
+    assert meta["layout"]["account_for_loss_in_pipeline_split"] is True
+    assert meta["config"]["num_virtual_stages_per_pipeline_rank"] == 3
+    assert "num_layers_per_virtual_pipeline_stage" not in meta["config"]
+    assert meta["config"]["account_for_embedding_in_pipeline_split"] is True
+    _check_full(acc, live["live"], "converted to pp2 vpp3 +embedding +loss")
+    assert main(["checkpoint", "convert", "--load", acc, "--save", str(tmp_path / "back"),
+                 "--target-tensor-model-parallel-size", "2", "--target-pipeline-model-parallel-size", "2",
+                 "--target-num-virtual-stages-per-pipeline-rank", "2"]) == 0
+    back = find_latest(str(tmp_path / "back"))
+    assert read_metadata(back)["layout"] == read_metadata(src)["layout"]
+    for r, (a, b) in enumerate(zip(_shards(src), _shards(back))):
+        for key in ("model", "optimizer", "scheduler"):
+            _same(a[key], b[key], f"rank{r}.{key}")
+    capsys.readouterr()
+    for extra, needle in [(["--target-decoder-first-pipeline-num-layers", "1"],
+                           "--target-account-for-embedding/loss-in-pipeline-split and --target-decoder-first/last"),
+                          (["--target-num-virtual-stages-per-pipeline-rank", "2"], "do not split over 2 virtual")]:
+        assert main(["checkpoint", "convert", "--load", src, "--save", str(tmp_path / "bad"),
+                     "--target-tensor-model-parallel-size", "1", *account, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert main(["checkpoint", "convert", "--load", src, "--save", str(tmp_path / "bad"),
+                 "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
+                 "--target-decoder-first-pipeline-num-layers", "2",
+                 "--target-num-layers-per-virtual-pipeline-stage", "1"]) == 2
+    assert "--target-num-virtual-stages-per-pipeline-rank instead" in capsys.readouterr().err
 
 
 def test_errors_are_clear(trained, tmp_path, capsys):

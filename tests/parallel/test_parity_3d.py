@@ -69,12 +69,13 @@ def reference() -> tuple[list[float], dict]:
     return {dp: train_one_process(_data(dp)) for dp in (1, 2)}
 
 
-def train_one_process(data: torch.Tensor) -> tuple[list[float], dict]:
-    """(per-step losses, full state) of SGD on one process over ``data`` [steps, batch, SEQ + 1]."""
+def train_one_process(data: torch.Tensor, cfg=None) -> tuple[list[float], dict]:
+    """(per-step losses, full state) of SGD on one process over ``data`` [steps, batch, SEQ + 1]; ``cfg``: the
+    model (default: ``_config()``)."""
     from omnitron.core.models.gpt import GPTModel, gather_full_state
 
     groups = ParallelGroups.single()
-    model = GPTModel(_config(), groups, seed=SEED)
+    model = GPTModel(cfg or _config(), groups, seed=SEED)
     losses = []
     for step in data:
         model.zero_grad()

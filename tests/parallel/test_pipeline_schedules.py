@@ -271,6 +271,122 @@ def test_layer_ranges_even_uneven_and_virtual():
         assert sorted(rng.values()) == sorted(rng.values(), key=lambda x: x[0])
 
 
+def test_layer_ranges_accounting_for_embedding_and_loss():
+    """--account-for-embedding/loss-in-pipeline-split, hand-worked: N = layers + slots splits over every virtual
+    stage, the first (last) virtual stage builds one layer fewer."""
+    # 6 layers pp2 vpp2, both: N = 8, two slots per virtual stage (stage order (0,0) (1,0) (0,1) (1,1))
+    assert pipeline_layer_ranges(6, 2, 2, embedding=True, loss=True) == {(0, 0): (0, 1), (1, 0): (1, 2),
+                                                                         (0, 1): (3, 2), (1, 1): (5, 1)}
+    # Llama 3 405B: 126 layers at pp16 vpp8 -> 128 slots, one per virtual stage: the two ends hold no layer
+    big = pipeline_layer_ranges(126, 16, 8, embedding=True, loss=True)
+    assert big[(0, 0)] == (0, 0) and big[(15, 7)] == (126, 0)
+    assert all(n == 1 for k, (_, n) in big.items() if k not in ((0, 0), (15, 7)))
+    flat = pipeline_layer_ranges(126, 16, embedding=True, loss=True)  # vp 1: 7, 8 x 14, 7
+    assert flat[(0, 0)] == (0, 7) and flat[(1, 0)] == (7, 8) and flat[(15, 0)] == (119, 7)
+    assert pipeline_layer_ranges(7, 2, embedding=True) == {(0, 0): (0, 3), (1, 0): (3, 4)}  # embedding only
+    # loss only, 7 layers pp4 vpp2: one slot per virtual stage, the last one holds the head alone
+    assert pipeline_layer_ranges(7, 4, 2, loss=True) == {(0, 0): (0, 1), (1, 0): (1, 1), (2, 0): (2, 1),
+                                                         (3, 0): (3, 1), (0, 1): (4, 1), (1, 1): (5, 1),
+                                                         (2, 1): (6, 1), (3, 1): (7, 0)}
+    # pp 1: nothing to balance, every layer on the one stage (Megatron: N - 2 = num_layers)
+    assert pipeline_layer_ranges(5, 1, embedding=True, loss=True) == {(0, 0): (0, 5)}
+    # V: rank 0 holds stage 0 (the embedding) and stage 2 pp - 1 (the loss)
+    assert pipeline_layer_ranges(6, 2, 2, style="v", embedding=True, loss=True) == {
+        (0, 0): (0, 1), (1, 0): (1, 2), (1, 1): (3, 2), (0, 1): (5, 1)}
+
+
+def _megatron_layers(num_layers, pp, vp, r, c, embedding, loss):
+    """Megatron's own arithmetic (get_num_layers_to_build, get_transformer_layer_offset), written out
+    independently: (offset, count) of chunk c on pipeline rank r."""
+    n = num_layers + embedding + loss
+    per_chunk = n // pp // vp
+    offset = c * (n // vp) + r * per_chunk - (embedding and (r, c) != (0, 0))
+    count = per_chunk - (embedding and (r, c) == (0, 0)) - (loss and (r, c) == (pp - 1, vp - 1))
+    return offset, count
+
+
+@pytest.mark.parametrize("embedding,loss", [(True, False), (False, True), (True, True)])
+def test_layer_ranges_accounting_matches_megatron(embedding, loss):
+    for pp in (1, 2, 3, 4, 8, 16):
+        for vp in (1, 2, 3, 4, 8):
+            if pp == 1 and vp > 1:
+                continue
+            for layers in range(1, 3 * pp * vp + 1):
+                if (layers + embedding + loss) % (pp * vp):
+                    continue
+                want = {(r, c): _megatron_layers(layers, pp, vp, r, c, embedding, loss)
+                        for r in range(pp) for c in range(vp)}
+                assert pipeline_layer_ranges(layers, pp, vp, embedding=embedding, loss=loss) == want
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_layers=6, pp=4, embedding=True), "divide evenly over 4 pipeline stages"),
+    (dict(num_layers=6, pp=2, vp=3, embedding=True, loss=True), "do not split over 3 virtual stages"),
+    (dict(num_layers=6, pp=2, first=2, embedding=True), "one or the other"),
+    (dict(num_layers=6, pp=2, last=3, loss=True), "one or the other"),
+    (dict(num_layers=6, pp=2, vp=3, style="v", loss=True), "two chunks"),
+])
+def test_layer_range_accounting_errors(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        pipeline_layer_ranges(**kw)
+
+
+def test_virtual_pipeline_size_flags():
+    """--num-layers-per-virtual-pipeline-stage counts the embedding / loss slots; --num-virtual-stages-per-
+    pipeline-rank gives the chunk count directly and is the one form uneven first/last stages take."""
+    from omnitron.core.parallel.pipeline.layout import virtual_pipeline_size as vps
+
+    assert vps(126, 16, 1, None, embedding=True, loss=True) == 8
+    assert vps(126, 16, 2, None, embedding=True, loss=True) == 4
+    assert vps(8, 2, 2, None) == 2 and vps(8, 2, None, None) is None
+    assert vps(126, 16, None, 8, 7, 7) == 8 and vps(8, 2, None, 4) == 4
+    for args, kw, match in [((126, 16, 4, None, 7, 7), {}, "--num-virtual-stages-per-pipeline-rank instead"),
+                            ((8, 2, 2, 2), {}, "give one of them"),
+                            ((8, 2, None, 0), {}, "must be >= 1"),
+                            ((126, 16, 2, None), {}, "not divisible"),
+                            ((126, 16, 3, None), dict(embedding=True, loss=True), r"\+ 2 .* not divisible")]:
+        with pytest.raises(ConfigError, match=match):
+            vps(*args, **kw)
+
+
+_CLI = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
+        "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+
+
+def _cli(layers: int, pp: int, *flags: str):
+    from omnitron.core.training.arguments import parse_settings
+
+    return parse_settings(_CLI + ["--num-layers", str(layers), "--pipeline-model-parallel-size", str(pp),
+                                  "--global-batch-size", str(2 * pp), *flags], pp)
+
+
+def test_account_and_virtual_stage_flags_from_the_command_line():
+    """Megatron's flag names reach the layout; the silent first/last + layers-per-chunk case is refused."""
+    both = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    p = _cli(126, 16, *both, "--num-layers-per-virtual-pipeline-stage", "1").parallel
+    assert p.virtual_pipeline_model_parallel_size == 8
+    assert p.account_for_embedding_in_pipeline_split and p.account_for_loss_in_pipeline_split
+    assert _cli(126, 16, "--decoder-first-pipeline-num-layers", "6", "--decoder-last-pipeline-num-layers", "8",
+                "--num-virtual-stages-per-pipeline-rank", "2").parallel.virtual_pipeline_model_parallel_size == 2
+    assert _cli(8, 2, "--num-virtual-stages-per-pipeline-rank", "2").parallel.virtual_pipeline_model_parallel_size == 2
+    assert _cli(6, 1, *both).parallel.pipeline_model_parallel_size == 1  # pp 1: nothing to balance, accepted
+    for flags, match in [
+        (["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
+          "--num-layers-per-virtual-pipeline-stage", "4"], "--num-virtual-stages-per-pipeline-rank instead"),
+        (["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7",
+          "--num-virtual-stages-per-pipeline-rank", "8"], "rank 0 holds 7 layers, which do not split over 8"),
+        (["--decoder-first-pipeline-num-layers", "7", *both], "one or the other"),
+        (["--num-layers-per-virtual-pipeline-stage", "1", "--num-virtual-stages-per-pipeline-rank", "8"],
+         "give one of them"),
+        (["--account-for-embedding-in-pipeline-split"], r"\+ 1 .* = 127 must divide evenly over 16"),
+        ([*both, "--num-virtual-stages-per-pipeline-rank", "3"], "do not split over 3 virtual stages")]:
+        with pytest.raises(ConfigError, match=match) as info:
+            _cli(126, 16, *flags)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="a pipeline chunk holds no layer"):  # --cpu-offloading runs per chunk
+        _cli(6, 2, *both, "--num-virtual-stages-per-pipeline-rank", "4", "--cpu-offloading-num-layers", "1")
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(num_layers=7, pp=2), "divide evenly"),
     (dict(num_layers=8, pp=2, vp=3), "virtual stages"),

@@ -50,6 +50,10 @@ LAYOUTS = {  # name: (world, flags)
                                  "--recompute-method", "block", "--recompute-num-layers", "1", "--seq-length", "256"]),
     "pp2_vp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                     "--global-batch-size", "4"]),
+    # the embedding and the loss counted as layers: 6 slots at pp2 x vpp3, the end chunks hold no layer
+    "pp2_vp3_account": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                            "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                            "--global-batch-size", "4"]),
     "llama_pp1_bf16": (1, LLAMA + ["--bf16"]),
     "llama_pp2_mbs2": (2, LLAMA + ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
     "mtp1": (1, ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]),

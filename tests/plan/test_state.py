@@ -1,7 +1,8 @@
 """Parameter, gradient and optimizer bytes predicted by omnitron.plan equal the tensors a real built
 ``Components`` holds, byte for byte, in one process and on 4 gloo ranks (tp2 x pp2; pp2 x dp2 with the
 distributed optimizer and small buckets, so bucket padding and the tied embedding's isolated bucket count; the
-same under the V-shaped zb-v schedule, whose rank 0 holds both tied copies).
+same under the V-shaped zb-v schedule, whose rank 0 holds both tied copies, and with the embedding and the loss
+counted as layers, whose end chunks hold no layer).
 The reference is measured on the live objects: parameter storages, the gradient buffers' tensors and
 ``optimizer.state_bytes()`` (storages of masters and moments). Exact: both sides are integer byte counts."""
 from __future__ import annotations
@@ -63,7 +64,13 @@ FOUR = {"tp2_pp2_bf16": (2, 2, ["--bf16", "--sequence-parallel"]),
         # the V placement: rank 0 holds the embedding, the head's tied copy and layers 0 and 3
         "pp2_dp2_zb_v_distopt": (1, 2, ["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1",
                                         "--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
-                                        "--global-batch-size", "4"])}
+                                        "--global-batch-size", "4"]),
+        # the embedding and the loss counted as layers: 6 slots at pp2 x vpp3, the end chunks hold no layer
+        "pp2_dp2_account_vp3_distopt": (1, 2, ["--account-for-embedding-in-pipeline-split",
+                                               "--account-for-loss-in-pipeline-split",
+                                               "--num-layers-per-virtual-pipeline-stage", "1", "--bf16",
+                                               "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+                                               "--global-batch-size", "4"])}
 
 
 @pytest.mark.parametrize("name", list(FOUR))

@@ -40,8 +40,8 @@ def test_every_selector_gives_a_reason_and_none_changes_the_maths():
 
 def _settings(argv):
     s = parse_settings(BASE + argv, 1)
-    return {k: dataclasses.asdict(getattr(s, k)) for k in ("model", "ddp", "optim", "training", "precision",
-                                                           "logging")}
+    return {k: dataclasses.asdict(getattr(s, k)) for k in ("model", "parallel", "ddp", "optim", "training",
+                                                           "precision", "logging")}
 
 
 @pytest.mark.parametrize("flag", sorted(IMPLEMENTED))

@@ -37,12 +37,14 @@ MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "context_parallel_size", "data_parallel_size", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
-               "pipeline_chunk_placement")
+               "pipeline_chunk_placement", "account_for_embedding_in_pipeline_split",
+               "account_for_loss_in_pipeline_split")
 _FLAGS = {"data_parallel_size": "the number of processes / data-parallel size",
           "pipeline_chunk_placement": "pipeline chunk placement (--pipeline-schedule)"}
 # layout keys added after format 1 was fixed: an older checkpoint's missing key means this value
 _LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
-                    "pipeline_chunk_placement": "loop"}
+                    "pipeline_chunk_placement": "loop", "account_for_embedding_in_pipeline_split": False,
+                    "account_for_loss_in_pipeline_split": False}
 
 
 class CheckpointError(RuntimeError):

@@ -49,6 +49,10 @@ class Layout:
     """--decoder-first-pipeline-num-layers."""
     last: int | None = None
     """--decoder-last-pipeline-num-layers."""
+    embedding: bool = False
+    """--account-for-embedding-in-pipeline-split (the embedding counts as a layer of the split)."""
+    loss: bool = False
+    """--account-for-loss-in-pipeline-split (the loss counts as a layer of the split)."""
     ep: int = 1
     """--expert-model-parallel-size (MoE experts are whole tensors spread over the ep ranks)."""
     etp: int = 1
@@ -61,7 +65,8 @@ class Layout:
              "vp": "virtual_pipeline_model_parallel_size", "dp": "data_parallel_size", "cp": "context_parallel_size",
              "first": "decoder_first_pipeline_num_layers", "last": "decoder_last_pipeline_num_layers",
              "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
-             "style": "pipeline_chunk_placement"}
+             "style": "pipeline_chunk_placement", "embedding": "account_for_embedding_in_pipeline_split",
+             "loss": "account_for_loss_in_pipeline_split"}
 
     @classmethod
     def from_dict(cls, layout: dict) -> "Layout":
@@ -84,13 +89,15 @@ class Layout:
                               virtual_pipeline_model_parallel_size=self.vp, context_parallel_size=self.cp,
                               decoder_first_pipeline_num_layers=self.first,
                               decoder_last_pipeline_num_layers=self.last, expert_model_parallel_size=self.ep,
-                              expert_tensor_parallel_size=1)
+                              expert_tensor_parallel_size=1, account_for_embedding_in_pipeline_split=self.embedding,
+                              account_for_loss_in_pipeline_split=self.loss)
 
     def __str__(self) -> str:
         s = f"tp{self.tp} pp{self.pp}" + (f" vp{self.vp}" if self.vp else "") + f" dp{self.dp}"
         s += (f" cp{self.cp}" if self.cp > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
         return s + (f" first{self.first}" if self.first is not None else "") + \
-            (f" last{self.last}" if self.last is not None else "") + (" V" if self.style == "v" else "")
+            (f" last{self.last}" if self.last is not None else "") + (" +embedding" if self.embedding else "") + \
+            (" +loss" if self.loss else "") + (" V" if self.style == "v" else "")
 
 
 @dataclass
@@ -146,7 +153,7 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict
     carry the sharding attributes (the same on every tp rank) and their modules the fuse/split logic.
     ``etp``: the experts' tensor-parallel split (the memory plan's; checkpoints hold whole experts)."""
     from omnitron.core.models.family import family_of
-    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+    from omnitron.core.parallel.pipeline.layout import config_layer_ranges
 
     groups = ParallelGroups.single()
     groups.config = layout.parallel_config()
@@ -155,8 +162,7 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict
     if etp > 1:
         groups.groups["etp"] = _Seen("etp", tuple(range(etp)), None)
     family = family_of(cfg)  # a family that is not pipelined (T5, LLaVA): one stage, one chunk
-    ranges = pipeline_layer_ranges(cfg.num_layers, layout.pp, layout.vp, layout.first, layout.last,
-                                   style=layout.style) if family.pipelined else {}
+    ranges = config_layer_ranges(cfg.num_layers, groups.config, layout.style) if family.pipelined else {}
     # NOTE: host-memory skeletons on the host CPU backend whatever the run's backend (no communication)
     return family.build_chunks(cfg, groups, ranges, None, layout.pp, layout.chunks,
                                backend=host_backend(), seed=0, style=layout.style)
@@ -388,18 +394,25 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone() if t.untyped_storage().nbytes() != t.nbytes else t.detach()
 
 
+_LAYOUT_FLAGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
 def _target_config(flat: dict, cfg, target: Layout) -> dict:
     """The source run's flat config with the layout flags of ``target`` (so ``omnitron generate``
     and a resume read the new layout)."""
-    out = {k: v for k, v in flat.items() if k not in ("num_layers_per_virtual_pipeline_stage",
-                                                      "decoder_first_pipeline_num_layers",
-                                                      "decoder_last_pipeline_num_layers")}
+    out = {k: v for k, v in flat.items() if k not in _LAYOUT_FLAGS}
     out.update(tensor_model_parallel_size=target.tp, pipeline_model_parallel_size=target.pp,
                context_parallel_size=target.cp, expert_model_parallel_size=target.ep)
     if cfg.num_experts:  # the written shards hold whole experts
         out["expert_tensor_parallel_size"] = 1
-    if target.vp:
-        out["num_layers_per_virtual_pipeline_stage"] = cfg.num_layers // (target.pp * target.vp)
+    if target.vp:  # the chunk count holds for every split (the layers per chunk only for even ones)
+        out["num_virtual_stages_per_pipeline_rank"] = target.vp
+    if target.embedding:
+        out["account_for_embedding_in_pipeline_split"] = True
+    if target.loss:
+        out["account_for_loss_in_pipeline_split"] = True
     if target.first is not None:
         out["decoder_first_pipeline_num_layers"] = target.first
     if target.last is not None:

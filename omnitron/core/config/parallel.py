@@ -17,7 +17,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """--pipeline-model-parallel-size: ranks that split the layer stack into stages."""
     virtual_pipeline_model_parallel_size: int | None = None
-    """Model chunks per pipeline rank (interleaved schedule); from --num-layers-per-virtual-pipeline-stage."""
+    """Model chunks per pipeline rank (interleaved schedule); from --num-layers-per-virtual-pipeline-stage or
+    --num-virtual-stages-per-pipeline-rank."""
     context_parallel_size: int = 1
     """--context-parallel-size: ranks that split the sequence inside attention."""
     expert_model_parallel_size: int = 1
@@ -45,6 +46,13 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None
     """--decoder-last-pipeline-num-layers: layers on the last pipeline stage (it also holds the
     output layer and the loss); the remaining layers split evenly over the other stages."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """--account-for-embedding-in-pipeline-split: count the embedding as one layer when splitting the layers over
+    the (virtual) pipeline stages, so the first stage builds one layer fewer (Llama 3 405B's 126 layers at pp16:
+    128 slots); not with --decoder-first/last-pipeline-num-layers."""
+    account_for_loss_in_pipeline_split: bool = False
+    """--account-for-loss-in-pipeline-split: count the output layer and loss as one layer when splitting the
+    layers over the (virtual) pipeline stages, so the last stage builds one layer fewer."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--tensor-model-parallel-size", self.tensor_model_parallel_size),
@@ -59,7 +67,8 @@ class ParallelConfig:
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or (vp > 1 and self.pipeline_model_parallel_size < 2)):
             raise ConfigError(f"virtual pipeline size {vp} needs --pipeline-model-parallel-size >= 2 "
-                              f"(got {self.pipeline_model_parallel_size}); drop --num-layers-per-virtual-pipeline-stage")
+                              f"(got {self.pipeline_model_parallel_size}); drop --num-layers-per-virtual-pipeline-"
+                              f"stage / --num-virtual-stages-per-pipeline-rank")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             # harmless but meaningless; Megatron silently disables it, we keep it off explicitly
             self.sequence_parallel = False
@@ -98,8 +107,10 @@ class ParallelConfig:
 
     @property
     def uneven_pipeline(self) -> bool:
-        """True when the first or last stage holds a set number of layers."""
-        return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+        """True when the stages are not an even split of --num-layers: the first or last stage holds a set number
+        of layers, or the embedding / the loss count as a layer."""
+        return (self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+                or self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split)
 
     @property
     def model_parallel_size(self) -> int:

@@ -220,7 +220,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(opt.flag, dest=dest, type={"int": int, "float": float, "str": str}[opt.kind],
                                metavar=dest.split("_")[-1].upper(), help=_help(opt))
     seen_groups["parallelism"].add_argument("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N",
-                                            help="layers per model chunk: interleaved pipeline schedule")
+                                            help="layers per model chunk (the --account-for-...-in-pipeline-"
+                                            "split slots included): interleaved pipeline schedule")
+    seen_groups["parallelism"].add_argument("--num-virtual-stages-per-pipeline-rank", type=int, metavar="V",
+                                            help="model chunks per pipeline rank: interleaved pipeline schedule "
+                                            "(the form uneven --decoder-first/last-pipeline-num-layers take)")
     seen_groups["model"].add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                                       help="no biases in linear layers (same as --no-add-bias-linear)")
     seen_groups["optimizer"].add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
@@ -273,7 +277,7 @@ def _sample_temperature(value) -> float:
 _str_list.__name__ = "list"
 _LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "entry": str, "model_family_module": _str_list, "nproc_per_node": int, "backend": str, "threads_per_process": int,
                 "prompt": str, "sample_tokens": int, "sample_top_k": int, "sample_temperature": float,
-                "num_layers_per_virtual_pipeline_stage": int}
+                "num_layers_per_virtual_pipeline_stage": int, "num_virtual_stages_per_pipeline_rank": int}
 
 
 def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
@@ -445,34 +449,31 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
 
 def _model_settings(merged: dict[str, Any], precision: PrecisionConfig):
     """(family, model config, parallel config): the family's config class, the virtual pipeline size from
-    ``--num-layers-per-virtual-pipeline-stage``, the family's and the shared model checks."""
+    ``--num-layers-per-virtual-pipeline-stage`` or ``--num-virtual-stages-per-pipeline-rank``, the family's and the
+    shared model checks."""
     from omnitron.core.models.gpt.config import validate_model
+    from omnitron.core.parallel.pipeline.layout import config_layer_ranges, virtual_pipeline_size
     from omnitron.core.precision import params_dtype
 
     # the model's vocabulary comes from the tokenizer (--vocab-size is NullTokenizer's setting)
     family = _model_family(merged)
     model = _build(family.config_cls, {k: v for k, v in merged.items() if k != "vocab_size"},
                    params_dtype=params_dtype(precision))
-    per_chunk = merged.get("num_layers_per_virtual_pipeline_stage")
-    vp = None
     pp = int(merged.get("pipeline_model_parallel_size", 1))
-    if per_chunk:
-        if model.num_layers % (pp * per_chunk) and not merged.get("decoder_first_pipeline_num_layers") \
-                and not merged.get("decoder_last_pipeline_num_layers"):
-            raise ConfigError(f"--num-layers {model.num_layers} is not divisible by --pipeline-model-parallel-size "
-                              f"{pp} x --num-layers-per-virtual-pipeline-stage {per_chunk}")
-        vp = model.num_layers // (pp * per_chunk)
+    vp = virtual_pipeline_size(model.num_layers, pp, merged.get("num_layers_per_virtual_pipeline_stage"),
+                               merged.get("num_virtual_stages_per_pipeline_rank"),
+                               merged.get("decoder_first_pipeline_num_layers"),
+                               merged.get("decoder_last_pipeline_num_layers"),
+                               bool(merged.get("account_for_embedding_in_pipeline_split")),
+                               bool(merged.get("account_for_loss_in_pipeline_split")))
     parallel = _build(ParallelConfig, merged, virtual_pipeline_model_parallel_size=vp)
     if family.validate is not None:
         family.validate(model, parallel)
     validate_model(model, parallel, check_layers=not parallel.uneven_pipeline)
     if parallel.uneven_pipeline:  # the layer split itself is checked here, naming the flags
-        from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
         from omnitron.core.parallel.pipeline.schedules import schedule_style
 
-        pipeline_layer_ranges(model.num_layers, pp, vp, parallel.decoder_first_pipeline_num_layers,
-                              parallel.decoder_last_pipeline_num_layers,
-                              style=schedule_style(merged.get("pipeline_schedule")))
+        config_layer_ranges(model.num_layers, parallel, schedule_style(merged.get("pipeline_schedule")))
     return family, model, parallel
 
 

@@ -59,6 +59,8 @@ def layout_dict(settings) -> dict:
             "context_parallel_size": p.context_parallel_size, "data_parallel_size": settings.dp,
             "decoder_first_pipeline_num_layers": p.decoder_first_pipeline_num_layers,
             "decoder_last_pipeline_num_layers": p.decoder_last_pipeline_num_layers,
+            "account_for_embedding_in_pipeline_split": p.account_for_embedding_in_pipeline_split,
+            "account_for_loss_in_pipeline_split": p.account_for_loss_in_pipeline_split,
             "expert_model_parallel_size": p.expert_model_parallel_size,
             # experts' tensor-parallel split (meaningful for MoE models only; dense models record 1)
             "expert_tensor_parallel_size": p.etp if getattr(settings.model, "num_experts", None) else 1,

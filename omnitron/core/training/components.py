@@ -26,7 +26,7 @@ from omnitron.core.optim.muon import DistributedMuon, Muon
 from omnitron.core.optim.onebit import OneBitAdam, resolve_freeze_step
 from omnitron.core.parallel.data import DistributedDataParallel, FullyShardedDataParallel
 from omnitron.core.parallel.groups import ParallelGroups
-from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+from omnitron.core.parallel.pipeline.layout import config_layer_ranges
 from omnitron.core.parallel.pipeline.combined import combine_1f1b
 from omnitron.core.parallel.pipeline.schedules import build_schedule, schedule_style
 from omnitron.core.parallel.tensor.random import default_seed
@@ -94,8 +94,7 @@ def build_model_chunks(cfg: GPTConfig, groups: ParallelGroups, seed: int, backen
     family, pc = family_of(cfg), groups.config
     pp, vp = groups.pp.size, pc.virtual_pipeline_model_parallel_size or 1
     style = schedule_style(schedule)
-    ranges = pipeline_layer_ranges(cfg.num_layers, pp, vp, pc.decoder_first_pipeline_num_layers,
-                                   pc.decoder_last_pipeline_num_layers, style=style) if family.pipelined else {}
+    ranges = config_layer_ranges(cfg.num_layers, pc, style) if family.pipelined else {}
     rank = groups.pp.rank if pp > 1 else 0
     chunks = family.build_chunks(cfg, groups, ranges, rank, pp, vp, backend=backend, seed=seed, style=style)
     return [to_device(chunk, backend.current_device()) if on_device else chunk for _, chunk in sorted(chunks.items())]

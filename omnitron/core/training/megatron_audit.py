@@ -12,7 +12,7 @@ from omnitron.core.training import megatron_flags as MF
 
 IMPLEMENTED: dict[str, tuple[str, str, str]] = {
     # flag: (Megatron's behaviour, omnitron's, the test that pins it). Flags that were once accepted while
-    # computing something else (issue 36), now doing what Megatron does.
+    # computing something else (issue 36) or refused, now doing what Megatron does.
     "--no-bias-gelu-fusion": (
         "the GeLU MLP runs exact (erf) GeLU; the tanh approximation only runs inside the fused bias-GeLU, "
         "which --disable-bias-linear also turns off (megatron/core/transformer/mlp.py, training/arguments.py)",
@@ -35,6 +35,19 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "and their `vs samples` twins (training_log, evaluate_and_print_results)",
         "the same directory and tag names (metrics.jsonl goes there too unless --log-dir)",
         "tests/training/test_wandb_tensorboard.py::test_tensorboard_dir_holds_megatrons_tags"),
+    "--account-for-embedding-in-pipeline-split": (
+        "the embedding counts as one layer of the pipeline split: num-layers + 1 (+ 1 with the loss flag) split "
+        "evenly over every virtual stage, the first virtual stage builds one layer fewer (transformer_block.py "
+        "get_num_layers_to_build)",
+        "the same split (ParallelConfig.account_for_embedding_in_pipeline_split, pipeline/layout.py); a chunk of one "
+        "slot holds the embedding alone; checkpoints record it and `omnitron plan` prices it",
+        "tests/parallel/test_parity_account.py::test_parity_account_pp2"),
+    "--account-for-loss-in-pipeline-split": (
+        "the output layer and loss count as one layer of the pipeline split: the last virtual stage builds one "
+        "layer fewer (transformer_block.py get_num_layers_to_build)",
+        "the same split (ParallelConfig.account_for_loss_in_pipeline_split, pipeline/layout.py); a chunk of one "
+        "slot holds the output layer alone",
+        "tests/parallel/test_parity_account.py::test_parity_account_pp2"),
 }
 
 

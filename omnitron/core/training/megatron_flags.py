@@ -133,10 +133,6 @@ REFUSED: dict[str, tuple[str | None, str]] = {
     # dest: (metavar, or None for a switch; why it stops here and the fix). Megatron flags that change the
     # maths in a way omnitron does not implement yet: refused before any work, never silently ignored.
     "use_legacy_models": (None, "omnitron's models have Megatron-Core's layout only; drop the flag"),
-    "account_for_embedding_in_pipeline_split": (None, "the embedding is not counted as a layer; give the first "
-                                                      "stage fewer layers with --decoder-first-pipeline-num-layers"),
-    "account_for_loss_in_pipeline_split": (None, "the loss is not counted as a layer; give the last stage fewer "
-                                                 "layers with --decoder-last-pipeline-num-layers"),
     "rotary_seq_len_interpolation_factor": ("F", "linear position interpolation is not implemented (--rope-scaling-"
                                                  "factor is Llama 3.1's scaling); drop the flag"),
     "no_save_optim": (None, "checkpoints always hold the optimizer state (resume needs it; --finetune loads "

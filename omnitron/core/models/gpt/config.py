@@ -289,11 +289,13 @@ def _validate_offloading(c: GPTConfig, parallel: ParallelConfig) -> None:
         raise ConfigError("--cpu-offloading with --no-cpu-offloading-activations and no --cpu-offloading-weights "
                           "offloads nothing; drop one of them")
     if parallel.pipeline_model_parallel_size > 1:  # each chunk offloads its own first n layers
-        from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+        from omnitron.core.parallel.pipeline.layout import config_layer_ranges
 
-        fewest = min(k for _, k in pipeline_layer_ranges(
-            c.num_layers, parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size,
-            parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers).values())
+        fewest = min(k for _, k in config_layer_ranges(c.num_layers, parallel).values())
+        if fewest == 0:
+            raise ConfigError(f"--cpu-offloading-num-layers {n}: a pipeline chunk holds no layer (the embedding or "
+                              f"the loss alone under --account-for-embedding/loss-in-pipeline-split); every chunk "
+                              f"needs n + 1 layers: lower the virtual pipeline size or drop --cpu-offloading")
         if n >= fewest:
             raise ConfigError(f"--cpu-offloading-num-layers {n} with pipeline parallelism offloads the first {n} "
                               f"layers of every pipeline chunk, but a chunk holds {fewest}; offload at most "
