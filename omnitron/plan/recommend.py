@@ -2,15 +2,15 @@
 ranked by predicted tokens/s, the fastest that fit in device memory.
 
 The search (:func:`candidates`): tp divides the devices, the attention heads and the query groups; pp divides
-the rest and the layers; cp (1, 2, 4, 8) divides the rest and splits the sequence into ``2 cp`` chunks; dp is
-what remains and with the micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give
-it; vpp (every divisor of the layers per stage up to 16, so one layer a virtual stage where a stage has 16 or
-fewer) where pp > 1; where pp > 1 and the layers per stage are even, the
-V-shaped schedules too (``--pipeline-schedule zb-v``, and ``dualpipe-v`` with at least 2 pp micro-batches: two
-chunks per rank, their bubble from the schedule's simulation and their memory from walking its table, as every
-schedule's); full recomputation (uniform, 1 layer) on / off;
-the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
-memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate
+the rest and the layers, or the layers with the loss (and the embedding) counted as one (:func:`_split`); cp (1,
+2, 4, 8) divides the rest and splits the sequence into ``2 cp`` chunks; dp is what remains and with the
+micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give it; vpp (every divisor of
+the slots per stage up to 16, so one layer a virtual stage where a stage has 16 or fewer) where pp > 1; where
+pp > 1 and the slots per stage are even, the V-shaped schedules too (``--pipeline-schedule zb-v``, and
+``dualpipe-v`` with at least 2 pp micro-batches: two chunks per rank, their bubble from the schedule's
+simulation and their memory from walking its table, as every schedule's); full recomputation (uniform, 1 layer)
+on / off; the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it
+only saves memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate
 is a full :class:`Settings`, so the engine's own validation rejects what it would.
 
 First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
@@ -91,34 +91,51 @@ def _schedules(slots: int, pp: int, m: int):
 _VPP_FLAGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
 
 
-def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, slots: int | None = None):
-    """(tp, pp, cp, dp, mbs, vpp, schedule) that pass the divisibility rules of the module docstring (tp <=
-    ``max_tp``); ``slots``: the layers the pipeline splits (default: the model's)."""
+def _split(cfg, pc, pp: int) -> tuple[int, dict] | None:
+    """(the slots ``pp`` stages split: the layers, and the embedding / loss where they count as one; the flags the
+    search adds for it), or None when they do not split. The user's split (``pc``) is kept; without one, layers that
+    ``pp`` does not divide are split as Megatron users split them (Llama 3 405B's 126 layers over 16 stages): the
+    loss, and the embedding if that is not enough, counted as a layer (``--account-for-loss-in-pipeline-split``,
+    ``--account-for-embedding-in-pipeline-split``: the first / last virtual stage one layer fewer)."""
+    if pc.uneven_pipeline:
+        slots = cfg.num_layers + pc.account_for_embedding_in_pipeline_split + pc.account_for_loss_in_pipeline_split
+        return (slots, {}) if slots % pp == 0 else None
+    loss, both = {"account_for_loss_in_pipeline_split": True}, {"account_for_embedding_in_pipeline_split": True}
+    for extra, flags in ((0, {}), (1, loss), (2, loss | both)):
+        if (cfg.num_layers + extra) % pp == 0:
+            return cfg.num_layers + extra, flags
+    return None
+
+
+def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, pc=None):
+    """(tp, pp, cp, dp, mbs, vpp, schedule, (slots, split flags)) that pass the divisibility rules of the module
+    docstring (tp <= ``max_tp``; the split: :func:`_split` of the user's parallel config ``pc``)."""
+    from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.models.gpt.config import query_groups
 
-    slots = slots or cfg.num_layers
-
+    pc = pc or ParallelConfig()
     for tp in _divisors(devices):
         if cfg.num_attention_heads % tp or query_groups(cfg) % tp or (max_tp and tp > max_tp):
             continue
         for pp in _divisors(devices // tp):
-            if slots % pp:
+            split = _split(cfg, pc, pp) if pp > 1 else (cfg.num_layers, {})
+            if split is None:
                 continue
             for cp in (c for c in (1, 2, 4, 8) if (devices // (tp * pp)) % c == 0 and cfg.seq_length % (2 * c) == 0):
                 dp = devices // (tp * pp * cp)
                 for mbs in (b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0):
-                    for vpp, sched in _schedules(slots, pp, gbs // (mbs * dp)):
-                        yield tp, pp, cp, dp, mbs, vpp, sched
+                    for vpp, sched in _schedules(split[0], pp, gbs // (mbs * dp)):
+                        yield tp, pp, cp, dp, mbs, vpp, sched, split
 
 
 def _with_ep(cfg, grid):
     """Each grid point with every expert-parallel size of a MoE model (1 for a dense one): ep divides the experts
     and etp (= tp) x ep divides tp x cp x dp."""
-    for tp, pp, cp, dp, mbs, vpp, sched in grid:
+    for tp, pp, cp, dp, mbs, vpp, sched, split in grid:
         experts = getattr(cfg, "num_experts", None) or 1
         for ep in _divisors(experts):
             if (tp * cp * dp) % (tp * ep) == 0:
-                yield tp, pp, cp, dp, mbs, vpp, sched, ep
+                yield tp, pp, cp, dp, mbs, vpp, sched, ep, split
 
 
 def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | None = None) -> list[Choice]:
@@ -134,10 +151,9 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
     cfg, gbs, pc = model_config(base), given.get("global_batch_size"), base.parallel
     if not gbs:
         raise ConfigError("--devices: give --global-batch-size (the recommendation keeps it fixed)")
-    slots = cfg.num_layers + pc.account_for_embedding_in_pipeline_split + pc.account_for_loss_in_pipeline_split
     sized_ends = pc.decoder_first_pipeline_num_layers is not None or pc.decoder_last_pipeline_num_layers is not None
     out, seen = [], set()
-    for tp, pp, cp, dp, mbs, vpp, sched, ep in _with_ep(cfg, _grid(cfg, devices, gbs, cluster, slots)):
+    for tp, pp, cp, dp, mbs, vpp, sched, ep, (slots, split) in _with_ep(cfg, _grid(cfg, devices, gbs, cluster, pc)):
         for rec in ((True,) if minimal else (False, True)):
             for dist in ((True,) if minimal or cluster else (False, True)) if dp * cp > 1 else (False,):
                 key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, sched, rec, dist)
@@ -152,6 +168,7 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
                     flags["expert_model_parallel_size"] = ep
                 if sched:
                     flags["pipeline_schedule"] = sched
+                flags.update(split)
                 if vpp > 1 and sized_ends:  # Megatron's one form for set first/last stage sizes
                     flags["num_virtual_stages_per_pipeline_rank"] = vpp
                 elif vpp > 1:

@@ -86,3 +86,30 @@ def test_search_splits_the_slots():
     assert {p.pipeline_model_parallel_size for p in pcs} == {1, 2}  # 6 slots: pp4 does not divide them
     assert {p.virtual_pipeline_model_parallel_size or 1 for p in pcs if p.pipeline_model_parallel_size == 2} >= {1, 3}
     assert all(p.account_for_embedding_in_pipeline_split and p.account_for_loss_in_pipeline_split for p in pcs)
+
+
+def test_search_splits_layers_the_pipeline_does_not_divide():
+    """Without a split given, a pipeline size that does not divide the layers is searched with the loss (then the
+    embedding too) counted as a layer, as Megatron users split Llama 3 405B's 126 layers over 16 stages: 6 layers
+    on 8 devices give pp2 (even), pp4 (6 + 2 = 8 slots: both counted) and pp8 (8 slots, one a virtual stage: the
+    end chunks hold no layer), 7 layers pp2, pp4 and pp8 with the loss alone (7 + 1); each candidate's flags
+    build, through the engine's rules, chunks that hold every layer once, the first / last virtual stage one slot
+    short where the embedding / loss counts."""
+    from omnitron.core.parallel.pipeline.layout import config_layer_ranges
+    from omnitron.plan.recommend import candidates
+
+    for layers, want in ((6, {1: (), 2: (), 4: ("embedding", "loss"), 8: ("embedding", "loss")}),
+                         (7, {1: (), 2: ("loss",), 4: ("loss",), 8: ("loss",)})):
+        got = {}
+        for c in candidates(GIVEN | {"nproc_per_node": 8, "num_layers": layers, "global_batch_size": 16}, 8):
+            pc = c.settings.parallel
+            pp = pc.pipeline_model_parallel_size
+            flags = tuple(k for k in ("embedding", "loss") if getattr(pc, f"account_for_{k}_in_pipeline_split"))
+            assert got.setdefault(pp, flags) == flags
+            ranges = config_layer_ranges(layers, pc)
+            assert sorted(o + i for o, n in ranges.values() for i in range(n)) == list(range(layers))
+            vp = pc.virtual_pipeline_model_parallel_size or 1
+            slots = (layers + len(flags)) // (pp * vp)
+            assert ranges[(0, 0)][1] == slots - ("embedding" in flags)
+            assert ranges[(pp - 1, vp - 1)][1] == slots - ("loss" in flags)
+        assert got == want, got
