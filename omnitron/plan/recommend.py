@@ -61,8 +61,20 @@ class Choice:
                 f"dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" {sched}" if sched else "")
                 + (f" vpp{vp}" if vp > 1 and not sched else "")
                 + f" mbs{s.training.micro_batch_size}"
-                + (" recompute" if self.flags.get("recompute_granularity") else "")
+                + self._recompute()
                 + (" distopt" if self.flags.get("use_distributed_optimizer") else ""))
+
+
+    def _recompute(self) -> str:
+        """`` recompute`` (full, every layer), `` recompute-block K`` (the first K layers of each chunk) or
+        `` recompute-selective``; empty without recomputation."""
+        f = self.flags
+        if not f.get("recompute_granularity"):
+            return ""
+        if f["recompute_granularity"] == "selective":
+            return " recompute-selective"
+        return f" recompute-block{f.get('recompute_num_layers')}" if f.get("recompute_method") == "block" else \
+            " recompute"
 
 
 def _divisors(n: int) -> list[int]:

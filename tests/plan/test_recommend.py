@@ -167,3 +167,14 @@ def test_interleaving_is_searched_down_to_one_layer_a_virtual_stage(tmp_path, co
     rates = constant_rates(tmp_path, 0.05, 0.0)
     bubbles = [predict(vpps[(2, 1)][v].settings, rates).bubble for v in (1, 2, 3, 6, 9)]
     assert all(a > b for a, b in zip(bubbles, bubbles[1:])), bubbles
+
+
+def test_layout_names_say_which_recomputation():
+    """The listed name tells full recomputation (every layer), block (the first K layers of each chunk) and
+    selective apart: they differ in speed and memory, and the launch flags alone are long to read."""
+    from omnitron.plan.recommend import Choice
+
+    assert [Choice(f, None)._recompute() for f in (
+        {}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+        {"recompute_granularity": "selective"})] == ["", " recompute", " recompute-block3", " recompute-selective"]
