@@ -102,3 +102,19 @@ def test_gemm_curves_stay_under_the_published_maxima():
         assert rate(2.0 * m * n * k) >= 0.855 * tflops, name
     mi = load("mi300x")
     assert mi.peak["bf16"] * mi.gemm(2.0 * 10240 * 15360 * 8192) / 1e12 >= 668.4
+
+
+def test_at_scale_rate_is_the_recorded_fit():
+    """``h100-sxm-at-scale`` is h100-sxm with every kernel rate (peaks, memory bandwidth) times the constant that
+    ``benchmarks/plan_published_h100.py --fit`` recorded (stated in the file to three decimals: within 5e-4),
+    links and memory unchanged."""
+    import json
+    import pathlib
+
+    results = pathlib.Path(DEVICES_DIR).parents[2] / "benchmarks/results/plan_published"
+    recorded = results / "h100-mcore-r0.8-2026-12-05.json"
+    f = json.loads(recorded.read_text())["fit"]["f"]
+    base, at = load("h100-sxm"), load("h100-sxm-at-scale")
+    assert all(abs(at.peak[k] / base.peak[k] - f) < 5e-4 for k in base.peak)
+    assert abs(at.memory_bw / base.memory_bw - f) < 5e-4
+    assert at.links == base.links and at.memory_bytes == base.memory_bytes
