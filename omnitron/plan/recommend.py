@@ -2,15 +2,17 @@
 ranked by predicted tokens/s, the fastest that fit in device memory.
 
 The search (:func:`candidates`): tp divides the devices, the attention heads and the query groups; pp divides
-the rest and the layers, or the layers with the loss (and the embedding) counted as one (:func:`_split`); cp (1,
-2, 4, 8) divides the rest and splits the sequence into ``2 cp`` chunks; dp is what remains and with the
-micro-batch size (1, 2, 4, 8) divides the global batch, which stays as the flags give it; vpp (every divisor of
-the slots per stage up to 16, so one layer a virtual stage where a stage has 16 or fewer) where pp > 1; where
-pp > 1 and the slots per stage are even, the V-shaped schedules too (``--pipeline-schedule zb-v``, and
-``dualpipe-v`` with at least 2 pp micro-batches: two chunks per rank, their bubble from the schedule's
-simulation and their memory from walking its table, as every schedule's); full recomputation (uniform, 1 layer)
-on / off; the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it
-only saves memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate
+the rest and the layers, or the layers with the loss (and the embedding) counted as one (:func:`_split`); cp
+(1, 2, 4, 8, and beyond 8 while a rank keeps at least 4,096 tokens: :func:`_cp_sizes`) divides the rest and
+splits the sequence into ``2 cp`` chunks; dp is what remains and with the micro-batch size (1, 2, 4, 8) divides
+the global batch, which stays as the flags give it; vpp (every divisor of the slots per stage up to 16, so one
+layer a virtual stage where a stage has 16 or fewer) where pp > 1; where pp > 1 and the slots per stage are
+even, the V-shaped schedules too (``--pipeline-schedule zb-v``, and ``dualpipe-v`` with at least 2 pp
+micro-batches: two chunks per rank, their bubble from the schedule's simulation and their memory from walking
+its table, as every schedule's); full recomputation (uniform, 1 layer) on / off (a device-profile search adds
+block recomputation, the first k layers of each chunk, where a layout does not fit without: :func:`_blocks`);
+the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
+memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate
 is a full :class:`Settings`, so the engine's own validation rejects what it would.
 
 First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
@@ -119,6 +121,21 @@ def _split(cfg, pc, pp: int) -> tuple[int, dict] | None:
     return None
 
 
+CP_TOKENS = 4096
+"""The fewest tokens a context-parallel rank holds in the search beyond cp 8 (Llama 3 405B ran cp16 at 131,072:
+8,192 a rank); below it a ring's blocks are small and the search longer for layouts that rarely win."""
+
+
+def _cp_sizes(seq: int) -> list[int]:
+    """Context-parallel sizes the search tries: 1, 2, 4, 8, and the powers of two beyond while a rank keeps
+    :data:`CP_TOKENS`; each splits the sequence into ``2 cp`` equal chunks (the causal load balance)."""
+    out, cp = [], 1
+    while seq % (2 * cp) == 0 and (cp <= 8 or seq // cp >= CP_TOKENS):
+        out.append(cp)
+        cp *= 2
+    return out or [1]
+
+
 def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, pc=None):
     """(tp, pp, cp, dp, mbs, vpp, schedule, (slots, split flags)) that pass the divisibility rules of the module
     docstring (tp <= ``max_tp``; the split: :func:`_split` of the user's parallel config ``pc``)."""
@@ -133,7 +150,7 @@ def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, pc=None):
             split = _split(cfg, pc, pp) if pp > 1 else (cfg.num_layers, {})
             if split is None:
                 continue
-            for cp in (c for c in (1, 2, 4, 8) if (devices // (tp * pp)) % c == 0 and cfg.seq_length % (2 * c) == 0):
+            for cp in (c for c in _cp_sizes(cfg.seq_length) if (devices // (tp * pp)) % c == 0):
                 dp = devices // (tp * pp * cp)
                 for mbs in (b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0):
                     for vpp, sched in _schedules(split[0], pp, gbs // (mbs * dp)):
@@ -250,34 +267,64 @@ def _bounded(cands: list[Choice], memory: int, rates, overlap: str, top: int) ->
     backward's transient probes, then, unless that bounds it over ``memory`` (:func:`_floor`), with them (a new
     probe set takes seconds at 70B; its logs serve every layout of the same tp, recomputation and chunk ends, and
     are kept on disk: :mod:`omnitron.plan.probe_cache`). A layout that fits only without the transients is dropped
-    as one that does not fit; the walk stops when the next bound is slower than the ``top``-th fitting layout."""
+    as one that does not fit; the walk stops when the next bound is slower than the ``top``-th fitting layout.
+    A layout that does not fit without recomputation enters the walk with its block recomputations (:func:`_blocks`):
+    they hold less than it and recompute less than the full recomputation the candidates have."""
     import heapq
 
     from omnitron.plan.memory import estimate
     from omnitron.plan.speed import predict, step_lower_bound
 
     priced = {"load": getattr(rates, "expert_load", None), "device": getattr(rates, "profile", None)}
-    order = sorted(((step_lower_bound(c.settings, rates, overlap), i) for i, c in enumerate(cands)
-                    if state_lower_bound(c.settings) <= memory))
+    cands = list(cands)
+    order = [(step_lower_bound(c.settings, rates, overlap), i) for i, c in enumerate(cands)
+             if state_lower_bound(c.settings) <= memory]
+    heapq.heapify(order)
     fit, over = [], set()  # fit: a min-heap of (tokens/s, index) of the fastest that fit
-    for bound, i in order:
+    while order:
+        bound, i = heapq.heappop(order)
         c = cands[i]
         tokens = c.settings.training.global_batch_size * c.settings.model.seq_length
         if len(fit) == top and tokens / bound <= fit[0][0]:
             break
         c.step = predict(c.settings, rates, overlap)
-        if len(fit) == top and c.step.tokens_per_s <= fit[0][0] or _dominated(c, over):
+        if len(fit) == top and c.step.tokens_per_s <= fit[0][0]:
             continue
-        c.stages = estimate(c.settings, transients=False, **priced)
-        if _floor(c, priced["load"]) <= memory:  # it may fit: priced again with backward's transients
-            c.stages = estimate(c.settings, **priced)
-        if c.peak > memory:
+        dominated = _dominated(c, over)
+        if not dominated:
+            c.stages = estimate(c.settings, transients=False, **priced)
+            if _floor(c, priced["load"]) <= memory:  # it may fit: priced again with backward's transients
+                c.stages = estimate(c.settings, **priced)
+        if dominated or c.peak > memory:
             over.add(_shape(c))
+            for b in _blocks(c):  # less memory, less recomputed than the full recomputation candidate
+                cands.append(b)
+                heapq.heappush(order, (step_lower_bound(b.settings, rates, overlap), len(cands) - 1))
             continue
         heapq.heappush(fit, (c.step.tokens_per_s, i))
         if len(fit) > top:
             heapq.heappop(fit)
     return [cands[i] for _, i in sorted(fit, reverse=True)]
+
+
+def _blocks(c: Choice) -> list[Choice]:
+    """``c``'s variants recomputing the first k layers of each chunk, k from 1 to a chunk's layers less one
+    (Megatron's ``--recompute-method block``): none where ``c`` recomputes, or its chunks hold one layer."""
+    from dataclasses import replace
+
+    from omnitron.core.parallel.pipeline.layout import config_layer_ranges
+    from omnitron.core.parallel.pipeline.schedules import schedule_style
+
+    s = c.settings
+    if c.flags.get("recompute_granularity"):
+        return []
+    style = schedule_style(c.flags.get("pipeline_schedule"))
+    most = max(n for _, n in config_layer_ranges(s.model.num_layers, s.parallel, style).values())
+    out = []
+    for k in range(1, most):
+        block = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": k}
+        out.append(Choice(c.flags | block, replace(s, model=replace(s.model, **block))))
+    return out
 
 
 def _floor(c: Choice, load) -> float:
@@ -290,20 +337,23 @@ def _floor(c: Choice, load) -> float:
 
 
 def _shape(c: Choice) -> tuple:
-    """(structure, micro-batch, recomputation) of a candidate: memory grows with the micro-batch and without
-    recomputation, all else equal."""
-    pc = c.settings.parallel
+    """(structure, micro-batch, layers recomputed a chunk: 0 without, a block's k, a large number for all) of a
+    candidate: memory grows with the micro-batch and with fewer layers recomputed, all else equal (selective
+    recomputation is a structure of its own: not ordered against the others)."""
+    pc, f = c.settings.parallel, c.flags
+    granularity = f.get("recompute_granularity")
+    rec = 0 if granularity != "full" else f["recompute_num_layers"] if f.get("recompute_method") == "block" else 1 << 30
     return ((pc.tensor_model_parallel_size, pc.pipeline_model_parallel_size, pc.context_parallel_size,
              pc.expert_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1,
-             c.flags.get("pipeline_schedule"), bool(c.flags.get("use_distributed_optimizer"))),
-            c.settings.training.micro_batch_size, bool(c.flags.get("recompute_granularity")))
+             c.flags.get("pipeline_schedule"), bool(c.flags.get("use_distributed_optimizer")),
+             granularity == "selective"), c.settings.training.micro_batch_size, rec)
 
 
 def _dominated(c: Choice, over: set) -> bool:
-    """Whether a candidate that needs no more memory than ``c`` (same structure, micro-batch no larger,
-    recomputation on where ``c`` has it off or both on) already did not fit."""
+    """Whether a candidate that needs no more memory than ``c`` (same structure, micro-batch no larger, at least
+    as many layers recomputed) already did not fit."""
     shape, mbs, rec = _shape(c)
-    return any(s == shape and m <= mbs and (r or not rec) for s, m, r in over)
+    return any(s == shape and m <= mbs and r >= rec for s, m, r in over)
 
 
 def state_lower_bound(settings) -> float:

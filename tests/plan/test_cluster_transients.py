@@ -11,19 +11,25 @@ import random
 
 import pytest
 
+PARENT: dict[str, str] = {}
 GIVEN = {"model": "deepseek_v3_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 256,
          "seq_length": 64, "max_position_embeddings": 64, "global_batch_size": 16, "bf16": True}
 
 
 @functools.lru_cache(maxsize=None)
 def _ranked():
-    """(the rates, every candidate ranked by its predicted tokens/s, fastest first): the reference's order."""
+    """(the rates, every candidate ranked by its predicted tokens/s, fastest first, with the block recomputations
+    of those without recomputation (the search walks them where their parent does not fit)): the reference's
+    order; :data:`PARENT` maps a block variant's name to its parent's."""
     from omnitron.plan.cluster import device_rates
-    from omnitron.plan.recommend import candidates
+    from omnitron.plan.recommend import _blocks, candidates
     from omnitron.plan.speed import predict
 
     rates = device_rates("a100-80gb-sxm", 2)
     every = candidates(GIVEN | {"nproc_per_node": 2}, 2, cluster=2)
+    blocks = [(b, c) for c in every for b in _blocks(c)]
+    PARENT.update((b.name(), c.name()) for b, c in blocks)
+    every += [b for b, _ in blocks]
     for c in every:
         c.step = predict(c.settings, rates)
     return rates, sorted(every, key=lambda c: -c.step.tokens_per_s)
@@ -41,7 +47,8 @@ def _peaks(name: str) -> tuple[int, int]:
 def test_a_layout_fitting_only_without_transients_is_not_listed():
     """The limit is drawn between the fastest layout's two estimates, so the search without the transients lists
     it first; the search must list instead the two fastest whose full estimate fits (the reference: every
-    candidate walked fastest first), each with the full model's per-stage figures."""
+    candidate walked fastest first, block recomputations where their layout does not fit without), each with the
+    full model's per-stage figures."""
     from omnitron.plan.memory import estimate
     from omnitron.plan.recommend import recommend
 
@@ -49,7 +56,9 @@ def test_a_layout_fitting_only_without_transients_is_not_listed():
     lo, hi = _peaks(every[0].name())
     assert lo < hi  # the transients add to this layout's peak (the case under test)
     limit = int(random.uniform(lo, hi - 1))
-    want = list(itertools.islice((c.name() for c in every if _peaks(c.name())[1] <= limit), 2))
+    fits = [c.name() for c in every if _peaks(c.name())[1] <= limit]
+    # a block variant of a layout that fits without recomputation is that layout, slower: not listed
+    want = list(itertools.islice((n for n in fits if PARENT.get(n) not in fits), 2))
     got = recommend(GIVEN, 2, limit, rates, top=2, cluster=2)
     assert [c.name() for c in got] == want, (limit, lo, hi)
     for c in got:
@@ -88,3 +97,31 @@ def test_the_smallest_layout_named_on_no_fit_is_priced_with_transients():
 
     best = _smallest(GIVEN | {"nproc_per_node": 2}, 2, False, cluster=2)
     assert best.stages == estimate(best.settings)
+
+
+def test_a_block_recomputation_is_listed_where_its_layout_does_not_fit_without():
+    """Megatron's ``--recompute-method block`` (the first k layers of each chunk) holds less than no recomputation
+    and recomputes less than all of it: with the limit under a layout's need without recomputation and over its
+    block variant's, the search must list what the reference lists first (every candidate and every block variant,
+    fastest first, full estimates), and for some limit that is a block variant."""
+    from omnitron.plan.recommend import recommend
+
+    rates, every = _ranked()
+    seen_block = False
+    for c in every:
+        if c.name() not in PARENT.values():
+            continue  # a layout with no block variant (recomputing, or one layer a chunk)
+        blocks = [b for b in every if PARENT.get(b.name()) == c.name()]
+        need = _peaks(c.name())[1]
+        least = min(_peaks(b.name())[1] for b in blocks)
+        if least >= need:
+            continue
+        limit = int(random.uniform(least, need - 1))
+        fits = [x.name() for x in every if _peaks(x.name())[1] <= limit]
+        want = next(n for n in fits if PARENT.get(n) not in fits)
+        (got,) = recommend(GIVEN, 2, limit, rates, top=1, cluster=2)
+        assert got.name() == want, (limit, least, need)
+        seen_block |= "recompute-block" in want
+        if seen_block:
+            break
+    assert seen_block, "no limit made a block recomputation the fastest that fits"

@@ -178,3 +178,16 @@ def test_layout_names_say_which_recomputation():
         {}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
         {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
         {"recompute_granularity": "selective"})] == ["", " recompute", " recompute-block3", " recompute-selective"]
+
+
+def test_context_parallel_sizes_grow_with_the_sequence():
+    """cp 1-8 wherever the sequence splits into 2 cp chunks, and beyond 8 only while a rank keeps 4,096 tokens:
+    Llama 3 405B's cp16 at 131,072 tokens is searched, cp16 at 8,192 (512 a rank) is not."""
+    from omnitron.plan.recommend import _cp_sizes, candidates
+
+    assert _cp_sizes(8192) == [1, 2, 4, 8] and _cp_sizes(131072) == [1, 2, 4, 8, 16, 32]
+    assert _cp_sizes(6) == [1] and _cp_sizes(7) == [1] and _cp_sizes(16) == [1, 2, 4, 8]
+    long = GIVEN | {"seq_length": 131072, "max_position_embeddings": 131072, "nproc_per_node": 32,
+                    "global_batch_size": 1}
+    cps = {c.settings.parallel.context_parallel_size for c in candidates(long, 32, minimal=True)}
+    assert {16, 32} <= cps
