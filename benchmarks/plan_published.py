@@ -150,9 +150,10 @@ def in_2021_space(c) -> bool:
     """Whether 2021's Megatron (aed2f75) could run candidate ``c`` (up to the distributed optimizer and sequence
     parallelism, which the caller turns off): no context parallelism, full recomputation (every SC21 row used it),
     and the 1F1B or interleaved schedule (``megatron/schedules.py`` has only those: zero-bubble and DualPipe's V
-    shapes came in 2023-24); interleaving only with pp > 2 (``megatron/arguments.py`` asserts it)."""
+    shapes came in 2023-24); interleaving only with pp > 2 (``megatron/arguments.py`` asserts it); the layers split
+    evenly (``--account-for-*-in-pipeline-split`` came in 2025)."""
     pc = c.settings.parallel
-    return (pc.context_parallel_size == 1 and bool(c.flags.get("recompute_granularity"))
+    return (pc.context_parallel_size == 1 and bool(c.flags.get("recompute_granularity")) and not pc.uneven_pipeline
             and not c.flags.get("pipeline_schedule")
             and ((pc.virtual_pipeline_model_parallel_size or 1) == 1 or pc.pipeline_model_parallel_size > 2))
 

@@ -70,8 +70,9 @@ def flops_2024(row) -> float:
 
 
 def in_mcore_space(c) -> bool:
-    """Whether Megatron-Core r0.8 runs candidate ``c``: no V-shaped schedule (ZB-V / DualPipeV came later)."""
-    return not c.flags.get("pipeline_schedule")
+    """Whether Megatron-Core r0.8 runs candidate ``c``: no V-shaped schedule (ZB-V / DualPipeV came later), the
+    layers split evenly (``--account-for-*-in-pipeline-split`` came in 2025)."""
+    return not c.flags.get("pipeline_schedule") and not c.settings.parallel.uneven_pipeline
 
 
 def fastest_fitting(cands, rates, memory: int):

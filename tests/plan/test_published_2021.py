@@ -70,15 +70,17 @@ def test_peak_2021_holds_fp32_grads_throughout(torch_ddp, dp):
 def test_2021_space_has_no_v_schedules_and_recomputes():
     """Of a real search's candidates (8 devices, a small GPT), the 2021 space keeps exactly those with cp 1, full
     recomputation and the default schedule (1F1B / interleaved; 2021 Megatron had no V-shaped ones), interleaved
-    only at pp > 2 (2021's arguments.py asserted it), read from each candidate's settings, and the search offered
-    V-shaped ones and pp2 interleaving to drop."""
+    only at pp > 2 (2021's arguments.py asserted it), the layers split evenly (no embedding / loss counted as a
+    layer: 2025), read from each candidate's settings, and the search offered V-shaped ones, pp2 interleaving and
+    6 layers split as 8 slots to drop."""
     from omnitron.plan.recommend import candidates
 
-    given = {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+    given = {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
              "max_position_embeddings": 64, "tokenizer_type": "NullTokenizer", "vocab_size": 255, "fp16": True,
              "global_batch_size": 16, "nproc_per_node": 8}
     cands = candidates(given, 8, cluster=8)
     assert any(c.settings.training.pipeline_schedule for c in cands)
+    assert any(c.settings.parallel.uneven_pipeline for c in cands)  # 6 layers at pp4 / pp8: embedding and loss
     pp2_interleaved = [c for c in cands if c.settings.parallel.pipeline_model_parallel_size == 2
                        and (c.settings.parallel.virtual_pipeline_model_parallel_size or 1) > 1]
     assert pp2_interleaved
@@ -86,7 +88,8 @@ def test_2021_space_has_no_v_schedules_and_recomputes():
         pc = c.settings.parallel
         want = (pc.context_parallel_size == 1 and c.settings.model.recompute_granularity == "full"
                 and c.settings.training.pipeline_schedule is None
-                and not (pc.pipeline_model_parallel_size <= 2 and (pc.virtual_pipeline_model_parallel_size or 1) > 1))
+                and not (pc.pipeline_model_parallel_size <= 2 and (pc.virtual_pipeline_model_parallel_size or 1) > 1)
+                and not pc.account_for_loss_in_pipeline_split)
         assert plan_published.in_2021_space(c) == want, c.name()
 
 
