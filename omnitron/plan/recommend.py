@@ -415,10 +415,11 @@ def launch_flags(c: Choice) -> str:
 
 
 def format_choices(choices: list[Choice], devices: int, memory: int) -> str:
-    rows = [f"{'#':>2} {'layout':44s} {'step ms':>13} {'tokens/s':>12} {'GiB: max [per stage]':>22}"]
+    w = max([44] + [len(c.name()) for c in choices])
+    rows = [f"{'#':>2} {'layout':{w}s} {'step ms':>13} {'tokens/s':>12} {'GiB: max [per stage]':>22}"]
     for i, c in enumerate(choices, 1):
         per = " ".join(f"{s.total / 2**30:.3f}" for s in c.stages)
-        rows.append(f"{i:>2} {c.name():44s} {c.step.total * 1e3:13,.1f} {c.step.tokens_per_s:12,.0f} "
+        rows.append(f"{i:>2} {c.name():{w}s} {c.step.total * 1e3:13,.1f} {c.step.tokens_per_s:12,.0f} "
                     f"{c.peak / 2**30:8.3f}  [{per}]")
         rows.append(f"   launch: --nproc-per-node {devices} (or torchrun's world) {launch_flags(c)}")
     rows += [f"assumption (#1): {a}" for a in choices[0].step.assumptions]
