@@ -90,14 +90,15 @@ def fastest_fitting(cands, rates, memory: int):
 
 
 def best_variant(row, rates, dropout: float):
-    """The plan's fastest variant (micro-batch, vpp, recomputation) of the row's published tp / pp / dp that fits."""
-    from omnitron.plan.recommend import candidates
+    """The plan's fastest variant (micro-batch, vpp, recomputation: none, full or block, as the search tries them)
+    of the row's published tp / pp / dp that fits."""
+    from omnitron.plan.recommend import _blocks, candidates
 
     tp, pp, dp, n = row[4], row[5], row[6], row[7]
     cands = [c for c in candidates(model_flags(row, dropout), n, cluster=GPN) if in_mcore_space(c) and
              (c.settings.parallel.tensor_model_parallel_size, c.settings.parallel.pipeline_model_parallel_size,
               c.settings.parallel.context_parallel_size, c.settings.dp) == (tp, pp, 1, dp)]
-    return fastest_fitting(cands, rates, rates.profile.memory_bytes)
+    return fastest_fitting(cands + [b for c in cands for b in _blocks(c)], rates, rates.profile.memory_bytes)
 
 
 def best_layout(row, rates, dropout: float):
