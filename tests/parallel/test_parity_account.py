@@ -2,7 +2,9 @@
 same per-step losses and final weights as one process (gloo; float64 with the reference kernels, as
 ``test_parity_3d.py``), at pp2 under 1F1B (embedding or loss alone: 7 layers, 3 + 4 or 4 + 3), interleaved
 (both: 6 layers in 8 slots, vpp2 1-2-2-1 and vpp4, whose first and last chunks hold no layer: the embedding
-alone, the output layer alone) and the V of zb-v (both ends on rank 0). The chunks come from the training
+alone, the output layer alone) and the V of zb-v (both ends on rank 0); the interleaved runs again with block
+recomputation of each chunk's first layer (what ``omnitron plan`` recommends where a layout does not fit without:
+chunks of 0, 1 and 2 layers recompute 0, 1 and 1). The chunks come from the training
 code's ``build_model_chunks`` over a ParallelConfig carrying the flags, and each run reports its chunks' layer
 counts, checked against hand-worked Megatron numbers.
 """
@@ -33,10 +35,12 @@ RUNS = {
                                         (0, 3): 1, (1, 3): 0},
     ("zb-v", 6, 2, True, True): {(0, 0): 1, (1, 0): 2, (1, 1): 2, (0, 1): 1},  # stages 0, 1, 2, 3
 }
+BLOCK = {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}
+RUNS.update({(*key, "block1"): want for key, want in list(RUNS.items()) if key[0] == "interleaved"})
 
 
-def _model(layers: int):
-    return dataclasses.replace(_config(), num_layers=layers)
+def _model(layers: int, recompute: str | None = None):
+    return dataclasses.replace(_config(), num_layers=layers, **(BLOCK if recompute else {}))
 
 
 def _data(layers: int) -> torch.Tensor:
@@ -54,11 +58,11 @@ def account_worker(runs) -> dict:
     base = ParallelGroups.build(ParallelConfig(pipeline_model_parallel_size=pp), backend=be)
     out = {}
     for key in runs:
-        sched, layers, vp, embedding, loss = key
+        sched, layers, vp, embedding, loss, *recompute = key
         groups = dataclasses.replace(base, config=ParallelConfig(
             pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
             account_for_embedding_in_pipeline_split=embedding, account_for_loss_in_pipeline_split=loss))
-        built = build_model_chunks(_model(layers), groups, SEED, be, sched)
+        built = build_model_chunks(_model(layers, *recompute), groups, SEED, be, sched)
         counts = {(groups.pp.rank, c): len(m.decoder.layers) for c, m in enumerate(built)}
         losses, state, _ = train_chunks(built, groups, sched, _data(layers), be)
         out[key] = (losses, state, counts)
