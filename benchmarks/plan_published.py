@@ -122,7 +122,8 @@ def search(row, rates, paper_space: bool, published) -> list:
     published layout's prediction (they cannot rank above it). ``paper_space``: only what 2021's Megatron could
     run (:func:`in_2021_space`, without the distributed optimizer and sequence parallelism)."""
     from omnitron.commands.plan import settings_of
-    from omnitron.plan.recommend import Choice, candidates, state_lower_bound
+    from omnitron.plan.layouts import Choice, candidates
+    from omnitron.plan.recommend import state_lower_bound
     from omnitron.plan.speed import predict, step_lower_bound
 
     name, _, _, _, tp, pp, n, gbs, _, mbs, _, overlapped = row
@@ -265,7 +266,7 @@ def main() -> None:
                "predicted_tflops": pred, "error": err, "breakdown_s": st.breakdown()}
         cols = ""
         if not args.no_search:
-            from omnitron.plan.recommend import Choice
+            from omnitron.plan.layouts import Choice
 
             for space in ("paper", "all") if args.whole else ("paper",):
                 own = Choice({"recompute_granularity": "full"}, s, st)

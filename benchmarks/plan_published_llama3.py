@@ -75,7 +75,7 @@ def row_flags(row) -> dict:
 def variants(row) -> list:
     """Every (micro-batch, chunks per rank, recomputation) of the row's layout the engine accepts."""
     from omnitron.core.config.parallel import ConfigError
-    from omnitron.plan.recommend import Choice
+    from omnitron.plan.layouts import Choice
     from omnitron.plan.settings import settings_of
 
     per_dp, slots = row[6], (126 + 2) // row[3]  # the embedding and the loss counted as layers

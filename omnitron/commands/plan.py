@@ -42,7 +42,7 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.memory import estimate, format_table
-    from omnitron.plan.recommend import Choice
+    from omnitron.plan.layouts import Choice
     from omnitron.plan.speed import predict
 
     own = ("func", "command", "bench", "assume_overlap", "devices", "device_memory", "top", "device", "gpus_per_node",

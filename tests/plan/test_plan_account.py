@@ -79,7 +79,7 @@ def test_empty_chunks_price_and_compute_moves_between_stages(tmp_path, constant_
 def test_search_splits_the_slots():
     """With both flags the search's pipeline sizes divide layers + 2 and its vpp the slots per stage; the flags it
     adds give those sizes back through the engine's rules."""
-    from omnitron.plan.recommend import candidates
+    from omnitron.plan.layouts import candidates
 
     every = candidates(GIVEN | BOTH | {"nproc_per_node": 4}, 4)
     pcs = [c.settings.parallel for c in every]
@@ -96,7 +96,7 @@ def test_search_splits_layers_the_pipeline_does_not_divide():
     build, through the engine's rules, chunks that hold every layer once, the first / last virtual stage one slot
     short where the embedding / loss counts."""
     from omnitron.core.parallel.pipeline.layout import config_layer_ranges
-    from omnitron.plan.recommend import candidates
+    from omnitron.plan.layouts import candidates
 
     for layers, want in ((6, {1: (), 2: (), 4: ("embedding", "loss"), 8: ("embedding", "loss")}),
                          (7, {1: (), 2: ("loss",), 4: ("loss",), 8: ("loss",)})):

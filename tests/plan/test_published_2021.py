@@ -73,7 +73,7 @@ def test_2021_space_has_no_v_schedules_and_recomputes():
     only at pp > 2 (2021's arguments.py asserted it), the layers split evenly (no embedding / loss counted as a
     layer: 2025), read from each candidate's settings, and the search offered V-shaped ones, pp2 interleaving and
     6 layers split as 8 slots to drop."""
-    from omnitron.plan.recommend import candidates
+    from omnitron.plan.layouts import candidates
 
     given = {"num_layers": 6, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
              "max_position_embeddings": 64, "tokenizer_type": "NullTokenizer", "vocab_size": 255, "fp16": True,

@@ -151,7 +151,7 @@ def test_interleaving_is_searched_down_to_one_layer_a_virtual_stage(tmp_path, co
     virtual stage included), where the interleaved schedule runs (micro-batches a multiple of pp): 36 layers on pp2
     (18 a stage: 1, 2, 3, 6, 9, not 18) and pp4 (9: 1, 3, 9); with a single micro-batch on pp2, 1F1B only. Each is
     priced and its schedule's bubble shrinks as vpp grows (constant rates, equal stages)."""
-    from omnitron.plan.recommend import candidates
+    from omnitron.plan.layouts import candidates
     from omnitron.plan.speed import predict
 
     given = GIVEN | {"nproc_per_node": 4, "num_layers": 36}
@@ -172,7 +172,7 @@ def test_interleaving_is_searched_down_to_one_layer_a_virtual_stage(tmp_path, co
 def test_layout_names_say_which_recomputation():
     """The listed name tells full recomputation (every layer), block (the first K layers of each chunk) and
     selective apart: they differ in speed and memory, and the launch flags alone are long to read."""
-    from omnitron.plan.recommend import Choice
+    from omnitron.plan.layouts import Choice
 
     assert [Choice(f, None)._recompute() for f in (
         {}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
@@ -183,7 +183,7 @@ def test_layout_names_say_which_recomputation():
 def test_context_parallel_sizes_grow_with_the_sequence():
     """cp 1-8 wherever the sequence splits into 2 cp chunks, and beyond 8 only while a rank keeps 4,096 tokens:
     Llama 3 405B's cp16 at 131,072 tokens is searched, cp16 at 8,192 (512 a rank) is not."""
-    from omnitron.plan.recommend import _cp_sizes, candidates
+    from omnitron.plan.layouts import _cp_sizes, candidates
 
     assert _cp_sizes(8192) == [1, 2, 4, 8] and _cp_sizes(131072) == [1, 2, 4, 8, 16, 32]
     assert _cp_sizes(6) == [1] and _cp_sizes(7) == [1] and _cp_sizes(16) == [1, 2, 4, 8]
