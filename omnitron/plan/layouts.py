@@ -59,6 +59,7 @@ class Choice:
         return f" recompute-block{f.get('recompute_num_layers')}" if f.get("recompute_method") == "block" else \
             " recompute"
 
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -67,37 +68,51 @@ MAX_VPP = 16
 """The most virtual stages a rank's layers are split into in the search (each halves the bubble less)."""
 
 
-def _schedules(slots: int, pp: int, m: int):
-    """(vpp, --pipeline-schedule or None for the default) tried for ``pp`` stages and ``m`` micro-batches of a
-    model of ``slots`` layers (the embedding / loss included under --account-for-...-in-pipeline-split)."""
+def _schedules(per_rank: int, pp: int, m: int):
+    """(vpp, --pipeline-schedule or None for the default) tried for ``pp`` stages and ``m`` micro-batches, the
+    ranks' layers splitting into chunks that ``per_rank`` divides (the layers a rank holds, the embedding / loss
+    slots counted under --account-for-...-in-pipeline-split)."""
     if pp == 1:
         yield 1, None
         return
-    for vpp in _divisors(slots // pp):  # down to one layer a virtual stage, as Megatron allows
+    for vpp in _divisors(per_rank):  # down to one layer a virtual stage, as Megatron allows
         if vpp == 1 or vpp <= MAX_VPP and not m % pp:
             yield vpp, None
-    if (slots // pp) % 2 == 0:  # the V: two chunks per rank
+    if per_rank % 2 == 0:  # the V: two chunks per rank
         yield 2, "zb-v"
         if m >= 2 * pp:
             yield 2, "dualpipe-v"
 
 
 _VPP_FLAGS = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+_SPLIT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+"""The user's pipeline split: kept by the search (:func:`_split`), checked per pipeline size."""
 
 
 def _split(cfg, pc, pp: int) -> tuple[int, dict] | None:
-    """(the slots ``pp`` stages split: the layers, and the embedding / loss where they count as one; the flags the
-    search adds for it), or None when they do not split. The user's split (``pc``) is kept; without one, layers that
-    ``pp`` does not divide are split as Megatron users split them (Llama 3 405B's 126 layers over 16 stages): the
-    loss, and the embedding if that is not enough, counted as a layer (``--account-for-loss-in-pipeline-split``,
+    """(what the chunks of each of ``pp`` ranks must divide: the layers a rank holds, the embedding / loss slots
+    counted where they count as one; the flags the search adds for the split), or None when the layers do not split
+    over ``pp``. The user's split (``pc``) is kept: set first / last stage sizes split the rest evenly, and every
+    rank's count must divide into the chunks. Without one, layers that ``pp`` does not divide are split as Megatron
+    users split them (Llama 3 405B's 126 layers over 16 stages): the loss, and the embedding if that is not
+    enough, counted as a layer (``--account-for-loss-in-pipeline-split``,
     ``--account-for-embedding-in-pipeline-split``: the first / last virtual stage one layer fewer)."""
-    if pc.uneven_pipeline:
-        slots = cfg.num_layers + pc.account_for_embedding_in_pipeline_split + pc.account_for_loss_in_pipeline_split
-        return (slots, {}) if slots % pp == 0 else None
+    from math import gcd
+
+    from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges
+
+    first, last = pc.decoder_first_pipeline_num_layers, pc.decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        try:
+            return gcd(*(n for _, n in pipeline_layer_ranges(cfg.num_layers, pp, 1, first, last).values())), {}
+        except ConfigError:
+            return None
+    given = pc.account_for_embedding_in_pipeline_split + pc.account_for_loss_in_pipeline_split
     loss, both = {"account_for_loss_in_pipeline_split": True}, {"account_for_embedding_in_pipeline_split": True}
-    for extra, flags in ((0, {}), (1, loss), (2, loss | both)):
+    for extra, flags in ((given, {}),) if given else ((0, {}), (1, loss), (2, loss | both)):
         if (cfg.num_layers + extra) % pp == 0:
-            return cfg.num_layers + extra, flags
+            return (cfg.num_layers + extra) // pp, flags
     return None
 
 
@@ -117,8 +132,8 @@ def _cp_sizes(seq: int) -> list[int]:
 
 
 def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, pc=None):
-    """(tp, pp, cp, dp, mbs, vpp, schedule, (slots, split flags)) that pass the divisibility rules of the module
-    docstring (tp <= ``max_tp``; the split: :func:`_split` of the user's parallel config ``pc``)."""
+    """(tp, pp, cp, dp, mbs, vpp, schedule, (layers a rank, split flags)) that pass the divisibility rules of the
+    module docstring (tp <= ``max_tp``; the split: :func:`_split` of the user's parallel config ``pc``)."""
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.models.gpt.config import query_groups
 
@@ -127,7 +142,7 @@ def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, pc=None):
         if cfg.num_attention_heads % tp or query_groups(cfg) % tp or (max_tp and tp > max_tp):
             continue
         for pp in _divisors(devices // tp):
-            split = _split(cfg, pc, pp) if pp > 1 else (cfg.num_layers, {})
+            split = _split(cfg, pc, pp) if pp > 1 else (cfg.num_layers, {})  # pp 1: nothing to balance
             if split is None:
                 continue
             for cp in (c for c in _cp_sizes(cfg.seq_length) if (devices // (tp * pp)) % c == 0):
@@ -152,17 +167,20 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
     memory-minimal variant of each (tp, pp, cp)). ``cluster``: the devices per node of a cluster search, which
     keeps tp inside a node and the distributed optimizer on wherever dp x cp > 1 (it moves 3/4 of the
     all-reduce's bytes, steps 1/(dp x cp) of the parameters and holds less: the other variant never wins)."""
-    from omnitron.plan.settings import settings_of
+    from omnitron.core.config.parallel import ParallelConfig
     from omnitron.plan.memory import model_config
+    from omnitron.plan.settings import settings_of
 
     given = {k: v for k, v in given.items() if k not in _VPP_FLAGS}  # the search sets the virtual stages
-    base = settings_of(given | {"nproc_per_node": 1})
-    cfg, gbs, pc = model_config(base), given.get("global_batch_size"), base.parallel
+    split_given = {k: given[k] for k in _SPLIT_FLAGS if given.get(k) is not None}
+    base = settings_of({k: v for k, v in given.items() if k not in split_given} | {"nproc_per_node": 1})
+    cfg, gbs, pc = model_config(base), given.get("global_batch_size"), ParallelConfig(**split_given)
     if not gbs:
         raise ConfigError("--devices: give --global-batch-size (the recommendation keeps it fixed)")
     sized_ends = pc.decoder_first_pipeline_num_layers is not None or pc.decoder_last_pipeline_num_layers is not None
     out, seen = [], set()
-    for tp, pp, cp, dp, mbs, vpp, sched, ep, (slots, split) in _with_ep(cfg, _grid(cfg, devices, gbs, cluster, pc)):
+    for tp, pp, cp, dp, mbs, vpp, sched, ep, (per_rank, split) in _with_ep(cfg,
+                                                                           _grid(cfg, devices, gbs, cluster, pc)):
         for rec in ((True,) if minimal else (False, True)):
             for dist in ((True,) if minimal or cluster else (False, True)) if dp * cp > 1 else (False,):
                 key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, sched, rec, dist)
@@ -181,7 +199,7 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
                 if vpp > 1 and sized_ends:  # Megatron's one form for set first/last stage sizes
                     flags["num_virtual_stages_per_pipeline_rank"] = vpp
                 elif vpp > 1:
-                    flags["num_layers_per_virtual_pipeline_stage"] = slots // (pp * vpp)
+                    flags["num_layers_per_virtual_pipeline_stage"] = per_rank // vpp
                 if rec:
                     flags.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                 if dist:

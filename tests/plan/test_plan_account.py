@@ -113,3 +113,22 @@ def test_search_splits_layers_the_pipeline_does_not_divide():
             assert ranges[(0, 0)][1] == slots - ("embedding" in flags)
             assert ranges[(pp - 1, vp - 1)][1] == slots - ("loss" in flags)
         assert got == want, got
+
+
+def test_search_keeps_set_end_stage_sizes():
+    """With ``--decoder-first/last-pipeline-num-layers`` the search tries the pipeline sizes whose middle ranks split
+    the rest evenly, whether or not they divide the layers (10 layers, 2 first and 4 last: pp2 must hold all, pp4
+    gives 2-2-2-4 though 4 does not divide 10, pp8 leaves 4 over 6 ranks), and the chunk counts every rank's layers
+    divide (2-2-2-4: 1 or 2, through --num-virtual-stages-per-pipeline-rank); the engine builds each."""
+    from omnitron.core.parallel.pipeline.layout import config_layer_ranges
+    from omnitron.plan.layouts import candidates
+
+    given = GIVEN | {"nproc_per_node": 8, "num_layers": 10, "global_batch_size": 32,
+                     "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 4}
+    got = {}
+    for c in candidates(given, 8):
+        pc = c.settings.parallel
+        got.setdefault(pc.pipeline_model_parallel_size, set()).add(pc.virtual_pipeline_model_parallel_size or 1)
+        ranges = config_layer_ranges(10, pc)
+        assert sorted(o + i for o, n in ranges.values() for i in range(n)) == list(range(10))
+    assert got == {4: {1, 2}}, got
