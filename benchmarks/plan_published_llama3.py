@@ -14,8 +14,9 @@ layers: Megatron's ``--account-for-embedding-in-pipeline-split --account-for-los
 which interleaving up to 8 chunks a rank divides); FSDP sharding the optimizer state and gradients, not the weights
 (the distributed optimizer's traffic); MFU as Chowdhery et al. (PaLM, App. B) define it.
 
-Not stated, so left to the plan: the micro-batch size, the chunks per rank (vpp), activation recomputation (each
-row at the plan's fastest variant that fits 80 GB, as ``plan_published_h100.py`` does), sequence parallelism (on:
+Not stated, so left to the plan: the micro-batch size, the chunks per rank (vpp), activation recomputation (none,
+selective, full, or block: the first k layers of each chunk; each row at the plan's fastest variant that fits
+80 GB, as ``plan_published_h100.py`` does), sequence parallelism (on:
 tp 8 without it holds the whole sequence's activations eight times), and how much communication hides: priced both
 ways, ``--assume-overlap all`` (tp / cp / pp beside compute, as Megatron-Core's table) and ``dp`` (only the data-
 parallel traffic hidden).
@@ -27,14 +28,17 @@ step 1.4x shorter under that reading; both are printed.
 
 Differences priced as the engine has them: the rank order (Megatron's tp-cp-ep-dp-pp; Llama 3's was tp-cp-pp-dp:
 both put each data-parallel and pipeline neighbour on another node), context parallelism as a ring of attention
-blocks (Llama 3 all-gathered the keys and values), no oversubscription above a pod (the RoCE fabric's 1:7 between
-its pods; only data-parallel traffic crosses pods there).
+blocks (Llama 3 all-gathered the keys and values), no oversubscription between pods (the paper's RoCE fabric has
+some; only data-parallel traffic crosses pods there).
 
 Kernel rates: ``h100-sxm`` (one GPU's measured curves) and ``h100-sxm-at-scale`` (those x 0.704, the one constant
 ``plan_published_h100.py --fit`` fitted on the odd rows of Megatron-Core's H100 table): this table is held out
 from that fit entirely.
 
-    PYTHONPATH=. python benchmarks/plan_published_llama3.py [--causal] [--json F]
+``--rank``: the search's best layout (``h100-sxm-at-scale``, overlap all, 1F1B / interleaved) against each
+published layout's best variant.
+
+    PYTHONPATH=. python benchmarks/plan_published_llama3.py [--causal] [--rank] [--json F]
 """
 from __future__ import annotations
 
