@@ -37,8 +37,8 @@ the ratio of two published step times of the same work (Korthikanti et al. 2022'
 SC21's 1T row, 102.63 s: same layout, micro-batch and micro-batches per replica, no interleaving in either);
 no planner prediction enters that number, and the other nine rows are held out from it; its usable memory is
 79 GiB (the 2021 CUDA context). The layout search in the 2021 space counts 2021 Megatron's fp16 state, fp32
-gradient copies held throughout (:func:`peak_2021`), and only its schedules (:func:`in_2021_space`). ``--device a100-80gb-sxm`` prices them
-with the 2022 stack's profile.
+gradient copies held throughout (:func:`peak_2021`), and only its schedules and splits (:func:`in_2021_space`).
+``--device a100-80gb-sxm`` prices them with the 2022 stack's profile.
 
     PYTHONPATH=. python benchmarks/plan_published.py [--rows 1.7B,1T] [--device NAME] [--no-search] [--whole] [--fit]
         [--figures] [--json F]
