@@ -98,9 +98,9 @@ def _variants(pp: int, tp: int):
 
 def parity_worker(layouts) -> dict:
     from omnitron.backends import get_backend
-    from omnitron.core.models.gpt import GPTModel, gather_full_state
-    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
-    from omnitron.core.parallel.pipeline import forward_backward, pipeline_layer_ranges
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
+    from omnitron.core.parallel.pipeline import pipeline_layer_ranges
 
     be = get_backend()
     dev = be.device()  # the model and data on the backend's device (a no-op on cpu)
@@ -125,26 +125,35 @@ def parity_worker(layouts) -> dict:
                 to_device(model, dev)
                 chunks.append(DistributedDataParallel(model, groups, DataParallelConfig(
                     overlap_grad_reduce=overlap, bucket_size=3000)))
-            kw = dict(num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32,
-                      forward_step_fn=_gpt_step, dtype=torch.float64)
-            # evaluation: forward-only over the first step's data gives the first step's loss
-            ev = forward_backward(sched, chunks, _iterator(_data(dp)[:1], groups.dp.rank, dev), groups,
-                                  forward_only=True, **kw)
-            data = _iterator(_data(dp), groups.dp.rank, dev)
-            losses = [ev["loss"]]
-            for _ in range(STEPS):
-                for c in chunks:
-                    c.zero_grad_buffer()
-                out = forward_backward(sched, chunks, data, groups, **kw)
-                assert out["tokens"] == MBS * SEQ * M * dp
-                finalize_model_grads(chunks, groups)
-                _sgd(chunks)
-                losses.append(out["loss"])
-            state = {}
-            for c in chunks:
-                state.update({k: v.cpu() for k, v in gather_full_state(c.module, groups).items()})
+            losses, state, _ = run_steps(sched, chunks, groups, _iterator(_data(dp)[:1], groups.dp.rank, dev),
+                                         _iterator(_data(dp), groups.dp.rank, dev), M, MBS * SEQ * M * dp)
             results[(tp, pp, dp, sched, overlap, sp, recompute)] = (losses, state)
     return results
+
+
+def run_steps(sched: str, chunks: list, groups, first, batches, m: int, tokens: int) -> tuple:
+    """(losses: the forward-only evaluation of ``first`` (the first step's micro-batches: the first step's loss),
+    then each of ``STEPS`` SGD steps' over ``batches``; this rank's part of the full state; the schedule) of
+    ``chunks`` (data-parallel wrapped) with ``m`` micro-batches a step, each step's ``tokens`` checked."""
+    from omnitron.core.models.gpt import gather_full_state
+    from omnitron.core.parallel.data import finalize_model_grads
+    from omnitron.core.parallel.pipeline import forward_backward
+
+    kw = dict(num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32, forward_step_fn=_gpt_step,
+              dtype=torch.float64)
+    losses = [forward_backward(sched, chunks, first, groups, forward_only=True, **kw)["loss"]]
+    for _ in range(STEPS):
+        for c in chunks:
+            c.zero_grad_buffer()
+        out = forward_backward(sched, chunks, batches, groups, **kw)
+        assert out["tokens"] == tokens
+        finalize_model_grads(chunks, groups)
+        _sgd(chunks)
+        losses.append(out["loss"])
+    state = {}
+    for c in chunks:
+        state.update({k: v.cpu() for k, v in gather_full_state(c.module, groups).items()})
+    return losses, state, out["schedule"]
 
 
 def _check(results_per_rank, ref) -> None:

@@ -13,9 +13,9 @@ from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
 from omnitron.testing.parity import reference_kernels
 from omnitron.testing.sim import requires_sim
-from tests.parallel.test_parity_3d import SEED, _config, _gpt_step, _sgd, assert_run_matches, train_one_process
+from tests.parallel.test_parity_3d import MBS, SEED, SEQ, STEPS, _config, assert_run_matches, run_steps, \
+    train_one_process
 
-STEPS, MBS, SEQ = 3, 2, 16
 # float64: the layouts differ from one process only in the order of the micro-batch gradient sums and
 # the tied copies' sum (~sqrt(n) u ~ 1e-15 relative); three SGD steps at lr 0.5 amplify it at most ~2x a
 # step (see test_parity_3d.py): ~1e-14. TOL leaves a factor 100.
@@ -54,30 +54,13 @@ def vshape_worker(runs) -> dict:
 def train_chunks(built: list, groups, sched: str, data: torch.Tensor, be) -> tuple:
     """(evaluation + per-step losses, this rank's part of the full state, the schedule): ``built`` (this rank's
     chunks, on the device) wrapped for data parallelism and trained ``STEPS`` SGD steps over ``data``."""
-    from omnitron.core.models.gpt import gather_full_state
-    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
-    from omnitron.core.parallel.pipeline import forward_backward
+    from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
 
     chunks = [DistributedDataParallel(c, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
               for c in built]
     m = data.shape[1] // MBS
-    kw = dict(num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, hidden_size=32,
-              forward_step_fn=_gpt_step, dtype=torch.float64)
     dev = be.device()  # the data on the backend's device (the chunks are put there by build_model_chunks)
-    ev = forward_backward(sched, chunks, _iterator(data[:1], dev), groups, forward_only=True, **kw)
-    it, losses = _iterator(data, dev), [ev["loss"]]
-    for _ in range(STEPS):
-        for c in chunks:
-            c.zero_grad_buffer()
-        res = forward_backward(sched, chunks, it, groups, **kw)
-        assert res["tokens"] == MBS * SEQ * m
-        finalize_model_grads(chunks, groups)
-        _sgd(chunks)
-        losses.append(res["loss"])
-    state = {}
-    for c in chunks:
-        state.update({k: v.cpu() for k, v in gather_full_state(c.module, groups).items()})
-    return losses, state, res["schedule"]
+    return run_steps(sched, chunks, groups, _iterator(data[:1], dev), _iterator(data, dev), m, MBS * SEQ * m)
 
 
 def _check(per_rank: list[dict]) -> None:
