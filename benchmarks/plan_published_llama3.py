@@ -27,11 +27,12 @@ current formula does): 4% fewer FLOPs at 8,192 tokens, 29% at 131,072, so the th
 step 1.4x shorter under that reading; both are printed.
 
 Differences priced as the engine has them: the rank order (Megatron's tp-cp-ep-dp-pp; Llama 3's was tp-cp-pp-dp:
-both put each data-parallel and pipeline neighbour on another node), context parallelism as a ring of attention
-blocks (Llama 3 all-gathered the keys and values), no oversubscription between pods (the paper's RoCE fabric has
-some; only data-parallel traffic crosses pods there).
+both put each data-parallel and pipeline neighbour on another node), no oversubscription between pods (the paper's
+RoCE fabric has some; only data-parallel traffic crosses pods there). Context parallelism as the paper describes it
+and the engine runs it, ``--cp-comm-type allgather``: keys and values all-gathered, each rank's two chunks of
+queries against them (``omnitron.plan.cp_comm``); the search (``--rank``) stays with the default ring.
 
-Kernel rates: ``h100-sxm`` (one GPU's measured curves) and ``h100-sxm-at-scale`` (those x 0.704, the one constant
+Kernel rates: ``h100-sxm`` (one GPU's measured curves) and ``h100-sxm-at-scale`` (those x 0.709, the one constant
 ``plan_published_h100.py --fit`` fitted on the odd rows of Megatron-Core's H100 table): this table is held out
 from that fit entirely.
 
@@ -73,7 +74,8 @@ def row_flags(row) -> dict:
             "tokenizer_type": "NullTokenizer", "vocab_size": 128255, "nproc_per_node": gpus,
             "tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
             "global_batch_size": per_dp * dp, "sequence_parallel": True, "use_distributed_optimizer": True,
-            "account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True}
+            "account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True} | (
+                {"cp_comm_type": "allgather"} if cp > 1 else {})
 
 
 def variants(row) -> list:

@@ -34,13 +34,13 @@ from omnitron.plan.machine import Machine, span, strides
 
 PASSES = {"add": (3, 3), "layer_norm": (2, 4), "rms_norm": (2, 4), "dropout": (2.5, 2.5), "gelu": (2, 3),
           "silu_mul": (3, 5), "softmax": (2, 3), "cross_entropy": (6, 4), "ring_merge": (4, 0),
-          "block_dropout": (2, 4), "moe_dispatch": (6, 6)}
+          "block_dropout": (2, 4), "moe_dispatch": (6, 6), "copy": (2, 2)}
 """(forward, backward) bytes per element, in units of the activation's element size: reads plus writes of one
-pass of the op (dropout: the 1-byte mask as half a 2-byte element; block_dropout, the cp blocks' hash mask: no
-mask stored or read, it is computed from positions, in the forward applied to the probabilities and in the
-backward computed again and applied to them and to their gradient; cross-entropy: fp32 logits, max, exp,
-sum and the target gather forward, the softmax gradient backward). The FP8 quantization's kernels write FP8
-whatever the source's dtype: their bytes are :func:`omnitron.plan.fp8.op_bytes`'s."""
+pass of the op (copy: a reorder's gather or its scatter back; dropout: the 1-byte mask as half a 2-byte element;
+block_dropout, the cp blocks' hash mask: no mask stored or read, it is computed from positions, in the forward
+applied to the probabilities and in the backward computed again and applied to them and to their gradient;
+cross-entropy: fp32 logits, max, exp, sum and the target gather forward, the softmax gradient backward). The FP8
+quantization's kernels write FP8 whatever the source's dtype: their bytes are :func:`omnitron.plan.fp8.op_bytes`'s."""
 DEQUANT_BYTES = 5
 """Per operand element of an emulated block-wise FP8 GEMM: the FP8 code read, its fp32 dequantized value written
 (the block's scale read is 1/128 or 1/16384 of that; compiled: ``to(float32)`` and the scale's multiply fused)."""
@@ -110,6 +110,8 @@ class DeviceRates:
         tp, cp, pp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.pipeline_model_parallel_size
         self.world, self.elem = settings.world_size, settings.model.params_dtype.itemsize
         self.sizes = strides(tp, cp, settings.dp, pp, pc.expert_model_parallel_size, pc.etp)
+        a2a = pc.hierarchical_context_parallel_sizes if pc.cp_comm_type == "a2a+p2p" else None
+        self.sizes["cp_p2p"] = tp * int(a2a[0]) if a2a else tp  # a2a+p2p's ring: every A-th cp rank
         self.memo[("host_layer", 1)] = (0.0, 0.0)  # the host runs ahead of the device: not priced
 
     def _measured_inside_node(self, op: str, ranks: int) -> bool:

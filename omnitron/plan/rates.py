@@ -55,10 +55,10 @@ def _points(rows, flops_of) -> list[tuple[float, float]]:
 
 
 _STAND_IN = {"moe_dispatch": ("add", 3), "fp8_amax": ("add", 1 / 3), "fp8_cast": ("add", 2 / 3),
-             "fp8_cast_block": ("add", (3 + 4 / 128) / 6)}
-"""Ops a report has no rows of (moe_dispatch: older reports; the FP8 quantization's kernels, not measured by the
-bench: their bytes from a 2-byte source, :func:`omnitron.plan.fp8.op_bytes`, over an add's 6), priced as passes of
-another op: (op, passes)."""
+             "fp8_cast_block": ("add", (3 + 4 / 128) / 6), "copy": ("add", 2 / 3)}
+"""Ops a report has no rows of (moe_dispatch: older reports; copy: one read and one write, a reorder; the FP8
+quantization's kernels, not measured by the bench: their bytes from a 2-byte source,
+:func:`omnitron.plan.fp8.op_bytes`, over an add's 6), priced as passes of another op: (op, passes)."""
 CAST_TRANSPOSE = "fp8_cast_transpose_amax"
 """The kernels report's op timing the per-tensor cast-transpose (bf16 read, the FP8 operand and its transpose
 written: the bytes :data:`omnitron.plan.fp8.CAST` prices)."""

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.parallel.pipeline.schedules import place_stage, virtual_stage
-from omnitron.plan import dp_overlap, fp8
+from omnitron.plan import cp_comm, dp_overlap, fp8
 from omnitron.plan import moe as moe_work
 from omnitron.plan import work
 from omnitron.plan.stage_layers import stage_layers, wide_layers
@@ -86,12 +86,22 @@ class StageCost:
     host_async: bool = False
     """The host's fixed costs run ahead of an asynchronous device (an accelerator) instead of adding to it."""
 
-    def total(self, kind: str, overlap: str) -> float:
+    def _parts(self, kind: str) -> tuple[float, float, float]:
         d = self.f if kind == "F" else self.b
         dev = d["compute"] + d["elementwise"]
         work = max(dev, d["host"]) if self.host_async else dev + d["host"]
-        comm = d["tp"] + d["cp"] + d["pp"] + d["ep"]
+        return work, d["tp"] + d["cp"] + d["pp"] + d["ep"], d["pp"]
+
+    def total(self, kind: str, overlap: str) -> float:
+        work, comm, _ = self._parts(kind)
         return max(work, comm) if overlap == "all" else work + comm
+
+    def lag(self, kind: str) -> float:
+        """Under ``all``: seconds from the end of this pass (:meth:`total`) until its pipeline message is at the
+        next (F) / previous (B) stage. The send starts when the work ends and takes its ``pp`` time; the part of
+        it that already ran inside the pass (the pass's communication beyond its work) is not waited for twice."""
+        work, comm, pp = self._parts(kind)
+        return max(0.0, pp - max(0.0, comm - work))
 
 
 @dataclass
@@ -177,6 +187,7 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
     stream = _threads(settings, rates, "host_stream")[1]
+    cpw = cp_comm.cp_work(x, elem, pc.cp_comm_type, (pc.hierarchical_context_parallel_sizes or [None])[0])
     ring = cp > 1 and rates.ring_block_s(dt, 1.0, True, cfg.attention_dropout > 0, threads) is not None
     separate = not ring and not rates.fused_attention_dropout(threads)  # the probabilities' dropout, unpriced yet
     gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=separate)
@@ -187,14 +198,13 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
         ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
     gemm = sum(rates.gemm_s(fp8.gemm_dtype(settings, name, dt), mm, n, k, threads) for name, mm, n, k in gemms) * slow
     cast_f, cast_b = fp8.casts(settings, gemms)
-    attn = _attention(cfg, x, rates, dt, threads) * slow
-    # ring attention's merges and gradient accumulations (its blocks' dropout is in their rate)
-    ring_f, ring_b = work.cp_ring_elementwise(x) if ring else ([], [])
-    hops_f, hops_b, per = work.cp_ring(x, elem)
-    hop = rates.comm_s("p2p", per, cp, group="cp") if cp > 1 else 0.0
+    attn = _attention(cfg, x, rates, dt, threads, cpw.blocks) * slow
+    # the cp blocks' merges, gradient accumulations and reorders (their dropout is in the blocks' rate)
+    ring_f, ring_b = (cpw.ew_f, cpw.ew_b) if ring else ([], [])
     c = StageCost(attention_f=attn / 3)
     c.f["compute"], c.b["compute"] = gemm + attn / 3, 2 * gemm + 2 * attn / 3
-    c.f["cp"], c.b["cp"] = hops_f * hop, hops_b * hop
+    c.f["cp"] = sum(rates.comm_s(op, n, k, group=g) for op, n, k, g in cpw.fwd)
+    c.b["cp"] = sum(rates.comm_s(op, n, k, group=g) for op, n, k, g in cpw.bwd)
     bias = work.bias_passes(cfg, x, [g for g in gemms if g[0] != "router"])
     c.f["elementwise"] = sum(rates.elementwise_s(op, "fwd", n, threads)
                              for op, n in ew + ring_f + bias + cast_f) * stream
@@ -213,12 +223,14 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
 
 def _layer_cached(settings, cfg, rates, moe: bool, row: int | None = None) -> StageCost:
     """:func:`_layer`, kept in ``rates.memo`` across the layouts of a search on an accelerator (a layer's cost there
-    depends on the model, tp, cp, ep, SP and the micro-batch only; on a CPU also on the cores' sharing: not kept)."""
+    depends on the model, tp, cp and its comm type, ep, SP and the micro-batch only; on a CPU also on the cores'
+    sharing: not kept)."""
     if rates.device_type == "cpu":
         return _layer(settings, cfg, rates, moe, row)
     pc = settings.parallel
     key = ("layer", repr(replace(cfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)),
-           pc.tensor_model_parallel_size, pc.context_parallel_size, pc.sequence_parallel, pc.expert_model_parallel_size,
+           pc.tensor_model_parallel_size, pc.context_parallel_size, pc.cp_comm_type,
+           tuple(pc.hierarchical_context_parallel_sizes or ()), pc.sequence_parallel, pc.expert_model_parallel_size,
            pc.etp, settings.training.micro_batch_size, moe, getattr(getattr(rates, "expert_load", None), "key", None),
            row, repr(settings.fp8))
     if key not in rates.memo:
@@ -256,14 +268,14 @@ def _host_layer(rates, threads: int) -> tuple[float, float]:
     return max(0.0, f - gemm - attn / 3 - ew_f), max(0.0, b - 2 * gemm - 2 * attn / 3 - ew_b)
 
 
-def _attention(cfg, x, rates, dt: str, threads: int) -> float:
-    """Seconds of one layer's core attention, forward + backward, per micro-batch. At cp > 1 each ring step's
-    block (:func:`work.cp_blocks`) at the report's ``ring_block`` rate; older reports without those rows: cp
-    calls of ``1 / cp`` of the work at the attention rate (noted)."""
+def _attention(cfg, x, rates, dt: str, threads: int, blocks: list | None = None) -> float:
+    """Seconds of one layer's core attention, forward + backward, per micro-batch. At cp > 1 each of ``blocks``
+    (:func:`cp_comm.cp_work`'s, per ``--cp-comm-type``; None: the ring's) at the report's ``ring_block`` rate; older
+    reports without those rows: cp calls of ``1 / cp`` of the work at the attention rate (noted)."""
     drop = cfg.attention_dropout > 0
     if x.cp > 1:
         blocks = [rates.ring_block_s(dt, fl, causal, drop, threads, head_dim=x.head_dim)
-                  for fl, causal in work.cp_blocks(x)]
+                  for fl, causal in (work.cp_blocks(x) if blocks is None else blocks)]
         if None not in blocks:
             return sum(blocks)
         rates.note("attention: no ring_block rows (an older `omnitron bench attention` report); ring attention "
@@ -429,8 +441,11 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
         b = c.total("B", overlap)
         table.update({(k, "F"): c.total("F", overlap), (k, "BW"): b, (k, "B"): b / 2, (k, "W"): b / 2})  # ZB-H1: B = W
 
+    # under ``all`` a send overlaps the sender's next work, but its receiver still waits for the message
+    hop = {(k, kind): c.lag(kind) for k, c in costs.items() for kind in "FB"}
+    transfer = (lambda k, kind: hop[(k, kind)]) if overlap == "all" else None
     # complete=False: build_schedule's tables are checked by the schedule tests; a search simulates thousands
-    return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False), sched
+    return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False, transfer=transfer), sched
 
 
 def _stage_costs(settings, rates, overlap: str):

@@ -132,14 +132,15 @@ def last_stage_tp(x: Local, elem: int, sp: bool) -> tuple[list[tuple[str, int]],
     return fwd, [("reduce_scatter", full), ("all_gather", full)] if sp else [("all_reduce", full)]
 
 
-def cp_ring(x: Local, elem: int) -> tuple[int, int, int]:
-    """(hops forward, hops backward, bytes per hop) of one layer's ring attention: ``cp - 1`` key/value
-    exchanges forward; backward ``cp - 1`` key/value and ``cp`` key/value-gradient exchanges (the last
-    takes each block home). A hop carries K and V: ``2 b (g / tp) (s / cp) d`` elements."""
+def cp_ring(x: Local, elem: int) -> tuple[list[int], list[int]]:
+    """(forward, backward) bytes of each hop of one layer's ring attention: ``cp - 1`` key/value exchanges
+    forward; backward ``cp - 1`` key/value and ``cp`` key/value-gradient exchanges (the last takes each block
+    home). A hop carries K and V, ``2 b (g / tp) (s / cp) d`` elements; the gradients circulate in the ring's
+    float32 accumulators (float64 with a float64 model: ``ring.py``'s ``promote_types(dtype, float32)``)."""
     if x.cp == 1:
-        return 0, 0, 0
-    per = 2 * x.batch * x.groups * (x.seq // x.cp) * x.head_dim * elem
-    return x.cp - 1, 2 * x.cp - 1, per
+        return [], []
+    n = 2 * x.batch * x.groups * (x.seq // x.cp) * x.head_dim
+    return [n * elem] * (x.cp - 1), [n * elem] * (x.cp - 1) + [n * max(elem, 4)] * x.cp
 
 
 def cp_blocks(x: Local) -> list[tuple[float, bool]]:

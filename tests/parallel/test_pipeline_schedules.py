@@ -40,6 +40,20 @@ def test_every_schedule_is_complete_ordered_and_deadlock_free(name, pp, vp, m):
             assert st >= ends[(k + 1, "B", i)][1]
 
 
+def test_messages_arrive_a_transfer_time_after_their_send():
+    """1F1B, pp 2, two micro-batches, F = 1, backward 2, each message 0.5 on the wire (worked by hand). Rank 1:
+    F0 [1.5, 2.5] (rank 0's F0 ends at 1), its own B0 at once [2.5, 4.5], F1 [4.5, 5.5] (arrived at 2.5), B1
+    [5.5, 7.5]. Rank 0: F0 [0, 1], F1 [1, 2], B0 [5, 7] (rank 1's B0 ends at 4.5), B1 [8, 10]. Without transfer
+    times the same table ends at 9."""
+    s = build_schedule("1f1b", 2, 1, 2)
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0}
+    tl = simulate(s, cost=cost, transfer=lambda k, kind: 0.5)
+    spans = {r: [(a.kind + str(a.microbatch), b, e) for b, e, a in sp] for r, sp in tl.spans.items()}
+    assert spans[0] == [("F0", 0, 1), ("F1", 1, 2), ("B0", 5, 7), ("B1", 8, 10)]
+    assert spans[1] == [("F0", 1.5, 2.5), ("B0", 2.5, 4.5), ("F1", 4.5, 5.5), ("B1", 5.5, 7.5)]
+    assert simulate(s, cost=cost).makespan == 9
+
+
 @pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 16)])
 def test_bubble_and_peak_activations_match_theory(pp, m):
     one = simulate(build_schedule("1f1b", pp, 1, m), stage_cost=zb_stage_cost)

@@ -113,6 +113,35 @@ def test_pipeline_bubble_is_the_textbook_one(pp, vp, m):
     assert tl.makespan == pytest.approx(m * (f + b) + (pp - 1) * (f + b) / vp, rel=1e-9)
 
 
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_pipeline_waits_for_overlapped_sends(pp):
+    """One micro-batch through pp stages of random costs is one chain. Under ``none`` each stage's send is in its
+    own F / B (a blocking send): the makespan is the sum of every stage's F and B. Under ``all`` the send is
+    hidden behind the sender's work (max(work, send)) but the receiver starts only when the message is there,
+    its transfer time after the sender's work ends: the same sum (every hop's transfer, pp - 1 each way)."""
+    from types import SimpleNamespace
+
+    from omnitron.plan.speed import StageCost, pipeline
+
+    rng = random.Random()
+    costs = {}
+    for k in range(pp):
+        costs[k] = c = StageCost()
+        c.f["compute"], c.b["compute"] = rng.uniform(1, 2), rng.uniform(2, 4)
+        c.f["pp"] = rng.uniform(0.1, 3.0) if k < pp - 1 else 0.0  # some sends outlast their pass's work
+        c.b["pp"] = rng.uniform(0.1, 3.0) if k > 0 else 0.0
+    s = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=None),
+                        training=SimpleNamespace(pipeline_schedule=None), num_microbatches=1)
+    work = sum(c.f["compute"] + c.b["compute"] for c in costs.values())
+    hops = sum(c.f["pp"] + c.b["pp"] for c in costs.values())
+    assert pipeline(s, costs, "none")[0].makespan == pytest.approx(work + hops, rel=1e-12)
+    assert pipeline(s, costs, "all")[0].makespan == pytest.approx(work + hops, rel=1e-12)
+    s.num_microbatches = 2 * pp  # under all the hops also stretch the steady state: never shorter than without
+    base = {k: StageCost(f=dict(c.f, pp=0.0), b=dict(c.b, pp=0.0)) for k, c in costs.items()}
+    assert pipeline(s, costs, "all")[0].makespan > pipeline(s, base, "all")[0].makespan
+
+
 @pytest.mark.parametrize("name,pp,m", [("zb-v", 4, 16), ("dualpipe-v", 4, 8), ("dualpipe-v", 2, 4)])
 def test_v_schedules_bubble_in_the_plan(name, pp, m):
     """The plan prices the V-shaped schedules on their own placement: chunks of equal cost (F = B = W = u

@@ -2,9 +2,10 @@
 
 Models the runtime exactly: each rank runs its table in order, sends are asynchronous and an
 action waits only for the message it consumes (activation from the previous stage for ``F``,
-gradient from the next stage for ``B``); a combined pair (``combined.py``) waits for both and both its
-outputs leave at its end. Used by the unit tests (every micro-batch once per
-stage, dependencies, deadlock, peak activations) and by the bubble benchmark's theory column.
+gradient from the next stage for ``B``), which arrives a transfer time after the sender's action ends
+(zero unless given); a combined pair (``combined.py``) waits for both and both its outputs leave at its end.
+Used by the unit tests (every micro-batch once per stage, dependencies, deadlock, peak activations) and by the
+bubble benchmark's theory column.
 """
 from __future__ import annotations
 
@@ -70,13 +71,17 @@ def _need(schedule: Schedule, rank: int, a: Action) -> tuple[str, int, int] | No
 
 
 def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
-             stage_cost: Callable[[int, str], float] | None = None, complete: bool = True) -> Timeline:
+             stage_cost: Callable[[int, str], float] | None = None, complete: bool = True,
+             transfer: Callable[[int, str], float] | None = None) -> Timeline:
     """Run the tables on an ideal clock; raise :class:`ScheduleError` on deadlock.
 
     ``cost`` gives per-action durations for one chunk: ``F``, ``B`` (input grad), ``W``; an
     unsplit backward costs ``B + W``. Defaults 1, 1, 1 (backward twice a forward).
     ``stage_cost(stage, kind)`` (kind ``F``, ``B``, ``W`` or ``BW`` for an unsplit backward)
     overrides them per virtual stage. ``complete=False`` accepts partial tables (forward-only).
+    ``transfer(stage, kind)``: seconds from the end of that stage's ``F`` (``B``) until its output reaches the
+    next (previous) stage, for sends that overlap the sender's next work (a blocking send's time belongs in the
+    sender's own cost instead); a stage's own ``F`` / ``B`` reach its ``B`` / ``W`` at once.
     """
     if complete:
         check_complete(schedule)
@@ -93,6 +98,9 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
         if stage_cost is not None:
             return stage_cost(schedule.stage(r, a.chunk), "BW" if unsplit else a.kind)
         return cost["B"] + cost["W"] if unsplit else cost[a.kind]
+
+    def arrival(x: tuple[str, int, int], k: int) -> float:  # when stage k has the output x it waits for
+        return finish[x] + (transfer(x[1], x[0]) if transfer is not None and x[1] != k else 0.0)
 
     def account(r: int, a: Action) -> None:  # micro-batches held
         unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
@@ -113,10 +121,10 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
                 # a combined pair (combined.py) is one action: both inputs in, both outputs out at its end
                 n = 2 if schedule.combined and schedule.paired(r, pos[r]) else 1
                 acts = table[pos[r]:pos[r] + n]
-                needs = [x for x in (_need(schedule, r, a) for a in acts) if x is not None]
-                if any(x not in finish for x in needs):
+                needs = [(x, schedule.stage(r, a.chunk)) for a in acts if (x := _need(schedule, r, a)) is not None]
+                if any(x not in finish for x, _ in needs):
                     break
-                clock[r] = max([clock[r]] + [finish[x] for x in needs])
+                clock[r] = max([clock[r]] + [arrival(x, k) for x, k in needs])
                 for a in acts:
                     begin, clock[r] = clock[r], clock[r] + duration(r, a)
                     tl.spans[r].append((begin, clock[r], a))

@@ -1,0 +1,139 @@
+"""The speed model's context-parallel work per ``--cp-comm-type`` (:mod:`omnitron.plan.cp_comm`) against the engine:
+its collectives against the calls the engine's cp attention makes (every one recorded with its bytes and group
+size, forward and backward, on 4 processes), and the all-gather's blocks against the engine's own task list."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omnitron.plan import cp_comm, work
+from omnitron.testing.distributed import run_distributed
+
+B, HQ, HKV, D = 2, 4, 2, 8
+CASES = [("p2p", None), ("a2a", None), ("allgather", None), ("a2a+p2p", (2, 2))]
+
+
+def _local(cp: int, seq: int) -> work.Local:
+    from omnitron.core.models.gpt.config import gpt2_tiny
+
+    cfg = gpt2_tiny(num_attention_heads=HQ, num_query_groups=HKV, hidden_size=HQ * D, seq_length=seq)
+    return work.local_shapes(cfg, 1, cp, B)
+
+
+class _Spy:
+    """The backend's collectives, recording ``(op, bytes as the plan counts them, group size)`` of every call."""
+
+    SIZE = {"all_gather": lambda out, inp, **_: out, "reduce_scatter": lambda out, inp, **_: inp,
+            "all_to_all": lambda out, inp, **_: inp}
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name not in self.SIZE and name != "batch_p2p":
+            return attr
+
+        def call(*args, **kwargs):
+            import torch.distributed as dist
+
+            n = dist.get_world_size(kwargs.get("group"))
+            if name == "batch_p2p":  # one ring hop: what this rank sends
+                sent = sum(t.numel() * t.element_size() for kind, t, _ in args[0] if kind == "send")
+                self.calls.append(("p2p", sent, n))
+            else:
+                t = self.SIZE[name](*args[:2])
+                self.calls.append((name, t.numel() * t.element_size(), n))
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def recorded_worker(seq_per_rank: int) -> list:
+    """Per case: the calls of one forward + backward of the engine's cp attention on bf16 inputs (cp 4)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.parallel.context import split_sequence
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.cp_attention import cp_attention
+
+    torch.set_num_threads(1)
+    backend, out = get_backend(), []
+    dev = backend.device()
+    for comm, sizes in CASES:
+        spy = _Spy(backend.collectives)
+        config = ParallelConfig(context_parallel_size=4, cp_comm_type=comm,
+                                hierarchical_context_parallel_sizes=list(sizes) if sizes else None)
+        groups = ParallelGroups.build(config, spy)
+        m = SimpleNamespace(cp_group=groups.cp, cp_comm_type=comm, tracker=None,
+                            cp_subgroups=(groups.cp_a2a, groups.cp_p2p) if sizes else None,
+                            backend=SimpleNamespace(collectives=spy, kernels=backend.kernels))
+        s = 4 * seq_per_rank
+        g = torch.Generator().manual_seed(7)
+        q, dout = (torch.randn(B, HQ, s, D, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, HKV, s, D, generator=g) for _ in range(2))
+        mine = [split_sequence(t, 2, 4, groups.cp.rank).to(dev, torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
+        spy.calls.clear()
+        o = cp_attention(m, *mine, 0.0)
+        fwd = list(spy.calls)
+        o.backward(split_sequence(dout, 2, 4, groups.cp.rank).to(dev, torch.bfloat16))
+        out.append((comm, fwd, spy.calls[len(fwd):]))
+    return out
+
+
+def test_collectives_are_the_engines_calls():
+    """Each type's forward and backward collectives (op, bytes, ranks) are exactly the engine's calls on every
+    rank, in any order (a model's order is not what the speed model prices)."""
+    per = 8
+    x = _local(4, 4 * per)
+    for rank_calls in run_distributed(recorded_worker, 4, per):
+        for (comm, fwd, bwd), (name, sizes) in zip(rank_calls, CASES):
+            assert comm == name
+            want = cp_comm.cp_work(x, 2, comm, sizes[0] if sizes else None)
+            assert sorted(fwd) == sorted((op, n, k) for op, n, k, _ in want.fwd), comm
+            assert sorted(bwd) == sorted((op, n, k) for op, n, k, _ in want.bwd), comm
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_allgather_blocks_are_the_engines_tasks(cp):
+    """Each rank's blocks under ``allgather`` are the engine's tasks (rows x keys, causal halved), and every rank's
+    FLOPs are the whole causal attention's over cp."""
+    from omnitron.core.parallel.context.ulysses import allgather_tasks
+
+    seq = 2 * cp * random.choice([4, 8, 16])
+    x = _local(cp, seq)
+    whole = 3 * 4.0 * B * HQ * seq * seq * D * 0.5
+    for rank in range(cp):
+        tasks = allgather_tasks(seq // cp, SimpleNamespace(rank=rank, size=cp))
+        rows = [(len(range(seq // cp)[r]), len(range(seq)[k]), causal) for r, k, causal in tasks]
+        want = [(3 * 4.0 * B * HQ * n * m * D * (0.5 if causal else 1.0), causal) for n, m, causal in rows]
+        got = cp_comm.allgather_blocks(x, rank)
+        assert got == want
+        assert sum(f for f, _ in got) == pytest.approx(whole / cp, rel=1e-12)
+
+
+def test_each_comm_type_is_priced_apart_in_one_search():
+    """A search prices every layout on one rates object, whose per-layer cache must tell the comm types apart:
+    each type's step on a rates object that priced the others first is its step on a fresh one; and the types'
+    cp terms differ (with nothing hidden: ``--assume-overlap none``)."""
+    from omnitron.plan.device_rates import DeviceRates
+    from omnitron.plan.profile import load
+    from omnitron.plan.settings import settings_of
+    from omnitron.plan.speed import predict
+
+    def settings(comm):
+        extra = {"hierarchical_context_parallel_sizes": [2, 2]} if comm == "a2a+p2p" else {}
+        return settings_of({"model": "llama3_8b", "seq_length": 8192, "max_position_embeddings": 8192, "bf16": True,
+                            "tokenizer_type": "NullTokenizer", "vocab_size": 128255, "nproc_per_node": 16,
+                            "tensor_model_parallel_size": 4, "context_parallel_size": 4, "cp_comm_type": comm,
+                            "sequence_parallel": True, "global_batch_size": 4, "micro_batch_size": 1} | extra)
+
+    shared = DeviceRates(load("h100-sxm"), 8)
+    steps = {comm: predict(settings(comm), shared, "none") for comm, _ in CASES}
+    for comm, _ in CASES:
+        fresh = predict(settings(comm), DeviceRates(load("h100-sxm"), 8), "none")
+        assert fresh.total == steps[comm].total and fresh.cp == steps[comm].cp, comm
+    assert len({round(st.cp, 12) for st in steps.values()}) == len(CASES)
