@@ -71,8 +71,10 @@ def flops_2024(row) -> float:
 
 def in_mcore_space(c) -> bool:
     """Whether Megatron-Core r0.8 runs candidate ``c``: no V-shaped schedule (ZB-V / DualPipeV came later), the
-    layers split evenly (``--account-for-*-in-pipeline-split`` came in 2025)."""
-    return not c.flags.get("pipeline_schedule") and not c.settings.parallel.uneven_pipeline
+    layers split evenly (``--account-for-*-in-pipeline-split`` came in 2025), context parallelism as the ring
+    (``--cp-comm-type`` came with core_r0.10.0)."""
+    return (not c.flags.get("pipeline_schedule") and not c.settings.parallel.uneven_pipeline
+            and c.settings.parallel.cp_comm_type == "p2p")
 
 
 def fastest_fitting(cands, rates, memory: int):

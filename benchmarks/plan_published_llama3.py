@@ -30,7 +30,8 @@ Differences priced as the engine has them: the rank order (Megatron's tp-cp-ep-d
 both put each data-parallel and pipeline neighbour on another node), no oversubscription between pods (the paper's
 RoCE fabric has some; only data-parallel traffic crosses pods there). Context parallelism as the paper describes it
 and the engine runs it, ``--cp-comm-type allgather``: keys and values all-gathered, each rank's two chunks of
-queries against them (``omnitron.plan.cp_comm``); the search (``--rank``) stays with the default ring.
+queries against them (``omnitron.plan.cp_comm``); the search (``--rank``) tries the ring, the all-gather and the
+all-to-all at every cp > 1.
 
 Kernel rates: ``h100-sxm`` (one GPU's measured curves) and ``h100-sxm-at-scale`` (those x 0.709, the one constant
 ``plan_published_h100.py --fit`` fitted on the odd rows of Megatron-Core's H100 table): this table is held out

@@ -99,3 +99,28 @@ def _allgather(x: work.Local, elem: int) -> CpWork:
     return CpWork([("all_gather", kv * elem, x.cp, "cp")] * 2, [("reduce_scatter", kv * elem, x.cp, "cp")] * 2,
                   blocks, [("ring_merge", q_chunk)] * merges + [("copy", kv)] * 2,
                   [("add", q_chunk)] * merges + [("add", kv), ("copy", kv)] * 2)
+
+
+def saved_extra(settings, cfg) -> float:
+    """Bytes one layer saves for backward per micro-batch beyond what the activation probes measure (one process on
+    the rank's ``s / cp`` tokens: the ring's saved local keys and values among them), as the engine's paths save:
+
+    - ``allgather``: the attention blocks keep the gathered keys and values, ``2 b (g / tp) (s - s / cp) d``
+      elements more, and the gather's row order (int64, ``s``);
+    - ``a2a``: the same elements over the whole sequence for ``1 / cp`` of the heads, but key / value heads that cp
+      does not divide are repeated per query head first (``2 b (s / cp) d (a / tp - g / tp)`` more), and the
+      reorder's two orders (int64, ``s`` each);
+    - ``a2a+p2p``: its a2a's repeated heads over the a2a size (its orders, ``O(s)`` int64, left out)."""
+    from omnitron.core.transformer.shapes import head_dim, query_groups
+
+    pc = settings.parallel
+    cp, tp, comm = pc.context_parallel_size, pc.tensor_model_parallel_size, pc.cp_comm_type
+    if cp == 1 or comm == "p2p":
+        return 0.0
+    s, b, d, elem = cfg.seq_length, settings.training.micro_batch_size, head_dim(cfg), cfg.params_dtype.itemsize
+    groups, heads = max(1, query_groups(cfg) // tp), cfg.num_attention_heads // tp
+    if comm == "allgather":
+        return 2.0 * b * groups * (s - s // cp) * d * elem + 8 * s
+    a = cp if comm == "a2a" else int((pc.hierarchical_context_parallel_sizes or [1])[0])
+    repeat = 2.0 * b * (s // cp) * d * (heads - groups) * elem if groups % a else 0.0
+    return repeat + (16 * s if comm == "a2a" else 0)

@@ -12,9 +12,10 @@ micro-batches: two chunks per rank, their bubble from the schedule's simulation 
 its table, as every schedule's); full recomputation (uniform, 1 layer) on / off (a device-profile search adds
 block recomputation, the first k layers of each chunk, where a layout does not fit without:
 :func:`omnitron.plan.recommend._blocks`);
-the distributed optimizer on / off where dp x cp > 1; sequence parallelism always on with tp > 1 (it only saves
-memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each candidate
-is a full :class:`Settings`, so the engine's own validation rejects what it would.
+the distributed optimizer on / off where dp x cp > 1; at cp > 1 a device-profile search also tries the all-gather and
+the all-to-all (``--cp-comm-type allgather`` / ``a2a``: :func:`_cp_comms`); sequence parallelism always on with tp > 1
+(it only saves memory); for MoE models, ep dividing the experts with etp (= tp) x ep dividing tp x cp x dp. Each
+candidate is a full :class:`Settings`, so the engine's own validation rejects what it would.
 """
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ class Choice:
         pc, s = self.settings.parallel, self.settings
         vp = pc.virtual_pipeline_model_parallel_size or 1
         ep, sched = pc.expert_model_parallel_size, self.flags.get("pipeline_schedule")
-        return (f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size} "
-                f"dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" {sched}" if sched else "")
+        comm = f"-{pc.cp_comm_type}" if pc.context_parallel_size > 1 and pc.cp_comm_type != "p2p" else ""
+        return (f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} cp{pc.context_parallel_size}"
+                f"{comm} dp{s.dp}" + (f" ep{ep}" if ep > 1 else "") + (f" {sched}" if sched else "")
                 + (f" vpp{vp}" if vp > 1 and not sched else "")
                 + f" mbs{s.training.micro_batch_size}"
                 + self._recompute()
@@ -131,6 +133,15 @@ def _cp_sizes(seq: int) -> list[int]:
     return out or [1]
 
 
+def _cp_comms(cfg, tp: int, cp: int, given: dict, cluster: int | None) -> tuple:
+    """The ``--cp-comm-type`` values tried at ``cp``: the user's; else the ring (None: the default), and in a
+    device-profile search at cp > 1 also the all-gather (Llama 3's) and the all-to-all where the heads a tp rank
+    holds divide by cp (the hierarchical a2a+p2p only when the user gives it)."""
+    if cp == 1 or given.get("cp_comm_type") or not cluster:
+        return (None,)
+    return (None, "allgather") + (("a2a",) if (cfg.num_attention_heads // tp) % cp == 0 else ())
+
+
 def _grid(cfg, devices: int, gbs: int, max_tp: int | None = None, pc=None):
     """(tp, pp, cp, dp, mbs, vpp, schedule, (layers a rank, split flags)) that pass the divisibility rules of the
     module docstring (tp <= ``max_tp``; the split: :func:`_split` of the user's parallel config ``pc``)."""
@@ -181,9 +192,10 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
     out, seen = [], set()
     for tp, pp, cp, dp, mbs, vpp, sched, ep, (per_rank, split) in _with_ep(cfg,
                                                                            _grid(cfg, devices, gbs, cluster, pc)):
-        for rec in ((True,) if minimal else (False, True)):
+        for rec, comm in ((r, c) for r in ((True,) if minimal else (False, True))
+                          for c in ((None,) if minimal else _cp_comms(cfg, tp, cp, given, cluster))):
             for dist in ((True,) if minimal or cluster else (False, True)) if dp * cp > 1 else (False,):
-                key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, sched, rec, dist)
+                key = (tp, pp, cp, ep) if minimal else (tp, pp, cp, ep, mbs, vpp, sched, rec, dist, comm)
                 least = min(b for b in (1, 2, 4, 8) if gbs % (b * dp) == 0)
                 if key in seen or minimal and (mbs, vpp, sched) != (least, 1, None):
                     continue
@@ -202,6 +214,8 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
                     flags["num_layers_per_virtual_pipeline_stage"] = per_rank // vpp
                 if rec:
                     flags.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                if comm:
+                    flags["cp_comm_type"] = comm
                 if dist:
                     flags["use_distributed_optimizer"] = True
                 try:

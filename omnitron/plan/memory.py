@@ -10,7 +10,8 @@ distributed-optimizer slice boundaries, and the largest is reported):
   schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
   it; the peak over the table counts. A sent chunk output is not held (the runtime keeps its autograd node
-  only). Under context parallelism a rank's sequence is ``s / cp``;
+  only). Under context parallelism a rank's sequence is ``s / cp`` (and with ``--cp-comm-type allgather`` each
+  layer also keeps the gathered keys and values: :func:`.cp_comm.saved_extra`);
 - boundary: the pipeline send still in flight while a backward runs: a rank releases a send's tensor at the
   exchange after the next action (``core/parallel/pipeline/p2p.py``), so a ``B`` or ``W`` that follows an
   action which sent an activation or input gradient (``[s(/tp under SP), b, h]``) runs beside it: the most
@@ -61,6 +62,7 @@ from dataclasses import dataclass, replace
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
+from omnitron.plan.cp_comm import saved_extra
 from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, saved_less
 from omnitron.plan.fp8_moe import experts_as_run
 from omnitron.plan.fp8_passes import native_gemm
@@ -228,7 +230,7 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
     am = activation_model(cfg, tp)
     n_rec = _recomputed(cfg, layers)
     acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
-    acts += moe_extra(settings, cfg, max(0, moe - n_rec), routed)
+    acts += moe_extra(settings, cfg, max(0, moe - n_rec), routed) + (layers - n_rec) * saved_extra(settings, cfg)
     if first:
         acts += s * b * am.embedding / (tp if sp else 1)
     if not last:
@@ -316,9 +318,9 @@ def recompute_bytes(settings, cfg, routed=None) -> int:
     s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     n = 1 if cfg.recompute_method == "block" else (cfg.recompute_num_layers or 1)
     moe = n if cfg.num_experts else 0  # NOTE: the rematerialised chunk priced as MoE layers when the model has any
-    return round(n * activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel)
-                 + (_heaviest(settings, cfg, moe, *routed) if routed and routed[0] and moe else moe_extra(settings, cfg,
-                                                                                                     moe)))
+    one = activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel) + saved_extra(settings, cfg)
+    heavy = _heaviest(settings, cfg, moe, *routed) if routed and routed[0] and moe else moe_extra(settings, cfg, moe)
+    return round(n * one + heavy)
 
 
 def _heaviest(settings, cfg, moe: int, specs: list, rank: int) -> float:

@@ -137,3 +137,88 @@ def test_each_comm_type_is_priced_apart_in_one_search():
         fresh = predict(settings(comm), DeviceRates(load("h100-sxm"), 8), "none")
         assert fresh.total == steps[comm].total and fresh.cp == steps[comm].cp, comm
     assert len({round(st.cp, 12) for st in steps.values()}) == len(CASES)
+
+
+def saved_worker(cp: int, seq_per_rank: int) -> dict:
+    """Bytes of the storages one forward of the engine's cp attention saves for backward, per comm type."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.parallel.context import split_sequence
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.cp_attention import cp_attention
+
+    torch.set_num_threads(1)
+    backend, out = get_backend(), {}
+    for comm in ("p2p", "allgather", "a2a"):
+        groups = ParallelGroups.build(ParallelConfig(context_parallel_size=cp, cp_comm_type=comm), backend.collectives)
+        m = SimpleNamespace(cp_group=groups.cp, cp_comm_type=comm, tracker=None, cp_subgroups=None, backend=backend)
+        g = torch.Generator().manual_seed(3)
+        s = cp * seq_per_rank
+        full = [torch.randn(B, h, s, D, generator=g) for h in (HQ, HKV, HKV)]
+        mine = [split_sequence(t, 2, cp, groups.cp.rank).to(backend.device()).requires_grad_(True) for t in full]
+        kept = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            cp_attention(m, *mine, 0.0)
+        out[comm] = sum(kept.values())
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_saved_extra_is_what_the_engines_attention_saves_beyond_the_ring(cp):
+    """What the engine's attention saves for backward beyond the ring's, storages counted once each, is the memory
+    model's :func:`cp_comm.saved_extra` exactly: under ``allgather`` the gathered keys and values less the local
+    ones and the gather's order; under ``a2a`` its two orders, and at cp 4 the two key / value heads repeated to
+    four before the all-to-all (the extra heads' keys and values)."""
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.settings import settings_of
+
+    per, want = 8, {}
+    for comm in ("allgather", "a2a"):
+        s = settings_of({"model": "gpt2_tiny", "num_attention_heads": HQ, "num_query_groups": HKV,
+                         "hidden_size": HQ * D, "seq_length": cp * per, "max_position_embeddings": cp * per,
+                         "tokenizer_type": "NullTokenizer", "vocab_size": 100, "nproc_per_node": cp,
+                         "context_parallel_size": cp, "cp_comm_type": comm, "micro_batch_size": B,
+                         "global_batch_size": B})
+        want[comm] = cp_comm.saved_extra(s, model_config(s))
+    seq = cp * per
+    assert want["allgather"] == 2 * B * HKV * (seq - per) * D * 4 + 8 * seq  # fp32: 4 bytes, int64 orders: 8
+    assert want["a2a"] == 16 * seq + (2 * B * per * D * (HQ - HKV) * 4 if HKV % cp else 0)
+    for saved in run_distributed(saved_worker, cp, cp, per):
+        assert saved["allgather"] - saved["p2p"] == want["allgather"]
+        assert saved["a2a"] - saved["p2p"] == want["a2a"]
+
+
+def test_device_search_tries_each_comm_type():
+    """A device-profile search tries every cp > 1 layout with the ring, the all-gather and (where the heads a tp rank
+    holds divide by cp) the all-to-all, each launched with its ``--cp-comm-type`` and named apart; a user's type is
+    kept; a ``--bench`` search (no ``cluster``) tries the ring only."""
+    from omnitron.plan.layouts import candidates
+    from omnitron.plan.recommend import launch_flags
+
+    given = {"model": "gpt2_tiny", "num_attention_heads": 4, "num_query_groups": 2, "hidden_size": 32,
+             "seq_length": 64, "max_position_embeddings": 64, "tokenizer_type": "NullTokenizer", "vocab_size": 100,
+             "global_batch_size": 8, "nproc_per_node": 8}
+    seen = {}
+    for c in candidates(given, 8, cluster=8):
+        pc = c.settings.parallel
+        key = (pc.tensor_model_parallel_size, pc.context_parallel_size)
+        seen.setdefault(key, set()).add(pc.cp_comm_type)
+        if pc.cp_comm_type != "p2p":
+            assert f"--cp-comm-type {pc.cp_comm_type}" in launch_flags(c)
+            assert f"cp{pc.context_parallel_size}-{pc.cp_comm_type} " in c.name()
+    for (tp, cp), comms in seen.items():
+        heads = 4 // tp
+        want = {"p2p"} if cp == 1 else {"p2p", "allgather"} | ({"a2a"} if heads % cp == 0 else set())
+        assert comms == want, (tp, cp, comms)
+    assert any(cp == 4 for _, cp in seen)  # some cp > 1 was searched
+    kept = {c.settings.parallel.cp_comm_type for c in candidates(given | {"cp_comm_type": "a2a"}, 8, cluster=8)
+            if c.settings.parallel.context_parallel_size == 2}
+    assert kept == {"a2a"}
+    a2a = [c.settings.parallel for c in candidates(given | {"cp_comm_type": "a2a"}, 8, cluster=8)]
+    assert all((4 // pc.tensor_model_parallel_size) % pc.context_parallel_size == 0 for pc in a2a)  # the engine refuses the rest
+    assert {c.settings.parallel.cp_comm_type for c in candidates(given, 8)} == {"p2p"}
