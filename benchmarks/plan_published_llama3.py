@@ -40,7 +40,7 @@ from that fit entirely.
 ``--rank``: the search's best layout (``h100-sxm-at-scale``, overlap all, 1F1B / interleaved) against each
 published layout's best variant.
 
-    PYTHONPATH=. python benchmarks/plan_published_llama3.py [--causal] [--rank] [--json F]
+    PYTHONPATH=. python benchmarks/plan_published_llama3.py [--causal] [--rank] [--comm-types] [--json F]
 """
 from __future__ import annotations
 
@@ -68,18 +68,18 @@ def flops_per_token(seq: int, causal: bool) -> float:
     return 6.0 * num_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq / (2 if causal else 1)
 
 
-def row_flags(row) -> dict:
-    """The row's model and layout as plan flags."""
+def row_flags(row, comm: str = "allgather") -> dict:
+    """The row's model and layout as plan flags (``comm``: the ``--cp-comm-type`` where cp > 1, the paper's)."""
     gpus, tp, cp, pp, dp, seq, per_dp, _ = row
     return {"model": "llama3_405b", "seq_length": seq, "max_position_embeddings": seq, "bf16": True,
             "tokenizer_type": "NullTokenizer", "vocab_size": 128255, "nproc_per_node": gpus,
             "tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
             "global_batch_size": per_dp * dp, "sequence_parallel": True, "use_distributed_optimizer": True,
             "account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True} | (
-                {"cp_comm_type": "allgather"} if cp > 1 else {})
+                {"cp_comm_type": comm} if cp > 1 else {})
 
 
-def variants(row) -> list:
+def variants(row, comm: str = "allgather") -> list:
     """Every (micro-batch, chunks per rank, recomputation) of the row's layout the engine accepts."""
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.layouts import Choice
@@ -93,7 +93,7 @@ def variants(row) -> list:
             per_chunk = slots // vpp
             # none, selective, full (every layer), and block: the first k layers of each chunk (k < its layers)
             for rec in (None, "selective", "full", *range(1, per_chunk)):
-                f = row_flags(row) | {"micro_batch_size": mbs}
+                f = row_flags(row, comm) | {"micro_batch_size": mbs}
                 if vpp > 1:
                     f["num_virtual_stages_per_pipeline_rank"] = vpp
                 if rec == "full":
@@ -109,12 +109,12 @@ def variants(row) -> list:
     return out
 
 
-def best(row, rates, overlap: str):
-    """The fastest variant of the row's layout that fits the profile's memory."""
+def best(row, rates, overlap: str, comm: str = "allgather"):
+    """The fastest variant of the row's layout (``comm``: its ``--cp-comm-type``) that fits the profile's memory."""
     from omnitron.plan.memory import estimate
     from omnitron.plan.speed import predict
 
-    cands = variants(row)
+    cands = variants(row, comm)
     for c in cands:
         c.step = predict(c.settings, rates, overlap)
     for c in sorted(cands, key=lambda c: -c.step.tokens_per_s):
@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true", help="halve the attention FLOPs for the causal mask")
     ap.add_argument("--rank", action="store_true", help="also search every layout (h100-sxm-at-scale, overlap all; "
                     "minutes a row)")
+    ap.add_argument("--comm-types", action="store_true", help="also price the cp rows' layout with each "
+                    "--cp-comm-type (h100-sxm-at-scale, overlap all)")
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args()
     from omnitron.plan.cluster import device_rates
@@ -178,6 +180,8 @@ def main() -> None:
                             "variant": c.name(), "peak_gib": c.peak / 2**30, "step_s": c.step.total,
                             "breakdown_s": c.step.breakdown()})
     ranked = rank_rows(scales[-1][1], out) if args.rank else None
+    if args.comm_types:
+        comm_rows(scales[-1][1], args.causal)
     print()
     for (label, overlap), e in errs.items():
         print(f"{label}, overlap {overlap}: errors " + ", ".join(f"{x:+.1%}" for x in e) +
@@ -186,6 +190,18 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump({"devices": DEVICES, "gpus_per_node": GPN, "causal": args.causal, "rows": out, "rank": ranked},
                       fh, indent=1)
+
+
+def comm_rows(rates, causal: bool) -> None:
+    """Each cp > 1 row's layout priced with the ring, the all-gather (the paper's) and the all-to-all."""
+    print(f"\nthe cp rows under each --cp-comm-type ({rates.profile.name}, overlap all)")
+    for row in (r for r in ROWS if r[2] > 1):
+        work = row[6] * row[4] * row[5] * flops_per_token(row[5], causal)
+        for comm in ("p2p", "allgather", "a2a"):
+            c = best(row, rates, "all", comm)
+            pred = work / c.step.total / row[0] / 1e12
+            print(f"{row[0]:>6} GPUs seq {row[5]:>6} {comm:>9}: {c.name()} {c.step.total:.2f} s, {pred:.1f} TFLOP/s "
+                  f"({pred / row[7] - 1:+.1%}), {c.peak / 2**30:.1f} GiB")
 
 
 def rank_rows(rates, out: list) -> list[dict]:
