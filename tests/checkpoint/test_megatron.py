@@ -100,19 +100,20 @@ def _layer(full: dict, cfg, i: int, r: int, tp: int) -> dict:
     return out
 
 
-def _longhand(full: dict, cfg, tp: int, pp: int, vp: int = 1) -> dict:
-    """``{(tp_rank, pp_rank): [model state dict per chunk]}`` in Megatron-Core's layout."""
+def _longhand(full: dict, cfg, tp: int, pp: int, vp: int = 1, layers: dict | None = None) -> dict:
+    """``{(tp_rank, pp_rank): [model state dict per chunk]}`` in Megatron-Core's layout (``layers``: the global
+    layers of each (stage, chunk), else an even split)."""
     padded = 128 * tp  # V = 100 pads to one multiple of 128 x tp
     per = cfg.num_layers // (pp * vp)
+    layers = layers or {(p, c): [(c * pp + p) * per + j for j in range(per)] for p in range(pp) for c in range(vp)}
     out = {}
     for p in range(pp):
         for r in range(tp):
             chunks = []
             for c in range(vp):
                 sd = {}
-                for j in range(per):  # chunk c of stage p holds global layers (c * pp + p) * per + j
-                    sd.update({f"decoder.layers.{j}.{k}": t for k, t in
-                               _layer(full, cfg, (c * pp + p) * per + j, r, tp).items()})
+                for j, i in enumerate(layers[(p, c)]):  # local number j, global layer i
+                    sd.update({f"decoder.layers.{j}.{k}": t for k, t in _layer(full, cfg, i, r, tp).items()})
                 first, last = p == 0 and c == 0, p == pp - 1 and c == vp - 1
                 emb = torch.cat([full["embedding.word_embeddings.weight"], torch.zeros(padded - V, 32)])
                 if first:
@@ -204,6 +205,22 @@ def test_import_interleaved_to_tp2_pp2(source, tmp_path):
     from omnitron.core.checkpoint.io import read_metadata
 
     assert read_metadata(out)["imported_from"]["iteration"] == 1234  # the files' top-level iteration
+    got = read_full_state(out).model
+    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_import_accounted_split_with_empty_chunks(source, tmp_path):
+    """A run with --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split and 3 virtual
+    stages a rank: 4 layers + 2 slots over pp2 x vp3, one slot a chunk, so the first chunk (the embedding) and the
+    last (final norm, output layer) hold no layer (Megatron's slot arithmetic, written out by hand): rank 0 holds
+    [], [1], [3], rank 1 [0], [2], []. Imported whole, bit for bit."""
+    cfg, _, full = source["llama"]
+    layers = {(0, 0): [], (1, 0): [0], (0, 1): [1], (1, 1): [2], (0, 2): [3], (1, 2): []}
+    root = str(tmp_path / "meg")
+    args = _args(cfg, TP, PP, virtual_pipeline_model_parallel_size=3, num_virtual_stages_per_pipeline_rank=3,
+                 account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+    _write_megatron(root, _longhand(full, cfg, TP, PP, 3, layers), args, PP)
+    out = import_megatron(os.path.join(root, "iter_0001234"), str(tmp_path / "ck"), Layout())
     got = read_full_state(out).model
     assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
 
