@@ -566,8 +566,8 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
     threads, slow = _threads(settings, rates)
     what = {"none": "every communication on the critical path",
             "dp": "dp gradient reduction hidden behind the backward after each chunk's last one",
-            "all": "all communication hidden behind compute where shorter; parameter all-gather behind the "
-                   "next forward"}
+            "all": "all communication hidden behind compute where shorter (a pipeline message still reaches its "
+                   "receiver a transfer later); parameter all-gather behind the next forward"}
     out = [f"overlap: {overlap} ({what[overlap]})"] + ([fp8.describe(settings)] if settings.fp8 is not None else [])
     if getattr(settings.model, "num_experts", None):
         from omnitron.plan.memory import model_config
