@@ -12,9 +12,13 @@ all-gather, the input for reduce-scatter; ``B_i``, ``B_n`` the achieved intra-no
 ``a_i``, ``a_n`` per-step latencies, ``n = local x nodes``):
 
 - **ring** (one ring over all ``n``): ``f S / B + steps x a``, ``f`` the bus factor (all-reduce ``2 (n-1)/n``,
-  all-gather / reduce-scatter / all-to-all ``(n-1)/n``); ``B = B_i`` inside a node, else
-  ``min(B_i, local x B_n)`` (NCCL runs one ring per NIC, so a node's ``local`` NICs carry its ring edges in
-  parallel); ``a = a_n`` once the ring leaves the node.
+  all-gather / reduce-scatter ``(n-1)/n``); ``B = B_i`` inside a node, else ``min(B_i, local x B_n)`` (NCCL runs
+  one ring per NIC, so a node's ``local`` NICs carry its ring edges in parallel); ``a = a_n`` once the ring leaves
+  the node.
+- **direct** (all-to-all: no ring, every member sends ``S / n`` to each other one): ``(local-1)/n S`` over the
+  intra-node link and ``(n-local)/n S`` through the device's own NIC at once, ``max((local-1)/n S / B_i,
+  (n-local)/n S / B_n) + (n-1) a``: across nodes the NICs carry every byte that leaves the node, about ``local``
+  times what a ring's edges would (inside a node the same as the ring's formula).
 - **hierarchical** (``local > 1``, ``nodes > 1``): all-reduce = reduce-scatter inside the node, all-reduce of
   ``S / local`` across nodes on each device's own NIC, all-gather inside:
   ``2 (local-1)/local S / B_i + 2 (nodes-1)/nodes (S/local) / B_n``; all-gather and reduce-scatter the
@@ -103,6 +107,14 @@ class Machine:
             lat = self.links.inter_latency
         return bus_factor(op, sp.size) * nbytes / bw + _STEPS[op](sp.size) * lat
 
+    def direct(self, nbytes: float, sp: Span) -> float:
+        """All-to-all of ``nbytes`` per device (module docstring)."""
+        n = sp.size
+        intra = (sp.local - 1) / n * nbytes / self.b_i
+        if sp.nodes == 1:
+            return intra + (n - 1) * self.links.intra_latency
+        return max(intra, (n - sp.local) / n * nbytes / self.b_n) + (n - 1) * self.links.inter_latency
+
     def hierarchical(self, op: str, nbytes: float, sp: Span) -> float:
         if sp.local == 1 or sp.nodes == 1 or op not in ("all_reduce", "all_gather", "reduce_scatter"):
             return math.inf
@@ -137,6 +149,8 @@ class Machine:
         """(seconds, algorithm) of the cheapest algorithm for ``op`` of ``nbytes`` over the group ``sp``."""
         if sp.size <= 1 or nbytes <= 0:
             return 0.0, "none"
+        if op == "all_to_all":
+            return self.direct(nbytes, sp), "direct"
         return min((getattr(self, a)(op, nbytes, sp), a) for a in ALGORITHMS)
 
     def p2p(self, nbytes: float, crosses_nodes: bool) -> float:

@@ -160,3 +160,15 @@ def test_profiles_price_tp8_all_reduce_with_nvls_where_the_switch_reduces(name, 
     if name in ("h100-sxm", "h200", "b200"):  # NDR InfiniBand: "46-48GB/s per NIC" (nccl-tests issue 290)
         t = r.machine.collective("all_reduce", big, span(2, 8, 8))[0]
         assert 46e9 <= big * 2 * 1 / 2 / t <= 48e9
+
+
+def test_all_to_all_over_two_nodes_by_hand():
+    """1 GB a device all-to-all over 16 devices on two nodes: each device sends 1/16 GB to each other; 7/16 GB over
+    the 100 GB/s switch (4.375 ms) and 8/16 GB through its 10 GB/s NIC (50 ms) at once: 50 ms, against the ring
+    formula's 15/16 GB / 80 GB/s = 11.72 ms (no ring carries an all-to-all). Inside one node, the ring's
+    formula: 7/8 GB / 100 GB/s = 8.75 ms. One device per node (stride 8): the NIC alone, 1/2 GB / 10 GB/s."""
+    m = Machine(LINKS, 8)
+    assert m.collective("all_to_all", GB, span(16, 1, 8)) == (pytest.approx(50e-3, rel=1e-12), "direct")
+    assert math.isclose(m.collective("all_to_all", GB, span(8, 1, 8))[0], 8.75e-3)
+    assert math.isclose(m.collective("all_to_all", GB, span(2, 8, 8))[0], 50e-3)
+    assert math.isclose(m.collective("all_to_all", GB, span(64, 1, 8))[0], 56 / 64 / 10)  # 8 nodes: 56/64 leave
