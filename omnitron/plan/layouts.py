@@ -5,8 +5,8 @@ The search (:func:`candidates`): tp divides the devices, the attention heads and
 the rest and the layers, or the layers with the loss (and the embedding) counted as one (:func:`_split`); cp
 (1, 2, 4, 8, and beyond 8 while a rank keeps at least 4,096 tokens: :func:`_cp_sizes`) divides the rest and
 splits the sequence into ``2 cp`` chunks; dp is what remains and with the micro-batch size (1, 2, 4, 8) divides
-the global batch, which stays as the flags give it; vpp (every divisor of the slots per stage up to 16, so one
-layer a virtual stage where a stage has 16 or fewer) where pp > 1; where pp > 1 and the slots per stage are
+the global batch, which stays as the flags give it; vpp (every divisor of the slots per stage up to 16, and one
+layer a virtual stage) where pp > 1; where pp > 1 and the slots per stage are
 even, the V-shaped schedules too (``--pipeline-schedule zb-v``, and ``dualpipe-v`` with at least 2 pp
 micro-batches: two chunks per rank, their bubble from the schedule's simulation and their memory from walking
 its table, as every schedule's); full recomputation (uniform, 1 layer) on / off (a device-profile search adds
@@ -67,7 +67,8 @@ def _divisors(n: int) -> list[int]:
 
 
 MAX_VPP = 16
-"""The most virtual stages a rank's layers are split into in the search (each halves the bubble less)."""
+"""The most virtual stages a rank's layers are split into in the search (each halves the bubble less), besides one
+layer a virtual stage, which is always tried (a rank's 23 layers divide into 1 or 23 chunks only)."""
 
 
 def _schedules(per_rank: int, pp: int, m: int):
@@ -78,7 +79,7 @@ def _schedules(per_rank: int, pp: int, m: int):
         yield 1, None
         return
     for vpp in _divisors(per_rank):  # down to one layer a virtual stage, as Megatron allows
-        if vpp == 1 or vpp <= MAX_VPP and not m % pp:
+        if vpp == 1 or (vpp <= MAX_VPP or vpp == per_rank) and not m % pp:
             yield vpp, None
     if per_rank % 2 == 0:  # the V: two chunks per rank
         yield 2, "zb-v"

@@ -112,7 +112,7 @@ def test_at_scale_rate_is_the_recorded_fit():
     import pathlib
 
     results = pathlib.Path(DEVICES_DIR).parents[2] / "benchmarks/results/plan_published"
-    recorded = results / "h100-mcore-r0.8-2026-12-05-transfer.json"
+    recorded = results / "h100-mcore-r0.8-2026-12-06-vpp.json"
     f = json.loads(recorded.read_text())["fit"]["f"]
     base, at = load("h100-sxm"), load("h100-sxm-at-scale")
     assert all(abs(at.peak[k] / base.peak[k] - f) < 5e-4 for k in base.peak)

@@ -147,9 +147,9 @@ def test_the_smallest_layout_is_priced_under_the_routing_histogram(tmp_path, mon
 
 
 def test_interleaving_is_searched_down_to_one_layer_a_virtual_stage(tmp_path, constant_rates):
-    """The search tries every vpp dividing a stage's layers, up to 16 (Megatron accepts any divisor, one layer a
-    virtual stage included), where the interleaved schedule runs (micro-batches a multiple of pp): 36 layers on pp2
-    (18 a stage: 1, 2, 3, 6, 9, not 18) and pp4 (9: 1, 3, 9); with a single micro-batch on pp2, 1F1B only. Each is
+    """The search tries every vpp dividing a stage's layers up to 16, and one layer a virtual stage beyond (Megatron
+    accepts any divisor), where the interleaved schedule runs (micro-batches a multiple of pp): 36 layers on pp2
+    (18 a stage: 1, 2, 3, 6, 9 and 18) and pp4 (9: 1, 3, 9); with a single micro-batch on pp2, 1F1B only. Each is
     priced and its schedule's bubble shrinks as vpp grows (constant rates, equal stages)."""
     from omnitron.plan.layouts import candidates
     from omnitron.plan.speed import predict
@@ -162,10 +162,10 @@ def test_interleaving_is_searched_down_to_one_layer_a_virtual_stage(tmp_path, co
                 "pipeline_schedule") and not c.flags.get("recompute_granularity"):
             key = (pc.pipeline_model_parallel_size, c.settings.training.micro_batch_size)
             vpps.setdefault(key, {})[pc.virtual_pipeline_model_parallel_size or 1] = c
-    assert set(vpps[(2, 1)]) == {1, 2, 3, 6, 9} and set(vpps[(4, 1)]) == {1, 3, 9}
+    assert set(vpps[(2, 1)]) == {1, 2, 3, 6, 9, 18} and set(vpps[(4, 1)]) == {1, 3, 9}
     assert set(vpps[(2, 4)]) == {1}  # 8 / (4 x dp 2) = 1 micro-batch
     rates = constant_rates(tmp_path, 0.05, 0.0)
-    bubbles = [predict(vpps[(2, 1)][v].settings, rates).bubble for v in (1, 2, 3, 6, 9)]
+    bubbles = [predict(vpps[(2, 1)][v].settings, rates).bubble for v in (1, 2, 3, 6, 9, 18)]
     assert all(a > b for a, b in zip(bubbles, bubbles[1:])), bubbles
 
 
