@@ -110,7 +110,8 @@ def saved_extra(settings, cfg) -> float:
     - ``a2a``: the same elements over the whole sequence for ``1 / cp`` of the heads, but key / value heads that cp
       does not divide are repeated per query head first (``2 b (s / cp) d (a / tp - g / tp)`` more), and the
       reorder's two orders (int64, ``s`` each);
-    - ``a2a+p2p``: its a2a's repeated heads over the a2a size (its orders, ``O(s)`` int64, left out)."""
+    - ``a2a+p2p``: the same over its a2a size A (heads repeated where A does not divide them; the two orders of
+      its ``A s / cp`` rows)."""
     from omnitron.core.transformer.shapes import head_dim, query_groups
 
     pc = settings.parallel
@@ -123,4 +124,4 @@ def saved_extra(settings, cfg) -> float:
         return 2.0 * b * groups * (s - s // cp) * d * elem + 8 * s
     a = cp if comm == "a2a" else int((pc.hierarchical_context_parallel_sizes or [1])[0])
     repeat = 2.0 * b * (s // cp) * d * (heads - groups) * elem if groups % a else 0.0
-    return repeat + (16 * s if comm == "a2a" else 0)
+    return repeat + (16 * a * (s // cp) if a > 1 else 0)

@@ -149,9 +149,12 @@ def saved_worker(cp: int, seq_per_rank: int) -> dict:
 
     torch.set_num_threads(1)
     backend, out = get_backend(), {}
-    for comm in ("p2p", "allgather", "a2a"):
-        groups = ParallelGroups.build(ParallelConfig(context_parallel_size=cp, cp_comm_type=comm), backend.collectives)
-        m = SimpleNamespace(cp_group=groups.cp, cp_comm_type=comm, tracker=None, cp_subgroups=None, backend=backend)
+    for comm in ("p2p", "allgather", "a2a", "a2a+p2p"):
+        sizes = [2, cp // 2] if comm == "a2a+p2p" else None
+        config = ParallelConfig(context_parallel_size=cp, cp_comm_type=comm, hierarchical_context_parallel_sizes=sizes)
+        groups = ParallelGroups.build(config, backend.collectives)
+        m = SimpleNamespace(cp_group=groups.cp, cp_comm_type=comm, tracker=None, backend=backend,
+                            cp_subgroups=(groups.cp_a2a, groups.cp_p2p) if sizes else None)
         g = torch.Generator().manual_seed(3)
         s = cp * seq_per_rank
         full = [torch.randn(B, h, s, D, generator=g) for h in (HQ, HKV, HKV)]
@@ -173,24 +176,26 @@ def test_saved_extra_is_what_the_engines_attention_saves_beyond_the_ring(cp):
     """What the engine's attention saves for backward beyond the ring's, storages counted once each, is the memory
     model's :func:`cp_comm.saved_extra` exactly: under ``allgather`` the gathered keys and values less the local
     ones and the gather's order; under ``a2a`` its two orders, and at cp 4 the two key / value heads repeated to
-    four before the all-to-all (the extra heads' keys and values)."""
+    four before the all-to-all (the extra heads' keys and values); under ``a2a+p2p`` (2 x cp/2) its a2a's orders."""
     from omnitron.plan.memory import model_config
     from omnitron.plan.settings import settings_of
 
     per, want = 8, {}
-    for comm in ("allgather", "a2a"):
+    for comm in ("allgather", "a2a", "a2a+p2p"):
         s = settings_of({"model": "gpt2_tiny", "num_attention_heads": HQ, "num_query_groups": HKV,
                          "hidden_size": HQ * D, "seq_length": cp * per, "max_position_embeddings": cp * per,
                          "tokenizer_type": "NullTokenizer", "vocab_size": 100, "nproc_per_node": cp,
                          "context_parallel_size": cp, "cp_comm_type": comm, "micro_batch_size": B,
-                         "global_batch_size": B})
+                         "global_batch_size": B} | (
+                             {"hierarchical_context_parallel_sizes": [2, cp // 2]} if comm == "a2a+p2p" else {}))
         want[comm] = cp_comm.saved_extra(s, model_config(s))
     seq = cp * per
     assert want["allgather"] == 2 * B * HKV * (seq - per) * D * 4 + 8 * seq  # fp32: 4 bytes, int64 orders: 8
     assert want["a2a"] == 16 * seq + (2 * B * per * D * (HQ - HKV) * 4 if HKV % cp else 0)
+    assert want["a2a+p2p"] == 16 * 2 * per  # the a2a over 2 ranks: HKV = 2 splits, its orders hold 2 chunks' rows
     for saved in run_distributed(saved_worker, cp, cp, per):
-        assert saved["allgather"] - saved["p2p"] == want["allgather"]
-        assert saved["a2a"] - saved["p2p"] == want["a2a"]
+        for comm, extra in want.items():
+            assert saved[comm] - saved["p2p"] == extra, comm
 
 
 def test_device_search_tries_each_comm_type():
