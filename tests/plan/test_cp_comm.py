@@ -225,5 +225,6 @@ def test_device_search_tries_each_comm_type():
             if c.settings.parallel.context_parallel_size == 2}
     assert kept == {"a2a"}
     a2a = [c.settings.parallel for c in candidates(given | {"cp_comm_type": "a2a"}, 8, cluster=8)]
-    assert all((4 // pc.tensor_model_parallel_size) % pc.context_parallel_size == 0 for pc in a2a)  # the engine refuses the rest
+    # the engine refuses the rest
+    assert all((4 // pc.tensor_model_parallel_size) % pc.context_parallel_size == 0 for pc in a2a)
     assert {c.settings.parallel.cp_comm_type for c in candidates(given, 8)} == {"p2p"}
