@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from omnitron.core.config.parallel import ConfigError
 from omnitron.plan import work
 
 
@@ -44,23 +43,25 @@ class CpWork:
     ew_b: list[tuple[str, int]] = field(default_factory=list)
 
 
-def cp_work(x: work.Local, elem: int, comm: str = "p2p", a2a: int | None = None) -> CpWork:
-    """:class:`CpWork` of ``--cp-comm-type comm`` (``a2a``: the hierarchical a2a size A; the ring runs over
-    cp / A). Nothing at cp 1."""
+def a2a_size(pc) -> int:
+    """The all-to-all's size of a layout's ``--cp-comm-type`` (``pc``: its ParallelConfig): cp under ``a2a``, A of
+    ``a2a+p2p``'s ``--hierarchical-context-parallel-sizes A P``, else 1."""
+    if pc.cp_comm_type == "a2a":
+        return pc.context_parallel_size
+    sizes = pc.cp_a2a_p2p_sizes
+    return int(sizes[0]) if sizes else 1
+
+
+def cp_work(x: work.Local, elem: int, comm: str = "p2p", a2a: int = 1) -> CpWork:
+    """:class:`CpWork` of ``--cp-comm-type comm`` (``a2a``: its all-to-all's size, :func:`a2a_size`; the ring runs
+    over cp / a2a). Nothing at cp 1. The heads' divisibility is the engine's to refuse (the model config)."""
     if x.cp == 1:
         return CpWork(blocks=work.cp_blocks(x))
-    if comm == "p2p":
-        return _ring(x, elem, "cp")
     if comm == "allgather":
         return _allgather(x, elem)
-    a = x.cp if comm == "a2a" else int(a2a or 1)
-    if comm != "a2a+p2p" and comm != "a2a":
-        raise ValueError(f"--cp-comm-type {comm!r} is not one of p2p, a2a, allgather, a2a+p2p")
+    a = a2a if comm in ("a2a", "a2a+p2p") else 1
     if a == 1:
         return _ring(x, elem, "cp")
-    if x.heads % a:
-        raise ConfigError(f"--cp-comm-type {comm} splits the {x.heads} attention heads a tensor-parallel rank holds "
-                          f"over {a} ranks: they must be a multiple of it; use --cp-comm-type p2p or allgather")
     kv = x.groups if x.groups % a == 0 else x.heads  # repeated per query head where a does not divide them
     q = x.batch * x.heads * (x.seq // x.cp) * x.head_dim
     k = x.batch * kv * (x.seq // x.cp) * x.head_dim
@@ -115,13 +116,12 @@ def saved_extra(settings, cfg) -> float:
     from omnitron.core.transformer.shapes import head_dim, query_groups
 
     pc = settings.parallel
-    cp, tp, comm = pc.context_parallel_size, pc.tensor_model_parallel_size, pc.cp_comm_type
+    cp, tp, comm, a = pc.context_parallel_size, pc.tensor_model_parallel_size, pc.cp_comm_type, a2a_size(pc)
     if cp == 1 or comm == "p2p":
         return 0.0
     s, b, d, elem = cfg.seq_length, settings.training.micro_batch_size, head_dim(cfg), cfg.params_dtype.itemsize
     groups, heads = max(1, query_groups(cfg) // tp), cfg.num_attention_heads // tp
     if comm == "allgather":
         return 2.0 * b * groups * (s - s // cp) * d * elem + 8 * s
-    a = cp if comm == "a2a" else int((pc.hierarchical_context_parallel_sizes or [1])[0])
     repeat = 2.0 * b * (s // cp) * d * (heads - groups) * elem if groups % a else 0.0
     return repeat + (16 * a * (s // cp) if a > 1 else 0)

@@ -110,8 +110,8 @@ class DeviceRates:
         tp, cp, pp = pc.tensor_model_parallel_size, pc.context_parallel_size, pc.pipeline_model_parallel_size
         self.world, self.elem = settings.world_size, settings.model.params_dtype.itemsize
         self.sizes = strides(tp, cp, settings.dp, pp, pc.expert_model_parallel_size, pc.etp)
-        a2a = pc.hierarchical_context_parallel_sizes if pc.cp_comm_type == "a2a+p2p" else None
-        self.sizes["cp_p2p"] = tp * int(a2a[0]) if a2a else tp  # a2a+p2p's ring: every A-th cp rank
+        sizes = pc.cp_a2a_p2p_sizes
+        self.sizes["cp_p2p"] = tp * int(sizes[0]) if sizes else tp  # a2a+p2p's ring: every A-th cp rank
         self.memo[("host_layer", 1)] = (0.0, 0.0)  # the host runs ahead of the device: not priced
 
     def _measured_inside_node(self, op: str, ranks: int) -> bool:

@@ -10,8 +10,8 @@ distributed-optimizer slice boundaries, and the largest is reported):
   schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
   it; the peak over the table counts. A sent chunk output is not held (the runtime keeps its autograd node
-  only). Under context parallelism a rank's sequence is ``s / cp`` (and with ``--cp-comm-type allgather`` each
-  layer also keeps the gathered keys and values: :func:`.cp_comm.saved_extra`);
+  only). Under context parallelism a rank's sequence is ``s / cp``, plus what ``--cp-comm-type allgather`` / ``a2a``
+  / ``a2a+p2p`` keep beyond the ring (gathered or repeated keys and values, orders: :func:`.cp_comm.saved_extra`);
 - boundary: the pipeline send still in flight while a backward runs: a rank releases a send's tensor at the
   exchange after the next action (``core/parallel/pipeline/p2p.py``), so a ``B`` or ``W`` that follows an
   action which sent an activation or input gradient (``[s(/tp under SP), b, h]``) runs beside it: the most

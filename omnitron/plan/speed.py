@@ -187,7 +187,7 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
     dt, elem = _DTYPE.get(str(cfg.params_dtype).replace("torch.", ""), "fp32"), cfg.params_dtype.itemsize
     threads, slow = _threads(settings, rates)
     stream = _threads(settings, rates, "host_stream")[1]
-    cpw = cp_comm.cp_work(x, elem, pc.cp_comm_type, (pc.hierarchical_context_parallel_sizes or [None])[0])
+    cpw = cp_comm.cp_work(x, elem, pc.cp_comm_type, cp_comm.a2a_size(pc))
     ring = cp > 1 and rates.ring_block_s(dt, 1.0, True, cfg.attention_dropout > 0, threads) is not None
     separate = not ring and not rates.fused_attention_dropout(threads)  # the probabilities' dropout, unpriced yet
     gemms, ew = work.layer_gemms(x), work.layer_elementwise(cfg, x, sp, attention_dropout=separate)
