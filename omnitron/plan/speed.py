@@ -462,15 +462,19 @@ def _stage_costs(settings, rates, overlap: str):
     rows = stage_layers(settings, cfg, len(load.shares)) if load is not None else {}
     rates.host_ranks = settings.world_size * _threads(settings, rates)[0]
     rates.bind(settings)
-    costs = {}
+    costs, alike = {}, {}  # alike: a stage's cost by what decides it (a deep pipeline repeats a few kinds)
+    style = _style(settings)
     for (r, c), kinds in layers.items():
-        style = _style(settings)
         k = virtual_stage(r, c, pp, style)
         # NOTE: the V's turn (stage p-1 to p) stays on rank p-1: no transfer
         nxt = k < pp * vp - 1 and place_stage(k + 1, pp, style)[0] != r
         prev = k > 0 and place_stage(k - 1, pp, style)[0] != r
-        costs[k] = stage_cost(settings, cfg, rates, kinds, first=k == 0, last=k == pp * vp - 1, nxt=nxt, prev=prev,
-                              rows=rows.get((r, c)), wide=wide[(r, c)])
+        ends = (k == 0, k == pp * vp - 1, nxt, prev)
+        row = rows.get((r, c))
+        key = (tuple(kinds), ends, None if row is None else tuple(row), tuple(wide[(r, c)]))
+        if key not in alike:
+            alike[key] = stage_cost(settings, cfg, rates, kinds, *ends, rows=row, wide=wide[(r, c)])
+        costs[k] = alike[key]
     return cfg, layers, costs
 
 

@@ -113,6 +113,84 @@ def test_simulator_catches_broken_tables():
         simulate(cyc)
 
 
+def _reference_spans(s, dur, hop):
+    """Each action's (start, end) by recursion over the dependency graph, written from ``simulate``'s contract: a
+    step (an action, or a combined pair: both in, both out at its end) starts when its rank's previous step has ended
+    and every output it needs has arrived (F: the previous stage's F; B: the next stage's B, the last stage its own F;
+    W: its own B), a transfer ``hop`` after that output's end when it comes from another stage."""
+    import functools
+
+    at = {(a.kind, s.stage(r, a.chunk), a.microbatch): (r, i) for r, t in s.tables.items() for i, a in enumerate(t)}
+    last = s.num_stages - 1
+
+    def first(r, i):  # the index starting the step that holds action i
+        return i - 1 if i and s.combined and s.paired(r, i - 1) else i
+
+    def step(r, i):
+        return [i, i + 1] if s.combined and s.paired(r, i) else [i]
+
+    @functools.lru_cache(maxsize=None)
+    def ready(r, i):  # step i's start
+        t = out(r, i - 1) if i else 0.0
+        for j in step(r, i):
+            a = s.tables[r][j]
+            k = s.stage(r, a.chunk)
+            need = {"F": ("F", k - 1) if k else None, "B": ("B", k + 1) if k < last else ("F", k),
+                    "W": ("B", k)}[a.kind]
+            if need:
+                t = max(t, out(*at[(*need, a.microbatch)]) + (hop[(need[1], need[0])] if need[1] != k else 0.0))
+        return t
+
+    def out(r, i):  # when action i's output exists (its step's end)
+        i0 = first(r, i)
+        t = ready(r, i0)
+        for j in step(r, i0):
+            a = s.tables[r][j]
+            t += dur[(s.stage(r, a.chunk), "BW" if a.kind == "B" and (a.chunk, a.microbatch) not in
+                      s.split_backward(r) else a.kind)]
+        return t
+
+    spans = {}
+    for r, t in s.tables.items():
+        for i in range(len(t)):
+            if first(r, i) == i:
+                begin = ready(r, i)
+                for j in step(r, i):
+                    a = t[j]
+                    end = begin + dur[(s.stage(r, a.chunk), "BW" if a.kind == "B" and (a.chunk, a.microbatch)
+                                       not in s.split_backward(r) else a.kind)]
+                    spans[(r, j)] = (begin, end)
+                    begin = end
+    return spans
+
+
+@pytest.mark.parametrize("name,pp,vp,m,combined", [
+    ("1f1b", 4, 1, 6, False), ("zb-h1", 3, 1, 5, False), ("interleaved", 4, 2, 8, False),
+    ("interleaved", 2, 3, 4, False), ("zb-v", 4, 2, 5, False), ("dualpipe-v", 3, 2, 7, False),
+    ("dualpipe-v", 4, 2, 8, True)])
+def test_simulated_clock_is_the_longest_path(name, pp, vp, m, combined):
+    """The simulator's spans equal a longest-path recursion over the dependencies on fresh random durations and
+    transfers: exactly (the same maxima and the same sums in the same order), and again after a table is replaced
+    (the simulator keeps a compiled form of each schedule: a stale one would replay the old table)."""
+    import dataclasses
+    import random
+
+    rng = random.Random()
+    s = build_schedule(name, pp, vp, m)
+    s = dataclasses.replace(s, combined=combined)
+    for trial in range(2):
+        dur = {(k, kind): rng.uniform(0.1, 3.0) for k in range(s.num_stages) for kind in ("F", "B", "W", "BW")}
+        hop = {(k, kind): rng.uniform(0.0, 1.0) for k in range(s.num_stages) for kind in "FB"}
+        tl = simulate(s, stage_cost=lambda k, kind: dur[(k, kind)], transfer=lambda k, kind: hop[(k, kind)])
+        got = {(r, i): (b, e) for r, spans in tl.spans.items() for i, (b, e, _) in enumerate(spans)}
+        assert all([a for _, _, a in tl.spans[r]] == list(s.tables[r]) for r in range(pp))
+        assert got == _reference_spans(s, dur, hop)
+        if trial == 0 and not s.pairs:  # swap the last rank's two last actions where that keeps the table valid
+            t = s.tables[pp - 1]
+            if t[-1].kind == t[-2].kind == "W":
+                s.tables[pp - 1] = t[:-2] + (t[-1], t[-2])
+
+
 def test_printable_forms_and_grid():
     assert str(Action(1, "B", 3)) == "1B3" and Action.parse("2F10") == Action(2, "F", 10)
     s = build_schedule("1f1b", 4, 1, 4)

@@ -116,6 +116,9 @@ def test_no_fit_names_the_smallest_need(tmp_path, constant_rates):
     need = float(str(err.value).split("the smallest needs ")[1].split(" GiB")[0]) * 2**30
     least = min(max(s.total for s in estimate(c.settings)) for c in candidates(GIVEN | {"nproc_per_node": 2}, 2))
     assert abs(need / least - 1) < 1e-3  # the message prints 4 significant digits
+    import gc
+
+    assert gc.isenabled()  # the search pauses the cyclic collector (recommend.collector_paused), even when it fails
 
 
 def test_the_smallest_layout_is_priced_under_the_routing_histogram(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ bubble benchmark's theory column.
 """
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -82,62 +83,150 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
     ``transfer(stage, kind)``: seconds from the end of that stage's ``F`` (``B``) until its output reaches the
     next (previous) stage, for sends that overlap the sender's next work (a blocking send's time belongs in the
     sender's own cost instead); a stage's own ``F`` / ``B`` reach its ``B`` / ``W`` at once.
+
+    Each action starts when its rank's previous one ends and its input has arrived, so the clock is a
+    longest-path walk over the tables: a rank runs until it waits for an output not yet produced, and is run
+    again when that output is (the planner's search simulates thousands of tables of tens of thousands of actions).
     """
     if complete:
         check_complete(schedule)
+    c = _compiled(schedule)
     cost = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
+    dur = [0.0] * (4 * schedule.num_stages)
+    for slot in c.slots:
+        k, code = divmod(slot, 4)
+        kind = _CODES[code]
+        if stage_cost is not None:
+            dur[slot] = stage_cost(k, kind)
+        else:
+            dur[slot] = cost["B"] + cost["W"] if kind == "BW" else cost[kind]
+    hop = [0.0] * (2 * schedule.num_stages)
+    if transfer is not None:
+        for h in c.hops:
+            hop[h] = transfer(h // 2, "FB"[h % 2])
+    return _run(schedule, c, dur, hop)
+
+
+_KINDS = {"F": 0, "B": 1, "W": 2}
+_CODES = ("F", "B", "W", "BW")
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A schedule's tables as integer arrays (:func:`_compiled`), per rank and indexed like its table: each action's
+    duration slot (``4 stage + code``: F 0, B 1, W 2, an unsplit backward 3), the finish key it waits for (-1: none;
+    a key numbers (kind, virtual stage, micro-batch)) and that input's transfer slot (``2 stage + (kind is B)``, -1:
+    none), its own finish key, its change of the micro-batches held and of those held before their B. A step is one
+    action, or a combined pair (``combined.py``): ``starts`` gives each step's first index and, last, the table's
+    length. Arrays of C ints: a search keeps hundreds of compiled tables of up to 10^5 actions."""
+
+    tables: tuple[tuple, ...]
+    """The tables compiled (held, so that a table replaced is never mistaken for them)."""
+    starts: tuple[array, ...]
+    slot: tuple[array, ...]
+    need: tuple[array, ...]
+    hop: tuple[array, ...]
+    out: tuple[array, ...]
+    held: tuple[array, ...]
+    before: tuple[array, ...]
+    slots: tuple[int, ...]
+    """Every duration slot the tables use."""
+    hops: tuple[int, ...]
+    """Every transfer slot the tables use."""
+
+
+def _compiled(schedule: Schedule) -> _Compiled:
+    """The integer form of ``schedule``'s tables, built once per schedule object (kept on it, checked against its
+    tables by identity: a table replaced is compiled again)."""
+    tables = tuple(schedule.tables[r] for r in range(schedule.pp))
+    c = getattr(schedule, "_simulate_compiled", None)
+    if c is None or any(a is not b for a, b in zip(c.tables, tables)):
+        c = _compile(schedule, tables)
+        object.__setattr__(schedule, "_simulate_compiled", c)  # a cache, not state: the tables are unchanged
+    return c
+
+
+def _compile(schedule: Schedule, tables: tuple[tuple, ...]) -> _Compiled:
+    s, m = schedule.num_stages, schedule.num_microbatches
+    cols = {name: [] for name in ("starts", "slot", "need", "hop", "out", "held", "before")}
+    slots, hops = set(), set()
+    for r in range(schedule.pp):
+        table, split = tables[r], schedule.split_backward(r)
+        col = {name: array("i") for name in cols}
+        for i, a in enumerate(table):
+            # a combined pair (combined.py) is one step: both inputs in, both outputs out at its end
+            if not (i and schedule.combined and schedule.paired(r, i - 1)):
+                col["starts"].append(i)
+            k = schedule.stage(r, a.chunk)
+            unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split
+            col["slot"].append(4 * k + (3 if unsplit else _KINDS[a.kind]))
+            x = _need(schedule, r, a)
+            h = 2 * x[1] + (x[0] == "B") if x is not None and x[1] != k else -1
+            col["need"].append(-1 if x is None else (_KINDS[x[0]] * s + x[1]) * m + x[2])
+            col["hop"].append(h)
+            col["out"].append((_KINDS[a.kind] * s + k) * m + a.microbatch)
+            col["held"].append(1 if a.kind == "F" else -1 if a.kind == "W" or unsplit else 0)
+            col["before"].append(1 if a.kind == "F" else -1 if a.kind == "B" else 0)
+        col["starts"].append(len(table))
+        slots.update(col["slot"])
+        hops.update(h for h in col["hop"] if h >= 0)
+        for name, v in col.items():
+            cols[name].append(v)
+    return _Compiled(tables, **{k: tuple(v) for k, v in cols.items()}, slots=tuple(sorted(slots)),
+                     hops=tuple(sorted(hops)))
+
+
+def _run(schedule: Schedule, c: _Compiled, dur: list[float], hop: list[float]) -> Timeline:
+    """The walk of :func:`simulate` over the compiled tables with durations ``dur`` and transfers ``hop``."""
     pp = schedule.pp
-    split = {r: schedule.split_backward(r) for r in range(pp)}
-    finish: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
-    pos, clock = [0] * pp, [0.0] * pp
+    finish: list[float | None] = [None] * (3 * schedule.num_stages * schedule.num_microbatches)
+    waiting: dict[int, list[int]] = {}  # finish key -> ranks stopped at a step that needs it
+    step, clock = [0] * pp, [0.0] * pp
     tl = Timeline(spans={r: [] for r in range(pp)})
     held, peak, before_b, peak_b = [0] * pp, [0] * pp, [0] * pp, [0] * pp
-
-    def duration(r: int, a: Action) -> float:
-        unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
-        if stage_cost is not None:
-            return stage_cost(schedule.stage(r, a.chunk), "BW" if unsplit else a.kind)
-        return cost["B"] + cost["W"] if unsplit else cost[a.kind]
-
-    def arrival(x: tuple[str, int, int], k: int) -> float:  # when stage k has the output x it waits for
-        return finish[x] + (transfer(x[1], x[0]) if transfer is not None and x[1] != k else 0.0)
-
-    def account(r: int, a: Action) -> None:  # micro-batches held
-        unsplit = a.kind == "B" and (a.chunk, a.microbatch) not in split[r]
-        if a.kind == "F":
-            held[r] += 1
-            before_b[r] += 1
-            peak[r], peak_b[r] = max(peak[r], held[r]), max(peak_b[r], before_b[r])
-        if a.kind == "B":
-            before_b[r] -= 1
-        if a.kind == "W" or unsplit:
-            held[r] -= 1
-
-    while True:
-        progressed = False
-        for r in range(pp):
-            table = schedule.tables[r]
-            while pos[r] < len(table):
-                # a combined pair (combined.py) is one action: both inputs in, both outputs out at its end
-                n = 2 if schedule.combined and schedule.paired(r, pos[r]) else 1
-                acts = table[pos[r]:pos[r] + n]
-                needs = [(x, schedule.stage(r, a.chunk)) for a in acts if (x := _need(schedule, r, a)) is not None]
-                if any(x not in finish for x, _ in needs):
+    ready = list(range(pp - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        table, spans, starts = schedule.tables[r], tl.spans[r], c.starts[r]
+        slot, need, via, out, dh, db = c.slot[r], c.need[r], c.hop[r], c.out[r], c.held[r], c.before[r]
+        p, t, h, hp, b, bp = step[r], clock[r], held[r], peak[r], before_b[r], peak_b[r]
+        n = len(starts) - 1
+        while p < n:
+            i0, i1 = starts[p], starts[p + 1]
+            begin = t
+            for i in range(i0, i1):  # one action, or a combined pair's two
+                key = need[i]
+                if key < 0:
+                    continue
+                end = finish[key]
+                if end is None:
+                    waiting.setdefault(key, []).append(r)
                     break
-                clock[r] = max([clock[r]] + [arrival(x, k) for x, k in needs])
-                for a in acts:
-                    begin, clock[r] = clock[r], clock[r] + duration(r, a)
-                    tl.spans[r].append((begin, clock[r], a))
-                    account(r, a)
-                for a in acts:
-                    finish[(a.kind, schedule.stage(r, a.chunk), a.microbatch)] = clock[r]
-                pos[r] += n
-                progressed = True
-        if all(pos[r] == len(schedule.tables[r]) for r in range(pp)):
+                if via[i] >= 0:
+                    end += hop[via[i]]
+                if end > begin:
+                    begin = end
+            else:
+                t = begin
+                for i in range(i0, i1):
+                    begin, t = t, t + dur[slot[i]]
+                    spans.append((begin, t, table[i]))
+                    h, b = h + dh[i], b + db[i]
+                    if h > hp:
+                        hp = h
+                    if b > bp:
+                        bp = b
+                for i in range(i0, i1):
+                    finish[out[i]] = t
+                    if out[i] in waiting:
+                        ready.extend(waiting.pop(out[i]))
+                p += 1
+                continue
             break
-        if not progressed:
-            stuck = {r: str(schedule.tables[r][pos[r]]) for r in range(pp) if pos[r] < len(schedule.tables[r])}
-            raise ScheduleError(f"deadlock: ranks wait forever at {stuck}\n{schedule.format()}")
+        step[r], clock[r], held[r], peak[r], before_b[r], peak_b[r] = p, t, h, hp, b, bp
+    stuck = {r: str(schedule.tables[r][c.starts[r][step[r]]]) for r in range(pp) if step[r] < len(c.starts[r]) - 1}
+    if stuck:
+        raise ScheduleError(f"deadlock: ranks wait forever at {stuck}\n{schedule.format()}")
     tl.peak_inflight, tl.peak_before_backward = dict(enumerate(peak)), dict(enumerate(peak_b))
     return tl
 
