@@ -518,11 +518,19 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     if overlap == "all":  # hidden communication: what exceeds the compute beside it is charged to compute
         parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
     held = {r: [x for c in range(vp) for x in layers[(r, c)]] for r in range(pp)}
-    opt = max(optimizer_time(settings, rates, *stage_param_groups(cfg, settings, r, held[r])) for r in range(pp))
+    # a rank's parameters and gradient buckets depend on its layers and on whether it holds the embedding or the head
+    alike, head = {}, _head_rank(settings)
+    for r in range(pp):
+        key = (r == 0, r == head, tuple(held[r]))
+        if key not in alike:
+            alike[key] = (optimizer_time(settings, rates, *stage_param_groups(cfg, settings, r, held[r])),
+                          dp_parts(settings, cfg, rates, r, held[r]))
+    own = {r: alike[(r == 0, r == head, tuple(held[r]))] for r in range(pp)}
+    opt = max(o for o, _ in own.values())
     if overlap == "none":
-        dp = max(dp_time(settings, cfg, rates, r, held[r]) for r in range(pp))
+        dp = max(sum(d) for _, d in own.values())
     else:
-        dp = dp_overlap.exposed(tl, {r: (*dp_parts(settings, cfg, rates, r, held[r]), _shares(per_rank[r], overlap),
+        dp = dp_overlap.exposed(tl, {r: (*own[r][1], _shares(per_rank[r], overlap),
                                          max(len(layers[(r, c)]) for c in range(vp))) for r in range(pp)}, overlap)
     dp += _embedding_sync(settings, cfg, rates)
     total = tl.makespan + dp + opt

@@ -93,11 +93,11 @@ def _buffers(module, ddp, dp_cp: int, edp: int):
 
 def _owned(buf, size: int, weight=lambda p: 1) -> int:
     """Most parameter elements any one rank of ``size`` owns in ``buf`` (distributed optimizer slices), each
-    element of parameter ``p`` counted ``weight(p)`` times: per bucket a prefix sum of the weights at the
-    parameters' edges, so each rank's slice costs two bisections instead of a walk over the parameters."""
-    import bisect
+    element of parameter ``p`` counted ``weight(p)`` times: per bucket the weights' running sum at the parameters'
+    edges (a piecewise-linear function of the offset), read at every rank's slice ends at once."""
+    import numpy as np
 
-    prefix = []  # per bucket: (edges, weight below each edge, weight per element from each edge on)
+    total = np.zeros(size, dtype=np.int64)
     for b in buf.buckets:
         spans = sorted((buf.param_range(p)[0], buf.param_range(p)[1], weight(p)) for p in b.params)
         edges, below, rate, acc, end = [], [], [], 0, None
@@ -106,22 +106,16 @@ def _owned(buf, size: int, weight=lambda p: 1) -> int:
                 edges.append(end), below.append(acc), rate.append(0)
             edges.append(s0), below.append(acc), rate.append(w)
             acc, end = acc + w * c, s0 + c
-        if end is not None:
-            edges.append(end), below.append(acc), rate.append(0)
-        prefix.append((b, edges, below, rate))
-
-    def upto(x: int, edges, below, rate) -> int:
-        i = bisect.bisect_right(edges, x) - 1
-        return 0 if i < 0 else below[i] + rate[i] * (x - edges[i])
-
-    best = 0
-    for r in range(size):
-        n = 0
-        for b, edges, below, rate in prefix:
-            k = b.data.numel() // size
-            n += upto(b.offset + (r + 1) * k, edges, below, rate) - upto(b.offset + r * k, edges, below, rate)
-        best = max(best, n)
-    return best
+        if end is None:
+            continue
+        edges.append(end), below.append(acc), rate.append(0)
+        e, lo, w = (np.array(v, dtype=np.int64) for v in (edges, below, rate))
+        x = b.offset + np.arange(size + 1, dtype=np.int64) * (b.data.numel() // size)  # the slices' ends
+        i = np.searchsorted(e, x, side="right") - 1
+        j = np.maximum(i, 0)
+        upto = np.where(i < 0, 0, lo[j] + w[j] * (x - e[j]))
+        total += np.diff(upto)
+    return int(total.max())
 
 
 def _moments(optim, p=None) -> int:

@@ -146,18 +146,32 @@ def _skip(cls: type, name: str) -> bool:
 
 
 def options() -> dict[str, Option]:
-    """Every settable field of every config class, keyed by dest (first definition wins)."""
+    """Every settable field of every config class, keyed by dest (first definition wins); a default factory's
+    value made anew on each call (a caller may change it)."""
+    built, factories = _options()
+    out = dict(built)
+    for name, factory in factories:
+        out[name] = Option(name, built[name].kind, factory(), built[name].help, built[name].optional)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _options() -> tuple[dict[str, Option], tuple]:
+    """(:func:`options` with the factories' defaults unset, (dest, default factory) pairs): the classes are fixed,
+    and a plan's search merges flags thousands of times."""
     out: dict[str, Option] = {}
+    factories = []
     for _, cls in _config_classes():
         docs = field_docs(cls)
         for f in fields(cls):
             if _skip(cls, f.name) or f.name in out:
                 continue
             kind, optional = _kind(f.type)
-            default = f.default if f.default is not MISSING else (
-                f.default_factory() if f.default_factory is not MISSING else None)
+            if f.default is MISSING and f.default_factory is not MISSING:
+                factories.append((f.name, f.default_factory))
+            default = f.default if f.default is not MISSING else None
             out[f.name] = Option(f.name, kind, default, docs.get(f.name, ""), optional)
-    return out
+    return out, tuple(factories)
 
 
 def _help(opt: Option) -> str:

@@ -116,19 +116,22 @@ class _Compiled:
     """A schedule's tables as integer arrays (:func:`_compiled`), per rank and indexed like its table: each action's
     duration slot (``4 stage + code``: F 0, B 1, W 2, an unsplit backward 3), the finish key it waits for (-1: none;
     a key numbers (kind, virtual stage, micro-batch)) and that input's transfer slot (``2 stage + (kind is B)``, -1:
-    none), its own finish key, its change of the micro-batches held and of those held before their B. A step is one
-    action, or a combined pair (``combined.py``): ``starts`` gives each step's first index and, last, the table's
-    length. Arrays of C ints: a search keeps hundreds of compiled tables of up to 10^5 actions."""
+    none) and its own finish key. A step is one action, or a combined pair (``combined.py``): ``starts`` gives each
+    step's first index and, last, the table's length (None: every step one action). The micro-batches a rank holds
+    change in its table's order whatever the clock, so their peaks are found here. Arrays of C ints: a search keeps
+    hundreds of compiled tables of up to 10^5 actions."""
 
     tables: tuple[tuple, ...]
     """The tables compiled (held, so that a table replaced is never mistaken for them)."""
-    starts: tuple[array, ...]
+    starts: tuple[array | None, ...]
     slot: tuple[array, ...]
     need: tuple[array, ...]
     hop: tuple[array, ...]
     out: tuple[array, ...]
-    held: tuple[array, ...]
-    before: tuple[array, ...]
+    peak_held: tuple[int, ...]
+    """Most micro-batches (summed over chunks) each rank holds between F and the end of its weight gradient."""
+    peak_before: tuple[int, ...]
+    """Most micro-batches each rank holds between F and B."""
     slots: tuple[int, ...]
     """Every duration slot the tables use."""
     hops: tuple[int, ...]
@@ -148,11 +151,12 @@ def _compiled(schedule: Schedule) -> _Compiled:
 
 def _compile(schedule: Schedule, tables: tuple[tuple, ...]) -> _Compiled:
     s, m = schedule.num_stages, schedule.num_microbatches
-    cols = {name: [] for name in ("starts", "slot", "need", "hop", "out", "held", "before")}
+    cols = {name: [] for name in ("starts", "slot", "need", "hop", "out", "peak_held", "peak_before")}
     slots, hops = set(), set()
     for r in range(schedule.pp):
         table, split = tables[r], schedule.split_backward(r)
-        col = {name: array("i") for name in cols}
+        col = {name: array("i") for name in ("starts", "slot", "need", "hop", "out")}
+        held = before = peak_held = peak_before = 0
         for i, a in enumerate(table):
             # a combined pair (combined.py) is one step: both inputs in, both outputs out at its end
             if not (i and schedule.combined and schedule.paired(r, i - 1)):
@@ -165,13 +169,18 @@ def _compile(schedule: Schedule, tables: tuple[tuple, ...]) -> _Compiled:
             col["need"].append(-1 if x is None else (_KINDS[x[0]] * s + x[1]) * m + x[2])
             col["hop"].append(h)
             col["out"].append((_KINDS[a.kind] * s + k) * m + a.microbatch)
-            col["held"].append(1 if a.kind == "F" else -1 if a.kind == "W" or unsplit else 0)
-            col["before"].append(1 if a.kind == "F" else -1 if a.kind == "B" else 0)
+            held += 1 if a.kind == "F" else -1 if a.kind == "W" or unsplit else 0
+            before += 1 if a.kind == "F" else -1 if a.kind == "B" else 0
+            peak_held, peak_before = max(peak_held, held), max(peak_before, before)
         col["starts"].append(len(table))
         slots.update(col["slot"])
         hops.update(h for h in col["hop"] if h >= 0)
+        if len(col["starts"]) == len(table) + 1:
+            col["starts"] = None
         for name, v in col.items():
             cols[name].append(v)
+        cols["peak_held"].append(peak_held)
+        cols["peak_before"].append(peak_before)
     return _Compiled(tables, **{k: tuple(v) for k, v in cols.items()}, slots=tuple(sorted(slots)),
                      hops=tuple(sorted(hops)))
 
@@ -181,54 +190,78 @@ def _run(schedule: Schedule, c: _Compiled, dur: list[float], hop: list[float]) -
     pp = schedule.pp
     finish: list[float | None] = [None] * (3 * schedule.num_stages * schedule.num_microbatches)
     waiting: dict[int, list[int]] = {}  # finish key -> ranks stopped at a step that needs it
-    step, clock = [0] * pp, [0.0] * pp
+    pos, clock = [0] * pp, [0.0] * pp
+    durs = [[dur[x] for x in c.slot[r]] for r in range(pp)]
+    extra = [[hop[x] if x >= 0 else 0.0 for x in c.hop[r]] for r in range(pp)]
     tl = Timeline(spans={r: [] for r in range(pp)})
-    held, peak, before_b, peak_b = [0] * pp, [0] * pp, [0] * pp, [0] * pp
     ready = list(range(pp - 1, -1, -1))
     while ready:
         r = ready.pop()
-        table, spans, starts = schedule.tables[r], tl.spans[r], c.starts[r]
-        slot, need, via, out, dh, db = c.slot[r], c.need[r], c.hop[r], c.out[r], c.held[r], c.before[r]
-        p, t, h, hp, b, bp = step[r], clock[r], held[r], peak[r], before_b[r], peak_b[r]
-        n = len(starts) - 1
-        while p < n:
-            i0, i1 = starts[p], starts[p + 1]
+        table, spans = schedule.tables[r], tl.spans[r]
+        if c.starts[r] is not None:
+            pos[r], clock[r] = _walk_steps(r, pos[r], clock[r], table, c, durs[r], extra[r], finish, waiting, ready,
+                                           spans)
+            continue
+        # every step one action: the rank runs until an action waits for an output not yet produced
+        need, out, dr, ex, append = c.need[r], c.out[r], durs[r], extra[r], spans.append
+        i, t, n = pos[r], clock[r], len(table)
+        while i < n:
             begin = t
-            for i in range(i0, i1):  # one action, or a combined pair's two
-                key = need[i]
-                if key < 0:
-                    continue
+            key = need[i]
+            if key >= 0:
                 end = finish[key]
                 if end is None:
                     waiting.setdefault(key, []).append(r)
                     break
-                if via[i] >= 0:
-                    end += hop[via[i]]
+                end += ex[i]
                 if end > begin:
                     begin = end
-            else:
-                t = begin
-                for i in range(i0, i1):
-                    begin, t = t, t + dur[slot[i]]
-                    spans.append((begin, t, table[i]))
-                    h, b = h + dh[i], b + db[i]
-                    if h > hp:
-                        hp = h
-                    if b > bp:
-                        bp = b
-                for i in range(i0, i1):
-                    finish[out[i]] = t
-                    if out[i] in waiting:
-                        ready.extend(waiting.pop(out[i]))
-                p += 1
-                continue
-            break
-        step[r], clock[r], held[r], peak[r], before_b[r], peak_b[r] = p, t, h, hp, b, bp
-    stuck = {r: str(schedule.tables[r][c.starts[r][step[r]]]) for r in range(pp) if step[r] < len(c.starts[r]) - 1}
+            t = begin + dr[i]
+            append((begin, t, table[i]))
+            key = out[i]
+            finish[key] = t
+            if key in waiting:
+                ready.extend(waiting.pop(key))
+            i += 1
+        pos[r], clock[r] = i, t
+    n = [len(schedule.tables[r]) if c.starts[r] is None else len(c.starts[r]) - 1 for r in range(pp)]
+    stuck = {r: str(schedule.tables[r][pos[r] if c.starts[r] is None else c.starts[r][pos[r]]]) for r in range(pp)
+             if pos[r] < n[r]}
     if stuck:
         raise ScheduleError(f"deadlock: ranks wait forever at {stuck}\n{schedule.format()}")
-    tl.peak_inflight, tl.peak_before_backward = dict(enumerate(peak)), dict(enumerate(peak_b))
+    tl.peak_inflight, tl.peak_before_backward = dict(enumerate(c.peak_held)), dict(enumerate(c.peak_before))
     return tl
+
+
+def _walk_steps(r, p, t, table, c, durs, extra, finish, waiting, ready, spans) -> tuple[int, float]:
+    """Rank ``r``'s steps from ``p`` at clock ``t`` until one waits for an output not yet produced (registered in
+    ``waiting``), a step being one action or a combined pair's two (both in, both out at the pair's end). Returns
+    the rank's next step and clock."""
+    starts, need, out = c.starts[r], c.need[r], c.out[r]
+    while p < len(starts) - 1:
+        i0, i1 = starts[p], starts[p + 1]
+        begin = t
+        for i in range(i0, i1):
+            key = need[i]
+            if key < 0:
+                continue
+            end = finish[key]
+            if end is None:
+                waiting.setdefault(key, []).append(r)
+                return p, t
+            end += extra[i]
+            if end > begin:
+                begin = end
+        t = begin
+        for i in range(i0, i1):
+            begin, t = t, t + durs[i]
+            spans.append((begin, t, table[i]))
+        for i in range(i0, i1):
+            finish[out[i]] = t
+            if out[i] in waiting:
+                ready.extend(waiting.pop(out[i]))
+        p += 1
+    return p, t
 
 
 def theory_bubble(name: str, pp: int, m: int, vp: int = 1) -> float:
