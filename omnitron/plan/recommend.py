@@ -248,11 +248,24 @@ def launch_flags(c: Choice) -> str:
     return " ".join(out)
 
 
+def _runs(values: list[str]) -> str:
+    """The values in order, each run of equal neighbours once with its length (``58.355 x62``): a deep pipeline's
+    middle stages hold the same."""
+    out, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[i]:
+            j += 1
+        out.append(values[i] + (f" x{j - i + 1}" if j > i else ""))
+        i = j + 1
+    return " ".join(out)
+
+
 def format_choices(choices: list[Choice], devices: int, memory: int) -> str:
     w = max([44] + [len(c.name()) for c in choices])
     rows = [f"{'#':>2} {'layout':{w}s} {'step ms':>13} {'tokens/s':>12} {'GiB: max [per stage]':>22}"]
     for i, c in enumerate(choices, 1):
-        per = " ".join(f"{s.total / 2**30:.3f}" for s in c.stages)
+        per = _runs([f"{s.total / 2**30:.3f}" for s in c.stages])
         rows.append(f"{i:>2} {c.name():{w}s} {c.step.total * 1e3:13,.1f} {c.step.tokens_per_s:12,.0f} "
                     f"{c.peak / 2**30:8.3f}  [{per}]")
         rows.append(f"   launch: --nproc-per-node {devices} (or torchrun's world) {launch_flags(c)}")

@@ -172,6 +172,24 @@ def test_interleaving_is_searched_down_to_one_layer_a_virtual_stage(tmp_path, co
     assert all(a > b for a, b in zip(bubbles, bubbles[1:])), bubbles
 
 
+def test_per_stage_memory_prints_runs_once():
+    """A deep pipeline's equal middle stages print once with their count; unequal neighbours each, in order."""
+    import random
+
+    from omnitron.plan.recommend import _runs
+
+    assert _runs([]) == "" and _runs(["1.000"]) == "1.000"
+    values = [f"{random.choice([1, 2, 3]):.3f}" for _ in range(40)]
+    expanded = []
+    for part in _runs(values).split(" "):
+        if part.startswith("x"):
+            expanded += [expanded[-1]] * (int(part[1:]) - 1)
+        else:
+            assert not expanded or part != expanded[-1]  # a run is never split
+            expanded.append(part)
+    assert expanded == values
+
+
 def test_layout_names_say_which_recomputation():
     """The listed name tells full recomputation (every layer), block (the first K layers of each chunk) and
     selective apart: they differ in speed and memory, and the launch flags alone are long to read."""
