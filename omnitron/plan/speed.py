@@ -413,11 +413,6 @@ def dp_collectives(settings, cfg, pp_rank: int, layers) -> list[tuple[str, int, 
     return out
 
 
-def dp_time(settings, cfg, rates, pp_rank: int, layers) -> float:
-    """Seconds of :func:`dp_collectives` at the report's rates."""
-    return sum(dp_parts(settings, cfg, rates, pp_rank, layers))
-
-
 def dp_parts(settings, cfg, rates, pp_rank: int, layers) -> tuple[float, float]:
     """(gradient reduction, parameter all-gather) seconds of :func:`dp_collectives` at the report's rates."""
     dense = settings.dp * settings.parallel.context_parallel_size

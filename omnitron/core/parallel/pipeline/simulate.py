@@ -150,6 +150,7 @@ def _compiled(schedule: Schedule) -> _Compiled:
 
 
 def _compile(schedule: Schedule, tables: tuple[tuple, ...]) -> _Compiled:
+    """:class:`_Compiled` of ``tables`` (the schedule's), each action's dependency as :func:`_need` names it."""
     s, m = schedule.num_stages, schedule.num_microbatches
     cols = {name: [] for name in ("starts", "slot", "need", "hop", "out", "peak_held", "peak_before")}
     slots, hops = set(), set()
