@@ -514,13 +514,13 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
         parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
     held = {r: [x for c in range(vp) for x in layers[(r, c)]] for r in range(pp)}
     # a rank's parameters and gradient buckets depend on its layers and on whether it holds the embedding or the head
-    alike, head = {}, _head_rank(settings)
+    alike, own, head = {}, {}, _head_rank(settings)
     for r in range(pp):
         key = (r == 0, r == head, tuple(held[r]))
         if key not in alike:
             alike[key] = (optimizer_time(settings, rates, *stage_param_groups(cfg, settings, r, held[r])),
                           dp_parts(settings, cfg, rates, r, held[r]))
-    own = {r: alike[(r == 0, r == head, tuple(held[r]))] for r in range(pp)}
+        own[r] = alike[key]
     opt = max(o for o, _ in own.values())
     if overlap == "none":
         dp = max(sum(d) for _, d in own.values())
