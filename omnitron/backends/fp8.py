@@ -19,47 +19,15 @@ import os
 
 import torch
 
+from omnitron.kernels.reference.fp8 import (  # noqa: F401 (the provider's names)
+    FORMATS, FP8_MAX, cast_to_fp8, fp8_dtype, scale_from_amax)
+
 log = logging.getLogger("omnitron.fp8")
 
-FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 PATHS = ("scaled_mm", "emulated")
 """NOTE: no Transformer Engine path: omnitron has no binding to TE's GEMM and none is tested."""
 PATH_ENV = "OMNITRON_FP8_PATH"
 """Set to ``scaled_mm`` or ``emulated`` to force a path (benchmarks, path-parity tests)."""
-
-
-def fp8_dtype(fmt: str) -> torch.dtype:
-    """torch dtype for ``"e4m3"`` / ``"e5m2"``; a clear error otherwise."""
-    try:
-        return FORMATS[fmt]
-    except KeyError:
-        raise ValueError(f"unknown FP8 format {fmt!r}: use one of {sorted(FORMATS)}") from None
-
-
-def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
-                    previous: torch.Tensor | None = None) -> torch.Tensor:
-    """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32 (computed as ``reciprocal(amax) * target``).
-
-    Where ``amax`` is zero or not finite the scale is ``previous`` (1 when None): an all-zero
-    tensor needs no scaling, and an inf/nan amax must not poison the scale for later steps.
-    Six small device ops and no host sync (this runs once per quantized tensor).
-    """
-    if amax.dtype != torch.float32:  # (``.float()`` of a float32 tensor is itself, but still a call)
-        amax = amax.float()
-    target = FP8_MAX[fmt] / (2.0 ** margin)
-    ok = (amax > 0) & (amax < math.inf)  # False for nan too
-    fresh = amax.reciprocal().mul_(target)  # lanes where not ok are discarded below
-    return torch.where(ok, fresh, 1.0 if previous is None else previous.float())
-
-
-def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:
-    """``fp8(x * scale)``: e4m3 saturates at +-448 (nan stays nan); e5m2 overflows to inf unless
-    ``saturate`` (then it clips at +-57344 like e4m3, as Transformer Engine's satfinite casts do)."""
-    y = x.float() * scale
-    if fmt == "e4m3" or saturate:
-        y = y.clamp(-FP8_MAX[fmt], FP8_MAX[fmt])  # clamp keeps nan, maps +-inf to +-max
-    return y.to(fp8_dtype(fmt))
 
 
 def zero_pad(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:

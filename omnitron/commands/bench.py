@@ -260,7 +260,7 @@ def run_compare(args) -> int:
 
 
 def run_calibrate(args) -> int:
-    from omnitron.bench import calibrate
+    from omnitron.plan import calibrate
     from omnitron.bench.report import ReportError, load
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.profile import load as load_profile

@@ -148,12 +148,12 @@ def test_bench_gemm_fp8_rows_time_the_gemm_alone():
 
 
 def test_calibrate_takes_fp8_rows_over_the_fp8_curve():
-    """``omnitron bench calibrate`` on the H200 profile: a per-tensor FP8 GEMM row of a random size and rate is
+    """``omnitron.plan.calibrate`` on the H200 profile: a per-tensor FP8 GEMM row of a random size and rate is
     measured over the FP8 peak times the profile's FP8 curve at its FLOPs (what the plan prices FP8 GEMMs at), a
     bf16 row over the bf16 curve."""
     import random
 
-    from omnitron.bench.calibrate import calibrate
+    from omnitron.plan.calibrate import calibrate
 
     p = load("h200")
     m, n, k = (random.choice([1024, 2048, 4096, 8192]) for _ in range(3))

@@ -11,10 +11,43 @@ import math
 
 import torch
 
-from omnitron.backends.fp8 import scale_from_amax
 from omnitron.kernels.registry import register
 
-FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def fp8_dtype(fmt: str) -> torch.dtype:
+    """torch dtype for ``"e4m3"`` / ``"e5m2"``; a clear error otherwise."""
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown FP8 format {fmt!r}: use one of {sorted(FORMATS)}") from None
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
+    """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32 (computed as ``reciprocal(amax) * target``).
+
+    Where ``amax`` is zero or not finite the scale is ``previous`` (1 when None): an all-zero
+    tensor needs no scaling, and an inf/nan amax must not poison the scale for later steps.
+    Six small device ops and no host sync (this runs once per quantized tensor).
+    """
+    if amax.dtype != torch.float32:  # (``.float()`` of a float32 tensor is itself, but still a call)
+        amax = amax.float()
+    target = FP8_MAX[fmt] / (2.0 ** margin)
+    ok = (amax > 0) & (amax < math.inf)  # False for nan too
+    fresh = amax.reciprocal().mul_(target)  # lanes where not ok are discarded below
+    return torch.where(ok, fresh, 1.0 if previous is None else previous.float())
+
+
+def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+    """``fp8(x * scale)``: e4m3 saturates at +-448 (nan stays nan); e5m2 overflows to inf unless
+    ``saturate`` (then it clips at +-57344 like e4m3, as Transformer Engine's satfinite casts do)."""
+    y = x.float() * scale
+    if fmt == "e4m3" or saturate:
+        y = y.clamp(-FP8_MAX[fmt], FP8_MAX[fmt])  # clamp keeps nan, maps +-inf to +-max
+    return y.to(fp8_dtype(fmt))
 
 
 @register("fp8_cast_transpose_amax", "reference")
@@ -34,7 +67,7 @@ def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4
 @register("fp8_cast_transpose_from_amax", "reference")
 def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str = "e4m3", margin: int = 0):
     """``(q, q_t, scale_inv)`` under current scaling: ``scale = fp8_max / 2**margin / amax`` (1 where
-    ``amax`` is 0, inf or nan, see :func:`omnitron.backends.fp8.scale_from_amax`), ``q`` and ``q_t`` as
+    ``amax`` is 0, inf or nan, see :func:`scale_from_amax`), ``q`` and ``q_t`` as
     :func:`fp8_cast_transpose_amax` makes them with that scale, ``scale_inv = 1 / scale`` (float32
     scalar, the GEMM's dequantization factor). ``amax`` is a float32 scalar tensor."""
     scale = scale_from_amax(amax if amax.dim() == 0 else amax.reshape(()), fmt, margin)
@@ -43,12 +76,10 @@ def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str =
 
 
 def _cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str, op: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown FP8 format {fmt!r}: use one of {sorted(FORMATS)}")
     if x.dim() != 2:
         raise ValueError(f"{op} takes a 2-D [m, n] tensor, got shape {tuple(x.shape)}: "
                          "flatten leading dims first (x.reshape(-1, x.shape[-1]))")
-    dtype, limit = FORMATS[fmt]
+    dtype, limit = fp8_dtype(fmt), FP8_MAX[fmt]
     if scale.dtype != torch.float32:
         scale = scale.float()
     q = x.detach().to(torch.float32, copy=True).mul_(scale).clamp_(-limit, limit).to(dtype)

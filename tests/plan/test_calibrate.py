@@ -1,4 +1,4 @@
-"""``omnitron bench calibrate``: measured rates over a device profile's datasheet figures and its curves, worked by
+"""``omnitron.plan.calibrate``: measured rates over a device profile's datasheet figures and its curves, worked by
 hand on a profile of round numbers (flat curves, no latency) and reports of chosen rows; cpu reports and reports
 without usable rows refused in one line."""
 from __future__ import annotations
