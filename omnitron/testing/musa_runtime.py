@@ -76,6 +76,11 @@ def current_device() -> int:
     return _ext().current_device()
 
 
+def is_initialized() -> bool:
+    """Whether the device runtime has started in this process (the double's starts when it is installed)."""
+    return _State.installed
+
+
 def set_device(device) -> None:
     """Select the current device (a negative index is a no-op, as in torch_musa)."""
     i = _index(device, optional=False)
@@ -321,7 +326,7 @@ class autocast(torch.amp.autocast_mode.autocast):  # noqa: N801 - torch_musa's s
         super().__init__(DEVICE, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
 
-PUBLIC = (is_available, device_count, current_device, set_device, synchronize, get_device_name,
+PUBLIC = (is_available, device_count, current_device, is_initialized, set_device, synchronize, get_device_name,
           get_device_capability, get_device_properties, is_bf16_supported, device, Stream, Event, current_stream,
           default_stream, set_stream, stream, memory_stats, memory_allocated, memory_reserved, max_memory_allocated,
           max_memory_reserved, reset_peak_memory_stats, empty_cache, mem_get_info, get_rng_state, set_rng_state,

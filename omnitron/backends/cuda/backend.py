@@ -12,6 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from omnitron.backends.autograd_exit import drain_at_exit
 from omnitron.backends.base import Backend, Capabilities
 from omnitron.backends.collectives import Collectives, watchdog_env
 from omnitron.backends.fp8 import scaled_mm_runs
@@ -69,6 +70,7 @@ class CUDABackend(Backend):
         self._collectives = Collectives("nccl", fp8_native=False, device_type="cuda", env=watchdog_env("TORCH_NCCL_"),
                                         env_prefix="TORCH_NCCL_")
         self._caps: Capabilities | None = None
+        drain_at_exit(self.device_type, self.current_device, lambda: torch.cuda.is_initialized())
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:

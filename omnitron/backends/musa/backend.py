@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from omnitron.backends.autograd_exit import drain_at_exit
 from omnitron.backends.base import Backend, Capabilities
 from omnitron.backends.collectives import Collectives, watchdog_env
 from omnitron.backends.fp8 import scaled_mm_runs
@@ -131,6 +132,7 @@ class MUSABackend(Backend):
                                         device_type=self.device_type, env=watchdog_env("TORCH_MCCL_"),
                                         env_prefix="TORCH_MCCL_")
         self._caps: Capabilities | None = None
+        drain_at_exit(self.device_type, self.current_device, lambda: torch.musa.is_initialized())
 
     def compile_unsupported_reason(self) -> str:
         return ("torch.compile on MUSA devices (torch_musa's inductor backend) has not been probed by omnitron; "

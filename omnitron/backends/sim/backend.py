@@ -64,6 +64,7 @@ import platform
 
 import torch
 
+from omnitron.backends.autograd_exit import drain_at_exit
 from omnitron.backends.base import Backend, Capabilities
 from omnitron.backends.collectives import Collectives
 from omnitron.backends.sim import device as sim_device
@@ -87,6 +88,7 @@ class SimBackend(Backend):
 
     def __init__(self) -> None:
         self._ext = sim_device.load()
+        drain_at_exit(self.device_type, self.current_device)
         self._collectives = Collectives(self.dist_backend, fp8_native=False, device_type=self.device_type)
         self._caps: Capabilities | None = None
 
