@@ -119,7 +119,13 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: t
 
 
 class RingAttention(torch.autograd.Function):
-    """forward: ring attention over the cp group; backward: the ring in reverse for dk/dv (and the sinks)."""
+    """forward: ring attention over the cp group; backward: the ring in reverse for dk/dv (and the sinks).
+
+    _first_received: eager, the backward exchanges the key/value blocks again (nothing saved but the local
+    ones). Compiled, the forward saves the block it received first and the backward starts from it, the graph
+    AOTAutograd's CSE made of the two identical exchanges up to torch 2.13; from 2.14 its partitioner kept a
+    dead recomputed copy of that exchange in the backward of some ranks and not others, which then issued
+    different collectives and hung (cp2 with causal tiles: rank 1's backward had 3 all-to-alls, rank 0's 2)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, group, collectives, causal: bool, scale: float, kernel: BlockKernel,
@@ -131,6 +137,7 @@ class RingAttention(torch.autograd.Function):
         out = q.new_zeros(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
         kv = torch.cat([k, v], dim=-1)  # [b, hkv, s, dk + dv], the circulating block
+        received = None  # compiled: the block received first, saved for the backward (see _first_received)
         for i in range(ring.size):
             nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
             for t, kern, kw in _Step(ctx, ring, i, q).bind(kernel, scale):
@@ -139,23 +146,28 @@ class RingAttention(torch.autograd.Function):
                 # merged in fp32 (fp64 for fp64 inputs) whatever the kernel's dtype
                 merge(out[:, :, t.rows], lse[:, :, t.rows], o.to(cdt), l.to(cdt))
             _wait(handles)
+            if i == 0 and torch.compiler.is_compiling():
+                received = nxt
             kv = nxt
         if sinks is not None:
             out, lse = _add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse, sinks)
+        ctx.save_for_backward(q, k, v, result, lse, sinks, received)
         return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, received = ctx.saved_tensors
         ring, cdt, dk = _Ring(ctx.group, ctx.collectives), torch.promote_types(q.dtype, torch.float32), ctx.dk
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         dkv_in, dkv_handles = None, []
         for i in range(ring.size):
-            nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
+            if i == 0 and received is not None:
+                nxt, handles = received, []  # _first_received
+            else:
+                nxt, handles = ring.exchange(kv) if i + 1 < ring.size else (None, [])
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
             for t, kern, kw in _Step(ctx, ring, i, q).bind(ctx.kernel, ctx.scale):
                 r, cols, blk = t.rows, t.cols, kv[:, :, t.cols]
