@@ -30,16 +30,26 @@ def _extensions():
     # The tests do not depend on it (parity runs on the references in float64; the kernels' conformance
     # bounds hold on any CPU). OMNITRON_MARCH=x86-64-v3 (or another -march value) builds for other machines.
     march = os.environ.get("OMNITRON_MARCH", "native")
+    std = _cxx_std()
     ext = CppExtension(
         "omnitron._C",
         sources,
-        extra_compile_args=["-O3", "-g0", "-fopenmp", f"-march={march}", "-fno-math-errno", "-std=c++17"],
+        extra_compile_args=["-O3", "-g0", "-fopenmp", f"-march={march}", "-fno-math-errno", std],
         extra_link_args=["-fopenmp"],
     )
     # The simulated device: no -march (nothing here is a hot loop), no OpenMP.
     sim = CppExtension("omnitron._sim", sorted(glob.glob("csrc/sim/*.cpp")),
-                       extra_compile_args=["-O3", "-g0", "-std=c++17"])
+                       extra_compile_args=["-O3", "-g0", std])
     return [ext, sim], {"build_ext": _parallel(BuildExtension.with_options(use_ninja=False))}
+
+
+def _cxx_std() -> str:
+    """The C++ standard of the installed torch's headers: C++20 from torch 2.14 (they use concepts' ``requires``),
+    C++17 before (the compiler's default may be older)."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
 
 
 def _parallel(build_ext):
@@ -67,8 +77,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         # The tested range (omnitron/backends/torch_range.py TESTED; scripts/torch_matrix.sh runs it): 2.9 is
-        # the oldest torch a current vendor stack ships (torch_musa v2.9.x), 2.13 the README's.
-        "torch>=2.9,<2.14",
+        # the oldest torch a current vendor stack ships (torch_musa v2.9.x), 2.15 the newest on PyPI (2026-12-06).
+        "torch>=2.9,<2.16",
         "numpy",
         "pyyaml",
         "tokenizers>=0.15",

@@ -3,7 +3,7 @@
 # cheapest install that imports on a CPU machine), omnitron built in it, and the suite or a subset of it.
 # Prints one row per version as it finishes, then the whole table (markdown, for README's testing section).
 #
-# usage: scripts/torch_matrix.sh [VERSION ...]        default: 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0
+# usage: scripts/torch_matrix.sh [VERSION ...]        default: 2.9.1 2.10.0 2.11.0 2.12.0 2.13.0 2.14.1 2.15.0
 # env:   MATRIX_TESTS  pytest arguments (default: -m "not slow", the suite; scripts/ci_oldest_torch.sh's
 #                      subset is "$(scripts/ci_oldest_torch.sh --tests)")
 #        MATRIX_LABEL  what the tests column calls MATRIX_TESTS (default: "suite" or "subset")
@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 versions=("$@")
-[ ${#versions[@]} -gt 0 ] || versions=(2.9.1 2.10.0 2.11.0 2.12.0 2.13.0)
+[ ${#versions[@]} -gt 0 ] || versions=(2.9.1 2.10.0 2.11.0 2.12.0 2.13.0 2.14.1 2.15.0)
 dir=${MATRIX_DIR:-/tmp/omnitron-matrix}
 tests=${MATRIX_TESTS:-'-m "not slow"'}
 mkdir -p "$dir"

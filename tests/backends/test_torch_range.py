@@ -28,7 +28,8 @@ def test_setup_py_states_the_tested_range():
 
 @pytest.mark.parametrize("version, inside, stack", [
     ("2.9.1+cu128", True, "torch_musa v2.9"), ("2.11.0", True, "MUSA SDK 5.2"), ("2.13.0+cpu", True, "README"),
-    ("2.8.0", False, None), ("2.14.0", False, None), ("3.0.0", False, None)])
+    ("2.15.0+cu132", True, None), ("2.8.0", False, None), ("2.16.0", False, None),
+    ("3.0.0", False, None)])
 def test_range_and_stacks(version, inside, stack):
     assert torch_range.in_tested_range(version) is inside
     line = torch_range.describe(version)
@@ -41,7 +42,7 @@ def test_info_prints_the_installed_torch_and_its_place(monkeypatch, capsys):
     registry.reset_cache()
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert torch_range.describe(torch.__version__) in out and "tested range 2.9-2.13" in out
+    assert torch_range.describe(torch.__version__) in out and "tested range 2.9-2.15" in out
 
 
 _PROBE = """
