@@ -17,6 +17,7 @@ import sys
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.lifetime import die_with_parent
 from omnitron.core.training import failures
+from omnitron.core.training.metrics import new_run_dir
 from omnitron.core.training.outputs import check_writable, lock_outputs
 
 log = logging.getLogger("omnitron.train")
@@ -124,6 +125,15 @@ def _run_rank(settings, entry=None) -> int:
     return 0
 
 
+def _name_run_dir(settings, entry) -> None:
+    """Training with neither ``--save`` nor ``--log-dir``: one new ``./runs/<timestamp>`` for the job, named here
+    so every worker writes to the same folder (each rank taking its own clock could straddle a second) and locked
+    like a given ``--log-dir`` (two jobs started in the same second take two folders)."""
+    lg, ck = getattr(settings, "logging", None), getattr(settings, "checkpoint", None)
+    if entry is None and lg is not None and ck is not None and not lg.log_dir and not ck.save:
+        lg.log_dir = new_run_dir()
+
+
 def launch(settings, entry=None) -> int:
     """Run ``entry(settings, backend, watchdog=...)`` (default: the training loop) on every rank; the exit code.
 
@@ -141,6 +151,7 @@ def launch(settings, entry=None) -> int:
         with lock_outputs(settings) if int(os.environ["RANK"]) == 0 else contextlib.nullcontext():
             return _run_rank(settings, entry)
     n = settings.nproc_per_node
+    _name_run_dir(settings, entry)
     with lock_outputs(settings):  # the launcher holds it: a killed launcher's lock goes with it
         if n == 1:
             import torch

@@ -56,7 +56,24 @@ def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool
 
 
 def default_log_dir(save: str | None) -> str:
+    """``--save``, else ``./runs/<timestamp>`` (what a rank takes alone; ``omnitron train``'s launcher names one
+    folder for the whole job first: :func:`new_run_dir`)."""
     return save or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def new_run_dir(root: str = "runs") -> str:
+    """A new folder for one job under ``root``: ``<timestamp>``, or ``<timestamp>-2``, ``-3``... where another job
+    took that name in the same second. Created here, so two launchers never share one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    os.makedirs(root, exist_ok=True)
+    n = 1
+    while True:
+        path = os.path.join(root, stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            n += 1
 
 
 def _records(path: str) -> list[tuple[str, dict]]:
