@@ -11,15 +11,17 @@ exception" (exit status 134) after its own work is done, so a scheduler sees a f
 
 :func:`drain_at_exit` registers, once per device type, a handler that runs while the interpreter is still
 whole (``atexit``): a backward of one element on the current device, queued on that device's thread behind
-any earlier task, so the thread has released the earlier task before it takes this one; the backward runs in
-a context of its own holding a marker object, and the handler waits, GIL released, until the marker's weak
-reference dies, which is when the thread has released this last task too (at most :data:`WAIT_S`).
+any earlier task, so the thread has released the earlier task before it takes this one; the backward runs,
+on a thread of the handler's, in a context of its own holding a marker object, and the handler waits, GIL
+released, until the marker's weak reference dies, which is when the device thread has released this last
+task too (all of it at most :data:`WAIT_S`).
 """
 from __future__ import annotations
 
 import atexit
 import contextvars
 import logging
+import threading
 import time
 import weakref
 from typing import Callable
@@ -29,7 +31,8 @@ import torch
 log = logging.getLogger("omnitron.backends")
 
 WAIT_S = 5.0
-"""The longest the exit handler waits for the device thread (a thread stuck in a kernel is not waited out)."""
+"""The longest the exit handler waits for the device thread (one stuck in a kernel or collective is not waited
+out: the process ends as it would have)."""
 
 _MARK: contextvars.ContextVar = contextvars.ContextVar("omnitron_autograd_exit")
 _registered: set[str] = set()
@@ -54,19 +57,26 @@ def _drain(current_device: Callable[[], torch.device], in_use: Callable[[], bool
         if not in_use():
             return
         device = current_device()
-        marker = _Marker()
-        gone = weakref.ref(marker)
-        contextvars.Context().run(_backward, marker, device)  # the context and its copy hold the marker
-        del marker
     except Exception as err:  # a device that failed is not drained: the process is ending either way
         log.debug("autograd device thread not drained at exit: %s", err)
         return
+    marker = _Marker()
+    gone = weakref.ref(marker)
+    # on a thread of its own, so a device thread stuck in a hung kernel or collective cannot hold the exit
+    runner = threading.Thread(target=contextvars.Context().run, args=(_backward, marker, device), daemon=True,
+                              name="omnitron-autograd-exit")
+    runner.start()
+    del marker  # the context copy the graph task holds keeps it alive until the device thread drops the task
     deadline = time.monotonic() + WAIT_S
+    runner.join(WAIT_S)
     while gone() is not None and time.monotonic() < deadline:
         time.sleep(0.001)  # releases the GIL the device thread needs
 
 
 def _backward(marker: _Marker, device: torch.device) -> None:
-    _MARK.set(marker)
-    x = torch.ones((), device=device, requires_grad=True)
-    (x * 2.0).backward()
+    try:
+        _MARK.set(marker)
+        x = torch.ones((), device=device, requires_grad=True)
+        (x * 2.0).backward()
+    except Exception as err:
+        log.debug("autograd device thread not drained at exit: %s", err)

@@ -58,3 +58,21 @@ def test_drain_gives_up_on_a_failing_device():
     autograd_exit._drain(broken, lambda: True)
     autograd_exit._drain(broken, lambda: False)  # not started: not even asked for its device
     assert time.monotonic() - t0 < 1.0
+
+
+def test_drain_does_not_wait_out_a_stuck_device(monkeypatch):
+    """A device thread that never finishes (a hung kernel or collective) holds the exit at most WAIT_S."""
+    import threading
+
+    import torch
+
+    from omnitron.backends import autograd_exit
+
+    stuck = threading.Event()
+    monkeypatch.setattr(autograd_exit, "WAIT_S", 0.3)
+    monkeypatch.setattr(autograd_exit, "_backward", lambda marker, device: stuck.wait(30))
+    t0 = time.monotonic()
+    autograd_exit._drain(lambda: torch.device("cpu"), lambda: True)
+    took = time.monotonic() - t0
+    stuck.set()
+    assert 0.3 <= took < 3.0, took
