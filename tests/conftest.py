@@ -21,12 +21,31 @@ def pytest_configure(config):
     os.environ.setdefault("OMNITRON_STRICT_COLLECTIVES", "1")
     # the planner's probes run in every session (tests/plan/test_probe_cache.py turns its disk cache on)
     os.environ.setdefault("OMNITRON_PLAN_CACHE", "off")
+    _runs_outside_the_checkout(config)
     _share_the_cores()
     _prepare_musa_double(name)
     if name == "sim":  # loaded before any backward: autograd sizes its device queues at the first one
         from omnitron.backends import get_backend
 
         get_backend(name)
+
+
+def _runs_outside_the_checkout(config) -> None:
+    """Training a test runs without ``--save`` or ``--log-dir`` writes its metrics under a folder of this
+    session's (removed at its end), not ``./runs`` of the checkout; every process the test starts inherits it."""
+    if "OMNITRON_RUNS_DIR" not in os.environ:
+        import tempfile
+
+        config._omnitron_runs = tempfile.mkdtemp(prefix="omnitron-test-runs-")
+        os.environ["OMNITRON_RUNS_DIR"] = config._omnitron_runs
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_omnitron_runs", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _xdist_threads() -> int | None:

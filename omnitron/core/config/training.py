@@ -284,7 +284,8 @@ class LoggingConfig:
     log_interval: int = 10
     """--log-interval: print and record metrics every this many iterations."""
     log_dir: str | None = None
-    """--log-dir: metrics.jsonl and TensorBoard events (default: --save, else a new ./runs/<timestamp> for the job)."""
+    """--log-dir: metrics.jsonl and TensorBoard events (default: --save, else a new
+    ./runs/<timestamp> for the job; $OMNITRON_RUNS_DIR replaces ./runs)."""
     tensorboard: bool = True
     """--no-tensorboard turns TensorBoard events off (they are written only when installed)."""
     tensorboard_dir: str | None = None

@@ -55,15 +55,22 @@ def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool
             yield f"{tag} vs samples", v, consumed_samples
 
 
+def runs_root() -> str:
+    """Where runs without ``--save`` or ``--log-dir`` go: ``$OMNITRON_RUNS_DIR``, else ``./runs`` (a job started
+    from a read-only or shared working directory, or a test suite, points it elsewhere)."""
+    return os.environ.get("OMNITRON_RUNS_DIR") or "runs"
+
+
 def default_log_dir(save: str | None) -> str:
-    """``--save``, else ``./runs/<timestamp>`` (what a rank takes alone; ``omnitron train``'s launcher names one
-    folder for the whole job first: :func:`new_run_dir`)."""
-    return save or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    """``--save``, else ``<runs root>/<timestamp>`` (what a rank takes alone; ``omnitron train``'s launcher names
+    one folder for the whole job first: :func:`new_run_dir`)."""
+    return save or os.path.join(runs_root(), time.strftime("%Y%m%d-%H%M%S"))
 
 
-def new_run_dir(root: str = "runs") -> str:
-    """A new folder for one job under ``root``: ``<timestamp>``, or ``<timestamp>-2``, ``-3``... where another job
-    took that name in the same second. Created here, so two launchers never share one."""
+def new_run_dir(root: str | None = None) -> str:
+    """A new folder for one job under ``root`` (default :func:`runs_root`): ``<timestamp>``, or ``<timestamp>-2``,
+    ``-3``... where another job took that name in the same second. Created here, so two launchers never share one."""
+    root = root or runs_root()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     os.makedirs(root, exist_ok=True)
     n = 1
