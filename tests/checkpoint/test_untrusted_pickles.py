@@ -17,6 +17,7 @@ import os
 import pickle
 import pickletools
 import random
+import signal
 import struct
 import zipfile
 
@@ -169,7 +170,7 @@ def test_raw_pickle_megatron_import_runs_no_code(tmp_path, protocol, named):
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
 def test_megatron_enums_become_placeholders(tmp_path, zipped, monkeypatch):
     """A ``megatron.*`` enum in ``args`` (megatron-core not installed) reads as an inert :class:`Opaque`;
-    tensors, numpy RNG state and dtypes read back equal."""
+    tensors, numpy RNG state, dtypes and the ``exit_signal`` every Megatron run's args hold read back equal."""
     import enum
     import sys
     import types
@@ -179,7 +180,9 @@ def test_megatron_enums_become_placeholders(tmp_path, zipped, monkeypatch):
     AttnBackend = enum.Enum("AttnBackend", {"flash": 1, "auto": 5}, module="megatron.core.transformer.enums")
     sys.modules["megatron.core.transformer.enums"].AttnBackend = AttnBackend
     w, rng = torch.randn(5, 3), np.random.RandomState(7).get_state()
-    ckpt = {"args": argparse.Namespace(tp=1, attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16),
+    sig = random.choice([signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])  # Megatron's --exit-signal (SIGTERM default)
+    ckpt = {"args": argparse.Namespace(tp=1, attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16,
+                                       exit_signal=sig),
             "model": {"w": w}, "rng_state": [{"np_rng_state": rng}], "scalar": np.float64(0.25),
             "np": np.arange(4, dtype=np.int32)}
     torch.save(ckpt, tmp_path / "f.pt", _use_new_zipfile_serialization=zipped)
@@ -187,6 +190,7 @@ def test_megatron_enums_become_placeholders(tmp_path, zipped, monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     got = load_file(str(tmp_path / "f.pt"))
     assert torch.equal(got["model"]["w"], w) and got["args"].tp == 1 and got["args"].params_dtype == torch.bfloat16
+    assert got["args"].exit_signal is sig
     backend = got["args"].attention_backend
     assert isinstance(backend, Opaque) and backend.args == (5,) and type(backend).__module__.startswith("megatron.")
     assert got["rng_state"][0]["np_rng_state"][0] == rng[0] and (got["rng_state"][0]["np_rng_state"][1] == rng[1]).all()

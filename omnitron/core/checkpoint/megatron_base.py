@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 import numpy as np
 
@@ -33,10 +34,12 @@ class MegatronConversionError(CheckpointError):
 
 
 def _extra_classes() -> dict[str, object]:
-    """What a Megatron file holds beside tensors, by exact name: the run's ``argparse.Namespace`` and
-    numpy's RNG state (arrays, dtypes and scalars; numpy 1 and 2 spell the module differently)."""
+    """What a Megatron file holds beside tensors, by exact name: the run's ``argparse.Namespace`` (whose
+    ``exit_signal`` is a ``signal.Signals``, SIGTERM by default: an enum, built from its number) and numpy's RNG
+    state (arrays, dtypes and scalars; numpy 1 and 2 spell the module differently)."""
     reconstruct, scalar = np.zeros(0).__reduce__()[0], np.float64(0).__reduce__()[0]
-    out = {"argparse.Namespace": argparse.Namespace, "numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
+    out = {"argparse.Namespace": argparse.Namespace, "numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype,
+           "signal.Signals": signal.Signals}
     for core in ("numpy.core.multiarray", "numpy._core.multiarray"):
         out.update({f"{core}._reconstruct": reconstruct, f"{core}.scalar": scalar})
     for code in np.typecodes["All"]:  # the dtype classes: never named in a file, but unpickled dtypes are theirs
