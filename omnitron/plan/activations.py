@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from omnitron.core.transformer.shapes import ffn_size
 from omnitron.plan.measure import SavedBytes, one_thread
 from omnitron.plan.transients import heads_doubled
 
@@ -111,7 +112,7 @@ def probe_config(cfg, tp: int):
     """(probe config, k_heads, k_dim): the tp-local layer with widths divided by ``k_heads * k_dim``."""
     heads, d = cfg.num_attention_heads, cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     groups = cfg.num_query_groups or heads
-    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    ffn = ffn_size(cfg)
     lh, lg, lf = heads // tp, max(1, groups // tp), ffn // tp
     mla = getattr(cfg, "multi_latent_attention", False)
     ranks = tuple(r for r in (cfg.q_lora_rank, cfg.kv_lora_rank) if r) if mla else ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 
 import pytest
 
@@ -236,3 +237,21 @@ def test_megatron_bert_script_by_its_entry(tmp_path):
         parse_settings(script + ["--entry", "pretrain_bert", "--model-type", "gpt"], 1)
     with pytest.raises(ConfigError, match="--entry pretrain_mamba: not a Megatron training script omnitron runs"):
         parse_settings(script + ["--entry", "pretrain_mamba"], 1)
+
+
+def test_swiglu_without_ffn_hidden_size_takes_megatrons_default():
+    """Megatron's validate_args: under --swiglu with no --ffn-hidden-size the MLP width is two thirds of 4h,
+    rounded down to a multiple of 64 (the gated MLP's third matrix keeps the parameter count near 4h's); without
+    --swiglu it is 4h; a given width stands; a width that rounds to 0 is refused."""
+    from omnitron.core.models.gpt.config import ffn_size
+
+    rng = random.Random()
+    h = 64 * rng.randrange(1, 40)
+    flags = BASE + ["--hidden-size", str(h), "--num-attention-heads", "4"]
+    want = (8 * h // 3) // 64 * 64  # integer form of int(4h * 2/3 / 64) * 64: no float rounding
+    assert ffn_size(parse_settings(flags + ["--swiglu"], 1).model) == want
+    assert ffn_size(parse_settings(flags, 1).model) == 4 * h
+    given = 4 * rng.randrange(1, 200)
+    assert ffn_size(parse_settings(flags + ["--swiglu", "--ffn-hidden-size", str(given)], 1).model) == given
+    with pytest.raises(ConfigError, match="--swiglu without --ffn-hidden-size .* = 0 at --hidden-size 16"):
+        parse_settings(BASE + ["--hidden-size", "16", "--swiglu"], 1)

@@ -21,6 +21,7 @@ import torch
 
 from omnitron.core.checkpoint.hf_llama import (HFConversionError, Rule, _check, _llama_config, _llama_fields,
                                                _llama_rules, _need)
+from omnitron.core.transformer.shapes import ffn_size
 
 
 # ---- config ----------------------------------------------------------------------------------
@@ -147,7 +148,7 @@ def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
     window = _all_layer_window(cfg)
     out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=cfg.num_layers)
     out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=cfg.num_experts,
-               num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+               num_experts_per_tok=cfg.moe_router_topk, moe_intermediate_size=cfg.moe_ffn_hidden_size or ffn_size(cfg),
                norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
     out.pop("mlp_bias", None)
@@ -205,7 +206,7 @@ def deepseek_to_hf(cfg, dtype: str) -> dict:
     out = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
            "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_attention_heads,
-           "intermediate_size": cfg.ffn_hidden_size, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+           "intermediate_size": ffn_size(cfg), "moe_intermediate_size": cfg.moe_ffn_hidden_size,
            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length,
            "rms_norm_eps": cfg.layernorm_epsilon, "hidden_act": "silu", "q_lora_rank": cfg.q_lora_rank,
            "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_head_dim,
@@ -230,7 +231,7 @@ def gpt_oss_to_hf(cfg, dtype: str) -> dict:
     window = parse_window(cfg.window_size)
     if (not cfg.add_bias_linear or not cfg.moe_router_bias or cfg.glu_linear_offset != 1.0
             or cfg.activation_func_clamp_value is None or cfg.moe_shared_expert_intermediate_size
-            or cfg.moe_ffn_hidden_size not in (None, cfg.ffn_hidden_size) or cfg.moe_router_score_function != "softmax"
+            or cfg.moe_ffn_hidden_size not in (None, ffn_size(cfg)) or cfg.moe_router_score_function != "softmax"
             or cfg.moe_router_pre_softmax or (window is not None and window[0] < 0)):
         raise HFConversionError("a Hugging Face gpt-oss model has biases everywhere, a router bias, the clamped GeGLU "
                                 "with offset 1, experts of --ffn-hidden-size, no shared expert, softmax over the picks "
@@ -239,7 +240,7 @@ def gpt_oss_to_hf(cfg, dtype: str) -> dict:
     return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": query_groups(cfg), "head_dim": head_dim(cfg),
-            "intermediate_size": cfg.ffn_hidden_size, "num_local_experts": cfg.num_experts,
+            "intermediate_size": ffn_size(cfg), "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.moe_router_topk, "vocab_size": cfg.vocab_size,
             "max_position_embeddings": cfg.max_position_embeddings or cfg.seq_length,
             "rms_norm_eps": cfg.layernorm_epsilon, "sliding_window": None if window is None else window[0] + 1,

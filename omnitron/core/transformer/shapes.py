@@ -10,8 +10,17 @@ from omnitron.core.config.parallel import ConfigError
 
 
 def ffn_size(c) -> int:
-    """``--ffn-hidden-size``, Megatron's default 4 x hidden."""
-    return c.ffn_hidden_size or 4 * c.hidden_size
+    """``--ffn-hidden-size``, else Megatron's default: 4 x hidden, and with ``--swiglu`` (whose MLP has a third
+    matrix) two thirds of that rounded down to a multiple of 64 (Megatron's ``validate_args``)."""
+    if c.ffn_hidden_size:
+        return c.ffn_hidden_size
+    return swiglu_default_ffn(c.hidden_size) if getattr(c, "swiglu", False) else 4 * c.hidden_size
+
+
+def swiglu_default_ffn(hidden: int) -> int:
+    """Megatron's ``--ffn-hidden-size`` under ``--swiglu`` when none is given: ``int(4 h * 2 / 3 / 64) * 64``
+    (0 below hidden 24, which the model config refuses)."""
+    return int((4 * hidden * 2 / 3) / 64) * 64
 
 
 def query_groups(c) -> int:

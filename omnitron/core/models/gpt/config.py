@@ -242,6 +242,9 @@ class GPTConfig:
         check_moe_fields(self)
         if self.quick_geglu:  # Megatron: --quick-geglu sets the gated linear unit
             self.swiglu = True
+        if self.swiglu and not self.ffn_hidden_size and ffn_size(self) < 1:
+            raise ConfigError(f"--swiglu without --ffn-hidden-size takes Megatron's int(4 x {self.hidden_size} x 2/3 "
+                              f"/ 64) x 64 = 0 at --hidden-size {self.hidden_size}: give --ffn-hidden-size")
         self._check_window_and_sinks()
 
     def _check_window_and_sinks(self) -> None:
