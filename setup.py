@@ -72,7 +72,8 @@ setup(
     version=VERSION,
     description="3D-parallel FP8 Transformer training on any full-function GPU (CUDA, MUSA) or CPU",
     packages=find_packages(include=["omnitron", "omnitron.*"]),
-    package_data={"omnitron": ["data/*", "data/**/*", "backends/musa/*.txt", "backends/musa/torch_musa_api/*.txt", "plan/devices/*.toml"]},
+    package_data={"omnitron": ["data/*", "data/**/*", "backends/musa/*.txt", "backends/musa/torch_musa_api/*.txt",
+                               "plan/devices/*.toml", "core/training/megatron_flags.txt"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

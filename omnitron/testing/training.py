@@ -19,6 +19,8 @@ def worker_runner(make_args: Callable, root: str) -> Callable:
     be, world = get_backend(), dist.get_world_size()
 
     def run(layout, save, *extra):
+        if "--load" in extra:  # a run that loads to compare states takes the checkpoint's schedule whatever its
+            extra = (*extra, "--use-checkpoint-opt_param-scheduler")  # --train-iters
         return train(parse_settings(make_args(layout, os.path.join(root, save), extra), world), be)
 
     return run

@@ -74,7 +74,8 @@ def test_kill_during_background_write_keeps_the_previous_latest(tmp_path):
     assert latest.endswith("iter_0000001") and read_metadata(latest)["iteration"] == 1
     assert read_full_state(latest).model  # every checksum verified, every tensor read
 
-    resumed = start(_args(tmp_path, "logs2", "--train-iters", "2", "--load", str(ck)))
+    resumed = start(_args(tmp_path, "logs2", "--train-iters", "2", "--load", str(ck),
+                          "--use-checkpoint-opt_param-scheduler"))
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out
     assert "resumed from" in out and "iteration 1" in out, out

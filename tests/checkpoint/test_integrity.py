@@ -121,6 +121,20 @@ def test_lost_latest_falls_back_to_the_newest_complete(tmp_path, caplog):
     assert "no 'latest' pointer and no complete checkpoint" in _one_line(err) and "metadata.json" in str(err.value)
 
 
+def test_a_megatron_checkpoint_given_to_load_names_the_import(tmp_path):
+    """Megatron's layout (iter_N/mp_rank_00/model_optim_rng.pt and its tracker file) under --load: the error says
+    what it is and the command that converts it, not that omnitron's metadata is missing."""
+    import random
+
+    it = random.randrange(1, 10**6)
+    os.makedirs(tmp_path / f"iter_{it:07d}" / "mp_rank_00")
+    (tmp_path / f"iter_{it:07d}" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"not read")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(str(it))
+    with pytest.raises(CheckpointError) as err:
+        find_latest(str(tmp_path))
+    assert "is a Megatron-LM checkpoint" in _one_line(err) and "omnitron checkpoint import-megatron" in str(err.value)
+
+
 @pytest.mark.parametrize("content,message", [
     (b"\x00\x9f{garbage", "metadata.json is not valid JSON"),
     (b"[1, 2]", "metadata.json lacks everything"),
@@ -193,12 +207,13 @@ def test_train_load_errors_are_one_line(tmp_path, capsys, caplog):
             os.remove(target)
         else:
             open(target, "wb").write(damage)
-        rc, err = train("--train-iters", "2", "--load", broken)
+        rc, err = train("--train-iters", "2", "--load", broken, "--use-checkpoint-opt_param-scheduler")
         assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert err.startswith("omnitron train: error: ") and words in err and "iter_0000001" in err, err
         if name == ".metadata":
             _dist_read_is_one_line(os.path.join(broken, "iter_0000001"), it, words, caplog)
-    assert train("--train-iters", "2", "--load", save)[0] == 0 and os.path.isdir(it)  # the intact copy resumes
+    resumed = train("--train-iters", "2", "--load", save, "--use-checkpoint-opt_param-scheduler")
+    assert resumed[0] == 0 and os.path.isdir(it)  # the intact copy resumes
 
 
 def _dist_read_is_one_line(broken: str, intact: str, words: str, caplog) -> None:

@@ -84,6 +84,8 @@ def _worker(root):
     be, world = get_backend(), dist.get_world_size()
 
     def run(layout, save, *extra):
+        if "--load" in extra:  # the checkpoint's schedule whatever the --train-iters
+            extra = (*extra, "--use-checkpoint-opt_param-scheduler")
         return train(parse_settings(_args(layout, os.path.join(root, save), extra), world), be)
 
     ck = os.path.join(root, "A")

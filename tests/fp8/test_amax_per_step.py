@@ -40,7 +40,7 @@ class _Counting:
 
 def _train(layers: int, groups: tuple, coll, seed: int) -> tuple[list[int], list[dict], list[list[dict]]]:
     """(collectives per step, each layer's local step amaxes per step, each layer's scales after each step)."""
-    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST)
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST, fp8_amax_compute_algo="max")
     be = get_backend("cpu")
     reducer = AmaxReducer(groups, coll, per_step=True)
     exs = [FP8Linear(cfg, be.fp8, amax_groups=groups, collectives=coll, reducer=reducer) for _ in range(layers)]
@@ -129,7 +129,7 @@ def test_a_role_unused_in_a_step_keeps_its_history_and_scale():
     """The step pushes every registered role's history on the device (no host sync to ask which were used): one
     left unused in a step keeps its history and scale bit for bit, a used one takes the step's amax (exact: a max
     of floats) and its scale follows."""
-    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST)
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST, fp8_amax_compute_algo="max")
     be = get_backend("cpu")
     reducer = AmaxReducer((), None, per_step=True)
     used, unused = (FP8Linear(cfg, be.fp8, reducer=reducer) for _ in range(2))

@@ -94,24 +94,30 @@ def _inputs(shape, dtype, growth):
     return w.to(dtype), xs, gys
 
 
-def _scales_in_force(amaxes: list[float], fmt: str, margin: int, recipe: str, hist_len: int) -> list[tuple]:
+def _scales_in_force(amaxes: list[float], fmt: str, margin: int, recipe: str, hist_len: int,
+                     algo: str = "max") -> list[tuple]:
     """(scale, scale_inv) used at each use: the use's own amax (tensorwise, and delayed's first use), else the max
-    of the last ``hist_len`` earlier amaxes (delayed, ``max`` algorithm)."""
+    of the last ``hist_len`` earlier amaxes (delayed, ``max``) or the previous use's (delayed, ``most_recent``)."""
     out = []
     for t, a in enumerate(amaxes):
-        ref = a if recipe == "tensorwise" or t == 0 else max(amaxes[max(0, t - hist_len):t])
+        if recipe == "tensorwise" or t == 0:
+            ref = a
+        else:
+            ref = max(amaxes[max(0, t - hist_len):t]) if algo == "max" else amaxes[t - 1]
         out.append(_scales(ref, fmt, margin))
     return out
 
 
-@pytest.mark.parametrize("recipe,per_step", [("tensorwise", False), ("delayed", False), ("delayed", True)])
+@pytest.mark.parametrize("recipe,per_step,algo", [("tensorwise", False, "max"), ("delayed", False, "max"),
+                                                  ("delayed", True, "max"), ("delayed", True, "most_recent")])
 @pytest.mark.parametrize("fmt,margin,dtype,shape", [("hybrid", 0, torch.bfloat16, (4, 12)),
                                                      ("e4m3", 1, torch.float32, (40,))])
-def test_gemm_operands_are_the_recipes_bit_for_bit(recipe, per_step, fmt, margin, dtype, shape):
+def test_gemm_operands_are_the_recipes_bit_for_bit(recipe, per_step, algo, fmt, margin, dtype, shape):
     """Three uses of one layer (the third with a larger input than the history has seen: delayed scaling
     saturates it), each forward and backward; operands exact, results within the fp32-accumulation bound."""
     be, hist_len = get_backend(), 2
-    cfg = FP8Config(fp8_recipe=recipe, fp8_format=fmt, fp8_margin=margin, fp8_amax_history_len=hist_len)
+    cfg = FP8Config(fp8_recipe=recipe, fp8_format=fmt, fp8_margin=margin, fp8_amax_history_len=hist_len,
+                    fp8_amax_compute_algo=algo)
     provider = FP8Provider(be)
     spy = _Spy(provider)
     reducer = AmaxReducer((), None, per_step=True) if per_step else None
@@ -122,9 +128,9 @@ def test_gemm_operands_are_the_recipes_bit_for_bit(recipe, per_step, fmt, margin
     wd, bd = w.to(dev).requires_grad_(), bias.to(dev).requires_grad_()
     fb = cfg.backward_format
     x2s, g2s = [x.reshape(-1, 64) for x in xs], [gy.reshape(-1, 48) for gy in gys]
-    sx = _scales_in_force([_amax(x) for x in x2s], "e4m3", margin, recipe, hist_len)
-    sw = _scales_in_force([_amax(w)] * 3, "e4m3", margin, recipe, hist_len)
-    sg = _scales_in_force([_amax(g) for g in g2s], fb, margin, recipe, hist_len)
+    sx = _scales_in_force([_amax(x) for x in x2s], "e4m3", margin, recipe, hist_len, algo)
+    sw = _scales_in_force([_amax(w)] * 3, "e4m3", margin, recipe, hist_len, algo)
+    sg = _scales_in_force([_amax(g) for g in g2s], fb, margin, recipe, hist_len, algo)
     for t in range(3):
         spy.calls.clear()
         xd = xs[t].to(dev).requires_grad_()

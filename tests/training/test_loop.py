@@ -64,7 +64,8 @@ def test_finetune_and_incompatible_load(tmp_path):
     # resuming past the checkpoint keeps metrics.jsonl consistent: records 1-2, then 3-4 appended
     with open(os.path.join(save, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"iteration": 3, "lm_loss": 0.0}) + "\n")  # written by a run killed before saving
-    train(parse_settings(_args(tmp_path, "--train-iters", "4", "--load", save, "--save", str(tmp_path / "ck2"),
+    train(parse_settings(_args(tmp_path, "--train-iters", "4", "--use-checkpoint-opt_param-scheduler", "--load", save,
+                               "--save", str(tmp_path / "ck2"),
                                "--log-dir", save), 1), get_backend("cpu"))
     its = [json.loads(line)["iteration"] for line in open(os.path.join(save, "metrics.jsonl"))]
     assert its == [1, 2, 3, 4]

@@ -255,3 +255,68 @@ def test_swiglu_without_ffn_hidden_size_takes_megatrons_default():
     assert ffn_size(parse_settings(flags + ["--swiglu", "--ffn-hidden-size", str(given)], 1).model) == given
     with pytest.raises(ConfigError, match="--swiglu without --ffn-hidden-size .* = 0 at --hidden-size 16"):
         parse_settings(BASE + ["--hidden-size", "16", "--swiglu"], 1)
+
+
+def test_fp8_delayed_scaling_defaults_are_megatrons():
+    """Megatron's TransformerConfig (d98e8a6, transformer_config.py:621-624) defaults the delayed recipe to a
+    history of 1 and the most recent amax, and passes them to TE's DelayedScaling; so does omnitron. A given
+    value stands."""
+    s = parse_settings(BASE + ["--fp8-format", "hybrid"], 1)
+    assert (s.fp8.fp8_amax_history_len, s.fp8.fp8_amax_compute_algo) == (1, "most_recent")
+    n = random.randrange(2, 2048)
+    s = parse_settings(BASE + ["--fp8-format", "hybrid", "--fp8-amax-history-len", str(n),
+                               "--fp8-amax-compute-algo", "max"], 1)
+    assert (s.fp8.fp8_amax_history_len, s.fp8.fp8_amax_compute_algo) == (n, "max")
+
+
+def test_megatron_flags_omnitron_lacks_are_named_as_megatrons(capsys):
+    """A Megatron-LM flag omnitron does not define is refused as Megatron's, not offered a look-alike of omnitron's
+    (``--add-qkv-bias`` is not ``--add-bias-linear``); a plain typo still gets suggestions."""
+    import argparse
+
+    from omnitron.cli import main
+    from omnitron.core.config.parser import Parser
+    from omnitron.core.training.arguments import add_arguments, megatron_flag_names
+
+    parser = Parser(prog="x", argument_default=argparse.SUPPRESS)
+    add_arguments(parser)
+    ours = {s for s in parser._option_string_actions if s.startswith("--")}
+    theirs = sorted(megatron_flag_names() - ours)
+    assert "--add-qkv-bias" in theirs and "--tensor-model-parallel-size" not in theirs
+    for flag in ("--add-qkv-bias", random.choice(theirs)):
+        with pytest.raises(SystemExit) as info:
+            main(["train", *BASE, flag])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"unrecognized arguments: {flag} (Megatron-LM's flag, which omnitron does not implement" in err, err
+        assert "did you mean" not in err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--pipeline-schedule", "nosuch"], "--pipeline-schedule 'nosuch' unknown"),
+    (["--pipeline-schedule", "dualpipe-v", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "dualpipe-v needs at least 2 x pipeline size = 4 micro-batches, got 2"),
+    (["--pipeline-schedule", "zb-v"], "runs two model chunks per rank in a V")])
+def test_a_schedule_that_cannot_run_stops_the_command_line(extra, message):
+    """Found by the schedule's builder when the settings are read (before any rank starts), not by every rank
+    after start-up: pp2 with 2 micro-batches a step (global batch 4, micro-batch 2)."""
+    flags = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                    "--global-batch-size", "4"]
+    with pytest.raises(ConfigError, match=message):
+        parse_settings(flags + extra, 2)
+
+
+@pytest.mark.parametrize("text,name,message", [
+    ("lr: 1.0e-3\nseq-length: 32\nlr: 2.0e-3\n", "c.yaml", "'lr' is given twice; keep one"),
+    ("seq-length: 32\nseq_length: 64\n", "c.yaml", "'seq-length' and 'seq_length' both set seq_length; keep one"),
+    ('{"lr": 0.001, "lr": 0.002}', "c.json", "'lr' is given twice; keep one")])
+def test_a_setting_given_twice_in_a_config_file_is_refused(tmp_path, text, name, message):
+    """YAML and JSON readers keep the last of two equal keys silently; a config file that sets one setting twice
+    (or under its flag and its field spelling) is refused, naming it, rather than one value chosen."""
+    from omnitron.core.training.arguments import load_config_file
+
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=f"--config .*{name}: {message}"):
+        load_config_file(str(tmp_path / name))
+    (tmp_path / "ok.yaml").write_text("lr: 1.0e-3\nnested: {a: 1, b: [1, 2]}\n")
+    assert load_config_file(str(tmp_path / "ok.yaml")) == {"lr": 1e-3, "nested": {"a": 1, "b": [1, 2]}}

@@ -256,6 +256,10 @@ def _newest_complete(load_dir: str, quiet: bool) -> str | None:
             log.warning("--load %s: no 'latest' pointer; loading the newest complete checkpoint, %s%s", load_dir,
                         os.path.basename(path), f" (skipping {', '.join(newer)}: no {_META})" if newer else "")
         return path
+    if dirs and os.path.exists(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):  # Megatron's tracker
+        raise CheckpointError(f"--load {load_dir} is a Megatron-LM checkpoint (latest_checkpointed_iteration.txt, "
+                              f"no {_META}): convert it with `omnitron checkpoint import-megatron --load {load_dir} "
+                              f"--save NEW_DIR` and give --load NEW_DIR")
     if dirs:
         raise CheckpointError(f"--load {load_dir}: no 'latest' pointer and no complete checkpoint "
                               f"({', '.join(dirs[-3:])} {'has' if len(dirs) == 1 else 'have'} no {_META}); restore "

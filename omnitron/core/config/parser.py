@@ -26,12 +26,20 @@ class Parser(argparse.ArgumentParser):
 
 
 def _unknown(flags: list[str], parser: argparse.ArgumentParser) -> str:
+    """The error for unknown ``flags``: a flag of another program the parser speaks for (``foreign_flags``:
+    Megatron-LM's, on ``omnitron train``) is named as that program's and not implemented here; any other gets
+    the parser's closest flags as suggestions."""
     import difflib
 
     known = [s for s in parser._option_string_actions if s.startswith("--")]
+    foreign = getattr(parser, "foreign_flags", None)
     parts = []
     for flag in flags:
         name = flag.split("=", 1)[0]
+        if foreign and name in foreign[1]:
+            parts.append(f"{name} ({foreign[0]}'s flag, which omnitron does not implement: drop it; "
+                         f"docs/megatron-flags.md lists what runs)")
+            continue
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
         parts.append(f"{name} (did you mean {' or '.join(close)}?)" if close else name)
     return "unrecognized arguments: " + ", ".join(parts)

@@ -388,6 +388,12 @@ class CheckpointConfig:
     """--no-load-optim: do not restore optimizer/scaler/scheduler state."""
     no_load_rng: bool = False
     """--no-load-rng: do not restore RNG states."""
+    override_opt_param_scheduler: bool = False
+    """--override-opt_param-scheduler (Megatron's spelling): on resume, the learning-rate schedule (--lr, --min-lr,
+    warm-up, decay length and style) is this command line's, not the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """--use-checkpoint-opt_param-scheduler: on resume, the checkpoint's schedule stands where the command line's
+    differs. With neither flag a difference stops the load (Megatron's rule), naming each value."""
     use_checkpoint_args: bool = False
     """--use-checkpoint-args: take the model's shape and the tokenizer from the checkpoint under --load (they
     override the command line's; each change is logged)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from omnitron.core.config.parallel import ConfigError
 from omnitron.core.config.training import OptimizerConfig
 
 
@@ -93,13 +94,38 @@ class LRScheduler:
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._KEYS}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Adopt a checkpoint's schedule (the command line's schedule is overridden, as in Megatron); a
-        checkpoint written before sample-counted schedules counts iterations from a warmup that starts at 0."""
-        old = {"unit": "iterations", "warmup_init": 0.0, "samples": 0, "decoupled_max_lr": self.decoupled_max_lr,
+    def load_state_dict(self, state: dict, keep: str | None = None) -> list[str]:
+        """Resume a checkpoint's schedule, as Megatron's ``OptimizerParamScheduler.load_state_dict``: the progress
+        (samples consumed) is the checkpoint's; where a schedule setting (``_CHECKED``) differs from this command
+        line's, ``keep`` decides: ``"command line"`` (``--override-opt_param-scheduler``), ``"checkpoint"``
+        (``--use-checkpoint-opt_param-scheduler``), or None: a ``ConfigError`` naming every difference. The WSD
+        decay, its shape and the warm-up's start are this command line's (Megatron does not save them). A
+        checkpoint written before sample-counted schedules counts iterations. Returns the lines to log."""
+        old = {"unit": "iterations", "samples": 0, "decoupled_max_lr": self.decoupled_max_lr,
                "decoupled_min_lr": self.decoupled_min_lr}
-        for key in self._KEYS:
-            setattr(self, key, state[key] if key in state else old[key])
+        saved = {key: state[key] if key in state else old[key] for key, _ in _CHECKED}
+        diffs = [(flag, saved[key], getattr(self, key)) for key, flag in _CHECKED if saved[key] != getattr(self, key)]
+        self.samples = state.get("samples", 0)
+        if not diffs:
+            return []
+        said = "; ".join(f"{flag}: {was!r} in the checkpoint, {now!r} now" for flag, was, now in diffs)
+        if keep is None:
+            raise ConfigError(f"--load: the checkpoint's learning-rate schedule differs from this command line's "
+                              f"({said}): give --override-opt_param-scheduler to use the command line's, or "
+                              f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        if keep == "checkpoint":
+            for key, _ in _CHECKED:
+                setattr(self, key, saved[key])
+        return [f"learning-rate schedule: the {keep}'s values stand ({said})"]
+
+
+_CHECKED = (("unit", "the schedule's unit (--train-iters or --train-samples)"), ("max_lr", "--lr"),
+            ("min_lr", "--min-lr"), ("style", "--lr-decay-style"),
+            ("warmup", "the warm-up (--lr-warmup-iters, -samples or -fraction)"),
+            ("decay_iters", "the decay length (--lr-decay-iters or -samples, else --train-iters or -samples)"),
+            ("decoupled_max_lr", "--decoupled-lr"), ("decoupled_min_lr", "--decoupled-min-lr"))
+"""(setting, what the command line calls it): what Megatron's scheduler checks against a checkpoint (its
+``_check_and_set``: max and min lr, warm-up and decay steps, decay style), and the embedding's decoupled rates."""
 
 
 def _shape(style: str, ratio: float) -> float:

@@ -37,7 +37,8 @@ log = logging.getLogger("omnitron.train")
 
 # fields that are not flags: derived elsewhere, or not user settings
 # Megatron's spelling where it differs from the field name
-_FLAG_NAMES = {"bucket_size": "--ddp-bucket-size"}
+_FLAG_NAMES = {"bucket_size": "--ddp-bucket-size", "override_opt_param_scheduler": "--override-opt_param-scheduler",
+               "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}
 _HIDDEN = {"params_dtype", "reduce_scatter", "apply_scaled_init", "virtual_pipeline_model_parallel_size"}
 
 
@@ -184,8 +185,16 @@ def _help(opt: Option) -> str:
     return text.replace("%", "%%")
 
 
+def megatron_flag_names() -> frozenset[str]:
+    """Every flag of Megatron-LM's argument parser (megatron_flags.txt: d98e8a6)."""
+    with open(os.path.join(os.path.dirname(__file__), "megatron_flags.txt")) as f:
+        return frozenset(line.strip() for line in f if line.startswith("--"))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every training flag; defaults are suppressed so that given flags can be told apart."""
+    """Add every training flag; defaults are suppressed so that given flags can be told apart. A Megatron flag
+    omnitron lacks is named as Megatron's when given (``parser.foreign_flags``, read by the parser's error)."""
+    parser.foreign_flags = ("Megatron-LM", megatron_flag_names())
     launch = parser.add_argument_group("launch")
     launch.add_argument("--config", metavar="FILE", help="YAML or JSON file of settings (keys = flag names); "
                         "flags on the command line win")
@@ -255,23 +264,56 @@ def load_config_file(path: str) -> dict[str, Any]:
     with open(path) as f:
         text = f.read()
     if path.endswith(".json"):
-        try:
-            data = json.loads(text)
-        except ValueError as err:
-            raise ConfigError(f"--config {path}: not valid JSON ({err}); fix the file") from None
-    else:
-        import yaml
+        def unique(kv):
+            keys = [k for k, _ in kv]
+            if len(set(keys)) < len(keys):
+                raise ConfigError(f"--config {path}: {next(k for k in keys if keys.count(k) > 1)!r} is given twice; "
+                                  f"keep one")
+            return dict(kv)
 
         try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:  # its str() spans several lines: keep the problem and where
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            what = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(f"--config {path}: not valid YAML{where} ({what}); fix the file") from None
-    if not isinstance(data, dict):
+            data = json.loads(text, object_pairs_hook=unique)
+        except ValueError as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"--config {path}: not valid JSON ({err}); fix the file") from None
+        pairs = list(data.items()) if isinstance(data, dict) else None
+    else:
+        pairs = _yaml_pairs(path, text)
+    if pairs is None:
         raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
-    return {str(k).lstrip("-").replace("-", "_"): v for k, v in data.items()}
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for k, v in pairs:
+        key = str(k).lstrip("-").replace("-", "_")
+        if key in out:  # the same setting twice (perhaps spelled once as a flag, once as a field): which one?
+            both = f"{k!r} is given twice" if spelled[key] == str(k) else f"{spelled[key]!r} and {k!r} both set {key}"
+            raise ConfigError(f"--config {path}: {both}; keep one")
+        out[key], spelled[key] = v, str(k)
+    return out
+
+
+def _yaml_pairs(path: str, text: str):
+    """The top-level (key, value) pairs of a YAML mapping, in order, duplicates kept (PyYAML keeps the last)."""
+    import yaml
+
+    class Pairs(yaml.SafeLoader):
+        pass
+
+    def top(loader, node):
+        loader.flatten_mapping(node)
+        return [(loader.construct_object(k, deep=True), loader.construct_object(v, deep=True)) for k, v in node.value]
+
+    try:
+        node = Pairs(text).get_single_node()
+        if node is None:
+            return []
+        return top(Pairs(""), node) if isinstance(node, yaml.MappingNode) else None
+    except yaml.YAMLError as err:  # its str() spans several lines: keep the problem and where
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML{where} ({what}); fix the file") from None
 
 
 # settings that are not config-dataclass fields, with their types
@@ -393,7 +435,14 @@ def resolved_config(settings: Settings) -> dict[str, Any]:
     for cfg in (settings.data, settings.training, settings.optim, settings.logging, settings.checkpoint):
         out.update({f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in out})
     out.update(settings.flat)
+    for key in _TOKENIZER_FILES:  # a reader (generate, serve, export) may run from another directory
+        if isinstance(out.get(key), str) and not os.path.isabs(out[key]) and os.path.exists(out[key]):
+            out[key] = os.path.abspath(out[key])
     return out
+
+
+_TOKENIZER_FILES = ("vocab_file", "merge_file", "tokenizer_model")
+"""Settings naming the tokenizer's files, recorded as absolute paths (a hub name that is no file stays as given)."""
 
 
 def _build(cls, merged: dict[str, Any], **extra):
@@ -427,8 +476,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         from omnitron.core.parallel.pipeline.combined import check_schedule
 
         check_schedule(training.pipeline_schedule)
-    if training.rampup_batch_size or training.step_batch_size_schedule:
-        _check_ramp_schedules(training, parallel, data_parallel_size(parallel, world), model.seq_length)
+    _check_schedules(training, parallel, data_parallel_size(parallel, world), model.seq_length)
     data = _data_settings(merged, model, parallel, training)
     fp8 = _fp8_settings(merged)
     logging_cfg = _build(LoggingConfig, merged)
@@ -554,17 +602,20 @@ def _schedule_final_batch(training: TrainingConfig, seq_length: int) -> int:
     return final
 
 
-def _check_ramp_schedules(training: TrainingConfig, parallel: ParallelConfig, dp: int, seq_length: int) -> None:
-    """Every micro-batch count of the ramp has a pipeline schedule (interleaving needs multiples of pp)."""
-    from omnitron.core.parallel.pipeline.schedules import build_schedule
+def _check_schedules(training: TrainingConfig, parallel: ParallelConfig, dp: int, seq_length: int) -> None:
+    """Every micro-batch count the run takes (one, or each of a ramp's) has a pipeline schedule: a schedule's own
+    limits (interleaving needs multiples of pp, DualPipeV 2 pp micro-batches) stop the command line, not the
+    ranks after they started."""
+    from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
+    ramp = "--rampup-batch-size" if training.rampup_batch_size else \
+        "--step-batch-size-schedule" if training.step_batch_size_schedule else None
     for n in batch_ramp(training, dp, seq_length).sizes():
         try:
-            build_schedule(training.pipeline_schedule, parallel.pipeline_model_parallel_size,
-                           parallel.virtual_pipeline_model_parallel_size, n)
+            cached_schedule(training.pipeline_schedule, parallel.pipeline_model_parallel_size,
+                            parallel.virtual_pipeline_model_parallel_size, n)
         except ConfigError as err:
-            flag = "--rampup-batch-size" if training.rampup_batch_size else "--step-batch-size-schedule"
-            raise ConfigError(f"{flag}: a step of {n} micro-batches: {err}") from None
+            raise ConfigError(f"{ramp}: a step of {n} micro-batches: {err}" if ramp else str(err)) from None
 
 
 _ITER_LR = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
@@ -661,6 +712,9 @@ def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> 
                               f"{data.split} gives it none; use e.g. --split 969,30,1 or --eval-interval 0")
     if checkpoint.finetune and not checkpoint.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+    if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each "
+                          "other (the command line's schedule, or the checkpoint's): give one")
 
 
 MEGATRON_ENTRIES = {"pretrain_gpt": "gpt", "pretrain_bert": "bert", "pretrain_t5": "t5", "pretrain_vlm": "multimodal"}

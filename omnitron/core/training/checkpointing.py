@@ -254,7 +254,11 @@ def load(c) -> bool:
             if not changes:
                 _complete_optimizer_state(path, shard)
             c.optimizer.load_state_dict(shard["optimizer"])
-        c.scheduler.load_state_dict(shard["scheduler"])
+        keep = "command line" if ck.override_opt_param_scheduler else \
+            "checkpoint" if ck.use_checkpoint_opt_param_scheduler else None
+        for line in c.scheduler.load_state_dict(shard["scheduler"], keep):
+            if c.groups.rank == 0:
+                log.info("--load %s: %s", path, line)
     if not ck.no_load_rng and "rng" in shard:
         set_rng_state(shard["rng"], c.backend)
         for m, st in zip(c.modules, shard["trackers"]):

@@ -14,8 +14,10 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise", "mxfp8"), default="delayed",
                    help="scaling recipe (mxfp8 is recognised and refused with a reason)")
     g.add_argument("--fp8-margin", type=int, default=0, help="scale = fp8_max / 2**margin / amax")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1024, help="amax history length (delayed)")
-    g.add_argument("--fp8-amax-compute-algo", choices=AMAX_ALGOS, default="max", help="history summary (delayed)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=FP8Config.fp8_amax_history_len,
+                   help="amax history length (delayed)")
+    g.add_argument("--fp8-amax-compute-algo", choices=AMAX_ALGOS, default=FP8Config.fp8_amax_compute_algo,
+                   help="history summary (delayed)")
     g.add_argument("--first-last-layers-bf16", action="store_true", help="keep the first/last layers out of FP8")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1)
     g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1)

@@ -26,10 +26,12 @@ class FP8Config:
     from the current amax) or ``blockwise`` (1x128 activation/gradient tiles, 128x128 weight blocks)."""
     fp8_margin: int = 0
     """--fp8-margin: the scale is ``fp8_max / 2**margin / amax`` (headroom in powers of two)."""
-    fp8_amax_history_len: int = 1024
-    """--fp8-amax-history-len: amax values kept per tensor by the ``delayed`` recipe."""
-    fp8_amax_compute_algo: str = "max"
-    """--fp8-amax-compute-algo: ``max`` of the history, or its ``most_recent`` value (``delayed`` only)."""
+    fp8_amax_history_len: int = 1
+    """--fp8-amax-history-len: amax values kept per tensor by the ``delayed`` recipe (Megatron's default, 1;
+    Transformer Engine's own ``DelayedScaling`` default is 1024, but Megatron passes its value)."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """--fp8-amax-compute-algo: ``max`` of the history, or its ``most_recent`` value (``delayed`` only; Megatron's
+    default)."""
     fp8_impl: str = "omnitron"
     """--fp8-impl: whose FP8 linear runs: ``omnitron`` (its own recipes, every backend) or ``torchao`` (torchao's
     Float8Linear math, tensorwise recipe only; needs torchao installed). fp8/torchao_impl.py."""
