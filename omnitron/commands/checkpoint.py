@@ -15,7 +15,7 @@ import argparse
 import re
 import sys
 
-from omnitron.commands.checkpoint_args import add_family_module_flag, fail, resolve, run_export
+from omnitron.commands.checkpoint_args import add_family_module_flag, check_save, fail, resolve, run_export
 
 
 def register(sub) -> None:
@@ -116,6 +116,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
     try:
         path = resolve(args.load)
+        check_save("--save", args.save, args.load, path)  # never over a checkpoint, never into --load
         cfg = model_config(read_metadata(path)["model"])
         target = _target_layout(args, cfg.num_layers)
         out = convert(path, args.save, target, args.target_ckpt_format, say=say, progress=progress)

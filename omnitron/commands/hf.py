@@ -81,6 +81,7 @@ def run_import(args: argparse.Namespace) -> int:
 
     try:
         layout = import_layout(args)
+        check_import_save(args.save)
         out = import_hf(args.hf_dir, args.save, layout)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
         return fail("import-hf", err)
@@ -89,6 +90,17 @@ def run_import(args: argparse.Namespace) -> int:
           f"training from it starts at iteration 0 with a fresh optimizer")
     print(train_hint(args.save, meta))
     return 0
+
+
+def check_import_save(save: str, load: str | None = None) -> None:
+    """Before any work: an import's ``--save`` can be written, is not the checkpoint directory it reads
+    (``load``: ``import-megatron``'s ``--load``) and holds no iteration-0 checkpoint yet (an import writes
+    ``iter_0000000`` and points ``latest`` at it; it never replaces one)."""
+    from omnitron.commands.checkpoint_args import check_output
+    from omnitron.core.checkpoint.io import refuse_overwrite
+
+    refuse_overwrite(save, 0, load=(load,) if load else ())
+    check_output("--save", save)
 
 
 def import_layout(args: argparse.Namespace):
@@ -118,4 +130,4 @@ def run_export(args: argparse.Namespace) -> int:
     keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
     tokenizer = {k: getattr(args, k, None) for k in keys}
     return export(args, what="export-hf", write=lambda path, out: export_hf(path, out, tokenizer),
-                  note=" (config.json + model.safetensors + tokenizer)")
+                  note=" (config.json + model.safetensors + tokenizer)", out_dir=True)

@@ -46,7 +46,7 @@ def register(cmds) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from omnitron.commands.hf import import_layout, train_hint
+    from omnitron.commands.hf import check_import_save, import_layout, train_hint
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.megatron import import_megatron
     from omnitron.core.checkpoint.reshard import read_metadata
@@ -56,6 +56,7 @@ def run_import(args: argparse.Namespace) -> int:
         if args.vocab_size is not None and args.vocab_size < 1:
             raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
         layout = import_layout(args)
+        check_import_save(args.save, args.load)
         out = import_megatron(args.load, args.save, layout, vocab_size=args.vocab_size)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
         return fail("import-megatron", err)
@@ -70,13 +71,14 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from omnitron.commands.checkpoint_args import resolve
+    from omnitron.commands.checkpoint_args import check_save, resolve
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.megatron import export_megatron
     from omnitron.core.config.parallel import ConfigError
 
     try:
         path = resolve(args.load)
+        check_save("--out", args.out, args.load, path)  # Megatron's iter_N of the same iteration
         out = export_megatron(path, args.out, args.target_tensor_model_parallel_size,
                               args.target_pipeline_model_parallel_size, transformer_impl=args.transformer_impl,
                               ckpt_format=args.ckpt_format)

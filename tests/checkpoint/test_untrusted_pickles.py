@@ -305,5 +305,6 @@ def test_crafted_omnitron_shard_is_one_line(tmp_path):
     with pytest.raises(CheckpointError) as err:
         read_shard(path, 0)
     msg = _one_line(str(err.value))
-    assert "rank_00000.pt is unreadable (weights-only refusal: " in msg and "weights_only" not in msg, msg
+    assert "rank_00000.pt: refused as unsafe by torch's weights-only loader (" in msg, msg
+    assert "weights_only" not in msg and "corrupt" not in msg, msg
     assert not marker.exists()

@@ -301,6 +301,7 @@ def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
                 if name in tensors and key not in pieces:
                     pieces[key] = _whole(p, tensors[name], key)
     iteration = int(full.meta["iteration"])
+    io.refuse_overwrite(save_dir, iteration)
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
     io._begin(save_dir, final)
     with io.removed_if_disk_full(save_dir, final):

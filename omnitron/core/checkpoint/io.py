@@ -15,8 +15,11 @@ import errno
 import json
 import logging
 import os
+import pickle
+import pickletools
 import re
 import shutil
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -154,7 +157,9 @@ def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, 
 def write_checkpoint(save_dir: str, iteration: int, shards: Iterable[tuple[int, dict]], metadata: dict, *,
                      world_size: int) -> str:
     """One process writes every rank's shard (offline conversion), then commits like
-    :func:`save_checkpoint`. ``shards`` yields ``(rank, shard)``, so only one shard need be in memory."""
+    :func:`save_checkpoint`. ``shards`` yields ``(rank, shard)``, so only one shard need be in memory.
+    Never replaces a checkpoint (:func:`refuse_overwrite`)."""
+    refuse_overwrite(save_dir, iteration)
     final = os.path.join(save_dir, iter_dir_name(iteration))
     _begin(save_dir, final)
     written = set()
@@ -166,6 +171,27 @@ def write_checkpoint(save_dir: str, iteration: int, shards: Iterable[tuple[int, 
             raise CheckpointError(f"{save_dir}: wrote shards for ranks {sorted(written)}, expected 0..{world_size - 1}")
         _commit(save_dir, iteration, metadata, world_size, None)
     return final
+
+
+def refuse_overwrite(save_dir: str, iteration: int, *, load: Iterable[str] = (), flag: str = "--save") -> None:
+    """An offline writer (``checkpoint convert``, ``import-hf``, ``import-megatron``, ``export-megatron``) never
+    replaces a checkpoint: raise CheckpointError in one line when ``save_dir`` is (or resolves to) one of the
+    ``load`` directories it reads (the ``--load`` argument, the ``iter_N`` it resolved to), or already holds the
+    ``iter_N`` of ``iteration``. Called before anything is read or written. (A training run re-saving an
+    iteration is another matter: :func:`save_checkpoint` swaps the new copy in whole.)"""
+    real = os.path.realpath(save_dir)
+    for src in load:
+        dirs = {os.path.realpath(src)}
+        if _ITER_DIR.match(os.path.basename(os.path.normpath(src))):  # an iter_N: its --save directory too
+            dirs.add(os.path.realpath(os.path.dirname(os.path.abspath(src))))
+        if real in dirs:
+            raise CheckpointError(f"{flag} {save_dir} is the directory --load reads ({src}): writing there would "
+                                  f"replace its checkpoints and 'latest'; give {flag} an empty directory")
+    name = iter_dir_name(iteration)
+    final = os.path.join(save_dir, name)
+    if os.path.lexists(final) or os.path.lexists(final + ".replaced"):
+        raise CheckpointError(f"{flag} {save_dir} already holds {name}, which this would overwrite (and point "
+                              f"'latest' at); give {flag} an empty directory, or remove {final} first")
 
 
 def _write_shard(tmp_dir: str, rank: int, shard: dict) -> None:
@@ -269,7 +295,8 @@ def _newest_complete(load_dir: str, quiet: bool) -> str | None:
 
 
 def read_metadata(path: str) -> dict:
-    """``path/metadata.json``; missing, unparsable or incomplete metadata raises CheckpointError naming it."""
+    """``path/metadata.json``; missing, unparsable or incomplete metadata, or a field of the wrong type
+    (:data:`_META_TYPES`), raises CheckpointError naming the file (and the field)."""
     file = os.path.join(path, _META)
     try:
         with open(file, "rb") as f:
@@ -287,7 +314,41 @@ def read_metadata(path: str) -> dict:
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format_version')} is not "
                               f"{FORMAT_VERSION}, which this omnitron reads")
+    for key, (ok, what) in _META_TYPES.items():
+        if key in meta and not ok(meta[key]):
+            shown = json.dumps(meta[key])
+            raise CheckpointError(f"{file}: '{key}' is {shown if len(shown) <= 40 else shown[:37] + '...'}, not "
+                                  f"{what}: the metadata is corrupt or not omnitron's; load an earlier iteration, "
+                                  f"or re-save")
     return meta
+
+
+def _count(v, least: int = 0) -> bool:
+    return type(v) is int and v >= least
+
+
+def _strings(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# the types of the metadata fields omnitron reads (those it writes; a field may be absent where _META_KEYS allows)
+_META_TYPES = {
+    "iteration": (_count, "an integer >= 0"),
+    "world_size": (lambda v: _count(v, 1), "an integer >= 1"),
+    "consumed_samples": (_count, "an integer >= 0"),
+    "shards": (_strings, "a list of file names"),
+    "dcp_files": (_strings, "a list of file names"),
+    "model": (lambda v: isinstance(v, dict), "an object of model settings"),
+    "layout": (lambda v: isinstance(v, dict), "an object of parallel-layout settings"),
+    "config": (lambda v: isinstance(v, dict), "an object of run settings"),
+    "optimizer": (lambda v: isinstance(v, dict), "an object"),
+    "scheduler": (lambda v: isinstance(v, dict), "an object"),
+    "resharded_from": (lambda v: v is None or isinstance(v, dict), "an object of parallel-layout settings"),
+    "imported_from": (lambda v: isinstance(v, dict), "an object"),
+    "checksums": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+                  "an object of file name -> digest strings"),
+    "ckpt_format": (lambda v: v in ("torch", "torch_dist"), '"torch" or "torch_dist"'),
+}
 
 
 def check_compatible(meta: dict, model: dict, layout: dict, path: str, *, reshard: bool = False) -> list[str]:
@@ -337,17 +398,69 @@ def read_shard(path: str, rank: int, meta: dict | None = None) -> dict:
     except integrity.IntegrityError as err:
         raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
     try:
-        return torch.load(shard_path, map_location="cpu", weights_only=True)
+        with quiet_torch_load():
+            return torch.load(shard_path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated file, bad zip, refused pickle: all mean "cannot use this shard"
-        raise CheckpointError(f"{shard_path} is unreadable ({torch_load_reason(err)}); the checkpoint is "
-                              f"corrupt: load an earlier iteration, or re-save") from err
+        why = torch_load_reason(err)
+        if why.startswith(REFUSAL):
+            raise CheckpointError(f"{shard_path}: refused as unsafe by torch's weights-only loader "
+                                  f"({why.removeprefix(REFUSAL)}); nothing in it was run; it is not a shard omnitron "
+                                  f"wrote (replaced, tampered with or damaged): load an earlier iteration, or "
+                                  f"re-save") from None
+        raise CheckpointError(f"{shard_path} is unreadable ({why}); the checkpoint is corrupt: load an earlier "
+                              f"iteration, or re-save") from err
+
+
+REFUSAL = "weights-only refusal: "
+"""The prefix of :func:`torch_load_reason` for a file torch's weights-only unpickler refused."""
+# torch's own reasons (torch/_weights_only_unpickler.py, 2.4 to 2.15), their first sentence
+_REFUSAL_REASONS = re.compile(
+    r"Unsupported global: GLOBAL \S+|unsupported GLOBAL \S+ whose module \S+ is blocked|Unsupported operand \d+"
+    r"|Trying to call reduce for unrecognized function [^\n]*?(?=\.?\s*$|\.?\n)|Can only [^\n]*?(?=\.?\n|\.?$)"
+    r"|\S+ must be (?:imported|\S+) to load [^\n]*?(?=\.?\n|\.?$)|unsupported persistent id encountered"
+    r"|String is too long", re.I)
+# sentences of torch's wrapping to drop: advice to load unsafely or to allow-list, links, the headline
+_ADVICE = re.compile(r"weights_only|weights only load failed|safe_globals|trust|torch\.load|file an issue|"
+                     r"In PyTorch 2\.\d|can still be loaded|options|recommended steps|https?://|documentation",
+                     re.I)
+
+
+@contextlib.contextmanager
+def quiet_torch_load():
+    """Around ``torch.load(weights_only=True)`` of a file that may be foreign: torch's warning about a pickle
+    protocol its weights-only loader does not expect (printed with a source line) is not for the user; the
+    refusal that follows says what is wrong, in one line."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?s).*pickle protocol", category=UserWarning)
+        yield
 
 
 def torch_load_reason(err: Exception) -> str:
-    """Why ``torch.load`` failed, in one line: a weights-only refusal's own reason, without torch's advice
-    to load with ``weights_only=False`` (the unsafe thing); else the message, squashed."""
+    """Why ``torch.load`` failed, in one line. A refusal by torch's weights-only unpickler (any
+    ``pickle.UnpicklingError`` from ``torch.load(weights_only=True)``) is ``REFUSAL`` + the unpickler's own
+    reason (the global, opcode or call it refused), never torch's advice to load with ``weights_only=False``
+    or to allow-list the global (the unsafe things); else the type and the message, squashed."""
     text = str(err)
-    refusal = re.search(r"WeightsUnpickler error: (.*?)(?:\.\s|$)", text, re.S)
-    if refusal:
-        return "weights-only refusal: " + " ".join(refusal.group(1).split())[:200]
-    return f"{type(err).__name__}: " + " ".join(text.split())[:300]
+    if isinstance(err, pickle.UnpicklingError) or re.search(r"weights.only load failed", text, re.I):
+        inner = err.__context__  # torch re-raises the unpickler's error ``from None``: its plain reason
+        return REFUSAL + _refusal_reason(str(inner) if isinstance(inner, pickle.UnpicklingError) else text)
+    text = " ".join(text.split())
+    if "weights_only" in text:  # never pass on advice to load unsafely
+        text = " ".join(s for s in re.split(r"(?<=\.)\s+", text) if not _ADVICE.search(s))
+    return f"{type(err).__name__}: " + text[:300]
+
+
+def _refusal_reason(text: str) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    found = _REFUSAL_REASONS.search(text)
+    if found:
+        why = found.group(0)
+    else:  # wording of a torch not seen here: its sentences less the advice
+        text = text.split("WeightsUnpickler error:")[-1]
+        kept = [s for s in re.split(r"(?<=\.)\s+|\n+", text) if s.strip() and not _ADVICE.search(s)]
+        why = " ".join(kept) or "it holds something other than tensors and plain values"
+    why = " ".join(why.split()).rstrip(".")[:200]
+    op = re.fullmatch(r"Unsupported operand (\d+)", why, re.I)
+    if op and int(op.group(1)) < 256 and chr(int(op.group(1))) in pickletools.code2op:  # name the opcode
+        why += f": pickle opcode {pickletools.code2op[chr(int(op.group(1)))].name}, which torch.save never writes"
+    return why

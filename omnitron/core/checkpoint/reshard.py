@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -476,7 +477,14 @@ def export_safetensors(path: str, out_file: str) -> int:
 
     full = read_full_state(path, with_optimizer=False)
     tensors = {n: t.contiguous() for n, t in full.model.items()}
-    save_file(tensors, out_file, metadata={"model": json.dumps(full.meta["model"]),
-                                           "config": json.dumps(full.meta.get("config", {})),
-                                           "iteration": str(full.meta["iteration"])})
+    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+    try:
+        save_file(tensors, out_file, metadata={"model": json.dumps(full.meta["model"]),
+                                               "config": json.dumps(full.meta.get("config", {})),
+                                               "iteration": str(full.meta["iteration"])})
+    except Exception as err:  # safetensors' own SafetensorError (an I/O error while writing) is no OSError
+        if type(err).__name__ != "SafetensorError":
+            raise
+        raise CheckpointError(f"--out {out_file}: writing failed ({' '.join(str(err).split())[:200]}); give a "
+                              f"file path in a directory this job can write, with space for the model") from None
     return sum(t.numel() for t in tensors.values())

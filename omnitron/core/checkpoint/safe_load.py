@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from omnitron.core.checkpoint.io import CheckpointError, torch_load_reason
+from omnitron.core.checkpoint.io import REFUSAL, CheckpointError, quiet_torch_load, torch_load_reason
 
 _REBUILD = ("torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
             "torch._utils._rebuild_parameter_with_state", "torch._tensor._rebuild_from_type_v2")
@@ -124,7 +124,7 @@ def load_untrusted(path: str, *, what: str, fix: str, extra: Mapping[str, object
                                   f"run code); {fix}")
         if full not in allowed and full not in admitted:
             admitted[full] = type(name, (Opaque,), {"__module__": module, "__qualname__": name})
-    with torch.serialization.safe_globals([(obj, full) for full, obj in admitted.items()]):
+    with torch.serialization.safe_globals([(obj, full) for full, obj in admitted.items()]), quiet_torch_load():
         try:
             return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as err:
@@ -134,8 +134,8 @@ def load_untrusted(path: str, *, what: str, fix: str, extra: Mapping[str, object
 def _load_error(path: str, err: Exception, fix: str) -> CheckpointError:
     """One line for a failed ``torch.load``: torch's refusal without its advice to load unsafely."""
     why = torch_load_reason(err)
-    if why.startswith("weights-only refusal: "):
+    if why.startswith(REFUSAL):
         return UnsafeFileError(f"{path}: refused as unsafe by torch's weights-only loader "
-                               f"({why.removeprefix('weights-only refusal: ')}); {fix}")
+                               f"({why.removeprefix(REFUSAL)}); {fix}")
     return CheckpointError(f"{path}: not a readable torch.save file ({why})")
 

@@ -48,14 +48,17 @@ def check_writable(settings) -> None:
         probe_writable(flag, path)
 
 
-def probe_writable(flag: str, path: str) -> None:
+def probe_writable(flag: str, path: str, *, shown: str | None = None,
+                   fix: str = "give a directory this job can write") -> None:
     """Create and remove a file in ``path`` (or, when it does not exist yet, a directory in its nearest
-    existing ancestor, where it would be made): ``os.access`` misses read-only mounts for root, ACLs, quotas."""
+    existing ancestor, where it would be made): ``os.access`` misses read-only mounts for root, ACLs, quotas.
+    ``shown``: the value the user gave ``flag``, when ``path`` is derived from it (a file's directory);
+    ``fix``: the remedy the error names."""
     target = os.path.abspath(path)
     while not os.path.exists(target):
         target = os.path.dirname(target)
     if not os.path.isdir(target):
-        raise ConfigError(f"{flag} {path}: {target} is a file, not a directory; give a directory")
+        raise ConfigError(f"{flag} {shown or path}: {target} is a file, not a directory; {fix}")
     try:
         if target == os.path.abspath(path):
             fd, name = tempfile.mkstemp(prefix=".omnitron-probe-", dir=target)
@@ -65,8 +68,7 @@ def probe_writable(flag: str, path: str) -> None:
             os.rmdir(tempfile.mkdtemp(prefix=".omnitron-probe-", dir=target))
     except OSError as err:
         where = "" if target == os.path.abspath(path) else f" (it would be made in {target})"
-        raise ConfigError(f"{flag} {path}: not writable{where}: {err.strerror or err}; give a directory this "
-                          f"job can write") from None
+        raise ConfigError(f"{flag} {shown or path}: not writable{where}: {err.strerror or err}; {fix}") from None
 
 
 # ---- the lock ------------------------------------------------------------------------------
