@@ -1,4 +1,5 @@
-"""SIGTERM: the run finishes its step, saves a checkpoint and exits 0; --load resumes from it."""
+"""SIGTERM: the run finishes its step, saves a checkpoint and exits 0; --load resumes from it. Also sent to the
+process group of a multi-process job, and delivered more than once."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
@@ -28,3 +31,65 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     last = [json.loads(line) for line in open(metrics)][-1]["iteration"]
     assert open(os.path.join(save, "latest")).read() == f"iter_{last:07d}", out
     assert "stopping after iteration" in out
+
+
+@pytest.mark.parametrize("sig, times", [(signal.SIGTERM, 1), (signal.SIGINT, 2)], ids=["SIGTERM", "SIGINT-twice"])
+def test_signal_to_the_process_group_saves(tmp_path, sig, times):
+    """A signal to the job's whole process group, as SLURM's scancel and time limit, ``kill -- -PGID``, GNU
+    ``timeout`` and a terminal's Ctrl-C send it, under ``--nproc-per-node 2``: every rank finishes its step,
+    saves and exits 0. SIGINT is sent twice a few ms apart, as a Ctrl-C under a relaying wrapper (``timeout``)
+    arrives (SIGTERM may reach a rank twice too: the group's, and the launcher's relay). Fails without the
+    fixes: SIGTERM, the fork server died of it and took its ranks (``worker exit codes [255, 255]``); SIGINT
+    twice, the repeat was taken for a second signal ("stopping without saving")."""
+    from omnitron.testing.faults import children, records, tiny_train_args, wait_for_iteration, wait_gone
+
+    save = str(tmp_path / "ck")
+    args = tiny_train_args(tmp_path, "--train-iters", "100000", "--nproc-per-node", "2",
+                           "--tensor-model-parallel-size", "2", "--save", save, "--save-interval", "100000")
+    env = dict(os.environ, OMNITRON_KERNELS="reference")
+    proc = subprocess.Popen([sys.executable, "-m", "omnitron", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        metrics = str(tmp_path / "logs" / "metrics.jsonl")
+        wait_for_iteration(metrics, 2, proc)
+        workers = children(proc.pid)
+        assert len(workers) == 2
+        for _ in range(times):
+            os.killpg(proc.pid, sig)
+            time.sleep(0.005)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    last = records(metrics)[-1]["iteration"]
+    assert open(os.path.join(save, "latest")).read() == f"iter_{last:07d}", out
+    assert f"stopping after iteration {last} (checkpoint saved at {last})" in out, out
+    wait_gone(workers, 10)
+
+
+def test_a_repeat_within_the_window_is_the_same_request():
+    """StopFlag: a stop signal within REPEAT_WINDOW_S of the one that took effect (SIGINT or SIGTERM, relayed or
+    sent to the group) only asks again to stop after the step; one after the window interrupts at once, and
+    its own repeats do not interrupt the interruption again. Fails without the window: the second SIGTERM raises.
+    (End to end, two copies that land before the rank's main thread runs the handler count once: this is the
+    deterministic check.)"""
+    from omnitron.core.training.signals import REPEAT_WINDOW_S, StopFlag
+
+    flag = StopFlag()
+    try:
+        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+            try:
+                os.kill(os.getpid(), sig)
+                time.sleep(0.01)  # the handler runs in the main thread, between bytecodes; one by one
+            except KeyboardInterrupt as exc:  # not pytest's own: it would end the whole session
+                pytest.fail(f"a repeat within the window interrupted: {exc}")
+        assert flag.requested
+        flag._acted_at -= REPEAT_WINDOW_S  # a person's second Ctrl-C, after the first message
+        with pytest.raises(KeyboardInterrupt, match="second signal SIGINT: stopping without saving"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # that one's relay
+        time.sleep(0.01)
+    finally:
+        flag.restore()

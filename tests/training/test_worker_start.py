@@ -101,3 +101,54 @@ def test_worker_threads_follow_the_flag_then_omp_num_threads_then_the_core_share
         monkeypatch.setenv("OMP_NUM_THREADS", bad)
         with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
             _threads(SimpleNamespace(threads=None), 1)
+
+
+def _dispositions(launcher_pid: int, env: dict, path: str) -> None:
+    import signal
+
+    enter_worker(launcher_pid, env)
+    sigint, sigterm = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    names = {signal.SIG_IGN: "ignored", signal.SIG_DFL: "default", signal.default_int_handler: "default"}
+    with open(path, "w") as f:
+        f.write(f"INT {names.get(sigint, sigint)} TERM {names.get(sigterm, sigterm)} blocked {sorted(blocked)}")
+    os.kill(os.getpid(), signal.SIGTERM)  # a rank with no handler of its own dies of it
+    time.sleep(30)
+
+
+STOP_SIGNALS_PROBE = """
+import os, signal, sys, time
+from multiprocessing import forkserver
+sys.path.insert(0, sys.argv[1])
+import test_worker_start as t
+from omnitron.core.training import workers
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's own, while it starts its ranks
+signal.signal(signal.SIGTERM, lambda *a: None)
+ctx = workers.worker_context()
+workers.start_fork_server(ctx)
+forkserver.ensure_running()  # a no-op once started: what the first rank's start does
+server = forkserver._forkserver._forkserver_pid
+for sig in (signal.SIGTERM, signal.SIGINT):  # as a signal to the job's process group reaches it
+    os.kill(server, sig)
+time.sleep(0.5)
+print("server", "alive" if os.waitpid(server, os.WNOHANG) == (0, 0) else "dead", flush=True)
+for name, ignored in (("plain", ""), ("nohup", "SIGINT")):
+    env = dict(os.environ, **{workers.IGNORED_ENV: ignored})
+    p = ctx.Process(target=t._dispositions, args=(os.getpid(), env, os.path.join(sys.argv[2], name)))
+    p.start()
+    p.join(60)
+    print(name, p.exitcode, open(os.path.join(sys.argv[2], name)).read(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is what Linux starts ranks from")
+def test_the_fork_server_outlives_stop_signals_and_its_ranks_do_not_inherit_them(tmp_path):
+    """SIGTERM and SIGINT to the fork server (a signal to the job's process group reaches it) leave it running:
+    it died of SIGTERM and took its ranks with it before they could save. Its ranks get the stop signals as a
+    fresh process has them (not the launcher's ignored SIGINT, not the server's mask), unless the launcher's
+    parent made it ignore one; a rank with no handler dies of SIGTERM. Fails without the fix: the server is
+    dead (and the ranks ignored SIGINT)."""
+    out = subprocess.run([sys.executable, "-c", STOP_SIGNALS_PROBE, os.path.dirname(__file__), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines() == ["server alive", "plain -15 INT default TERM default blocked []",
+                                       "nohup -15 INT ignored TERM default blocked []"], out.stdout + out.stderr

@@ -115,9 +115,10 @@ def run_serve_job(job: ServeJob, backend, watchdog=None) -> None:
     groups, loaded = job.load_stage(backend)
     coord = Coordinator(loaded, backend.collectives)
     if groups.rank != 0:
-        # NOTE: a launcher's SIGTERM reaches every rank: the others wait for rank 0's stop message (a dead rank 0
-        # is caught by the watchdog)
+        # NOTE: a launcher's SIGTERM reaches every rank, a terminal's Ctrl-C too: the others wait for rank 0's
+        # stop message (a dead rank 0 is caught by the watchdog)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         coord.follow()
         return
     server = make_server(loaded, job.host, job.port, run=coord.run, lock=coord.lock)

@@ -1,20 +1,33 @@
 """Stop cleanly on SIGTERM/SIGINT: finish the current step, save, exit.
 
-The handler only sets a flag (a second signal interrupts at once); :meth:`StopFlag.agreed` ORs it over every rank (a signal may reach
-only some processes), so all ranks stop after the same iteration.
+The handler only sets a flag (a second signal interrupts at once, unless it is a repeat of the first:
+:data:`REPEAT_WINDOW_S`); :meth:`StopFlag.agreed` ORs it over every rank (a signal may reach only some
+processes), so all ranks stop after the same iteration.
 """
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import torch
 
 from omnitron.backends.collectives import ReduceOp
 
 
+REPEAT_WINDOW_S = 2.0
+"""A stop signal within this many seconds of the one that last took effect is the same request, not a second
+one. One action often arrives several times, milliseconds apart: a terminal's Ctrl-C reaches the whole
+foreground group and a wrapper relays it again (GNU ``timeout`` to its child and to the group), a SIGTERM to
+the process group (SLURM, ``kill -- -PGID``) reaches the ranks and the launcher, which relays it; each copy
+counted as a second signal, and the job stopped without saving. A person's second Ctrl-C, after reading the
+first message, comes later than that: it still interrupts at once."""
+
+
 class StopFlag:
     def __init__(self, enabled: bool = True) -> None:
         self.requested = False
+        self._acted_at = None  # time.monotonic() of the signal that last took effect
         self._previous = {}
         if enabled:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -24,9 +37,17 @@ class StopFlag:
                     pass
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second signal: stop now, without the checkpoint
-            raise KeyboardInterrupt(f"second signal {signal.Signals(signum).name}: stopping without saving")
+        now, name = time.monotonic(), signal.Signals(signum).name
+        if self._acted_at is not None and now - self._acted_at < REPEAT_WINDOW_S:
+            return  # the same request, delivered again (a relay, or the process group and the launcher)
+        first = not self.requested
+        self._acted_at = now
+        if not first:  # a second signal: stop now, without the checkpoint
+            raise KeyboardInterrupt(f"second signal {name}: stopping without saving")
         self.requested = True
+        if os.environ.get("RANK", "0") == "0":  # os.write: print() from a handler may re-enter the stream's buffer
+            os.write(2, (f"omnitron: {name} received: stopping after this iteration (saved where --save is set); "
+                         f"another stop signal from {REPEAT_WINDOW_S:g} s on stops at once, without saving\n").encode())
 
     def agreed(self, collectives, device=None) -> bool:
         """True on every rank when any rank was signalled (one tiny all-reduce over the world)."""

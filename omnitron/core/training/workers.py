@@ -10,7 +10,9 @@
 - :func:`run_workers`: ``--nproc-per-node N``. The launcher hosts the store (a frozen rank 0 does not take it
   down), supervises the workers (a worker frozen before it joins: :class:`StartupWatch`), and after the
   first failure gives the others a grace period to report, then kills what is left (a frozen worker, a
-  worker stuck on a dead peer) and prints :func:`omnitron.core.training.failures.summarize`.
+  worker stuck on a dead peer) and prints :func:`omnitron.core.training.failures.summarize`. It relays SIGTERM
+  to the workers; the fork server blocks SIGTERM and SIGINT (:func:`start_fork_server`: a signal to the job's
+  process group must not end it under its ranks), and each rank restores them (:func:`restore_stop_signals`).
 """
 from __future__ import annotations
 
@@ -266,15 +268,65 @@ def worker_context():
     return ctx
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""The signals that stop a job: blocked in the fork server (:func:`start_fork_server`), restored in each rank."""
+IGNORED_ENV = "OMNITRON_LAUNCHER_IGNORED_SIGNALS"
+"""Handed to the ranks in their ``env`` (and taken out of it there): the stop signals the launcher's own parent
+made it ignore (``nohup``-style, a background job of a script), which the ranks ignore too."""
+
+
+def start_fork_server(ctx) -> None:
+    """Start ``ctx``'s fork server (a no-op under spawn, or when it runs already) with STOP_SIGNALS blocked.
+    NOTE: SIGTERM to the job's process group (SLURM's scancel and time limit, ``kill -- -PGID``, GNU
+    ``timeout``) reaches the server too: with Python's default action it died, and its ranks, tied to it by
+    their parent-death signal, were SIGKILLed before they could finish the step and save. Blocked (the mask
+    survives exec), the signal stays pending in the server and never acts; the server still exits when the
+    launcher goes (its "alive" pipe closes). Blocked rather than ignored: a rank forked from it inherits the
+    mask, and a signal that reaches the rank before :func:`enter_worker` unblocks it waits instead of being
+    lost. The resource tracker is started first: its start unblocks these signals in the calling thread."""
+    if ctx.get_start_method() != "forkserver" or not hasattr(signal, "pthread_sigmask"):
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def ignored_stop_signals(dispositions: dict) -> str:
+    """``"SIGINT,SIGTERM"``-style names of the signals whose disposition (``{signal: handler}``) is SIG_IGN."""
+    return ",".join(sorted(sig.name for sig, handler in dispositions.items() if handler == signal.SIG_IGN))
+
+
+def restore_stop_signals(ignored: str = "") -> None:
+    """In a rank: SIGTERM and SIGINT as a fresh process has them (default action; Python's KeyboardInterrupt),
+    except those named in ``ignored``, then unblocked (a pending one acts now). A rank would otherwise inherit
+    what the launcher and the fork server set for themselves (SIGINT ignored, both blocked), and one without a
+    handler of its own would survive them."""
+    names = set(filter(None, ignored.split(",")))
+    for sig in STOP_SIGNALS:
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if sig.name in names else default)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def enter_worker(launcher_pid: int, env: dict[str, str]) -> None:
     """First thing in a rank started from :func:`worker_context`: take the launcher's ``env`` (a fork server's
     children inherit the server's environment, from when it started), die with the parent that forked it
     (the fork server, which exits when the launcher does; or the launcher itself under spawn) and with the
-    launcher (within a second, whatever the server takes to exit; at once if it is gone already)."""
+    launcher (within a second, whatever the server takes to exit; at once if it is gone already); then the
+    stop signals as the launcher's parent gave them (:func:`restore_stop_signals`)."""
+    env = dict(env)
+    ignored = env.pop(IGNORED_ENV, "")
     os.environ.clear()
     os.environ.update(env)
     die_with_parent(os.getppid())
     die_with(launcher_pid)
+    restore_stop_signals(ignored)
 
 
 def run_workers(settings, entry, n: int, worker) -> int:
@@ -291,12 +343,16 @@ def run_workers(settings, entry, n: int, worker) -> int:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers get the terminal's SIGINT themselves
 
     def forward(signum, frame):
+        # NOTE: a signal to the process group reaches the workers too: they take a repeat that close as the
+        # same request (omnitron.core.training.signals.StopFlag)
         for p in procs:
             if p.is_alive() and p.pid:
                 os.kill(p.pid, signum)
 
     previous_term = signal.signal(signal.SIGTERM, forward)
+    env[IGNORED_ENV] = ignored_stop_signals({signal.SIGINT: previous, signal.SIGTERM: previous_term})
     try:
+        start_fork_server(ctx)
         for p in procs:
             p.start()
         workers = _supervise(procs, grace_s=max(5.0, 2 * heartbeat_interval(timeout) + 2.0),
