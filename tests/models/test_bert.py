@@ -397,7 +397,8 @@ def test_pipeline_parallel_bert_matches_one_process(tmp_path):
     pp1 = read_full_state(convert(str(src), str(tmp_path / "pp1"), Layout(pp=1)))
     assert pp1.model.keys() == full.model.keys() and all(torch.equal(pp1.model[k], full.model[k]) for k in full.model)
     settings = parse_settings(_train_args(tmp_path / "load", "--num-layers", "4", "--mock-data", "--optimizer", "sgd",
-                                          "--load", str(tmp_path / "pp" / "ckpt")), 1)
+                                          "--load", str(tmp_path / "pp" / "ckpt"),
+                                          "--use-checkpoint-opt_param-scheduler"), 1)
     comp = build_components(settings, get_backend("cpu"))
     init = gather_full_state(comp.modules[0], comp.groups)  # the runs' initial weights (same seed), before the load
     _assert_same_training(full.model, single.model, init)

@@ -400,7 +400,7 @@ def test_resharding_an_expert_tensor_parallel_checkpoint_is_refused(tmp_path):
     from omnitron.core.checkpoint.reshard import read_full_state
 
     def meta(etp):
-        return {"format_version": FORMAT_VERSION, "iteration": 1, "world_size": 2, "shards": {},
+        return {"format_version": FORMAT_VERSION, "iteration": 1, "world_size": 2, "shards": [],
                 "model": {"num_experts": 4, "num_layers": 2},
                 "layout": {"tensor_model_parallel_size": 2}, "config": {"expert_tensor_parallel_size": etp}}
 

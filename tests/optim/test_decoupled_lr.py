@@ -49,7 +49,9 @@ def test_checkpointed_schedule_keeps_the_decoupled_end_points():
     cfg = OptimizerConfig(lr=3e-4, lr_decay_style="linear", decoupled_lr=1e-3, decoupled_min_lr=1e-4)
     state = LRScheduler(cfg, train_iters=10).state_dict()
     other = LRScheduler(OptimizerConfig(lr=3e-4, lr_decay_style="linear"), train_iters=10)
-    other.load_state_dict(state)  # the checkpoint's schedule is adopted, as for --lr
+    with pytest.raises(ConfigError, match="--decoupled-lr: 0.001 in the checkpoint, None now"):
+        other.load_state_dict(state)  # a difference stops the load, as for --lr (Megatron's check)
+    other.load_state_dict(state, keep="checkpoint")  # --use-checkpoint-opt_param-scheduler: the checkpoint's stand
     assert other.decoupled_lr_for_step(4, 1) == pytest.approx(1e-4 + (1e-3 - 1e-4) * (1 - 4 / 10), rel=1e-12)
 
 

@@ -157,7 +157,7 @@ def test_lr_schedules():
     lrs = [cos.lr(i) for i in range(10, 111)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
     other = LRScheduler(OptimizerConfig(lr=5.0), 10)
-    other.load_state_dict(cos.state_dict())
+    other.load_state_dict(cos.state_dict(), keep="checkpoint")  # --use-checkpoint-opt_param-scheduler
     assert [other.lr(i) for i in range(1, 120)] == [cos.lr(i) for i in range(1, 120)]
 
 
