@@ -271,7 +271,7 @@ def test_fp8_delayed_scaling_defaults_are_megatrons():
 
 def test_megatron_flags_omnitron_lacks_are_named_as_megatrons(capsys):
     """A Megatron-LM flag omnitron does not define is refused as Megatron's, not offered a look-alike of omnitron's
-    (``--add-qkv-bias`` is not ``--add-bias-linear``); a plain typo still gets suggestions."""
+    (``--moe-single-grouped-bias`` is not ``--moe-grouped-gemm``); a plain typo still gets suggestions."""
     import argparse
 
     from omnitron.cli import main
@@ -282,8 +282,9 @@ def test_megatron_flags_omnitron_lacks_are_named_as_megatrons(capsys):
     add_arguments(parser)
     ours = {s for s in parser._option_string_actions if s.startswith("--")}
     theirs = sorted(megatron_flag_names() - ours)
-    assert "--add-qkv-bias" in theirs and "--tensor-model-parallel-size" not in theirs
-    for flag in ("--add-qkv-bias", random.choice(theirs)):
+    assert "--moe-single-grouped-bias" in theirs and "--tensor-model-parallel-size" not in theirs
+    assert "--add-qkv-bias" not in theirs  # omnitron defines it (GPTConfig.add_qkv_bias)
+    for flag in ("--moe-single-grouped-bias", random.choice(theirs)):
         with pytest.raises(SystemExit) as info:
             main(["train", *BASE, flag])
         assert info.value.code == 2
