@@ -147,7 +147,8 @@ def _args(cfg, tp: int, pp: int, **over) -> argparse.Namespace:
              normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=cfg.layernorm_epsilon, swiglu=llama,
              position_embedding_type="rope" if llama else "learned_absolute", rotary_base=500 if llama else 10000,
              rotary_percent=1.0, untie_embeddings_and_output_weights=llama, add_bias_linear=not llama,
-             add_qkv_bias=cfg.add_qkv_bias, bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+             add_qkv_bias=cfg.add_qkv_bias, bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0,
+             init_method_std=0.02,
              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=3e-4, micro_batch_size=2,
              params_dtype=torch.float32)  # NOTE: no iteration: Megatron's saved args need not have one
     a.update(over)
