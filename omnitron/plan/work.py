@@ -194,7 +194,8 @@ def attention_params(cfg, tp: int) -> float:
             + n * cfg.v_head_dim * h
         whole = (0 if qr is None else h * qr + qr * qk_norm) + h * (kvr + rope) + kvr * qk_norm
         return split / tp + whole + bias * h
-    split = (a + 2 * g) * d * (h + bias) + a * d * h + (a if cfg.softmax_type == "learnable" else 0)
+    qkv_bias = 1 if bias or getattr(cfg, "add_qkv_bias", False) else 0  # --add-qkv-bias: linear_qkv's only
+    split = (a + 2 * g) * d * (h + qkv_bias) + a * d * h + (a if cfg.softmax_type == "learnable" else 0)
     return split / tp + bias * h + (2 * d * norm if cfg.qk_layernorm else 0)
 
 
@@ -220,9 +221,9 @@ def bias_passes(cfg, x: Local, gemms) -> list[tuple[str, int]]:
     """(op, elements) of the linear biases of ``gemms`` (``(name, m, n, k)``; ``--add-bias-linear``), priced as
     add passes: forward, the GEMM's output gets the bias (addmm: one more pass over ``[m, n]``); backward, the
     bias gradient sums the output gradient's rows (one more pass). Row-parallel biases (proj, fc2) are added
-    once, after the reduction, on every rank."""
+    once, after the reduction, on every rank. ``--add-qkv-bias`` alone: the qkv GEMM's only."""
     if not cfg.add_bias_linear:
-        return []
+        gemms = [g for g in gemms if g[0] == "qkv"] if getattr(cfg, "add_qkv_bias", False) else []
     return [("add", m * n) for _, m, n, _ in gemms]
 
 

@@ -71,6 +71,10 @@ def test_compatibility_errors_name_the_flag(tmp_path):
         check_compatible(meta, {"hidden_size": 16}, meta["layout"], "D")
     with pytest.raises(CheckpointError, match="--tensor-model-parallel-size 2, this run uses 1"):
         check_compatible(meta, {"hidden_size": 8}, {"tensor_model_parallel_size": 1, "data_parallel_size": 1}, "D")
+    # a checkpoint written before --add-qkv-bias existed (no key) is one without the bias
+    check_compatible(meta, {"hidden_size": 8, "add_qkv_bias": False}, meta["layout"], "D")
+    with pytest.raises(CheckpointError, match="--add-qkv-bias False, this run True"):
+        check_compatible(meta, {"hidden_size": 8, "add_qkv_bias": True}, meta["layout"], "D")
 
 
 def test_rng_round_trip(tmp_path):

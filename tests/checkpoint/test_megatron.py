@@ -13,6 +13,7 @@ is bit-exact. Bad input fails naming the problem.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 
@@ -32,6 +33,8 @@ TP, PP = 2, 2
 
 
 def _cfg(kind: str):
+    if kind == "qwen2":  # Megatron's Qwen2 scripts: --disable-bias-linear --add-qkv-bias
+        return dataclasses.replace(_cfg("llama"), add_qkv_bias=True)
     if kind == "gpt2":
         return gpt2_tiny(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=V,
                          seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
@@ -47,7 +50,7 @@ def source():
     from omnitron.core.parallel.groups import ParallelGroups
 
     out = {}
-    for i, kind in enumerate(("gpt2", "llama")):
+    for i, kind in enumerate(("gpt2", "llama", "qwen2")):
         cfg = _cfg(kind)
         m = GPTModel(cfg, ParallelGroups.single(), seed=11 + i).eval()
         g = torch.Generator().manual_seed(100 + i)
@@ -75,11 +78,12 @@ def _layer(full: dict, cfg, i: int, r: int, tp: int) -> dict:
     heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, 32 // 4
     per_rank = groups // tp  # whole query groups [q heads of the group, k, v] per rank
     out = {}
-    for kind in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
+    for kind in ("weight", "bias") if cfg.add_bias_linear or cfg.add_qkv_bias else ("weight",):
         qkv = src(f"self_attention.linear_qkv.{kind}")
         grouped = qkv.reshape(groups, (heads // groups + 2) * d, *qkv.shape[1:])
         out[f"self_attention.linear_qkv.{kind}"] = grouped[r * per_rank:(r + 1) * per_rank].reshape(
             -1, *qkv.shape[1:]).clone()
+    for kind in ("weight", "bias") if cfg.add_bias_linear else ("weight",):
         fc1 = src(f"mlp.linear_fc1.{kind}")
         if cfg.swiglu:
             f = cfg.ffn_hidden_size
@@ -143,7 +147,8 @@ def _args(cfg, tp: int, pp: int, **over) -> argparse.Namespace:
              normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=cfg.layernorm_epsilon, swiglu=llama,
              position_embedding_type="rope" if llama else "learned_absolute", rotary_base=500 if llama else 10000,
              rotary_percent=1.0, untie_embeddings_and_output_weights=llama, add_bias_linear=not llama,
-             bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+             add_qkv_bias=cfg.add_qkv_bias, bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0,
+             init_method_std=0.02,
              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=3e-4, micro_batch_size=2,
              params_dtype=torch.float32)  # NOTE: no iteration: Megatron's saved args need not have one
     a.update(over)
@@ -177,7 +182,7 @@ def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ---- tests -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
 def test_import_matches_source(source, kind, tmp_path, capsys):
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.parallel.groups import ParallelGroups
@@ -225,7 +230,7 @@ def test_import_accounted_split_with_empty_chunks(source, tmp_path):
     assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
 def test_export_equals_longhand(source, kind, tmp_path):
     cfg, _, full = source[kind]
     write_weights_checkpoint(full, cfg, str(tmp_path / "ck"), Layout(tp=1), config={"tokenizer_type": "NullTokenizer"})
@@ -251,6 +256,7 @@ def test_export_equals_longhand(source, kind, tmp_path):
         for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                     "group_query_attention", "padded_vocab_size", "vocab_size", "tokenizer_type", "normalization",
                     "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
+                    "add_qkv_bias",
                     "tensor_model_parallel_size", "pipeline_model_parallel_size", "kv_channels", "seq_length"):
             assert args[key] == ref_args[key], key
         # Megatron's checkpoint-args check compares this with the launch line's, whose default is True (RoPE
@@ -260,12 +266,10 @@ def test_export_equals_longhand(source, kind, tmp_path):
 
 @pytest.mark.parametrize("kind,tp,pp,impl", [("llama", 2, 2, "transformer_engine"), ("gpt2", 1, 1, "local"),
                                              ("gpt2", 2, 4, "transformer_engine"), ("llama_bf16", 2, 1, "local"),
-                                             ("llama_1p", 1, 1, "local")])
+                                             ("llama_1p", 1, 1, "local"), ("qwen2", 2, 2, "local")])
 def test_export_import_round_trip(source, kind, tp, pp, impl, tmp_path):
     """omnitron -> Megatron -> omnitron is bit-exact (bf16 stays bf16; tied copies on a last stage dropped;
     --apply-layernorm-1p travels in the args, the zero-centred weights as they are, as Megatron holds them)."""
-    import dataclasses
-
     cfg, _, full = source[kind.split("_")[0]]
     if kind.endswith("bf16"):
         cfg, full = dataclasses.replace(cfg, params_dtype=torch.bfloat16), {n: t.bfloat16() for n, t in full.items()}

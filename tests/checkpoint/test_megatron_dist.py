@@ -44,6 +44,10 @@ TE_EXTRA = ("self_attention.core_attention", "self_attention.linear_qkv", "self_
 
 
 def _cfg(kind: str):
+    if kind == "qwen2":  # Megatron's Qwen2 scripts: --disable-bias-linear --add-qkv-bias
+        import dataclasses
+
+        return dataclasses.replace(_cfg("llama"), add_qkv_bias=True)
     if kind == "gpt2":
         return gpt2_tiny(num_layers=L, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=V,
                          seq_length=16, max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
@@ -72,7 +76,8 @@ def _args(cfg, tp: int = TP) -> argparse.Namespace:
         normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=cfg.layernorm_epsilon, swiglu=llama,
         position_embedding_type="rope" if llama else "learned_absolute", rotary_base=500 if llama else 10000,
         rotary_percent=1.0, untie_embeddings_and_output_weights=llama, add_bias_linear=not llama,
-        bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        add_qkv_bias=cfg.add_qkv_bias, bias_gelu_fusion=not llama, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=2, ckpt_format="torch_dist",
         params_dtype=torch.float32)
 
@@ -146,7 +151,8 @@ def _write(root: str, tensors: dict, args, *, iteration: int = 1234, te: bool = 
 # ---- import ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,variant", [("gpt2", "common.pt"), ("llama", "common.pt"),
                                           ("llama", "common_in_dcp"), ("llama", "singleton_local"),
-                                          ("gpt2", "local_spec")])  # local spec: no TE extra state
+                                          ("gpt2", "local_spec"),  # local spec: no TE extra state
+                                          ("qwen2", "common.pt")])
 def test_import_matches_float64_reference(kind, variant, tmp_path, capsys):
     """The imported state is the written tensors; its logits match float64 maths over them.
 
@@ -192,7 +198,7 @@ def _read_back(it: str) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("kind,impl,dtype", [("gpt2", "transformer_engine", torch.float32),
                                              ("llama", "transformer_engine", torch.bfloat16),
-                                             ("llama", "local", torch.float32)])
+                                             ("llama", "local", torch.float32), ("qwen2", "local", torch.float32)])
 def test_export_is_the_transcription_and_round_trips(kind, impl, dtype, tmp_path):
     import dataclasses
 
@@ -226,7 +232,8 @@ def test_export_is_the_transcription_and_round_trips(kind, impl, dtype, tmp_path
     ref = vars(_args(cfg))
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "padded_vocab_size", "vocab_size", "normalization", "swiglu", "position_embedding_type",
-                "untie_embeddings_and_output_weights", "add_bias_linear", "ckpt_format", "tensor_model_parallel_size"):
+                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "ckpt_format",
+                "tensor_model_parallel_size"):
         assert vars(common["args"])[key] == ref[key], key
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"),
                 "--save", str(tmp_path / "back")]) == 0

@@ -52,6 +52,32 @@ def test_presets_valid_and_counted():
     assert 1.2e9 < num_parameters(gpt_1p3b()) < 1.45e9
 
 
+@pytest.mark.parametrize("kw", [dict(add_qkv_bias=True), dict(add_qkv_bias=True, num_query_groups=1),
+                                dict(add_qkv_bias=True, add_bias_linear=True)])
+def test_qkv_bias_is_counted(kw):
+    """--add-qkv-bias: num_parameters and the planner's per-layer count equal the built model's numels, and the
+    bias is on linear_qkv only (Megatron: linear_proj and the MLP keep --add-bias-linear)."""
+    from omnitron.plan.work import layer_params
+
+    c = llama_tiny(num_layers=2, hidden_size=64, vocab_size=1000, **kw)
+    model = GPTModel(c, ParallelGroups.single())
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(c)
+    layer = model.decoder.layers["0"]
+    assert layer_params(c, 1) == sum(p.numel() for p in layer.parameters())
+    assert layer.self_attention.linear_qkv.bias.shape == ((4 + 2 * (c.num_query_groups or 4)) * 16,)
+    assert (layer.self_attention.linear_proj.bias is None) == (not c.add_bias_linear)
+    assert num_parameters(c) - num_parameters(llama_tiny(num_layers=2, hidden_size=64, vocab_size=1000,
+                                                         **{**kw, "add_qkv_bias": False})) == \
+        (0 if c.add_bias_linear else 2 * (4 + 2 * (c.num_query_groups or 4)) * 16)
+
+
+def test_qkv_bias_with_multi_latent_attention_is_refused():
+    from omnitron.core.models.gpt.config import deepseek_v3_tiny
+
+    with pytest.raises(ConfigError, match="--add-qkv-bias .* --multi-latent-attention has no such bias"):
+        validate_model(deepseek_v3_tiny(add_qkv_bias=True), _pc())
+
+
 def test_padded_vocab():
     c = gpt2_tiny()
     assert padded_vocab_size(c, 1) == 50304 and padded_vocab_size(c, 2) == 50432 and padded_vocab_size(c, 8) == 51200

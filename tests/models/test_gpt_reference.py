@@ -134,6 +134,8 @@ CASES["llama_qk_1p"] = dataclasses.replace(CASES["llama_gqa"], apply_layernorm_1
 CASES["gpt_oss_features"] = dataclasses.replace(CASES["llama_gqa"], window_size="3,0", window_attn_skip_freq="2",
                                                 softmax_type="learnable", quick_geglu=True, glu_linear_offset=1.0,
                                                 activation_func_clamp_value=0.05, add_bias_linear=True)
+# Qwen2 / Qwen2.5 (Megatron's --disable-bias-linear --add-qkv-bias): biases on q, k and v only
+CASES["qwen2_qkv_bias"] = dataclasses.replace(CASES["llama_gqa"], add_qkv_bias=True)
 CASES["off_by_one_window_all"] = dataclasses.replace(CASES["llama_gqa"], window_size="2,0", softmax_type="off-by-one")
 
 
@@ -154,6 +156,8 @@ def test_engine_matches_plain_float64(name):
         for n, p in model.named_parameters():
             if n.endswith("softmax_offset"):
                 p.normal_(0.0, 1.0, generator=gen)
+            if c.add_qkv_bias and n.endswith("linear_qkv.bias"):  # away from its zero init: a dropped bias shows
+                p.normal_(0.0, 0.5, generator=gen)
     tokens = torch.randint(0, c.vocab_size, (2, c.seq_length), generator=gen)
     labels = torch.randint(0, c.vocab_size, (2, c.seq_length), generator=gen)
     loss = model(tokens, labels=labels)

@@ -3,7 +3,7 @@ with the reference kernels (``REFERENCE_KERNELS``): a statement about the parall
 rounding can move (the fast kernels have their own conformance tests, tests/kernels).
 
 One spawn per world size runs every case: both model styles, with/without sequence parallelism,
-GQA, vocabulary not divisible by tp, recomputation. Each case compares, against the
+GQA, q/k/v-only biases (--add-qkv-bias), vocabulary not divisible by tp, recomputation. Each case compares, against the
 single-process GPTModel built from the same seed in the same worker: initial weights (exactly),
 logits, per-token loss, every gradient gathered to full shape, and 5 AdamW steps of losses.
 Errors are relative in the 2-norm: ||a - b|| / ||b||.
@@ -46,6 +46,10 @@ def _configs():
         # one key/value head: fewer query groups than tp, so KV projections are replicated over tp
         "llama_mqa_kv_replicated": dataclasses.replace(llama, num_query_groups=1, add_bias_linear=True, qk_layernorm=True),
         "llama_gqa2": dataclasses.replace(llama, num_query_groups=2),
+        # Qwen2 (--disable-bias-linear --add-qkv-bias): a bias on linear_qkv only, split with its rows; and with
+        # one key/value head, the replicated linear_kv's bias (a partial-sum gradient over tp, as its weight's)
+        "qwen2_qkv_bias": dataclasses.replace(llama, add_qkv_bias=True),
+        "qwen2_mqa_kv_replicated": dataclasses.replace(llama, num_query_groups=1, add_qkv_bias=True),
         "gpt2_recompute_full": dataclasses.replace(gpt2, recompute_granularity="full", recompute_method="uniform",
                                                    recompute_num_layers=1),
         "llama_recompute_selective": dataclasses.replace(llama, recompute_granularity="selective"),

@@ -102,3 +102,21 @@ def _args(c):
 def test_flops_are_megatrons(cfg):
     for batch, seq in ((1, cfg.seq_length), (3, 64)):
         assert flops_per_iteration(cfg, batch, seq) == pytest.approx(_megatron(_args(cfg), batch, seq), rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_parameters_count_the_qkv_bias(tmp_path, tp):
+    """--add-qkv-bias (Qwen2): the plan's per-rank parameters equal the meta-device model's gradient buffers,
+    the linear_qkv bias split over tp with its rows."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.speed import stage_params
+    from omnitron.plan.stage_layers import stage_layers
+    from omnitron.plan.state import state_bytes
+
+    s = parse_settings(["--model", "llama_tiny", "--add-qkv-bias", "--micro-batch-size", "1", "--train-iters", "1",
+                        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
+                        "--tensor-model-parallel-size", str(tp), "--save", str(tmp_path)], tp)
+    cfg = model_config(s)
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear
+    assert stage_params(cfg, s, 0, stage_layers(s, cfg)[(0, 0)]) * 4 == state_bytes(s, cfg, 0).grads

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 
 import pytest
@@ -164,7 +165,6 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
     args = [a for a in LLAMA3_8B if a != "--fp8-param-gather"] + [
         "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tb), "--data-cache-path",
         str(tmp_path / "cache"), "--vocab-size", "256", "--nproc-per-node", "2"]
-    import os
     import pathlib
 
     root = str(pathlib.Path(__file__).resolve().parents[2])
@@ -271,7 +271,7 @@ def test_fp8_delayed_scaling_defaults_are_megatrons():
 
 def test_megatron_flags_omnitron_lacks_are_named_as_megatrons(capsys):
     """A Megatron-LM flag omnitron does not define is refused as Megatron's, not offered a look-alike of omnitron's
-    (``--add-qkv-bias`` is not ``--add-bias-linear``); a plain typo still gets suggestions."""
+    (``--moe-single-grouped-bias`` is not ``--moe-grouped-gemm``); a plain typo still gets suggestions."""
     import argparse
 
     from omnitron.cli import main
@@ -282,8 +282,9 @@ def test_megatron_flags_omnitron_lacks_are_named_as_megatrons(capsys):
     add_arguments(parser)
     ours = {s for s in parser._option_string_actions if s.startswith("--")}
     theirs = sorted(megatron_flag_names() - ours)
-    assert "--add-qkv-bias" in theirs and "--tensor-model-parallel-size" not in theirs
-    for flag in ("--add-qkv-bias", random.choice(theirs)):
+    assert "--moe-single-grouped-bias" in theirs and "--tensor-model-parallel-size" not in theirs
+    assert "--add-qkv-bias" not in theirs  # omnitron defines it (GPTConfig.add_qkv_bias)
+    for flag in ("--moe-single-grouped-bias", random.choice(theirs)):
         with pytest.raises(SystemExit) as info:
             main(["train", *BASE, flag])
         assert info.value.code == 2
@@ -320,3 +321,28 @@ def test_a_setting_given_twice_in_a_config_file_is_refused(tmp_path, text, name,
         load_config_file(str(tmp_path / name))
     (tmp_path / "ok.yaml").write_text("lr: 1.0e-3\nnested: {a: 1, b: [1, 2]}\n")
     assert load_config_file(str(tmp_path / "ok.yaml")) == {"lr": 1e-3, "nested": {"a": 1, "b": [1, 2]}}
+
+
+def test_qwen2_flags_train_and_the_checkpoint_holds_the_qkv_bias(tmp_path, capsys):
+    """Megatron's Qwen2 line (``--disable-bias-linear --add-qkv-bias``) trains 2 iterations: the checkpoint has
+    biases on linear_qkv only, moved from their zero init; resuming without --add-qkv-bias names the flag."""
+    from omnitron.cli import main
+    from omnitron.core.checkpoint.io import read_metadata
+    from omnitron.core.checkpoint.reshard import read_full_state
+
+    qwen2 = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--num-query-groups", "2",
+             "--group-query-attention", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    common = [*BASE[:BASE.index("--train-iters")], "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+              "128", "--no-tensorboard", "--num-workers", "0", "--data-cache-path", str(tmp_path / "cache"),
+              "--lr", "1e-3", *qwen2]
+    save = str(tmp_path / "ck")
+    assert main(["train", *common, "--add-qkv-bias", "--train-iters", "2", "--save", save]) == 0
+    path = os.path.join(save, "iter_0000002")
+    assert read_metadata(path)["model"]["add_qkv_bias"] is True
+    state = read_full_state(path, with_optimizer=False).model
+    qkv = [n for n in state if n.endswith("linear_qkv.bias")]
+    assert len(qkv) == 2 and all(state[n].abs().max() > 0 for n in qkv)
+    assert not [n for n in state if n.endswith(".bias") and "linear_qkv" not in n]
+    capsys.readouterr()
+    assert main(["train", *common, "--train-iters", "3", "--load", save]) != 0
+    assert "--add-qkv-bias True, this run False" in capsys.readouterr().err

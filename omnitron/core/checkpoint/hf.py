@@ -3,8 +3,9 @@ full (layout-independent) state.
 
 omnitron's full state names every weight globally at its full, unpadded shape
 (``decoder.layers.7.self_attention.linear_qkv.weight``; see :mod:`omnitron.core.checkpoint.reshard`).
-This module maps it, tensor by tensor, to the state dicts of ``GPT2LMHeadModel`` and
-``LlamaForCausalLM`` and their ``config.json``, so that
+This module maps it, tensor by tensor, to the state dicts of ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and
+``Qwen2ForCausalLM`` (Llama's tensors plus q/k/v biases: ``--disable-bias-linear --add-qkv-bias``) and their
+``config.json``, so that
 
 - ``import_hf`` writes an omnitron checkpoint (weights only, any tensor/pipeline layout) from a
   ``save_pretrained`` directory, and
@@ -36,7 +37,7 @@ import torch
 from omnitron.core.checkpoint import hf_moe
 from omnitron.core.checkpoint.hf_llama import (  # noqa: F401 - re-exported: callers import them from here
     _LLAMA3_ROPE, HFConversionError, Rule, _check, _half_rope_rows, _llama_config, _llama_fields, _llama_rules,
-    _need, _rope)
+    _need, _qwen2_config, _qwen2_fields, _rope)
 from omnitron.core.checkpoint.safe_load import load_untrusted
 from omnitron.core.transformer.mlp import exact_gelu
 from omnitron.core.transformer.qkv import fuse_qkv, split_qkv
@@ -52,20 +53,22 @@ def _dtype(hf: dict) -> torch.dtype:
 
 
 def config_from_hf(hf: dict):
-    """A :class:`GPTConfig` from a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` ``config.json`` dict."""
+    """A :class:`GPTConfig` from a ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (or MoE)
+    ``config.json`` dict."""
     from omnitron.core.models.gpt.config import GPTConfig
 
     kind = hf.get("model_type")
     if kind == "gpt2":
         return GPTConfig(**_gpt2_fields(hf), params_dtype=_dtype(hf))
-    if kind == "llama":
-        return GPTConfig(**_llama_fields(hf), params_dtype=_dtype(hf))
+    if kind in ("llama", "qwen2"):
+        return GPTConfig(**(_llama_fields if kind == "llama" else _qwen2_fields)(hf), params_dtype=_dtype(hf))
     if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
         fields = {"deepseek_v3": hf_moe.deepseek_fields, "gpt_oss": hf_moe.gpt_oss_fields,
                   "qwen3_moe": hf_moe.qwen3_moe_fields}[kind](hf)
         return GPTConfig(**fields, params_dtype=_dtype(hf))
     raise HFConversionError(f"config.json: model_type {kind!r} is not supported; omnitron imports 'gpt2' "
-                            f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'deepseek_v3', 'gpt_oss' and 'qwen3_moe'")
+                            f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM), 'qwen2' (Qwen2ForCausalLM), "
+                            f"'deepseek_v3', 'gpt_oss' and 'qwen3_moe'")
 
 
 def _gpt2_fields(hf: dict) -> dict:
@@ -86,10 +89,15 @@ def _gpt2_fields(hf: dict) -> dict:
 
 
 def hf_model_type(cfg) -> str:
-    """``gpt2``, ``llama``, ``deepseek_v3`` (multi-latent attention) or ``gpt_oss`` (attention sinks, quick
-    GeGLU, MoE): the HF architecture ``cfg`` is (error naming the first field that fits none)."""
+    """``gpt2``, ``llama``, ``qwen2`` (Llama with --add-qkv-bias and no --add-bias-linear), ``deepseek_v3``
+    (multi-latent attention), ``gpt_oss`` (attention sinks, quick GeGLU, MoE) or ``qwen3_moe``: the HF
+    architecture ``cfg`` is (error naming the first field that fits none)."""
     from omnitron.core.models.gpt.config import head_dim, query_groups
 
+    qkv_bias_only = getattr(cfg, "add_qkv_bias", False) and not cfg.add_bias_linear
+    if qkv_bias_only and (cfg.num_experts or getattr(cfg, "multi_latent_attention", False)):
+        raise HFConversionError("the model has --add-qkv-bias without --add-bias-linear; of the Hugging Face models "
+                                "omnitron writes only dense Qwen2 (RoPE, no --num-experts) has that: drop one")
     if getattr(cfg, "multi_latent_attention", False):
         return "deepseek_v3"
     if getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False) and cfg.num_experts:
@@ -116,7 +124,7 @@ def hf_model_type(cfg) -> str:
         if have != need:
             raise HFConversionError(f"the model has {flag} {have}; a Hugging Face {kind} model "
                                     f"({'learned positions' if kind == 'gpt2' else 'RoPE'}) needs {need}")
-    return kind
+    return "qwen2" if kind == "llama" and qkv_bias_only else kind
 
 
 def config_to_hf(cfg) -> dict:
@@ -126,7 +134,7 @@ def config_to_hf(cfg) -> dict:
     if kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
         return {"deepseek_v3": hf_moe.deepseek_to_hf, "gpt_oss": hf_moe.gpt_oss_to_hf,
                 "qwen3_moe": hf_moe.qwen3_moe_to_hf}[kind](cfg, dtype)
-    return _llama_config(cfg, dtype) if kind == "llama" else _gpt2_config(cfg, dtype)
+    return {"llama": _llama_config, "qwen2": _qwen2_config, "gpt2": _gpt2_config}[kind](cfg, dtype)
 
 
 def _gpt2_config(cfg, dtype: str) -> dict:
@@ -172,7 +180,7 @@ def _gpt2_rules(cfg) -> list[Rule]:
 
 
 def _rules(cfg) -> list[Rule]:
-    build = {"gpt2": _gpt2_rules, "llama": _llama_rules, "deepseek_v3": hf_moe.deepseek_rules,
+    build = {"gpt2": _gpt2_rules, "llama": _llama_rules, "qwen2": _llama_rules, "deepseek_v3": hf_moe.deepseek_rules,
              "gpt_oss": hf_moe.gpt_oss_rules, "qwen3_moe": hf_moe.qwen3_moe_rules}[hf_model_type(cfg)]
     rules = build(cfg)
     if not cfg.apply_layernorm_1p:

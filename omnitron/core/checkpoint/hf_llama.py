@@ -1,6 +1,6 @@
 """Hugging Face Llama's conventions, the base the other architectures' conversions build on (:mod:`.hf` for
-GPT-2 / Llama, :mod:`.hf_moe` for DeepSeek-V3, gpt-oss and Qwen3-MoE): the conversion error, config field
-checks, Llama's config fields both ways and its tensor rules.
+GPT-2 / Llama / Qwen2, :mod:`.hf_moe` for DeepSeek-V3, gpt-oss and Qwen3-MoE): the conversion error, config field
+checks, Llama's (and Qwen2's: Llama with q/k/v biases) config fields both ways and its tensor rules.
 """
 from __future__ import annotations
 
@@ -74,6 +74,24 @@ def _llama_fields(hf: dict) -> dict:
                 add_bias_linear=bias, init_method_std=hf.get("initializer_range", 0.02))
 
 
+def _qwen2_fields(hf: dict) -> dict:
+    """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): Llama's maths with a bias on q/k/v only (o_proj and the MLP have
+    none), i.e. Megatron's ``--disable-bias-linear --add-qkv-bias``."""
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+        raise HFConversionError("config.json: use_sliding_window=true (a window on the layers from max_window_layers "
+                                "on) is not supported; the released Qwen2 / Qwen2.5 models set it false")
+    # Qwen2Config has no attention_bias / mlp_bias: its q/k/v biases are fixed in the model
+    return {**_llama_fields({**hf, "attention_bias": False, "mlp_bias": False}), "add_qkv_bias": True}
+
+
+def _qwen2_config(cfg, dtype: str) -> dict:
+    """The ``Qwen2ForCausalLM`` config.json of ``cfg`` (q/k/v biases, no other: see :func:`_qwen2_fields`)."""
+    out = {k: v for k, v in _llama_config(cfg, dtype).items() if k not in ("attention_bias", "mlp_bias")}
+    out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+               max_window_layers=cfg.num_layers)
+    return out
+
+
 def _llama_config(cfg, dtype: str) -> dict:
     """The ``LlamaForCausalLM`` config.json of ``cfg`` (also the base of Qwen3-MoE's)."""
     from omnitron.core.models.gpt.config import ffn_size, head_dim, max_positions, query_groups
@@ -118,18 +136,21 @@ def _llama_rules(cfg) -> list[Rule]:
     if cfg.untie_embeddings_and_output_weights:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",)))
     kinds = ("weight", "bias") if cfg.add_bias_linear else ("weight",)
+    qkv_kinds = ("weight", "bias") if cfg.add_bias_linear or getattr(cfg, "add_qkv_bias", False) else ("weight",)
     for i in range(cfg.num_layers):
         o, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         rules += [Rule(o + "input_layernorm.weight", (h + "input_layernorm.weight",)),
                   Rule(o + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",))]
-        for k in kinds:
+        for k in qkv_kinds:  # a bias's rows are permuted as the weight's (RoPE rotates the biased q, k)
             def qkv_to_hf(t, k=k):
                 q, kk, v = split_qkv(t, g, hq)
                 return rope_rows(q), rope_rows(kk), v
 
-            rules += [Rule(o + "self_attention.linear_qkv." + k, tuple(f"{h}self_attn.{p}_proj.{k}" for p in "qkv"),
-                           lambda q, kk, v: fuse_qkv(q, kk, v, g), qkv_to_hf),
-                      Rule(o + "self_attention.linear_proj." + k, (f"{h}self_attn.o_proj.{k}",)),
+            rules.append(Rule(o + "self_attention.linear_qkv." + k,
+                              tuple(f"{h}self_attn.{p}_proj.{k}" for p in "qkv"),
+                              lambda q, kk, v: fuse_qkv(q, kk, v, g), qkv_to_hf))
+        for k in kinds:
+            rules += [Rule(o + "self_attention.linear_proj." + k, (f"{h}self_attn.o_proj.{k}",)),
                       Rule(o + "mlp.linear_fc1." + k, (f"{h}mlp.gate_proj.{k}", f"{h}mlp.up_proj.{k}"),
                            lambda a, b: torch.cat([a, b], 0), lambda t: tuple(t.chunk(2, 0))),
                       Rule(o + "mlp.linear_fc2." + k, (f"{h}mlp.down_proj.{k}",))]

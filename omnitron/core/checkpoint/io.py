@@ -36,7 +36,9 @@ _META_KEYS = ("iteration", "world_size", "shards", "model", "layout")
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                     "kv_channels", "vocab_size", "make_vocab_size_divisible_by", "normalization", "swiglu",
                     "position_embedding_type", "untie_embeddings_and_output_weights", "add_bias_linear",
-                    "qk_layernorm", "max_position_embeddings", "num_experts", "moe_ffn_hidden_size")
+                    "qk_layernorm", "max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "add_qkv_bias")
+# model keys added after format 1 was fixed (or a family without the field): a missing key means this value
+_MODEL_DEFAULTS = {"add_qkv_bias": False}
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "context_parallel_size", "data_parallel_size", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -358,7 +360,7 @@ def check_compatible(meta: dict, model: dict, layout: dict, path: str, *, reshar
     difference raises too unless ``reshard`` (the caller then reshards on load).
     """
     for key in MODEL_SHAPE_KEYS:
-        saved, now = meta["model"].get(key), model.get(key)
+        saved, now = meta["model"].get(key, _MODEL_DEFAULTS.get(key)), model.get(key, _MODEL_DEFAULTS.get(key))
         if saved != now:
             raise CheckpointError(f"--load {path}: the checkpoint has --{key.replace('_', '-')} {saved}, this run "
                                   f"{now}; use the checkpoint's model settings")

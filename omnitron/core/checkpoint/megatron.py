@@ -125,7 +125,6 @@ def _need(args: dict, key: str):
 
 def _reject_unsupported(args: dict) -> None:
     """Raise naming the first Megatron setting omnitron's GPT model does not compute."""
-    bias = args.get("add_bias_linear", True)
     checks = [("normalization", args.get("normalization", "LayerNorm") in ("LayerNorm", "RMSNorm"),
                "omnitron has LayerNorm and RMSNorm"),
               ("position_embedding_type", args.get("position_embedding_type", "learned_absolute") in
@@ -133,7 +132,6 @@ def _reject_unsupported(args: dict) -> None:
               ("squared_relu", not args.get("squared_relu"), "omnitron's MLP is GeLU or SwiGLU"),
               ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
                "omnitron's residual is taken before the norm"),
-              ("add_qkv_bias", bias or not args.get("add_qkv_bias"), "omnitron puts biases on every linear or none"),
               ("moe_router_pre_softmax", not (args.get("moe_router_pre_softmax") and args.get("moe_router_topk_scaling_"
                "factor")), "omnitron scales the top-k probabilities without --moe-router-pre-softmax only"),
               ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
@@ -174,6 +172,8 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      hidden_dropout=args.get("hidden_dropout", 0.1),
                      attention_dropout=args.get("attention_dropout", 0.1),
                      add_bias_linear=bool(args.get("add_bias_linear", True)),
+                     # Megatron's MLA has no qkv bias: the flag changes nothing there, so it is not carried over
+                     add_qkv_bias=bool(args.get("add_qkv_bias")) and not args.get("multi_latent_attention"),
                      # only where it decides the GeLU (biases on, no SwiGLU): elsewhere the default, as omnitron's
                      # own runs record it (Megatron turns it off with --disable-bias-linear)
                      bias_gelu_fusion=bool(args.get("swiglu")) or not args.get("add_bias_linear", True)
@@ -248,7 +248,7 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
         rotary_percent=cfg.rotary_percent, rotary_interleaved=cfg.rotary_interleaved,
         use_rope_scaling=cfg.rope_scaling_factor != 1.0, rope_scaling_factor=cfg.rope_scaling_factor,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
-        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=False, qk_layernorm=cfg.qk_layernorm,
+        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias, qk_layernorm=cfg.qk_layernorm,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
         # Megatron-Core's MLP runs the tanh GeLU iff bias_gelu_fusion and biases (it ignores openai_gelu)
         bias_gelu_fusion=cfg.bias_gelu_fusion and cfg.add_bias_linear, openai_gelu=False,

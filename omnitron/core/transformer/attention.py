@@ -59,12 +59,15 @@ class SelfAttention(nn.Module):
         self.replicate_kv = groups < group.size
         self.sp = sequence_parallel
         kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, dtype=c.params_dtype)
+        # Megatron: linear_qkv has a bias with --add-bias-linear or --add-qkv-bias (Qwen2); linear_proj only with the
+        # first (BERT/T5 configs have no add_qkv_bias)
+        qkv_kw = {**kw, "bias": c.add_bias_linear or getattr(c, "add_qkv_bias", False)}
         if self.replicate_kv:
-            self._build_replicated_kv(c, heads, groups, kw)
+            self._build_replicated_kv(c, heads, groups, qkv_kw)
         else:
             self.groups_local = groups // group.size
             self.linear_qkv = ColumnParallelLinear(c.hidden_size, (heads + 2 * groups) * self.d,
-                                                   init_std=c.init_method_std, **kw)
+                                                   init_std=c.init_method_std, **qkv_kw)
             # rows per key/value group of q, k and v (Megatron's layout): --muon-split-qkv orthogonalises them apart
             self.linear_qkv.weight.qkv_split_rows = [self.q_per_group * self.d, self.d, self.d]
         self.linear_proj = RowParallelLinear(heads * self.d, c.hidden_size, init_std=out_std,

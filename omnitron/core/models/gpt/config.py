@@ -67,6 +67,10 @@ class GPTConfig:
     """--attention-dropout: dropout on attention probabilities."""
     add_bias_linear: bool = True
     """--add-bias-linear / --disable-bias-linear: biases in every linear layer."""
+    add_qkv_bias: bool = False
+    """--add-qkv-bias: a bias on the attention's query/key/value projection (``linear_qkv``) even with
+    --disable-bias-linear (Qwen2 / Qwen2.5: ``--disable-bias-linear --add-qkv-bias``); the output projection and
+    the MLP keep --add-bias-linear's setting. Not with --multi-latent-attention (Megatron's MLA has no such bias)."""
     bias_gelu_fusion: bool = True
     """--no-bias-gelu-fusion: as Megatron, the GeLU MLP (no --swiglu) runs the tanh approximation only through
     the fused bias-GeLU, i.e. with this on and biases on; off, or with --disable-bias-linear, it runs the exact
@@ -421,6 +425,9 @@ def _validate_mla(c: GPTConfig) -> None:
             raise ConfigError(f"{flag} must be a positive integer with --multi-latent-attention, got {v!r}")
     if c.qk_pos_emb_head_dim % 2:
         raise ConfigError(f"--qk-pos-emb-head-dim {c.qk_pos_emb_head_dim} must be even (RoPE rotates channel pairs)")
+    if c.add_qkv_bias:
+        raise ConfigError("--add-qkv-bias biases the grouped-query attention's linear_qkv; Megatron's "
+                          "--multi-latent-attention has no such bias: drop one of them")
     if c.num_query_groups is not None:
         raise ConfigError("--num-query-groups (grouped-query attention) and --multi-latent-attention exclude each "
                           "other, as in Megatron; drop one of them")
@@ -461,7 +468,7 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     b = 1 if c.add_bias_linear else 0
     norm = h * (2 if c.normalization == "LayerNorm" else 1)
     qkv_out = (heads + 2 * g) * d
-    attn = qkv_out * h + b * qkv_out + heads * d * h + b * h
+    attn = qkv_out * h + (1 if b or c.add_qkv_bias else 0) * qkv_out + heads * d * h + b * h
     if c.qk_layernorm:
         attn += 2 * d * (2 if c.normalization == "LayerNorm" else 1)
     if c.softmax_type == "learnable":
