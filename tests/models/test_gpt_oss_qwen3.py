@@ -35,7 +35,15 @@ def test_qwen3_30b_a3b_counts_the_released_model():
     assert num_parameters(get_family("gpt").presets["qwen3_30b_a3b"]()) == _hf_count("Qwen3MoeForCausalLM", hf)
 
 
-@pytest.mark.parametrize("name", ["gpt_oss_20b", "qwen3_30b_a3b"])
+def test_qwen2_5_7b_counts_the_released_model():
+    hf = transformers.Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                  num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+                                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                  use_sliding_window=False)
+    assert num_parameters(get_family("gpt").presets["qwen2_5_7b"]()) == _hf_count("Qwen2ForCausalLM", hf)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_20b", "qwen3_30b_a3b", "qwen2_5_7b"])
 def test_meta_build_equals_the_formula(name):
     from omnitron.core.models.gpt import GPTModel
     from omnitron.core.parallel.groups import ParallelGroups

@@ -648,6 +648,16 @@ def qwen3_30b_a3b(**overrides) -> GPTConfig:
                              moe_ffn_hidden_size=768, **{**_LLAMA, "layernorm_epsilon": 1e-6}), **overrides)
 
 
+def qwen2_5_7b(**overrides) -> GPTConfig:
+    """Qwen2.5-7B (Qwen, 2024; its config.json): 28 layers, hidden 3584, 28 heads of 128 / 4 KV groups, a bias on
+    the query/key/value projection only (Megatron's --disable-bias-linear --add-qkv-bias), SwiGLU of 18944, RoPE
+    base 1e6, RMSNorm eps 1e-6, vocabulary 152064, untied; no sliding window (its use_sliding_window is false)."""
+    return replace(GPTConfig(num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+                             ffn_hidden_size=18944, seq_length=4096, max_position_embeddings=131072, vocab_size=152064,
+                             rotary_base=1e6, add_qkv_bias=True, **{**_LLAMA, "layernorm_epsilon": 1e-6}),
+                   **overrides)
+
+
 GPT3_SIZES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 16), "1p3b": (24, 2048, 16),
               "2p7b": (32, 2560, 32), "6p7b": (32, 4096, 32), "13b": (40, 5120, 40), "175b": (96, 12288, 96)}
 """GPT-3's sizes (Brown et al. 2020, Table 2.1): (layers, hidden, heads). NOTE: where the table's heads x head

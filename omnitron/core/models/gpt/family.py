@@ -45,7 +45,7 @@ GPT_FAMILY = ModelFamily(
              "llama3_70b": C.llama3_70b, "llama3_405b": C.llama3_405b,
              "mixtral_8x7b": C.mixtral_8x7b,
              "deepseek_v3": C.deepseek_v3, "deepseek_v3_tiny": C.deepseek_v3_tiny, "gpt_oss_20b": C.gpt_oss_20b,
-             "qwen3_30b_a3b": C.qwen3_30b_a3b,
+             "qwen3_30b_a3b": C.qwen3_30b_a3b, "qwen2_5_7b": C.qwen2_5_7b,
              **{f"gpt3_{size}": functools.partial(C.gpt3, size) for size in C.GPT3_SIZES}},
     build_stage=build_stage, forward_step=forward_step, build_datasets=build_datasets,
     num_parameters=C.num_parameters, generate=generate)
