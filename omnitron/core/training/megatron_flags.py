@@ -97,6 +97,27 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
     "export_force_local_attention": (None, "attention runs the backend's fused attention where it has one",
                                      "a ModelOpt switch between Megatron's local and Transformer Engine's core "
                                      "attention, which compute the same attention; " + _FUSED),
+    "cross_entropy_fusion_impl": ("NAME", _KERNELS, _FUSED + "; Megatron's native and TE implementations compute "
+                                              "the same vocab-parallel cross-entropy"),
+    "use_nccl_ub": (None, "collectives run on the backend's library with its own buffers (no NCCL user buffers)",
+                    _PERF),
+    "use_cpu_initialization": (None, "every weight is initialised whole, from a layout-independent full tensor, "
+                                     "and each rank keeps its slice (as always)",
+                               "it chooses where the initial weights are computed; whole on the CPU is how "
+                               "Megatron gets a start that does not depend on the layout, which omnitron's is at "
+                               "every layout"),
+    "use_precision_aware_optimizer": (None, "the optimizer keeps fp32 main parameters, main gradients and Adam "
+                                            "moments (the flag's own defaults)",
+                                      "with --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and "
+                                      "--exp-avg-sq-dtype at their fp32 defaults Megatron's precision-aware "
+                                      "optimizer takes the standard Adam step (only where its state lives "
+                                      "differs); those dtype flags, which would change it, are refused as "
+                                      "Megatron's"),
+    "num_distributed_optimizer_instances": ("N", "the distributed optimizer shards its state over the whole "
+                                                 "data-parallel group (one instance)",
+                                            "Megatron's N instances each shard over dp / N ranks and all-reduce "
+                                            "gradients between them: the same Adam step on the same gradients; "
+                                            "only memory and communication differ"),
     "enable_gpt_oss": (None, "nothing: a ModelOpt flag, which pretrain_gpt.py applies (YaRN factor 32 over 131072 "
                              "positions) only while building from a ModelOpt checkpoint; omnitron reads none, so give "
                              "YaRN as --rotary-scaling-factor / --yarn-original-max-position-embeddings",
