@@ -33,14 +33,17 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert "stopping after iteration" in out
 
 
-@pytest.mark.parametrize("sig, times", [(signal.SIGTERM, 1), (signal.SIGINT, 2)], ids=["SIGTERM", "SIGINT-twice"])
-def test_signal_to_the_process_group_saves(tmp_path, sig, times):
+@pytest.mark.parametrize("sig, times, group", [(signal.SIGTERM, 1, True), (signal.SIGINT, 2, True),
+                                               (signal.SIGINT, 1, False)],
+                         ids=["SIGTERM", "SIGINT-twice", "SIGINT-launcher-only"])
+def test_signal_to_the_process_group_saves(tmp_path, sig, times, group):
     """A signal to the job's whole process group, as SLURM's scancel and time limit, ``kill -- -PGID``, GNU
     ``timeout`` and a terminal's Ctrl-C send it, under ``--nproc-per-node 2``: every rank finishes its step,
     saves and exits 0. SIGINT is sent twice a few ms apart, as a Ctrl-C under a relaying wrapper (``timeout``)
     arrives (SIGTERM may reach a rank twice too: the group's, and the launcher's relay). Fails without the
     fixes: SIGTERM, the fork server died of it and took its ranks (``worker exit codes [255, 255]``); SIGINT
-    twice, the repeat was taken for a second signal ("stopping without saving")."""
+    twice, the repeat was taken for a second signal ("stopping without saving"). SIGINT to the launcher alone (a
+    scheduler signalling the main process) is relayed: before, the launcher ignored it and the job ran on."""
     from omnitron.testing.faults import children, records, tiny_train_args, wait_for_iteration, wait_gone
 
     save = str(tmp_path / "ck")
@@ -55,7 +58,7 @@ def test_signal_to_the_process_group_saves(tmp_path, sig, times):
         workers = children(proc.pid)
         assert len(workers) == 2
         for _ in range(times):
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, sig) if group else os.kill(proc.pid, sig)
             time.sleep(0.005)
         out, _ = proc.communicate(timeout=120)
     finally:

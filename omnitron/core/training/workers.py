@@ -340,15 +340,17 @@ def run_workers(settings, entry, n: int, worker) -> int:
     os.environ.update({HOSTED_STORE_ENV: "1", failures.REPORT_DIR_ENV: report_dir})  # inherited by spawn
     ctx, env = worker_context(), dict(os.environ)
     procs = [ctx.Process(target=worker, args=(r, n, port, settings, entry, os.getpid(), env)) for r in range(n)]
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # workers get the terminal's SIGINT themselves
-
     def forward(signum, frame):
-        # NOTE: a signal to the process group reaches the workers too: they take a repeat that close as the
-        # same request (omnitron.core.training.signals.StopFlag)
+        # NOTE: a signal to the process group (a terminal's Ctrl-C, scancel) reaches the workers too: they take
+        # this relayed copy, milliseconds later, as the same request (omnitron.core.training.signals.StopFlag)
         for p in procs:
             if p.is_alive() and p.pid:
                 os.kill(p.pid, signum)
 
+    # SIGINT is relayed like SIGTERM (a scheduler may signal this process alone), unless this process's parent
+    # made it ignore SIGINT (a background job of a script): then the workers ignore it too
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if previous == signal.SIG_IGN else forward)
     previous_term = signal.signal(signal.SIGTERM, forward)
     env[IGNORED_ENV] = ignored_stop_signals({signal.SIGINT: previous, signal.SIGTERM: previous_term})
     try:
