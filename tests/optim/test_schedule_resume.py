@@ -105,3 +105,17 @@ def test_both_flags_contradict():
     with pytest.raises(ConfigError, match="contradict"):
         parse_settings(["--model", "gpt2_tiny", "--mock-data", "--override-opt_param-scheduler",
                         "--use-checkpoint-opt_param-scheduler"], 1)
+
+
+def test_the_command_line_refuses_a_changed_schedule_before_any_rank_starts(tmp_path):
+    """`omnitron train` checks a torch_dist checkpoint's schedule (its metadata holds it) before launch: exit 2 and
+    one line on stderr, no rank started."""
+    import subprocess
+    import sys
+
+    save = str(tmp_path / "ck")
+    train(parse_settings(_args(tmp_path, "--train-iters", "2", "--save", save), 1), get_backend("cpu"))
+    proc = subprocess.run([sys.executable, "-m", "omnitron", "train", *_args(tmp_path, "--train-iters", "5",
+                           "--load", save)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the decay length" in proc.stderr and "--override-opt_param-scheduler" in proc.stderr, proc.stderr

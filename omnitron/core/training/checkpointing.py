@@ -90,6 +90,14 @@ def check_resume(settings) -> None:
     model = model_dict(settings.model)
     model["vocab_size"] = meta["model"].get("vocab_size")  # comes from the tokenizer; checked again in the worker
     check_compatible(meta, model, layout_dict(settings), path, reshard=True)
+    ck = settings.checkpoint
+    weights_only = isinstance(meta.get("optimizer"), dict) and meta["optimizer"].get("weights_only")
+    keep = ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler
+    if isinstance(meta.get("scheduler"), dict) and meta["scheduler"] and not (weights_only or ck.finetune or
+                                                                               ck.no_load_optim or keep):
+        from omnitron.core.training.components import make_scheduler
+
+        make_scheduler(settings).load_state_dict(meta["scheduler"])  # a changed schedule: one line, before launch
 
 
 def _optimizer_shard(c) -> dict:

@@ -210,6 +210,13 @@ def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> Mix
     return MixedPrecisionOptimizer(named, settings.optim, groups, **kw)
 
 
+def make_scheduler(settings) -> LRScheduler:
+    """The run's learning-rate schedule from its settings (also built before launch to check a resume's)."""
+    t = settings.training
+    return LRScheduler(settings.optim, t.train_iters, t.train_samples, t.global_batch_size,
+                       varying_batch=bool(t.step_batch_size_schedule))
+
+
 def build_components(settings, backend) -> Components:
 
     groups = ParallelGroups.build(settings.parallel, backend=backend)
@@ -236,8 +243,7 @@ def build_components(settings, backend) -> Components:
     extra.update(fp8_refresh_hook(chunks))
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
-    scheduler = LRScheduler(settings.optim, t.train_iters, t.train_samples, t.global_batch_size,
-                            varying_batch=bool(t.step_batch_size_schedule))
+    scheduler = make_scheduler(settings)
     train, valid = build_data(settings, tokenizer, groups, backend.collectives)
     c = Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
                    optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=None, train_data=train,
