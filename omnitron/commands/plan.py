@@ -67,12 +67,33 @@ def run(args: argparse.Namespace) -> int:
           f"dp{s.dp} | micro-batch {s.training.micro_batch_size} x {s.num_microbatches} | "
           f"{s.precision.params_dtype_name}")
     print(format_table(stages))
+    fit = _fit_line(args, rates, stages)
+    if fit:
+        print(fit)
     if step is not None:
         from omnitron.plan.speed import format_step
 
         print(_named(rates))
         print(format_step(step))
     return 0
+
+
+def _fit_line(args, rates, stages) -> str | None:
+    """Whether the layout's largest rank fits ``--device-memory`` (else ``--device``'s memory): the line to print,
+    None without either. A prediction of a layout that does not fit says so first."""
+    from omnitron.plan.recommend import parse_memory
+
+    given = getattr(args, "device_memory", None)
+    prof = getattr(rates, "profile", None)
+    memory = parse_memory(given) if given else getattr(prof, "memory_bytes", None)
+    if not memory:
+        return None
+    top = max(stages, key=lambda st: st.total)
+    gib, what = top.total / 2**30, f"--device-memory {given}" if given else f"{prof.name}'s {memory / 2**30:.1f} GiB"
+    if top.total > memory:
+        return (f"DOES NOT FIT: stage {top.stage} needs {gib:.3f} GiB, more than {what} (a run of this layout "
+                f"would run out of memory; omnitron plan --devices N searches layouts that fit)")
+    return f"fits {what}: the largest rank needs {gib:.3f} GiB"
 
 
 def _rates(args, bench):
@@ -138,7 +159,8 @@ def _recommend(args, given: dict, bench, overlap: str) -> int:
         if given.get("layout"):
             raise ConfigError("--devices searches layouts; drop --layout")
         memory = parse_memory(args.device_memory) if getattr(args, "device_memory", None) else prof.memory_bytes
-        choices = recommend(given, args.devices, memory, rates, overlap, getattr(args, "top", None) or 5,
+        top = getattr(args, "top", None)
+        choices = recommend(given, args.devices, memory, rates, overlap, 5 if top is None else top,
                             cluster=getattr(rates, "gpus_per_node", None))
         if getattr(args, "json", None):
             _write(args, choices, rates)

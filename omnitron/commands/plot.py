@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -15,13 +14,14 @@ def register(sub) -> None:
 
 
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
-    """(training records, validation records) from a metrics.jsonl file."""
+    """(training records, validation records) from a metrics.jsonl file: a last line cut short (a run being
+    written, or killed while writing) is dropped with a warning, a bad line before it is a ValueError naming it
+    (as a resumed run reads the file: :func:`omnitron.core.training.metrics.read_records`)."""
+    from omnitron.core.training.metrics import read_records
+
     train, val = [], []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                (val if "val_loss" in rec else train).append(rec)
+    for _, rec in read_records(path):
+        (val if "val_loss" in rec else train).append(rec)
     return train, val
 
 
@@ -40,7 +40,11 @@ def run(args: argparse.Namespace) -> int:
         print("omnitron plot: error: matplotlib is not installed; `pip install matplotlib` (or omnitron[dev])",
               file=sys.stderr)
         return 2
-    train, val = read_metrics(path)
+    try:
+        train, val = read_metrics(path)
+    except ValueError as err:  # a bad line before the last: named, with the fix
+        print(f"omnitron plot: error: {err}", file=sys.stderr)
+        return 2
     if not train:
         print(f"omnitron plot: error: {path} holds no training record yet; plot after the first log line",
               file=sys.stderr)

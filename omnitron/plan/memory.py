@@ -104,6 +104,17 @@ class StageMemory:
                 + self.transient + self.boundary)
 
 
+def check_family(settings) -> None:
+    """The planner prices decoder-only GPT-family models (GPT-2, Llama, MoE, MLA presets); its probes run GPT
+    stages. Other families are refused in one line (ConfigError) rather than probed wrongly."""
+    if getattr(settings, "model_type", "gpt") != "gpt":
+        from omnitron.core.config.parallel import ConfigError
+
+        raise ConfigError(f"omnitron plan prices GPT-family decoders (--model-type gpt: GPT-2, Llama, MoE, MLA); "
+                          f"--model-type {settings.model_type} is not modelled: measure it with a short "
+                          f"omnitron train run (peak memory is logged each --log-interval)")
+
+
 def model_config(settings):
     """The model config as training builds it: the vocabulary is the tokenizer's (preset's without one)."""
     from omnitron.core.data import build_tokenizer
@@ -451,6 +462,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
     :func:`.fp8_passes.native_gemm`); None: this process's backend."""
     from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
+    check_family(settings)
     given, pc = model_config(settings), settings.parallel
     cfg = priced_config(settings, given)  # attention dropout on cp's block kernels: probed without it
     cfg = experts_as_run(settings, cfg)  # FP8 experts: each its own GEMMs, --moe-grouped-gemm or not

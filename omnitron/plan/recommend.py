@@ -58,11 +58,16 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
     constraint when none does; memory by the full model (:func:`omnitron.plan.memory.estimate`, backward's
     transients included). ``cluster``: devices per node of a device-profile search (:func:`candidates`,
     :func:`_bounded`)."""
-    from omnitron.plan.memory import estimate
+    from omnitron.plan.memory import check_family, estimate
     from omnitron.plan.speed import predict
 
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
+    if top < 1:
+        raise ConfigError(f"--top must be >= 1 (layouts to list), got {top}")
+    from omnitron.plan.settings import settings_of
+
+    check_family(settings_of({**given, "layout": None, "nproc_per_node": 1}))
     given = _with_world(given, devices)
     cands = candidates(given, devices, cluster=cluster)
     full, load = cluster is None, getattr(rates, "expert_load", None)

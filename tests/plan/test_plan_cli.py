@@ -30,6 +30,13 @@ def test_plan_prints_every_stage_and_the_largest_rank(capsys):
     (["--model", "gpt2_tiny", "--layout", "tp3"], "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
     (["--model", "gpt2_tiny", "--layout", "pp3"], "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
     (["--model", "gpt2_tiny", "--layout", "tq3"], "'tq3' is not tpN"),
+    # families the planner does not model: refused, not probed as GPT (a traceback, or "pp 2" for a pp1 layout)
+    (["--model", "bert_tiny", "--layout", "tp2", "--global-batch-size", "8"], "--model-type bert is not modelled"),
+    (["--model", "t5_tiny", "--layout", "tp1", "--global-batch-size", "8"], "--model-type t5 is not modelled"),
+    (["--model", "llava_tiny", "--global-batch-size", "8", "--devices", "2", "--device", "h100-sxm"],
+     "--model-type multimodal is not modelled"),
+    (TINY + ["--global-batch-size", "8", "--devices", "4", "--device", "h100-sxm", "--top", "0"],
+     "--top must be >= 1"),
 ])
 def test_invalid_requests_get_one_line(argv, needle, capsys):
     assert main(["plan", *argv]) == 2
@@ -59,3 +66,28 @@ def test_layout_and_parallel_flags_combine_or_refuse():
     assert flat_flags({**base, "tensor_model_parallel_size": 2})["tensor_model_parallel_size"] == 2  # agrees
     with pytest.raises(ConfigError, match="says tp2 but --tensor-model-parallel-size is 4"):
         flat_flags({**base, "tensor_model_parallel_size": 4})
+
+
+def test_a_layout_that_does_not_fit_says_so(capsys):
+    """`--layout` with `--device-memory` (or `--device`'s memory) compares the largest rank with it: a layout that
+    does not fit is named so before any speed is read."""
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.memory import estimate
+
+    flags = {"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+             "layout": "tp2", "global_batch_size": 8}
+    need = max(st.total for st in estimate(settings_of(flags)))
+    for memory, word in ((need - 1, "DOES NOT FIT"), (need + 1, "fits")):
+        assert main(["plan", *TINY, "--layout", "tp2", "--global-batch-size", "8", "--device-memory",
+                     str(memory)]) == 0
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith(word) and f"{need / 2**30:.3f} GiB" in line, line
+
+
+def test_train_without_a_model_the_planner_prices_logs_why_and_trains(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="omnitron.train")
+    argv = ["train", "--model", "bert_tiny", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--train-iters", "1", "--no-tensorboard", "--log-memory-estimate", "--num-workers", "0",
+            "--data-cache-path", str(tmp_path / "cache"), "--log-dir", str(tmp_path / "log")]
+    assert main(argv) == 0
+    assert "--log-memory-estimate: no prediction (omnitron plan prices GPT-family decoders" in caplog.text

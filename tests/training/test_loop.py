@@ -101,3 +101,24 @@ def test_start_log_counts_parameters_by_model_family():
         assert model_parameters(cfg) == family.num_parameters(cfg) != gpt_count(cfg), preset
     gpt = parse_settings(["--model", "gpt2_tiny", "--mock-data"], 1).model
     assert model_parameters(gpt) == gpt_count(gpt)
+
+
+def test_plot_drops_a_last_line_cut_short_and_names_a_bad_one(tmp_path, capsys):
+    """`omnitron plot` on a run being written (its last line cut short) plots the complete records; a bad line
+    before the last is one line naming it (it was a JSONDecodeError traceback)."""
+    import random
+
+    from omnitron.cli import main
+
+    losses = [random.uniform(1, 9) for _ in range(4)]
+    whole = "".join(json.dumps({"iteration": i + 1, "lm_loss": v}) + "\n" for i, v in enumerate(losses))
+    (tmp_path / "metrics.jsonl").write_text(whole + '{"iteration": 5, "lm_lo')
+    from omnitron.commands.plot import read_metrics
+
+    train_recs, _ = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["lm_loss"] for r in train_recs] == losses
+    lines = whole.splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text(lines[0] + '{"iter\n' + "".join(lines[1:]))
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 2 is not JSON" in err, err

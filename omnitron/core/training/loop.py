@@ -11,6 +11,7 @@ import time
 import torch
 
 from omnitron.backends.collectives import ReduceOp
+from omnitron.core.config.parallel import ConfigError
 from omnitron.core.data import PretrainingSampler, build_data_loader
 from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.config import flops_per_iteration
@@ -164,7 +165,10 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                  layout[0] if layout else "", model_parameters(c.model) / 1e6,
                  settings.precision.params_dtype_name, settings.num_microbatches, backend.name)
         if settings.logging.log_memory_estimate and memory_table is not None:
-            log.info("predicted memory per rank (omnitron plan):\n%s", memory_table(settings))
+            try:
+                log.info("predicted memory per rank (omnitron plan):\n%s", memory_table(settings))
+            except ConfigError as err:  # a diagnostic: say why there is none, train on
+                log.info("--log-memory-estimate: no prediction (%s)", err)
     log_dir = lg.log_dir or default_log_dir(ck.save)
     logger = MetricsLogger(log_dir=log_dir, log_interval=lg.log_interval, train_iters=t.train_iters, enabled=rank0,
                            tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,

@@ -83,7 +83,7 @@ def new_run_dir(root: str | None = None) -> str:
             n += 1
 
 
-def _records(path: str) -> list[tuple[str, dict]]:
+def read_records(path: str) -> list[tuple[str, dict]]:
     """Each line of a metrics file with its record. A last line that does not parse (a run killed while
     writing it) is dropped with a warning; a bad line before it is an error naming the line."""
     with open(path) as f:
@@ -104,7 +104,7 @@ def _open_metrics(path: str, start_iteration: int):
     (dropping any written after it by the run that was interrupted), then appends."""
     keep = []
     if start_iteration > 0 and os.path.exists(path):
-        keep = [line for line, rec in _records(path) if rec.get("iteration", 0) <= start_iteration]
+        keep = [line for line, rec in read_records(path) if rec.get("iteration", 0) <= start_iteration]
     f = open(path, "w")
     f.writelines(keep)
     f.flush()
