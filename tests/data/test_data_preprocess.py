@@ -111,3 +111,20 @@ def test_demo_corpus_follows_the_run_tokenizer(tmp_path):
     assert p_swapped != p_gpt2 and IndexedDataset(p_swapped)[0].tolist() == swapped.encode(docs[0]) + [swapped.eod]
     with pytest.raises(ValueError, match="NullTokenizer has none"):
         demo_corpus_prefix(build_tokenizer("NullTokenizer", vocab_size=50), cache_dir=str(tmp_path))
+
+
+def test_crlf_paragraphs_and_lone_surrogates(tmp_path):
+    """Paragraph mode strips a CRLF file's line ends as line mode does (it left '\\r' at each paragraph's end);
+    a lone surrogate escape in valid JSON ("\\ud800") is invalid UTF-8 by --invalid-utf8 (it crashed the
+    tokenizer and left a half-written .bin): replaced by U+FFFD, or the document skipped and counted."""
+    tok = build_tokenizer("GPT2BPETokenizer")
+    (tmp_path / "c.txt").write_bytes(b"para one a\r\nline b\r\n\r\npara two\r\n\r\n\r\npara three\r\n")
+    preprocess_files([str(tmp_path / "c.txt")], str(tmp_path / "c"), txt_mode="paragraph", append_eod=False)
+    ds = IndexedDataset(str(tmp_path / "c_text_document"))
+    assert [tok.decode(ds[i]) for i in range(len(ds))] == ["para one a\r\nline b", "para two", "para three"]
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "lone \\ud800 here"}\n', encoding="ascii")
+    preprocess_files([str(tmp_path / "s.jsonl")], str(tmp_path / "s"), append_eod=False)
+    ds = IndexedDataset(str(tmp_path / "s_text_document"))
+    assert [tok.decode(ds[i]) for i in range(len(ds))] == ["fine", "lone \ufffd here"]
+    s = preprocess_files([str(tmp_path / "s.jsonl")], str(tmp_path / "k"), invalid_utf8="skip")
+    assert s.documents == 1 and s.skipped["invalid_utf8"] == 1

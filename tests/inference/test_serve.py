@@ -285,3 +285,23 @@ def test_server_names_the_field_of_every_bad_request_and_tiny_temperatures_are_g
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_malformed_body_is_refused_in_one_pass():
+    """The nesting pre-scan reads an unterminated string to the end once. It matched a full string from every
+    quote, so `{"prompts": ["` and N escaped quotes cost O(N^2): 38 s for 80 KB, an hour at the 1 MiB body
+    limit, with every other client waiting. Bound: the 1 MiB body's linear scan and JSON error take
+    ~0.1 s on this 2-core machine; 10 s leaves a 100x margin for a loaded CI machine and still fails the
+    quadratic scan by more than 300x. An integer of more digits than Python converts is "not JSON" too, not an
+    error about prompts."""
+    import time
+
+    from omnitron.core.inference.server import MAX_BODY_BYTES, BadRequest, parse_body
+
+    n = (MAX_BODY_BYTES - 16) // 2
+    start = time.perf_counter()
+    with pytest.raises(BadRequest, match="the body is not JSON: Unterminated string"):
+        parse_body(b'{"prompts": ["' + b'\\"' * n)
+    assert time.perf_counter() - start < 10.0
+    with pytest.raises(BadRequest, match="the body is not JSON: Exceeds the limit"):
+        parse_body(b'{"prompts": ["a"], "tokens_to_generate": ' + b"9" * 5000 + b"}")

@@ -347,3 +347,11 @@ def test_qwen2_flags_train_and_the_checkpoint_holds_the_qkv_bias(tmp_path, capsy
     capsys.readouterr()
     assert main(["train", *common, "--train-iters", "3", "--load", save]) != 0
     assert "--add-qkv-bias True, this run False" in capsys.readouterr().err
+
+
+def test_a_split_without_training_documents_stops_the_command_line(tmp_path):
+    """--split 0,100,0 over a --data-path: refused when the settings are read (it crashed the first training step
+    with a TypeError from an empty loader)."""
+    flags = [f for f in BASE if f != "--mock-data"] + ["--data-path", str(tmp_path / "corpus_text_document")]
+    with pytest.raises(ConfigError, match="--split 0,100,0 gives training no documents"):
+        parse_settings(flags + ["--split", "0,100,0"], 1)

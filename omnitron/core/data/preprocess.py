@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -88,22 +89,29 @@ def iter_records(paths: list[str], json_keys: list[str], *, txt_mode: str = "lin
                 if text is None:
                     continue
                 if is_json:
-                    rec = _json_record(text, json_keys, stats)
+                    rec = _json_record(text, json_keys, stats, invalid_utf8)
                     if rec is not None:
                         yield rec
                 elif txt_mode == "paragraph":
                     if text.strip():
                         para.append(text)
                     elif para:
-                        yield {json_keys[0]: "".join(para).rstrip("\n")}
+                        yield {json_keys[0]: "".join(para).rstrip("\r\n")}
                         para = []
                 elif text.strip():
                     yield {json_keys[0]: text.rstrip("\r\n")}
         if para:
-            yield {json_keys[0]: "".join(para).rstrip("\n")}
+            yield {json_keys[0]: "".join(para).rstrip("\r\n")}
 
 
-def _json_record(line: str, json_keys: list[str], stats: PreprocessStats) -> dict[str, str] | None:
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone UTF-16 surrogate: valid in JSON (``"\\ud800"``), not text UTF-8 or a tokenizer can hold."""
+
+
+def _json_record(line: str, json_keys: list[str], stats: PreprocessStats,
+                 invalid_utf8: str = "replace") -> dict[str, str] | None:
+    """The record's ``json_keys`` texts; bad JSON and missing keys are counted and skipped, and a text with a lone
+    surrogate escape is invalid UTF-8 by ``--invalid-utf8`` (replaced by U+FFFD, or the document skipped)."""
     if not line.strip():
         return None
     try:
@@ -117,7 +125,14 @@ def _json_record(line: str, json_keys: list[str], stats: PreprocessStats) -> dic
     if any(not isinstance(obj.get(k), str) for k in json_keys):
         stats.skipped["missing_key"] += 1
         return None
-    return {k: obj[k] for k in json_keys}
+    rec = {k: obj[k] for k in json_keys}
+    if any(_SURROGATE.search(v) for v in rec.values()):
+        stats.invalid_utf8 += 1
+        if invalid_utf8 == "skip":
+            stats.skipped["invalid_utf8"] += 1
+            return None
+        rec = {k: _SURROGATE.sub("\ufffd", v) for k, v in rec.items()}
+    return rec
 
 
 _WORKER_TOK: Tokenizer | None = None

@@ -704,6 +704,12 @@ def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> 
     if training.eval_interval and data.per_split and not data.valid_data_path:
         raise ConfigError(f"--eval-interval {training.eval_interval} needs --valid-data-path when the splits have "
                           "their own files; add it or use --eval-interval 0")
+    if data.split and not data.mock_data and not data.per_split:
+        from omnitron.core.data.config import split_weights
+
+        if split_weights(data.split)[0] == 0:
+            raise ConfigError(f"--split {data.split} gives training no documents; give the first (training) share a "
+                              f"weight, e.g. --split 969,30,1")
     if training.eval_interval and data.split and not data.mock_data and not data.per_split:
         from omnitron.core.data.config import split_weights
 
