@@ -128,3 +128,18 @@ def test_crlf_paragraphs_and_lone_surrogates(tmp_path):
     assert [tok.decode(ds[i]) for i in range(len(ds))] == ["fine", "lone \ufffd here"]
     s = preprocess_files([str(tmp_path / "s.jsonl")], str(tmp_path / "k"), invalid_utf8="skip")
     assert s.documents == 1 and s.skipped["invalid_utf8"] == 1
+
+
+def test_a_split_the_data_cannot_fill_is_one_line(tmp_path, capsys):
+    """`--split 98,2` over 6 documents leaves the validation split none: found when the ranks index the data, and
+    reported as the DataError's one line with exit code 2 (it came inside a 29-line traceback)."""
+    docs = "".join(json.dumps({"text": f"document {i} " * (20 + i)}) + "\n" for i in range(6))
+    (tmp_path / "d.jsonl").write_text(docs)
+    preprocess_files([str(tmp_path / "d.jsonl")], str(tmp_path / "d"))
+    argv = ["train", "--model", "gpt2_tiny", "--num-layers", "1", "--seq-length", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--eval-interval", "1", "--eval-iters", "1",
+            "--data-path", str(tmp_path / "d_text_document"), "--split", "98,2", "--num-workers", "0",
+            "--data-cache-path", str(tmp_path / "cache"), "--log-dir", str(tmp_path / "log"), "--no-tensorboard"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "the valid split of --split 98,2 gets no documents" in err, err

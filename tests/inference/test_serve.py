@@ -108,6 +108,7 @@ def test_server_answers_like_the_library(gpt_ckpt):
         for bad, words in (({"prompts": "1 2"}, "prompts must be a non-empty list of strings"),
                            ({"prompts": ["1"], "top_p": 2}, "top_p must be a number in [0, 1]"),
                            ({"prompts": ["1"], "top_k": 5, "top_p": 0.9}, "top_k and top_p together"),
+                           ({"prompts": ["1"], "top_k": "x", "top_p": "y"}, "top_k must be an integer"),
                            ({"prompts": ["1"], "tokens_to_generate": -1}, "tokens_to_generate must be an integer"),
                            ({"prompts": ["1"], "tokens_to_generate": 0}, "nothing to return"),
                            ({"prompts": ["1"], "temprature": 1}, "unknown field(s) temprature"),

@@ -38,11 +38,9 @@ def _first_line(text: str, limit: int = 200) -> str:
 
 def classify(exc: BaseException) -> tuple[str, str]:
     """``(kind, one line)`` for an exception that ended a rank (kinds in the module docstring)."""
-    from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.config.parallel import ConfigError
     from omnitron.core.training.nonfinite import TrainingStopped
 
-    if isinstance(exc, (TrainingStopped, ConfigError, CheckpointError)):
+    if isinstance(exc, TrainingStopped) or _bad_input(exc):
         return "stopped", _first_line(exc, 1000)
     text = str(exc).lower()
     dist_error = type(exc).__name__.startswith("Dist") or "gloo" in text  # DistBackendError, DistNetworkError
@@ -118,11 +116,13 @@ def handle(exc: BaseException, rank: int, dump) -> int:
 
 
 def _bad_input(exc: BaseException) -> bool:
-    """A bad setting or checkpoint: exit code 2, as the CLI's own checks give before any worker starts."""
+    """A bad setting, checkpoint or data set (a split the data cannot fill: found only when the ranks index it):
+    exit code 2 and its one line, as the CLI's own checks give before any worker starts."""
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.data.builder import DataError
 
-    return isinstance(exc, (ConfigError, CheckpointError))
+    return isinstance(exc, (ConfigError, CheckpointError, DataError))
 
 
 def read_reports(folder: str) -> dict[int, dict]:
