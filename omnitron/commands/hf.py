@@ -16,14 +16,16 @@ from omnitron.commands.checkpoint_args import add_family_module_flag, fail
 
 def register(cmds) -> None:
     """Add ``import-hf`` and ``export-hf`` to the ``omnitron checkpoint`` sub-parsers ``cmds``."""
-    imp = cmds.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama / Qwen2 (or MoE) checkpoint to an omnitron checkpoint")
+    imp = cmds.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama / Qwen2 (or MoE) checkpoint to an "
+                          "omnitron checkpoint")
     imp.add_argument("--hf-dir", required=True, metavar="DIR", help="a save_pretrained directory (config.json + "
                      "model.safetensors, sharded safetensors or pytorch_model.bin)")
     imp.add_argument("--save", required=True, metavar="DIR", help="where the omnitron checkpoint goes")
     imp.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="T")
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="P")
     imp.set_defaults(func=run_import)
-    exp = cmds.add_parser("export-hf", help="an omnitron GPT-2 / Llama / Qwen2 (or MoE) checkpoint to a Hugging Face directory")
+    exp = cmds.add_parser("export-hf", help="an omnitron GPT-2 / Llama / Qwen2 (or MoE) checkpoint to a Hugging "
+                          "Face directory")
     exp.add_argument("--load", required=True, metavar="DIR", help="a --save directory (its latest) or an iter_N one")
     exp.add_argument("--out", required=True, metavar="DIR", help="directory for config.json + model.safetensors")
     add_family_module_flag(exp)

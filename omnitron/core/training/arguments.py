@@ -185,6 +185,7 @@ def _help(opt: Option) -> str:
     return text.replace("%", "%%")
 
 
+@functools.lru_cache(maxsize=1)
 def megatron_flag_names() -> frozenset[str]:
     """Every flag of Megatron-LM's argument parser (megatron_flags.txt: d98e8a6)."""
     with open(os.path.join(os.path.dirname(__file__), "megatron_flags.txt")) as f:
@@ -707,13 +708,11 @@ def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> 
     if data.split and not data.mock_data and not data.per_split:
         from omnitron.core.data.config import split_weights
 
-        if split_weights(data.split)[0] == 0:
+        weights = split_weights(data.split)
+        if weights[0] == 0:
             raise ConfigError(f"--split {data.split} gives training no documents; give the first (training) share a "
                               f"weight, e.g. --split 969,30,1")
-    if training.eval_interval and data.split and not data.mock_data and not data.per_split:
-        from omnitron.core.data.config import split_weights
-
-        if split_weights(data.split)[1] == 0:
+        if training.eval_interval and weights[1] == 0:
             raise ConfigError(f"--eval-interval {training.eval_interval} needs a validation split, but --split "
                               f"{data.split} gives it none; use e.g. --split 969,30,1 or --eval-interval 0")
     if checkpoint.finetune and not checkpoint.load:

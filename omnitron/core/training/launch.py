@@ -126,9 +126,9 @@ def _run_rank(settings, entry=None) -> int:
 
 
 def _name_run_dir(settings, entry) -> None:
-    """Training with neither ``--save`` nor ``--log-dir``: one new ``./runs/<timestamp>`` (``runs_root()``) for the job, named here
-    so every worker writes to the same folder (each rank taking its own clock could straddle a second) and locked
-    like a given ``--log-dir`` (two jobs started in the same second take two folders)."""
+    """Training with neither ``--save`` nor ``--log-dir``: one new ``./runs/<timestamp>`` (``runs_root()``) for
+    the job, named here so every worker writes to the same folder (each rank taking its own clock could straddle a
+    second) and locked like a given ``--log-dir`` (two jobs started in the same second take two folders)."""
     lg, ck = getattr(settings, "logging", None), getattr(settings, "checkpoint", None)
     if entry is None and lg is not None and ck is not None and not lg.log_dir and not ck.save:
         lg.log_dir = new_run_dir()
