@@ -306,3 +306,45 @@ def test_a_malformed_body_is_refused_in_one_pass():
     assert time.perf_counter() - start < 10.0
     with pytest.raises(BadRequest, match="the body is not JSON: Exceeds the limit"):
         parse_body(b'{"prompts": ["a"], "tokens_to_generate": ' + b"9" * 5000 + b"}")
+
+
+def test_chunked_bodies_are_read_and_their_limit_kept(gpt_ckpt):
+    """A client that streams its body (``Transfer-Encoding: chunked``, as curl does for stdin and http.client
+    for an iterable) gets the same answer as one sending a Content-Length; the server used to read such a
+    body as empty ("prompts must be..."). Chunk sizes past the limit are refused (413) before their bytes
+    are read; malformed framing and another transfer coding are 400."""
+    import http.client
+
+    from omnitron.core.inference.server import BadRequest, read_body
+
+    _, path = gpt_ckpt
+    loaded = load_for_inference(path, get_backend("cpu"))
+    server = make_server(loaded, port=0, quiet=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    body = {"prompts": ["3 4 5"], "tokens_to_generate": 4, "top_k": 1}
+    data = json.dumps(body).encode()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=30)
+        conn.request("PUT", "/api", body=iter([data[:7], data[7:20], data[20:]]), encode_chunked=True,
+                     headers={"Transfer-Encoding": "chunked"})
+        reply = conn.getresponse()
+        assert reply.status == 200 and json.loads(reply.read()) == _put(server.server_port, body)[1]
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    def headers(**h):
+        return {k.replace("_", "-"): v for k, v in h.items()}
+
+    chunked = headers(Transfer_Encoding="chunked")
+    wire = b"7;ext=1\r\n" + data[:7] + b"\r\n" + hex(len(data) - 7)[2:].encode() + b"\r\n" + data[7:] + b"\r\n0\r\n"
+    assert read_body(io.BytesIO(wire + b"X-Trailer: 1\r\n\r\n"), chunked, 1 << 20) == data
+    with pytest.raises(BadRequest, match="passes 64 bytes"):
+        read_body(io.BytesIO(b"41\r\n"), chunked, 64)  # 65 announced, none sent: refused before reading
+    for wire, words in ((b"zz\r\n", "malformed chunk size"), (b"5\r\nab", "ended early"),
+                        (b"2\r\nabcd\r\n0\r\n\r\n", "longer than its size line")):
+        with pytest.raises(BadRequest, match=words):
+            read_body(io.BytesIO(wire), chunked, 1 << 20)
+    with pytest.raises(BadRequest, match="Transfer-Encoding 'gzip' is not supported"):
+        read_body(io.BytesIO(b""), headers(Transfer_Encoding="gzip"), 1 << 20)

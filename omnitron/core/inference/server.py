@@ -13,7 +13,8 @@ options, see :func:`omnitron.core.inference.text.complete_gpt`. A malformed requ
 naming the field (also a body nested deeper than :data:`MAX_DEPTH`, found before the parser recurses); an
 internal fault 500; another path 404. Connections are served on their own (daemon) threads, each with
 a socket timeout (a silent or trickling client gets 408 and is closed without blocking anyone); a
-body over the size limit is refused with 413 from its Content-Length, before it is read; model
+body over the size limit is refused with 413 from its Content-Length (or, chunked, as the chunk sizes pass it),
+before it is read; model
 calls take one lock (one model, one KV cache), so requests are computed one at a time.
 """
 from __future__ import annotations
@@ -171,6 +172,47 @@ class _TooLarge(BadRequest):
     """A body over the size limit (413, refused unread)."""
 
 
+_HEX = re.compile(rb"[0-9a-fA-F]{1,16}")
+
+
+def _chunked_body(rfile, limit: int) -> bytes:
+    """A ``Transfer-Encoding: chunked`` body (RFC 9112 7.1): hex-sized chunks, extensions and trailers ignored;
+    _TooLarge as soon as the sizes announced pass ``limit`` (before those bytes are read), BadRequest when the
+    framing is malformed or the stream ends early."""
+    body = bytearray()
+    while True:
+        line = rfile.readline(1026)  # a size line: hex digits, optional ";ext", CRLF
+        size_text = line.split(b";", 1)[0].strip()
+        if not _HEX.fullmatch(size_text):
+            raise BadRequest(f"the chunked body has a malformed chunk size line {short_repr(line[:40])}")
+        size = int(size_text, 16)
+        if size == 0:
+            break
+        if len(body) + size > limit:
+            raise _TooLarge(f"the chunked body passes {limit} bytes; at most {limit} per request: send fewer or "
+                            "shorter prompts")
+        data = rfile.read(size)
+        if len(data) < size or rfile.readline(3) not in (b"\r\n", b"\n"):
+            raise BadRequest("the chunked body ended early or a chunk is longer than its size line says")
+        body += data
+    for _ in range(64):  # trailer fields, then the empty line that ends the message
+        if rfile.readline(8194) in (b"\r\n", b"\n", b""):
+            break
+    return bytes(body)
+
+
+def read_body(rfile, headers, limit: int) -> bytes:
+    """The request body, framed by ``Transfer-Encoding: chunked`` (which wins over a Content-Length, as HTTP/1.1
+    says) or by Content-Length; another transfer coding is refused (400)."""
+    coding = headers.get("Transfer-Encoding")
+    if coding is None:
+        return rfile.read(_body_length(headers, limit))
+    if coding.strip().lower() != "chunked":
+        raise BadRequest(f"Transfer-Encoding {coding!r} is not supported; send the body plain (Content-Length) "
+                         "or chunked")
+    return _chunked_body(rfile, limit)
+
+
 def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES,
                  run=None):
     """The request handler class bound to one loaded model (``timeout_s``: per socket operation). ``run``
@@ -193,8 +235,7 @@ def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, 
             if self.path.rstrip("/") != "/api":
                 return self._reply(404, {"error": f"no endpoint {self.path}; PUT /api"})
             try:
-                kwargs = parse_request(parse_body(self.rfile.read(_body_length(self.headers, max_body_bytes))),
-                                       loaded)
+                kwargs = parse_request(parse_body(read_body(self.rfile, self.headers, max_body_bytes)), loaded)
                 prompts = kwargs.pop("prompts")
                 with lock:
                     result = run(prompts, kwargs.pop("tokens_to_generate"), **kwargs)
@@ -202,6 +243,8 @@ def make_handler(loaded, lock: threading.Lock, *, timeout_s: float = TIMEOUT_S, 
                 self.close_connection = True  # the unread body must not be parsed as the next request
                 return self._reply(413, {"error": str(err)})
             except BadRequest as err:
+                if "Transfer-Encoding" in self.headers:  # a chunked body may be left part-read
+                    self.close_connection = True
                 return self._reply(400, {"error": str(err)})
             except ValueError as err:  # the library's own input checks: name the field they are about
                 return self._reply(400, {"error": f"{_library_field(str(err))}: {err}"})
