@@ -34,7 +34,7 @@ def add_layout_flags(p) -> None:
 
 def sharded_world(args, command: str) -> int | None:
     """The job's world size when ``args`` ask for tp x pp processes, None for one process; exits 2 (SystemExit)
-    with one line when the process count does not match."""
+    with one line when the process count does not match, or the checkpoint's model does not split over tp x pp."""
     import os
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -45,6 +45,15 @@ def sharded_world(args, command: str) -> int | None:
         print(f"omnitron {command}: error: sharded inference needs tensor x pipeline = {tp} x {pp} processes, "
               f"got {world}; set --nproc-per-node {max(tp, 1) * max(pp, 1)}", file=sys.stderr)
         raise SystemExit(2)
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.inference.loader import check_sharded_layout
+
+    try:  # the checkpoint's model against the layout, before any rank starts
+        check_sharded_layout(args.load, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    except (CheckpointError, ValueError, OSError) as err:
+        print(f"omnitron {command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     return world
 
 

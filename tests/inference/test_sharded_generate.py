@@ -123,3 +123,23 @@ def test_sharded_generate_refuses_a_wrong_process_count(tmp_path, capsys):
              "--nproc-per-node", "3"])
     assert exit_.value.code == 2
     assert "sharded inference needs tensor x pipeline = 2 x 1 processes, got 3; set --nproc-per-node 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_layout_the_model_cannot_take_is_refused_before_ranks_start(tmp_path, capsys, monkeypatch, command):
+    """tp 3 of 4 heads, pp 3 of the layers, a missing checkpoint: one line and exit 2 from the command line; the
+    launcher (which would start the ranks, each then stopping with the same error) is never reached."""
+    from omnitron.cli import main as cli
+    from omnitron.core.training import launch as launch_mod
+
+    root = str(tmp_path / "ck")
+    _checkpoint(root)
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: pytest.fail("ranks started"))
+    extra = ["--prompt", "1"] if command == "generate" else []
+    for flags, words in ((["--tensor-model-parallel-size", "3"], "is not divisible by --tensor-model-parallel-size 3"),
+                         (["--pipeline-model-parallel-size", "3"], "is not divisible by --pipeline-model-parallel-size"),
+                         (["--tensor-model-parallel-size", "2", "--load", str(tmp_path / "none")], "no checkpoint")):
+        with pytest.raises(SystemExit) as exit_:
+            cli([command, "--load", root, *extra, *flags])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err

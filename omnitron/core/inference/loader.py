@@ -116,16 +116,35 @@ def load_sharded(load: str, groups, backend) -> Loaded:
     without weights and filled with its own slices (:mod:`~omnitron.core.inference.shard_load`): from a
     torch_dist checkpoint or a safetensors file only the bytes of its slices are read; the torch format's
     shards are read whole for the tensors the stage owns."""
+    path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0)
+    _check_sharded_family(cfg)
+    loaded = _load_sliced(path, meta, cfg, groups, backend, _tokenizer(path, meta, cfg))
+    loaded.sharded = ShardedStage(loaded.model, groups, backend.collectives)
+    return loaded
+
+
+def _check_sharded_family(cfg) -> None:
     from omnitron.core.models.family import family_of
 
-    path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0)
     family = family_of(cfg)
     if family.generate is None or not family.pipelined or family.takes_images:
         raise CheckpointError(f"a {family.name} checkpoint generates in one process only; drop "
                               "--tensor-model-parallel-size / --pipeline-model-parallel-size")
-    loaded = _load_sliced(path, meta, cfg, groups, backend, _tokenizer(path, meta, cfg))
-    loaded.sharded = ShardedStage(loaded.model, groups, backend.collectives)
-    return loaded
+
+
+def check_sharded_layout(load: str, parallel) -> None:
+    """Refuse, before any rank starts, a tp x pp layout (``parallel``, a ParallelConfig) that the latest checkpoint
+    under ``load`` cannot be sampled at: CheckpointError (no checkpoint, a family generated in one process) or
+    ConfigError (heads, groups, FFN width or layers that the layout does not divide), as each rank would."""
+    from omnitron.core.models.family import family_of
+    from omnitron.core.models.gpt.config import validate_model
+
+    _, _, cfg = _checkpoint(load, quiet=True)
+    _check_sharded_family(cfg)
+    family = family_of(cfg)
+    if family.validate is not None:
+        family.validate(cfg, parallel)
+    validate_model(cfg, parallel)
 
 
 def _load_sliced(path: str, meta: dict, cfg, groups, backend, tokenizer) -> Loaded:
