@@ -136,10 +136,46 @@ def test_export_hf_of_an_import_is_bit_exact(tmp_path, capsys):
     assert "decoder.layers.0.self_attention.linear_proj.bias" not in full
 
 
-def test_sliding_window_is_refused_in_one_line():
-    with pytest.raises(HFConversionError, match="use_sliding_window=true .* set it false") as info:
-        config_from_hf(_hf_config(use_sliding_window=True, sliding_window=4, max_window_layers=1).to_dict())
-    assert "\n" not in str(info.value)
+@pytest.mark.parametrize("first", [0, 1])
+def test_sliding_window_imports_and_exports_with_transformers_logits(first, tmp_path):
+    """Qwen2's window (use_sliding_window, sliding_window 3, layers from max_window_layers on; 12 tokens so the
+    window cuts most keys off) imports as --window-size 2,0 on those layers with transformers' logits, and an
+    export of it loads back as the same Qwen2 (same layer types, same logits)."""
+    hf = _hf_model(11, use_sliding_window=True, sliding_window=3, max_window_layers=first,
+                   attn_implementation="eager")
+    assert hf.config.layer_types == ["full_attention"] * first + ["sliding_attention"] * (2 - first)
+    cfg = config_from_hf(hf.config.to_dict())
+    assert cfg.window_size == "2,0" and (cfg.window_attn_skip_freq is None) == (first == 0)
+    hf.save_pretrained(tmp_path / "hf")
+    path = import_hf(str(tmp_path / "hf"), str(tmp_path / "omni"), Layout())
+    model = GPTModel(model_config(read_metadata(path)["model"]), ParallelGroups.single(),
+                     backend=get_backend("cpu")).eval()
+    model.load_state_dict(read_shard(path, 0)["model"][0])
+    tokens = _tokens(12)
+    want = _hf_logits(hf, tokens)
+    _close(_omni_logits(model, tokens), want)
+    full = transformers.AutoModelForCausalLM.from_config(_hf_config(), dtype=torch.float64).eval()
+    full.load_state_dict(hf.state_dict())
+    assert (_hf_logits(full, tokens) - want).abs().max() > 1e-2  # the window changes these logits
+    written = config_to_hf(cfg)
+    assert written["layer_types"] == hf.config.layer_types and written["sliding_window"] == 3
+    back = transformers.Qwen2Config(**{k: v for k, v in written.items() if k not in ("architectures", "model_type")})
+    assert back.layer_types == hf.config.layer_types and config_from_hf(written) == cfg
+
+
+def test_sliding_windows_qwen2_cannot_hold_are_refused_in_one_line():
+    from dataclasses import replace
+
+    for hf_kw, words in ((dict(layer_types=["sliding_attention", "full_attention"], use_sliding_window=False),
+                          "marks sliding_attention layers but the window is None"),
+                         (dict(layer_types=["full_attention", "local"]), "layer_types must give one of")):
+        with pytest.raises(HFConversionError, match=words) as info:
+            config_from_hf({**_hf_config().to_dict(), **hf_kw})
+        assert "\n" not in str(info.value)
+    cfg = config_from_hf(_hf_config().to_dict())
+    for window, skip in (("3,0", "[1,0]"), ("-1,0", None)):  # not Qwen2's last-layers form; unbounded
+        with pytest.raises(HFConversionError, match="windows its layers from max_window_layers on"):
+            config_to_hf(replace(cfg, window_size=window, window_attn_skip_freq=skip))
 
 
 def test_moe_export_of_qkv_bias_only_is_refused():

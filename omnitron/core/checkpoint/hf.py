@@ -107,7 +107,7 @@ def hf_model_type(cfg) -> str:
         return "qwen3_moe"
     common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False),
               ("--mtp-num-layers", getattr(cfg, "mtp_num_layers", None), None),
-              ("--window-size", getattr(cfg, "window_size", None), None),
+              ("--window-size", None if qkv_bias_only else getattr(cfg, "window_size", None), None),  # Qwen2's own
               ("--softmax-type", getattr(cfg, "softmax_type", "vanilla"), "vanilla"),
               ("--quick-geglu", getattr(cfg, "quick_geglu", False), False),
               ("--glu-linear-offset", getattr(cfg, "glu_linear_offset", 0.0), 0.0),

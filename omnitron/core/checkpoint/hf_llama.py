@@ -77,18 +77,55 @@ def _llama_fields(hf: dict) -> dict:
 def _qwen2_fields(hf: dict) -> dict:
     """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): Llama's maths with a bias on q/k/v only (o_proj and the MLP have
     none), i.e. Megatron's ``--disable-bias-linear --add-qkv-bias``."""
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
-        raise HFConversionError("config.json: use_sliding_window=true (a window on the layers from max_window_layers "
-                                "on) is not supported; the released Qwen2 / Qwen2.5 models set it false")
     # Qwen2Config has no attention_bias / mlp_bias: its q/k/v biases are fixed in the model
-    return {**_llama_fields({**hf, "attention_bias": False, "mlp_bias": False}), "add_qkv_bias": True}
+    return {**_llama_fields({**hf, "attention_bias": False, "mlp_bias": False}), "add_qkv_bias": True,
+            **_qwen2_window(hf)}
+
+
+def _qwen2_window(hf: dict) -> dict:
+    """--window-size / --window-attn-skip-freq of Qwen2's sliding window: with ``use_sliding_window``, the layers
+    that ``layer_types`` marks (else those from ``max_window_layers`` on, as transformers derives them) see keys
+    i-W+1..i (``sliding_window`` W); the others, and every layer without ``use_sliding_window``, attend fully."""
+    L = _need(hf, "num_hidden_layers")
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    types = hf.get("layer_types") or ["sliding_attention" if window and i >= hf.get("max_window_layers", 28)
+                                      else "full_attention" for i in range(L)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != L:
+        raise HFConversionError(f"config.json: layer_types must give one of full_attention / sliding_attention for "
+                                f"each of the {L} layers; got {types!r:.120}")
+    layers = [t == "sliding_attention" for t in types]
+    if not any(layers):
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise HFConversionError(f"config.json: layer_types marks sliding_attention layers but the window is "
+                                f"{window!r} (use_sliding_window={hf.get('use_sliding_window')!r}, sliding_window="
+                                f"{hf.get('sliding_window')!r}); set use_sliding_window true with a window >= 1")
+    return dict(window_size=f"{window - 1},0",
+                window_attn_skip_freq=None if all(layers) else "[" + ",".join(str(int(w)) for w in layers) + "]")
+
+
+def _qwen2_window_config(cfg) -> dict:
+    """Qwen2's window fields of ``cfg``: none windowed, or a bounded window on the last layers (Qwen2's
+    ``max_window_layers`` form; ``layer_types`` written out too)."""
+    from omnitron.core.transformer.window import parse_window, window_layers
+
+    window = parse_window(cfg.window_size)
+    if window is None:
+        return dict(use_sliding_window=False, max_window_layers=cfg.num_layers)
+    layers = [bool(w) for w in window_layers(cfg)]
+    first = layers.index(True) if any(layers) else cfg.num_layers
+    if window[0] < 0 or layers != [False] * first + [True] * (cfg.num_layers - first):
+        raise HFConversionError("a Hugging Face Qwen2 model windows its layers from max_window_layers on, with a "
+                                "bounded window; this model's --window-size / --window-attn-skip-freq differ")
+    return dict(use_sliding_window=True, sliding_window=window[0] + 1, max_window_layers=first,
+                layer_types=["sliding_attention" if w else "full_attention" for w in layers])
 
 
 def _qwen2_config(cfg, dtype: str) -> dict:
     """The ``Qwen2ForCausalLM`` config.json of ``cfg`` (q/k/v biases, no other: see :func:`_qwen2_fields`)."""
     out = {k: v for k, v in _llama_config(cfg, dtype).items() if k not in ("attention_bias", "mlp_bias")}
-    out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
-               max_window_layers=cfg.num_layers)
+    out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **_qwen2_window_config(cfg))
     return out
 
 
