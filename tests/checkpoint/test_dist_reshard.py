@@ -7,7 +7,8 @@ trains iteration 2, saving it:
 
 * dense: S = tp2 x pp2 x dp2 with the distributed optimizer; T = tp1 x pp2 x dp4, tp1 x dp8 (distributed
   optimizer), and (``slow``) tp1 x pp2 x vp2 x dp4 and S without the distributed optimizer;
-* MoE: 4 experts, S = tp2 x dp4 x ep2 (experts split over etp = tp = 2), T = tp1 x dp8 x ep1 (whole experts),
+* MoE: 4 experts routed as DeepSeek's (sigmoid, expert biases: per-rank buffers), S = tp2 x dp4 x ep2 (experts
+  split over etp = tp = 2), T = tp1 x dp8 x ep1 (whole experts),
   and (``slow``) tp1 x dp8 x ep4 without the distributed optimizer;
 * formats: S's iteration 1 through ``omnitron checkpoint convert`` to the torch format (tp1 x pp2) and back
   to torch_dist (tp2), then T = dp8 loads each (the torch one with the default --ckpt-format torch_dist:
@@ -30,7 +31,10 @@ from test_reshard import _same  # bit-for-bit nested comparison
 
 DENSE_S = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
 ZERO = ["--use-distributed-optimizer"]
-MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+# DeepSeek's routing: sigmoid scores and expert biases (buffers in the ranks' files, not DCP pieces), updated by 0.05
+# a step so that iteration 1's biases are far from zero and move picks: a resume that drops them is caught below
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
 CASES = {  # name: (S, T)
     "tp1_pp2_dp4": (DENSE_S, ["--pipeline-model-parallel-size", "2", *ZERO]),
     "moe_ep2_to_ep1": (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", *MOE, *ZERO],
@@ -173,6 +177,8 @@ def test_resume_under_another_layout(results, name):
         want = {f"decoder.layers.{i}.mlp.experts.{e}.linear_fc{j}.{kind}" for i in range(4) for e in range(4)
                 for j in (1, 2) for kind in ("weight", "bias")}
         assert {n for n in model if ".mlp.experts." in n} == want
+        biases = [t for n, t in model.items() if n.endswith("router.expert_bias")]  # _check_loaded: T kept them
+        assert len(biases) == 4 and all(float(b.abs().max()) > 0 for b in biases)
 
 
 @pytest.mark.slow

@@ -291,7 +291,8 @@ def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
     checkpoint of ``world_size`` ranks (``meta``: its layout and config) under ``save_dir``; returns the
     ``iter_N`` directory. Every global tensor is written whole, in one DCP file (a load under any layout
     reads its slices from it); ``chunks``: skeletons holding every parameter (tp1 pp1), whose attributes
-    give each global tensor's form. The ranks' files hold no RNG state (a resume draws fresh streams)."""
+    give each global tensor's form. The ranks' files hold no RNG state (a resume draws fresh streams); each holds
+    every router's expert bias (per-rank state in a trained checkpoint: the same on every rank of a stage)."""
     pieces: Pieces = {}
     for m in chunks:
         for name, p in m.named_parameters():
@@ -304,10 +305,13 @@ def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
     io.refuse_overwrite(save_dir, iteration)
     final = os.path.join(save_dir, io.iter_dir_name(iteration))
     io._begin(save_dir, final)
+    # the routers' expert biases (buffers): every rank file holds them all (E floats per layer), by global name
+    biases = {n: t for n, t in full.model.items() if n.endswith(".mlp.router.expert_bias")}
+    local = {"expert_bias": [biases]} if biases else {}
     with io.removed_if_disk_full(save_dir, final):
-        write(final + ".tmp", 0, pieces, {}, collective=False)
+        write(final + ".tmp", 0, pieces, local, collective=False)
         for r in range(1, world_size):
-            io._write_shard(final + ".tmp", r, {})
+            io._write_shard(final + ".tmp", r, local)
         meta = dict(meta, optimizer=full.optimizer_meta, scheduler=full.scheduler)
         _commit_files(save_dir, iteration, meta, world_size, None)
     return final

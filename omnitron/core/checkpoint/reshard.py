@@ -359,7 +359,7 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
         sd = chunk.state_dict()
         # buffers a full state may hold (imported routing biases: the routers' expert_bias), under the global
         # names the parameters carry, or under the chunk's own names
-        local.update(_buffers_of(chunk, full.model))
+        local.update(expert_bias_buffers(chunk, full.model))
         models.append({k: _own(local[k]) if k in local else _own(full.model[k].to(v.dtype))
                        if k.endswith("expert_bias") and k in full.model else v for k, v in sd.items()})
         # frozen parameters (requires_grad False) have no optimizer state: not strict here
@@ -376,7 +376,7 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
     return {"model": models, "optimizer": dict(full.optimizer_meta, tensors=tensors), "scheduler": full.scheduler}
 
 
-def _buffers_of(chunk, model: dict) -> dict[str, torch.Tensor]:
+def expert_bias_buffers(chunk, model: dict) -> dict[str, torch.Tensor]:
     """``{chunk's buffer name: tensor}`` of the routers' ``expert_bias`` buffers ``model`` holds under their global
     names (an imported checkpoint's; the router's ``weight`` parameter carries the global name)."""
     params, out = dict(chunk.named_parameters()), {}

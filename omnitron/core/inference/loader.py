@@ -106,6 +106,7 @@ def load_for_inference(load: str, backend=None) -> Loaded:
     model, family = _build(cfg, backend)
     torch.random.set_rng_state(state)  # building initialises weights: leave the caller's RNG as it was
     shard_full_state(model, full.model, ParallelGroups.single())
+    _copy_expert_biases(model, full.model)
     return Loaded(model=to_device(model, backend.current_device()).eval(), tokenizer=tokenizer, family=family,
                   meta=full.meta)
 
@@ -130,6 +131,33 @@ def _check_sharded_family(cfg) -> None:
     if family.generate is None or not family.pipelined or family.takes_images:
         raise CheckpointError(f"a {family.name} checkpoint generates in one process only; drop "
                               "--tensor-model-parallel-size / --pipeline-model-parallel-size")
+
+
+@torch.no_grad()
+def _copy_expert_biases(model, full: dict) -> None:
+    """The routers' ``expert_bias`` buffers (DeepSeek-V3's routing bias, --moe-router-enable-expert-bias) held in
+    ``full`` by global name into ``model``: buffers, not parameters, so the weight copy leaves them at zero, and
+    routing would pick other experts than the model trained or imported with."""
+    from omnitron.core.checkpoint.reshard import expert_bias_buffers
+
+    buffers = dict(model.named_buffers())
+    for name, t in expert_bias_buffers(model, full).items():
+        buffers[name].copy_(t)
+
+
+def _saved_expert_biases(path: str, meta: dict) -> dict:
+    """The routers' ``expert_bias`` buffers by global name of a torch_dist checkpoint (its per-rank files) or an
+    exported safetensors file (full tensors); {} when the routers have none."""
+    from omnitron.core.checkpoint.reshard import expert_biases
+
+    if not meta["model"].get("moe_router_enable_expert_bias"):
+        return {}
+    if not path.endswith(".safetensors"):
+        return expert_biases(path, meta)
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return {n: f.get_tensor(n) for n in f.keys() if n.endswith(".mlp.router.expert_bias")}
 
 
 def check_sharded_layout(load: str, parallel) -> None:
@@ -167,5 +195,9 @@ def _load_sliced(path: str, meta: dict, cfg, groups, backend, tokenizer) -> Load
     else:
         full = read_full_state(path, owners=needed_owners([stage]), with_optimizer=False)
         shard_full_state(stage, full.model, groups)
+    if read is not None:
+        _copy_expert_biases(stage, _saved_expert_biases(path, meta))
+    else:
+        _copy_expert_biases(stage, full.model)
     stage = to_device(stage, backend.current_device()).eval()
     return Loaded(model=stage, tokenizer=tokenizer, family=family_of(cfg).name, meta=meta, read_bytes=read)

@@ -217,8 +217,13 @@ def _load_dist(c, path: str, meta: dict, changes: list) -> dict:
     shard = {"model": None, "optimizer": dict(meta["optimizer"], loaded=True), "scheduler": meta["scheduler"]}
     if not changes:
         shard.update(read_shard(path, c.groups.rank, meta))
-    elif c.groups.rank == 0 and _holds_tensors(read_shard(path, 0, meta).get("fp8")):
+        return shard
+    if c.groups.rank == 0 and _holds_tensors(read_shard(path, 0, meta).get("fp8")):
         log.info(FP8_RESTART, path)
+    if meta["model"].get("moe_router_enable_expert_bias"):  # buffers in the rank files: each stage's own, by name
+        from omnitron.core.checkpoint.reshard import expert_biases
+
+        shard["expert_bias"] = [expert_biases(path, meta)]
     return shard
 
 
@@ -276,7 +281,7 @@ def load(c) -> bool:
                  "start fresh from --seed; the data order continues from sample %d", path, meta["consumed_samples"])
     if "fp8" in shard and c.extra.get("fp8_load") is not None:
         c.extra["fp8_load"](shard["fp8"])
-    if "expert_bias" in shard:  # torch_dist under the same layout (the torch format has it in the model's state)
+    if "expert_bias" in shard:  # torch_dist (the torch format has it in the model's state)
         from omnitron.core.transformer.moe.router import load_expert_bias_state
 
         load_expert_bias_state(c.modules, shard["expert_bias"])

@@ -248,8 +248,15 @@ def expert_bias_state(modules) -> list[dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_expert_bias_state(modules, state: list[dict[str, torch.Tensor]]) -> None:
-    """Restore :func:`expert_bias_state` output into the same modules (same layout)."""
-    for m, saved in zip(modules, state):
-        buffers = dict(m.named_buffers())
-        for name, t in saved.items():
-            buffers[name].copy_(t)
+    """Copy saved expert biases (:func:`expert_bias_state` of any layout: a list of ``{buffer name: tensor}``) into
+    the routers of ``modules`` by name. A layer's name carries its index in the whole model, so a stage of another
+    pipeline split finds its own layers' biases; ValueError names a router with none saved."""
+    saved = {n: t for chunk in state for n, t in chunk.items()}
+    for m in modules:
+        for name, b in m.named_buffers():
+            if not name.endswith("router.expert_bias"):
+                continue
+            if name not in saved:
+                raise ValueError(f"the checkpoint holds no {name}: it was saved by a model without "
+                                 f"--moe-router-enable-expert-bias on that layer")
+            b.copy_(saved[name])
