@@ -212,6 +212,11 @@ def test_bad_moe_settings_are_named():
         validate_model(dataclasses.replace(c, num_experts=None), ParallelConfig(expert_model_parallel_size=2))
     validate_model(c, ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                                      expert_tensor_parallel_size=1))
+    odd = _moe_config(seq_length=7)  # without sequence parallelism the MoE layer pads its tp slices
+    validate_model(odd, ParallelConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="--seq-length 7 is not divisible by --tensor-model-parallel-size 2, "
+                                          "which --sequence-parallel requires"):
+        validate_model(odd, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
 
 
 def test_cli_flags_reach_the_model():

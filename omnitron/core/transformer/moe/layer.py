@@ -11,8 +11,9 @@ etp = 1 it is whole on its ep rank.
 Tensor parallelism: every tp rank dispatches a disjoint shard of the micro-batch's tokens. Under
 sequence parallelism that shard is what the layer receives (``[s/tp, b, h]``); without it the
 tokens are replicated over tp, so the router runs on all of them (identical on every tp rank, no
-reduction needed) and each tp rank then dispatches its sequence slice and all-gathers the outputs
-(backward: keep the own slice, the all-gather of the input gradient).
+reduction needed) and each tp rank then dispatches its slice of the tokens (sequence-major; padded with
+tokens routed nowhere where tp does not divide them, as a one-position decoding step in sharded inference)
+and all-gathers the outputs (backward: keep the own slice, the all-gather of the input gradient).
 
 Context parallelism: each cp rank routes and dispatches its own slice of the sequence (the ep group
 may span cp ranks: the expert layout re-partitions tp x cp x dp); the router's statistics are summed
@@ -126,23 +127,33 @@ class MoELayer(nn.Module):
         return self._output(y, hidden, split)
 
     def _tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        """(this rank's tokens ``[s', b, h]``, their gates and processed pairs ``[s'*b, E]``, whether the sequence
-        was split over tp: replicated tokens, each tp rank takes its slice)."""
+        """(this rank's tokens ``[s', b, h]`` or ``[n, h]``, their gates and processed pairs ``[s'*b or n, E]``,
+        whether the tokens were split over tp: replicated tokens, each tp rank takes its slice, see
+        :meth:`_tp_slice`)."""
         s, b, h = hidden.shape
         gates, mask = self._route(hidden.reshape(s * b, h), b)  # [s*b, E] each
         split = self.tp.size > 1 and not self.sp
-        x = hidden
-        if split:
-            E = self.num_experts
-            x = M.scatter_to_sp(hidden, self.tp)  # [s/tp, b, h]
-            gates = M.scatter_to_sp(gates.view(s, b, E), self.tp).reshape(-1, E)
-            mask = M.split_first(mask.view(s, b, E), self.tp).reshape(-1, E)
-        return x, gates, mask, split
+        if not split:
+            return hidden, gates, mask, split
+        return self._tp_slice(hidden.reshape(s * b, h)), self._tp_slice(gates), self._tp_slice(mask), split
+
+    def _tp_slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This tp rank's contiguous ``ceil(T / tp)`` rows of the replicated per-token ``t [T, ...]`` (sequence-major,
+        so at ``s % tp == 0`` its sequence slice), padded at the end to ``tp`` equal slices: a decoding step holds
+        one position. Padding rows are zero (gates) / False (mask): routed nowhere, their output dropped by
+        :meth:`_output`. Backward: the all-gather of the slices' gradients."""
+        n = -(-t.shape[0] // self.tp.size)
+        pad = n * self.tp.size - t.shape[0]
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+        return M.scatter_to_sp(t, self.tp) if t.dtype.is_floating_point else M.split_first(t, self.tp)
 
     def _output(self, y: torch.Tensor, hidden: torch.Tensor, split: bool):
-        """The layer's output from the experts' ``y``: gathered back over tp where split, plus the shared expert."""
+        """The layer's output from the experts' ``y``: gathered back over tp where split (padding dropped), plus the
+        shared expert."""
         if split:
-            y = M.gather_from_sp(y, self.tp, grad_is_partial=False)  # [s, b, h]
+            s, b, h = hidden.shape
+            y = M.gather_from_sp(y, self.tp, grad_is_partial=False)[: s * b].view(s, b, h)
         if self.shared_experts is not None:
             y = y + self.shared_experts(hidden)[0]
         return y, None

@@ -74,7 +74,7 @@ def _check_deepseek_routing(c) -> None:
 
 
 def validate_moe(c, parallel: ParallelConfig) -> None:
-    """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp, tp (x cp) shards of the sequence."""
+    """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp."""
     ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
     if c.num_experts is None:
         if ep > 1:
@@ -96,11 +96,9 @@ def validate_moe(c, parallel: ParallelConfig) -> None:
     if shared is not None and shared % tp:
         raise ConfigError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                           f"--tensor-model-parallel-size {tp}; change one of them")
+    # NOTE: no condition on --seq-length: under --sequence-parallel the layer gets the sequence's tp slices (which
+    # validate_model requires to be even), without it each tp rank dispatches a padded slice of the tokens
     cp = parallel.context_parallel_size
-    if tp > 1 and c.seq_length % (tp * cp):
-        raise ConfigError(f"--seq-length {c.seq_length} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--context-parallel-size {cp}: MoE layers dispatch one sequence slice per tensor-parallel "
-                          f"rank of each context-parallel slice; change --seq-length")
     if cp > 1 and c.moe_expert_capacity_factor is not None:
         # NOTE: the capacity is decided over the whole micro-batch in token order; cp slices are not contiguous
         raise ConfigError(f"--moe-expert-capacity-factor with --context-parallel-size {cp} is not supported yet; "
