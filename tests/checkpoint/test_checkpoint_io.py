@@ -77,6 +77,29 @@ def test_compatibility_errors_name_the_flag(tmp_path):
         check_compatible(meta, {"hidden_size": 8, "add_qkv_bias": True}, meta["layout"], "D")
 
 
+@pytest.mark.parametrize("layout, run, num_experts, split", [
+    ({"expert_tensor_parallel_size": 1}, {}, 4, 1),  # import-hf at tp2: whole experts, no run settings
+    ({"expert_tensor_parallel_size": 1}, {"expert_tensor_parallel_size": None}, 4, 1),  # the record wins
+    ({"expert_tensor_parallel_size": 2}, {"expert_tensor_parallel_size": None}, 4, 2),  # a training run at tp2
+    ({}, {"expert_tensor_parallel_size": None}, 4, 2),  # older than the record: unset means tp (training's default)
+    ({}, {"expert_tensor_parallel_size": 1}, 4, 1),
+    ({}, {}, 4, 1),  # an older import (no run settings): whole experts
+    ({}, {"expert_tensor_parallel_size": None}, None, 1),  # a dense model
+])
+def test_expert_split_of_a_checkpoint_is_what_its_writer_recorded(layout, run, num_experts, split):
+    """The experts' tensor-parallel split a checkpoint's shards hold (what resharding, inspect, export and generate
+    read) is its layout's record, the run's flat setting only for checkpoints older than that record; a resume
+    compares it with the run's own split."""
+    from omnitron.core.checkpoint.io import saved_expert_tp
+
+    meta = {"model": {"hidden_size": 8, "num_experts": num_experts}, "config": run,
+            "layout": {"tensor_model_parallel_size": 2, "data_parallel_size": 1, **layout}}
+    assert saved_expert_tp(meta) == split
+    now = {"tensor_model_parallel_size": 2, "data_parallel_size": 1, "expert_tensor_parallel_size": 2}
+    assert check_compatible(meta, meta["model"], now, "D", reshard=True) == \
+        ([] if split == 2 else ["expert_tensor_parallel_size 1 -> 2"])
+
+
 def test_rng_round_trip(tmp_path):
     from omnitron.core.parallel.tensor.random import RNGTracker
 

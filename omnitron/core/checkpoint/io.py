@@ -353,6 +353,20 @@ _META_TYPES = {
 }
 
 
+def saved_expert_tp(meta: dict) -> int:
+    """The experts' tensor-parallel split the shards of checkpoint ``meta`` hold: the one its writer recorded in
+    the layout (training: --expert-tensor-parallel-size, unset meaning tp; import-hf, import-megatron and convert
+    write whole experts: 1). Only a checkpoint older than that record falls back to its run's flat setting (unset:
+    tp, training's default); one with no such setting (an import's or conversion's) and a dense model's hold 1."""
+    recorded = meta["layout"].get("expert_tensor_parallel_size")
+    if recorded is not None:
+        return int(recorded)
+    flat = meta.get("config", {})
+    if not meta["model"].get("num_experts") or "expert_tensor_parallel_size" not in flat:
+        return 1
+    return int(flat["expert_tensor_parallel_size"] or meta["layout"].get("tensor_model_parallel_size") or 1)
+
+
 def check_compatible(meta: dict, model: dict, layout: dict, path: str, *, reshard: bool = False) -> list[str]:
     """Raise CheckpointError naming the first model-shape setting that differs from the checkpoint's.
 
@@ -367,6 +381,8 @@ def check_compatible(meta: dict, model: dict, layout: dict, path: str, *, reshar
     changes = []
     for key in LAYOUT_KEYS:
         saved, now = meta["layout"].get(key, _LAYOUT_DEFAULTS.get(key)), layout.get(key, _LAYOUT_DEFAULTS.get(key))
+        if key == "expert_tensor_parallel_size":  # what the shards hold, older metadata included (None: 1)
+            saved, now = saved_expert_tp(meta), now or 1
         if saved != now:
             if not reshard:
                 flag = _FLAGS.get(key, "--" + key.replace("_", "-"))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, write_checkpoint
+from omnitron.core.checkpoint.io import CheckpointError, read_metadata, read_shard, saved_expert_tp, write_checkpoint
 from omnitron.core.config.parallel import ParallelConfig
 from omnitron.core.parallel.grid import coord_of, rank_grid
 from omnitron.core.parallel.groups import Group, ParallelGroups, host_backend
@@ -57,8 +57,8 @@ class Layout:
     ep: int = 1
     """--expert-model-parallel-size (MoE experts are whole tensors spread over the ep ranks)."""
     etp: int = 1
-    """Experts' tensor-parallel split as recorded (1 for dense models and for converted checkpoints,
-    which hold whole experts; reading etp > 1 is refused)."""
+    """Experts' tensor-parallel split as recorded (1 for dense models and for imported and converted checkpoints,
+    which hold whole experts at any tp; reading etp > 1 in the torch format is refused)."""
     style: str = "loop"
     """Chunk placement: ``loop`` (Megatron's interleaving) or ``v`` (--pipeline-schedule zb-v / dualpipe-v)."""
 
@@ -266,7 +266,7 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
     parallelism, whose other ranks are read for their experts)."""
     meta = read_metadata(path)
     layout = Layout.from_dict(meta["layout"])
-    etp = meta.get("config", {}).get("expert_tensor_parallel_size") or layout.tp
+    etp = saved_expert_tp(meta)  # the layout the writer recorded (imports: 1 whatever their tp)
     dist = meta.get("ckpt_format") == "torch_dist"  # its experts are whole global tensors at any etp
     if meta["model"].get("num_experts") and etp > 1 and not dist:
         raise CheckpointError(f"{path}: saved with expert tensor parallelism {etp} (MoE experts split over tp) in "
