@@ -142,7 +142,7 @@ def test_resume_restores_the_expert_bias(tmp_path, fmt):
 
     whole = run("whole")
     ckpt = str(tmp_path / "ckpt")
-    run("first", "--train-iters", "2", "--save", ckpt, "--save-interval", "2")
+    run("first", "--exit-interval", "2", "--save", ckpt)  # the whole run's schedule, stopped (and saved) at 2
     resumed = run("resumed", "--load", ckpt)
     assert resumed[3] == whole[3], (resumed, whole)
 
