@@ -1,6 +1,6 @@
 """The ``train from it with:`` line ``omnitron checkpoint import-hf`` prints builds the imported model whole.
 
-For each architecture (Llama 3.1 rope scaling, Qwen2 with its q/k/v bias and a window on one layer, Qwen3-MoE with
+For each architecture (GPT-2 with the exact GeLU, Llama 3.1 rope scaling, Qwen2 with its q/k/v bias and a window on one layer, Qwen3-MoE with
 a dense layer and a window, gpt-oss with YaRN, DeepSeek-V3 with MLA and YaRN) a tiny ``transformers`` model is
 saved and imported with the CLI; the printed line is split as a shell splits it (``shlex.split``) and parsed by
 ``omnitron train``'s own settings parser, and the model config that gives must equal the imported checkpoint's
@@ -27,6 +27,8 @@ from tests.checkpoint.test_hf_moe import HF_CONFIGS, V  # noqa: E402
 from tests.checkpoint.test_hf_qwen2 import _hf_config as qwen2_config  # noqa: E402
 
 ARCHITECTURES = {
+    "gpt2_exact_gelu": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=32,
+                                                       activation_function="gelu", resid_pdrop=0.0),
     "llama3.1": lambda: transformers.LlamaConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
