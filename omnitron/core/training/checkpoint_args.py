@@ -4,6 +4,9 @@ As Megatron: the checkpoint's architecture settings override the command line's 
 fine-tuning or evaluation needs only ``--load``), and each value that changes is said in the log. Training
 choices (dropout, initialisation, recomputation, precision, loss coefficients) stay the command line's.
 Only the checkpoint's ``metadata.json`` is read (JSON: nothing is unpickled).
+
+Without the flag, ``--load`` compares the same architecture settings with the command line's and refuses a
+difference (:func:`check_model_settings`, called where the checkpoint's shapes are checked).
 """
 from __future__ import annotations
 
@@ -65,13 +68,13 @@ def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_model_settings(saved: dict[str, Any], now: dict[str, Any], path: str) -> None:
-    """Before any weight loads: CheckpointError in one line when this run's model (``now``, the run's model config as a
-    dict) computes otherwise than the checkpoint's (``saved``, its metadata ``model``) in a setting that no weight
-    shape shows (window, softmax, RoPE, norm epsilon, activation, routing...): every architecture field (all but
-    :data:`_NOT_ARCHITECTURE` and the lengths) that either model reads (:func:`_reads`) is compared as the model
-    uses it (:func:`_canonical`), each
-    difference named with both values and the flags that give the checkpoint's. Megatron's check_checkpoint_args
-    compares the shape only; a checkpoint older than a field counts as holding its default."""
+    """Before any weight loads (resume or --finetune): CheckpointError in one line when this run's model (``now``,
+    its config as a dict) computes otherwise than the checkpoint's (``saved``, its metadata ``model``) in a setting
+    no weight shape shows (window, softmax, RoPE, norm epsilon, activation, routing...). Every architecture field
+    (all but :data:`_NOT_ARCHITECTURE` and the lengths) that either model reads (:func:`_reads`) is compared as
+    the model uses it (:func:`_canonical`); each difference is named with both values, then the flags that give
+    the checkpoint's. Megatron's check_checkpoint_args compares the shape only. A checkpoint older than a field
+    holds its default."""
     from omnitron.core.training.arguments import options, setting_words
 
     opts = options()
