@@ -36,45 +36,6 @@ def register(cmds) -> None:
     exp.set_defaults(func=run_export)
 
 
-def model_flags(model: dict) -> str:
-    """The ``omnitron train`` flags that fix the imported model's shape (checkpoint metadata ``model``)."""
-    from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS
-
-    out = []
-    for key in MODEL_SHAPE_KEYS + ("seq_length", "layernorm_epsilon", "rotary_base", "rope_scaling_factor"):
-        v = model.get(key)
-        if key == "vocab_size" or v is None or v is False:
-            continue  # the vocabulary comes from the tokenizer
-        out.append(f"--{key.replace('_', '-')}" + ("" if v is True else f" {v}"))
-    if not model.get("add_bias_linear", True):
-        out.append("--disable-bias-linear")
-    out += _architecture_flags(model)
-    return " ".join(out)
-
-
-_ARCHITECTURE = ("moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_router_pre_softmax",
-                 "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
-                 "moe_router_group_topk", "moe_router_topk_scaling_factor", "multi_latent_attention", "q_lora_rank",
-                 "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor", "mscale",
-                 "mscale_all_dim", "yarn_original_max_position_embeddings", "mtp_num_layers")
-"""Model fields beyond the shape keys that change what an MoE / MLA / MTP model computes."""
-
-
-def _architecture_flags(model: dict) -> list[str]:
-    """The flags of :data:`_ARCHITECTURE` fields whose recorded value is not GPTConfig's default."""
-    import dataclasses
-
-    from omnitron.core.models.gpt.config import GPTConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    out = []
-    for key in _ARCHITECTURE:
-        v = model.get(key, defaults.get(key))
-        if key in defaults and v != defaults[key] and v is not None:
-            out.append(f"--{key.replace('_', '-')}" + ("" if v is True else f" {v}"))
-    return out
-
-
 def run_import(args: argparse.Namespace) -> int:
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.hf import import_hf
@@ -118,11 +79,18 @@ def import_layout(args: argparse.Namespace):
 
 
 def train_hint(save: str, meta: dict) -> str:
-    """The ``train from it with: --load ...`` line for an imported checkpoint's metadata ``meta``."""
+    """The ``train from it with: --load ...`` line for an imported checkpoint's metadata ``meta``: every model
+    setting that is not ``omnitron train``'s default, through the parser's own flags
+    (:func:`~omnitron.core.training.arguments.model_words`), so that the line builds the imported model whole,
+    then the tokenizer; shell-quoted (a pattern such as ``[0,1,1]`` is one word)."""
+    import shlex
+
+    from omnitron.core.training.arguments import model_words
+
     run = meta["config"]
-    flags = [f"--{k.replace('_', '-')} {run[k]}" for k in ("tokenizer_type", "tokenizer_model", "vocab_size")
-             if k in run]
-    return f"train from it with: --load {save} {model_flags(meta['model'])} {' '.join(flags)}"
+    tokenizer = [w for k in ("tokenizer_type", "tokenizer_model", "vocab_size") if k in run
+                 for w in (f"--{k.replace('_', '-')}", str(run[k]))]
+    return "train from it with: " + shlex.join(["--load", save, *model_words(meta["model"]), *tokenizer])
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -226,8 +226,9 @@ def test_train_from_import_starts_like_finetune(hf, capsys, caplog):
     shutil.rmtree(os.path.join(root, "again"), ignore_errors=True)
     assert cli(["checkpoint", "import-hf", "--hf-dir", d, "--save", os.path.join(root, "again"),
                 "--tensor-model-parallel-size", "2"]) == 0
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train from it with:")][0]
-    flags = line.split(":", 1)[1].split()
+    from tests.checkpoint.test_train_hint import hint_words
+
+    flags = hint_words(capsys.readouterr().out)
     flags[flags.index("--load") + 1] = tp2
     args = [*flags, "--mock-data", "--num-workers", "0", "--micro-batch-size", "1", "--global-batch-size", "1",
             "--train-iters", "1", "--lr", "0.0", "--weight-decay", "0", "--no-tensorboard", "--seq-length", "16",

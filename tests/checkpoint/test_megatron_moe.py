@@ -190,20 +190,6 @@ def _check_import(tmp_path, cfg, W: dict) -> None:
     assert float((a - b).norm() / b.norm()) < 1e-5
 
 
-def _check_hint(out: str, cfg) -> None:
-    """The printed ``train from it with:`` flags build the imported model (its shape and MoE / MLA / MTP fields)."""
-    from omnitron.commands.hf import _ARCHITECTURE
-    from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS
-    from omnitron.core.training.arguments import parse_settings
-
-    line = [x for x in out.splitlines() if x.startswith("train from it with:")][0]
-    flags = line.split(":", 1)[1].split()
-    model = parse_settings(flags[2:] + ["--mock-data"], 1).model
-    for key in MODEL_SHAPE_KEYS + _ARCHITECTURE:
-        if key != "vocab_size":
-            assert getattr(model, key) == getattr(cfg, key), key
-
-
 @pytest.mark.parametrize("kind,variant", [("mla", "te"), ("mla", "local"), ("gqa", "te"), ("gqa", "local"),
                                           ("gqa", "singleton")])
 def test_torch_dist_import(kind, variant, tmp_path, capsys):
@@ -217,7 +203,9 @@ def test_torch_dist_import(kind, variant, tmp_path, capsys):
             tensors[k + "_w"], tensors[k + "_v"] = tensors.pop(k).chunk(2)
     _write(str(tmp_path / "meg"), tensors, _args(cfg), te=False)
     _check_import(tmp_path, cfg, W)
-    _check_hint(capsys.readouterr().out, cfg)
+    from tests.checkpoint.test_train_hint import assert_hint_builds  # (it needs transformers; this file does not)
+
+    assert_hint_builds(capsys.readouterr().out, cfg)  # the printed flags build the model, every field
     if variant != "singleton":  # and back to Megatron: the same tensors, the expert bias included
         assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg2"),
                     "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 0

@@ -1,5 +1,7 @@
 """--use-checkpoint-args takes the model and tokenizer from the checkpoint (overriding the command line, each
-change logged) and resumes; --exit-on-missing-checkpoint stops when --load holds nothing."""
+change logged) and resumes; --exit-on-missing-checkpoint stops when --load holds nothing; --load refuses a run
+whose model computes otherwise than the checkpoint's where no weight shape shows it (window, RoPE base, routing...),
+naming each flag with both values, and lets the run's own choices (dropout, recomputation, ...) change."""
 from __future__ import annotations
 
 import logging
@@ -71,3 +73,61 @@ def test_checkpoint_records_tokenizer_files_as_absolute_paths(tmp_path, monkeypa
     hub = parse_settings(["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "HuggingFaceTokenizer",
                           "--tokenizer-model", "no-such-org/no-such-tokenizer"], 1)
     assert resolved_config(hub)["tokenizer_model"] == "no-such-org/no-such-tokenizer"
+
+
+_SHAPE = ("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+          "--vocab-size", "90", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear")
+
+
+def test_resume_with_other_model_maths_is_refused_naming_the_flags(tmp_path):
+    """A window and a RoPE base leave every weight's shape alone: a resume (or --finetune) without the checkpoint's
+    values is refused before any step, in one line naming each flag with both values and the flags to give; the
+    same line again resumes, and --finetune with other dropout, recomputation and init trains."""
+    first = _run(tmp_path, *_SHAPE, "--window-size", "3,0", "--rotary-base", "500000", "--lr-decay-iters", "10",
+                 "--train-iters", "2")
+    train(parse_settings(first, 1), get_backend("cpu"))
+    load = ["--load", str(tmp_path / "ckpt")]
+    for extra in ([], ["--finetune"]):
+        other = parse_settings(_run(tmp_path, *_SHAPE, "--rotary-base", "10000", "--train-iters", "3", *load,
+                                    *extra), 1)
+        for check in (check_resume, lambda s: train(s, get_backend("cpu"))):  # before launch, and in the worker
+            with pytest.raises(CheckpointError) as err:
+                check(other)
+            text = str(err.value)
+            assert "\n" not in text and "--rotary-base checkpoint 500000.0, this run 10000.0" in text
+            assert "--window-size checkpoint 3,0, this run none" in text
+            assert "give --rotary-base 500000.0 --window-size 3,0" in text
+    again = parse_settings(first[:-1] + ["3", *load], 1)
+    check_resume(again)
+    assert sorted(train(again, get_backend("cpu"))["losses"]) == [3]  # resumed at iteration 2
+    tuned = parse_settings(_run(tmp_path / "ft", *_SHAPE, "--window-size", "3,0", "--rotary-base", "500000",
+                                "--train-iters", "1", "--finetune", *load, "--hidden-dropout", "0.3",
+                                "--attention-dropout", "0.2", "--recompute-granularity", "full",
+                                "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                                "--init-method-std", "0.01"), 1)
+    check_resume(tuned)
+    assert sorted(train(tuned, get_backend("cpu"))["losses"]) == [1]
+
+
+def test_model_settings_are_compared_as_the_model_uses_them():
+    """Values that mean the same (a pattern spelled two ways, YaRN's default written out, the settings a model does
+    not read) pass; a different top-k, softmax or norm epsilon is refused; the run's choices are free."""
+    from dataclasses import replace
+
+    from omnitron.core.models.gpt.config import GPTConfig
+    from omnitron.core.training.checkpoint_args import check_model_settings
+    from omnitron.core.training.checkpointing import model_dict
+
+    base = GPTConfig(num_layers=2, hidden_size=8, num_attention_heads=2, position_embedding_type="rope",
+                     num_experts=2, window_size="3,0", window_attn_skip_freq="2")
+    same = [dict(moe_layer_freq="[1,1]", window_attn_skip_freq="[1,0]", yarn_beta_fast=32.0, kv_lora_rank=64),
+            dict(hidden_dropout=0.0, recompute_granularity="full", cpu_offloading=True, moe_aux_loss_coeff=1e-2,
+                 moe_grouped_gemm=True, moe_expert_capacity_factor=1.0, seq_length=64, init_method_std=0.1)]
+    for kw in same:
+        check_model_settings(model_dict(base), model_dict(replace(base, **kw)), "D")
+    for kw, flag in ((dict(moe_router_topk=1), "--moe-router-topk checkpoint 2, this run 1"),
+                     (dict(softmax_type="off-by-one"), "--softmax-type checkpoint vanilla, this run off-by-one"),
+                     (dict(layernorm_epsilon=1e-6), "--layernorm-epsilon checkpoint 1e-05, this run 1e-06"),
+                     (dict(window_attn_skip_freq=None), "--window-attn-skip-freq checkpoint 2, this run none")):
+        with pytest.raises(CheckpointError, match=flag):
+            check_model_settings(model_dict(base), model_dict(replace(base, **kw)), "D")

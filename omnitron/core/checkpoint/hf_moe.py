@@ -127,7 +127,8 @@ def qwen3_moe_fields(hf: dict) -> dict:
     if not experts:
         raise HFConversionError("config.json has no num_experts, which a qwen3_moe config needs")
     out.update(qk_layernorm=True, num_experts=experts, moe_router_topk=_need(hf, "num_experts_per_tok"),
-               moe_ffn_hidden_size=_need(hf, "moe_intermediate_size"), moe_layer_freq=str(pattern),
+               moe_ffn_hidden_size=_need(hf, "moe_intermediate_size"),
+               moe_layer_freq="[" + ",".join(map(str, pattern)) + "]",  # one shell word
                moe_router_pre_softmax=not hf.get("norm_topk_prob", False))
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     if window:  # transformers 5 windows every layer (max_window_layers is no longer read): keys i-W+1..i

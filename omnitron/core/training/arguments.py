@@ -779,10 +779,58 @@ def preload_family_modules(argv: list[str]) -> None:
 
 def parse_settings(argv: list[str], world_size: int | None = None) -> Settings:
     """argv -> Settings (argparse exits with code 2 on unknown flags; ConfigError on bad values)."""
+    preload_family_modules(argv)
+    given = vars(train_parser().parse_args(argv))
+    return build_settings(merge_settings(given), world_size)
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """``omnitron train``'s parser: every flag, defaults suppressed (so that the given flags can be told apart)."""
     from omnitron.core.config.parser import Parser
 
-    preload_family_modules(argv)
     parser = Parser(prog="omnitron train", argument_default=argparse.SUPPRESS)
     add_arguments(parser)
-    given = vars(parser.parse_args(argv))
-    return build_settings(merge_settings(given), world_size)
+    return parser
+
+
+def model_words(model: dict[str, Any]) -> list[str]:
+    """The ``omnitron train`` flags (as command-line words) that build the model config recorded as ``model`` (a
+    checkpoint's metadata ``model``): :func:`setting_words` of its fields that are flags. Not the vocabulary (the
+    tokenizer's) nor the fields no flag sets (``params_dtype``: --bf16 / --fp16 are the run's choice)."""
+    from omnitron.core.models.gpt.config import GPTConfig
+
+    opts = options()
+    return setting_words({k: v for k, v in model.items() if k in opts and not _skip(GPTConfig, k)})
+
+
+def setting_words(values: dict[str, Any]) -> list[str]:
+    """The command-line words that give each setting of ``values`` (dest -> value) that is not its flag's default,
+    spelled as :func:`train_parser` reads them (the inverse of parsing: a switch, Megatron's negative spelling such
+    as ``--disable-bias-linear`` or the ``--no-`` form, a list as several words); ``shlex.join`` makes them one
+    shell line. ConfigError for a value no flag gives (None where the default is not None)."""
+    opts, actions = options(), {}
+    for action in train_parser()._actions:
+        actions.setdefault(action.dest, []).append(action)
+    words: list[str] = []
+    for dest, value in values.items():
+        opt = opts[dest]
+        if value == opt.default:
+            continue
+        if value is None:
+            raise ConfigError(f"{opt.flag}: no flag sets it to none (its default is {opt.default}); set it in a "
+                              f"--config file instead")
+        words += _setting_words(opt, value, actions[dest])
+    return words
+
+
+def _setting_words(opt: Option, value: Any, actions: list[argparse.Action]) -> list[str]:
+    """The words of one setting ``opt`` = ``value`` (not its default, not None)."""
+    if opt.kind == "bool":
+        for action in actions:  # a switch storing exactly this value (--disable-bias-linear) before --no-X
+            if action.nargs == 0 and getattr(action, "const", None) is bool(value):
+                return [action.option_strings[0]]
+        pair = next(a for a in actions if isinstance(a, argparse.BooleanOptionalAction))
+        return [pair.option_strings[0 if value else 1]]
+    if opt.kind == "list":
+        return [opt.flag, *(str(v) for v in value)]
+    return [opt.flag, str(value)]

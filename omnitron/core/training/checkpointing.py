@@ -3,8 +3,8 @@
 Per rank: every model chunk's state dict, optimizer (fp32 masters, moments, loss scaler),
 scheduler, the RNG state of every generator (incl. each chunk's tensor-parallel tracker) and
 FP8 scaling state when FP8 is on. Metadata: iteration, consumed samples, the full flat config,
-model shape and parallel layout (checked on --load: a different model shape is refused, a
-different layout is resharded).
+model shape and parallel layout (checked on --load: a different model shape, or a model setting that no
+shape shows, is refused; a different layout is resharded).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.training.arguments import resolved_config
+from omnitron.core.training.checkpoint_args import check_model_settings
 
 DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without importing it
 
@@ -90,6 +91,7 @@ def check_resume(settings) -> None:
     model = model_dict(settings.model)
     model["vocab_size"] = meta["model"].get("vocab_size")  # comes from the tokenizer; checked again in the worker
     check_compatible(meta, model, layout_dict(settings), path, reshard=True)
+    check_model_settings(meta["model"], model, path)
     ck = settings.checkpoint
     weights_only = isinstance(meta.get("optimizer"), dict) and meta["optimizer"].get("weights_only")
     keep = ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler
@@ -245,6 +247,7 @@ def load(c) -> bool:
         return False
     meta = read_metadata(path)
     changes = check_compatible(meta, model_dict(c.model), layout_dict(c.settings), path, reshard=True)
+    check_model_settings(meta["model"], model_dict(c.model), path)
     if meta.get("ckpt_format") == DIST_FORMAT:
         shard = _load_dist(c, path, meta, changes)
     else:
