@@ -94,13 +94,16 @@ def test_resume_with_other_model_maths_is_refused_naming_the_flags(tmp_path):
             with pytest.raises(CheckpointError) as err:
                 check(other)
             text = str(err.value)
-            assert "\n" not in text and "--rotary-base checkpoint 500000.0, this run 10000.0" in text
-            assert "--window-size checkpoint 3,0, this run none" in text
-            assert "give --rotary-base 500000.0 --window-size 3,0" in text
+            assert "\n" not in text and "--window-size checkpoint 3,0, this run none" in text
+            if extra:  # a finetune may change the position encoding (context extension): only the window is named
+                assert "rotary" not in text and "give --window-size 3,0" in text
+            else:
+                assert "--rotary-base checkpoint 500000.0, this run 10000.0" in text
+                assert "give --rotary-base 500000.0 --window-size 3,0" in text
     again = parse_settings(first[:-1] + ["3", *load], 1)
     check_resume(again)
     assert sorted(train(again, get_backend("cpu"))["losses"]) == [3]  # resumed at iteration 2
-    tuned = parse_settings(_run(tmp_path / "ft", *_SHAPE, "--window-size", "3,0", "--rotary-base", "500000",
+    tuned = parse_settings(_run(tmp_path / "ft", *_SHAPE, "--window-size", "3,0", "--rotary-base", "1000000",
                                 "--train-iters", "1", "--finetune", *load, "--hidden-dropout", "0.3",
                                 "--attention-dropout", "0.2", "--recompute-granularity", "full",
                                 "--recompute-method", "uniform", "--recompute-num-layers", "1",
@@ -125,6 +128,11 @@ def test_model_settings_are_compared_as_the_model_uses_them():
                  moe_grouped_gemm=True, moe_expert_capacity_factor=1.0, seq_length=64, init_method_std=0.1)]
     for kw in same:
         check_model_settings(model_dict(base), model_dict(replace(base, **kw)), "D")
+    extended = replace(base, rotary_base=40000, rotary_scaling_factor=8.0)  # context extension by --finetune
+    notes = check_model_settings(model_dict(base), model_dict(extended), "D", finetune=True)
+    assert len(notes) == 2 and "--rotary-base 40000 (the checkpoint's: 10000.0)" in notes[0]
+    with pytest.raises(CheckpointError, match="--rotary-base checkpoint 10000, this run 40000"):
+        check_model_settings(model_dict(base), model_dict(extended), "D")  # a resume continues the same model
     for kw, flag in ((dict(moe_router_topk=1), "--moe-router-topk checkpoint 2, this run 1"),
                      (dict(softmax_type="off-by-one"), "--softmax-type checkpoint vanilla, this run off-by-one"),
                      (dict(layernorm_epsilon=1e-6), "--layernorm-epsilon checkpoint 1e-05, this run 1e-06"),

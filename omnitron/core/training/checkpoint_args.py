@@ -67,14 +67,21 @@ def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_model_settings(saved: dict[str, Any], now: dict[str, Any], path: str) -> None:
+_POSITION_PREFIXES = ("rotary_", "rope_", "yarn_", "mscale")
+"""The position encoding's settings: a --finetune may change them (context extension: a larger RoPE base or a
+scaling added to a trained model), so there they are reported, not refused."""
+
+
+def check_model_settings(saved: dict[str, Any], now: dict[str, Any], path: str, *,
+                         finetune: bool = False) -> list[str]:
     """Before any weight loads (resume or --finetune): CheckpointError in one line when this run's model (``now``,
     its config as a dict) computes otherwise than the checkpoint's (``saved``, its metadata ``model``) in a setting
     no weight shape shows (window, softmax, RoPE, norm epsilon, activation, routing...). Every architecture field
     (all but :data:`_NOT_ARCHITECTURE` and the lengths) that either model reads (:func:`_reads`) is compared as
     the model uses it (:func:`_canonical`); each difference is named with both values, then the flags that give
     the checkpoint's. Megatron's check_checkpoint_args compares the shape only. A checkpoint older than a field
-    holds its default."""
+    holds its default. Under ``finetune`` (--finetune, or a weights-only checkpoint) the position encoding's
+    settings may differ (context extension): returned as lines to log, not refused."""
     from omnitron.core.training.arguments import options, setting_words
 
     opts = options()
@@ -82,8 +89,12 @@ def check_model_settings(saved: dict[str, Any], now: dict[str, Any], path: str) 
     defaults = {k: opts[k].default for k in keys}
     old = {**defaults, **{k: v for k, v in saved.items() if k in defaults}}
     differ = [k for k in keys if (_reads(old, k) or _reads(now, k)) and _canonical(old, k) != _canonical(now, k)]
+    extended = [k for k in differ if finetune and k.startswith(_POSITION_PREFIXES)]
+    notes = [f"--load {path}: finetuning with {opts[k].flag} {_shown(now[k])} (the checkpoint's: {_shown(old[k])}), "
+             f"a change of the position encoding" for k in extended]
+    differ = [k for k in differ if k not in extended]
     if not differ:
-        return
+        return notes
     from omnitron.core.checkpoint import CheckpointError
 
     shown = "; ".join(f"{opts[k].flag} checkpoint {_shown(old[k])}, this run {_shown(now[k])}" for k in differ)

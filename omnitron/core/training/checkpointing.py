@@ -91,9 +91,10 @@ def check_resume(settings) -> None:
     model = model_dict(settings.model)
     model["vocab_size"] = meta["model"].get("vocab_size")  # comes from the tokenizer; checked again in the worker
     check_compatible(meta, model, layout_dict(settings), path, reshard=True)
-    check_model_settings(meta["model"], model, path)
     ck = settings.checkpoint
     weights_only = isinstance(meta.get("optimizer"), dict) and meta["optimizer"].get("weights_only")
+    for line in check_model_settings(meta["model"], model, path, finetune=bool(ck.finetune or weights_only)):
+        log.info(line)
     keep = ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler
     if isinstance(meta.get("scheduler"), dict) and meta["scheduler"] and not (weights_only or ck.finetune or
                                                                                ck.no_load_optim or keep):
@@ -247,7 +248,10 @@ def load(c) -> bool:
         return False
     meta = read_metadata(path)
     changes = check_compatible(meta, model_dict(c.model), layout_dict(c.settings), path, reshard=True)
-    check_model_settings(meta["model"], model_dict(c.model), path)
+    finetune = ck.finetune or (meta.get("optimizer") or {}).get("weights_only")
+    for line in check_model_settings(meta["model"], model_dict(c.model), path, finetune=bool(finetune)):
+        if c.groups.rank == 0:
+            log.info(line)
     if meta.get("ckpt_format") == DIST_FORMAT:
         shard = _load_dist(c, path, meta, changes)
     else:
