@@ -10,6 +10,7 @@ Registered under ``omnitron checkpoint`` by :mod:`omnitron.commands.checkpoint`.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from omnitron.commands.checkpoint_args import add_family_module_flag, fail
 
@@ -45,7 +46,7 @@ def run_import(args: argparse.Namespace) -> int:
     try:
         layout = import_layout(args)
         check_import_save(args.save)
-        out = import_hf(args.hf_dir, args.save, layout)
+        out = import_hf(args.hf_dir, args.save, layout, say=lambda text: print(f"note: {text}"))
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as err:
         return fail("import-hf", err)
     meta = read_metadata(out)
@@ -99,5 +100,9 @@ def run_export(args: argparse.Namespace) -> int:
 
     keys = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
     tokenizer = {k: getattr(args, k, None) for k in keys}
-    return export(args, what="export-hf", write=lambda path, out: export_hf(path, out, tokenizer),
+
+    def warn(text: str) -> None:  # the export goes on: transformers' model differs slightly (hf.export_hf)
+        print(f"omnitron checkpoint export-hf: warning: {text}", file=sys.stderr)
+
+    return export(args, what="export-hf", write=lambda path, out: export_hf(path, out, tokenizer, warn=warn),
                   note=" (config.json + model.safetensors + tokenizer)", out_dir=True)

@@ -2,18 +2,21 @@
 float64 (Qwen3-MoE: QK-norm, a dense first layer, 4 softmax-routed experts).
 
 Import: a tiny random ``DeepseekV3ForCausalLM`` (MLA with q and kv ranks, a dense first layer, 8 sigmoid-routed
-experts in 4 groups with a shared expert, routed scaling 2.5; plain RoPE and YaRN) or ``GptOssForCausalLM`` (GQA
+experts in 4 groups with a shared expert, routed scaling 2.5; plain RoPE and YaRN with each way transformers
+derives its scales; top-1 routing on the raw score; no shared expert) or ``GptOssForCausalLM`` (GQA
 with biases, sinks, a 4-token window on alternate layers, 4 experts with the clamped GeGLU, router bias), every
 weight random, is saved with ``save_pretrained`` and imported with ``import_hf``; omnitron's forward on the
 imported checkpoint gives transformers' logits on random tokens. Export: an omnitron model of each layout, every
 weight random, converted with ``config_to_hf`` / ``state_to_hf``, loads into the transformers class strictly and
-gives omnitron's logits.
+gives omnitron's logits. Qwen3-MoE with YaRN likewise. What omnitron cannot build is refused in one line.
 
 Tolerance: both routers compute their logits in float32 (HF gpt-oss's in float64), from float64 hidden states
 that round to float32 independently: one ulp (6e-8 relative) of router logits of size O(3) moves a routing weight
 by ~2e-7, times the routed scaling 2.5 and through two layers and the unembedding (gain ~3): ~1.5e-6 of the
-logits' maximum at worst, observed 1.3e-6. Everything else is float64 (1e-14). Bound: 5e-6 (a wrong head split,
-rope channel, gate/up order or clamp moves the logits by O(0.1)); a routing near-tie could flip a choice, so the
+logits' maximum at worst, observed 1.3e-6 (a top-1 pick's raw sigmoid weight moves by the same ~2e-7). YaRN's
+--mscale where transformers derives it otherwise is solved from its scales in float64: 1e-16. Everything else is
+float64 (1e-14). Bound: 5e-6 (a wrong head split, rope channel, gate/up order, clamp, YaRN scale or top-1 weight
+moves the logits by O(0.1)); a routing near-tie could flip a choice, so the
 random weights are scaled up (std 0.3) to keep the routers' logits apart.
 """
 from __future__ import annotations
@@ -24,8 +27,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from omnitron.backends import get_backend  # noqa: E402
-from omnitron.core.checkpoint.hf import config_from_hf, config_to_hf, import_hf, state_to_hf  # noqa: E402
-from omnitron.core.checkpoint.reshard import Layout, read_full_state  # noqa: E402
+from omnitron.core.checkpoint.hf import (HFConversionError, config_from_hf, config_to_hf, import_hf,  # noqa: E402
+                                         state_to_hf)
+from omnitron.core.checkpoint.reshard import Layout, model_config, read_full_state  # noqa: E402
 from omnitron.core.models.gpt import GPTModel, gather_full_state  # noqa: E402
 from omnitron.core.models.gpt.state import shard_full_state  # noqa: E402
 from omnitron.core.parallel.groups import ParallelGroups  # noqa: E402
@@ -33,16 +37,33 @@ from omnitron.core.parallel.groups import ParallelGroups  # noqa: E402
 V = 96
 TOL = 5e-6
 
+def _yarn(**kw) -> dict:
+    """YaRN over a 16-position original context (the 12 test positions reach its interpolated channels)."""
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, **kw}
+
+
 HF_CONFIGS = {
-    "deepseek_v3": lambda **kw: transformers.DeepseekV3Config(
-        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
-        kv_lora_rank=8, q_lora_rank=12, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=6, n_group=4, topk_group=2,
-        num_experts_per_tok=4, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=64,
-        tie_word_embeddings=False, **{"num_nextn_predict_layers": 0, "num_hidden_layers": 2, **kw}),
-    "deepseek_v3_yarn": lambda: HF_CONFIGS["deepseek_v3"](rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}),
+    "deepseek_v3": lambda **kw: transformers.DeepseekV3Config(**{
+        "vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 8, "q_lora_rank": 12, "qk_rope_head_dim": 4, "v_head_dim": 6,
+        "qk_nope_head_dim": 6, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "max_position_embeddings": 64, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0, "num_hidden_layers": 2, **kw}),
+    "deepseek_v3_yarn": lambda: HF_CONFIGS["deepseek_v3"](rope_parameters=_yarn(mscale=1.0, mscale_all_dim=1.0)),
+    # transformers takes mscale / mscale_all_dim's ratio only when both are set, else m(factor, 1); MLA's softmax
+    # scale still takes mscale_all_dim; an explicit attention_factor replaces the ratio
+    "deepseek_v3_yarn_mscale_all_dim_only": lambda: HF_CONFIGS["deepseek_v3"](
+        rope_parameters=_yarn(mscale_all_dim=1.0)),
+    "deepseek_v3_yarn_mscale_only": lambda: HF_CONFIGS["deepseek_v3"](rope_parameters=_yarn(mscale=0.707)),
+    "deepseek_v3_yarn_attention_factor": lambda: HF_CONFIGS["deepseek_v3"](
+        rope_parameters=_yarn(attention_factor=1.3, mscale_all_dim=0.5)),
+    # top-1: the pick weighted by its raw score (transformers' norm_topk_prob=false is omnitron's top-1 routing)
+    "deepseek_v3_top1": lambda: HF_CONFIGS["deepseek_v3"](num_experts_per_tok=1, n_group=1, topk_group=1,
+                                                          norm_topk_prob=False),
+    # no shared experts (transformers saves zero-size shared-expert tensors)
+    "deepseek_v3_no_shared": lambda: HF_CONFIGS["deepseek_v3"](n_shared_experts=0),
     "gpt_oss": lambda: transformers.GptOssConfig(
         vocab_size=V, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
@@ -53,6 +74,11 @@ HF_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], max_position_embeddings=64,
         tie_word_embeddings=False),
+    "qwen3_moe_yarn": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=64, tie_word_embeddings=False,
+        rope_parameters=_yarn(mscale_all_dim=1.0)),
     "qwen3_moe_window": lambda: transformers.Qwen3MoeConfig(
         vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
@@ -111,11 +137,29 @@ def test_import_gives_transformers_logits(name, tmp_path):
 def test_export_loads_in_transformers_with_the_same_logits(name, tmp_path):
     """The exported files (what export_hf writes: config.json, model.safetensors) load with from_pretrained,
     every tensor used (transformers reports none missing or unexpected)."""
+    _check_export(config_from_hf(HF_CONFIGS[name]().to_dict()), tmp_path)
+
+
+@pytest.mark.parametrize("name, scales", [("deepseek_v3_yarn", dict(mscale=0.707, mscale_all_dim=0.0)),
+                                          ("deepseek_v3_yarn", dict(mscale=0.0, mscale_all_dim=1.0)),
+                                          ("qwen3_moe_yarn", dict(mscale=0.707, mscale_all_dim=0.0))])
+def test_export_of_yarn_scales_transformers_does_not_derive(name, scales, tmp_path):
+    """--mscale without --mscale-all-dim (or the reverse) scales omnitron's rotated parts by m(mscale) /
+    m(mscale_all_dim); transformers would take m(factor, 1) from those fields, so the export writes the factor as
+    attention_factor: the same logits, MLA (whose softmax scale keeps mscale_all_dim) and grouped-query attention."""
+    import dataclasses
+
+    cfg = dataclasses.replace(config_from_hf(HF_CONFIGS[name]().to_dict()), **scales)
+    _check_export(cfg, tmp_path)
+
+
+def _check_export(cfg, tmp_path) -> None:
+    """A random omnitron model of ``cfg`` exported (config_to_hf, state_to_hf) loads strictly in transformers and
+    gives omnitron's logits."""
     import json
 
     from safetensors.torch import save_file
 
-    cfg = config_from_hf(HF_CONFIGS[name]().to_dict())
     model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu")).eval()
     _randomize(model, 3)
     full = gather_full_state(model, ParallelGroups.single())
@@ -260,3 +304,101 @@ def test_deepseek_mtp_layer_and_routing_bias_export(tmp_path):
     for n, t in ours.items():  # the vocabulary's padding rows are not exported (zeros on import)
         rows = V if n in ("embedding.word_embeddings.weight", "output_layer.weight") else None
         assert torch.equal(back[n][:rows], t[:rows]), n
+
+
+def _saved(name: str, tmp_path, **kw):
+    """A random float64 transformers model of HF_CONFIGS[name] (``kw`` over its fields), saved under tmp/hf."""
+    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[name](**kw) if kw else HF_CONFIGS[name](),
+                                                       dtype=torch.float64, experts_implementation="eager").eval()
+    _randomize(hf, 11)
+    hf.save_pretrained(tmp_path / "hf")
+    return hf
+
+
+_REFUSED = {
+    "deepseek_top1_norm": (lambda: HF_CONFIGS["deepseek_v3"](num_experts_per_tok=1, n_group=1, topk_group=1,
+                                                             norm_topk_prob=True),
+     r"norm_topk_prob=True with num_experts_per_tok=1 is not supported: transformers then weights the one pick by "
+                           r"routed_scaling_factor alone"),
+    "deepseek_top1_norm_default": (  # DeepseekV3Config's default norm_topk_prob is true
+        lambda: {k: v for k, v in HF_CONFIGS["deepseek_v3_top1"]().to_dict().items() if k != "norm_topk_prob"},
+        r"norm_topk_prob=True with num_experts_per_tok=1"),
+    "deepseek_eps": (lambda: HF_CONFIGS["deepseek_v3"](rms_norm_eps=1e-5),
+                     r"rms_norm_eps=1e-05 is not supported: transformers builds DeepSeek-V3's latent norms .* "
+                     r"eps 1e-6"),
+    "qwen3_moe_attention_bias": (lambda: {**HF_CONFIGS["qwen3_moe"]().to_dict(), "attention_bias": True},
+                                 r"attention_bias=True is not supported: Qwen3-MoE then biases q, k, v and o_proj but "
+                                 r"not its MLPs"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED))
+def test_configs_omnitron_cannot_build_are_refused_in_one_line(name):
+    """What omnitron's model cannot compute is refused with the reason, before any weight is read: transformers'
+    top-1 routing with norm_topk_prob (a constant weight), DeepSeek-V3's latent norms at eps 1e-6 while the others
+    use another rms_norm_eps, Qwen3-MoE's attention biases (q, k, v and o_proj; no MLP bias)."""
+    hf_config, match = _REFUSED[name]
+    cfg = hf_config()
+    with pytest.raises(HFConversionError, match=match) as err:
+        config_from_hf(cfg if isinstance(cfg, dict) else cfg.to_dict())
+    assert "\n" not in str(err.value)
+
+
+def test_deepseek_mtp_layers_without_weights_import_the_main_model(tmp_path, capsys):
+    """DeepseekV3Config names one MTP layer by default, but transformers saves none: the import takes the main
+    model, says so in one line, and gives transformers' logits."""
+    from omnitron.cli import main as cli
+
+    hf = _saved("deepseek_v3", tmp_path, num_nextn_predict_layers=1)
+    assert hf.config.num_nextn_predict_layers == 1
+    assert cli(["checkpoint", "import-hf", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "omni")]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:")]
+    assert len(notes) == 1 and "num_nextn_predict_layers" in notes[0] and "without MTP" in notes[0], notes
+    full = read_full_state(str(tmp_path / "omni" / "iter_0000000"), with_optimizer=False)
+    cfg = model_config(full.meta["model"])
+    assert not cfg.mtp_num_layers and not any(n.startswith("mtp.") for n in full.model)
+    model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu")).eval()
+    shard_full_state(model, full.model, ParallelGroups.single())
+    tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(12))
+    _close(_omni_logits(model, tokens), _hf_logits(hf, tokens))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_no_shared"])
+def test_deepseek_import_then_export_gives_back_the_saved_file(name, tmp_path):
+    """Every tensor transformers saved comes back with its dtype and value: the router's ``gate.weight`` in
+    float32 (transformers keeps it so), the zero-size shared experts of ``n_shared_experts`` 0."""
+    from safetensors.torch import load_file
+
+    from omnitron.core.checkpoint.hf import export_hf
+
+    _saved(name, tmp_path)
+    export_hf(import_hf(str(tmp_path / "hf"), str(tmp_path / "omni"), Layout()), str(tmp_path / "out"))
+    a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    assert a["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    for n, t in a.items():
+        assert b[n].dtype == t.dtype and torch.equal(b[n], t), n
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_deepseek_export_warns_of_the_latent_norms_epsilon(eps, tmp_path, capsys):
+    """transformers gives DeepSeek-V3's latent norms eps 1e-6 whatever rms_norm_eps says: an MLA model with
+    another --norm-epsilon is exported (rms_norm_eps is its epsilon) with one warning line on stderr naming both."""
+    import dataclasses
+    import json
+
+    from omnitron.cli import main as cli
+    from omnitron.core.checkpoint.hf import write_weights_checkpoint
+
+    cfg = dataclasses.replace(config_from_hf(HF_CONFIGS["deepseek_v3"]().to_dict()), layernorm_epsilon=eps)
+    model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu"))
+    write_weights_checkpoint(gather_full_state(model, ParallelGroups.single()), cfg, str(tmp_path / "ck"), Layout(),
+                             config={"tokenizer_type": "NullTokenizer", "vocab_size": V - 1})
+    assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    warnings = [x for x in capsys.readouterr().err.splitlines() if "warning:" in x]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rms_norm_eps"] == eps
+    if eps == 1e-6:
+        assert not warnings
+        return
+    assert len(warnings) == 1 and "--norm-epsilon 1e-05" in warnings[0] and "eps 1e-6" in warnings[0], warnings
+    assert "q_a_layernorm" in warnings[0] and "kv_a_layernorm" in warnings[0]

@@ -294,11 +294,12 @@ def _tokenizer_settings(hf_dir: str, cfg) -> dict:
     return {"tokenizer_type": "NullTokenizer", "vocab_size": cfg.vocab_size - 1}  # NullTokenizer adds its eod
 
 
-def import_hf(hf_dir: str, save_dir: str, layout) -> str:
+def import_hf(hf_dir: str, save_dir: str, layout, *, say=None) -> str:
     """Write the HF checkpoint in ``hf_dir`` as an omnitron checkpoint (iteration 0, weights only) under
-    ``save_dir`` in ``layout`` (a :class:`~omnitron.core.checkpoint.reshard.Layout`); returns its directory."""
+    ``save_dir`` in ``layout`` (a :class:`~omnitron.core.checkpoint.reshard.Layout`); returns its directory.
+    ``say(text)``: a line for each thing imported otherwise than config.json says (MTP layers without weights)."""
     hf_config, hf_state = read_hf_dir(hf_dir)
-    cfg = config_from_hf(hf_config)
+    cfg = hf_moe.drop_absent_mtp(config_from_hf(hf_config), hf_state, say)
     full = state_from_hf(hf_state, cfg)
     del hf_state
     return write_weights_checkpoint(full, cfg, save_dir, layout, config=_tokenizer_settings(hf_dir, cfg),
@@ -351,12 +352,14 @@ def _check_export_tokenizer(run: dict, cfg, path: str) -> None:
                                    f"{cfg.vocab_size}; {fix} naming the run's own tokenizer")
 
 
-def export_hf(path: str, out_dir: str, tokenizer: dict | None = None) -> int:
+def export_hf(path: str, out_dir: str, tokenizer: dict | None = None, *, warn=None) -> int:
     """Write checkpoint directory ``path`` (any layout) as ``config.json`` + ``model.safetensors`` in
     ``out_dir``, with the run's tokenizer files, its eos id and ``generation_config.json``
     (:mod:`omnitron.core.checkpoint.hf_tokenizer`); returns the parameter count. ``tokenizer``: tokenizer
     settings (``tokenizer_type``, ``tokenizer_model``, ...) over the checkpoint's, for one that records none.
-    Refused, before anything is written, when there is no tokenizer or its vocabulary is not the model's."""
+    Refused, before anything is written, when there is no tokenizer or its vocabulary is not the model's.
+    ``warn(text)``: a line for each way transformers' model will differ from the checkpoint's (MLA's latent norms'
+    epsilon)."""
     from safetensors.torch import save_file
 
     from omnitron.core.checkpoint.hf_tokenizer import (ExportTokenizerError, make_readable, write_generation_config,
@@ -368,6 +371,9 @@ def export_hf(path: str, out_dir: str, tokenizer: dict | None = None) -> int:
     hf_config = config_to_hf(cfg)
     run = {**full.meta.get("config", {}), **{k: v for k, v in (tokenizer or {}).items() if v is not None}}
     _check_export_tokenizer(run, cfg, path)
+    differs = hf_moe.latent_norm_warning(cfg)
+    if warn and differs:
+        warn(differs)
     state = state_to_hf(full.model, cfg)
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -8,7 +8,12 @@ DeepSeek-V3: MLA's projections map one to one (``q_a_proj`` / ``q_b_proj`` / ``k
 (``mlp.experts.{e}.gate_proj``), the gate and up halves of ``linear_fc1``. The routing bias
 ``e_score_correction_bias`` is a buffer in both models, omnitron's ``expert_bias``: it travels both ways (the
 export writes zeros where a checkpoint holds none). The MTP layers (``num_nextn_predict_layers``) are HF's
-layers ``num_hidden_layers + d``, which transformers itself does not build.
+layers ``num_hidden_layers + d``, which transformers itself does not build (nor save: a config naming MTP layers
+whose weights are absent imports the main model, with a note). What transformers computes otherwise than omnitron
+is mapped exactly or refused: at top-1 ``norm_topk_prob`` false is omnitron's raw-score weight (true, a constant
+weight, is refused); the latent norms' eps is fixed at 1e-6 in transformers (another ``rms_norm_eps`` is refused,
+another --norm-epsilon exported with a warning); ``n_shared_experts`` 0 is saved as zero-size tensors; the gate
+stays float32 on export, as transformers keeps it. YaRN: :mod:`.hf_yarn`.
 
 gpt-oss: q/k/v and their biases fuse as Llama's; ``sinks`` are the attention's ``softmax_offset``; the experts
 are stacked ``gate_up_proj [E, h, 2f]`` with gate and up in alternating columns (``::2`` gate, ``1::2`` up),
@@ -17,10 +22,13 @@ its settings (HF's ``truncate`` is --yarn-correction-range-round-to-int).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from omnitron.core.checkpoint.hf_llama import (HFConversionError, Rule, _check, _llama_config, _llama_fields,
                                                _llama_rules, _need)
+from omnitron.core.checkpoint.hf_yarn import _rope_kind, _yarn_rope, _yarn_to_hf
 from omnitron.core.transformer.shapes import ffn_size
 
 
@@ -29,10 +37,13 @@ def deepseek_fields(hf: dict) -> dict:
     """GPTConfig fields of a ``deepseek_v3`` config.json."""
     _check(hf, "hidden_act", lambda v: v == "silu", "DeepSeek-V3's MLPs are SwiGLU (silu)")
     _check(hf, "attention_bias", lambda v: not v, "omnitron's MLA has no projection biases")
-    _check(hf, "norm_topk_prob", bool, "omnitron normalises the picked sigmoid scores to sum 1")
     _check(hf, "rope_interleave", bool, "omnitron's MLA rotates interleaved channel pairs")
+    _check(hf, "rms_norm_eps", lambda v: float(v) == 1e-6, "transformers builds DeepSeek-V3's latent norms "
+           "(q_a_layernorm, kv_a_layernorm) with eps 1e-6 whatever rms_norm_eps says, omnitron (as Megatron) every "
+           "norm with --norm-epsilon; only rms_norm_eps 1e-6 gives transformers' model")
     L, k = _need(hf, "num_hidden_layers"), int(hf.get("first_k_dense_replace", 0))
     groups, group_topk, topk = hf.get("n_group") or 1, hf.get("topk_group") or 1, _need(hf, "num_experts_per_tok")
+    _check_topk_norm(hf, topk)
     if groups > 1 and topk // group_topk != 2:
         raise HFConversionError(f"config.json: num_experts_per_tok={topk} / topk_group={group_topk}: Hugging Face "
                                 "scores a group by its best 2 experts, omnitron (as Megatron) by its best "
@@ -61,33 +72,17 @@ def deepseek_fields(hf: dict) -> dict:
     return out
 
 
-def _yarn_rope(hf: dict, mscale: float = 1.0) -> dict:
-    """RoPE base and YaRN's settings (rope_type ``yarn``) of a config; ``mscale``: the default of a config that
-    names none. HF's ``attention_factor`` is omnitron's concentration only in its derived form."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return dict(rotary_base=theta)
-    if kind != "yarn" or params.get("attention_factor") is not None:
-        raise HFConversionError(f"config.json: rope {kind!r} (attention_factor={params.get('attention_factor')}) is "
-                                "not supported; omnitron implements plain RoPE and YaRN with the derived factor")
-    return dict(rotary_base=theta, rotary_scaling_factor=float(params["factor"]),
-                mscale=float(params.get("mscale") or mscale), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-                yarn_original_max_position_embeddings=int(params.get("original_max_position_embeddings", 4096)),
-                yarn_beta_fast=float(params.get("beta_fast", 32.0)), yarn_beta_slow=float(params.get("beta_slow", 1.0)),
-                yarn_correction_range_round_to_int=bool(params.get("truncate", True)))
-
-
-def _yarn_to_hf(cfg) -> dict:
-    """``rope_parameters`` of ``cfg``: plain RoPE, or YaRN."""
-    out = {"rope_type": "default", "rope_theta": cfg.rotary_base}
-    if cfg.rotary_scaling_factor != 1.0:
-        out = {"rope_type": "yarn", "rope_theta": cfg.rotary_base, "factor": cfg.rotary_scaling_factor,
-               "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim, "beta_fast": cfg.yarn_beta_fast or 32.0,
-               "beta_slow": cfg.yarn_beta_slow or 1.0, "truncate": cfg.yarn_correction_range_round_to_int,
-               "original_max_position_embeddings": cfg.yarn_original_max_position_embeddings or 4096}
-    return out
+def _check_topk_norm(hf: dict, topk: int) -> None:
+    """transformers divides the picked sigmoid scores by their sum whenever ``norm_topk_prob`` (DeepseekV3Config's
+    default: true), omnitron (as Megatron) only for k > 1: a single pick keeps its raw score. So k > 1 needs
+    ``norm_topk_prob`` true and top-1 false (at top-1, true weights the pick by routed_scaling_factor alone)."""
+    norm = bool(hf.get("norm_topk_prob", True))
+    if norm != (topk > 1):
+        why = ("omnitron (as Megatron) normalises k > 1 picked sigmoid scores to sum 1" if topk > 1 else
+               "transformers then weights the one pick by routed_scaling_factor alone, omnitron's sigmoid router (as "
+               "Megatron) by its score, which is norm_topk_prob=false; no omnitron router weights a pick by a constant")
+        raise HFConversionError(f"config.json: norm_topk_prob={norm} with num_experts_per_tok={topk} is not "
+                                f"supported: {why}")
 
 
 def gpt_oss_fields(hf: dict) -> dict:
@@ -117,9 +112,19 @@ def gpt_oss_fields(hf: dict) -> dict:
 
 
 def qwen3_moe_fields(hf: dict) -> dict:
-    """GPTConfig fields of a ``qwen3_moe`` config.json (Llama's attention with QK-norm, softmax-routed experts)."""
-    base = {**hf, "mlp_bias": hf.get("attention_bias", False)}
-    out = _llama_fields(base)
+    """GPTConfig fields of a ``qwen3_moe`` config.json (Llama's attention with QK-norm, softmax-routed experts;
+    plain, Llama-3.1 or YaRN RoPE, the last as gpt-oss's)."""
+    _check(hf, "attention_bias", lambda v: not v, "Qwen3-MoE then biases q, k, v and o_proj but not its MLPs; "
+                                                  "omnitron biases every linear (--add-bias-linear) or q, k and v "
+                                                  "only (--add-qkv-bias)")
+    kind = _rope_kind(hf)[1]
+    if kind not in ("default", "llama3", "yarn"):
+        raise HFConversionError(f"config.json: rope_type {kind!r} is not supported; omnitron implements plain RoPE, "
+                                "Llama-3.1 ('llama3') and YaRN ('yarn') for Qwen3-MoE")
+    yarn = kind == "yarn"
+    out = _llama_fields({k: v for k, v in hf.items() if not (yarn and k in ("rope_parameters", "rope_scaling"))})
+    if yarn:
+        out.update(_yarn_rope(hf))
     L, step = out["num_layers"], int(hf.get("decoder_sparse_step", 1))
     dense = set(hf.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(L)]
@@ -153,6 +158,8 @@ def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
                norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe])
     out.pop("mlp_bias", None)
+    if cfg.rotary_scaling_factor != 1.0:
+        out["rope_parameters"] = _yarn_to_hf(cfg)
     return out
 
 
@@ -216,7 +223,8 @@ def deepseek_to_hf(cfg, dtype: str) -> dict:
            "n_shared_experts": shared // cfg.moe_ffn_hidden_size if shared else 0,
            "num_experts_per_tok": cfg.moe_router_topk, "first_k_dense_replace": k,
            "n_group": cfg.moe_router_num_groups or 1, "topk_group": cfg.moe_router_group_topk or 1,
-           "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0, "norm_topk_prob": True,
+           "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
+           "norm_topk_prob": cfg.moe_router_topk > 1,  # top-1: the raw score (_check_topk_norm)
            "rope_interleave": True, "attention_bias": False, "attention_dropout": cfg.attention_dropout,
            "initializer_range": cfg.init_method_std, "num_nextn_predict_layers": cfg.mtp_num_layers or 0,
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "torch_dtype": dtype,
@@ -304,7 +312,8 @@ def _deepseek_layer(cfg, o: str, h: str, moe: bool) -> list[Rule]:
                   Rule(a + "linear_q_up_proj.weight", (sa + "q_b_proj.weight",))]
     if not moe:
         return rules + _swiglu_mlp(o + "mlp.", h + "mlp.")
-    rules.append(Rule(o + "mlp.router.weight", (h + "mlp.gate.weight",)))
+    # transformers keeps the gate in float32 (_keep_in_fp32_modules_strict); both routers compute in float32
+    rules.append(Rule(o + "mlp.router.weight", (h + "mlp.gate.weight",), to_hf=lambda t: (t.float(),)))
     for e in range(cfg.num_experts):
         rules += _swiglu_mlp(f"{o}mlp.experts.{e}.", f"{h}mlp.experts.{e}.")
     if cfg.moe_shared_expert_intermediate_size:
@@ -373,22 +382,65 @@ def stack_gpt_oss_experts(hf: dict) -> dict:
     return out
 
 
-def _bias_names(cfg) -> dict[str, str]:
-    """{HF ``e_score_correction_bias`` name: omnitron's ``expert_bias`` buffer} of every MoE layer, MTP's too."""
+def _moe_layers(cfg) -> dict[str, str]:
+    """{HF layer prefix: omnitron's} of every MoE layer, MTP's too."""
     from omnitron.core.transformer.moe.pattern import is_moe_layer
 
     names = {f"model.layers.{i}.": f"decoder.layers.{i}." for i in range(cfg.num_layers) if is_moe_layer(cfg, i)}
     if is_moe_layer(cfg, cfg.num_layers - 1):
         names.update({f"model.layers.{cfg.num_layers + d}.": f"mtp.layers.{d}.transformer_layer."
                       for d in range(cfg.mtp_num_layers or 0)})
-    return {h + "mlp.gate.e_score_correction_bias": o + "mlp.router.expert_bias" for h, o in names.items()}
+    return names
+
+
+def _bias_names(cfg) -> dict[str, str]:
+    """{HF ``e_score_correction_bias`` name: omnitron's ``expert_bias`` buffer} of every MoE layer, MTP's too."""
+    return {h + "mlp.gate.e_score_correction_bias": o + "mlp.router.expert_bias" for h, o in _moe_layers(cfg).items()}
+
+
+def _empty_shared_experts(cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The zero-size shared-expert MLP transformers builds and saves in every MoE layer when ``n_shared_experts``
+    is 0 (omnitron: no shared experts); {} when the model has shared experts."""
+    if cfg.moe_shared_expert_intermediate_size:
+        return {}
+    h = cfg.hidden_size
+    shapes = {"gate_proj": (0, h), "up_proj": (0, h), "down_proj": (h, 0)}
+    return {f"{p}mlp.shared_experts.{n}.weight": torch.empty(shape, dtype=dtype) for p in _moe_layers(cfg)
+            for n, shape in shapes.items()}
+
+
+def drop_absent_mtp(cfg, hf: dict, say=None):
+    """``cfg`` without multi-token prediction when config.json names MTP layers (``num_nextn_predict_layers``,
+    1 by default in DeepseekV3Config) but the weights ``hf`` hold none of them: transformers builds and saves none,
+    so its own checkpoints have only the main model. ``say(text)``: told so in one line."""
+    n = cfg.mtp_num_layers or 0
+    prefixes = tuple(f"layers.{cfg.num_layers + d}." for d in range(n))
+    if not n or any(name.removeprefix("model.").startswith(prefixes) for name in hf):
+        return cfg
+    if say:
+        say(f"config.json names {n} multi-token-prediction layer(s) (num_nextn_predict_layers) but the weights hold "
+            "none (transformers saves none): imported the main model without MTP")
+    return dataclasses.replace(cfg, mtp_num_layers=None)
+
+
+def latent_norm_warning(cfg) -> str | None:
+    """One line when an MLA model's --norm-epsilon is not the 1e-6 transformers gives DeepSeek-V3's latent norms
+    (``q_a_layernorm`` / ``kv_a_layernorm``, whatever ``rms_norm_eps`` says); None otherwise."""
+    if not cfg.multi_latent_attention or cfg.layernorm_epsilon == 1e-6:
+        return None
+    return (f"--norm-epsilon {cfg.layernorm_epsilon} is written as rms_norm_eps, but transformers' DeepSeek-V3 "
+            "builds its latent norms (q_a_layernorm, kv_a_layernorm) with eps 1e-6, so its logits differ slightly "
+            "from this model's")
 
 
 def take_deepseek_extras(hf: dict, cfg) -> dict[str, torch.Tensor]:
     """Remove from ``hf`` what no rule maps: the routing biases, returned under omnitron's buffer names (float32,
-    as the buffer), and each MTP layer's copies of the embedding and the head, which must equal the model's
-    (omnitron shares them, as DeepSeek-V3 does)."""
+    as the buffer), the zero-size shared experts of ``n_shared_experts`` 0, and each MTP layer's copies of the
+    embedding and the head, which must equal the model's (omnitron shares them, as DeepSeek-V3 does)."""
     out = {o: hf.pop(h).float() for h, o in _bias_names(cfg).items() if h in hf}
+    for name in _empty_shared_experts(cfg, torch.float32):
+        if name in hf and hf[name].numel() == 0:
+            hf.pop(name)
     head = "lm_head.weight" if cfg.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
     for d in range(cfg.mtp_num_layers or 0):
         h = f"model.layers.{cfg.num_layers + d}."
@@ -401,9 +453,11 @@ def take_deepseek_extras(hf: dict, cfg) -> dict[str, torch.Tensor]:
 
 def deepseek_extras(cfg, full: dict) -> dict:
     """What :func:`take_deepseek_extras` takes, for the export: ``e_score_correction_bias`` of every MoE layer (the
-    checkpoint's expert bias where its state holds one, else zeros) and the MTP layers' embedding and head copies."""
-    out = {h: full.get(o, torch.zeros(cfg.num_experts)).float() for h, o in _bias_names(cfg).items()}
+    checkpoint's expert bias where its state holds one, else zeros), the zero-size shared experts of a model without
+    any, and the MTP layers' embedding and head copies."""
     emb = full["embedding.word_embeddings.weight"]
+    out = {h: full.get(o, torch.zeros(cfg.num_experts)).float() for h, o in _bias_names(cfg).items()}
+    out.update(_empty_shared_experts(cfg, emb.dtype))
     head = full["output_layer.weight"] if cfg.untie_embeddings_and_output_weights else emb
     for d in range(cfg.mtp_num_layers or 0):
         h = f"model.layers.{cfg.num_layers + d}."
