@@ -131,7 +131,7 @@ def test_model_settings_are_compared_as_the_model_uses_them():
     extended = replace(base, rotary_base=40000, rotary_scaling_factor=8.0)  # context extension by --finetune
     notes = check_model_settings(model_dict(base), model_dict(extended), "D", finetune=True)
     assert len(notes) == 2 and "--rotary-base 40000 (the checkpoint's: 10000.0)" in notes[0]
-    with pytest.raises(CheckpointError, match="--rotary-base checkpoint 10000, this run 40000"):
+    with pytest.raises(CheckpointError, match="--rotary-base checkpoint 10000.0, this run 40000"):
         check_model_settings(model_dict(base), model_dict(extended), "D")  # a resume continues the same model
     for kw, flag in ((dict(moe_router_topk=1), "--moe-router-topk checkpoint 2, this run 1"),
                      (dict(softmax_type="off-by-one"), "--softmax-type checkpoint vanilla, this run off-by-one"),
