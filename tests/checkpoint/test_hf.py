@@ -388,3 +388,14 @@ def test_export_of_a_default_tokenizer_run_and_without_a_tokenizer(tmp_path, cap
     assert cli(["checkpoint", "export-hf", "--load", str(tmp_path / "bare"), "--out", str(tmp_path / "x"),
                 "--tokenizer-type", "GPT2BPETokenizer"]) == 0
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "x")).encode(text) == gpt2.encode(text)
+
+
+def test_dense_yarn_export_is_refused():
+    """A dense Llama-style model with YaRN (--rotary-scaling-factor) has no Llama / Qwen2 config.json omnitron
+    writes: it exported as plain RoPE, silently another model. Refused in one line."""
+    from omnitron.core.checkpoint.hf import config_to_hf
+    from omnitron.core.models.gpt.config import llama_tiny
+
+    for kw in (dict(), dict(add_bias_linear=False, add_qkv_bias=True)):
+        with pytest.raises(HFConversionError, match="--rotary-scaling-factor 4.0; a Hugging Face llama model"):
+            config_to_hf(llama_tiny(rotary_scaling_factor=4.0, **kw))

@@ -111,7 +111,8 @@ def hf_model_type(cfg) -> str:
               ("--softmax-type", getattr(cfg, "softmax_type", "vanilla"), "vanilla"),
               ("--quick-geglu", getattr(cfg, "quick_geglu", False), False),
               ("--glu-linear-offset", getattr(cfg, "glu_linear_offset", 0.0), 0.0),
-              ("--activation-func-clamp-value", getattr(cfg, "activation_func_clamp_value", None), None)]
+              ("--activation-func-clamp-value", getattr(cfg, "activation_func_clamp_value", None), None),
+              ("--rotary-scaling-factor", getattr(cfg, "rotary_scaling_factor", 1.0), 1.0)]  # YaRN: MoE / MLA kinds
     if cfg.position_embedding_type == "learned_absolute":
         kind, want = "gpt2", [("--normalization", cfg.normalization, "LayerNorm"), ("--swiglu", cfg.swiglu, False),
                               ("--add-bias-linear", cfg.add_bias_linear, True),
