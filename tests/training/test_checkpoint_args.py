@@ -118,7 +118,7 @@ def test_model_settings_are_compared_as_the_model_uses_them():
     from dataclasses import replace
 
     from omnitron.core.models.gpt.config import GPTConfig
-    from omnitron.core.training.checkpoint_args import check_model_settings
+    from omnitron.core.training.model_check import check_model_settings
     from omnitron.core.training.checkpointing import model_dict
 
     base = GPTConfig(num_layers=2, hidden_size=8, num_attention_heads=2, position_embedding_type="rope",
