@@ -10,12 +10,20 @@ distributed-optimizer slice boundaries, and the largest is reported):
   schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
   it; the peak over the table counts. A sent chunk output is not held (the runtime keeps its autograd node
-  only). Under context parallelism a rank's sequence is ``s / cp``, plus what ``--cp-comm-type allgather`` / ``a2a``
-  / ``a2a+p2p`` keep beyond the ring (gathered or repeated keys and values, orders: :func:`.cp_comm.saved_extra`);
+  only). The split backward's B retains the whole graph for W, so a micro-batch keeps its saved tensors to the
+  end of its W (ZB-H1: up to ``2p - 1 - r`` micro-batches on rank r, where 1F1B holds ``p - r``). Under context
+  parallelism a rank's sequence is ``s / cp``, plus what ``--cp-comm-type allgather`` / ``a2a`` / ``a2a+p2p`` keep
+  beyond the ring (gathered or repeated keys and values, orders: :func:`.cp_comm.saved_extra`);
 - boundary: the pipeline send still in flight while a backward runs: a rank releases a send's tensor at the
   exchange after the next action (``core/parallel/pipeline/p2p.py``), so a ``B`` or ``W`` that follows an
   action which sent an activation or input gradient (``[s(/tp under SP), b, h]``) runs beside it: the most
   of that over the table, independent of the number of micro-batches;
+- W inputs (:func:`w_input_bytes`; zb-h1, zb-v, dualpipe-v's split cool-down): what a micro-batch holds from its
+  B to its W beyond its saved tensors: the gradient kept at each weight boundary for W (every linear's and norm's
+  output gradient: 11 h a token for a GPT-2 layer) and the received output gradient, probed by running the
+  runtime's own B (:func:`.transients.w_inputs`); a B adds it in the table walk, its W takes it off (a
+  one-layer h128 GPT-2 chunk at s128 b2: 1.5 MiB a micro-batch against its 4 MiB of saved tensors). The
+  logits' gradient is not among them: the loss writes it over the saved logits (``inplace_backward``);
 - logits: the last stage's vocabulary-shard part of the head (``V_pad / tp`` columns, per token);
 - multi-token prediction (:func:`mtp_bytes`): on the last stage, each of the ``--mtp-num-layers`` depths holds
   one layer's activations, its embedding and projection inputs, and a head's loss buffers and logits as the
@@ -93,6 +101,10 @@ class StageMemory:
     probe's log replayed as they run it (:func:`.fp8_memory.replay_fp8`): their own forward and backward tensors."""
     boundary: int = 0
     """The pipeline send in flight beside a backward (one boundary tensor at most; :func:`send_in_flight`)."""
+    w_inputs: int = 0
+    """Split backwards (zb-h1, zb-v, dualpipe-v's cool-down): what the micro-batches between their B and W hold
+    beyond their saved tensors (the gradients kept for W, :func:`w_input_bytes`), added to the activations' peak
+    (:func:`peak_held`); 0 without the transient probes."""
     ep_rank: int | None = None
     """Under a routing histogram: the ep rank priced (the stage's busiest); None at balanced routing."""
     balanced: int | None = None
@@ -101,7 +113,7 @@ class StageMemory:
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8 + self.recompute
-                + self.transient + self.boundary)
+                + self.transient + self.boundary + self.w_inputs)
 
 
 def check_family(settings) -> None:
@@ -289,19 +301,34 @@ def output_bytes(settings, cfg, last: bool) -> float:
                                                                   else 1)
 
 
-def peak_held(schedule, rank: int, per_chunk: dict[int, float]) -> tuple[float, int]:
-    """(peak bytes, peak micro-batches) held by ``rank`` walking its action table."""
+def peak_held(schedule, rank: int, per_chunk: dict[int, float], after_b: dict[int, float] | None = None
+              ) -> tuple[float, int]:
+    """(peak bytes, peak micro-batches) held by ``rank`` walking its action table: a forward adds its chunk's
+    ``per_chunk`` bytes, a split backward's B its ``after_b`` (the W inputs, :func:`w_input_bytes`), the end of the
+    backward (W, or an unsplit B) takes both off."""
     split = schedule.split_backward(rank)
-    held = {c: 0 for c in per_chunk}
+    after_b = after_b or {}
+    held, waiting = {c: 0 for c in per_chunk}, {c: 0 for c in per_chunk}
     best, most = 0.0, 0
     for a in schedule.tables[rank]:
-        if a.kind == "F":
-            held[a.chunk] += 1
-            best = max(best, sum(per_chunk[c] * n for c, n in held.items()))
+        key = (a.chunk, a.microbatch)
+        if a.kind == "F" or (a.kind == "B" and key in split):
+            held[a.chunk] += a.kind == "F"
+            waiting[a.chunk] += a.kind == "B"
+            best = max(best, sum(per_chunk[c] * n + after_b.get(c, 0.0) * waiting[c] for c, n in held.items()))
             most = max(most, sum(held.values()))
-        elif a.kind == "W" or (a.kind == "B" and (a.chunk, a.microbatch) not in split):
+        elif a.kind == "W" or a.kind == "B":
             held[a.chunk] -= 1
+            waiting[a.chunk] -= a.kind == "W"
     return best, most
+
+
+def split_chunks(schedule, rank: int) -> dict[int, tuple[bool, bool]]:
+    """Per chunk of ``rank``: (whether some of its backwards are split into B and W, whether some are not)."""
+    split = schedule.split_backward(rank)
+    backs = [(a.chunk, a.microbatch) for a in schedule.tables[rank] if a.kind == "B"]
+    return {c: (any(k in split for k in backs if k[0] == c), any(k not in split for k in backs if k[0] == c))
+            for c in range(schedule.vp)}
 
 
 def send_in_flight(schedule, rank: int, boundary: float) -> float:
@@ -345,42 +372,100 @@ def _heaviest(settings, cfg, moe: int, specs: list, rank: int) -> float:
     return sum(per[:moe]) + per[0] * max(0, moe - len(per))
 
 
+def _unit(cfg) -> int:
+    """The recompute chunk (1 without full recomputation): the transient probes run ``min(layers, 2 u)`` layers."""
+    return (cfg.recompute_num_layers or 1) if cfg.recompute_granularity == "full" else 1
+
+
+def _probe_log(settings, cfg, n: int, first: bool, last: bool, moe: bool, split: bool) -> tuple[list, list[float]]:
+    """(events, scaled sizes) of the transient probe of ``n`` layers of a chunk (:func:`.transients.scaled_log`):
+    the tp-local layer without SP, every layer MoE when the chunk has any (``moe``); ``split``: its backward
+    split into B and W as the zero-bubble schedules run it."""
+    from omnitron.core.models.gpt.config import padded_vocab_size
+    from omnitron.plan.activations import probe_config
+    from omnitron.plan.transients import _B0, _S0, Probe, scaled_log
+
+    pc = settings.parallel
+    tp = pc.tensor_model_parallel_size
+    probe, kh, kd = probe_config(cfg, tp)
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    if moe:
+        from omnitron.plan.moe_activations import transient_probe
+
+        probe = transient_probe(cfg, probe, kh * kd, tp, pc.etp)
+    return scaled_log(Probe(probe, n, first, last, _S0, _B0, split), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
+
+
+def w_input_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False) -> float:
+    """What one micro-batch of a chunk of ``layers`` layers holds between its B and its W beyond its saved tensors
+    (which the retained graph keeps to the end of W: the activation term): the gradients the split backward keeps
+    at each weight boundary for W (every linear's and norm's output gradient) and the received output gradient,
+    as the probe running the runtime's B holds them (:func:`.transients.w_inputs`). Probed at ``n = min(layers,
+    2 u)`` layers and, past that, ``u`` layers more at the rate between ``u`` and ``2 u`` (the same boundaries
+    each layer). Under SP priced whole (the probe has no SP: the kept norm and row-parallel output gradients
+    are sequence shards there), an upper bound; MoE layers at balanced routing."""
+    from omnitron.plan.transients import w_inputs
+
+    unit = _unit(cfg)
+    n = min(layers, 2 * unit)
+    held = w_inputs(*_probe_log(settings, cfg, n, first, last, moe, True))
+    if layers > n:
+        held += (layers - n) * (held - w_inputs(*_probe_log(settings, cfg, unit, first, last, moe, True))) / unit
+    return held
+
+
 def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False,
-                    slack: bool = False, fp8: dict | None = None, native: bool = False):
+                    slack: bool = False, fp8: dict | None = None, native: bool = False, split: bool = False):
     """What one micro-batch's forward and backward through a chunk of ``layers`` layers holds at its peak
     beyond the chunk's activation and logit terms: rematerialised layers and backward's transients (module
     doc); probed at ``min(layers, 2 u)`` layers, ``u`` the recompute chunk (1 without full recomputation),
     every one MoE when the chunk has any (``moe``, :func:`omnitron.plan.moe_activations.transient_probe`).
+    ``split``: the backward split into B and W (:func:`w_input_bytes`): beyond its W inputs as well, and past
+    ``2 u`` layers grown at the rate between the probes at ``u`` and ``2 u`` (the probes' W inputs): under full
+    recomputation each weight boundary's W pass reruns its layer's forward and what it does not use stays until
+    the W ends (measured 2026-12-06: 104.6 MiB on a 4-layer last chunk where 1F1B's step holds 5.4 MiB), so W's
+    tensors grow with the depth; without it the rate is ~0 (the peak falls in the top layer's or the head's pass).
     ``slack``: (that, how far the peak lies above the most the MoE experts' backward holds in the probe; None
     without MoE layers): how much more the experts' backward may hold before it sets the peak. ``fp8``: the chunk's
     FP8 linears (:func:`.fp8_memory.chunk_linears`): the wide probe replayed as they run it, their own tensors (GEMMs
     ``native`` or emulated) and 1-byte saved inputs at their moments (:func:`.fp8_memory.fp8_replay_peak`)."""
-    from omnitron.core.models.gpt.config import padded_vocab_size
     from omnitron.kernels.alloc_log import peak
-    from omnitron.plan.activations import probe_config
-    from omnitron.plan.transients import _B0, _S0, Probe, experts_windows, scaled_log
+    from omnitron.plan.transients import experts_windows
 
-    pc = settings.parallel
-    tp = pc.tensor_model_parallel_size
-    whole = replace(settings, parallel=replace(pc, sequence_parallel=False))
-    unit = (cfg.recompute_num_layers or 1) if cfg.recompute_granularity == "full" else 1
+    unit = _unit(cfg)
     n = min(layers, 2 * unit)
-    probe, kh, kd = probe_config(cfg, tp)
-    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
-    if moe:
-        from omnitron.plan.moe_activations import probe_layer_extra, transient_probe
-
-        probe = transient_probe(cfg, probe, kh * kd, tp, pc.etp)
-    events, sizes = scaled_log(Probe(probe, n, first, last, _S0, _B0), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
+    events, sizes = _probe_log(settings, cfg, n, first, last, moe, split)
     real = fp8_replay_peak(settings, cfg, events, sizes, fp8, native, n) if fp8 else peak(events, sizes)
-    acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
-    if moe:
-        acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, tp, pc.etp)
-    excess = max(0, round(real - acts - output_bytes(whole, cfg, last) - logits + regather_bytes(settings, cfg, last)))
+    excess = _probe_excess(settings, cfg, n, first, last, moe, split, events, sizes, real)
+    if split and layers > n:  # W's own tensors may grow with the depth: see the docstring
+        low = _probe_log(settings, cfg, unit, first, last, moe, True)
+        at_unit = fp8_replay_peak(settings, cfg, *low, fp8, native, unit) if fp8 else peak(*low)
+        grown = excess - _probe_excess(settings, cfg, unit, first, last, moe, True, *low, at_unit)
+        excess += (layers - n) * grown / unit
+    excess = max(0, round(excess))
     if not slack:
         return excess
     windows = experts_windows(events, sizes)
     return excess, (real - max(windows) if windows else None)
+
+
+def _probe_excess(settings, cfg, n: int, first: bool, last: bool, moe: bool, split: bool, events: list,
+                  sizes: list[float], real: float) -> float:
+    """A probe's peak ``real`` beyond the activation and logit terms of its ``n`` layers (and its W inputs when
+    ``split``), its sent output and what SP's re-gather adds (:func:`transient_bytes`)."""
+    from omnitron.plan.transients import w_inputs
+
+    pc = settings.parallel
+    whole = replace(settings, parallel=replace(pc, sequence_parallel=False))
+    acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
+    if moe:
+        from omnitron.plan.moe_activations import probe_layer_extra
+
+        s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+        acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, pc.tensor_model_parallel_size, pc.etp)
+    if split:
+        acts += w_inputs(events, sizes)
+    return real - acts - output_bytes(whole, cfg, last) - logits + regather_bytes(settings, cfg, last)
 
 
 def regather_bytes(settings, cfg, last: bool) -> float:
@@ -399,8 +484,9 @@ def regather_bytes(settings, cfg, last: bool) -> float:
 
 
 def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None,
-          less: dict) -> tuple:
-    """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers) of pipeline rank
+          less: dict, w: dict) -> tuple:
+    """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers, what the W inputs
+    ``w`` (per chunk, :func:`w_input_bytes`) add to the activation peak) of pipeline rank
     ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced); ``chunks``: the
     (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank; ``less``: per chunk
     what per-tensor FP8 linears' 1-byte saved inputs take off (:func:`.fp8_memory.saved_less`)."""
@@ -413,16 +499,40 @@ def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, r
                                               routed=routed)
         acts[c] -= less.get(c, 0.0)
     exchange = round(_moe_exchange(settings, cfg, specs, rank)) if any(moe[(r, c)] for c in ends) else 0
-    return (*peak_held(schedule, r, acts), peak_held(schedule, r, logits)[0], exchange)
+    act_peak, most = peak_held(schedule, r, acts)
+    return act_peak, most, peak_held(schedule, r, logits)[0], exchange, peak_held(schedule, r, acts, w)[0] - act_peak
+
+
+def _w_inputs(settings, cfg, schedule, r: int, ends: dict, chunks: tuple) -> dict[int, float]:
+    """Per chunk of pipeline rank ``r`` whose backwards the schedule splits: :func:`w_input_bytes` (none when the
+    probes' logs do not align: warned, as the transients)."""
+    layers, moe = chunks
+    split = split_chunks(schedule, r)
+    try:
+        return {c: w_input_bytes(settings, cfg, layers[(r, c)], first, last, moe[(r, c)] > 0)
+                for c, (first, last) in ends.items() if split[c][0]}
+    except RuntimeError as e:
+        log.warning("%s; the memory estimate leaves the split backward's W inputs out", e)
+        return {}
+
+
+def _transient(settings, cfg, layers: int, end: tuple[bool, bool], moe: bool, fp8, native: bool,
+               split: tuple[bool, bool]) -> tuple:
+    """:func:`transient_bytes` (with its slack) of a chunk whose backwards are split (``split[0]``, beyond the W
+    inputs) or not (``split[1]``), the larger where the schedule runs both."""
+    got = [transient_bytes(settings, cfg, layers, first=end[0], last=end[1], moe=moe, slack=True, fp8=fp8,
+                           native=native, split=kind) for kind, runs in zip((True, False), split) if runs]
+    return max(got, key=lambda t: t[0])
 
 
 class _Skipped(Exception):
     """The transient probes not run (``estimate(..., transients=False)``)."""
 
 
-def _excess(settings, cfg, given, r: int, ends: dict, chunks: tuple, routing, rank: int | None, exchange: int,
-            transients: bool, device=None) -> tuple[int, int, int, bool]:
-    """(what pipeline rank ``r``'s peak holds beyond its activations and logits, one rematerialised chunk's
+def _excess(settings, cfg, given, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None,
+            exchange: int, transients: bool, device=None) -> tuple[int, int, int, bool]:
+    """(what pipeline rank ``r``'s peak holds beyond its activations, logits and W inputs (``schedule``'s split
+    backwards, :func:`_transient`), one rematerialised chunk's
     activations, what ep rank ``rank``'s rows add to the two over balanced routing, whether the transients were
     probed). Under a routing histogram the rematerialised chunk is priced at the rank's rows
     (:func:`recompute_bytes`) and so is its local experts' backward (:func:`_experts_skew`), each added to the
@@ -436,8 +546,9 @@ def _excess(settings, cfg, given, r: int, ends: dict, chunks: tuple, routing, ra
         if not transients:
             raise _Skipped
         fp8, native = chunk_linears(settings, cfg, r), settings.fp8 is not None and native_gemm(settings.fp8, device)
-        probes = [transient_bytes(settings, cfg, layers[(r, c)], first=ends[c][0], last=ends[c][1],
-                                  moe=moe[(r, c)] > 0, slack=True, fp8=fp8.get(c), native=native) for c in ends]
+        split = split_chunks(schedule, r)
+        probes = [_transient(settings, cfg, layers[(r, c)], ends[c], moe[(r, c)] > 0, fp8.get(c), native, split[c])
+                  for c in ends]
         plain = max(t for t, _ in probes)
         skew = rec - plain_rec
         if rank is not None:
@@ -477,23 +588,24 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
         has_moe = any(moe[(r, c)] for c in range(vp))
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
         less = saved_less(settings, cfg, r)
+        w = _w_inputs(settings, cfg, schedule, r, ends, (layers, moe)) if transients else {}
         each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k,
-                         less if k is None else saved_less(settings, cfg, r, (routing, k))) for k in ranks}
+                         less if k is None else saved_less(settings, cfg, r, (routing, k)), w) for k in ranks}
         stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
-        rank = max(each, key=lambda k: each[k][0] + transients * each[k][3] +
+        rank = max(each, key=lambda k: each[k][0] + each[k][4] + transients * each[k][3] +
                    (recompute_bytes(settings, cfg, (stage, k)) if k is not None else 0))
-        act_peak, most, logit_peak, exchange = each[rank]
+        act_peak, most, logit_peak, exchange, w_peak = each[rank]
         st = state_bytes(settings, cfg, r)
-        excess, rec, skew, probed = _excess(settings, cfg, given, r, ends, (layers, moe), routing, rank, exchange,
-                                            transients, device)
+        excess, rec, skew, probed = _excess(settings, cfg, given, schedule, r, ends, (layers, moe), routing, rank,
+                                            exchange, transients, device)
         rec = min(rec, excess)  # what of the excess is rematerialised activations
         m = StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
                         round(act_peak), round(logit_peak), fp8_bytes(settings, cfg, r), rec, most, excess - rec,
-                        round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))))
+                        round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))), w_inputs=round(w_peak))
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
-            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less)
-            m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak - plain[0]) - probed * (exchange - plain[3])
-                        - skew)
+            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less, w)
+            m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak + w_peak - plain[0] - plain[4])
+                        - probed * (exchange - plain[3]) - skew)
         out.append(m)
     return out
 
@@ -510,10 +622,11 @@ def memory_table(settings) -> str:
 def format_table(stages: list[StageMemory]) -> str:
     """One row per stage (GiB; values under 128 MiB in MiB, suffixed M) and the largest rank."""
     head = f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'params':>9} {'grads':>9} {'optimizer':>9} " \
-           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'transient':>9} {'boundary':>9} {'total':>9}"
+           f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'transient':>9} {'boundary':>9} " \
+           f"{'w-inputs':>9} {'total':>9}"
     rows = [head] + [f"{s.stage:>5} {s.layers:>6} {s.inflight:>9} {_gib(s.params)} {_gib(s.grads)} {_gib(s.optimizer)}"
                      f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.recompute)} {_gib(s.transient)}"
-                     f" {_gib(s.boundary)} {_gib(s.total)}" for s in stages]
+                     f" {_gib(s.boundary)} {_gib(s.w_inputs)} {_gib(s.total)}" for s in stages]
     top = max(stages, key=lambda s: s.total)
     rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes)")
     routed = [s for s in stages if s.ep_rank is not None]

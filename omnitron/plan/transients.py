@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from omnitron.core.parallel.pipeline.wgrad import backward_input
 from omnitron.kernels.alloc_log import Timeline, peak
 from omnitron.plan import probe_cache
 from omnitron.plan.measure import one_thread
@@ -52,6 +53,10 @@ class Probe:
     last: bool
     s: int
     b: int
+    split: bool = False
+    """The backward split as the zero-bubble schedules run it: B (the runtime's
+    :func:`~omnitron.core.parallel.pipeline.wgrad.backward_input`) then W, with :data:`FORWARD_END` and
+    :data:`W_START` logged between (:func:`w_inputs`)."""
 
 
 def _chunk(p: Probe):
@@ -88,6 +93,11 @@ def _main_grads(module) -> None:
 
 
 _TIMELINES: dict[str, list[tuple[str | None, int]]] = {}
+
+FORWARD_END = "<forward end>"
+"""The marker event (0 bytes) a split probe logs when its forward has returned; :data:`W_START` when its B has
+returned and the input gradient it sends is freed (:func:`w_inputs`)."""
+W_START = "<weight gradient start>"
 
 
 def timeline(p: Probe) -> list[tuple[str | None, int]]:
@@ -182,8 +192,7 @@ def _mark_linears(chunk, tl: Timeline):
     top = max((int(d.group(1)) for _, _, d in named), default=0)
 
     def mark(kind, key, source=None):
-        tl._sweep()
-        tl.events.append((marker(kind, *key, source), 0))
+        _mark(tl, marker(kind, *key, source))
 
     def on_grad(t, kind, key):
         if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -273,14 +282,20 @@ def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
     hidden = None if p.first else torch.randn(p.s, p.b, h, dtype=p.cfg.params_dtype)
     dy = None if p.last else torch.randn(p.s, p.b, h, dtype=p.cfg.params_dtype)
 
-    def step():  # the received activation and output gradient are new buffers, as a pipeline's receives are
+    def step(tl=None):  # the received activation and output gradient are new buffers, as a pipeline's receives are
         x = None if hidden is None else hidden.clone().requires_grad_()
         y = m(tokens=tokens, position_ids=positions, hidden=x, labels=tokens if p.last else None)
-        if p.last:
-            y.float().mean().backward()
-        else:
-            y.backward(dy.clone())
+        out = y.float().mean() if p.last else y
+        if not p.split:
+            out.backward(None if p.last else dy.clone())
+            return
+        _mark(tl, FORWARD_END)
+        g_in, plan = backward_input(out, None if p.last else dy.clone(), x, params)
+        del g_in  # sent: the boundary term's (omnitron/plan/memory.py)
+        _mark(tl, W_START)
+        plan.run()
 
+    params = [q for q in m.parameters() if q.requires_grad]
     step()
     if fp8 is not None and fp8.fp8_recipe == "delayed":
         from omnitron.core.precision.fp8.enable import fp8_step
@@ -289,8 +304,30 @@ def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
         step()
     tl = Timeline()
     with tl, _mark_linears(m, tl), (_mark_experts(tl.events) if p.cfg.num_experts else contextlib.nullcontext()):
-        step()
+        step(tl)
     return tl.events
+
+
+def _mark(tl: Timeline | None, name: str) -> None:
+    """Log the marker ``name`` (0 bytes) into ``tl`` after the storages freed since the last op (none: no log)."""
+    if tl is not None:
+        tl._sweep()
+        tl.events.append((name, 0))
+
+
+def w_inputs(events: list, sizes: list[float]) -> float:
+    """What a split probe's micro-batch holds between its B and its W beyond its saved tensors: the live bytes of a
+    replayed log at :data:`W_START` less those at :data:`FORWARD_END` (the gradients kept at the weight
+    boundaries and the output gradient, :mod:`omnitron.core.parallel.pipeline.wgrad`)."""
+    live, at = 0.0, {}
+    for i, (op, n) in enumerate(events):
+        if op in (FORWARD_END, W_START):
+            at[op] = live
+        elif op is None:
+            live -= sizes[n]
+        else:
+            live += sizes[i]
+    return at[W_START] - at[FORWARD_END]
 
 
 def heads_doubled(c):

@@ -24,7 +24,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from omnitron.core.parallel.pipeline.p2p import StageP2P
 from omnitron.core.parallel.pipeline.schedules import Action, Schedule
-from omnitron.core.parallel.pipeline.wgrad import WeightGradPlan, backward_input
+from omnitron.core.parallel.pipeline.wgrad import backward_input
 
 
 class PipelineError(RuntimeError):
@@ -142,10 +142,7 @@ class _StageRunner:
         hidden, out = entry[0], entry[1]
         if key in self.split:  # input gradient only; W later runs the weight side of the retained graph
             params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
-            if hidden is not None:
-                g_in, entry[2] = backward_input(out, grad, hidden, params)
-            else:  # virtual stage 0: no input gradient, W does the whole backward
-                g_in, entry[2] = None, WeightGradPlan(out, grad, params)
+            g_in, entry[2] = backward_input(out, grad, hidden, params)  # stage 0 (no hidden): W does it all
             entry[0] = entry[1] = None
         else:
             _set_last_microbatch(self.chunks[a.chunk], step == self.last_wgrad.get(a.chunk))

@@ -102,8 +102,11 @@ def schedule_zb_h1(pp: int, num_microbatches: int,
     with the priority B > F > W. Rank r keeps at most ``pp - r`` micro-batches between F and B
     (1F1B's limit) and defers at most ``pp - 1`` W passes, which brings the bubble to
     (p-1)/(3m+p-1) for m >= p: a third of 1F1B's idle time. NOTE: the runtime keeps a
-    micro-batch's graph until its W, so a rank holds up to ``2p - 1 - r`` micro-batches of
-    activations (1F1B: ``p - r``).
+    micro-batch's graph (and the gradients W needs) until its W, so a rank holds up to
+    ``2p - 1 - r`` micro-batches of activations (1F1B: ``p - r``); the paper's ZB-H1 stays at
+    1F1B's peak because its B frees what W does not need. Capping the held ones at ``p - r``
+    here would leave two thirds of 1F1B's idle time (BENCHMARKS.md); the planner prices the
+    held ones (omnitron/plan/memory.py).
     """
     _check(pp, num_microbatches)
     m, never = num_microbatches, float("inf")

@@ -75,11 +75,15 @@ class WeightGradPlan:
         self.kept.clear()
 
 
-def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, hidden: torch.Tensor,
+def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, hidden: torch.Tensor | None,
                    params: list[torch.nn.Parameter]) -> tuple[torch.Tensor | None, WeightGradPlan]:
     """B: the gradient w.r.t. ``hidden`` now; returns it and the plan W runs later. ``out``: the chunk output
-    or, once sent, its autograd edge (runtime.py's ``graph_root``)."""
+    or, once sent, its autograd edge (runtime.py's ``graph_root``). ``hidden`` None (virtual stage 0): no input
+    gradient; W does the whole backward. Between the two, the plan holds the retained graph, ``grad`` and the
+    gradients kept at the boundaries (what the memory plan's held W inputs price, omnitron/plan/transients.py)."""
     plan = WeightGradPlan(out, grad, params)
+    if hidden is None:
+        return None, plan
     root = out.node if isinstance(out, GradientEdge) else out.grad_fn
     leaves = {get_gradient_edge(p).node: p for p in params}
     input_leaf = get_gradient_edge(hidden).node
