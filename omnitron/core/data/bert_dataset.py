@@ -266,7 +266,7 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
                 dataset_cls=BertDataset, **kw):
     """One split's ``dataset_cls`` (blended over ``--data-path`` prefixes), or None with no samples or share."""
     from .blended import BlendedDataset
-    from .builder import DataError, blend_sizes, split_documents
+    from .builder import SPLIT_NAMES, DataError, blend_sizes, split_documents
     from .config import split_weights
 
     weights = split_weights(config.split)
