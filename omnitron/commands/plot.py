@@ -21,7 +21,8 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
 
     train, val = [], []
     for _, rec in read_records(path):
-        (val if "val_loss" in rec else train).append(rec)
+        if "val_loss" in rec or "lm_loss" in rec:  # (the test evaluation's record is neither)
+            (val if "val_loss" in rec else train).append(rec)
     return train, val
 
 

@@ -11,6 +11,7 @@ from omnitron.core.data import (BlendedDataset, DataConfig, DataError, GPTDatase
                                 IndexedDataset, IndexedDatasetBuilder, MockGPTDataset, blend_indices,
                                 build_gpt_datasets, build_tokenizer, make_sample, split_ranges)
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.data.config import parse_blend
 
 
 def _write(prefix, docs, dtype=np.uint16):
@@ -36,8 +37,8 @@ def test_samples_match_flat_token_stream(tmp_path):
     epochs = len(g.document_index) // len(documents)
     assert len(g.document_index) == epochs * len(documents)
     assert (epochs - 1) * per_epoch < n * seq + 1 <= epochs * per_epoch  # fewest epochs that suffice
-    for e in range(epochs):  # each epoch a permutation of the split's documents
-        assert sorted(g.document_index[e * len(documents):(e + 1) * len(documents)].tolist()) == documents.tolist()
+    # the epochs' copies of the split's documents, shuffled (Megatron's order: tests/data/test_megatron_order.py)
+    assert sorted(g.document_index.tolist()) == sorted(documents.tolist() * epochs)
     stream = np.concatenate([docs[d] for d in g.document_index])
     assert len(g) == (len(stream) - 1) // seq >= n
     assert sorted(g.shuffle_index.tolist()) == list(range(len(g)))
@@ -90,16 +91,20 @@ def test_split_ranges_and_config_errors():
         DataConfig(split="a,b")
     with pytest.raises(ConfigError, match="WEIGHT PREFIX"):
         DataConfig(data_path=["0.5", "A", "0.5"])
+    assert parse_blend(["A", "B"]) == (["A", "B"], None)  # prefixes alone: blended by size, as Megatron
+    assert parse_blend(["1.0", "A"]) == (["A"], [1.0]) and parse_blend(["A"]) == (["A"], None)
     with pytest.raises(ConfigError, match="weight"):
-        DataConfig(data_path=["A", "B"])
+        DataConfig(data_path=["0.5", "A", "B", "C"])
+    with pytest.raises(ConfigError, match="must be > 0"):
+        DataConfig(data_path=["0", "A", "1", "B"])
 
 
 def test_blend_indices_greedy_reference():
     w = [0.5, 0.3, 0.2]
     di, si = blend_indices(w, 1000)
     counts = [0, 0, 0]
-    for i in range(1000):  # reference: the dataset furthest behind its target share
-        errs = [w[d] * (i + 1) - counts[d] for d in range(3)]
+    for i in range(1000):  # reference: the dataset furthest behind its target share (Megatron's max(i, 1))
+        errs = [w[d] * max(i, 1) - counts[d] for d in range(3)]
         d = errs.index(max(errs))
         assert (di[i], si[i]) == (d, counts[d])
         counts[d] += 1

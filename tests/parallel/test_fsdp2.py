@@ -116,7 +116,7 @@ def _check_parity(one_process, ranks: list[dict], ckpt: str) -> None:
     for rank, out in enumerate(ranks):
         assert out["losses"] == pytest.approx(ref["losses"], rel=REL), (rank, out["losses"], ref["losses"])
         assert out["norm"] == pytest.approx(ref["norm"], rel=NORM_REL), (rank, out["norm"], ref["norm"])
-        assert len(out["val"]) == 1 and out["val"] == pytest.approx(ref["val"], rel=REL), (rank, out["val"])
+        assert len(out["val"]) == 2 and out["val"] == pytest.approx(ref["val"], rel=REL), (rank, out["val"])
     got = _final(ckpt)
     assert got.model.keys() == ref_final.model.keys()
     for name, w in ref_final.model.items():

@@ -29,7 +29,13 @@ def test_metrics_and_validation(tmp_path):
     recs = [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
     train_recs = [r for r in recs if "lm_loss" in r]
     val = [r for r in recs if "val_loss" in r]
-    assert [r["iteration"] for r in train_recs] == [1, 2, 3, 4] and [r["iteration"] for r in val] == [2, 4]
+    # Megatron's evaluations: every --eval-interval and once more after training, each on new validation batches
+    # of one stream over (4 // 2 + 1) * 2 * 4 samples; then the test split once (2 x 4 samples)
+    assert [r["iteration"] for r in train_recs] == [1, 2, 3, 4] and [r["iteration"] for r in val] == [2, 4, 4]
+    assert len(res["components"].valid_data) == 24 and len(res["components"].test_data) == 8
+    assert val[1]["val_loss"] != val[2]["val_loss"]  # the same weights, the next batches
+    test = [r for r in recs if "test_loss" in r]
+    assert [r["iteration"] for r in test] == [4] and test[0]["test_loss"] == res["test"]["test_loss"]
     for r in train_recs:
         for key in ("lm_loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "step_time_s", "skipped_iters"):
             assert key in r

@@ -173,6 +173,7 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
                           timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(line) for line in open(tb / "metrics.jsonl")]
+    recs = [r for r in recs if "lm_loss" in r]  # (not the validation and test records after training)
     assert [r["iteration"] for r in recs] == [1, 2, 3] and [r["consumed_samples"] for r in recs] == [4, 8, 12]
     said = proc.stdout + proc.stderr
     # --decoupled-lr: logged beside lr, as Megatron; the warm-up over 4 samples of 4 per step applies lr(0 samples) =

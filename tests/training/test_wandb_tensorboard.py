@@ -108,4 +108,4 @@ def test_tensorboard_dir_holds_megatrons_tags(tmp_path):
         twin = acc.Scalars(f"{tag} vs samples")
         assert [e.step for e in twin] == [samples[r["iteration"]] for r in rows], tag
     assert [e.value for e in acc.Scalars("learning-rate")][0] == 0.0  # Megatron's first warm-up step: lr(0)
-    assert len(val_recs) == 2 and not (tb / "tensorboard").exists()
+    assert len(val_recs) == 3 and not (tb / "tensorboard").exists()  # each --eval-interval, once more at the end

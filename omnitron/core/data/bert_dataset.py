@@ -265,28 +265,29 @@ def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
 def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int, cache_dir: str, allow_build: bool,
                 dataset_cls=BertDataset, **kw):
     """One split's ``dataset_cls`` (blended over ``--data-path`` prefixes), or None with no samples or share."""
-    import math
-
     from .blended import BlendedDataset
-    from .builder import BLEND_MARGIN, SPLIT_NAMES, DataError, split_ranges
+    from .builder import SPLIT_NAMES, DataError, blend_sizes, split_documents
     from .config import split_weights
 
     weights = split_weights(config.split)
     if num_samples <= 0 or weights[split] == 0:
         return None
+    if any(w is None for w, _ in blend):
+        raise DataError(f"--data-path {' '.join(p for _, p in blend)}: {dataset_cls.__name__} blends need weights; "
+                        "give WEIGHT PREFIX pairs")
+    target, wants = blend_sizes([w for w, _ in blend], num_samples)  # as Megatron's builder
     parts = []
-    for weight, indexed in zip((w for w, _ in blend), datasets):
-        lo, hi = split_ranges(indexed.num_documents, weights)[split]
-        if hi <= lo:
-            raise DataError(f"{indexed.prefix}: the {SPLIT_NAMES[split]} split of --split {config.split} gets no "
-                            f"documents ({indexed.num_documents} in all); give it a larger share or use more data")
-        want = num_samples if len(blend) == 1 else int(math.ceil(weight * num_samples * BLEND_MARGIN)) + 1
-        parts.append(dataset_cls(indexed, np.arange(lo, hi), want, seq_length=config.seq_length, seed=config.seed,
+    for d, indexed in enumerate(datasets):
+        span = split_documents(indexed.num_documents, weights, split, indexed.prefix, config.split)
+        if span is None:
+            return None
+        want = num_samples if len(blend) == 1 else wants[d]
+        parts.append(dataset_cls(indexed, np.arange(*span), want, seq_length=config.seq_length, seed=config.seed,
                                  tokenizer=tokenizer, cache_dir=cache_dir, split_name=SPLIT_NAMES[split],
                                  allow_build=allow_build, **kw))
     if len(parts) == 1:
         return parts[0]
-    return BlendedDataset(parts, [w for w, _ in blend], num_samples, cache_dir=cache_dir, allow_build=allow_build)
+    return BlendedDataset(parts, [w for w, _ in blend], sum(target), cache_dir=cache_dir, allow_build=allow_build)
 
 
 def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,

@@ -7,26 +7,31 @@ import numpy as np
 import torch
 
 from . import cache
+from .config import normalize
 from .gpt_dataset import make_sample
 
 
-def blend_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy assignment of ``size`` samples to datasets in proportions ``weights``.
+BLEND_FORMAT = 2  # bump when the blending algorithm changes, so old caches are not reused (2: Megatron's)
 
-    Sample i goes to the dataset furthest behind its target, ``argmax_d w_d * (i + 1) - count_d``
+
+def blend_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy assignment of ``size`` samples to datasets in proportions ``weights`` (Megatron's
+    ``build_blending_indices``).
+
+    Sample i goes to the dataset furthest behind its target, ``argmax_d w_d * max(i, 1) - count_d``
     (largest sampling error; ties to the lower index), so every prefix of the blend is within
     one sample of the target mix. Returns (dataset_index int16, dataset_sample_index int64).
     """
-    w = np.asarray(weights, np.float64)
-    w = (w / w.sum()).tolist()
+    w = normalize(weights)
     k = len(w)
     counts = [0] * k
     chosen = [0] * size
     # NOTE: plain Python floats, not numpy, per step: ~10x faster for the few datasets of a blend.
     for i in range(size):
-        best, best_err = 0, w[0] * (i + 1) - counts[0]
+        at = float(max(i, 1))
+        best, best_err = 0, w[0] * at - counts[0]
         for d in range(1, k):
-            err = w[d] * (i + 1) - counts[d]
+            err = w[d] * at - counts[d]
             if err > best_err:
                 best, best_err = d, err
         chosen[i] = best
@@ -59,7 +64,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         if cache_dir is None:
             arrays = build()
         else:
-            desc = {"class": "BlendedDataset", "weights": [float(w) for w in weights], "size": int(size),
+            desc = {"class": "BlendedDataset", "format": BLEND_FORMAT, "weights": [float(w) for w in weights],
+                    "size": int(size),
                     "datasets": [getattr(d, "description", repr(d)) for d in datasets]}
             arrays = cache.load_or_build(os.path.join(cache_dir, "indices"), desc, names,
                                          build if allow_build else None)

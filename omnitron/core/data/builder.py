@@ -6,6 +6,7 @@ the caches. With no barrier (one process) the builder just builds and returns.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Callable
@@ -14,13 +15,14 @@ import numpy as np
 
 from . import cache
 from .blended import BlendedDataset, MockGPTDataset
-from .config import DataConfig, default_cache_dir, parse_data_path, split_weights
+from .config import DataConfig, default_cache_dir, normalize, parse_blend, split_weights
 from .gpt_dataset import GPTDataset
 from .indexed import IndexedDataset
 from .tokenizers import Tokenizer
 
+log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
-BLEND_MARGIN = 1.005  # each blended dataset indexes 0.5% more samples than its share (as Megatron)
+BLEND_SURPLUS = 0.005  # each blended dataset indexes 0.5% more samples than its share (Megatron's default)
 
 
 class DataError(ValueError):
@@ -34,13 +36,47 @@ def sample_flags(config: DataConfig) -> dict[str, bool]:
 
 
 def split_ranges(num_documents: int, weights: list[float]) -> list[tuple[int, int]]:
-    """Contiguous [lo, hi) document ranges for train/valid/test in proportions ``weights`` (sum 1)."""
-    bounds = [0]
+    """Contiguous [lo, hi) document ranges for train/valid/test in proportions ``weights`` (sum 1), as Megatron:
+    each bound is a cumulative share rounded, ``round(sum(weights[:k]) * num_documents)``."""
+    bounds, total = [0.0], 0.0
     for w in weights:
-        bounds.append(bounds[-1] + int(round(w * num_documents)))
-    excess = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+        total = total + w
+        bounds.append(total)
+    ends = [int(round(b * float(num_documents))) for b in bounds]
+    return [(ends[i], ends[i + 1]) for i in range(3)]
+
+
+def split_documents(num_documents: int, weights: list[float], split: int, prefix: str, split_flag: str):
+    """[lo, hi) documents of ``split`` (see :func:`split_ranges`); None when the test split gets none (no test
+    evaluation, logged); an empty train or validation split is a :class:`DataError`."""
+    lo, hi = split_ranges(num_documents, weights)[split]
+    if hi > lo:
+        return lo, hi
+    if split == 2:
+        log.info("%s: the test split of --split %s gets none of its %d documents: no test evaluation", prefix,
+                 split_flag, num_documents)
+        return None
+    raise DataError(f"{prefix}: the {SPLIT_NAMES[split]} split of --split {split_flag} gets no documents "
+                    f"({num_documents} in all); give it a larger share or use more data")
+
+
+def blend_sizes(weights: list[float], num_samples: int) -> tuple[list[int], list[int]]:
+    """(samples each dataset of a weighted blend contributes, samples each one indexes) for ``num_samples`` in
+    proportions ``weights`` (normalised): ``ceil(n * w)`` and that plus the surplus, as Megatron."""
+    target = [int(math.ceil(num_samples * w)) for w in weights]
+    return target, [int(math.ceil(t * (1 + BLEND_SURPLUS))) for t in target]
+
+
+def blend_plan(weights: list[float] | None, num_samples: int, plain: bool) -> tuple[list | None, int | None]:
+    """(samples to index per dataset, blend size) of one split (Megatron's builder): ``plain`` (one dataset
+    read as is) -> ([num_samples], None); weights -> (their shares plus surplus, the shares' sum); no weights
+    (prefixes blended by size) -> (None: one epoch of each, None: the size follows from their lengths)."""
+    if plain:
+        return [num_samples], None
+    if weights is None:
+        return None, None
+    target, indexed = blend_sizes(normalize(weights), num_samples)
+    return indexed, sum(target)
 
 
 def check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer, cache_dir: str, allow_build: bool) -> None:
@@ -67,28 +103,35 @@ def check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer, cache_dir: s
 def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split: int, num_samples: int,
                cache_dir: str, allow_build: bool, whole: bool = False):
     """The ``split``'s dataset: its --split share of each dataset's documents, or (``whole``: the split's own
-    files) all of them."""
+    files) all of them. ``blend`` is (prefixes, weights or None), built as Megatron's builder does: one prefix
+    without weights (or a split's own single file) as is; weights: a blend of each dataset's share plus 0.5%;
+    several prefixes without weights: one epoch of each, blended in proportion to their sizes."""
     weights = split_weights(config.split)
     if num_samples <= 0 or (weights[split] == 0 and not whole):
         return None
-    name = SPLIT_NAMES[split]
+    name, (_, blend_weights) = SPLIT_NAMES[split], blend
+    plain = len(datasets) == 1 and (blend_weights is None or whole)
+    wants, size = blend_plan(blend_weights, num_samples, plain)
+    spans = [(0, len(ds)) if whole else split_documents(len(ds), weights, split, ds.prefix, config.split)
+             for ds in datasets]
+    if None in spans:
+        return None
     parts = []
-    for weight, indexed in zip((w for w, _ in blend), datasets):
-        lo, hi = (0, len(indexed)) if whole else split_ranges(len(indexed), weights)[split]
-        if hi <= lo:
-            raise DataError(f"{indexed.prefix}: the {name} split of --split {config.split} gets no documents "
-                            f"({len(indexed)} in all); give it a larger share or use more data")
-        want = num_samples if len(blend) == 1 else int(math.ceil(weight * num_samples * BLEND_MARGIN)) + 1
-        parts.append(GPTDataset(indexed, np.arange(lo, hi), want, seq_length=config.seq_length, seed=config.seed,
-                                eod=tokenizer.eod, cache_dir=cache_dir, split_name=name,
-                                allow_build=allow_build, **sample_flags(config)))
-    if len(parts) == 1:
+    for d, (indexed, span) in enumerate(zip(datasets, spans)):
+        parts.append(GPTDataset(indexed, np.arange(*span), None if wants is None else wants[d],
+                                seq_length=config.seq_length, seed=config.seed, eod=tokenizer.eod,
+                                cache_dir=cache_dir, split_name=name, allow_build=allow_build, **sample_flags(config)))
+    if plain:
         return parts[0]
-    return BlendedDataset(parts, [w for w, _ in blend], num_samples, cache_dir=cache_dir, allow_build=allow_build)
+    if blend_weights is None:  # by size: each dataset once, as many samples as asked, at most all of them (so
+        mix, size = [len(p) for p in parts], min(num_samples, sum(len(p) for p in parts))  # maybe fewer)
+    else:
+        mix = normalize(blend_weights)  # normalised once here and once more by the blend, as Megatron
+    return BlendedDataset(parts, mix, size, cache_dir=cache_dir, allow_build=allow_build)
 
 
 def _open_blend(blend, tokenizer, cache_dir, allow_build) -> list[IndexedDataset]:
-    datasets = [IndexedDataset(p) for _, p in blend]
+    datasets = [IndexedDataset(p) for p in blend[0]]
     for ds in datasets:
         check_vocabulary(ds, tokenizer, cache_dir, allow_build)
     return datasets
@@ -99,8 +142,8 @@ def _build_per_split(config, tokenizer, samples, cache_dir, allow_build):
     out = []
     for split, (paths, n) in enumerate(zip((config.train_data_path, config.valid_data_path, config.test_data_path),
                                             samples)):
-        blend = parse_data_path(paths)
-        if not blend or n <= 0:
+        blend = parse_blend(paths)
+        if not blend[0] or n <= 0:
             out.append(None)
             continue
         datasets = _open_blend(blend, tokenizer, cache_dir, allow_build)
@@ -111,15 +154,15 @@ def _build_per_split(config, tokenizer, samples, cache_dir, allow_build):
 def _build_all(config, tokenizer, samples, cache_dir, allow_build):
     if config.per_split:
         return _build_per_split(config, tokenizer, samples, cache_dir, allow_build)
-    blend = parse_data_path(config.data_path)
-    if not blend:
+    blend = parse_blend(config.data_path)
+    if not blend[0]:
         from .corpus import demo_corpus_prefix
 
         if tokenizer.fingerprint is None:
             raise DataError(f"no --data-path given: the bundled demo corpus is tokenized with the run's tokenizer, "
                             f"but {tokenizer.name} has no vocabulary to tokenize it with; pass --data-path, or "
                             "--mock-data")
-        blend = [(1.0, demo_corpus_prefix(tokenizer, cache_dir=cache_dir, build=allow_build))]
+        blend = ([demo_corpus_prefix(tokenizer, cache_dir=cache_dir, build=allow_build)], None)
     datasets = _open_blend(blend, tokenizer, cache_dir, allow_build)
     return tuple(_one_split(config, tokenizer, blend, datasets, i, n, cache_dir, allow_build)
                  for i, n in enumerate(samples))

@@ -5,6 +5,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from omnitron.core.config.parallel import ConfigError
 
 from .cache import default_cache_dir  # noqa: F401 - re-exported: callers import it from here
@@ -16,7 +18,8 @@ class DataConfig:
     """Data flags (Megatron spellings in the CLI: ``--data-path``, ``--split``, ``--mock-data``, ...)."""
 
     data_path: list[str] = field(default_factory=list)
-    """``--data-path``: ``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...`` (weights need not sum to 1).
+    """``--data-path``: ``PREFIX``, ``W1 PREFIX1 W2 PREFIX2 ...`` (weights need not sum to 1) or ``PREFIX1 PREFIX2 ...``
+    (blended in proportion to their sizes, as Megatron).
     Empty with ``mock_data`` False means the bundled demo corpus (Moby Dick, tokenized with the run's tokenizer)."""
     train_data_path: list[str] = field(default_factory=list)
     """``--train-data-path``: the training split's own ``PREFIX`` or ``W1 PREFIX1 ...`` (all its documents;
@@ -115,6 +118,12 @@ def _check_tokenizer_type(kind: str) -> None:
         raise ConfigError(f"--tokenizer-type {kind!r} is unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
+def normalize(weights) -> list[float]:
+    """``weights / sum(weights)`` in float64 numpy arithmetic (Megatron's ``normalize``, to the last bit)."""
+    w = np.asarray(weights, np.float64)
+    return (w / np.sum(w)).tolist()
+
+
 def split_weights(split: str) -> list[float]:
     """``"969,30,1"`` -> normalised [train, valid, test] weights (missing parts are 0). As Megatron (which reads the
     numbers with ``re.findall(r"[.0-9]+", split)``), quotes a launch script left in (``'99,1,0'``) are ignored;
@@ -128,34 +137,46 @@ def split_weights(split: str) -> list[float]:
         raise ConfigError(f"--split {split!r}: expected up to three comma-separated numbers like 969,30,1") from None
     if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ConfigError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive sum, like 969,30,1")
-    parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
+    return normalize(parts + [0.0] * (3 - len(parts)))
 
 
-def parse_data_path(data_path: list[str] | str) -> list[tuple[float, str]]:
-    """``["0.7", "A", "0.3", "B"]`` -> [(0.7, "A"), (0.3, "B")]; ``["A"]`` -> [(1.0, "A")]. Weights normalised."""
+def _weight(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_blend(data_path: list[str] | str) -> tuple[list[str], list[float] | None]:
+    """Megatron's ``get_blend_from_list``: ``["0.7", "A", "0.3", "B"]`` -> (["A", "B"], [0.7, 0.3]) (weights as
+    given, not normalised); prefixes alone, ``["A"]`` or ``["A", "B", "C"]`` -> (prefixes, None): one prefix is read
+    as is, several are blended in proportion to their sizes. ``["1.0", "A"]`` is a one-dataset blend (Megatron's)."""
     items = data_path.split() if isinstance(data_path, str) else list(data_path)
     if not items:
-        return []
-    if len(items) == 1:
-        return [(1.0, items[0])]
-    if len(items) % 2:
-        raise ConfigError(f"--data-path {' '.join(items)!r}: give one PREFIX, or WEIGHT PREFIX pairs")
-    pairs = []
-    for w, p in zip(items[0::2], items[1::2]):
-        try:
-            weight = float(w)
-        except ValueError:
-            raise ConfigError(f"--data-path: {w!r} should be a weight (number) before prefix {p!r}; "
-                              "use WEIGHT PREFIX pairs, e.g. --data-path 0.7 A 0.3 B") from None
-        if weight < 0:
-            raise ConfigError(f"--data-path: weight {weight} for {p!r} must be >= 0")
-        pairs.append((weight, p))
-    total = sum(w for w, _ in pairs)
-    if total <= 0:
-        raise ConfigError("--data-path: weights sum to 0; give at least one positive weight")
-    return [(w / total, p) for w, p in pairs]
+        return [], None
+    flat = " ".join(items)
+    weights = [_weight(w) for w in items[0::2]] if len(items) % 2 == 0 else [None]
+    if all(w is None for w in weights):
+        if any(_weight(p) is not None for p in items):
+            raise ConfigError(f"--data-path {flat!r}: a number among prefixes; give PREFIX ... or WEIGHT PREFIX pairs")
+        return items, None
+    if any(w is None for w in weights):
+        bad = next(w for w, v in zip(items[0::2], weights) if v is None)
+        raise ConfigError(f"--data-path: {bad!r} should be a weight (number) before a prefix; "
+                          "use WEIGHT PREFIX pairs, e.g. --data-path 0.7 A 0.3 B, or prefixes alone")
+    for w, p in zip(weights, items[1::2]):
+        if not w > 0:
+            raise ConfigError(f"--data-path: weight {w} for {p!r} must be > 0 (leave the prefix out instead)")
+    return items[1::2], weights
+
+
+def parse_data_path(data_path: list[str] | str) -> list[tuple[float | None, str]]:
+    """(normalised weight, prefix) pairs of a data path, e.g. [(0.7, "A"), (0.3, "B")]; ``["A"]`` -> [(1.0, "A")];
+    several prefixes without weights (blended by size, see :func:`parse_blend`) -> [(None, "A"), (None, "B")]."""
+    prefixes, weights = parse_blend(data_path)
+    if weights is None:
+        return [(1.0 if len(prefixes) == 1 else None, p) for p in prefixes]
+    return list(zip(normalize(weights), prefixes))
 
 
 def add_tokenizer_args(parser) -> None:

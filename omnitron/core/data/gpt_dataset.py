@@ -1,21 +1,22 @@
 """GPT pre-training samples cut from an indexed dataset: document, sample and shuffle indices.
 
-For one split (a contiguous range of documents) and a requested number of samples:
-  document index  the split's documents, one random permutation per epoch, epochs concatenated
-                  (as many epochs as needed to yield the samples)
+For one split (a contiguous range of documents) and a requested number of samples, Megatron's
+algorithm (megatron/core/datasets/gpt_dataset.py), with the same ``RandomState(seed)`` draws, so the
+samples come in Megatron's order:
+  document index  the split's documents repeated for as many epochs as the samples need, shuffled
+                  together; a final epoch used for less than 80% of its samples is shuffled on its own
+                  after the others (so the full epochs cover every document before it starts)
   sample index    [n + 1, 2]: (position in the document index, token offset) where sample i
                   starts; sample i is the seq_length + 1 tokens from its start to the next
-                  sample's start inclusive (samples overlap by one token, as in Megatron)
-  shuffle index   a permutation of the n samples
+                  sample's start inclusive (samples overlap by one token)
+  shuffle index   a permutation of the samples (the separated final epoch's samples shuffled
+                  among themselves, after all the others)
 All three are numpy arrays, deterministic for a seed, cached on disk (``cache.py``).
 Here a "document" is one sequence of the indexed dataset (preprocessing writes one per document).
-NOTE: unlike Megatron, the last (partial) epoch is not shuffled separately, and the index
-files are omnitron's own (.npy): the samples are the same kind, not the same order as Megatron's.
 """
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 
 import numpy as np
@@ -24,25 +25,44 @@ import torch
 from . import cache
 from .indexed import IndexedDataset
 
-INDEX_FORMAT = 1  # bump when the index algorithm changes, so old caches are not reused
+INDEX_FORMAT = 2  # bump when the index algorithm changes, so old caches are not reused (2: Megatron's order)
+FINAL_EPOCH_THRESHOLD = 0.80  # a last epoch used for less than this share of its samples is shuffled apart
 
 
-def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs whose tokens give ``num_samples`` samples of ``seq_length + 1`` tokens."""
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:
+    """Fewest epochs whose tokens give ``num_samples`` samples of ``seq_length + 1`` tokens (None: one epoch)."""
     if tokens_per_epoch <= 0:
         raise ValueError("the split has no tokens; check --split and that the dataset is not empty")
+    if num_samples is None:
+        return 1
     need_tokens = num_samples * seq_length + 1
-    return max(1, math.ceil(need_tokens / tokens_per_epoch))
+    return max(1, -(-need_tokens // tokens_per_epoch))
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """Each epoch a fresh permutation of ``documents``; int32 when ids fit, else int64."""
-    dtype = np.int32 if (len(documents) == 0 or documents.max() < 2**31) else np.int64
-    return np.concatenate([rng.permutation(documents).astype(dtype) for _ in range(num_epochs)])
+def separate_final_epoch(tokens_per_epoch: int, seq_length: int, num_samples: int | None, epochs: int) -> bool:
+    """Whether the last epoch is shuffled apart: it gives less than 80% of an epoch's samples (Megatron)."""
+    if epochs == 1:
+        return False
+    before_final = ((epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return num_samples - before_final < int(FINAL_EPOCH_THRESHOLD * per_epoch)
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final: bool = False) -> np.ndarray:
+    """``documents`` repeated ``num_epochs`` times and shuffled as one array (int32); with ``separate_final``
+    the first ``num_epochs - 1`` repeats are shuffled together and the last one after them on its own."""
+    if separate_final and num_epochs > 1:
+        return np.concatenate((build_document_index(documents, num_epochs - 1, rng),
+                               build_document_index(documents, 1, rng)))
+    index = np.tile(np.asarray(documents, np.int32), num_epochs)
+    rng.shuffle(index)
+    return index
 
 
 def build_sample_index(doc_lengths: np.ndarray, seq_length: int) -> np.ndarray:
-    """[n + 1, 2] start (doc position, offset) of each sample over documents of ``doc_lengths`` tokens."""
+    """[n + 1, 2] start (doc position, offset) of each sample over documents of ``doc_lengths`` tokens:
+    sample i starts at token i * seq_length of the concatenated documents (Megatron's build_sample_idx)."""
     cum = np.zeros(len(doc_lengths) + 1, np.int64)
     np.cumsum(doc_lengths, out=cum[1:])
     n = int((cum[-1] - 1) // seq_length) if cum[-1] > 0 else 0
@@ -54,14 +74,30 @@ def build_sample_index(doc_lengths: np.ndarray, seq_length: int) -> np.ndarray:
     return out
 
 
-def build_indices(lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int,
+def build_shuffle_index(num_samples: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    """[0, num_samples) shuffled, then [num_samples, total) shuffled on its own after it (int64)."""
+    first = np.arange(num_samples, dtype=np.int64)
+    rng.shuffle(first)
+    if num_samples == total:
+        return first
+    last = np.arange(num_samples, total, dtype=np.int64)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_indices(lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int,
                   seed: int) -> dict[str, np.ndarray]:
-    """Document, sample and shuffle indices for ``documents`` (ids into ``lengths``)."""
+    """Document, sample and shuffle indices for ``documents`` (ids into ``lengths``); ``num_samples`` None:
+    exactly one epoch. The draws from ``RandomState(seed)`` are Megatron's, in Megatron's order."""
     rng = np.random.RandomState(seed)
-    epochs = num_epochs_needed(int(lengths[documents].sum(dtype=np.int64)), seq_length, max(num_samples, 1))
-    doc_index = build_document_index(documents, epochs, rng)
+    per_epoch = int(lengths[documents].sum(dtype=np.int64))
+    epochs = num_epochs_needed(per_epoch, seq_length, num_samples)
+    separate = separate_final_epoch(per_epoch, seq_length, num_samples, epochs)
+    doc_index = build_document_index(documents, epochs, rng, separate)
     sample_index = build_sample_index(lengths[doc_index].astype(np.int64), seq_length)
-    shuffle_index = rng.permutation(len(sample_index) - 1).astype(np.int64)
+    total = len(sample_index) - 1
+    shuffled_together = ((epochs - 1) * per_epoch - 1) // seq_length if separate else total
+    shuffle_index = build_shuffle_index(shuffled_together, total, rng)
     return {"document_index": doc_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
@@ -69,11 +105,11 @@ class GPTDataset(torch.utils.data.Dataset):
     """Samples ``dict(tokens, labels, loss_mask, position_ids)``, each ``[seq_length]``, from one split
     (plus ``document_ids`` with ``reset_attention_mask``; see :func:`make_sample`).
 
-    ``len(self) >= num_samples`` (whole epochs are indexed). Build the indices on one rank
-    (``allow_build=True``) and load them elsewhere (``allow_build=False``).
+    ``len(self) >= num_samples`` (whole epochs are indexed; ``num_samples`` None: one epoch). Build the indices
+    on one rank (``allow_build=True``) and load them elsewhere (``allow_build=False``).
     """
 
-    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int, *, seq_length: int,
+    def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int | None, *, seq_length: int,
                  seed: int, eod: int, cache_dir: str, split_name: str = "train", eod_mask_loss: bool = False,
                  reset_position_ids: bool = False, reset_attention_mask: bool = False, allow_build: bool = True):
         self.indexed, self.seq_length, self.eod = indexed, seq_length, eod
@@ -84,7 +120,7 @@ class GPTDataset(torch.utils.data.Dataset):
             "class": "GPTDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
             "fingerprint": cache.file_fingerprint(indexed.prefix), "split": split_name,
             "documents": [len(self.documents), hashlib.md5(self.documents.tobytes()).hexdigest()],
-            "num_samples": int(num_samples), "seq_length": seq_length, "seed": seed,
+            "num_samples": None if num_samples is None else int(num_samples), "seq_length": seq_length, "seed": seed,
         }
         self.description = description
 
@@ -97,7 +133,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
-        if len(self) < num_samples:
+        if num_samples is not None and len(self) < num_samples:
             raise ValueError(f"{indexed.prefix} ({split_name}): {len(self)} samples indexed, {num_samples} requested")
 
     def __len__(self) -> int:

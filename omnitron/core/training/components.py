@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnitron.core.data import build_tokenizer
+from omnitron.core.data import DataError, build_tokenizer
 from omnitron.core.data.config import default_cache_dir
 from omnitron.core.data.tokenizers import tokenizer_kwargs
 from omnitron.core.models.family import family_of
@@ -56,6 +56,8 @@ class Components:
     """The pipeline schedule table of the current step (validation runs its forwards only)."""
     train_data: Any
     valid_data: Any
+    test_data: Any = None
+    """The test split, evaluated once after training (as Megatron)."""
     iteration: int = 0
     consumed_samples: int = 0
     extra: dict = field(default_factory=dict)
@@ -152,27 +154,44 @@ def duplicate_params(modules: list[GPTModel]) -> list[torch.nn.Parameter]:
     return [p for m in modules for p in m.parameters() if getattr(p, "shared_embedding", False)]
 
 
+def eval_samples(t) -> tuple[int, int]:
+    """(validation, test) samples the run evaluates, as Megatron's get_train_valid_test_num_samples: every
+    evaluation (one each --eval-interval iterations, one more after training) reads --eval-iters new global
+    batches of the validation split, and the test split is evaluated once after training; none without
+    --eval-interval or --eval-iters."""
+    if not (t.eval_interval and t.eval_iters):
+        return 0, 0
+    per_eval = t.eval_iters * t.global_batch_size
+    return (t.train_iters // t.eval_interval + 1) * per_eval, per_eval
+
+
 def build_data(settings, tokenizer, groups, collectives):
-    """(train, valid) datasets sized for the whole run, the model family's own (GPT's indexed documents,
+    """(train, valid, test) datasets sized for the whole run, the model family's own (GPT's indexed documents,
     BERT's masked LM, T5's span corruption, LLaVA's synthetic captions, ...); rank 0 builds index caches,
     others wait."""
     t = settings.training
     gbs = t.global_batch_size
-    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
-    sizes = {"train_samples": t.train_samples or t.train_iters * gbs, "valid_samples": t.eval_iters * gbs if evals else 0}
+    valid_samples, test_samples = eval_samples(t)
+    sizes = {"train_samples": t.train_samples or t.train_iters * gbs, "valid_samples": valid_samples,
+             "test_samples": test_samples}
     if t.step_batch_size_schedule:  # every step's batch, the last one's overshoot of --train-samples included
         sizes["train_samples"] = batch_ramp(t, settings.dp, settings.model.seq_length).samples(t.train_iters)
     start, rank0 = time.perf_counter(), groups.rank == 0
     if rank0:
         where = "" if settings.data.mock_data else f" (index caches under {settings.data.data_cache_path or default_cache_dir()})"
-        log.info("building datasets: %d training samples, %d validation samples%s ...", sizes["train_samples"],
-                 sizes["valid_samples"], where)
-    train, valid, _ = family_of(settings.model).build_datasets(settings, tokenizer, **sizes, test_samples=0,
-                                                               is_builder_rank=rank0, barrier=barrier)
+        log.info("building datasets: %d training, %d validation and %d test samples%s ...", sizes["train_samples"],
+                 sizes["valid_samples"], sizes["test_samples"], where)
+    datasets = family_of(settings.model).build_datasets(settings, tokenizer, **sizes, is_builder_rank=rank0,
+                                                        barrier=barrier)
+    for ds, split, need in zip(datasets, ("training", "validation", "test"), sizes.values()):
+        if ds is not None and len(ds) < need:  # several prefixes without weights: each is read once
+            raise DataError(f"the {split} data holds {len(ds)} samples, the run reads {need}: --data-path prefixes "
+                            "without weights are each read once (as Megatron); give WEIGHT PREFIX pairs, or "
+                            "fewer --train-iters / --eval-iters")
     if rank0:
         log.info("datasets ready in %.1f s", time.perf_counter() - start)
-    return train, valid
+    return datasets
 
 
 def enable_fp8_if_asked(modules, settings, groups, cfg, backend) -> dict:
@@ -244,9 +263,10 @@ def build_components(settings, backend) -> Components:
     named = [(f"chunk{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
     optimizer = build_optimizer(named, settings, groups, backend, chunks, duplicate_params(modules))
     scheduler = make_scheduler(settings)
-    train, valid = build_data(settings, tokenizer, groups, backend.collectives)
+    train, valid, test = build_data(settings, tokenizer, groups, backend.collectives)
     c = Components(settings=settings, backend=backend, groups=groups, model=cfg, chunks=chunks, modules=modules,
                    optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, schedule=None, train_data=train,
-                   valid_data=valid, extra=extra, batches=batch_ramp(t, settings.dp, settings.model.seq_length))
+                   valid_data=valid, test_data=test, extra=extra,
+                   batches=batch_ramp(t, settings.dp, settings.model.seq_length))
     c.schedule = c.schedule_for(settings.num_microbatches)
     return c

@@ -46,6 +46,48 @@ def data_iterator(c, dataset, consumed: int):
     return ({k: v.to(device, non_blocking=True) for k, v in batch.items()} for batch in it)
 
 
+class ValidationStream:
+    """The run's validation batches, read on from one evaluation to the next (Megatron's one validation
+    iterator): each evaluation sees --eval-iters new global batches. A resumed run starts after the batches
+    the evaluations before its iteration read (Megatron's consumed_valid_samples)."""
+
+    def __init__(self, c):
+        t = c.settings.training
+        self.c, self.iterator = c, None
+        self.start = (c.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
+
+    def __call__(self):
+        if self.iterator is None:  # made at the first evaluation: no loader workers before they are needed
+            self.iterator = data_iterator(self.c, self.c.valid_data, self.start)
+        return self.iterator
+
+
+def _evaluate_split(c, batches, split: str, house, watchdog, logger) -> dict:
+    """One evaluation (--eval-iters global batches from ``batches()``) of the ``split`` ("validation" or
+    "test"), logged; returns its record."""
+    house.before_eval_or_save()
+    c.schedule = c.schedule_for(c.settings.num_microbatches)  # evaluation batches are full-size
+    with watchdog.deadline(f"{split} after iteration {c.iteration}"):
+        val = evaluate(c, batches(), c.settings.training.eval_iters)
+    if split == "test":
+        val = {"test_loss": val["val_loss"], "test_ppl": val["val_ppl"]}
+    logger.validation(c.iteration, val, c.consumed_samples)
+    house.after_eval()
+    return {"iteration": c.iteration, **val}
+
+
+def _final_evaluations(c, valid, validation: list, house, watchdog, logger) -> dict | None:
+    """After training (not after an early stop), as Megatron: the validation split once more (its next
+    batches, appended to ``validation``), then the test split; returns the test record (None without one)."""
+    if not c.settings.training.eval_iters:
+        return None
+    if c.valid_data is not None:
+        validation.append(_evaluate_split(c, valid, "validation", house, watchdog, logger))
+    if c.test_data is None:
+        return None
+    return _evaluate_split(c, lambda: data_iterator(c, c.test_data, 0), "test", house, watchdog, logger)
+
+
 def _throughput(c, step_time: float, batch: int) -> dict:
     tokens = batch * c.model.seq_length
     out = {"step_time_s": step_time, "tokens_per_sec": tokens / step_time, "tflops_per_device": None, "mfu": None,
@@ -184,6 +226,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     deadline = time.monotonic() + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
+    valid, stopping = ValidationStream(c), False  # one validation stream over the run, as Megatron
     skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if settings.precision.fp16 else 0)
     house = Housekeeping(t, backend)
     house.start()
@@ -211,13 +254,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
             skips.update(values["skipped"], c.iteration, c.groups.rank, values["loss_scale"])
             house.after_step(c.iteration)
             if _due(c.iteration, t.eval_interval) and c.valid_data is not None:
-                house.before_eval_or_save()
-                c.schedule = c.schedule_for(settings.num_microbatches)  # validation batches are full-size
-                with watchdog.deadline(f"validation after iteration {c.iteration}"):
-                    val = evaluate(c, data_iterator(c, c.valid_data, 0), t.eval_iters)
-                validation.append({"iteration": c.iteration, **val})
-                logger.validation(c.iteration, val, c.consumed_samples)
-                house.after_eval()
+                validation.append(_evaluate_split(c, valid, "validation", house, watchdog, logger))
             if deadline is not None and time.monotonic() >= deadline:
                 stop.requested = True  # --exit-duration-in-mins: agreed over the ranks like a signal
             stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
@@ -238,6 +275,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                     log.info("stopping after iteration %d%s", c.iteration,
                              f" (checkpoint saved at {saved_at})" if saved_at == c.iteration else "")
                 break
+        test = _final_evaluations(c, valid, validation, house, watchdog, logger) if not stopping else None
         checkpointing.finish_saves(c)  # --async-save: the last background write, committed
         if saved_at != c.iteration:  # written with the last save otherwise
             _write_expert_load(c)
@@ -248,7 +286,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         stop.restore()
         profiler.close()
         logger.close()
-    result = {"losses": losses, "validation": validation, "iteration": c.iteration, "components": c}
+    result = {"losses": losses, "validation": validation, "test": test, "iteration": c.iteration, "components": c}
     if settings.prompt:
         from omnitron.core.inference.sample import print_sample
 

@@ -5,7 +5,8 @@ the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_sc
 ``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
 the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
 ``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it)
-and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and ``time``. Log lines
+and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and ``time`` (one per
+evaluation, and one more after training), the test evaluation after training ``test_loss`` and ``test_ppl``. Log lines
 start with the time and carry the consumed samples and the ETA of the rest of the run. Only global rank 0 writes.
 TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir.
 
@@ -38,7 +39,8 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
             "tflops_per_device": ("throughput", False), "mem_allocated_bytes": ("mem-allocated-bytes", False),
             "mem_reserved_bytes": ("mem-reserved-bytes", False),
             "mem_max_allocated_bytes": ("mem-max-allocated-bytes", False),
-            "val_loss": ("lm loss validation", True), "val_ppl": ("lm loss validation ppl", True)}
+            "val_loss": ("lm loss validation", True), "val_ppl": ("lm loss validation ppl", True),
+            "test_loss": ("lm loss test", True), "test_ppl": ("lm loss test ppl", True)}
 
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
@@ -274,12 +276,15 @@ class MetricsLogger:
         return line
 
     def validation(self, iteration: int, values: dict, consumed_samples: int | None = None) -> None:
-        """One validation record (``consumed_samples``: the training samples so far, for the ``vs samples`` tags)."""
+        """One validation (``val_loss``, ``val_ppl``) or test (``test_loss``, ``test_ppl``) record
+        (``consumed_samples``: the training samples so far, for the ``vs samples`` tags)."""
         if not self.enabled:
             return
         rec = {"iteration": iteration, **values, "time": _now()}
-        self._emit(rec, f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | validation loss "
-                        f"{values['val_loss']:.4f} | ppl {values['val_ppl']:.2f}", consumed_samples)
+        split = "test" if "test_loss" in values else "validation"
+        key = "test" if split == "test" else "val"
+        self._emit(rec, f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | {split} loss "
+                        f"{values[key + '_loss']:.4f} | ppl {values[key + '_ppl']:.2f}", consumed_samples)
 
     def close(self) -> None:
         if self._bar is not None:
