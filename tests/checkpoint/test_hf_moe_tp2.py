@@ -108,6 +108,7 @@ def _etp2_worker(path: str, tokens: torch.Tensor) -> torch.Tensor:
     from omnitron.core.models.gpt import GPTModel
     from omnitron.core.models.gpt.state import shard_full_state
     from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.sharding import to_device
 
     torch.set_num_threads(1)
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=get_backend())
@@ -115,8 +116,9 @@ def _etp2_worker(path: str, tokens: torch.Tensor) -> torch.Tensor:
     model = GPTModel(model_config(read_metadata(path)["model"]), groups).eval()
     assert any(getattr(p, "tensor_model_parallel", False) for n, p in model.named_parameters() if ".experts." in n)
     shard_full_state(model, read_full_state(path, owners=needed_owners([model]), with_optimizer=False).model, groups)
+    model = to_device(model, groups.backend.device())  # where the groups' collectives run (sim: not the host)
     with torch.no_grad():
-        return model(tokens=tokens).transpose(0, 1).contiguous()
+        return model(tokens=tokens.to(groups.backend.device())).transpose(0, 1).contiguous().cpu()
 
 
 def test_tp2_import_gives_transformers_logits_with_experts_split(imported):

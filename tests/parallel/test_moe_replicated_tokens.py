@@ -47,7 +47,7 @@ def _layer(kind: str, groups):
     split over etp, the shared expert over tp)."""
     from omnitron.backends import get_backend
     from omnitron.core.parallel.tensor import mappings as M
-    from omnitron.core.parallel.tensor.sharding import full_shape, init_full, shard_param
+    from omnitron.core.parallel.tensor.sharding import full_shape, init_full, shard_param, to_device
     from omnitron.core.transformer.moe import MoELayer
 
     layer = MoELayer(_config(kind), groups=groups, sequence_parallel=False, backend=get_backend(), out_std=0.02)
@@ -56,16 +56,17 @@ def _layer(kind: str, groups):
             group = groups.etp if getattr(p, "expert", False) else groups.tp
             full = init_full(name, full_shape(p, group.size), ("normal", 0.3), seed=17)
             p.copy_(shard_param(full, p, group.size, M.local_rank(group)))
-    return layer
+    return to_device(layer, get_backend().device())  # where the groups' collectives run (sim: not the host)
 
 
 def _run(layer, x: torch.Tensor, w: torch.Tensor) -> dict:
     """Forward and backward of ``(layer(x) * w).sum()``: output, input gradient, parameter gradients, aux loss."""
-    x = x.clone().requires_grad_(True)
+    device = next(layer.parameters()).device
+    x = x.to(device).requires_grad_(True)
     y, _ = layer(x)
-    (y * w).sum().backward()
+    (y * w.to(device)).sum().backward()
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for n, p in layer.named_parameters()}
-    return {"y": y.detach(), "dx": x.grad, "grads": grads, "aux": layer.aux_loss_total}
+    return {"y": y.detach().cpu(), "dx": x.grad.cpu(), "grads": grads, "aux": layer.aux_loss_total.cpu()}
 
 
 def _full_grads(layer, grads: dict, groups) -> dict:
@@ -79,8 +80,8 @@ def _full_grads(layer, grads: dict, groups) -> dict:
         expert = getattr(params[name], "expert", False)
         g = M.all_reduce(g, groups.edp) if expert else g
         grads[name] = gather_param(g, params[name], groups.etp if expert else groups.tp)
-    layer.fuse_full_state("", grads)
-    return grads
+    layer.fuse_full_state("", grads)  # every ep rank's experts (a collective: on the groups' device)
+    return {n: g.cpu() for n, g in grads.items()}
 
 
 def _worker() -> list:
@@ -100,6 +101,7 @@ def _worker() -> list:
                 got = _run(layer, x, w)
                 got["grads"] = _full_grads(layer, got["grads"], groups)
                 want = _run(_layer(kind, ParallelGroups.single()), x, w)
+                want["grads"] = {n: g.cpu() for n, g in want["grads"].items()}
                 out.append(((tp, ep, etp, kind, s, b), got, want))
     return out
 
