@@ -2,7 +2,8 @@
 
 For each architecture (GPT-2 with the exact GeLU, Llama 3.1 rope scaling, Qwen2 with its q/k/v bias and a window
 on one layer, Qwen3-MoE with a dense layer and a window, gpt-oss with YaRN, DeepSeek-V3 with MLA and YaRN) a tiny
-``transformers`` model is saved and imported with the CLI (``import-megatron``'s line: test_megatron_moe); the printed line is split as a shell splits it (``shlex.split``) and parsed by
+``transformers`` model is saved and imported with the CLI (``import-megatron``'s line: test_megatron_moe); the
+printed line is split as a shell splits it (``shlex.split``) and parsed by
 ``omnitron train``'s own settings parser, and the model config that gives must equal the imported checkpoint's
 recorded config in every field but two: ``vocab_size`` (a run takes it from the tokenizer, which the line names:
 checked separately) and ``params_dtype`` (the run's --bf16 / --fp16 choice, no model setting). ``seq_length`` is

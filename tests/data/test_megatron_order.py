@@ -100,7 +100,8 @@ def test_full_epochs_cover_every_document(epochs, tmp_path):
     """Property (random corpus, split, sequence length, seed): each epoch of the document index holds every
     document of the split once; when the last epoch is used for under 80% of its samples (Megatron's rule), the
     shuffle index reads all samples of the full epochs first, so a run that finishes them has seen every
-    document (but those in the last < seq_length tokens of the full epochs) (the old order, one shuffle over all epochs' samples, left ~8% unseen at 1.17 epochs)."""
+    document (but those in the last < seq_length tokens of the full epochs) (the old order, one shuffle over all
+    epochs' samples, left ~8% unseen at 1.17 epochs)."""
     rng = np.random.default_rng(int(epochs * 100))
     prefix = str(tmp_path / "d")
     b = IndexedDatasetBuilder(f"{prefix}.bin", np.int32)

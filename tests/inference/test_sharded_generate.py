@@ -180,7 +180,8 @@ def test_a_layout_the_model_cannot_take_is_refused_before_ranks_start(tmp_path, 
     monkeypatch.setattr(launch_mod, "launch", lambda *a, **k: pytest.fail("ranks started"))
     extra = ["--prompt", "1"] if command == "generate" else []
     for flags, words in ((["--tensor-model-parallel-size", "3"], "is not divisible by --tensor-model-parallel-size 3"),
-                         (["--pipeline-model-parallel-size", "3"], "is not divisible by --pipeline-model-parallel-size"),
+                         (["--pipeline-model-parallel-size", "3"],
+                          "is not divisible by --pipeline-model-parallel-size"),
                          (["--tensor-model-parallel-size", "2", "--load", str(tmp_path / "none")], "no checkpoint")):
         with pytest.raises(SystemExit) as exit_:
             cli([command, "--load", root, *extra, *flags])
