@@ -1,4 +1,5 @@
-"""Resume is bit-exact: 2N iterations == N, save, resume for N more (same layout), dropout on.
+"""Resume is bit-exact: 2N iterations == N, save, resume for N more (same layout), dropout on; the validation
+evaluations (every 2 iterations and after training) too.
 
 One spawn per layout runs fp32 and bf16: the uninterrupted run, the run stopped by
 --exit-interval N (which saves), and the resumed run; per-iteration losses must be identical.
@@ -25,7 +26,8 @@ def _args(tp, pp, dtype, save, extra=()):
             "--micro-batch-size", "1", "--global-batch-size", str(2 * (4 // (tp * pp))), "--train-iters", str(2 * N),
             "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "7", "--no-tensorboard",
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--save", save, "--data-cache-path", os.path.join(save, "cache")]
+            "--save", save, "--data-cache-path", os.path.join(save, "cache"),
+            "--eval-interval", "2", "--eval-iters", "1"]
     if dtype == "bf16":
         args.append("--bf16")
     return args + list(extra)
@@ -72,6 +74,7 @@ def _worker(tp, pp, root):
         first = train(parse_settings(_args(tp, pp, dtype, part, ["--exit-interval", str(N)]), dist.get_world_size()), be)
         second = train(parse_settings(_args(tp, pp, dtype, part, ["--load", part]), dist.get_world_size()), be)
         out[dtype] = (full["losses"], first["losses"], second["losses"])
+        out[dtype + "_validation"] = (full["validation"], first["validation"] + second["validation"])
     out["parity"] = train(parse_settings(_parity_args(tp, pp, root), dist.get_world_size()), be)["losses"]
     if (tp, pp) == (2, 2):  # interleaved schedule, sequence parallelism and full recomputation on top
         out["parity_vp"] = train(parse_settings(_parity_args(tp, pp, root, VP_SP_RECOMPUTE), dist.get_world_size()),
@@ -97,6 +100,13 @@ def test_resume_bit_exact(tp, pp, tmp_path):
         assert len(set(full.values())) > 1
         for r in results[1:]:
             assert r[dtype][0] == full  # every rank reports the same losses
+        # the validation stream (Megatron's one iterator, --eval-iters new batches an evaluation) resumes where the
+        # evaluations before the checkpoint left it: the resumed run's evaluations at 4 and 6 and the final one
+        # read the uninterrupted run's batches, so their losses are equal (dropout is off in evaluation)
+        whole, pieces = results[0][dtype + "_validation"]
+        assert [v["iteration"] for v in whole] == [2, 4, 6, 6] and [v["iteration"] for v in pieces] == [2, 4, 6, 6]
+        assert [v["val_loss"] for v in pieces] == [v["val_loss"] for v in whole], (dtype, whole, pieces)
+        assert len({v["val_loss"] for v in whole}) == 4  # each evaluation read other batches
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
