@@ -120,4 +120,6 @@ def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, 
     finally:
         for h in handles:
             h.remove()
+    if not plan.fallback:  # W starts from the boundaries: the received gradient and the nodes above them can go
+        plan.out = plan.grad = None
     return g_in, plan
