@@ -205,6 +205,13 @@ class TrainingConfig:
     """--eval-interval: validate every this many iterations (0: never)."""
     eval_iters: int = 10
     """--eval-iters: validation micro-batch groups per evaluation."""
+    start_eval_at_iter: int | None = None
+    """--start-eval-at-iter: the --eval-interval evaluations start at this iteration (Megatron's; the one after
+    training still runs); the validation split is sized for the evaluations that run."""
+    skip_train: bool = False
+    """--skip-train: no training: evaluate the model (from --load) on --eval-iters batches of the validation and
+    the test split, each from its start, and exit; nothing is saved and, as Megatron, no optimizer state is loaded
+    (--no-load-optim)."""
     exit_interval: int | None = None
     """--exit-interval: stop (after saving) when the iteration is a multiple of this."""
     exit_duration_in_mins: float | None = None

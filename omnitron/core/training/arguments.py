@@ -482,7 +482,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     fp8 = _fp8_settings(merged)
     logging_cfg = _build(LoggingConfig, merged)
     logging_cfg.check_world(world)
-    checkpoint = _build(CheckpointConfig, merged)
+    checkpoint = _build(CheckpointConfig, merged, **({"no_load_optim": True} if training.skip_train else {}))
     optim = _build(OptimizerConfig, merged)
     ddp = _ddp_settings(merged, precision)
     if ddp is not None:
@@ -715,6 +715,11 @@ def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> 
         if training.eval_interval and weights[1] == 0:
             raise ConfigError(f"--eval-interval {training.eval_interval} needs a validation split, but --split "
                               f"{data.split} gives it none; use e.g. --split 969,30,1 or --eval-interval 0")
+    if training.skip_train and not training.eval_iters:
+        raise ConfigError("--skip-train with --eval-iters 0 evaluates nothing; give --eval-iters N (batches of the "
+                          "validation and test splits to evaluate)")
+    if training.start_eval_at_iter is not None and training.start_eval_at_iter < 0:
+        raise ConfigError(f"--start-eval-at-iter {training.start_eval_at_iter}: give an iteration >= 0")
     if checkpoint.finetune and not checkpoint.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:

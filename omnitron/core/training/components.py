@@ -154,15 +154,26 @@ def duplicate_params(modules: list[GPTModel]) -> list[torch.nn.Parameter]:
     return [p for m in modules for p in m.parameters() if getattr(p, "shared_embedding", False)]
 
 
+def evaluations_by(t, iteration: int) -> int:
+    """How many --eval-interval evaluations a run has made by the end of ``iteration``: the multiples of the
+    interval from --start-eval-at-iter on. Megatron's resume and sizing subtract ``start // interval``, one too
+    many where the start is itself a multiple (its loop evaluates there): omnitron counts the evaluations its
+    loop makes, so a resumed run reads on where the uninterrupted one would."""
+    skipped = max(0, (t.start_eval_at_iter or 0) - 1) // t.eval_interval
+    return max(0, iteration // t.eval_interval - skipped)
+
+
 def eval_samples(t) -> tuple[int, int]:
     """(validation, test) samples the run evaluates, as Megatron's get_train_valid_test_num_samples: every
-    evaluation (one each --eval-interval iterations, one more after training) reads --eval-iters new global
-    batches of the validation split, and the test split is evaluated once after training; none without
-    --eval-interval or --eval-iters."""
-    if not (t.eval_interval and t.eval_iters):
+    evaluation (one each --eval-interval iterations from --start-eval-at-iter on, one more after training)
+    reads --eval-iters new global batches of the validation split, and the test split is evaluated once after
+    training; none without --eval-interval or --eval-iters. --skip-train: one evaluation of each."""
+    if not t.eval_iters or not (t.eval_interval or t.skip_train):
         return 0, 0
     per_eval = t.eval_iters * t.global_batch_size
-    return (t.train_iters // t.eval_interval + 1) * per_eval, per_eval
+    if t.skip_train:
+        return per_eval, per_eval
+    return (evaluations_by(t, t.train_iters) + 1) * per_eval, per_eval
 
 
 def build_data(settings, tokenizer, groups, collectives):

@@ -18,7 +18,7 @@ from omnitron.core.models.gpt.config import flops_per_iteration
 from omnitron.core.optim.clip import global_grad_norm
 from omnitron.core.parallel.data.fsdp import local_shard
 from omnitron.core.training import checkpointing
-from omnitron.core.training.components import build_components, uses_fsdp2
+from omnitron.core.training.components import build_components, evaluations_by, uses_fsdp2
 from omnitron.core.training.housekeeping import Housekeeping
 from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
@@ -49,12 +49,13 @@ def data_iterator(c, dataset, consumed: int):
 class ValidationStream:
     """The run's validation batches, read on from one evaluation to the next (Megatron's one validation
     iterator): each evaluation sees --eval-iters new global batches. A resumed run starts after the batches
-    the evaluations before its iteration read (Megatron's consumed_valid_samples)."""
+    the evaluations before its iteration read (Megatron's consumed_valid_samples); --skip-train at the start."""
 
     def __init__(self, c):
         t = c.settings.training
         self.c, self.iterator = c, None
-        self.start = (c.iteration // t.eval_interval) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
+        done = evaluations_by(t, c.iteration) if t.eval_interval and not t.skip_train else 0
+        self.start = done * t.eval_iters * t.global_batch_size
 
     def __call__(self):
         if self.iterator is None:  # made at the first evaluation: no loader workers before they are needed
@@ -230,8 +231,10 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if settings.precision.fp16 else 0)
     house = Housekeeping(t, backend)
     house.start()
+    if t.skip_train and rank0:
+        log.info("skipping training (--skip-train): evaluating the model of iteration %d", c.iteration)
     try:
-        while c.iteration < t.train_iters:
+        while c.iteration < t.train_iters and not t.skip_train:
             logs = log_due(c.iteration + 1, lg.log_interval, t.train_iters)
             batch = c.batches.global_batch(c.consumed_samples)
             c.schedule = c.schedule_for(c.batches.num_microbatches(c.consumed_samples))
@@ -253,7 +256,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
             logger.step(c.iteration, values)
             skips.update(values["skipped"], c.iteration, c.groups.rank, values["loss_scale"])
             house.after_step(c.iteration)
-            if _due(c.iteration, t.eval_interval) and c.valid_data is not None:
+            if _due(c.iteration, t.eval_interval) and c.valid_data is not None and (
+                    t.start_eval_at_iter is None or c.iteration >= t.start_eval_at_iter):
                 validation.append(_evaluate_split(c, valid, "validation", house, watchdog, logger))
             if deadline is not None and time.monotonic() >= deadline:
                 stop.requested = True  # --exit-duration-in-mins: agreed over the ranks like a signal
