@@ -1,6 +1,7 @@
 """Megatron's evaluation flags: ``--skip-train`` evaluates a loaded model on the first --eval-iters batches of
 the validation and test splits and saves nothing; ``--start-eval-at-iter`` starts the --eval-interval
-evaluations there, and a run resumed after it reads the validation stream on where the uninterrupted run does.
+evaluations there, and a run resumed after it reads the validation stream on where the uninterrupted run does;
+``--eval-global-batch-size`` sets the evaluation batch.
 The references are the training runs' own evaluations of the same weights on the same batches (one process,
 so the equalities are exact: the same computation in the same order)."""
 from __future__ import annotations
@@ -59,9 +60,28 @@ def test_start_eval_at_iter_and_a_resume_after_it(tmp_path):
     assert len({v["val_loss"] for v in full["validation"]}) == 4
 
 
+def test_eval_global_batch_size_reads_the_same_samples_in_smaller_batches(tmp_path):
+    """--eval-global-batch-size 4 --eval-iters 2 reads each evaluation's 8 validation samples (and the test
+    split's) in two batches of the same micro-batches that one batch of 8 reads; the training is unchanged, so
+    every evaluation's loss is the mean of the same four micro-batch losses. Bound: the float32 micro-batch
+    means are summed and halved in float64, where (a + b + c + d) / 4 and ((a + b) / 2 + (c + d) / 2) / 2 of
+    float32 values near 5 are both exact but for the last rounding: 1e-15 relative."""
+    flags = ("--train-iters", "4", "--eval-interval", "2", "--global-batch-size", "8")
+    one = _train(_args(str(tmp_path / "one"), *flags))
+    two = _train(_args(str(tmp_path / "two"), *flags, "--eval-global-batch-size", "4", "--eval-iters", "2"))
+    assert two["losses"] == one["losses"]
+    pairs = [(a["val_loss"], b["val_loss"]) for a, b in zip(one["validation"], two["validation"], strict=True)]
+    pairs.append((one["test"]["test_loss"], two["test"]["test_loss"]))
+    assert len(pairs) == 4 and len({a for a, _ in pairs}) == 4
+    for a, b in pairs:
+        assert abs(a - b) <= 1e-15 * abs(a), pairs
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--skip-train", "--eval-iters", "0"], "--skip-train with --eval-iters 0 evaluates nothing"),
     (["--start-eval-at-iter", "-1"], "--start-eval-at-iter -1: give an iteration >= 0"),
+    (["--eval-global-batch-size", "6", "--micro-batch-size", "4"], "--eval-global-batch-size 6 is not a multiple of"),
+    (["--eval-global-batch-size", "0"], "--eval-global-batch-size must be >= 1, got 0"),
 ])
 def test_bad_evaluation_flags_are_one_line(extra, needle, tmp_path):
     from omnitron.core.config.parallel import ConfigError

@@ -205,6 +205,9 @@ class TrainingConfig:
     """--eval-interval: validate every this many iterations (0: never)."""
     eval_iters: int = 10
     """--eval-iters: validation micro-batch groups per evaluation."""
+    eval_global_batch_size: int | None = None
+    """--eval-global-batch-size: sequences in each evaluation batch (Megatron's; default --global-batch-size): an
+    evaluation reads --eval-iters batches of this size, in micro-batches of --micro-batch-size."""
     start_eval_at_iter: int | None = None
     """--start-eval-at-iter: the --eval-interval evaluations start at this iteration (Megatron's; the one after
     training still runs); the validation split is sized for the evaluations that run."""
@@ -278,10 +281,19 @@ class TrainingConfig:
             raise ConfigError(f"--global-batch-size must be >= 1, got {self.global_batch_size}")
         if self.eval_interval < 0 or self.eval_iters < 0:
             raise ConfigError("--eval-interval and --eval-iters must be >= 0")
+        if self.eval_global_batch_size is not None and self.eval_global_batch_size < 1:
+            raise ConfigError(f"--eval-global-batch-size must be >= 1, got {self.eval_global_batch_size}")
+        if self.start_eval_at_iter is not None and self.start_eval_at_iter < 0:
+            raise ConfigError(f"--start-eval-at-iter {self.start_eval_at_iter}: give an iteration >= 0")
         if self.manual_gc_interval < 0 or self.empty_unused_memory_level not in (0, 1, 2):
             raise ConfigError("--manual-gc-interval must be >= 0 and --empty-unused-memory-level 0, 1 or 2")
         if not self.distributed_timeout_minutes > 0:
             raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
+
+    @property
+    def eval_batch(self) -> int:
+        """Sequences in one evaluation batch: --eval-global-batch-size, else --global-batch-size."""
+        return self.eval_global_batch_size or self.global_batch_size
 
 
 @dataclass(kw_only=True)

@@ -421,6 +421,11 @@ class Settings:
     def num_microbatches(self) -> int:
         return self.training.global_batch_size // (self.training.micro_batch_size * self.dp)
 
+    @property
+    def eval_microbatches(self) -> int:
+        """Micro-batches a rank runs for one evaluation batch (--eval-global-batch-size)."""
+        return self.training.eval_batch // (self.training.micro_batch_size * self.dp)
+
 
 def resolved_config(settings: Settings) -> dict[str, Any]:
     """What a checkpoint records as the run's config: every setting's value, defaults included (an export or
@@ -569,6 +574,9 @@ def _training_settings(merged: dict[str, Any], dp: int, seq_length: int) -> Trai
     if training.global_batch_size % (mbs * dp):
         raise ConfigError(f"--global-batch-size {training.global_batch_size} is not a multiple of --micro-batch-size "
                           f"{mbs} x data-parallel size {dp} = {mbs * dp}; change one of them")
+    if training.eval_batch % (mbs * dp):
+        raise ConfigError(f"--eval-global-batch-size {training.eval_batch} is not a multiple of --micro-batch-size "
+                          f"{mbs} x data-parallel size {dp} = {mbs * dp}; change it")
     _check_schedule_units(merged, training)
     if training.train_samples is None:
         return training
@@ -718,8 +726,6 @@ def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> 
     if training.skip_train and not training.eval_iters:
         raise ConfigError("--skip-train with --eval-iters 0 evaluates nothing; give --eval-iters N (batches of the "
                           "validation and test splits to evaluate)")
-    if training.start_eval_at_iter is not None and training.start_eval_at_iter < 0:
-        raise ConfigError(f"--start-eval-at-iter {training.start_eval_at_iter}: give an iteration >= 0")
     if checkpoint.finetune and not checkpoint.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if checkpoint.override_opt_param_scheduler and checkpoint.use_checkpoint_opt_param_scheduler:

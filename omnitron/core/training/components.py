@@ -170,7 +170,7 @@ def eval_samples(t) -> tuple[int, int]:
     training; none without --eval-interval or --eval-iters. --skip-train: one evaluation of each."""
     if not t.eval_iters or not (t.eval_interval or t.skip_train):
         return 0, 0
-    per_eval = t.eval_iters * t.global_batch_size
+    per_eval = t.eval_iters * t.eval_batch
     if t.skip_train:
         return per_eval, per_eval
     return (evaluations_by(t, t.train_iters) + 1) * per_eval, per_eval

@@ -55,7 +55,7 @@ class ValidationStream:
         t = c.settings.training
         self.c, self.iterator = c, None
         done = evaluations_by(t, c.iteration) if t.eval_interval and not t.skip_train else 0
-        self.start = done * t.eval_iters * t.global_batch_size
+        self.start = done * t.eval_iters * t.eval_batch
 
     def __call__(self):
         if self.iterator is None:  # made at the first evaluation: no loader workers before they are needed
@@ -67,7 +67,7 @@ def _evaluate_split(c, batches, split: str, house, watchdog, logger) -> dict:
     """One evaluation (--eval-iters global batches from ``batches()``) of the ``split`` ("validation" or
     "test"), logged; returns its record."""
     house.before_eval_or_save()
-    c.schedule = c.schedule_for(c.settings.num_microbatches)  # evaluation batches are full-size
+    c.schedule = c.schedule_for(c.settings.eval_microbatches)  # --eval-global-batch-size (full-size under a ramp)
     with watchdog.deadline(f"{split} after iteration {c.iteration}"):
         val = evaluate(c, batches(), c.settings.training.eval_iters)
     if split == "test":
