@@ -85,8 +85,10 @@ class GPT2BPETokenizer(_HFBacked):
     """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt`` (Megatron's ``GPT2BPETokenizer``).
 
     Defaults to the bundled, sha256-verified files. ``<|endoftext|>`` (id 50256) is the eod and
-    pad id; like Megatron's tokenizer it is NOT recognised inside raw text (text that spells it
-    out is encoded as ordinary characters), so documents cannot inject document boundaries.
+    pad id; as in OpenAI's GPT-2 encoder and Megatron's tokenizer before 2025 it is NOT recognised inside raw text
+    (text that spells it out is encoded as ordinary characters), so documents cannot inject document boundaries.
+    NOTE: Megatron at d98e8a6 builds this tokenizer with ``transformers``, which does read the literal text as id
+    50256: the one difference of ``omnitron preprocess`` output from Megatron's (compared byte for byte otherwise).
     """
 
     name = "GPT2BPETokenizer"
