@@ -56,9 +56,10 @@ def _hf_model(kind: str, tmp_path, tok) -> str:
 
 
 def _reference(model, ids: list[int], eos: int) -> list[int]:
-    """transformers' greedy continuation of ``ids``, cut at the first step whose top-2 logits are within GAP."""
+    """transformers' greedy continuation of ``ids`` (ending at ``eos``), cut at the first step whose top-2 logits
+    are within GAP."""
     out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
-                         pad_token_id=eos, output_logits=True, return_dict_in_generate=True)
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(ids):].tolist()
     for step, logits in enumerate(out.logits):
         top = torch.topk(logits[0].double(), 2).values
@@ -91,3 +92,10 @@ def test_greedy_text_generation_equals_transformers(tmp_path, kind, backend):
         shown = ids + [t for t in got if t != tok.eos_token_id]
         assert texts[i] == tok.decode(shown, skip_special_tokens=False)  # the command's text: those tokens
     assert compared >= 8, "too few well-separated greedy steps to compare; rerun"
+    # a stop token the model does produce: the longest prompt's 4th greedy token, as the eos of both sides
+    stop = out.tokens[-1][3]
+    stopped = generate_batch(loaded.model, encoded, NEW, eod=stop)
+    for ids, got in zip(encoded, stopped.tokens):
+        want = _reference(reference, ids, stop)
+        assert got[:len(want)] == want and (stop not in want or got == want)
+    assert stopped.tokens[-1][-1] == stop and len(stopped.tokens[-1]) <= 4
