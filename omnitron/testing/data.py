@@ -15,3 +15,26 @@ def write_documents(path, docs) -> IndexedDataset:
         b.add_document(np.concatenate(sentences), [len(s) for s in sentences])
     b.finalize(index_file(str(path)))
     return IndexedDataset(str(path))
+
+
+def llama_style_tokenizer(directory) -> str:
+    """A Llama-style tokenizer directory (the bundled Moby Dick BPE plus ``<s>`` / ``</s>`` and a post-processor
+    that puts ``<s>`` before every text, as Llama's tokenizer.json does; ``</s>`` the eos of its
+    tokenizer_config.json) that ``transformers.AutoTokenizer`` and ``--tokenizer-model`` both read; returns it."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, processors
+
+    from omnitron.core.data.moby import CORPUS_DIR
+
+    tok = Tokenizer.from_file(str(CORPUS_DIR.parent / "moby_dick_bpe" / "tokenizer.json"))
+    tok.add_special_tokens(["<s>", "</s>"])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
+    os.makedirs(directory, exist_ok=True)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}, f)
+    return str(directory)

@@ -143,3 +143,40 @@ def test_a_split_the_data_cannot_fill_is_one_line(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "the valid split of --split 98,2 gets no documents" in err, err
+
+
+def _random_texts(rng, n: int) -> list[str]:
+    words = ["whale", "Ishmael", "sea", "the", "of", "naïve", "café", "鯨", "🐋", "—", "line\nbreak", "Mr.", "  "]
+    return [" ".join(rng.choice(words) for _ in range(rng.choice([0, 1, 4, 30]))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("no_special", [False, True])
+def test_hf_tokenizer_documents_are_megatrons(tmp_path, capsys, no_special):
+    """A Llama-style tokenizer.json (its post-processor adds ``<s>``): each document's ids are what Megatron's
+    HuggingFaceTokenizer writes, ``AutoTokenizer(text).input_ids`` (BOS first, empty texts too) then the eod,
+    for each of two keys and 1 or 2 workers; ``--tokenizer-hf-no-include-special-tokens`` drops the BOS
+    (``add_special_tokens=False``). Before the fix the BOS was always missing."""
+    import random
+
+    transformers = pytest.importorskip("transformers")
+    from omnitron.testing.data import llama_style_tokenizer
+
+    tok_dir = llama_style_tokenizer(tmp_path / "tok")
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    rng = random.Random()
+    docs = [{"text": t, "title": s} for t, s in zip(_random_texts(rng, 40), _random_texts(rng, 40))]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    flag = ["--tokenizer-hf-no-include-special-tokens"] if no_special else []
+    for w in (1, 2):
+        rc = main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / f"w{w}"),
+                   "--json-keys", "text", "title", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                   tok_dir, "--append-eod", "--workers", str(w), "--no-progress", *flag])
+        assert rc == 0, capsys.readouterr().err
+        for key in ("text", "title"):
+            want = [ref(d[key], add_special_tokens=not no_special).input_ids for d in docs]
+            want = [ids + [ref.eos_token_id] if ids else [] for ids in want]  # Megatron: eod after a non-empty doc
+            ds = IndexedDataset(str(tmp_path / f"w{w}_{key}_document"))
+            got = [ds[i].tolist() for i in range(len(ds))]
+            assert got == [ids for ids in want if ids]
+            sizes = np.cumsum([0] + [1 if ids else 0 for ids in want])  # an empty document holds no sequence
+            assert ds.document_indices.tolist() == sizes.tolist()

@@ -65,6 +65,9 @@ class DataConfig:
     """``--tokenizer-prompt-format``: MultimodalTokenizer's chat format (llama3, llama3p1, chatml, qwen2p5, ...)."""
     image_tag_type: str = ""
     """``--image-tag-type``: MultimodalTokenizer's tags around <image>: nvlm, internvl or none."""
+    tokenizer_hf_no_include_special_tokens: bool = False
+    """``--tokenizer-hf-no-include-special-tokens``: HuggingFaceTokenizer encodes without the tokenizer's own
+    special tokens (by default, as Megatron's and transformers', a Llama tokenizer's BOS starts every document)."""
     eod_mask_loss: bool = False
     """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
     reset_position_ids: bool = False
@@ -193,10 +196,13 @@ def add_tokenizer_args(parser) -> None:
                    default=[], help="TikTokenizer's special tokens; MultimodalTokenizer's added tokens")
     g.add_argument("--tokenizer-prompt-format", default=None, help="MultimodalTokenizer chat format")
     g.add_argument("--image-tag-type", default="", help="MultimodalTokenizer image tags: nvlm, internvl or none")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: no special tokens of the tokenizer's own (default: added, as "
+                   "Megatron and transformers add a Llama tokenizer's BOS)")
 
 
 _TOKENIZER_FLAGS = ("tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
-                    "tokenizer_prompt_format", "image_tag_type")
+                    "tokenizer_prompt_format", "image_tag_type", "tokenizer_hf_no_include_special_tokens")
 
 
 def add_data_args(parser) -> None:

@@ -36,7 +36,7 @@ LENGTHS = ("seq_length", "encoder_seq_length", "decoder_seq_length")
 function depends on them; the learned position table's size is --max-position-embeddings)."""
 _TOKENIZER = ("model_type", "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
               "vocab_extra_ids", "tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
-              "tokenizer_prompt_format", "image_tag_type")
+              "tokenizer_prompt_format", "image_tag_type", "tokenizer_hf_no_include_special_tokens")
 
 
 def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:

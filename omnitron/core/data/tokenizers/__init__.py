@@ -26,7 +26,8 @@ same options (plain ``encode_as_ids``, eod = the model's eos)."""
 
 
 TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "tiktoken_pattern",
-                  "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tokenizer_prompt_format", "image_tag_type")
+                  "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tokenizer_prompt_format",
+                  "image_tag_type", "tokenizer_hf_no_include_special_tokens")
 """The settings that decide a tokenizer (``build_tokenizer``'s arguments but the family's ``vocab_extra_ids``)."""
 
 
@@ -42,12 +43,14 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
                     merge_file: str | None = None, tokenizer_model: str | None = None,
                     vocab_size: int | None = None, vocab_extra_ids: int = 0, tiktoken_pattern: str | None = None,
                     tiktoken_num_special_tokens: int | None = None, tokenizer_special_tokens=None,
-                    tokenizer_prompt_format: str | None = None, image_tag_type: str | None = None) -> Tokenizer:
+                    tokenizer_prompt_format: str | None = None, image_tag_type: str | None = None,
+                    tokenizer_hf_no_include_special_tokens: bool = False) -> Tokenizer:
     """Build the tokenizer named by ``tokenizer_type`` from local files.
 
     GPT2BPETokenizer: ``vocab_file`` + ``merge_file`` (both or neither; neither = bundled).
     HuggingFaceTokenizer / SentencePieceTokenizer (or Megatron's Llama2Tokenizer, GPTSentencePieceTokenizer):
-    ``tokenizer_model`` (path).
+    ``tokenizer_model`` (path); HuggingFaceTokenizer adds its own special tokens (a Llama BOS) unless
+    ``tokenizer_hf_no_include_special_tokens``.
     NullTokenizer: ``vocab_size``.
     BertWordPieceLowerCase / BertWordPieceCase: ``vocab_file`` (a BERT vocab.txt; None: bundled-corpus vocabulary);
     ``vocab_extra_ids`` sentinels ``<extra_id_i>`` appended (T5's ``--vocab-extra-ids``; these kinds only).
@@ -67,8 +70,10 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
     if tokenizer_type in ("HuggingFaceTokenizer", *SENTENCEPIECE_TYPES):
         if not tokenizer_model:
             raise TokenizerError(f"{tokenizer_type} needs --tokenizer-model PATH")
-        cls = HuggingFaceTokenizer if tokenizer_type == "HuggingFaceTokenizer" else SentencePieceTokenizer
-        return cls(tokenizer_model)
+        if tokenizer_type == "HuggingFaceTokenizer":
+            special = not tokenizer_hf_no_include_special_tokens
+            return HuggingFaceTokenizer(tokenizer_model, include_special_tokens=special)
+        return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "TikTokenizer":
         return TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, num_special_tokens=tiktoken_num_special_tokens,
                             special_tokens=tokenizer_special_tokens, vocab_size=vocab_size)

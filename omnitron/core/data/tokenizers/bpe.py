@@ -45,6 +45,9 @@ def _require_file(path: str | os.PathLike, flag: str) -> Path:
 class _HFBacked(Tokenizer):
     """Shared encode/decode over a ``tokenizers.Tokenizer``."""
 
+    add_special = False
+    """Whether ``encode`` adds the tokenizer's own special tokens (its post-processor's BOS / EOS)."""
+
     def __init__(self, tok, eod: int, pad: int):
         self._tok = tok
         self._eod = eod
@@ -64,25 +67,28 @@ class _HFBacked(Tokenizer):
         return self._pad
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=self.add_special).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=self.add_special)]
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     @property
     def fingerprint(self) -> str:
-        return hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()
+        mark = "\nwith special tokens" if self.add_special else ""  # the ids differ where a post-processor adds some
+        return hashlib.sha256((self._tok.to_str() + mark).encode("utf-8")).hexdigest()
 
 
 class GPT2BPETokenizer(_HFBacked):
     """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt`` (Megatron's ``GPT2BPETokenizer``).
 
     Defaults to the bundled, sha256-verified files. ``<|endoftext|>`` (id 50256) is the eod and
-    pad id; like Megatron's tokenizer it is NOT recognised inside raw text (text that spells it
-    out is encoded as ordinary characters), so documents cannot inject document boundaries.
+    pad id; as in OpenAI's GPT-2 encoder and Megatron's tokenizer before 2025 it is NOT recognised inside raw text
+    (text that spells it out is encoded as ordinary characters), so documents cannot inject document boundaries.
+    NOTE: Megatron at d98e8a6 builds this tokenizer with ``transformers``, which does read the literal text as id
+    50256: the one difference of ``omnitron preprocess`` output from Megatron's (compared byte for byte otherwise).
     """
 
     name = "GPT2BPETokenizer"
@@ -121,11 +127,16 @@ class HuggingFaceTokenizer(_HFBacked):
     name such as ``meta-llama/Meta-Llama-3-8B`` already in the local Hugging Face cache (nothing is downloaded).
     The eod id is the ``eos_token`` of a ``tokenizer_config.json`` beside it (what Megatron's HF tokenizer
     uses), else the first of ``EOD_CANDIDATES`` present in the vocabulary (``eod_token`` overrides); pad likewise.
+
+    ``encode`` adds the tokenizer's own special tokens (``include_special_tokens``, on by default) as Megatron's
+    HuggingFaceTokenizer does (``tokenizer(text).input_ids`` unless ``--tokenizer-hf-no-include-special-tokens``)
+    and as ``transformers`` does: a Llama tokenizer's post-processor puts its BOS before every document and
+    prompt; GPT-2- and Qwen-style tokenizer.json files have no such post-processor and add nothing.
     """
 
     name = "HuggingFaceTokenizer"
 
-    def __init__(self, path: str, eod_token: str | None = None):
+    def __init__(self, path: str, eod_token: str | None = None, include_special_tokens: bool = True):
         from tokenizers import Tokenizer as HFTokenizer
 
         p = hf_tokenizer_file(path)
@@ -141,6 +152,7 @@ class HuggingFaceTokenizer(_HFBacked):
                                  "retrain it with one of them as a special token")
         pad = next((tok.token_to_id(t) for t in PAD_CANDIDATES if tok.token_to_id(t) is not None), eod)
         super().__init__(tok, eod, pad)
+        self.add_special = include_special_tokens
 
 
 def hf_tokenizer_file(path: str) -> Path:

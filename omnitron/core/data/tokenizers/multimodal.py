@@ -94,7 +94,7 @@ class MultimodalTokenizer(HuggingFaceTokenizer):
                                  f"{', '.join(PROMPT_FORMATS)}; pick one")
         if (image_tag_type or "") not in IMAGE_TAGS:
             raise TokenizerError(f"--image-tag-type {image_tag_type!r}: expected nvlm, internvl or nothing")
-        super().__init__(path)
+        super().__init__(path, include_special_tokens=False)  # ``tokenize`` adds them, as Megatron's
         config = _config(hf_tokenizer_file(path).parent)
         self.format = PROMPT_FORMATS[prompt_format]
         self.image_tag = IMAGE_TAGS[image_tag_type or ""]
