@@ -73,9 +73,16 @@ def join_job(settings, backend) -> Watchdog:
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = open_store(timeout, is_master=rank == 0 and not _store_hosted_elsewhere())
+    lg = getattr(settings, "logging", None)
+    if rank == 0:  # before it arrives: every rank can read it once all have arrived
+        store.set("run_dir", getattr(lg, "log_dir", None) or "")
     # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
     store.set(f"arrived/{rank}", "1")
     _wait_for_arrivals(store, world, timeout)
+    if lg is not None and not lg.log_dir:
+        # torchrun: the new ./runs/<timestamp> rank 0 named for a job with neither --save nor --log-dir
+        # (launch.py; each rank naming its own from its clock could straddle a second)
+        lg.log_dir = store.get("run_dir").decode() or None
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
                                            store=store)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
