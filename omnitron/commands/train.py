@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def register(sub) -> None:
@@ -26,19 +25,18 @@ def main_from_dict(given: dict) -> int:
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.training.arguments import build_settings, merge_settings
+    from omnitron.core.training.failures import refuse
     from omnitron.core.training.launch import launch, precheck
 
     try:
         settings = build_settings(merge_settings(given))
         precheck(settings)
     except (ConfigError, CheckpointError) as err:
-        print(f"omnitron train: error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err)
     try:
         return launch(settings, training_entry(settings))
     except (ConfigError, CheckpointError) as err:  # --save held by another job; one process: a corrupt shard
-        print(f"omnitron train: error: {err}", file=sys.stderr)
-        return 2
+        return refuse(err)
 
 
 def training_entry(settings):

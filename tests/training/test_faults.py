@@ -128,6 +128,36 @@ def test_under_torchrun_a_rank_names_a_sibling_frozen_in_start_up():
                         rf"start-up, before joining the job: no CPU time for \d+ s, process state S\n", line), line
 
 
+def test_ranks_that_never_join_are_named_and_the_wait_is_quiet(monkeypatch, capfd):
+    """A rank waiting at a TCP store (as under torchrun: every rank a client) for peers: ranks that arrive late are
+    waited for; ranks that never come are named in one line when the join wait ends, and the wait prints nothing
+    meanwhile (it printed two C++ "waitForInput ... timed out" warnings a second, per waiting rank)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from omnitron.core.training import workers
+    from omnitron.core.training.nonfinite import TrainingStopped
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(workers, "JOIN_TIMEOUT_S", 3.0)
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", host.port, 1, False, datetime.timedelta(seconds=30))
+    client.set("arrived/0", "1")
+    late = threading.Timer(1.0, lambda: [host.set(f"arrived/{r}", "1") for r in (1, 2)])
+    late.start()
+    t0 = time.monotonic()
+    workers._wait_for_arrivals(client, 3, 0.5)  # ranks 1 and 2 come after 1 s
+    assert 1.0 <= time.monotonic() - t0 < 2.9
+    with pytest.raises(TrainingStopped) as stopped:
+        workers._wait_for_arrivals(client, 6, 0.5)  # ranks 3, 4, 5 never come
+    assert str(stopped.value) == ("ranks 3, 4, 5 did not join the job within 3 s (a node that did not start "
+                                  "omnitron, or a rank that failed before joining: see its log)")
+    err = capfd.readouterr().err
+    assert "waitForInput" not in err and "timed out" not in err, err
+
+
 @pytest.mark.slow
 def test_rank_frozen_in_start_up_ends_the_job_within_the_timeout(tmp_path):
     """A worker stopped (SIGSTOP) before it joins the job, while the other waits for it at the store (which

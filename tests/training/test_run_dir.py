@@ -1,9 +1,12 @@
-"""Training with neither ``--save`` nor ``--log-dir``: the launcher names one new ``./runs/<timestamp>`` folder for
-the whole job before its workers start, and a second job in the same second gets a folder of its own."""
+"""Training with neither ``--save`` nor ``--log-dir``: the launcher (under torchrun, rank 0) names one new
+``./runs/<timestamp>`` folder for the whole job before its workers start, and a second job in the same second gets a
+folder of its own."""
 from __future__ import annotations
 
 import os
 import random
+
+import pytest
 
 from omnitron.core.training import launch, metrics
 from omnitron.core.training.arguments import parse_settings
@@ -45,3 +48,37 @@ def test_runs_dir_environment_replaces_dot_runs(tmp_path, monkeypatch):
     assert os.path.dirname(s.logging.log_dir) == str(root) and os.path.isdir(s.logging.log_dir)
     assert os.path.dirname(metrics.default_log_dir(None)) == str(root)
     assert not os.path.exists("runs")
+
+
+RANK_CLOCK = """
+import os, sys, time
+from omnitron.core.training import metrics
+stamp = "20261206-120000" if os.environ["RANK"] == "0" else "20261206-120001"
+metrics.time = type("Clock", (), {"strftime": staticmethod(lambda fmt: stamp), "time": staticmethod(time.time)})
+from omnitron.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_writes_into_rank0s_folder(tmp_path):
+    """torchrun, neither --save nor --log-dir, ranks whose clocks read different seconds (rank 1 one later, as
+    when the ranks straddle a second): rank 0 names one new folder, locks it, and rank 1's profiler trace goes
+    there too (each rank named its own folder from its clock, and none was locked). About 30 s on 2 cores."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_CLOCK)
+    env = dict(os.environ, OMNITRON_RUNS_DIR=str(tmp_path / "runs"),
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                           *ARGS, "--train-iters", "2", "--pipeline-model-parallel-size", "2", "--profile",
+                           "--profile-ranks", "0", "1", "--profile-step-start", "1", "--profile-step-end", "2"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.listdir(tmp_path / "runs") == ["20261206-120000"]
+    folder = tmp_path / "runs" / "20261206-120000"
+    assert {"metrics.jsonl", "omnitron.lock"} <= set(os.listdir(folder))
+    traces = sorted(f for f in os.listdir(folder / "profile") if f.startswith("trace_"))
+    assert traces == ["trace_rank0_iters2-2.json", "trace_rank1_iters2-2.json"], traces

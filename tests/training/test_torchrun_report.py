@@ -67,3 +67,23 @@ def test_torchrun_output_ends_with_the_cause(tmp_path):
     assert "Traceback (most recent call last):" in proc.stderr  # torchrun's own, before its report
     assert lines[-1].startswith("traceback : omnitron train: error: rank 1 (pid "), proc.stderr[-3000:]
     assert lines[-1].endswith(") failed: ValueError: boom in the data pipeline"), lines[-1]
+
+
+def test_bad_layout_under_torchrun_is_the_reports_last_line(tmp_path, monkeypatch, capsys):
+    """A layout the world does not divide, found before any work on a torchrun rank (world 4 of two nodes, pp 3):
+    its one line goes to stderr and into the agent's error file, so torch's report (its own reader and
+    formatter) ends with it instead of "To enable traceback see ..."."""
+    from omnitron.commands.train import main_from_dict
+
+    error_file = str(tmp_path / "error_1.json")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    given = {"model": "gpt2_tiny", "mock_data": True, "num_layers": 6, "pipeline_model_parallel_size": 3}
+    assert main_from_dict(given) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "world size 4 is not a multiple of" in err[0], err
+    failure = ProcessFailure(local_rank=1, pid=os.getpid(), exitcode=2, error_file=error_file)
+    last = _report_lines(ChildFailedError("omnitron.train", {1: failure}).format_msg())[-1]
+    assert last == f"traceback : omnitron train: error: rank 1 (pid {os.getpid()}) stopped: " + \
+        err[0].removeprefix("omnitron train: error: "), last

@@ -94,6 +94,16 @@ def write_elastic_report(rank: int, kind: str, line: str) -> None:
         log.warning("rank %d: could not write torchrun's error file %s (%s)", rank, path, err)
 
 
+def refuse(err: BaseException) -> int:
+    """A bad setting found before this process joined a job: its line on stderr and, under torchrun (``RANK``
+    set), in the agent's error file too, so torchrun's report ends with the cause rather than "To enable
+    traceback see ..." 30 lines below it; exit code 2."""
+    print(f"{command_name()}: error: {err}", file=sys.stderr)
+    if "RANK" in os.environ:
+        write_elastic_report(int(os.environ["RANK"]), "stopped", _first_line(err, 1000))
+    return 2
+
+
 def handle(exc: BaseException, rank: int, dump) -> int:
     """Report the exception that ended this rank; returns the exit code. ``dump(reason)``: the watchdog's
     stack and flight-recorder dump, used when a collective timed out."""

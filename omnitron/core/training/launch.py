@@ -147,6 +147,8 @@ def launch(settings, entry=None) -> int:
         import torch
 
         die_with_parent(os.getppid())  # torchrun's agent: its workers must not outlive it
+        if int(os.environ["RANK"]) == 0:
+            _name_run_dir(settings, entry)  # the other ranks read it from the store (workers.join_job)
         torch.set_num_threads(_threads(settings, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         with lock_outputs(settings) if int(os.environ["RANK"]) == 0 else contextlib.nullcontext():
             return _run_rank(settings, entry)

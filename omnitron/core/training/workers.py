@@ -73,9 +73,16 @@ def join_job(settings, backend) -> Watchdog:
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = open_store(timeout, is_master=rank == 0 and not _store_hosted_elsewhere())
+    lg = getattr(settings, "logging", None)
+    if rank == 0:  # before it arrives: every rank can read it once all have arrived
+        store.set("run_dir", getattr(lg, "log_dir", None) or "")
     # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
     store.set(f"arrived/{rank}", "1")
     _wait_for_arrivals(store, world, timeout)
+    if lg is not None and not lg.log_dir:
+        # torchrun: the new ./runs/<timestamp> rank 0 named for a job with neither --save nor --log-dir
+        # (launch.py; each rank naming its own from its clock could straddle a second)
+        lg.log_dir = store.get("run_dir").decode() or None
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
                                            store=store)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
@@ -144,25 +151,35 @@ def _frozen_at_start(startup: StartupWatch | None, failed_at) -> int | None:
 
 
 def _wait_for_arrivals(store, world: int, timeout: float) -> None:
-    """Wait (up to ``max(timeout, JOIN_TIMEOUT_S)``) for every rank's ``arrived`` key. Under torchrun, whose
-    agent does not watch for freezes, the ranks on this host that have not arrived are checked once a second
-    as the launcher does (:class:`StartupWatch`): one frozen in start-up stops this rank in one line naming it
-    (torchrun then stops the others)."""
+    """Wait (up to ``max(timeout, JOIN_TIMEOUT_S)``) for every rank's ``arrived`` key; past that, stop in one line
+    naming the ranks that never came. Under torchrun, whose agent does not watch for freezes, the ranks on this
+    host that have not arrived are checked once a second as the launcher does (:class:`StartupWatch`): one frozen
+    in start-up stops this rank in one line naming it (torchrun then stops the others)."""
     from omnitron.core.training.nonfinite import TrainingStopped
 
     keys = [f"arrived/{r}" for r in range(world)]
-    give_up = time.monotonic() + max(timeout, JOIN_TIMEOUT_S)
+    limit = max(timeout, JOIN_TIMEOUT_S)
+    give_up = time.monotonic() + limit
     siblings = _LocalSiblings(store, timeout) if os.environ.get("TORCHELASTIC_RUN_ID") else None
-    while True:
-        try:
-            store.wait(keys, datetime.timedelta(seconds=min(STARTUP_POLL_S, max(0.01, give_up - time.monotonic()))))
-            return
-        except RuntimeError:  # DistStoreError: not every rank arrived yet
-            if time.monotonic() >= give_up:
-                raise
+    pause = 0.01
+    # NOTE: check() and a sleep, not wait() with a short timeout: each timed-out wait() of a TCPStore client
+    # prints two C++ warnings ("waitForInput ... timed out"), two lines a second per rank while a peer is late
+    while not store.check(keys):
+        if time.monotonic() >= give_up:
+            missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
+            raise TrainingStopped(f"{_rank_list(missing)} did not join the job within {limit:.0f} s (a node that "
+                                  f"did not start omnitron, or a rank that failed before joining: see its log)")
         frozen = siblings.check(time.monotonic()) if siblings is not None else None
         if frozen is not None:
             raise TrainingStopped(f"rank {frozen[0]} (pid {siblings.pid(frozen[0])}) {frozen[1]}")
+        time.sleep(pause)
+        pause = min(STARTUP_POLL_S, 2 * pause)  # quick while the ranks arrive together, once a second after
+
+
+def _rank_list(ranks: list[int], shown: int = 8) -> str:
+    """``rank 3`` / ``ranks 1, 2`` / ``ranks 1, 2, ... and 9 more``: a line's worth of rank numbers."""
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:shown])) + more
 
 
 class _LocalSiblings(StartupWatch):
