@@ -232,6 +232,13 @@ def test_cli_flags_reach_the_model():
     with pytest.raises(ConfigError, match="--num-experts 3 is not divisible"):
         parse_settings(["--model", "gpt2_tiny", "--num-experts", "3", "--expert-model-parallel-size", "2",
                         "--mock-data"], world_size=2)
+    # top-1 softmax after the pick weighs every token 1: no router gradient, refused for training as Megatron does
+    with pytest.raises(ConfigError, match="--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax"):
+        parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--moe-router-topk", "1", "--mock-data"],
+                       world_size=1)
+    for extra in (["--moe-router-pre-softmax"], ["--moe-router-score-function", "sigmoid"]):
+        parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--moe-router-topk", "1", "--mock-data",
+                        *extra], world_size=1)
 
 
 # ---- capacity, shared experts, layer pattern, router extras -----------------------------------
@@ -340,8 +347,8 @@ def test_sigmoid_scores_and_z_loss_match_reference():
         z = z_loss(b, 0.01)
         torch.testing.assert_close(probs, torch.stack(ref_probs), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(z, 0.01 * ref_z, rtol=1e-12, atol=1e-12)
-        scores = aux_loss_scores(b.detach(), k, "sigmoid")
-        torch.testing.assert_close(scores.sum(-1), torch.ones(T, dtype=torch.float64) if k > 1 else scores.sum(-1))
+        scores = aux_loss_scores(b.detach(), "sigmoid")  # normalised over the experts for any k, as Megatron
+        torch.testing.assert_close(scores, torch.sigmoid(a.detach()) / torch.sigmoid(a.detach()).sum(-1, True))
         wt = torch.randn(T, k, generator=g, dtype=torch.float64)
         ((torch.stack(ref_probs) * wt).sum() + 0.01 * ref_z).backward()
         ((probs * wt).sum() + z).backward()
