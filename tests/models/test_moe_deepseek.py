@@ -16,7 +16,7 @@ def _config(**kw):
 
     base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, seq_length=8,
                 max_position_embeddings=8, vocab_size=64, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=20,
-                params_dtype=torch.float64)
+                params_dtype=torch.float64, add_bias_linear=False)  # DeepSeek's layers, routers included, have no bias
     base.update(kw)
     return gpt2_tiny(**base)
 

@@ -69,9 +69,10 @@ def test_moe_layer_passes_the_batch_to_the_seq_aux_loss():
     layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
+        layer.router.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(6))  # --add-bias-linear's
     x = torch.randn(8, 3, c.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     layer(x)
-    logits = x.reshape(-1, c.hidden_size) @ layer.router.weight.t()
+    logits = x.reshape(-1, c.hidden_size) @ layer.router.weight.t() + layer.router.bias
     experts = sigmoid_routing(logits.float(), 2)[1]  # the router picks on float32 logits
     ref = _ref_seq_aux(logits, experts, 8, 3, 2, 0.1, "sigmoid")
     # the router runs in float32: logits carry ~1e-7 relative error, the loss (a sum of positive terms) too

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnitron.core.models.gpt.config import router_bias
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.random import recomputing
 from omnitron.core.parallel.tensor.sharding import set_attributes
@@ -183,7 +184,7 @@ class TopKRouter(nn.Module):
                                      parallel=False, init=("normal", c.init_method_std))
         self.weight.sequence_parallel = partial_grad
         self.bias = None
-        if getattr(c, "moe_router_bias", False):  # gpt-oss's router bias on the logits
+        if router_bias(c):  # a bias on the logits (with --add-bias-linear, as Megatron; gpt-oss's router)
             self.bias = set_attributes(nn.Parameter(torch.empty(c.num_experts, dtype=c.params_dtype)),
                                        parallel=False, init=("zeros",))
             self.bias.sequence_parallel = partial_grad
