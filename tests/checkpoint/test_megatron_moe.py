@@ -223,11 +223,12 @@ def test_torch_format_import(kind, grouped, tmp_path):
     _check_import(tmp_path, cfg, W)
 
 
-def _write_torch_format(tmp_path, cfg, W: dict, *, grouped: bool) -> None:
-    """``tmp_path/meg``: a tp1 ``--ckpt-format torch`` Megatron checkpoint (iteration 7) of ``W``."""
+def _write_torch_format(tmp_path, cfg, W: dict, *, grouped: bool, args=None) -> None:
+    """``tmp_path/meg``: a tp1 ``--ckpt-format torch`` Megatron checkpoint (iteration 7) of ``W`` (``args``: the
+    run's, default :func:`_args`)."""
     it = tmp_path / "meg" / "iter_0000007" / "mp_rank_00"
     os.makedirs(it)
-    torch.save({"args": _args(cfg), "iteration": 7, "checkpoint_version": 3.0,
+    torch.save({"args": args or _args(cfg), "iteration": 7, "checkpoint_version": 3.0,
                 "model": _torch_transcription(W, cfg, grouped=grouped)}, it / "model_optim_rng.pt")
     (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("7")
 
@@ -295,6 +296,20 @@ def test_torch_format_round_trip(kind, tp, pp, tmp_path):
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
     back = read_full_state(str(tmp_path / "ck" / "iter_0000000")).model
     _assert_weights_and_zero_biases(back, W)
+
+
+def test_pre_softmax_with_a_scaling_factor_imports(tmp_path):
+    """Megatron's DeepSeek-V3 scripts pass --moe-router-pre-softmax with sigmoid scores and
+    --moe-router-topk-scaling-factor 2.5 (the factor scales the weights either way, as here): the checkpoint imports
+    with both, its logits those of the float64 model over the same tensors."""
+    cfg = dataclasses.replace(_cfg("gqa"), moe_router_pre_softmax=True)
+    assert cfg.moe_router_topk_scaling_factor == 2.5
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    W = _with_bias(cfg, _weights(cfg, seed=int(torch.randint(0, 2**31, (1,), generator=g))), g)
+    args = _args(cfg)
+    args.moe_router_pre_softmax = True
+    _write_torch_format(tmp_path, cfg, W, grouped=False, args=args)
+    _check_import(tmp_path, cfg, W)
 
 
 @pytest.mark.parametrize("saved", [True, False])

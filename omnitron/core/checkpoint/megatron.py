@@ -133,8 +133,6 @@ def _reject_unsupported(args: dict) -> None:
               ("squared_relu", not args.get("squared_relu"), "omnitron's MLP is GeLU or SwiGLU"),
               ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
                "omnitron's residual is taken before the norm"),
-              ("moe_router_pre_softmax", not (args.get("moe_router_pre_softmax") and args.get("moe_router_topk_scaling_"
-               "factor")), "omnitron scales the top-k probabilities without --moe-router-pre-softmax only"),
               ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
     for key, ok, why in checks:
         if not ok:
