@@ -78,13 +78,13 @@ def _keep_unflagged(merged: dict[str, Any]) -> dict[str, Any]:
     """``merged`` plus the :data:`UNFLAGGED` model fields of the checkpoint under ``--load``, where it sets none
     (no checkpoint, or one that cannot be read: unchanged, the resume check reports it)."""
     unset = [k for k in UNFLAGGED if merged.get(k) is None]
-    if not (merged.get("load") and unset):
+    if not (merged.get("load") and merged.get("num_experts") and unset):  # (all of them MoE settings)
         return merged
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.io import find_latest, read_metadata
 
-    path = find_latest(merged["load"], quiet=True)
     try:
+        path = find_latest(merged["load"], quiet=True)
         saved = read_metadata(path).get("model", {}) if path else {}
     except CheckpointError:
         return merged
