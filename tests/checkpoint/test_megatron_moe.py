@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -334,3 +335,26 @@ def test_router_bias_of_add_bias_linear(saved, tmp_path):
                      weights_only=False)["model"]
     for n in biases:
         assert torch.equal(out[n], W[n] if saved else torch.zeros(E)), n
+
+
+def test_torch_format_with_whole_experts_at_tp2_imports(tmp_path):
+    """Megatron's --expert-tensor-parallel-size 1 at tp 2 (what its expert biases need): every tp rank's file holds
+    each routed expert whole, the rest split as usual; the import takes the experts once, bit for bit."""
+    cfg = _cfg("gqa")
+    W = _weights(cfg, seed=int.from_bytes(os.urandom(4), "little"))
+    write_weights_checkpoint(W, cfg, str(tmp_path / "ck0"), Layout(), config={"tokenizer_type": "NullTokenizer"})
+    assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck0"), "--out", str(tmp_path / "meg"),
+                "--target-tensor-model-parallel-size", "2", "--target-pipeline-model-parallel-size", "1",
+                "--ckpt-format", "torch"]) == 0
+    expert = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        f = tmp_path / "meg" / "iter_0000000" / rank / "model_optim_rng.pt"
+        ck = torch.load(f, weights_only=False)
+        ck["args"].expert_tensor_parallel_size = 1
+        for key in list(ck["model"]):
+            m = expert.match(key)
+            if m:
+                ck["model"][key] = W[f"decoder.layers.{m.group(1)}.mlp.experts.{m.group(2)}.{m.group(3)}"].clone()
+        torch.save(ck, f)
+    assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
+    _assert_weights_and_zero_biases(read_full_state(str(tmp_path / "ck" / "iter_0000000")).model, W)

@@ -328,8 +328,10 @@ def _to_omnitron_names(sd: dict, offset: int, path: str) -> tuple[dict, int]:
     return out, len(layers)
 
 
-def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: str) -> dict:
-    """omnitron's full state from :func:`read_shards`' per-rank model state dicts."""
+def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: str, *,
+                        whole_experts: bool = False) -> dict:
+    """omnitron's full state from :func:`read_shards`' per-rank model state dicts. ``whole_experts``: the routed
+    experts are whole on every tp rank (Megatron's --expert-tensor-parallel-size 1), not split like the MLP."""
     tp = 1 + max(t for t, _ in shards)
     pp = 1 + max(p for _, p in shards)
     chunks = len(shards[(0, 0)])
@@ -346,7 +348,10 @@ def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: st
                     raise MegatronConversionError(f"{path}: stage {p} tensor ranks 0 and {t} disagree on {odd}; "
                                                   f"the checkpoint is corrupt")
             for name in renamed[0][0]:
-                full[name] = _merge(name, [sd[name] for sd, _ in renamed], cfg).contiguous()
+                parts = [sd[name] for sd, _ in renamed]
+                if whole_experts and ".mlp.experts." in name:
+                    parts = parts[:1]  # the same expert on every tp rank
+                full[name] = _merge(name, parts, cfg).contiguous()
             offset += renamed[0][1]
     _check_state(full, cfg, path)
     return full
@@ -438,7 +443,8 @@ def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None 
             raise MegatronConversionError(f"{iter_dir}: an MLA / MTP checkpoint at tensor parallel {tp} in "
                                           f"--ckpt-format torch (its shards depend on the layer spec); re-save it "
                                           f"with --ckpt-format torch_dist or at tp 1")
-        full = state_from_megatron(shards, cfg, iter_dir)
+        whole = tp > 1 and int(args.get("expert_tensor_parallel_size") or tp) == 1
+        full = state_from_megatron(shards, cfg, iter_dir, whole_experts=whole)
         del shards
     source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"), "ckpt_format": fmt,
               "tensor_model_parallel_size": args.get("tensor_model_parallel_size", 1),
