@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omnitron.core.models.gpt.config import ffn_size
+from omnitron.core.models.gpt.config import ffn_size, router_bias
 from omnitron.plan.routing import busiest_rank, expert_rows, rows_floor
 
 
@@ -156,6 +156,6 @@ def moe_layer_params(cfg, tp: int, ep: int, etp: int) -> tuple[float, float]:
         fc1 = 2 * width if cfg.swiglu else width
         return (fc1 * (h + bias) + width * h) / split + bias * h
 
-    router = cfg.num_experts * (h + (1 if getattr(cfg, "moe_router_bias", False) else 0))
+    router = cfg.num_experts * (h + (1 if router_bias(cfg) else 0))
     dense = layer_params(cfg, tp) - mlp(f, tp) + router + (mlp(shared, tp) if shared else 0)
     return dense, cfg.num_experts // ep * mlp(cfg.moe_ffn_hidden_size or f, etp)

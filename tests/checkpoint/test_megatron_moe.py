@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def _args(cfg, tp: int = 1) -> argparse.Namespace:
         group_query_attention=not mla, num_query_groups=2, seq_length=16, max_position_embeddings=16,
         tokenizer_type="NullTokenizer", vocab_size=V - 1, make_vocab_size_divisible_by=128, padded_vocab_size=128 * tp,
         normalization="RMSNorm", norm_epsilon=cfg.layernorm_epsilon, swiglu=True, position_embedding_type="rope",
-        rotary_base=10000, rotary_percent=1.0, untie_embeddings_and_output_weights=True, add_bias_linear=False,
+        rotary_base=10000, rotary_percent=1.0, untie_embeddings_and_output_weights=True,
+        add_bias_linear=cfg.add_bias_linear,
         qk_layernorm=cfg.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=torch.float32,
         num_experts=E, moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
@@ -218,12 +220,18 @@ def test_torch_format_import(kind, grouped, tmp_path):
     cfg = _cfg(kind)
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     W = _with_bias(cfg, _weights(cfg, seed=int(torch.randint(0, 2**31, (1,), generator=g))), g)
+    _write_torch_format(tmp_path, cfg, W, grouped=grouped)
+    _check_import(tmp_path, cfg, W)
+
+
+def _write_torch_format(tmp_path, cfg, W: dict, *, grouped: bool, args=None) -> None:
+    """``tmp_path/meg``: a tp1 ``--ckpt-format torch`` Megatron checkpoint (iteration 7) of ``W`` (``args``: the
+    run's, default :func:`_args`)."""
     it = tmp_path / "meg" / "iter_0000007" / "mp_rank_00"
     os.makedirs(it)
-    torch.save({"args": _args(cfg), "iteration": 7, "checkpoint_version": 3.0,
+    torch.save({"args": args or _args(cfg), "iteration": 7, "checkpoint_version": 3.0,
                 "model": _torch_transcription(W, cfg, grouped=grouped)}, it / "model_optim_rng.pt")
     (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("7")
-    _check_import(tmp_path, cfg, W)
 
 
 @pytest.mark.parametrize("kind", ["mla", "gqa"])
@@ -289,3 +297,64 @@ def test_torch_format_round_trip(kind, tp, pp, tmp_path):
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
     back = read_full_state(str(tmp_path / "ck" / "iter_0000000")).model
     _assert_weights_and_zero_biases(back, W)
+
+
+def test_pre_softmax_with_a_scaling_factor_imports(tmp_path):
+    """Megatron's DeepSeek-V3 scripts pass --moe-router-pre-softmax with sigmoid scores and
+    --moe-router-topk-scaling-factor 2.5 (the factor scales the weights either way, as here): the checkpoint imports
+    with both, its logits those of the float64 model over the same tensors."""
+    cfg = dataclasses.replace(_cfg("gqa"), moe_router_pre_softmax=True)
+    assert cfg.moe_router_topk_scaling_factor == 2.5
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    W = _with_bias(cfg, _weights(cfg, seed=int(torch.randint(0, 2**31, (1,), generator=g))), g)
+    args = _args(cfg)
+    args.moe_router_pre_softmax = True
+    _write_torch_format(tmp_path, cfg, W, grouped=False, args=args)
+    _check_import(tmp_path, cfg, W)
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_router_bias_of_add_bias_linear(saved, tmp_path):
+    """Megatron-Core's routers hold ``mlp.router.bias`` with --add-bias-linear (since 0.15; ``saved`` False: a
+    checkpoint from before): the import keeps it (or records a model without it), the logits match the float64
+    model over the same tensors, and the export writes it back (a zero one for a model without)."""
+    cfg = dataclasses.replace(_cfg("gqa"), add_bias_linear=True)
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    W = _with_bias(cfg, _weights(cfg, seed=int(torch.randint(0, 2**31, (1,), generator=g))), g)
+    biases = [n for n in W if n.endswith("mlp.router.bias")]
+    assert len(biases) == L  # the model's router has the bias: Megatron's rule
+    if not saved:
+        W = {n: t for n, t in W.items() if n not in biases}
+        cfg = dataclasses.replace(cfg, moe_router_bias=False)
+    _write_torch_format(tmp_path, cfg, W, grouped=False)
+    _check_import(tmp_path, cfg, W)
+    assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck"), "--out", str(tmp_path / "meg2"),
+                "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1",
+                "--ckpt-format", "torch"]) == 0
+    out = torch.load(tmp_path / "meg2" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt",
+                     weights_only=False)["model"]
+    for n in biases:
+        assert torch.equal(out[n], W[n] if saved else torch.zeros(E)), n
+
+
+def test_torch_format_with_whole_experts_at_tp2_imports(tmp_path):
+    """Megatron's --expert-tensor-parallel-size 1 at tp 2 (what its expert biases need): every tp rank's file holds
+    each routed expert whole, the rest split as usual; the import takes the experts once, bit for bit."""
+    cfg = _cfg("gqa")
+    W = _weights(cfg, seed=int.from_bytes(os.urandom(4), "little"))
+    write_weights_checkpoint(W, cfg, str(tmp_path / "ck0"), Layout(), config={"tokenizer_type": "NullTokenizer"})
+    assert cli(["checkpoint", "export-megatron", "--load", str(tmp_path / "ck0"), "--out", str(tmp_path / "meg"),
+                "--target-tensor-model-parallel-size", "2", "--target-pipeline-model-parallel-size", "1",
+                "--ckpt-format", "torch"]) == 0
+    expert = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        f = tmp_path / "meg" / "iter_0000000" / rank / "model_optim_rng.pt"
+        ck = torch.load(f, weights_only=False)
+        ck["args"].expert_tensor_parallel_size = 1
+        for key in list(ck["model"]):
+            m = expert.match(key)
+            if m:
+                ck["model"][key] = W[f"decoder.layers.{m.group(1)}.mlp.experts.{m.group(2)}.{m.group(3)}"].clone()
+        torch.save(ck, f)
+    assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 0
+    _assert_weights_and_zero_biases(read_full_state(str(tmp_path / "ck" / "iter_0000000")).model, W)

@@ -64,7 +64,7 @@ def dense_moe_reference(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     ``(y [s, b, h], aux loss)``. Independent of the sort / all-to-all dispatch."""
     c = layer.router
     tokens = x.reshape(-1, x.shape[-1])
-    logits = tokens @ c.weight.t()
+    logits = tokens @ c.weight.t() + (0.0 if c.bias is None else c.bias)  # the bias: --add-bias-linear
     probs, experts = top_k_routing(logits, c.k, c.pre_softmax)
     y = torch.zeros_like(tokens)
     for key, mlp in layer.experts.items():
@@ -232,6 +232,13 @@ def test_cli_flags_reach_the_model():
     with pytest.raises(ConfigError, match="--num-experts 3 is not divisible"):
         parse_settings(["--model", "gpt2_tiny", "--num-experts", "3", "--expert-model-parallel-size", "2",
                         "--mock-data"], world_size=2)
+    # top-1 softmax after the pick weighs every token 1: no router gradient, refused for training as Megatron does
+    with pytest.raises(ConfigError, match="--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax"):
+        parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--moe-router-topk", "1", "--mock-data"],
+                       world_size=1)
+    for extra in (["--moe-router-pre-softmax"], ["--moe-router-score-function", "sigmoid"]):
+        parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--moe-router-topk", "1", "--mock-data",
+                        *extra], world_size=1)
 
 
 # ---- capacity, shared experts, layer pattern, router extras -----------------------------------
@@ -303,7 +310,7 @@ def test_moe_layer_capacity_and_shared_expert_match_reference(policy, pad):
     layer.zero_grad()
     x.grad = None
     tokens = x.reshape(-1, c.hidden_size)
-    logits = tokens @ layer.router.weight.t()
+    logits = tokens @ layer.router.weight.t() + (0.0 if layer.router.bias is None else layer.router.bias)
     probs, experts = top_k_routing(logits, c.moe_router_topk, False)
     gates = torch.zeros_like(logits).scatter(1, experts, probs)
     picked = torch.zeros(logits.shape, dtype=torch.bool).scatter(1, experts, True)
@@ -340,8 +347,8 @@ def test_sigmoid_scores_and_z_loss_match_reference():
         z = z_loss(b, 0.01)
         torch.testing.assert_close(probs, torch.stack(ref_probs), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(z, 0.01 * ref_z, rtol=1e-12, atol=1e-12)
-        scores = aux_loss_scores(b.detach(), k, "sigmoid")
-        torch.testing.assert_close(scores.sum(-1), torch.ones(T, dtype=torch.float64) if k > 1 else scores.sum(-1))
+        scores = aux_loss_scores(b.detach(), "sigmoid")  # normalised over the experts for any k, as Megatron
+        torch.testing.assert_close(scores, torch.sigmoid(a.detach()) / torch.sigmoid(a.detach()).sum(-1, True))
         wt = torch.randn(T, k, generator=g, dtype=torch.float64)
         ((torch.stack(ref_probs) * wt).sum() + 0.01 * ref_z).backward()
         ((probs * wt).sum() + z).backward()
@@ -416,3 +423,34 @@ def test_resharding_an_expert_tensor_parallel_checkpoint_is_refused(tmp_path):
     with pytest.raises(Exception) as info:
         read_full_state(str(tmp_path))
     assert "expert tensor parallelism" not in str(info.value)
+
+
+def test_router_bias_follows_add_bias_linear():
+    """Megatron-Core's router holds a bias [E] on its logits exactly with --add-bias-linear: so does this one (unless
+    ``moe_router_bias`` says otherwise), the parameter count says it, and routing reads ``x W^T + b``: against the
+    float64 token-by-token reference, with a bias spaced wider than the logits' range so that it decides every pick
+    (no near-ties: gaps >= 0.37 against float32 rounding ~1e-6)."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.models.gpt.config import num_parameters
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.moe.router import TopKRouter
+
+    for kw, has in ((dict(), True), (dict(add_bias_linear=False), False), (dict(moe_router_bias=False), False),
+                    (dict(add_bias_linear=False, moe_router_bias=True), True)):
+        c = _moe_config(**kw)
+        model = GPTModel(c, ParallelGroups.single())
+        assert sum(n.endswith("mlp.router.bias") for n, _ in model.named_parameters()) == (c.num_layers if has else 0)
+        assert num_parameters(c) == sum(p.numel() for p in model.parameters()), kw
+    c = _moe_config()
+    router = TopKRouter(c, partial_grad=False).eval()
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    E, h = c.num_experts, c.hidden_size
+    z = torch.stack([torch.randperm(E, generator=g) for _ in range(9)]).double() * 0.37
+    bias = torch.randperm(E, generator=g).double() * 0.37 * E
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E, h, dtype=torch.float64))
+        router.bias.copy_(bias)
+    probs, experts, _ = router(torch.cat([z, torch.zeros(9, h - E, dtype=torch.float64)], 1))
+    ref_probs, ref_experts, _ = _ref_routing(z + bias, c.moe_router_topk, False, 0.0)
+    assert torch.equal(experts, ref_experts)
+    torch.testing.assert_close(probs.double(), ref_probs, rtol=1e-5, atol=0)  # float32 routing

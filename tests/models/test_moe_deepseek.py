@@ -16,7 +16,7 @@ def _config(**kw):
 
     base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, seq_length=8,
                 max_position_embeddings=8, vocab_size=64, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=20,
-                params_dtype=torch.float64)
+                params_dtype=torch.float64, add_bias_linear=False)  # DeepSeek's layers, routers included, have no bias
     base.update(kw)
     return gpt2_tiny(**base)
 
@@ -140,3 +140,53 @@ def test_bias_leaves_evaluation_counts_alone():
 def test_deepseek_routing_refusals(kw, word):
     with pytest.raises(ConfigError, match=word):
         _config(**kw)
+
+
+def _ref_balance_loss(z: torch.Tensor, k: int, b: int, coeff: float, score_function: str, seq: bool) -> torch.Tensor:
+    """The load-balancing loss of logits ``z [s*b, E]`` (token ``i * b + j``) as DeepSeek-V3 / Megatron define it,
+    token by token: scores ``s'`` (softmax, or the sigmoid normalised over all E experts, for any k), counts of
+    each token's top k of ``s'`` over ALL experts (no group limit, no expert bias), ``coeff * E / k * sum_e f_e P_e``
+    per sequence (``seq``) or over the micro-batch, with ``f_e`` the count share and ``P_e`` the mean score."""
+    T, E = z.shape
+    rows = [[i * b + j for i in range(T // b)] for j in range(b)] if seq else [list(range(T))]
+    total = 0.0
+    for tokens in rows:
+        for e in range(E):
+            count, p = 0.0, 0.0
+            for t in tokens:
+                act = [torch.exp(z[t, x]) if score_function == "softmax" else torch.sigmoid(z[t, x]) for x in range(E)]
+                s = [a / sum(act) for a in act]
+                count += 1.0 if e in sorted(range(E), key=lambda x: -s[x].item())[:k] else 0.0
+                p = p + s[e]
+            total = total + E / k * (count / len(tokens)) * (p / len(tokens))
+    return coeff * total / len(rows)
+
+
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss"])
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_balance_loss_counts_the_unbiased_unrestricted_top_k(case, balancing):
+    """The load-balancing loss counts each token's top k of its scores over all experts, not the router's picks
+    (which the group limit and the expert bias steer): value and input gradient against :func:`_ref_balance_loss`.
+    Logits are set exactly (router weight [I | 0]) and spaced 0.37 apart, so float32 routing has no near-ties."""
+    from omnitron.core.transformer.moe.router import TopKRouter
+
+    c = _config(**CASES[case], moe_router_load_balancing_type=balancing, moe_aux_loss_coeff=0.07)
+    router = TopKRouter(c, partial_grad=False).train()
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    E, k, b = c.num_experts, c.moe_router_topk, 3
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E, c.hidden_size, dtype=torch.float64))
+        if router.expert_bias is not None:
+            router.expert_bias.copy_(torch.randn(E, generator=gen) * 0.5)
+    z = torch.stack([torch.randperm(E, generator=gen) for _ in range(4 * b)]).double() * 0.37 - 1.3
+    x = torch.cat([z, torch.zeros(4 * b, c.hidden_size - E, dtype=torch.float64)], 1).requires_grad_(True)
+    _, experts, aux = router(x, b)
+    unrestricted = torch.topk(z, k, dim=1)[1]  # the scores' order is the logits' for softmax and sigmoid alike
+    assert not torch.equal(experts.sort(1)[0], unrestricted.sort(1)[0])  # the case steers some pick
+    zr = z.clone().requires_grad_(True)
+    ref = _ref_balance_loss(zr, k, b, 0.07, c.moe_router_score_function, balancing == "seq_aux_loss")
+    # the router computes in float32: scores and their sums carry ~E u32 ~ 1e-6 relative error
+    torch.testing.assert_close(aux.double(), ref.detach(), rtol=1e-5, atol=0)
+    aux.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad[:, :E], zr.grad, rtol=1e-5, atol=1e-9)

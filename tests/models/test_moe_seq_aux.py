@@ -13,7 +13,7 @@ from omnitron.core.transformer.moe.router import top_k_routing
 def _ref_seq_aux(logits: torch.Tensor, experts: torch.Tensor, s: int, b: int, k: int, coeff: float,
                  score_function: str) -> torch.Tensor:
     """``coeff * mean_j sum_e f_je P_je``: ``f_je = E / (k s) * #{t in seq j: e picked}``, ``P_je = mean_t
-    s'_te`` with ``s'`` the softmax, or the sigmoid normalised over the experts (k > 1). Token ``i * b + j``."""
+    s'_te`` with ``s'`` the softmax, or the sigmoid normalised over the experts (any k). Token ``i * b + j``."""
     E = logits.shape[1]
     total = 0.0
     for j in range(b):
@@ -27,7 +27,7 @@ def _ref_seq_aux(logits: torch.Tensor, experts: torch.Tensor, s: int, b: int, k:
                     p = p + torch.exp(logits[t, e]) / z
                 else:
                     sig = [torch.sigmoid(logits[t, x]) for x in range(E)]
-                    p = p + (sig[e] / sum(sig) if k > 1 else sig[e])
+                    p = p + sig[e] / sum(sig)
             total = total + f * p / s
     return coeff * total / b
 
@@ -43,7 +43,7 @@ def test_seq_aux_loss_matches_its_definition(score_function):
         else:
             experts = sigmoid_routing(logits, k)[1]
         ref = _ref_seq_aux(ref_in, experts, s, b, k, 0.03, score_function)
-        ours = sequence_load_balancing_loss(aux_loss_scores(ours_in, k, score_function), experts, b, E, 0.03)
+        ours = sequence_load_balancing_loss(aux_loss_scores(ours_in, score_function), experts, b, E, 0.03)
         # float64 sums of O(s E) terms of size O(1): rounding ~1e-15 relative
         torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
         ref.backward()
@@ -52,7 +52,7 @@ def test_seq_aux_loss_matches_its_definition(score_function):
         if b > 1:  # not the micro-batch's loss: that one pools the sequences' counts and scores
             from omnitron.core.transformer.moe import load_balancing_loss
 
-            pooled = load_balancing_loss(aux_loss_scores(logits, k, score_function), experts, E, 0.03)
+            pooled = load_balancing_loss(aux_loss_scores(logits, score_function), experts, E, 0.03)
             assert abs(pooled.item() - ref.item()) > 1e-9
 
 
@@ -69,9 +69,10 @@ def test_moe_layer_passes_the_batch_to_the_seq_aux_loss():
     layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
+        layer.router.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(6))  # --add-bias-linear's
     x = torch.randn(8, 3, c.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     layer(x)
-    logits = x.reshape(-1, c.hidden_size) @ layer.router.weight.t()
+    logits = x.reshape(-1, c.hidden_size) @ layer.router.weight.t() + layer.router.bias
     experts = sigmoid_routing(logits.float(), 2)[1]  # the router picks on float32 logits
     ref = _ref_seq_aux(logits, experts, 8, 3, 2, 0.1, "sigmoid")
     # the router runs in float32: logits carry ~1e-7 relative error, the loss (a sum of positive terms) too

@@ -100,9 +100,9 @@ def _layer_run(coll, tp: int, ep: int, sp: bool, etp: int) -> dict:
     y, _ = layer(x)
     (y * w).sum().backward()
     grads = _layer_grads(layer)
-    router = grads.pop("router.weight")
+    router = {k: grads.pop(k) for k in [k for k in grads if k.startswith("router.")]}  # weight, and bias (biases on)
     for group in ((groups.tp,) if sp and tp > 1 else ()) + (groups.dp_cp,):  # router: partial over tokens
-        router = M.all_reduce(router, group)
+        router = {k: M.all_reduce(g, group) for k, g in router.items()}
     params = dict(layer.named_parameters())
     for name, g in grads.items():  # experts: summed over the ranks holding the same experts, etp shards merged
         if groups.edp.handle is not None:
@@ -251,7 +251,9 @@ def _check_layer(ranks: list[dict], refs: dict) -> None:
             where = f"tp{tp} ep{ep} sp{sp} etp{etp}"
             torch.testing.assert_close(res["y"], y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} y: {m}")
             torch.testing.assert_close(res["dx"], dx, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} dx: {m}")
-            torch.testing.assert_close(res["router"], ref["grads"]["router.weight"], rtol=1e-5, atol=1e-6)
+            assert res["router"].keys() == {k for k in ref["grads"] if k.startswith("router.")}, where
+            for name, g in res["router"].items():
+                torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6)
             assert res["aux"] == pytest.approx(ref["aux_per_dp"][d], rel=1e-5), where
             assert res["experts"].keys() == {k for k in ref["grads"] if k.startswith("experts.")}, where
             for name, g in res["experts"].items():

@@ -184,6 +184,11 @@ MOE = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--num
 routing)."""
 
 
+def _top1(k: int) -> list[str]:
+    """Top-1 softmax routing trains only with --moe-router-pre-softmax (as Megatron requires)."""
+    return ["--moe-router-pre-softmax"] if k == 1 else []
+
+
 @pytest.mark.parametrize("recipe,extra", [("tensorwise", ["--bf16"]),
                                           ("tensorwise", ["--bf16", "--moe-shared-expert-intermediate-size", "32"]),
                                           ("delayed", ["--moe-shared-expert-intermediate-size", "32"])])
@@ -203,7 +208,7 @@ def test_moe_experts_saved_inputs_against_a_real_fp8_forward(recipe, extra):
     argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
             "--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid", "--fp8-recipe", recipe, *MOE,
-            "--moe-router-topk", str(k), "--moe-ffn-hidden-size", str(f), *extra]
+            "--moe-router-topk", str(k), "--moe-ffn-hidden-size", str(f), *extra, *_top1(k)]
     s = parse_settings(argv, 2)
     cfg = model_config(s)
     plain, fp8 = _saved(cfg, Layout(pp=2)), _saved(cfg, Layout(pp=2), s.fp8)
@@ -227,7 +232,7 @@ def test_moe_grouped_gemm_experts_run_fp8_as_priced():
     argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
             "--pipeline-model-parallel-size", "2", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", *MOE,
-            "--moe-router-topk", str(k), "--moe-ffn-hidden-size", str(f), "--bf16", "--moe-grouped-gemm"]
+            "--moe-router-topk", str(k), "--moe-ffn-hidden-size", str(f), "--bf16", "--moe-grouped-gemm", *_top1(k)]
     s = parse_settings(argv, 2)
     cfg = model_config(s)
     priced, cached = experts_as_run(s, cfg), {}

@@ -97,7 +97,7 @@ def _round_robin(self, x, batch_size=1):
     probs = torch.softmax(logits.gather(1, experts), dim=-1)
     aux = None
     if self.coeff > 0.0:
-        aux = load_balancing_loss(aux_loss_scores(logits, self.k, self.score_function), experts, self.num_experts,
+        aux = load_balancing_loss(aux_loss_scores(logits, self.score_function), experts, self.num_experts,
                                   self.coeff, self.stats_group)
     return probs, experts, aux
 

@@ -4,6 +4,7 @@ whose model computes otherwise than the checkpoint's where no weight shape shows
 naming each flag with both values, and lets the run's own choices (dropout, recomputation, ...) change."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -139,3 +140,22 @@ def test_model_settings_are_compared_as_the_model_uses_them():
                      (dict(window_attn_skip_freq=None), "--window-attn-skip-freq checkpoint 2, this run none")):
         with pytest.raises(CheckpointError, match=flag):
             check_model_settings(model_dict(base), model_dict(replace(base, **kw)), "D")
+
+
+def test_a_checkpoint_of_routers_without_bias_keeps_them(tmp_path):
+    """An MoE checkpoint written before the router bias followed --add-bias-linear records ``moe_router_bias``
+    False (no flag sets it): a run loading it takes that and trains on; a fresh run has the bias (Megatron's)."""
+    from omnitron.core.checkpoint.hf import write_weights_checkpoint
+    from omnitron.core.checkpoint.reshard import Layout
+    from tests.checkpoint.test_megatron_dist import _weights
+
+    flags = _run(tmp_path, "--model", "gpt2_tiny", "--num-experts", "4", "--vocab-size", "90", "--train-iters", "1")
+    cfg = parse_settings(flags, 1).model
+    assert cfg.moe_router_bias is None and cfg.add_bias_linear  # fresh: Megatron's rule, a router bias
+    old = dataclasses.replace(cfg, moe_router_bias=False, vocab_size=91)  # NullTokenizer: 90 + its eod
+    write_weights_checkpoint(_weights(old, seed=3), old, str(tmp_path / "old"), Layout(),
+                             config={"tokenizer_type": "NullTokenizer"})
+    again = parse_settings(flags + ["--load", str(tmp_path / "old")], 1)
+    assert again.model.moe_router_bias is False
+    check_resume(again)
+    assert train(again, get_backend("cpu"))["losses"]

@@ -2,9 +2,9 @@
 histogram a run writes, against an independent count, and ``omnitron plan --moe-expert-load`` reading it.
 
 Reference: every training forward's router input and gate weight, captured on each rank, routed again in the
-test process with plain torch (``topk`` of ``x.float() @ w.float().T``, the default softmax router's picks are its
-largest logits) and counted per decoder MoE layer, in the model's order (the layer index from the module's name
-on whichever stage holds it). The run drops assignments at a capacity factor of 0.5, so its counter must count
+test process with plain torch (``topk`` of ``x.float() @ w.float().T + b``, the default softmax router's picks are
+its largest logits; ``b``: the router bias --add-bias-linear gives it, as Megatron's) and counted per decoder MoE
+layer, in the model's order (the layer index from the module's name on whichever stage holds it). The run drops assignments at a capacity factor of 0.5, so its counter must count
 the picks before the capacity (each row then sums to tokens x top-k x steps x dp, which the capacity would cut).
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ def _argv(root: str, extra: list[str]) -> list[str]:
 
 
 def _train(argv: list[str], world: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Train; (global layer, router input, gate weight) of every training forward's router on this rank."""
+    """Train; (global layer, router input, gate weight, gate bias or None) of every training forward's router on
+    this rank."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
@@ -40,7 +41,8 @@ def _train(argv: list[str], world: int) -> list[tuple[int, torch.Tensor, torch.T
 
     def recorded(self, x, batch_size=1):  # a forward run inside backward is a recomputation: not a new forward
         if self.training and torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
-            seen.append((self, x.detach().clone(), self.weight.detach().clone()))
+            bias = None if self.bias is None else self.bias.detach().clone()
+            seen.append((self, x.detach().clone(), self.weight.detach().clone(), bias))
         return forward(self, x, batch_size)
 
     TopKRouter.forward = recorded
@@ -50,14 +52,15 @@ def _train(argv: list[str], world: int) -> list[tuple[int, torch.Tensor, torch.T
         TopKRouter.forward = forward
     names = {id(m): name for chunk in c.modules for name, m in chunk.named_modules()}
     # "decoder.layers.<global index>.mlp.router" (a multi-token prediction depth's router is not a decoder layer's)
-    return [(int(names[id(r)].split(".")[-3]), x, w) for r, x, w in seen if names[id(r)].startswith("decoder.")]
+    return [(int(names[id(r)].split(".")[-3]), x, w, b) for r, x, w, b in seen if names[id(r)].startswith("decoder.")]
 
 
 def _reference(captured: list, pattern: list[bool], k: int, E: int) -> list[list[int]]:
     rows = [i for i, moe in enumerate(pattern) if moe]
     table = [[0] * E for _ in rows]
-    for layer, x, w in captured:
-        picks = torch.topk(F.linear(x.float(), w.float()), k, dim=-1).indices.reshape(-1)
+    for layer, x, w, b in captured:
+        picks = torch.topk(F.linear(x.float(), w.float(), None if b is None else b.float()), k, dim=-1).indices
+        picks = picks.reshape(-1)
         for e, n in enumerate(torch.bincount(picks, minlength=E).tolist()):
             table[rows.index(layer)][e] += n
     return table

@@ -29,6 +29,7 @@ import torch
 from omnitron.core.checkpoint.hf_llama import (HFConversionError, Rule, _check, _llama_config, _llama_fields,
                                                _llama_rules, _need)
 from omnitron.core.checkpoint.hf_yarn import _rope_kind, _yarn_rope, _yarn_to_hf
+from omnitron.core.models.gpt.config import router_bias
 from omnitron.core.transformer.shapes import ffn_size
 
 
@@ -146,7 +147,7 @@ def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
     if cfg.moe_shared_expert_intermediate_size or cfg.moe_router_score_function != "softmax" or \
-            cfg.moe_router_group_topk or cfg.moe_router_topk_scaling_factor or cfg.moe_router_bias:
+            cfg.moe_router_group_topk or cfg.moe_router_topk_scaling_factor or router_bias(cfg):
         raise HFConversionError("a Hugging Face Qwen3-MoE model routes on a softmax without groups, scaling, bias or "
                                 "shared experts; this model differs")
     pattern = moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
@@ -238,7 +239,7 @@ def gpt_oss_to_hf(cfg, dtype: str) -> dict:
     from omnitron.core.transformer.window import parse_window, window_layers
 
     window = parse_window(cfg.window_size)
-    if (not cfg.add_bias_linear or not cfg.moe_router_bias or cfg.glu_linear_offset != 1.0
+    if (not cfg.add_bias_linear or not router_bias(cfg) or cfg.glu_linear_offset != 1.0
             or cfg.activation_func_clamp_value is None or cfg.moe_shared_expert_intermediate_size
             or cfg.moe_ffn_hidden_size not in (None, ffn_size(cfg)) or cfg.moe_router_score_function != "softmax"
             or cfg.moe_router_pre_softmax or (window is not None and window[0] < 0)):

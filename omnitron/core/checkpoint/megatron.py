@@ -42,6 +42,7 @@ enums in ``args``) become inert placeholders; anything else is refused in one li
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 
@@ -132,8 +133,6 @@ def _reject_unsupported(args: dict) -> None:
               ("squared_relu", not args.get("squared_relu"), "omnitron's MLP is GeLU or SwiGLU"),
               ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
                "omnitron's residual is taken before the norm"),
-              ("moe_router_pre_softmax", not (args.get("moe_router_pre_softmax") and args.get("moe_router_topk_scaling_"
-               "factor")), "omnitron scales the top-k probabilities without --moe-router-pre-softmax only"),
               ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
     for key, ok, why in checks:
         if not ok:
@@ -329,8 +328,10 @@ def _to_omnitron_names(sd: dict, offset: int, path: str) -> tuple[dict, int]:
     return out, len(layers)
 
 
-def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: str) -> dict:
-    """omnitron's full state from :func:`read_shards`' per-rank model state dicts."""
+def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: str, *,
+                        whole_experts: bool = False) -> dict:
+    """omnitron's full state from :func:`read_shards`' per-rank model state dicts. ``whole_experts``: the routed
+    experts are whole on every tp rank (Megatron's --expert-tensor-parallel-size 1), not split like the MLP."""
     tp = 1 + max(t for t, _ in shards)
     pp = 1 + max(p for _, p in shards)
     chunks = len(shards[(0, 0)])
@@ -347,7 +348,10 @@ def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: st
                     raise MegatronConversionError(f"{path}: stage {p} tensor ranks 0 and {t} disagree on {odd}; "
                                                   f"the checkpoint is corrupt")
             for name in renamed[0][0]:
-                full[name] = _merge(name, [sd[name] for sd, _ in renamed], cfg).contiguous()
+                parts = [sd[name] for sd, _ in renamed]
+                if whole_experts and ".mlp.experts." in name:
+                    parts = parts[:1]  # the same expert on every tp rank
+                full[name] = _merge(name, parts, cfg).contiguous()
             offset += renamed[0][1]
     _check_state(full, cfg, path)
     return full
@@ -356,11 +360,11 @@ def state_from_megatron(shards: dict[tuple[int, int], list[dict]], cfg, path: st
 def stage_state_dicts(full: dict, cfg, tp: int, pp: int, transformer_impl: str) -> dict[tuple[int, int], dict]:
     """``{(tp_rank, pp_rank): Megatron-Core model state dict}`` of omnitron full state ``full``
     (even pipeline split, local layer numbers, TE-fused norm names unless ``local``)."""
-    from omnitron.core.checkpoint.megatron_dist import _zero_expert_bias
+    from omnitron.core.checkpoint.megatron_dist import _zero_router_extras
 
     per, te, mla = cfg.num_layers // pp, transformer_impl == "transformer_engine", bool(cfg.multi_latent_attention)
     out = {(t, p): {} for p in range(pp) for t in range(tp)}
-    for name, t in {**_zero_expert_bias(cfg), **full}.items():
+    for name, t in {**_zero_router_extras(cfg), **full}.items():
         layer = layer_of(name)
         stages = [layer[1] // per] if layer and layer[1] is not None else [0] if name.startswith("embedding.") \
             else [pp - 1]
@@ -405,6 +409,15 @@ def _tokenizer_settings(args: dict, cfg) -> dict:
     return {"tokenizer_type": "NullTokenizer", "vocab_size": cfg.vocab_size - 1}  # NullTokenizer adds its eod
 
 
+def _with_saved_router_bias(cfg, names):
+    """``cfg`` with a router bias iff the checkpoint (tensor ``names``) holds one: Megatron-Core's routers have it
+    with --add-bias-linear since 0.15, not before."""
+    from omnitron.core.models.gpt.config import router_bias
+
+    saved = any(n.endswith("mlp.router.bias") for n in names)
+    return cfg if not cfg.num_experts or saved == router_bias(cfg) else dataclasses.replace(cfg, moe_router_bias=saved)
+
+
 def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None = None) -> str:
     """Write the Megatron checkpoint ``load`` (a ``--save`` directory or an ``iter_N`` one) as an
     omnitron checkpoint (iteration 0, weights only) in ``layout``; returns its directory.
@@ -415,19 +428,23 @@ def import_megatron(load: str, save_dir: str, layout, *, vocab_size: int | None 
     if megatron_dist.is_torch_dist(iter_dir):
         fmt, (args, tensors) = "torch_dist", megatron_dist.read(iter_dir)
         dtype = tensors.get("embedding.word_embeddings.weight", next(iter(tensors.values()))).dtype
-        cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
+        cfg = _with_saved_router_bias(config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args),
+                                                           dtype=dtype), tensors)
         full = megatron_dist.state_from_tensors(tensors, cfg, iter_dir)
         del tensors
     else:
         fmt, (args, shards) = "torch", read_shards(iter_dir)
         dtype = next(t.dtype for sd in shards[(0, 0)] for t in sd.values() if isinstance(t, torch.Tensor))
-        cfg = config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args), dtype=dtype)
+        cfg = _with_saved_router_bias(config_from_megatron(args, vocab_size=vocab_size or real_vocab_size(args),
+                                                           dtype=dtype),
+                                     [n for chunks in shards.values() for sd in chunks for n in sd])
         tp = int(args.get("tensor_model_parallel_size") or 1)
         if tp > 1 and (cfg.multi_latent_attention or cfg.mtp_num_layers):
             raise MegatronConversionError(f"{iter_dir}: an MLA / MTP checkpoint at tensor parallel {tp} in "
                                           f"--ckpt-format torch (its shards depend on the layer spec); re-save it "
                                           f"with --ckpt-format torch_dist or at tp 1")
-        full = state_from_megatron(shards, cfg, iter_dir)
+        whole = tp > 1 and int(args.get("expert_tensor_parallel_size") or tp) == 1
+        full = state_from_megatron(shards, cfg, iter_dir, whole_experts=whole)
         del shards
     source = {"megatron_dir": os.path.abspath(iter_dir), "iteration": args.get("iteration"), "ckpt_format": fmt,
               "tensor_model_parallel_size": args.get("tensor_model_parallel_size", 1),
@@ -477,7 +494,7 @@ def _write_rank_files(full: dict, cfg, args, out_dir: str, it: int, tp: int, pp:
 
 def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str, ckpt_format: str = "torch") -> None:
     """Raise naming the flag when Megatron's layout cannot hold ``cfg`` at ``tp`` x ``pp``."""
-    from omnitron.core.models.gpt.config import ffn_size, query_groups
+    from omnitron.core.models.gpt.config import ffn_size, query_groups, router_bias
 
     if tp < 1 or pp < 1:
         raise MegatronConversionError(f"--target-tensor-model-parallel-size {tp} / --target-pipeline-model-parallel-"
@@ -488,7 +505,8 @@ def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str, ckpt_format:
               (tp == 1 or ckpt_format == "torch_dist" or not (cfg.multi_latent_attention or cfg.mtp_num_layers),
                f"--target-tensor-model-parallel-size {tp} with --ckpt-format torch: MLA's down projections and MTP's "
                f"eh_proj split differently under Megatron's TE and local specs; use --ckpt-format torch_dist"),
-              (not cfg.moe_router_bias, "the router's bias (gpt-oss): Megatron-Core's TopKRouter has none"),
+              (cfg.add_bias_linear or not router_bias(cfg), "a router bias without --add-bias-linear: "
+               "Megatron-Core's TopKRouter has one exactly with --add-bias-linear"),
               (cfg.multi_latent_attention or cfg.rotary_scaling_factor == 1.0,
                f"--rotary-scaling-factor {cfg.rotary_scaling_factor}: YaRN on grouped-query attention does not "
                f"export to Megatron yet (its GPT args would say plain RoPE)"),

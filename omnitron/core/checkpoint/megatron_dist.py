@@ -215,7 +215,7 @@ def megatron_tensors(full: dict, cfg, tp: int) -> dict[str, torch.Tensor]:
     from omnitron.core.models.gpt.config import padded_vocab_size
 
     mla, out, per, experts = bool(cfg.multi_latent_attention), {}, {}, {}
-    for name, t in {**_zero_expert_bias(cfg), **full}.items():
+    for name, t in {**_zero_router_extras(cfg), **full}.items():
         layer = layer_of(name)
         if layer is None:
             pad = padded_vocab_size(cfg, tp) - t.shape[0] if name in _VOCAB else 0
@@ -237,13 +237,21 @@ def megatron_tensors(full: dict, cfg, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _zero_expert_bias(cfg) -> dict[str, torch.Tensor]:
-    """A zero ``mlp.router.expert_bias`` (float32, as Megatron's buffer) of every MoE layer whose router has one."""
-    if not (cfg.num_experts and cfg.moe_router_enable_expert_bias):
+def _zero_router_extras(cfg) -> dict[str, torch.Tensor]:
+    """Zero router tensors Megatron's model holds where omnitron's may not (the state's own, when present, replace
+    them): ``mlp.router.expert_bias`` (float32, as Megatron's buffer) of every MoE layer whose router has one, and
+    with --add-bias-linear Megatron's ``mlp.router.bias`` (a model of ``moe_router_bias`` False has none: zero is
+    the same function)."""
+    if not cfg.num_experts:
         return {}
     prefixes = [f"decoder.layers.{i}." for i in range(cfg.num_layers) if is_moe(cfg, i)]
     prefixes += [f"mtp.layers.{k}.transformer_layer." for k in range(cfg.mtp_num_layers or 0) if is_moe(cfg, None)]
-    return {f"{p}mlp.router.expert_bias": torch.zeros(cfg.num_experts) for p in prefixes}
+    out = {}
+    if cfg.moe_router_enable_expert_bias:
+        out.update({f"{p}mlp.router.expert_bias": torch.zeros(cfg.num_experts) for p in prefixes})
+    if cfg.add_bias_linear:
+        out.update({f"{p}mlp.router.bias": torch.zeros(cfg.num_experts, dtype=cfg.params_dtype) for p in prefixes})
+    return out
 
 
 def pieces_of(key: str, g: torch.Tensor, tp: int, swiglu: bool) -> list[tuple[tuple[int, ...], torch.Tensor]]:

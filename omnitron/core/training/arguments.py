@@ -477,6 +477,10 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     if training.calculate_per_token_loss and getattr(model, "num_experts", None):
         raise ConfigError("--calculate-per-token-loss with MoE: the load-balancing loss is weighted per micro-batch, "
                           "not per token, yet; drop --calculate-per-token-loss (or train a dense model)")
+    if getattr(model, "num_experts", None):
+        from omnitron.core.transformer.moe.validate import check_router_trains
+
+        check_router_trains(model)
     _check_mtp(merged, family.name, training)
     if parallel.overlap_moe_expert_parallel_comm:
         from omnitron.core.parallel.pipeline.combined import check_schedule

@@ -39,10 +39,17 @@ _TOKENIZER = ("model_type", "tokenizer_type", "tokenizer_model", "vocab_file", "
               "tokenizer_prompt_format", "image_tag_type", "tokenizer_hf_no_include_special_tokens")
 
 
+UNFLAGGED = ("moe_router_bias",)
+"""Model fields no flag sets (a preset may): a run loading a checkpoint takes the checkpoint's value when its own
+command line leaves them unset (a checkpoint written before the router bias followed --add-bias-linear holds
+False, and its routers no bias)."""
+
+
 def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
-    """``merged`` with the checkpoint's model and tokenizer settings when ``--use-checkpoint-args`` is on."""
+    """``merged`` with the checkpoint's model and tokenizer settings when ``--use-checkpoint-args`` is on (else
+    with the checkpoint's :data:`UNFLAGGED` fields the run leaves unset)."""
     if not merged.pop("use_checkpoint_args", False):
-        return merged
+        return _keep_unflagged(merged)
     from omnitron.core.checkpoint import CheckpointError
     from omnitron.core.checkpoint.io import find_latest, read_metadata
 
@@ -65,3 +72,20 @@ def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
              f" (replacing the command line's {', '.join('--' + k.replace('_', '-') for k in changed)})"
              if changed else "")
     return out
+
+
+def _keep_unflagged(merged: dict[str, Any]) -> dict[str, Any]:
+    """``merged`` plus the :data:`UNFLAGGED` model fields of the checkpoint under ``--load``, where it sets none
+    (no checkpoint, or one that cannot be read: unchanged, the resume check reports it)."""
+    unset = [k for k in UNFLAGGED if merged.get(k) is None]
+    if not (merged.get("load") and merged.get("num_experts") and unset):  # (all of them MoE settings)
+        return merged
+    from omnitron.core.checkpoint import CheckpointError
+    from omnitron.core.checkpoint.io import find_latest, read_metadata
+
+    try:
+        path = find_latest(merged["load"], quiet=True)
+        saved = read_metadata(path).get("model", {}) if path else {}
+    except CheckpointError:
+        return merged
+    return {**merged, **{k: saved[k] for k in unset if saved.get(k) is not None}}

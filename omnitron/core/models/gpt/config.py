@@ -214,9 +214,10 @@ class GPTConfig:
     """--glu-linear-offset: the gated MLP computes ``act(gate) * (up + offset)`` (gpt-oss: 1)."""
     activation_func_clamp_value: float | None = None
     """--activation-func-clamp-value: the gated MLP clamps the gate to at most C and up to [-C, C] (gpt-oss: 7)."""
-    moe_router_bias: bool = False
-    """A learned bias on the router's logits (gpt-oss's router; Megatron's gpt-oss support adds it with
-    --add-bias-linear). Off by default."""
+    moe_router_bias: bool | None = None
+    """A learned bias on the router's logits (:func:`router_bias`). None: Megatron-Core's rule (since 0.15), a
+    router bias iff --add-bias-linear; True / False: always / never (gpt-oss's router; a checkpoint written before
+    the rule records False)."""
     mtp_num_layers: int | None = None
     """--mtp-num-layers: multi-token prediction depths (DeepSeek-V3; transformer/mtp.py) on the last pipeline
     stage, depth k predicting the token k + 1 ahead (None: none)."""
@@ -485,7 +486,7 @@ def num_parameters(c: GPTConfig, *, tp: int = 1) -> int:
     if c.num_experts:  # MoE layers: E experts at --moe-ffn-hidden-size, the router [E, h], a shared expert
         from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 
-        moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h + (1 if c.moe_router_bias else 0))
+        moe = c.num_experts * (mlp(c.moe_ffn_hidden_size or f) + h + (1 if router_bias(c) else 0))
         if c.moe_shared_expert_intermediate_size:
             moe += mlp(c.moe_shared_expert_intermediate_size)
         pattern = moe_layer_pattern(c.moe_layer_freq, c.num_layers)
@@ -670,6 +671,13 @@ def gpt3(size: str, **overrides) -> GPTConfig:
     layers, hidden, heads = GPT3_SIZES[size]
     return replace(GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=2048,
                              max_position_embeddings=2048, vocab_size=50257), **overrides)
+
+
+def router_bias(c) -> bool:
+    """Whether an MoE router has a bias on its logits: ``moe_router_bias``, or when None, --add-bias-linear
+    (Megatron-Core's TopKRouter holds ``bias [E]`` exactly when ``add_bias_linear``)."""
+    own = getattr(c, "moe_router_bias", False)
+    return bool(c.add_bias_linear) if own is None else bool(own)
 
 
 def uses_rope(c: GPTConfig) -> bool:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnitron.core.models.gpt.config import router_bias
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.random import recomputing
 from omnitron.core.parallel.tensor.sharding import set_attributes
@@ -64,13 +65,21 @@ def sigmoid_routing(logits: torch.Tensor, k: int, groups: tuple[int, int] | None
     return (top / (top.sum(dim=-1, keepdim=True) + 1e-20) if k > 1 else top), experts
 
 
-def aux_loss_scores(logits: torch.Tensor, k: int, score_function: str) -> torch.Tensor:
-    """``[T, E]`` per-expert scores the load-balancing loss averages: the softmax, or the sigmoid
-    normalised over all experts (when ``k > 1``), as Megatron."""
+def aux_loss_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """``[T, E]`` per-expert scores the load-balancing loss averages: the softmax, or the sigmoid normalised over
+    all experts, whatever k (Megatron's ``compute_routing_scores_for_aux_loss``; DeepSeek-V3's ``s'``)."""
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1)
     scores = torch.sigmoid(logits)
-    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if k > 1 else scores
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def aux_loss_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``[T, k]``: the experts the load-balancing loss counts, the top k of the aux ``scores`` over ALL experts.
+    Not the router's picks: the expert bias and the group limit steer those, and the loss measures the unbiased,
+    unrestricted preference (Megatron's ``compute_routing_scores_for_aux_loss``, DeepSeek-V3's ``f_i``); without
+    either the two are the same experts."""
+    return torch.topk(scores.detach(), k, dim=-1)[1]
 
 
 def z_loss(logits: torch.Tensor, coeff: float, stats_group=None) -> torch.Tensor:
@@ -87,7 +96,7 @@ def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts
                         stats_group=None) -> torch.Tensor:
     """Switch/GShard auxiliary loss ``coeff * E * sum_e f_e * P_e``.
 
-    ``scores [T, E]``: softmax over all experts; ``experts [T, k]``: the picked ones.
+    ``scores [T, E]``: :func:`aux_loss_scores`; ``experts [T, k]``: :func:`aux_loss_picks`.
     ``f_e`` = share of the ``T * k`` assignments that went to expert e (no gradient);
     ``P_e`` = mean router probability of expert e. Both are over the tokens of every rank of
     ``stats_group`` (forward: all-reduce; backward: identity, each rank's tokens get their own
@@ -175,7 +184,7 @@ class TopKRouter(nn.Module):
                                      parallel=False, init=("normal", c.init_method_std))
         self.weight.sequence_parallel = partial_grad
         self.bias = None
-        if getattr(c, "moe_router_bias", False):  # gpt-oss's router bias on the logits
+        if router_bias(c):  # a bias on the logits (with --add-bias-linear, as Megatron; gpt-oss's router)
             self.bias = set_attributes(nn.Parameter(torch.empty(c.num_experts, dtype=c.params_dtype)),
                                        parallel=False, init=("zeros",))
             self.bias.sequence_parallel = partial_grad
@@ -210,12 +219,13 @@ class TopKRouter(nn.Module):
         aux = None
         if self.training and torch.is_grad_enabled():
             if self.coeff > 0.0:
-                scores = aux_loss_scores(logits, self.k, self.score_function)  # [T, E]
+                scores = aux_loss_scores(logits, self.score_function)  # [T, E]
+                picks = aux_loss_picks(scores, self.k)
                 if self.balancing == "seq_aux_loss":
-                    aux = sequence_load_balancing_loss(scores, experts, batch_size, self.num_experts, self.coeff,
+                    aux = sequence_load_balancing_loss(scores, picks, batch_size, self.num_experts, self.coeff,
                                                        self.stats_group)
                 else:
-                    aux = load_balancing_loss(scores, experts, self.num_experts, self.coeff, self.stats_group)
+                    aux = load_balancing_loss(scores, picks, self.num_experts, self.coeff, self.stats_group)
             if self.z_coeff > 0.0:
                 z = z_loss(logits, self.z_coeff, self.stats_group)
                 aux = z if aux is None else aux + z

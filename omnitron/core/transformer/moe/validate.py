@@ -73,6 +73,16 @@ def _check_deepseek_routing(c) -> None:
                           f"by its top topk // group-topk experts) and {gk} x the {e // g} experts of a group")
 
 
+def check_router_trains(c) -> None:
+    """Top-1 softmax routing after the pick gives every token the weight softmax([z]) = 1: the LM loss would send
+    the router no gradient. Megatron's TransformerConfig refuses it; so does a training run here (an imported
+    model that only runs keeps it: it computes the same)."""
+    if c.moe_router_topk == 1 and c.moe_router_score_function == "softmax" and not c.moe_router_pre_softmax:
+        raise ConfigError("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax: the softmax over "
+                          "the one picked logit is always 1, so the router would learn nothing from the LM loss; "
+                          "add --moe-router-pre-softmax (as Megatron requires) or use --moe-router-topk > 1")
+
+
 def validate_moe(c, parallel: ParallelConfig) -> None:
     """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp."""
     ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
