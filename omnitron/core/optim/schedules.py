@@ -5,7 +5,9 @@
 successful steps so far, or, in a ``--train-samples`` run, the samples they consumed (Megatron's scheduler
 starts at ``step(0)`` and advances after each successful optimizer step, so the first step of a warm-up from
 0 applies lr 0). A resumed run continues the exact schedule from the optimizer's step count or the state
-dict's sample count.
+dict's sample count. Megatron counts an iteration run in samples too (iterations x --global-batch-size): a resume
+under another --global-batch-size is a changed schedule (refused unless a flag says whose stands), and then counts
+the samples consumed over the batch size that stands.
 With ``--decoupled-lr`` the input embedding and output layer follow the same shape between
 ``--decoupled-lr`` and ``--decoupled-min-lr`` (Megatron's per-group max_lr / min_lr).
 The weight decay follows the same progress (Megatron's ``get_wd``): --weight-decay, or with
@@ -25,7 +27,8 @@ class LRScheduler:
     samples consumed before it), so with --lr-warmup-init 0 the first step applies lr 0, as Megatron's."""
 
     _KEYS = ("max_lr", "min_lr", "style", "warmup", "decay_iters", "wsd_decay", "wsd_style", "unit", "warmup_init",
-             "samples", "decoupled_max_lr", "decoupled_min_lr", "start_wd", "end_wd", "wd_style", "wd_incr")
+             "samples", "decoupled_max_lr", "decoupled_min_lr", "start_wd", "end_wd", "wd_style", "wd_incr",
+             "per_step")
 
     def __init__(self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None,
                  global_batch_size: int = 1, varying_batch: bool = False) -> None:
@@ -49,8 +52,9 @@ class LRScheduler:
         self.samples = 0
         """Samples of the successful steps so far (the progress of a sample-counted schedule)."""
         self.varying_batch = varying_batch
-        """An iteration-counted run whose batch size changes (--step-batch-size-schedule): Megatron's progress is
-        then the samples consumed over --global-batch-size, not the step count."""
+        """An iteration-counted run whose batch size changes (--step-batch-size-schedule, or a resume under another
+        --global-batch-size): Megatron's progress is then the samples consumed over ``per_step``, not the step
+        count."""
         self.wd_style = config.weight_decay_incr_style
         constant = self.wd_style == "constant"
         self.start_wd = config.weight_decay if constant else config.start_weight_decay
@@ -123,10 +127,11 @@ class LRScheduler:
         checkpoint written before sample-counted schedules counts iterations. Returns the lines to log."""
         old = {"unit": "iterations", "samples": 0, "decoupled_max_lr": self.decoupled_max_lr,
                "decoupled_min_lr": self.decoupled_min_lr, "start_wd": self.start_wd, "end_wd": self.end_wd,
-               "wd_style": self.wd_style, "wd_incr": self.wd_incr}
+               "wd_style": self.wd_style, "wd_incr": self.wd_incr, "per_step": self.per_step}
         saved = {key: state[key] if key in state else old[key] for key, _ in _CHECKED}
         diffs = [(flag, saved[key], getattr(self, key)) for key, flag in _CHECKED if saved[key] != getattr(self, key)]
         self.samples = state.get("samples", 0)
+        rebatched = saved["per_step"] != self.per_step
         if not diffs:
             return []
         said = "; ".join(f"{flag}: {was!r} in the checkpoint, {now!r} now" for flag, was, now in diffs)
@@ -137,6 +142,7 @@ class LRScheduler:
         if keep == "checkpoint":
             for key, _ in _CHECKED:
                 setattr(self, key, saved[key])
+        self.varying_batch = self.varying_batch or rebatched  # progress: the samples over the batch that stands
         return [f"learning-rate schedule: the {keep}'s values stand ({said})"]
 
 
@@ -148,11 +154,13 @@ _CHECKED = (("unit", "the schedule's unit (--train-iters or --train-samples)"), 
             ("start_wd", "the first weight decay (--weight-decay, or --start-weight-decay)"),
             ("end_wd", "the last weight decay (--weight-decay, or --end-weight-decay)"),
             ("wd_style", "--weight-decay-incr-style"),
-            ("wd_incr", "the weight decay's rise (--train-iters or --train-samples)"))
+            ("wd_incr", "the weight decay's rise (--train-iters or --train-samples)"),
+            ("per_step", "--global-batch-size (the samples of an iteration, in which Megatron counts the schedule)"))
 """(setting, what the command line calls it): what Megatron's scheduler checks against a checkpoint (its
 ``_check_and_set``: max and min lr, warm-up and decay steps, decay style, the weight decay's ends, style and
-length), and the embedding's decoupled rates. A constant weight decay has no length (None): extending the run
-does not change it. Checkpoints written before the weight decay was scheduled count as the command line's."""
+length; all in samples, so a changed --global-batch-size too), and the embedding's decoupled rates. A constant
+weight decay has no length (None): extending the run does not change it. Checkpoints written before the weight decay
+or the batch size was recorded count as the command line's."""
 
 
 def _shape(style: str, ratio: float) -> float:
