@@ -165,3 +165,41 @@ def test_training_run_applies_megatrons_weight_decay(tmp_path, backend):
     plain = run("b", "0.0")
     assert recs[0]["lm_loss"] == plain[0]["lm_loss"]  # step 1 decays by 0 in both
     assert recs[-1]["lm_loss"] != plain[-1]["lm_loss"]
+
+
+def _megatron_no_wd(name, shape, apply_wd_to_qk_layernorm):
+    """get_standard_config_overrides' wd_mult 0 predicate, transcribed (names as Megatron-Core's, which omnitron's
+    GPT uses: ``self_attention.q_layernorm.weight``, ...)."""
+    if apply_wd_to_qk_layernorm:
+        return (len(shape) == 1 or name.endswith(".bias")) and not ("q_layernorm." in name or "k_layernorm." in name)
+    return len(shape) == 1 or name.endswith(".bias")
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_qk_layernorm_decay_is_megatrons_rule(flag, backend):
+    """--apply-wd-to-qk-layernorm: an SGD step on zero gradients scales exactly the decayed parameters by
+    1 - lr x wd (the others stay), and those are Megatron's (the q/k norms too with the flag)."""
+    from omnitron.core.models.gpt import GPTModel, gpt2_tiny
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--mock-data", "--vocab-size",
+            "64", "--tokenizer-type", "NullTokenizer"]
+    cfg = parse_settings(base + ["--optimizer", "sgd", "--sgd-momentum", "0", "--weight-decay", "0.25",
+                                 "--clip-grad", "0"] + (["--apply-wd-to-qk-layernorm"] if flag else []), 1).optim
+    assert cfg.apply_wd_to_qk_layernorm is flag
+    model = GPTModel(gpt2_tiny(vocab_size=64, num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               seq_length=8, qk_layernorm=True), ParallelGroups.single(), seed=3).to(backend.device())
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at ones and zeros: make every decay visible
+            p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.device) + 0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(), backend=backend).step(0.4)
+    names = [n for n, _ in model.named_parameters()]
+    assert any("q_layernorm." in n for n in names) and any("k_layernorm." in n for n in names)
+    for name, p in model.named_parameters():
+        decayed = not _megatron_no_wd(name, tuple(p.shape), flag)
+        # one fp32 multiply by 1 - 0.1: within one rounding of the float64 product
+        want = before[name].double() * (1 - 0.4 * 0.25) if decayed else before[name].double()
+        torch.testing.assert_close(p.detach().double(), want, rtol=1e-7, atol=0), name

@@ -49,6 +49,9 @@ class OptimizerConfig:
     """--decoupled-min-lr: where the decoupled rate's decay ends (default: --min-lr)."""
     weight_decay: float = 0.01
     """--weight-decay: decoupled decay; never applied to biases and norm weights (1-D parameters)."""
+    apply_wd_to_qk_layernorm: bool = False
+    """--apply-wd-to-qk-layernorm: decay the query and key norms' weights and biases too (``q_layernorm`` /
+    ``k_layernorm``; Megatron's exception for Qwen3-Next)."""
     weight_decay_incr_style: str = "constant"
     """--weight-decay-incr-style {constant,linear,cosine}: constant applies --weight-decay throughout; linear and
     cosine rise from --start-weight-decay to --end-weight-decay over the run (--train-iters or --train-samples,

@@ -31,8 +31,12 @@ class StepResult:
     """Gradient elements exactly zero, each counted once (only when the step was asked to count)."""
 
 
-def _decays(name: str, param: torch.nn.Parameter) -> bool:
-    """Biases and norm weights (all 1-D tensors) are not decayed."""
+def _decays(name: str, param: torch.nn.Parameter, qk_layernorm: bool = False) -> bool:
+    """Biases and norm weights (all 1-D tensors) are not decayed; with ``qk_layernorm``
+    (--apply-wd-to-qk-layernorm) the query and key norms' weights and biases are (Megatron's rule in
+    ``get_standard_config_overrides``, by the same parameter names)."""
+    if qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+        return True
     return param.ndim > 1 and not name.endswith(".bias")
 
 
@@ -71,7 +75,7 @@ class MixedPrecisionOptimizer:
 
     def _build_masters(self) -> None:
         """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
-        self.decay = [_decays(n, p) for n, p in zip(self.names, self.params)]
+        self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
         self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
 
