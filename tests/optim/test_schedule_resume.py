@@ -77,6 +77,33 @@ def test_the_flag_chooses_which_schedule_stands(keep):
         new.advance(1)
 
 
+@pytest.mark.parametrize("keep", [None, "command line", "checkpoint"])
+def test_a_changed_global_batch_size_is_a_changed_schedule(keep):
+    """Megatron counts an iteration run in samples (warm-up and decay x --global-batch-size, progress the samples
+    consumed): resuming under another batch size changes its warm-up and decay steps, so the load stops unless a
+    flag says whose stand; then the progress is the checkpoint's samples over the batch size that stands."""
+    rng = random.Random()
+    old_gbs, new_gbs, warmup, decay = rng.choice([2, 4]), rng.choice([6, 8]), 3, rng.randrange(20, 40)
+    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_iters=warmup, lr_decay_iters=decay)
+    old = LRScheduler(cfg, decay, None, old_gbs)
+    done = rng.randrange(2, 10)
+    for _ in range(done):
+        old.advance(old_gbs)
+    new = LRScheduler(cfg, decay, None, new_gbs)
+    if keep is None:
+        with pytest.raises(ConfigError, match=f"--global-batch-size .*: {old_gbs} in the checkpoint, {new_gbs} now"):
+            new.load_state_dict(old.state_dict())
+        return
+    new.load_state_dict(old.state_dict(), keep)
+    stands = new_gbs if keep == "command line" else old_gbs
+    ref = MegatronScheduler(0.0, 1e-3, 1e-5, warmup * stands, decay * stands, "cosine")
+    ref.step(done * old_gbs)
+    for k in range(4):  # the same few float64 operations on the same numbers: a few ulp
+        assert new.lr_for_step(done + k, new_gbs) == pytest.approx(ref.lr, rel=1e-13)
+        new.advance(new_gbs)
+        ref.step(new_gbs)
+
+
 def _args(tmp_path, *extra):
     return ["--model", "gpt2_tiny", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",

@@ -49,6 +49,18 @@ class OptimizerConfig:
     """--decoupled-min-lr: where the decoupled rate's decay ends (default: --min-lr)."""
     weight_decay: float = 0.01
     """--weight-decay: decoupled decay; never applied to biases and norm weights (1-D parameters)."""
+    apply_wd_to_qk_layernorm: bool = False
+    """--apply-wd-to-qk-layernorm: decay the query and key norms' weights and biases too (``q_layernorm`` /
+    ``k_layernorm``; Megatron's exception for Qwen3-Next)."""
+    weight_decay_incr_style: str = "constant"
+    """--weight-decay-incr-style {constant,linear,cosine}: constant applies --weight-decay throughout; linear and
+    cosine rise from --start-weight-decay to --end-weight-decay over the run (--train-iters or --train-samples,
+    counted as the learning rate is), as Megatron's ``OptimizerParamScheduler.get_wd``."""
+    start_weight_decay: float | None = None
+    """--start-weight-decay: the weight decay of the first step (only with --weight-decay-incr-style linear|cosine)."""
+    end_weight_decay: float | None = None
+    """--end-weight-decay: the weight decay reached at the end of the run (only with --weight-decay-incr-style
+    linear|cosine)."""
     adam_beta1: float = 0.9
     """--adam-beta1."""
     adam_beta2: float = 0.999
@@ -114,6 +126,23 @@ class OptimizerConfig:
             raise ConfigError("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0:
             raise ConfigError("--clip-grad and --weight-decay must be >= 0")
+        self._check_weight_decay_incr()
+
+    def _check_weight_decay_incr(self) -> None:
+        """Megatron's rules (validate_args, OptimizerParamScheduler): a constant style takes --weight-decay alone;
+        linear and cosine take both ends, with 0 <= start <= end."""
+        style, start, end = self.weight_decay_incr_style, self.start_weight_decay, self.end_weight_decay
+        if style not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"--weight-decay-incr-style {style!r} is not supported; use constant, linear or cosine")
+        if style == "constant" and (start is not None or end is not None):
+            raise ConfigError("--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or "
+                              "cosine; a constant weight decay is --weight-decay")
+        if style != "constant" and (start is None or end is None):
+            raise ConfigError(f"--weight-decay-incr-style {style} needs both --start-weight-decay and "
+                              "--end-weight-decay")
+        if style != "constant" and not 0 <= start <= end:
+            raise ConfigError(f"need 0 <= --start-weight-decay ({start}) <= --end-weight-decay ({end}): the decay "
+                              "only increases (Megatron's rule)")
 
     def _check_muon(self) -> None:
         """The Muon settings, each against Megatron's choices."""

@@ -90,7 +90,8 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
     def _build_masters(self) -> None:
         """Masters, decay flags (and, through them, states) for this rank's slices only."""
         self.slices, self.plans = _plan_slices(self.params, self.chunks)
-        self.decay = [_decays(self.names[s.param], self.params[s.param]) for s in self.slices]
+        qk = self.config.apply_wd_to_qk_layernorm
+        self.decay = [_decays(self.names[s.param], self.params[s.param], qk) for s in self.slices]
         self.decoupled = [_decoupled(self.params[s.param]) for s in self.slices]
         self.masters = []
         for s in self.slices:

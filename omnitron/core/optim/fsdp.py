@@ -25,7 +25,7 @@ class FSDP2Optimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
     """:class:`MixedPrecisionOptimizer` over FSDP2's sharded fp32 parameters (see the module docstring)."""
 
     def _build_masters(self) -> None:
-        self.decay = [_decays(n, p) for n, p in zip(self.names, self.params)]
+        self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
         low = [(n, p.dtype) for n, p in zip(self.names, self.params) if p.dtype != torch.float32]
         if low:

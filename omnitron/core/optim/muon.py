@@ -89,8 +89,8 @@ class MuonMixin:
         u = {j: grads[j].lerp(mom[j], beta) if c.muon_nesterov else mom[j] for j in idx}
         updates = self._orthogonalized(u)
         for j in idx:
-            if c.weight_decay and self.decay[j]:
-                self.masters[j].mul_(1.0 - rates[j] * c.weight_decay)
+            if self.weight_decay and self.decay[j]:
+                self.masters[j].mul_(1.0 - rates[j] * self.weight_decay)
             self.masters[j].add_(updates[j], alpha=-rates[j])
 
     # ---- whole matrices ----------------------------------------------------------------

@@ -165,8 +165,8 @@ class OneBitAdam(MixedPrecisionOptimizer):
             compressed_all_reduce(flat, err, self.dp, self.backend.collectives)
         for i, (p, lr) in enumerate(zip(self.masters, rates)):
             m[i].mul_(v[i].ne(0))  # the compressed value of a masked element is its block's scale
-            if c.weight_decay and self.decay[i]:
-                p.mul_(1.0 - lr * c.weight_decay)
+            if self.weight_decay and self.decay[i]:
+                p.mul_(1.0 - lr * self.weight_decay)
             p.add_(m[i], alpha=-lr / bc1)
             m[i].mul_(_denominator(v[i], bc2, c.adam_eps))  # back to the momentum
 

@@ -31,8 +31,12 @@ class StepResult:
     """Gradient elements exactly zero, each counted once (only when the step was asked to count)."""
 
 
-def _decays(name: str, param: torch.nn.Parameter) -> bool:
-    """Biases and norm weights (all 1-D tensors) are not decayed."""
+def _decays(name: str, param: torch.nn.Parameter, qk_layernorm: bool = False) -> bool:
+    """Biases and norm weights (all 1-D tensors) are not decayed; with ``qk_layernorm``
+    (--apply-wd-to-qk-layernorm) the query and key norms' weights and biases are (Megatron's rule in
+    ``get_standard_config_overrides``, by the same parameter names)."""
+    if qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+        return True
     return param.ndim > 1 and not name.endswith(".bias")
 
 
@@ -61,6 +65,8 @@ class MixedPrecisionOptimizer:
                 self.params.append(p)
         self.duplicates = {id(p) for p in duplicates}
         self.step_count = 0
+        self.weight_decay = config.weight_decay
+        """The decay of the latest step (the schedule's with --weight-decay-incr-style; 1-D parameters get none)."""
         self.copy_timer = "optimizer-copy-main-to-model-params"
         """The timer name of :meth:`_copy_to_model` (``--timing-log-level 1``)."""
         self._build_masters()
@@ -69,7 +75,7 @@ class MixedPrecisionOptimizer:
 
     def _build_masters(self) -> None:
         """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
-        self.decay = [_decays(n, p) for n, p in zip(self.names, self.params)]
+        self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
         self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
 
@@ -155,10 +161,11 @@ class MixedPrecisionOptimizer:
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: float, *, count_zeros: bool = False, timers=None, check_norm=None,
-             decoupled_lr: float | None = None) -> StepResult:
+             decoupled_lr: float | None = None, weight_decay: float | None = None) -> StepResult:
         """Unscale, skip on overflow, clip, update the fp32 masters, copy them into the model (in that order).
 
         ``decoupled_lr``: the rate of the embedding and output layer (None: ``lr`` for every parameter).
+        ``weight_decay``: this step's decay of the decayed parameters (None: --weight-decay).
 
         ``count_zeros``: also count the zero gradient elements (after unscaling, before clipping).
         ``timers``: the run's :class:`~omnitron.core.training.timers.Timers` (times the copy into the model).
@@ -180,6 +187,7 @@ class MixedPrecisionOptimizer:
         if not coef >= 1.0:  # NOTE: also NaN (a NaN norm must not leave the gradients unclipped)
             torch._foreach_mul_(grads, coef)
         self.step_count += 1
+        self.weight_decay = self.config.weight_decay if weight_decay is None else weight_decay
         rates = [decoupled_lr if d and decoupled_lr is not None else lr for d in self.decoupled]
         if "exp_avg" in self.state:
             self._adamw(grads, rates)
@@ -214,15 +222,15 @@ class MixedPrecisionOptimizer:
                 [self.masters[i] for i in idx], [grads[i] for i in idx],
                 [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx],
                 step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
-                weight_decay=c.weight_decay if decay else 0.0)
+                weight_decay=self.weight_decay if decay else 0.0)
 
     def _sgd(self, grads: list[torch.Tensor], rates: list[float]) -> None:
         """torch.optim.SGD's rule: g += wd * p; buf = mu * buf + g; p -= lr * buf."""
         c = self.config
         bufs = self.state.get("momentum")
         for i, (m, g, lr) in enumerate(zip(self.masters, grads, rates)):
-            if c.weight_decay and self.decay[i]:
-                g = g.add(m, alpha=c.weight_decay)
+            if self.weight_decay and self.decay[i]:
+                g = g.add(m, alpha=self.weight_decay)
             if bufs is not None:
                 buf = bufs[i]
                 if self.step_count == 1:

@@ -5,9 +5,13 @@
 successful steps so far, or, in a ``--train-samples`` run, the samples they consumed (Megatron's scheduler
 starts at ``step(0)`` and advances after each successful optimizer step, so the first step of a warm-up from
 0 applies lr 0). A resumed run continues the exact schedule from the optimizer's step count or the state
-dict's sample count.
+dict's sample count. Megatron counts an iteration run in samples too (iterations x --global-batch-size): a resume
+under another --global-batch-size is a changed schedule (refused unless a flag says whose stands), and then counts
+the samples consumed over the batch size that stands.
 With ``--decoupled-lr`` the input embedding and output layer follow the same shape between
 ``--decoupled-lr`` and ``--decoupled-min-lr`` (Megatron's per-group max_lr / min_lr).
+The weight decay follows the same progress (Megatron's ``get_wd``): --weight-decay, or with
+``--weight-decay-incr-style linear|cosine`` a rise from --start-weight-decay to --end-weight-decay over the run.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ class LRScheduler:
     samples consumed before it), so with --lr-warmup-init 0 the first step applies lr 0, as Megatron's."""
 
     _KEYS = ("max_lr", "min_lr", "style", "warmup", "decay_iters", "wsd_decay", "wsd_style", "unit", "warmup_init",
-             "samples", "decoupled_max_lr", "decoupled_min_lr")
+             "samples", "decoupled_max_lr", "decoupled_min_lr", "start_wd", "end_wd", "wd_style", "wd_incr",
+             "per_step")
 
     def __init__(self, config: OptimizerConfig, train_iters: int, train_samples: int | None = None,
                  global_batch_size: int = 1, varying_batch: bool = False) -> None:
@@ -47,8 +52,15 @@ class LRScheduler:
         self.samples = 0
         """Samples of the successful steps so far (the progress of a sample-counted schedule)."""
         self.varying_batch = varying_batch
-        """An iteration-counted run whose batch size changes (--step-batch-size-schedule): Megatron's progress is
-        then the samples consumed over --global-batch-size, not the step count."""
+        """An iteration-counted run whose batch size changes (--step-batch-size-schedule, or a resume under another
+        --global-batch-size): Megatron's progress is then the samples consumed over ``per_step``, not the step
+        count."""
+        self.wd_style = config.weight_decay_incr_style
+        constant = self.wd_style == "constant"
+        self.start_wd = config.weight_decay if constant else config.start_weight_decay
+        self.end_wd = config.weight_decay if constant else config.end_weight_decay
+        self.wd_incr = None if constant else (train_samples or train_iters)
+        """The run's length in the progress unit (Megatron's ``wd_incr_steps``); None: a constant decay."""
 
     def lr_for_step(self, successful_steps: int, batch: int) -> float:
         """The rate of the next step, after ``successful_steps`` successful ones; ``batch``: its sequences."""
@@ -59,6 +71,18 @@ class LRScheduler:
         if self.decoupled_max_lr is None:
             return None
         return self.lr(self._progress(successful_steps, batch), self.decoupled_max_lr, self.decoupled_min_lr)
+
+    def wd_for_step(self, successful_steps: int, batch: int) -> float:
+        """The next step's weight decay, after ``successful_steps`` successful ones; ``batch``: its sequences."""
+        return self.wd(self._progress(successful_steps, batch))
+
+    def wd(self, progress: float) -> float:
+        """Weight decay at ``progress``: Megatron's ``get_wd`` (the end value past the run's length)."""
+        if self.wd_incr is None or progress > self.wd_incr:
+            return self.end_wd
+        ratio = float(progress) / float(self.wd_incr)
+        coeff = ratio if self.wd_style == "linear" else 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
 
     def _progress(self, successful_steps: int, batch: int) -> int:
         """Megatron's ``num_steps`` when the step runs: what the successful steps before it consumed."""
@@ -102,10 +126,12 @@ class LRScheduler:
         decay, its shape and the warm-up's start are this command line's (Megatron does not save them). A
         checkpoint written before sample-counted schedules counts iterations. Returns the lines to log."""
         old = {"unit": "iterations", "samples": 0, "decoupled_max_lr": self.decoupled_max_lr,
-               "decoupled_min_lr": self.decoupled_min_lr}
+               "decoupled_min_lr": self.decoupled_min_lr, "start_wd": self.start_wd, "end_wd": self.end_wd,
+               "wd_style": self.wd_style, "wd_incr": self.wd_incr, "per_step": self.per_step}
         saved = {key: state[key] if key in state else old[key] for key, _ in _CHECKED}
         diffs = [(flag, saved[key], getattr(self, key)) for key, flag in _CHECKED if saved[key] != getattr(self, key)]
         self.samples = state.get("samples", 0)
+        rebatched = saved["per_step"] != self.per_step
         if not diffs:
             return []
         said = "; ".join(f"{flag}: {was!r} in the checkpoint, {now!r} now" for flag, was, now in diffs)
@@ -116,6 +142,7 @@ class LRScheduler:
         if keep == "checkpoint":
             for key, _ in _CHECKED:
                 setattr(self, key, saved[key])
+        self.varying_batch = self.varying_batch or rebatched  # progress: the samples over the batch that stands
         return [f"learning-rate schedule: the {keep}'s values stand ({said})"]
 
 
@@ -123,9 +150,17 @@ _CHECKED = (("unit", "the schedule's unit (--train-iters or --train-samples)"), 
             ("min_lr", "--min-lr"), ("style", "--lr-decay-style"),
             ("warmup", "the warm-up (--lr-warmup-iters, -samples or -fraction)"),
             ("decay_iters", "the decay length (--lr-decay-iters or -samples, else --train-iters or -samples)"),
-            ("decoupled_max_lr", "--decoupled-lr"), ("decoupled_min_lr", "--decoupled-min-lr"))
+            ("decoupled_max_lr", "--decoupled-lr"), ("decoupled_min_lr", "--decoupled-min-lr"),
+            ("start_wd", "the first weight decay (--weight-decay, or --start-weight-decay)"),
+            ("end_wd", "the last weight decay (--weight-decay, or --end-weight-decay)"),
+            ("wd_style", "--weight-decay-incr-style"),
+            ("wd_incr", "the weight decay's rise (--train-iters or --train-samples)"),
+            ("per_step", "--global-batch-size (the samples of an iteration, in which Megatron counts the schedule)"))
 """(setting, what the command line calls it): what Megatron's scheduler checks against a checkpoint (its
-``_check_and_set``: max and min lr, warm-up and decay steps, decay style), and the embedding's decoupled rates."""
+``_check_and_set``: max and min lr, warm-up and decay steps, decay style, the weight decay's ends, style and
+length; all in samples, so a changed --global-batch-size too), and the embedding's decoupled rates. A constant
+weight decay has no length (None): extending the run does not change it. Checkpoints written before the weight decay
+or the batch size was recorded count as the command line's."""
 
 
 def _shape(style: str, ratio: float) -> float:

@@ -4,10 +4,12 @@ One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the 
 the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
 ``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
 the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
-``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it)
-and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and ``time`` (one per
-evaluation, and one more after training), the test evaluation after training ``test_loss`` and ``test_ppl``. Log lines
-start with the time and carry the consumed samples and the ETA of the rest of the run. Only global rank 0 writes.
+``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it),
+``decoupled_lr`` (``--decoupled-lr``), ``weight_decay`` (``--weight-decay-incr-style linear|cosine``: the decay
+the step applied) and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and
+``time`` (one per evaluation, and one more after training), the test evaluation after training ``test_loss`` and
+``test_ppl``. Log lines start with the time and carry the consumed samples and the ETA of the rest of the run. Only
+global rank 0 writes.
 TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir.
 
 Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_ms`` and
@@ -239,8 +241,9 @@ class MetricsLogger:
                 rec[key] = sum(v[key] for v in self._pending) / n
         if "num_zeros_in_grad" in last:
             rec["num_zeros_in_grad"] = last["num_zeros_in_grad"]
-        if last.get("decoupled_lr") is not None:
-            rec["decoupled_lr"] = last["decoupled_lr"]
+        for key in ("decoupled_lr", "weight_decay"):  # the last step's (weight_decay: a scheduled decay only)
+            if last.get(key) is not None:
+                rec[key] = last[key]
         rec.update(last.get("log", {}))
         return rec
 
@@ -254,6 +257,8 @@ class MetricsLogger:
                 f"{rec['step_time_s'] * 1e3:.0f} ms/step | ETA {eta}")
         if "decoupled_lr" in rec:
             line = line.replace(" | grad norm", f" | decoupled lr {rec['decoupled_lr']:.3e} | grad norm", 1)
+        if "weight_decay" in rec:
+            line = line.replace(" | grad norm", f" | weight decay {rec['weight_decay']:.3e} | grad norm", 1)
         if "num_zeros_in_grad" in rec:
             line += f" | num zeros {'-' if rec['num_zeros_in_grad'] is None else rec['num_zeros_in_grad']}"
         if "params_norm" in rec:

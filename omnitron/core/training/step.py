@@ -136,9 +136,11 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     batch = c.batches.global_batch(c.consumed_samples)
     lr = c.scheduler.lr_for_step(c.optimizer.step_count, batch)
     decoupled_lr = c.scheduler.decoupled_lr_for_step(c.optimizer.step_count, batch)
+    wd = c.scheduler.wd_for_step(c.optimizer.step_count, batch)
     with timers.phase("optimizer"):
         res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers,
-                               check_norm=check_grad_norm if check else None, decoupled_lr=decoupled_lr)
+                               check_norm=check_grad_norm if check else None, decoupled_lr=decoupled_lr,
+                               weight_decay=wd)
     if not res.skipped:
         c.scheduler.advance(batch)
     refresh = c.extra.get("fp8_refresh")
@@ -146,6 +148,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         refresh()
     out = {"lm_loss": loss, "lr": lr, "grad_norm": res.grad_norm, "loss_scale": res.loss_scale,
            "skipped": res.skipped, "decoupled_lr": decoupled_lr}
+    if c.scheduler.wd_incr is not None:  # --weight-decay-incr-style linear|cosine: the decay this step applied
+        out["weight_decay"] = wd
     if count_zeros:
         out["num_zeros_in_grad"] = res.num_zeros_in_grad
     if spans:
