@@ -169,15 +169,16 @@ class FP8Provider:
         amax = x.detach().abs().amax().float()
         return cast_to_fp8(x, fmt, scale, saturate), amax
 
-    def quantize_blocks(self, x: torch.Tensor, fmt: str, block: tuple[int, int],
-                        margin: int = 0, saturate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block-scaled quantization of 2-D ``x``: each ``block`` tile gets its own scale from its amax.
+    def quantize_blocks(self, x: torch.Tensor, fmt: str, block: tuple[int, int], margin: int = 0,
+                        saturate: bool = False, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block-scaled quantization of 2-D ``x``: each ``block`` tile gets its own scale from its amax
+        (rounded down to a power of two with ``pow2``: the block-wise recipe's, :func:`scale_from_amax`).
 
         Returns (``q`` float8 with ``x``'s shape, ``scale_inv`` float32 ``[ceil(m/bm), ceil(k/bk)]``).
         """
         if x.dim() != 2:
             raise ValueError(f"quantize_blocks takes a 2-D tensor, got shape {tuple(x.shape)}")
-        scale = scale_from_amax(block_amax(x, block), fmt, margin)
+        scale = scale_from_amax(block_amax(x, block), fmt, margin, pow2=pow2)
         y = mul_blocks_(x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True), scale, block)
         if fmt == "e4m3" or saturate:
             y.clamp_(-FP8_MAX[fmt], FP8_MAX[fmt])  # as cast_to_fp8: nan stays nan, +-inf -> +-max

@@ -19,9 +19,11 @@ Definitions (the tests check these step by step):
   every layer and role, as one stacked tensor: one all-reduce per amax group per flush point (in a step:
   once per micro-batch's backward, whatever the layer count) instead of one per operand per call. The max
   of a stack is the stack of the maxes, so the scales are those of reducing each amax alone.
-* **delayed, per step** (:class:`AmaxReducer` with ``per_step``; what training uses, as Transformer Engine's
-  global amax reduction): within an optimizer step every use quantizes with the scale in force and only
-  max-accumulates its local amax into its role's step-amax buffer (in place, no collective);
+* **delayed, per step** (:class:`AmaxReducer` with ``per_step``; what training uses; Transformer Engine's global
+  amax reduction packs the same way but runs after each micro-batch's forward and backward, NOTE: so with gradient
+  accumulation its scales move within a step where these do not): within an optimizer step every use quantizes
+  with the scale in force and only max-accumulates its local amax into its role's step-amax buffer (in place, no
+  collective);
   :meth:`AmaxReducer.step`, called once at the step's end, stacks every registered role's step amax, MAX-reduces
   the stack in one all-reduce over the amax reduction group (tensor x context x data parallel) and pushes the
   history of each role used this step once: ``a_step = max over ranks and the step's uses``,
