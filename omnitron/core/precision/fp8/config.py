@@ -66,6 +66,19 @@ class FP8Config:
             if not isinstance(n, int) or n < 0:
                 raise ConfigError(f"{flag} must be a non-negative integer, got {n!r}")
 
+    def check_layers(self, num_layers: int, pipeline_stages: int) -> None:
+        """Megatron's bound under ``--first-last-layers-bf16``: each of ``--num-layers-at-start-in-bf16`` and
+        ``--num-layers-at-end-in-bf16`` at most one pipeline stage's layers (``num_layers // pp``); refused before
+        any work, as there (a larger count would leave no layer in FP8)."""
+        if not self.first_last_layers_bf16:
+            return
+        most = num_layers // pipeline_stages
+        for flag, n in (("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),
+                        ("--num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16)):
+            if n > most:
+                raise ConfigError(f"{flag} {n} is more than the {most} layers of a pipeline stage (--num-layers "
+                                  f"{num_layers} over {pipeline_stages} stages); give at most {most}")
+
     @property
     def forward_format(self) -> str:
         """Storage format of inputs and weights."""
