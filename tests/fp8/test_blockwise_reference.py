@@ -83,19 +83,20 @@ def test_blockwise_linear_matches_the_recipe_in_float64(fmt, margin):
     accumulation bound of the float64 products of the reference operands, for two steps on fresh inputs
     (block-wise scaling has no state; the second step checks nothing is carried). ``--fp8-margin`` changes nothing."""
     g = torch.Generator().manual_seed(torch.randint(0, 2 ** 31, ()).item())
-    ex = FP8Linear(FP8Config(fp8_recipe="blockwise", fp8_format=fmt, fp8_margin=margin), get_backend().fp8)
+    be = get_backend()
+    ex, dev = FP8Linear(FP8Config(fp8_recipe="blockwise", fp8_format=fmt, fp8_margin=margin), be.fp8), be.device()
     fb = "e5m2" if fmt == "hybrid" else "e4m3"
     for _ in range(2):
         x, w, gy = _inputs(200, 300, 136, g)
-        xd, wd = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xd, wd = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
         y = ex(xd, wd, None)
-        y.backward(gy)
+        y.backward(gy.to(dev))
         dx_w = _deq(w, "e4m3", (128, 128))
         cases = ((y, _deq(x, "e4m3", (1, 128)), dx_w.t(), "forward"),
                  (xd.grad, _deq(gy, fb, (1, 128)), dx_w, "data-grad"),
                  (wd.grad, _deq(gy.t().contiguous(), fb, (1, 128)), _deq(x, "e4m3", (128, 1)), "weight-grad"))
         for got, a, b, name in cases:
-            err = (got.detach().double() - a @ b).abs()
+            err = (got.detach().cpu().double() - a @ b).abs()
             bound = _bound(a, b)
             assert bool((err <= bound).all()), f"{name}: over the bound by {(err - bound).max().item():.3g}"
 
@@ -108,8 +109,9 @@ def test_blockwise_codes_and_scales_are_the_recipes_bit_for_bit():
     x = torch.randn(3, 384, generator=g)
     x[0, :128] *= 3.5 / x[0, :128].abs().max()
     x[1, 128:256] = 0.0
+    be = get_backend()
     for fmt in ("e4m3", "e5m2"):
-        q, sinv = get_backend().fp8.quantize_blocks(x, fmt, (1, 128), pow2=True)
+        q, sinv = (t.cpu() for t in be.fp8.quantize_blocks(x.to(be.device()), fmt, (1, 128), pow2=True))
         codes, ref_sinv = _quantize(x, fmt, (1, 128))
         assert torch.equal(q.view(torch.uint8), codes.view(torch.uint8)), fmt
         assert torch.equal(sinv.double().repeat_interleave(128, 1), ref_sinv), fmt
