@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from omnitron.core.config.parallel import ConfigError
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
 from omnitron.core.precision.fp8.gathered import FP8GatheredWeight
 from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
@@ -216,8 +217,9 @@ class FP8Linear:
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != set(self.states):
-            raise ValueError(f"FP8 state for {self.name!r} holds roles {sorted(state)} but recipe "
-                             f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
+            raise ConfigError(f"--fp8-recipe {self.recipe.fp8_recipe}: the checkpoint's FP8 state for {self.name!r} "
+                              f"holds roles {sorted(state)} where this recipe keeps {sorted(self.states)} (it was "
+                              "written under another --fp8-recipe); resume with the checkpoint's --fp8-recipe")
         for role, s in state.items():
             self.states[role].load_state_dict(s)
         self.drop_weight_cache()  # its key counts updates, and a loaded state may repeat a count with another scale

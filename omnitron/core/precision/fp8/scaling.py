@@ -47,6 +47,7 @@ from typing import Sequence
 import torch
 
 from omnitron.backends.fp8 import scale_from_amax
+from omnitron.core.config.parallel import ConfigError
 from omnitron.kernels.reference.fp8 import fp8_amax_history_push
 
 
@@ -236,8 +237,8 @@ class DelayedScaling:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         hist = state["amax_history"]
         if hist.numel() != self.history_len:
-            raise ValueError(f"checkpoint amax history has length {hist.numel()} but --fp8-amax-history-len is "
-                             f"{self.history_len}; resume with the same --fp8-amax-history-len")
+            raise ConfigError(f"checkpoint amax history has length {hist.numel()} but --fp8-amax-history-len is "
+                              f"{self.history_len}; resume with the same --fp8-amax-history-len")
         device = self.scale.device
         self.amax_history = hist.detach().float().clone().to(device)
         self.set_scale(state["scale"].detach().float().clone().reshape(()).to(device))
