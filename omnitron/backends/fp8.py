@@ -8,8 +8,10 @@ a wider dtype: every path multiplies the same float8 values.
 
 Conventions. A quantization ``scale`` multiplies the high-precision tensor before the cast
 (``q = fp8(x * scale)``); GEMMs take the reciprocal, ``scale_inv`` (``x ~= q * scale_inv``).
-e4m3 saturates at +-448 (inf included); e5m2 keeps IEEE overflow (|x*scale| > 57344 -> inf), so
-a stale delayed scale on gradients shows up as inf, where the loss scaler or grad-norm check sees it.
+``cast_to_fp8`` and ``quantize_blocks``: e4m3 saturates at +-448 (inf included); e5m2 keeps IEEE overflow
+(|x*scale| > 57344 -> inf) unless ``saturate``. NOTE: the FP8 linear's per-tensor casts (the
+``fp8_cast_transpose_*`` kernels) saturate both formats, as Transformer Engine's satfinite casts do: there a
+stale delayed scale clips a growing gradient at +-57344 rather than turning it into inf (a NaN stays NaN).
 """
 from __future__ import annotations
 
