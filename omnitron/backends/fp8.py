@@ -8,8 +8,10 @@ a wider dtype: every path multiplies the same float8 values.
 
 Conventions. A quantization ``scale`` multiplies the high-precision tensor before the cast
 (``q = fp8(x * scale)``); GEMMs take the reciprocal, ``scale_inv`` (``x ~= q * scale_inv``).
-e4m3 saturates at +-448 (inf included); e5m2 keeps IEEE overflow (|x*scale| > 57344 -> inf), so
-a stale delayed scale on gradients shows up as inf, where the loss scaler or grad-norm check sees it.
+``cast_to_fp8`` and ``quantize_blocks``: e4m3 saturates at +-448 (inf included); e5m2 keeps IEEE overflow
+(|x*scale| > 57344 -> inf) unless ``saturate``. NOTE: the FP8 linear's per-tensor casts (the
+``fp8_cast_transpose_*`` kernels) saturate both formats, as Transformer Engine's satfinite casts do: there a
+stale delayed scale clips a growing gradient at +-57344 rather than turning it into inf (a NaN stays NaN).
 """
 from __future__ import annotations
 
@@ -169,15 +171,16 @@ class FP8Provider:
         amax = x.detach().abs().amax().float()
         return cast_to_fp8(x, fmt, scale, saturate), amax
 
-    def quantize_blocks(self, x: torch.Tensor, fmt: str, block: tuple[int, int],
-                        margin: int = 0, saturate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block-scaled quantization of 2-D ``x``: each ``block`` tile gets its own scale from its amax.
+    def quantize_blocks(self, x: torch.Tensor, fmt: str, block: tuple[int, int], margin: int = 0,
+                        saturate: bool = False, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block-scaled quantization of 2-D ``x``: each ``block`` tile gets its own scale from its amax
+        (rounded down to a power of two with ``pow2``: the block-wise recipe's, :func:`scale_from_amax`).
 
         Returns (``q`` float8 with ``x``'s shape, ``scale_inv`` float32 ``[ceil(m/bm), ceil(k/bk)]``).
         """
         if x.dim() != 2:
             raise ValueError(f"quantize_blocks takes a 2-D tensor, got shape {tuple(x.shape)}")
-        scale = scale_from_amax(block_amax(x, block), fmt, margin)
+        scale = scale_from_amax(block_amax(x, block), fmt, margin, pow2=pow2)
         y = mul_blocks_(x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True), scale, block)
         if fmt == "e4m3" or saturate:
             y.clamp_(-FP8_MAX[fmt], FP8_MAX[fmt])  # as cast_to_fp8: nan stays nan, +-inf -> +-max

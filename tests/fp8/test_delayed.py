@@ -188,10 +188,16 @@ def test_resume_is_exact_with_recipe_state(per_step):
 
     assert resumed(True) == tail
     assert resumed(False) != tail
-    with pytest.raises(ValueError, match="history"):
+    # a resume under other FP8 flags stops with one line naming the flag (ConfigError), no traceback
+    with pytest.raises(ConfigError, match="--fp8-amax-history-len"):
         b = _Stack()
         enable_fp8(b, replace(cfg, fp8_amax_history_len=8), None)
         load_fp8_state_dict(b, ckpt["fp8"])
+    for other in ("tensorwise", "blockwise"):
+        with pytest.raises(ConfigError, match=f"--fp8-recipe {other}: the checkpoint's FP8 state"):
+            b = _Stack()
+            enable_fp8(b, replace(cfg, fp8_recipe=other), None)
+            load_fp8_state_dict(b, ckpt["fp8"])
 
 
 @pytest.mark.parametrize("per_step", [False, True], ids=["per-use", "per-step"])

@@ -42,6 +42,9 @@ def test_flags_config_file_and_precedence(tmp_path):
     (["--model", "nope"], 1, "not a preset"),
     (["--model", "gpt2_tiny", "--fp8-recipe", "blockwise"], 1, "need --fp8-format"),
     (["--model", "gpt2_tiny", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], 1, "mxfp8 is not supported"),
+    (["--model", "gpt2_tiny", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+      "--num-layers-at-end-in-bf16", "3", "--pipeline-model-parallel-size", "2"], 2,
+     "--num-layers-at-end-in-bf16 3 is more than the 2 layers of a pipeline stage"),  # Megatron's bound
     (["--model", "gpt2_tiny", "--reset-attention-mask", "--context-parallel-size", "2"], 2,
      "ring attention has no per-document mask"),
     (["--model", "gpt2_tiny", "--sample-temperature", "0"], 1, "--sample-temperature 0.0 must be positive"),

@@ -489,6 +489,8 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     _check_schedules(training, parallel, data_parallel_size(parallel, world), model.seq_length)
     data = _data_settings(merged, model, parallel, training)
     fp8 = _fp8_settings(merged)
+    if fp8 is not None:
+        fp8.check_layers(model.num_layers, parallel.pipeline_model_parallel_size)
     logging_cfg = _build(LoggingConfig, merged)
     logging_cfg.check_world(world)
     checkpoint = _build(CheckpointConfig, merged, **({"no_load_optim": True} if training.skip_train else {}))

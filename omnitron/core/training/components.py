@@ -125,7 +125,7 @@ def fp8_weight_scales(settings, groups, backend):
     from omnitron.core.precision.fp8.fsdp import WeightScales
 
     return WeightScales(amax_reduction_group(groups, backend.collectives), backend.collectives,
-                        margin=settings.fp8.fp8_margin)
+                        margin=settings.fp8.scale_margin)
 
 
 def fp8_refresh_hook(chunks) -> dict:

@@ -26,19 +26,34 @@ def fp8_dtype(fmt: str) -> torch.dtype:
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
-                    previous: torch.Tensor | None = None) -> torch.Tensor:
+                    previous: torch.Tensor | None = None, pow2: bool = False) -> torch.Tensor:
     """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32 (computed as ``reciprocal(amax) * target``).
 
     Where ``amax`` is zero or not finite the scale is ``previous`` (1 when None): an all-zero
     tensor needs no scaling, and an inf/nan amax must not poison the scale for later steps.
     Six small device ops and no host sync (this runs once per quantized tensor).
+    ``pow2``: the scale rounded down to a power of two (:func:`pow2_scale`), as the block-wise recipe takes it.
     """
     if amax.dtype != torch.float32:  # (``.float()`` of a float32 tensor is itself, but still a call)
         amax = amax.float()
     target = FP8_MAX[fmt] / (2.0 ** margin)
     ok = (amax > 0) & (amax < math.inf)  # False for nan too
-    fresh = amax.reciprocal().mul_(target)  # lanes where not ok are discarded below
+    if pow2:
+        fresh = pow2_scale(torch.div(target, amax))  # one correctly rounded division (``target / amax`` is not)
+    else:
+        fresh = amax.reciprocal().mul_(target)  # lanes where not ok are discarded below
     return torch.where(ok, fresh, 1.0 if previous is None else previous.float())
+
+
+def pow2_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Positive float32 ``scale`` rounded down to a power of two (its mantissa bits cleared; inf, from a tiny amax,
+    first clipped to the largest float32): Transformer Engine's ``Float8BlockScaling`` scales, whose default
+    (``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` unset) keeps only the exponent, so ``scale_inv`` is exact and
+    ``amax * scale`` lies in ``(fp8_max / 2, fp8_max]``. The quotient rounded is ``fp8_max / amax``, one division as
+    there (``reciprocal * target``, which torch's ``float / tensor`` also computes, can fall just below a power of
+    two the quotient equals)."""
+    finite = scale.clamp(max=torch.finfo(torch.float32).max)  # a new tensor: the mask goes in place
+    return finite.view(torch.int32).bitwise_and_(0x7F800000).view(torch.float32)
 
 
 def cast_to_fp8(x: torch.Tensor, fmt: str, scale: torch.Tensor, saturate: bool = False) -> torch.Tensor:

@@ -13,7 +13,7 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="train linear-layer GEMMs in FP8: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients)")
     g.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise", "mxfp8"), default="delayed",
                    help="scaling recipe (mxfp8 is recognised and refused with a reason)")
-    g.add_argument("--fp8-margin", type=int, default=0, help="scale = fp8_max / 2**margin / amax")
+    g.add_argument("--fp8-margin", type=int, default=0, help="scale = fp8_max / 2**margin / amax (delayed only)")
     g.add_argument("--fp8-amax-history-len", type=int, default=FP8Config.fp8_amax_history_len,
                    help="amax history length (delayed)")
     g.add_argument("--fp8-amax-compute-algo", choices=AMAX_ALGOS, default=FP8Config.fp8_amax_compute_algo,

@@ -23,9 +23,12 @@ class FP8Config:
     """--fp8-format: ``e4m3`` for every GEMM operand, or ``hybrid`` (e4m3 forward, e5m2 gradients)."""
     fp8_recipe: str = "delayed"
     """--fp8-recipe: ``delayed`` (per-tensor scale from an amax history), ``tensorwise`` (per-tensor scale
-    from the current amax) or ``blockwise`` (1x128 activation/gradient tiles, 128x128 weight blocks)."""
+    from the current amax) or ``blockwise`` (1x128 activation/gradient tiles, 128x128 weight blocks, each scale
+    rounded down to a power of two as Transformer Engine's ``Float8BlockScaling`` does by default)."""
     fp8_margin: int = 0
-    """--fp8-margin: the scale is ``fp8_max / 2**margin / amax`` (headroom in powers of two)."""
+    """--fp8-margin: the ``delayed`` scale is ``fp8_max / 2**margin / amax`` (headroom in powers of two). Megatron
+    hands it to Transformer Engine's ``DelayedScaling`` only; ``tensorwise`` and ``blockwise`` take none (their
+    recipes have no margin), so it has no effect there either (:attr:`scale_margin`)."""
     fp8_amax_history_len: int = 1
     """--fp8-amax-history-len: amax values kept per tensor by the ``delayed`` recipe (Megatron's default, 1;
     Transformer Engine's own ``DelayedScaling`` default is 1024, but Megatron passes its value)."""
@@ -63,6 +66,19 @@ class FP8Config:
             if not isinstance(n, int) or n < 0:
                 raise ConfigError(f"{flag} must be a non-negative integer, got {n!r}")
 
+    def check_layers(self, num_layers: int, pipeline_stages: int) -> None:
+        """Megatron's bound under ``--first-last-layers-bf16``: each of ``--num-layers-at-start-in-bf16`` and
+        ``--num-layers-at-end-in-bf16`` at most one pipeline stage's layers (``num_layers // pp``); refused before
+        any work, as there (a larger count would leave no layer in FP8)."""
+        if not self.first_last_layers_bf16:
+            return
+        most = num_layers // pipeline_stages
+        for flag, n in (("--num-layers-at-start-in-bf16", self.num_layers_at_start_in_bf16),
+                        ("--num-layers-at-end-in-bf16", self.num_layers_at_end_in_bf16)):
+            if n > most:
+                raise ConfigError(f"{flag} {n} is more than the {most} layers of a pipeline stage (--num-layers "
+                                  f"{num_layers} over {pipeline_stages} stages); give at most {most}")
+
     @property
     def forward_format(self) -> str:
         """Storage format of inputs and weights."""
@@ -72,6 +88,11 @@ class FP8Config:
     def backward_format(self) -> str:
         """Storage format of output gradients (e5m2 under ``hybrid``: wider range, less precision)."""
         return "e5m2" if self.fp8_format == "hybrid" else "e4m3"
+
+    @property
+    def scale_margin(self) -> int:
+        """The margin scales are computed with: ``--fp8-margin`` under ``delayed``, 0 under the other recipes."""
+        return self.fp8_margin if self.fp8_recipe == "delayed" else 0
 
     @property
     def per_tensor(self) -> bool:

@@ -237,7 +237,7 @@ def load_fp8_state_dict(model_or_chunks, state: dict[str, dict]) -> None:
     mine = {name: m.fp8 for name, m in linear_modules(model_or_chunks) if isinstance(getattr(m, "fp8", None), FP8Linear)}
     if set(mine) != set(state):
         missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-        raise ValueError(f"FP8 checkpoint state does not match the model's FP8 linears (missing {missing[:4]}, "
-                         f"unexpected {extra[:4]}); resume with the same FP8 flags and parallel layout")
+        raise ConfigError(f"FP8 checkpoint state does not match the model's FP8 linears (missing {missing[:4]}, "
+                          f"unexpected {extra[:4]}); resume with the same FP8 flags and parallel layout")
     for name, ex in mine.items():
         ex.load_state_dict(state[name])

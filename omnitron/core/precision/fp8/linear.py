@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from omnitron.core.config.parallel import ConfigError
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
 from omnitron.core.precision.fp8.gathered import FP8GatheredWeight
 from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
@@ -53,7 +54,7 @@ class FP8Linear:
         """The weight's FP8 form in tensors kept for the run and rewritten in place by :meth:`refresh_static` (a
         compiled or captured layer reads them instead of quantizing in its graph); None: quantize in the graph."""
         self._delayed, self.per_tensor = recipe.fp8_recipe == "delayed", recipe.per_tensor
-        self.margin = recipe.fp8_margin
+        self.margin = recipe.scale_margin  # --fp8-margin under delayed only (config.py)
         self.fwd_fmt, self.bwd_fmt = recipe.forward_format, recipe.backward_format
         """The recipe's constants, read once here rather than through its properties on every call."""
         self._groups = {r: self.role_groups.get(r, self.amax_groups) for r in ROLES}
@@ -145,7 +146,7 @@ class FP8Linear:
     def _quantize_weight_now(self, weight: torch.Tensor) -> tuple:
         if self.per_tensor:
             return self.quantize("weight", weight, self.fwd_fmt)
-        return self.provider.quantize_blocks(weight, self.fwd_fmt, BLOCK_WEIGHT, self.margin)
+        return self.provider.quantize_blocks(weight, self.fwd_fmt, BLOCK_WEIGHT, self.margin, pow2=True)
 
     @property
     def caches_weight(self) -> bool:
@@ -216,8 +217,9 @@ class FP8Linear:
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != set(self.states):
-            raise ValueError(f"FP8 state for {self.name!r} holds roles {sorted(state)} but recipe "
-                             f"{self.recipe.fp8_recipe!r} keeps {sorted(self.states)}; resume with the same --fp8-recipe")
+            raise ConfigError(f"--fp8-recipe {self.recipe.fp8_recipe}: the checkpoint's FP8 state for {self.name!r} "
+                              f"holds roles {sorted(state)} where this recipe keeps {sorted(self.states)} (it was "
+                              "written under another --fp8-recipe); resume with the checkpoint's --fp8-recipe")
         for role, s in state.items():
             self.states[role].load_state_dict(s)
         self.drop_weight_cache()  # its key counts updates, and a loaded state may repeat a count with another scale
@@ -253,7 +255,7 @@ class _FP8LinearFn(torch.autograd.Function):
             # the backward GEMMs read the transposed copies: [in, tokens] and [in, out], both FP8
             ctx.save_for_backward(qx_t, sx, qw_t, sw)
         else:
-            qx, sx = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT, ex.margin)
+            qx, sx = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT, ex.margin, pow2=True)
             qw, sw = ex.quantize_weight(weight)
             y = prov.blockwise_mm(qx, sx, BLOCK_ACT, qw.t(), sw.t(), BLOCK_WEIGHT[::-1], out_dtype=x.dtype)
             # NOTE: the weight-grad GEMM contracts over tokens, so x is re-tiled along tokens there;
@@ -292,11 +294,11 @@ class _FP8LinearFn(torch.autograd.Function):
             x2, qw, sw = ctx.saved_tensors
             fmt, margin = ex.bwd_fmt, ex.margin
             if need_dx:
-                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, margin)
+                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, margin, pow2=True)
                 dx = prov.blockwise_mm(qg, sg, BLOCK_ACT, qw, sw, BLOCK_WEIGHT, out_dtype=ctx.x_dtype)
             if need_dw:
-                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, margin)      # tiles along tokens
-                qxt, sxt = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT[::-1], margin)
+                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, margin, pow2=True)  # tiles along tokens
+                qxt, sxt = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT[::-1], margin, pow2=True)
                 dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=ctx.w_dtype)
         if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)

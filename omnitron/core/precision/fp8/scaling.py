@@ -19,9 +19,11 @@ Definitions (the tests check these step by step):
   every layer and role, as one stacked tensor: one all-reduce per amax group per flush point (in a step:
   once per micro-batch's backward, whatever the layer count) instead of one per operand per call. The max
   of a stack is the stack of the maxes, so the scales are those of reducing each amax alone.
-* **delayed, per step** (:class:`AmaxReducer` with ``per_step``; what training uses, as Transformer Engine's
-  global amax reduction): within an optimizer step every use quantizes with the scale in force and only
-  max-accumulates its local amax into its role's step-amax buffer (in place, no collective);
+* **delayed, per step** (:class:`AmaxReducer` with ``per_step``; what training uses; Transformer Engine's global
+  amax reduction packs the same way but runs after each micro-batch's forward and backward, NOTE: so with gradient
+  accumulation its scales move within a step where these do not): within an optimizer step every use quantizes
+  with the scale in force and only max-accumulates its local amax into its role's step-amax buffer (in place, no
+  collective);
   :meth:`AmaxReducer.step`, called once at the step's end, stacks every registered role's step amax, MAX-reduces
   the stack in one all-reduce over the amax reduction group (tensor x context x data parallel) and pushes the
   history of each role used this step once: ``a_step = max over ranks and the step's uses``,
@@ -45,6 +47,7 @@ from typing import Sequence
 import torch
 
 from omnitron.backends.fp8 import scale_from_amax
+from omnitron.core.config.parallel import ConfigError
 from omnitron.kernels.reference.fp8 import fp8_amax_history_push
 
 
@@ -234,8 +237,8 @@ class DelayedScaling:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         hist = state["amax_history"]
         if hist.numel() != self.history_len:
-            raise ValueError(f"checkpoint amax history has length {hist.numel()} but --fp8-amax-history-len is "
-                             f"{self.history_len}; resume with the same --fp8-amax-history-len")
+            raise ConfigError(f"checkpoint amax history has length {hist.numel()} but --fp8-amax-history-len is "
+                              f"{self.history_len}; resume with the same --fp8-amax-history-len")
         device = self.scale.device
         self.amax_history = hist.detach().float().clone().to(device)
         self.set_scale(state["scale"].detach().float().clone().reshape(()).to(device))
