@@ -16,8 +16,9 @@ The Muon step of one matrix, after the usual unscale / inf check / global-norm c
 
 Tensor parallelism (``--muon-tp-mode duplicated``, Megatron's default): every tp rank all-gathers ``U`` over
 tp (``groups.etp`` for expert shards), orthogonalises the whole matrix and keeps its own shard, so the
-update does not depend on the layout. ``blockwise`` orthogonalises each shard alone (no communication; the
-update then depends on tp).
+update does not depend on the layout. ``distributed`` (Megatron all-reduces the Gram matrices of the shards
+instead of gathering them: the same whole-matrix update) takes the same path here. ``blockwise``
+orthogonalises each shard alone (no communication; the update then depends on tp).
 
 Distributed optimizer (:class:`DistributedMuon`): the momentum is sharded like Adam's moments (ZeRO-1 slices
 of the data-parallel buckets, which cut matrices anywhere). Each rank orthogonalises the whole matrices it
