@@ -252,6 +252,29 @@ def test_layout_and_modes_refused_or_accepted():
     assert not uses_muon(torch.nn.Parameter(torch.zeros(3)))
 
 
+@pytest.mark.parametrize("prec", ["low", "high"])
+def test_low_and_high_matmul_precision_iterate_in_fp32(prec):
+    """--muon-fp32-matmul-prec low is Megatron's fp32 path too: torch.set_float32_matmul_precision ignores "low",
+    and emerging_optimizers casts to bf16 only under "medium". One step against the float64 reference within
+    the fp32 bound of one step worked out at ATOL (6e-5); bf16 iterations leave it (bf16's 4e-3 per rounding,
+    a few roundings, on entries of the update ~lr x sqrt(24) x 0.3 = 3e-2: a few 1e-4)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    groups, be = ParallelGroups.single(), get_backend("cpu")
+    ddp, opt = build(groups, be, distributed=False, init=full_init())
+    opt.config.muon_fp32_matmul_prec = prec
+    step(ddp, opt, groups, 0)
+    got, ref = full_params(ddp.module, groups), reference(full_init(), _mean_grads(1)[:1])[0]
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=6e-5, msg=lambda m: f"{prec} {k}: {m}")
+    opt.config.muon_fp32_matmul_prec = "medium"  # the check can fail: bf16 iterations leave the fp32 bound
+    step(ddp, opt, groups, 1)
+    ref = reference(full_init(), _mean_grads(1)[:2])[1]
+    got = full_params(ddp.module, groups)
+    assert max(float((got[k] - ref[k]).abs().max()) for k in ("fc1", "fc2", "qkv")) > 6e-5
+
+
 def test_bf16_iterations_stay_near_fp32():
     """--muon-fp32-matmul-prec medium (Megatron's default): bf16 iterations, the same orthogonal factor within
     bf16's resolution (2^-8 = 4e-3 per rounding, a few roundings per step, not amplified near converged

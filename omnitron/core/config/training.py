@@ -74,8 +74,9 @@ class OptimizerConfig:
     """--muon-scale-mode {spectral,unit_rms_norm,shape_scaling}: the orthogonalised update of an ``m x n`` matrix
     is multiplied by sqrt(max(m, n)), sqrt(m / n), or sqrt(max(1, m / n))."""
     muon_fp32_matmul_prec: str = "medium"
-    """--muon-fp32-matmul-prec {low,medium,high}: medium and low run the Newton-Schulz iterations in bf16 (as
-    Megatron), high in fp32."""
+    """--muon-fp32-matmul-prec {low,medium,high}: medium runs the Newton-Schulz iterations in bf16, high and low in
+    fp32, as Megatron: it hands the value to ``torch.set_float32_matmul_precision``, which ignores "low" (a
+    warning), and emerging_optimizers casts to bf16 only under "medium"."""
     muon_coefficient_type: str = "quintic"
     """--muon-coefficient-type {simple,quintic,polar_express}: the Newton-Schulz polynomial coefficients per step."""
     muon_num_ns_steps: int = 5

@@ -117,7 +117,7 @@ class MuonMixin:
         if rows is not None and c.muon_split_qkv:
             g = full.shape[0] // sum(rows)
             return group_cat([self._scaled_orthogonal(part, None) for part in group_split(full, g, rows)], g)
-        o = orthogonalize(full, self.ns_coefficients, bf16=c.muon_fp32_matmul_prec != "high")
+        o = orthogonalize(full, self.ns_coefficients, bf16=c.muon_fp32_matmul_prec == "medium")
         return o.mul_(update_scale(full.shape[0], full.shape[1], c.muon_scale_mode) * c.muon_extra_scale_factor)
 
     def _orthogonalized(self, u: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
