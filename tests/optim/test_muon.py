@@ -243,6 +243,11 @@ def test_layout_and_modes_refused_or_accepted():
 
     flags = parse_settings(_train_args("/tmp/x", ["--muon-no-split-qkv", "--muon-momentum", "0.95"]), 2).optim
     assert (flags.optimizer, flags.muon_split_qkv, flags.muon_momentum, flags.muon_nesterov) == ("muon", False, 0.95, True)
+    # Megatron's --muon-scalar-optimizer adam is the AdamW that runs here; lion is refused in one line
+    adam = parse_settings(_train_args("/tmp/x", ["--muon-scalar-optimizer", "adam", "--muon-use-syrk"]), 2).optim
+    assert adam == flags.__class__(**{**flags.__dict__, "muon_split_qkv": True, "muon_momentum": 0.9})
+    with pytest.raises(ConfigError, match="^--muon-scalar-optimizer lion: .* drop the flag or give adam$"):
+        parse_settings(_train_args("/tmp/x", ["--muon-scalar-optimizer", "lion"]), 2)
     with pytest.raises(ConfigError, match="--optimizer muon .* --use-torch-fsdp2"):
         parse_settings([a for a in _train_args("/tmp/x", ["--use-torch-fsdp2"], None)
                         if a != "--use-distributed-optimizer"], 2)
