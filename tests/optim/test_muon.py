@@ -406,3 +406,57 @@ def test_training_loop_resumes_bit_exact_and_reshards(tmp_path):
         assert sorted(got) == [1, 2, 3, 4]
         for it in ref:
             assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (fmt, it, got, ref)
+
+
+def replicated_kv_worker() -> dict:
+    """tp2 with one key/value group (linear_q sharded, linear_kv replicated over tp) and the one-process model:
+    two Muon steps on the same batch; the largest difference of each full parameter."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.models.gpt import GPTConfig, GPTModel, allreduce_sequence_parallel_grads, gather_full_state
+    from omnitron.core.optim.muon import Muon
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    be = get_backend("cpu")
+    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=1, ffn_hidden_size=48,
+                    seq_length=8, vocab_size=64, make_vocab_size_divisible_by=1, hidden_dropout=0.0,
+                    attention_dropout=0.0, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                    untie_embeddings_and_output_weights=True, add_bias_linear=False, params_dtype=torch.float64)
+    layouts = {"tp": ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=be),
+               "ref": ParallelGroups.single()}
+    models = {k: GPTModel(cfg, g, seed=3) for k, g in layouts.items()}
+    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=0.0, muon_fp32_matmul_prec="high")
+    opts = {k: Muon(list(m.named_parameters()), config, layouts[k], backend=be) for k, m in models.items()}
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        for k, m in models.items():
+            opts[k].zero_grad()
+            m(tokens, labels=tokens).mean().backward()
+        allreduce_sequence_parallel_grads(models["tp"], layouts["tp"])
+        for k in models:
+            assert not opts[k].step(LR).skipped
+    got, want = gather_full_state(models["tp"], layouts["tp"]), gather_full_state(models["ref"], layouts["ref"])
+    return {k: float((got[k] - want[k]).abs().max()) for k in want}
+
+
+def test_replicated_key_value_weight_takes_the_one_process_update():
+    """Fewer key/value groups than tp ranks: the key/value weight is a replicated parameter of its own, and
+    --muon-split-qkv (the default) must orthogonalise its K and V rows apart as the fused weight's blocks are
+    at one process. float64 throughout: the two layouts differ by the order of tp partial sums only (~1e-16
+    relative, amplified by <= 500 through Newton-Schulz, as at ATOL): 1e-10 absolute on updates of ~lr = 2e-2
+    leaves orders of magnitude either way (orthogonalising K and V together moves them by ~1e-2)."""
+    diffs = run_distributed(replicated_kv_worker, 2)[0]
+    assert any("linear_qkv" in k for k in diffs), sorted(diffs)
+    assert max(diffs.values()) < 1e-10, {k: v for k, v in diffs.items() if v >= 1e-10}
+
+
+def test_whole_qkv_refused_where_the_fused_weight_is_split():
+    from omnitron.core.config import ConfigError
+    from omnitron.core.training.arguments import parse_settings
+
+    args = _train_args("/tmp/x", ["--muon-no-split-qkv", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="^--muon-no-split-qkv .* --num-query-groups 1 < --tensor-model-parallel"):
+        parse_settings(args, 2)
+    parse_settings(_train_args("/tmp/x", ["--num-query-groups", "1", "--tensor-model-parallel-size", "2"]), 2)
