@@ -16,6 +16,10 @@ STEPS, LR, WD, CLIP = 4, 2e-2, 0.1, 0.5
 # Megatron's quintic Newton-Schulz coefficients (emerging_optimizers' "quintic" set, from modded-nanogpt)
 QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
            (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)]
+# "polar_express" (arXiv:2505.16932, with its 1.01 safety factor folded in), as emerging_optimizers v0.3.0
+POLAR = [(8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184), (3.9096, -2.8234, 0.5250),
+         (3.2856, -2.4153, 0.4853), (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+         (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)]
 # name: (full shape, tp dim (-1: replicated), stride, role); the qkv rows are 2 groups of [q 4, k 2, v 2] rows
 PARAMS = {"qkv": ((16, 8), 0, 1, "qkv"), "fc1": ((24, 8), 0, 2, "matrix"), "fc2": ((8, 12), 1, 1, "matrix"),
           "dense": ((6, 8), -1, 1, "matrix"), "fc1_bias": ((24,), 0, 2, "bias"), "norm": ((8,), -1, 1, "norm"),
@@ -24,12 +28,13 @@ QKV_ROWS = [4, 2, 2]
 
 
 # ---- the float64 reference -------------------------------------------------------------------
-def _ns(x: torch.Tensor) -> torch.Tensor:
-    """Plain Newton-Schulz: transpose a tall matrix, divide by the Frobenius norm, 5 quintic steps."""
+def _ns(x: torch.Tensor, coefficients=QUINTIC) -> torch.Tensor:
+    """Plain Newton-Schulz: transpose a tall matrix, divide by the Frobenius norm, one step per coefficient
+    triple (default: the 5 quintic steps)."""
     t = x.shape[0] > x.shape[1]
     X = x.T if t else x
     X = X / X.norm()
-    for a, b, c in QUINTIC:
+    for a, b, c in coefficients:
         A = X @ X.T
         X = a * X + (b * A + c * A @ A) @ X
     return X.T if t else X
@@ -143,7 +148,7 @@ def full_params(model, groups) -> dict:
     return {n: gather_param(p.detach(), p, groups.tp).double().cpu().clone() for n, p in model.named_parameters()}
 
 
-def layout_worker(tp: int, resume: bool) -> dict:
+def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
     """Every layout of this world with tensor-parallel size ``tp``, plain and distributed: the full parameters
     after each step; with ``resume``, the distributed run also restarted from its state after 2 steps."""
     from omnitron.backends import get_backend
@@ -155,7 +160,7 @@ def layout_worker(tp: int, resume: bool) -> dict:
     groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp), backend=be)
     out = {}
     for distributed in (False, True):
-        ddp, opt = build(groups, be, distributed=distributed, init=full_init())
+        ddp, opt = build(groups, be, distributed=distributed, init=full_init(), muon_tp_mode=tp_mode)
         history = []
         for s in range(STEPS):
             step(ddp, opt, groups, s)
@@ -227,15 +232,22 @@ def test_layout_and_modes_refused_or_accepted():
     from omnitron.core.config.training import OptimizerConfig
     from omnitron.core.optim.muon import uses_muon
 
-    for bad in (dict(muon_num_ns_steps=4), dict(muon_coefficient_type="cubic"), dict(muon_scale_mode="x"),
-                dict(muon_tp_mode="distributed"), dict(muon_momentum=1.0)):
+    for bad in (dict(muon_num_ns_steps=0), dict(muon_coefficient_type="cubic"), dict(muon_scale_mode="x"),
+                dict(muon_tp_mode="rowwise"), dict(muon_momentum=1.0)):
         with pytest.raises(ConfigError, match="--muon-"):
             OptimizerConfig(optimizer="muon", **bad)
-    OptimizerConfig(optimizer="muon", muon_coefficient_type="polar_express", muon_num_ns_steps=8)
+    # Megatron takes any step count (quintic cycles, polar_express repeats its last) and its distributed tp mode
+    OptimizerConfig(optimizer="muon", muon_coefficient_type="polar_express", muon_num_ns_steps=3)
+    OptimizerConfig(optimizer="muon", muon_num_ns_steps=4, muon_tp_mode="distributed")
     from omnitron.core.training.arguments import parse_settings
 
     flags = parse_settings(_train_args("/tmp/x", ["--muon-no-split-qkv", "--muon-momentum", "0.95"]), 2).optim
     assert (flags.optimizer, flags.muon_split_qkv, flags.muon_momentum, flags.muon_nesterov) == ("muon", False, 0.95, True)
+    # Megatron's --muon-scalar-optimizer adam is the AdamW that runs here; lion is refused in one line
+    adam = parse_settings(_train_args("/tmp/x", ["--muon-scalar-optimizer", "adam", "--muon-use-syrk"]), 2).optim
+    assert adam == flags.__class__(**{**flags.__dict__, "muon_split_qkv": True, "muon_momentum": 0.9})
+    with pytest.raises(ConfigError, match="^--muon-scalar-optimizer lion: .* drop the flag or give adam$"):
+        parse_settings(_train_args("/tmp/x", ["--muon-scalar-optimizer", "lion"]), 2)
     with pytest.raises(ConfigError, match="--optimizer muon .* --use-torch-fsdp2"):
         parse_settings([a for a in _train_args("/tmp/x", ["--use-torch-fsdp2"], None)
                         if a != "--use-distributed-optimizer"], 2)
@@ -243,6 +255,29 @@ def test_layout_and_modes_refused_or_accepted():
     emb.is_embedding_or_output_parameter = True
     assert uses_muon(torch.nn.Parameter(torch.zeros(3, 2))) and not uses_muon(emb)
     assert not uses_muon(torch.nn.Parameter(torch.zeros(3)))
+
+
+@pytest.mark.parametrize("prec", ["low", "high"])
+def test_low_and_high_matmul_precision_iterate_in_fp32(prec):
+    """--muon-fp32-matmul-prec low is Megatron's fp32 path too: torch.set_float32_matmul_precision ignores "low",
+    and emerging_optimizers casts to bf16 only under "medium". One step against the float64 reference within
+    the fp32 bound of one step worked out at ATOL (6e-5); bf16 iterations leave it (bf16's 4e-3 per rounding,
+    a few roundings, on entries of the update ~lr x sqrt(24) x 0.3 = 3e-2: a few 1e-4)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    groups, be = ParallelGroups.single(), get_backend("cpu")
+    ddp, opt = build(groups, be, distributed=False, init=full_init())
+    opt.config.muon_fp32_matmul_prec = prec
+    step(ddp, opt, groups, 0)
+    got, ref = full_params(ddp.module, groups), reference(full_init(), _mean_grads(1)[:1])[0]
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=6e-5, msg=lambda m: f"{prec} {k}: {m}")
+    opt.config.muon_fp32_matmul_prec = "medium"  # the check can fail: bf16 iterations leave the fp32 bound
+    step(ddp, opt, groups, 1)
+    ref = reference(full_init(), _mean_grads(1)[:2])[1]
+    got = full_params(ddp.module, groups)
+    assert max(float((got[k] - ref[k]).abs().max()) for k in ("fc1", "fc2", "qkv")) > 6e-5
 
 
 def test_bf16_iterations_stay_near_fp32():
@@ -257,6 +292,39 @@ def test_bf16_iterations_stay_near_fp32():
     assert lo.dtype == torch.float32
     assert float((lo - hi).norm() / hi.norm()) < 5e-2
     torch.testing.assert_close(hi.double(), _ns(x.double()), rtol=0, atol=1e-5)
+
+
+SIMPLE = [(3.4445, -4.7750, 2.0315)]
+
+
+# (kind, steps, Megatron's schedule, a plausible misreading: the other end behaviour or one step fewer)
+@pytest.mark.parametrize("kind,steps,schedule,wrong", [
+    ("quintic", 7, QUINTIC + QUINTIC[:2], QUINTIC + QUINTIC[-1:] * 2), ("quintic", 3, QUINTIC[:3], QUINTIC[:2]),
+    ("polar_express", 3, POLAR[:3], POLAR[:2]), ("polar_express", 10, POLAR + POLAR[-1:] * 2, POLAR + POLAR[:2]),
+    ("simple", 2, SIMPLE * 2, SIMPLE)])
+def test_ns_step_counts_follow_megatrons_schedule(kind, steps, schedule, wrong):
+    """--muon-num-ns-steps N with a coefficient type whose set count does not divide N: Megatron's Muon
+    (emerging_optimizers v0.3.0) cycles through the "simple" / "quintic" sets and runs "polar_express" in order,
+    repeating its last; against a float64 Newton-Schulz on that schedule. Tolerance: fp32 iterations (u = 6e-8)
+    on a 20 x 12 matrix, ~k u = 1e-6 per matmul amplified by at most the product of the slopes at 0 (quintic
+    7 steps: 4.1 x 4.0 x 3.7 x 2.9 x 2.8 x 4.1 x 4.0 = 8e3; polar_express's first slope 8.2) and shrunk again
+    where singular values converge: 1e-3 absolute on entries ~0.3 still tells apart one step more or less or a
+    wrong triple (those move entries by > 1e-2)."""
+    from omnitron.core.optim.newton_schulz import coefficient_schedule, orthogonalize
+
+    x = torch.randn(20, 12, generator=torch.Generator().manual_seed(11))
+    got = orthogonalize(x, coefficient_schedule(kind, steps), bf16=False).double()
+    torch.testing.assert_close(got, _ns(x.double(), schedule), rtol=0, atol=1e-3)
+    assert float((got - _ns(x.double(), wrong)).abs().max()) > 1e-2
+
+
+def test_tp2_distributed_tp_mode_is_the_whole_matrix_update():
+    """--muon-tp-mode distributed (Megatron's Gram all-reduce mode, whole-matrix like duplicated) at tp2, plain
+    and distributed optimizer, against the float64 whole-matrix reference."""
+    ref = reference(full_init(), _mean_grads(1))
+    for r in run_distributed(layout_worker, 2, 2, False, "distributed"):
+        _compare(r["plain"], ref, "tp2 distributed mode plain")
+        _compare(r["dist"], ref, "tp2 distributed mode distributed")
 
 
 @pytest.mark.parametrize("tp,backend", [(1, "cpu"), (2, "cpu"),
@@ -338,3 +406,57 @@ def test_training_loop_resumes_bit_exact_and_reshards(tmp_path):
         assert sorted(got) == [1, 2, 3, 4]
         for it in ref:
             assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (fmt, it, got, ref)
+
+
+def replicated_kv_worker() -> dict:
+    """tp2 with one key/value group (linear_q sharded, linear_kv replicated over tp) and the one-process model:
+    two Muon steps on the same batch; the largest difference of each full parameter."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.config.training import OptimizerConfig
+    from omnitron.core.models.gpt import GPTConfig, GPTModel, allreduce_sequence_parallel_grads, gather_full_state
+    from omnitron.core.optim.muon import Muon
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    torch.set_num_threads(1)
+    be = get_backend("cpu")
+    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=1, ffn_hidden_size=48,
+                    seq_length=8, vocab_size=64, make_vocab_size_divisible_by=1, hidden_dropout=0.0,
+                    attention_dropout=0.0, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                    untie_embeddings_and_output_weights=True, add_bias_linear=False, params_dtype=torch.float64)
+    layouts = {"tp": ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=be),
+               "ref": ParallelGroups.single()}
+    models = {k: GPTModel(cfg, g, seed=3) for k, g in layouts.items()}
+    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=0.0, muon_fp32_matmul_prec="high")
+    opts = {k: Muon(list(m.named_parameters()), config, layouts[k], backend=be) for k, m in models.items()}
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        for k, m in models.items():
+            opts[k].zero_grad()
+            m(tokens, labels=tokens).mean().backward()
+        allreduce_sequence_parallel_grads(models["tp"], layouts["tp"])
+        for k in models:
+            assert not opts[k].step(LR).skipped
+    got, want = gather_full_state(models["tp"], layouts["tp"]), gather_full_state(models["ref"], layouts["ref"])
+    return {k: float((got[k] - want[k]).abs().max()) for k in want}
+
+
+def test_replicated_key_value_weight_takes_the_one_process_update():
+    """Fewer key/value groups than tp ranks: the key/value weight is a replicated parameter of its own, and
+    --muon-split-qkv (the default) must orthogonalise its K and V rows apart as the fused weight's blocks are
+    at one process. float64 throughout: the two layouts differ by the order of tp partial sums only (~1e-16
+    relative, amplified by <= 500 through Newton-Schulz, as at ATOL): 1e-10 absolute on updates of ~lr = 2e-2
+    leaves orders of magnitude either way (orthogonalising K and V together moves them by ~1e-2)."""
+    diffs = run_distributed(replicated_kv_worker, 2)[0]
+    assert any("linear_qkv" in k for k in diffs), sorted(diffs)
+    assert max(diffs.values()) < 1e-10, {k: v for k, v in diffs.items() if v >= 1e-10}
+
+
+def test_whole_qkv_refused_where_the_fused_weight_is_split():
+    from omnitron.core.config import ConfigError
+    from omnitron.core.training.arguments import parse_settings
+
+    args = _train_args("/tmp/x", ["--muon-no-split-qkv", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="^--muon-no-split-qkv .* --num-query-groups 1 < --tensor-model-parallel"):
+        parse_settings(args, 2)
+    parse_settings(_train_args("/tmp/x", ["--num-query-groups", "1", "--tensor-model-parallel-size", "2"]), 2)

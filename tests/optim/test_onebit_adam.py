@@ -20,9 +20,15 @@ from omnitron.testing.onebit import adam_reference
 from omnitron.testing.sim import requires_sim
 
 
-def _model(dtype=torch.float32, seed=0):
+WIDE = (40, 30, 20)
+"""Widths whose 1,880 parameters fill several chunks and 256-element scale blocks at dp2 and dp4 (padding in
+the last one); the default (6, 5, 3) has 53, all in the first block of the first chunk."""
+
+
+def _model(dtype=torch.float32, seed=0, widths=(6, 5, 3)):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(dtype)
+    a, b, c = widths
+    return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.Tanh(), torch.nn.Linear(b, c)).to(dtype)
 
 
 def _fill(model, seed):
@@ -70,30 +76,39 @@ def test_compressed_step_is_bounded_like_adam():
         torch.testing.assert_close((b - p.detach()).abs(), torch.full_like(b, step), rtol=0, atol=1e-6)
 
 
-def _batch(rank: int, step: int):
+def _batch(rank: int, step: int, widths=(6, 5, 3)):
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    return (torch.randn(4, widths[0], generator=g, dtype=torch.float64),
+            torch.randn(4, widths[2], generator=g, dtype=torch.float64))
 
 
 FREEZE, STEPS, LR = 2, 6, 1e-2
 HYPER = dict(lr=LR, weight_decay=0.1, clip_grad=0.5, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
 
 
-def compressed_stage_worker() -> dict:
+def _hyper(widths) -> dict:
+    """HYPER; for WIDE: --clip-grad below its first step's norm (the warm-up clips) and its compressed steps' (they
+    must not), and --adam-eps 1e-4: Adam's step lr g / (|g| + eps) has the slope lr eps / (|g| + eps)^2 <=
+    lr / (4 eps), and among 1,880 gradients one is 2e-7, computed in fp32 with 9e-10 of cancellation error,
+    which moves its step by 2.7e-6 at eps 1e-8 (slope 3e3); at 1e-4 the slope is <= 25, any such error < 3e-8."""
+    return {**HYPER, "clip_grad": 0.3, "adam_eps": 1e-4} if widths == WIDE else HYPER
+
+
+def compressed_stage_worker(widths=(6, 5, 3)) -> dict:
     from omnitron.core.config import ParallelConfig
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel
 
     be = get_backend()
     groups = ParallelGroups.build(ParallelConfig(), backend=be)
-    model = _model().to(be.device())
+    model = _model(widths=widths).to(be.device())
     ddp = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True))
-    opt = OneBitAdam(model.named_parameters(), OptimizerConfig(optimizer="onebit_adam", **HYPER), groups, backend=be,
-                     freeze_step=FREEZE)
+    opt = OneBitAdam(model.named_parameters(), OptimizerConfig(optimizer="onebit_adam", **_hyper(widths)), groups,
+                     backend=be, freeze_step=FREEZE)
     params, norms = [], []
     for step in range(1, STEPS + 1):
         ddp.zero_grad_buffer()
         ddp.reduce_over_dp = opt.grad_reduction_over_dp()  # what the training step does
-        x, y = (t.to(be.device()) for t in _batch(groups.dp.rank, step))
+        x, y = (t.to(be.device()) for t in _batch(groups.dp.rank, step, widths))
         ((ddp(x.float()) - y.float()) ** 2).mean().backward()
         ddp.finish_grad_sync()
         norms.append(opt.step(LR).grad_norm)
@@ -101,39 +116,43 @@ def compressed_stage_worker() -> dict:
     return {"params": params, "norms": norms}
 
 
-@pytest.mark.parametrize("dp,backend", [(2, None), pytest.param(4, None, marks=pytest.mark.slow),
-                                        pytest.param(2, "sim", marks=[pytest.mark.slow, requires_sim()])])
-def test_compressed_stage_matches_float64_simulation(dp, backend):
-    """``backend``: the ranks' (None: the session's; sim: 47 s on the loaded 2-core machine, 2026-12-03)."""
-    res = run_distributed(compressed_stage_worker, dp, backend=backend)
+@pytest.mark.parametrize("dp,backend,widths", [(2, None, (6, 5, 3)), (2, None, WIDE),
+                                               pytest.param(4, None, WIDE, marks=pytest.mark.slow),
+                                               pytest.param(2, "sim", (6, 5, 3), marks=[pytest.mark.slow,
+                                                                                        requires_sim()])])
+def test_compressed_stage_matches_float64_simulation(dp, backend, widths):
+    """``backend``: the ranks' (None: the session's; sim: 47 s on the loaded 2-core machine, 2026-12-03).
+    ``WIDE``: every chunk's server compresses real elements, several blocks each."""
+    res = run_distributed(compressed_stage_worker, dp, widths, backend=backend)
 
     def local_grads(step, params):
         out = []
         for r in range(dp):
             ps = [p.detach().clone().requires_grad_() for p in params]
-            x, y = _batch(r, step)
+            x, y = _batch(r, step, widths)
             h = torch.tanh(x @ ps[0].T + ps[1])
             ((h @ ps[2].T + ps[3] - y) ** 2).mean().backward()
             out.append([p.grad for p in ps])
         return out
 
-    init = [p.detach() for p in _model().parameters()]
+    init, h = [p.detach() for p in _model(widths=widths).parameters()], _hyper(widths)
     history, norms = adam_reference(init, [p.ndim > 1 for p in init], local_grads, STEPS, freeze=FREEZE, dp=dp,
-                                    lr=LR, beta1=HYPER["adam_beta1"], beta2=HYPER["adam_beta2"], eps=HYPER["adam_eps"],
-                                    weight_decay=HYPER["weight_decay"], clip=HYPER["clip_grad"], block=SCALE_BLOCK)
+                                    lr=LR, beta1=h["adam_beta1"], beta2=h["adam_beta2"], eps=h["adam_eps"],
+                                    weight_decay=h["weight_decay"], clip=h["clip_grad"], block=SCALE_BLOCK)
     # Tolerance: the engine runs in fp32. Each step's update is lr x m/(sqrt(v)+eps) with |m/sqrt(v)| = O(1)
     # (Adam's normalisation); fp32 rounding of the gradients, moments and the compressed scales (a scale is a
     # mean of one block, 256 terms here: relative error <= 256 x 6e-8 = 1.5e-5) perturbs it by <= 2e-5
     # relative, i.e. <= lr x 2e-5 = 2e-7 per step, plus 6e-8 x |p| for rounding the fp32 master: over 6 steps
     # < 2e-6 absolute for |p| <= 1.
-    # The norms: fp32 sums of squares of 53 terms, relative error <= 53 x 6e-8 = 3e-6.
+    # The norms: fp32 sums of squares of 53 terms, relative error <= 53 x 6e-8 = 3e-6 (WIDE: 1,880 terms summed
+    # pairwise by torch, <= log2(1880) x 6e-8 = 7e-7 per sum, on gradients of fp32 relative error ~1e-6).
     for rank in range(dp):
         for step in range(STEPS):
             for got, want in zip(res[rank]["params"][step], history[step]):
                 torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
         assert res[rank]["norms"] == pytest.approx(norms, rel=1e-5)
-    assert min(norms[FREEZE:]) > HYPER["clip_grad"], "clipping would change the compressed steps: it must be off"
-    assert norms[0] > HYPER["clip_grad"], "the warm-up's clipping is exercised"
+    assert min(norms[FREEZE:]) > h["clip_grad"], "clipping would change the compressed steps: it must be off"
+    assert norms[0] > h["clip_grad"], "the warm-up's clipping is exercised"
     for step in range(STEPS):  # all replicas hold the same parameters, bit for bit
         for r in range(1, dp):
             assert all(torch.equal(a, b) for a, b in zip(res[r]["params"][step], res[0]["params"][step]))

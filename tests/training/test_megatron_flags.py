@@ -196,7 +196,7 @@ _VALUES = {"rerun_mode": "disabled", "moe_token_dispatcher_type": "alltoall", "t
            "attention_backend": "auto", "distributed_backend": "gloo",
            "moe_router_dtype": "fp32", "dist_ckpt_strictness": "log_all", "moe_flex_dispatcher_backend": "deepep",
            "recompute_modules": "core_attn", "cross_entropy_fusion_impl": "native",
-           "num_distributed_optimizer_instances": "2"}
+           "num_distributed_optimizer_instances": "2", "muon_scalar_optimizer": "adam"}
 
 
 def test_every_selector_changes_nothing_and_says_what_runs(caplog):

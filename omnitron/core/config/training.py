@@ -86,15 +86,19 @@ class OptimizerConfig:
     """--muon-scale-mode {spectral,unit_rms_norm,shape_scaling}: the orthogonalised update of an ``m x n`` matrix
     is multiplied by sqrt(max(m, n)), sqrt(m / n), or sqrt(max(1, m / n))."""
     muon_fp32_matmul_prec: str = "medium"
-    """--muon-fp32-matmul-prec {low,medium,high}: medium and low run the Newton-Schulz iterations in bf16 (as
-    Megatron), high in fp32."""
+    """--muon-fp32-matmul-prec {low,medium,high}: medium runs the Newton-Schulz iterations in bf16, high and low in
+    fp32, as Megatron: it hands the value to ``torch.set_float32_matmul_precision``, which ignores "low" (a
+    warning), and emerging_optimizers casts to bf16 only under "medium"."""
     muon_coefficient_type: str = "quintic"
     """--muon-coefficient-type {simple,quintic,polar_express}: the Newton-Schulz polynomial coefficients per step."""
     muon_num_ns_steps: int = 5
-    """--muon-num-ns-steps: Newton-Schulz iterations (quintic: a multiple of 5; polar_express: at least 8)."""
+    """--muon-num-ns-steps: Newton-Schulz iterations, >= 1 (quintic cycles its five coefficient sets, polar_express
+    repeats the last of its eight, as Megatron)."""
     muon_tp_mode: str = "duplicated"
-    """--muon-tp-mode {duplicated,blockwise}: duplicated gathers the whole matrix over tp and orthogonalises it
-    on every tp rank (the update is independent of the layout); blockwise orthogonalises each shard alone."""
+    """--muon-tp-mode {duplicated,distributed,blockwise}: duplicated gathers the whole matrix over tp and
+    orthogonalises it on every tp rank (the update is independent of the layout); distributed is Megatron's other
+    whole-matrix mode (it all-reduces the Gram matrices instead) and computes the same update here, by gathering;
+    blockwise orthogonalises each shard alone."""
     muon_extra_scale_factor: float = 1.0
     """--muon-extra-scale-factor: one more factor on the Muon update (0.2 matches AdamW's update RMS)."""
 
@@ -153,8 +157,9 @@ class OptimizerConfig:
                               "use spectral, unit_rms_norm or shape_scaling")
         if self.muon_fp32_matmul_prec not in ("low", "medium", "high"):
             raise ConfigError(f"--muon-fp32-matmul-prec {self.muon_fp32_matmul_prec!r}: use low, medium or high")
-        if self.muon_tp_mode not in ("duplicated", "blockwise"):
-            raise ConfigError(f"--muon-tp-mode {self.muon_tp_mode!r} is not supported; use duplicated or blockwise")
+        if self.muon_tp_mode not in ("duplicated", "distributed", "blockwise"):
+            raise ConfigError(f"--muon-tp-mode {self.muon_tp_mode!r} is not supported; "
+                              "use duplicated, distributed or blockwise")
         if not 0 <= self.muon_momentum < 1:
             raise ConfigError(f"--muon-momentum must lie in [0, 1), got {self.muon_momentum}")
         try:

@@ -16,8 +16,9 @@ The Muon step of one matrix, after the usual unscale / inf check / global-norm c
 
 Tensor parallelism (``--muon-tp-mode duplicated``, Megatron's default): every tp rank all-gathers ``U`` over
 tp (``groups.etp`` for expert shards), orthogonalises the whole matrix and keeps its own shard, so the
-update does not depend on the layout. ``blockwise`` orthogonalises each shard alone (no communication; the
-update then depends on tp).
+update does not depend on the layout. ``distributed`` (Megatron all-reduces the Gram matrices of the shards
+instead of gathering them: the same whole-matrix update) takes the same path here. ``blockwise``
+orthogonalises each shard alone (no communication; the update then depends on tp).
 
 Distributed optimizer (:class:`DistributedMuon`): the momentum is sharded like Adam's moments (ZeRO-1 slices
 of the data-parallel buckets, which cut matrices anywhere). Each rank orthogonalises the whole matrices it
@@ -116,7 +117,7 @@ class MuonMixin:
         if rows is not None and c.muon_split_qkv:
             g = full.shape[0] // sum(rows)
             return group_cat([self._scaled_orthogonal(part, None) for part in group_split(full, g, rows)], g)
-        o = orthogonalize(full, self.ns_coefficients, bf16=c.muon_fp32_matmul_prec != "high")
+        o = orthogonalize(full, self.ns_coefficients, bf16=c.muon_fp32_matmul_prec == "medium")
         return o.mul_(update_scale(full.shape[0], full.shape[1], c.muon_scale_mode) * c.muon_extra_scale_factor)
 
     def _orthogonalized(self, u: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -5,8 +5,8 @@ norm (so every singular value is <= 1), then each step maps ``X -> a X + (b A + 
 an odd polynomial in the singular values that pushes them towards 1 (not all the way: the tuned coefficients
 trade exactness for speed, leaving them in roughly [0.7, 1.2]). A tall matrix is transposed first so that
 ``A`` is the smaller Gram matrix. Coefficient sets and defaults are Megatron's (``--muon-coefficient-type``,
-``--muon-num-ns-steps``): "simple" repeats one triple, "quintic" cycles five, "polar_express" takes eight and
-repeats its last.
+``--muon-num-ns-steps``): "simple" repeats one triple, "quintic" cycles five, "polar_express" takes its eight in
+order and repeats its last.
 """
 from __future__ import annotations
 
@@ -28,21 +28,18 @@ NORM_EPS = 1e-7
 
 
 def coefficient_schedule(kind: str, steps: int) -> list[tuple[float, float, float]]:
-    """The ``(a, b, c)`` of each of ``steps`` iterations; ValueError naming the flag when they do not fit."""
+    """The ``(a, b, c)`` of each of ``steps`` iterations, as Megatron's Muon picks them: "simple" and "quintic"
+    cycle through their sets (4 quintic steps take the first four), "polar_express" runs its sets in order and
+    repeats the last (fewer steps take the first ones). ValueError naming the flag for an unknown kind or
+    ``steps < 1``."""
     if kind not in COEFFICIENTS:
         raise ValueError(f"--muon-coefficient-type {kind!r} is not supported; use {', '.join(COEFFICIENTS)}")
-    sets = list(COEFFICIENTS[kind])
     if steps < 1:
         raise ValueError(f"--muon-num-ns-steps must be >= 1, got {steps}")
-    if kind == "simple":
-        return sets * steps
+    sets = COEFFICIENTS[kind]
     if kind == "polar_express":
-        if steps < len(sets):
-            raise ValueError(f"--muon-num-ns-steps {steps}: polar_express needs at least {len(sets)}")
-        return sets + sets[-1:] * (steps - len(sets))
-    if steps % len(sets):
-        raise ValueError(f"--muon-num-ns-steps {steps}: {kind} needs a multiple of {len(sets)}")
-    return sets * (steps // len(sets))
+        return [sets[min(i, len(sets) - 1)] for i in range(steps)]
+    return [sets[i % len(sets)] for i in range(steps)]
 
 
 def orthogonalize(x: torch.Tensor, coefficients: list[tuple[float, float, float]], *, bf16: bool) -> torch.Tensor:

@@ -505,6 +505,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     if optim.optimizer == "muon" and ddp is not None and getattr(ddp, "use_torch_fsdp2", False):
         raise ConfigError("--optimizer muon orthogonalises whole matrices, which --use-torch-fsdp2 shards by rows "
                           "without a gather step yet; use --use-distributed-optimizer or drop --use-torch-fsdp2")
+    _check_muon_whole_qkv(optim, model, parallel)
     _check_run(training, data, checkpoint)
     from omnitron.core.capture import check_settings
 
@@ -712,6 +713,21 @@ def _check_onebit(optim: OptimizerConfig, ddp, precision: PrecisionConfig, paral
     if getattr(model, "num_experts", None):
         raise ConfigError(f"{why} is not implemented for MoE experts (reduced over expert-data-parallel ranks); "
                           "drop --num-experts or use --optimizer adam")
+
+
+def _check_muon_whole_qkv(optim: OptimizerConfig, model, parallel: ParallelConfig) -> None:
+    """--muon-no-split-qkv orthogonalises the fused QKV weight whole; with fewer query groups than tp ranks the
+    attention keeps it as two parameters (linear_q sharded, linear_kv replicated), so no rank holds it."""
+    if (optim.optimizer != "muon" or optim.muon_split_qkv or not getattr(model, "num_attention_heads", None)
+            or getattr(model, "multi_latent_attention", False)):
+        return
+    from omnitron.core.transformer.shapes import query_groups
+
+    groups, tp = query_groups(model), parallel.tensor_model_parallel_size
+    if groups < tp:
+        raise ConfigError(f"--muon-no-split-qkv orthogonalises the fused QKV weight whole, but --num-query-groups "
+                          f"{groups} < --tensor-model-parallel-size {tp} keeps it as a sharded query and a replicated "
+                          "key/value weight; drop --muon-no-split-qkv or use a tensor-parallel size <= the groups")
 
 
 def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> None:

@@ -83,6 +83,11 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                     "all-to-all dispatcher; " + _PERF),
     "moe_permute_fusion": (None, "tokens are permuted to their experts by index gathers",
                            "a fused permutation moves the same rows to the same places"),
+    "muon_scalar_optimizer": ("adam", "the parameters Muon does not take (embeddings, output layer, norms, biases) "
+                                      "step with AdamW", "Megatron's adam there is the same AdamW (its default); "
+                                      "lion is refused in one line"),
+    "muon_use_syrk": (None, "Muon's Newton-Schulz Gram matrices X X^T and A A are ordinary matmuls",
+                      "Megatron's Triton SYRK kernel computes the same symmetric products (one triangle, mirrored)"),
     "moe_router_dtype": ("fp32", "the router's logits, scores and top-k are computed in float32 always",
                          "the flag asks for exactly that ('fp64' is refused)"),
     "auto_detect_ckpt_format": (None, "--load reads the format a checkpoint records in its own metadata",
@@ -211,6 +216,9 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("rerun_mode") not in (None, "disabled"):
         raise ConfigError(f"--rerun-mode {given['rerun_mode']}: omnitron re-runs no iteration (only 'disabled'); "
                           "--check-for-nan-in-loss-and-grad stops on a non-finite loss instead")
+    if given.get("muon_scalar_optimizer") not in (None, "adam"):
+        raise ConfigError(f"--muon-scalar-optimizer {given['muon_scalar_optimizer']}: omnitron steps the parameters "
+                          "Muon does not take with AdamW only; drop the flag or give adam")
     if given.get("moe_router_dtype") not in (None, "fp32"):
         raise ConfigError(f"--moe-router-dtype {given['moe_router_dtype']}: omnitron routes in float32 only; drop "
                           "the flag or give fp32")

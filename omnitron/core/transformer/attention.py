@@ -97,6 +97,9 @@ class SelfAttention(nn.Module):
         one = Group(f"{self.group.name}-replica", (self.group.ranks[M.local_rank(self.group)],), None)
         self.linear_kv = ColumnParallelLinear(c.hidden_size, 2 * groups * self.d, init_std=c.init_method_std,
                                               **{**kw, "group": one, "sequence_parallel": False})
+        # rows per group [k, v]: --muon-split-qkv orthogonalises K and V apart, as the fused weight's blocks (Q is
+        # linear_q, whole); without the split the fused weight has no counterpart here (refused in arguments.py)
+        self.linear_kv.weight.qkv_split_rows = [self.d, self.d]
         qkv_rows, d, qpg = (heads + 2 * groups) * self.d, self.d, heads // groups
         for p in (self.linear_q.weight, self.linear_q.bias, self.linear_kv.weight, self.linear_kv.bias):
             if p is None:
