@@ -327,8 +327,9 @@ def test_w_inputs_equal_what_the_split_backward_keeps(fields, b, layers, first, 
     the runtime's B, their logs scaled; three layers extrapolated from the probes at one and two) equal the storages
     the split backward keeps at the chunk's real size (:func:`_kept_for_w`), to the byte: every kept gradient is an
     ``[s, b, w]`` monomial. A GPT chunk's are by hand (fp32): each layer's linears' and norms' output gradients
-    (``3h + h + ffn + h`` and ``2 h`` a token), the final norm's on the last chunk, the received gradient short of
-    it; stage 0's plan runs the whole backward in W, keeping the received gradient only. Under full recomputation
+    (``3h + h + ffn + h`` and ``2 h`` a token), the final norm's on the last chunk (a middle chunk's plan drops the
+    received gradient after B: W starts at the boundaries); stage 0's plan runs the whole backward in W, keeping
+    the received gradient only. Under full recomputation
     the probe also sees the CPU generator state full recomputation's RNG tracker clones in B (``torch.get_rng_state``,
     5056 bytes), which the reference, counting the plan's storages, does not: that much apart at most."""
     from types import SimpleNamespace
@@ -347,5 +348,5 @@ def test_w_inputs_equal_what_the_split_backward_keeps(fields, b, layers, first, 
     assert want <= got <= want + rng, (got, want)
     if fields is _GPT:
         h, tokens = cfg.hidden_size, cfg.seq_length * b
-        widths = h if first else layers * (3 * h + h + cfg.ffn_hidden_size + h + 2 * h) + h
+        widths = h if first else layers * (3 * h + h + cfg.ffn_hidden_size + h + 2 * h) + (h if last else 0)
         assert want == widths * tokens * 4
