@@ -163,7 +163,8 @@ _FULL8 = ["--num-layers", "8", "--recompute-granularity", "full", "--recompute-m
                         "(0.5-2.8 MB here): a planner question for device kernel tables (issue 34)")
 @pytest.mark.parametrize("schedule,more", [
     ("1f1b", []), pytest.param("interleaved", [], marks=pytest.mark.slow), ("zb-h1", []), ("zb-v", []),
-    pytest.param("dualpipe-v", [], marks=pytest.mark.slow), pytest.param("zb-h1", _FULL8, id="zb-h1-full-recompute")])
+    pytest.param("dualpipe-v", [], marks=pytest.mark.slow),
+    pytest.param("zb-h1", _FULL8, id="zb-h1-full-recompute", marks=pytest.mark.slow)])  # 8 layers: 20-30 s
 def test_step_peak_pipeline_two_ranks(schedule, more, tmp_path):
     """pp2, 1F1B (stage 0 holds two micro-batches in flight), interleaved over two one-layer chunks per rank, or
     the schedules that split the backward into B and W: ZB-H1 (rank r holds up to 2p-1-r micro-batches between F
