@@ -185,3 +185,22 @@ def test_fp32_grads_reuse_their_buffers():
             assert g.dtype == torch.float32 and torch.equal(g, p.grad.float())
         assert torch.count_nonzero(grads[-1]) == 0
         torch._foreach_mul_(grads, float("nan"))  # what a NaN clip coefficient does to them in place
+
+
+@pytest.mark.parametrize("extra,refused", [
+    ({"min_loss_scale": 2.0 ** 33}, True),  # above the default first scale, 2^32
+    ({"min_loss_scale": 8.0, "initial_loss_scale": 8.0}, False),
+    ({"min_loss_scale": 2.0 ** 33, "loss_scale": 4.0}, False),  # a constant scale: no dynamic scaler
+])
+def test_min_loss_scale_above_the_first_is_refused(extra, refused):
+    """Megatron's DynamicGradScaler asserts min_scale <= initial_scale; with --fp16 and dynamic scaling the
+    settings are refused in one line naming both flags, and accepted otherwise."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.config.training import PrecisionConfig
+
+    if not refused:
+        assert PrecisionConfig(fp16=True, **extra).fp16
+        return
+    with pytest.raises(ConfigError, match="--min-loss-scale 8.58993e[+]09 is above --initial-loss-scale 4.29497e[+]09"):
+        PrecisionConfig(fp16=True, **extra)
+

@@ -202,6 +202,10 @@ class PrecisionConfig:
             raise ConfigError(f"--loss-scale must be > 0, got {self.loss_scale}")
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
             raise ConfigError("--initial-loss-scale and --min-loss-scale must be > 0")
+        if self.fp16 and self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale {self.min_loss_scale:g} is above --initial-loss-scale "
+                              f"{self.initial_loss_scale:g} (Megatron's dynamic scaler refuses it too); lower the "
+                              "first or raise the second")
         if self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
         if self.max_consecutive_skipped_iterations < 0:
