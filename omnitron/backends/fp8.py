@@ -172,9 +172,10 @@ class FP8Provider:
         return cast_to_fp8(x, fmt, scale, saturate), amax
 
     def quantize_blocks(self, x: torch.Tensor, fmt: str, block: tuple[int, int], margin: int = 0,
-                        saturate: bool = False, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        saturate: bool = False, pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Block-scaled quantization of 2-D ``x``: each ``block`` tile gets its own scale from its amax
-        (rounded down to a power of two with ``pow2``: the block-wise recipe's, :func:`scale_from_amax`).
+        (rounded down to a power of two with ``pow2``, the default: the block-wise recipe's, Transformer Engine's
+        ``Float8BlockScaling``; :func:`scale_from_amax`).
 
         Returns (``q`` float8 with ``x``'s shape, ``scale_inv`` float32 ``[ceil(m/bm), ceil(k/bk)]``).
         """

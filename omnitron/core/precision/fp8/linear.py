@@ -146,7 +146,7 @@ class FP8Linear:
     def _quantize_weight_now(self, weight: torch.Tensor) -> tuple:
         if self.per_tensor:
             return self.quantize("weight", weight, self.fwd_fmt)
-        return self.provider.quantize_blocks(weight, self.fwd_fmt, BLOCK_WEIGHT, self.margin, pow2=True)
+        return self.provider.quantize_blocks(weight, self.fwd_fmt, BLOCK_WEIGHT, self.margin)
 
     @property
     def caches_weight(self) -> bool:
@@ -255,7 +255,7 @@ class _FP8LinearFn(torch.autograd.Function):
             # the backward GEMMs read the transposed copies: [in, tokens] and [in, out], both FP8
             ctx.save_for_backward(qx_t, sx, qw_t, sw)
         else:
-            qx, sx = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT, ex.margin, pow2=True)
+            qx, sx = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT, ex.margin)
             qw, sw = ex.quantize_weight(weight)
             y = prov.blockwise_mm(qx, sx, BLOCK_ACT, qw.t(), sw.t(), BLOCK_WEIGHT[::-1], out_dtype=x.dtype)
             # NOTE: the weight-grad GEMM contracts over tokens, so x is re-tiled along tokens there;
@@ -294,11 +294,11 @@ class _FP8LinearFn(torch.autograd.Function):
             x2, qw, sw = ctx.saved_tensors
             fmt, margin = ex.bwd_fmt, ex.margin
             if need_dx:
-                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, margin, pow2=True)
+                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, margin)
                 dx = prov.blockwise_mm(qg, sg, BLOCK_ACT, qw, sw, BLOCK_WEIGHT, out_dtype=ctx.x_dtype)
             if need_dw:
-                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, margin, pow2=True)  # tiles along tokens
-                qxt, sxt = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT[::-1], margin, pow2=True)
+                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, margin)  # tiles along tokens
+                qxt, sxt = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT[::-1], margin)
                 dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=ctx.w_dtype)
         if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)
