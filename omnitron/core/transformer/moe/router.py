@@ -220,7 +220,9 @@ class TopKRouter(nn.Module):
         if self.training and torch.is_grad_enabled():
             if self.coeff > 0.0:
                 scores = aux_loss_scores(logits, self.score_function)  # [T, E]
-                picks = aux_loss_picks(scores, self.k)
+                # without a group limit or an expert bias the router's picks are that top k already
+                steered = self.groups is not None or self.expert_bias is not None
+                picks = aux_loss_picks(scores, self.k) if steered else experts
                 if self.balancing == "seq_aux_loss":
                     aux = sequence_load_balancing_loss(scores, picks, batch_size, self.num_experts, self.coeff,
                                                        self.stats_group)
