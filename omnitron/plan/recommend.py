@@ -218,16 +218,26 @@ def _smallest(given: dict, devices: int, transients: bool = True, cluster: int |
               device=None) -> Choice:
     """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp); with ``load``
     (``--moe-expert-load``) each priced on its busiest ep rank, as the search prices them. ``transients`` False:
-    ranked without backward's transient probes (slow at scale), the one found priced with them."""
+    ranked without backward's transient probes (slow at scale), the one found priced with them. With them, the
+    candidates are first estimated without the probes and visited by :func:`_floor` (a lower bound of the full
+    estimate): one whose floor exceeds the least full peak found so far cannot be the smallest and is not probed.
+    The answer is the one a full estimate of every candidate gives (ties: the first in :func:`candidates`' order)."""
     from omnitron.plan.memory import estimate
 
-    best = None
-    for c in candidates(given, devices, minimal=True, cluster=cluster):
-        c.stages = estimate(c.settings, transients=transients, load=load, device=device)
-        if best is None or c.peak < best.peak:
-            best = c
+    cands = candidates(given, devices, minimal=True, cluster=cluster)
+    for c in cands:
+        c.stages = estimate(c.settings, transients=False, load=load, device=device)
     if not transients:
+        best = min(cands, key=lambda c: c.peak)
         best.stages = estimate(best.settings, load=load, device=device)
+        return best
+    best, first = None, 0
+    for i, c in sorted(enumerate(cands), key=lambda ic: _floor(ic[1], load)):
+        if best is not None and _floor(c, load) > best.peak:
+            break
+        c.stages = estimate(c.settings, load=load, device=device)
+        if best is None or (c.peak, i) < (best.peak, first):
+            best, first = c, i
     return best
 
 
