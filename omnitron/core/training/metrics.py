@@ -2,8 +2,10 @@
 
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
 the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
-``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
-the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
+``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device`` (Megatron's
+``num_floating_point_operations`` per device), ``mfu`` (None when the backend does not know its peak; the rates are
+the interval's work over its summed step time, ``step_time_s`` its mean), ``peak_memory_bytes``,
+``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
 ``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it),
 ``decoupled_lr`` (``--decoupled-lr``), ``weight_decay`` (``--weight-decay-incr-style linear|cosine``: the decay
 the step applied) and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and
@@ -131,6 +133,15 @@ def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     return iteration % log_interval == 0 or iteration == train_iters
 
 
+def _interval_rate(steps: list[dict], key: str) -> float | None:
+    """The rate ``key`` (tokens/s, TFLOP/s, MFU) over the steps together: their work over their summed time, as
+    Megatron divides the interval's FLOPs by its elapsed time (each step's rate weighted by its time; a plain mean
+    of the rates would let one slow step count as much as a fast one). None when no step has it."""
+    timed = [(v[key], v["step_time_s"]) for v in steps if v.get(key) is not None]
+    total = sum(t for _, t in timed)
+    return sum(r * t for r, t in timed) / total if timed else None
+
+
 class _BarLogging(logging.Handler):
     """While the progress bar is shown, omnitron's log lines ("saving checkpoint ...") are written above it
     (``tqdm.write``) instead of through it; :meth:`close` puts the usual handlers back."""
@@ -233,8 +244,7 @@ class MetricsLogger:
                 rec[key] = last[key]
         for key in ("tokens_per_sec", "tflops_per_device", "mfu") + (("tokens_per_sec_per_device",) if self.throughput
                                                                       else ()):
-            vals = [v[key] for v in self._pending if v.get(key) is not None]
-            rec[key] = sum(vals) / len(vals) if vals else None
+            rec[key] = _interval_rate(self._pending, key)
         rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
         for key in ("moe_aux_loss", "mtp_loss"):  # MoE's load-balancing loss, MTP's loss: added to lm_loss
             if key in last:
