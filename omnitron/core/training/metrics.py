@@ -1,8 +1,9 @@
 """Training metrics: plain log lines (or a progress bar on a terminal), ``metrics.jsonl``, TensorBoard.
 
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
-the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
-``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device`` (Megatron's
+the previous log line that were not skipped, as Megatron's; full float64 precision), ``lr``, ``grad_norm``,
+``loss_scale``, ``skipped_iters``, ``nan_iters`` (skipped ones whose loss was not finite, Megatron's nan
+iterations), ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device`` (Megatron's
 ``num_floating_point_operations`` per device), ``mfu`` (None when the backend does not know its peak; the rates are
 the interval's work over its summed step time, ``step_time_s`` its mean), ``peak_memory_bytes``,
 ``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
@@ -26,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -133,6 +135,13 @@ def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     return iteration % log_interval == 0 or iteration == train_iters
 
 
+def _interval_loss(steps: list[dict]) -> float:
+    """The interval's LM loss as Megatron's log averages it: over the steps that updated the weights (a step an
+    fp16 overflow skipped adds neither its loss nor a count); over every step when all were skipped."""
+    losses = [v["lm_loss"] for v in steps if not v["skipped"]] or [v["lm_loss"] for v in steps]
+    return sum(losses) / len(losses)
+
+
 def _interval_rate(steps: list[dict], key: str) -> float | None:
     """The rate ``key`` (tokens/s, TFLOP/s, MFU) over the steps together: their work over their summed time, as
     Megatron divides the interval's FLOPs by its elapsed time (each step's rate weighted by its time; a plain mean
@@ -234,10 +243,10 @@ class MetricsLogger:
         """The averaged record of the pending iterations (the last one's lr, norms and ``log`` values)."""
         n = len(self._pending)
         last = self._pending[-1]
-        rec = {"iteration": iteration,
-               "lm_loss": sum(v["lm_loss"] for v in self._pending) / n,
+        skipped = [v for v in self._pending if v["skipped"]]
+        rec = {"iteration": iteration, "lm_loss": _interval_loss(self._pending),
                "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_scale": last["loss_scale"],
-               "skipped_iters": sum(1 for v in self._pending if v["skipped"]),
+               "skipped_iters": len(skipped), "nan_iters": sum(not math.isfinite(v["lm_loss"]) for v in skipped),
                "step_time_s": sum(v["step_time_s"] for v in self._pending) / n, "time": _now()}
         for key in ("consumed_samples", "global_batch_size"):  # NOTE: a ramp changes the batch; the last step's
             if key in last:
@@ -278,7 +287,7 @@ class MetricsLogger:
         if "mtp_loss" in rec:
             line += f" | mtp loss {rec['mtp_loss']:.4f}"
         if rec["loss_scale"] is not None:
-            line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']}"
+            line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']} | nan {rec['nan_iters']}"
         if self.throughput and rec["tokens_per_sec_per_device"] is not None:
             line += (f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev | "
                      f"{rec['tokens_per_sec_per_device']:.0f} tok/s/dev")
