@@ -1,7 +1,8 @@
 """A log line's loss and counts over its --log-interval, against Megatron-LM's ``training_log`` (d98e8a6)
 transcribed here: the LM loss summed over the iterations that were not skipped and divided by their number
 (``advanced iterations``), the skipped ones counted, and those of them whose loss was not finite counted as
-``nan iterations``. Tolerance: the same few float64 sums in another order, 1e-12 relative."""
+``nan iterations``; and the validation perplexity capped as Megatron's. Tolerance: the same few float64 sums in
+another order, 1e-12 relative."""
 from __future__ import annotations
 
 import json
@@ -60,3 +61,23 @@ def test_an_interval_skipped_whole_reports_its_steps_mean(tmp_path):
     recs = _records(tmp_path, steps, 2)
     assert recs[0]["lm_loss"] == pytest.approx(7.0, rel=1e-12) and recs[0]["skipped_iters"] == 2
     assert recs[1]["lm_loss"] == pytest.approx(4.5, rel=1e-12) and recs[1]["skipped_iters"] == 0
+
+
+@pytest.mark.parametrize("loss", [3.7, 19.5, 27.0, 45.0])
+def test_validation_perplexity_is_megatrons(monkeypatch, loss):
+    """The validation record's ppl is Megatron's ``math.exp(min(20, loss))`` (evaluate_and_print_results) for the
+    mean loss of the evaluated batches. Failed before: the cap was at 50 (a diverged run's ppl 3e11, not 5e8)."""
+    import math
+    import types
+
+    from omnitron.core.training import step
+
+    losses = iter([loss - 0.5, loss + 0.5])
+    monkeypatch.setattr(step, "_run", lambda c, it, **kw: (next(losses), 64.0))
+    c = types.SimpleNamespace(modules=[], chunks=[], groups=types.SimpleNamespace(cp=types.SimpleNamespace(size=1)),
+                              settings=types.SimpleNamespace(training=types.SimpleNamespace(
+                                  calculate_per_token_loss=False), data=types.SimpleNamespace()), model=None)
+    monkeypatch.setattr(step, "_stage_iterator", lambda c, it: it)
+    out = step.evaluate(c, iter(()), 2)
+    assert out["val_loss"] == pytest.approx(loss, rel=1e-12)
+    assert out["val_ppl"] == pytest.approx(math.exp(min(20, loss)), rel=1e-12)

@@ -1,7 +1,8 @@
 """Training metrics: plain log lines (or a progress bar on a terminal), ``metrics.jsonl``, TensorBoard.
 
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
-the previous log line that were not skipped, as Megatron's; full float64 precision), ``lr``, ``grad_norm``,
+the previous log line that were not skipped, as Megatron's; full float64 precision), ``lr`` (the rate the
+logged step applied: Megatron's line shows its scheduler's rate after the step, the next step's), ``grad_norm``,
 ``loss_scale``, ``skipped_iters``, ``nan_iters`` (skipped ones whose loss was not finite, Megatron's nan
 iterations), ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device`` (Megatron's
 ``num_floating_point_operations`` per device), ``mfu`` (None when the backend does not know its peak; the rates are
