@@ -39,6 +39,7 @@ CASES = {  # name -> flags after BASE
     "gqa_swiglu_untied": (" --group-query-attention --num-query-groups 2 --swiglu --ffn-hidden-size 176 "
                           "--untie-embeddings-and-output-weights --normalization RMSNorm"),
     "kv_channels": " --kv-channels 24 --ffn-hidden-size 200",
+    "swiglu_default_ffn": " --swiglu --hidden-size 96 --num-attention-heads 6",
     "tp2_vocab_padding": " --tensor-model-parallel-size 2 --global-batch-size 12",
     "pp2_dp2": " --pipeline-model-parallel-size 2 --global-batch-size 16",
     "moe_shared_freq2": MOE + " --moe-shared-expert-intermediate-size 32 --moe-layer-freq 2",
