@@ -100,20 +100,42 @@ def test_interval_rates_are_work_over_time(tmp_path):
     assert rec["mfu"] == pytest.approx(math.fsum(flops) / time / world / 1e15, rel=REL)
 
 
-def test_a_run_logs_megatrons_tflops(tmp_path):
-    """End to end on one process: each logged step's TFLOP/s x its time x 1e12 gives back Megatron's FLOPs of
-    the fixture with the same flags (mock data: the NullTokenizer's vocabulary pads to the fixtures' 1152)."""
+def _train_case(name: str, root: str) -> list[dict] | None:
+    """Two iterations of fixture ``name``'s flags on mock data (the NullTokenizer's vocabulary pads as the
+    fixtures' does), logged each; rank 0's records (None on the other ranks)."""
+    import torch.distributed as dist
+
     from omnitron.backends import get_backend
     from omnitron.core.training.loop import train
 
-    case = FIXTURES["gqa_swiglu_untied"]
-    log_dir = str(tmp_path / "logs")
+    case = FIXTURES[name]
+    log_dir = os.path.join(root, "logs")
     flags = case["flags"] + ["--train-iters", "2", "--log-interval", "1", "--mock-data", "--tokenizer-type",
                              "NullTokenizer", "--vocab-size", str(FIXTURES["_vocab"] - 1), "--num-workers", "0",
-                             "--no-tensorboard", "--log-dir", log_dir, "--data-cache-path", str(tmp_path / "cache")]
-    train(parse_settings(flags, 1), get_backend("cpu"))
+                             "--no-tensorboard", "--log-dir", log_dir, "--data-cache-path", os.path.join(root, "cache")]
+    train(parse_settings(flags, case["world_size"]), get_backend())  # the backend under test (--backend)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f if "lm_loss" in line]
+        return [json.loads(line) for line in f if "lm_loss" in line]
+
+
+def _assert_megatrons(recs: list[dict], name: str) -> None:
+    """Each logged step's TFLOP/s x its time x 1e12 x the world gives back Megatron's FLOPs of the fixture."""
+    case = FIXTURES[name]
     assert [r["iteration"] for r in recs] == [1, 2]
     for r in recs:
-        assert r["tflops_per_device"] * r["step_time_s"] * 1e12 == pytest.approx(case["flops"], rel=REL)
+        got = r["tflops_per_device"] * r["step_time_s"] * 1e12 * case["world_size"]
+        assert got == pytest.approx(case["flops"], rel=REL)
+
+
+def test_a_run_logs_megatrons_tflops(tmp_path):
+    """End to end on one process (GQA, SwiGLU, untied)."""
+    _assert_megatrons(_train_case("gqa_swiglu_untied", str(tmp_path)), "gqa_swiglu_untied")
+
+
+def test_a_tp2_run_logs_megatrons_tflops(tmp_path):
+    """End to end at tp 2: the vocabulary the FLOPs count is padded for tp 2 (1280 rows), the world is 2."""
+    from omnitron.testing.distributed import run_distributed
+
+    _assert_megatrons(run_distributed(_train_case, 2, "tp2_vocab_padding", str(tmp_path))[0], "tp2_vocab_padding")
