@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.training.metrics import tensorboard_scalars
 
 
 def check_available(logging_cfg) -> None:
@@ -41,8 +42,6 @@ class WandbRun:
 
     def log(self, record: dict) -> None:
         """One record at its iteration, under Megatron's keys (module docstring)."""
-        from omnitron.core.training.metrics import tensorboard_scalars
-
         values = {tag: v for tag, v, _ in tensorboard_scalars(record, None, timers=True)}
         if record.get("consumed_samples") is not None:
             values["samples vs steps"] = record["consumed_samples"]
