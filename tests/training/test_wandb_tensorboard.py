@@ -151,3 +151,32 @@ def test_tensorboard_dir_holds_megatrons_tags(tmp_path):
         assert [e.step for e in twin] == [samples[r["iteration"]] for r in rows], tag
     assert [e.value for e in acc.Scalars("learning-rate")][0] == 0.0  # Megatron's first warm-up step: lr(0)
     assert len(val_recs) == 3 and not (tb / "tensorboard").exists()  # each --eval-interval, once more at the end
+    assert "world-size" not in acc.Tags()["scalars"]  # only with --log-world-size-to-tensorboard
+
+
+def _world_size_worker(root: str) -> None:
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--log-interval", "1", "--num-workers", "0",
+            "--tensorboard-dir", os.path.join(root, "tb"), "--log-world-size-to-tensorboard",
+            "--data-cache-path", os.path.join(root, "cache")]
+    train(parse_settings(argv, 2), get_backend())
+
+
+def test_world_size_reaches_tensorboard_when_asked(tmp_path):
+    """--log-world-size-to-tensorboard on a data-parallel world of 2: Megatron's ``world-size`` tag holds 2 at
+    each logged iteration and its ``vs samples`` twin is stepped by the consumed samples; metrics.jsonl has it."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from omnitron.testing.distributed import run_distributed
+
+    run_distributed(_world_size_worker, 2, str(tmp_path))
+    acc = accumulator.EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    recs = [json.loads(line) for line in open(tmp_path / "tb" / "metrics.jsonl") if "lm_loss" in line]
+    assert [r["world_size"] for r in recs] == [2, 2]
+    assert [(e.step, e.value) for e in acc.Scalars("world-size")] == [(1, 2.0), (2, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("world-size vs samples")] == [(4, 2.0), (8, 2.0)]

@@ -160,6 +160,8 @@ def logged_values(c, timers: Timers, iterations: int, straggler: StragglerDetect
         out["log"]["params_norm"] = params_norm(c)
     if lg.log_memory_to_tensorboard:
         out["log"].update(memory_fields(c))
+    if lg.log_world_size_to_tensorboard:
+        out["log"]["world_size"] = c.groups.world_size
     return out
 
 

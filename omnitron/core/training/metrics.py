@@ -21,7 +21,7 @@ Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_m
 ``tokens_per_sec_per_device`` (``--log-throughput``), ``params_norm`` (``--log-params-norm``),
 ``num_zeros_in_grad`` (``--log-num-zeros-in-grad``; the last step's), ``mem_allocated_bytes``,
 ``mem_reserved_bytes``, ``mem_max_allocated_bytes``, ``mem_max_reserved_bytes`` (``--log-memory-to-tensorboard``;
-the largest over ranks).
+the largest over ranks), ``world_size`` (``--log-world-size-to-tensorboard``).
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
             "mem_reserved_bytes": ("mem-reserved-bytes", False),
             "mem_max_allocated_bytes": ("mem-max-allocated-bytes", False),
             "val_loss": ("lm loss validation", True), "val_ppl": ("lm loss validation ppl", True),
-            "test_loss": ("lm loss test", True), "test_ppl": ("lm loss test ppl", True)}
+            "test_loss": ("lm loss test", True), "test_ppl": ("lm loss test ppl", True),
+            "world_size": ("world-size", True)}
 
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
