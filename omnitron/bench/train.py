@@ -2,9 +2,10 @@
 
 Figures per run (the iterations after the first, which builds caches and warms up):
 
-* tokens/s and TFLOP/s per device under one formula, Megatron's (attention scores non-causal, logits
+* tokens/s and TFLOP/s per device under one formula, Megatron's as it was (attention scores non-causal, logits
   counted: :func:`omnitron.core.models.gpt.config.flops_per_iteration`), and beside it the causal-halved
-  figure; MFU against the backend's peak for the run's dtype where the backend knows it;
+  figure, which is the training log's (Megatron's current count); MFU against the backend's peak for the run's
+  dtype where the backend knows it;
 * peak memory (the backend's statistics, largest over ranks);
 * the time split of a step from the run's own timers (``--timing-log-level 2``): compute (forward and
   backward actions; synchronous devices only), communication (gradient reduction and parameter gather),
@@ -88,10 +89,10 @@ def run(*, model: str, layout: str, iterations: int, extra: list[str], backend: 
             recs = [json.loads(line) for line in f if line.strip() and "lm_loss" in line]
     steady = recs[1:] or recs
     step_ms = statistics.median(r["step_time_s"] for r in steady) * 1e3
-    tflops = statistics.median(r["tflops_per_device"] for r in steady)
-    ratio = _flops_ratio(settings)
+    ratio = _flops_ratio(settings)  # NOTE: the log's TFLOP/s and MFU count causal scores: / ratio gives the other
+    tflops = statistics.median(r["tflops_per_device"] for r in steady) / ratio
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
-    mfu = statistics.median(mfus) if mfus else None
+    mfu = statistics.median(mfus) / ratio if mfus else None
     splits = [_split(r) for r in steady]
     split = {k: (statistics.median(v) if (v := [s[k] for s in splits if s[k] is not None]) else None)
              for k in splits[0]}

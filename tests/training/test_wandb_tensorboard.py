@@ -1,6 +1,6 @@
 """The event files a user opens: TensorBoard's after a crash-style resume hold each iteration once (the resumed
 run's values), read back with TensorBoard's own reader; wandb in offline mode (no network) logs what
-metrics.jsonl has, and asking for wandb without the package or without a run name stops with the fix."""
+metrics.jsonl has under Megatron's W&B keys, and asking for wandb without the package or without a run name stops with the fix."""
 from __future__ import annotations
 
 import glob
@@ -59,9 +59,51 @@ def test_wandb_offline_logs_the_records(tmp_path, monkeypatch):
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [s for s, _ in logged] == [1, 2]
     for (_, values), rec in zip(logged, recs):
-        assert values == {k: v for k, v in rec.items() if k != "iteration" and isinstance(v, (int, float))}
+        assert values["lm loss"] == rec["lm_loss"] and values["samples vs steps"] == rec["consumed_samples"]
     runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1 and os.path.getsize(runs[0]) > 0
+
+
+# Megatron's W&B keys (training_log, evaluate_and_print_results at d98e8a6) for the record keys that have them
+MEGATRON_WANDB = {"lm_loss": "lm loss", "lr": "learning-rate", "global_batch_size": "batch-size",
+                  "grad_norm": "grad-norm", "loss_scale": "loss-scale", "params_norm": "params-norm",
+                  "num_zeros_in_grad": "num-zeros", "step_time_s": "iteration-time", "tflops_per_device": "throughput",
+                  "consumed_samples": "samples vs steps", "val_loss": "lm loss validation",
+                  "val_ppl": "lm loss validation ppl"}  # (ppl: Megatron's TensorBoard tag; its wandb has none)
+
+
+def test_wandb_keys_are_megatrons(tmp_path, monkeypatch):
+    """What reaches wandb (a stand-in package recording its calls): each iteration's values under Megatron's W&B
+    keys where Megatron logs the value, stepped by the iteration, equal to the metrics.jsonl record; the rest
+    under their metrics.jsonl names. Failed before: every key was metrics.jsonl's (``lm_loss``, ``lr``), so a
+    project holding Megatron runs got its charts split in two."""
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: types.SimpleNamespace(log=lambda values, step: calls.append((step, values)),
+                                                   finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    from omnitron.core.training.wandb_log import WandbRun
+
+    cfg = LoggingConfig(wandb_project="p", wandb_exp_name="tiny", wandb_save_dir=str(tmp_path / "wb"))
+    run = WandbRun(cfg, log_dir=str(tmp_path), config={})
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=2, enabled=True, tensorboard=False,
+                           progress_bar=False, start_iteration=0, wandb=run)
+    for it, loss in ((1, 3.0), (2, 2.0)):
+        logger.step(it, {**_values(loss), "loss_scale": 1024.0, "params_norm": 7.5, "num_zeros_in_grad": 3,
+                         "consumed_samples": 4 * it, "tflops_per_device": 0.25, "mfu": None})
+    logger.validation(2, {"val_loss": 2.5, "val_ppl": 12.18}, consumed_samples=8)
+    logger.close()
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [s for s, _ in calls] == [r["iteration"] for r in recs] == [1, 2, 2]
+    for (_, values), rec in zip(calls, recs):
+        numbers = {k: v for k, v in rec.items() if k != "iteration" and isinstance(v, (int, float))
+                   and not isinstance(v, bool)}
+        assert values == {MEGATRON_WANDB.get(k, k): v for k, v in numbers.items()}
+    assert calls[0][1]["lm loss"] == 3.0 and calls[1][1]["samples vs steps"] == 8
+    assert calls[2][1]["lm loss validation"] == 2.5
 
 
 def test_wandb_needs_a_name_and_the_package(monkeypatch):
@@ -109,3 +151,32 @@ def test_tensorboard_dir_holds_megatrons_tags(tmp_path):
         assert [e.step for e in twin] == [samples[r["iteration"]] for r in rows], tag
     assert [e.value for e in acc.Scalars("learning-rate")][0] == 0.0  # Megatron's first warm-up step: lr(0)
     assert len(val_recs) == 3 and not (tb / "tensorboard").exists()  # each --eval-interval, once more at the end
+    assert "world-size" not in acc.Tags()["scalars"]  # only with --log-world-size-to-tensorboard
+
+
+def _world_size_worker(root: str) -> None:
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--log-interval", "1", "--num-workers", "0",
+            "--tensorboard-dir", os.path.join(root, "tb"), "--log-world-size-to-tensorboard",
+            "--data-cache-path", os.path.join(root, "cache")]
+    train(parse_settings(argv, 2), get_backend())
+
+
+def test_world_size_reaches_tensorboard_when_asked(tmp_path):
+    """--log-world-size-to-tensorboard on a data-parallel world of 2: Megatron's ``world-size`` tag holds 2 at
+    each logged iteration and its ``vs samples`` twin is stepped by the consumed samples; metrics.jsonl has it."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from omnitron.testing.distributed import run_distributed
+
+    run_distributed(_world_size_worker, 2, str(tmp_path))
+    acc = accumulator.EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    recs = [json.loads(line) for line in open(tmp_path / "tb" / "metrics.jsonl") if "lm_loss" in line]
+    assert [r["world_size"] for r in recs] == [2, 2]
+    assert [(e.step, e.value) for e in acc.Scalars("world-size")] == [(1, 2.0), (2, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("world-size vs samples")] == [(4, 2.0), (8, 2.0)]

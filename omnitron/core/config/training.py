@@ -378,6 +378,9 @@ class LoggingConfig:
     """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
     log_timers_to_tensorboard: bool = False
     """--log-timers-to-tensorboard: also write the timers to TensorBoard (metrics.jsonl always has them)."""
+    log_world_size_to_tensorboard: bool = False
+    """--log-world-size-to-tensorboard: records carry the job's world size (world_size), TensorBoard's
+    ``world-size`` and ``world-size vs samples``, as Megatron's."""
     wandb_project: str | None = None
     """--wandb-project: log the metrics to this Weights & Biases project too (needs omnitron[wandb];
     WANDB_MODE=offline works without a network)."""

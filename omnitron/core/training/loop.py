@@ -14,7 +14,7 @@ from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.data import PretrainingSampler, build_data_loader
 from omnitron.core.models.family import family_of
-from omnitron.core.models.gpt.config import flops_per_iteration
+from omnitron.core.models.gpt.flops import megatron_flops
 from omnitron.core.optim.clip import global_grad_norm
 from omnitron.core.parallel.data.fsdp import local_shard
 from omnitron.core.training import checkpointing
@@ -90,11 +90,14 @@ def _final_evaluations(c, valid, validation: list, house, watchdog, logger) -> d
 
 
 def _throughput(c, step_time: float, batch: int) -> dict:
+    """One step's rates. TFLOP/s per device: Megatron's training log's (``num_floating_point_operations`` of the
+    step's batch, its vocabulary padded for the run's tp, over the step time and the whole world)."""
     tokens = batch * c.model.seq_length
     out = {"step_time_s": step_time, "tokens_per_sec": tokens / step_time, "tflops_per_device": None, "mfu": None,
            "peak_memory_bytes": c.backend.memory_stats().get("peak_allocated"),
            "tokens_per_sec_per_device": tokens / step_time / c.groups.world_size}
-    flops = flops_per_iteration(c.model, batch) / step_time / c.groups.world_size
+    step_flops = megatron_flops(c.model, batch, c.model.seq_length, tp=c.groups.tp.size)
+    flops = step_flops / step_time / c.groups.world_size
     out["tflops_per_device"] = flops / 1e12
     peak = c.backend.capabilities().peak(c.model.params_dtype)
     if peak:
@@ -157,6 +160,8 @@ def logged_values(c, timers: Timers, iterations: int, straggler: StragglerDetect
         out["log"]["params_norm"] = params_norm(c)
     if lg.log_memory_to_tensorboard:
         out["log"].update(memory_fields(c))
+    if lg.log_world_size_to_tensorboard:
+        out["log"]["world_size"] = c.groups.world_size
     return out
 
 

@@ -35,6 +35,10 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "and their `vs samples` twins (training_log, evaluate_and_print_results)",
         "the same directory and tag names (metrics.jsonl goes there too unless --log-dir)",
         "tests/training/test_wandb_tensorboard.py::test_tensorboard_dir_holds_megatrons_tags"),
+    "--log-world-size-to-tensorboard": (
+        "TensorBoard scalars `world-size` and `world-size vs samples` (training_log)",
+        "the same tags (at --log-interval, as omnitron's other tags), and `world_size` in metrics.jsonl",
+        "tests/training/test_wandb_tensorboard.py::test_world_size_reaches_tensorboard_when_asked"),
     "--account-for-embedding-in-pipeline-split": (
         "the embedding counts as one layer of the pipeline split: num-layers + 1 (+ 1 with the loss flag) split "
         "evenly over every virtual stage, the first virtual stage builds one layer fewer (transformer_block.py "

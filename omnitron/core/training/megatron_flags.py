@@ -63,7 +63,6 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                         _PERF + "; only the speed differs"),
     "distributed_backend": ("NAME", "the backend's own collectives library is used (OMNITRON_BACKEND / --backend "
                                     "picks the backend)", _PERF),
-    "log_world_size_to_tensorboard": (None, "the run's header line gives the layout and world size", _LOG),
     "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size", _LOG),
     "log_loss_scale_to_tensorboard": (None, "every record carries loss_scale", _LOG),
     "log_validation_ppl_to_tensorboard": (None, "validation records carry val_ppl", _LOG),

@@ -1,9 +1,13 @@
 """Training metrics: plain log lines (or a progress bar on a terminal), ``metrics.jsonl``, TensorBoard.
 
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
-the previous log line, full float64 precision), ``lr``, ``grad_norm``, ``loss_scale``,
-``skipped_iters``, ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device``, ``mfu`` (None when
-the backend does not know its peak), ``peak_memory_bytes``, ``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
+the previous log line that were not skipped, as Megatron's; full float64 precision), ``lr`` (the rate the
+logged step applied: Megatron's line shows its scheduler's rate after the step, the next step's), ``grad_norm``,
+``loss_scale``, ``skipped_iters``, ``nan_iters`` (skipped ones whose loss was not finite, Megatron's nan
+iterations), ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device`` (Megatron's
+``num_floating_point_operations`` per device), ``mfu`` (None when the backend does not know its peak; the rates are
+the interval's work over its summed step time, ``step_time_s`` its mean), ``peak_memory_bytes``,
+``moe_aux_loss`` (MoE models), ``mtp_loss`` (multi-token prediction),
 ``consumed_samples`` (after the iteration), ``global_batch_size`` (its batch: ``--rampup-batch-size`` changes it),
 ``decoupled_lr`` (``--decoupled-lr``), ``weight_decay`` (``--weight-decay-incr-style linear|cosine``: the decay
 the step applied) and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and
@@ -17,13 +21,14 @@ Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_m
 ``tokens_per_sec_per_device`` (``--log-throughput``), ``params_norm`` (``--log-params-norm``),
 ``num_zeros_in_grad`` (``--log-num-zeros-in-grad``; the last step's), ``mem_allocated_bytes``,
 ``mem_reserved_bytes``, ``mem_max_allocated_bytes``, ``mem_max_reserved_bytes`` (``--log-memory-to-tensorboard``;
-the largest over ranks).
+the largest over ranks), ``world_size`` (``--log-world-size-to-tensorboard``).
 """
 from __future__ import annotations
 
 import datetime
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -42,7 +47,8 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
             "mem_reserved_bytes": ("mem-reserved-bytes", False),
             "mem_max_allocated_bytes": ("mem-max-allocated-bytes", False),
             "val_loss": ("lm loss validation", True), "val_ppl": ("lm loss validation ppl", True),
-            "test_loss": ("lm loss test", True), "test_ppl": ("lm loss test ppl", True)}
+            "test_loss": ("lm loss test", True), "test_ppl": ("lm loss test ppl", True),
+            "world_size": ("world-size", True)}
 
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
@@ -129,6 +135,22 @@ def _clock(seconds: float) -> str:
 def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     """True when ``iteration`` gets a log line: every ``log_interval`` iterations and the last one."""
     return iteration % log_interval == 0 or iteration == train_iters
+
+
+def _interval_loss(steps: list[dict]) -> float:
+    """The interval's LM loss as Megatron's log averages it: over the steps that updated the weights (a step an
+    fp16 overflow skipped adds neither its loss nor a count); over every step when all were skipped."""
+    losses = [v["lm_loss"] for v in steps if not v["skipped"]] or [v["lm_loss"] for v in steps]
+    return sum(losses) / len(losses)
+
+
+def _interval_rate(steps: list[dict], key: str) -> float | None:
+    """The rate ``key`` (tokens/s, TFLOP/s, MFU) over the steps together: their work over their summed time, as
+    Megatron divides the interval's FLOPs by its elapsed time (each step's rate weighted by its time; a plain mean
+    of the rates would let one slow step count as much as a fast one). None when no step has it."""
+    timed = [(v[key], v["step_time_s"]) for v in steps if v.get(key) is not None]
+    total = sum(t for _, t in timed)
+    return sum(r * t for r, t in timed) / total if timed else None
 
 
 class _BarLogging(logging.Handler):
@@ -223,18 +245,17 @@ class MetricsLogger:
         """The averaged record of the pending iterations (the last one's lr, norms and ``log`` values)."""
         n = len(self._pending)
         last = self._pending[-1]
-        rec = {"iteration": iteration,
-               "lm_loss": sum(v["lm_loss"] for v in self._pending) / n,
+        skipped = [v for v in self._pending if v["skipped"]]
+        rec = {"iteration": iteration, "lm_loss": _interval_loss(self._pending),
                "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_scale": last["loss_scale"],
-               "skipped_iters": sum(1 for v in self._pending if v["skipped"]),
+               "skipped_iters": len(skipped), "nan_iters": sum(not math.isfinite(v["lm_loss"]) for v in skipped),
                "step_time_s": sum(v["step_time_s"] for v in self._pending) / n, "time": _now()}
         for key in ("consumed_samples", "global_batch_size"):  # NOTE: a ramp changes the batch; the last step's
             if key in last:
                 rec[key] = last[key]
         for key in ("tokens_per_sec", "tflops_per_device", "mfu") + (("tokens_per_sec_per_device",) if self.throughput
                                                                       else ()):
-            vals = [v[key] for v in self._pending if v.get(key) is not None]
-            rec[key] = sum(vals) / len(vals) if vals else None
+            rec[key] = _interval_rate(self._pending, key)
         rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
         for key in ("moe_aux_loss", "mtp_loss"):  # MoE's load-balancing loss, MTP's loss: added to lm_loss
             if key in last:
@@ -268,7 +289,7 @@ class MetricsLogger:
         if "mtp_loss" in rec:
             line += f" | mtp loss {rec['mtp_loss']:.4f}"
         if rec["loss_scale"] is not None:
-            line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']}"
+            line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']} | nan {rec['nan_iters']}"
         if self.throughput and rec["tokens_per_sec_per_device"] is not None:
             line += (f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev | "
                      f"{rec['tokens_per_sec_per_device']:.0f} tok/s/dev")

@@ -161,6 +161,10 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     return out
 
 
+PPL_LOSS_CAP = 20.0
+"""The perplexity reported is exp(min(loss, 20)), as Megatron's evaluate_and_print_results caps it."""
+
+
 @torch.no_grad()
 def evaluate(c, data_iterator: Iterator, eval_iters: int) -> dict:
     """Mean loss over ``eval_iters`` global batches of the validation split; dropout off."""
@@ -177,4 +181,4 @@ def evaluate(c, data_iterator: Iterator, eval_iters: int) -> dict:
         val = sum(loss * n for loss, n in runs) / max(sum(n for _, n in runs), 1.0)
     else:
         val = sum(loss for loss, _ in runs) / max(len(runs), 1)
-    return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+    return {"val_loss": val, "val_ppl": math.exp(min(val, PPL_LOSS_CAP))}

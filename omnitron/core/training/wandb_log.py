@@ -3,13 +3,17 @@
 Optional: the ``wandb`` package comes with ``pip install 'omnitron[wandb]'``; a run that asks for it without
 the package stops before any work (:func:`check_available`). ``WANDB_MODE=offline`` writes the run under the
 save directory without a network (``wandb sync`` uploads it later). Only global rank 0 logs, the same numeric
-values as ``metrics.jsonl`` at the same iterations.
+values as ``metrics.jsonl`` at the same iterations, under Megatron's W&B keys where Megatron logs the value
+(``lm loss``, ``learning-rate``, ``grad-norm``, ``lm loss validation``, ..., the TensorBoard tags:
+:func:`omnitron.core.training.metrics.tensorboard_scalars`) and ``samples vs steps`` (the consumed samples), so
+runs of both frameworks share a project's charts; other values keep their metrics.jsonl names.
 """
 from __future__ import annotations
 
 import os
 
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.training.metrics import tensorboard_scalars
 
 
 def check_available(logging_cfg) -> None:
@@ -37,8 +41,10 @@ class WandbRun:
                                config=config)
 
     def log(self, record: dict) -> None:
-        values = {k: v for k, v in record.items() if k != "iteration" and isinstance(v, (int, float))
-                  and not isinstance(v, bool)}
+        """One record at its iteration, under Megatron's keys (module docstring)."""
+        values = {tag: v for tag, v, _ in tensorboard_scalars(record, None, timers=True)}
+        if record.get("consumed_samples") is not None:
+            values["samples vs steps"] = record["consumed_samples"]
         self._run.log(values, step=record["iteration"])
 
     def close(self) -> None:

@@ -518,7 +518,8 @@ def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = 
     GEMMs of attention and MLP, attention scores non-causal (``causal=True`` halves that term),
     logits counted. ``12 B s L h^2 (attn + mlp + logits)``. MoE, multi-latent-attention and MTP models take
     Megatron's current formula (:func:`omnitron.core.models.gpt.flops.megatron_flops`: routed experts, MLA's
-    projections, the MTP depths; causal core attention, as Megatron counts it now)."""
+    projections, the MTP depths; causal core attention, as Megatron counts it now). The planner's count; the
+    training log takes ``megatron_flops`` for every model, as Megatron's log does."""
     s = seq_length or c.seq_length
     if c.num_experts or c.multi_latent_attention or c.mtp_num_layers:
         from omnitron.core.models.gpt.flops import megatron_flops

@@ -21,8 +21,10 @@ from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 from omnitron.core.transformer.shapes import ffn_size, head_dim, padded_vocab_size, query_groups
 
 
-def megatron_flops(c, batch_size: int, seq_length: int) -> float:
-    """Megatron's training FLOPs of ``batch_size`` sequences of ``seq_length`` tokens (see the module docstring)."""
+def megatron_flops(c, batch_size: int, seq_length: int, tp: int = 1) -> float:
+    """Megatron's training FLOPs of ``batch_size`` sequences of ``seq_length`` tokens (see the module docstring);
+    ``tp``: the tensor-parallel size the vocabulary is padded for (Megatron's ``padded_vocab_size`` depends on it).
+    For a dense model (no experts, MLA or MTP) this is Megatron's current dense count, causal core attention."""
     h, s, D = c.hidden_size, seq_length, c.mtp_num_layers or 0
     tokens = batch_size * s
     pattern = moe_layer_pattern(c.moe_layer_freq, c.num_layers) if c.num_experts else [False] * c.num_layers
@@ -35,7 +37,7 @@ def megatron_flops(c, batch_size: int, seq_length: int) -> float:
         mlp += (routed + (c.moe_shared_expert_intermediate_size or 0) * e) * n_moe
     attn, core = _attention_terms(c, h, head_dim(c), query_groups(c))
     layers = c.num_layers + D
-    per_token = 6 * h * mlp + attn * layers + 6 * D * (3 * h + 2 * h * h) + 6 * h * padded_vocab_size(c, 1) * (D + 1)
+    per_token = 6 * h * mlp + attn * layers + 6 * D * (3 * h + 2 * h * h) + 6 * h * padded_vocab_size(c, tp) * (D + 1)
     return float(tokens * per_token + batch_size * s * s * core * layers)
 
 
