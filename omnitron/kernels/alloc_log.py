@@ -25,23 +25,30 @@ class Timeline(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[tuple[str | None, int]] = []
-        self._live: dict[int, tuple[StorageWeakRef, int | None]] = {}  # cdata -> (ref, creating event or None)
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # cdata -> (ref, creating event)
+        self._old: dict[int, StorageWeakRef] = {}  # cdata -> ref: storages that existed before (never counted)
 
     def _sweep(self) -> None:
         for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
-            born = self._live.pop(key)[1]
-            if born is not None:
-                self.events.append((None, born))
+            self.events.append((None, self._live.pop(key)[1]))
 
     def _see(self, t: torch.Tensor, op: str | None) -> None:
+        """NOTE: only the storages created while active are swept before every op (their frees are events); one
+        that existed before is dropped when its address comes back (then it was freed: nothing to log), so a
+        probe's weights and inputs cost nothing per op."""
         storage = t.untyped_storage()
         key = storage._cdata
+        if key in self._old and self._old[key].expired():
+            del self._old[key]
         if key in self._live and self._live[key][0].expired():  # freed during this op, its address reused
             self._sweep()
-        if key not in self._live:
-            self._live[key] = (StorageWeakRef(storage), None if op is None else len(self.events))
-            if op is not None:
-                self.events.append((op, storage.nbytes()))
+        if key in self._live or key in self._old:
+            return
+        if op is None:
+            self._old[key] = StorageWeakRef(storage)
+        else:
+            self._live[key] = (StorageWeakRef(storage), len(self.events))
+            self.events.append((op, storage.nbytes()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._sweep()
