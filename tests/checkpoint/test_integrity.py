@@ -135,6 +135,27 @@ def test_a_megatron_checkpoint_given_to_load_names_the_import(tmp_path):
     assert "is a Megatron-LM checkpoint" in _one_line(err) and "omnitron checkpoint import-megatron" in str(err.value)
 
 
+def test_a_megatron_torch_dist_checkpoint_given_to_load_names_the_import(tmp_path):
+    """Megatron's default --ckpt-format torch_dist (iter_N/metadata.json naming its sharded backend, as Megatron-Core's
+    dist_checkpointing writes it, beside common.pt and DCP's files) under --load: the same one-line error naming the
+    import, not that omnitron's metadata is corrupt (metadata.json exists there, so the tracker check never runs)."""
+    import random
+
+    it = random.randrange(1, 10**6)
+    d = tmp_path / f"iter_{it:07d}"
+    os.makedirs(d)
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                 "common_backend": "torch", "common_backend_version": 1}))
+    for name in ("common.pt", "__0_0.distcp", ".metadata"):
+        (d / name).write_bytes(b"not read")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(str(it))
+    with pytest.raises(CheckpointError) as err:
+        read_metadata(find_latest(str(tmp_path), quiet=True))
+    one = _one_line(err)
+    assert "is a Megatron-LM checkpoint (--ckpt-format torch_dist" in one and "corrupt" not in one
+    assert f"omnitron checkpoint import-megatron --load {tmp_path} " in one and "not carried" in one
+
+
 @pytest.mark.parametrize("content,message", [
     (b"\x00\x9f{garbage", "metadata.json is not valid JSON"),
     (b"[1, 2]", "metadata.json lacks everything"),

@@ -331,13 +331,34 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
     """Collective over the world: read this rank's weights (and optimizer pieces) from checkpoint
     ``path`` (any layout) into the live tensors. Counters, scheduler and RNG are the caller's."""
     pieces = model_pieces(c, save=False)
+    reader = VerifiedReader(path, meta.get("checksums") or {})
     if with_optimizer:
         saved = meta.get("optimizer", {}).get("optimizer")
         if saved != c.optimizer.config.optimizer:
             raise CheckpointError(f"--load {path}: checkpoint optimizer {saved!r} differs from --optimizer "
                                   f"{c.optimizer.config.optimizer!r}; pass the same --optimizer or use --no-load-optim")
         pieces.update(optimizer_pieces(c, save=False))
-    read(pieces, path, meta.get("checksums") or {})
+        pieces = fp32_sources(pieces, reader.read_metadata().state_dict_metadata)
+    read(pieces, path, meta.get("checksums") or {}, reader=reader)
+
+
+def fp32_sources(pieces: Pieces, saved: dict) -> Pieces:
+    """``pieces`` with each fp32 weight read from the checkpoint's fp32 copy of it, wherever the two runs keep that
+    copy under different keys: a low-precision run (bf16 / fp16 weights beside fp32 masters, ``optim/master/X``)
+    and one whose weights are the fp32 masters (an fp32 run, FSDP2's sharded parameters; ``model/X`` only). So
+    a resume across ``--bf16`` / ``--fp16`` / fp32, or between FSDP2 and the (distributed) optimizer, reads the
+    masters bit for bit instead of refusing (no ``optim/master/X`` saved) or rounding them to the saved bf16
+    weights. Only with the optimizer state: ``--no-load-optim`` / ``--finetune`` take the weights as saved."""
+    out: Pieces = {}
+    for key, (shape, views) in pieces.items():
+        kind, _, name = key.partition("/")
+        master = "optim/master/" + name
+        if kind == "model" and master in saved and all(v.dtype == torch.float32 for _, v in views):
+            key = master  # this run's fp32 weight: the checkpoint's master, not its rounded weight
+        elif key.startswith("optim/master/") and key not in saved:
+            key = "model/" + key.removeprefix("optim/master/")  # the checkpoint's weights were its masters
+        out.setdefault(key, (shape, []))[1].extend(views)
+    return out
 
 
 def read(pieces: Pieces, path: str, checksums: dict[str, str], *, collective: bool = True,

@@ -285,15 +285,22 @@ def _newest_complete(load_dir: str, quiet: bool) -> str | None:
                         os.path.basename(path), f" (skipping {', '.join(newer)}: no {_META})" if newer else "")
         return path
     if dirs and os.path.exists(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):  # Megatron's tracker
-        raise CheckpointError(f"--load {load_dir} is a Megatron-LM checkpoint (latest_checkpointed_iteration.txt, "
-                              f"no {_META}): convert it with `omnitron checkpoint import-megatron --load {load_dir} "
-                              f"--save NEW_DIR` and give --load NEW_DIR")
+        raise _megatron_checkpoint(load_dir, f"latest_checkpointed_iteration.txt, no {_META}")
     if dirs:
         raise CheckpointError(f"--load {load_dir}: no 'latest' pointer and no complete checkpoint "
                               f"({', '.join(dirs[-3:])} {'has' if len(dirs) == 1 else 'have'} no {_META}); restore "
                               f"{_META} or 'latest', "
                               f"or move the iter_* directories away to start from scratch")
     return None
+
+
+def _megatron_checkpoint(load_dir: str, sign: str) -> CheckpointError:
+    """The one-line error for a Megatron-LM checkpoint given where omnitron's own is read (``sign``: what gave
+    it away): the command that converts it, and what the conversion carries (weights, not the optimizer)."""
+    return CheckpointError(f"--load {load_dir} is a Megatron-LM checkpoint ({sign}): convert it with `omnitron "
+                           f"checkpoint import-megatron --load {load_dir} --save NEW_DIR` and give --load NEW_DIR "
+                           f"(weights only: Megatron's optimizer and RNG state are not carried; training starts "
+                           f"as --finetune)")
 
 
 def read_metadata(path: str) -> dict:
@@ -309,6 +316,9 @@ def read_metadata(path: str) -> dict:
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{file} is not valid JSON ({err}): the metadata is corrupt; load an earlier "
                               f"iteration, or re-save") from None
+    if isinstance(meta, dict) and "sharded_backend" in meta:  # Megatron-Core's dist_checkpointing config
+        raise _megatron_checkpoint(os.path.dirname(os.path.abspath(path)),
+                                   f"--ckpt-format {meta['sharded_backend']}: {_META} names a sharded backend")
     missing = [k for k in _META_KEYS if k not in meta] if isinstance(meta, dict) else ["everything (not an object)"]
     if missing:
         raise CheckpointError(f"{file} lacks {', '.join(missing)}: the metadata is corrupt or not omnitron's; load "

@@ -352,10 +352,13 @@ def rank_shard(full: FullState, chunks, tp_size: int, tp_rank: int) -> dict:
 
     masters = {n: t.float() for n, t in full.model.items()}
     masters.update(full.optimizer.get("master", {}))
+    # fp32 weights are their own masters: where the source kept separate ones (its weights bf16 / fp16), they
+    # are the fp32 weights (a low-precision weight is the master rounded, the same either way)
+    weights = {**full.model, **(full.optimizer.get("master", {}) if full.optimizer else {})}
     kinds = {k: d for k, d in full.optimizer.items() if k != "master"}
     models, tensors = [], {}
     for c, chunk in enumerate(chunks):
-        local = full_state_shards(chunk, full.model, tp_size, tp_rank)
+        local = full_state_shards(chunk, weights, tp_size, tp_rank)
         sd = chunk.state_dict()
         # buffers a full state may hold (imported routing biases: the routers' expert_bias), under the global
         # names the parameters carry, or under the chunk's own names

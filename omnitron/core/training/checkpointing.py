@@ -12,6 +12,8 @@ import dataclasses
 import logging
 import os
 
+import torch
+
 from omnitron.core.checkpoint import (CheckpointError, check_compatible, dist, find_latest, get_rng_state,
                                       read_metadata, reshard, save_checkpoint, set_rng_state)
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
@@ -129,6 +131,17 @@ def _complete_optimizer_state(path: str, shard: dict) -> None:
     for rank, names in opt.pop("tensors_from", {}).items():
         other = read_shard(path, rank)["optimizer"]["tensors"]
         opt["tensors"].update({n: other[n] for n in names})
+
+
+def _masters_from_weights(shard: dict) -> None:
+    """A torch-format shard saved with fp32 weights keeps no masters (the weights were the masters): give each
+    entry without one the shard's fp32 weight, so that a run whose weights are bf16 / fp16 resumes its fp32
+    masters from them (not from its own initialisation, which the first step would copy back into the model)."""
+    for name, entry in shard["optimizer"]["tensors"].items():
+        chunk, _, param = name.partition(".")  # the optimizer names chunk<c>.<name>
+        weight = shard["model"][int(chunk.removeprefix("chunk"))].get(param)
+        if "master" not in entry and weight is not None and weight.dtype == torch.float32:
+            entry["master"] = weight
 
 
 def save(c) -> str:
@@ -273,6 +286,7 @@ def load(c) -> bool:
         else:
             if not changes:
                 _complete_optimizer_state(path, shard)
+                _masters_from_weights(shard)
             c.optimizer.load_state_dict(shard["optimizer"])
         keep = "command line" if ck.override_opt_param_scheduler else \
             "checkpoint" if ck.use_checkpoint_opt_param_scheduler else None
