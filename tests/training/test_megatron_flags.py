@@ -84,6 +84,7 @@ def test_typos_and_abbreviations_are_refused_with_suggestions(capsys):
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert "omnitron train: error: unrecognized arguments: " + hint in err, err
+        assert len(err.strip().splitlines()) == 1, err  # not argparse's 250-line usage block before it
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0

@@ -24,6 +24,11 @@ class Parser(argparse.ArgumentParser):
             self.error(_unknown(unknown, self))
         return parsed, extras
 
+    def error(self, message: str):
+        """One line, not argparse's usage block first (``omnitron train``'s is some 250 lines, and the error
+        came after it): the program, the problem and where the flags are listed."""
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
 
 def _unknown(flags: list[str], parser: argparse.ArgumentParser) -> str:
     """The error for unknown ``flags``: a flag of another program the parser speaks for (``foreign_flags``:
