@@ -13,7 +13,8 @@ Stand-ins on CPU (none changes what a checkpoint holds): RoPE's device, the tens
 ``torch.cuda.synchronize``; MLA's core attention (megatron-core's local ``DotProductAttention`` takes no
 ``k_channels``, so MLA needs TE's) is a plain causal softmax attention with MLA's softmax scale, and
 ``HAVE_TE`` is cleared in ``multi_latent_attention`` (it only selects FP8 paths); ``moe_utils.te_general_gemm``
-(unbound without TE) is set to None, the router's plain matmul path.
+(unbound without TE) is set to None, the router's plain matmul path; later megatron-core's MTP layer asks
+``is_inference_column_parallel_linear`` (an isinstance on TE's inference linears, None without TE): answered False.
 """
 import contextlib
 import os
@@ -116,6 +117,10 @@ def main(root: str) -> None:
 
     mla.HAVE_TE = False
     moe_utils.te_general_gemm = None  # unbound without TE: the router's plain matmul path
+    import megatron.core.transformer.multi_token_prediction as mtp
+
+    if hasattr(mtp, "is_inference_column_parallel_linear"):  # later megatron-core: an isinstance on TE's classes
+        mtp.is_inference_column_parallel_linear = lambda module: False
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     args = torch.load(os.path.join(root, "args.pt"), weights_only=False)  # the test's own file
