@@ -78,9 +78,9 @@ def _moe_cfg(kind: str):
     base = dict(num_layers=3, hidden_size=32, vocab_size=V, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
                 ffn_hidden_size=48, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
                 moe_shared_expert_intermediate_size=16)
-    if kind == "deepseek":  # plain RoPE on the rotated channels: megatron-core's YaRN needs its fused kernels on CPU
+    if kind == "deepseek":  # YaRN x40 over 32 positions (the preset's), its concentration factor m(0.9) / m(1)
         return deepseek_v3_tiny(**base, moe_router_num_groups=2, moe_router_group_topk=1, moe_layer_freq="[0,1,1]",
-                                mtp_num_layers=1, rotary_scaling_factor=1.0)
+                                mtp_num_layers=1, mscale=0.9, mscale_all_dim=1.0)
     return deepseek_v3_tiny(**base, moe_layer_freq=1, multi_latent_attention=False, num_query_groups=2,
                             rotary_scaling_factor=1.0,
                             qk_layernorm=False, moe_router_score_function="softmax",
