@@ -224,6 +224,22 @@ def test_torch_format_import(kind, grouped, tmp_path):
     _check_import(tmp_path, cfg, W)
 
 
+def test_torch_format_import_of_the_later_mtp_layer_name(tmp_path):
+    """megatron-core after 0.16 (the d98e8a6 snapshot) saves the MTP depth's layer as ``mtp.layers.K.mtp_model_layer.*``
+    in ``--ckpt-format torch`` (its module's attribute; the torch_dist keys keep ``transformer_layer``): imported as
+    the same weights."""
+    cfg = _cfg("mla")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    W = _with_bias(cfg, _weights(cfg, seed=int(torch.randint(0, 2**31, (1,), generator=g))), g)
+    _write_torch_format(tmp_path, cfg, W, grouped=False)
+    path = tmp_path / "meg" / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(path, weights_only=False)
+    saved["model"] = {n.replace(".transformer_layer.", ".mtp_model_layer."): t for n, t in saved["model"].items()}
+    assert any(".mtp_model_layer." in n for n in saved["model"])
+    torch.save(saved, path)
+    _check_import(tmp_path, cfg, W)
+
+
 def _write_torch_format(tmp_path, cfg, W: dict, *, grouped: bool, args=None) -> None:
     """``tmp_path/meg``: a tp1 ``--ckpt-format torch`` Megatron checkpoint (iteration 7) of ``W`` (``args``: the
     run's, default :func:`_args`)."""

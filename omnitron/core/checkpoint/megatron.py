@@ -59,6 +59,9 @@ FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+_MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+"""megatron-core after 0.16 names the MTP depth's layer ``mtp_model_layer`` in its module state dict (its
+torch_dist keys keep ``transformer_layer``): read as the older name."""
 
 
 # ---- reading files (the safe loader itself: megatron_base) -----------------------------------
@@ -313,6 +316,7 @@ def _to_omnitron_names(sd: dict, offset: int, path: str) -> tuple[dict, int]:
         if name.startswith("language_model."):
             raise MegatronConversionError(f"{path}: legacy Megatron model names ({name}); the importer reads "
                                           f"Megatron-Core GPTModel checkpoints (--use-mcore-models)")
+        name = _MTP_MODEL_LAYER.sub(r"\1transformer_layer.", name)
         m, mtp = _LAYER.match(name), _MTP_LAYER.match(name)
         if m:
             local = int(m.group(1))
