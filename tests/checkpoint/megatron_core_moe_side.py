@@ -13,7 +13,8 @@ Stand-ins on CPU (none changes what a checkpoint holds): RoPE's device, the tens
 ``torch.cuda.synchronize``; MLA's core attention (megatron-core's local ``DotProductAttention`` takes no
 ``k_channels``, so MLA needs TE's) is a plain causal softmax attention with MLA's softmax scale, and
 ``HAVE_TE`` is cleared in ``multi_latent_attention`` (it only selects FP8 paths); ``moe_utils.te_general_gemm``
-(unbound without TE) is set to None, the router's plain matmul path.
+(unbound without TE) is set to None, the router's plain matmul path; later megatron-core's MTP layer asks
+``is_inference_column_parallel_linear`` (an isinstance on TE's inference linears, None without TE): answered False.
 """
 import contextlib
 import os
@@ -41,7 +42,8 @@ class CoreAttention(torch.nn.Module):
         return o.reshape(o.shape[0], o.shape[1], -1)
 
 
-def build(args):
+def build(args, **extra):
+    """megatron-core's GPTModel of ``args`` (Megatron's argument names); ``extra``: further config fields."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -61,6 +63,7 @@ def build(args):
               mtp_num_layers=args.mtp_num_layers, hidden_dropout=0.0, attention_dropout=0.0,
               bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
               apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    kw.update(extra)
     if args.multi_latent_attention:
         cfg = MLATransformerConfig(**kw, multi_latent_attention=True, q_lora_rank=args.q_lora_rank,
                                    kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
@@ -104,7 +107,9 @@ def record(model, tokens):
             "state": {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}}
 
 
-def main(root: str) -> None:
+def cpu_stand_ins() -> None:
+    """One gloo process with megatron-core's parallel state at tp = pp = 1 and the CPU stand-ins of the module
+    docstring (also used by tests/models/megatron_mla_mtp/make_fixtures.py)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
@@ -112,12 +117,21 @@ def main(root: str) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.multi_latent_attention as mla
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    import megatron.core.transformer.multi_token_prediction as mtp
+    from megatron.core import parallel_state, tensor_parallel
 
     mla.HAVE_TE = False
     moe_utils.te_general_gemm = None  # unbound without TE: the router's plain matmul path
+    if hasattr(mtp, "is_inference_column_parallel_linear"):  # later megatron-core: an isinstance on TE's classes
+        mtp.is_inference_column_parallel_linear = lambda module: False
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def main(root: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    cpu_stand_ins()
     args = torch.load(os.path.join(root, "args.pt"), weights_only=False)  # the test's own file
     model = build(args)
     tokens = torch.load(os.path.join(root, "tokens.pt"))

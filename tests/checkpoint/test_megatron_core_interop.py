@@ -78,9 +78,9 @@ def _moe_cfg(kind: str):
     base = dict(num_layers=3, hidden_size=32, vocab_size=V, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
                 ffn_hidden_size=48, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
                 moe_shared_expert_intermediate_size=16)
-    if kind == "deepseek":  # plain RoPE on the rotated channels: megatron-core's YaRN needs its fused kernels on CPU
+    if kind == "deepseek":  # YaRN x40 over 32 positions (the preset's), its concentration factor m(0.9) / m(1)
         return deepseek_v3_tiny(**base, moe_router_num_groups=2, moe_router_group_topk=1, moe_layer_freq="[0,1,1]",
-                                mtp_num_layers=1, rotary_scaling_factor=1.0)
+                                mtp_num_layers=1, mscale=0.9, mscale_all_dim=1.0)
     return deepseek_v3_tiny(**base, moe_layer_freq=1, multi_latent_attention=False, num_query_groups=2,
                             rotary_scaling_factor=1.0,
                             qk_layernorm=False, moe_router_score_function="softmax",
@@ -122,6 +122,12 @@ def _megatron_mtp_ce(mtp_logits: torch.Tensor, tokens: torch.Tensor) -> float:
     return float((ce * mask).sum() / mask.sum())
 
 
+def _core_name(state: dict, name: str) -> str:
+    """megatron-core's module name of ``name`` in its ``state``: after 0.16 the MTP depth's layer is
+    ``mtp_model_layer`` (its torch_dist keys still say ``transformer_layer``)."""
+    return name if name in state else name.replace(".transformer_layer.", ".mtp_model_layer.")
+
+
 @pytest.mark.parametrize("kind,source_tp", [("deepseek", 1), ("moe", 2)])
 def test_megatron_core_moe_mla_mtp_both_ways(kind, source_tp, tmp_path):
     """megatron-core's MoE (and MLA + MTP) GPTModel loads omnitron's torch_dist export (of a checkpoint saved at
@@ -150,7 +156,7 @@ def test_megatron_core_moe_mla_mtp_both_ways(kind, source_tp, tmp_path):
         layer = layer_of(name)
         mname = name if layer is None else layer[0] + torch_rest(layer[3], mla=cfg.multi_latent_attention,
                                                                  moe=is_moe(cfg, layer[1]), te=False)
-        assert torch.equal(loaded["state"][mname][:t.shape[0]], t), name
+        assert torch.equal(loaded["state"][_core_name(loaded["state"], mname)][:t.shape[0]], t), name
     ref = _float64_model(cfg, W)
     with torch.no_grad():
         want = ref(tokens).transpose(0, 1)[..., :V]
@@ -169,7 +175,7 @@ def test_megatron_core_moe_mla_mtp_both_ways(kind, source_tp, tmp_path):
     for name, b in got_model.named_buffers():
         if name.endswith("expert_bias"):
             layer = layer_of(name)
-            assert torch.equal(b, saved["state"][name]) and b.abs().max() > 0, name
+            assert torch.equal(b, saved["state"][_core_name(saved["state"], name)]) and b.abs().max() > 0, name
 
 
 def GPTModel_from(path: str, cfg):

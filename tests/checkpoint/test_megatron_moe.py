@@ -224,6 +224,41 @@ def test_torch_format_import(kind, grouped, tmp_path):
     _check_import(tmp_path, cfg, W)
 
 
+def test_torch_format_import_of_the_later_mtp_layer_name(tmp_path):
+    """megatron-core after 0.16 (the d98e8a6 snapshot) saves the MTP depth's layer as ``mtp.layers.K.mtp_model_layer.*``
+    in ``--ckpt-format torch`` (its module's attribute; the torch_dist keys keep ``transformer_layer``): imported as
+    the same weights."""
+    cfg = _cfg("mla")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    W = _with_bias(cfg, _weights(cfg, seed=int(torch.randint(0, 2**31, (1,), generator=g))), g)
+    _write_torch_format(tmp_path, cfg, W, grouped=False)
+    path = tmp_path / "meg" / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(path, weights_only=False)
+    saved["model"] = {n.replace(".transformer_layer.", ".mtp_model_layer."): t for n, t in saved["model"].items()}
+    assert any(".mtp_model_layer." in n for n in saved["model"])
+    torch.save(saved, path)
+    _check_import(tmp_path, cfg, W)
+
+
+@pytest.mark.parametrize("mscale_all_dim", [1.0, 0.0])
+def test_plain_rope_with_a_yarn_softmax_scale_is_refused(mscale_all_dim, tmp_path, capsys):
+    """rope_type 'rope' with --rotary-scaling-factor 40: Megatron's MLA rotates by plain RoPE but scales its softmax
+    by m(40, mscale_all_dim)^2 = 1.3689^2 = 1.874 (mscale_all_dim 1), which omnitron cannot hold: refused in one
+    line. With mscale_all_dim 0 the scale is 1 / sqrt(d), plain RoPE's: imports as RoPE."""
+    cfg = _cfg("mla")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    W = _with_bias(cfg, _weights(cfg, seed=int(torch.randint(0, 2**31, (1,), generator=g))), g)
+    args = argparse.Namespace(**{**vars(_args(cfg)), "rotary_scaling_factor": 40.0,
+                                 "mscale_all_dim": mscale_all_dim})
+    _write_torch_format(tmp_path, cfg, W, grouped=False, args=args)
+    if mscale_all_dim == 0.0:
+        return _check_import(tmp_path, dataclasses.replace(cfg, mscale_all_dim=0.0), W)
+    assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "rope_type='rope' with rotary_scaling_factor=40.0" in err and "1.87385" in err
+    assert len(err.splitlines()) == 1
+
+
 def _write_torch_format(tmp_path, cfg, W: dict, *, grouped: bool, args=None) -> None:
     """``tmp_path/meg``: a tp1 ``--ckpt-format torch`` Megatron checkpoint (iteration 7) of ``W`` (``args``: the
     run's, default :func:`_args`)."""

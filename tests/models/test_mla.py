@@ -145,7 +145,7 @@ def test_mla_parameter_count_and_refusals():
         model = GPTModel(c, ParallelGroups.single())
         assert sum(p.numel() for p in model.parameters()) == num_parameters(c)
     bad = ((dict(num_query_groups=2), "--num-query-groups"), (dict(qk_pos_emb_head_dim=3), "even"),
-           (dict(rotary_percent=0.5), "--rotary-percent"))
+           (dict(rotary_percent=0.5), "--rotary-percent"), (dict(rotary_interleaved=True), "--rotary-interleaved"))
     for kw, word in bad:
         with pytest.raises(ConfigError, match=word):
             validate_model(_config(**kw), ParallelConfig())

@@ -130,6 +130,31 @@ def test_newer_aliases_equal_omnitron_spelling():
         parse_settings(BASE + ["--no-position-embedding"], 1)
 
 
+MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "8", "--rotary-scaling-factor", "40", "--mscale", "0.7"]
+
+
+def test_rope_type_is_megatrons():
+    """Megatron's MLA (multi_latent_attention.py, d98e8a6): rope_type yarn (its default) rotates by YaRN; rope by plain
+    RoPE without the concentration factor, yet its softmax scale stays m(--rotary-scaling-factor,
+    --mscale-all-dim)^2 / sqrt(d). So --rope-type rope is omnitron's factor 1 where that m is 1 (mscale_all_dim 0:
+    checked against megatron-core's MLA, gradients within 2e-7) and is refused where it is not; its other attention
+    takes rope only."""
+    yarn = parse_settings(BASE + MLA, 1)
+    assert parse_settings(BASE + MLA + ["--rope-type", "yarn"], 1).model == yarn.model
+    assert yarn.model.rotary_scaling_factor == 40.0
+    plain = parse_settings(BASE + MLA + ["--rope-type", "rope"], 1).model
+    assert plain == dataclasses.replace(yarn.model, rotary_scaling_factor=1.0)
+    with pytest.raises(ConfigError, match=r"--rope-type rope with --rotary-scaling-factor 40.0 and --mscale-all-dim "
+                                          r"1.0: .* 1.87385"):
+        parse_settings(BASE + MLA + ["--rope-type", "rope", "--mscale-all-dim", "1"], 1)
+    gqa = parse_settings(BASE + ["--position-embedding-type", "rope"], 1).model
+    assert parse_settings(BASE + ["--position-embedding-type", "rope", "--rope-type", "rope"], 1).model == gqa
+    with pytest.raises(ConfigError, match="--rope-type yarn applies to --multi-latent-attention only"):
+        parse_settings(BASE + ["--position-embedding-type", "rope", "--rope-type", "yarn"], 1)
+
+
 # examples/llama/train_llama3_8b_h100_fp8.sh of Megatron-LM (mock-data branch), its shapes scaled down to a
 # tiny model and 2 processes (tp2), its sample counts to a 3-iteration run; flag for flag otherwise.
 LLAMA3_8B = """

@@ -59,6 +59,9 @@ FILE = "model_optim_rng.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+_MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+"""megatron-core after 0.16 names the MTP depth's layer ``mtp_model_layer`` in its module state dict (its
+torch_dist keys keep ``transformer_layer``): read as the older name."""
 
 
 # ---- reading files (the safe loader itself: megatron_base) -----------------------------------
@@ -203,6 +206,7 @@ def _moe_mla_mtp_fields(args: dict) -> dict:
     if args.get("original_max_position_embeddings") and out.get("multi_latent_attention"):
         out["yarn_original_max_position_embeddings"] = int(args["original_max_position_embeddings"])
     if out.get("multi_latent_attention") and args.get("rope_type") == "rope":
+        _check_plain_rope_scale(args)
         out["rotary_scaling_factor"] = 1.0  # Megatron's MLA: plain RoPE unless rope_type yarn
     freq = args.get("moe_layer_freq")
     if out.get("num_experts") and freq is not None:
@@ -210,6 +214,21 @@ def _moe_mla_mtp_fields(args: dict) -> dict:
     if not out.get("num_experts"):
         out = {k: v for k, v in out.items() if not k.startswith("moe_")}
     return out
+
+
+def _check_plain_rope_scale(args: dict) -> None:
+    """Megatron's MLA with rope_type ``rope`` rotates by plain RoPE yet keeps YaRN's softmax scale
+    ``m(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(d)``; omnitron's MLA ties that scale to YaRN's rotation, so
+    only ``m = 1`` imports."""
+    from omnitron.core.transformer.yarn import yarn_get_mscale
+
+    factor, all_dim = float(args.get("rotary_scaling_factor") or 1.0), float(args.get("mscale_all_dim") or 0.0)
+    m = yarn_get_mscale(factor, all_dim)
+    if m != 1.0:
+        raise MegatronConversionError(
+            f"the checkpoint's args have rope_type='rope' with rotary_scaling_factor={factor} and mscale_all_dim="
+            f"{all_dim}: Megatron's MLA then rotates by plain RoPE yet multiplies its softmax scale by {m * m:.6g}, "
+            f"which omnitron's MLA does not compute (a scaling factor above 1 runs YaRN here)")
 
 
 def real_vocab_size(args: dict) -> int:
@@ -313,6 +332,7 @@ def _to_omnitron_names(sd: dict, offset: int, path: str) -> tuple[dict, int]:
         if name.startswith("language_model."):
             raise MegatronConversionError(f"{path}: legacy Megatron model names ({name}); the importer reads "
                                           f"Megatron-Core GPTModel checkpoints (--use-mcore-models)")
+        name = _MTP_MODEL_LAYER.sub(r"\1transformer_layer.", name)
         m, mtp = _LAYER.match(name), _MTP_LAYER.match(name)
         if m:
             local = int(m.group(1))

@@ -17,7 +17,9 @@ and checked against its ``GPTModel.state_dict()`` / ``sharded_state_dict()`` on 
   ``linear_kv_up_proj`` (``.layer_norm_weight``). Local spec: module names are omnitron's; its sharded keys
   map ``input_layernorm.`` / ``pre_mlp_layernorm.`` to the fused names for GQA layers (MoE ones too), not for MLA.
 - MTP: ``mtp.layers.K.{enorm,hnorm,eh_proj,final_layernorm}`` and ``mtp.layers.K.transformer_layer.<layer rest>``
-  (never stacked), the same in both.
+  (never stacked), the same in both. Later megatron-core (the d98e8a6 snapshot) calls the layer module
+  ``mtp_model_layer``: its ``--ckpt-format torch`` files say so (the importer reads both), its torch_dist keys
+  keep ``transformer_layer``.
 """
 from __future__ import annotations
 

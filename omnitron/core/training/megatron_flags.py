@@ -153,6 +153,10 @@ ALIASES: dict[str, tuple[str, dict]] = {
                        {"nargs": "+", "metavar": "TOKEN"}),
     "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
                             "turns it off)", {"action": "store_true"}),
+    "rope_type": ("yarn: multi-latent attention's YaRN of --rotary-scaling-factor (its default); rope: MLA's plain "
+                  "RoPE, the factor unused (refused where Megatron would still scale the softmax by "
+                  "m(--rotary-scaling-factor, --mscale-all-dim)^2); without MLA rope only",
+                  {"choices": ["rope", "yarn"], "metavar": "KIND"}),
 }
 REFUSED: dict[str, tuple[str | None, str]] = {
     # dest: (metavar, or None for a switch; why it stops here and the fix). Megatron flags that change the
@@ -227,7 +231,7 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("tensorboard_dir"):  # Megatron's events directory; metrics.jsonl goes there too unless --log-dir
         out.setdefault("log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
-    for key in ("lr_warmup_fraction", "no_position_embedding"):  # resolved on the merged settings (see resolve)
+    for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type"):  # resolved on the merged settings
         if key in given:
             out[key] = given[key]
     return out, notes
@@ -235,10 +239,11 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     """What needs the merged settings (preset, file and flags): ``--lr-warmup-fraction F`` as warm-up iterations
-    or samples; ``--no-position-embedding`` only with RoPE."""
+    or samples; ``--no-position-embedding`` only with RoPE; ``--rope-type`` (:func:`_rope_type`)."""
     if merged.pop("no_position_embedding", False) and merged.get("position_embedding_type") != "rope":
         raise ConfigError("--no-position-embedding needs --position-embedding-type rope (omnitron's GPT has no "
                           "position-free variant)")
+    _rope_type(merged, merged.pop("rope_type", None))
     fraction = merged.pop("lr_warmup_fraction", None)
     if fraction is None:
         return merged
@@ -254,6 +259,27 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     warmup = fraction * decay  # Megatron: lr_warmup_steps = fraction * lr_decay_steps, not rounded
     merged[f"lr_warmup_{unit}"] = int(warmup) if warmup == int(warmup) else warmup
     return merged
+
+
+def _rope_type(merged: dict[str, Any], kind: str | None) -> None:
+    """Megatron's ``--rope-type``: its MLA runs YaRN (``yarn``, the default) or plain RoPE (``rope``) while its softmax
+    scale stays ``m(--rotary-scaling-factor, --mscale-all-dim)^2 / sqrt(d)``; plain RoPE is omnitron's factor 1
+    where that ``m`` is 1. Megatron's other attention takes ``rope`` only."""
+    from omnitron.core.transformer.yarn import yarn_get_mscale
+
+    if kind is None or (kind == "yarn" and merged.get("multi_latent_attention")):
+        return
+    if kind == "yarn":
+        raise ConfigError("--rope-type yarn applies to --multi-latent-attention only (Megatron's other attention "
+                          "takes rope); drop it (YaRN on grouped-query attention is --rotary-scaling-factor)")
+    factor, all_dim = merged.get("rotary_scaling_factor") or 1.0, merged.get("mscale_all_dim") or 0.0
+    if merged.get("multi_latent_attention") and yarn_get_mscale(factor, all_dim) != 1.0:
+        raise ConfigError(f"--rope-type rope with --rotary-scaling-factor {factor} and --mscale-all-dim {all_dim}: "
+                          f"Megatron's MLA then rotates by plain RoPE yet scales its softmax by "
+                          f"{yarn_get_mscale(factor, all_dim) ** 2:.6g}, which omnitron does not compute; drop "
+                          f"--rope-type (YaRN) or give --mscale-all-dim 0")
+    if merged.get("multi_latent_attention"):
+        merged["rotary_scaling_factor"] = 1.0
 
 
 def _alias(out: dict, given: dict, key: str, target: str, value: Any) -> None:

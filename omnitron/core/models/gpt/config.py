@@ -432,6 +432,10 @@ def _validate_mla(c: GPTConfig) -> None:
     if c.num_query_groups is not None:
         raise ConfigError("--num-query-groups (grouped-query attention) and --multi-latent-attention exclude each "
                           "other, as in Megatron; drop one of them")
+    if c.rotary_interleaved:
+        raise ConfigError("--rotary-interleaved with --multi-latent-attention: MLA always rotates its "
+                          "--qk-pos-emb-head-dim channels as interleaved pairs (DeepSeek's layout; Megatron would "
+                          "apply the flag on top and no longer rotate); drop --rotary-interleaved")
     if c.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {c.rotary_percent}: multi-latent attention rotates all of its "
                           "--qk-pos-emb-head-dim channels (YaRN); drop --rotary-percent")
