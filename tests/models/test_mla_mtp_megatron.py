@@ -25,7 +25,7 @@ import torch
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.parity import reference_kernels
 
-FIXTURES = torch.load(os.path.join(os.path.dirname(__file__), "megatron_mla_mtp", "fixtures.pt"))
+FIXTURES = torch.load(os.path.join(os.path.dirname(__file__), "megatron_mla_mtp", "fixtures.pt"), weights_only=True)
 TOL = 1e-5
 
 
