@@ -134,7 +134,7 @@ class _StageRunner:
             if self.per_token_loss:  # the sum; the step divides the gradients by the global token count
                 self.loss_sum += total.detach().to(torch.float64)
                 out = total
-            else:  # NOTE: a fully masked micro-batch has count 0: it contributes 0 with zero gradients (Megatron's clamp)
+            else:  # NOTE: a fully masked micro-batch (count 0) contributes 0 with zero gradients, as Megatron's
                 mean = total / _nonzero(count)
                 self.loss_sum += mean.detach().to(torch.float64)
                 out = mean / self.s.num_microbatches  # what backward differentiates
