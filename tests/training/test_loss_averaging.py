@@ -120,8 +120,9 @@ def step_worker(layouts: list[list[str]]) -> list[dict]:
     return results
 
 
-def reference(per_rank: list[dict], per_token: bool) -> tuple[float, dict, float]:
-    """(loss, full gradients, their norm) of one float64 process on the micro-batches the layout read."""
+def reference(per_rank: list[dict], extra: list[str]) -> tuple[float, dict, float]:
+    """(loss, full gradients, their norm) of one float64 process on the micro-batches the layout (``extra``, on
+    ``len(per_rank)`` ranks) read."""
     from omnitron.core.models.family import family_of
     from omnitron.core.models.gpt import GPTModel, gather_full_state, shard_full_state
     from omnitron.core.parallel.groups import ParallelGroups
@@ -129,7 +130,7 @@ def reference(per_rank: list[dict], per_token: bool) -> tuple[float, dict, float
 
     single = ParallelGroups.single()
     init = {k: v for r in per_rank for k, v in r["init"].items()}
-    cfg = dataclasses.replace(parse_settings(BASE, 1).model, params_dtype=torch.float64,
+    cfg = dataclasses.replace(parse_settings([*BASE, *extra], len(per_rank)).model, params_dtype=torch.float64,
                               vocab_size=init["embedding.word_embeddings.weight"].shape[0])
     model = GPTModel(cfg, single, seed=0)
     shard_full_state(model, init, single)
@@ -139,7 +140,7 @@ def reference(per_rank: list[dict], per_token: bool) -> tuple[float, dict, float
         loss = family_of(cfg).forward_step(model, model, b, None).double()
         sums.append((loss * b["loss_mask"].double()).sum())
         counts.append(b["loss_mask"].double().sum())
-    if per_token:
+    if "--calculate-per-token-loss" in extra:
         total = sum(sums) / sum(counts)
     else:
         total = sum(sm / c if c > 0 else sm for sm, c in zip(sums, counts)) / len(sums)
@@ -148,10 +149,10 @@ def reference(per_rank: list[dict], per_token: bool) -> tuple[float, dict, float
     return total.item(), grads, math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
 
 
-def check_step(per_rank: list[dict], per_token: bool, name: str) -> None:
+def check_step(per_rank: list[dict], extra: list[str], name: str) -> None:
     """Every rank's logged loss and grad norm, and the gradients merged over ranks, against :func:`reference`."""
     with reference_kernels():
-        loss, grads, norm = reference(per_rank, per_token)
+        loss, grads, norm = reference(per_rank, extra)
     assert sum(1 for r in per_rank for b in r["batches"] if b["loss_mask"].sum() == 1), "a one-token micro-batch"
     merged: dict[str, torch.Tensor] = {}
     for r in per_rank:
@@ -169,10 +170,16 @@ def check_step(per_rank: list[dict], per_token: bool, name: str) -> None:
 
 
 LAYOUTS_2 = {"cp2": ["--context-parallel-size", "2"],
-             "cp2 per-token": ["--context-parallel-size", "2", "--calculate-per-token-loss"]}
+             "cp2 per-token": ["--context-parallel-size", "2", "--calculate-per-token-loss"],
+             # reduce-scatter into the distributed optimizer's shards, buckets launched from the backward hooks
+             "dp2 distributed optimizer per-token": ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                                     "--ddp-bucket-size", "1000", "--calculate-per-token-loss"],
+             # both tied embedding copies on one rank (the V), deferred weight gradients
+             "pp2 zb-v": ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+                          "--num-layers-per-virtual-pipeline-stage", "1"]}
 
 
 def test_step_loss_and_gradients_match_one_process():
     per_rank = run_distributed(step_worker, 2, list(LAYOUTS_2.values()), env=REFERENCE_KERNELS, timeout_s=600)
     for i, name in enumerate(LAYOUTS_2):
-        check_step([r[i] for r in per_rank], "--calculate-per-token-loss" in LAYOUTS_2[name], name)
+        check_step([r[i] for r in per_rank], LAYOUTS_2[name], name)
