@@ -183,3 +183,24 @@ def test_step_loss_and_gradients_match_one_process():
     per_rank = run_distributed(step_worker, 2, list(LAYOUTS_2.values()), env=REFERENCE_KERNELS, timeout_s=600)
     for i, name in enumerate(LAYOUTS_2):
         check_step([r[i] for r in per_rank], LAYOUTS_2[name], name)
+
+
+def test_per_token_step_without_loss_tokens():
+    """A global batch whose every loss mask is 0 (all prompt, in SFT terms): its loss sum and every gradient are 0.
+    Per token the step and an evaluation of such batches log 0 with a zero gradient norm, as the default mean does
+    (they stopped on a bare ZeroDivisionError, the logged loss's 0 / 0 tokens)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+    from omnitron.core.training.loop import data_iterator
+    from omnitron.core.training.step import evaluate, train_step
+
+    c = build_components(parse_settings([*BASE, "--calculate-per-token-loss"], 1), get_backend())
+
+    def masked_out():
+        for b in data_iterator(c, c.train_data, 0):
+            yield {**b, "loss_mask": torch.zeros_like(b["loss_mask"])}
+
+    out = train_step(c, masked_out())
+    assert (out["lm_loss"], out["grad_norm"]) == (0.0, 0.0)
+    assert evaluate(c, masked_out(), 1)["val_loss"] == 0.0
