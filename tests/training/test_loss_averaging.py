@@ -123,7 +123,6 @@ def step_worker(layouts: list[list[str]]) -> list[dict]:
 def reference(per_rank: list[dict], extra: list[str]) -> tuple[float, dict, float]:
     """(loss, full gradients, their norm) of one float64 process on the micro-batches the layout (``extra``, on
     ``len(per_rank)`` ranks) read."""
-    from omnitron.core.models.family import family_of
     from omnitron.core.models.gpt import GPTModel, gather_full_state, shard_full_state
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.training.arguments import parse_settings
@@ -137,7 +136,9 @@ def reference(per_rank: list[dict], extra: list[str]) -> tuple[float, dict, floa
     by_dp = {r["dp_rank"]: r["batches"] for r in per_rank if r["batches"]}
     sums, counts = [], []
     for b in (b for d in sorted(by_dp) for b in by_dp[d]):
-        loss = family_of(cfg).forward_step(model, model, b, None).double()
+        # Megatron's GPTModel: RoPE turns at the sequence positions; --reset-position-ids restarts the learned ones
+        pos = None if cfg.position_embedding_type == "rope" else b["position_ids"]
+        loss = model(tokens=b["tokens"], position_ids=pos, labels=b["labels"]).double()
         sums.append((loss * b["loss_mask"].double()).sum())
         counts.append(b["loss_mask"].double().sum())
     if "--calculate-per-token-loss" in extra:
@@ -176,13 +177,20 @@ LAYOUTS_2 = {"cp2": ["--context-parallel-size", "2"],
                                                      "--ddp-bucket-size", "1000", "--calculate-per-token-loss"],
              # both tied embedding copies on one rank (the V), deferred weight gradients
              "pp2 zb-v": ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
-                          "--num-layers-per-virtual-pipeline-stage", "1"]}
+                          "--num-layers-per-virtual-pipeline-stage", "1"],
+             # restarted positions (eods about every 64 tokens): the second stage's RoPE once turned at 0..s-1 while
+             # the first's turned at the restarted positions
+             "pp2 rope --reset-position-ids": ["--pipeline-model-parallel-size", "2", "--position-embedding-type",
+                                               "rope", "--reset-position-ids", "--seq-length", "128",
+                                               "--max-position-embeddings", "128"]}
 
 
 def test_step_loss_and_gradients_match_one_process():
     per_rank = run_distributed(step_worker, 2, list(LAYOUTS_2.values()), env=REFERENCE_KERNELS, timeout_s=600)
     for i, name in enumerate(LAYOUTS_2):
         check_step([r[i] for r in per_rank], LAYOUTS_2[name], name)
+    restarted = [b["position_ids"] for b in per_rank[0][-1]["batches"]]
+    assert any((p != torch.arange(p.shape[1])).any() for p in restarted), "some positions restart"
 
 
 def test_per_token_step_without_loss_tokens():
