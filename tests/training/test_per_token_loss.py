@@ -68,3 +68,14 @@ def test_per_token_loss_with_moe_is_refused():
 
     with pytest.raises(ConfigError, match="^--calculate-per-token-loss with MoE: .*drop --calculate-per-token-loss"):
         parse_settings(_argv("/tmp", "--calculate-per-token-loss", "--num-experts", "4"), 1)
+
+
+def test_per_token_loss_with_bert_is_refused():
+    """BERT's loss is one mean per micro-batch (masked-LM plus sentence-order), with no token count to sum: the flag
+    used to train exactly the default (the same losses bit for bit), so it is refused before any work."""
+    from omnitron.core.config import ConfigError
+    from omnitron.core.training.arguments import parse_settings
+
+    with pytest.raises(ConfigError, match="^--calculate-per-token-loss with --model-type bert: .*drop "
+                                          "--calculate-per-token-loss$"):
+        parse_settings(["--model", "bert_tiny", "--train-iters", "1", "--calculate-per-token-loss"], 1)

@@ -262,7 +262,8 @@ class TrainingConfig:
     """--calculate-per-token-loss: the step's loss is the sum over all its tokens (every micro-batch and
     data-parallel rank) divided by their count, and so are its gradients (Megatron's per-token loss), instead of
     the mean of each micro-batch's token mean; the two differ when the micro-batches hold different numbers of
-    loss tokens (a loss mask: --eod-mask-loss, BERT's masked positions, SFT prompts)."""
+    loss tokens (a loss mask: --eod-mask-loss, SFT prompts). Refused for MoE, MTP and BERT, whose losses are
+    weighted per micro-batch."""
     pipeline_schedule: str | None = None
     """--pipeline-schedule {none,1f1b,interleaved,zb-h1,zb-v,dualpipe-v} (default: none at pp 1, 1f1b, or
     interleaved with virtual stages). zb-v and dualpipe-v place two chunks per rank in a V and need

@@ -42,12 +42,23 @@ def check_wordpiece_flags(merged: dict, name: str) -> None:
                           "drop --prompt")
 
 
+def check_flags(merged: dict) -> None:
+    """The WordPiece checks, and no ``--calculate-per-token-loss``: BERT's loss (:func:`bert_loss`, Megatron's
+    pretrain_bert) is each micro-batch's masked-LM mean plus its sentence-order loss, one number per micro-batch
+    with no token count to sum, so the flag would silently train the per-micro-batch mean."""
+    check_wordpiece_flags(merged, "BERT")
+    if merged.get("calculate_per_token_loss"):
+        raise ConfigError("--calculate-per-token-loss with --model-type bert: BERT's loss is the mean of each "
+                          "micro-batch's masked-LM loss plus its sentence-order loss, not a sum over tokens; drop "
+                          "--calculate-per-token-loss")
+
+
 BERT_FAMILY = ModelFamily(
     name="bert", description="bert (Megatron's pretrain_bert: masked LM + sentence-order head)",
     config_cls=B.BertConfig, presets={"bert_tiny": B.bert_tiny, "bert_base": B.bert_base},
     build_stage=build_stage, forward_step=forward_step, loss_fn=loss, stages_read_batch=True,
     build_datasets=build_datasets, num_parameters=B.num_parameters,
     validate=B.validate_bert,
-    check_flags=lambda merged: check_wordpiece_flags(merged, "BERT"),
+    check_flags=check_flags,
     generate_refusal="this is a BERT checkpoint: a bidirectional encoder has no text to generate; generate from a "
                      "GPT, T5 or multimodal (LLaVA) checkpoint")

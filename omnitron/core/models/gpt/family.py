@@ -15,7 +15,8 @@ def build_stage(cfg, groups, **kw):
 
 def forward_step(chunk, m, batch: dict | None, hidden):
     """Tokens and positions in on the first stage, per-token loss out on the last; every stage reads the
-    batch's document ids under ``--reset-attention-mask``."""
+    batch's document ids under ``--reset-attention-mask``. RoPE turns at the sequence positions on every stage
+    (the batch's positions, restarted by ``--reset-position-ids``, feed the learned position embedding only)."""
     labels = batch["labels"] if m.post_process else None
     docs = batch.get("document_ids") if batch is not None else None  # --reset-attention-mask: every stage
     # multi-token prediction on the last stage reads the tokens and the loss mask too
@@ -23,8 +24,9 @@ def forward_step(chunk, m, batch: dict | None, hidden):
         getattr(m, "mtp", None) is not None else {}
     if m.pre_process:
         mtp["tokens"] = batch["tokens"]
-        return chunk(position_ids=batch["position_ids"], labels=labels, document_ids=docs, **mtp)
-    return chunk(hidden=hidden, labels=labels, document_ids=docs, **mtp)
+        return chunk(position_ids=batch["position_ids"], labels=labels, document_ids=docs,
+                     rope_at_sequence_positions=True, **mtp)
+    return chunk(hidden=hidden, labels=labels, document_ids=docs, rope_at_sequence_positions=True, **mtp)
 
 
 def build_datasets(settings, tokenizer, **sizes):

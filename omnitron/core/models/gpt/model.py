@@ -226,19 +226,25 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None, *,
+                rope_at_sequence_positions: bool = False) -> torch.Tensor:
         """First stage: ``tokens [b, s]`` int64. Later stages: ``hidden [s, b, h]`` (``[s/tp, b, h]``
         under sequence parallelism; ``s`` is ``s/cp``, this rank's slice, under context parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
         ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
         at -inf. Other stages return the hidden states for the next stage. ``document_ids [b, s]``
         (every stage, ``--reset-attention-mask``): attention stays within each packed document.
         Multi-token prediction (``--mtp-num-layers``): a last stage given ``labels`` also reads ``tokens`` and
-        ``loss_mask [b, s]`` (default all ones), and its loss joins the backward of the returned loss."""
-        x, freqs = self._inputs(tokens, position_ids, hidden)
+        ``loss_mask [b, s]`` (default all ones), and its loss joins the backward of the returned loss.
+        ``rope_at_sequence_positions`` (training): the rotary angles at the sequence positions (this rank's under
+        cp) whatever ``position_ids`` say, which then feed the learned position embedding only: Megatron's
+        GPTModel, where --reset-position-ids restarts the learned positions but never RoPE's, and where a later
+        pipeline stage (given no positions) rotates as the first one does."""
+        x, freqs = self._inputs(tokens, position_ids, hidden, rope_at_sequence_positions)
         x = self._run_layers(x, freqs, document_ids)
         return self._outputs(x, labels, tokens, loss_mask, freqs)
 
-    def _inputs(self, tokens, position_ids, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _inputs(self, tokens, position_ids, hidden,
+                sequence_rope: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first layer's input ``[s, b, h]`` (embedded tokens, or the previous stage's hidden states) and the
         rotary frequencies."""
         if self.pre_process:
@@ -252,7 +258,7 @@ class GPTModel(nn.Module):
                 raise ValueError("a non-first pipeline stage needs hidden [s, b, h] from the previous stage")
             x = hidden
         s = x.shape[0] * (self.groups.tp.size if self.sp else 1)
-        return x, self._rope_freqs(position_ids, s, x.device)
+        return x, self._rope_freqs(None if sequence_rope else position_ids, s, x.device)
 
     def _outputs(self, x: torch.Tensor, labels: torch.Tensor | None, tokens: torch.Tensor | None = None,
                  loss_mask: torch.Tensor | None = None, freqs: torch.Tensor | None = None) -> torch.Tensor:

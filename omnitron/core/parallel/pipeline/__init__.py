@@ -95,6 +95,7 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
     if groups.dp_cp.size > 1:
         coll.all_reduce(stats, group=groups.dp_cp.handle)
     loss, tokens = stats.tolist()  # one host sync for both (each .item() is one)
-    mean = loss / tokens if per_token_loss else loss / (num_microbatches * groups.dp_cp.size)
+    # NOTE: a step without loss tokens (every mask 0) has loss sum 0: per token it logs 0, as the default mean does
+    mean = (loss / tokens if tokens > 0 else 0.0) if per_token_loss else loss / (num_microbatches * groups.dp_cp.size)
     return {"loss": mean, "tokens": tokens, "schedule": schedule}
 

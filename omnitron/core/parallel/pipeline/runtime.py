@@ -41,6 +41,15 @@ def default_loss_fn(output: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Te
     return (loss * mask).sum(), mask.sum()
 
 
+def _nonzero(count):
+    """``count``, or 1 where it is 0 (a fully masked micro-batch: its loss sum is 0, and so its mean). Not a clamp
+    to 1: under context parallelism a rank's count is the micro-batch's tokens / cp, below 1 for a micro-batch
+    with fewer loss tokens than cp ranks, and must divide as it is."""
+    if torch.is_tensor(count):
+        return torch.where(count > 0, count, torch.ones_like(count))
+    return count if count > 0 else 1
+
+
 class _Batches:
     """Micro-batches drawn lazily from the iterator, kept until every chunk has forwarded them."""
 
@@ -125,8 +134,8 @@ class _StageRunner:
             if self.per_token_loss:  # the sum; the step divides the gradients by the global token count
                 self.loss_sum += total.detach().to(torch.float64)
                 out = total
-            else:  # NOTE: a fully masked micro-batch has count 0: it contributes 0 with zero gradients (Megatron's clamp)
-                mean = total / (count.clamp(min=1) if torch.is_tensor(count) else max(count, 1))
+            else:  # NOTE: a fully masked micro-batch (count 0) contributes 0 with zero gradients, as Megatron's
+                mean = total / _nonzero(count)
                 self.loss_sum += mean.detach().to(torch.float64)
                 out = mean / self.s.num_microbatches  # what backward differentiates
         else:
