@@ -108,6 +108,12 @@ def _scale(h: int, heads: int, groups: int, d: int, ffn: int, ranks: tuple[int, 
     return best
 
 
+def without_offloading(cfg):
+    """``cfg`` without --cpu-offloading: the probes' one or two layers save as the layers do (offloading needs
+    more layers than it offloads; what it moves is priced by the memory model, ``omnitron.plan.memory``)."""
+    return replace(cfg, cpu_offloading=False, cpu_offloading_num_layers=0)
+
+
 def probe_config(cfg, tp: int):
     """(probe config, k_heads, k_dim): the tp-local layer with widths divided by ``k_heads * k_dim``."""
     heads, d = cfg.num_attention_heads, cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -120,9 +126,9 @@ def probe_config(cfg, tp: int):
     k = kh * kd
     # NOTE: every layer is probed dense (the MLP at --ffn-hidden-size); an MoE layer's difference is
     # omnitron.plan.moe_activations'
-    probe = replace(cfg, hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh, kv_channels=d // kd,
-                    num_query_groups=(lg // kh) if cfg.num_query_groups else None, ffn_hidden_size=lf // k,
-                    vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
+    probe = replace(without_offloading(cfg), hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh,
+                    kv_channels=d // kd, num_query_groups=(lg // kh) if cfg.num_query_groups else None,
+                    ffn_hidden_size=lf // k, vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
     if mla:  # the latents are per-token widths: divided with the hidden size; the head dimensions kept (kd = 1)
         probe = replace(probe, q_lora_rank=cfg.q_lora_rank // k if cfg.q_lora_rank else None,
                         kv_lora_rank=cfg.kv_lora_rank // k)

@@ -54,6 +54,10 @@ LAYOUTS = {  # name: (world, flags)
     "pp2_vp3_account": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                             "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                             "--global-batch-size", "4"]),
+    # --cpu-offloading-num-layers: the first N layers of every chunk save to host memory, the device keeps the rest
+    "pp1_offload2": (1, ["--cpu-offloading-num-layers", "2"]),
+    "pp2_offload1_mbs2": (2, ["--pipeline-model-parallel-size", "2", "--cpu-offloading-num-layers", "1",
+                              "--micro-batch-size", "2"]),
     "llama_pp1_bf16": (1, LLAMA + ["--bf16"]),
     "llama_pp2_mbs2": (2, LLAMA + ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
     "mtp1": (1, ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]),
@@ -98,3 +102,25 @@ def test_inflight_matches_the_simulator(name, pp, vp, m):
         assert peak_held(sched, r, {c: 1.0 for c in range(vp)})[1] == peaks[r]
         if name == "1f1b":  # and Megatron's closed form
             assert peaks[r] == min(pp - r, m)
+
+
+@pytest.mark.parametrize("world, flags", [(1, []), (2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size",
+                                                         "2", "--num-layers", "6"])])
+def test_offloading_takes_the_offloaded_layers_off_the_step_peak(world, flags):
+    """``omnitron plan --cpu-offloading-num-layers N`` (it stopped on its own probes of fewer layers): the whole
+    step's estimate falls by what the offloaded layers save, measured as the drop of the saved bytes left on the
+    device in a real forward of every stage (the offloader's hooks take what those layers save). With two layers or
+    more kept per chunk the backward brings back no more than it holds (:func:`reload_bytes`), so the
+    transients must not move. Bound: each side is within TOL of the saved bytes (the test above), so their
+    difference is within TOL of the larger."""
+    from omnitron.plan.memory import estimate
+
+    plain = parse_settings(BASE + flags, world)
+    off = parse_settings(BASE + flags + ["--cpu-offloading-num-layers", "1"], world)
+    saved = [stage_microbatch_bytes(s, model_config(s)) for s in (plain, off)]
+    peaks = [estimate(s) for s in (plain, off)]
+    inflight = [st.inflight for st in peaks[0]]
+    for r, (before, after) in enumerate(zip(*peaks)):
+        drop = inflight[r] * (saved[0][(r, 0)] - saved[1][(r, 0)])  # every in-flight micro-batch's layer
+        assert drop > 0 and after.transient == before.transient, (r, drop, before, after)
+        assert abs((before.total - after.total) - drop) < TOL * saved[0][(r, 0)] * inflight[r], (r, before, after)

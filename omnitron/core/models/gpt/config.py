@@ -408,8 +408,8 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
 
 def _validate_recompute_num_layers(c: GPTConfig) -> None:
     """--recompute-num-layers as Megatron's TransformerConfig takes it: a count of layers under full
-    recomputation (0 or less recomputed nothing here and loops forever in Megatron's uniform method), none under
-    selective (Megatron refuses it there)."""
+    recomputation (below 1 Megatron's uniform method loops forever; here 0 was taken as 1 and a negative count
+    recomputed nothing, silently), none under selective (Megatron refuses it there)."""
     n = c.recompute_num_layers
     if n is None or c.recompute_granularity is None:
         return
