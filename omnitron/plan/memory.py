@@ -68,7 +68,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
-from omnitron.plan.activations import activation_model, without_offloading
+from omnitron.plan.activations import activation_model, fine_grained_bytes, without_offloading
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
 from omnitron.plan.cp_comm import saved_extra
 from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, saved_less
@@ -255,14 +255,15 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
                      routed=None) -> tuple[float, float]:
     """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers, ``moe`` of them MoE
     (``routed``: their routing, :func:`moe_extra`). Offloaded layers (:func:`_offloaded`) keep nothing on the
-    device (what the backward brings back: :func:`reload_bytes`)."""
+    device, and under --fine-grained-activation-offloading every layer keeps what its --offload-modules do not
+    save (:func:`~.activations.fine_grained_bytes`; what the backward brings back: :func:`reload_bytes`)."""
     pc, t = settings.parallel, settings.training
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
     s, b = cfg.seq_length // pc.context_parallel_size, t.micro_batch_size
     am = activation_model(cfg, tp)
     n_rec, n_off = _recomputed(cfg, layers), _offloaded(cfg, layers)
     kept = layers - n_rec - n_off
-    one = am.layer.bytes(s, b, tp, sp) + saved_extra(settings, cfg)
+    one = am.layer.bytes(s, b, tp, sp) + saved_extra(settings, cfg) - fine_grained_bytes(cfg, tp, s, b, sp)
     acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + kept * one
     acts += moe_extra(settings, cfg, min(max(0, moe - n_rec), kept), routed)
     if first:
@@ -281,15 +282,16 @@ def reload_bytes(settings, cfg, layers: int, moe: int = 0) -> float:
     """What one micro-batch's backward through a chunk of ``layers`` layers holds beyond its kept layers' saved
     tensors while it brings offloaded layers back: an offloaded layer returns as the layer after it starts its
     backward, so two layers are on the device then (the later ones and the head freed already); 0 without
-    offloading or where the kept layers are two or more. MoE layers among them where the chunk has any."""
+    offloading or where the kept layers are two or more. MoE layers among them where the chunk has any.
+    --fine-grained-activation-offloading: one layer's offloaded tensors, back while that layer's backward runs."""
+    pc = settings.parallel
+    tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
     n_off = _offloaded(cfg, layers)
     kept = layers - n_off
     if not n_off or kept >= 2:
-        return 0.0
-    pc = settings.parallel
-    tp = pc.tensor_model_parallel_size
-    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
-    one = activation_model(cfg, tp).layer.bytes(s, b, tp, pc.sequence_parallel) + saved_extra(settings, cfg)
+        return fine_grained_bytes(cfg, tp, s, b, sp) if layers else 0.0
+    one = activation_model(cfg, tp).layer.bytes(s, b, tp, sp) + saved_extra(settings, cfg)
     return (2 - kept) * one + moe_extra(settings, cfg, max(0, min(2, moe) - min(moe, kept)))
 
 
