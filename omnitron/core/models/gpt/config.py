@@ -332,6 +332,9 @@ def _validate_fine_grained(c: GPTConfig) -> None:
                               f"{', '.join(MODULES)}")
         if name not in MODULES:
             raise ConfigError(f"--offload-modules {name!r} unknown; choose from {', '.join(MODULES)}")
+    if c.multi_latent_attention and "qkv_linear" in c.offload_modules:
+        raise ConfigError("--offload-modules qkv_linear: --multi-latent-attention's layers have no QKV linear (their "
+                          "queries, keys and values come from low-rank projections); drop qkv_linear")
     if c.min_offloaded_tensor_size < 0:
         raise ConfigError(f"--min-offloaded-tensor-size must be >= 0, got {c.min_offloaded_tensor_size}")
     if c.recompute_granularity == "full":
