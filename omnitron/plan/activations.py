@@ -39,6 +39,7 @@ part that does and the part that does not by one more probe at twice the widths 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,9 +80,25 @@ def _measure(cfg, layers: int, s: int) -> int:
     m.train()
     tokens = torch.randint(0, c.vocab_size, (1, s))
     rec = SavedBytes(m.parameters())
+    if m.offloader is not None:
+        _count_kept(m.offloader, rec)
     with rec.record():
         m(tokens=tokens, position_ids=torch.arange(s)[None], labels=tokens)
     return rec.total
+
+
+def _count_kept(offloader, rec: SavedBytes) -> None:
+    """Have ``rec`` count what ``offloader`` keeps on the device (below --min-offloaded-tensor-size, or a kind it
+    does not move): its saved-tensor hooks, inside ``rec``'s, take every tensor of the modules it scopes."""
+    pack = offloader._pack
+
+    def counting(t, *args):
+        held = pack(t, *args)
+        if held is t:
+            rec._pack(t)
+        return held
+
+    offloader._pack = counting
 
 
 def _divisors(n: int) -> list[int]:
@@ -108,6 +125,38 @@ def _scale(h: int, heads: int, groups: int, d: int, ffn: int, ranks: tuple[int, 
     return best
 
 
+def without_offloading(cfg):
+    """``cfg`` without activation offloading: the probes' layers save as the layers do (--cpu-offloading needs more
+    layers than the probes have; what either offloading moves is priced apart: ``omnitron.plan.memory`` and
+    :func:`fine_grained_bytes`)."""
+    return replace(cfg, cpu_offloading=False, cpu_offloading_num_layers=0, fine_grained_activation_offloading=False,
+                   offload_modules=None)
+
+
+_FINE: dict[str, float] = {}
+
+
+def fine_grained_bytes(cfg, tp: int, s: int, b: int, sp: bool = False) -> float:
+    """Bytes one layer's --offload-modules move to the host for one micro-batch of ``b`` x ``s`` tokens (0 without
+    --fine-grained-activation-offloading): the probe layer's saved bytes at ``_S1`` tokens less the same layer's
+    with the offloader on, scaled to the real tokens and widths (every tensor those modules save is ``[s, b, w]``:
+    linear in the tokens and the width). --min-offloaded-tensor-size is applied as at the real size: the probe's
+    threshold divided by that scale. Under SP every such tensor is priced as a sequence shard (the attention
+    projection's input stays whole there: the saving priced low, an upper bound on the memory), the threshold
+    judged at the unsharded size (a shard within a factor tp above it is priced moved, though it stays)."""
+    if not cfg.fine_grained_activation_offloading:
+        return 0.0
+    probe, kh, kd = probe_config(cfg, tp)
+    scale = s * b / _S1 * kh * kd
+    key = f"{probe!r}/{cfg.offload_modules}/{cfg.min_offloaded_tensor_size}/{scale}"
+    if key not in _FINE:
+        moved = replace(probe, fine_grained_activation_offloading=True, offload_modules=cfg.offload_modules,
+                        min_offloaded_tensor_size=math.ceil(cfg.min_offloaded_tensor_size / scale))
+        with one_thread():
+            _FINE[key] = (_measure(probe, 1, _S1) - _measure(moved, 1, _S1)) * scale
+    return _FINE[key] / (tp if sp and tp > 1 else 1)
+
+
 def probe_config(cfg, tp: int):
     """(probe config, k_heads, k_dim): the tp-local layer with widths divided by ``k_heads * k_dim``."""
     heads, d = cfg.num_attention_heads, cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
@@ -120,9 +169,9 @@ def probe_config(cfg, tp: int):
     k = kh * kd
     # NOTE: every layer is probed dense (the MLP at --ffn-hidden-size); an MoE layer's difference is
     # omnitron.plan.moe_activations'
-    probe = replace(cfg, hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh, kv_channels=d // kd,
-                    num_query_groups=(lg // kh) if cfg.num_query_groups else None, ffn_hidden_size=lf // k,
-                    vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
+    probe = replace(without_offloading(cfg), hidden_size=cfg.hidden_size // k, num_attention_heads=lh // kh,
+                    kv_channels=d // kd, num_query_groups=(lg // kh) if cfg.num_query_groups else None,
+                    ffn_hidden_size=lf // k, vocab_size=_V1, make_vocab_size_divisible_by=_V1, num_experts=None)
     if mla:  # the latents are per-token widths: divided with the hidden size; the head dimensions kept (kd = 1)
         probe = replace(probe, q_lora_rank=cfg.q_lora_rank // k if cfg.q_lora_rank else None,
                         kv_lora_rank=cfg.kv_lora_rank // k)

@@ -68,7 +68,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
-from omnitron.plan.activations import activation_model
+from omnitron.plan.activations import activation_model, fine_grained_bytes, without_offloading
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
 from omnitron.plan.cp_comm import saved_extra
 from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, saved_less
@@ -243,17 +243,29 @@ def _recomputed(cfg, layers: int) -> int:
     return min(cfg.recompute_num_layers or 1, layers) if cfg.recompute_method == "block" else layers
 
 
+def _offloaded(cfg, layers: int) -> int:
+    """How many of a chunk's ``layers`` layers keep their saved activations in host memory under
+    ``--cpu-offloading-num-layers`` (the first N of every chunk, :mod:`omnitron.core.transformer.offload`)."""
+    from omnitron.core.models.gpt.config import offload_layers
+
+    return min(offload_layers(cfg), layers) if cfg.cpu_offloading_activations else 0
+
+
 def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False, moe: int = 0,
                      routed=None) -> tuple[float, float]:
     """(activations, logits) bytes of one micro-batch of a chunk of ``layers`` layers, ``moe`` of them MoE
-    (``routed``: their routing, :func:`moe_extra`)."""
+    (``routed``: their routing, :func:`moe_extra`). Offloaded layers (:func:`_offloaded`) keep nothing on the
+    device, and under --fine-grained-activation-offloading every layer keeps what its --offload-modules do not
+    save (:func:`~.activations.fine_grained_bytes`; what the backward brings back: :func:`reload_bytes`)."""
     pc, t = settings.parallel, settings.training
     tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
     s, b = cfg.seq_length // pc.context_parallel_size, t.micro_batch_size
     am = activation_model(cfg, tp)
-    n_rec = _recomputed(cfg, layers)
-    acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + (layers - n_rec) * am.layer.bytes(s, b, tp, sp)
-    acts += moe_extra(settings, cfg, max(0, moe - n_rec), routed) + (layers - n_rec) * saved_extra(settings, cfg)
+    n_rec, n_off = _recomputed(cfg, layers), _offloaded(cfg, layers)
+    kept = layers - n_rec - n_off
+    one = am.layer.bytes(s, b, tp, sp) + saved_extra(settings, cfg) - fine_grained_bytes(cfg, tp, s, b, sp)
+    acts = n_rec * am.recomputed.bytes(s, b, tp, sp) + kept * one
+    acts += moe_extra(settings, cfg, min(max(0, moe - n_rec), kept), routed)
     if first:
         acts += s * b * am.embedding / (tp if sp else 1)
     if not last:
@@ -264,6 +276,23 @@ def microbatch_bytes(settings, cfg, layers: int, last: bool, first: bool = False
     logits = s * b * am.head_vocab * padded_vocab_size(cfg, tp) / tp
     mtp_acts, mtp_logits = mtp_bytes(settings, cfg, head, logits, routed)
     return acts + head + mtp_acts, logits + mtp_logits
+
+
+def reload_bytes(settings, cfg, layers: int, moe: int = 0) -> float:
+    """What one micro-batch's backward through a chunk of ``layers`` layers holds beyond its kept layers' saved
+    tensors while it brings offloaded layers back: an offloaded layer returns as the layer after it starts its
+    backward, so two layers are on the device then (the later ones and the head freed already); 0 without
+    offloading or where the kept layers are two or more. MoE layers among them where the chunk has any.
+    --fine-grained-activation-offloading: one layer's offloaded tensors, back while that layer's backward runs."""
+    pc = settings.parallel
+    tp, sp = pc.tensor_model_parallel_size, pc.sequence_parallel
+    s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
+    n_off = _offloaded(cfg, layers)
+    kept = layers - n_off
+    if not n_off or kept >= 2:
+        return fine_grained_bytes(cfg, tp, s, b, sp) if layers else 0.0
+    one = activation_model(cfg, tp).layer.bytes(s, b, tp, sp) + saved_extra(settings, cfg)
+    return (2 - kept) * one + moe_extra(settings, cfg, max(0, min(2, moe) - min(moe, kept)))
 
 
 def mtp_bytes(settings, cfg, head: float, logits: float, routed=None) -> tuple[float, float]:
@@ -457,7 +486,7 @@ def _probe_excess(settings, cfg, n: int, first: bool, last: bool, moe: bool, spl
 
     pc = settings.parallel
     whole = replace(settings, parallel=replace(pc, sequence_parallel=False))
-    acts, logits = microbatch_bytes(whole, cfg, n, last=last, first=first)
+    acts, logits = microbatch_bytes(whole, without_offloading(cfg), n, last=last, first=first)  # as probed
     if moe:
         from omnitron.plan.moe_activations import probe_layer_extra
 
@@ -536,12 +565,14 @@ def _excess(settings, cfg, given, schedule, r: int, ends: dict, chunks: tuple, r
     activations, what ep rank ``rank``'s rows add to the two over balanced routing, whether the transients were
     probed). Under a routing histogram the rematerialised chunk is priced at the rank's rows
     (:func:`recompute_bytes`) and so is its local experts' backward (:func:`_experts_skew`), each added to the
-    balanced probe's peak where it would set it (the chunk's: whole, an upper bound). Without the probes
-    (``transients`` False, or logs that do not align): the rematerialised chunk alone."""
+    balanced probe's peak where it would set it (the chunk's: whole, an upper bound), and offloaded layers brought
+    back (:func:`reload_bytes`). Without the probes (``transients`` False, or logs that do not align): the
+    rematerialised chunk and the layers brought back alone."""
     layers, moe = chunks
     plain_rec = recompute_bytes(settings, cfg)
     stage = [] if rank is None else [s for c in ends for s in routing[(r, c)]]
     rec = plain_rec if rank is None else recompute_bytes(settings, cfg, (stage, rank))
+    back = round(max(reload_bytes(settings, cfg, layers[(r, c)], moe[(r, c)]) for c in ends))
     try:
         if not transients:
             raise _Skipped
@@ -554,12 +585,12 @@ def _excess(settings, cfg, given, schedule, r: int, ends: dict, chunks: tuple, r
         if rank is not None:
             skew += max(t + _experts_skew(settings, cfg, routing[(r, c)], rank, room)
                         for c, (t, room) in zip(ends, probes)) - plain
-        return plain + skew + block_dropout_bytes(settings, given) + exchange, rec, skew, True
+        return plain + skew + block_dropout_bytes(settings, given) + exchange + back, rec, skew, True
     except _Skipped:
         pass
     except RuntimeError as e:  # the probes' logs do not align: the saved tensors and one rematerialised chunk
         log.warning("%s; the memory estimate leaves backward's transients out", e)
-    return rec, rec, rec - plain_rec, False
+    return rec + back, rec, rec - plain_rec, False
 
 
 def estimate(settings, transients: bool = True, load=None, device=None) -> list[StageMemory]:

@@ -24,6 +24,19 @@ def _pc(**kw):
     (gpt2_tiny(seq_length=256), _pc(), ["--max-position-embeddings 128"]),
     (gpt2_tiny(hidden_size=130), _pc(), ["--hidden-size 130", "--num-attention-heads 4"]),
     (gpt2_tiny(recompute_granularity="full"), _pc(), ["--recompute-method"]),
+    # Megatron: a recompute chunk of 0 layers loops forever, below 0 this recomputed nothing (silently); with
+    # selective recomputation TransformerConfig refuses any --recompute-num-layers
+    (gpt2_tiny(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=-1), _pc(),
+     ["--recompute-num-layers must be a positive integer", "-1"]),
+    (gpt2_tiny(recompute_granularity="full", recompute_method="block", recompute_num_layers=0), _pc(),
+     ["--recompute-num-layers must be a positive integer", "0"]),
+    (gpt2_tiny(recompute_granularity="selective", recompute_num_layers=1), _pc(),
+     ["--recompute-num-layers 1", "full only"]),
+    # stopped with a traceback where the model was built (the offloader found no such module), not before any work
+    (llama_tiny(num_query_groups=None, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
+                qk_pos_emb_head_dim=8, v_head_dim=8, fine_grained_activation_offloading=True,
+                offload_modules=["attn_norm", "qkv_linear"]),
+     _pc(), ["--offload-modules qkv_linear", "--multi-latent-attention", "drop qkv_linear"]),
     (gpt2_tiny(seq_length=30), _pc(context_parallel_size=2), ["--seq-length 30", "--context-parallel-size 2"]),
 ])
 def test_validation_names_flag(cfg, parallel, words):

@@ -40,6 +40,8 @@ MLA = ["--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-
        "--qk-layernorm"]
 MOE = LLAMA + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
                "--moe-shared-expert-intermediate-size", "64"]
+FINE = ["--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "qkv_linear", "attn_proj",
+        "mlp_norm", "--min-offloaded-tensor-size"]
 LAYOUTS = {  # name: (world, flags)
     "pp1": (1, []),
     "pp1_mbs2_s256": (1, ["--micro-batch-size", "2", "--seq-length", "256"]),
@@ -54,6 +56,18 @@ LAYOUTS = {  # name: (world, flags)
     "pp2_vp3_account": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                             "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                             "--global-batch-size", "4"]),
+    # --cpu-offloading-num-layers: the first N layers of every chunk save to host memory, the device keeps the rest
+    "pp1_offload2": (1, ["--cpu-offloading-num-layers", "2"]),
+    "pp2_offload1_mbs2": (2, ["--pipeline-model-parallel-size", "2", "--cpu-offloading-num-layers", "1",
+                              "--micro-batch-size", "2"]),
+    # --fine-grained-activation-offloading: every layer's --offload-modules save to host memory; at a probe of half
+    # the widths (h512) the offloaded bytes scale back with them; at the [s, b, h] tensors' size (128 x 128) the
+    # threshold still moves them (the norms' [s] statistics stay: 4 KiB, inside TOL; one element more: the test
+    # after the next)
+    "pp1_fine_grained": (1, FINE + ["0"]),
+    "pp1_fine_grained_h512_mbs2": (1, FINE + ["0", "--hidden-size", "512", "--num-attention-heads", "8",
+                                              "--micro-batch-size", "2"]),
+    "pp1_fine_grained_at_threshold": (1, FINE + [str(128 * 128)]),
     "llama_pp1_bf16": (1, LLAMA + ["--bf16"]),
     "llama_pp2_mbs2": (2, LLAMA + ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
     "mtp1": (1, ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]),
@@ -98,3 +112,61 @@ def test_inflight_matches_the_simulator(name, pp, vp, m):
         assert peak_held(sched, r, {c: 1.0 for c in range(vp)})[1] == peaks[r]
         if name == "1f1b":  # and Megatron's closed form
             assert peaks[r] == min(pp - r, m)
+
+
+@pytest.mark.parametrize("world, flags", [(1, []), (2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size",
+                                                         "2", "--num-layers", "6"])])
+def test_offloading_takes_the_offloaded_layers_off_the_step_peak(world, flags):
+    """``omnitron plan --cpu-offloading-num-layers N`` (it stopped on its own probes of fewer layers): the whole
+    step's estimate falls by what the offloaded layers save, measured as the drop of the saved bytes left on the
+    device in a real forward of every stage (the offloader's hooks take what those layers save). With two layers or
+    more kept per chunk the backward brings back no more than it holds (:func:`reload_bytes`), so the
+    transients must not move. Bound: each side is within TOL of the saved bytes (the test above), so their
+    difference is within TOL of the larger."""
+    from omnitron.plan.memory import estimate
+
+    plain = parse_settings(BASE + flags, world)
+    off = parse_settings(BASE + flags + ["--cpu-offloading-num-layers", "1"], world)
+    saved = [stage_microbatch_bytes(s, model_config(s)) for s in (plain, off)]
+    peaks = [estimate(s) for s in (plain, off)]
+    inflight = [st.inflight for st in peaks[0]]
+    for r, (before, after) in enumerate(zip(*peaks)):
+        drop = inflight[r] * (saved[0][(r, 0)] - saved[1][(r, 0)])  # every in-flight micro-batch's layer
+        assert drop > 0 and after.transient == before.transient, (r, drop, before, after)
+        assert abs((before.total - after.total) - drop) < TOL * saved[0][(r, 0)] * inflight[r], (r, before, after)
+
+
+def test_fine_grained_offloading_below_its_threshold_moves_nothing_and_saves_nothing():
+    """--min-offloaded-tensor-size one element above the layers' [s, b, h] tensors: the engine's forward offloads no
+    tensor (its offloader's count), and the plan prices the run as the one without offloading (its probes run at a
+    fraction of the size, where the threshold must be scaled, not taken as it is)."""
+    import torch
+
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.plan.memory import estimate
+
+    plain, fine = (parse_settings(BASE + extra, 1) for extra in ([], FINE + [str(128 * 128 + 1)]))
+    model = GPTModel(fine.model, ParallelGroups.single()).train()
+    tokens = torch.randint(0, 200, (1, 128))
+    model(tokens=tokens, labels=tokens).mean().backward()
+    assert model.offloader.stats.tensors == 0
+    assert [(m.activations, m.transient) for m in estimate(fine)] == [(m.activations, m.transient)
+                                                                      for m in estimate(plain)]
+
+
+def test_fine_grained_offloading_takes_all_but_one_layers_modules_off_the_step_peak():
+    """--fine-grained-activation-offloading (threshold 0): the step's estimate falls by what the offloaded modules
+    save in every layer but one, measured as the drop of the saved bytes left on the device in a real forward
+    (``d`` over the 4 layers): their tensors come back as their layer's backward starts, so at the peak (the top
+    layer's backward) one layer's are on the device again, a transient of d / 4 (the probes' transients and the
+    kept tensors otherwise those of the run without it). Bound as the test above: TOL of the saved bytes."""
+    from omnitron.plan.memory import estimate
+
+    plain, fine = (parse_settings(BASE + extra, 1) for extra in ([], FINE + ["0"]))
+    d = stage_microbatch_bytes(plain, model_config(plain))[(0, 0)] - stage_microbatch_bytes(fine, model_config(fine))[
+        (0, 0)]
+    (before,), (after,) = estimate(plain), estimate(fine)
+    bound = TOL * stage_microbatch_bytes(plain, model_config(plain))[(0, 0)]
+    assert d > 0 and abs((after.transient - before.transient) - d / 4) < bound, (d, before, after)
+    assert abs((before.total - after.total) - 3 * d / 4) < bound, (d, before, after)

@@ -67,10 +67,27 @@ def test_selectors_are_accepted_with_what_runs(caplog):
     (["--tokenizer-type", "NullMultimodalTokenizer"], "use --tokenizer-type HuggingFaceTokenizer"),
     (["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v3"], "--tiktoken-pattern 'v3': expected v1 or v2"),
     (["--special-tokens", "<image>", "--tokenizer-special-tokens", "<img>"], "drop one of them"),
+    # --recompute-modules as Megatron's TransformerConfig checks it under selective recomputation
+    (["--recompute-granularity", "selective", "--recompute-modules", "attn"], "'attn' is not one of Megatron's"),
+    (["--recompute-activations", "--recompute-modules", "mla_up_proj"], "only with --multi-latent-attention"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe_act"],
+     "only with --moe-grouped-gemm"),
 ])
 def test_contradictions_name_the_fix(extra, message):
     with pytest.raises(ConfigError, match=message):
         parse_settings(BASE + extra, 1)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--recompute-modules", "attn"],  # Megatron reads the list under selective recomputation only
+    ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", "layernorm", "moe",
+     "shared_experts", "gdp_qkv"],
+    ["--recompute-granularity", "selective", "--recompute-modules", "moe_act", "--num-experts", "4",
+     "--moe-grouped-gemm"],
+])
+def test_recompute_modules_megatron_accepts_are_accepted(extra):
+    assert parse_settings(BASE + extra, 1).model.recompute_granularity == (
+        "selective" if "selective" in extra else None)
 
 
 def test_typos_and_abbreviations_are_refused_with_suggestions(capsys):

@@ -76,7 +76,9 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
     "recompute_modules": ("MODULE", "selective recomputation (--recompute-granularity selective) recomputes core "
                                     "attention; the modules named keep their activations",
                           "recomputing a module computes again the values its forward computed (dropout masks "
-                          "kept), so the gradients are the same; only the memory differs"),
+                          "kept), so the gradients are the same; only the memory differs. What Megatron refuses "
+                          "under selective recomputation is refused: an unknown module, moe_act without "
+                          "--moe-grouped-gemm, mla_up_proj without --multi-latent-attention, ..."),
     "moe_flex_dispatcher_backend": ("NAME", "tokens go to their experts by all-to-all over the expert-parallel "
                                             "group", "DeepEP and HybridEP move the same routed tokens as the "
                                     "all-to-all dispatcher; " + _PERF),
@@ -231,15 +233,55 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("tensorboard_dir"):  # Megatron's events directory; metrics.jsonl goes there too unless --log-dir
         out.setdefault("log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
-    for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type"):  # resolved on the merged settings
+    for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type", "recompute_modules"):  # resolved later
         if key in given:
             out[key] = given[key]
     return out, notes
 
 
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
+                     "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
+"""Megatron's names for --recompute-modules (TransformerConfig at d98e8a6)."""
+
+
+def _recompute_module_conflict(name: str, merged: dict[str, Any]) -> str | None:
+    """Why Megatron's TransformerConfig refuses module ``name`` with these settings (None: it accepts it)."""
+    if name == "moe_act" and not merged.get("moe_grouped_gemm"):
+        return "Megatron recomputes the MoE activation only with --moe-grouped-gemm; add it or drop moe_act"
+    if name == "mla_up_proj" and not merged.get("multi_latent_attention"):
+        return "Megatron recomputes the MLA up-projection only with --multi-latent-attention; drop mla_up_proj"
+    if name == "gdn_norm_out":
+        return "Megatron recomputes it only with a gated delta net attention variant, which omnitron has not"
+    if name == "mhc":
+        return "Megatron recomputes it only with --enable-mhc-connections, which omnitron has not"
+    if name == "shared_experts" and merged.get("moe_shared_expert_intermediate_size") and \
+            merged.get("moe_shared_expert_overlap"):
+        return "Megatron cannot recompute shared experts under --moe-shared-expert-overlap; drop one of them"
+    if name in ("moe_act", "layernorm") and merged.get("fp8_format") and \
+            merged.get("fp8_recipe", "delayed") == "delayed":
+        return "Megatron refuses it with the delayed FP8 recipe; drop it or use another --fp8-recipe"
+    return None
+
+
+def _check_recompute_modules(names: list[str] | None, merged: dict[str, Any]) -> None:
+    """--recompute-modules under --recompute-granularity selective: the names and combinations Megatron refuses
+    are refused here too (what omnitron recomputes is the SELECTORS entry's; only the memory differs)."""
+    if not names or merged.get("recompute_granularity") != "selective":
+        return  # Megatron reads the list with selective recomputation only
+    for name in names:
+        if name not in RECOMPUTE_MODULES:
+            raise ConfigError(f"--recompute-modules {name!r} is not one of Megatron's modules: "
+                              f"{', '.join(RECOMPUTE_MODULES)}")
+        why = _recompute_module_conflict(name, merged)
+        if why:
+            raise ConfigError(f"--recompute-modules {name}: {why}")
+
+
 def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     """What needs the merged settings (preset, file and flags): ``--lr-warmup-fraction F`` as warm-up iterations
-    or samples; ``--no-position-embedding`` only with RoPE; ``--rope-type`` (:func:`_rope_type`)."""
+    or samples; ``--no-position-embedding`` only with RoPE; ``--rope-type`` (:func:`_rope_type`);
+    ``--recompute-modules`` checked as Megatron does."""
+    _check_recompute_modules(merged.pop("recompute_modules", None), merged)
     if merged.pop("no_position_embedding", False) and merged.get("position_embedding_type") != "rope":
         raise ConfigError("--no-position-embedding needs --position-embedding-type rope (omnitron's GPT has no "
                           "position-free variant)")

@@ -332,6 +332,9 @@ def _validate_fine_grained(c: GPTConfig) -> None:
                               f"{', '.join(MODULES)}")
         if name not in MODULES:
             raise ConfigError(f"--offload-modules {name!r} unknown; choose from {', '.join(MODULES)}")
+    if c.multi_latent_attention and "qkv_linear" in c.offload_modules:
+        raise ConfigError("--offload-modules qkv_linear: --multi-latent-attention's layers have no QKV linear (their "
+                          "queries, keys and values come from low-rank projections); drop qkv_linear")
     if c.min_offloaded_tensor_size < 0:
         raise ConfigError(f"--min-offloaded-tensor-size must be >= 0, got {c.min_offloaded_tensor_size}")
     if c.recompute_granularity == "full":
@@ -400,9 +403,25 @@ def validate_model(c: GPTConfig, parallel: ParallelConfig, *, check_layers: bool
         raise ConfigError("--recompute-granularity full needs --recompute-method uniform or block")
     if c.recompute_method is not None and c.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {c.recompute_method} only applies with --recompute-granularity full")
+    _validate_recompute_num_layers(c)
     from omnitron.core.transformer.moe.validate import validate_moe
 
     validate_moe(c, parallel)
+
+
+def _validate_recompute_num_layers(c: GPTConfig) -> None:
+    """--recompute-num-layers as Megatron's TransformerConfig takes it: a count of layers under full
+    recomputation (below 1 Megatron's uniform method loops forever; here 0 was taken as 1 and a negative count
+    recomputed nothing, silently), none under selective (Megatron refuses it there)."""
+    n = c.recompute_num_layers
+    if n is None or c.recompute_granularity is None:
+        return
+    if c.recompute_granularity == "selective":
+        raise ConfigError(f"--recompute-num-layers {n} applies to --recompute-granularity full only (Megatron "
+                          f"refuses it with selective); drop it")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"--recompute-num-layers must be a positive integer (layers per recompute chunk, or "
+                          f"recomputed per stage), got {n!r}")
 
 
 def _validate_mtp(c: GPTConfig) -> None:
