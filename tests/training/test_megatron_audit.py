@@ -29,6 +29,21 @@ def test_docs_hold_the_audit_table():
     assert table == audit_markdown(), "docs/megatron-flags.md is stale: regenerate its table (see the page)"
 
 
+def test_docs_count_the_megatron_flags_omnitron_train_takes():
+    """The page's sentence "Of Megatron's N flags at that commit, K are omnitron train's; the other N - K ..."
+    against the flag list and omnitron train's own parser."""
+    from omnitron.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["train"]
+    flags = [ln.strip() for ln in (ROOT / "omnitron/core/training/megatron_flags.txt").read_text().splitlines()
+             if ln.strip().startswith("--")]
+    taken = sum(f in sub._option_string_actions for f in flags)
+    text = " ".join((ROOT / "docs" / "megatron-flags.md").read_text().split())
+    want = (f"Of Megatron's {len(flags)} flags at that commit, {taken} are omnitron train's; "
+            f"the other {len(flags) - taken}")
+    assert want in text, want
+
+
 def test_every_selector_gives_a_reason_and_none_changes_the_maths():
     own = options()
     for dest, (_, instead, why) in MF.SELECTORS.items():

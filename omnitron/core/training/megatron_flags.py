@@ -63,6 +63,12 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                         _PERF + "; only the speed differs"),
     "distributed_backend": ("NAME", "the backend's own collectives library is used (OMNITRON_BACKEND / --backend "
                                     "picks the backend)", _PERF),
+    "ckpt_fully_parallel_save": (None, "every rank writes its own share of a torch_dist checkpoint (replicated "
+                                       "tensors spread over the data-parallel ranks)",
+                                 "Megatron deprecated the flag: it has no effect there (parallel save is its default)"),
+    "ckpt_fully_parallel_load": (None, "every rank reads only the pieces of the checkpoint it holds",
+                                 "the same tensors are loaded; Megatron reads each once per data-parallel group "
+                                 "and exchanges them: " + _PERF),
     "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size", _LOG),
     "log_loss_scale_to_tensorboard": (None, "every record carries loss_scale", _LOG),
     "log_validation_ppl_to_tensorboard": (None, "validation records carry val_ppl", _LOG),
