@@ -79,7 +79,7 @@ def dense_moe_reference(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         out = hdn @ w2.t() + (b2 if b2 is not None else 0)
         weight = (probs * (experts == int(key))).sum(dim=1, keepdim=True)  # [T, 1], 0 if not picked
         y = y + weight * out
-    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, c.coeff)
+    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, c.balancing["aux_loss"])
     return y.view_as(x), aux
 
 
@@ -199,7 +199,7 @@ def test_bad_moe_settings_are_named():
         _moe_config(num_experts=4, moe_router_topk=5)
     with pytest.raises(ConfigError, match="--num-experts must be a positive integer"):
         _moe_config(num_experts=0)
-    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type 'sinkhorn'"):
+    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type sinkhorn: Sinkhorn routing"):
         _moe_config(moe_router_load_balancing_type="sinkhorn")
     c = _moe_config()
     with pytest.raises(ConfigError, match="--num-experts 6 is not divisible by --expert-model-parallel-size 4"):
@@ -320,7 +320,7 @@ def test_moe_layer_capacity_and_shared_expert_match_reference(policy, pad):
     for key, mlp in layer.experts.items():
         e = int(key)
         ry = ry + (gates[:, e] * kept[:, e]).unsqueeze(-1) * _shared_mlp(mlp, tokens)
-    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, layer.router.coeff)
+    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, layer.router.balancing["aux_loss"])
     ((ry.view_as(x) * w).sum() + aux).backward()
     torch.testing.assert_close(y, ry.view_as(x), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
