@@ -454,3 +454,44 @@ def test_router_bias_follows_add_bias_linear():
     ref_probs, ref_experts, _ = _ref_routing(z + bias, c.moe_router_topk, False, 0.0)
     assert torch.equal(experts, ref_experts)
     torch.testing.assert_close(probs.double(), ref_probs, rtol=1e-5, atol=0)  # float32 routing
+
+
+def _recomputed_layer(seed: int, **kw):
+    """A float64 MoE layer with random weights, run forward and backward through full recomputation
+    (omnitron's ``checkpoint``): ``(layer, its input)``."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.random import checkpoint
+    from omnitron.core.transformer.moe import MoELayer
+
+    c = _moe_config(swiglu=True, add_bias_linear=False, **kw)
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    x = torch.randn(8, 3, c.hidden_size, generator=g, dtype=torch.float64).requires_grad_(True)
+    checkpoint(lambda t: layer(t)[0], None, x).sum().backward()  # the backward recomputes the layer's forward
+    return layer, x.detach().reshape(-1, c.hidden_size)
+
+
+def test_recomputed_layer_logs_its_losses_once():
+    """Full recomputation reruns the MoE layer's forward in backward: the logged router losses (load balancing and
+    z-loss) are the forward's, once, against the float64 token-by-token reference (before: twice the logged value
+    under --recompute-granularity full)."""
+    layer, tokens = _recomputed_layer(21, moe_z_loss_coeff=0.05)
+    logits = tokens @ layer.router.weight.detach().t()
+    _, experts, ref_aux = _ref_routing(logits, 2, False, 0.1)
+    ref = ref_aux + 0.05 * torch.logsumexp(logits, dim=-1).square().mean()
+    assert torch.equal(experts, layer.router(tokens)[1])  # the reference's picks are the router's
+    # the router runs in float32: its logits and scores carry ~1e-7 relative error, the losses (sums of positive
+    # terms) too
+    torch.testing.assert_close(layer.aux_loss_total.double(), ref, rtol=1e-5, atol=0.0)
+
+
+def test_recomputed_router_counts_its_picks_once():
+    """The expert-bias token counts (--moe-router-enable-expert-bias) under recomputation: each pick once."""
+    layer, tokens = _recomputed_layer(22, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    logits = tokens.float() @ layer.router.weight.detach().float().t()
+    picks = torch.topk(torch.sigmoid(logits), 2, dim=-1)[1]  # the bias is still zero
+    assert torch.equal(layer.router.tokens_per_expert, torch.bincount(picks.reshape(-1), minlength=6).float())

@@ -209,7 +209,7 @@ class TopKRouter(nn.Module):
         """``x [s*b, h]`` (the ``[s, b, h]`` layout flattened; ``batch_size`` b matters to ``seq_aux_loss``)."""
         logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())  # [T, E]
         probs, experts = self.route(logits)
-        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
         if self.expert_picks is not None and self.training and torch.is_grad_enabled() and not recomputing():
