@@ -402,6 +402,32 @@ def test_extra_cli_flags_reach_the_model():
             m.moe_z_loss_coeff) == ("([0]+[1])*2", 64, 1.5, "position", True, "sigmoid", 0.001)
 
 
+def test_negative_capacity_factor_is_dropless_as_megatron():
+    """Megatron's TransformerConfig turns a negative --moe-expert-capacity-factor into None (dropless): every pick
+    is processed, where a capacity would drop some; with the padding flag it asks for a capacity, in one line."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.transformer.moe import MoELayer
+    from omnitron.core.transformer.moe.capacity import routing_mask
+
+    s = parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--mock-data", "--moe-expert-capacity-factor",
+                        "-1"], world_size=1)
+    assert s.model.moe_expert_capacity_factor is None
+    c = _moe_config(moe_expert_capacity_factor=-1.0)
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    g = torch.Generator().manual_seed(23)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g, dtype=torch.float64))
+    tokens = torch.randn(24, c.hidden_size, generator=g, dtype=torch.float64)
+    gates, mask = layer._route(tokens, 3)
+    picked = gates > 0
+    assert torch.equal(mask, picked) and picked.sum() == 24 * 2  # every token's two picks
+    assert routing_mask(gates, picked, 2, 1.0).sum() < picked.sum()  # a capacity would drop some here
+    with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"):
+        _moe_config(moe_expert_capacity_factor=-1.0, moe_pad_expert_input_to_capacity=True)
+
+
 def test_resharding_an_expert_tensor_parallel_checkpoint_is_refused(tmp_path):
     """etp > 1 (the default at tp > 1) splits experts over tp; reading such a checkpoint under another
     layout is refused with the fix, while etp 1 metadata passes the check (and fails later, on the

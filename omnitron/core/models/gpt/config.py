@@ -147,7 +147,7 @@ class GPTConfig:
     (no overlap with the dispatch), which gives the same numbers."""
     moe_expert_capacity_factor: float | None = None
     """--moe-expert-capacity-factor: each expert takes at most ceil(F * tokens * topk / num_experts) of a
-    micro-batch's tokens, dropping the rest (None: dropless)."""
+    micro-batch's tokens, dropping the rest (None or negative, as in Megatron: dropless)."""
     moe_token_drop_policy: str = "probs"
     """--moe-token-drop-policy: which assignments an over-full expert drops: ``probs`` (lowest routing
     probability) or ``position`` (latest in the sequence)."""

@@ -71,8 +71,10 @@ def _check_extras(c) -> None:
     if shared is not None and (not isinstance(shared, int) or shared < 1):
         raise ConfigError(f"--moe-shared-expert-intermediate-size must be a positive integer, got {shared!r}")
     f = c.moe_expert_capacity_factor
+    if f is not None and f < 0:  # Megatron's TransformerConfig: a negative factor is dropless
+        c.moe_expert_capacity_factor = f = None
     if f is not None and not f > 0:
-        raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (or unset for dropless), got {f}")
+        raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (or negative / unset for dropless), got {f}")
     if c.moe_token_drop_policy not in DROP_POLICIES:
         raise ConfigError(f"--moe-token-drop-policy {c.moe_token_drop_policy!r} is not one of "
                           f"{', '.join(DROP_POLICIES)}")
