@@ -140,6 +140,12 @@ def test_listed_balancing_types_from_the_command_line():
     m = parse_settings(base + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.02"],
                        world_size=1).model
     assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff) == ("seq_aux_loss", 0.02)
+    from omnitron.core.training.arguments import setting_words  # a checkpoint's settings as flags: the same model
+
+    for types, coeffs in (("seq_aux_loss", 0.02), (["aux_loss", "seq_aux_loss"], [0.01, 0.001])):
+        words = setting_words({"moe_router_load_balancing_type": types, "moe_aux_loss_coeff": coeffs})
+        m = parse_settings(base + words, world_size=1).model
+        assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff) == (types, coeffs), words
     bad = {("aux_loss", "seq_aux_loss"): ("0.01",), ("aux_loss",): ("0.01", "0.02")}
     for types, coeffs in bad.items():
         with pytest.raises(ConfigError, match="needs one --moe-aux-loss-coeff per type"):
