@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnitron.core.models.gpt.config import ffn_size, router_bias
+from omnitron.core.transformer.moe.validate import balancing_losses
 from omnitron.plan.routing import busiest_rank, expert_rows, rows_floor
 
 
@@ -104,9 +105,9 @@ def moe_collectives(cfg, m: MoELocal, elem: int, stats: int) -> tuple[list, list
     fwd, bwd = [], []
     if stats > 1:  # float32 sums: the load-balancing loss's counts, tokens and probabilities; the z-loss's two
         # NOTE: seq_aux_loss sums b x E counts and scores (priced here at E, as the micro-batch's loss)
-        lb = cfg.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and cfg.moe_aux_loss_coeff > 0
+        lb = len(balancing_losses(cfg))  # each enabled loss sums its own statistics
         fwd += [("all_reduce", 4 * m.experts, stats), ("all_reduce", 4, stats), ("all_reduce", 4 * m.experts, stats)
-                ] if lb else []
+                ] * lb
         fwd += [("all_reduce", 4, stats)] * 2 if cfg.moe_z_loss_coeff else []
     T, h, E = m.tokens, m.hidden, m.experts
     if m.tp > 1 and not m.sp:  # the sequence slice out, the outputs and gradients gathered back

@@ -79,7 +79,7 @@ def dense_moe_reference(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         out = hdn @ w2.t() + (b2 if b2 is not None else 0)
         weight = (probs * (experts == int(key))).sum(dim=1, keepdim=True)  # [T, 1], 0 if not picked
         y = y + weight * out
-    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, c.coeff)
+    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, c.balancing["aux_loss"])
     return y.view_as(x), aux
 
 
@@ -199,7 +199,7 @@ def test_bad_moe_settings_are_named():
         _moe_config(num_experts=4, moe_router_topk=5)
     with pytest.raises(ConfigError, match="--num-experts must be a positive integer"):
         _moe_config(num_experts=0)
-    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type 'sinkhorn'"):
+    with pytest.raises(ConfigError, match="--moe-router-load-balancing-type sinkhorn: Sinkhorn routing"):
         _moe_config(moe_router_load_balancing_type="sinkhorn")
     c = _moe_config()
     with pytest.raises(ConfigError, match="--num-experts 6 is not divisible by --expert-model-parallel-size 4"):
@@ -320,7 +320,7 @@ def test_moe_layer_capacity_and_shared_expert_match_reference(policy, pad):
     for key, mlp in layer.experts.items():
         e = int(key)
         ry = ry + (gates[:, e] * kept[:, e]).unsqueeze(-1) * _shared_mlp(mlp, tokens)
-    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, layer.router.coeff)
+    aux = load_balancing_loss(torch.softmax(logits, -1), experts, c.num_experts, layer.router.balancing["aux_loss"])
     ((ry.view_as(x) * w).sum() + aux).backward()
     torch.testing.assert_close(y, ry.view_as(x), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ours_x, x.grad, rtol=1e-5, atol=1e-6)
@@ -402,6 +402,32 @@ def test_extra_cli_flags_reach_the_model():
             m.moe_z_loss_coeff) == ("([0]+[1])*2", 64, 1.5, "position", True, "sigmoid", 0.001)
 
 
+def test_negative_capacity_factor_is_dropless_as_megatron():
+    """Megatron's TransformerConfig turns a negative --moe-expert-capacity-factor into None (dropless): every pick
+    is processed, where a capacity would drop some; with the padding flag it asks for a capacity, in one line."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.transformer.moe import MoELayer
+    from omnitron.core.transformer.moe.capacity import routing_mask
+
+    s = parse_settings(["--model", "gpt2_tiny", "--num-experts", "4", "--mock-data", "--moe-expert-capacity-factor",
+                        "-1"], world_size=1)
+    assert s.model.moe_expert_capacity_factor is None
+    c = _moe_config(moe_expert_capacity_factor=-1.0)
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    g = torch.Generator().manual_seed(23)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g, dtype=torch.float64))
+    tokens = torch.randn(24, c.hidden_size, generator=g, dtype=torch.float64)
+    gates, mask = layer._route(tokens, 3)
+    picked = gates > 0
+    assert torch.equal(mask, picked) and picked.sum() == 24 * 2  # every token's two picks
+    assert routing_mask(gates, picked, 2, 1.0).sum() < picked.sum()  # a capacity would drop some here
+    with pytest.raises(ConfigError, match="--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"):
+        _moe_config(moe_expert_capacity_factor=-1.0, moe_pad_expert_input_to_capacity=True)
+
+
 def test_resharding_an_expert_tensor_parallel_checkpoint_is_refused(tmp_path):
     """etp > 1 (the default at tp > 1) splits experts over tp; reading such a checkpoint under another
     layout is refused with the fix, while etp 1 metadata passes the check (and fails later, on the
@@ -454,3 +480,44 @@ def test_router_bias_follows_add_bias_linear():
     ref_probs, ref_experts, _ = _ref_routing(z + bias, c.moe_router_topk, False, 0.0)
     assert torch.equal(experts, ref_experts)
     torch.testing.assert_close(probs.double(), ref_probs, rtol=1e-5, atol=0)  # float32 routing
+
+
+def _recomputed_layer(seed: int, **kw):
+    """A float64 MoE layer with random weights, run forward and backward through full recomputation
+    (omnitron's ``checkpoint``): ``(layer, its input)``."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.random import checkpoint
+    from omnitron.core.transformer.moe import MoELayer
+
+    c = _moe_config(swiglu=True, add_bias_linear=False, **kw)
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    x = torch.randn(8, 3, c.hidden_size, generator=g, dtype=torch.float64).requires_grad_(True)
+    checkpoint(lambda t: layer(t)[0], None, x).sum().backward()  # the backward recomputes the layer's forward
+    return layer, x.detach().reshape(-1, c.hidden_size)
+
+
+def test_recomputed_layer_logs_its_losses_once():
+    """Full recomputation reruns the MoE layer's forward in backward: the logged router losses (load balancing and
+    z-loss) are the forward's, once, against the float64 token-by-token reference (before: twice the logged value
+    under --recompute-granularity full)."""
+    layer, tokens = _recomputed_layer(21, moe_z_loss_coeff=0.05)
+    logits = tokens @ layer.router.weight.detach().t()
+    _, experts, ref_aux = _ref_routing(logits, 2, False, 0.1)
+    ref = ref_aux + 0.05 * torch.logsumexp(logits, dim=-1).square().mean()
+    assert torch.equal(experts, layer.router(tokens)[1])  # the reference's picks are the router's
+    # the router runs in float32: its logits and scores carry ~1e-7 relative error, the losses (sums of positive
+    # terms) too
+    torch.testing.assert_close(layer.aux_loss_total.double(), ref, rtol=1e-5, atol=0.0)
+
+
+def test_recomputed_router_counts_its_picks_once():
+    """The expert-bias token counts (--moe-router-enable-expert-bias) under recomputation: each pick once."""
+    layer, tokens = _recomputed_layer(22, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    logits = tokens.float() @ layer.router.weight.detach().float().t()
+    picks = torch.topk(torch.sigmoid(logits), 2, dim=-1)[1]  # the bias is still zero
+    assert torch.equal(layer.router.tokens_per_expert, torch.bincount(picks.reshape(-1), minlength=6).float())

@@ -77,3 +77,82 @@ def test_moe_layer_passes_the_batch_to_the_seq_aux_loss():
     ref = _ref_seq_aux(logits, experts, 8, 3, 2, 0.1, "sigmoid")
     # the router runs in float32: logits carry ~1e-7 relative error, the loss (a sum of positive terms) too
     torch.testing.assert_close(layer.aux_loss_total.double(), ref.detach(), rtol=1e-5, atol=0.0)
+
+
+def _ref_aux(logits: torch.Tensor, experts: torch.Tensor, k: int, coeff: float) -> torch.Tensor:
+    """Switch/GShard's ``coeff * E * sum_e f_e P_e`` over the micro-batch, token by token: ``f_e`` = share of the
+    ``T k`` assignments at e, ``P_e`` = mean softmax score of e."""
+    T, E = logits.shape
+    total = 0.0
+    for e in range(E):
+        f = sum(1.0 for t in range(T) if e in experts[t].tolist()) / (T * k)
+        p = sum(torch.exp(logits[t, e]) / torch.exp(logits[t]).sum() for t in range(T)) / T
+        total = total + f * p
+    return coeff * E * total
+
+
+def test_listed_balancing_types_add_their_losses():
+    """Megatron's list form ``--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff A B``
+    adds A x the micro-batch's loss and B x the sequence-wise one: the logged value and the router weight's
+    gradient against the two float64 references above (with 'none' listed too, which adds nothing)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.models.gpt import gpt2_tiny
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.moe import MoELayer
+
+    c = gpt2_tiny(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, seq_length=8,
+                  max_position_embeddings=8, vocab_size=64, num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=20,
+                  moe_aux_loss_coeff=["0.1", 0.3, 0.7],
+                  moe_router_load_balancing_type=["aux_loss", "none", "seq_aux_loss"],
+                  add_bias_linear=False, params_dtype=torch.float64)
+    assert c.moe_aux_loss_coeff == [0.1, 0.3, 0.7]  # the command line's strings made numbers
+    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5, generator=g)
+    x = torch.randn(8, 3, c.hidden_size, generator=g, dtype=torch.float64)
+    layer.aux_loss_scale = 1.0
+    y, _ = layer(x)
+    (0.0 * y).sum().backward()  # only the attached losses' gradient reaches the router
+    w = layer.router.weight.detach().clone().requires_grad_(True)
+    logits = x.reshape(-1, c.hidden_size) @ w.t()
+    experts = top_k_routing(logits.detach().float(), 2, False)[1]  # the router picks on float32 logits
+    ref = _ref_aux(logits, experts, 2, 0.1) + _ref_seq_aux(logits, experts, 8, 3, 2, 0.7, "softmax")
+    ref.backward()
+    # the router runs in float32: its logits and scores carry ~1e-7 relative error, so do the loss (a sum of
+    # positive terms) and its gradient (sums of O(T E) terms of one sign per entry, each ~1e-7 relative)
+    torch.testing.assert_close(layer.aux_loss_total.double(), ref.detach(), rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(layer.router.weight.grad, w.grad, rtol=1e-5, atol=1e-7)
+    alone = _ref_aux(logits, experts, 2, 0.1).item(), _ref_seq_aux(logits, experts, 8, 3, 2, 0.7, "softmax").item()
+    assert min(abs(layer.aux_loss_total.item() - v) for v in alone) > 1e-3  # not one of them alone
+
+
+def test_listed_balancing_types_from_the_command_line():
+    """The flags take Megatron's lists (a one-entry list is its entry); mismatched or unknown ones stop in one
+    line naming the fix."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--model", "gpt2_tiny", "--num-experts", "4", "--mock-data"]
+    m = parse_settings(base + ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
+                               "--moe-aux-loss-coeff", "0.01", "0.001"], world_size=1).model
+    assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff) == (["aux_loss", "seq_aux_loss"], [0.01, 0.001])
+    m = parse_settings(base + ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.02"],
+                       world_size=1).model
+    assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff) == ("seq_aux_loss", 0.02)
+    from omnitron.core.training.arguments import setting_words  # a checkpoint's settings as flags: the same model
+
+    for types, coeffs in (("seq_aux_loss", 0.02), (["aux_loss", "seq_aux_loss"], [0.01, 0.001])):
+        words = setting_words({"moe_router_load_balancing_type": types, "moe_aux_loss_coeff": coeffs})
+        m = parse_settings(base + words, world_size=1).model
+        assert (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff) == (types, coeffs), words
+    bad = {("aux_loss", "seq_aux_loss"): ("0.01",), ("aux_loss",): ("0.01", "0.02")}
+    for types, coeffs in bad.items():
+        with pytest.raises(ConfigError, match="needs one --moe-aux-loss-coeff per type"):
+            parse_settings(base + ["--moe-router-load-balancing-type", *types, "--moe-aux-loss-coeff", *coeffs],
+                           world_size=1)
+    with pytest.raises(ConfigError, match="global_aux_loss: the balance loss over the whole global batch"):
+        parse_settings(base + ["--moe-router-load-balancing-type", "global_aux_loss"], world_size=1)
+    with pytest.raises(ConfigError, match="names a type twice"):
+        parse_settings(base + ["--moe-router-load-balancing-type", "aux_loss", "aux_loss",
+                               "--moe-aux-loss-coeff", "0.1", "0.2"], world_size=1)

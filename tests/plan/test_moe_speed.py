@@ -96,9 +96,9 @@ def _round_robin(self, x, batch_size=1):
     experts = (t[:, None] * self.k + torch.arange(self.k, device=t.device)) % self.num_experts
     probs = torch.softmax(logits.gather(1, experts), dim=-1)
     aux = None
-    if self.coeff > 0.0:
+    if self.balancing.get("aux_loss", 0.0) > 0.0:
         aux = load_balancing_loss(aux_loss_scores(logits, self.score_function), experts, self.num_experts,
-                                  self.coeff, self.stats_group)
+                                  self.balancing["aux_loss"], self.stats_group)
     return probs, experts, aux
 
 

@@ -255,6 +255,17 @@ def test_every_selector_changes_nothing_and_says_what_runs(caplog):
         assert f"{flag}: accepted; {instead}" in caplog.text, flag
 
 
+def test_moe_per_layer_logging_runs_megatrons_gpt_oss_script_line(caplog):
+    """Megatron-LM d98e8a6's examples/gptoss/02_train.sh passes --moe-per-layer-logging (a logging switch): accepted
+    with the line saying what is logged; the settings are those without it (it stopped argparse before)."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+           "--moe-aux-loss-coeff", "1e-3", "--moe-z-loss-coeff", "1e-3"]
+    with caplog.at_level(logging.INFO, logger="omnitron.train"):
+        s = parse_settings(BASE + moe + ["--moe-per-layer-logging"], 1)
+    _same(s, parse_settings(BASE + moe, 1))
+    assert "--moe-per-layer-logging: accepted; every record carries moe_aux_loss" in caplog.text
+
+
 # examples/bert/train_bert_340m_distributed.sh of Megatron-LM d98e8a6, shapes and parallel sizes scaled down, data
 # swapped for --mock-data: nothing in it says BERT (pretrain_bert.py does), so --entry names the script
 BERT_SCRIPT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

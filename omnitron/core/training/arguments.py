@@ -123,8 +123,9 @@ class Option:
                 if not isinstance(value, bool):
                     raise TypeError
                 return value
-            if self.kind == "list":
-                return value.split() if isinstance(value, str) else [str(v) for v in value]
+            if self.kind == "list":  # one value (a number too) is a list of one
+                return value.split() if isinstance(value, str) else \
+                    [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
             if self.kind == "int" and isinstance(value, float) and not value.is_integer():
                 raise TypeError
             return {"int": int, "float": float, "str": str}[self.kind](value)
@@ -865,5 +866,5 @@ def _setting_words(opt: Option, value: Any, actions: list[argparse.Action]) -> l
         pair = next(a for a in actions if isinstance(a, argparse.BooleanOptionalAction))
         return [pair.option_strings[0 if value else 1]]
     if opt.kind == "list":
-        return [opt.flag, *(str(v) for v in value)]
+        return [opt.flag, *(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))]
     return [opt.flag, str(value)]

@@ -72,6 +72,9 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
     "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size", _LOG),
     "log_loss_scale_to_tensorboard": (None, "every record carries loss_scale", _LOG),
     "log_validation_ppl_to_tensorboard": (None, "validation records carry val_ppl", _LOG),
+    "moe_per_layer_logging": (None, "every record carries moe_aux_loss: the router losses added to the LM loss "
+                                    "(each load-balancing loss times its coefficient, plus the z-loss), summed over "
+                                    "the MoE layers, not one value per layer", _LOG),
     "tensorboard_log_interval": ("N", "TensorBoard gets every record, at --log-interval", _LOG),
     "tensorboard_queue_size": ("N", "the TensorBoard writer's own queue size is used", _LOG),
     "use_pytorch_profiler": (None, "--profile always traces with torch.profiler", _LOG),

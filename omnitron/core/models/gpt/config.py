@@ -119,12 +119,14 @@ class GPTConfig:
     """--moe-router-topk: experts each token is routed to."""
     moe_ffn_hidden_size: int | None = None
     """--moe-ffn-hidden-size: width of each expert's MLP; default --ffn-hidden-size."""
-    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_load_balancing_type: list[str] | str = "aux_loss"
     """--moe-router-load-balancing-type: ``aux_loss`` (Switch/GShard load-balancing loss over the micro-batch),
-    ``seq_aux_loss`` (DeepSeek-V3's, per sequence, averaged over the sequences) or ``none``."""
-    moe_aux_loss_coeff: float = 0.0
-    """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss. 0 (Megatron's default)
-    turns it off; 1e-2 is the usual setting for training MoE models from scratch."""
+    ``seq_aux_loss`` (DeepSeek-V3's, per sequence, averaged over the sequences) or ``none``; or several (Megatron's
+    list form, ``aux_loss seq_aux_loss``): their losses added, each with its own --moe-aux-loss-coeff."""
+    moe_aux_loss_coeff: list[float] | float = 0.0
+    """--moe-aux-loss-coeff: weight of the load-balancing loss added to the LM loss (one per type when
+    --moe-router-load-balancing-type lists several). 0 (Megatron's default) turns it off; 1e-2 is the usual
+    setting for training MoE models from scratch."""
     moe_router_pre_softmax: bool = False
     """--moe-router-pre-softmax: softmax over all experts before the top-k (default: over the k picked). With
     sigmoid scores it changes nothing, as in Megatron's ``topk_routing_with_score_function``."""
@@ -145,7 +147,7 @@ class GPTConfig:
     (no overlap with the dispatch), which gives the same numbers."""
     moe_expert_capacity_factor: float | None = None
     """--moe-expert-capacity-factor: each expert takes at most ceil(F * tokens * topk / num_experts) of a
-    micro-batch's tokens, dropping the rest (None: dropless)."""
+    micro-batch's tokens, dropping the rest (None or negative, as in Megatron: dropless)."""
     moe_token_drop_policy: str = "probs"
     """--moe-token-drop-policy: which assignments an over-full expert drops: ``probs`` (lowest routing
     probability) or ``position`` (latest in the sequence)."""

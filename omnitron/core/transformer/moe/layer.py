@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from omnitron.core.parallel.tensor import mappings as M
+from omnitron.core.parallel.tensor.random import recomputing
 from omnitron.core.transformer.mlp import MLP
 from omnitron.core.transformer.moe.capacity import routing_mask
 from omnitron.core.transformer.moe.dispatch import combine_steps, dispatch_steps
@@ -96,8 +97,9 @@ class MoELayer(nn.Module):
             # NOTE: each cp rank's LM loss share is cp times its slice's (context_parallel_batch) and the router's
             # gradient is averaged over dp x cp: its aux loss (the whole micro-batch's value) gets the same factor
             probs = attach_aux_loss(probs, aux, self.aux_loss_scale * self.cp_size)
-            total = self.aux_loss_total
-            self.aux_loss_total = aux.detach() if total is None else total + aux.detach()
+            if not recomputing():  # full recomputation reruns the forward in backward: log each loss once
+                total = self.aux_loss_total
+                self.aux_loss_total = aux.detach() if total is None else total + aux.detach()
         gates = probs.new_zeros(probs.shape[0], self.num_experts).scatter(1, experts, probs)
         picked = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, experts, True)
         factor, policy, pad = self.capacity

@@ -17,6 +17,7 @@ from omnitron.core.models.gpt.config import router_bias
 from omnitron.core.parallel.tensor import mappings as M
 from omnitron.core.parallel.tensor.random import recomputing
 from omnitron.core.parallel.tensor.sharding import set_attributes
+from omnitron.core.transformer.moe.validate import balancing_losses
 
 
 def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int):
@@ -159,7 +160,7 @@ def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.T
 
 class TopKRouter(nn.Module):
     """``[T, h] -> (probs [T, k], experts [T, k], aux loss or None)``; the aux loss is the sum of
-    the load-balancing loss (over the micro-batch, ``aux_loss``, or per sequence, ``seq_aux_loss``) and the
+    the load-balancing losses (over the micro-batch, ``aux_loss``, and / or per sequence, ``seq_aux_loss``) and the
     z-loss, whichever are enabled.
 
     The gate ``weight [E, h]`` is replicated on every rank; routing is computed in float32.
@@ -174,8 +175,7 @@ class TopKRouter(nn.Module):
     def __init__(self, c, *, partial_grad: bool, stats_group=None) -> None:
         super().__init__()
         self.k, self.num_experts, self.pre_softmax = c.moe_router_topk, c.num_experts, c.moe_router_pre_softmax
-        self.balancing = c.moe_router_load_balancing_type
-        self.coeff = c.moe_aux_loss_coeff if self.balancing in ("aux_loss", "seq_aux_loss") else 0.0
+        self.balancing = balancing_losses(c)  # {type: coefficient}: each enabled load-balancing loss
         self.score_function, self.z_coeff = c.moe_router_score_function, c.moe_z_loss_coeff or 0.0
         self.groups = (c.moe_router_num_groups, c.moe_router_group_topk) if c.moe_router_group_topk else None
         self.scaling_factor = c.moe_router_topk_scaling_factor
@@ -209,7 +209,7 @@ class TopKRouter(nn.Module):
         """``x [s*b, h]`` (the ``[s, b, h]`` layout flattened; ``batch_size`` b matters to ``seq_aux_loss``)."""
         logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())  # [T, E]
         probs, experts = self.route(logits)
-        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
         if self.expert_picks is not None and self.training and torch.is_grad_enabled() and not recomputing():
@@ -218,20 +218,30 @@ class TopKRouter(nn.Module):
                 self.expert_picks.scatter_add_(0, picks, torch.ones_like(picks))
         aux = None
         if self.training and torch.is_grad_enabled():
-            if self.coeff > 0.0:
-                scores = aux_loss_scores(logits, self.score_function)  # [T, E]
-                # without a group limit or an expert bias the router's picks are that top k already
-                steered = self.groups is not None or self.expert_bias is not None
-                picks = aux_loss_picks(scores, self.k) if steered else experts
-                if self.balancing == "seq_aux_loss":
-                    aux = sequence_load_balancing_loss(scores, picks, batch_size, self.num_experts, self.coeff,
-                                                       self.stats_group)
-                else:
-                    aux = load_balancing_loss(scores, picks, self.num_experts, self.coeff, self.stats_group)
+            aux = self._balancing_loss(logits, experts, batch_size)
             if self.z_coeff > 0.0:
                 z = z_loss(logits, self.z_coeff, self.stats_group)
                 aux = z if aux is None else aux + z
         return probs, experts, aux
+
+    def _balancing_loss(self, logits: torch.Tensor, experts: torch.Tensor, batch_size: int) -> torch.Tensor | None:
+        """The sum of the enabled load-balancing losses (``aux_loss``, ``seq_aux_loss``, each with its own
+        coefficient, as Megatron's list form adds them), or None when none is."""
+        if not self.balancing:
+            return None
+        scores = aux_loss_scores(logits, self.score_function)  # [T, E]
+        # without a group limit or an expert bias the router's picks are that top k already
+        steered = self.groups is not None or self.expert_bias is not None
+        picks = aux_loss_picks(scores, self.k) if steered else experts
+        total = None
+        for kind, coeff in self.balancing.items():
+            if kind == "seq_aux_loss":
+                loss = sequence_load_balancing_loss(scores, picks, batch_size, self.num_experts, coeff,
+                                                    self.stats_group)
+            else:
+                loss = load_balancing_loss(scores, picks, self.num_experts, coeff, self.stats_group)
+            total = loss if total is None else total + loss
+        return total
 
 
 @torch.no_grad()

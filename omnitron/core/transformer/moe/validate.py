@@ -6,6 +6,10 @@ from omnitron.core.transformer.moe.capacity import DROP_POLICIES
 
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+_NOT_HERE = {"global_aux_loss": "the balance loss over the whole global batch (counts summed over data parallelism "
+                                "and accumulated over the step's micro-batches) is not implemented",
+             "sinkhorn": "Sinkhorn routing (S-BASE) is not implemented",
+             "quantile_balancing": "quantile balancing is not implemented"}
 
 
 def check_moe_fields(c) -> None:
@@ -19,12 +23,43 @@ def check_moe_fields(c) -> None:
                           f"{c.num_experts}; lower --moe-router-topk or add experts")
     if c.moe_ffn_hidden_size is not None and c.moe_ffn_hidden_size < 1:
         raise ConfigError(f"--moe-ffn-hidden-size must be a positive integer, got {c.moe_ffn_hidden_size}")
-    if c.moe_router_load_balancing_type not in LOAD_BALANCING:
-        raise ConfigError(f"--moe-router-load-balancing-type {c.moe_router_load_balancing_type!r} is not one of "
-                          f"{', '.join(LOAD_BALANCING)}")
-    if c.moe_aux_loss_coeff < 0:
-        raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {c.moe_aux_loss_coeff}")
+    _normalise_balancing(c)
     _check_extras(c)
+
+
+def _normalise_balancing(c) -> None:
+    """--moe-router-load-balancing-type and --moe-aux-loss-coeff as Megatron reads them: one value, or a list of
+    types with one coefficient each (the losses added); a one-entry list is its entry. Coefficients become floats
+    (the command line gives strings)."""
+    types, coeffs = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
+    types = list(types) if isinstance(types, (list, tuple)) else [types]
+    try:
+        coeffs = [float(v) for v in coeffs] if isinstance(coeffs, (list, tuple)) else [float(coeffs)]
+    except (TypeError, ValueError):
+        raise ConfigError(f"--moe-aux-loss-coeff expects numbers, got {c.moe_aux_loss_coeff!r}") from None
+    for t in types:
+        if t in _NOT_HERE:
+            raise ConfigError(f"--moe-router-load-balancing-type {t}: {_NOT_HERE[t]}; use aux_loss, seq_aux_loss "
+                              f"(or both, with one --moe-aux-loss-coeff each) or none")
+        if t not in LOAD_BALANCING:
+            raise ConfigError(f"--moe-router-load-balancing-type {t!r} is not one of {', '.join(LOAD_BALANCING)}")
+    if len(set(types)) < len(types):
+        raise ConfigError(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice; give each once")
+    if len(coeffs) != len(types) and (len(types) > 1 or len(coeffs) > 1):
+        raise ConfigError(f"--moe-router-load-balancing-type {' '.join(types)} needs one --moe-aux-loss-coeff per "
+                          f"type ({len(types)}), got {len(coeffs)}: {' '.join(map(str, coeffs))}")
+    if any(v < 0 for v in coeffs):
+        raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {' '.join(map(str, coeffs))}")
+    c.moe_router_load_balancing_type = types[0] if len(types) == 1 else types
+    c.moe_aux_loss_coeff = coeffs[0] if len(coeffs) == 1 else coeffs
+
+
+def balancing_losses(c) -> dict[str, float]:
+    """``{'aux_loss' | 'seq_aux_loss': coefficient}`` of the load-balancing losses the router adds (coefficient
+    > 0; 'none' adds nothing). A single type takes --moe-aux-loss-coeff; a list, its own entry of the list."""
+    types, coeffs = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
+    pairs = zip(types, coeffs) if isinstance(types, list) else [(types, coeffs)]
+    return {t: float(v) for t, v in pairs if t != "none" and float(v) > 0}
 
 
 def _check_extras(c) -> None:
@@ -36,8 +71,10 @@ def _check_extras(c) -> None:
     if shared is not None and (not isinstance(shared, int) or shared < 1):
         raise ConfigError(f"--moe-shared-expert-intermediate-size must be a positive integer, got {shared!r}")
     f = c.moe_expert_capacity_factor
+    if f is not None and f < 0:  # Megatron's TransformerConfig: a negative factor is dropless
+        c.moe_expert_capacity_factor = f = None
     if f is not None and not f > 0:
-        raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (or unset for dropless), got {f}")
+        raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (or negative / unset for dropless), got {f}")
     if c.moe_token_drop_policy not in DROP_POLICIES:
         raise ConfigError(f"--moe-token-drop-policy {c.moe_token_drop_policy!r} is not one of "
                           f"{', '.join(DROP_POLICIES)}")
