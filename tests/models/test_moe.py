@@ -521,3 +521,13 @@ def test_recomputed_router_counts_its_picks_once():
     logits = tokens.float() @ layer.router.weight.detach().float().t()
     picks = torch.topk(torch.sigmoid(logits), 2, dim=-1)[1]  # the bias is still zero
     assert torch.equal(layer.router.tokens_per_expert, torch.bincount(picks.reshape(-1), minlength=6).float())
+
+
+@pytest.mark.parametrize("tokens,topk,experts,factor,megatron", [(100, 1, 3, 0.9, 31), (24, 2, 4, 1.0, 12),
+                                                                   (10, 2, 3, 0.7, 5), (64, 8, 256, 1.0, 2)])
+def test_capacity_rows_are_megatrons(tokens, topk, experts, factor, megatron):
+    """The rows per expert Megatron's ``get_capacity(T k, E, F)`` gives (``ceil((T k / E) F)`` in float64,
+    worked out by hand: 100 / 3 * 0.9 = 30.000000000000004 -> 31, where ``0.9 * 100 / 3`` is exactly 30)."""
+    from omnitron.core.transformer.moe.capacity import expert_capacity
+
+    assert expert_capacity(tokens, topk, experts, factor) == megatron

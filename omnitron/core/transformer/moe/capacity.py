@@ -1,7 +1,7 @@
 """Which (token, expert) pairs an expert processes: dropless, or capped at a capacity.
 
 Megatron's ``--moe-expert-capacity-factor F``: each expert takes at most
-``ceil(F * T * k / E)`` of the micro-batch's ``T`` tokens (``k`` picks each, ``E`` experts).
+``ceil((T k / E) F)`` of the micro-batch's ``T`` tokens (``k`` picks each, ``E`` experts).
 Over-subscribed experts drop the lowest-probability assignments (``--moe-token-drop-policy probs``)
 or the latest-position ones (``position``). A dropped assignment contributes nothing: the token
 keeps its residual (and its other picks). ``--moe-pad-expert-input-to-capacity`` makes every
@@ -21,8 +21,12 @@ DROP_POLICIES = ("probs", "position")
 
 
 def expert_capacity(tokens: int, topk: int, num_experts: int, factor: float) -> int:
-    """Rows per expert: ``ceil(factor * tokens * topk / num_experts)``, at most ``tokens``."""
-    return min(tokens, math.ceil(factor * tokens * topk / num_experts))
+    """Rows per expert: ``ceil((tokens * topk / num_experts) * factor)``, at most ``tokens``.
+
+    NOTE: evaluated in the order Megatron's ``get_capacity`` does, float rounding included: ``T=100, k=1, E=3,
+    F=0.9`` is 31 there (100 / 3 * 0.9 rounds to 30.000000000000004), 30 in the order ``F T k / E``, and one row
+    of capacity changes which tokens are dropped."""
+    return min(tokens, math.ceil((tokens * topk / num_experts) * factor))
 
 
 def routing_mask(gates: torch.Tensor, picked: torch.Tensor, topk: int, capacity_factor: float | None,
