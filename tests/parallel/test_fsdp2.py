@@ -306,7 +306,7 @@ def test_fsdp2_low_precision_gradients_match_the_unsharded_model(tmp_path, preci
     """--bf16 / --fp16 under FSDP2 compute what the unsharded model computes: the same low-precision weights (the
     fp32 masters rounded once), matmuls of the same micro-batches, each micro-batch's weight gradient accumulated
     and reduced in fp32, and the rotary angles in fp32 (FSDP's default input cast rounded them to the compute
-    dtype at every layer: 1e-3 relative on the bf16 moments here, position x 2^-9 radians of rotation in general).
+    dtype at every layer: 1e-3 relative on the bf16 moments here, up to position x 2^-8 radians of rotation).
     Bound: the two runs differ at most in the order of the fp32 sums of each rank's 2 micro-batch gradients and
     the dp2 reduction, |dg| <= 2 u sum_i |g_i| with u = 2^-24, and a loss that does not cancel over the
     micro-batches keeps sum_i |g_i| within a few |g|: ~1e-6 relative in norm on m and twice that on v

@@ -78,7 +78,7 @@ def apply_fsdp2(module: nn.Module, groups, *, compute_dtype: torch.dtype, device
         attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # a layer's inputs are already in the compute dtype but for the fp32 rotary angles, which FSDP's default
-    # input cast would round to bf16 (an error of position x 2^-9 radians, ~8 at position 4096): no cast there
+    # input cast would round to bf16 (up to position x 2^-8 radians of rotation, 8 at position 2056): no cast there
     layer_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                         cast_forward_inputs=False)
     for unit in shard_units(module):
