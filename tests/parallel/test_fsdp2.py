@@ -288,6 +288,39 @@ def test_fsdp2_low_precision_resume_is_bit_exact(tmp_path, precision):
         assert 0 < meta["step"] < 4 and meta["loss_scaler"]["scale"] < 2.0 ** 19, meta
 
 
+# ---- bf16 / fp16 compute ---------------------------------------------------------------------------------
+def _first_moments(root: str, precision: str) -> None:
+    """One AdamW step (no clipping) at dp2 of the unsharded model, then under FSDP2, both in ``precision`` and
+    reducing in fp32; each run's checkpoint holds its first and second moments, m = 0.1 g and v = 0.001 g^2 of
+    the step's fp32 gradient g."""
+    common = (precision, "--optimizer", "adam", "--lr", "1e-2", "--clip-grad", "0", "--train-iters", "1",
+              "--save-interval", "1", "--eval-iters", "0", "--accumulate-allreduce-grads-in-fp32")
+    if precision == "--fp16":  # a fixed scale that neither overflows nor skips the step
+        common += ("--loss-scale", "1024")
+    _train(root + "/ddp", 2, *common)
+    _train(root + "/fsdp", 2, *common, "--use-torch-fsdp2")
+
+
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_fsdp2_low_precision_gradients_match_the_unsharded_model(tmp_path, precision):
+    """--bf16 / --fp16 under FSDP2 compute what the unsharded model computes: the same low-precision weights (the
+    fp32 masters rounded once), matmuls of the same micro-batches, each micro-batch's weight gradient accumulated
+    and reduced in fp32, and the rotary angles in fp32 (FSDP's default input cast rounded them to the compute
+    dtype at every layer: 1e-3 relative on the bf16 moments here, up to position x 2^-8 radians of rotation).
+    Bound: the two runs differ at most in the order of the fp32 sums of each rank's 2 micro-batch gradients and
+    the dp2 reduction, |dg| <= 2 u sum_i |g_i| with u = 2^-24, and a loss that does not cancel over the
+    micro-batches keeps sum_i |g_i| within a few |g|: ~1e-6 relative in norm on m and twice that on v
+    (REL_NORM 1e-5, a hundred times under one rounding to bf16 or fp16)."""
+    rel_norm = 1e-5
+    run_distributed(_first_moments, 2, str(tmp_path), precision, timeout_s=600)
+    ref, got = _final(str(tmp_path / "ddp/ckpt")).optimizer, _final(str(tmp_path / "fsdp/ckpt")).optimizer
+    for kind in ("exp_avg", "exp_avg_sq"):
+        assert got[kind].keys() == ref[kind].keys()
+        for name, r in ref[kind].items():
+            d = (got[kind][name].double() - r.double()).norm() / r.double().norm()
+            assert d <= rel_norm, (kind, name, float(d))
+
+
 # ---- refusals ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("extra, world, says", [
     ((), 1, "nothing to shard"),

@@ -22,7 +22,9 @@ accumulate unsharded gradients in ``reduce_dtype`` (4 bytes per parameter of the
 step's backwards). ``--fsdp2-reduce-every-microbatch`` instead reduce-scatters after every micro-batch's
 backward and accumulates the sharded gradients: ZeRO-3's memory during the step, for one reduce-scatter per
 micro-batch (``benchmarks/fsdp2.py`` measures both). Mixed precision: ``MixedPrecisionPolicy(param_dtype=
-the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP's mean over dp x cp. With FP8
+the run's --bf16 / --fp16 dtype, reduce_dtype=float32)``; the reduction is FSDP's mean over dp x cp. The layers'
+units do not cast their inputs (``cast_forward_inputs=False``): the hidden states already are in the compute
+dtype, and the rotary angles stay fp32 as in the unsharded model. With FP8
 (tensorwise), the FP8 linears' weights are all-gathered in e4m3 instead (:mod:`omnitron.core.precision.fp8.fsdp`).
 """
 from __future__ import annotations
@@ -75,8 +77,12 @@ def apply_fsdp2(module: nn.Module, groups, *, compute_dtype: torch.dtype, device
         fp8_scales.wrap(module)
         attrs = {name: dict(p.__dict__) for name, p in module.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # a layer's inputs are already in the compute dtype but for the fp32 rotary angles, which FSDP's default
+    # input cast would round to bf16 (up to position x 2^-8 radians of rotation, 8 at position 2056): no cast there
+    layer_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
     for unit in shard_units(module):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=layer_policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     for name, p in module.named_parameters():
         p.__dict__.update(attrs[name])
