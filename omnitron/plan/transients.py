@@ -37,7 +37,7 @@ import torch
 from omnitron.core.parallel.pipeline.wgrad import backward_input
 from omnitron.kernels.alloc_log import Timeline, peak
 from omnitron.plan import probe_cache
-from omnitron.plan.measure import one_thread
+from omnitron.plan.measure import probing
 
 _S0, _B0 = 32, 2
 
@@ -107,7 +107,7 @@ def timeline(p: Probe) -> list[tuple[str | None, int]]:
     if key not in _TIMELINES:
         events = probe_cache.load(key)
         if events is None:
-            with one_thread():
+            with probing():
                 events = _timeline(p)
             probe_cache.store(key, events)
         _TIMELINES[key] = events
