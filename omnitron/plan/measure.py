@@ -75,11 +75,12 @@ def _fused_dropout():
     """While active, ``F.dropout`` and ``F.scaled_dot_product_attention`` run as on a device with fused dropout
     (:func:`_dropout`, :func:`_math_sdpa`; the probes' bytes are used, not their numbers). The module's functions are
     replaced, not a torch-function mode's: a mode is off inside ``backward``, where checkpointed layers recompute."""
+    before = F.dropout, F.scaled_dot_product_attention
     F.dropout, F.scaled_dot_product_attention = _dropout, _math_sdpa
     try:
         yield
     finally:
-        F.dropout, F.scaled_dot_product_attention = _REAL["dropout"], _REAL["scaled_dot_product_attention"]
+        F.dropout, F.scaled_dot_product_attention = before
 
 
 @contextmanager
@@ -130,7 +131,13 @@ def stage_microbatch_bytes(settings, cfg) -> dict[tuple[int, int], int]:
 
 
 def pipeline_bytes(cfg, layout, b: int) -> dict[tuple[int, int], int]:
-    """Saved bytes of every stage chunk of ``layout`` (tp 1) for one micro-batch of ``b`` samples."""
+    """Saved bytes of every stage chunk of ``layout`` (tp 1) for one micro-batch of ``b`` samples, dropout's masks
+    as the backend's (:func:`probing`: the plan's probes', checked against the device in tests/sim)."""
+    with probing():
+        return _pipeline_bytes(cfg, layout, b)
+
+
+def _pipeline_bytes(cfg, layout, b: int) -> dict[tuple[int, int], int]:
     from omnitron.core.checkpoint.reshard import skeleton_chunks
 
     torch.manual_seed(0)
