@@ -266,7 +266,8 @@ def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
     converts them (the tests' reference for :func:`omnitron.plan.fp8_memory.fp8_replay_peak`): one amax reduction a
     step (``per_step``); under ``delayed``, the logged pass runs a step after the first (the reducer primed: each cast
     with its role's scale in force) with the weights' FP8 form cached at that step's scales, as every micro-batch of
-    training after a step's first. Run as a probe (:func:`~omnitron.plan.measure.probing`: dropout as the backend's)."""
+    training after a step's first. Run as a probe (:func:`~omnitron.plan.measure.probing`: dropout as the
+    backend's)."""
     with probing():
         return _logged(p, fp8)
 
