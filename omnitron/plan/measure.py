@@ -48,10 +48,11 @@ def _dropout(x, p=0.5, training=True, inplace=False):
 def _math_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA as ATen's math path runs on a device with fused dropout: q and k scaled by the square root of the scale,
     the float mask added in place, ``_safe_softmax``, the fused dropout, ``@ v``, half and bfloat16 in float32 (what
-    it saves: the scaled q and k, the probabilities before and after dropout, the boolean mask, v)."""
+    it saves: the scaled q and k, the probabilities before and after dropout, the boolean mask, v). sim's path; a GPU's
+    fused attention kernel with dropout saves no probabilities (not modelled: issue 34's kernel tables)."""
     if dropout_p == 0.0:
-        return _REAL["scaled_dot_product_attention"](q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return _REAL["scaled_dot_product_attention"](q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                                     scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
