@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnitron.core.transformer.shapes import ffn_size
-from omnitron.plan.measure import SavedBytes, one_thread
+from omnitron.plan.measure import SavedBytes, probing
 from omnitron.plan.transients import heads_doubled
 
 _S1, _V1 = 64, 128
@@ -152,7 +152,7 @@ def fine_grained_bytes(cfg, tp: int, s: int, b: int, sp: bool = False) -> float:
     if key not in _FINE:
         moved = replace(probe, fine_grained_activation_offloading=True, offload_modules=cfg.offload_modules,
                         min_offloaded_tensor_size=math.ceil(cfg.min_offloaded_tensor_size / scale))
-        with one_thread():
+        with probing():
             _FINE[key] = (_measure(probe, 1, _S1) - _measure(moved, 1, _S1)) * scale
     return _FINE[key] / (tp if sp and tp > 1 else 1)
 
@@ -235,7 +235,7 @@ def activation_model(cfg, tp: int) -> ActivationModel:
     """Measure the probes for ``cfg`` at tensor-parallel size ``tp`` (cached per config)."""
     key = f"{cfg!r}/{tp}"
     if key not in _CACHE:
-        with one_thread():
+        with probing():
             _CACHE[key] = _activation_model(cfg, tp)
     return _CACHE[key]
 

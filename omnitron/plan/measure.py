@@ -7,9 +7,11 @@ storages are left out (they are counted as parameters, not activations).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+import math
+from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.nn.functional as F
 
 
 @contextmanager
@@ -22,6 +24,73 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def fused_dropout_device() -> bool:
+    """Whether this process's backend runs torch's fused dropout kernel, which saves a one-byte boolean mask for
+    backward (ATen's ``is_fused_kernel_acceptable``: every device type but the CPU, whose dropout saves a mask of the
+    input's dtype: 4 bytes an element in fp32). The plan's probes run on the host, so they save the CPU's."""
+    from omnitron.backends import get_backend
+
+    return get_backend().device().type != "cpu"
+
+
+_REAL = {"dropout": F.dropout, "scaled_dot_product_attention": F.scaled_dot_product_attention}
+
+
+def _dropout(x, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as on an accelerator: ``torch.native_dropout``, which saves a boolean mask."""
+    if not training or p == 0.0 or p == 1.0:
+        return _REAL["dropout"](x, p, training, inplace)
+    return torch.native_dropout(x, p, True)[0]
+
+
+def _math_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA as ATen's math path runs on a device with fused dropout: q and k scaled by the square root of the scale,
+    the float mask added in place, ``_safe_softmax``, the fused dropout, ``@ v``, half and bfloat16 in float32 (what
+    it saves: the scaled q and k, the probabilities before and after dropout, the boolean mask, v). sim's path; a GPU's
+    fused attention kernel with dropout saves no probabilities (not modelled: issue 34's kernel tables)."""
+    if dropout_p == 0.0:
+        return _REAL["scaled_dot_product_attention"](q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                                     scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    dtype = q.dtype  # ATen's math path computes half and bfloat16 inputs in float32
+    q, k, v = (t.float() if dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    attn = torch.matmul(q * root, k.transpose(-2, -1) * root)
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask
+            attn_mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, -math.inf)
+        attn.add_(attn_mask)
+    attn = torch.native_dropout(torch._safe_softmax(attn, -1), dropout_p, True)[0]
+    return torch.matmul(attn, v).to(dtype)
+
+
+@contextmanager
+def _fused_dropout():
+    """While active, ``F.dropout`` and ``F.scaled_dot_product_attention`` run as on a device with fused dropout
+    (:func:`_dropout`, :func:`_math_sdpa`; the probes' bytes are used, not their numbers). The module's functions are
+    replaced, not a torch-function mode's: a mode is off inside ``backward``, where checkpointed layers recompute."""
+    before = F.dropout, F.scaled_dot_product_attention
+    F.dropout, F.scaled_dot_product_attention = _dropout, _math_sdpa
+    try:
+        yield
+    finally:
+        F.dropout, F.scaled_dot_product_attention = before
+
+
+@contextmanager
+def probing():
+    """A probe's context: one intra-op thread (:func:`one_thread`) and, where the backend's dropout is fused
+    (:func:`fused_dropout_device`), dropout saving its boolean mask as there (measured 2026-12-06 on sim: the
+    host's fp32 masks put a 4-layer h128 GPT-2's planned step peak 15% above the device's)."""
+    with one_thread(), (_fused_dropout() if fused_dropout_device() else nullcontext()):
+        yield
 
 
 class SavedBytes:
@@ -63,7 +132,13 @@ def stage_microbatch_bytes(settings, cfg) -> dict[tuple[int, int], int]:
 
 
 def pipeline_bytes(cfg, layout, b: int) -> dict[tuple[int, int], int]:
-    """Saved bytes of every stage chunk of ``layout`` (tp 1) for one micro-batch of ``b`` samples."""
+    """Saved bytes of every stage chunk of ``layout`` (tp 1) for one micro-batch of ``b`` samples, dropout's masks
+    as the backend's (:func:`probing`: the plan's probes', checked against the device in tests/sim)."""
+    with probing():
+        return _pipeline_bytes(cfg, layout, b)
+
+
+def _pipeline_bytes(cfg, layout, b: int) -> dict[tuple[int, int], int]:
     from omnitron.core.checkpoint.reshard import skeleton_chunks
 
     torch.manual_seed(0)

@@ -4,7 +4,8 @@ Terms (bytes, one rank of each pipeline stage; every tp / dp / cp rank of a stag
 distributed-optimizer slice boundaries, and the largest is reported):
 
 - parameters, gradients, optimizer state: counted exactly on a meta-device skeleton (:mod:`.state`);
-- activations: one micro-batch's saved tensors per chunk (:mod:`.activations`: measured on small probes,
+- activations: one micro-batch's saved tensors per chunk (:mod:`.activations`: measured on small probes, their
+  dropout saving the mask the backend's would (:func:`.measure.probing`: 1 byte an element on a device),
   scaled by batch x sequence, and s^2 where attention materialises scores: not under context parallelism's
   block kernels, whose attention dropout stores nothing score-sized, :mod:`.cp_blocks`) times the micro-batches the
   schedule holds: walking the rank's action table, a forward adds its chunk's micro-batch and the end of

@@ -65,7 +65,7 @@ from types import SimpleNamespace
 
 import torch
 
-from omnitron.plan.measure import SavedBytes, one_thread
+from omnitron.plan.measure import SavedBytes, probing
 
 _T1 = 64
 
@@ -153,7 +153,7 @@ def moe_rates(cfg, tp: int, etp: int) -> MoERates:
     if key not in _CACHE:
         f = cfg.moe_ffn_hidden_size or ffn_size(cfg)
         shared = cfg.moe_shared_expert_intermediate_size or 0
-        with one_thread():
+        with probing():
             rho, rho0 = _router(cfg)
             _CACHE[key] = MoERates(rho, rho0, _mlp_row(cfg, f // etp, True), _mlp_row(cfg, shared // tp, False),
                                    _mlp_row(cfg, ffn_size(cfg) // tp, False))

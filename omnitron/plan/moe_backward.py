@@ -74,11 +74,11 @@ def _events(cfg, h: int, f: int, counts: list[int]) -> list:
 
 
 def _replay(cfg, local: int) -> _Replay:
-    from omnitron.plan.measure import one_thread
+    from omnitron.plan.measure import probing
 
     key = f"{cfg!r}/{local}"
     if key not in _REPLAYS:
-        with one_thread():
+        with probing():
             _REPLAYS[key] = _probe(cfg, local)
     return _REPLAYS[key]
 

@@ -5,8 +5,9 @@ A plan's memory estimate runs small probe chunks forward and backward and logs t
 a laptop core, and every run of ``omnitron plan`` ran them again. The log of a probe is a function of the probe (its
 ``repr``: config, depth, ends, sequence and batch), of the code that builds and runs it and of torch, so it is kept
 under a key of all three: the probe's ``repr`` hashed, inside a folder named by a hash of torch's version, of the
-kernel-selecting environment (:data:`KEY_ENV`) and of every Python file and built extension of the ``omnitron``
-package. Any change to the package or to torch reads nothing written before it.
+kernel-selecting environment (:data:`KEY_ENV`), of whether the backend's dropout is fused (its masks' bytes) and of
+every Python file and built extension of the ``omnitron`` package. Any change to the package or to torch reads
+nothing written before it.
 
 Files are JSON (``[[op or null, bytes], ...]``), never pickles; one that does not parse or is not such a list is
 ignored and rewritten. Writes go through a temporary file and ``os.replace``, so concurrent plans (pytest-xdist
@@ -51,10 +52,12 @@ def code_key() -> str:
     import torch
 
     import omnitron
+    from omnitron.plan.measure import fused_dropout_device
 
     root = Path(omnitron.__file__).resolve().parent
     h = hashlib.sha256(torch.__version__.encode())
     h.update(repr([os.environ.get(k) for k in KEY_ENV]).encode())
+    h.update(repr(fused_dropout_device()).encode())  # the probes' dropout masks: the device's, not the host's
     for f in sorted([*root.rglob("*.py"), *root.rglob("*.so")]):
         h.update(str(f.relative_to(root)).encode())
         h.update(f.read_bytes())

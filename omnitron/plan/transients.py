@@ -37,7 +37,7 @@ import torch
 from omnitron.core.parallel.pipeline.wgrad import backward_input
 from omnitron.kernels.alloc_log import Timeline, peak
 from omnitron.plan import probe_cache
-from omnitron.plan.measure import one_thread
+from omnitron.plan.measure import probing
 
 _S0, _B0 = 32, 2
 
@@ -107,8 +107,7 @@ def timeline(p: Probe) -> list[tuple[str | None, int]]:
     if key not in _TIMELINES:
         events = probe_cache.load(key)
         if events is None:
-            with one_thread():
-                events = _timeline(p)
+            events = _timeline(p)
             probe_cache.store(key, events)
         _TIMELINES[key] = events
     return _TIMELINES[key]
@@ -267,7 +266,13 @@ def _timeline(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
     converts them (the tests' reference for :func:`omnitron.plan.fp8_memory.fp8_replay_peak`): one amax reduction a
     step (``per_step``); under ``delayed``, the logged pass runs a step after the first (the reducer primed: each cast
     with its role's scale in force) with the weights' FP8 form cached at that step's scales, as every micro-batch of
-    training after a step's first."""
+    training after a step's first. Run as a probe (:func:`~omnitron.plan.measure.probing`: dropout as the
+    backend's)."""
+    with probing():
+        return _logged(p, fp8)
+
+
+def _logged(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
     m = _chunk(p)
     enabled = {}
     if fp8 is not None:
