@@ -366,6 +366,15 @@ def test_train_settings_errors():
             parse_settings(base + extra, world_size=2)
     with pytest.raises(ConfigError, match="add --model-type multimodal"):
         parse_settings(["--model", "gpt2_tiny", "--img-h", "64"], world_size=1)
+    # sizes the synthetic samples cannot take: one line from the launcher's checks, before any worker builds a model
+    from omnitron.core.training.datacheck import check_tokenizer_and_data
+
+    for extra, message in ((["--num-channels", "1"], "--num-channels 1: the synthetic image-caption data draws RGB"),
+                           (["--img-h", "8", "--img-w", "8", "--patch-dim", "8"], "at least 16 x 16 pixels"),
+                           (["--seq-length", "18", "--max-position-embeddings", "18"], "use --seq-length >= ")):
+        with pytest.raises(ConfigError, match=message):
+            check_tokenizer_and_data(parse_settings(base + extra, world_size=1))
+    check_tokenizer_and_data(parse_settings(base, world_size=1))
     # LLaVA's launch-script spellings of the tower switches; Megatron's --disable-vision-class-token keeps the
     # class token in the ViT and drops its output before the projector: omnitron's own (and only) handling of it
     mega = parse_settings(base + ["--freeze-LM", "--freeze-ViT", "--disable-vision-class-token"], world_size=1).model
