@@ -82,7 +82,10 @@ def test_llava_caption_matches_full_recompute():
         ref, ref_lp = greedy_reference(logits_of, [IMAGE_TOKEN] * n + p, 6, n)
         assert toks == ref
         torch.testing.assert_close(torch.tensor(lps), ref_lp, atol=1e-5, rtol=0)
-    # the image matters: another image, another caption (for at least one row)
-    assert caption(model, torch.rand(3, 3, 16, 16), prompts, 6).tokens != out.tokens
+    # the image matters: another image, other log-probs (its greedy tokens may still agree: a random tiny model
+    # often picks the same 6 tokens for two noise images, so comparing tokens failed about one run in six)
+    other = caption(model, torch.rand(3, 3, 16, 16), prompts, 6, return_log_probs=True)
+    assert all(not torch.equal(torch.tensor(a[:1]), torch.tensor(b[:1])) for a, b in zip(other.log_probs,
+                                                                                       out.log_probs))
     with pytest.raises(ValueError, match="images must be \\[batch, channels, height, width\\]"):
         caption(model, images[:2], prompts, 3)

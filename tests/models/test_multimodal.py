@@ -55,9 +55,12 @@ def plain_llava(W, c, tokens, images, labels, mask):
             return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.layernorm_epsilon) * W[n + ".weight"]
         return F.layer_norm(t, t.shape[-1:], W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)
 
-    def mlp(t, p, swiglu):
+    def gelu(y, biased):  # Megatron's tanh form only in its fused bias-GeLU kernel (the default), else exact
+        return F.gelu(y, approximate="tanh" if c.bias_gelu_fusion and biased else "none")
+
+    def mlp(t, p, swiglu, biased):
         y = lin(t, p + "mlp.linear_fc1")
-        y = F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if swiglu else F.gelu(y, approximate="tanh")
+        y = F.silu(y.chunk(2, -1)[0]) * y.chunk(2, -1)[1] if swiglu else gelu(y, biased)
         return lin(y, p + "mlp.linear_fc2")
 
     # ViT: a stride-p convolution is the patch embedding
@@ -70,9 +73,9 @@ def plain_llava(W, c, tokens, images, labels, mask):
     for i in range(c.vision_num_layers):
         q = f"{v}decoder.layers.{i}."
         x = x + _attend(W, q, x, c.vision_num_attention_heads, c.vision_num_attention_heads, False, norm, lin)
-        x = x + mlp(norm(x, q + "pre_mlp_layernorm"), q, False)
+        x = x + mlp(norm(x, q + "pre_mlp_layernorm"), q, False, True)  # the ViT's linears have biases
     x = norm(x, v + "decoder.final_layernorm")[:, int(c.vision_class_token):]
-    img = lin(F.gelu(lin(x, "vision_projection.linear_fc1")), "vision_projection.linear_fc2")  # [b, n, h]
+    img = lin(gelu(lin(x, "vision_projection.linear_fc1"), True), "vision_projection.linear_fc2")  # [b, n, h]
     # language model: placeholders take the image embeddings (in order), text gets word + position embeddings
     b, s = tokens.shape
     is_img = tokens == IMAGE_TOKEN
@@ -90,7 +93,7 @@ def plain_llava(W, c, tokens, images, labels, mask):
         q = f"decoder.layers.{i}."
         h = h + _attend(W, q, h, c.num_attention_heads, c.num_query_groups or c.num_attention_heads, True, norm,
                         lin, freqs)
-        h = h + mlp(norm(h, q + "pre_mlp_layernorm"), q, c.swiglu)
+        h = h + mlp(norm(h, q + "pre_mlp_layernorm"), q, c.swiglu, c.add_bias_linear)
     h = norm(h, "decoder.final_layernorm")
     out = W["output_layer.weight" if c.untie_embeddings_and_output_weights else "embedding.word_embeddings.weight"]
     logits = h @ out.T
@@ -118,9 +121,12 @@ def _loss(model, batch):
     return (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum(), per_token
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("style", ["gpt2", "llama", "exact_gelu"])
 def test_llava_matches_plain_float64(style):
-    c = MultimodalConfig(**BASE, **(LLAMA if style == "llama" else {}))
+    """exact_gelu: --no-bias-gelu-fusion turns the ViT's and the projector's GeLU exact too (Megatron copies the
+    language model's config into both); the tanh form differs from erf by up to ~1e-3, far above the bounds."""
+    extra = {"llama": LLAMA, "exact_gelu": dict(bias_gelu_fusion=False)}.get(style, {})
+    c = MultimodalConfig(**BASE, **extra)
     groups = ParallelGroups.single()
     model = LLaVAModel(c, groups, seed=3)
     assert num_parameters(c) == sum(p.numel() for p in model.parameters())
@@ -360,8 +366,19 @@ def test_train_settings_errors():
             parse_settings(base + extra, world_size=2)
     with pytest.raises(ConfigError, match="add --model-type multimodal"):
         parse_settings(["--model", "gpt2_tiny", "--img-h", "64"], world_size=1)
-    # LLaVA's launch-script spellings of the tower switches
+    # sizes the synthetic samples cannot take: one line from the launcher's checks, before any worker builds a model
+    from omnitron.core.training.datacheck import check_tokenizer_and_data
+
+    for extra, message in ((["--num-channels", "1"], "--num-channels 1: the synthetic image-caption data draws RGB"),
+                           (["--img-h", "8", "--img-w", "8", "--patch-dim", "8"], "at least 16 x 16 pixels"),
+                           (["--seq-length", "18", "--max-position-embeddings", "18"], "use --seq-length >= ")):
+        with pytest.raises(ConfigError, match=message):
+            check_tokenizer_and_data(parse_settings(base + extra, world_size=1))
+    check_tokenizer_and_data(parse_settings(base, world_size=1))
+    # LLaVA's launch-script spellings of the tower switches; Megatron's --disable-vision-class-token keeps the
+    # class token in the ViT and drops its output before the projector: omnitron's own (and only) handling of it
     mega = parse_settings(base + ["--freeze-LM", "--freeze-ViT", "--disable-vision-class-token"], world_size=1).model
-    own = parse_settings(base + ["--freeze-language-model", "--freeze-vision-model", "--no-vision-class-token"],
-                         world_size=1).model
-    assert mega == own and mega.freeze_language_model and mega.freeze_vision_model and not mega.vision_class_token
+    own = parse_settings(base + ["--freeze-language-model", "--freeze-vision-model"], world_size=1).model
+    assert mega == own and mega.freeze_language_model and mega.freeze_vision_model and mega.vision_class_token
+    with pytest.raises(ConfigError, match="--disable-vision-class-token means --vision-class-token True"):
+        parse_settings(base + ["--disable-vision-class-token", "--no-vision-class-token"], world_size=1)

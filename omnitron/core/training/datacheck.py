@@ -1,9 +1,9 @@
 """Tokenizer and data checks the launcher runs before any worker starts.
 
-A tokenizer that cannot be built, or a ``--data-path`` dataset that is malformed or holds ids
-outside the tokenizer's vocabulary, is known before training: raised here as one ConfigError
-line from the launcher, instead of the same traceback from every rank (and an ``IndexError`` in
-the embedding a few steps later when nothing checked).
+A tokenizer that cannot be built, a ``--data-path`` dataset that is malformed or holds ids outside the
+tokenizer's vocabulary, or synthetic samples that cannot take the sizes given, is known before training:
+raised here as one ConfigError line from the launcher, instead of the same traceback from every rank after
+the model was built (and an ``IndexError`` in the embedding a few steps later when nothing checked).
 """
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ def check_tokenizer_and_data(settings) -> None:
         tokenizer = build_tokenizer(**tokenizer_kwargs(d), **family.tokenizer_kwargs(settings.model))
     except TokenizerError as err:
         raise ConfigError(f"--tokenizer-type {d.tokenizer_type}: {err}") from None
+    if family.synthetic_data:  # drawn in memory: no files, but a size the samples cannot take is known now
+        try:
+            family.build_datasets(settings, tokenizer, train_samples=1, valid_samples=0, test_samples=0)
+        except ValueError as err:  # its message names the flag and the fix
+            raise ConfigError(str(err)) from None
     if d.mock_data or family.synthetic_data:  # samples made in memory: no files to check
         return
     cache_dir = d.data_cache_path or default_cache_dir()

@@ -157,7 +157,9 @@ ALIASES: dict[str, tuple[str, dict]] = {
                         "data position on)", {"metavar": "TYPE"}),
     "freeze_LM": ("same as --freeze-language-model (LLaVA)", {"action": "store_true"}),
     "freeze_ViT": ("same as --freeze-vision-model (LLaVA)", {"action": "store_true"}),
-    "disable_vision_class_token": ("same as --no-vision-class-token (LLaVA)", {"action": "store_true"}),
+    "disable_vision_class_token": ("LLaVA's: the ViT keeps its class token and drops its output before the "
+                                   "projector, which omnitron always does (--no-vision-class-token removes the "
+                                   "token)", {"action": "store_true"}),
     "tiktoken_special_tokens": ("same as --tokenizer-special-tokens (Megatron's older spelling)",
                                 {"nargs": "+", "metavar": "TOKEN"}),
     "special_tokens": ("same as --tokenizer-special-tokens (Megatron's multimodal spelling)",
@@ -222,7 +224,7 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             _alias(out, given, key, "tokenizer_special_tokens", list(given[key]))
     _alias(out, given, "freeze_LM", "freeze_language_model", True)
     _alias(out, given, "freeze_ViT", "freeze_vision_model", True)
-    _alias(out, given, "disable_vision_class_token", "vision_class_token", False)
+    _alias(out, given, "disable_vision_class_token", "vision_class_token", True)  # Megatron: token kept, output dropped
     if given.get("norm_epsilon") is not None:
         _alias(out, given, "norm_epsilon", "layernorm_epsilon", given["norm_epsilon"])
     if given.get("use_rope_scaling") and given.get("rope_scaling_factor") is None:

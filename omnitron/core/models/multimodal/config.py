@@ -96,7 +96,8 @@ def projector_ffn_size(c: MultimodalConfig) -> int:
 
 def vision_config(c: MultimodalConfig) -> GPTConfig:
     """The ViT's Transformer settings as a GPTConfig (CLIP-style: LayerNorm, GeLU MLP, biases, learned
-    positions); dropout, init and norm epsilon follow the language model's flags."""
+    positions); dropout, init, norm epsilon and the GeLU's form (``--no-bias-gelu-fusion``: exact, else tanh)
+    follow the language model's flags, as Megatron's ViT config is a copy of the language model's."""
     n = vision_seq_length(c)
     return GPTConfig(num_layers=c.vision_num_layers, hidden_size=c.vision_hidden_size,
                      num_attention_heads=c.vision_num_attention_heads, ffn_hidden_size=c.vision_ffn_hidden_size,
@@ -104,6 +105,7 @@ def vision_config(c: MultimodalConfig) -> GPTConfig:
                      layernorm_epsilon=c.layernorm_epsilon, hidden_dropout=c.hidden_dropout,
                      attention_dropout=c.attention_dropout, init_method_std=c.init_method_std,
                      apply_scaled_init=c.apply_scaled_init, params_dtype=c.params_dtype,
+                     bias_gelu_fusion=c.bias_gelu_fusion,
                      recompute_granularity="selective" if c.recompute_granularity == "selective" else None)
 
 

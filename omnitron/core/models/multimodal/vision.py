@@ -9,8 +9,10 @@ Tensor parallelism goes through the shared layers (column-parallel QKV/fc1, row-
 ViT runs WITHOUT sequence parallelism (``patches + 1`` need not divide tp): its activations are replicated
 over tp, so the replicated patch/position/class-token parameters get full, identical gradients.
 
-Projector (Megatron's ``mlp`` projector): column-parallel ``fc1`` -> exact GeLU -> row-parallel ``fc2``,
-its output all-reduced: ``[n, b, h]`` replicated over tp, ready to replace placeholder embeddings.
+Projector (Megatron's ``mlp`` projector): column-parallel ``fc1`` -> GeLU -> row-parallel ``fc2``, its output
+all-reduced: ``[n, b, h]`` replicated over tp, ready to replace placeholder embeddings. Megatron builds it from
+the language model's MLP and config, so its GeLU is the tanh form under bias-GeLU fusion (the default) and
+exact with ``--no-bias-gelu-fusion``; the ViT's layers follow the same flag (:func:`MM.vision_config`).
 """
 from __future__ import annotations
 
@@ -69,13 +71,15 @@ class VisionTransformer(nn.Module):
 
 
 class VisionProjection(nn.Module):
-    """``[n, b, hv] -> [n, b, h]``: ``fc2(gelu(fc1(x)))``, fc1 column- and fc2 row-parallel (output replicated)."""
+    """``[n, b, hv] -> [n, b, h]``: ``fc2(gelu(fc1(x)))``, fc1 column- and fc2 row-parallel (output replicated);
+    the GeLU tanh-approximated unless ``--no-bias-gelu-fusion`` (see the module docstring)."""
 
     def __init__(self, c: MM.MultimodalConfig, *, group) -> None:
         super().__init__()
+        self.gelu_form = "tanh" if c.bias_gelu_fusion else "none"
         f, kw = MM.projector_ffn_size(c), dict(group=group, bias=True, sequence_parallel=False, dtype=c.params_dtype)
         self.linear_fc1 = ColumnParallelLinear(c.vision_hidden_size, f, init_std=c.init_method_std, **kw)
         self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=c.init_method_std, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.gelu_form))
