@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn
 from omnitron.core.parallel.pipeline.schedules import virtual_stage
+from omnitron.core.parallel.tensor.random import reseed_chunk_stream
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,4 +85,6 @@ class ModelFamily:
             out[(r, c)] = self.build_stage(cfg, groups, pre_process=stage == 0,
                                            post_process=stage == pp * chunks - 1, layer_offset=offset,
                                            num_layers=n, backend=backend, seed=seed)
+            if c:  # a rank's later chunk: a dropout stream of its own, not a copy of its first chunk's
+                reseed_chunk_stream(out[(r, c)].rng_tracker, seed, stage)
         return out

@@ -64,6 +64,13 @@ class RNGTracker:
         self.states[name] = self.backend.get_rng_state()
         self.backend.set_rng_state(saved)
 
+    def reseed(self, name: str, seed: int) -> None:
+        """Restart existing stream ``name`` from ``seed`` (the default generator is left untouched)."""
+        if name not in self.states:
+            raise KeyError(f"RNG stream {name!r} was never added (known: {sorted(self.states)})")
+        del self.states[name]
+        self.add(name, seed)
+
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of every stream's state (for checkpoints and recomputation)."""
         return {k: v.clone() for k, v in self.states.items()}
@@ -144,8 +151,22 @@ def _(like: torch.Tensor, tracker: int, name: str) -> torch.Tensor:
 
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> int:
-    """Seed of the tracker stream for one (tp, pp) position (Megatron's offsets)."""
+    """Seed of the tracker stream for one (tp, pp) position (Megatron's offsets). ``pp_rank`` is the virtual
+    pipeline stage for a rank's later chunks (:func:`reseed_chunk_stream`)."""
     return seed + 2718 + 100 * pp_rank + tp_rank
+
+
+def reseed_chunk_stream(tracker: RNGTracker, seed: int, stage: int) -> None:
+    """Give the tracker of the chunk at virtual pipeline ``stage`` its own ``"model-parallel"`` stream.
+
+    Each chunk of a rank (``--num-layers-per-virtual-pipeline-stage``) has its own tracker, and every chunk of
+    a rank was seeded alike from ``(tp rank, pp rank)``: the chunks drew the same masks in the same order, so
+    layer 0 and layer ``pp`` dropped the same elements of each micro-batch (attention dropout; hidden dropout
+    under sequence parallelism). Megatron's one tracker a rank draws on for all of them; seeding by the
+    virtual stage keeps the stream of a rank's first chunk (stage = pp rank) and makes the others distinct.
+    A tracker without the stream (a family without dropout) is left as it is."""
+    if MODEL_PARALLEL in tracker.states:
+        tracker.reseed(MODEL_PARALLEL, model_parallel_seed(seed, tracker.tp_rank, stage))
 
 
 def default_seed(seed: int, pp_rank: int) -> int:
