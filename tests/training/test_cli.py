@@ -125,3 +125,23 @@ def test_slurm_example_parses_for_its_world():
     s = parse_settings(shlex.split(line), world_size=16)
     assert (s.parallel.tensor_model_parallel_size, s.parallel.pipeline_model_parallel_size, s.dp) == (2, 2, 4)
     assert s.checkpoint.async_save and s.checkpoint.ckpt_format == "torch_dist" and s.num_microbatches == 16
+
+
+@pytest.mark.parametrize("seed", [-1, 0, 2**32 - 1, 2**32, 2**63])
+def test_seed_outside_the_data_orders_range_is_refused_up_front(seed):
+    """--seed reaches numpy's RandomState(seed) (the data order, Megatron's shuffle): a seed it refuses used to
+    train until the data loader raised (a negative one, with --mock-data, inside a worker; one of 2**63 or more
+    in the generators' seeding); now it is one ConfigError before any work, and every seed numpy takes runs."""
+    import numpy as np
+
+    try:
+        np.random.RandomState(seed)
+        numpy_takes = True
+    except ValueError:
+        numpy_takes = False
+    argv = ["--model", "gpt2_tiny", "--seed", str(seed)]
+    if numpy_takes:
+        assert parse_settings(argv, world_size=1).training.seed == seed
+    else:
+        with pytest.raises(ConfigError, match=rf"^--seed {seed} is outside 0\.\.4294967295: .*give a seed"):
+            parse_settings(argv, world_size=1)

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ConfigError
 
+MAX_SEED = 2**32 - 1
+"""The largest --seed: the data order's ``numpy.random.RandomState(seed)`` (Megatron's shuffle) takes 32 bits."""
+
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
@@ -238,7 +241,7 @@ class TrainingConfig:
     the BS of the last THRESHOLD (tokens, suffixes K M B T; divided by --seq-length into samples) that the samples
     consumed before it reach; the first THRESHOLD is 0 (omnitron.core.training.batches)."""
     seed: int = 1234
-    """--seed: initialisation, data order and dropout all derive from it."""
+    """--seed: initialisation, data order and dropout all derive from it; 0 to ``MAX_SEED``."""
     eval_interval: int = 0
     """--eval-interval: validate every this many iterations (0: never)."""
     eval_iters: int = 10
@@ -328,6 +331,10 @@ class TrainingConfig:
             raise ConfigError("--manual-gc-interval must be >= 0 and --empty-unused-memory-level 0, 1 or 2")
         if not self.distributed_timeout_minutes > 0:
             raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"--seed {self.seed} is outside 0..{MAX_SEED}: the data order draws from "
+                              "numpy's RandomState(seed), which takes 32-bit seeds (as Megatron's); give a seed in "
+                              "that range")
 
     @property
     def eval_batch(self) -> int:
