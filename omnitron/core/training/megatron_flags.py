@@ -119,8 +119,9 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
     "use_cpu_initialization": (None, "every weight is initialised whole, from a layout-independent full tensor, "
                                      "and each rank keeps its slice (as always)",
                                "it chooses where the initial weights are computed; whole on the CPU is how "
-                               "Megatron gets a start that does not depend on the layout, which omnitron's is at "
-                               "every layout"),
+                               "Megatron gets a start that does not depend on the tensor-parallel size (each "
+                               "pipeline stage still draws from its own seed + 100 x pp rank, so Megatron's start "
+                               "changes with the pipeline size); omnitron's is the same at every layout"),
     "use_precision_aware_optimizer": (None, "the optimizer keeps fp32 main parameters, main gradients and Adam "
                                             "moments (the flag's own defaults)",
                                       "with --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and "
