@@ -5,7 +5,8 @@ Two streams exist on each rank:
 * the device's default generator, seeded by the training loop identically on every tensor-parallel
   rank (``seed + 100 * pp_rank``): dropout on tensors that are REPLICATED over tp (hidden states
   without sequence parallelism) draws from it, so every tp rank drops the same elements;
-* the tracker's ``"model-parallel"`` stream, seeded ``seed + 2718 + 100 * pp_rank + tp_rank``:
+* the tracker's ``"model-parallel"`` stream, seeded ``seed + 2718 + 100 * pp_rank + tp_rank`` (a rank's later
+  virtual pipeline chunks: their virtual stage in place of ``pp_rank``, so each chunk has its own stream):
   dropout on tensors that are SPLIT over tp (attention probabilities of local heads, sequence
   shards under sequence parallelism) draws from it, so shards drop independent elements.
 
@@ -162,7 +163,7 @@ def reseed_chunk_stream(tracker: RNGTracker, seed: int, stage: int) -> None:
     Each chunk of a rank (``--num-layers-per-virtual-pipeline-stage``) has its own tracker, and every chunk of
     a rank was seeded alike from ``(tp rank, pp rank)``: the chunks drew the same masks in the same order, so
     layer 0 and layer ``pp`` dropped the same elements of each micro-batch (attention dropout; hidden dropout
-    under sequence parallelism). Megatron's one tracker a rank draws on for all of them; seeding by the
+    under sequence parallelism). Megatron draws all the chunks of a rank from its one tracker; seeding by the
     virtual stage keeps the stream of a rank's first chunk (stage = pp rank) and makes the others distinct.
     A tracker without the stream (a family without dropout) is left as it is."""
     if MODEL_PARALLEL in tracker.states:
