@@ -149,8 +149,7 @@ def test_combined_tables(name, pp, vp, m):
     at most twice its micro-batches held."""
     plain = build_schedule(name, pp, vp, m)
     combined = combine_1f1b(plain)
-    all_warmup = name == "interleaved" and m == pp  # Megatron's interleaved table has no steady state then
-    assert combined.combined and (sum(map(len, combined.pairs.values())) > 0 or all_warmup)
+    assert combined.combined and sum(map(len, combined.pairs.values())) > 0  # m == pp too: later ranks pair
     for r, table in combined.tables.items():
         assert [a for a in table if a.kind == "B"] == [a for a in plain.tables[r] if a.kind == "B"]
         assert sorted(map(str, table)) == sorted(map(str, plain.tables[r]))

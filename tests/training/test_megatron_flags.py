@@ -363,6 +363,22 @@ def test_a_schedule_that_cannot_run_stops_the_command_line(extra, message):
         parse_settings(flags + extra, 2)
 
 
+@pytest.mark.parametrize("extra", [
+    ["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4", "--eval-global-batch-size", "6"],
+    ["--pipeline-schedule", "dualpipe-v", "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8",
+     "--eval-global-batch-size", "6"]])
+def test_an_evaluation_the_schedule_cannot_run_stops_the_command_line(extra):
+    """--eval-global-batch-size gives evaluations their own micro-batch count (3 here, at pp2 and micro-batch 2):
+    interleaving refuses it (not a multiple of pp), DualPipeV too (under 2 pp). Refused when the settings are
+    read, naming the flag, not at the first evaluation after training started (before its checkpoint);
+    accepted without evaluations (--eval-iters 0)."""
+    flags = BASE + ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", *extra]
+    with pytest.raises(ConfigError, match="--eval-global-batch-size 6: an evaluation of 3 micro-batches") as info:
+        parse_settings(flags, 2)
+    assert "\n" not in str(info.value)
+    assert parse_settings(flags + ["--eval-iters", "0"], 2).training.eval_iters == 0
+
+
 @pytest.mark.parametrize("text,name,message", [
     ("lr: 1.0e-3\nseq-length: 32\nlr: 2.0e-3\n", "c.yaml", "'lr' is given twice; keep one"),
     ("seq-length: 32\nseq_length: 64\n", "c.yaml", "'seq-length' and 'seq_length' both set seq_length; keep one"),

@@ -248,7 +248,8 @@ class TrainingConfig:
     """--eval-iters: validation micro-batch groups per evaluation."""
     eval_global_batch_size: int | None = None
     """--eval-global-batch-size: sequences in each evaluation batch (Megatron's; default --global-batch-size): an
-    evaluation reads --eval-iters batches of this size, in micro-batches of --micro-batch-size."""
+    evaluation reads --eval-iters batches of this size, in micro-batches of --micro-batch-size (a count the pipeline
+    schedule takes: checked with the settings)."""
     start_eval_at_iter: int | None = None
     """--start-eval-at-iter: the --eval-interval evaluations start at this iteration (Megatron's; the one after
     training still runs); the validation split is sized for the evaluations that run."""

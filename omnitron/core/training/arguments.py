@@ -620,19 +620,26 @@ def _schedule_final_batch(training: TrainingConfig, seq_length: int) -> int:
 
 
 def _check_schedules(training: TrainingConfig, parallel: ParallelConfig, dp: int, seq_length: int) -> None:
-    """Every micro-batch count the run takes (one, or each of a ramp's) has a pipeline schedule: a schedule's own
-    limits (interleaving needs multiples of pp, DualPipeV 2 pp micro-batches) stop the command line, not the
-    ranks after they started."""
+    """Every micro-batch count the run takes (one, or each of a ramp's, and an evaluation's) has a pipeline
+    schedule: a schedule's own limits (interleaving needs multiples of pp, DualPipeV 2 pp micro-batches) stop the
+    command line, not the ranks after they started (an evaluation's count, from --eval-global-batch-size, would
+    stop them at the first evaluation, before that iteration's checkpoint)."""
     from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
     ramp = "--rampup-batch-size" if training.rampup_batch_size else \
         "--step-batch-size-schedule" if training.step_batch_size_schedule else None
-    for n in batch_ramp(training, dp, seq_length).sizes():
+    counts = [(n, f"{ramp}: a step of {n} micro-batches: " if ramp else "")
+              for n in batch_ramp(training, dp, seq_length).sizes()]
+    if training.eval_iters:  # evaluations run the same schedule's forwards
+        n = training.eval_batch // (training.micro_batch_size * dp)
+        counts.append((n, f"--eval-global-batch-size {training.eval_batch}: an evaluation of {n} micro-batches "
+                          f"(change --eval-global-batch-size, or --eval-iters 0 for none): "))
+    for n, where in counts:
         try:
             cached_schedule(training.pipeline_schedule, parallel.pipeline_model_parallel_size,
                             parallel.virtual_pipeline_model_parallel_size, n)
         except ConfigError as err:
-            raise ConfigError(f"{ramp}: a step of {n} micro-batches: {err}" if ramp else str(err)) from None
+            raise ConfigError(f"{where}{err}") from None
 
 
 _ITER_LR = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")

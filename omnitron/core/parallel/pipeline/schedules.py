@@ -84,8 +84,9 @@ def schedule_interleaved(pp: int, vp: int, num_microbatches: int) -> Schedule:
 
     tables = {}
     for r in range(pp):
-        # NOTE: with m == pp every forward is warm-up (Megatron does the same)
-        warmup = total if m == pp else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
+        # NOTE: m == pp is no special case: Megatron's older releases ran every forward as warm-up then, its
+        # schedules.py at d98e8a6 (get_pp_rank_microbatches) does not, and later ranks hold fewer activations
+        warmup = min((pp - r - 1) * 2 + (vp - 1) * pp, total)
         table = [fwd(k) for k in range(warmup)]
         for j in range(total - warmup):
             table += [fwd(warmup + j), bwd(j)]
