@@ -424,7 +424,7 @@ GPT_OSS = ("--window-size", "3,0", "--window-attn-skip-freq", "2", "--softmax-ty
 
 
 def loop_worker(root: str) -> dict:
-    """The training loop (``omnitron train``'s) with windows and learnable sinks at cp2 over p2p and a2a."""
+    """The training loop (``omnitron train``'s) with windows and learnable sinks at cp2 over p2p, a2a and allgather."""
     from test_cp_comm_types import _train_args
 
     from omnitron.backends import get_backend
@@ -434,7 +434,7 @@ def loop_worker(root: str) -> dict:
     torch.set_num_threads(1)
     return {comm: list(train(parse_settings(_train_args(f"{root}/{comm}", *GPT_OSS, "--context-parallel-size", "2",
                                                         "--cp-comm-type", comm), 2), get_backend())["losses"].values())
-            for comm in ("p2p", "a2a")}
+            for comm in ("p2p", "a2a", "allgather")}
 
 
 @pytest.mark.slow
