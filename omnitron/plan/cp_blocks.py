@@ -25,8 +25,8 @@ its float32 outputs (forward: the block's output and log-sum-exp; backward: dq, 
 ``dout * out`` and a contiguous copy of the log-sum-exp rows) and the positions as int32
 (:func:`fused_block_peak`, written out: the kernel runs only on a GPU or under Triton's interpreter).
 
-Not covered (priced as before, the probes' one-process path): sliding windows and attention sinks under a2a or
-allgather, which run the plain-torch masked softmax over whole scores.
+Sliding windows and attention sinks take the block path under every ``--cp-comm-type`` (a2a and allgather run the
+ring's tiles, the sinks after the merge); the largest block priced is the windowless one, an upper bound.
 """
 from __future__ import annotations
 
@@ -52,11 +52,7 @@ class Block:
 
 def block_path(settings, cfg) -> bool:
     """Whether this layout's attention dropout runs on the cp block kernels with the hash mask (module doc)."""
-    pc = settings.parallel
-    if pc.context_parallel_size == 1 or not cfg.attention_dropout:
-        return False
-    plain = cfg.window_size is None and cfg.softmax_type == "vanilla"
-    return pc.cp_comm_type == "p2p" or plain
+    return settings.parallel.context_parallel_size > 1 and bool(cfg.attention_dropout)
 
 
 def priced_config(settings, cfg):

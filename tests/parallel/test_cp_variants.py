@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnitron.core.config import ParallelConfig
 from omnitron.core.parallel.context import split_sequence
@@ -149,6 +150,76 @@ def test_cp_attention_variants_at_cp4_match_full_attention():
 @requires_sim()
 def test_cp_attention_variants_on_sim_match_full_attention():
     _check_attention(run_distributed(attention_worker, 4, [2, 4], backend="sim"), [2, 4])
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op makes (forward and backward on this thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+# (window, sinks, dropout) at cp2 over s = 2048 rows, hq 4, hkv 2 (a2a then holds 2 query heads, 1 key/value head)
+SCALE_CASES = [((100, 0), True, 0.0), ((100, 0), False, 0.0), (None, True, 0.0), ((100, 0), True, 0.2)]
+
+
+def scale_worker() -> list:
+    """Per case and comm type: (largest tensor made, relative error against float64 attention on the host)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.transformer.cp_attention import cp_attention
+
+    torch.set_num_threads(1)
+    be, out = get_backend(), []
+    groups = ParallelGroups.build(ParallelConfig(context_parallel_size=2), be.collectives)
+    for n, (window, with_sinks, p) in enumerate(SCALE_CASES):
+        g = torch.Generator().manual_seed(300 + n)
+        b, hq, hkv, s, d, scale = 1, 4, 2, 2048, 8, 0.37
+        q, dout = (torch.randn(b, hq, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+        sinks = torch.randn(hq, generator=g, dtype=torch.float64) if with_sinks else None
+        full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        drop = _full_dropout(q.shape, p) if p else None
+        ref = _reference(*full, scale, window, sinks, drop)
+        ref.backward(dout)
+        want = [split_sequence(t, 2, 2, groups.cp.rank) for t in [ref] + [t.grad for t in full]]
+        for comm in ("a2a", "allgather"):
+            m = _module(groups, comm, be)
+            m.tracker.draw_seed = lambda device, name=None: DROP_SEED
+            mine = [split_sequence(t, 2, 2, groups.cp.rank).to(be.device()).requires_grad_(True) for t in (q, k, v)]
+            with _LargestTensor() as largest:
+                o = cp_attention(m, *mine, p, scale=scale, window=window,
+                                 sinks=None if sinks is None else sinks.to(be.device()))
+                o.backward(split_sequence(dout, 2, 2, groups.cp.rank).to(be.device()))
+            got = [o] + [t.grad for t in mine]
+            err = max(((a.cpu() - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
+            out.append(((comm, window, with_sinks, p), largest.most, err))
+    return out
+
+
+def test_all_to_all_and_allgather_windows_and_sinks_make_no_full_scores():
+    """a2a and allgather with a sliding window or sinks run the ring's tiles and blocks (as p2p does), not a masked
+    softmax over ``[b, h/cp, s, s]`` (a2a) or ``[b, h, s/cp, s]`` (allgather) scores: at s = 2048, cp2, those are
+    b hq s^2 / cp = 8.4M elements. What the blocked path may make: a rank's gathered keys and values and its
+    gradients (``[b, h, s, d]``: 65K), the reference kernel's row chunk of scores (``[b, hq, ROW_CHUNK, sk]``, sk <=
+    s: 2.1M, where a block runs on the reference: dropout, masked tiles) and the tiles' masks (128 x 128): all
+    under b hq ROW_CHUNK s, a quarter of the full scores. The results equal float64 attention on one process
+    (forward and every gradient, to TOL: see the top of this file; the keys here are 2048, n u ~ 1e-13)."""
+    from omnitron.kernels.reference.attention_block import ROW_CHUNK
+
+    bound = 1 * 4 * ROW_CHUNK * 2048
+    for rank_result in run_distributed(scale_worker, 2):
+        assert len(rank_result) == 2 * len(SCALE_CASES)
+        for case, most, err in rank_result:
+            assert most <= bound, (case, most, bound)
+            assert err < 1e-11, (case, err)
 
 
 @pytest.mark.parametrize("cp,s_l,left", [(4, 4, 1), (2, 512, 100), (2, 512, 0), (4, 256, 300)])
@@ -353,7 +424,7 @@ GPT_OSS = ("--window-size", "3,0", "--window-attn-skip-freq", "2", "--softmax-ty
 
 
 def loop_worker(root: str) -> dict:
-    """The training loop (``omnitron train``'s) with windows and learnable sinks at cp2 over p2p and a2a."""
+    """The training loop (``omnitron train``'s) with windows and learnable sinks at cp2 over p2p, a2a and allgather."""
     from test_cp_comm_types import _train_args
 
     from omnitron.backends import get_backend
@@ -363,7 +434,7 @@ def loop_worker(root: str) -> dict:
     torch.set_num_threads(1)
     return {comm: list(train(parse_settings(_train_args(f"{root}/{comm}", *GPT_OSS, "--context-parallel-size", "2",
                                                         "--cp-comm-type", comm), 2), get_backend())["losses"].values())
-            for comm in ("p2p", "a2a")}
+            for comm in ("p2p", "a2a", "allgather")}
 
 
 @pytest.mark.slow

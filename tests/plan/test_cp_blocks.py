@@ -116,8 +116,8 @@ def _args(root: str, *extra: str) -> list[str]:
 def test_cp_dropout_layers_save_no_scores_and_one_process_ones_do(tmp_path):
     """Activation term: at cp2 (p2p) a layer with attention dropout is priced as one without (the block kernels
     save only q, k, v, the output and the log-sum-exp); at cp1 the dropout path's [b, heads, s, s] scores and mask
-    stay priced, at least 4 heads x 1024^2 x 5 bytes (fp32 scores, the 1-byte mask) above; a2a and allgather with
-    a sliding window (the masked softmax over whole scores) keep them too, the ring's masked tiles do not."""
+    stay priced, at least 4 heads x 1024^2 x 5 bytes (fp32 scores, the 1-byte mask) above; with a sliding window
+    every comm type runs the ring's tiles (a2a and allgather too, since 2026-12-06), so none keeps them."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
 
@@ -130,9 +130,9 @@ def test_cp_dropout_layers_save_no_scores_and_one_process_ones_do(tmp_path):
     from omnitron.plan.cp_blocks import priced_config
     from omnitron.plan.memory import model_config
 
-    for comm, kept in (("p2p", 0.0), ("a2a", 0.1), ("allgather", 0.1)):
+    for comm in ("p2p", "a2a", "allgather"):
         s = parse_settings(_args(str(tmp_path), *cp2, "--cp-comm-type", comm, "--window-size", "128,0"), 2)
-        assert priced_config(s, model_config(s)).attention_dropout == kept, comm
+        assert priced_config(s, model_config(s)).attention_dropout == 0.0, comm
 
 
 def _peak(args: list[str], root: str):

@@ -19,42 +19,29 @@ included) draws the masks of one process.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from omnitron.core.parallel.context.blocks import BlockedAttention, backend_kernel
 from omnitron.core.parallel.context.layout import chunk_positions
 from omnitron.core.parallel.context.ring import ring_attention
+from omnitron.core.parallel.context.tiles import step_plan
 from omnitron.kernels.hash_dropout import block_positions
-
-
-def _masked(q, k, v, keep: torch.Tensor, scale: float, sinks, drop) -> torch.Tensor:
-    """Attention with a boolean ``keep`` mask (True = attend), optional sinks and hash dropout ``drop`` (a
-    :class:`omnitron.kernels.hash_dropout.HashDropout` of these rows and keys, None without dropout)."""
-    from omnitron.core.transformer.window import sink_attention
-
-    if drop is not None or sinks is not None or k.shape[-1] != v.shape[-1]:  # the plain-torch softmax
-        return sink_attention(q, k, v, keep, sinks, scale, drop=drop)
-    if k.shape[1] != q.shape[1]:  # grouped-query heads: repeat each key/value head for its queries
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
 
 
 def _full(m, p: float, scale: float, window, sinks, seed: int = 0, head0: int = 0):
     """``attend(q, k, v)``: causal attention over a whole sequence (rows in order) on this rank's heads (the first
-    is head ``head0`` of the layer's, for the hash dropout of ``seed``)."""
-    from omnitron.core.transformer.window import keep_mask
+    is head ``head0`` of the layer's, for the hash dropout of ``seed``), with this rank's ``sinks``.
 
+    It runs the ring's blocks on one rank (:class:`.blocks.BlockedAttention` over the tiles of
+    :func:`.tiles.step_plan` for a one-rank ring): one causal block on the backend's flash kernel where it has
+    one (with dropout the fused Triton block on GPUs, the chunked reference elsewhere, drawing the hash masks);
+    under a sliding window only the tiles it reaches, the cut ones masked. No ``[s, s]`` scores are made."""
     kernel = backend_kernel(m.backend)
 
     def attend(q, k, v):
         pos = torch.arange(q.shape[2], device=q.device)
         drop = block_positions(pos, pos, seed, p, head0, q.device)
-        if window is not None or sinks is not None:
-            return _masked(q, k, v, keep_mask(pos, pos, window), scale, sinks, drop)
-        # one causal block on the ring's kernel (the backend's flash kernel where it has one; with dropout the
-        # fused Triton block on GPUs, the chunked reference elsewhere, drawing the hash masks)
-        return BlockedAttention.apply(q, k, v, [(slice(None), slice(None), True)], kernel, scale, drop)
+        tiles = step_plan(0, 0, 1, q.shape[2], True, window, q.device)
+        return BlockedAttention.apply(q, k, v, tiles, kernel, scale, drop, sinks)
 
     return attend
 
@@ -76,13 +63,11 @@ def cp_attention(m, q, k, v, p: float, *, scale: float | None = None, window=Non
         return a2a_attention(q, k, v, group=group,
                              attend=_full(m, p, scale, window, head_slice(sinks, group), seed, head0))
     if comm == "allgather":
-        plain = window is None and sinks is None
         seq = q.shape[2] * group.size
         drop = block_positions(chunk_positions(seq, group.size, group.rank, q.device),
                                torch.arange(seq, device=q.device), seed, p, 0, q.device)
-        return allgather_attention(q, k, v, group=group, kernel=backend_kernel(m.backend) if plain else None,
-                                   scale=scale, window=window, drop=drop,
-                                   attend_masked=lambda q, k, v, keep: _masked(q, k, v, keep, scale, sinks, drop))
+        return allgather_attention(q, k, v, group=group, kernel=backend_kernel(m.backend), scale=scale,
+                                   window=window, drop=drop, sinks=sinks)
     kw = dict(collectives=m.backend.collectives, scale=scale, dropout_p=p, seed=seed,
               kernel=backend_kernel(m.backend), window=window)
     if comm == "a2a+p2p":

@@ -47,52 +47,65 @@ def merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor
 class BlockedAttention(torch.autograd.Function):
     """Attention of ``q`` over ``k, v`` computed block by block with ``kernel`` and merged by log-sum-exp.
 
-    ``tasks`` lists the blocks; every query row must be covered by at least one, and two tasks' row slices are
-    equal or disjoint (the first task of a row slice starts it, later ones merge into it). Forward keeps only the
-    merged output and log-sum-exp (fp32, fp64 for fp64 inputs); backward runs the kernel's backward per
-    block given them, so no ``[sq, sk]`` scores are stored (the all-gather path of context parallelism).
+    ``tasks`` lists the blocks as ``(query rows, key rows, causal)`` or the ring's tiles
+    (:class:`.tiles.Tile`, whose keep ``mask`` runs the reference kernel); every query row must be covered by at
+    least one. Blocks merge from an empty start (``lse = -inf``), so their row slices may overlap. ``sinks [hq]``
+    (optional): one sink logit per query head, entering each row's denominator once after the merge, as in the
+    ring (:func:`add_sinks`). Forward keeps only the merged output and log-sum-exp (fp32, fp64 for fp64 inputs);
+    backward runs the kernel's backward per block given them, so no ``[sq, sk]`` scores are stored (the
+    all-gather and all-to-all paths of context parallelism, sliding windows and sinks included).
     ``drop``: the hash dropout of all of ``q``'s rows against all of ``k``'s (:class:`omnitron.kernels.hash_dropout.
     HashDropout`), narrowed to each task's block (None: no dropout)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, tasks: list[Task], kernel: BlockKernel, scale: float, drop=None):
+    def forward(ctx, q, k, v, tasks: list, kernel: BlockKernel, scale: float, drop=None, sinks=None):
         cdt = torch.promote_types(q.dtype, torch.float32)
-        out = lse = None
-        seen: list[slice] = []  # row slices written so far (a row slice is either one seen before or disjoint)
-        for rows, cols, causal in tasks:
-            o, l = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal=causal, scale=scale,
-                                  drop=_narrow(drop, rows, cols))
-            o, l = o.to(cdt), l.to(cdt)
-            if rows == slice(None) and not seen:  # a block over every row: its result is the start
-                out, lse = o, l
-            elif rows in seen:
-                merge(out[:, :, rows], lse[:, :, rows], o, l)
-            else:
-                if out is None:
-                    out = q.new_empty(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
-                    lse = q.new_empty(q.shape[:3], dtype=cdt)
-                out[:, :, rows], lse[:, :, rows] = o, l
-            seen.append(rows)
+        out = q.new_zeros(q.shape[:3] + v.shape[3:], dtype=cdt)  # v's head dim (MLA: not q's)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
+        for rows, cols, call, kw in _calls(tasks, kernel, scale, drop):
+            o, l = call.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], **kw)
+            merge(out[:, :, rows], lse[:, :, rows], o.to(cdt), l.to(cdt))
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
         ctx.tasks, ctx.kernel, ctx.scale, ctx.drop = tasks, kernel, scale, drop
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cdt, dout = lse.dtype, dout.contiguous()
-        if len(ctx.tasks) == 1 and ctx.tasks[0][:2] == (slice(None), slice(None)):  # one block: its gradients
-            g = ctx.kernel.backward(dout, q, k, v, out, lse, causal=ctx.tasks[0][2], scale=ctx.scale, drop=ctx.drop)
-            return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype), None, None, None, None
+        dsinks = None if sinks is None or not ctx.needs_input_grad[7] else sink_grad(dout, out, lse, sinks)
         dq, dk, dv = (torch.zeros(t.shape, dtype=cdt, device=t.device) for t in (q, k, v))
-        for rows, cols, causal in ctx.tasks:
-            g = ctx.kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-                                    lse[:, :, rows], causal=causal, scale=ctx.scale,
-                                    drop=_narrow(ctx.drop, rows, cols))
+        for rows, cols, call, kw in _calls(ctx.tasks, ctx.kernel, ctx.scale, ctx.drop):
+            g = call.backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
+                              lse[:, :, rows], **kw)
             for acc, part in zip((dq[:, :, rows], dk[:, :, cols], dv[:, :, cols]), g):
                 acc += part
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks
+
+
+def _calls(tasks: list, kernel: BlockKernel, scale: float, drop):
+    """``(rows, cols, kernel, keyword arguments)`` per task: a task with a keep mask runs the reference (only it
+    takes a mask), the others ``kernel``; each with its block's dropout."""
+    for rows, cols, causal, *mask in tasks:
+        mask = mask[0] if mask else None
+        kw = dict(causal=causal, scale=scale, drop=_narrow(drop, rows, cols))
+        yield rows, cols, (kernel if mask is None else REFERENCE), kw if mask is None else {**kw, "mask": mask}
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o', L')``: the merged output and log-sum-exp with each head's sink logit in the denominator once."""
+    a = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    new = torch.logaddexp(lse, a)
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``d sinks [hq]`` given the final output and log-sum-exp (sink included) of these query rows."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [b, hq, s]
+    return -(torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def _narrow(drop, rows: slice, cols: slice):

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, merge
+from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, add_sinks, merge, sink_grad
 from omnitron.core.parallel.context.layout import chunk_positions
 from omnitron.core.parallel.context.tiles import _step_slices, step_plan  # noqa: F401 - tests read _step_slices
 from omnitron.kernels.hash_dropout import block_positions
@@ -105,19 +105,6 @@ class _Step:
         return self
 
 
-def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o', L')``: the merged output and log-sum-exp with each head's sink logit in the denominator once."""
-    a = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
-    new = torch.logaddexp(lse, a)
-    return out * torch.exp(lse - new).unsqueeze(-1), new
-
-
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """``d sinks [hq]`` given the final output and log-sum-exp (sink included) of these query rows."""
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [b, hq, s]
-    return -(torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
-
-
 class RingAttention(torch.autograd.Function):
     """forward: ring attention over the cp group; backward: the ring in reverse for dk/dv (and the sinks).
 
@@ -150,7 +137,7 @@ class RingAttention(torch.autograd.Function):
                 received = nxt
             kv = nxt
         if sinks is not None:
-            out, lse = _add_sinks(out, lse, sinks)
+            out, lse = add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse, sinks, received)
         return result

@@ -12,7 +12,8 @@ are repeated per query head first, grouped-query attention's expansion).
 rank's queries attend over the whole sequence with the causal mask of their global positions: as blocks on the
 backend's block kernel (the ring's flash kernel with log-sum-exp; with attention dropout the hash masks of
 :mod:`omnitron.kernels.hash_dropout` at the rows' global positions, drawn inside the fused Triton block on GPUs
-and by the chunked reference on the CPU), or with a sliding window or sinks through a masked attention.
+and by the chunked reference on the CPU); with a sliding window or sinks, the ring's tiles (:mod:`.tiles`) against
+each rank's gathered block, the sinks added after the merge: no ``[s/cp, s]`` scores on either.
 
 Both are differentiable (the collectives' backward is the reverse collective) and give the one-process
 result up to the attention kernel's rounding.
@@ -23,6 +24,7 @@ import torch
 
 from omnitron.core.parallel.context.blocks import BlockedAttention
 from omnitron.core.parallel.context.layout import chunk_positions
+from omnitron.core.parallel.context.tiles import step_plan
 from omnitron.core.parallel.tensor.mappings import gather_from_sp
 from omnitron.core.transformer.moe.dispatch import all_to_all
 
@@ -86,28 +88,45 @@ def allgather_tasks(local_length: int, group) -> list:
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, attend_masked=None,
-                        kernel=None, scale: float | None = None, window=None, drop=None) -> torch.Tensor:
+                        kernel=None, scale: float | None = None, window=None, drop=None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's queries against the all-gathered keys and values. With ``kernel`` (a :class:`.blocks.BlockKernel`)
-    the causal blocks of :func:`allgather_tasks` run on it and merge by log-sum-exp (no mask, no scores; ``drop``:
-    the hash dropout of this rank's rows against the whole sequence, :mod:`omnitron.kernels.hash_dropout`);
-    otherwise ``attend_masked(q, k, v, keep)`` with a boolean ``keep [s_q, s_k]`` (True = attend: causal, within
-    the sliding ``window`` of :mod:`omnitron.core.transformer.window` when given)."""
+    the causal blocks run on it and merge by log-sum-exp (no ``[s/cp, s]`` scores; ``drop``: the hash dropout of
+    this rank's rows against the whole sequence in order, :mod:`omnitron.kernels.hash_dropout`): those of
+    :func:`allgather_tasks`, or with a sliding ``window`` or ``sinks [hq]`` the ring's tiles against each rank's
+    gathered block (:func:`_ring_tiles`). Without ``kernel``: ``attend_masked(q, k, v, keep)`` with a boolean
+    ``keep [s_q, s_k]`` (True = attend: causal, within the sliding ``window`` of
+    :mod:`omnitron.core.transformer.window` when given)."""
     seq = q.shape[2] * group.size
     order = _order(seq, group, q.device)
     natural = torch.argsort(order)
 
-    def gather(t):  # [b, h, s_l, d] -> [b, h, s, d] in sequence order (gradient: reduce-scatter)
+    def gather(t, rows=natural):  # [b, h, s_l, d] -> [b, h, s, d], rows in ``rows`` order (gradient: reduce-scatter)
         full = gather_from_sp(t.permute(2, 0, 1, 3).contiguous(), group, grad_is_partial=True)
-        return full.index_select(0, natural).permute(1, 2, 0, 3)
+        return (full if rows is None else full.index_select(0, rows)).permute(1, 2, 0, 3)
 
-    if window is not None and kernel is not None:
-        raise ValueError("allgather attention: a sliding window runs on attend_masked, not on the block kernel")
     if kernel is not None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return BlockedAttention.apply(q, gather(k), gather(v), allgather_tasks(q.shape[2], group), kernel, scale,
-                                      drop)
+        if window is None and sinks is None:
+            return BlockedAttention.apply(q, gather(k), gather(v), allgather_tasks(q.shape[2], group), kernel, scale,
+                                          drop)
+        drop = None if drop is None else drop._replace(k_pos=drop.k_pos[order])  # keys in the ranks' order
+        tiles = _ring_tiles(q.shape[2], group, window, q.device)
+        return BlockedAttention.apply(q, gather(k, None), gather(v, None), tiles, kernel, scale, drop, sinks)
     from omnitron.core.transformer.window import keep_mask
 
     keep = keep_mask(chunk_positions(seq, group.size, group.rank, q.device), torch.arange(seq, device=q.device),
                      window)
     return attend_masked(q, gather(k), gather(v), keep)
+
+
+def _ring_tiles(local_length: int, group, window, device) -> list:
+    """The tiles (:func:`.tiles.step_plan`) of this rank's queries against the keys gathered in the ranks' order:
+    rank ``j``'s block is the one the ring brings at step ``rank - j``, its key rows shifted to ``j``'s place."""
+    tiles = []
+    for j in range(group.size):
+        off = j * local_length
+        for t in step_plan((group.rank - j) % group.size, group.rank, group.size, local_length, True, window, device):
+            cols = range(local_length)[t.cols]
+            tiles.append(t._replace(cols=slice(off + cols.start, off + cols.stop)))
+    return tiles
