@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import random
+import time
 
 import pytest
 
@@ -130,6 +131,30 @@ def test_exit_duration_stops_saves_and_says_so(tmp_path, caplog):
     assert result["iteration"] == 1
     assert open(save / "latest").read() == "iter_0000001"
     assert "stopping after iteration 1 (checkpoint saved at 1)" in caplog.text
+
+
+def test_exit_duration_counts_the_startup(tmp_path, monkeypatch):
+    """--exit-duration-in-mins counts from the job's start, as Megatron's from its program's: a startup (model
+    build, data indexes, checkpoint load) longer than the limit leaves time for one iteration and the save, not
+    for the whole run (which counted from the loop's start used to run on past a scheduler's time limit)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training import loop
+
+    limit_s = 3.0
+    build = loop.build_components
+
+    def slow_startup(*args, **kwargs):
+        time.sleep(limit_s + 0.5)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "build_components", slow_startup)
+    save = tmp_path / "ck"
+    # NOTE: 3 tiny iterations take well under the 3 s limit on their own (about 0.1 s each, 0.7 s loaded)
+    settings = parse_settings(BASE + ["--exit-duration-in-mins", str(limit_s / 60), "--train-iters", "3",
+                                      "--save", str(save), "--save-interval", "1000", "--no-tensorboard",
+                                      "--log-dir", str(tmp_path), "--num-workers", "0"], 1)
+    result = loop.train(settings, get_backend("cpu"))
+    assert result["iteration"] == 1 and open(save / "latest").read() == "iter_0000001"
 
 
 def test_newer_aliases_equal_omnitron_spelling():

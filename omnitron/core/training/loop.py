@@ -229,7 +229,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                                       device=backend.current_device(), minmax_count=lg.straggler_minmax_count,
                                       host_clock_only=backend.capabilities().streams, rank=c.groups.rank)
     stop = StopFlag(enabled=ck.save_on_signal)
-    deadline = time.monotonic() + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
+    # NOTE: from the job's start, not the loop's: a job sized to a scheduler's time limit must save before it
+    deadline = settings.started_at + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
     valid, stopping = ValidationStream(c), False  # one validation stream over the run, as Megatron
@@ -264,7 +265,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
             if _due(c.iteration, t.eval_interval) and c.valid_data is not None and (
                     t.start_eval_at_iter is None or c.iteration >= t.start_eval_at_iter):
                 validation.append(_evaluate_split(c, valid, "validation", house, watchdog, logger))
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and time.time() >= deadline:
                 stop.requested = True  # --exit-duration-in-mins: agreed over the ranks like a signal
             stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
