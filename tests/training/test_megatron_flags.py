@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import random
+import time
 
 import pytest
 
@@ -130,6 +131,64 @@ def test_exit_duration_stops_saves_and_says_so(tmp_path, caplog):
     assert result["iteration"] == 1
     assert open(save / "latest").read() == "iter_0000001"
     assert "stopping after iteration 1 (checkpoint saved at 1)" in caplog.text
+
+
+def test_exit_duration_counts_the_startup(tmp_path, monkeypatch):
+    """--exit-duration-in-mins counts from the job's start, as Megatron's from its program's: a startup (model
+    build, data indexes, checkpoint load) longer than the limit leaves time for one iteration and the save, not
+    for the whole run (which counted from the loop's start used to run on past a scheduler's time limit)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training import loop
+
+    limit_s = 3.0
+    build = loop.build_components
+
+    def slow_startup(*args, **kwargs):
+        time.sleep(limit_s + 0.5)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "build_components", slow_startup)
+    save = tmp_path / "ck"
+    # NOTE: 3 tiny iterations take well under the 3 s limit on their own (about 0.1 s each, 0.7 s loaded)
+    settings = parse_settings(BASE + ["--exit-duration-in-mins", str(limit_s / 60), "--train-iters", "3",
+                                      "--save", str(save), "--save-interval", "1000", "--no-tensorboard",
+                                      "--log-dir", str(tmp_path), "--num-workers", "0"], 1)
+    result = loop.train(settings, get_backend("cpu"))
+    assert result["iteration"] == 1 and open(save / "latest").read() == "iter_0000001"
+
+
+@pytest.mark.parametrize("cause", ["duration", "signal"])
+def test_a_stopping_run_ends_its_evaluation_early(cause, tmp_path, monkeypatch, caplog):
+    """Megatron's evaluate checks --exit-duration-in-mins between its batches and gives up the evaluation, so the
+    save comes before a scheduler's time limit; omnitron also on a stop signal. Here the limit is past once the
+    first iteration ends (the job started an hour ago, the limit is 30 minutes), or SIGTERM arrives as the first
+    evaluation starts: the evaluation reads one of its 3 batches, logs no validation loss, and the run saves
+    iteration 1 and stops. It used to read all 3 and log their loss first."""
+    import signal
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training import loop
+
+    evaluate, batches = loop.evaluate, []
+
+    def counted(c, data_iterator, *args):
+        if cause == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler (the run's StopFlag) only sets the flag
+        return evaluate(c, (batches.append(b) or b for b in data_iterator), *args)
+
+    monkeypatch.setattr(loop, "evaluate", counted)
+    save = tmp_path / "ck"
+    limit = ["--exit-duration-in-mins", "30"] if cause == "duration" else []
+    settings = parse_settings(BASE + [*limit, "--train-iters", "5", "--eval-interval", "1", "--eval-iters", "3",
+                                      "--save", str(save), "--no-tensorboard", "--log-dir", str(tmp_path),
+                                      "--num-workers", "0"], 1)
+    settings.started_at -= 3600.0
+    with caplog.at_level(logging.INFO, logger="omnitron.train"):
+        result = loop.train(settings, get_backend("cpu"))
+    assert result["iteration"] == 1 and open(save / "latest").read() == "iter_0000001"
+    mbs_per_batch = settings.eval_microbatches
+    assert result["validation"] == [] and result["test"] is None and len(batches) == mbs_per_batch
+    assert "validation after iteration 1 stopped unfinished: the run is stopping" in caplog.text
 
 
 def test_newer_aliases_equal_omnitron_spelling():

@@ -25,7 +25,8 @@ import inspect
 import json
 import logging
 import os
-from dataclasses import MISSING, dataclass, fields
+import time
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from omnitron.core.config.parallel import ConfigError, ParallelConfig, data_parallel_size
@@ -413,6 +414,10 @@ class Settings:
     """The merged flat settings: what was given (preset, file, flags)."""
     model_type: str = "gpt"
     """``--model-type``: the model family's registered name (``gpt``, ``bert``, ``t5``, ``multimodal``, ...)."""
+    started_at: float = field(default_factory=time.time, compare=False)
+    """When the job started (``time.time()`` as the settings were built; spawned workers get the launcher's):
+    --exit-duration-in-mins counts from here, so the startup (model build, data indexes, checkpoint load) counts
+    towards the limit, as Megatron counts from its program's start."""
 
     @property
     def dp(self) -> int:

@@ -63,13 +63,19 @@ class ValidationStream:
         return self.iterator
 
 
-def _evaluate_split(c, batches, split: str, house, watchdog, logger) -> dict:
+def _evaluate_split(c, batches, split: str, house, watchdog, logger, stop) -> dict | None:
     """One evaluation (--eval-iters global batches from ``batches()``) of the ``split`` ("validation" or
-    "test"), logged; returns its record."""
+    "test"), logged; returns its record, or None when ``stop()`` (the run is stopping: asked between batches)
+    ended it unfinished."""
     house.before_eval_or_save()
     c.schedule = c.schedule_for(c.settings.eval_microbatches)  # --eval-global-batch-size (full-size under a ramp)
     with watchdog.deadline(f"{split} after iteration {c.iteration}"):
-        val = evaluate(c, batches(), c.settings.training.eval_iters)
+        val = evaluate(c, batches(), c.settings.training.eval_iters, stop)
+    if val is None:
+        house.after_eval()
+        if c.groups.rank == 0:
+            log.info("%s after iteration %d stopped unfinished: the run is stopping", split, c.iteration)
+        return None
     if split == "test":
         val = {"test_loss": val["val_loss"], "test_ppl": val["val_ppl"]}
     logger.validation(c.iteration, val, c.consumed_samples)
@@ -77,16 +83,20 @@ def _evaluate_split(c, batches, split: str, house, watchdog, logger) -> dict:
     return {"iteration": c.iteration, **val}
 
 
-def _final_evaluations(c, valid, validation: list, house, watchdog, logger) -> dict | None:
+def _final_evaluations(c, valid, validation: list, house, watchdog, logger, stop) -> dict | None:
     """After training (not after an early stop), as Megatron: the validation split once more (its next
-    batches, appended to ``validation``), then the test split; returns the test record (None without one)."""
+    batches, appended to ``validation``), then the test split; returns the test record (None without one, or
+    when ``stop()`` ended an evaluation)."""
     if not c.settings.training.eval_iters:
         return None
     if c.valid_data is not None:
-        validation.append(_evaluate_split(c, valid, "validation", house, watchdog, logger))
+        record = _evaluate_split(c, valid, "validation", house, watchdog, logger, stop)
+        if record is None:
+            return None
+        validation.append(record)
     if c.test_data is None:
         return None
-    return _evaluate_split(c, lambda: data_iterator(c, c.test_data, 0), "test", house, watchdog, logger)
+    return _evaluate_split(c, lambda: data_iterator(c, c.test_data, 0), "test", house, watchdog, logger, stop)
 
 
 def _throughput(c, step_time: float, batch: int) -> dict:
@@ -229,7 +239,11 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                                       device=backend.current_device(), minmax_count=lg.straggler_minmax_count,
                                       host_clock_only=backend.capabilities().streams, rank=c.groups.rank)
     stop = StopFlag(enabled=ck.save_on_signal)
-    deadline = time.monotonic() + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
+    # NOTE: from the job's start, not the loop's: a job sized to a scheduler's time limit must save before it
+    deadline = settings.started_at + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
+
+    def time_up() -> bool:  # --exit-duration-in-mins or a stop signal, agreed over the ranks
+        return stop.agreed_or_past(deadline, backend.collectives, backend.current_device())
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
     valid, stopping = ValidationStream(c), False  # one validation stream over the run, as Megatron
@@ -263,10 +277,9 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
             house.after_step(c.iteration)
             if _due(c.iteration, t.eval_interval) and c.valid_data is not None and (
                     t.start_eval_at_iter is None or c.iteration >= t.start_eval_at_iter):
-                validation.append(_evaluate_split(c, valid, "validation", house, watchdog, logger))
-            if deadline is not None and time.monotonic() >= deadline:
-                stop.requested = True  # --exit-duration-in-mins: agreed over the ranks like a signal
-            stopping = stop.agreed(backend.collectives, backend.current_device()) or _due(c.iteration, t.exit_interval)
+                record = _evaluate_split(c, valid, "validation", house, watchdog, logger, time_up)
+                validation += [record] if record is not None else []  # None: time_up() below says so too
+            stopping = time_up() or _due(c.iteration, t.exit_interval)
             if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
                 _check_before_save(c)
                 house.before_eval_or_save()
@@ -284,7 +297,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                     log.info("stopping after iteration %d%s", c.iteration,
                              f" (checkpoint saved at {saved_at})" if saved_at == c.iteration else "")
                 break
-        test = _final_evaluations(c, valid, validation, house, watchdog, logger) if not stopping else None
+        test = _final_evaluations(c, valid, validation, house, watchdog, logger, time_up) if not stopping else None
         checkpointing.finish_saves(c)  # --async-save: the last background write, committed
         if saved_at != c.iteration:  # written with the last save otherwise
             _write_expert_load(c)

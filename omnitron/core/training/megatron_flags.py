@@ -166,7 +166,8 @@ ALIASES: dict[str, tuple[str, dict]] = {
     "special_tokens": ("same as --tokenizer-special-tokens (Megatron's multimodal spelling)",
                        {"nargs": "+", "metavar": "TOKEN"}),
     "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
-                            "turns it off)", {"action": "store_true"}),
+                            "turns it off); an evaluation under way ends between its batches, unlogged (Megatron's "
+                            "evaluate does so for --exit-duration-in-mins alone)", {"action": "store_true"}),
     "rope_type": ("yarn: multi-latent attention's YaRN of --rotary-scaling-factor (its default); rope: MLA's plain "
                   "RoPE, the factor unused (refused where Megatron would still scale the softmax by "
                   "m(--rotary-scaling-factor, --mscale-all-dim)^2); without MLA rope only",

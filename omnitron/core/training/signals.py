@@ -56,6 +56,13 @@ class StopFlag:
             collectives.all_reduce(flag, op=ReduceOp.MAX)
         return bool(flag.item() > 0)
 
+    def agreed_or_past(self, deadline: float | None, collectives, device=None) -> bool:
+        """:meth:`agreed`, a rank whose clock (``time.time()``) is past ``deadline`` (--exit-duration-in-mins;
+        None: none) counting as signalled."""
+        if deadline is not None and time.time() >= deadline:
+            self.requested = True
+        return self.agreed(collectives, device)
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

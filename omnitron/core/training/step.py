@@ -166,17 +166,24 @@ PPL_LOSS_CAP = 20.0
 
 
 @torch.no_grad()
-def evaluate(c, data_iterator: Iterator, eval_iters: int) -> dict:
-    """Mean loss over ``eval_iters`` global batches of the validation split; dropout off."""
+def evaluate(c, data_iterator: Iterator, eval_iters: int, stop=None) -> dict | None:
+    """Mean loss over ``eval_iters`` global batches of the validation split; dropout off. ``stop()``, asked
+    between batches (collective: the same answer on every rank), True ends the evaluation unfinished and it
+    returns None: Megatron's --exit-duration-in-mins check inside evaluate, so that a long evaluation does
+    not keep the job past its time limit."""
     for m in c.modules:
         m.eval()
     it = _stage_iterator(c, data_iterator)
-    runs = [_run(c, it, forward_only=True, loss_scale=None) for _ in range(eval_iters)]
+    runs = []
+    while len(runs) < eval_iters and (not runs or stop is None or not stop()):
+        runs.append(_run(c, it, forward_only=True, loss_scale=None))
     for chunk in c.chunks:
         if isinstance(chunk, FullyShardedDataParallel):  # FSDP2 keeps the root gathered after a forward
             chunk.reshard()
     for m in c.modules:
         m.train()
+    if len(runs) < eval_iters:
+        return None
     if c.settings.training.calculate_per_token_loss:  # every token of every evaluated batch weighs the same
         val = sum(loss * n for loss, n in runs) / max(sum(n for _, n in runs), 1.0)
     else:
