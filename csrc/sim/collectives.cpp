@@ -47,6 +47,46 @@ at::Tensor stage_out(const at::Tensor& t) {
   return t.is_privateuseone() ? at::empty(t.sizes(), t.options().device(c10::kCPU)) : t;
 }
 
+// NCCL's tensor rule (ProcessGroupNCCL's checks, before any work): a collective's single tensor must be contiguous
+// in its suggested memory format, each tensor of a list non-overlapping and dense; point-to-point only warns.
+// gloo takes any layout, so without this a strided view passes here and fails on the GPU.
+enum class Layout { contiguous, dense };
+
+void require_layout(const char* op, const at::Tensor& t, Layout rule) {
+  if (!t.is_privateuseone()) return;
+  bool single = rule == Layout::contiguous;
+  bool ok = single ? t.is_contiguous(t.suggest_memory_format()) : t.is_non_overlapping_and_dense();
+  TORCH_CHECK_VALUE(ok, "sim: ", op, " was given a ", single ? "non-contiguous" : "non-dense", " tensor (sizes ",
+                    t.sizes(), ", strides ", t.strides(), "), which NCCL refuses (\"Tensors must be ",
+                    single ? "contiguous" : "non-overlapping and dense", "\"): pass a .contiguous() copy");
+}
+
+void require_layout(const char* op, const Tensors& ts, Layout rule) {
+  for (const auto& t : ts) require_layout(op, t, rule);
+}
+
+void require_layout(const char* op, const std::vector<Tensors>& tss, Layout rule) {
+  for (const auto& ts : tss) require_layout(op, ts, rule);
+}
+
+// NCCL's point-to-point moves numel() elements from a tensor's first byte whatever its strides (it only warns): a
+// dense tensor in another layout travels in memory order, so send and receive see the same bytes as on the GPU; a
+// tensor with gaps would move bytes that are not its elements, so it is refused here.
+Tensors p2p_views(const char* op, const Tensors& ts) {
+  Tensors views;
+  for (const auto& t : ts) {
+    if (!t.is_privateuseone() || t.is_contiguous()) {
+      views.push_back(t);
+      continue;
+    }
+    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "sim: ", op, " was given a tensor with gaps (sizes ", t.sizes(),
+                      ", strides ", t.strides(), "): NCCL moves numel() elements from its first byte, which are not "
+                      "its elements; pass a .contiguous() tensor");
+    views.push_back(t.as_strided({t.numel()}, {1}));
+  }
+  return views;
+}
+
 // Host buffers of one collective and the device tensors they are copied back into.
 struct Staging {
   std::vector<std::pair<at::Tensor, at::Tensor>> back;  // (device, host)
@@ -457,24 +497,28 @@ class SimCollectives final : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
+    require_layout("broadcast", ts, Layout::contiguous);
     Staging s;
     auto h = s.in(ts, true);
     return settle(submit("broadcast", fingerprint(ts, "root=" + std::to_string(o.rootRank)), s,
                          [g = gloo_, h, o]() mutable { return g->broadcast(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
+    require_layout("all_reduce", ts, Layout::contiguous);
     Staging s;
     auto h = s.in(ts, true);
     return settle(submit("all_reduce", fingerprint(ts, reduce_name(o.reduceOp)), s,
                          [g = gloo_, h, o]() mutable { return g->allreduce(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) override {
+    require_layout("all_reduce_coalesced", ts, Layout::dense);
     Staging s;
     auto h = s.in(ts, true);
     return submit("all_reduce_coalesced", fingerprint(ts, reduce_name(o.reduceOp)), s,
                   [g = gloo_, h, o]() mutable { return g->allreduce_coalesced(h, o); });
   }
   c10::intrusive_ptr<c10d::Work> reduce(Tensors& ts, const c10d::ReduceOptions& o) override {
+    require_layout("reduce", ts, Layout::contiguous);
     Staging s;
     auto h = s.in(ts, true);
     return settle(submit("reduce", fingerprint(ts, reduce_name(o.reduceOp) + " root=" + std::to_string(o.rootRank)), s,
@@ -482,6 +526,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<Tensors>& outs, Tensors& ins,
                                            const c10d::AllgatherOptions& o) override {
+    require_layout("all_gather", ins, Layout::contiguous);
+    require_layout("all_gather", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -490,6 +536,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& o) override {
+    require_layout("all_gather_into_tensor", in, Layout::contiguous);
+    require_layout("all_gather_into_tensor", out, Layout::contiguous);
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
@@ -498,6 +546,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::AllgatherOptions& o) override {
+    require_layout("all_gather_into_tensor_coalesced", ins, Layout::dense);
+    require_layout("all_gather_into_tensor_coalesced", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -506,6 +556,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<Tensors>& outs, Tensors& ins,
                                         const c10d::GatherOptions& o) override {
+    require_layout("gather", ins, Layout::contiguous);
+    require_layout("gather", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -514,6 +566,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> scatter(Tensors& outs, std::vector<Tensors>& ins,
                                          const c10d::ScatterOptions& o) override {
+    require_layout("scatter", outs, Layout::contiguous);
+    require_layout("scatter", ins, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -522,6 +576,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(Tensors& outs, std::vector<Tensors>& ins,
                                                 const c10d::ReduceScatterOptions& o) override {
+    require_layout("reduce_scatter", outs, Layout::contiguous);
+    require_layout("reduce_scatter", ins, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -530,6 +586,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& o) override {
+    require_layout("reduce_scatter_tensor", in, Layout::contiguous);
+    require_layout("reduce_scatter_tensor", out, Layout::contiguous);
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
@@ -538,6 +596,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::ReduceScatterOptions& o) override {
+    require_layout("reduce_scatter_tensor_coalesced", ins, Layout::dense);
+    require_layout("reduce_scatter_tensor_coalesced", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -547,6 +607,8 @@ class SimCollectives final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                                                std::vector<int64_t>& in_splits,
                                                const c10d::AllToAllOptions& o) override {
+    require_layout("all_to_all_single", in, Layout::contiguous);
+    require_layout("all_to_all_single", out, Layout::contiguous);
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
@@ -555,27 +617,32 @@ class SimCollectives final : public c10d::Backend {
     }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override {
+    require_layout("all_to_all", ins, Layout::dense);
+    require_layout("all_to_all", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
     return settle(submit("all_to_all", fingerprint(ins), s,
                          [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }), async_of(o));
   }
-  c10::intrusive_ptr<c10d::Work> send(Tensors& ts, int dst, int tag) override {
+  c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
+    Tensors ts = p2p_views("send", tensors);
     Staging s;
     auto hi = s.in(ts);
     std::string detail = fingerprint(ts, "to rank " + std::to_string(dst) + " tag=" + std::to_string(tag));
     return submit("send", detail, s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); },
                   Order::send, dst, tag);
   }
-  c10::intrusive_ptr<c10d::Work> recv(Tensors& ts, int src, int tag) override {
+  c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
+    Tensors ts = p2p_views("recv", tensors);
     Staging s;
     auto ho = s.out(ts);
     std::string detail = fingerprint(ts, "from rank " + std::to_string(src) + " tag=" + std::to_string(tag));
     return submit("recv", detail, s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); },
                   Order::recv, src, tag);
   }
-  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& ts, int tag) override {
+  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
+    Tensors ts = p2p_views("recv", tensors);
     Staging s;
     auto ho = s.out(ts);
     return submit("recv", fingerprint(ts, "from any rank"), s,
