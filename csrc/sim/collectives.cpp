@@ -87,6 +87,25 @@ Tensors p2p_views(const char* op, const Tensors& ts) {
   return views;
 }
 
+// all_gather_into_tensor's output and reduce_scatter_tensor's input may be the ranks' parts stacked (world, *part)
+// as well as concatenated along dim 0 (torch's documented forms; NCCL checks only numel); gloo takes the
+// concatenation, so a stacked host buffer is handed over as that view of itself.
+at::Tensor as_concatenation(const at::Tensor& whole, const at::Tensor& part, int64_t world) {
+  if (part.dim() == 0 || whole.numel() != part.numel() * world) return whole;  // gloo names a size mismatch
+  std::vector<int64_t> shape(part.sizes().begin(), part.sizes().end());
+  shape[0] *= world;
+  return whole.view(shape);
+}
+
+// all_to_all's per-rank lengths differ when the splits are uneven (MoE dispatch): strict mode compares the rest.
+std::string rows_fingerprint(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "shape=[*";
+  for (int64_t d = 1; d < t.dim(); ++d) os << ", " << t.size(d);
+  os << "] dtype=" << t.scalar_type();
+  return os.str();
+}
+
 // Host buffers of one collective and the device tensors they are copied back into.
 struct Staging {
   std::vector<std::pair<at::Tensor, at::Tensor>> back;  // (device, host)
@@ -540,7 +559,7 @@ class SimCollectives final : public c10d::Backend {
     require_layout("all_gather_into_tensor", out, Layout::contiguous);
     Staging s;
     auto hi = s.in(in);
-    auto ho = s.out(out);
+    auto ho = as_concatenation(s.out(out), hi, getSize());
     return settle(submit("all_gather_into_tensor", fingerprint({in}), s,
                          [g = gloo_, ho, hi, o]() mutable { return g->_allgather_base(ho, hi, o); }), async_of(o));
   }
@@ -589,8 +608,8 @@ class SimCollectives final : public c10d::Backend {
     require_layout("reduce_scatter_tensor", in, Layout::contiguous);
     require_layout("reduce_scatter_tensor", out, Layout::contiguous);
     Staging s;
-    auto hi = s.in(in);
     auto ho = s.out(out);
+    auto hi = as_concatenation(s.in(in), ho, getSize());
     return settle(submit("reduce_scatter_tensor", fingerprint({out}, reduce_name(o.reduceOp)), s,
                          [g = gloo_, ho, hi, o]() mutable { return g->_reduce_scatter_base(ho, hi, o); }), async_of(o));
   }
@@ -612,9 +631,10 @@ class SimCollectives final : public c10d::Backend {
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return settle(submit("all_to_all_single", fingerprint({in}), s, [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
+    auto launch = [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
       return g->alltoall_base(ho, hi, out_splits, in_splits, o);
-    }), async_of(o));
+    };
+    return settle(submit("all_to_all_single", rows_fingerprint(in), s, launch), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override {
     require_layout("all_to_all", ins, Layout::dense);
@@ -622,8 +642,9 @@ class SimCollectives final : public c10d::Backend {
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
-    return settle(submit("all_to_all", fingerprint(ins), s,
-                         [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }), async_of(o));
+    std::string detail = "x" + std::to_string(ins.size()) + " dtype=" + c10::toString(ins[0].scalar_type());
+    return settle(submit("all_to_all", detail, s, [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }),
+                  async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
     Tensors ts = p2p_views("send", tensors);
