@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
 #include <chrono>
 #include <condition_variable>
@@ -636,15 +637,38 @@ class SimCollectives final : public c10d::Backend {
     };
     return settle(submit("all_to_all_single", rows_fingerprint(in), s, launch), async_of(o));
   }
+  // gloo's list form needs every tensor one size; NCCL's moves each its own (an uneven dispatch): run it as the
+  // single-tensor form over one flat host buffer each way, the outputs copied back from views of the received one.
   c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override {
     require_layout("all_to_all", ins, Layout::dense);
     require_layout("all_to_all", outs, Layout::dense);
+    TORCH_CHECK_VALUE(!ins.empty() && !outs.empty(), "sim: all_to_all was given an empty tensor list");
+    for (const auto* list : {&ins, &outs})
+      for (const auto& t : *list)
+        TORCH_CHECK_VALUE(t.scalar_type() == ins[0].scalar_type(), "sim: all_to_all was given tensors of types ",
+                          ins[0].scalar_type(), " and ", t.scalar_type(),
+                          " (NCCL: \"Tensors must have identical type\")");
     Staging s;
-    auto hi = s.in(ins);
-    auto ho = s.out(outs);
+    std::vector<int64_t> in_splits, out_splits;
+    Tensors flat;
+    for (const auto& h : s.in(ins)) {
+      flat.push_back(h.reshape({-1}));
+      in_splits.push_back(h.numel());
+    }
+    auto hi = at::cat(flat);
+    for (const auto& t : outs) out_splits.push_back(t.numel());
+    auto ho = at::empty({std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0})},
+                        outs[0].options().device(c10::kCPU));
+    int64_t offset = 0;
+    for (const auto& t : outs) {
+      s.host(t, ho.narrow(0, offset, t.numel()).view(t.sizes()), true);
+      offset += t.numel();
+    }
     std::string detail = "x" + std::to_string(ins.size()) + " dtype=" + c10::toString(ins[0].scalar_type());
-    return settle(submit("all_to_all", detail, s, [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }),
-                  async_of(o));
+    auto launch = [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
+      return g->alltoall_base(ho, hi, out_splits, in_splits, o);
+    };
+    return settle(submit("all_to_all", detail, s, launch), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
     Tensors ts = p2p_views("send", tensors);

@@ -162,8 +162,9 @@ def _part(rank: int, rows: int) -> torch.Tensor:
 
 def forms_nccl_accepts() -> dict:
     """Plain torch.distributed calls NCCL runs and gloo's own checks refuse or strict mode misread: the stacked
-    (world, *part) forms of all_gather_into_tensor and reduce_scatter_tensor, and all_to_all_single whose
-    inputs differ in length between the ranks (uneven splits, as an MoE dispatch sends)."""
+    (world, *part) forms of all_gather_into_tensor and reduce_scatter_tensor, all_to_all_single whose inputs
+    differ in length between the ranks (uneven splits, as an MoE dispatch sends), and all_to_all's list form
+    with tensors of different sizes."""
     import torch.distributed as dist
 
     from omnitron.backends import get_backend
@@ -176,7 +177,10 @@ def forms_nccl_accepts() -> dict:
     send = [1, 2] if rank == 0 else [3, 1]  # rank 0 has 3 rows, rank 1 has 4
     received = torch.zeros(1 + 3 if rank == 0 else 2 + 1, 3, dtype=torch.float64, device=d)
     dist.all_to_all_single(received, _part(rank, sum(send)).to(d), [1, 3] if rank == 0 else [2, 1], send)
-    return {"gathered": gathered.cpu(), "shard": shard.cpu(), "received": received.cpu()}
+    pieces = [torch.zeros(2 + peer, 3, dtype=torch.float64, device=d) for peer in range(2)]  # peer p sends 2 + p
+    dist.all_to_all(pieces, list(_part(rank, 2 * (2 + rank)).to(d).split(2 + rank)))
+    return {"gathered": gathered.cpu(), "shard": shard.cpu(), "received": received.cpu(),
+            "pieces": [p.cpu() for p in pieces]}
 
 
 def test_forms_nccl_accepts_match_plain_torch():
@@ -190,3 +194,5 @@ def test_forms_nccl_accepts_match_plain_torch():
         assert torch.equal(r["gathered"], torch.stack(parts2)), r["gathered"]
         assert torch.equal(r["shard"], (parts4[0] + parts4[1])[2 * rank:2 * rank + 2]), r["shard"]
         assert torch.equal(r["received"], torch.cat([chunks[0][rank], chunks[1][rank]])), r["received"]
+        for peer in range(2):  # rank ``peer`` sent its ``rank``-th piece of 2 + peer rows
+            assert torch.equal(r["pieces"][peer], _part(peer, 2 * (2 + peer)).split(2 + peer)[rank]), peer
