@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
 #include <chrono>
 #include <condition_variable>
@@ -45,6 +46,65 @@ at::Tensor stage_in(const at::Tensor& t) {
 
 at::Tensor stage_out(const at::Tensor& t) {
   return t.is_privateuseone() ? at::empty(t.sizes(), t.options().device(c10::kCPU)) : t;
+}
+
+// NCCL's tensor rule (ProcessGroupNCCL's checks, before any work): a collective's single tensor must be contiguous
+// in its suggested memory format, each tensor of a list non-overlapping and dense; point-to-point only warns.
+// gloo takes any layout, so without this a strided view passes here and fails on the GPU.
+enum class Layout { contiguous, dense };
+
+void require_layout(const char* op, const at::Tensor& t, Layout rule) {
+  if (!t.is_privateuseone()) return;
+  bool single = rule == Layout::contiguous;
+  bool ok = single ? t.is_contiguous(t.suggest_memory_format()) : t.is_non_overlapping_and_dense();
+  TORCH_CHECK_VALUE(ok, "sim: ", op, " was given a ", single ? "non-contiguous" : "non-dense", " tensor (sizes ",
+                    t.sizes(), ", strides ", t.strides(), "), which NCCL refuses (\"Tensors must be ",
+                    single ? "contiguous" : "non-overlapping and dense", "\"): pass a .contiguous() copy");
+}
+
+void require_layout(const char* op, const Tensors& ts, Layout rule) {
+  for (const auto& t : ts) require_layout(op, t, rule);
+}
+
+void require_layout(const char* op, const std::vector<Tensors>& tss, Layout rule) {
+  for (const auto& ts : tss) require_layout(op, ts, rule);
+}
+
+// NCCL's point-to-point moves numel() elements from a tensor's first byte whatever its strides (it only warns): a
+// dense tensor in another layout travels in memory order, so send and receive see the same bytes as on the GPU; a
+// tensor with gaps would move bytes that are not its elements, so it is refused here.
+Tensors p2p_views(const char* op, const Tensors& ts) {
+  Tensors views;
+  for (const auto& t : ts) {
+    if (!t.is_privateuseone() || t.is_contiguous()) {
+      views.push_back(t);
+      continue;
+    }
+    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "sim: ", op, " was given a tensor with gaps (sizes ", t.sizes(),
+                      ", strides ", t.strides(), "): NCCL moves numel() elements from its first byte, which are not "
+                      "its elements; pass a .contiguous() tensor");
+    views.push_back(t.as_strided({t.numel()}, {1}));
+  }
+  return views;
+}
+
+// all_gather_into_tensor's output and reduce_scatter_tensor's input may be the ranks' parts stacked (world, *part)
+// as well as concatenated along dim 0 (torch's documented forms; NCCL checks only numel); gloo takes the
+// concatenation, so a stacked host buffer is handed over as that view of itself.
+at::Tensor as_concatenation(const at::Tensor& whole, const at::Tensor& part, int64_t world) {
+  if (part.dim() == 0 || whole.numel() != part.numel() * world) return whole;  // gloo names a size mismatch
+  std::vector<int64_t> shape(part.sizes().begin(), part.sizes().end());
+  shape[0] *= world;
+  return whole.view(shape);
+}
+
+// all_to_all's per-rank lengths differ when the splits are uneven (MoE dispatch): strict mode compares the rest.
+std::string rows_fingerprint(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "shape=[*";
+  for (int64_t d = 1; d < t.dim(); ++d) os << ", " << t.size(d);
+  os << "] dtype=" << t.scalar_type();
+  return os.str();
 }
 
 // Host buffers of one collective and the device tensors they are copied back into.
@@ -457,24 +517,28 @@ class SimCollectives final : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
+    require_layout("broadcast", ts, Layout::contiguous);
     Staging s;
     auto h = s.in(ts, true);
     return settle(submit("broadcast", fingerprint(ts, "root=" + std::to_string(o.rootRank)), s,
                          [g = gloo_, h, o]() mutable { return g->broadcast(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce(Tensors& ts, const c10d::AllreduceOptions& o) override {
+    require_layout("all_reduce", ts, Layout::contiguous);
     Staging s;
     auto h = s.in(ts, true);
     return settle(submit("all_reduce", fingerprint(ts, reduce_name(o.reduceOp)), s,
                          [g = gloo_, h, o]() mutable { return g->allreduce(h, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(Tensors& ts, const c10d::AllreduceCoalescedOptions& o) override {
+    require_layout("all_reduce_coalesced", ts, Layout::dense);
     Staging s;
     auto h = s.in(ts, true);
     return submit("all_reduce_coalesced", fingerprint(ts, reduce_name(o.reduceOp)), s,
                   [g = gloo_, h, o]() mutable { return g->allreduce_coalesced(h, o); });
   }
   c10::intrusive_ptr<c10d::Work> reduce(Tensors& ts, const c10d::ReduceOptions& o) override {
+    require_layout("reduce", ts, Layout::contiguous);
     Staging s;
     auto h = s.in(ts, true);
     return settle(submit("reduce", fingerprint(ts, reduce_name(o.reduceOp) + " root=" + std::to_string(o.rootRank)), s,
@@ -482,6 +546,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<Tensors>& outs, Tensors& ins,
                                            const c10d::AllgatherOptions& o) override {
+    require_layout("all_gather", ins, Layout::contiguous);
+    require_layout("all_gather", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -490,14 +556,18 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
                                                  const c10d::AllgatherOptions& o) override {
+    require_layout("all_gather_into_tensor", in, Layout::contiguous);
+    require_layout("all_gather_into_tensor", out, Layout::contiguous);
     Staging s;
     auto hi = s.in(in);
-    auto ho = s.out(out);
+    auto ho = as_concatenation(s.out(out), hi, getSize());
     return settle(submit("all_gather_into_tensor", fingerprint({in}), s,
                          [g = gloo_, ho, hi, o]() mutable { return g->_allgather_base(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::AllgatherOptions& o) override {
+    require_layout("all_gather_into_tensor_coalesced", ins, Layout::dense);
+    require_layout("all_gather_into_tensor_coalesced", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -506,6 +576,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<Tensors>& outs, Tensors& ins,
                                         const c10d::GatherOptions& o) override {
+    require_layout("gather", ins, Layout::contiguous);
+    require_layout("gather", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -514,6 +586,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> scatter(Tensors& outs, std::vector<Tensors>& ins,
                                          const c10d::ScatterOptions& o) override {
+    require_layout("scatter", outs, Layout::contiguous);
+    require_layout("scatter", ins, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -522,6 +596,8 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(Tensors& outs, std::vector<Tensors>& ins,
                                                 const c10d::ReduceScatterOptions& o) override {
+    require_layout("reduce_scatter", outs, Layout::contiguous);
+    require_layout("reduce_scatter", ins, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -530,14 +606,18 @@ class SimCollectives final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                       const c10d::ReduceScatterOptions& o) override {
+    require_layout("reduce_scatter_tensor", in, Layout::contiguous);
+    require_layout("reduce_scatter_tensor", out, Layout::contiguous);
     Staging s;
-    auto hi = s.in(in);
     auto ho = s.out(out);
+    auto hi = as_concatenation(s.in(in), ho, getSize());
     return settle(submit("reduce_scatter_tensor", fingerprint({out}, reduce_name(o.reduceOp)), s,
                          [g = gloo_, ho, hi, o]() mutable { return g->_reduce_scatter_base(ho, hi, o); }), async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(Tensors& outs, Tensors& ins,
                                                                  const c10d::ReduceScatterOptions& o) override {
+    require_layout("reduce_scatter_tensor_coalesced", ins, Layout::dense);
+    require_layout("reduce_scatter_tensor_coalesced", outs, Layout::dense);
     Staging s;
     auto hi = s.in(ins);
     auto ho = s.out(outs);
@@ -547,35 +627,67 @@ class SimCollectives final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                                                std::vector<int64_t>& in_splits,
                                                const c10d::AllToAllOptions& o) override {
+    require_layout("all_to_all_single", in, Layout::contiguous);
+    require_layout("all_to_all_single", out, Layout::contiguous);
     Staging s;
     auto hi = s.in(in);
     auto ho = s.out(out);
-    return settle(submit("all_to_all_single", fingerprint({in}), s, [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
+    auto launch = [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
       return g->alltoall_base(ho, hi, out_splits, in_splits, o);
-    }), async_of(o));
+    };
+    return settle(submit("all_to_all_single", rows_fingerprint(in), s, launch), async_of(o));
   }
+  // gloo's list form needs every tensor one size; NCCL's moves each its own (an uneven dispatch): run it as the
+  // single-tensor form over one flat host buffer each way, the outputs copied back from views of the received one.
   c10::intrusive_ptr<c10d::Work> alltoall(Tensors& outs, Tensors& ins, const c10d::AllToAllOptions& o) override {
+    require_layout("all_to_all", ins, Layout::dense);
+    require_layout("all_to_all", outs, Layout::dense);
+    TORCH_CHECK_VALUE(!ins.empty() && !outs.empty(), "sim: all_to_all was given an empty tensor list");
+    for (const auto* list : {&ins, &outs})
+      for (const auto& t : *list)
+        TORCH_CHECK_VALUE(t.scalar_type() == ins[0].scalar_type(), "sim: all_to_all was given tensors of types ",
+                          ins[0].scalar_type(), " and ", t.scalar_type(),
+                          " (NCCL: \"Tensors must have identical type\")");
     Staging s;
-    auto hi = s.in(ins);
-    auto ho = s.out(outs);
-    return settle(submit("all_to_all", fingerprint(ins), s,
-                         [g = gloo_, ho, hi, o]() mutable { return g->alltoall(ho, hi, o); }), async_of(o));
+    std::vector<int64_t> in_splits, out_splits;
+    Tensors flat;
+    for (const auto& h : s.in(ins)) {
+      flat.push_back(h.reshape({-1}));
+      in_splits.push_back(h.numel());
+    }
+    auto hi = at::cat(flat);
+    for (const auto& t : outs) out_splits.push_back(t.numel());
+    auto ho = at::empty({std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0})},
+                        outs[0].options().device(c10::kCPU));
+    int64_t offset = 0;
+    for (const auto& t : outs) {
+      s.host(t, ho.narrow(0, offset, t.numel()).view(t.sizes()), true);
+      offset += t.numel();
+    }
+    std::string detail = "x" + std::to_string(ins.size()) + " dtype=" + c10::toString(ins[0].scalar_type());
+    auto launch = [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
+      return g->alltoall_base(ho, hi, out_splits, in_splits, o);
+    };
+    return settle(submit("all_to_all", detail, s, launch), async_of(o));
   }
-  c10::intrusive_ptr<c10d::Work> send(Tensors& ts, int dst, int tag) override {
+  c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
+    Tensors ts = p2p_views("send", tensors);
     Staging s;
     auto hi = s.in(ts);
     std::string detail = fingerprint(ts, "to rank " + std::to_string(dst) + " tag=" + std::to_string(tag));
     return submit("send", detail, s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); },
                   Order::send, dst, tag);
   }
-  c10::intrusive_ptr<c10d::Work> recv(Tensors& ts, int src, int tag) override {
+  c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
+    Tensors ts = p2p_views("recv", tensors);
     Staging s;
     auto ho = s.out(ts);
     std::string detail = fingerprint(ts, "from rank " + std::to_string(src) + " tag=" + std::to_string(tag));
     return submit("recv", detail, s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); },
                   Order::recv, src, tag);
   }
-  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& ts, int tag) override {
+  c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
+    Tensors ts = p2p_views("recv", tensors);
     Staging s;
     auto ho = s.out(ts);
     return submit("recv", fingerprint(ts, "from any rank"), s,

@@ -45,11 +45,11 @@ def _exit_soon() -> None:
 
 
 def _outcome(fn) -> str:
-    """'' when ``fn`` runs silently, else the error's message."""
+    """'' when ``fn`` runs silently, else the error's message (NCCL's argument checks raise ValueError)."""
     try:
         fn()
         return ""
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:
         return str(err)
 
 
@@ -295,3 +295,59 @@ def test_the_gpu_scripts_ground_truth_runs_on_sim(tmp_path):
     assert set(rows) == set(cases.split(",")) and all(r["caught"] for r in rows.values()), rows
     assert "record_stream" in rows["freed_without_record_stream"]["effect"], rows
     assert "race" in rows["cross_stream_read"]["effect"], rows
+
+
+def strided_collectives(p2p: bool) -> dict:
+    """Collectives given strided views (NCCL refuses them before any work, gloo takes them), and with ``p2p``
+    point-to-point given a transposed tensor (NCCL moves its bytes in memory order) and a tensor with gaps."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be, rank = get_backend(), dist.get_rank()
+    d = be.device()
+    grid = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank)).to(d)
+    out = torch.zeros(16, device=d)
+    cases = {
+        "all_reduce": lambda: dist.all_reduce(grid.t()),
+        "broadcast": lambda: dist.broadcast(grid[:, 0], 0),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out.new_zeros(6, 4), grid[:, :3].t()),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(out[::2], torch.ones(16, device=d)),
+        "all_to_all_single": lambda: dist.all_to_all_single(out[:8], grid[:2, :4].t()),
+    }
+    result = {op: _outcome(call) for op, call in cases.items()}
+    if not p2p:
+        return result
+    peer = 1 - rank
+    sent = torch.randn(3, 5, generator=torch.Generator().manual_seed(7)).to(d)
+    got = torch.zeros(5, 3, device=d)
+    if rank == 0:
+        dist.send(sent.t(), peer)  # dense, not contiguous: its bytes are ``sent``'s, row by row
+    else:
+        dist.recv(got, peer)
+    result["transposed"] = got.cpu().double()
+    result["gaps"] = _outcome(lambda: dist.send(grid[:, 0], peer) if rank == 0 else dist.recv(grid[:, 1], peer))
+    return result
+
+
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
+def test_strided_tensors_in_collectives(backend):
+    """sim holds collectives to NCCL's layout rule (a single tensor contiguous, each listed one dense: "Tensors
+    must be contiguous"), which gloo does not have, and moves a point-to-point tensor's bytes as NCCL does: a
+    transposed send arrives in memory order (compared with plain torch's flat view of the sent values; exact,
+    a copy), and one with gaps is refused (NCCL would move bytes that are not its elements)."""
+    p2p = backend == "sim"  # gloo refuses a non-contiguous send ("input tensor has to be contiguous")
+    results = run_distributed(strided_collectives, 2, p2p, backend=backend, env=ENV, timeout_s=90)
+    sent = torch.randn(3, 5, generator=torch.Generator().manual_seed(7)).double()
+    for rank, r in enumerate(results):
+        for op in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+            if backend == "cpu":  # gloo takes the views, except all_to_all_single's
+                assert ("contiguous" in r[op]) if op == "all_to_all_single" else r[op] == "", (op, r[op])
+            else:
+                assert r[op].startswith(f"sim: {op} was given a non-contiguous tensor"), (op, r[op])
+                assert "Tensors must be contiguous" in r[op] and ".contiguous()" in r[op] and "\n" not in r[op], r[op]
+        if rank == 1 and p2p:
+            memory_order = sent.reshape(-1).view(5, 3)  # what a GPU receives
+            assert torch.equal(r["transposed"], memory_order), r["transposed"]
+        if p2p:
+            assert "tensor with gaps" in r["gaps"] and ".contiguous()" in r["gaps"], r["gaps"]

@@ -42,6 +42,10 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   collectives with their groups, call sites and threads. A collective issued while another thread's is
   still queued is an error. ``work.wait()`` blocks the host (the kernels after it run on the host);
   ``wait(timeout)`` raises "timed out" at the bound, as strict mode's deadlock report expects.
+- *NCCL's tensor rules* (gloo has none of them): a collective's single tensor must be contiguous, each of a
+  list dense (``ValueError``, as NCCL's "Tensors must be contiguous"); point-to-point moves a dense tensor's bytes
+  in memory order and refuses one with gaps; the stacked forms of ``all_gather_into_tensor`` and
+  ``reduce_scatter_tensor`` run, as does ``all_to_all``'s list form with tensors of different sizes.
 - *Point-to-point order.* A send publishes how many of its group's collectives were issued before it (in
   the group's store); the receive compares its own count once it completed. A difference deadlocks NCCL
   (the two wait behind each other's collectives): the receiver raises naming both, and the sender's
