@@ -4,6 +4,8 @@ docs/backends.md describes; ``KERNEL`` names the implementations they register (
 to these backends, so no other backend's table can pick them)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from omnitron.backends.base import Backend
@@ -11,7 +13,7 @@ from omnitron.backends.cpu import CPUBackend
 from omnitron.kernels.registry import register
 
 KERNEL = "plugin_test"
-NAMES = ("plugin-wrongsig", "plugin-badimport", "plugin-counting", "plugin-missing")
+NAMES = ("plugin-wrongsig", "plugin-badimport", "plugin-counting", "plugin-missing", "plugin-nofp8")
 
 
 class MissingMethods(Backend):
@@ -70,6 +72,15 @@ class Counting(_OnCPU):
         register("swiglu", KERNEL, counting_swiglu, backends=(self.name,))
 
 
+class NoFP8(Counting):
+    """A device without float8 (its capabilities list no FP8 formats or recipes)."""
+
+    name = "plugin-nofp8"
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), fp8_formats=(), fp8_recipes=(), fp8_gemm=None)
+
+
 TARGETS = ",".join(f"{n}=broken_plugins:{c}" for n, c in zip(NAMES, ("WrongSignature", "BadImport", "Counting",
-                                                                    "MissingMethods")))
-"""``OMNITRON_EXTRA_BACKENDS`` for all four (the tests put tests/backends on ``PYTHONPATH``)."""
+                                                                    "MissingMethods", "NoFP8")))
+"""``OMNITRON_EXTRA_BACKENDS`` for all five (the tests put tests/backends on ``PYTHONPATH``)."""

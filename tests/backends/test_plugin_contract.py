@@ -2,7 +2,8 @@
 ``Backend``'s methods, a kernel module that fails to import, or a kernel that cannot take its op's reference calls
 is refused by ``omnitron info`` / ``omnitron train`` in one line naming the fix, before any worker starts (each was a
 traceback, the first after ``info`` had called the backend usable, the others from every worker at its first
-layer); and ``omnitron bench kernels`` times a plug-in's own kernels (it timed only omnitron's)."""
+layer); ``omnitron bench kernels`` times a plug-in's own kernels (it timed only omnitron's); and ``omnitron info``
+names no FP8 GEMM path on a device without FP8."""
 from __future__ import annotations
 
 import os
@@ -153,3 +154,14 @@ def test_bench_kernels_times_the_plugins_own_kernel(plugins):
     timed = {(r["mode"], r["impl"]) for r in report["rows"] if r["ms"] is not None}
     assert {("fwd", broken_plugins.KERNEL), ("fwd+bwd", broken_plugins.KERNEL)} <= timed, timed
     assert broken_plugins.CALLS["swiglu"] > before
+
+
+def test_info_names_no_fp8_path_on_a_device_without_fp8(plugins, capsys):
+    """``omnitron info`` printed "per-tensor GEMM path emulated" for a backend whose capabilities list no FP8 format,
+    where ``--fp8-format`` is refused: a path that never runs there."""
+    from omnitron.cli import main
+
+    assert main(["info", "--backend", "plugin-nofp8"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 on backend plugin-nofp8: none (formats: none; recipes: none): --fp8-format is refused" in out, out
+    assert "GEMM path" not in out
