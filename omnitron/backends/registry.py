@@ -46,7 +46,8 @@ def _extra_backends() -> dict[str, str]:
     for item in filter(None, (s.strip() for s in os.environ.get(EXTRA_ENV_VAR, "").split(","))):
         name, sep, target = item.partition("=")
         if not sep or ":" not in target:
-            raise ValueError(f"{EXTRA_ENV_VAR} entry {item!r} is not name=module:Class")
+            raise BackendUnavailableError(f"{EXTRA_ENV_VAR} entry {item!r} is not name=module:Class (for example "
+                                          "mychip=mychip_omnitron.backend:MyChipBackend): correct it or unset it")
         found[name.strip().lower()] = target.strip()
     return found
 

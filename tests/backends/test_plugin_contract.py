@@ -165,3 +165,25 @@ def test_info_names_no_fp8_path_on_a_device_without_fp8(plugins, capsys):
     out = capsys.readouterr().out
     assert "FP8 on backend plugin-nofp8: none (formats: none; recipes: none): --fp8-format is refused" in out, out
     assert "GEMM path" not in out
+
+
+def test_a_malformed_extra_backend_entry_is_one_line(monkeypatch, capsys):
+    """``OMNITRON_EXTRA_BACKENDS=mychip`` (no ``=module:Class``) was a ValueError traceback from every command."""
+    from omnitron.cli import main
+
+    monkeypatch.setenv(registry.EXTRA_ENV_VAR, "mychip")
+    registry.reset_cache()
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("omnitron info: error: OMNITRON_EXTRA_BACKENDS entry 'mychip' is not name=module:Class (for example "
+                   "mychip=mychip_omnitron.backend:MyChipBackend): correct it or unset it"), err
+
+
+def test_bench_on_a_backend_that_cannot_run_says_why(plugins, capsys):
+    """``omnitron bench kernels --backend NAME`` for a backend that is not usable here: the registry's reason, not a
+    traceback (as ``train`` and ``info`` say it)."""
+    from omnitron.cli import main
+
+    assert main(["bench", "kernels", "--backend", "plugin-missing", "--size", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omnitron bench: error: backend 'plugin-missing' cannot run here: ") and "Traceback" not in err
