@@ -187,3 +187,13 @@ def test_bench_on_a_backend_that_cannot_run_says_why(plugins, capsys):
     assert main(["bench", "kernels", "--backend", "plugin-missing", "--size", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("omnitron bench: error: backend 'plugin-missing' cannot run here: ") and "Traceback" not in err
+
+
+def test_bench_gemm_reports_no_fp8_rows_on_a_device_without_fp8(plugins):
+    """``omnitron bench gemm`` timed "fp8-tensor" / "fp8-row" / "fp8-block" GEMMs (emulated) on a device whose
+    capabilities list no FP8 format, where FP8 training is refused: rows for a path that never runs there."""
+    from omnitron.bench.gemm import DTYPES, run
+
+    rows = run(registry.get_backend("plugin-nofp8"), sizes=[16], dtypes=list(DTYPES), rounds=1, budget_s=0.01,
+               log=lambda *_: None)
+    assert {r["dtype"] for r in rows} == {"fp32", "bf16", "fp16"}, rows
