@@ -194,12 +194,24 @@ def _check_signature(impl: Implementation, reference: Implementation, backend: s
             f"section 2), or pin the reference with {ENV_VAR}={impl.op}={REFERENCE}")
 
 
+def _check_pins(pins: dict[str, str]) -> None:
+    """Refuse an ``op=name`` pin naming no op, or no implementation of it registered in this process: a typo would
+    otherwise run the reference silently (the run a parity check meant to pin the vendor's kernel for)."""
+    for op, name in pins.items():
+        if op not in ops():
+            raise KernelContractError(f"{ENV_VAR}: {op}={name}: there is no op {op!r} (ops: {', '.join(ops())})")
+        if name not in _OPS[op]:
+            raise KernelContractError(f"{ENV_VAR}: {op}={name}: {op} has no implementation {name!r} here (registered: "
+                                      f"{', '.join(sorted(_OPS[op]))}); correct the name or unset {ENV_VAR}")
+
+
 class KernelTable:
     """The ops resolved for one backend: ``table.rms_norm(x, w, eps)`` runs the best usable version."""
 
     def __init__(self, backend: str, preference: tuple[str, ...]) -> None:
         self.backend = backend
         order, pins = _parse_env()
+        _check_pins(pins)
         self.preference = order or preference
         self.pins = pins
         self._cache: dict[str, _Dispatcher] = {}

@@ -48,7 +48,7 @@ def _refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
     first = out.strip().splitlines()[0]
-    assert first.startswith("omnitron train: error: --backend"), out[-3000:]
+    assert first.startswith("omnitron train: error: "), out[-3000:]
     for needle in needles:
         assert needle in first, first
     return first
@@ -197,3 +197,12 @@ def test_bench_gemm_reports_no_fp8_rows_on_a_device_without_fp8(plugins):
     rows = run(registry.get_backend("plugin-nofp8"), sizes=[16], dtypes=list(DTYPES), rounds=1, budget_s=0.01,
                log=lambda *_: None)
     assert {r["dtype"] for r in rows} == {"fp32", "bf16", "fp16"}, rows
+
+
+@pytest.mark.parametrize("pin, says", [("rmsnorm=plugin_test", "there is no op 'rmsnorm'"),
+                                       ("swiglu=plugin_tset", "swiglu has no implementation 'plugin_tset' here")])
+def test_a_kernel_pin_naming_nothing_is_refused(plugins, monkeypatch, tmp_path, pin, says):
+    """``OMNITRON_KERNELS=op=name`` with a typo in either name ran the reference silently."""
+    monkeypatch.setenv("OMNITRON_KERNELS", pin)
+    line = _refused(_train(tmp_path, "plugin-counting"), f"OMNITRON_KERNELS: {pin}: {says}")
+    assert line.startswith("omnitron train: error: OMNITRON_KERNELS"), line

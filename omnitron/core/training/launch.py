@@ -54,13 +54,13 @@ def precheck(settings) -> None:
 
 def _check_kernels(backend) -> None:
     """The backend's kernel table resolves every op (its kernel module imports, each implementation takes the
-    reference's calls): a broken plug-in is one line here, not a traceback from every worker at its first layer."""
+    reference's calls, ``OMNITRON_KERNELS`` names real ones): one line here, not a traceback from every worker."""
     from omnitron.kernels.registry import KernelContractError
 
     try:
         backend.kernels.table()
     except KernelContractError as err:
-        raise ConfigError(f"--backend {backend.name}: {err}") from None
+        raise ConfigError(str(err)) from None
 
 
 def _check_files(settings) -> None:
