@@ -2,8 +2,10 @@
 ``Backend``'s methods, a kernel module that fails to import, or a kernel that cannot take its op's reference calls
 is refused by ``omnitron info`` / ``omnitron train`` in one line naming the fix, before any worker starts (each was a
 traceback, the first after ``info`` had called the backend usable, the others from every worker at its first
-layer); ``omnitron bench kernels`` times a plug-in's own kernels (it timed only omnitron's); and ``omnitron info``
-names no FP8 GEMM path on a device without FP8."""
+layer); so are a malformed ``OMNITRON_EXTRA_BACKENDS`` entry and an ``OMNITRON_KERNELS`` pin naming nothing (a
+traceback, and a silent reference run); ``omnitron bench kernels`` times a plug-in's own kernels (it timed only
+omnitron's) and refuses an unusable backend in a line; and neither ``omnitron info`` nor ``bench gemm`` reports an
+FP8 GEMM path on a device without FP8."""
 from __future__ import annotations
 
 import os
@@ -186,7 +188,8 @@ def test_bench_on_a_backend_that_cannot_run_says_why(plugins, capsys):
 
     assert main(["bench", "kernels", "--backend", "plugin-missing", "--size", "tiny"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("omnitron bench: error: backend 'plugin-missing' cannot run here: ") and "Traceback" not in err
+    assert err.startswith("omnitron bench: error: backend 'plugin-missing' cannot run here: "), err
+    assert "Traceback" not in err
 
 
 def test_bench_gemm_reports_no_fp8_rows_on_a_device_without_fp8(plugins):
