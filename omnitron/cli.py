@@ -49,7 +49,25 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except Exception as err:
+        if not _setting_error(err):
+            raise
+        print(f"omnitron {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _setting_error(err: Exception) -> bool:
+    """A backend that cannot run here, or a plug-in whose kernels break the registry's contract: the user's choice of
+    backend, said in a line (every command, not only ``train``'s precheck). Looked up where loaded, so the command
+    line does not import torch for the check."""
+    for module, name in (("omnitron.backends.registry", "BackendUnavailableError"),
+                         ("omnitron.kernels.registry", "KernelContractError")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(err, cls):
+            return True
+    return False
 
 
 if __name__ == "__main__":

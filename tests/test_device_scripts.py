@@ -21,6 +21,24 @@ def test_script_parses(name):
     subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", name)], check=True)
 
 
+def _train_commands(text: str) -> list[str]:
+    """Each ``omnitron train --config ...`` command of a shell script, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [line for line in joined.splitlines() if re.search(r"omnitron[\"']? train .*--config", line)]
+
+
+@pytest.mark.parametrize("name", [n for n in SCRIPTS if n.endswith(".sh")] + ["ci_oldest_torch.sh"])
+def test_scripts_save_outside_the_main_jobs_checkpoints(name):
+    """A config's ``save:`` (the main job's runs/moby_dick_tp2_pp2) would get the script's short run as ``latest``
+    and lose older checkpoints to ``keep-last-n``: every script that trains from a config names its own --save."""
+    with open(os.path.join(ROOT, "scripts", name)) as f:
+        for cmd in _train_commands(f.read()):
+            config = re.search(r"--config (\S+\.yaml)", cmd).group(1)
+            with open(os.path.join(ROOT, config)) as c:
+                saves = any(line.startswith("save:") for line in c)
+            assert not saves or "--save " in cmd, f"scripts/{name}: {config} saves into its own folder: {cmd.strip()}"
+
+
 def _dry_run(script, tmp_path):
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", script)], env=env, capture_output=True,

@@ -253,9 +253,13 @@ class Backend(ABC):
         table = getattr(self, "_kernel_table", None)
         if table is not None:
             return table
-        from omnitron.kernels.registry import KernelTable
+        from omnitron.kernels.registry import KernelContractError, KernelTable
 
-        self.register_kernels()
+        try:
+            self.register_kernels()
+        except Exception as err:  # noqa: BLE001 - a plug-in's kernel module: one line naming it, not a traceback
+            raise KernelContractError(f"backend {self.name!r}: register_kernels() failed ({type(err).__name__}: "
+                                      f"{err}); fix the module it imports, or install what that module needs") from err
         self._kernel_table = KernelTable(self.name, self.kernel_preference())
         return self._kernel_table
 

@@ -160,7 +160,11 @@ class FP8Provider:
             log.log(level, msg, *args)
 
     def describe(self) -> str:
-        """One line for logs: the GEMM paths in use and why."""
+        """One line for logs: the GEMM paths in use and why; or that FP8 training is refused here (a backend without
+        FP8 formats or recipes), so ``omnitron info`` names no path that could never run."""
+        if not (self.formats and self.recipes):
+            return (f"FP8 on backend {self.backend.name}: none (formats: {', '.join(self.formats) or 'none'}; "
+                    f"recipes: {', '.join(self.recipes) or 'none'}): --fp8-format is refused")
         return (f"FP8 on backend {self.backend.name}: per-tensor GEMM path {self.path} ({self.path_reason}); "
                 f"block-wise GEMM path {self.block_path}")
 

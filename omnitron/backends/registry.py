@@ -46,7 +46,8 @@ def _extra_backends() -> dict[str, str]:
     for item in filter(None, (s.strip() for s in os.environ.get(EXTRA_ENV_VAR, "").split(","))):
         name, sep, target = item.partition("=")
         if not sep or ":" not in target:
-            raise ValueError(f"{EXTRA_ENV_VAR} entry {item!r} is not name=module:Class")
+            raise BackendUnavailableError(f"{EXTRA_ENV_VAR} entry {item!r} is not name=module:Class (for example "
+                                          "mychip=mychip_omnitron.backend:MyChipBackend): correct it or unset it")
         found[name.strip().lower()] = target.strip()
     return found
 
@@ -60,10 +61,16 @@ def known_backends() -> dict[str, str]:
 
 
 def _load_class(target: str) -> type[Backend]:
+    """The backend class ``module:Class`` names, refused when it could not be instantiated: a plug-in missing one
+    of the contract's methods is "not usable" with their names here, not a traceback after it was reported usable."""
     module, _, attr = target.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise TypeError(f"{target} is not an omnitron Backend subclass")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(f"{cls.__name__} does not implement {', '.join(missing)}: implement every abstract method of "
+                        "omnitron.backends.base.Backend (docs/backends.md, section 1)")
     return cls
 
 

@@ -87,6 +87,8 @@ def run(backend, *, sizes: list[int], dtypes: list[str], model: str | None = Non
             continue  # no tf32 on the CPU
         if dtype not in ("fp32", "tf32") and _TORCH.get(dtype, torch.bfloat16) not in caps.dtypes:
             continue
+        if dtype.startswith("fp8") and not (caps.fp8_formats and caps.fp8_recipes):
+            continue  # a device without float8 (--fp8-format is refused there): no FP8 row to report
         peak = caps.peak("fp8" if dtype.startswith("fp8") else dtype if dtype != "tf32" else "tf32")
         for shape, m, n, k in shapes:
             ms, note = bench_one(backend, dtype, m, n, k, rounds=rounds, budget_s=budget_s)

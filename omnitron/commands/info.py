@@ -28,7 +28,14 @@ def run(args: argparse.Namespace) -> int:
     for field, value in caps.__dict__.items():
         print(f"  {field:16s} {value}")
     print("kernels (op -> implementation tried first):")
-    for op, impl in backend.kernels.table().items():
+    from omnitron.kernels.registry import KernelContractError
+
+    try:
+        table = backend.kernels.table()
+    except KernelContractError as err:
+        print(f"\nerror: {err}")
+        return 1
+    for op, impl in table.items():
         print(f"  {op:24s} {impl}")
     describe = getattr(backend.fp8, "describe", None)
     print(describe() if describe else f"fp8 gemm path: {backend.fp8.path}")

@@ -82,7 +82,9 @@ def _runner(fn, case: Case, mode: str):
 
 
 def _candidates(op: str, spec: OpCases, backend, compile_: bool, case: Case) -> tuple[dict, dict[str, str]]:
-    """(name -> callable to time, name -> reason it declined these arguments)."""
+    """(name -> callable to time, name -> reason it declined these arguments). The backend's kernel table is built
+    first: that registers the implementations its ``register_kernels()`` imports (a plug-in's, cpu's flash blocks)."""
+    backend.kernels  # noqa: B018 - built once, cached
     impls, declined = {"eager": implementations(op)[REFERENCE].fn}, {}
     if spec.native is not None:
         impls["torch"] = spec.native

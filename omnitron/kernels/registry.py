@@ -16,6 +16,7 @@ and the compiler generates the fused kernel itself. Eager calls are unaffected.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -51,6 +52,39 @@ class Implementation:
 
 
 _OPS: dict[str, dict[str, Implementation]] = {}
+
+
+class KernelContractError(RuntimeError):
+    """A backend's kernels break the registry's contract (their module fails to import, or an implementation cannot
+    take every call its op's reference takes); raised in one line naming the fix when the backend's table is built."""
+
+
+def signature_problem(impl: Implementation, reference: Implementation) -> str | None:
+    """Why ``impl`` cannot take every call its op's reference takes, or None. Callers pass an op's arguments as the
+    reference declares them, positionally or by name and relying on its defaults, so an implementation must accept
+    each of the reference's parameters by the same name (a positional one at the same position) with the same
+    default, and need nothing more; otherwise the first call fails mid-run, or a default silently differs."""
+    try:
+        got, want = inspect.signature(impl.fn).parameters, inspect.signature(reference.fn).parameters
+    except (TypeError, ValueError):  # a compiled function without a signature: the conformance suite judges it
+        return None
+    kinds = {p.kind for p in got.values()}
+    if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
+        return None  # a wrapper passing everything on: the conformance suite judges what it calls
+    order = [n for n, p in got.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for i, (name, ref) in enumerate(want.items()):
+        mine = got.get(name)
+        if mine is None and ref.kind is ref.KEYWORD_ONLY and inspect.Parameter.VAR_KEYWORD in kinds:
+            continue
+        if mine is None or mine.kind is mine.POSITIONAL_ONLY:
+            return f"it has no parameter {name!r}"
+        if ref.kind is ref.POSITIONAL_OR_KEYWORD and (i >= len(order) or order[i] != name):
+            return f"{name!r} is not its parameter {i + 1}"
+        if ref.default is not ref.empty and ref.default is not mine.default and ref.default != mine.default:
+            return f"the default of {name!r} is {_default(mine)}, the reference's {_default(ref)}"
+    extra = [n for n, p in got.items() if n not in want and p.default is p.empty
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return f"it requires {', '.join(map(repr, extra))}, which the reference does not take" if extra else None
 
 
 def register(op: str, name: str, fn: Callable | None = None, *, available=None, supports=None, backends=None,
@@ -139,12 +173,45 @@ class _Dispatcher:
         return self.candidates[0].name if self.candidates else REFERENCE
 
 
+def _default(p: inspect.Parameter) -> str:
+    return "none" if p.default is p.empty else repr(p.default)
+
+
+def _plain(fn: Callable) -> str:
+    """``fn``'s parameters as written, without annotations (for a one-line message)."""
+    sig = inspect.signature(fn)
+    return str(sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+                           return_annotation=sig.empty))
+
+
+def _check_signature(impl: Implementation, reference: Implementation, backend: str) -> None:
+    """Refuse ``impl`` for ``backend``'s table in one line when it cannot take the reference's calls."""
+    why = signature_problem(impl, reference)
+    if why is not None:
+        raise KernelContractError(
+            f"kernel {impl.name!r} of {impl.op!r} (backend {backend}) cannot take the reference's calls: {why}; "
+            f"give it the reference's signature {impl.op}{_plain(reference.fn)} (docs/backends.md, "
+            f"section 2), or pin the reference with {ENV_VAR}={impl.op}={REFERENCE}")
+
+
+def _check_pins(pins: dict[str, str]) -> None:
+    """Refuse an ``op=name`` pin naming no op, or no implementation of it registered in this process: a typo would
+    otherwise run the reference silently (the run a parity check meant to pin the vendor's kernel for)."""
+    for op, name in pins.items():
+        if op not in ops():
+            raise KernelContractError(f"{ENV_VAR}: {op}={name}: there is no op {op!r} (ops: {', '.join(ops())})")
+        if name not in _OPS[op]:
+            raise KernelContractError(f"{ENV_VAR}: {op}={name}: {op} has no implementation {name!r} here (registered: "
+                                      f"{', '.join(sorted(_OPS[op]))}); correct the name or unset {ENV_VAR}")
+
+
 class KernelTable:
     """The ops resolved for one backend: ``table.rms_norm(x, w, eps)`` runs the best usable version."""
 
     def __init__(self, backend: str, preference: tuple[str, ...]) -> None:
         self.backend = backend
         order, pins = _parse_env()
+        _check_pins(pins)
         self.preference = order or preference
         self.pins = pins
         self._cache: dict[str, _Dispatcher] = {}
@@ -165,6 +232,7 @@ class KernelTable:
                 continue
             ok, why = impl.available()
             if ok:
+                _check_signature(impl, impls[REFERENCE], self.backend)
                 chosen.append(impl)
             else:
                 log.debug("kernel %s: %s unavailable (%s)", op, name, why)

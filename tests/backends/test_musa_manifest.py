@@ -200,7 +200,7 @@ def test_double_resolves_through_the_registry_only_when_declared(monkeypatch):
         registry.reset_cache()
         musa_double.uninstall()
     monkeypatch.setenv("OMNITRON_EXTRA_BACKENDS", "musa-double")
-    with pytest.raises(ValueError, match="not name=module:Class"):
+    with pytest.raises(BackendUnavailableError, match="not name=module:Class"):
         registry.known_backends()
 
 

@@ -15,6 +15,8 @@ from omnitron.kernels.registry import register
 
 IMPL = "cpu_flash"
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+MASKED = "a masked block (sliding window, attention sinks) runs the reference"
+"""What a fused block kernel says to a ``mask`` (the engine gives masked blocks to the reference itself)."""
 
 
 def flash_available() -> tuple[bool, str]:
@@ -45,11 +47,11 @@ def _why_not(q, k, v, causal: bool, drop, device_type: str = "cpu") -> str | Non
 def supports_on(device_type: str):
     """The (forward, backward) ``supports`` checks of these kernels for tensors on ``device_type``."""
 
-    def fwd(q, k, v, *, causal, scale, drop=None):
-        return _why_not(q, k, v, causal, drop, device_type)
+    def fwd(q, k, v, *, causal, scale, drop=None, mask=None):
+        return MASKED if mask is not None else _why_not(q, k, v, causal, drop, device_type)
 
-    def bwd(dout, q, k, v, out, lse, *, causal, scale, drop=None):
-        return _why_not(q, k, v, causal, drop, device_type)
+    def bwd(dout, q, k, v, out, lse, *, causal, scale, drop=None, mask=None):
+        return MASKED if mask is not None else _why_not(q, k, v, causal, drop, device_type)
 
     return fwd, bwd
 
@@ -59,15 +61,16 @@ _fwd_supports, _bwd_supports = supports_on("cpu")
 
 @register("attention_block_forward", IMPL, available=flash_available, backends=("cpu",), supports=_fwd_supports,
           traceable=True)
-def block_forward(q, k, v, *, causal: bool, scale: float, drop=None):
-    """(``out [b, hq, sq, d]`` in q's dtype, ``lse [b, hq, sq]`` float32 (float64 for float64 inputs))."""
+def block_forward(q, k, v, *, causal: bool, scale: float, drop=None, mask=None):
+    """(``out [b, hq, sq, d]`` in q's dtype, ``lse [b, hq, sq]`` float32 (float64 for float64 inputs)); ``drop`` and
+    ``mask`` are declined by ``supports`` (the reference's parameters, accepted so every call binds)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse.to(torch.promote_types(q.dtype, torch.float32))
 
 
 @register("attention_block_backward", IMPL, available=flash_available, backends=("cpu",), supports=_bwd_supports,
           traceable=True)
-def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None):
+def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None, mask=None):
     """(dq, dk, dv) of one block given the final ``out`` and ``lse`` of its query rows."""
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from omnitron.backends.cpu.kernels import MASKED
 from omnitron.kernels.registry import register
 
 IMPL = "cuda_flash"
@@ -50,12 +51,12 @@ def _why_not(q, k, v, causal: bool, drop) -> str | None:
     return None
 
 
-def _fwd_supports(q, k, v, *, causal, scale, drop=None):
-    return _why_not(q, k, v, causal, drop)
+def _fwd_supports(q, k, v, *, causal, scale, drop=None, mask=None):
+    return MASKED if mask is not None else _why_not(q, k, v, causal, drop)
 
 
-def _bwd_supports(dout, q, k, v, out, lse, *, causal, scale, drop=None):
-    return _why_not(q, k, v, causal, drop)
+def _bwd_supports(dout, q, k, v, out, lse, *, causal, scale, drop=None, mask=None):
+    return MASKED if mask is not None else _why_not(q, k, v, causal, drop)
 
 
 def _expand(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,7 @@ def _reduce(grad: torch.Tensor, hkv: int) -> torch.Tensor:
 
 @register("attention_block_forward", IMPL, available=_available, backends=("cuda",), supports=_fwd_supports,
           traceable=True)
-def block_forward(q, k, v, *, causal: bool, scale: float, drop=None):
+def block_forward(q, k, v, *, causal: bool, scale: float, drop=None, mask=None):
     """(``out [b, hq, sq, d]`` in q's dtype, ``lse [b, hq, sq]`` fp32)."""
     q, k, v = q.contiguous(), _expand(q, k), _expand(q, v)
     if q.dtype in _FLASH_DTYPES:
@@ -85,7 +86,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float, drop=None):
 
 @register("attention_block_backward", IMPL, available=_available, backends=("cuda",), supports=_bwd_supports,
           traceable=True)
-def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None):
+def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, drop=None, mask=None):
     """(dq, dk, dv) of one block given the final ``out`` and ``lse`` of its query rows."""
     hkv, sq, sk = k.shape[1], q.shape[2], k.shape[2]
     dout, q, out = dout.contiguous(), q.contiguous(), out.to(q.dtype).contiguous()

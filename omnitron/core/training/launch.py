@@ -31,6 +31,7 @@ def precheck(settings) -> None:
         backend = get_backend(settings.backend)
     except BackendUnavailableError as err:
         raise ConfigError(f"--backend: {err}") from None
+    _check_kernels(backend)
     if settings.precision.bf16 and __import__("torch").bfloat16 not in backend.capabilities().dtypes:
         raise ConfigError(f"--bf16: the {backend.name} backend's device has no bf16; use --fp16 or fp32")
     if settings.fp8 is not None:
@@ -49,6 +50,17 @@ def precheck(settings) -> None:
         from omnitron.core.training.checkpointing import check_resume
 
         check_resume(settings)
+
+
+def _check_kernels(backend) -> None:
+    """The backend's kernel table resolves every op (its kernel module imports, each implementation takes the
+    reference's calls, ``OMNITRON_KERNELS`` names real ones): one line here, not a traceback from every worker."""
+    from omnitron.kernels.registry import KernelContractError
+
+    try:
+        backend.kernels.table()
+    except KernelContractError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_files(settings) -> None:

@@ -1,0 +1,211 @@
+"""The backend plug-in contract of docs/backends.md, enforced as a vendor meets it: a plug-in missing one of
+``Backend``'s methods, a kernel module that fails to import, or a kernel that cannot take its op's reference calls
+is refused by ``omnitron info`` / ``omnitron train`` in one line naming the fix, before any worker starts (each was a
+traceback, the first after ``info`` had called the backend usable, the others from every worker at its first
+layer); so are a malformed ``OMNITRON_EXTRA_BACKENDS`` entry and an ``OMNITRON_KERNELS`` pin naming nothing (a
+traceback, and a silent reference run); ``omnitron bench kernels`` times a plug-in's own kernels (it timed only
+omnitron's) and refuses an unusable backend in a line; and neither ``omnitron info`` nor ``bench gemm`` reports an
+FP8 GEMM path on a device without FP8."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import broken_plugins
+from omnitron.backends import registry
+from omnitron.kernels import registry as kernels
+from omnitron.kernels.registry import REFERENCE, Implementation, implementations, ops
+from omnitron.testing.faults import tiny_train_args
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture
+def plugins(monkeypatch):
+    """The plug-ins findable here and in processes started from here; their kernels removed afterwards."""
+    monkeypatch.setenv(registry.EXTRA_ENV_VAR, broken_plugins.TARGETS)
+    monkeypatch.delenv("OMNITRON_KERNELS", raising=False)
+    registry.reset_cache()
+    yield
+    registry.reset_cache()
+    for impls in kernels._OPS.values():
+        impls.pop(broken_plugins.KERNEL, None)
+
+
+def _train(tmp_path, backend: str, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "omnitron", "train", "--backend", backend, "--train-iters", "1",
+                           *extra, *tiny_train_args(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+
+
+def _refused(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """The refusal's first line, after checking it is a configuration error (exit 2) without a traceback."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    first = out.strip().splitlines()[0]
+    assert first.startswith("omnitron train: error: "), out[-3000:]
+    for needle in needles:
+        assert needle in first, first
+    return first
+
+
+def test_missing_methods_are_named_not_called_usable(plugins, tmp_path):
+    ok, why = registry.probe_all()["plugin-missing"]
+    assert not ok and "does not implement capabilities, collectives, current_device" in why, why
+    with pytest.raises(registry.BackendUnavailableError, match="implement every abstract method"):
+        registry.get_backend("plugin-missing")
+    _refused(_train(tmp_path, "plugin-missing"), "MissingMethods does not implement", "docs/backends.md")
+
+
+def test_kernel_module_import_error_is_one_line_before_the_workers(plugins, tmp_path):
+    line = _refused(_train(tmp_path, "plugin-badimport", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"),
+                    "register_kernels() failed", "plugin_vendor_kernels_not_installed")
+    assert "rank" not in line  # refused by the launcher, not by each worker
+
+
+def test_kernel_without_the_references_parameters_is_refused(plugins, tmp_path, capsys):
+    line = _refused(_train(tmp_path, "plugin-wrongsig", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2"),
+                    "'plugin_test' of 'rms_norm'", "no parameter 'eps'", "rms_norm(x, weight, eps=1e-05)")
+    assert "OMNITRON_KERNELS=rms_norm=reference" in line
+    from omnitron.cli import main
+
+    assert main(["info", "--backend", "plugin-wrongsig"]) == 1
+    assert "error: kernel 'plugin_test' of 'rms_norm'" in capsys.readouterr().out
+
+
+def _ref(op: str) -> Implementation:
+    return implementations(op)[REFERENCE]
+
+
+def signature_problem(impl: Implementation, reference: Implementation) -> str | None:
+    from omnitron.kernels.registry import signature_problem as check  # imported here: the file's other tests
+    return check(impl, reference)                                      # run where it does not exist
+
+
+def _impl(op: str, fn) -> Implementation:
+    return Implementation(op, "vendor", fn)
+
+
+def test_signature_problem_names_each_mismatch():
+    ref = _ref("rms_norm")
+    cases = {  # each way a vendor's rms_norm can break a call the reference takes, and the reason given
+        "it has no parameter 'eps'": lambda x, weight: x,
+        "it has no parameter 'weight'": lambda x, w, eps=1e-5: x,
+        "'x' is not its parameter 1": lambda weight, x, eps=1e-5: x,
+        "the default of 'eps' is 1e-06, the reference's 1e-05": lambda x, weight, eps=1e-6: x,
+        "the default of 'eps' is none, the reference's 1e-05": lambda x, weight, eps: x,
+        "it requires 'stream', which the reference does not take": lambda x, weight, eps=1e-5, *, stream: x,
+    }
+    for want, fn in cases.items():
+        assert signature_problem(_impl("rms_norm", fn), ref) == want
+    for fn in (lambda x, weight, eps=1e-5, *, fast=True: x, lambda *args, **kwargs: None):
+        assert signature_problem(_impl("rms_norm", fn), ref) is None
+    block = _ref("attention_block_forward")  # keyword-only parameters may arrive through **kwargs
+    assert signature_problem(_impl("attention_block_forward", lambda q, k, v, *, causal, scale, **kw: q), block) is None
+    assert signature_problem(_impl("attention_block_forward", lambda q, k, v, *, causal, scale, drop=None: q),
+                             block) == "it has no parameter 'mask'"
+
+
+def test_every_builtin_implementation_takes_the_references_calls():
+    """The check refuses none of omnitron's own kernels (cpu's flash blocks had no ``mask`` before it)."""
+    import omnitron.backends.cpu.kernels  # noqa: F401 - registered by the cpu backend's register_kernels
+    from omnitron.backends.musa.kernels import register_musa_kernels
+
+    register_musa_kernels()
+    seen = 0
+    for op in ops():
+        for name, impl in implementations(op).items():
+            if name != REFERENCE:
+                seen += 1
+                assert signature_problem(impl, _ref(op)) is None, (op, name, signature_problem(impl, _ref(op)))
+    assert seen >= 15
+
+
+def test_cpu_flash_block_declines_a_mask_to_the_reference():
+    """A masked block given to the cpu backend's table runs the reference's masked softmax, checked against
+    float64 attention written here. Tolerance: fp32 inputs, a softmax over 24 keys and a 24-term sum of
+    O(1) values: rounding ~24 * 2^-24 relative, far inside 1e-5."""
+    from omnitron.backends import get_backend
+
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    q, k, v = (torch.randn(1, 2, 24, 8) for _ in range(3))
+    mask = torch.rand(24, 24) < 0.7
+    mask[:, 0] = True  # every row keeps a key
+    out, lse = get_backend("cpu").kernels.attention_block_forward(q, k, v, causal=False, scale=0.3, mask=mask)
+    s = (q.double() @ k.double().transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(out.double(), torch.softmax(s, -1) @ v.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_kernels_times_the_plugins_own_kernel(plugins):
+    """``omnitron bench kernels --backend NAME`` (docs: every implementation of every op) includes the kernels the
+    backend registers itself, and its rows time that kernel (its calls are counted)."""
+    from omnitron.kernels.benchmark import run
+
+    be = registry.get_backend("plugin-counting")
+    before = broken_plugins.CALLS["swiglu"]
+    report = run(be, ops=["swiglu"], dtypes=[torch.float32], size="tiny", compile_=False, rounds=2, budget_s=0.01,
+                 log=lambda *_: None)
+    timed = {(r["mode"], r["impl"]) for r in report["rows"] if r["ms"] is not None}
+    assert {("fwd", broken_plugins.KERNEL), ("fwd+bwd", broken_plugins.KERNEL)} <= timed, timed
+    assert broken_plugins.CALLS["swiglu"] > before
+
+
+def test_info_names_no_fp8_path_on_a_device_without_fp8(plugins, capsys):
+    """``omnitron info`` printed "per-tensor GEMM path emulated" for a backend whose capabilities list no FP8 format,
+    where ``--fp8-format`` is refused: a path that never runs there."""
+    from omnitron.cli import main
+
+    assert main(["info", "--backend", "plugin-nofp8"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 on backend plugin-nofp8: none (formats: none; recipes: none): --fp8-format is refused" in out, out
+    assert "GEMM path" not in out
+
+
+def test_a_malformed_extra_backend_entry_is_one_line(monkeypatch, capsys):
+    """``OMNITRON_EXTRA_BACKENDS=mychip`` (no ``=module:Class``) was a ValueError traceback from every command."""
+    from omnitron.cli import main
+
+    monkeypatch.setenv(registry.EXTRA_ENV_VAR, "mychip")
+    registry.reset_cache()
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("omnitron info: error: OMNITRON_EXTRA_BACKENDS entry 'mychip' is not name=module:Class (for example "
+                   "mychip=mychip_omnitron.backend:MyChipBackend): correct it or unset it"), err
+
+
+def test_bench_on_a_backend_that_cannot_run_says_why(plugins, capsys):
+    """``omnitron bench kernels --backend NAME`` for a backend that is not usable here: the registry's reason, not a
+    traceback (as ``train`` and ``info`` say it)."""
+    from omnitron.cli import main
+
+    assert main(["bench", "kernels", "--backend", "plugin-missing", "--size", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omnitron bench: error: backend 'plugin-missing' cannot run here: "), err
+    assert "Traceback" not in err
+
+
+def test_bench_gemm_reports_no_fp8_rows_on_a_device_without_fp8(plugins):
+    """``omnitron bench gemm`` timed "fp8-tensor" / "fp8-row" / "fp8-block" GEMMs (emulated) on a device whose
+    capabilities list no FP8 format, where FP8 training is refused: rows for a path that never runs there."""
+    from omnitron.bench.gemm import DTYPES, run
+
+    rows = run(registry.get_backend("plugin-nofp8"), sizes=[16], dtypes=list(DTYPES), rounds=1, budget_s=0.01,
+               log=lambda *_: None)
+    assert {r["dtype"] for r in rows} == {"fp32", "bf16", "fp16"}, rows
+
+
+@pytest.mark.parametrize("pin, says", [("rmsnorm=plugin_test", "there is no op 'rmsnorm'"),
+                                       ("swiglu=plugin_tset", "swiglu has no implementation 'plugin_tset' here")])
+def test_a_kernel_pin_naming_nothing_is_refused(plugins, monkeypatch, tmp_path, pin, says):
+    """``OMNITRON_KERNELS=op=name`` with a typo in either name ran the reference silently."""
+    monkeypatch.setenv("OMNITRON_KERNELS", pin)
+    line = _refused(_train(tmp_path, "plugin-counting"), f"OMNITRON_KERNELS: {pin}: {says}")
+    assert line.startswith("omnitron train: error: OMNITRON_KERNELS"), line
