@@ -169,6 +169,21 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict
                                backend=host_backend(), seed=0, style=layout.style)
 
 
+def full_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Global name -> full (unpadded) shape of every parameter of ``cfg``'s model but a tied output layer's (it
+    reads the word embedding). Built on the meta device: an importer's config comes from a file that may declare
+    any size, so its shapes are compared with the file's tensors before anything of that size is allocated."""
+    with torch.device("meta"):
+        chunk = skeleton_chunks(cfg, Layout())[(0, 0)]
+    out = {}
+    for name, p in chunk.named_parameters():
+        if getattr(p, "shared_embedding", False):
+            continue
+        rows = getattr(p, "valid_rows", None)
+        out[name] = ((rows,) if rows is not None else tuple(p.shape[:1])) + tuple(p.shape[1:])
+    return out
+
+
 @dataclass(frozen=True)
 class _Seen(Group):
     """A group seen from member ``me``, whatever this process's world rank (skeletons only)."""
