@@ -333,6 +333,8 @@ def _craft(it: str, case: str) -> None:
         os.replace(os.path.join(it, data[0]), outside)
         for info in md.storage_data.values():
             info.relative_path = "../../outside.distcp" if case == "traversal" else outside
+    if case == "common_length":  # read() would allocate the length declared
+        next(i for k, i in md.storage_data.items() if k.fqn.startswith("common_state")).length = 2 ** 50
     if case == "huge":  # 2**40 rows of the embedding over the same few kilobytes
         m = md.state_dict_metadata["embedding.word_embeddings.weight"]
         m.size = torch.Size([2 ** 40, *m.size[1:]])
@@ -356,16 +358,18 @@ def _craft(it: str, case: str) -> None:
     ("absolute", "is not a file name in the checkpoint's directory"),
     ("huge", "but the data files holding them have"),
     ("compressed", "is compressed (method 8), which torch.save never writes"),
+    ("common_length", f" + {2 ** 50} of __0_0.distcp, which has"),
 ])
 def test_crafted_metadata_is_refused_before_reading(case, message, tmp_path, capsys):
     """DCP's index names the data files and declares each tensor's size, and Megatron's checkpoints carry no
     checksums: a data file outside the directory (a valid copy there, which would otherwise be imported), a
     declared size beyond the bytes stored (``torch.empty`` of it would be attempted first) and a deflated
-    chunk (torch.load inflates it to the size its record declares, so a few megabytes could claim gigabytes) are
-    each refused in one line naming the checkpoint, and nothing is imported."""
+    chunk (torch.load inflates it to the size its record declares, so a few megabytes could claim gigabytes), and a
+    common_state item longer than its file (``read()`` allocates the length asked: MemoryError) are each refused in
+    one line naming the checkpoint, and nothing is imported."""
     cfg = _cfg("llama")
     W = _weights(cfg, seed=int.from_bytes(os.urandom(4), "little"))
-    it = _write(str(tmp_path / "meg"), _transcribe(W, cfg), _args(cfg))
+    it = _write(str(tmp_path / "meg"), _transcribe(W, cfg), _args(cfg), common_in_dcp=case == "common_length")
     _craft(it, case)
     rc = cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")])
     err = capsys.readouterr().err

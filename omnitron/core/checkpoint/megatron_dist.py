@@ -128,7 +128,13 @@ def _read_common(iter_dir: str, md) -> dict:
         if getattr(info, "transform_descriptors", None):
             raise MegatronConversionError(f"{iter_dir}: {COMMON_STATE} is stored transformed "
                                           f"({info.transform_descriptors}); re-save without DCP extensions")
-        with open(os.path.join(iter_dir, info.relative_path), "rb") as f:
+        path = os.path.join(iter_dir, info.relative_path)
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and 0 <= info.offset
+                and 0 <= info.length <= size - info.offset):  # a crafted length would be allocated by read()
+            raise MegatronConversionError(f"{iter_dir}/.metadata: {COMMON_STATE} is bytes {info.offset!r} + "
+                                          f"{info.length!r} of {info.relative_path}, which has {size} bytes; {_FIX}")
+        with open(path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
         common = load_file(f"{iter_dir}/{info.relative_path} ({COMMON_STATE})", data=data)
