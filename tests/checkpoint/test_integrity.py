@@ -382,3 +382,34 @@ def test_block_index_packs_each_chunks_digests_and_refuses_a_malformed_one(tmp_p
             json.dump(broken, f)
         with pytest.raises(integrity.IntegrityError, match=f"chunk {key}: .*{match}.*re-save the checkpoint"):
             integrity.read_block_index(index)
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "{outside}", "sub/__0_0.distcp", ".."])
+def test_dcp_data_file_outside_the_checkpoint_is_refused(tmp_path, name):
+    """DCP's ``.metadata`` names each tensor's data file; one that is not a bare name in the checkpoint directory
+    (its checksum may be forged beside it in metadata.json) is refused before anything is read. The reference is
+    torch's own reader, which follows the name and loads the tensor from outside."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from omnitron.core.checkpoint.dist_planner import read_dcp_metadata
+
+    w = torch.randn(int.from_bytes(os.urandom(1), "little") + 1, dtype=torch.float64)
+    it = tmp_path / "ck" / "iter_0000001"
+    dcp.save({"w": w}, storage_writer=FileSystemWriter(str(it)), no_dist=True)
+    outside = tmp_path / "ck" / "outside.distcp"
+    os.replace(it / "__0_0.distcp", outside)
+    os.makedirs(it / "sub")
+    md = read_dcp_metadata(str(it))
+    for info in md.storage_data.values():
+        info.relative_path = name.format(outside=outside)
+    (it / ".metadata").write_bytes(pickle.dumps(md))
+    if name.startswith("../") or name.startswith("{"):  # live: torch's reader loads the tensor from outside
+        got = {"w": torch.zeros_like(w)}
+        dcp.load(got, storage_reader=FileSystemReader(str(it)), no_dist=True)
+        assert torch.equal(got["w"], w)
+    with pytest.raises(CheckpointError) as err:
+        read_dcp_metadata(str(it))
+    assert f"{it}/.metadata: data file" in _one_line(err) and "is not a file name in the checkpoint's" in str(err.value)

@@ -321,10 +321,14 @@ def test_gelu_kind_is_read_as_megatron_core_computes_it():
     ("wrong_shape", "has shape"),
     ("legacy_names", "legacy Megatron model names"),
     ("torch_dist", "DCP files without Megatron's metadata.json"),
+    # crafted files: refused in one line naming the file, before a model of the args' size is allocated
+    ("not_a_dict", "mp_rank_00_000/model_optim_rng.pt: holds a list, not Megatron's checkpoint dict"),
+    ("model_not_a_state_dict", "mp_rank_01_001/model_optim_rng.pt: 'model' is not a state dict of tensor names"),
+    ("huge_args", "the checkpoint and its args do not match"),  # a ~10**14-byte model over small tensors
 ])
 def test_import_errors(source, case, message, tmp_path, capsys):
-    over = {"moe": {"num_experts": 8}, "squared_relu": {"squared_relu": True},
-            "wrong_shape": {"ffn_hidden_size": 96}}.get(case, {})
+    over = {"moe": {"num_experts": 8}, "squared_relu": {"squared_relu": True}, "wrong_shape": {"ffn_hidden_size": 96},
+            "huge_args": {"hidden_size": 2 ** 22, "ffn_hidden_size": 2 ** 24, "kv_channels": 2 ** 20}}.get(case, {})
     meg = _make(tmp_path, source, "gpt2", **over)
     it = os.path.join(meg, "iter_0001234")
     if case == "missing_shard":
@@ -338,6 +342,11 @@ def test_import_errors(source, case, message, tmp_path, capsys):
             else:
                 ck["model"] = {"language_model." + k: v for k, v in ck["model"].items()}
             torch.save(ck, f)
+    if case == "not_a_dict":
+        torch.save([torch.zeros(2)], os.path.join(it, "mp_rank_00_000", "model_optim_rng.pt"))
+    if case == "model_not_a_state_dict":
+        f = os.path.join(it, "mp_rank_01_001", "model_optim_rng.pt")
+        torch.save({**torch.load(f, weights_only=False), "model": torch.zeros(3)}, f)
     if case == "torch_dist":
         shutil.rmtree(it)
         os.makedirs(it)

@@ -309,3 +309,69 @@ def test_import_errors(case, message, tmp_path, capsys):
     assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def _deflate(archive: bytes) -> bytes:
+    """The torch.save archive ``archive`` with every record deflate-compressed (torch.load still reads it)."""
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for name in src.namelist():
+            dst.writestr(name, src.read(name))
+    return out.getvalue()
+
+
+def _craft(it: str, case: str) -> None:
+    """Rewrite ``.metadata`` (and, for ``compressed``, the data file) of iteration directory ``it``."""
+    from omnitron.core.checkpoint.dist_planner import read_dcp_metadata
+
+    md = read_dcp_metadata(it)
+    data = sorted({i.relative_path for i in md.storage_data.values()})
+    if case in ("traversal", "absolute"):  # a valid copy of the data outside: without the check it is read
+        outside = os.path.join(os.path.dirname(os.path.dirname(it)), "outside.distcp")
+        os.replace(os.path.join(it, data[0]), outside)
+        for info in md.storage_data.values():
+            info.relative_path = "../../outside.distcp" if case == "traversal" else outside
+    if case == "common_length":  # read() would allocate the length declared
+        next(i for k, i in md.storage_data.items() if k.fqn.startswith("common_state")).length = 2 ** 50
+    if case == "huge":  # 2**40 rows of the embedding over the same few kilobytes
+        m = md.state_dict_metadata["embedding.word_embeddings.weight"]
+        m.size = torch.Size([2 ** 40, *m.size[1:]])
+    if case == "compressed":
+        old = open(os.path.join(it, data[0]), "rb").read()
+        new = io.BytesIO()
+        for index, info in sorted(md.storage_data.items(), key=lambda kv: kv[1].offset):
+            chunk = old[info.offset:info.offset + info.length]
+            chunk = _deflate(chunk) if isinstance(md.state_dict_metadata[index.fqn],
+                                                  dcp_meta.TensorStorageMetadata) else chunk
+            info.offset, info.length = new.tell(), len(chunk)
+            new.write(chunk)
+        new.write(bytes(len(old)))  # padding: the file still holds the bytes the tensors declare
+        open(os.path.join(it, data[0]), "wb").write(new.getvalue())
+    with open(os.path.join(it, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("traversal", "data file '../../outside.distcp' is not a file name in the checkpoint's directory"),
+    ("absolute", "is not a file name in the checkpoint's directory"),
+    ("huge", "but the data files holding them have"),
+    ("compressed", "is compressed (method 8), which torch.save never writes"),
+    ("common_length", f" + {2 ** 50} of __0_0.distcp, which has"),
+])
+def test_crafted_metadata_is_refused_before_reading(case, message, tmp_path, capsys):
+    """DCP's index names the data files and declares each tensor's size, and Megatron's checkpoints carry no
+    checksums: a data file outside the directory (a valid copy there, which would otherwise be imported), a
+    declared size beyond the bytes stored (``torch.empty`` of it would be attempted first) and a deflated
+    chunk (torch.load inflates it to the size its record declares, so a few megabytes could claim gigabytes), and a
+    common_state item longer than its file (``read()`` allocates the length asked: MemoryError) are each refused in
+    one line naming the checkpoint, and nothing is imported."""
+    cfg = _cfg("llama")
+    W = _weights(cfg, seed=int.from_bytes(os.urandom(4), "little"))
+    it = _write(str(tmp_path / "meg"), _transcribe(W, cfg), _args(cfg), common_in_dcp=case == "common_length")
+    _craft(it, case)
+    rc = cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and it in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")

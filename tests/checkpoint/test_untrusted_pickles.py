@@ -308,3 +308,50 @@ def test_crafted_omnitron_shard_is_one_line(tmp_path):
     assert "rank_00000.pt: refused as unsafe by torch's weights-only loader (" in msg, msg
     assert "weights_only" not in msg and "corrupt" not in msg, msg
     assert not marker.exists()
+
+
+def _deflated(path: str) -> None:
+    """Rewrite torch.save file ``path`` with every record deflate-compressed (torch.load still reads it)."""
+    with zipfile.ZipFile(path) as src:
+        records = [(n, src.read(n)) for n in src.namelist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as dst:
+        for name, data in records:
+            dst.writestr(name, data)
+
+
+@pytest.mark.parametrize("where", ["megatron", "hf_bin", "omnitron_shard"])
+def test_compressed_records_are_refused_before_loading(tmp_path, where):
+    """torch.save stores records uncompressed, but torch.load also inflates deflated ones, allocating the size
+    each declares: a file of a few megabytes can claim gigabytes. A deflated file (which plain
+    ``torch.load(weights_only=True)`` reads back, so it would otherwise be accepted) is refused in one line
+    naming the file, by every reader of untrusted torch.save files and by an omnitron shard's reader (its
+    checksum rewritten to match)."""
+    import json
+
+    from omnitron.core.checkpoint.integrity import file_digest
+    from omnitron.core.checkpoint.io import read_shard, save_checkpoint
+
+    w = torch.randn(int.from_bytes(os.urandom(2), "little") % 1000 + 1)
+    if where == "omnitron_shard":
+        ck = save_checkpoint(str(tmp_path / "ck"), 1, {"w": w}, {"model": {}, "layout": {}}, rank=0, world_size=1,
+                             barrier=lambda: None)
+        path = os.path.join(ck, "rank_00000.pt")
+    else:
+        path = str(tmp_path / "file.pt")
+        torch.save({"w": w, "args": argparse.Namespace(hidden_size=8)} if where == "megatron" else {"w": w}, path)
+    _deflated(path)
+    with torch.serialization.safe_globals([argparse.Namespace]):  # live: torch reads the deflated file
+        assert torch.equal(torch.load(path, weights_only=True)["w"], w)
+    if where == "omnitron_shard":
+        meta = json.load(open(os.path.join(ck, "metadata.json")))
+        meta["checksums"]["rank_00000.pt"] = file_digest(path)
+        json.dump(meta, open(os.path.join(ck, "metadata.json"), "w"))
+    with pytest.raises(CheckpointError) as err:
+        if where == "megatron":
+            load_file(path)
+        elif where == "hf_bin":
+            safe_load.load_untrusted(path, what="a Hugging Face weights file", fix="use safetensors")
+        else:
+            read_shard(ck, 0)
+    msg = _one_line(str(err.value))
+    assert msg.startswith(path) and "is compressed (method 8), which torch.save never writes" in msg, msg

@@ -93,6 +93,10 @@ def test_misaligned_and_out_of_range_pointers(tmp_path):
     (tmp_path / "d.idx").write_bytes(bytes(raw[:at]) + struct.pack("<q", 400) + bytes(raw[at + 8:]))
     with pytest.raises(IndexedDatasetError, match="d.bin is truncated: 52 bytes, the index needs 420"):
         IndexedDataset(str(tmp_path / "d"))
+    far = 2 ** 63 - 4  # aligned; pointer + 5 ids x 4 bytes passes 2**63: must not wrap into "fits"
+    (tmp_path / "d.idx").write_bytes(bytes(raw[:at]) + struct.pack("<q", far) + bytes(raw[at + 8:]))
+    with pytest.raises(IndexedDatasetError, match=f"d.bin is truncated: 52 bytes, the index needs {far + 20}"):
+        IndexedDataset(str(tmp_path / "d"))
 
 
 def _train(capsys, *flags) -> tuple[int, str]:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from omnitron.core.checkpoint import integrity
-from omnitron.core.checkpoint.io import CheckpointError
+from omnitron.core.checkpoint.io import CheckpointError, bare_file_name, zip_record_problem
 
 Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
 
@@ -147,6 +147,11 @@ def read_dcp_metadata(path: str, fix: str = "load an earlier iteration, or re-sa
         raise CheckpointError(f"{path}/.metadata is unreadable ({err}); {fix}") from None
     if not isinstance(md, dcp_meta.Metadata):
         raise CheckpointError(f"{path}/.metadata holds a {type(md).__name__}, not DCP's Metadata; {fix}")
+    for info in (md.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not bare_file_name(name):
+            raise CheckpointError(f"{path}/.metadata: data file {str(name)[:200]!r} is not a file name in the "
+                                  f"checkpoint's directory (DCP writes bare names); refusing to read it; {fix}")
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = dcp_meta.StorageMeta()
     return md
@@ -313,4 +318,16 @@ class ForeignReader(VerifiedReader):
         """Nothing to verify against."""
 
     def _verify_chunk(self, info) -> None:
-        """Nothing to verify against."""
+        """No checksums to verify against, but the chunk (a ``torch.save`` archive, which DCP's reader loads whole)
+        must hold only stored records of sizes that fit in it (:func:`~.io.zip_record_problem`)."""
+        from omnitron.core.checkpoint.dist_slices import FileWindow
+
+        key = (info.relative_path, info.offset, info.length)
+        if key in self.verified_chunks:
+            return
+        with FileWindow(f"{self.dir}/{info.relative_path}", info.offset, info.length) as chunk:
+            problem = zip_record_problem(chunk)
+        if problem:
+            raise CheckpointError(f"{self.dir}/{info.relative_path}: bytes {info.offset}..{info.offset + info.length}"
+                                  f" refused: {problem}; {self.fix}")
+        self.verified_chunks.add(key)

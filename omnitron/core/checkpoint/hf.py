@@ -38,7 +38,7 @@ from omnitron.core.checkpoint import hf_moe
 from omnitron.core.checkpoint.hf_llama import (  # noqa: F401 - re-exported: callers import them from here
     _LLAMA3_ROPE, HFConversionError, Rule, _check, _half_rope_rows, _llama_config, _llama_fields, _llama_rules,
     _need, _qwen2_config, _qwen2_fields, _rope)
-from omnitron.core.checkpoint.safe_load import load_untrusted
+from omnitron.core.checkpoint.hf_files import read_hf_dir  # noqa: F401 - re-exported: callers import it from here
 from omnitron.core.transformer.mlp import exact_gelu
 from omnitron.core.transformer.qkv import fuse_qkv, split_qkv
 
@@ -250,41 +250,6 @@ def state_to_hf(full: dict, cfg) -> dict[str, torch.Tensor]:
 
 
 # ---- directories -----------------------------------------------------------------------------
-def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, state dict) of a ``save_pretrained`` directory: ``model.safetensors``, sharded
-    safetensors (``model.safetensors.index.json``), or ``pytorch_model.bin`` (read by
-    :func:`~omnitron.core.checkpoint.safe_load.load_untrusted`: tensors only, anything else refused)."""
-    cfg_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise HFConversionError(f"--hf-dir {hf_dir}: no config.json there; pass a directory written by "
-                                f"save_pretrained (or downloaded from the Hugging Face Hub)")
-    with open(cfg_path) as f:
-        config = json.load(f)
-    files = []
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if os.path.isfile(os.path.join(hf_dir, index)):
-            with open(os.path.join(hf_dir, index)) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            break
-    else:
-        files = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(hf_dir, n))][:1]
-    if not files:
-        raise HFConversionError(f"--hf-dir {hf_dir}: no model.safetensors, pytorch_model.bin or their *.index.json; "
-                                f"the weights are missing")
-    state = {}
-    for name in files:
-        path = os.path.join(hf_dir, name)
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state.update(load_file(path))
-        else:  # a pickle: tensors only, exact names, refused in one line otherwise
-            state.update(load_untrusted(path, what="a Hugging Face weights file", fix="use the repository's "
-                                        "model.safetensors (safetensors holds no code) or re-save it as safetensors "
-                                        "from a trusted copy"))
-    return config, state
-
-
 def _tokenizer_settings(hf_dir: str, cfg) -> dict:
     """Tokenizer flags for the imported checkpoint's config (what ``omnitron generate`` reads)."""
     tok = os.path.join(hf_dir, "tokenizer.json")
@@ -303,9 +268,21 @@ def import_hf(hf_dir: str, save_dir: str, layout, *, say=None) -> str:
     cfg = hf_moe.drop_absent_mtp(config_from_hf(hf_config), hf_state, say)
     full = state_from_hf(hf_state, cfg)
     del hf_state
+    check_shapes(full, cfg, os.path.join(hf_dir, "config.json"))
     return write_weights_checkpoint(full, cfg, save_dir, layout, config=_tokenizer_settings(hf_dir, cfg),
                                     imported_from={"hf_dir": os.path.abspath(hf_dir),
                                                    "model_type": hf_config["model_type"]})
+
+
+def check_shapes(full: dict, cfg, config: str) -> None:
+    """Every tensor of ``full`` that ``cfg``'s model has, at the shape the model gives it (compared on the meta
+    device: a ``config`` file declaring a model too large to allocate is refused, not attempted)."""
+    from omnitron.core.checkpoint.reshard import full_shapes
+
+    for name, shape in full_shapes(cfg).items():
+        if name in full and tuple(full[name].shape) != shape:
+            raise HFConversionError(f"{config}: its model's {name} is {shape}, the weights' {tuple(full[name].shape)};"
+                                    f" the weights and their config.json do not match")
 
 
 def write_weights_checkpoint(full: dict, cfg, save_dir: str, layout, *, config: dict | None = None,

@@ -67,6 +67,13 @@ def shard_name(rank: int) -> str:
 _fsync_dir = integrity.fsync_dir
 
 
+def bare_file_name(name) -> bool:
+    """Whether ``name``, read from a file, names a file directly inside the directory it is joined to: a string
+    with no separator, not ``.`` or ``..`` and not absolute (else a crafted index could point a reader anywhere)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name
+            and "\\" not in name and "\0" not in name and not os.path.isabs(name))
+
+
 def _write_file(path: str, write: Callable) -> None:
     with open(path, "wb") as f:
         write(f)
@@ -425,6 +432,11 @@ def read_shard(path: str, rank: int, meta: dict | None = None) -> dict:
             integrity.verify(shard_path, checksums[shard_name(rank)])
     except integrity.IntegrityError as err:
         raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+    with open(shard_path, "rb") as f:
+        problem = zip_record_problem(f)
+    if problem:
+        raise CheckpointError(f"{shard_path}: refused: {problem}; it is not a shard omnitron wrote (replaced, tampered "
+                              f"with or damaged): load an earlier iteration, or re-save")
     try:
         with quiet_torch_load():
             return torch.load(shard_path, map_location="cpu", weights_only=True)
@@ -451,6 +463,32 @@ _REFUSAL_REASONS = re.compile(
 _ADVICE = re.compile(r"weights_only|weights only load failed|safe_globals|trust|torch\.load|file an issue|"
                      r"In PyTorch 2\.\d|can still be loaded|options|recommended steps|https?://|documentation",
                      re.I)
+
+
+def zip_record_problem(f) -> str | None:
+    """What makes the ``torch.save`` zip archive in seekable binary file ``f`` unsafe to hand to ``torch.load``
+    (None: nothing; a file that is not a readable zip archive is left to the loader). ``torch.save`` stores every record
+    uncompressed, but torch's reader also inflates compressed ones, allocating the size a record declares: a
+    crafted file of a few megabytes would claim gigabytes. So a compressed record, or one whose declared size
+    does not fit in the archive, is refused before loading."""
+    import zipfile
+
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    if f.read(4) != b"PK\x03\x04":
+        return None
+    try:
+        with zipfile.ZipFile(f) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None  # damaged, not crafted: the loader names it unreadable
+    for r in records:
+        if r.compress_type != zipfile.ZIP_STORED:
+            return (f"record {r.filename[:100]!r} is compressed (method {r.compress_type}), which torch.save never "
+                    f"writes (a compressed record can expand far beyond the file)")
+        if r.file_size != r.compress_size or r.header_offset + r.file_size > size:
+            return f"record {r.filename[:100]!r} declares {r.file_size} bytes, more than the archive holds"
+    return None
 
 
 @contextlib.contextmanager

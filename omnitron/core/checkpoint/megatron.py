@@ -52,7 +52,8 @@ from omnitron.core.checkpoint import megatron_dist
 from omnitron.core.checkpoint.io import _write_file
 from omnitron.core.checkpoint.megatron_base import (_COLUMNS, _ROWS, _TE_EXTRA, _TE_NORMS, _VOCAB,  # noqa: F401
                                                     CHECKPOINT_VERSION, TRACKER, MegatronConversionError, Opaque,
-                                                    _check_state, _tp_dim, commit_iteration, load_file, run_args)
+                                                    _check_state, _tp_dim, checkpoint_dict, commit_iteration, load_file,
+                                                    run_args)
 from omnitron.core.checkpoint.megatron_names import extra_state_modules, is_moe, layer_of, omnitron_rest, torch_rest
 
 FILE = "model_optim_rng.pt"
@@ -96,7 +97,8 @@ def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]
     if any(_RANK_DIR.match(n).group(3) for n in names):
         raise MegatronConversionError(f"{iter_dir}: expert-parallel rank directories ({names[0]}): MoE checkpoints "
                                       f"are not supported by the Megatron importer")
-    args = run_args(load_file(os.path.join(iter_dir, names[0], FILE)), iter_dir)
+    first = os.path.join(iter_dir, names[0], FILE)
+    args = run_args(load_file(first), first)
     tp, pp = int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1)
     out = {}
     for p in range(pp):
@@ -106,13 +108,25 @@ def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]
                 raise MegatronConversionError(f"{path} is missing: the checkpoint's args say tensor parallel {tp} x "
                                               f"pipeline parallel {pp}; copy every mp_rank_* directory")
             ckpt = load_file(path)
-            keys = sorted((k for k in ckpt if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
-            if not keys:
-                raise MegatronConversionError(f"{path}: no 'model' state dict in it")
-            out[(t, p)] = [ckpt[k] for k in keys]
+            out[(t, p)] = _model_state_dicts(ckpt, path)
             if ckpt.get("iteration") is not None:  # the file's own record (args often lack it)
                 args = {**args, "iteration": ckpt["iteration"]}
     return args, out
+
+
+def _model_state_dicts(ckpt, path: str) -> list[dict]:
+    """The model state dicts (``model``, or ``model0``, ``model1``, ... of virtual stages) of rank file ``path``'s
+    top-level dict ``ckpt``; one line naming the file when it holds something else."""
+    keys = sorted((k for k in checkpoint_dict(ckpt, path) if isinstance(k, str) and re.fullmatch(r"model\d*", k)),
+                  key=lambda k: int(k[5:] or 0))
+    if not keys:
+        raise MegatronConversionError(f"{path}: no 'model' state dict in it")
+    bad = next((k for k in keys if not isinstance(ckpt[k], dict)
+                or not all(isinstance(n, str) and (v is None or torch.is_tensor(v)) for n, v in ckpt[k].items())), None)
+    if bad is not None:
+        raise MegatronConversionError(f"{path}: {bad!r} is not a state dict of tensor names to tensors; the file is "
+                                      f"not a Megatron checkpoint")
+    return [ckpt[k] for k in keys]
 
 
 def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:

@@ -64,9 +64,17 @@ def load_file(path: str, data: bytes | None = None):
         raise MegatronConversionError(str(err)) from None
 
 
+def checkpoint_dict(ckpt, path: str) -> dict:
+    """``ckpt``, the top-level object of Megatron file ``path``, when it is a dict (one line naming it otherwise)."""
+    if not isinstance(ckpt, dict):
+        raise MegatronConversionError(f"{path}: holds a {type(ckpt).__name__}, not Megatron's checkpoint dict; the "
+                                      f"file is not a Megatron checkpoint")
+    return ckpt
+
+
 def run_args(ckpt: dict, path: str) -> dict:
     """The run's args (a dict) of a Megatron checkpoint's top-level dict ``ckpt``."""
-    args = ckpt.get("args")
+    args = checkpoint_dict(ckpt, path).get("args")
     if isinstance(args, (argparse.Namespace, Opaque)):
         args = dict(vars(args)) if isinstance(args, argparse.Namespace) else args.state
     if not isinstance(args, dict):
@@ -80,21 +88,10 @@ def _tp_dim(name: str) -> int | None:
     return 0 if name.endswith(_ROWS) else 1 if name.endswith(_COLUMNS) else None
 
 
-def _expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Global name -> full (unpadded) shape of every tensor of ``cfg``'s model (a one-rank skeleton)."""
-    from omnitron.core.checkpoint.reshard import Layout, skeleton_chunks
-
-    out = {}
-    for name, p in skeleton_chunks(cfg, Layout())[(0, 0)].named_parameters():
-        if getattr(p, "shared_embedding", False):
-            continue  # a tied output layer reads the word embedding
-        rows = getattr(p, "valid_rows", None)
-        out[name] = ((rows,) if rows is not None else tuple(p.shape[:1])) + tuple(p.shape[1:])
-    return out
-
-
 def _check_state(full: dict, cfg, path: str) -> None:
-    want = _expected_shapes(cfg)
+    from omnitron.core.checkpoint.reshard import full_shapes
+
+    want = full_shapes(cfg)
     for name, shape in want.items():
         if name not in full:
             raise MegatronConversionError(f"{path}: no tensor {name} in the shards, which the args' model needs; "

@@ -49,6 +49,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import math
 import os
 import re
 import warnings
@@ -127,7 +128,13 @@ def _read_common(iter_dir: str, md) -> dict:
         if getattr(info, "transform_descriptors", None):
             raise MegatronConversionError(f"{iter_dir}: {COMMON_STATE} is stored transformed "
                                           f"({info.transform_descriptors}); re-save without DCP extensions")
-        with open(os.path.join(iter_dir, info.relative_path), "rb") as f:
+        path = os.path.join(iter_dir, info.relative_path)
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and 0 <= info.offset
+                and 0 <= info.length <= size - info.offset):  # a crafted length would be allocated by read()
+            raise MegatronConversionError(f"{iter_dir}/.metadata: {COMMON_STATE} is bytes {info.offset!r} + "
+                                          f"{info.length!r} of {info.relative_path}, which has {size} bytes; {_FIX}")
+        with open(path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
         common = load_file(f"{iter_dir}/{info.relative_path} ({COMMON_STATE})", data=data)
@@ -140,17 +147,45 @@ def _read_common(iter_dir: str, md) -> dict:
 
 def _read_tensors(iter_dir: str, md) -> dict[str, torch.Tensor]:
     """Every tensor of ``md`` but the optimizer's, read whole (DCP assembles the saved pieces)."""
+    keys = [k for k, m in md.state_dict_metadata.items()
+            if isinstance(m, dcp_meta.TensorStorageMetadata) and not _OPTIMIZER.match(k)]
+    _check_declared_bytes(iter_dir, md, keys)
     pieces = {}
-    for key, m in md.state_dict_metadata.items():
-        if isinstance(m, dcp_meta.TensorStorageMetadata) and not _OPTIMIZER.match(key):
-            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            pieces[key] = (tuple(t.shape), [((0,) * t.dim(), t)])
+    for key in keys:
+        m = md.state_dict_metadata[key]
+        t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        pieces[key] = (tuple(t.shape), [((0,) * t.dim(), t)])
     if not pieces:
         raise MegatronConversionError(f"{iter_dir}: no model tensors in the checkpoint")
     reader = ForeignReader(iter_dir, {})
     reader.metadata = md
     dcp_read(pieces, iter_dir, {}, collective=False, reader=reader)
     return {key: t for key, (_, [(_, t)]) in pieces.items()}
+
+
+def _check_declared_bytes(iter_dir: str, md, keys: list[str]) -> None:
+    """The model tensors ``keys`` that ``.metadata`` declares fit in the data files that hold them, checked before
+    any is allocated: a crafted ``.metadata`` may declare any size, and each tensor's bytes are stored at least
+    once, uncompressed (Megatron never uses DCP's stream transforms, so a transformed tensor is refused)."""
+    declared, files = 0, set()
+    for key in keys:
+        m = md.state_dict_metadata[key]
+        if not (isinstance(m.properties.dtype, torch.dtype) and all(isinstance(n, int) and n >= 0 for n in m.size)):
+            raise MegatronConversionError(f"{iter_dir}/.metadata: {key} is declared as {m.properties.dtype} "
+                                          f"{tuple(m.size)}, not a tensor; {_FIX}")
+        declared += math.prod(m.size) * m.properties.dtype.itemsize
+    wanted = set(keys)
+    for index, info in (md.storage_data or {}).items():
+        if index.fqn in wanted:
+            if getattr(info, "transform_descriptors", None):
+                raise MegatronConversionError(f"{iter_dir}: {index.fqn} is stored transformed "
+                                              f"({info.transform_descriptors}); re-save without DCP extensions")
+            files.add(info.relative_path)
+    held = sum(os.path.getsize(os.path.join(iter_dir, f)) for f in files if os.path.isfile(os.path.join(iter_dir, f)))
+    if declared > held:
+        raise MegatronConversionError(f"{iter_dir}/.metadata declares {declared} bytes of model tensors, but the data "
+                                      f"files holding them have {held} bytes: the checkpoint is damaged or crafted; "
+                                      f"{_FIX}")
 
 
 def state_from_tensors(tensors: dict[str, torch.Tensor], cfg, path: str) -> dict:

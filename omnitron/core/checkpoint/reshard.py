@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -169,6 +170,33 @@ def skeleton_chunks(cfg, layout: Layout, ep_rank: int = 0, etp: int = 1) -> dict
                                backend=host_backend(), seed=0, style=layout.style)
 
 
+def full_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Global name -> full (unpadded) shape of every parameter of ``cfg``'s model but a tied output layer's (it
+    reads the word embedding). Built on the meta device: an importer's config comes from a file that may declare
+    any size, so its shapes are compared with the file's tensors before anything of that size is allocated."""
+    with torch.device("meta"):
+        chunk = skeleton_chunks(cfg, Layout())[(0, 0)]
+    out = {}
+    for name, p in chunk.named_parameters():
+        if getattr(p, "shared_embedding", False):
+            continue
+        rows = getattr(p, "valid_rows", None)
+        out[name] = ((rows,) if rows is not None else tuple(p.shape[:1])) + tuple(p.shape[1:])
+    return out
+
+
+def check_declared_size(cfg, files: list[str], where: str) -> None:
+    """The model a checkpoint records is no larger than the files holding its weights (at least one byte a
+    parameter, fp8 included), checked on the meta device before a model of that size is built: ``where``'s
+    metadata (metadata.json, a safetensors header) is read from a file that may declare any size."""
+    params = sum(math.prod(shape) for shape in full_shapes(cfg).values())
+    held = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    if params > held:
+        raise CheckpointError(f"{where}: its metadata records a model of {params:,} parameters, but the files holding "
+                              f"its weights have {held:,} bytes: the metadata is corrupt or crafted; load an earlier "
+                              f"iteration, or re-save")
+
+
 @dataclass(frozen=True)
 class _Seen(Group):
     """A group seen from member ``me``, whatever this process's world rank (skeletons only)."""
@@ -273,7 +301,9 @@ def read_full_state(path: str, *, owners: set[str] | None = None, with_optimizer
                               f"the torch format; reading it under another layout is not supported: resume it with "
                               f"the same layout, or train with --expert-tensor-parallel-size 1 or --ckpt-format "
                               f"torch_dist (the default) to reshard later")
-    skeletons = skeleton_chunks(model_config(meta["model"], recorded_family(meta, path)), dataclasses.replace(layout, ep=1))  # every expert
+    cfg = model_config(meta["model"], recorded_family(meta, path))
+    check_declared_size(cfg, [os.path.join(path, n) for n in os.listdir(path)], path)
+    skeletons = skeleton_chunks(cfg, dataclasses.replace(layout, ep=1))  # every expert
     full = FullState(model={}, optimizer={}, optimizer_meta={}, scheduler={}, meta=meta)
     keep = (lambda n: owner(n) in owners) if owners is not None else (lambda n: True)
     biased = bool(meta["model"].get("moe_router_enable_expert_bias"))  # buffers, kept with each rank's state

@@ -24,7 +24,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from omnitron.core.checkpoint.io import REFUSAL, CheckpointError, quiet_torch_load, torch_load_reason
+from omnitron.core.checkpoint.io import (REFUSAL, CheckpointError, quiet_torch_load, torch_load_reason,
+                                         zip_record_problem)
 
 _REBUILD = ("torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter",
             "torch._utils._rebuild_parameter_with_state", "torch._tensor._rebuild_from_type_v2")
@@ -81,6 +82,9 @@ def pickled_globals(path: str, fix: str = "use a file from a trusted source", da
         f.seek(0)
         try:
             if zipped:
+                problem = zip_record_problem(f)
+                if problem:
+                    raise UnsafeFileError(f"{path}: refused: {problem}; {fix}")
                 with zipfile.ZipFile(f) as z:
                     streams = [io.BytesIO(z.read(n)) for n in z.namelist() if n.endswith(".pkl")]
                 if not streams:

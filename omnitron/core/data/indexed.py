@@ -131,7 +131,9 @@ class IndexedDataset:
     def _bin_bytes_needed(self) -> int:
         if not len(self.sequence_lengths):
             return 0
-        ends = self.sequence_pointers + self.sequence_lengths.astype(np.int64) * self.dtype.itemsize
+        # NOTE: unsigned: both are checked >= 0, and a crafted pointer near 2**63 must not wrap the int64 sum
+        # negative (which would pass the truncation check and fail later, in numpy, without naming the file)
+        ends = self.sequence_pointers.astype(np.uint64) + self.sequence_lengths.astype(np.uint64) * self.dtype.itemsize
         return int(ends.max())
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ vocabulary must match the model's.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -66,7 +67,7 @@ def _build(cfg, backend):
 def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
     """(path, metadata, fp32 model config) of the latest checkpoint under ``load``, or of the safetensors file
     ``load`` (``checkpoint export``'s)."""
-    from omnitron.core.checkpoint.reshard import model_config, recorded_family
+    from omnitron.core.checkpoint.reshard import check_declared_size, model_config, recorded_family
     from omnitron.core.inference.shard_load import safetensors_meta
 
     if load.endswith(".safetensors"):
@@ -76,7 +77,10 @@ def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
         if path is None:
             raise CheckpointError(f"--load {load}: no checkpoint there (no 'latest' and no iter_* directory)")
         meta = read_metadata(path)
-    return path, meta, replace(model_config(meta["model"], recorded_family(meta, path)), params_dtype=torch.float32)
+    cfg = model_config(meta["model"], recorded_family(meta, path))
+    files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in os.listdir(path)]
+    check_declared_size(cfg, files, path)
+    return path, meta, replace(cfg, params_dtype=torch.float32)
 
 
 def _tokenizer(path: str, meta: dict, cfg):

@@ -77,13 +77,24 @@ def safetensors_meta(file: str) -> dict:
     ``iteration``; ``layout`` tp1)."""
     from safetensors import safe_open
 
-    with safe_open(file, framework="pt") as f:
-        raw = f.metadata() or {}
+    try:
+        with safe_open(file, framework="pt") as f:
+            raw = f.metadata() or {}
+    except Exception as err:  # SafetensorError (truncated, bad header), OSError
+        raise CheckpointError(f"--load {file}: not a readable safetensors file ({type(err).__name__}: {err}); "
+                              f"export it again") from None
     if "model" not in raw:
         raise CheckpointError(f"--load {file}: a safetensors file without omnitron's model config in its metadata; "
                               f"write it with `omnitron checkpoint export`")
-    return {"model": json.loads(raw["model"]), "config": json.loads(raw.get("config", "{}")),
-            "iteration": int(raw.get("iteration", 0)), "layout": {}}
+    try:
+        out = {"model": json.loads(raw["model"]), "config": json.loads(raw.get("config", "{}")),
+               "iteration": int(raw.get("iteration", 0)), "layout": {}}
+    except ValueError as err:
+        raise CheckpointError(f"--load {file}: its metadata is not what `checkpoint export` writes ({err}); export it "
+                              f"again") from None
+    if not isinstance(out["model"], dict) or not isinstance(out["config"], dict):
+        raise CheckpointError(f"--load {file}: its metadata's model / config are not JSON objects; export it again")
+    return out
 
 
 def read_safetensors(file: str, stage, pieces: dict) -> int:
