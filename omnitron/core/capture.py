@@ -15,6 +15,8 @@ spellings at once; an implementation other than ``local``; pipeline parallelism 
 need its own graph, since a replay overwrites the static activations of the previous one); activation
 recomputation; the ``delayed`` FP8 recipe (its amax history is Python state
 updated per call); MoE without ``--moe-expert-capacity-factor`` (data-dependent shapes); FSDP2 (module hooks);
+context parallelism with attention dropout (its hash masks' seed is drawn on the host per call,
+:meth:`~omnitron.core.parallel.tensor.random.RNGTracker.hash_seed`: a replay would reuse the captured seed);
 backends whose ``capabilities().graph_capture`` is False (cpu, sim: no device graphs; :func:`capture_layers`).
 
 With ``--torch-compile`` (Megatron graphs Transformer Engine's fused layers the same way) each layer's forward is
@@ -77,6 +79,9 @@ def check_settings(training, model, parallel, fp8, ddp) -> None:
          "dropless MoE routing has data-dependent shapes; set --moe-expert-capacity-factor"),
         (ddp is not None and getattr(ddp, "use_torch_fsdp2", False), "FSDP2 gathers parameters in module hooks "
          "outside the graph; drop --use-torch-fsdp2"),
+        (parallel.context_parallel_size > 1 and (getattr(model, "attention_dropout", 0.0) or 0.0) > 0.0,
+         "context parallelism's attention dropout seeds its masks on the host at each call and every replay would "
+         "repeat the captured call's masks; set --attention-dropout 0 or --context-parallel-size 1"),
     ]
     for bad, why in checks:
         if bad:

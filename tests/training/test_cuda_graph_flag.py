@@ -34,6 +34,8 @@ def test_both_spellings_select_the_local_implementation(flags):
      "drop --torch-compile"),
     (("--cuda-graph-impl", "local", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"), "--fp8-recipe tensorwise"),
     (("--cuda-graph-impl", "local", "--num-experts", "2"), "--moe-expert-capacity-factor"),
+    (("--cuda-graph-impl", "local", "--context-parallel-size", "2", "--attention-dropout", "0.1"),
+     "--attention-dropout 0"),
 ])
 def test_incompatible_options_are_refused_in_one_line(extra, names):
     with pytest.raises(ConfigError) as err:
