@@ -4,7 +4,9 @@ on every later training call with the same shapes, so a layer's many small launc
 activations) cost one graph launch each way.
 
 Capture is lazy: a layer's first training call (grad enabled, training mode) captures it with that call's
-shapes; validation and generation run the eager forward (the compiled one under ``--torch-compile``). What the
+shapes; validation and generation run the eager forward (the compiled one under ``--torch-compile``). A layer
+is captured with its second input (a GPT layer's ``freqs``, a BERT layer's padding mask: BERT, T5's encoder, the
+vision encoder); calls with more (packed-document ids, T5's decoder's memory) run uncaptured. What the
 captured code must not do, since no Python runs on replay: swap generator states (the tensor-parallel RNG fork)
 or consult host-side caches (the FP8 weight cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
 their traceable form (explicit dropout masks from the default generator, the FP8 weight read from its held tensors
@@ -15,6 +17,8 @@ spellings at once; an implementation other than ``local``; pipeline parallelism 
 need its own graph, since a replay overwrites the static activations of the previous one); activation
 recomputation; the ``delayed`` FP8 recipe (its amax history is Python state
 updated per call); MoE without ``--moe-expert-capacity-factor`` (data-dependent shapes); FSDP2 (module hooks);
+context parallelism with attention dropout (its hash masks' seed is drawn on the host per call,
+:meth:`~omnitron.core.parallel.tensor.random.RNGTracker.hash_seed`: a replay would reuse the captured seed);
 backends whose ``capabilities().graph_capture`` is False (cpu, sim: no device graphs; :func:`capture_layers`).
 
 With ``--torch-compile`` (Megatron graphs Transformer Engine's fused layers the same way) each layer's forward is
@@ -77,6 +81,9 @@ def check_settings(training, model, parallel, fp8, ddp) -> None:
          "dropless MoE routing has data-dependent shapes; set --moe-expert-capacity-factor"),
         (ddp is not None and getattr(ddp, "use_torch_fsdp2", False), "FSDP2 gathers parameters in module hooks "
          "outside the graph; drop --use-torch-fsdp2"),
+        (parallel.context_parallel_size > 1 and (getattr(model, "attention_dropout", 0.0) or 0.0) > 0.0,
+         "context parallelism's attention dropout seeds its masks on the host at each call and every replay would "
+         "repeat the captured call's masks; set --attention-dropout 0 or --context-parallel-size 1"),
     ]
     for bad, why in checks:
         if bad:
@@ -93,10 +100,13 @@ class CapturedForward:
         self.graphs: dict[tuple, object] = {}
         self.captures = 0
 
-    def __call__(self, x: torch.Tensor, freqs: torch.Tensor | None = None, document_ids=None) -> torch.Tensor:
-        if document_ids is not None or not (self.layer.training and torch.is_grad_enabled()):
-            return self.eager(x, freqs, document_ids)
-        args = (x,) if freqs is None else (x, freqs)
+    def __call__(self, x: torch.Tensor, *rest) -> torch.Tensor:
+        """``rest``: what the layer takes after ``x``, passed on as given: a GPT layer's ``freqs`` (or None), a
+        BERT layer's padding mask (BERT, T5's encoder, the vision encoder); a call with more (a GPT layer's
+        packed-document ids, T5's decoder's memory and its mask) runs ``run`` uncaptured."""
+        if len(rest) > 1 or not (self.layer.training and torch.is_grad_enabled()):
+            return self.eager(x, *rest)
+        args = (x,) if not rest or rest[0] is None else (x, rest[0])
         key = tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)
         graphed = self.graphs.get(key)
         if graphed is None:
@@ -108,14 +118,14 @@ class CapturedForward:
 
 
 class _Call(nn.Module):
-    """``forward(x[, freqs])`` of a layer as a module holding its parameters (what graph capture takes)."""
+    """``forward(x[, second])`` of a layer as a module holding its parameters (what graph capture takes)."""
 
     def __init__(self, forward, layer: nn.Module) -> None:
         super().__init__()
         self.fn, self.layer = forward, layer
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor | None = None) -> torch.Tensor:
-        return self.fn(x, freqs)
+    def forward(self, x: torch.Tensor, second: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fn(x, second)
 
 
 def capture_layers(modules: list[nn.Module], backend, compiled: bool = False,

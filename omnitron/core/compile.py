@@ -50,8 +50,12 @@ Known graph breaks that remain (each measured with ``torch._dynamo.explain``, to
   all-to-all takes them as Python ints, so a traced exchange breaks the graph at each host read and recompiles
   at each new routing (61-62 graphs per rank at ep2 before, 2026-12-03). Disabled: 4 graphs per rank whatever
   the routing (the layer before and after the MoE block, the block's router before it and its output after it)
-  and no recompilation. A static exchange (``--moe-pad-expert-input-to-capacity``: fixed sizes) could be traced
-  whole; not done: the dispatch still derives its sizes from the mask.
+  and no recompilation. With a load-balancing loss one more (a step's first micro-batch: no logged aux loss yet),
+  still none as the loss scale moves: the expert counts are fixed-size scatter-adds (a bincount broke the graph at
+  each router use: 11 graphs) and the aux-loss gradient weight a tensor input (a float was a guarded constant:
+  --fp16 recompiled at each new loss scale, 17 graphs in 6 steps; 2026-12-06). A static exchange
+  (``--moe-pad-expert-input-to-capacity``: fixed sizes) could be traced whole; not done: the dispatch still
+  derives its sizes from the mask.
 
 Context parallelism's ring traces whole: its exchanges are functional all-to-alls while dynamo traces
 (:meth:`omnitron.core.parallel.context.ring._Ring.exchange`), one graph per rank at cp2 (was 8: the

@@ -34,6 +34,8 @@ def test_both_spellings_select_the_local_implementation(flags):
      "drop --torch-compile"),
     (("--cuda-graph-impl", "local", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"), "--fp8-recipe tensorwise"),
     (("--cuda-graph-impl", "local", "--num-experts", "2"), "--moe-expert-capacity-factor"),
+    (("--cuda-graph-impl", "local", "--context-parallel-size", "2", "--attention-dropout", "0.1"),
+     "--attention-dropout 0"),
 ])
 def test_incompatible_options_are_refused_in_one_line(extra, names):
     with pytest.raises(ConfigError) as err:
@@ -130,3 +132,33 @@ def test_compiled_layers_are_captured_once_and_train_as_eager(tmp_path, monkeypa
     assert captured == pytest.approx(eager, rel=rel), (captured, eager)
     assert double.captured == [([(16, 2, 32)], True, True)] * 2
     assert graphs_at_capture == [1, 1] and int(counters["stats"]["unique_graphs"]) == 1
+
+
+def _bert_run(root: str, backend, *extra: str) -> tuple[list[float], list[float]]:
+    """(training losses, validation losses) of a 2-layer BERT (BertLayer: ``forward(x, padding_mask)``) that
+    validates after each of its 2 steps."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    argv = ["--model", "bert_tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--ffn-hidden-size", "128", "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--num-workers", "0", "--no-tensorboard", "--train-iters", "2",
+            "--eval-interval", "1", "--eval-iters", "1", "--data-cache-path", root + "/cache", "--seed", "7", *extra]
+    torch.set_num_threads(1)
+    res = train(parse_settings(argv, 1), backend)
+    return [res["losses"][i] for i in sorted(res["losses"])], [v["val_loss"] for v in res["validation"]]
+
+
+def test_bert_layers_are_captured_with_their_padding_mask_and_validate_eagerly(tmp_path):
+    """BERT's layers (also T5's encoder's and the vision encoder's) take ``(x, padding_mask)``: each is captured
+    once with the mask as its second input, and validation runs the eager forward with the mask (it was handed
+    a third argument: TypeError at the first evaluation). Losses: eager's exactly (the double replays by running
+    the callable: the same ops in the same order)."""
+    from omnitron.backends import get_backend
+
+    eager = _bert_run(str(tmp_path / "eager"), get_backend("cpu"))
+    double = GraphDouble()
+    captured = _bert_run(str(tmp_path / "graphs"), double, "--cuda-graph-impl", "local")
+    assert captured == eager and len(eager[1]) == 3
+    assert double.captured == [([(32, 2, 64), (2, 32)], True, True)] * 2

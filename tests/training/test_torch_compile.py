@@ -110,6 +110,42 @@ def test_compiled_fp16_training_matches_eager_in_one_graph(tmp_path, monkeypatch
     assert len(set(eager)) == STEPS
 
 
+MOE_AUX = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--fp16",
+           "--train-iters", "6")
+
+
+def test_compiled_moe_with_a_load_balancing_loss_under_fp16_keeps_its_graphs(tmp_path, monkeypatch):
+    """MoE with a load-balancing loss and the dynamic loss scaler (--fp16), which backs off at each of the first
+    steps' overflows: the expert counts have a fixed size (a data-dependent bincount broke the graph at each
+    router use) and the aux-loss gradient weight (loss scale / micro-batches) is a tensor input of the graph (a
+    float attribute was a guarded constant: a recompilation at every new loss scale, 17 graphs in 6 steps and
+    eager after dynamo's limit of 8). 5 graphs: eager's exchange splits the layer into 4 (the ep2 test) and
+    the first micro-batch of a step (no logged aux loss yet) has its own. NOTE: losses within the fp16 test's
+    bound above (3e-4, the same fp32 reordering carried through fp16 rounding); the router's top-2 picks could
+    only flip on a logit gap below ~1e-5 relative, which these 64 tokens per micro-batch do not come near."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
+
+    monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
+    eager, _ = _train(str(tmp_path / "eager"), 1, *MOE_AUX)
+    compiled, graphs = _train(str(tmp_path / "compiled"), 1, "--torch-compile", *MOE_AUX)
+    assert compiled == pytest.approx(eager, rel=3e-4) and graphs == 5, (compiled, eager, graphs)
+    # the loss scale moved (its back-off is what recompiled): a step's scale is not the first one's
+    settings = parse_settings(_argv("--data-cache-path", str(tmp_path / "cache"), *MOE_AUX), 1)
+    scaler = train(settings, get_backend())["components"].optimizer.loss_scaler
+    assert scaler.scale < settings.precision.initial_loss_scale, scaler.scale
+
+
+def test_expert_counts_are_bincounts():
+    """The fixed-size expert counts (compiled layers) against ``torch.bincount`` on random picks, exact: small
+    integers in float32."""
+    from omnitron.core.transformer.moe.router import expert_counts
+
+    experts = torch.randint(0, 7, (50, 3))
+    want = torch.bincount(experts.reshape(-1), minlength=9).double()
+    assert torch.equal(expert_counts(experts, 9, torch.float32).double(), want)
+
+
 def test_recomputation_inside_a_compiled_region_keeps_the_dropout_mask():
     """omnitron's checkpoint traced by dynamo: the gradient flows exactly where the forward kept elements."""
     from omnitron.core.parallel.tensor.random import checkpoint

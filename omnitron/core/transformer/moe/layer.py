@@ -51,7 +51,8 @@ def mark_expert(p: nn.Parameter, sharded: bool) -> nn.Parameter:
 class MoELayer(nn.Module):
     """``[s, b, h] -> ([s, b, h], None)`` (``[s/tp, b, h]`` under sequence parallelism), like :class:`MLP`.
 
-    ``aux_loss_scale`` weights the router losses' gradient (the step sets it to loss scale /
+    ``aux_loss_scale`` (a float, or the 0-dim tensor :func:`~.metrics.set_aux_loss_scale` fills in place) weights
+    the router losses' gradient (the step sets it to loss scale /
     micro-batches, the weight of each micro-batch's LM loss); ``aux_loss_total`` accumulates the
     detached loss values for logging (see :mod:`omnitron.core.transformer.moe.metrics`).
     """

@@ -15,9 +15,16 @@ def moe_layers(modules) -> list:
 
 def set_aux_loss_scale(modules, scale: float) -> None:
     """Weight of each micro-batch's load-balancing loss in backward: the step's loss scale divided by
-    the number of micro-batches, the same weight the runtime gives each micro-batch's LM loss."""
+    the number of micro-batches, the same weight the runtime gives each micro-batch's LM loss. Written in place
+    into a float32 0-dim tensor on the layer's device: a compiled layer (``--torch-compile``) takes it as a graph
+    input, where a float attribute was a constant its guard checked (--fp16: a recompilation at every new loss
+    scale, eager after dynamo's 8), and a captured backward (``--cuda-graph-impl local``) reads its value now."""
     for layer in moe_layers(modules):
-        layer.aux_loss_scale = scale
+        held = layer.aux_loss_scale
+        device = layer.router.weight.device
+        if not isinstance(held, torch.Tensor) or held.device != device:
+            held = layer.aux_loss_scale = torch.zeros((), dtype=torch.float32, device=device)
+        held.fill_(scale)
 
 
 def moe_aux_loss(modules, groups, collectives, num_microbatches: int) -> float:

@@ -93,6 +93,16 @@ def z_loss(logits: torch.Tensor, coeff: float, stats_group=None) -> torch.Tensor
     return coeff * sq / tokens
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[E]``: how many of ``experts``' entries name each expert, as ``dtype`` (exact below 2^24 in float32).
+    A scatter-add into ``E`` zeros, not ``torch.bincount``: bincount's output size depends on the data, so a
+    compiled layer (``--torch-compile``) broke its graph there (one break per router use: 11 graphs instead of 4
+    with a load-balancing loss, 2026-12-06)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=dtype, device=experts.device).scatter_add_(
+        0, flat, torch.ones(flat.shape, dtype=dtype, device=experts.device))
+
+
 def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts: int, coeff: float,
                         stats_group=None) -> torch.Tensor:
     """Switch/GShard auxiliary loss ``coeff * E * sum_e f_e * P_e``.
@@ -104,7 +114,7 @@ def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, num_experts
     share of the gradient).
     """
     k = experts.shape[-1]
-    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(scores.dtype)  # [E]
+    counts = expert_counts(experts, num_experts, scores.dtype)  # [E]
     prob_sum = scores.sum(dim=0)  # [E]
     tokens = torch.tensor(float(scores.shape[0]), dtype=scores.dtype, device=scores.device)
     if stats_group is not None and stats_group.size > 1:
@@ -139,21 +149,26 @@ def sequence_load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, ba
 
 class _AttachAuxLoss(torch.autograd.Function):
     """forward: identity on ``x`` (the aux loss is not part of the output); backward: also seed the
-    aux loss's own backward with ``scale`` (the weight the step gives each micro-batch's loss)."""
+    aux loss's own backward with ``scale`` (the weight the step gives each micro-batch's loss), a float or a
+    0-dim tensor read when the backward runs."""
 
     @staticmethod
     def forward(ctx, x, aux, scale):
-        ctx.scale = scale
+        ctx.scale = None if isinstance(scale, torch.Tensor) else scale
+        if ctx.scale is None:
+            ctx.save_for_backward(scale)
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         shape, dtype, device = ctx.aux_meta
+        if ctx.scale is None:
+            return g, ctx.saved_tensors[0].to(device=device, dtype=dtype).expand(shape), None
         return g, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+def attach_aux_loss(x: torch.Tensor, aux: torch.Tensor, scale: "float | torch.Tensor") -> torch.Tensor:
     """``x`` unchanged; backward through it also back-propagates ``scale * aux``."""
     return _AttachAuxLoss.apply(x, aux, scale)
 
@@ -211,7 +226,7 @@ class TopKRouter(nn.Module):
         probs, experts = self.route(logits)
         if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not recomputing():
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
+                self.tokens_per_expert += expert_counts(experts, self.num_experts, torch.float32)
         if self.expert_picks is not None and self.training and torch.is_grad_enabled() and not recomputing():
             with torch.no_grad():  # scatter_add_: no host sync (a device bincount reads its size back)
                 picks = experts.reshape(-1)
