@@ -16,7 +16,7 @@ from omnitron.testing.sim import requires_sim
 pytestmark = [requires_sim(), pytest.mark.multiprocess]
 S, B, H, M = 64, 2, 32, 4
 ROUND = 512  # the sim allocator's block granularity (csrc/sim/allocator.cpp)
-CASES = (("1f1b", 1), ("interleaved", 2), ("zb-v", 2))
+CASES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipe-v", 2))
 
 
 def _step_memory(cases) -> dict:
@@ -73,8 +73,8 @@ def _step_memory(cases) -> dict:
 
 
 def test_pipeline_step_frees_its_tensors_and_its_peak_is_the_tensors_it_holds():
-    """On every rank of a pp2 step (1F1B, interleaved, ZB-V; strict p2p): the device holds no more bytes after the
-    step than before it (the gradients existed), and the allocator's peak during the step is the independent
+    """On every rank of a pp2 step (1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V; strict p2p): the device holds no
+    more bytes after the step than before it (the gradients existed), and the allocator's peak during the step is the independent
     count's: the peak of the live storages a dispatch-mode log (``Timeline``, weak references to storages, no
     allocator involved) saw the step's ops create, each rounded up to the allocator's 512-byte block; and it holds
     at least the inputs the schedule's own simulation says are in flight at once (one ``[s, b, h]`` float64
