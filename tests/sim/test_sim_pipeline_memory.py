@@ -74,11 +74,11 @@ def _step_memory(cases) -> dict:
 
 def test_pipeline_step_frees_its_tensors_and_its_peak_is_the_tensors_it_holds():
     """On every rank of a pp2 step (1F1B, interleaved, ZB-H1, ZB-V, DualPipe-V; strict p2p): the device holds no
-    more bytes after the step than before it (the gradients existed), and the allocator's peak during the step is the independent
-    count's: the peak of the live storages a dispatch-mode log (``Timeline``, weak references to storages, no
-    allocator involved) saw the step's ops create, each rounded up to the allocator's 512-byte block; and it holds
-    at least the inputs the schedule's own simulation says are in flight at once (one ``[s, b, h]`` float64
-    activation, A = 32 KiB, each: a bias-free linear's forward saves only its input).
+    more bytes after the step than before it (the gradients existed), and the allocator's peak during the step is
+    the independent count's: the peak of the live storages a dispatch-mode log (``Timeline``, weak references to
+    storages, no allocator involved) saw the step's ops create, each rounded up to the allocator's 512-byte block;
+    and it holds at least the inputs the schedule's own simulation says are in flight at once (one ``[s, b, h]``
+    float64 activation, A = 32 KiB, each: a bias-free linear's forward saves only its input).
 
     Error analysis of the peak's tolerance: the two counts agree block for block except where the allocator adopts
     the memory a CPU kernel allocated for a result (csrc/sim/allocator.cpp): those count their bytes unrounded, at
