@@ -242,7 +242,12 @@ class _StrictOp:
     """One strict point-to-point op. A send posts header and payload at once; a receive posts its header,
     and its payload only once the header matched (a payload of the wrong size would abort gloo's I/O
     thread). Waiting on any op of a batch first posts all its payload receives, in batch order; waiting twice is a no-op (gloo's works
-    may not be waited twice: a second ``wait`` on a finished receive waits for another message)."""
+    may not be waited twice: a second ``wait`` on a finished receive waits for another message).
+
+    A finished op drops its tensors, works and batch (:meth:`_release`): each op and its batch list refer to each
+    other, so without that the tensors a pipeline sends and receives would live until Python's cyclic collector
+    ran, at no predictable point (memory held past its last use, and a step's peak measured low or 0 when an
+    earlier step's buffers were collected inside it)."""
 
     def __init__(self, batch: list, kind, tensor, wire, peer, where, group) -> None:
         self.batch, self.kind, self.tensor, self.wire, self.peer = batch, kind, tensor, wire, peer
@@ -261,7 +266,7 @@ class _StrictOp:
 
     def _post_payload(self) -> None:
         """Receive side: wait for the header, check it, then post the payload receive."""
-        if self.payload is not None:
+        if self.payload is not None or self.done:
             return
         timed_wait(self.works[0], lambda: [self.desc], self.group)
         sent = _decode(self.head).split("\t")
@@ -282,6 +287,12 @@ class _StrictOp:
             timed_wait(self.works[0], lambda: [self.desc], self.group)
         timed_wait(self.payload, lambda: [self.desc], self.group)
         self.done = True
+        self._release()
+
+    def _release(self) -> None:
+        """Drop what a finished op holds (its caller keeps the tensors it still needs)."""
+        self.batch = self.tensor = self.wire = self.head = self.payload = None
+        self.works = ()
 
 
 _PENDING: dict[int, tuple] = {}  # id(group) -> (group, [_StrictOp]) of the last p2p batch

@@ -92,6 +92,28 @@ def send_recv_batched() -> float:
     return float(got[0])
 
 
+def p2p_buffers_freed() -> list[bool]:
+    """Each rank sends and receives one tensor in a batch, waits, lets both go (the cyclic collector off): whether
+    each storage is still alive (held by nothing but the strict ops' own bookkeeping)."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    coll = _coll()
+    me, peer = dist.get_rank(), 1 - dist.get_rank()
+    gc.collect()
+    gc.disable()
+    try:
+        got, sent = torch.empty(1000), torch.full((1000,), float(me))
+        for h in coll.batch_p2p([("recv", got, peer), ("send", sent, peer)]):
+            h.wait()
+        refs = [StorageWeakRef(t.untyped_storage()) for t in (got, sent)]
+        del got, sent, h
+        return [not r.expired() for r in refs]
+    finally:
+        gc.enable()
+
+
 def p2p_shape_mismatch() -> str:
     """Rank 0 sends 6 elements, rank 1 expects 5."""
     coll = _coll()

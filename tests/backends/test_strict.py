@@ -79,6 +79,15 @@ def test_batched_send_receive_passes_strict(monkeypatch):
     assert run_distributed(strict_cases.send_recv_batched, 2, timeout_s=60) == [1.0, 0.0]
 
 
+def test_strict_p2p_frees_its_buffers_without_the_cyclic_collector(monkeypatch):
+    """Once waited, a strict p2p op holds none of its tensors: the caller's last reference frees them at once, as
+    without strict mode (the reference). Before the fix each op and its batch referred to each other, so every
+    buffer a pipeline sent or received lived until Python's cyclic collector ran."""
+    for strict in ("0", "1"):
+        monkeypatch.setenv("OMNITRON_STRICT_COLLECTIVES", strict)
+        assert run_distributed(strict_cases.p2p_buffers_freed, 2, timeout_s=60) == [[False, False]] * 2, strict
+
+
 def test_p2p_shape_mismatch_names_both_sites(monkeypatch):
     msg, took = _fails(strict_cases.p2p_shape_mismatch, monkeypatch, ranks=(1,))  # the receiver detects it
     assert took < 30, took
