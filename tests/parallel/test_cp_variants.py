@@ -60,8 +60,9 @@ def _reference(q, k, v, scale, window, sinks, drop=None, docs=None):
     ``docs [b, s]`` (document ids) also masks keys of other documents."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    keep = _keep(q.shape[2], window) if docs is None else _keep(q.shape[2], window) & (docs[:, :, None] == docs[:, None])
-    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~(keep if docs is None else keep[:, None]), float("-inf"))
+    keep = _keep(q.shape[2], window)
+    keep = keep if docs is None else (keep & (docs[:, :, None] == docs[:, None]))[:, None]
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
     prob = torch.softmax(s, -1)[..., : q.shape[2]]
