@@ -3,7 +3,8 @@
 (a) Core attention over the cp-split sequence (``transformer/cp_attention.py``: p2p ring, a2a, allgather,
 a2a+p2p) against plain float64 attention on the whole sequence: a value head dim unlike the query's (MLA), a
 causal sliding window (blocks outside it skipped, cut ones masked), attention sinks (the sink once per row),
-grouped-query heads, and attention dropout (the hash masks of the whole sequence: every layout draws those).
+grouped-query heads, and attention dropout (the hash masks of the whole sequence: every layout draws those);
+without cp, a windowed / sink layer on a one-rank ring's blocks (values, and no [s, s] scores).
 (b) GPT models in float64 at cp2 against the one-process model: multi-latent attention (decoupled RoPE at the
 chunks' global positions, YaRN), alternating sliding windows with learnable / off-by-one sinks (GQA), and
 multi-token prediction (the shifts crossing chunk boundaries): loss and every gradient (cp4 and tp2 x cp2 with
