@@ -26,7 +26,9 @@ its float32 outputs (forward: the block's output and log-sum-exp; backward: dq, 
 (:func:`fused_block_peak`, written out: the kernel runs only on a GPU or under Triton's interpreter).
 
 Sliding windows and attention sinks take the block path under every ``--cp-comm-type`` (a2a and allgather run the
-ring's tiles, the sinks after the merge); the largest block priced is the windowless one, an upper bound.
+ring's tiles, the sinks after the merge), and at cp = 1 too (a one-rank ring's tiles, since 2026-12-06, except with
+``--reset-attention-mask``): the largest block priced is the windowless one, an upper bound (gpt-oss: its full
+layers have sinks; every layer windowed, the true block is a tile of ``max(64, left + 1)`` rows).
 """
 from __future__ import annotations
 
@@ -51,8 +53,22 @@ class Block:
 
 
 def block_path(settings, cfg) -> bool:
-    """Whether this layout's attention dropout runs on the cp block kernels with the hash mask (module doc)."""
-    return settings.parallel.context_parallel_size > 1 and bool(cfg.attention_dropout)
+    """Whether this layout's attention dropout runs on the block kernels with the hash mask (module doc): cp > 1,
+    or cp = 1 where every layer runs the one-rank blocks (:func:`one_rank_blocks`)."""
+    if not cfg.attention_dropout:
+        return False
+    return settings.parallel.context_parallel_size > 1 or one_rank_blocks(settings, cfg)
+
+
+def one_rank_blocks(settings, cfg) -> bool:
+    """Whether every layer's attention at cp = 1 runs a one-rank ring's blocks: sinks on every layer
+    (``--softmax-type`` not vanilla) or a sliding window on every layer, and no ``--reset-attention-mask`` (its
+    per-document mask keeps the masked softmax). MLA has neither."""
+    from omnitron.core.transformer.window import window_layers
+
+    if getattr(settings.data, "reset_attention_mask", False) or getattr(cfg, "multi_latent_attention", False):
+        return False
+    return getattr(cfg, "softmax_type", "vanilla") != "vanilla" or all(window_layers(cfg))
 
 
 def priced_config(settings, cfg):

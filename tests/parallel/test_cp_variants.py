@@ -3,7 +3,8 @@
 (a) Core attention over the cp-split sequence (``transformer/cp_attention.py``: p2p ring, a2a, allgather,
 a2a+p2p) against plain float64 attention on the whole sequence: a value head dim unlike the query's (MLA), a
 causal sliding window (blocks outside it skipped, cut ones masked), attention sinks (the sink once per row),
-grouped-query heads, and attention dropout (the hash masks of the whole sequence: every layout draws those).
+grouped-query heads, and attention dropout (the hash masks of the whole sequence: every layout draws those);
+without cp, a windowed / sink layer on a one-rank ring's blocks (values, and no [s, s] scores).
 (b) GPT models in float64 at cp2 against the one-process model: multi-latent attention (decoupled RoPE at the
 chunks' global positions, YaRN), alternating sliding windows with learnable / off-by-one sinks (GQA), and
 multi-token prediction (the shifts crossing chunk boundaries): loss and every gradient (cp4 and tp2 x cp2 with
@@ -13,6 +14,7 @@ sequence parallelism, -m slow). (c) The training loop with windows and sinks at 
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -54,11 +56,14 @@ def _keep(s: int, window) -> torch.Tensor:
     return (d >= 0) & (d <= (window[0] if window else s))
 
 
-def _reference(q, k, v, scale, window, sinks, drop=None):
-    """softmax([q k^T scale + causal window mask | sink]) without the sink column (* dropout) @ v, whole sequence."""
+def _reference(q, k, v, scale, window, sinks, drop=None, docs=None):
+    """softmax([q k^T scale + causal window mask | sink]) without the sink column (* dropout) @ v, whole sequence;
+    ``docs [b, s]`` (document ids) also masks keys of other documents."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~_keep(q.shape[2], window), float("-inf"))
+    keep = _keep(q.shape[2], window)
+    keep = keep if docs is None else (keep & (docs[:, :, None] == docs[:, None]))[:, None]
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
     prob = torch.softmax(s, -1)[..., : q.shape[2]]
@@ -220,6 +225,62 @@ def test_all_to_all_and_allgather_windows_and_sinks_make_no_full_scores():
         for case, most, err in rank_result:
             assert most <= bound, (case, most, bound)
             assert err < 1e-11, (case, err)
+
+
+# (s, window, softmax type, dropout, document ids) of one process's SelfAttention (cp = 1), hq 4, hkv 2, d 8. At
+# s = 1024 memory is bounded too; s = 301 is odd (the one-rank tiles cover every row, not two halves of 150).
+ONE_RANK_CASES = [(1024, (100, 0), "learnable", 0.0, False), (1024, (100, 0), "off-by-one", 0.0, False),
+                  (1024, None, "learnable", 0.2, False), (1024, (127, 0), "vanilla", 0.2, False),
+                  (301, (64, 0), "learnable", 0.0, False), (40, (5, 0), "learnable", 0.0, True)]
+
+
+@pytest.mark.parametrize("s,window,softmax,p,docs", ONE_RANK_CASES)
+def test_windows_and_sinks_without_cp_make_no_full_scores(s, window, softmax, p, docs):
+    """Without context parallelism a layer with a sliding window or sinks runs the blocks of a one-rank ring (only
+    the tiles the window reaches, the sink once per row after the merge, the hash dropout of the cp paths), not a
+    masked softmax over ``[b, hq, s, s]`` scores (4.2M elements at s = 1024). What it may make: ``[b, hq, s, d]``
+    outputs and gradients (33K) and, with a window, tiles of ``t = max(64, left + 1)`` keys: so under a window the
+    bound is ``b hq max(s d, t^2)``; without one the reference block's row chunk ``b hq ROW_CHUNK s`` (dropout: 2.1M, an
+    quarter of the full scores). Packed documents keep the masked softmax (the blocks know positions, not
+    documents): checked for values only. Output and the gradients of q, k, v and the learnable sinks equal float64
+    attention on one process to TOL (top of this file: <= 1024 keys, n u ~ 1e-13)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.tensor import RNGTracker
+    from omnitron.core.parallel.tensor.random import MODEL_PARALLEL
+    from omnitron.core.transformer.attention import SelfAttention
+    from omnitron.core.parallel.context.tiles import TILE_MIN
+    from omnitron.kernels.reference.attention_block import ROW_CHUNK
+
+    be, g = get_backend("cpu"), torch.Generator().manual_seed(s + 7 * len(softmax) + int(10 * p))
+    c = replace(_config("window+learnable"), softmax_type=softmax, attention_dropout=p)
+    tracker = RNGTracker(be)
+    tracker.add(MODEL_PARALLEL, 5)
+    tracker.draw_seed = lambda device, name=None: DROP_SEED  # the hash's seed, as the reference's masks
+    attn = SelfAttention(c, group=ParallelGroups.single().tp, sequence_parallel=False, tracker=tracker, backend=be,
+                         out_std=0.02)
+    attn.window = window
+    q, dout = (torch.randn(1, 4, s, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, s, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    ids = torch.randint(0, 3, (1, s), generator=g).sort().values if docs else None
+    sinks = attn.sinks()
+    if softmax == "learnable":
+        with torch.no_grad():
+            sinks.copy_(torch.randn(4, generator=g, dtype=torch.float64))
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    fs = None if sinks is None else sinks.detach().clone().requires_grad_(softmax == "learnable")
+    ref = _reference(*full, 8 ** -0.5, window, fs, _full_dropout(q.shape, p) if p else None, ids)
+    ref.backward(dout)
+    mine = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with _LargestTensor() as largest:
+        o = attn.core_attention(*mine, None, ids)
+        o.backward(dout)
+    got, want = [o] + [t.grad for t in mine], [ref] + [t.grad for t in full]
+    if softmax == "learnable":
+        got, want = got + [attn.softmax_offset.grad], want + [fs.grad]
+    err = max(((a - w).abs().max() / w.abs().max()).item() for a, w in zip(got, want))
+    assert err < TOL, err
+    bound = 1 * 4 * max(s * 8, max(TILE_MIN, window[0] + 1) ** 2) if window else 1 * 4 * ROW_CHUNK * s
+    assert docs or largest.most <= bound, (largest.most, bound)
 
 
 @pytest.mark.parametrize("cp,s_l,left", [(4, 4, 1), (2, 512, 100), (2, 512, 0), (4, 256, 300)])

@@ -135,6 +135,30 @@ def test_cp_dropout_layers_save_no_scores_and_one_process_ones_do(tmp_path):
         assert priced_config(s, model_config(s)).attention_dropout == 0.0, comm
 
 
+def test_one_process_windows_and_sinks_save_no_scores(tmp_path):
+    """cp1 with a sliding window on every layer and learnable sinks: the layers run a one-rank ring's blocks, so the
+    probed activations hold no [b, heads, s, s] term: within 4 heads x 1024 x 64 fp32 values (a few [s, d]-sized
+    tensors per layer: the sinks' log-sum-exp and the blocks' outputs) of the plain causal layer's, where saved fp32
+    scores would add 4 layers x 4 heads x 1024^2 x 4 bytes; with attention dropout the layer is priced as without
+    (the hash dropout saves nothing score-sized) plus the block's chunk as a transient."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.cp_blocks import block_dropout_bytes
+    from omnitron.plan.memory import estimate, model_config
+
+    ws = ("--window-size", "128,0", "--softmax-type", "learnable")
+
+    def acts(*extra: str) -> int:
+        return estimate(parse_settings(_args(str(tmp_path), *extra), 1), transients=False)[0].activations
+
+    plain, blocked = acts("--attention-dropout", "0"), acts(*ws, "--attention-dropout", "0")
+    assert abs(blocked - plain) < 4 * 4 * 1024 * 64 * 4, (blocked, plain)
+    assert acts(*ws) == blocked
+    s = parse_settings(_args(str(tmp_path), *ws), 1)
+    assert block_dropout_bytes(s, model_config(s)) > 0
+    s = parse_settings(_args(str(tmp_path), *ws, "--reset-attention-mask"), 1)
+    assert block_dropout_bytes(s, model_config(s)) == 0  # per-document masks keep the masked softmax
+
+
 def _peak(args: list[str], root: str):
     from omnitron.plan.measure import train_step_peak
 

@@ -3,8 +3,8 @@
 Tensors live on ``torch.device("sim", i)`` (host memory behind a PrivateUse1 device, csrc/sim), so a
 tensor created on the host where the device was meant, a hidden host sync or a collective given a
 host tensor fails or is counted here as it would on a GPU. FP8 GEMMs are emulated, attention's fused kernel
-is ATen's CPU flash kernel on sim memory (``sim_flash``, the ring's blocks), there is no peak FLOP/s. The
-device RNG is a generator of its own, not the host's.
+is ATen's CPU flash kernel on sim memory (``sim_flash``: the ring's blocks, core attention without dropout), there
+is no peak FLOP/s. The device RNG is a generator of its own, not the host's.
 
 Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
 

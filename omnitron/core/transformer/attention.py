@@ -159,15 +159,18 @@ class SelfAttention(nn.Module):
         return None
 
     def _window_sink_attention(self, q, k, v, document_ids, p: float) -> torch.Tensor:
-        """Causal attention within this layer's window, with attention sinks (transformer/window.py)."""
+        """Causal attention within this layer's window, with attention sinks (transformer/window.py). Without
+        document ids: the block kernels of a one-rank ring (cp_attention.py: only the tiles the window reaches,
+        the sink once per row, the hash dropout of the cp path), no ``[s, s]`` scores. With them (packed
+        documents: the blocks know positions, not documents) the masked softmax over the whole ``[s, s]``."""
         from omnitron.core.transformer.window import keep_mask, sink_attention
 
+        if document_ids is None:
+            return cp_attention(self, q, k, v, p, window=self.window, sinks=self.sinks())
         if self.cp_group is not None:  # (document_ids: the ring's blocks know positions, not documents)
             self._document_attention(q, k, v, document_ids, p)  # raises its refusal
         pos = torch.arange(q.shape[2], device=q.device)
-        keep = keep_mask(pos, pos, self.window)
-        if document_ids is not None:
-            keep = (keep & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+        keep = (keep_mask(pos, pos, self.window) & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
         sinks = self.sinks()
         sinks = None if sinks is None else sinks.to(q.device)
         if p == 0.0:

@@ -14,7 +14,8 @@ Attention dropout is the counter-based hash of :mod:`omnitron.kernels.hash_dropo
 stream (:meth:`~omnitron.core.parallel.tensor.random.RNGTracker.draw_seed`: no host sync; the same on every cp
 rank, whose streams are seeded alike, different on each tp rank, layer and call, replayed by recomputation),
 positions are global and heads numbered before the all-to-all's head split, so every layout (windows and sinks
-included) draws the masks of one process.
+included) draws the masks of one process. Without context parallelism (``cp_group`` None) a layer with a sliding
+window or sinks runs here too, on one rank's blocks (:func:`_full`): memory ``O(s x tile)``, not ``O(s^2)``.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def cp_attention(m, q, k, v, p: float, *, scale: float | None = None, window=Non
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``q [b, hq, s/cp, d]``, ``k [b, hkv, s/cp, d]``, ``v [b, hkv, s/cp, dv]`` of this cp rank's chunks ->
     ``[b, hq, s/cp, dv]``; ``p`` the attention dropout (0 in eval), ``window`` / ``sinks`` as in
-    :mod:`omnitron.core.transformer.window`."""
+    :mod:`omnitron.core.transformer.window`. ``m.cp_group`` None (cp = 1: a sliding window or sinks, whose
+    masked softmax would make ``[b, hq, s, s]`` scores): the whole sequence on :func:`_full`'s blocks."""
     from omnitron.core.parallel.context.ulysses import a2a_attention, allgather_attention, head_slice
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -58,6 +60,8 @@ def cp_attention(m, q, k, v, p: float, *, scale: float | None = None, window=Non
     comm, group = m.cp_comm_type, m.cp_group
     # the hash dropout's seed from the tp-rank-specific stream (module docstring), drawn on every path alike
     seed = m.tracker.hash_seed(q) if p > 0.0 else 0
+    if group is None:  # no context parallelism: the blocks of a one-rank ring over the whole sequence
+        return _full(m, p, scale, window, sinks, seed)(q, k, v)
     if comm == "a2a":
         head0 = group.rank * (q.shape[1] // group.size)  # the first head of this rank's head group
         return a2a_attention(q, k, v, group=group,

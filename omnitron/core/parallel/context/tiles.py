@@ -88,9 +88,9 @@ def step_plan(step: int, rank: int, size: int, local_length: int, causal: bool, 
     if window is None or window[0] < 0:
         return [Tile(rows, cols, square, None)]
     left, t = window[0], max(TILE_MIN, window[0] + 1)
-    tiles = []
-    for q in _pieces(_runs(rank, size, c, rows), t):
-        for k in _pieces(_runs(src, size, c, cols), t):
+    tiles, whole = [], [(0, local_length, 0)]  # one rank (no cp): the whole sequence in order, any length
+    for q in _pieces(_runs(rank, size, c, rows) if size > 1 else whole, t):
+        for k in _pieces(_runs(src, size, c, cols) if size > 1 else whole, t):
             kind = _tile(q, k, left, device)
             if kind is not None:
                 tiles.append(Tile(slice(q[0], q[1]), slice(k[0], k[1]), *kind))
