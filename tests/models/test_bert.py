@@ -31,7 +31,8 @@ def plain_bert(W, c, tokens, types, pad, labels, mask, is_random):
     lin = lambda t, n: t @ W[n + ".weight"].T + W[n + ".bias"]  # noqa: E731
     ln = lambda t, n: F.layer_norm(t, (h,), W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)  # noqa: E731
     x = W["embedding.word_embeddings.weight"][tokens] + W["embedding.position_embeddings.weight"][:s]
-    x = x + W["embedding.tokentype_embeddings.weight"][types]
+    if "embedding.tokentype_embeddings.weight" in W:  # Megatron's BERT without the binary head has none
+        x = x + W["embedding.tokentype_embeddings.weight"][types]
     for i in range(c.num_layers):
         p = f"decoder.layers.{i}."
         qkv = lin(ln(x, p + "input_layernorm"), p + "self_attention.linear_qkv").view(b, s, g, hq // g + 2, d)
@@ -48,6 +49,8 @@ def plain_bert(W, c, tokens, types, pad, labels, mask, is_random):
     logits = y @ W["embedding.word_embeddings.weight"].T + W["output_layer.bias"]
     token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     lm = (token_loss * mask.reshape(-1)).sum() / mask.sum()
+    if "binary_head.weight" not in W:
+        return lm, logits, None
     binary = lin(torch.tanh(lin(x[:, 0], "pooler.dense")), "binary_head")
     return lm + F.cross_entropy(binary, is_random), logits, binary
 
@@ -123,6 +126,31 @@ def test_no_binary_head_and_parameter_count():
     for cfg in (c, BertConfig(**BASE)):
         m = BertModel(cfg, ParallelGroups.single(), seed=1)
         assert num_parameters(cfg) == sum(p.numel() for p in m.parameters())
+
+
+def test_no_binary_head_builds_megatrons_model():
+    """``--bert-no-binary-head`` (Megatron's spelling, accepted as such) builds what Megatron's pretrain_bert
+    builds: no token-type embedding (``num_tokentypes = 2 if bert_binary_head else 0``) and no pooler, so the
+    loss is the masked-LM mean alone, independent of the token types; float64 reference as above."""
+    from omnitron.core.training.arguments import parse_settings
+
+    s = parse_settings(["--model", "bert_tiny", "--model-type", "bert", "--bert-no-binary-head", "--mock-data"],
+                       world_size=1)
+    assert not s.model.bert_binary_head
+    c = BertConfig(**BASE, bert_binary_head=False)
+    groups = ParallelGroups.single()
+    model = BertModel(c, groups, seed=4)
+    W = {k: v.double() for k, v in gather_full_state(model, groups).items()}
+    assert not [k for k in W if k.startswith(("embedding.tokentype", "pooler", "binary_head"))]
+    batch = _batch(c, torch.Generator().manual_seed(8))
+    loss, _ = bert_loss(_forward(model, batch), batch)
+    ref, _, _ = plain_bert(W, c, batch["tokens"], batch["tokentype_ids"], batch["padding_mask"], batch["labels"],
+                           batch["loss_mask"], batch["is_random"])
+    # float32 forward against float64: ~2^-24 (6e-8) relative per rounding, a few dozen sequential roundings on
+    # the path to the loss (2 layers, sums of <= 48 terms) give well under 1e-6
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-6
+    explicit = BertConfig(**BASE, bert_binary_head=False, num_tokentypes=2)  # --num-tokentypes still adds them
+    assert "embedding.tokentype_embeddings.weight" in BertModel(explicit, groups, seed=4).state_dict()
 
 
 def test_unsupported_layouts_are_rejected_with_the_flag():

@@ -55,8 +55,8 @@ class BertEmbedding(GPTEmbedding):
     def __init__(self, c: B.BertConfig, *, group, sequence_parallel: bool, tracker) -> None:
         super().__init__(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker)
         self.tokentype_embeddings = None
-        if c.num_tokentypes:
-            self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, dtype=c.params_dtype)
+        if B.tokentypes(c):
+            self.tokentype_embeddings = nn.Embedding(B.tokentypes(c), c.hidden_size, dtype=c.params_dtype)
             set_attributes(self.tokentype_embeddings.weight, parallel=False, init=("normal", c.init_method_std))
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
