@@ -216,6 +216,44 @@ def test_train_settings_for_bert(tmp_path):
         parse_settings(["--model", "gpt2_tiny", "--num-tokentypes", "2"], world_size=1)
 
 
+def test_train_step_logs_megatrons_sop_loss():
+    """A training step logs ``sop_loss`` (Megatron's ``sop loss``: the mean over micro-batches of the
+    sentence-order cross-entropy) beside ``lm_loss`` (the objective, masked-LM mean + sentence order), both
+    against the float64 plain BERT on the step's initial weights and the micro-batches it read."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+    from omnitron.core.training.loop import data_iterator
+    from omnitron.core.training.step import train_step
+
+    args = ["--model", "bert_tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--ffn-hidden-size", "64", "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+            "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "1",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--no-tensorboard"]
+    s = parse_settings(args, 1)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, params_dtype=torch.float64))
+    c = build_components(s, get_backend("cpu"))
+    W = {k: v.detach().clone() for k, v in gather_full_state(c.modules[0], c.groups).items()}  # before the step
+    read = []
+
+    def batches(it=data_iterator(c, c.train_data, 0)):
+        for b in it:
+            read.append(b)
+            yield b
+
+    out = train_step(c, batches())
+    assert len(read) == c.schedule.num_microbatches == 3
+    lm = sop = 0.0
+    for b in read:
+        total, _, binary = plain_bert(W, s.model, b["tokens"], b["tokentype_ids"], b["padding_mask"], b["labels"],
+                                      b["loss_mask"].double(), b["is_random"])
+        part = F.cross_entropy(binary, b["is_random"]).item()
+        lm, sop = lm + (total.item() - part) / 3, sop + part / 3
+    # float64 weights, but the model hands out the per-token MLM loss and the binary logits in float32 (Megatron's
+    # ``.float()``): a relative rounding of 2^-24 ~ 6e-8 on losses below 10 gives under 1e-6 absolute
+    assert abs(out["sop_loss"] - sop) < 1e-6 and abs(out["lm_loss"] - (lm + sop)) < 1e-6, (out, lm, sop)
+
+
 def test_train_command_loss_drops(tmp_path):
     """`omnitron train --model bert_tiny` on the bundled corpus (sentence-split, WordPiece) through the
     real loop, optimizer and checkpointing: the MLM + SOP loss falls and a checkpoint is written."""

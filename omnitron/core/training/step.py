@@ -158,6 +158,10 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         out["moe_aux_loss"] = moe_aux_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     if mtp:
         out["mtp_loss"] = mtp_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
+    if getattr(c.model, "bert_binary_head", False):  # BERT's loss is masked LM + sentence order: log the second
+        from omnitron.core.models.bert.model import sop_loss
+
+        out["sop_loss"] = sop_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     return out
 
 
