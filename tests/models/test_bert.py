@@ -218,13 +218,14 @@ def test_train_settings_for_bert(tmp_path):
 
 def test_train_step_logs_megatrons_sop_loss():
     """A training step logs ``sop_loss`` (Megatron's ``sop loss``: the mean over micro-batches of the
-    sentence-order cross-entropy) beside ``lm_loss`` (the objective, masked-LM mean + sentence order), both
-    against the float64 plain BERT on the step's initial weights and the micro-batches it read."""
+    sentence-order cross-entropy) beside ``lm_loss`` (the objective, masked-LM mean + sentence order), an
+    evaluation ``val_sop_loss`` beside ``val_loss``, all against the float64 plain BERT on the weights and
+    micro-batches each used."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import build_components
     from omnitron.core.training.loop import data_iterator
-    from omnitron.core.training.step import train_step
+    from omnitron.core.training.step import evaluate, train_step
 
     args = ["--model", "bert_tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--ffn-hidden-size", "64", "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
@@ -236,8 +237,8 @@ def test_train_step_logs_megatrons_sop_loss():
     W = {k: v.detach().clone() for k, v in gather_full_state(c.modules[0], c.groups).items()}  # before the step
     read = []
 
-    def batches(it=data_iterator(c, c.train_data, 0)):
-        for b in it:
+    def batches():
+        for b in data_iterator(c, c.train_data, 0):  # the first global batch (again for the evaluation)
             read.append(b)
             yield b
 
@@ -252,6 +253,14 @@ def test_train_step_logs_megatrons_sop_loss():
     # float64 weights, but the model hands out the per-token MLM loss and the binary logits in float32 (Megatron's
     # ``.float()``): a relative rounding of 2^-24 ~ 6e-8 on losses below 10 gives under 1e-6 absolute
     assert abs(out["sop_loss"] - sop) < 1e-6 and abs(out["lm_loss"] - (lm + sop)) < 1e-6, (out, lm, sop)
+    # an evaluation (dropout is off anyway) logs its own: Megatron's ``sop loss validation``, the step's totals reset
+    W = {k: v.detach().clone() for k, v in gather_full_state(c.modules[0], c.groups).items()}
+    read.clear()
+    val = evaluate(c, batches(), 1)
+    refs = [plain_bert(W, s.model, b["tokens"], b["tokentype_ids"], b["padding_mask"], b["labels"],
+                       b["loss_mask"].double(), b["is_random"]) for b in read]
+    sop = sum(F.cross_entropy(r[2], b["is_random"]).item() for r, b in zip(refs, read)) / len(read)
+    assert abs(val["val_sop_loss"] - sop) < 1e-6 and abs(val["val_loss"] - sum(r[0].item() for r in refs) / 3) < 1e-6
 
 
 def test_train_command_loss_drops(tmp_path):

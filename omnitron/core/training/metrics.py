@@ -48,7 +48,8 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
             "mem_max_allocated_bytes": ("mem-max-allocated-bytes", False),
             "val_loss": ("lm loss validation", True), "val_ppl": ("lm loss validation ppl", True),
             "test_loss": ("lm loss test", True), "test_ppl": ("lm loss test ppl", True),
-            "world_size": ("world-size", True), "sop_loss": ("sop loss", True)}
+            "world_size": ("world-size", True), "sop_loss": ("sop loss", True),
+            "val_sop_loss": ("sop loss validation", True), "test_sop_loss": ("sop loss test", True)}
 
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
@@ -311,8 +312,11 @@ class MetricsLogger:
         rec = {"iteration": iteration, **values, "time": _now()}
         split = "test" if "test_loss" in values else "validation"
         key = "test" if split == "test" else "val"
-        self._emit(rec, f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | {split} loss "
-                        f"{values[key + '_loss']:.4f} | ppl {values[key + '_ppl']:.2f}", consumed_samples)
+        line = (f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | {split} loss "
+                f"{values[key + '_loss']:.4f} | ppl {values[key + '_ppl']:.2f}")
+        if key + "_sop_loss" in values:  # BERT's sentence-order part of the loss
+            line += f" | sop loss {values[key + '_sop_loss']:.4f}"
+        self._emit(rec, line, consumed_samples)
 
     def close(self) -> None:
         if self._bar is not None:

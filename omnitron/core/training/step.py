@@ -185,4 +185,10 @@ def evaluate(c, data_iterator: Iterator, eval_iters: int) -> dict:
         val = sum(loss * n for loss, n in runs) / max(sum(n for _, n in runs), 1.0)
     else:
         val = sum(loss for loss, _ in runs) / max(len(runs), 1)
-    return {"val_loss": val, "val_ppl": math.exp(min(val, PPL_LOSS_CAP))}
+    out = {"val_loss": val, "val_ppl": math.exp(min(val, PPL_LOSS_CAP))}
+    if getattr(c.model, "bert_binary_head", False):  # BERT: the sentence-order part, as Megatron logs it
+        from omnitron.core.models.bert.model import sop_loss
+
+        nmb = c.schedule.num_microbatches * max(eval_iters, 1)
+        out["val_sop_loss"] = sop_loss(c.modules, c.groups, c.backend.collectives, nmb)
+    return out

@@ -211,14 +211,14 @@ def bert_loss(output, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def record_sop_loss(model: BertModel, binary: torch.Tensor, is_random: torch.Tensor) -> None:
-    """Add one training micro-batch's sentence-order loss (detached) to ``model``'s total for the log."""
+    """Add one micro-batch's sentence-order loss (detached) to ``model``'s total for the log."""
     sop = F.cross_entropy(binary.detach().float(), is_random.reshape(-1).long())
     model.sop_loss_total = sop if model.sop_loss_total is None else model.sop_loss_total + sop
 
 
 def sop_loss(modules, groups, collectives, num_microbatches: int) -> float:
-    """Collective over pp and dp: the step's sentence-order loss (part of the BERT loss), averaged over
-    micro-batches and data-parallel replicas as Megatron's ``sop loss``; resets the totals."""
+    """Collective over pp and dp: the sentence-order loss (part of the BERT loss) of the micro-batches run since
+    the last call, averaged over them and data-parallel replicas as Megatron's ``sop loss``; resets the totals."""
     from omnitron.core.transformer.moe.metrics import logged_loss
 
     holders = [m for mod in modules for m in mod.modules() if isinstance(m, BertModel)]
