@@ -31,7 +31,8 @@ def plain_bert(W, c, tokens, types, pad, labels, mask, is_random):
     lin = lambda t, n: t @ W[n + ".weight"].T + W[n + ".bias"]  # noqa: E731
     ln = lambda t, n: F.layer_norm(t, (h,), W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)  # noqa: E731
     x = W["embedding.word_embeddings.weight"][tokens] + W["embedding.position_embeddings.weight"][:s]
-    x = x + W["embedding.tokentype_embeddings.weight"][types]
+    if "embedding.tokentype_embeddings.weight" in W:  # Megatron's BERT without the binary head has none
+        x = x + W["embedding.tokentype_embeddings.weight"][types]
     for i in range(c.num_layers):
         p = f"decoder.layers.{i}."
         qkv = lin(ln(x, p + "input_layernorm"), p + "self_attention.linear_qkv").view(b, s, g, hq // g + 2, d)
@@ -48,6 +49,8 @@ def plain_bert(W, c, tokens, types, pad, labels, mask, is_random):
     logits = y @ W["embedding.word_embeddings.weight"].T + W["output_layer.bias"]
     token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     lm = (token_loss * mask.reshape(-1)).sum() / mask.sum()
+    if "binary_head.weight" not in W:
+        return lm, logits, None
     binary = lin(torch.tanh(lin(x[:, 0], "pooler.dense")), "binary_head")
     return lm + F.cross_entropy(binary, is_random), logits, binary
 
@@ -125,6 +128,31 @@ def test_no_binary_head_and_parameter_count():
         assert num_parameters(cfg) == sum(p.numel() for p in m.parameters())
 
 
+def test_no_binary_head_builds_megatrons_model():
+    """``--bert-no-binary-head`` (Megatron's spelling, accepted as such) builds what Megatron's pretrain_bert
+    builds: no token-type embedding (``num_tokentypes = 2 if bert_binary_head else 0``) and no pooler, so the
+    loss is the masked-LM mean alone, independent of the token types; float64 reference as above."""
+    from omnitron.core.training.arguments import parse_settings
+
+    s = parse_settings(["--model", "bert_tiny", "--model-type", "bert", "--bert-no-binary-head", "--mock-data"],
+                       world_size=1)
+    assert not s.model.bert_binary_head
+    c = BertConfig(**BASE, bert_binary_head=False)
+    groups = ParallelGroups.single()
+    model = BertModel(c, groups, seed=4)
+    W = {k: v.double() for k, v in gather_full_state(model, groups).items()}
+    assert not [k for k in W if k.startswith(("embedding.tokentype", "pooler", "binary_head"))]
+    batch = _batch(c, torch.Generator().manual_seed(8))
+    loss, _ = bert_loss(_forward(model, batch), batch)
+    ref, _, _ = plain_bert(W, c, batch["tokens"], batch["tokentype_ids"], batch["padding_mask"], batch["labels"],
+                           batch["loss_mask"], batch["is_random"])
+    # float32 forward against float64: ~2^-24 (6e-8) relative per rounding, a few dozen sequential roundings on
+    # the path to the loss (2 layers, sums of <= 48 terms) give well under 1e-6
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-6
+    explicit = BertConfig(**BASE, bert_binary_head=False, num_tokentypes=2)  # --num-tokentypes still adds them
+    assert "embedding.tokentype_embeddings.weight" in BertModel(explicit, groups, seed=4).state_dict()
+
+
 def test_unsupported_layouts_are_rejected_with_the_flag():
     c = BertConfig(**BASE)
     validate_bert(c, ParallelConfig(pipeline_model_parallel_size=2))  # pipeline stages run
@@ -186,6 +214,53 @@ def test_train_settings_for_bert(tmp_path):
             parse_settings(_train_args(tmp_path, *extra), world_size=2)
     with pytest.raises(ConfigError, match="add --model-type bert"):
         parse_settings(["--model", "gpt2_tiny", "--num-tokentypes", "2"], world_size=1)
+
+
+def test_train_step_logs_megatrons_sop_loss():
+    """A training step logs ``sop_loss`` (Megatron's ``sop loss``: the mean over micro-batches of the
+    sentence-order cross-entropy) beside ``lm_loss`` (the objective, masked-LM mean + sentence order), an
+    evaluation ``val_sop_loss`` beside ``val_loss``, all against the float64 plain BERT on the weights and
+    micro-batches each used."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+    from omnitron.core.training.loop import data_iterator
+    from omnitron.core.training.step import evaluate, train_step
+
+    args = ["--model", "bert_tiny", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--ffn-hidden-size", "64", "--seq-length", "16", "--max-position-embeddings", "16", "--mock-data",
+            "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "1",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--no-tensorboard"]
+    s = parse_settings(args, 1)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, params_dtype=torch.float64))
+    c = build_components(s, get_backend("cpu"))
+    W = {k: v.detach().clone() for k, v in gather_full_state(c.modules[0], c.groups).items()}  # before the step
+    read = []
+
+    def batches():
+        for b in data_iterator(c, c.train_data, 0):  # the first global batch (again for the evaluation)
+            read.append(b)
+            yield b
+
+    out = train_step(c, batches())
+    assert len(read) == c.schedule.num_microbatches == 3
+    lm = sop = 0.0
+    for b in read:
+        total, _, binary = plain_bert(W, s.model, b["tokens"], b["tokentype_ids"], b["padding_mask"], b["labels"],
+                                      b["loss_mask"].double(), b["is_random"])
+        part = F.cross_entropy(binary, b["is_random"]).item()
+        lm, sop = lm + (total.item() - part) / 3, sop + part / 3
+    # float64 weights, but the model hands out the per-token MLM loss and the binary logits in float32 (Megatron's
+    # ``.float()``): a relative rounding of 2^-24 ~ 6e-8 on losses below 10 gives under 1e-6 absolute
+    assert abs(out["sop_loss"] - sop) < 1e-6 and abs(out["lm_loss"] - (lm + sop)) < 1e-6, (out, lm, sop)
+    # an evaluation (dropout is off anyway) logs its own: Megatron's ``sop loss validation``, the step's totals reset
+    W = {k: v.detach().clone() for k, v in gather_full_state(c.modules[0], c.groups).items()}
+    read.clear()
+    val = evaluate(c, batches(), 1)
+    refs = [plain_bert(W, s.model, b["tokens"], b["tokentype_ids"], b["padding_mask"], b["labels"],
+                       b["loss_mask"].double(), b["is_random"]) for b in read]
+    sop = sum(F.cross_entropy(r[2], b["is_random"]).item() for r, b in zip(refs, read)) / len(read)
+    assert abs(val["val_sop_loss"] - sop) < 1e-6 and abs(val["val_loss"] - sum(r[0].item() for r in refs) / 3) < 1e-6
 
 
 def test_train_command_loss_drops(tmp_path):

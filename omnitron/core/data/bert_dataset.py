@@ -16,8 +16,10 @@ Sample ``i`` (deterministic per ``(seed, i)``: its own ``RandomState(seed + i)``
 the first ``k`` sentences (k random), B = the rest; with probability 1/2 A and B are swapped
 (``is_random`` = 1: Megatron's sentence-order task); the longer segment is trimmed at a random end
 until both fit; ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
-Masking (Megatron): ``round(15% of the text tokens)`` positions chosen; of those 80% become
-[MASK], 10% a random non-special token, 10% stay; labels and loss mask only there.
+Masking: ``round(15% of the text tokens)`` single-token positions chosen; of those 80% become
+[MASK], 10% a random non-special token, 10% stay; labels and loss mask only there. Megatron's dataset
+masks whole words in n-grams of 1-3 words instead, and cuts a short sample to its target length, which
+here only ends the packing (docs/megatron-flags.md).
 """
 from __future__ import annotations
 

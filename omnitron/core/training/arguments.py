@@ -253,6 +253,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "(the form uneven --decoder-first/last-pipeline-num-layers take)")
     seen_groups["model"].add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                                       help="no biases in linear layers (same as --no-add-bias-linear)")
+    seen_groups[owner["bert_binary_head"]].add_argument("--bert-no-binary-head", dest="bert_binary_head",
+                                                        action="store_false",
+                                                        help="Megatron's spelling of --no-bert-binary-head")
     seen_groups["optimizer"].add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
                                           help="orthogonalise the fused QKV weight whole (same as --no-muon-split-qkv)")
     from omnitron.core.training.megatron_flags import add_megatron_flags

@@ -77,7 +77,7 @@ def _evaluate_split(c, batches, split: str, house, watchdog, logger, stop) -> di
             log.info("%s after iteration %d stopped unfinished: the run is stopping", split, c.iteration)
         return None
     if split == "test":
-        val = {"test_loss": val["val_loss"], "test_ppl": val["val_ppl"]}
+        val = {k.replace("val_", "test_", 1): v for k, v in val.items()}
     logger.validation(c.iteration, val, c.consumed_samples)
     house.after_eval()
     return {"iteration": c.iteration, **val}

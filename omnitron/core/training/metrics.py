@@ -48,7 +48,8 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
             "mem_max_allocated_bytes": ("mem-max-allocated-bytes", False),
             "val_loss": ("lm loss validation", True), "val_ppl": ("lm loss validation ppl", True),
             "test_loss": ("lm loss test", True), "test_ppl": ("lm loss test ppl", True),
-            "world_size": ("world-size", True)}
+            "world_size": ("world-size", True), "sop_loss": ("sop loss", True),
+            "val_sop_loss": ("sop loss validation", True), "test_sop_loss": ("sop loss test", True)}
 
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
@@ -257,7 +258,7 @@ class MetricsLogger:
                                                                       else ()):
             rec[key] = _interval_rate(self._pending, key)
         rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
-        for key in ("moe_aux_loss", "mtp_loss"):  # MoE's load-balancing loss, MTP's loss: added to lm_loss
+        for key in ("moe_aux_loss", "mtp_loss", "sop_loss"):  # MoE's, MTP's, BERT's sentence order: in lm_loss
             if key in last:
                 rec[key] = sum(v[key] for v in self._pending) / n
         if "num_zeros_in_grad" in last:
@@ -288,6 +289,8 @@ class MetricsLogger:
             line += f" | moe aux loss {rec['moe_aux_loss']:.4f}"
         if "mtp_loss" in rec:
             line += f" | mtp loss {rec['mtp_loss']:.4f}"
+        if "sop_loss" in rec:
+            line += f" | sop loss {rec['sop_loss']:.4f}"
         if rec["loss_scale"] is not None:
             line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']} | nan {rec['nan_iters']}"
         if self.throughput and rec["tokens_per_sec_per_device"] is not None:
@@ -309,8 +312,11 @@ class MetricsLogger:
         rec = {"iteration": iteration, **values, "time": _now()}
         split = "test" if "test_loss" in values else "validation"
         key = "test" if split == "test" else "val"
-        self._emit(rec, f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | {split} loss "
-                        f"{values[key + '_loss']:.4f} | ppl {values[key + '_ppl']:.2f}", consumed_samples)
+        line = (f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | {split} loss "
+                f"{values[key + '_loss']:.4f} | ppl {values[key + '_ppl']:.2f}")
+        if key + "_sop_loss" in values:  # BERT's sentence-order part of the loss
+            line += f" | sop loss {values[key + '_sop_loss']:.4f}"
+        self._emit(rec, line, consumed_samples)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -158,6 +158,10 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         out["moe_aux_loss"] = moe_aux_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     if mtp:
         out["mtp_loss"] = mtp_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
+    if getattr(c.model, "bert_binary_head", False):  # BERT's loss is masked LM + sentence order: log the second
+        from omnitron.core.models.bert.model import sop_loss
+
+        out["sop_loss"] = sop_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     return out
 
 
@@ -188,4 +192,10 @@ def evaluate(c, data_iterator: Iterator, eval_iters: int, stop=None) -> dict | N
         val = sum(loss * n for loss, n in runs) / max(sum(n for _, n in runs), 1.0)
     else:
         val = sum(loss for loss, _ in runs) / max(len(runs), 1)
-    return {"val_loss": val, "val_ppl": math.exp(min(val, PPL_LOSS_CAP))}
+    out = {"val_loss": val, "val_ppl": math.exp(min(val, PPL_LOSS_CAP))}
+    if getattr(c.model, "bert_binary_head", False):  # BERT: the sentence-order part, as Megatron logs it
+        from omnitron.core.models.bert.model import sop_loss
+
+        nmb = c.schedule.num_microbatches * max(eval_iters, 1)
+        out["val_sop_loss"] = sop_loss(c.modules, c.groups, c.backend.collectives, nmb)
+    return out

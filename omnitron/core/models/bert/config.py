@@ -2,8 +2,8 @@
 
 :class:`BertConfig` subclasses :class:`GPTConfig`, so every derived-value function of the GPT
 config (``ffn_size``, ``head_dim``, ``padded_vocab_size``, ``validate_model``, ...) applies as is.
-BERT adds ``--bert-binary-head`` / ``--no-bert-binary-head`` and ``--num-tokentypes`` (Megatron's
-spellings). Megatron BERT is pre-LN (``--apply-residual-connection-post-layernorm`` off), as the
+BERT adds ``--bert-binary-head`` / ``--no-bert-binary-head`` (Megatron's ``--bert-no-binary-head``) and
+``--num-tokentypes``. Megatron BERT is pre-LN (``--apply-residual-connection-post-layernorm`` off), as the
 shared Transformer layer is; learned absolute positions; the MLM output tied to the word embedding.
 """
 from __future__ import annotations
@@ -21,13 +21,22 @@ class BertConfig(GPTConfig):
 
     bert_binary_head: bool = True
     """--bert-binary-head / --no-bert-binary-head: the sentence-pair (NSP/SOP) classifier on the pooled [CLS]."""
-    num_tokentypes: int = 2
-    """--num-tokentypes: rows of the token-type (segment A/B) embedding; 0 = no token-type embedding."""
+    num_tokentypes: int | None = None
+    """--num-tokentypes: rows of the token-type (segment A/B) embedding; 0 = no token-type embedding. Default as
+    Megatron's pretrain_bert: 2 with the binary head, 0 without (see :func:`tokentypes`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.num_tokentypes, int) or self.num_tokentypes < 0:
+        if self.num_tokentypes is not None and (not isinstance(self.num_tokentypes, int) or self.num_tokentypes < 0):
             raise ConfigError(f"--num-tokentypes must be a non-negative integer, got {self.num_tokentypes!r}")
+
+
+def tokentypes(c: BertConfig) -> int:
+    """Rows of the token-type embedding: ``--num-tokentypes`` when given, else Megatron's pretrain_bert rule
+    (two segments with the binary head; none without it, where Megatron also feeds no token types)."""
+    if c.num_tokentypes is not None:
+        return c.num_tokentypes
+    return 2 if c.bert_binary_head else 0
 
 
 def validate_bert(c: BertConfig, parallel: ParallelConfig, *, check_layers: bool = True) -> None:
@@ -36,9 +45,9 @@ def validate_bert(c: BertConfig, parallel: ParallelConfig, *, check_layers: bool
     validate_model(c, parallel, check_layers=check_layers and not parallel.uneven_pipeline)
     validate_single_stage(c, parallel, family="BERT", needs=None, attention="bidirectional, padded attention",
                           output="masked-LM output")
-    if c.bert_binary_head and c.num_tokentypes < 2:
+    if c.bert_binary_head and tokentypes(c) < 2:
         raise ConfigError(f"--bert-binary-head needs two segments, so --num-tokentypes >= 2 (got "
-                          f"{c.num_tokentypes}); set --num-tokentypes 2 or pass --no-bert-binary-head")
+                          f"{tokentypes(c)}); set --num-tokentypes 2 or pass --bert-no-binary-head")
 
 
 def validate_single_stage(c, parallel: ParallelConfig, *, family: str, needs: str | None, attention: str,
@@ -69,7 +78,7 @@ def num_parameters(c: BertConfig, *, tp: int = 1) -> int:
     plus token types, the MLM head (dense, norm, output bias) and the pooler + binary head."""
     h = c.hidden_size
     norm = h * (2 if c.normalization == "LayerNorm" else 1)
-    total = gpt_num_parameters(c, tp=tp) + c.num_tokentypes * h
+    total = gpt_num_parameters(c, tp=tp) + tokentypes(c) * h
     total += h * h + h + norm + padded_vocab_size(c, tp)  # lm_head.dense, lm_head.layer_norm, output bias
     if c.bert_binary_head:
         total += h * h + h + 2 * h + 2  # pooler.dense, binary_head
@@ -88,4 +97,4 @@ def bert_base(**overrides) -> BertConfig:
                               max_position_embeddings=512, vocab_size=30522), **overrides)
 
 
-__all__ = ["BertConfig", "validate_bert", "num_parameters", "bert_tiny", "bert_base", "max_positions"]
+__all__ = ["BertConfig", "tokentypes", "validate_bert", "num_parameters", "bert_tiny", "bert_base", "max_positions"]

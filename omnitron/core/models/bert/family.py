@@ -14,9 +14,14 @@ def build_stage(cfg, groups, **kw):
 
 def forward_step(chunk, m, batch: dict, hidden):
     """``(per-token MLM loss, binary logits)`` on the last stage, for :func:`bert_loss`; every stage reads
-    the padding mask."""
-    return chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"],
-                 hidden=hidden)
+    the padding mask. The micro-batch's sentence-order loss is also kept for the log (``sop loss``)."""
+    out = chunk(batch["tokens"], batch["padding_mask"], batch["tokentype_ids"], labels=batch["labels"],
+                hidden=hidden)
+    if m.post_process and out[1] is not None:
+        from omnitron.core.models.bert.model import record_sop_loss
+
+        record_sop_loss(m, out[1], batch["is_random"])
+    return out
 
 
 def loss(output, batch):

@@ -55,8 +55,8 @@ class BertEmbedding(GPTEmbedding):
     def __init__(self, c: B.BertConfig, *, group, sequence_parallel: bool, tracker) -> None:
         super().__init__(c, group=group, sequence_parallel=sequence_parallel, tracker=tracker)
         self.tokentype_embeddings = None
-        if c.num_tokentypes:
-            self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, dtype=c.params_dtype)
+        if B.tokentypes(c):
+            self.tokentype_embeddings = nn.Embedding(B.tokentypes(c), c.hidden_size, dtype=c.params_dtype)
             set_attributes(self.tokentype_embeddings.weight, parallel=False, init=("normal", c.init_method_std))
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
@@ -130,6 +130,7 @@ class BertModel(GPTModel):
                                              for i in range(layer_offset, layer_offset + n)})
         if post_process:
             self._build_heads(config)
+        self.sop_loss_total = None  # the training micro-batches' sentence-order losses, for the log (sop_loss)
         self.reset_parameters(seed)
 
     def _build_heads(self, config: B.BertConfig) -> None:
@@ -207,3 +208,18 @@ def bert_loss(output, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     if binary is not None:
         loss = loss + F.cross_entropy(binary.float(), batch["is_random"].reshape(-1).long())
     return loss, torch.ones((), device=loss.device)
+
+
+def record_sop_loss(model: BertModel, binary: torch.Tensor, is_random: torch.Tensor) -> None:
+    """Add one micro-batch's sentence-order loss (detached) to ``model``'s total for the log."""
+    sop = F.cross_entropy(binary.detach().float(), is_random.reshape(-1).long())
+    model.sop_loss_total = sop if model.sop_loss_total is None else model.sop_loss_total + sop
+
+
+def sop_loss(modules, groups, collectives, num_microbatches: int) -> float:
+    """Collective over pp and dp: the sentence-order loss (part of the BERT loss) of the micro-batches run since
+    the last call, averaged over them and data-parallel replicas as Megatron's ``sop loss``; resets the totals."""
+    from omnitron.core.transformer.moe.metrics import logged_loss
+
+    holders = [m for mod in modules for m in mod.modules() if isinstance(m, BertModel)]
+    return logged_loss(modules, holders, "sop_loss_total", groups, collectives, num_microbatches)
