@@ -14,12 +14,13 @@ target)``, needing two sentences with the binary head. The mapping is shuffled o
 
 Sample ``i`` (deterministic per ``(seed, i)``: its own ``RandomState(seed + i)``): segment A =
 the first ``k`` sentences (k random), B = the rest; with probability 1/2 A and B are swapped
-(``is_random`` = 1: Megatron's sentence-order task); the longer segment is trimmed at a random end
-until both fit; ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
-Masking: ``round(15% of the text tokens)`` single-token positions chosen; of those 80% become
-[MASK], 10% a random non-special token, 10% stay; labels and loss mask only there. Megatron's dataset
-masks whole words in n-grams of 1-3 words instead, and cuts a short sample to its target length, which
-here only ends the packing (docs/megatron-flags.md).
+(``is_random`` = 1: Megatron's sentence-order task); the longer segment (B on a tie) is trimmed at a
+random end until both fit the sample's target (a short sample is cut to its shorter target, as
+Megatron); ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
+Masking (Megatron's ``BERTMaskedWordPieceDataset``, draw for draw): whole words (a WordPiece ``##`` piece joins the word before it; per token for a tokenizer without
+them) in n-grams of 1-3 words drawn with probability proportional to 1/n, at most
+``min(15% x target, round(15% x tokens incl. [CLS]/[SEP]))`` tokens; each masked token becomes [MASK]
+(80%), a random non-special token (10%) or stays (10%); labels and loss mask only there.
 """
 from __future__ import annotations
 
@@ -99,13 +100,13 @@ def truncate_segments(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.ran
     return a, b
 
 
-def word_candidates(tokens: np.ndarray, special: np.ndarray, continuation: np.ndarray) -> list[list[int]]:
-    """Positions of the whole words of ``tokens``: every non-special position starts a word unless its
-    token is a ``##`` continuation (``continuation[token]``), which joins the word before it (Megatron's
-    rule: also across a [SEP]; a leading continuation is a word of its own)."""
+def word_candidates(special: np.ndarray, continues: np.ndarray) -> list[list[int]]:
+    """Positions of the whole words of a sample: every non-``special`` position starts a word unless it
+    ``continues`` one (a ``##`` piece), which joins the word before it (Megatron's rule: also across a
+    [SEP]; a leading continuation is a word of its own)."""
     words: list[list[int]] = []
     for i in np.flatnonzero(~special):
-        if continuation[tokens[i]] and words:
+        if continues[i] and words:
             words[-1].append(int(i))
         else:
             words.append([int(i)])
@@ -149,8 +150,11 @@ def mask_tokens(tokens: np.ndarray, special: np.ndarray, rng: np.random.RandomSt
     None), n-grams of 1-3 words chosen up to :func:`mask_count` tokens (:func:`choose_ngrams`); each
     chosen token becomes [MASK] (80%), a random id from ``vocab_ids`` (10%) or stays (10%).
     Returns ``(masked tokens, chosen positions sorted, original ids there)``."""
-    cont = np.zeros(int(tokens.max(initial=0)) + 1, bool) if continuation is None else continuation
-    words = word_candidates(tokens, special, cont)
+    continues = np.zeros(len(tokens), bool)
+    if continuation is not None:
+        known = tokens < len(continuation)
+        continues[known] = continuation[tokens[known]]
+    words = word_candidates(special, continues)
     out, chosen = tokens.copy(), []
     for span in choose_ngrams(words, mask_count(len(tokens), target, masked_lm_prob), rng):
         for p in span:

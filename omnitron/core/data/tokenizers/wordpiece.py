@@ -69,7 +69,8 @@ class BertWordPieceTokenizer(_HFBacked):
     @property
     def continuation_ids(self) -> tuple[int, ...]:
         """Ids of the ``##`` pieces that continue a word (BERT's whole-word masking joins them to it)."""
-        return tuple(sorted(i for t, i in self._tok.get_vocab(with_added_tokens=False).items() if t.startswith("##")))
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        return tuple(sorted(i for t, i in vocab.items() if t.startswith("##")))
 
 
 def build_wordpiece_vocab(texts, vocab_size: int, *, lower_case: bool = True) -> list[str]:
