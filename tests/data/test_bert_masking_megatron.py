@@ -22,7 +22,9 @@ def fixtures():
     data = torch.load(FIXTURES, weights_only=True)
     vocab = data["vocab"]
     continuation = np.asarray([vocab[i].startswith("##") for i in range(len(vocab))])
-    samples = [(case, _ours(case, continuation)) for case in data["cases"]]
+    cases = [{k: v.long() if torch.is_tensor(v) else [t.long() for t in v] if isinstance(v, list) else v
+              for k, v in case.items()} for case in data["cases"]]  # stored as int8
+    samples = [(case, _ours(case, continuation)) for case in cases]
     return continuation, samples
 
 

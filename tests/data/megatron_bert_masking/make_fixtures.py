@@ -10,7 +10,7 @@ omnitron is not imported. Megatron's ``BERTMaskedWordPieceDataset.__getitem__`` 
 constructor is skipped (no indexed dataset, no cache): its sample index and sentences are set directly, its
 tokenizer is a stand-in over a synthetic vocabulary with ``##`` continuation pieces. Masking options are
 pretrain_bert's: probability 0.15, n-grams up to 3, whole words, no permutation, 1/n n-gram probabilities.
-Stored per case: the sentences, target length, seed, index and Megatron's sample.
+Stored per case: the sentences, target length, seed and Megatron's sample (sample index 0), as int8.
 """
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def main():
         ds.dataset = [list(s) for s in sentences]
         sample = ds[0]
         cases.append({"binary": binary, "seq_length": seq_length, "seed": seed, "target": target,
-                      "sentences": [torch.tensor(s, dtype=torch.int64) for s in sentences],
-                      **{k: torch.as_tensor(np.asarray(v)) for k, v in sample.items()}})
+                      "sentences": [torch.tensor(s, dtype=torch.int8) for s in sentences],  # ids < 64: int8 keeps
+                      **{k: torch.as_tensor(np.asarray(v)).to(torch.int8) for k, v in sample.items()}})  # it small
     torch.save({"vocab": _vocab(), "cases": cases}, os.path.join(HERE, "fixtures.pt"))
     print(f"wrote {len(cases)} cases")
 
