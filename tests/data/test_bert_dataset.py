@@ -48,17 +48,19 @@ def test_masking_statistics_match_megatron():
     for _ in range(400):
         tokens = rng.randint(5, V, size=rng.randint(20, 120))
         cand = np.arange(1, len(tokens) - 1)
-        out, pos, orig = mask_tokens(tokens, cand, rng, mask_id=4, vocab_ids=vocab_ids)
+        special = np.ones(len(tokens), bool)
+        special[cand] = False
+        out, pos, orig = mask_tokens(tokens, special, rng, mask_id=4, vocab_ids=vocab_ids, target=10**6)
         assert np.array_equal(orig, tokens[pos]) and set(pos) <= set(cand)
         untouched = np.setdiff1d(np.arange(len(tokens)), pos)
         assert np.array_equal(out[untouched], tokens[untouched])  # only chosen positions change
-        assert len(pos) == max(1, int(round(0.15 * len(cand))))
+        assert len(pos) == max(1, int(round(0.15 * len(tokens))))  # single-token words fill the budget
         candidates_total += len(cand)
         chosen += len(pos)
         masked += int((out[pos] == 4).sum())
         kept += int((out[pos] == tokens[pos]).sum())
         replaced += int(((out[pos] != 4) & (out[pos] != tokens[pos])).sum())
-    assert abs(chosen / candidates_total - 0.15) < 0.005
+    assert abs(chosen / (candidates_total + 800) - 0.15) < 0.005  # the budget counts [CLS] / [SEP] too
     assert abs(masked / chosen - 0.8) < 0.02
     assert abs(kept / chosen - 0.1) < 0.015 and abs(replaced / chosen - 0.1) < 0.015
 
@@ -94,10 +96,14 @@ def test_samples_have_megatron_structure(tmp_path):
         a, b = restored[1: seps[0]], restored[seps[0] + 1: n - 1]
         first, second = (b, a) if s["is_random"] else (a, b)
         text = np.concatenate([first, second])
-        assert np.all(np.diff(text) == 1), (i, text)  # in order they are one contiguous piece of a document
-        assert int(first[0]) in sentence_starts and int(second[0]) in sentence_starts  # whole sentences
+        target = int(ds.mapping[i][2])
+        assert len(text) <= target  # a short sample is cut to its target (Megatron)
+        if len(text) < target:  # not cut: in order one contiguous piece of a document, whole sentences
+            assert np.all(np.diff(text) == 1), (i, text)
+            assert int(first[0]) in sentence_starts and int(second[0]) in sentence_starts
         masked = int(lm.sum())
-        assert masked == max(1, int(round(0.15 * (n - 3))))
+        # Megatron's budget (tokens counting [CLS]/[SEP]); single-token words (no ## ids here) fill its floor
+        assert masked == int(min(0.15 * ds.mapping[i][2], max(1, round(0.15 * n))))
         randoms.append(int(s["is_random"]))
     assert 0.4 < np.mean(randoms) < 0.6
 

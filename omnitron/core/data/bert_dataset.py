@@ -14,12 +14,13 @@ target)``, needing two sentences with the binary head. The mapping is shuffled o
 
 Sample ``i`` (deterministic per ``(seed, i)``: its own ``RandomState(seed + i)``): segment A =
 the first ``k`` sentences (k random), B = the rest; with probability 1/2 A and B are swapped
-(``is_random`` = 1: Megatron's sentence-order task); the longer segment is trimmed at a random end
-until both fit; ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
-Masking: ``round(15% of the text tokens)`` single-token positions chosen; of those 80% become
-[MASK], 10% a random non-special token, 10% stay; labels and loss mask only there. Megatron's dataset
-masks whole words in n-grams of 1-3 words instead, and cuts a short sample to its target length, which
-here only ends the packing (docs/megatron-flags.md).
+(``is_random`` = 1: Megatron's sentence-order task); the longer segment (B on a tie) is trimmed at a
+random end until both fit the sample's target (a short sample is cut to its shorter target, as
+Megatron); ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
+Masking (Megatron's ``BERTMaskedWordPieceDataset``, draw for draw): whole words (a WordPiece ``##`` piece joins the word before it; per token for a tokenizer without
+them) in n-grams of 1-3 words drawn with probability proportional to 1/n, at most
+``min(15% x target, round(15% x tokens incl. [CLS]/[SEP]))`` tokens; each masked token becomes [MASK]
+(80%), a random non-special token (10%) or stays (10%); labels and loss mask only there.
 """
 from __future__ import annotations
 
@@ -89,45 +90,100 @@ def build_sample_mapping(bounds: np.ndarray, lengths: np.ndarray, num_samples: i
 
 
 def truncate_segments(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.RandomState):
-    """Trim the longer segment at a random end (front or back) until ``len(a) + len(b) <= max_tokens``."""
+    """Trim the longer segment (B on a tie, as Megatron) at a random end (front or back) until
+    ``len(a) + len(b) <= max_tokens``."""
     while len(a) + len(b) > max_tokens:
-        longer = len(a) >= len(b)
+        longer = len(a) > len(b)
         t = a if longer else b
         t = t[1:] if rng.random_sample() < 0.5 else t[:-1]
         a, b = (t, b) if longer else (a, t)
     return a, b
 
 
-def mask_tokens(tokens: np.ndarray, candidates: np.ndarray, rng: np.random.RandomState, *, mask_id: int,
-                vocab_ids: np.ndarray, masked_lm_prob: float = 0.15):
-    """Megatron's masking of ``tokens`` (a copy is returned) at ``round(prob * len(candidates))``
-    (at least one) shuffled candidate positions: 80% [MASK], 10% random from ``vocab_ids``, 10% kept.
-    Returns ``(masked tokens, chosen positions sorted, original ids there)``."""
-    out = tokens.copy()
-    n = min(len(candidates), max(1, int(round(len(candidates) * masked_lm_prob))))
-    order = candidates.copy()
+def word_candidates(special: np.ndarray, continues: np.ndarray) -> list[list[int]]:
+    """Positions of the whole words of a sample: every non-``special`` position starts a word unless it
+    ``continues`` one (a ``##`` piece), which joins the word before it (Megatron's rule: also across a
+    [SEP]; a leading continuation is a word of its own)."""
+    words: list[list[int]] = []
+    for i in np.flatnonzero(~special):
+        if continues[i] and words:
+            words[-1].append(int(i))
+        else:
+            words.append([int(i)])
+    return words
+
+
+def mask_count(n_tokens: int, target: int, prob: float) -> float:
+    """Megatron's masking budget: ``min(prob * target, max(1, round(prob * n_tokens)))``, ``n_tokens``
+    counting [CLS] and [SEP] (a float: a sample masks at most this many tokens)."""
+    return min(prob * target, max(1, int(round(n_tokens * prob))))
+
+
+def choose_ngrams(words: list[list[int]], budget: float, rng: np.random.RandomState, max_ngram: int = 3):
+    """Megatron's n-gram choice, in its order of random draws: visit the words shuffled; at each draw
+    ``n`` in ``1..max_ngram`` with probability proportional to ``1/n`` and shrink it until the ``n`` words
+    from there fit the budget; skip a word whose 1-gram does not fit or that overlaps a chosen n-gram.
+    Yields each chosen n-gram's positions (the caller draws each token's replacement, in order)."""
+    nvals = np.arange(1, max_ngram + 1)
+    probs = 1.0 / nvals
+    probs = probs / probs.sum()
+    order = np.arange(len(words))
     rng.shuffle(order)
-    chosen = np.sort(order[:n])
-    for p in chosen:
-        if rng.random_sample() < 0.8:
-            out[p] = mask_id
-        elif rng.random_sample() >= 0.5:
-            out[p] = vocab_ids[rng.randint(len(vocab_ids))]
+    taken: set[int] = set()
+    for w in order:
+        if len(taken) >= budget:
+            return
+        n = int(rng.choice(nvals, p=probs / probs.sum()))
+        while n > 0 and len(taken) + len(span := sum(words[w:w + n], [])) > budget:
+            n -= 1
+        if n == 0 or taken.intersection(span):
+            continue
+        taken.update(span)
+        yield span
+
+
+def mask_tokens(tokens: np.ndarray, special: np.ndarray, rng: np.random.RandomState, *, mask_id: int,
+                vocab_ids: np.ndarray, target: int, continuation: np.ndarray | None = None,
+                masked_lm_prob: float = 0.15):
+    """Megatron's whole-word n-gram masking of ``tokens`` (a copy is returned): the positions not
+    ``special`` grouped into words (:func:`word_candidates`; single tokens when ``continuation`` is
+    None), n-grams of 1-3 words chosen up to :func:`mask_count` tokens (:func:`choose_ngrams`); each
+    chosen token becomes [MASK] (80%), a random id from ``vocab_ids`` (10%) or stays (10%).
+    Returns ``(masked tokens, chosen positions sorted, original ids there)``."""
+    continues = np.zeros(len(tokens), bool)
+    if continuation is not None:
+        known = tokens < len(continuation)
+        continues[known] = continuation[tokens[known]]
+    words = word_candidates(special, continues)
+    out, chosen = tokens.copy(), []
+    for span in choose_ngrams(words, mask_count(len(tokens), target, masked_lm_prob), rng):
+        for p in span:
+            if rng.random_sample() < 0.8:
+                out[p] = mask_id
+            elif rng.random_sample() >= 0.5:
+                out[p] = vocab_ids[rng.randint(len(vocab_ids))]
+            chosen.append(p)
+    chosen = np.sort(np.asarray(chosen, np.int64))
     return out, chosen, tokens[chosen]
 
 
 def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq_length: int, ids: dict,
-                 vocab_ids: np.ndarray, binary_head: bool = True, masked_lm_prob: float = 0.15) -> dict:
-    """One training sample from its sentences; ``ids`` holds the ``cls``, ``sep``, ``mask`` and ``pad`` ids."""
+                 vocab_ids: np.ndarray, binary_head: bool = True, masked_lm_prob: float = 0.15,
+                 target: int | None = None, continuation: np.ndarray | None = None) -> dict:
+    """One training sample from its sentences; ``ids`` holds the ``cls``, ``sep``, ``mask`` and ``pad`` ids.
+    The segments are cut to ``target`` text tokens (the mapping's target: shorter for a short sample;
+    default the most that fit); ``continuation`` marks the ``##`` ids for whole-word masking."""
     is_random = 0
+    room = seq_length - (3 if binary_head else 2)
+    target = room if target is None else min(int(target), room)
     if binary_head:
         k = int(rng.randint(1, len(sentences))) if len(sentences) >= 3 else 1
         a, b = np.concatenate(sentences[:k]), np.concatenate(sentences[k:])
         if rng.random_sample() < 0.5:
             a, b, is_random = b, a, 1
-        a, b = truncate_segments(a, b, seq_length - 3, rng)
+        a, b = truncate_segments(a, b, target, rng)
     else:
-        a, b = truncate_segments(np.concatenate(sentences), np.zeros(0, np.int64), seq_length - 2, rng)
+        a, b = truncate_segments(np.concatenate(sentences), np.zeros(0, np.int64), target, rng)
     cls, sep = [ids["cls"]], [ids["sep"]]
     parts = [cls, a, sep] + ([b, sep] if binary_head else [])
     tokens = np.concatenate([np.asarray(p, np.int64) for p in parts])
@@ -135,8 +191,8 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     types[len(a) + 2:] = 1
     special = np.zeros(len(tokens), bool)
     special[[0, len(a) + 1, len(tokens) - 1]] = True
-    masked, pos, orig = mask_tokens(tokens, np.flatnonzero(~special), rng, mask_id=ids["mask"], vocab_ids=vocab_ids,
-                                    masked_lm_prob=masked_lm_prob)
+    masked, pos, orig = mask_tokens(tokens, special, rng, mask_id=ids["mask"], vocab_ids=vocab_ids, target=target,
+                                    continuation=continuation, masked_lm_prob=masked_lm_prob)
     n, s = len(tokens), seq_length
     out = {"tokens": np.full(s, ids["pad"], np.int64), "tokentype_ids": np.zeros(s, np.int64),
            "labels": np.full(s, ids["pad"], np.int64), "loss_mask": np.zeros(s, np.float32)}
@@ -146,6 +202,14 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     sample["padding_mask"] = torch.arange(s) >= n
     sample["is_random"] = torch.tensor(is_random, dtype=torch.int64)
     return sample
+
+
+def continuation_table(tokenizer) -> np.ndarray:
+    """``[vocab_size]`` bool: the tokenizer's ``##`` continuation ids (its ``continuation_ids``; none for a
+    tokenizer without WordPiece pieces, whose masking is then per token)."""
+    table = np.zeros(tokenizer.vocab_size, bool)
+    table[np.asarray(getattr(tokenizer, "continuation_ids", ()), np.int64)] = True
+    return table
 
 
 def bert_ids(tokenizer, seq_length: int) -> tuple[dict, np.ndarray, np.ndarray]:
@@ -170,6 +234,7 @@ class BertDataset(torch.utils.data.Dataset):
                  seed: int, tokenizer, cache_dir: str, split_name: str = "train", binary_head: bool = True,
                  masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1, allow_build: bool = True):
         self.ids, self.special, self.vocab_ids = bert_ids(tokenizer, seq_length)
+        self.continuation = continuation_table(tokenizer)
         self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
         self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
         max_tokens = seq_length - (3 if binary_head else 2)
@@ -207,9 +272,10 @@ class BertDataset(torch.utils.data.Dataset):
 
     def build(self, idx: int, rng: np.random.RandomState) -> dict[str, torch.Tensor]:
         """Sample ``idx`` from its sentences and its own ``rng`` (subclasses build other samples)."""
+        target = int(self.mapping[idx][2]) if hasattr(self, "mapping") else None  # the mock has no mapping
         return build_sample(self.sentences(idx), rng, seq_length=self.seq_length, ids=self.ids,
                             vocab_ids=self.vocab_ids, binary_head=self.binary_head,
-                            masked_lm_prob=self.masked_lm_prob)
+                            masked_lm_prob=self.masked_lm_prob, target=target, continuation=self.continuation)
 
 
 class MockBertDataset(torch.utils.data.Dataset):
@@ -220,6 +286,7 @@ class MockBertDataset(torch.utils.data.Dataset):
     def __init__(self, num_samples: int, *, seq_length: int, seed: int, tokenizer, binary_head: bool = True,
                  masked_lm_prob: float = 0.15):
         self.ids, _, self.vocab_ids = bert_ids(tokenizer, seq_length)
+        self.continuation = continuation_table(tokenizer)
         self.num_samples, self.seq_length, self.seed = num_samples, seq_length, seed
         self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
 

@@ -66,6 +66,12 @@ class BertWordPieceTokenizer(_HFBacked):
         """Ids never chosen as a random replacement token and never kept as text in a segment."""
         return tuple(sorted({self.pad, self.unk, self.cls, self.sep, self.mask, *self.sentinels}))
 
+    @property
+    def continuation_ids(self) -> tuple[int, ...]:
+        """Ids of the ``##`` pieces that continue a word (BERT's whole-word masking joins them to it)."""
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        return tuple(sorted(i for t, i in vocab.items() if t.startswith("##")))
+
 
 def build_wordpiece_vocab(texts, vocab_size: int, *, lower_case: bool = True) -> list[str]:
     """A deterministic WordPiece vocabulary of at most ``vocab_size`` tokens from ``texts``."""
