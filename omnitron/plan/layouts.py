@@ -183,6 +183,10 @@ def candidates(given: dict, devices: int, minimal: bool = False, cluster: int | 
     from omnitron.plan.memory import model_config
     from omnitron.plan.settings import settings_of
 
+    if given.get("microbatch_group_size_per_vp_stage") is not None:  # its valid range hangs on each layout's pp, m
+        raise ConfigError("--microbatch-group-size-per-virtual-pipeline-stage: the layout search sets the virtual "
+                          "stages and micro-batch counts itself; drop it with --devices (a given layout is priced "
+                          "with it)")
     given = {k: v for k, v in given.items() if k not in _VPP_FLAGS}  # the search sets the virtual stages
     split_given = {k: given[k] for k in _SPLIT_FLAGS if given.get(k) is not None}
     base = settings_of({k: v for k, v in given.items() if k not in split_given} | {"nproc_per_node": 1})

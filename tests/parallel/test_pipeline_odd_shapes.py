@@ -1,12 +1,14 @@
 """Every pipeline schedule on every micro-batch count it takes from 1 to 2 pp + 1 (interleaving at vp 2 and 3, the
-V schedules at two chunks per rank) finishes under strict in-order point-to-point (sim: NCCL's rule) and gives the
-loss and every stage's gradients of one process in float64.
+V schedules at two chunks per rank; interleaving also in groups of N = pp + 1 micro-batches,
+``--microbatch-group-size-per-virtual-pipeline-stage``, on every count Megatron takes up to 3 pp + 1) finishes
+under strict in-order point-to-point (sim: NCCL's rule) and gives the loss and every stage's gradients of one
+process in float64.
 
 Reference: the same stages (Linear + Tanh, seeded by the global stage index) applied one after another in one
 process, loss = mean over micro-batches of the per-token squared error's mean, back-propagated once. The pipeline
 computes the same sums in another order only (per micro-batch contributions accumulated in schedule order): the
-difference is a few ulps of the gradients' size (|g| < 10 here, m <= 9 terms: < 9 x 2^-52 x 10 ~ 2e-14); ATOL
-leaves a factor 50.
+difference is a few ulps of the gradients' size (|g| < 10 here, m <= 10 terms: < 10 x 2^-52 x 10 ~ 2e-14); ATOL
+leaves a factor 45.
 """
 from __future__ import annotations
 
@@ -49,13 +51,16 @@ def _reference(stages: int, m: int) -> tuple[list[list[torch.Tensor]], float]:
     return [[p.grad for p in mod.parameters()] for mod in mods], loss.item()
 
 
-def cases(pp: int) -> list[tuple[str, int, int]]:
-    """(schedule, chunks per rank, micro-batches): each schedule at every count it accepts."""
+def cases(pp: int) -> list[tuple[str, int, int, int | None]]:
+    """(schedule, chunks per rank, micro-batches, interleaving's group size): each schedule at every count it
+    accepts; groups of pp + 1 where Megatron takes them (a last group of 0 or >= pp micro-batches)."""
     out = []
     for m in range(1, 2 * pp + 2):
-        out += [("1f1b", 1, m), ("zb-h1", 1, m), ("zb-v", 2, m)]
-        out += [("interleaved", v, m) for v in (2, 3) if m % pp == 0]
-        out += [("dualpipe-v", 2, m)] if m >= 2 * pp else []
+        out += [("1f1b", 1, m, None), ("zb-h1", 1, m, None), ("zb-v", 2, m, None)]
+        out += [("interleaved", v, m, None) for v in (2, 3) if m % pp == 0]
+        out += [("dualpipe-v", 2, m, None)] if m >= 2 * pp else []
+    n = pp + 1
+    out += [("interleaved", v, m, n) for v in (2, 3) for m in range(n, 3 * pp + 2) if m % n == 0 or m % n >= pp]
     return out
 
 
@@ -72,9 +77,11 @@ def run_cases(todo) -> dict:
     pp = torch.distributed.get_world_size()
     base = ParallelGroups.build(ParallelConfig(pipeline_model_parallel_size=pp), backend=be)
     out = {}
-    for sched, vp, m in todo:
+    for case in todo:
+        sched, vp, m, n = case
         groups = dataclasses.replace(base, config=ParallelConfig(
-            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None))
+            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+            microbatch_group_size_per_vp_stage=n))
         stages = [virtual_stage(groups.pp.rank, c, pp, schedule_style(sched)) for c in range(vp)]
         chunks = [_stage(k).to(dev) for k in stages]
         last = {id(c) for c, k in zip(chunks, stages) if k == pp * vp - 1}
@@ -86,7 +93,7 @@ def run_cases(todo) -> dict:
         data = [{k: v.to(dev) for k, v in b.items()} for b in _data(m)]
         res = forward_backward(sched, chunks, iter(data), groups, num_microbatches=m, seq_length=S,
                                micro_batch_size=B, hidden_size=H, forward_step_fn=step, dtype=torch.float64)
-        out[(sched, vp, m)] = ({k: [p.grad.cpu() for p in c.parameters()] for k, c in zip(stages, chunks)},
+        out[case] = ({k: [p.grad.cpu() for p in c.parameters()] for k, c in zip(stages, chunks)},
                                res["loss"])
     return out
 

@@ -492,3 +492,19 @@ def test_account_and_virtual_stage_flags_from_the_command_line():
 def test_layer_range_errors(kw, match):
     with pytest.raises(ConfigError, match=match):
         pipeline_layer_ranges(**kw)
+
+
+GROUPED = [(p, v, m, n) for p in (2, 3, 4, 8) for v in (2, 3) for n in (p + 1, 2 * p) for m in range(n, 3 * p + 2)
+           if m % n == 0 or m % n >= p]
+
+
+@pytest.mark.parametrize("pp,vp,m,n", GROUPED)
+def test_interleaved_in_groups_is_complete_and_deadlock_free(pp, vp, m, n):
+    """--microbatch-group-size-per-virtual-pipeline-stage N: every action once, no deadlock on the simulated clock
+    (the order itself is Megatron's: test_megatron_schedule.py), and rank 0 warms up (vp - 1) N + 2 (pp - 1)
+    forwards (Megatron's count) before its first backward."""
+    s = build_schedule("interleaved", pp, vp, m, n)
+    simulate(s)
+    first_b = next(i for i, a in enumerate(s.tables[0]) if a.kind == "B")
+    warmup = min((vp - 1) * n + 2 * (pp - 1), m * vp)
+    assert first_b == (warmup if warmup == m * vp else warmup + 1)  # in the steady state one F precedes the B

@@ -19,6 +19,10 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per pipeline rank (interleaved schedule); from --num-layers-per-virtual-pipeline-stage or
     --num-virtual-stages-per-pipeline-rank."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """--microbatch-group-size-per-virtual-pipeline-stage N: the interleaved schedule runs every model chunk over N
+    micro-batches before the next N (default: pp); N between pp and the micro-batch count, and the count's
+    remainder mod N 0 or >= pp (Megatron's rules). More than pp warms up (vp - 1) (N - pp) more forwards per rank."""
     context_parallel_size: int = 1
     """--context-parallel-size: ranks that split the sequence inside attention."""
     expert_model_parallel_size: int = 1
@@ -61,6 +65,10 @@ class ParallelConfig:
                             ("--expert-model-parallel-size", self.expert_model_parallel_size)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+        group = self.microbatch_group_size_per_vp_stage
+        if group is not None and (not isinstance(group, int) or group < 1):
+            raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage must be a positive integer, "
+                              f"got {group!r}")
         if self.cp_comm_type not in ("p2p", "a2a", "allgather", "a2a+p2p"):
             raise ConfigError(f"--cp-comm-type {self.cp_comm_type!r} is not one of p2p, a2a, allgather, a2a+p2p")
         self._check_hierarchical()

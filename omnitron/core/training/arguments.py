@@ -39,7 +39,8 @@ log = logging.getLogger("omnitron.train")
 # fields that are not flags: derived elsewhere, or not user settings
 # Megatron's spelling where it differs from the field name
 _FLAG_NAMES = {"bucket_size": "--ddp-bucket-size", "override_opt_param_scheduler": "--override-opt_param-scheduler",
-               "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler"}
+               "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler",
+               "microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage"}
 _HIDDEN = {"params_dtype", "reduce_scatter", "apply_scaled_init", "virtual_pipeline_model_parallel_size"}
 
 
@@ -645,7 +646,8 @@ def _check_schedules(training: TrainingConfig, parallel: ParallelConfig, dp: int
     for n, where in counts:
         try:
             cached_schedule(training.pipeline_schedule, parallel.pipeline_model_parallel_size,
-                            parallel.virtual_pipeline_model_parallel_size, n)
+                            parallel.virtual_pipeline_model_parallel_size, n,
+                            parallel.microbatch_group_size_per_vp_stage)
         except ConfigError as err:
             raise ConfigError(f"{where}{err}") from None
 

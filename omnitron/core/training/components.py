@@ -71,7 +71,8 @@ class Components:
         if num_microbatches not in self.schedules:
             s, pc = self.settings, self.groups.config
             schedule = build_schedule(s.training.pipeline_schedule, self.groups.pp.size,
-                                      pc.virtual_pipeline_model_parallel_size, num_microbatches)
+                                      pc.virtual_pipeline_model_parallel_size, num_microbatches,
+                                      pc.microbatch_group_size_per_vp_stage)
             if pc.overlap_moe_expert_parallel_comm:  # forward/backward pairs (pipeline/combined.py)
                 schedule = combine_1f1b(schedule)
             self.schedules[num_microbatches] = schedule

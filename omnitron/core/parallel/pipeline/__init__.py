@@ -77,8 +77,8 @@ def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, d
     if vp != cfg_vp:
         raise ValueError(f"got {vp} model chunks but the virtual pipeline size is {cfg_vp}; build one chunk per "
                          f"virtual stage (--num-layers-per-virtual-pipeline-stage)")
-    schedule = schedule_name if isinstance(schedule_name, Schedule) else build_schedule(schedule_name, pp, vp,
-                                                                                        num_microbatches)
+    schedule = schedule_name if isinstance(schedule_name, Schedule) else build_schedule(
+        schedule_name, pp, vp, num_microbatches, groups.config.microbatch_group_size_per_vp_stage)
     shape = pipeline_tensor_shape(groups, seq_length=seq_length, micro_batch_size=micro_batch_size,
                                   hidden_size=hidden_size)
     ctx = torch.no_grad() if forward_only else contextlib.nullcontext()

@@ -57,12 +57,14 @@ def schedule_1f1b(pp: int, num_microbatches: int) -> Schedule:
     return Schedule("1f1b", pp, 1, m, tables)
 
 
-def schedule_interleaved(pp: int, vp: int, num_microbatches: int) -> Schedule:
+def schedule_interleaved(pp: int, vp: int, num_microbatches: int, group: int | None = None) -> Schedule:
     """Interleaved 1F1B over ``vp`` model chunks per rank (Megatron's ordering).
 
-    Micro-batches go through the chunks in groups of ``pp``: forward k touches chunk
-    ``(k // pp) % vp`` and micro-batch ``(k // (pp * vp)) * pp + k % pp``; backwards run the chunks
-    in reverse. Needs ``num_microbatches % pp == 0``.
+    Micro-batches go through the chunks in groups of ``group`` (``--microbatch-group-size-per-virtual-pipeline-
+    stage``, default pp): all chunks run on one group before the next group starts; a last group of fewer
+    micro-batches (at least pp) closes the table. Backwards run the same order with the chunks reversed. Rank r
+    warms up with ``2 (pp - r - 1) + (vp - 1) group`` forwards. Needs pp <= group <= micro-batches and the
+    remainder of micro-batches / group 0 or >= pp (Megatron's rules: a smaller last group stalls the pipeline).
     """
     _check(pp, num_microbatches)
     m = num_microbatches
@@ -71,28 +73,58 @@ def schedule_interleaved(pp: int, vp: int, num_microbatches: int) -> Schedule:
                           f"set --num-layers-per-virtual-pipeline-stage or use --pipeline-schedule 1f1b")
     if pp < 2:
         raise ConfigError("interleaved schedule needs --pipeline-model-parallel-size >= 2")
-    if m % pp:
-        raise ConfigError(f"interleaved schedule needs the number of micro-batches ({m}) to be a multiple of "
-                          f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or --micro-batch-size")
+    n = _group_size(pp, m, group)
+    order = _group_order(m, vp, n)
     total = m * vp
 
     def fwd(k: int) -> Action:
-        return Action((k // pp) % vp, "F", (k // (pp * vp)) * pp + k % pp)
+        return Action(order[k][0], "F", order[k][1])
 
     def bwd(k: int) -> Action:
-        return Action(vp - 1 - (k // pp) % vp, "B", (k // (pp * vp)) * pp + k % pp)
+        return Action(vp - 1 - order[k][0], "B", order[k][1])
 
     tables = {}
     for r in range(pp):
         # NOTE: m == pp is no special case: Megatron's older releases ran every forward as warm-up then, its
         # schedules.py at d98e8a6 (get_pp_rank_microbatches) does not, and later ranks hold fewer activations
-        warmup = min((pp - r - 1) * 2 + (vp - 1) * pp, total)
+        warmup = min((pp - r - 1) * 2 + (vp - 1) * n, total)
         table = [fwd(k) for k in range(warmup)]
         for j in range(total - warmup):
             table += [fwd(warmup + j), bwd(j)]
         table += [bwd(j) for j in range(total - warmup, total)]
         tables[r] = tuple(table)
     return Schedule("interleaved", pp, vp, m, tables)
+
+
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def _group_size(pp: int, m: int, group: int | None) -> int:
+    """The interleaved schedule's micro-batch group size, checked by Megatron's rules (default: pp)."""
+    if group is None:
+        if m % pp:
+            raise ConfigError(f"interleaved schedule needs the number of micro-batches ({m}) to be a multiple of "
+                              f"--pipeline-model-parallel-size ({pp}); change --global-batch-size or "
+                              f"--micro-batch-size")
+        return pp
+    if not pp <= group <= m:
+        raise ConfigError(f"{GROUP_FLAG} {group} must lie between --pipeline-model-parallel-size ({pp}) and the "
+                          f"number of micro-batches ({m}); change it or --global-batch-size")
+    if 0 < m % group < pp:
+        raise ConfigError(f"{GROUP_FLAG} {group}: the last group holds {m % group} of the {m} micro-batches, fewer "
+                          f"than --pipeline-model-parallel-size ({pp}), which stalls the pipeline; pick a group "
+                          f"size whose remainder is 0 or >= {pp}, or change --global-batch-size")
+    return group
+
+
+def _group_order(m: int, vp: int, n: int) -> list[tuple[int, int]]:
+    """(chunk, micro-batch) of each forward in turn: every chunk over one group of n micro-batches, then the
+    next group; the last group takes what remains."""
+    order = []
+    for start in range(0, m, n):
+        stop = m if start + n >= m else start + n
+        order += [(c, i) for c in range(vp) for i in range(start, stop)]
+    return order
 
 
 def schedule_zb_h1(pp: int, num_microbatches: int,
@@ -146,8 +178,10 @@ def schedule_zb_h1(pp: int, num_microbatches: int,
     return Schedule("zb-h1", pp, 1, m, {r: tuple(v) for r, v in tables.items()})
 
 
-def build_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: int) -> Schedule:
-    """The schedule for ``--pipeline-schedule name`` (None picks: none / 1f1b / interleaved)."""
+def build_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: int,
+                   group: int | None = None) -> Schedule:
+    """The schedule for ``--pipeline-schedule name`` (None picks: none / 1f1b / interleaved). ``group``:
+    the interleaved schedule's micro-batch group size (other schedules ignore it, as Megatron does)."""
     vp = vp or 1
     if name is None:
         name = "none" if pp == 1 else ("interleaved" if vp > 1 else "1f1b")
@@ -170,11 +204,12 @@ def build_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: 
         return schedule_1f1b(pp, num_microbatches)
     if name == "zb-h1":
         return schedule_zb_h1(pp, num_microbatches)
-    return schedule_interleaved(pp, vp, num_microbatches)
+    return schedule_interleaved(pp, vp, num_microbatches, group)
 
 
 @lru_cache(maxsize=256)
-def cached_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: int) -> Schedule:
+def cached_schedule(name: str | None, pp: int, vp: int | None, num_microbatches: int,
+                    group: int | None = None) -> Schedule:
     """:func:`build_schedule`, kept for the planner's search: its candidates share a few tables, and ZB-V's
     builder simulates several of them (callers must not change the returned schedule)."""
-    return build_schedule(name, pp, vp, num_microbatches)
+    return build_schedule(name, pp, vp, num_microbatches, group)
