@@ -58,6 +58,7 @@ class BertWordPieceTokenizer(_HFBacked):
         tok.add_special_tokens(names)
         self.sentinels = tuple(tok.token_to_id(n) for n in names)  # T5's span sentinels, in order
         self.vocab_file = str(path)
+        self.subword_ids = tuple(sorted(i for t, i in tok.get_vocab().items() if t.startswith("##")))  # word pieces
         self.cls, self.sep, self.mask, self.unk = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[UNK]"))
         super().__init__(tok, self.sep, tok.token_to_id("[PAD]"))
 
