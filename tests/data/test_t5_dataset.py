@@ -155,3 +155,24 @@ def test_wordpiece_sentinels():
     assert tok.subword_ids and not set(tok.subword_ids) & set(tok.special_ids)  # "##" pieces: T5's whole words
     with pytest.raises(TokenizerError, match="--vocab-extra-ids"):
         build_tokenizer("GPT2BPETokenizer", vocab_extra_ids=3)
+
+
+def test_target_too_long_for_the_decoder_keeps_its_last_spans_as_text():
+    """Megatron asserts on a target longer than the decoder; here the last spans stay text until it fits: the
+    sample equals the one built with a long decoder, the spans past the fit restored in the encoder input."""
+    from omnitron.core.data.t5_dataset import build_sample
+
+    ids, text = {"cls": _Tok.cls, "sep": _Tok.sep, "pad": _Tok.pad}, np.arange(10, 110)
+    for seed in range(200):
+        full = build_sample(text, np.random.RandomState(seed), seq_length=102, decoder_seq_length=64, ids=ids,
+                            sentinels=SENTINELS)
+        t = int(full["loss_mask"].sum())
+        short = build_sample(text, np.random.RandomState(seed), seq_length=102, decoder_seq_length=17, ids=ids,
+                             sentinels=SENTINELS)
+        labels = full["labels"][:t].tolist()
+        starts = [i for i, x in enumerate(labels) if x in SENTINELS] + [t - 1]
+        keep = max(k for k in range(len(starts)) if starts[k] + 1 <= 17)  # spans whose target fits with the end
+        assert short["labels"][: starts[keep] + 1].tolist() == labels[: starts[keep]] + [_Tok.sep]
+        assert int(short["loss_mask"].sum()) == starts[keep] + 1
+        enc = short["tokens"][~short["padding_mask"]].tolist()
+        assert _fill(enc, short["labels"][: starts[keep] + 1].tolist()) == text.tolist()

@@ -9,7 +9,9 @@ from a geometric(0.2) distribution clipped at 10): a word is a token plus the ``
 budget is ``min(0.15 * target, max(1, round(0.15 * n)))`` tokens. The words are visited in a random order;
 at each, n is drawn, shortened until the n words from it fit in what is left of the budget (the word is
 skipped when even one does not fit) and the n-gram is masked unless it overlaps one already masked. Spans
-are never merged, so two may touch. Span ``i`` (left to right) gets sentinel ``<extra_id_i>``:
+are never merged, so two may touch. In the rare sample whose target (below) would not fit the decoder
+(Megatron stops with an assertion there) the last spans are left as text until it fits. Span ``i`` (left
+to right) gets sentinel ``<extra_id_i>``:
 
 * encoder input: the text with each span replaced by its sentinel (no end token), padded with [PAD];
 * decoder target (``labels``): ``<extra_id_0> span_0 <extra_id_1> span_1 ... [SEP]`` ([SEP] is the
@@ -81,6 +83,8 @@ def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: in
     if len(spans) > len(sentinels):
         raise ValueError(f"a sample needs {len(spans)} sentinels, the tokenizer has {len(sentinels)}: raise "
                          "--vocab-extra-ids")
+    while spans and sum(map(len, spans)) + len(spans) + 1 > decoder_seq_length:
+        spans.pop()  # a rare target too long for the decoder (Megatron stops there): the last span stays text
     enc, target, begin = [], [], 0
     for sentinel, span in zip(sentinels, spans):
         enc += text[begin:span[0]].tolist() + [sentinel]
@@ -88,10 +92,7 @@ def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: in
         begin = span[-1] + 1
     enc += text[begin:].tolist()
     target.append(ids["sep"])
-    n, t = len(enc), len(target)
-    if n > seq_length or t > decoder_seq_length:
-        raise ValueError(f"a sample needs {n} encoder / {t} decoder tokens, more than --seq-length {seq_length} / "
-                         f"--decoder-seq-length {decoder_seq_length}; raise them")
+    n, t = len(enc), len(target)  # the text was cut to at most seq_length - 2 tokens; the target fits (above)
     out = {"tokens": np.full(seq_length, ids["pad"], np.int64),
            "decoder_tokens": np.full(decoder_seq_length, ids["pad"], np.int64),
            "labels": np.full(decoder_seq_length, ids["pad"], np.int64),
@@ -111,9 +112,9 @@ class _SpanCorruption:
         """Check the tokenizer's sentinels and the decoder length against the most corrupted tokens; keep them.
 
         A target holds the corrupted tokens, one sentinel per span and the end token: at least ``m + 2`` for
-        ``m`` corrupted tokens, at most ``2 m + 1`` (one-token spans, rare with whole-word n-grams). As in
-        Megatron (e.g. --seq-length 512 with --decoder-seq-length 128) only the first is required here; a
-        sample longer than the decoder stops with a clear error."""
+        ``m`` corrupted tokens, at most ``2 m + 1`` (one-token spans, rare with whole-word n-grams). Only the
+        first is required, so Megatron's --seq-length 512 with --decoder-seq-length 128 runs; where Megatron
+        stops at a sample whose target is longer than the decoder, its last spans stay text instead."""
         sentinels = tuple(getattr(tokenizer, "sentinels", ()))
         if not sentinels:
             raise ValueError(f"T5 data needs sentinel tokens; {tokenizer.name} has none: use --tokenizer-type "
