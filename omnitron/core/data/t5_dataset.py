@@ -1,24 +1,26 @@
-"""T5 pre-training samples (Megatron's T5Dataset): span corruption with sentinel tokens.
+"""T5 pre-training samples (Megatron's T5MaskedWordPieceDataset): whole-word n-gram spans, sentinel tokens.
 
 Text comes exactly as for one-segment BERT (:class:`~omnitron.core.data.bert_dataset.BertDataset`
 with ``binary_head=False``: the same sentence table, sample mapping and cache, special ids dropped):
-consecutive sentences of a document up to ``seq_length - 2`` tokens (truncated at the end).
+consecutive sentences of a document, cut to the sample's target length (at most ``seq_length - 2``).
 
-Noise (the T5 paper's ``random_spans_noise_mask``): of ``n`` text tokens, ``round(0.15 n)`` are
-corrupted, in ``round(noise / 3)`` spans (mean length 3); the noise and the kept tokens are each
-cut into that many random, non-empty runs (the kept text may also be empty before the first and
-after the last span) and interleaved, so the masked fraction and the mean span length are exact per
-sample and the span positions random. Span ``i`` (left to right) gets sentinel ``<extra_id_i>``:
+Noise (Megatron's masked-dataset rules with T5's settings: whole words, n-grams of up to 10 words, n drawn
+from a geometric(0.2) distribution clipped at 10): a word is a token plus the ``##`` pieces after it. The
+budget is ``min(0.15 * target, max(1, round(0.15 * n)))`` tokens. The words are visited in a random order;
+at each, n is drawn, shortened until the n words from it fit in what is left of the budget (the word is
+skipped when even one does not fit) and the n-gram is masked unless it overlaps one already masked. Spans
+are never merged, so two may touch. In the rare sample whose target (below) would not fit the decoder
+(Megatron stops with an assertion there) the last spans are left as text until it fits. Span ``i`` (left
+to right) gets sentinel ``<extra_id_i>``:
 
-* encoder input: the text with each span replaced by its sentinel, then [SEP] (the T5 paper's inputs
-  end with the end token; it also keeps a text of special ids only from leaving no key to attend),
-  padded with [PAD];
+* encoder input: the text with each span replaced by its sentinel (no end token), padded with [PAD];
 * decoder target (``labels``): ``<extra_id_0> span_0 <extra_id_1> span_1 ... [SEP]`` ([SEP] is the
   end of sequence), the loss mask 1 over it; decoder input: ``[CLS]`` (the start token) followed by
   the target shifted right by one; both padded to ``decoder_seq_length``.
 
-Sample ``i`` is deterministic per ``(seed, i)`` (its own ``RandomState(seed + i)``). ``--mock-data``:
-:class:`MockT5Dataset`, the same corruption of BERT's random mock sentences.
+Sample ``i`` is deterministic per ``(seed, i)`` (its own ``RandomState(seed + i)``, drawn in Megatron's
+order, so the same text and seed give Megatron's spans). ``--mock-data``: :class:`MockT5Dataset`, the
+same corruption of BERT's random mock sentences.
 """
 from __future__ import annotations
 
@@ -26,106 +28,116 @@ import numpy as np
 import torch
 
 from .bert_dataset import BertDataset, MockBertDataset
+from .bert_dataset import word_candidates as bert_words
+
+MAX_NGRAM, GEOMETRIC_P = 10, 0.2  # Megatron's pretrain_t5 settings (masking_max_ngram, SpanBERT's p)
 
 
-def _partition(total: int, parts: int, rng: np.random.RandomState) -> np.ndarray:
-    """``total`` split into ``parts`` random positive integers (uniform over the compositions)."""
-    cuts = np.sort(rng.choice(total - 1, parts - 1, replace=False) + 1) if parts > 1 else np.zeros(0, np.int64)
-    return np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int64)
+def word_candidates(text: np.ndarray, subword_ids) -> list[list[int]]:
+    """Positions of ``text`` grouped into words: a token not in ``subword_ids`` (``##`` pieces) starts one
+    (BERT's grouping, :func:`omnitron.core.data.bert_dataset.word_candidates`, with no special positions)."""
+    continues = np.isin(text, np.asarray(subword_ids, np.int64))
+    return bert_words(np.zeros(len(text), dtype=bool), continues)
 
 
-def noise_counts(n: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
-    """``(corrupted tokens, spans)`` for a text of ``n`` tokens (no noise below two tokens)."""
-    if n < 2:
-        return 0, 0
-    noise = min(max(int(round(n * noise_density)), 1), n - 1)
-    spans = min(max(int(round(noise / mean_span_length)), 1), noise, n - noise + 1)
-    return noise, spans
+def masked_spans(text: np.ndarray, rng: np.random.RandomState, *, subword_ids=(), target_length: int | None = None,
+                 masked_lm_prob: float = 0.15, max_ngram: int = MAX_NGRAM) -> list[list[int]]:
+    """The corrupted spans of ``text`` (lists of positions, left to right); see the module docstring."""
+    words = word_candidates(text, subword_ids)
+    target = len(text) if target_length is None else target_length
+    budget = min(masked_lm_prob * target, max(1, int(round(len(text) * masked_lm_prob))))
+    order = np.arange(len(words))
+    rng.shuffle(order)
+    spans, taken, count = [], np.zeros(len(text), bool), 0
+    for w in order:
+        if count >= budget:
+            break
+        n = min(int(rng.geometric(GEOMETRIC_P)), max_ngram)
+        while n > 0 and count + sum(len(x) for x in words[w:w + n]) > budget:
+            n -= 1
+        if n == 0:
+            continue
+        span = [p for x in words[w:w + n] for p in x]
+        if taken[span].any():
+            continue
+        taken[span], count = True, count + len(span)
+        spans.append(span)
+    return sorted(spans)
 
 
-def random_spans_mask(n: int, rng: np.random.RandomState, *, noise_density: float = 0.15,
-                      mean_span_length: float = 3.0) -> np.ndarray:
-    """``[n]`` bool, True at corrupted tokens (see the module docstring)."""
-    noise, spans = noise_counts(n, noise_density, mean_span_length)
-    mask = np.zeros(n, bool)
-    if spans == 0:
-        return mask
-    noise_runs = _partition(noise, spans, rng)
-    kept_runs = _partition(n - noise + 2, spans + 1, rng)  # positive parts, then the two ends may be empty
-    kept_runs[0] -= 1
-    kept_runs[-1] -= 1
-    pos = 0
-    for kept, corrupt in zip(kept_runs[:-1], noise_runs):
-        pos += int(kept)
-        mask[pos:pos + int(corrupt)] = True
-        pos += int(corrupt)
-    return mask
+def masked_count(n: int, masked_lm_prob: float = 0.15) -> int:
+    """The most tokens a text of ``n`` tokens has corrupted (none for an empty text)."""
+    return min(n, max(1, int(round(n * masked_lm_prob)))) if n else 0
 
 
 def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: int, decoder_seq_length: int,
-                 ids: dict, sentinels, noise_density: float = 0.15, mean_span_length: float = 3.0) -> dict:
+                 ids: dict, sentinels, subword_ids=(), target_length: int | None = None,
+                 masked_lm_prob: float = 0.15) -> dict:
     """One sample from its text tokens; ``ids`` holds the ``cls`` (start), ``sep`` (end) and ``pad`` ids."""
-    noise = random_spans_mask(len(text), rng, noise_density=noise_density, mean_span_length=mean_span_length)
-    starts = noise & ~np.concatenate([[False], noise[:-1]])
-    span = np.cumsum(starts) - 1  # span index of each corrupted token
-    if starts.sum() > len(sentinels):
-        raise ValueError(f"a sample needs {int(starts.sum())} sentinels, the tokenizer has {len(sentinels)}: raise "
+    spans = masked_spans(text, rng, subword_ids=subword_ids, target_length=target_length,
+                         masked_lm_prob=masked_lm_prob)
+    if len(spans) > len(sentinels):
+        raise ValueError(f"a sample needs {len(spans)} sentinels, the tokenizer has {len(sentinels)}: raise "
                          "--vocab-extra-ids")
-    sentinel = np.asarray(sentinels, np.int64)
-    enc = np.concatenate([np.where(starts, sentinel[np.maximum(span, 0)], text)[~noise | starts], [ids["sep"]]])
-    target = [ids["sep"]]
-    if noise.any():
-        pieces = np.split(np.flatnonzero(noise), np.flatnonzero(np.diff(np.flatnonzero(noise)) > 1) + 1)
-        target = np.concatenate([np.concatenate([[sentinel[i]], text[p]]) for i, p in enumerate(pieces)] +
-                                [[ids["sep"]]])
-    n, t = len(enc), len(target)
-    if n > seq_length or t > decoder_seq_length:
-        raise ValueError(f"a sample needs {n} encoder / {t} decoder tokens, more than --seq-length {seq_length} / "
-                         f"--decoder-seq-length {decoder_seq_length}; raise them")
+    while spans and sum(map(len, spans)) + len(spans) + 1 > decoder_seq_length:
+        spans.pop()  # a rare target too long for the decoder (Megatron stops there): the last span stays text
+    enc, target, begin = [], [], 0
+    for sentinel, span in zip(sentinels, spans):
+        enc += text[begin:span[0]].tolist() + [sentinel]
+        target += [sentinel] + text[span].tolist()
+        begin = span[-1] + 1
+    enc += text[begin:].tolist()
+    target.append(ids["sep"])
+    n, t = len(enc), len(target)  # the text was cut to at most seq_length - 2 tokens; the target fits (above)
     out = {"tokens": np.full(seq_length, ids["pad"], np.int64),
            "decoder_tokens": np.full(decoder_seq_length, ids["pad"], np.int64),
            "labels": np.full(decoder_seq_length, ids["pad"], np.int64),
            "loss_mask": np.zeros(decoder_seq_length, np.float32)}
     out["tokens"][:n] = enc
     out["labels"][:t], out["loss_mask"][:t] = target, 1.0
-    out["decoder_tokens"][:t] = np.concatenate([[ids["cls"]], target[:-1]])
+    out["decoder_tokens"][:t] = [ids["cls"]] + target[:-1]
     sample = {k: torch.from_numpy(v) for k, v in out.items()}
     sample["padding_mask"] = torch.arange(seq_length) >= n
     return sample
 
 
-def required_lengths(seq_length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> tuple[int, int]:
-    """``(decoder tokens, sentinels)`` the longest sample of a ``seq_length`` encoder may need."""
-    worst = [noise_counts(n, noise_density, mean_span_length) for n in range(max(seq_length - 1, 1))]
-    return max(a + b + 1 for a, b in worst), max(b for _, b in worst)
-
-
 class _SpanCorruption:
     """T5 samples over a BERT text source (real or mock): :meth:`build` corrupts sample ``idx``'s text."""
 
-    def _init_corruption(self, tokenizer, seq_length: int, decoder_seq_length: int, noise_density: float,
-                         mean_span_length: float) -> None:
-        """Check the tokenizer's sentinels and the decoder length against the longest sample; keep the settings."""
+    def _init_corruption(self, tokenizer, seq_length: int, decoder_seq_length: int, masked_lm_prob: float) -> None:
+        """Check the tokenizer's sentinels and the decoder length against the most corrupted tokens; keep them.
+
+        A target holds the corrupted tokens, one sentinel per span and the end token: at least ``m + 2`` for
+        ``m`` corrupted tokens, at most ``2 m + 1`` (one-token spans, rare with whole-word n-grams). Only the
+        first is required, so Megatron's --seq-length 512 with --decoder-seq-length 128 runs; where Megatron
+        stops at a sample whose target is longer than the decoder, its last spans stay text instead."""
         sentinels = tuple(getattr(tokenizer, "sentinels", ()))
         if not sentinels:
             raise ValueError(f"T5 data needs sentinel tokens; {tokenizer.name} has none: use --tokenizer-type "
                              "BertWordPieceLowerCase (or BertWordPieceCase) with --vocab-extra-ids 100")
-        dec, spans = required_lengths(seq_length, noise_density, mean_span_length)
-        if decoder_seq_length < dec:
+        most = masked_count(max(seq_length - 2, 0), masked_lm_prob)
+        if decoder_seq_length < most + 2:
             raise ValueError(f"--decoder-seq-length {decoder_seq_length} is too short for --seq-length {seq_length}: "
-                             f"a target can need {dec} tokens (sentinels + corrupted spans + end); use at least {dec}")
-        if len(sentinels) < spans:
+                             f"a target can hold {most} corrupted tokens, a sentinel and the end; use at least "
+                             f"{most + 2}")
+        if len(sentinels) < most:
             raise ValueError(f"--vocab-extra-ids {len(sentinels)}: a sample of --seq-length {seq_length} can have "
-                             f"{spans} corrupted spans, one sentinel each; use at least {spans}")
-        self.decoder_seq_length, self.sentinels = decoder_seq_length, sentinels
-        self.noise_density, self.mean_span_length = noise_density, mean_span_length
+                             f"{most} corrupted spans, one sentinel each; use at least {most}")
+        self.decoder_seq_length, self.sentinels, self.masked_lm_prob = decoder_seq_length, sentinels, masked_lm_prob
+        self.subword_ids = tuple(getattr(tokenizer, "continuation_ids", ()))
+
+    def target_length(self, idx: int) -> int:
+        """The text length sample ``idx`` aims at: its mapping row's target (``seq_length - 2`` for mock data)."""
+        mapping = getattr(self, "mapping", None)
+        return int(mapping[idx][2]) if mapping is not None else self.seq_length - 2
 
     def build(self, idx: int, rng: np.random.RandomState) -> dict[str, torch.Tensor]:
-        """Sample ``idx``: its text (sentences joined, truncated) corrupted with its own ``rng``."""
-        text = np.concatenate(self.sentences(idx))[: self.seq_length - 2]
+        """Sample ``idx``: its text (sentences joined, cut to the target length) corrupted with its own ``rng``."""
+        target = self.target_length(idx)
+        text = np.concatenate(self.sentences(idx))[:target]
         return build_sample(text, rng, seq_length=self.seq_length, decoder_seq_length=self.decoder_seq_length,
-                            ids=self.ids, sentinels=self.sentinels, noise_density=self.noise_density,
-                            mean_span_length=self.mean_span_length)
+                            ids=self.ids, sentinels=self.sentinels, subword_ids=self.subword_ids,
+                            target_length=target, masked_lm_prob=self.masked_lm_prob)
 
 
 class MockT5Dataset(_SpanCorruption, MockBertDataset):
@@ -133,8 +145,8 @@ class MockT5Dataset(_SpanCorruption, MockBertDataset):
     ``(seed, i)``), corrupted into T5 samples as :class:`T5Dataset` does."""
 
     def __init__(self, num_samples: int, *, seq_length: int, decoder_seq_length: int, seed: int, tokenizer,
-                 noise_density: float = 0.15, mean_span_length: float = 3.0):
-        self._init_corruption(tokenizer, seq_length, decoder_seq_length, noise_density, mean_span_length)
+                 masked_lm_prob: float = 0.15):
+        self._init_corruption(tokenizer, seq_length, decoder_seq_length, masked_lm_prob)
         super().__init__(num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer, binary_head=False)
 
 
@@ -145,9 +157,9 @@ class T5Dataset(_SpanCorruption, BertDataset):
     mock_cls = MockT5Dataset
 
     def __init__(self, indexed, documents: np.ndarray, num_samples: int, *, seq_length: int, decoder_seq_length: int,
-                 seed: int, tokenizer, cache_dir: str, split_name: str = "train", noise_density: float = 0.15,
-                 mean_span_length: float = 3.0, short_seq_prob: float = 0.1, allow_build: bool = True):
-        self._init_corruption(tokenizer, seq_length, decoder_seq_length, noise_density, mean_span_length)
+                 seed: int, tokenizer, cache_dir: str, split_name: str = "train", masked_lm_prob: float = 0.15,
+                 short_seq_prob: float = 0.1, allow_build: bool = True):
+        self._init_corruption(tokenizer, seq_length, decoder_seq_length, masked_lm_prob)
         super().__init__(indexed, documents, num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
                          cache_dir=cache_dir, split_name=split_name, binary_head=False,
                          short_seq_prob=short_seq_prob, allow_build=allow_build)
