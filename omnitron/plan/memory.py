@@ -611,7 +611,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
     cfg = experts_as_run(settings, cfg)  # FP8 experts: each its own GEMMs, --moe-grouped-gemm or not
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
     schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
-                              settings.num_microbatches, pc.microbatch_group_size_per_vp_stage)
+                              settings.num_microbatches, getattr(pc, "microbatch_group_size_per_vp_stage", None))
     layers, moe = chunk_layers(settings, cfg), chunk_moe_layers(settings, cfg)
     routing = moe_routing(settings, cfg, load) if load is not None and cfg.num_experts else None
     out = []

@@ -430,7 +430,7 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
     pc = settings.parallel
     sched = cached_schedule(settings.training.pipeline_schedule, pc.pipeline_model_parallel_size,
                            pc.virtual_pipeline_model_parallel_size, settings.num_microbatches,
-                           pc.microbatch_group_size_per_vp_stage)
+                           getattr(pc, "microbatch_group_size_per_vp_stage", None))
 
     table = {}
     for k, c in costs.items():

@@ -58,6 +58,7 @@ def _span_words(labels, n):
     return out
 
 
+@pytest.mark.slow  # 12 s: the exact-sample test above covers the rules in the default suite
 def test_span_statistics_match_megatron():
     """Means of per-sample counts: the difference of two independent means of n1, n2 samples has standard
     deviation sqrt(v1 / n1 + v2 / n2); histogram bins as proportions p with variance p (1 - p) / spans. At 5
