@@ -6,12 +6,12 @@ consecutive sentences of a document, cut to the sample's target length (at most 
 
 Noise (Megatron's masked-dataset rules with T5's settings: whole words, n-grams of up to 10 words, n drawn
 from a geometric(0.2) distribution clipped at 10): a word is a token plus the ``##`` pieces after it. The
-budget is ``min(0.15 * target, max(1, round(0.15 * n)))`` tokens. The words are visited in a random order;
-at each, n is drawn, shortened until the n words from it fit in what is left of the budget (the word is
-skipped when even one does not fit) and the n-gram is masked unless it overlaps one already masked. Spans
-are never merged, so two may touch. In the rare sample whose target (below) would not fit the decoder
-(Megatron stops with an assertion there) the last spans are left as text until it fits. Span ``i`` (left
-to right) gets sentinel ``<extra_id_i>``:
+budget is ``min(p * target, max(1, round(p * n)))`` tokens, ``p`` = ``--mask-prob`` (default 0.15). The
+words are visited in a random order; at each, n is drawn, shortened until the n words from it fit in what
+is left of the budget (the word is skipped when even one does not fit) and the n-gram is masked unless it
+overlaps one already masked. Spans are never merged, so two may touch. In the rare sample whose target
+(below) would not fit the decoder (Megatron stops with an assertion there) the last spans are left as text
+until it fits. Span ``i`` (left to right) gets sentinel ``<extra_id_i>``:
 
 * encoder input: the text with each span replaced by its sentinel (no end token), padded with [PAD];
 * decoder target (``labels``): ``<extra_id_0> span_0 <extra_id_1> span_1 ... [SEP]`` ([SEP] is the
@@ -126,6 +126,11 @@ class _SpanCorruption:
         self.decoder_seq_length, self.sentinels, self.masked_lm_prob = decoder_seq_length, sentinels, masked_lm_prob
         self.subword_ids = tuple(getattr(tokenizer, "continuation_ids", ()))
 
+    @staticmethod
+    def max_text_tokens(seq_length: int) -> int:
+        """The sample mapping's target length: ``seq_length - 2`` (Megatron's T5 index; no [CLS] / [SEP])."""
+        return seq_length - 2
+
     def target_length(self, idx: int) -> int:
         """The text length sample ``idx`` aims at: its mapping row's target (``seq_length - 2`` for mock data)."""
         mapping = getattr(self, "mapping", None)
@@ -147,7 +152,8 @@ class MockT5Dataset(_SpanCorruption, MockBertDataset):
     def __init__(self, num_samples: int, *, seq_length: int, decoder_seq_length: int, seed: int, tokenizer,
                  masked_lm_prob: float = 0.15):
         self._init_corruption(tokenizer, seq_length, decoder_seq_length, masked_lm_prob)
-        super().__init__(num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer, binary_head=False)
+        super().__init__(num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer, binary_head=False,
+                         masked_lm_prob=masked_lm_prob)
 
 
 class T5Dataset(_SpanCorruption, BertDataset):
@@ -162,7 +168,7 @@ class T5Dataset(_SpanCorruption, BertDataset):
         self._init_corruption(tokenizer, seq_length, decoder_seq_length, masked_lm_prob)
         super().__init__(indexed, documents, num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
                          cache_dir=cache_dir, split_name=split_name, binary_head=False,
-                         short_seq_prob=short_seq_prob, allow_build=allow_build)
+                         masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, allow_build=allow_build)
 
 
 def build_t5_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
