@@ -85,6 +85,8 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 RUNS = {"a2a cp2": ("--context-parallel-size", "2", "--cp-comm-type", "a2a"),
         "allgather cp2": ("--context-parallel-size", "2", "--cp-comm-type", "allgather"),
         "per layer a2a, p2p cp2": ("--context-parallel-size", "2", "--cp-comm-type", "a2a", "p2p"),
+        "per layer p2p, a2a cp2 pp2": ("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                       "--cp-comm-type", "p2p", "a2a"),
         "a2a tp2 cp2 sp": ("--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
                            "--cp-comm-type", "a2a"),
         "allgather cp2 dp2 zero": ("--context-parallel-size", "2", "--cp-comm-type", "allgather",
