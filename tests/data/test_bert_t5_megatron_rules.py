@@ -88,3 +88,15 @@ def test_t5_text_still_reaches_seq_minus_2(tmp_path):
     t5 = T5Dataset(ds, np.arange(4), 60, seq_length=seq, decoder_seq_length=16, seed=5, tokenizer=tok,
                    cache_dir=str(tmp_path / "c"))
     assert t5.mapping[:, 2].max() == seq - 2
+
+
+def test_t5_mask_prob_too_large_for_the_decoder_is_one_line_at_parse():
+    """t5_tiny: --seq-length 128, --decoder-seq-length 32. At --mask-prob p a sample corrupts up to
+    round(126 p) tokens and its target needs that plus a sentinel and the end: 0.6 -> 76 + 2 > 32."""
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--model", "t5_tiny", "--mock-data", "--train-iters", "1"]
+    assert parse_settings(base + ["--mask-prob", "0.2"], world_size=1).data.mask_prob == 0.2  # 25 + 2 <= 32
+    with pytest.raises(ConfigError, match="--decoder-seq-length 32 is too short .* at --mask-prob 0.6: .* 76 "
+                                          "corrupted tokens.* at least 78"):
+        parse_settings(base + ["--mask-prob", "0.6"], world_size=1)

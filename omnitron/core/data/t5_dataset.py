@@ -101,6 +101,21 @@ def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: in
     return sample
 
 
+def corruption_problem(seq_length: int, decoder_seq_length: int, sentinels: int, masked_lm_prob: float) -> str | None:
+    """Why samples of ``seq_length`` corrupted at ``masked_lm_prob`` (``--mask-prob``) do not fit the decoder or the
+    ``sentinels`` (None when they do): a target holds at least the corrupted tokens, a sentinel and the end, and a
+    sample has at most as many spans as corrupted tokens."""
+    most = masked_count(max(seq_length - 2, 0), masked_lm_prob)
+    if decoder_seq_length < most + 2:
+        return (f"--decoder-seq-length {decoder_seq_length} is too short for --seq-length {seq_length} at --mask-prob "
+                f"{masked_lm_prob}: a target can hold {most} corrupted tokens, a sentinel and the end; use at least "
+                f"{most + 2}")
+    if sentinels < most:
+        return (f"--vocab-extra-ids {sentinels}: a sample of --seq-length {seq_length} at --mask-prob "
+                f"{masked_lm_prob} can have {most} corrupted spans, one sentinel each; use at least {most}")
+    return None
+
+
 class _SpanCorruption:
     """T5 samples over a BERT text source (real or mock): :meth:`build` corrupts sample ``idx``'s text."""
 
@@ -115,14 +130,9 @@ class _SpanCorruption:
         if not sentinels:
             raise ValueError(f"T5 data needs sentinel tokens; {tokenizer.name} has none: use --tokenizer-type "
                              "BertWordPieceLowerCase (or BertWordPieceCase) with --vocab-extra-ids 100")
-        most = masked_count(max(seq_length - 2, 0), masked_lm_prob)
-        if decoder_seq_length < most + 2:
-            raise ValueError(f"--decoder-seq-length {decoder_seq_length} is too short for --seq-length {seq_length}: "
-                             f"a target can hold {most} corrupted tokens, a sentinel and the end; use at least "
-                             f"{most + 2}")
-        if len(sentinels) < most:
-            raise ValueError(f"--vocab-extra-ids {len(sentinels)}: a sample of --seq-length {seq_length} can have "
-                             f"{most} corrupted spans, one sentinel each; use at least {most}")
+        problem = corruption_problem(seq_length, decoder_seq_length, len(sentinels), masked_lm_prob)
+        if problem:
+            raise ValueError(problem)
         self.decoder_seq_length, self.sentinels, self.masked_lm_prob = decoder_seq_length, sentinels, masked_lm_prob
         self.subword_ids = tuple(getattr(tokenizer, "continuation_ids", ()))
 
