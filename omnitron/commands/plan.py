@@ -49,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
            "json", "moe_expert_load")
     given = {k: v for k, v in vars(args).items() if k not in own}
     bench, overlap = getattr(args, "bench", None), getattr(args, "assume_overlap", "none")
+    comm = given.get("cp_comm_type")
+    if isinstance(comm, list) and len(comm) > 1:
+        print(f"omnitron plan: error: the planner prices one --cp-comm-type for every layer, not the per-layer "
+              f"list {' '.join(comm)}: price each type apart", file=sys.stderr)
+        return 2
     if getattr(args, "devices", None) is not None:
         return _recommend(args, given, bench, overlap)
     try:

@@ -43,6 +43,16 @@ class CpWork:
     ew_b: list[tuple[str, int]] = field(default_factory=list)
 
 
+def check_one_type(pc) -> None:
+    """The planner prices one ``--cp-comm-type`` for every layer: a per-layer list is refused in one line."""
+    from omnitron.core.config.parallel import ConfigError
+
+    if not isinstance(pc.cp_comm_type, str):
+        raise ConfigError(f"the planner prices one --cp-comm-type for every layer, not the per-layer list "
+                          f"{' '.join(pc.cp_comm_type)}: price each type apart (--cp-comm-type "
+                          f"{pc.cp_comm_type[0]}, ...)")
+
+
 def a2a_size(pc) -> int:
     """The all-to-all's size of a layout's ``--cp-comm-type`` (``pc``: its ParallelConfig): cp under ``a2a``, A of
     ``a2a+p2p``'s ``--hierarchical-context-parallel-sizes A P``, else 1."""

@@ -71,6 +71,7 @@ from dataclasses import dataclass, replace
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.plan.activations import activation_model, fine_grained_bytes, without_offloading
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
+from omnitron.plan import cp_comm
 from omnitron.plan.cp_comm import saved_extra
 from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, saved_less
 from omnitron.plan.fp8_moe import experts_as_run
@@ -606,6 +607,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
     from omnitron.core.parallel.pipeline.schedules import cached_schedule
 
     check_family(settings)
+    cp_comm.check_one_type(settings.parallel)
     given, pc = model_config(settings), settings.parallel
     cfg = priced_config(settings, given)  # attention dropout on cp's block kernels: probed without it
     cfg = experts_as_run(settings, cfg)  # FP8 experts: each its own GEMMs, --moe-grouped-gemm or not
@@ -647,8 +649,15 @@ def _gib(n: int) -> str:
 
 
 def memory_table(settings) -> str:
-    """:func:`format_table` of :func:`estimate`: what ``--log-memory-estimate`` logs at the start of training."""
-    return format_table(estimate(settings))
+    """:func:`format_table` of :func:`estimate`: what ``--log-memory-estimate`` logs at the start of training (a
+    layout the planner does not price, a per-layer --cp-comm-type: that one line instead; training goes on)."""
+    from omnitron.core.config.parallel import ConfigError
+
+    try:
+        stages = estimate(settings)
+    except ConfigError as err:
+        return f"memory estimate: not priced: {err}"
+    return format_table(stages)
 
 
 def format_table(stages: list[StageMemory]) -> str:

@@ -502,6 +502,7 @@ def step_lower_bound(settings, rates, overlap: str = "none") -> float:
 
 def predict(settings, rates, overlap: str = "none") -> StepTime:
     """The :class:`StepTime` of ``settings``' layout on the machine of ``rates``."""
+    cp_comm.check_one_type(settings.parallel)
     cfg, layers, costs = _stage_costs(settings, rates, overlap)
     pc = settings.parallel
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1

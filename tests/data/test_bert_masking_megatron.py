@@ -1,8 +1,9 @@
 """BERT samples against Megatron's own ``BERTMaskedWordPieceDataset`` (fixtures written by
 tests/data/megatron_bert_masking/make_fixtures.py): the same sentences, target length and per-sample seed give
-the same segments, short-sample cut and whole-word n-gram masking, draw for draw. The replacement vocabulary
-here is the full one, as Megatron's ``token_lookup`` (omnitron's datasets draw only non-special ids; the number
-of draws is the same). Then the statistics that follow from Megatron's rules, checked on the same cases."""
+the same segments, short-sample cut and whole-word n-gram masking, draw for draw, at ``--mask-prob`` 0.15 and
+at other values. The random replacement draws from the ids the datasets use (:func:`replacement_ids`: the whole
+vocabulary, as Megatron's ``token_lookup``). Then the statistics that follow from Megatron's rules, checked on
+the same cases."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnitron.core.data.bert_dataset import build_sample, mask_count
+from omnitron.core.data.bert_dataset import build_sample, mask_count, replacement_ids
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "megatron_bert_masking", "fixtures.pt")
 IDS = {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
@@ -28,16 +29,25 @@ def fixtures():
     return continuation, samples
 
 
+class _Tok:
+    """The tokenizer surface :func:`replacement_ids` reads: the fixtures' 64-id vocabulary (ids 0-4 special)."""
+
+    vocab_size, special_ids = 64, (0, 1, 2, 3, 4)
+
+
 def _ours(case, continuation) -> dict:
     rng = np.random.RandomState((case["seed"] + 0) % 2**32)  # Megatron's RandomState(seed + idx), idx 0
+    assert len(continuation) == _Tok.vocab_size
     return build_sample([s.numpy() for s in case["sentences"]], rng, seq_length=case["seq_length"], ids=IDS,
-                        vocab_ids=np.arange(len(continuation)), binary_head=case["binary"], target=case["target"],
-                        continuation=continuation)
+                        vocab_ids=replacement_ids(_Tok()), binary_head=case["binary"], target=case["target"],
+                        continuation=continuation, masked_lm_prob=case["prob"])
 
 
 def test_samples_equal_megatron(fixtures):
-    """Tokens, token types, masked positions and labels, is_random: exactly Megatron's (integers, no tolerance)."""
+    """Tokens, token types, masked positions and labels, is_random: exactly Megatron's (integers, no tolerance),
+    at every masking probability of the fixtures (0.15 and others)."""
     _, samples = fixtures
+    assert {case["prob"] for case, _ in samples} > {0.15}
     for case, ours in samples:
         assert int(ours["is_random"]) == int(case["is_random"])
         n = int((~ours["padding_mask"]).sum())
@@ -72,7 +82,7 @@ def test_masking_statistics(fixtures):
     for case, ours in samples:
         tokens, n = case["text"].numpy(), int((case["padding_mask"] == 1).sum())
         masked = ours["loss_mask"].numpy()[:n].astype(bool)
-        assert masked.sum() <= mask_count(n, case["target"], 0.15)  # may be 0: a 2-token target allows 0.3
+        assert masked.sum() <= mask_count(n, case["target"], case["prob"])  # may be 0: a 2-token target allows 0.3
         labels = ours["labels"].numpy()[:n]
         original = np.where(masked, labels, tokens[:n])
         text = ~np.isin(original, (2, 3))
@@ -81,6 +91,8 @@ def test_masking_statistics(fixtures):
             while j > 0 and not (text[j] and not continuation[original[j]]):
                 j -= 1
             assert masked[j:i + 1][text[j:i + 1]].all() or j == 0, "a ## piece masked without its word"
+        if case["prob"] != 0.15:  # the run statistics below are derived at pretrain_bert's default
+            continue
         words, run = 0, 0
         for i in range(1, n):
             start = not continuation[original[i]] and original[i] not in (2, 3)

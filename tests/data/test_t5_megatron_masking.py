@@ -26,19 +26,29 @@ SUBWORDS = tuple(i for i, t in M.VOCAB.items() if t.startswith("##"))
 IDS = {"cls": M.CLS, "sep": M.SEP, "pad": M.PAD}
 
 
-def _sample(text, target, seed):
+def _sample(text, target, seed, prob=0.15):
     """omnitron's sample of ``text`` (already cut to ``target``) with ``RandomState(seed)``, as numpy."""
     s = build_sample(np.asarray(text, np.int64), np.random.RandomState(seed), seq_length=M.SEQ,
                      decoder_seq_length=M.DEC, ids=IDS, sentinels=tuple(range(M.SENTINEL0, M.V)),
-                     subword_ids=SUBWORDS, target_length=target)
+                     subword_ids=SUBWORDS, target_length=target, masked_lm_prob=prob)
     return {k: v.numpy() for k, v in s.items()}
 
 
 @pytest.mark.parametrize("case", range(len(FIX["exact"])), ids=lambda i: f"case{i}")
 def test_same_sample_as_megatron(case):
-    c = FIX["exact"][case]
+    _check_case(FIX["exact"][case])
+
+
+def test_same_samples_as_megatron_at_other_mask_probs():
+    """--mask-prob 0.05, 0.25, 0.3 (Megatron's masking_probability): the same samples, token for token."""
+    assert {c["prob"] for c in FIX["exact_prob"]} == set(M.PROBS)
+    for c in FIX["exact_prob"]:
+        _check_case(c)
+
+
+def _check_case(c):
     text = [t for s in c["sentences"] for t in s][: c["target"]]
-    s = _sample(text, c["target"], c["seed"])
+    s = _sample(text, c["target"], c["seed"], c.get("prob", 0.15))
     t = int(sum(c["loss_mask"]))
     assert s["tokens"].tolist() == c["text_enc"]  # Megatron pads with [PAD] = 0 as well
     assert (~s["padding_mask"]).astype(int).tolist() == c["enc_mask"]

@@ -84,6 +84,9 @@ def _train_args(root: str, *extra: str) -> list[str]:
 MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 RUNS = {"a2a cp2": ("--context-parallel-size", "2", "--cp-comm-type", "a2a"),
         "allgather cp2": ("--context-parallel-size", "2", "--cp-comm-type", "allgather"),
+        "per layer a2a, p2p cp2": ("--context-parallel-size", "2", "--cp-comm-type", "a2a", "p2p"),
+        "per layer p2p, a2a cp2 pp2": ("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                       "--cp-comm-type", "p2p", "a2a"),
         "a2a tp2 cp2 sp": ("--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
                            "--cp-comm-type", "a2a"),
         "allgather cp2 dp2 zero": ("--context-parallel-size", "2", "--cp-comm-type", "allgather",
@@ -136,3 +139,38 @@ def test_refusals_name_the_constraint():
         parse_settings(base + ["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], 2)
     with pytest.raises(ConfigError, match="not one of p2p, a2a, allgather"):
         parse_settings(base + ["--cp-comm-type", "ring"], 1)
+
+
+def test_per_layer_types_parse_and_refusals_name_the_constraint():
+    """Megatron's ``--cp-comm-type`` list (nargs='+'): one value is every layer's type, several are one per layer
+    (as many as --num-layers, TransformerConfig's assertion); each type's own constraints hold where it is used."""
+    from omnitron.core.training.arguments import parse_settings
+
+    base = _train_args("/tmp/x") + ["--context-parallel-size", "2"]
+    assert parse_settings(base + ["--cp-comm-type", "a2a"], 2).parallel.cp_comm_type == "a2a"
+    assert parse_settings(base + ["--cp-comm-type", "allgather", "p2p"], 2).parallel.cp_comm_type == ["allgather",
+                                                                                                       "p2p"]
+    with pytest.raises(ConfigError, match="--cp-comm-type gives 3 types for --num-layers 2"):
+        parse_settings(base + ["--cp-comm-type", "p2p", "a2a", "p2p"], 2)
+    with pytest.raises(ConfigError, match="a2a\\+p2p needs --hierarchical-context-parallel-sizes"):
+        parse_settings(base + ["--cp-comm-type", "p2p", "a2a+p2p"], 2)
+    with pytest.raises(ConfigError, match="a2a splits each tensor-parallel rank's 2 attention heads"):
+        parse_settings(base + ["--tensor-model-parallel-size", "2", "--cp-comm-type", "p2p", "a2a",
+                               "--context-parallel-size", "4"], 8)
+    with pytest.raises(ConfigError, match="'ring' is not one of"):
+        parse_settings(base + ["--cp-comm-type", "p2p", "ring"], 2)
+
+
+def test_the_planner_refuses_a_per_layer_list_in_one_line(capsys):
+    """``omnitron plan`` prices one type for every layer: a list is one error line (exit 2); the training log's
+    memory table (--log-memory-estimate) says in one line that it is not priced, and training goes on."""
+    from omnitron.cli import main
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import memory_table
+
+    argv = _train_args("/tmp/x") + ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a"]
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "one --cp-comm-type for every layer" in err[0], err
+    line = memory_table(parse_settings(argv, 2))
+    assert line.startswith("memory estimate: not priced:") and "\n" not in line

@@ -422,8 +422,9 @@ def model_worker(cases, cp: int = 2, tp: int = 1) -> dict:
 
     torch.set_num_threads(1)
     be, out = get_backend(), {}
-    for kind, comm in cases:
-        extra = dict(hierarchical_context_parallel_sizes=[2, cp // 2]) if comm == "a2a+p2p" else {}
+    for kind, comm in cases:  # comm: one --cp-comm-type, or a tuple of one per layer
+        per_layer = (comm,) if isinstance(comm, str) else comm
+        extra = dict(hierarchical_context_parallel_sizes=[2, cp // 2]) if "a2a+p2p" in per_layer else {}
         groups = ParallelGroups.build(ParallelConfig(context_parallel_size=cp, cp_comm_type=comm,
                                                      tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                                      **extra), be.collectives)
@@ -441,7 +442,14 @@ def model_worker(cases, cp: int = 2, tp: int = 1) -> dict:
             be.collectives.all_reduce(t, group=groups.cp.handle)
             t /= groups.cp.size
         out[(kind, comm)] = (vals.cpu().tolist(), gather_full_state(model, groups, grads=True))
+        out[("types", kind, comm)] = _attention_types(model)
     return out
+
+
+def _attention_types(model) -> list[str]:
+    """The --cp-comm-type each decoder layer's attention runs, then each multi-token-prediction depth's."""
+    layers = list(model.decoder.layers.values()) + list(getattr(getattr(model, "mtp", None), "layers", []))
+    return [next(m.cp_comm_type for m in layer.modules() if hasattr(m, "cp_comm_type")) for layer in layers]
 
 
 def _check_models(per_rank, cases) -> None:
@@ -462,6 +470,21 @@ def _check_models(per_rank, cases) -> None:
 
 def test_models_at_cp2_match_one_process():
     _check_models(run_distributed(model_worker, 2, MODEL_CASES, env=REFERENCE_KERNELS), MODEL_CASES)
+
+
+# --cp-comm-type per layer (Megatron's list, one per layer): the 2-layer models mix the types, each layer's
+# attention runs its own (an MTP depth k the k-th type, as Megatron numbers its layers), and loss and gradients
+# are the one-process model's (every type computes the same attention: the mix must not change the maths)
+PER_LAYER_CASES = [("mla", ("p2p", "a2a")), ("window+learnable", ("a2a+p2p", "allgather")),
+                   ("mtp", ("allgather", "p2p"))]
+
+
+def test_models_with_per_layer_cp_comm_types_match_one_process():
+    per_rank = run_distributed(model_worker, 2, PER_LAYER_CASES, env=REFERENCE_KERNELS)
+    _check_models(per_rank, PER_LAYER_CASES)
+    for kind, comm in PER_LAYER_CASES:
+        depths = 2 if kind == "mtp" else 0
+        assert per_rank[0][("types", kind, comm)] == list(comm) + list(comm[:depths])
 
 
 @pytest.mark.slow

@@ -89,3 +89,55 @@ def test_bad_evaluation_flags_are_one_line(extra, needle, tmp_path):
 
     with pytest.raises(ConfigError, match=needle):
         parse_settings(_args(str(tmp_path), "--train-iters", "2", *extra), 1)
+
+
+def test_resume_reads_the_validation_stream_on_from_the_checkpoints_count(tmp_path):
+    """Megatron saves consumed_valid_samples and a resumed run's validation loader starts there, whatever
+    --eval-iters it now runs with. A (4 iterations, evaluations at 2 and 4 of one batch of 4) has read 8 samples.
+    Resumed to 6 with --eval-iters 2, the evaluation at 6 must read batches 2 and 3: the mean of what the same
+    resume with --eval-iters 1 reads at 6 and after training (batch 2, then batch 3, the same weights). The
+    formula from the new flags (2 evaluations x 2 batches) would start at batch 4. Losses are exact: one process,
+    the same computation on the same batches, and evaluate's mean of two is (a + b) / 2 as written here."""
+    from omnitron.core.checkpoint import find_latest, read_metadata
+
+    flags = ("--eval-interval", "2", "--hidden-dropout", "0", "--attention-dropout", "0", "--lr-decay-iters", "8")
+    first = str(tmp_path / "first")
+    _train(_args(str(tmp_path), *flags, "--train-iters", "4", "--save", first))
+    assert read_metadata(find_latest(first))["consumed_valid_samples"] == 2 * 1 * 4
+    one = _train(_args(str(tmp_path), *flags, "--train-iters", "6", "--load", first, "--save", str(tmp_path / "a")))
+    two = _train(_args(str(tmp_path), *flags, "--train-iters", "6", "--load", first, "--save", str(tmp_path / "b"),
+                       "--eval-iters", "2"))
+    assert [v["iteration"] for v in one["validation"]] == [6, 6] == [v["iteration"] for v in two["validation"]]
+    b2, b3 = (v["val_loss"] for v in one["validation"])
+    assert b2 != b3 and two["validation"][0]["val_loss"] == (b2 + b3) / 2
+    assert read_metadata(find_latest(str(tmp_path / "b")))["consumed_valid_samples"] == 8 + 2 * 4  # saved at 6
+
+
+def test_checkpoint_without_the_count_falls_back_to_the_formula():
+    """A checkpoint from before consumed_valid_samples was saved: the stream starts after the evaluations the
+    run's flags put before its iteration (Megatron's fallback); a saved count wins; --skip-train starts at 0."""
+    from types import SimpleNamespace
+
+    from omnitron.core.training.loop import ValidationStream
+
+    t = SimpleNamespace(eval_interval=3, eval_iters=2, eval_batch=4, skip_train=False, start_eval_at_iter=None)
+    c = SimpleNamespace(settings=SimpleNamespace(training=t), iteration=7, consumed_valid_samples=None)
+    assert ValidationStream(c).start == (7 // 3) * 2 * 4 == c.consumed_valid_samples
+    c.consumed_valid_samples = 12
+    assert ValidationStream(c).start == 12
+    t.skip_train = True
+    assert ValidationStream(c).start == 0
+
+
+def test_resume_with_a_longer_interval_sizes_the_split_past_the_saved_count(tmp_path):
+    """Evaluations at 1..4 read 4 batches (16 samples); resumed with --eval-interval 4 to iteration 8 the new
+    flags' formula sizes the split at (8 // 4 + 1) batches = 12 samples, short of where the stream resumes:
+    the split must be sized from the saved count (16 + 2 evaluations x 4) and both evaluations must run."""
+    from omnitron.core.checkpoint import find_latest, read_metadata
+
+    flags = ("--lr-decay-iters", "8", "--hidden-dropout", "0", "--attention-dropout", "0")
+    first = str(tmp_path / "first")
+    _train(_args(str(tmp_path), *flags, "--eval-interval", "1", "--train-iters", "4", "--save", first))
+    assert read_metadata(find_latest(first))["consumed_valid_samples"] == 4 * 4
+    run = _train(_args(str(tmp_path), *flags, "--eval-interval", "4", "--train-iters", "8", "--load", first))
+    assert [v["iteration"] for v in run["validation"]] == [8, 8]

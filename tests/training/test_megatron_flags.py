@@ -163,7 +163,8 @@ def test_a_stopping_run_ends_its_evaluation_early(cause, tmp_path, monkeypatch, 
     save comes before a scheduler's time limit; omnitron also on a stop signal. Here the limit is past once the
     first iteration ends (the job started an hour ago, the limit is 30 minutes), or SIGTERM arrives as the first
     evaluation starts: the evaluation reads one of its 3 batches, logs no validation loss, and the run saves
-    iteration 1 and stops. It used to read all 3 and log their loss first."""
+    iteration 1 (its count of validation samples read: that one batch) and stops. It used to read all 3 and log
+    their loss first."""
     import signal
 
     from omnitron.backends import get_backend
@@ -189,6 +190,10 @@ def test_a_stopping_run_ends_its_evaluation_early(cause, tmp_path, monkeypatch, 
     mbs_per_batch = settings.eval_microbatches
     assert result["validation"] == [] and result["test"] is None and len(batches) == mbs_per_batch
     assert "validation after iteration 1 stopped unfinished: the run is stopping" in caplog.text
+    from omnitron.core.checkpoint import find_latest, read_metadata
+
+    # the checkpoint counts the one batch read (Megatron adds each batch's samples), where a resume reads on
+    assert read_metadata(find_latest(str(save)))["consumed_valid_samples"] == settings.training.eval_batch
 
 
 def test_newer_aliases_equal_omnitron_spelling():

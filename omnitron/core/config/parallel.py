@@ -8,6 +8,10 @@ class ConfigError(ValueError):
     """A setting is invalid; the message names the flag and how to fix it."""
 
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+"""The --cp-comm-type values (Megatron's)."""
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """How the world is cut. The data-parallel size is what remains: world / (tp * cp * pp)."""
@@ -34,11 +38,13 @@ class ParallelConfig:
     interleaved or dualpipe-v schedule one micro-batch's forward and another's backward run in turns, so each one's MoE
     dispatch / combine all-to-all (forward or backward) is in flight while the other computes (one more warm-up
     forward per rank, pp - r more in 1F1B; see pipeline/combined.py)."""
-    cp_comm_type: str = "p2p"
+    cp_comm_type: list[str] | str = "p2p"
     """--cp-comm-type {p2p,a2a,allgather,a2a+p2p}: how context parallelism shares the sequence in attention: p2p,
     the ring of K/V blocks; a2a, all-to-all of heads and sequence (DeepSpeed-Ulysses; the local heads must divide
     by cp); allgather, all-gathered K/V; a2a+p2p, all-to-all inside groups of consecutive cp ranks, then the ring
-    across them (sizes from --hierarchical-context-parallel-sizes)."""
+    across them (sizes from --hierarchical-context-parallel-sizes). One type for every layer, or one per layer
+    (``--cp-comm-type p2p a2a ...``, --num-layers of them, as Megatron: layer i's attention uses the i-th; a
+    multi-token-prediction depth k the k-th, as Megatron numbers its layers)."""
     hierarchical_context_parallel_sizes: list[int] | None = None
     """--hierarchical-context-parallel-sizes A P: the a2a and p2p sizes of --cp-comm-type a2a+p2p (A x P =
     --context-parallel-size; A consecutive cp ranks trade heads for sequence, the ring runs over P of those groups)."""
@@ -69,8 +75,7 @@ class ParallelConfig:
         if group is not None and (not isinstance(group, int) or group < 1):
             raise ConfigError(f"--microbatch-group-size-per-virtual-pipeline-stage must be a positive integer, "
                               f"got {group!r}")
-        if self.cp_comm_type not in ("p2p", "a2a", "allgather", "a2a+p2p"):
-            raise ConfigError(f"--cp-comm-type {self.cp_comm_type!r} is not one of p2p, a2a, allgather, a2a+p2p")
+        self._check_cp_comm_type()
         self._check_hierarchical()
         vp = self.virtual_pipeline_model_parallel_size
         if vp is not None and (vp < 1 or (vp > 1 and self.pipeline_model_parallel_size < 2)):
@@ -81,13 +86,33 @@ class ParallelConfig:
             # harmless but meaningless; Megatron silently disables it, we keep it off explicitly
             self.sequence_parallel = False
 
+    def _check_cp_comm_type(self) -> None:
+        """Each type is known; one type (a list of one, as from the command line) is kept as a string, several as a
+        list (their number is checked against --num-layers with the model)."""
+        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type or [])
+        bad = [t for t in types if t not in CP_COMM_TYPES]
+        if not types or bad:
+            raise ConfigError(f"--cp-comm-type {' '.join(map(str, bad or types))!r} is not one of "
+                              f"{', '.join(CP_COMM_TYPES)} (one type for every layer, or one per layer)")
+        self.cp_comm_type = types[0] if len(types) == 1 else types
+
+    def cp_comm_types(self) -> tuple[str, ...]:
+        """The distinct --cp-comm-type values in use (one, or those of the per-layer list)."""
+        comm = self.cp_comm_type
+        return (comm,) if isinstance(comm, str) else tuple(dict.fromkeys(comm))
+
+    def layer_cp_comm_type(self, layer: int) -> str:
+        """--cp-comm-type of the 0-based global transformer layer ``layer`` (Megatron's ``cp_comm_type[n - 1]``)."""
+        comm = self.cp_comm_type
+        return comm if isinstance(comm, str) else comm[layer]
+
     def _check_hierarchical(self) -> None:
         """--cp-comm-type a2a+p2p needs exactly two positive sizes whose product is cp (and nothing else takes them)."""
         sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
-        if self.cp_comm_type != "a2a+p2p":
+        if "a2a+p2p" not in self.cp_comm_types():
             if sizes:
                 raise ConfigError(f"--hierarchical-context-parallel-sizes only applies to --cp-comm-type a2a+p2p "
-                                  f"(got --cp-comm-type {self.cp_comm_type}); drop it or use a2a+p2p")
+                                  f"(got --cp-comm-type {' '.join(self.cp_comm_types())}); drop it or use a2a+p2p")
             return
         if not sizes:
             raise ConfigError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the a2a and "
@@ -111,7 +136,7 @@ class ParallelConfig:
     def cp_a2a_p2p_sizes(self) -> tuple[int, int] | None:
         """(A, P) of --cp-comm-type a2a+p2p, else None."""
         sizes = self.hierarchical_context_parallel_sizes
-        return (sizes[0], sizes[1]) if self.cp_comm_type == "a2a+p2p" and sizes else None
+        return (sizes[0], sizes[1]) if "a2a+p2p" in self.cp_comm_types() and sizes else None
 
     @property
     def uneven_pipeline(self) -> bool:

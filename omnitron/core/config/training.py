@@ -264,8 +264,8 @@ class TrainingConfig:
     the job started (Megatron's program start: the model build, data indexes and checkpoint load count, so a
     limit sized to a scheduler's time slot holds); every rank stops at the same iteration (the ranks' clocks are
     OR-ed, as a signal is). An evaluation under way when the limit passes (or a stop signal arrives) ends
-    between its batches, unlogged, as Megatron's evaluate; a resumed run's validation stream starts after that
-    evaluation's batches all the same (Megatron's, after the batches it read)."""
+    between its batches, unlogged, as Megatron's evaluate; a resumed run's validation stream starts after the
+    batches it read (the checkpoint's consumed_valid_samples, as Megatron's)."""
     calculate_per_token_loss: bool = False
     """--calculate-per-token-loss: the step's loss is the sum over all its tokens (every micro-batch and
     data-parallel rank) divided by their count, and so are its gradients (Megatron's per-token loss), instead of

@@ -8,7 +8,8 @@ tokens that stand in for sentences. Special ids ([CLS], [SEP],
 [PAD], [MASK], [UNK]; e.g. an eod appended by preprocessing) are dropped from the text.
 
 Sample mapping (numpy, cached like the GPT indices): every epoch walks the split's documents,
-packing consecutive sentences until a target length (``seq_length - 3``; with probability
+packing consecutive sentences until a target length (``seq_length - 3``, with or without the binary
+head, as Megatron; with probability
 ``short_seq_prob`` a random shorter one) is reached; a sample is ``(first sentence, end sentence,
 target)``, needing two sentences with the binary head. The mapping is shuffled once.
 
@@ -20,7 +21,8 @@ Megatron); ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_len
 Masking (Megatron's ``BERTMaskedWordPieceDataset``, draw for draw): whole words (a WordPiece ``##`` piece joins the word before it; per token for a tokenizer without
 them) in n-grams of 1-3 words drawn with probability proportional to 1/n, at most
 ``min(15% x target, round(15% x tokens incl. [CLS]/[SEP]))`` tokens; each masked token becomes [MASK]
-(80%), a random non-special token (10%) or stays (10%); labels and loss mask only there.
+(80%), a random id of the whole vocabulary (10%; Megatron's ``token_lookup``, special ids included) or
+stays (10%); labels and loss mask only there. The 15% is ``--mask-prob`` (Megatron's flag, default 0.15).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from . import cache
 from .indexed import IndexedDataset, IndexedDatasetBuilder, data_file, exists, index_file, optimal_dtype
 from .sentences import split_sentences
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: one-segment samples aim at seq_length - 3 text tokens (1: - 2)
 
 
 def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int) -> dict[str, np.ndarray]:
@@ -174,7 +176,7 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     The segments are cut to ``target`` text tokens (the mapping's target: shorter for a short sample;
     default the most that fit); ``continuation`` marks the ``##`` ids for whole-word masking."""
     is_random = 0
-    room = seq_length - (3 if binary_head else 2)
+    room = text_room(seq_length)
     target = room if target is None else min(int(target), room)
     if binary_head:
         k = int(rng.randint(1, len(sentences))) if len(sentences) >= 3 else 1
@@ -204,6 +206,18 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     return sample
 
 
+def replacement_ids(tokenizer) -> np.ndarray:
+    """The ids the 10% random replacement draws from: the whole vocabulary, special ids included (Megatron's
+    ``token_lookup = sorted(tokenizer.inv_vocab)``)."""
+    return np.arange(tokenizer.vocab_size)
+
+
+def text_room(seq_length: int) -> int:
+    """The most text tokens of a BERT sample: ``seq_length - 3`` (one [CLS], two [SEP]s), also with one segment
+    (Megatron's ``BERTMaskedWordPieceDataset`` builds its sample index at ``sequence_length - 3`` either way)."""
+    return seq_length - 3
+
+
 def continuation_table(tokenizer) -> np.ndarray:
     """``[vocab_size]`` bool: the tokenizer's ``##`` continuation ids (its ``continuation_ids``; none for a
     tokenizer without WordPiece pieces, whose masking is then per token)."""
@@ -213,7 +227,7 @@ def continuation_table(tokenizer) -> np.ndarray:
 
 
 def bert_ids(tokenizer, seq_length: int) -> tuple[dict, np.ndarray, np.ndarray]:
-    """``({cls, sep, mask, pad}, special ids, maskable vocabulary ids)``; clear errors for a tokenizer
+    """``({cls, sep, mask, pad}, special ids, non-special (text) ids)``; clear errors for a tokenizer
     without BERT's special tokens or a sequence too short for ``[CLS] A [SEP] B [SEP]``."""
     for attr in ("cls", "sep", "mask", "pad"):
         if not hasattr(tokenizer, attr):
@@ -234,10 +248,11 @@ class BertDataset(torch.utils.data.Dataset):
                  seed: int, tokenizer, cache_dir: str, split_name: str = "train", binary_head: bool = True,
                  masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1, allow_build: bool = True):
         self.ids, self.special, self.vocab_ids = bert_ids(tokenizer, seq_length)
+        self.replace_ids = replacement_ids(tokenizer)
         self.continuation = continuation_table(tokenizer)
         self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
         self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
-        max_tokens = seq_length - (3 if binary_head else 2)
+        max_tokens = self.max_text_tokens(seq_length)
         docs = np.asarray(documents, np.int64)
         self.table = sentence_table(indexed, docs, max(1, max_tokens // 4))
         self.description = {
@@ -257,6 +272,11 @@ class BertDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.mapping)
 
+    @staticmethod
+    def max_text_tokens(seq_length: int) -> int:
+        """The sample mapping's target length: :func:`text_room` (T5 overrides it)."""
+        return text_room(seq_length)
+
     def sentences(self, idx: int) -> list[np.ndarray]:
         """Token ids (special ids dropped) of the sentences of sample ``idx``."""
         first, end, _ = (int(v) for v in self.mapping[idx])
@@ -274,7 +294,7 @@ class BertDataset(torch.utils.data.Dataset):
         """Sample ``idx`` from its sentences and its own ``rng`` (subclasses build other samples)."""
         target = int(self.mapping[idx][2]) if hasattr(self, "mapping") else None  # the mock has no mapping
         return build_sample(self.sentences(idx), rng, seq_length=self.seq_length, ids=self.ids,
-                            vocab_ids=self.vocab_ids, binary_head=self.binary_head,
+                            vocab_ids=self.replace_ids, binary_head=self.binary_head,
                             masked_lm_prob=self.masked_lm_prob, target=target, continuation=self.continuation)
 
 
@@ -285,7 +305,8 @@ class MockBertDataset(torch.utils.data.Dataset):
 
     def __init__(self, num_samples: int, *, seq_length: int, seed: int, tokenizer, binary_head: bool = True,
                  masked_lm_prob: float = 0.15):
-        self.ids, _, self.vocab_ids = bert_ids(tokenizer, seq_length)
+        self.ids, _, self.vocab_ids = bert_ids(tokenizer, seq_length)  # the mock's text: non-special ids
+        self.replace_ids = replacement_ids(tokenizer)
         self.continuation = continuation_table(tokenizer)
         self.num_samples, self.seq_length, self.seed = num_samples, seq_length, seed
         self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
@@ -372,6 +393,7 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
     from .config import default_cache_dir, parse_data_path
 
     kw = dict(dataset_kw) if dataset_cls else {"binary_head": binary_head}
+    kw.setdefault("masked_lm_prob", config.mask_prob)  # --mask-prob
     if config.mock_data:
         if barrier is not None:
             barrier()

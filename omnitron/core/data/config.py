@@ -68,6 +68,9 @@ class DataConfig:
     tokenizer_hf_no_include_special_tokens: bool = False
     """``--tokenizer-hf-no-include-special-tokens``: HuggingFaceTokenizer encodes without the tokenizer's own
     special tokens (by default, as Megatron's and transformers', a Llama tokenizer's BOS starts every document)."""
+    mask_prob: float = 0.15
+    """``--mask-prob``: BERT's and T5's masking probability (Megatron's masking_probability): a sample masks
+    (BERT) or corrupts (T5) up to this share of its tokens."""
     eod_mask_loss: bool = False
     """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
     reset_position_ids: bool = False
@@ -82,6 +85,9 @@ class DataConfig:
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
         split_weights(self.split)
+        if not 0.0 < self.mask_prob <= 1.0:
+            raise ConfigError(f"--mask-prob {self.mask_prob} is not a probability in (0, 1]; Megatron's default is "
+                              "0.15")
         _check_tokenizer_type(self.tokenizer_type)
         if self.tiktoken_pattern not in (None, "v1", "v2"):
             raise ConfigError(f"--tiktoken-pattern {self.tiktoken_pattern!r}: expected v1 or v2 (Megatron's patterns)")

@@ -6,12 +6,12 @@ consecutive sentences of a document, cut to the sample's target length (at most 
 
 Noise (Megatron's masked-dataset rules with T5's settings: whole words, n-grams of up to 10 words, n drawn
 from a geometric(0.2) distribution clipped at 10): a word is a token plus the ``##`` pieces after it. The
-budget is ``min(0.15 * target, max(1, round(0.15 * n)))`` tokens. The words are visited in a random order;
-at each, n is drawn, shortened until the n words from it fit in what is left of the budget (the word is
-skipped when even one does not fit) and the n-gram is masked unless it overlaps one already masked. Spans
-are never merged, so two may touch. In the rare sample whose target (below) would not fit the decoder
-(Megatron stops with an assertion there) the last spans are left as text until it fits. Span ``i`` (left
-to right) gets sentinel ``<extra_id_i>``:
+budget is ``min(p * target, max(1, round(p * n)))`` tokens, ``p`` = ``--mask-prob`` (default 0.15). The
+words are visited in a random order; at each, n is drawn, shortened until the n words from it fit in what
+is left of the budget (the word is skipped when even one does not fit) and the n-gram is masked unless it
+overlaps one already masked. Spans are never merged, so two may touch. In the rare sample whose target
+(below) would not fit the decoder (Megatron stops with an assertion there) the last spans are left as text
+until it fits. Span ``i`` (left to right) gets sentinel ``<extra_id_i>``:
 
 * encoder input: the text with each span replaced by its sentinel (no end token), padded with [PAD];
 * decoder target (``labels``): ``<extra_id_0> span_0 <extra_id_1> span_1 ... [SEP]`` ([SEP] is the
@@ -101,6 +101,21 @@ def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: in
     return sample
 
 
+def corruption_problem(seq_length: int, decoder_seq_length: int, sentinels: int, masked_lm_prob: float) -> str | None:
+    """Why samples of ``seq_length`` corrupted at ``masked_lm_prob`` (``--mask-prob``) do not fit the decoder or the
+    ``sentinels`` (None when they do): a target holds at least the corrupted tokens, a sentinel and the end, and a
+    sample has at most as many spans as corrupted tokens."""
+    most = masked_count(max(seq_length - 2, 0), masked_lm_prob)
+    if decoder_seq_length < most + 2:
+        return (f"--decoder-seq-length {decoder_seq_length} is too short for --seq-length {seq_length} at --mask-prob "
+                f"{masked_lm_prob}: a target can hold {most} corrupted tokens, a sentinel and the end; use at least "
+                f"{most + 2}")
+    if sentinels < most:
+        return (f"--vocab-extra-ids {sentinels}: a sample of --seq-length {seq_length} at --mask-prob "
+                f"{masked_lm_prob} can have {most} corrupted spans, one sentinel each; use at least {most}")
+    return None
+
+
 class _SpanCorruption:
     """T5 samples over a BERT text source (real or mock): :meth:`build` corrupts sample ``idx``'s text."""
 
@@ -115,16 +130,16 @@ class _SpanCorruption:
         if not sentinels:
             raise ValueError(f"T5 data needs sentinel tokens; {tokenizer.name} has none: use --tokenizer-type "
                              "BertWordPieceLowerCase (or BertWordPieceCase) with --vocab-extra-ids 100")
-        most = masked_count(max(seq_length - 2, 0), masked_lm_prob)
-        if decoder_seq_length < most + 2:
-            raise ValueError(f"--decoder-seq-length {decoder_seq_length} is too short for --seq-length {seq_length}: "
-                             f"a target can hold {most} corrupted tokens, a sentinel and the end; use at least "
-                             f"{most + 2}")
-        if len(sentinels) < most:
-            raise ValueError(f"--vocab-extra-ids {len(sentinels)}: a sample of --seq-length {seq_length} can have "
-                             f"{most} corrupted spans, one sentinel each; use at least {most}")
+        problem = corruption_problem(seq_length, decoder_seq_length, len(sentinels), masked_lm_prob)
+        if problem:
+            raise ValueError(problem)
         self.decoder_seq_length, self.sentinels, self.masked_lm_prob = decoder_seq_length, sentinels, masked_lm_prob
         self.subword_ids = tuple(getattr(tokenizer, "continuation_ids", ()))
+
+    @staticmethod
+    def max_text_tokens(seq_length: int) -> int:
+        """The sample mapping's target length: ``seq_length - 2`` (Megatron's T5 index; no [CLS] / [SEP])."""
+        return seq_length - 2
 
     def target_length(self, idx: int) -> int:
         """The text length sample ``idx`` aims at: its mapping row's target (``seq_length - 2`` for mock data)."""
@@ -147,7 +162,8 @@ class MockT5Dataset(_SpanCorruption, MockBertDataset):
     def __init__(self, num_samples: int, *, seq_length: int, decoder_seq_length: int, seed: int, tokenizer,
                  masked_lm_prob: float = 0.15):
         self._init_corruption(tokenizer, seq_length, decoder_seq_length, masked_lm_prob)
-        super().__init__(num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer, binary_head=False)
+        super().__init__(num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer, binary_head=False,
+                         masked_lm_prob=masked_lm_prob)
 
 
 class T5Dataset(_SpanCorruption, BertDataset):
@@ -162,7 +178,7 @@ class T5Dataset(_SpanCorruption, BertDataset):
         self._init_corruption(tokenizer, seq_length, decoder_seq_length, masked_lm_prob)
         super().__init__(indexed, documents, num_samples, seq_length=seq_length, seed=seed, tokenizer=tokenizer,
                          cache_dir=cache_dir, split_name=split_name, binary_head=False,
-                         short_seq_prob=short_seq_prob, allow_build=allow_build)
+                         masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, allow_build=allow_build)
 
 
 def build_t5_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,

@@ -498,6 +498,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         check_schedule(training.pipeline_schedule)
     _check_schedules(training, parallel, data_parallel_size(parallel, world), model.seq_length)
     data = _data_settings(merged, model, parallel, training)
+    _check_t5_corruption(family.name, model, data)
     fp8 = _fp8_settings(merged)
     if fp8 is not None:
         fp8.check_layers(model.num_layers, parallel.pipeline_model_parallel_size)
@@ -746,6 +747,19 @@ def _check_muon_whole_qkv(optim: OptimizerConfig, model, parallel: ParallelConfi
         raise ConfigError(f"--muon-no-split-qkv orthogonalises the fused QKV weight whole, but --num-query-groups "
                           f"{groups} < --tensor-model-parallel-size {tp} keeps it as a sharded query and a replicated "
                           "key/value weight; drop --muon-no-split-qkv or use a tensor-parallel size <= the groups")
+
+
+def _check_t5_corruption(family: str, model, data) -> None:
+    """T5: the decoder and the sentinels hold the most a sample's span corruption can make at --mask-prob (the
+    dataset's own check, here before any work)."""
+    if family != "t5" or not getattr(model, "vocab_extra_ids", 0):
+        return
+    from omnitron.core.data.t5_dataset import corruption_problem
+    from omnitron.core.models.t5.config import decoder_length
+
+    problem = corruption_problem(model.seq_length, decoder_length(model), model.vocab_extra_ids, data.mask_prob)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_run(training: TrainingConfig, data, checkpoint: CheckpointConfig) -> None:

@@ -158,8 +158,8 @@ def save(c) -> str:
     fp8 = c.extra.get("fp8_state")
     if fp8 is not None:
         shard["fp8"] = fp8()
-    meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(resolved_config(s)), "model": model_dict(c.model),
-            "layout": layout_dict(s)}
+    meta = {"consumed_samples": c.consumed_samples, "consumed_valid_samples": c.consumed_valid_samples,
+            "config": _jsonable(resolved_config(s)), "model": model_dict(c.model), "layout": layout_dict(s)}
     coll = c.backend.collectives
 
     def barrier():
@@ -181,8 +181,9 @@ def _barrier(c):
 def _save_dist(c) -> str:
     """``--ckpt-format torch_dist`` (:mod:`omnitron.core.checkpoint.dist`)."""
     s = c.settings
-    meta = {"consumed_samples": c.consumed_samples, "config": _jsonable(resolved_config(s)), "model": model_dict(c.model),
-            "layout": layout_dict(s), "optimizer": _dist().optimizer_meta(c), "scheduler": c.scheduler.state_dict()}
+    meta = {"consumed_samples": c.consumed_samples, "consumed_valid_samples": c.consumed_valid_samples,
+            "config": _jsonable(resolved_config(s)), "model": model_dict(c.model), "layout": layout_dict(s),
+            "optimizer": _dist().optimizer_meta(c), "scheduler": c.scheduler.state_dict()}
     save = _dist().save
     if s.checkpoint.async_save:
         save = _async_saver(c).save
@@ -308,6 +309,7 @@ def load(c) -> bool:
         load_expert_bias_state(c.modules, shard["expert_bias"])
     c.iteration = int(meta["iteration"])
     c.consumed_samples = int(meta["consumed_samples"])
+    c.consumed_valid_samples = meta.get("consumed_valid_samples")  # None in older checkpoints: computed instead
     if c.groups.rank == 0:
         log.info("resumed from %s (iteration %d, %d samples consumed)", path, c.iteration, c.consumed_samples)
     return True

@@ -60,6 +60,9 @@ class Components:
     """The test split, evaluated once after training (as Megatron)."""
     iteration: int = 0
     consumed_samples: int = 0
+    consumed_valid_samples: int | None = None
+    """Validation samples the run's evaluations have read (Megatron's consumed_valid_samples, saved in the
+    checkpoint); None until the validation stream starts (a fresh run, or a checkpoint without the count)."""
     extra: dict = field(default_factory=dict)
     batches: Any = None
     """The run's :class:`~omnitron.core.training.batches.BatchRamp` (the batch size of each step)."""
@@ -164,17 +167,37 @@ def evaluations_by(t, iteration: int) -> int:
     return max(0, iteration // t.eval_interval - skipped)
 
 
-def eval_samples(t) -> tuple[int, int]:
+def eval_samples(t, resumed: tuple[int, int] | None = None) -> tuple[int, int]:
     """(validation, test) samples the run evaluates, as Megatron's get_train_valid_test_num_samples: every
     evaluation (one each --eval-interval iterations from --start-eval-at-iter on, one more after training)
     reads --eval-iters new global batches of the validation split, and the test split is evaluated once after
-    training; none without --eval-interval or --eval-iters. --skip-train: one evaluation of each."""
+    training; none without --eval-interval or --eval-iters. --skip-train: one evaluation of each.
+    ``resumed``: (iteration, validation samples read) of the checkpoint the run continues; its stream reads on
+    from there, so the split holds at least that many more than this run's evaluations from the iteration on
+    (more than the formula where --eval-interval / --eval-iters changed since)."""
     if not t.eval_iters or not (t.eval_interval or t.skip_train):
         return 0, 0
     per_eval = t.eval_iters * t.eval_batch
     if t.skip_train:
         return per_eval, per_eval
-    return (evaluations_by(t, t.train_iters) + 1) * per_eval, per_eval
+    total = (evaluations_by(t, t.train_iters) + 1) * per_eval
+    if resumed is not None:
+        iteration, read = resumed
+        total = max(total, read + (evaluations_by(t, t.train_iters) - evaluations_by(t, iteration) + 1) * per_eval)
+    return total, per_eval
+
+
+def resumed_validation(settings) -> tuple[int, int] | None:
+    """(iteration, consumed_valid_samples) of the checkpoint --load resumes, None when there is none, it does
+    not hold the count (older checkpoints: the stream's position is computed, :class:`ValidationStream`), or
+    the run starts its counts afresh (--finetune)."""
+    from omnitron.core.checkpoint import find_latest, read_metadata
+
+    ck = settings.checkpoint
+    path = find_latest(ck.load, quiet=True) if ck.load and not ck.finetune else None
+    meta = read_metadata(path) if path is not None else {}
+    read = meta.get("consumed_valid_samples")
+    return (int(meta["iteration"]), int(read)) if read is not None else None
 
 
 def build_data(settings, tokenizer, groups, collectives):
@@ -184,7 +207,7 @@ def build_data(settings, tokenizer, groups, collectives):
     t = settings.training
     gbs = t.global_batch_size
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
-    valid_samples, test_samples = eval_samples(t)
+    valid_samples, test_samples = eval_samples(t, None if t.skip_train else resumed_validation(settings))
     sizes = {"train_samples": t.train_samples or t.train_iters * gbs, "valid_samples": valid_samples,
              "test_samples": test_samples}
     if t.step_batch_size_schedule:  # every step's batch, the last one's overshoot of --train-samples included

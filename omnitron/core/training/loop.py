@@ -48,19 +48,30 @@ def data_iterator(c, dataset, consumed: int):
 
 class ValidationStream:
     """The run's validation batches, read on from one evaluation to the next (Megatron's one validation
-    iterator): each evaluation sees --eval-iters new global batches. A resumed run starts after the batches
-    the evaluations before its iteration read (Megatron's consumed_valid_samples); --skip-train at the start."""
+    iterator): each evaluation sees --eval-iters new global batches. ``c.consumed_valid_samples`` counts what
+    the evaluations read and is saved in the checkpoint (Megatron's consumed_valid_samples), so a resumed run
+    starts after those batches whatever --eval-interval / --eval-iters it runs with; a checkpoint without the
+    count starts after the batches the evaluations before its iteration read under this run's flags (Megatron's
+    fallback). --skip-train: at the start."""
 
     def __init__(self, c):
         t = c.settings.training
         self.c, self.iterator = c, None
-        done = evaluations_by(t, c.iteration) if t.eval_interval and not t.skip_train else 0
-        self.start = done * t.eval_iters * t.eval_batch
+        if t.skip_train:
+            c.consumed_valid_samples = 0
+        elif c.consumed_valid_samples is None:
+            done = evaluations_by(t, c.iteration) if t.eval_interval else 0
+            c.consumed_valid_samples = done * t.eval_iters * t.eval_batch
+        self.start = c.consumed_valid_samples
 
     def __call__(self):
         if self.iterator is None:  # made at the first evaluation: no loader workers before they are needed
             self.iterator = data_iterator(self.c, self.c.valid_data, self.start)
         return self.iterator
+
+    def read(self, batches: int) -> None:
+        """An evaluation read ``batches`` global batches of the stream (Megatron adds each one's samples)."""
+        self.c.consumed_valid_samples += batches * self.c.settings.training.eval_batch
 
 
 def _evaluate_split(c, batches, split: str, house, watchdog, logger, stop) -> dict | None:
@@ -69,8 +80,16 @@ def _evaluate_split(c, batches, split: str, house, watchdog, logger, stop) -> di
     ended it unfinished."""
     house.before_eval_or_save()
     c.schedule = c.schedule_for(c.settings.eval_microbatches)  # --eval-global-batch-size (full-size under a ramp)
+    asked = []  # evaluate asks stop() after each batch but the last: an unfinished one read len(asked) batches
+
+    def counted_stop():
+        asked.append(1)
+        return stop()
+    eval_iters = c.settings.training.eval_iters
     with watchdog.deadline(f"{split} after iteration {c.iteration}"):
-        val = evaluate(c, batches(), c.settings.training.eval_iters, stop)
+        val = evaluate(c, batches(), eval_iters, counted_stop)
+    if isinstance(batches, ValidationStream):
+        batches.read(eval_iters if val is not None else len(asked))
     if val is None:
         house.after_eval()
         if c.groups.rank == 0:

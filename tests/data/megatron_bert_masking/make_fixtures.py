@@ -9,8 +9,9 @@ omnitron root:
 omnitron is not imported. Megatron's ``BERTMaskedWordPieceDataset.__getitem__`` runs on an instance whose
 constructor is skipped (no indexed dataset, no cache): its sample index and sentences are set directly, its
 tokenizer is a stand-in over a synthetic vocabulary with ``##`` continuation pieces. Masking options are
-pretrain_bert's: probability 0.15, n-grams up to 3, whole words, no permutation, 1/n n-gram probabilities.
-Stored per case: the sentences, target length, seed and Megatron's sample (sample index 0), as int8.
+pretrain_bert's: probability 0.15 (``--mask-prob``; PROB_CASES more cases at other values), n-grams up to 3,
+whole words, no permutation, 1/n n-gram probabilities. Stored per case: the sentences, target length, seed,
+masking probability and Megatron's sample (sample index 0), as int8.
 """
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ def _vocab() -> dict:
     return dict(enumerate(names))
 
 
-def _dataset(binary: bool, seq_length: int, seed: int):
+def _dataset(binary: bool, seq_length: int, seed: int, prob: float = 0.15):
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
 
     ds = object.__new__(BERTMaskedWordPieceDataset)
     tok = types.SimpleNamespace(cls=2, sep=3, mask=4, pad=0, inv_vocab=_vocab())
     ds.config = types.SimpleNamespace(
         tokenizer=tok, classification_head=binary, random_seed=seed, sequence_length=seq_length,
-        masking_probability=0.15, masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
+        masking_probability=prob, masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
         masking_use_longer_ngrams=False, masking_use_geometric_distribution=False)
     ds.token_lookup = sorted(tok.inv_vocab.keys())
     ds._pad_token_id = 0
@@ -55,22 +56,30 @@ def _sentences(rng, binary: bool, seq_length: int) -> list[list[int]]:
     return out
 
 
+PROB_CASES, PROBS = 150, (0.05, 0.3, 0.5)
+
+
+def _case(rng, i: int, prob: float) -> dict:
+    """One case: random sentences, target and seed; Megatron's sample of them at masking probability ``prob``."""
+    binary, seq_length = bool(i % 3), int(rng.choice([16, 32, 64, 128]))
+    seed = int(rng.randint(0, 2**31))
+    ds = _dataset(binary, seq_length, seed, prob)
+    sentences = _sentences(rng, binary, seq_length)
+    short = rng.random_sample() < 0.3
+    target = int(rng.randint(2, seq_length - 2)) if short else seq_length - 3
+    ds.sample_index = np.asarray([[0, len(sentences), target]], np.int64)
+    ds.dataset = [list(s) for s in sentences]
+    sample = ds[0]
+    return {"binary": binary, "seq_length": seq_length, "seed": seed, "target": target, "prob": prob,
+            "sentences": [torch.tensor(s, dtype=torch.int8) for s in sentences],  # ids < 64: int8 keeps
+            **{k: torch.as_tensor(np.asarray(v)).to(torch.int8) for k, v in sample.items()}}  # it small
+
+
 def main():
     rng = np.random.RandomState(20261206)
-    cases = []
-    for i in range(300):
-        binary, seq_length = bool(i % 3), int(rng.choice([16, 32, 64, 128]))
-        seed = int(rng.randint(0, 2**31))
-        ds = _dataset(binary, seq_length, seed)
-        sentences = _sentences(rng, binary, seq_length)
-        short = rng.random_sample() < 0.3
-        target = int(rng.randint(2, seq_length - 2)) if short else seq_length - 3
-        ds.sample_index = np.asarray([[0, len(sentences), target]], np.int64)
-        ds.dataset = [list(s) for s in sentences]
-        sample = ds[0]
-        cases.append({"binary": binary, "seq_length": seq_length, "seed": seed, "target": target,
-                      "sentences": [torch.tensor(s, dtype=torch.int8) for s in sentences],  # ids < 64: int8 keeps
-                      **{k: torch.as_tensor(np.asarray(v)).to(torch.int8) for k, v in sample.items()}})  # it small
+    cases = [_case(rng, i, 0.15) for i in range(300)]
+    rng = np.random.RandomState(20261207)  # the other probabilities: their own stream, the first cases unchanged
+    cases += [_case(rng, i, PROBS[i % len(PROBS)]) for i in range(PROB_CASES)]
     torch.save({"vocab": _vocab(), "cases": cases}, os.path.join(HERE, "fixtures.pt"))
     print(f"wrote {len(cases)} cases")
 

@@ -12,7 +12,8 @@ imported. Megatron's ``T5MaskedWordPieceDataset.__getitem__`` (with ``MaskedWord
 row ``(0, sentences, target length)`` and pretrain_t5's masking settings (whole words, max n-gram 10, geometric
 n, no permutation), over a synthetic WordPiece vocabulary (:data:`VOCAB`): ids ``3k`` at or above ``FIRST_ID``
 are ``##`` pieces. Stored: EXACT cases (text, target length, seed and Megatron's encoder input, decoder input,
-labels, loss mask) and, over STATS_SAMPLES texts from :func:`random_text`, the per-sample corrupted-token and
+labels, loss mask), EXACT_PROB more at other masking probabilities (``--mask-prob``) and, over
+STATS_SAMPLES texts from :func:`random_text`, the per-sample corrupted-token and
 span counts and the histogram of span lengths in words.
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PAD, UNK, CLS, SEP, MASK, FIRST_ID, SENTINEL0, V = 0, 1, 2, 3, 4, 10, 900, 1000
 SEQ, DEC = 128, 40  # encoder / decoder lengths: texts of at most 126 tokens, at most 19 corrupted (2 * 19 + 2)
 EXACT, STATS_SAMPLES, MAX_NGRAM = 300, 4000, 10
+# EXACT_PROB cases at other masking probabilities, texts of at most PROB_TEXT tokens: at p = 0.3 at most
+# round(0.3 * 64) = 19 corrupted tokens, a target of at most 2 * 19 + 1 = 39 <= DEC (Megatron never asserts)
+EXACT_PROB, PROBS, PROB_TEXT = 120, (0.05, 0.25, 0.3), 64
 VOCAB = {i: ("##p%d" % i if i >= FIRST_ID and i % 3 == 0 else "w%d" % i) for i in range(SENTINEL0)}
 
 
@@ -51,8 +55,9 @@ def random_text(rng: np.random.RandomState, n: int) -> list[list[int]]:
     return sentences
 
 
-def megatron_sample(sentences, target: int, seed: int) -> dict:
-    """Megatron's T5 sample of ``sentences`` at ``target`` tokens with ``RandomState(seed)``."""
+def megatron_sample(sentences, target: int, seed: int, prob: float = 0.15) -> dict:
+    """Megatron's T5 sample of ``sentences`` at ``target`` tokens with ``RandomState(seed)``, masking
+    probability ``prob`` (``--mask-prob``)."""
     from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset
 
@@ -66,7 +71,7 @@ def megatron_sample(sentences, target: int, seed: int) -> dict:
     s = Standin()
     s.sample_index, s.dataset, s._pad_token_id = [(0, len(sentences), target)], sentences, PAD
     s.config = SimpleNamespace(random_seed=seed, sequence_length=SEQ, sequence_length_encoder=SEQ,
-                               sequence_length_decoder=DEC, tokenizer=tok, masking_probability=0.15,
+                               sequence_length_decoder=DEC, tokenizer=tok, masking_probability=prob,
                                masking_max_ngram=MAX_NGRAM, masking_do_full_word=True, masking_do_permutation=False,
                                masking_use_longer_ngrams=False, masking_use_geometric_distribution=True)
     return {k: np.asarray(v).tolist() for k, v in s.getitem(0).items()}
@@ -101,9 +106,18 @@ def main() -> None:
         spans.append(len(words))
         for w in words:
             hist[min(w, MAX_NGRAM)] += 1
+    rng = np.random.RandomState(4321)  # other --mask-prob values: their own stream, the cases above unchanged
+    exact_prob = []
+    for i in range(EXACT_PROB):
+        prob = PROBS[i % len(PROBS)]
+        sentences = random_text(rng, int(rng.randint(1, PROB_TEXT)))
+        target = PROB_TEXT if rng.random_sample() < 0.7 else int(rng.randint(2, PROB_TEXT))
+        seed = int(rng.randint(2**31))
+        exact_prob.append({"sentences": sentences, "target": target, "seed": seed, "prob": prob,
+                           **megatron_sample(sentences, target, seed, prob)})
     with open(os.path.join(HERE, "fixtures.json"), "w") as f:
-        json.dump({"seq": SEQ, "dec": DEC, "exact": exact, "stats": {"masked": masked, "spans": spans,
-                                                                     "span_words_hist": hist}}, f)
+        json.dump({"seq": SEQ, "dec": DEC, "exact": exact, "exact_prob": exact_prob,
+                   "stats": {"masked": masked, "spans": spans, "span_words_hist": hist}}, f)
     print(f"wrote {len(exact)} exact cases; mean masked {np.mean(masked):.3f}, spans {np.mean(spans):.3f}",
           file=sys.stderr)
 

@@ -465,16 +465,24 @@ def _validate_mla(c: GPTConfig) -> None:
                           f"{c.rotary_scaling_factor}")
 
 
-def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool, comm: str = "p2p",
+def _validate_context_parallel(c: GPTConfig, cp: int, tp: int, sequence_parallel: bool, comm="p2p",
                                sizes: list[int] | None = None) -> None:
     """The sequence splits into 2 x cp load-balanced chunks (and each rank's slice over tp under SP); a2a
-    splits each tensor-parallel rank's heads over cp, a2a+p2p over its a2a size."""
-    if comm == "a2a+p2p" and sizes and (c.num_attention_heads // tp) % sizes[0]:
+    splits each tensor-parallel rank's heads over cp, a2a+p2p over its a2a size; a per-layer --cp-comm-type
+    list has one type per layer (Megatron's rule)."""
+    types = [comm] if isinstance(comm, str) else list(comm)
+    if len(types) > 1 and len(types) != c.num_layers:
+        raise ConfigError(f"--cp-comm-type gives {len(types)} types for --num-layers {c.num_layers}: give one type "
+                          "for every layer, or one per layer")
+    if len(types) > 1 and (c.mtp_num_layers or 0) > len(types):  # MTP depth k takes the k-th type (Megatron's)
+        raise ConfigError(f"--mtp-num-layers {c.mtp_num_layers} with a per-layer --cp-comm-type of {len(types)} "
+                          "types: depth k takes the k-th type; give one type for every layer")
+    if "a2a+p2p" in types and sizes and (c.num_attention_heads // tp) % sizes[0]:
         raise ConfigError(f"--cp-comm-type a2a+p2p splits each tensor-parallel rank's {c.num_attention_heads // tp} "
                           f"attention heads over the a2a size {sizes[0]} (--hierarchical-context-parallel-sizes "
                           f"{sizes[0]} {sizes[1]}): they must be a multiple of it; use a smaller a2a size or "
                           "--cp-comm-type p2p")
-    if comm == "a2a" and (c.num_attention_heads // tp) % cp:
+    if "a2a" in types and (c.num_attention_heads // tp) % cp:
         raise ConfigError(f"--cp-comm-type a2a splits each tensor-parallel rank's {c.num_attention_heads // tp} "
                           f"attention heads over --context-parallel-size {cp}: they must be a multiple of it; "
                           "use --cp-comm-type p2p or allgather, or change the sizes")

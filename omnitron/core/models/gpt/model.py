@@ -119,9 +119,22 @@ class GPTModel(nn.Module):
         elif config.fine_grained_activation_offloading:
             self.offloader = ModuleOffloader(self.backend, min_numel=config.min_offloaded_tensor_size)
             self.offloader.attach(list(self.decoder.layers.values()), config.offload_modules)
-        comm = getattr(groups.config, "cp_comm_type", "p2p")
-        sub = (groups.cp_a2a, groups.cp_p2p) if comm == "a2a+p2p" and groups.cp.size > 1 else None
-        apply_context_parallel(self, groups.cp, comm, sub)
+        self._apply_context_parallel(groups)
+
+    def _apply_context_parallel(self, groups) -> None:
+        """Point the attention at the cp group with --cp-comm-type: one type for every layer, or per layer (layer
+        ``i`` the i-th type; multi-token-prediction depth ``k`` the k-th, as Megatron numbers its layers)."""
+        pc = groups.config
+        comm = getattr(pc, "cp_comm_type", "p2p")
+        types = pc.cp_comm_types() if hasattr(pc, "cp_comm_types") else (comm,)
+        sub = (groups.cp_a2a, groups.cp_p2p) if groups.cp.size > 1 and "a2a+p2p" in types else None
+        if isinstance(comm, str):
+            apply_context_parallel(self, groups.cp, comm, sub)
+            return
+        for name, layer in self.decoder.layers.items():
+            apply_context_parallel(layer, groups.cp, pc.layer_cp_comm_type(int(name)), sub)
+        for k, layer in enumerate(self.mtp.layers if getattr(self, "mtp", None) is not None else ()):
+            apply_context_parallel(layer, groups.cp, pc.layer_cp_comm_type(k), sub)
 
     def _build_mtp(self, config: C.GPTConfig, layer_kw: dict) -> None:
         """Multi-token prediction on the last stage (transformer/mtp.py). Its embedding: the first stage's own

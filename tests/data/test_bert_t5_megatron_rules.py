@@ -1,0 +1,102 @@
+"""BERT / T5 data rules taken from Megatron's code: ``--mask-prob`` (pretrain_bert / pretrain_t5 pass it as
+``masking_probability``) reaches both datasets, and a BERT sample holds at most ``seq_length - 3`` text tokens
+with or without the binary head (``BERTMaskedWordPieceDataset`` builds its index at ``sequence_length - 3``;
+T5's at ``sequence_length - 2``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.data import DataConfig, build_tokenizer
+from omnitron.core.data.bert_dataset import BertDataset, MockBertDataset, build_bert_datasets, mask_count
+from omnitron.core.data.t5_dataset import T5Dataset, build_t5_datasets
+from omnitron.testing.data import write_documents
+
+
+class _Tok:
+    """The ids a BERT dataset reads, over a synthetic vocabulary of 1000 ids (0-4 special)."""
+
+    name, vocab_size, pad, unk, cls, sep, mask = "synthetic", 1000, 0, 1, 2, 3, 4
+    special_ids = (0, 1, 2, 3, 4)
+
+
+def test_mask_prob_flag_is_parsed_and_checked():
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--model", "bert_tiny", "--mock-data", "--train-iters", "1"]
+    assert parse_settings(base, world_size=1).data.mask_prob == 0.15  # Megatron's default
+    assert parse_settings(base + ["--mask-prob", "0.4"], world_size=1).data.mask_prob == 0.4
+    with pytest.raises(ConfigError, match="--mask-prob"):
+        DataConfig(mask_prob=1.5)
+
+
+def _masked_counts(dataset, key: str = "loss_mask") -> list[tuple[int, int]]:
+    """(masked tokens, sample tokens) of every sample."""
+    out = []
+    for i in range(len(dataset)):
+        x = dataset[i]
+        out.append((int(x[key].sum()), int((~x["padding_mask"]).sum())))
+    return out
+
+
+def test_mask_prob_reaches_bert_and_t5_mock_data():
+    """At --mask-prob 0.4 every sample masks at most Megatron's budget ``min(p target, round(p n))`` and,
+    over 40 samples, more tokens than 0.15's budget allows any sample (so the flag is not dropped)."""
+    p, seq = 0.4, 64
+    seed = int(np.random.default_rng().integers(0, 2**20))  # fresh every run
+    data = DataConfig(mock_data=True, seq_length=seq, seed=seed, mask_prob=p)
+    bert = build_bert_datasets(data, build_tokenizer("BertWordPieceLowerCase"), train_samples=40, valid_samples=0,
+                               test_samples=0)[0]
+    counts = _masked_counts(bert)
+    assert all(m <= mask_count(n, seq - 3, p) for m, n in counts)
+    assert max(m for m, _ in counts) > max(mask_count(n, seq - 3, 0.15) for _, n in counts)
+    tok = build_tokenizer("BertWordPieceLowerCase", vocab_extra_ids=30)
+    t5 = build_t5_datasets(data, tok, train_samples=40, valid_samples=0, test_samples=0, decoder_seq_length=48)[0]
+    assert t5.masked_lm_prob == p
+    # a T5 target is the corrupted tokens, one sentinel per span and the end token: corrupted = targets - spans - 1
+    corrupted = []
+    for i in range(len(t5)):
+        labels = t5[i]["labels"][t5[i]["loss_mask"].bool()].tolist()
+        corrupted.append(len(labels) - sum(t in tok.sentinels for t in labels) - 1)
+    assert max(corrupted) <= round(p * (seq - 2)) and max(corrupted) > round(0.15 * (seq - 2))
+
+
+def test_one_segment_bert_sample_holds_seq_minus_3_text_tokens(tmp_path):
+    """--no-bert-binary-head: the mapping's targets and the samples' text reach ``seq_length - 3``, never more
+    (Megatron: ``_build_sample_index(sequence_length - 3, 1)``; [CLS] text [SEP] then leaves one pad at least)."""
+    seq = 32
+    docs = [[np.arange(10 + 300 * d, 10 + 300 * d + 250)] for d in range(4)]  # long one-sequence documents
+    ds = write_documents(tmp_path / "flat", docs)
+    one = BertDataset(ds, np.arange(4), 60, seq_length=seq, seed=5, tokenizer=_Tok(), binary_head=False,
+                      cache_dir=str(tmp_path / "c"))
+    assert one.mapping[:, 2].max() == seq - 3
+    texts = [int((~one[i]["padding_mask"]).sum()) - 2 for i in range(len(one))]
+    assert max(texts) == seq - 3
+    mock = MockBertDataset(40, seq_length=seq, seed=5, tokenizer=_Tok(), binary_head=False)
+    texts = [int((~mock[i]["padding_mask"]).sum()) - 2 for i in range(len(mock))]
+    assert max(texts) == seq - 3
+
+
+def test_t5_text_still_reaches_seq_minus_2(tmp_path):
+    """T5 keeps Megatron's ``sequence_length - 2`` index (it adds no [CLS] / [SEP] to the encoder input)."""
+    seq = 32
+    docs = [[np.arange(10 + 300 * d, 10 + 300 * d + 250)] for d in range(4)]
+    ds = write_documents(tmp_path / "flat", docs)
+    tok = _Tok()
+    tok.sentinels = tuple(range(990, 1000))
+    t5 = T5Dataset(ds, np.arange(4), 60, seq_length=seq, decoder_seq_length=16, seed=5, tokenizer=tok,
+                   cache_dir=str(tmp_path / "c"))
+    assert t5.mapping[:, 2].max() == seq - 2
+
+
+def test_t5_mask_prob_too_large_for_the_decoder_is_one_line_at_parse():
+    """t5_tiny: --seq-length 128, --decoder-seq-length 32. At --mask-prob p a sample corrupts up to
+    round(126 p) tokens and its target needs that plus a sentinel and the end: 0.6 -> 76 + 2 > 32."""
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--model", "t5_tiny", "--mock-data", "--train-iters", "1"]
+    assert parse_settings(base + ["--mask-prob", "0.2"], world_size=1).data.mask_prob == 0.2  # 25 + 2 <= 32
+    with pytest.raises(ConfigError, match="--decoder-seq-length 32 is too short .* at --mask-prob 0.6: .* 76 "
+                                          "corrupted tokens.* at least 78"):
+        parse_settings(base + ["--mask-prob", "0.6"], world_size=1)
