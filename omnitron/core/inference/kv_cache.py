@@ -107,7 +107,7 @@ class KVCache:
         from omnitron.core.transformer.cp_attention import cp_attention
 
         def attend(q, k, v):
-            return cp_attention(module, q, k, v, 0.0, scale=scale, window=module.window, sinks=sinks)
+            return cp_attention(module, q, k, v, 0.0, scale=scale, window=getattr(module, "window", None), sinks=sinks)
 
         if self.valid is None:
             return attend(q, k, v)
