@@ -7,7 +7,8 @@ A call no fast version accepts runs the reference, and the reason is logged once
 
 * ``OMNITRON_KERNELS=reference`` forces every op onto its reference;
 * ``OMNITRON_KERNELS=triton,reference`` sets the preference order for every op;
-* ``OMNITRON_KERNELS=rms_norm=triton,swiglu=reference`` pins single ops (may be mixed with the above).
+* ``OMNITRON_KERNELS=rms_norm=triton,swiglu=reference`` pins single ops (may be mixed with the above); a pinned
+  kernel that cannot run on this backend is refused when the table is built, and a call it declines raises.
 
 Under ``torch.compile`` (``--torch-compile``) a call only goes to an implementation marked ``traceable``
 (plain torch / ATen ops the compiler traces and fuses; every reference is one); the others (pybind C++
@@ -143,8 +144,9 @@ def _parse_env() -> tuple[tuple[str, ...] | None, dict[str, str]]:
 class _Dispatcher:
     """Callable for one op: the first accepting candidate runs; the reference closes the list."""
 
-    def __init__(self, op: str, candidates: list[Implementation], reference: Implementation) -> None:
-        self.op, self.candidates, self.reference = op, candidates, reference
+    def __init__(self, op: str, candidates: list[Implementation], reference: Implementation,
+                 pinned: bool = False) -> None:
+        self.op, self.candidates, self.reference, self.pinned = op, candidates, reference, pinned
         self._said: set[tuple[str, str]] = set()
         self.ran: dict[str, int] = {}
         """Eager calls per implementation name (the dispatch log: which kernel really ran)."""
@@ -160,6 +162,9 @@ class _Dispatcher:
                 if not compiling:
                     self.ran[impl.name] = self.ran.get(impl.name, 0) + 1
                 return impl.fn(*args, **kwargs)
+            if self.pinned and not compiling:
+                raise KernelContractError(f"{ENV_VAR}: {self.op}={impl.name}: {impl.name!r} declined a call ({why}), "
+                                          f"which would run the reference; unset the pin for this model")
             if not compiling and (impl.name, why) not in self._said:
                 self._said.add((impl.name, why))
                 log.info("kernel %s: %s declined this call (%s); running the reference", self.op, impl.name, why)
@@ -185,13 +190,22 @@ def _plain(fn: Callable) -> str:
 
 
 def _check_signature(impl: Implementation, reference: Implementation, backend: str) -> None:
-    """Refuse ``impl`` for ``backend``'s table in one line when it cannot take the reference's calls."""
-    why = signature_problem(impl, reference)
-    if why is not None:
-        raise KernelContractError(
-            f"kernel {impl.name!r} of {impl.op!r} (backend {backend}) cannot take the reference's calls: {why}; "
-            f"give it the reference's signature {impl.op}{_plain(reference.fn)} (docs/backends.md, "
-            f"section 2), or pin the reference with {ENV_VAR}={impl.op}={REFERENCE}")
+    """Refuse ``impl`` for ``backend``'s table in one line when it, or its ``supports`` (called with the same
+    arguments before every call), cannot take the reference's calls: a ``supports`` whose parameters differ is
+    handed the wrong values or raises a TypeError at the first layer of every worker."""
+    for what, fn in (("kernel", impl.fn), ("'supports' of kernel", impl.supports)):
+        why = None if fn is None else signature_problem(Implementation(impl.op, impl.name, fn), reference)
+        if why is not None:
+            raise KernelContractError(
+                f"{what} {impl.name!r} of {impl.op!r} (backend {backend}) cannot take the reference's calls: {why}; "
+                f"give it the reference's signature {impl.op}{_plain(reference.fn)} (docs/backends.md, "
+                f"section 2), or pin the reference with {ENV_VAR}={impl.op}={REFERENCE}")
+
+
+def _unusable_pin(op: str, name: str, backend: str, why: str) -> KernelContractError:
+    """The one-line refusal of a pin naming an implementation registered here but not usable on ``backend``."""
+    return KernelContractError(f"{ENV_VAR}: {op}={name}: {name!r} cannot run here ({why}), so the pin would run "
+                               f"the reference; run on a backend it supports, or unset the pin")
 
 
 def _check_pins(pins: dict[str, str]) -> None:
@@ -220,7 +234,8 @@ class KernelTable:
         impls = implementations(op)
         if REFERENCE not in impls:
             raise RuntimeError(f"op {op!r} has no reference implementation (every op must have one)")
-        names = (self.pins[op],) if op in self.pins else self.preference
+        pinned = op in self.pins
+        names = (self.pins[op],) if pinned else self.preference
         chosen = []
         for name in names:
             impl = impls.get(name)
@@ -229,11 +244,16 @@ class KernelTable:
                     break
                 continue
             if impl.backends is not None and self.backend not in impl.backends:
+                if pinned:
+                    raise _unusable_pin(op, name, self.backend, f"it is registered for backend(s) "
+                                        f"{', '.join(impl.backends)}, not {self.backend}")
                 continue
             ok, why = impl.available()
             if ok:
                 _check_signature(impl, impls[REFERENCE], self.backend)
                 chosen.append(impl)
+            elif pinned:
+                raise _unusable_pin(op, name, self.backend, f"unavailable: {why}")
             else:
                 log.debug("kernel %s: %s unavailable (%s)", op, name, why)
         return chosen, impls[REFERENCE]
@@ -241,7 +261,7 @@ class KernelTable:
     def get(self, op: str) -> _Dispatcher:
         if op not in self._cache:
             chosen, ref = self._candidates(op)
-            self._cache[op] = _Dispatcher(op, chosen, ref)
+            self._cache[op] = _Dispatcher(op, chosen, ref, pinned=op in self.pins)
         return self._cache[op]
 
     def __getattr__(self, op: str) -> _Dispatcher:

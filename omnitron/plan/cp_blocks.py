@@ -27,8 +27,13 @@ its float32 outputs (forward: the block's output and log-sum-exp; backward: dq, 
 
 Sliding windows and attention sinks take the block path under every ``--cp-comm-type`` (a2a and allgather run the
 ring's tiles, the sinks after the merge), and at cp = 1 too (a one-rank ring's tiles, since 2026-12-06, except with
-``--reset-attention-mask``): the largest block priced is the windowless one, an upper bound (gpt-oss: its full
-layers have sinks; every layer windowed, the true block is a tile of ``max(64, left + 1)`` rows).
+``--reset-attention-mask``). With a full-attention layer among them (gpt-oss: its full layers have sinks) the
+largest block priced is the windowless one. With a window on every layer no kernel call is larger than a tile
+(:mod:`omnitron.core.parallel.context.tiles`): ``t = max(64, left + 1)`` rows, cut at the chunk runs (the whole
+sequence on one rank or under a2a, ``s / 2 ring`` rows per chunk on a ring), either a square causal diagonal tile
+or one cut by the window's edge, which runs the reference kernel with its keep mask whatever the backend; the
+term is the largest of their peaks (:func:`largest_blocks`: the exact tile shapes on one run, ``min(t, run)``
+squares of either kind on a ring, a bound), not the windowless block's ``ROW_CHUNK x s`` chunk.
 """
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ class Block:
     rows: int
     keys: int
     causal: bool
+    masked: bool = False
+    """A window's cut tile: the reference kernel with a keep mask ``[rows, keys]`` (the tile's, made beforehand)."""
 
 
 def block_path(settings, cfg) -> bool:
@@ -89,9 +96,41 @@ def largest_block(settings, cfg) -> Block:
     if comm == "allgather":
         c = s // (2 * cp)
         return Block(hq, hkv, c, s - c, False)
-    heads = {"a2a": cp, "a2a+p2p": (pc.hierarchical_context_parallel_sizes or [1])[0]}.get(comm, 1)
+    heads = _head_split(pc)
     ring = cp // heads  # the ranks the sequence stays split over
     return Block(hq // heads, max(1, hkv // heads), s // ring, s // ring, True)
+
+
+def _head_split(pc) -> int:
+    """The ranks the heads are split over (a2a: every cp rank; a2a+p2p: the a2a group; else none)."""
+    return {"a2a": pc.context_parallel_size,
+            "a2a+p2p": (pc.hierarchical_context_parallel_sizes or [1])[0]}.get(pc.cp_comm_type, 1)
+
+
+def largest_blocks(settings, cfg) -> list[Block]:
+    """The blocks whose kernel peak may be the largest: :func:`largest_block`, or with a sliding window on every
+    layer the tiles (module docstring) on :func:`largest_block`'s heads: on one run the distinct tile shapes
+    :func:`omnitron.core.parallel.context.tiles.step_plan` makes, on a ring's runs ``min(t, run)`` squares."""
+    from omnitron.core.parallel.context.tiles import TILE_MIN
+    from omnitron.core.transformer.window import parse_window, window_layers
+
+    blk = largest_block(settings, cfg)
+    window = parse_window(cfg.window_size) if all(window_layers(cfg)) else None
+    if window is None or window[0] < 0:
+        return [blk]
+    pc = settings.parallel
+    ring = pc.context_parallel_size // _head_split(pc)  # allgather: the gathered blocks keep the ring's chunks
+    left, t = window[0], max(TILE_MIN, window[0] + 1)
+    if ring > 1:  # chunk runs of s / 2 ring rows: tiles of at most min(t, run) rows and keys, either kind (a bound)
+        e = min(t, cfg.seq_length // (2 * ring))
+        return [replace(blk, rows=e, keys=e, causal=True), replace(blk, rows=e, keys=e, causal=False, masked=True)]
+    # one run (the whole sequence): pieces of t rows and a remainder; each piece against itself (causal when the
+    # window covers it, else cut) and against the piece before it (cut; absent when left = 0), none further back
+    full, rem = divmod(cfg.seq_length, t)
+    diagonal = ([t] if full else []) + ([rem] if rem else [])
+    behind = ([t] if full >= 2 else []) + ([rem] if full and rem else []) if left >= 1 else []
+    return ([replace(blk, rows=n, keys=n, causal=n - 1 <= left, masked=n - 1 > left) for n in diagonal]
+            + [replace(blk, rows=n, keys=t, causal=False, masked=True) for n in behind])
 
 
 @functools.lru_cache(maxsize=256)
@@ -108,7 +147,8 @@ def block_peak(blk: Block, batch: int, d: int, dv: int, dtype: torch.dtype, p: f
     k = torch.empty(batch, blk.kv_heads, blk.keys, d, device=dev, dtype=dtype)
     v = torch.empty(batch, blk.kv_heads, blk.keys, dv, device=dev, dtype=dtype)
     drop = HashDropout(0, p, torch.arange(blk.rows, device=dev), torch.arange(blk.keys, device=dev)) if p else None
-    kw = dict(causal=blk.causal, scale=1.0, drop=drop)
+    mask = torch.ones(blk.rows, blk.keys, dtype=torch.bool, device=dev) if blk.masked else None
+    kw = dict(causal=blk.causal, scale=1.0, drop=drop, mask=mask)
     fwd = Timeline()
     with fwd:
         out, lse = block_forward(q, k, v, **kw)
@@ -134,16 +174,19 @@ def fused_blocks(settings) -> bool:
 
 
 def block_dropout_bytes(settings, cfg) -> int:
-    """The block path's transient on one rank (0 where the layout does not take it): :func:`block_peak` (or on an
-    accelerator :func:`fused_block_peak`) of :func:`largest_block` at the micro-batch size."""
+    """The block path's transient on one rank (0 where the layout does not take it): the largest
+    :func:`block_peak` (or on an accelerator :func:`fused_block_peak`, but for a masked tile) of
+    :func:`largest_blocks` at the micro-batch size."""
     if not block_path(settings, cfg):
         return 0
     mla = getattr(cfg, "multi_latent_attention", False)
     d = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim if mla else head_dim(cfg)
-    blk = largest_block(settings, cfg)
-    if mla:  # every query head has its own key and value
-        blk = replace(blk, kv_heads=blk.heads)
     dv, batch = cfg.v_head_dim if mla else d, settings.training.micro_batch_size
-    if fused_blocks(settings):
-        return fused_block_peak(blk, batch, d, dv)
-    return block_peak(blk, batch, d, dv, cfg.params_dtype, cfg.attention_dropout)
+    peaks = []
+    for blk in largest_blocks(settings, cfg):
+        if mla:  # every query head has its own key and value
+            blk = replace(blk, kv_heads=blk.heads)
+        fused = fused_blocks(settings) and not blk.masked  # a keep mask runs the reference kernel (blocks._calls)
+        peaks.append(fused_block_peak(blk, batch, d, dv) if fused
+                     else block_peak(blk, batch, d, dv, cfg.params_dtype, cfg.attention_dropout))
+    return max(peaks)

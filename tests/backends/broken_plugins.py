@@ -13,7 +13,8 @@ from omnitron.backends.cpu import CPUBackend
 from omnitron.kernels.registry import register
 
 KERNEL = "plugin_test"
-NAMES = ("plugin-wrongsig", "plugin-badimport", "plugin-counting", "plugin-missing", "plugin-nofp8")
+NAMES = ("plugin-wrongsig", "plugin-badimport", "plugin-counting", "plugin-missing", "plugin-nofp8",
+         "plugin-wrongsupports", "plugin-unavailable")
 
 
 class MissingMethods(Backend):
@@ -81,6 +82,25 @@ class NoFP8(Counting):
         return dataclasses.replace(super().capabilities(), fp8_formats=(), fp8_recipes=(), fp8_gemm=None)
 
 
-TARGETS = ",".join(f"{n}=broken_plugins:{c}" for n, c in zip(NAMES, ("WrongSignature", "BadImport", "Counting",
-                                                                    "MissingMethods", "NoFP8")))
-"""``OMNITRON_EXTRA_BACKENDS`` for all five (the tests put tests/backends on ``PYTHONPATH``)."""
+class WrongSupports(_OnCPU):
+    """A correct ``swiglu`` whose ``supports`` forgot the reference's ``bias`` (called with the op's arguments)."""
+
+    name = "plugin-wrongsupports"
+
+    def register_kernels(self) -> None:
+        register("swiglu", KERNEL, counting_swiglu, supports=lambda x: None, backends=(self.name,))
+
+
+class Unavailable(_OnCPU):
+    """Its ``swiglu`` is registered, but the library it needs is not loaded in this process."""
+
+    name = "plugin-unavailable"
+
+    def register_kernels(self) -> None:
+        register("swiglu", KERNEL, counting_swiglu, available=lambda: (False, "mychip_lib is not loaded"),
+                 backends=(self.name,))
+
+
+TARGETS = ",".join(f"{n}=broken_plugins:{c}" for n, c in zip(NAMES, (
+    "WrongSignature", "BadImport", "Counting", "MissingMethods", "NoFP8", "WrongSupports", "Unavailable")))
+"""``OMNITRON_EXTRA_BACKENDS`` for all of them (the tests put tests/backends on ``PYTHONPATH``)."""

@@ -1,11 +1,12 @@
 """The backend plug-in contract of docs/backends.md, enforced as a vendor meets it: a plug-in missing one of
-``Backend``'s methods, a kernel module that fails to import, or a kernel that cannot take its op's reference calls
-is refused by ``omnitron info`` / ``omnitron train`` in one line naming the fix, before any worker starts (each was a
-traceback, the first after ``info`` had called the backend usable, the others from every worker at its first
-layer); so are a malformed ``OMNITRON_EXTRA_BACKENDS`` entry and an ``OMNITRON_KERNELS`` pin naming nothing (a
-traceback, and a silent reference run); ``omnitron bench kernels`` times a plug-in's own kernels (it timed only
-omnitron's) and refuses an unusable backend in a line; and neither ``omnitron info`` nor ``bench gemm`` reports an
-FP8 GEMM path on a device without FP8."""
+``Backend``'s methods, a kernel module that fails to import, or a kernel (or its ``supports``) that cannot take
+its op's reference calls is refused by ``omnitron info`` / ``omnitron train`` in one line naming the fix, before
+any worker starts (each was a traceback, the first after ``info`` had called the backend usable, the others from
+every worker at its first layer); so are a malformed ``OMNITRON_EXTRA_BACKENDS`` entry and an ``OMNITRON_KERNELS``
+pin naming nothing or a kernel that cannot run here (a traceback, and a silent reference run; a call the pinned
+kernel declines now raises); ``omnitron bench kernels`` times a plug-in's own kernels (it timed only omnitron's)
+and refuses an unusable backend in a line; and neither ``omnitron info`` nor ``bench gemm`` reports an FP8 GEMM
+path on a device without FP8."""
 from __future__ import annotations
 
 import os
@@ -113,19 +114,36 @@ def test_signature_problem_names_each_mismatch():
                              block) == "it has no parameter 'mask'"
 
 
+def builtin_problems() -> tuple[int, list]:
+    """(implementations seen, those whose function or ``supports`` cannot take the reference's calls) among every
+    implementation registered in this process."""
+    seen, bad = 0, []
+    for op in ops():
+        for name, impl in implementations(op).items():
+            for fn in (impl.fn, impl.supports) if name != REFERENCE else ():
+                seen += fn is impl.fn
+                why = None if fn is None else signature_problem(_impl(op, fn), _ref(op))
+                bad += [(op, name, fn.__name__, why)] if why else []
+    return seen, bad
+
+
 def test_every_builtin_implementation_takes_the_references_calls():
-    """The check refuses none of omnitron's own kernels (cpu's flash blocks had no ``mask`` before it)."""
+    """The check refuses none of omnitron's own kernels or their ``supports`` (cpu's flash blocks had no ``mask``
+    before it; the Triton cast-transpose-from-amax's ``supports`` named its ``amax`` ``scale``)."""
     import omnitron.backends.cpu.kernels  # noqa: F401 - registered by the cpu backend's register_kernels
     from omnitron.backends.musa.kernels import register_musa_kernels
 
     register_musa_kernels()
-    seen = 0
-    for op in ops():
-        for name, impl in implementations(op).items():
-            if name != REFERENCE:
-                seen += 1
-                assert signature_problem(impl, _ref(op)) is None, (op, name, signature_problem(impl, _ref(op)))
-    assert seen >= 15
+    seen, bad = builtin_problems()
+    assert seen >= 15 and not bad, bad
+    code = ("import omnitron.kernels.triton_kernels as t, test_plugin_contract as c; assert t.triton is not None; "
+            "print(c.builtin_problems())")  # Triton's kernels register only with the interpreter set before import
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen, bad = eval(proc.stdout.strip().splitlines()[-1])
+    assert seen >= 30 and not bad, bad  # the cpp kernels and twenty-odd Triton ones
 
 
 def test_cpu_flash_block_declines_a_mask_to_the_reference():
@@ -209,3 +227,40 @@ def test_a_kernel_pin_naming_nothing_is_refused(plugins, monkeypatch, tmp_path, 
     monkeypatch.setenv("OMNITRON_KERNELS", pin)
     line = _refused(_train(tmp_path, "plugin-counting"), f"OMNITRON_KERNELS: {pin}: {says}")
     assert line.startswith("omnitron train: error: OMNITRON_KERNELS"), line
+
+
+def test_a_supports_without_the_references_parameters_is_refused(plugins, tmp_path):
+    """A kernel's ``supports`` is called with the op's arguments before every call; one missing ``bias`` passed the
+    table's check (only the kernel was checked) and raised a TypeError at the first MLP of every worker."""
+    line = _refused(_train(tmp_path, "plugin-wrongsupports"),
+                    "'supports' of kernel 'plugin_test' of 'swiglu'", "no parameter 'bias'", "swiglu(x, bias=None)")
+    assert "rank" not in line
+
+
+@pytest.mark.parametrize("backend, pin, says", [
+    ("plugin-unavailable", "swiglu=plugin_test", "unavailable: mychip_lib is not loaded"),
+    ("plugin-counting", "rms_norm=cpp", "registered for backend(s) cpu, not plugin-counting")])
+def test_a_pin_on_a_kernel_that_cannot_run_here_is_refused(plugins, monkeypatch, tmp_path, backend, pin, says):
+    """A pin naming a kernel registered here but unusable on this backend (its library absent, or another backend's
+    kernel) ran the reference silently, the run the pin was set to avoid."""
+    monkeypatch.setenv("OMNITRON_KERNELS", pin)
+    _refused(_train(tmp_path, backend), f"OMNITRON_KERNELS: {pin}: ", says)
+
+
+def test_a_pinned_kernel_declining_a_call_raises_instead_of_running_the_reference(plugins, monkeypatch):
+    """Unpinned, a declined call runs the reference (by design); pinned, the same call ran the reference too, so a
+    parity check pinning the vendor's kernel compared the reference with itself."""
+    backend = "plugin-declining"
+    kernels.register("swiglu", broken_plugins.KERNEL, broken_plugins.counting_swiglu, backends=(backend,),
+                     supports=lambda x, bias=None: None if x.dtype == torch.float64 else "float64 only")
+    x = torch.randn(3, 8)
+    want = torch.nn.functional.silu(x.double()[:, :4]) * x.double()[:, 4:]
+    table = kernels.KernelTable(backend, (broken_plugins.KERNEL, REFERENCE))
+    torch.testing.assert_close(table.swiglu(x).double(), want)  # declined: the reference, float32
+    assert table.swiglu.ran == {REFERENCE: 1}
+    monkeypatch.setenv("OMNITRON_KERNELS", f"swiglu={broken_plugins.KERNEL}")
+    pinned = kernels.KernelTable(backend, (REFERENCE,))
+    torch.testing.assert_close(pinned.swiglu(x.double()), want, rtol=0, atol=0)  # float64 both: same operations
+    with pytest.raises(kernels.KernelContractError, match="swiglu=plugin_test: 'plugin_test' declined a call "
+                                                          r"\(float64 only\)"):
+        pinned.swiglu(x)

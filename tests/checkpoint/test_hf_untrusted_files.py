@@ -113,3 +113,59 @@ def test_config_declaring_a_huge_model_is_refused_before_allocating(hf_dir, tmp_
         cfg["head_dim"] = 2 ** 20 // cfg["num_attention_heads"]
     json.dump(cfg, open(path, "w"))
     _refused(d, tmp_path, capsys, path, "the weights and their config.json do not match")
+
+
+def _damage_one(path: str, how: str) -> tuple[str, int | None]:
+    """Rewrite safetensors file ``path`` with one weight, chosen at random, damaged ``how``: one random element set
+    to NaN / +-inf, or the whole tensor as int8 codes. Returns (its name, the element set, or None)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    name = sorted(state)[int(torch.randint(len(state), (1,), generator=gen))]
+    t, at = state[name].clone(), None
+    if how == "int8":
+        t = t.mul(127).round().to(torch.int8)
+    else:
+        at = int(torch.randint(t.numel(), (1,), generator=gen))
+        t.view(-1)[at] = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}[how]
+    state[name] = t
+    save_file(state, path, metadata={"format": "pt"})
+    return name, at
+
+
+@pytest.mark.parametrize("how, says", [("nan", "holds NaN"), ("inf", "holds inf"), ("-inf", "holds inf"),
+                                       ("int8", "is int8, not a floating-point weight")])
+def test_nonfinite_or_integer_weight_is_refused_naming_tensor_and_file(hf_dir, tmp_path, capsys, how, says):
+    """A NaN / inf weight (every loss of the run NaN) or an integer one (cast to float and trained on as codes)
+    imported silently."""
+    d = _copy(hf_dir, tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    name, at = _damage_one(path, how)
+    err = _refused(d, tmp_path, capsys, path, f"tensor {name!r} {says}")
+    assert at is None or f"(element {at})" in err, err
+
+
+def test_an_ignored_integer_buffer_still_imports(hf_dir, tmp_path):
+    """The check spares the buffers the importer drops (older GPT-2 files carry a bool causal mask)."""
+    from safetensors.torch import load_file, save_file
+
+    d = _copy(hf_dir, tmp_path)
+    path = os.path.join(d, "model.safetensors")
+    save_file({**load_file(path), "model.layers.1.attn.bias": torch.ones(4, 4, dtype=torch.bool)}, path,
+              metadata={"format": "pt"})
+    assert cli(["checkpoint", "import-hf", "--hf-dir", d, "--save", str(tmp_path / "out")]) == 0
+
+
+def test_weight_problem_finds_the_element_in_any_float_dtype_and_slice(monkeypatch):
+    """float8 (no isfinite kernel: tested in float32) and bf16, with the bad element in a later slice than the
+    first (slices of 7 elements here), found at its index; a finite tensor of each passes."""
+    from omnitron.core.checkpoint import weight_values
+
+    monkeypatch.setattr(weight_values, "_SLICE", 7)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float64):
+        t = torch.randn(5, 6).clamp(-4, 4).to(dtype)
+        assert weight_values.weight_problem(t) is None, dtype
+        at = 7 + int.from_bytes(os.urandom(2), "little") % 23
+        t.view(-1)[at] = float("nan")
+        assert weight_values.weight_problem(t) == f"holds NaN (element {at})", dtype

@@ -370,3 +370,29 @@ def test_export_errors(source, tmp_path, capsys):
     assert cli(base + ["--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 0
     assert cli(base + ["--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 2
     assert "--out" in (err := capsys.readouterr().err) and "already holds iter_0000000" in err, err
+
+
+@pytest.mark.parametrize("how, says", [("nan", "holds NaN"), ("inf", "holds inf"), ("int", "is int32, not a")])
+def test_nonfinite_or_integer_weight_is_refused_naming_tensor_and_file(source, how, says, tmp_path, capsys):
+    """A NaN / inf or integer weight in one rank file (chosen at random, as the tensor and element) imported
+    silently; it is refused naming both, with nothing written."""
+    meg = _make(tmp_path, source, "gpt2")
+    it = os.path.join(meg, "iter_0001234")
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    pick = lambda n: int(torch.randint(n, (1,), generator=gen))  # noqa: E731
+    rank = sorted(os.listdir(it))[pick(len(os.listdir(it)))]
+    f = os.path.join(it, rank, "model_optim_rng.pt")
+    ck = torch.load(f, weights_only=False)
+    names = sorted(n for n, t in ck["model"].items() if torch.is_tensor(t) and not n.endswith("_extra_state"))
+    name = names[pick(len(names))]
+    t = ck["model"][name].clone()
+    if how == "int":
+        t = t.mul(1000).round().to(torch.int32)
+    else:
+        t.view(-1)[pick(t.numel())] = float(how)
+    ck["model"][name] = t
+    torch.save(ck, f)
+    assert cli(["checkpoint", "import-megatron", "--load", meg, "--save", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{f}: tensor {name!r} {says}" in err, err
+    assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")

@@ -375,3 +375,23 @@ def test_crafted_metadata_is_refused_before_reading(case, message, tmp_path, cap
     err = capsys.readouterr().err
     assert rc == 2 and message in err and it in err and len(err.strip().splitlines()) == 1, err
     assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("how, says", [("nan", "holds NaN"), ("-inf", "holds inf"), ("int", "is int64, not a")])
+def test_nonfinite_or_integer_weight_is_refused_naming_tensor(how, says, tmp_path, capsys):
+    """A NaN / inf or integer weight (a random one, at a random element) imported silently; refused in one line
+    naming the tensor and the iteration directory."""
+    cfg = _cfg("gpt2")
+    tensors = _transcribe(_weights(cfg, seed=int.from_bytes(os.urandom(4), "little")), cfg)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    name = sorted(tensors)[int(torch.randint(len(tensors), (1,), generator=gen))]
+    t = tensors[name].clone()
+    if how == "int":
+        t = t.mul(1000).round().long()
+    else:
+        t.view(-1)[int(torch.randint(t.numel(), (1,), generator=gen))] = float(how)
+    tensors[name] = t
+    it = _write(str(tmp_path / "meg"), tensors, _args(cfg))
+    assert cli(["checkpoint", "import-megatron", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{it}: tensor {name!r} {says}" in err, err

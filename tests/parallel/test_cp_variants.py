@@ -18,12 +18,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnitron.core.config import ParallelConfig
 from omnitron.core.parallel.context import split_sequence
 from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
+from omnitron.testing.ops import LargestTensor
 from omnitron.testing.sim import requires_sim
 
 # float64 throughout: the collectives move values exactly and the layouts differ from the references only in
@@ -157,21 +157,6 @@ def test_cp_attention_variants_on_sim_match_full_attention():
     _check_attention(run_distributed(attention_worker, 4, [2, 4], backend="sim"), [2, 4])
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the most elements of any tensor an op makes (forward and backward on this thread)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.most = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.most = max(self.most, t.numel())
-        return out
-
-
 # (window, sinks, dropout) at cp2 over s = 2048 rows, hq 4, hkv 2 (a2a then holds 2 query heads, 1 key/value head)
 SCALE_CASES = [((100, 0), True, 0.0), ((100, 0), False, 0.0), (None, True, 0.0), ((100, 0), True, 0.2)]
 
@@ -199,7 +184,7 @@ def scale_worker() -> list:
             m = _module(groups, comm, be)
             m.tracker.draw_seed = lambda device, name=None: DROP_SEED
             mine = [split_sequence(t, 2, 2, groups.cp.rank).to(be.device()).requires_grad_(True) for t in (q, k, v)]
-            with _LargestTensor() as largest:
+            with LargestTensor() as largest:
                 o = cp_attention(m, *mine, p, scale=scale, window=window,
                                  sinks=None if sinks is None else sinks.to(be.device()))
                 o.backward(split_sequence(dout, 2, 2, groups.cp.rank).to(be.device()))
@@ -271,7 +256,7 @@ def test_windows_and_sinks_without_cp_make_no_full_scores(s, window, softmax, p,
     ref = _reference(*full, 8 ** -0.5, window, fs, _full_dropout(q.shape, p) if p else None, ids)
     ref.backward(dout)
     mine = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    with _LargestTensor() as largest:
+    with LargestTensor() as largest:
         o = attn.core_attention(*mine, None, ids)
         o.backward(dout)
     got, want = [o] + [t.grad for t in mine], [ref] + [t.grad for t in full]

@@ -159,6 +159,50 @@ def test_one_process_windows_and_sinks_save_no_scores(tmp_path):
     assert block_dropout_bytes(s, model_config(s)) == 0  # per-document masks keep the masked softmax
 
 
+@pytest.mark.parametrize("left", [0, 31, 127, 300])
+def test_all_windowed_term_is_the_largest_tile_the_layer_runs(tmp_path, monkeypatch, left):
+    """Every layer windowed, attention dropout 0.1, cp 1 (a one-rank ring's tiles), s 512: the term is the largest
+    peak of any kernel call a real layer makes, forward and backward, each measured under the storage log
+    (equal to the byte). It priced the windowless block's [ROW_CHUNK, s] chunks, s / t times too large (t the tile
+    edge max(64, left + 1): 64, 64, 128, 301; the last leaves a 211-row remainder, left 0 no tile behind the
+    diagonal)."""
+    import types
+
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.context import blocks
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.transformer.cp_attention import cp_attention
+    from omnitron.kernels.alloc_log import Timeline, peak
+    from omnitron.plan.cp_blocks import Block, block_dropout_bytes, block_peak
+    from omnitron.plan.memory import model_config
+
+    settings = parse_settings(_args(str(tmp_path), "--window-size", f"{left},0", "--seq-length", "512"), 1)
+    cfg = model_config(settings)
+    seen, calls = [], blocks._calls
+
+    def measured(fn):
+        def run(*args, **kw):
+            with Timeline() as log:
+                out = fn(*args, **kw)
+            seen.append(peak(log.events))
+            return out
+        return run
+
+    def logged(*args):
+        for rows, cols, call, kw in calls(*args):
+            yield rows, cols, blocks.BlockKernel(measured(call.forward), measured(call.backward)), kw
+
+    monkeypatch.setattr(blocks, "_calls", logged)
+    g, s, h, d = _fresh(), cfg.seq_length, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    q, k, v = (torch.randn(1, h, s, d, generator=g, requires_grad=True) for _ in range(3))
+    m = types.SimpleNamespace(backend=get_backend("cpu"), cp_group=None, cp_comm_type="p2p",
+                              tracker=types.SimpleNamespace(hash_seed=lambda q: 7))
+    cp_attention(m, q, k, v, 0.1, window=(left, 0)).backward(torch.randn(1, h, s, d, generator=g))
+    assert len(seen) > 2 and block_dropout_bytes(settings, cfg) == max(seen), (max(seen), sorted(set(seen)))
+    windowless = block_peak(Block(h, h, s, s, True), 1, d, d, torch.float32, 0.1)
+    assert windowless > (s // max(64, left + 1) - 1) * max(seen), (windowless, max(seen))
+
+
 def _peak(args: list[str], root: str):
     from omnitron.plan.measure import train_step_peak
 

@@ -38,7 +38,7 @@ from omnitron.core.checkpoint import hf_moe
 from omnitron.core.checkpoint.hf_llama import (  # noqa: F401 - re-exported: callers import them from here
     _LLAMA3_ROPE, HFConversionError, Rule, _check, _half_rope_rows, _llama_config, _llama_fields, _llama_rules,
     _need, _qwen2_config, _qwen2_fields, _rope)
-from omnitron.core.checkpoint.hf_files import read_hf_dir  # noqa: F401 - re-exported: callers import it from here
+from omnitron.core.checkpoint.hf_files import IGNORED, read_hf_dir  # noqa: F401 - read_hf_dir re-exported
 from omnitron.core.transformer.mlp import exact_gelu
 from omnitron.core.transformer.qkv import fuse_qkv, split_qkv
 
@@ -191,17 +191,13 @@ def _rules(cfg) -> list[Rule]:
             for r in rules]
 
 
-_IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-"""Buffers older HF checkpoints saved (causal masks, RoPE frequencies): recomputed, not weights."""
-
-
 def _canonical_names(state: dict, kind: str) -> dict:
     """HF names with the base-model prefix (``transformer.`` / ``model.``), which a checkpoint of the
     bare base model (``GPT2Model``, ``LlamaModel``) lacks; ignorable buffers dropped."""
     prefix = "transformer." if kind == "gpt2" else "model."
     out = {}
     for name, t in state.items():
-        if name.endswith(_IGNORED):
+        if name.endswith(IGNORED):
             continue
         out[name if name.startswith(prefix) or name.startswith("lm_head.") else prefix + name] = t
     return out

@@ -10,6 +10,8 @@ and a bad one is refused in one line that names it (:class:`HFConversionError`):
   empty download is named, not a traceback.
 - A pickled ``pytorch_model.bin`` is read by :func:`~omnitron.core.checkpoint.safe_load.load_untrusted`
   (tensors only, anything else refused).
+- Every tensor but the buffers the importer drops (``IGNORED``) must be a finite floating-point weight
+  (:mod:`~omnitron.core.checkpoint.weight_values`): a NaN / inf or an integer tensor is named with its file.
 """
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ import torch
 from omnitron.core.checkpoint.hf_llama import HFConversionError
 from omnitron.core.checkpoint.io import bare_file_name
 from omnitron.core.checkpoint.safe_load import load_untrusted
+from omnitron.core.checkpoint.weight_values import first_bad_weight, fix_for
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLE = ("model.safetensors", "pytorch_model.bin")
+IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+"""Buffers older HF checkpoints saved (causal masks, RoPE frequencies): recomputed, not weights."""
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -41,7 +46,12 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
                                 f"the weights are missing")
     state = {}
     for name in files:
-        state.update(read_weights(os.path.join(hf_dir, name)))
+        path = os.path.join(hf_dir, name)
+        tensors = read_weights(path)
+        bad = first_bad_weight((n, t) for n, t in tensors.items() if not n.endswith(IGNORED))
+        if bad is not None:
+            raise HFConversionError(f"{path}: tensor {bad[0]!r} {bad[1]}; {fix_for(bad[1])}")
+        state.update(tensors)
     return config, state
 
 

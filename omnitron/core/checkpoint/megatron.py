@@ -52,8 +52,8 @@ from omnitron.core.checkpoint import megatron_dist
 from omnitron.core.checkpoint.io import _write_file
 from omnitron.core.checkpoint.megatron_base import (_COLUMNS, _ROWS, _TE_EXTRA, _TE_NORMS, _VOCAB,  # noqa: F401
                                                     CHECKPOINT_VERSION, TRACKER, MegatronConversionError, Opaque,
-                                                    _check_state, _tp_dim, checkpoint_dict, commit_iteration, load_file,
-                                                    run_args)
+                                                    _check_state, _tp_dim, check_weights, checkpoint_dict, commit_iteration,
+                                                    load_file, run_args)
 from omnitron.core.checkpoint.megatron_names import extra_state_modules, is_moe, layer_of, omnitron_rest, torch_rest
 
 FILE = "model_optim_rng.pt"
@@ -109,6 +109,8 @@ def read_shards(iter_dir: str) -> tuple[dict, dict[tuple[int, int], list[dict]]]
                                               f"pipeline parallel {pp}; copy every mp_rank_* directory")
             ckpt = load_file(path)
             out[(t, p)] = _model_state_dicts(ckpt, path)
+            for sd in out[(t, p)]:
+                check_weights(sd, path)
             if ckpt.get("iteration") is not None:  # the file's own record (args often lack it)
                 args = {**args, "iteration": ckpt["iteration"]}
     return args, out

@@ -83,6 +83,20 @@ def run_args(ckpt: dict, path: str) -> dict:
     return args
 
 
+_NOT_WEIGHTS = ("._extra_state", ".inv_freq")
+"""Entries the importers skip: TE's FP8 metadata (bytes, or a uint8 tensor of them) and RoPE frequencies."""
+
+
+def check_weights(tensors: dict, path: str) -> None:
+    """Refuse, naming the tensor and ``path``, a NaN / inf or integer tensor among the weights of ``tensors``
+    (:mod:`~omnitron.core.checkpoint.weight_values`; what the importers skip is not read)."""
+    from omnitron.core.checkpoint.weight_values import first_bad_weight, fix_for
+
+    bad = first_bad_weight((n, t) for n, t in tensors.items() if t is not None and not n.endswith(_NOT_WEIGHTS))
+    if bad is not None:
+        raise MegatronConversionError(f"{path}: tensor {bad[0]!r} {bad[1]}; {fix_for(bad[1])}")
+
+
 def _tp_dim(name: str) -> int | None:
     """The dimension Megatron splits ``name`` over tensor-parallel ranks (None: replicated)."""
     return 0 if name.endswith(_ROWS) else 1 if name.endswith(_COLUMNS) else None

@@ -64,8 +64,8 @@ from omnitron.core.checkpoint.dist import read as dcp_read
 from omnitron.core.checkpoint.dist_planner import ForeignReader, PieceSavePlanner, read_dcp_metadata
 from omnitron.core.checkpoint.io import _write_file
 from omnitron.core.checkpoint.megatron_base import (_VOCAB, CHECKPOINT_VERSION,
-                                               MegatronConversionError, _check_state, _tp_dim, commit_iteration,
-                                               load_file, run_args)
+                                               MegatronConversionError, _check_state, _tp_dim, check_weights,
+                                               commit_iteration, load_file, run_args)
 from omnitron.core.checkpoint.megatron_names import (STACKED_EXPERTS, dist_rests, extra_state_modules, homogeneous,
                                                      is_moe, layer_of, omnitron_rest)
 
@@ -112,7 +112,9 @@ def read(iter_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if (common.get("content_metadata") or {}).get("distrib_optim_sharding_type") == "fsdp_dtensor":
         raise MegatronConversionError(f"{iter_dir}: an fsdp_dtensor checkpoint (--ckpt-format fsdp_dtensor); "
                                       f"re-save it with --ckpt-format torch_dist")
-    return args, _read_tensors(iter_dir, md)
+    tensors = _read_tensors(iter_dir, md)
+    check_weights(tensors, iter_dir)
+    return args, tensors
 
 
 def _read_common(iter_dir: str, md) -> dict:

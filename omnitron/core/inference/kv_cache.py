@@ -79,16 +79,44 @@ class KVCache:
 
     def _window_sink(self, module, q, k, v, sinks):
         """Sliding window and attention sinks (transformer/window.py) over the cached slots: slot distances are
-        position distances (a row's real tokens are contiguous after its left padding)."""
+        position distances (a row's real tokens are contiguous after its left padding). A prefill (every slot new)
+        runs the training path's blocks (:meth:`_tiled_prefill`); a step of a few new queries the masked softmax,
+        whose scores are ``[b, hq, s_new, slots]``."""
         from omnitron.core.transformer.window import keep_mask, sink_attention
 
         s_new, s_all = q.shape[2], k.shape[2]
+        scale = getattr(module, "softmax_scale", None)
+        if s_new == s_all > 1 and getattr(module, "cp_group", None) is None:
+            out = self._tiled_prefill(module, q, k, v, sinks, scale)
+            if out is not None:
+                return out
         qpos, kpos = torch.arange(s_all - s_new, s_all, device=q.device), torch.arange(s_all, device=q.device)
         keep = keep_mask(qpos, kpos, module.window)  # [s_new, s_all]
         if self.valid is not None:
             keep = keep & (self.valid[:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
             keep = keep[:, None]
-        return sink_attention(q, k, v, keep, None if sinks is None else sinks.to(q.device))
+        return sink_attention(q, k, v, keep, None if sinks is None else sinks.to(q.device), scale)
+
+    def _tiled_prefill(self, module, q, k, v, sinks, scale):
+        """The prefill's attention on the blocks of training (:func:`~omnitron.core.transformer.cp_attention.
+        cp_attention` without context parallelism: only the tiles the window reaches, the sink once per row), not a
+        masked softmax over ``[b, hq, s, s]`` scores. Left-padded rows run one at a time over their real slots (a
+        row's positions start at its first real token, so its distances are the unpadded prompt's); a padding
+        query's output, unused but cached as the next layer's key/value input, is zero (finite). None when a row's
+        real slots are not contiguous after its padding (the masked softmax handles that)."""
+        from omnitron.core.transformer.cp_attention import cp_attention
+
+        def attend(q, k, v):
+            return cp_attention(module, q, k, v, 0.0, scale=scale, window=getattr(module, "window", None), sinks=sinks)
+
+        if self.valid is None:
+            return attend(q, k, v)
+        starts = (~self.valid).sum(1).tolist()  # padding slots per row: its first real slot if contiguous after
+        if not bool(self.valid[:, -1].all()) or any(not bool(self.valid[r, st:].all()) for r, st in enumerate(starts)):
+            return None
+        return torch.cat([torch.cat([q.new_zeros(1, q.shape[1], st, v.shape[-1]),  # the last slot is real: st < s
+                                     attend(q[r:r + 1, :, st:], k[r:r + 1, :, st:], v[r:r + 1, :, st:])], dim=2)
+                          for r, st in enumerate(starts)], dim=0)
 
     def _attend_only(self, module):
         def core_attention(q, k, v, key_padding_mask=None, document_ids=None):  # keys and values: every slot

@@ -88,6 +88,11 @@ def _supports(x, scale, fmt="e4m3", margin=0) -> str | None:
     return None
 
 
+def _from_amax_supports(x, amax, fmt="e4m3", margin=0) -> str | None:
+    """:func:`_supports` under the from-amax op's parameter names (the registry checks them against its reference)."""
+    return _supports(x, amax, fmt, margin)
+
+
 @register("fp8_cast_transpose_amax", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
 def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3"):
     """(``x * scale`` in FP8 ``[m, n]``, the same values transposed ``[n, m]``, amax of ``|x|`` float32 scalar)."""
@@ -96,7 +101,8 @@ def fp8_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4
     return q, qt, amax
 
 
-@register("fp8_cast_transpose_from_amax", NAME, available=available, backends=GPU_BACKENDS, supports=_supports)
+@register("fp8_cast_transpose_from_amax", NAME, available=available, backends=GPU_BACKENDS,
+          supports=_from_amax_supports)
 def fp8_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str = "e4m3", margin: int = 0):
     """(FP8 ``x * scale``, its transpose, ``1 / scale``) with ``scale`` derived from ``amax`` inside the kernel."""
     if not x.numel():  # nothing to launch over; the scale still follows the (group-reduced) amax
@@ -136,7 +142,7 @@ def graph_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fmt: str = "
 
 
 @register("fp8_cast_transpose_from_amax", GRAPH_NAME, available=available, backends=GPU_BACKENDS,
-          supports=_supports, traceable=True)
+          supports=_from_amax_supports, traceable=True)
 def graph_cast_transpose_from_amax(x: torch.Tensor, amax: torch.Tensor, fmt: str = "e4m3", margin: int = 0):
     """:func:`fp8_cast_transpose_from_amax` as the graph op ``omnitron::fp8_cast_transpose_from_amax``."""
     return torch.ops.omnitron.fp8_cast_transpose_from_amax(x, amax, fmt, margin)

@@ -13,8 +13,17 @@ Projector (Megatron's ``mlp`` projector): column-parallel ``fc1`` -> GeLU -> row
 all-reduced: ``[n, b, h]`` replicated over tp, ready to replace placeholder embeddings. Megatron builds it from
 the language model's MLP and config, so its GeLU is the tanh form under bias-GeLU fusion (the default) and
 exact with ``--no-bias-gelu-fusion``; the ViT's layers follow the same flag (:func:`MM.vision_config`).
+
+Init, per tensor as Megatron's ``pretrain_vlm`` draws it (``CLIPViTModel``, ``MultimodalProjector``): the patch
+embedding as torch's default for its ``Conv2d`` (uniform on ``+-1 / sqrt(C p p)``; omnitron's linear also has a
+bias, zero); the class token and the position embeddings ``N(0, 1)`` (``torch.randn``, ``nn.Embedding``'s
+default); every output projection, the ViT layers' and the projector's ``fc2``, ``N(0, std / sqrt(2 L))`` with
+``L`` the LANGUAGE model's ``--num-layers`` (the ViT's and the projector's configs are deep copies of the language
+model's, made after its ``output_layer_init_method`` was fixed); other weights ``N(0, std)``, biases zero.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +34,11 @@ from omnitron.core.models.multimodal import config as MM
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from omnitron.core.parallel.tensor.sharding import set_attributes
 from omnitron.core.transformer.norm import Norm
+
+
+def output_std(c: MM.MultimodalConfig) -> float:
+    """The init std of every output projection of the vision tower and projector: the language model's."""
+    return c.init_method_std / math.sqrt(2.0 * c.num_layers) if c.apply_scaled_init else c.init_method_std
 
 
 def patchify(images: torch.Tensor, p: int) -> torch.Tensor:
@@ -42,16 +56,20 @@ class VisionTransformer(nn.Module):
         vc = MM.vision_config(c)
         self.c, self.patch_dim, self.class_token_len = c, c.patch_dim, int(c.vision_class_token)
         self.patch_embedding = _linear(MM.patch_size(c), vc.hidden_size, vc)
+        self.patch_embedding.weight.init = ("uniform", MM.patch_size(c) ** -0.5)  # Conv2d's default (module doc)
         self.class_token = None
         if c.vision_class_token:
             self.class_token = set_attributes(nn.Parameter(torch.empty(1, 1, vc.hidden_size, dtype=vc.params_dtype)),
-                                              parallel=False, init=("normal", vc.init_method_std))
+                                              parallel=False, init=("normal", 1.0))
         self.position_embeddings = nn.Embedding(MM.vision_seq_length(c), vc.hidden_size, dtype=vc.params_dtype)
-        set_attributes(self.position_embeddings.weight, parallel=False, init=("normal", vc.init_method_std))
+        set_attributes(self.position_embeddings.weight, parallel=False, init=("normal", 1.0))
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict({
             str(i): BertLayer(vc, group=group, sequence_parallel=False, tracker=tracker, backend=backend)
             for i in range(vc.num_layers)})
+        for layer in self.decoder.layers.values():  # the language model's output std (module docstring)
+            for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+                lin.weight.init = ("normal", output_std(c))
         self.decoder.final_layernorm = Norm(vc.hidden_size, kind=vc.normalization, eps=vc.layernorm_epsilon,
                                             backend=backend, dtype=vc.params_dtype)
 
@@ -79,7 +97,7 @@ class VisionProjection(nn.Module):
         self.gelu_form = "tanh" if c.bias_gelu_fusion else "none"
         f, kw = MM.projector_ffn_size(c), dict(group=group, bias=True, sequence_parallel=False, dtype=c.params_dtype)
         self.linear_fc1 = ColumnParallelLinear(c.vision_hidden_size, f, init_std=c.init_method_std, **kw)
-        self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=c.init_method_std, **kw)
+        self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=output_std(c), **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.gelu_form))

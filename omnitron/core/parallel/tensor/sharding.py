@@ -11,7 +11,9 @@ Every parameter carries attributes that say how it is cut:
 * ``sequence_parallel`` (bool): the gradient is a partial sum over tp ranks (norm weights and
   biases applied to sequence shards, QK-norm weights shared by heads on different ranks) and
   must be all-reduced over ``groups.tp`` before the optimizer step;
-* ``init`` (tuple): ``("normal", std)``, ``("zeros",)`` or ``("ones",)`` for the full tensor;
+* ``init`` (tuple): ``("normal", std)``, ``("uniform", bound)`` (on ``[-bound, bound]``: torch's default for a
+  convolution or linear, as Megatron's ViT patch convolution keeps it), ``("zeros",)`` or ``("ones",)`` for the
+  full tensor;
   ``init_name`` (str, optional): draw the init under this name instead of the parameter's own
   (the last stage's copy of a tied embedding).
 """
@@ -109,12 +111,13 @@ def init_full(name: str, shape: tuple[int, ...], init: tuple, seed: int,
         return torch.zeros(shape)
     if kind == "ones":
         return torch.ones(shape)
-    if kind != "normal":
+    if kind not in ("normal", "uniform"):
         raise ValueError(f"unknown init {init!r} for {name}")
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     rows = valid_rows if valid_rows is not None else shape[0]
-    real = torch.randn((rows,) + tuple(shape[1:]), generator=gen) * init[1]
+    size = (rows,) + tuple(shape[1:])
+    real = (torch.randn(size, generator=gen) if kind == "normal" else torch.rand(size, generator=gen) * 2 - 1) * init[1]
     if rows == shape[0]:
         return real
     return torch.cat([real, torch.zeros((shape[0] - rows,) + tuple(shape[1:]))], dim=0)
