@@ -369,11 +369,22 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     given, notes = MF.translate({k: v for k, v in given.items() if v is not None})
     merged.update(file_values)
     merged.update(given)
-    for line in dict.fromkeys(file_notes + notes):
+    for line in dict.fromkeys(file_notes + notes + _backend_notes(file_values, given)):
         log.info("%s", line)
     from omnitron.core.training.checkpoint_args import apply_checkpoint_args
 
     return apply_checkpoint_args(MF.resolve(merged))
+
+
+def _backend_notes(file_values: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """A config file's ``backend:`` wins over ``$OMNITRON_BACKEND`` (``--backend`` over both), so
+    ``OMNITRON_BACKEND=cuda omnitron train --config FILE`` runs on the file's backend: one line says so where the two
+    differ and the command line does not decide."""
+    env, chosen = os.environ.get("OMNITRON_BACKEND"), file_values.get("backend")
+    if not env or not chosen or env == chosen or given.get("backend"):
+        return []
+    return [f"backend {chosen}: the config file's backend wins over OMNITRON_BACKEND={env}; give --backend {env} "
+            f"to run on {env}"]
 
 
 def _preset_fields(name: str) -> dict[str, Any]:
