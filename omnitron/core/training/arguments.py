@@ -217,7 +217,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "omnitron.core.models.family.register_family (repeatable)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
                         "(each with its share of the cores); not needed under torchrun (default: 1)")
-    launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
+    launch.add_argument("--backend", help="cpu, cuda, musa, sim, an installed plug-in's name or auto (default: a "
+                        "--config file's backend, else $OMNITRON_BACKEND, else auto)")
     launch.add_argument("--threads-per-process", type=int, metavar="T",
                         help="torch threads per worker (default: $OMP_NUM_THREADS, else the cores shared "
                         "among the node's workers)")
