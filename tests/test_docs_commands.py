@@ -1,7 +1,8 @@
 """The commands the documentation gives a new user are ones omnitron accepts, and do what the text says.
 
 Every ``omnitron ...`` (or ``python -m omnitron ...``, ``torchrun ... -m omnitron.train ...``) command in README.md,
-docs/*.md and examples/backend_plugin/README.md, from shell blocks and inline code, is parsed by omnitron's own
+docs/*.md and examples/backend_plugin/README.md, from shell blocks and inline code, and in the header comments of
+examples/*.yaml, is parsed by omnitron's own
 command-line parser; every complete ``omnitron train`` command also builds its settings (the checks a launch makes
 before any process starts) for the world it names; and a command that picks its backend with ``OMNITRON_BACKEND=X``
 runs on X (a config file's ``backend:`` would silently win over the variable). Running them is the main-job and
@@ -60,11 +61,18 @@ def _command(part: str) -> tuple[dict[str, str], list[str], int | None] | None:
     return env, words[1:], world
 
 
+def _config_comments(text: str) -> list[tuple[bool, str]]:
+    """The commands an example config's header comment gives (``#   omnitron train --config ...``): whole ones."""
+    return [(True, m) for m in re.findall(r"^#\s+((?:[A-Z_]+=\S+ )*(?:python -m )?omnitron .*)$", text, re.M)]
+
+
 def doc_commands() -> list[tuple[str, bool, dict[str, str], list[str], int | None]]:
-    """(where, whole, env, argv, torchrun world) of every omnitron command in the documentation."""
+    """(where, whole, env, argv, torchrun world) of every omnitron command in the documentation and in the example
+    configs' headers."""
     found = []
-    for doc in DOCS:
-        for whole, line in _code(doc.read_text()):
+    for doc in [*DOCS, *sorted((ROOT / "examples").glob("*.yaml"))]:
+        lines = _config_comments(doc.read_text()) if doc.suffix == ".yaml" else _code(doc.read_text())
+        for whole, line in lines:
             for part in re.split(r"&&|;", line):
                 cmd = _command(part)
                 if cmd:
