@@ -19,7 +19,8 @@ from omnitron.commands.checkpoint_args import add_family_module_flag, check_save
 
 
 def register(sub) -> None:
-    p = sub.add_parser("checkpoint", help="inspect, reshard (convert) or export a training checkpoint")
+    p = sub.add_parser("checkpoint", help="inspect, reshard (convert) or export a checkpoint; import or export "
+                       "Hugging Face and Megatron-LM ones")
     cmds = p.add_subparsers(dest="checkpoint_command", metavar="ACTION")
     ins = cmds.add_parser("inspect", help="layout, iteration, parameter count and tensor shapes of a checkpoint")
     ins.add_argument("dir", metavar="DIR", help="a --save directory (its latest) or an iter_N directory")

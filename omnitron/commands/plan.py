@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from omnitron.plan.settings import flat_flags, layout_flags, settings_of  # noqa: F401 - also imported from here
 
@@ -10,10 +11,12 @@ from omnitron.plan.settings import flat_flags, layout_flags, settings_of  # noqa
 def register(sub) -> None:
     from omnitron.core.training.arguments import add_arguments
 
-    p = sub.add_parser("plan", help="predict memory per pipeline stage of a layout before launch",
+    p = sub.add_parser("plan", help="predict each pipeline stage's memory (and with --bench or --device the step "
+                       "time) of a layout, or recommend layouts (--devices), before launch",
                        description="Predict each pipeline stage's memory (parameters, gradients, optimizer state, "
                        "activations, logits) for the training flags given, under --layout tpN,ppN,cpN,dpN or "
-                       "the usual parallelism flags and --nproc-per-node.", argument_default=argparse.SUPPRESS)
+                       "the usual parallelism flags and --nproc-per-node; with --bench or --device also the step "
+                       "time, with --devices the fastest layouts that fit.", argument_default=argparse.SUPPRESS)
     p.add_argument("--layout", metavar="LAYOUT", help="tp2,pp2,dp2 (a missing dimension is 1): sets the parallel "
                    "sizes and the world size")
     p.add_argument("--bench", nargs="+", metavar="REPORT", help="omnitron bench reports (files or `bench all` "
@@ -24,9 +27,10 @@ def register(sub) -> None:
                    "and --global-batch-size): the fastest that fit, with their launch flags")
     p.add_argument("--device-memory", help="memory per device for --devices, e.g. 80GiB or 80GB (default with "
                    "--device: the profile's)")
-    p.add_argument("--device", metavar="PROFILE", help="price on a device profile: a100-80gb-sxm, h100-sxm, h200, "
-                   "b200, mi300x, mtt-s4000, or a .toml of the same form; with --bench, a report of that accelerator "
-                   "replaces the profile where it has rows")
+    shipped = ", ".join(sorted(f.stem for f in (Path(__file__).parents[1] / "plan" / "devices").glob("*.toml")))
+    p.add_argument("--device", metavar="PROFILE", help="price on a device profile (omnitron/plan/devices/): "
+                   f"{shipped}, or a .toml of the same form; with --bench, a report of that accelerator replaces "
+                   "the profile where it has rows")
     p.add_argument("--gpus-per-node", type=int, help="devices per node with --device (default: the profile's, 8)")
     p.add_argument("--json", metavar="FILE", help="write each layout's prediction (step time, tokens/s, "
                    "tflops_per_device by Megatron's formula, memory per stage) to FILE")

@@ -7,9 +7,10 @@ import argparse
 def register(sub) -> None:
     from omnitron.core.training.arguments import add_arguments
 
-    p = sub.add_parser("train", help="train a GPT (Megatron flag names; see --help)",
-                       description="Train a GPT with tensor, pipeline and data parallelism. Flags use Megatron's "
-                       "spellings; --config FILE supplies the same keys (flags win).",
+    p = sub.add_parser("train", help="train a GPT / Llama, BERT, T5 or LLaVA model (Megatron flag names; see --help)",
+                       description="Train a Transformer model (--model-type gpt, bert, t5 or multimodal) with tensor, "
+                       "sequence, pipeline, context, expert and data parallelism. Flags use Megatron's spellings; "
+                       "--config FILE supplies the same keys (flags win).",
                        argument_default=argparse.SUPPRESS, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)

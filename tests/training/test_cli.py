@@ -111,6 +111,26 @@ def test_auto_backend_choice_is_probed_once(monkeypatch):
         registry.reset_cache()
 
 
+@pytest.mark.parametrize("env,flag,noted", [("sim", [], True), ("sim", ["--backend", "sim"], False),
+                                            ("cpu", [], False), (None, [], False)])
+def test_a_config_files_backend_over_the_environments_is_said(env, flag, noted, tmp_path, monkeypatch, caplog):
+    """`OMNITRON_BACKEND=cuda omnitron train --config FILE` with `backend: cpu` in FILE runs on cpu (file < command
+    line; the variable is only --backend's default): the README gave such GPU lines. One log line says so where the
+    variable and the file differ and --backend does not decide; the file's backend still stands."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: gpt2_tiny\nbackend: cpu\n")
+    if env is None:
+        monkeypatch.delenv("OMNITRON_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("OMNITRON_BACKEND", env)
+    with caplog.at_level("INFO", logger="omnitron.train"):
+        s = parse_settings(["--config", str(cfg), *flag], world_size=1)
+    assert s.backend == (flag[1] if flag else "cpu")
+    lines = [r.getMessage() for r in caplog.records if "OMNITRON_BACKEND" in r.getMessage()]
+    assert lines == (["backend cpu: the config file's backend wins over OMNITRON_BACKEND=sim; give --backend sim "
+                      "to run on sim"] if noted else [])
+
+
 def test_slurm_example_parses_for_its_world():
     """examples/slurm_gpt_1p3b.sh: its omnitron flags (shell variables filled in) make a valid 16-rank layout."""
     import pathlib

@@ -217,7 +217,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "omnitron.core.models.family.register_family (repeatable)")
     launch.add_argument("--nproc-per-node", type=int, metavar="N", help="spawn N local worker processes "
                         "(each with its share of the cores); not needed under torchrun (default: 1)")
-    launch.add_argument("--backend", help="cpu, cuda, musa or auto (default: $OMNITRON_BACKEND, else auto)")
+    launch.add_argument("--backend", help="cpu, cuda, musa, sim, an installed plug-in's name or auto (default: a "
+                        "--config file's backend, else $OMNITRON_BACKEND, else auto)")
     launch.add_argument("--threads-per-process", type=int, metavar="T",
                         help="torch threads per worker (default: $OMP_NUM_THREADS, else the cores shared "
                         "among the node's workers)")
@@ -369,11 +370,22 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     given, notes = MF.translate({k: v for k, v in given.items() if v is not None})
     merged.update(file_values)
     merged.update(given)
-    for line in dict.fromkeys(file_notes + notes):
+    for line in dict.fromkeys(file_notes + notes + _backend_notes(file_values, given)):
         log.info("%s", line)
     from omnitron.core.training.checkpoint_args import apply_checkpoint_args
 
     return apply_checkpoint_args(MF.resolve(merged))
+
+
+def _backend_notes(file_values: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """A config file's ``backend:`` wins over ``$OMNITRON_BACKEND`` (``--backend`` over both), so
+    ``OMNITRON_BACKEND=cuda omnitron train --config FILE`` runs on the file's backend: one line says so where the two
+    differ and the command line does not decide."""
+    env, chosen = os.environ.get("OMNITRON_BACKEND"), file_values.get("backend")
+    if not env or not chosen or env == chosen or given.get("backend"):
+        return []
+    return [f"backend {chosen}: the config file's backend wins over OMNITRON_BACKEND={env}; give --backend {env} "
+            f"to run on {env}"]
 
 
 def _preset_fields(name: str) -> dict[str, Any]:
