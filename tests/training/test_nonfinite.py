@@ -122,3 +122,19 @@ def test_two_ranks_stop_together_and_exit_nonzero(tmp_path):
     assert lines[1] == "omnitron train: rank 1 stopped the same way", out
     assert "Traceback" not in out
     assert open(save / "latest").read() == f"iter_{int(m.group(1)) - 1:07d}"
+
+
+def test_fp16_dynamic_scaling_skips_a_non_finite_forward_as_megatron(tmp_path):
+    """Megatron's validate_args turns --check-for-nan-in-loss-and-grad off under --fp16 without --loss-scale: a
+    forward that overflows fp16 (weights of std 300) is skipped and counted, not a reason to stop. Each line then
+    shows a skipped step with a non-finite loss (Megatron's nan iterations), and the scale follows its
+    DynamicGradScaler rule: hysteresis 2 keeps 2^32 for the first overflow, halves at the second."""
+    overflow = ("--fp16", "--init-method-std", "300", "--train-iters", "3")
+    res = train(parse_settings(_args(tmp_path, *overflow), 1), get_backend("cpu"))
+    recs = records(str(tmp_path / "logs" / "metrics.jsonl"))
+    assert [(r["skipped_iters"], r["nan_iters"]) for r in recs] == [(1, 1)] * 3
+    assert [r["loss_scale"] for r in recs] == [2.0 ** 32, 2.0 ** 32, 2.0 ** 31]
+    assert res["components"].optimizer.step_count == 0 and res["components"].optimizer.loss_scaler.scale == 2.0 ** 30
+    for kept in (("--check-for-nan-in-loss-and-grad",), ("--loss-scale", "1024")):  # named, or a constant scale
+        with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the loss is nan"):
+            train(parse_settings(_args(tmp_path / "kept", *overflow, *kept), 1), get_backend("cpu"))
