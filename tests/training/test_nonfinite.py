@@ -16,6 +16,7 @@ from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim import MixedPrecisionOptimizer
 from omnitron.core.optim.clip import clip_coefficient
 from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.precision import DynamicLossScaler
 from omnitron.core.training.arguments import parse_settings
 from omnitron.core.training.loop import train
 from omnitron.core.training.nonfinite import NonFiniteError, TrainingStopped, check_grad_norm
@@ -99,7 +100,8 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 def test_fp16_skip_limit_stops_with_a_message(tmp_path):
     settings = parse_settings(_args(tmp_path, "--fp16", "--loss-scale", "1e10", "--train-iters", "20",
-                                    "--max-consecutive-skipped-iterations", "3"), 1)
+                                    "--max-consecutive-skipped-iterations", "3", "--no-check-for-nan-in-loss-and-grad"),
+                              1)
     with pytest.raises(TrainingStopped, match=r"iteration 3, rank 0: 3 consecutive steps skipped on fp16 gradient "
                                               r"overflow \(loss scale 1e\+?10"):
         train(settings, get_backend("cpu"))
@@ -138,3 +140,29 @@ def test_fp16_dynamic_scaling_skips_a_non_finite_forward_as_megatron(tmp_path):
     for kept in (("--check-for-nan-in-loss-and-grad",), ("--loss-scale", "1024")):  # named, or a constant scale
         with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the loss is nan"):
             train(parse_settings(_args(tmp_path / "kept", *overflow, *kept), 1), get_backend("cpu"))
+
+
+def test_fp16_constant_scale_overflow_stops_under_the_check_as_megatron(tmp_path):
+    """With a constant --loss-scale Megatron keeps --check-for-nan-in-loss-and-grad on, and its check of the
+    gradients (DDP's check_grads, before its scaler) stops at the first overflow: so does omnitron, before the
+    optimizer step and the scaler's update; without the check the step is skipped (previous test)."""
+    save = tmp_path / "ck"
+    settings = parse_settings(_args(tmp_path, "--fp16", "--loss-scale", "1e10", "--train-iters", "3", "--save",
+                                    str(save), "--save-interval", "1"), 1)
+    with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the gradient norm is (inf|nan), stopped before"):
+        train(settings, get_backend("cpu"))
+    assert not os.path.exists(save / "latest") and records(str(tmp_path / "logs" / "metrics.jsonl")) == []
+    # the optimizer alone: weights, step count and the dynamic scaler's trackers as they were
+    model = _model(0).half()
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    next(model.parameters()).grad[0, 0] = float("inf")
+    scaler = DynamicLossScaler(initial_scale=8.0, hysteresis=1)
+    opt = MixedPrecisionOptimizer(model.named_parameters(), OptimizerConfig(), ParallelGroups.single(),
+                                  backend=get_backend("cpu"), loss_scaler=scaler)
+    with pytest.raises(NonFiniteError, match="the gradient norm is inf"):
+        opt.step(1e-3, check_norm=check_grad_norm)
+    assert opt.step_count == 0 and scaler.state_dict() == DynamicLossScaler(8.0, hysteresis=1).state_dict()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert opt.step(1e-3).skipped and scaler.scale == 4.0  # no check: skipped, backed off
