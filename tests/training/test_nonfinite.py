@@ -16,7 +16,7 @@ from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim import MixedPrecisionOptimizer
 from omnitron.core.optim.clip import clip_coefficient
 from omnitron.core.parallel.groups import ParallelGroups
-from omnitron.core.precision import DynamicLossScaler
+from omnitron.core.precision import DynamicLossScaler, build_loss_scaler
 from omnitron.core.training.arguments import parse_settings
 from omnitron.core.training.loop import train
 from omnitron.core.training.nonfinite import NonFiniteError, TrainingStopped, check_grad_norm
@@ -102,7 +102,7 @@ def test_fp16_skip_limit_stops_with_a_message(tmp_path):
     settings = parse_settings(_args(tmp_path, "--fp16", "--loss-scale", "1e10", "--train-iters", "20",
                                     "--max-consecutive-skipped-iterations", "3", "--no-check-for-nan-in-loss-and-grad"),
                               1)
-    with pytest.raises(TrainingStopped, match=r"iteration 3, rank 0: 3 consecutive steps skipped on fp16 gradient "
+    with pytest.raises(TrainingStopped, match=r"iteration 3, rank 0: 3 consecutive steps skipped on gradient "
                                               r"overflow \(loss scale 1e\+?10"):
         train(settings, get_backend("cpu"))
     recs = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
@@ -166,3 +166,29 @@ def test_fp16_constant_scale_overflow_stops_under_the_check_as_megatron(tmp_path
     assert opt.step_count == 0 and scaler.state_dict() == DynamicLossScaler(8.0, hysteresis=1).state_dict()
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert opt.step(1e-3).skipped and scaler.scale == 4.0  # no check: skipped, backed off
+
+
+def test_loss_scale_applies_where_megatron_builds_a_constant_scaler(tmp_path):
+    """Megatron's get_megatron_optimizer (d98e8a6) builds ConstantGradScaler(--loss-scale) under --fp16, --bf16 or
+    --use-distributed-optimizer, DynamicGradScaler under --fp16 alone, else none. A power-of-two scale is exact in
+    bf16 (same exponent range as fp32, far from overflow here): the run is the unscaled one bit for bit, with the
+    scale in its records. Non-finite gradients are then skipped without the check (and stop the run with it), where
+    without a scaler the step would write NaN weights."""
+    def run(path, *extra):
+        res = train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1), get_backend("cpu"))
+        return res, records(str(tmp_path / path / "logs" / "metrics.jsonl"))
+
+    def scaler(*flags):
+        s = parse_settings(_args(tmp_path, "--train-iters", "1", *flags), 1)
+        return type(build_loss_scaler(s.precision, getattr(s.ddp, "use_distributed_optimizer", False))).__name__
+    assert [scaler("--bf16", "--loss-scale", "8"), scaler("--loss-scale", "8"), scaler("--fp16"),
+            scaler("--loss-scale", "8", "--use-distributed-optimizer")] == \
+        ["ConstantLossScaler", "NoneType", "DynamicLossScaler", "ConstantLossScaler"]
+    (plain, plain_recs), (scaled, scaled_recs) = run("plain"), run("scaled", "--loss-scale", "1024")
+    assert scaled["losses"] == plain["losses"] and [r["loss_scale"] for r in scaled_recs] == [1024.0] * 2
+    assert [r["grad_norm"] for r in scaled_recs] == [r["grad_norm"] for r in plain_recs]
+    overflow = ("--loss-scale", "1", "--init-method-std", "1e20")  # a finite loss, non-finite gradients
+    _, recs = run("skips", *overflow, "--no-check-for-nan-in-loss-and-grad")
+    assert [r["skipped_iters"] for r in recs] == [1, 1] and [r["loss_scale"] for r in recs] == [1.0, 1.0]
+    with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the gradient norm is (nan|inf)"):
+        run("stops", *overflow)

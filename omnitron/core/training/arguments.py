@@ -738,6 +738,8 @@ def _check_onebit(optim: OptimizerConfig, ddp, precision: PrecisionConfig, paral
                           "--use-torch-fsdp2 shards; drop --use-torch-fsdp2 or use --optimizer adam")
     if precision.fp16:
         raise ConfigError(f"{why} has no fp16 loss-scale skipping over local gradients; use --bf16 (or fp32)")
+    if precision.loss_scale is not None and precision.bf16:
+        raise ConfigError(f"{why} has no loss-scale skipping over local gradients; drop --loss-scale")
     if parallel.context_parallel_size > 1:
         raise ConfigError(f"{why} is not implemented with context parallelism; use --context-parallel-size 1")
     if getattr(model, "num_experts", None):
