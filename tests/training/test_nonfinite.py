@@ -192,3 +192,14 @@ def test_loss_scale_applies_where_megatron_builds_a_constant_scaler(tmp_path):
     assert [r["skipped_iters"] for r in recs] == [1, 1] and [r["loss_scale"] for r in recs] == [1.0, 1.0]
     with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the gradient norm is (nan|inf)"):
         run("stops", *overflow)
+
+
+def test_the_reported_loss_is_the_unscaled_one_as_megatron(tmp_path):
+    """Megatron multiplies the loss it differentiates by the scale but reports the loss function's value. At
+    --loss-scale 2^127 the scaled fp32 loss sum overflows (~150 x 1.7e38) while the gradients do not (the step is
+    taken): the reported loss stays finite and, the scale being a power of two (exact in bf16), the run is the
+    unscaled one bit for bit."""
+    def run(path, *extra):
+        return train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1),
+                     get_backend("cpu"))["losses"]
+    assert run("huge", "--loss-scale", str(2.0 ** 127)) == run("plain")
