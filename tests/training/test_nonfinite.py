@@ -175,7 +175,8 @@ def test_loss_scale_applies_where_megatron_builds_a_constant_scaler(tmp_path):
     scale in its records. Non-finite gradients are then skipped without the check (and stop the run with it), where
     without a scaler the step would write NaN weights."""
     def run(path, *extra):
-        res = train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1), get_backend("cpu"))
+        res = train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1),
+                    get_backend("cpu"))
         return res, records(str(tmp_path / path / "logs" / "metrics.jsonl"))
 
     def scaler(*flags):
