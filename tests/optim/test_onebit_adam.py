@@ -214,6 +214,7 @@ def test_refusals_name_the_reason_and_the_fix():
     cases = {("--use-distributed-optimizer",): "needs|full momentum.*--use-distributed-optimizer shards; drop "
                                                 "--use-distributed-optimizer or use --optimizer adam",
              ("--fp16",): "use --bf16", ("--context-parallel-size", "2"): "use --context-parallel-size 1",
+             ("--bf16", "--loss-scale", "8"): "drop --loss-scale",
              ("--num-experts", "2"): "drop --num-experts",
              ("--use-torch-fsdp2",): "--use-torch-fsdp2 shards; drop --use-torch-fsdp2 or use --optimizer adam"}
     for extra, match in cases.items():

@@ -128,3 +128,38 @@ def test_plot_drops_a_last_line_cut_short_and_names_a_bad_one(tmp_path, capsys):
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "png")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "line 2 is not JSON" in err, err
+
+
+def _megatron_scales(skipped: list[bool], scale: float, window: int, hysteresis: int) -> list[float]:
+    """The scale each step used under Megatron's DynamicGradScaler.update (d98e8a6, transcribed; min scale 1)."""
+    growth, hyst, out = 0, hysteresis, []
+    for found_inf in skipped:
+        out.append(scale)
+        if found_inf:
+            growth, hyst = 0, hyst - 1
+            scale = max(scale * 0.5, 1.0) if hyst <= 0 else scale
+        else:
+            growth += 1
+            if growth == window:
+                growth, hyst, scale = 0, hysteresis, scale * 2.0
+    return out
+
+
+def test_fp16_resume_restores_the_scale_and_both_trackers(tmp_path):
+    """Stopping after iteration 3 (hysteresis tracker run down to -1) and 5 (growth tracker at 1) and resuming gives the
+    uninterrupted run's records; the scales are Megatron's rule over the run's own skips."""
+    flags = ("--fp16", "--initial-loss-scale", str(2.0 ** 20), "--loss-scale-window", "2", "--train-iters", "7")
+
+    def run(name, *extra):
+        train(parse_settings(_args(tmp_path / name, *flags, "--log-dir", str(tmp_path / name / "logs"), *extra), 1),
+              get_backend("cpu"))
+        recs = [json.loads(line) for line in open(tmp_path / name / "logs" / "metrics.jsonl")]
+        return [(r["iteration"], r["loss_scale"], r["skipped_iters"], r["lm_loss"]) for r in recs if "lm_loss" in r]
+    full = run("full")
+    save = str(tmp_path / "ck")
+    for stop in ("3", "5"):
+        run("parts", "--save", save, "--load", save, "--save-interval", stop, "--exit-interval", stop)
+    assert run("parts", "--save", save, "--load", save) == full
+    skipped = [bool(r[2]) for r in full]
+    assert skipped[:3] == [True] * 3 and not skipped[4] and not skipped[5]  # the trackers the resumes carry matter
+    assert [r[1] for r in full] == _megatron_scales(skipped, 2.0 ** 20, window=2, hysteresis=2)

@@ -306,17 +306,30 @@ _VALUES = {"rerun_mode": "disabled", "moe_token_dispatcher_type": "alltoall", "t
            "num_distributed_optimizer_instances": "2", "muon_scalar_optimizer": "adam"}
 
 
+_NEEDS = {"use_precision_aware_optimizer": ["--use-distributed-optimizer"]}
+"""Selectors Megatron runs only beside other flags (compared with the settings of those flags alone)."""
+
+
 def test_every_selector_changes_nothing_and_says_what_runs(caplog):
     from omnitron.core.training.megatron_flags import SELECTORS
 
-    plain = parse_settings(BASE, 1)
     for dest, (metavar, instead, _) in SELECTORS.items():
-        flag = "--" + dest.replace("_", "-")
+        flag, base = "--" + dest.replace("_", "-"), BASE + _NEEDS.get(dest, [])
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="omnitron.train"):
-            s = parse_settings(BASE + ([flag] if metavar is None else [flag, _VALUES.get(dest, "1")]), 1)
-        _same(s, plain)
+            s = parse_settings(base + ([flag] if metavar is None else [flag, _VALUES.get(dest, "1")]), 1)
+        _same(s, parse_settings(base, 1))
         assert f"{flag}: accepted; {instead}" in caplog.text, flag
+
+
+@pytest.mark.parametrize("extra,match", [
+    ([], "with the distributed optimizer only; add --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--optimizer", "sgd"], "with --optimizer adam only, not sgd")])
+def test_precision_aware_optimizer_where_megatron_refuses_it(extra, match):
+    """Megatron d98e8a6: OptimizerConfig asserts --optimizer adam, get_megatron_optimizer raises without
+    --use-distributed-optimizer."""
+    with pytest.raises(ConfigError, match="^--use-precision-aware-optimizer: Megatron runs it " + match):
+        parse_settings(BASE + ["--use-precision-aware-optimizer", *extra], 1)
 
 
 def test_moe_per_layer_logging_runs_megatrons_gpt_oss_script_line(caplog):

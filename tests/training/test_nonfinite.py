@@ -16,6 +16,7 @@ from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim import MixedPrecisionOptimizer
 from omnitron.core.optim.clip import clip_coefficient
 from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.core.precision import DynamicLossScaler, build_loss_scaler
 from omnitron.core.training.arguments import parse_settings
 from omnitron.core.training.loop import train
 from omnitron.core.training.nonfinite import NonFiniteError, TrainingStopped, check_grad_norm
@@ -99,8 +100,9 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 def test_fp16_skip_limit_stops_with_a_message(tmp_path):
     settings = parse_settings(_args(tmp_path, "--fp16", "--loss-scale", "1e10", "--train-iters", "20",
-                                    "--max-consecutive-skipped-iterations", "3"), 1)
-    with pytest.raises(TrainingStopped, match=r"iteration 3, rank 0: 3 consecutive steps skipped on fp16 gradient "
+                                    "--max-consecutive-skipped-iterations", "3", "--no-check-for-nan-in-loss-and-grad"),
+                              1)
+    with pytest.raises(TrainingStopped, match=r"iteration 3, rank 0: 3 consecutive steps skipped on gradient "
                                               r"overflow \(loss scale 1e\+?10"):
         train(settings, get_backend("cpu"))
     recs = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
@@ -122,3 +124,83 @@ def test_two_ranks_stop_together_and_exit_nonzero(tmp_path):
     assert lines[1] == "omnitron train: rank 1 stopped the same way", out
     assert "Traceback" not in out
     assert open(save / "latest").read() == f"iter_{int(m.group(1)) - 1:07d}"
+
+
+def test_fp16_dynamic_scaling_skips_a_non_finite_forward_as_megatron(tmp_path):
+    """Megatron's validate_args turns --check-for-nan-in-loss-and-grad off under --fp16 without --loss-scale: a
+    forward that overflows fp16 (weights of std 300) is skipped and counted, not a reason to stop. Each line then
+    shows a skipped step with a non-finite loss (Megatron's nan iterations), and the scale follows its
+    DynamicGradScaler rule: hysteresis 2 keeps 2^32 for the first overflow, halves at the second."""
+    overflow = ("--fp16", "--init-method-std", "300", "--train-iters", "3")
+    res = train(parse_settings(_args(tmp_path, *overflow), 1), get_backend("cpu"))
+    recs = records(str(tmp_path / "logs" / "metrics.jsonl"))
+    assert [(r["skipped_iters"], r["nan_iters"]) for r in recs] == [(1, 1)] * 3
+    assert [r["loss_scale"] for r in recs] == [2.0 ** 32, 2.0 ** 32, 2.0 ** 31]
+    assert res["components"].optimizer.step_count == 0 and res["components"].optimizer.loss_scaler.scale == 2.0 ** 30
+    for kept in (("--check-for-nan-in-loss-and-grad",), ("--loss-scale", "1024")):  # named, or a constant scale
+        with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the loss is nan"):
+            train(parse_settings(_args(tmp_path / "kept", *overflow, *kept), 1), get_backend("cpu"))
+
+
+def test_fp16_constant_scale_overflow_stops_under_the_check_as_megatron(tmp_path):
+    """With a constant --loss-scale Megatron keeps --check-for-nan-in-loss-and-grad on, and its check of the
+    gradients (DDP's check_grads, before its scaler) stops at the first overflow: so does omnitron, before the
+    optimizer step and the scaler's update; without the check the step is skipped (previous test)."""
+    save = tmp_path / "ck"
+    settings = parse_settings(_args(tmp_path, "--fp16", "--loss-scale", "1e10", "--train-iters", "3", "--save",
+                                    str(save), "--save-interval", "1"), 1)
+    with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the gradient norm is (inf|nan), stopped before"):
+        train(settings, get_backend("cpu"))
+    assert not os.path.exists(save / "latest") and records(str(tmp_path / "logs" / "metrics.jsonl")) == []
+    # the optimizer alone: weights, step count and the dynamic scaler's trackers as they were
+    model = _model(0).half()
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    next(model.parameters()).grad[0, 0] = float("inf")
+    scaler = DynamicLossScaler(initial_scale=8.0, hysteresis=1)
+    opt = MixedPrecisionOptimizer(model.named_parameters(), OptimizerConfig(), ParallelGroups.single(),
+                                  backend=get_backend("cpu"), loss_scaler=scaler)
+    with pytest.raises(NonFiniteError, match="the gradient norm is inf"):
+        opt.step(1e-3, check_norm=check_grad_norm)
+    assert opt.step_count == 0 and scaler.state_dict() == DynamicLossScaler(8.0, hysteresis=1).state_dict()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert opt.step(1e-3).skipped and scaler.scale == 4.0  # no check: skipped, backed off
+
+
+def test_loss_scale_applies_where_megatron_builds_a_constant_scaler(tmp_path):
+    """Megatron's get_megatron_optimizer (d98e8a6) builds ConstantGradScaler(--loss-scale) under --fp16, --bf16 or
+    --use-distributed-optimizer, DynamicGradScaler under --fp16 alone, else none. A power-of-two scale is exact in
+    bf16 (same exponent range as fp32, far from overflow here): the run is the unscaled one bit for bit, with the
+    scale in its records. Non-finite gradients are then skipped without the check (and stop the run with it), where
+    without a scaler the step would write NaN weights."""
+    def run(path, *extra):
+        res = train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1),
+                    get_backend("cpu"))
+        return res, records(str(tmp_path / path / "logs" / "metrics.jsonl"))
+
+    def scaler(*flags):
+        s = parse_settings(_args(tmp_path, "--train-iters", "1", *flags), 1)
+        return type(build_loss_scaler(s.precision, getattr(s.ddp, "use_distributed_optimizer", False))).__name__
+    assert [scaler("--bf16", "--loss-scale", "8"), scaler("--loss-scale", "8"), scaler("--fp16"),
+            scaler("--loss-scale", "8", "--use-distributed-optimizer")] == \
+        ["ConstantLossScaler", "NoneType", "DynamicLossScaler", "ConstantLossScaler"]
+    (plain, plain_recs), (scaled, scaled_recs) = run("plain"), run("scaled", "--loss-scale", "1024")
+    assert scaled["losses"] == plain["losses"] and [r["loss_scale"] for r in scaled_recs] == [1024.0] * 2
+    assert [r["grad_norm"] for r in scaled_recs] == [r["grad_norm"] for r in plain_recs]
+    overflow = ("--loss-scale", "1", "--init-method-std", "1e20")  # a finite loss, non-finite gradients
+    _, recs = run("skips", *overflow, "--no-check-for-nan-in-loss-and-grad")
+    assert [r["skipped_iters"] for r in recs] == [1, 1] and [r["loss_scale"] for r in recs] == [1.0, 1.0]
+    with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the gradient norm is (nan|inf)"):
+        run("stops", *overflow)
+
+
+def test_the_reported_loss_is_the_unscaled_one_as_megatron(tmp_path):
+    """Megatron multiplies the loss it differentiates by the scale but reports the loss function's value. At
+    --loss-scale 2^127 the scaled fp32 loss sum overflows (~150 x 1.7e38) while the gradients do not (the step is
+    taken): the reported loss stays finite and, the scale being a power of two (exact in bf16), the run is the
+    unscaled one bit for bit."""
+    def run(path, *extra):
+        return train(parse_settings(_args(tmp_path / path, "--bf16", "--train-iters", "2", *extra), 1),
+                     get_backend("cpu"))["losses"]
+    assert run("huge", "--loss-scale", str(2.0 ** 127)) == run("plain")

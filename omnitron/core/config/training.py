@@ -185,7 +185,8 @@ class PrecisionConfig:
     fp16: bool = False
     """--fp16: fp16 parameters and compute with loss scaling, fp32 master weights."""
     loss_scale: float | None = None
-    """--loss-scale: a constant loss scale for fp16; unset means dynamic scaling."""
+    """--loss-scale: a constant loss scale (under --fp16, --bf16 or the distributed optimizer, as Megatron); unset
+    means dynamic scaling under --fp16."""
     initial_loss_scale: float = 2.0 ** 32
     """--initial-loss-scale: first dynamic loss scale."""
     min_loss_scale: float = 1.0
@@ -195,8 +196,8 @@ class PrecisionConfig:
     hysteresis: int = 2
     """--hysteresis: overflowing steps tolerated before the dynamic scale halves."""
     max_consecutive_skipped_iterations: int = 100
-    """--max-consecutive-skipped-iterations: with --fp16, stop the run (exit non-zero) after this many steps in
-    a row skipped on gradient overflow: the loss scale cannot recover (0: never stop)."""
+    """--max-consecutive-skipped-iterations: with loss scaling, stop the run (exit non-zero) after this many steps
+    in a row skipped on gradient overflow: the loss scale cannot recover (0: never stop)."""
 
     def __post_init__(self) -> None:
         if self.bf16 and self.fp16:
@@ -301,7 +302,8 @@ class TrainingConfig:
     """--enable-cuda-graph: Megatron's older spelling of --cuda-graph-impl local."""
     check_for_nan_in_loss_and_grad: bool = True
     """--check-for-nan-in-loss-and-grad: stop before the optimizer step when the loss or the gradient norm
-    is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron)."""
+    is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron; off by default
+    under --fp16 without --loss-scale, as Megatron sets it: there the dynamic scaler skips non-finite steps)."""
 
     def __post_init__(self) -> None:
         from omnitron.core.capture import resolve_impl

@@ -169,13 +169,19 @@ class MixedPrecisionOptimizer:
 
         ``count_zeros``: also count the zero gradient elements (after unscaling, before clipping).
         ``timers``: the run's :class:`~omnitron.core.training.timers.Timers` (times the copy into the model).
-        ``check_norm``: called with the global gradient norm before anything is changed; raising there
-        leaves weights and optimizer state as they were (--check-for-nan-in-loss-and-grad)."""
+        ``check_norm``: called with the global gradient norm before anything is changed, also on a loss-scale
+        overflow (before the scaler's update); raising there leaves weights, optimizer and scaler state as they were
+        (--check-for-nan-in-loss-and-grad)."""
         grads = self._fp32_grads()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
             torch._foreach_mul_(grads, 1.0 / scale)  # NOTE: in place: the step consumes the gradients
             found_inf = self._found_inf(grads)
+            if found_inf and check_norm is not None:
+                # NOTE: as Megatron, whose check of the gradients (on with a constant scale) runs before its scaler
+                # sees them: the check stops the run, a skip needs it off. found_inf is the replica's: all ranks
+                # come here and take the norm's collectives together.
+                check_norm(self._grad_norm(grads))
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return StepResult(True, None, lr, scale)

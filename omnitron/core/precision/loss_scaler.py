@@ -1,8 +1,8 @@
-"""Loss scaling for fp16: a constant scale (--loss-scale) or a dynamic one.
+"""Loss scaling: a constant scale (--loss-scale; also under --bf16, as Megatron) or fp16's dynamic one.
 
-The training step multiplies the loss by ``scale`` before backward; the optimizer divides the
-gradients by it, reports whether any was inf/nan, and calls :meth:`update`, which skips that
-step. The dynamic scaler halves after ``hysteresis`` overflowing steps and doubles after
+The training step multiplies the loss's gradient by ``scale`` in backward (the reported loss stays unscaled, as
+Megatron's); the optimizer divides the gradients by it, reports whether any was inf/nan, and calls :meth:`update`;
+the step is then skipped (or, under --check-for-nan-in-loss-and-grad, the run stops). The dynamic scaler halves after ``hysteresis`` overflowing steps and doubles after
 ``growth_interval`` clean ones (Megatron's rule).
 """
 from __future__ import annotations
@@ -65,12 +65,13 @@ class DynamicLossScaler:
         self._hysteresis_tracker = int(state["hysteresis_tracker"])
 
 
-def build_loss_scaler(config: PrecisionConfig):
-    """The scaler for this precision: None unless --fp16 (bf16 and fp32 need no scaling)."""
+def build_loss_scaler(config: PrecisionConfig, distributed_optimizer: bool = False):
+    """The scaler Megatron's get_megatron_optimizer builds: --loss-scale gives a constant one under --fp16, --bf16 or
+    the distributed optimizer (fp32 too); --fp16 without it a dynamic one; anything else none."""
+    if config.loss_scale is not None and (config.fp16 or config.bf16 or distributed_optimizer):
+        return ConstantLossScaler(config.loss_scale)
     if not config.fp16:
         return None
-    if config.loss_scale is not None:
-        return ConstantLossScaler(config.loss_scale)
     return DynamicLossScaler(config.initial_loss_scale, config.min_loss_scale, config.loss_scale_window,
                              config.hysteresis)
 

@@ -494,6 +494,7 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
         raise ConfigError(f"--nproc-per-node must be >= 1 (worker processes on this node), got {nproc}")
     world = world_size or int(os.environ.get("WORLD_SIZE", nproc))
     precision = _build(PrecisionConfig, merged)
+    merged = _nan_check_default(merged, precision)
     family, model, parallel = _model_settings(merged, precision)
     training = _training_settings(merged, data_parallel_size(parallel, world), model.seq_length)
     if training.calculate_per_token_loss and getattr(model, "num_experts", None):
@@ -588,6 +589,17 @@ def _check_mtp(merged: dict[str, Any], family: str, training: TrainingConfig) ->
     if merged.get("reset_attention_mask"):
         raise ConfigError("--mtp-num-layers with --reset-attention-mask: the shifted tokens would cross document "
                           "boundaries; drop --reset-attention-mask")
+
+
+def _nan_check_default(merged: dict[str, Any], precision: PrecisionConfig) -> dict[str, Any]:
+    """``merged`` with --check-for-nan-in-loss-and-grad off under --fp16 with dynamic loss scaling, as Megatron's
+    validate_args sets it: there a non-finite loss or gradient is the scaler's signal (the step is skipped, counted
+    in nan_iters, and the scale backs off), not a reason to stop. A run that names the flag keeps its choice."""
+    if precision.fp16 and precision.loss_scale is None and "check_for_nan_in_loss_and_grad" not in merged:
+        log.info("--check-for-nan-in-loss-and-grad is off: --fp16 with dynamic loss scaling skips non-finite steps "
+                 "(as Megatron); name the flag to keep the check")
+        return {**merged, "check_for_nan_in_loss_and_grad": False}
+    return merged
 
 
 def _training_settings(merged: dict[str, Any], dp: int, seq_length: int) -> TrainingConfig:
@@ -739,6 +751,8 @@ def _check_onebit(optim: OptimizerConfig, ddp, precision: PrecisionConfig, paral
                           "--use-torch-fsdp2 shards; drop --use-torch-fsdp2 or use --optimizer adam")
     if precision.fp16:
         raise ConfigError(f"{why} has no fp16 loss-scale skipping over local gradients; use --bf16 (or fp32)")
+    if precision.loss_scale is not None and precision.bf16:
+        raise ConfigError(f"{why} has no loss-scale skipping over local gradients; drop --loss-scale")
     if parallel.context_parallel_size > 1:
         raise ConfigError(f"{why} is not implemented with context parallelism; use --context-parallel-size 1")
     if getattr(model, "num_experts", None):

@@ -245,7 +245,8 @@ def enable_fp8_if_asked(modules, settings, groups, cfg, backend) -> dict:
 def build_optimizer(named, settings, groups, backend, chunks, duplicates) -> MixedPrecisionOptimizer:
     """The distributed (ZeRO-1) optimizer with --use-distributed-optimizer, FSDP2's sharded-parameter one with
     --use-torch-fsdp2, else the replicated one."""
-    kw = {"backend": backend, "loss_scaler": build_loss_scaler(settings.precision), "duplicates": duplicates}
+    scaler = build_loss_scaler(settings.precision, getattr(settings.ddp, "use_distributed_optimizer", False))
+    kw = {"backend": backend, "loss_scaler": scaler, "duplicates": duplicates}
     if uses_fsdp2(settings):
         from omnitron.core.optim.fsdp import FSDP2Optimizer
 

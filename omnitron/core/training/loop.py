@@ -266,7 +266,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
     valid, stopping = ValidationStream(c), False  # one validation stream over the run, as Megatron
-    skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if settings.precision.fp16 else 0)
+    skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if c.optimizer.loss_scaler else 0)
     house = Housekeeping(t, backend)
     house.start()
     if t.skip_train and rank0:

@@ -128,7 +128,8 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                       "--exp-avg-sq-dtype at their fp32 defaults Megatron's precision-aware "
                                       "optimizer takes the standard Adam step (only where its state lives "
                                       "differs); those dtype flags, which would change it, are refused as "
-                                      "Megatron's"),
+                                      "Megatron's, and so is the flag without --use-distributed-optimizer or with "
+                                      "another --optimizer than adam, as Megatron refuses it"),
     "num_distributed_optimizer_instances": ("N", "the distributed optimizer shards its state over the whole "
                                                  "data-parallel group (one instance)",
                                             "Megatron's N instances each shard over dp / N ranks and all-reduce "
@@ -246,7 +247,8 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("tensorboard_dir"):  # Megatron's events directory; metrics.jsonl goes there too unless --log-dir
         out.setdefault("log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
-    for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type", "recompute_modules"):  # resolved later
+    for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type", "recompute_modules",
+                "use_precision_aware_optimizer"):  # resolved later
         if key in given:
             out[key] = given[key]
     return out, notes
@@ -295,6 +297,7 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     or samples; ``--no-position-embedding`` only with RoPE; ``--rope-type`` (:func:`_rope_type`);
     ``--recompute-modules`` checked as Megatron does."""
     _check_recompute_modules(merged.pop("recompute_modules", None), merged)
+    _check_precision_aware(merged, merged.pop("use_precision_aware_optimizer", False))
     if merged.pop("no_position_embedding", False) and merged.get("position_embedding_type") != "rope":
         raise ConfigError("--no-position-embedding needs --position-embedding-type rope (omnitron's GPT has no "
                           "position-free variant)")
@@ -314,6 +317,19 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     warmup = fraction * decay  # Megatron: lr_warmup_steps = fraction * lr_decay_steps, not rounded
     merged[f"lr_warmup_{unit}"] = int(warmup) if warmup == int(warmup) else warmup
     return merged
+
+
+def _check_precision_aware(merged: dict[str, Any], given: bool) -> None:
+    """Megatron's --use-precision-aware-optimizer runs with --optimizer adam and the distributed optimizer only
+    (OptimizerConfig asserts the first, get_megatron_optimizer raises on the second): refused elsewhere as there."""
+    if not given:
+        return
+    if merged.get("optimizer", "adam") != "adam":
+        raise ConfigError(f"--use-precision-aware-optimizer: Megatron runs it with --optimizer adam only, not "
+                          f"{merged['optimizer']}; drop the flag or use --optimizer adam")
+    if not merged.get("use_distributed_optimizer"):
+        raise ConfigError("--use-precision-aware-optimizer: Megatron runs it with the distributed optimizer only; add "
+                          "--use-distributed-optimizer or drop the flag")
 
 
 def _rope_type(merged: dict[str, Any], kind: str | None) -> None:

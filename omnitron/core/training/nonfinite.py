@@ -63,7 +63,7 @@ def weights_finite(tensors, collectives, device=None) -> bool:
 
 
 class SkipCounter:
-    """Counts fp16 steps skipped in a row on overflow; raises once ``limit`` is reached (0: never)."""
+    """Counts loss-scaled steps skipped in a row on overflow; raises once ``limit`` is reached (0: never)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.run = limit, 0
@@ -72,6 +72,6 @@ class SkipCounter:
         self.run = self.run + 1 if skipped else 0
         if self.limit and self.run >= self.limit:
             raise TrainingStopped(
-                f"iteration {iteration}, rank {rank}: {self.run} consecutive steps skipped on fp16 gradient overflow "
+                f"iteration {iteration}, rank {rank}: {self.run} consecutive steps skipped on gradient overflow "
                 f"(loss scale {loss_scale:g}): the scale cannot recover; lower --loss-scale or use dynamic scaling "
                 f"(drop --loss-scale), or --bf16 (--max-consecutive-skipped-iterations sets the limit)")

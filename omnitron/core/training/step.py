@@ -65,7 +65,7 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
 
     def loss_fn(output, batch):
         total, count = context_parallel_loss(*model_loss(output, batch), batch)
-        return (total * loss_scale if loss_scale else total), count
+        return (_ScaleGrad.apply(total, loss_scale) if loss_scale else total), count
 
     t = c.settings.training
     combined = None
@@ -77,8 +77,23 @@ def _run(c, data_iterator: Iterator | None, *, forward_only: bool, loss_scale: f
                            loss_fn=loss_fn, forward_only=forward_only, collectives=c.backend.collectives,
                            device=c.backend.current_device(), timeline=timeline,
                            per_token_loss=t.calculate_per_token_loss, combined_fn=combined)
-    loss = out["loss"] / loss_scale if loss_scale else out["loss"]  # NOTE: loss scales are powers of two
-    return loss, out["tokens"]
+    return out["loss"], out["tokens"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward, the gradient times ``scale`` backward: the loss scaling acts on the backward alone, so the
+    loss the step reports is the unscaled one, as Megatron's (it multiplies the loss it differentiates by the scale
+    but reports the loss function's value): a scale that overflows the scaled loss (it is fp32, the gradients need
+    not overflow) leaves the reported loss finite."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 def _stage_iterator(c, data_iterator):
