@@ -129,7 +129,7 @@ def _run_rank(settings, entry=None) -> int:
         entry(settings, backend, watchdog=watchdog)
         ok = True
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report
-        return failures.handle(exc, int(os.environ.get("RANK", "0")), watchdog.dump)
+        return failures.handle(exc, int(os.environ.get("RANK", "0")), watchdog.dump, watchdog.silent_ranks)
     finally:
         watchdog.stop()
         if ok:  # after a failure the group may wait on a dead peer: the process just exits

@@ -152,6 +152,10 @@ class NullWatchdog:
     def dump(self, reason: str) -> None:
         """Nothing to dump without peers."""
 
+    def silent_ranks(self) -> list[tuple[int, str]]:
+        """No peers, none silent."""
+        return []
+
     def stop(self) -> None:
         """Nothing runs."""
 
@@ -190,6 +194,11 @@ class Watchdog(NullWatchdog):
 
     def dump(self, reason: str) -> None:
         dump_state(reason, self.rank)
+
+    def silent_ranks(self) -> list[tuple[int, str]]:
+        """``(rank, "pid P on HOST")`` of the ranks whose heartbeat stopped, not finished (the census: 2.5 heartbeat
+        intervals, 12.5 s at the default timeout): after a transport error, the peers that are gone."""
+        return self._census()
 
     def stop(self) -> None:
         """Write ``done`` as the last heartbeat and end both threads (a clean exit is not a silent rank)."""
