@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from omnitron.core.config.parallel import ConfigError
-from omnitron.core.training.agreement import canonical, check_same_settings
+from omnitron.core.training.agreement import SEES_SAVE, canonical, check_same_settings
 from omnitron.core.training.arguments import parse_settings
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -24,11 +24,14 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--num-workers", "0"]
 
 
-def _run_ranks(argvs: list[list[str]]) -> list[BaseException | None]:
-    """check_same_settings on one thread per rank (rank r parses ``argvs[r]``); what each raised."""
+def _run_ranks(argvs: list[list[str]], sees_save: list[bool] | None = None) -> list[BaseException | None]:
+    """check_same_settings on one thread per rank (rank r parses ``argvs[r]``; ``sees_save[r]``: whether it sees
+    rank 0's mark in --save); what each raised."""
     world = len(argvs)
     host = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=30), wait_for_workers=False)
     values = [canonical(parse_settings(a, world_size=world)) for a in argvs]
+    for v, seen in zip(values, sees_save or []):
+        v[SEES_SAVE] = seen
     got: list[BaseException | None] = [None] * world
 
     def rank(r: int) -> None:
@@ -79,21 +82,28 @@ def test_equal_settings_spelled_differently_agree():
                        BASE, BASE]) == [None] * 4
 
 
+def test_a_save_directory_a_node_does_not_share_is_named():
+    save = f"/shared{random.randrange(10**6)}/ck"
+    got = _run_ranks([BASE + ["--save", save]] * 4, sees_save=[True, True, False, False])
+    line = str(got[0])
+    assert all(isinstance(e, ConfigError) and str(e) == line for e in got), got
+    assert line.startswith(f"--save {save} is not one directory shared by every node: ranks 2, 3 of 4 do not see "
+                           "the file rank 0 made in it"), line
+
+
 TWO_NODES_TIMEOUT_S = 150
 
 
-@pytest.mark.slow
-def test_two_torchrun_nodes_with_different_tensor_parallel_sizes_stop_in_one_line(tmp_path):
-    """Two torchrun agents (--nnodes 2, one rank each, as two nodes) given different --tensor-model-parallel-size:
-    each node's job ends with exit code 1 and torchrun's report names the flag. Without the check the world of 2
-    trains (tp 1 on one node, tp 2 on the other; with --seed it trains silently wrong). About 20 s on 2 cores."""
+def _two_nodes(tmp_path, node_args, wrap=lambda node, argv: argv):
+    """Two torchrun agents (--nnodes 2, one rank each) of ``omnitron train BASE + node_args[node]``; each
+    ``(returncode, output)``. ``wrap(node, argv)``: the command that runs node's torchrun (a mount namespace)."""
     port = random.randrange(20000, 60000)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "--monitor-interval", "0.2", "-m", "omnitron.train", *BASE, "--no-tensorboard",
-                               "--save", str(tmp_path / "ck"), "--tensor-model-parallel-size", str(1 + node)],
+    procs = [subprocess.Popen(wrap(node, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                          "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
+                                          "127.0.0.1", "--master-port", str(port), "--monitor-interval", "0.2", "-m",
+                                          "omnitron.train", *BASE, "--no-tensorboard", *node_args[node]]),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp_path))
              for node in (0, 1)]
     try:
@@ -101,11 +111,55 @@ def test_two_torchrun_nodes_with_different_tensor_parallel_sizes_stop_in_one_lin
     finally:
         for p in procs:
             p.kill()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _last_line(out: str) -> str:
+    return [s.strip() for s in out.splitlines() if s.strip() and set(s.strip()) != {"="}][-1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_with_different_tensor_parallel_sizes_stop_in_one_line(tmp_path):
+    """Two torchrun agents (--nnodes 2, one rank each, as two nodes) given different --tensor-model-parallel-size:
+    each node's job ends with exit code 1 and torchrun's report names the flag. Without the check the world of 2
+    trains (tp 1 on one node, tp 2 on the other; with --seed it trains silently wrong). About 20 s on 2 cores."""
+    save = str(tmp_path / "ck")
+    got = _two_nodes(tmp_path, [["--save", save, "--tensor-model-parallel-size", str(1 + node)] for node in (0, 1)])
     line = ("the ranks were started with different settings (rank 1 of 2 differ from rank 0): "
             "--tensor-model-parallel-size 2 on rank 1, 1 on rank 0.")
-    for node, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 1, out[-3000:]
-        last = [s.strip() for s in out.splitlines() if s.strip() and set(s.strip()) != {"="}][-1]
+    for node, (code, out) in enumerate(got):
+        assert code == 1, out[-3000:]
+        last = _last_line(out)
         assert last.startswith(f"traceback : omnitron train: error: rank {node} (pid "), out[-3000:]
         assert line in last, last
     assert not os.path.exists(tmp_path / "ck" / "latest")  # no step was taken, nothing saved
+
+
+def _private_mount_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _private_mount_works(),
+                    reason="needs a mount namespace (unshare -m) to give one node a disk of its own")
+def test_a_node_whose_save_is_its_own_disk_stops_before_training(tmp_path):
+    """Node 1's torchrun runs in a mount namespace with a tmpfs over --save (a node-local disk at the same path):
+    both nodes stop before the first step, naming --save. Without the check the job trained until its first save
+    and stopped there on "rank_00001.pt: its writer left no sha256 digest". About 20 s on 2 cores."""
+    save = tmp_path / "ck"
+    save.mkdir()
+
+    def own_disk(node, argv):
+        if node == 0:
+            return argv
+        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{save}" && exec "$@"', "sh", *argv]
+
+    got = _two_nodes(tmp_path, [["--save", str(save), "--save-interval", "1"]] * 2, own_disk)
+    for node, (code, out) in enumerate(got):
+        assert code == 1, out[-3000:]
+        assert f"--save {save} is not one directory shared by every node: rank 1 of 2 does not see the file rank 0 " \
+               "made in it" in _last_line(out), out[-3000:]
+    assert sorted(os.listdir(save)) == ["omnitron.lock"]  # no checkpoint begun, rank 0's mark removed

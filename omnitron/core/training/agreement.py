@@ -13,13 +13,20 @@ each rank joins the job (:func:`omnitron.core.training.workers.join_job`), befor
   that differ and, from the lowest of them, the flags and both values;
 - every rank reads the verdict and raises :class:`ConfigError` with that line (exit code 2, the same line on
   every rank, in torchrun's report of every node).
+
+The ranks' view of ``--save`` is compared too (:func:`mark_save_dir`, :data:`SEES_SAVE`): every rank writes its
+checkpoint files there, so it must be one directory on a file system every node shares. A node whose ``--save``
+was a directory on its own disk trained until the first save, then stopped on "rank_00002.pt: its writer left no
+sha256 digest; the shard was not written completely" (the work since the start lost).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
 import time
+import uuid
 
 from omnitron.core.config.parallel import ConfigError
 
@@ -44,6 +51,44 @@ def canonical(settings) -> dict:
         values = dict(vars(settings))
     return json.loads(json.dumps({k: v for k, v in values.items() if k not in NODE_LOCAL}, sort_keys=True,
                                  default=repr))
+
+
+SEES_SAVE = "sees --save"
+"""The entry of a rank's compared values that says whether it sees rank 0's mark in ``--save``."""
+MARK_KEY = "settings/save_mark"
+
+
+def mark_save_dir(store, rank: int, settings) -> None:
+    """Rank 0, before it arrives: an empty file of a fresh name in ``--save`` (rank 0 holds its lock, so the
+    directory exists), its name published for :func:`agreed`. A fresh name: no node has looked it up before,
+    so no cached lookup of a network file system answers for it."""
+    if rank != 0:
+        return
+    save = getattr(getattr(settings, "checkpoint", None), "save", None)
+    name = ""
+    if save and os.path.isdir(save):
+        name = f".omnitron-shared-{uuid.uuid4().hex}"
+        with open(os.path.join(save, name), "wb") as f:
+            os.fsync(f.fileno())
+    store.set(MARK_KEY, name)
+
+
+def agreed(store, rank: int, world: int, settings, limit_s: float) -> None:
+    """:func:`check_same_settings` of :func:`canonical` ``settings`` and, where rank 0 marked ``--save``, whether
+    this rank sees the mark; rank 0 removes the mark after the verdict."""
+    values = canonical(settings)
+    name = store.get(MARK_KEY).decode()
+    path = os.path.join(settings.checkpoint.save, name) if name else None
+    if path:
+        values[SEES_SAVE] = os.path.exists(path)
+    try:
+        check_same_settings(store, rank, world, values, limit_s)
+    finally:
+        if path and rank == 0:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 def digest(values: dict) -> str:
@@ -79,14 +124,17 @@ def check_same_settings(store, rank: int, world: int, values: dict, limit_s: flo
 def describe(differ: list[int], world: int, first: dict, other: dict) -> str:
     """The line for ranks ``differ`` whose settings differ from rank 0's ``first``; ``other``: ``differ[0]``'s."""
     from omnitron.core.training.arguments import options
+    from omnitron.core.training.workers import rank_list
 
     opts, r = options(), differ[0]
-    keys = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
+    keys = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k) and k != SEES_SAVE)
+    if not keys:  # the same settings: only the view of --save differs
+        return (f"--save {first.get('save')} is not one directory shared by every node: {rank_list(differ)} of "
+                f"{world} {'does' if len(differ) == 1 else 'do'} not see the file rank 0 made in it (a directory on "
+                f"each node's own disk?). Give --save a directory on a file system every node mounts at the same path")
     parts = [f"{opts[k].flag if k in opts else '--' + k.replace('_', '-')} {_shown(other.get(k))} on rank {r}, "
              f"{_shown(first.get(k))} on rank 0" for k in keys[:SHOWN]]
     more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
-    from omnitron.core.training.workers import rank_list
-
     return (f"the ranks were started with different settings ({rank_list(differ)} of {world} differ from rank 0): "
             f"{'; '.join(parts)}{more}. Start every node with the same flags and config file")
 

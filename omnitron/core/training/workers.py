@@ -76,6 +76,7 @@ def join_job(settings, backend) -> Watchdog:
     lg = getattr(settings, "logging", None)
     if rank == 0:  # before it arrives: every rank can read it once all have arrived
         store.set("run_dir", getattr(lg, "log_dir", None) or "")
+    agreement.mark_save_dir(store, rank, settings)
     # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
     store.set(f"arrived/{rank}", "1")
     _wait_for_arrivals(store, world, timeout)
@@ -83,7 +84,7 @@ def join_job(settings, backend) -> Watchdog:
         # torchrun: the new ./runs/<timestamp> rank 0 named for a job with neither --save nor --log-dir
         # (launch.py; each rank naming its own from its clock could straddle a second)
         lg.log_dir = store.get("run_dir").decode() or None
-    agreement.check_same_settings(store, rank, world, agreement.canonical(settings), max(timeout, JOIN_TIMEOUT_S))
+    agreement.agreed(store, rank, world, settings, max(timeout, JOIN_TIMEOUT_S))
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
                                            store=store)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
