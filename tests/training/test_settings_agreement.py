@@ -18,6 +18,7 @@ import torch.distributed as dist
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.training.agreement import SEES_SAVE, canonical, check_same_settings
 from omnitron.core.training.arguments import parse_settings
+from omnitron.testing.faults import on_own_disk, private_mount_works
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
@@ -135,15 +136,8 @@ def test_two_torchrun_nodes_with_different_tensor_parallel_sizes_stop_in_one_lin
     assert not os.path.exists(tmp_path / "ck" / "latest")  # no step was taken, nothing saved
 
 
-def _private_mount_works() -> bool:
-    try:
-        return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _private_mount_works(),
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not private_mount_works(),
                     reason="needs a mount namespace (unshare -m) to give one node a disk of its own")
 def test_a_node_whose_save_is_its_own_disk_stops_before_training(tmp_path):
     """Node 1's torchrun runs in a mount namespace with a tmpfs over --save (a node-local disk at the same path):
@@ -152,12 +146,8 @@ def test_a_node_whose_save_is_its_own_disk_stops_before_training(tmp_path):
     save = tmp_path / "ck"
     save.mkdir()
 
-    def own_disk(node, argv):
-        if node == 0:
-            return argv
-        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{save}" && exec "$@"', "sh", *argv]
-
-    got = _two_nodes(tmp_path, [["--save", str(save), "--save-interval", "1"]] * 2, own_disk)
+    got = _two_nodes(tmp_path, [["--save", str(save), "--save-interval", "1"]] * 2,
+                     lambda node, argv: on_own_disk(str(save), argv) if node == 1 else argv)
     for node, (code, out) in enumerate(got):
         assert code == 1, out[-3000:]
         assert f"--save {save} is not one directory shared by every node: rank 1 of 2 does not see the file rank 0 " \

@@ -130,13 +130,19 @@ def handle(exc: BaseException, rank: int, dump, silent=None) -> int:
     return 2 if _bad_input(exc) else 1
 
 
-def lost_peers(gone: list[tuple[int, str]], shown: int = 4) -> str:
-    """``lost rank 2 (pid 9 on node-b), whose heartbeat stopped (...): `` for ``gone`` (``(rank, info)``), else ''."""
+def lost_peers(gone: list[tuple[int, str, str | None]], shown: int = 4) -> str:
+    """The head of a lost peer's line from the watchdog's census ``gone`` (``(rank, "pid P on HOST", failure)``):
+    ``rank 2 (pid 9 on node-b) failed first: <its line>; `` for a rank that failed, else ``lost rank 2 (pid 9 on
+    node-b), whose heartbeat stopped (...): ``; '' when the census found none."""
+    failed = [g for g in gone if g[2]]
+    if failed:
+        r, info, line = failed[0]
+        return f"rank {r} ({info or 'pid unknown'}) failed first: {line}; here: "
     if not gone:
         return ""
-    infos = "; ".join(info or "pid unknown" for _, info in gone[:shown]) + ("; ..." if len(gone) > shown else "")
+    infos = "; ".join(info or "pid unknown" for _, info, _ in gone[:shown]) + ("; ..." if len(gone) > shown else "")
     whose, its = ("whose heartbeat", "its") if len(gone) == 1 else ("whose heartbeats", "their")
-    return (f"lost {_ranks([r for r, _ in gone])} ({infos}), {whose} stopped (killed, or {its} host is down or "
+    return (f"lost {_ranks([r for r, _, _ in gone])} ({infos}), {whose} stopped (killed, or {its} host is down or "
             f"unreachable; {its} own node's log says why): ")
 
 

@@ -122,16 +122,18 @@ def _run_rank(settings, entry=None) -> int:
     devices = backend.device_count()
     if devices > 1:  # one device per local rank (a no-op on the host CPU)
         backend.set_device(int(os.environ.get("LOCAL_RANK", "0")) % devices)
-    watchdog, ok = NullWatchdog(), False
+    watchdog, ok, fault = NullWatchdog(), False, None
     try:
         if world > 1:
             watchdog = join_job(settings, backend)
         entry(settings, backend, watchdog=watchdog)
         ok = True
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report
+        kind, line = failures.classify(exc)
+        fault = line if kind != "peer" else None  # this rank's own fault: its last heartbeat names it
         return failures.handle(exc, int(os.environ.get("RANK", "0")), watchdog.dump, watchdog.silent_ranks)
     finally:
-        watchdog.stop()
+        watchdog.stop(fault)
         if ok:  # after a failure the group may wait on a dead peer: the process just exits
             backend.collectives.destroy()
     return 0
