@@ -92,6 +92,7 @@ def agreed(store, rank: int, world: int, settings, limit_s: float) -> None:
 
 
 def digest(values: dict) -> str:
+    """SHA-256 of ``values`` as sorted JSON: what each rank sends (its settings in full only when they differ)."""
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
