@@ -85,3 +85,18 @@ def wait_for_iteration(metrics: str, iteration: int, proc: subprocess.Popen, tim
                                  f"{proc.stdout.read()}")
         assert time.monotonic() - t0 < timeout_s, f"no iteration {iteration} after {timeout_s} s"
         time.sleep(0.02)
+
+
+def private_mount_works() -> bool:
+    """Whether this process may make a mount namespace (``unshare -m``: root, or a user namespace), in which a
+    path can be given a disk of its own, as a node-local disk on another node."""
+    try:
+        return subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def on_own_disk(path: str, argv: list[str]) -> list[str]:
+    """``argv`` run in a mount namespace where ``path`` (an existing directory) is an empty tmpfs: a "node" whose
+    ``path`` is its own local directory, not the one the other processes see."""
+    return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{path}" && exec "$@"', "sh", *argv]

@@ -104,10 +104,15 @@ def refuse(err: BaseException) -> int:
     return 2
 
 
-def handle(exc: BaseException, rank: int, dump) -> int:
+def handle(exc: BaseException, rank: int, dump, silent=None) -> int:
     """Report the exception that ended this rank; returns the exit code. ``dump(reason)``: the watchdog's
-    stack and flight-recorder dump, used when a collective timed out."""
+    stack and flight-recorder dump, used when a collective timed out. ``silent()``: the watchdog's ranks whose
+    heartbeat stopped (:meth:`~omnitron.core.training.watchdog.Watchdog.silent_ranks`), asked after a transport
+    error when no launcher summarises the job (torchrun, one process a rank): a peer killed on another node showed
+    here only as "Connection reset by peer", naming no rank."""
     kind, line = classify(exc)
+    if kind == "peer" and silent is not None and not os.environ.get(REPORT_DIR_ENV):
+        line = lost_peers(silent()) + line
     if kind == "peer" and is_timeout(line):
         dump(f"a collective timed out: {line}")
     if kind == "error":
@@ -123,6 +128,22 @@ def handle(exc: BaseException, rank: int, dump) -> int:
         log.error("rank %d: %s", rank, line)
     sys.stderr.flush()
     return 2 if _bad_input(exc) else 1
+
+
+def lost_peers(gone: list[tuple[int, str, str | None]], shown: int = 4) -> str:
+    """The head of a lost peer's line from the watchdog's census ``gone`` (``(rank, "pid P on HOST", failure)``):
+    ``rank 2 (pid 9 on node-b) failed first: <its line>; `` for a rank that failed, else ``lost rank 2 (pid 9 on
+    node-b), whose heartbeat stopped (...): ``; '' when the census found none."""
+    failed = [g for g in gone if g[2]]
+    if failed:
+        r, info, line = failed[0]
+        return f"rank {r} ({info or 'pid unknown'}) failed first: {line}; here: "
+    if not gone:
+        return ""
+    infos = "; ".join(info or "pid unknown" for _, info, _ in gone[:shown]) + ("; ..." if len(gone) > shown else "")
+    whose, its = ("whose heartbeat", "its") if len(gone) == 1 else ("whose heartbeats", "their")
+    return (f"lost {_ranks([r for r, _, _ in gone])} ({infos}), {whose} stopped (killed, or {its} host is down or "
+            f"unreachable; {its} own node's log says why): ")
 
 
 def _bad_input(exc: BaseException) -> bool:

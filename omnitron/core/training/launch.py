@@ -122,16 +122,18 @@ def _run_rank(settings, entry=None) -> int:
     devices = backend.device_count()
     if devices > 1:  # one device per local rank (a no-op on the host CPU)
         backend.set_device(int(os.environ.get("LOCAL_RANK", "0")) % devices)
-    watchdog, ok = NullWatchdog(), False
+    watchdog, ok, fault = NullWatchdog(), False, None
     try:
         if world > 1:
             watchdog = join_job(settings, backend)
         entry(settings, backend, watchdog=watchdog)
         ok = True
     except Exception as exc:  # noqa: BLE001 - every failure becomes one report
-        return failures.handle(exc, int(os.environ.get("RANK", "0")), watchdog.dump)
+        kind, line = failures.classify(exc)
+        fault = line if kind != "peer" else None  # this rank's own fault: its last heartbeat names it
+        return failures.handle(exc, int(os.environ.get("RANK", "0")), watchdog.dump, watchdog.silent_ranks)
     finally:
-        watchdog.stop()
+        watchdog.stop(fault)
         if ok:  # after a failure the group may wait on a dead peer: the process just exits
             backend.collectives.destroy()
     return 0
@@ -146,10 +148,28 @@ def _name_run_dir(settings, entry) -> None:
         lg.log_dir = new_run_dir()
 
 
+def check_not_srun_tasks(env=None) -> None:
+    """ConfigError for a process that srun started as one of several tasks of its step (``SLURM_STEP_NUM_TASKS``
+    > 1) with no ``RANK``: omnitron reads no SLURM variables, so each task would train a copy of the model of its
+    own (two srun tasks without --save both trained, each into its own runs folder; with --save the second was
+    refused as "in use by another job"). An sbatch script's own process (``SLURM_NTASKS`` set, no step) is no
+    task of a step: a launch from it is left alone."""
+    env = os.environ if env is None else env
+    tasks = env.get("SLURM_STEP_NUM_TASKS", "").strip()
+    if "RANK" in env or not tasks.isdigit() or int(tasks) < 2:
+        return
+    raise ConfigError(f"started by srun as task {env.get('SLURM_PROCID', '?')} of {tasks} without torchrun: omnitron "
+                      "does not read SLURM's variables, so each task would train a separate copy. Start one torchrun "
+                      "per node (srun --ntasks-per-node 1 torchrun --nnodes $SLURM_NNODES ...: "
+                      "examples/slurm_gpt_1p3b.sh), or export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
+                      "MASTER_PORT in each task")
+
+
 def launch(settings, entry=None) -> int:
     """Run ``entry(settings, backend, watchdog=...)`` (default: the training loop) on every rank; the exit code.
 
     ``entry`` must be a module-level function (spawned workers import it)."""
+    check_not_srun_tasks()
     if settings.backend:
         # every module that asks for the backend (and every spawned worker) sees the same choice
         os.environ["OMNITRON_BACKEND"] = settings.backend

@@ -152,7 +152,11 @@ class NullWatchdog:
     def dump(self, reason: str) -> None:
         """Nothing to dump without peers."""
 
-    def stop(self) -> None:
+    def silent_ranks(self) -> list[tuple[int, str, str | None]]:
+        """No peers, none silent."""
+        return []
+
+    def stop(self, failure: str | None = None) -> None:
         """Nothing runs."""
 
 
@@ -170,7 +174,7 @@ class Watchdog(NullWatchdog):
         self._stop, self._fired = threading.Event(), threading.Lock()
         self._peer_seen = self._peer_read = time.monotonic()
         self._calling: float | None = None  # when the heartbeat's round of store calls in flight began
-        self._peer_done, self._peer_info, self._abort = False, "", None
+        self._peer_done, self._peer_info, self._abort, self._final = False, "", None, "done"
         self._threads = [threading.Thread(target=self._guard, args=(fn,), name=f"omnitron-watchdog-{fn.__name__}",
                                           daemon=True) for fn in (self._heartbeat, self._monitor)]
 
@@ -191,8 +195,16 @@ class Watchdog(NullWatchdog):
     def dump(self, reason: str) -> None:
         dump_state(reason, self.rank)
 
-    def stop(self) -> None:
-        """Write ``done`` as the last heartbeat and end both threads (a clean exit is not a silent rank)."""
+    def silent_ranks(self) -> list[tuple[int, str, str | None]]:
+        """``(rank, "pid P on HOST", failure)`` of the ranks whose heartbeat stopped, not finished (the census: 2.5
+        heartbeat intervals, 12.5 s at the default timeout), ``failure`` the line of a rank that failed (its last
+        heartbeat, :meth:`stop`), else None: after a transport error, the peers that are gone and why."""
+        return self._census()
+
+    def stop(self, failure: str | None = None) -> None:
+        """Write ``done`` (or ``failed: <failure>``, this rank's own fault) as the last heartbeat and end both
+        threads (a clean exit is not a silent rank; a failed one is named by the peers that lose it)."""
+        self._final = f"failed: {failure}" if failure else "done"
         self._phase = None
         self._stop.set()
         for t in self._threads:
@@ -222,13 +234,14 @@ class Watchdog(NullWatchdog):
             read = time.monotonic()
             if value != last:
                 last, self._peer_seen = value, read
-            self._peer_read, self._peer_done = read, value == b"done"
+            # a peer that finished, or failed (it names itself; the census names it to the ranks that lose it)
+            self._peer_read, self._peer_done = read, value == b"done" or (value or b"").startswith(b"failed: ")
             if not self._peer_info and store.check([info_key]):
                 self._peer_info = store.get(info_key).decode()
             if store.check(["abort"]):
                 self._abort = json.loads(store.get("abort").decode())
             self._calling = None
-        store.set(f"hb/{self.rank}", "done")
+        store.set(f"hb/{self.rank}", self._final)
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.interval / 2):
@@ -251,9 +264,12 @@ class Watchdog(NullWatchdog):
                     f"that hosts it is frozen or gone", None, True, STORE_KIND)
         if phase is not None and now - phase[1] > self.timeout and stuck <= max(self.timeout / 2, 3 * self.interval):
             waited = f"{phase[0]} has not finished after {now - phase[1]:.0f} s"
-            stale = self._census()  # a silent rank, if there is one, is the cause: name it
+            gone = self._census()  # a rank that failed or went silent, if there is one, is the cause: name it
+            failed, stale = [g for g in gone if g[2]], [g for g in gone if g[2] is None]
+            if failed:
+                return f"rank {failed[0][0]} ({failed[0][1]}) failed: {failed[0][2]}; {waited}", failed[0][0]
             if stale:
-                return _frozen(*stale[0], f"{2.5 * self.interval:.1f}") + f"; {waited}", stale[0][0]
+                return _frozen(stale[0][0], stale[0][1], f"{2.5 * self.interval:.1f}") + f"; {waited}", stale[0][0]
             return (f"{waited} (a collective or p2p transfer that never completes; limit "
                     f"--distributed-timeout-minutes)",)
         silent = self._peer_read - self._peer_seen
@@ -261,10 +277,10 @@ class Watchdog(NullWatchdog):
             return _frozen(self._peer, self._peer_info, f"{silent:.0f}"), self._peer
         return None
 
-    def _census(self) -> list[tuple[int, str]]:
-        """``(rank, info)`` of the ranks whose heartbeat did not move over 2.5 intervals (read when a deadline
-        expires, in a helper thread: the store may be what hangs)."""
-        found: list[tuple[int, str]] = []
+    def _census(self) -> list[tuple[int, str, str | None]]:
+        """``(rank, info, failure)`` of the ranks whose heartbeat did not move over 2.5 intervals (failure None) or
+        whose last one says they failed (read in a helper thread: the store may be what hangs)."""
+        found: list[tuple[int, str, str | None]] = []
 
         def run() -> None:
             store = self._connect()
@@ -273,9 +289,10 @@ class Watchdog(NullWatchdog):
             time.sleep(2.5 * self.interval)
             after = [store.get(k) if store.check([k]) else None for k in keys]
             for r in range(self.world):
-                if r != self.rank and before[r] == after[r] and after[r] != b"done":
+                failed = after[r] is not None and after[r].startswith(b"failed: ")
+                if r != self.rank and (failed or (before[r] == after[r] and after[r] != b"done")):
                     info = store.get(f"info/{r}").decode() if store.check([f"info/{r}"]) else ""
-                    found.append((r, info))
+                    found.append((r, info, after[r].decode()[len("failed: "):] if failed else None))
 
         t = threading.Thread(target=run, daemon=True)
         t.start()

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from omnitron.core.lifetime import die_with, die_with_parent
-from omnitron.core.training import failures
+from omnitron.core.training import agreement, failures
 from omnitron.core.training.failures import command_name
 from omnitron.core.training.watchdog import Watchdog, collective_timeout_s, distributed_timeout_s, heartbeat_interval
 
@@ -76,6 +76,7 @@ def join_job(settings, backend) -> Watchdog:
     lg = getattr(settings, "logging", None)
     if rank == 0:  # before it arrives: every rank can read it once all have arrived
         store.set("run_dir", getattr(lg, "log_dir", None) or "")
+    agreement.mark_save_dir(store, rank, settings)
     # NOTE: gloo's own rendezvous waits only the collective timeout: let every rank arrive first
     store.set(f"arrived/{rank}", "1")
     _wait_for_arrivals(store, world, timeout)
@@ -83,6 +84,7 @@ def join_job(settings, backend) -> Watchdog:
         # torchrun: the new ./runs/<timestamp> rank 0 named for a job with neither --save nor --log-dir
         # (launch.py; each rank naming its own from its clock could straddle a second)
         lg.log_dir = store.get("run_dir").decode() or None
+    agreement.agreed(store, rank, world, settings, max(timeout, JOIN_TIMEOUT_S))
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
                                            store=store)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
@@ -167,7 +169,7 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
     while not store.check(keys):
         if time.monotonic() >= give_up:
             missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
-            raise TrainingStopped(f"{_rank_list(missing)} did not join the job within {limit:.0f} s (a node that "
+            raise TrainingStopped(f"{rank_list(missing)} did not join the job within {limit:.0f} s (a node that "
                                   f"did not start omnitron, or a rank that failed before joining: see its log)")
         frozen = siblings.check(time.monotonic()) if siblings is not None else None
         if frozen is not None:
@@ -176,7 +178,7 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
         pause = min(STARTUP_POLL_S, 2 * pause)  # quick while the ranks arrive together, once a second after
 
 
-def _rank_list(ranks: list[int], shown: int = 8) -> str:
+def rank_list(ranks: list[int], shown: int = 8) -> str:
     """``rank 3`` / ``ranks 1, 2`` / ``ranks 1, 2, ... and 9 more``: a line's worth of rank numbers."""
     more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:shown])) + more

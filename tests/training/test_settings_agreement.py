@@ -1,0 +1,155 @@
+"""Ranks started with different settings (nodes launched with different flags) stop in one line before any work.
+
+The store protocol is run by threads over a real TCPStore (one client each, as ranks on several hosts); the whole
+path by two torchrun agents of one rank each, as two nodes (``--nnodes 2 --node-rank 0/1``) with different flags.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from omnitron.core.config.parallel import ConfigError
+from omnitron.core.training.agreement import SEES_SAVE, canonical, check_same_settings
+from omnitron.core.training.arguments import parse_settings
+from omnitron.testing.faults import on_own_disk, private_mount_works
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--num-workers", "0"]
+
+
+def _run_ranks(argvs: list[list[str]], sees_save: list[bool] | None = None) -> list[BaseException | None]:
+    """check_same_settings on one thread per rank (rank r parses ``argvs[r]``; ``sees_save[r]``: whether it sees
+    rank 0's mark in --save); what each raised."""
+    world = len(argvs)
+    host = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    values = [canonical(parse_settings(a, world_size=world)) for a in argvs]
+    for v, seen in zip(values, sees_save or []):
+        v[SEES_SAVE] = seen
+    got: list[BaseException | None] = [None] * world
+
+    def rank(r: int) -> None:
+        store = dist.PrefixStore("job/", dist.TCPStore("127.0.0.1", host.port, world, False,
+                                                       datetime.timedelta(seconds=30)))
+        try:
+            check_same_settings(store, r, world, values[r], limit_s=30.0)
+        except BaseException as err:  # noqa: BLE001 - the test inspects it
+            got[r] = err
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank still waits"
+    return got
+
+
+def test_a_different_seed_on_one_node_stops_every_rank_naming_the_flag():
+    seed = random.randrange(1, 10**6)
+    other = seed + random.randrange(1, 1000)
+    argvs = [BASE + ["--seed", str(s)] for s in (seed, seed, other, other)]  # node 1 (ranks 2, 3) differs
+    got = _run_ranks(argvs)
+    assert all(isinstance(e, ConfigError) for e in got), got
+    lines = {str(e) for e in got}
+    assert len(lines) == 1, lines  # the same line on every rank
+    line = lines.pop()
+    assert f"ranks 2, 3 of 4 differ from rank 0): --seed {other} on rank 2, {seed} on rank 0." in line, line
+    assert "\n" not in line
+
+
+def test_several_flags_are_named_the_rest_counted():
+    got = _run_ranks([BASE, BASE + ["--tensor-model-parallel-size", "2", "--lr", "0.5", "--seed", "3",
+                                    "--data-cache-path", "/elsewhere", "--clip-grad", "0.3"]])
+    line = str(got[1])
+    assert all(isinstance(e, ConfigError) and str(e) == line for e in got), got
+    # sorted by setting name: the first three, then a count of the others
+    assert "(rank 1 of 2 differ from rank 0): --clip-grad 0.3 on rank 1, 1.0 on rank 0; --data-cache-path " \
+           "/elsewhere on rank 1, (unset) on rank 0; --lr 0.5 on rank 1, " in line, line
+    assert line.endswith(" and 2 more. Start every node with the same flags and config file"), line
+
+
+def test_equal_settings_spelled_differently_agree():
+    """A flag given at its default on one node and left out on the other, and the node-local settings
+    (processes and threads per node, the config file's name) are no difference."""
+    assert _run_ranks([BASE, BASE + ["--seed", "1234", "--nproc-per-node", "3", "--threads-per-process", "2"],
+                       BASE, BASE]) == [None] * 4
+
+
+def test_a_save_directory_a_node_does_not_share_is_named():
+    save = f"/shared{random.randrange(10**6)}/ck"
+    got = _run_ranks([BASE + ["--save", save]] * 4, sees_save=[True, True, False, False])
+    line = str(got[0])
+    assert all(isinstance(e, ConfigError) and str(e) == line for e in got), got
+    assert line.startswith(f"--save {save} is not one directory shared by every node: ranks 2, 3 of 4 do not see "
+                           "the file rank 0 made in it"), line
+
+
+TWO_NODES_TIMEOUT_S = 150
+
+
+def _two_nodes(tmp_path, node_args, wrap=lambda node, argv: argv):
+    """Two torchrun agents (--nnodes 2, one rank each) of ``omnitron train BASE + node_args[node]``; each
+    ``(returncode, output)``. ``wrap(node, argv)``: the command that runs node's torchrun (a mount namespace)."""
+    port = random.randrange(20000, 60000)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen(wrap(node, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                          "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
+                                          "127.0.0.1", "--master-port", str(port), "--monitor-interval", "0.2", "-m",
+                                          "omnitron.train", *BASE, "--no-tensorboard", *node_args[node]]),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp_path))
+             for node in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=TWO_NODES_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _last_line(out: str) -> str:
+    return [s.strip() for s in out.splitlines() if s.strip() and set(s.strip()) != {"="}][-1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_with_different_tensor_parallel_sizes_stop_in_one_line(tmp_path):
+    """Two torchrun agents (--nnodes 2, one rank each, as two nodes) given different --tensor-model-parallel-size:
+    each node's job ends with exit code 1 and torchrun's report names the flag. Without the check the world of 2
+    trains (tp 1 on one node, tp 2 on the other; with --seed it trains silently wrong). About 20 s on 2 cores."""
+    save = str(tmp_path / "ck")
+    got = _two_nodes(tmp_path, [["--save", save, "--tensor-model-parallel-size", str(1 + node)] for node in (0, 1)])
+    line = ("the ranks were started with different settings (rank 1 of 2 differ from rank 0): "
+            "--tensor-model-parallel-size 2 on rank 1, 1 on rank 0.")
+    for node, (code, out) in enumerate(got):
+        assert code == 1, out[-3000:]
+        last = _last_line(out)
+        assert last.startswith(f"traceback : omnitron train: error: rank {node} (pid "), out[-3000:]
+        assert line in last, last
+    assert not os.path.exists(tmp_path / "ck" / "latest")  # no step was taken, nothing saved
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not private_mount_works(),
+                    reason="needs a mount namespace (unshare -m) to give one node a disk of its own")
+def test_a_node_whose_save_is_its_own_disk_stops_before_training(tmp_path):
+    """Node 1's torchrun runs in a mount namespace with a tmpfs over --save (a node-local disk at the same path):
+    both nodes stop before the first step, naming --save. Without the check the job trained until its first save
+    and stopped there on "rank_00001.pt: its writer left no sha256 digest". About 20 s on 2 cores."""
+    save = tmp_path / "ck"
+    save.mkdir()
+
+    got = _two_nodes(tmp_path, [["--save", str(save), "--save-interval", "1"]] * 2,
+                     lambda node, argv: on_own_disk(str(save), argv) if node == 1 else argv)
+    for node, (code, out) in enumerate(got):
+        assert code == 1, out[-3000:]
+        assert f"--save {save} is not one directory shared by every node: rank 1 of 2 does not see the file rank 0 " \
+               "made in it" in _last_line(out), out[-3000:]
+    assert sorted(os.listdir(save)) == ["omnitron.lock"]  # no checkpoint begun, rank 0's mark removed
