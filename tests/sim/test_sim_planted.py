@@ -474,3 +474,34 @@ def test_unbatched_sends_to_different_peers_run():
     results = run_distributed(ring_to_other_peers, 3, backend="sim", env=PAIR_ENV, timeout_s=90)
     for rank, r in enumerate(results):
         assert r["error"] == "" and torch.equal(r["got"], results[(rank - 1) % 3]["sent"]), r
+
+
+def even_odd_ring() -> dict:
+    """Megatron's unbatched exchange with both neighbours (megatron/core/pipeline_parallel/p2p_communication.py
+    ``_p2p_ops`` at d98e8a6, transcribed for more than two ranks): even ranks send to the next, receive from the
+    previous, send to the previous, receive from the next; odd ranks receive from the previous, send to the next,
+    receive from the next, send to the previous. Each pair sees a send against a receive at every place."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be, rank, n = get_backend(), dist.get_rank(), dist.get_world_size()
+    prev, nxt = (rank - 1) % n, (rank + 1) % n
+    sent = {"next": torch.randn(8, dtype=torch.float64), "prev": torch.randn(8, dtype=torch.float64)}
+    got = {side: torch.zeros(8, dtype=torch.float64, device=be.device()) for side in ("prev", "next")}
+    ops = {"send_next": (dist.isend, sent["next"].to(be.device()), nxt), "recv_prev": (dist.irecv, got["prev"], prev),
+           "send_prev": (dist.isend, sent["prev"].to(be.device()), prev), "recv_next": (dist.irecv, got["next"], nxt)}
+    order = ["send_next", "recv_prev", "send_prev", "recv_next"] if rank % 2 == 0 else \
+        ["recv_prev", "send_next", "recv_next", "send_prev"]
+    works = [ops[name][0](ops[name][1], ops[name][2]) for name in order]
+    message = _outcome(lambda: [w.wait() for w in works])
+    return {"error": message, "sent": sent, "got": {side: t.cpu() for side, t in got.items()}}
+
+
+def test_megatrons_even_odd_unbatched_ring_runs():
+    n = 4
+    results = run_distributed(even_odd_ring, n, backend="sim", env=PAIR_ENV, timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["error"] == "", r["error"]
+        assert torch.equal(r["got"]["prev"], results[(rank - 1) % n]["sent"]["next"])
+        assert torch.equal(r["got"]["next"], results[(rank + 1) % n]["sent"]["prev"])
