@@ -63,7 +63,9 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
 Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
 ``non_blocking`` host-to-device copy still reads (the copy is taken when issued); the race detector misses a
 race between two communicators sharing a stream slot, and one between kernels two host threads issue at the
-same instant (each checks before the other records). Barriers are queued,
+same instant (each checks before the other records); point-to-point cycles across pairs closed by ``wait()`` (NCCL's
+stream waits), and unbatched operations to different peers sharing the group's one stream (eager initialization)
+are not checked. Barriers are queued,
 checked and recorded like the collectives.
 """
 from __future__ import annotations
