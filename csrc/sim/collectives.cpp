@@ -13,7 +13,8 @@
 // waits behind it is reported on its rank, naming both. A collective issued while another thread's
 // collective is still queued on the device is an error (ranks may order the two differently).
 // Barriers are queued like collectives. Point-to-point operations are not (a batched send/recv pair would
-// otherwise deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike.
+// otherwise deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike,
+// and an unbatched one takes its place in its pair's order (pair_order.cpp): batch_isend_irecv coalesces here.
 #include "comm.h"
 #include "compat.h"
 #include "sim.h"
@@ -187,9 +188,12 @@ struct Item {
   c10::intrusive_ptr<c10d::Backend> gloo;  // strict mode: exchange ``key`` on it before launching
   std::string key;
   std::function<std::string()> on_settle;  // p2p receive: the order check, once it completed ("" = fine)
+  std::function<std::string()> early_check;  // the same check before, once the send was issued ("" = fine)
   std::vector<std::pair<at::Tensor, at::Tensor>> back;
   std::vector<Span> spans;
   c10::intrusive_ptr<c10d::Work> inner;  // p2p: launched at once
+  std::string pair_key;                   // unbatched p2p issued before the peer's counterpart (pair_order.cpp)
+  c10::intrusive_ptr<c10d::Store> pair_store;
   bool done = false, released = false;
   std::string error;
   void* event = nullptr;  // recorded on the communicator stream after its kernel: what wait() orders after
@@ -417,7 +421,8 @@ class SimWork final : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout) override {
     bool ok = true;
     if (item_->inner) {
-      ok = item_->inner->wait(timeout);
+      await_pair(timeout);
+      if (!settled()) ok = item_->inner->wait(timeout);  // a gloo work waited twice waits for another message
       settle_inner();
     } else {
       Queue& q = queue_of();
@@ -463,6 +468,30 @@ class SimWork final : public c10d::Work {
 
  private:
   Queue& queue_of() { return g_queues[device]; }
+  bool settled() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return item_->done;
+  }
+  // Issued before the peer's operation at the same place of the pair's order: block in gloo only once the peer
+  // issued a matching one, so a deadlock the peer finds fails this rank too, with the peer's report.
+  void await_pair(std::chrono::milliseconds timeout) {
+    std::string key;
+    std::swap(key, item_->pair_key);
+    if (key.empty()) return;
+    Queue& q = queue_of();
+    auto broken = [&q, this] {
+      {
+        std::lock_guard<std::mutex> lock(q.m);
+        if (!q.broken.empty()) return q.broken;
+      }
+      return item_->early_check ? item_->early_check() : std::string();
+    };
+    std::string report = await_pair_place(*item_->pair_store, key, timeout == kNoTimeout ? deadlock_bound() : timeout,
+                                          broken);
+    if (report.empty()) return;
+    release_flight(item_);
+    TORCH_CHECK(false, report);
+  }
   void settle_inner() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (item_->done) return;
@@ -700,6 +729,19 @@ class SimCollectives final : public c10d::Backend {
     return settle(submit("barrier", fingerprint({}), s, [g = gloo_, o]() mutable { return g->barrier(o); }),
                   async_of(o));
   }
+  // batch_isend_irecv coalesces on a backend that says it can (otherwise it issues each operation unbatched):
+  // the operations between start and end are one NCCL group, which progress together (no pair order).
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override {
+    std::lock_guard<std::mutex> lock(p2p_mutex_);
+    coalescing_ = true;
+    batch_.clear();
+  }
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    std::lock_guard<std::mutex> lock(p2p_mutex_);
+    coalescing_ = false;
+    return batch_work(std::move(batch_));
+  }
 #if SIM_BACKEND_HAS_SET_TIMEOUT
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
 #endif
@@ -734,6 +776,10 @@ class SimCollectives final : public c10d::Backend {
     auto work = c10::make_intrusive<SimWork>(item);
     work->device = index;
     register_flight(item);  // before the worker can run it (its copy-back consumes item->back)
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      if (coalescing_) batch_.push_back(work);
+    }
     try {
       if (order == Order::queued) {
         place(item, detail, site);
@@ -742,6 +788,7 @@ class SimCollectives final : public c10d::Backend {
       } else {
         check_unbroken(index);
         if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
+        if (order != Order::none) order_pair(item, order == Order::send, peer, detail, index);
         item->inner = launch();
       }
     } catch (...) {
@@ -783,7 +830,7 @@ class SimCollectives final : public c10d::Backend {
     std::string key;
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
-      pos = {collectives_, last_, item->op + " " + detail + " (issued at " + item->site + ")"};
+      pos = {collectives_, last_, item->op + " " + detail + " (issued at " + item->site + ")", coalescing_};
       auto& count = (order == Order::send ? sends_ : recvs_)[PeerTag{peer, tag}];
       key = "simccl/p2p/" + std::to_string(src) + ">" + std::to_string(dst) + "/" + std::to_string(tag) + "/" +
             std::to_string(count++);
@@ -793,13 +840,43 @@ class SimCollectives final : public c10d::Backend {
       store_->set(key, encode_position(pos));
       return;
     }
-    item->on_settle = [store = store_, key, pos, group = item->group, src, dst]() {
+    auto compare = [store = store_, key, pos, group = item->group, src, dst](bool settled) {
+      if (!settled && !store->check({key})) return std::string();  // the sender has not issued it yet
       auto raw = store->get(key);
-      store->deleteKey(key);
+      if (settled) store->deleteKey(key);
       std::string report = compare_positions(group, src, dst, std::string(raw.begin(), raw.end()), pos);
       if (!report.empty()) store->set(deadlock_key(src), report);  // the sender's watchdog raises it there
       return report;
     };
+    item->on_settle = [compare] { return compare(true); };
+    item->early_check = [compare] { return compare(false); };  // while wait() awaits the pair (pair_order.cpp)
+  }
+
+  // An unbatched send or receive takes the next place of its pair's order (pair_order.cpp): published there, or
+  // compared with the peer's operation at that place; two sends or two receives fail both ranks at once.
+  void order_pair(const ItemPtr& item, bool send, int peer, const std::string& detail, int index) {
+    int64_t place;
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      if (coalescing_ || peer == getRank()) return;  // a batch's operations progress together (one NCCL group)
+      place = pair_places_[peer]++;
+    }
+    watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
+    std::string key = pair_key(getRank(), peer, place);
+    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send,
+                                  item->op + " " + detail + " (issued at " + item->site + ")");
+    if (claim.first) {
+      item->pair_key = key;
+      item->pair_store = store_;
+    }
+    if (claim.report.empty()) return;
+    store_->set(deadlock_key(peer), claim.report);  // the peer's watchdog raises it there
+    Queue& q = g_queues[index];
+    {
+      std::lock_guard<std::mutex> lock(q.m);
+      if (q.broken.empty()) abort_queue(q, claim.report);
+    }
+    TORCH_CHECK(false, claim.report);
   }
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
@@ -839,6 +916,9 @@ class SimCollectives final : public c10d::Backend {
   int64_t collectives_ = 0, checked_ = 0;
   std::string last_;
   std::map<PeerTag, int64_t> sends_, recvs_;
+  std::map<int, int64_t> pair_places_;  // unbatched operations issued per peer (NCCL ignores tags)
+  bool coalescing_ = false;             // between startCoalescing and endCoalescing
+  std::vector<c10::intrusive_ptr<c10d::Work>> batch_;
 };
 
 }  // namespace

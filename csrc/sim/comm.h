@@ -6,8 +6,11 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -46,10 +49,30 @@ struct P2PPosition {
   int64_t collectives = 0;  // the group's collectives issued before it on this rank
   std::string last;         // the last of them, described ("" when none)
   std::string op;           // the send or receive itself, described
+  bool batched = false;     // issued inside a batch (batch_isend_irecv): on the group's communicator, not the pair's
 };
 std::string encode_position(const P2PPosition& p);
-// "" when the receiver's position matches what the sender published, else the one-line deadlock report.
+// "" when the receiver's position matches what the sender published, else the one-line deadlock report: issued
+// after different numbers of the group's collectives, or one inside a batch and the other outside one.
 std::string compare_positions(const std::string& group, int src, int dst, const std::string& sent,
                               const P2PPosition& mine);
+
+// ---- point-to-point batches and the order of a pair's unbatched operations (pair_order.cpp) --------
+// The one work endCoalescing returns for a batch (batch_isend_irecv), as NCCL's: waits each of ``works`` once,
+// however often it is itself waited.
+c10::intrusive_ptr<c10d::Work> batch_work(std::vector<c10::intrusive_ptr<c10d::Work>> works);
+// The store key of the ``place``-th unbatched operation between ``rank`` and ``peer`` (either way round).
+std::string pair_key(int rank, int peer, int64_t place);
+struct PairClaim {
+  bool first = false;  // the peer has not issued its operation at this place yet: wait() awaits it
+  std::string report;  // "" or the one-line deadlock report (both operations sends, or both receives)
+};
+// Publish this rank's operation (``op``, described) at ``key``, or compare it with the peer's already there.
+PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
+                           bool send, const std::string& op);
+// For the first of the two: wait (at most ``bound``) until the peer issued a matching operation at ``key``, or
+// ``broken()`` returns a report (the peer found a deadlock), which is returned; "" to go on waiting in gloo.
+std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
+                             const std::function<std::string()>& broken);
 
 }  // namespace sim

@@ -166,7 +166,9 @@ std::string exchange_fingerprints(c10d::Backend& gloo, const std::string& group,
 }
 
 // ---- point-to-point order ------------------------------------------------------------------------
-std::string encode_position(const P2PPosition& p) { return std::to_string(p.collectives) + "\t" + p.last + "\t" + p.op; }
+std::string encode_position(const P2PPosition& p) {
+  return std::to_string(p.collectives) + "\t" + (p.batched ? "B" : "U") + p.last + "\t" + p.op;
+}
 
 std::string compare_positions(const std::string& group, int src, int dst, const std::string& sent,
                               const P2PPosition& mine) {
@@ -174,13 +176,25 @@ std::string compare_positions(const std::string& group, int src, int dst, const 
   auto b = sent.find('\t', a + 1);
   if (a == std::string::npos || b == std::string::npos) return "";
   int64_t theirs = std::stoll(sent.substr(0, a));
+  bool batched = sent[a + 1] == 'B';
+  std::string op = sent.substr(b + 1), last = sent.substr(a + 2, b - a - 2);
+  if (batched != mine.batched) {  // ProcessGroupNCCL's communicator for each: the group's, or the pair's own
+    const char* in = " inside a batch_isend_irecv";
+    const char* out = " outside a batch";
+    std::ostringstream os;
+    os << "sim: point-to-point deadlock on group '" << group << "': rank " << src << " (of the group) issued " << op
+       << (batched ? in : out) << ", but rank " << dst << " issued " << mine.op << (batched ? out : in)
+       << ": ProcessGroupNCCL runs a batch on the group's communicator and an unbatched send or receive on the "
+          "pair's own (torch's default, lazy initialization), so the two never match; batch both or neither";
+    return os.str();
+  }
   if (theirs == mine.collectives) return "";
   auto after = [](int64_t k, const std::string& last) {
     return std::to_string(k) + " of the group's collectives" + (k ? " (the last: " + last + ")" : "");
   };
   std::ostringstream os;
   os << "sim: point-to-point deadlock on group '" << group << "': rank " << src << " (of the group) issued "
-     << sent.substr(b + 1) << " after " << after(theirs, sent.substr(a + 1, b - a - 1)) << ", but rank " << dst
+     << op << " after " << after(theirs, last) << ", but rank " << dst
      << " issued " << mine.op << " after " << after(mine.collectives, mine.last)
      << ": NCCL runs a communicator's collectives and point-to-point operations in the order issued, so each "
         "waits for the other; issue the send and the receive at the same point among the group's collectives";

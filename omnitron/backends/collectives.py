@@ -326,6 +326,8 @@ class Collectives:
             return flight.strict_batch_p2p(wired, group, site)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend if k == "send" else dist.irecv, w, peer, group)
                                         for k, _, w, peer in wired])
+        if len(works) == 1:  # a coalescing backend (NCCL, simccl) returns one work for the batch: one per op here
+            works = works * len(wired)
         return [_Handle(w) for w in works]
 
     def gather_object(self, obj, dst: int = 0, group=None) -> list | None:

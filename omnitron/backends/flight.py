@@ -258,7 +258,7 @@ class _StrictOp:
             head = _encode(f"{fingerprint(tensor.shape, tensor.dtype)}\t{where}", tensor.device)
             self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, head, peer, group, HEADER_TAG),
                                                  dist.P2POp(dist.isend, wire, peer, group, PAYLOAD_TAG)])
-            self.head, self.payload = None, self.works[1]
+            self.head, self.payload = None, self.works[-1]  # one work for both where the backend coalesces
         else:
             self.head = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=tensor.device)
             self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, self.head, peer, group, HEADER_TAG)])
@@ -275,7 +275,10 @@ class _StrictOp:
             raise RuntimeError(f"strict p2p: rank {dist.get_rank()} receives {want} from rank {self.peer} at "
                                f"{self.where}, but rank {self.peer} sends {sent[0]} at "
                                f"{sent[1] if len(sent) > 1 else '?'}; sender and receiver must agree on the shape")
-        self.payload = dist.irecv(self.wire, src=self.peer, group=self.group, tag=PAYLOAD_TAG)
+        # batched as the send is: NCCL matches a batched send only with a batched receive (an unbatched one runs on
+        # the pair's own communicator), and sim checks a pair's unbatched operations against each other
+        self.payload = dist.batch_isend_irecv([dist.P2POp(dist.irecv, self.wire, self.peer, self.group,
+                                                          PAYLOAD_TAG)])[0]
 
     def wait(self) -> None:
         if self.done:
@@ -283,7 +286,7 @@ class _StrictOp:
         for op in self.batch:  # the batch's payload receives, in batch order, before waiting on anything:
             if op.kind == "recv":  # a peer's send in this same group may need them (a ring exchange)
                 op._post_payload()
-        if self.kind == "send":
+        if self.kind == "send" and self.works[0] is not self.payload:
             timed_wait(self.works[0], lambda: [self.desc], self.group)
         timed_wait(self.payload, lambda: [self.desc], self.group)
         self.done = True

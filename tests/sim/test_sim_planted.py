@@ -53,6 +53,15 @@ def _outcome(fn) -> str:
         return str(err)
 
 
+def _timed_outcome(fn) -> tuple[str, float]:
+    """``_outcome(fn)`` and the seconds it took; a case that failed ends its process soon (``_exit_soon``)."""
+    start = time.perf_counter()
+    message = _outcome(fn)
+    if message:
+        _exit_soon()
+    return message, time.perf_counter() - start
+
+
 def read_before_wait() -> str:
     from omnitron.backends import get_backend
 
@@ -112,11 +121,8 @@ def opposite_orders() -> str:
         works = [dist.all_reduce(t, group=g, async_op=True) for t, g in order]
         for w in works:
             w.wait()
-    start = time.perf_counter()
-    message = _outcome(bug)
-    if message:
-        _exit_soon()
-    return f"{message} [{time.perf_counter() - start:.1f} s]" if message else ""
+    message, took = _timed_outcome(bug)
+    return f"{message} [{took:.1f} s]" if message else ""
 
 
 def thread_race(out: str = "") -> str:
@@ -351,3 +357,151 @@ def test_strided_tensors_in_collectives(backend):
             assert torch.equal(r["transposed"], memory_order), r["transposed"]
         if p2p:
             assert "tensor with gaps" in r["gaps"] and ".contiguous()" in r["gaps"], r["gaps"]
+
+
+# ---- a pair's unbatched point-to-point order (csrc/sim/pair_order.cpp) ---------------------------------------
+PAIR_ENV = {**ENV, "OMNITRON_SIM_DEADLOCK_S": "30"}  # a report within FAST_S is the check's, not the bound's
+FAST_S = 10.0  # the check reports at issue (+ the watchdog's 0.1 s poll): 10 s is scheduler noise on a loaded CI
+PROGRAMS = {  # per case, each rank's operations with its peer in issue order ("b:" = in one batch_isend_irecv)
+    "send_first_both": (["send", "recv"], ["send", "recv"]),
+    "recv_first_both": (["recv", "send"], ["recv", "send"]),
+    "blocking_send_first_both": (["send!", "recv!"], ["send!", "recv!"]),  # "!": dist.send / dist.recv
+    "recv_first_on_one": (["recv", "send"], ["send", "recv"]),
+    "blocking_recv_first_on_one": (["recv!", "send!"], ["send!", "recv!"]),
+    "batched_send_first_both": (["b:send", "b:recv"], ["b:send", "b:recv"]),
+    "two_sends_then_receive": (["send", "send", "recv"], ["recv", "recv", "send"]),
+    "batched_send_unbatched_recv": (["b:send"], ["recv"]),  # never match on NCCL: two communicators
+    "unbatched_send_batched_recv": (["send"], ["b:recv"]),
+}
+
+
+def pair_program(case: str) -> dict:
+    """Run rank ``dist.get_rank()``'s side of ``PROGRAMS[case]`` on fresh random tensors; returns the error ("" when
+    none), the seconds until it, what this rank sent and what it received (on the host, in issue order)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be, rank = get_backend(), dist.get_rank()
+    ops = PROGRAMS[case][rank]
+    sent = [torch.randn(64, dtype=torch.float64) for op in ops if op.endswith(("send", "send!"))]
+    got = [torch.zeros(64, dtype=torch.float64, device=be.device()) for op in ops if "recv" in op]
+    out, into = iter(t.to(be.device()) for t in sent), iter(got)
+
+    def program():
+        works, batch = [], []
+        for op in ops:
+            kind = op.removeprefix("b:").rstrip("!")
+            tensor = next(out) if kind == "send" else next(into)
+            if op.startswith("b:"):
+                batch.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, 1 - rank))
+            elif op.endswith("!"):
+                (dist.send if kind == "send" else dist.recv)(tensor, 1 - rank)
+            else:
+                works.append((dist.isend if kind == "send" else dist.irecv)(tensor, 1 - rank))
+        works += dist.batch_isend_irecv(batch) if batch else []
+        for w in works:
+            w.wait()
+        dist.all_reduce(torch.zeros(1, device=be.device()))  # a rank whose peer found a deadlock fails here
+    message, took = _timed_outcome(program)
+    received = [] if message else [t.cpu() for t in got]  # a failed receive's output is still in flight
+    return {"error": message, "s": took, "sent": sent, "got": received}
+
+
+@pytest.mark.parametrize("case", ["send_first_both", "recv_first_both", "blocking_send_first_both"])
+def test_unbatched_pair_deadlock_is_reported_fast(case):
+    """Both ranks' first unbatched operation with the other is a send (or both a receive): NCCL runs a pair's
+    unbatched operations one at a time in issue order, each waiting for the peer's matching one, so both wait
+    forever (gloo buffers them and completes). Both ranks fail at once with one line naming both operations."""
+    kind = "recv" if case.startswith("recv") else "send"
+    for r in run_distributed(pair_program, 2, case, backend="sim", env=PAIR_ENV, timeout_s=90):
+        m = r["error"]
+        assert "\n" not in m and "sim: point-to-point deadlock" in m, m
+        assert m.count(f"issued {kind} shape=[64] dtype=Double") == 2, m
+        assert "rank 0" in m and "rank 1" in m and m.count("test_sim_planted.py") == 2, m  # both call sites
+        assert "batch_isend_irecv" in m and r["s"] < FAST_S, (r["s"], m)
+
+
+@pytest.mark.parametrize("case", ["batched_send_unbatched_recv", "unbatched_send_batched_recv"])
+def test_batched_send_with_unbatched_receive_is_reported(case):
+    """A send inside a batch received outside one (or the reverse): ProcessGroupNCCL runs the batch on the group's
+    communicator and the lone operation on the pair's (torch's default, lazy initialization; omnitron passes no
+    ``device_id``), so they never match. Both ranks fail with one line naming both operations."""
+    for r in run_distributed(pair_program, 2, case, backend="sim", env=PAIR_ENV, timeout_s=90):
+        m = r["error"]
+        assert "\n" not in m and "sim: point-to-point deadlock" in m, m
+        assert "inside a batch_isend_irecv" in m and "outside a batch" in m and "batch both or neither" in m, m
+        assert m.count("test_sim_planted.py") == 2 and r["s"] < FAST_S, (r["s"], m)
+
+
+@pytest.mark.parametrize("case", ["send_first_both", "recv_first_both", "batched_send_unbatched_recv",
+                                  "unbatched_send_batched_recv"])
+def test_unbatched_pair_deadlock_passes_on_gloo(case):
+    """The planted programs above complete on cpu/gloo: the simulator, not the program, catches them."""
+    results = run_distributed(pair_program, 2, case, backend="cpu", env=PAIR_ENV, timeout_s=90)
+    assert [r["error"] for r in results] == ["", ""], results
+
+
+@pytest.mark.parametrize("case", ["recv_first_on_one", "blocking_recv_first_on_one", "batched_send_first_both",
+                                  "two_sends_then_receive"])
+def test_matched_pair_orders_run(case):
+    """Orders NCCL completes: each place of the pair's unbatched order a send on one rank and a receive on the
+    other, or send and receive in one batch. Each receive gets what the peer sent there (exact: a copy)."""
+    results = run_distributed(pair_program, 2, case, backend="sim", env=PAIR_ENV, timeout_s=90)
+    for rank, r in enumerate(results):
+        assert r["error"] == "", r["error"]
+        assert len(r["got"]) == len(results[1 - rank]["sent"]) > 0
+        for got, sent in zip(r["got"], results[1 - rank]["sent"]):
+            assert torch.equal(got, sent)
+
+
+def ring_to_other_peers() -> dict:
+    """Unbatched send to the next rank, then receive from the previous one, waited after both are issued: each
+    pair sees one send and one receive (NCCL runs pairs on their own communicators, in torch's default lazy
+    initialization)."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be, rank, n = get_backend(), dist.get_rank(), dist.get_world_size()
+    sent, got = torch.randn(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64, device=be.device())
+    works = [dist.isend(sent.to(be.device()), (rank + 1) % n), dist.irecv(got, (rank - 1) % n)]
+    message = _outcome(lambda: [w.wait() for w in works])
+    return {"error": message, "sent": sent, "got": got.cpu()}
+
+
+def test_unbatched_sends_to_different_peers_run():
+    results = run_distributed(ring_to_other_peers, 3, backend="sim", env=PAIR_ENV, timeout_s=90)
+    for rank, r in enumerate(results):
+        assert r["error"] == "" and torch.equal(r["got"], results[(rank - 1) % 3]["sent"]), r
+
+
+def even_odd_ring() -> dict:
+    """Megatron's unbatched exchange with both neighbours (megatron/core/pipeline_parallel/p2p_communication.py
+    ``_p2p_ops`` at d98e8a6, transcribed for more than two ranks): even ranks send to the next, receive from the
+    previous, send to the previous, receive from the next; odd ranks receive from the previous, send to the next,
+    receive from the next, send to the previous. Each pair sees a send against a receive at every place."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    be, rank, n = get_backend(), dist.get_rank(), dist.get_world_size()
+    prev, nxt = (rank - 1) % n, (rank + 1) % n
+    sent = {"next": torch.randn(8, dtype=torch.float64), "prev": torch.randn(8, dtype=torch.float64)}
+    got = {side: torch.zeros(8, dtype=torch.float64, device=be.device()) for side in ("prev", "next")}
+    ops = {"send_next": (dist.isend, sent["next"].to(be.device()), nxt), "recv_prev": (dist.irecv, got["prev"], prev),
+           "send_prev": (dist.isend, sent["prev"].to(be.device()), prev), "recv_next": (dist.irecv, got["next"], nxt)}
+    order = ["send_next", "recv_prev", "send_prev", "recv_next"] if rank % 2 == 0 else \
+        ["recv_prev", "send_next", "recv_next", "send_prev"]
+    works = [ops[name][0](ops[name][1], ops[name][2]) for name in order]
+    message = _outcome(lambda: [w.wait() for w in works])
+    return {"error": message, "sent": sent, "got": {side: t.cpu() for side, t in got.items()}}
+
+
+def test_megatrons_even_odd_unbatched_ring_runs():
+    n = 4
+    results = run_distributed(even_odd_ring, n, backend="sim", env=PAIR_ENV, timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["error"] == "", r["error"]
+        assert torch.equal(r["got"]["prev"], results[(rank - 1) % n]["sent"]["next"])
+        assert torch.equal(r["got"]["next"], results[(rank + 1) % n]["sent"]["prev"])

@@ -49,7 +49,13 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
 - *Point-to-point order.* A send publishes how many of its group's collectives were issued before it (in
   the group's store); the receive compares its own count once it completed. A difference deadlocks NCCL
   (the two wait behind each other's collectives): the receiver raises naming both, and the sender's
-  watchdog aborts the sender's communicator with the same line.
+  watchdog aborts the sender's communicator with the same line. Outside a batch, a rank's sends and receives
+  with one peer also run in issue order (NCCL puts them on the pair's stream, each blocking until the peer's
+  matching one runs): the k-th unbatched operation of each rank with the other must be a send on one and a
+  receive on the other. Two sends (or two receives) at one place fail both ranks at once, naming both
+  (csrc/sim/pair_order.cpp). ``batch_isend_irecv`` coalesces (one work for the batch, as NCCL's), and a
+  batch's operations are not ordered against each other; a send inside a batch received outside one (or the
+  reverse) is reported like the order check above (NCCL runs the two on different communicators).
 - *Every collective, at the process-group level* (csrc/sim/comm_check.cpp): each operation is recorded
   with its issue, completion and wait (``flight_recorder_dump()``), and in strict mode the fingerprint of
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
@@ -57,7 +63,9 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
 Not modelled: kernels overlapping in time (there is no timing), a host write to a pinned buffer that a
 ``non_blocking`` host-to-device copy still reads (the copy is taken when issued); the race detector misses a
 race between two communicators sharing a stream slot, and one between kernels two host threads issue at the
-same instant (each checks before the other records). Barriers are queued,
+same instant (each checks before the other records); point-to-point cycles across pairs closed by ``wait()`` (NCCL's
+stream waits), and unbatched operations to different peers sharing the group's one stream (eager initialization)
+are not checked. Barriers are queued,
 checked and recorded like the collectives.
 """
 from __future__ import annotations

@@ -1,0 +1,120 @@
+// The order of point-to-point operations as NCCL runs them (declared in comm.h): a batch's work, and the order of
+// a pair's unbatched operations.
+//
+// ProcessGroupNCCL issues a send or receive outside batch_isend_irecv on the communicator and stream of the
+// pair (a two-rank communicator created on first use; the group's own when it was initialized eagerly), so a
+// rank's unbatched operations with one peer run one after another in issue order, and each of ncclSend and
+// ncclRecv "is blocking for the GPU" until the peer's matching operation runs (NCCL's API documentation:
+// operations that must progress concurrently belong in one ncclGroupStart/ncclGroupEnd). The k-th unbatched
+// operation of one rank with the other therefore runs against the other's k-th: a send against a receive
+// completes; two sends (or two receives) wait for each other forever. NCCL may finish a small send before the
+// receiver's kernel runs (it fits the connection's buffers), which the contract does not promise: checked at
+// every size. gloo buffers sends, so without this check such a program completes here and hangs on the GPU.
+#include "comm.h"
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+namespace sim {
+namespace {
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+const char kMatched[] = "+";  // the second of the two found the pair's operations complementary
+
+// What endCoalescing returns for a batch (batch_isend_irecv): one work for the whole batch, as NCCL's, that waits
+// each of the batch's operations once however often it is itself waited.
+class BatchWork final : public c10d::Work {
+ public:
+  explicit BatchWork(std::vector<c10::intrusive_ptr<c10d::Work>> works) : works_(std::move(works)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (; next_ < works_.size(); ++next_) works_[next_]->wait(timeout);
+    return true;
+  }
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = next_; i < works_.size(); ++i)
+      if (!works_[i]->isCompleted()) return false;
+    return true;
+  }
+  bool isSuccess() const override {
+    for (const auto& w : works_)
+      if (!w->isSuccess()) return false;
+    return true;
+  }
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> out;
+    for (auto& w : works_)
+      for (auto& t : w->result()) out.push_back(t);
+    return out;
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  size_t next_ = 0;
+  std::mutex mutex_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> batch_work(std::vector<c10::intrusive_ptr<c10d::Work>> works) {
+  return c10::make_intrusive<BatchWork>(std::move(works));
+}
+
+std::string pair_key(int rank, int peer, int64_t place) {
+  int lo = std::min(rank, peer), hi = std::max(rank, peer);
+  return "simccl/pair/" + std::to_string(lo) + "-" + std::to_string(hi) + "/" + std::to_string(place);
+}
+
+PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
+                           bool send, const std::string& op) {
+  std::string mine = std::string(send ? "S" : "R") + std::to_string(rank) + "\t" + op;
+  auto got = store.compareSet(key, {}, bytes(mine));
+  std::string theirs(got.begin(), got.end());
+  if (theirs == mine) return {true, ""};  // first at this place: the peer compares when it issues its own
+  auto tab = theirs.find('\t');
+  bool their_send = !theirs.empty() && theirs[0] == 'S';
+  if (their_send != send) {
+    store.set(key, bytes(kMatched));  // the first one's wait() may proceed
+    return {false, ""};
+  }
+  store.deleteKey(key);
+  std::ostringstream os;
+  os << "sim: point-to-point deadlock on group '" << group << "': rank " << theirs.substr(1, tab - 1)
+     << " (of the group) issued " << theirs.substr(tab + 1) << " and rank " << rank << " issued " << op
+     << " as their unbatched operation #" << std::stoll(key.substr(key.rfind('/') + 1)) + 1
+     << " with each other: NCCL runs a pair's unbatched sends and receives one at a time in issue order, each "
+        "waiting for the peer's matching one, so both wait forever; issue them together in one batch_isend_irecv, "
+        "or post the "
+     << (send ? "receive" : "send") << " first on one of the two ranks";
+  return {false, os.str()};
+}
+
+std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
+                             const std::function<std::string()>& broken) {
+  auto until = std::chrono::steady_clock::now() + bound;
+  try {
+    while (std::chrono::steady_clock::now() < until) {
+      std::string report = broken();  // the peer found a deadlock: its report reached this communicator
+      if (!report.empty()) return report;
+      if (store.check({key})) {  // absent once the peer reported a deadlock (the report follows)
+        auto raw = store.get(key);
+        if (std::string(raw.begin(), raw.end()) == kMatched) {
+          store.deleteKey(key);
+          return "";
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const std::exception&) {  // the store is gone (the job is ending): gloo's own wait says what happened
+  }
+  return "";
+}
+
+}  // namespace sim
