@@ -142,7 +142,8 @@ def _read_text(path: str, flag: str) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as err:
-        raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror}); give the path of an existing file") from None
+        raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror}); give the path of an existing "
+                          "file") from None
 
 
 def _per_split_paths(path: str) -> tuple[list[str], list[str], list[str]]:
