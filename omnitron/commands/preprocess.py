@@ -33,7 +33,19 @@ def register(sub) -> None:
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
     p.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (rule-based splitter), documents kept: PREFIX_<key>_sentence")
+    p.add_argument("--keep-newlines", action="store_true",
+                   help="with --split-sentences: accepted; the splitter always keeps every newline and space (the "
+                   "sentences join back to the text)")
+    p.add_argument("--lang", default="english", help="--split-sentences language: english only (the rule-based "
+                   "splitter's abbreviations are English)")
     p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="Megatron's document order for its --partitions N: documents dealt round robin to N "
+                   "partitions, merged in partition order (0, N, 2N, ... first)")
+    p.add_argument("--keep-sequential-samples", action="store_true",
+                   help="with --partitions: contiguous partitions, so the documents keep the input order (Megatron's)")
+    p.add_argument("--log-interval", type=int, default=1000, help="accepted (Megatron's progress lines); a progress "
+                   "bar shows the bytes read instead")
     p.add_argument("--txt-mode", choices=("line", "paragraph"), default="line",
                    help="plain text: one document per line, or per blank-line separated paragraph")
     p.add_argument("--invalid-utf8", choices=("replace", "skip"), default="replace",
@@ -57,10 +69,14 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not args.input:
             raise PreprocessError("give --input FILE [FILE ...] (or --merge PREFIX ...)")
+        if args.split_sentences and args.lang != "english":
+            raise PreprocessError(f"--lang {args.lang}: the sentence splitter knows English only; drop --lang, or "
+                                  "split the sentences yourself and give one sentence per line")
         stats = preprocess_files(args.input, args.output_prefix, json_keys=args.json_keys,
                                  tokenizer_kwargs=tokenizer_kwargs(args), append_eod=args.append_eod,
                                  workers=args.workers, txt_mode=args.txt_mode, invalid_utf8=args.invalid_utf8,
-                                 progress=not args.no_progress, split_sentences=args.split_sentences)
+                                 progress=not args.no_progress, split_sentences=args.split_sentences,
+                                 partitions=args.partitions, keep_sequential_samples=args.keep_sequential_samples)
     except (PreprocessError, TokenizerError, IndexedDatasetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -11,6 +11,11 @@ requested key. Empty documents are kept as Megatron keeps them (a document of no
 :func:`omnitron.core.data.sentences.split_sentences` and every sentence is tokenized and stored as
 its own sequence; the ``.idx`` document index keeps the document boundaries (an appended eod ends
 the document's last sentence), and the outputs are named ``PREFIX_<key>_sentence`` as Megatron's.
+
+``partitions`` (Megatron's ``--partitions N``) gives Megatron's document order: its preprocess_data.py deals the
+input lines round robin into N partition files, tokenizes each, and merges the N outputs in partition order, so
+documents 0, N, 2N, ... come first; with ``keep_sequential_samples`` the partitions are contiguous blocks and the
+input order stays. Here the documents are dealt the same way into N temporary datasets merged in that order.
 """
 from __future__ import annotations
 
@@ -50,6 +55,8 @@ class PreprocessStats:
     seconds: float = 0.0
     invalid_utf8: int = 0
     empty: int = 0
+    records: int = 0
+    """Records written (each one document per key, empty or not): the round-robin count of ``partitions``."""
     """Documents without a token: kept as Megatron keeps them (a document of no sequences in the .idx)."""
     skipped: dict = field(default_factory=lambda: {"invalid_utf8": 0, "bad_json": 0, "missing_key": 0})
     outputs: list = field(default_factory=list)
@@ -180,22 +187,29 @@ def _chunks(records: Iterator[dict[str, str]], keys: list[str], append_eod: bool
 def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[str] = ("text",),
                      tokenizer_kwargs: dict | None = None, append_eod: bool = True, workers: int = 1,
                      txt_mode: str = "line", invalid_utf8: str = "replace", progress: bool = False,
-                     split_sentences: bool = False) -> PreprocessStats:
+                     split_sentences: bool = False, partitions: int = 1,
+                     keep_sequential_samples: bool = False) -> PreprocessStats:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}`` for each key (``_sentence``
-    with ``split_sentences``: one sequence per sentence); return stats."""
+    with ``split_sentences``: one sequence per sentence); return stats. ``partitions``: Megatron's document order
+    for its ``--partitions`` (see the module docstring)."""
     json_keys = list(json_keys)
     for p in inputs:
         if not os.path.isfile(p):
             raise PreprocessError(f"--input {p!r}: no such file")
     if workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {workers}")
+    if partitions < 1:
+        raise PreprocessError(f"--partitions must be >= 1, got {partitions}")
     tokenizer_kwargs = dict(tokenizer_kwargs or {"tokenizer_type": "GPT2BPETokenizer"})
     tok = build_tokenizer(**tokenizer_kwargs)  # fail on a bad tokenizer before reading any input
     stats = PreprocessStats()
     level = "sentence" if split_sentences else "document"
     prefixes = {k: f"{output_prefix}_{k}_{level}" for k in json_keys}
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builders = {k: IndexedDatasetBuilder(data_file(p), optimal_dtype(tok.vocab_size)) for k, p in prefixes.items()}
+    dealt = 1 if keep_sequential_samples else partitions  # contiguous blocks merged in order: the input order
+    parts = _part_prefixes(prefixes, dealt)
+    builders = [{k: IndexedDatasetBuilder(data_file(p), optimal_dtype(tok.vocab_size)) for k, p in part.items()}
+                for part in parts]
     bar = _progress_bar(sum(os.path.getsize(p) for p in inputs)) if progress else None
     start = time.perf_counter()
     tasks = _chunks(iter_records(inputs, json_keys, txt_mode=txt_mode, invalid_utf8=invalid_utf8, stats=stats),
@@ -215,8 +229,11 @@ def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[s
             pool.join()
         if bar is not None:
             bar.close()
-    for k, b in builders.items():
-        b.finalize(index_file(prefixes[k]))
+    for part, built in zip(parts, builders):
+        for k, b in built.items():
+            b.finalize(index_file(part[k]))
+    if dealt > 1:
+        _merge_parts(prefixes, parts, optimal_dtype(tok.vocab_size))
     stats.seconds = time.perf_counter() - start
     if stats.documents == 0:
         for p in prefixes.values():
@@ -244,8 +261,30 @@ def _bounded_imap(pool, tasks, max_pending: int):
         yield pending.popleft().get()
 
 
-def _write_chunk(encoded: list[dict[str, tuple]], builders: dict, stats: PreprocessStats) -> None:
+def _part_prefixes(prefixes: dict[str, str], n: int) -> list[dict[str, str]]:
+    """Where each of ``n`` partitions is written: the outputs themselves for one, temporary names for several."""
+    if n == 1:
+        return [prefixes]
+    return [{k: f"{p}.partition{i}-{os.getpid()}" for k, p in prefixes.items()} for i in range(n)]
+
+
+def _merge_parts(prefixes: dict[str, str], parts: list[dict[str, str]], dtype) -> None:
+    """Each key's partitions merged, in partition order, into its output; the partitions removed."""
+    for k, out in prefixes.items():
+        merged = IndexedDatasetBuilder(data_file(out), dtype)
+        for part in parts:
+            merged.add_index(part[k])
+        merged.finalize(index_file(out))
+        for part in parts:
+            os.remove(data_file(part[k]))
+            os.remove(index_file(part[k]))
+
+
+def _write_chunk(encoded: list[dict[str, tuple]], parts: list[dict], stats: PreprocessStats) -> None:
+    """Write each record's documents to its partition (record ``i`` of the run to ``i % len(parts)``)."""
     for rec in encoded:
+        builders = parts[stats.records % len(parts)]
+        stats.records += 1
         wrote = False
         for k, (ids, lengths) in rec.items():
             if ids.size == 0:  # as Megatron: the document stays, holding no sequence
