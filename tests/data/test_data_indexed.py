@@ -86,7 +86,7 @@ def test_bad_files_fail_with_clear_errors(tmp_path):
 
     with pytest.raises(IndexedDatasetError, match="wrong magic"):
         IndexedDataset(write("magic", b"TNTIDX\x00\x00" + idx[7:], data))
-    with pytest.raises(IndexedDatasetError, match="version 2"):
+    with pytest.raises(IndexedDatasetError, match="version 2, only version 1 .*re-run"):
         IndexedDataset(write("ver", idx[:9] + struct.pack("<Q", 2) + idx[17:], data))
     with pytest.raises(IndexedDatasetError, match="dtype code 9"):
         IndexedDataset(write("code", idx[:17] + b"\x09" + idx[18:], data))

@@ -101,7 +101,9 @@ class IndexedDataset:
                                       "not an MMIDIDX index file (legacy Megatron 'TNTIDX' indexes are not supported)")
         version, code, seqs, docs = struct.unpack("<QBQQ", head[len(MAGIC):])
         if version != VERSION:
-            raise IndexedDatasetError(f"{path}: index version {version}, only version {VERSION} is supported")
+            raise IndexedDatasetError(f"{path}: index version {version}, only version {VERSION} is supported (the one "
+                                      "every Megatron release writes): the file is corrupt or of another format; "
+                                      "re-run `omnitron preprocess`")
         if code not in DTYPE_CODES:
             raise IndexedDatasetError(f"{path}: unknown dtype code {code}; valid codes are {sorted(DTYPE_CODES)}")
         if code in NOT_TOKEN_CODES:
