@@ -27,7 +27,8 @@ def tokenizer_kwargs(args: argparse.Namespace) -> dict:
 def register(sub) -> None:
     p = sub.add_parser("preprocess", help="tokenize JSONL/text into .bin/.idx indexed datasets",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", help="input files: .jsonl/.json (JSON lines) or plain text")
+    p.add_argument("--input", nargs="+", help="input files: JSON lines (.jsonl/.json, or any file whose first line "
+                   "is a JSON object, as Megatron reads every input) or plain text")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.{bin,idx}")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize (one dataset each)")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")

@@ -224,3 +224,24 @@ def test_megatrons_sentence_flags(tmp_path, capsys):
     assert main(common + ["--output-prefix", str(tmp_path / "g"), "--lang", "german"]) == 1
     err = capsys.readouterr().err.strip()
     assert "--lang german" in err and "\n" not in err and not (tmp_path / "g_text_sentence.bin").exists()
+
+
+def test_json_lines_are_json_whatever_the_file_is_called(tmp_path):
+    """Megatron reads every --input as JSON lines: a JSON-lines corpus named .ndjson, .txt or without an extension
+    gives the .jsonl output (it was tokenized as text, braces and keys included); a text file stays text."""
+    rng = np.random.default_rng()
+    docs = moby_dick_documents()[:int(rng.integers(5, 15))]
+    body = "\n" + "".join(json.dumps({"text": d}) + "\n" for d in docs)  # a blank first line too
+    for name in ("ref.jsonl", "c.ndjson", "c.txt", "train_00"):
+        (tmp_path / name).write_text(body)
+        assert main(["preprocess", "--input", str(tmp_path / name), "--output-prefix", str(tmp_path / name.replace(
+            ".", "_")), "--no-progress"]) == 0
+    ref = (tmp_path / "ref_jsonl_text_document.bin").read_bytes()
+    tok = build_tokenizer()
+    assert ref == np.concatenate([tok.encode(d) for d in docs]).astype(np.uint16).tobytes()
+    for out in ("c_ndjson", "c_txt", "train_00"):
+        assert (tmp_path / f"{out}_text_document.bin").read_bytes() == ref, out
+    (tmp_path / "plain.txt").write_text("{ not json } but text\nsecond line\n")
+    assert main(["preprocess", "--input", str(tmp_path / "plain.txt"), "--output-prefix", str(tmp_path / "plain"),
+                 "--no-progress"]) == 0
+    assert IndexedDataset(tmp_path / "plain_text_document")[0].tolist() == tok.encode("{ not json } but text")

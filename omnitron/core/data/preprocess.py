@@ -84,10 +84,11 @@ def _decode(raw: bytes, invalid_utf8: str, stats: PreprocessStats) -> str | None
 
 def iter_records(paths: list[str], json_keys: list[str], *, txt_mode: str = "line", invalid_utf8: str = "replace",
                  stats: PreprocessStats) -> Iterator[dict[str, str]]:
-    """Yield ``{key: text}`` per document. ``.jsonl``/``.json`` files are JSON lines; anything else is text:
+    """Yield ``{key: text}`` per document. ``.jsonl``/``.json`` files are JSON lines, and so is any file whose first
+    line is a JSON object (Megatron reads every input as JSON lines, whatever its name); anything else is text:
     one document per line (``txt_mode="line"``) or per blank-line separated paragraph (``"paragraph"``)."""
     for path in paths:
-        is_json = path.endswith((".jsonl", ".json"))
+        is_json = path.endswith((".jsonl", ".json")) or _starts_with_json_object(path)
         para: list[str] = []
         with open(path, "rb") as f:
             for raw in f:
@@ -109,6 +110,19 @@ def iter_records(paths: list[str], json_keys: list[str], *, txt_mode: str = "lin
                     yield {json_keys[0]: text.rstrip("\r\n")}
         if para:
             yield {json_keys[0]: "".join(para).rstrip("\r\n")}
+
+
+def _starts_with_json_object(path: str) -> bool:
+    """Whether the first non-blank line of ``path`` is a JSON object (a JSON-lines corpus named ``.ndjson``, ``train``
+    or ``.txt``: read as text it would be tokenized braces, keys and all)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    return isinstance(json.loads(raw), dict)
+                except ValueError:
+                    return False
+    return False
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
