@@ -245,3 +245,26 @@ def test_json_lines_are_json_whatever_the_file_is_called(tmp_path):
     assert main(["preprocess", "--input", str(tmp_path / "plain.txt"), "--output-prefix", str(tmp_path / "plain"),
                  "--no-progress"]) == 0
     assert IndexedDataset(tmp_path / "plain_text_document")[0].tolist() == tok.encode("{ not json } but text")
+
+
+def test_a_list_of_sentences_is_one_document_of_those_sentences(tmp_path):
+    """Megatron's encoder takes a JSON list as the document's sentences (the format its --split-sentences step
+    writes): each non-empty one a sequence, the eod on the last, the document kept when all are empty (checked
+    byte for byte against Megatron's preprocess_data.py at d98e8a6). They were skipped as records without the key."""
+    rng = np.random.default_rng()
+    words = ["whale", "sea", "naïve", "鯨", "🐋", ",", "."]
+    docs = [[" ".join(rng.choice(words, int(rng.integers(0, 6)))) for _ in range(int(rng.integers(0, 5)))]
+            for _ in range(int(rng.integers(10, 30)))] + [[], [""], "a plain string"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                 "--append-eod", "--no-progress"]) == 0
+    ds = IndexedDataset(tmp_path / "o_text_document")
+    tok = build_tokenizer()
+    assert ds.num_documents == len(docs)
+    for d, doc in enumerate(docs):
+        want = [tok.encode(s) for s in ([doc] if isinstance(doc, str) else doc)]
+        want = [w for w in want if w]
+        if want:
+            want[-1] = want[-1] + [tok.eod]
+        lo, hi = ds.document_indices[d], ds.document_indices[d + 1]
+        assert [ds[i].tolist() for i in range(lo, hi)] == want, d

@@ -4,7 +4,7 @@ The input is read line by line (never whole); documents are tokenized in chunks,
 processes when ``workers > 1`` (results are written in input order, so the output does not
 depend on the number of workers). Bad records are counted and skipped, never fatal:
 invalid UTF-8 (replaced or skipped), lines that are not JSON objects, records without a
-requested key. Empty documents are kept as Megatron keeps them (a document of no sequences in the
+requested key (a key's value is a string, or a list of strings: the document's sentences, each its own sequence, as Megatron's encoder reads it). Empty documents are kept as Megatron keeps them (a document of no sequences in the
 ``.idx``). Input with no token at all is an error.
 
 ``split_sentences`` (Megatron's ``--split-sentences``): each document is cut by
@@ -129,10 +129,20 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 """A lone UTF-16 surrogate: valid in JSON (``"\\ud800"``), not text UTF-8 or a tokenizer can hold."""
 
 
+def _is_text(value) -> bool:
+    """A document's text: a string, or a list of strings (its sentences, as Megatron's split step writes them)."""
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _clean(value, pattern_sub):
+    return pattern_sub(value) if isinstance(value, str) else [pattern_sub(v) for v in value]
+
+
 def _json_record(line: str, json_keys: list[str], stats: PreprocessStats,
-                 invalid_utf8: str = "replace") -> dict[str, str] | None:
-    """The record's ``json_keys`` texts; bad JSON and missing keys are counted and skipped, and a text with a lone
-    surrogate escape is invalid UTF-8 by ``--invalid-utf8`` (replaced by U+FFFD, or the document skipped)."""
+                 invalid_utf8: str = "replace") -> dict | None:
+    """The record's ``json_keys`` texts (strings, or lists of sentences); bad JSON and missing keys are counted and
+    skipped, and a text with a lone surrogate escape is invalid UTF-8 by ``--invalid-utf8`` (replaced by U+FFFD, or
+    the document skipped)."""
     if not line.strip():
         return None
     try:
@@ -143,16 +153,16 @@ def _json_record(line: str, json_keys: list[str], stats: PreprocessStats,
     if not isinstance(obj, dict):
         stats.skipped["bad_json"] += 1
         return None
-    if any(not isinstance(obj.get(k), str) for k in json_keys):
+    if any(not _is_text(obj.get(k)) for k in json_keys):
         stats.skipped["missing_key"] += 1
         return None
     rec = {k: obj[k] for k in json_keys}
-    if any(_SURROGATE.search(v) for v in rec.values()):
+    if any(_SURROGATE.search(t) for v in rec.values() for t in ([v] if isinstance(v, str) else v)):
         stats.invalid_utf8 += 1
         if invalid_utf8 == "skip":
             stats.skipped["invalid_utf8"] += 1
             return None
-        rec = {k: _SURROGATE.sub("\ufffd", v) for k, v in rec.items()}
+        rec = {k: _clean(v, lambda t: _SURROGATE.sub("\ufffd", t)) for k, v in rec.items()}
     return rec
 
 
@@ -166,24 +176,27 @@ def _init_worker(tokenizer_kwargs: dict, parent_pid: int) -> None:
     _WORKER_TOK = build_tokenizer(**tokenizer_kwargs)
 
 
-def _encode_chunk(task: tuple[list[dict[str, str]], list[str], bool, bool]) -> list[dict[str, tuple]]:
-    """Per record and key ``(ids, sentence lengths or None)``; sentences with no token are dropped."""
+def _encode_chunk(task: tuple[list[dict], list[str], bool, bool]) -> list[dict[str, tuple]]:
+    """Per record and key ``(ids, sentence lengths or None)``; sentences with no token are dropped. A text given as
+    a list is its sentences (Megatron's encoder takes a list so, with or without --split-sentences)."""
     records, keys, append_eod, by_sentence = task
     tok = _WORKER_TOK
     out = [dict() for _ in records]
     for k in keys:
-        if not by_sentence:
-            for rec, ids in zip(out, tok.encode_batch([r[k] for r in records])):
-                if ids and append_eod:
-                    ids.append(tok.eod)
-                rec[k] = (np.asarray(ids, np.int64), None)
-            continue
-        for rec, r in zip(out, records):
-            sentences = [ids for ids in tok.encode_batch(cut_sentences(r[k])) if ids]
+        whole = [i for i, r in enumerate(records) if isinstance(r[k], str) and not by_sentence]
+        for i, ids in zip(whole, tok.encode_batch([records[i][k] for i in whole]) if whole else []):
+            if ids and append_eod:
+                ids.append(tok.eod)
+            out[i][k] = (np.asarray(ids, np.int64), None)
+        for i, r in enumerate(records):
+            if k in out[i]:
+                continue
+            pieces = r[k] if isinstance(r[k], list) else cut_sentences(r[k])
+            sentences = [ids for ids in (tok.encode_batch(pieces) if pieces else []) if ids]
             if sentences and append_eod:
                 sentences[-1].append(tok.eod)
-            flat = [i for ids in sentences for i in ids]
-            rec[k] = (np.asarray(flat, np.int64), [len(ids) for ids in sentences])
+            flat = [t for ids in sentences for t in ids]
+            out[i][k] = (np.asarray(flat, np.int64), [len(ids) for ids in sentences])
     return out
 
 
