@@ -4,8 +4,9 @@ The input is read line by line (never whole); documents are tokenized in chunks,
 processes when ``workers > 1`` (results are written in input order, so the output does not
 depend on the number of workers). Bad records are counted and skipped, never fatal:
 invalid UTF-8 (replaced or skipped), lines that are not JSON objects, records without a
-requested key (a key's value is a string, or a list of strings: the document's sentences, each its own sequence, as Megatron's encoder reads it). Empty documents are kept as Megatron keeps them (a document of no sequences in the
-``.idx``). Input with no token at all is an error.
+requested key (a key's value is a string, or a list of strings: the document's sentences, each its
+own sequence, as Megatron's encoder reads it). Empty documents are kept as Megatron keeps them (a
+document of no sequences in the ``.idx``). Input with no token at all is an error.
 
 ``split_sentences`` (Megatron's ``--split-sentences``): each document is cut by
 :func:`omnitron.core.data.sentences.split_sentences` and every sentence is tokenized and stored as
