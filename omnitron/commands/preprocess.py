@@ -4,11 +4,13 @@
         --output-prefix data/corpus --append-eod --workers 2
 writes ``data/corpus_text_document.{bin,idx}``. ``--split-sentences`` stores each sentence as its own
 sequence (documents kept in the index; BERT data uses them) in ``data/corpus_text_sentence.{bin,idx}``.
-``--merge P1 P2 ... --output-prefix OUT`` concatenates existing datasets instead.
+``--merge P1 P2 ... --output-prefix OUT`` concatenates existing datasets instead (``--merge DIR``: every dataset
+in DIR, sorted by name, as Megatron's ``tools/merge_datasets.py --input DIR``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -52,20 +54,22 @@ def register(sub) -> None:
     p.add_argument("--invalid-utf8", choices=("replace", "skip"), default="replace",
                    help="lines that are not valid UTF-8: replace bad bytes with U+FFFD, or skip the line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--merge", nargs="+", metavar="PREFIX", help="merge these datasets into --output-prefix")
+    p.add_argument("--merge", nargs="+", metavar="PREFIX", help="merge these datasets into --output-prefix (a "
+                   "directory: all its datasets, sorted by name, as Megatron's tools/merge_datasets.py --input DIR)")
     add_tokenizer_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnitron.core.data.indexed import IndexedDatasetError, merge_datasets
+    from omnitron.core.data.indexed import IndexedDatasetError, merge_datasets, prefixes_in
     from omnitron.core.data.preprocess import PreprocessError, preprocess_files
     from omnitron.core.data.tokenizers import TokenizerError
 
     try:
         if args.merge:
-            ds = merge_datasets(args.merge, args.output_prefix)
-            print(f"merged {len(args.merge)} datasets into {args.output_prefix}: {ds.num_documents} documents, "
+            inputs = [q for p in args.merge for q in (prefixes_in(p) if os.path.isdir(p) else [p])]
+            ds = merge_datasets(inputs, args.output_prefix)
+            print(f"merged {len(inputs)} datasets into {args.output_prefix}: {ds.num_documents} documents, "
                   f"{ds.num_tokens} tokens")
             return 0
         if not args.input:
