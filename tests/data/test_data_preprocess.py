@@ -180,3 +180,91 @@ def test_hf_tokenizer_documents_are_megatrons(tmp_path, capsys, no_special):
             assert got == [ids for ids in want if ids]
             sizes = np.cumsum([0] + [1 if ids else 0 for ids in want])  # an empty document holds no sequence
             assert ds.document_indices.tolist() == sizes.tolist()
+
+
+@pytest.mark.parametrize("partitions, workers", [(2, 1), (3, 2), (7, 1)])
+def test_partitions_give_megatrons_round_robin_order(tmp_path, partitions, workers):
+    """--partitions N: Megatron's preprocess_data.py deals the input lines round robin into N files and merges
+    their outputs in partition order (checked against its output at d98e8a6 byte for byte, N = 2 and 3), so the
+    documents come as 0, N, 2N, ..., 1, N + 1, ... (empty ones keep their place); --keep-sequential-samples
+    keeps the input order. The reference is the plain run's documents in that order, written by hand."""
+    rng = np.random.default_rng()
+    docs = [d if rng.random() > 0.15 else "" for d in moby_dick_documents()[:int(rng.integers(20, 60))]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d, "t": d[:20]}) + "\n" for d in docs))
+    common = ["preprocess", "--input", str(tmp_path / "in.jsonl"), "--json-keys", "text", "t", "--append-eod",
+              "--no-progress", "--workers", str(workers)]
+    assert main(common + ["--output-prefix", str(tmp_path / "plain")]) == 0
+    assert main(common + ["--output-prefix", str(tmp_path / "rr"), "--partitions", str(partitions)]) == 0
+    assert main(common + ["--output-prefix", str(tmp_path / "seq"), "--partitions", str(partitions),
+                          "--keep-sequential-samples"]) == 0
+    order = [i for p in range(partitions) for i in range(p, len(docs), partitions)]
+    for key in ("text", "t"):
+        plain = IndexedDataset(tmp_path / f"plain_{key}_document")
+        rr = IndexedDataset(tmp_path / f"rr_{key}_document")
+        assert rr.num_documents == plain.num_documents == len(docs)
+        assert [rr.document(i).tolist() for i in range(len(docs))] == [plain.document(i).tolist() for i in order]
+        for ext in ("bin", "idx"):
+            assert (tmp_path / f"seq_{key}_document.{ext}").read_bytes() == \
+                (tmp_path / f"plain_{key}_document.{ext}").read_bytes()
+    outputs = [f"{r}_{k}_document.{e}" for r in ("plain", "rr", "seq") for k in ("text", "t") for e in ("bin", "idx")]
+    assert sorted(os.listdir(tmp_path)) == sorted(["in.jsonl"] + outputs)  # no partition left behind
+
+
+def test_megatrons_sentence_flags(tmp_path, capsys):
+    """--keep-newlines is what the splitter always does (the sentences join back to the text, newlines
+    included); --lang other than english is refused in one line (the splitter's rules are English)."""
+    text = "First line.\nSecond one!  Third?\n\nA new paragraph."
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    common = ["preprocess", "--input", str(tmp_path / "in.jsonl"), "--split-sentences", "--no-progress"]
+    assert main(common + ["--output-prefix", str(tmp_path / "k"), "--keep-newlines", "--log-interval", "5"]) == 0
+    ds = IndexedDataset(tmp_path / "k_text_sentence")
+    tok = build_tokenizer()
+    assert len(ds) == 4 and tok.decode(np.concatenate([ds[i] for i in range(len(ds))]).tolist()) == text
+    capsys.readouterr()
+    assert main(common + ["--output-prefix", str(tmp_path / "g"), "--lang", "german"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--lang german" in err and "\n" not in err and not (tmp_path / "g_text_sentence.bin").exists()
+
+
+def test_json_lines_are_json_whatever_the_file_is_called(tmp_path):
+    """Megatron reads every --input as JSON lines: a JSON-lines corpus named .ndjson, .txt or without an extension
+    gives the .jsonl output (it was tokenized as text, braces and keys included); a text file stays text."""
+    rng = np.random.default_rng()
+    docs = moby_dick_documents()[:int(rng.integers(5, 15))]
+    body = "\n" + "".join(json.dumps({"text": d}) + "\n" for d in docs)  # a blank first line too
+    for name in ("ref.jsonl", "c.ndjson", "c.txt", "train_00"):
+        (tmp_path / name).write_text(body)
+        assert main(["preprocess", "--input", str(tmp_path / name), "--output-prefix", str(tmp_path / name.replace(
+            ".", "_")), "--no-progress"]) == 0
+    ref = (tmp_path / "ref_jsonl_text_document.bin").read_bytes()
+    tok = build_tokenizer()
+    assert ref == np.concatenate([tok.encode(d) for d in docs]).astype(np.uint16).tobytes()
+    for out in ("c_ndjson", "c_txt", "train_00"):
+        assert (tmp_path / f"{out}_text_document.bin").read_bytes() == ref, out
+    (tmp_path / "plain.txt").write_text("{ not json } but text\nsecond line\n")
+    assert main(["preprocess", "--input", str(tmp_path / "plain.txt"), "--output-prefix", str(tmp_path / "plain"),
+                 "--no-progress"]) == 0
+    assert IndexedDataset(tmp_path / "plain_text_document")[0].tolist() == tok.encode("{ not json } but text")
+
+
+def test_a_list_of_sentences_is_one_document_of_those_sentences(tmp_path):
+    """Megatron's encoder takes a JSON list as the document's sentences (the format its --split-sentences step
+    writes): each non-empty one a sequence, the eod on the last, the document kept when all are empty (checked
+    byte for byte against Megatron's preprocess_data.py at d98e8a6). They were skipped as records without the key."""
+    rng = np.random.default_rng()
+    words = ["whale", "sea", "naïve", "鯨", "🐋", ",", "."]
+    docs = [[" ".join(rng.choice(words, int(rng.integers(0, 6)))) for _ in range(int(rng.integers(0, 5)))]
+            for _ in range(int(rng.integers(10, 30)))] + [[], [""], "a plain string"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                 "--append-eod", "--no-progress"]) == 0
+    ds = IndexedDataset(tmp_path / "o_text_document")
+    tok = build_tokenizer()
+    assert ds.num_documents == len(docs)
+    for d, doc in enumerate(docs):
+        want = [tok.encode(s) for s in ([doc] if isinstance(doc, str) else doc)]
+        want = [w for w in want if w]
+        if want:
+            want[-1] = want[-1] + [tok.eod]
+        lo, hi = ds.document_indices[d], ds.document_indices[d + 1]
+        assert [ds[i].tolist() for i in range(lo, hi)] == want, d

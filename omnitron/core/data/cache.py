@@ -3,16 +3,24 @@
 One builder rank writes (arrays first, then the description as the completion marker, each
 through a temporary name and an atomic rename); the other ranks wait at the caller's barrier
 and memory-map what it wrote. A description that does not match its hash key is ignored.
+The marker also records each array's dtype and shape: an array file that no longer reads back as written
+(truncated, overwritten, copied in part) is rebuilt on the builder rank (a warning names it) and refused on
+the others, never read as if it were the index.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import uuid
 from typing import Callable
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+ARRAYS_KEY = "_arrays"
+"""The marker's record of each array's dtype and shape (beside the description, not part of the key)."""
 
 
 def default_cache_dir() -> str:
@@ -52,33 +60,58 @@ def load_or_build(cache_dir: str, description: dict, names: tuple[str, ...],
                   build: Callable[[], dict[str, np.ndarray]] | None) -> dict[str, np.ndarray]:
     """Arrays ``names`` for ``description``: loaded from ``cache_dir``, else built by ``build()`` and saved.
 
-    ``build=None`` (a non-builder rank) raises ``IndexCacheMissing`` when the cache is absent.
+    ``build=None`` (a non-builder rank) raises ``IndexCacheMissing`` when the cache is absent or corrupt.
     """
     key = cache_key(description)
     base = os.path.join(cache_dir, key)
     desc_path = f"{base}-description.json"
-    if _complete(desc_path, description, base, names):
-        return {n: np.load(f"{base}-{n}.npy", mmap_mode="r", allow_pickle=False) for n in names}
+    arrays, corrupt = _load(desc_path, description, base, names)
+    if arrays is not None:
+        return arrays
     if build is None:
+        why = f"{corrupt} is corrupt" if corrupt else f"index cache {desc_path} not found"
         raise IndexCacheMissing(
-            f"index cache {desc_path} not found: the builder rank did not build it before the barrier. "
-            f"Make sure --data-cache-path ({cache_dir}) is a directory every rank sees, or build on each node")
+            f"{why}: the builder rank did not build it before the barrier. Make sure --data-cache-path "
+            f"({cache_dir}) is a directory every rank sees, or build on each node")
+    if corrupt:
+        log.warning("index cache %s is corrupt (it does not read back as written): building it again", corrupt)
     arrays = build()
     os.makedirs(cache_dir, exist_ok=True)
     for n in names:
         _atomic(f"{base}-{n}.npy", lambda f, a=arrays[n]: np.save(f, a, allow_pickle=False))
-    _atomic(desc_path, lambda f: f.write(json.dumps(description, sort_keys=True, indent=1).encode()))
+    marker = dict(description, **{ARRAYS_KEY: {n: _shape(arrays[n]) for n in names}})
+    _atomic(desc_path, lambda f: f.write(json.dumps(marker, sort_keys=True, indent=1).encode()))
     return arrays
 
 
-def _complete(desc_path: str, description: dict, base: str, names) -> bool:
+def _shape(array: np.ndarray) -> list:
+    return [np.dtype(array.dtype).str, list(array.shape)]
+
+
+def _load(desc_path: str, description: dict, base: str, names) -> tuple[dict | None, str | None]:
+    """(the cached arrays, None) when the cache is complete and reads back as written; else (None, the path of
+    the first array file that does not: unreadable, or another dtype or shape than the marker records, or None
+    when the cache is simply absent or of another description)."""
     if not os.path.isfile(desc_path) or not all(os.path.isfile(f"{base}-{n}.npy") for n in names):
-        return False
+        return None, None
     try:
         with open(desc_path, encoding="utf-8") as f:
-            return json.load(f) == json.loads(json.dumps(description))
+            marker = json.load(f)
     except (OSError, ValueError):
-        return False
+        return None, None
+    shapes = marker.pop(ARRAYS_KEY, None) if isinstance(marker, dict) else None
+    if marker != json.loads(json.dumps(description)):
+        return None, None
+    arrays = {}
+    for n in names:
+        path = f"{base}-{n}.npy"
+        try:
+            arrays[n] = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError):
+            return None, path
+        if shapes is not None and _shape(arrays[n]) != shapes.get(n):  # caches written before the record: unchecked
+            return None, path
+    return arrays, None
 
 
 def _atomic(path: str, write: Callable) -> None:

@@ -1,6 +1,7 @@
 """``DataConfig``: where training data comes from and how samples are cut from it."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -28,6 +29,13 @@ class DataConfig:
     """``--valid-data-path``: the validation split's own datasets (see --train-data-path)."""
     test_data_path: list[str] = field(default_factory=list)
     """``--test-data-path``: the test split's own datasets (see --train-data-path)."""
+    data_args_path: str | None = None
+    """``--data-args-path``: a file holding the --data-path value (``W1 PREFIX1 W2 PREFIX2 ...`` or prefixes, split at
+    any whitespace, newlines included), as Megatron reads it; read into --data-path when the settings are made."""
+    per_split_data_args_path: str | None = None
+    """``--per-split-data-args-path``: a JSON file ``{"train": ..., "valid": ..., "test": ...}`` (each a --data-path
+    value as a string or a list, or null), as Megatron reads it; read into --train-data-path, --valid-data-path and
+    --test-data-path when the settings are made."""
     split: str = "969,30,1"
     """``--split``: train,valid,test proportions of each dataset's documents."""
     mock_data: bool = False
@@ -97,11 +105,31 @@ class DataConfig:
             path = getattr(self, name)  # so generate, serve and exports find them from any directory
             if path and os.path.exists(path):
                 setattr(self, name, os.path.abspath(path))
+        self._read_data_args_files()
         for _, paths in self.path_flags():
             parse_data_path(paths)
         if self.data_path and self.per_split:
             raise ConfigError("give --data-path (cut by --split) or --train-data-path / --valid-data-path / "
                               "--test-data-path (each split its own files), not both")
+
+    def _read_data_args_files(self) -> None:
+        """--data-args-path / --per-split-data-args-path: the paths they hold replace them (so a checkpoint records
+        the prefixes read, and a resumed run's settings compare equal)."""
+        if self.data_args_path:
+            if self.data_path:
+                raise ConfigError("give --data-path or --data-args-path (a file holding its value), not both")
+            self.data_path = _read_text(self.data_args_path, "--data-args-path").split()
+            if not self.data_path:
+                raise ConfigError(f"--data-args-path {self.data_args_path}: the file is empty; write the --data-path "
+                                  "value in it (PREFIX, or WEIGHT PREFIX pairs)")
+            self.data_args_path = None
+        if self.per_split_data_args_path:
+            if self.train_data_path or self.valid_data_path or self.test_data_path:
+                raise ConfigError("give --train-data-path / --valid-data-path / --test-data-path or "
+                                  "--per-split-data-args-path (a file holding them), not both")
+            paths = _per_split_paths(self.per_split_data_args_path)
+            self.train_data_path, self.valid_data_path, self.test_data_path = paths
+            self.per_split_data_args_path = None
 
     @property
     def per_split(self) -> bool:
@@ -113,6 +141,42 @@ class DataConfig:
         named = (("--data-path", self.data_path), ("--train-data-path", self.train_data_path),
                  ("--valid-data-path", self.valid_data_path), ("--test-data-path", self.test_data_path))
         return [(flag, paths) for flag, paths in named if paths]
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror}); give the path of an existing "
+                          "file") from None
+
+
+def _per_split_paths(path: str) -> tuple[list[str], list[str], list[str]]:
+    """The train, valid and test data paths of a --per-split-data-args-path JSON file (Megatron's format: all three
+    keys, each a whitespace-separated string, a list of strings, or null for no such split)."""
+    flag = "--per-split-data-args-path"
+    try:
+        spec = json.loads(_read_text(path, flag))
+    except ValueError as err:
+        raise ConfigError(f"{flag} {path}: not JSON ({err}); write {{\"train\": \"W A W B\", \"valid\": ..., "
+                          "\"test\": ...}") from None
+    missing = [k for k in ("train", "valid", "test") if not isinstance(spec, dict) or k not in spec]
+    if missing:
+        raise ConfigError(f"{flag} {path}: no {', '.join(repr(k) for k in missing)} key; give all of \"train\", "
+                          "\"valid\" and \"test\" (null for a split without data), as Megatron reads it")
+    out = []
+    for k in ("train", "valid", "test"):
+        v = spec[k]
+        if v is None:
+            out.append([])
+        elif isinstance(v, str):
+            out.append(v.split())
+        elif isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v):
+            out.append([str(x) for x in v])
+        else:
+            raise ConfigError(f"{flag} {path}: {k!r} must be a string, a list of strings or null, got {v!r}")
+    return out[0], out[1], out[2]
 
 
 _MEGATRON_ONLY = {"NullMultimodalTokenizer": "no multimodal null tokenizer", "SFTTokenizer": "no SFT prompt formats"}

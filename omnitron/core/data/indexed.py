@@ -101,7 +101,9 @@ class IndexedDataset:
                                       "not an MMIDIDX index file (legacy Megatron 'TNTIDX' indexes are not supported)")
         version, code, seqs, docs = struct.unpack("<QBQQ", head[len(MAGIC):])
         if version != VERSION:
-            raise IndexedDatasetError(f"{path}: index version {version}, only version {VERSION} is supported")
+            raise IndexedDatasetError(f"{path}: index version {version}, only version {VERSION} is supported (the one "
+                                      "every Megatron release writes): the file is corrupt or of another format; "
+                                      "re-run `omnitron preprocess`")
         if code not in DTYPE_CODES:
             raise IndexedDatasetError(f"{path}: unknown dtype code {code}; valid codes are {sorted(DTYPE_CODES)}")
         if code in NOT_TOKEN_CODES:
@@ -281,8 +283,28 @@ def write_index(idx_path: str, dtype, lengths: np.ndarray, document_indices: np.
         f.write(document_indices.astype(np.int64).tobytes(order="C"))
 
 
+def prefixes_in(directory: str) -> list[str]:
+    """The dataset prefixes of a directory's ``.bin``/``.idx`` pairs, in Megatron's tools/merge_datasets.py order
+    (sorted by name); a ``.bin`` without its ``.idx`` (or the reverse) is an error, as there."""
+    names = {}
+    for entry in os.listdir(directory):
+        stem, ext = os.path.splitext(entry)
+        if ext in (".bin", ".idx") and os.path.isfile(os.path.join(directory, entry)):
+            names.setdefault(stem, set()).add(ext)
+    for stem, exts in sorted(names.items()):
+        if len(exts) != 2:
+            have, lack = next(iter(exts)), ({".bin", ".idx"} - exts).pop()
+            raise IndexedDatasetError(f"{os.path.join(directory, stem)}{have} has no {lack} beside it; merge needs "
+                                      "both files of every dataset in the directory")
+    if not names:
+        raise IndexedDatasetError(f"{directory}: no .bin/.idx datasets in it to merge")
+    return [os.path.join(directory, stem) for stem in sorted(names)]
+
+
 def merge_datasets(prefixes: list[str], output_prefix: str) -> IndexedDataset:
-    """Concatenate datasets (same dtype) into ``output_prefix``; documents keep their order."""
+    """Concatenate datasets (same dtype) into ``output_prefix``; documents keep their order. A directory among
+    ``prefixes`` stands for every dataset in it, sorted by name (Megatron's ``merge_datasets.py --input DIR``)."""
+    prefixes = [q for p in prefixes for q in (prefixes_in(p) if os.path.isdir(p) else [p])]
     if not prefixes:
         raise IndexedDatasetError("merge_datasets needs at least one input prefix")
     dtype = IndexedDataset(prefixes[0]).dtype

@@ -4,13 +4,19 @@ The input is read line by line (never whole); documents are tokenized in chunks,
 processes when ``workers > 1`` (results are written in input order, so the output does not
 depend on the number of workers). Bad records are counted and skipped, never fatal:
 invalid UTF-8 (replaced or skipped), lines that are not JSON objects, records without a
-requested key. Empty documents are kept as Megatron keeps them (a document of no sequences in the
-``.idx``). Input with no token at all is an error.
+requested key (a key's value is a string, or a list of strings: the document's sentences, each its
+own sequence, as Megatron's encoder reads it). Empty documents are kept as Megatron keeps them (a
+document of no sequences in the ``.idx``). Input with no token at all is an error.
 
 ``split_sentences`` (Megatron's ``--split-sentences``): each document is cut by
 :func:`omnitron.core.data.sentences.split_sentences` and every sentence is tokenized and stored as
 its own sequence; the ``.idx`` document index keeps the document boundaries (an appended eod ends
 the document's last sentence), and the outputs are named ``PREFIX_<key>_sentence`` as Megatron's.
+
+``partitions`` (Megatron's ``--partitions N``) gives Megatron's document order: its preprocess_data.py deals the
+input lines round robin into N partition files, tokenizes each, and merges the N outputs in partition order, so
+documents 0, N, 2N, ... come first; with ``keep_sequential_samples`` the partitions are contiguous blocks and the
+input order stays. Here the documents are dealt the same way into N temporary datasets merged in that order.
 """
 from __future__ import annotations
 
@@ -50,6 +56,8 @@ class PreprocessStats:
     seconds: float = 0.0
     invalid_utf8: int = 0
     empty: int = 0
+    records: int = 0
+    """Records written (each one document per key, empty or not): the round-robin count of ``partitions``."""
     """Documents without a token: kept as Megatron keeps them (a document of no sequences in the .idx)."""
     skipped: dict = field(default_factory=lambda: {"invalid_utf8": 0, "bad_json": 0, "missing_key": 0})
     outputs: list = field(default_factory=list)
@@ -77,10 +85,11 @@ def _decode(raw: bytes, invalid_utf8: str, stats: PreprocessStats) -> str | None
 
 def iter_records(paths: list[str], json_keys: list[str], *, txt_mode: str = "line", invalid_utf8: str = "replace",
                  stats: PreprocessStats) -> Iterator[dict[str, str]]:
-    """Yield ``{key: text}`` per document. ``.jsonl``/``.json`` files are JSON lines; anything else is text:
+    """Yield ``{key: text}`` per document. ``.jsonl``/``.json`` files are JSON lines, and so is any file whose first
+    line is a JSON object (Megatron reads every input as JSON lines, whatever its name); anything else is text:
     one document per line (``txt_mode="line"``) or per blank-line separated paragraph (``"paragraph"``)."""
     for path in paths:
-        is_json = path.endswith((".jsonl", ".json"))
+        is_json = path.endswith((".jsonl", ".json")) or _starts_with_json_object(path)
         para: list[str] = []
         with open(path, "rb") as f:
             for raw in f:
@@ -104,14 +113,37 @@ def iter_records(paths: list[str], json_keys: list[str], *, txt_mode: str = "lin
             yield {json_keys[0]: "".join(para).rstrip("\r\n")}
 
 
+def _starts_with_json_object(path: str) -> bool:
+    """Whether the first non-blank line of ``path`` is a JSON object (a JSON-lines corpus named ``.ndjson``, ``train``
+    or ``.txt``: read as text it would be tokenized braces, keys and all)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    return isinstance(json.loads(raw), dict)
+                except ValueError:
+                    return False
+    return False
+
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 """A lone UTF-16 surrogate: valid in JSON (``"\\ud800"``), not text UTF-8 or a tokenizer can hold."""
 
 
+def _is_text(value) -> bool:
+    """A document's text: a string, or a list of strings (its sentences, as Megatron's split step writes them)."""
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _clean(value, pattern_sub):
+    return pattern_sub(value) if isinstance(value, str) else [pattern_sub(v) for v in value]
+
+
 def _json_record(line: str, json_keys: list[str], stats: PreprocessStats,
-                 invalid_utf8: str = "replace") -> dict[str, str] | None:
-    """The record's ``json_keys`` texts; bad JSON and missing keys are counted and skipped, and a text with a lone
-    surrogate escape is invalid UTF-8 by ``--invalid-utf8`` (replaced by U+FFFD, or the document skipped)."""
+                 invalid_utf8: str = "replace") -> dict | None:
+    """The record's ``json_keys`` texts (strings, or lists of sentences); bad JSON and missing keys are counted and
+    skipped, and a text with a lone surrogate escape is invalid UTF-8 by ``--invalid-utf8`` (replaced by U+FFFD, or
+    the document skipped)."""
     if not line.strip():
         return None
     try:
@@ -122,16 +154,16 @@ def _json_record(line: str, json_keys: list[str], stats: PreprocessStats,
     if not isinstance(obj, dict):
         stats.skipped["bad_json"] += 1
         return None
-    if any(not isinstance(obj.get(k), str) for k in json_keys):
+    if any(not _is_text(obj.get(k)) for k in json_keys):
         stats.skipped["missing_key"] += 1
         return None
     rec = {k: obj[k] for k in json_keys}
-    if any(_SURROGATE.search(v) for v in rec.values()):
+    if any(_SURROGATE.search(t) for v in rec.values() for t in ([v] if isinstance(v, str) else v)):
         stats.invalid_utf8 += 1
         if invalid_utf8 == "skip":
             stats.skipped["invalid_utf8"] += 1
             return None
-        rec = {k: _SURROGATE.sub("\ufffd", v) for k, v in rec.items()}
+        rec = {k: _clean(v, lambda t: _SURROGATE.sub("\ufffd", t)) for k, v in rec.items()}
     return rec
 
 
@@ -145,24 +177,27 @@ def _init_worker(tokenizer_kwargs: dict, parent_pid: int) -> None:
     _WORKER_TOK = build_tokenizer(**tokenizer_kwargs)
 
 
-def _encode_chunk(task: tuple[list[dict[str, str]], list[str], bool, bool]) -> list[dict[str, tuple]]:
-    """Per record and key ``(ids, sentence lengths or None)``; sentences with no token are dropped."""
+def _encode_chunk(task: tuple[list[dict], list[str], bool, bool]) -> list[dict[str, tuple]]:
+    """Per record and key ``(ids, sentence lengths or None)``; sentences with no token are dropped. A text given as
+    a list is its sentences (Megatron's encoder takes a list so, with or without --split-sentences)."""
     records, keys, append_eod, by_sentence = task
     tok = _WORKER_TOK
     out = [dict() for _ in records]
     for k in keys:
-        if not by_sentence:
-            for rec, ids in zip(out, tok.encode_batch([r[k] for r in records])):
-                if ids and append_eod:
-                    ids.append(tok.eod)
-                rec[k] = (np.asarray(ids, np.int64), None)
-            continue
-        for rec, r in zip(out, records):
-            sentences = [ids for ids in tok.encode_batch(cut_sentences(r[k])) if ids]
+        whole = [i for i, r in enumerate(records) if isinstance(r[k], str) and not by_sentence]
+        for i, ids in zip(whole, tok.encode_batch([records[i][k] for i in whole]) if whole else []):
+            if ids and append_eod:
+                ids.append(tok.eod)
+            out[i][k] = (np.asarray(ids, np.int64), None)
+        for i, r in enumerate(records):
+            if k in out[i]:
+                continue
+            pieces = r[k] if isinstance(r[k], list) else cut_sentences(r[k])
+            sentences = [ids for ids in (tok.encode_batch(pieces) if pieces else []) if ids]
             if sentences and append_eod:
                 sentences[-1].append(tok.eod)
-            flat = [i for ids in sentences for i in ids]
-            rec[k] = (np.asarray(flat, np.int64), [len(ids) for ids in sentences])
+            flat = [t for ids in sentences for t in ids]
+            out[i][k] = (np.asarray(flat, np.int64), [len(ids) for ids in sentences])
     return out
 
 
@@ -180,22 +215,29 @@ def _chunks(records: Iterator[dict[str, str]], keys: list[str], append_eod: bool
 def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[str] = ("text",),
                      tokenizer_kwargs: dict | None = None, append_eod: bool = True, workers: int = 1,
                      txt_mode: str = "line", invalid_utf8: str = "replace", progress: bool = False,
-                     split_sentences: bool = False) -> PreprocessStats:
+                     split_sentences: bool = False, partitions: int = 1,
+                     keep_sequential_samples: bool = False) -> PreprocessStats:
     """Tokenize ``inputs`` into ``{output_prefix}_{key}_document.{bin,idx}`` for each key (``_sentence``
-    with ``split_sentences``: one sequence per sentence); return stats."""
+    with ``split_sentences``: one sequence per sentence); return stats. ``partitions``: Megatron's document order
+    for its ``--partitions`` (see the module docstring)."""
     json_keys = list(json_keys)
     for p in inputs:
         if not os.path.isfile(p):
             raise PreprocessError(f"--input {p!r}: no such file")
     if workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {workers}")
+    if partitions < 1:
+        raise PreprocessError(f"--partitions must be >= 1, got {partitions}")
     tokenizer_kwargs = dict(tokenizer_kwargs or {"tokenizer_type": "GPT2BPETokenizer"})
     tok = build_tokenizer(**tokenizer_kwargs)  # fail on a bad tokenizer before reading any input
     stats = PreprocessStats()
     level = "sentence" if split_sentences else "document"
     prefixes = {k: f"{output_prefix}_{k}_{level}" for k in json_keys}
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builders = {k: IndexedDatasetBuilder(data_file(p), optimal_dtype(tok.vocab_size)) for k, p in prefixes.items()}
+    dealt = 1 if keep_sequential_samples else partitions  # contiguous blocks merged in order: the input order
+    parts = _part_prefixes(prefixes, dealt)
+    builders = [{k: IndexedDatasetBuilder(data_file(p), optimal_dtype(tok.vocab_size)) for k, p in part.items()}
+                for part in parts]
     bar = _progress_bar(sum(os.path.getsize(p) for p in inputs)) if progress else None
     start = time.perf_counter()
     tasks = _chunks(iter_records(inputs, json_keys, txt_mode=txt_mode, invalid_utf8=invalid_utf8, stats=stats),
@@ -215,8 +257,11 @@ def preprocess_files(inputs: list[str], output_prefix: str, *, json_keys: list[s
             pool.join()
         if bar is not None:
             bar.close()
-    for k, b in builders.items():
-        b.finalize(index_file(prefixes[k]))
+    for part, built in zip(parts, builders):
+        for k, b in built.items():
+            b.finalize(index_file(part[k]))
+    if dealt > 1:
+        _merge_parts(prefixes, parts, optimal_dtype(tok.vocab_size))
     stats.seconds = time.perf_counter() - start
     if stats.documents == 0:
         for p in prefixes.values():
@@ -244,8 +289,30 @@ def _bounded_imap(pool, tasks, max_pending: int):
         yield pending.popleft().get()
 
 
-def _write_chunk(encoded: list[dict[str, tuple]], builders: dict, stats: PreprocessStats) -> None:
+def _part_prefixes(prefixes: dict[str, str], n: int) -> list[dict[str, str]]:
+    """Where each of ``n`` partitions is written: the outputs themselves for one, temporary names for several."""
+    if n == 1:
+        return [prefixes]
+    return [{k: f"{p}.partition{i}-{os.getpid()}" for k, p in prefixes.items()} for i in range(n)]
+
+
+def _merge_parts(prefixes: dict[str, str], parts: list[dict[str, str]], dtype) -> None:
+    """Each key's partitions merged, in partition order, into its output; the partitions removed."""
+    for k, out in prefixes.items():
+        merged = IndexedDatasetBuilder(data_file(out), dtype)
+        for part in parts:
+            merged.add_index(part[k])
+        merged.finalize(index_file(out))
+        for part in parts:
+            os.remove(data_file(part[k]))
+            os.remove(index_file(part[k]))
+
+
+def _write_chunk(encoded: list[dict[str, tuple]], parts: list[dict], stats: PreprocessStats) -> None:
+    """Write each record's documents to its partition (record ``i`` of the run to ``i % len(parts)``)."""
     for rec in encoded:
+        builders = parts[stats.records % len(parts)]
+        stats.records += 1
         wrote = False
         for k, (ids, lengths) in rec.items():
             if ids.size == 0:  # as Megatron: the document stays, holding no sequence

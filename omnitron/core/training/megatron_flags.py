@@ -58,6 +58,9 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                                      "attention needs none)", _PERF),
     "no_mmap_bin_files": (None, "the .bin files are read through a read-only memory map",
                           "the same bytes are read either way"),
+    "num_dataset_builder_threads": ("N", "the builder rank builds the datasets' index caches one after another",
+                                    "each dataset's indices depend on its own files, split and sample count, not on "
+                                    "the order they are built in: " + _PERF),
     "no_async_tensor_model_parallel_allreduce": (None, "tensor-parallel all-reduces run in issue order", _PERF),
     "tp_comm_overlap": (None, "tensor-parallel communication is not overlapped with the GEMMs (no userbuffers)",
                         _PERF + "; only the speed differs"),
