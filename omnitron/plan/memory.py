@@ -649,15 +649,10 @@ def _gib(n: int) -> str:
 
 
 def memory_table(settings) -> str:
-    """:func:`format_table` of :func:`estimate`: what ``--log-memory-estimate`` logs at the start of training (a
-    layout the planner does not price, a per-layer --cp-comm-type: that one line instead; training goes on)."""
-    from omnitron.core.config.parallel import ConfigError
-
-    try:
-        stages = estimate(settings)
-    except ConfigError as err:
-        return f"memory estimate: not priced: {err}"
-    return format_table(stages)
+    """:func:`format_table` of :func:`estimate`: what ``--log-memory-estimate`` logs at the start of training. A
+    layout the planner does not price (a per-layer --cp-comm-type, a model family it does not model) raises its
+    one-line ConfigError; the training loop logs it and trains on."""
+    return format_table(estimate(settings))
 
 
 def format_table(stages: list[StageMemory]) -> str:

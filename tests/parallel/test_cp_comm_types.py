@@ -163,7 +163,8 @@ def test_per_layer_types_parse_and_refusals_name_the_constraint():
 
 def test_the_planner_refuses_a_per_layer_list_in_one_line(capsys):
     """``omnitron plan`` prices one type for every layer: a list is one error line (exit 2); the training log's
-    memory table (--log-memory-estimate) says in one line that it is not priced, and training goes on."""
+    memory table (--log-memory-estimate) raises the same one-line ConfigError, which the loop logs before training
+    on (tests/plan/test_plan_cli.py's model-family case checks that log line)."""
     from omnitron.cli import main
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import memory_table
@@ -172,5 +173,6 @@ def test_the_planner_refuses_a_per_layer_list_in_one_line(capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "one --cp-comm-type for every layer" in err[0], err
-    line = memory_table(parse_settings(argv, 2))
-    assert line.startswith("memory estimate: not priced:") and "\n" not in line
+    with pytest.raises(ConfigError, match="one --cp-comm-type for every layer") as info:
+        memory_table(parse_settings(argv, 2))
+    assert "\n" not in str(info.value)

@@ -125,7 +125,7 @@ def check_same_settings(store, rank: int, world: int, values: dict, limit_s: flo
 def describe(differ: list[int], world: int, first: dict, other: dict) -> str:
     """The line for ranks ``differ`` whose settings differ from rank 0's ``first``; ``other``: ``differ[0]``'s."""
     from omnitron.core.training.arguments import options
-    from omnitron.core.training.workers import rank_list
+    from omnitron.core.training.failures import rank_list
 
     opts, r = options(), differ[0]
     keys = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k) and k != SEES_SAVE)

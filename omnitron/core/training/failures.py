@@ -247,3 +247,9 @@ def command_name() -> str:
     known = ("train", "generate", "serve")
     return f"omnitron {sub}" if os.path.basename(sys.argv[0]) in ("omnitron", "__main__.py") and sub in known \
         else "omnitron train"
+
+
+def rank_list(ranks: list[int], shown: int = 8) -> str:
+    """``rank 3`` / ``ranks 1, 2`` / ``ranks 1, 2, ... and 9 more``: a line's worth of rank numbers."""
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:shown])) + more

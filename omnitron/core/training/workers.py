@@ -26,7 +26,7 @@ import time
 
 from omnitron.core.lifetime import die_with, die_with_parent
 from omnitron.core.training import agreement, failures
-from omnitron.core.training.failures import command_name
+from omnitron.core.training.failures import command_name, rank_list
 from omnitron.core.training.watchdog import Watchdog, collective_timeout_s, distributed_timeout_s, heartbeat_interval
 
 HOSTED_STORE_ENV = "OMNITRON_LAUNCHER_STORE"
@@ -176,12 +176,6 @@ def _wait_for_arrivals(store, world: int, timeout: float) -> None:
             raise TrainingStopped(f"rank {frozen[0]} (pid {siblings.pid(frozen[0])}) {frozen[1]}")
         time.sleep(pause)
         pause = min(STARTUP_POLL_S, 2 * pause)  # quick while the ranks arrive together, once a second after
-
-
-def rank_list(ranks: list[int], shown: int = 8) -> str:
-    """``rank 3`` / ``ranks 1, 2`` / ``ranks 1, 2, ... and 9 more``: a line's worth of rank numbers."""
-    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:shown])) + more
 
 
 class _LocalSiblings(StartupWatch):
