@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from omnitron.kernels.function_output import cast_output
 from omnitron.kernels.reference.fp8 import (  # noqa: F401 (the provider's names)
     FORMATS, FP8_MAX, cast_to_fp8, fp8_dtype, scale_from_amax)
 
@@ -209,7 +210,7 @@ class FP8Provider:
                 reason = str(err).splitlines()[0] if str(err) else type(err).__name__
                 self._say(f"refused:{reason}", "torch._scaled_mm refused a %sx%s GEMM (%s); such GEMMs run the "
                           "exact emulation", tuple(a.shape), tuple(b.shape), reason, level=logging.WARNING)
-        return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+        return cast_output((a.float() * sa) @ (b.float() * sb), out_dtype)
 
     def blockwise_mm(self, a: torch.Tensor, scale_a_inv: torch.Tensor, a_block: tuple[int, int],
                      b: torch.Tensor, scale_b_inv: torch.Tensor, b_block: tuple[int, int],
@@ -242,7 +243,7 @@ class FP8Provider:
     def _emulated_blockwise(a, scale_a_inv, a_block, b, scale_b_inv, b_block, out_dtype):
         da = mul_blocks_(a.to(torch.float32, memory_format=torch.contiguous_format), scale_a_inv, a_block)
         db = mul_blocks_(b.to(torch.float32, memory_format=torch.contiguous_format), scale_b_inv, b_block)
-        return (da @ db).to(out_dtype)
+        return cast_output(da @ db, out_dtype)
 
     def _probe_blockwise(self, device: torch.device) -> None:
         """Try one 128x256 @ 256x128 block-scaled GEMM on ``device``; settle ``block_path`` to emulated on refusal."""

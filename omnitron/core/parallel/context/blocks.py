@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from omnitron.kernels.function_output import cast_output
 from omnitron.kernels.reference.attention_block import block_backward, block_forward
 
 
@@ -67,7 +68,7 @@ class BlockedAttention(torch.autograd.Function):
             merge(out[:, :, rows], lse[:, :, rows], o.to(cdt), l.to(cdt))
         if sinks is not None:
             out, lse = add_sinks(out, lse, sinks)
-        result = out.to(q.dtype)
+        result = cast_output(out, q.dtype)
         ctx.tasks, ctx.kernel, ctx.scale, ctx.drop = tasks, kernel, scale, drop
         ctx.save_for_backward(q, k, v, result, lse, sinks)
         return result

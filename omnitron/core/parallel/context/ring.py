@@ -42,6 +42,7 @@ import torch
 from omnitron.core.parallel.context.blocks import REFERENCE, BlockKernel, add_sinks, merge, sink_grad
 from omnitron.core.parallel.context.layout import chunk_positions
 from omnitron.core.parallel.context.tiles import _step_slices, step_plan  # noqa: F401 - tests read _step_slices
+from omnitron.kernels.function_output import cast_output
 from omnitron.kernels.hash_dropout import block_positions
 
 
@@ -138,7 +139,7 @@ class RingAttention(torch.autograd.Function):
             kv = nxt
         if sinks is not None:
             out, lse = add_sinks(out, lse, sinks)
-        result = out.to(q.dtype)
+        result = cast_output(out, q.dtype)
         ctx.save_for_backward(q, k, v, result, lse, sinks, received)
         return result
 

@@ -68,8 +68,19 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _compiled(x, weight, bias, group):
     """While dynamo traces: AOTAutograd's partitioner moves backward work that needs no gradient into the forward
     graph, so :class:`_GatherLinear`'s re-gather would run forward and its output be saved (measured: the gathered
-    bytes, as before). A non-reentrant checkpoint of the gather marks it for recomputation in backward instead."""
+    bytes, as before). A non-reentrant checkpoint of the gather, every op in it MUST_RECOMPUTE, recomputes it in
+    backward instead."""
     from torch.utils import checkpoint as torch_checkpoint
 
-    full = torch_checkpoint.checkpoint(M.gather_from_sp, x, group, use_reentrant=False)
+    full = torch_checkpoint.checkpoint(M.gather_from_sp, x, group, use_reentrant=False, context_fn=_recompute_all)
     return F.linear(full, weight, bias)
+
+
+def _recompute_all():
+    """Context pair of the traced checkpoint in :func:`_compiled`: every op in it MUST be recomputed. A plain
+    checkpoint only prefers recomputation, which torch 2.11's partitioner declined for the gather (the compiled
+    forward saved the gathered input, twice the shard's bytes at tp2; torch 2.13 recomputed it)."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    must = torch_checkpoint.CheckpointPolicy.MUST_RECOMPUTE
+    return torch_checkpoint.create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: must)
