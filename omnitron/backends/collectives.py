@@ -116,11 +116,15 @@ class Collectives:
     takes no host tensors. ``env``: environment variables the library reads when a process group is
     created (:func:`watchdog_env`), set before the first one unless the user set them; ``env_prefix``: the
     library's variable prefix, for the settings that follow the job (:func:`job_watchdog_env`).
+    ``p2p_groups_in_order``: the library runs a communicator's ``batch_isend_irecv`` groups one after another,
+    each until all its operations ran (the device libraries); strict mode then posts each batch as one group
+    (``flight._fused_batch``), where a host transport (gloo) gets each payload receive checked before it is posted.
     """
 
     def __init__(self, dist_backend: str, fp8_native: bool = False, device_type: str = "cpu",
-                 env: dict[str, str] | None = None, env_prefix: str | None = None) -> None:
-        self.dist_backend = dist_backend
+                 env: dict[str, str] | None = None, env_prefix: str | None = None,
+                 p2p_groups_in_order: bool = False) -> None:
+        self.dist_backend, self.p2p_groups_in_order = dist_backend, p2p_groups_in_order
         self.fp8_native = fp8_native
         self.device_type = device_type
         self.env = dict(env or {})
@@ -323,7 +327,7 @@ class Collectives:
         ops = [(k, t.contiguous() if k == "send" else t, peer) for k, t, peer in ops]
         wired = [(k, t, self._wire(t), peer) for k, t, peer in ops]
         if strict_enabled():
-            return flight.strict_batch_p2p(wired, group, site)
+            return flight.strict_batch_p2p(wired, group, site, fused=self.p2p_groups_in_order)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend if k == "send" else dist.irecv, w, peer, group)
                                         for k, _, w, peer in wired])
         if len(works) == 1:  # a coalescing backend (NCCL, simccl) returns one work for the batch: one per op here

@@ -239,10 +239,12 @@ HEADER_TAG, PAYLOAD_TAG = 1, 0
 
 
 class _StrictOp:
-    """One strict point-to-point op. A send posts header and payload at once; a receive posts its header,
-    and its payload only once the header matched (a payload of the wrong size would abort gloo's I/O
-    thread). Waiting on any op of a batch first posts all its payload receives, in batch order; waiting twice is a no-op (gloo's works
-    may not be waited twice: a second ``wait`` on a finished receive waits for another message).
+    """One strict point-to-point op on a host transport (gloo, which runs each operation on its own: a device
+    library, which runs a communicator's groups in order, gets :func:`_fused_batch`). A send posts header and
+    payload at once; a receive posts its header, and its payload only once the header matched (a payload of the
+    wrong size would abort gloo's I/O thread). Waiting on any op of a batch first posts all its payload receives,
+    in batch order; waiting twice is a no-op (gloo's works may not be waited twice: a second ``wait`` on a finished
+    receive waits for another message).
 
     A finished op drops its tensors, works and batch (:meth:`_release`): each op and its batch list refer to each
     other, so without that the tensors a pipeline sends and receives would live until Python's cyclic collector
@@ -269,12 +271,7 @@ class _StrictOp:
         if self.payload is not None or self.done:
             return
         timed_wait(self.works[0], lambda: [self.desc], self.group)
-        sent = _decode(self.head).split("\t")
-        want = fingerprint(self.tensor.shape, self.tensor.dtype)
-        if sent[0] != want:
-            raise RuntimeError(f"strict p2p: rank {dist.get_rank()} receives {want} from rank {self.peer} at "
-                               f"{self.where}, but rank {self.peer} sends {sent[0]} at "
-                               f"{sent[1] if len(sent) > 1 else '?'}; sender and receiver must agree on the shape")
+        _check_header(self.head, fingerprint(self.tensor.shape, self.tensor.dtype), self.peer, self.where)
         # batched as the send is: NCCL matches a batched send only with a batched receive (an unbatched one runs on
         # the pair's own communicator), and sim checks a pair's unbatched operations against each other
         self.payload = dist.batch_isend_irecv([dist.P2POp(dist.irecv, self.wire, self.peer, self.group,
@@ -298,23 +295,84 @@ class _StrictOp:
         self.works = ()
 
 
-_PENDING: dict[int, tuple] = {}  # id(group) -> (group, [_StrictOp]) of the last p2p batch
+class _FusedOp:
+    """One strict point-to-point op of a batch posted as one group (``fused``): every op's header and payload,
+    received blind and checked once the group has run. ``wait()`` it like a work; waiting twice is a no-op."""
+
+    def __init__(self, kind, want: str, peer, where, group, head) -> None:
+        self.kind, self.want, self.peer, self.where, self.group, self.head = kind, want, peer, where, group, head
+        self.done, self.works, self.waited = False, (), {}
+        self.desc = f"{kind} {want} {'to' if kind == 'send' else 'from'} rank {peer} posted at {where}"
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for work in self.works:  # this op's header and payload works (one shared work where the backend coalesces)
+            if id(work) not in self.waited:
+                timed_wait(work, lambda: [self.desc], self.group)
+                self.waited[id(work)] = work  # held: an id is unique only while its object lives
+        self.done = True
+        head, self.head, self.works, self.waited = self.head, None, (), {}
+        if self.kind == "recv":
+            _check_header(head, self.want, self.peer, self.where)
 
 
-def strict_batch_p2p(ops: list, group, site) -> list:
+def _check_header(head: torch.Tensor, want: str, peer: int, where: str) -> None:
+    """The sender's header must name the receive's shape and dtype; raise naming both call sites."""
+    sent = _decode(head).split("\t")
+    if sent[0] != want:
+        raise RuntimeError(f"strict p2p: rank {dist.get_rank()} receives {want} from rank {peer} at "
+                           f"{where}, but rank {peer} sends {sent[0]} at "
+                           f"{sent[1] if len(sent) > 1 else '?'}; sender and receiver must agree on the shape")
+
+
+def _fused_batch(ops: list, where: str, group) -> list:
+    """``ops`` as one group: each op's header then its payload, in op order. A batch then runs as the caller's one
+    group would: the library runs a communicator's groups one after another, each until all its operations ran,
+    so a batch split in several groups (a send's {header, payload} apart from the receives) deadlocks a symmetric
+    exchange there once payloads exceed its buffers. Header beside payload keeps a pair's messages in one order
+    however the two ends cut their transfers into batches (NCCL ignores the tags that keep them apart on gloo).
+    The payload receives are posted blind: a shape that differs is reported by the header check after the wait
+    (or, where the sizes differ too, by the library or the bounded wait)."""
+    out, parts = [], []
+    for kind, t, wire, peer in ops:
+        want = fingerprint(t.shape, t.dtype)
+        head = (_encode(f"{want}\t{where}", t.device) if kind == "send"
+                else torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=t.device))
+        out.append(_FusedOp(kind, want, peer, where, group, head))
+        fn = dist.isend if kind == "send" else dist.irecv
+        parts += [dist.P2POp(fn, head, peer, group, HEADER_TAG), dist.P2POp(fn, wire, peer, group, PAYLOAD_TAG)]
+    works, waited = dist.batch_isend_irecv(parts), {}
+    for i, op in enumerate(out):
+        op.works = works[:1] if len(works) == 1 else works[2 * i: 2 * i + 2]
+        op.waited = waited  # shared: a coalesced work is waited once for the whole batch
+    return out
+
+
+_PENDING: dict[int, tuple] = {}  # id(group) -> (group, [op]) of the last p2p batch
+
+
+def strict_batch_p2p(ops: list, group, site, fused: bool = False) -> list:
     """Run ``ops`` = ``[(kind, tensor, wire_tensor, peer)]`` as one NCCL-ordered batch; returns one
-    :class:`_StrictOp` per op (``wait()`` it like a work).
+    handle per op (``wait()`` it like a work).
 
     The previous batch on ``group`` is waited first (bounded): NCCL runs a communicator's groups in
     the order posted. Each op travels as a header (fingerprint and call site, checked by the receive)
-    and its payload.
+    and its payload. ``fused`` (a library that runs a communicator's groups in order, one after another:
+    ``Collectives(p2p_groups_in_order=True)``): the batch is one group (:func:`_fused_batch`). Otherwise (host
+    transports, which run each operation on its own and abort on a payload of the wrong size) a payload
+    receive is posted once its header was checked (:class:`_StrictOp`).
     """
     prev = _PENDING.pop(id(group), None)
     if prev is not None and prev[0] is group:
         for op in prev[1]:
             op.wait()
-    where, batch = format_site(site), []
-    for kind, t, wire, peer in ops:
-        batch.append(_StrictOp(batch, kind, t, wire, peer, where, group))
+    where = format_site(site)
+    if fused:
+        batch = _fused_batch(ops, where, group)
+    else:
+        batch = []
+        for kind, t, wire, peer in ops:
+            batch.append(_StrictOp(batch, kind, t, wire, peer, where, group))
     _PENDING[id(group)] = (group, batch)
     return batch

@@ -58,3 +58,9 @@ def test_backend_calls_only_existing_torch_cuda_names():
         for part in name.split(".")[1:]:
             assert hasattr(obj, part), f"{name}: this torch has no {part!r}"
             obj = getattr(obj, part)
+
+
+def test_strict_p2p_posts_one_group_per_batch_on_nccl():
+    """NCCL runs a communicator's p2p groups in order, each until all its operations ran: strict mode must post each
+    batch as one group there (the shape checked under NCCL's rule in tests/backends/test_strict_nccl_groups.py)."""
+    assert CUDABackend().collectives.p2p_groups_in_order

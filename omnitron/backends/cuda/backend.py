@@ -66,9 +66,10 @@ class CUDABackend(Backend):
     dist_backend = "nccl"
 
     def __init__(self) -> None:
-        # TORCH_NCCL_*: flight recorder on, dumped on a timeout; async errors end the process
+        # TORCH_NCCL_*: flight recorder on, dumped on a timeout; async errors end the process. NCCL runs a
+        # communicator's p2p groups in order on one stream: strict p2p posts each batch as one group
         self._collectives = Collectives("nccl", fp8_native=False, device_type="cuda", env=watchdog_env("TORCH_NCCL_"),
-                                        env_prefix="TORCH_NCCL_")
+                                        env_prefix="TORCH_NCCL_", p2p_groups_in_order=True)
         self._caps: Capabilities | None = None
         drain_at_exit(self.device_type, self.current_device, lambda: torch.cuda.is_initialized())
 
