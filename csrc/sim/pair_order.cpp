@@ -25,7 +25,8 @@ namespace {
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
-const char kMatched[] = "+";  // the second of the two found the pair's operations complementary
+const char kMatched[] = "+";   // the second of the two found the pair's operations complementary
+const char kDeadlock[] = "!";  // the second found them the same kind: its report follows on the communicator
 
 // What endCoalescing returns for a batch (batch_isend_irecv): one work for the whole batch, as NCCL's, that waits
 // each of the batch's operations once however often it is itself waited.
@@ -84,7 +85,9 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
     store.set(key, bytes(kMatched));  // the first one's wait() may proceed
     return {false, ""};
   }
-  store.deleteKey(key);
+  // marked, not deleted: the first one polls the key with check() then get(), and a get() of a key deleted
+  // between the two would block for the store's whole timeout
+  store.set(key, bytes(kDeadlock));
   std::ostringstream os;
   os << "sim: point-to-point deadlock on group '" << group << "': rank " << theirs.substr(1, tab - 1)
      << " (of the group) issued " << theirs.substr(tab + 1) << " and rank " << rank << " issued " << op
@@ -103,12 +106,14 @@ std::string await_pair_place(c10d::Store& store, const std::string& key, std::ch
     while (std::chrono::steady_clock::now() < until) {
       std::string report = broken();  // the peer found a deadlock: its report reached this communicator
       if (!report.empty()) return report;
-      if (store.check({key})) {  // absent once the peer reported a deadlock (the report follows)
+      if (store.check({key})) {  // the key stays until this rank deletes it, so get() cannot block
         auto raw = store.get(key);
-        if (std::string(raw.begin(), raw.end()) == kMatched) {
+        std::string value(raw.begin(), raw.end());
+        if (value == kMatched) {
           store.deleteKey(key);
           return "";
         }
+        if (value == kDeadlock) store.deleteKey(key);  // the peer's report reaches broken() next
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
