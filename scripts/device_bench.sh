@@ -22,7 +22,8 @@
 #      there (benchmarks/planted_ground_truth.py, as scripts/device_check.sh; two-rank cases skip on one GPU)
 # usage: scripts/device_bench.sh              on the GPU machine (python3 with a CUDA torch, pytest)
 #        DRY_RUN=1 scripts/device_bench.sh    anywhere: print every step and its limit, check every file a
-#                                             step uses exists, run nothing
+#                                             step uses exists, run nothing (the plan goes to a temporary
+#                                             folder, or OUT)
 #        STEP_SCALE=2 ...                     doubles every limit (a slower GPU)
 #        BUDGET_S=420 ...                     a shorter lease: the steps past it are skipped
 #        ONLY=multirank,conformance ...       a rerun of the named steps alone
@@ -30,7 +31,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMNITRON_BACKEND=cuda
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
-LOG_DIR=${OUT:-benchmarks/results/${gpu:-nogpu}-$(date -u +%F)}
+# a dry run writes its plan outside the checkout unless OUT says where (it once left a nogpu-<date> folder there)
+if [ "${DRY_RUN:-0}" = 1 ]; then default_dir=$(mktemp -d -t device_bench_dry.XXXXXX)
+else default_dir=benchmarks/results/${gpu:-nogpu}-$(date -u +%F); fi
+LOG_DIR=${OUT:-$default_dir}
 mkdir -p "$LOG_DIR"
 : >"$LOG_DIR/device_check.log"
 # shellcheck source=lib/steps.sh

@@ -5,6 +5,7 @@ one rerun included), so its step limits must add up to at most 540 s and every f
 exist in the checkout; DRY_RUN=1 checks both and runs nothing.
 """
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -44,6 +45,20 @@ def _dry_run(script, tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", script)], env=env, capture_output=True,
                           text=True, timeout=60)
     return proc, (tmp_path / "summary.md").read_text()
+
+
+def test_device_bench_dry_run_writes_nothing_into_the_checkout():
+    """Without OUT a dry run's plan goes to a temporary folder: benchmarks/results/ holds the same entries after."""
+    results = os.path.join(ROOT, "benchmarks", "results")
+    before = set(os.listdir(results))
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_bench.sh")], env=dict(env, DRY_RUN="1"),
+                          capture_output=True, text=True, timeout=60)
+    added = set(os.listdir(results)) - before
+    for name in added:  # a failing run leaves nothing behind either
+        shutil.rmtree(os.path.join(results, name), ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not added, f"a dry run wrote {sorted(added)} into benchmarks/results/"
 
 
 def test_device_bench_dry_run_plan(tmp_path):
