@@ -81,3 +81,16 @@ def test_validation_perplexity_is_megatrons(monkeypatch, loss):
     out = step.evaluate(c, iter(()), 2)
     assert out["val_loss"] == pytest.approx(loss, rel=1e-12)
     assert out["val_ppl"] == pytest.approx(math.exp(min(20, loss)), rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.25, 3.0, 2.0 ** 16])
+def test_the_loss_scale_prints_as_megatrons(tmp_path, capsys, scale):
+    """The log line's loss scale is printed as Megatron's ``training_log`` prints it (``{:.1f}``): a scale below
+    one (a constant --loss-scale, or dynamic scaling near its --min-loss-scale) no longer reads as 0."""
+    log = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=1, enabled=True, tensorboard=False,
+                        progress_bar=False, start_iteration=0)
+    log.step(1, {"lm_loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": scale, "skipped": False,
+                 "step_time_s": 0.1, "tokens_per_sec": 1.0, "tflops_per_device": None, "mfu": None,
+                 "peak_memory_bytes": None})
+    log.close()
+    assert f"| loss scale {scale:.1f} |" in capsys.readouterr().out

@@ -292,7 +292,7 @@ class MetricsLogger:
         if "sop_loss" in rec:
             line += f" | sop loss {rec['sop_loss']:.4f}"
         if rec["loss_scale"] is not None:
-            line += f" | loss scale {rec['loss_scale']:.0f} | skipped {rec['skipped_iters']} | nan {rec['nan_iters']}"
+            line += f" | loss scale {rec['loss_scale']:.1f} | skipped {rec['skipped_iters']} | nan {rec['nan_iters']}"
         if self.throughput and rec["tokens_per_sec_per_device"] is not None:
             line += (f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev | "
                      f"{rec['tokens_per_sec_per_device']:.0f} tok/s/dev")
