@@ -66,7 +66,17 @@ def train_bpe(paths: list[str], vocab_size: int, output: str, *, json_key: str =
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, initial_alphabet=alphabet,
                                   special_tokens=list(SPECIAL_TOKENS), show_progress=False)
-    tok.train_from_iterator(_texts(paths, json_key), trainer=trainer)
+    seen = [0]  # characters of text read: an empty corpus trains a vocabulary of the byte symbols alone
+
+    def counted():
+        for text in _texts(paths, json_key):
+            seen[0] += len(text.strip())
+            yield text
+    tok.train_from_iterator(counted(), trainer=trainer)
+    if not seen[0]:
+        where = f" (a .json / .jsonl line's text is its {json_key!r} field: --json-key)" if any(
+            p.endswith((".jsonl", ".json")) for p in paths) else ""
+        raise ValueError(f"--input {' '.join(paths)} holds no text to train on{where}")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     tok.save(output)
     return tok
@@ -79,7 +89,12 @@ def run_train(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output}: vocabulary {tok.get_vocab_size()} (special tokens {', '.join(SPECIAL_TOKENS)})")
+    size = tok.get_vocab_size()
+    print(f"wrote {args.output}: vocabulary {size} (special tokens {', '.join(SPECIAL_TOKENS)})")
+    if size < args.vocab_size:
+        print(f"note: the corpus allowed {size} tokens of the --vocab-size {args.vocab_size} asked for (every pair "
+              f"seen at least --min-frequency {args.min_frequency} times was merged): a larger corpus gives more",
+              file=sys.stderr)
     return 0
 
 

@@ -130,6 +130,35 @@ def test_trained_hf_tokenizer_roundtrip(tmp_path):
 
 
 
+@pytest.mark.parametrize("name,content", [("empty.txt", ""), ("blank.txt", "\n  \n\t\n"),
+                                          ("other_key.jsonl", '{"body": "Call me Ishmael."}\n')])
+def test_tokenizer_train_on_a_corpus_without_text_says_so(tmp_path, capsys, name, content):
+    """``omnitron tokenizer train`` on a file with no text (empty, blank, or JSON lines without the --json-key
+    field) stops in one line naming the input; it wrote a 258-token vocabulary and said nothing before."""
+    from omnitron.cli import main
+
+    corpus = tmp_path / name
+    corpus.write_text(content, encoding="utf-8")
+    out = tmp_path / "tok" / "tokenizer.json"
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "8000", "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds no text" in err and str(corpus) in err, err
+    assert ("--json-key" in err) == name.endswith(".jsonl") and not out.exists()
+
+
+def test_tokenizer_train_says_when_the_corpus_gives_fewer_tokens(tmp_path, capsys):
+    """A corpus too small for the --vocab-size asked for: the file is written with the vocabulary it allows, and one
+    note line says how many tokens that is."""
+    from omnitron.cli import main
+
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("Call me Ishmael. Some years ago, never mind how long precisely.\n" * 3, encoding="utf-8")
+    out = tmp_path / "tok" / "tokenizer.json"
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "8000", "--output", str(out)]) == 0
+    size = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(out.parent)).vocab_size
+    assert 258 < size < 8000
+    assert f"the corpus allowed {size} tokens of the --vocab-size 8000" in capsys.readouterr().err
+
 def test_hf_tokenizer_by_hub_name_from_the_local_cache(tmp_path, monkeypatch):
     """As Megatron's ``AutoTokenizer.from_pretrained(NAME)``: a hub name resolves in the local HF cache (nothing is
     downloaded), and the eod is the ``eos_token`` its tokenizer_config.json names (Megatron's eos_token_id)."""
