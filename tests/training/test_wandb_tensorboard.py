@@ -152,6 +152,9 @@ def test_tensorboard_dir_holds_megatrons_tags(tmp_path):
     assert [e.value for e in acc.Scalars("learning-rate")][0] == 0.0  # Megatron's first warm-up step: lr(0)
     assert len(val_recs) == 3 and not (tb / "tensorboard").exists()  # each --eval-interval, once more at the end
     assert "world-size" not in acc.Tags()["scalars"]  # only with --log-world-size-to-tensorboard
+    # an fp32 run has no loss scaler: the records say None, TensorBoard gets Megatron's 1.0 (its fp32 optimizer's)
+    assert all(r["loss_scale"] is None for r in train_recs)
+    assert [(e.step, e.value) for e in acc.Scalars("loss-scale")] == [(r["iteration"], 1.0) for r in train_recs]
 
 
 def _world_size_worker(root: str) -> None:

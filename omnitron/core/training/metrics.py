@@ -54,9 +54,13 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
     """``(tag, value, step)`` for every number of ``record`` as Megatron names it (see ``_TB_TAGS``); the
-    ``vs samples`` twins only when the consumed samples are known. ``timers``: also the ``timers_*`` values."""
+    ``vs samples`` twins only when the consumed samples are known. ``timers``: also the ``timers_*`` values.
+    A run without loss scaling logs a loss scale of 1.0 there, as Megatron's optimizers report one (the record
+    itself keeps None)."""
     it = record["iteration"]
     for k, v in record.items():
+        if k == "loss_scale" and v is None:
+            v = 1.0
         if k in ("iteration", "consumed_samples") or v is None or isinstance(v, bool) or \
                 not isinstance(v, (int, float)) or (k.startswith("timers_") and not timers):
             continue
