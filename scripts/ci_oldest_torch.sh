@@ -2,7 +2,8 @@
 # CI on the oldest supported torch (the low end of omnitron/backends/torch_range.py TESTED), after the
 # README's suite on the newest: a fresh venv with the CPU build of torch (scripts/torch_venv.sh), omnitron built in
 # it, a quick subset (backend conformance on cpu and sim, tp/pp/dp parity on cpu and sim, the golden loss
-# curves, FP8 GEMMs and FP8 MoE, compiled gradients through autograd Functions (torch 2.11's zeroed ones), a checkpoint round trip through a bit-exact resume, the MUSA double, the
+# curves, FP8 GEMMs and FP8 MoE, compiled gradients through autograd Functions (torch 2.11's zeroed ones), a
+# checkpoint round trip through a bit-exact resume, the MUSA double, the
 # version checks) and the README's main job for 20 iterations.
 #
 # Its pytest output goes to a log, not to CI's output: CI reads the suite's result from pytest's closing
