@@ -149,8 +149,10 @@ def test_fp16_constant_scale_overflow_stops_under_the_check_as_megatron(tmp_path
     save = tmp_path / "ck"
     settings = parse_settings(_args(tmp_path, "--fp16", "--loss-scale", "1e10", "--train-iters", "3", "--save",
                                     str(save), "--save-interval", "1"), 1)
-    with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the gradient norm is (inf|nan), stopped before"):
+    with pytest.raises(NonFiniteError, match=r"^iteration 1, rank 0: the gradient norm is (inf|nan), stopped before"
+                       r".*; the gradients were scaled by 1e\+10 \(a smaller --loss-scale") as info:
         train(settings, get_backend("cpu"))
+    assert "\n" not in str(info.value)  # one line, naming the scale that overflowed and what to change
     assert not os.path.exists(save / "latest") and records(str(tmp_path / "logs" / "metrics.jsonl")) == []
     # the optimizer alone: weights, step count and the dynamic scaler's trackers as they were
     model = _model(0).half()

@@ -26,15 +26,15 @@ class NonFiniteError(TrainingStopped):
 
     BEFORE_STEP = "stopped before the optimizer step (no checkpoint of these weights is written)"
 
-    def __init__(self, what: str, value, outcome: str = BEFORE_STEP) -> None:
-        self.what, self.value, self.outcome = what, value, outcome
+    def __init__(self, what: str, value, outcome: str = BEFORE_STEP, hint: str = "") -> None:
+        self.what, self.value, self.outcome, self.hint = what, value, outcome, hint
         super().__init__(f"{what} is {value}")
 
     def at(self, iteration: int, rank: int) -> NonFiniteError:
-        err = NonFiniteError(self.what, self.value, self.outcome)
-        err.args = (f"iteration {iteration}, rank {rank}: {self.what} is {self.value}, {self.outcome}; lower --lr, "
-                    f"check the data, or resume from the last checkpoint (--no-check-for-nan-in-loss-and-grad turns "
-                    f"this check off)",)
+        err = NonFiniteError(self.what, self.value, self.outcome, self.hint)
+        err.args = (f"iteration {iteration}, rank {rank}: {self.what} is {self.value}, {self.outcome}; {self.hint}"
+                    f"lower --lr, check the data, or resume from the last checkpoint "
+                    f"(--no-check-for-nan-in-loss-and-grad turns this check off)",)
         return err
 
 
@@ -44,10 +44,14 @@ def check_loss(loss: float, enabled: bool) -> None:
         raise NonFiniteError("the loss", loss)
 
 
-def check_grad_norm(norm: float, enabled: bool = True) -> None:
-    """Raise :class:`NonFiniteError` for a non-finite global gradient norm (before clipping and the update)."""
+def check_grad_norm(norm: float, enabled: bool = True, loss_scale: float | None = None) -> None:
+    """Raise :class:`NonFiniteError` for a non-finite global gradient norm (before clipping and the update). Under a
+    loss scale the message names it first: a scale too large for the gradients overflows them."""
     if enabled and not math.isfinite(norm):
-        raise NonFiniteError("the gradient norm", norm)
+        hint = "" if loss_scale is None else (f"the gradients were scaled by {loss_scale:g} (a smaller --loss-scale, "
+                                              f"or dynamic scaling with the check off, fp16's default, skips "
+                                              f"overflowing steps instead); ")
+        raise NonFiniteError("the gradient norm", norm, hint=hint)
 
 
 @torch.no_grad()

@@ -11,6 +11,8 @@ one-process mean (same loss, same gradients).
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Iterator
 
@@ -153,9 +155,9 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
     decoupled_lr = c.scheduler.decoupled_lr_for_step(c.optimizer.step_count, batch)
     wd = c.scheduler.wd_for_step(c.optimizer.step_count, batch)
     with timers.phase("optimizer"):
-        res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers,
-                               check_norm=check_grad_norm if check else None, decoupled_lr=decoupled_lr,
-                               weight_decay=wd)
+        check_norm = functools.partial(check_grad_norm, loss_scale=scale) if check else None
+        res = c.optimizer.step(lr, count_zeros=count_zeros, timers=timers, check_norm=check_norm,
+                               decoupled_lr=decoupled_lr, weight_decay=wd)
     if not res.skipped:
         c.scheduler.advance(batch)
     refresh = c.extra.get("fp8_refresh")
