@@ -80,5 +80,6 @@ def test_grad_reduce_in_bf16_is_megatrons_switch():
     on = parse_settings(BASE + ["--grad-reduce-in-bf16"], 1).ddp
     assert on.grad_reduce_in_bf16 and not on.accumulate_allreduce_grads_in_fp32
     assert parse_settings(BASE, 1).ddp.accumulate_allreduce_grads_in_fp32  # Megatron's bf16 default
-    with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 reduces gradients in bf16"):
-        parse_settings(BASE + ["--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"], 1)
+    # Megatron lets --grad-reduce-in-bf16 win over --accumulate-allreduce-grads-in-fp32 (test_megatron_precision.py)
+    both = parse_settings(BASE + ["--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"], 1).ddp
+    assert both.grad_reduce_in_bf16 and not both.accumulate_allreduce_grads_in_fp32

@@ -302,8 +302,8 @@ class TrainingConfig:
     """--enable-cuda-graph: Megatron's older spelling of --cuda-graph-impl local."""
     check_for_nan_in_loss_and_grad: bool = True
     """--check-for-nan-in-loss-and-grad: stop before the optimizer step when the loss or the gradient norm
-    is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron; off by default
-    under --fp16 without --loss-scale, as Megatron sets it: there the dynamic scaler skips non-finite steps)."""
+    is not finite, and never save a checkpoint of non-finite weights (on by default, as in Megatron; off under --fp16
+    without --loss-scale even when named, as Megatron sets it: there the dynamic scaler skips non-finite steps)."""
 
     def __post_init__(self) -> None:
         from omnitron.core.capture import resolve_impl

@@ -593,13 +593,19 @@ def _check_mtp(merged: dict[str, Any], family: str, training: TrainingConfig) ->
 
 def _nan_check_default(merged: dict[str, Any], precision: PrecisionConfig) -> dict[str, Any]:
     """``merged`` with --check-for-nan-in-loss-and-grad off under --fp16 with dynamic loss scaling, as Megatron's
-    validate_args sets it: there a non-finite loss or gradient is the scaler's signal (the step is skipped, counted
-    in nan_iters, and the scale backs off), not a reason to stop. A run that names the flag keeps its choice."""
-    if precision.fp16 and precision.loss_scale is None and "check_for_nan_in_loss_and_grad" not in merged:
+    validate_args sets it whatever was asked: there a non-finite loss or gradient is the scaler's signal (the step
+    is skipped, counted in nan_iters, and the scale backs off), not a reason to stop; kept on, the check would stop
+    the run at the first overflow (iteration 1 at the initial scale 2^32). A run that names the flag is told."""
+    if not (precision.fp16 and precision.loss_scale is None):
+        return merged
+    if merged.get("check_for_nan_in_loss_and_grad", False):  # named (a flag, a file): it cannot hold here
+        log.warning("--check-for-nan-in-loss-and-grad is off: --fp16 with dynamic loss scaling skips non-finite steps "
+                    "and backs off the scale (Megatron's validate_args turns the check off the same way); for the "
+                    "check under fp16 give a constant --loss-scale")
+    else:
         log.info("--check-for-nan-in-loss-and-grad is off: --fp16 with dynamic loss scaling skips non-finite steps "
-                 "(as Megatron); name the flag to keep the check")
-        return {**merged, "check_for_nan_in_loss_and_grad": False}
-    return merged
+                 "(as Megatron)")
+    return {**merged, "check_for_nan_in_loss_and_grad": False}
 
 
 def _training_settings(merged: dict[str, Any], dp: int, seq_length: int) -> TrainingConfig:
@@ -720,20 +726,23 @@ def _fp8_settings(merged: dict[str, Any]):
 
 
 def _ddp_settings(merged: dict[str, Any], precision: PrecisionConfig):
-    """The data-parallel config (bf16: gradients accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16)."""
+    """The data-parallel config, as Megatron's validate_args sets it: with --bf16 gradients are accumulated and
+    all-reduced in fp32 unless --grad-reduce-in-bf16, which wins over --accumulate-allreduce-grads-in-fp32 (Megatron
+    drops the latter without a word; here a warning says so). Without --bf16 both flags stay as given (there
+    --grad-reduce-in-bf16 changes nothing, as in Megatron)."""
     from dataclasses import replace
 
     ddp = _build(_ddp_config_class(), merged) if _ddp_config_class() else None
-    if ddp is None:
-        return None
-    if ddp.grad_reduce_in_bf16 and ddp.accumulate_allreduce_grads_in_fp32:
-        raise ConfigError("--grad-reduce-in-bf16 reduces gradients in bf16, --accumulate-allreduce-grads-in-fp32 in "
-                          "fp32: drop one of them")
-    if precision.bf16 and not ddp.grad_reduce_in_bf16:
-        # as Megatron: bf16 training accumulates and all-reduces gradients in fp32 (bf16 sums of
-        # many micro-batches lose the small contributions) unless --grad-reduce-in-bf16 asks for bf16
-        ddp = replace(ddp, accumulate_allreduce_grads_in_fp32=True)
-    return ddp
+    if ddp is None or not precision.bf16:
+        return ddp
+    if ddp.grad_reduce_in_bf16:
+        if ddp.accumulate_allreduce_grads_in_fp32:
+            log.warning("--accumulate-allreduce-grads-in-fp32 is off: --grad-reduce-in-bf16 with --bf16 accumulates "
+                        "and reduces gradients in bf16 (Megatron lets it win the same way); drop one of the two flags")
+        return replace(ddp, accumulate_allreduce_grads_in_fp32=False)
+    # as Megatron: bf16 training accumulates and all-reduces gradients in fp32 (bf16 sums of
+    # many micro-batches lose the small contributions) unless --grad-reduce-in-bf16 asks for bf16
+    return replace(ddp, accumulate_allreduce_grads_in_fp32=True)
 
 
 def _check_onebit(optim: OptimizerConfig, ddp, precision: PrecisionConfig, parallel: ParallelConfig, model) -> None:

@@ -46,11 +46,12 @@ def check_loss(loss: float, enabled: bool) -> None:
 
 def check_grad_norm(norm: float, enabled: bool = True, loss_scale: float | None = None) -> None:
     """Raise :class:`NonFiniteError` for a non-finite global gradient norm (before clipping and the update). Under a
-    loss scale the message names it first: a scale too large for the gradients overflows them."""
+    loss scale the message names it first: a scale too large for the gradients overflows them. (The scale is then
+    a constant --loss-scale: under fp16 dynamic scaling the check is off, as Megatron sets it.)"""
     if enabled and not math.isfinite(norm):
         hint = "" if loss_scale is None else (f"the gradients were scaled by {loss_scale:g} (a smaller --loss-scale, "
-                                              f"or dynamic scaling with the check off, fp16's default, skips "
-                                              f"overflowing steps instead); ")
+                                              f"or under --fp16 dynamic scaling: drop --loss-scale, which "
+                                              f"skips overflowing steps instead); ")
         raise NonFiniteError("the gradient norm", norm, hint=hint)
 
 
