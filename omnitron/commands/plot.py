@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -65,7 +66,8 @@ def _training_panels(plt, train: list[dict], val: list[dict], title: str):
     fig, (loss, lr, norm) = plt.subplots(3, 1, figsize=(7, 8), sharex=True,
                                          gridspec_kw={"height_ratios": [2, 1, 1]})
     its = [r["iteration"] for r in train]
-    loss.plot(its, [r["lm_loss"] for r in train], label="train lm loss")
+    loss.plot(its, [math.nan if r["lm_loss"] is None else r["lm_loss"] for r in train],  # None: all skipped
+              label="train lm loss")
     if val:
         loss.plot([r["iteration"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
     loss.set_ylabel("loss"), loss.legend(), loss.set_title(f"{title}: training")

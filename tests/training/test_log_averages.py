@@ -6,7 +6,10 @@ another order, 1e-12 relative."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
+import re
 
 import pytest
 
@@ -54,15 +57,79 @@ def test_skipped_iterations_leave_the_loss_average(tmp_path):
     assert recs[1]["nan_iters"] == 1
 
 
-def test_an_interval_skipped_whole_reports_its_steps_mean(tmp_path):
-    """Every step of the interval skipped (the start of an fp16 run): Megatron has no advanced step to average,
-    the record keeps the mean of the skipped steps' losses (finite ones here) rather than a made-up zero."""
-    steps = [(7.5, True), (6.5, True), (5.0, False), (4.0, False)]
-    recs = _records(tmp_path, steps, 2)
-    assert recs[0]["lm_loss"] == pytest.approx(7.0, rel=1e-12) and recs[0]["skipped_iters"] == 2
-    assert recs[1]["lm_loss"] == pytest.approx(4.5, rel=1e-12) and recs[1]["skipped_iters"] == 0
+def _megatron_log(steps: list[tuple[float, bool]], interval: int) -> list[tuple[float | None, float]]:
+    """(the console's ``lm loss`` or None where the line has none, the TensorBoard ``lm loss``) at each logged
+    iteration, as Megatron's training_log keeps ``total_loss_dict`` over the whole run with ``--log-interval`` and
+    ``--tensorboard-log-interval`` both ``interval``: the key appears at the first advanced step and is reset to
+    0 after each line (so an interval without an advanced step prints 0 / max(1, 0)); TensorBoard gets the
+    iteration's own ``loss_dict``, skipped or not."""
+    total, advanced, out = None, 0, []
+    for i, (loss, skip) in enumerate(steps, 1):
+        if not skip:
+            total, advanced = (total or 0.0) + loss, advanced + 1
+        if i % interval == 0:
+            avg = None if total is None else total / max(1, advanced)
+            out.append((avg if avg is None or avg >= 0.0 else None, loss))
+            total, advanced = (None if total is None else 0.0), 0
+    return out
 
 
+class _Board:
+    """A stand-in SummaryWriter: (tag, value, step) of each scalar."""
+
+    def __init__(self) -> None:
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step) -> None:
+        self.scalars.append((tag, value, step))
+
+    def close(self) -> None:
+        pass
+
+
+def _logged(tmp_path, capsys, steps: list[tuple[float, bool]], interval: int):
+    """(records, the printed lines, the TensorBoard ``lm loss`` values) of a run of ``steps``."""
+    log = MetricsLogger(log_dir=str(tmp_path), log_interval=interval, train_iters=len(steps), enabled=True,
+                        tensorboard=False, progress_bar=False, start_iteration=0)
+    log._tb = board = _Board()
+    for i, (loss, skip) in enumerate(steps):
+        log.step(i + 1, {"lm_loss": loss, "lr": 1e-3, "grad_norm": None if skip else 1.0, "loss_scale": 2.0 ** 16,
+                         "skipped": skip, "step_time_s": 0.1, "tokens_per_sec": 1.0, "tflops_per_device": None,
+                         "mfu": None, "peak_memory_bytes": None})
+    log.close()
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+    return recs, lines, [v for tag, v, _ in board.scalars if tag == "lm loss"]
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_an_interval_skipped_whole_logs_as_megatron(tmp_path, capsys, interval):
+    """fp16 runs start with skipped steps (the initial scale 2^32 overflows) and may skip whole intervals later,
+    some with a non-finite loss. The line's loss is Megatron's: none before any step advanced, 0 for a later
+    interval without an advanced step (its empty sum), the average otherwise (printed to 4 decimals: 5e-5
+    absolute); TensorBoard's ``lm loss`` is Megatron's at --log-interval 1 (each step's own loss, skipped or not)
+    and for a skipped interval the last step's; the record's loss is None there (no average exists). Failed
+    before: such an interval logged the mean of its skipped losses everywhere, nan when one was nan."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    steps = [(rng.uniform(2.0, 9.0), True) for _ in range(2 * interval)]  # two intervals before any advance
+    steps += [(rng.uniform(2.0, 9.0), rng.random() < 0.3) for _ in range(3 * interval)]
+    steps += [(rng.uniform(2.0, 9.0), False)] + [(rng.uniform(2.0, 9.0), True)] * (2 * interval - 1)
+    steps += [(float("nan"), True)] * interval + [(float("inf"), True)] * interval  # overflowed forwards
+    steps += [(rng.uniform(2.0, 9.0), rng.random() < 0.3) for _ in range(2 * interval)]
+    recs, lines, board = _logged(tmp_path, capsys, steps, interval)
+    want = _megatron_log(steps, interval)
+    assert len(recs) == len(lines) == len(want) == len(board)
+    for rec, line, tb, (printed, tb_want), start in zip(recs, lines, board, want, range(0, len(steps), interval)):
+        shown = re.search(r"\| loss ([^ ]+) \|", line)
+        assert (shown is None) == (printed is None), line
+        if printed is not None:
+            assert float(shown.group(1)) == pytest.approx(printed, abs=5e-5)
+        chunk = steps[start:start + interval]
+        if all(skip for _, skip in chunk):
+            assert rec["lm_loss"] is None
+            assert tb == chunk[-1][0] or (math.isnan(tb) and math.isnan(chunk[-1][0]))
+        elif interval == 1:
+            assert tb == tb_want
 @pytest.mark.parametrize("loss", [3.7, 19.5, 27.0, 45.0])
 def test_validation_perplexity_is_megatrons(monkeypatch, loss):
     """The validation record's ppl is Megatron's ``math.exp(min(20, loss))`` (evaluate_and_print_results) for the

@@ -1,7 +1,8 @@
 """Training metrics: plain log lines (or a progress bar on a terminal), ``metrics.jsonl``, TensorBoard.
 
 One JSON object per logged iteration: ``iteration``, ``lm_loss`` (mean over the iterations since
-the previous log line that were not skipped, as Megatron's; full float64 precision), ``lr`` (the rate the
+the previous log line that were not skipped, as Megatron's; full float64 precision; None when all were skipped,
+where TensorBoard gets the last step's own loss as Megatron's does), ``lr`` (the rate the
 logged step applied: Megatron's line shows its scheduler's rate after the step, the next step's), ``grad_norm``,
 ``loss_scale``, ``skipped_iters``, ``nan_iters`` (skipped ones whose loss was not finite, Megatron's nan
 iterations), ``tokens_per_sec``, ``step_time_s``, ``tflops_per_device`` (Megatron's
@@ -142,11 +143,12 @@ def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     return iteration % log_interval == 0 or iteration == train_iters
 
 
-def _interval_loss(steps: list[dict]) -> float:
+def _interval_loss(steps: list[dict]) -> float | None:
     """The interval's LM loss as Megatron's log averages it: over the steps that updated the weights (a step an
-    fp16 overflow skipped adds neither its loss nor a count); over every step when all were skipped."""
-    losses = [v["lm_loss"] for v in steps if not v["skipped"]] or [v["lm_loss"] for v in steps]
-    return sum(losses) / len(losses)
+    fp16 overflow skipped adds neither its loss nor a count); None when every step was skipped (no average
+    exists: Megatron's line then prints its empty sum, 0, or no loss at all before any step advanced)."""
+    losses = [v["lm_loss"] for v in steps if not v["skipped"]]
+    return sum(losses) / len(losses) if losses else None
 
 
 def _interval_rate(steps: list[dict], key: str) -> float | None:
@@ -193,6 +195,7 @@ class MetricsLogger:
         self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
         self.log_dir, self.throughput, self.tensorboard_timers = log_dir, throughput, tensorboard_timers
         self._pending: list[dict] = []
+        self._advanced = False  # a logged step of this process updated the weights (Megatron's loss key exists)
         self._file = self._tb = self._bar = None
         self._wandb = wandb  # a WandbRun (--wandb-project) or None
         if not enabled:
@@ -217,15 +220,17 @@ class MetricsLogger:
             self._bar = tqdm(total=train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
             self._log_through_bar = _BarLogging(self._bar)
 
-    def _emit(self, record: dict, line: str, consumed_samples: int | None = None) -> None:
+    def _emit(self, record: dict, line: str, consumed_samples: int | None = None, scalars: dict | None = None) -> None:
+        """``record`` to metrics.jsonl, ``scalars`` (default ``record``) to TensorBoard and W&B, ``line`` printed."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        scalars = record if scalars is None else scalars
         if self._tb is not None:
-            samples = record.get("consumed_samples", consumed_samples)
-            for tag, value, step in tensorboard_scalars(record, samples, self.tensorboard_timers):
+            samples = scalars.get("consumed_samples", consumed_samples)
+            for tag, value, step in tensorboard_scalars(scalars, samples, self.tensorboard_timers):
                 self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
-            self._wandb.log(record)
+            self._wandb.log(scalars)
         if self._bar is not None:
             self._bar.write(line)
         else:
@@ -242,9 +247,15 @@ class MetricsLogger:
         if not log_due(iteration, self.log_interval, self.train_iters):
             return
         rec = self._record(iteration)
-        extra = self._pending[-1].get("log_lines", ())  # e.g. the timers (--timing-log-level >= 1)
+        last = self._pending[-1]
+        extra = last.get("log_lines", ())  # e.g. the timers (--timing-log-level >= 1)
         self._pending = []
-        self._emit(rec, "\n".join([self._line(rec), *extra]))
+        # NOTE: an interval whose every step was skipped has no loss average (the record's None); Megatron's
+        # TensorBoard and W&B get the iteration's own loss whether or not it was skipped (training_log's loss_dict)
+        scalars = {**rec, "lm_loss": last["lm_loss"]} if rec["lm_loss"] is None else None
+        line = self._line(rec)
+        self._advanced = self._advanced or rec["lm_loss"] is not None
+        self._emit(rec, "\n".join([line, *extra]), scalars=scalars)
 
     def _record(self, iteration: int) -> dict:
         """The averaged record of the pending iterations (the last one's lr, norms and ``log`` values)."""
@@ -273,14 +284,23 @@ class MetricsLogger:
         rec.update(last.get("log", {}))
         return rec
 
+    def _loss_text(self, loss: float | None) -> str:
+        """``loss X | `` as Megatron prints an interval's average: sum over the advanced steps / max(1, their count),
+        so 0 where every step was skipped, and nothing before any step of this process advanced (its
+        ``total_loss_dict`` has no loss key yet). NOTE: a nan average of advanced steps is printed here; Megatron's
+        ``avg >= 0.0`` test leaves it out."""
+        if loss is None:
+            loss = 0.0 if self._advanced else None
+        return "" if loss is None else f"loss {loss:.4f} | "
+
     def _line(self, rec: dict) -> str:
         """The log line of one record."""
         gn = "-" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
         samples = f" | samples {rec['consumed_samples']}" if "consumed_samples" in rec else ""
         eta = _clock(rec["step_time_s"] * (self.train_iters - rec["iteration"]))
         line = (f"[{rec['time'][:19].replace('T', ' ')}] iter {rec['iteration']:6d}/{self.train_iters}{samples} | "
-                f"loss {rec['lm_loss']:.4f} | lr {rec['lr']:.3e} | grad norm {gn} | {rec['tokens_per_sec']:.0f} tok/s | "
-                f"{rec['step_time_s'] * 1e3:.0f} ms/step | ETA {eta}")
+                f"{self._loss_text(rec['lm_loss'])}lr {rec['lr']:.3e} | grad norm {gn} | "
+                f"{rec['tokens_per_sec']:.0f} tok/s | {rec['step_time_s'] * 1e3:.0f} ms/step | ETA {eta}")
         if "decoupled_lr" in rec:
             line = line.replace(" | grad norm", f" | decoupled lr {rec['decoupled_lr']:.3e} | grad norm", 1)
         if "weight_decay" in rec:
