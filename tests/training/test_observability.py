@@ -266,3 +266,28 @@ def test_log_lines_go_above_the_progress_bar(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "saving checkpoint at iteration 2 under X ..." in captured.out
     assert (omni.propagate, list(omni.handlers)) == before
+
+
+def test_bf16_params_norm_is_of_the_fp32_main_parameters(tmp_path):
+    """Megatron's calc_params_l2_norm takes ``param.main_param`` under --bf16 (the optimizer's fp32 copy), not the
+    bf16 weights. The logged norm must be the masters' (float64 reference; the fp32 sums of ~3e4 squares are good
+    to ~1e-6 relative, so 1e-5); then the masters are moved by 2^-10 relative, below what the bf16 copies can
+    show (their ulp is 2^-8 relative), and the norm must follow. Failed before: the norm was the bf16 weights',
+    1.7e-3 relative below the masters' after one step (the norms' weights, 1 - lr, round down to 0.98828125)."""
+    from omnitron.core.training.loop import params_norm, train
+
+    res = train(parse_settings(_args(str(tmp_path), "--bf16", "--train-iters", "1", "--log-interval", "1",
+                                     "--log-dir", str(tmp_path / "logs")), 1), get_backend("cpu"))
+    c = res["components"]
+    recs = _records(str(tmp_path / "logs"))
+    assert recs[-1]["params_norm"] == pytest.approx(_norm(c.optimizer.masters), rel=1e-5)
+    bf16 = _norm(p for m in c.modules for p in m.parameters())
+    for m in c.optimizer.masters:
+        m.mul_(1.0 + 2.0 ** -10)
+    want = _norm(c.optimizer.masters)
+    assert abs(want / bf16 - 1.0) > 2.0 ** -11  # the two norms are apart
+    assert params_norm(c) == pytest.approx(want, rel=1e-5)
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(sum(float(t.detach().double().square().sum()) for t in tensors))

@@ -6,6 +6,7 @@ returns the per-iteration losses of this run, which the resume tests compare bit
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -146,15 +147,23 @@ def model_parameters(cfg) -> int:
 def params_norm(c) -> float:
     """Global L2 norm of every model parameter, each element counted once (the gradient norm's rules:
     tp shards everywhere, replicated tensors on tp rank 0, the pipeline's tied-embedding copy not at all).
+    Under --bf16 the trained parameters count as the optimizer's fp32 main copies (frozen ones as they are), as
+    Megatron's calc_params_l2_norm takes ``param.main_param`` there (fp16 and fp32: the model's parameters).
     Collective over the model-parallel ranks; waits for a pending parameter all-gather first."""
     if hasattr(c.optimizer, "finish_param_gather"):  # --overlap-param-gather: parameters current first
         c.optimizer.finish_param_gather()
     params = [p for m in c.modules for p in m.parameters()]
+    main = None
+    if c.settings.precision.bf16:
+        main = c.optimizer._grad_norm(c.optimizer.masters)  # each optimizer counts its own layout's parts once
+        owned = {id(p) for p in c.optimizer.params}
+        params = [p for p in params if id(p) not in owned]
     # NOTE: --use-torch-fsdp2: each rank holds disjoint row shards, summed over the whole world
     sharded = (c.groups.dp_cp, c.groups.mp) if uses_fsdp2(c.settings) else None
-    return global_grad_norm(params, [local_shard(p.detach()) for p in params], c.groups, c.backend.collectives,
+    rest = global_grad_norm(params, [local_shard(p.detach()) for p in params], c.groups, c.backend.collectives,
                             c.backend.kernels, c.optimizer.duplicates, reduce_over=sharded,
                             device=c.backend.current_device())
+    return rest if main is None else math.sqrt(main ** 2 + rest ** 2)
 
 
 _MEMORY_FIELDS = (("allocated", "mem_allocated_bytes"), ("reserved", "mem_reserved_bytes"),
