@@ -65,3 +65,23 @@ def test_fp16_dynamic_scaling_turns_the_check_off_even_when_named(named, caplog)
     assert got["check_for_nan_in_loss_and_grad"] is want["check_for_nan_in_loss_and_grad"] is False
     level = max(r.levelno for r in caplog.records if "--check-for-nan-in-loss-and-grad is off" in r.getMessage())
     assert level == (logging.WARNING if named else logging.INFO)
+
+
+@pytest.mark.parametrize("case", range(len(FIXTURES["scalers"])))
+def test_dynamic_loss_scale_follows_megatrons_scaler(case):
+    """--initial-loss-scale, --min-loss-scale, --loss-scale-window and --hysteresis: omnitron's scaler, built from
+    the flags as the run builds it, over the overflow sequence Megatron's own DynamicGradScaler saw, gives its
+    scale after every update (its hysteresis counter is reset only by a growth, so once run down every later
+    overflow halves). Tolerance 1e-7 relative: Megatron keeps the scale in a float32 tensor, so a --min-loss-scale
+    like 0.3 is 0.3 rounded to float32 (2^-24 relative), and doublings and halvings are exact."""
+    from omnitron.core.precision import build_loss_scaler
+
+    f = FIXTURES["scalers"][case]
+    flags = ["--fp16", "--initial-loss-scale", repr(f["initial"]), "--min-loss-scale", repr(f["min"]),
+             "--loss-scale-window", str(f["window"]), "--hysteresis", str(f["hysteresis"])]
+    scaler = build_loss_scaler(parse_settings(BASE + flags, 1).precision)
+    got = []
+    for inf in f["found_inf"]:
+        scaler.update(inf)
+        got.append(scaler.scale)
+    assert got == pytest.approx(f["scales"], rel=1e-7)
