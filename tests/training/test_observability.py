@@ -163,10 +163,11 @@ def test_timers_levels_reduction_and_fields():
 
 class _Board:
     def __init__(self):
-        self.keys = set()
+        self.keys, self.values = set(), {}
 
     def add_scalar(self, key, value, step):
         self.keys.add(key)
+        self.values[key] = value
 
     def close(self):
         pass
@@ -178,10 +179,15 @@ def test_timers_reach_tensorboard_only_when_asked(tmp_path, to_tensorboard, caps
                            progress_bar=False, start_iteration=0, tensorboard_timers=to_tensorboard)
     logger._tb = board = _Board()
     logger.step(1, {"lm_loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "loss_scale": None, "skipped": False,
-                    "step_time_s": 0.5, "tokens_per_sec": 10.0, "log": {"timers_optimizer_ms": 3.0, "params_norm": 2.0},
+                    "step_time_s": 0.5, "tokens_per_sec": 10.0,
+                    "log": {"timers_optimizer_ms": 3.0, "timers_optimizer_min_ms": 2.0, "params_norm": 2.0},
                     "log_lines": ["timers (ms, max over ranks): optimizer 3.00"]})
     logger.close()
-    assert "params-norm" in board.keys and ("timers_optimizer_ms" in board.keys) == to_tensorboard
+    # Megatron's Timers.write: "<name>-time", seconds per iteration (max over ranks); omnitron's own keys not at all
+    assert "params-norm" in board.keys and ("optimizer-time" in board.keys) == to_tensorboard
+    assert not any(k.startswith("timers_") for k in board.keys)
+    if to_tensorboard:
+        assert board.values["optimizer-time"] == pytest.approx(3.0e-3, rel=1e-12)
     assert json.loads(open(tmp_path / "metrics.jsonl").read())["timers_optimizer_ms"] == 3.0  # always in the file
     assert capsys.readouterr().out.splitlines()[-1] == "timers (ms, max over ranks): optimizer 3.00"
 

@@ -392,7 +392,8 @@ class LoggingConfig:
     log_memory_to_tensorboard: bool = False
     """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
     log_timers_to_tensorboard: bool = False
-    """--log-timers-to-tensorboard: also write the timers to TensorBoard (metrics.jsonl always has them)."""
+    """--log-timers-to-tensorboard: also write the timers to TensorBoard, as Megatron's ``<name>-time`` tags in
+    seconds per iteration, max over ranks (metrics.jsonl always has them, in ms)."""
     log_world_size_to_tensorboard: bool = False
     """--log-world-size-to-tensorboard: records carry the job's world size (world_size), TensorBoard's
     ``world-size`` and ``world-size vs samples``, as Megatron's."""

@@ -57,13 +57,18 @@ def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool
     """``(tag, value, step)`` for every number of ``record`` as Megatron names it (see ``_TB_TAGS``); the
     ``vs samples`` twins only when the consumed samples are known. ``timers``: also the ``timers_*`` values.
     A run without loss scaling logs a loss scale of 1.0 there, as Megatron's optimizers report one (the record
-    itself keeps None)."""
+    itself keeps None). A timer goes as Megatron's ``Timers.write`` writes it: ``<name>-time``, the max over ranks,
+    in seconds per iteration (``timers_<name>_ms``; the min and per-rank values stay in the record)."""
     it = record["iteration"]
     for k, v in record.items():
         if k == "loss_scale" and v is None:
             v = 1.0
         if k in ("iteration", "consumed_samples") or v is None or isinstance(v, bool) or \
                 not isinstance(v, (int, float)) or (k.startswith("timers_") and not timers):
+            continue
+        if k.startswith("timers_"):
+            if k.endswith("_ms") and not k.endswith("_min_ms"):
+                yield k[len("timers_"):-len("_ms")].replace("_", "-") + "-time", v / 1e3, it
             continue
         tag, twin = _TB_TAGS.get(k, (k, False))
         yield tag, v, it
@@ -186,8 +191,8 @@ class MetricsLogger:
 
     A step's ``values["log"]`` (computed by the loop on logged steps only: timers, parameter norm, memory)
     is copied into the record as it is; its ``values["log_lines"]`` follow the line. ``throughput``: --log-throughput (TFLOP/s and tokens/s per device on
-    every line). ``tensorboard_timers``: --log-timers-to-tensorboard (``timers_*`` fields go to TensorBoard
-    too; metrics.jsonl always has them)."""
+    every line). ``tensorboard_timers``: --log-timers-to-tensorboard (the timers go to TensorBoard too, as
+    Megatron's ``<name>-time`` tags; metrics.jsonl always has them)."""
 
     def __init__(self, *, log_dir: str, log_interval: int, train_iters: int, enabled: bool, tensorboard: bool,
                  progress_bar: bool | None, start_iteration: int, throughput: bool = False,
