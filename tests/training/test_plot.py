@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -28,6 +29,10 @@ def test_panels_and_zero_based_axes():
         "train lm loss", "validation loss"]
     assert list(lr.get_lines()[0].get_ydata()) == [r["lr"] for r in train] and lr.get_ylim()[0] == 0
     assert list(norm.get_lines()[0].get_xdata()) == [1, 3, 4, 5, 6] and norm.get_ylim()[0] == 0  # skipped step out
+    plt.close("all")
+    train[1]["lm_loss"] = None  # an interval whose every step was skipped: a gap in the loss curve
+    ys = plot._training_panels(plt, train, val, "run").axes[0].get_lines()[0].get_ydata()
+    assert math.isnan(ys[1]) and list(ys[2:]) == [r["lm_loss"] for r in train[2:]]
     thr = plot._throughput(plt, train, "run").axes[0]
     assert thr.get_ylim()[0] == 0 and thr.get_title() == "run: throughput"
     plt.close("all")
