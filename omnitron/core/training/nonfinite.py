@@ -50,8 +50,8 @@ def check_grad_norm(norm: float, enabled: bool = True, loss_scale: float | None 
     a constant --loss-scale: under fp16 dynamic scaling the check is off, as Megatron sets it.)"""
     if enabled and not math.isfinite(norm):
         hint = "" if loss_scale is None else (f"the gradients were scaled by {loss_scale:g} (a smaller --loss-scale, "
-                                              f"or under --fp16 dynamic scaling: drop --loss-scale, which "
-                                              f"skips overflowing steps instead); ")
+                                              f"or under --fp16 none: dynamic scaling skips overflowing steps "
+                                              f"instead); ")
         raise NonFiniteError("the gradient norm", norm, hint=hint)
 
 
