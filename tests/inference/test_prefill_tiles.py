@@ -97,3 +97,42 @@ def test_left_padded_prefill_runs_the_batch_at_once_without_a_host_sync_per_row(
     assert torch.isfinite(got[:, :, :V]).all()  # padding slots' logits too: nothing non-finite reaches the cache
     _, syncs2 = _prefill(model, prompts[:2])
     assert sum(syncs8.values()) == sum(syncs2.values()), (syncs8, syncs2)
+
+
+def _poisoned(model, prompts, slots: torch.Tensor | None):
+    """Greedy generation of ``prompts`` (tokens, log-probs); ``slots [b, L]``: the prefill slots whose embeddings
+    are replaced by noise of size 1e3, so every layer's keys and values there are garbage (None: none)."""
+    from omnitron.core.inference.generation import generate_batch
+
+    def hook(module, args, out):  # [s, b, h]; decoding steps hold one slot
+        if slots is not None and out.shape[0] == slots.shape[1]:
+            return torch.where(slots.T[:, :, None], 1e3 * torch.randn_like(out), out)
+        return out
+
+    handle = model.embedding.register_forward_hook(hook)
+    try:
+        out = generate_batch(model, prompts, 6, return_log_probs=True)
+    finally:
+        handle.remove()
+    return out.tokens, out.log_probs
+
+
+@torch.no_grad()
+def test_padding_is_never_attended():
+    """Left-padded prompts (1 to 70 tokens) generate bit for bit the same tokens and log-probs whatever the padding
+    slots hold: their keys get exactly zero weight on both prefill paths (the masked softmax of a model without a
+    window or sinks, the rotated tiles of one with them) and in every decoding step. The control: the same noise
+    on one real slot (the first of the last row) changes that row's log-probs."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    plain = GPTModel(llama_tiny(num_layers=2, hidden_size=HQ * D, num_attention_heads=HQ, num_query_groups=2,
+                                ffn_hidden_size=96, vocab_size=V, seq_length=128, params_dtype=torch.float64),
+                     ParallelGroups.single(), backend=get_backend("cpu"), seed=seed).eval()
+    for model in (plain, _model(seed)):
+        prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 9, 33, 70)]
+        _, valid, _ = _left_pad(prompts, torch.device("cpu"))
+        clean = _poisoned(model, prompts, None)
+        assert _poisoned(model, prompts, ~valid) == clean
+        one_real = torch.zeros_like(valid)
+        one_real[-1, 0] = True  # the last row is the longest: no padding, slot 0 is its first token
+        assert _poisoned(model, prompts, one_real)[1][-1] != clean[1][-1]
