@@ -32,8 +32,8 @@ largest block priced is the windowless one. With a window on every layer no kern
 (:mod:`omnitron.core.parallel.context.tiles`): ``t = max(64, left + 1)`` rows, cut at the chunk runs (the whole
 sequence on one rank or under a2a, ``s / 2 ring`` rows per chunk on a ring), either a square causal diagonal tile
 or one cut by the window's edge, which runs the reference kernel with its keep mask whatever the backend; the
-term is the largest of their peaks (:func:`largest_blocks`: the exact tile shapes on one run, ``min(t, run)``
-squares of either kind on a ring, a bound), not the windowless block's ``ROW_CHUNK x s`` chunk.
+term is the largest of their peaks (:func:`largest_blocks`: the exact tile shapes, on one run or those any rank of
+a ring runs at any step), not the windowless block's ``ROW_CHUNK x s`` chunk.
 """
 from __future__ import annotations
 
@@ -110,8 +110,9 @@ def _head_split(pc) -> int:
 def largest_blocks(settings, cfg) -> list[Block]:
     """The blocks whose kernel peak may be the largest: :func:`largest_block`, or with a sliding window on every
     layer the tiles (module docstring) on :func:`largest_block`'s heads: on one run the distinct tile shapes
-    :func:`omnitron.core.parallel.context.tiles.step_plan` makes, on a ring's runs ``min(t, run)`` squares."""
-    from omnitron.core.parallel.context.tiles import TILE_MIN
+    :func:`omnitron.core.parallel.context.tiles.step_plan` makes, on a ring those any rank makes at any step
+    (:func:`~omnitron.core.parallel.context.tiles.ring_tile_shapes`)."""
+    from omnitron.core.parallel.context.tiles import TILE_MIN, ring_tile_shapes
     from omnitron.core.transformer.window import parse_window, window_layers
 
     blk = largest_block(settings, cfg)
@@ -121,9 +122,9 @@ def largest_blocks(settings, cfg) -> list[Block]:
     pc = settings.parallel
     ring = pc.context_parallel_size // _head_split(pc)  # allgather: the gathered blocks keep the ring's chunks
     left, t = window[0], max(TILE_MIN, window[0] + 1)
-    if ring > 1:  # chunk runs of s / 2 ring rows: tiles of at most min(t, run) rows and keys, either kind (a bound)
-        e = min(t, cfg.seq_length // (2 * ring))
-        return [replace(blk, rows=e, keys=e, causal=True), replace(blk, rows=e, keys=e, causal=False, masked=True)]
+    if ring > 1:  # chunk runs of s / 2 ring rows, cut into tiles from each chunk's start
+        return [replace(blk, rows=r, keys=k, causal=causal, masked=masked)
+                for r, k, causal, masked in sorted(ring_tile_shapes(ring, cfg.seq_length // ring, window))]
     # one run (the whole sequence): pieces of t rows and a remainder; each piece against itself (causal when the
     # window covers it, else cut) and against the piece before it (cut; absent when left = 0), none further back
     full, rem = divmod(cfg.seq_length, t)

@@ -187,3 +187,77 @@ def test_a_layout_the_model_cannot_take_is_refused_before_ranks_start(tmp_path, 
             cli([command, "--load", root, *extra, *flags])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+BATCH = [[5], [3, 14, 15], [9, 26, 53, 58, 97, 93], [23, 84, 62, 64, 33, 83, 27, 95, 2]]
+"""Token ids of four prompts of 1 to 9 tokens: left padding of 8, 6, 3 and 0 slots."""
+
+
+def _rows_and_cache(root: str, tp: int, pp: int, stops: list[int]) -> dict:
+    """On this rank of tp x pp (one process for 1 x 1): BATCH greedily as one batch and each prompt alone, seeded
+    top-k / top-p / temperature sampling likewise (prompt i alone seeded ``seed + i``), the batch with ``stops``,
+    and the shapes and bytes of the KV cache a batch leaves."""
+    from omnitron.core.inference.generation import generate_batch
+    from omnitron.core.inference.kv_cache import KVCache
+    from omnitron.core.inference.loader import load_for_inference
+    from omnitron.core.inference.sampling import GREEDY, SamplingParams
+
+    if tp * pp > 1:
+        from omnitron.backends import get_backend
+        from omnitron.core.config import ParallelConfig
+        from omnitron.core.inference.loader import load_sharded
+        from omnitron.core.parallel.groups import ParallelGroups
+
+        torch.set_num_threads(1)
+        be = get_backend()
+        pc = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        loaded = load_sharded(root, ParallelGroups.build(pc, backend=be), be)
+    else:
+        loaded = load_for_inference(root)
+    model, kw = loaded.model, (loaded.sharded.generate_kwargs if loaded.sharded is not None else dict)
+
+    def gen(prompts, params, **extra):
+        return generate_batch(model, prompts, 12, params=params, **kw(), **extra).tokens
+
+    def sampling(seed):
+        return SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=seed)
+
+    caches, enter = [], KVCache.__enter__
+    KVCache.__enter__ = lambda self: caches.append(self) or enter(self)
+    try:
+        out = {"greedy": gen(BATCH, GREEDY), "stopped": gen(BATCH, GREEDY, eod=frozenset(stops)),
+               "sampled": gen(BATCH, sampling(11))}
+    finally:
+        KVCache.__enter__ = enter
+    out["alone"] = [gen([p], GREEDY)[0] for p in BATCH]
+    out["sampled_alone"] = [gen([p], sampling(11 + i))[0] for i, p in enumerate(BATCH)]
+    held = [t for t in caches[0].keys + caches[0].values if t is not None]
+    out["cache"] = [tuple(t.shape) for t in held], sum(t.numel() * t.element_size() for t in held)
+    return out
+
+
+@pytest.mark.slow  # ~55 s: four ranks on the loaded 2-core machine (2026-12-06)
+def test_each_row_of_a_sharded_batch_is_its_prompt_alone_and_the_cache_is_split(tmp_path):
+    """tp2 x pp2, four prompts of different lengths: each row's greedy tokens equal that prompt generated alone, its
+    top-k / top-p / temperature tokens those of the prompt alone seeded ``seed + i`` (sampling.py), and with two
+    stop tokens a row ends at the first of them (the others run on unchanged); all equal one process's.
+
+    KV cache: per rank its stage's 2 layers (of 4) and 1 key/value head (of 2) of 16 numbers, for 4 rows x 20 slots
+    (the 9-token width + 12 generated - 1: the last token is not fed back), fp32, keys and values: 2 x 2 x 4 x 20 x
+    16 x 4 = 20 KiB, a quarter of one process's 80 KiB."""
+    root = str(tmp_path / "ck")
+    _checkpoint(root)
+    greedy = _rows_and_cache(root, 1, 1, [])["greedy"]
+    stops = [greedy[1][3], greedy[2][4]]  # tokens two rows make mid-way
+    one = _rows_and_cache(root, 1, 1, stops)
+    for i, row in enumerate(greedy):
+        cut = min([row.index(t) + 1 for t in stops if t in row], default=len(row))
+        assert one["stopped"][i] == row[:cut], (i, one["stopped"][i], row, stops)
+    assert sum(len(r) for r in one["stopped"]) < sum(len(r) for r in greedy)  # some row did stop early
+    assert one["alone"] == one["greedy"] and one["sampled_alone"] == one["sampled"]
+    assert one["cache"] == ([(4, 2, 20, 16)] * 8, 2 * 4 * 4 * 20 * 2 * 16 * 4)
+    for rank, got in enumerate(run_distributed(_rows_and_cache, 4, root, 2, 2, stops)):
+        assert got["alone"] == got["greedy"] == one["greedy"], rank
+        assert got["sampled_alone"] == got["sampled"] == one["sampled"], rank
+        assert got["stopped"] == one["stopped"], rank
+        assert got["cache"] == ([(4, 1, 20, 16)] * 4, one["cache"][1] // 4), (rank, got["cache"])

@@ -66,15 +66,15 @@ def plain_llava(W, c, tokens, images, labels, mask):
     # ViT: a stride-p convolution is the patch embedding
     v, hv, p = "vision_model.", c.vision_hidden_size, c.patch_dim
     kernel = W[v + "patch_embedding.weight"].reshape(hv, c.num_channels, p, p)
-    x = F.conv2d(images, kernel, W[v + "patch_embedding.bias"], stride=p).flatten(2).transpose(1, 2)  # [b, n, hv]
+    x = F.conv2d(images, kernel, stride=p).flatten(2).transpose(1, 2)  # [b, n, hv]: Megatron's conv1 has no bias
     if c.vision_class_token:
         x = torch.cat([W[v + "class_token"].expand(x.shape[0], 1, hv), x], 1)
-    x = x + W[v + "position_embeddings.weight"]
+    x = norm(x + W[v + "position_embeddings.weight"], v + "ln_pre")
     for i in range(c.vision_num_layers):
         q = f"{v}decoder.layers.{i}."
         x = x + _attend(W, q, x, c.vision_num_attention_heads, c.vision_num_attention_heads, False, norm, lin)
         x = x + mlp(norm(x, q + "pre_mlp_layernorm"), q, False, True)  # the ViT's linears have biases
-    x = norm(x, v + "decoder.final_layernorm")[:, int(c.vision_class_token):]
+    x = x[:, int(c.vision_class_token):]  # no norm after the ViT's layers (Megatron's CLIP ViT)
     img = lin(gelu(lin(x, "vision_projection.linear_fc1"), True), "vision_projection.linear_fc2")  # [b, n, h]
     # language model: placeholders take the image embeddings (in order), text gets word + position embeddings
     b, s = tokens.shape

@@ -56,6 +56,7 @@ def test_vision_tower_and_projector_init_as_megatron():
     }
     problems = {name: _problem(params[name], kind, std) for name, (kind, std) in want.items()}
     assert not {n: p for n, p in problems.items() if p}, problems
-    for name in ("vision_model.patch_embedding.bias", "vision_projection.linear_fc1.bias",
-                 "vision_projection.linear_fc2.bias"):
+    for name in ("vision_model.ln_pre.bias", "vision_projection.linear_fc1.bias", "vision_projection.linear_fc2.bias"):
         assert not params[name].any(), name
+    assert (params["vision_model.ln_pre.weight"] == 1).all()
+    assert "vision_model.patch_embedding.bias" not in params  # Megatron's conv1: bias=False

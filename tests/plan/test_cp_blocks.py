@@ -227,3 +227,111 @@ def test_cp2_step_with_attention_dropout_against_its_plan(tmp_path):
     pred = e.activations + e.logits + e.recompute + e.transient + e.boundary
     for rank, (_, peak) in enumerate(measured):
         assert abs(pred - peak) <= 0.10 * peak, (rank, pred, peak, e)
+
+
+def test_ring_tile_shapes_are_those_of_every_rank_and_step():
+    """tiles.ring_tile_shapes (by chunk distance) against the union of step_plan over every rank and step of the
+    ring, at random ring sizes, chunk lengths and windows (ragged remainders, windows shorter and longer than a
+    chunk, left 0)."""
+    from omnitron.core.parallel.context.tiles import ring_tile_shapes, step_plan
+
+    g = _fresh()
+    r = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    for _ in range(40):
+        size, c = (2, 3, 4, 8)[r(0, 4)], r(1, 300)
+        left = (0, 63, 64, r(0, 1000))[r(0, 4)]
+        union = set()
+        for rank in range(size):
+            for step in range(size):
+                for t in step_plan.__wrapped__(step, rank, size, 2 * c, True, (left, 0), torch.device("meta")):
+                    union.add((len(range(2 * c)[t.rows]), len(range(2 * c)[t.cols]), t.causal, t.mask is not None))
+        assert ring_tile_shapes(size, 2 * c, (left, 0)) == union, (size, c, left)
+
+
+def _ring_peaks(comm: str, lefts: list[int], s: int) -> list[tuple[int, set]]:
+    """On each rank of a cp ring (``comm``), per window ``(left, 0)``: the largest peak of any block kernel call the
+    attention makes in forward and backward with attention dropout 0.1, each call measured under the storage log,
+    and the ``(rows, keys, causal, masked)`` of every block it ran."""
+    import types
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.context import blocks, ring
+    from omnitron.core.parallel.context.layout import split_sequence
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.transformer.cp_attention import cp_attention
+    from omnitron.kernels.alloc_log import Timeline, peak
+
+    torch.set_num_threads(1)
+    seen, shapes, calls, steps = [], set(), blocks._calls, ring._Step.__iter__
+
+    def measured(fn, forward: bool):
+        def run(*args, **kw):
+            if forward:  # (q, k, v, ...)
+                shapes.add((args[0].shape[2], args[1].shape[2], kw["causal"], kw.get("mask") is not None))
+            with Timeline() as log:
+                out = fn(*args, **kw)
+            seen.append(peak(log.events))
+            return out
+        return run
+
+    def wrap(call):
+        return blocks.BlockKernel(measured(call.forward, True), measured(call.backward, False))
+
+    def logged(*args):  # the all-gather's blocks
+        for rows, cols, call, kw in calls(*args):
+            yield rows, cols, wrap(call), kw
+
+    def logged_step(self):  # the p2p ring's steps
+        for t, call, kw in steps(self):
+            yield t, wrap(call), kw
+
+    blocks._calls, ring._Step.__iter__ = logged, logged_step
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(context_parallel_size=torch.distributed.get_world_size(),
+                                                 cp_comm_type=comm), be.collectives)
+    m = types.SimpleNamespace(backend=be, cp_group=groups.cp, cp_comm_type=comm, cp_subgroups=None,
+                              tracker=types.SimpleNamespace(hash_seed=lambda q: 7))
+    out = []
+    for left in lefts:
+        g = torch.Generator().manual_seed(left)  # the same full tensors on every rank
+        q, k, v, dout = (torch.randn(1, 4, s, 32, generator=g) for _ in range(4))
+        mine = [split_sequence(t, 2, groups.cp.size, groups.cp.rank).requires_grad_(True) for t in (q, k, v)]
+        seen.clear()
+        shapes.clear()
+        o = cp_attention(m, *mine, 0.1, window=(left, 0))
+        o.backward(split_sequence(dout, 2, groups.cp.size, groups.cp.rank))
+        out.append((max(seen), set(shapes)))
+    return out
+
+
+@pytest.mark.parametrize("cp,comm", [(2, "p2p"), (4, "p2p"), (2, "allgather")])
+def test_ring_windowed_term_is_the_largest_tile_any_rank_runs(tmp_path, cp, comm):
+    """Every layer windowed, attention dropout 0.1, s 512 on a real cp ring (4 heads of 32, micro-batch 1): the term
+    is the largest peak of any kernel call any rank makes, forward and backward (equal to the byte). Chunks of
+    s / 2cp = 128 (cp2) or 64 (cp4) rows against tiles of max(64, left + 1) = 64, 64, 128, 301, 512 rows:
+    remainders, tiles cut at the chunk's end, left 0 (only diagonal tiles) and a window over the whole sequence
+    (no tile cut by it).
+
+    On an accelerator backend (``--backend cuda``) the term is the same blocks priced as the fused flash block where
+    unmasked (``fused_block_peak``, checked against the kernel by the test above) and the reference where a keep
+    mask is taken, over the blocks the ring ran. It priced ``min(t, chunk)``-row squares of either kind: with the
+    window over the whole sequence, a masked reference tile the ring never runs, 5.5x (cp2) and 3.6x (cp4) the
+    term."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.cp_blocks import Block, block_dropout_bytes, block_peak, fused_block_peak
+    from omnitron.plan.memory import model_config
+
+    lefts = [0, 31, 127, 300, 511]
+    per_rank = run_distributed(_ring_peaks, cp, comm, lefts, 512)
+    for i, left in enumerate(lefts):
+        flags = ("--window-size", f"{left},0", "--seq-length", "512", "--context-parallel-size", str(cp),
+                 "--cp-comm-type", comm)
+        settings = parse_settings(_args(str(tmp_path), *flags), cp)
+        measured = max(peaks[i][0] for peaks in per_rank)
+        assert block_dropout_bytes(settings, model_config(settings)) == measured, (left, measured)
+        ran = set().union(*(peaks[i][1] for peaks in per_rank))
+        fused = max(block_peak(Block(4, 4, r, k, causal, True), 1, 32, 32, torch.float32, 0.1) if masked
+                    else fused_block_peak(Block(4, 4, r, k, causal), 1, 32, 32) for r, k, causal, masked in ran)
+        settings = parse_settings(_args(str(tmp_path), *flags, "--backend", "cuda"), cp)
+        assert block_dropout_bytes(settings, model_config(settings)) == fused, (left, fused, sorted(ran))

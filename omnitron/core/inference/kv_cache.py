@@ -34,6 +34,7 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * len(self.attn)
         self.valid: torch.Tensor | None = None
         """``[b, slots]`` bool, True at real tokens; None = every slot is real (no padding)."""
+        self._rotated: tuple | None = None  # (valid, its prefill rotations): see _rotations
 
     def _core(self, i: int, module):
         def core_attention(q, k, v, key_padding_mask=None, document_ids=None):  # [b, heads, s_new, d]
@@ -100,10 +101,11 @@ class KVCache:
     def _tiled_prefill(self, module, q, k, v, sinks, scale):
         """The prefill's attention on the blocks of training (:func:`~omnitron.core.transformer.cp_attention.
         cp_attention` without context parallelism: only the tiles the window reaches, the sink once per row), not a
-        masked softmax over ``[b, hq, s, s]`` scores. Left-padded rows run one at a time over their real slots (a
-        row's positions start at its first real token, so its distances are the unpadded prompt's); a padding
-        query's output, unused but cached as the next layer's key/value input, is zero (finite). None when a row's
-        real slots are not contiguous after its padding (the masked softmax handles that)."""
+        masked softmax over ``[b, hq, s, s]`` scores. Left-padded rows go through in one call, each rotated by its
+        padding (:meth:`_rotations`, a gather) so its real slots come first: there a row's slots are its positions
+        and causality keeps its real queries off the padding behind them, as for the unpadded prompt. Rotated back,
+        a padding query's output (unused, but cached as the next layer's key/value input) is zero (finite). None
+        when a row's real slots are not contiguous after its padding (the masked softmax handles that)."""
         from omnitron.core.transformer.cp_attention import cp_attention
 
         def attend(q, k, v):
@@ -111,12 +113,25 @@ class KVCache:
 
         if self.valid is None:
             return attend(q, k, v)
-        starts = (~self.valid).sum(1).tolist()  # padding slots per row: its first real slot if contiguous after
-        if not bool(self.valid[:, -1].all()) or any(not bool(self.valid[r, st:].all()) for r, st in enumerate(starts)):
+        rot = self._rotations()
+        if rot is None:
             return None
-        return torch.cat([torch.cat([q.new_zeros(1, q.shape[1], st, v.shape[-1]),  # the last slot is real: st < s
-                                     attend(q[r:r + 1, :, st:], k[r:r + 1, :, st:], v[r:r + 1, :, st:])], dim=2)
-                          for r, st in enumerate(starts)], dim=0)
+        first, back = rot
+        out = attend(_slots(q, first), _slots(k, first), _slots(v, first))
+        return _slots(out, back) * self.valid[:, None, :, None]
+
+    def _rotations(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(first, back) [b, s]`` slot indices: ``first`` rotates each row of ``valid`` left by its padding (its
+        real slots to the front), ``back`` undoes it; None when a row's real slots are not all after its padding.
+        Worked out once per ``valid`` tensor (one host sync for the contiguity check, not one per row or layer)."""
+        if self._rotated is None or self._rotated[0] is not self.valid:
+            valid = self.valid
+            slots = torch.arange(valid.shape[1], device=valid.device)[None, :]
+            pad = (~valid).sum(1, keepdim=True)  # [b, 1]: padding slots per row
+            contiguous = bool((valid == (slots >= pad)).all())
+            rot = ((slots + pad) % valid.shape[1], (slots - pad) % valid.shape[1]) if contiguous else None
+            self._rotated = (valid, rot)
+        return self._rotated[1]
 
     def _attend_only(self, module):
         def core_attention(q, k, v, key_padding_mask=None, document_ids=None):  # keys and values: every slot
@@ -145,6 +160,11 @@ class KVCache:
             del a.core_attention  # back to the class method
             if self.latent:
                 a.latent_cache = None
+
+
+def _slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t [b, h, s, d]`` with each row's slots taken in the order ``index [b, s]``."""
+    return t.gather(2, index[:, None, :, None].expand(t.shape[0], t.shape[1], -1, t.shape[3]))
 
 
 class LatentSlots:

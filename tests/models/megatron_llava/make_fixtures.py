@@ -7,12 +7,12 @@ Run from the omnitron root:
 
 omnitron is not imported. Megatron's model is built as ``pretrain_vlm`` builds it with ``transformer_impl local``
 (CLIP ViT with its local layer spec, the MLP projector, a GPT decoder), float64, no dropout; its parameters are
-overwritten with draws from a seeded generator in the order of omnitron's parameter names (:data:`NAMES`), so the
-test draws the same weights. The two ViTs differ in their norms (Megatron's CLIP has a LayerNorm before the layers
-and none after; omnitron's the reverse, see README.md): ``ln_pre`` is removed here and the test removes omnitron's
-final norm, so everything else (patches, class token, positions, layers, projector, image-token substitution,
-decoder, loss and its mask, freezing) is compared. Stored per case: the loss mask Megatron's preprocessing made,
-the per-token loss, and per parameter its gradient's norm and its dot product with a seeded random direction.
+overwritten with draws from a seeded generator in the order of omnitron's parameter names (:func:`omnitron_name`),
+so the test draws the same weights, and the whole model is compared: the CLIP ViT (bias-free ``conv1``, class token,
+positions, ``ln_pre``, layers, no final norm), projector, image-token substitution, decoder, loss and its mask,
+freezing. Stored per case: the ViT's output (``vit``: Megatron's ``CLIPViTModel`` forward, ``[b, 1 + n, hv]``), the
+loss mask Megatron's preprocessing made, the per-token loss, and per parameter its gradient's norm and its dot
+product with a seeded random direction.
 """
 from __future__ import annotations
 
@@ -90,7 +90,6 @@ def build(fused: bool, pos: str, frozen, tied: bool):
                    language_position_embedding_type=pos, img_h=z["IMG"], img_w=z["IMGW"], patch_dim=z["P"],
                    share_embeddings_and_output_weights=tied)
     m.freeze(freeze_language_model=frozen == "lm", freeze_vision_model=frozen == "vit", freeze_vision_projection=False)
-    m.vision_model.ln_pre = None  # see the module docstring
     return m.double()
 
 
@@ -104,6 +103,7 @@ def run_case(fused, pos, frozen, tied, seed) -> dict:
             p = params[name]
             p.copy_((torch.randn(p.numel(), generator=g, dtype=torch.float64) * 0.3 + (p.dim() == 1)).view(p.shape))
     images = torch.randn(z["B"], 3, z["IMG"], z["IMGW"], generator=g, dtype=torch.float64)
+    vit = model.vision_model(images).detach()  # CLIPViTModel.forward: [b, 1 + n, hv], the class token first
     text = torch.randint(1, z["V"], (z["B"], z["T"] + 1), generator=g)
     text[:, 0] = -200  # pretrain_vlm's layout: one image token, then the text; labels are the next tokens
     mask = (torch.rand(z["B"], z["T"], generator=g) > 0.2).double()
@@ -116,7 +116,7 @@ def run_case(fused, pos, frozen, tied, seed) -> dict:
     final_mask = final_mask.double()
     ((loss.double() * final_mask).sum() / final_mask.sum()).backward()
     out = {"case": [fused, pos, frozen, tied, seed], "images": images.flatten().tolist(), "tokens": tokens.tolist(),
-           "labels": labels.tolist(), "final_loss_mask": final_mask.tolist(),
+           "labels": labels.tolist(), "vit": vit.flatten().tolist(), "final_loss_mask": final_mask.tolist(),
            "token_loss": (loss.double() * final_mask).tolist(), "grads": {}}
     gd = torch.Generator().manual_seed(seed + 100)
     for name in sorted(params):

@@ -140,12 +140,13 @@ def validate_multimodal(c: MultimodalConfig, parallel: ParallelConfig) -> None:
 
 
 def num_parameters(c: MultimodalConfig, *, tp: int = 1) -> int:
-    """Parameters of the whole model: the language model (GPT's count), the ViT (patch embedding, class
-    token, positions, layers, final norm) and the projector."""
+    """Parameters of the whole model: the language model (GPT's count), the ViT (patch embedding without bias,
+    class token, positions, ``ln_pre``, layers) and the projector."""
     vc = vision_config(c)
     hv, f = c.vision_hidden_size, projector_ffn_size(c)
-    vit = gpt_num_parameters(vc, tp=tp) - vc.hidden_size  # GPT's count holds a 1-row "vocabulary"; no words here
-    vit += patch_size(c) * hv + hv + int(c.vision_class_token) * hv
+    # GPT's count holds a 1-row "vocabulary" (no words here) and a final norm, the size of the ViT's ln_pre
+    vit = gpt_num_parameters(vc, tp=tp) - vc.hidden_size
+    vit += patch_size(c) * hv + int(c.vision_class_token) * hv
     return gpt_num_parameters(c, tp=tp) + vit + hv * f + f + f * c.hidden_size + c.hidden_size
 
 

@@ -1,9 +1,11 @@
 """The vision tower: a ViT encoder and the MLP projector into the language model's width.
 
-ViT: ``images [b, C, H, W]`` -> non-overlapping ``p x p`` patches flattened in ``(C, p, p)`` order (what
-a stride-``p`` convolution reads) -> a linear patch embedding -> optional class token first -> learned
-positions -> the shared pre-LN Transformer layers attending bidirectionally (BERT's layer with no padding)
--> final norm -> the patch outputs ``[n, b, hv]`` (the class token's output dropped).
+ViT, Megatron's ``CLIPViTModel`` (subtype ``clip``): ``images [b, C, H, W]`` -> non-overlapping ``p x p`` patches
+flattened in ``(C, p, p)`` order (what a stride-``p`` convolution reads) -> a linear patch embedding without bias
+(Megatron's ``conv1``, ``bias=False``) -> optional class token first -> learned positions -> ``ln_pre`` -> the shared
+pre-LN Transformer layers attending bidirectionally (BERT's layer with no padding) -> the patch outputs ``[n, b, hv]``
+(the class token's output dropped). No norm after the layers: Megatron's CLIP ViT builds its block without
+``post_process``, so its last layer's output goes to the projector as is.
 
 Tensor parallelism goes through the shared layers (column-parallel QKV/fc1, row-parallel proj/fc2); the
 ViT runs WITHOUT sequence parallelism (``patches + 1`` need not divide tp): its activations are replicated
@@ -15,8 +17,8 @@ the language model's MLP and config, so its GeLU is the tanh form under bias-GeL
 exact with ``--no-bias-gelu-fusion``; the ViT's layers follow the same flag (:func:`MM.vision_config`).
 
 Init, per tensor as Megatron's ``pretrain_vlm`` draws it (``CLIPViTModel``, ``MultimodalProjector``): the patch
-embedding as torch's default for its ``Conv2d`` (uniform on ``+-1 / sqrt(C p p)``; omnitron's linear also has a
-bias, zero); the class token and the position embeddings ``N(0, 1)`` (``torch.randn``, ``nn.Embedding``'s
+embedding as torch's default for its ``Conv2d`` (uniform on ``+-1 / sqrt(C p p)``); ``ln_pre`` ones and zeros;
+the class token and the position embeddings ``N(0, 1)`` (``torch.randn``, ``nn.Embedding``'s
 default); every output projection, the ViT layers' and the projector's ``fc2``, ``N(0, std / sqrt(2 L))`` with
 ``L`` the LANGUAGE model's ``--num-layers`` (the ViT's and the projector's configs are deep copies of the language
 model's, made after its ``output_layer_init_method`` was fixed); other weights ``N(0, std)``, biases zero.
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnitron.core.models.bert.model import BertLayer, _linear
+from omnitron.core.models.bert.model import BertLayer
 from omnitron.core.models.multimodal import config as MM
 from omnitron.core.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from omnitron.core.parallel.tensor.sharding import set_attributes
@@ -55,14 +57,17 @@ class VisionTransformer(nn.Module):
         super().__init__()
         vc = MM.vision_config(c)
         self.c, self.patch_dim, self.class_token_len = c, c.patch_dim, int(c.vision_class_token)
-        self.patch_embedding = _linear(MM.patch_size(c), vc.hidden_size, vc)
-        self.patch_embedding.weight.init = ("uniform", MM.patch_size(c) ** -0.5)  # Conv2d's default (module doc)
+        self.patch_embedding = nn.Linear(MM.patch_size(c), vc.hidden_size, bias=False, dtype=vc.params_dtype)
+        set_attributes(self.patch_embedding.weight, parallel=False,
+                       init=("uniform", MM.patch_size(c) ** -0.5))  # Conv2d's default (module docstring)
         self.class_token = None
         if c.vision_class_token:
             self.class_token = set_attributes(nn.Parameter(torch.empty(1, 1, vc.hidden_size, dtype=vc.params_dtype)),
                                               parallel=False, init=("normal", 1.0))
         self.position_embeddings = nn.Embedding(MM.vision_seq_length(c), vc.hidden_size, dtype=vc.params_dtype)
         set_attributes(self.position_embeddings.weight, parallel=False, init=("normal", 1.0))
+        self.ln_pre = Norm(vc.hidden_size, kind=vc.normalization, eps=vc.layernorm_epsilon, backend=backend,
+                           dtype=vc.params_dtype)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleDict({
             str(i): BertLayer(vc, group=group, sequence_parallel=False, tracker=tracker, backend=backend)
@@ -70,8 +75,6 @@ class VisionTransformer(nn.Module):
         for layer in self.decoder.layers.values():  # the language model's output std (module docstring)
             for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
                 lin.weight.init = ("normal", output_std(c))
-        self.decoder.final_layernorm = Norm(vc.hidden_size, kind=vc.normalization, eps=vc.layernorm_epsilon,
-                                            backend=backend, dtype=vc.params_dtype)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c = self.c
@@ -81,11 +84,11 @@ class VisionTransformer(nn.Module):
         x = self.patch_embedding(patchify(images.to(self.patch_embedding.weight.dtype), self.patch_dim))  # [b, n, hv]
         if self.class_token is not None:
             x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = (x + self.position_embeddings.weight[None]).transpose(0, 1).contiguous()  # [n(+1), b, hv]
+        x = self.ln_pre(x + self.position_embeddings.weight[None]).transpose(0, 1).contiguous()  # [n(+1), b, hv]
         no_padding = torch.zeros(x.shape[1], x.shape[0], dtype=torch.bool, device=x.device)  # bidirectional
         for layer in self.decoder.layers.values():
             x = layer(x, no_padding)
-        return self.decoder.final_layernorm(x)[self.class_token_len:]  # [n, b, hv]
+        return x[self.class_token_len:]  # [n, b, hv]
 
 
 class VisionProjection(nn.Module):

@@ -95,3 +95,24 @@ def step_plan(step: int, rank: int, size: int, local_length: int, causal: bool, 
             if kind is not None:
                 tiles.append(Tile(slice(q[0], q[1]), slice(k[0], k[1]), *kind))
     return tiles
+
+
+def ring_tile_shapes(size: int, local_length: int, window) -> set[tuple[int, int, bool, bool]]:
+    """``(rows, keys, causal, masked)`` of every tile any rank of a ``size``-rank ring (``size > 1``) runs at any
+    step under the causal ``window = (left, 0)``, without listing the ring's ``size^2`` step plans.
+
+    Every chunk of the load-balanced layout holds ``c = local_length / 2`` rows and each run a rank computes is a
+    whole chunk (:func:`_step_slices`), cut into tiles from its start; over the steps and ranks the ring meets every
+    (query chunk, key chunk) pair with the key chunk at or before the query chunk once (the diagonal at step 0). So
+    a tile's shape and kind depend only on the two chunks' distance, and distances past the window give none."""
+    left, t = window[0], max(TILE_MIN, window[0] + 1)
+    c = local_length // 2
+    keys = list(_pieces([(0, c, 0)], t))
+    shapes = set()
+    for dist in range(min(2 * size, (left + c - 1) // c + 1)):  # the chunk ``dist`` after the keys' chunk
+        for q in _pieces([(0, c, dist * c)], t):
+            for k in keys:
+                kind = _tile(q, k, left, torch.device("meta"))
+                if kind is not None:
+                    shapes.add((q[1] - q[0], k[1] - k[0], kind[0], kind[1] is not None))
+    return shapes
