@@ -257,7 +257,7 @@ class BertDataset(torch.utils.data.Dataset):
         self.table = sentence_table(indexed, docs, max(1, max_tokens // 4))
         self.description = {
             "class": "BertDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
-            "fingerprint": cache.file_fingerprint(indexed.prefix), "split": split_name,
+            "fingerprint": cache.file_fingerprint(indexed.prefix, cache_dir), "split": split_name,
             "documents": [len(docs), hashlib.md5(docs.tobytes()).hexdigest()], "num_samples": int(num_samples),
             "seq_length": seq_length, "seed": seed, "binary_head": binary_head, "short_seq_prob": short_seq_prob}
 
