@@ -353,14 +353,15 @@ def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
 
 
 def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int, cache_dir: str, allow_build: bool,
-                dataset_cls=BertDataset, **kw):
-    """One split's ``dataset_cls`` (blended over ``--data-path`` prefixes), or None with no samples or share."""
+                dataset_cls=BertDataset, whole: bool = False, **kw):
+    """One split's ``dataset_cls`` (blended over the prefixes), or None with no samples or share: its --split share
+    of each dataset's documents, or (``whole``: the split's own files, --train-data-path and friends) all of them."""
     from .blended import BlendedDataset
     from .builder import SPLIT_NAMES, DataError, blend_sizes, split_documents
     from .config import split_weights
 
     weights = split_weights(config.split)
-    if num_samples <= 0 or weights[split] == 0:
+    if num_samples <= 0 or (weights[split] == 0 and not whole):
         return None
     if any(w is None for w, _ in blend):
         raise DataError(f"--data-path {' '.join(p for _, p in blend)}: {dataset_cls.__name__} blends need weights; "
@@ -368,7 +369,8 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
     target, wants = blend_sizes([w for w, _ in blend], num_samples)  # as Megatron's builder
     parts = []
     for d, indexed in enumerate(datasets):
-        span = split_documents(indexed.num_documents, weights, split, indexed.prefix, config.split)
+        span = (0, indexed.num_documents) if whole else split_documents(indexed.num_documents, weights, split,
+                                                                         indexed.prefix, config.split)
         if span is None:
             return None
         want = num_samples if len(blend) == 1 else wants[d]
@@ -380,17 +382,37 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
     return BlendedDataset(parts, [w for w, _ in blend], sum(target), cache_dir=cache_dir, allow_build=allow_build)
 
 
+def _bert_blends(config, tokenizer, cache_dir: str, allow_build: bool) -> tuple[list, bool]:
+    """(each split's blend, whether each split reads its own files whole): the per-split paths (--train-data-path
+    and friends, as Megatron's pretrain_bert / pretrain_t5 read them), else --data-path for all three, else the
+    bundled corpus split into sentences."""
+    from .builder import DataError
+    from .config import parse_data_path
+
+    if config.per_split:
+        return [parse_data_path(p) for p in (config.train_data_path, config.valid_data_path,
+                                             config.test_data_path)], True
+    blend = parse_data_path(config.data_path)
+    if not blend:
+        if not hasattr(tokenizer, "vocab_file"):
+            raise DataError("no --data-path: the bundled BERT corpus needs --tokenizer-type BertWordPieceLowerCase "
+                            "or BertWordPieceCase")
+        blend = [(1.0, bert_corpus_prefix(tokenizer, cache_dir, build=allow_build))]
+    return [blend] * 3, False
+
+
 def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
                         binary_head: bool = True, is_builder_rank: bool = True, barrier=None, dataset_cls=None,
                         **dataset_kw):
     """(train, valid, test) :class:`BertDataset` splits of ``config.data_path`` (documents split by
-    ``--split``), of the bundled corpus split into sentences when no path is given, or synthetic
+    ``--split``), of each split's own files (--train-data-path and friends, read whole), of the bundled corpus
+    split into sentences when no path is given, or synthetic
     (:class:`MockBertDataset`) with ``--mock-data``. Collective like
     :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``.
     ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset
     (and its ``mock_cls`` MockBertDataset)."""
-    from .builder import DataError, check_vocabulary
-    from .config import default_cache_dir, parse_data_path
+    from .builder import check_vocabulary
+    from .config import default_cache_dir
 
     kw = dict(dataset_kw) if dataset_cls else {"binary_head": binary_head}
     kw.setdefault("masked_lm_prob", config.mask_prob)  # --mask-prob
@@ -404,18 +426,16 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
     cache_dir = config.data_cache_path or default_cache_dir()
 
     def build_all(allow_build: bool):
-        blend = parse_data_path(config.data_path)
-        if not blend:
-            if not hasattr(tokenizer, "vocab_file"):
-                raise DataError("no --data-path: the bundled BERT corpus needs --tokenizer-type BertWordPieceLowerCase "
-                                "or BertWordPieceCase")
-            blend = [(1.0, bert_corpus_prefix(tokenizer, cache_dir, build=allow_build))]
-        datasets = [IndexedDataset(p) for _, p in blend]
-        for ds in datasets:
-            check_vocabulary(ds, tokenizer, cache_dir, allow_build)
+        blends, whole = _bert_blends(config, tokenizer, cache_dir, allow_build)
+        opened = {}
+        for _, prefix in (x for blend in blends for x in blend):
+            if prefix not in opened:
+                opened[prefix] = IndexedDataset(prefix)
+                check_vocabulary(opened[prefix], tokenizer, cache_dir, allow_build)
         samples = (train_samples, valid_samples, test_samples)
-        return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build,
-                                 dataset_cls or BertDataset, **kw) for i, n in enumerate(samples))
+        return tuple(_bert_split(config, tokenizer, blend, [opened[p] for _, p in blend], i, int(n), cache_dir,
+                                 allow_build, dataset_cls or BertDataset, whole=whole, **kw) if blend else None
+                     for i, (blend, n) in enumerate(zip(blends, samples)))
 
     result = build_all(True) if is_builder_rank else None
     if barrier is not None:
