@@ -4,8 +4,8 @@ Documents are lists of sentences: an indexed dataset whose documents hold severa
 (one per sentence, as ``omnitron preprocess --split-sentences`` and :func:`bert_corpus_prefix`
 write) uses them as they are; a document of ONE sequence (preprocessed without
 ``--split-sentences``, or a one-sentence document) is cut into fixed spans of ``max_tokens // 4``
-tokens that stand in for sentences. Special ids ([CLS], [SEP],
-[PAD], [MASK], [UNK]; e.g. an eod appended by preprocessing) are dropped from the text.
+tokens that stand in for sentences. The text is read as it is, special ids included (an [UNK] the tokenizer
+wrote, an eod = [SEP] appended by preprocessing), as Megatron's ``BERTMaskedWordPieceDataset`` reads it.
 
 Sample mapping (numpy, cached like the GPT indices): every epoch walks the split's documents,
 packing consecutive sentences until a target length (``seq_length - 3``, with or without the binary
@@ -18,11 +18,14 @@ the first ``k`` sentences (k random), B = the rest; with probability 1/2 A and B
 (``is_random`` = 1: Megatron's sentence-order task); the longer segment (B on a tie) is trimmed at a
 random end until both fit the sample's target (a short sample is cut to its shorter target, as
 Megatron); ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
-Masking (Megatron's ``BERTMaskedWordPieceDataset``, draw for draw): whole words (a WordPiece ``##`` piece joins the word before it; per token for a tokenizer without
-them) in n-grams of 1-3 words drawn with probability proportional to 1/n, at most
+Masking (Megatron's ``BERTMaskedWordPieceDataset``, draw for draw): whole words (a WordPiece ``##`` piece joins
+the word before it; per token for a tokenizer without them; a [CLS] or [SEP] id, also one in the text, is no
+candidate) in n-grams of 1-3 words drawn with probability proportional to 1/n, at most
 ``min(15% x target, round(15% x tokens incl. [CLS]/[SEP]))`` tokens; each masked token becomes [MASK]
 (80%), a random id of the whole vocabulary (10%; Megatron's ``token_lookup``, special ids included) or
 stays (10%); labels and loss mask only there. The 15% is ``--mask-prob`` (Megatron's flag, default 0.15).
+``padding_mask`` is where the sample's tokens hold the [PAD] id (Megatron's ``tokens == pad``: the padding, and
+a [PAD] in the text or drawn as a random replacement).
 """
 from __future__ import annotations
 
@@ -191,8 +194,7 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     tokens = np.concatenate([np.asarray(p, np.int64) for p in parts])
     types = np.zeros(len(tokens), np.int64)
     types[len(a) + 2:] = 1
-    special = np.zeros(len(tokens), bool)
-    special[[0, len(a) + 1, len(tokens) - 1]] = True
+    special = np.isin(tokens, (ids["cls"], ids["sep"]))  # Megatron's rule: by id, a text [SEP] included
     masked, pos, orig = mask_tokens(tokens, special, rng, mask_id=ids["mask"], vocab_ids=vocab_ids, target=target,
                                     continuation=continuation, masked_lm_prob=masked_lm_prob)
     n, s = len(tokens), seq_length
@@ -201,7 +203,7 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     out["tokens"][:n], out["tokentype_ids"][:n] = masked, types
     out["labels"][pos], out["loss_mask"][pos] = orig, 1.0
     sample = {k: torch.from_numpy(v) for k, v in out.items()}
-    sample["padding_mask"] = torch.arange(s) >= n
+    sample["padding_mask"] = torch.from_numpy(out["tokens"] == ids["pad"])  # Megatron's: by id, not position
     sample["is_random"] = torch.tensor(is_random, dtype=torch.int64)
     return sample
 
@@ -278,12 +280,11 @@ class BertDataset(torch.utils.data.Dataset):
         return text_room(seq_length)
 
     def sentences(self, idx: int) -> list[np.ndarray]:
-        """Token ids (special ids dropped) of the sentences of sample ``idx``."""
+        """Token ids of the sentences of sample ``idx``, as the file holds them (special ids kept, as Megatron)."""
         first, end, _ = (int(v) for v in self.mapping[idx])
         t = self.table
-        out = [self.indexed.get(int(t["seq"][j]), int(t["offset"][j]), int(t["length"][j])).astype(np.int64)
-               for j in range(first, end)]
-        return [s[~np.isin(s, self.special)] for s in out]
+        return [self.indexed.get(int(t["seq"][j]), int(t["offset"][j]), int(t["length"][j])).astype(np.int64)
+                for j in range(first, end)]
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
