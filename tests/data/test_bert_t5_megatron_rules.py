@@ -21,14 +21,17 @@ class _Tok:
     special_ids = (0, 1, 2, 3, 4)
 
 
-def test_mask_prob_flag_is_parsed_and_checked():
+@pytest.mark.parametrize("name, default, value", [("mask_prob", 0.15, 0.4), ("short_seq_prob", 0.1, 0.3)])
+def test_masking_flags_are_parsed_and_checked(name, default, value):
+    """--mask-prob and --short-seq-prob: Megatron's defaults, the value given, and a probability or one line."""
     from omnitron.core.training.arguments import parse_settings
 
+    flag = "--" + name.replace("_", "-")
     base = ["--model", "bert_tiny", "--mock-data", "--train-iters", "1"]
-    assert parse_settings(base, world_size=1).data.mask_prob == 0.15  # Megatron's default
-    assert parse_settings(base + ["--mask-prob", "0.4"], world_size=1).data.mask_prob == 0.4
-    with pytest.raises(ConfigError, match="--mask-prob"):
-        DataConfig(mask_prob=1.5)
+    assert getattr(parse_settings(base, world_size=1).data, name) == default  # Megatron's default
+    assert getattr(parse_settings(base + [flag, str(value)], world_size=1).data, name) == value
+    with pytest.raises(ConfigError, match=f"{flag} 1.5"):
+        DataConfig(**{name: 1.5})
 
 
 def _masked_counts(dataset, key: str = "loss_mask") -> list[tuple[int, int]]:

@@ -1,17 +1,17 @@
 """BERT pre-training samples (Megatron's BertDataset): two segments, sentence order, masked LM.
 
-Documents are lists of sentences: an indexed dataset whose documents hold several sequences
-(one per sentence, as ``omnitron preprocess --split-sentences`` and :func:`bert_corpus_prefix`
-write) uses them as they are; a document of ONE sequence (preprocessed without
-``--split-sentences``, or a one-sentence document) is cut into fixed spans of ``max_tokens // 4``
-tokens that stand in for sentences. The text is read as it is, special ids included (an [UNK] the tokenizer
-wrote, an eod = [SEP] appended by preprocessing), as Megatron's ``BERTMaskedWordPieceDataset`` reads it.
+Documents are lists of sentences, one sequence each (``omnitron preprocess --split-sentences`` and
+:func:`bert_corpus_prefix` write them so), read as Megatron reads them. Only where Megatron would find no sample
+(two segments over documents none of which holds two sequences: text not split into sentences) is each document
+cut into spans of ``min(max_tokens // 4, 512)`` tokens that stand in for sentences. The text is read as it is,
+special ids included (an [UNK] the tokenizer wrote, an eod = [SEP] appended by preprocessing), as Megatron's
+``BERTMaskedWordPieceDataset`` reads it.
 
-Sample mapping (numpy, cached like the GPT indices): every epoch walks the split's documents,
-packing consecutive sentences until a target length (``seq_length - 3``, with or without the binary
-head, as Megatron; with probability
-``short_seq_prob`` a random shorter one) is reached; a sample is ``(first sentence, end sentence,
-target)``, needing two sentences with the binary head. The mapping is shuffled once.
+Sample mapping (numpy, cached like the GPT indices): Megatron's ``helpers.build_mapping`` row for row
+(:mod:`omnitron.core.data.sample_mapping`): documents of at least two sentences (one without the binary head; none
+longer than 512 tokens) packed up to a target of ``seq_length - 3`` text tokens (with or without the binary head,
+as Megatron), a random shorter one with probability about ``--short-seq-prob`` (default 0.1); whole epochs until
+the samples asked for, shuffled as Megatron shuffles them.
 
 Sample ``i`` (deterministic per ``(seed, i)``: its own ``RandomState(seed + i)``): segment A =
 the first ``k`` sentences (k random), B = the rest; with probability 1/2 A and B are swapped
@@ -37,19 +37,21 @@ import torch
 
 from . import cache
 from .indexed import IndexedDataset, IndexedDatasetBuilder, data_file, exists, index_file, optimal_dtype
+from .sample_mapping import LONG_SENTENCE, build_sample_mapping
 from .sentences import split_sentences
 
-INDEX_FORMAT = 2  # 2: one-segment samples aim at seq_length - 3 text tokens (1: - 2)
+INDEX_FORMAT = 3  # 3: Megatron's build_mapping (2: one-segment samples aim at seq_length - 3 text tokens)
 
 
-def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int) -> dict[str, np.ndarray]:
+def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int | None) -> dict[str, np.ndarray]:
     """Sentences of ``documents``: ``bounds [n_docs + 1]`` (each document's first sentence) and per
-    sentence its ``seq``, ``offset`` and ``length``; one-sequence documents cut into ``span`` tokens."""
+    sentence its ``seq``, ``offset`` and ``length``; one-sequence documents cut into ``span`` tokens (None: each
+    sequence is one sentence, as Megatron reads them)."""
     seq, off, length, bounds = [], [], [], [0]
     di, lens = indexed.document_indices, indexed.sequence_lengths
     for d in documents:
         lo, hi = int(di[d]), int(di[d + 1])
-        if hi - lo == 1:
+        if hi - lo == 1 and span:
             n = int(lens[lo])
             starts = np.arange(0, n, span)
             seq.append(np.full(len(starts), lo))
@@ -62,36 +64,6 @@ def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int) ->
         bounds.append(bounds[-1] + len(seq[-1]))
     cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if seq else (lambda xs: np.zeros(0, np.int64))
     return {"bounds": np.asarray(bounds, np.int64), "seq": cat(seq), "offset": cat(off), "length": cat(length)}
-
-
-def build_sample_mapping(bounds: np.ndarray, lengths: np.ndarray, num_samples: int, max_tokens: int, seed: int,
-                         *, short_seq_prob: float = 0.1, min_sentences: int = 2) -> np.ndarray:
-    """``[n, 3]`` int64 rows ``(first sentence, end sentence, target length)``, whole epochs until at
-    least ``num_samples`` rows, shuffled. Raises ValueError when the documents give no sample."""
-    rng = np.random.RandomState(seed % 2**32)
-
-    def target():
-        return max_tokens if rng.random_sample() >= short_seq_prob else int(rng.randint(2, max_tokens + 1))
-
-    rows: list[tuple[int, int, int]] = []
-    while len(rows) < max(num_samples, 1):
-        before = len(rows)
-        for d in range(len(bounds) - 1):
-            lo, hi = int(bounds[d]), int(bounds[d + 1])
-            if hi - lo < min_sentences:
-                continue
-            start, tokens, goal = lo, 0, target()
-            for j in range(lo, hi):
-                tokens += int(lengths[j])
-                if (tokens >= goal or j == hi - 1) and j + 1 - start >= min_sentences:
-                    rows.append((start, j + 1, goal))
-                    start, tokens, goal = j + 1, 0, target()
-        if len(rows) == before:
-            raise ValueError(f"no document has {min_sentences} sentences to make a sample from: split the text into "
-                             "sentences, use longer documents, or pass --no-bert-binary-head (one segment)")
-    mapping = np.asarray(rows, np.int64)
-    rng.shuffle(mapping)
-    return mapping
 
 
 def truncate_segments(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.RandomState):
@@ -242,6 +214,16 @@ def bert_ids(tokenizer, seq_length: int) -> tuple[dict, np.ndarray, np.ndarray]:
             np.setdiff1d(np.arange(tokenizer.vocab_size), special))
 
 
+def _span(indexed: IndexedDataset, documents: np.ndarray, max_tokens: int, binary_head: bool) -> int | None:
+    """Tokens of the spans one-sequence documents are cut into, or None (sequences are sentences, as Megatron):
+    only for two segments over documents none of which has two sequences (text not split into sentences, where
+    Megatron's mapping finds no sample); spans of at most :data:`LONG_SENTENCE`, which the mapping accepts."""
+    di = indexed.document_indices
+    if not binary_head or len(documents) == 0 or (di[documents + 1] - di[documents]).max() >= 2:
+        return None
+    return max(1, min(max_tokens // 4, LONG_SENTENCE))
+
+
 class BertDataset(torch.utils.data.Dataset):
     """BERT samples (see the module docstring) from the documents ``documents`` of ``indexed``:
     ``dict(tokens, tokentype_ids, padding_mask, labels, loss_mask [seq_length], is_random [])``."""
@@ -256,7 +238,7 @@ class BertDataset(torch.utils.data.Dataset):
         self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
         max_tokens = self.max_text_tokens(seq_length)
         docs = np.asarray(documents, np.int64)
-        self.table = sentence_table(indexed, docs, max(1, max_tokens // 4))
+        self.table = sentence_table(indexed, docs, _span(indexed, docs, max_tokens, binary_head))
         self.description = {
             "class": "BertDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
             "fingerprint": cache.file_fingerprint(indexed.prefix, cache_dir), "split": split_name,
@@ -425,6 +407,7 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
                                               tokenizer=tokenizer, **kw)
                      for i, n in enumerate((train_samples, valid_samples, test_samples)))
     cache_dir = config.data_cache_path or default_cache_dir()
+    kw.setdefault("short_seq_prob", config.short_seq_prob)  # --short-seq-prob: the files' sample mapping
 
     def build_all(allow_build: bool):
         blends, whole = _bert_blends(config, tokenizer, cache_dir, allow_build)
