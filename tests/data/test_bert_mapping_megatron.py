@@ -1,7 +1,8 @@
 """BERT / T5 sample mappings against Megatron's own ``helpers.build_mapping`` (fixtures written by
 tests/data/megatron_bert_mapping/make_fixtures.py): the same documents, sentence lengths, sample count, target
-length, ``--short-seq-prob``, seed and minimum sentences give the same rows in the same (shuffled) order; and a
-BertDataset / T5Dataset over such a corpus holds that mapping (its sentence indices relative to the split)."""
+length, ``--short-seq-prob``, seed and minimum sentences give the same rows in the same (shuffled) order; a
+BertDataset / T5Dataset over such a corpus holds that mapping (its sentence indices relative to the split); and whole
+BERT datasets, split by --split, equal the ones pretrain_bert's builder makes, sample for sample."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from omnitron.core.data.bert_dataset import BertDataset
+from omnitron.core.data import DataConfig
+from omnitron.core.data.bert_dataset import BertDataset, build_bert_datasets
 from omnitron.core.data.sample_mapping import MT19937_64, build_sample_mapping
 from omnitron.core.data.t5_dataset import T5Dataset
 from omnitron.testing.data import write_documents
@@ -77,3 +79,38 @@ def test_datasets_hold_megatrons_mapping(tmp_path, cls):
                                 short_seq_prob=prob, min_sentences=1 if cls is T5Dataset else 2)
     assert np.array_equal(np.asarray(ds.mapping), want)
 
+
+
+class _WordPiece:
+    """The fixture's stand-in WordPiece vocabulary (ids 0-4 special, ``##`` pieces as :data:`NAMES` says)."""
+
+    name, vocab_size, pad, unk, cls, sep, mask = "stand-in", 1000, 0, 1, 2, 3, 4
+    special_ids = (0, 1, 2, 3, 4)
+    continuation_ids = tuple(i for i, n in enumerate(M.NAMES) if n.startswith("##"))
+
+
+@pytest.mark.parametrize("name", sorted(M.DATASETS))
+def test_bert_datasets_equal_megatrons(tmp_path, name):
+    """--split 90,8,2 over the fixture file (its sentences partly [UNK]): each split's length and its first samples
+    (tokens, token types, padding mask, loss mask, labels, is_random) are those of Megatron's builder."""
+    want = np.load(os.path.join(HERE, "datasets.npz"))
+    binary, seq = M.DATASETS[name]
+    write_documents(tmp_path / "c", M.bert_documents())
+    cfg = DataConfig(data_path=[str(tmp_path / "c")], split="90,8,2", seq_length=seq, seed=M.SEED,
+                     data_cache_path=str(tmp_path / "cache"))
+    train, valid, test = M.SAMPLES
+    splits = build_bert_datasets(cfg, _WordPiece(), train_samples=train, valid_samples=valid, test_samples=test,
+                                 binary_head=binary)
+    for split, ds in zip(("train", "valid", "test"), splits):
+        w = {k: want[f"{name}/{split}/{k}"] for k in ("len", "text", "types", "labels", "padding_mask", "loss_mask",
+                                                      "is_random")}
+        assert len(ds) == int(w["len"])
+        for i in range(len(w["text"])):
+            x = ds[i]
+            masked = w["loss_mask"][i].astype(bool)
+            assert x["tokens"].tolist() == w["text"][i].tolist(), (split, i)
+            assert x["tokentype_ids"].tolist() == w["types"][i].tolist()
+            assert (~x["padding_mask"]).long().tolist() == w["padding_mask"][i].tolist()
+            assert x["loss_mask"].long().tolist() == w["loss_mask"][i].tolist()
+            assert x["labels"][masked].tolist() == w["labels"][i][masked].tolist()
+            assert int(x["is_random"]) == int(w["is_random"][i])

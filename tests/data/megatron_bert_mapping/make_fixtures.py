@@ -12,6 +12,11 @@ omnitron is not imported. Each case is a synthetic corpus from :func:`corpus` (d
 arguments ``_build_sample_index`` passes: the range's document bounds, every sequence length, epochs (the int32
 maximum less one: a sample count is given), the sample count, ``sequence_length - 3`` (BERT) or ``- 2``
 (T5), ``--short-seq-prob``, the seed and the minimum sentences (2 with BERT's binary head, else 1).
+
+``datasets.npz``: whole BERT datasets, as pretrain_bert builds them (BlendedMegatronDatasetBuilder with
+BERTMaskedWordPieceDataset, --split 90,8,2, a one-process gloo group), over the file :func:`bert_documents` (some
+sentences hold [UNK]) with the stand-in WordPiece vocabulary :data:`NAMES`: each split's length and the first
+:data:`FIRST` samples' arrays, with and without the binary head.
 """
 from __future__ import annotations
 
@@ -54,8 +59,60 @@ CASES = {
 }
 
 
+NAMES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [("##c%d" if i % 3 == 0 else "w%d") % i for i in range(5, 1000)]
+"""A 1000-id WordPiece stand-in: ids 0-4 special, every third id from 6 a ``##`` piece."""
+FIRST, DATASETS = 25, {"binary": (True, 64), "one_segment": (False, 48)}  # name -> (binary head, sequence length)
+SAMPLES, SEED = (200, 30, 5), 1234
+
+
+def bert_documents() -> list[list[np.ndarray]]:
+    """300 documents of 1-6 sentences of 1-39 ids; one sentence in 20 may hold [UNK] (id 1)."""
+    rng = np.random.RandomState(5)
+    return [[rng.randint(1 if rng.random_sample() < 0.05 else 5, 1000, int(rng.randint(1, 40))).astype(np.int32)
+             for _ in range(int(rng.randint(1, 7)))] for _ in range(300)]
+
+
+def _datasets(tmp: str) -> dict:
+    import types
+
+    import torch.distributed as dist
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29631")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    b = IndexedDatasetBuilder(f"{tmp}/c.bin", dtype=np.int32)
+    for sentences in bert_documents():
+        b.add_document(np.concatenate(sentences), [len(x) for x in sentences])
+    b.finalize(f"{tmp}/c.idx")
+    tok = types.SimpleNamespace(cls=2, sep=3, mask=4, pad=0, eod=3, inv_vocab=dict(enumerate(NAMES)), vocab_size=1000,
+                                unique_identifiers={"class": "stand-in"})
+    out = {}
+    for name, (binary, seq) in DATASETS.items():
+        cfg = BERTMaskedWordPieceDatasetConfig(
+            random_seed=SEED, sequence_length=seq, blend=([f"{tmp}/c"], None), split="90,8,2", path_to_cache=tmp,
+            tokenizer=tok, masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=3,
+            masking_do_full_word=True, masking_do_permutation=False, masking_use_longer_ngrams=False,
+            masking_use_geometric_distribution=False, classification_head=binary)
+        splits = BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, list(SAMPLES), lambda: True, cfg).build()
+        for split, ds in zip(("train", "valid", "test"), splits):
+            out[f"{name}/{split}/len"] = np.asarray(len(ds))
+            samples = [ds[i] for i in range(min(FIRST, len(ds)))]
+            for key in ("text", "types", "labels", "padding_mask", "loss_mask", "is_random"):
+                out[f"{name}/{split}/{key}"] = np.asarray([s[key] for s in samples]).astype(np.int16)
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
+    import tempfile
+
     from megatron.core.datasets import helpers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez_compressed(os.path.join(HERE, "datasets.npz"), **_datasets(tmp))
 
     out = {}
     for name, (n_docs, cseed, (lo, hi), samples, max_tokens, prob, seed, min_sent) in CASES.items():
