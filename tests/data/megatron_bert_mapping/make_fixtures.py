@@ -59,7 +59,8 @@ CASES = {
 }
 
 
-NAMES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [("##c%d" if i % 3 == 0 else "w%d") % i for i in range(5, 1000)]
+NAMES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+NAMES += [("##c%d" if i % 3 == 0 else "w%d") % i for i in range(5, 1000)]
 """A 1000-id WordPiece stand-in: ids 0-4 special, every third id from 6 a ``##`` piece."""
 FIRST, DATASETS = 25, {"binary": (True, 64), "one_segment": (False, 48)}  # name -> (binary head, sequence length)
 SAMPLES, SEED = (200, 30, 5), 1234
