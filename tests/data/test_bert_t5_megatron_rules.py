@@ -21,14 +21,17 @@ class _Tok:
     special_ids = (0, 1, 2, 3, 4)
 
 
-def test_mask_prob_flag_is_parsed_and_checked():
+@pytest.mark.parametrize("name, default, value", [("mask_prob", 0.15, 0.4), ("short_seq_prob", 0.1, 0.3)])
+def test_masking_flags_are_parsed_and_checked(name, default, value):
+    """--mask-prob and --short-seq-prob: Megatron's defaults, the value given, and a probability or one line."""
     from omnitron.core.training.arguments import parse_settings
 
+    flag = "--" + name.replace("_", "-")
     base = ["--model", "bert_tiny", "--mock-data", "--train-iters", "1"]
-    assert parse_settings(base, world_size=1).data.mask_prob == 0.15  # Megatron's default
-    assert parse_settings(base + ["--mask-prob", "0.4"], world_size=1).data.mask_prob == 0.4
-    with pytest.raises(ConfigError, match="--mask-prob"):
-        DataConfig(mask_prob=1.5)
+    assert getattr(parse_settings(base, world_size=1).data, name) == default  # Megatron's default
+    assert getattr(parse_settings(base + [flag, str(value)], world_size=1).data, name) == value
+    with pytest.raises(ConfigError, match=f"{flag} 1.5"):
+        DataConfig(**{name: 1.5})
 
 
 def _masked_counts(dataset, key: str = "loss_mask") -> list[tuple[int, int]]:
@@ -100,3 +103,38 @@ def test_t5_mask_prob_too_large_for_the_decoder_is_one_line_at_parse():
     with pytest.raises(ConfigError, match="--decoder-seq-length 32 is too short .* at --mask-prob 0.6: .* 76 "
                                           "corrupted tokens.* at least 78"):
         parse_settings(base + ["--mask-prob", "0.6"], world_size=1)
+
+
+def _special_corpus(tmp_path, rng):
+    """Documents of 2-4 sentences of 3-9 text ids (10-899), each id a special one ([UNK] 1, [SEP] 3, [PAD] 0) with
+    probability 0.2: what an out-of-vocabulary word, an appended eod (= [SEP]) or a pre-tokenized corpus leaves."""
+    def sentence():
+        ids = rng.integers(10, 900, int(rng.integers(3, 10)))
+        return np.where(rng.random(len(ids)) < 0.2, rng.choice([0, 1, 3], len(ids)), ids)
+    docs = [[sentence() for _ in range(int(rng.integers(2, 5)))] for _ in range(20)]
+    return write_documents(tmp_path / "special", docs)
+
+
+def test_special_ids_in_the_text_are_kept_as_megatron_reads_them(tmp_path):
+    """Megatron's BERT / T5 datasets read a sample's sentences as the file holds them (``self.dataset[i]``), special
+    ids included: each sample's sentences are the file's sequences of its mapping row (here one sequence a
+    sentence), and the [UNK]s of the file reach the samples (the masking then follows Megatron draw for draw:
+    tests/data/test_bert_masking_megatron.py, tests/data/test_t5_megatron_masking.py)."""
+    rng = np.random.default_rng()
+    ds, tok = _special_corpus(tmp_path, rng), _Tok()
+    tok.sentinels = tuple(range(990, 1000))
+    seed = int(rng.integers(1, 2**20))
+    t5 = T5Dataset(ds, np.arange(20), 40, seq_length=64, decoder_seq_length=40, seed=seed, tokenizer=tok,
+                   cache_dir=str(tmp_path / "c"))
+    bert = BertDataset(ds, np.arange(20), 40, seq_length=64, seed=seed, tokenizer=tok, cache_dir=str(tmp_path / "c"))
+    for data in (t5, bert):
+        unk = 0
+        for i in range(len(data)):
+            first, end, _ = (int(v) for v in data.mapping[i])
+            got = data.sentences(i)
+            assert [s.tolist() for s in got] == [ds[j].tolist() for j in range(first, end)], i
+            x = data[i]
+            m = x["loss_mask"].bool()
+            text = x["tokens"] if data is t5 else x["tokens"][~m]  # BERT: a masked position may hold a random id
+            unk += int((text == 1).sum() + (x["labels"][m] == 1).sum())
+        assert unk > 0

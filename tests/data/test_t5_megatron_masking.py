@@ -46,6 +46,15 @@ def test_same_samples_as_megatron_at_other_mask_probs():
         _check_case(c)
 
 
+def test_same_samples_as_megatron_on_texts_with_special_ids():
+    """Texts holding [PAD] [UNK] [CLS] [SEP] [MASK] and sentinel ids: kept in the text as Megatron reads them, a
+    [CLS] / [SEP] no span candidate, the padding mask where the encoder input holds [PAD]; token for token."""
+    specials = set(M.SPECIAL_IDS)
+    assert sum(any(t in specials for s in c["sentences"] for t in s) for c in FIX["exact_special"]) >= 80
+    for c in FIX["exact_special"]:
+        _check_case(c)
+
+
 def _check_case(c):
     text = [t for s in c["sentences"] for t in s][: c["target"]]
     s = _sample(text, c["target"], c["seed"], c.get("prob", 0.15))

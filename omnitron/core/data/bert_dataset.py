@@ -1,28 +1,31 @@
 """BERT pre-training samples (Megatron's BertDataset): two segments, sentence order, masked LM.
 
-Documents are lists of sentences: an indexed dataset whose documents hold several sequences
-(one per sentence, as ``omnitron preprocess --split-sentences`` and :func:`bert_corpus_prefix`
-write) uses them as they are; a document of ONE sequence (preprocessed without
-``--split-sentences``, or a one-sentence document) is cut into fixed spans of ``max_tokens // 4``
-tokens that stand in for sentences. Special ids ([CLS], [SEP],
-[PAD], [MASK], [UNK]; e.g. an eod appended by preprocessing) are dropped from the text.
+Documents are lists of sentences, one sequence each (``omnitron preprocess --split-sentences`` and
+:func:`bert_corpus_prefix` write them so), read as Megatron reads them. Only where Megatron would find no sample
+(two segments over documents none of which holds two sequences: text not split into sentences) is each document
+cut into spans of ``min(max_tokens // 4, 512)`` tokens that stand in for sentences. The text is read as it is,
+special ids included (an [UNK] the tokenizer wrote, an eod = [SEP] appended by preprocessing), as Megatron's
+``BERTMaskedWordPieceDataset`` reads it.
 
-Sample mapping (numpy, cached like the GPT indices): every epoch walks the split's documents,
-packing consecutive sentences until a target length (``seq_length - 3``, with or without the binary
-head, as Megatron; with probability
-``short_seq_prob`` a random shorter one) is reached; a sample is ``(first sentence, end sentence,
-target)``, needing two sentences with the binary head. The mapping is shuffled once.
+Sample mapping (numpy, cached like the GPT indices): Megatron's ``helpers.build_mapping`` row for row
+(:mod:`omnitron.core.data.sample_mapping`): documents of at least two sentences (one without the binary head; none
+longer than 512 tokens) packed up to a target of ``seq_length - 3`` text tokens (with or without the binary head,
+as Megatron), a random shorter one with probability about ``--short-seq-prob`` (default 0.1); whole epochs until
+the samples asked for, shuffled as Megatron shuffles them.
 
 Sample ``i`` (deterministic per ``(seed, i)``: its own ``RandomState(seed + i)``): segment A =
 the first ``k`` sentences (k random), B = the rest; with probability 1/2 A and B are swapped
 (``is_random`` = 1: Megatron's sentence-order task); the longer segment (B on a tie) is trimmed at a
 random end until both fit the sample's target (a short sample is cut to its shorter target, as
 Megatron); ``[CLS] A [SEP] B [SEP]`` with token types 0 / 1, padded to ``seq_length``.
-Masking (Megatron's ``BERTMaskedWordPieceDataset``, draw for draw): whole words (a WordPiece ``##`` piece joins the word before it; per token for a tokenizer without
-them) in n-grams of 1-3 words drawn with probability proportional to 1/n, at most
+Masking (Megatron's ``BERTMaskedWordPieceDataset``, draw for draw): whole words (a WordPiece ``##`` piece joins
+the word before it; per token for a tokenizer without them; a [CLS] or [SEP] id, also one in the text, is no
+candidate) in n-grams of 1-3 words drawn with probability proportional to 1/n, at most
 ``min(15% x target, round(15% x tokens incl. [CLS]/[SEP]))`` tokens; each masked token becomes [MASK]
 (80%), a random id of the whole vocabulary (10%; Megatron's ``token_lookup``, special ids included) or
 stays (10%); labels and loss mask only there. The 15% is ``--mask-prob`` (Megatron's flag, default 0.15).
+``padding_mask`` is where the sample's tokens hold the [PAD] id (Megatron's ``tokens == pad``: the padding, and
+a [PAD] in the text or drawn as a random replacement).
 """
 from __future__ import annotations
 
@@ -34,19 +37,21 @@ import torch
 
 from . import cache
 from .indexed import IndexedDataset, IndexedDatasetBuilder, data_file, exists, index_file, optimal_dtype
+from .sample_mapping import LONG_SENTENCE, build_sample_mapping
 from .sentences import split_sentences
 
-INDEX_FORMAT = 2  # 2: one-segment samples aim at seq_length - 3 text tokens (1: - 2)
+INDEX_FORMAT = 3  # 3: Megatron's build_mapping (2: one-segment samples aim at seq_length - 3 text tokens)
 
 
-def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int) -> dict[str, np.ndarray]:
+def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int | None) -> dict[str, np.ndarray]:
     """Sentences of ``documents``: ``bounds [n_docs + 1]`` (each document's first sentence) and per
-    sentence its ``seq``, ``offset`` and ``length``; one-sequence documents cut into ``span`` tokens."""
+    sentence its ``seq``, ``offset`` and ``length``; one-sequence documents cut into ``span`` tokens (None: each
+    sequence is one sentence, as Megatron reads them)."""
     seq, off, length, bounds = [], [], [], [0]
     di, lens = indexed.document_indices, indexed.sequence_lengths
     for d in documents:
         lo, hi = int(di[d]), int(di[d + 1])
-        if hi - lo == 1:
+        if hi - lo == 1 and span:
             n = int(lens[lo])
             starts = np.arange(0, n, span)
             seq.append(np.full(len(starts), lo))
@@ -59,36 +64,6 @@ def sentence_table(indexed: IndexedDataset, documents: np.ndarray, span: int) ->
         bounds.append(bounds[-1] + len(seq[-1]))
     cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if seq else (lambda xs: np.zeros(0, np.int64))
     return {"bounds": np.asarray(bounds, np.int64), "seq": cat(seq), "offset": cat(off), "length": cat(length)}
-
-
-def build_sample_mapping(bounds: np.ndarray, lengths: np.ndarray, num_samples: int, max_tokens: int, seed: int,
-                         *, short_seq_prob: float = 0.1, min_sentences: int = 2) -> np.ndarray:
-    """``[n, 3]`` int64 rows ``(first sentence, end sentence, target length)``, whole epochs until at
-    least ``num_samples`` rows, shuffled. Raises ValueError when the documents give no sample."""
-    rng = np.random.RandomState(seed % 2**32)
-
-    def target():
-        return max_tokens if rng.random_sample() >= short_seq_prob else int(rng.randint(2, max_tokens + 1))
-
-    rows: list[tuple[int, int, int]] = []
-    while len(rows) < max(num_samples, 1):
-        before = len(rows)
-        for d in range(len(bounds) - 1):
-            lo, hi = int(bounds[d]), int(bounds[d + 1])
-            if hi - lo < min_sentences:
-                continue
-            start, tokens, goal = lo, 0, target()
-            for j in range(lo, hi):
-                tokens += int(lengths[j])
-                if (tokens >= goal or j == hi - 1) and j + 1 - start >= min_sentences:
-                    rows.append((start, j + 1, goal))
-                    start, tokens, goal = j + 1, 0, target()
-        if len(rows) == before:
-            raise ValueError(f"no document has {min_sentences} sentences to make a sample from: split the text into "
-                             "sentences, use longer documents, or pass --no-bert-binary-head (one segment)")
-    mapping = np.asarray(rows, np.int64)
-    rng.shuffle(mapping)
-    return mapping
 
 
 def truncate_segments(a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.RandomState):
@@ -191,8 +166,7 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     tokens = np.concatenate([np.asarray(p, np.int64) for p in parts])
     types = np.zeros(len(tokens), np.int64)
     types[len(a) + 2:] = 1
-    special = np.zeros(len(tokens), bool)
-    special[[0, len(a) + 1, len(tokens) - 1]] = True
+    special = np.isin(tokens, (ids["cls"], ids["sep"]))  # Megatron's rule: by id, a text [SEP] included
     masked, pos, orig = mask_tokens(tokens, special, rng, mask_id=ids["mask"], vocab_ids=vocab_ids, target=target,
                                     continuation=continuation, masked_lm_prob=masked_lm_prob)
     n, s = len(tokens), seq_length
@@ -201,7 +175,7 @@ def build_sample(sentences: list[np.ndarray], rng: np.random.RandomState, *, seq
     out["tokens"][:n], out["tokentype_ids"][:n] = masked, types
     out["labels"][pos], out["loss_mask"][pos] = orig, 1.0
     sample = {k: torch.from_numpy(v) for k, v in out.items()}
-    sample["padding_mask"] = torch.arange(s) >= n
+    sample["padding_mask"] = torch.from_numpy(out["tokens"] == ids["pad"])  # Megatron's: by id, not position
     sample["is_random"] = torch.tensor(is_random, dtype=torch.int64)
     return sample
 
@@ -240,6 +214,16 @@ def bert_ids(tokenizer, seq_length: int) -> tuple[dict, np.ndarray, np.ndarray]:
             np.setdiff1d(np.arange(tokenizer.vocab_size), special))
 
 
+def _span(indexed: IndexedDataset, documents: np.ndarray, max_tokens: int, binary_head: bool) -> int | None:
+    """Tokens of the spans one-sequence documents are cut into, or None (sequences are sentences, as Megatron):
+    only for two segments over documents none of which has two sequences (text not split into sentences, where
+    Megatron's mapping finds no sample); spans of at most :data:`LONG_SENTENCE`, which the mapping accepts."""
+    di = indexed.document_indices
+    if not binary_head or len(documents) == 0 or (di[documents + 1] - di[documents]).max() >= 2:
+        return None
+    return max(1, min(max_tokens // 4, LONG_SENTENCE))
+
+
 class BertDataset(torch.utils.data.Dataset):
     """BERT samples (see the module docstring) from the documents ``documents`` of ``indexed``:
     ``dict(tokens, tokentype_ids, padding_mask, labels, loss_mask [seq_length], is_random [])``."""
@@ -254,10 +238,10 @@ class BertDataset(torch.utils.data.Dataset):
         self.binary_head, self.masked_lm_prob = binary_head, masked_lm_prob
         max_tokens = self.max_text_tokens(seq_length)
         docs = np.asarray(documents, np.int64)
-        self.table = sentence_table(indexed, docs, max(1, max_tokens // 4))
+        self.table = sentence_table(indexed, docs, _span(indexed, docs, max_tokens, binary_head))
         self.description = {
             "class": "BertDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
-            "fingerprint": cache.file_fingerprint(indexed.prefix), "split": split_name,
+            "fingerprint": cache.file_fingerprint(indexed.prefix, cache_dir), "split": split_name,
             "documents": [len(docs), hashlib.md5(docs.tobytes()).hexdigest()], "num_samples": int(num_samples),
             "seq_length": seq_length, "seed": seed, "binary_head": binary_head, "short_seq_prob": short_seq_prob}
 
@@ -278,12 +262,11 @@ class BertDataset(torch.utils.data.Dataset):
         return text_room(seq_length)
 
     def sentences(self, idx: int) -> list[np.ndarray]:
-        """Token ids (special ids dropped) of the sentences of sample ``idx``."""
+        """Token ids of the sentences of sample ``idx``, as the file holds them (special ids kept, as Megatron)."""
         first, end, _ = (int(v) for v in self.mapping[idx])
         t = self.table
-        out = [self.indexed.get(int(t["seq"][j]), int(t["offset"][j]), int(t["length"][j])).astype(np.int64)
-               for j in range(first, end)]
-        return [s[~np.isin(s, self.special)] for s in out]
+        return [self.indexed.get(int(t["seq"][j]), int(t["offset"][j]), int(t["length"][j])).astype(np.int64)
+                for j in range(first, end)]
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if not 0 <= idx < len(self):
@@ -353,14 +336,15 @@ def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
 
 
 def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int, cache_dir: str, allow_build: bool,
-                dataset_cls=BertDataset, **kw):
-    """One split's ``dataset_cls`` (blended over ``--data-path`` prefixes), or None with no samples or share."""
+                dataset_cls=BertDataset, whole: bool = False, **kw):
+    """One split's ``dataset_cls`` (blended over the prefixes), or None with no samples or share: its --split share
+    of each dataset's documents, or (``whole``: the split's own files, --train-data-path and friends) all of them."""
     from .blended import BlendedDataset
     from .builder import SPLIT_NAMES, DataError, blend_sizes, split_documents
     from .config import split_weights
 
     weights = split_weights(config.split)
-    if num_samples <= 0 or weights[split] == 0:
+    if num_samples <= 0 or (weights[split] == 0 and not whole):
         return None
     if any(w is None for w, _ in blend):
         raise DataError(f"--data-path {' '.join(p for _, p in blend)}: {dataset_cls.__name__} blends need weights; "
@@ -368,7 +352,8 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
     target, wants = blend_sizes([w for w, _ in blend], num_samples)  # as Megatron's builder
     parts = []
     for d, indexed in enumerate(datasets):
-        span = split_documents(indexed.num_documents, weights, split, indexed.prefix, config.split)
+        span = (0, indexed.num_documents) if whole else split_documents(indexed.num_documents, weights, split,
+                                                                         indexed.prefix, config.split)
         if span is None:
             return None
         want = num_samples if len(blend) == 1 else wants[d]
@@ -380,17 +365,37 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
     return BlendedDataset(parts, [w for w, _ in blend], sum(target), cache_dir=cache_dir, allow_build=allow_build)
 
 
+def _bert_blends(config, tokenizer, cache_dir: str, allow_build: bool) -> tuple[list, bool]:
+    """(each split's blend, whether each split reads its own files whole): the per-split paths (--train-data-path
+    and friends, as Megatron's pretrain_bert / pretrain_t5 read them), else --data-path for all three, else the
+    bundled corpus split into sentences."""
+    from .builder import DataError
+    from .config import parse_data_path
+
+    if config.per_split:
+        return [parse_data_path(p) for p in (config.train_data_path, config.valid_data_path,
+                                             config.test_data_path)], True
+    blend = parse_data_path(config.data_path)
+    if not blend:
+        if not hasattr(tokenizer, "vocab_file"):
+            raise DataError("no --data-path: the bundled BERT corpus needs --tokenizer-type BertWordPieceLowerCase "
+                            "or BertWordPieceCase")
+        blend = [(1.0, bert_corpus_prefix(tokenizer, cache_dir, build=allow_build))]
+    return [blend] * 3, False
+
+
 def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
                         binary_head: bool = True, is_builder_rank: bool = True, barrier=None, dataset_cls=None,
                         **dataset_kw):
     """(train, valid, test) :class:`BertDataset` splits of ``config.data_path`` (documents split by
-    ``--split``), of the bundled corpus split into sentences when no path is given, or synthetic
+    ``--split``), of each split's own files (--train-data-path and friends, read whole), of the bundled corpus
+    split into sentences when no path is given, or synthetic
     (:class:`MockBertDataset`) with ``--mock-data``. Collective like
     :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``.
     ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset
     (and its ``mock_cls`` MockBertDataset)."""
-    from .builder import DataError, check_vocabulary
-    from .config import default_cache_dir, parse_data_path
+    from .builder import check_vocabulary
+    from .config import default_cache_dir
 
     kw = dict(dataset_kw) if dataset_cls else {"binary_head": binary_head}
     kw.setdefault("masked_lm_prob", config.mask_prob)  # --mask-prob
@@ -402,20 +407,19 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
                                               tokenizer=tokenizer, **kw)
                      for i, n in enumerate((train_samples, valid_samples, test_samples)))
     cache_dir = config.data_cache_path or default_cache_dir()
+    kw.setdefault("short_seq_prob", config.short_seq_prob)  # --short-seq-prob: the files' sample mapping
 
     def build_all(allow_build: bool):
-        blend = parse_data_path(config.data_path)
-        if not blend:
-            if not hasattr(tokenizer, "vocab_file"):
-                raise DataError("no --data-path: the bundled BERT corpus needs --tokenizer-type BertWordPieceLowerCase "
-                                "or BertWordPieceCase")
-            blend = [(1.0, bert_corpus_prefix(tokenizer, cache_dir, build=allow_build))]
-        datasets = [IndexedDataset(p) for _, p in blend]
-        for ds in datasets:
-            check_vocabulary(ds, tokenizer, cache_dir, allow_build)
+        blends, whole = _bert_blends(config, tokenizer, cache_dir, allow_build)
+        opened = {}
+        for _, prefix in (x for blend in blends for x in blend):
+            if prefix not in opened:
+                opened[prefix] = IndexedDataset(prefix)
+                check_vocabulary(opened[prefix], tokenizer, cache_dir, allow_build)
         samples = (train_samples, valid_samples, test_samples)
-        return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build,
-                                 dataset_cls or BertDataset, **kw) for i, n in enumerate(samples))
+        return tuple(_bert_split(config, tokenizer, blend, [opened[p] for _, p in blend], i, int(n), cache_dir,
+                                 allow_build, dataset_cls or BertDataset, whole=whole, **kw) if blend else None
+                     for i, (blend, n) in enumerate(zip(blends, samples)))
 
     result = build_all(True) if is_builder_rank else None
     if barrier is not None:

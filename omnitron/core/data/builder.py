@@ -86,7 +86,8 @@ def check_vocabulary(indexed: IndexedDataset, tokenizer: Tokenizer, cache_dir: s
     times: a replaced file, even one of the same size, is scanned again), and every later read
     checks its own ids against the vocabulary as well (:meth:`IndexedDataset.get`)."""
     desc = {"class": "token_range", "prefix": os.path.abspath(indexed.prefix),
-            "fingerprint": cache.file_fingerprint(indexed.prefix), "bin": cache.file_identity(f"{indexed.prefix}.bin")}
+            "fingerprint": cache.file_fingerprint(indexed.prefix, cache_dir),
+            "bin": cache.file_identity(f"{indexed.prefix}.bin")}
     build = (lambda: {"token_range": np.array(indexed.token_range(), np.int64)}) if allow_build else None
     low, top = (int(x) for x in cache.load_or_build(os.path.join(cache_dir, "indices"), desc, ("token_range",),
                                                     build)["token_range"])

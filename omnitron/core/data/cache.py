@@ -32,17 +32,44 @@ class IndexCacheMissing(RuntimeError):
     """A non-builder rank found no cache; the builder rank has not built it (or wrote elsewhere)."""
 
 
-def file_fingerprint(prefix: str) -> dict:
-    """Identity of an indexed dataset cheap enough to compute on every rank: sizes + index head and tail."""
+def file_fingerprint(prefix: str, cache_dir: str | None = None) -> dict:
+    """Identity of an indexed dataset: the sizes of both files and a digest of the whole ``.idx`` (every index
+    a dataset builds depends on the sequence lengths and document bounds it holds, nowhere on the ``.bin``'s
+    bytes). The ``.bin`` is never read. The digest is remembered under ``cache_dir`` beside the file's
+    :func:`file_identity`, so a start reads the ``.idx`` again only after it was rewritten or replaced."""
     idx, bin_ = f"{prefix}.idx", f"{prefix}.bin"
+    return {"idx_bytes": os.path.getsize(idx), "bin_bytes": os.path.getsize(bin_),
+            "idx_sha256": _digest(idx, cache_dir)}
+
+
+def _digest(path: str, cache_dir: str | None) -> str:
+    """sha256 of the file at ``path``, memoised in ``cache_dir/fingerprints`` under its identity (size, inode,
+    modification and change times); a copy elsewhere (another inode) is read again and digests the same."""
+    identity = file_identity(path)
+    memo = None if cache_dir is None else os.path.join(
+        cache_dir, "fingerprints", hashlib.md5(os.path.abspath(path).encode()).hexdigest() + ".json")
+    if memo is not None:
+        try:
+            with open(memo, encoding="utf-8") as f:
+                saved = json.load(f)
+            if saved.get("identity") == identity and isinstance(saved.get("sha256"), str):
+                return saved["sha256"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    digest = _sha256_file(path)
+    if memo is not None and file_identity(path) == identity:  # not rewritten while it was read
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        record = {"path": os.path.abspath(path), "identity": identity, "sha256": digest}
+        _atomic(memo, lambda f: f.write(json.dumps(record).encode()))
+    return digest
+
+
+def _sha256_file(path: str) -> str:
     h = hashlib.sha256()
-    size = os.path.getsize(idx)
-    with open(idx, "rb") as f:
-        h.update(f.read(1 << 20))
-        if size > 1 << 20:
-            f.seek(max(size - (1 << 20), 1 << 20))
-            h.update(f.read())
-    return {"idx_bytes": size, "bin_bytes": os.path.getsize(bin_), "idx_sha256_head_tail": h.hexdigest()}
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def file_identity(path: str) -> dict:

@@ -79,6 +79,9 @@ class DataConfig:
     mask_prob: float = 0.15
     """``--mask-prob``: BERT's and T5's masking probability (Megatron's masking_probability): a sample masks
     (BERT) or corrupts (T5) up to this share of its tokens."""
+    short_seq_prob: float = 0.1
+    """``--short-seq-prob``: BERT's and T5's share of samples given a random shorter target length (Megatron's
+    short_sequence_probability; its sample mapping draws about one in ``round(1 / p)``)."""
     eod_mask_loss: bool = False
     """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
     reset_position_ids: bool = False
@@ -96,6 +99,9 @@ class DataConfig:
         if not 0.0 < self.mask_prob <= 1.0:
             raise ConfigError(f"--mask-prob {self.mask_prob} is not a probability in (0, 1]; Megatron's default is "
                               "0.15")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ConfigError(f"--short-seq-prob {self.short_seq_prob} is not a probability in [0, 1]; Megatron's "
+                              "default is 0.1")
         _check_tokenizer_type(self.tokenizer_type)
         if self.tiktoken_pattern not in (None, "v1", "v2"):
             raise ConfigError(f"--tiktoken-pattern {self.tiktoken_pattern!r}: expected v1 or v2 (Megatron's patterns)")

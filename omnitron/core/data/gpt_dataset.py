@@ -118,7 +118,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.documents = np.asarray(documents, np.int64)
         description = {
             "class": "GPTDataset", "format": INDEX_FORMAT, "prefix": os.path.abspath(indexed.prefix),
-            "fingerprint": cache.file_fingerprint(indexed.prefix), "split": split_name,
+            "fingerprint": cache.file_fingerprint(indexed.prefix, cache_dir), "split": split_name,
             "documents": [len(self.documents), hashlib.md5(self.documents.tobytes()).hexdigest()],
             "num_samples": None if num_samples is None else int(num_samples), "seq_length": seq_length, "seed": seed,
         }

@@ -110,9 +110,10 @@ def build_multimodal_datasets(config, tokenizer, *, train_samples: int, valid_sa
     from .builder import DataError
 
     del is_builder_rank  # nothing to build
-    if config.data_path:
-        raise DataError("--data-path: the multimodal family trains on synthetic image-caption data (drawn per "
-                        "sample, no files); drop --data-path")
+    given = [flag for flag, _ in config.path_flags()]
+    if given:
+        raise DataError(f"{' '.join(given)}: the multimodal family trains on synthetic image-caption data (drawn per "
+                        "sample, no files); drop the data paths")
     if barrier is not None:
         barrier()
     kw = dict(seq_length=config.seq_length, tokenizer=tokenizer, img_h=img_h, img_w=img_w, num_channels=num_channels,

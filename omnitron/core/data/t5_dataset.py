@@ -1,11 +1,12 @@
 """T5 pre-training samples (Megatron's T5MaskedWordPieceDataset): whole-word n-gram spans, sentinel tokens.
 
 Text comes exactly as for one-segment BERT (:class:`~omnitron.core.data.bert_dataset.BertDataset`
-with ``binary_head=False``: the same sentence table, sample mapping and cache, special ids dropped):
+with ``binary_head=False``: the same sentence table, sample mapping and cache, special ids kept):
 consecutive sentences of a document, cut to the sample's target length (at most ``seq_length - 2``).
 
 Noise (Megatron's masked-dataset rules with T5's settings: whole words, n-grams of up to 10 words, n drawn
-from a geometric(0.2) distribution clipped at 10): a word is a token plus the ``##`` pieces after it. The
+from a geometric(0.2) distribution clipped at 10): a word is a token plus the ``##`` pieces after it (a [CLS]
+or [SEP] id in the text is none, and a piece after it joins the word before it, as Megatron). The
 budget is ``min(p * target, max(1, round(p * n)))`` tokens, ``p`` = ``--mask-prob`` (default 0.15). The
 words are visited in a random order; at each, n is drawn, shortened until the n words from it fit in what
 is left of the budget (the word is skipped when even one does not fit) and the n-gram is masked unless it
@@ -14,6 +15,7 @@ overlaps one already masked. Spans are never merged, so two may touch. In the ra
 until it fits. Span ``i`` (left to right) gets sentinel ``<extra_id_i>``:
 
 * encoder input: the text with each span replaced by its sentinel (no end token), padded with [PAD];
+  ``padding_mask`` where it holds the [PAD] id (Megatron's ``encoder_input == pad``);
 * decoder target (``labels``): ``<extra_id_0> span_0 <extra_id_1> span_1 ... [SEP]`` ([SEP] is the
   end of sequence), the loss mask 1 over it; decoder input: ``[CLS]`` (the start token) followed by
   the target shifted right by one; both padded to ``decoder_seq_length``.
@@ -33,17 +35,18 @@ from .bert_dataset import word_candidates as bert_words
 MAX_NGRAM, GEOMETRIC_P = 10, 0.2  # Megatron's pretrain_t5 settings (masking_max_ngram, SpanBERT's p)
 
 
-def word_candidates(text: np.ndarray, subword_ids) -> list[list[int]]:
-    """Positions of ``text`` grouped into words: a token not in ``subword_ids`` (``##`` pieces) starts one
-    (BERT's grouping, :func:`omnitron.core.data.bert_dataset.word_candidates`, with no special positions)."""
+def word_candidates(text: np.ndarray, subword_ids, boundary_ids=()) -> list[list[int]]:
+    """Positions of ``text`` grouped into words: a token not in ``subword_ids`` (``##`` pieces) starts one, and
+    one of ``boundary_ids`` (the [CLS] and [SEP] ids) is none (BERT's grouping,
+    :func:`omnitron.core.data.bert_dataset.word_candidates`)."""
     continues = np.isin(text, np.asarray(subword_ids, np.int64))
-    return bert_words(np.zeros(len(text), dtype=bool), continues)
+    return bert_words(np.isin(text, np.asarray(boundary_ids, np.int64)), continues)
 
 
 def masked_spans(text: np.ndarray, rng: np.random.RandomState, *, subword_ids=(), target_length: int | None = None,
-                 masked_lm_prob: float = 0.15, max_ngram: int = MAX_NGRAM) -> list[list[int]]:
+                 masked_lm_prob: float = 0.15, max_ngram: int = MAX_NGRAM, boundary_ids=()) -> list[list[int]]:
     """The corrupted spans of ``text`` (lists of positions, left to right); see the module docstring."""
-    words = word_candidates(text, subword_ids)
+    words = word_candidates(text, subword_ids, boundary_ids)
     target = len(text) if target_length is None else target_length
     budget = min(masked_lm_prob * target, max(1, int(round(len(text) * masked_lm_prob))))
     order = np.arange(len(words))
@@ -75,7 +78,7 @@ def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: in
                  masked_lm_prob: float = 0.15) -> dict:
     """One sample from its text tokens; ``ids`` holds the ``cls`` (start), ``sep`` (end) and ``pad`` ids."""
     spans = masked_spans(text, rng, subword_ids=subword_ids, target_length=target_length,
-                         masked_lm_prob=masked_lm_prob)
+                         masked_lm_prob=masked_lm_prob, boundary_ids=(ids["cls"], ids["sep"]))
     if len(spans) > len(sentinels):
         raise ValueError(f"a sample needs {len(spans)} sentinels, the tokenizer has {len(sentinels)}: raise "
                          "--vocab-extra-ids")
@@ -97,7 +100,7 @@ def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: in
     out["labels"][:t], out["loss_mask"][:t] = target, 1.0
     out["decoder_tokens"][:t] = [ids["cls"]] + target[:-1]
     sample = {k: torch.from_numpy(v) for k, v in out.items()}
-    sample["padding_mask"] = torch.arange(seq_length) >= n
+    sample["padding_mask"] = torch.from_numpy(out["tokens"] == ids["pad"])  # Megatron's: by id, not position
     return sample
 
 

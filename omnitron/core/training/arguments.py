@@ -706,11 +706,25 @@ def _data_settings(merged: dict[str, Any], model, parallel: ParallelConfig, trai
     from omnitron.core.data.config import DataConfig
 
     data = _build(DataConfig, merged, seq_length=model.seq_length, seed=training.seed)
+    _check_data_sources(merged, data)
     if data.reset_attention_mask and parallel.context_parallel_size > 1:
         raise ConfigError(f"--reset-attention-mask with --context-parallel-size {parallel.context_parallel_size}: "
                           "ring attention has no per-document mask; use --context-parallel-size 1 or drop "
                           "--reset-attention-mask")
     return data
+
+
+def _check_data_sources(merged: dict[str, Any], data) -> None:
+    """Megatron's rules for where the data comes from: one source (``--mock-data``, ``--data-path`` or the per-split
+    paths; validate_args asserts it), and ``--split`` only with ``--data-path`` (BlendedMegatronDatasetConfig: "split
+    and blend_per_split are incompatible"; a per-split file is read whole)."""
+    given = [flag for flag, _ in data.path_flags()]
+    if data.mock_data and given:
+        raise ConfigError(f"--mock-data with {' '.join(given)}: give one data source (Megatron refuses both: synthetic "
+                          "tokens or the files); drop --mock-data or the paths")
+    if data.per_split and merged.get("split") is not None:
+        raise ConfigError(f"--split {merged['split']} with {' '.join(given)}: each split reads all of its own files, "
+                          "so there is nothing to cut (Megatron refuses both); drop --split, or give --data-path")
 
 
 def _fp8_settings(merged: dict[str, Any]):

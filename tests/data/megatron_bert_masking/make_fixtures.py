@@ -10,7 +10,8 @@ omnitron is not imported. Megatron's ``BERTMaskedWordPieceDataset.__getitem__`` 
 constructor is skipped (no indexed dataset, no cache): its sample index and sentences are set directly, its
 tokenizer is a stand-in over a synthetic vocabulary with ``##`` continuation pieces. Masking options are
 pretrain_bert's: probability 0.15 (``--mask-prob``; PROB_CASES more cases at other values), n-grams up to 3,
-whole words, no permutation, 1/n n-gram probabilities. Stored per case: the sentences, target length, seed,
+whole words, no permutation, 1/n n-gram probabilities; SPECIAL_CASES more whose text holds special ids.
+Stored per case: the sentences, target length, seed,
 masking probability and Megatron's sample (sample index 0), as int8.
 """
 from __future__ import annotations
@@ -45,26 +46,30 @@ def _dataset(binary: bool, seq_length: int, seed: int, prob: float = 0.15):
     return ds
 
 
-def _sentences(rng, binary: bool, seq_length: int) -> list[list[int]]:
-    """2-6 sentences (1 with no binary head) of random ids, ~40% continuations, often longer than the sample."""
+def _sentences(rng, binary: bool, seq_length: int, special: float = 0.0) -> list[list[int]]:
+    """2-6 sentences (1 with no binary head) of random ids, ~40% continuations, often longer than the sample;
+    with ``special`` > 0 that share of the ids replaced by special ones (0-4: [PAD] [UNK] [CLS] [SEP] [MASK])."""
     n = int(rng.randint(2, 7)) if binary else int(rng.randint(1, 4))
     out = []
     for _ in range(n):
         k = int(rng.randint(1, seq_length // 2))
         cont = rng.random_sample(k) < 0.4
         out.append([int(rng.randint(WORDS, V)) if c else int(rng.randint(5, WORDS)) for c in cont])
+        if special:
+            out[-1] = [int(rng.randint(0, 5)) if rng.random_sample() < special else t for t in out[-1]]
     return out
 
 
 PROB_CASES, PROBS = 150, (0.05, 0.3, 0.5)
+SPECIAL_CASES, SPECIAL_SHARE = 150, 0.15  # texts holding special ids, as Megatron reads them (kept, not dropped)
 
 
-def _case(rng, i: int, prob: float) -> dict:
+def _case(rng, i: int, prob: float, special: float = 0.0) -> dict:
     """One case: random sentences, target and seed; Megatron's sample of them at masking probability ``prob``."""
     binary, seq_length = bool(i % 3), int(rng.choice([16, 32, 64, 128]))
     seed = int(rng.randint(0, 2**31))
     ds = _dataset(binary, seq_length, seed, prob)
-    sentences = _sentences(rng, binary, seq_length)
+    sentences = _sentences(rng, binary, seq_length, special)
     short = rng.random_sample() < 0.3
     target = int(rng.randint(2, seq_length - 2)) if short else seq_length - 3
     ds.sample_index = np.asarray([[0, len(sentences), target]], np.int64)
@@ -80,6 +85,8 @@ def main():
     cases = [_case(rng, i, 0.15) for i in range(300)]
     rng = np.random.RandomState(20261207)  # the other probabilities: their own stream, the first cases unchanged
     cases += [_case(rng, i, PROBS[i % len(PROBS)]) for i in range(PROB_CASES)]
+    rng = np.random.RandomState(20261208)  # special ids in the text: their own stream too
+    cases += [_case(rng, i, 0.15, SPECIAL_SHARE) for i in range(SPECIAL_CASES)]
     torch.save({"vocab": _vocab(), "cases": cases}, os.path.join(HERE, "fixtures.pt"))
     print(f"wrote {len(cases)} cases")
 

@@ -12,7 +12,8 @@ imported. Megatron's ``T5MaskedWordPieceDataset.__getitem__`` (with ``MaskedWord
 row ``(0, sentences, target length)`` and pretrain_t5's masking settings (whole words, max n-gram 10, geometric
 n, no permutation), over a synthetic WordPiece vocabulary (:data:`VOCAB`): ids ``3k`` at or above ``FIRST_ID``
 are ``##`` pieces. Stored: EXACT cases (text, target length, seed and Megatron's encoder input, decoder input,
-labels, loss mask), EXACT_PROB more at other masking probabilities (``--mask-prob``) and, over
+labels, loss mask), EXACT_PROB more at other masking probabilities (``--mask-prob``), EXACT_SPECIAL more whose
+text holds special ids ([PAD] [UNK] [CLS] [SEP] [MASK], sentinels; kept in the text, as Megatron reads it) and, over
 STATS_SAMPLES texts from :func:`random_text`, the per-sample corrupted-token and
 span counts and the histogram of span lengths in words.
 """
@@ -37,6 +38,9 @@ EXACT, STATS_SAMPLES, MAX_NGRAM = 300, 4000, 10
 # round(0.3 * 64) = 19 corrupted tokens, a target of at most 2 * 19 + 1 = 39 <= DEC (Megatron never asserts)
 EXACT_PROB, PROBS, PROB_TEXT = 120, (0.05, 0.25, 0.3), 64
 VOCAB = {i: ("##p%d" % i if i >= FIRST_ID and i % 3 == 0 else "w%d" % i) for i in range(SENTINEL0)}
+VOCAB.update({i: f"<extra_id_{i - SENTINEL0}>" for i in range(SENTINEL0, V)})
+EXACT_SPECIAL, SPECIAL_SHARE = 120, 0.1  # texts holding special ids (0-4 and sentinels), as Megatron reads them
+SPECIAL_IDS = (PAD, UNK, CLS, SEP, MASK, SENTINEL0, SENTINEL0 + 1, V - 1)
 
 
 def random_text(rng: np.random.RandomState, n: int) -> list[list[int]]:
@@ -115,8 +119,17 @@ def main() -> None:
         seed = int(rng.randint(2**31))
         exact_prob.append({"sentences": sentences, "target": target, "seed": seed, "prob": prob,
                            **megatron_sample(sentences, target, seed, prob)})
+    rng = np.random.RandomState(8642)  # special ids in the text: their own stream
+    exact_special = []
+    for i in range(EXACT_SPECIAL):
+        sentences = [[int(rng.choice(SPECIAL_IDS)) if rng.random_sample() < SPECIAL_SHARE else t for t in s]
+                     for s in random_text(rng, int(rng.randint(1, PROB_TEXT)))]
+        target = PROB_TEXT if rng.random_sample() < 0.7 else int(rng.randint(2, PROB_TEXT))
+        seed = int(rng.randint(2**31))
+        exact_special.append({"sentences": sentences, "target": target, "seed": seed,
+                              **megatron_sample(sentences, target, seed)})
     with open(os.path.join(HERE, "fixtures.json"), "w") as f:
-        json.dump({"seq": SEQ, "dec": DEC, "exact": exact, "exact_prob": exact_prob,
+        json.dump({"seq": SEQ, "dec": DEC, "exact": exact, "exact_prob": exact_prob, "exact_special": exact_special,
                    "stats": {"masked": masked, "spans": spans, "span_words_hist": hist}}, f)
     print(f"wrote {len(exact)} exact cases; mean masked {np.mean(masked):.3f}, spans {np.mean(spans):.3f}",
           file=sys.stderr)

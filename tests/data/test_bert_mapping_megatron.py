@@ -1,0 +1,116 @@
+"""BERT / T5 sample mappings against Megatron's own ``helpers.build_mapping`` (fixtures written by
+tests/data/megatron_bert_mapping/make_fixtures.py): the same documents, sentence lengths, sample count, target
+length, ``--short-seq-prob``, seed and minimum sentences give the same rows in the same (shuffled) order; a
+BertDataset / T5Dataset over such a corpus holds that mapping (its sentence indices relative to the split); and whole
+BERT datasets, split by --split, equal the ones pretrain_bert's builder makes, sample for sample."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from omnitron.core.data import DataConfig
+from omnitron.core.data.bert_dataset import BertDataset, build_bert_datasets
+from omnitron.core.data.sample_mapping import MT19937_64, build_sample_mapping
+from omnitron.core.data.t5_dataset import T5Dataset
+from omnitron.testing.data import write_documents
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_bert_mapping")
+_spec = importlib.util.spec_from_file_location("bert_mapping_fixtures", os.path.join(HERE, "make_fixtures.py"))
+M = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(M)  # the corpus generator only; Megatron is imported by its main()
+FIX = json.load(open(os.path.join(HERE, "fixtures.json")))
+
+
+@pytest.mark.parametrize("name", sorted(FIX))
+def test_mapping_equals_megatron(name):
+    c = FIX[name]
+    bounds, lengths = M.corpus(*c["docs"])
+    lo, hi = c["range"]
+    docs = np.asarray(bounds, np.int64)[lo:hi + 1]
+    ours = build_sample_mapping(docs - docs[0], np.asarray(lengths)[docs[0]:docs[-1]], c["samples"], c["max_tokens"],
+                                c["seed"], short_seq_prob=c["short_seq_prob"], min_sentences=c["min_sentences"])
+    want = np.asarray(c["mapping"], np.int64).reshape(-1, 3)
+    want[:, :2] -= docs[0]  # Megatron's rows hold sequence indices of the whole file; ours count from the split's
+    assert np.array_equal(ours, want)
+
+
+def test_the_fixtures_cover_megatron_rules():
+    """Short targets, skipped documents (one sentence with two segments; a sentence over 512 tokens), several
+    epochs: each case exercises what it names."""
+    c = FIX["bert_default"]
+    rows = np.asarray(c["mapping"]).reshape(-1, 3)
+    assert (rows[:, 2] < c["max_tokens"]).any() and (rows[:, 2] == c["max_tokens"]).any()
+    bounds, lengths = M.corpus(*c["docs"])
+    used = {int(np.searchsorted(bounds, r, side="right")) - 1 for r in rows[:, 0]}
+    long = {d for d in range(190) if max(lengths[bounds[d]:bounds[d + 1]]) > 512 and bounds[d + 1] - bounds[d] > 1}
+    single = {d for d in range(190) if bounds[d + 1] - bounds[d] == 1}
+    assert long and single and not used & (long | single)
+    every = np.asarray(FIX["bert_all_short"]["mapping"]).reshape(-1, 3)[:, 2]  # p = 1: uniform in [2, 29]
+    assert (every < FIX["bert_all_short"]["max_tokens"]).mean() > 0.8
+    assert (np.asarray(FIX["bert_no_short"]["mapping"]).reshape(-1, 3)[:, 2] == 61).all()
+
+
+def test_mt19937_64_known_value():
+    """C++ requires the 10000th output of a default-seeded ``std::mt19937_64`` to be 9981545732273789042."""
+    assert int(MT19937_64(5489).draw(10000)[-1]) == 9981545732273789042
+
+
+@pytest.mark.parametrize("cls", [BertDataset, T5Dataset])
+def test_datasets_hold_megatrons_mapping(tmp_path, cls):
+    """A file of the fixture corpus (token ids arbitrary), split at document 10: the dataset's mapping is
+    Megatron's for that split at ``--seq-length`` 64 (targets 61 BERT, 62 T5) and the given --short-seq-prob."""
+    c = FIX["bert_default"]
+    bounds, lengths = M.corpus(*c["docs"])
+    rng = np.random.default_rng()
+    docs = [[rng.integers(10, 900, n) for n in lengths[bounds[d]:bounds[d + 1]]] for d in range(len(bounds) - 1)]
+    indexed = write_documents(tmp_path / "c", docs)
+    tok = type("Tok", (), {"name": "synthetic", "vocab_size": 1000, "pad": 0, "unk": 1, "cls": 2, "sep": 3,
+                           "mask": 4, "special_ids": (0, 1, 2, 3, 4), "sentinels": tuple(range(990, 1000))})()
+    seed, prob, split = int(rng.integers(1, 2**20)), float(rng.choice([0.1, 0.2, 0.5])), np.arange(10, 150)
+    extra = {"decoder_seq_length": 40} if cls is T5Dataset else {}
+    ds = cls(indexed, split, 300, seq_length=64, seed=seed, tokenizer=tok, cache_dir=str(tmp_path / "cache"),
+             short_seq_prob=prob, **extra)
+    b = np.asarray(bounds, np.int64)[10:151]
+    want = build_sample_mapping(b - b[0], np.asarray(lengths)[b[0]:b[-1]], 300, 62 if cls is T5Dataset else 61, seed,
+                                short_seq_prob=prob, min_sentences=1 if cls is T5Dataset else 2)
+    assert np.array_equal(np.asarray(ds.mapping), want)
+
+
+
+class _WordPiece:
+    """The fixture's stand-in WordPiece vocabulary (ids 0-4 special, ``##`` pieces as :data:`NAMES` says)."""
+
+    name, vocab_size, pad, unk, cls, sep, mask = "stand-in", 1000, 0, 1, 2, 3, 4
+    special_ids = (0, 1, 2, 3, 4)
+    continuation_ids = tuple(i for i, n in enumerate(M.NAMES) if n.startswith("##"))
+
+
+@pytest.mark.parametrize("name", sorted(M.DATASETS))
+def test_bert_datasets_equal_megatrons(tmp_path, name):
+    """--split 90,8,2 over the fixture file (its sentences partly [UNK]): each split's length and its first samples
+    (tokens, token types, padding mask, loss mask, labels, is_random) are those of Megatron's builder."""
+    want = np.load(os.path.join(HERE, "datasets.npz"))
+    binary, seq = M.DATASETS[name]
+    write_documents(tmp_path / "c", M.bert_documents())
+    cfg = DataConfig(data_path=[str(tmp_path / "c")], split="90,8,2", seq_length=seq, seed=M.SEED,
+                     data_cache_path=str(tmp_path / "cache"))
+    train, valid, test = M.SAMPLES
+    splits = build_bert_datasets(cfg, _WordPiece(), train_samples=train, valid_samples=valid, test_samples=test,
+                                 binary_head=binary)
+    for split, ds in zip(("train", "valid", "test"), splits):
+        w = {k: want[f"{name}/{split}/{k}"] for k in ("len", "text", "types", "labels", "padding_mask", "loss_mask",
+                                                      "is_random")}
+        assert len(ds) == int(w["len"])
+        for i in range(len(w["text"])):
+            x = ds[i]
+            masked = w["loss_mask"][i].astype(bool)
+            assert x["tokens"].tolist() == w["text"][i].tolist(), (split, i)
+            assert x["tokentype_ids"].tolist() == w["types"][i].tolist()
+            assert (~x["padding_mask"]).long().tolist() == w["padding_mask"][i].tolist()
+            assert x["loss_mask"].long().tolist() == w["loss_mask"][i].tolist()
+            assert x["labels"][masked].tolist() == w["labels"][i][masked].tolist()
+            assert int(x["is_random"]) == int(w["is_random"][i])
