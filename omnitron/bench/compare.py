@@ -57,6 +57,9 @@ def load_all(paths: list[str]) -> list[dict]:
     reports = [load(p) for p in paths]
     for rep, path in zip(reports, paths):
         rep["_path"] = path
+        names = [k for k in ("backend", "device_name") if not isinstance(rep["machine"].get(k), str)]
+        if names:  # what a column is named by (label)
+            raise ReportError(f"{path}: the machine has no {names[0]!r} (a report that omnitron bench wrote has)")
     kinds = [r["kind"] for r in reports]
     machines = {label(r) for r in reports}
     if len(machines) > 1 and max(kinds.count(k) for k in kinds) < 2:  # several machines, nothing in common

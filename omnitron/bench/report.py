@@ -32,8 +32,8 @@ ROW_FIELDS = {
     "train": ("model", "layout", "iterations", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes"),
 }
 """The fields every row of a kind has (a figure may be None where it could not be measured, with a ``note``)."""
-FIGURES = ("ms", "tflops", "gbs", "algbw_gbs", "busbw_gbs", "slowdown", "bytes", "ranks", "m", "n", "k", "seq",
-           "heads", "head_dim", "elements", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes")
+FIGURES = ("ms", "tflops", "tflops_fa", "gbs", "algbw_gbs", "busbw_gbs", "slowdown", "bytes", "ranks", "m", "n", "k",
+           "seq", "heads", "head_dim", "elements", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes")
 """Row fields that are numbers (or None) wherever a row has them: what tables, ratios and plots compute with."""
 
 
@@ -83,9 +83,6 @@ def validate(rep, where: str) -> dict:
     for key, typ, json_type in (("machine", dict, "object"), ("rows", list, "array"), ("extra", dict, "object")):
         if not isinstance(rep.get(key), typ):
             raise ReportError(f"{where}: {key!r} is {'missing' if key not in rep else 'not a JSON ' + json_type}")
-    names = [k for k in ("backend", "device_name") if not isinstance(rep["machine"].get(k), str)]
-    if names:
-        raise ReportError(f"{where}: the machine has no {names[0]!r}")
     for i, row in enumerate(rep["rows"]):
         if not isinstance(row, dict):
             raise ReportError(f"{where}: row {i} is not an object")
