@@ -22,6 +22,9 @@ sendrecv       the message (to rank + 1,      1
 p2p            the message (pairs 2i -> 2i+1) 1
 ============== ============================== ==============
 
+nccl-tests times each collective out of place and in place; here all_reduce and broadcast run in place (the one
+buffer), all_gather, reduce_scatter, all_to_all and sendrecv out of place.
+
 Groups (``group`` of each row): ``world``, all ranks; on more than one node (``LOCAL_WORLD_SIZE`` below the
 world) also ``intra``, the ranks of each node (every node's group at once), and ``inter``, the ranks of one
 local index on every node (every rail at once), so intra- and inter-node links are reported apart.

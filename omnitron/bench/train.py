@@ -4,8 +4,9 @@ Figures per run (the iterations after the first, which builds caches and warms u
 
 * tokens/s and TFLOP/s per device under one formula, Megatron's as it was (attention scores non-causal, logits
   counted: :func:`omnitron.core.models.gpt.config.flops_per_iteration`), and beside it the causal-halved
-  figure, which is the training log's (Megatron's current count); MFU against the backend's peak for the run's
-  dtype where the backend knows it;
+  figure, which is the training log's (Megatron's current count; for MoE, MLA and MTP models, which
+  ``flops_per_iteration`` counts by Megatron's current formula, the two are equal); MFU against the backend's
+  peak for the run's dtype where the backend knows it;
 * peak memory (the backend's statistics, largest over ranks: the run's ``mem_max_allocated_bytes`` of
   ``--log-memory-to-tensorboard``; the log's ``peak_memory_bytes`` is rank 0's alone, and pipeline stages differ);
 * the time split of a step from the run's own timers (``--timing-log-level 2``): compute (forward and
