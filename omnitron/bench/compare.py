@@ -125,7 +125,8 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4))
         width = 0.8 / len(gemm)
         for i, r in enumerate(gemm):
-            best = [max((row["tflops"] for row in r["rows"] if row["dtype"] == d), default=0) for d in dtypes]
+            best = [max((row["tflops"] for row in r["rows"] if row["dtype"] == d and row["tflops"] is not None),
+                        default=float("nan")) for d in dtypes]  # a dtype the report lacks: no bar, not a zero
             ax.bar([j + i * width for j in range(len(dtypes))], best, width, label=label(r))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(dtypes))], dtypes), ax.set_ylabel("best TFLOP/s")
         ax.legend(fontsize=7)

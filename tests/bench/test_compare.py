@@ -158,3 +158,40 @@ def test_suite_kernels_report_names_its_size_and_memory_copy(tmp_path, monkeypat
     written = suite.run_all(get_backend("cpu"), str(tmp_path), log=lambda *_: None)
     extra = load(written["kernels"])["extra"]
     assert extra == {"copy_gbs": copies[-1]["gbs"], "size": suite.CPU["kernels"]} and "train" not in written
+
+
+def test_gemm_plot_draws_no_bar_for_a_dtype_a_report_lacks(tmp_path, monkeypatch):
+    """A CPU report has no tf32 row: its bar there is absent (NaN), not a 0 TFLOP/s measurement."""
+    pytest.importorskip("matplotlib")
+    import math
+
+    from matplotlib.axes import Axes
+
+    rng = random.Random()
+    cpu = [{"dtype": d, "shape": "square:64", "tflops": _fig(rng)} for d in ("fp32", "bf16")]
+    dev = [{"dtype": d, "shape": "square:64", "tflops": _fig(rng)} for d in ("fp32", "tf32", "bf16")]
+    drawn, bar = [], Axes.bar
+
+    def record(self, x, height, *a, **k):
+        drawn.append(list(height))
+        return bar(self, x, height, *a, **k)
+
+    monkeypatch.setattr(Axes, "bar", record)
+    compare.plots([_report("gemm", "A", cpu), _report("gemm", "B", dev)], str(tmp_path))
+    (a, b) = drawn  # dtypes in order of first appearance: fp32, bf16, tf32
+    assert a[:2] == [cpu[0]["tflops"], cpu[1]["tflops"]] and math.isnan(a[2])
+    assert b == [dev[0]["tflops"], dev[2]["tflops"], dev[1]["tflops"]]
+
+
+def test_comm_plot_has_a_panel_per_link_op_and_a_line_per_group(tmp_path, monkeypatch):
+    """The host rows (no bytes, no bandwidth) draw no empty panel; each group of a report is its own line."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    titles, lines, plot, title = [], [], Axes.plot, Axes.set_title
+    monkeypatch.setattr(Axes, "plot", lambda self, x, y, *a, **k: lines.append((k["label"], list(x))) or
+                        plot(self, x, y, *a, **k))
+    monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t) or title(self, t, *a, **k))
+    compare.plots([_report("comm", "A", _comm(random.Random()))], str(tmp_path))
+    assert titles == ["all_reduce", "p2p"]
+    assert lines == [(name, [1024, 65536]) for _ in titles for name in ("cpu:A", "cpu:A intra", "cpu:A inter")]
