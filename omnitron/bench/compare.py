@@ -46,7 +46,8 @@ TABLES = (
     Table("attention", "attention", ("impl", "dtype", "seq", "heads", "head_dim", "batch", "causal", "dropout"),
           "tflops", True, "TFLOP/s", defaults={"batch": 1, "dropout": 0.0}),
     Table("elementwise", "elementwise", ("op", "mode", "elements", "width", "dtype"), "ms", False, "ms"),
-    Table("train", "train", ("model", "layout", "dtype"), "tokens_per_s", True, "tokens/s"),
+    Table("train", "train", ("model", "layout", "dtype", "global_batch_size", "seq_length", "extra_flags"),
+          "tokens_per_s", True, "tokens/s"),
 )
 """Every table; a key names the whole problem (sizes, dropout, the group's ranks), so no two rows of one report
 share one and rows of two reports are put side by side only where they measured the same thing."""

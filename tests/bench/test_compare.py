@@ -195,3 +195,22 @@ def test_comm_plot_has_a_panel_per_link_op_and_a_line_per_group(tmp_path, monkey
     compare.plots([_report("comm", "A", _comm(random.Random()))], str(tmp_path))
     assert titles == ["all_reduce", "p2p"]
     assert lines == [(name, [1024, 65536]) for _ in titles for name in ("cpu:A", "cpu:A intra", "cpu:A inter")]
+
+
+def test_train_rows_of_other_flags_or_batches_are_not_side_by_side():
+    """An FP8 run's row and a bf16 run's share model, layout and dtype (the parameters' bf16): the flags tell
+    them apart; so do the batch and the sequence length."""
+    rng = random.Random()
+
+    def row(flags, gbs=16, seq=2048):
+        return {"model": "gpt_1p3b", "layout": "single", "dtype": "bf16", "global_batch_size": gbs, "seq_length": seq,
+                "iterations": 8, "step_ms": 1.0, "tokens_per_s": _fig(rng), "tflops_per_device": 1.0,
+                "peak_memory_bytes": 1, "extra_flags": flags}
+
+    a = [row("--bf16"), row("--bf16", gbs=32)]
+    b = [row("--bf16 --fp8-format hybrid"), row("--bf16", seq=4096), row("--bf16")]
+    lines = _lines(compare.tables([_report("train", "A", a), _report("train", "B", b)]), "train")
+    assert len(lines) == 4  # a[0] and b[2] measured the same run
+    same = [cells for cells in lines.values() if "-" not in cells]
+    assert same == [[f"{a[0]['tokens_per_s']:.4g} (1.00x)",
+                     f"{b[2]['tokens_per_s']:.4g} ({b[2]['tokens_per_s'] / a[0]['tokens_per_s']:.2f}x)"]]
