@@ -36,7 +36,7 @@ class Table:
 
 
 TABLES = (
-    Table("gemm", "gemm", ("dtype", "shape"), "tflops", True, "TFLOP/s"),
+    Table("gemm", "gemm", ("dtype", "shape", "m", "n", "k"), "tflops", True, "TFLOP/s"),
     Table("comm", "comm", ("group", "op", "bytes", "ranks"), "busbw_gbs", True, "bus GB/s",
           rows=lambda row: row["op"] not in HOST_OPS, defaults={"group": "world"}),
     Table("comm host", "comm", ("op", "ranks"), "slowdown", False, "all ranks at once / rank 0 alone",

@@ -214,3 +214,14 @@ def test_train_rows_of_other_flags_or_batches_are_not_side_by_side():
     same = [cells for cells in lines.values() if "-" not in cells]
     assert same == [[f"{a[0]['tokens_per_s']:.4g} (1.00x)",
                      f"{b[2]['tokens_per_s']:.4g} ({b[2]['tokens_per_s'] / a[0]['tokens_per_s']:.2f}x)"]]
+
+
+def test_gemm_rows_of_a_layer_at_other_token_counts_are_not_side_by_side():
+    """``--model gpt_1p3b --tokens 4096`` and ``--tokens 8192`` name their GEMMs alike ("gpt_1p3b:qkv"); the
+    rows' m, n, k tell them apart."""
+    rng = random.Random()
+    a = [{"dtype": "bf16", "shape": "gpt_1p3b:qkv", "m": 4096, "n": 6144, "k": 2048, "ms": 1.0, "tflops": _fig(rng)}]
+    b = [dict(a[0], m=8192, tflops=_fig(rng)), dict(a[0], tflops=_fig(rng))]
+    lines = _lines(compare.tables([_report("gemm", "A", a), _report("gemm", "B", b)]), "gemm")
+    assert lines["bf16 gpt_1p3b:qkv 8192 6144 2048"] == ["-", f"{b[0]['tflops']:.4g}"]
+    _expect(lines["bf16 gpt_1p3b:qkv 4096 6144 2048"][1], b[1]["tflops"], a[0]["tflops"], True)
