@@ -3,9 +3,9 @@
 Square sizes and, with ``--model NAME``, the GEMMs of that preset's layer (QKV, attention projection,
 fc1, fc2 at ``tokens`` rows; the weight-gradient of fc1). Dtypes: fp32, tf32 (where the bench can switch it on:
 ``torch.backends.cuda.matmul.allow_tf32``; on a backend whose float32 GEMMs run in TF32 anyway, capabilities
-``fp32_matmul``, the fp32 row says so and is set against TF32's peak), bf16, fp16, and FP8 through the
-backend's FP8 provider: per-tensor and row-wise scaled GEMMs and block-wise (1x128 by 128x128 tiles).
-TFLOP/s = 2mnk / time.
+``fp32_matmul``, the fp32 row says so, is set against TF32's peak and its ``math`` is tf32), bf16, fp16, and
+FP8 through the backend's FP8 provider: per-tensor and row-wise scaled GEMMs and block-wise (1x128 by 128x128
+tiles). TFLOP/s = 2mnk / time; ``math`` the arithmetic whose peak ``pct_peak`` divides by.
 On a backend whose FP8 path is the emulation the FP8 rows time the emulation (the ``note`` says so).
 """
 from __future__ import annotations
@@ -99,8 +99,8 @@ def run(backend, *, sizes: list[int], dtypes: list[str], model: str | None = Non
             if dtype == "fp32" and as_tf32:
                 note = "float32 GEMMs run in TF32 on this backend (capabilities fp32_matmul): TF32's peak"
             tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
-            rows.append({"dtype": dtype, "shape": shape, "m": m, "n": n, "k": k, "ms": ms, "tflops": tflops,
-                         "peak_tflops": peak / 1e12 if peak else None,
+            rows.append({"dtype": dtype, "math": math, "shape": shape, "m": m, "n": n, "k": k, "ms": ms,
+                         "tflops": tflops, "peak_tflops": peak / 1e12 if peak else None,
                          "pct_peak": 100.0 * tflops * 1e12 / peak if peak else None, "note": note})
             log(f"gemm {dtype:10s} {shape:24s} {m}x{n}x{k}: {ms:9.3f} ms {tflops:8.3f} TFLOP/s {note}")
     return rows

@@ -38,6 +38,7 @@ def test_fp32_and_tf32_rows_against_the_peak_of_their_arithmetic(device_type, fp
     assert [r["dtype"] for r in rows] == (["fp32", "tf32"] if device_type == "cuda" else ["fp32"])
     for r in rows:
         ran_as = "tf32" if r["dtype"] == "tf32" or fp32_matmul == "tf32" else "fp32"
+        assert r["math"] == ran_as
         tflops = 2 * size**3 / (r["ms"] * 1e-3) / 1e12  # float64: ~1e-16
         assert r["tflops"] == pytest.approx(tflops, rel=1e-12)
         assert r["peak_tflops"] == pytest.approx(peaks[ran_as] / 1e12, rel=1e-12)
