@@ -1,10 +1,15 @@
 """``omnitron bench attention``: the engine's attention (the backend's kernel table: SDPA, flash) against the
 unfused math (scores materialised), forward + backward, by sequence length.
 
-TFLOP/s count the two GEMMs of attention, ``4 b h s^2 d`` forward (halved when causal) and 2x that
-backward: ``3 x`` in all, the convention of the FlashAttention papers. The engine's op is measured without and
-with attention dropout (``dropout`` 0.0 and 0.1: what ``--attention-dropout`` makes the layer call; on a CPU
-SDPA then leaves its fused path), the math version without.
+``tflops`` counts the two GEMMs of attention, ``4 b h s^2 d`` forward (halved when causal) and 2x that
+backward: ``3 x`` in all, the model's FLOPs (Megatron's count, what MFU and ``omnitron plan`` use: no
+recomputation). ``tflops_fa`` is the same time under FlashAttention's benchmark count (its
+``benchmarks/benchmark_flash_attention.py``: the backward 2.5x the forward, its five GEMMs with the scores
+recomputed, so ``3.5 x`` in all), the figure to set beside FlashAttention's published ones.
+
+The engine's op is measured without and with attention dropout (``dropout`` 0.0 and 0.1: what
+``--attention-dropout`` makes the layer call; on a CPU SDPA then leaves its fused path), the math version
+without.
 
 Ring attention's per-block kernel (impl ``ring_block``: the backend's ``attention_block_forward`` and
 ``attention_block_backward``, what each step of context parallelism runs) is measured beside them on one
@@ -17,6 +22,15 @@ from __future__ import annotations
 import torch
 
 from omnitron.bench.timing import median_ms
+
+FA_PER_MODEL = 3.5 / 3
+"""FlashAttention's fwd + bwd FLOPs (3.5 x forward) over the model's (3 x forward)."""
+
+
+def _figures(flops: float, ms: float) -> dict:
+    """``tflops`` (the model's FLOPs, ``flops``) and ``tflops_fa`` (FlashAttention's count) of one call."""
+    tflops = flops / (ms * 1e-3) / 1e12
+    return {"tflops": tflops, "tflops_fa": tflops * FA_PER_MODEL}
 
 
 def _math(q, k, v, causal: bool = True):
@@ -53,8 +67,7 @@ def run(backend, *, seqs: list[int], heads: int = 8, head_dim: int = 64, batch: 
 
                 ms = median_ms(step, backend, rounds=rounds, budget_s=budget_s)
                 rows.append({"impl": impl, "dtype": name, "seq": s, "heads": heads, "head_dim": head_dim,
-                             "causal": causal, "batch": batch, "dropout": p, "ms": ms,
-                             "tflops": flops / (ms * 1e-3) / 1e12})
+                             "causal": causal, "batch": batch, "dropout": p, "ms": ms, **_figures(flops, ms)})
                 log(f"attention {impl:10s} seq {s:6d} dropout {p}: {ms:9.3f} ms {rows[-1]['tflops']:8.3f} TFLOP/s")
         rows += _ring_rows(backend, q.detach(), k.detach(), v.detach(), grad, rounds, budget_s, log)
     return rows
@@ -77,8 +90,7 @@ def _ring_rows(backend, q, k, v, grad, rounds: int, budget_s: float, log) -> lis
             ms = median_ms(step, backend, rounds=rounds, budget_s=budget_s)
             flops = 3 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
             out.append({"impl": "ring_block", "dtype": str(q.dtype).replace("torch.", ""), "seq": s, "heads": h,
-                        "head_dim": d, "causal": causal, "batch": b, "dropout": p, "ms": ms,
-                        "tflops": flops / (ms * 1e-3) / 1e12})
+                        "head_dim": d, "causal": causal, "batch": b, "dropout": p, "ms": ms, **_figures(flops, ms)})
             log(f"attention ring_block seq {s:6d} causal {causal!s:5} dropout {p}: {ms:9.3f} ms "
                 f"{out[-1]['tflops']:8.3f} TFLOP/s")
     return out

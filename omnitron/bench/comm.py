@@ -4,7 +4,8 @@ Each rank runs on its own device (``LOCAL_RANK`` under torchrun, the spawned ran
 the devices the backend sees). Per (group, op, size): ``--warmup-iters`` calls, the device synchronized and
 the ranks aligned by one barrier, then ``--iters`` calls back to back timed as one span (no barrier and no
 synchronization inside it, only one after the last call), the time per call averaged over the ranks as
-nccl-tests reports it. For a message of ``S`` bytes taking ``t`` seconds the algorithm bandwidth is ``S / t``
+nccl-tests reports it by default (its ``-a 1``; over the ranks taking part: an odd group's last rank sits out
+``p2p``). For a message of ``S`` bytes taking ``t`` seconds the algorithm bandwidth is ``S / t``
 and the bus bandwidth ``algbw x factor`` with nccl-tests' factors for ``n`` ranks (what each link carries,
 so figures compare across rank counts; nccl-tests' ``doc/PERFORMANCE.md``):
 
@@ -20,6 +21,9 @@ sendrecv       the message (to rank + 1,      1
                from rank - 1, at once)
 p2p            the message (pairs 2i -> 2i+1) 1
 ============== ============================== ==============
+
+nccl-tests times each collective out of place and in place; here all_reduce and broadcast run in place (the one
+buffer), all_gather, reduce_scatter, all_to_all and sendrecv out of place.
 
 Groups (``group`` of each row): ``world``, all ranks; on more than one node (``LOCAL_WORLD_SIZE`` below the
 world) also ``intra``, the ranks of each node (every node's group at once), and ``inter``, the ranks of one
@@ -100,33 +104,33 @@ def groups(coll, rank: int, world: int, per_node: int) -> list[Group]:
 
 def _call(op: str, coll, nbytes: int, rank: int, g: Group, device):
     """A closure running ``op`` once over group ``g`` on ``nbytes`` (float32 elements, a multiple of the group),
-    and the bytes ``S`` it counts."""
+    the bytes ``S`` it counts and whether this rank takes part (all do but the last of an odd group's ``p2p``)."""
     n_ranks, me = len(g.ranks), g.ranks.index(rank)
     n = max(nbytes // 4 // n_ranks * n_ranks, n_ranks)
     grp = g.handle
     x = torch.ones(n, device=device)
     if op == "all_reduce":
-        return lambda: coll.all_reduce(x, group=grp), n * 4
+        return lambda: coll.all_reduce(x, group=grp), n * 4, True
     if op == "all_gather":
         part, out = torch.ones(n // n_ranks, device=device), torch.empty(n, device=device)
-        return lambda: coll.all_gather(out, part, group=grp), n * 4
+        return lambda: coll.all_gather(out, part, group=grp), n * 4, True
     if op == "reduce_scatter":
         out = torch.empty(n // n_ranks, device=device)
-        return lambda: coll.reduce_scatter(out, x, group=grp), n * 4
+        return lambda: coll.reduce_scatter(out, x, group=grp), n * 4, True
     if op == "all_to_all":
         out = torch.empty(n, device=device)
-        return lambda: coll.all_to_all(out, x, group=grp), n * 4
+        return lambda: coll.all_to_all(out, x, group=grp), n * 4, True
     if op == "broadcast":
-        return lambda: coll.broadcast(x, src=g.ranks[0], group=grp), n * 4
+        return lambda: coll.broadcast(x, src=g.ranks[0], group=grp), n * 4, True
     if op == "sendrecv":  # nccl-tests' sendrecv: to the next rank and from the previous one, in one batch
         into = torch.empty(n, device=device)
         nxt, prv = g.ranks[(me + 1) % n_ranks], g.ranks[(me - 1) % n_ranks]
-        return lambda: [h.wait() for h in coll.batch_p2p([("send", x, nxt), ("recv", into, prv)])], n * 4
+        return lambda: [h.wait() for h in coll.batch_p2p([("send", x, nxt), ("recv", into, prv)])], n * 4, True
     peer = me + 1 if me % 2 == 0 else me - 1
     if peer >= n_ranks:  # an odd group's last rank sits out
-        return (lambda: None), n * 4
+        return (lambda: None), n * 4, False
     peer = g.ranks[peer]
-    return ((lambda: coll.send(x, peer)) if me % 2 == 0 else (lambda: coll.recv(x, peer))), n * 4
+    return ((lambda: coll.send(x, peer)) if me % 2 == 0 else (lambda: coll.recv(x, peer))), n * 4, True
 
 
 def timed_s(fn, coll, backend, warmup: int, iters: int, group=None, clock=time.perf_counter) -> float:
@@ -144,13 +148,19 @@ def timed_s(fn, coll, backend, warmup: int, iters: int, group=None, clock=time.p
     return (clock() - t0) / iters
 
 
-def _agreed(coll, value: float, device, op, group=None, mean: bool = False) -> float:
-    """``value`` reduced over ``group`` (max, or the mean with ``mean``), so every rank decides alike."""
+def _agreed(coll, value: float, device, op, group=None, mean: bool = False, weight: float = 1.0) -> float:
+    """``value`` reduced over ``group`` (max, or with ``mean`` the mean over the ranks of ``weight`` 1: those
+    taking part; an odd group's idle ``p2p`` rank would pull the mean towards its own nothing), so every rank
+    decides alike."""
     from omnitron.backends.collectives import ReduceOp
 
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    coll.all_reduce(t, op=ReduceOp.SUM if mean else ReduceOp.MAX, group=group)
-    return float(t.item()) / (coll.world_size(group) if mean else 1)
+    if not mean:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        coll.all_reduce(t, op=ReduceOp.MAX, group=group)
+        return float(t.item())
+    t = torch.tensor([value * weight, weight], dtype=torch.float64, device=device)
+    coll.all_reduce(t, op=ReduceOp.SUM, group=group)
+    return float(t[0].item()) / float(t[1].item())
 
 
 def measure(backend, rank: int, world: int, ops, byte_sizes, rounds: int, budget_s: float, *, warmup: int = 5,
@@ -166,10 +176,11 @@ def measure(backend, rank: int, world: int, ops, byte_sizes, rounds: int, budget
             if size < 2:
                 continue
             for nbytes in byte_sizes:
-                fn, actual = _call(op, coll, nbytes, rank, g, device)
+                fn, actual, part = _call(op, coll, nbytes, rank, g, device)
                 pilot = _agreed(coll, timed_s(fn, coll, backend, 1, 1, g.handle), device, op, g.handle)
                 iters = max(1, min(rounds, int(budget_s / max(pilot, 1e-9))))
-                t = _agreed(coll, timed_s(fn, coll, backend, warmup, iters, g.handle), device, op, g.handle, True)
+                t = _agreed(coll, timed_s(fn, coll, backend, warmup, iters, g.handle), device, op, g.handle, True,
+                            float(part))
                 algbw = actual / t / 1e9
                 rows.append({"op": op, "bytes": actual, "ranks": size, "ms": t * 1e3, "algbw_gbs": algbw,
                              "busbw_gbs": algbw * bus_factor(op, size), "group": g.kind, "local": g.local,

@@ -1,22 +1,56 @@
-"""``omnitron bench compare A.json B.json ...``: any number of reports, a table per kind with each machine's
-figure and its ratio against the first report's, and PNG plots (matplotlib) of bus bandwidth against
-message size, GEMM TFLOP/s per dtype and kernel bandwidth as % of the device's copy bandwidth.
+"""``omnitron bench compare A.json B.json ...``: any number of reports, tables (:data:`TABLES`: one per kind, the
+comm report's host rows apart) with each machine's figure and its ratio against the first report's, and PNG
+plots (matplotlib) of bus bandwidth against message size (a line per report and group), GEMM TFLOP/s per dtype
+and kernel bandwidth as % of the device's copy bandwidth.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import Callable
 
+from omnitron.bench.comm import HOST_OPS  # rows of how ranks share a host's cores: no bandwidth, a slowdown
 from omnitron.bench.report import ReportError, label, load
 
-# kind: (fields that name a measurement, the figure, True when higher is better, unit)
-KEYS = {
-    "gemm": (("dtype", "shape"), "tflops", True, "TFLOP/s"),
-    "comm": (("op", "bytes", "ranks"), "busbw_gbs", True, "bus GB/s"),
-    "memory": (("op", "bytes"), "gbs", True, "GB/s"),
-    "kernels": (("op", "dtype", "mode", "impl"), "ms", False, "ms"),
-    "attention": (("impl", "dtype", "seq", "causal"), "tflops", True, "TFLOP/s"),
-    "train": (("model", "layout", "dtype"), "tokens_per_s", True, "tokens/s"),
-}
+
+@dataclass(frozen=True)
+class Table:
+    """One table of :func:`tables`: the rows of reports of ``kind`` that ``rows`` keeps, matched across reports
+    by the fields ``keys`` (a row lacking one takes ``defaults``' value, the report's ``extra`` its
+    ``extra_keys``), each report's ``figure`` (``higher``: True when higher is better) in ``unit``."""
+
+    name: str
+    kind: str
+    keys: tuple[str, ...]
+    figure: str
+    higher: bool
+    unit: str
+    rows: Callable[[dict], bool] = lambda row: True
+    defaults: dict = field(default_factory=dict)
+    extra_keys: tuple[str, ...] = ()
+
+    def key(self, rep: dict, row: dict) -> tuple:
+        """What names ``row`` of ``rep``: rows of two reports with equal keys measured the same problem."""
+        return (tuple(row.get(k, self.defaults.get(k)) for k in self.keys)
+                + tuple(f"{k} {rep['extra'].get(k)}" for k in self.extra_keys))
+
+
+TABLES = (
+    Table("gemm", "gemm", ("dtype", "shape", "m", "n", "k"), "tflops", True, "TFLOP/s"),
+    Table("comm", "comm", ("group", "op", "bytes", "ranks"), "busbw_gbs", True, "bus GB/s",
+          rows=lambda row: row["op"] not in HOST_OPS, defaults={"group": "world"}),
+    Table("comm host", "comm", ("op", "ranks"), "slowdown", False, "all ranks at once / rank 0 alone",
+          rows=lambda row: row["op"] in HOST_OPS),
+    Table("memory", "memory", ("op", "bytes"), "gbs", True, "GB/s"),
+    Table("kernels", "kernels", ("op", "dtype", "mode", "impl"), "ms", False, "ms", extra_keys=("size",)),
+    Table("attention", "attention", ("impl", "dtype", "seq", "heads", "head_dim", "batch", "causal", "dropout"),
+          "tflops", True, "TFLOP/s", defaults={"batch": 1, "dropout": 0.0}),
+    Table("elementwise", "elementwise", ("op", "mode", "elements", "width", "dtype"), "ms", False, "ms"),
+    Table("train", "train", ("model", "layout", "dtype", "global_batch_size", "seq_length", "extra_flags"),
+          "tokens_per_s", True, "tokens/s"),
+)
+"""Every table; a key names the whole problem (sizes, dropout, the group's ranks), so no two rows of one report
+share one and rows of two reports are put side by side only where they measured the same thing."""
 
 
 def load_all(paths: list[str]) -> list[dict]:
@@ -24,6 +58,9 @@ def load_all(paths: list[str]) -> list[dict]:
     reports = [load(p) for p in paths]
     for rep, path in zip(reports, paths):
         rep["_path"] = path
+        names = [k for k in ("backend", "device_name") if not isinstance(rep["machine"].get(k), str)]
+        if names:  # what a column is named by (label)
+            raise ReportError(f"{path}: the machine has no {names[0]!r} (a report that omnitron bench wrote has)")
     kinds = [r["kind"] for r in reports]
     machines = {label(r) for r in reports}
     if len(machines) > 1 and max(kinds.count(k) for k in kinds) < 2:  # several machines, nothing in common
@@ -34,27 +71,26 @@ def load_all(paths: list[str]) -> list[dict]:
 
 
 def tables(reports: list[dict]) -> str:
-    """One text table per kind: a row per measurement, per machine its figure and the ratio to the first
-    machine's (>1 is better on every kind: time ratios are inverted)."""
+    """One text table per :data:`TABLES` entry with rows: a row per measurement, per machine its figure and the
+    ratio to the first machine's (>1 is better on every table: ratios of lower-is-better figures are inverted)."""
     out = []
-    for kind, (keys, figure, higher, unit) in KEYS.items():
-        reps = [r for r in reports if r["kind"] == kind]
+    for t in TABLES:
+        reps = [r for r in reports if r["kind"] == t.kind and any(t.rows(row) for row in r["rows"])]
         if not reps:
             continue
         names = [label(r) for r in reps]
-        out.append(f"== {kind} ({unit}; ratio = vs {names[0]}{'' if higher else ', inverted: >1 is faster'})")
-        out.append(" | ".join(["measurement"] + [f"{n}" for n in names]))
-        rows = [{tuple(row[k] for k in keys): row for row in r["rows"]} for r in reps]
-        order = list(dict.fromkeys(k for rs in rows for k in rs))
-        for key in order:
-            base = rows[0].get(key, {}).get(figure)
+        out.append(f"== {t.name} ({t.unit}; ratio = vs {names[0]}{'' if t.higher else ', inverted: >1 is better'})")
+        out.append(" | ".join([" ".join(t.keys + t.extra_keys)] + names))
+        rows = [{t.key(r, row): row for row in r["rows"] if t.rows(row)} for r in reps]
+        for key in dict.fromkeys(k for rs in rows for k in rs):
+            base = rows[0].get(key, {}).get(t.figure)
             cells = []
             for rs in rows:
-                v = rs.get(key, {}).get(figure)
+                v = rs.get(key, {}).get(t.figure)
                 if v is None:
                     cells.append("-")
                     continue
-                ratio = "" if not base else f" ({(v / base if higher else base / v):.2f}x)"
+                ratio = "" if not base or not v else f" ({(v / base if t.higher else base / v):.2f}x)"
                 cells.append(f"{v:.4g}{ratio}")
             out.append(" | ".join([" ".join(str(k) for k in key)] + cells))
         out.append("")
@@ -72,12 +108,15 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
     written = []
     comm = [r for r in reports if r["kind"] == "comm"]
     if comm:
-        ops = sorted({row["op"] for r in comm for row in r["rows"]})
-        fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.5), squeeze=False)
+        ops = sorted({row["op"] for r in comm for row in r["rows"] if row["op"] not in HOST_OPS})
+        fig, axes = plt.subplots(1, max(len(ops), 1), figsize=(4 * max(len(ops), 1), 3.5), squeeze=False)
         for ax, op in zip(axes[0], ops):
             for r in comm:
-                pts = sorted((row["bytes"], row["busbw_gbs"]) for row in r["rows"] if row["op"] == op)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label(r))
+                for group in dict.fromkeys(row.get("group", "world") for row in r["rows"] if row["op"] == op):
+                    pts = sorted((row["bytes"], row["busbw_gbs"]) for row in r["rows"]
+                                 if row["op"] == op and row.get("group", "world") == group)
+                    name = label(r) + ("" if group == "world" else f" {group}")
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
             ax.set_xscale("log", base=2), ax.set_title(op), ax.set_xlabel("bytes"), ax.set_ylim(bottom=0)
         axes[0][0].set_ylabel("bus bandwidth (GB/s)"), axes[0][0].legend(fontsize=7)
         written.append(_save(fig, out_dir, "comm_busbw.png"))
@@ -87,7 +126,8 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4))
         width = 0.8 / len(gemm)
         for i, r in enumerate(gemm):
-            best = [max((row["tflops"] for row in r["rows"] if row["dtype"] == d), default=0) for d in dtypes]
+            best = [max((row["tflops"] for row in r["rows"] if row["dtype"] == d and row["tflops"] is not None),
+                        default=float("nan")) for d in dtypes]  # a dtype the report lacks: no bar, not a zero
             ax.bar([j + i * width for j in range(len(dtypes))], best, width, label=label(r))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(dtypes))], dtypes), ax.set_ylabel("best TFLOP/s")
         ax.legend(fontsize=7)

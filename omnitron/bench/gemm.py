@@ -1,9 +1,11 @@
 """``omnitron bench gemm``: matrix-multiply throughput per dtype, against the backend's peak.
 
 Square sizes and, with ``--model NAME``, the GEMMs of that preset's layer (QKV, attention projection,
-fc1, fc2 at ``tokens`` rows; the weight-gradient of fc1). Dtypes: fp32, tf32 (where the device has it:
-``torch.backends.cuda.matmul.allow_tf32``), bf16, fp16, and FP8 through the backend's FP8 provider:
-per-tensor and row-wise scaled GEMMs and block-wise (1x128 by 128x128 tiles). TFLOP/s = 2mnk / time.
+fc1, fc2 at ``tokens`` rows; the weight-gradient of fc1). Dtypes: fp32, tf32 (where the bench can switch it on:
+``torch.backends.cuda.matmul.allow_tf32``; on a backend whose float32 GEMMs run in TF32 anyway, capabilities
+``fp32_matmul``, the fp32 row says so, is set against TF32's peak and its ``math`` is tf32), bf16, fp16, and
+FP8 through the backend's FP8 provider: per-tensor and row-wise scaled GEMMs and block-wise (1x128 by 128x128
+tiles). TFLOP/s = 2mnk / time; ``math`` the arithmetic whose peak ``pct_peak`` divides by.
 On a backend whose FP8 path is the emulation the FP8 rows time the emulation (the ``note`` says so).
 """
 from __future__ import annotations
@@ -82,19 +84,23 @@ def run(backend, *, sizes: list[int], dtypes: list[str], model: str | None = Non
     """Rows of TFLOP/s (and % of the backend's peak where it knows one) for every shape and dtype."""
     shapes = [(f"square:{s}", s, s, s) for s in sizes] + (model_shapes(model, tokens) if model else [])
     caps, rows = backend.capabilities(), []
+    as_tf32 = caps.fp32_matmul == "tf32"  # the backend's float32 GEMMs run in TF32 (torch_musa 2.7's default)
     for dtype in dtypes:
-        if dtype == "tf32" and backend.device_type == "cpu":
-            continue  # no tf32 on the CPU
+        if dtype == "tf32" and backend.device_type != "cuda":
+            continue  # the row's switch is torch.backends.cuda's: elsewhere it would time whatever fp32 runs as
         if dtype not in ("fp32", "tf32") and _TORCH.get(dtype, torch.bfloat16) not in caps.dtypes:
             continue
         if dtype.startswith("fp8") and not (caps.fp8_formats and caps.fp8_recipes):
             continue  # a device without float8 (--fp8-format is refused there): no FP8 row to report
-        peak = caps.peak("fp8" if dtype.startswith("fp8") else dtype if dtype != "tf32" else "tf32")
+        math = "fp8" if dtype.startswith("fp8") else "tf32" if dtype == "fp32" and as_tf32 else dtype
+        peak = caps.peak(math)
         for shape, m, n, k in shapes:
             ms, note = bench_one(backend, dtype, m, n, k, rounds=rounds, budget_s=budget_s)
+            if dtype == "fp32" and as_tf32:
+                note = "float32 GEMMs run in TF32 on this backend (capabilities fp32_matmul): TF32's peak"
             tflops = 2.0 * m * n * k / (ms * 1e-3) / 1e12
-            rows.append({"dtype": dtype, "shape": shape, "m": m, "n": n, "k": k, "ms": ms, "tflops": tflops,
-                         "peak_tflops": peak / 1e12 if peak else None,
+            rows.append({"dtype": dtype, "math": math, "shape": shape, "m": m, "n": n, "k": k, "ms": ms,
+                         "tflops": tflops, "peak_tflops": peak / 1e12 if peak else None,
                          "pct_peak": 100.0 * tflops * 1e12 / peak if peak else None, "note": note})
             log(f"gemm {dtype:10s} {shape:24s} {m}x{n}x{k}: {ms:9.3f} ms {tflops:8.3f} TFLOP/s {note}")
     return rows

@@ -32,6 +32,9 @@ ROW_FIELDS = {
     "train": ("model", "layout", "iterations", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes"),
 }
 """The fields every row of a kind has (a figure may be None where it could not be measured, with a ``note``)."""
+FIGURES = ("ms", "tflops", "tflops_fa", "gbs", "algbw_gbs", "busbw_gbs", "slowdown", "bytes", "ranks", "m", "n", "k",
+           "seq", "heads", "head_dim", "elements", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes")
+"""Row fields that are numbers (or None) wherever a row has them: what tables, ratios and plots compute with."""
 
 
 class ReportError(ValueError):
@@ -77,16 +80,22 @@ def validate(rep, where: str) -> dict:
     kind = rep.get("kind")
     if kind not in ROW_FIELDS:
         raise ReportError(f"{where}: unknown kind {kind!r}; kinds are {', '.join(ROW_FIELDS)}")
-    for key in ("machine", "rows", "extra"):
-        if key not in rep:
-            raise ReportError(f"{where}: no {key!r}")
+    for key, typ, json_type in (("machine", dict, "object"), ("rows", list, "array"), ("extra", dict, "object")):
+        if not isinstance(rep.get(key), typ):
+            raise ReportError(f"{where}: {key!r} is {'missing' if key not in rep else 'not a JSON ' + json_type}")
     for i, row in enumerate(rep["rows"]):
+        if not isinstance(row, dict):
+            raise ReportError(f"{where}: row {i} is not an object")
         missing = [f for f in ROW_FIELDS[kind] if f not in row]
         if missing:
             raise ReportError(f"{where}: row {i} of a {kind} report lacks {', '.join(missing)}")
         bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
             raise ReportError(f"{where}: row {i} holds a non-finite {bad[0]}")
+        text = [k for k in FIGURES if row.get(k) is not None and (isinstance(row[k], bool)
+                                                                  or not isinstance(row[k], (int, float)))]
+        if text:
+            raise ReportError(f"{where}: row {i}'s {text[0]} is {row[text[0]]!r}, not a number")
     return rep
 
 

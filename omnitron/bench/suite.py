@@ -53,7 +53,7 @@ def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> di
     lo, hi, factor = sz["comm"]
     one("comm", lambda: comm.run(backend.name, nproc=nproc, ops=comm.OPS + comm.HOST_OPS, byte_sizes=comm.sizes(lo, hi, factor),
                                  rounds=5, budget_s=0.5))
-    one("kernels", lambda: _kernels(backend, sz["kernels"]), copy_gbs=copy)
+    one("kernels", lambda: _kernels(backend, sz["kernels"]), copy_gbs=copy, size=sz["kernels"])
     one("attention", lambda: attention.run(backend, seqs=sz["attention"], log=lambda *_: None))
     import torch
 

@@ -4,9 +4,11 @@ Figures per run (the iterations after the first, which builds caches and warms u
 
 * tokens/s and TFLOP/s per device under one formula, Megatron's as it was (attention scores non-causal, logits
   counted: :func:`omnitron.core.models.gpt.config.flops_per_iteration`), and beside it the causal-halved
-  figure, which is the training log's (Megatron's current count); MFU against the backend's peak for the run's
-  dtype where the backend knows it;
-* peak memory (the backend's statistics, largest over ranks);
+  figure, which is the training log's (Megatron's current count; for MoE, MLA and MTP models, which
+  ``flops_per_iteration`` counts by Megatron's current formula, the two are equal); MFU against the backend's
+  peak for the run's dtype where the backend knows it;
+* peak memory (the backend's statistics, largest over ranks: the run's ``mem_max_allocated_bytes`` of
+  ``--log-memory-to-tensorboard``; the log's ``peak_memory_bytes`` is rank 0's alone, and pipeline stages differ);
 * the time split of a step from the run's own timers (``--timing-log-level 2``): compute (forward and
   backward actions; synchronous devices only), communication (gradient reduction and parameter gather),
   pipeline wait, optimizer.
@@ -51,6 +53,15 @@ def _split(rec: dict) -> dict:
             "pipeline_wait_ms": ms("pipeline_wait"), "optimizer_ms": ms("optimizer")}
 
 
+def _peak_memory(recs: list[dict]) -> int | None:
+    """The run's peak memory, the largest over ranks and iterations (rank 0's where the backend gave no other)."""
+    for key in ("mem_max_allocated_bytes", "peak_memory_bytes"):
+        values = [r[key] for r in recs if r.get(key)]
+        if values:
+            return int(max(values))
+    return None
+
+
 def _flops_ratio(settings) -> float:
     """Causal-halved FLOPs / Megatron's FLOPs for the run's model (vocabulary from its tokenizer)."""
     from dataclasses import replace
@@ -73,7 +84,8 @@ def run(*, model: str, layout: str, iterations: int, extra: list[str], backend: 
 
     dims, world = parse_layout(layout)
     flags = ["--model", model, "--train-iters", str(iterations), "--log-interval", "1", "--timing-log-level", "2",
-             "--log-throughput", "--no-tensorboard", "--eval-interval", "0", "--nproc-per-node", str(world)]
+             "--log-throughput", "--log-memory-to-tensorboard", "--no-tensorboard", "--eval-interval", "0",
+             "--nproc-per-node", str(world)]
     for key, flag in LAYOUT_KEYS.items():
         if dims[key] > 1:
             flags += [flag, str(dims[key])]
@@ -103,5 +115,5 @@ def run(*, model: str, layout: str, iterations: int, extra: list[str], backend: 
             "tokens_per_s": statistics.median(r["tokens_per_sec"] for r in steady),
             "tflops_per_device": tflops, "tflops_per_device_causal": tflops * ratio, "mfu": mfu,
             "mfu_causal": mfu * ratio if mfu is not None else None,
-            "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0) for r in recs) or None, **split,
+            "peak_memory_bytes": _peak_memory(recs), **split,
             "extra_flags": " ".join(extra)}

@@ -4,7 +4,8 @@ on it (``bench all``'s folder, or gemm / memory / comm reports).
 
 Per row:
 
-- GEMM (a dtype the profile has a peak for): ``TFLOP/s / peak`` (the achieved fraction of the datasheet), and
+- GEMM (a dtype the profile has a peak for; the peak of the row's ``math`` where it has one): ``TFLOP/s / peak``
+  (the achieved fraction of the datasheet), and
   ``/ (peak x gemm(2 m n k))`` (measured over what the profile predicts for that size; FP8 rows over its
   ``gemm_fp8`` curve where it has one);
 - memory ``copy`` / ``read`` / ``write``: ``GB/s / bandwidth`` and ``/ (bandwidth x memory(bytes moved))``;
@@ -28,7 +29,8 @@ _DTYPES = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16"}
 def _gemm_rows(profile, rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
-        peak_name = "fp8" if str(r["dtype"]).startswith("fp8") else _DTYPES.get(r["dtype"])
+        # ``math``: the arithmetic the GEMM ran in (an fp32 row of a backend running float32 GEMMs in TF32: tf32)
+        peak_name = "fp8" if str(r["dtype"]).startswith("fp8") else _DTYPES.get(r.get("math") or r["dtype"])
         if peak_name not in profile.peak or not r.get("tflops"):
             continue
         flops = 2.0 * r["m"] * r["n"] * r["k"]

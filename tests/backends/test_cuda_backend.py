@@ -64,3 +64,19 @@ def test_strict_p2p_posts_one_group_per_batch_on_nccl():
     """NCCL runs a communicator's p2p groups in order, each until all its operations ran: strict mode must post each
     batch as one group there (the shape checked under NCCL's rule in tests/backends/test_strict_nccl_groups.py)."""
     assert CUDABackend().collectives.p2p_groups_in_order
+
+
+@pytest.mark.parametrize("name, profile", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+                                           ("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"), ("NVIDIA B200", "b200")])
+def test_peak_table_agrees_with_the_device_profiles(name, profile):
+    """The peaks MFU and ``omnitron bench gemm``'s % of peak divide by are the planner's profiles' (each citing
+    its datasheet), TF32 included (the bench's tf32 row had no peak on any GPU). The table rounds to 3-4
+    significant figures (989 for 989.4): within 0.1%. The profile's B200 FP32 is marked uncertain there and
+    the table leaves it out."""
+    from omnitron.plan.profile import load
+
+    table, prof = peak_flops(name), load(profile)
+    assert table["tf32"] is not None
+    for dtype, value in table.items():
+        if value is not None:
+            assert value == pytest.approx(prof.peak_of(dtype), rel=1e-3), (name, dtype)

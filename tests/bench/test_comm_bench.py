@@ -5,8 +5,10 @@ cpu ranks each report their own placement."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
+import torch
 
 from omnitron.bench import comm
 
@@ -132,3 +134,69 @@ def test_placement_uses_local_rank(monkeypatch):
     assert comm.placement(d, 13) == 2 and d.index == 2  # LOCAL_RANK, modulo the devices seen
     monkeypatch.delenv("LOCAL_RANK")
     assert comm.placement(d, 3) == 3 and d.index == 3
+
+
+class _ThreadWorld:
+    """Ranks as threads of one process: a backend and collectives in lock step (the reductions a rank sees are
+    computed from every rank's deposit), and point-to-point calls taking ``p2p_s`` each."""
+
+    def __init__(self, world: int, p2p_s: float):
+        import threading
+
+        self.world, self.p2p_s, self.slots = world, p2p_s, [None] * world
+        self.gate, self.local = threading.Barrier(world), threading.local()
+
+    def view(self, rank: int):
+
+        class Rank:
+            collectives = self
+
+            def current_device(self):
+                return torch.device("cpu")
+
+            def synchronize(self):
+                pass
+
+        self.local.rank = rank
+        return Rank()
+
+    def barrier(self, group=None):
+        self.gate.wait()
+
+    def world_size(self, group=None):
+        return self.world
+
+    def all_reduce(self, t, op=None, group=None):
+        from omnitron.backends.collectives import ReduceOp
+
+        self.slots[self.local.rank] = t.clone()
+        self.gate.wait()
+        stack = torch.stack(self.slots)
+        self.gate.wait()
+        t.copy_(stack.sum(0) if op == ReduceOp.SUM else stack.max(0).values)
+
+    def send(self, x, peer):
+        time.sleep(self.p2p_s)
+
+    recv = send
+
+
+def test_p2p_of_an_odd_group_averages_the_ranks_that_take_part():
+    """Three ranks: 0 -> 1 is the pair and rank 2 sits out. Each pair call takes at least ``p2p_s`` (a sleep),
+    so the time per call is at least that: the idle rank's near-zero time is not averaged in (it was: 2/3 of it,
+    so the bandwidth read 1.5x high)."""
+    import threading
+
+    p2p_s, world = random.uniform(0.004, 0.008), 3
+    fake, rows = _ThreadWorld(world, p2p_s), {}
+
+    def rank(r):
+        rows[r] = comm.measure(fake.view(r), r, world, ["p2p"], [1024], rounds=3, budget_s=1.0, warmup=1)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    (row,) = rows[0]
+    assert rows[1] == rows[2] == rows[0] and row["ranks"] == 3
+    assert row["ms"] >= p2p_s * 1e3  # the pair's own calls: time.sleep sleeps at least as long as asked
+    assert row["algbw_gbs"] == pytest.approx(row["bytes"] / (row["ms"] * 1e-3) / 1e9, rel=1e-12)

@@ -97,3 +97,18 @@ def test_cpu_reports_and_empty_ones_refused(tmp_path, capsys):
     fp32 = [dict(row[0], dtype="fp32")]  # the profile has no tf32 peak: nothing to calibrate
     assert main(["bench", "calibrate", _report(tmp_path, "gemm", fp32), "--device", str(prof)]) == 2
     assert "no gemm, memory or intra-node collective rows" in capsys.readouterr().err
+
+
+def test_an_fp32_gemm_run_in_tf32_is_set_against_tf32s_peak(tmp_path):
+    """``omnitron bench gemm`` marks an fp32 row whose GEMM ran in TF32 (a backend's ``fp32_matmul``) with
+    ``math`` tf32: its datasheet fraction is over TF32's peak (t / 400 here), not FP32's (t / 25)."""
+    prof = tmp_path / "round.toml"
+    prof.write_text(PROFILE.replace("bf16 = 100.0", "fp32 = 25.0\ntf32 = 400.0\nbf16 = 100.0"))
+    t1, t2 = (random.uniform(10, 90) for _ in range(2))
+    gemm = _report(tmp_path, "gemm", [{"dtype": "fp32", "math": math, "shape": "square", "m": 512, "n": 512,
+                                       "k": 512, "ms": 1.0, "tflops": t} for math, t in (("tf32", t1), ("fp32", t2))])
+    out = tmp_path / "cal.json"
+    assert main(["bench", "calibrate", gemm, "--device", str(prof), "--json", str(out)]) == 0
+    rows = {r["measured"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[t1]["of_datasheet"] == pytest.approx(t1 / 400, rel=1e-12)
+    assert rows[t2]["of_datasheet"] == pytest.approx(t2 / 25, rel=1e-12)

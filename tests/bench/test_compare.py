@@ -1,0 +1,227 @@
+"""``omnitron bench compare``'s tables, checked against the reports they are made from: every row of every report
+appears once under the measurement it names (no two rows of one report folded into one line: the attention
+rows with and without dropout, each comm group, the comm report's host rows), with its own figure and the ratio
+to the first report's computed here from the definition (higher-is-better figures: this / first; times and
+slowdowns: first / this); rows of problems of another size (a kernels report's ``size``) are not set side by
+side. Reports are made of fresh random figures each run. Also: the copy bandwidth the kernels are judged against
+(the largest copy's), and corrupt reports refused in one line."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from omnitron.bench import compare
+
+
+def _report(kind: str, device: str, rows: list[dict], **extra) -> dict:
+    return {"kind": kind, "machine": {"backend": "cpu", "device_name": device}, "rows": rows, "extra": extra}
+
+
+def _fig(rng: random.Random) -> float:
+    return rng.uniform(0.5, 50.0)
+
+
+def _attention(rng):
+    return [{"impl": impl, "dtype": "float32", "seq": s, "heads": 2, "head_dim": 16, "batch": 1, "causal": causal,
+             "dropout": p, "ms": 1.0, "tflops": _fig(rng)}
+            for impl in ("op:reference", "ring_block") for s in (32, 64) for causal in (True, False)
+            for p in (0.0, 0.1)]
+
+
+def _comm(rng):
+    link = [{"op": op, "bytes": b, "ranks": n, "group": g, "ms": 1.0, "algbw_gbs": 1.0, "busbw_gbs": _fig(rng)}
+            for op in ("all_reduce", "p2p") for b in (1024, 65536) for g, n in (("world", 4), ("intra", 2),
+                                                                                ("inter", 2))]
+    host = [{"op": op, "bytes": 0, "ranks": 4, "ms": _fig(rng), "alone_ms": 1.0, "slowdown": _fig(rng),
+             "algbw_gbs": 0.0, "busbw_gbs": 0.0} for op in ("host_gemm", "host_stream")]
+    return link + host
+
+
+def _elementwise(rng):
+    return [{"op": op, "mode": mode, "elements": n, "width": 64, "dtype": "float32", "ms": _fig(rng)}
+            for op in ("gelu", "add") for mode in ("fwd", "bwd") for n in (1024, 4096)]
+
+
+def _lines(text: str, name: str) -> dict[str, list[str]]:
+    """{measurement: cells} of table ``name`` in ``text``."""
+    block = text.split(f"== {name} (")[1].split("\n\n")[0].splitlines()[2:]
+    return {cells[0]: cells[1:] for cells in (line.split(" | ") for line in block)}
+
+
+def _expect(cell: str, v: float, base: float, higher: bool) -> None:
+    ratio = v / base if higher else base / v
+    assert cell == f"{v:.4g} ({ratio:.2f}x)", (cell, v, base)
+
+
+@pytest.mark.parametrize("kind,make,table,keys,figure,higher", [
+    ("attention", _attention, "attention",
+     ("impl", "dtype", "seq", "heads", "head_dim", "batch", "causal", "dropout"), "tflops", True),
+    ("comm", _comm, "comm", ("group", "op", "bytes", "ranks"), "busbw_gbs", True),
+    ("comm", _comm, "comm host", ("op", "ranks"), "slowdown", False),
+    ("elementwise", _elementwise, "elementwise", ("op", "mode", "elements", "width", "dtype"), "ms", False),
+])
+def test_every_row_once_with_its_figure_and_ratio(kind, make, table, keys, figure, higher):
+    rng = random.Random()
+    a, b = make(rng), make(rng)
+    rng.shuffle(b)  # the second report's rows in another order: matched by what they measured
+    text = compare.tables([_report(kind, "A", a), _report(kind, "B", b)])
+    lines = _lines(text, table)
+    host = ("host_gemm", "host_stream")
+    mine = [r for r in a if (r["op"] in host) == (table == "comm host")] if kind == "comm" else a
+    assert len(lines) == len(mine)  # one line per row: no row folded into another
+    for row in mine:
+        name = " ".join(str(row[k]) for k in keys)
+        other = next(r for r in b if all(r.get(k) == row[k] for k in keys))
+        _expect(lines[name][0], row[figure], row[figure], higher)
+        _expect(lines[name][1], other[figure], row[figure], higher)
+
+
+def test_kernels_of_another_size_are_not_side_by_side():
+    rng = random.Random()
+    rows = [{"op": "rms_norm", "dtype": "float32", "mode": "fwd", "impl": "cpp", "ms": _fig(rng), "gbs": 1.0}]
+    small, large = _report("kernels", "A", rows, size="small"), _report("kernels", "B", rows, size="large")
+    lines = _lines(compare.tables([small, large]), "kernels")
+    assert lines == {"rms_norm float32 fwd cpp size small": [f"{rows[0]['ms']:.4g} (1.00x)", "-"],
+                     "rms_norm float32 fwd cpp size large": ["-", f"{rows[0]['ms']:.4g}"]}
+    same = _lines(compare.tables([small, _report("kernels", "B", rows, size="small")]), "kernels")
+    assert list(same) == ["rms_norm float32 fwd cpp size small"] and same[list(same)[0]][1].endswith("(1.00x)")
+
+
+def test_rows_of_older_reports_take_the_defaults():
+    """Comm rows without ``group`` were the world's; attention rows without ``dropout`` / ``batch`` ran 0.0 / 1."""
+    rng = random.Random()
+    new = _attention(rng)
+    old = [{k: v for k, v in r.items() if k not in ("dropout", "batch")} for r in new if r["dropout"] == 0.0]
+    lines = _lines(compare.tables([_report("attention", "A", new), _report("attention", "B", old)]), "attention")
+    for row in new:
+        cells = lines[" ".join(str(row[k]) for k in ("impl", "dtype", "seq", "heads", "head_dim", "batch", "causal",
+                                                    "dropout"))]
+        assert (cells[1] == "-") == (row["dropout"] == 0.1)
+
+
+def test_copy_bandwidth_is_the_largest_copys():
+    """The kernels' % of copy bandwidth divides by the device memory's copy rate: the largest copy of a memory
+    report (bytes read + written over its time), not a faster cache-sized one."""
+    from omnitron.bench.memory import copy_gbs
+
+    rng = random.Random()
+    sizes = sorted(rng.sample([1 << p for p in range(12, 31)], 4))
+    rows = [{"op": op, "bytes": b, "ms": rng.uniform(0.01, 5.0)} for b in sizes for op in ("copy", "read", "write")]
+    for r in rows:
+        r["gbs"] = (2 if r["op"] == "copy" else 1) * r["bytes"] / (r["ms"] * 1e-3) / 1e9
+    rows[0]["gbs"] = max(r["gbs"] for r in rows) * 2  # the smallest copy, in a cache, fastest of all
+    rng.shuffle(rows)
+    last = next(r for r in rows if r["op"] == "copy" and r["bytes"] == sizes[-1])
+    assert copy_gbs(rows) == pytest.approx(2 * sizes[-1] / (last["ms"] * 1e-3) / 1e9, rel=1e-12)
+    assert copy_gbs([r for r in rows if r["op"] != "copy"]) is None
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"rows": {"a": 1}}, "'rows' is not a JSON array"), ({"rows": None}, "'rows' is not a JSON array"),
+    ({"rows": ["x"]}, "row 0 is not an object"), ({"machine": {}}, "the machine has no 'backend'"),
+    ({"machine": []}, "'machine' is not a JSON object"), ({"extra": None}, "'extra' is not a JSON object"),
+    ({"rows": [{"op": "copy", "bytes": 1, "ms": 1.0, "gbs": "fast"}]}, "row 0's gbs is 'fast', not a number"),
+])
+def test_a_corrupt_report_is_one_line(tmp_path, capsys, change, words):
+    """Every part of a report that compare reads is checked on load: one line naming the file and the fault
+    (these were tracebacks: a KeyError on the machine's name, a TypeError dividing strings or iterating None)."""
+    import json
+
+    from omnitron.backends import get_backend
+    from omnitron.bench.report import new_report
+    from omnitron.cli import main
+
+    good = new_report("memory", get_backend("cpu"), [{"op": "copy", "bytes": 1024, "ms": 1.0, "gbs": 2.048e-3}])
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    (tmp_path / "bad.json").write_text(json.dumps({**good, **change}))
+    assert main(["bench", "compare", str(tmp_path / "bad.json"), str(tmp_path / "good.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.json" in err and words in err, err
+
+
+def test_suite_kernels_report_names_its_size_and_memory_copy(tmp_path, monkeypatch):
+    """``bench all``'s kernels report carries its problem size (what compare matches kernels by) and the copy
+    bandwidth of the same run's memory report at its largest size (the sub-benchmarks stubbed: only the wiring)."""
+    from omnitron.backends import get_backend
+    from omnitron.bench import attention, comm, elementwise, gemm, memory, suite, train
+    from omnitron.bench.report import load
+
+    rng = random.Random()
+    copies = [{"op": "copy", "bytes": b, "ms": 1.0, "gbs": _fig(rng)} for b in suite.CPU["memory"]]
+    kernel = {"op": "add", "dtype": "float32", "mode": "fwd", "impl": "cpp", "ms": 1.0, "gbs": 1.0}
+    monkeypatch.setattr(memory, "run", lambda *a, **k: copies)
+    monkeypatch.setattr(suite, "_kernels", lambda *a, **k: [kernel])
+    for mod in (gemm, comm, attention, elementwise):
+        monkeypatch.setattr(mod, "run", lambda *a, **k: [])
+    monkeypatch.setattr(train, "run", lambda *a, **k: 1 / 0)  # a kind that fails is left out
+    written = suite.run_all(get_backend("cpu"), str(tmp_path), log=lambda *_: None)
+    extra = load(written["kernels"])["extra"]
+    assert extra == {"copy_gbs": copies[-1]["gbs"], "size": suite.CPU["kernels"]} and "train" not in written
+
+
+def test_gemm_plot_draws_no_bar_for_a_dtype_a_report_lacks(tmp_path, monkeypatch):
+    """A CPU report has no tf32 row: its bar there is absent (NaN), not a 0 TFLOP/s measurement."""
+    pytest.importorskip("matplotlib")
+    import math
+
+    from matplotlib.axes import Axes
+
+    rng = random.Random()
+    cpu = [{"dtype": d, "shape": "square:64", "tflops": _fig(rng)} for d in ("fp32", "bf16")]
+    dev = [{"dtype": d, "shape": "square:64", "tflops": _fig(rng)} for d in ("fp32", "tf32", "bf16")]
+    drawn, bar = [], Axes.bar
+
+    def record(self, x, height, *a, **k):
+        drawn.append(list(height))
+        return bar(self, x, height, *a, **k)
+
+    monkeypatch.setattr(Axes, "bar", record)
+    compare.plots([_report("gemm", "A", cpu), _report("gemm", "B", dev)], str(tmp_path))
+    (a, b) = drawn  # dtypes in order of first appearance: fp32, bf16, tf32
+    assert a[:2] == [cpu[0]["tflops"], cpu[1]["tflops"]] and math.isnan(a[2])
+    assert b == [dev[0]["tflops"], dev[2]["tflops"], dev[1]["tflops"]]
+
+
+def test_comm_plot_has_a_panel_per_link_op_and_a_line_per_group(tmp_path, monkeypatch):
+    """The host rows (no bytes, no bandwidth) draw no empty panel; each group of a report is its own line."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    titles, lines, plot, title = [], [], Axes.plot, Axes.set_title
+    monkeypatch.setattr(Axes, "plot", lambda self, x, y, *a, **k: lines.append((k["label"], list(x))) or
+                        plot(self, x, y, *a, **k))
+    monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t) or title(self, t, *a, **k))
+    compare.plots([_report("comm", "A", _comm(random.Random()))], str(tmp_path))
+    assert titles == ["all_reduce", "p2p"]
+    assert lines == [(name, [1024, 65536]) for _ in titles for name in ("cpu:A", "cpu:A intra", "cpu:A inter")]
+
+
+def test_train_rows_of_other_flags_or_batches_are_not_side_by_side():
+    """An FP8 run's row and a bf16 run's share model, layout and dtype (the parameters' bf16): the flags tell
+    them apart; so do the batch and the sequence length."""
+    rng = random.Random()
+
+    def row(flags, gbs=16, seq=2048):
+        return {"model": "gpt_1p3b", "layout": "single", "dtype": "bf16", "global_batch_size": gbs, "seq_length": seq,
+                "iterations": 8, "step_ms": 1.0, "tokens_per_s": _fig(rng), "tflops_per_device": 1.0,
+                "peak_memory_bytes": 1, "extra_flags": flags}
+
+    a = [row("--bf16"), row("--bf16", gbs=32)]
+    b = [row("--bf16 --fp8-format hybrid"), row("--bf16", seq=4096), row("--bf16")]
+    lines = _lines(compare.tables([_report("train", "A", a), _report("train", "B", b)]), "train")
+    assert len(lines) == 4  # a[0] and b[2] measured the same run
+    same = [cells for cells in lines.values() if "-" not in cells]
+    assert same == [[f"{a[0]['tokens_per_s']:.4g} (1.00x)",
+                     f"{b[2]['tokens_per_s']:.4g} ({b[2]['tokens_per_s'] / a[0]['tokens_per_s']:.2f}x)"]]
+
+
+def test_gemm_rows_of_a_layer_at_other_token_counts_are_not_side_by_side():
+    """``--model gpt_1p3b --tokens 4096`` and ``--tokens 8192`` name their GEMMs alike ("gpt_1p3b:qkv"); the
+    rows' m, n, k tell them apart."""
+    rng = random.Random()
+    a = [{"dtype": "bf16", "shape": "gpt_1p3b:qkv", "m": 4096, "n": 6144, "k": 2048, "ms": 1.0, "tflops": _fig(rng)}]
+    b = [dict(a[0], m=8192, tflops=_fig(rng)), dict(a[0], tflops=_fig(rng))]
+    lines = _lines(compare.tables([_report("gemm", "A", a), _report("gemm", "B", b)]), "gemm")
+    assert lines["bf16 gpt_1p3b:qkv 8192 6144 2048"] == ["-", f"{b[0]['tflops']:.4g}"]
+    _expect(lines["bf16 gpt_1p3b:qkv 4096 6144 2048"][1], b[1]["tflops"], a[0]["tflops"], True)
