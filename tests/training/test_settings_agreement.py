@@ -11,11 +11,13 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
 
-from omnitron.core.config.parallel import ConfigError
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.parallel.grid import rank_grid
 from omnitron.core.training.agreement import SEES_SAVE, canonical, check_same_settings
 from omnitron.core.training.arguments import parse_settings
 from omnitron.testing.faults import on_own_disk, private_mount_works
@@ -153,3 +155,44 @@ def test_a_node_whose_save_is_its_own_disk_stops_before_training(tmp_path):
         assert f"--save {save} is not one directory shared by every node: rank 1 of 2 does not see the file rank 0 " \
                "made in it" in _last_line(out), out[-3000:]
     assert sorted(os.listdir(save)) == ["omnitron.lock"]  # no checkpoint begun, rank 0's mark removed
+
+
+PLANTED = """import os, sys
+if os.environ["RANK"] == "1":  # a branch only node 1 takes: one group more, before the job's groups
+    from omnitron.core.parallel.groups import ParallelGroups
+    build = ParallelGroups.build.__func__
+
+    def planted(cls, config, collectives=None, *, backend=None):
+        (collectives or backend.collectives).new_group([0, 1], "planted")
+        return build(cls, config, collectives, backend=backend)
+
+    ParallelGroups.build = classmethod(planted)
+from omnitron.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_creating_different_groups_stop_in_one_line_naming_the_group(tmp_path):
+    """Node 1 creates one process group more than node 0 (planted before the job's groups): both nodes stop at
+    once, naming the group and the rank, well within the job's timeout. Without the agreement node 1 waited in
+    torch's new_group for its default 30 minutes, node 0 in a collective on a group node 1 never made. About
+    20 s on 2 cores."""
+    script = tmp_path / "planted.py"
+    script.write_text(PLANTED)
+
+    def run_script(node, argv):
+        at = argv.index("omnitron.train")  # torchrun runs the script in place of -m omnitron.train
+        return argv[:at - 1] + [str(script)] + argv[at + 1:]
+
+    start = time.monotonic()
+    got = _two_nodes(tmp_path, [["--distributed-timeout-minutes", "5"]] * 2, run_script)
+    built = "; ".join(f"{name} [0, 1]" for name, lists in rank_grid(ParallelConfig(), 2).items() if lists == [[0, 1]])
+    line = (f"process group creation #1 ({built}): rank 1 of 2 create other groups (rank 1 creates planted [0, 1]): "
+            f"every rank must create the same groups in the same order")
+    for node, (code, out) in enumerate(got):
+        assert code == 1, out[-3000:]
+        last = _last_line(out)
+        assert last.startswith(f"traceback : omnitron train: error: rank {node} (pid ") and last.endswith(
+            f" stopped: {line}"), out[-3000:]
+    assert time.monotonic() - start < 5 * 60, "the deadline (5 minutes) passed: the mismatch was not found at once"

@@ -86,7 +86,7 @@ def join_job(settings, backend) -> Watchdog:
         lg.log_dir = store.get("run_dir").decode() or None
     agreement.agreed(store, rank, world, settings, max(timeout, JOIN_TIMEOUT_S))
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
-                                           store=store)
+                                           store=store, group_deadline_s=timeout)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
 
 
