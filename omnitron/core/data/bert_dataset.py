@@ -382,11 +382,12 @@ def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int
 
 def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
                         binary_head: bool = True, is_builder_rank: bool = True, barrier=None, dataset_cls=None,
-                        **dataset_kw):
+                        is_node_builder: bool = False, **dataset_kw):
     """(train, valid, test) :class:`BertDataset` splits of ``config.data_path`` (documents split by
     ``--split``), of the bundled corpus split into sentences when no path is given, or synthetic
     (:class:`MockBertDataset`) with ``--mock-data``. Collective like
-    :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``.
+    :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()`` (and each
+    node's first rank, ``is_node_builder``, where its node's cache lacks them).
     ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset
     (and its ``mock_cls`` MockBertDataset)."""
     from .builder import DataError, check_vocabulary
@@ -417,7 +418,4 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
         return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build,
                                  dataset_cls or BertDataset, **kw) for i, n in enumerate(samples))
 
-    result = build_all(True) if is_builder_rank else None
-    if barrier is not None:
-        barrier()
-    return result if result is not None else build_all(False)
+    return cache.build_in_turn(build_all, is_builder_rank, barrier, is_node_builder)

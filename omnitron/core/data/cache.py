@@ -2,7 +2,8 @@
 
 One builder rank writes (arrays first, then the description as the completion marker, each
 through a temporary name and an atomic rename); the other ranks wait at the caller's barrier
-and memory-map what it wrote. A description that does not match its hash key is ignored.
+and memory-map what it wrote. A cache directory each node has on its own disk is built once per node
+(:func:`build_in_turn`). A description that does not match its hash key is ignored.
 The marker also records each array's dtype and shape: an array file that no longer reads back as written
 (truncated, overwritten, copied in part) is rebuilt on the builder rank (a warning names it) and refused on
 the others, never read as if it were the index.
@@ -30,6 +31,23 @@ def default_cache_dir() -> str:
 
 class IndexCacheMissing(RuntimeError):
     """A non-builder rank found no cache; the builder rank has not built it (or wrote elsewhere)."""
+
+
+def build_in_turn(build_all: Callable[[bool], tuple], is_builder_rank: bool, barrier: Callable[[], None] | None,
+                  is_node_builder: bool = False) -> tuple:
+    """``build_all(allow_build)`` on every rank, in turn: the builder rank (global rank 0) builds; after a barrier,
+    the first rank of each node (``is_node_builder``) loads that or, where its node's cache directory is a disk
+    of its own, builds its node's copy; after a second barrier the other ranks load. Megatron builds on rank 0
+    only (``build_on_rank``), so a node with its own cache finds nothing to load; concurrent node builds of a
+    shared directory are safe (each file is renamed into place whole, the same bytes from the same key)."""
+    result = build_all(True) if is_builder_rank else None
+    if barrier is None:
+        return result if result is not None else build_all(False)
+    barrier()
+    if result is None and is_node_builder:
+        result = build_all(True)
+    barrier()
+    return result if result is not None else build_all(False)
 
 
 def file_fingerprint(prefix: str) -> dict:
