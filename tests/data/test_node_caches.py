@@ -3,14 +3,17 @@ rank builds what its node's cache lacks, then the rest load. Four ranks on two "
 barrier a ``threading.Barrier`` whose action records the cache files at each of the two barriers."""
 from __future__ import annotations
 
+import errno
 import glob
 import os
+import random
 import threading
 
-import numpy as np
+import pytest
 import torch
 
-from omnitron.core.data import DataConfig, build_gpt_datasets, build_tokenizer
+from omnitron.core.data import DataConfig, DataError, build_gpt_datasets, build_tokenizer
+from omnitron.core.data.cache import build_in_turn
 from omnitron.testing.data import random_corpus
 
 SEQ, SAMPLES = 8, 30
@@ -69,3 +72,24 @@ def test_a_shared_cache_is_built_once(tmp_path):
     got, (first, second, end), reference = _four_ranks(tmp_path, shared=True)
     assert all(_same_samples(ds, reference) for ds in got), got
     assert first[0] and first == second == end  # the node's first rank loaded rank 0's files: none rebuilt
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES, errno.ENOSPC])
+def test_a_cache_directory_that_cannot_be_written_is_named(tmp_path, code):
+    """The build's OSError (a read-only disk, another user's directory, a full one) becomes one line naming the
+    directory; any other OSError is the build's own and passes unchanged."""
+    where, failing = str(tmp_path / "c"), str(tmp_path / "c" / f"x{random.randrange(99)}.npy")
+
+    def build_all(allow: bool):
+        raise OSError(code, os.strerror(code), failing)
+
+    with pytest.raises(DataError) as err:
+        build_in_turn(build_all, True, None, cache_dir=where)
+    assert str(err.value).startswith(f"--data-cache-path {where}: the index caches cannot be written there "
+                                     f"({os.strerror(code)}: {failing}); give a directory this node can write")
+
+    def missing(allow: bool):
+        raise FileNotFoundError(errno.ENOENT, "gone", failing)
+
+    with pytest.raises(FileNotFoundError):
+        build_in_turn(missing, True, None, cache_dir=where)

@@ -418,4 +418,4 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
         return tuple(_bert_split(config, tokenizer, blend, datasets, i, int(n), cache_dir, allow_build,
                                  dataset_cls or BertDataset, **kw) for i, n in enumerate(samples))
 
-    return cache.build_in_turn(build_all, is_builder_rank, barrier, is_node_builder)
+    return cache.build_in_turn(build_all, is_builder_rank, barrier, is_node_builder, cache_dir)

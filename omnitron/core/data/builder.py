@@ -189,4 +189,4 @@ def build_gpt_datasets(config: DataConfig, tokenizer: Tokenizer, *, train_sample
             for i, n in enumerate(samples))
     cache_dir = config.data_cache_path or default_cache_dir()
     return cache.build_in_turn(lambda allow: _build_all(config, tokenizer, samples, cache_dir, allow), is_builder_rank,
-                         barrier, is_node_builder)
+                               barrier, is_node_builder, cache_dir)
