@@ -135,8 +135,10 @@ def _differ_line(what: str, differ: list[int], world: int, first: dict, other: d
     r = differ[0]
     theirs = describe_groups([(n, m) for n, m in other["groups"]])
     where = (f"rank {r} creates {theirs}" if other["groups"] != first["groups"] else
-             f"rank {r} created {other['torch']} groups before it, rank 0 {first['torch']}")
-    return (f"{what}: {_ranks(differ)} of {world} create other groups ({where}): every rank must create the same "
+             f"the same groups, but rank {r} had made {other['torch']} process groups before them, rank 0 "
+             f"{first['torch']}: a group made on some ranks only, outside omnitron's collectives")
+    verb = "creates" if len(differ) == 1 else "create"
+    return (f"{what}: {_ranks(differ)} of {world} {verb} other groups ({where}): every rank must create the same "
             f"groups in the same order")
 
 

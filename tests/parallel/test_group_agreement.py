@@ -67,9 +67,34 @@ def test_a_group_only_one_rank_creates_stops_both_ranks_in_one_line_naming_it():
     line = lines.pop()
     built = "; ".join(f"{name} [0, 1]" for name, lists in rank_grid(ParallelConfig(tensor_model_parallel_size=2),
                                                                      2).items() if lists == [[0, 1]])
-    assert line == (f"GroupCreationError: process group creation #1 (extra [0, 1]): rank 1 of 2 create other groups "
+    assert line == (f"GroupCreationError: process group creation #1 (extra [0, 1]): rank 1 of 2 creates other groups "
                     f"(rank 1 creates {built}): every rank must create the same groups in the same order"), line
     assert all(s < LIMIT_S for _, s in got), got  # found at once: no need to wait for the deadline
+
+
+def _a_private_group_before():
+    """Ranks 1 and 2 each make a group of their own through torch (outside the collectives: no agreement), then
+    every rank creates the same group."""
+    import torch.distributed as dist
+
+    from omnitron.backends import group_agreement
+
+    group_agreement.set_limits(180.0, LIMIT_S)
+    rank = dist.get_rank()
+    if rank > 0:
+        dist.new_group([rank])  # a group of one: torch's counter moves on this rank only
+    return _outcome(lambda: _collectives().new_group([0, 1, 2], "x"))
+
+
+def test_groups_made_outside_on_some_ranks_are_named():
+    """The groups agree, torch's count of the groups made before them does not: the ranks' group names (torch
+    numbers them) no longer match, and the next group would wait on keys no peer writes."""
+    got = run_distributed(_a_private_group_before, 3, timeout_s=120)
+    lines = {line for line, _ in got}
+    assert lines == {"GroupCreationError: process group creation #1 (x [0, 1, 2]): ranks 1, 2 of 3 create other "
+                     "groups (the same groups, but rank 1 had made 2 process groups before them, rank 0 1: a group "
+                     "made on some ranks only, outside omnitron's collectives): every rank must create the same "
+                     "groups in the same order"}, lines
 
 
 def _one_rank_never_comes(absent: int):

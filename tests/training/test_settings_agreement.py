@@ -256,7 +256,7 @@ def test_two_torchrun_nodes_creating_different_groups_stop_in_one_line_naming_th
     start = time.monotonic()
     got = _two_nodes_running(tmp_path, PLANTED, [["--distributed-timeout-minutes", "5"]] * 2)
     built = "; ".join(f"{name} [0, 1]" for name, lists in rank_grid(ParallelConfig(), 2).items() if lists == [[0, 1]])
-    line = (f"process group creation #1 ({built}): rank 1 of 2 create other groups (rank 1 creates planted [0, 1]): "
+    line = (f"process group creation #1 ({built}): rank 1 of 2 creates other groups (rank 1 creates planted [0, 1]): "
             f"every rank must create the same groups in the same order")
     for node, (code, out) in enumerate(got):
         assert code == 1, out[-3000:]
