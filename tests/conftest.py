@@ -22,6 +22,7 @@ def pytest_configure(config):
     # the planner's probes run in every session (tests/plan/test_probe_cache.py turns its disk cache on)
     os.environ.setdefault("OMNITRON_PLAN_CACHE", "off")
     _runs_outside_the_checkout(config)
+    _not_an_srun_task()
     _share_the_cores()
     _prepare_musa_double(name)
     if name == "sim":  # loaded before any backward: autograd sizes its device queues at the first one
@@ -38,6 +39,16 @@ def _runs_outside_the_checkout(config) -> None:
 
         config._omnitron_runs = tempfile.mkdtemp(prefix="omnitron-test-runs-")
         os.environ["OMNITRON_RUNS_DIR"] = config._omnitron_runs
+
+
+def _not_an_srun_task() -> None:
+    """A suite run as a task of a several-task srun step (``srun -n 4 pytest ...``): the tests' launches, in this
+    process and in the processes it starts, would be refused as srun tasks without torchrun (``SLURM_STEP_*``
+    inherited): the step's task variables go; the job's stay."""
+    from omnitron.core.training.launch import srun_task_variables
+
+    for name in srun_task_variables(os.environ):
+        del os.environ[name]
 
 
 def pytest_unconfigure(config):

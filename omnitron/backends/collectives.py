@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from omnitron.backends import flight
+from omnitron.backends import flight, group_agreement
 from omnitron.backends.flight import flight_recorder_dump, strict_enabled  # noqa: F401 - the public API
 
 ReduceOp = dist.ReduceOp
@@ -149,9 +149,11 @@ class Collectives:
 
     # ---- process groups -----------------------------------------------------------------
     def init_process_group(self, rank: int | None = None, world_size: int | None = None,
-                           init_method: str | None = None, timeout_s: float = 300.0, store=None) -> None:
+                           init_method: str | None = None, timeout_s: float = 300.0, store=None,
+                           group_deadline_s: float | None = None) -> None:
         """Join the default process group (env:// unless ``init_method`` or a rendezvous ``store`` is given;
-        ``timeout_s``: how long a collective may wait)."""
+        ``timeout_s``: how long a collective may wait, on every group; ``group_deadline_s``: how long a rank
+        waits for the others at a group's creation, default ``timeout_s`` (:mod:`group_agreement`))."""
         if dist.is_initialized():
             return
         self.prepare_env(timeout_s)
@@ -163,18 +165,27 @@ class Collectives:
         else:
             kwargs["init_method"] = init_method or "env://"
         dist.init_process_group(self.dist_backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        group_agreement.set_limits(timeout_s, group_deadline_s)
 
-    def new_group(self, ranks: Sequence[int]):
-        """A subgroup over ``ranks`` (every process must call this with the same ranks, in order)."""
-        return dist.new_group(list(ranks), backend=self.dist_backend)
+    def new_groups(self, specs: Sequence[tuple[str, Sequence[int]]], host: bool = False) -> list:
+        """One subgroup per ``(name, ranks)`` of ``specs``, every process calling this with the same ``specs``;
+        ``host``: gloo groups (:meth:`new_host_group`). First the ranks agree on ``specs`` through the store, with
+        the job's deadline (:func:`group_agreement.agree`: a rank that does not come, or comes with other groups,
+        stops every rank in one line naming them); each group gets the job's timeout, not torch's default."""
+        group_agreement.agree(specs)
+        backend = "gloo" if host else self.dist_backend
+        return [dist.new_group(list(ranks), backend=backend, timeout=group_agreement.timeout()) for _, ranks in specs]
 
-    @staticmethod
-    def new_host_group(ranks: Sequence[int]):
+    def new_group(self, ranks: Sequence[int], name: str = "group"):
+        """A subgroup over ``ranks`` (every process calls this with the same ranks, in order): :meth:`new_groups`."""
+        return self.new_groups([(name, ranks)])[0]
+
+    def new_host_group(self, ranks: Sequence[int], name: str = "host group"):
         """A subgroup over ``ranks`` whose collectives run on host tensors (gloo) and never touch the device's
         communicator: the group for collectives issued from a background thread. A device communicator
         used from two threads at once deadlocks when ranks order the threads' collectives differently
         (NCCL runs one at a time per device); a host group has no such order to agree on."""
-        return dist.new_group(list(ranks), backend="gloo")
+        return self.new_groups([(name, ranks)], host=True)[0]
 
     @staticmethod
     def is_initialized() -> bool:

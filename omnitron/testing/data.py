@@ -38,3 +38,17 @@ def llama_style_tokenizer(directory) -> str:
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}, f)
     return str(directory)
+
+
+def random_corpus(prefix: str, vocab: int, documents: tuple[int, int] = (20, 60),
+                  length: tuple[int, int] = (3, 40)) -> IndexedDataset:
+    """Indexed dataset at ``prefix`` of a random number of documents (``documents``: the range) of random token ids
+    below ``vocab`` and random lengths (``length``: the range), drawn from a fresh seed."""
+    import random
+
+    rng = np.random.default_rng(random.randrange(2**32))
+    b = IndexedDatasetBuilder(data_file(prefix), np.int32)
+    for _ in range(int(rng.integers(*documents))):
+        b.add_document(rng.integers(0, vocab - 1, int(rng.integers(*length))))
+    b.finalize(index_file(prefix))
+    return IndexedDataset(prefix)

@@ -96,7 +96,8 @@ def private_mount_works() -> bool:
         return False
 
 
-def on_own_disk(path: str, argv: list[str]) -> list[str]:
+def on_own_disk(path: str, argv: list[str], read_only: bool = False) -> list[str]:
     """``argv`` run in a mount namespace where ``path`` (an existing directory) is an empty tmpfs: a "node" whose
-    ``path`` is its own local directory, not the one the other processes see."""
-    return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{path}" && exec "$@"', "sh", *argv]
+    ``path`` is its own local directory, not the one the other processes see (``read_only``: one it cannot write)."""
+    options = "-o ro " if read_only else ""
+    return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs {options}tmpfs "{path}" && exec "$@"', "sh", *argv]

@@ -94,9 +94,9 @@ def test_kill_on_one_node_is_named_on_the_other(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not private_mount_works(),
                     reason="needs a mount namespace (unshare -m) to give one node a disk of its own")
 def test_a_rank_failing_on_one_node_is_named_with_its_cause_on_the_other(tmp_path):
-    """Node 1's --data-cache-path is a directory of its own (a tmpfs in its mount namespace): its rank fails on the
-    demo corpus rank 0 built elsewhere; node 0's report names rank 1 and that cause (its last heartbeat), where it
-    said only "Connection closed by peer". About 30 s on 2 cores."""
+    """Node 1's --data-cache-path is a read-only directory of its own (a tmpfs in its mount namespace): its rank
+    stops, naming the directory, when it builds its node's copy of the demo corpus; node 0's report names rank 1
+    and that cause (its last heartbeat), where it said only "Connection closed by peer". About 30 s on 2 cores."""
     cache = tmp_path / "cache"
     cache.mkdir()
     port = str(random.randrange(20000, 60000))
@@ -111,7 +111,7 @@ def test_a_rank_failing_on_one_node_is_named_with_its_cause_on_the_other(tmp_pat
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
                 "--monitor-interval", "0.2", "-m", "omnitron.train", *args]
-        argv = on_own_disk(str(cache), argv) if node == 1 else argv
+        argv = on_own_disk(str(cache), argv, read_only=True) if node == 1 else argv
         nodes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=dict(os.environ, **env)))
     try:
@@ -122,7 +122,8 @@ def test_a_rank_failing_on_one_node_is_named_with_its_cause_on_the_other(tmp_pat
     assert nodes[0].returncode == 1 and nodes[1].returncode == 1, outs[0][-2000:] + outs[1][-2000:]
     lasts = [[s.strip() for s in out.splitlines() if s.strip() and set(s.strip()) != {"="}][-1] for out in outs]
     assert lasts[1].startswith("traceback : omnitron train: error: rank 1 (pid "), lasts[1]
-    cause = lasts[1].split(") failed: ", 1)[1]
-    assert cause.startswith("FileNotFoundError: demo corpus "), cause
+    cause = lasts[1].split(") stopped: ", 1)[1]
+    assert cause.startswith(f"--data-cache-path {cache}: the index caches cannot be written there (Read-only file "
+                            f"system: {cache}"), cause
     assert lasts[0].startswith("traceback : omnitron train: error: rank 0 (pid "), lasts[0]
     assert f") failed: rank 1 (pid " in lasts[0] and f" failed first: {cause}; here: " in lasts[0], lasts[0]

@@ -11,12 +11,16 @@ import random
 import subprocess
 import sys
 import threading
+import time
+import types
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from omnitron.core.config.parallel import ConfigError
-from omnitron.core.training.agreement import SEES_SAVE, canonical, check_same_settings
+from omnitron.core.config.parallel import ConfigError, ParallelConfig
+from omnitron.core.parallel.grid import rank_grid
+from omnitron.core.training.agreement import SEES_SAVE, SOFTWARE, canonical, check_same_settings, software
 from omnitron.core.training.arguments import parse_settings
 from omnitron.testing.faults import on_own_disk, private_mount_works
 
@@ -25,14 +29,17 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--num-workers", "0"]
 
 
-def _run_ranks(argvs: list[list[str]], sees_save: list[bool] | None = None) -> list[BaseException | None]:
+def _run_ranks(argvs: list[list[str]], sees_save: list[bool] | None = None,
+               softwares: list[dict] | None = None) -> list[BaseException | None]:
     """check_same_settings on one thread per rank (rank r parses ``argvs[r]``; ``sees_save[r]``: whether it sees
-    rank 0's mark in --save); what each raised."""
+    rank 0's mark in --save; ``softwares[r]``: its software); what each raised."""
     world = len(argvs)
     host = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=30), wait_for_workers=False)
     values = [canonical(parse_settings(a, world_size=world)) for a in argvs]
     for v, seen in zip(values, sees_save or []):
         v[SEES_SAVE] = seen
+    for v, versions in zip(values, softwares or []):
+        v[SOFTWARE] = versions
     got: list[BaseException | None] = [None] * world
 
     def rank(r: int) -> None:
@@ -90,6 +97,37 @@ def test_a_save_directory_a_node_does_not_share_is_named():
     assert all(isinstance(e, ConfigError) and str(e) == line for e in got), got
     assert line.startswith(f"--save {save} is not one directory shared by every node: ranks 2, 3 of 4 do not see "
                            "the file rank 0 made in it"), line
+
+
+def test_a_different_torch_on_one_node_stops_every_rank_naming_the_versions(monkeypatch):
+    mine = software()
+    monkeypatch.setattr(torch, "__version__", f"2.{random.randrange(1, 99)}.0+other")
+    theirs = software()
+    got = _run_ranks([BASE] * 4, softwares=[mine, mine, theirs, theirs])
+    line = str(got[0])
+    assert all(isinstance(e, ConfigError) and str(e) == line for e in got), got
+    assert line == (f"the ranks run different software (ranks 2, 3 of 4 differ from rank 0): torch {torch.__version__} "
+                    f"on rank 2, {mine['torch']} on rank 0. Install the same omnitron, torch and C++ extensions "
+                    f"(python setup.py build_ext) on every node"), line
+
+
+def test_an_extension_built_from_other_sources_differs_one_built_alike_does_not(monkeypatch):
+    """The extensions' entry: their functions' names and signatures (pybind's docstrings), not the file's bytes."""
+    def build(*signatures):
+        module = types.ModuleType("omnitron._sim")
+        for i, doc in enumerate(signatures):
+            fn = types.FunctionType((lambda: None).__code__, {})
+            fn.__doc__ = doc
+            setattr(module, f"op{i}", fn)
+        monkeypatch.setitem(sys.modules, "omnitron._sim", module)
+        return software()["omnitron._sim"]
+
+    n = random.randrange(1, 5)
+    docs = [f"op{i}(arg0: Tensor, arg1: float) -> Tensor" for i in range(n)]
+    first = build(*docs)
+    assert first.startswith(f"{n} ops #") and build(*docs) == first
+    assert build(*docs[:-1], docs[-1].replace("float", "int")) != first  # a signature changed
+    assert build(*docs, "extra() -> None").startswith(f"{n + 1} ops #")
 
 
 TWO_NODES_TIMEOUT_S = 150
@@ -153,3 +191,76 @@ def test_a_node_whose_save_is_its_own_disk_stops_before_training(tmp_path):
         assert f"--save {save} is not one directory shared by every node: rank 1 of 2 does not see the file rank 0 " \
                "made in it" in _last_line(out), out[-3000:]
     assert sorted(os.listdir(save)) == ["omnitron.lock"]  # no checkpoint begun, rank 0's mark removed
+
+
+def _two_nodes_running(tmp_path, source: str, node_args):
+    """:func:`_two_nodes` where torchrun runs the script ``source`` (which plants a difference, then runs
+    ``omnitron.train``) in place of ``-m omnitron.train``."""
+    script = tmp_path / "planted.py"
+    script.write_text(source)
+
+    def run_script(node, argv):
+        at = argv.index("omnitron.train")
+        return argv[:at - 1] + [str(script)] + argv[at + 1:]
+
+    return _two_nodes(tmp_path, node_args, run_script)
+
+
+OTHER_VERSION = """import os, sys
+import omnitron
+if os.environ["RANK"] == "1":  # node 1 runs another omnitron release
+    omnitron.__version__ = "0.0.1-other"
+from omnitron.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_running_different_omnitron_versions_stop_in_one_line(tmp_path):
+    """Node 1's omnitron reports another version: both nodes stop before the first step, naming the versions.
+    About 20 s on 2 cores."""
+    got = _two_nodes_running(tmp_path, OTHER_VERSION, [["--save", str(tmp_path / "ck")]] * 2)
+    from omnitron import __version__
+
+    line = (f"the ranks run different software (rank 1 of 2 differ from rank 0): omnitron 0.0.1-other on rank 1, "
+            f"{__version__} on rank 0. Install the same omnitron, torch and C++ extensions (python setup.py "
+            f"build_ext) on every node")
+    for node, (code, out) in enumerate(got):
+        assert code == 1, out[-3000:]
+        last = _last_line(out)
+        assert last.startswith(f"traceback : omnitron train: error: rank {node} (pid ") and last.endswith(line), last
+    assert not os.path.exists(tmp_path / "ck" / "latest")
+
+
+PLANTED = """import os, sys
+if os.environ["RANK"] == "1":  # a branch only node 1 takes: one group more, before the job's groups
+    from omnitron.core.parallel.groups import ParallelGroups
+    build = ParallelGroups.build.__func__
+
+    def planted(cls, config, collectives=None, *, backend=None):
+        (collectives or backend.collectives).new_group([0, 1], "planted")
+        return build(cls, config, collectives, backend=backend)
+
+    ParallelGroups.build = classmethod(planted)
+from omnitron.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_creating_different_groups_stop_in_one_line_naming_the_group(tmp_path):
+    """Node 1 creates one process group more than node 0 (planted before the job's groups): both nodes stop at
+    once, naming the group and the rank, well within the job's timeout. Without the agreement node 1 waited in
+    torch's new_group for its default 30 minutes, node 0 in a collective on a group node 1 never made. About
+    20 s on 2 cores."""
+    start = time.monotonic()
+    got = _two_nodes_running(tmp_path, PLANTED, [["--distributed-timeout-minutes", "5"]] * 2)
+    built = "; ".join(f"{name} [0, 1]" for name, lists in rank_grid(ParallelConfig(), 2).items() if lists == [[0, 1]])
+    line = (f"process group creation #1 ({built}): rank 1 of 2 creates other groups (rank 1 creates planted [0, 1]): "
+            f"every rank must create the same groups in the same order")
+    for node, (code, out) in enumerate(got):
+        assert code == 1, out[-3000:]
+        last = _last_line(out)
+        assert last.startswith(f"traceback : omnitron train: error: rank {node} (pid ") and last.endswith(
+            f" stopped: {line}"), out[-3000:]
+    assert time.monotonic() - start < 5 * 60, "the deadline (5 minutes) passed: the mismatch was not found at once"

@@ -50,3 +50,25 @@ def test_the_cli_refuses_before_training(tmp_path):
     assert errors[0].startswith(f"omnitron train: error: started by srun as task {env['SLURM_PROCID']} of 4 without "
                                 "torchrun: "), errors
     assert not os.path.exists(tmp_path / "ck" / "latest")
+
+
+def test_a_launch_in_the_suite_is_not_an_srun_task(tmp_path):
+    """One training launched in this process, as the suite's tests launch theirs (run alone by the next test,
+    inside a planted srun step)."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.launch import launch
+
+    assert launch(parse_settings(ARGS + ["--save", str(tmp_path / "ck")])) == 0
+    assert os.path.exists(tmp_path / "ck" / "latest")
+
+
+def test_the_suite_inside_a_several_task_srun_step_launches_its_trainings(tmp_path):
+    """pytest as task 1 of a 4-task srun step (SLURM_STEP_* inherited): its launches are not refused as srun
+    tasks (tests/conftest.py removes the step's task variables; the job's stay). Without that the launch above
+    stopped on "started by srun as task 1 of 4 without torchrun". About 10 s on 2 cores."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SRUN_TASK, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+                           str(tmp_path / "t"), f"{__file__}::test_a_launch_in_the_suite_is_not_an_srun_task"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=os.getcwd())
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]

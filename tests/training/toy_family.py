@@ -87,7 +87,7 @@ class ProgressionDataset(torch.utils.data.Dataset):
 
 
 def build_datasets(settings, tokenizer, *, train_samples, valid_samples, test_samples, is_builder_rank=True,
-                   barrier=None):
+                   barrier=None, is_node_builder=False):
     if barrier is not None:
         barrier()
     s, v, seed = settings.model.seq_length, tokenizer.vocab_size, settings.training.seed

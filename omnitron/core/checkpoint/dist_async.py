@@ -69,7 +69,7 @@ class AsyncSaver:
     def _writer_group(self, c) -> None:
         """Collective the first time: the background writes' own process group (none without one)."""
         if self.group is None and self.coll.is_initialized():
-            self.group = self.coll.new_host_group(range(c.groups.world_size))
+            self.group = self.coll.new_host_group(range(c.groups.world_size), "checkpoint writer")
 
     def _staging(self, c, pieces: Pieces) -> Staging:
         """The staging buffers for ``pieces``: the cached ones, or (first use, or the pieces moved: a

@@ -280,7 +280,8 @@ class TrainingConfig:
     distributed_timeout_minutes: float = 10
     """--distributed-timeout-minutes: a collective, p2p or training step that does not finish in this time (or a
     rank that stops sending heartbeats for this long) makes every reachable rank dump its stacks and exit
-    non-zero (Megatron's flag and default)."""
+    non-zero (Megatron's flag and default); so does a process group's creation that a rank does not come to, or
+    comes to with other groups (:mod:`omnitron.backends.group_agreement`)."""
     manual_gc: bool = False
     """--manual-gc: Python's automatic garbage collection off during training; every rank collects at the same
     iterations instead (--manual-gc-interval, and before validation and saves), so no rank pauses alone."""

@@ -386,12 +386,13 @@ def _bert_blends(config, tokenizer, cache_dir: str, allow_build: bool) -> tuple[
 
 def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
                         binary_head: bool = True, is_builder_rank: bool = True, barrier=None, dataset_cls=None,
-                        **dataset_kw):
+                        is_node_builder: bool = False, **dataset_kw):
     """(train, valid, test) :class:`BertDataset` splits of ``config.data_path`` (documents split by
     ``--split``), of each split's own files (--train-data-path and friends, read whole), of the bundled corpus
     split into sentences when no path is given, or synthetic
     (:class:`MockBertDataset`) with ``--mock-data``. Collective like
-    :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()``.
+    :func:`omnitron.core.data.build_gpt_datasets`: the builder rank writes caches, then ``barrier()`` (and each
+    node's first rank, ``is_node_builder``, where its node's cache lacks them).
     ``dataset_cls`` (a BertDataset subclass, e.g. T5's) with its own ``dataset_kw`` replaces BertDataset
     (and its ``mock_cls`` MockBertDataset)."""
     from .builder import check_vocabulary
@@ -421,7 +422,4 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
                                  allow_build, dataset_cls or BertDataset, whole=whole, **kw) if blend else None
                      for i, (blend, n) in enumerate(zip(blends, samples)))
 
-    result = build_all(True) if is_builder_rank else None
-    if barrier is not None:
-        barrier()
-    return result if result is not None else build_all(False)
+    return cache.build_in_turn(build_all, is_builder_rank, barrier, is_node_builder, cache_dir)

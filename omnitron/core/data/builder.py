@@ -170,13 +170,15 @@ def _build_all(config, tokenizer, samples, cache_dir, allow_build):
 
 
 def build_gpt_datasets(config: DataConfig, tokenizer: Tokenizer, *, train_samples: int, valid_samples: int,
-                       test_samples: int, is_builder_rank: bool = True, barrier: Callable[[], None] | None = None):
+                       test_samples: int, is_builder_rank: bool = True, barrier: Callable[[], None] | None = None,
+                       is_node_builder: bool = False):
     """(train, valid, test) datasets, each ``None`` when it gets no samples or a zero split share.
 
     Each dataset has at least the requested number of samples; item ``i`` is
     ``dict(tokens, labels, loss_mask, position_ids)`` of shape ``[seq_length]`` (and ``document_ids``
     with ``--reset-attention-mask``).
-    Every rank must call this (``barrier`` is collective); only ``is_builder_rank`` writes.
+    Every rank must call this (``barrier`` is collective); ``is_builder_rank`` writes the index caches, then
+    ``is_node_builder`` (each node's first rank) where its node's cache lacks them (:func:`cache.build_in_turn`).
     """
     samples = (int(train_samples), int(valid_samples), int(test_samples))
     if config.mock_data:
@@ -187,9 +189,5 @@ def build_gpt_datasets(config: DataConfig, tokenizer: Tokenizer, *, train_sample
             seed=config.seed + i, **sample_flags(config))
             for i, n in enumerate(samples))
     cache_dir = config.data_cache_path or default_cache_dir()
-    result = _build_all(config, tokenizer, samples, cache_dir, True) if is_builder_rank else None
-    if barrier is not None:
-        barrier()
-    if result is None:
-        result = _build_all(config, tokenizer, samples, cache_dir, False)
-    return result
+    return cache.build_in_turn(lambda allow: _build_all(config, tokenizer, samples, cache_dir, allow), is_builder_rank,
+                               barrier, is_node_builder, cache_dir)

@@ -2,7 +2,8 @@
 
 One builder rank writes (arrays first, then the description as the completion marker, each
 through a temporary name and an atomic rename); the other ranks wait at the caller's barrier
-and memory-map what it wrote. A description that does not match its hash key is ignored.
+and memory-map what it wrote. A cache directory each node has on its own disk is built once per node
+(:func:`build_in_turn`). A description that does not match its hash key is ignored.
 The marker also records each array's dtype and shape: an array file that no longer reads back as written
 (truncated, overwritten, copied in part) is rebuilt on the builder rank (a warning names it) and refused on
 the others, never read as if it were the index.
@@ -30,6 +31,40 @@ def default_cache_dir() -> str:
 
 class IndexCacheMissing(RuntimeError):
     """A non-builder rank found no cache; the builder rank has not built it (or wrote elsewhere)."""
+
+
+def build_in_turn(build_all: Callable[[bool], tuple], is_builder_rank: bool, barrier: Callable[[], None] | None,
+                  is_node_builder: bool = False, cache_dir: str = "") -> tuple:
+    """``build_all(allow_build)`` on every rank, in turn: the builder rank (global rank 0) builds; after a barrier,
+    the first rank of each node (``is_node_builder``) loads that or, where its node's cache directory is a disk
+    of its own, builds its node's copy; after a second barrier the other ranks load. Megatron builds on rank 0
+    only (``build_on_rank``), so a node with its own cache finds nothing to load; concurrent node builds of a
+    shared directory are safe (each file is renamed into place whole, the same bytes from the same key). A build
+    that cannot write ``cache_dir`` (read-only, not this user's, full) stops in one line naming it."""
+    result = _writing(build_all, cache_dir) if is_builder_rank else None
+    if barrier is None:
+        return result if result is not None else build_all(False)
+    barrier()
+    if result is None and is_node_builder:
+        result = _writing(build_all, cache_dir)
+    barrier()
+    return result if result is not None else build_all(False)
+
+
+def _writing(build_all: Callable[[bool], tuple], cache_dir: str) -> tuple:
+    """``build_all(True)``; DataError naming ``--data-cache-path`` when writing the caches failed."""
+    import errno
+
+    try:
+        return build_all(True)
+    except OSError as err:
+        if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+            raise
+        from .builder import DataError
+
+        raise DataError(f"--data-cache-path {cache_dir}: the index caches cannot be written there "
+                        f"({os.strerror(err.errno)}: {err.filename}); give a directory this node can write "
+                        f"(default $OMNITRON_CACHE or ~/.cache/omnitron), shared or its own") from None
 
 
 def file_fingerprint(prefix: str, cache_dir: str | None = None) -> dict:

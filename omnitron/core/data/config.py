@@ -45,7 +45,8 @@ class DataConfig:
     seed: int = 1234
     """``--seed``: shuffling seed; same seed + same data = same sample order."""
     data_cache_path: str | None = None
-    """``--data-cache-path``: where index caches go (default ``$OMNITRON_CACHE`` or ~/.cache/omnitron)."""
+    """``--data-cache-path``: where index caches go (default ``$OMNITRON_CACHE`` or ~/.cache/omnitron): one
+    directory every node shares, or each node's own (built there by the node's first rank)."""
     num_workers: int = 2
     """``--num-workers``: DataLoader worker processes per rank (0 = load in the training process)."""
     tokenizer_type: str = "GPT2BPETokenizer"

@@ -103,13 +103,13 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
 def build_multimodal_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
                               img_h: int, img_w: int, num_channels: int, num_image_tokens: int,
-                              is_builder_rank: bool = True, barrier=None):
+                              is_builder_rank: bool = True, barrier=None, is_node_builder: bool = False):
     """(train, valid, test) :class:`ImageCaptionDataset` splits sized for the run (None for an empty split),
     split ``i`` drawn with seed ``--seed + i``; synthetic, so no file is read or cached. ``barrier`` is
     still called (every rank calls it, as for the file-backed builders)."""
     from .builder import DataError
 
-    del is_builder_rank  # nothing to build
+    del is_builder_rank, is_node_builder  # nothing to build
     given = [flag for flag, _ in config.path_flags()]
     if given:
         raise DataError(f"{' '.join(given)}: the multimodal family trains on synthetic image-caption data (drawn per "

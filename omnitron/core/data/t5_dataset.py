@@ -185,7 +185,8 @@ class T5Dataset(_SpanCorruption, BertDataset):
 
 
 def build_t5_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
-                      decoder_seq_length: int, is_builder_rank: bool = True, barrier=None):
+                      decoder_seq_length: int, is_builder_rank: bool = True, barrier=None,
+                      is_node_builder: bool = False):
     """(train, valid, test) :class:`T5Dataset` splits of ``config.data_path``, of the bundled corpus split
     into sentences, or :class:`MockT5Dataset` with ``--mock-data``; built like BERT's
     (:func:`~omnitron.core.data.bert_dataset.build_bert_datasets`)."""
@@ -193,4 +194,5 @@ def build_t5_datasets(config, tokenizer, *, train_samples: int, valid_samples: i
 
     return build_bert_datasets(config, tokenizer, train_samples=train_samples, valid_samples=valid_samples,
                                test_samples=test_samples, is_builder_rank=is_builder_rank, barrier=barrier,
-                               dataset_cls=T5Dataset, decoder_seq_length=decoder_seq_length)
+                               is_node_builder=is_node_builder, dataset_cls=T5Dataset,
+                               decoder_seq_length=decoder_seq_length)

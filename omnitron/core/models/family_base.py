@@ -40,7 +40,9 @@ class ModelFamily:
     stages_read_batch: bool = False
     """Every pipeline stage reads the micro-batch (BERT's padding mask), not only the first and last."""
     build_datasets: Callable[..., Any]
-    """``(settings, tokenizer, **sizes) -> (train, valid, test)``; ``sizes``: the builder's common keywords."""
+    """``(settings, tokenizer, **sizes) -> (train, valid, test)``; ``sizes``: the builder's common keywords
+    (``train_samples``, ``valid_samples``, ``test_samples``, ``is_builder_rank``, ``barrier``,
+    ``is_node_builder``: see :func:`omnitron.core.data.cache.build_in_turn`)."""
     synthetic_data: bool = False
     """The family makes its own samples (LLaVA's synthetic captions): no ``--data-path`` files to check."""
     num_parameters: Callable[[Any], int]

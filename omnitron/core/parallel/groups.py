@@ -105,14 +105,16 @@ class ParallelGroups:
             raise ValueError("ParallelGroups.build: pass the backend (backend=...) or its collectives; the groups "
                              "communicate through them")
         grid = rank_grid(config, world)  # validates sizes before any group exists
+        # NOTE: every rank creates every group, in the same order (torch requires it): the ranks agree on the
+        # whole list first (one line naming the group and the ranks where they do not, within the job's timeout)
+        specs = [(name, members) for name, members_list in grid.items() for members in members_list
+                 if len(members) > 1]
+        handles = iter(collectives.new_groups(specs) if specs else [])
         groups: dict[str, Group] = {}
         for name, members_list in grid.items():
             mine = None
             for members in members_list:
-                handle = None
-                if len(members) > 1:
-                    # NOTE: every rank creates every group, in the same order (torch requires it)
-                    handle = collectives.new_group(members)
+                handle = next(handles) if len(members) > 1 else None
                 if rank in members:
                     mine = Group(name, tuple(members), handle, collectives if handle is not None else None)
             if mine is None:

@@ -14,6 +14,11 @@ each rank joins the job (:func:`omnitron.core.training.workers.join_job`), befor
 - every rank reads the verdict and raises :class:`ConfigError` with that line (exit code 2, the same line on
   every rank, in torchrun's report of every node).
 
+The software is compared too (:func:`software`): omnitron's and torch's versions, the backend's libraries
+(``backend.versions()``: CUDA, NCCL, cuDNN, Triton, torch_musa) and the interface of each C++ extension loaded.
+Two nodes with different torch builds started with the same flags ran, their collectives and kernels not
+guaranteed to agree; a node with a stale ``omnitron._C`` (built from older sources) runs other kernels.
+
 The ranks' view of ``--save`` is compared too (:func:`mark_save_dir`, :data:`SEES_SAVE`): every rank writes its
 checkpoint files there, so it must be one directory on a file system every node shares. A node whose ``--save``
 was a directory on its own disk trained until the first save, then stopped on "rank_00002.pt: its writer left no
@@ -58,6 +63,37 @@ SEES_SAVE = "sees --save"
 MARK_KEY = "settings/save_mark"
 
 
+SOFTWARE = "software"
+"""The entry of a rank's compared values that holds its :func:`software`."""
+EXTENSIONS = ("omnitron._C", "omnitron._sim")
+
+
+def software(backend=None) -> dict:
+    """``{name: version}`` of what a rank runs: omnitron, torch, ``backend.versions()`` and, for each C++
+    extension, ``N ops #digest`` of its functions' names and signatures (what a build from other sources
+    changes; a build for another CPU, ``-march``, does not), "not installed", or nothing for ``omnitron._sim``
+    when this rank did not load it (a backend other than sim: the settings name the backend)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    import torch
+
+    import omnitron
+
+    out = {"omnitron": omnitron.__version__, "torch": torch.__version__}
+    out.update({k: str(v) for k, v in (backend.versions() if backend is not None else {}).items()})
+    for name in EXTENSIONS:
+        if name not in sys.modules and (name == "omnitron._sim" or importlib.util.find_spec(name) is None):
+            if name != "omnitron._sim":
+                out[name] = "not installed"
+            continue
+        module = importlib.import_module(name)
+        ops = sorted((n, str(getattr(module, n).__doc__)) for n in dir(module) if not n.startswith("__"))
+        out[name] = f"{len(ops)} ops #{hashlib.sha256(repr(ops).encode()).hexdigest()[:12]}"
+    return out
+
+
 def mark_save_dir(store, rank: int, settings) -> None:
     """Rank 0, before it arrives: an empty file of a fresh name in ``--save`` (rank 0 holds its lock, so the
     directory exists), its name published for :func:`agreed`. A fresh name: no node has looked it up before,
@@ -73,10 +109,11 @@ def mark_save_dir(store, rank: int, settings) -> None:
     store.set(MARK_KEY, name)
 
 
-def agreed(store, rank: int, world: int, settings, limit_s: float) -> None:
-    """:func:`check_same_settings` of :func:`canonical` ``settings`` and, where rank 0 marked ``--save``, whether
-    this rank sees the mark; rank 0 removes the mark after the verdict."""
-    values = canonical(settings)
+def agreed(store, rank: int, world: int, settings, limit_s: float, backend=None) -> None:
+    """:func:`check_same_settings` of :func:`canonical` ``settings``, this rank's :func:`software` (on
+    ``backend``) and, where rank 0 marked ``--save``, whether this rank sees the mark; rank 0 removes the mark
+    after the verdict."""
+    values = dict(canonical(settings), **{SOFTWARE: software(backend)})
     name = store.get(MARK_KEY).decode()
     path = os.path.join(settings.checkpoint.save, name) if name else None
     if path:
@@ -128,7 +165,10 @@ def describe(differ: list[int], world: int, first: dict, other: dict) -> str:
     from omnitron.core.training.failures import rank_list
 
     opts, r = options(), differ[0]
-    keys = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k) and k != SEES_SAVE)
+    if first.get(SOFTWARE) != other.get(SOFTWARE):  # first: what differs in the settings may follow from it
+        return _software_line(differ, world, first.get(SOFTWARE) or {}, other.get(SOFTWARE) or {})
+    keys = sorted(k for k in first.keys() | other.keys()
+                  if first.get(k) != other.get(k) and k not in (SEES_SAVE, SOFTWARE))
     if not keys:  # the same settings: only the view of --save differs
         return (f"--save {first.get('save')} is not one directory shared by every node: {rank_list(differ)} of "
                 f"{world} {'does' if len(differ) == 1 else 'do'} not see the file rank 0 made in it (a directory on "
@@ -138,6 +178,17 @@ def describe(differ: list[int], world: int, first: dict, other: dict) -> str:
     more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
     return (f"the ranks were started with different settings ({rank_list(differ)} of {world} differ from rank 0): "
             f"{'; '.join(parts)}{more}. Start every node with the same flags and config file")
+
+
+def _software_line(differ: list[int], world: int, first: dict, other: dict) -> str:
+    """The line for ranks ``differ`` that run other software than rank 0 (``other``: ``differ[0]``'s)."""
+    from omnitron.core.training.failures import rank_list
+
+    keys = [k for k in dict.fromkeys([*first, *other]) if first.get(k) != other.get(k)]
+    parts = [f"{k} {other.get(k, '(none)')} on rank {differ[0]}, {first.get(k, '(none)')} on rank 0" for k in keys]
+    return (f"the ranks run different software ({rank_list(differ)} of {world} differ from rank 0): "
+            f"{'; '.join(parts)}. Install the same omnitron, torch and C++ extensions (python setup.py build_ext) "
+            f"on every node")
 
 
 def _shown(value, limit: int = 60) -> str:

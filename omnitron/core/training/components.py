@@ -202,8 +202,8 @@ def resumed_validation(settings) -> tuple[int, int] | None:
 
 def build_data(settings, tokenizer, groups, collectives):
     """(train, valid, test) datasets sized for the whole run, the model family's own (GPT's indexed documents,
-    BERT's masked LM, T5's span corruption, LLaVA's synthetic captions, ...); rank 0 builds index caches,
-    others wait."""
+    BERT's masked LM, T5's span corruption, LLaVA's synthetic captions, ...); rank 0 builds index caches, then
+    each node's first rank where its node's cache lacks them, others wait."""
     t = settings.training
     gbs = t.global_batch_size
     barrier = (lambda: collectives.barrier()) if collectives.is_initialized() else None
@@ -217,8 +217,10 @@ def build_data(settings, tokenizer, groups, collectives):
         where = "" if settings.data.mock_data else f" (index caches under {settings.data.data_cache_path or default_cache_dir()})"
         log.info("building datasets: %d training, %d validation and %d test samples%s ...", sizes["train_samples"],
                  sizes["valid_samples"], sizes["test_samples"], where)
+    # each node's first rank builds the caches its node lacks (a cache on each node's own disk)
+    node_first = barrier is not None and torch.distributed.get_node_local_rank(fallback_rank=groups.rank) == 0
     datasets = family_of(settings.model).build_datasets(settings, tokenizer, **sizes, is_builder_rank=rank0,
-                                                        barrier=barrier)
+                                                        barrier=barrier, is_node_builder=node_first)
     for ds, split, need in zip(datasets, ("training", "validation", "test"), sizes.values()):
         if ds is not None and len(ds) < need:  # several prefixes without weights: each is read once
             raise DataError(f"the {split} data holds {len(ds)} samples, the run reads {need}: --data-path prefixes "

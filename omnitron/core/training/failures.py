@@ -38,9 +38,10 @@ def _first_line(text: str, limit: int = 200) -> str:
 
 def classify(exc: BaseException) -> tuple[str, str]:
     """``(kind, one line)`` for an exception that ended a rank (kinds in the module docstring)."""
+    from omnitron.backends.group_agreement import GroupCreationError
     from omnitron.core.training.nonfinite import TrainingStopped
 
-    if isinstance(exc, TrainingStopped) or _bad_input(exc):
+    if isinstance(exc, (TrainingStopped, GroupCreationError)) or _bad_input(exc):
         return "stopped", _first_line(exc, 1000)
     text = str(exc).lower()
     dist_error = type(exc).__name__.startswith("Dist") or "gloo" in text  # DistBackendError, DistNetworkError

@@ -148,6 +148,19 @@ def _name_run_dir(settings, entry) -> None:
         lg.log_dir = new_run_dir()
 
 
+SRUN_TASK_VARIABLES = ("SLURM_STEP_", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_PID",
+                       "SLURM_GTIDS", "SLURM_SRUN_COMM_", "SLURM_LAUNCH_NODE_IPADDR")
+"""Names (and prefixes) of the variables srun sets for each task of a step: what makes a process a task of it
+(:func:`check_not_srun_tasks` reads ``SLURM_STEP_NUM_TASKS``); the job's own (``SLURM_JOB_ID``, ``SLURM_NTASKS``,
+...) are not among them."""
+
+
+def srun_task_variables(env) -> list[str]:
+    """The names in ``env`` of :data:`SRUN_TASK_VARIABLES`: what a process that starts its own launches (the test
+    suite) removes, so that they are not taken for tasks of the step it runs in."""
+    return [k for k in env if k.startswith(SRUN_TASK_VARIABLES)]
+
+
 def check_not_srun_tasks(env=None) -> None:
     """ConfigError for a process that srun started as one of several tasks of its step (``SLURM_STEP_NUM_TASKS``
     > 1) with no ``RANK``: omnitron reads no SLURM variables, so each task would train a copy of the model of its

@@ -84,9 +84,9 @@ def join_job(settings, backend) -> Watchdog:
         # torchrun: the new ./runs/<timestamp> rank 0 named for a job with neither --save nor --log-dir
         # (launch.py; each rank naming its own from its clock could straddle a second)
         lg.log_dir = store.get("run_dir").decode() or None
-    agreement.agreed(store, rank, world, settings, max(timeout, JOIN_TIMEOUT_S))
+    agreement.agreed(store, rank, world, settings, max(timeout, JOIN_TIMEOUT_S), backend)
     backend.collectives.init_process_group(rank=rank, world_size=world, timeout_s=collective_timeout_s(timeout),
-                                           store=store)
+                                           store=store, group_deadline_s=timeout)
     return Watchdog(rank, world, timeout, lambda: open_store(timeout, is_master=False)).start()
 
 

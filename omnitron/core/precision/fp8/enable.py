@@ -119,9 +119,11 @@ def amax_reduction_group(groups, collectives):
     from omnitron.core.parallel.grid import dense_groups
     from omnitron.core.parallel.groups import Group
 
-    mine = None
-    for members in dense_groups(groups.config, groups.world_size, ("tp", "cp", "dp")):
-        handle = collectives.new_group(members) if len(members) > 1 else None
+    mine, every = None, dense_groups(groups.config, groups.world_size, ("tp", "cp", "dp"))
+    specs = [("amax", m) for m in every if len(m) > 1]
+    made = iter(collectives.new_groups(specs) if specs else [])
+    for members in every:
+        handle = next(made) if len(members) > 1 else None
         if groups.rank in members:
             mine = Group("amax", tuple(members), handle, collectives if handle is not None else None)
     return mine
