@@ -48,7 +48,9 @@ def device_wedged() -> None:
     """Called by a worker whose device holds a collective that will never complete (a planted deadlock, as a
     stuck NCCL communicator): its closing barrier waits on the rendezvous store instead, since under NCCL's
     semantics (which sim follows: one communicator kernel a device at a time) a collective barrier would queue
-    behind the stuck collective. Every rank of such a case must call it (each waits for all)."""
+    behind the stuck collective. Every rank of such a case must call it (each waits for all); the worker then
+    ends its process as soon as its result is written (tearing the stuck group down could wait for gloo's own
+    timeout)."""
     global _WEDGED
     _WEDGED = True
 
@@ -96,6 +98,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
         pass
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if _WEDGED:  # every rank has reported (the store barrier): tearing the stuck group down would wait on it
+        os._exit(0)
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
