@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -58,8 +59,6 @@ def device_wedged() -> None:
 def _store_barrier(world: int, timeout_s: float = 60.0) -> None:
     """Wait on the rendezvous store (host TCP, no communicator) until every rank has arrived: a wedged rank
     keeps its process, and so its side of the stuck communicator, until its peers have reported theirs."""
-    import time
-
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
@@ -143,7 +142,8 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = 
     """Call ``fn(*args)`` on ``world_size`` processes with the default process group initialised.
 
     ``fn`` must be importable (module level). ``env`` is set in each worker before anything is
-    imported there (e.g. ``REFERENCE_KERNELS``). Returns the per-rank results, ordered by rank.
+    imported there (e.g. ``REFERENCE_KERNELS``). Returns the per-rank results, ordered by rank. ``timeout_s``
+    bounds the whole run: ranks still running then are killed and reported hung.
     """
     backend = backend or os.environ.get("OMNITRON_BACKEND", "cpu")
     env = _staged_if_ranks_share_a_device(backend, world_size, env)
@@ -156,8 +156,9 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = 
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout_s  # one for the run: a hung rank is not waited for once per rank
         for p in procs:
-            p.join(timeout_s)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():

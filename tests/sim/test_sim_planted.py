@@ -31,14 +31,18 @@ ENV = {"OMNITRON_SIM_DEADLOCK_S": str(DEADLOCK_S), "OMNITRON_STRICT_COLLECTIVES"
 
 
 def _exit_soon() -> None:
-    """Cases that leave a collective stuck in gloo (as a deadlocked NCCL communicator is) mark the device
-    wedged: run_distributed's closing barrier then waits on the rendezvous store for the slowest peer (a
-    collective barrier would queue behind the stuck collective: one communicator kernel a device, as NCCL), and
-    the worker ends its process as soon as its result is written (destroying the stuck group could wait for
-    gloo's own timeout)."""
+    """Cases that leave a collective stuck in gloo (as a deadlocked NCCL communicator is) mark the device wedged:
+    run_distributed's closing barrier then waits on the rendezvous store for the slowest peer (a collective barrier
+    would queue behind the stuck collective: one communicator kernel a device, as NCCL), and the worker ends its
+    process as soon as its result is written (destroying the stuck group could wait for gloo's own timeout). A
+    peer left inside a gloo collective never reaches that barrier, and only this process's end (its connections
+    closing) frees it: so the process also ends some seconds after returning, result or not."""
     from omnitron.testing.distributed import device_wedged
 
     device_wedged()
+    timer = threading.Timer(JOIN_S + 6.0, os._exit, (0,))
+    timer.daemon = True  # a process that exits normally does not wait for it
+    timer.start()
 
 
 def _outcome(fn) -> str:
