@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -48,7 +49,9 @@ def device_wedged() -> None:
     """Called by a worker whose device holds a collective that will never complete (a planted deadlock, as a
     stuck NCCL communicator): its closing barrier waits on the rendezvous store instead, since under NCCL's
     semantics (which sim follows: one communicator kernel a device at a time) a collective barrier would queue
-    behind the stuck collective. Every rank of such a case must call it (each waits for all)."""
+    behind the stuck collective. Every rank of such a case must call it (each waits for all); the worker then
+    ends its process as soon as its result is written (tearing the stuck group down could wait for gloo's own
+    timeout)."""
     global _WEDGED
     _WEDGED = True
 
@@ -56,8 +59,6 @@ def device_wedged() -> None:
 def _store_barrier(world: int, timeout_s: float = 60.0) -> None:
     """Wait on the rendezvous store (host TCP, no communicator) until every rank has arrived: a wedged rank
     keeps its process, and so its side of the stuck communicator, until its peers have reported theirs."""
-    import time
-
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
@@ -96,6 +97,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
         pass
     with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if _WEDGED:  # every rank has reported (the store barrier): tearing the stuck group down would wait on it
+        os._exit(0)
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -139,7 +142,8 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = 
     """Call ``fn(*args)`` on ``world_size`` processes with the default process group initialised.
 
     ``fn`` must be importable (module level). ``env`` is set in each worker before anything is
-    imported there (e.g. ``REFERENCE_KERNELS``). Returns the per-rank results, ordered by rank.
+    imported there (e.g. ``REFERENCE_KERNELS``). Returns the per-rank results, ordered by rank. ``timeout_s``
+    bounds the whole run: ranks still running then are killed and reported hung.
     """
     backend = backend or os.environ.get("OMNITRON_BACKEND", "cpu")
     env = _staged_if_ranks_share_a_device(backend, world_size, env)
@@ -152,8 +156,9 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str | None = 
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout_s  # one for the run: a hung rank is not waited for once per rank
         for p in procs:
-            p.join(timeout_s)
+            p.join(max(0.0, deadline - time.monotonic()))
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():

@@ -30,16 +30,18 @@ ENV = {"OMNITRON_SIM_DEADLOCK_S": str(DEADLOCK_S), "OMNITRON_STRICT_COLLECTIVES"
 # block there first (on cpu too); the point here is what the device model catches on its own.
 
 
-def _exit_soon() -> None:
-    """Cases that leave a collective stuck in gloo (as a deadlocked NCCL communicator is) end their process
-    some seconds after returning, once run_distributed has written the result (after its closing barrier, which
-    waits for the slowest peer: at most JOIN_S later): destroying the stuck group could otherwise wait for gloo's
-    own timeout. The device is wedged by then: run_distributed's closing barrier would queue behind the stuck
-    collective (one communicator kernel a device, as NCCL), so it is skipped."""
+def _exit_soon(after_s: float = JOIN_S + 6.0) -> None:
+    """Cases that leave a collective stuck in gloo (as a deadlocked NCCL communicator is) mark the device wedged:
+    run_distributed's closing barrier then waits on the rendezvous store for the slowest peer (a collective barrier
+    would queue behind the stuck collective: one communicator kernel a device, as NCCL), and the worker ends its
+    process as soon as its result is written (destroying the stuck group could wait for gloo's own timeout). A
+    peer left inside a gloo collective never reaches that barrier, and only this process's end (its connections
+    closing) frees it: so the process also ends ``after_s`` after returning, result or not (the default leaves a
+    slow peer JOIN_S and more to reach the barrier, so that both results are written)."""
     from omnitron.testing.distributed import device_wedged
 
     device_wedged()
-    timer = threading.Timer(JOIN_S + 6.0, os._exit, (0,))
+    timer = threading.Timer(after_s, os._exit, (0,))
     timer.daemon = True  # a process that exits normally does not wait for it
     timer.start()
 
@@ -153,8 +155,8 @@ def thread_race(out: str = "") -> str:
         with open(f"{out}/rank{dist.get_rank()}.txt", "w") as f:
             f.write(errors[0])
     background.join(timeout=JOIN_S)
-    if errors:
-        _exit_soon()
+    if errors:  # the test reads the files, not the results: no need to wait long for a peer left in a collective
+        _exit_soon(1.0)
     return errors[0] if errors else ""
 
 

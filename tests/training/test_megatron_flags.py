@@ -237,7 +237,9 @@ def test_rope_type_is_megatrons():
 
 
 # examples/llama/train_llama3_8b_h100_fp8.sh of Megatron-LM (mock-data branch), its shapes scaled down to a
-# tiny model and 2 processes (tp2), its sample counts to a 3-iteration run; flag for flag otherwise.
+# tiny model and 2 processes (tp2), its sample counts to a 3-iteration run and its --eval-iters 32 to 2 (the
+# validation and test evaluations after training read 2 batches each, not 32);
+# flag for flag otherwise.
 LLAMA3_8B = """
 --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4
 --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
@@ -253,7 +255,7 @@ LLAMA3_8B = """
 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 --mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --tiktoken-pattern v2 --split '99,1,0'
 --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
---log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile
+--log-interval 1 --eval-iters 2 --eval-interval 100 --save-interval 1000 --log-throughput --profile
 --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60
 """.split()
 
