@@ -96,3 +96,77 @@ def test_a_repeat_within_the_window_is_the_same_request():
         time.sleep(0.01)
     finally:
         flag.restore()
+
+
+def _fork_server_of(pid: int) -> bool:
+    """Whether launcher ``pid`` has started its fork server (which then imports torch, for seconds)."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if ppid == pid and b"multiprocessing.forkserver" in f.read():
+                    return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the fork server in /proc")
+def test_sigterm_while_the_launcher_starts_its_ranks_stops_the_job(tmp_path):
+    """SIGTERM to the launcher while its fork server starts (seconds, before any rank exists), as a preemption
+    early in a job: the launcher hands the signal to each rank as it starts, the ranks' stop flag (installed
+    at their start) holds it, and the job stops before its first iteration, exit 0, in one line. Fails without
+    the fix: the relay found no rank to signal and dropped it, and the job trained on to --train-iters."""
+    from omnitron.testing.faults import records, start, tiny_train_args
+
+    args = tiny_train_args(tmp_path, "--train-iters", "40", "--nproc-per-node", "2", "--save", str(tmp_path / "ck"))
+    proc = start(args)
+    try:
+        deadline = time.monotonic() + 120
+        while not _fork_server_of(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "no fork server"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "stopping before iteration 1: a stop signal arrived during start-up" in out, out
+    assert records(str(tmp_path / "logs" / "metrics.jsonl")) == [], out
+    assert not os.path.exists(tmp_path / "ck" / "latest"), out
+
+
+def test_a_second_signal_ends_the_rank_in_one_line(capfd, monkeypatch):
+    """A second stop signal (after the repeat window) ends the rank at once: one line naming it and exit code 1,
+    no traceback (the launcher's summary repeats that line). Fails without the fix: the KeyboardInterrupt left
+    the rank with a traceback from wherever it landed (two screens for a 2-rank job)."""
+    from types import SimpleNamespace
+
+    from omnitron.core.training.launch import _run_rank
+    from omnitron.core.training.signals import REPEAT_WINDOW_S, StopFlag
+
+    def entry(settings, backend, watchdog=None):
+        flag = StopFlag()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+            flag._acted_at -= REPEAT_WINDOW_S  # the second comes after the window
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        finally:
+            flag.restore()
+        pytest.fail("the second signal did not interrupt")
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("OMNITRON_FAILURE_DIR", raising=False)
+    try:
+        code = _run_rank(SimpleNamespace(backend="cpu"), entry)
+    except KeyboardInterrupt as exc:  # not pytest's own: it would end the whole session
+        pytest.fail(f"the second signal left the rank as a KeyboardInterrupt: {exc}")
+    assert code == 1
+    err = capfd.readouterr().err
+    assert "error: second signal SIGTERM: stopping without saving" in err, err
+    assert "Traceback" not in err, err
+
