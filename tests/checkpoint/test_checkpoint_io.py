@@ -48,6 +48,28 @@ def test_killed_save_resumes_from_previous(tmp_path):
         find_latest(str(tmp_path))
 
 
+def test_partial_saves_of_other_iterations_are_removed(tmp_path):
+    """A save killed half-way (SIGKILL after a scheduler's grace time) at an iteration the resumed run never saves
+    again (a save on a stop signal, between intervals) left its iter_N.tmp, a checkpoint's worth of disk, for good
+    (--keep-last-n does not see it either). The next save removes every partial one; a complete iter_N.tmp (killed
+    between its metadata and its rename: complete, --ckpt-step loads it) stays. Fails without the fix: 1234's
+    partial directory is still there after the save of 2000."""
+    _save(tmp_path, 1000, 1)
+    os.makedirs(tmp_path / "iter_0001234.tmp")
+    (tmp_path / "iter_0001234.tmp" / "rank_00000.pt").write_bytes(os.urandom(4096))
+    complete = str(_save(tmp_path / "other", 1500, 3))
+    os.rename(complete, tmp_path / "iter_0001500.tmp")  # committed, but its rename never happened
+    (tmp_path / "latest").write_text("iter_0001000")
+    assert find_latest(str(tmp_path)).endswith("iter_0001000") and list_checkpoints(str(tmp_path)) == [1000]
+    _save(tmp_path, 2000, 2, keep=5)
+    left = sorted(os.listdir(tmp_path))
+    assert "iter_0001234.tmp" not in left and "iter_0001500.tmp" in left, left
+    assert list_checkpoints(str(tmp_path)) == [1000, 2000]
+    with pytest.raises(CheckpointError, match=r"--ckpt-step 1234: .* \(complete: 1000, 2000\)"):
+        find_latest(str(tmp_path), step=1234)
+    assert find_latest(str(tmp_path), step=1500).endswith("iter_0001500.tmp")
+
+
 def test_refuses_pickled_objects(tmp_path):
     _save(tmp_path, 1, 1)
     path = tmp_path / "iter_0000001" / "rank_00000.pt"

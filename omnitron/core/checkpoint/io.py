@@ -52,6 +52,10 @@ _LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1, "expert_tensor_parallel_siz
                     "account_for_loss_in_pipeline_split": False}
 
 
+LOAD_EARLIER = "load an earlier iteration (--ckpt-step N, or point 'latest' at it), or re-save"
+"""What to do about a damaged checkpoint, ending the line that names the damage."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or incompatible; the message says which and what to do."""
 
@@ -212,13 +216,30 @@ def _write_shard(tmp_dir: str, rank: int, shard: dict) -> None:
 
 def _begin(save_dir: str, final: str) -> None:
     """An empty ``iter_N.tmp`` (a stale one, left by a run killed while saving, is removed), after
-    finishing any re-save that died between its renames."""
+    finishing any re-save that died between its renames and removing the partial writes of other iterations."""
     os.makedirs(save_dir, exist_ok=True)
     for path in integrity.repair(save_dir, _META):
         log.warning("%s: finished a re-save that was interrupted between its renames", path)
+    _remove_partial_saves(save_dir)
     if os.path.exists(final + ".tmp"):
         shutil.rmtree(final + ".tmp")
     os.makedirs(final + ".tmp")
+
+
+def _remove_partial_saves(save_dir: str) -> None:
+    """Remove every ``iter_M.tmp`` without metadata.json: the partial write of a save that was killed (SIGKILL
+    after a scheduler's grace time, a node lost), which no load uses and no later save of another iteration
+    removed, so each kept a checkpoint's worth of disk for good. Called as a save begins, when no other save
+    of this job is writing (``--async-save`` waits for the one in flight first; the job holds --save's lock).
+    A complete ``iter_M.tmp`` (killed between its metadata and its rename) is a checkpoint: it stays."""
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if _ITER_DIR.match(name.removesuffix(".tmp")) and name.endswith(".tmp") and os.path.isdir(path) and \
+                not os.path.isfile(os.path.join(path, _META)):
+            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("%s: removed %s (%.0f MiB), the partial write of a save that did not finish", save_dir,
+                        name, size / 2**20)
 
 
 def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep_last_n: int | None,
@@ -260,12 +281,16 @@ def _prune(save_dir: str, keep_last_n: int, keep: str) -> None:
             shutil.rmtree(os.path.join(save_dir, iter_dir_name(it)), ignore_errors=True)
 
 
-def find_latest(load_dir: str, *, quiet: bool = False) -> str | None:
-    """The complete directory ``latest`` names (None when ``load_dir`` holds no checkpoint yet).
+def find_latest(load_dir: str, *, quiet: bool = False, step: int | None = None) -> str | None:
+    """The complete directory ``latest`` names (None when ``load_dir`` holds no checkpoint yet); with ``step``
+    (--ckpt-step, Megatron's: a checkpoint other than the newest, e.g. when the newest is damaged) that
+    iteration's, whatever ``latest`` says.
 
     Without ``latest`` (never written, or deleted) the newest complete ``iter_*`` directory is
     used and a warning says so (unless ``quiet``); committed directories that are all incomplete
     raise CheckpointError saying which file is missing."""
+    if step is not None:
+        return _at_step(load_dir, step)
     pointer = os.path.join(load_dir, "latest")
     if not os.path.exists(pointer):
         return _newest_complete(load_dir, quiet)
@@ -276,8 +301,25 @@ def find_latest(load_dir: str, *, quiet: bool = False) -> str | None:
                               f"write the name of a complete iter_* directory into it, or delete it")
     path = integrity.resolve(os.path.join(load_dir, name), _META)
     if path is None:
-        raise CheckpointError(f"--load {load_dir}: 'latest' names {name}, which is missing or incomplete; "
-                              f"point 'latest' at a complete iter_* directory or remove it")
+        raise CheckpointError(f"--load {load_dir}: 'latest' names {name}, which is missing or incomplete; load "
+                              f"another with --ckpt-step ITERATION{_complete_ones(load_dir)}, point 'latest' at a "
+                              f"complete iter_* directory or remove it")
+    return path
+
+
+def _complete_ones(load_dir: str) -> str:
+    """`` (complete: 2, 4)``: the iterations of ``load_dir``'s complete checkpoints, for a message ('' if none)."""
+    its = list_checkpoints(load_dir)
+    return f" (complete: {', '.join(map(str, its[-4:]))})" if its else ""
+
+
+def _at_step(load_dir: str, step: int) -> str:
+    """The complete checkpoint directory of iteration ``step`` under ``load_dir`` (--ckpt-step)."""
+    path = integrity.resolve(os.path.join(load_dir, iter_dir_name(step)), _META)
+    if path is None:
+        others = _complete_ones(load_dir) or " (it holds none)"
+        raise CheckpointError(f"--ckpt-step {step}: --load {load_dir} has no complete {iter_dir_name(step)}"
+                              f"{others}; give the iteration of a complete checkpoint")
     return path
 
 
@@ -431,7 +473,7 @@ def read_shard(path: str, rank: int, meta: dict | None = None) -> dict:
         if checksums is not None:  # NOTE: hashing on a thread beside torch.load was no faster here (2 cores)
             integrity.verify(shard_path, checksums[shard_name(rank)])
     except integrity.IntegrityError as err:
-        raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+        raise CheckpointError(f"{err}; {LOAD_EARLIER}") from None
     with open(shard_path, "rb") as f:
         problem = zip_record_problem(f)
     if problem:

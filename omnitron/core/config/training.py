@@ -453,6 +453,9 @@ class CheckpointConfig:
     """--save: directory checkpoints are written to."""
     load: str | None = None
     """--load: directory to resume from (its ``latest`` checkpoint); missing means start fresh."""
+    ckpt_step: int | None = None
+    """--ckpt-step: load the checkpoint of this iteration under --load, not the one ``latest`` names (an earlier
+    one when the newest is damaged; Megatron's flag)."""
     save_interval: int | None = None
     """--save-interval: save every this many iterations (and always at the end)."""
     keep_last_n: int | None = None
@@ -490,6 +493,9 @@ class CheckpointConfig:
             raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"--keep-last-n must be >= 1, got {self.keep_last_n}")
+        if self.ckpt_step is not None and (self.ckpt_step < 0 or not self.load):
+            raise ConfigError(f"--ckpt-step {self.ckpt_step}: give the iteration (>= 0) of a checkpoint under --load "
+                              f"DIR{'' if self.load else ' (--load is not set)'}")
         if self.ckpt_format not in ("torch", "torch_dist"):
             raise ConfigError(f"--ckpt-format {self.ckpt_format!r} is not one of torch, torch_dist")
         if self.async_save and self.ckpt_format != "torch_dist":

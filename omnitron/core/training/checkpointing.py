@@ -74,7 +74,7 @@ def layout_dict(settings) -> dict:
 def check_resume(settings) -> None:
     """Before any process group: the checkpoint under --load (if any) fits this run's model (a
     different parallel layout is resharded on load)."""
-    path = find_latest(settings.checkpoint.load, quiet=True)  # the workers' rank 0 says which it loads
+    path = find_latest(settings.checkpoint.load, quiet=True, step=settings.checkpoint.ckpt_step)  # rank 0 says which
     if path is None:
         for flag, on in (("--finetune", settings.checkpoint.finetune),
                          ("--exit-on-missing-checkpoint", settings.checkpoint.exit_on_missing_checkpoint)):
@@ -255,7 +255,7 @@ def load(c) -> bool:
     ck = c.settings.checkpoint
     if not ck.load:
         return False
-    path = find_latest(ck.load, quiet=c.groups.rank != 0)
+    path = find_latest(ck.load, quiet=c.groups.rank != 0, step=ck.ckpt_step)
     if path is None:
         if c.groups.rank == 0:
             log.info("--load %s holds no checkpoint yet: starting from scratch", ck.load)
