@@ -2,6 +2,7 @@
 process group of a multi-process job, and delivered more than once."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -170,3 +171,48 @@ def test_a_second_signal_ends_the_rank_in_one_line(capfd, monkeypatch):
     assert "error: second signal SIGTERM: stopping without saving" in err, err
     assert "Traceback" not in err, err
 
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process under it (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += [c for c, parent in parents.items() if parent == p]
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists the job's processes in /proc")
+def test_sigterm_to_every_process_of_the_job_saves_with_loader_workers(tmp_path):
+    """SLURM's scancel and time limit signal every process of the job by pid, the data-loader workers too (out of
+    the ranks' process group: omnitron.core.lifetime.tie_worker). With --num-workers 2 the run still finishes its
+    step, saves and exits 0, and no worker is left. Fails without the fix: a worker died of the SIGTERM and the
+    rank failed with "DataLoader worker ... killed by signal: Terminated", exit 1, no checkpoint."""
+    from omnitron.testing.faults import alive, records, start, tiny_train_args, wait_for_iteration, wait_gone
+
+    save = str(tmp_path / "ck")
+    proc = start(tiny_train_args(tmp_path, "--train-iters", "100000", "--num-workers", "2", "--save", save))
+    try:
+        metrics = str(tmp_path / "logs" / "metrics.jsonl")
+        wait_for_iteration(metrics, 3, proc)
+        everyone = _descendants(proc.pid)
+        assert len(everyone) >= 3, everyone  # the rank and its two workers
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    last = records(metrics)[-1]["iteration"]
+    assert open(os.path.join(save, "latest")).read() == f"iter_{last:07d}", out
+    wait_gone([p for p in everyone if alive(p)], 10)
