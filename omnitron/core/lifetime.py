@@ -82,7 +82,8 @@ def tie_worker(parent_pid: int, worker_id: int) -> None:
     die_with_parent(parent_pid)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+"""The signals a rank may stop on (SIGUSR1 / SIGUSR2 under --exit-signal)."""
 
 
 @contextlib.contextmanager
@@ -101,7 +102,7 @@ def stop_signals_blocked():
 
 
 def _stop_only_from(parent_pid: int) -> None:
-    """SIGTERM and SIGINT end this worker only when ``parent_pid`` sends them (the rank shutting its loader down:
+    """STOP_SIGNALS end this worker only when ``parent_pid`` sends them (the rank shutting its loader down:
     torch's, and multiprocessing's at exit) or the parent is gone; from anyone else they are dropped. NOTE: SLURM
     signals every process of the job, so a worker died of the SIGTERM that the rank takes as "finish the step and
     save", and the rank failed with "DataLoader worker ... killed by signal: Terminated" instead (no checkpoint).

@@ -216,3 +216,31 @@ def test_sigterm_to_every_process_of_the_job_saves_with_loader_workers(tmp_path)
     last = records(metrics)[-1]["iteration"]
     assert open(os.path.join(save, "latest")).read() == f"iter_{last:07d}", out
     wait_gone([p for p in everyone if alive(p)], 10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists the job's processes in /proc")
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGUSR2"])
+def test_exit_signal_saves_when_sent_to_every_process(tmp_path, sig):
+    """--exit-signal SIGUSR1 / SIGUSR2 (Megatron's flag; SLURM's --signal=USR1@SECONDS warns before the time limit
+    so): sent to every process of a 2-rank job with a loader worker each (the launcher, its fork server and
+    resource tracker, the ranks, their workers), the run finishes its step, saves and exits 0. Fails without the
+    flag: argparse refuses it; and the signal killed every process (exit -10), nothing saved."""
+    from omnitron.testing.faults import records, start, tiny_train_args, wait_for_iteration
+
+    save = str(tmp_path / "ck")
+    proc = start(tiny_train_args(tmp_path, "--train-iters", "100000", "--nproc-per-node", "2", "--num-workers", "1",
+                                 "--save", save, "--exit-signal", sig))
+    try:
+        metrics = str(tmp_path / "logs" / "metrics.jsonl")
+        wait_for_iteration(metrics, 2, proc)
+        for pid in _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, getattr(signal, sig))
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    last = records(metrics)[-1]["iteration"]
+    assert open(os.path.join(save, "latest")).read() == f"iter_{last:07d}", out
+    assert f"{sig} received: stopping after this iteration" in out, out

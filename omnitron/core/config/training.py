@@ -445,6 +445,10 @@ class LoggingConfig:
                               f"use ranks 0..{world_size - 1}")
 
 
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+"""--exit-signal's choices: the stop signals, and the two a scheduler sends as a warning (SLURM's --signal)."""
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Saving and loading."""
@@ -479,6 +483,9 @@ class CheckpointConfig:
     """--exit-on-missing-checkpoint: stop with an error when --load holds no checkpoint, instead of starting fresh."""
     save_on_signal: bool = True
     """Finish the current step, save and exit on SIGTERM/SIGINT (when --save is set)."""
+    exit_signal: str = "SIGTERM"
+    """--exit-signal (Megatron's): the signal that, besides SIGTERM and SIGINT, finishes the step, saves and exits:
+    SIGUSR1 or SIGUSR2 for SLURM's ``--signal=USR1@SECONDS`` warning before the time limit."""
     ckpt_format: str = "torch_dist"
     """--ckpt-format: ``torch_dist`` (the default, Megatron's too: torch.distributed.checkpoint, each rank
     writes only the slices it owns, loads under any layout) or ``torch`` (one torch.save file per rank).
@@ -493,6 +500,8 @@ class CheckpointConfig:
             raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"--keep-last-n must be >= 1, got {self.keep_last_n}")
+        if self.exit_signal not in EXIT_SIGNALS:
+            raise ConfigError(f"--exit-signal {self.exit_signal}: give one of {', '.join(EXIT_SIGNALS)}")
         if self.ckpt_step is not None and (self.ckpt_step < 0 or not self.load):
             raise ConfigError(f"--ckpt-step {self.ckpt_step}: give the iteration (>= 0) of a checkpoint under --load "
                               f"DIR{'' if self.load else ' (--load is not set)'}")

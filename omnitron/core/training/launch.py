@@ -125,7 +125,7 @@ def _run_rank(settings, entry=None) -> int:
     if devices > 1:  # one device per local rank (a no-op on the host CPU)
         backend.set_device(int(os.environ.get("LOCAL_RANK", "0")) % devices)
     watchdog, ok, fault = NullWatchdog(), False, None
-    stop = signals.install(settings.checkpoint.save_on_signal) if _trains(settings, entry, train) else None
+    stop = signals.install(settings.checkpoint) if _trains(settings, entry, train) else None
     unblock_stop_signals()  # a forked rank's (a signal pending since its start acts now)
     try:
         if world > 1:

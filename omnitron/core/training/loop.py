@@ -256,7 +256,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         straggler = StragglerDetector(world_size=c.groups.world_size, collectives=backend.collectives,
                                       device=backend.current_device(), minmax_count=lg.straggler_minmax_count,
                                       host_clock_only=backend.capabilities().streams, rank=c.groups.rank)
-    stop = signals.adopt(enabled=ck.save_on_signal)  # installed at the rank's start: holds a start-up signal
+    stop = signals.adopt(ck)  # installed at the rank's start: holds a start-up signal
     # NOTE: from the job's start, not the loop's: a job sized to a scheduler's time limit must save before it
     deadline = settings.started_at + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
 

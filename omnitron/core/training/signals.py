@@ -33,12 +33,12 @@ class StopNow(KeyboardInterrupt):
 
 
 class StopFlag:
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, exit_signal: str = "SIGTERM") -> None:
         self.requested = False
         self._acted_at = None  # time.monotonic() of the signal that last took effect
         self._previous = {}
         if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in handled(exit_signal):
                 try:
                     self._previous[sig] = signal.signal(sig, self._handle)
                 except ValueError:  # not the main thread
@@ -77,23 +77,30 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
+def handled(exit_signal: str = "SIGTERM") -> tuple[signal.Signals, ...]:
+    """The signals a run stops on: SIGTERM, SIGINT and --exit-signal."""
+    extra = signal.Signals[exit_signal]
+    return (signal.SIGTERM, signal.SIGINT) + ((extra,) if extra not in (signal.SIGTERM, signal.SIGINT) else ())
+
+
 _installed: StopFlag | None = None
 
 
-def install(enabled: bool) -> StopFlag:
-    """This process's stop flag from now on (at a rank's start; ``enabled``: --save-on-signal), for the training
-    loop to :func:`adopt`; :meth:`StopFlag.restore` puts the previous handlers back."""
+def install(ck) -> StopFlag:
+    """This process's stop flag from now on (at a rank's start; ``ck``: the run's CheckpointConfig, its
+    --save-on-signal and --exit-signal), for the training loop to :func:`adopt`; :meth:`StopFlag.restore` puts
+    the previous handlers back."""
     global _installed
-    _installed = StopFlag(enabled)
+    _installed = StopFlag(ck.save_on_signal, ck.exit_signal)
     return _installed
 
 
-def adopt(enabled: bool) -> StopFlag:
+def adopt(ck) -> StopFlag:
     """The flag :func:`install` made (a signal during start-up is in it), or a new one (a caller that runs the
     loop without the launcher, e.g. a test)."""
     global _installed
     flag, _installed = _installed, None
-    return flag if flag is not None else StopFlag(enabled)
+    return flag if flag is not None else StopFlag(ck.save_on_signal, ck.exit_signal)
 
 
 def uninstall(flag: StopFlag) -> None:

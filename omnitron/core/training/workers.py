@@ -281,8 +281,9 @@ def worker_context():
     return ctx
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""The signals that stop a job: blocked in the fork server (:func:`start_fork_server`), restored in each rank."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+"""The signals that stop a job (SIGUSR1 / SIGUSR2 under --exit-signal): blocked in the fork server and the resource
+tracker (:func:`start_fork_server`), restored in each rank."""
 IGNORED_ENV = "OMNITRON_LAUNCHER_IGNORED_SIGNALS"
 """Handed to the ranks in their ``env`` (and taken out of it there): the stop signals the launcher's own parent
 made it ignore (``nohup``-style, a background job of a script), which the ranks ignore too."""
@@ -296,14 +297,16 @@ def start_fork_server(ctx) -> None:
     survives exec), the signal stays pending in the server and never acts; the server still exits when the
     launcher goes (its "alive" pipe closes). Blocked rather than ignored: a rank forked from it inherits the
     mask, and a signal that reaches the rank before :func:`enter_worker` unblocks it waits instead of being
-    lost. The resource tracker is started first: its start unblocks these signals in the calling thread."""
+    lost. The resource tracker is started first, with them blocked too (it ignores SIGTERM and SIGINT itself; a
+    SIGUSR1 to the group killed it): its start unblocks SIGTERM and SIGINT in the calling thread."""
     if ctx.get_start_method() != "forkserver" or not hasattr(signal, "pthread_sigmask"):
         return
     from multiprocessing import forkserver, resource_tracker
 
-    resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -315,7 +318,7 @@ def ignored_stop_signals(dispositions: dict) -> str:
 
 
 def restore_stop_signals(ignored: str = "", unblock: bool = True) -> None:
-    """In a rank: SIGTERM and SIGINT as a fresh process has them (default action; Python's KeyboardInterrupt),
+    """In a rank: the STOP_SIGNALS as a fresh process has them (default action; Python's KeyboardInterrupt),
     except those named in ``ignored``, then unblocked (a pending one acts now; ``unblock=False``: by
     :func:`unblock_stop_signals`, once the rank has its own handler). A rank would otherwise inherit
     what the launcher and the fork server set for themselves (SIGINT ignored, both blocked), and one without a
@@ -350,6 +353,16 @@ def enter_worker(launcher_pid: int, env: dict[str, str], unblock: bool = True) -
     restore_stop_signals(ignored, unblock)
 
 
+def _exit_signals(settings) -> tuple:
+    """The signals a training job stops on (:func:`omnitron.core.training.signals.handled`); none for other jobs."""
+    ck = getattr(settings, "checkpoint", None)
+    if ck is None or not ck.save_on_signal:
+        return ()
+    from omnitron.core.training.signals import handled
+
+    return handled(ck.exit_signal)
+
+
 def run_workers(settings, entry, n: int, worker) -> int:
     """Start ``worker(rank, n, port, settings, entry, launcher_pid, env)`` for every rank (the worker calls
     :func:`enter_worker` first); the job's exit code."""
@@ -375,10 +388,12 @@ def run_workers(settings, entry, n: int, worker) -> int:
             early.append((signum, reached))
 
     # SIGINT is relayed like SIGTERM (a scheduler may signal this process alone), unless this process's parent
-    # made it ignore SIGINT (a background job of a script): then the workers ignore it too
+    # made it ignore SIGINT (a background job of a script): then the workers ignore it too; --exit-signal too
     previous = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.SIG_IGN if previous == signal.SIG_IGN else forward)
     previous_term = signal.signal(signal.SIGTERM, forward)
+    extra = [s for s in _exit_signals(settings) if s not in (signal.SIGTERM, signal.SIGINT)]
+    previous_extra = {s: signal.signal(s, forward) for s in extra}
     env[IGNORED_ENV] = ignored_stop_signals({signal.SIGINT: previous, signal.SIGTERM: previous_term})
     try:
         start_fork_server(ctx)  # NOTE: seconds (it imports torch): a stop signal then was lost, the job ran on
@@ -393,6 +408,8 @@ def run_workers(settings, entry, n: int, worker) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
+        for s, handler in previous_extra.items():
+            signal.signal(s, handler)
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     reports = failures.read_reports(report_dir)
