@@ -190,24 +190,20 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists the job's processes in /proc")
-def test_sigterm_to_every_process_of_the_job_saves_with_loader_workers(tmp_path):
-    """SLURM's scancel and time limit signal every process of the job by pid, the data-loader workers too (out of
-    the ranks' process group: omnitron.core.lifetime.tie_worker). With --num-workers 2 the run still finishes its
-    step, saves and exits 0, and no worker is left. Fails without the fix: a worker died of the SIGTERM and the
-    rank failed with "DataLoader worker ... killed by signal: Terminated", exit 1, no checkpoint."""
-    from omnitron.testing.faults import alive, records, start, tiny_train_args, wait_for_iteration, wait_gone
+def _signal_every_process(tmp_path, sig: signal.Signals, *extra: str) -> tuple[str, list[int]]:
+    """Start a tiny job (``extra`` flags), send ``sig`` to every process of it at iteration 3 as SLURM does, check
+    that it finished its step, saved and exited 0; its output and the processes signalled."""
+    from omnitron.testing.faults import records, start, tiny_train_args, wait_for_iteration
 
     save = str(tmp_path / "ck")
-    proc = start(tiny_train_args(tmp_path, "--train-iters", "100000", "--num-workers", "2", "--save", save))
+    proc = start(tiny_train_args(tmp_path, "--train-iters", "100000", "--save", save, *extra))
     try:
         metrics = str(tmp_path / "logs" / "metrics.jsonl")
         wait_for_iteration(metrics, 3, proc)
         everyone = _descendants(proc.pid)
-        assert len(everyone) >= 3, everyone  # the rank and its two workers
         for pid in everyone:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -215,6 +211,19 @@ def test_sigterm_to_every_process_of_the_job_saves_with_loader_workers(tmp_path)
     assert proc.returncode == 0, out
     last = records(metrics)[-1]["iteration"]
     assert open(os.path.join(save, "latest")).read() == f"iter_{last:07d}", out
+    return out, everyone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lists the job's processes in /proc")
+def test_sigterm_to_every_process_of_the_job_saves_with_loader_workers(tmp_path):
+    """SLURM's scancel and time limit signal every process of the job by pid, the data-loader workers too (out of
+    the ranks' process group: omnitron.core.lifetime.tie_worker). With --num-workers 2 the run still finishes its
+    step, saves and exits 0, and no worker is left. Fails without the fix: a worker died of the SIGTERM and the
+    rank failed with "DataLoader worker ... killed by signal: Terminated", exit 1, no checkpoint."""
+    from omnitron.testing.faults import alive, wait_gone
+
+    _, everyone = _signal_every_process(tmp_path, signal.SIGTERM, "--num-workers", "2")
+    assert len(everyone) >= 3, everyone  # the rank and its two workers
     wait_gone([p for p in everyone if alive(p)], 10)
 
 
@@ -225,22 +234,6 @@ def test_exit_signal_saves_when_sent_to_every_process(tmp_path, sig):
     so): sent to every process of a 2-rank job with a loader worker each (the launcher, its fork server and
     resource tracker, the ranks, their workers), the run finishes its step, saves and exits 0. Fails without the
     flag: argparse refuses it; and the signal killed every process (exit -10), nothing saved."""
-    from omnitron.testing.faults import records, start, tiny_train_args, wait_for_iteration
-
-    save = str(tmp_path / "ck")
-    proc = start(tiny_train_args(tmp_path, "--train-iters", "100000", "--nproc-per-node", "2", "--num-workers", "1",
-                                 "--save", save, "--exit-signal", sig))
-    try:
-        metrics = str(tmp_path / "logs" / "metrics.jsonl")
-        wait_for_iteration(metrics, 2, proc)
-        for pid in _descendants(proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, getattr(signal, sig))
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
-    last = records(metrics)[-1]["iteration"]
-    assert open(os.path.join(save, "latest")).read() == f"iter_{last:07d}", out
+    out, _ = _signal_every_process(tmp_path, getattr(signal, sig), "--nproc-per-node", "2", "--num-workers", "1",
+                                   "--exit-signal", sig)
     assert f"{sig} received: stopping after this iteration" in out, out
