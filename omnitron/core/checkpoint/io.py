@@ -152,8 +152,10 @@ def removed_if_disk_full(save_dir: str, final: str):
 
 
 def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, *, rank: int, world_size: int,
-                    barrier: Callable[[], None], keep_last_n: int | None = None) -> str:
-    """Collective: every rank calls with its own ``shard``; returns the committed directory."""
+                    barrier: Callable[[], None], keep_last_n: int | None = None,
+                    retain_interval: int | None = None) -> str:
+    """Collective: every rank calls with its own ``shard``; returns the committed directory. ``keep_last_n`` and
+    ``retain_interval``: which older checkpoints the commit deletes (:func:`_commit`)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     if rank == 0:
         _begin(save_dir, final)
@@ -162,7 +164,7 @@ def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, 
         _write_shard(final + ".tmp", rank, shard)
         barrier()
         if rank == 0:
-            _commit(save_dir, iteration, metadata, world_size, keep_last_n)
+            _commit(save_dir, iteration, metadata, world_size, keep_last_n, retain_interval=retain_interval)
     barrier()
     return final
 
@@ -243,8 +245,9 @@ def _remove_partial_saves(save_dir: str) -> None:
 
 
 def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep_last_n: int | None,
-            extra: list[str] = ()) -> None:
-    """Write metadata.json into ``iter_N.tmp``, rename it to ``iter_N``, then move ``latest``.
+            extra: list[str] = (), retain_interval: int | None = None) -> None:
+    """Write metadata.json into ``iter_N.tmp``, rename it to ``iter_N``, then move ``latest``; then delete what
+    --keep-last-n and --save-retain-interval (:func:`_retire`) leave out.
     ``extra``: files besides the rank shards whose writers left digests (``torch_dist``'s DCP files)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     tmp = final + ".tmp"
@@ -258,12 +261,37 @@ def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep
     _write_file(os.path.join(tmp, _META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
     _fsync_dir(tmp)
     integrity.commit_dir(tmp, final)
+    previous = _pointed(save_dir)
     pointer = os.path.join(save_dir, "latest.tmp")
     _write_file(pointer, lambda f: f.write(iter_dir_name(iteration).encode()))
     os.replace(pointer, os.path.join(save_dir, "latest"))
     _fsync_dir(save_dir)
     if keep_last_n:
         _prune(save_dir, keep_last_n, keep=iter_dir_name(iteration))
+    if retain_interval and previous is not None:
+        _retire(save_dir, previous, iteration, retain_interval)
+
+
+def _pointed(save_dir: str) -> int | None:
+    """The iteration ``latest`` names (None: no pointer, or not an iter_N name)."""
+    try:
+        with open(os.path.join(save_dir, "latest"), "rb") as f:
+            found = _ITER_DIR.match(f.read(64).decode("utf-8", "replace").strip())
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
+
+
+def _retire(save_dir: str, previous: int, iteration: int, retain_interval: int) -> None:
+    """--save-retain-interval, as Megatron's: once ``iteration`` is committed, the checkpoint ``latest`` named
+    before (``previous``) is deleted unless it is a multiple of ``retain_interval`` (or this same iteration, or
+    a symbolic link): a run keeps every multiple and its newest checkpoint."""
+    path = os.path.join(save_dir, iter_dir_name(previous))
+    if previous in (0, iteration) or previous % retain_interval == 0 or os.path.islink(path):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    log.info("--save-retain-interval %d: deleted %s (kept: multiples of %d and the newest)", retain_interval,
+             path, retain_interval)
 
 
 def list_checkpoints(save_dir: str) -> list[int]:

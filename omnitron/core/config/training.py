@@ -464,6 +464,9 @@ class CheckpointConfig:
     """--save-interval: save every this many iterations (and always at the end)."""
     keep_last_n: int | None = None
     """--keep-last-n: delete older checkpoints, keeping this many (None keeps all)."""
+    save_retain_interval: int | None = None
+    """--save-retain-interval (Megatron's): each save deletes the checkpoint ``latest`` named before it unless its
+    iteration is a multiple of this: the run keeps every multiple and its newest checkpoint."""
     finetune: bool = False
     """--finetune: load weights only; start at iteration 0 with fresh optimizer and data order."""
     no_load_optim: bool = False
@@ -500,6 +503,8 @@ class CheckpointConfig:
             raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"--keep-last-n must be >= 1, got {self.keep_last_n}")
+        if self.save_retain_interval is not None and self.save_retain_interval < 1:
+            raise ConfigError(f"--save-retain-interval must be >= 1, got {self.save_retain_interval}")
         if self.exit_signal not in EXIT_SIGNALS:
             raise ConfigError(f"--exit-signal {self.exit_signal}: give one of {', '.join(EXIT_SIGNALS)}")
         if self.ckpt_step is not None and (self.ckpt_step < 0 or not self.load):

@@ -167,7 +167,8 @@ def save(c) -> str:
             coll.barrier()
 
     path = save_checkpoint(s.checkpoint.save, c.iteration, shard, meta, rank=c.groups.rank,
-                           world_size=c.groups.world_size, barrier=barrier, keep_last_n=s.checkpoint.keep_last_n)
+                           world_size=c.groups.world_size, barrier=barrier, keep_last_n=s.checkpoint.keep_last_n,
+                           retain_interval=s.checkpoint.save_retain_interval)
     if c.groups.rank == 0:
         log.info("saved checkpoint %s", path)
     return path
@@ -188,7 +189,8 @@ def _save_dist(c) -> str:
     if s.checkpoint.async_save:
         save = _async_saver(c).save
     path = save(c, s.checkpoint.save, c.iteration, meta, _dist().rank_state(c, get_rng_state),
-                barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n)
+                barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n,
+                retain_interval=s.checkpoint.save_retain_interval)
     if c.groups.rank == 0:
         log.info("%s checkpoint %s (torch_dist)", "saving in the background:" if s.checkpoint.async_save else
                  "saved", path)
