@@ -70,6 +70,31 @@ def test_partial_saves_of_other_iterations_are_removed(tmp_path):
     assert find_latest(str(tmp_path), step=1500).endswith("iter_0001500.tmp")
 
 
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGXFSZ"), reason="RLIMIT_FSIZE is POSIX")
+def test_a_save_past_the_file_size_limit_says_so_in_one_line(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE: ``ulimit -f``, a scheduler's) cuts a shard short: torch's writer says only
+    "unexpected pos", and the save left a traceback and its partial iter_N.tmp. Now one CheckpointError line names
+    the limit (errno EFBIG) and that nothing was committed, the partial directory is gone and 'latest' names the
+    previous checkpoint, which loads. Fails without the fix: a RuntimeError ("unexpected pos ...")."""
+    import resource
+
+    _save(tmp_path, 1, 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = 64 << 10
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # CPython ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        with pytest.raises(CheckpointError) as failed:
+            save_checkpoint(str(tmp_path), 2, {"w": torch.randn(limit // 2)}, {"model": {}, "layout": {}}, rank=0,
+                            world_size=1, barrier=lambda: None)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    line = str(failed.value)
+    assert "\n" not in line and "saving iter_0000002 failed" in line and f"RLIMIT_FSIZE / ulimit -f, of {limit} " \
+        "bytes" in line and "'latest' still names the previous checkpoint" in line, line
+    assert not os.path.exists(tmp_path / "iter_0000002.tmp")
+    assert find_latest(str(tmp_path)).endswith("iter_0000001")
+
+
 def test_refuses_pickled_objects(tmp_path):
     _save(tmp_path, 1, 1)
     path = tmp_path / "iter_0000001" / "rank_00000.pt"

@@ -123,10 +123,11 @@ class AsyncSaver:
         p.thread.join()
         failed = self._failed_ranks(c, bool(p.error))
         if p.error and io.disk_full(p.error[0], p.save_dir):  # the partial directory removed, one line
-            with io.removed_if_disk_full(p.save_dir, os.path.join(p.save_dir, io.iter_dir_name(p.iteration))):
+            with io.removed_if_write_fails(p.save_dir, os.path.join(p.save_dir, io.iter_dir_name(p.iteration))):
                 raise p.error[0]
         if failed:
-            why = f" ({type(p.error[0]).__name__}: {' '.join(str(p.error[0]).split())[:300]})" if p.error else ""
+            why = f" ({type(p.error[0]).__name__}: {' '.join(str(p.error[0]).split())[:300]}" \
+                  f"{io.size_limit_hint(p.error[0])})" if p.error else ""
             raise CheckpointError(f"{p.save_dir}: the background save of iteration {p.iteration} failed on rank "
                                   f"{failed[0]}{why}; nothing was committed, 'latest' names the previous checkpoint")
         dist.commit(c, p.save_dir, p.iteration, p.meta, barrier=barrier, keep_last_n=p.keep_last_n,

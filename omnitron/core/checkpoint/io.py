@@ -125,6 +125,25 @@ def disk_full(err: BaseException, directory: str) -> bool:
     return any(t in text for t in _SHORT_WRITE_TEXT) and _free_bytes(directory) < LOW_SPACE_BYTES
 
 
+def size_limit_hint(err: BaseException) -> str:
+    """``" (errno EFBIG: ...)"`` when ``err`` is a short write (torch's zip writer hides the errno: "unexpected pos")
+    and this process has a file-size limit (RLIMIT_FSIZE, ``ulimit -f``, a scheduler's): the likely cause, which
+    the message would not name otherwise; else ''."""
+    text = " ".join(str(e).lower() for e in _causes(err))
+    if not (any(t in text for t in _SHORT_WRITE_TEXT) or "file too large" in text):
+        return ""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return ""
+    if limit == resource.RLIM_INFINITY:
+        return ""
+    return (f" (errno EFBIG: a file reached this process's file-size limit, RLIMIT_FSIZE / ulimit -f, of "
+            f"{limit} bytes)")
+
+
 def _free_bytes(directory: str) -> int:
     try:
         return shutil.disk_usage(directory).free
@@ -132,19 +151,35 @@ def _free_bytes(directory: str) -> int:
         return 0
 
 
+def _write_failed(err: BaseException) -> bool:
+    """An OSError anywhere in ``err``'s chain, or torch's zip writer's short write (which hides its errno)."""
+    causes = list(_causes(err))
+    return any(isinstance(e, OSError) for e in causes) or any(
+        t in str(e).lower() for e in causes for t in _SHORT_WRITE_TEXT)
+
+
 @contextlib.contextmanager
-def removed_if_disk_full(save_dir: str, final: str):
-    """Around a save of ``final`` (``iter_N``): when the disk fills up, remove the partial ``iter_N.tmp`` (and
-    ``latest.tmp``), which would otherwise keep the space, and raise :class:`DiskFullError` in one line."""
+def removed_if_write_fails(save_dir: str, final: str):
+    """Around a save of ``final`` (``iter_N``): when writing fails, remove the partial ``iter_N.tmp`` (and
+    ``latest.tmp``), which would otherwise keep the space, and raise in one line naming the cause and its errno
+    (:class:`DiskFullError` for a full disk; a file-size limit named, :func:`size_limit_hint`)."""
     try:
         yield
     except BaseException as err:
-        if isinstance(err, DiskFullError) or not disk_full(err, save_dir):
+        full = not isinstance(err, DiskFullError) and disk_full(err, save_dir)
+        if not full and (isinstance(err, DiskFullError) or not _write_failed(err)):
             raise
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(os.path.join(save_dir, "latest.tmp"))
         name = os.path.basename(final)
+        if not full and isinstance(err, CheckpointError):  # one line already (torch_dist's, naming the rank)
+            raise
+        if not full:
+            why = " ".join(str(err).split())[:300] + size_limit_hint(err)
+            raise CheckpointError(f"{save_dir}: saving {name} failed ({type(err).__name__}: {why}); the partial "
+                                  f"{name}.tmp was removed and 'latest' still names the previous checkpoint; fix the "
+                                  f"cause and resume with --load") from None
         raise DiskFullError(f"{save_dir}: the disk is full ({_free_bytes(save_dir) / 2**20:.0f} MiB free) while "
                             f"saving {name}; the partial {name}.tmp was removed and 'latest' still names the previous "
                             f"checkpoint; free space (or keep fewer with --keep-last-n) and resume with "
@@ -160,7 +195,7 @@ def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, 
     if rank == 0:
         _begin(save_dir, final)
     barrier()
-    with removed_if_disk_full(save_dir, final):
+    with removed_if_write_fails(save_dir, final):
         _write_shard(final + ".tmp", rank, shard)
         barrier()
         if rank == 0:
@@ -178,7 +213,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: Iterable[tuple[int, 
     final = os.path.join(save_dir, iter_dir_name(iteration))
     _begin(save_dir, final)
     written = set()
-    with removed_if_disk_full(save_dir, final):
+    with removed_if_write_fails(save_dir, final):
         for rank, shard in shards:
             _write_shard(final + ".tmp", rank, shard)
             written.add(rank)
