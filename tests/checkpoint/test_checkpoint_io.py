@@ -48,6 +48,53 @@ def test_killed_save_resumes_from_previous(tmp_path):
         find_latest(str(tmp_path))
 
 
+def test_partial_saves_of_other_iterations_are_removed(tmp_path):
+    """A save killed half-way (SIGKILL after a scheduler's grace time) at an iteration the resumed run never saves
+    again (a save on a stop signal, between intervals) left its iter_N.tmp, a checkpoint's worth of disk, for good
+    (--keep-last-n does not see it either). The next save removes every partial one; a complete iter_N.tmp (killed
+    between its metadata and its rename: complete, --ckpt-step loads it) stays. Fails without the fix: 1234's
+    partial directory is still there after the save of 2000."""
+    _save(tmp_path, 1000, 1)
+    os.makedirs(tmp_path / "iter_0001234.tmp")
+    (tmp_path / "iter_0001234.tmp" / "rank_00000.pt").write_bytes(os.urandom(4096))
+    complete = str(_save(tmp_path / "other", 1500, 3))
+    os.rename(complete, tmp_path / "iter_0001500.tmp")  # committed, but its rename never happened
+    (tmp_path / "latest").write_text("iter_0001000")
+    assert find_latest(str(tmp_path)).endswith("iter_0001000") and list_checkpoints(str(tmp_path)) == [1000]
+    _save(tmp_path, 2000, 2, keep=5)
+    left = sorted(os.listdir(tmp_path))
+    assert "iter_0001234.tmp" not in left and "iter_0001500.tmp" in left, left
+    assert list_checkpoints(str(tmp_path)) == [1000, 2000]
+    with pytest.raises(CheckpointError, match=r"--ckpt-step 1234: .* \(complete: 1000, 2000\)"):
+        find_latest(str(tmp_path), step=1234)
+    assert find_latest(str(tmp_path), step=1500).endswith("iter_0001500.tmp")
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGXFSZ"), reason="RLIMIT_FSIZE is POSIX")
+def test_a_save_past_the_file_size_limit_says_so_in_one_line(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE: ``ulimit -f``, a scheduler's) cuts a shard short: torch's writer says only
+    "unexpected pos", and the save left a traceback and its partial iter_N.tmp. Now one CheckpointError line names
+    the limit (errno EFBIG) and that nothing was committed, the partial directory is gone and 'latest' names the
+    previous checkpoint, which loads. Fails without the fix: a RuntimeError ("unexpected pos ...")."""
+    import resource
+
+    _save(tmp_path, 1, 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = 64 << 10
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # CPython ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        with pytest.raises(CheckpointError) as failed:
+            save_checkpoint(str(tmp_path), 2, {"w": torch.randn(limit // 2)}, {"model": {}, "layout": {}}, rank=0,
+                            world_size=1, barrier=lambda: None)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    line = str(failed.value)
+    assert "\n" not in line and "saving iter_0000002 failed" in line and f"RLIMIT_FSIZE / ulimit -f, of {limit} " \
+        "bytes" in line and "'latest' still names the previous checkpoint" in line, line
+    assert not os.path.exists(tmp_path / "iter_0000002.tmp")
+    assert find_latest(str(tmp_path)).endswith("iter_0000001")
+
+
 def test_refuses_pickled_objects(tmp_path):
     _save(tmp_path, 1, 1)
     path = tmp_path / "iter_0000001" / "rank_00000.pt"

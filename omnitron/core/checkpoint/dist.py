@@ -71,9 +71,11 @@ def _one_line(what: str, path: str):
         rank, (exc, _) = sorted(err.failures.items())[0]
         if isinstance(exc, CheckpointError):
             raise CheckpointError(str(exc)) from None
-        why = " ".join(str(exc).split())[:300]
+        why = " ".join(str(exc).split())[:300] + io.size_limit_hint(exc)
+        todo = ("nothing was committed: 'latest' still names the previous checkpoint; fix the cause and resume "
+                "with --load" if what == "save" else "load an earlier iteration, or re-save")
         raise CheckpointError(f"{path}: torch_dist {what} failed on rank {rank} ({type(exc).__name__}: {why}); "
-                              f"load an earlier iteration, or re-save") from None
+                              f"{todo}") from None
 
 
 def _split(c, p) -> tuple[int, int]:
@@ -191,13 +193,14 @@ def optimizer_meta(c) -> dict:
     return out
 
 
-def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
+def save(c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None,
+         retain_interval=None) -> str:
     """Collective over the world: DCP writes every rank's pieces, each rank its ``rank_R.pt``; rank 0
     commits (see the module docstring). Returns the committed directory."""
     final = begin(c, save_dir, iteration, barrier)
-    with io.removed_if_disk_full(save_dir, final):
+    with io.removed_if_write_fails(save_dir, final):
         write(final + ".tmp", c.groups.rank, {**model_pieces(c, save=True), **optimizer_pieces(c, save=True)}, local)
-        commit(c, save_dir, iteration, meta, barrier=barrier, keep_last_n=keep_last_n)
+        commit(c, save_dir, iteration, meta, barrier=barrier, keep_last_n=keep_last_n, retain_interval=retain_interval)
     return final
 
 
@@ -269,21 +272,23 @@ def write(tmp: str, rank: int, pieces: Pieces, local: dict, group=None, *, colle
     io._write_shard(tmp, rank, local)
 
 
-def commit(c, save_dir: str, iteration: int, meta: dict, *, barrier, keep_last_n=None) -> None:
+def commit(c, save_dir: str, iteration: int, meta: dict, *, barrier, keep_last_n=None, retain_interval=None) -> None:
     """Collective: once every rank's :func:`write` is done, rank 0 commits ``iter_N`` (checksums into
     metadata.json, rename, then ``latest``)."""
     barrier()
     if c.groups.rank == 0:
-        _commit_files(save_dir, iteration, meta, c.groups.world_size, keep_last_n)
+        _commit_files(save_dir, iteration, meta, c.groups.world_size, keep_last_n, retain_interval)
     barrier()
 
 
-def _commit_files(save_dir: str, iteration: int, meta: dict, world_size: int, keep_last_n) -> None:
+def _commit_files(save_dir: str, iteration: int, meta: dict, world_size: int, keep_last_n,
+                  retain_interval=None) -> None:
     """:func:`io._commit` of ``iter_N.tmp`` with DCP's files (``.metadata`` and every ``__R_0.distcp``)."""
     tmp = os.path.join(save_dir, io.iter_dir_name(iteration) + ".tmp")
     files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(tmp), "__*.distcp")))
     io._commit(save_dir, iteration, dict(meta, ckpt_format=FORMAT, dcp_files=files), world_size, keep_last_n,
-               extra=[".metadata", *files, *(f + integrity.CHUNK_INDEX for f in files)])
+               extra=[".metadata", *files, *(f + integrity.CHUNK_INDEX for f in files)],
+               retain_interval=retain_interval)
 
 
 def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
@@ -308,7 +313,7 @@ def write_full(save_dir: str, full, chunks, meta: dict, world_size: int) -> str:
     # the routers' expert biases (buffers): every rank file holds them all (E floats per layer), by global name
     biases = {n: t for n, t in full.model.items() if n.endswith(".mlp.router.expert_bias")}
     local = {"expert_bias": [biases]} if biases else {}
-    with io.removed_if_disk_full(save_dir, final):
+    with io.removed_if_write_fails(save_dir, final):
         write(final + ".tmp", 0, pieces, local, collective=False)
         for r in range(1, world_size):
             io._write_shard(final + ".tmp", r, local)

@@ -52,6 +52,7 @@ class _Pending:
     meta: dict
     keep_last_n: int | None
     error: list
+    retain_interval: int | None = None
 
 
 class AsyncSaver:
@@ -83,7 +84,8 @@ class AsyncSaver:
                          "writes), reused by every save", "new" if again else "allocated", self.staging.nbytes / 2**20)
         return self.staging
 
-    def save(self, c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None) -> str:
+    def save(self, c, save_dir: str, iteration: int, meta: dict, local: dict, *, barrier, keep_last_n=None,
+             retain_interval=None) -> str:
         """Collective: finish the previous save, snapshot this rank's pieces and start writing them;
         returns the directory ``iter_N`` becomes once :meth:`wait` commits it."""
         self.wait(c, barrier)
@@ -108,7 +110,7 @@ class AsyncSaver:
                 error.append(err)
 
         thread = threading.Thread(target=run, name=f"omnitron-async-save-{iteration}", daemon=True)
-        self.pending = _Pending(thread, iteration, save_dir, meta, keep_last_n, error)
+        self.pending = _Pending(thread, iteration, save_dir, meta, keep_last_n, error, retain_interval)
         thread.start()
         return final
 
@@ -121,13 +123,15 @@ class AsyncSaver:
         p.thread.join()
         failed = self._failed_ranks(c, bool(p.error))
         if p.error and io.disk_full(p.error[0], p.save_dir):  # the partial directory removed, one line
-            with io.removed_if_disk_full(p.save_dir, os.path.join(p.save_dir, io.iter_dir_name(p.iteration))):
+            with io.removed_if_write_fails(p.save_dir, os.path.join(p.save_dir, io.iter_dir_name(p.iteration))):
                 raise p.error[0]
         if failed:
-            why = f" ({type(p.error[0]).__name__}: {' '.join(str(p.error[0]).split())[:300]})" if p.error else ""
+            why = f" ({type(p.error[0]).__name__}: {' '.join(str(p.error[0]).split())[:300]}" \
+                  f"{io.size_limit_hint(p.error[0])})" if p.error else ""
             raise CheckpointError(f"{p.save_dir}: the background save of iteration {p.iteration} failed on rank "
                                   f"{failed[0]}{why}; nothing was committed, 'latest' names the previous checkpoint")
-        dist.commit(c, p.save_dir, p.iteration, p.meta, barrier=barrier, keep_last_n=p.keep_last_n)
+        dist.commit(c, p.save_dir, p.iteration, p.meta, barrier=barrier, keep_last_n=p.keep_last_n,
+                    retain_interval=p.retain_interval)
         path = os.path.join(p.save_dir, io.iter_dir_name(p.iteration))
         if c.groups.rank == 0:
             log.info("saved checkpoint %s (torch_dist, written in the background)", path)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from omnitron.core.checkpoint import integrity
-from omnitron.core.checkpoint.io import CheckpointError, bare_file_name, zip_record_problem
+from omnitron.core.checkpoint.io import LOAD_EARLIER, CheckpointError, bare_file_name, zip_record_problem
 
 Pieces = dict[str, tuple[tuple[int, ...], list[tuple[tuple[int, ...], torch.Tensor]]]]
 
@@ -186,15 +186,15 @@ class VerifiedReader(FileSystemReader):
         if name in self.verified:
             return
         if not os.path.isfile(f"{self.dir}/{name}"):
-            raise CheckpointError(f"{self.dir}/{name} is missing: the checkpoint is incomplete; load an earlier "
-                                  f"iteration (point 'latest' at it), or re-save")
+            raise CheckpointError(f"{self.dir}/{name} is missing: the checkpoint is incomplete; "
+                                  f"{LOAD_EARLIER}")
         if name not in self.checksums:
             raise CheckpointError(f"{self.dir}/{name} has no checksum in metadata.json: the checkpoint is corrupt; "
                                   f"load an earlier iteration, or re-save")
         try:
             integrity.verify(f"{self.dir}/{name}", self.checksums[name])
         except (integrity.IntegrityError, FileNotFoundError) as err:
-            raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+            raise CheckpointError(f"{err}; {LOAD_EARLIER}") from None
         self.verified.add(name)
 
     def read_metadata(self, *args, **kwargs):
@@ -258,7 +258,7 @@ class VerifiedReader(FileSystemReader):
             box = read_box(open_chunks[key], tuple(saved.sizes), md.properties.dtype, tuple(item.storage_offsets),
                            tuple(item.lengths), into=target if direct else None)
         except integrity.IntegrityError as err:
-            raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+            raise CheckpointError(f"{err}; {LOAD_EARLIER}") from None
         if box is None:
             return False
         if not direct:
@@ -287,7 +287,7 @@ class VerifiedReader(FileSystemReader):
         try:
             integrity.verify_range(f"{self.dir}/{name}", *key, index[key])
         except (integrity.IntegrityError, FileNotFoundError) as err:
-            raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+            raise CheckpointError(f"{err}; {LOAD_EARLIER}") from None
         self.verified_chunks.add((name, key))
         self.hashed_bytes += key[1]
 

@@ -52,6 +52,10 @@ _LAYOUT_DEFAULTS = {"expert_model_parallel_size": 1, "expert_tensor_parallel_siz
                     "account_for_loss_in_pipeline_split": False}
 
 
+LOAD_EARLIER = "load an earlier iteration (--ckpt-step N, or point 'latest' at it), or re-save"
+"""What to do about a damaged checkpoint, ending the line that names the damage."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or incompatible; the message says which and what to do."""
 
@@ -121,6 +125,25 @@ def disk_full(err: BaseException, directory: str) -> bool:
     return any(t in text for t in _SHORT_WRITE_TEXT) and _free_bytes(directory) < LOW_SPACE_BYTES
 
 
+def size_limit_hint(err: BaseException) -> str:
+    """``" (errno EFBIG: ...)"`` when ``err`` is a short write (torch's zip writer hides the errno: "unexpected pos")
+    and this process has a file-size limit (RLIMIT_FSIZE, ``ulimit -f``, a scheduler's): the likely cause, which
+    the message would not name otherwise; else ''."""
+    text = " ".join(str(e).lower() for e in _causes(err))
+    if not (any(t in text for t in _SHORT_WRITE_TEXT) or "file too large" in text):
+        return ""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return ""
+    if limit == resource.RLIM_INFINITY:
+        return ""
+    return (f" (errno EFBIG: a file reached this process's file-size limit, RLIMIT_FSIZE / ulimit -f, of "
+            f"{limit} bytes)")
+
+
 def _free_bytes(directory: str) -> int:
     try:
         return shutil.disk_usage(directory).free
@@ -128,19 +151,35 @@ def _free_bytes(directory: str) -> int:
         return 0
 
 
+def _write_failed(err: BaseException) -> bool:
+    """An OSError anywhere in ``err``'s chain, or torch's zip writer's short write (which hides its errno)."""
+    causes = list(_causes(err))
+    return any(isinstance(e, OSError) for e in causes) or any(
+        t in str(e).lower() for e in causes for t in _SHORT_WRITE_TEXT)
+
+
 @contextlib.contextmanager
-def removed_if_disk_full(save_dir: str, final: str):
-    """Around a save of ``final`` (``iter_N``): when the disk fills up, remove the partial ``iter_N.tmp`` (and
-    ``latest.tmp``), which would otherwise keep the space, and raise :class:`DiskFullError` in one line."""
+def removed_if_write_fails(save_dir: str, final: str):
+    """Around a save of ``final`` (``iter_N``): when writing fails, remove the partial ``iter_N.tmp`` (and
+    ``latest.tmp``), which would otherwise keep the space, and raise in one line naming the cause and its errno
+    (:class:`DiskFullError` for a full disk; a file-size limit named, :func:`size_limit_hint`)."""
     try:
         yield
     except BaseException as err:
-        if isinstance(err, DiskFullError) or not disk_full(err, save_dir):
+        full = not isinstance(err, DiskFullError) and disk_full(err, save_dir)
+        if not full and (isinstance(err, DiskFullError) or not _write_failed(err)):
             raise
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(os.path.join(save_dir, "latest.tmp"))
         name = os.path.basename(final)
+        if not full and isinstance(err, CheckpointError):  # one line already (torch_dist's, naming the rank)
+            raise
+        if not full:
+            why = " ".join(str(err).split())[:300] + size_limit_hint(err)
+            raise CheckpointError(f"{save_dir}: saving {name} failed ({type(err).__name__}: {why}); the partial "
+                                  f"{name}.tmp was removed and 'latest' still names the previous checkpoint; fix the "
+                                  f"cause and resume with --load") from None
         raise DiskFullError(f"{save_dir}: the disk is full ({_free_bytes(save_dir) / 2**20:.0f} MiB free) while "
                             f"saving {name}; the partial {name}.tmp was removed and 'latest' still names the previous "
                             f"checkpoint; free space (or keep fewer with --keep-last-n) and resume with "
@@ -148,17 +187,19 @@ def removed_if_disk_full(save_dir: str, final: str):
 
 
 def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, *, rank: int, world_size: int,
-                    barrier: Callable[[], None], keep_last_n: int | None = None) -> str:
-    """Collective: every rank calls with its own ``shard``; returns the committed directory."""
+                    barrier: Callable[[], None], keep_last_n: int | None = None,
+                    retain_interval: int | None = None) -> str:
+    """Collective: every rank calls with its own ``shard``; returns the committed directory. ``keep_last_n`` and
+    ``retain_interval``: which older checkpoints the commit deletes (:func:`_commit`)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     if rank == 0:
         _begin(save_dir, final)
     barrier()
-    with removed_if_disk_full(save_dir, final):
+    with removed_if_write_fails(save_dir, final):
         _write_shard(final + ".tmp", rank, shard)
         barrier()
         if rank == 0:
-            _commit(save_dir, iteration, metadata, world_size, keep_last_n)
+            _commit(save_dir, iteration, metadata, world_size, keep_last_n, retain_interval=retain_interval)
     barrier()
     return final
 
@@ -172,7 +213,7 @@ def write_checkpoint(save_dir: str, iteration: int, shards: Iterable[tuple[int, 
     final = os.path.join(save_dir, iter_dir_name(iteration))
     _begin(save_dir, final)
     written = set()
-    with removed_if_disk_full(save_dir, final):
+    with removed_if_write_fails(save_dir, final):
         for rank, shard in shards:
             _write_shard(final + ".tmp", rank, shard)
             written.add(rank)
@@ -212,18 +253,36 @@ def _write_shard(tmp_dir: str, rank: int, shard: dict) -> None:
 
 def _begin(save_dir: str, final: str) -> None:
     """An empty ``iter_N.tmp`` (a stale one, left by a run killed while saving, is removed), after
-    finishing any re-save that died between its renames."""
+    finishing any re-save that died between its renames and removing the partial writes of other iterations."""
     os.makedirs(save_dir, exist_ok=True)
     for path in integrity.repair(save_dir, _META):
         log.warning("%s: finished a re-save that was interrupted between its renames", path)
+    _remove_partial_saves(save_dir)
     if os.path.exists(final + ".tmp"):
         shutil.rmtree(final + ".tmp")
     os.makedirs(final + ".tmp")
 
 
+def _remove_partial_saves(save_dir: str) -> None:
+    """Remove every ``iter_M.tmp`` without metadata.json: the partial write of a save that was killed (SIGKILL
+    after a scheduler's grace time, a node lost), which no load uses and no later save of another iteration
+    removed, so each kept a checkpoint's worth of disk for good. Called as a save begins, when no other save
+    of this job is writing (``--async-save`` waits for the one in flight first; the job holds --save's lock).
+    A complete ``iter_M.tmp`` (killed between its metadata and its rename) is a checkpoint: it stays."""
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if _ITER_DIR.match(name.removesuffix(".tmp")) and name.endswith(".tmp") and os.path.isdir(path) and \
+                not os.path.isfile(os.path.join(path, _META)):
+            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("%s: removed %s (%.0f MiB), the partial write of a save that did not finish", save_dir,
+                        name, size / 2**20)
+
+
 def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep_last_n: int | None,
-            extra: list[str] = ()) -> None:
-    """Write metadata.json into ``iter_N.tmp``, rename it to ``iter_N``, then move ``latest``.
+            extra: list[str] = (), retain_interval: int | None = None) -> None:
+    """Write metadata.json into ``iter_N.tmp``, rename it to ``iter_N``, then move ``latest``; then delete what
+    --keep-last-n and --save-retain-interval (:func:`_retire`) leave out.
     ``extra``: files besides the rank shards whose writers left digests (``torch_dist``'s DCP files)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     tmp = final + ".tmp"
@@ -237,12 +296,37 @@ def _commit(save_dir: str, iteration: int, metadata: dict, world_size: int, keep
     _write_file(os.path.join(tmp, _META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
     _fsync_dir(tmp)
     integrity.commit_dir(tmp, final)
+    previous = _pointed(save_dir)
     pointer = os.path.join(save_dir, "latest.tmp")
     _write_file(pointer, lambda f: f.write(iter_dir_name(iteration).encode()))
     os.replace(pointer, os.path.join(save_dir, "latest"))
     _fsync_dir(save_dir)
     if keep_last_n:
         _prune(save_dir, keep_last_n, keep=iter_dir_name(iteration))
+    if retain_interval and previous is not None:
+        _retire(save_dir, previous, iteration, retain_interval)
+
+
+def _pointed(save_dir: str) -> int | None:
+    """The iteration ``latest`` names (None: no pointer, or not an iter_N name)."""
+    try:
+        with open(os.path.join(save_dir, "latest"), "rb") as f:
+            found = _ITER_DIR.match(f.read(64).decode("utf-8", "replace").strip())
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
+
+
+def _retire(save_dir: str, previous: int, iteration: int, retain_interval: int) -> None:
+    """--save-retain-interval, as Megatron's: once ``iteration`` is committed, the checkpoint ``latest`` named
+    before (``previous``) is deleted unless it is a multiple of ``retain_interval`` (or this same iteration, or
+    a symbolic link): a run keeps every multiple and its newest checkpoint."""
+    path = os.path.join(save_dir, iter_dir_name(previous))
+    if previous in (0, iteration) or previous % retain_interval == 0 or os.path.islink(path):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    log.info("--save-retain-interval %d: deleted %s (kept: multiples of %d and the newest)", retain_interval,
+             path, retain_interval)
 
 
 def list_checkpoints(save_dir: str) -> list[int]:
@@ -260,12 +344,16 @@ def _prune(save_dir: str, keep_last_n: int, keep: str) -> None:
             shutil.rmtree(os.path.join(save_dir, iter_dir_name(it)), ignore_errors=True)
 
 
-def find_latest(load_dir: str, *, quiet: bool = False) -> str | None:
-    """The complete directory ``latest`` names (None when ``load_dir`` holds no checkpoint yet).
+def find_latest(load_dir: str, *, quiet: bool = False, step: int | None = None) -> str | None:
+    """The complete directory ``latest`` names (None when ``load_dir`` holds no checkpoint yet); with ``step``
+    (--ckpt-step, Megatron's: a checkpoint other than the newest, e.g. when the newest is damaged) that
+    iteration's, whatever ``latest`` says.
 
     Without ``latest`` (never written, or deleted) the newest complete ``iter_*`` directory is
     used and a warning says so (unless ``quiet``); committed directories that are all incomplete
     raise CheckpointError saying which file is missing."""
+    if step is not None:
+        return _at_step(load_dir, step)
     pointer = os.path.join(load_dir, "latest")
     if not os.path.exists(pointer):
         return _newest_complete(load_dir, quiet)
@@ -276,8 +364,25 @@ def find_latest(load_dir: str, *, quiet: bool = False) -> str | None:
                               f"write the name of a complete iter_* directory into it, or delete it")
     path = integrity.resolve(os.path.join(load_dir, name), _META)
     if path is None:
-        raise CheckpointError(f"--load {load_dir}: 'latest' names {name}, which is missing or incomplete; "
-                              f"point 'latest' at a complete iter_* directory or remove it")
+        raise CheckpointError(f"--load {load_dir}: 'latest' names {name}, which is missing or incomplete; load "
+                              f"another with --ckpt-step ITERATION{_complete_ones(load_dir)}, point 'latest' at a "
+                              f"complete iter_* directory or remove it")
+    return path
+
+
+def _complete_ones(load_dir: str) -> str:
+    """`` (complete: 2, 4)``: the iterations of ``load_dir``'s complete checkpoints, for a message ('' if none)."""
+    its = list_checkpoints(load_dir)
+    return f" (complete: {', '.join(map(str, its[-4:]))})" if its else ""
+
+
+def _at_step(load_dir: str, step: int) -> str:
+    """The complete checkpoint directory of iteration ``step`` under ``load_dir`` (--ckpt-step)."""
+    path = integrity.resolve(os.path.join(load_dir, iter_dir_name(step)), _META)
+    if path is None:
+        others = _complete_ones(load_dir) or " (it holds none)"
+        raise CheckpointError(f"--ckpt-step {step}: --load {load_dir} has no complete {iter_dir_name(step)}"
+                              f"{others}; give the iteration of a complete checkpoint")
     return path
 
 
@@ -431,7 +536,7 @@ def read_shard(path: str, rank: int, meta: dict | None = None) -> dict:
         if checksums is not None:  # NOTE: hashing on a thread beside torch.load was no faster here (2 cores)
             integrity.verify(shard_path, checksums[shard_name(rank)])
     except integrity.IntegrityError as err:
-        raise CheckpointError(f"{err}; load an earlier iteration (point 'latest' at it), or re-save") from None
+        raise CheckpointError(f"{err}; {LOAD_EARLIER}") from None
     with open(shard_path, "rb") as f:
         problem = zip_record_problem(f)
     if problem:

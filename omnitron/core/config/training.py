@@ -447,6 +447,10 @@ class LoggingConfig:
                               f"use ranks 0..{world_size - 1}")
 
 
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+"""--exit-signal's choices: the stop signals, and the two a scheduler sends as a warning (SLURM's --signal)."""
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Saving and loading."""
@@ -455,10 +459,16 @@ class CheckpointConfig:
     """--save: directory checkpoints are written to."""
     load: str | None = None
     """--load: directory to resume from (its ``latest`` checkpoint); missing means start fresh."""
+    ckpt_step: int | None = None
+    """--ckpt-step: load the checkpoint of this iteration under --load, not the one ``latest`` names (an earlier
+    one when the newest is damaged; Megatron's flag)."""
     save_interval: int | None = None
     """--save-interval: save every this many iterations (and always at the end)."""
     keep_last_n: int | None = None
     """--keep-last-n: delete older checkpoints, keeping this many (None keeps all)."""
+    save_retain_interval: int | None = None
+    """--save-retain-interval (Megatron's): each save deletes the checkpoint ``latest`` named before it unless its
+    iteration is a multiple of this: the run keeps every multiple and its newest checkpoint."""
     finetune: bool = False
     """--finetune: load weights only; start at iteration 0 with fresh optimizer and data order."""
     no_load_optim: bool = False
@@ -478,6 +488,9 @@ class CheckpointConfig:
     """--exit-on-missing-checkpoint: stop with an error when --load holds no checkpoint, instead of starting fresh."""
     save_on_signal: bool = True
     """Finish the current step, save and exit on SIGTERM/SIGINT (when --save is set)."""
+    exit_signal: str = "SIGTERM"
+    """--exit-signal (Megatron's): the signal that, besides SIGTERM and SIGINT, finishes the step, saves and exits:
+    SIGUSR1 or SIGUSR2 for SLURM's ``--signal=USR1@SECONDS`` warning before the time limit."""
     ckpt_format: str = "torch_dist"
     """--ckpt-format: ``torch_dist`` (the default, Megatron's too: torch.distributed.checkpoint, each rank
     writes only the slices it owns, loads under any layout) or ``torch`` (one torch.save file per rank).
@@ -492,6 +505,13 @@ class CheckpointConfig:
             raise ConfigError(f"--save-interval must be >= 1, got {self.save_interval}")
         if self.keep_last_n is not None and self.keep_last_n < 1:
             raise ConfigError(f"--keep-last-n must be >= 1, got {self.keep_last_n}")
+        if self.save_retain_interval is not None and self.save_retain_interval < 1:
+            raise ConfigError(f"--save-retain-interval must be >= 1, got {self.save_retain_interval}")
+        if self.exit_signal not in EXIT_SIGNALS:
+            raise ConfigError(f"--exit-signal {self.exit_signal}: give one of {', '.join(EXIT_SIGNALS)}")
+        if self.ckpt_step is not None and (self.ckpt_step < 0 or not self.load):
+            raise ConfigError(f"--ckpt-step {self.ckpt_step}: give the iteration (>= 0) of a checkpoint under --load "
+                              f"DIR{'' if self.load else ' (--load is not set)'}")
         if self.ckpt_format not in ("torch", "torch_dist"):
             raise ConfigError(f"--ckpt-format {self.ckpt_format!r} is not one of torch, torch_dist")
         if self.async_save and self.ckpt_format != "torch_dist":

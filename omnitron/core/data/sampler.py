@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from omnitron.core.lifetime import tie_worker
+from omnitron.core.lifetime import stop_signals_blocked, tie_worker
 
 
 class PretrainingSampler:
@@ -82,10 +82,19 @@ def build_data_loader(dataset, sampler: PretrainingSampler, num_workers: int = 0
     """DataLoader over ``dataset`` with ``sampler`` as batch sampler and ``collate``. Its worker processes die
     with this process (:func:`omnitron.core.lifetime.tie_worker`): a killed rank leaves none reading on, and
     are forked where the platform forks (:func:`worker_start_method`)."""
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                                       persistent_workers=num_workers > 0,
-                                       multiprocessing_context=worker_start_method() if num_workers else None,
-                                       worker_init_fn=functools.partial(tie_worker, os.getpid()))
+    return _Loader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                   persistent_workers=num_workers > 0,
+                   multiprocessing_context=worker_start_method() if num_workers else None,
+                   worker_init_fn=functools.partial(tie_worker, os.getpid()))
+
+
+class _Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose workers start with the stop signals blocked in every thread (see
+    :func:`omnitron.core.lifetime.stop_signals_blocked`)."""
+
+    def _get_iterator(self):
+        with stop_signals_blocked():
+            return super()._get_iterator()
 
 
 def worker_start_method() -> str | None:

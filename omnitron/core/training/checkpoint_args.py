@@ -56,7 +56,7 @@ def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
     load = merged.get("load")
     if not load:
         raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint whose settings to use)")
-    path = find_latest(load, quiet=True)
+    path = find_latest(load, quiet=True, step=merged.get("ckpt_step"))
     if path is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint under --load {load}")
     try:
@@ -84,7 +84,7 @@ def _keep_unflagged(merged: dict[str, Any]) -> dict[str, Any]:
     from omnitron.core.checkpoint.io import find_latest, read_metadata
 
     try:
-        path = find_latest(merged["load"], quiet=True)
+        path = find_latest(merged["load"], quiet=True, step=merged.get("ckpt_step"))
         saved = read_metadata(path).get("model", {}) if path else {}
     except CheckpointError:
         return merged

@@ -74,7 +74,7 @@ def layout_dict(settings) -> dict:
 def check_resume(settings) -> None:
     """Before any process group: the checkpoint under --load (if any) fits this run's model (a
     different parallel layout is resharded on load)."""
-    path = find_latest(settings.checkpoint.load, quiet=True)  # the workers' rank 0 says which it loads
+    path = find_latest(settings.checkpoint.load, quiet=True, step=settings.checkpoint.ckpt_step)  # rank 0 says which
     if path is None:
         for flag, on in (("--finetune", settings.checkpoint.finetune),
                          ("--exit-on-missing-checkpoint", settings.checkpoint.exit_on_missing_checkpoint)):
@@ -167,7 +167,8 @@ def save(c) -> str:
             coll.barrier()
 
     path = save_checkpoint(s.checkpoint.save, c.iteration, shard, meta, rank=c.groups.rank,
-                           world_size=c.groups.world_size, barrier=barrier, keep_last_n=s.checkpoint.keep_last_n)
+                           world_size=c.groups.world_size, barrier=barrier, keep_last_n=s.checkpoint.keep_last_n,
+                           retain_interval=s.checkpoint.save_retain_interval)
     if c.groups.rank == 0:
         log.info("saved checkpoint %s", path)
     return path
@@ -188,7 +189,8 @@ def _save_dist(c) -> str:
     if s.checkpoint.async_save:
         save = _async_saver(c).save
     path = save(c, s.checkpoint.save, c.iteration, meta, _dist().rank_state(c, get_rng_state),
-                barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n)
+                barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n,
+                retain_interval=s.checkpoint.save_retain_interval)
     if c.groups.rank == 0:
         log.info("%s checkpoint %s (torch_dist)", "saving in the background:" if s.checkpoint.async_save else
                  "saved", path)
@@ -255,7 +257,7 @@ def load(c) -> bool:
     ck = c.settings.checkpoint
     if not ck.load:
         return False
-    path = find_latest(ck.load, quiet=c.groups.rank != 0)
+    path = find_latest(ck.load, quiet=c.groups.rank != 0, step=ck.ckpt_step)
     if path is None:
         if c.groups.rank == 0:
             log.info("--load %s holds no checkpoint yet: starting from scratch", ck.load)

@@ -194,7 +194,7 @@ def resumed_validation(settings) -> tuple[int, int] | None:
     from omnitron.core.checkpoint import find_latest, read_metadata
 
     ck = settings.checkpoint
-    path = find_latest(ck.load, quiet=True) if ck.load and not ck.finetune else None
+    path = find_latest(ck.load, quiet=True, step=ck.ckpt_step) if ck.load and not ck.finetune else None
     meta = read_metadata(path) if path is not None else {}
     read = meta.get("consumed_valid_samples")
     return (int(meta["iteration"]), int(read)) if read is not None else None

@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, port: int, settings, entry, launcher_pid: int
 
     from omnitron.core.training.workers import enter_worker
 
-    enter_worker(launcher_pid, env)
+    enter_worker(launcher_pid, env, unblock=False)  # unblocked once _run_rank has installed the stop flag
     os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(_threads(settings, world))
@@ -112,9 +112,11 @@ def _run_rank(settings, entry=None) -> int:
     """Join the job (store per restart attempt, process group, watchdog), run ``entry``; the exit code.
     A failure is reported in one line (:mod:`omnitron.core.training.failures`)."""
     from omnitron.backends import get_backend
+    from omnitron.core.training import signals
     from omnitron.core.training.loop import train
+    from omnitron.core.training.nonfinite import TrainingStopped
     from omnitron.core.training.watchdog import NullWatchdog
-    from omnitron.core.training.workers import join_job
+    from omnitron.core.training.workers import join_job, unblock_stop_signals
 
     entry = entry or train
     backend = get_backend(settings.backend)
@@ -123,20 +125,33 @@ def _run_rank(settings, entry=None) -> int:
     if devices > 1:  # one device per local rank (a no-op on the host CPU)
         backend.set_device(int(os.environ.get("LOCAL_RANK", "0")) % devices)
     watchdog, ok, fault = NullWatchdog(), False, None
+    stop = signals.install(settings.checkpoint) if _trains(settings, entry, train) else None
+    unblock_stop_signals()  # a forked rank's (a signal pending since its start acts now)
     try:
         if world > 1:
             watchdog = join_job(settings, backend)
         entry(settings, backend, watchdog=watchdog)
         ok = True
-    except Exception as exc:  # noqa: BLE001 - every failure becomes one report
+    except (Exception, signals.StopNow) as exc:  # noqa: BLE001 - every failure becomes one report
+        if isinstance(exc, signals.StopNow):  # a second stop signal: what happened, not where (no traceback)
+            exc = TrainingStopped(str(exc))
         kind, line = failures.classify(exc)
         fault = line if kind != "peer" else None  # this rank's own fault: its last heartbeat names it
         return failures.handle(exc, int(os.environ.get("RANK", "0")), watchdog.dump, watchdog.silent_ranks)
     finally:
+        if stop is not None:
+            signals.uninstall(stop)
         watchdog.stop(fault)
         if ok:  # after a failure the group may wait on a dead peer: the process just exits
             backend.collectives.destroy()
     return 0
+
+
+def _trains(settings, entry, train) -> bool:
+    """Whether ``entry`` is the training loop (the default, or it with arguments bound), which takes over the
+    stop flag the rank installs at its start (:mod:`omnitron.core.training.signals`)."""
+    trains = entry is train or getattr(entry, "func", None) is train  # a functools.partial of it
+    return trains and getattr(settings, "checkpoint", None) is not None
 
 
 def _name_run_dir(settings, entry) -> None:

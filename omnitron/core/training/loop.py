@@ -18,12 +18,11 @@ from omnitron.core.models.family import family_of
 from omnitron.core.models.gpt.flops import megatron_flops
 from omnitron.core.optim.clip import global_grad_norm
 from omnitron.core.parallel.data.fsdp import local_shard
-from omnitron.core.training import checkpointing
+from omnitron.core.training import checkpointing, signals
 from omnitron.core.training.components import build_components, evaluations_by, uses_fsdp2
 from omnitron.core.training.housekeeping import Housekeeping
 from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
-from omnitron.core.training.signals import StopFlag
 from omnitron.core.training.step import evaluate, train_step
 from omnitron.core.training.straggler import StragglerDetector
 from omnitron.core.training.timers import StepProfiler, Timers, format_timers, timer_fields
@@ -266,7 +265,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         straggler = StragglerDetector(world_size=c.groups.world_size, collectives=backend.collectives,
                                       device=backend.current_device(), minmax_count=lg.straggler_minmax_count,
                                       host_clock_only=backend.capabilities().streams, rank=c.groups.rank)
-    stop = StopFlag(enabled=ck.save_on_signal)
+    stop = signals.adopt(ck)  # installed at the rank's start: holds a start-up signal
     # NOTE: from the job's start, not the loop's: a job sized to a scheduler's time limit must save before it
     deadline = settings.started_at + 60.0 * t.exit_duration_in_mins if t.exit_duration_in_mins else None
 
@@ -281,7 +280,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     if t.skip_train and rank0:
         log.info("skipping training (--skip-train): evaluating the model of iteration %d", c.iteration)
     try:
-        while c.iteration < t.train_iters and not t.skip_train:
+        stopping = _stopped_in_start_up(c, stop)
+        while c.iteration < t.train_iters and not t.skip_train and not stopping:
             logs = log_due(c.iteration + 1, lg.log_interval, t.train_iters)
             batch = c.batches.global_batch(c.consumed_samples)
             c.schedule = c.schedule_for(c.batches.num_microbatches(c.consumed_samples))
@@ -343,6 +343,18 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k,
                      temperature=settings.sample_temperature)
     return result
+
+
+def _stopped_in_start_up(c, stop) -> bool:
+    """Whether a stop signal reached any rank during start-up (joining, building, loading: collective), said in
+    one line: the run then stops before its first iteration, with nothing new to save."""
+    if not stop.agreed(c.backend.collectives, c.backend.current_device()):
+        return False
+    if c.groups.rank == 0:
+        log.info("stopping before iteration %d: a stop signal arrived during start-up (nothing new to save: %s)",
+                 c.iteration + 1, f"the run resumes from the checkpoint of iteration {c.iteration}" if c.iteration
+                 else "no iteration had run")
+    return True
 
 
 def _write_expert_load(c) -> None:

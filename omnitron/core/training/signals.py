@@ -1,8 +1,11 @@
 """Stop cleanly on SIGTERM/SIGINT: finish the current step, save, exit.
 
-The handler only sets a flag (a second signal interrupts at once, unless it is a repeat of the first:
-:data:`REPEAT_WINDOW_S`); :meth:`StopFlag.agreed` ORs it over every rank (a signal may reach only some
-processes), so all ranks stop after the same iteration.
+The handler only sets a flag (a second signal interrupts at once, :class:`StopNow`, unless it is a repeat of the
+first: :data:`REPEAT_WINDOW_S`); :meth:`StopFlag.agreed` ORs it over every rank (a signal may reach only some
+processes), so all ranks stop after the same iteration. A rank installs its flag when it starts
+(:func:`install`), before it joins the job, builds the model and data and loads a checkpoint (minutes on a
+cluster); the training loop takes it over (:func:`adopt`), so a preemption during start-up stops the run before
+its first iteration instead of killing the ranks.
 """
 from __future__ import annotations
 
@@ -24,13 +27,18 @@ counted as a second signal, and the job stopped without saving. A person's secon
 first message, comes later than that: it still interrupts at once."""
 
 
+class StopNow(KeyboardInterrupt):
+    """A second stop signal: stop at once, without saving. A KeyboardInterrupt, so that no ``except Exception``
+    on the way catches it; the rank reports it in one line (:mod:`omnitron.core.training.launch`)."""
+
+
 class StopFlag:
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, exit_signal: str = "SIGTERM") -> None:
         self.requested = False
         self._acted_at = None  # time.monotonic() of the signal that last took effect
         self._previous = {}
         if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in handled(exit_signal):
                 try:
                     self._previous[sig] = signal.signal(sig, self._handle)
                 except ValueError:  # not the main thread
@@ -43,7 +51,8 @@ class StopFlag:
         first = not self.requested
         self._acted_at = now
         if not first:  # a second signal: stop now, without the checkpoint
-            raise KeyboardInterrupt(f"second signal {name}: stopping without saving")
+            raise StopNow(f"second signal {name}: stopping without saving (a resumed run starts from the last "
+                          f"checkpoint under --save)")
         self.requested = True
         if os.environ.get("RANK", "0") == "0":  # os.write: print() from a handler may re-enter the stream's buffer
             os.write(2, (f"omnitron: {name} received: stopping after this iteration (saved where --save is set); "
@@ -66,3 +75,37 @@ class StopFlag:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def handled(exit_signal: str = "SIGTERM") -> tuple[signal.Signals, ...]:
+    """The signals a run stops on: SIGTERM, SIGINT and --exit-signal."""
+    extra = signal.Signals[exit_signal]
+    return (signal.SIGTERM, signal.SIGINT) + ((extra,) if extra not in (signal.SIGTERM, signal.SIGINT) else ())
+
+
+_installed: StopFlag | None = None
+
+
+def install(ck) -> StopFlag:
+    """This process's stop flag from now on (at a rank's start; ``ck``: the run's CheckpointConfig, its
+    --save-on-signal and --exit-signal), for the training loop to :func:`adopt`; :meth:`StopFlag.restore` puts
+    the previous handlers back."""
+    global _installed
+    _installed = StopFlag(ck.save_on_signal, ck.exit_signal)
+    return _installed
+
+
+def adopt(ck) -> StopFlag:
+    """The flag :func:`install` made (a signal during start-up is in it), or a new one (a caller that runs the
+    loop without the launcher, e.g. a test)."""
+    global _installed
+    flag, _installed = _installed, None
+    return flag if flag is not None else StopFlag(ck.save_on_signal, ck.exit_signal)
+
+
+def uninstall(flag: StopFlag) -> None:
+    """Undo :func:`install` (at the rank's end: the handlers before it, no flag left to adopt)."""
+    global _installed
+    flag.restore()
+    if _installed is flag:
+        _installed = None

@@ -281,8 +281,9 @@ def worker_context():
     return ctx
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""The signals that stop a job: blocked in the fork server (:func:`start_fork_server`), restored in each rank."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+"""The signals that stop a job (SIGUSR1 / SIGUSR2 under --exit-signal): blocked in the fork server and the resource
+tracker (:func:`start_fork_server`), restored in each rank."""
 IGNORED_ENV = "OMNITRON_LAUNCHER_IGNORED_SIGNALS"
 """Handed to the ranks in their ``env`` (and taken out of it there): the stop signals the launcher's own parent
 made it ignore (``nohup``-style, a background job of a script), which the ranks ignore too."""
@@ -296,14 +297,16 @@ def start_fork_server(ctx) -> None:
     survives exec), the signal stays pending in the server and never acts; the server still exits when the
     launcher goes (its "alive" pipe closes). Blocked rather than ignored: a rank forked from it inherits the
     mask, and a signal that reaches the rank before :func:`enter_worker` unblocks it waits instead of being
-    lost. The resource tracker is started first: its start unblocks these signals in the calling thread."""
+    lost. The resource tracker is started first, with them blocked too (it ignores SIGTERM and SIGINT itself; a
+    SIGUSR1 to the group killed it): its start unblocks SIGTERM and SIGINT in the calling thread."""
     if ctx.get_start_method() != "forkserver" or not hasattr(signal, "pthread_sigmask"):
         return
     from multiprocessing import forkserver, resource_tracker
 
-    resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -314,32 +317,50 @@ def ignored_stop_signals(dispositions: dict) -> str:
     return ",".join(sorted(sig.name for sig, handler in dispositions.items() if handler == signal.SIG_IGN))
 
 
-def restore_stop_signals(ignored: str = "") -> None:
-    """In a rank: SIGTERM and SIGINT as a fresh process has them (default action; Python's KeyboardInterrupt),
-    except those named in ``ignored``, then unblocked (a pending one acts now). A rank would otherwise inherit
+def restore_stop_signals(ignored: str = "", unblock: bool = True) -> None:
+    """In a rank: the STOP_SIGNALS as a fresh process has them (default action; Python's KeyboardInterrupt),
+    except those named in ``ignored``, then unblocked (a pending one acts now; ``unblock=False``: by
+    :func:`unblock_stop_signals`, once the rank has its own handler). A rank would otherwise inherit
     what the launcher and the fork server set for themselves (SIGINT ignored, both blocked), and one without a
     handler of its own would survive them."""
     names = set(filter(None, ignored.split(",")))
     for sig in STOP_SIGNALS:
         default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
         signal.signal(sig, signal.SIG_IGN if sig.name in names else default)
+    if unblock:
+        unblock_stop_signals()
+
+
+def unblock_stop_signals() -> None:
+    """Unblock STOP_SIGNALS in this thread (a no-op where they are not blocked)."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def enter_worker(launcher_pid: int, env: dict[str, str]) -> None:
+def enter_worker(launcher_pid: int, env: dict[str, str], unblock: bool = True) -> None:
     """First thing in a rank started from :func:`worker_context`: take the launcher's ``env`` (a fork server's
     children inherit the server's environment, from when it started), die with the parent that forked it
     (the fork server, which exits when the launcher does; or the launcher itself under spawn) and with the
     launcher (within a second, whatever the server takes to exit; at once if it is gone already); then the
-    stop signals as the launcher's parent gave them (:func:`restore_stop_signals`)."""
+    stop signals as the launcher's parent gave them (:func:`restore_stop_signals`; ``unblock=False``: still blocked,
+    for the rank to unblock once its stop flag is installed)."""
     env = dict(env)
     ignored = env.pop(IGNORED_ENV, "")
     os.environ.clear()
     os.environ.update(env)
     die_with_parent(os.getppid())
     die_with(launcher_pid)
-    restore_stop_signals(ignored)
+    restore_stop_signals(ignored, unblock)
+
+
+def _exit_signals(settings) -> tuple:
+    """The signals a training job stops on (:func:`omnitron.core.training.signals.handled`); none for other jobs."""
+    ck = getattr(settings, "checkpoint", None)
+    if ck is None or not ck.save_on_signal:
+        return ()
+    from omnitron.core.training.signals import handled
+
+    return handled(ck.exit_signal)
 
 
 def run_workers(settings, entry, n: int, worker) -> int:
@@ -353,28 +374,42 @@ def run_workers(settings, entry, n: int, worker) -> int:
     os.environ.update({HOSTED_STORE_ENV: "1", failures.REPORT_DIR_ENV: report_dir})  # inherited by spawn
     ctx, env = worker_context(), dict(os.environ)
     procs = [ctx.Process(target=worker, args=(r, n, port, settings, entry, os.getpid(), env)) for r in range(n)]
+    early = []  # (signal, ranks it reached) of each signal that came before every worker had started
+
     def forward(signum, frame):
         # NOTE: a signal to the process group (a terminal's Ctrl-C, scancel) reaches the workers too: they take
         # this relayed copy, milliseconds later, as the same request (omnitron.core.training.signals.StopFlag)
-        for p in procs:
+        reached = set()
+        for r, p in enumerate(procs):
             if p.is_alive() and p.pid:
                 os.kill(p.pid, signum)
+                reached.add(r)
+        if any(p.pid is None for p in procs):
+            early.append((signum, reached))
 
     # SIGINT is relayed like SIGTERM (a scheduler may signal this process alone), unless this process's parent
-    # made it ignore SIGINT (a background job of a script): then the workers ignore it too
+    # made it ignore SIGINT (a background job of a script): then the workers ignore it too; --exit-signal too
     previous = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.SIG_IGN if previous == signal.SIG_IGN else forward)
     previous_term = signal.signal(signal.SIGTERM, forward)
+    extra = [s for s in _exit_signals(settings) if s not in (signal.SIGTERM, signal.SIGINT)]
+    previous_extra = {s: signal.signal(s, forward) for s in extra}
     env[IGNORED_ENV] = ignored_stop_signals({signal.SIGINT: previous, signal.SIGTERM: previous_term})
     try:
-        start_fork_server(ctx)
+        start_fork_server(ctx)  # NOTE: seconds (it imports torch): a stop signal then was lost, the job ran on
         for p in procs:
             p.start()
+        for signum, reached in early:  # now that every worker is there (its stop flag takes it from start-up)
+            for r, p in enumerate(procs):
+                if r not in reached and p.is_alive():
+                    os.kill(p.pid, signum)
         workers = _supervise(procs, grace_s=max(5.0, 2 * heartbeat_interval(timeout) + 2.0),
                              startup=StartupWatch(store, procs, timeout))
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
+        for s, handler in previous_extra.items():
+            signal.signal(s, handler)
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     reports = failures.read_reports(report_dir)
