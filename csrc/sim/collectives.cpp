@@ -266,11 +266,19 @@ class SimCollectives final : public c10d::Backend {
     std::lock_guard<std::mutex> lock(p2p_mutex_);
     coalescing_ = true;
     batch_.clear();
+    batch_ops_.clear();
+    batch_site_.clear();
   }
+  // The batch takes its place in the communicator's order of groups (group_order.cpp) before its work returns.
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
-    std::lock_guard<std::mutex> lock(p2p_mutex_);
-    coalescing_ = false;
-    return batch_work(std::move(batch_));
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      coalescing_ = false;
+      works = std::move(batch_);
+    }
+    order_group();
+    return batch_work(std::move(works));
   }
 #if SIM_BACKEND_HAS_SET_TIMEOUT
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
@@ -318,7 +326,8 @@ class SimCollectives final : public c10d::Backend {
         check_unbroken(index);
         if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
         if (order != Order::none) order_pair(item, order == Order::send, peer, detail, index);
-        item->inner = launch();
+        launched(item, index, launch());
+        check_unbroken(index);  // aborted since: abort_queue may have missed it
       }
     } catch (...) {
       release_flight(item);
@@ -387,7 +396,14 @@ class SimCollectives final : public c10d::Backend {
     int64_t place;
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
-      if (coalescing_ || peer == getRank()) return;  // a batch's operations progress together (one NCCL group)
+      if (peer == getRank()) return;
+      if (coalescing_) {  // a batch's operations progress together (one NCCL group): counted for the group order
+        auto& [sends, recvs] = batch_ops_[peer];
+        ++(send ? sends : recvs);
+        if (batch_site_.empty()) batch_site_ = item->site;
+        batch_device_ = index;
+        return;
+      }
       place = pair_places_[peer]++;
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
@@ -398,14 +414,43 @@ class SimCollectives final : public c10d::Backend {
       item->pair_key = key;
       item->pair_store = store_;
     }
-    if (claim.report.empty()) return;
-    store_->set(deadlock_key(peer), claim.report);  // the peer's watchdog raises it there
+    if (!claim.report.empty()) fail_pair(index, peer, claim.report);
+  }
+
+  // A batch with operations to other ranks: for each peer, published as this rank's next group with it, and the
+  // pair's groups replayed as NCCL runs them; two that wait for each other fail both ranks.
+  void order_group() {
+    std::string report;
+    int peer = -1, index;
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      if (batch_ops_.empty()) return;
+      index = batch_device_;
+      int64_t batch = batches_++;
+      for (const auto& [with, counts] : batch_ops_) {
+        PairQueue& pq = pair_queues_[with];
+        pq.sends += counts.first;
+        pq.recvs += counts.second;
+        pq.post(*store_, getRank(), with, {pq.sends, pq.recvs, batch, batch_site_});
+        if (!report.empty()) continue;
+        report = pq.replay(*store_, group_name(*this), getRank(), with);
+        peer = with;
+      }
+      batch_ops_.clear();
+    }
+    watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
+    if (!report.empty()) fail_pair(index, peer, report);
+  }
+
+  // Fail this rank (its communicator aborted, as NCCL's would be) and ``peer``, whose watchdog raises ``report``.
+  void fail_pair(int index, int peer, const std::string& report) {
+    store_->set(deadlock_key(peer), report);
     Queue& q = g_queues[index];
     {
       std::lock_guard<std::mutex> lock(q.m);
-      if (q.broken.empty()) abort_queue(q, claim.report);
+      if (q.broken.empty()) abort_queue(q, report);
     }
-    TORCH_CHECK(false, claim.report);
+    TORCH_CHECK(false, report);
   }
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
@@ -436,6 +481,11 @@ class SimCollectives final : public c10d::Backend {
   std::map<int, int64_t> pair_places_;  // unbatched operations issued per peer (NCCL ignores tags)
   bool coalescing_ = false;             // between startCoalescing and endCoalescing
   std::vector<c10::intrusive_ptr<c10d::Work>> batch_;
+  std::map<int, std::pair<int64_t, int64_t>> batch_ops_;  // the batch's (sends, receives) per peer
+  std::string batch_site_;                                // where its first operation was issued
+  int batch_device_ = 0;
+  int64_t batches_ = 0;                  // batches with operations to other ranks issued on the group
+  std::map<int, PairQueue> pair_queues_;  // per peer: the pair's batches as NCCL runs them (group_order.cpp)
 };
 
 }  // namespace

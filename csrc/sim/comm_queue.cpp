@@ -18,6 +18,9 @@ Span span_of(const at::Tensor& t) {
 std::mutex g_flight_mutex;
 std::vector<ItemPtr> g_flight;
 std::atomic<int> g_flight_count{0};
+// Point-to-point operations launched in gloo (under g_flight_mutex): an aborted communicator aborts them.
+std::vector<std::weak_ptr<Item>> g_p2p;
+size_t g_p2p_pruned = 0;
 
 }  // namespace
 
@@ -40,6 +43,17 @@ void release_flight(const ItemPtr& item) {
     break;
   }
   g_flight_count.store(static_cast<int>(g_flight.size()));
+}
+
+void launched(const ItemPtr& item, int device, c10::intrusive_ptr<c10d::Work> inner) {
+  std::lock_guard<std::mutex> lock(g_flight_mutex);  // abort_queue reads both under it
+  item->device = device;
+  item->inner = std::move(inner);
+  if (g_p2p.size() >= g_p2p_pruned * 2 + 64) {  // drop the works nobody holds any more (amortized)
+    g_p2p.erase(std::remove_if(g_p2p.begin(), g_p2p.end(), [](const auto& w) { return w.expired(); }), g_p2p.end());
+    g_p2p_pruned = g_p2p.size();
+  }
+  g_p2p.push_back(item);
 }
 
 std::chrono::milliseconds deadlock_bound() {
@@ -82,6 +96,12 @@ void abort_queue(Queue& q, const std::string& message) {
   }
   q.items.clear();
   q.cv.notify_all();
+  // The device's point-to-point operations end too (a wait() blocked in gloo returns), and their wait() raises
+  // ``message``: a peer that failed never posts their counterparts.
+  int index = static_cast<int>(&q - g_queues);
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  for (auto& weak : g_p2p)
+    if (auto item = weak.lock(); item && item->device == index) item->inner->abort();
 }
 
 namespace {
@@ -207,8 +227,8 @@ void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, 
 
 void unwatch_p2p(const void* owner) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
-  g_watches.erase(std::remove_if(g_watches.begin(), g_watches.end(), [&](const P2PWatch& w) { return w.owner == owner; }),
-                  g_watches.end());
+  auto mine = [&](const P2PWatch& w) { return w.owner == owner; };
+  g_watches.erase(std::remove_if(g_watches.begin(), g_watches.end(), mine), g_watches.end());
 }
 
 namespace {
@@ -223,7 +243,8 @@ void stop_queue(Queue& q) {
     std::unique_lock<std::mutex> lock(q.m);
     if (!q.worker.joinable()) return;
     drained = q.cv.wait_for(lock, deadlock_bound(), [&] { return q.items.empty(); });
-    if (!drained && q.broken.empty()) q.broken = "sim: the communicator was shut down while " + q.items.front()->describe() + " was still running";
+    if (!drained && q.broken.empty())
+      q.broken = "sim: the communicator was shut down while " + q.items.front()->describe() + " was still running";
     q.stop = true;
     q.cv.notify_all();
     w = std::move(q.worker);
@@ -242,7 +263,7 @@ class SimWork final : public c10d::Work {
     bool ok = true;
     if (item_->inner) {
       await_pair(timeout);
-      if (!settled()) ok = item_->inner->wait(timeout);  // a gloo work waited twice waits for another message
+      if (!settled()) ok = wait_inner(timeout);
       settle_inner();
     } else {
       Queue& q = queue_of();
@@ -292,6 +313,30 @@ class SimWork final : public c10d::Work {
     std::lock_guard<std::mutex> lock(mutex_);
     return item_->done;
   }
+  // A gloo work waited twice waits for another message: waited once. Aborted with the communicator (abort_queue):
+  // raises the report that broke it.
+  bool wait_inner(std::chrono::milliseconds timeout) {
+    bool ok;
+    try {
+      ok = item_->inner->wait(timeout);
+    } catch (const std::exception&) {
+      raise_if_broken();
+      throw;
+    }
+    if (!ok) raise_if_broken();  // gloo's aborted receive returns false
+    return ok;
+  }
+  void raise_if_broken() {
+    Queue& q = queue_of();
+    std::string broken;
+    {
+      std::lock_guard<std::mutex> lock(q.m);
+      broken = q.broken;
+    }
+    if (broken.empty()) return;
+    release_flight(item_);
+    TORCH_CHECK(false, broken);
+  }
   // Issued before the peer's operation at the same place of the pair's order: block in gloo only once the peer
   // issued a matching one, so a deadlock the peer finds fails this rank too, with the peer's report.
   void await_pair(std::chrono::milliseconds timeout) {
@@ -337,7 +382,8 @@ void check_not_in_flight(const at::Tensor& t, const char* op) {
   for (const auto& item : g_flight)
     for (const auto& b : item->spans)
       TORCH_CHECK(a.hi <= b.lo || b.hi <= a.lo, "sim: ", op, " touched the output of ", item->describe(),
-                  " before its work.wait(): a collective's result is valid only after wait() (or a device synchronize)");
+                  " before its work.wait(): a collective's result is valid only after wait() (or a device "
+                  "synchronize)");
 }
 
 void synchronize_collectives() {

@@ -42,6 +42,7 @@ struct Item {
   std::vector<std::pair<at::Tensor, at::Tensor>> back;
   std::vector<Span> spans;
   c10::intrusive_ptr<c10d::Work> inner;  // p2p: launched at once
+  int device = -1;                        // p2p: the device whose communicator it runs on
   std::string pair_key;                   // unbatched p2p issued before the peer's counterpart (pair_order.cpp)
   c10::intrusive_ptr<c10d::Store> pair_store;
   bool done = false, released = false;
@@ -50,7 +51,9 @@ struct Item {
 
   ~Item() { event_destroy(event); }
 
-  std::string describe() const { return op + " on group '" + group + "' (issued at " + site + ", thread " + thread + ")"; }
+  std::string describe() const {
+    return op + " on group '" + group + "' (issued at " + site + ", thread " + thread + ")";
+  }
   void copy_back() {
     InternalCopy internal;
     for (auto& [dev, host] : back) dev.copy_(host);
@@ -62,6 +65,8 @@ using ItemPtr = std::shared_ptr<Item>;
 // Outputs not yet waited for, across this process: a kernel touching one raises (check_not_in_flight).
 void register_flight(const ItemPtr& item);
 void release_flight(const ItemPtr& item);
+// A point-to-point operation launched in gloo on ``device``'s communicator (``inner``: gloo's work).
+void launched(const ItemPtr& item, int device, c10::intrusive_ptr<c10d::Work> inner);
 
 // ---- the communicator queue of one device ----------------------------------------------------------
 std::chrono::milliseconds deadlock_bound();  // OMNITRON_SIM_DEADLOCK_S
