@@ -16,493 +16,23 @@
 // otherwise deadlock, which NCCL avoids by fusing the batch into one kernel); their outputs are checked alike,
 // and an unbatched one takes its place in its pair's order (pair_order.cpp): batch_isend_irecv coalesces here.
 #include "comm.h"
+#include "comm_queue.h"
 #include "compat.h"
 #include "sim.h"
+#include "staging.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include <algorithm>
 #include <map>
 #include <numeric>
-
-#include <chrono>
-#include <condition_variable>
-#include <deque>
-#include <memory>
-#include <mutex>
 #include <sstream>
-#include <thread>
 
 namespace sim {
 namespace {
 
-using Tensors = std::vector<at::Tensor>;
-using SteadyClock = std::chrono::steady_clock;
-constexpr std::chrono::milliseconds kNoTimeout{0};  // c10d's "no timeout"
-
-at::Tensor stage_in(const at::Tensor& t) {
-  return t.is_privateuseone() ? host_copy(t).contiguous() : t;
-}
-
-at::Tensor stage_out(const at::Tensor& t) {
-  return t.is_privateuseone() ? at::empty(t.sizes(), t.options().device(c10::kCPU)) : t;
-}
-
-// NCCL's tensor rule (ProcessGroupNCCL's checks, before any work): a collective's single tensor must be contiguous
-// in its suggested memory format, each tensor of a list non-overlapping and dense; point-to-point only warns.
-// gloo takes any layout, so without this a strided view passes here and fails on the GPU.
-enum class Layout { contiguous, dense };
-
-void require_layout(const char* op, const at::Tensor& t, Layout rule) {
-  if (!t.is_privateuseone()) return;
-  bool single = rule == Layout::contiguous;
-  bool ok = single ? t.is_contiguous(t.suggest_memory_format()) : t.is_non_overlapping_and_dense();
-  TORCH_CHECK_VALUE(ok, "sim: ", op, " was given a ", single ? "non-contiguous" : "non-dense", " tensor (sizes ",
-                    t.sizes(), ", strides ", t.strides(), "), which NCCL refuses (\"Tensors must be ",
-                    single ? "contiguous" : "non-overlapping and dense", "\"): pass a .contiguous() copy");
-}
-
-void require_layout(const char* op, const Tensors& ts, Layout rule) {
-  for (const auto& t : ts) require_layout(op, t, rule);
-}
-
-void require_layout(const char* op, const std::vector<Tensors>& tss, Layout rule) {
-  for (const auto& ts : tss) require_layout(op, ts, rule);
-}
-
-// NCCL's point-to-point moves numel() elements from a tensor's first byte whatever its strides (it only warns): a
-// dense tensor in another layout travels in memory order, so send and receive see the same bytes as on the GPU; a
-// tensor with gaps would move bytes that are not its elements, so it is refused here.
-Tensors p2p_views(const char* op, const Tensors& ts) {
-  Tensors views;
-  for (const auto& t : ts) {
-    if (!t.is_privateuseone() || t.is_contiguous()) {
-      views.push_back(t);
-      continue;
-    }
-    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "sim: ", op, " was given a tensor with gaps (sizes ", t.sizes(),
-                      ", strides ", t.strides(), "): NCCL moves numel() elements from its first byte, which are not "
-                      "its elements; pass a .contiguous() tensor");
-    views.push_back(t.as_strided({t.numel()}, {1}));
-  }
-  return views;
-}
-
-// all_gather_into_tensor's output and reduce_scatter_tensor's input may be the ranks' parts stacked (world, *part)
-// as well as concatenated along dim 0 (torch's documented forms; NCCL checks only numel); gloo takes the
-// concatenation, so a stacked host buffer is handed over as that view of itself.
-at::Tensor as_concatenation(const at::Tensor& whole, const at::Tensor& part, int64_t world) {
-  if (part.dim() == 0 || whole.numel() != part.numel() * world) return whole;  // gloo names a size mismatch
-  std::vector<int64_t> shape(part.sizes().begin(), part.sizes().end());
-  shape[0] *= world;
-  return whole.view(shape);
-}
-
-// all_to_all's per-rank lengths differ when the splits are uneven (MoE dispatch): strict mode compares the rest.
-std::string rows_fingerprint(const at::Tensor& t) {
-  std::ostringstream os;
-  os << "shape=[*";
-  for (int64_t d = 1; d < t.dim(); ++d) os << ", " << t.size(d);
-  os << "] dtype=" << t.scalar_type();
-  return os.str();
-}
-
-// Host buffers of one collective and the device tensors they are copied back into.
-struct Staging {
-  std::vector<std::pair<at::Tensor, at::Tensor>> back;  // (device, host)
-  std::vector<std::pair<at::Tensor, Use>> uses;         // the device tensors, as the collective's kernel uses them
-  c10::DeviceIndex device = -1;
-
-  at::Tensor in(const at::Tensor& t, bool write_back = false) { return host(t, stage_in(t), write_back); }
-  at::Tensor out(const at::Tensor& t) { return host(t, stage_out(t), true); }
-  Tensors in(const Tensors& ts, bool write_back = false) {
-    Tensors h;
-    for (const auto& t : ts) h.push_back(in(t, write_back));
-    return h;
-  }
-  Tensors out(const Tensors& ts) {
-    Tensors h;
-    for (const auto& t : ts) h.push_back(out(t));
-    return h;
-  }
-  std::vector<Tensors> in(const std::vector<Tensors>& tss) {
-    std::vector<Tensors> h;
-    for (const auto& ts : tss) h.push_back(in(ts));
-    return h;
-  }
-  std::vector<Tensors> out(const std::vector<Tensors>& tss) {
-    std::vector<Tensors> h;
-    for (const auto& ts : tss) h.push_back(out(ts));
-    return h;
-  }
-  at::Tensor host(const at::Tensor& dev, at::Tensor h, bool write_back) {
-    if (dev.is_privateuseone()) {
-      check_not_in_flight(dev, "a collective");
-      if (device < 0) device = dev.device().index();
-      uses.emplace_back(dev, write_back ? Use::write : Use::read);
-    }
-    if (write_back && dev.is_privateuseone()) back.emplace_back(dev, h);
-    return h;
-  }
-};
-
-// ---- where and from which thread a collective was issued (a Python hook) ----------------------
-std::mutex g_site_mutex;
-std::function<Site()> g_site_hook;
-
-}  // namespace
-
-Site python_site_full() {
-  std::function<Site()> hook;
-  {
-    std::lock_guard<std::mutex> lock(g_site_mutex);
-    hook = g_site_hook;
-  }
-  return hook ? hook() : Site{};
-}
-
-std::pair<std::string, std::string> python_site() {
-  Site site = python_site_full();
-  return {site.where, site.thread};
-}
-
-namespace {
-
-// ---- one collective -----------------------------------------------------------------------------
-struct Span {
-  uintptr_t lo, hi;
-};
-
-Span span_of(const at::Tensor& t) {
-  auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-  int64_t extent = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-  return {lo, lo + static_cast<uintptr_t>(extent * t.element_size())};
-}
-
-struct Item {
-  std::string op, group, site, thread;
-  std::function<c10::intrusive_ptr<c10d::Work>()> launch;
-  int64_t record = -1;                     // its flight record (comm_check.cpp)
-  c10::intrusive_ptr<c10d::Backend> gloo;  // strict mode: exchange ``key`` on it before launching
-  std::string key;
-  std::function<std::string()> on_settle;  // p2p receive: the order check, once it completed ("" = fine)
-  std::function<std::string()> early_check;  // the same check before, once the send was issued ("" = fine)
-  std::vector<std::pair<at::Tensor, at::Tensor>> back;
-  std::vector<Span> spans;
-  c10::intrusive_ptr<c10d::Work> inner;  // p2p: launched at once
-  std::string pair_key;                   // unbatched p2p issued before the peer's counterpart (pair_order.cpp)
-  c10::intrusive_ptr<c10d::Store> pair_store;
-  bool done = false, released = false;
-  std::string error;
-  void* event = nullptr;  // recorded on the communicator stream after its kernel: what wait() orders after
-
-  ~Item() { event_destroy(event); }
-
-  std::string describe() const { return op + " on group '" + group + "' (issued at " + site + ", thread " + thread + ")"; }
-  void copy_back() {
-    InternalCopy internal;
-    for (auto& [dev, host] : back) dev.copy_(host);
-    back.clear();
-  }
-};
-using ItemPtr = std::shared_ptr<Item>;
-
-// Outputs not yet waited for, across this process.
-std::mutex g_flight_mutex;
-std::vector<ItemPtr> g_flight;
-std::atomic<int> g_flight_count{0};
-
-void register_flight(const ItemPtr& item) {
-  for (auto& [dev, host] : item->back)
-    if (dev.numel()) item->spans.push_back(span_of(dev));
-  if (item->spans.empty()) return;
-  std::lock_guard<std::mutex> lock(g_flight_mutex);
-  g_flight.push_back(item);
-  g_flight_count.store(static_cast<int>(g_flight.size()));
-}
-
-void release_flight(const ItemPtr& item) {
-  std::lock_guard<std::mutex> lock(g_flight_mutex);
-  if (item->released) return;
-  item->released = true;
-  for (size_t i = 0; i < g_flight.size(); ++i) {
-    if (g_flight[i] != item) continue;
-    g_flight.erase(g_flight.begin() + static_cast<std::ptrdiff_t>(i));
-    break;
-  }
-  g_flight_count.store(static_cast<int>(g_flight.size()));
-}
-
-// ---- the communicator queue of one device ----------------------------------------------------------
-std::chrono::milliseconds deadlock_bound() {
-  static const int64_t ms = [] {
-    const char* s = std::getenv("OMNITRON_SIM_DEADLOCK_S");
-    return static_cast<int64_t>((s ? std::atof(s) : 60.0) * 1000);
-  }();
-  return std::chrono::milliseconds(ms);
-}
-
-struct Queue {
-  std::mutex m;
-  std::condition_variable cv;
-  std::deque<ItemPtr> items;  // front: the collective running; the rest wait behind it
-  std::thread worker, watchdog;  // started by the first collective, joined by stop_collective_workers()
-  bool stop = false;
-  std::string broken;
-  SteadyClock::time_point started_at;  // when the running collective was launched
-};
-// Never destroyed: a static destructor running at exit would destroy a condition variable a thread waits on.
-Queue* const g_queues = new Queue[kMaxDevices];
-
-void finish(Queue& q, const ItemPtr& item, const std::string& error) {
-  {
-    std::lock_guard<std::mutex> lock(q.m);
-    if (item->done) return;  // already failed by the deadlock report
-  }
-  if (error.empty()) item->copy_back();
-  record_finish(item->record, error);
-  std::lock_guard<std::mutex> lock(q.m);
-  item->error = error;
-  item->done = true;
-  if (!q.items.empty() && q.items.front() == item) q.items.pop_front();
-  q.cv.notify_all();
-}
-
-// Mark the communicator broken with ``message`` and fail what is queued (lock held), as an aborted NCCL
-// communicator does: every later collective on the device raises it.
-void abort_queue(Queue& q, const std::string& message) {
-  q.broken = message;
-  for (auto& item : q.items) {
-    item->error = q.broken;
-    item->done = true;
-    record_finish(item->record, q.broken);
-  }
-  q.items.clear();
-  q.cv.notify_all();
-}
-
-// Report a deadlock (lock held): the running collective waits for peers stuck behind their own.
-// Fails every queued collective and every later one (the communicator is aborted, as NCCL's would be).
-void report_deadlock(Queue& q, int index, SteadyClock::duration waited) {
-  std::ostringstream os;
-  auto s = std::chrono::duration_cast<std::chrono::seconds>(waited).count();
-  os << "sim: collective deadlock on sim:" << index << ": " << q.items[0]->describe() << " has waited " << s
-     << " s for its peers while " << q.items[1]->describe()
-     << " waits behind it (a device runs one communicator kernel at a time, as NCCL may): every rank must issue "
-        "collectives on different groups in the same order, from one thread";
-  abort_queue(q, os.str());
-}
-
-// Runs one collective to completion. gloo's work completes only when waited on (some of its
-// collectives are lazy), so the worker blocks in wait() and the watchdog looks for deadlocks.
-void run_one(Queue& q, const ItemPtr& item) {
-  {
-    std::lock_guard<std::mutex> lock(q.m);
-    q.started_at = SteadyClock::now();
-  }
-  std::string error;
-  try {
-    if (item->gloo) error = exchange_fingerprints(*item->gloo, item->group, item->key, item->site);
-    if (error.empty()) item->launch()->wait();
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  finish(q, item, error);
-}
-
-void worker(int index) {
-  Queue& q = g_queues[index];
-  for (;;) {
-    ItemPtr item;
-    {
-      std::unique_lock<std::mutex> lock(q.m);
-      q.cv.wait(lock, [&] { return !q.items.empty() || q.stop; });
-      if (q.items.empty()) return;  // stopped with nothing queued
-      item = q.items.front();
-    }
-    run_one(q, item);
-  }
-}
-
-// Groups this process sent point-to-point on: a receiver that finds the order broken leaves its report under
-// ``key`` in the group's store, and the sender's watchdog aborts the sender's communicator with it.
-struct P2PWatch {
-  const void* owner;
-  c10::intrusive_ptr<c10d::Store> store;
-  std::string key;
-  int device;
-};
-std::mutex g_watch_mutex;
-std::vector<P2PWatch> g_watches;
-
-void poll_p2p_reports(Queue& q, int index) {
-  std::vector<P2PWatch> watches;
-  {
-    std::lock_guard<std::mutex> lock(g_watch_mutex);
-    for (const auto& w : g_watches)
-      if (w.device == index) watches.push_back(w);
-  }
-  for (const auto& w : watches) {
-    try {
-      if (!w.store->check({w.key})) continue;
-      auto raw = w.store->get(w.key);
-      w.store->deleteKey(w.key);
-      std::lock_guard<std::mutex> lock(q.m);
-      if (q.broken.empty()) abort_queue(q, std::string(raw.begin(), raw.end()));
-    } catch (const std::exception&) {  // the store is gone: the job is ending
-    }
-  }
-}
-
-void watchdog(int index) {
-  Queue& q = g_queues[index];
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(q.m);
-      if (q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return q.stop; })) return;
-      auto waited = SteadyClock::now() - q.started_at;
-      if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
-    }
-    poll_p2p_reports(q, index);
-  }
-}
-
-void start_threads(Queue& q, int index) {  // lock held
-  if (!q.worker.joinable()) {
-    q.worker = std::thread(worker, index);
-    q.watchdog = std::thread(watchdog, index);
-  }
-}
-
-void enqueue(int index, const ItemPtr& item) {
-  Queue& q = g_queues[index];
-  std::lock_guard<std::mutex> lock(q.m);
-  TORCH_CHECK(q.broken.empty(), q.broken);
-  for (auto& other : q.items)
-    TORCH_CHECK(other->thread == item->thread, "sim: ", item->describe(), " was issued while ", other->describe(),
-                " is still queued on sim:", index,
-                ": collectives issued from two threads at once reach the device in an order that can differ between "
-                "ranks, which deadlocks NCCL; issue them from one thread, or use a gloo (CPU) group in the other");
-  q.items.push_back(item);
-  start_threads(q, index);
-  q.cv.notify_all();
-}
-
-// Stop and join one device's communicator threads once what is queued has run. A collective still
-// running after the deadlock bound (its peers never came) cannot be interrupted: its threads are
-// detached then, and the communicator is marked broken, as an aborted NCCL communicator is.
-void stop_queue(Queue& q) {
-  std::thread w, d;
-  bool drained;
-  {
-    std::unique_lock<std::mutex> lock(q.m);
-    if (!q.worker.joinable()) return;
-    drained = q.cv.wait_for(lock, deadlock_bound(), [&] { return q.items.empty(); });
-    if (!drained && q.broken.empty()) q.broken = "sim: the communicator was shut down while " + q.items.front()->describe() + " was still running";
-    q.stop = true;
-    q.cv.notify_all();
-    w = std::move(q.worker);
-    d = std::move(q.watchdog);
-  }
-  d.join();
-  if (drained) w.join(); else w.detach();
-  std::lock_guard<std::mutex> lock(q.m);
-  q.stop = false;  // a later collective starts new threads
-}
-
 std::atomic<int> g_live_communicators{0};  // SimCollectives not yet shut down or destroyed
 std::atomic<int> g_next_comm_stream{0};
-
-class SimWork final : public c10d::Work {
- public:
-  explicit SimWork(ItemPtr item) : item_(std::move(item)) {}
-  bool wait(std::chrono::milliseconds timeout) override {
-    bool ok = true;
-    if (item_->inner) {
-      await_pair(timeout);
-      if (!settled()) ok = item_->inner->wait(timeout);  // a gloo work waited twice waits for another message
-      settle_inner();
-    } else {
-      Queue& q = queue_of();
-      std::unique_lock<std::mutex> lock(q.m);
-      auto done = [&] { return item_->done; };
-      if (timeout == kNoTimeout) {
-        q.cv.wait(lock, done);
-      } else {  // a bounded wait (strict mode's) reports a deadlock its own way: say "timed out"
-        TORCH_CHECK(q.cv.wait_for(lock, timeout, done), "sim: ", item_->describe(), " timed out after ",
-                    timeout.count(), " ms waiting for its peers");
-      }
-    }
-    release_flight(item_);
-    record_wait(item_->record);
-    TORCH_CHECK(item_->error.empty(), item_->error);
-    event_block(item_->event, current_stream(device));  // as NCCL's: the current stream waits, the host need not
-    return ok;
-  }
-  bool isCompleted() override {
-    bool done;
-    if (item_->inner) {
-      done = item_->inner->isCompleted();
-      if (done) settle_inner();
-    } else {
-      std::lock_guard<std::mutex> lock(queue_of().m);
-      done = item_->done;
-    }
-    if (done) {
-      release_flight(item_);
-      record_wait(item_->record);
-      event_query(item_->event);  // the host has seen the communicator stream reach it
-    }
-    return done;
-  }
-  bool isSuccess() const override { return item_->error.empty(); }
-  std::vector<at::Tensor> result() override {
-    std::vector<at::Tensor> out;
-    for (auto& [dev, host] : item_->back) out.push_back(dev);
-    return out;
-  }
-
-  int device = 0;
-
- private:
-  Queue& queue_of() { return g_queues[device]; }
-  bool settled() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return item_->done;
-  }
-  // Issued before the peer's operation at the same place of the pair's order: block in gloo only once the peer
-  // issued a matching one, so a deadlock the peer finds fails this rank too, with the peer's report.
-  void await_pair(std::chrono::milliseconds timeout) {
-    std::string key;
-    std::swap(key, item_->pair_key);
-    if (key.empty()) return;
-    Queue& q = queue_of();
-    auto broken = [&q, this] {
-      {
-        std::lock_guard<std::mutex> lock(q.m);
-        if (!q.broken.empty()) return q.broken;
-      }
-      return item_->early_check ? item_->early_check() : std::string();
-    };
-    std::string report = await_pair_place(*item_->pair_store, key, timeout == kNoTimeout ? deadlock_bound() : timeout,
-                                          broken);
-    if (report.empty()) return;
-    release_flight(item_);
-    TORCH_CHECK(false, report);
-  }
-  void settle_inner() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (item_->done) return;
-    if (item_->on_settle) item_->error = item_->on_settle();
-    if (item_->error.empty()) item_->copy_back();
-    item_->done = true;
-    record_finish(item_->record, item_->error);
-  }
-  ItemPtr item_;
-  std::mutex mutex_;
-};
 
 std::string group_name(const c10d::Backend& b) {
   const std::string& desc = b.getGroupDesc();
@@ -736,11 +266,19 @@ class SimCollectives final : public c10d::Backend {
     std::lock_guard<std::mutex> lock(p2p_mutex_);
     coalescing_ = true;
     batch_.clear();
+    batch_ops_.clear();
+    batch_site_.clear();
   }
+  // The batch takes its place in the communicator's order of groups (group_order.cpp) before its work returns.
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
-    std::lock_guard<std::mutex> lock(p2p_mutex_);
-    coalescing_ = false;
-    return batch_work(std::move(batch_));
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      coalescing_ = false;
+      works = std::move(batch_);
+    }
+    order_group();
+    return batch_work(std::move(works));
   }
 #if SIM_BACKEND_HAS_SET_TIMEOUT
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
@@ -773,8 +311,7 @@ class SimCollectives final : public c10d::Backend {
     item->thread = site.thread;
     item->back = std::move(s.back);
     item->record = record_issue(op, item->group, detail, site);
-    auto work = c10::make_intrusive<SimWork>(item);
-    work->device = index;
+    auto work = sim_work(item, index);
     register_flight(item);  // before the worker can run it (its copy-back consumes item->back)
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
@@ -789,7 +326,8 @@ class SimCollectives final : public c10d::Backend {
         check_unbroken(index);
         if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
         if (order != Order::none) order_pair(item, order == Order::send, peer, detail, index);
-        item->inner = launch();
+        launched(item, index, launch());
+        check_unbroken(index);  // aborted since: abort_queue may have missed it
       }
     } catch (...) {
       release_flight(item);
@@ -858,7 +396,14 @@ class SimCollectives final : public c10d::Backend {
     int64_t place;
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
-      if (coalescing_ || peer == getRank()) return;  // a batch's operations progress together (one NCCL group)
+      if (peer == getRank()) return;
+      if (coalescing_) {  // a batch's operations progress together (one NCCL group): counted for the group order
+        auto& [sends, recvs] = batch_ops_[peer];
+        ++(send ? sends : recvs);
+        if (batch_site_.empty()) batch_site_ = item->site;
+        batch_device_ = index;
+        return;
+      }
       place = pair_places_[peer]++;
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
@@ -869,27 +414,48 @@ class SimCollectives final : public c10d::Backend {
       item->pair_key = key;
       item->pair_store = store_;
     }
-    if (claim.report.empty()) return;
-    store_->set(deadlock_key(peer), claim.report);  // the peer's watchdog raises it there
+    if (!claim.report.empty()) fail_pair(index, peer, claim.report);
+  }
+
+  // A batch with operations to other ranks: for each peer, published as this rank's next group with it, and the
+  // pair's groups replayed as NCCL runs them; two that wait for each other fail both ranks.
+  void order_group() {
+    std::string report;
+    int peer = -1, index;
+    {
+      std::lock_guard<std::mutex> lock(p2p_mutex_);
+      if (batch_ops_.empty()) return;
+      index = batch_device_;
+      int64_t batch = batches_++;
+      for (const auto& [with, counts] : batch_ops_) {
+        PairQueue& pq = pair_queues_[with];
+        pq.sends += counts.first;
+        pq.recvs += counts.second;
+        pq.post(*store_, getRank(), with, {pq.sends, pq.recvs, batch, batch_site_});
+        if (!report.empty()) continue;
+        report = pq.replay(*store_, group_name(*this), getRank(), with);
+        peer = with;
+      }
+      batch_ops_.clear();
+    }
+    watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
+    if (!report.empty()) fail_pair(index, peer, report);
+  }
+
+  // Fail this rank (its communicator aborted, as NCCL's would be) and ``peer``, whose watchdog raises ``report``.
+  void fail_pair(int index, int peer, const std::string& report) {
+    store_->set(deadlock_key(peer), report);
     Queue& q = g_queues[index];
     {
       std::lock_guard<std::mutex> lock(q.m);
-      if (q.broken.empty()) abort_queue(q, claim.report);
+      if (q.broken.empty()) abort_queue(q, report);
     }
-    TORCH_CHECK(false, claim.report);
+    TORCH_CHECK(false, report);
   }
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
 
-  void watch(int index) {
-    std::lock_guard<std::mutex> lock(g_watch_mutex);
-    for (const auto& w : g_watches)
-      if (w.owner == this) return;
-    g_watches.push_back({this, store_, deadlock_key(getRank()), index});
-    Queue& q = g_queues[index];
-    std::lock_guard<std::mutex> qlock(q.m);
-    start_threads(q, index);
-  }
+  void watch(int index) { watch_p2p(this, store_, deadlock_key(getRank()), index); }
 
   static void check_unbroken(int index) {
     Queue& q = g_queues[index];
@@ -899,11 +465,7 @@ class SimCollectives final : public c10d::Backend {
 
   void release() {
     if (released_.exchange(true)) return;
-    {
-      std::lock_guard<std::mutex> lock(g_watch_mutex);
-      g_watches.erase(std::remove_if(g_watches.begin(), g_watches.end(), [&](const P2PWatch& w) { return w.owner == this; }),
-                      g_watches.end());
-    }
+    unwatch_p2p(this);
     if (g_live_communicators.fetch_sub(1) == 1) stop_collective_workers();
   }
 
@@ -919,43 +481,14 @@ class SimCollectives final : public c10d::Backend {
   std::map<int, int64_t> pair_places_;  // unbatched operations issued per peer (NCCL ignores tags)
   bool coalescing_ = false;             // between startCoalescing and endCoalescing
   std::vector<c10::intrusive_ptr<c10d::Work>> batch_;
+  std::map<int, std::pair<int64_t, int64_t>> batch_ops_;  // the batch's (sends, receives) per peer
+  std::string batch_site_;                                // where its first operation was issued
+  int batch_device_ = 0;
+  int64_t batches_ = 0;                  // batches with operations to other ranks issued on the group
+  std::map<int, PairQueue> pair_queues_;  // per peer: the pair's batches as NCCL runs them (group_order.cpp)
 };
 
 }  // namespace
-
-void check_not_in_flight(const at::Tensor& t, const char* op) {
-  if (g_flight_count.load(std::memory_order_relaxed) == 0 || !t.defined() || t.numel() == 0) return;
-  Span a = span_of(t);
-  std::lock_guard<std::mutex> lock(g_flight_mutex);
-  for (const auto& item : g_flight)
-    for (const auto& b : item->spans)
-      TORCH_CHECK(a.hi <= b.lo || b.hi <= a.lo, "sim: ", op, " touched the output of ", item->describe(),
-                  " before its work.wait(): a collective's result is valid only after wait() (or a device synchronize)");
-}
-
-void synchronize_collectives() {
-  for (int i = 0; i < kMaxDevices; ++i) {
-    Queue& q = g_queues[i];
-    std::unique_lock<std::mutex> lock(q.m);
-    q.cv.wait(lock, [&] { return q.items.empty(); });
-  }
-  std::vector<ItemPtr> done;
-  {
-    std::lock_guard<std::mutex> lock(g_flight_mutex);
-    for (auto& item : g_flight)
-      if (!item->inner) done.push_back(item);
-  }
-  for (auto& item : done) release_flight(item);
-}
-
-void stop_collective_workers() {
-  for (int i = 0; i < kMaxDevices; ++i) stop_queue(g_queues[i]);
-}
-
-void set_site_hook(std::function<Site()> hook) {
-  std::lock_guard<std::mutex> lock(g_site_mutex);
-  g_site_hook = std::move(hook);
-}
 
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
                                                      c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none) {

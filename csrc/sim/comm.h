@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
@@ -74,5 +75,24 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
 // ``broken()`` returns a report (the peer found a deadlock), which is returned; "" to go on waiting in gloo.
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
                              const std::function<std::string()>& broken);
+
+// ---- the order of a communicator's point-to-point groups (group_order.cpp) ------------------------
+// One batch (batch_isend_irecv) of a rank, restricted to its operations with one peer.
+struct PairGroup {
+  int64_t sends = 0, recvs = 0;  // sends to and receives from the peer posted in batches up to this one's end
+  int64_t batch = -1;            // the batch's number among the rank's batches on the group
+  std::string site;              // where it was issued
+};
+// One pair's batches on a communicator, replayed as NCCL runs them: this rank's, and the peer's read from the store.
+struct PairQueue {
+  std::deque<PairGroup> mine, theirs;  // not yet completed in the replay, the running one first
+  PairGroup mine_done, theirs_done;    // the last completed of each (where the running one's operations start)
+  size_t posted = 0, read = 0;         // this rank's published, the peer's read
+  int64_t sends = 0, recvs = 0;        // this rank's batched operations with the peer so far
+  // Publish this rank's next batch with the peer in the group's store.
+  void post(c10d::Store& store, int rank, int peer, PairGroup g);
+  // Run the replay as far as both ranks' batches are known: "" or the one-line deadlock report.
+  std::string replay(c10d::Store& store, const std::string& group, int rank, int peer);
+};
 
 }  // namespace sim

@@ -20,18 +20,19 @@ def _logged() -> list:
     return log
 
 
-def _coll(fused: bool = True):
+def _coll(fused: bool | None = True):
     """The backend's collectives, posting strict p2p batches as a library that runs its groups in order would
-    (``fused``: the shape the device backends get; gloo runs it too when the sizes agree)."""
+    (``fused``: the shape the device backends get; gloo runs it too when the sizes agree; None: the backend's own)."""
     from omnitron.backends import get_backend
 
     be = get_backend()
     torch.set_default_device(be.device())
-    be.collectives.p2p_groups_in_order = fused
+    if fused is not None:
+        be.collectives.p2p_groups_in_order = fused
     return be.collectives
 
 
-def symmetric(fused: bool, rounds: int = 3) -> dict:
+def symmetric(fused: bool | None, rounds: int = 3) -> dict:
     """Both ranks send two tensors to and receive two from each other in one batch (1F1B's
     send_forward_recv_backward, a two-rank ring), ``rounds`` times; each value names sender, round and slot."""
     coll, log = _coll(fused), _logged()

@@ -9,9 +9,11 @@ import os
 import pytest
 import torch
 
+import strict_group_cases
 from omnitron.testing import musa_double
 from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
 from omnitron.testing.musa_double import requires_double
+from omnitron.testing.nccl_groups import replay
 from omnitron.testing.sim import requires_sim
 
 ITERS = 4
@@ -132,3 +134,17 @@ def test_training_on_the_musa_double_matches_cpu(tmp_path):
         assert m["losses"].keys() == c["losses"].keys()
         for it, loss in c["losses"].items():
             assert abs(m["losses"][it] - loss) <= rel * abs(loss), (it, m["losses"][it], loss)
+
+
+@requires_sim()
+@pytest.mark.multiprocess
+def test_strict_batches_on_the_musa_double_are_one_group_each():
+    """MCCL is a port of NCCL: the MUSA backend posts each strict point-to-point batch as one group
+    (``p2p_groups_in_order``), which the replay model of NCCL's group order completes and the double's ``mccl``
+    (simccl, which fails a pair whose batches wait for each other: csrc/sim/group_order.cpp) runs; the host
+    transports' shape would be reported there. Each buffer holds exactly what the peer sent into it (a copy)."""
+    env = {"OMNITRON_EXTRA_BACKENDS": musa_double.TARGET, "OMNITRON_STRICT_COLLECTIVES": "1"}
+    out = run_distributed(strict_group_cases.symmetric, 2, None, backend="musa-double", env=env, timeout_s=120)
+    assert replay([o["groups"] for o in out]) is None, [o["groups"] for o in out]
+    for me in (0, 1):
+        assert out[me]["got"] == [[100.0 * (1 - me) + 10 * i + s] for i in range(3) for s in (0, 1)], out[me]["got"]

@@ -127,10 +127,11 @@ class MUSABackend(Backend):
     def __init__(self) -> None:
         _import_torch_musa()
         # TORCH_MCCL_*: ProcessGroupMCCL is a port of ProcessGroupNCCL and reads the same settings under
-        # its own prefix (checked against torch_musa's source by tests/backends/test_musa_manifest.py)
+        # its own prefix (checked against torch_musa's source by tests/backends/test_musa_manifest.py); its batches
+        # are taken to run as NCCL's groups, one after another per communicator: strict mode posts each as one group
         self._collectives = Collectives(self.dist_backend, fp8_native=self.fp8_transport,
                                         device_type=self.device_type, env=watchdog_env("TORCH_MCCL_"),
-                                        env_prefix="TORCH_MCCL_")
+                                        env_prefix="TORCH_MCCL_", p2p_groups_in_order=True)
         self._caps: Capabilities | None = None
         drain_at_exit(self.device_type, self.current_device, lambda: torch.musa.is_initialized())
 

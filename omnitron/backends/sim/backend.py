@@ -55,7 +55,12 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   receive on the other. Two sends (or two receives) at one place fail both ranks at once, naming both
   (csrc/sim/pair_order.cpp). ``batch_isend_irecv`` coalesces (one work for the batch, as NCCL's), and a
   batch's operations are not ordered against each other; a send inside a batch received outside one (or the
-  reverse) is reported like the order check above (NCCL runs the two on different communicators).
+  reverse) is reported like the order check above (NCCL runs the two on different communicators). A
+  communicator's batches run one after another, each until all its operations met their partners (the k-th
+  send to a rank pairs with that rank's k-th receive, tags ignored, every payload taken as too large for NCCL's
+  buffers): for each pair of ranks, two batches heading their queues that each wait for an operation the other
+  rank posts later (each rank posting its send before the batch with its receive) fail both ranks, naming both
+  batches and call sites, when the later of the two is issued (csrc/sim/group_order.cpp).
 - *Every collective, at the process-group level* (csrc/sim/comm_check.cpp): each operation is recorded
   with its issue, completion and wait (``flight_recorder_dump()``), and in strict mode the fingerprint of
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
@@ -64,8 +69,8 @@ Not modelled: kernels overlapping in time (there is no timing), a host write to 
 ``non_blocking`` host-to-device copy still reads (the copy is taken when issued); the race detector misses a
 race between two communicators sharing a stream slot, and one between kernels two host threads issue at the
 same instant (each checks before the other records); point-to-point cycles across pairs closed by ``wait()`` (NCCL's
-stream waits), and unbatched operations to different peers sharing the group's one stream (eager initialization)
-are not checked. Barriers are queued,
+stream waits) or by batches of three or more ranks whose pairs are each in order, and unbatched operations to
+different peers sharing the group's one stream (eager initialization) are not checked. Barriers are queued,
 checked and recorded like the collectives.
 """
 from __future__ import annotations
@@ -101,7 +106,10 @@ class SimBackend(Backend):
     def __init__(self) -> None:
         self._ext = sim_device.load()
         drain_at_exit(self.device_type, self.current_device)
-        self._collectives = Collectives(self.dist_backend, fp8_native=False, device_type=self.device_type)
+        # simccl runs a communicator's batches in order as NCCL does (csrc/sim/group_order.cpp): strict mode posts
+        # each batch as one group, as on cuda
+        self._collectives = Collectives(self.dist_backend, fp8_native=False, device_type=self.device_type,
+                                        p2p_groups_in_order=True)
         self._caps: Capabilities | None = None
 
     @classmethod

@@ -1,0 +1,408 @@
+// The communicator queue of a sim device, the outputs in flight, and the work of an operation (comm_queue.h).
+#include "comm_queue.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace sim {
+namespace {
+
+Span span_of(const at::Tensor& t) {
+  auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  return {lo, lo + static_cast<uintptr_t>(extent * t.element_size())};
+}
+
+// Outputs not yet waited for, across this process.
+std::mutex g_flight_mutex;
+std::vector<ItemPtr> g_flight;
+std::atomic<int> g_flight_count{0};
+// Point-to-point operations launched in gloo (under g_flight_mutex): an aborted communicator aborts them.
+std::vector<std::weak_ptr<Item>> g_p2p;
+size_t g_p2p_pruned = 0;
+
+}  // namespace
+
+void register_flight(const ItemPtr& item) {
+  for (auto& [dev, host] : item->back)
+    if (dev.numel()) item->spans.push_back(span_of(dev));
+  if (item->spans.empty()) return;
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  g_flight.push_back(item);
+  g_flight_count.store(static_cast<int>(g_flight.size()));
+}
+
+void release_flight(const ItemPtr& item) {
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  if (item->released) return;
+  item->released = true;
+  for (size_t i = 0; i < g_flight.size(); ++i) {
+    if (g_flight[i] != item) continue;
+    g_flight.erase(g_flight.begin() + static_cast<std::ptrdiff_t>(i));
+    break;
+  }
+  g_flight_count.store(static_cast<int>(g_flight.size()));
+}
+
+void launched(const ItemPtr& item, int device, c10::intrusive_ptr<c10d::Work> inner) {
+  std::lock_guard<std::mutex> lock(g_flight_mutex);  // abort_queue reads both under it
+  item->device = device;
+  item->inner = std::move(inner);
+  if (g_p2p.size() >= g_p2p_pruned * 2 + 64) {  // drop the works nobody holds any more (amortized)
+    g_p2p.erase(std::remove_if(g_p2p.begin(), g_p2p.end(), [](const auto& w) { return w.expired(); }), g_p2p.end());
+    g_p2p_pruned = g_p2p.size();
+  }
+  g_p2p.push_back(item);
+}
+
+std::chrono::milliseconds deadlock_bound() {
+  static const int64_t ms = [] {
+    const char* s = std::getenv("OMNITRON_SIM_DEADLOCK_S");
+    return static_cast<int64_t>((s ? std::atof(s) : 60.0) * 1000);
+  }();
+  return std::chrono::milliseconds(ms);
+}
+
+// Never destroyed: a static destructor running at exit would destroy a condition variable a thread waits on.
+Queue* const g_queues = new Queue[kMaxDevices];
+
+namespace {
+
+void finish(Queue& q, const ItemPtr& item, const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(q.m);
+    if (item->done) return;  // already failed by the deadlock report
+  }
+  if (error.empty()) item->copy_back();
+  record_finish(item->record, error);
+  std::lock_guard<std::mutex> lock(q.m);
+  item->error = error;
+  item->done = true;
+  if (!q.items.empty() && q.items.front() == item) q.items.pop_front();
+  q.cv.notify_all();
+}
+
+}  // namespace
+
+// Mark the communicator broken with ``message`` and fail what is queued (lock held), as an aborted NCCL
+// communicator does: every later collective on the device raises it.
+void abort_queue(Queue& q, const std::string& message) {
+  q.broken = message;
+  for (auto& item : q.items) {
+    item->error = q.broken;
+    item->done = true;
+    record_finish(item->record, q.broken);
+  }
+  q.items.clear();
+  q.cv.notify_all();
+  // The device's point-to-point operations end too (a wait() blocked in gloo returns), and their wait() raises
+  // ``message``: a peer that failed never posts their counterparts.
+  int index = static_cast<int>(&q - g_queues);
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  for (auto& weak : g_p2p)
+    if (auto item = weak.lock(); item && item->device == index) item->inner->abort();
+}
+
+namespace {
+
+// Report a deadlock (lock held): the running collective waits for peers stuck behind their own.
+// Fails every queued collective and every later one (the communicator is aborted, as NCCL's would be).
+void report_deadlock(Queue& q, int index, SteadyClock::duration waited) {
+  std::ostringstream os;
+  auto s = std::chrono::duration_cast<std::chrono::seconds>(waited).count();
+  os << "sim: collective deadlock on sim:" << index << ": " << q.items[0]->describe() << " has waited " << s
+     << " s for its peers while " << q.items[1]->describe()
+     << " waits behind it (a device runs one communicator kernel at a time, as NCCL may): every rank must issue "
+        "collectives on different groups in the same order, from one thread";
+  abort_queue(q, os.str());
+}
+
+// Runs one collective to completion. gloo's work completes only when waited on (some of its
+// collectives are lazy), so the worker blocks in wait() and the watchdog looks for deadlocks.
+void run_one(Queue& q, const ItemPtr& item) {
+  {
+    std::lock_guard<std::mutex> lock(q.m);
+    q.started_at = SteadyClock::now();
+  }
+  std::string error;
+  try {
+    if (item->gloo) error = exchange_fingerprints(*item->gloo, item->group, item->key, item->site);
+    if (error.empty()) item->launch()->wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  finish(q, item, error);
+}
+
+void worker(int index) {
+  Queue& q = g_queues[index];
+  for (;;) {
+    ItemPtr item;
+    {
+      std::unique_lock<std::mutex> lock(q.m);
+      q.cv.wait(lock, [&] { return !q.items.empty() || q.stop; });
+      if (q.items.empty()) return;  // stopped with nothing queued
+      item = q.items.front();
+    }
+    run_one(q, item);
+  }
+}
+
+// Groups this process sent point-to-point on: a receiver that finds the order broken leaves its report under
+// ``key`` in the group's store, and the sender's watchdog aborts the sender's communicator with it.
+struct P2PWatch {
+  const void* owner;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string key;
+  int device;
+};
+std::mutex g_watch_mutex;
+std::vector<P2PWatch> g_watches;
+
+void poll_p2p_reports(Queue& q, int index) {
+  std::vector<P2PWatch> watches;
+  {
+    std::lock_guard<std::mutex> lock(g_watch_mutex);
+    for (const auto& w : g_watches)
+      if (w.device == index) watches.push_back(w);
+  }
+  for (const auto& w : watches) {
+    try {
+      if (!w.store->check({w.key})) continue;
+      auto raw = w.store->get(w.key);
+      w.store->deleteKey(w.key);
+      std::lock_guard<std::mutex> lock(q.m);
+      if (q.broken.empty()) abort_queue(q, std::string(raw.begin(), raw.end()));
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+    }
+  }
+}
+
+void watchdog(int index) {
+  Queue& q = g_queues[index];
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(q.m);
+      if (q.cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return q.stop; })) return;
+      auto waited = SteadyClock::now() - q.started_at;
+      if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
+    }
+    poll_p2p_reports(q, index);
+  }
+}
+
+}  // namespace
+
+void start_threads(Queue& q, int index) {  // lock held
+  if (!q.worker.joinable()) {
+    q.worker = std::thread(worker, index);
+    q.watchdog = std::thread(watchdog, index);
+  }
+}
+
+void enqueue(int index, const ItemPtr& item) {
+  Queue& q = g_queues[index];
+  std::lock_guard<std::mutex> lock(q.m);
+  TORCH_CHECK(q.broken.empty(), q.broken);
+  for (auto& other : q.items)
+    TORCH_CHECK(other->thread == item->thread, "sim: ", item->describe(), " was issued while ", other->describe(),
+                " is still queued on sim:", index,
+                ": collectives issued from two threads at once reach the device in an order that can differ between "
+                "ranks, which deadlocks NCCL; issue them from one thread, or use a gloo (CPU) group in the other");
+  q.items.push_back(item);
+  start_threads(q, index);
+  q.cv.notify_all();
+}
+
+void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  for (const auto& w : g_watches)
+    if (w.owner == owner) return;
+  g_watches.push_back({owner, store, key, index});
+  Queue& q = g_queues[index];
+  std::lock_guard<std::mutex> qlock(q.m);
+  start_threads(q, index);
+}
+
+void unwatch_p2p(const void* owner) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  auto mine = [&](const P2PWatch& w) { return w.owner == owner; };
+  g_watches.erase(std::remove_if(g_watches.begin(), g_watches.end(), mine), g_watches.end());
+}
+
+namespace {
+
+// Stop and join one device's communicator threads once what is queued has run. A collective still
+// running after the deadlock bound (its peers never came) cannot be interrupted: its threads are
+// detached then, and the communicator is marked broken, as an aborted NCCL communicator is.
+void stop_queue(Queue& q) {
+  std::thread w, d;
+  bool drained;
+  {
+    std::unique_lock<std::mutex> lock(q.m);
+    if (!q.worker.joinable()) return;
+    drained = q.cv.wait_for(lock, deadlock_bound(), [&] { return q.items.empty(); });
+    if (!drained && q.broken.empty())
+      q.broken = "sim: the communicator was shut down while " + q.items.front()->describe() + " was still running";
+    q.stop = true;
+    q.cv.notify_all();
+    w = std::move(q.worker);
+    d = std::move(q.watchdog);
+  }
+  d.join();
+  if (drained) w.join(); else w.detach();
+  std::lock_guard<std::mutex> lock(q.m);
+  q.stop = false;  // a later collective starts new threads
+}
+
+class SimWork final : public c10d::Work {
+ public:
+  SimWork(ItemPtr item, int device) : device(device), item_(std::move(item)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    bool ok = true;
+    if (item_->inner) {
+      await_pair(timeout);
+      if (!settled()) ok = wait_inner(timeout);
+      settle_inner();
+    } else {
+      Queue& q = queue_of();
+      std::unique_lock<std::mutex> lock(q.m);
+      auto done = [&] { return item_->done; };
+      if (timeout == kNoTimeout) {
+        q.cv.wait(lock, done);
+      } else {  // a bounded wait (strict mode's) reports a deadlock its own way: say "timed out"
+        TORCH_CHECK(q.cv.wait_for(lock, timeout, done), "sim: ", item_->describe(), " timed out after ",
+                    timeout.count(), " ms waiting for its peers");
+      }
+    }
+    release_flight(item_);
+    record_wait(item_->record);
+    TORCH_CHECK(item_->error.empty(), item_->error);
+    event_block(item_->event, current_stream(device));  // as NCCL's: the current stream waits, the host need not
+    return ok;
+  }
+  bool isCompleted() override {
+    bool done;
+    if (item_->inner) {
+      done = item_->inner->isCompleted();
+      if (done) settle_inner();
+    } else {
+      std::lock_guard<std::mutex> lock(queue_of().m);
+      done = item_->done;
+    }
+    if (done) {
+      release_flight(item_);
+      record_wait(item_->record);
+      event_query(item_->event);  // the host has seen the communicator stream reach it
+    }
+    return done;
+  }
+  bool isSuccess() const override { return item_->error.empty(); }
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> out;
+    for (auto& [dev, host] : item_->back) out.push_back(dev);
+    return out;
+  }
+
+  const int device;
+
+ private:
+  Queue& queue_of() { return g_queues[device]; }
+  bool settled() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return item_->done;
+  }
+  // A gloo work waited twice waits for another message: waited once. Aborted with the communicator (abort_queue):
+  // raises the report that broke it.
+  bool wait_inner(std::chrono::milliseconds timeout) {
+    bool ok;
+    try {
+      ok = item_->inner->wait(timeout);
+    } catch (const std::exception&) {
+      raise_if_broken();
+      throw;
+    }
+    if (!ok) raise_if_broken();  // gloo's aborted receive returns false
+    return ok;
+  }
+  void raise_if_broken() {
+    Queue& q = queue_of();
+    std::string broken;
+    {
+      std::lock_guard<std::mutex> lock(q.m);
+      broken = q.broken;
+    }
+    if (broken.empty()) return;
+    release_flight(item_);
+    TORCH_CHECK(false, broken);
+  }
+  // Issued before the peer's operation at the same place of the pair's order: block in gloo only once the peer
+  // issued a matching one, so a deadlock the peer finds fails this rank too, with the peer's report.
+  void await_pair(std::chrono::milliseconds timeout) {
+    std::string key;
+    std::swap(key, item_->pair_key);
+    if (key.empty()) return;
+    Queue& q = queue_of();
+    auto broken = [&q, this] {
+      {
+        std::lock_guard<std::mutex> lock(q.m);
+        if (!q.broken.empty()) return q.broken;
+      }
+      return item_->early_check ? item_->early_check() : std::string();
+    };
+    std::string report = await_pair_place(*item_->pair_store, key, timeout == kNoTimeout ? deadlock_bound() : timeout,
+                                          broken);
+    if (report.empty()) return;
+    release_flight(item_);
+    TORCH_CHECK(false, report);
+  }
+  void settle_inner() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (item_->done) return;
+    if (item_->on_settle) item_->error = item_->on_settle();
+    if (item_->error.empty()) item_->copy_back();
+    item_->done = true;
+    record_finish(item_->record, item_->error);
+  }
+  ItemPtr item_;
+  std::mutex mutex_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> sim_work(ItemPtr item, int device) {
+  return c10::make_intrusive<SimWork>(std::move(item), device);
+}
+
+void check_not_in_flight(const at::Tensor& t, const char* op) {
+  if (g_flight_count.load(std::memory_order_relaxed) == 0 || !t.defined() || t.numel() == 0) return;
+  Span a = span_of(t);
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  for (const auto& item : g_flight)
+    for (const auto& b : item->spans)
+      TORCH_CHECK(a.hi <= b.lo || b.hi <= a.lo, "sim: ", op, " touched the output of ", item->describe(),
+                  " before its work.wait(): a collective's result is valid only after wait() (or a device "
+                  "synchronize)");
+}
+
+void synchronize_collectives() {
+  for (int i = 0; i < kMaxDevices; ++i) {
+    Queue& q = g_queues[i];
+    std::unique_lock<std::mutex> lock(q.m);
+    q.cv.wait(lock, [&] { return q.items.empty(); });
+  }
+  std::vector<ItemPtr> done;
+  {
+    std::lock_guard<std::mutex> lock(g_flight_mutex);
+    for (auto& item : g_flight)
+      if (!item->inner) done.push_back(item);
+  }
+  for (auto& item : done) release_flight(item);
+}
+
+void stop_collective_workers() {
+  for (int i = 0; i < kMaxDevices; ++i) stop_queue(g_queues[i]);
+}
+
+}  // namespace sim

@@ -1,0 +1,99 @@
+// The communicator queue of a sim device (comm_queue.cpp): one collective kernel runs at a time per device, in
+// issue order, on a worker thread; a watchdog reports deadlocks. Also the outputs in flight (not yet waited for)
+// and the work a sim operation returns.
+#pragma once
+
+#include "comm.h"
+#include "sim.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace sim {
+
+using SteadyClock = std::chrono::steady_clock;
+constexpr std::chrono::milliseconds kNoTimeout{0};  // c10d's "no timeout"
+
+// ---- one collective -----------------------------------------------------------------------------
+struct Span {
+  uintptr_t lo, hi;
+};
+
+struct Item {
+  std::string op, group, site, thread;
+  std::function<c10::intrusive_ptr<c10d::Work>()> launch;
+  int64_t record = -1;                     // its flight record (comm_check.cpp)
+  c10::intrusive_ptr<c10d::Backend> gloo;  // strict mode: exchange ``key`` on it before launching
+  std::string key;
+  std::function<std::string()> on_settle;  // p2p receive: the order check, once it completed ("" = fine)
+  std::function<std::string()> early_check;  // the same check before, once the send was issued ("" = fine)
+  std::vector<std::pair<at::Tensor, at::Tensor>> back;
+  std::vector<Span> spans;
+  c10::intrusive_ptr<c10d::Work> inner;  // p2p: launched at once
+  int device = -1;                        // p2p: the device whose communicator it runs on
+  std::string pair_key;                   // unbatched p2p issued before the peer's counterpart (pair_order.cpp)
+  c10::intrusive_ptr<c10d::Store> pair_store;
+  bool done = false, released = false;
+  std::string error;
+  void* event = nullptr;  // recorded on the communicator stream after its kernel: what wait() orders after
+
+  ~Item() { event_destroy(event); }
+
+  std::string describe() const {
+    return op + " on group '" + group + "' (issued at " + site + ", thread " + thread + ")";
+  }
+  void copy_back() {
+    InternalCopy internal;
+    for (auto& [dev, host] : back) dev.copy_(host);
+    back.clear();
+  }
+};
+using ItemPtr = std::shared_ptr<Item>;
+
+// Outputs not yet waited for, across this process: a kernel touching one raises (check_not_in_flight).
+void register_flight(const ItemPtr& item);
+void release_flight(const ItemPtr& item);
+// A point-to-point operation launched in gloo on ``device``'s communicator (``inner``: gloo's work).
+void launched(const ItemPtr& item, int device, c10::intrusive_ptr<c10d::Work> inner);
+
+// ---- the communicator queue of one device ----------------------------------------------------------
+std::chrono::milliseconds deadlock_bound();  // OMNITRON_SIM_DEADLOCK_S
+
+struct Queue {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<ItemPtr> items;  // front: the collective running; the rest wait behind it
+  std::thread worker, watchdog;  // started by the first collective, joined by stop_collective_workers()
+  bool stop = false;
+  std::string broken;
+  SteadyClock::time_point started_at;  // when the running collective was launched
+};
+extern Queue* const g_queues;  // one per device (comm_queue.cpp)
+
+// Mark the communicator broken with ``message`` and fail what is queued (lock held), as an aborted NCCL
+// communicator does: every later collective on the device raises it.
+void abort_queue(Queue& q, const std::string& message);
+void start_threads(Queue& q, int index);      // lock held: the worker and the watchdog, once
+void enqueue(int index, const ItemPtr& item);  // raises when the device is broken or another thread's is queued
+
+// A receiver that finds the point-to-point order broken leaves its report under ``key`` in ``store``; the
+// watchdog of ``index`` aborts that communicator with it. ``owner``: the communicator watching (one entry each).
+void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index);
+void unwatch_p2p(const void* owner);
+
+// The work an operation returns: waits for it in the queue, or for its point-to-point counterpart.
+c10::intrusive_ptr<c10d::Work> sim_work(ItemPtr item, int device);
+
+}  // namespace sim
