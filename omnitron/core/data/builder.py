@@ -15,7 +15,7 @@ import numpy as np
 
 from . import cache
 from .blended import BlendedDataset, MockGPTDataset
-from .config import DataConfig, default_cache_dir, normalize, parse_blend, split_weights
+from .config import DataConfig, DataError, default_cache_dir, normalize, parse_blend, split_weights
 from .gpt_dataset import GPTDataset
 from .indexed import IndexedDataset
 from .tokenizers import Tokenizer
@@ -23,10 +23,6 @@ from .tokenizers import Tokenizer
 log = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
 BLEND_SURPLUS = 0.005  # each blended dataset indexes 0.5% more samples than its share (Megatron's default)
-
-
-class DataError(ValueError):
-    """The data does not fit the configuration (tokenizer, split, sizes); the message names the fix."""
 
 
 def sample_flags(config: DataConfig) -> dict[str, bool]:

@@ -60,7 +60,7 @@ def _writing(build_all: Callable[[bool], tuple], cache_dir: str) -> tuple:
     except OSError as err:
         if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
             raise
-        from .builder import DataError
+        from .errors import DataError
 
         raise DataError(f"--data-cache-path {cache_dir}: the index caches cannot be written there "
                         f"({os.strerror(err.errno)}: {err.filename}); give a directory this node can write "

@@ -11,6 +11,7 @@ import numpy as np
 from omnitron.core.config.parallel import ConfigError
 
 from .cache import default_cache_dir  # noqa: F401 - re-exported: callers import it from here
+from .errors import DataError  # noqa: F401 - re-exported: the builder and callers import it from here
 from .tokenizers import TOKENIZER_TYPES, build_tokenizer, tokenizer_kwargs
 
 

@@ -15,7 +15,7 @@ each rank joins the job (:func:`omnitron.core.training.workers.join_job`), befor
   every rank, in torchrun's report of every node).
 
 The software is compared too (:func:`software`): omnitron's and torch's versions, the backend's libraries
-(``backend.versions()``: CUDA, NCCL, cuDNN, Triton, torch_musa) and the interface of each C++ extension loaded.
+(``backend.versions()``: the vendor stack's runtime, collective and kernel libraries) and the interface of each C++ extension loaded.
 Two nodes with different torch builds started with the same flags ran, their collectives and kernels not
 guaranteed to agree; a node with a stale ``omnitron._C`` (built from older sources) runs other kernels.
 
