@@ -87,6 +87,9 @@ class DataConfig:
     """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
     reset_position_ids: bool = False
     """``--reset-position-ids``: restart position ids after each end-of-document token."""
+    allow_ambiguous_pad_tokens: bool = False
+    """``--allow-ambiguous-pad-tokens``: mask the tokenizer's pad in GPT samples even when it is the eod id
+    (Megatron's flag; by default such a pad is not masked, see ``gpt_dataset.dataset_pad_id``)."""
     reset_attention_mask: bool = False
     """``--reset-attention-mask``: no attention across end-of-document tokens (each packed document
     attends causally within itself; samples carry ``document_ids``; not with context parallelism)."""
@@ -295,6 +298,8 @@ def add_data_args(parser) -> None:
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each eod")
     g.add_argument("--reset-attention-mask", action="store_true", help="no attention across eod boundaries")
+    g.add_argument("--allow-ambiguous-pad-tokens", action="store_true",
+                   help="mask the tokenizer's pad in GPT samples even when it is the eod id")
     if not any(a.dest == "seed" for a in parser._actions):
         g.add_argument("--seed", type=int, default=1234)
 
@@ -307,7 +312,8 @@ def data_config_from_args(args) -> DataConfig:
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
                       **{k: getattr(args, k) for k in _TOKENIZER_FLAGS},
                       eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
-                      reset_attention_mask=args.reset_attention_mask)
+                      reset_attention_mask=args.reset_attention_mask,
+                      allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens)
 
 
 def tokenizer_from_config(config: DataConfig):
