@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from omnitron.core.data import DataConfig
+from omnitron.core.data import DataConfig, IndexedDatasetBuilder
 from omnitron.core.data.bert_dataset import BertDataset, build_bert_datasets
 from omnitron.core.data.sample_mapping import MT19937_64, build_sample_mapping
 from omnitron.core.data.t5_dataset import T5Dataset
@@ -91,13 +91,15 @@ class _WordPiece:
 
 @pytest.mark.parametrize("name", sorted(M.DATASETS))
 def test_bert_datasets_equal_megatrons(tmp_path, name):
-    """--split 90,8,2 over the fixture file (its sentences partly [UNK]): each split's length and its first samples
-    (tokens, token types, padding mask, loss mask, labels, is_random) are those of Megatron's builder."""
+    """--split 90,8,2 over the fixture files (their sentences partly [UNK]), one file, Megatron's one-dataset blend
+    ``1.0 c`` (exactly the samples asked, over a dataset indexed with 0.5% surplus) and a weighted blend: each
+    split's length and its first samples (tokens, token types, padding mask, loss mask, labels, is_random) are
+    those of Megatron's builder."""
     want = np.load(os.path.join(HERE, "datasets.npz"))
-    binary, seq = M.DATASETS[name]
-    write_documents(tmp_path / "c", M.bert_documents())
-    cfg = DataConfig(data_path=[str(tmp_path / "c")], split="90,8,2", seq_length=seq, seed=M.SEED,
-                     data_cache_path=str(tmp_path / "cache"))
+    binary, seq, data_path = M.DATASETS[name]
+    M._write(tmp_path, IndexedDatasetBuilder)
+    cfg = DataConfig(data_path=[str(tmp_path / x) if x.isalpha() else x for x in data_path], split="90,8,2",
+                     seq_length=seq, seed=M.SEED, data_cache_path=str(tmp_path / "cache"))
     train, valid, test = M.SAMPLES
     splits = build_bert_datasets(cfg, _WordPiece(), train_samples=train, valid_samples=valid, test_samples=test,
                                  binary_head=binary)

@@ -77,6 +77,7 @@ def test_tiktokenizer_special_tokens_have_megatrons_ids(vocab_file):
     path, ranks = vocab_file
     tok = build_tokenizer("TikTokenizer", tokenizer_model=path, vocab_size=1000 + len(ranks))
     assert (tok.bos, tok.eod, tok.pad) == (1, 2, 4)  # <s>, </s>, <pad> in Megatron's default list
+    assert tok.own_pad == 4  # Megatron's TikTokenizer pad_id: GPT samples mask it (tests/data/test_gpt_pad_megatron.py)
     assert tok.encode("<unk><mask><cls><sep><SPECIAL_7><SPECIAL_999>") == [0, 3, 5, 6, 7, 999]
     assert tok.encode("a") == [1000 + ord("a")]  # rank r is id r + num_special
     mine = MEGATRON_SPECIAL[::-1] + ["<|im_start|>"]

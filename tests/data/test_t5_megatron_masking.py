@@ -62,6 +62,8 @@ def _check_case(c):
     assert s["tokens"].tolist() == c["text_enc"]  # Megatron pads with [PAD] = 0 as well
     assert (~s["padding_mask"]).astype(int).tolist() == c["enc_mask"]
     assert s["decoder_tokens"].tolist() == c["text_dec"]
+    # Megatron's dec_mask (t5_dataset.py: 0 where decoder_input == pad) from its own decoder input ([PAD] = 0)
+    assert (~s["decoder_padding_mask"]).astype(int).tolist() == [int(t != M.PAD) for t in c["text_dec"]]
     assert s["loss_mask"].astype(int).tolist() == c["loss_mask"]
     assert s["labels"][:t].tolist() == c["labels"][:t]
 

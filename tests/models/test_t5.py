@@ -42,8 +42,9 @@ def _attention(W, c, name, xq, xk, keep, fused):
     return lin(att, name + ".linear_proj")
 
 
-def plain_t5(W, c, tokens, dec_tokens, pad, labels, mask):
-    """Batch-first float64 T5: (masked mean loss, logits [b, s_dec, V])."""
+def plain_t5(W, c, tokens, dec_tokens, pad, labels, mask, dec_pad=None):
+    """Batch-first float64 T5: (masked mean loss, logits [b, s_dec, V]); ``dec_pad [b, s_dec]``: decoder keys
+    holding [PAD] are not attended (Megatron's dec_mask)."""
     h = c.hidden_size
     lin = lambda t, n: t @ W[n + ".weight"].T + W[n + ".bias"]  # noqa: E731
     ln = lambda t, n: F.layer_norm(t, (h,), W[n + ".weight"], W[n + ".bias"], c.layernorm_epsilon)  # noqa: E731
@@ -60,6 +61,8 @@ def plain_t5(W, c, tokens, dec_tokens, pad, labels, mask):
     memory = ln(x, "encoder.final_layernorm")
     y = emb(dec_tokens)
     causal = torch.ones(sd, sd, dtype=torch.bool).tril()[None].expand(b, sd, sd)
+    if dec_pad is not None:
+        causal = causal & ~dec_pad[:, None, :]
     cross_keep = (~pad)[:, None, :].expand(b, sd, se)
     for i in range(c.decoder_num_layers or c.num_layers):
         p = f"decoder.layers.{i}."
@@ -121,6 +124,35 @@ def test_t5_matches_plain_float64(variant):
     assert grads.keys() == W.keys()
     for k, w in W.items():
         assert w.grad is not None and _rel(grads[k], w.grad) < 1e-5, k
+
+
+def test_decoder_padding_mask_matches_plain_float64():
+    """[PAD] inside decoder inputs (Megatron's dec_mask: decoder keys equal to [PAD] unattended): loss, logits and
+    every gradient equal the float64 reference with that mask; ignoring the mask moves the logits (checked)."""
+    c = T5Config(**BASE)
+    groups = ParallelGroups.single()
+    model = T5Model(c, groups, seed=int(torch.randint(0, 2**20, ())))
+    batch = _batch(c, torch.Generator().manual_seed(int(torch.randint(0, 2**20, ()))))
+    dec_pad = torch.rand(batch["decoder_tokens"].shape) < 0.3
+    dec_pad[:, 0] = False  # the start token
+    dec_pad[0, 2] = True  # at least one [PAD] with real keys after it
+    batch["decoder_padding_mask"] = dec_pad
+    loss = _loss(model(batch["tokens"], batch["decoder_tokens"], batch["padding_mask"], labels=batch["labels"],
+                       decoder_padding_mask=dec_pad), batch)
+    loss.backward()
+    W = {k: v.double().requires_grad_() for k, v in gather_full_state(model, groups).items()}
+    args = (W, c, batch["tokens"], batch["decoder_tokens"], batch["padding_mask"], batch["labels"], batch["loss_mask"])
+    ref, ref_logits = plain_t5(*args, dec_pad=dec_pad)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-6  # float32 against float64, as the test above
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["decoder_tokens"], batch["padding_mask"],
+                       decoder_padding_mask=dec_pad)[..., :c.vocab_size].transpose(0, 1)
+        assert _rel(logits, ref_logits) < 1e-5
+        assert _rel(plain_t5(*args)[1], ref_logits) > 1e-3  # the mask matters on this batch
+    grads = gather_full_state(model, groups, grads=True)
+    for k, w in W.items():
+        assert _rel(grads[k], w.grad) < 1e-5, k
 
 
 def test_masks_padding_causality_and_cross_attention():

@@ -337,51 +337,60 @@ def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
 
 def _bert_split(config, tokenizer, blend, datasets, split: int, num_samples: int, cache_dir: str, allow_build: bool,
                 dataset_cls=BertDataset, whole: bool = False, **kw):
-    """One split's ``dataset_cls`` (blended over the prefixes), or None with no samples or share: its --split share
-    of each dataset's documents, or (``whole``: the split's own files, --train-data-path and friends) all of them."""
+    """One split's ``dataset_cls``, or None with no samples or share: its --split share of each dataset's documents,
+    or (``whole``: the split's own files, --train-data-path and friends) all of them. ``blend`` is (prefixes, weights
+    or None), built as Megatron's builder does: one prefix without weights (or a split's own single file) as is;
+    weights (also ``1.0 D``, a one-dataset blend): each dataset's share plus 0.5%, blended to exactly the samples."""
     from .blended import BlendedDataset
-    from .builder import SPLIT_NAMES, DataError, blend_sizes, split_documents
-    from .config import split_weights
+    from .builder import SPLIT_NAMES, blend_plan, split_documents
+    from .config import normalize, split_weights
 
     weights = split_weights(config.split)
     if num_samples <= 0 or (weights[split] == 0 and not whole):
         return None
-    if any(w is None for w, _ in blend):
-        raise DataError(f"--data-path {' '.join(p for _, p in blend)}: {dataset_cls.__name__} blends need weights; "
-                        "give WEIGHT PREFIX pairs")
-    target, wants = blend_sizes([w for w, _ in blend], num_samples)  # as Megatron's builder
+    blend_weights = blend[1]
+    plain = len(datasets) == 1 and (blend_weights is None or whole)
+    wants, size = blend_plan(blend_weights, num_samples, plain)
     parts = []
     for d, indexed in enumerate(datasets):
         span = (0, indexed.num_documents) if whole else split_documents(indexed.num_documents, weights, split,
                                                                          indexed.prefix, config.split)
         if span is None:
             return None
-        want = num_samples if len(blend) == 1 else wants[d]
-        parts.append(dataset_cls(indexed, np.arange(*span), want, seq_length=config.seq_length, seed=config.seed,
+        parts.append(dataset_cls(indexed, np.arange(*span), wants[d], seq_length=config.seq_length, seed=config.seed,
                                  tokenizer=tokenizer, cache_dir=cache_dir, split_name=SPLIT_NAMES[split],
                                  allow_build=allow_build, **kw))
-    if len(parts) == 1:
+    if plain:
         return parts[0]
-    return BlendedDataset(parts, [w for w, _ in blend], sum(target), cache_dir=cache_dir, allow_build=allow_build)
+    return BlendedDataset(parts, normalize(blend_weights), size, cache_dir=cache_dir, allow_build=allow_build)
 
 
-def _bert_blends(config, tokenizer, cache_dir: str, allow_build: bool) -> tuple[list, bool]:
-    """(each split's blend, whether each split reads its own files whole): the per-split paths (--train-data-path
-    and friends, as Megatron's pretrain_bert / pretrain_t5 read them), else --data-path for all three, else the
-    bundled corpus split into sentences."""
+def _bert_blends(config, tokenizer, cache_dir: str, allow_build: bool, dataset_cls) -> tuple[list, bool]:
+    """(each split's blend (prefixes, weights or None), whether each split reads its own files whole): the per-split
+    paths (--train-data-path and friends, as Megatron's pretrain_bert / pretrain_t5 read them), else --data-path for
+    all three, else the bundled corpus split into sentences. Several prefixes without weights stop here, naming
+    the flag: Megatron's BERT and T5 datasets cannot index them (a blend by size gives each dataset no sample
+    count, which its ``helpers.build_mapping`` refuses with a TypeError)."""
     from .builder import DataError
-    from .config import parse_data_path
+    from .config import parse_blend
 
     if config.per_split:
-        return [parse_data_path(p) for p in (config.train_data_path, config.valid_data_path,
-                                             config.test_data_path)], True
-    blend = parse_data_path(config.data_path)
-    if not blend:
-        if not hasattr(tokenizer, "vocab_file"):
-            raise DataError("no --data-path: the bundled BERT corpus needs --tokenizer-type BertWordPieceLowerCase "
-                            "or BertWordPieceCase")
-        blend = [(1.0, bert_corpus_prefix(tokenizer, cache_dir, build=allow_build))]
-    return [blend] * 3, False
+        named = list(zip(("--train-data-path", "--valid-data-path", "--test-data-path"),
+                         (config.train_data_path, config.valid_data_path, config.test_data_path)))
+        blends, whole = [parse_blend(p, flag) for flag, p in named], True
+    else:
+        named, whole = [("--data-path", config.data_path)] * 3, False
+        blends = [parse_blend(config.data_path)] * 3
+        if not blends[0][0]:
+            if not hasattr(tokenizer, "vocab_file"):
+                raise DataError("no --data-path: the bundled BERT corpus needs --tokenizer-type BertWordPieceLowerCase "
+                                "or BertWordPieceCase")
+            blends = [([bert_corpus_prefix(tokenizer, cache_dir, build=allow_build)], None)] * 3
+    for (flag, paths), (prefixes, weights) in zip(named, blends):
+        if weights is None and len(prefixes) > 1:
+            raise DataError(f"{flag} {' '.join(paths)}: {dataset_cls.__name__} blends need weights (Megatron's cannot "
+                            "blend by size either); give WEIGHT PREFIX pairs")
+    return blends, whole
 
 
 def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples: int, test_samples: int,
@@ -411,15 +420,16 @@ def build_bert_datasets(config, tokenizer, *, train_samples: int, valid_samples:
     kw.setdefault("short_seq_prob", config.short_seq_prob)  # --short-seq-prob: the files' sample mapping
 
     def build_all(allow_build: bool):
-        blends, whole = _bert_blends(config, tokenizer, cache_dir, allow_build)
+        cls = dataset_cls or BertDataset
+        blends, whole = _bert_blends(config, tokenizer, cache_dir, allow_build, cls)
         opened = {}
-        for _, prefix in (x for blend in blends for x in blend):
+        for prefix in (p for blend in blends for p in blend[0]):
             if prefix not in opened:
                 opened[prefix] = IndexedDataset(prefix)
                 check_vocabulary(opened[prefix], tokenizer, cache_dir, allow_build)
         samples = (train_samples, valid_samples, test_samples)
-        return tuple(_bert_split(config, tokenizer, blend, [opened[p] for _, p in blend], i, int(n), cache_dir,
-                                 allow_build, dataset_cls or BertDataset, whole=whole, **kw) if blend else None
+        return tuple(_bert_split(config, tokenizer, blend, [opened[p] for p in blend[0]], i, int(n), cache_dir,
+                                 allow_build, cls, whole=whole, **kw) if blend[0] else None
                      for i, (blend, n) in enumerate(zip(blends, samples)))
 
     return cache.build_in_turn(build_all, is_builder_rank, barrier, is_node_builder, cache_dir)

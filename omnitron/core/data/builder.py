@@ -16,7 +16,7 @@ import numpy as np
 from . import cache
 from .blended import BlendedDataset, MockGPTDataset
 from .config import DataConfig, DataError, default_cache_dir, normalize, parse_blend, split_weights
-from .gpt_dataset import GPTDataset
+from .gpt_dataset import GPTDataset, dataset_pad_id
 from .indexed import IndexedDataset
 from .tokenizers import Tokenizer
 
@@ -113,11 +113,12 @@ def _one_split(config: DataConfig, tokenizer: Tokenizer, blend, datasets, split:
              for ds in datasets]
     if None in spans:
         return None
-    parts = []
+    parts, pad = [], dataset_pad_id(tokenizer.own_pad, tokenizer.eod, config.allow_ambiguous_pad_tokens)
     for d, (indexed, span) in enumerate(zip(datasets, spans)):
         parts.append(GPTDataset(indexed, np.arange(*span), None if wants is None else wants[d],
                                 seq_length=config.seq_length, seed=config.seed, eod=tokenizer.eod,
-                                cache_dir=cache_dir, split_name=name, allow_build=allow_build, **sample_flags(config)))
+                                cache_dir=cache_dir, split_name=name, allow_build=allow_build, **sample_flags(config),
+                                pad=pad))
     if plain:
         return parts[0]
     if blend_weights is None:  # by size: each dataset once, as many samples as asked, at most all of them (so

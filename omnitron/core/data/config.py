@@ -88,6 +88,9 @@ class DataConfig:
     """``--eod-mask-loss``: zero the loss on end-of-document tokens."""
     reset_position_ids: bool = False
     """``--reset-position-ids``: restart position ids after each end-of-document token."""
+    allow_ambiguous_pad_tokens: bool = False
+    """``--allow-ambiguous-pad-tokens``: mask the tokenizer's pad in GPT samples even when it is the eod id
+    (Megatron's flag; by default such a pad is not masked, see ``gpt_dataset.dataset_pad_id``)."""
     reset_attention_mask: bool = False
     """``--reset-attention-mask``: no attention across end-of-document tokens (each packed document
     attends causally within itself; samples carry ``document_ids``; not with context parallelism)."""
@@ -114,8 +117,8 @@ class DataConfig:
             if path and os.path.exists(path):
                 setattr(self, name, os.path.abspath(path))
         self._read_data_args_files()
-        for _, paths in self.path_flags():
-            parse_data_path(paths)
+        for flag, paths in self.path_flags():
+            parse_data_path(paths, flag)
         if self.data_path and self.per_split:
             raise ConfigError("give --data-path (cut by --split) or --train-data-path / --valid-data-path / "
                               "--test-data-path (each split its own files), not both")
@@ -228,10 +231,11 @@ def _weight(text: str) -> float | None:
         return None
 
 
-def parse_blend(data_path: list[str] | str) -> tuple[list[str], list[float] | None]:
+def parse_blend(data_path: list[str] | str, flag: str = "--data-path") -> tuple[list[str], list[float] | None]:
     """Megatron's ``get_blend_from_list``: ``["0.7", "A", "0.3", "B"]`` -> (["A", "B"], [0.7, 0.3]) (weights as
     given, not normalised); prefixes alone, ``["A"]`` or ``["A", "B", "C"]`` -> (prefixes, None): one prefix is read
-    as is, several are blended in proportion to their sizes. ``["1.0", "A"]`` is a one-dataset blend (Megatron's)."""
+    as is, several are blended in proportion to their sizes. ``["1.0", "A"]`` is a one-dataset blend (Megatron's).
+    ``flag``: the flag the value came from, which errors name (--data-path, --train-data-path, ...)."""
     items = data_path.split() if isinstance(data_path, str) else list(data_path)
     if not items:
         return [], None
@@ -239,22 +243,22 @@ def parse_blend(data_path: list[str] | str) -> tuple[list[str], list[float] | No
     weights = [_weight(w) for w in items[0::2]] if len(items) % 2 == 0 else [None]
     if all(w is None for w in weights):
         if any(_weight(p) is not None for p in items):
-            raise ConfigError(f"--data-path {flat!r}: a number among prefixes; give PREFIX ... or WEIGHT PREFIX pairs")
+            raise ConfigError(f"{flag} {flat!r}: a number among prefixes; give PREFIX ... or WEIGHT PREFIX pairs")
         return items, None
     if any(w is None for w in weights):
         bad = next(w for w, v in zip(items[0::2], weights) if v is None)
-        raise ConfigError(f"--data-path: {bad!r} should be a weight (number) before a prefix; "
-                          "use WEIGHT PREFIX pairs, e.g. --data-path 0.7 A 0.3 B, or prefixes alone")
+        raise ConfigError(f"{flag}: {bad!r} should be a weight (number) before a prefix; "
+                          f"use WEIGHT PREFIX pairs, e.g. {flag} 0.7 A 0.3 B, or prefixes alone")
     for w, p in zip(weights, items[1::2]):
         if not w > 0:
-            raise ConfigError(f"--data-path: weight {w} for {p!r} must be > 0 (leave the prefix out instead)")
+            raise ConfigError(f"{flag}: weight {w} for {p!r} must be > 0 (leave the prefix out instead)")
     return items[1::2], weights
 
 
-def parse_data_path(data_path: list[str] | str) -> list[tuple[float | None, str]]:
+def parse_data_path(data_path: list[str] | str, flag: str = "--data-path") -> list[tuple[float | None, str]]:
     """(normalised weight, prefix) pairs of a data path, e.g. [(0.7, "A"), (0.3, "B")]; ``["A"]`` -> [(1.0, "A")];
     several prefixes without weights (blended by size, see :func:`parse_blend`) -> [(None, "A"), (None, "B")]."""
-    prefixes, weights = parse_blend(data_path)
+    prefixes, weights = parse_blend(data_path, flag)
     if weights is None:
         return [(1.0 if len(prefixes) == 1 else None, p) for p in prefixes]
     return list(zip(normalize(weights), prefixes))
@@ -296,6 +300,8 @@ def add_data_args(parser) -> None:
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each eod")
     g.add_argument("--reset-attention-mask", action="store_true", help="no attention across eod boundaries")
+    g.add_argument("--allow-ambiguous-pad-tokens", action="store_true",
+                   help="mask the tokenizer's pad in GPT samples even when it is the eod id")
     if not any(a.dest == "seed" for a in parser._actions):
         g.add_argument("--seed", type=int, default=1234)
 
@@ -308,7 +314,8 @@ def data_config_from_args(args) -> DataConfig:
                       merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
                       **{k: getattr(args, k) for k in _TOKENIZER_FLAGS},
                       eod_mask_loss=args.eod_mask_loss, reset_position_ids=args.reset_position_ids,
-                      reset_attention_mask=args.reset_attention_mask)
+                      reset_attention_mask=args.reset_attention_mask,
+                      allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens)
 
 
 def tokenizer_from_config(config: DataConfig):

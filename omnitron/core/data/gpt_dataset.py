@@ -27,6 +27,16 @@ from .indexed import IndexedDataset
 
 INDEX_FORMAT = 2  # bump when the index algorithm changes, so old caches are not reused (2: Megatron's order)
 FINAL_EPOCH_THRESHOLD = 0.80  # a last epoch used for less than this share of its samples is shuffled apart
+NO_PAD = -1  # Megatron's _PAD_TOKEN_ID: an id no dataset holds (check_vocabulary refuses negative ids)
+
+
+def dataset_pad_id(own_pad: int | None, eod: int, allow_ambiguous: bool = False) -> int:
+    """The pad id GPT samples mask, by Megatron's rule (megatron_dataset.py): the tokenizer's own pad, but
+    ``NO_PAD`` when it has none, or when it equals the eod (also its eos) unless ``allow_ambiguous``
+    (``--allow-ambiguous-pad-tokens``), since masking it would drop every document end from the loss."""
+    if own_pad is None or (own_pad == eod and not allow_ambiguous):
+        return NO_PAD
+    return int(own_pad)
 
 
 def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:
@@ -111,8 +121,9 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, indexed: IndexedDataset, documents: np.ndarray, num_samples: int | None, *, seq_length: int,
                  seed: int, eod: int, cache_dir: str, split_name: str = "train", eod_mask_loss: bool = False,
-                 reset_position_ids: bool = False, reset_attention_mask: bool = False, allow_build: bool = True):
-        self.indexed, self.seq_length, self.eod = indexed, seq_length, eod
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False, allow_build: bool = True,
+                 pad: int = NO_PAD):
+        self.indexed, self.seq_length, self.eod, self.pad = indexed, seq_length, eod, pad
         self.eod_mask_loss, self.reset_position_ids = eod_mask_loss, reset_position_ids
         self.reset_attention_mask = reset_attention_mask
         self.documents = np.asarray(documents, np.int64)
@@ -156,11 +167,11 @@ class GPTDataset(torch.utils.data.Dataset):
         if not 0 <= idx < len(self):
             raise IndexError(f"sample {idx} out of range [0, {len(self)})")
         return make_sample(self.tokens(idx), self.eod, self.eod_mask_loss, self.reset_position_ids,
-                           self.reset_attention_mask)
+                           self.reset_attention_mask, pad=self.pad)
 
 
 def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_ids: bool,
-                reset_attention_mask: bool = False) -> dict[str, torch.Tensor]:
+                reset_attention_mask: bool = False, pad: int = NO_PAD) -> dict[str, torch.Tensor]:
     """seq_length + 1 ids -> inputs, next-token labels, loss mask and position ids (all [seq_length]).
 
     Megatron's ``get_ltor_masks_and_position_ids`` semantics; an eod token belongs to the document
@@ -168,6 +179,8 @@ def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_
     ``reset_position_ids``: positions restart at 0 after each eod. ``reset_attention_mask``: adds
     ``document_ids`` (int64, the number of eods before each position), from which attention builds
     a block-diagonal causal mask, so no token attends across a document boundary.
+    ``pad`` (see :func:`dataset_pad_id`; after the above, as Megatron's GPTDataset): no loss where the LABEL is
+    pad, and pad ids in tokens and labels read 0, so the embedding can look them up.
     """
     text = torch.from_numpy(np.ascontiguousarray(text, dtype=np.int64))
     tokens, labels = text[:-1].clone(), text[1:].clone()
@@ -186,4 +199,8 @@ def make_sample(text: np.ndarray, eod: int, eod_mask_loss: bool, reset_position_
     if reset_attention_mask:
         is_eod = (tokens == eod).to(torch.int64)
         sample["document_ids"] = torch.cumsum(is_eod, 0) - is_eod  # eods strictly before each position
+    if pad != NO_PAD:
+        loss_mask[labels == pad] = 0.0
+        tokens[tokens == pad] = 0
+        labels[labels == pad] = 0
     return sample

@@ -18,7 +18,8 @@ until it fits. Span ``i`` (left to right) gets sentinel ``<extra_id_i>``:
   ``padding_mask`` where it holds the [PAD] id (Megatron's ``encoder_input == pad``);
 * decoder target (``labels``): ``<extra_id_0> span_0 <extra_id_1> span_1 ... [SEP]`` ([SEP] is the
   end of sequence), the loss mask 1 over it; decoder input: ``[CLS]`` (the start token) followed by
-  the target shifted right by one; both padded to ``decoder_seq_length``.
+  the target shifted right by one; both padded to ``decoder_seq_length``; ``decoder_padding_mask`` where the
+  decoder input holds the [PAD] id (Megatron's ``dec_mask``: no later decoder position attends to it).
 
 Sample ``i`` is deterministic per ``(seed, i)`` (its own ``RandomState(seed + i)``, drawn in Megatron's
 order, so the same text and seed give Megatron's spans). ``--mock-data``: :class:`MockT5Dataset`, the
@@ -101,6 +102,7 @@ def build_sample(text: np.ndarray, rng: np.random.RandomState, *, seq_length: in
     out["decoder_tokens"][:t] = [ids["cls"]] + target[:-1]
     sample = {k: torch.from_numpy(v) for k, v in out.items()}
     sample["padding_mask"] = torch.from_numpy(out["tokens"] == ids["pad"])  # Megatron's: by id, not position
+    sample["decoder_padding_mask"] = torch.from_numpy(out["decoder_tokens"] == ids["pad"])  # its dec_mask, likewise
     return sample
 
 
@@ -171,7 +173,8 @@ class MockT5Dataset(_SpanCorruption, MockBertDataset):
 
 class T5Dataset(_SpanCorruption, BertDataset):
     """T5 samples (see the module docstring) from the documents ``documents`` of ``indexed``:
-    ``dict(tokens, padding_mask [seq_length], decoder_tokens, labels, loss_mask [decoder_seq_length])``."""
+    ``dict(tokens, padding_mask [seq_length], decoder_tokens, decoder_padding_mask, labels, loss_mask
+    [decoder_seq_length])``."""
 
     mock_cls = MockT5Dataset
 

@@ -180,13 +180,17 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        key_padding_mask: torch.Tensor | None = None,
-                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                       document_ids: torch.Tensor | None = None,
+                       causal_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, h, s, d]`` in and out; dropout draws from the tp-rank-specific stream (local heads).
         ``key_padding_mask [b, s]`` (bool, True = padding key) selects bidirectional attention;
-        ``document_ids [b, s]`` causal attention within each document (see the module docstring)."""
+        ``document_ids [b, s]`` causal attention within each document (see the module docstring);
+        ``causal_padding_mask [b, s]`` causal attention to the keys that are not padding (T5's decoder)."""
         p = self.c.attention_dropout if self.training else 0.0
         if key_padding_mask is not None:
             return self._padded_attention(q, k, v, key_padding_mask, p)
+        if causal_padding_mask is not None:
+            return self._padded_attention(q, k, v, causal_padding_mask, p, causal=True)
         if self.cp_group is not None and document_ids is None:  # windows and sinks too (transformer/cp_attention.py)
             return cp_attention(self, q, k, v, p, window=self.window, sinks=self.sinks())
         if self.window is not None or self.softmax_type != "vanilla":
@@ -200,12 +204,16 @@ class SelfAttention(nn.Module):
         with self.tracker.fork():
             return self.backend.kernels.attention(q, k, v, causal=True, dropout_p=p)
 
-    def _padded_attention(self, q, k, v, key_padding_mask: torch.Tensor, p: float) -> torch.Tensor:
-        """Non-causal attention over the keys that are not padding (plain SDPA with a boolean mask)."""
+    def _padded_attention(self, q, k, v, key_padding_mask: torch.Tensor, p: float, causal: bool = False):
+        """Attention over the keys that are not padding (plain SDPA with a boolean mask), ``causal``: and not after
+        the query (the query's own key is padding when it is: its row still keeps the earlier real keys)."""
         if self.cp_group is not None:
-            raise ValueError("bidirectional attention with a padding mask does not run under context parallelism; "
+            raise ValueError("attention with a padding mask does not run under context parallelism; "
                              "use --context-parallel-size 1")
         keep = ~key_padding_mask.to(torch.bool)[:, None, None, :]  # [b, 1, 1, s]: True = attend
+        if causal:
+            s = q.shape[2]
+            keep = keep & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         return self._masked_sdpa(q, k, v, keep, p)
 
     def _document_attention(self, q, k, v, document_ids: torch.Tensor, p: float) -> torch.Tensor:
@@ -233,7 +241,7 @@ class SelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor | None, key_padding_mask: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, causal_padding_mask: torch.Tensor | None = None):
         q, k, v = self._project(x)
         s, b = q.shape[:2]
         if self.q_layernorm is not None:
@@ -245,6 +253,8 @@ class SelfAttention(nn.Module):
                 q, k = q * self.rope_factor, k * self.rope_factor
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         masks = (key_padding_mask,) if document_ids is None else (key_padding_mask, document_ids)
+        if causal_padding_mask is not None:
+            masks = (None, None, causal_padding_mask)
         if self.c.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
             out = checkpoint(self.core_attention, self.tracker, q, k, v, *masks)
         else:

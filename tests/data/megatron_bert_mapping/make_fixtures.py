@@ -62,7 +62,13 @@ CASES = {
 NAMES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 NAMES += [("##c%d" if i % 3 == 0 else "w%d") % i for i in range(5, 1000)]
 """A 1000-id WordPiece stand-in: ids 0-4 special, every third id from 6 a ``##`` piece."""
-FIRST, DATASETS = 25, {"binary": (True, 64), "one_segment": (False, 48)}  # name -> (binary head, sequence length)
+FIRST = 25
+DATASETS = {"binary": (True, 64, ["c"]), "one_segment": (False, 48, ["c"]),  # name -> (binary head, sequence
+            "one_dataset_blend": (True, 64, ["1.0", "c"]),  # length, --data-path over the files of ``_write``)
+            "weighted_blend": (True, 64, ["0.6", "a", "0.4", "b"])}
+"""``1.0 c`` is Megatron's one-dataset blend (the dataset indexed with 0.5% surplus, the blend exactly the samples);
+prefixes without weights (``a b``) are no case: Megatron's BERT dataset cannot build them (a TypeError in
+``helpers.build_mapping``, which gets no sample count)."""
 SAMPLES, SEED = (200, 30, 5), 1234
 
 
@@ -73,6 +79,17 @@ def bert_documents() -> list[list[np.ndarray]]:
              for _ in range(int(rng.randint(1, 7)))] for _ in range(300)]
 
 
+def _write(root, builder_cls) -> None:
+    """The files the cases read: ``c`` all of :func:`bert_documents`, ``a`` its first 180 documents, ``b`` the rest
+    (``builder_cls``: Megatron's IndexedDatasetBuilder, or omnitron's, whose interface is the same)."""
+    docs = bert_documents()
+    for name, part in (("c", docs), ("a", docs[:180]), ("b", docs[180:])):
+        b = builder_cls(f"{root}/{name}.bin", dtype=np.int32)
+        for sentences in part:
+            b.add_document(np.concatenate(sentences), [len(x) for x in sentences])
+        b.finalize(f"{root}/{name}.idx")
+
+
 def _datasets(tmp: str) -> dict:
     import types
 
@@ -80,20 +97,19 @@ def _datasets(tmp: str) -> dict:
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from megatron.core.datasets.utils import get_blend_from_list
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29631")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    b = IndexedDatasetBuilder(f"{tmp}/c.bin", dtype=np.int32)
-    for sentences in bert_documents():
-        b.add_document(np.concatenate(sentences), [len(x) for x in sentences])
-    b.finalize(f"{tmp}/c.idx")
+    _write(tmp, IndexedDatasetBuilder)
     tok = types.SimpleNamespace(cls=2, sep=3, mask=4, pad=0, eod=3, inv_vocab=dict(enumerate(NAMES)), vocab_size=1000,
                                 unique_identifiers={"class": "stand-in"})
     out = {}
-    for name, (binary, seq) in DATASETS.items():
+    for name, (binary, seq, data_path) in DATASETS.items():
+        blend = get_blend_from_list([f"{tmp}/{x}" if x.isalpha() else x for x in data_path])
         cfg = BERTMaskedWordPieceDatasetConfig(
-            random_seed=SEED, sequence_length=seq, blend=([f"{tmp}/c"], None), split="90,8,2", path_to_cache=tmp,
+            random_seed=SEED, sequence_length=seq, blend=blend, split="90,8,2", path_to_cache=tmp,
             tokenizer=tok, masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=3,
             masking_do_full_word=True, masking_do_permutation=False, masking_use_longer_ngrams=False,
             masking_use_geometric_distribution=False, classification_head=binary)

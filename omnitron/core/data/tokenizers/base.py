@@ -34,6 +34,12 @@ class Tokenizer(abc.ABC):
         """Padding id (the eod id unless the vocabulary has a dedicated one)."""
         return self.eod
 
+    @property
+    def own_pad(self) -> int | None:
+        """The vocabulary's own padding id as Megatron's tokenizer of this kind reports it (None: it has none,
+        and ``pad`` falls back to eod). GPT samples mask it (``gpt_dataset.dataset_pad_id``), as Megatron's."""
+        return None
+
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` (no special tokens added)."""

@@ -47,6 +47,7 @@ class _HFBacked(Tokenizer):
 
     add_special = False
     """Whether ``encode`` adds the tokenizer's own special tokens (its post-processor's BOS / EOS)."""
+    _own_pad: int | None = None  # GPT-2's vocabulary has no pad (Megatron's GPT2BPETokenizer reports None)
 
     def __init__(self, tok, eod: int, pad: int):
         self._tok = tok
@@ -65,6 +66,10 @@ class _HFBacked(Tokenizer):
     @property
     def pad(self) -> int:
         return self._pad
+
+    @property
+    def own_pad(self) -> int | None:
+        return self._own_pad
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=self.add_special).ids
@@ -127,6 +132,7 @@ class HuggingFaceTokenizer(_HFBacked):
     name such as ``meta-llama/Meta-Llama-3-8B`` already in the local Hugging Face cache (nothing is downloaded).
     The eod id is the ``eos_token`` of a ``tokenizer_config.json`` beside it (what Megatron's HF tokenizer
     uses), else the first of ``EOD_CANDIDATES`` present in the vocabulary (``eod_token`` overrides); pad likewise.
+    ``own_pad`` is the config's ``pad_token`` only (None without one), as ``AutoTokenizer``'s ``pad_token_id``.
 
     ``encode`` adds the tokenizer's own special tokens (``include_special_tokens``, on by default) as Megatron's
     HuggingFaceTokenizer does (``tokenizer(text).input_ids`` unless ``--tokenizer-hf-no-include-special-tokens``)
@@ -144,7 +150,9 @@ class HuggingFaceTokenizer(_HFBacked):
             tok = HFTokenizer.from_file(str(p))
         except Exception as err:  # noqa: BLE001
             raise TokenizerError(f"--tokenizer-model {str(p)!r} is not a valid tokenizer.json: {err}") from err
-        eod_token = eod_token or _config_eos(p.parent / "tokenizer_config.json")
+        eod_token = eod_token or _config_token(p.parent / "tokenizer_config.json", "eos_token")
+        own_pad = _config_token(p.parent / "tokenizer_config.json", "pad_token")
+        self._own_pad = None if own_pad is None else tok.token_to_id(own_pad)
         names = (eod_token,) if eod_token else EOD_CANDIDATES
         eod = next((tok.token_to_id(t) for t in names if tok.token_to_id(t) is not None), None)
         if eod is None:
@@ -172,13 +180,13 @@ def hf_tokenizer_file(path: str) -> Path:
     return _require_file(p, "--tokenizer-model")
 
 
-def _config_eos(config: Path) -> str | None:
-    """The ``eos_token`` a ``tokenizer_config.json`` names (a string or ``{"content": ...}``), if any."""
+def _config_token(config: Path, key: str) -> str | None:
+    """The token a ``tokenizer_config.json`` names under ``key`` (a string or ``{"content": ...}``), if any."""
     if not config.is_file():
         return None
     with open(config, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+        token = json.load(f).get(key)
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def read_vocab_size(vocab_file: str) -> int:

@@ -105,6 +105,7 @@ class MultimodalTokenizer(HuggingFaceTokenizer):
         pad = self.format.pad or _token_text(config.get("pad_token"))
         pad_id = self._tok.token_to_id(pad) if pad else None
         self._pad = self._eod if pad_id is None else pad_id
+        self._own_pad = pad_id
 
     @property
     def image_token_id(self) -> int | None:

@@ -39,6 +39,11 @@ class SentencePieceTokenizer(Tokenizer):
     def pad(self) -> int:
         return self._pad
 
+    @property
+    def own_pad(self) -> int | None:
+        """The model's pad piece (Megatron's ``pad_id``: ``sp.pad_id()``, whose -1 matches no id)."""
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+
     def encode(self, text: str) -> list[int]:
         return list(self._sp.EncodeAsIds(text))
 

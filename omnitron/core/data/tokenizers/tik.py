@@ -115,6 +115,11 @@ class TikTokenizer(Tokenizer):
         return self.special_tokens.index("<pad>")
 
     @property
+    def own_pad(self) -> int:
+        """``<pad>`` (4 with the default special tokens), as Megatron's TikTokenizer."""
+        return self.pad
+
+    @property
     def bos(self) -> int:
         """``<s>``'s id."""
         return self.special_tokens.index("<s>")

@@ -60,6 +60,7 @@ class BertWordPieceTokenizer(_HFBacked):
         self.vocab_file = str(path)
         self.cls, self.sep, self.mask, self.unk = (tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[UNK]"))
         super().__init__(tok, self.sep, tok.token_to_id("[PAD]"))
+        self._own_pad = self.pad  # [PAD], as Megatron's BertWordPiece (Hugging Face's BertTokenizer)
 
     @property
     def special_ids(self) -> tuple[int, ...]:

@@ -14,7 +14,8 @@ def build_stage(cfg, groups, **kw):
 
 def forward_step(chunk, m, batch: dict, hidden):
     """One stage; per-token decoder loss, masked by the default loss function."""
-    return chunk(batch["tokens"], batch["decoder_tokens"], batch["padding_mask"], labels=batch["labels"])
+    return chunk(batch["tokens"], batch["decoder_tokens"], batch["padding_mask"], labels=batch["labels"],
+                 decoder_padding_mask=batch.get("decoder_padding_mask"))
 
 
 def build_datasets(settings, tokenizer, **sizes):

@@ -42,8 +42,10 @@ class T5DecoderLayer(TransformerLayer):
                                               backend=backend, out_std=out_std,
                                               skip_out_bias=backend.kernels.resolved("bias_dropout_add") != "reference")
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, memory_padding_mask: torch.Tensor) -> torch.Tensor:
-        x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), None), x)
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, memory_padding_mask: torch.Tensor,
+                decoder_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(x), None, causal_padding_mask=decoder_padding_mask)
+        x = self._bias_dropout_add(attn, x)
         cross = self.cross_attention(self.pre_cross_attn_layernorm(x), memory, memory_padding_mask)
         x = self._bias_dropout_add(cross, x)
         return self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
@@ -100,14 +102,17 @@ class T5Model(GPTModel):
         return self.embedding(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens))
 
     def forward(self, tokens: torch.Tensor, decoder_tokens: torch.Tensor, padding_mask: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, decoder_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens [b, s_enc]`` (encoder input, int64), ``decoder_tokens [b, s_dec]`` (decoder input),
-        ``padding_mask [b, s_enc]`` (nonzero at encoder padding). Returns the per-token float32 loss
+        ``padding_mask [b, s_enc]`` (nonzero at encoder padding), ``decoder_padding_mask [b, s_dec]`` (nonzero
+        where the decoder input is [PAD], by id as Megatron's ``dec_mask``: no later decoder position attends
+        to it; None: plain causal). Returns the per-token float32 loss
         ``[b, s_dec]`` when ``labels [b, s_dec]`` are given (every position; the loss mask picks the
         targets), else the tp-local logits ``[s_dec, b, V_pad/tp]`` with padding columns at -inf."""
         pad = padding_mask.to(torch.bool)
         memory = self.encoder.final_layernorm(self._run_stack(self.encoder, self._embed(tokens), pad))
-        y = self._run_stack(self.decoder, self._embed(decoder_tokens), memory, pad)
+        dec = () if decoder_padding_mask is None else (decoder_padding_mask.to(torch.bool),)
+        y = self._run_stack(self.decoder, self._embed(decoder_tokens), memory, pad, *dec)
         logits = self.output_layer(self.decoder.final_layernorm(y), self.embedding.word_embeddings.weight)
         if labels is None:
             return self._mask_padding(logits)

@@ -1,0 +1,98 @@
+"""Megatron's pad rule in GPT samples: fixtures.json was written by Megatron's own GPTDataset
+(tests/data/megatron_pad/make_fixtures.py, which says how to re-run it) over a corpus holding the pad and eod ids
+many times; omnitron's samples over the same corpus must be identical. Each tokenizer's own pad is checked
+against the library Megatron's tokenizer of that kind reads it from (transformers, sentencepiece) or its
+transcribed special-token list (TikTokenizer)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from omnitron.core.data import DataConfig, IndexedDatasetBuilder, build_gpt_datasets, build_tokenizer
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_pad")
+FIXTURES = json.load(open(os.path.join(HERE, "fixtures.json")))
+_spec = importlib.util.spec_from_file_location("make_pad_fixtures", os.path.join(HERE, "make_fixtures.py"))
+make_fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_fixtures)  # corpus_documents: the corpus Megatron read (imports numpy only)
+
+
+class _Tokenizer:
+    """What the GPT builder reads of a tokenizer; ``own_pad`` as each case's Megatron tokenizer reported it."""
+    name, eod, vocab_size, fingerprint = "fixture", FIXTURES["eod"], FIXTURES["vocab_size"], None
+
+    def __init__(self, own_pad):
+        self.own_pad = own_pad
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("pad") / "corpus")
+    b = IndexedDatasetBuilder(f"{prefix}.bin", np.int32)
+    for doc in make_fixtures.corpus_documents():
+        b.add_document(doc)
+    b.finalize(f"{prefix}.idx")
+    return prefix
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES["cases"]))
+def test_gpt_samples_follow_megatrons_pad_rule(corpus, tmp_path, name):
+    case = FIXTURES["cases"][name]
+    cfg = DataConfig(data_path=[corpus], split="1", seq_length=FIXTURES["seq_length"], seed=case["seed"],
+                     data_cache_path=str(tmp_path), eod_mask_loss=case["eod_mask_loss"],
+                     reset_position_ids=case["reset_position_ids"],
+                     allow_ambiguous_pad_tokens=case["allow_ambiguous_pad_tokens"])
+    train, _, _ = build_gpt_datasets(cfg, _Tokenizer(case["pad"]), train_samples=40, valid_samples=0,
+                                     test_samples=0)
+    for i, want in enumerate(case["samples"]):
+        got = train[i]
+        for key, values in want.items():
+            assert got[key].tolist() == values, f"{name}: sample {i} {key}"
+    if case["pad"] is not None and case["pad"] != FIXTURES["eod"]:  # the corpus does exercise the rule
+        assert any(0.0 in s["loss_mask"] for s in case["samples"])
+
+
+def _hf_dir(path, pad_token):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path.mkdir()
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "<pad>": 2, "a": 3, "b": 4}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "</s>"} | ({"pad_token": pad_token} if pad_token else {})
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("pad_token", ["<pad>", None])
+def test_hf_own_pad_is_the_configs_pad_token(tmp_path, pad_token):
+    """Megatron's HuggingFaceTokenizer reports AutoTokenizer's pad_token_id: the config's pad_token, else None
+    (a ``<pad>`` in the vocabulary alone is no pad)."""
+    transformers = pytest.importorskip("transformers")
+    path = _hf_dir(tmp_path / "hf", pad_token)
+    ref = transformers.AutoTokenizer.from_pretrained(str(path))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(path))
+    assert (tok.own_pad, tok.eod) == (ref.pad_token_id, ref.eos_token_id)
+
+
+def test_gpt2_and_null_have_no_own_pad():
+    """GPT-2's files name no pad (transformers' GPT2 tokenizer: pad_token None); Megatron's NullTokenizer: -1."""
+    assert build_tokenizer("GPT2BPETokenizer").own_pad is None
+    assert build_tokenizer("NullTokenizer", vocab_size=10).own_pad is None
+
+
+@pytest.mark.parametrize("pad_id", [3, -1])
+def test_sentencepiece_own_pad_is_the_models(tmp_path, pad_id):
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"the whale {i} and the sea {i * 7}" for i in range(200)), encoding="utf-8")
+    spm.SentencePieceTrainer.Train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60,
+                                   model_type="bpe", pad_id=pad_id, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "sp.model"))
+    assert tok.own_pad == (sp.pad_id() if sp.pad_id() >= 0 else None)
+    assert (tok.own_pad is None) == (pad_id < 0)
