@@ -21,6 +21,7 @@ from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.training.arguments import resolved_config
 from omnitron.core.training.model_check import check_model_settings
+from omnitron.core.training.outputs import lock_identity, recheck_lock
 
 DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without importing it
 
@@ -147,6 +148,7 @@ def _masters_from_weights(shard: dict) -> None:
 def save(c) -> str:
     """Collective: write this rank's shard; rank 0 commits the directory."""
     s = c.settings
+    _check_lock(c)
     for chunk in c.chunks:  # --overlap-param-gather: the weights must be gathered before they are read
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
@@ -174,6 +176,14 @@ def save(c) -> str:
     return path
 
 
+def _check_lock(c) -> None:
+    """Rank 0, before a save: --save's lock is still the job's (:func:`~omnitron.core.training.outputs.recheck_lock`:
+    a lock, or a whole --save, deleted during the run is said and taken again; another job's there stops the run)."""
+    held = c.extra.get("save_lock")
+    if held is not None and c.groups.rank == 0:
+        c.extra["save_lock"] = recheck_lock("--save", c.settings.checkpoint.save, held)
+
+
 def _barrier(c):
     coll = c.backend.collectives
     return (lambda: coll.barrier()) if coll.is_initialized() else (lambda: None)
@@ -198,9 +208,11 @@ def _save_dist(c) -> str:
 
 
 def prepare_saves(c) -> None:
-    """Collective, before the first step: ``--async-save`` makes its writer's process group and its host
+    """Collective, before the first step: rank 0 notes --save's lock (:func:`_check_lock`); ``--async-save`` makes its writer's process group and its host
     staging buffers now, so that the first save blocks the step for its copy into them only."""
     ck = c.settings.checkpoint
+    if ck.save and c.groups.rank == 0:  # the lock the job took on --save: checked again at each save
+        c.extra["save_lock"] = lock_identity(ck.save)
     if ck.async_save and ck.save and ck.ckpt_format == "torch_dist":
         _async_saver(c).prepare(c)
 
