@@ -17,6 +17,7 @@ import torch
 from omnitron.core.checkpoint import (CheckpointError, check_compatible, dist, find_latest, get_rng_state,
                                       read_metadata, reshard, save_checkpoint, set_rng_state)
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
+from omnitron.core.checkpoint.name_mismatch import mismatch_error
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.training.arguments import resolved_config
@@ -285,6 +286,9 @@ def load(c) -> bool:
     else:
         shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
         for m, sd in zip(c.modules, shard["model"]):
+            names = m.state_dict().keys()
+            if names != sd.keys():  # another model's weights: one line naming them (strict loading's is lines)
+                raise mismatch_error(path, names - sd.keys(), sd.keys() - names)
             m.load_state_dict(sd)
     if ck.finetune or shard["optimizer"].get("weights_only"):
         c.optimizer.reload_masters()
