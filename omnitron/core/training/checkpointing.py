@@ -243,8 +243,9 @@ def _save_dist(c, directory: str, keep_last_n: int | None, retain_interval: int 
 
 
 def prepare_saves(c) -> None:
-    """Collective, before the first step: rank 0 notes --save's lock (:func:`_check_lock`); ``--async-save`` makes its writer's process group and its host
-    staging buffers now, so that the first save blocks the step for its copy into them only."""
+    """Collective, before the first step: rank 0 notes --save's lock (:func:`_check_lock`); ``--async-save`` makes
+    its writer's process group and its host staging buffers now, so that the first save blocks the step for its
+    copy into them only."""
     ck = c.settings.checkpoint
     if ck.save and c.groups.rank == 0:  # the lock the job took on --save: checked again at each save
         c.extra["save_lock"] = lock_identity(ck.save)
