@@ -33,7 +33,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early = argv is None and sys.argv[1:2] == ["train"]  # the program itself (not a caller's in-process call)
     argv = sys.argv[1:] if argv is None else argv
+    if not early:
+        return _main(argv)
+    from omnitron.core.training import signals
+
+    signals.install_early(argv)  # before the imports and checks (seconds): a stop signal then is not lost
+    try:
+        return _main(argv)
+    except signals.StopNow as err:  # a second signal before any rank took over: what happened, in one line
+        print(f"omnitron train: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        signals.early_signal()  # the handlers back, when no rank or relay took them over
+
+
+def _main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if "--model-family-module" in " ".join(argv) or "--config" in argv:  # a family of the user's own
         from omnitron.core.config.parallel import ConfigError

@@ -79,6 +79,19 @@ def exact_storage(view: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(view.dtype).view(view.shape)
 
 
+def _model_mismatch(path: str, absent: list[str], saved: dict, pieces: dict) -> CheckpointError:
+    """:func:`~omnitron.core.checkpoint.name_mismatch.mismatch_error` for the model weights in ``absent``. The
+    checkpoint's weights this rank lacks count under the top-level modules of those missing (other pipeline stages'
+    are the checkpoint's too), less per-layer ones (``.layers.N``: other stages' layers)."""
+    from omnitron.core.checkpoint.name_mismatch import mismatch_error
+
+    missing = [k.removeprefix("model/") for k in absent if k.startswith("model/")]
+    tops = {k.split(".", 1)[0] for k in missing}
+    unexpected = [k.removeprefix("model/") for k in saved if k.startswith("model/") and k not in pieces
+                  and k.removeprefix("model/").split(".", 1)[0] in tops and ".layers." not in k]
+    return mismatch_error(path, missing, unexpected)
+
+
 class PieceLoadPlanner(DefaultLoadPlanner):
     """Reads each piece of a piece table into its view (``path`` names the checkpoint in errors)."""
 
@@ -94,11 +107,14 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items, saved = [], self.metadata.state_dict_metadata
+        absent = [k for k in self.pieces if not isinstance(saved.get(k), dcp_meta.TensorStorageMetadata)]
+        if any(k.startswith("model/") for k in absent):
+            raise _model_mismatch(self.path, absent, saved, self.pieces)
         for key, (shape, pieces) in self.pieces.items():
             md = saved.get(key)
             if not isinstance(md, dcp_meta.TensorStorageMetadata):
-                raise CheckpointError(f"{self.path}: the checkpoint holds no tensor {key!r}; it was saved for another "
-                                      f"model or optimizer (pass --no-load-optim to take the weights only)")
+                raise CheckpointError(f"{self.path}: the checkpoint holds no optimizer tensor {key!r}; it was saved "
+                                      f"with another optimizer (pass --no-load-optim to take the weights only)")
             if tuple(md.size) != tuple(shape):
                 raise CheckpointError(f"{self.path}: {key} is {tuple(md.size)} in the checkpoint, {tuple(shape)} "
                                       f"here; use the checkpoint's model settings")

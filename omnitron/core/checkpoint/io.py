@@ -166,6 +166,8 @@ def removed_if_write_fails(save_dir: str, final: str):
     try:
         yield
     except BaseException as err:
+        if isinstance(err, Exception) and not os.path.isdir(final + ".tmp") and not os.path.isdir(final):
+            raise _vanished(save_dir, os.path.basename(final)) from None
         full = not isinstance(err, DiskFullError) and disk_full(err, save_dir)
         if not full and (isinstance(err, DiskFullError) or not _write_failed(err)):
             raise
@@ -184,6 +186,19 @@ def removed_if_write_fails(save_dir: str, final: str):
                             f"saving {name}; the partial {name}.tmp was removed and 'latest' still names the previous "
                             f"checkpoint; free space (or keep fewer with --keep-last-n) and resume with "
                             f"--load") from None
+
+
+class SaveDirGone(CheckpointError):
+    """--save (or the save's ``iter_N.tmp``) was deleted by something outside the job while a save wrote into it."""
+
+
+def _vanished(save_dir: str, name: str) -> SaveDirGone:
+    """The one line for a save whose directory was deleted under it: what is lost, what is left, what to do."""
+    what = f"--save {save_dir} was deleted" if not os.path.isdir(save_dir) else \
+        f"{name}.tmp under --save {save_dir} was deleted"
+    return SaveDirGone(f"{what} while saving {name}, by something outside this job: that save is lost (and the "
+                       f"checkpoints the directory held with it); the run stops here. Keep --save in place while a "
+                       f"job runs, and resume with --load from a checkpoint that is left (or from scratch)")
 
 
 def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, *, rank: int, world_size: int,

@@ -491,6 +491,18 @@ class CheckpointConfig:
     exit_signal: str = "SIGTERM"
     """--exit-signal (Megatron's): the signal that, besides SIGTERM and SIGINT, finishes the step, saves and exits:
     SIGUSR1 or SIGUSR2 for SLURM's ``--signal=USR1@SECONDS`` warning before the time limit."""
+    non_persistent_save_interval: int | None = None
+    """--non-persistent-save-interval (Megatron's): every N iterations where no regular save falls, a checkpoint
+    into the non-persistent directory, which keeps only the newest (a cheap, frequent save to lose less to a crash
+    than --save-interval does). Needs --save and --non-persistent-ckpt-type global."""
+    non_persistent_ckpt_type: str | None = None
+    """--non-persistent-ckpt-type (Megatron's): ``global`` only (a checkpoint like --save's, in
+    --non-persistent-global-ckpt-dir); on --load the newer of it and --load's latest is resumed (the non-persistent
+    one when as new), as Megatron's load_checkpoint chooses. ``local`` / ``in_memory`` (NVIDIA's resiliency
+    extension) are refused."""
+    non_persistent_global_ckpt_dir: str | None = None
+    """--non-persistent-global-ckpt-dir (Megatron's): where the global non-persistent checkpoints go and are
+    looked for; default ``<--save>/non_persistent`` when saving, ``<--load>/non_persistent`` when loading."""
     ckpt_format: str = "torch_dist"
     """--ckpt-format: ``torch_dist`` (the default, Megatron's too: torch.distributed.checkpoint, each rank
     writes only the slices it owns, loads under any layout) or ``torch`` (one torch.save file per rank).
@@ -512,8 +524,23 @@ class CheckpointConfig:
         if self.ckpt_step is not None and (self.ckpt_step < 0 or not self.load):
             raise ConfigError(f"--ckpt-step {self.ckpt_step}: give the iteration (>= 0) of a checkpoint under --load "
                               f"DIR{'' if self.load else ' (--load is not set)'}")
+        self._check_non_persistent()
         if self.ckpt_format not in ("torch", "torch_dist"):
             raise ConfigError(f"--ckpt-format {self.ckpt_format!r} is not one of torch, torch_dist")
         if self.async_save and self.ckpt_format != "torch_dist":
             raise ConfigError(f"--async-save needs --ckpt-format torch_dist (the {self.ckpt_format} format writes "
                               f"synchronously); add --ckpt-format torch_dist or drop --async-save")
+
+    def _check_non_persistent(self) -> None:
+        """The non-persistent checkpoint flags: only Megatron's ``global`` type, with an interval and --save."""
+        kind, every = self.non_persistent_ckpt_type, self.non_persistent_save_interval
+        if kind not in (None, "global"):
+            raise ConfigError(f"--non-persistent-ckpt-type {kind}: omnitron implements only 'global' (a checkpoint "
+                              f"in --non-persistent-global-ckpt-dir); 'local' and 'in_memory' need NVIDIA's "
+                              f"resiliency extension: use global")
+        if every is not None and every < 1:
+            raise ConfigError(f"--non-persistent-save-interval must be >= 1, got {every}")
+        if every is not None and kind is None:
+            raise ConfigError("--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+        if every is not None and not self.save:
+            raise ConfigError("--non-persistent-save-interval needs --save (Megatron's saves nothing without it)")

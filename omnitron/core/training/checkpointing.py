@@ -17,10 +17,12 @@ import torch
 from omnitron.core.checkpoint import (CheckpointError, check_compatible, dist, find_latest, get_rng_state,
                                       read_metadata, reshard, save_checkpoint, set_rng_state)
 from omnitron.core.checkpoint.io import MODEL_SHAPE_KEYS, read_shard
+from omnitron.core.checkpoint.name_mismatch import mismatch_error
 from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.training.arguments import resolved_config
 from omnitron.core.training.model_check import check_model_settings
+from omnitron.core.training.outputs import lock_identity, recheck_lock
 
 DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without importing it
 
@@ -71,10 +73,32 @@ def layout_dict(settings) -> dict:
             "pipeline_chunk_placement": schedule_style(settings.training.pipeline_schedule)}
 
 
+def resume_path(ck, quiet: bool) -> str | None:
+    """The checkpoint a run with --load resumes: --load's latest (or --ckpt-step's), or, with
+    --non-persistent-ckpt-type global, the non-persistent one when it is at least as new (Megatron's
+    _load_base_checkpoint: ``non_persistent_iteration >= iteration``); None: neither exists."""
+    path = find_latest(ck.load, quiet=quiet, step=ck.ckpt_step)
+    other = non_persistent_dir(ck, ck.load)
+    if other is None or ck.ckpt_step is not None or not os.path.isdir(other):  # --ckpt-step: the one asked for
+        return path
+    newest = find_latest(other, quiet=True)
+    if newest is None:
+        return path
+    if path is not None and read_metadata(newest)["iteration"] < read_metadata(path)["iteration"]:
+        if not quiet:
+            log.info("--load %s: the non-persistent checkpoint %s is older than %s: resuming the latter", ck.load,
+                     newest, os.path.basename(path))
+        return path
+    if not quiet:
+        log.info("--load %s: resuming the non-persistent checkpoint %s (as new as or newer than --load's latest%s)",
+                 ck.load, newest, f", {os.path.basename(path)}" if path else ": none")
+    return newest
+
+
 def check_resume(settings) -> None:
     """Before any process group: the checkpoint under --load (if any) fits this run's model (a
     different parallel layout is resharded on load)."""
-    path = find_latest(settings.checkpoint.load, quiet=True, step=settings.checkpoint.ckpt_step)  # rank 0 says which
+    path = resume_path(settings.checkpoint, quiet=True)  # rank 0 says which
     if path is None:
         for flag, on in (("--finetune", settings.checkpoint.finetune),
                          ("--exit-on-missing-checkpoint", settings.checkpoint.exit_on_missing_checkpoint)):
@@ -144,14 +168,29 @@ def _masters_from_weights(shard: dict) -> None:
             entry["master"] = weight
 
 
-def save(c) -> str:
-    """Collective: write this rank's shard; rank 0 commits the directory."""
-    s = c.settings
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron's _NON_PERSISTENT_CKPT_SUBDIR
+
+
+def non_persistent_dir(ck, base: str | None) -> str | None:
+    """--non-persistent-global-ckpt-dir, else ``base/non_persistent`` (``base``: --save when saving, --load when
+    loading, as Megatron's save_checkpoint and _load_base_checkpoint); None without the ``global`` type."""
+    if ck.non_persistent_ckpt_type != "global":
+        return None
+    return ck.non_persistent_global_ckpt_dir or (os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None)
+
+
+def save(c, *, non_persistent: bool = False) -> str:
+    """Collective: write this rank's shard; rank 0 commits the directory. ``non_persistent``: into the
+    non-persistent directory (:func:`non_persistent_dir`), which keeps only this newest checkpoint."""
+    s, ck = c.settings, c.settings.checkpoint
+    _check_lock(c)
+    where = (non_persistent_dir(ck, ck.save), 1, None) if non_persistent else \
+        (ck.save, ck.keep_last_n, ck.save_retain_interval)  # directory, --keep-last-n, --save-retain-interval
     for chunk in c.chunks:  # --overlap-param-gather: the weights must be gathered before they are read
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     if s.checkpoint.ckpt_format == DIST_FORMAT:
-        return _save_dist(c)
+        return _save_dist(c, *where)
     shard = {"model": [m.state_dict() for m in c.modules], "optimizer": _optimizer_shard(c),
              "scheduler": c.scheduler.state_dict(),
              "rng": get_rng_state(c.backend), "trackers": [m.rng_tracker.get_states() for m in c.modules]}
@@ -166,12 +205,19 @@ def save(c) -> str:
         if coll.is_initialized():
             coll.barrier()
 
-    path = save_checkpoint(s.checkpoint.save, c.iteration, shard, meta, rank=c.groups.rank,
-                           world_size=c.groups.world_size, barrier=barrier, keep_last_n=s.checkpoint.keep_last_n,
-                           retain_interval=s.checkpoint.save_retain_interval)
+    path = save_checkpoint(where[0], c.iteration, shard, meta, rank=c.groups.rank, world_size=c.groups.world_size,
+                           barrier=barrier, keep_last_n=where[1], retain_interval=where[2])
     if c.groups.rank == 0:
         log.info("saved checkpoint %s", path)
     return path
+
+
+def _check_lock(c) -> None:
+    """Rank 0, before a save: --save's lock is still the job's (:func:`~omnitron.core.training.outputs.recheck_lock`:
+    a lock, or a whole --save, deleted during the run is said and taken again; another job's there stops the run)."""
+    held = c.extra.get("save_lock")
+    if held is not None and c.groups.rank == 0:
+        c.extra["save_lock"] = recheck_lock("--save", c.settings.checkpoint.save, held)
 
 
 def _barrier(c):
@@ -179,8 +225,8 @@ def _barrier(c):
     return (lambda: coll.barrier()) if coll.is_initialized() else (lambda: None)
 
 
-def _save_dist(c) -> str:
-    """``--ckpt-format torch_dist`` (:mod:`omnitron.core.checkpoint.dist`)."""
+def _save_dist(c, directory: str, keep_last_n: int | None, retain_interval: int | None) -> str:
+    """``--ckpt-format torch_dist`` (:mod:`omnitron.core.checkpoint.dist`) into ``directory``."""
     s = c.settings
     meta = {"consumed_samples": c.consumed_samples, "consumed_valid_samples": c.consumed_valid_samples,
             "config": _jsonable(resolved_config(s)), "model": model_dict(c.model), "layout": layout_dict(s),
@@ -188,9 +234,8 @@ def _save_dist(c) -> str:
     save = _dist().save
     if s.checkpoint.async_save:
         save = _async_saver(c).save
-    path = save(c, s.checkpoint.save, c.iteration, meta, _dist().rank_state(c, get_rng_state),
-                barrier=_barrier(c), keep_last_n=s.checkpoint.keep_last_n,
-                retain_interval=s.checkpoint.save_retain_interval)
+    path = save(c, directory, c.iteration, meta, _dist().rank_state(c, get_rng_state), barrier=_barrier(c),
+                keep_last_n=keep_last_n, retain_interval=retain_interval)
     if c.groups.rank == 0:
         log.info("%s checkpoint %s (torch_dist)", "saving in the background:" if s.checkpoint.async_save else
                  "saved", path)
@@ -198,9 +243,12 @@ def _save_dist(c) -> str:
 
 
 def prepare_saves(c) -> None:
-    """Collective, before the first step: ``--async-save`` makes its writer's process group and its host
-    staging buffers now, so that the first save blocks the step for its copy into them only."""
+    """Collective, before the first step: rank 0 notes --save's lock (:func:`_check_lock`); ``--async-save`` makes
+    its writer's process group and its host staging buffers now, so that the first save blocks the step for its
+    copy into them only."""
     ck = c.settings.checkpoint
+    if ck.save and c.groups.rank == 0:  # the lock the job took on --save: checked again at each save
+        c.extra["save_lock"] = lock_identity(ck.save)
     if ck.async_save and ck.save and ck.ckpt_format == "torch_dist":
         _async_saver(c).prepare(c)
 
@@ -257,7 +305,7 @@ def load(c) -> bool:
     ck = c.settings.checkpoint
     if not ck.load:
         return False
-    path = find_latest(ck.load, quiet=c.groups.rank != 0, step=ck.ckpt_step)
+    path = resume_path(ck, quiet=c.groups.rank != 0)
     if path is None:
         if c.groups.rank == 0:
             log.info("--load %s holds no checkpoint yet: starting from scratch", ck.load)
@@ -273,6 +321,9 @@ def load(c) -> bool:
     else:
         shard = _resharded_shard(c, path, meta) if changes else read_shard(path, c.groups.rank, meta)
         for m, sd in zip(c.modules, shard["model"]):
+            names = m.state_dict().keys()
+            if names != sd.keys():  # another model's weights: one line naming them (strict loading's is lines)
+                raise mismatch_error(path, names - sd.keys(), sd.keys() - names)
             m.load_state_dict(sd)
     if ck.finetune or shard["optimizer"].get("weights_only"):
         c.optimizer.reload_masters()

@@ -308,18 +308,21 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                 record = _evaluate_split(c, valid, "validation", house, watchdog, logger, time_up)
                 validation += [record] if record is not None else []  # None: time_up() below says so too
             stopping = time_up() or _due(c.iteration, t.exit_interval)
-            if ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters):
+            persist = ck.save and (_due(c.iteration, ck.save_interval) or stopping or c.iteration == t.train_iters)
+            transient = ck.save and not persist and _due(c.iteration, ck.non_persistent_save_interval)  # Megatron's
+            if persist or transient:
                 _check_before_save(c)
                 house.before_eval_or_save()
                 if rank0:
-                    log.info("saving checkpoint at iteration %d under %s ...", c.iteration, ck.save)
+                    log.info("saving %scheckpoint at iteration %d under %s ...", "non-persistent " * transient,
+                             c.iteration, checkpointing.non_persistent_dir(ck, ck.save) if transient else ck.save)
                 began = time.perf_counter()
                 with timers.phase("save-checkpoint"):
-                    checkpointing.save(c)
+                    checkpointing.save(c, non_persistent=transient)
                 _write_expert_load(c)
                 if rank0:
                     log.info("checkpoint save at iteration %d took %.1f s", c.iteration, time.perf_counter() - began)
-                saved_at = c.iteration
+                saved_at = c.iteration if persist else saved_at
             if stopping:
                 if rank0:
                     log.info("stopping after iteration %d%s", c.iteration,

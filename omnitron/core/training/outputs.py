@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -26,6 +27,7 @@ import time
 
 from omnitron.core.config.parallel import ConfigError
 
+log = logging.getLogger("omnitron.train")
 LOCK_NAME = "omnitron.lock"
 _NO_RECORD_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _held: dict[str, int] = {}
@@ -165,6 +167,44 @@ def release(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
     os.close(fd)
+
+
+def lock_identity(directory: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of ``directory``'s lock file (None: there is none)."""
+    try:
+        st = os.stat(os.path.join(directory, LOCK_NAME))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def recheck_lock(flag: str, directory: str, held: tuple[int, int]) -> tuple[int, int]:
+    """At a save: whether ``directory``'s lock file is still the one this job took (``held``:
+    :func:`lock_identity` then). Removed (the file, or the whole directory, deleted by something outside the
+    job), another job could take the directory: say so and take the lock again for this process (held until it
+    exits); another job's lock there now raises ConfigError in one line (this job must not mix its checkpoints
+    with that job's). Returns the identity of the lock held now."""
+    if lock_identity(directory) == held:
+        return held
+    gone = not os.path.isdir(directory)
+    what = "the directory was deleted" if gone else f"{LOCK_NAME} was removed"
+    path = os.path.realpath(os.path.join(directory, LOCK_NAME))
+    _held.pop(path, None)  # the deleted file's descriptor stays with its holder (released as before)
+    try:
+        acquire(flag, directory)
+    except ConfigError:
+        try:
+            with open(path, "rb") as f:
+                owner = json.loads(f.read(4096).decode() or "null")
+        except (OSError, ValueError, UnicodeDecodeError):
+            owner = None
+        raise ConfigError(f"{flag} {directory}: {what} during this run, and another job has taken it since "
+                          f"({_describe(owner if isinstance(owner, dict) else None)}); this run stops without saving "
+                          f"rather than mix its checkpoints with that job's: give it another {flag} and resume with "
+                          f"--load from its last checkpoint") from None
+    log.warning("%s %s: %s during this run (by something outside it), so another job could have taken it: took "
+                "the lock again%s", flag, directory, what, "; the checkpoints saved before are gone" if gone else "")
+    return lock_identity(directory)
 
 
 @contextlib.contextmanager

@@ -13,10 +13,6 @@ import os
 import signal
 import time
 
-import torch
-
-from omnitron.backends.collectives import ReduceOp
-
 
 REPEAT_WINDOW_S = 2.0
 """A stop signal within this many seconds of the one that last took effect is the same request, not a second
@@ -35,6 +31,7 @@ class StopNow(KeyboardInterrupt):
 class StopFlag:
     def __init__(self, enabled: bool = True, exit_signal: str = "SIGTERM") -> None:
         self.requested = False
+        self.signum = None  # the signal that set ``requested``
         self._acted_at = None  # time.monotonic() of the signal that last took effect
         self._previous = {}
         if enabled:
@@ -53,13 +50,17 @@ class StopFlag:
         if not first:  # a second signal: stop now, without the checkpoint
             raise StopNow(f"second signal {name}: stopping without saving (a resumed run starts from the last "
                           f"checkpoint under --save)")
-        self.requested = True
+        self.requested, self.signum = True, signum
         if os.environ.get("RANK", "0") == "0":  # os.write: print() from a handler may re-enter the stream's buffer
             os.write(2, (f"omnitron: {name} received: stopping after this iteration (saved where --save is set); "
                          f"another stop signal from {REPEAT_WINDOW_S:g} s on stops at once, without saving\n").encode())
 
     def agreed(self, collectives, device=None) -> bool:
         """True on every rank when any rank was signalled (one tiny all-reduce over the world)."""
+        import torch  # here, not at the top: the CLI imports this module before anything heavy (install_early)
+
+        from omnitron.backends.collectives import ReduceOp
+
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         if collectives.is_initialized():
             collectives.all_reduce(flag, op=ReduceOp.MAX)
@@ -86,12 +87,49 @@ def handled(exit_signal: str = "SIGTERM") -> tuple[signal.Signals, ...]:
 _installed: StopFlag | None = None
 
 
+_early: StopFlag | None = None
+
+
+def install_early(argv: list[str]) -> None:
+    """At ``omnitron train``'s very start (before its imports, parsing and checks: seconds), the stop flag of the
+    launcher, so that a stop signal then gives the line and exit code it gives later instead of killing the
+    launcher with -15 and no word: :func:`install` (this process's rank) and the launcher's relay to its workers
+    (:func:`early_signal`) take it over. ``--exit-signal`` is read from ``argv`` (a bad value: SIGTERM / SIGINT
+    only; the parser names it)."""
+    global _early
+    exit_signal = "SIGTERM"
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--exit-signal=") else \
+            argv[i + 1] if arg == "--exit-signal" and i + 1 < len(argv) else None
+        if value in signal.Signals.__members__:
+            exit_signal = value
+    flag = StopFlag(enabled=False)
+    for sig in handled(exit_signal):  # one the parent made this process ignore (a script's background job) stays so
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            flag._previous[sig] = signal.signal(sig, flag._handle)
+    _early = flag
+
+
+def early_signal() -> StopFlag | None:
+    """The flag of :func:`install_early` when a stop signal reached it (None: no signal, or none installed), once:
+    its handlers are put back either way (the caller installs its own over them)."""
+    global _early
+    flag, _early = _early, None
+    if flag is None:
+        return None
+    flag.restore()
+    return flag if flag.requested else None
+
+
 def install(ck) -> StopFlag:
     """This process's stop flag from now on (at a rank's start; ``ck``: the run's CheckpointConfig, its
     --save-on-signal and --exit-signal), for the training loop to :func:`adopt`; :meth:`StopFlag.restore` puts
-    the previous handlers back."""
+    the previous handlers back. A signal :func:`install_early` caught is in it (said already)."""
     global _installed
+    early = early_signal()
     _installed = StopFlag(ck.save_on_signal, ck.exit_signal)
+    if early is not None:
+        _installed.requested, _installed.signum, _installed._acted_at = True, early.signum, early._acted_at
     return _installed
 
 

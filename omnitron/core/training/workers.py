@@ -387,6 +387,11 @@ def run_workers(settings, entry, n: int, worker) -> int:
         if any(p.pid is None for p in procs):
             early.append((signum, reached))
 
+    from omnitron.core.training.signals import early_signal
+
+    pending = early_signal()  # one that came during the launcher's own start (imports, parsing, checks)
+    if pending is not None:
+        early.append((pending.signum, set()))
     # SIGINT is relayed like SIGTERM (a scheduler may signal this process alone), unless this process's parent
     # made it ignore SIGINT (a background job of a script): then the workers ignore it too; --exit-signal too
     previous = signal.getsignal(signal.SIGINT)
