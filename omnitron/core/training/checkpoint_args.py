@@ -1,4 +1,6 @@
-"""``--use-checkpoint-args``: the model's shape and tokenizer come from the checkpoint under ``--load``.
+"""``--use-checkpoint-args``: the model's shape and tokenizer come from the checkpoint under ``--load`` that the
+run resumes (:func:`_resumed`: with ``--non-persistent-ckpt-type global``, the non-persistent one when it is at least
+as new, as Megatron's load_args_from_checkpoint through _load_base_checkpoint).
 
 As Megatron: the checkpoint's architecture settings override the command line's (a launch line for
 fine-tuning or evaluation needs only ``--load``), and each value that changes is said in the log. Training
@@ -51,12 +53,12 @@ def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
     if not merged.pop("use_checkpoint_args", False):
         return _keep_unflagged(merged)
     from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.checkpoint.io import find_latest, read_metadata
+    from omnitron.core.checkpoint.io import read_metadata
 
     load = merged.get("load")
     if not load:
         raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint whose settings to use)")
-    path = find_latest(load, quiet=True, step=merged.get("ckpt_step"))
+    path = _resumed(merged)
     if path is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint under --load {load}")
     try:
@@ -81,11 +83,22 @@ def _keep_unflagged(merged: dict[str, Any]) -> dict[str, Any]:
     if not (merged.get("load") and merged.get("num_experts") and unset):  # (all of them MoE settings)
         return merged
     from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.checkpoint.io import find_latest, read_metadata
+    from omnitron.core.checkpoint.io import read_metadata
 
     try:
-        path = find_latest(merged["load"], quiet=True, step=merged.get("ckpt_step"))
+        path = _resumed(merged)
         saved = read_metadata(path).get("model", {}) if path else {}
     except CheckpointError:
         return merged
     return {**merged, **{k: saved[k] for k in unset if saved.get(k) is not None}}
+
+
+def _resumed(merged: dict[str, Any]) -> str | None:
+    """The checkpoint the run will load (:func:`~omnitron.core.training.checkpointing.resume_path`), from the flat
+    settings: its args are the ones to read, not those of ``--load``'s latest when the non-persistent one wins."""
+    from types import SimpleNamespace
+
+    from omnitron.core.training.checkpointing import resume_path
+
+    keys = ("load", "ckpt_step", "non_persistent_ckpt_type", "non_persistent_global_ckpt_dir")
+    return resume_path(SimpleNamespace(**{k: merged.get(k) for k in keys}), quiet=True)
