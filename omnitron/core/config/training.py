@@ -461,7 +461,9 @@ class CheckpointConfig:
     """--load: directory to resume from (its ``latest`` checkpoint); missing means start fresh."""
     ckpt_step: int | None = None
     """--ckpt-step: load the checkpoint of this iteration under --load, not the one ``latest`` names (an earlier
-    one when the newest is damaged; Megatron's flag)."""
+    one when the newest is damaged; Megatron's flag). It names --load's own iteration: a non-persistent checkpoint
+    (--non-persistent-ckpt-type global) is not considered, where Megatron would take it when at least as new as
+    the step asked for (a step is asked for to get that one checkpoint)."""
     save_interval: int | None = None
     """--save-interval: save every this many iterations (and always at the end)."""
     keep_last_n: int | None = None
@@ -482,8 +484,9 @@ class CheckpointConfig:
     """--use-checkpoint-opt_param-scheduler: on resume, the checkpoint's schedule stands where the command line's
     differs. With neither flag a difference stops the load (Megatron's rule), naming each value."""
     use_checkpoint_args: bool = False
-    """--use-checkpoint-args: take the model's shape and the tokenizer from the checkpoint under --load (they
-    override the command line's; each change is logged)."""
+    """--use-checkpoint-args: take the model's shape and the tokenizer from the checkpoint under --load that the
+    run resumes (the non-persistent one when that is the one loaded, as Megatron's); they override the command
+    line's; each change is logged."""
     exit_on_missing_checkpoint: bool = False
     """--exit-on-missing-checkpoint: stop with an error when --load holds no checkpoint, instead of starting fresh."""
     save_on_signal: bool = True
@@ -502,7 +505,8 @@ class CheckpointConfig:
     extension) are refused."""
     non_persistent_global_ckpt_dir: str | None = None
     """--non-persistent-global-ckpt-dir (Megatron's): where the global non-persistent checkpoints go and are
-    looked for; default ``<--save>/non_persistent`` when saving, ``<--load>/non_persistent`` when loading."""
+    looked for; default ``<--save>/non_persistent`` when saving, ``<--load>/non_persistent`` when loading. Outside
+    --save it is locked for the job as --save is (a second job saving into it is refused)."""
     ckpt_format: str = "torch_dist"
     """--ckpt-format: ``torch_dist`` (the default, Megatron's too: torch.distributed.checkpoint, each rank
     writes only the slices it owns, loads under any layout) or ``torch`` (one torch.save file per rank).

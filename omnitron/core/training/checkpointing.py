@@ -22,7 +22,7 @@ from omnitron.core.parallel.pipeline.schedules import schedule_style
 from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.training.arguments import resolved_config
 from omnitron.core.training.model_check import check_model_settings
-from omnitron.core.training.outputs import lock_identity, recheck_lock
+from omnitron.core.training.outputs import lock_identity, locked_dirs, recheck_lock
 
 DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without importing it
 
@@ -183,9 +183,10 @@ def save(c, *, non_persistent: bool = False) -> str:
     """Collective: write this rank's shard; rank 0 commits the directory. ``non_persistent``: into the
     non-persistent directory (:func:`non_persistent_dir`), which keeps only this newest checkpoint."""
     s, ck = c.settings, c.settings.checkpoint
-    _check_lock(c)
     where = (non_persistent_dir(ck, ck.save), 1, None) if non_persistent else \
         (ck.save, ck.keep_last_n, ck.save_retain_interval)  # directory, --keep-last-n, --save-retain-interval
+    for directory in dict.fromkeys((ck.save, where[0])):  # --save's lock always, the one written into too
+        _check_lock(c, directory)
     for chunk in c.chunks:  # --overlap-param-gather: the weights must be gathered before they are read
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
@@ -212,12 +213,13 @@ def save(c, *, non_persistent: bool = False) -> str:
     return path
 
 
-def _check_lock(c) -> None:
-    """Rank 0, before a save: --save's lock is still the job's (:func:`~omnitron.core.training.outputs.recheck_lock`:
-    a lock, or a whole --save, deleted during the run is said and taken again; another job's there stops the run)."""
-    held = c.extra.get("save_lock")
+def _check_lock(c, directory: str) -> None:
+    """Rank 0, before a save into ``directory``: its lock (--save's, or a --non-persistent-global-ckpt-dir's
+    elsewhere) is still the job's (:func:`~omnitron.core.training.outputs.recheck_lock`: a lock, or a whole
+    directory, deleted during the run is said and taken again; another job's there stops the run)."""
+    flag, held = c.extra.get("save_locks", {}).get(directory, (None, None))
     if held is not None and c.groups.rank == 0:
-        c.extra["save_lock"] = recheck_lock("--save", c.settings.checkpoint.save, held)
+        c.extra["save_locks"][directory] = flag, recheck_lock(flag, directory, held)
 
 
 def _barrier(c):
@@ -243,12 +245,13 @@ def _save_dist(c, directory: str, keep_last_n: int | None, retain_interval: int 
 
 
 def prepare_saves(c) -> None:
-    """Collective, before the first step: rank 0 notes --save's lock (:func:`_check_lock`); ``--async-save`` makes
-    its writer's process group and its host staging buffers now, so that the first save blocks the step for its
-    copy into them only."""
+    """Collective, before the first step: rank 0 notes the locks of the directories saves write (:func:`_check_lock`);
+    ``--async-save`` makes its writer's process group and its host staging buffers now, so that the first save
+    blocks the step for its copy into them only."""
     ck = c.settings.checkpoint
-    if ck.save and c.groups.rank == 0:  # the lock the job took on --save: checked again at each save
-        c.extra["save_lock"] = lock_identity(ck.save)
+    if ck.save and c.groups.rank == 0:  # the locks the job took (--save, a non-persistent dir elsewhere): rechecked
+        c.extra["save_locks"] = {d: (flag, lock_identity(d)) for flag, d in locked_dirs(c.settings)
+                                 if d in (ck.save, non_persistent_dir(ck, ck.save))}
     if ck.async_save and ck.save and ck.ckpt_format == "torch_dist":
         _async_saver(c).prepare(c)
 

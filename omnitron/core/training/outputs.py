@@ -4,7 +4,8 @@ writable before any process starts, and written by one job at a time.
 - :func:`check_writable`: each directory (or, when it does not exist yet, its nearest existing ancestor)
   takes a probe file, so a read-only or foreign location is refused in one line by the launcher instead of
   at the first save, after the work it was to keep.
-- :func:`lock_outputs`: an exclusive lock on ``--save`` (and on a ``--log-dir`` elsewhere), held by the
+- :func:`lock_outputs`: an exclusive lock on ``--save`` (and on a ``--log-dir``, and a
+  ``--non-persistent-global-ckpt-dir`` that non-persistent saves write, elsewhere: :func:`locked_dirs`), held by the
   launcher (or, under torchrun, by rank 0) for the job's life. Two jobs on one directory would interleave
   their checkpoints and share ``metrics.jsonl``; the second is refused in one line naming the first's host
   and pid. The lock is ``fcntl.lockf`` on ``DIR/omnitron.lock`` (released by the kernel when its process
@@ -40,8 +41,28 @@ def output_dirs(settings) -> list[tuple[str, str]]:
     that :func:`~omnitron.core.training.launch.launch` also runs)."""
     ck, lg = getattr(settings, "checkpoint", None), getattr(settings, "logging", None)
     given = [("--save", getattr(ck, "save", None)), ("--log-dir", getattr(lg, "log_dir", None)),
+             ("--non-persistent-global-ckpt-dir", _non_persistent_dir(ck)),
              ("--wandb-save-dir", getattr(lg, "wandb_save_dir", None))]
     return [(flag, path) for flag, path in given if path]
+
+
+def _non_persistent_dir(ck) -> str | None:
+    """--non-persistent-global-ckpt-dir when non-persistent saves write it (its default lies in --save)."""
+    on = getattr(ck, "non_persistent_save_interval", None) and getattr(ck, "save", None)
+    return getattr(ck, "non_persistent_global_ckpt_dir", None) if on else None
+
+
+def locked_dirs(settings) -> list[tuple[str, str]]:
+    """``(flag, directory)`` that :func:`lock_outputs` locks: every output directory but wandb's (wandb's folder is
+    wandb's), each once; the non-persistent directory not when inside --save (--save's lock covers it)."""
+    out, save = [], None
+    for flag, path in output_dirs(settings):
+        real = os.path.realpath(path)
+        inside = flag.startswith("--non-") and save is not None and (real + os.sep).startswith(save + os.sep)
+        if flag != "--wandb-save-dir" and not inside and real not in (os.path.realpath(p) for _, p in out):
+            out.append((flag, path))
+        save = real if flag == "--save" else save
+    return out
 
 
 def check_writable(settings) -> None:
@@ -181,9 +202,9 @@ def lock_identity(directory: str) -> tuple[int, int] | None:
 def recheck_lock(flag: str, directory: str, held: tuple[int, int]) -> tuple[int, int]:
     """At a save: whether ``directory``'s lock file is still the one this job took (``held``:
     :func:`lock_identity` then). Removed (the file, or the whole directory, deleted by something outside the
-    job), another job could take the directory: say so and take the lock again for this process (held until it
-    exits); another job's lock there now raises ConfigError in one line (this job must not mix its checkpoints
-    with that job's). Returns the identity of the lock held now."""
+    job), another job could take the directory: say so and take the lock again for this process (held until
+    :func:`lock_outputs` ends, or the process exits); another job's lock there now raises ConfigError in one line
+    (this job must not mix its checkpoints with that job's). Returns the identity of the lock held now."""
     if lock_identity(directory) == held:
         return held
     gone = not os.path.isdir(directory)
@@ -209,17 +230,17 @@ def recheck_lock(flag: str, directory: str, held: tuple[int, int]) -> tuple[int,
 
 @contextlib.contextmanager
 def lock_outputs(settings):
-    """Hold the lock of ``--save`` and of a ``--log-dir`` elsewhere while the block runs."""
-    dirs, seen = [], set()
-    for flag, path in output_dirs(settings)[:2]:  # --save, --log-dir (wandb's folder is wandb's)
-        if os.path.realpath(path) not in seen:
-            seen.add(os.path.realpath(path))
-            dirs.append((flag, path))
-    fds = []
+    """Hold the locks of :func:`locked_dirs` while the block runs; at its end release them, and those
+    :func:`recheck_lock` took again for the same directories (an in-process caller's next run may use them)."""
+    fds, paths = [], []
     try:
-        for flag, path in dirs:
+        for flag, path in locked_dirs(settings):
             fds.append(acquire(flag, path))
+            paths.append(os.path.realpath(os.path.join(path, LOCK_NAME)))
         yield
     finally:
         for fd in fds:
             release(fd)
+        for path in paths:
+            if path in _held:
+                release(_held[path])
