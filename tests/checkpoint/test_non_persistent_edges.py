@@ -81,6 +81,17 @@ def test_a_non_persistent_dir_elsewhere_is_locked(tmp_path):
                                          str(tmp_path / "file" / "np")))
 
 
+def test_the_non_persistent_dir_cannot_be_save(tmp_path):
+    """--non-persistent-global-ckpt-dir naming --save itself (or a path to it) is refused before the start. Fails
+    without the fix: the run went on, and its non-persistent save at 3 (which keeps only the newest checkpoint of
+    its directory) deleted the regular iter_0000002 of --save (checked by hand: iter_0000003, iter_0000004 left)."""
+    save = str(tmp_path / "ck")
+    for given in (save, str(tmp_path / "." / "ck") + os.sep):
+        with pytest.raises(ConfigError, match="-global-ckpt-dir .* is --save: keeping only the newest"):
+            _settings(tmp_path, "a", "--hidden-size", "32", "--train-iters", "4", "--save", save, "--save-interval",
+                      "2", "--non-persistent-save-interval", "1", "--non-persistent-global-ckpt-dir", given)
+
+
 @pytest.mark.parametrize("removed", ["--save", "--non-persistent-global-ckpt-dir"])
 def test_a_lock_taken_again_is_released_at_the_runs_end(tmp_path, monkeypatch, caplog, removed):
     """Two in-process runs in a row on one --save (and one non-persistent directory elsewhere); during the first,

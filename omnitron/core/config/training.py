@@ -6,6 +6,7 @@ against the world, heads against tensor parallelism) live in ``omnitron.core.tra
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ConfigError
@@ -506,7 +507,8 @@ class CheckpointConfig:
     non_persistent_global_ckpt_dir: str | None = None
     """--non-persistent-global-ckpt-dir (Megatron's): where the global non-persistent checkpoints go and are
     looked for; default ``<--save>/non_persistent`` when saving, ``<--load>/non_persistent`` when loading. Outside
-    --save it is locked for the job as --save is (a second job saving into it is refused)."""
+    --save it is locked for the job as --save is (a second job saving into it is refused); --save itself is refused
+    (keeping only its newest checkpoint would delete --save's)."""
     ckpt_format: str = "torch_dist"
     """--ckpt-format: ``torch_dist`` (the default, Megatron's too: torch.distributed.checkpoint, each rank
     writes only the slices it owns, loads under any layout) or ``torch`` (one torch.save file per rank).
@@ -548,3 +550,8 @@ class CheckpointConfig:
             raise ConfigError("--non-persistent-save-interval needs --non-persistent-ckpt-type global")
         if every is not None and not self.save:
             raise ConfigError("--non-persistent-save-interval needs --save (Megatron's saves nothing without it)")
+        where = self.non_persistent_global_ckpt_dir
+        if every is not None and where and os.path.realpath(where) == os.path.realpath(self.save):
+            raise ConfigError(f"--non-persistent-global-ckpt-dir {where} is --save: keeping only the newest "
+                              f"non-persistent checkpoint there would delete --save's regular ones; give it a "
+                              f"directory of its own (default: <--save>/non_persistent)")
