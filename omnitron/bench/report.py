@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 
 SCHEMA, VERSION = "omnitron-bench", 1
@@ -117,7 +118,39 @@ def load(path: str) -> dict:
     return validate(rep, path)
 
 
+_NOISE = re.compile(r"\([^)]*\)|\b(?:CPU|Processor|\d+-Core)\b|@.*$", re.I)
+"""What a device name holds besides the machine's model: parentheses ((R), (TM), sim's description), core counts
+and clock rates."""
+
+
 def label(rep: dict) -> str:
-    """A short name of the machine (for table columns and plot legends)."""
+    """A short name of the machine (for table columns and plot legends; :func:`legend` has the whole name): the
+    backend and the device's model, without parentheses, ``CPU``, core counts or clock rates, whole words only
+    (a cut at a fixed width left names such as ``sim:sim (simulated accelerator over host``)."""
     m = rep["machine"]
-    return f"{m['backend']}:{m['device_name']}"[:40]
+    model = " ".join(_NOISE.sub(" ", m["device_name"]).split())
+    if not model or model.lower() == m["backend"].lower():
+        return m["backend"]
+    return f"{m['backend']}:{model}"
+
+
+def labels(reports: list[dict]) -> list[str]:
+    """Each report's :func:`label`, numbered (``#1``, ``#2``) where reports share one: two runs of one machine."""
+    names = [label(r) for r in reports]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(f"{name} #{seen[name]}" if names.count(name) > 1 else name)
+    return out
+
+
+def legend(reports: list[dict]) -> list[str]:
+    """One line per report: its column name, the machine's whole device name, world size and file."""
+    out = []
+    for name, rep in zip(labels(reports), reports):
+        m = rep["machine"]
+        where = f", {rep['_path']}" if rep.get("_path") else ""
+        world = f", world size {m['world_size']}" if m.get("world_size") else ""
+        out.append(f"{name} = {m['backend']}: {m['device_name']}{world}{where}")
+    return out
