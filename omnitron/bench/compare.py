@@ -73,13 +73,13 @@ def load_all(paths: list[str]) -> list[dict]:
 def tables(reports: list[dict]) -> str:
     """One text table per :data:`TABLES` entry with rows: a row per measurement, per machine its figure and the
     ratio to the first machine's (>1 is better on every table: ratios of lower-is-better figures are inverted)."""
-    name_of = dict(zip(map(id, reports), labels(reports)))
-    out = ["machines:"] + [f"  {line}" for line in legend(reports)] + [""]
+    out, columns, name_of = [], [], _names(reports)
     for t in TABLES:
         reps = [r for r in reports if r["kind"] == t.kind and any(t.rows(row) for row in r["rows"])]
         if not reps:
             continue
         names = [name_of[id(r)] for r in reps]
+        columns += zip(names, reps)
         rows = [{t.key(r, row): row for row in r["rows"] if t.rows(row)} for r in reps]
         why = _nothing_lines_up(t, reps, rows)
         out.append(f"== {t.name} ({t.unit}; ratio = vs {names[0]}{'' if t.higher else ', inverted: >1 is better'})"
@@ -97,7 +97,17 @@ def tables(reports: list[dict]) -> str:
                 cells.append(f"{v:.4g}{ratio}")
             out.append(" | ".join([" ".join(str(k) for k in key)] + cells))
         out.append("")
-    return "\n".join(out)
+    return "\n".join(["machines:"] + [f"  {line}" for line in legend(columns)] + [""] + out)
+
+
+def _names(reports: list[dict]) -> dict[int, str]:
+    """Each report's column name (by ``id``), numbered among the reports of its kind only: folders of `bench all`
+    reports give one report per kind and machine, so machine 1 is ``#1`` in every table."""
+    out = {}
+    for kind in dict.fromkeys(r["kind"] for r in reports):
+        same = [r for r in reports if r["kind"] == kind]
+        out.update(zip(map(id, same), labels(same)))
+    return out
 
 
 def _nothing_lines_up(t: Table, reps: list[dict], rows: list[dict]) -> str | None:
@@ -126,7 +136,7 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
-    name_of = dict(zip(map(id, reports), labels(reports)))
+    name_of = _names(reports)
     written = []
     comm = [r for r in reports if r["kind"] == "comm"]
     if comm:

@@ -145,12 +145,14 @@ def labels(reports: list[dict]) -> list[str]:
     return out
 
 
-def legend(reports: list[dict]) -> list[str]:
-    """One line per report: its column name, the machine's whole device name, world size and file."""
+def legend(columns: list[tuple[str, dict]]) -> list[str]:
+    """One line per column name and machine of ``columns`` ((name, report) pairs, repeats dropped): the name, the
+    machine's whole device name and the folder of its report (where it was read from a file)."""
     out = []
-    for name, rep in zip(labels(reports), reports):
+    for name, rep in columns:
         m = rep["machine"]
-        where = f", {rep['_path']}" if rep.get("_path") else ""
-        world = f", world size {m['world_size']}" if m.get("world_size") else ""
-        out.append(f"{name} = {m['backend']}: {m['device_name']}{world}{where}")
+        where = f", in {os.path.dirname(rep['_path']) or '.'}" if rep.get("_path") else ""
+        line = f"{name} = {m['backend']}: {m['device_name']}{where}"
+        if line not in out:
+            out.append(line)
     return out

@@ -272,7 +272,7 @@ def test_columns_are_whole_short_names_and_the_legend_has_the_machine():
     """Column names were the first 40 characters of "backend:device name" (``sim:sim (simulated accelerator
     over host``): now the backend and the device's model in whole words, without parentheses, clock or "CPU";
     two reports of one machine get two columns (#1, #2), and a legend above the tables gives each column's
-    whole device name and world size."""
+    whole device name; a kind's reports are numbered among themselves (one machine is #1 in every table)."""
     import platform
 
     rng = random.Random()
@@ -285,6 +285,11 @@ def test_columns_are_whole_short_names_and_the_legend_has_the_machine():
     columns = text.split("== memory (")[1].splitlines()[1].split(" | ")[1:]
     assert columns == ["sim", "cpu:Intel Xeon Platinum 8480+ #1", "cpu:Intel Xeon Platinum 8480+ #2"], columns
     legend = text.split("\n\n")[0].splitlines()[1:]
-    for line, col, rep in zip(legend, columns, reps):
-        m = rep["machine"]
-        assert line.strip() == f"{col} = {m['backend']}: {m['device_name']}, world size {m['world_size']}"
+    assert [line.strip() for line in legend] == [f"{col} = {r['machine']['backend']}: {r['machine']['device_name']}"
+                                                 for col, r in zip(columns, reps)]
+    gemm = [_machine(_report("gemm", xeon, [{"dtype": "fp32", "shape": "square:64", "tflops": _fig(rng)}]),
+                     backend="cpu") for _ in range(2)]
+    text = compare.tables(reps + gemm)
+    assert text.split("== gemm (")[1].splitlines()[1].split(" | ")[1:] == columns[1:]
+    # the gemm columns are the memory columns' machines: the legend names each once
+    assert sorted(text.split("\n\n")[0].splitlines()[1:]) == sorted(legend)
