@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from omnitron.bench.comm import HOST_OPS  # rows of how ranks share a host's cores: no bandwidth, a slowdown
-from omnitron.bench.report import ReportError, label, load
+from omnitron.bench.report import ReportError, label, labels, legend, load
 
 
 @dataclass(frozen=True)
@@ -73,15 +73,18 @@ def load_all(paths: list[str]) -> list[dict]:
 def tables(reports: list[dict]) -> str:
     """One text table per :data:`TABLES` entry with rows: a row per measurement, per machine its figure and the
     ratio to the first machine's (>1 is better on every table: ratios of lower-is-better figures are inverted)."""
-    out = []
+    out, columns, name_of = [], [], _names(reports)
     for t in TABLES:
         reps = [r for r in reports if r["kind"] == t.kind and any(t.rows(row) for row in r["rows"])]
         if not reps:
             continue
-        names = [label(r) for r in reps]
-        out.append(f"== {t.name} ({t.unit}; ratio = vs {names[0]}{'' if t.higher else ', inverted: >1 is better'})")
-        out.append(" | ".join([" ".join(t.keys + t.extra_keys)] + names))
+        names = [name_of[id(r)] for r in reps]
+        columns += zip(names, reps)
         rows = [{t.key(r, row): row for row in r["rows"] if t.rows(row)} for r in reps]
+        why = _nothing_lines_up(t, reps, rows)
+        out.append(f"== {t.name} ({t.unit}; ratio = vs {names[0]}{'' if t.higher else ', inverted: >1 is better'})"
+                   + (f": no row lines up, {why}" if why else ""))
+        out.append(" | ".join([" ".join(t.keys + t.extra_keys)] + names))
         for key in dict.fromkeys(k for rs in rows for k in rs):
             base = rows[0].get(key, {}).get(t.figure)
             cells = []
@@ -94,7 +97,35 @@ def tables(reports: list[dict]) -> str:
                 cells.append(f"{v:.4g}{ratio}")
             out.append(" | ".join([" ".join(str(k) for k in key)] + cells))
         out.append("")
-    return "\n".join(out)
+    return "\n".join(["machines:"] + [f"  {line}" for line in legend(columns)] + [""] + out)
+
+
+def _names(reports: list[dict]) -> dict[int, str]:
+    """Each report's column name (by ``id``), numbered among the reports of its kind only: folders of `bench all`
+    reports give one report per kind and machine, so machine 1 is ``#1`` in every table."""
+    out = {}
+    for kind in dict.fromkeys(r["kind"] for r in reports):
+        same = [r for r in reports if r["kind"] == kind]
+        out.update(zip(map(id, same), labels(same)))
+    return out
+
+
+def _nothing_lines_up(t: Table, reps: list[dict], rows: list[dict]) -> str | None:
+    """Why no measurement of ``t`` is in two of the reports (None when one is, or with one report): the world
+    sizes of comm reports, else each key whose values no two reports share."""
+    if len(reps) < 2 or any(sum(key in rs for rs in rows) > 1 for rs in rows for key in rs):
+        return None
+    worlds = [r["machine"].get("world_size") for r in reps]
+    if t.kind == "comm" and len(set(worlds)) > 1:
+        return f"the world sizes differ: {', '.join(map(str, worlds))}"
+    names = t.keys + t.extra_keys
+    differ = []
+    for i, name in enumerate(names):
+        values = [{key[i] for key in rs} for rs in rows]
+        if all(not (a & b) for j, a in enumerate(values) for b in values[j + 1:]):
+            shown = ["/".join(sorted(str(v).removeprefix(f"{name} ") for v in vs)) for vs in values]
+            differ.append(f"{name} differs: {', '.join(shown)}")
+    return "; ".join(differ) or f"no measurement is in two reports (rows match on {' '.join(names)})"
 
 
 def plots(reports: list[dict], out_dir: str) -> list[str]:
@@ -105,6 +136,7 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
+    name_of = _names(reports)
     written = []
     comm = [r for r in reports if r["kind"] == "comm"]
     if comm:
@@ -115,7 +147,7 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
                 for group in dict.fromkeys(row.get("group", "world") for row in r["rows"] if row["op"] == op):
                     pts = sorted((row["bytes"], row["busbw_gbs"]) for row in r["rows"]
                                  if row["op"] == op and row.get("group", "world") == group)
-                    name = label(r) + ("" if group == "world" else f" {group}")
+                    name = name_of[id(r)] + ("" if group == "world" else f" {group}")
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
             ax.set_xscale("log", base=2), ax.set_title(op), ax.set_xlabel("bytes"), ax.set_ylim(bottom=0)
         axes[0][0].set_ylabel("bus bandwidth (GB/s)"), axes[0][0].legend(fontsize=7)
@@ -128,7 +160,7 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
         for i, r in enumerate(gemm):
             best = [max((row["tflops"] for row in r["rows"] if row["dtype"] == d and row["tflops"] is not None),
                         default=float("nan")) for d in dtypes]  # a dtype the report lacks: no bar, not a zero
-            ax.bar([j + i * width for j in range(len(dtypes))], best, width, label=label(r))
+            ax.bar([j + i * width for j in range(len(dtypes))], best, width, label=name_of[id(r)])
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(dtypes))], dtypes), ax.set_ylabel("best TFLOP/s")
         ax.legend(fontsize=7)
         written.append(_save(fig, out_dir, "gemm_tflops.png"))
@@ -138,7 +170,7 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
         for r in kernels:
             pts = [(f"{row['op']}/{row['dtype']}/{row['mode']}/{row['impl']}", 100 * row["gbs"] / r["extra"]["copy_gbs"])
                    for row in r["rows"] if row.get("gbs") and row["impl"] not in ("eager", "torch", "compile")]
-            ax.plot(range(len(pts)), [p[1] for p in pts], "o", label=label(r))
+            ax.plot(range(len(pts)), [p[1] for p in pts], "o", label=name_of[id(r)])
         ax.set_ylabel("% of copy bandwidth"), ax.set_xlabel("kernel (op/dtype/mode/impl, in report order)")
         ax.set_ylim(bottom=0), ax.legend(fontsize=7)
         written.append(_save(fig, out_dir, "kernels_pct_copy.png"))

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 
 SCHEMA, VERSION = "omnitron-bench", 1
@@ -117,7 +118,41 @@ def load(path: str) -> dict:
     return validate(rep, path)
 
 
+_NOISE = re.compile(r"\([^)]*\)|\b(?:CPU|Processor|\d+-Core)\b|@.*$", re.I)
+"""What a device name holds besides the machine's model: parentheses ((R), (TM), sim's description), core counts
+and clock rates."""
+
+
 def label(rep: dict) -> str:
-    """A short name of the machine (for table columns and plot legends)."""
+    """A short name of the machine (for table columns and plot legends; :func:`legend` has the whole name): the
+    backend and the device's model, without parentheses, ``CPU``, core counts or clock rates, whole words only
+    (a cut at a fixed width left names such as ``sim:sim (simulated accelerator over host``)."""
     m = rep["machine"]
-    return f"{m['backend']}:{m['device_name']}"[:40]
+    model = " ".join(_NOISE.sub(" ", m["device_name"]).split())
+    if not model or model.lower() == m["backend"].lower():
+        return m["backend"]
+    return f"{m['backend']}:{model}"
+
+
+def labels(reports: list[dict]) -> list[str]:
+    """Each report's :func:`label`, numbered (``#1``, ``#2``) where reports share one: two runs of one machine."""
+    names = [label(r) for r in reports]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(f"{name} #{seen[name]}" if names.count(name) > 1 else name)
+    return out
+
+
+def legend(columns: list[tuple[str, dict]]) -> list[str]:
+    """One line per column name and machine of ``columns`` ((name, report) pairs, repeats dropped): the name, the
+    machine's whole device name and the folder of its report (where it was read from a file)."""
+    out = []
+    for name, rep in columns:
+        m = rep["machine"]
+        where = f", in {os.path.dirname(rep['_path']) or '.'}" if rep.get("_path") else ""
+        line = f"{name} = {m['backend']}: {m['device_name']}{where}"
+        if line not in out:
+            out.append(line)
+    return out

@@ -63,7 +63,9 @@ def _peak_memory(recs: list[dict]) -> int | None:
 
 
 def _flops_ratio(settings) -> float:
-    """Causal-halved FLOPs / Megatron's FLOPs for the run's model (vocabulary from its tokenizer)."""
+    """Causal-halved FLOPs / Megatron's FLOPs for the run's model (vocabulary from its tokenizer, padded for the
+    run's tensor-parallel size as the training log's count is: padding for tp 1 put the two counts ~1e-4 apart on
+    large models, and more on small ones)."""
     from dataclasses import replace
 
     from omnitron.core.data import build_tokenizer
@@ -73,8 +75,8 @@ def _flops_ratio(settings) -> float:
     d = settings.data
     tok = build_tokenizer(**tokenizer_kwargs(d))
     cfg = replace(settings.model, vocab_size=tok.vocab_size)
-    b = settings.training.global_batch_size
-    return flops_per_iteration(cfg, b, causal=True) / flops_per_iteration(cfg, b)
+    b, tp = settings.training.global_batch_size, settings.parallel.tensor_model_parallel_size
+    return flops_per_iteration(cfg, b, causal=True, tp=tp) / flops_per_iteration(cfg, b, tp=tp)
 
 
 def run(*, model: str, layout: str, iterations: int, extra: list[str], backend: str | None = None,

@@ -225,3 +225,71 @@ def test_gemm_rows_of_a_layer_at_other_token_counts_are_not_side_by_side():
     lines = _lines(compare.tables([_report("gemm", "A", a), _report("gemm", "B", b)]), "gemm")
     assert lines["bf16 gpt_1p3b:qkv 8192 6144 2048"] == ["-", f"{b[0]['tflops']:.4g}"]
     _expect(lines["bf16 gpt_1p3b:qkv 4096 6144 2048"][1], b[1]["tflops"], a[0]["tflops"], True)
+
+
+def _machine(rep: dict, **machine) -> dict:
+    rep["machine"].update(machine)
+    return rep
+
+
+def _comm_of(world: int, rng) -> list[dict]:
+    return [{"op": op, "bytes": b, "ranks": world, "ms": 1.0, "algbw_gbs": 1.0, "busbw_gbs": _fig(rng)}
+            for op in ("all_reduce", "all_gather") for b in (1024, 65536)]
+
+
+def test_comm_reports_of_other_world_sizes_say_why_nothing_lines_up():
+    """Comm rows are matched by their ranks, so reports of 4 and 8 ranks share no row: the table's title says
+    so in its line (it was a table of "-" beside each figure with no word why); reports that share rows say
+    nothing."""
+    rng = random.Random()
+    worlds = rng.sample([2, 4, 8, 16], 2)
+    reps = [_machine(_report("comm", f"M{w}", _comm_of(w, rng)), world_size=w) for w in worlds]
+    title = compare.tables(reps).split("== comm (")[1].splitlines()[0]
+    assert title.endswith(f": no row lines up, the world sizes differ: {worlds[0]}, {worlds[1]}"), title
+    same = [_machine(_report("comm", f"M{i}", _comm_of(worlds[0], rng)), world_size=worlds[0]) for i in (1, 2)]
+    assert "no row lines up" not in compare.tables(same)
+
+
+def test_other_tables_name_the_keys_no_two_reports_share():
+    """Any table whose reports share no measurement names the keys that differ (train runs of other sequence
+    lengths), or, where every key has a value in common, that no whole measurement is in two reports."""
+    rng = random.Random()
+    seqs = rng.sample([16, 32, 64, 128], 2)
+    row = {"model": "gpt_tiny", "layout": "single", "dtype": "float32", "global_batch_size": 4, "extra_flags": "",
+           "iterations": 3, "step_ms": 1.0, "tflops_per_device": 1.0, "peak_memory_bytes": 1}
+    reps = [_report("train", f"M{s}", [{**row, "seq_length": s, "tokens_per_s": _fig(rng)}]) for s in seqs]
+    title = compare.tables(reps).split("== train (")[1].splitlines()[0]
+    assert title.endswith(f": no row lines up, seq_length differs: {seqs[0]}, {seqs[1]}"), title
+    crossed = [{**row, "seq_length": seqs[0], "dtype": "bfloat16"}, {**row, "seq_length": seqs[1]}]
+    both = [_report("train", "A", [{**crossed[0], "tokens_per_s": 1.0}, {**crossed[1], "tokens_per_s": 1.0}]),
+            _report("train", "B", [{**row, "seq_length": seqs[0], "tokens_per_s": 2.0},
+                                   {**crossed[0], "seq_length": seqs[1], "tokens_per_s": 2.0}])]
+    title = compare.tables(both).split("== train (")[1].splitlines()[0]
+    assert "no row lines up, no measurement is in two reports" in title, title
+
+
+def test_columns_are_whole_short_names_and_the_legend_has_the_machine():
+    """Column names were the first 40 characters of "backend:device name" (``sim:sim (simulated accelerator
+    over host``): now the backend and the device's model in whole words, without parentheses, clock or "CPU";
+    two reports of one machine get two columns (#1, #2), and a legend above the tables gives each column's
+    whole device name; a kind's reports are numbered among themselves (one machine is #1 in every table)."""
+    import platform
+
+    rng = random.Random()
+    sim = f"sim (simulated accelerator over host memory, {platform.machine()})"  # the sim backend's device_name
+    xeon = "Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz"
+    reps = [_machine(_report("memory", dev, [{"op": "copy", "bytes": 1024, "ms": 1.0, "gbs": _fig(rng)}]),
+                     backend=backend, world_size=rng.randint(1, 8))
+            for backend, dev in (("sim", sim), ("cpu", xeon), ("cpu", xeon))]
+    text = compare.tables(reps)
+    columns = text.split("== memory (")[1].splitlines()[1].split(" | ")[1:]
+    assert columns == ["sim", "cpu:Intel Xeon Platinum 8480+ #1", "cpu:Intel Xeon Platinum 8480+ #2"], columns
+    legend = text.split("\n\n")[0].splitlines()[1:]
+    assert [line.strip() for line in legend] == [f"{col} = {r['machine']['backend']}: {r['machine']['device_name']}"
+                                                 for col, r in zip(columns, reps)]
+    gemm = [_machine(_report("gemm", xeon, [{"dtype": "fp32", "shape": "square:64", "tflops": _fig(rng)}]),
+                     backend="cpu") for _ in range(2)]
+    text = compare.tables(reps + gemm)
+    assert text.split("== gemm (")[1].splitlines()[1].split(" | ")[1:] == columns[1:]
+    # the gemm columns are the memory columns' machines: the legend names each once
+    assert sorted(text.split("\n\n")[0].splitlines()[1:]) == sorted(legend)

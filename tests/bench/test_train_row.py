@@ -15,7 +15,10 @@ import pytest
 from omnitron.bench import train
 
 
-def test_row_from_the_records(monkeypatch):
+@pytest.mark.parametrize("layout,vocab,padded", [("pp2", 500, 512), ("tp2", 600, 768)])
+def test_row_from_the_records(monkeypatch, layout, vocab, padded):
+    """``padded``: ``vocab`` rounded up to a multiple of 128 x tp, as the log's count pads it (the tp2 case pads
+    600 to 768 where tp 1 pads to 640: the ratio was taken at 640 before)."""
     rng = random.Random()
     n = rng.randint(3, 7)
     recs = [{"iteration": i + 1, "lm_loss": 5.0, "step_time_s": rng.uniform(0.01, 1.0),
@@ -32,8 +35,8 @@ def test_row_from_the_records(monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(train.subprocess, "run", fake_run)
-    row = train.run(model="gpt2_tiny", layout="pp2", iterations=n, extra=[
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--seq-length", "32",
+    row = train.run(model="gpt2_tiny", layout=layout, iterations=n, extra=[
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--seq-length", "32",
         "--max-position-embeddings", "32"])
     assert "--log-memory-to-tensorboard" in seen["cmd"] and "--log-dir" in seen["cmd"]
     steady = recs[1:]  # the first iteration builds caches: left out
@@ -44,8 +47,8 @@ def test_row_from_the_records(monkeypatch):
     assert row["mfu_causal"] == pytest.approx(statistics.median(r["mfu"] for r in steady), rel=1e-12)
     assert row["peak_memory_bytes"] == max(r["mem_max_allocated_bytes"] for r in recs)
     # Megatron's formula as it was (Narayanan et al. 2021, GPT with a 4h MLP): 72 B s L h^2 (1 + s / 6h + V / 12hL),
-    # the scores non-causal; the causal count takes half of their 12 B s^2 L h off. gpt2_tiny: L 4, h 128, V 500
-    # padded to 512 (a multiple of 128), s 32; exact in float64 up to ~1e-15
-    b, s, L, h, V = 1, 32, 4, 128, 512
+    # the scores non-causal; the causal count takes half of their 12 B s^2 L h off. gpt2_tiny: L 4, h 128, V the
+    # padded vocabulary, s 32; exact in float64 up to ~1e-15
+    b, s, L, h, V = 1, 32, 4, 128, padded
     old = 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
     assert row["tflops_per_device"] == pytest.approx(log_tflops * old / (old - 6 * b * s * s * L * h), rel=1e-12)

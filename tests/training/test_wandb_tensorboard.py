@@ -152,6 +152,8 @@ def test_tensorboard_dir_holds_megatrons_tags(tmp_path):
     assert [e.value for e in acc.Scalars("learning-rate")][0] == 0.0  # Megatron's first warm-up step: lr(0)
     assert len(val_recs) == 3 and not (tb / "tensorboard").exists()  # each --eval-interval, once more at the end
     assert "world-size" not in acc.Tags()["scalars"]  # only with --log-world-size-to-tensorboard
+    # Megatron writes these two only with --log-timers-to-tensorboard (throughput: and --log-throughput)
+    assert not {"iteration-time", "throughput"} & set(acc.Tags()["scalars"])
     # an fp32 run has no loss scaler: the records say None, TensorBoard gets Megatron's 1.0 (its fp32 optimizer's)
     assert all(r["loss_scale"] is None for r in train_recs)
     assert [(e.step, e.value) for e in acc.Scalars("loss-scale")] == [(r["iteration"], 1.0) for r in train_recs]
@@ -166,13 +168,15 @@ def _world_size_worker(root: str) -> None:
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--log-interval", "1", "--num-workers", "0",
             "--tensorboard-dir", os.path.join(root, "tb"), "--log-world-size-to-tensorboard",
-            "--data-cache-path", os.path.join(root, "cache")]
+            "--disable-log-loss-scale-to-tensorboard", "--data-cache-path", os.path.join(root, "cache")]
     train(parse_settings(argv, 2), get_backend())
 
 
 def test_world_size_reaches_tensorboard_when_asked(tmp_path):
     """--log-world-size-to-tensorboard on a data-parallel world of 2: Megatron's ``world-size`` tag holds 2 at
-    each logged iteration and its ``vs samples`` twin is stepped by the consumed samples; metrics.jsonl has it."""
+    each logged iteration and its ``vs samples`` twin is stepped by the consumed samples; metrics.jsonl has it.
+    With Megatron's --disable-log-loss-scale-to-tensorboard (was refused as not implemented) no ``loss-scale``
+    tag, while the records keep ``loss_scale``."""
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     from omnitron.testing.distributed import run_distributed
 
@@ -183,3 +187,49 @@ def test_world_size_reaches_tensorboard_when_asked(tmp_path):
     assert [r["world_size"] for r in recs] == [2, 2]
     assert [(e.step, e.value) for e in acc.Scalars("world-size")] == [(1, 2.0), (2, 2.0)]
     assert [(e.step, e.value) for e in acc.Scalars("world-size vs samples")] == [(4, 2.0), (8, 2.0)]
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("loss-scale")] and all("loss_scale" in r for r in recs)
+
+
+class _Board:
+    """A stand-in SummaryWriter: {tag: [(step, value)]}."""
+
+    def __init__(self) -> None:
+        self.tags: dict[str, list] = {}
+
+    def add_scalar(self, tag, value, step) -> None:
+        self.tags.setdefault(tag, []).append((step, value))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("timers", [False, True])
+@pytest.mark.parametrize("throughput", [False, True])
+@pytest.mark.parametrize("loss_scale", [False, True])
+def test_tensorboard_gates_are_megatrons(tmp_path, timers, throughput, loss_scale):
+    """Megatron's training_log (d98e8a6) writes ``iteration-time`` only with --log-timers-to-tensorboard,
+    ``throughput`` only with that and --log-throughput, ``loss-scale`` (and its twin) unless
+    --no-log-loss-scale-to-tensorboard; the other tags regardless. Each tag written holds the record's value.
+    Failed before: iteration-time and throughput were always written, and the loss scale could not be left out."""
+    import random
+
+    rng = random.Random()
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=2, enabled=True, tensorboard=False,
+                           progress_bar=False, start_iteration=0, throughput=throughput, tensorboard_timers=timers,
+                           tensorboard_loss_scale=loss_scale)
+    logger._tb = board = _Board()
+    for it in (1, 2):
+        logger.step(it, {**_values(rng.uniform(1, 10)), "step_time_s": rng.uniform(0.1, 1.0),
+                         "tflops_per_device": rng.uniform(1, 100), "loss_scale": 2.0 ** rng.randint(1, 20),
+                         "consumed_samples": 4 * it})
+    logger.close()
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    want = {"iteration-time": ("step_time_s", timers), "throughput": ("tflops_per_device", timers and throughput),
+            "loss-scale": ("loss_scale", loss_scale), "loss-scale vs samples": ("loss_scale", loss_scale),
+            "lm loss": ("lm_loss", True), "learning-rate": ("lr", True), "grad-norm": ("grad_norm", True)}
+    for tag, (key, written) in want.items():
+        assert (tag in board.tags) == written, tag
+        if written and not tag.endswith("vs samples"):
+            assert board.tags[tag] == [(r["iteration"], r[key]) for r in recs], tag
+    if loss_scale:
+        assert board.tags["loss-scale vs samples"] == [(r["consumed_samples"], r["loss_scale"]) for r in recs]

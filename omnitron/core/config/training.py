@@ -395,7 +395,12 @@ class LoggingConfig:
     """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
     log_timers_to_tensorboard: bool = False
     """--log-timers-to-tensorboard: also write the timers to TensorBoard, as Megatron's ``<name>-time`` tags in
-    seconds per iteration, max over ranks (metrics.jsonl always has them, in ms)."""
+    seconds per iteration, max over ranks, with ``iteration-time`` (and ``throughput``, the TFLOP/s per device,
+    with --log-throughput too), which Megatron writes only then (metrics.jsonl always has them all)."""
+    log_loss_scale_to_tensorboard: bool = True
+    """--log-loss-scale-to-tensorboard: TensorBoard's (and wandb's) ``loss-scale`` and ``loss-scale vs samples``, on
+    by default as in Megatron (--no- / --disable-log-loss-scale-to-tensorboard: off; metrics.jsonl keeps
+    loss_scale)."""
     log_world_size_to_tensorboard: bool = False
     """--log-world-size-to-tensorboard: records carry the job's world size (world_size), TensorBoard's
     ``world-size`` and ``world-size vs samples``, as Megatron's."""

@@ -258,6 +258,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     seen_groups[owner["bert_binary_head"]].add_argument("--bert-no-binary-head", dest="bert_binary_head",
                                                         action="store_false",
                                                         help="Megatron's spelling of --no-bert-binary-head")
+    seen_groups[owner["log_loss_scale_to_tensorboard"]].add_argument(
+        "--disable-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard", action="store_false",
+        help="same as --no-log-loss-scale-to-tensorboard (Megatron's other spelling)")
     seen_groups["optimizer"].add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
                                           help="orthogonalise the fused QKV weight whole (same as --no-muon-split-qkv)")
     from omnitron.core.training.megatron_flags import add_megatron_flags

@@ -258,7 +258,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
     logger = MetricsLogger(log_dir=log_dir, log_interval=lg.log_interval, train_iters=t.train_iters, enabled=rank0,
                            tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,
                            throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard,
-                           wandb=_wandb_run(settings, log_dir) if rank0 else None, tensorboard_dir=lg.tensorboard_dir)
+                           wandb=_wandb_run(settings, log_dir) if rank0 else None, tensorboard_dir=lg.tensorboard_dir,
+                           tensorboard_loss_scale=lg.log_loss_scale_to_tensorboard)
     timers, profiler = _observers(c, log_dir)
     straggler = None
     if lg.log_straggler:

@@ -39,6 +39,13 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "TensorBoard scalars `world-size` and `world-size vs samples` (training_log)",
         "the same tags (at --log-interval, as omnitron's other tags), and `world_size` in metrics.jsonl",
         "tests/training/test_wandb_tensorboard.py::test_world_size_reaches_tensorboard_when_asked"),
+    "--no-log-loss-scale-to-tensorboard": (
+        "no `loss-scale` and `loss-scale vs samples` in TensorBoard (nor `loss-scale` in W&B); written by default "
+        "(training_log; training_config.py log_loss_scale_to_tensorboard); also "
+        "--disable-log-loss-scale-to-tensorboard",
+        "TensorBoard leaves the same two tags out (LoggingConfig.log_loss_scale_to_tensorboard; both spellings were "
+        "refused as not implemented); metrics.jsonl and W&B keep the loss scale",
+        "tests/training/test_wandb_tensorboard.py::test_tensorboard_gates_are_megatrons"),
     "--account-for-embedding-in-pipeline-split": (
         "the embedding counts as one layer of the pipeline split: num-layers + 1 (+ 1 with the loss flag) split "
         "evenly over every virtual stage, the first virtual stage builds one layer fewer (transformer_block.py "

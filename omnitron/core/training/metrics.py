@@ -15,7 +15,8 @@ the step applied) and ``time`` (local ISO 8601 with offset); validation lines ca
 ``time`` (one per evaluation, and one more after training), the test evaluation after training ``test_loss`` and
 ``test_ppl``. Log lines start with the time and carry the consumed samples and the ETA of the rest of the run. Only
 global rank 0 writes.
-TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir.
+TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir,
+``iteration-time``, ``throughput`` and ``loss-scale`` only under the flags Megatron writes them with.
 
 Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_ms`` and
 ``timers_<name>_ranks_ms`` (``--timing-log-option``; names in ``omnitron.core.training.timers``),
@@ -53,18 +54,23 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
             "val_sop_loss": ("sop loss validation", True), "test_sop_loss": ("sop loss test", True)}
 
 
-def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False):
+def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False, throughput: bool = False,
+                        loss_scale: bool = True):
     """``(tag, value, step)`` for every number of ``record`` as Megatron names it (see ``_TB_TAGS``); the
-    ``vs samples`` twins only when the consumed samples are known. ``timers``: also the ``timers_*`` values.
-    A run without loss scaling logs a loss scale of 1.0 there, as Megatron's optimizers report one (the record
-    itself keeps None). A timer goes as Megatron's ``Timers.write`` writes it: ``<name>-time``, the max over ranks,
-    in seconds per iteration (``timers_<name>_ms``; the min and per-rank values stay in the record)."""
+    ``vs samples`` twins only when the consumed samples are known. Megatron's training_log gates three of them:
+    ``timers`` (--log-timers-to-tensorboard): the ``timers_*`` values and ``iteration-time``; ``throughput``
+    (--log-throughput, with ``timers``): ``throughput``; ``loss_scale`` (--log-loss-scale-to-tensorboard, on by
+    default): ``loss-scale``. A run without loss scaling logs a loss scale of 1.0 there, as Megatron's optimizers
+    report one (the record itself keeps None). A timer goes as Megatron's ``Timers.write`` writes it:
+    ``<name>-time``, the max over ranks, in seconds per iteration (``timers_<name>_ms``; the min and per-rank values
+    stay in the record)."""
     it = record["iteration"]
+    gated = {"step_time_s": timers, "tflops_per_device": timers and throughput, "loss_scale": loss_scale}
     for k, v in record.items():
         if k == "loss_scale" and v is None:
             v = 1.0
         if k in ("iteration", "consumed_samples") or v is None or isinstance(v, bool) or \
-                not isinstance(v, (int, float)) or (k.startswith("timers_") and not timers):
+                not isinstance(v, (int, float)) or (k.startswith("timers_") and not timers) or not gated.get(k, True):
             continue
         if k.startswith("timers_"):
             if k.endswith("_ms") and not k.endswith("_min_ms"):
@@ -192,13 +198,16 @@ class MetricsLogger:
     A step's ``values["log"]`` (computed by the loop on logged steps only: timers, parameter norm, memory)
     is copied into the record as it is; its ``values["log_lines"]`` follow the line. ``throughput``: --log-throughput (TFLOP/s and tokens/s per device on
     every line). ``tensorboard_timers``: --log-timers-to-tensorboard (the timers go to TensorBoard too, as
-    Megatron's ``<name>-time`` tags; metrics.jsonl always has them)."""
+    Megatron's ``<name>-time`` tags, with ``iteration-time`` and, with ``throughput``, ``throughput``; metrics.jsonl
+    always has them). ``tensorboard_loss_scale``: --log-loss-scale-to-tensorboard (TensorBoard's ``loss-scale``)."""
 
     def __init__(self, *, log_dir: str, log_interval: int, train_iters: int, enabled: bool, tensorboard: bool,
                  progress_bar: bool | None, start_iteration: int, throughput: bool = False,
-                 tensorboard_timers: bool = False, wandb=None, tensorboard_dir: str | None = None) -> None:
+                 tensorboard_timers: bool = False, wandb=None, tensorboard_dir: str | None = None,
+                 tensorboard_loss_scale: bool = True) -> None:
         self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
         self.log_dir, self.throughput, self.tensorboard_timers = log_dir, throughput, tensorboard_timers
+        self.tensorboard_loss_scale = tensorboard_loss_scale
         self._pending: list[dict] = []
         self._advanced = False  # a logged step of this process updated the weights (Megatron's loss key exists)
         self._file = self._tb = self._bar = None
@@ -232,7 +241,8 @@ class MetricsLogger:
         scalars = record if scalars is None else scalars
         if self._tb is not None:
             samples = scalars.get("consumed_samples", consumed_samples)
-            for tag, value, step in tensorboard_scalars(scalars, samples, self.tensorboard_timers):
+            for tag, value, step in tensorboard_scalars(scalars, samples, self.tensorboard_timers, self.throughput,
+                                                        self.tensorboard_loss_scale):
                 self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars)

@@ -42,7 +42,7 @@ class WandbRun:
 
     def log(self, record: dict) -> None:
         """One record at its iteration, under Megatron's keys (module docstring)."""
-        values = {tag: v for tag, v, _ in tensorboard_scalars(record, None, timers=True)}
+        values = {tag: v for tag, v, _ in tensorboard_scalars(record, None, timers=True, throughput=True)}
         if record.get("consumed_samples") is not None:
             values["samples vs steps"] = record["consumed_samples"]
         self._run.log(values, step=record["iteration"])

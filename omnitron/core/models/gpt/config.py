@@ -546,8 +546,10 @@ def mla_parameters(c: GPTConfig) -> int:
     return q + kv + n * c.v_head_dim * h + (h if c.add_bias_linear else 0)
 
 
-def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = None, causal: bool = False) -> float:
-    """Training FLOPs (forward + backward) for ``batch_size`` sequences, Megatron's formula:
+def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = None, causal: bool = False,
+                        tp: int = 1) -> float:
+    """Training FLOPs (forward + backward) for ``batch_size`` sequences, the vocabulary padded for tensor-parallel
+    size ``tp`` (Megatron's ``padded_vocab_size``; the training log pads for the run's), Megatron's formula:
     GEMMs of attention and MLP, attention scores non-causal (``causal=True`` halves that term),
     logits counted. ``12 B s L h^2 (attn + mlp + logits)``. MoE, multi-latent-attention and MTP models take
     Megatron's current formula (:func:`omnitron.core.models.gpt.flops.megatron_flops`: routed experts, MLA's
@@ -557,13 +559,13 @@ def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = 
     if c.num_experts or c.multi_latent_attention or c.mtp_num_layers:
         from omnitron.core.models.gpt.flops import megatron_flops
 
-        return megatron_flops(c, batch_size, s)
+        return megatron_flops(c, batch_size, s, tp=tp)
     h, L = c.hidden_size, c.num_layers
     q_ratio = head_dim(c) * c.num_attention_heads / h
     score = s / h / (2.0 if causal else 1.0)
     attn = (1.0 + query_groups(c) / c.num_attention_heads + score) * q_ratio
     mlp = ffn_size(c) / h * (1.5 if c.swiglu else 1.0)
-    logits = padded_vocab_size(c, 1) / (2.0 * L * h)
+    logits = padded_vocab_size(c, tp) / (2.0 * L * h)
     return 12.0 * batch_size * s * L * h * h * (attn + mlp + logits)
 
 
