@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import inspect
 import math
 import os
@@ -205,8 +206,13 @@ class Collectives:
         return dist.get_global_rank(group, group_rank)
 
     def destroy(self) -> None:
+        """Destroy every process group and free the group objects now, while the interpreter is whole: a gloo
+        group's worker threads are joined only when its object goes (:func:`flight.release_groups`)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+            flight.release_groups()
+            group_agreement.release_groups()
+            gc.collect()  # groups held in reference cycles (closures, parallel-group records) go too
 
     @staticmethod
     def flight_recorder_size() -> int:

@@ -98,6 +98,18 @@ class FlightRecorder:
 RECORDER = FlightRecorder(int(os.environ.get("OMNITRON_FLIGHT_RECORDER_SIZE", "256")))
 
 
+def release_groups() -> None:
+    """Forget every process group this module holds (the recorder's calls, the cached ranks, the strict
+    sequence numbers, the last p2p batches), once the groups are destroyed. NOTE: a gloo group's worker threads
+    live as long as the group object; held here, they outlived ``destroy_process_group`` into the interpreter's
+    finalization, where one still dropping a finished all-reduce's tensors (that takes the GIL) ended in
+    ``pthread_exit`` inside a destructor and aborted the process after its work was done (SIGABRT;
+    tests/parallel/test_groups_freed_at_destroy.py)."""
+    RECORDER.entries.clear()
+    for held in (_RANKS, _SEQ, _PENDING):
+        held.clear()
+
+
 _SOURCES: list = []
 
 

@@ -47,6 +47,12 @@ def set_limits(timeout_s: float | None, limit_s: float | None = None) -> None:
     _STATE["limits"] = (dist.group.WORLD, timeout_s, limit_s if limit_s is not None else timeout_s)
 
 
+def release_groups() -> None:
+    """Forget the default group held here, once it is destroyed (a held gloo group keeps its worker threads into
+    the interpreter's finalization: see :func:`omnitron.backends.flight.release_groups`)."""
+    _STATE.update(world=None, batch=0, limits=(None, None, None))
+
+
 def _set(index: int) -> float | None:
     world, *values = _STATE["limits"]
     return values[index] if world is dist.group.WORLD else None

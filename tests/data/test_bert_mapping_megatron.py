@@ -2,7 +2,8 @@
 tests/data/megatron_bert_mapping/make_fixtures.py): the same documents, sentence lengths, sample count, target
 length, ``--short-seq-prob``, seed and minimum sentences give the same rows in the same (shuffled) order; a
 BertDataset / T5Dataset over such a corpus holds that mapping (its sentence indices relative to the split); and whole
-BERT datasets, split by --split, equal the ones pretrain_bert's builder makes, sample for sample."""
+BERT and T5 datasets, split by --split, equal the ones pretrain_bert's and pretrain_t5's builders make, sample for
+sample."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,7 @@ import pytest
 from omnitron.core.data import DataConfig, IndexedDatasetBuilder
 from omnitron.core.data.bert_dataset import BertDataset, build_bert_datasets
 from omnitron.core.data.sample_mapping import MT19937_64, build_sample_mapping
-from omnitron.core.data.t5_dataset import T5Dataset
+from omnitron.core.data.t5_dataset import T5Dataset, build_t5_datasets
 from omnitron.testing.data import write_documents
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_bert_mapping")
@@ -116,3 +117,39 @@ def test_bert_datasets_equal_megatrons(tmp_path, name):
             assert x["loss_mask"].long().tolist() == w["loss_mask"][i].tolist()
             assert x["labels"][masked].tolist() == w["labels"][i][masked].tolist()
             assert int(x["is_random"]) == int(w["is_random"][i])
+
+
+class _T5WordPiece(_WordPiece):
+    """T5's stand-in: :class:`_WordPiece` with ids 900-999 the sentinels (``M.T5_NAMES``)."""
+
+    sentinels = tuple(range(900, 1000))
+    special_ids = _WordPiece.special_ids + sentinels
+    continuation_ids = tuple(i for i, n in enumerate(M.T5_NAMES) if n.startswith("##"))
+
+
+@pytest.mark.parametrize("name", sorted(M.T5_DATASETS))
+def test_t5_datasets_equal_megatrons(tmp_path, name):
+    """--split 90,8,2 over the fixture files (their text holds sentinel ids and [UNK]), one file and a weighted
+    blend: each split's length and its first samples (encoder input and its padding, decoder input and its padding,
+    loss mask, the labels it covers) are those of Megatron's builder with T5MaskedWordPieceDataset."""
+    want = np.load(os.path.join(HERE, "t5_datasets.npz"))
+    seq, dec, seed, data_path = M.T5_DATASETS[name]
+    M._write(tmp_path, IndexedDatasetBuilder)
+    cfg = DataConfig(data_path=[str(tmp_path / x) if x.isalpha() else x for x in data_path], split="90,8,2",
+                     seq_length=seq, seed=seed, data_cache_path=str(tmp_path / "cache"))
+    train, valid, test = M.SAMPLES
+    splits = build_t5_datasets(cfg, _T5WordPiece(), train_samples=train, valid_samples=valid, test_samples=test,
+                               decoder_seq_length=dec)
+    for split, ds in zip(("train", "valid", "test"), splits):
+        w = {k: want[f"{name}/{split}/{k}"] for k in ("len", "text_enc", "text_dec", "labels", "loss_mask",
+                                                      "enc_mask", "dec_mask")}
+        assert len(ds) == int(w["len"]), (split, len(ds), int(w["len"]))
+        for i in range(len(w["text_enc"])):
+            x = ds[i]
+            scored = w["loss_mask"][i].astype(bool)
+            assert x["tokens"].tolist() == w["text_enc"][i].tolist(), (split, i)
+            assert (~x["padding_mask"]).long().tolist() == w["enc_mask"][i].tolist(), (split, i)
+            assert x["decoder_tokens"].tolist() == w["text_dec"][i].tolist(), (split, i)
+            assert (~x["decoder_padding_mask"]).long().tolist() == w["dec_mask"][i].tolist(), (split, i)
+            assert x["loss_mask"].long().tolist() == w["loss_mask"][i].tolist(), (split, i)
+            assert x["labels"][scored].tolist() == w["labels"][i][scored].tolist(), (split, i)

@@ -17,13 +17,22 @@ maximum less one: a sample count is given), the sample count, ``sequence_length 
 BERTMaskedWordPieceDataset, --split 90,8,2, a one-process gloo group), over the file :func:`bert_documents` (some
 sentences hold [UNK]) with the stand-in WordPiece vocabulary :data:`NAMES`: each split's length and the first
 :data:`FIRST` samples' arrays, with and without the binary head.
+
+``t5_datasets.npz``: whole T5 datasets, as pretrain_t5 builds them (T5MaskedWordPieceDataset with pretrain_t5's
+masking settings, the same files and split), over :data:`T5_NAMES` (ids 900-999 the sentinels, which the text
+also holds): each split's length and the first :data:`FIRST` samples' arrays, for each of :data:`T5_DATASETS`.
+(On Python < 3.12 Megatron imports ``typing.override``; the script supplies a stand-in.)
 """
 from __future__ import annotations
 
 import json
 import os
+import typing
 
 import numpy as np
+
+if not hasattr(typing, "override"):
+    typing.override = lambda f: f
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INT32_MAX = 2**31 - 1
@@ -70,6 +79,10 @@ DATASETS = {"binary": (True, 64, ["c"]), "one_segment": (False, 48, ["c"]),  # n
 prefixes without weights (``a b``) are no case: Megatron's BERT dataset cannot build them (a TypeError in
 ``helpers.build_mapping``, which gets no sample count)."""
 SAMPLES, SEED = (200, 30, 5), 1234
+T5_NAMES = NAMES[:900] + ["<extra_id_%d>" % k for k in range(100)]
+"""T5's vocabulary: :data:`NAMES` with ids 900-999 the sentinels ``<extra_id_k>``."""
+T5_DATASETS = {"t5": (64, 40, 77, ["c"]), "t5_weighted_blend": (48, 32, 5, ["0.6", "a", "0.4", "b"])}
+"""name -> (encoder length, decoder length, seed, --data-path over the files of ``_write``)."""
 
 
 def bert_documents() -> list[list[np.ndarray]]:
@@ -95,7 +108,6 @@ def _datasets(tmp: str) -> dict:
 
     import torch.distributed as dist
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -113,13 +125,44 @@ def _datasets(tmp: str) -> dict:
             tokenizer=tok, masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=3,
             masking_do_full_word=True, masking_do_permutation=False, masking_use_longer_ngrams=False,
             masking_use_geometric_distribution=False, classification_head=binary)
-        splits = BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, list(SAMPLES), lambda: True, cfg).build()
-        for split, ds in zip(("train", "valid", "test"), splits):
-            out[f"{name}/{split}/len"] = np.asarray(len(ds))
-            samples = [ds[i] for i in range(min(FIRST, len(ds)))]
-            for key in ("text", "types", "labels", "padding_mask", "loss_mask", "is_random"):
-                out[f"{name}/{split}/{key}"] = np.asarray([s[key] for s in samples]).astype(np.int16)
-    dist.destroy_process_group()
+        _store(out, name, BERTMaskedWordPieceDataset, cfg,
+               ("text", "types", "labels", "padding_mask", "loss_mask", "is_random"))
+    return out
+
+
+def _store(out: dict, name: str, dataset_cls, cfg, keys) -> None:
+    """Megatron's builder's three splits of ``dataset_cls``: each split's length and its first :data:`FIRST`
+    samples' ``keys`` into ``out`` (as ``name/split/key``)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    splits = BlendedMegatronDatasetBuilder(dataset_cls, list(SAMPLES), lambda: True, cfg).build()
+    for split, ds in zip(("train", "valid", "test"), splits):
+        out[f"{name}/{split}/len"] = np.asarray(len(ds))
+        samples = [ds[i] for i in range(min(FIRST, len(ds)))]
+        for key in keys:
+            out[f"{name}/{split}/{key}"] = np.asarray([s[key] for s in samples]).astype(np.int16)
+
+
+def _t5_datasets(tmp: str) -> dict:
+    """Megatron's T5 datasets over the files ``_write`` left in ``tmp`` (the BERT datasets' process group)."""
+    import types
+
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    tok = types.SimpleNamespace(cls=2, sep=3, mask=4, pad=0, eod=3, bos=2, eos=3, vocab_size=1000,
+                                inv_vocab=dict(enumerate(T5_NAMES)), unique_identifiers={"class": "stand-in"},
+                                additional_special_tokens_ids=list(range(900, 1000)))
+    out = {}
+    for name, (seq, dec, seed, data_path) in T5_DATASETS.items():
+        cfg = T5MaskedWordPieceDatasetConfig(  # pretrain_t5's masking settings
+            random_seed=seed, sequence_length=seq, sequence_length_decoder=dec, split="90,8,2", tokenizer=tok,
+            blend=get_blend_from_list([f"{tmp}/{x}" if x.isalpha() else x for x in data_path]),
+            path_to_cache=f"{tmp}/t5-{name}", masking_probability=0.15, short_sequence_probability=0.1,
+            masking_max_ngram=10, masking_do_full_word=True, masking_do_permutation=False,
+            masking_use_longer_ngrams=False, masking_use_geometric_distribution=True)
+        _store(out, name, T5MaskedWordPieceDataset, cfg,
+               ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask"))
     return out
 
 
@@ -130,6 +173,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         np.savez_compressed(os.path.join(HERE, "datasets.npz"), **_datasets(tmp))
+        np.savez_compressed(os.path.join(HERE, "t5_datasets.npz"), **_t5_datasets(tmp))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
 
     out = {}
     for name, (n_docs, cseed, (lo, hi), samples, max_tokens, prob, seed, min_sent) in CASES.items():

@@ -17,6 +17,7 @@ the first module using one of its parameters runs (a compiled or captured layer 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -65,7 +66,7 @@ class DistributedDataParallel(ChunkWrapper):
         # reduced in finish_grad_sync, in bucket order, never early
         self._late = {id(b) for buf, (_, ex, _) in zip(self.buffers, by_dtype) if ex for b in buf.buckets}
         self._bucket_of = {k: v for buf in self.buffers for k, v in buf.bucket_of.items()}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in params]
         if self.config.use_distributed_optimizer:  # params become views of flat buffers (in-place all-gather)
             for buf in self.buffers:
                 buf.allocate_param_buffer()
@@ -202,3 +203,20 @@ def _waiter(buckets: list[Bucket]):
 def _is_expert(p: torch.nn.Parameter) -> bool:
     """An MoE expert parameter (replicated over groups.edp, not over data parallelism)."""
     return bool(getattr(p, "expert", False))
+
+
+def _weak_hook(ddp: DistributedDataParallel):
+    """The gradient hook of ``ddp`` for its parameters, holding ``ddp`` weakly. NOTE: a hook holding the wrapper
+    made a cycle through the parameters (parameter -> hook -> wrapper -> module -> parameter) that the garbage
+    collector does not free (torch's tensors hide such references), so the wrapper and its process groups lived
+    until the interpreter's finalization: a gloo group's worker threads with them, one of which could still be
+    dropping a finished all-reduce's tensors (it takes the GIL) and died in ``pthread_exit`` inside a destructor,
+    "terminate called without an active exception", SIGABRT after the rank's work was done."""
+    ref = weakref.ref(ddp)
+
+    def hook(param: torch.nn.Parameter) -> None:
+        wrapper = ref()
+        if wrapper is not None:
+            wrapper._hook(param)
+
+    return hook
