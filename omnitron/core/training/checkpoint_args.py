@@ -94,11 +94,11 @@ def _keep_unflagged(merged: dict[str, Any]) -> dict[str, Any]:
 
 
 def _resumed(merged: dict[str, Any]) -> str | None:
-    """The checkpoint the run will load (:func:`~omnitron.core.training.checkpointing.resume_path`), from the flat
+    """The checkpoint the run will load (:func:`~omnitron.core.training.resume_choice.resume_path`), from the flat
     settings: its args are the ones to read, not those of ``--load``'s latest when the non-persistent one wins."""
     from types import SimpleNamespace
 
-    from omnitron.core.training.checkpointing import resume_path
+    from omnitron.core.training.resume_choice import resume_path
 
     keys = ("load", "ckpt_step", "non_persistent_ckpt_type", "non_persistent_global_ckpt_dir")
     return resume_path(SimpleNamespace(**{k: merged.get(k) for k in keys}), quiet=True)

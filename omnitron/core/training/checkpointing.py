@@ -23,6 +23,7 @@ from omnitron.core.parallel.tensor.mappings import local_rank
 from omnitron.core.training.arguments import resolved_config
 from omnitron.core.training.model_check import check_model_settings
 from omnitron.core.training.outputs import lock_identity, locked_dirs, recheck_lock
+from omnitron.core.training.resume_choice import NON_PERSISTENT_SUBDIR, non_persistent_dir, resume_path  # noqa: F401
 
 DIST_FORMAT = "torch_dist"  # omnitron.core.checkpoint.dist.FORMAT, without importing it
 
@@ -71,28 +72,6 @@ def layout_dict(settings) -> dict:
             "expert_tensor_parallel_size": p.etp if getattr(settings.model, "num_experts", None) else 1,
             # which chunk holds which stage: `v` under --pipeline-schedule zb-v / dualpipe-v
             "pipeline_chunk_placement": schedule_style(settings.training.pipeline_schedule)}
-
-
-def resume_path(ck, quiet: bool) -> str | None:
-    """The checkpoint a run with --load resumes: --load's latest (or --ckpt-step's), or, with
-    --non-persistent-ckpt-type global, the non-persistent one when it is at least as new (Megatron's
-    _load_base_checkpoint: ``non_persistent_iteration >= iteration``); None: neither exists."""
-    path = find_latest(ck.load, quiet=quiet, step=ck.ckpt_step)
-    other = non_persistent_dir(ck, ck.load)
-    if other is None or ck.ckpt_step is not None or not os.path.isdir(other):  # --ckpt-step: the one asked for
-        return path
-    newest = find_latest(other, quiet=True)
-    if newest is None:
-        return path
-    if path is not None and read_metadata(newest)["iteration"] < read_metadata(path)["iteration"]:
-        if not quiet:
-            log.info("--load %s: the non-persistent checkpoint %s is older than %s: resuming the latter", ck.load,
-                     newest, os.path.basename(path))
-        return path
-    if not quiet:
-        log.info("--load %s: resuming the non-persistent checkpoint %s (as new as or newer than --load's latest%s)",
-                 ck.load, newest, f", {os.path.basename(path)}" if path else ": none")
-    return newest
 
 
 def check_resume(settings) -> None:
@@ -166,17 +145,6 @@ def _masters_from_weights(shard: dict) -> None:
         weight = shard["model"][int(chunk.removeprefix("chunk"))].get(param)
         if "master" not in entry and weight is not None and weight.dtype == torch.float32:
             entry["master"] = weight
-
-
-NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron's _NON_PERSISTENT_CKPT_SUBDIR
-
-
-def non_persistent_dir(ck, base: str | None) -> str | None:
-    """--non-persistent-global-ckpt-dir, else ``base/non_persistent`` (``base``: --save when saving, --load when
-    loading, as Megatron's save_checkpoint and _load_base_checkpoint); None without the ``global`` type."""
-    if ck.non_persistent_ckpt_type != "global":
-        return None
-    return ck.non_persistent_global_ckpt_dir or (os.path.join(base, NON_PERSISTENT_SUBDIR) if base else None)
 
 
 def save(c, *, non_persistent: bool = False) -> str:
