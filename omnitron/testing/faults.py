@@ -26,6 +26,27 @@ def start(args: list[str], env: dict | None = None, launcher: tuple = ("-m", "om
                             text=True, env=full)
 
 
+def signal_when_ready(args: list[str], ready, what: str, wait_s: float, poll_s: float, before=None) -> tuple:
+    """Start ``omnitron train ARGS``, poll ``ready(pid)`` every ``poll_s`` up to ``wait_s`` (the assertion names
+    ``what`` otherwise), call ``before(pid)`` and send SIGTERM; ``(before's value, exit code, output)``."""
+    import signal
+    import time
+
+    proc = start(args)
+    try:
+        deadline = time.monotonic() + wait_s
+        while not ready(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, what
+            time.sleep(poll_s)
+        seen = before(proc.pid) if before is not None else None
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return seen, proc.returncode, out
+
+
 def children(pid: int) -> list[int]:
     """The worker processes of launcher ``pid``: the ranks its fork server forked (the server is ``pid``'s
     child running multiprocessing's forkserver), or its direct Python children that are not the server (spawned

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -30,23 +29,14 @@ def test_sigterm_before_the_launcher_imports_torch_stops_cleanly(tmp_path, nproc
     """SIGTERM sent the moment the launcher catches it, which must be before torch is loaded (the seconds of a
     job's start). Fails without the fix: the launcher caught SIGTERM only once a rank or its relay was installed,
     after torch, parsing and the checks; a SIGTERM before that killed it with -15 and no message."""
-    from omnitron.testing.faults import records, start, tiny_train_args
+    from omnitron.testing.faults import records, signal_when_ready, tiny_train_args
 
     args = tiny_train_args(tmp_path, "--train-iters", "40", "--nproc-per-node", nproc, "--save", str(tmp_path / "ck"))
-    proc = start(args)
-    try:
-        deadline = time.monotonic() + 60
-        while not _catches_sigterm(proc.pid):
-            assert proc.poll() is None and time.monotonic() < deadline, "the launcher never caught SIGTERM"
-            time.sleep(0.001)
-        early = not _torch_loaded(proc.pid)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    torch_loaded, returncode, out = signal_when_ready(args, _catches_sigterm, "the launcher never caught SIGTERM",
+                                                      wait_s=60, poll_s=0.001, before=_torch_loaded)
+    early = not torch_loaded
     assert early, "the launcher's SIGTERM handler came only after torch was loaded"
-    assert proc.returncode == 0, out
+    assert returncode == 0, out
     assert "SIGTERM received: stopping after this iteration" in out, out
     assert "stopping before iteration 1: a stop signal arrived during start-up" in out, out
     assert records(str(tmp_path / "logs" / "metrics.jsonl")) == [], out

@@ -119,21 +119,11 @@ def test_sigterm_while_the_launcher_starts_its_ranks_stops_the_job(tmp_path):
     early in a job: the launcher hands the signal to each rank as it starts, the ranks' stop flag (installed
     at their start) holds it, and the job stops before its first iteration, exit 0, in one line. Fails without
     the fix: the relay found no rank to signal and dropped it, and the job trained on to --train-iters."""
-    from omnitron.testing.faults import records, start, tiny_train_args
+    from omnitron.testing.faults import records, signal_when_ready, tiny_train_args
 
     args = tiny_train_args(tmp_path, "--train-iters", "40", "--nproc-per-node", "2", "--save", str(tmp_path / "ck"))
-    proc = start(args)
-    try:
-        deadline = time.monotonic() + 120
-        while not _fork_server_of(proc.pid):
-            assert proc.poll() is None and time.monotonic() < deadline, "no fork server"
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
+    _, returncode, out = signal_when_ready(args, _fork_server_of, "no fork server", wait_s=120, poll_s=0.01)
+    assert returncode == 0, out
     assert "stopping before iteration 1: a stop signal arrived during start-up" in out, out
     assert records(str(tmp_path / "logs" / "metrics.jsonl")) == [], out
     assert not os.path.exists(tmp_path / "ck" / "latest"), out
