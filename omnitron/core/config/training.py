@@ -2,7 +2,8 @@
 
 One keyword-only dataclass per concern. ``__post_init__`` checks local invariants and raises
 :class:`ConfigError` naming the flag and the fix; checks that need two concerns (batch sizes
-against the world, heads against tensor parallelism) live in ``omnitron.core.training.arguments``.
+against the world, heads against tensor parallelism) run in ``omnitron.core.training.arguments``
+(``build_settings`` and the modules it calls: ``batch_settings``, ``settings_checks``).
 """
 from __future__ import annotations
 
