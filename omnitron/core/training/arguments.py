@@ -172,14 +172,14 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
     check_settings(training, model, parallel, fp8, ddp)
     model_type = family.name
     return Settings(model=model, parallel=parallel, data=data, training=training, optim=optim, precision=precision,
-                    ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world, nproc_per_node=nproc,
+                    ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world,
+                    nproc_per_node=nproc,
                     backend=merged.get("backend"), threads=merged.get("threads_per_process"),
                     prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
                     sample_top_k=int(merged.get("sample_top_k") or 20),
                     sample_temperature=_sample_temperature(merged.get("sample_temperature")),
-                    flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")}, model_type=model_type)
-
-
+                    flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")},
+                    model_type=model_type)
 
 
 def _model_settings(merged: dict[str, Any], precision: PrecisionConfig):

@@ -82,7 +82,8 @@ def _str_list(value) -> list[str]:
 
 
 _str_list.__name__ = "list"
-_LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "entry": str, "model_family_module": _str_list, "nproc_per_node": int, "backend": str, "threads_per_process": int,
+_LAUNCH_KEYS = {"config": str, "model": str, "model_type": str, "entry": str, "model_family_module": _str_list,
+                "nproc_per_node": int, "backend": str, "threads_per_process": int,
                 "prompt": str, "sample_tokens": int, "sample_top_k": int, "sample_temperature": float,
                 "num_layers_per_virtual_pipeline_stage": int, "num_virtual_stages_per_pipeline_rank": int}
 

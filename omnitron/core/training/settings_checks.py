@@ -46,7 +46,8 @@ def _check_onebit(optim: OptimizerConfig, ddp, precision: PrecisionConfig, paral
     why = "--optimizer onebit_adam"
     if ddp is not None and ddp.use_distributed_optimizer:
         raise ConfigError(f"{why} all-reduces the full momentum on every data-parallel rank, which "
-                          "--use-distributed-optimizer shards; drop --use-distributed-optimizer or use --optimizer adam")
+                          "--use-distributed-optimizer shards; drop --use-distributed-optimizer or use "
+                          "--optimizer adam")
     if ddp is not None and getattr(ddp, "use_torch_fsdp2", False):
         raise ConfigError(f"{why} all-reduces the full momentum on every data-parallel rank, which "
                           "--use-torch-fsdp2 shards; drop --use-torch-fsdp2 or use --optimizer adam")
