@@ -2,8 +2,9 @@
 tests/data/megatron_moe/make_fixtures.py, which says how to re-run it): the same weights and tokens give the same
 output, input gradient, parameter gradients and router losses for expert capacity with the ``probs`` drop policy
 (dropped and padded), Megatron's list form of the load-balancing losses, seq_aux_loss with sigmoid group-limited
-routing, the z-loss and a shared expert. (The ``position`` policy is left out: Megatron keeps its capacity with
-``torch.topk`` over 0/1 values, whose order among equal values the CPU kernel leaves unspecified.)"""
+routing, the z-loss and a shared expert; with the expert bias and a capacity, the step's tokens per expert (the
+routing map after the capacity) and the bias's update. (The ``position`` policy is left out: Megatron keeps its
+capacity with ``torch.topk`` over 0/1 values, whose order among equal values the CPU kernel leaves unspecified.)"""
 from __future__ import annotations
 
 import json
@@ -61,6 +62,9 @@ def test_moe_layer_matches_megatron_core(case):
     x = torch.randn(sh["s"], sh["b"], sh["h"], generator=g, dtype=torch.float64).requires_grad_(True)
     dy = torch.randn(sh["s"], sh["b"], sh["h"], generator=g, dtype=torch.float64)
     layer.aux_loss_scale = FIXTURES["scale"]
+    bias = layer.router.expert_bias
+    if bias is not None:  # make_fixtures: drawn from seed + 2, float32
+        bias.copy_(torch.randn(sh["E"], generator=torch.Generator().manual_seed(ref["seed"] + 2)) * 0.3)
     y, _ = layer(x)
     (y * dy).sum().backward()
     # Both route in float32 (Megatron's --moe-router-dtype fp32) on float64 tokens: the gates carry float32 rounding
@@ -76,3 +80,10 @@ def test_moe_layer_matches_megatron_core(case):
                                    atol=1e-6, msg=lambda m: f"{n}: {m}")
     logged = 0.0 if layer.aux_loss_total is None else layer.aux_loss_total.item()
     assert logged == pytest.approx(_logged(c, ref["tracker"]), rel=1e-5)
+    if bias is not None:  # counts are integers, the update a float32 sign step: both exact
+        from omnitron.core.parallel.groups import ParallelGroups
+        from omnitron.core.transformer.moe.router import update_expert_bias
+
+        assert layer.router.tokens_per_expert.tolist() == ref["tokens_per_expert"]
+        update_expert_bias([layer], ParallelGroups.single(), sequence_parallel=False)
+        assert bias.tolist() == ref["updated_expert_bias"]

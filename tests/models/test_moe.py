@@ -531,3 +531,24 @@ def test_capacity_rows_are_megatrons(tokens, topk, experts, factor, megatron):
     from omnitron.core.transformer.moe.capacity import expert_capacity
 
     assert expert_capacity(tokens, topk, experts, factor) == megatron
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_expert_bias_counts_the_pairs_the_capacity_keeps(policy, pad):
+    """With --moe-expert-capacity-factor the expert bias's token counts are Megatron's routing map after
+    ``apply_router_token_dropping``: expert e keeps min(capacity, its picks n_e) of its picks, and with
+    --moe-pad-expert-input-to-capacity exactly capacity rows (capacity <= T). Hand-derived from the picks, whatever
+    the policy keeps; under full recomputation, counted once (before: the router's picks n_e were counted)."""
+    import math
+
+    kw = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_expert_capacity_factor=0.5,
+              moe_token_drop_policy=policy, moe_pad_expert_input_to_capacity=pad)
+    layer, tokens = _recomputed_layer(torch.seed() % 2**31, **kw)
+    with torch.no_grad():  # the same float32 routing of the same tokens: the same picks
+        picks = layer.router(tokens)[1]
+    E, k, T = layer.num_experts, layer.topk, tokens.shape[0]
+    cap = math.ceil(T * k / E * 0.5)  # 24 tokens, k 2, 6 experts: 4 rows, below the mean demand of 8
+    n = torch.bincount(picks.reshape(-1), minlength=E).double()
+    want = torch.full((E,), float(cap), dtype=torch.float64) if pad else n.clamp(max=cap)
+    assert layer.router.tokens_per_expert.double().tolist() == want.tolist()

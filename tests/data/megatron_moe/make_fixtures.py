@@ -11,7 +11,7 @@ Stand-ins on CPU, none of which changes a number: ``torch.cuda`` streams and eve
 device ("cpu"), the RNG tracker's fork (no dropout), ``all_to_all_single``'s split sizes as Python lists (gloo
 takes no tensors there), ``moe_utils.te_general_gemm`` unset (the router's plain matmul). Every parameter is drawn
 by :func:`draw` in the order of the names listed (the test draws the same), the router in float32
-(``moe_router_dtype fp32``), everything else float64.
+(``moe_router_dtype fp32``), everything else float64; an expert bias (a buffer) is drawn from ``seed + 2``.
 """
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ CASES = {
                                    moe_aux_loss_coeff=0.4),
     "dropless_shared_z": dict(moe_shared_expert_intermediate_size=8, moe_router_pre_softmax=True,
                               moe_router_load_balancing_type="none", moe_z_loss_coeff=0.05),
+    # the expert bias's token counts are the routing map after the capacity (dropped pairs out, padding rows in)
+    "sigmoid_bias_capacity": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                  moe_router_bias_update_rate=0.01, moe_expert_capacity_factor=0.75,
+                                  moe_router_load_balancing_type="none"),
+    "sigmoid_bias_capacity_padded": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                         moe_router_bias_update_rate=0.01, moe_expert_capacity_factor=0.75,
+                                         moe_pad_expert_input_to_capacity=True, moe_router_load_balancing_type="none"),
 }
 SCALE = 0.7  # the aux losses' gradient weight (Megatron's MoEAuxLossAutoScaler scale)
 
@@ -99,14 +106,25 @@ def run_case(name: str, settings: dict, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(s, b, h, generator=g, dtype=torch.float64).requires_grad_(True)
     dy = torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    bias = layer.router.expert_bias
+    if bias is not None:  # a drawn expert bias (float32, as Megatron keeps it) that steers the picks
+        bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(seed + 2)) * 0.3)
     moe_logging.get_moe_metrics_tracker().clear()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(SCALE))
     y, _ = layer(x)
     (y * dy).sum().backward()
     tracker = {n: e.values[0].item() for n, e in moe_logging.get_moe_metrics_tracker().metrics.items()}
-    return {"settings": settings, "seed": seed, "y": y.detach().flatten().tolist(),
-            "dx": x.grad.flatten().tolist(), "tracker": tracker,
-            "grads": {n: p.grad.flatten().tolist() for n, p in sorted(params.items()) if p.grad is not None}}
+    out = {"settings": settings, "seed": seed, "y": y.detach().flatten().tolist(),
+           "dx": x.grad.flatten().tolist(), "tracker": tracker,
+           "grads": {n: p.grad.flatten().tolist() for n, p in sorted(params.items()) if p.grad is not None}}
+    if bias is not None:  # the step's counts and finalize_model_grads' update of the bias
+        from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+        counts = layer.router.local_tokens_per_expert
+        out["tokens_per_expert"] = counts.tolist()
+        out["updated_expert_bias"] = get_updated_expert_bias(counts.clone(), bias, cfg.moe_router_bias_update_rate,
+                                                             torch.distributed.group.WORLD).tolist()
+    return out
 
 
 def main() -> None:

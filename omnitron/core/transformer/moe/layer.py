@@ -111,7 +111,10 @@ class MoELayer(nn.Module):
         if whole:  # NOTE: gloo gathers no bools
             g, p = M.gather_first(g, self.tp), M.gather_first(p.to(torch.uint8), self.tp).bool()
         mask = routing_mask(g, p, self.topk, factor, policy, pad)
-        return gates, (M.split_first(mask, self.tp) if whole else mask)
+        mask = M.split_first(mask, self.tp) if whole else mask
+        if self.router.tokens_per_expert is not None:  # the expert bias's statistics: the pairs processed
+            self.router.count_routed(mask.sum(dim=0, dtype=torch.float32))
+        return gates, mask
 
     def forward(self, hidden: torch.Tensor):
         if torch.compiler.is_compiling():  # --torch-compile: no generator (dynamo would run it all eagerly)

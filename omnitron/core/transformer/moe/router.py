@@ -184,7 +184,8 @@ class TopKRouter(nn.Module):
     ``--moe-router-num-groups`` / ``--moe-router-group-topk``: group-limited selection;
     ``--moe-router-topk-scaling-factor``: the probabilities times it. ``--moe-router-enable-expert-bias``
     (sigmoid scores): the persistent buffer ``expert_bias [E]`` steers the selection, and each training
-    forward adds its picks to ``tokens_per_expert`` for :func:`update_expert_bias` after the step.
+    forward adds its tokens per expert to ``tokens_per_expert`` (:meth:`count_routed`) for :func:`update_expert_bias`
+    after the step.
     """
 
     def __init__(self, c, *, partial_grad: bool, stats_group=None) -> None:
@@ -204,6 +205,8 @@ class TopKRouter(nn.Module):
                                        parallel=False, init=("zeros",))
             self.bias.sequence_parallel = partial_grad
         self.bias_update_rate = c.moe_router_bias_update_rate
+        # with a capacity the layer counts what its experts process (count_routed), not the router's picks
+        self.counts_after_capacity = c.moe_expert_capacity_factor is not None
         # Megatron's buffers: the bias is saved with the model, the step's counts are not (None: no expert bias)
         on = c.moe_router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(c.num_experts, dtype=torch.float32) if on else None)
@@ -224,9 +227,8 @@ class TopKRouter(nn.Module):
         """``x [s*b, h]`` (the ``[s, b, h]`` layout flattened; ``batch_size`` b matters to ``seq_aux_loss``)."""
         logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())  # [T, E]
         probs, experts = self.route(logits)
-        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not recomputing():
-            with torch.no_grad():
-                self.tokens_per_expert += expert_counts(experts, self.num_experts, torch.float32)
+        if self.tokens_per_expert is not None and not self.counts_after_capacity:
+            self.count_routed(expert_counts(experts, self.num_experts, torch.float32))
         if self.expert_picks is not None and self.training and torch.is_grad_enabled() and not recomputing():
             with torch.no_grad():  # scatter_add_: no host sync (a device bincount reads its size back)
                 picks = experts.reshape(-1)
@@ -238,6 +240,16 @@ class TopKRouter(nn.Module):
                 z = z_loss(logits, self.z_coeff, self.stats_group)
                 aux = z if aux is None else aux + z
         return probs, experts, aux
+
+    def count_routed(self, counts: torch.Tensor) -> None:
+        """Add a training forward's tokens per expert ``counts [E]`` to ``tokens_per_expert``, the statistics of the
+        expert bias's update (a forward without grad, or one rerun by recomputation, adds nothing). Megatron counts
+        its routing map after the capacity (``_apply_expert_bias`` after ``apply_router_token_dropping``): the
+        dropped pairs left out and, with ``--moe-pad-expert-input-to-capacity``, the padding rows in. Without a
+        capacity that is the router's picks, counted here; with one the MoE layer counts its processed pairs."""
+        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not recomputing():
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
 
     def _balancing_loss(self, logits: torch.Tensor, experts: torch.Tensor, batch_size: int) -> torch.Tensor | None:
         """The sum of the enabled load-balancing losses (``aux_loss``, ``seq_aux_loss``, each with its own
