@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from omnitron.core.data import DataConfig, IndexedDatasetBuilder, build_gpt_datasets, build_tokenizer
+from omnitron.core.data.config import tokenizer_from_config
+from omnitron.core.data.tokenizers import TokenizerError
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_pad")
 FIXTURES = json.load(open(os.path.join(HERE, "fixtures.json")))
@@ -41,18 +43,22 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(FIXTURES["cases"]))
 def test_gpt_samples_follow_megatrons_pad_rule(corpus, tmp_path, name):
+    """The ``null_*`` cases: omnitron's NullTokenizer from --null-tokenizer-pad-id (omnitron's --vocab-size V is
+    Megatron's V + 1: the same eod, V), against Megatron's NullTokenizer from the same flag."""
     case = FIXTURES["cases"][name]
+    null = {"tokenizer_type": "NullTokenizer", "vocab_size": FIXTURES["eod"], "null_tokenizer_pad_id": case["pad"]}
     cfg = DataConfig(data_path=[corpus], split="1", seq_length=FIXTURES["seq_length"], seed=case["seed"],
                      data_cache_path=str(tmp_path), eod_mask_loss=case["eod_mask_loss"],
                      reset_position_ids=case["reset_position_ids"],
-                     allow_ambiguous_pad_tokens=case["allow_ambiguous_pad_tokens"])
-    train, _, _ = build_gpt_datasets(cfg, _Tokenizer(case["pad"]), train_samples=40, valid_samples=0,
-                                     test_samples=0)
+                     allow_ambiguous_pad_tokens=case["allow_ambiguous_pad_tokens"],
+                     **(null if case["null_tokenizer"] else {}))
+    tokenizer = tokenizer_from_config(cfg) if case["null_tokenizer"] else _Tokenizer(case["pad"])
+    train, _, _ = build_gpt_datasets(cfg, tokenizer, train_samples=40, valid_samples=0, test_samples=0)
     for i, want in enumerate(case["samples"]):
         got = train[i]
         for key, values in want.items():
             assert got[key].tolist() == values, f"{name}: sample {i} {key}"
-    if case["pad"] is not None and case["pad"] != FIXTURES["eod"]:  # the corpus does exercise the rule
+    if case["pad"] not in (None, -1, FIXTURES["eod"]):  # the corpus does exercise the rule
         assert any(0.0 in s["loss_mask"] for s in case["samples"])
 
 
@@ -83,6 +89,21 @@ def test_gpt2_and_null_have_no_own_pad():
     """GPT-2's files name no pad (transformers' GPT2 tokenizer: pad_token None); Megatron's NullTokenizer: -1."""
     assert build_tokenizer("GPT2BPETokenizer").own_pad is None
     assert build_tokenizer("NullTokenizer", vocab_size=10).own_pad is None
+
+
+def test_null_tokenizer_pad_id_flag():
+    """--null-tokenizer-pad-id (Megatron's flag, default -1) reaches the NullTokenizer a run builds; given with
+    another tokenizer, which has its own pad, it is one line (Megatron ignores it there)."""
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "60"]
+    assert tokenizer_from_config(parse_settings(base, world_size=1).data).own_pad is None
+    data = parse_settings(base + ["--null-tokenizer-pad-id", "7"], world_size=1).data
+    assert data.null_tokenizer_pad_id == 7 and tokenizer_from_config(data).own_pad == 7
+    with pytest.raises(TokenizerError) as err:
+        build_tokenizer("GPT2BPETokenizer", null_tokenizer_pad_id=7)
+    line = str(err.value)
+    assert line.startswith("--null-tokenizer-pad-id 7 sets NullTokenizer's pad") and "\n" not in line, line
 
 
 @pytest.mark.parametrize("pad_id", [3, -1])
