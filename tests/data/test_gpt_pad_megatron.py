@@ -85,6 +85,57 @@ def test_hf_own_pad_is_the_configs_pad_token(tmp_path, pad_token):
     assert (tok.own_pad, tok.eod) == (ref.pad_token_id, ref.eos_token_id)
 
 
+_LAYOUTS = {  # tokenizer_config.json, special_tokens_map.json (None: no such file); tokenizer.json always has <pad>
+    "added_token_only": (None, None),
+    "map_only": (None, {"pad_token": "<pad>", "eos_token": "</s>"}),
+    "config_eos_map_pad": ({"eos_token": "</s>"}, {"pad_token": {"content": "<pad>", "normalized": False}}),
+    "map_over_config": ({"eos_token": "<pad>", "pad_token": "<unk>"}, {"pad_token": "<pad>", "eos_token": "</s>"}),
+    "decoder_ignores_map": ({"eos_token": "</s>", "added_tokens_decoder": {"2": {"content": "<pad>", "special": True}}},
+                            {"pad_token": "<pad>"}),
+    "config_pad_decoder": ({"eos_token": "</s>", "pad_token": "<unk>", "added_tokens_decoder": {}}, {"pad_token": "a"}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_hf_pad_and_eod_are_autotokenizers(tmp_path, layout):
+    """Megatron's HuggingFaceTokenizer's ``pad`` and ``eod`` are AutoTokenizer's ``pad_token_id`` / ``eos_token_id``
+    (checked equal, Megatron's and AutoTokenizer's, on these layouts with Megatron at d98e8a6): special_tokens_map.json
+    counts (over the config) unless the config has ``added_tokens_decoder``; a special token of tokenizer.json alone
+    is no pad."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    config, legacy = _LAYOUTS[layout]
+    path = tmp_path / "hf"
+    path.mkdir()
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "<pad>": 2, "a": 3, "b": 4}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<pad>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(path / "tokenizer.json"))
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", legacy)):
+        if content is not None:
+            (path / name).write_text(json.dumps(content))
+    ref = transformers.AutoTokenizer.from_pretrained(str(path))
+    assert len(ref) == 5  # no token added: the ids are tokenizer.json's
+    if ref.eos_token_id is None:  # omnitron falls back to a known end-of-document token (Megatron has no eod)
+        assert layout == "added_token_only"
+    got = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(path))
+    assert got.own_pad == ref.pad_token_id
+    assert got.eod == (ref.eos_token_id if ref.eos_token_id is not None else 1)
+
+
+def test_hf_pad_token_missing_from_the_vocabulary_is_refused(tmp_path):
+    """AutoTokenizer appends a configured pad the vocabulary lacks as a new id (Megatron's vocabulary grows by one);
+    omnitron encodes with tokenizer.json alone, so it stops in one line instead of dropping the pad."""
+    transformers = pytest.importorskip("transformers")
+    path = _hf_dir(tmp_path / "hf", "<PAD2>")
+    ref = transformers.AutoTokenizer.from_pretrained(str(path))
+    assert (ref.pad_token_id, len(ref)) == (5, 6)
+    with pytest.raises(TokenizerError) as err:
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(path))
+    assert "pad_token '<PAD2>' is not in tokenizer.json" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_gpt2_and_null_have_no_own_pad():
     """GPT-2's files name no pad (transformers' GPT2 tokenizer: pad_token None); Megatron's NullTokenizer: -1."""
     assert build_tokenizer("GPT2BPETokenizer").own_pad is None
