@@ -3,8 +3,8 @@
 A standard BERT ``vocab.txt`` (one token per line, id = line number) read by the ``tokenizers``
 package: BERT normalisation (lower-casing for the LowerCase kind), BERT pre-tokenisation, greedy
 longest-match WordPiece with ``##`` continuations. ``[CLS]``, ``[SEP]``, ``[MASK]``, ``[PAD]`` and
-``[UNK]`` must be in the vocabulary; ``eod`` is ``[SEP]``; each of them written in raw text is its id. ``vocab_extra_ids`` (T5's
-``--vocab-extra-ids``) appends the sentinels ``<extra_id_0>`` ... as special tokens after the
+``[UNK]`` must be in the vocabulary; ``eod`` is ``[SEP]``; each of them written in raw text is its id.
+``vocab_extra_ids`` (T5's ``--vocab-extra-ids``) appends the sentinels ``<extra_id_0>`` ... as special tokens after the
 vocabulary (existing ids unchanged; a vocabulary that has them already keeps its ids).
 
 Without ``--vocab-file`` a small vocabulary is built offline from the bundled *Moby Dick* text by
