@@ -244,7 +244,8 @@ class TrainingConfig:
     the BS of the last THRESHOLD (tokens, suffixes K M B T; divided by --seq-length into samples) that the samples
     consumed before it reach; the first THRESHOLD is 0 (omnitron.core.training.batches)."""
     seed: int = 1234
-    """--seed: initialisation, data order and dropout all derive from it; 0 to ``MAX_SEED``."""
+    """--seed: initialisation, data order and dropout all derive from it; 1 to ``MAX_SEED`` (Megatron's
+    ``_set_random_seed`` stops every run with a seed <= 0 at initialization)."""
     eval_interval: int = 0
     """--eval-interval: validate every this many iterations (0: never)."""
     eval_iters: int = 10
@@ -341,10 +342,12 @@ class TrainingConfig:
             raise ConfigError("--manual-gc-interval must be >= 0 and --empty-unused-memory-level 0, 1 or 2")
         if not self.distributed_timeout_minutes > 0:
             raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise ConfigError(f"--seed {self.seed} is outside 0..{MAX_SEED}: the data order draws from "
-                              "numpy's RandomState(seed), which takes 32-bit seeds (as Megatron's); give a seed in "
-                              "that range")
+        if self.seed <= 0:  # Megatron's initialize.py, for every model, before any model or data is built
+            raise ConfigError(f"--seed {self.seed}: Megatron refuses it at initialization (\"Seed ({self.seed}) "
+                              "should be a positive integer.\"); give --seed 1 or more")
+        if self.seed > MAX_SEED:
+            raise ConfigError(f"--seed {self.seed} is above {MAX_SEED}: the data order draws from numpy's "
+                              "RandomState(seed), which takes 32-bit seeds (as Megatron's); give a smaller seed")
 
     @property
     def eval_batch(self) -> int:

@@ -78,6 +78,9 @@ class DataConfig:
     tokenizer_hf_no_include_special_tokens: bool = False
     """``--tokenizer-hf-no-include-special-tokens``: HuggingFaceTokenizer encodes without the tokenizer's own
     special tokens (by default, as Megatron's and transformers', a Llama tokenizer's BOS starts every document)."""
+    null_tokenizer_pad_id: int = -1
+    """``--null-tokenizer-pad-id``: NullTokenizer's pad id (Megatron's flag and default; -1 or below: none): GPT
+    samples mask the loss where the label is this id, unless it is the eod (``gpt_dataset.dataset_pad_id``)."""
     mask_prob: float = 0.15
     """``--mask-prob``: BERT's and T5's masking probability (Megatron's masking_probability): a sample masks
     (BERT) or corrupts (T5) up to this share of its tokens."""
@@ -281,10 +284,12 @@ def add_tokenizer_args(parser) -> None:
     g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                    help="HuggingFaceTokenizer: no special tokens of the tokenizer's own (default: added, as "
                    "Megatron and transformers add a Llama tokenizer's BOS)")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1, help="NullTokenizer's pad id (-1: none)")
 
 
 _TOKENIZER_FLAGS = ("tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
-                    "tokenizer_prompt_format", "image_tag_type", "tokenizer_hf_no_include_special_tokens")
+                    "tokenizer_prompt_format", "image_tag_type", "tokenizer_hf_no_include_special_tokens",
+                    "null_tokenizer_pad_id")
 
 
 def add_data_args(parser) -> None:

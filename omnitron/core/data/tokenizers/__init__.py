@@ -27,7 +27,7 @@ same options (plain ``encode_as_ids``, eod = the model's eos)."""
 
 TOKENIZER_KEYS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "tiktoken_pattern",
                   "tiktoken_num_special_tokens", "tokenizer_special_tokens", "tokenizer_prompt_format",
-                  "image_tag_type", "tokenizer_hf_no_include_special_tokens")
+                  "image_tag_type", "tokenizer_hf_no_include_special_tokens", "null_tokenizer_pad_id")
 """The settings that decide a tokenizer (``build_tokenizer``'s arguments but the family's ``vocab_extra_ids``)."""
 
 
@@ -44,14 +44,16 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
                     vocab_size: int | None = None, vocab_extra_ids: int = 0, tiktoken_pattern: str | None = None,
                     tiktoken_num_special_tokens: int | None = None, tokenizer_special_tokens=None,
                     tokenizer_prompt_format: str | None = None, image_tag_type: str | None = None,
-                    tokenizer_hf_no_include_special_tokens: bool = False) -> Tokenizer:
+                    tokenizer_hf_no_include_special_tokens: bool = False,
+                    null_tokenizer_pad_id: int = -1) -> Tokenizer:
     """Build the tokenizer named by ``tokenizer_type`` from local files.
 
     GPT2BPETokenizer: ``vocab_file`` + ``merge_file`` (both or neither; neither = bundled).
     HuggingFaceTokenizer / SentencePieceTokenizer (or Megatron's Llama2Tokenizer, GPTSentencePieceTokenizer):
     ``tokenizer_model`` (path); HuggingFaceTokenizer adds its own special tokens (a Llama BOS) unless
     ``tokenizer_hf_no_include_special_tokens``.
-    NullTokenizer: ``vocab_size``.
+    NullTokenizer: ``vocab_size``, ``null_tokenizer_pad_id`` (-1: no pad; refused with the other kinds, which
+    Megatron ignore it for, so that a misplaced pad is not silently dropped).
     BertWordPieceLowerCase / BertWordPieceCase: ``vocab_file`` (a BERT vocab.txt; None: bundled-corpus vocabulary);
     ``vocab_extra_ids`` sentinels ``<extra_id_i>`` appended (T5's ``--vocab-extra-ids``; these kinds only).
     TikTokenizer: ``tokenizer_model`` (JSON ranks), ``tiktoken_pattern``, ``tiktoken_num_special_tokens``,
@@ -62,6 +64,9 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
     if vocab_extra_ids and tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         raise TokenizerError(f"--vocab-extra-ids {vocab_extra_ids}: sentinel tokens are added to the BertWordPiece "
                              f"tokenizers only, not {tokenizer_type}; use --tokenizer-type BertWordPieceLowerCase")
+    if null_tokenizer_pad_id != -1 and tokenizer_type != "NullTokenizer":
+        raise TokenizerError(f"--null-tokenizer-pad-id {null_tokenizer_pad_id} sets NullTokenizer's pad, not "
+                             f"{tokenizer_type}'s (whose pad comes from its files); drop it")
     if tokenizer_type == "GPT2BPETokenizer":
         if (vocab_file is None) != (merge_file is None):
             raise TokenizerError("GPT2BPETokenizer needs both --vocab-file and --merge-file, or neither "
@@ -82,7 +87,7 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
             raise TokenizerError("MultimodalTokenizer needs --tokenizer-model (a Hugging Face tokenizer directory)")
         return MultimodalTokenizer(tokenizer_model, tokenizer_prompt_format, tokenizer_special_tokens, image_tag_type)
     if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(vocab_size, pad_id=null_tokenizer_pad_id)
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return BertWordPieceTokenizer(vocab_file, lower_case=tokenizer_type == "BertWordPieceLowerCase",
                                       vocab_extra_ids=vocab_extra_ids)

@@ -130,9 +130,10 @@ class HuggingFaceTokenizer(_HFBacked):
 
     ``path`` is the file, a directory holding it, or (as Megatron's ``AutoTokenizer.from_pretrained``) a hub
     name such as ``meta-llama/Meta-Llama-3-8B`` already in the local Hugging Face cache (nothing is downloaded).
-    The eod id is the ``eos_token`` of a ``tokenizer_config.json`` beside it (what Megatron's HF tokenizer
-    uses), else the first of ``EOD_CANDIDATES`` present in the vocabulary (``eod_token`` overrides); pad likewise.
-    ``own_pad`` is the config's ``pad_token`` only (None without one), as ``AutoTokenizer``'s ``pad_token_id``.
+    The eod id is the ``eos_token`` the files beside it name (:func:`hf_special_token`: tokenizer_config.json or
+    special_tokens_map.json, what Megatron's HF tokenizer uses), else the first of ``EOD_CANDIDATES`` present in the
+    vocabulary (``eod_token`` overrides); pad likewise. ``own_pad`` is the ``pad_token`` those files name (None
+    without one), as ``AutoTokenizer``'s ``pad_token_id``; one missing from the vocabulary is refused.
 
     ``encode`` adds the tokenizer's own special tokens (``include_special_tokens``, on by default) as Megatron's
     HuggingFaceTokenizer does (``tokenizer(text).input_ids`` unless ``--tokenizer-hf-no-include-special-tokens``)
@@ -150,9 +151,13 @@ class HuggingFaceTokenizer(_HFBacked):
             tok = HFTokenizer.from_file(str(p))
         except Exception as err:  # noqa: BLE001
             raise TokenizerError(f"--tokenizer-model {str(p)!r} is not a valid tokenizer.json: {err}") from err
-        eod_token = eod_token or _config_token(p.parent / "tokenizer_config.json", "eos_token")
-        own_pad = _config_token(p.parent / "tokenizer_config.json", "pad_token")
+        eod_token = eod_token or hf_special_token(p.parent, "eos_token")
+        own_pad = hf_special_token(p.parent, "pad_token")
         self._own_pad = None if own_pad is None else tok.token_to_id(own_pad)
+        if own_pad is not None and self._own_pad is None:
+            raise TokenizerError(f"{p.parent}: pad_token {own_pad!r} is not in {p.name}; AutoTokenizer (Megatron's "
+                                 "HuggingFaceTokenizer) would append it as a new id and grow the vocabulary; add it to "
+                                 "the tokenizer (tokenizer.add_special_tokens) and save it again")
         names = (eod_token,) if eod_token else EOD_CANDIDATES
         eod = next((tok.token_to_id(t) for t in names if tok.token_to_id(t) is not None), None)
         if eod is None:
@@ -180,13 +185,24 @@ def hf_tokenizer_file(path: str) -> Path:
     return _require_file(p, "--tokenizer-model")
 
 
-def _config_token(config: Path, key: str) -> str | None:
-    """The token a ``tokenizer_config.json`` names under ``key`` (a string or ``{"content": ...}``), if any."""
-    if not config.is_file():
-        return None
-    with open(config, encoding="utf-8") as f:
-        token = json.load(f).get(key)
+def hf_special_token(folder: Path, key: str) -> str | None:
+    """The token ``transformers.AutoTokenizer`` gives the role ``key`` (``pad_token``, ``eos_token``, ...) from the
+    files of a tokenizer folder, as Megatron's HuggingFaceTokenizer reads it: ``special_tokens_map.json``'s, over the
+    config's, when ``tokenizer_config.json`` has no ``added_tokens_decoder`` (transformers reads that legacy file
+    only then), else ``tokenizer_config.json``'s. A token of tokenizer.json's ``added_tokens`` has no role by itself.
+    Not read: a ``tokenizer_class``'s own defaults (``BertTokenizer``'s ``[PAD]`` where the files name none)."""
+    config = _read_json(folder / "tokenizer_config.json")
+    legacy = {} if "added_tokens_decoder" in config else _read_json(folder / "special_tokens_map.json")
+    token = legacy[key] if key in legacy else config.get(key)
     return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file's contents ({} when there is no such file)."""
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def read_vocab_size(vocab_file: str) -> int:

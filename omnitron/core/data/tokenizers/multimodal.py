@@ -18,12 +18,10 @@ Meta's Llama 3 and the ChatML template written out here, where Megatron renders 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from .base import TokenizerError
-from .bpe import HuggingFaceTokenizer, hf_tokenizer_file
+from .bpe import HuggingFaceTokenizer, hf_special_token, hf_tokenizer_file
 
 IMAGE_TOKEN = "<image>"
 IGNORE_INDEX = -100
@@ -71,18 +69,6 @@ PROMPT_FORMATS = {
 depend on the tokenizer's own template or slow-tokenizer conversion and are refused)."""
 
 
-def _config(directory: Path) -> dict:
-    path = directory / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _token_text(value) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value
-
-
 class MultimodalTokenizer(HuggingFaceTokenizer):
     """A Hugging Face tokenizer with Megatron's multimodal special tokens, image tags and prompt formats."""
 
@@ -95,14 +81,14 @@ class MultimodalTokenizer(HuggingFaceTokenizer):
         if (image_tag_type or "") not in IMAGE_TAGS:
             raise TokenizerError(f"--image-tag-type {image_tag_type!r}: expected nvlm, internvl or nothing")
         super().__init__(path, include_special_tokens=False)  # ``tokenize`` adds them, as Megatron's
-        config = _config(hf_tokenizer_file(path).parent)
+        folder = hf_tokenizer_file(path).parent
         self.format = PROMPT_FORMATS[prompt_format]
         self.image_tag = IMAGE_TAGS[image_tag_type or ""]
         self.special = list(special_tokens) if special_tokens else [IMAGE_TOKEN]
         self._tok.add_special_tokens(self.special)
         self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_text = _token_text(config.get("bos_token"))
-        pad = self.format.pad or _token_text(config.get("pad_token"))
+        self.bos_text = hf_special_token(folder, "bos_token")
+        pad = self.format.pad or hf_special_token(folder, "pad_token")
         pad_id = self._tok.token_to_id(pad) if pad else None
         self._pad = self._eod if pad_id is None else pad_id
         self._own_pad = pad_id

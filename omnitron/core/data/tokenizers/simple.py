@@ -64,15 +64,21 @@ class NullTokenizer(Tokenizer):
     """Text is space-separated integer ids (Megatron's ``NullTokenizer``).
 
     NOTE: as in Megatron, ``--vocab-size V`` means ids ``0..V-1`` for data plus one more id,
-    ``V``, for eod: ``vocab_size`` is ``V + 1``.
+    ``V``, for eod: ``vocab_size`` is ``V + 1``. ``pad_id`` (``--null-tokenizer-pad-id``, Megatron's default -1):
+    the pad Megatron's NullTokenizer reports; a negative one is no pad (no id equals it, as Megatron's -1).
     """
 
     name = "NullTokenizer"
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, pad_id: int = -1):
         if vocab_size is None or int(vocab_size) < 1:
             raise TokenizerError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
         self._v = int(vocab_size)
+        self._own_pad = None if int(pad_id) < 0 else int(pad_id)
+
+    @property
+    def own_pad(self) -> int | None:
+        return self._own_pad
 
     @property
     def vocab_size(self) -> int:

@@ -3,8 +3,8 @@
 A standard BERT ``vocab.txt`` (one token per line, id = line number) read by the ``tokenizers``
 package: BERT normalisation (lower-casing for the LowerCase kind), BERT pre-tokenisation, greedy
 longest-match WordPiece with ``##`` continuations. ``[CLS]``, ``[SEP]``, ``[MASK]``, ``[PAD]`` and
-``[UNK]`` must be in the vocabulary; ``eod`` is ``[SEP]``. ``vocab_extra_ids`` (T5's
-``--vocab-extra-ids``) appends the sentinels ``<extra_id_0>`` ... as special tokens after the
+``[UNK]`` must be in the vocabulary; ``eod`` is ``[SEP]``; each of them written in raw text is its id.
+``vocab_extra_ids`` (T5's ``--vocab-extra-ids``) appends the sentinels ``<extra_id_0>`` ... as special tokens after the
 vocabulary (existing ids unchanged; a vocabulary that has them already keeps its ids).
 
 Without ``--vocab-file`` a small vocabulary is built offline from the bundled *Moby Dick* text by
@@ -54,6 +54,10 @@ class BertWordPieceTokenizer(_HFBacked):
             raise TokenizerError(f"--vocab-file {str(path)!r} lacks the BERT special tokens {missing}; "
                                  "use a BERT vocab.txt (or omit --vocab-file for the bundled-corpus vocabulary)")
         _bert_pipeline(tok, lower_case)
+        # NOTE: as special tokens (their vocab ids kept), a literal "[SEP]" / "[CLS]" / "[MASK]" / "[PAD]" / "[UNK]" in
+        # raw text is that one id, matched before lower-casing, as Megatron's BertWordPiece (transformers'
+        # BertTokenizer) encodes it; "[sep]" stays text
+        tok.add_special_tokens(list(SPECIAL_TOKENS))
         names = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
         tok.add_special_tokens(names)
         self.sentinels = tuple(tok.token_to_id(n) for n in names)  # T5's span sentinels, in order

@@ -47,23 +47,11 @@ def check_wordpiece_flags(merged: dict, name: str) -> None:
                           "drop --prompt")
 
 
-def check_mapping_seed(merged: dict, name: str) -> None:
-    """BERT and T5: ``--seed`` above 0. Their sample mapping is Megatron's ``helpers.build_mapping``, which asserts
-    ``seed > 0``, and Megatron stops every run with a seed <= 0 at initialization ("Seed (0) should be a positive
-    integer."): a seed of 0 has no Megatron mapping to equal, so it stops here too, before any work."""
-    seed = merged.get("seed")
-    if seed is not None and seed <= 0:
-        raise ConfigError(f"--seed {seed} with --model-type {name.lower()}: Megatron's sample mapping for {name} "
-                          f"(helpers.build_mapping) takes a seed > 0 and Megatron refuses it (\"Seed ({seed}) should be "
-                          "a positive integer.\"); give --seed 1 or more")
-
-
 def check_flags(merged: dict) -> None:
-    """The WordPiece and seed checks, and no ``--calculate-per-token-loss``: BERT's loss (:func:`bert_loss`,
-    Megatron's pretrain_bert) is each micro-batch's masked-LM mean plus its sentence-order loss, one number per
+    """The WordPiece check, and no ``--calculate-per-token-loss``: BERT's loss (:func:`bert_loss`, Megatron's
+    pretrain_bert) is each micro-batch's masked-LM mean plus its sentence-order loss, one number per
     micro-batch with no token count to sum, so the flag would silently train the per-micro-batch mean."""
     check_wordpiece_flags(merged, "BERT")
-    check_mapping_seed(merged, "BERT")
     if merged.get("calculate_per_token_loss"):
         raise ConfigError("--calculate-per-token-loss with --model-type bert: BERT's loss is the mean of each "
                           "micro-batch's masked-LM loss plus its sentence-order loss, not a sum over tokens; drop "

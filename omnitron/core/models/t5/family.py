@@ -1,7 +1,7 @@
 """The T5 family's contract with the engine (see :mod:`omnitron.core.models.family`)."""
 from __future__ import annotations
 
-from omnitron.core.models.bert.family import check_mapping_seed, check_wordpiece_flags
+from omnitron.core.models.bert.family import check_wordpiece_flags
 from omnitron.core.models.family_base import ModelFamily
 from omnitron.core.models.t5 import config as T
 
@@ -25,9 +25,8 @@ def build_datasets(settings, tokenizer, **sizes):
 
 
 def check_flags(merged: dict) -> None:
-    """BERT's tokenizer and seed rules; ``--encoder-seq-length`` sets ``--seq-length`` (Megatron's alias)."""
+    """BERT's tokenizer rule; ``--encoder-seq-length`` sets ``--seq-length`` (Megatron's alias)."""
     check_wordpiece_flags(merged, "T5")
-    check_mapping_seed(merged, "T5")
     if merged.get("encoder_seq_length"):
         merged["seq_length"] = merged["encoder_seq_length"]
 
