@@ -40,10 +40,12 @@ def register(sub) -> None:
                    "one): MoE layers priced at its imbalance and capacity drops instead of balanced routing, speed "
                    "on the ep group's busiest rank, memory on each stage's busiest ep rank")
     p.add_argument("--inference-max-requests", type=int, metavar="B", help="serving estimate instead of training: "
-                   "weights, KV cache and the prefill's working set per rank for B requests (Megatron's flag); with "
-                   "--device-memory or --device also the most requests that fit")
+                   "weights, KV cache and the prefill's working set per rank for B requests (Megatron's flag; "
+                   "default with --inference-max-seq-length: 8, Megatron's); with --device-memory or --device also "
+                   "the most requests that fit")
     p.add_argument("--inference-max-seq-length", type=int, metavar="S", help="tokens per request, prompt and "
-                   "generated (Megatron's flag; default with --inference-max-requests: --seq-length)")
+                   "generated (Megatron's flag; default with --inference-max-requests: the model's --seq-length, "
+                   "not Megatron's 2560)")
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -128,7 +130,7 @@ def _serve_figures(args, given: dict) -> tuple:
                           "(--inference-max-requests) takes the model, --tensor-model-parallel-size, "
                           "--pipeline-model-parallel-size, --bf16 and --device-memory / --device")
     s = settings_of(given)
-    requests = getattr(args, "inference_max_requests", 1)
+    requests = getattr(args, "inference_max_requests", 8)
     seq = getattr(args, "inference_max_seq_length", s.model.seq_length)
     stages = serve_estimate(s, requests, seq)
     fused = max(st.total for st in serve_estimate(s, requests, seq, padded=False))

@@ -59,3 +59,11 @@ def test_plan_serving_refusals(argv, needle, capsys):
     assert main(["plan", *TINY, *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_serving_defaults(capsys):
+    """One of the two flags given: the other is Megatron's default requests (8), or the model's --seq-length."""
+    assert main(["plan", *TINY, "--inference-max-seq-length", "64"]) == 0
+    assert "| 8 requests x 64 tokens |" in capsys.readouterr().out
+    assert main(["plan", *TINY, "--inference-max-requests", "2"]) == 0
+    assert "| 2 requests x 128 tokens |" in capsys.readouterr().out  # gpt2_tiny: --seq-length 128
