@@ -25,8 +25,8 @@ def register(sub) -> None:
     p.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (T5: the encoder input)")
     p.add_argument("--max-new-tokens", type=int, default=40, metavar="N", help="tokens to generate (default: 40)")
     p.add_argument("--temperature", type=float, default=0.8, help="divide the logits by it; 0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=20, metavar="K", help="sample among the K likeliest; 1 = greedy, "
-                   "0 = no limit (default: 20)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest; 1 = greedy, "
+                   "0 = no limit (default: 20, or 0 with --top-p: the two are not combined, as in Megatron)")
     p.add_argument("--top-p", type=float, default=0.0, metavar="P", help="nucleus sampling: the likeliest tokens "
                    "whose mass reaches P; 0 = off (default: 0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed, prompt i uses seed + i (default: the "
@@ -62,6 +62,16 @@ def _images(loaded, args, count: int):
     return torch.stack([image] * count), truth
 
 
+def sampling_flags(args: argparse.Namespace) -> dict:
+    """``--temperature / --top-k / --top-p / --seed`` as SamplingParams fields: ``--top-k`` defaults to 20, or to 0
+    with ``--top-p``; both given is a ValueError naming the flags (Megatron's sampling refuses the pair)."""
+    if args.top_k and args.top_p:
+        raise ValueError(f"--top-k {args.top_k} and --top-p {args.top_p:g} together: give one of them (Megatron's "
+                         "sampling refuses the pair)")
+    top_k = args.top_k if args.top_k is not None else 0 if args.top_p else 20
+    return {"temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed}
+
+
 def run(args: argparse.Namespace) -> int:
     from omnitron.backends import get_backend
     from omnitron.core.checkpoint import CheckpointError
@@ -72,17 +82,22 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         print("omnitron generate: error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
+    try:
+        sampling = sampling_flags(args)
+        SamplingParams(**sampling)  # every value checked before a checkpoint is read or ranks start
+    except ValueError as err:
+        print(f"omnitron generate: error: {err}", file=sys.stderr)
+        return 2
     world = sharded_world(args, "generate")
     if world is not None:
-        return _run_sharded(args, world)
+        return _run_sharded(args, world, sampling)
     try:
         loaded = load_for_inference(args.load, get_backend(args.backend))
         default = loaded.spec.default_prompt
         prompts = args.prompt or ([default] if default is not None else None)
         if not prompts:
             raise ValueError("--prompt TEXT is required (repeat it for a batch)")
-        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                seed=loaded.seed if args.seed is None else args.seed)
+        params = SamplingParams(**{**sampling, "seed": loaded.seed if args.seed is None else args.seed})
         images, truth = _images(loaded, args, len(prompts))
         out = complete(loaded, prompts, args.max_new_tokens, params=params, logprobs=args.return_log_probs,
                        images=images)
@@ -93,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_sharded(args: argparse.Namespace, world: int) -> int:
+def _run_sharded(args: argparse.Namespace, world: int, sampling: dict) -> int:
     """Launch tp x pp ranks (as training launches its workers) that each load their stage and generate."""
     from omnitron.core.inference.sharded import GenerateJob, run_generate_job
     from omnitron.core.training.launch import launch
@@ -108,8 +123,7 @@ def _run_sharded(args: argparse.Namespace, world: int) -> int:
         return 2
     job = GenerateJob(load=args.load, prompts=args.prompt, tensor_model_parallel_size=tp,
                       pipeline_model_parallel_size=pp, max_new_tokens=args.max_new_tokens,
-                      sampling={"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                                "seed": args.seed},
+                      sampling=sampling,
                       return_log_probs=args.return_log_probs, json=args.json, backend=args.backend,
                       nproc_per_node=world, world_size=world)
     return launch(job, run_generate_job)

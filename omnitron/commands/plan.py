@@ -39,6 +39,13 @@ def register(sub) -> None:
                    "[[count per expert], ...]} one row per MoE layer (`omnitron train --moe-expert-load-out` writes "
                    "one): MoE layers priced at its imbalance and capacity drops instead of balanced routing, speed "
                    "on the ep group's busiest rank, memory on each stage's busiest ep rank")
+    p.add_argument("--inference-max-requests", type=int, metavar="B", help="serving estimate instead of training: "
+                   "weights, KV cache and the prefill's working set per rank for B requests (Megatron's flag; "
+                   "default with --inference-max-seq-length: 8, Megatron's); with --device-memory or --device also "
+                   "the most requests that fit")
+    p.add_argument("--inference-max-seq-length", type=int, metavar="S", help="tokens per request, prompt and "
+                   "generated (Megatron's flag; default with --inference-max-requests: the model's --seq-length, "
+                   "not Megatron's 2560)")
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -50,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.plan.speed import predict
 
     own = ("func", "command", "bench", "assume_overlap", "devices", "device_memory", "top", "device", "gpus_per_node",
-           "json", "moe_expert_load")
+           "json", "moe_expert_load", "inference_max_requests", "inference_max_seq_length")
     given = {k: v for k, v in vars(args).items() if k not in own}
     bench, overlap = getattr(args, "bench", None), getattr(args, "assume_overlap", "none")
     comm = given.get("cp_comm_type")
@@ -58,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"omnitron plan: error: the planner prices one --cp-comm-type for every layer, not the per-layer "
               f"list {' '.join(comm)}: price each type apart", file=sys.stderr)
         return 2
+    if hasattr(args, "inference_max_requests") or hasattr(args, "inference_max_seq_length"):  # SUPPRESS: given
+        return _serve(args, given)
     if getattr(args, "devices", None) is not None:
         return _recommend(args, given, bench, overlap)
     try:
@@ -85,6 +94,62 @@ def run(args: argparse.Namespace) -> int:
         print(_named(rates))
         print(format_step(step))
     return 0
+
+
+def _serve(args, given: dict) -> int:
+    """``--inference-max-requests``: the serving estimate (:mod:`omnitron.plan.inference`)."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.inference import format_serve
+
+    try:
+        s, requests, seq, stages, fused, memory, largest = _serve_figures(args, given)
+    except ConfigError as err:
+        return _error(err)
+    pc = s.parallel
+    print(f"serving {s.model_type} {s.model.num_layers} layers, hidden {s.model.hidden_size} | "
+          f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} | {requests} requests x {seq} "
+          f"tokens | {s.precision.params_dtype_name} weights and KV cache")
+    print(format_serve(stages, memory, largest))
+    less = max(st.total for st in stages) - fused
+    if less > 0:
+        print(f"(left-padded prompts: the masked attention's [b, heads, s, s] fp32 scores counted, as SDPA's math path "
+              f"holds them (cpu, sim); a device whose masked SDPA is a fused kernel holds {less / 2**30:.3f} GiB less)")
+    return 0
+
+
+def _serve_figures(args, given: dict) -> tuple:
+    """(settings, requests, tokens, stages, the largest rank's total without the masked scores, device memory or
+    None, the most requests that fit or None); ConfigError on a flag the serving estimate does not take."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.inference import largest_batch, serve_estimate
+    from omnitron.plan.recommend import parse_memory
+
+    training_only = [f for f in ("devices", "bench", "json", "moe_expert_load") if getattr(args, f, None)]
+    if training_only:
+        raise ConfigError(f"--{training_only[0].replace('_', '-')} prices training; the serving estimate "
+                          "(--inference-max-requests) takes the model, --tensor-model-parallel-size, "
+                          "--pipeline-model-parallel-size, --bf16 and --device-memory / --device")
+    s = settings_of(given)
+    requests = getattr(args, "inference_max_requests", 8)
+    seq = getattr(args, "inference_max_seq_length", s.model.seq_length)
+    stages = serve_estimate(s, requests, seq)
+    fused = max(st.total for st in serve_estimate(s, requests, seq, padded=False))
+    device = getattr(args, "device", None)
+    memory = (parse_memory(args.device_memory) if getattr(args, "device_memory", None)
+              else _profile_memory(device) if device else None)
+    return s, requests, seq, stages, fused, memory, largest_batch(s, seq, memory) if memory else None
+
+
+def _error(err) -> int:
+    """Print a refusal (one line) and return the command's exit code 2."""
+    print(f"omnitron plan: error: {err}", file=sys.stderr)
+    return 2
+
+
+def _profile_memory(name: str) -> int:
+    from omnitron.plan.profile import load
+
+    return load(name).memory_bytes
 
 
 def _fit_line(args, rates, stages) -> str | None:

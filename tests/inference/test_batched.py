@@ -91,14 +91,14 @@ def test_sampling_is_per_row_seeded_and_cache_independent():
     with torch.no_grad():  # soften so sampling has real choices
         model.output_layer.weight.mul_(0.1) if model.output_layer.weight is not None else None
     prompts = random_prompts([2, 8, 5])
-    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=11)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
     batch = generate_batch(model, prompts, 10, params=params)
     for i, p in enumerate(prompts):
-        alone = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=11 + i)
+        alone = SamplingParams(temperature=0.9, top_p=0.9, seed=11 + i)
         assert generate_batch(model, [p], 10, params=alone).tokens[0] == batch.tokens[i]
         assert generate_batch(model, [p], 10, params=alone, use_cache=False).tokens[0] == batch.tokens[i]
     assert generate_batch(model, prompts, 10, params=params).tokens == batch.tokens
-    other = generate_batch(model, prompts, 10, params=SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=12))
+    other = generate_batch(model, prompts, 10, params=SamplingParams(temperature=0.9, top_p=0.9, seed=12))
     assert other.tokens != batch.tokens
 
 
@@ -152,3 +152,21 @@ def test_bad_input_is_named():
     for bad in (dict(top_k=-1), dict(top_p=1.5), dict(temperature=-0.1), dict(seed=-2), dict(seed=2**63)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def megatron_refuses(top_k: int, top_p: float) -> bool:
+    """Megatron-LM d98e8a6, transcribed: megatron/core/inference/sampling/torch_sampling.py (the default sampling
+    backend's ``sample_from_logits``, before its greedy shortcut) ``assert not (top_k > 0 and top_p > 0.0)``;
+    text_generation_server.py (``/api``) ``if top_p > 0.0 and top_k > 0.0: "cannot set both top-k and top-p"``."""
+    return top_k > 0 and top_p > 0.0
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 5, 20])
+@pytest.mark.parametrize("top_p", [0.0, 0.5, 1.0])
+def test_top_k_with_top_p_is_refused_where_megatron_refuses_it(top_k, top_p):
+    """omnitron's library takes the requests its server (and Megatron's library and server) take."""
+    if megatron_refuses(top_k, top_p):
+        with pytest.raises(ValueError, match="top_k and top_p together"):
+            SamplingParams(top_k=top_k, top_p=top_p)
+    else:
+        SamplingParams(top_k=top_k, top_p=top_p)

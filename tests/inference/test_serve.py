@@ -70,6 +70,13 @@ def test_generate_command_matches_library(gpt_ckpt):
     rc, out, _ = _cli("generate", "--load", path, "--prompt", "3 4", "--max-new-tokens", "5", "--json")
     lib = generate_batch(model, [[3, 4]], 5, eod=300, params=SamplingParams(temperature=0.8, top_k=20, seed=7))
     assert json.loads(out)["text"] == [" ".join(map(str, [3, 4] + [t for t in lib.tokens[0] if t != 300]))]
+    # --top-p alone turns the default --top-k 20 off (the library refuses the pair, as Megatron's); both given: one line
+    rc, out, _ = _cli("generate", "--load", path, "--prompt", "3 4", "--max-new-tokens", "5", "--top-p", "0.8",
+                      "--json")
+    lib = generate_batch(model, [[3, 4]], 5, eod=300, params=SamplingParams(temperature=0.8, top_p=0.8, seed=7))
+    assert rc == 0 and json.loads(out)["text"] == [" ".join(map(str, [3, 4] + [t for t in lib.tokens[0] if t != 300]))]
+    rc, _, err = _cli("generate", "--load", path, "--prompt", "3", "--top-k", "5", "--top-p", "0.8")
+    assert rc == 2 and "--top-k 5 and --top-p 0.8 together" in err and len(err.strip().splitlines()) == 1
     rc, _, err = _cli("generate", "--load", path, "--prompt", "3", "--image-index", "0")
     assert rc == 2 and "--image-index / --image apply to multimodal checkpoints; this one is gpt" in err
     rc, _, err = _cli("generate", "--load", path + "/nothing", "--prompt", "3")

@@ -195,7 +195,7 @@ BATCH = [[5], [3, 14, 15], [9, 26, 53, 58, 97, 93], [23, 84, 62, 64, 33, 83, 27,
 
 def _rows_and_cache(root: str, tp: int, pp: int, stops: list[int]) -> dict:
     """On this rank of tp x pp (one process for 1 x 1): BATCH greedily as one batch and each prompt alone, seeded
-    top-k / top-p / temperature sampling likewise (prompt i alone seeded ``seed + i``), the batch with ``stops``,
+    top-p / temperature sampling likewise (prompt i alone seeded ``seed + i``), the batch with ``stops``,
     and the shapes and bytes of the KV cache a batch leaves."""
     from omnitron.core.inference.generation import generate_batch
     from omnitron.core.inference.kv_cache import KVCache
@@ -220,7 +220,7 @@ def _rows_and_cache(root: str, tp: int, pp: int, stops: list[int]) -> dict:
         return generate_batch(model, prompts, 12, params=params, **kw(), **extra).tokens
 
     def sampling(seed):
-        return SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=seed)
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=seed)
 
     caches, enter = [], KVCache.__enter__
     KVCache.__enter__ = lambda self: caches.append(self) or enter(self)

@@ -127,13 +127,22 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, para
     was_training = model.training
     model.eval()
     try:
-        cache = KVCache(model) if use_cache else contextlib.nullcontext()
+        cache = KVCache(model, cache_slots(prompts, max_new_tokens, limit)) if use_cache else contextlib.nullcontext()
         with cache:
             return _decode(forward, cache if use_cache else None, ids, valid, pos, padded, max_new_tokens,
                            params, gens, _stops(eod), return_log_probs, limit, [len(p) for p in prompts],
                            picker or Picker(), model)
     finally:
         model.train(was_training)
+
+
+def cache_slots(prompts, max_new_tokens: int, limit: int) -> int:
+    """Slots the KV cache allocates per layer: the padded prompt width plus the tokens a row can add
+    (``max_new_tokens``, or fewer where the shortest prompt reaches the context ``limit`` first), the longest
+    sequence of the batch. The last token picked is never fed back, so one slot stays spare (Megatron's static context likewise holds
+    prompt + tokens to generate)."""
+    lengths = [len(p) for p in prompts]
+    return max(lengths) + min(max_new_tokens, limit - min(lengths))
 
 
 def _stops(eod) -> frozenset[int]:

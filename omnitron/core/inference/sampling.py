@@ -1,8 +1,11 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), one seed per row.
 
 Megatron's conventions: ``top_k == 1`` (or ``temperature == 0``) is greedy, ``top_k == 0`` and
-``top_p == 0`` switch those filters off. Unlike Megatron, top-k and top-p may be combined (top-k
-first, then the nucleus of what is left).
+``top_p == 0`` switch those filters off, and the two filters are not combined: ``top_k > 0`` with
+``top_p > 0`` is refused, as Megatron's library refuses it (``TorchSampling.sample_from_logits``, its
+default sampling backend, asserts "Cannot have top-p and top-k both greater than zero") and its text
+generation server (``/api``: "cannot set both top-k and top-p samplings"). Library, ``omnitron generate``
+and ``omnitron serve`` so take the same requests.
 
 Each row samples with its own ``torch.Generator`` and draws exactly one uniform number per step, then
 inverts the cumulative distribution over the vocabulary in id order. So a row's tokens depend only on
@@ -33,9 +36,10 @@ class SamplingParams:
     temperature: float = 1.0
     """Logits are divided by it before top-k / top-p; 0 means greedy."""
     top_k: int = 0
-    """Keep the k likeliest tokens; 1 = greedy, 0 = no limit (Megatron)."""
+    """Keep the k likeliest tokens; 1 = greedy, 0 = no limit (Megatron). Not with ``top_p``."""
     top_p: float = 0.0
-    """Keep the smallest set of likeliest tokens whose probability reaches p; 0 = off (Megatron)."""
+    """Keep the smallest set of likeliest tokens whose probability reaches p; 0 = off (Megatron). Not with
+    ``top_k``."""
     seed: int | None = None
     """Row ``i`` samples with a generator seeded ``seed + i``; None: seeded from torch's global RNG."""
 
@@ -52,6 +56,9 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {short_repr(self.seed)}")
+        if self.top_k > 0 and self.top_p > 0.0:
+            raise ValueError(f"top_k and top_p together (top_k={self.top_k}, top_p={self.top_p:g}): give one of them, "
+                             "the other 0, as Megatron's sampling and server require")
 
     @property
     def greedy(self) -> bool:
@@ -70,7 +77,7 @@ def row_generators(params: SamplingParams, rows: int) -> list[torch.Generator] |
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``[b, V]`` fp32 (logits - row max) / temperature with the tokens outside top-k and the nucleus at -inf.
+    """``[b, V]`` fp32 (logits - row max) / temperature with the tokens outside top-k or the nucleus at -inf.
 
     NOTE: the row max is subtracted first, so every entry is <= 0 before the division and the likeliest token
     is exactly 0: a tiny temperature (1e-320) sends the others to -inf (greedy, its limit) instead of the

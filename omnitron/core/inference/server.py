@@ -120,13 +120,11 @@ def parse_request(body, loaded) -> dict:
         raise BadRequest("tokens_to_generate is 0 and logprobs is false: nothing to return; generate tokens or "
                          "ask for the prompts' logprobs")
     seed = body.get("random_seed")
-    try:  # each value's own type and range first: a wrong-typed pair is named as such, not as a pair
+    try:  # each value's type and range, then top_k with top_p (refused, as Megatron's server does)
         params = SamplingParams(temperature=body.get("temperature", 1.0), top_k=body.get("top_k", 0),
                                 top_p=body.get("top_p", 0.0), seed=None if seed is None else seed)
     except ValueError as err:
         raise BadRequest(str(err).replace("seed must", "random_seed must")) from None
-    if params.top_k and params.top_p:  # Megatron's server refuses the pair too
-        raise BadRequest("top_k and top_p together: give one of them (the other 0), as Megatron's server requires")
     out = {"prompts": prompts, "tokens_to_generate": n, "params": params, "logprobs": logprobs,
            "images": _images(body.get("image_index"), len(prompts), loaded)}
     for key in GPT_ONLY:

@@ -1,0 +1,195 @@
+"""Serving memory per rank: weights, KV cache and the prefill's working set of batched generation
+(``omnitron plan --inference-max-requests B --inference-max-seq-length S``, Megatron's inference flags).
+
+Terms (bytes, one tp rank of each pipeline stage; every tp rank of a stage holds the same):
+
+- weights: the stage's parameters, counted on the meta-device skeleton training builds (:func:`.state.skeleton`:
+  tp shards, the key/value projection whole on every rank where ``--num-query-groups`` < tp), at the serving
+  dtype: ``--bf16`` / ``--fp16``, else fp32. NOTE: ``omnitron generate`` / ``serve`` load checkpoints in fp32
+  today (:mod:`omnitron.core.inference.loader`); a bf16 estimate is what a bf16 server would hold.
+- KV cache: ``B x S`` slots (:func:`omnitron.core.inference.generation.cache_slots`: the cache is allocated once
+  at the batch's longest sequence) times the bytes a token costs on this rank (:func:`kv_bytes_per_token`): each
+  layer's keys and values of its ``max(groups / tp, 1)`` local key/value heads (heads fewer than tp are
+  replicated, one per rank), or under multi-latent attention the normalised latent and the rotated shared key
+  part (``kv_lora_rank + qk_pos_emb_head_dim``, whole on every tp rank), as :class:`~omnitron.core.inference.
+  kv_cache.KVCache` keeps them. Sliding-window layers keep every slot too (the cache has no ring buffer). There is
+  no FP8 KV cache: keys and values are in the serving dtype.
+- activations: the prefill's working set (no autograd: one layer's tensors at a time), the largest of its phases
+  over ``T = B x prompt`` tokens (the prompt is ``S`` at worst): the MLP's (:func:`_mlp`), attention's
+  (:func:`_attention`: with left-padded prompts the masked path's ``[b, heads, s, s]`` fp32 scores and
+  probabilities) and the output head's (the vocabulary shard's logits, gathered whole over tp on the last
+  stage, twice). Decoding steps hold the same tensors for ``B`` tokens: fewer.
+
+Not modelled: communication buffers, allocator fragmentation and caching, buffers fused kernels allocate
+internally, ``--return-log-probs``' fp32 log-softmax of the prompt's logits, MoE dispatch buffers (an MoE layer's
+MLP phase is priced as its routed tokens' expert MLPs, ``topk x T`` rows, plus the shared expert).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnitron.core.transformer.shapes import ffn_size, head_dim, padded_vocab_size, query_groups
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_RESIDUAL = 5
+"""``[T, h]`` tensors alive in any phase: the residual stream, the norm's output, the phase's output, the residual
+sum, and one more (the norm's or the sum's temporary)."""
+
+
+@dataclass(frozen=True)
+class ServeMemory:
+    """One tp rank of pipeline stage ``stage``, serving ``requests`` sequences of up to ``seq_length`` tokens."""
+
+    stage: int
+    layers: int
+    requests: int
+    seq_length: int
+    weights: int
+    kv_cache: int
+    kv_per_token: int
+    """Cache bytes one token costs on this rank (all its layers)."""
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations
+
+
+def kv_bytes_per_token(cfg, tp: int, layers: int, elem: int) -> int:
+    """KV-cache bytes of one token over ``layers`` layers on one tp rank (see the module docstring)."""
+    if getattr(cfg, "multi_latent_attention", False):
+        return layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) * elem
+    return layers * 2 * max(query_groups(cfg) // tp, 1) * head_dim(cfg) * elem
+
+
+def _mlp(cfg, tp: int, tokens: int, elem: int, moe: bool) -> int:
+    """The MLP phase: the residual, norm and output ``[T, h]`` and the up-projection's output with the activation
+    (gated: the fused ``2f`` projection, ``silu(gate)`` and the product; else ``f`` twice)."""
+    h, gated = cfg.hidden_size, cfg.swiglu
+    if moe:
+        f, rows = cfg.moe_ffn_hidden_size or ffn_size(cfg), tokens * cfg.moe_router_topk
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+    else:
+        f, rows, shared = ffn_size(cfg), tokens, 0
+    up = (4 if gated else 2) * (rows * f + tokens * shared) // tp
+    return (_RESIDUAL * tokens * h + up + (rows - tokens) * h) * elem
+
+
+def _attention(cfg, tp: int, batch: int, prompt: int, elem: int, padded: bool) -> int:
+    """The attention phase: the ``[T, h]`` tensors, the projections (q, k, v and their head-major copies), the
+    heads' output; left-padded prompts add the masked softmax's fp32 scores and probabilities, its additive fp32
+    mask ``[b, 1, s, s]`` and the keys and values repeated to every query head (grouped-query attention)."""
+    tokens, h = batch * prompt, cfg.hidden_size
+    heads = cfg.num_attention_heads // tp
+    if getattr(cfg, "multi_latent_attention", False):
+        qk, v = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        proj = heads * (2 * qk + v) + cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+        out, repeated = heads * v, 0
+    else:
+        d = head_dim(cfg)
+        groups = max(query_groups(cfg) // tp, 1)
+        proj, out = (heads + 2 * groups) * d, heads * d
+        repeated = 2 * (heads - groups) * d if groups < heads else 0
+    scores = (2 * heads + 1) * batch * prompt * prompt * 4 if padded else 0
+    return (_RESIDUAL * tokens * h + 2 * tokens * proj + tokens * out + padded * tokens * repeated) * elem + scores
+
+
+def _head(cfg, tp: int, tokens: int, elem: int) -> int:
+    """The output head: while the output layer runs, the final norm's input and output ``[T, h]`` and this rank's
+    logits, twice where its vocabulary shard holds padding (the copy with those columns at -inf,
+    ``GPTModel._mask_padding``); under tp then, the hidden states freed, its logits and the whole vocabulary twice
+    (``gather_last``: the all-gather's ``[tp T, V / tp]`` and their concatenation ``[T, V]``)."""
+    vocab = padded_vocab_size(cfg, tp)
+    local = vocab // tp * (2 if vocab > cfg.vocab_size else 1)
+    layer = 2 * tokens * cfg.hidden_size + tokens * local
+    return max(layer, tokens * (vocab // tp + 2 * vocab) if tp > 1 else 0) * elem
+
+
+def prefill_bytes(cfg, tp: int, batch: int, prompt: int, elem: int, *, last: bool, moe: bool,
+                  padded: bool = True) -> int:
+    """The prefill's largest phase (module docstring) on one rank of a stage (``last``: it holds the head)."""
+    tokens = batch * prompt
+    phases = [_mlp(cfg, tp, tokens, elem, moe), _attention(cfg, tp, batch, prompt, elem, padded)]
+    return max(phases + ([_head(cfg, tp, tokens, elem)] if last else []))
+
+
+def _stage_params(model_cfg, parallel, r: int) -> tuple[int, int, bool]:
+    """(parameter count, decoder layers, whether an MoE layer is among them) of pipeline rank ``r``, tp rank 0."""
+    from omnitron.plan.state import skeleton
+
+    chunks = skeleton(model_cfg, parallel, r)
+    count = sum(p.numel() for m in chunks for p in m.parameters())
+    layers = [layer for m in chunks for layer in m.decoder.layers.values()] if chunks else []
+    moe = any(hasattr(layer.mlp, "router") for layer in layers)
+    return count, len(layers), moe
+
+
+def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None = None,
+                   padded: bool = True) -> list[ServeMemory]:
+    """Every pipeline stage's :class:`ServeMemory` for ``requests`` sequences of ``seq_length`` tokens (prompt and
+    generated; the prefill of ``prompt`` tokens, default all ``seq_length``; ``padded``: prompts of different
+    lengths, so the masked attention path)."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.plan.memory import check_family, model_config
+
+    check_family(settings)
+    if requests < 1 or seq_length < 1:
+        raise ConfigError(f"--inference-max-requests ({requests}) and --inference-max-seq-length ({seq_length}) "
+                          "must be at least 1")
+    cfg, pc = model_config(settings), settings.parallel
+    limit = cfg.max_position_embeddings or cfg.seq_length
+    if seq_length > limit:
+        raise ConfigError(f"--inference-max-seq-length {seq_length} is more than the model's {limit} positions "
+                          "(--max-position-embeddings); generation stops there: give at most that")
+    tp, elem = pc.tensor_model_parallel_size, _BYTES[settings.precision.params_dtype_name]
+    cfg = _serving(cfg, settings.precision.params_dtype_name)
+    out = []
+    for r in range(pc.pipeline_model_parallel_size):
+        count, layers, moe = _stage_params(cfg, pc, r)
+        per_token = kv_bytes_per_token(cfg, tp, layers, elem)
+        act = prefill_bytes(cfg, tp, requests, prompt or seq_length, elem,
+                            last=r == pc.pipeline_model_parallel_size - 1, moe=moe, padded=padded)
+        out.append(ServeMemory(r, layers, requests, seq_length, count * elem, requests * seq_length * per_token,
+                               per_token, act))
+    return out
+
+
+def _serving(cfg, dtype_name: str):
+    from dataclasses import replace
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    return replace(cfg, params_dtype=dtype, recompute_granularity=None, recompute_method=None)
+
+
+def largest_batch(settings, seq_length: int, memory: int) -> int:
+    """The most requests of ``seq_length`` tokens whose largest rank fits ``memory`` bytes (0: not even one)."""
+    fits = lambda b: max(s.total for s in serve_estimate(settings, b, seq_length)) <= memory  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def format_serve(stages: list[ServeMemory], memory: int | None = None, largest: int | None = None) -> str:
+    """One row per stage (GiB) and the largest rank; with ``memory``, whether it fits and the largest batch."""
+    def gib(n: int) -> str:
+        return f"{n / 2**30:10.3f}"
+
+    head = f"{'stage':>5} {'layers':>6} {'weights':>10} {'kv-cache':>10} {'activations':>11} {'total':>10}  (GiB)"
+    rows = [head] + [f"{s.stage:>5} {s.layers:>6} {gib(s.weights)} {gib(s.kv_cache)}  {gib(s.activations)} "
+                     f"{gib(s.total)}" for s in stages]
+    top = max(stages, key=lambda s: s.total)
+    rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes); KV cache "
+                f"{top.kv_per_token} bytes a token on it ({top.requests} requests x {top.seq_length} tokens)")
+    if memory is not None:
+        verdict = "fits" if top.total <= memory else "DOES NOT FIT"
+        rows.append(f"{verdict} {memory / 2**30:.1f} GiB; the most requests of {top.seq_length} tokens that fit: "
+                    f"{largest}")
+    return "\n".join(rows)

@@ -1,0 +1,69 @@
+"""``omnitron plan --inference-max-requests B --inference-max-seq-length S``: the KV cache a token costs per rank,
+hand-derived from the published architectures (the sim allocator checks the terms in bytes:
+tests/sim/test_sim_serve_memory.py), the largest batch that fits, and the command's output and refusals."""
+from __future__ import annotations
+
+import pytest
+
+from omnitron.cli import main
+from omnitron.core.models.gpt.config import deepseek_v3, llama3_70b, llama3_8b
+from omnitron.plan.inference import kv_bytes_per_token
+
+TINY = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
+def test_kv_bytes_per_token_by_hand(tp):
+    # Llama 3 70B: 80 layers, 8 KV heads of 128; K and V; bf16. Heads fewer than tp: one per rank (replicated)
+    assert kv_bytes_per_token(llama3_70b(), tp, 80, 2) == 80 * 2 * max(8 // tp, 1) * 128 * 2
+    # Llama 3 8B, fp32: 32 layers, 8 KV heads of 128
+    assert kv_bytes_per_token(llama3_8b(), tp, 32, 4) == 32 * 2 * max(8 // tp, 1) * 128 * 4
+    # DeepSeek-V3: the latent (512) and the rotated key part (64) per layer, whole on every tp rank (not 128 heads'
+    # keys and values: 61 x 2 x 128 x 192 numbers, 85x more)
+    assert kv_bytes_per_token(deepseek_v3(), tp, 61, 2) == 61 * (512 + 64) * 2
+
+
+def _serve(argv):
+    from omnitron.commands.plan import settings_of
+    from omnitron.plan.inference import largest_batch, serve_estimate
+
+    s = settings_of({"model": "gpt2_tiny", "mock_data": True, "tokenizer_type": "NullTokenizer", "vocab_size": 200,
+                     **argv})
+    return s, serve_estimate, largest_batch
+
+
+def test_plan_prints_the_serving_estimate_and_the_largest_batch(capsys):
+    s, serve_estimate, largest_batch = _serve({"layout": "tp2,pp2"})
+    stages = serve_estimate(s, 3, 64)
+    top = max(stages, key=lambda st: st.total)
+    assert [st.layers for st in stages] == [2, 2] and stages[1].activations > 0
+    # gpt2_tiny: 4 heads of 32, 2 layers a stage; K and V of 2 heads a tp rank, fp32
+    assert top.kv_cache == 3 * 64 * top.kv_per_token == 3 * 64 * 2 * 2 * (4 // 2) * 32 * 4
+    memory = top.total + 1
+    b = largest_batch(s, 64, memory)
+    assert b >= 3 and max(st.total for st in serve_estimate(s, b, 64)) <= memory
+    assert max(st.total for st in serve_estimate(s, b + 1, 64)) > memory
+    assert main(["plan", *TINY, "--layout", "tp2,pp2", "--inference-max-requests", "3", "--inference-max-seq-length",
+                 "64", "--device-memory", f"{memory}B"]) == 0
+    out = capsys.readouterr().out
+    assert "tp2 pp2 | 3 requests x 64 tokens | fp32" in out and f"({top.total} bytes)" in out
+    assert f"the most requests of 64 tokens that fit: {b}" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--inference-max-requests", "2", "--inference-max-seq-length", "100000"], "more than the model's"),
+    (["--inference-max-requests", "0", "--inference-max-seq-length", "8"], "must be at least 1"),
+    (["--inference-max-requests", "2", "--devices", "8", "--device", "h100-sxm"], "--devices prices training"),
+])
+def test_plan_serving_refusals(argv, needle, capsys):
+    assert main(["plan", *TINY, *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_serving_defaults(capsys):
+    """One of the two flags given: the other is Megatron's default requests (8), or the model's --seq-length."""
+    assert main(["plan", *TINY, "--inference-max-seq-length", "64"]) == 0
+    assert "| 8 requests x 64 tokens |" in capsys.readouterr().out
+    assert main(["plan", *TINY, "--inference-max-requests", "2"]) == 0
+    assert "| 2 requests x 128 tokens |" in capsys.readouterr().out  # gpt2_tiny: --seq-length 128
