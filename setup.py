@@ -34,7 +34,8 @@ def _extensions():
     ext = CppExtension(
         "omnitron._C",
         sources,
-        extra_compile_args=["-O3", "-g0", "-fopenmp", f"-march={march}", "-fno-math-errno", std],
+        extra_compile_args=["-O3", "-g0", "-fopenmp", f"-march={march}", "-fno-math-errno", std,
+                            _kernel_sources().digest_define("csrc")],
         extra_link_args=["-fopenmp"],
     )
     # The simulated device: no -march (nothing here is a hot loop), no OpenMP.
@@ -43,13 +44,22 @@ def _extensions():
     return [ext, sim], {"build_ext": _parallel(BuildExtension.with_options(use_ninja=False))}
 
 
+def _kernel_sources():
+    """``omnitron/kernels/sources.py``, loaded by path: the sources' digest and the C++ standard, shared with the
+    JIT build (importing the omnitron package here would import what is being built)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_omnitron_kernel_sources", "omnitron/kernels/sources.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _cxx_std() -> str:
-    """The C++ standard of the installed torch's headers: C++20 from torch 2.14 (they use concepts' ``requires``),
-    C++17 before (the compiler's default may be older)."""
+    """The C++ standard of the installed torch's headers (``sources.cxx_std``)."""
     import torch
 
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+    return _kernel_sources().cxx_std(torch.__version__)
 
 
 def _parallel(build_ext):

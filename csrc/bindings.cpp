@@ -3,6 +3,11 @@
 
 #include "cpu/ops.h"
 
+// The digest of the sources this build compiled (omnitron/kernels/sources.py passes it as a bare token):
+// nodes compare it, so a wheel and a JIT build of the same sources agree.
+#define OMNITRON_STRINGIFY_(x) #x
+#define OMNITRON_STRINGIFY(x) OMNITRON_STRINGIFY_(x)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "omnitron fused CPU kernels (OpenMP, vectorised, float accumulation)";
   m.def("rms_norm_fwd", &omnitron::rms_norm_fwd);
@@ -16,4 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_grad", &omnitron::cross_entropy_grad);
   m.def("adamw_step", &omnitron::adamw_step);
   m.def("grad_norm_sq", &omnitron::grad_norm_sq);
+#ifdef OMNITRON_SOURCE_DIGEST
+  m.attr("source_digest") = OMNITRON_STRINGIFY(OMNITRON_SOURCE_DIGEST);
+#endif
 }

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from omnitron.kernels import sources
 from omnitron.kernels.reference.cross_entropy_shard import whole_vocab_cross_entropy
 from omnitron.kernels.reference.rope import rope_call_problem
 from omnitron.kernels.registry import register
@@ -32,16 +33,11 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _sources() -> list[Path]:
-    return sorted((_CSRC / "cpu").glob("*.cpp")) + [_CSRC / "bindings.cpp"]
-
-
 def _jit_build():
     from torch.utils import cpp_extension
 
-    sources = _sources()
     digest = hashlib.sha256(torch.__version__.encode())
-    for path in sources + sorted((_CSRC / "cpu").glob("*.h")):
+    for path in sources.kernel_sources(_CSRC):
         digest.update(path.read_bytes())
     cache = Path(os.environ.get("OMNITRON_CACHE", Path.home() / ".cache" / "omnitron"))
     build_dir = cache / f"ext-{digest.hexdigest()[:16]}"
@@ -49,9 +45,29 @@ def _jit_build():
     if not (build_dir / "omnitron_C.so").exists():
         log.info("building omnitron C++ kernels into %s (once; about 30-60 s)", build_dir)
     return cpp_extension.load(
-        name="omnitron_C", sources=[str(p) for p in sources], build_directory=str(build_dir),
-        extra_cflags=["-O3", "-g0", "-fopenmp", "-march=native", "-fno-math-errno", "-std=c++17"],
-        extra_ldflags=["-fopenmp"], verbose=False)
+        name="omnitron_C", sources=[str(p) for p in sources.kernel_sources(_CSRC) if p.suffix == ".cpp"],
+        build_directory=str(build_dir), extra_ldflags=["-fopenmp"], verbose=False,
+        extra_cflags=["-O3", "-g0", "-fopenmp", "-march=native", "-fno-math-errno", sources.cxx_std(torch.__version__),
+                      sources.digest_define(_CSRC)])
+
+
+def signature() -> str:
+    """The C++ kernels this process runs, for the nodes' comparison: ``sources #DIGEST`` of the sources an installed
+    ``omnitron._C`` was built from, or of those a source checkout builds (or built) on first use; an installed build
+    older than its digest: ``N ops #digest`` of its functions' names and signatures; or "not installed". How and
+    where a build was made (wheel or JIT, its path, ``-march``) does not count."""
+    import importlib
+
+    try:
+        module = importlib.import_module("omnitron._C")
+    except ImportError:
+        if os.environ.get("OMNITRON_JIT_BUILD", "1") == "0" or not (_CSRC / "bindings.cpp").exists():
+            return "not installed"
+        return f"sources #{sources.source_digest(_CSRC)}"
+    built_from = getattr(module, "source_digest", None)
+    if built_from:
+        return f"sources #{str(built_from).removeprefix(sources.DIGEST_PREFIX)}"
+    return sources.interface_digest(module)
 
 
 def extension():

@@ -44,11 +44,20 @@ def test_a_save_whose_directory_vanished_says_so(tmp_path, monkeypatch, where):
     assert "\n" not in line
     assert f"--save {d} was deleted while saving iter_0000002" in line, line
     assert "latest" not in line and "digest" not in line, line
+    assert "and with it every checkpoint the directory held" in line and "previous" not in line, line
 
 
-def test_a_save_whose_tmp_dir_vanished_says_so(tmp_path, monkeypatch):
-    """Only ``iter_N.tmp`` deleted (a cleaner sweeping *.tmp): the line names it, not the whole --save."""
+@pytest.mark.parametrize("before", [0, 1, 2])
+def test_a_save_whose_tmp_dir_vanished_says_so(tmp_path, monkeypatch, before):
+    """Only ``iter_N.tmp`` deleted (a cleaner sweeping *.tmp): the line names it, not the whole --save, and names
+    the newest checkpoint left (``before`` saved first) as the one to resume from with --load, or says there is
+    none. Fails without the fix: "resume with --load from a checkpoint that is left", naming none."""
+    import random
+
     d = str(tmp_path / "save")
+    its = sorted(random.sample(range(1, 1000), before + 1))
+    for it in its[:-1]:
+        _save(d, it)
     original = io._write_shard
 
     def planted(tmp, rank, shard):
@@ -56,8 +65,17 @@ def test_a_save_whose_tmp_dir_vanished_says_so(tmp_path, monkeypatch):
         return original(tmp, rank, shard)
 
     monkeypatch.setattr(io, "_write_shard", planted)
-    with pytest.raises(io.SaveDirGone, match=r"iter_0000003\.tmp under --save .* was deleted while saving"):
-        _save(d, 3)
+    name = io.iter_dir_name(its[-1])
+    with pytest.raises(io.SaveDirGone) as err:
+        _save(d, its[-1])
+    line = str(err.value)
+    assert "\n" not in line and f"{name}.tmp under --save {d} was deleted while saving {name}" in line, line
+    if before:
+        assert f"The previous checkpoint, {io.iter_dir_name(its[-2])}, is intact: resume from it with --load {d}" \
+               in line, line
+        assert io.find_latest(d) == os.path.join(d, io.iter_dir_name(its[-2]))  # what --load d resumes from
+    else:
+        assert "--save holds no complete checkpoint" in line and "previous" not in line, line
 
 
 def _other_job(d: str) -> subprocess.Popen:

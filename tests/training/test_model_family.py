@@ -87,3 +87,47 @@ def test_toy_family_refusals_are_one_line(args, message):
     proc = _train(*args, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert message in proc.stderr
+
+
+def _recorder(kind: str):
+    """A build_datasets of one signature: the contract's first (no is_node_builder), one naming every keyword,
+    one taking ``**kwargs``; it returns the keywords it was given."""
+    if kind == "first":
+        def build(settings, tokenizer, *, train_samples, valid_samples, test_samples, is_builder_rank=True,
+                  barrier=None):
+            return dict(train_samples=train_samples, valid_samples=valid_samples, test_samples=test_samples,
+                        is_builder_rank=is_builder_rank, barrier=barrier)
+    elif kind == "named":
+        def build(settings, tokenizer, train_samples, valid_samples, test_samples, is_builder_rank=True,
+                  barrier=None, is_node_builder=False):
+            return dict(train_samples=train_samples, valid_samples=valid_samples, test_samples=test_samples,
+                        is_builder_rank=is_builder_rank, barrier=barrier, is_node_builder=is_node_builder)
+    else:
+        def build(settings, tokenizer, **kw):
+            return kw
+    return build
+
+
+@pytest.mark.parametrize("kind", ["first", "named", "kwargs"])
+@pytest.mark.parametrize("rank0, node_first", [(True, True), (False, True), (False, False)])
+def test_build_datasets_of_every_signature_gets_what_it_takes(kind, rank0, node_first, caplog):
+    """A family's build_datasets written before ``is_node_builder`` is called without it (it raised TypeError);
+    one that names it or takes ``**kwargs`` gets it; only another node's first rank warns about the drop."""
+    import dataclasses
+
+    from omnitron.core.models.gpt.family import GPT_FAMILY
+
+    family = dataclasses.replace(GPT_FAMILY, build_datasets=_recorder(kind))
+    barrier = object()
+    sizes = dict(train_samples=8, valid_samples=2, test_samples=0, is_builder_rank=rank0, barrier=barrier,
+                 is_node_builder=node_first)
+    with caplog.at_level("WARNING", logger="omnitron.core.models.family_base"):
+        got = family.datasets(None, None, **sizes)
+    want = {k: v for k, v in sizes.items() if kind != "first" or k != "is_node_builder"}
+    assert got == want
+    warned = [r.getMessage() for r in caplog.records]
+    if kind == "first" and node_first and not rank0:
+        assert len(warned) == 1 and "takes no is_node_builder keyword" in warned[0], warned
+        assert "--data-cache-path" in warned[0]
+    else:
+        assert warned == []

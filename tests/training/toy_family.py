@@ -87,7 +87,8 @@ class ProgressionDataset(torch.utils.data.Dataset):
 
 
 def build_datasets(settings, tokenizer, *, train_samples, valid_samples, test_samples, is_builder_rank=True,
-                   barrier=None, is_node_builder=False):
+                   barrier=None):
+    """The contract's first signature, kept: an out-of-tree family written before ``is_node_builder`` trains."""
     if barrier is not None:
         barrier()
     s, v, seed = settings.model.seq_length, tokenizer.vocab_size, settings.training.seed

@@ -193,12 +193,25 @@ class SaveDirGone(CheckpointError):
 
 
 def _vanished(save_dir: str, name: str) -> SaveDirGone:
-    """The one line for a save whose directory was deleted under it: what is lost, what is left, what to do."""
-    what = f"--save {save_dir} was deleted" if not os.path.isdir(save_dir) else \
-        f"{name}.tmp under --save {save_dir} was deleted"
-    return SaveDirGone(f"{what} while saving {name}, by something outside this job: that save is lost (and the "
-                       f"checkpoints the directory held with it); the run stops here. Keep --save in place while a "
-                       f"job runs, and resume with --load from a checkpoint that is left (or from scratch)")
+    """The one line for a save whose directory was deleted under it: what is lost, what is left (the checkpoint
+    to resume from, where ``save_dir`` still holds one), what to do."""
+    lost = "by something outside this job: that save is lost"
+    if not os.path.isdir(save_dir):
+        return SaveDirGone(f"--save {save_dir} was deleted while saving {name}, {lost}, and with it every "
+                           f"checkpoint the directory held; the run stops here. Keep --save in place while a job "
+                           f"runs; resume with --load from a copy kept elsewhere, or start afresh")
+    try:
+        left = find_latest(save_dir, quiet=True)
+    except CheckpointError:  # 'latest' damaged too: the newest complete one
+        its = list_checkpoints(save_dir)
+        left = os.path.join(save_dir, iter_dir_name(its[-1])) if its else None
+    what = f"{name}.tmp under --save {save_dir} was deleted while saving {name}, {lost}; the run stops here."
+    if left is None:
+        return SaveDirGone(f"{what} --save holds no complete checkpoint: keep --save in place while a job runs, and "
+                           f"start again (from the checkpoint this run was loaded from, if any)")
+    previous = os.path.basename(left).split(".")[0]  # iter_N (of iter_N.replaced while a re-save was caught)
+    return SaveDirGone(f"{what} The previous checkpoint, {previous}, is intact: resume from it with "
+                       f"--load {save_dir} (and keep --save in place while a job runs)")
 
 
 def save_checkpoint(save_dir: str, iteration: int, shard: dict, metadata: dict, *, rank: int, world_size: int,

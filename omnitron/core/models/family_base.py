@@ -5,12 +5,28 @@ module that imports the built-in families.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from omnitron.core.parallel.pipeline.runtime import default_loss_fn
 from omnitron.core.parallel.pipeline.schedules import virtual_stage
 from omnitron.core.parallel.tensor.random import reseed_chunk_stream
+
+log = logging.getLogger(__name__)
+LATER_DATASET_KEYWORDS = ("is_node_builder",)
+"""Keywords ``build_datasets`` gained after the contract was published: given only to a function that takes them."""
+
+
+def _takes(fn: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``fn`` accepts ``keyword`` (by name or ``**kwargs``); True when its signature cannot be read."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or extension callable: pass everything, as before
+        return True
+    return any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+               for p in params)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,9 +56,12 @@ class ModelFamily:
     stages_read_batch: bool = False
     """Every pipeline stage reads the micro-batch (BERT's padding mask), not only the first and last."""
     build_datasets: Callable[..., Any]
-    """``(settings, tokenizer, **sizes) -> (train, valid, test)``; ``sizes``: the builder's common keywords
-    (``train_samples``, ``valid_samples``, ``test_samples``, ``is_builder_rank``, ``barrier``,
-    ``is_node_builder``: see :func:`omnitron.core.data.cache.build_in_turn`)."""
+    """``(settings, tokenizer, *, train_samples, valid_samples, test_samples, is_builder_rank, barrier,
+    [is_node_builder]) -> (train, valid, test)``: the builder's common keywords (see
+    :func:`omnitron.core.data.cache.build_in_turn`). ``is_node_builder`` (each node's first rank, for index
+    caches on each node's own disk) came later: the engine calls :meth:`datasets`, which passes it only to a
+    function that names it or takes ``**kwargs``, so a family written before it keeps working (its caches are
+    then built by rank 0 alone: ``--data-cache-path`` must be shared by every node)."""
     synthetic_data: bool = False
     """The family makes its own samples (LLaVA's synthetic captions): no ``--data-path`` files to check."""
     num_parameters: Callable[[Any], int]
@@ -63,6 +82,16 @@ class ModelFamily:
     """Generation reads one image per prompt."""
     default_prompt: str | None = None
     """``omnitron generate``'s prompt when none is given (LLaVA's captions start with "a")."""
+
+    def datasets(self, settings, tokenizer, **sizes) -> tuple:
+        """``build_datasets(settings, tokenizer, **sizes)``, less the :data:`LATER_DATASET_KEYWORDS` that it does
+        not take; a node's first rank (not rank 0) that drops ``is_node_builder`` says so once."""
+        dropped = [k for k in LATER_DATASET_KEYWORDS if k in sizes and not _takes(self.build_datasets, k)]
+        if sizes.get("is_node_builder") and not sizes.get("is_builder_rank") and "is_node_builder" in dropped:
+            log.warning("model family %r: its build_datasets takes no is_node_builder keyword, so this node "
+                        "loads rank 0's index caches and builds none: give --data-cache-path a directory every "
+                        "node shares (or let build_datasets take is_node_builder)", self.name)
+        return self.build_datasets(settings, tokenizer, **{k: v for k, v in sizes.items() if k not in dropped})
 
     def own_fields(self) -> tuple[str, ...]:
         """The config fields this family adds to GPTConfig's: flags that only apply to it."""

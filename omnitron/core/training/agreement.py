@@ -15,9 +15,11 @@ each rank joins the job (:func:`omnitron.core.training.workers.join_job`), befor
   every rank, in torchrun's report of every node).
 
 The software is compared too (:func:`software`): omnitron's and torch's versions, the backend's libraries
-(``backend.versions()``: the vendor stack's runtime, collective and kernel libraries) and the interface of each C++ extension loaded.
-Two nodes with different torch builds started with the same flags ran, their collectives and kernels not
-guaranteed to agree; a node with a stale ``omnitron._C`` (built from older sources) runs other kernels.
+(``backend.versions()``: the vendor stack's runtime, collective and kernel libraries), the sources the C++ kernels
+were built from (an installed ``omnitron._C`` and a source checkout's JIT build of the same sources agree) and the
+interface of ``omnitron._sim`` where loaded. Two nodes with different torch builds started with the same flags ran,
+their collectives and kernels not guaranteed to agree; a node with a stale ``omnitron._C`` (built from older
+sources) runs other kernels.
 
 The ranks' view of ``--save`` is compared too (:func:`mark_save_dir`, :data:`SEES_SAVE`): every rank writes its
 checkpoint files there, so it must be one directory on a file system every node shares. A node whose ``--save``
@@ -65,32 +67,27 @@ MARK_KEY = "settings/save_mark"
 
 SOFTWARE = "software"
 """The entry of a rank's compared values that holds its :func:`software`."""
-EXTENSIONS = ("omnitron._C", "omnitron._sim")
 
 
 def software(backend=None) -> dict:
-    """``{name: version}`` of what a rank runs: omnitron, torch, ``backend.versions()`` and, for each C++
-    extension, ``N ops #digest`` of its functions' names and signatures (what a build from other sources
-    changes; a build for another CPU, ``-march``, does not), "not installed", or nothing for ``omnitron._sim``
-    when this rank did not load it (a backend other than sim: the settings name the backend)."""
-    import importlib
-    import importlib.util
+    """``{name: version}`` of what a rank runs: omnitron, torch, ``backend.versions()``, the C++ kernels
+    (:func:`omnitron.kernels.cpp.signature`: the digest of the sources they were built from, so an installed
+    ``omnitron._C`` and a source checkout's JIT build of the same sources agree) and, for ``omnitron._sim`` when
+    this rank loaded it, ``N ops #digest`` of its functions' names and signatures (nothing otherwise: a backend
+    other than sim; the settings name the backend)."""
     import sys
 
     import torch
 
     import omnitron
+    from omnitron.kernels import cpp, sources
 
     out = {"omnitron": omnitron.__version__, "torch": torch.__version__}
     out.update({k: str(v) for k, v in (backend.versions() if backend is not None else {}).items()})
-    for name in EXTENSIONS:
-        if name not in sys.modules and (name == "omnitron._sim" or importlib.util.find_spec(name) is None):
-            if name != "omnitron._sim":
-                out[name] = "not installed"
-            continue
-        module = importlib.import_module(name)
-        ops = sorted((n, str(getattr(module, n).__doc__)) for n in dir(module) if not n.startswith("__"))
-        out[name] = f"{len(ops)} ops #{hashlib.sha256(repr(ops).encode()).hexdigest()[:12]}"
+    out["omnitron._C"] = cpp.signature()
+    sim = sys.modules.get("omnitron._sim")
+    if sim is not None:
+        out["omnitron._sim"] = sources.interface_digest(sim)
     return out
 
 

@@ -214,13 +214,14 @@ def build_data(settings, tokenizer, groups, collectives):
         sizes["train_samples"] = batch_ramp(t, settings.dp, settings.model.seq_length).samples(t.train_iters)
     start, rank0 = time.perf_counter(), groups.rank == 0
     if rank0:
-        where = "" if settings.data.mock_data else f" (index caches under {settings.data.data_cache_path or default_cache_dir()})"
+        cache_dir = settings.data.data_cache_path or default_cache_dir()
+        where = "" if settings.data.mock_data else f" (index caches under {cache_dir})"
         log.info("building datasets: %d training, %d validation and %d test samples%s ...", sizes["train_samples"],
                  sizes["valid_samples"], sizes["test_samples"], where)
     # each node's first rank builds the caches its node lacks (a cache on each node's own disk)
     node_first = barrier is not None and torch.distributed.get_node_local_rank(fallback_rank=groups.rank) == 0
-    datasets = family_of(settings.model).build_datasets(settings, tokenizer, **sizes, is_builder_rank=rank0,
-                                                        barrier=barrier, is_node_builder=node_first)
+    datasets = family_of(settings.model).datasets(settings, tokenizer, **sizes, is_builder_rank=rank0,
+                                                  barrier=barrier, is_node_builder=node_first)
     for ds, split, need in zip(datasets, ("training", "validation", "test"), sizes.values()):
         if ds is not None and len(ds) < need:  # several prefixes without weights: each is read once
             raise DataError(f"the {split} data holds {len(ds)} samples, the run reads {need}: --data-path prefixes "
@@ -279,7 +280,8 @@ def build_components(settings, backend) -> Components:
     groups = ParallelGroups.build(settings.parallel, backend=backend)
     seed_everything(settings.training.seed, groups.pp.rank, backend)
     d = settings.data
-    tokenizer = build_tokenizer(**tokenizer_kwargs(d), **family_of(settings.model).tokenizer_kwargs(settings.model))  # T5's sentinels
+    family_kw = family_of(settings.model).tokenizer_kwargs(settings.model)  # T5's sentinels
+    tokenizer = build_tokenizer(**tokenizer_kwargs(d), **family_kw)
     cfg = replace(settings.model, vocab_size=tokenizer.vocab_size)
     modules = build_model_chunks(cfg, groups, settings.training.seed, backend, settings.training.pipeline_schedule)
     extra = enable_fp8_if_asked(modules, settings, groups, cfg, backend)
