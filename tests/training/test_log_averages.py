@@ -161,3 +161,76 @@ def test_the_loss_scale_prints_as_megatrons(tmp_path, capsys, scale):
                  "peak_memory_bytes": None})
     log.close()
     assert f"| loss scale {scale:.1f} |" in capsys.readouterr().out
+
+
+# omnitron's console label -> Megatron's training_log label, for the fields both print
+_LABELS = {"loss": "lm loss", "loss scale": "loss scale", "grad norm": "grad norm", "num zeros": "num zeros",
+           "skipped": "number of skipped iterations", "nan": "number of nan iterations"}
+
+
+def _megatron_fields(printed: float | None, loss_scale: float | None, grad_norm: float | None,
+                     num_zeros: int | None, skipped: int, nan: int) -> dict:
+    """The fields of Megatron's console line among ``_LABELS`` (training_log at d98e8a6, transcribed): the loss
+    when its average exists and is ``>= 0.0``; the loss scale always (training's loop passes 1.0 where the optimizer
+    has no scaler: bf16, fp32); the grad norm and zeros when not None; the skipped and nan counts always."""
+    out = {"loss scale": 1.0 if loss_scale is None else loss_scale, "number of skipped iterations": skipped,
+           "number of nan iterations": nan}
+    if printed is not None:
+        out["lm loss"] = printed
+    if grad_norm is not None:
+        out["grad norm"] = grad_norm
+    if num_zeros is not None:
+        out["num zeros"] = num_zeros
+    return out
+
+
+def _fields(line: str) -> dict:
+    """The ``_LABELS`` fields of one omnitron line, under Megatron's labels."""
+    out = {}
+    for part in line.split(" | "):
+        label, _, value = part.rpartition(" ")
+        if label in _LABELS:
+            out[_LABELS[label]] = float(value) if value not in ("-", "nan") else value
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_console_fields_are_megatrons(tmp_path, capsys, precision):
+    """Field by field against Megatron's console line (``_megatron_fields``) at --log-interval 1 and 2 on fresh
+    random steps: bf16 and fp32 show loss scale 1.0 and the skipped / nan counts (Megatron prints them for every
+    precision), an fp16 step skipped on overflow has no grad norm or zeros, and a nan average (a bf16 step gone
+    nan with the check off) is left out. Values to their printed precision: the loss 4 decimals (5e-5), the norm
+    3 (5e-4), the scale 1 (0.05). Failed before: bf16 / fp32 lines had no loss scale, skipped or nan fields, a
+    skipped step printed ``grad norm -`` and ``num zeros -``, and a nan average printed ``loss nan``."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for interval in (1, 2):
+        steps = []
+        for i in range(8):
+            skip = precision == "fp16" and rng.random() < 0.4
+            loss = float("nan") if i == 5 and precision == "bf16" else rng.uniform(2.0, 9.0)
+            steps.append({"lm_loss": float("inf") if skip and i == 3 else loss, "lr": 1e-3,
+                          "grad_norm": None if skip else rng.uniform(0.1, 5.0), "skipped": skip,
+                          "loss_scale": 2.0 ** rng.randint(-2, 20) if precision == "fp16" else None,
+                          "num_zeros_in_grad": None if skip else rng.randint(0, 99), "step_time_s": 0.1,
+                          "tokens_per_sec": 1.0, "tflops_per_device": None, "mfu": None, "peak_memory_bytes": None})
+        log = MetricsLogger(log_dir=str(tmp_path / str(interval)), log_interval=interval, train_iters=len(steps),
+                            enabled=True, tensorboard=False, progress_bar=False, start_iteration=0)
+        for i, values in enumerate(steps):
+            log.step(i + 1, values)
+        log.close()
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+        printed = _megatron_log([(v["lm_loss"], v["skipped"]) for v in steps], interval)
+        assert len(lines) == len(printed) == len(steps) // interval
+        for n, (line, (avg, _)) in enumerate(zip(lines, printed)):
+            chunk = steps[n * interval:(n + 1) * interval]
+            last = chunk[-1]
+            want = _megatron_fields(avg, last["loss_scale"], last["grad_norm"], last["num_zeros_in_grad"],
+                                    sum(v["skipped"] for v in chunk),
+                                    sum(v["skipped"] and not math.isfinite(v["lm_loss"]) for v in chunk))
+            got = _fields(line)
+            assert set(got) == set(want), line
+            for key, tol in (("lm loss", 5e-5), ("grad norm", 5e-4), ("loss scale", 0.05)):
+                if key in want:
+                    assert got[key] == pytest.approx(want[key], abs=tol), (key, line)
+            for key in ("num zeros", "number of skipped iterations", "number of nan iterations"):
+                assert got.get(key) == want.get(key), (key, line)
