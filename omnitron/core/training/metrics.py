@@ -150,6 +150,17 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def memory_line(rank: int, iteration: int, stats: dict) -> str:
+    """Megatron's report_memory line (training/utils/common_utils.py), which each rank of data-parallel rank 0 prints
+    at its first iteration and the next logged one: ``[Rank N] (after K iterations) memory (MB) | allocated: ...
+    | max allocated: ... | reserved: ... | max reserved: ...`` from the backend's ``memory_stats`` (the host
+    process's resident set on cpu); a statistic the backend cannot say is left out."""
+    fields = [f" | {label}: {stats[key] / 2**20:.2f}" for key, label in (
+        ("allocated", "allocated"), ("peak_allocated", "max allocated"), ("reserved", "reserved"),
+        ("peak_reserved", "max reserved")) if stats.get(key) is not None]
+    return f"[Rank {rank}] (after {iteration} iterations) memory (MB)" + "".join(fields)
+
+
 def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     """True when ``iteration`` gets a log line: every ``log_interval`` iterations and the last one."""
     return iteration % log_interval == 0 or iteration == train_iters
