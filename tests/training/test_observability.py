@@ -318,7 +318,8 @@ def _memory_lines(root: str, resume: bool) -> list[tuple[int, ...]]:
     level, _ = logger.level, logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        flags = ["--log-interval", "3", "--lr-decay-iters", "7", "--save", os.path.join(root, "ckpt"), "--save-interval", "4"]
+        flags = ["--log-interval", "3", "--lr-decay-iters", "7", "--save", os.path.join(root, "ckpt"),
+                 "--save-interval", "4"]
         if resume:
             flags += ["--load", os.path.join(root, "ckpt")]
         train(parse_settings(_args(root, "--train-iters", "7" if resume else "4", *flags),
