@@ -57,20 +57,27 @@ def test_skipped_iterations_leave_the_loss_average(tmp_path):
     assert recs[1]["nan_iters"] == 1
 
 
-def _megatron_log(steps: list[tuple[float, bool]], interval: int) -> list[tuple[float | None, float]]:
-    """(the console's ``lm loss`` or None where the line has none, the TensorBoard ``lm loss``) at each logged
-    iteration, as Megatron's training_log keeps ``total_loss_dict`` over the whole run with ``--log-interval`` and
-    ``--tensorboard-log-interval`` both ``interval``: the key appears at the first advanced step and is reset to
-    0 after each line (so an interval without an advanced step prints 0 / max(1, 0)); TensorBoard gets the
-    iteration's own ``loss_dict``, skipped or not."""
-    total, advanced, out = None, 0, []
+def _megatron_log(steps: list[tuple[float, bool]], interval: int) -> list[dict]:
+    """Megatron's console lines, as its training_log keeps ``total_loss_dict`` over the whole run with
+    ``--log-interval`` and ``--tensorboard-log-interval`` both ``interval``: a line at each multiple of ``interval``
+    and at the process's first iteration (``is_first_iteration``, which resets nothing); ``printed``: the line's
+    ``lm loss`` or None where it has none (the key appears at the first advanced step and is reset to 0 after each
+    line, so an interval without an advanced step prints 0 / max(1, 0); an average not >= 0 is left out),
+    ``skipped`` and ``nan`` its counts, ``tb`` the TensorBoard ``lm loss`` (the iteration's own ``loss_dict``, skipped
+    or not; None at a first-iteration line that is not a multiple). NOTE: where the first iteration is itself a
+    multiple (--log-interval 1) Megatron resets nothing either, so its second line averages iterations 1 and 2;
+    omnitron's second line is iteration 2's own, the one difference (transcribed as omnitron does it)."""
+    total, advanced, skipped, nan, out = None, 0, 0, 0, []
     for i, (loss, skip) in enumerate(steps, 1):
         if not skip:
             total, advanced = (total or 0.0) + loss, advanced + 1
-        if i % interval == 0:
+        skipped, nan = skipped + skip, nan + (skip and not math.isfinite(loss))
+        if i % interval == 0 or i == 1:
             avg = None if total is None else total / max(1, advanced)
-            out.append((avg if avg is None or avg >= 0.0 else None, loss))
-            total, advanced = (None if total is None else 0.0), 0
+            out.append({"iteration": i, "printed": avg if avg is None or avg >= 0.0 else None, "skipped": skipped,
+                        "nan": nan, "tb": loss if i % interval == 0 else None})
+        if i % interval == 0:
+            total, advanced, skipped, nan = (None if total is None else 0.0), 0, 0, 0
     return out
 
 
@@ -118,18 +125,21 @@ def test_an_interval_skipped_whole_logs_as_megatron(tmp_path, capsys, interval):
     steps += [(rng.uniform(2.0, 9.0), rng.random() < 0.3) for _ in range(2 * interval)]
     recs, lines, board = _logged(tmp_path, capsys, steps, interval)
     want = _megatron_log(steps, interval)
-    assert len(recs) == len(lines) == len(want) == len(board)
-    for rec, line, tb, (printed, tb_want), start in zip(recs, lines, board, want, range(0, len(steps), interval)):
+    assert len(lines) == len(want) and len(recs) == len(board) == len([w for w in want if w["tb"] is not None])
+    for line, w in zip(lines, want):
         shown = re.search(r"\| loss ([^ ]+) \|", line)
-        assert (shown is None) == (printed is None), line
-        if printed is not None:
-            assert float(shown.group(1)) == pytest.approx(printed, abs=5e-5)
-        chunk = steps[start:start + interval]
+        assert (shown is None) == (w["printed"] is None), line
+        if w["printed"] is not None:
+            assert float(shown.group(1)) == pytest.approx(w["printed"], abs=5e-5)
+    for rec, tb, w in zip(recs, board, [w for w in want if w["tb"] is not None]):
+        chunk = steps[w["iteration"] - interval:w["iteration"]]
         if all(skip for _, skip in chunk):
             assert rec["lm_loss"] is None
             assert tb == chunk[-1][0] or (math.isnan(tb) and math.isnan(chunk[-1][0]))
         elif interval == 1:
-            assert tb == tb_want
+            assert tb == w["tb"]
+
+
 @pytest.mark.parametrize("loss", [3.7, 19.5, 27.0, 45.0])
 def test_validation_perplexity_is_megatrons(monkeypatch, loss):
     """The validation record's ppl is Megatron's ``math.exp(min(20, loss))`` (evaluate_and_print_results) for the
@@ -219,14 +229,12 @@ def test_the_console_fields_are_megatrons(tmp_path, capsys, precision):
             log.step(i + 1, values)
         log.close()
         lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
-        printed = _megatron_log([(v["lm_loss"], v["skipped"]) for v in steps], interval)
-        assert len(lines) == len(printed) == len(steps) // interval
-        for n, (line, (avg, _)) in enumerate(zip(lines, printed)):
-            chunk = steps[n * interval:(n + 1) * interval]
-            last = chunk[-1]
-            want = _megatron_fields(avg, last["loss_scale"], last["grad_norm"], last["num_zeros_in_grad"],
-                                    sum(v["skipped"] for v in chunk),
-                                    sum(v["skipped"] and not math.isfinite(v["lm_loss"]) for v in chunk))
+        want_lines = _megatron_log([(v["lm_loss"], v["skipped"]) for v in steps], interval)
+        assert len(lines) == len(want_lines) == len(steps) // interval + (interval > 1)
+        for line, w in zip(lines, want_lines):
+            last = steps[w["iteration"] - 1]
+            want = _megatron_fields(w["printed"], last["loss_scale"], last["grad_norm"], last["num_zeros_in_grad"],
+                                    w["skipped"], w["nan"])
             got = _fields(line)
             assert set(got) == set(want), line
             for key, tol in (("lm loss", 5e-5), ("grad norm", 5e-4), ("loss scale", 0.05)):
@@ -234,3 +242,22 @@ def test_the_console_fields_are_megatrons(tmp_path, capsys, precision):
                     assert got[key] == pytest.approx(want[key], abs=tol), (key, line)
             for key in ("num zeros", "number of skipped iterations", "number of nan iterations"):
                 assert got.get(key) == want.get(key), (key, line)
+
+
+def test_a_resumed_process_prints_its_first_iteration(tmp_path, capsys):
+    """Megatron's is_first_iteration is the process's first, after a resume too: a run resumed at 4 with
+    --log-interval 3 prints 5 (console only: metrics.jsonl and TensorBoard keep their interval), 6 and 9, and 6's
+    line averages 5 and 6 (the first line resets nothing)."""
+    log = MetricsLogger(log_dir=str(tmp_path), log_interval=3, train_iters=9, enabled=True, tensorboard=False,
+                        progress_bar=False, start_iteration=4)
+    losses = {it: random.uniform(2.0, 9.0) for it in range(5, 10)}
+    for it, loss in losses.items():
+        log.step(it, {"lm_loss": loss, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": None, "skipped": False,
+                      "step_time_s": 0.1, "tokens_per_sec": 1.0, "tflops_per_device": None, "mfu": None,
+                      "peak_memory_bytes": None})
+    log.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+    assert [int(re.search(r" iter +(\d+)/", ln).group(1)) for ln in lines] == [5, 6, 9]
+    assert [float(re.search(r"\| loss ([^ ]+) \|", ln).group(1)) for ln in lines] == pytest.approx(
+        [losses[5], (losses[5] + losses[6]) / 2, (losses[7] + losses[8] + losses[9]) / 3], abs=5e-5)  # 4 decimals
+    assert [json.loads(ln)["iteration"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [6, 9]

@@ -13,7 +13,8 @@ the interval's work over its summed step time, ``step_time_s`` its mean), ``peak
 ``decoupled_lr`` (``--decoupled-lr``), ``weight_decay`` (``--weight-decay-incr-style linear|cosine``: the decay
 the step applied) and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and
 ``time`` (one per evaluation, and one more after training), the test evaluation after training ``test_loss`` and
-``test_ppl``. Log lines start with the time and carry the consumed samples and the ETA of the rest of the run. Only
+``test_ppl``. Log lines start with the time and carry the consumed samples and the ETA of the rest of the run; as
+Megatron's, a process's first iteration gets a line too (the console's only; the interval's sums go on). Only
 global rank 0 writes.
 TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir,
 ``iteration-time``, ``throughput`` and ``loss-scale`` only under the flags Megatron writes them with, and no
@@ -259,6 +260,10 @@ class MetricsLogger:
                 self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars)
+        self._print(line)
+
+    def _print(self, line: str) -> None:
+        """``line`` on the console (above the progress bar when there is one)."""
         if self._bar is not None:
             self._bar.write(line)
         else:
@@ -273,6 +278,10 @@ class MetricsLogger:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{values['lm_loss']:.4f}")
         if not log_due(iteration, self.log_interval, self.train_iters):
+            if iteration == self._first_iteration:  # NOTE: Megatron prints a line at a process's first iteration
+                rec = self._record(iteration)  # too (is_first_iteration), only to the console, and keeps summing
+                self._print(self._line(rec))  # the interval (the next line's averages include this iteration)
+                self._advanced = rec["lm_loss"] is not None
             return
         rec = self._record(iteration)
         last = self._pending[-1]
