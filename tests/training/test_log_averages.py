@@ -57,20 +57,27 @@ def test_skipped_iterations_leave_the_loss_average(tmp_path):
     assert recs[1]["nan_iters"] == 1
 
 
-def _megatron_log(steps: list[tuple[float, bool]], interval: int) -> list[tuple[float | None, float]]:
-    """(the console's ``lm loss`` or None where the line has none, the TensorBoard ``lm loss``) at each logged
-    iteration, as Megatron's training_log keeps ``total_loss_dict`` over the whole run with ``--log-interval`` and
-    ``--tensorboard-log-interval`` both ``interval``: the key appears at the first advanced step and is reset to
-    0 after each line (so an interval without an advanced step prints 0 / max(1, 0)); TensorBoard gets the
-    iteration's own ``loss_dict``, skipped or not."""
-    total, advanced, out = None, 0, []
+def _megatron_log(steps: list[tuple[float, bool]], interval: int) -> list[dict]:
+    """Megatron's console lines, as its training_log keeps ``total_loss_dict`` over the whole run with
+    ``--log-interval`` and ``--tensorboard-log-interval`` both ``interval``: a line at each multiple of ``interval``
+    and at the process's first iteration (``is_first_iteration``, which resets nothing); ``printed``: the line's
+    ``lm loss`` or None where it has none (the key appears at the first advanced step and is reset to 0 after each
+    line, so an interval without an advanced step prints 0 / max(1, 0); an average not >= 0 is left out),
+    ``skipped`` and ``nan`` its counts, ``tb`` the TensorBoard ``lm loss`` (the iteration's own ``loss_dict``, skipped
+    or not; None at a first-iteration line that is not a multiple). NOTE: where the first iteration is itself a
+    multiple (--log-interval 1) Megatron resets nothing either, so its second line averages iterations 1 and 2;
+    omnitron's second line is iteration 2's own, the one difference (transcribed as omnitron does it)."""
+    total, advanced, skipped, nan, out = None, 0, 0, 0, []
     for i, (loss, skip) in enumerate(steps, 1):
         if not skip:
             total, advanced = (total or 0.0) + loss, advanced + 1
-        if i % interval == 0:
+        skipped, nan = skipped + skip, nan + (skip and not math.isfinite(loss))
+        if i % interval == 0 or i == 1:
             avg = None if total is None else total / max(1, advanced)
-            out.append((avg if avg is None or avg >= 0.0 else None, loss))
-            total, advanced = (None if total is None else 0.0), 0
+            out.append({"iteration": i, "printed": avg if avg is None or avg >= 0.0 else None, "skipped": skipped,
+                        "nan": nan, "tb": loss if i % interval == 0 else None})
+        if i % interval == 0:
+            total, advanced, skipped, nan = (None if total is None else 0.0), 0, 0, 0
     return out
 
 
@@ -118,18 +125,21 @@ def test_an_interval_skipped_whole_logs_as_megatron(tmp_path, capsys, interval):
     steps += [(rng.uniform(2.0, 9.0), rng.random() < 0.3) for _ in range(2 * interval)]
     recs, lines, board = _logged(tmp_path, capsys, steps, interval)
     want = _megatron_log(steps, interval)
-    assert len(recs) == len(lines) == len(want) == len(board)
-    for rec, line, tb, (printed, tb_want), start in zip(recs, lines, board, want, range(0, len(steps), interval)):
+    assert len(lines) == len(want) and len(recs) == len(board) == len([w for w in want if w["tb"] is not None])
+    for line, w in zip(lines, want):
         shown = re.search(r"\| loss ([^ ]+) \|", line)
-        assert (shown is None) == (printed is None), line
-        if printed is not None:
-            assert float(shown.group(1)) == pytest.approx(printed, abs=5e-5)
-        chunk = steps[start:start + interval]
+        assert (shown is None) == (w["printed"] is None), line
+        if w["printed"] is not None:
+            assert float(shown.group(1)) == pytest.approx(w["printed"], abs=5e-5)
+    for rec, tb, w in zip(recs, board, [w for w in want if w["tb"] is not None]):
+        chunk = steps[w["iteration"] - interval:w["iteration"]]
         if all(skip for _, skip in chunk):
             assert rec["lm_loss"] is None
             assert tb == chunk[-1][0] or (math.isnan(tb) and math.isnan(chunk[-1][0]))
         elif interval == 1:
-            assert tb == tb_want
+            assert tb == w["tb"]
+
+
 @pytest.mark.parametrize("loss", [3.7, 19.5, 27.0, 45.0])
 def test_validation_perplexity_is_megatrons(monkeypatch, loss):
     """The validation record's ppl is Megatron's ``math.exp(min(20, loss))`` (evaluate_and_print_results) for the
@@ -161,3 +171,93 @@ def test_the_loss_scale_prints_as_megatrons(tmp_path, capsys, scale):
                  "peak_memory_bytes": None})
     log.close()
     assert f"| loss scale {scale:.1f} |" in capsys.readouterr().out
+
+
+# omnitron's console label -> Megatron's training_log label, for the fields both print
+_LABELS = {"loss": "lm loss", "loss scale": "loss scale", "grad norm": "grad norm", "num zeros": "num zeros",
+           "skipped": "number of skipped iterations", "nan": "number of nan iterations"}
+
+
+def _megatron_fields(printed: float | None, loss_scale: float | None, grad_norm: float | None,
+                     num_zeros: int | None, skipped: int, nan: int) -> dict:
+    """The fields of Megatron's console line among ``_LABELS`` (training_log at d98e8a6, transcribed): the loss
+    when its average exists and is ``>= 0.0``; the loss scale always (training's loop passes 1.0 where the optimizer
+    has no scaler: bf16, fp32); the grad norm and zeros when not None; the skipped and nan counts always."""
+    out = {"loss scale": 1.0 if loss_scale is None else loss_scale, "number of skipped iterations": skipped,
+           "number of nan iterations": nan}
+    if printed is not None:
+        out["lm loss"] = printed
+    if grad_norm is not None:
+        out["grad norm"] = grad_norm
+    if num_zeros is not None:
+        out["num zeros"] = num_zeros
+    return out
+
+
+def _fields(line: str) -> dict:
+    """The ``_LABELS`` fields of one omnitron line, under Megatron's labels."""
+    out = {}
+    for part in line.split(" | "):
+        label, _, value = part.rpartition(" ")
+        if label in _LABELS:
+            out[_LABELS[label]] = float(value) if value not in ("-", "nan") else value
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_console_fields_are_megatrons(tmp_path, capsys, precision):
+    """Field by field against Megatron's console line (``_megatron_fields``) at --log-interval 1 and 2 on fresh
+    random steps: bf16 and fp32 show loss scale 1.0 and the skipped / nan counts (Megatron prints them for every
+    precision), an fp16 step skipped on overflow has no grad norm or zeros, and a nan average (a bf16 step gone
+    nan with the check off) is left out. Values to their printed precision: the loss 4 decimals (5e-5), the norm
+    3 (5e-4), the scale 1 (0.05). Failed before: bf16 / fp32 lines had no loss scale, skipped or nan fields, a
+    skipped step printed ``grad norm -`` and ``num zeros -``, and a nan average printed ``loss nan``."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for interval in (1, 2):
+        steps = []
+        for i in range(8):
+            skip = precision == "fp16" and rng.random() < 0.4
+            loss = float("nan") if i == 5 and precision == "bf16" else rng.uniform(2.0, 9.0)
+            steps.append({"lm_loss": float("inf") if skip and i == 3 else loss, "lr": 1e-3,
+                          "grad_norm": None if skip else rng.uniform(0.1, 5.0), "skipped": skip,
+                          "loss_scale": 2.0 ** rng.randint(-2, 20) if precision == "fp16" else None,
+                          "num_zeros_in_grad": None if skip else rng.randint(0, 99), "step_time_s": 0.1,
+                          "tokens_per_sec": 1.0, "tflops_per_device": None, "mfu": None, "peak_memory_bytes": None})
+        log = MetricsLogger(log_dir=str(tmp_path / str(interval)), log_interval=interval, train_iters=len(steps),
+                            enabled=True, tensorboard=False, progress_bar=False, start_iteration=0)
+        for i, values in enumerate(steps):
+            log.step(i + 1, values)
+        log.close()
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+        want_lines = _megatron_log([(v["lm_loss"], v["skipped"]) for v in steps], interval)
+        assert len(lines) == len(want_lines) == len(steps) // interval + (interval > 1)
+        for line, w in zip(lines, want_lines):
+            last = steps[w["iteration"] - 1]
+            want = _megatron_fields(w["printed"], last["loss_scale"], last["grad_norm"], last["num_zeros_in_grad"],
+                                    w["skipped"], w["nan"])
+            got = _fields(line)
+            assert set(got) == set(want), line
+            for key, tol in (("lm loss", 5e-5), ("grad norm", 5e-4), ("loss scale", 0.05)):
+                if key in want:
+                    assert got[key] == pytest.approx(want[key], abs=tol), (key, line)
+            for key in ("num zeros", "number of skipped iterations", "number of nan iterations"):
+                assert got.get(key) == want.get(key), (key, line)
+
+
+def test_a_resumed_process_prints_its_first_iteration(tmp_path, capsys):
+    """Megatron's is_first_iteration is the process's first, after a resume too: a run resumed at 4 with
+    --log-interval 3 prints 5 (console only: metrics.jsonl and TensorBoard keep their interval), 6 and 9, and 6's
+    line averages 5 and 6 (the first line resets nothing)."""
+    log = MetricsLogger(log_dir=str(tmp_path), log_interval=3, train_iters=9, enabled=True, tensorboard=False,
+                        progress_bar=False, start_iteration=4)
+    losses = {it: random.uniform(2.0, 9.0) for it in range(5, 10)}
+    for it, loss in losses.items():
+        log.step(it, {"lm_loss": loss, "lr": 1e-3, "grad_norm": 1.0, "loss_scale": None, "skipped": False,
+                      "step_time_s": 0.1, "tokens_per_sec": 1.0, "tflops_per_device": None, "mfu": None,
+                      "peak_memory_bytes": None})
+    log.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+    assert [int(re.search(r" iter +(\d+)/", ln).group(1)) for ln in lines] == [5, 6, 9]
+    assert [float(re.search(r"\| loss ([^ ]+) \|", ln).group(1)) for ln in lines] == pytest.approx(
+        [losses[5], (losses[5] + losses[6]) / 2, (losses[7] + losses[8] + losses[9]) / 3], abs=5e-5)  # 4 decimals
+    assert [json.loads(ln)["iteration"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [6, 9]

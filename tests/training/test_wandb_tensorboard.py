@@ -68,27 +68,17 @@ def test_wandb_offline_logs_the_records(tmp_path, monkeypatch):
 MEGATRON_WANDB = {"lm_loss": "lm loss", "lr": "learning-rate", "global_batch_size": "batch-size",
                   "grad_norm": "grad-norm", "loss_scale": "loss-scale", "params_norm": "params-norm",
                   "num_zeros_in_grad": "num-zeros", "step_time_s": "iteration-time", "tflops_per_device": "throughput",
-                  "consumed_samples": "samples vs steps", "val_loss": "lm loss validation",
-                  "val_ppl": "lm loss validation ppl"}  # (ppl: Megatron's TensorBoard tag; its wandb has none)
+                  "consumed_samples": "samples vs steps",
+                  "val_loss": "lm loss validation"}  # (the validation ppl: a TensorBoard tag; Megatron's W&B has none)
 
 
 def test_wandb_keys_are_megatrons(tmp_path, monkeypatch):
-    """What reaches wandb (a stand-in package recording its calls): each iteration's values under Megatron's W&B
-    keys where Megatron logs the value, stepped by the iteration, equal to the metrics.jsonl record; the rest
-    under their metrics.jsonl names. Failed before: every key was metrics.jsonl's (``lm_loss``, ``lr``), so a
-    project holding Megatron runs got its charts split in two."""
-    import sys
-    import types
-
-    calls = []
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kw: types.SimpleNamespace(log=lambda values, step: calls.append((step, values)),
-                                                   finish=lambda: None)
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    from omnitron.core.training.wandb_log import WandbRun
-
-    cfg = LoggingConfig(wandb_project="p", wandb_exp_name="tiny", wandb_save_dir=str(tmp_path / "wb"))
-    run = WandbRun(cfg, log_dir=str(tmp_path), config={})
+    """What reaches wandb (a stand-in package recording its calls), with --log-timers-to-tensorboard and
+    --log-throughput: each iteration's values under Megatron's W&B keys where Megatron logs the value, stepped by
+    the iteration, equal to the metrics.jsonl record; the rest under their metrics.jsonl names; not the
+    perplexity (TensorBoard's alone in Megatron) nor the first iteration's time. Failed before: every key was
+    metrics.jsonl's (``lm_loss``, ``lr``), so a project holding Megatron runs got its charts split in two."""
+    run, calls = _fake_wandb(monkeypatch, tmp_path, log_timers_to_tensorboard=True, log_throughput=True)
     logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=2, enabled=True, tensorboard=False,
                            progress_bar=False, start_iteration=0, wandb=run)
     for it, loss in ((1, 3.0), (2, 2.0)):
@@ -98,9 +88,10 @@ def test_wandb_keys_are_megatrons(tmp_path, monkeypatch):
     logger.close()
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [s for s, _ in calls] == [r["iteration"] for r in recs] == [1, 2, 2]
-    for (_, values), rec in zip(calls, recs):
+    for i, ((_, values), rec) in enumerate(zip(calls, recs)):
+        left_out = {"val_ppl"} | ({"step_time_s"} if i == 0 else set())
         numbers = {k: v for k, v in rec.items() if k != "iteration" and isinstance(v, (int, float))
-                   and not isinstance(v, bool)}
+                   and not isinstance(v, bool) and k not in left_out}
         assert values == {MEGATRON_WANDB.get(k, k): v for k, v in numbers.items()}
     assert calls[0][1]["lm loss"] == 3.0 and calls[1][1]["samples vs steps"] == 8
     assert calls[2][1]["lm loss validation"] == 2.5
@@ -203,33 +194,98 @@ class _Board:
         pass
 
 
+def _fake_wandb(monkeypatch, tmp_path, **flags):
+    """A WandbRun over a stand-in ``wandb`` package that records ``(step, values)`` of each ``log`` call."""
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: types.SimpleNamespace(log=lambda values, step: calls.append((step, values)),
+                                                   finish=lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    from omnitron.core.training.wandb_log import WandbRun
+
+    cfg = LoggingConfig(wandb_project="p", wandb_exp_name="tiny", wandb_save_dir=str(tmp_path / "wb"), **flags)
+    return WandbRun(cfg, log_dir=str(tmp_path), config={}), calls
+
+
+# Every TensorBoard tag and W&B key Megatron's training_log writes for what a record holds (d98e8a6)
+MEGATRON_TAGS = {"learning-rate", "batch-size", "lm loss", "loss-scale", "world-size", "grad-norm", "num-zeros",
+                 "params-norm", "mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes",
+                 "iteration-time", "throughput", "samples vs steps"}
+
+
+def _megatron_writes(timers: bool, throughput: bool, loss_scale: bool, memory: bool, first: bool,
+                     to_wandb: bool) -> set:
+    """The tags (TensorBoard) or keys (W&B) Megatron's training_log writes at a logged iteration, transcribed:
+    ``samples vs steps`` to W&B alone; learning-rate, batch-size, lm loss, grad-norm, num-zeros, params-norm
+    always; loss-scale with --log-loss-scale-to-tensorboard; world-size with --log-world-size-to-tensorboard (set
+    here); the memory tags with --log-memory-to-tensorboard, to TensorBoard alone; iteration-time with
+    --log-timers-to-tensorboard and not at the process's first iteration; throughput with --log-throughput and
+    --log-timers-to-tensorboard (also at the first iteration)."""
+    out = {"learning-rate", "batch-size", "lm loss", "grad-norm", "num-zeros", "params-norm", "world-size"}
+    out |= {"samples vs steps"} if to_wandb else set()
+    out |= {"loss-scale"} if loss_scale else set()
+    out |= {"mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes"} if memory and not to_wandb \
+        else set()
+    out |= {"iteration-time"} if timers and not first else set()
+    out |= {"throughput"} if timers and throughput else set()
+    return out
+
+
 @pytest.mark.parametrize("timers", [False, True])
 @pytest.mark.parametrize("throughput", [False, True])
 @pytest.mark.parametrize("loss_scale", [False, True])
-def test_tensorboard_gates_are_megatrons(tmp_path, timers, throughput, loss_scale):
-    """Megatron's training_log (d98e8a6) writes ``iteration-time`` only with --log-timers-to-tensorboard,
-    ``throughput`` only with that and --log-throughput, ``loss-scale`` (and its twin) unless
-    --no-log-loss-scale-to-tensorboard; the other tags regardless. Each tag written holds the record's value.
-    Failed before: iteration-time and throughput were always written, and the loss scale could not be left out."""
+@pytest.mark.parametrize("start", [0, 5])
+def test_tensorboard_and_wandb_gates_are_megatrons(tmp_path, monkeypatch, timers, throughput, loss_scale, start):
+    """Each logged iteration's TensorBoard tags and W&B keys among Megatron's are the ones Megatron's training_log
+    writes under the same flags (``_megatron_writes``), a fresh run and one resumed at iteration 5 alike, each
+    holding the record's value. Failed before: W&B got iteration-time, throughput and loss-scale whatever the
+    flags, and the memory tags; both got iteration-time at the process's first iteration."""
     import random
 
     rng = random.Random()
-    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=2, enabled=True, tensorboard=False,
-                           progress_bar=False, start_iteration=0, throughput=throughput, tensorboard_timers=timers,
-                           tensorboard_loss_scale=loss_scale)
+    run, calls = _fake_wandb(monkeypatch, tmp_path, log_timers_to_tensorboard=timers, log_throughput=throughput,
+                             log_loss_scale_to_tensorboard=loss_scale)
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=start + 3, enabled=True,
+                           tensorboard=False, progress_bar=False, start_iteration=start, throughput=throughput,
+                           tensorboard_timers=timers, tensorboard_loss_scale=loss_scale, wandb=run)
     logger._tb = board = _Board()
-    for it in (1, 2):
+    memory = {"mem_allocated_bytes": 3, "mem_reserved_bytes": 4, "mem_max_allocated_bytes": 5}
+    for it in range(start + 1, start + 4):
         logger.step(it, {**_values(rng.uniform(1, 10)), "step_time_s": rng.uniform(0.1, 1.0),
                          "tflops_per_device": rng.uniform(1, 100), "loss_scale": 2.0 ** rng.randint(1, 20),
-                         "consumed_samples": 4 * it})
+                         "consumed_samples": 4 * it, "num_zeros_in_grad": rng.randint(0, 9),
+                         "log": {"params_norm": rng.uniform(1, 9), "world_size": 1, **memory}})
     logger.close()
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    want = {"iteration-time": ("step_time_s", timers), "throughput": ("tflops_per_device", timers and throughput),
-            "loss-scale": ("loss_scale", loss_scale), "loss-scale vs samples": ("loss_scale", loss_scale),
-            "lm loss": ("lm_loss", True), "learning-rate": ("lr", True), "grad-norm": ("grad_norm", True)}
-    for tag, (key, written) in want.items():
-        assert (tag in board.tags) == written, tag
-        if written and not tag.endswith("vs samples"):
-            assert board.tags[tag] == [(r["iteration"], r[key]) for r in recs], tag
+    keys = {"lm loss": "lm_loss", "learning-rate": "lr", "grad-norm": "grad_norm", "loss-scale": "loss_scale",
+            "iteration-time": "step_time_s", "throughput": "tflops_per_device", "batch-size": "global_batch_size",
+            "params-norm": "params_norm", "num-zeros": "num_zeros_in_grad", "world-size": "world_size",
+            "samples vs steps": "consumed_samples", "mem-allocated-bytes": "mem_allocated_bytes",
+            "mem-reserved-bytes": "mem_reserved_bytes", "mem-max-allocated-bytes": "mem_max_allocated_bytes"}
+    assert [step for step, _ in calls] == [r["iteration"] for r in recs] == list(range(start + 1, start + 4))
+    for (_, wandb_values), rec in zip(calls, recs):
+        it = rec["iteration"]
+        tb_values = {tag: v for tag, rows in board.tags.items() for step, v in rows if step == it}
+        for values, to_wandb in ((tb_values, False), (wandb_values, True)):
+            want = _megatron_writes(timers, throughput, loss_scale, True, it == start + 1, to_wandb)
+            assert set(values) & MEGATRON_TAGS == want, (it, to_wandb)
+            for tag in want:
+                assert values[tag] == rec[keys[tag]], tag
     if loss_scale:
         assert board.tags["loss-scale vs samples"] == [(r["consumed_samples"], r["loss_scale"]) for r in recs]
+    assert not any(k.startswith("mem") or k.endswith(" ppl") for _, v in calls for k in v)
+
+
+def test_the_first_logged_iteration_after_the_first_has_iteration_time(tmp_path):
+    """At --log-interval 3 the process's first iteration has no line: iteration 3's TensorBoard gets its
+    iteration-time (Megatron's is_first_iteration guard is about iteration 1 alone)."""
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=3, train_iters=6, enabled=True, tensorboard=False,
+                           progress_bar=False, start_iteration=0, tensorboard_timers=True)
+    logger._tb = board = _Board()
+    for it in range(1, 7):
+        logger.step(it, {**_values(2.0), "step_time_s": 0.1 * it})
+    logger.close()
+    assert board.tags["iteration-time"] == [(3, pytest.approx(0.2, rel=1e-12)), (6, pytest.approx(0.5, rel=1e-12))]

@@ -396,10 +396,11 @@ class LoggingConfig:
     decoder MoE layer's router picks per expert before capacity, to FILE at every checkpoint save and at the
     end, in the form ``omnitron plan --moe-expert-load`` reads (:mod:`omnitron.core.transformer.moe.expert_load`)."""
     log_memory_to_tensorboard: bool = False
-    """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes."""
+    """--log-memory-to-tensorboard: log the backend's memory statistics (largest over ranks), mem_*_bytes (not to
+    W&B, as Megatron)."""
     log_timers_to_tensorboard: bool = False
-    """--log-timers-to-tensorboard: also write the timers to TensorBoard, as Megatron's ``<name>-time`` tags in
-    seconds per iteration, max over ranks, with ``iteration-time`` (and ``throughput``, the TFLOP/s per device,
+    """--log-timers-to-tensorboard: also write the timers to TensorBoard and W&B, as Megatron's ``<name>-time`` tags
+    in seconds per iteration, max over ranks, with ``iteration-time`` (and ``throughput``, the TFLOP/s per device,
     with --log-throughput too), which Megatron writes only then (metrics.jsonl always has them all)."""
     log_loss_scale_to_tensorboard: bool = True
     """--log-loss-scale-to-tensorboard: TensorBoard's (and wandb's) ``loss-scale`` and ``loss-scale vs samples``, on

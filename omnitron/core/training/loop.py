@@ -21,7 +21,7 @@ from omnitron.core.parallel.data.fsdp import local_shard
 from omnitron.core.training import checkpointing, signals
 from omnitron.core.training.components import build_components, evaluations_by, uses_fsdp2
 from omnitron.core.training.housekeeping import Housekeeping
-from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
+from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due, memory_line
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
 from omnitron.core.training.step import evaluate, train_step
 from omnitron.core.training.straggler import StragglerDetector
@@ -274,6 +274,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         return stop.agreed_or_past(deadline, backend.collectives, backend.current_device())
     train_iter = timers.timed_iterator("batch-generator", data_iterator(c, c.train_data, c.consumed_samples))
     losses, validation, saved_at, logged_at = {}, [], None, c.iteration
+    # Megatron's report_memory_flag: a memory line at the process's first iteration and at the next logged one
+    memory_reports, first = 2, c.iteration + 1
     valid, stopping = ValidationStream(c), False  # one validation stream over the run, as Megatron
     skips = SkipCounter(settings.precision.max_consecutive_skipped_iterations if c.optimizer.loss_scaler else 0)
     house = Housekeeping(t, backend)
@@ -302,6 +304,10 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                 values.update(logged_values(c, timers, c.iteration - logged_at, straggler))
                 logged_at = c.iteration
             logger.step(c.iteration, values)
+            if memory_reports and (logs or c.iteration == first):
+                memory_reports -= 1
+                if c.groups.dp.rank == 0:
+                    log.info(memory_line(c.groups.rank, c.iteration, backend.memory_stats()))
             skips.update(values["skipped"], c.iteration, c.groups.rank, values["loss_scale"])
             house.after_step(c.iteration)
             if _due(c.iteration, t.eval_interval) and c.valid_data is not None and (

@@ -43,9 +43,9 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "no `loss-scale` and `loss-scale vs samples` in TensorBoard (nor `loss-scale` in W&B); written by default "
         "(training_log; training_config.py log_loss_scale_to_tensorboard); also "
         "--disable-log-loss-scale-to-tensorboard",
-        "TensorBoard leaves the same two tags out (LoggingConfig.log_loss_scale_to_tensorboard; both spellings were "
-        "refused as not implemented); metrics.jsonl and W&B keep the loss scale",
-        "tests/training/test_wandb_tensorboard.py::test_tensorboard_gates_are_megatrons"),
+        "TensorBoard leaves the same two tags out, W&B its `loss-scale` (LoggingConfig.log_loss_scale_to_tensorboard;"
+        " both spellings were refused as not implemented); metrics.jsonl keeps the loss scale",
+        "tests/training/test_wandb_tensorboard.py::test_tensorboard_and_wandb_gates_are_megatrons"),
     "--account-for-embedding-in-pipeline-split": (
         "the embedding counts as one layer of the pipeline split: num-layers + 1 (+ 1 with the loss flag) split "
         "evenly over every virtual stage, the first virtual stage builds one layer fewer (transformer_block.py "

@@ -13,10 +13,12 @@ the interval's work over its summed step time, ``step_time_s`` its mean), ``peak
 ``decoupled_lr`` (``--decoupled-lr``), ``weight_decay`` (``--weight-decay-incr-style linear|cosine``: the decay
 the step applied) and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and
 ``time`` (one per evaluation, and one more after training), the test evaluation after training ``test_loss`` and
-``test_ppl``. Log lines start with the time and carry the consumed samples and the ETA of the rest of the run. Only
+``test_ppl``. Log lines start with the time and carry the consumed samples and the ETA of the rest of the run; as
+Megatron's, a process's first iteration gets a line too (the console's only; the interval's sums go on). Only
 global rank 0 writes.
 TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir,
-``iteration-time``, ``throughput`` and ``loss-scale`` only under the flags Megatron writes them with.
+``iteration-time``, ``throughput`` and ``loss-scale`` only under the flags Megatron writes them with, and no
+``iteration-time`` at a process's first iteration (Megatron's is_first_iteration).
 
 Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_ms`` and
 ``timers_<name>_ranks_ms`` (``--timing-log-option``; names in ``omnitron.core.training.timers``),
@@ -149,6 +151,17 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def memory_line(rank: int, iteration: int, stats: dict) -> str:
+    """Megatron's report_memory line (training/utils/common_utils.py), which each rank of data-parallel rank 0 prints
+    at its first iteration and the next logged one: ``[Rank N] (after K iterations) memory (MB) | allocated: ...
+    | max allocated: ... | reserved: ... | max reserved: ...`` from the backend's ``memory_stats`` (the host
+    process's resident set on cpu); a statistic the backend cannot say is left out."""
+    fields = [f" | {label}: {stats[key] / 2**20:.2f}" for key, label in (
+        ("allocated", "allocated"), ("peak_allocated", "max allocated"), ("reserved", "reserved"),
+        ("peak_reserved", "max reserved")) if stats.get(key) is not None]
+    return f"[Rank {rank}] (after {iteration} iterations) memory (MB)" + "".join(fields)
+
+
 def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     """True when ``iteration`` gets a log line: every ``log_interval`` iterations and the last one."""
     return iteration % log_interval == 0 or iteration == train_iters
@@ -210,6 +223,7 @@ class MetricsLogger:
         self.tensorboard_loss_scale = tensorboard_loss_scale
         self._pending: list[dict] = []
         self._advanced = False  # a logged step of this process updated the weights (Megatron's loss key exists)
+        self._first_iteration = start_iteration + 1  # this process's first (after a resume too)
         self._file = self._tb = self._bar = None
         self._wandb = wandb  # a WandbRun (--wandb-project) or None
         if not enabled:
@@ -246,6 +260,10 @@ class MetricsLogger:
                 self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars)
+        self._print(line)
+
+    def _print(self, line: str) -> None:
+        """``line`` on the console (above the progress bar when there is one)."""
         if self._bar is not None:
             self._bar.write(line)
         else:
@@ -260,6 +278,10 @@ class MetricsLogger:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{values['lm_loss']:.4f}")
         if not log_due(iteration, self.log_interval, self.train_iters):
+            if iteration == self._first_iteration:  # NOTE: Megatron prints a line at a process's first iteration
+                rec = self._record(iteration)  # too (is_first_iteration), only to the console, and keeps summing
+                self._print(self._line(rec))  # the interval (the next line's averages include this iteration)
+                self._advanced = rec["lm_loss"] is not None
             return
         rec = self._record(iteration)
         last = self._pending[-1]
@@ -267,7 +289,9 @@ class MetricsLogger:
         self._pending = []
         # NOTE: an interval whose every step was skipped has no loss average (the record's None); Megatron's
         # TensorBoard and W&B get the iteration's own loss whether or not it was skipped (training_log's loss_dict)
-        scalars = {**rec, "lm_loss": last["lm_loss"]} if rec["lm_loss"] is None else None
+        scalars = {**rec, "lm_loss": last["lm_loss"]} if rec["lm_loss"] is None else dict(rec)
+        if iteration == self._first_iteration:  # NOTE: Megatron's training_log writes no iteration-time at a
+            del scalars["step_time_s"]  # process's first iteration (is_first_iteration): that step holds the warm-up
         line = self._line(rec)
         self._advanced = self._advanced or rec["lm_loss"] is not None
         self._emit(rec, "\n".join([line, *extra]), scalars=scalars)
@@ -299,49 +323,50 @@ class MetricsLogger:
         rec.update(last.get("log", {}))
         return rec
 
-    def _loss_text(self, loss: float | None) -> str:
-        """``loss X | `` as Megatron prints an interval's average: sum over the advanced steps / max(1, their count),
-        so 0 where every step was skipped, and nothing before any step of this process advanced (its
-        ``total_loss_dict`` has no loss key yet). NOTE: a nan average of advanced steps is printed here; Megatron's
-        ``avg >= 0.0`` test leaves it out."""
+    def _loss_text(self, loss: float | None) -> str | None:
+        """``loss X`` as Megatron prints an interval's average: sum over the advanced steps / max(1, their count),
+        so 0 where every step was skipped, nothing before any step of this process advanced (its
+        ``total_loss_dict`` has no loss key yet), and nothing for an average that is not ``>= 0`` (nan: Megatron's
+        ``avg >= 0.0`` test leaves it out)."""
         if loss is None:
             loss = 0.0 if self._advanced else None
-        return "" if loss is None else f"loss {loss:.4f} | "
+        return f"loss {loss:.4f}" if loss is not None and loss >= 0.0 else None
 
     def _line(self, rec: dict) -> str:
-        """The log line of one record."""
-        gn = "-" if rec["grad_norm"] is None else f"{rec['grad_norm']:.3f}"
-        samples = f" | samples {rec['consumed_samples']}" if "consumed_samples" in rec else ""
+        """The log line of one record. The fields Megatron's training_log prints are there when Megatron's are:
+        the loss scale (1.0 without loss scaling, as Megatron's bf16 and fp32 optimizers report) and the skipped
+        and nan iteration counts always, the grad norm and the zeros in the grad only when the step has them (an
+        fp16 step skipped on overflow has none)."""
         eta = _clock(rec["step_time_s"] * (self.train_iters - rec["iteration"]))
-        line = (f"[{rec['time'][:19].replace('T', ' ')}] iter {rec['iteration']:6d}/{self.train_iters}{samples} | "
-                f"{self._loss_text(rec['lm_loss'])}lr {rec['lr']:.3e} | grad norm {gn} | "
-                f"{rec['tokens_per_sec']:.0f} tok/s | {rec['step_time_s'] * 1e3:.0f} ms/step | ETA {eta}")
-        if "decoupled_lr" in rec:
-            line = line.replace(" | grad norm", f" | decoupled lr {rec['decoupled_lr']:.3e} | grad norm", 1)
-        if "weight_decay" in rec:
-            line = line.replace(" | grad norm", f" | weight decay {rec['weight_decay']:.3e} | grad norm", 1)
-        if "num_zeros_in_grad" in rec:
-            line += f" | num zeros {'-' if rec['num_zeros_in_grad'] is None else rec['num_zeros_in_grad']}"
+        parts = [f"[{rec['time'][:19].replace('T', ' ')}] iter {rec['iteration']:6d}/{self.train_iters}"]
+        if "consumed_samples" in rec:
+            parts.append(f"samples {rec['consumed_samples']}")
+        parts += [self._loss_text(rec["lm_loss"]), f"lr {rec['lr']:.3e}"]
+        for key, label in (("decoupled_lr", "decoupled lr"), ("weight_decay", "weight decay")):
+            if key in rec:
+                parts.append(f"{label} {rec[key]:.3e}")
+        if rec["grad_norm"] is not None:
+            parts.append(f"grad norm {rec['grad_norm']:.3f}")
+        parts += [f"{rec['tokens_per_sec']:.0f} tok/s", f"{rec['step_time_s'] * 1e3:.0f} ms/step", f"ETA {eta}"]
+        if rec.get("num_zeros_in_grad") is not None:
+            parts.append(f"num zeros {rec['num_zeros_in_grad']}")
         if "params_norm" in rec:
-            line += f" | params norm {rec['params_norm']:.3f}"
-        if "moe_aux_loss" in rec:
-            line += f" | moe aux loss {rec['moe_aux_loss']:.4f}"
-        if "mtp_loss" in rec:
-            line += f" | mtp loss {rec['mtp_loss']:.4f}"
-        if "sop_loss" in rec:
-            line += f" | sop loss {rec['sop_loss']:.4f}"
-        if rec["loss_scale"] is not None:
-            line += f" | loss scale {rec['loss_scale']:.1f} | skipped {rec['skipped_iters']} | nan {rec['nan_iters']}"
+            parts.append(f"params norm {rec['params_norm']:.3f}")
+        for key, label in (("moe_aux_loss", "moe aux loss"), ("mtp_loss", "mtp loss"), ("sop_loss", "sop loss")):
+            if key in rec:
+                parts.append(f"{label} {rec[key]:.4f}")
+        scale = 1.0 if rec["loss_scale"] is None else rec["loss_scale"]
+        parts += [f"loss scale {scale:.1f}", f"skipped {rec['skipped_iters']}", f"nan {rec['nan_iters']}"]
         if self.throughput and rec["tokens_per_sec_per_device"] is not None:
-            line += (f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev | "
-                     f"{rec['tokens_per_sec_per_device']:.0f} tok/s/dev")
+            parts += [f"{rec['tflops_per_device']:.3g} TFLOP/s/dev",
+                      f"{rec['tokens_per_sec_per_device']:.0f} tok/s/dev"]
         if rec["mfu"] is not None:
             if not self.throughput:
-                line += f" | {rec['tflops_per_device']:.1f} TFLOP/s/dev"
-            line += f" | MFU {rec['mfu'] * 100:.1f}%"
+                parts.append(f"{rec['tflops_per_device']:.1f} TFLOP/s/dev")
+            parts.append(f"MFU {rec['mfu'] * 100:.1f}%")
         if rec["peak_memory_bytes"]:
-            line += f" | peak mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB"
-        return line
+            parts.append(f"peak mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB")
+        return " | ".join(p for p in parts if p is not None)
 
     def validation(self, iteration: int, values: dict, consumed_samples: int | None = None) -> None:
         """One validation (``val_loss``, ``val_ppl``) or test (``test_loss``, ``test_ppl``) record

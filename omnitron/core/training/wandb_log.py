@@ -2,11 +2,16 @@
 
 Optional: the ``wandb`` package comes with ``pip install 'omnitron[wandb]'``; a run that asks for it without
 the package stops before any work (:func:`check_available`). ``WANDB_MODE=offline`` writes the run under the
-save directory without a network (``wandb sync`` uploads it later). Only global rank 0 logs, the same numeric
-values as ``metrics.jsonl`` at the same iterations, under Megatron's W&B keys where Megatron logs the value
-(``lm loss``, ``learning-rate``, ``grad-norm``, ``lm loss validation``, ..., the TensorBoard tags:
+save directory without a network (``wandb sync`` uploads it later). Only global rank 0 logs, at the iterations
+metrics.jsonl gets its records, what Megatron's training_log and evaluate_and_print_results give W&B: under
+Megatron's keys (``lm loss``, ``learning-rate``, ``grad-norm``, ``lm loss validation``, ..., the TensorBoard tags:
 :func:`omnitron.core.training.metrics.tensorboard_scalars`) and ``samples vs steps`` (the consumed samples), so
-runs of both frameworks share a project's charts; other values keep their metrics.jsonl names.
+runs of both frameworks share a project's charts, gated by the flags that gate TensorBoard's (``iteration-time``
+and the timers with --log-timers-to-tensorboard, none at a process's first iteration; ``throughput`` with that and
+--log-throughput; ``loss-scale`` unless --no-log-loss-scale-to-tensorboard); never the memory statistics nor the
+perplexities, which Megatron writes to TensorBoard alone. Values Megatron has no key for (tokens/s, MFU, the
+skipped counts, ...) keep their metrics.jsonl names. (Megatron gives W&B its training values only when it also
+writes TensorBoard, --tensorboard-dir; omnitron does not ask for that.)
 """
 from __future__ import annotations
 
@@ -14,6 +19,12 @@ import os
 
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.training.metrics import tensorboard_scalars
+
+
+def _megatron_logs_to_wandb(tag: str) -> bool:
+    """False for the tags Megatron writes to TensorBoard alone: the memory statistics (training_log,
+    --log-memory-to-tensorboard) and the validation and test perplexities (evaluate_and_print_results)."""
+    return not tag.startswith(("mem-", "mem_")) and not tag.endswith(" ppl")
 
 
 def check_available(logging_cfg) -> None:
@@ -35,14 +46,18 @@ class WandbRun:
     def __init__(self, logging_cfg, *, log_dir: str, config: dict) -> None:
         import wandb
 
+        self._cfg = logging_cfg
         save_dir = logging_cfg.wandb_save_dir or os.path.join(log_dir, "wandb")
         os.makedirs(save_dir, exist_ok=True)
         self._run = wandb.init(project=logging_cfg.wandb_project, name=logging_cfg.wandb_exp_name, dir=save_dir,
                                config=config)
 
     def log(self, record: dict) -> None:
-        """One record at its iteration, under Megatron's keys (module docstring)."""
-        values = {tag: v for tag, v, _ in tensorboard_scalars(record, None, timers=True, throughput=True)}
+        """One record at its iteration, under Megatron's keys and gates (module docstring)."""
+        cfg = self._cfg
+        values = {tag: v for tag, v, _ in tensorboard_scalars(
+            record, None, timers=cfg.log_timers_to_tensorboard, throughput=cfg.log_throughput,
+            loss_scale=cfg.log_loss_scale_to_tensorboard) if _megatron_logs_to_wandb(tag)}
         if record.get("consumed_samples") is not None:
             values["samples vs steps"] = record["consumed_samples"]
         self._run.log(values, step=record["iteration"])
