@@ -55,22 +55,28 @@ def test_streams_and_events(suite_backend):
 
 
 def test_memory_stats(suite_backend):
+    """The six byte counts of docs/backends.md; a count the device cannot say is None in every call (the engine
+    leaves it out of its logs), and each count it does say is checked: a 64 MiB buffer shows in ``allocated`` and
+    ``peak_allocated`` remembers it after it is freed."""
     be = suite_backend
     keys = {"allocated", "reserved", "peak_allocated", "peak_reserved", "free", "total"}
     be.reset_peak_memory_stats()
     before = be.memory_stats()
     assert set(before) == keys
-    for k, v in before.items():
-        assert v is None or (isinstance(v, int) and v >= 0), (k, v)
     nbytes = 64 * 2**20
     buf = torch.ones(nbytes // 4, device=be.device())  # touched, so host RSS grows too
     during = be.memory_stats()
-    assert during["allocated"] >= before["allocated"] + nbytes * 0.9, (before, during)
-    assert during["peak_allocated"] >= during["allocated"]
     del buf
     be.empty_cache()
     after = be.memory_stats()
-    assert after["peak_allocated"] >= during["allocated"] * 0.99, "peak must remember the freed buffer"
+    for k in keys:
+        said = [s[k] for s in (before, during, after)]
+        assert all(v is None for v in said) or all(isinstance(v, int) and v >= 0 for v in said), (k, said)
+    if during["allocated"] is not None:
+        assert during["allocated"] >= before["allocated"] + nbytes * 0.9, (before, during)
+    if during["peak_allocated"] is not None:
+        assert during["peak_allocated"] >= (during["allocated"] or nbytes)
+        assert after["peak_allocated"] >= (during["allocated"] or nbytes) * 0.99, "peak must remember the freed buffer"
     if after["total"] is not None and after["free"] is not None:
         assert 0 <= after["free"] <= after["total"]
 
