@@ -33,12 +33,52 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here; the message lists every backend and why."""
 
 
-def _entry_points() -> dict[str, str]:
+def _plugin_entry_points() -> list:
     try:
-        eps = metadata.entry_points(group="omnitron.backends")
+        return list(metadata.entry_points(group="omnitron.backends"))
     except TypeError:  # Python < 3.10 API
-        eps = metadata.entry_points().get("omnitron.backends", [])
-    return {ep.name: ep.value for ep in eps}
+        return list(metadata.entry_points().get("omnitron.backends", []))
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in _plugin_entry_points()}
+
+
+PINNED = ("omnitron", "torch")
+"""The installed packages a plug-in's requirements are checked against before it is imported: the contract it was
+written for (omnitron's) and the torch its compiled parts were built against."""
+
+
+def version_problem(name: str, target: str, eps: list | None = None) -> str | None:
+    """Why the installed package whose entry point makes backend ``name`` (as ``target``) was not made for the
+    omnitron or torch running here, from the requirements pip recorded for it (None: it was, or it is no installed
+    package). pip installs a plug-in beside an omnitron outside its range with ``--no-deps`` and keeps it, with a
+    warning, when omnitron or torch is upgraded under it; importing it then fails in its own code, or not at all.
+    ``eps``: the entry points, when the caller read them already (reading them scans every installed package)."""
+    if _BUILTIN.get(name) == target:
+        return None
+    eps = _plugin_entry_points() if eps is None else eps
+    dist = next((getattr(ep, "dist", None) for ep in eps if ep.name == name and ep.value == target), None)
+    if dist is None or not dist.requires:
+        return None
+    import torch
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    import omnitron
+
+    running = {"omnitron": omnitron.__version__, "torch": torch.__version__}
+    for line in dist.requires:
+        req = Requirement(line)
+        key = canonicalize_name(req.name)
+        if key not in PINNED or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        if not req.specifier.contains(running[key], prereleases=True):
+            plugin = f"{dist.metadata['Name']} {dist.version}"
+            return (f"the plug-in package {plugin} requires {req.name}{req.specifier}, and {key} {running[key]} is "
+                    f"installed: install a release of {dist.metadata['Name']} made for {key} {running[key]} (or "
+                    f"{req.name}{req.specifier} in an environment of its own)")
+    return None
 
 
 def _extra_backends() -> dict[str, str]:
@@ -76,13 +116,24 @@ def _load_class(target: str) -> type[Backend]:
 
 def probe_all() -> dict[str, tuple[bool, str]]:
     """Every known backend with (usable, reason)."""
-    report = {}
+    report, eps = {}, _plugin_entry_points()
     for name, target in known_backends().items():
-        try:
-            report[name] = _load_class(target).probe()
-        except Exception as err:  # noqa: BLE001 - a broken plug-in must not hide the others
-            report[name] = (False, f"failed to load {target}: {err}")
+        report[name] = _probe(name, target, eps)[:2]
     return report
+
+
+def _probe(name: str, target: str, eps: list | None = None) -> tuple[bool, str, type[Backend] | None]:
+    """(usable, reason, class) of backend ``name`` at ``target``: a plug-in package made for another omnitron or
+    torch is refused before it is imported, and one that fails to load is "not usable" with the reason (a broken
+    plug-in must not hide the others)."""
+    try:
+        problem = version_problem(name, target, eps)
+        if problem is not None:
+            return False, problem, None
+        cls = _load_class(target)
+        return (*cls.probe(), cls)
+    except Exception as err:  # noqa: BLE001
+        return False, f"failed to load {target}: {err}", None
 
 
 def _explain(report: dict[str, tuple[bool, str]]) -> str:
@@ -122,11 +173,7 @@ def get_backend(name: str | None = None) -> Backend:
     if name not in known:
         raise BackendUnavailableError(
             f"unknown backend {name!r} (set {ENV_VAR} to one of: auto, {', '.join(known)}):\n" + _explain(probe_all()))
-    try:
-        cls = _load_class(known[name])
-        ok, why = cls.probe()
-    except Exception as err:  # noqa: BLE001 - a broken backend module is "not usable", with the reason
-        ok, why = False, f"failed to load {known[name]}: {err}"
+    ok, why, cls = _probe(name, known[name])
     if not ok:
         raise BackendUnavailableError(f"backend {name!r} cannot run here: {why}\nall backends:\n" + _explain(probe_all()))
     try:

@@ -282,3 +282,46 @@ def test_a_pinned_kernel_declining_a_call_raises_instead_of_running_the_referenc
     with pytest.raises(kernels.KernelContractError, match="swiglu=plugin_test: 'plugin_test' declined a call "
                                                           r"\(float64 only\)"):
         pinned.swiglu(x)
+
+
+def _installed_plugin(where: pathlib.Path, name: str, *requires: str) -> None:
+    """The metadata pip writes for a plug-in package (``<dist>.dist-info``: its requirements and its entry point
+    ``name`` in the group ``omnitron.backends``), over the correct ``plugin-counting`` class."""
+    info = where / f"omnitron_{name.replace('-', '_')}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: omnitron-" + name + "\nVersion: 0.3\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    (info / "entry_points.txt").write_text(f"[omnitron.backends]\n{name} = broken_plugins:Counting\n")
+
+
+def test_a_plugin_made_for_another_omnitron_or_torch_is_refused_naming_the_package(monkeypatch, tmp_path, capsys):
+    """A plug-in package whose recorded requirements exclude the running omnitron or torch (installed with
+    ``--no-deps``, or left in place when either was upgraded under it) loaded and ran as if made for them. It is
+    "not usable" now, with a line naming the package, its requirement, what is installed and the fix; requirements
+    that hold, other packages' and ones under an extra's marker do not refuse it."""
+    import omnitron
+    from omnitron.cli import main
+
+    monkeypatch.delenv(registry.EXTRA_ENV_VAR, raising=False)
+    _installed_plugin(tmp_path, "plugin-stale", "numpy>=999", f"omnitron<{omnitron.__version__}")
+    _installed_plugin(tmp_path, "plugin-oldtorch", "omnitron", "torch<2.0")
+    _installed_plugin(tmp_path, "plugin-current", f"omnitron>={omnitron.__version__}", "torch>=2.0", "numpy>=999",
+                      'torch<2.0; extra == "legacy"')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(HERE))
+    registry.reset_cache()
+    try:
+        report = registry.probe_all()
+        assert report["plugin-current"][0], report["plugin-current"]
+        assert registry.get_backend("plugin-current").name == "plugin-counting"
+        ok, why = report["plugin-oldtorch"]
+        assert not ok and why.startswith(f"the plug-in package omnitron-plugin-oldtorch 0.3 requires torch<2.0, and "
+                                         f"torch {torch.__version__} is installed: install a release of "), why
+        assert main(["info", "--backend", "plugin-stale"]) == 1
+        line = capsys.readouterr().out.split("error: ", 1)[1].splitlines()[0]
+        assert line == (f"backend 'plugin-stale' cannot run here: the plug-in package omnitron-plugin-stale 0.3 "
+                        f"requires omnitron<{omnitron.__version__}, and omnitron {omnitron.__version__} is installed: "
+                        f"install a release of omnitron-plugin-stale made for omnitron {omnitron.__version__} (or "
+                        f"omnitron<{omnitron.__version__} in an environment of its own)"), line
+    finally:
+        registry.reset_cache()
