@@ -321,3 +321,22 @@ def test_bench_all_exits_nonzero_naming_a_kind_that_failed(tmp_path, monkeypatch
         f"; failed: {', '.join(fails)} (the reasons above)" if fails else ""), last
     assert rc == (1 if fails else 0)
 
+
+def test_shipped_bench_all_kernel_reports_name_their_size():
+    """``bench compare`` lines kernel rows up by the report's problem size; the shipped ``bench all`` reports
+    (benchmarks/results, made before reports carried it) had none, so a vendor's new folder compared against the
+    2-core Xeon's or the H200's matched no kernel row ("size differs: None, small"). Each names the size ``bench all``
+    runs on its device kind (the suites that wrote them ran these sizes: small on a CPU, large on a device, and the
+    benchmark's small and large cases are unchanged since)."""
+    import pathlib
+
+    from omnitron.bench import suite
+    from omnitron.bench.report import load
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    shipped = [load(str(p)) for p in sorted(root.rglob("kernels.json"))]
+    made_by_suite = [r for r in shipped if " bench all " in r.get("command", "")]
+    assert len(made_by_suite) >= 2, [r.get("command") for r in shipped]
+    for rep in made_by_suite:
+        sizes = suite.CPU if rep["machine"]["device_type"] == "cpu" else suite.DEVICE
+        assert rep["extra"].get("size") == sizes["kernels"], (rep["command"], rep["extra"])
