@@ -194,6 +194,22 @@ def test_bench_kernels_times_the_plugins_own_kernel(plugins):
     assert broken_plugins.CALLS["swiglu"] > before
 
 
+@pytest.mark.parametrize("backend, flag, says", [
+    ("plugin-bf16only", "--fp16", "--fp16: the plugin-bf16only backend's device has no fp16 (its dtypes: float32, "
+                                  "bfloat16); use --bf16 or fp32 (neither flag)"),
+    ("plugin-nofp8", "--bf16", None)])
+def test_a_half_precision_the_device_lacks_is_refused(plugins, tmp_path, backend, flag, says):
+    """``--fp16`` on a device whose capabilities list no float16 trained in float16 anyway (``--bf16`` was refused,
+    and its refusal offered ``--fp16`` whether or not the device had it); a dtype the device lists still trains."""
+    proc = _train(tmp_path, backend, flag)
+    if says is None:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    else:  # (after --fp16's notice on NaN checks, printed while the flags are parsed)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+        assert f"omnitron train: error: {says}" in out.splitlines(), out[-3000:]
+
+
 def test_info_names_no_fp8_path_on_a_device_without_fp8(plugins, capsys):
     """``omnitron info`` printed "per-tensor GEMM path emulated" for a backend whose capabilities list no FP8 format,
     where ``--fp8-format`` is refused: a path that never runs there."""
