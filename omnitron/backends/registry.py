@@ -44,6 +44,12 @@ def _entry_points() -> dict[str, str]:
     return {ep.name: ep.value for ep in _plugin_entry_points()}
 
 
+def _dist_of(name: str, target: str, eps: list | None):
+    """The installed distribution whose entry point makes backend ``name`` as ``target`` (None: there is none)."""
+    eps = _plugin_entry_points() if eps is None else eps
+    return next((getattr(ep, "dist", None) for ep in eps if ep.name == name and ep.value == target), None)
+
+
 PINNED = ("omnitron", "torch")
 """The installed packages a plug-in's requirements are checked against before it is imported: the contract it was
 written for (omnitron's) and the torch its compiled parts were built against."""
@@ -57,8 +63,7 @@ def version_problem(name: str, target: str, eps: list | None = None) -> str | No
     ``eps``: the entry points, when the caller read them already (reading them scans every installed package)."""
     if _BUILTIN.get(name) == target:
         return None
-    eps = _plugin_entry_points() if eps is None else eps
-    dist = next((getattr(ep, "dist", None) for ep in eps if ep.name == name and ep.value == target), None)
+    dist = _dist_of(name, target, eps)
     if dist is None or not dist.requires:
         return None
     import torch
@@ -100,17 +105,21 @@ def known_backends() -> dict[str, str]:
     return found
 
 
+class PluginContractError(TypeError):
+    """A backend class that does not meet the contract (its message names what to implement)."""
+
+
 def _load_class(target: str) -> type[Backend]:
     """The backend class ``module:Class`` names, refused when it could not be instantiated: a plug-in missing one
     of the contract's methods is "not usable" with their names here, not a traceback after it was reported usable."""
     module, _, attr = target.partition(":")
     cls = getattr(importlib.import_module(module), attr)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        raise TypeError(f"{target} is not an omnitron Backend subclass")
+        raise PluginContractError(f"{target} is not an omnitron Backend subclass (docs/backends.md, section 1)")
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
     if missing:
-        raise TypeError(f"{cls.__name__} does not implement {', '.join(missing)}: implement every abstract method of "
-                        "omnitron.backends.base.Backend (docs/backends.md, section 1)")
+        raise PluginContractError(f"{cls.__name__} does not implement {', '.join(missing)}: implement every abstract "
+                                  "method of omnitron.backends.base.Backend (docs/backends.md, section 1)")
     return cls
 
 
@@ -132,8 +141,21 @@ def _probe(name: str, target: str, eps: list | None = None) -> tuple[bool, str, 
             return False, problem, None
         cls = _load_class(target)
         return (*cls.probe(), cls)
-    except Exception as err:  # noqa: BLE001
+    except PluginContractError as err:
         return False, f"failed to load {target}: {err}", None
+    except Exception as err:  # noqa: BLE001 - the plug-in's import or probe: what failed, whose, and the way out
+        return False, f"failed to load {target}: {type(err).__name__}: {err}{_way_out(name, target, eps)}", None
+
+
+def _way_out(name: str, target: str, eps: list | None) -> str:
+    """How to fix or remove the plug-in behind backend ``name`` (empty for a built-in: omnitron's own)."""
+    if _BUILTIN.get(name) == target:
+        return ""
+    if _extra_backends().get(name) == target:
+        return f"; install what it needs, or remove {name}={target} from {EXTRA_ENV_VAR}"
+    dist = _dist_of(name, target, eps)
+    package = dist.metadata["Name"] if dist is not None else "the package that declares it"
+    return f"; install what it needs, or uninstall the plug-in (pip uninstall {package})"
 
 
 def _explain(report: dict[str, tuple[bool, str]]) -> str:

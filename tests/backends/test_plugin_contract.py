@@ -300,14 +300,14 @@ def test_a_pinned_kernel_declining_a_call_raises_instead_of_running_the_referenc
         pinned.swiglu(x)
 
 
-def _installed_plugin(where: pathlib.Path, name: str, *requires: str) -> None:
+def _installed_plugin(where: pathlib.Path, name: str, *requires: str, target: str = "broken_plugins:Counting") -> None:
     """The metadata pip writes for a plug-in package (``<dist>.dist-info``: its requirements and its entry point
-    ``name`` in the group ``omnitron.backends``), over the correct ``plugin-counting`` class."""
+    ``name`` in the group ``omnitron.backends``), over the correct ``plugin-counting`` class by default."""
     info = where / f"omnitron_{name.replace('-', '_')}-0.3.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: omnitron-" + name + "\nVersion: 0.3\n"
                                    + "".join(f"Requires-Dist: {r}\n" for r in requires))
-    (info / "entry_points.txt").write_text(f"[omnitron.backends]\n{name} = broken_plugins:Counting\n")
+    (info / "entry_points.txt").write_text(f"[omnitron.backends]\n{name} = {target}\n")
 
 
 def test_a_plugin_made_for_another_omnitron_or_torch_is_refused_naming_the_package(monkeypatch, tmp_path, capsys):
@@ -339,5 +339,29 @@ def test_a_plugin_made_for_another_omnitron_or_torch_is_refused_naming_the_packa
                         f"requires omnitron<{omnitron.__version__}, and omnitron {omnitron.__version__} is installed: "
                         f"install a release of omnitron-plugin-stale made for omnitron {omnitron.__version__} (or "
                         f"omnitron<{omnitron.__version__} in an environment of its own)"), line
+    finally:
+        registry.reset_cache()
+
+
+def test_a_plugin_that_raises_at_import_names_itself_and_the_way_out(monkeypatch, tmp_path):
+    """A plug-in whose module raises on import (its vendor library absent) was "failed to load MODULE:CLASS: <the
+    message>": no exception type, no package, no fix. Now the line names the exception, the package (installed by
+    entry point) or the ``OMNITRON_EXTRA_BACKENDS`` entry, and how to fix or remove it; other backends stay usable."""
+    (tmp_path / "plugin_raises.py").write_text('raise ImportError("libmychip.so.3: cannot open shared object file")\n')
+    _installed_plugin(tmp_path, "plugin-raises", target="plugin_raises:MyChip")
+    monkeypatch.setenv(registry.EXTRA_ENV_VAR, "plugin-raises-dev=plugin_raises:MyChip")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.reset_cache()
+    try:
+        report = registry.probe_all()
+        assert report["cpu"][0], report["cpu"]
+        cause = "ImportError: libmychip.so.3: cannot open shared object file; install what it needs, or "
+        assert report["plugin-raises"] == (False, f"failed to load plugin_raises:MyChip: {cause}uninstall the "
+                                                  "plug-in (pip uninstall omnitron-plugin-raises)")
+        assert report["plugin-raises-dev"] == (False, f"failed to load plugin_raises:MyChip: {cause}remove "
+                                                      "plugin-raises-dev=plugin_raises:MyChip from "
+                                                      "OMNITRON_EXTRA_BACKENDS")
+        with pytest.raises(registry.BackendUnavailableError, match="pip uninstall omnitron-plugin-raises"):
+            registry.get_backend("plugin-raises")
     finally:
         registry.reset_cache()
