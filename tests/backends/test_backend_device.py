@@ -6,8 +6,11 @@ import copy
 import torch
 
 from omnitron.backends.base import Capabilities
+from omnitron.backends.fp8 import scaled_mm_runs
 
 FP8_FORMATS = {"e4m3", "e5m2"}
+FP8_RECIPES = {"delayed", "tensorwise", "blockwise"}
+PEAK_NAMES = {"fp32", "tf32", "bf16", "fp16", "fp8"}
 
 
 def test_device_api(suite_backend):
@@ -111,6 +114,13 @@ def test_capabilities_are_consistent_facts(suite_backend):
     assert (caps.flash_head_dims is not None) == caps.flash_attention
     for dtype, peak in caps.peak_flops.items():
         assert peak is None or peak > 1e9, (dtype, peak)
+    # the names Capabilities.peak looks up: another key ("bfloat16") is never read, so MFU and % of peak go missing
+    assert set(caps.peak_flops) <= PEAK_NAMES, f"peak_flops keys {sorted(set(caps.peak_flops) - PEAK_NAMES)}: " \
+                                               f"use {sorted(PEAK_NAMES)}"
+    assert set(caps.fp8_recipes) <= FP8_RECIPES, f"fp8_recipes {caps.fp8_recipes}: a subset of {sorted(FP8_RECIPES)}"
+    assert caps.fp8_gemm in (None, "scaled_mm", "emulated"), caps.fp8_gemm
+    if caps.fp8_gemm == "scaled_mm":  # docs/backends.md: claimed only where the probe GEMM ran on the device
+        assert scaled_mm_runs(be.device()), "fp8_gemm 'scaled_mm' but torch._scaled_mm does not run on the device"
     if be.name.startswith("musa"):
         assert caps.arch.startswith("mp_"), "a MUSA device reports its own mp_XY arch"
     if be.name == "cuda":

@@ -9,8 +9,10 @@ and refuses an unusable backend in a line; and neither ``omnitron info`` nor ``b
 path on a device without FP8."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -175,6 +177,28 @@ def test_memory_conformance_takes_counts_the_device_cannot_say(plugins, monkeypa
         monkeypatch.setattr(be, "memory_stats", lambda: {**NO_COUNTS, "allocated": next(said)})
         with pytest.raises(AssertionError, match="allocated"):
             test_memory_stats(be)
+
+
+@pytest.mark.parametrize("wrong, says", [({"peak_flops": {"fp32": 1e12, "bfloat16": 4e12}}, "keys ['bfloat16']"),
+                                         ({"fp8_recipes": ("tensorwise", "current")}, "a subset of"),
+                                         ({"fp8_gemm": "scaled_mm"}, "does not run on the device")])
+def test_capability_conformance_catches_a_claim_the_engine_cannot_use(plugins, monkeypatch, wrong, says):
+    """Capabilities a plug-in can get wrong that the suite passed: a peak under a name ``Capabilities.peak`` never
+    looks up (MFU and % of peak silently missing), an FP8 recipe no provider runs, and ``fp8_gemm="scaled_mm"`` on a
+    device where ``torch._scaled_mm`` does not run (docs/backends.md: claimed only where the probe GEMM ran)."""
+    from test_backend_device import test_capabilities_are_consistent_facts as check
+
+    import omnitron.backends.fp8 as fp8
+    import test_backend_device
+
+    be = registry.get_backend("plugin-counting")
+    check(be)  # the plug-in as written passes
+    if fp8.scaled_mm_runs(be.device()):
+        monkeypatch.setattr(test_backend_device, "scaled_mm_runs", lambda device: False)  # as on a device without
+    right = be.capabilities()
+    monkeypatch.setattr(be, "capabilities", lambda: dataclasses.replace(right, **wrong))
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        check(be)
 
 
 NO_COUNTS = dict.fromkeys(("allocated", "reserved", "peak_allocated", "peak_reserved", "free", "total"))
