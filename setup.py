@@ -95,6 +95,7 @@ setup(
         "tokenizers>=0.15",
         "safetensors",
         "tqdm",
+        "packaging",  # a backend plug-in's recorded requirements on omnitron and torch (backends/registry.py)
     ],
     # Triton: each torch pins its own (2.9: 3.5.1, 2.10/2.11: 3.6.0, 2.12: 3.7.0, 2.13: 3.7.1); the floor is
     # the oldest torch's pin, so an extra never asks for a Triton the installed torch does not pin.

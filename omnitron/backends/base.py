@@ -44,7 +44,8 @@ class Capabilities:
     flash_head_dims: tuple[int, int] | None = None
     """Inclusive head-dim range the flash kernel accepts, when ``flash_attention``."""
     peak_flops: dict[str, float | None] = field(default_factory=dict)
-    """Dense peak FLOP/s per dtype name (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``); None if unknown."""
+    """Dense peak FLOP/s per dtype name (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``: the names
+    :meth:`peak` looks up; the conformance suite refuses others); None if unknown."""
     streams: bool = False
     """True when streams/events are real (asynchronous); False for the no-op CPU objects."""
     memory_total: int | None = None

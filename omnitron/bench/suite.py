@@ -28,6 +28,10 @@ DEVICE = {"memory": [1 << 20, 1 << 26, 1 << 30], "gemm": [1024, 4096, 8192], "ge
                                         "0"])}
 
 
+KINDS = ("memory", "gemm", "comm", "kernels", "attention", "elementwise", "train")
+"""The reports ``run_all`` writes, in its order."""
+
+
 def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> dict[str, str]:
     """Every kind into ``out_dir``; returns {kind: path}. A kind that fails is logged and left out."""
     sz = CPU if backend.device_type == "cpu" else DEVICE

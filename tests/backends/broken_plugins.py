@@ -14,7 +14,8 @@ from omnitron.kernels.registry import register
 
 KERNEL = "plugin_test"
 NAMES = ("plugin-wrongsig", "plugin-badimport", "plugin-counting", "plugin-missing", "plugin-nofp8",
-         "plugin-wrongsupports", "plugin-unavailable")
+         "plugin-wrongsupports", "plugin-unavailable", "plugin-nomemory",
+         "plugin-bf16only")
 
 
 class MissingMethods(Backend):
@@ -101,6 +102,26 @@ class Unavailable(_OnCPU):
                  backends=(self.name,))
 
 
+class NoMemoryCounters(Counting):
+    """A correct plug-in whose runtime has no allocator counters: every ``memory_stats`` count is None, as
+    docs/backends.md allows ("None where the device cannot say")."""
+
+    name = "plugin-nomemory"
+
+    def memory_stats(self) -> dict[str, int | None]:
+        return dict.fromkeys(("allocated", "reserved", "peak_allocated", "peak_reserved", "free", "total"))
+
+
+class BF16Only(Counting):
+    """A device that computes in float32 and bfloat16 only (no float16 in its capabilities)."""
+
+    name = "plugin-bf16only"
+
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities(), dtypes=(torch.float32, torch.bfloat16))
+
+
 TARGETS = ",".join(f"{n}=broken_plugins:{c}" for n, c in zip(NAMES, (
-    "WrongSignature", "BadImport", "Counting", "MissingMethods", "NoFP8", "WrongSupports", "Unavailable")))
+    "WrongSignature", "BadImport", "Counting", "MissingMethods", "NoFP8", "WrongSupports", "Unavailable",
+    "NoMemoryCounters", "BF16Only")))
 """``OMNITRON_EXTRA_BACKENDS`` for all of them (the tests put tests/backends on ``PYTHONPATH``)."""

@@ -9,8 +9,10 @@ and refuses an unusable backend in a line; and neither ``omnitron info`` nor ``b
 path on a device without FP8."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -162,6 +164,46 @@ def test_cpu_flash_block_declines_a_mask_to_the_reference():
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
 
 
+def test_memory_conformance_takes_counts_the_device_cannot_say(plugins, monkeypatch):
+    """docs/backends.md lets ``memory_stats`` say None where the device cannot say; the conformance suite's memory
+    test took the first None and failed with a TypeError (``None + float``) on such a plug-in. It still fails one
+    that says a count in one call and not in the next, or whose ``allocated`` misses a 64 MiB buffer."""
+    from test_backend_device import test_memory_stats
+
+    be = registry.get_backend("plugin-nomemory")
+    test_memory_stats(be)
+    for allocated in ([None, 1 << 20, 1 << 20], [1 << 20] * 3):  # said once and not before; blind to the buffer
+        said = iter(allocated)
+        monkeypatch.setattr(be, "memory_stats", lambda: {**NO_COUNTS, "allocated": next(said)})
+        with pytest.raises(AssertionError, match="allocated"):
+            test_memory_stats(be)
+
+
+@pytest.mark.parametrize("wrong, says", [({"peak_flops": {"fp32": 1e12, "bfloat16": 4e12}}, "keys ['bfloat16']"),
+                                         ({"fp8_recipes": ("tensorwise", "current")}, "a subset of"),
+                                         ({"fp8_gemm": "scaled_mm"}, "does not run on the device")])
+def test_capability_conformance_catches_a_claim_the_engine_cannot_use(plugins, monkeypatch, wrong, says):
+    """Capabilities a plug-in can get wrong that the suite passed: a peak under a name ``Capabilities.peak`` never
+    looks up (MFU and % of peak silently missing), an FP8 recipe no provider runs, and ``fp8_gemm="scaled_mm"`` on a
+    device where ``torch._scaled_mm`` does not run (docs/backends.md: claimed only where the probe GEMM ran)."""
+    from test_backend_device import test_capabilities_are_consistent_facts as check
+
+    import omnitron.backends.fp8 as fp8
+    import test_backend_device
+
+    be = registry.get_backend("plugin-counting")
+    check(be)  # the plug-in as written passes
+    if fp8.scaled_mm_runs(be.device()):
+        monkeypatch.setattr(test_backend_device, "scaled_mm_runs", lambda device: False)  # as on a device without
+    right = be.capabilities()
+    monkeypatch.setattr(be, "capabilities", lambda: dataclasses.replace(right, **wrong))
+    with pytest.raises(AssertionError, match=re.escape(says)):
+        check(be)
+
+
+NO_COUNTS = dict.fromkeys(("allocated", "reserved", "peak_allocated", "peak_reserved", "free", "total"))
+
+
 def test_bench_kernels_times_the_plugins_own_kernel(plugins):
     """``omnitron bench kernels --backend NAME`` (docs: every implementation of every op) includes the kernels the
     backend registers itself, and its rows time that kernel (its calls are counted)."""
@@ -174,6 +216,22 @@ def test_bench_kernels_times_the_plugins_own_kernel(plugins):
     timed = {(r["mode"], r["impl"]) for r in report["rows"] if r["ms"] is not None}
     assert {("fwd", broken_plugins.KERNEL), ("fwd+bwd", broken_plugins.KERNEL)} <= timed, timed
     assert broken_plugins.CALLS["swiglu"] > before
+
+
+@pytest.mark.parametrize("backend, flag, says", [
+    ("plugin-bf16only", "--fp16", "--fp16: the plugin-bf16only backend's device has no fp16 (its dtypes: float32, "
+                                  "bfloat16); use --bf16 or fp32 (neither flag)"),
+    ("plugin-nofp8", "--bf16", None)])
+def test_a_half_precision_the_device_lacks_is_refused(plugins, tmp_path, backend, flag, says):
+    """``--fp16`` on a device whose capabilities list no float16 trained in float16 anyway (``--bf16`` was refused,
+    and its refusal offered ``--fp16`` whether or not the device had it); a dtype the device lists still trains."""
+    proc = _train(tmp_path, backend, flag)
+    if says is None:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    else:  # (after --fp16's notice on NaN checks, printed while the flags are parsed)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+        assert f"omnitron train: error: {says}" in out.splitlines(), out[-3000:]
 
 
 def test_info_names_no_fp8_path_on_a_device_without_fp8(plugins, capsys):
@@ -264,3 +322,70 @@ def test_a_pinned_kernel_declining_a_call_raises_instead_of_running_the_referenc
     with pytest.raises(kernels.KernelContractError, match="swiglu=plugin_test: 'plugin_test' declined a call "
                                                           r"\(float64 only\)"):
         pinned.swiglu(x)
+
+
+def _installed_plugin(where: pathlib.Path, name: str, *requires: str, target: str = "broken_plugins:Counting") -> None:
+    """The metadata pip writes for a plug-in package (``<dist>.dist-info``: its requirements and its entry point
+    ``name`` in the group ``omnitron.backends``), over the correct ``plugin-counting`` class by default."""
+    info = where / f"omnitron_{name.replace('-', '_')}-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: omnitron-" + name + "\nVersion: 0.3\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    (info / "entry_points.txt").write_text(f"[omnitron.backends]\n{name} = {target}\n")
+
+
+def test_a_plugin_made_for_another_omnitron_or_torch_is_refused_naming_the_package(monkeypatch, tmp_path, capsys):
+    """A plug-in package whose recorded requirements exclude the running omnitron or torch (installed with
+    ``--no-deps``, or left in place when either was upgraded under it) loaded and ran as if made for them. It is
+    "not usable" now, with a line naming the package, its requirement, what is installed and the fix; requirements
+    that hold, other packages' and ones under an extra's marker do not refuse it."""
+    import omnitron
+    from omnitron.cli import main
+
+    monkeypatch.delenv(registry.EXTRA_ENV_VAR, raising=False)
+    _installed_plugin(tmp_path, "plugin-stale", "numpy>=999", f"omnitron<{omnitron.__version__}")
+    _installed_plugin(tmp_path, "plugin-oldtorch", "omnitron", "torch<2.0")
+    _installed_plugin(tmp_path, "plugin-current", f"omnitron>={omnitron.__version__}", "torch>=2.0", "numpy>=999",
+                      'torch<2.0; extra == "legacy"')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(HERE))
+    registry.reset_cache()
+    try:
+        report = registry.probe_all()
+        assert report["plugin-current"][0], report["plugin-current"]
+        assert registry.get_backend("plugin-current").name == "plugin-counting"
+        ok, why = report["plugin-oldtorch"]
+        assert not ok and why.startswith(f"the plug-in package omnitron-plugin-oldtorch 0.3 requires torch<2.0, and "
+                                         f"torch {torch.__version__} is installed: install a release of "), why
+        assert main(["info", "--backend", "plugin-stale"]) == 1
+        line = capsys.readouterr().out.split("error: ", 1)[1].splitlines()[0]
+        assert line == (f"backend 'plugin-stale' cannot run here: the plug-in package omnitron-plugin-stale 0.3 "
+                        f"requires omnitron<{omnitron.__version__}, and omnitron {omnitron.__version__} is installed: "
+                        f"install a release of omnitron-plugin-stale made for omnitron {omnitron.__version__} (or "
+                        f"omnitron<{omnitron.__version__} in an environment of its own)"), line
+    finally:
+        registry.reset_cache()
+
+
+def test_a_plugin_that_raises_at_import_names_itself_and_the_way_out(monkeypatch, tmp_path):
+    """A plug-in whose module raises on import (its vendor library absent) was "failed to load MODULE:CLASS: <the
+    message>": no exception type, no package, no fix. Now the line names the exception, the package (installed by
+    entry point) or the ``OMNITRON_EXTRA_BACKENDS`` entry, and how to fix or remove it; other backends stay usable."""
+    (tmp_path / "plugin_raises.py").write_text('raise ImportError("libmychip.so.3: cannot open shared object file")\n')
+    _installed_plugin(tmp_path, "plugin-raises", target="plugin_raises:MyChip")
+    monkeypatch.setenv(registry.EXTRA_ENV_VAR, "plugin-raises-dev=plugin_raises:MyChip")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.reset_cache()
+    try:
+        report = registry.probe_all()
+        assert report["cpu"][0], report["cpu"]
+        cause = "ImportError: libmychip.so.3: cannot open shared object file; install what it needs, or "
+        assert report["plugin-raises"] == (False, f"failed to load plugin_raises:MyChip: {cause}uninstall the "
+                                                  "plug-in (pip uninstall omnitron-plugin-raises)")
+        assert report["plugin-raises-dev"] == (False, f"failed to load plugin_raises:MyChip: {cause}remove "
+                                                      "plugin-raises-dev=plugin_raises:MyChip from "
+                                                      "OMNITRON_EXTRA_BACKENDS")
+        with pytest.raises(registry.BackendUnavailableError, match="pip uninstall omnitron-plugin-raises"):
+            registry.get_backend("plugin-raises")
+    finally:
+        registry.reset_cache()

@@ -32,8 +32,7 @@ def precheck(settings) -> None:
     except BackendUnavailableError as err:
         raise ConfigError(f"--backend: {err}") from None
     _check_kernels(backend)
-    if settings.precision.bf16 and __import__("torch").bfloat16 not in backend.capabilities().dtypes:
-        raise ConfigError(f"--bf16: the {backend.name} backend's device has no bf16; use --fp16 or fp32")
+    _check_dtype(settings.precision, backend)
     if settings.fp8 is not None:
         from omnitron.core.precision.fp8 import check_backend
 
@@ -50,6 +49,20 @@ def precheck(settings) -> None:
         from omnitron.core.training.checkpointing import check_resume
 
         check_resume(settings)
+
+
+def _check_dtype(precision, backend) -> None:
+    """``--bf16`` / ``--fp16`` on a device whose capabilities do not list that dtype (``Capabilities.dtypes``, a
+    fact of the device): refused naming what it has, as ``--fp8-format`` is on a device without FP8."""
+    import torch
+
+    have = backend.capabilities().dtypes
+    flags = {"--bf16": (precision.bf16, torch.bfloat16), "--fp16": (precision.fp16, torch.float16)}
+    for flag, (on, dtype) in flags.items():
+        if on and dtype not in have:
+            instead = [f for f, (_, d) in flags.items() if f != flag and d in have] + ["fp32 (neither flag)"]
+            raise ConfigError(f"{flag}: the {backend.name} backend's device has no {flag[2:]} (its dtypes: "
+                              f"{', '.join(str(d).replace('torch.', '') for d in have)}); use {' or '.join(instead)}")
 
 
 def _check_kernels(backend) -> None:
