@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from omnitron.testing.distributed import device_wedged, run_distributed
+from omnitron.testing.distributed import device_wedged, run_distributed, run_forked
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,6 +33,22 @@ def _wedged_with_a_lingering_thread() -> int:
     threading.Thread(target=time.sleep, args=(LINGER_S,)).start()
     device_wedged()
     return _rank()
+
+
+def _child(path: str, signum: int) -> None:
+    """Writes what the child sees (an env variable, torch's threads), then ends by ``signum`` (0: returns)."""
+    import os
+
+    import torch
+
+    with open(path, "w") as f:
+        f.write(f"{os.environ.get('OMNITRON_TEST_PROBE')} {torch.get_num_threads()}")
+    if signum:
+        os.kill(os.getpid(), signum)
+
+
+def _fails() -> None:
+    raise ValueError("planted in the child")
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +75,21 @@ def test_a_wedged_worker_ends_once_its_result_is_written(warm):
     assert run_distributed(_wedged_with_a_lingering_thread, 2, timeout_s=120) == [0, 1]
     took = time.monotonic() - start
     assert took < LINGER_S / 2, took
+
+
+def test_run_forked_reports_the_exit_the_environment_and_errors(warm, tmp_path):
+    """``run_forked`` (a test's planted kill in a process forked from the fork server): the exit code, negative for
+    the signal that ended the child; the caller's environment (with ``env`` over it) and torch threads there; an
+    exception in the child raised here with its traceback; a child past ``timeout_s`` killed and named."""
+    import signal
+
+    import torch
+
+    out = tmp_path / "seen"
+    assert run_forked(_child, str(out), int(signal.SIGKILL), env={"OMNITRON_TEST_PROBE": "x"}) == -signal.SIGKILL
+    assert out.read_text() == f"x {torch.get_num_threads()}"
+    assert run_forked(_child, str(out), 0) == 0 and out.read_text().startswith("None ")
+    with pytest.raises(RuntimeError, match="(?s)_fails failed in its process.*ValueError: planted in the child"):
+        run_forked(_fails)
+    with pytest.raises(RuntimeError, match="_hang: still running after 1 s"):
+        run_forked(_hang, timeout_s=1)

@@ -4,7 +4,8 @@ ranked by predicted tokens/s, the fastest that fit in device memory.
 The layouts searched: :mod:`omnitron.plan.layouts`.
 
 First the smallest need is found over the memory-minimal choice of every (tp, pp, cp) (the smallest micro-batch,
-no vpp, recomputation and the distributed optimizer on): when even that does not fit, the error names it. Else
+no vpp, recomputation and the distributed optimizer on; the walk stops at the first that fits): when even that
+does not fit, the error names it. Else
 the candidates are ranked by predicted tokens/s (:func:`omnitron.plan.speed.predict`) and memory is checked
 fastest first (:func:`omnitron.plan.memory.estimate`, every stage must fit) until ``top`` fit. A device-profile
 search (``cluster``, :func:`_bounded`) screens a layout that would enter the list with the estimate without
@@ -75,7 +76,7 @@ def recommend(given: dict, devices: int, memory: int, rates, overlap: str = "non
         raise ConfigError(f"no layout of {given.get('model') or 'the model'} divides {devices} devices: tp must "
                           "divide the heads and query groups, pp the layers, dp x micro-batch the global batch")
     if full:
-        smallest = _smallest(given, devices, load=load)
+        smallest = _smallest(given, devices, load=load, enough=memory)
         if smallest.peak > memory:
             raise ConfigError(_no_fit(smallest, memory))
     if not full:
@@ -215,13 +216,18 @@ def state_lower_bound(settings) -> float:
 
 
 def _smallest(given: dict, devices: int, transients: bool = True, cluster: int | None = None, load=None,
-              device=None) -> Choice:
+              device=None, enough: int | None = None) -> Choice:
     """The candidate of least peak memory among the memory-minimal variant of every (tp, pp, cp); with ``load``
     (``--moe-expert-load``) each priced on its busiest ep rank, as the search prices them. ``transients`` False:
     ranked without backward's transient probes (slow at scale), the one found priced with them. With them, the
     candidates are first estimated without the probes and visited by :func:`_floor` (a lower bound of the full
     estimate): one whose floor exceeds the least full peak found so far cannot be the smallest and is not probed.
-    The answer is the one a full estimate of every candidate gives (ties: the first in :func:`candidates`' order)."""
+    The answer is the one a full estimate of every candidate gives (ties: the first in :func:`candidates`' order).
+
+    ``enough`` (bytes): the first visited whose full peak is at most that is returned instead: the up-front check
+    of :func:`recommend` asks only whether the smallest fits, and each further candidate probed costs a transient
+    probe set. The check's answer is the same: a candidate returned with a peak over ``enough`` is the smallest
+    (none fitted, so none stopped the walk early)."""
     from omnitron.plan.memory import estimate
 
     cands = candidates(given, devices, minimal=True, cluster=cluster)
@@ -236,6 +242,8 @@ def _smallest(given: dict, devices: int, transients: bool = True, cluster: int |
         if best is not None and _floor(c, load) > best.peak:
             break
         c.stages = estimate(c.settings, load=load, device=device)
+        if enough is not None and c.peak <= enough:
+            return c
         if best is None or (c.peak, i) < (best.peak, first):
             best, first = c, i
     return best

@@ -116,6 +116,44 @@ def _context():
     return ctx
 
 
+def _forked(fn: Callable, args: tuple, env: dict[str, str], threads: int, outdir: str) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    os.environ.clear()  # the caller's environment, not the fork server's from when it started
+    os.environ.update(env)
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - the caller raises it, with this traceback
+        with open(os.path.join(outdir, "error.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_forked(fn: Callable, *args, env: dict[str, str] | None = None, timeout_s: float = 300.0) -> int:
+    """Call ``fn(*args)`` in one process forked from the fork server (torch already imported: a fresh interpreter
+    spends ~3 s of CPU importing the training stack) and return its exit code, negative for the signal that
+    ended it: for a test whose child must die (a planted SIGKILL). ``fn`` must be importable (module level); the
+    child has this process's environment with ``env`` over it, and its torch threads. An exception in ``fn``
+    is raised here with the child's traceback; a child still running after ``timeout_s`` is killed and reported."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as outdir:
+        proc = _context().Process(target=_forked, args=(fn, args, {**os.environ, **(env or {})},
+                                                         torch.get_num_threads(), outdir))
+        proc.start()
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)}: still running after {timeout_s:g} s (killed)")
+        error = os.path.join(outdir, "error.txt")
+        if os.path.exists(error):
+            with open(error) as f:
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its process:\n{f.read()}")
+        return proc.exitcode
+
+
 def _staged_if_ranks_share_a_device(backend: str, world_size: int, env: dict[str, str] | None):
     """``env`` with ``OMNITRON_COLLECTIVES=host-staged`` when ``world_size`` ranks would share fewer devices of
     a backend whose collective library refuses that (NCCL: "duplicate GPU"), as on a one-GPU machine: the

@@ -123,23 +123,25 @@ def test_a_lock_taken_again_is_released_at_the_runs_end(tmp_path, monkeypatch, c
     assert sorted(d for d in os.listdir(save) if d.startswith("iter_")) == ["iter_0000002", "iter_0000003"]
 
 
-KILLED = """
-import os, signal, sys
-from omnitron.backends import get_backend
-from omnitron.core.checkpoint import dist
-from omnitron.core.training.arguments import parse_settings
-from omnitron.core.training.loop import train
+def _write_then_die(target: str, argv: list[str]) -> None:
+    """Train ``argv`` (in a process of its own, :func:`run_forked`) until the background write of ``target`` is
+    done, then SIGKILL the process before that save's commit."""
+    import signal
 
-target, write = sys.argv[1], dist.write
+    from omnitron.backends import get_backend
+    from omnitron.core.checkpoint import dist
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.loop import train
 
-def write_then_die(tmp, *args, **kwargs):  # the background write of `target` done, the process killed before its commit
-    write(tmp, *args, **kwargs)
-    if tmp == target:
-        os.kill(os.getpid(), signal.SIGKILL)
+    write = dist.write
 
-dist.write = write_then_die
-train(parse_settings(sys.argv[2:], world_size=1), get_backend("cpu"))
-"""
+    def write_then_die(tmp, *args, **kwargs):
+        write(tmp, *args, **kwargs)
+        if tmp == target:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    dist.write = write_then_die
+    train(parse_settings(argv, world_size=1), get_backend("cpu"))
 
 
 def _weights(out):
@@ -168,22 +170,16 @@ def test_async_non_persistent_then_regular_killed_between(tmp_path, uninterrupte
     non-persistent 6 was cut (the committed non-persistent 3 is older), the non-persistent 6 when the regular 7 was
     -- never the .tmp, and its iterations after that come out bit-exact as in the uninterrupted run (every loss,
     every weight; with dropout, so the RNG streams resume too)."""
-    import subprocess
-    import sys
-
     import torch
 
     from omnitron.backends import get_backend
     from omnitron.core.training.loop import train
+    from omnitron.testing.distributed import run_forked
 
     args, whole = uninterrupted
     ck = str(tmp_path / "ck")
-    cmd = [sys.executable, "-c", KILLED, os.path.join(ck, killed + ".tmp"), *ARGS, "--log-dir", str(tmp_path / "b"),
-           *args, "--save", ck]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    died = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert died.returncode == -9, died.stderr[-2000:]
+    argv = [*ARGS, "--log-dir", str(tmp_path / "b"), *args, "--save", ck]
+    assert run_forked(_write_then_die, os.path.join(ck, killed + ".tmp"), argv) == -9
     assert os.path.isdir(os.path.join(ck, killed + ".tmp")) and not os.path.exists(os.path.join(ck, killed))
     resumed = train(_settings(tmp_path, "c", *args, "--save", ck, "--load", ck), get_backend("cpu"))
     first = 7 if killed == "iter_0000007" else 5

@@ -119,6 +119,45 @@ def test_no_fit_names_the_smallest_need(tmp_path, constant_rates):
     import gc
 
     assert gc.isenabled()  # the search pauses the cyclic collector (recommend.collector_paused), even when it fails
+    # the up-front check stops at the first layout that fits (_smallest's ``enough``), with the same answer as pricing
+    # every one: at exactly the least need something is listed, a byte under it the error names that need
+    least = int(least)
+    listed = recommend(GIVEN, 2, least, rates)
+    assert listed and all(c.peak <= least for c in listed)
+    with pytest.raises(ConfigError, match="the smallest needs "):
+        recommend(GIVEN, 2, least - 1, rates)
+
+
+def test_the_fit_check_stops_at_the_first_that_fits_with_the_walks_answer(monkeypatch):
+    """recommend's up-front check (``_smallest(..., enough=memory)``) prices candidates with the transient probes
+    (a probe set each) in floor order only until one fits; when none fits it returns the walk's smallest. Three
+    stand-in candidates whose floor order (1, 2, 3) differs from their full peaks' (10, 5, 8): hand-derived answers."""
+    import types
+
+    import omnitron.plan.memory as memory
+    import omnitron.plan.recommend as rec
+
+    floors, peaks = {"a": 1, "b": 2, "c": 3}, {"a": 10, "b": 5, "c": 8}
+
+    class Cand:
+        def __init__(self, name):
+            self.settings, self.stages = name, []
+
+        peak = property(lambda self: max(s.total for s in self.stages))
+
+    probed = []
+
+    def estimate(name, transients=True, load=None, device=None):
+        probed.append(name) if transients else None
+        return [types.SimpleNamespace(total=peaks[name] if transients else floors[name], recompute=0)]
+
+    monkeypatch.setattr(rec, "candidates", lambda *a, **k: [Cand(n) for n in "abc"])
+    monkeypatch.setattr(memory, "estimate", estimate)
+    for enough, want, walked in ((None, "b", "abc"), (4, "b", "abc"), (6, "b", "ab"), (9, "b", "ab"),
+                                 (10, "a", "a")):
+        probed.clear()
+        got = rec._smallest({}, 1, enough=enough)
+        assert (got.settings, "".join(probed)) == (want, walked), enough
 
 
 def test_the_smallest_layout_is_priced_under_the_routing_histogram(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from omnitron.core.training.workers import GRACE_ENV
 from omnitron.testing.faults import children, records, start, tiny_train_args, wait_for_iteration, wait_gone
 
 TIMEOUT_S = 6.0
@@ -30,13 +31,15 @@ def _launcher_lines(out: str) -> list[str]:
 
 
 def test_frozen_rank_everything_exits_with_stacks(tmp_path):
-    proc = _run(tmp_path)
+    # the frozen rank's report never comes: a 1 s grace (GRACE_ENV) instead of the production 5 s before the
+    # launcher kills it; rank 0's report is written before its exit, which starts the grace
+    proc = _run(tmp_path, env={GRACE_ENV: "1"})
     wait_for_iteration(str(tmp_path / "logs" / "metrics.jsonl"), 2, proc)
     workers = children(proc.pid)
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGSTOP)
-    # detection after TIMEOUT_S (+ one heartbeat interval), then the launcher's grace (5 s) before it kills
-    # the frozen one; 60 s leaves room for a loaded machine
+    # detection after TIMEOUT_S (+ one heartbeat interval), then the launcher's grace before it kills the frozen
+    # one; 60 s leaves room for a loaded machine
     wait_gone([proc.pid, *workers], 60)
     out = proc.stdout.read()
     assert proc.wait() == 1
@@ -368,3 +371,26 @@ def test_failure_lines_name_the_sub_command(monkeypatch, argv, want):
 
     monkeypatch.setattr(sys, "argv", argv)
     assert command_name() == want
+
+
+def test_failure_grace_defaults_to_the_heartbeats_and_a_bad_override_stops_before_any_worker(monkeypatch):
+    """The launcher's grace after a failure: 5 s, or two heartbeat intervals and 2 s at long timeouts (hand-derived
+    from watchdog.heartbeat_interval: a twelfth of the timeout, at most 5 s); ``$OMNITRON_FAILURE_GRACE_S``
+    (the frozen-rank test's) replaces it; a value that is not seconds is one line naming the variable, raised
+    by run_workers before it starts a worker."""
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.training import workers
+
+    monkeypatch.delenv(GRACE_ENV, raising=False)
+    assert workers.failure_grace_s(6.0) == 5.0 and workers.failure_grace_s(36.0) == 8.0  # 2 x 3 s + 2 s
+    assert workers.failure_grace_s(600.0) == 12.0  # the interval capped at 5 s
+    monkeypatch.setenv(GRACE_ENV, "0.5")
+    assert workers.failure_grace_s(600.0) == 0.5
+    started = []
+    monkeypatch.setattr(workers, "host_store", lambda *a: started.append(a))
+    settings = type("S", (), {"training": type("T", (), {"distributed_timeout_minutes": 10})()})()
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv(GRACE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{GRACE_ENV}='{bad}' is not a number of seconds"):
+            workers.run_workers(settings, None, 2, None)
+    assert started == []

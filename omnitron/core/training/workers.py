@@ -40,9 +40,29 @@ def attempt() -> int:
 
 STARTUP_POLL_S = 1.0
 """Seconds between the launcher's checks of its workers' start-up (:class:`StartupWatch`)."""
+GRACE_ENV = "OMNITRON_FAILURE_GRACE_S"
+"""Seconds, overriding the launcher's grace after a worker's failure (:func:`failure_grace_s`): the tests that freeze
+a rank, whose report can never come, set it low rather than wait the production grace out."""
 JOIN_TIMEOUT_S = 300.0
 """The least time the store waits for every rank to arrive: a slow start (imports on a loaded machine) is
 not a hang, whatever the collective timeout (the watchdog and the collectives keep theirs)."""
+
+
+def failure_grace_s(timeout_s: float) -> float:
+    """How long the launcher waits, after a worker's failure, for the others to report before it kills them:
+    ``$OMNITRON_FAILURE_GRACE_S`` if set, else 5 s or two heartbeats (their last reports) and 2 s, the longer."""
+    env = os.environ.get(GRACE_ENV)
+    if env:
+        try:
+            grace = float(env)
+        except ValueError:
+            grace = -1.0
+        if not grace >= 0:
+            from omnitron.core.config.parallel import ConfigError
+
+            raise ConfigError(f"{GRACE_ENV}={env!r} is not a number of seconds >= 0; unset it or give e.g. 1")
+        return grace
+    return max(5.0, 2 * heartbeat_interval(timeout_s) + 2.0)
 
 
 def open_store(timeout_s: float, is_master: bool):
@@ -367,6 +387,7 @@ def run_workers(settings, entry, n: int, worker) -> int:
     """Start ``worker(rank, n, port, settings, entry, launcher_pid, env)`` for every rank (the worker calls
     :func:`enter_worker` first); the job's exit code."""
     timeout = distributed_timeout_s(settings.training.distributed_timeout_minutes)
+    grace = failure_grace_s(timeout)  # a bad value stops here, before any worker starts
     store = host_store(n, timeout, int(os.environ.get("MASTER_PORT") or 0))
     port = store.port
     report_dir = tempfile.mkdtemp(prefix="omnitron-failures-")
@@ -408,7 +429,7 @@ def run_workers(settings, entry, n: int, worker) -> int:
             for r, p in enumerate(procs):
                 if r not in reached and p.is_alive():
                     os.kill(p.pid, signum)
-        workers = _supervise(procs, grace_s=max(5.0, 2 * heartbeat_interval(timeout) + 2.0),
+        workers = _supervise(procs, grace_s=grace,
                              startup=StartupWatch(store, procs, timeout))
     finally:
         signal.signal(signal.SIGINT, previous)
