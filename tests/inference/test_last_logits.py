@@ -171,3 +171,27 @@ def test_sharded_generation_computes_and_gathers_the_last_position_only(tp, pp):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-12)
         assert rows in ([], [1]), (rank, rows)
     assert [1] in [o[-1] for o in outs]
+
+
+def _under_sp() -> str:
+    """The error a sequence-parallel tp2 model gives for ``last_position_only`` (this rank's slice of the sequence
+    is not the whole one)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
+    model = GPTModel(CONFIGS["llama_gqa"](), groups, backend=be, seed=1).eval()
+    try:
+        with torch.no_grad():
+            model(tokens=torch.zeros(1, 8, dtype=torch.long), last_position_only=True)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.multiprocess
+def test_last_position_only_is_refused_under_sequence_parallelism():
+    for err in run_distributed(_under_sp, 2, backend="cpu"):
+        assert "sequence parallelism off" in err and "\n" not in err
