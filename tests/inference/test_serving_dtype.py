@@ -80,9 +80,9 @@ def test_bf16_generation_against_fp32(trained):
     assert sum(a == b for a, b in zip(want.tokens, got.tokens)) >= 6  # the memorised rows at least
 
 
-def test_generate_command_takes_bf16(trained, capsys, monkeypatch):
+def test_generate_and_serve_commands_take_the_dtype_flags(trained, capsys, monkeypatch):
     """``omnitron generate --bf16`` loads bf16 and prints the bf16 model's greedy text; ``--bf16 --fp16`` is
-    refused."""
+    refused; ``omnitron serve --fp16`` loads fp16, and fp32 without a flag."""
     import omnitron.core.inference.loader as L
 
     root, data = trained
@@ -106,6 +106,13 @@ def test_generate_command_takes_bf16(trained, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--load", root, "--bf16", "--fp16", "--prompt", prompt])
     assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+    def no_server(*args, **kwargs):  # stop after the load: the test needs no socket
+        raise OSError("no server in this test")
+
+    monkeypatch.setattr("omnitron.core.inference.server.make_server", no_server)
+    assert main(["serve", "--load", root, "--fp16"]) == 2 and dtypes[-1] == {torch.float16}
+    assert main(["serve", "--load", root]) == 2 and dtypes[-1] == {torch.float32}
 
 
 def _sharded_bf16(root: str, prompt: list[int], n: int) -> tuple:

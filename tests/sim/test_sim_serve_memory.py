@@ -213,7 +213,7 @@ def test_prefill_logits_at_the_last_position_only():
 
 
 def bf16_serving(extra, b: int, prompt: int, new: int) -> list[tuple]:
-    """Per serving dtype (fp32, bf16): (the planner's estimate for it, the parameters' bytes (the sim allocator's
+    """Per serving dtype (fp32, bf16, fp16): (the planner's estimate for it, the parameters' bytes (the sim allocator's
     count while the checkpoint loaded, less its rounding), KV-cache bytes, the parameters' dtypes)."""
     import os
     import tempfile
@@ -240,7 +240,7 @@ def bf16_serving(extra, b: int, prompt: int, new: int) -> list[tuple]:
     write_weights_checkpoint(dict(gather_full_state(model, model.groups)), cfg, root, Layout(tp=1),
                              config={"tokenizer_type": "NullTokenizer", "vocab_size": 200})
     prompts = [[(5 * i + j) % 200 for j in range(prompt - i)] for i in range(b)]
-    for flags, dtype in (([], torch.float32), (["--bf16"], torch.bfloat16)):
+    for flags, dtype in (([], torch.float32), (["--bf16"], torch.bfloat16), (["--fp16"], torch.float16)):
         est = serve_estimate(parse_settings(argv + flags, 1), b, prompt + new, prompt=prompt)[0]
         base = be.memory_stats()["allocated"]
         loaded = load_for_inference(root, be, dtype)
@@ -260,8 +260,10 @@ def bf16_serving(extra, b: int, prompt: int, new: int) -> list[tuple]:
 def test_bf16_serving_halves_weights_and_kv_cache(extra):
     """``load_for_inference(..., bfloat16)`` (``--bf16``): the weights allocated while loading and the KV cache are
     half the fp32 load's, and equal the planner's ``--bf16`` estimate to the byte (its default, no
-    flag, is the fp32 load's)."""
-    (e32, w32, c32, d32), (e16, w16, c16, d16) = run_distributed(bf16_serving, 1, extra, 3, 24, 8, backend="sim")[0]
-    assert d32 == {"torch.float32"} and d16 == {"torch.bfloat16"}
-    assert w32 == 2 * w16 and c32 == 2 * c16
-    assert (e32.weights, e32.kv_cache) == (w32, c32) and (e16.weights, e16.kv_cache) == (w16, c16)
+    flag, is the fp32 load's); ``--fp16`` likewise."""
+    (e32, w32, c32, d32), (e16, w16, c16, d16), (eh, wh, ch, dh) = run_distributed(bf16_serving, 1, extra, 3, 24, 8,
+                                                                                   backend="sim")[0]
+    assert d32 == {"torch.float32"} and d16 == {"torch.bfloat16"} and dh == {"torch.float16"}
+    assert w32 == 2 * w16 == 2 * wh and c32 == 2 * c16 == 2 * ch
+    for est, weights, cache in ((e32, w32, c32), (e16, w16, c16), (eh, wh, ch)):
+        assert (est.weights, est.kv_cache) == (weights, cache)
