@@ -75,7 +75,7 @@ def sampling_flags(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from omnitron.backends import get_backend
     from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.inference.loader import load_for_inference
+    from omnitron.core.inference.loader import SERVING_DTYPES, load_for_inference
     from omnitron.core.inference.sampling import SamplingParams
     from omnitron.core.inference.text import complete, print_result
 
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if world is not None:
         return _run_sharded(args, world, sampling)
     try:
-        loaded = load_for_inference(args.load, get_backend(args.backend))
+        loaded = load_for_inference(args.load, get_backend(args.backend), SERVING_DTYPES[args.serving_dtype])
         default = loaded.spec.default_prompt
         prompts = args.prompt or ([default] if default is not None else None)
         if not prompts:
@@ -125,5 +125,5 @@ def _run_sharded(args: argparse.Namespace, world: int, sampling: dict) -> int:
                       pipeline_model_parallel_size=pp, max_new_tokens=args.max_new_tokens,
                       sampling=sampling,
                       return_log_probs=args.return_log_probs, json=args.json, backend=args.backend,
-                      nproc_per_node=world, world_size=world)
+                      nproc_per_node=world, world_size=world, serving_dtype=args.serving_dtype)
     return launch(job, run_generate_job)

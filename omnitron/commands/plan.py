@@ -46,6 +46,8 @@ def register(sub) -> None:
     p.add_argument("--inference-max-seq-length", type=int, metavar="S", help="tokens per request, prompt and "
                    "generated (Megatron's flag; default with --inference-max-requests: the model's --seq-length, "
                    "not Megatron's 2560)")
+    p.add_argument("--return-log-probs", action="store_true", help="serving estimate: the prompts' log-probs are "
+                   "asked (Megatron's flag), so the prefill computes every position's logits, not the last one's")
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.plan.speed import predict
 
     own = ("func", "command", "bench", "assume_overlap", "devices", "device_memory", "top", "device", "gpus_per_node",
-           "json", "moe_expert_load", "inference_max_requests", "inference_max_seq_length")
+           "json", "moe_expert_load", "inference_max_requests", "inference_max_seq_length", "return_log_probs")
     given = {k: v for k, v in vars(args).items() if k not in own}
     bench, overlap = getattr(args, "bench", None), getattr(args, "assume_overlap", "none")
     comm = given.get("cp_comm_type")
@@ -67,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if hasattr(args, "inference_max_requests") or hasattr(args, "inference_max_seq_length"):  # SUPPRESS: given
         return _serve(args, given)
+    if hasattr(args, "return_log_probs"):
+        return _error("--return-log-probs prices serving: give --inference-max-requests and/or "
+                      "--inference-max-seq-length with it")
     if getattr(args, "devices", None) is not None:
         return _recommend(args, given, bench, overlap)
     try:
@@ -132,12 +137,13 @@ def _serve_figures(args, given: dict) -> tuple:
     s = settings_of(given)
     requests = getattr(args, "inference_max_requests", 8)
     seq = getattr(args, "inference_max_seq_length", s.model.seq_length)
-    stages = serve_estimate(s, requests, seq)
-    fused = max(st.total for st in serve_estimate(s, requests, seq, padded=False))
+    log_probs = bool(getattr(args, "return_log_probs", False))
+    stages = serve_estimate(s, requests, seq, log_probs=log_probs)
+    fused = max(st.total for st in serve_estimate(s, requests, seq, padded=False, log_probs=log_probs))
     device = getattr(args, "device", None)
     memory = (parse_memory(args.device_memory) if getattr(args, "device_memory", None)
               else _profile_memory(device) if device else None)
-    return s, requests, seq, stages, fused, memory, largest_batch(s, seq, memory) if memory else None
+    return s, requests, seq, stages, fused, memory, largest_batch(s, seq, memory, log_probs) if memory else None
 
 
 def _error(err) -> int:

@@ -22,8 +22,18 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_dtype_flags(p) -> None:
+    """The serving dtype of the inference commands (Megatron's ``--bf16`` / ``--fp16``; neither: fp32)."""
+    dtype = p.add_mutually_exclusive_group()
+    dtype.add_argument("--bf16", action="store_const", const="bf16", dest="serving_dtype", default="fp32",
+                       help="serve in bfloat16: weights, activations and KV cache (half fp32's memory)")
+    dtype.add_argument("--fp16", action="store_const", const="fp16", dest="serving_dtype",
+                       help="serve in float16 (half fp32's memory; bf16's range is fp32's, fp16's is not)")
+
+
 def add_layout_flags(p) -> None:
-    """The tp x pp flags of the inference commands (``generate``, ``serve``)."""
+    """The tp x pp flags of the inference commands (``generate``, ``serve``), and the serving dtype's."""
+    add_dtype_flags(p)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="TP",
                    help="shard the model over TP processes (GPT checkpoints; any layout loads)")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="PP",
@@ -60,7 +70,7 @@ def sharded_world(args, command: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     from omnitron.backends import get_backend
     from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.inference.loader import load_for_inference
+    from omnitron.core.inference.loader import SERVING_DTYPES, load_for_inference
     from omnitron.core.inference.server import make_server, serve_until_stopped
 
     world = sharded_world(args, "serve")
@@ -70,10 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
         return launch(ServeJob(load=args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
                                pipeline_model_parallel_size=args.pipeline_model_parallel_size, backend=args.backend,
-                               host=args.host, port=args.port, nproc_per_node=world, world_size=world),
+                               host=args.host, port=args.port, nproc_per_node=world, world_size=world,
+                               serving_dtype=args.serving_dtype),
                       run_serve_job)
     try:
-        loaded = load_for_inference(args.load, get_backend(args.backend))
+        loaded = load_for_inference(args.load, get_backend(args.backend), SERVING_DTYPES[args.serving_dtype])
         server = make_server(loaded, args.host, args.port)
     except (CheckpointError, ValueError, OSError) as err:
         print(f"omnitron serve: error: {err}", file=sys.stderr)

@@ -5,8 +5,8 @@ Terms (bytes, one tp rank of each pipeline stage; every tp rank of a stage holds
 
 - weights: the stage's parameters, counted on the meta-device skeleton training builds (:func:`.state.skeleton`:
   tp shards, the key/value projection whole on every rank where ``--num-query-groups`` < tp), at the serving
-  dtype: ``--bf16`` / ``--fp16``, else fp32. NOTE: ``omnitron generate`` / ``serve`` load checkpoints in fp32
-  today (:mod:`omnitron.core.inference.loader`); a bf16 estimate is what a bf16 server would hold.
+  dtype: ``--bf16`` / ``--fp16``, else fp32, as ``omnitron generate`` / ``serve`` load checkpoints with the same
+  flags (:mod:`omnitron.core.inference.loader`).
 - KV cache: ``B x S`` slots (:func:`omnitron.core.inference.generation.cache_slots`: the cache is allocated once
   at the batch's longest sequence) times the bytes a token costs on this rank (:func:`kv_bytes_per_token`): each
   layer's keys and values of its ``max(groups / tp, 1)`` local key/value heads (heads fewer than tp are
@@ -18,7 +18,10 @@ Terms (bytes, one tp rank of each pipeline stage; every tp rank of a stage holds
   over ``T = B x prompt`` tokens (the prompt is ``S`` at worst): the MLP's (:func:`_mlp`), attention's
   (:func:`_attention`: with left-padded prompts the masked path's ``[b, heads, s, s]`` fp32 scores and
   probabilities) and the output head's (the vocabulary shard's logits, gathered whole over tp on the last
-  stage, twice). Decoding steps hold the same tensors for ``B`` tokens: fewer.
+  stage, twice), computed at the last position of each request only (``B`` rows, not ``T``: generation asks the
+  forward for them alone, :mod:`omnitron.core.inference.generation`) unless the prompt's log-probs are wanted
+  (``log_probs``: Megatron's ``--return-log-probs``, then every position's). Decoding steps hold the same
+  tensors for ``B`` tokens: fewer.
 
 Not modelled: communication buffers, allocator fragmentation and caching, buffers fused kernels allocate
 internally, ``--return-log-probs``' fp32 log-softmax of the prompt's logits, MoE dispatch buffers (an MoE layer's
@@ -96,23 +99,25 @@ def _attention(cfg, tp: int, batch: int, prompt: int, elem: int, padded: bool) -
     return (_RESIDUAL * tokens * h + 2 * tokens * proj + tokens * out + padded * tokens * repeated) * elem + scores
 
 
-def _head(cfg, tp: int, tokens: int, elem: int) -> int:
-    """The output head: while the output layer runs, the final norm's input and output ``[T, h]`` and this rank's
-    logits, twice where its vocabulary shard holds padding (the copy with those columns at -inf,
+def _head(cfg, tp: int, tokens: int, rows: int, elem: int) -> int:
+    """The output head at ``rows`` positions (``T``, or the ``B`` last ones): while the output layer runs, the last
+    layer's output ``[T, h]``, the final norm's output ``[rows, h]`` and this rank's logits ``[rows, V / tp]``,
+    twice where its vocabulary shard holds padding (the copy with those columns at -inf,
     ``GPTModel._mask_padding``); under tp then, the hidden states freed, its logits and the whole vocabulary twice
-    (``gather_last``: the all-gather's ``[tp T, V / tp]`` and their concatenation ``[T, V]``)."""
+    (``gather_last``: the all-gather's ``[tp rows, V / tp]`` and their concatenation ``[rows, V]``)."""
     vocab = padded_vocab_size(cfg, tp)
     local = vocab // tp * (2 if vocab > cfg.vocab_size else 1)
-    layer = 2 * tokens * cfg.hidden_size + tokens * local
-    return max(layer, tokens * (vocab // tp + 2 * vocab) if tp > 1 else 0) * elem
+    layer = (tokens + rows) * cfg.hidden_size + rows * local
+    return max(layer, rows * (vocab // tp + 2 * vocab) if tp > 1 else 0) * elem
 
 
 def prefill_bytes(cfg, tp: int, batch: int, prompt: int, elem: int, *, last: bool, moe: bool,
-                  padded: bool = True) -> int:
-    """The prefill's largest phase (module docstring) on one rank of a stage (``last``: it holds the head)."""
+                  padded: bool = True, log_probs: bool = False) -> int:
+    """The prefill's largest phase (module docstring) on one rank of a stage (``last``: it holds the head;
+    ``log_probs``: the prompt's are wanted, so the head runs at every position)."""
     tokens = batch * prompt
     phases = [_mlp(cfg, tp, tokens, elem, moe), _attention(cfg, tp, batch, prompt, elem, padded)]
-    return max(phases + ([_head(cfg, tp, tokens, elem)] if last else []))
+    return max(phases + ([_head(cfg, tp, tokens, tokens if log_probs else batch, elem)] if last else []))
 
 
 def _stage_params(model_cfg, parallel, r: int) -> tuple[int, int, bool]:
@@ -127,10 +132,10 @@ def _stage_params(model_cfg, parallel, r: int) -> tuple[int, int, bool]:
 
 
 def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None = None,
-                   padded: bool = True) -> list[ServeMemory]:
+                   padded: bool = True, log_probs: bool = False) -> list[ServeMemory]:
     """Every pipeline stage's :class:`ServeMemory` for ``requests`` sequences of ``seq_length`` tokens (prompt and
     generated; the prefill of ``prompt`` tokens, default all ``seq_length``; ``padded``: prompts of different
-    lengths, so the masked attention path)."""
+    lengths, so the masked attention path; ``log_probs``: the prompt's log-probs asked, so its logits computed)."""
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.memory import check_family, model_config
 
@@ -150,7 +155,8 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
         count, layers, moe = _stage_params(cfg, pc, r)
         per_token = kv_bytes_per_token(cfg, tp, layers, elem)
         act = prefill_bytes(cfg, tp, requests, prompt or seq_length, elem,
-                            last=r == pc.pipeline_model_parallel_size - 1, moe=moe, padded=padded)
+                            last=r == pc.pipeline_model_parallel_size - 1, moe=moe, padded=padded,
+                            log_probs=log_probs)
         out.append(ServeMemory(r, layers, requests, seq_length, count * elem, requests * seq_length * per_token,
                                per_token, act))
     return out
@@ -163,9 +169,11 @@ def _serving(cfg, dtype_name: str):
     return replace(cfg, params_dtype=dtype, recompute_granularity=None, recompute_method=None)
 
 
-def largest_batch(settings, seq_length: int, memory: int) -> int:
-    """The most requests of ``seq_length`` tokens whose largest rank fits ``memory`` bytes (0: not even one)."""
-    fits = lambda b: max(s.total for s in serve_estimate(settings, b, seq_length)) <= memory  # noqa: E731
+def largest_batch(settings, seq_length: int, memory: int, log_probs: bool = False) -> int:
+    """The most requests of ``seq_length`` tokens whose largest rank fits ``memory`` bytes (0: not even one;
+    ``log_probs``: the prompts' asked)."""
+    fits = lambda b: max(s.total for s in serve_estimate(settings, b, seq_length,  # noqa: E731
+                                                         log_probs=log_probs)) <= memory
     if not fits(1):
         return 0
     lo, hi = 1, 2

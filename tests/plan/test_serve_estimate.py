@@ -67,3 +67,40 @@ def test_plan_serving_defaults(capsys):
     assert "| 8 requests x 64 tokens |" in capsys.readouterr().out
     assert main(["plan", *TINY, "--inference-max-requests", "2"]) == 0
     assert "| 2 requests x 128 tokens |" in capsys.readouterr().out  # gpt2_tiny: --seq-length 128
+
+
+def test_prefill_logits_at_the_last_position_by_hand():
+    """Llama 3 70B, tp8, bf16, 8 requests x 4096 tokens (T = 32768): the output head's term by hand. The vocabulary
+    128256 is padded to a multiple of 128 x 8 (129024, 16128 a rank), so each rank's logits are held twice (the
+    copy with the padding columns at -inf). Every position's logits (--return-log-probs): gathered over tp, the
+    all-gather's [8 T, V / 8] and the concatenation [T, V] of the shard [T, V / 8], 16.7 GiB; the last position
+    only: the last layer's output [T, h] and the norm's and the logits' 8 rows."""
+    from omnitron.plan.inference import _head, prefill_bytes
+
+    cfg, t, b, h, v = llama3_70b(), 8 * 4096, 8, 8192, 129024
+    every = _head(cfg, 8, t, t, 2)
+    assert every == t * (v // 8 + 2 * v) * 2 and 16.7 < every / 2**30 < 16.8
+    assert _head(cfg, 8, t, b, 2) == ((t + b) * h + b * 2 * (v // 8)) * 2
+    full = prefill_bytes(cfg, 8, b, 4096, 2, last=True, moe=False, log_probs=True)
+    last = prefill_bytes(cfg, 8, b, 4096, 2, last=True, moe=False)
+    # the head is then no longer the largest phase: masked attention's fp32 scores are (11.3 GiB)
+    assert full == every and last == prefill_bytes(cfg, 8, b, 4096, 2, last=False, moe=False) < full
+
+
+def test_plan_return_log_probs(capsys):
+    """``--return-log-probs`` prices the prompts' logits (more activations on the last stage); without the serving
+    flags it is refused in one line."""
+    assert main(["plan", *TINY, "--vocab-size", "4000", "--inference-max-requests", "4",
+                 "--inference-max-seq-length", "64"]) == 0
+    last = capsys.readouterr().out
+    assert main(["plan", *TINY, "--vocab-size", "4000", "--inference-max-requests", "4",
+                 "--inference-max-seq-length", "64", "--return-log-probs"]) == 0
+    every = capsys.readouterr().out
+
+    def total(out):
+        return int(out.split(" GiB (")[1].split(" ")[0])  # "largest rank: ..., X GiB (N bytes)"
+
+    assert total(every) > total(last)
+    assert main(["plan", *TINY, "--return-log-probs"]) == 2
+    err = capsys.readouterr().err
+    assert "--return-log-probs prices serving" in err and len(err.strip().splitlines()) == 1

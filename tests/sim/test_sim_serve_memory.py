@@ -4,6 +4,8 @@ within a bound derived from what the estimate does not model; and the cache allo
 copy per token)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from omnitron.testing.distributed import run_distributed
@@ -94,12 +96,29 @@ def test_serve_estimate_is_the_sim_allocators(extra):
             assert abs(excess - est.activations) <= bound, (excess, est.activations, bound)
 
 
+@contextlib.contextmanager
+def kv_cache_bytes():
+    """A list every KV cache leaving its context appends its keys' and values' storage bytes to (as allocated)."""
+    import omnitron.core.inference.kv_cache as K
+
+    sizes, leave = [], K.KVCache.__exit__
+
+    def spy_exit(self, *exc):
+        sizes.append(sum(t.untyped_storage().nbytes() for t in self.keys + self.values))
+        return leave(self, *exc)
+
+    K.KVCache.__exit__ = spy_exit
+    try:
+        yield sizes
+    finally:
+        K.KVCache.__exit__ = leave
+
+
 def sharded_rank(tp: int, pp: int, extra, b: int, prompt: int, new: int) -> tuple:
     """This rank's (estimate of its stage, parameter bytes, cache bytes, peak beyond both) generating under tp x pp
     (:mod:`omnitron.core.inference.sharded`'s stage), left-padded prompts."""
     import torch
 
-    import omnitron.core.inference.kv_cache as K
     from omnitron.backends import get_backend
     from omnitron.core.config import ParallelConfig
     from omnitron.core.inference import generate_batch
@@ -119,21 +138,12 @@ def sharded_rank(tp: int, pp: int, extra, b: int, prompt: int, new: int) -> tupl
     est = serve_estimate(s, b, prompt + new, prompt=prompt)[groups.pp.rank]
     model = build_stage(model_config(s), groups, be).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    cache, leave = [], K.KVCache.__exit__
-
-    def spy_exit(self, *exc):
-        cache.append(sum(t.untyped_storage().nbytes() for t in self.keys + self.values))
-        return leave(self, *exc)
-
-    K.KVCache.__exit__ = spy_exit
-    try:
+    with kv_cache_bytes() as cache:
         base = be.memory_stats()["allocated"]
         be.reset_peak_memory_stats()
         prompts = [[(7 * i + j) % 200 for j in range(prompt - i)] for i in range(b)]
         generate_batch(model, prompts, new, **ShardedStage(model, groups, be.collectives).generate_kwargs())
         peak = be.memory_stats()["peak_allocated"] - base
-    finally:
-        K.KVCache.__exit__ = leave
     return est, weights, cache[0], peak - cache[0]
 
 
@@ -152,3 +162,108 @@ def test_serve_estimate_per_rank_under_tensor_and_pipeline_parallelism(tp, pp, e
         assert est.kv_per_token == 2 * 2 * max(2 // tp, 1) * (H // 4) * 4 // pp  # layers / pp, K and V, fp32
         bound = 2 * b * prompt * H * 4 + 5 * b * prompt * prompt * 4 + 128 * 512
         assert abs(excess - est.activations) <= bound, (rank, excess, est.activations, bound)
+
+
+def last_logits_peaks(extra, b: int, prompt: int, new: int) -> tuple:
+    """(estimate without the prompt's log-probs, with them, peak beyond the weights (the KV cache and the prefill's
+    largest phase) generating left-padded prompts with the output layer at the last position only, and at every
+    position: the full-logits path)."""
+    import torch
+
+    from omnitron.backends import get_backend
+    from omnitron.core.inference import generate_batch
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.tensor.sharding import to_device
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.inference import serve_estimate
+    from omnitron.plan.memory import model_config
+
+    be = get_backend()
+    s = parse_settings(_argv(prompt + new, extra), 1)
+    ests = [serve_estimate(s, b, prompt + new, prompt=prompt, log_probs=lp)[0] for lp in (False, True)]
+    model = to_device(GPTModel(model_config(s), ParallelGroups.single(), backend=be, seed=1).eval(),
+                      be.current_device())
+    gen = torch.Generator().manual_seed(b + prompt)
+    prompts = [torch.randint(0, 200, (prompt - i,), generator=gen).tolist() for i in range(b)]
+    peaks = []
+    for forward in (None, lambda ids, pos, last: model(tokens=ids, position_ids=pos)):
+        base = be.memory_stats()["allocated"]
+        be.reset_peak_memory_stats()
+        generate_batch(model, prompts, new, forward=forward)
+        peaks.append(be.memory_stats()["peak_allocated"] - base)
+    return (*ests, *peaks)
+
+
+def test_prefill_logits_at_the_last_position_only():
+    """A 4000-token vocabulary (4096 padded), 4 left-padded prompts of <= 32 tokens: the full path's peak is the
+    output head's ``[T, 4096]`` fp32 logits and their masked copy (4 MiB); computing the last position only
+    drops the peak by what the estimate's head term loses (its ``log_probs`` switch), within the single-process
+    test's bound (both peaks carry the same unmodelled temporaries: the bound is the one of one peak)."""
+    b, prompt, new = 4, 32, 4
+    est, est_lp, peak, peak_full = run_distributed(last_logits_peaks, 1, ("--vocab-size", "4000"), b, prompt, new,
+                                                  backend="sim")[0]
+    logits = 2 * b * prompt * 4096 * 4  # the full path's logits and masked copy, the largest tensors
+    bound = 2 * b * prompt * H * 4 + 5 * b * prompt * prompt * 4 + 128 * 512
+    print(f"peak {peak} full {peak_full}; estimate {est.activations} full {est_lp.activations}")
+    assert est_lp.activations - est.activations > logits // 2
+    assert abs((peak_full - peak) - (est_lp.activations - est.activations)) <= bound
+    for measured_peak, estimate in ((peak, est), (peak_full, est_lp)):  # each peak: the KV cache and the phase
+        assert abs(measured_peak - estimate.kv_cache - estimate.activations) <= bound, (measured_peak, estimate)
+
+
+def bf16_serving(extra, b: int, prompt: int, new: int) -> list[tuple]:
+    """Per serving dtype (fp32, bf16, fp16): (the planner's estimate for it, the parameters' bytes (the sim allocator's
+    count while the checkpoint loaded, less its rounding), KV-cache bytes, the parameters' dtypes)."""
+    import os
+    import tempfile
+
+    import torch
+
+    from omnitron.backends import get_backend
+    from omnitron.core.checkpoint.hf import write_weights_checkpoint
+    from omnitron.core.checkpoint.reshard import Layout
+    from omnitron.core.inference import generate_batch
+    from omnitron.core.inference.loader import load_for_inference
+    from omnitron.core.models.gpt.model import GPTModel
+    from omnitron.core.models.gpt.state import gather_full_state
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.inference import serve_estimate
+    from omnitron.plan.memory import model_config
+
+    be, out = get_backend(), []
+    argv = _argv(prompt + new, extra)
+    cfg = model_config(parse_settings(argv, 1))
+    model = GPTModel(cfg, ParallelGroups.single(), seed=2)
+    root = os.path.join(tempfile.mkdtemp(), "ck")
+    write_weights_checkpoint(dict(gather_full_state(model, model.groups)), cfg, root, Layout(tp=1),
+                             config={"tokenizer_type": "NullTokenizer", "vocab_size": 200})
+    prompts = [[(5 * i + j) % 200 for j in range(prompt - i)] for i in range(b)]
+    for flags, dtype in (([], torch.float32), (["--bf16"], torch.bfloat16), (["--fp16"], torch.float16)):
+        est = serve_estimate(parse_settings(argv + flags, 1), b, prompt + new, prompt=prompt)[0]
+        base = be.memory_stats()["allocated"]
+        loaded = load_for_inference(root, be, dtype)
+        counted = be.memory_stats()["allocated"] - base
+        params = list(loaded.model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        # the allocator rounds each block up to 512 bytes (the norms' vectors): at most 512 a parameter more
+        assert weights <= counted <= weights + 512 * len(params), (weights, counted)
+        with kv_cache_bytes() as cache:
+            generate_batch(loaded.model, prompts, new)
+        out.append((est, weights, cache[0], {str(p.dtype) for p in loaded.model.parameters()}))
+        del loaded
+    return out
+
+
+@pytest.mark.parametrize("extra", [GQA, MLA], ids=["llama-gqa", "mla"])
+def test_bf16_serving_halves_weights_and_kv_cache(extra):
+    """``load_for_inference(..., bfloat16)`` (``--bf16``): the weights allocated while loading and the KV cache are
+    half the fp32 load's, and equal the planner's ``--bf16`` estimate to the byte (its default, no
+    flag, is the fp32 load's); ``--fp16`` likewise."""
+    (e32, w32, c32, d32), (e16, w16, c16, d16), (eh, wh, ch, dh) = run_distributed(bf16_serving, 1, extra, 3, 24, 8,
+                                                                                   backend="sim")[0]
+    assert d32 == {"torch.float32"} and d16 == {"torch.bfloat16"} and dh == {"torch.float16"}
+    assert w32 == 2 * w16 == 2 * wh and c32 == 2 * c16 == 2 * ch
+    for est, weights, cache in ((e32, w32, c32), (e16, w16, c16), (eh, wh, ch)):
+        assert (est.weights, est.kv_cache) == (weights, cache)

@@ -49,8 +49,9 @@ def generate_t5(model, sources: list[list[int]], max_new_tokens: int, *, start: 
         # NOTE: T5Model's encoder / stack helpers; the encoder output is the decoder's fixed memory
         memory = model.encoder.final_layernorm(model._run_stack(model.encoder, model._embed(enc), padding))
 
-        def forward(ids, pos):
+        def forward(ids, pos, last=False):
             y = model._run_stack(model.decoder, model.embedding(ids, pos), memory, padding)
+            y = y[-1:] if last else y  # [s or 1, b, h]: the output layer at the last position only
             logits = model.output_layer(model.decoder.final_layernorm(y), model.embedding.word_embeddings.weight)
             return model._mask_padding(logits)  # [s, b, V_pad]
 
@@ -79,10 +80,10 @@ def caption(model, images: torch.Tensor, prompts: list[list[int]], max_new_token
     n = num_image_tokens(c)
     images = images.to(next(model.parameters()).device, torch.float32)
 
-    def forward(ids, pos):
+    def forward(ids, pos, last=False):
         if bool((ids == IMAGE_TOKEN).any()):  # the prefill (or a full recompute): images in place
-            return model(ids, images, position_ids=pos)
-        return GPTModel.forward(model, tokens=ids, position_ids=pos)  # text only: the language model
+            return model(ids, images, position_ids=pos, last_position_only=last)
+        return GPTModel.forward(model, tokens=ids, position_ids=pos, last_position_only=last)  # the language model
 
     return generate_batch(model, [[IMAGE_TOKEN] * n + list(p) for p in prompts], max_new_tokens, params=params,
                           eod=eod, return_log_probs=return_log_probs, use_cache=use_cache, forward=forward,

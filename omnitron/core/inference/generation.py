@@ -10,7 +10,9 @@ masks, no cache): the slow reference.
 
 Log-probs (``return_log_probs``, Megatron's ``--return-log-probs``) are the model's own ``log_softmax``
 of the raw logits (before temperature / top-k / top-p) of every token after the first: the prompt's
-(from the prefill) and the generated ones.
+(from the prefill) and the generated ones. Without them the forward computes the output layer at the last
+column only (every row's last real token, the prompts being left-padded), as Megatron does
+(``materialize_only_last_token_logits``): the prefill's ``[L, b, V]`` logits are the largest serving tensor.
 
 The loop reads logits only through a :class:`Picker` (next tokens and their log-probs; the prompt's
 log-probs): one process picks from its own logits, a tensor x pipeline parallel job's
@@ -28,8 +30,9 @@ import torch
 from omnitron.core.inference.kv_cache import KVCache
 from omnitron.core.inference.sampling import GREEDY, SamplingParams, row_generators, sample_next
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(ids [b, s], position_ids [b, s]) -> logits [s, b, V]`` (padding columns at -inf)."""
+Forward = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+"""``(ids [b, s], position_ids [b, s], last) -> logits [s, b, V]`` (padding columns at -inf), or ``last``: the
+last position's alone, ``[1, b, V]``."""
 
 
 @dataclass
@@ -103,8 +106,6 @@ class Picker:
         return nxt, step_lp
 
 
-
-
 @torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams = GREEDY,
                    eod: int | frozenset[int] | None = None, return_log_probs: bool = False, use_cache: bool = True,
@@ -119,7 +120,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, para
         raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
     limit = context_limit(model)
     _check_prompts(prompts, model.config.vocab_size, limit, check_ids)
-    forward = forward or (lambda ids, pos: model(tokens=ids, position_ids=pos))
+    forward = forward or (lambda ids, pos, last: model(tokens=ids, position_ids=pos, last_position_only=last))
     device = next(model.parameters()).device
     ids, valid, pos = _left_pad(prompts, device)
     padded = not bool(valid.all())
@@ -149,14 +150,15 @@ def _stops(eod) -> frozenset[int]:
     return frozenset() if eod is None else frozenset([eod]) if isinstance(eod, int) else frozenset(eod)
 
 
-def _run(model, forward, cache, ids, valid, pos, padded, step: int):
-    """Logits ``[s, b, V]`` of this step: the new slot with the cache, else the whole sequence."""
+def _run(model, forward, cache, ids, valid, pos, padded, step: int, last: bool):
+    """Logits ``[s, b, V]`` of this step (``last``: ``[1, b, V]``): the new slot with the cache, else the whole
+    sequence."""
     if cache is not None:
         cache.valid = valid if padded else None
-        return forward(ids[:, step:], pos[:, step:])
+        return forward(ids[:, step:], pos[:, step:], last)
     with KVCache(model) as fresh:  # a throwaway cache: its masks, no reuse
         fresh.valid = valid if padded else None
-        return forward(ids, pos)
+        return forward(ids, pos, last)
 
 
 def _decode(forward, cache, ids, valid, pos, padded, max_new, params, gens, stops, want_lp, limit, lengths, picker,
@@ -166,7 +168,7 @@ def _decode(forward, cache, ids, valid, pos, padded, max_new, params, gens, stop
     new = [[] for _ in range(b)]
     lps = None
     done = [n >= limit or max_new == 0 for n in lengths]
-    logits = _run(model, forward, cache, ids, valid, pos, padded, 0)
+    logits = _run(model, forward, cache, ids, valid, pos, padded, 0, not want_lp)  # the prompt's log-probs: all
     if want_lp:
         lps = picker.prompt_log_probs(logits, ids, valid)
     while not all(done):
@@ -184,5 +186,5 @@ def _decode(forward, cache, ids, valid, pos, padded, max_new, params, gens, stop
         ids = torch.cat([ids, nxt[:, None]], 1)
         valid = torch.cat([valid, valid.new_ones(b, 1)], 1)
         pos = torch.cat([pos, (pos[:, -1:] + 1).clamp(max=limit - 1)], 1)  # finished rows stay in range
-        logits = _run(model, forward, cache, ids, valid, pos, padded, step)
+        logits = _run(model, forward, cache, ids, valid, pos, padded, step, True)
     return Generation(tokens=new, log_probs=lps)

@@ -3,9 +3,10 @@ stage of a tensor x pipeline parallel job (:func:`load_sharded`).
 
 :func:`~omnitron.core.checkpoint.reshard.read_full_state` reads the shards into full tensors by global
 name (undoing tensor / pipeline / virtual-pipeline / expert splits, no process group; a sharded job's
-rank keeps only the tensors its stage owns), and the family's model is built in fp32 and loaded from
-them. The tokenizer is the one the run trained with (its flags are in the checkpoint's metadata); its
-vocabulary must match the model's.
+rank keeps only the tensors its stage owns), and the family's model is built at the serving dtype (fp32, or
+``--bf16`` / ``--fp16`` as Megatron's text generation server takes them: weights, activations and KV cache in
+that dtype) and loaded from them. The tokenizer is the one the run trained with (its flags are in the
+checkpoint's metadata); its vocabulary must match the model's.
 """
 from __future__ import annotations
 
@@ -64,9 +65,13 @@ def _build(cfg, backend):
     return family.build_stage(cfg, ParallelGroups.single(), backend=backend, seed=0), family.name
 
 
-def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
-    """(path, metadata, fp32 model config) of the latest checkpoint under ``load``, or of the safetensors file
-    ``load`` (``checkpoint export``'s)."""
+SERVING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The serving dtypes by flag name (``--bf16``, ``--fp16``; neither: fp32, Megatron's default)."""
+
+
+def _checkpoint(load: str, quiet: bool = False, dtype: torch.dtype = torch.float32) -> tuple[str, dict, object]:
+    """(path, metadata, model config at ``dtype``) of the latest checkpoint under ``load``, or of the safetensors
+    file ``load`` (``checkpoint export``'s)."""
     from omnitron.core.checkpoint.reshard import check_declared_size, model_config, recorded_family
     from omnitron.core.inference.shard_load import safetensors_meta
 
@@ -80,7 +85,7 @@ def _checkpoint(load: str, quiet: bool = False) -> tuple[str, dict, object]:
     cfg = model_config(meta["model"], recorded_family(meta, path))
     files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in os.listdir(path)]
     check_declared_size(cfg, files, path)
-    return path, meta, replace(cfg, params_dtype=torch.float32)
+    return path, meta, replace(cfg, params_dtype=dtype)
 
 
 def _tokenizer(path: str, meta: dict, cfg):
@@ -96,12 +101,12 @@ def _tokenizer(path: str, meta: dict, cfg):
     return tokenizer
 
 
-def load_for_inference(load: str, backend=None) -> Loaded:
-    """The latest checkpoint under ``load`` as one fp32, eval-mode model on ``backend``'s device."""
+def load_for_inference(load: str, backend=None, dtype: torch.dtype = torch.float32) -> Loaded:
+    """The latest checkpoint under ``load`` as one eval-mode model in ``dtype`` on ``backend``'s device."""
     from omnitron.core.checkpoint.reshard import read_full_state
 
     backend = resolve_backend(backend, None)  # the entry points pass the chosen one
-    path, meta, cfg = _checkpoint(load)
+    path, meta, cfg = _checkpoint(load, dtype=dtype)
     tokenizer = _tokenizer(path, meta, cfg)
     if path.endswith(".safetensors"):
         return _load_sliced(path, meta, cfg, ParallelGroups.single(), backend, tokenizer)
@@ -115,13 +120,13 @@ def load_for_inference(load: str, backend=None) -> Loaded:
                   meta=full.meta)
 
 
-def load_sharded(load: str, groups, backend) -> Loaded:
-    """This rank's eval-mode fp32 stage of the latest checkpoint under ``load`` (or safetensors file) over
+def load_sharded(load: str, groups, backend, dtype: torch.dtype = torch.float32) -> Loaded:
+    """This rank's eval-mode stage in ``dtype`` of the latest checkpoint under ``load`` (or safetensors file) over
     ``groups`` (tp x pp; built with sequence parallelism off); GPT-family checkpoints. The stage is built
     without weights and filled with its own slices (:mod:`~omnitron.core.inference.shard_load`): from a
     torch_dist checkpoint or a safetensors file only the bytes of its slices are read; the torch format's
     shards are read whole for the tensors the stage owns."""
-    path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0)
+    path, meta, cfg = _checkpoint(load, quiet=groups.rank != 0, dtype=dtype)
     _check_sharded_family(cfg)
     loaded = _load_sliced(path, meta, cfg, groups, backend, _tokenizer(path, meta, cfg))
     loaded.sharded = ShardedStage(loaded.model, groups, backend.collectives)

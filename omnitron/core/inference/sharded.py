@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from omnitron.core.config.parallel import ParallelConfig
 from omnitron.core.config.training import TrainingConfig
-from omnitron.core.inference.loader import load_sharded
+from omnitron.core.inference.loader import SERVING_DTYPES, load_sharded
 from omnitron.core.inference.sampling import SamplingParams
 from omnitron.core.inference.stage import (  # noqa: F401 - re-exported: callers import them from here
     ShardedPicker, ShardedStage, build_stage)
@@ -41,6 +41,8 @@ class ShardedJob:
     world_size: int = 1
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Only its ``distributed_timeout_minutes`` is read (the launcher's and the process group's timeout)."""
+    serving_dtype: str = "fp32"
+    """Weights, activations and KV cache: ``fp32``, ``bf16`` (``--bf16``) or ``fp16`` (``--fp16``)."""
 
     def parallel_config(self):
         return ParallelConfig(tensor_model_parallel_size=self.tensor_model_parallel_size,
@@ -52,7 +54,7 @@ class ShardedJob:
         if groups.dp_size != 1:
             raise ValueError(f"sharded inference runs on tensor x pipeline = {self.world_size // groups.dp_size} "
                              f"processes, got {self.world_size}; set --nproc-per-node to that product")
-        return groups, load_sharded(self.load, groups, backend)
+        return groups, load_sharded(self.load, groups, backend, SERVING_DTYPES[self.serving_dtype])
 
 
 @dataclass

@@ -20,16 +20,17 @@ class ShardedStage:
     def is_last(self) -> bool:
         return self.pp.size == 1 or self.pp.is_last
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
-        """One step over ``ids [b, s]``: full-vocabulary logits ``[s, b, V_pad]`` on the last stage, else None."""
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last: bool = False) -> torch.Tensor | None:
+        """One step over ``ids [b, s]``: full-vocabulary logits ``[s, b, V_pad]`` (``last``: the last position's,
+        ``[1, b, V_pad]``, the only ones computed and gathered) on the last stage, else None."""
         m, pp = self.model, self.pp
         if pp.size > 1 and not pp.is_first:
             hidden = torch.empty(ids.shape[1], ids.shape[0], m.config.hidden_size, dtype=m.config.params_dtype,
                                  device=ids.device)
             self.coll.recv(hidden, src=pp.global_rank(pp.rank - 1), group=pp.handle)
-            out = m(hidden=hidden, position_ids=pos)
+            out = m(hidden=hidden, position_ids=pos, last_position_only=last)
         else:
-            out = m(tokens=ids, position_ids=pos)
+            out = m(tokens=ids, position_ids=pos, last_position_only=last)
         if not self.is_last:
             self.coll.send(out.contiguous(), dst=pp.global_rank(pp.rank + 1), group=pp.handle)
             return None
@@ -78,8 +79,9 @@ class ShardedPicker(Picker):
 
 
 def build_stage(cfg, groups, backend, *, on_device: bool = True):
-    """This rank's stage of ``cfg`` (a GPT-family model) over ``groups``, in fp32, weights uninitialised-safe;
-    on the backend's device, or (not ``on_device``) where it was built (meta parameters stay meta)."""
+    """This rank's stage of ``cfg`` (a GPT-family model) over ``groups``, in ``cfg.params_dtype``, weights
+    uninitialised-safe; on the backend's device, or (not ``on_device``) where it was built (meta parameters stay
+    meta)."""
     from omnitron.core.training.components import build_model_chunks
 
     chunks = build_model_chunks(cfg, groups, seed=0, backend=backend, on_device=on_device)

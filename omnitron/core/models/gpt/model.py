@@ -240,7 +240,7 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None, *,
-                rope_at_sequence_positions: bool = False) -> torch.Tensor:
+                rope_at_sequence_positions: bool = False, last_position_only: bool = False) -> torch.Tensor:
         """First stage: ``tokens [b, s]`` int64. Later stages: ``hidden [s, b, h]`` (``[s/tp, b, h]``
         under sequence parallelism; ``s`` is ``s/cp``, this rank's slice, under context parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
         ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
@@ -251,10 +251,21 @@ class GPTModel(nn.Module):
         ``rope_at_sequence_positions`` (training): the rotary angles at the sequence positions (this rank's under
         cp) whatever ``position_ids`` say, which then feed the learned position embedding only: Megatron's
         GPTModel, where --reset-position-ids restarts the learned positions but never RoPE's, and where a later
-        pipeline stage (given no positions) rotates as the first one does."""
+        pipeline stage (given no positions) rotates as the first one does.
+        ``last_position_only`` (generation; Megatron's ``materialize_only_last_token_logits``): the logits of the
+        last position alone, ``[1, b, V_pad/tp]``: the output layer skips the others' ``[s - 1, b, V_pad/tp]``."""
         x, freqs = self._inputs(tokens, position_ids, hidden, rope_at_sequence_positions)
         x = self._run_layers(x, freqs, document_ids)
+        if last_position_only and self.post_process and labels is None:
+            x = self._last_position(x)
         return self._outputs(x, labels, tokens, loss_mask, freqs)
+
+    def _last_position(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [s, b, h]``'s last position ``[1, b, h]`` (norms and the output layer are per position)."""
+        if self.sp:
+            raise ValueError("last_position_only needs the whole sequence on every rank: generate with sequence "
+                             "parallelism off (--sequence-parallel unset)")
+        return x[-1:]
 
     def _inputs(self, tokens, position_ids, hidden,
                 sequence_rope: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -64,8 +64,9 @@ class LLaVAModel(GPTModel):
         return torch.where(mask, placed, x)
 
     def forward(self, tokens: torch.Tensor, images: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, *, last_position_only: bool = False) -> torch.Tensor:
         """``tokens [b, s]`` int64 with exactly ``n`` ``IMAGE_TOKEN`` per row; ``images [b, C, H, W]``.
+        ``last_position_only`` (generation, no ``labels``): the last position's logits alone, ``[1, b, V_pad/tp]``.
 
         Returns the per-token float32 loss ``[b, s]`` when ``labels [b, s]`` are given (0 where the label
         is ``IMAGE_TOKEN``), else the tp-local logits ``[s, b, V_pad/tp]`` with padding columns at -inf."""
@@ -81,6 +82,8 @@ class LLaVAModel(GPTModel):
         x = self.embedding(tokens.masked_fill(is_image, 0), position_ids)  # [s(/tp), b, h]
         x = self._insert_images(x, self.image_embeddings(images), is_image)
         x = self._run_layers(x, self._rope_freqs(position_ids, tokens.shape[1], x.device))
+        if last_position_only and labels is None:
+            x = self._last_position(x)
         x = self.decoder.final_layernorm(x)
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
         logits = self.output_layer(x, weight)  # [s, b, V_pad/tp]
