@@ -325,7 +325,7 @@ class SimCollectives final : public c10d::Backend {
       } else {
         check_unbroken(index);
         if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
-        if (order != Order::none) order_pair(item, order == Order::send, peer, detail, index);
+        if (order != Order::none) order_pair(item, order == Order::send, peer, tag, detail, index);
         launched(item, index, launch());
         check_unbroken(index);  // aborted since: abort_queue may have missed it
       }
@@ -391,25 +391,34 @@ class SimCollectives final : public c10d::Backend {
   }
 
   // An unbatched send or receive takes the next place of its pair's order (pair_order.cpp): published there, or
-  // compared with the peer's operation at that place; two sends or two receives fail both ranks at once.
-  void order_pair(const ItemPtr& item, bool send, int peer, const std::string& detail, int index) {
+  // compared with the peer's operation at that place; two sends or two receives, or tags that differ, fail both
+  // ranks at once. A batched one is counted for the group order, and its tag compared with its partner's.
+  void order_pair(const ItemPtr& item, bool send, int peer, int tag, const std::string& detail, int index) {
     int64_t place;
+    bool batched;
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
       if (peer == getRank()) return;
-      if (coalescing_) {  // a batch's operations progress together (one NCCL group): counted for the group order
+      batched = coalescing_;
+      if (batched) {  // a batch's operations progress together (one NCCL group): counted for the group order
         auto& [sends, recvs] = batch_ops_[peer];
         ++(send ? sends : recvs);
         if (batch_site_.empty()) batch_site_ = item->site;
         batch_device_ = index;
-        return;
+        place = batched_places_[{peer, send}]++;
+      } else {
+        place = pair_places_[peer]++;
       }
-      place = pair_places_[peer]++;
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
+    std::string op = item->op + " " + detail + " (issued at " + item->site + ")";
+    if (batched) {
+      std::string report = claim_batched_place(*store_, item->group, getRank(), peer, send, place, tag, op);
+      if (!report.empty()) fail_pair(index, peer, report);
+      return;
+    }
     std::string key = pair_key(getRank(), peer, place);
-    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send,
-                                  item->op + " " + detail + " (issued at " + item->site + ")");
+    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send, tag, op);
     if (claim.first) {
       item->pair_key = key;
       item->pair_store = store_;
@@ -427,16 +436,20 @@ class SimCollectives final : public c10d::Backend {
       if (batch_ops_.empty()) return;
       index = batch_device_;
       int64_t batch = batches_++;
+      GlobalBatch all{batch, batch_site_, {}};
       for (const auto& [with, counts] : batch_ops_) {
         PairQueue& pq = pair_queues_[with];
         pq.sends += counts.first;
         pq.recvs += counts.second;
+        all.peers[with] = {counts.first, counts.second, pq.sends, pq.recvs};
         pq.post(*store_, getRank(), with, {pq.sends, pq.recvs, batch, batch_site_});
         if (!report.empty()) continue;
         report = pq.replay(*store_, group_name(*this), getRank(), with);
         peer = with;
       }
       batch_ops_.clear();
+      global_.pending.push_back(std::move(all));
+      global_.step(*store_, group_name(*this), getRank(), pair_queues_, false);  // the watchdog looks for cycles
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
     if (!report.empty()) fail_pair(index, peer, report);
@@ -455,7 +468,30 @@ class SimCollectives final : public c10d::Backend {
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
 
-  void watch(int index) { watch_p2p(this, store_, deadlock_key(getRank()), index); }
+  void watch(int index) {  // once: the first point-to-point operation's device
+    if (watched_.exchange(true)) return;
+    watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); });
+  }
+
+  // On the watchdog: this rank's batches replayed with every peer's (cycle.cpp); a cycle through three or more
+  // ranks fails them all (this rank's communicator aborted, the others' through their watchdogs).
+  void cycles(int index) {
+    std::unique_lock<std::mutex> lock(p2p_mutex_, std::try_to_lock);  // busy: the next poll
+    if (!lock.owns_lock() || global_.pending.empty()) return;
+    CycleReport found;
+    try {
+      found = global_.step(*store_, group_name(*this), getRank(), pair_queues_, true);
+      for (int r : found.ranks)
+        if (r != getRank()) store_->set(deadlock_key(r), found.report);
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+      return;
+    }
+    lock.unlock();
+    if (found.report.empty()) return;
+    Queue& q = g_queues[index];
+    std::lock_guard<std::mutex> qlock(q.m);
+    if (q.broken.empty()) abort_queue(q, found.report);
+  }
 
   static void check_unbroken(int index) {
     Queue& q = g_queues[index];
@@ -473,12 +509,13 @@ class SimCollectives final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   bool sync_returns_none_;
   int comm_stream_;  // this communicator's stream on each device (race.cpp's detector orders by it)
-  std::atomic<bool> released_{false};
+  std::atomic<bool> released_{false}, watched_{false};
   std::mutex p2p_mutex_;
   int64_t collectives_ = 0, checked_ = 0;
   std::string last_;
   std::map<PeerTag, int64_t> sends_, recvs_;
   std::map<int, int64_t> pair_places_;  // unbatched operations issued per peer (NCCL ignores tags)
+  std::map<std::pair<int, bool>, int64_t> batched_places_;  // batched sends to (true) and receives from each peer
   bool coalescing_ = false;             // between startCoalescing and endCoalescing
   std::vector<c10::intrusive_ptr<c10d::Work>> batch_;
   std::map<int, std::pair<int64_t, int64_t>> batch_ops_;  // the batch's (sends, receives) per peer
@@ -486,6 +523,7 @@ class SimCollectives final : public c10d::Backend {
   int batch_device_ = 0;
   int64_t batches_ = 0;                  // batches with operations to other ranks issued on the group
   std::map<int, PairQueue> pair_queues_;  // per peer: the pair's batches as NCCL runs them (group_order.cpp)
+  GlobalReplay global_;                   // this rank's batches as NCCL runs every rank's (cycle.cpp)
 };
 
 }  // namespace
