@@ -473,15 +473,16 @@ class SimCollectives final : public c10d::Backend {
     watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); });
   }
 
-  // On the watchdog: this rank's batches replayed with every peer's (cycle.cpp); a cycle through three or more
-  // ranks fails them all (this rank's communicator aborted, the others' through their watchdogs).
+  // On the watchdog: this rank's batches replayed with every peer's (cycle.cpp). A cycle through three or more
+  // ranks fails every rank of the group (this rank's communicator aborted, the others' through their watchdogs):
+  // on NCCL the cycle's ranks hang, and the group's other ranks with them at their next operation with one.
   void cycles(int index) {
     std::unique_lock<std::mutex> lock(p2p_mutex_, std::try_to_lock);  // busy: the next poll
     if (!lock.owns_lock() || global_.pending.empty()) return;
     CycleReport found;
     try {
       found = global_.step(*store_, group_name(*this), getRank(), pair_queues_, true);
-      for (int r : found.ranks)
+      for (int r = 0; r < getSize() && !found.report.empty(); ++r)
         if (r != getRank()) store_->set(deadlock_key(r), found.report);
     } catch (const std::exception&) {  // the store is gone: the job is ending
       return;

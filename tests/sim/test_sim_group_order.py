@@ -108,7 +108,7 @@ def run_programs(programs: list, seed: int, ring: bool = False) -> dict:
                 for op in batch:
                     kind, peer, k, tag = (*op, 0) if ring else (op[0], 1 - me, *op[1:])
                     src, dst = (me, peer) if kind == "send" else (peer, me)
-                    want = _payload(seed, index, src * 3 + dst, k)
+                    want = _payload(seed, index, src * 8 + dst, k)
                     t = want.to(dev) if kind == "send" else torch.empty_like(want, device=dev)
                     held.append((kind, t, want))
                     ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag))
@@ -285,6 +285,19 @@ def test_cycles_through_three_ranks_fail_every_rank(drawn):
         assert all(f"rank {i}'s batch #" in m for i in range(3)) and m.count(" waits for rank ") == 3, m
         assert m.count("test_sim_group_order.py") == 6 and r["s"] < FAST_S + POLL_S, (r["s"], m)
         assert r["wrong"] == 0, r
+
+
+def test_a_cycle_fails_the_other_ranks_of_the_group():
+    """Rank 3 exchanges with rank 0 (a legal batch) and then waits in an all-reduce while ranks 0..2 close the
+    brief's ring: on NCCL rank 3 hangs too (its all-reduce needs the cycle's ranks), so it fails with the same
+    report instead of waiting for gloo's timeout."""
+    program = [[[("send", 3, 0)]] + BRIEF_RING[0], BRIEF_RING[1], BRIEF_RING[2], [[("recv", 0, 0)]]]
+    assert _ring_verdict(program) == "cycle"
+    seed = int(torch.randint(0, 2**31, (1,)))
+    for r in run_distributed(run_programs, 4, [program], seed, True, backend="sim", env=ENV, timeout_s=150):
+        m = r["error"]
+        assert "\n" not in m and "sim: point-to-point cycle deadlock" in m and "through ranks 0, " in m, m
+        assert "rank 3" not in m and r["s"] < FAST_S + POLL_S and r["wrong"] == 0, (r["s"], m)
 
 
 def test_brief_ring_completes_on_gloo():

@@ -62,9 +62,9 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   rank posts later (each rank posting its send before the batch with its receive) fail both ranks, naming both
   batches and call sites, when the later of the two is issued (csrc/sim/group_order.cpp). A cycle of such waits
   through three or more ranks (each rank's send to the next in a batch before the one with the receive from the
-  previous) fails every rank of it, naming each batch, the batch it waits for and their call sites, within a
-  watchdog poll or two of its last batch (csrc/sim/cycle.cpp: each rank replays its batches against the heads
-  the others publish). NCCL ignores tags: a send whose tag differs from the receive NCCL pairs it with (the k-th
+  previous) fails every rank of it, and the group's other ranks that issued point-to-point operations on it,
+  naming each batch, the batch it waits for and their call sites, within a watchdog poll or two of its last
+  batch (csrc/sim/cycle.cpp: each rank replays its batches against the heads the others publish). NCCL ignores tags: a send whose tag differs from the receive NCCL pairs it with (the k-th
   batched, or the k-th unbatched of the pair, counted in issue order) fails both ranks before the second of the
   two is launched, naming both operations and call sites (gloo pairs by tag: the program runs there, and each
   receive gets another send than on NCCL).
