@@ -64,10 +64,11 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   through three or more ranks (each rank's send to the next in a batch before the one with the receive from the
   previous) fails every rank of it, and the group's other ranks that issued point-to-point operations on it,
   naming each batch, the batch it waits for and their call sites, within a watchdog poll or two of its last
-  batch (csrc/sim/cycle.cpp: each rank replays its batches against the heads the others publish). NCCL ignores tags: a send whose tag differs from the receive NCCL pairs it with (the k-th
-  batched, or the k-th unbatched of the pair, counted in issue order) fails both ranks before the second of the
-  two is launched, naming both operations and call sites (gloo pairs by tag: the program runs there, and each
-  receive gets another send than on NCCL).
+  batch (csrc/sim/cycle.cpp: each rank replays its batches against the heads the others publish). NCCL
+  ignores tags: a send whose tag differs from the receive NCCL pairs it with (the k-th batched, or the k-th
+  unbatched of the pair, counted in issue order) fails both ranks before the second of the two is launched,
+  naming both operations and call sites (gloo pairs by tag: the program runs there, and each receive gets
+  another send than on NCCL).
 - *Every collective, at the process-group level* (csrc/sim/comm_check.cpp): each operation is recorded
   with its issue, completion and wait (``flight_recorder_dump()``), and in strict mode the fingerprint of
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
@@ -77,8 +78,8 @@ Not modelled: kernels overlapping in time (there is no timing), a host write to 
 race between two communicators sharing a stream slot, and one between kernels two host threads issue at the
 same instant (each checks before the other records); point-to-point cycles across pairs closed by ``wait()`` (NCCL's
 stream waits), and unbatched operations to different peers sharing the group's one stream (eager initialization,
-which simccl is never told of: torch connects eagerly only backends that support splitting) are not checked. Barriers are queued,
-checked and recorded like the collectives.
+which simccl is never told of: torch connects eagerly only backends that support splitting) are not checked.
+Barriers are queued, checked and recorded like the collectives.
 """
 from __future__ import annotations
 
