@@ -235,7 +235,7 @@ class SimCollectives final : public c10d::Backend {
     auto hi = s.in(ts);
     std::string detail = fingerprint(ts, "to rank " + std::to_string(dst) + " tag=" + std::to_string(tag));
     return submit("send", detail, s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); },
-                  Order::send, dst, tag);
+                  Order::send, dst, tag, bytes_of(ts));
   }
   c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
     Tensors ts = p2p_views("recv", tensors);
@@ -243,7 +243,7 @@ class SimCollectives final : public c10d::Backend {
     auto ho = s.out(ts);
     std::string detail = fingerprint(ts, "from rank " + std::to_string(src) + " tag=" + std::to_string(tag));
     return submit("recv", detail, s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); },
-                  Order::recv, src, tag);
+                  Order::recv, src, tag, bytes_of(ts));
   }
   c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
     Tensors ts = p2p_views("recv", tensors);
@@ -289,6 +289,12 @@ class SimCollectives final : public c10d::Backend {
   // with its place among the group's collectives published (send) or checked against the sender's (recv).
   enum class Order { queued, send, recv, none };
 
+  static int64_t bytes_of(const Tensors& ts) {
+    int64_t n = 0;
+    for (const auto& t : ts) n += t.numel() * static_cast<int64_t>(t.element_size());
+    return n;
+  }
+
   // ``sync_returns_none``: a synchronous call (``async_op=False``) completes before it returns and returns no work,
   // as torch_musa's MCCL does from v2.9.1 ("comm operators in synchronous mode ... return nullptr").
   c10::intrusive_ptr<c10d::Work> settle(c10::intrusive_ptr<c10d::Work> work, bool async_op) {
@@ -300,7 +306,7 @@ class SimCollectives final : public c10d::Backend {
   // One operation: queued on its device's communicator, or launched at once (point-to-point).
   template <typename F>
   c10::intrusive_ptr<c10d::Work> submit(const char* op, const std::string& detail, Staging& s, F&& launch,
-                                        Order order = Order::queued, int peer = -1, int tag = 0) {
+                                        Order order = Order::queued, int peer = -1, int tag = 0, int64_t bytes = 0) {
     auto item = std::make_shared<Item>();
     Site site = python_site_full();
     item->op = op;
@@ -325,7 +331,7 @@ class SimCollectives final : public c10d::Backend {
       } else {
         check_unbroken(index);
         if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
-        if (order != Order::none) order_pair(item, order == Order::send, peer, tag, detail, index);
+        if (order != Order::none) order_pair(item, order == Order::send, peer, tag, bytes, detail, index);
         launched(item, index, launch());
         check_unbroken(index);  // aborted since: abort_queue may have missed it
       }
@@ -392,8 +398,9 @@ class SimCollectives final : public c10d::Backend {
 
   // An unbatched send or receive takes the next place of its pair's order (pair_order.cpp): published there, or
   // compared with the peer's operation at that place; two sends or two receives, or tags that differ, fail both
-  // ranks at once. A batched one is counted for the group order, and its tag compared with its partner's.
-  void order_pair(const ItemPtr& item, bool send, int peer, int tag, const std::string& detail, int index) {
+  // ranks at once. A batched one is counted for the group order, and its tag and size compared with its partner's.
+  void order_pair(const ItemPtr& item, bool send, int peer, int tag, int64_t bytes, const std::string& detail,
+                  int index) {
     int64_t place;
     bool batched;
     {
@@ -413,7 +420,7 @@ class SimCollectives final : public c10d::Backend {
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
     std::string op = item->op + " " + detail + " (issued at " + item->site + ")";
     if (batched) {
-      std::string report = claim_batched_place(*store_, item->group, getRank(), peer, send, place, tag, op);
+      std::string report = claim_batched_place(*store_, item->group, getRank(), peer, send, place, tag, bytes, op);
       if (!report.empty()) fail_pair(index, peer, report);
       return;
     }

@@ -72,11 +72,12 @@ struct PairClaim {
 // Publish this rank's operation (``op``, described; ``tag``) at ``key``, or compare it with the peer's already there.
 PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
                            bool send, int tag, const std::string& op);
-// The ``k``-th batched send of one rank to the other or receive from it (``send``): published, or compared with the
-// peer's operation at the same place, which NCCL pairs it with whatever the tags; "" or the one-line report of
-// tags that differ. Before the operation is launched, so gloo never pairs the two otherwise than NCCL.
+// The ``k``-th batched send of one rank to the other or receive from it (``send``; ``size`` bytes): published, or
+// compared with the peer's operation at the same place, which NCCL pairs it with whatever the tags; "" or the
+// one-line report of tags, or sizes, that differ. Before the operation is launched, so gloo never pairs the two
+// otherwise than NCCL.
 std::string claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send,
-                                int64_t k, int tag, const std::string& op);
+                                int64_t k, int tag, int64_t size, const std::string& op);
 // For the first of the two: wait (at most ``bound``) until the peer issued a matching operation at ``key``, or
 // ``broken()`` returns a report (the peer found a deadlock), which is returned; "" to go on waiting in gloo.
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,

@@ -15,7 +15,9 @@
 // receive of its tag. So the tags must agree at each place, or NCCL moves the data gloo (and a program that relies
 // on tags) keeps apart into other buffers: checked for a pair's unbatched operations, and for the k-th batched send
 // of one rank to another against that rank's k-th batched receive from it (claim_batched_place), each before the
-// second of the two is launched, so gloo never pairs the two ranks' operations otherwise than NCCL would.
+// second of the two is launched, so gloo never pairs the two ranks' operations otherwise than NCCL would. The sizes
+// of a batched pair are compared too (NCCL needs the same count and datatype; gloo ends the receiving process when
+// the send is larger, before any report).
 #include "comm.h"
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -116,23 +118,32 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
 }
 
 std::string claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send,
-                                int64_t k, int tag, const std::string& op) {
+                                int64_t k, int tag, int64_t size, const std::string& op) {
   int src = send ? rank : peer, dst = send ? peer : rank;
   std::string key = "simccl/batched/" + std::to_string(src) + ">" + std::to_string(dst) + "/" + std::to_string(k);
-  std::string mine = std::to_string(tag) + "\t" + op;
+  std::string mine = std::to_string(tag) + "\t" + std::to_string(size) + "\t" + op;
   auto got = store.compareSet(key, {}, bytes(mine));
   std::string theirs(got.begin(), got.end());
   if (theirs == mine) return "";  // first of the two (a send's text differs from a receive's): the peer compares
   store.deleteKey(key);           // nobody reads it again
-  auto tab = theirs.find('\t');
-  if (std::stoi(theirs.substr(0, tab)) == tag) return "";
-  const std::string& sent = send ? op : theirs.substr(tab + 1);
-  const std::string& received = send ? theirs.substr(tab + 1) : op;
+  auto tab = theirs.find('\t'), tab2 = theirs.find('\t', tab + 1);
+  bool same_tag = std::stoi(theirs.substr(0, tab)) == tag;
+  if (same_tag && std::stoll(theirs.substr(tab + 1, tab2 - tab - 1)) == size) return "";
+  const std::string& sent = send ? op : theirs.substr(tab2 + 1);
+  const std::string& received = send ? theirs.substr(tab2 + 1) : op;
   std::ostringstream os;
-  os << "sim: point-to-point tag mismatch on group '" << group << "': rank " << src << " (of the group) posted "
-     << sent << " as its batched send #" << k + 1 << " to rank " << dst << ", and rank " << dst << " posted "
-     << received << " as its batched receive #" << k + 1 << " from rank " << src << ": " << kTagRule
-     << "; post the sends to one peer in the order that peer posts the receives (the same tags in the same order)";
+  os << "sim: point-to-point " << (same_tag ? "size" : "tag") << " mismatch on group '" << group << "': rank "
+     << src << " (of the group) posted " << sent << " as its batched send #" << k + 1 << " to rank " << dst
+     << ", and rank " << dst << " posted " << received << " as its batched receive #" << k + 1 << " from rank "
+     << src << ": ";
+  if (same_tag) {
+    os << "NCCL pairs the k-th send of one rank to another with the other's k-th receive from it, which must have "
+          "the same count and datatype (gloo ends the receiving process when the send is larger); send and receive "
+          "tensors of the same size";
+  } else {
+    os << kTagRule << "; post the sends to one peer in the order that peer posts the receives (the same tags in the "
+          "same order)";
+  }
   return os.str();
 }
 

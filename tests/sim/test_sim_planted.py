@@ -383,6 +383,7 @@ PROGRAMS = {  # per case, each rank's operations with its peer in issue order ("
     "unbatched_tags_swapped": (["send@1", "send@0"], ["recv@0", "recv@1"]),
     "batched_tags_swapped": (["b:send@1", "b:send@0"], ["b:recv@0", "b:recv@1"]),
     "batched_tags_in_order": (["b:send@1", "b:send@0", "b:recv@2"], ["b:recv@1", "b:send@2", "b:recv@0"]),
+    "batched_sizes_differ": (["b:send=96"], ["b:recv"]),  # "=n": n elements (else 64); gloo ends rank 1's process
 }
 
 
@@ -395,14 +396,15 @@ def pair_program(case: str) -> dict:
 
     be, rank = get_backend(), dist.get_rank()
     ops = PROGRAMS[case][rank]
-    sent = [torch.randn(64, dtype=torch.float64) for op in ops if "send" in op]
-    got = [torch.zeros(64, dtype=torch.float64, device=be.device()) for op in ops if "recv" in op]
+    size = [int(op.partition("=")[2] or 64) for op in ops]
+    sent = [torch.randn(n, dtype=torch.float64) for op, n in zip(ops, size) if "send" in op]
+    got = [torch.zeros(n, dtype=torch.float64, device=be.device()) for op, n in zip(ops, size) if "recv" in op]
     out, into = iter(t.to(be.device()) for t in sent), iter(got)
 
     def program():
         works, batch = [], []
         for op in ops:
-            kind, _, tag = op.removeprefix("b:").rstrip("!").partition("@")
+            kind, _, tag = op.removeprefix("b:").partition("=")[0].rstrip("!").partition("@")
             tensor, tag = next(out) if kind == "send" else next(into), int(tag or 0)
             if op.startswith("b:"):
                 batch.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, 1 - rank, tag=tag))
@@ -466,6 +468,17 @@ def test_tags_that_pair_otherwise_on_nccl_are_reported(case):
         assert "send shape=[64] dtype=Double to rank 1 tag=1" in m, m
         assert "recv shape=[64] dtype=Double from rank 0 tag=0" in m, m
         assert ("batched send #1 to rank 1" in m) if batched else ("unbatched operation #1" in m), m
+        assert m.count("test_sim_planted.py") == 2 and r["s"] < FAST_S, (r["s"], m)
+
+
+def test_batched_sizes_that_differ_are_reported():
+    """Rank 0 sends 96 elements where rank 1 receives 64, in a batch: NCCL needs the same count and datatype, and
+    gloo, given the send first, ends rank 1's process (an abort, no report). Both ranks fail at once, before rank
+    1's receive is launched, with one line naming both operations and call sites."""
+    for r in run_distributed(pair_program, 2, "batched_sizes_differ", backend="sim", env=PAIR_ENV, timeout_s=90):
+        m = r["error"]
+        assert "\n" not in m and "sim: point-to-point size mismatch" in m and "same count and datatype" in m, m
+        assert "send shape=[96] dtype=Double to rank 1" in m and "recv shape=[64] dtype=Double from rank 0" in m, m
         assert m.count("test_sim_planted.py") == 2 and r["s"] < FAST_S, (r["s"], m)
 
 

@@ -68,7 +68,8 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   ignores tags: a send whose tag differs from the receive NCCL pairs it with (the k-th batched, or the k-th
   unbatched of the pair, counted in issue order) fails both ranks before the second of the two is launched,
   naming both operations and call sites (gloo pairs by tag: the program runs there, and each receive gets
-  another send than on NCCL).
+  another send than on NCCL); so does a batched send whose size differs from its receive's (gloo ends the
+  receiving process when the send is larger).
 - *Every collective, at the process-group level* (csrc/sim/comm_check.cpp): each operation is recorded
   with its issue, completion and wait (``flight_recorder_dump()``), and in strict mode the fingerprint of
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
