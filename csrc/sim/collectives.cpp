@@ -235,7 +235,7 @@ class SimCollectives final : public c10d::Backend {
     auto hi = s.in(ts);
     std::string detail = fingerprint(ts, "to rank " + std::to_string(dst) + " tag=" + std::to_string(tag));
     return submit("send", detail, s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); },
-                  Order::send, dst, tag);
+                  Order::send, dst, tag, bytes_of(ts));
   }
   c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
     Tensors ts = p2p_views("recv", tensors);
@@ -243,7 +243,7 @@ class SimCollectives final : public c10d::Backend {
     auto ho = s.out(ts);
     std::string detail = fingerprint(ts, "from rank " + std::to_string(src) + " tag=" + std::to_string(tag));
     return submit("recv", detail, s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); },
-                  Order::recv, src, tag);
+                  Order::recv, src, tag, bytes_of(ts));
   }
   c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
     Tensors ts = p2p_views("recv", tensors);
@@ -289,6 +289,12 @@ class SimCollectives final : public c10d::Backend {
   // with its place among the group's collectives published (send) or checked against the sender's (recv).
   enum class Order { queued, send, recv, none };
 
+  static int64_t bytes_of(const Tensors& ts) {
+    int64_t n = 0;
+    for (const auto& t : ts) n += t.numel() * static_cast<int64_t>(t.element_size());
+    return n;
+  }
+
   // ``sync_returns_none``: a synchronous call (``async_op=False``) completes before it returns and returns no work,
   // as torch_musa's MCCL does from v2.9.1 ("comm operators in synchronous mode ... return nullptr").
   c10::intrusive_ptr<c10d::Work> settle(c10::intrusive_ptr<c10d::Work> work, bool async_op) {
@@ -300,7 +306,7 @@ class SimCollectives final : public c10d::Backend {
   // One operation: queued on its device's communicator, or launched at once (point-to-point).
   template <typename F>
   c10::intrusive_ptr<c10d::Work> submit(const char* op, const std::string& detail, Staging& s, F&& launch,
-                                        Order order = Order::queued, int peer = -1, int tag = 0) {
+                                        Order order = Order::queued, int peer = -1, int tag = 0, int64_t bytes = 0) {
     auto item = std::make_shared<Item>();
     Site site = python_site_full();
     item->op = op;
@@ -325,7 +331,7 @@ class SimCollectives final : public c10d::Backend {
       } else {
         check_unbroken(index);
         if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
-        if (order != Order::none) order_pair(item, order == Order::send, peer, detail, index);
+        if (order != Order::none) order_pair(item, order == Order::send, peer, tag, bytes, detail, index);
         launched(item, index, launch());
         check_unbroken(index);  // aborted since: abort_queue may have missed it
       }
@@ -391,25 +397,35 @@ class SimCollectives final : public c10d::Backend {
   }
 
   // An unbatched send or receive takes the next place of its pair's order (pair_order.cpp): published there, or
-  // compared with the peer's operation at that place; two sends or two receives fail both ranks at once.
-  void order_pair(const ItemPtr& item, bool send, int peer, const std::string& detail, int index) {
+  // compared with the peer's operation at that place; two sends or two receives, or tags that differ, fail both
+  // ranks at once. A batched one is counted for the group order, and its tag and size compared with its partner's.
+  void order_pair(const ItemPtr& item, bool send, int peer, int tag, int64_t bytes, const std::string& detail,
+                  int index) {
     int64_t place;
+    bool batched;
     {
       std::lock_guard<std::mutex> lock(p2p_mutex_);
       if (peer == getRank()) return;
-      if (coalescing_) {  // a batch's operations progress together (one NCCL group): counted for the group order
+      batched = coalescing_;
+      if (batched) {  // a batch's operations progress together (one NCCL group): counted for the group order
         auto& [sends, recvs] = batch_ops_[peer];
         ++(send ? sends : recvs);
         if (batch_site_.empty()) batch_site_ = item->site;
         batch_device_ = index;
-        return;
+        place = batched_places_[{peer, send}]++;
+      } else {
+        place = pair_places_[peer]++;
       }
-      place = pair_places_[peer]++;
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
+    std::string op = item->op + " " + detail + " (issued at " + item->site + ")";
+    if (batched) {
+      std::string report = claim_batched_place(*store_, item->group, getRank(), peer, send, place, tag, bytes, op);
+      if (!report.empty()) fail_pair(index, peer, report);
+      return;
+    }
     std::string key = pair_key(getRank(), peer, place);
-    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send,
-                                  item->op + " " + detail + " (issued at " + item->site + ")");
+    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send, tag, op);
     if (claim.first) {
       item->pair_key = key;
       item->pair_store = store_;
@@ -427,16 +443,20 @@ class SimCollectives final : public c10d::Backend {
       if (batch_ops_.empty()) return;
       index = batch_device_;
       int64_t batch = batches_++;
+      GlobalBatch all{batch, batch_site_, {}};
       for (const auto& [with, counts] : batch_ops_) {
         PairQueue& pq = pair_queues_[with];
         pq.sends += counts.first;
         pq.recvs += counts.second;
+        all.peers[with] = {counts.first, counts.second, pq.sends, pq.recvs};
         pq.post(*store_, getRank(), with, {pq.sends, pq.recvs, batch, batch_site_});
         if (!report.empty()) continue;
         report = pq.replay(*store_, group_name(*this), getRank(), with);
         peer = with;
       }
       batch_ops_.clear();
+      global_.pending.push_back(std::move(all));
+      global_.step(*store_, group_name(*this), getRank(), pair_queues_, false);  // the watchdog looks for cycles
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
     if (!report.empty()) fail_pair(index, peer, report);
@@ -455,7 +475,31 @@ class SimCollectives final : public c10d::Backend {
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
 
-  void watch(int index) { watch_p2p(this, store_, deadlock_key(getRank()), index); }
+  void watch(int index) {  // once: the first point-to-point operation's device
+    if (watched_.exchange(true)) return;
+    watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); });
+  }
+
+  // On the watchdog: this rank's batches replayed with every peer's (cycle.cpp). A cycle through three or more
+  // ranks fails every rank of the group (this rank's communicator aborted, the others' through their watchdogs):
+  // on NCCL the cycle's ranks hang, and the group's other ranks with them at their next operation with one.
+  void cycles(int index) {
+    std::unique_lock<std::mutex> lock(p2p_mutex_, std::try_to_lock);  // busy: the next poll
+    if (!lock.owns_lock() || global_.pending.empty()) return;
+    CycleReport found;
+    try {
+      found = global_.step(*store_, group_name(*this), getRank(), pair_queues_, true);
+      for (int r = 0; r < getSize() && !found.report.empty(); ++r)
+        if (r != getRank()) store_->set(deadlock_key(r), found.report);
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+      return;
+    }
+    lock.unlock();
+    if (found.report.empty()) return;
+    Queue& q = g_queues[index];
+    std::lock_guard<std::mutex> qlock(q.m);
+    if (q.broken.empty()) abort_queue(q, found.report);
+  }
 
   static void check_unbroken(int index) {
     Queue& q = g_queues[index];
@@ -473,12 +517,13 @@ class SimCollectives final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   bool sync_returns_none_;
   int comm_stream_;  // this communicator's stream on each device (race.cpp's detector orders by it)
-  std::atomic<bool> released_{false};
+  std::atomic<bool> released_{false}, watched_{false};
   std::mutex p2p_mutex_;
   int64_t collectives_ = 0, checked_ = 0;
   std::string last_;
   std::map<PeerTag, int64_t> sends_, recvs_;
   std::map<int, int64_t> pair_places_;  // unbatched operations issued per peer (NCCL ignores tags)
+  std::map<std::pair<int, bool>, int64_t> batched_places_;  // batched sends to (true) and receives from each peer
   bool coalescing_ = false;             // between startCoalescing and endCoalescing
   std::vector<c10::intrusive_ptr<c10d::Work>> batch_;
   std::map<int, std::pair<int64_t, int64_t>> batch_ops_;  // the batch's (sends, receives) per peer
@@ -486,6 +531,7 @@ class SimCollectives final : public c10d::Backend {
   int batch_device_ = 0;
   int64_t batches_ = 0;                  // batches with operations to other ranks issued on the group
   std::map<int, PairQueue> pair_queues_;  // per peer: the pair's batches as NCCL runs them (group_order.cpp)
+  GlobalReplay global_;                   // this rank's batches as NCCL runs every rank's (cycle.cpp)
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -68,9 +69,15 @@ struct PairClaim {
   bool first = false;  // the peer has not issued its operation at this place yet: wait() awaits it
   std::string report;  // "" or the one-line deadlock report (both operations sends, or both receives)
 };
-// Publish this rank's operation (``op``, described) at ``key``, or compare it with the peer's already there.
+// Publish this rank's operation (``op``, described; ``tag``) at ``key``, or compare it with the peer's already there.
 PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
-                           bool send, const std::string& op);
+                           bool send, int tag, const std::string& op);
+// The ``k``-th batched send of one rank to the other or receive from it (``send``; ``size`` bytes): published, or
+// compared with the peer's operation at the same place, which NCCL pairs it with whatever the tags; "" or the
+// one-line report of tags, or sizes, that differ. Before the operation is launched, so gloo never pairs the two
+// otherwise than NCCL.
+std::string claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send,
+                                int64_t k, int tag, int64_t size, const std::string& op);
 // For the first of the two: wait (at most ``bound``) until the peer issued a matching operation at ``key``, or
 // ``broken()`` returns a report (the peer found a deadlock), which is returned; "" to go on waiting in gloo.
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
@@ -89,10 +96,42 @@ struct PairQueue {
   PairGroup mine_done, theirs_done;    // the last completed of each (where the running one's operations start)
   size_t posted = 0, read = 0;         // this rank's published, the peer's read
   int64_t sends = 0, recvs = 0;        // this rank's batched operations with the peer so far
+  std::deque<PairGroup> seen;          // the peer's batches read, kept for the replay of all ranks (cycle.cpp)
   // Publish this rank's next batch with the peer in the group's store.
   void post(c10d::Store& store, int rank, int peer, PairGroup g);
+  // Read every batch the peer has published since the last read (into ``theirs`` and ``seen``).
+  void read_available(c10d::Store& store, int rank, int peer);
   // Run the replay as far as both ranks' batches are known: "" or the one-line deadlock report.
   std::string replay(c10d::Store& store, const std::string& group, int rank, int peer);
+};
+
+// ---- cycles of batches through three or more ranks (cycle.cpp) ------------------------------------
+// One batch of this rank with operations to other ranks: per peer, its operations with it and the totals at its end.
+struct BatchOps {
+  int64_t sends = 0, recvs = 0;  // in this batch
+  int64_t total_sends = 0, total_recvs = 0;  // in this rank's batches up to this one's end
+};
+struct GlobalBatch {
+  int64_t batch = 0;
+  std::string site;
+  std::map<int, BatchOps> peers;
+};
+struct CycleReport {
+  std::string report;      // "" or the one-line report of a cycle through this rank
+  std::vector<int> ranks;  // the cycle's ranks (of the group)
+};
+// This rank's batches replayed as NCCL runs all ranks' (the pair replay's rule over every peer at once), its head
+// published in the group's store, and the batches of later ranks it waits for.
+struct GlobalReplay {
+  std::deque<GlobalBatch> pending;  // not completed in the replay, the running one first
+  int64_t head = 0, published_head = 0;  // this rank's batches completed, and as last published
+  std::map<int, int64_t> heads;     // the peers' heads as last read
+  std::string published_wait;       // this rank's wait record as last published
+  // Advance as far as the peers' published batches and heads allow and publish the head; ``search``: when the
+  // running batch waits for batches that peers posted behind the ones they run, publish those waits and look for
+  // a cycle of three or more ranks through this rank, reported by its lowest rank only (of two: the pair replay).
+  CycleReport step(c10d::Store& store, const std::string& group, int rank, std::map<int, PairQueue>& pairs,
+                   bool search);
 };
 
 }  // namespace sim

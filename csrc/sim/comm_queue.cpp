@@ -156,6 +156,7 @@ struct P2PWatch {
   c10::intrusive_ptr<c10d::Store> store;
   std::string key;
   int device;
+  std::function<void()> progress;
 };
 std::mutex g_watch_mutex;
 std::vector<P2PWatch> g_watches;
@@ -177,6 +178,9 @@ void poll_p2p_reports(Queue& q, int index) {
     } catch (const std::exception&) {  // the store is gone: the job is ending
     }
   }
+  std::lock_guard<std::mutex> lock(g_watch_mutex);  // held: unwatch_p2p (the communicator's release) waits for it
+  for (const auto& w : g_watches)
+    if (w.device == index && w.progress) w.progress();
 }
 
 void watchdog(int index) {
@@ -215,11 +219,12 @@ void enqueue(int index, const ItemPtr& item) {
   q.cv.notify_all();
 }
 
-void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index) {
+void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index,
+               std::function<void()> progress) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   for (const auto& w : g_watches)
     if (w.owner == owner) return;
-  g_watches.push_back({owner, store, key, index});
+  g_watches.push_back({owner, store, key, index, std::move(progress)});
   Queue& q = g_queues[index];
   std::lock_guard<std::mutex> qlock(q.m);
   start_threads(q, index);

@@ -90,7 +90,10 @@ void enqueue(int index, const ItemPtr& item);  // raises when the device is brok
 
 // A receiver that finds the point-to-point order broken leaves its report under ``key`` in ``store``; the
 // watchdog of ``index`` aborts that communicator with it. ``owner``: the communicator watching (one entry each).
-void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index);
+// ``progress``: called by the watchdog at each poll too (the replay of all ranks' batches, cycle.cpp), never after
+// unwatch_p2p returned.
+void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index,
+               std::function<void()> progress = {});
 void unwatch_p2p(const void* owner);
 
 // The work an operation returns: waits for it in the queue, or for its point-to-point counterpart.

@@ -15,7 +15,7 @@
 // operations (its sends up to its end are all received by then, and its receives all sent); when neither does,
 // neither ever will: that is the deadlock, reported by whichever rank issued the later of the two. Restricting
 // the groups to one pair's operations only drops waits, so a deadlock found here is one on NCCL too; a cycle
-// through three or more ranks whose pairs are each in order is not found.
+// through three or more ranks whose pairs are each in order is found by the replay of all ranks (cycle.cpp).
 #include "comm.h"
 
 #include <sstream>
@@ -70,16 +70,22 @@ void PairQueue::post(c10d::Store& store, int rank, int peer, PairGroup g) {
   mine.push_back(std::move(g));
 }
 
+void PairQueue::read_available(c10d::Store& store, int rank, int peer) {
+  for (;;) {  // the peer's next group, once it issued it (read once, then dropped)
+    std::string key = group_key(peer, rank, read);
+    if (!store.check({key})) return;
+    auto raw = store.get(key);
+    store.deleteKey(key);
+    theirs.push_back(decode(std::string(raw.begin(), raw.end())));
+    seen.push_back(theirs.back());
+    ++read;
+  }
+}
+
 std::string PairQueue::replay(c10d::Store& store, const std::string& group, int rank, int peer) {
+  if (!mine.empty()) read_available(store, rank, peer);
   while (!mine.empty()) {
-    if (theirs.empty()) {  // the peer's next group, once it issued it (read once, then dropped)
-      std::string key = group_key(peer, rank, read);
-      if (!store.check({key})) return "";
-      auto raw = store.get(key);
-      store.deleteKey(key);
-      theirs.push_back(decode(std::string(raw.begin(), raw.end())));
-      ++read;
-    }
+    if (theirs.empty()) return "";  // the peer has not issued its next group yet
     PairGroup g = mine.front(), h = theirs.front();
     bool g_done = g.sends <= h.recvs && g.recvs <= h.sends;  // h covers g: every operation of g met its partner
     bool h_done = h.sends <= g.recvs && h.recvs <= g.sends;

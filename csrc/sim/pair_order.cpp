@@ -10,6 +10,14 @@
 // completes; two sends (or two receives) wait for each other forever. NCCL may finish a small send before the
 // receiver's kernel runs (it fits the connection's buffers), which the contract does not promise: checked at
 // every size. gloo buffers sends, so without this check such a program completes here and hangs on the GPU.
+//
+// NCCL ignores tags: the two operations at one place pair whatever their tags, where gloo pairs a send only with a
+// receive of its tag. So the tags must agree at each place, or NCCL moves the data gloo (and a program that relies
+// on tags) keeps apart into other buffers: checked for a pair's unbatched operations, and for the k-th batched send
+// of one rank to another against that rank's k-th batched receive from it (claim_batched_place), each before the
+// second of the two is launched, so gloo never pairs the two ranks' operations otherwise than NCCL would. The sizes
+// of a batched pair are compared too (NCCL needs the same count and datatype; gloo ends the receiving process when
+// the send is larger, before any report).
 #include "comm.h"
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -26,7 +34,10 @@ namespace {
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 const char kMatched[] = "+";   // the second of the two found the pair's operations complementary
-const char kDeadlock[] = "!";  // the second found them the same kind: its report follows on the communicator
+const char kDeadlock[] = "!";  // the second found them the same kind, or tags that differ: its report follows
+const char kTagRule[] =
+    "NCCL ignores tags and pairs the k-th send of one rank to another with the other's k-th receive from it, where "
+    "gloo pairs a send with a receive of its tag, so on NCCL each gets data meant for another buffer";
 
 // What endCoalescing returns for a batch (batch_isend_irecv): one work for the whole batch, as NCCL's, that waits
 // each of the batch's operations once however often it is itself waited.
@@ -74,14 +85,16 @@ std::string pair_key(int rank, int peer, int64_t place) {
 }
 
 PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
-                           bool send, const std::string& op) {
-  std::string mine = std::string(send ? "S" : "R") + std::to_string(rank) + "\t" + op;
+                           bool send, int tag, const std::string& op) {
+  std::string mine = std::string(send ? "S" : "R") + std::to_string(rank) + "\t" + std::to_string(tag) + "\t" + op;
   auto got = store.compareSet(key, {}, bytes(mine));
   std::string theirs(got.begin(), got.end());
   if (theirs == mine) return {true, ""};  // first at this place: the peer compares when it issues its own
-  auto tab = theirs.find('\t');
+  auto tab = theirs.find('\t'), tab2 = theirs.find('\t', tab + 1);
   bool their_send = !theirs.empty() && theirs[0] == 'S';
-  if (their_send != send) {
+  std::string their_rank = theirs.substr(1, tab - 1), their_op = theirs.substr(tab2 + 1);
+  int64_t place = std::stoll(key.substr(key.rfind('/') + 1));
+  if (their_send != send && std::stoi(theirs.substr(tab + 1, tab2 - tab - 1)) == tag) {
     store.set(key, bytes(kMatched));  // the first one's wait() may proceed
     return {false, ""};
   }
@@ -89,14 +102,49 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
   // between the two would block for the store's whole timeout
   store.set(key, bytes(kDeadlock));
   std::ostringstream os;
-  os << "sim: point-to-point deadlock on group '" << group << "': rank " << theirs.substr(1, tab - 1)
-     << " (of the group) issued " << theirs.substr(tab + 1) << " and rank " << rank << " issued " << op
-     << " as their unbatched operation #" << std::stoll(key.substr(key.rfind('/') + 1)) + 1
+  if (their_send != send) {
+    os << "sim: point-to-point tag mismatch on group '" << group << "': rank " << their_rank << " (of the group) "
+       << "issued " << their_op << " and rank " << rank << " issued " << op << " as their unbatched operation #"
+       << place + 1 << " with each other: " << kTagRule << "; pair them in the same order on both ranks";
+    return {false, os.str()};
+  }
+  os << "sim: point-to-point deadlock on group '" << group << "': rank " << their_rank << " (of the group) issued "
+     << their_op << " and rank " << rank << " issued " << op << " as their unbatched operation #" << place + 1
      << " with each other: NCCL runs a pair's unbatched sends and receives one at a time in issue order, each "
         "waiting for the peer's matching one, so both wait forever; issue them together in one batch_isend_irecv, "
         "or post the "
      << (send ? "receive" : "send") << " first on one of the two ranks";
   return {false, os.str()};
+}
+
+std::string claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send,
+                                int64_t k, int tag, int64_t size, const std::string& op) {
+  int src = send ? rank : peer, dst = send ? peer : rank;
+  std::string key = "simccl/batched/" + std::to_string(src) + ">" + std::to_string(dst) + "/" + std::to_string(k);
+  std::string mine = std::to_string(tag) + "\t" + std::to_string(size) + "\t" + op;
+  auto got = store.compareSet(key, {}, bytes(mine));
+  std::string theirs(got.begin(), got.end());
+  if (theirs == mine) return "";  // first of the two (a send's text differs from a receive's): the peer compares
+  store.deleteKey(key);           // nobody reads it again
+  auto tab = theirs.find('\t'), tab2 = theirs.find('\t', tab + 1);
+  bool same_tag = std::stoi(theirs.substr(0, tab)) == tag;
+  if (same_tag && std::stoll(theirs.substr(tab + 1, tab2 - tab - 1)) == size) return "";
+  const std::string& sent = send ? op : theirs.substr(tab2 + 1);
+  const std::string& received = send ? theirs.substr(tab2 + 1) : op;
+  std::ostringstream os;
+  os << "sim: point-to-point " << (same_tag ? "size" : "tag") << " mismatch on group '" << group << "': rank "
+     << src << " (of the group) posted " << sent << " as its batched send #" << k + 1 << " to rank " << dst
+     << ", and rank " << dst << " posted " << received << " as its batched receive #" << k + 1 << " from rank "
+     << src << ": ";
+  if (same_tag) {
+    os << "NCCL pairs the k-th send of one rank to another with the other's k-th receive from it, which must have "
+          "the same count and datatype (gloo ends the receiving process when the send is larger); send and receive "
+          "tensors of the same size";
+  } else {
+    os << kTagRule << "; post the sends to one peer in the order that peer posts the receives (the same tags in the "
+          "same order)";
+  }
+  return os.str();
 }
 
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,

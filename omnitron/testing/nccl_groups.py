@@ -5,7 +5,8 @@ its partner are both in the group at the head of their rank's stream; a group co
 have; the k-th send from rank a to rank b pairs with the k-th receive on b from a (NCCL ignores tags). Every
 payload is taken as too large for NCCL's buffers (the worst case: a send waits for its receive), so a program that
 finishes here finishes on NCCL at any size. The reference for tests/backends/test_strict_nccl_groups.py (strict
-mode's own groups) and tests/sim/test_sim_group_order.py (sim's run-time check, csrc/sim/group_order.cpp).
+mode's own groups) and tests/sim/test_sim_group_order.py (sim's run-time checks: csrc/sim/group_order.cpp per pair,
+csrc/sim/cycle.cpp across three or more ranks, and the tags compared in csrc/sim/pair_order.cpp).
 """
 from __future__ import annotations
 

@@ -160,15 +160,20 @@ def thread_race(out: str = "") -> str:
     return errors[0] if errors else ""
 
 
-@pytest.mark.parametrize("backend", ["sim", "cpu"])
+@pytest.mark.parametrize("backend", ["sim", "cpu", "musa-double"])
 def test_result_read_before_wait(backend):
-    messages = run_distributed(read_before_wait, 2, backend=backend, env=ENV, timeout_s=60)
+    """Also on the MUSA double, whose reports come from the same C++: they named "(unknown site)" while only
+    loading the extension as ``sim`` installed the call-site hook."""
+    from omnitron.testing.musa_double import TARGET
+
+    env = {**ENV, "OMNITRON_EXTRA_BACKENDS": TARGET} if backend == "musa-double" else ENV
+    messages = run_distributed(read_before_wait, 2, backend=backend, env=env, timeout_s=60)
     for m in messages:
         if backend == "cpu":
             assert m == "", m
         else:
             assert "touched the output of all_reduce" in m and "before its work.wait()" in m, m
-            assert "test_sim_planted.py" in m, m  # the call site
+            assert "test_sim_planted.py:" in m and "thread MainThread" in m, m  # the call site and the thread
 
 
 @pytest.mark.parametrize("backend", ["sim", "cpu", "musa-double"])
@@ -374,6 +379,11 @@ PROGRAMS = {  # per case, each rank's operations with its peer in issue order ("
     "two_sends_then_receive": (["send", "send", "recv"], ["recv", "recv", "send"]),
     "batched_send_unbatched_recv": (["b:send"], ["recv"]),  # never match on NCCL: two communicators
     "unbatched_send_batched_recv": (["send"], ["b:recv"]),
+    # "@t": tag t. NCCL ignores tags: the k-th send pairs with the k-th receive, gloo pairs by tag
+    "unbatched_tags_swapped": (["send@1", "send@0"], ["recv@0", "recv@1"]),
+    "batched_tags_swapped": (["b:send@1", "b:send@0"], ["b:recv@0", "b:recv@1"]),
+    "batched_tags_in_order": (["b:send@1", "b:send@0", "b:recv@2"], ["b:recv@1", "b:send@2", "b:recv@0"]),
+    "batched_sizes_differ": (["b:send=96"], ["b:recv"]),  # "=n": n elements (else 64); gloo ends rank 1's process
 }
 
 
@@ -386,21 +396,22 @@ def pair_program(case: str) -> dict:
 
     be, rank = get_backend(), dist.get_rank()
     ops = PROGRAMS[case][rank]
-    sent = [torch.randn(64, dtype=torch.float64) for op in ops if op.endswith(("send", "send!"))]
-    got = [torch.zeros(64, dtype=torch.float64, device=be.device()) for op in ops if "recv" in op]
+    size = [int(op.partition("=")[2] or 64) for op in ops]
+    sent = [torch.randn(n, dtype=torch.float64) for op, n in zip(ops, size) if "send" in op]
+    got = [torch.zeros(n, dtype=torch.float64, device=be.device()) for op, n in zip(ops, size) if "recv" in op]
     out, into = iter(t.to(be.device()) for t in sent), iter(got)
 
     def program():
         works, batch = [], []
         for op in ops:
-            kind = op.removeprefix("b:").rstrip("!")
-            tensor = next(out) if kind == "send" else next(into)
+            kind, _, tag = op.removeprefix("b:").partition("=")[0].rstrip("!").partition("@")
+            tensor, tag = next(out) if kind == "send" else next(into), int(tag or 0)
             if op.startswith("b:"):
-                batch.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, 1 - rank))
+                batch.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, 1 - rank, tag=tag))
             elif op.endswith("!"):
-                (dist.send if kind == "send" else dist.recv)(tensor, 1 - rank)
+                (dist.send if kind == "send" else dist.recv)(tensor, 1 - rank, tag=tag)
             else:
-                works.append((dist.isend if kind == "send" else dist.irecv)(tensor, 1 - rank))
+                works.append((dist.isend if kind == "send" else dist.irecv)(tensor, 1 - rank, tag=tag))
         works += dist.batch_isend_irecv(batch) if batch else []
         for w in works:
             w.wait()
@@ -444,8 +455,44 @@ def test_unbatched_pair_deadlock_passes_on_gloo(case):
     assert [r["error"] for r in results] == ["", ""], results
 
 
+@pytest.mark.parametrize("case", ["unbatched_tags_swapped", "batched_tags_swapped"])
+def test_tags_that_pair_otherwise_on_nccl_are_reported(case):
+    """Rank 0 sends two tensors to rank 1 with tags 1 then 0, rank 1 receives tags 0 then 1: gloo pairs by tag
+    (twin below), NCCL ignores tags and pairs first with first, so each receive would get the other tensor. Both
+    ranks fail at once, before the second of the first pair is launched, with one line naming both operations,
+    the peer and both call sites."""
+    batched = case.startswith("batched")
+    for r in run_distributed(pair_program, 2, case, backend="sim", env=PAIR_ENV, timeout_s=90):
+        m = r["error"]
+        assert "\n" not in m and "sim: point-to-point tag mismatch" in m and "NCCL ignores tags" in m, m
+        assert "send shape=[64] dtype=Double to rank 1 tag=1" in m, m
+        assert "recv shape=[64] dtype=Double from rank 0 tag=0" in m, m
+        assert ("batched send #1 to rank 1" in m) if batched else ("unbatched operation #1" in m), m
+        assert m.count("test_sim_planted.py") == 2 and r["s"] < FAST_S, (r["s"], m)
+
+
+def test_batched_sizes_that_differ_are_reported():
+    """Rank 0 sends 96 elements where rank 1 receives 64, in a batch: NCCL needs the same count and datatype, and
+    gloo, given the send first, ends rank 1's process (an abort, no report). Both ranks fail at once, before rank
+    1's receive is launched, with one line naming both operations and call sites."""
+    for r in run_distributed(pair_program, 2, "batched_sizes_differ", backend="sim", env=PAIR_ENV, timeout_s=90):
+        m = r["error"]
+        assert "\n" not in m and "sim: point-to-point size mismatch" in m and "same count and datatype" in m, m
+        assert "send shape=[96] dtype=Double to rank 1" in m and "recv shape=[64] dtype=Double from rank 0" in m, m
+        assert m.count("test_sim_planted.py") == 2 and r["s"] < FAST_S, (r["s"], m)
+
+
+@pytest.mark.parametrize("case", ["unbatched_tags_swapped", "batched_tags_swapped"])
+def test_swapped_tags_cross_on_gloo(case):
+    """The twin on cpu/gloo: the program runs, and each receive gets the send of its tag, the one NCCL would not
+    give it (rank 1's first receive holds rank 0's second tensor: exact, a copy)."""
+    r0, r1 = run_distributed(pair_program, 2, case, backend="cpu", env=PAIR_ENV, timeout_s=90)
+    assert r0["error"] == r1["error"] == "", (r0, r1)
+    assert torch.equal(r1["got"][0], r0["sent"][1]) and torch.equal(r1["got"][1], r0["sent"][0])
+
+
 @pytest.mark.parametrize("case", ["recv_first_on_one", "blocking_recv_first_on_one", "batched_send_first_both",
-                                  "two_sends_then_receive"])
+                                  "two_sends_then_receive", "batched_tags_in_order"])
 def test_matched_pair_orders_run(case):
     """Orders NCCL completes: each place of the pair's unbatched order a send on one rank and a receive on the
     other, or send and receive in one batch. Each receive gets what the peer sent there (exact: a copy)."""

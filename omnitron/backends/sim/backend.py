@@ -60,7 +60,16 @@ Streams (``streams=True``), in the sense modelled here (csrc/sim/stream.cpp):
   send to a rank pairs with that rank's k-th receive, tags ignored, every payload taken as too large for NCCL's
   buffers): for each pair of ranks, two batches heading their queues that each wait for an operation the other
   rank posts later (each rank posting its send before the batch with its receive) fail both ranks, naming both
-  batches and call sites, when the later of the two is issued (csrc/sim/group_order.cpp).
+  batches and call sites, when the later of the two is issued (csrc/sim/group_order.cpp). A cycle of such waits
+  through three or more ranks (each rank's send to the next in a batch before the one with the receive from the
+  previous) fails every rank of it, and the group's other ranks that issued point-to-point operations on it,
+  naming each batch, the batch it waits for and their call sites, within a watchdog poll or two of its last
+  batch (csrc/sim/cycle.cpp: each rank replays its batches against the heads the others publish). NCCL
+  ignores tags: a send whose tag differs from the receive NCCL pairs it with (the k-th batched, or the k-th
+  unbatched of the pair, counted in issue order) fails both ranks before the second of the two is launched,
+  naming both operations and call sites (gloo pairs by tag: the program runs there, and each receive gets
+  another send than on NCCL); so does a batched send whose size differs from its receive's (gloo ends the
+  receiving process when the send is larger).
 - *Every collective, at the process-group level* (csrc/sim/comm_check.cpp): each operation is recorded
   with its issue, completion and wait (``flight_recorder_dump()``), and in strict mode the fingerprint of
   each collective the engine's ``Collectives`` did not check itself (FSDP2's, DCP's) is exchanged first.
@@ -69,9 +78,9 @@ Not modelled: kernels overlapping in time (there is no timing), a host write to 
 ``non_blocking`` host-to-device copy still reads (the copy is taken when issued); the race detector misses a
 race between two communicators sharing a stream slot, and one between kernels two host threads issue at the
 same instant (each checks before the other records); point-to-point cycles across pairs closed by ``wait()`` (NCCL's
-stream waits) or by batches of three or more ranks whose pairs are each in order, and unbatched operations to
-different peers sharing the group's one stream (eager initialization) are not checked. Barriers are queued,
-checked and recorded like the collectives.
+stream waits), and unbatched operations to different peers sharing the group's one stream (eager initialization,
+which simccl is never told of: torch connects eagerly only backends that support splitting) are not checked.
+Barriers are queued, checked and recorded like the collectives.
 """
 from __future__ import annotations
 

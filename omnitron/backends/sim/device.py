@@ -47,9 +47,11 @@ _ext = None
 def claim(name: str = NAME):
     """Import the extension and name PrivateUse1 ``name`` in this process (idempotent for one name).
 
-    Adds ``Tensor.<name>()``/``is_<name>`` and the module/storage methods; registers neither a runtime
-    module nor collectives (:func:`load` does both for ``sim``; the MUSA test double brings its own
-    ``torch.musa`` and ``mccl``). A process names PrivateUse1 once: asking for a second name is an error."""
+    Adds ``Tensor.<name>()``/``is_<name>`` and the module/storage methods, and the hook through which the
+    extension's reports name the Python call site of a collective (whatever the device is called: the MUSA
+    test double's reports come from the same C++); registers neither a runtime module nor collectives
+    (:func:`load` does both for ``sim``; the MUSA test double brings its own ``torch.musa`` and ``mccl``).
+    A process names PrivateUse1 once: asking for a second name is an error."""
     global _ext
     if _ext is not None and claimed_name() == name:
         return _ext
@@ -61,6 +63,7 @@ def claim(name: str = NAME):
     except ImportError as err:
         raise SimUnavailableError(f"omnitron._sim is not built ({err}); {BUILD_HINT}") from err
     atexit.register(ext.shutdown)  # join the communicator and copy threads before the interpreter goes
+    ext.set_site_hook(_issue_site)
     ext.set_device_count(int(os.environ.get(DEVICES_ENV, "8")))
     ext.set_poison(os.environ.get(POISON_ENV) == "1")
     if claimed_name() != name:
@@ -74,7 +77,6 @@ def claim(name: str = NAME):
 def load():
     """Import the extension as ``sim``: ``torch.device("sim")``, ``torch.sim`` and ``simccl`` (idempotent)."""
     ext = claim(NAME)
-    ext.set_site_hook(_issue_site)
     from omnitron.backends import flight
 
     flight.add_source(ext.flight_records)
