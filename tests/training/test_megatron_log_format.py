@@ -1,6 +1,6 @@
 """omnitron's console lines are Megatron-LM's (megatron/training/training.py at d98e8a6), so that a log parser
-written for Megatron reads them: training_log's accumulation and format strings (lines 3290-3315 and 3567-3641) and
-evaluate_and_print_results' (lines 5374-5400, prefixes of lines 2078, 2109 and 4926) are transcribed below and
+written for Megatron reads them: training_log's accumulation and format strings (lines 3291-3315 and 3567-3641) and
+evaluate_and_print_results' (lines 5372-5400, prefixes of lines 2078, 2109 and 4926) are transcribed below and
 applied to fresh random values; omnitron's line must begin with Megatron's, character for character, and carry
 only further `` name: value |`` fields after it. A parser of the kind users write for Megatron's lines
 (:mod:`omnitron.testing.megatron_log`) reads each field back.
@@ -41,7 +41,7 @@ class _MegatronLog:
         self.times: list[float] = []
 
     def step(self, loss_dict: dict, skipped_iter: bool, step_time: float) -> None:
-        """Lines 3290-3315: advanced, skipped and nan iterations; the losses of the advanced ones summed."""
+        """Lines 3291-3315: advanced, skipped and nan iterations; the losses of the advanced ones summed."""
         d = self.total_loss_dict
         if not skipped_iter:
             d[ADVANCED] = d.get(ADVANCED, 0) + 1
@@ -96,7 +96,7 @@ class _MegatronLog:
 
 
 def _megatron_validation(prefix: str, total_loss_dict: dict) -> list[str]:
-    """evaluate_and_print_results' three printed lines (lines 5374-5400, no ``--multiple-validation-sets``)."""
+    """evaluate_and_print_results' three printed lines (lines 5372-5400, no ``--multiple-validation-sets``)."""
     suffix = ""
     string = f' validation{suffix} loss at {prefix} | '
     for key in total_loss_dict:

@@ -83,7 +83,7 @@ PPL_LOSS_CAP = 20.0
 
 
 def validation_lines(iteration: int, values: dict, after_training: bool = False) -> list[str]:
-    """evaluate_and_print_results' three lines (lines 5374-5400) for a validation (``val_*`` keys) or test
+    """evaluate_and_print_results' three lines (lines 5372-5400) for a validation (``val_*`` keys) or test
     (``test_*``) evaluation: `` validation loss at <prefix> | lm loss value: V | lm loss PPL: P | `` (and ``sop
     loss`` for BERT) between two rules of ``-``, one longer than it. The prefix is the training loop's: ``iteration
     N`` during training, ``iteration N on validation set`` / ``on test set`` for the evaluations after it."""
