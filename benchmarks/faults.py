@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnitron.testing.faults import (children, records, start, tiny_train_args, wait_for_iteration,  # noqa: E402
                                     wait_gone)
+from omnitron.testing.megatron_log import parse_training_line  # noqa: E402
 
 
 def _layout(nproc: int) -> list[str]:
@@ -90,7 +91,7 @@ def restart(nproc: int) -> float:
     reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True)
     reader.start()
     metrics = os.path.join(tmp, "logs", "metrics.jsonl")
-    while not [ln for _, ln in lines if ln.startswith("iter      7/")]:
+    while not [ln for _, ln in lines if (parse_training_line(ln) or {}).get("iteration") == 7]:
         assert proc.poll() is None and not [ln for _, ln in lines if "Traceback" in ln], "".join(ln for _, ln in lines)
         time.sleep(0.05)
     workers = children(proc.pid)  # torchrun's agent is the launched process itself
@@ -99,7 +100,7 @@ def restart(nproc: int) -> float:
     proc.wait(timeout=600)
     reader.join(timeout=10)
     resumed = [i for i, (_, ln) in enumerate(lines) if ln.startswith("resumed from")]
-    after = [t for t, ln in lines[resumed[-1]:] if ln.startswith("iter ")] if resumed else []
+    after = [t for t, ln in lines[resumed[-1]:] if parse_training_line(ln)] if resumed else []
     assert proc.returncode == 0 and after, "".join(ln for _, ln in lines)
     print(f"restart: first resumed iteration {after[0] - t0:.1f} s after the kill ({lines[resumed[-1]][1].strip()}); "
           f"{metrics}", flush=True)

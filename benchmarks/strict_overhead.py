@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from omnitron.testing.megatron_log import parse_training_line  # noqa: E402
 MODES = {"bare": {"OMNITRON_FLIGHT_RECORDER_SIZE": "0", "OMNITRON_STRICT_COLLECTIVES": "0"},
          "default": {"OMNITRON_STRICT_COLLECTIVES": "0"},
          "strict": {"OMNITRON_STRICT_COLLECTIVES": "1"}}
 
 
 def run_once(mode: str, iters: int, log_interval: int) -> list[float]:
-    """ms/step of every log line after the first."""
+    """ms/step (Megatron's ``elapsed time per iteration (ms)``) of every log line after the first interval's (the
+    process's first iteration has a line of its own, and the first interval's holds the warm-up)."""
     env = {**os.environ, **MODES[mode], "PYTHONPATH": ROOT}
     with tempfile.TemporaryDirectory() as save:
         cmd = [sys.executable, "-m", "omnitron", "train", "--config", "examples/moby_dick_tp2_pp2.yaml",
@@ -35,8 +37,8 @@ def run_once(mode: str, iters: int, log_interval: int) -> list[float]:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise SystemExit(f"{mode}: train failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    ms = [float(m) for m in re.findall(r"(\d+) ms/step", out.stdout + out.stderr)]
-    return ms[1:]
+    lines = [parse_training_line(ln) for ln in (out.stdout + out.stderr).splitlines()]
+    return [p["elapsed_ms"] for p in lines if p and p["iteration"] > log_interval]
 
 
 def main() -> None:

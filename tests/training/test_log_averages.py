@@ -9,11 +9,11 @@ import json
 import math
 import os
 import random
-import re
 
 import pytest
 
 from omnitron.core.training.metrics import MetricsLogger
+from omnitron.testing.megatron_log import parse_training_line
 
 
 def _megatron_interval(steps: list[tuple[float, bool]]) -> tuple[float, int, int]:
@@ -105,7 +105,7 @@ def _logged(tmp_path, capsys, steps: list[tuple[float, bool]], interval: int):
                          "mfu": None, "peak_memory_bytes": None})
     log.close()
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+    lines = [p for p in map(parse_training_line, capsys.readouterr().out.splitlines()) if p]
     return recs, lines, [v for tag, v, _ in board.scalars if tag == "lm loss"]
 
 
@@ -113,8 +113,8 @@ def _logged(tmp_path, capsys, steps: list[tuple[float, bool]], interval: int):
 def test_an_interval_skipped_whole_logs_as_megatron(tmp_path, capsys, interval):
     """fp16 runs start with skipped steps (the initial scale 2^32 overflows) and may skip whole intervals later,
     some with a non-finite loss. The line's loss is Megatron's: none before any step advanced, 0 for a later
-    interval without an advanced step (its empty sum), the average otherwise (printed to 4 decimals: 5e-5
-    absolute); TensorBoard's ``lm loss`` is Megatron's at --log-interval 1 (each step's own loss, skipped or not)
+    interval without an advanced step (its empty sum), the average otherwise (printed as ``.6E``: 5e-7
+    relative); TensorBoard's ``lm loss`` is Megatron's at --log-interval 1 (each step's own loss, skipped or not)
     and for a skipped interval the last step's; the record's loss is None there (no average exists). Failed
     before: such an interval logged the mean of its skipped losses everywhere, nan when one was nan."""
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
@@ -127,10 +127,9 @@ def test_an_interval_skipped_whole_logs_as_megatron(tmp_path, capsys, interval):
     want = _megatron_log(steps, interval)
     assert len(lines) == len(want) and len(recs) == len(board) == len([w for w in want if w["tb"] is not None])
     for line, w in zip(lines, want):
-        shown = re.search(r"\| loss ([^ ]+) \|", line)
-        assert (shown is None) == (w["printed"] is None), line
+        assert ("lm_loss" in line) == (w["printed"] is not None), line
         if w["printed"] is not None:
-            assert float(shown.group(1)) == pytest.approx(w["printed"], abs=5e-5)
+            assert line["lm_loss"] == pytest.approx(w["printed"], rel=5e-7, abs=1e-300)
     for rec, tb, w in zip(recs, board, [w for w in want if w["tb"] is not None]):
         chunk = steps[w["iteration"] - interval:w["iteration"]]
         if all(skip for _, skip in chunk):
@@ -170,12 +169,12 @@ def test_the_loss_scale_prints_as_megatrons(tmp_path, capsys, scale):
                  "step_time_s": 0.1, "tokens_per_sec": 1.0, "tflops_per_device": None, "mfu": None,
                  "peak_memory_bytes": None})
     log.close()
-    assert f"| loss scale {scale:.1f} |" in capsys.readouterr().out
+    assert f"| loss scale: {scale:.1f} |" in capsys.readouterr().out
 
 
-# omnitron's console label -> Megatron's training_log label, for the fields both print
-_LABELS = {"loss": "lm loss", "loss scale": "loss scale", "grad norm": "grad norm", "num zeros": "num zeros",
-           "skipped": "number of skipped iterations", "nan": "number of nan iterations"}
+# the Megatron parser's field name -> Megatron's training_log label, for the fields compared here
+_LABELS = {"lm_loss": "lm loss", "loss_scale": "loss scale", "grad_norm": "grad norm", "num_zeros": "num zeros",
+           "skipped_iterations": "number of skipped iterations", "nan_iterations": "number of nan iterations"}
 
 
 def _megatron_fields(printed: float | None, loss_scale: float | None, grad_norm: float | None,
@@ -194,14 +193,9 @@ def _megatron_fields(printed: float | None, loss_scale: float | None, grad_norm:
     return out
 
 
-def _fields(line: str) -> dict:
-    """The ``_LABELS`` fields of one omnitron line, under Megatron's labels."""
-    out = {}
-    for part in line.split(" | "):
-        label, _, value = part.rpartition(" ")
-        if label in _LABELS:
-            out[_LABELS[label]] = float(value) if value not in ("-", "nan") else value
-    return out
+def _fields(line: dict) -> dict:
+    """The ``_LABELS`` fields of one parsed line, under Megatron's labels."""
+    return {_LABELS[k]: v for k, v in line.items() if k in _LABELS}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -209,9 +203,9 @@ def test_the_console_fields_are_megatrons(tmp_path, capsys, precision):
     """Field by field against Megatron's console line (``_megatron_fields``) at --log-interval 1 and 2 on fresh
     random steps: bf16 and fp32 show loss scale 1.0 and the skipped / nan counts (Megatron prints them for every
     precision), an fp16 step skipped on overflow has no grad norm or zeros, and a nan average (a bf16 step gone
-    nan with the check off) is left out. Values to their printed precision: the loss 4 decimals (5e-5), the norm
-    3 (5e-4), the scale 1 (0.05). Failed before: bf16 / fp32 lines had no loss scale, skipped or nan fields, a
-    skipped step printed ``grad norm -`` and ``num zeros -``, and a nan average printed ``loss nan``."""
+    nan with the check off) is left out. Values to their printed precision: the loss ``.6E`` (5e-7 relative), the
+    norm 3 decimals (5e-4), the scale 1 (0.05). Failed before: bf16 / fp32 lines had no loss scale, skipped or nan
+    fields, a skipped step printed ``grad norm -`` and ``num zeros -``, and a nan average printed ``loss nan``."""
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     for interval in (1, 2):
         steps = []
@@ -228,7 +222,7 @@ def test_the_console_fields_are_megatrons(tmp_path, capsys, precision):
         for i, values in enumerate(steps):
             log.step(i + 1, values)
         log.close()
-        lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+        lines = [p for p in map(parse_training_line, capsys.readouterr().out.splitlines()) if p]
         want_lines = _megatron_log([(v["lm_loss"], v["skipped"]) for v in steps], interval)
         assert len(lines) == len(want_lines) == len(steps) // interval + (interval > 1)
         for line, w in zip(lines, want_lines):
@@ -237,9 +231,9 @@ def test_the_console_fields_are_megatrons(tmp_path, capsys, precision):
                                     w["skipped"], w["nan"])
             got = _fields(line)
             assert set(got) == set(want), line
-            for key, tol in (("lm loss", 5e-5), ("grad norm", 5e-4), ("loss scale", 0.05)):
+            for key, rel, tol in (("lm loss", 5e-7, 1e-300), ("grad norm", 0, 5e-4), ("loss scale", 0, 0.05)):
                 if key in want:
-                    assert got[key] == pytest.approx(want[key], abs=tol), (key, line)
+                    assert got[key] == pytest.approx(want[key], rel=rel, abs=tol), (key, line)
             for key in ("num zeros", "number of skipped iterations", "number of nan iterations"):
                 assert got.get(key) == want.get(key), (key, line)
 
@@ -256,8 +250,8 @@ def test_a_resumed_process_prints_its_first_iteration(tmp_path, capsys):
                       "step_time_s": 0.1, "tokens_per_sec": 1.0, "tflops_per_device": None, "mfu": None,
                       "peak_memory_bytes": None})
     log.close()
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
-    assert [int(re.search(r" iter +(\d+)/", ln).group(1)) for ln in lines] == [5, 6, 9]
-    assert [float(re.search(r"\| loss ([^ ]+) \|", ln).group(1)) for ln in lines] == pytest.approx(
-        [losses[5], (losses[5] + losses[6]) / 2, (losses[7] + losses[8] + losses[9]) / 3], abs=5e-5)  # 4 decimals
+    lines = [p for p in map(parse_training_line, capsys.readouterr().out.splitlines()) if p]
+    assert [ln["iteration"] for ln in lines] == [5, 6, 9]
+    assert [ln["lm_loss"] for ln in lines] == pytest.approx(
+        [losses[5], (losses[5] + losses[6]) / 2, (losses[7] + losses[8] + losses[9]) / 3], rel=5e-7)  # .6E
     assert [json.loads(ln)["iteration"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [6, 9]

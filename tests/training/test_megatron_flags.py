@@ -287,7 +287,7 @@ def test_megatron_llama3_launch_line_trains(tmp_path):
     said = proc.stdout + proc.stderr
     # --decoupled-lr: logged beside lr, as Megatron; the warm-up over 4 samples of 4 per step applies lr(0 samples) =
     # 0 to the first step and the peak to the second (Megatron's scheduler counts the samples before the step)
-    assert " | decoupled lr 5.000e-04 | " in said and recs[1]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
+    assert " | decoupled lr: 5.000000E-04 |" in said and recs[1]["decoupled_lr"] == pytest.approx(5e-4, rel=1e-12)
     assert recs[0]["lr"] == 0.0 and recs[0]["decoupled_lr"] == 0.0
     for flag in ("--use-mcore-models", "--attention-backend", "--cross-entropy-loss-fusion", "--no-mmap-bin-files",
 ):

@@ -25,6 +25,7 @@ from omnitron.core.optim import LRScheduler
 from omnitron.core.training.arguments import parse_settings
 from omnitron.core.training.batches import BatchRamp
 from omnitron.core.training.loop import train
+from omnitron.testing.megatron_log import extra_fields, parse_training_line
 
 
 def _walk(ramp: BatchRamp, steps: int) -> list[int]:
@@ -140,10 +141,12 @@ def test_rampup_run_reads_consecutive_samples(tmp_path, capsys):
     assert [r["consumed_samples"] for r in recs] == list(itertools.accumulate(sizes))
     stamps = [datetime.datetime.fromisoformat(r["time"]) for r in recs]
     assert all(s.tzinfo is not None for s in stamps) and stamps == sorted(stamps)
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iter " in ln]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if parse_training_line(ln)]
     assert len(lines) == len(sizes)
-    assert re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iter +7/7 \| samples 28 \|", lines[-1])
-    assert all(re.search(r"\| ETA \d+:\d\d:\d\d( \||$)", ln) for ln in lines)
+    assert [parse_training_line(ln)["global_batch_size"] for ln in lines] == sizes
+    stamp = r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"  # Megatron's, to the microsecond
+    assert re.match(stamp + r" iteration +7/ +7 \| consumed samples: +28 \|", lines[-1])
+    assert all(re.fullmatch(r"\d+:\d\d:\d\d", extra_fields(ln)["ETA"]) for ln in lines)
 
 
 def test_rampup_resume_is_bit_exact(tmp_path):

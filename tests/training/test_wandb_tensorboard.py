@@ -121,7 +121,7 @@ def test_tensorboard_dir_holds_megatrons_tags(tmp_path):
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--mock-data",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--lr-warmup-iters", "2", "--log-interval", "1",
             "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0", "--tensorboard-dir", str(tb),
-            "--log-params-norm", "--data-cache-path", str(tmp_path / "cache")]
+            "--log-params-norm", "--log-validation-ppl-to-tensorboard", "--data-cache-path", str(tmp_path / "cache")]
     train(parse_settings(argv, 1), get_backend("cpu"))
     acc = accumulator.EventAccumulator(str(tb))
     acc.Reload()
@@ -289,3 +289,34 @@ def test_the_first_logged_iteration_after_the_first_has_iteration_time(tmp_path)
         logger.step(it, {**_values(2.0), "step_time_s": 0.1 * it})
     logger.close()
     assert board.tags["iteration-time"] == [(3, pytest.approx(0.2, rel=1e-12)), (6, pytest.approx(0.5, rel=1e-12))]
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_validation_ppl_reaches_tensorboard_only_when_asked(tmp_path, asked):
+    """Megatron's evaluate_and_print_results writes ``lm loss validation ppl`` and its ``vs samples`` twin only with
+    --log-validation-ppl-to-tensorboard (default off), the loss tags always; omnitron's test split's ``lm loss test
+    ppl`` follows the same flag. metrics.jsonl keeps the ppl either way. Failed before: the ppl tags were written
+    whatever the flag (which was accepted as a no-op)."""
+    import random
+
+    from omnitron.core.training.arguments import parse_settings
+
+    flags = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--micro-batch-size", "2", "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "64"] + (["--log-validation-ppl-to-tensorboard"] if asked else [])
+    assert parse_settings(flags, 1).logging.log_validation_ppl_to_tensorboard is asked
+    rng = random.Random()
+    logger = MetricsLogger(log_dir=str(tmp_path), log_interval=1, train_iters=4, enabled=True, tensorboard=False,
+                           progress_bar=False, start_iteration=0, tensorboard_validation_ppl=asked)
+    logger._tb = board = _Board()
+    val, test = rng.uniform(1, 9), rng.uniform(1, 9)
+    logger.validation(4, {"val_loss": val, "val_ppl": 2.0 ** val}, consumed_samples=16)
+    logger.validation(4, {"test_loss": test, "test_ppl": 2.0 ** test}, consumed_samples=16, after_training=True)
+    logger.close()
+    assert board.tags["lm loss validation"] == [(4, val)] and board.tags["lm loss validation vs samples"] == [(16, val)]
+    assert board.tags["lm loss test"] == [(4, test)]
+    ppl = {"lm loss validation ppl": [(4, 2.0 ** val)], "lm loss validation ppl vs samples": [(16, 2.0 ** val)],
+           "lm loss test ppl": [(4, 2.0 ** test)], "lm loss test ppl vs samples": [(16, 2.0 ** test)]}
+    assert {t: v for t, v in board.tags.items() if "ppl" in t} == (ppl if asked else {})
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r.get("val_ppl", r.get("test_ppl")) for r in recs] == [2.0 ** val, 2.0 ** test]

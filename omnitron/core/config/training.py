@@ -406,6 +406,9 @@ class LoggingConfig:
     """--log-loss-scale-to-tensorboard: TensorBoard's (and wandb's) ``loss-scale`` and ``loss-scale vs samples``, on
     by default as in Megatron (--no- / --disable-log-loss-scale-to-tensorboard: off; metrics.jsonl keeps
     loss_scale)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """--log-validation-ppl-to-tensorboard: TensorBoard's ``lm loss validation ppl`` (``lm loss test ppl``) and their
+    ``vs samples`` twins, which Megatron writes only with this flag (metrics.jsonl always has val_ppl / test_ppl)."""
     log_world_size_to_tensorboard: bool = False
     """--log-world-size-to-tensorboard: records carry the job's world size (world_size), TensorBoard's
     ``world-size`` and ``world-size vs samples``, as Megatron's."""

@@ -21,7 +21,8 @@ from omnitron.core.parallel.data.fsdp import local_shard
 from omnitron.core.training import checkpointing, signals
 from omnitron.core.training.components import build_components, evaluations_by, uses_fsdp2
 from omnitron.core.training.housekeeping import Housekeeping
-from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due, memory_line
+from omnitron.core.training.log_lines import memory_line
+from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
 from omnitron.core.training.step import evaluate, train_step
 from omnitron.core.training.straggler import StragglerDetector
@@ -74,10 +75,11 @@ class ValidationStream:
         self.c.consumed_valid_samples += batches * self.c.settings.training.eval_batch
 
 
-def _evaluate_split(c, batches, split: str, house, watchdog, logger, stop) -> dict | None:
+def _evaluate_split(c, batches, split: str, house, watchdog, logger, stop,
+                    after_training: bool = False) -> dict | None:
     """One evaluation (--eval-iters global batches from ``batches()``) of the ``split`` ("validation" or
-    "test"), logged; returns its record, or None when ``stop()`` (the run is stopping: asked between batches)
-    ended it unfinished."""
+    "test"), logged (``after_training``: one of the evaluations after the loop); returns its record, or None when
+    ``stop()`` (the run is stopping: asked between batches) ended it unfinished."""
     house.before_eval_or_save()
     c.schedule = c.schedule_for(c.settings.eval_microbatches)  # --eval-global-batch-size (full-size under a ramp)
     asked = []  # evaluate asks stop() after each batch but the last: an unfinished one read len(asked) batches
@@ -97,7 +99,7 @@ def _evaluate_split(c, batches, split: str, house, watchdog, logger, stop) -> di
         return None
     if split == "test":
         val = {k.replace("val_", "test_", 1): v for k, v in val.items()}
-    logger.validation(c.iteration, val, c.consumed_samples)
+    logger.validation(c.iteration, val, c.consumed_samples, after_training)
     house.after_eval()
     return {"iteration": c.iteration, **val}
 
@@ -109,13 +111,14 @@ def _final_evaluations(c, valid, validation: list, house, watchdog, logger, stop
     if not c.settings.training.eval_iters:
         return None
     if c.valid_data is not None:
-        record = _evaluate_split(c, valid, "validation", house, watchdog, logger, stop)
+        record = _evaluate_split(c, valid, "validation", house, watchdog, logger, stop, after_training=True)
         if record is None:
             return None
         validation.append(record)
     if c.test_data is None:
         return None
-    return _evaluate_split(c, lambda: data_iterator(c, c.test_data, 0), "test", house, watchdog, logger, stop)
+    return _evaluate_split(c, lambda: data_iterator(c, c.test_data, 0), "test", house, watchdog, logger, stop,
+                           after_training=True)
 
 
 def _throughput(c, step_time: float, batch: int) -> dict:
@@ -259,7 +262,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                            tensorboard=lg.tensorboard, progress_bar=lg.progress_bar, start_iteration=c.iteration,
                            throughput=lg.log_throughput, tensorboard_timers=lg.log_timers_to_tensorboard,
                            wandb=_wandb_run(settings, log_dir) if rank0 else None, tensorboard_dir=lg.tensorboard_dir,
-                           tensorboard_loss_scale=lg.log_loss_scale_to_tensorboard)
+                           tensorboard_loss_scale=lg.log_loss_scale_to_tensorboard,
+                           tensorboard_validation_ppl=lg.log_validation_ppl_to_tensorboard)
     timers, profiler = _observers(c, log_dir)
     straggler = None
     if lg.log_straggler:

@@ -39,6 +39,12 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "TensorBoard scalars `world-size` and `world-size vs samples` (training_log)",
         "the same tags (at --log-interval, as omnitron's other tags), and `world_size` in metrics.jsonl",
         "tests/training/test_wandb_tensorboard.py::test_world_size_reaches_tensorboard_when_asked"),
+    "--log-validation-ppl-to-tensorboard": (
+        "TensorBoard scalars `lm loss validation ppl` and `lm loss validation ppl vs samples`, written only with the "
+        "flag (evaluate_and_print_results; training_config.py log_validation_ppl_to_tensorboard, default off)",
+        "the same gate (LoggingConfig.log_validation_ppl_to_tensorboard; the test split's `lm loss test ppl` too); "
+        "was accepted while the tags were written always; metrics.jsonl keeps val_ppl / test_ppl",
+        "tests/training/test_wandb_tensorboard.py::test_validation_ppl_reaches_tensorboard_only_when_asked"),
     "--no-log-loss-scale-to-tensorboard": (
         "no `loss-scale` and `loss-scale vs samples` in TensorBoard (nor `loss-scale` in W&B); written by default "
         "(training_log; training_config.py log_loss_scale_to_tensorboard); also "

@@ -73,7 +73,6 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                  "the same tensors are loaded; Megatron reads each once per data-parallel group "
                                  "and exchanges them: " + _PERF),
     "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size", _LOG),
-    "log_validation_ppl_to_tensorboard": (None, "validation records carry val_ppl", _LOG),
     "moe_per_layer_logging": (None, "every record carries moe_aux_loss: the router losses added to the LM loss "
                                     "(each load-balancing loss times its coefficient, plus the z-loss), summed over "
                                     "the MoE layers, not one value per layer", _LOG),

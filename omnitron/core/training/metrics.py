@@ -13,12 +13,13 @@ the interval's work over its summed step time, ``step_time_s`` its mean), ``peak
 ``decoupled_lr`` (``--decoupled-lr``), ``weight_decay`` (``--weight-decay-incr-style linear|cosine``: the decay
 the step applied) and ``time`` (local ISO 8601 with offset); validation lines carry ``val_loss``, ``val_ppl`` and
 ``time`` (one per evaluation, and one more after training), the test evaluation after training ``test_loss`` and
-``test_ppl``. Log lines start with the time and carry the consumed samples and the ETA of the rest of the run; as
-Megatron's, a process's first iteration gets a line too (the console's only; the interval's sums go on). Only
-global rank 0 writes.
+``test_ppl``. The console lines are Megatron's (:mod:`omnitron.core.training.log_lines`: training_log's line, with
+omnitron's fields such as the ETA of the rest of the run after Megatron's, and evaluate_and_print_results' framed
+validation and test lines); as Megatron's, a process's first iteration gets a line too (the console's only; the
+interval's sums go on). Only global rank 0 writes.
 TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir,
-``iteration-time``, ``throughput`` and ``loss-scale`` only under the flags Megatron writes them with, and no
-``iteration-time`` at a process's first iteration (Megatron's is_first_iteration).
+``iteration-time``, ``throughput``, ``loss-scale`` and the validation / test ``ppl`` only under the flags Megatron
+writes them with, and no ``iteration-time`` at a process's first iteration (Megatron's is_first_iteration).
 
 Asked for by flags: ``timers_<name>_ms`` (max over ranks), ``timers_<name>_min_ms`` and
 ``timers_<name>_ranks_ms`` (``--timing-log-option``; names in ``omnitron.core.training.timers``),
@@ -36,6 +37,8 @@ import math
 import os
 import sys
 import time
+
+from omnitron.core.training.log_lines import training_line, validation_lines
 
 log = logging.getLogger("omnitron.train")
 
@@ -57,17 +60,19 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
 
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False, throughput: bool = False,
-                        loss_scale: bool = True):
+                        loss_scale: bool = True, validation_ppl: bool = False):
     """``(tag, value, step)`` for every number of ``record`` as Megatron names it (see ``_TB_TAGS``); the
     ``vs samples`` twins only when the consumed samples are known. Megatron's training_log gates three of them:
     ``timers`` (--log-timers-to-tensorboard): the ``timers_*`` values and ``iteration-time``; ``throughput``
     (--log-throughput, with ``timers``): ``throughput``; ``loss_scale`` (--log-loss-scale-to-tensorboard, on by
-    default): ``loss-scale``. A run without loss scaling logs a loss scale of 1.0 there, as Megatron's optimizers
-    report one (the record itself keeps None). A timer goes as Megatron's ``Timers.write`` writes it:
-    ``<name>-time``, the max over ranks, in seconds per iteration (``timers_<name>_ms``; the min and per-rank values
-    stay in the record)."""
+    default): ``loss-scale``; and evaluate_and_print_results one: ``validation_ppl``
+    (--log-validation-ppl-to-tensorboard, off by default): the validation and test ``ppl`` tags. A run without loss
+    scaling logs a loss scale of 1.0 there, as Megatron's optimizers report one (the record itself keeps None). A
+    timer goes as Megatron's ``Timers.write`` writes it: ``<name>-time``, the max over ranks, in seconds per
+    iteration (``timers_<name>_ms``; the min and per-rank values stay in the record)."""
     it = record["iteration"]
-    gated = {"step_time_s": timers, "tflops_per_device": timers and throughput, "loss_scale": loss_scale}
+    gated = {"step_time_s": timers, "tflops_per_device": timers and throughput, "loss_scale": loss_scale,
+             "val_ppl": validation_ppl, "test_ppl": validation_ppl}
     for k, v in record.items():
         if k == "loss_scale" and v is None:
             v = 1.0
@@ -140,26 +145,14 @@ def _open_metrics(path: str, start_iteration: int):
     return f
 
 
-def _now() -> str:
-    """Local wall-clock time with its UTC offset, to the second (ISO 8601)."""
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+def _wall_clock() -> datetime.datetime:
+    """The local wall-clock time (a function, so that a test can fix it)."""
+    return datetime.datetime.now()
 
 
-def _clock(seconds: float) -> str:
-    """``H:MM:SS`` of a duration (the ETA of the rest of the run at the current step time)."""
-    s = max(int(round(seconds)), 0)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
-def memory_line(rank: int, iteration: int, stats: dict) -> str:
-    """Megatron's report_memory line (training/utils/common_utils.py), which each rank of data-parallel rank 0 prints
-    at its first iteration and the next logged one: ``[Rank N] (after K iterations) memory (MB) | allocated: ...
-    | max allocated: ... | reserved: ... | max reserved: ...`` from the backend's ``memory_stats`` (the host
-    process's resident set on cpu); a statistic the backend cannot say is left out."""
-    fields = [f" | {label}: {stats[key] / 2**20:.2f}" for key, label in (
-        ("allocated", "allocated"), ("peak_allocated", "max allocated"), ("reserved", "reserved"),
-        ("peak_reserved", "max reserved")) if stats.get(key) is not None]
-    return f"[Rank {rank}] (after {iteration} iterations) memory (MB)" + "".join(fields)
+def _iso(now: datetime.datetime) -> str:
+    """``now`` with its UTC offset, to the second (ISO 8601): the records' ``time``."""
+    return now.astimezone().isoformat(timespec="seconds")
 
 
 def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
@@ -167,12 +160,19 @@ def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
     return iteration % log_interval == 0 or iteration == train_iters
 
 
-def _interval_loss(steps: list[dict]) -> float | None:
-    """The interval's LM loss as Megatron's log averages it: over the steps that updated the weights (a step an
-    fp16 overflow skipped adds neither its loss nor a count); None when every step was skipped (no average
-    exists: Megatron's line then prints its empty sum, 0, or no loss at all before any step advanced)."""
-    losses = [v["lm_loss"] for v in steps if not v["skipped"]]
+def _interval_loss(steps: list[dict], key: str = "lm_loss") -> float | None:
+    """The interval's loss ``key`` (the LM loss; BERT's ``sop_loss``) as Megatron's log averages it: over the steps
+    that updated the weights (a step an fp16 overflow skipped adds neither its loss nor a count); None when every
+    step was skipped (no average exists: Megatron's line then prints its empty sum, 0, or no loss at all before any
+    step advanced)."""
+    losses = [v[key] for v in steps if not v["skipped"]]
     return sum(losses) / len(losses) if losses else None
+
+
+def _not_finite(step: dict) -> bool:
+    """A skipped step is one of Megatron's nan iterations when any loss its loss function reported (the LM loss;
+    BERT's sentence-order loss) is not finite."""
+    return any(not math.isfinite(step[key]) for key in ("lm_loss", "sop_loss") if key in step)
 
 
 def _interval_rate(steps: list[dict], key: str) -> float | None:
@@ -209,18 +209,21 @@ class MetricsLogger:
     """Collects per-step values and emits them every ``log_interval`` iterations (rank 0 only).
 
     A step's ``values["log"]`` (computed by the loop on logged steps only: timers, parameter norm, memory)
-    is copied into the record as it is; its ``values["log_lines"]`` follow the line. ``throughput``: --log-throughput (TFLOP/s and tokens/s per device on
-    every line). ``tensorboard_timers``: --log-timers-to-tensorboard (the timers go to TensorBoard too, as
-    Megatron's ``<name>-time`` tags, with ``iteration-time`` and, with ``throughput``, ``throughput``; metrics.jsonl
-    always has them). ``tensorboard_loss_scale``: --log-loss-scale-to-tensorboard (TensorBoard's ``loss-scale``)."""
+    is copied into the record as it is; its ``values["log_lines"]`` follow the line. ``throughput``:
+    --log-throughput (TFLOP/s and tokens/s per device on every line). ``tensorboard_timers``:
+    --log-timers-to-tensorboard (the timers go to TensorBoard too, as Megatron's ``<name>-time`` tags, with
+    ``iteration-time`` and, with ``throughput``, ``throughput``; metrics.jsonl always has them).
+    ``tensorboard_loss_scale``: --log-loss-scale-to-tensorboard (TensorBoard's ``loss-scale``).
+    ``tensorboard_validation_ppl``: --log-validation-ppl-to-tensorboard (TensorBoard's validation and test ppl)."""
 
     def __init__(self, *, log_dir: str, log_interval: int, train_iters: int, enabled: bool, tensorboard: bool,
                  progress_bar: bool | None, start_iteration: int, throughput: bool = False,
                  tensorboard_timers: bool = False, wandb=None, tensorboard_dir: str | None = None,
-                 tensorboard_loss_scale: bool = True) -> None:
+                 tensorboard_loss_scale: bool = True, tensorboard_validation_ppl: bool = False) -> None:
         self.enabled, self.log_interval, self.train_iters = enabled, log_interval, train_iters
         self.log_dir, self.throughput, self.tensorboard_timers = log_dir, throughput, tensorboard_timers
         self.tensorboard_loss_scale = tensorboard_loss_scale
+        self.tensorboard_validation_ppl = tensorboard_validation_ppl
         self._pending: list[dict] = []
         self._advanced = False  # a logged step of this process updated the weights (Megatron's loss key exists)
         self._first_iteration = start_iteration + 1  # this process's first (after a resume too)
@@ -256,7 +259,7 @@ class MetricsLogger:
         if self._tb is not None:
             samples = scalars.get("consumed_samples", consumed_samples)
             for tag, value, step in tensorboard_scalars(scalars, samples, self.tensorboard_timers, self.throughput,
-                                                        self.tensorboard_loss_scale):
+                                                        self.tensorboard_loss_scale, self.tensorboard_validation_ppl):
                 self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars)
@@ -279,11 +282,13 @@ class MetricsLogger:
             self._bar.set_postfix(loss=f"{values['lm_loss']:.4f}")
         if not log_due(iteration, self.log_interval, self.train_iters):
             if iteration == self._first_iteration:  # NOTE: Megatron prints a line at a process's first iteration
-                rec = self._record(iteration)  # too (is_first_iteration), only to the console, and keeps summing
-                self._print(self._line(rec))  # the interval (the next line's averages include this iteration)
+                now = _wall_clock()  # too (is_first_iteration), only to the console, and keeps summing the interval
+                rec = self._record(iteration, now)  # (the next line's averages include this iteration)
+                self._print(self._line(rec, now))
                 self._advanced = rec["lm_loss"] is not None
             return
-        rec = self._record(iteration)
+        now = _wall_clock()
+        rec = self._record(iteration, now)
         last = self._pending[-1]
         extra = last.get("log_lines", ())  # e.g. the timers (--timing-log-level >= 1)
         self._pending = []
@@ -292,19 +297,19 @@ class MetricsLogger:
         scalars = {**rec, "lm_loss": last["lm_loss"]} if rec["lm_loss"] is None else dict(rec)
         if iteration == self._first_iteration:  # NOTE: Megatron's training_log writes no iteration-time at a
             del scalars["step_time_s"]  # process's first iteration (is_first_iteration): that step holds the warm-up
-        line = self._line(rec)
+        line = self._line(rec, now)
         self._advanced = self._advanced or rec["lm_loss"] is not None
         self._emit(rec, "\n".join([line, *extra]), scalars=scalars)
 
-    def _record(self, iteration: int) -> dict:
-        """The averaged record of the pending iterations (the last one's lr, norms and ``log`` values)."""
+    def _record(self, iteration: int, now: datetime.datetime) -> dict:
+        """The averaged record of the pending iterations (the last one's lr, norms and ``log`` values) at ``now``."""
         n = len(self._pending)
         last = self._pending[-1]
         skipped = [v for v in self._pending if v["skipped"]]
         rec = {"iteration": iteration, "lm_loss": _interval_loss(self._pending),
                "lr": last["lr"], "grad_norm": last["grad_norm"], "loss_scale": last["loss_scale"],
-               "skipped_iters": len(skipped), "nan_iters": sum(not math.isfinite(v["lm_loss"]) for v in skipped),
-               "step_time_s": sum(v["step_time_s"] for v in self._pending) / n, "time": _now()}
+               "skipped_iters": len(skipped), "nan_iters": sum(_not_finite(v) for v in skipped),
+               "step_time_s": sum(v["step_time_s"] for v in self._pending) / n, "time": _iso(now)}
         for key in ("consumed_samples", "global_batch_size"):  # NOTE: a ramp changes the batch; the last step's
             if key in last:
                 rec[key] = last[key]
@@ -312,9 +317,11 @@ class MetricsLogger:
                                                                       else ()):
             rec[key] = _interval_rate(self._pending, key)
         rec["peak_memory_bytes"] = last.get("peak_memory_bytes")
-        for key in ("moe_aux_loss", "mtp_loss", "sop_loss"):  # MoE's, MTP's, BERT's sentence order: in lm_loss
+        for key in ("moe_aux_loss", "mtp_loss"):  # MoE's, MTP's: in lm_loss
             if key in last:
                 rec[key] = sum(v[key] for v in self._pending) / n
+        if "sop_loss" in last:  # BERT's sentence order (in lm_loss): a loss key of Megatron's, averaged as lm loss
+            rec["sop_loss"] = _interval_loss(self._pending, "sop_loss")
         if "num_zeros_in_grad" in last:
             rec["num_zeros_in_grad"] = last["num_zeros_in_grad"]
         for key in ("decoupled_lr", "weight_decay"):  # the last step's (weight_decay: a scheduled decay only)
@@ -323,64 +330,33 @@ class MetricsLogger:
         rec.update(last.get("log", {}))
         return rec
 
-    def _loss_text(self, loss: float | None) -> str | None:
-        """``loss X`` as Megatron prints an interval's average: sum over the advanced steps / max(1, their count),
-        so 0 where every step was skipped, nothing before any step of this process advanced (its
-        ``total_loss_dict`` has no loss key yet), and nothing for an average that is not ``>= 0`` (nan: Megatron's
+    def _printed_loss(self, loss: float | None) -> float | None:
+        """The LM loss Megatron's line prints for an interval's average: sum over the advanced steps / max(1, their
+        count), so 0 where every step was skipped, none before any step of this process advanced (its
+        ``total_loss_dict`` has no loss key yet), and none for an average that is not ``>= 0`` (nan: Megatron's
         ``avg >= 0.0`` test leaves it out)."""
         if loss is None:
             loss = 0.0 if self._advanced else None
-        return f"loss {loss:.4f}" if loss is not None and loss >= 0.0 else None
+        return loss if loss is not None and loss >= 0.0 else None
 
-    def _line(self, rec: dict) -> str:
-        """The log line of one record. The fields Megatron's training_log prints are there when Megatron's are:
-        the loss scale (1.0 without loss scaling, as Megatron's bf16 and fp32 optimizers report) and the skipped
-        and nan iteration counts always, the grad norm and the zeros in the grad only when the step has them (an
-        fp16 step skipped on overflow has none)."""
-        eta = _clock(rec["step_time_s"] * (self.train_iters - rec["iteration"]))
-        parts = [f"[{rec['time'][:19].replace('T', ' ')}] iter {rec['iteration']:6d}/{self.train_iters}"]
-        if "consumed_samples" in rec:
-            parts.append(f"samples {rec['consumed_samples']}")
-        parts += [self._loss_text(rec["lm_loss"]), f"lr {rec['lr']:.3e}"]
-        for key, label in (("decoupled_lr", "decoupled lr"), ("weight_decay", "weight decay")):
-            if key in rec:
-                parts.append(f"{label} {rec[key]:.3e}")
-        if rec["grad_norm"] is not None:
-            parts.append(f"grad norm {rec['grad_norm']:.3f}")
-        parts += [f"{rec['tokens_per_sec']:.0f} tok/s", f"{rec['step_time_s'] * 1e3:.0f} ms/step", f"ETA {eta}"]
-        if rec.get("num_zeros_in_grad") is not None:
-            parts.append(f"num zeros {rec['num_zeros_in_grad']}")
-        if "params_norm" in rec:
-            parts.append(f"params norm {rec['params_norm']:.3f}")
-        for key, label in (("moe_aux_loss", "moe aux loss"), ("mtp_loss", "mtp loss"), ("sop_loss", "sop loss")):
-            if key in rec:
-                parts.append(f"{label} {rec[key]:.4f}")
-        scale = 1.0 if rec["loss_scale"] is None else rec["loss_scale"]
-        parts += [f"loss scale {scale:.1f}", f"skipped {rec['skipped_iters']}", f"nan {rec['nan_iters']}"]
-        if self.throughput and rec["tokens_per_sec_per_device"] is not None:
-            parts += [f"{rec['tflops_per_device']:.3g} TFLOP/s/dev",
-                      f"{rec['tokens_per_sec_per_device']:.0f} tok/s/dev"]
-        if rec["mfu"] is not None:
-            if not self.throughput:
-                parts.append(f"{rec['tflops_per_device']:.1f} TFLOP/s/dev")
-            parts.append(f"MFU {rec['mfu'] * 100:.1f}%")
-        if rec["peak_memory_bytes"]:
-            parts.append(f"peak mem {rec['peak_memory_bytes'] / 2**20:.0f} MiB")
-        return " | ".join(p for p in parts if p is not None)
+    def _line(self, rec: dict, now: datetime.datetime) -> str:
+        """The console line of one record: Megatron's training_log line, then omnitron's fields
+        (:func:`omnitron.core.training.log_lines.training_line`)."""
+        losses = {"lm loss": self._printed_loss(rec["lm_loss"])}
+        if "sop_loss" in rec:  # pretrain_bert's second loss key, printed by the same rule
+            losses["sop loss"] = self._printed_loss(rec["sop_loss"])
+        return training_line(rec, self.train_iters, now, losses, self.throughput)
 
-    def validation(self, iteration: int, values: dict, consumed_samples: int | None = None) -> None:
+    def validation(self, iteration: int, values: dict, consumed_samples: int | None = None,
+                   after_training: bool = False) -> None:
         """One validation (``val_loss``, ``val_ppl``) or test (``test_loss``, ``test_ppl``) record
-        (``consumed_samples``: the training samples so far, for the ``vs samples`` tags)."""
+        (``consumed_samples``: the training samples so far, for the ``vs samples`` tags), printed as Megatron's
+        evaluate_and_print_results prints it (``after_training``: one of the evaluations after the loop, whose
+        prefix names the split)."""
         if not self.enabled:
             return
-        rec = {"iteration": iteration, **values, "time": _now()}
-        split = "test" if "test_loss" in values else "validation"
-        key = "test" if split == "test" else "val"
-        line = (f"[{rec['time'][:19].replace('T', ' ')}] iter {iteration:6d} | {split} loss "
-                f"{values[key + '_loss']:.4f} | ppl {values[key + '_ppl']:.2f}")
-        if key + "_sop_loss" in values:  # BERT's sentence-order part of the loss
-            line += f" | sop loss {values[key + '_sop_loss']:.4f}"
-        self._emit(rec, line, consumed_samples)
+        rec = {"iteration": iteration, **values, "time": _iso(_wall_clock())}
+        self._emit(rec, "\n".join(validation_lines(iteration, values, after_training)), consumed_samples)
 
     def close(self) -> None:
         if self._bar is not None:

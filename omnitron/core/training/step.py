@@ -22,6 +22,7 @@ from omnitron.core.models.family import family_of
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
 from omnitron.core.parallel.data import FullyShardedDataParallel, finalize_model_grads, scale_gradients
 from omnitron.core.parallel.pipeline import forward_backward
+from omnitron.core.training.log_lines import PPL_LOSS_CAP  # exp(min(loss, 20)): Megatron's cap on the ppl
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, compute_sections, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
@@ -180,10 +181,6 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
 
         out["sop_loss"] = sop_loss(c.modules, c.groups, c.backend.collectives, c.schedule.num_microbatches)
     return out
-
-
-PPL_LOSS_CAP = 20.0
-"""The perplexity reported is exp(min(loss, 20)), as Megatron's evaluate_and_print_results caps it."""
 
 
 @torch.no_grad()
