@@ -48,6 +48,8 @@ def test_flags_config_file_and_precedence(tmp_path):
     (["--model", "gpt2_tiny", "--reset-attention-mask", "--context-parallel-size", "2"], 2,
      "ring attention has no per-document mask"),
     (["--model", "gpt2_tiny", "--sample-temperature", "0"], 1, "--sample-temperature 0.0 must be positive"),
+    (["--model", "gpt2_tiny", "--sample-tokens", "-1"], 1, "--sample-tokens -1 must be 0 or more"),
+    (["--model", "gpt2_tiny", "--sample-top-k", "-2"], 1, "--sample-top-k -2 must be 0 or more"),
     (["--model", "gpt2_tiny", "--nproc-per-node", "0"], 1, "--nproc-per-node must be >= 1 .*, got 0$"),
 ])
 def test_cross_checks(argv, world, message):
@@ -61,6 +63,21 @@ def test_sample_temperature_reaches_the_settings():
     t = round(random.uniform(0.1, 2.0), 3)
     assert parse_settings(["--model", "gpt2_tiny", "--sample-temperature", str(t)], world_size=1).sample_temperature == t
     assert parse_settings(["--model", "gpt2_tiny"], world_size=1).sample_temperature == 0.8
+
+
+def test_sample_counts_keep_a_given_zero():
+    """--sample-tokens 0 turns the sample off and --sample-top-k 0 the top-k filter (a given 0 once became the
+    default 40 / 20); absent, the defaults."""
+    import random
+
+    n, k = random.randint(1, 99), random.randint(1, 50)
+    argv = ["--model", "gpt2_tiny"]
+    s = parse_settings(argv + ["--sample-tokens", "0", "--sample-top-k", "0"], world_size=1)
+    assert (s.sample_tokens, s.sample_top_k) == (0, 0)
+    s = parse_settings(argv + ["--sample-tokens", str(n), "--sample-top-k", str(k)], world_size=1)
+    assert (s.sample_tokens, s.sample_top_k) == (n, k)
+    s = parse_settings(argv, world_size=1)
+    assert (s.sample_tokens, s.sample_top_k) == (40, 20)
 
 
 def test_missing_data_path_is_caught_before_launch(tmp_path):

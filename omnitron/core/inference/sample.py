@@ -56,6 +56,7 @@ def print_sample(c, prompt: str, max_new_tokens: int, top_k: int = 1, temperatur
     params = SamplingParams(top_k=top_k, temperature=temperature, seed=c.settings.training.seed)
     out = generate(model, ids, max_new_tokens, params=params, eod=getattr(c.tokenizer, "eod", None))
     text = c.tokenizer.decode(out)
-    how = "greedy" if top_k == 1 else f"top-{top_k} sampling at temperature {temperature:g}"
+    pool = "whole-vocabulary" if top_k == 0 else f"top-{top_k}"
+    how = "greedy" if top_k == 1 else f"{pool} sampling at temperature {temperature:g}"
     print(f"\n--- sample ({how}, KV cache) ---\n{prompt}{text}\n---", flush=True)
     return text

@@ -44,6 +44,15 @@ def _sample_temperature(value) -> float:
     return t
 
 
+def _sample_count(value, flag: str, default: int) -> int:
+    """--sample-tokens (default 40; 0: no sample) and --sample-top-k (default 20; 0: no top-k filter): a given 0
+    is kept (``value or default`` turned it into the default), a negative count is refused."""
+    n = default if value is None else int(value)
+    if n < 0:
+        raise ConfigError(f"{flag} {value} must be 0 or more (0 turns it off)")
+    return n
+
+
 @dataclass
 class Settings:
     """Every validated config of one training run, plus launch options."""
@@ -175,8 +184,8 @@ def build_settings(merged: dict[str, Any], world_size: int | None = None) -> Set
                     ddp=ddp, fp8=fp8, logging=logging_cfg, checkpoint=checkpoint, world_size=world,
                     nproc_per_node=nproc,
                     backend=merged.get("backend"), threads=merged.get("threads_per_process"),
-                    prompt=merged.get("prompt"), sample_tokens=int(merged.get("sample_tokens") or 40),
-                    sample_top_k=int(merged.get("sample_top_k") or 20),
+                    prompt=merged.get("prompt"), sample_tokens=_sample_count(merged.get("sample_tokens"), "--sample-tokens", 40),
+                    sample_top_k=_sample_count(merged.get("sample_top_k"), "--sample-top-k", 20),
                     sample_temperature=_sample_temperature(merged.get("sample_temperature")),
                     flat={k: v for k, v in merged.items() if k not in ("config", "nproc_per_node")},
                     model_type=model_type)

@@ -60,9 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per worker (default: $OMP_NUM_THREADS, else the cores shared "
                         "among the node's workers)")
     launch.add_argument("--prompt", help="after training, print a sampled continuation of this text")
-    launch.add_argument("--sample-tokens", type=int, metavar="N", help="tokens to sample for --prompt (default: 40)")
+    launch.add_argument("--sample-tokens", type=int, metavar="N", help="tokens to sample for --prompt; 0: no sample "
+                        "(default: 40)")
     launch.add_argument("--sample-top-k", type=int, metavar="K", help="sample among the K likeliest tokens; "
-                        "1 is greedy (default: 20)")
+                        "1 is greedy, 0 the whole vocabulary (default: 20)")
     launch.add_argument("--sample-temperature", type=float, metavar="T",
                         help="divide the logits by T before sampling for --prompt (default: 0.8)")
     opts = options()

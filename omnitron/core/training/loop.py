@@ -351,7 +351,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         profiler.close()
         logger.close()
     result = {"losses": losses, "validation": validation, "test": test, "iteration": c.iteration, "components": c}
-    if settings.prompt:
+    if settings.prompt and settings.sample_tokens > 0:
         from omnitron.core.inference.sample import print_sample
 
         print_sample(c, settings.prompt, settings.sample_tokens, top_k=settings.sample_top_k,
