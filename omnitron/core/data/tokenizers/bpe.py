@@ -131,8 +131,10 @@ class HuggingFaceTokenizer(_HFBacked):
     ``path`` is the file, a directory holding it, or (as Megatron's ``AutoTokenizer.from_pretrained``) a hub
     name such as ``meta-llama/Meta-Llama-3-8B`` already in the local Hugging Face cache (nothing is downloaded).
     The eod id is the ``eos_token`` the files beside it name (:func:`hf_special_token`: tokenizer_config.json or
-    special_tokens_map.json, what Megatron's HF tokenizer uses), else the first of ``EOD_CANDIDATES`` present in the
-    vocabulary (``eod_token`` overrides); pad likewise. ``own_pad`` is the ``pad_token`` those files name (None
+    special_tokens_map.json, else the ``tokenizer_class``'s default, what Megatron's HF tokenizer uses), else their
+    ``sep_token`` (Megatron's HuggingFaceTokenizer makes a tokenizer's sep its eos where it has no eos: a BERT
+    tokenizer's ``[SEP]``), else the first of ``EOD_CANDIDATES`` present in the vocabulary (where Megatron has no
+    eod at all; ``eod_token`` overrides); pad likewise. ``own_pad`` is the ``pad_token`` those files name (None
     without one), as ``AutoTokenizer``'s ``pad_token_id``; one missing from the vocabulary is refused.
 
     ``encode`` adds the tokenizer's own special tokens (``include_special_tokens``, on by default) as Megatron's
@@ -142,6 +144,9 @@ class HuggingFaceTokenizer(_HFBacked):
     """
 
     name = "HuggingFaceTokenizer"
+    _sep_is_eod = True
+    """Megatron's HuggingFaceTokenizer sets eos = sep where the files name a sep and no eos; its MultimodalTokenizer
+    reads AutoTokenizer's eos alone."""
 
     def __init__(self, path: str, eod_token: str | None = None, include_special_tokens: bool = True):
         from tokenizers import Tokenizer as HFTokenizer
@@ -151,7 +156,8 @@ class HuggingFaceTokenizer(_HFBacked):
             tok = HFTokenizer.from_file(str(p))
         except Exception as err:  # noqa: BLE001
             raise TokenizerError(f"--tokenizer-model {str(p)!r} is not a valid tokenizer.json: {err}") from err
-        eod_token = eod_token or hf_special_token(p.parent, "eos_token")
+        eod_token = eod_token or hf_special_token(p.parent, "eos_token") or (
+            hf_special_token(p.parent, "sep_token") if self._sep_is_eod else None)
         own_pad = hf_special_token(p.parent, "pad_token")
         self._own_pad = None if own_pad is None else tok.token_to_id(own_pad)
         if own_pad is not None and self._own_pad is None:
@@ -189,12 +195,44 @@ def hf_special_token(folder: Path, key: str) -> str | None:
     """The token ``transformers.AutoTokenizer`` gives the role ``key`` (``pad_token``, ``eos_token``, ...) from the
     files of a tokenizer folder, as Megatron's HuggingFaceTokenizer reads it: ``special_tokens_map.json``'s, over the
     config's, when ``tokenizer_config.json`` has no ``added_tokens_decoder`` (transformers reads that legacy file
-    only then), else ``tokenizer_config.json``'s. A token of tokenizer.json's ``added_tokens`` has no role by itself.
-    Not read: a ``tokenizer_class``'s own defaults (``BertTokenizer``'s ``[PAD]`` where the files name none)."""
+    only then), else ``tokenizer_config.json``'s; where neither names the role (a ``null`` does name it: none), the
+    default of the config's ``tokenizer_class`` (:data:`CLASS_DEFAULTS`: ``BertTokenizer``'s ``[PAD]``). A token of
+    tokenizer.json's ``added_tokens`` has no role by itself."""
     config = _read_json(folder / "tokenizer_config.json")
     legacy = {} if "added_tokens_decoder" in config else _read_json(folder / "special_tokens_map.json")
-    token = legacy[key] if key in legacy else config.get(key)
+    if key in legacy:
+        token = legacy[key]
+    elif key in config:
+        token = config[key]
+    else:
+        token = class_default(config.get("tokenizer_class"), key)
     return token.get("content") if isinstance(token, dict) else token
+
+
+_BERT = {"sep_token": "[SEP]", "pad_token": "[PAD]"}
+_ROBERTA = {"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "pad_token": "<pad>"}
+_LLAMA = {"bos_token": "<s>", "eos_token": "</s>"}
+_DEBERTA = {"bos_token": "[CLS]", "eos_token": "[SEP]", "sep_token": "[SEP]", "pad_token": "[PAD]"}
+CLASS_DEFAULTS = {
+    "BertTokenizer": _BERT, "ElectraTokenizer": _BERT, "RobertaTokenizer": _ROBERTA, "XLMRobertaTokenizer": _ROBERTA,
+    "BartTokenizer": _ROBERTA, "MPNetTokenizer": _ROBERTA, "LlamaTokenizer": _LLAMA, "CodeLlamaTokenizer": _LLAMA,
+    "GPT2Tokenizer": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+    "GPTNeoXTokenizer": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|padding|>"},
+    "T5Tokenizer": {"eos_token": "</s>", "pad_token": "<pad>"},
+    "Qwen2Tokenizer": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    "GemmaTokenizer": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
+    "AlbertTokenizer": {**_DEBERTA, "pad_token": "<pad>"}, "DebertaV2Tokenizer": _DEBERTA,
+    "XLNetTokenizer": {**_ROBERTA, "sep_token": "<sep>"},
+}
+"""The bos / eos / sep / pad defaults of a ``tokenizer_class``'s ``__init__`` (transformers 5.x; the ``...Fast``
+name's the same), which AutoTokenizer gives a role the files do not name. Transcribed so that the eod and pad do not
+depend on whether transformers is installed; a class not listed (``PreTrainedTokenizerFast``: it has none) gets none."""
+
+
+def class_default(tokenizer_class: str | None, key: str) -> str | None:
+    """The token ``tokenizer_class``'s constructor gives the role ``key`` by default (None: none, or a class not in
+    :data:`CLASS_DEFAULTS`)."""
+    return CLASS_DEFAULTS.get((tokenizer_class or "").removesuffix("Fast"), {}).get(key)
 
 
 def _read_json(path: Path) -> dict:

@@ -73,6 +73,7 @@ class MultimodalTokenizer(HuggingFaceTokenizer):
     """A Hugging Face tokenizer with Megatron's multimodal special tokens, image tags and prompt formats."""
 
     name = "MultimodalTokenizer"
+    _sep_is_eod = False  # Megatron's: AutoTokenizer's eos_token_id, no sep fallback
 
     def __init__(self, path: str, prompt_format: str | None, special_tokens=None, image_tag_type: str | None = ""):
         if prompt_format not in PROMPT_FORMATS:
