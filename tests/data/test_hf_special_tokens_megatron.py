@@ -101,7 +101,8 @@ def test_multimodal_eod_stays_the_eos(tmp_path):
     """Megatron's MultimodalTokenizer's eod is AutoTokenizer's eos_token_id with no sep fallback: a folder naming only
     a sep keeps omnitron's known-token fallback there (the first of ``EOD_CANDIDATES`` in the vocabulary), not the
     sep."""
-    path = _folder(tmp_path / "hf", {"sep_token": "[SEP]"}, None, random.Random(int.from_bytes(os.urandom(4), "little")))
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    path = _folder(tmp_path / "hf", {"sep_token": "[SEP]"}, None, rng)
     got = build_tokenizer("MultimodalTokenizer", tokenizer_model=path, tokenizer_prompt_format="chatml")
     ref = transformers.AutoTokenizer.from_pretrained(path)
     assert ref.eos_token is None
