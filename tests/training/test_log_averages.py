@@ -66,7 +66,10 @@ def _megatron_log(steps: list[tuple[float, bool]], interval: int) -> list[dict]:
     ``skipped`` and ``nan`` its counts, ``tb`` the TensorBoard ``lm loss`` (the iteration's own ``loss_dict``, skipped
     or not; None at a first-iteration line that is not a multiple). NOTE: where the first iteration is itself a
     multiple (--log-interval 1) Megatron resets nothing either, so its second line averages iterations 1 and 2;
-    omnitron's second line is iteration 2's own, the one difference (transcribed as omnitron does it)."""
+    omnitron's second line is iteration 2's own, the one difference (transcribed as omnitron does it): a bug of
+    Megatron's (training.py 3289, ``should_reset = not is_first_iteration``), whose own timers line at that
+    iteration divides the two iterations' time by --log-interval (1), and whose comment there wants the interval's
+    statistics kept accurate."""
     total, advanced, skipped, nan, out = None, 0, 0, 0, []
     for i, (loss, skip) in enumerate(steps, 1):
         if not skip:

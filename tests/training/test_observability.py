@@ -304,9 +304,9 @@ _MEGATRON_MEMORY = (r"^\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \
 """Megatron's report_memory format string (training/utils/common_utils.py at d98e8a6), as a pattern."""
 
 
-def _memory_lines(root: str, resume: bool) -> list[tuple[int, ...]]:
+def _memory_lines(root: str, resume: bool, iters: int = 4) -> list[tuple[int, ...]]:
     """(rank, iteration, allocated, max allocated, reserved, max reserved) of each memory line this rank logged in
-    a run to 7 at --log-interval 3 (resumed at 4 with ``resume``)."""
+    a run to ``iters`` at --log-interval 3 (to 7, resumed at 4, with ``resume``)."""
     import re
 
     from omnitron.core.training.loop import train
@@ -322,7 +322,7 @@ def _memory_lines(root: str, resume: bool) -> list[tuple[int, ...]]:
                  "--save-interval", "4"]
         if resume:
             flags += ["--load", os.path.join(root, "ckpt")]
-        train(parse_settings(_args(root, "--train-iters", "7" if resume else "4", *flags),
+        train(parse_settings(_args(root, "--train-iters", "7" if resume else str(iters), *flags),
                              int(os.environ.get("WORLD_SIZE", "1"))), get_backend("cpu"))
     finally:
         logger.removeHandler(handler)
@@ -350,3 +350,17 @@ def test_memory_lines_are_megatrons(tmp_path):
         assert 0 < alloc <= max_alloc <= peak_mb + 4 and alloc == reserved and max_alloc == max_reserved
     ranks = run_distributed(_memory_lines, 2, str(tmp_path / "dp2"), False)
     assert [[(r, it) for r, it, *_ in lines] for lines in ranks] == [[(0, 1), (0, 3)], []]
+
+
+def test_a_last_iteration_off_the_interval_prints_no_line(tmp_path, capsys):
+    """Megatron's training_log prints at a multiple of --log-interval and at the process's first iteration only
+    (``iteration % log_interval == 0 or is_first_iteration``), the memory line with it: a run of 2 at --log-interval
+    3 prints iteration 1's line and memory line and nothing at 2, whose record metrics.jsonl still gets (its steps
+    would be reported nowhere else). Failed before: a training line and a second memory line at iteration 2."""
+    from omnitron.testing.megatron_log import parse_training_line
+
+    memory = _memory_lines(str(tmp_path), False, iters=2)
+    printed = [p["iteration"] for p in map(parse_training_line, capsys.readouterr().out.splitlines()) if p]
+    assert [(r, it) for r, it, *_ in memory] == [(0, 1)]
+    assert printed == [1]
+    assert [r["iteration"] for r in _records(str(tmp_path / "ckpt"))] == [2]

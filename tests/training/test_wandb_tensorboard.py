@@ -296,7 +296,9 @@ def test_validation_ppl_reaches_tensorboard_only_when_asked(tmp_path, asked):
     """Megatron's evaluate_and_print_results writes ``lm loss validation ppl`` and its ``vs samples`` twin only with
     --log-validation-ppl-to-tensorboard (default off), the loss tags always; omnitron's test split's ``lm loss test
     ppl`` follows the same flag. metrics.jsonl keeps the ppl either way. Failed before: the ppl tags were written
-    whatever the flag (which was accepted as a no-op)."""
+    whatever the flag (which was accepted as a no-op). The test split keeps its own ``lm loss test`` tags: Megatron
+    writes it under ``lm loss validation`` at the iteration of the validation after training (the same step), where
+    its value would land on the validation curve (W&B keeps only the last value logged at a step)."""
     import random
 
     from omnitron.core.training.arguments import parse_settings

@@ -22,7 +22,7 @@ from omnitron.core.training import checkpointing, signals
 from omnitron.core.training.components import build_components, evaluations_by, uses_fsdp2
 from omnitron.core.training.housekeeping import Housekeeping
 from omnitron.core.training.log_lines import memory_line
-from omnitron.core.training.metrics import MetricsLogger, default_log_dir, log_due
+from omnitron.core.training.metrics import MetricsLogger, default_log_dir, line_due, log_due
 from omnitron.core.training.nonfinite import NonFiniteError, SkipCounter, weights_finite
 from omnitron.core.training.step import evaluate, train_step
 from omnitron.core.training.straggler import StragglerDetector
@@ -308,7 +308,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                 values.update(logged_values(c, timers, c.iteration - logged_at, straggler))
                 logged_at = c.iteration
             logger.step(c.iteration, values)
-            if memory_reports and (logs or c.iteration == first):
+            if memory_reports and line_due(c.iteration, lg.log_interval, first):  # training_log's, with its line
                 memory_reports -= 1
                 if c.groups.dp.rank == 0:
                     log.info(memory_line(c.groups.rank, c.iteration, backend.memory_stats()))

@@ -72,7 +72,10 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
     "ckpt_fully_parallel_load": (None, "every rank reads only the pieces of the checkpoint it holds",
                                  "the same tensors are loaded; Megatron reads each once per data-parallel group "
                                  "and exchanges them: " + _PERF),
-    "log_batch_size_to_tensorboard": (None, "every record carries global_batch_size", _LOG),
+    "log_batch_size_to_tensorboard": (None, "TensorBoard and W&B get batch-size always (every record carries "
+                                            "global_batch_size)", "Megatron writes batch-size always since it dropped "
+                                            "the flag (07659f9, 2024-07; the snapshot d98e8a6 has no such flag): "
+                                            + _LOG),
     "moe_per_layer_logging": (None, "every record carries moe_aux_loss: the router losses added to the LM loss "
                                     "(each load-balancing loss times its coefficient, plus the z-loss), summed over "
                                     "the MoE layers, not one value per layer", _LOG),

@@ -16,7 +16,8 @@ the step applied) and ``time`` (local ISO 8601 with offset); validation lines ca
 ``test_ppl``. The console lines are Megatron's (:mod:`omnitron.core.training.log_lines`: training_log's line, with
 omnitron's fields such as the ETA of the rest of the run after Megatron's, and evaluate_and_print_results' framed
 validation and test lines); as Megatron's, a process's first iteration gets a line too (the console's only; the
-interval's sums go on). Only global rank 0 writes.
+interval's sums go on), and a last iteration off ``--log-interval`` none (its record is written: :func:`line_due`).
+Only global rank 0 writes.
 TensorBoard gets the same numbers under Megatron's tag names (:func:`tensorboard_scalars`), in --tensorboard-dir,
 ``iteration-time``, ``throughput``, ``loss-scale`` and the validation / test ``ppl`` only under the flags Megatron
 writes them with, and no ``iteration-time`` at a process's first iteration (Megatron's is_first_iteration).
@@ -156,8 +157,16 @@ def _iso(now: datetime.datetime) -> str:
 
 
 def log_due(iteration: int, log_interval: int, train_iters: int) -> bool:
-    """True when ``iteration`` gets a log line: every ``log_interval`` iterations and the last one."""
+    """True when ``iteration`` gets a record (metrics.jsonl, TensorBoard, W&B): every ``log_interval`` iterations and
+    the last one (whose steps since the previous record would be reported nowhere else)."""
     return iteration % log_interval == 0 or iteration == train_iters
+
+
+def line_due(iteration: int, log_interval: int, first_iteration: int) -> bool:
+    """True when ``iteration`` gets a training line on the console: Megatron's training_log condition, every
+    ``log_interval`` iterations and the process's first (``is_first_iteration``); a last iteration off the interval
+    gets none (its record is written all the same)."""
+    return iteration % log_interval == 0 or iteration == first_iteration
 
 
 def _interval_loss(steps: list[dict], key: str = "lm_loss") -> float | None:
@@ -263,7 +272,8 @@ class MetricsLogger:
                 self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars)
-        self._print(line)
+        if line:
+            self._print(line)
 
     def _print(self, line: str) -> None:
         """``line`` on the console (above the progress bar when there is one)."""
@@ -297,9 +307,11 @@ class MetricsLogger:
         scalars = {**rec, "lm_loss": last["lm_loss"]} if rec["lm_loss"] is None else dict(rec)
         if iteration == self._first_iteration:  # NOTE: Megatron's training_log writes no iteration-time at a
             del scalars["step_time_s"]  # process's first iteration (is_first_iteration): that step holds the warm-up
-        line = self._line(rec, now)
+        # NOTE: a last iteration off the interval prints no training line (Megatron's training_log has none there);
+        # the lines that follow one (timers, straggler report) still report the steps since the previous line
+        lines = [self._line(rec, now)] if line_due(iteration, self.log_interval, self._first_iteration) else []
         self._advanced = self._advanced or rec["lm_loss"] is not None
-        self._emit(rec, "\n".join([line, *extra]), scalars=scalars)
+        self._emit(rec, "\n".join([*lines, *extra]), scalars=scalars)
 
     def _record(self, iteration: int, now: datetime.datetime) -> dict:
         """The averaged record of the pending iterations (the last one's lr, norms and ``log`` values) at ``now``."""
