@@ -23,6 +23,8 @@ Terms (bytes, one tp rank of each pipeline stage; every tp rank of a stage holds
   (``log_probs``: Megatron's ``--return-log-probs``, then every position's). Decoding steps hold the same
   tensors for ``B`` tokens: fewer.
 
+T5 and LLaVA (one process each): :mod:`omnitron.plan.serve_families`; BERT generates nothing and is refused.
+
 Not modelled: communication buffers, allocator fragmentation and caching, buffers fused kernels allocate
 internally, ``--return-log-probs``' fp32 log-softmax of the prompt's logits, MoE dispatch buffers (an MoE layer's
 MLP phase is priced as its routed tokens' expert MLPs, ``topk x T`` rows, plus the shared expert).
@@ -145,9 +147,10 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
     generated; the prefill of ``prompt`` tokens, default all ``seq_length``; ``padded``: prompts of different
     lengths, so the masked attention path; ``log_probs``: the prompt's log-probs asked, so its logits computed)."""
     from omnitron.core.config.parallel import ConfigError
-    from omnitron.plan.memory import check_family, model_config
+    from omnitron.plan import serve_families as F
+    from omnitron.plan.memory import model_config
 
-    check_family(settings)
+    F.check_serving_family(settings)
     if requests < 1 or seq_length < 1:
         raise ConfigError(f"--inference-max-requests ({requests}) and --inference-max-seq-length ({seq_length}) "
                           "must be at least 1")
@@ -157,7 +160,13 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
         raise ConfigError(f"--inference-max-seq-length {seq_length} is more than the model's {limit} positions "
                           "(--max-position-embeddings); generation stops there: give at most that")
     tp, elem = pc.tensor_model_parallel_size, _BYTES[settings.precision.params_dtype_name]
-    cfg = _serving(cfg, settings.precision.params_dtype_name)
+    cfg, family = _serving(cfg, settings.precision.params_dtype_name), getattr(settings, "model_type", "gpt")
+    if family == "t5":
+        layers, weights, kv, act = F.t5_memory(cfg, requests, seq_length, prompt, elem)
+        return [ServeMemory(0, layers, requests, seq_length, weights, kv, kv_bytes_per_token(cfg, 1, layers, elem),
+                            act)]
+    if family == "multimodal":
+        F.check_llava(cfg, seq_length, prompt)
     out = []
     for r in range(pc.pipeline_model_parallel_size):
         count, windows, moe = _stage_params(cfg, pc, r)
@@ -166,6 +175,8 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
         act = prefill_bytes(cfg, tp, requests, prompt or seq_length, elem,
                             last=r == pc.pipeline_model_parallel_size - 1, moe=moe, padded=padded,
                             log_probs=log_probs)
+        if family == "multimodal":  # the vision tower's forward before the language model's prefill
+            act = max(act, F.vision_bytes(cfg, requests, elem))
         rings = windows if not getattr(cfg, "multi_latent_attention", False) else [None] * layers
         kv = requests * held_slots(rings, seq_length) * kv_bytes_per_token(cfg, tp, 1, elem)
         out.append(ServeMemory(r, layers, requests, seq_length, count * elem, kv, per_token, act))
