@@ -44,7 +44,8 @@ def register(sub) -> None:
                    "default with --inference-max-seq-length: 8, Megatron's); with --device-memory or --device also "
                    "the most requests that fit")
     p.add_argument("--inference-max-seq-length", type=int, metavar="S", help="tokens per request, prompt and "
-                   "generated (Megatron's flag; default with --inference-max-requests: the model's --seq-length, "
+                   "generated (LLaVA: with the image's positions; T5: the decoder's, the source is --seq-length) "
+                   "(Megatron's flag; default with --inference-max-requests: the model's --seq-length, "
                    "not Megatron's 2560)")
     p.add_argument("--return-log-probs", action="store_true", help="serving estimate: the prompts' log-probs are "
                    "asked (Megatron's flag), so the prefill computes every position's logits, not the last one's")

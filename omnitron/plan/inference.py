@@ -12,8 +12,8 @@ Terms (bytes, one tp rank of each pipeline stage; every tp rank of a stage holds
   layer's keys and values of its ``max(groups / tp, 1)`` local key/value heads (heads fewer than tp are
   replicated, one per rank), or under multi-latent attention the normalised latent and the rotated shared key
   part (``kv_lora_rank + qk_pos_emb_head_dim``, whole on every tp rank), as :class:`~omnitron.core.inference.
-  kv_cache.KVCache` keeps them. Sliding-window layers keep every slot too (the cache has no ring buffer). There is
-  no FP8 KV cache: keys and values are in the serving dtype.
+  kv_cache.KVCache` keeps them. A sliding-window layer (window ``(left, 0)``) holds ``min(S, left + 1)`` slots
+  per request (its ring buffer), not ``S``. There is no FP8 KV cache: keys and values are in the serving dtype.
 - activations: the prefill's working set (no autograd: one layer's tensors at a time), the largest of its phases
   over ``T = B x prompt`` tokens (the prompt is ``S`` at worst): the MLP's (:func:`_mlp`), attention's
   (:func:`_attention`: with left-padded prompts the masked path's ``[b, heads, s, s]`` fp32 scores and
@@ -22,6 +22,8 @@ Terms (bytes, one tp rank of each pipeline stage; every tp rank of a stage holds
   forward for them alone, :mod:`omnitron.core.inference.generation`) unless the prompt's log-probs are wanted
   (``log_probs``: Megatron's ``--return-log-probs``, then every position's). Decoding steps hold the same
   tensors for ``B`` tokens: fewer.
+
+T5 and LLaVA (one process each): :mod:`omnitron.plan.serve_families`; BERT generates nothing and is refused.
 
 Not modelled: communication buffers, allocator fragmentation and caching, buffers fused kernels allocate
 internally, ``--return-log-probs``' fp32 log-softmax of the prompt's logits, MoE dispatch buffers (an MoE layer's
@@ -52,7 +54,7 @@ class ServeMemory:
     weights: int
     kv_cache: int
     kv_per_token: int
-    """Cache bytes one token costs on this rank (all its layers)."""
+    """Cache bytes one token costs on this rank (all its layers; past a window, its layer no longer grows)."""
     activations: int
 
     @property
@@ -120,15 +122,23 @@ def prefill_bytes(cfg, tp: int, batch: int, prompt: int, elem: int, *, last: boo
     return max(phases + ([_head(cfg, tp, tokens, tokens if log_probs else batch, elem)] if last else []))
 
 
-def _stage_params(model_cfg, parallel, r: int) -> tuple[int, int, bool]:
-    """(parameter count, decoder layers, whether an MoE layer is among them) of pipeline rank ``r``, tp rank 0."""
+def _stage_params(model_cfg, parallel, r: int) -> tuple[int, list, bool]:
+    """(parameter count, each decoder layer's sliding window or None, whether an MoE layer is among them) of
+    pipeline rank ``r``, tp rank 0."""
     from omnitron.plan.state import skeleton
 
     chunks = skeleton(model_cfg, parallel, r)
     count = sum(p.numel() for m in chunks for p in m.parameters())
     layers = [layer for m in chunks for layer in m.decoder.layers.values()] if chunks else []
     moe = any(hasattr(layer.mlp, "router") for layer in layers)
-    return count, len(layers), moe
+    return count, [getattr(layer.self_attention, "window", None) for layer in layers], moe
+
+
+def held_slots(windows: list, seq_length: int) -> int:
+    """Slots a request holds over the layers of ``windows`` (each layer's window or None): ``seq_length`` in a
+    full layer, at most ``left + 1`` in a window layer (:class:`~omnitron.core.inference.kv_cache.RingBuffer`; not
+    under multi-latent attention, whose latents every layer keeps)."""
+    return sum(seq_length if w is None or w[0] < 0 else min(seq_length, w[0] + 1) for w in windows)
 
 
 def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None = None,
@@ -137,9 +147,10 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
     generated; the prefill of ``prompt`` tokens, default all ``seq_length``; ``padded``: prompts of different
     lengths, so the masked attention path; ``log_probs``: the prompt's log-probs asked, so its logits computed)."""
     from omnitron.core.config.parallel import ConfigError
-    from omnitron.plan.memory import check_family, model_config
+    from omnitron.plan import serve_families as F
+    from omnitron.plan.memory import model_config
 
-    check_family(settings)
+    F.check_serving_family(settings)
     if requests < 1 or seq_length < 1:
         raise ConfigError(f"--inference-max-requests ({requests}) and --inference-max-seq-length ({seq_length}) "
                           "must be at least 1")
@@ -149,16 +160,26 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
         raise ConfigError(f"--inference-max-seq-length {seq_length} is more than the model's {limit} positions "
                           "(--max-position-embeddings); generation stops there: give at most that")
     tp, elem = pc.tensor_model_parallel_size, _BYTES[settings.precision.params_dtype_name]
-    cfg = _serving(cfg, settings.precision.params_dtype_name)
+    cfg, family = _serving(cfg, settings.precision.params_dtype_name), getattr(settings, "model_type", "gpt")
+    if family == "t5":
+        layers, weights, kv, act = F.t5_memory(cfg, requests, seq_length, prompt, elem)
+        return [ServeMemory(0, layers, requests, seq_length, weights, kv, kv_bytes_per_token(cfg, 1, layers, elem),
+                            act)]
+    if family == "multimodal":
+        F.check_llava(cfg, seq_length, prompt)
     out = []
     for r in range(pc.pipeline_model_parallel_size):
-        count, layers, moe = _stage_params(cfg, pc, r)
+        count, windows, moe = _stage_params(cfg, pc, r)
+        layers = len(windows)
         per_token = kv_bytes_per_token(cfg, tp, layers, elem)
         act = prefill_bytes(cfg, tp, requests, prompt or seq_length, elem,
                             last=r == pc.pipeline_model_parallel_size - 1, moe=moe, padded=padded,
                             log_probs=log_probs)
-        out.append(ServeMemory(r, layers, requests, seq_length, count * elem, requests * seq_length * per_token,
-                               per_token, act))
+        if family == "multimodal":  # the vision tower's forward before the language model's prefill
+            act = max(act, F.vision_bytes(cfg, requests, elem))
+        rings = windows if not getattr(cfg, "multi_latent_attention", False) else [None] * layers
+        kv = requests * held_slots(rings, seq_length) * kv_bytes_per_token(cfg, tp, 1, elem)
+        out.append(ServeMemory(r, layers, requests, seq_length, count * elem, kv, per_token, act))
     return out
 
 

@@ -96,6 +96,22 @@ def test_serve_estimate_is_the_sim_allocators(extra):
             assert abs(excess - est.activations) <= bound, (excess, est.activations, bound)
 
 
+WINDOW = GQA + ("--window-size", "7,0", "--window-attn-skip-freq", "2", "--softmax-type", "learnable")
+
+
+def test_window_layers_cache_only_their_window():
+    """gpt-oss's pattern (an 8-slot window on layer 0, layer 1 full): the window layer's cache holds 8 slots per
+    request once the sequence is longer (a ring), the full layer every slot; the estimate prices the same, to the
+    byte. By hand: per slot and layer, keys and values of 2 groups of 16 fp32 numbers = 256 bytes."""
+    cases = [(2, 32, 8, True), (3, 5, 2, False), (4, 24, 16, True)]
+    for (b, prompt, new, _), (est, weights, cache, _, _) in zip(
+            cases, run_distributed(measured, 1, WINDOW, cases, backend="sim")[0]):
+        s = prompt + new
+        want = b * (s + min(s, 8)) * 2 * 2 * (H // 4) * 4
+        assert est.weights == weights
+        assert est.kv_cache == cache == want, (b, prompt, new, est.kv_cache, cache, want)
+
+
 @contextlib.contextmanager
 def kv_cache_bytes():
     """A list every KV cache leaving its context appends its keys' and values' storage bytes to (as allocated)."""

@@ -15,6 +15,12 @@ keys/values written in place after the last, attention reading a view of the slo
 ``n`` tokens so copies each slot once, where concatenating the cache every step copied ``O(n^2)`` slots
 and held the old and the new cache at once (peak 1.56x the final cache, measured under sim).
 
+A sliding-window layer (window ``(left, 0)``: a query sees itself and the ``left`` slots before it) keeps only the
+last ``left + 1`` slots in a :class:`RingBuffer` (slot ``n`` stored at ``n % (left + 1)``), whatever the sequence's
+length: the prefill attends over its own keys as before and leaves its last ``left + 1`` in the ring; a later
+step's query attends over the ring, masked by each ring entry's slot number (keys carry their rotary positions
+from before the cache, so wrap-around changes nothing but the order of the keys).
+
 Multi-latent attention (DeepSeek) keeps each slot's normalised latent and its rotated shared key part
 (``kv_lora_rank + qk_pos_emb_head_dim`` numbers per token and layer) instead of every head's key and
 value (:meth:`KVCache.bytes_per_token`); single-token steps attend to the latents directly, the up-projection
@@ -39,13 +45,15 @@ class KVCache:
         self.attn = [layer.self_attention for layer in model.decoder.layers.values()]
         self.latent = all(hasattr(a, "latent_cache") for a in self.attn)  # multi-latent attention: latents kept
         dim = 0 if self.latent else 2  # the slot dimension: latents [s, b, r], keys / values [b, heads, s, d]
-        self.buffers = [(SlotBuffer(dim, capacity), SlotBuffer(dim, capacity)) for _ in self.attn]
+        self.buffers = [(_buffer(a, dim, capacity), _buffer(a, dim, capacity)) for a in self.attn]
         self.keys: list[torch.Tensor | None] = [None] * len(self.attn)
-        """Layer ``i``'s keys over every slot so far (a view of its buffer; the latents under MLA)."""
+        """Layer ``i``'s keys over the slots it holds (a view of its buffer: every slot so far, a window layer's
+        last ones in ring order; the latents under MLA)."""
         self.values: list[torch.Tensor | None] = [None] * len(self.attn)
         self.valid: torch.Tensor | None = None
         """``[b, slots]`` bool, True at real tokens; None = every slot is real (no padding)."""
         self._rotated: tuple | None = None  # (valid, its prefill rotations): see _rotations
+        self._ring_slots: tuple | None = None  # the last append's (query slots, key slots) where a ring reordered them
 
     def _core(self, i: int, module):
         def core_attention(q, k, v, key_padding_mask=None, document_ids=None):  # [b, heads, s_new, d]
@@ -58,9 +66,16 @@ class KVCache:
         return core_attention
 
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s keys and values (latents and rotated key parts under MLA) over every slot, this step's
-        new ones written after the cached ones."""
+        """Layer ``i``'s keys and values (latents and rotated key parts under MLA) that this step's queries attend
+        over: every slot, this step's new ones written after the cached ones (a window layer: the slots its window
+        reaches, their slot numbers kept for the mask)."""
         kb, vb = self.buffers[i]
+        if isinstance(kb, RingBuffer):
+            (k, kpos), (v, _) = kb.append(k), vb.append(v)
+            self.keys[i], self.values[i] = kb.held(), vb.held()
+            self._ring_slots = (torch.arange(kb.filled - kb.new, kb.filled, device=kpos.device), kpos)
+            return k, v
+        self._ring_slots = None
         self.keys[i], self.values[i] = kb.append(k), vb.append(v)
         return self.keys[i], self.values[i]
 
@@ -106,10 +121,13 @@ class KVCache:
             out = self._tiled_prefill(module, q, k, v, sinks, scale)
             if out is not None:
                 return out
-        qpos, kpos = torch.arange(s_all - s_new, s_all, device=q.device), torch.arange(s_all, device=q.device)
+        if self._ring_slots is not None:  # a ring's keys: their slot numbers, in ring order
+            qpos, kpos = self._ring_slots
+        else:
+            qpos, kpos = torch.arange(s_all - s_new, s_all, device=q.device), torch.arange(s_all, device=q.device)
         keep = keep_mask(qpos, kpos, module.window)  # [s_new, s_all]
         if self.valid is not None:
-            keep = keep & (self.valid[:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
+            keep = keep & (self.valid[:, kpos][:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
             keep = keep[:, None]
         return sink_attention(q, k, v, keep, None if sinks is None else sinks.to(q.device), scale)
 
@@ -155,12 +173,11 @@ class KVCache:
         return core_attention
 
     def bytes_per_token(self) -> float:
-        """Cache bytes per cached slot (all layers, one batch row): what generation holds per token."""
+        """Cache bytes a slot costs in every layer (one batch row): what generation holds per token while the
+        sequence is within every window."""
         held = [t for t in self.keys + self.values if t is not None]
-        if not held:
-            return 0.0
-        slots, rows = (held[0].shape[0], held[0].shape[1]) if self.latent else (held[0].shape[2], held[0].shape[0])
-        return sum(t.numel() * t.element_size() for t in held) / (slots * rows)
+        slot, row = (0, 1) if self.latent else (2, 0)
+        return float(sum(t.numel() * t.element_size() / (t.shape[slot] * t.shape[row]) for t in held))
 
     def __enter__(self) -> "KVCache":
         for i, a in enumerate(self.attn):
@@ -175,6 +192,15 @@ class KVCache:
             del a.core_attention  # back to the class method
             if self.latent:
                 a.latent_cache = None
+
+
+def _buffer(module, dim: int, capacity: int | None):
+    """A layer's slot storage: a :class:`RingBuffer` of its window's ``left + 1`` slots where the window is shorter
+    than the ``capacity`` (or no capacity is known), else a :class:`SlotBuffer`."""
+    window = getattr(module, "window", None)
+    if dim == 2 and window is not None and window[0] >= 0 and (capacity is None or capacity > window[0] + 1):
+        return RingBuffer(dim, window[0] + 1)
+    return SlotBuffer(dim, capacity)
 
 
 def _slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -202,6 +228,45 @@ class SlotBuffer:
         self.store.narrow(self.dim, self.filled, new.shape[self.dim]).copy_(new)
         self.filled = need
         return self.store.narrow(self.dim, 0, need)
+
+
+class RingBuffer:
+    """A window layer's last ``size`` slots along ``dim``: slot ``n`` stored at ``n % size`` (module docstring)."""
+
+    def __init__(self, dim: int, size: int) -> None:
+        self.dim, self.size, self.filled, self.new = dim, size, 0, 0
+        self.store: torch.Tensor | None = None
+
+    def held(self) -> torch.Tensor:
+        """The stored slots, in ring order (a view of the storage)."""
+        return self.store.narrow(self.dim, 0, min(self.filled, self.size))
+
+    def slot_numbers(self, device) -> torch.Tensor:
+        """``[held]`` the slot number each stored entry holds: the latest ``n < filled`` with ``n % size == r``."""
+        r = torch.arange(min(self.filled, self.size), device=device)
+        return self.filled - 1 - (self.filled - 1 - r) % self.size
+
+    def append(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, slot numbers [s])``: what the new slots' queries attend over (window ``size - 1`` slots back),
+        and the new slots stored (the last ``size`` of them). The first step (a prefill) gets its own slots; a
+        single new slot the ring after it is written (it then holds exactly the window); several new slots after
+        the first step the held ones and the new ones (a copy)."""
+        n, start = new.shape[self.dim], self.filled
+        if self.store is None:
+            shape = list(new.shape)
+            shape[self.dim] = self.size
+            self.store = new.new_empty(shape)
+        slots = torch.arange(start, start + n, device=new.device)
+        out = new if start == 0 else None
+        if n > 1 and start > 0:
+            out, slots = torch.cat([self.held(), new], self.dim), torch.cat([self.slot_numbers(new.device), slots])
+        kept = min(n, self.size)
+        index = torch.arange(start + n - kept, start + n, device=new.device) % self.size
+        self.store.index_copy_(self.dim, index, new.narrow(self.dim, n - kept, kept))
+        self.filled, self.new = start + n, n
+        if out is None:  # one new slot after the first step: the ring holds its window
+            return self.held(), self.slot_numbers(new.device)
+        return out, slots
 
 
 class LatentSlots:
