@@ -34,7 +34,7 @@ def t5_memory(cfg, requests: int, seq_length: int, prompt: int | None, elem: int
     generated tokens only, so the head runs at the ``B`` decoding positions either way)."""
     from omnitron.core.models.t5.config import decoder_layers
     from omnitron.core.transformer.shapes import padded_vocab_size
-    from omnitron.plan.inference import _attention, _head, _mlp, kv_bytes_per_token
+    from omnitron.plan.serve_terms import _attention, _head, _mlp, kv_bytes_per_token
     from omnitron.plan.state import skeleton
 
     source = prompt or cfg.seq_length
@@ -62,7 +62,7 @@ def check_llava(cfg, seq_length: int, prompt: int | None) -> None:
 def vision_bytes(cfg, requests: int, elem: int) -> int:
     """The ViT's largest phase over ``B`` images (bidirectional, no padding), and the projector's ``[B n, f]``."""
     from omnitron.core.models.multimodal.config import num_image_tokens, vision_config
-    from omnitron.plan.inference import _attention, _mlp
+    from omnitron.plan.serve_terms import _attention, _mlp
 
     v, n = vision_config(cfg), num_image_tokens(cfg)
     tokens = requests * v.seq_length
