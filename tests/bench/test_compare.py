@@ -295,31 +295,48 @@ def test_columns_are_whole_short_names_and_the_legend_has_the_machine():
     assert sorted(text.split("\n\n")[0].splitlines()[1:]) == sorted(legend)
 
 
-@pytest.mark.parametrize("fails", [(), ("train",), ("memory", "comm")])
-def test_bench_all_exits_nonzero_naming_a_kind_that_failed(tmp_path, monkeypatch, capsys, fails):
-    """``bench all`` exited 0 with a kind missing from the folder (its failure one log line among many), so the
-    README's ``bench all --out DIR && bench compare ...`` went on to compare a folder short of it. The others are
-    still written; the last line names what failed and the exit status is 1 (the sub-benchmarks stubbed)."""
+def _stub_suite(monkeypatch, fails=(), invalid=()):
+    """``bench all``'s sub-benchmarks stubbed: a kind in ``fails`` raises, one in ``invalid`` returns a row its
+    report's schema refuses (no ``ms``), the others a valid row or none."""
     from omnitron.bench import attention, comm, elementwise, gemm, memory, suite, train
-    from omnitron.cli import main
 
     def stub(kind, rows):
-        return lambda *a, **k: 1 / 0 if kind in fails else rows
+        bad = [{"op": "x"}] if kind in invalid else rows
+        return lambda *a, **k: 1 / 0 if kind in fails else bad
 
     monkeypatch.setattr(memory, "run", stub("memory", [{"op": "copy", "bytes": 1, "ms": 1.0, "gbs": 1.0}]))
     monkeypatch.setattr(suite, "_kernels", stub("kernels", []))
     for kind, mod in (("gemm", gemm), ("comm", comm), ("attention", attention), ("elementwise", elementwise)):
         monkeypatch.setattr(mod, "run", stub(kind, []))
-    monkeypatch.setattr(train, "run", stub("train", dict.fromkeys(("model", "layout", "iterations", "step_ms",
-                                                                   "tokens_per_s", "tflops_per_device",
-                                                                   "peak_memory_bytes"), 1)))
+    row = dict.fromkeys(("model", "layout", "iterations", "step_ms", "tokens_per_s", "tflops_per_device",
+                         "peak_memory_bytes"), 1)
+    monkeypatch.setattr(train, "run", lambda *a, **k: 1 / 0 if "train" in fails else ({"op": "x"} if "train" in
+                                                                                         invalid else row))
+
+
+@pytest.mark.parametrize("fails,invalid", [((), ()), (("train",), ()), (("memory", "comm"), ()),
+                                           ((), ("gemm",)), (("comm",), ("memory", "train"))])
+def test_bench_all_exits_nonzero_naming_a_kind_that_failed(tmp_path, monkeypatch, capsys, fails, invalid):
+    """``bench all`` exited 0 with a kind missing from the folder (its failure one log line among many), so the
+    README's ``bench all --out DIR && bench compare ...`` went on to compare a folder short of it. The others are
+    still written; the last line names what failed and the exit status is 1 (the sub-benchmarks stubbed). A kind
+    whose rows the report schema refuses is that kind's failure too (it raised out of the suite, losing the kinds
+    after it)."""
+    from omnitron.bench import suite
+    from omnitron.cli import main
+
+    _stub_suite(monkeypatch, fails, invalid)
     rc = main(["bench", "all", "--backend", "cpu", "--out", str(tmp_path)])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    written = sorted(k for k in suite.KINDS if k not in fails)
+    out = capsys.readouterr().out.strip().splitlines()
+    failed = [k for k in suite.KINDS if k in fails + invalid]
+    written = sorted(k for k in suite.KINDS if k not in failed)
     assert sorted(p.stem for p in tmp_path.glob("*.json")) == written
-    assert last == f"wrote {len(written)} reports into {tmp_path}: {', '.join(written)}" + (
-        f"; failed: {', '.join(fails)} (the reasons above)" if fails else ""), last
-    assert rc == (1 if fails else 0)
+    assert out[-1] == f"wrote {len(written)} reports into {tmp_path}: {', '.join(written)}" + (
+        f"; failed: {', '.join(failed)} (the reasons above)" if failed else ""), out[-1]
+    for kind in invalid:
+        assert any(line.startswith(f"bench all: {kind} failed: ReportError: <new report>: row 0 of a {kind} "
+                                   "report lacks ") for line in out), out
+    assert rc == (1 if failed else 0)
 
 
 def test_shipped_bench_all_kernel_reports_name_their_size():
