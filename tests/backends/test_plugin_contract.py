@@ -389,3 +389,27 @@ def test_a_plugin_that_raises_at_import_names_itself_and_the_way_out(monkeypatch
             registry.get_backend("plugin-raises")
     finally:
         registry.reset_cache()
+
+
+def test_info_and_the_start_line_name_the_backend_as_chosen(plugins, monkeypatch, tmp_path, capsys):
+    """An ``OMNITRON_EXTRA_BACKENDS`` entry may name a class under a name of its own: the training start line and
+    ``omnitron info`` said the class's ``name`` (what its kernels register for), not the name the user chose; and
+    the backends list of ``info`` lost its columns at names longer than 6 characters."""
+    from omnitron.cli import main
+
+    chosen = "my-renamed-chip"  # broken_plugins.Counting's own name is plugin-counting
+    monkeypatch.setenv(registry.EXTRA_ENV_VAR, f"{broken_plugins.TARGETS},{chosen}=broken_plugins:Counting")
+    registry.reset_cache()
+    assert main(["info", "--backend", chosen]) == 0
+    out = capsys.readouterr().out
+    assert f"\nselected: {chosen} (class name 'plugin-counting') (device type 'cpu'," in out, out
+    listed = out.split("backends:\n")[1].split("\n\n")[0].splitlines()
+    names = [line.split()[0] for line in listed]
+    assert {"cpu", chosen, "plugin-counting"} <= set(names), names
+    # the state column ("usable" / "not usable") starts at one place on every line, after the longest name
+    width = max(map(len, names))
+    assert all(line[3 + width:].startswith(("usable     ", "not usable ")) for line in listed), listed
+    proc = _train(tmp_path, chosen)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    start = [line for line in (proc.stdout + proc.stderr).splitlines() if "micro-batches/step | backend" in line]
+    assert len(start) == 1 and start[0].endswith(f"| backend {chosen} (class name 'plugin-counting')"), start
