@@ -74,6 +74,7 @@ def tables(reports: list[dict]) -> str:
     """One text table per :data:`TABLES` entry with rows: a row per measurement, per machine its figure and the
     ratio to the first machine's (>1 is better on every table: ratios of lower-is-better figures are inverted)."""
     out, columns, name_of = [], [], _names(reports)
+    sources = list(dict.fromkeys(map(_source, reports)))
     for t in TABLES:
         reps = [r for r in reports if r["kind"] == t.kind and any(t.rows(row) for row in r["rows"])]
         if not reps:
@@ -81,9 +82,11 @@ def tables(reports: list[dict]) -> str:
         names = [name_of[id(r)] for r in reps]
         columns += zip(names, reps)
         rows = [{t.key(r, row): row for row in r["rows"] if t.rows(row)} for r in reps]
-        why = _nothing_lines_up(t, reps, rows)
+        why = [f"no row lines up, {w}" for w in [_nothing_lines_up(t, reps, rows)] if w]
+        absent = [s for s in sources if s not in {_source(r) for r in reps}]
+        why += [f"absent in {', '.join(absent)}"] if absent else []
         out.append(f"== {t.name} ({t.unit}; ratio = vs {names[0]}{'' if t.higher else ', inverted: >1 is better'})"
-                   + (f": no row lines up, {why}" if why else ""))
+                   + (f": {'; '.join(why)}" if why else ""))
         out.append(" | ".join([" ".join(t.keys + t.extra_keys)] + names))
         for key in dict.fromkeys(k for rs in rows for k in rs):
             base = rows[0].get(key, {}).get(t.figure)
@@ -98,6 +101,13 @@ def tables(reports: list[dict]) -> str:
             out.append(" | ".join([" ".join(str(k) for k in key)] + cells))
         out.append("")
     return "\n".join(["machines:"] + [f"  {line}" for line in legend(columns)] + [""] + out)
+
+
+def _source(rep: dict) -> str:
+    """Where ``rep`` came from: the folder of its file (a `bench all` folder is one machine's run), else its
+    machine's :func:`label`; a table no report of a source is in says so (a folder made before that kind existed
+    gave a one-sided table without a word)."""
+    return (os.path.dirname(rep["_path"]) or ".") if rep.get("_path") else label(rep)
 
 
 def _names(reports: list[dict]) -> dict[int, str]:

@@ -357,3 +357,31 @@ def test_shipped_bench_all_kernel_reports_name_their_size():
     for rep in made_by_suite:
         sizes = suite.CPU if rep["machine"]["device_type"] == "cpu" else suite.DEVICE
         assert rep["extra"].get("size") == sizes["kernels"], (rep["command"], rep["extra"])
+
+
+def test_a_table_names_the_folders_without_its_kind():
+    """The shipped bench-cpu folder has no elementwise report (older than that kind): compared with a new folder,
+    the elementwise table held the new machine alone without a word; its title now names the folders (or, for
+    reports not read from files, the machines) that have no report of its kind. Tables every folder has say
+    nothing; a table whose reports share no row says both."""
+    rng = random.Random()
+    old, new, third = "results/bench-cpu", "vendor/run1", "vendor/run2"
+
+    def rep(kind, rows, where, device="A", **extra):
+        return {**_report(kind, device, rows, **extra), "_path": f"{where}/{kind}.json"}
+
+    memory = [{"op": "copy", "bytes": 1024, "ms": 1.0, "gbs": _fig(rng)}]
+    reps = [rep("memory", memory, old), rep("memory", memory, new, "B"), rep("elementwise", _elementwise(rng), new)]
+    text = compare.tables(reps)
+    titles = {line.split(" (")[0][3:]: line for line in text.splitlines() if line.startswith("== ")}
+    assert set(titles) == {"memory", "elementwise"}, titles
+    assert titles["elementwise"].endswith(f": absent in {old}"), titles
+    assert "absent" not in titles["memory"] and "no row lines up" not in titles["memory"], titles
+    kernels = [{"op": "add", "dtype": "float32", "mode": "fwd", "impl": "cpp", "ms": _fig(rng)}]
+    reps = [rep("kernels", kernels, old, size="small"), rep("kernels", kernels, new, size="large"),
+            rep("memory", memory, third)]
+    title = next(line for line in compare.tables(reps).splitlines() if line.startswith("== kernels ("))
+    assert title.endswith(f": no row lines up, size differs: small, large; absent in {third}"), title
+    # reports not read from files: named by machine
+    title = compare.tables([_report("memory", "X", memory), _report("elementwise", "Y", _elementwise(rng))])
+    assert "== elementwise (ms; ratio = vs cpu:Y, inverted: >1 is better): absent in cpu:X" in title, title
