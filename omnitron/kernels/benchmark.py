@@ -185,8 +185,17 @@ def run(backend, *, ops: list[str] | None, dtypes: list[torch.dtype], size: str,
         "machine": {"backend": backend.name, "device": str(backend.current_device()), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine()},
         "copy_gbs": copy_bandwidth(backend, size),
+        "resolved": resolved(backend, list(dict.fromkeys(r.op for r in rows))),
         "rows": [asdict(r) for r in rows],
     }
+
+
+def resolved(backend, ops: list[str]) -> dict[str, list[str]]:
+    """``{op: implementation names}``: those ``backend``'s kernel table tries for ``op``, in order, then the
+    reference's row name (``eager``). The engine runs the first that accepts a call, so of a case's rows the first
+    of these with a time is what the engine runs there (``omnitron bench compare``'s "kernels as run" table)."""
+    table = backend.kernels
+    return {op: [impl.name for impl in table.get(op).candidates] + ["eager"] for op in ops}
 
 
 def format_rows(rows: list[Row], header: bool = True) -> str:

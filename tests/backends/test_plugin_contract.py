@@ -413,3 +413,30 @@ def test_info_and_the_start_line_name_the_backend_as_chosen(plugins, monkeypatch
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     start = [line for line in (proc.stdout + proc.stderr).splitlines() if "micro-batches/step | backend" in line]
     assert len(start) == 1 and start[0].endswith(f"| backend {chosen} (class name 'plugin-counting')"), start
+
+
+def test_compare_sets_what_each_backend_runs_side_by_side(plugins, tmp_path, capsys):
+    """``bench compare`` gave each implementation its own row, so a plug-in's swiglu and cpu's ``cpp`` one never sat
+    side by side; its "kernels as run" table has a row per case with what each machine's engine runs by default.
+    Checked against the kernel each backend's table dispatches the benchmark's own case to."""
+    from omnitron.cli import main
+    from omnitron.kernels.cases import cases
+
+    names = ("cpu", "plugin-counting")
+    for name in names:
+        assert main(["bench", "kernels", "--backend", name, "--ops", "swiglu", "--dtypes", "float32", "--size", "tiny",
+                     "--rounds", "2", "--budget", "0.01", "--json", str(tmp_path / f"{name}.json")]) == 0
+    capsys.readouterr()
+    assert main(["bench", "compare", *(str(tmp_path / f"{name}.json") for name in names)]) == 0
+    table = capsys.readouterr().out.split("== kernels as run (")[1].split("\n\n")[0].splitlines()[2:]
+    ran = []
+    for name in names:
+        dispatch = registry.get_backend(name).kernels.get("swiglu")
+        (case,) = cases("swiglu", torch.device("cpu"), torch.float32, "tiny")
+        before = dict(dispatch.ran)
+        dispatch(*case.args, **case.kwargs)
+        (impl,) = [k for k, n in dispatch.ran.items() if n != before.get(k)]
+        ran.append("eager" if impl == REFERENCE else impl)
+    assert ran[1] == broken_plugins.KERNEL, ran
+    line = next(line for line in table if line.startswith("swiglu float32 fwd size tiny |"))
+    assert [cell.split()[1] for cell in line.split(" | ")[1:]] == ran, table

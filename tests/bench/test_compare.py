@@ -141,8 +141,9 @@ def test_a_corrupt_report_is_one_line(tmp_path, capsys, change, words):
 
 
 def test_suite_kernels_report_names_its_size_and_memory_copy(tmp_path, monkeypatch):
-    """``bench all``'s kernels report carries its problem size (what compare matches kernels by) and the copy
-    bandwidth of the same run's memory report at its largest size (the sub-benchmarks stubbed: only the wiring)."""
+    """``bench all``'s kernels report carries its problem size (what compare matches kernels by), the copy
+    bandwidth of the same run's memory report at its largest size and the kernels the engine tries per op (the
+    sub-benchmarks stubbed: only the wiring)."""
     from omnitron.backends import get_backend
     from omnitron.bench import attention, comm, elementwise, gemm, memory, suite, train
     from omnitron.bench.report import load
@@ -151,13 +152,15 @@ def test_suite_kernels_report_names_its_size_and_memory_copy(tmp_path, monkeypat
     copies = [{"op": "copy", "bytes": b, "ms": 1.0, "gbs": _fig(rng)} for b in suite.CPU["memory"]]
     kernel = {"op": "add", "dtype": "float32", "mode": "fwd", "impl": "cpp", "ms": 1.0, "gbs": 1.0}
     monkeypatch.setattr(memory, "run", lambda *a, **k: copies)
-    monkeypatch.setattr(suite, "_kernels", lambda *a, **k: [kernel])
+    resolved = {"add": rng.sample(["cpp", "vendor", "eager"], 2)}
+    monkeypatch.setattr(suite, "_kernels", lambda *a, **k: ([kernel], {"resolved": resolved}))
     for mod in (gemm, comm, attention, elementwise):
         monkeypatch.setattr(mod, "run", lambda *a, **k: [])
     monkeypatch.setattr(train, "run", lambda *a, **k: 1 / 0)  # a kind that fails is left out
     written = suite.run_all(get_backend("cpu"), str(tmp_path), log=lambda *_: None)
     extra = load(written["kernels"])["extra"]
-    assert extra == {"copy_gbs": copies[-1]["gbs"], "size": suite.CPU["kernels"]} and "train" not in written
+    assert extra == {"copy_gbs": copies[-1]["gbs"], "size": suite.CPU["kernels"], "resolved": resolved}
+    assert "train" not in written
 
 
 def test_gemm_plot_draws_no_bar_for_a_dtype_a_report_lacks(tmp_path, monkeypatch):
@@ -385,3 +388,37 @@ def test_a_table_names_the_folders_without_its_kind():
     # reports not read from files: named by machine
     title = compare.tables([_report("memory", "X", memory), _report("elementwise", "Y", _elementwise(rng))])
     assert "== elementwise (ms; ratio = vs cpu:Y, inverted: >1 is better): absent in cpu:X" in title, title
+
+
+def test_kernels_as_run_is_each_machines_default_implementation():
+    """The "kernels as run" table: per case, the row of the first implementation of the report's ``resolved``
+    order (its kernel table's) that did not decline the case, its name after the figure, the ratio against the
+    first machine's; a first choice that failed has no figure (the engine would fail too); the per-implementation
+    rows stay in the "kernels" table."""
+    rng = random.Random()
+
+    def row(impl, mode, ms="time", note=""):
+        return {"op": "swiglu", "dtype": "float32", "mode": mode, "impl": impl, "ms": _fig(rng) if ms else None,
+                "gbs": 1.0, "note": note}
+
+    modes = ("fwd", "fwd+bwd")
+    a = [row(impl, m) for m in modes for impl in ("eager", "torch", "cpp")]
+    b = [row("eager", m) for m in modes] + [row("vendor", "fwd"), row("vendor", "fwd+bwd", None, "declined: bias")]
+    b += [dict(row("eager", "fwd"), op="rope"), row("vendor", "fwd", None, "failed: boom") | {"op": "rope"}]
+    reps = [_report("kernels", "A", a, size="tiny", resolved={"swiglu": ["cpp", "eager"], "rope": ["eager"]}),
+            _report("kernels", "B", b, size="tiny", resolved={"swiglu": ["vendor", "eager"], "rope": ["vendor",
+                                                                                                     "eager"]})]
+    text = compare.tables(reps)
+    lines = _lines(text, "kernels as run")
+    pick = {"A": {m: a[3 * i + 2] for i, m in enumerate(modes)}, "B": {"fwd": b[2], "fwd+bwd": b[1]}}
+    assert set(lines) == {f"swiglu float32 {m} size tiny" for m in modes}, lines  # B's rope: its choice failed
+    for m in modes:
+        first, other = pick["A"][m], pick["B"][m]
+        cells = lines[f"swiglu float32 {m} size tiny"]
+        assert cells[0] == f"{first['ms']:.4g} cpp (1.00x)", cells
+        assert cells[1] == f"{other['ms']:.4g} {other['impl']} ({first['ms'] / other['ms']:.2f}x)", cells
+    # A's 3 implementations in 2 modes (B's eager swiglu beside A's), B's 2 vendor swiglu rows and 2 rope rows
+    assert len(_lines(text, "kernels")) == 3 * 2 + 2 + 2
+    older = _report("kernels", "C", a, size="tiny")  # no ``resolved``: made before reports kept it
+    title = next(line for line in compare.tables([reps[0], older]).splitlines() if "kernels as run" in line)
+    assert title.endswith(": no record of the implementations the engine runs (a report older than it) in cpu:C")
