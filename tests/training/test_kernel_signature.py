@@ -92,8 +92,11 @@ def _build_fails(monkeypatch) -> None:
     def fail():
         raise RuntimeError("error: command 'c++' failed: No such file or directory")
 
+    import omnitron
+
     monkeypatch.setattr(cpp, "_state", {})
     monkeypatch.setattr(cpp, "_jit_build", fail)
+    monkeypatch.delattr(omnitron, "_C", raising=False)  # `from omnitron import _C` reads an earlier import's attribute
 
 
 def test_a_node_whose_build_failed_says_it_runs_the_reference(monkeypatch):
