@@ -126,6 +126,18 @@ class Backend(ABC):
     dist_backend: str = ""
     """The ``torch.distributed`` process-group backend name this device uses."""
 
+    @property
+    def registry_name(self) -> str:
+        """The name this instance was selected by (``OMNITRON_BACKEND``, ``--backend``): an
+        ``OMNITRON_EXTRA_BACKENDS`` entry or a plug-in's entry point may give a class another name than its ``name``
+        (which its kernels register for)."""
+        return getattr(self, "_registry_name", None) or self.name
+
+    def label(self) -> str:
+        """What messages call this backend: the name the user chose, with the class's ``name`` where that differs."""
+        chosen = self.registry_name
+        return chosen if chosen == self.name else f"{chosen} (class name {self.name!r})"
+
     def __deepcopy__(self, memo) -> "Backend":
         """A backend is this process's device and its library, not data: a deep-copied model shares it (a copy
         would split its caches and counters, and sim's, holding its extension module, cannot be copied)."""

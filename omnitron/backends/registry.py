@@ -203,6 +203,7 @@ def get_backend(name: str | None = None) -> Backend:
     except ValueError as err:
         raise BackendUnavailableError(str(err)) from None
     _instances[name] = cls()
+    _instances[name]._registry_name = name  # the name chosen, where the class's own differs (Backend.label)
     return _instances[name]
 
 

@@ -1,5 +1,6 @@
 """``omnitron bench compare A.json B.json ...``: any number of reports, tables (:data:`TABLES`: one per kind, the
-comm report's host rows apart) with each machine's figure and its ratio against the first report's, and PNG
+comm report's host rows apart, and the kernels once more as run: per case the implementation each machine's engine
+runs by default) with each machine's figure and its ratio against the first report's, and PNG
 plots (matplotlib) of bus bandwidth against message size (a line per report and group), GEMM TFLOP/s per dtype
 and kernel bandwidth as % of the device's copy bandwidth.
 """
@@ -28,6 +29,15 @@ class Table:
     rows: Callable[[dict], bool] = lambda row: True
     defaults: dict = field(default_factory=dict)
     extra_keys: tuple[str, ...] = ()
+    pick: Callable[[dict], list[dict]] | None = None
+    """The report's rows to show (default: those ``rows`` keeps)."""
+    show: str | None = None
+    """A row field printed after each figure (the implementation a row timed)."""
+    empty: str = "no rows"
+    """What the title says of a report of ``kind`` with no row here."""
+
+    def picked(self, rep: dict) -> list[dict]:
+        return self.pick(rep) if self.pick is not None else [row for row in rep["rows"] if self.rows(row)]
 
     def key(self, rep: dict, row: dict) -> tuple:
         """What names ``row`` of ``rep``: rows of two reports with equal keys measured the same problem."""
@@ -35,14 +45,40 @@ class Table:
                 + tuple(f"{k} {rep['extra'].get(k)}" for k in self.extra_keys))
 
 
+def _as_run(rep: dict) -> list[dict]:
+    """Per case (op, dtype, mode) of a kernels report, the row of the implementation the engine runs there by
+    default: the first of the report's ``resolved`` order (the backend's kernel table) that did not decline the
+    case; none where that one failed, and none at all in a report without ``resolved`` (made before reports kept
+    it)."""
+    order, cases = rep["extra"].get("resolved"), {}
+    if not isinstance(order, dict):
+        return []
+    for row in rep["rows"]:
+        cases.setdefault((row["op"], row["dtype"], row["mode"]), {})[row["impl"]] = row
+    out = []
+    for (op, _, _), rows in cases.items():
+        names = order.get(op)
+        for name in names if isinstance(names, list) else ():
+            row = rows.get(name)
+            if row is None or (row["ms"] is None and str(row.get("note", "")).startswith("declined")):
+                continue  # not timed here, or it declined the case: the engine tries the next
+            if row["ms"] is not None:  # (a first choice that failed: the engine would fail too, no figure)
+                out.append(row)
+            break
+    return out
+
+
 TABLES = (
     Table("gemm", "gemm", ("dtype", "shape", "m", "n", "k"), "tflops", True, "TFLOP/s"),
     Table("comm", "comm", ("group", "op", "bytes", "ranks"), "busbw_gbs", True, "bus GB/s",
           rows=lambda row: row["op"] not in HOST_OPS, defaults={"group": "world"}),
     Table("comm host", "comm", ("op", "ranks"), "slowdown", False, "all ranks at once / rank 0 alone",
-          rows=lambda row: row["op"] in HOST_OPS),
+          rows=lambda row: row["op"] in HOST_OPS, empty="no host rows"),
     Table("memory", "memory", ("op", "bytes"), "gbs", True, "GB/s"),
     Table("kernels", "kernels", ("op", "dtype", "mode", "impl"), "ms", False, "ms", extra_keys=("size",)),
+    Table("kernels as run", "kernels", ("op", "dtype", "mode"), "ms", False, "ms of the implementation the engine "
+          "runs by default on each machine", extra_keys=("size",), pick=_as_run, show="impl",
+          empty="no record of the implementations the engine runs (a report older than it)"),
     Table("attention", "attention", ("impl", "dtype", "seq", "heads", "head_dim", "batch", "causal", "dropout"),
           "tflops", True, "TFLOP/s", defaults={"batch": 1, "dropout": 0.0}),
     Table("elementwise", "elementwise", ("op", "mode", "elements", "width", "dtype"), "ms", False, "ms"),
@@ -74,16 +110,18 @@ def tables(reports: list[dict]) -> str:
     """One text table per :data:`TABLES` entry with rows: a row per measurement, per machine its figure and the
     ratio to the first machine's (>1 is better on every table: ratios of lower-is-better figures are inverted)."""
     out, columns, name_of = [], [], _names(reports)
+    sources = list(dict.fromkeys(map(_source, reports)))
     for t in TABLES:
-        reps = [r for r in reports if r["kind"] == t.kind and any(t.rows(row) for row in r["rows"])]
+        reps = [r for r in reports if r["kind"] == t.kind and t.picked(r)]
         if not reps:
             continue
         names = [name_of[id(r)] for r in reps]
         columns += zip(names, reps)
-        rows = [{t.key(r, row): row for row in r["rows"] if t.rows(row)} for r in reps]
-        why = _nothing_lines_up(t, reps, rows)
+        rows = [{t.key(r, row): row for row in t.picked(r)} for r in reps]
+        why = [f"no row lines up, {w}" for w in [_nothing_lines_up(t, reps, rows)] if w]
+        why += _absent(t, sources, reps, reports)
         out.append(f"== {t.name} ({t.unit}; ratio = vs {names[0]}{'' if t.higher else ', inverted: >1 is better'})"
-                   + (f": no row lines up, {why}" if why else ""))
+                   + (f": {'; '.join(why)}" if why else ""))
         out.append(" | ".join([" ".join(t.keys + t.extra_keys)] + names))
         for key in dict.fromkeys(k for rs in rows for k in rs):
             base = rows[0].get(key, {}).get(t.figure)
@@ -94,10 +132,26 @@ def tables(reports: list[dict]) -> str:
                     cells.append("-")
                     continue
                 ratio = "" if not base or not v else f" ({(v / base if t.higher else base / v):.2f}x)"
-                cells.append(f"{v:.4g}{ratio}")
+                cells.append(f"{v:.4g}{f' {rs[key][t.show]}' if t.show else ''}{ratio}")
             out.append(" | ".join([" ".join(str(k) for k in key)] + cells))
         out.append("")
     return "\n".join(["machines:"] + [f"  {line}" for line in legend(columns)] + [""] + out)
+
+
+def _source(rep: dict) -> str:
+    """Where ``rep`` came from: the folder of its file (a `bench all` folder is one machine's run), else its
+    machine's :func:`label`; a table no report of a source is in says so (a folder made before that kind existed
+    gave a one-sided table without a word)."""
+    return (os.path.dirname(rep["_path"]) or ".") if rep.get("_path") else label(rep)
+
+
+def _absent(t: Table, sources: list[str], reps: list[dict], reports: list[dict]) -> list[str]:
+    """What ``t``'s title says of the sources none of ``reps`` came from: those without a report of its kind, and
+    those whose report of it has no row here (``t.empty``)."""
+    shown, have = {_source(r) for r in reps}, {_source(r) for r in reports if r["kind"] == t.kind}
+    missing = [s for s in sources if s not in shown]
+    out = [f"absent in {', '.join(s for s in missing if s not in have)}"] if set(missing) - have else []
+    return out + ([f"{t.empty} in {', '.join(s for s in missing if s in have)}"] if set(missing) & have else [])
 
 
 def _names(reports: list[dict]) -> dict[int, str]:

@@ -42,10 +42,14 @@ def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> di
         t0 = time.perf_counter()
         try:
             rows = fn()
+            if isinstance(rows, tuple):  # (rows, more of the report's extra)
+                rows, more = rows
+                extra.update(more)
+            # rows a kind cannot check against the schema are that kind's failure, not the suite's
+            rep = new_report(kind, backend, rows, world_size=nproc if kind == "comm" else 1, **extra)
         except Exception as err:  # noqa: BLE001 - one kind failing must not lose the others' figures
             log(f"bench all: {kind} failed: {type(err).__name__}: {err}")
             return
-        rep = new_report(kind, backend, rows, world_size=nproc if kind == "comm" else 1, **extra)
         written[kind] = save(rep, os.path.join(out_dir, f"{kind}.json"))
         log(f"bench all: {kind}: {len(rows)} rows in {time.perf_counter() - t0:.0f} s -> {written[kind]}")
 
@@ -68,14 +72,16 @@ def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> di
     return written
 
 
-def _kernels(backend, size: str) -> list[dict]:
+def _kernels(backend, size: str) -> tuple[list[dict], dict]:
+    """The kernels report's rows, and which implementations the engine tries per op (its ``resolved``)."""
     import torch
 
     from omnitron.kernels.benchmark import run
 
     dtypes = [torch.float32] if backend.device_type == "cpu" else [torch.bfloat16]
-    return run(backend, ops=None, dtypes=dtypes, size=size, compile_=False, rounds=5, budget_s=0.5,
-               log=lambda *_: None)["rows"]
+    report = run(backend, ops=None, dtypes=dtypes, size=size, compile_=False, rounds=5, budget_s=0.5,
+                 log=lambda *_: None)
+    return report["rows"], {"resolved": report["resolved"]}
 
 
 def _rows(path: str | None) -> list[dict]:

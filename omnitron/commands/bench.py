@@ -187,7 +187,8 @@ def run_kernels(args: argparse.Namespace) -> int:
                  budget_s=args.budget)
     print(f"\ncopy bandwidth: {report['copy_gbs']:.1f} GB/s on {report['machine']['device']} "
           f"({report['machine']['threads']} threads, torch {report['machine']['torch']})")
-    return _write("kernels", backend, report["rows"], args, copy_gbs=report["copy_gbs"], size=size)
+    return _write("kernels", backend, report["rows"], args, copy_gbs=report["copy_gbs"], size=size,
+                  resolved=report["resolved"])
 
 
 def run_elementwise(args) -> int:

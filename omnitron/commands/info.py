@@ -14,15 +14,18 @@ def run(args: argparse.Namespace) -> int:
     from omnitron.backends.registry import BackendUnavailableError, get_backend, probe_all
 
     print("backends:")
-    for name, (ok, why) in probe_all().items():
-        print(f"  {name:6s} {'usable' if ok else 'not usable':10s} {why}")
+    report = probe_all()
+    width = max(map(len, report), default=0)  # a plug-in's name may be longer than the built-ins'
+    for name, (ok, why) in report.items():
+        print(f"  {name:{width}s} {'usable' if ok else 'not usable':10s} {why}")
     try:
         backend = get_backend(args.backend)
     except BackendUnavailableError as err:
         print(f"\nerror: {err}")
         return 1
     caps = backend.capabilities()
-    print(f"\nselected: {backend.name} (device type {backend.device_type!r}, collectives {backend.dist_backend!r}, "
+    print(f"\nselected: {backend.label()} (device type {backend.device_type!r}, "
+          f"collectives {backend.dist_backend!r}, "
           f"{backend.device_count()} device(s), current {backend.current_device()})")
     print("capabilities:")
     for field, value in caps.__dict__.items():

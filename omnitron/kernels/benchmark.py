@@ -167,13 +167,15 @@ def copy_bandwidth(backend, size: str) -> float:
 
 def run(backend, *, ops: list[str] | None, dtypes: list[torch.dtype], size: str, compile_: bool, rounds: int = 15,
         budget_s: float = 3.0, log=print) -> dict:
-    """Benchmark every selected op; returns the JSON-able report (machine, copy bandwidth, rows)."""
+    """Benchmark every selected op; returns the JSON-able report (machine, copy bandwidth, the kernel table's order
+    per op, rows)."""
     import platform
 
     rows: list[Row] = []
-    for op, spec in OPS.items():
-        if not spec.bench or (ops and op not in ops):
-            continue
+    chosen = [op for op, spec in OPS.items() if spec.bench and (not ops or op in ops)]
+    order = resolved(backend, chosen)  # first: a kernel table that cannot be built fails before any timing
+    for op in chosen:
+        spec = OPS[op]
         for dtype in ((torch.float32,) if spec.float_only else dtypes):
             torch.manual_seed(0)
             (case,) = cases(op, backend.current_device(), dtype, size)
@@ -185,8 +187,17 @@ def run(backend, *, ops: list[str] | None, dtypes: list[torch.dtype], size: str,
         "machine": {"backend": backend.name, "device": str(backend.current_device()), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine()},
         "copy_gbs": copy_bandwidth(backend, size),
+        "resolved": order,
         "rows": [asdict(r) for r in rows],
     }
+
+
+def resolved(backend, ops: list[str]) -> dict[str, list[str]]:
+    """``{op: implementation names}``: those ``backend``'s kernel table tries for ``op``, in order, then the
+    reference's row name (``eager``). The engine runs the first that accepts a call, so of a case's rows the first
+    of these with a time is what the engine runs there (``omnitron bench compare``'s "kernels as run" table)."""
+    table = backend.kernels
+    return {op: [impl.name for impl in table.get(op).candidates] + ["eager"] for op in ops}
 
 
 def format_rows(rows: list[Row], header: bool = True) -> str:

@@ -29,6 +29,8 @@ log = logging.getLogger("omnitron.kernels")
 NAME = "cpp"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CSRC = Path(__file__).resolve().parents[2] / "csrc"
+BACKENDS = ("cpu",)
+"""The backends these kernels register for."""
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -51,11 +53,14 @@ def _jit_build():
                       sources.digest_define(_CSRC)])
 
 
-def signature() -> str:
+def signature(backend=None) -> str:
     """The C++ kernels this process runs, for the nodes' comparison: ``sources #DIGEST`` of the sources an installed
     ``omnitron._C`` was built from, or of those a source checkout builds (or built) on first use; an installed build
     older than its digest: ``N ops #digest`` of its functions' names and signatures; or "not installed". How and
-    where a build was made (wheel or JIT, its path, ``-march``) does not count."""
+    where a build was made (wheel or JIT, its path, ``-march``) does not count. A source checkout whose build
+    failed runs the reference kernels, not those sources: ``reference (build failed)``; with ``backend`` one whose
+    kernel table would take these kernels, the build is tried first (it would be at the first kernel call), so a
+    node that cannot build them is told apart before training."""
     import importlib
 
     try:
@@ -63,11 +68,21 @@ def signature() -> str:
     except ImportError:
         if os.environ.get("OMNITRON_JIT_BUILD", "1") == "0" or not (_CSRC / "bindings.cpp").exists():
             return "not installed"
+        if backend is not None and _would_use(backend):
+            extension()
+        if "module" in _state and _state["module"] is None:
+            return "reference (build failed)"
         return f"sources #{sources.source_digest(_CSRC)}"
     built_from = getattr(module, "source_digest", None)
     if built_from:
         return f"sources #{str(built_from).removeprefix(sources.DIGEST_PREFIX)}"
     return sources.interface_digest(module)
+
+
+def _would_use(backend) -> bool:
+    """Whether ``backend``'s kernel table tries these kernels (by its preference, or an ``OMNITRON_KERNELS`` pin)."""
+    table = backend.kernels
+    return backend.name in BACKENDS and (NAME in table.preference or NAME in table.pins.values())
 
 
 def extension():
@@ -165,27 +180,27 @@ def _norm_supports(x, weight, bias=None, eps=1e-5, residual=None) -> str | None:
     return None
 
 
-@register("rms_norm", NAME, available=available, backends=("cpu",),
+@register("rms_norm", NAME, available=available, backends=BACKENDS,
           supports=lambda x, weight, eps=1e-5: _norm_supports(x, weight))
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """Fused RMSNorm (see the reference); one pass per row, float32 statistics."""
     return _Norm.apply(x, None, weight, None, eps, True)
 
 
-@register("layer_norm", NAME, available=available, backends=("cpu",), supports=_norm_supports)
+@register("layer_norm", NAME, available=available, backends=BACKENDS, supports=_norm_supports)
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
     """Fused LayerNorm (see the reference); float32 mean/rstd kept for the backward."""
     return _Norm.apply(x, None, weight, bias, eps, False)
 
 
-@register("add_rms_norm", NAME, available=available, backends=("cpu",),
+@register("add_rms_norm", NAME, available=available, backends=BACKENDS,
           supports=lambda x, residual, weight, eps=1e-5: _norm_supports(x, weight, residual=residual))
 def add_rms_norm(x, residual, weight, eps: float = 1e-5):
     """Fused ``h = x + residual; (rms_norm(h), h)`` in one pass over each row."""
     return _Norm.apply(x, residual, weight, None, eps, True)
 
 
-@register("add_layer_norm", NAME, available=available, backends=("cpu",),
+@register("add_layer_norm", NAME, available=available, backends=BACKENDS,
           supports=lambda x, residual, weight, bias, eps=1e-5: _norm_supports(x, weight, bias, residual=residual))
 def add_layer_norm(x, residual, weight, bias, eps: float = 1e-5):
     """Fused ``h = x + residual; (layer_norm(h), h)`` in one pass over each row."""
@@ -219,14 +234,14 @@ def _glu_supports(x, bias=None, approximate="tanh") -> str | None:
     return None
 
 
-@register("swiglu", NAME, available=available, backends=("cpu",),
+@register("swiglu", NAME, available=available, backends=BACKENDS,
           supports=lambda x, bias=None: _glu_supports(x, bias))
 def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Fused SwiGLU ``silu(a) * b``; a bias is added first (by torch, then the fused kernel)."""
     return _GLU.apply(x if bias is None else x + bias, 0)
 
 
-@register("geglu", NAME, available=available, backends=("cpu",), supports=_glu_supports)
+@register("geglu", NAME, available=available, backends=BACKENDS, supports=_glu_supports)
 def geglu(x: torch.Tensor, bias: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:
     """Fused GeGLU ``gelu_tanh(a) * b``; a bias is added first."""
     return _GLU.apply(x if bias is None else x + bias, 1)
@@ -253,7 +268,7 @@ def _rope_supports(t, freqs, interleaved=False) -> str | None:
     return _check(t) or _check(freqs) or rope_call_problem(t, freqs, "C++")
 
 
-@register("rope", NAME, available=available, backends=("cpu",), supports=_rope_supports)
+@register("rope", NAME, available=available, backends=BACKENDS, supports=_rope_supports)
 def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Fused rotary embedding on ``[s, b, h, d]`` / ``[b, s, h, d]`` (interleaved or not, partial)."""
     return _Rope.apply(t, freqs, interleaved)
@@ -277,13 +292,13 @@ def _ce_supports(logits, target, label_smoothing=0.0) -> str | None:
     return None
 
 
-@register("softmax_cross_entropy", NAME, available=available, backends=("cpu",), supports=_ce_supports)
+@register("softmax_cross_entropy", NAME, available=available, backends=BACKENDS, supports=_ce_supports)
 def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Fused per-token cross-entropy (float32); no float32 copy of the logits is made."""
     return _CROSS_ENTROPY(logits, target, label_smoothing)
 
 
-@register("cross_entropy_shard_stats", NAME, available=available, backends=("cpu",),
+@register("cross_entropy_shard_stats", NAME, available=available, backends=BACKENDS,
           supports=lambda logits, target, start, valid, vocab: _ce_supports(logits, target))
 def cross_entropy_shard_stats(logits, target, start: int, valid: int, vocab: int) -> torch.Tensor:
     """Shard statistics ``[4, ...]`` (see the reference) in one read of the logits."""
@@ -293,7 +308,7 @@ def cross_entropy_shard_stats(logits, target, start: int, valid: int, vocab: int
     return stats.view(4, *logits.shape[:-1])
 
 
-@register("cross_entropy_shard_grad", NAME, available=available, backends=("cpu",),
+@register("cross_entropy_shard_grad", NAME, available=available, backends=BACKENDS,
           supports=lambda dloss, logits, target, lse, *a, **k: _ce_supports(logits, target))
 def cross_entropy_shard_grad(dloss, logits, target, lse, start: int, valid: int, vocab: int,
                              label_smoothing: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -321,7 +336,7 @@ def _adamw_supports(params, grads, exp_avgs, exp_avg_sqs, **_) -> str | None:
     return None
 
 
-@register("adamw_step", NAME, available=available, backends=("cpu",), supports=_adamw_supports)
+@register("adamw_step", NAME, available=available, backends=BACKENDS, supports=_adamw_supports)
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                weight_decay: float) -> None:
     """Multi-tensor AdamW, in place, one pass over p, g, m, v (chunks of 32K elements across threads)."""
@@ -329,7 +344,7 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, be
                            float(beta1), float(beta2), float(eps), float(weight_decay))
 
 
-@register("grad_norm_sq", NAME, available=available, backends=("cpu",),
+@register("grad_norm_sq", NAME, available=available, backends=BACKENDS,
           supports=lambda tensors: next((w for w in (_check(t) for t in tensors) if w), None))
 def grad_norm_sq(tensors) -> torch.Tensor:
     """Sum of squares of all elements (float32 scalar; chunk partials summed in float64)."""

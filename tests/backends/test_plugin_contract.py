@@ -389,3 +389,54 @@ def test_a_plugin_that_raises_at_import_names_itself_and_the_way_out(monkeypatch
             registry.get_backend("plugin-raises")
     finally:
         registry.reset_cache()
+
+
+def test_info_and_the_start_line_name_the_backend_as_chosen(plugins, monkeypatch, tmp_path, capsys):
+    """An ``OMNITRON_EXTRA_BACKENDS`` entry may name a class under a name of its own: the training start line and
+    ``omnitron info`` said the class's ``name`` (what its kernels register for), not the name the user chose; and
+    the backends list of ``info`` lost its columns at names longer than 6 characters."""
+    from omnitron.cli import main
+
+    chosen = "my-renamed-chip"  # broken_plugins.Counting's own name is plugin-counting
+    monkeypatch.setenv(registry.EXTRA_ENV_VAR, f"{broken_plugins.TARGETS},{chosen}=broken_plugins:Counting")
+    registry.reset_cache()
+    assert main(["info", "--backend", chosen]) == 0
+    out = capsys.readouterr().out
+    assert f"\nselected: {chosen} (class name 'plugin-counting') (device type 'cpu'," in out, out
+    listed = out.split("backends:\n")[1].split("\n\n")[0].splitlines()
+    names = [line.split()[0] for line in listed]
+    assert {"cpu", chosen, "plugin-counting"} <= set(names), names
+    # the state column ("usable" / "not usable") starts at one place on every line, after the longest name
+    width = max(map(len, names))
+    assert all(line[3 + width:].startswith(("usable     ", "not usable ")) for line in listed), listed
+    proc = _train(tmp_path, chosen)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    start = [line for line in (proc.stdout + proc.stderr).splitlines() if "micro-batches/step | backend" in line]
+    assert len(start) == 1 and start[0].endswith(f"| backend {chosen} (class name 'plugin-counting')"), start
+
+
+def test_compare_sets_what_each_backend_runs_side_by_side(plugins, tmp_path, capsys):
+    """``bench compare`` gave each implementation its own row, so a plug-in's swiglu and cpu's ``cpp`` one never sat
+    side by side; its "kernels as run" table has a row per case with what each machine's engine runs by default.
+    Checked against the kernel each backend's table dispatches the benchmark's own case to."""
+    from omnitron.cli import main
+    from omnitron.kernels.cases import cases
+
+    names = ("cpu", "plugin-counting")
+    for name in names:
+        assert main(["bench", "kernels", "--backend", name, "--ops", "swiglu", "--dtypes", "float32", "--size", "tiny",
+                     "--rounds", "2", "--budget", "0.01", "--json", str(tmp_path / f"{name}.json")]) == 0
+    capsys.readouterr()
+    assert main(["bench", "compare", *(str(tmp_path / f"{name}.json") for name in names)]) == 0
+    table = capsys.readouterr().out.split("== kernels as run (")[1].split("\n\n")[0].splitlines()[2:]
+    ran = []
+    for name in names:
+        dispatch = registry.get_backend(name).kernels.get("swiglu")
+        (case,) = cases("swiglu", torch.device("cpu"), torch.float32, "tiny")
+        before = dict(dispatch.ran)
+        dispatch(*case.args, **case.kwargs)
+        (impl,) = [k for k, n in dispatch.ran.items() if n != before.get(k)]
+        ran.append("eager" if impl == REFERENCE else impl)
+    assert ran[1] == broken_plugins.KERNEL, ran
+    line = next(line for line in table if line.startswith("swiglu float32 fwd size tiny |"))
+    assert [cell.split()[1] for cell in line.split(" | ")[1:]] == ran, table

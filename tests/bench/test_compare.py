@@ -141,8 +141,9 @@ def test_a_corrupt_report_is_one_line(tmp_path, capsys, change, words):
 
 
 def test_suite_kernels_report_names_its_size_and_memory_copy(tmp_path, monkeypatch):
-    """``bench all``'s kernels report carries its problem size (what compare matches kernels by) and the copy
-    bandwidth of the same run's memory report at its largest size (the sub-benchmarks stubbed: only the wiring)."""
+    """``bench all``'s kernels report carries its problem size (what compare matches kernels by), the copy
+    bandwidth of the same run's memory report at its largest size and the kernels the engine tries per op (the
+    sub-benchmarks stubbed: only the wiring)."""
     from omnitron.backends import get_backend
     from omnitron.bench import attention, comm, elementwise, gemm, memory, suite, train
     from omnitron.bench.report import load
@@ -151,13 +152,15 @@ def test_suite_kernels_report_names_its_size_and_memory_copy(tmp_path, monkeypat
     copies = [{"op": "copy", "bytes": b, "ms": 1.0, "gbs": _fig(rng)} for b in suite.CPU["memory"]]
     kernel = {"op": "add", "dtype": "float32", "mode": "fwd", "impl": "cpp", "ms": 1.0, "gbs": 1.0}
     monkeypatch.setattr(memory, "run", lambda *a, **k: copies)
-    monkeypatch.setattr(suite, "_kernels", lambda *a, **k: [kernel])
+    resolved = {"add": rng.sample(["cpp", "vendor", "eager"], 2)}
+    monkeypatch.setattr(suite, "_kernels", lambda *a, **k: ([kernel], {"resolved": resolved}))
     for mod in (gemm, comm, attention, elementwise):
         monkeypatch.setattr(mod, "run", lambda *a, **k: [])
     monkeypatch.setattr(train, "run", lambda *a, **k: 1 / 0)  # a kind that fails is left out
     written = suite.run_all(get_backend("cpu"), str(tmp_path), log=lambda *_: None)
     extra = load(written["kernels"])["extra"]
-    assert extra == {"copy_gbs": copies[-1]["gbs"], "size": suite.CPU["kernels"]} and "train" not in written
+    assert extra == {"copy_gbs": copies[-1]["gbs"], "size": suite.CPU["kernels"], "resolved": resolved}
+    assert "train" not in written
 
 
 def test_gemm_plot_draws_no_bar_for_a_dtype_a_report_lacks(tmp_path, monkeypatch):
@@ -295,31 +298,48 @@ def test_columns_are_whole_short_names_and_the_legend_has_the_machine():
     assert sorted(text.split("\n\n")[0].splitlines()[1:]) == sorted(legend)
 
 
-@pytest.mark.parametrize("fails", [(), ("train",), ("memory", "comm")])
-def test_bench_all_exits_nonzero_naming_a_kind_that_failed(tmp_path, monkeypatch, capsys, fails):
-    """``bench all`` exited 0 with a kind missing from the folder (its failure one log line among many), so the
-    README's ``bench all --out DIR && bench compare ...`` went on to compare a folder short of it. The others are
-    still written; the last line names what failed and the exit status is 1 (the sub-benchmarks stubbed)."""
+def _stub_suite(monkeypatch, fails=(), invalid=()):
+    """``bench all``'s sub-benchmarks stubbed: a kind in ``fails`` raises, one in ``invalid`` returns a row its
+    report's schema refuses (no ``ms``), the others a valid row or none."""
     from omnitron.bench import attention, comm, elementwise, gemm, memory, suite, train
-    from omnitron.cli import main
 
     def stub(kind, rows):
-        return lambda *a, **k: 1 / 0 if kind in fails else rows
+        bad = [{"op": "x"}] if kind in invalid else rows
+        return lambda *a, **k: 1 / 0 if kind in fails else bad
 
     monkeypatch.setattr(memory, "run", stub("memory", [{"op": "copy", "bytes": 1, "ms": 1.0, "gbs": 1.0}]))
     monkeypatch.setattr(suite, "_kernels", stub("kernels", []))
     for kind, mod in (("gemm", gemm), ("comm", comm), ("attention", attention), ("elementwise", elementwise)):
         monkeypatch.setattr(mod, "run", stub(kind, []))
-    monkeypatch.setattr(train, "run", stub("train", dict.fromkeys(("model", "layout", "iterations", "step_ms",
-                                                                   "tokens_per_s", "tflops_per_device",
-                                                                   "peak_memory_bytes"), 1)))
+    row = dict.fromkeys(("model", "layout", "iterations", "step_ms", "tokens_per_s", "tflops_per_device",
+                         "peak_memory_bytes"), 1)
+    monkeypatch.setattr(train, "run", lambda *a, **k: 1 / 0 if "train" in fails else ({"op": "x"} if "train" in
+                                                                                         invalid else row))
+
+
+@pytest.mark.parametrize("fails,invalid", [((), ()), (("train",), ()), (("memory", "comm"), ()),
+                                           ((), ("gemm",)), (("comm",), ("memory", "train"))])
+def test_bench_all_exits_nonzero_naming_a_kind_that_failed(tmp_path, monkeypatch, capsys, fails, invalid):
+    """``bench all`` exited 0 with a kind missing from the folder (its failure one log line among many), so the
+    README's ``bench all --out DIR && bench compare ...`` went on to compare a folder short of it. The others are
+    still written; the last line names what failed and the exit status is 1 (the sub-benchmarks stubbed). A kind
+    whose rows the report schema refuses is that kind's failure too (it raised out of the suite, losing the kinds
+    after it)."""
+    from omnitron.bench import suite
+    from omnitron.cli import main
+
+    _stub_suite(monkeypatch, fails, invalid)
     rc = main(["bench", "all", "--backend", "cpu", "--out", str(tmp_path)])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    written = sorted(k for k in suite.KINDS if k not in fails)
+    out = capsys.readouterr().out.strip().splitlines()
+    failed = [k for k in suite.KINDS if k in fails + invalid]
+    written = sorted(k for k in suite.KINDS if k not in failed)
     assert sorted(p.stem for p in tmp_path.glob("*.json")) == written
-    assert last == f"wrote {len(written)} reports into {tmp_path}: {', '.join(written)}" + (
-        f"; failed: {', '.join(fails)} (the reasons above)" if fails else ""), last
-    assert rc == (1 if fails else 0)
+    assert out[-1] == f"wrote {len(written)} reports into {tmp_path}: {', '.join(written)}" + (
+        f"; failed: {', '.join(failed)} (the reasons above)" if failed else ""), out[-1]
+    for kind in invalid:
+        assert any(line.startswith(f"bench all: {kind} failed: ReportError: <new report>: row 0 of a {kind} "
+                                   "report lacks ") for line in out), out
+    assert rc == (1 if failed else 0)
 
 
 def test_shipped_bench_all_kernel_reports_name_their_size():
@@ -340,3 +360,65 @@ def test_shipped_bench_all_kernel_reports_name_their_size():
     for rep in made_by_suite:
         sizes = suite.CPU if rep["machine"]["device_type"] == "cpu" else suite.DEVICE
         assert rep["extra"].get("size") == sizes["kernels"], (rep["command"], rep["extra"])
+
+
+def test_a_table_names_the_folders_without_its_kind():
+    """The shipped bench-cpu folder has no elementwise report (older than that kind): compared with a new folder,
+    the elementwise table held the new machine alone without a word; its title now names the folders (or, for
+    reports not read from files, the machines) that have no report of its kind. Tables every folder has say
+    nothing; a table whose reports share no row says both."""
+    rng = random.Random()
+    old, new, third = "results/bench-cpu", "vendor/run1", "vendor/run2"
+
+    def rep(kind, rows, where, device="A", **extra):
+        return {**_report(kind, device, rows, **extra), "_path": f"{where}/{kind}.json"}
+
+    memory = [{"op": "copy", "bytes": 1024, "ms": 1.0, "gbs": _fig(rng)}]
+    reps = [rep("memory", memory, old), rep("memory", memory, new, "B"), rep("elementwise", _elementwise(rng), new)]
+    text = compare.tables(reps)
+    titles = {line.split(" (")[0][3:]: line for line in text.splitlines() if line.startswith("== ")}
+    assert set(titles) == {"memory", "elementwise"}, titles
+    assert titles["elementwise"].endswith(f": absent in {old}"), titles
+    assert "absent" not in titles["memory"] and "no row lines up" not in titles["memory"], titles
+    kernels = [{"op": "add", "dtype": "float32", "mode": "fwd", "impl": "cpp", "ms": _fig(rng)}]
+    reps = [rep("kernels", kernels, old, size="small"), rep("kernels", kernels, new, size="large"),
+            rep("memory", memory, third)]
+    title = next(line for line in compare.tables(reps).splitlines() if line.startswith("== kernels ("))
+    assert title.endswith(f": no row lines up, size differs: small, large; absent in {third}"), title
+    # reports not read from files: named by machine
+    title = compare.tables([_report("memory", "X", memory), _report("elementwise", "Y", _elementwise(rng))])
+    assert "== elementwise (ms; ratio = vs cpu:Y, inverted: >1 is better): absent in cpu:X" in title, title
+
+
+def test_kernels_as_run_is_each_machines_default_implementation():
+    """The "kernels as run" table: per case, the row of the first implementation of the report's ``resolved``
+    order (its kernel table's) that did not decline the case, its name after the figure, the ratio against the
+    first machine's; a first choice that failed has no figure (the engine would fail too); the per-implementation
+    rows stay in the "kernels" table."""
+    rng = random.Random()
+
+    def row(impl, mode, ms="time", note=""):
+        return {"op": "swiglu", "dtype": "float32", "mode": mode, "impl": impl, "ms": _fig(rng) if ms else None,
+                "gbs": 1.0, "note": note}
+
+    modes = ("fwd", "fwd+bwd")
+    a = [row(impl, m) for m in modes for impl in ("eager", "torch", "cpp")]
+    b = [row("eager", m) for m in modes] + [row("vendor", "fwd"), row("vendor", "fwd+bwd", None, "declined: bias")]
+    b += [dict(row("eager", "fwd"), op="rope"), row("vendor", "fwd", None, "failed: boom") | {"op": "rope"}]
+    reps = [_report("kernels", "A", a, size="tiny", resolved={"swiglu": ["cpp", "eager"], "rope": ["eager"]}),
+            _report("kernels", "B", b, size="tiny", resolved={"swiglu": ["vendor", "eager"], "rope": ["vendor",
+                                                                                                     "eager"]})]
+    text = compare.tables(reps)
+    lines = _lines(text, "kernels as run")
+    pick = {"A": {m: a[3 * i + 2] for i, m in enumerate(modes)}, "B": {"fwd": b[2], "fwd+bwd": b[1]}}
+    assert set(lines) == {f"swiglu float32 {m} size tiny" for m in modes}, lines  # B's rope: its choice failed
+    for m in modes:
+        first, other = pick["A"][m], pick["B"][m]
+        cells = lines[f"swiglu float32 {m} size tiny"]
+        assert cells[0] == f"{first['ms']:.4g} cpp (1.00x)", cells
+        assert cells[1] == f"{other['ms']:.4g} {other['impl']} ({first['ms'] / other['ms']:.2f}x)", cells
+    # A's 3 implementations in 2 modes (B's eager swiglu beside A's), B's 2 vendor swiglu rows and 2 rope rows
+    assert len(_lines(text, "kernels")) == 3 * 2 + 2 + 2
+    older = _report("kernels", "C", a, size="tiny")  # no ``resolved``: made before reports kept it
+    title = next(line for line in compare.tables([reps[0], older]).splitlines() if "kernels as run" in line)
+    assert title.endswith(": no record of the implementations the engine runs (a report older than it) in cpu:C")

@@ -87,6 +87,59 @@ def test_an_extension_built_before_it_carried_its_digest_is_told_apart(monkeypat
     assert software()["omnitron._C"] == "not installed"
 
 
+def _build_fails(monkeypatch) -> None:
+    """This process's JIT build of the kernels fails (as where no compiler is installed), not yet tried."""
+    def fail():
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    import omnitron
+
+    monkeypatch.setattr(cpp, "_state", {})
+    monkeypatch.setattr(cpp, "_jit_build", fail)
+    monkeypatch.delattr(omnitron, "_C", raising=False)  # `from omnitron import _C` reads an earlier import's attribute
+
+
+def test_a_node_whose_build_failed_says_it_runs_the_reference(monkeypatch):
+    """A source checkout whose JIT build fails runs the reference kernels, yet reported the sources' digest: beside
+    a node running those sources' kernels it trained, on other kernels. It reports ``reference (build failed)``
+    now (on a backend that takes these kernels the build is tried when the nodes compare, as it would be at the
+    first kernel call), and the two nodes are refused in one line."""
+    from omnitron.backends import get_backend
+
+    cpu = get_backend("cpu")
+    ours = sources.source_digest(cpp._CSRC)
+    _installed(monkeypatch, ours)
+    built = software(cpu)
+    _source_checkout(monkeypatch)
+    _build_fails(monkeypatch)
+    failed = software(cpu)
+    assert failed["omnitron._C"] == "reference (build failed)", failed
+    ok, why = cpp.available()
+    assert not ok and "building the C++ kernels failed" in why  # the kernels it runs are the reference indeed
+    got = _run_ranks([BASE] * 2, softwares=[built, failed])
+    line = str(got[0])
+    assert all(isinstance(e, ConfigError) and str(e) == line for e in got) and "\n" not in line, got
+    assert f"omnitron._C reference (build failed) on rank 1, sources #{ours} on rank 0." in line, line
+    # two nodes that both failed run the same (reference) kernels: they agree
+    assert _run_ranks([BASE] * 2, softwares=[failed, failed]) == [None, None]
+
+
+def test_no_build_is_tried_for_a_backend_that_does_not_take_the_kernels(monkeypatch):
+    """``OMNITRON_KERNELS=reference`` (or a backend they do not register for) never calls these kernels: the
+    comparison does not build them (30-60 s) and reports the sources as before."""
+    from omnitron.backends import get_backend, registry
+
+    _source_checkout(monkeypatch)
+    _build_fails(monkeypatch)
+    monkeypatch.setenv("OMNITRON_KERNELS", "reference")
+    registry.reset_cache()
+    try:
+        assert software(get_backend("cpu"))["omnitron._C"] == f"sources #{sources.source_digest(cpp._CSRC)}"
+        assert cpp._state == {}
+    finally:
+        registry.reset_cache()
+
+
 @pytest.mark.parametrize("version, std", [("2.13.0+cpu", "-std=c++17"), ("2.9.1", "-std=c++17"),
                                           ("2.14.1", "-std=c++20"), ("2.15.0a0+git", "-std=c++20")])
 def test_the_jit_build_uses_setups_standard_and_carries_the_digest(monkeypatch, tmp_path, version, std):

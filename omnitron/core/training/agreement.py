@@ -72,7 +72,8 @@ SOFTWARE = "software"
 def software(backend=None) -> dict:
     """``{name: version}`` of what a rank runs: omnitron, torch, ``backend.versions()``, the C++ kernels
     (:func:`omnitron.kernels.cpp.signature`: the digest of the sources they were built from, so an installed
-    ``omnitron._C`` and a source checkout's JIT build of the same sources agree) and, for ``omnitron._sim`` when
+    ``omnitron._C`` and a source checkout's JIT build of the same sources agree; ``reference (build failed)`` where
+    that build failed) and, for ``omnitron._sim`` when
     this rank loaded it, ``N ops #digest`` of its functions' names and signatures (nothing otherwise: a backend
     other than sim; the settings name the backend)."""
     import sys
@@ -84,7 +85,7 @@ def software(backend=None) -> dict:
 
     out = {"omnitron": omnitron.__version__, "torch": torch.__version__}
     out.update({k: str(v) for k, v in (backend.versions() if backend is not None else {}).items()})
-    out["omnitron._C"] = cpp.signature()
+    out["omnitron._C"] = cpp.signature(backend)
     sim = sys.modules.get("omnitron._sim")
     if sim is not None:
         out["omnitron._sim"] = sources.interface_digest(sim)

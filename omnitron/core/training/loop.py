@@ -251,7 +251,7 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
         layout = (c.groups.describe() or "").splitlines()
         log.info("omnitron: %s | %.2fM parameters | %s | %d micro-batches/step | backend %s",
                  layout[0] if layout else "", model_parameters(c.model) / 1e6,
-                 settings.precision.params_dtype_name, settings.num_microbatches, backend.name)
+                 settings.precision.params_dtype_name, settings.num_microbatches, backend.label())
         if settings.logging.log_memory_estimate and memory_table is not None:
             try:
                 log.info("predicted memory per rank (omnitron plan):\n%s", memory_table(settings))
