@@ -397,8 +397,9 @@ class SimCollectives final : public c10d::Backend {
   }
 
   // An unbatched send or receive takes the next place of its pair's order (pair_order.cpp): published there, or
-  // compared with the peer's operation at that place; two sends or two receives, or tags that differ, fail both
-  // ranks at once. A batched one is counted for the group order, and its tag and size compared with its partner's.
+  // compared with the peer's operation at that place; two sends or two receives, or tags or sizes that differ,
+  // fail both ranks at once. A batched one is counted for the group order, and its tag and size compared with its
+  // partner's.
   void order_pair(const ItemPtr& item, bool send, int peer, int tag, int64_t bytes, const std::string& detail,
                   int index) {
     int64_t place;
@@ -425,7 +426,7 @@ class SimCollectives final : public c10d::Backend {
       return;
     }
     std::string key = pair_key(getRank(), peer, place);
-    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send, tag, op);
+    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send, tag, bytes, op);
     if (claim.first) {
       item->pair_key = key;
       item->pair_store = store_;

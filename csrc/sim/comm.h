@@ -67,11 +67,12 @@ c10::intrusive_ptr<c10d::Work> batch_work(std::vector<c10::intrusive_ptr<c10d::W
 std::string pair_key(int rank, int peer, int64_t place);
 struct PairClaim {
   bool first = false;  // the peer has not issued its operation at this place yet: wait() awaits it
-  std::string report;  // "" or the one-line deadlock report (both operations sends, or both receives)
+  std::string report;  // "" or the one-line report (two sends or two receives; tags, or sizes, that differ)
 };
-// Publish this rank's operation (``op``, described; ``tag``) at ``key``, or compare it with the peer's already there.
+// Publish this rank's operation (``op``, described; ``tag``; ``size`` bytes) at ``key``, or compare it with the
+// peer's already there.
 PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
-                           bool send, int tag, const std::string& op);
+                           bool send, int tag, int64_t size, const std::string& op);
 // The ``k``-th batched send of one rank to the other or receive from it (``send``; ``size`` bytes): published, or
 // compared with the peer's operation at the same place, which NCCL pairs it with whatever the tags; "" or the
 // one-line report of tags, or sizes, that differ. Before the operation is launched, so gloo never pairs the two

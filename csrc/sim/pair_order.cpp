@@ -16,8 +16,9 @@
 // on tags) keeps apart into other buffers: checked for a pair's unbatched operations, and for the k-th batched send
 // of one rank to another against that rank's k-th batched receive from it (claim_batched_place), each before the
 // second of the two is launched, so gloo never pairs the two ranks' operations otherwise than NCCL would. The sizes
-// of a batched pair are compared too (NCCL needs the same count and datatype; gloo ends the receiving process when
-// the send is larger, before any report).
+// of a pair, batched or not, are compared too (NCCL's ncclSend/ncclRecv: the peer "needs to call ncclRecv with the
+// same datatype and the same count"; gloo ends the receiving process when the send is larger, before any report,
+// and fills only the front of a larger receive, silently).
 #include "comm.h"
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -35,6 +36,9 @@ std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; 
 
 const char kMatched[] = "+";   // the second of the two found the pair's operations complementary
 const char kDeadlock[] = "!";  // the second found them the same kind, or tags that differ: its report follows
+const char kSizeRule[] =
+    "NCCL pairs the k-th send of one rank to another with the other's k-th receive from it, which must have the same "
+    "count and datatype (gloo ends the receiving process when the send is larger)";
 const char kTagRule[] =
     "NCCL ignores tags and pairs the k-th send of one rank to another with the other's k-th receive from it, where "
     "gloo pairs a send with a receive of its tag, so on NCCL each gets data meant for another buffer";
@@ -85,16 +89,19 @@ std::string pair_key(int rank, int peer, int64_t place) {
 }
 
 PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
-                           bool send, int tag, const std::string& op) {
-  std::string mine = std::string(send ? "S" : "R") + std::to_string(rank) + "\t" + std::to_string(tag) + "\t" + op;
+                           bool send, int tag, int64_t size, const std::string& op) {
+  std::string mine = std::string(send ? "S" : "R") + std::to_string(rank) + "\t" + std::to_string(tag) + "\t" +
+                     std::to_string(size) + "\t" + op;
   auto got = store.compareSet(key, {}, bytes(mine));
   std::string theirs(got.begin(), got.end());
   if (theirs == mine) return {true, ""};  // first at this place: the peer compares when it issues its own
-  auto tab = theirs.find('\t'), tab2 = theirs.find('\t', tab + 1);
+  auto tab = theirs.find('\t'), tab2 = theirs.find('\t', tab + 1), tab3 = theirs.find('\t', tab2 + 1);
   bool their_send = !theirs.empty() && theirs[0] == 'S';
-  std::string their_rank = theirs.substr(1, tab - 1), their_op = theirs.substr(tab2 + 1);
+  std::string their_rank = theirs.substr(1, tab - 1), their_op = theirs.substr(tab3 + 1);
   int64_t place = std::stoll(key.substr(key.rfind('/') + 1));
-  if (their_send != send && std::stoi(theirs.substr(tab + 1, tab2 - tab - 1)) == tag) {
+  bool same_tag = std::stoi(theirs.substr(tab + 1, tab2 - tab - 1)) == tag;
+  bool same_size = std::stoll(theirs.substr(tab2 + 1, tab3 - tab2 - 1)) == size;
+  if (their_send != send && same_tag && same_size) {
     store.set(key, bytes(kMatched));  // the first one's wait() may proceed
     return {false, ""};
   }
@@ -103,9 +110,11 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
   store.set(key, bytes(kDeadlock));
   std::ostringstream os;
   if (their_send != send) {
-    os << "sim: point-to-point tag mismatch on group '" << group << "': rank " << their_rank << " (of the group) "
-       << "issued " << their_op << " and rank " << rank << " issued " << op << " as their unbatched operation #"
-       << place + 1 << " with each other: " << kTagRule << "; pair them in the same order on both ranks";
+    os << "sim: point-to-point " << (same_tag ? "size" : "tag") << " mismatch on group '" << group << "': rank "
+       << their_rank << " (of the group) issued " << their_op << " and rank " << rank << " issued " << op
+       << " as their unbatched operation #" << place + 1 << " with each other: "
+       << (same_tag ? kSizeRule : kTagRule)
+       << (same_tag ? "; send and receive tensors of the same size" : "; pair them in the same order on both ranks");
     return {false, os.str()};
   }
   os << "sim: point-to-point deadlock on group '" << group << "': rank " << their_rank << " (of the group) issued "
@@ -137,9 +146,7 @@ std::string claim_batched_place(c10d::Store& store, const std::string& group, in
      << ", and rank " << dst << " posted " << received << " as its batched receive #" << k + 1 << " from rank "
      << src << ": ";
   if (same_tag) {
-    os << "NCCL pairs the k-th send of one rank to another with the other's k-th receive from it, which must have "
-          "the same count and datatype (gloo ends the receiving process when the send is larger); send and receive "
-          "tensors of the same size";
+    os << kSizeRule << "; send and receive tensors of the same size";
   } else {
     os << kTagRule << "; post the sends to one peer in the order that peer posts the receives (the same tags in the "
           "same order)";

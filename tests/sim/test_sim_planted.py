@@ -384,6 +384,8 @@ PROGRAMS = {  # per case, each rank's operations with its peer in issue order ("
     "batched_tags_swapped": (["b:send@1", "b:send@0"], ["b:recv@0", "b:recv@1"]),
     "batched_tags_in_order": (["b:send@1", "b:send@0", "b:recv@2"], ["b:recv@1", "b:send@2", "b:recv@0"]),
     "batched_sizes_differ": (["b:send=96"], ["b:recv"]),  # "=n": n elements (else 64); gloo ends rank 1's process
+    "unbatched_send_larger": (["send=96"], ["recv"]),  # gloo: rank 1 aborts ("Received data size doesn't match")
+    "unbatched_send_smaller": (["send=32"], ["recv"]),  # gloo: fills the receive's first 32, silently
 }
 
 
@@ -471,15 +473,28 @@ def test_tags_that_pair_otherwise_on_nccl_are_reported(case):
         assert m.count("test_sim_planted.py") == 2 and r["s"] < FAST_S, (r["s"], m)
 
 
-def test_batched_sizes_that_differ_are_reported():
-    """Rank 0 sends 96 elements where rank 1 receives 64, in a batch: NCCL needs the same count and datatype, and
-    gloo, given the send first, ends rank 1's process (an abort, no report). Both ranks fail at once, before rank
-    1's receive is launched, with one line naming both operations and call sites."""
-    for r in run_distributed(pair_program, 2, "batched_sizes_differ", backend="sim", env=PAIR_ENV, timeout_s=90):
+@pytest.mark.parametrize("case,sent", [("batched_sizes_differ", 96), ("unbatched_send_larger", 96),
+                                       ("unbatched_send_smaller", 32)])
+def test_sizes_that_differ_are_reported(case, sent):
+    """Rank 0 sends 96 (or 32) elements where rank 1 receives 64, in a batch or not: NCCL's ncclSend/ncclRecv need
+    the same count and datatype; gloo, given the larger send first, ends rank 1's process (an abort, no report), and
+    fills the front of a larger receive silently (twin below). Both ranks fail at once, before the second of the
+    two is launched, with one line naming both operations and call sites."""
+    batched = case.startswith("batched")
+    for r in run_distributed(pair_program, 2, case, backend="sim", env=PAIR_ENV, timeout_s=90):
         m = r["error"]
         assert "\n" not in m and "sim: point-to-point size mismatch" in m and "same count and datatype" in m, m
-        assert "send shape=[96] dtype=Double to rank 1" in m and "recv shape=[64] dtype=Double from rank 0" in m, m
+        assert f"send shape=[{sent}] dtype=Double to rank 1" in m and "recv shape=[64] dtype=Double from rank 0" in m
+        assert ("batched send #1 to rank 1" in m) if batched else ("unbatched operation #1" in m), m
         assert m.count("test_sim_planted.py") == 2 and r["s"] < FAST_S, (r["s"], m)
+
+
+def test_smaller_unbatched_send_fills_part_of_the_receive_on_gloo():
+    """The twin on cpu/gloo: the program completes, and rank 1's receive holds rank 0's 32 elements then its own
+    zeros (exact: a copy), a result NCCL does not promise."""
+    r0, r1 = run_distributed(pair_program, 2, "unbatched_send_smaller", backend="cpu", env=PAIR_ENV, timeout_s=90)
+    assert r0["error"] == r1["error"] == "", (r0, r1)
+    assert torch.equal(r1["got"][0][:32], r0["sent"][0]) and not r1["got"][0][32:].any()
 
 
 @pytest.mark.parametrize("case", ["unbatched_tags_swapped", "batched_tags_swapped"])

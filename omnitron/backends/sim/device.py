@@ -99,7 +99,9 @@ def register_collectives(ext, dist_backend: str, device_type: str, sync_returns_
         dist.Backend.register_backend(dist_backend, create, devices=[device_type])
 
 
-_ENGINE_LAYER = ("omnitron/backends/collectives.py", "omnitron/backends/flight.py")
+_ENGINE_LAYER = ("omnitron/backends/collectives.py", "omnitron/backends/flight.py", "omnitron/backends/staged.py")
+"""The engine's collective plumbing (flight.py issues strict mode's batches and fingerprint exchanges for the
+caller of collectives.py): never the call site a message should name."""
 _WRAPPERS = ("/typing_extensions.py", "/contextlib.py", "/functools.py", "/distributed_c10d.py", "/c10d_logger.py")
 """Frames that only pass a collective on: the wrappers torch puts around its collectives (typing_extensions'
 ``deprecated``, its loggers, context managers) and torch.distributed's own entry points."""
@@ -135,7 +137,7 @@ def _issue_site() -> tuple[str, str, bool]:
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
         engine = engine or path.endswith(_ENGINE_LAYER)
-        if not _is_library(path) and not path.endswith(_ENGINE_LAYER[0]):
+        if not _is_library(path) and not path.endswith(_ENGINE_LAYER):
             return _frame_site(frame), name, engine
         if innermost is None and not path.endswith(_WRAPPERS):
             innermost = frame
