@@ -116,7 +116,7 @@ def test_greedy_text_generation_equals_transformers(tmp_path, kind, backend):
 # transformers' float32 parts, RoPE (Qwen2RotaryEmbedding forms position x inv_freq in float32: an angle error up
 # to p u at position p <= 40, u = 2^-24, so 2.4e-6 rad) and RMSNorm (Qwen2RMSNorm normalises in float32: 6e-8
 # relative on each norm's output). Those move an attention score of size O(5) by ~1e-5 at worst, a softmax weight
-# by as much, and through three layers and the unembedding (gain ~3) a log-prob by ~3e-5 at worst (seen <= 3e-6).
+# by as much, and through three layers and the unembedding (gain ~3) a log-prob by ~3e-5 at worst (seen <= 5e-6).
 # Bound 1e-4; a window one key wider, or none, moves the log-probs by O(0.1).
 WINDOW_TOL = 1e-4
 
@@ -155,5 +155,5 @@ def test_sliding_window_generation_equals_transformers(tmp_path, backend):
         torch.testing.assert_close(torch.tensor(got_lp, dtype=torch.float64), _hf_log_probs(reference, seq),
                                    atol=WINDOW_TOL, rtol=0)
         moved = max(moved, (_hf_log_probs(unwindowed, seq) - torch.tensor(got_lp)).abs().max().item())
-    assert compared >= 2 * NEW, "too few well-separated greedy steps to compare; rerun"
+    assert compared >= NEW, "too few well-separated greedy steps to compare; rerun"  # log-probs: every step
     assert moved > 100 * WINDOW_TOL  # the window matters to these sequences
