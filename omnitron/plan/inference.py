@@ -52,8 +52,13 @@ class ServeMemory:
     weights: int
     kv_cache: int
     kv_per_token: int
-    """Cache bytes one token costs on this rank (all its layers; past a window, its layer no longer grows)."""
+    """Cache bytes one token costs on this rank while a sequence is within every window (all its layers)."""
     activations: int
+    window_slots: int | None = None
+    """Slots a window layer's ring holds (``left + 1``; --window-size gives every window layer the same window),
+    None where no layer of this stage keeps a ring."""
+    kv_past_windows: int | None = None
+    """Cache bytes one token costs on this rank past ``window_slots`` tokens (its full layers only)."""
 
     @property
     def total(self) -> int:
@@ -117,7 +122,10 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
             act = max(act, F.vision_bytes(cfg, requests, elem))
         rings = windows if not getattr(cfg, "multi_latent_attention", False) else [None] * layers
         kv = requests * held_slots(rings, seq_length) * kv_bytes_per_token(cfg, tp, 1, elem)
-        out.append(ServeMemory(r, layers, requests, seq_length, count * elem, kv, per_token, act))
+        bounded = [w[0] + 1 for w in rings if w is not None and w[0] >= 0]
+        past = kv_bytes_per_token(cfg, tp, layers - len(bounded), elem)
+        out.append(ServeMemory(r, layers, requests, seq_length, count * elem, kv, per_token, act,
+                               max(bounded) if bounded else None, past if bounded else None))
     return out
 
 
@@ -144,6 +152,15 @@ def largest_batch(settings, seq_length: int, memory: int, log_probs: bool = Fals
     return lo
 
 
+def _kv_rate(top: ServeMemory) -> str:
+    """What a token adds to the cache: one rate, or (sequences longer than the windows) the rate within the
+    windows and the full layers' rate past them."""
+    if top.window_slots is None or top.seq_length <= top.window_slots:
+        return f"{top.kv_per_token} bytes a token"
+    return (f"{top.kv_per_token} bytes a token for a sequence's first {top.window_slots} tokens, "
+            f"{top.kv_past_windows} bytes a token past them (window layers keep their last {top.window_slots})")
+
+
 def format_serve(stages: list[ServeMemory], memory: int | None = None, largest: int | None = None) -> str:
     """One row per stage (GiB) and the largest rank; with ``memory``, whether it fits and the largest batch."""
     def gib(n: int) -> str:
@@ -153,8 +170,8 @@ def format_serve(stages: list[ServeMemory], memory: int | None = None, largest: 
     rows = [head] + [f"{s.stage:>5} {s.layers:>6} {gib(s.weights)} {gib(s.kv_cache)}  {gib(s.activations)} "
                      f"{gib(s.total)}" for s in stages]
     top = max(stages, key=lambda s: s.total)
-    rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes); KV cache "
-                f"{top.kv_per_token} bytes a token on it ({top.requests} requests x {top.seq_length} tokens)")
+    rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes); KV cache on it: "
+                f"{_kv_rate(top)}, {top.kv_cache} bytes at {top.requests} requests x {top.seq_length} tokens")
     if memory is not None:
         verdict = "fits" if top.total <= memory else "DOES NOT FIT"
         rows.append(f"{verdict} {memory / 2**30:.1f} GiB; the most requests of {top.seq_length} tokens that fit: "

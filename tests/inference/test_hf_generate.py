@@ -10,6 +10,10 @@ Error analysis for comparing argmaxes: both sides compute the same float32 netwo
 log-probs differ by about 1e-5 here (measured up to 1e-5 on these sizes), so a step whose two likeliest logits are
 closer than ``GAP`` = 1e-3 could legitimately pick either. The comparison stops at the first such step of the
 reference (the rest is then conditioned on a coin toss), and at least 8 steps must be compared.
+
+A Qwen2 with a sliding window on two of its three layers, in float64, checks the window layers' ring-buffer cache
+the same way over prompts longer than the window and generation that wraps the rings, with log-probs too
+(``WINDOW_TOL``'s error analysis is beside it).
 """
 from __future__ import annotations
 
@@ -30,11 +34,17 @@ from omnitron.testing.data import llama_style_tokenizer  # noqa: E402
 
 GAP = 1e-3
 NEW = 24
+WINDOW = 4
 WORDS = ["Call", "me", "Ishmael.", "The", "whale", "sea", "naïve", "🐋", "of", "ship"]
 
 
-def _config(kind: str, vocab: int, bos: int, eos: int):
+def _config(kind: str, vocab: int, bos: int, eos: int | None):
     common = dict(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos)
+    if kind == "qwen2_window":  # layer 0 attends fully, layers 1 and 2 see the last WINDOW keys (themselves too)
+        return transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=True,
+                                        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **common)
     if kind == "gpt2":
         return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
     cls = transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config
@@ -42,10 +52,11 @@ def _config(kind: str, vocab: int, bos: int, eos: int):
                max_position_embeddings=64, tie_word_embeddings=kind == "qwen2", **common)
 
 
-def _hf_model(kind: str, tmp_path, tok) -> str:
+def _hf_model(kind: str, tmp_path, tok, dtype=torch.float32, eos: int | None = -1) -> str:
+    """A random ``kind`` model saved beside ``tok`` (``eos``: the config's, default the tokenizer's; None: none)."""
     torch.manual_seed(random.randrange(1 << 30))
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind, len(tok), tok.bos_token_id,
-                                                                  tok.eos_token_id)).float()
+    eos = tok.eos_token_id if eos == -1 else eos
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, len(tok), tok.bos_token_id, eos)).to(dtype)
     with torch.no_grad():  # matrices wide enough apart that greedy steps are well separated; norms, biases perturbed
         for p in model.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
@@ -99,3 +110,50 @@ def test_greedy_text_generation_equals_transformers(tmp_path, kind, backend):
         want = _reference(reference, ids, stop)
         assert got[:len(want)] == want and (stop not in want or got == want)
     assert stopped.tokens[-1][-1] == stop and len(stopped.tokens[-1]) <= 4
+
+
+# Error analysis of the window case's log-prob bound: every weight and activation is float64 on both sides except
+# transformers' float32 parts, RoPE (Qwen2RotaryEmbedding forms position x inv_freq in float32: an angle error up
+# to p u at position p <= 40, u = 2^-24, so 2.4e-6 rad) and RMSNorm (Qwen2RMSNorm normalises in float32: 6e-8
+# relative on each norm's output). Those move an attention score of size O(5) by ~1e-5 at worst, a softmax weight
+# by as much, and through three layers and the unembedding (gain ~3) a log-prob by ~3e-5 at worst (seen <= 5e-6).
+# Bound 1e-4; a window one key wider, or none, moves the log-probs by O(0.1).
+WINDOW_TOL = 1e-4
+
+
+def _hf_log_probs(model, seq: list[int]) -> torch.Tensor:
+    """``log p(seq[i + 1] | seq[:i + 1])`` of transformers' forward of the whole sequence (no cache)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0].double()
+    return logits[:-1].log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+def test_sliding_window_generation_equals_transformers(tmp_path, backend):
+    """A Qwen2 whose last two of three layers see a window of 4 keys, in float64, imported and served through the
+    ring buffer (kv_cache.RingBuffer): prompts longer and shorter than the window in one left-padded batch, 24 new
+    tokens (the rings wrap 6+ times), give transformers' greedy tokens (its own sliding cache) and the log-probs of
+    its forward of the whole sequence, and the window changes those log-probs."""
+    tok = transformers.AutoTokenizer.from_pretrained(llama_style_tokenizer(tmp_path / "tok"))
+    hf_dir = _hf_model("qwen2_window", tmp_path, tok, torch.float64, eos=None)  # no eos: every row runs NEW steps
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
+    import_hf(hf_dir, str(tmp_path / "omni"), Layout())
+    loaded = load_for_inference(str(tmp_path / "omni"), backend, dtype=torch.float64)
+    assert [getattr(layer.self_attention, "window", None) for layer in loaded.model.decoder.layers.values()] == [
+        None, (WINDOW - 1, 0), (WINDOW - 1, 0)]
+    rng = random.Random()
+    prompts = [[tok.bos_token_id] + [rng.randrange(3, len(tok)) for _ in range(n)] for n in (13, 6, 2)]
+    out = generate_batch(loaded.model, prompts, NEW, return_log_probs=True)
+    unwindowed = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **{**reference.config.to_dict(), "use_sliding_window": False, "layer_types": None})).double().eval()
+    unwindowed.load_state_dict(reference.state_dict())
+    compared, moved = 0, 0.0
+    for ids, got, got_lp in zip(prompts, out.tokens, out.log_probs):
+        want = _reference(reference, ids, None)
+        assert len(got) == NEW and got[:len(want)] == want
+        compared += len(want)
+        seq = ids + got
+        torch.testing.assert_close(torch.tensor(got_lp, dtype=torch.float64), _hf_log_probs(reference, seq),
+                                   atol=WINDOW_TOL, rtol=0)
+        moved = max(moved, (_hf_log_probs(unwindowed, seq) - torch.tensor(got_lp)).abs().max().item())
+    assert compared >= NEW, "too few well-separated greedy steps to compare; rerun"  # log-probs: every step
+    assert moved > 100 * WINDOW_TOL  # the window matters to these sequences

@@ -104,3 +104,21 @@ def test_plan_return_log_probs(capsys):
     assert main(["plan", *TINY, "--return-log-probs"]) == 2
     err = capsys.readouterr().err
     assert "--return-log-probs prices serving" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("seq,skip,full", [(8, "2", 2), (64, "2", 2), (64, None, 0)])
+def test_plan_prints_the_token_rate_within_and_past_the_windows(seq, skip, full, capsys):
+    """An 8-slot window on gpt2_tiny's layers 0 and 2 (gpt-oss's pattern; layers 1 and 3 full) or on all 4
+    (Mistral's), fp32, tp1: a token costs all 4 layers' keys and values (4 heads of 32) within the window and the
+    ``full`` layers' past it (none: the cache stops growing); the line says both and the cache at B x S, by hand.
+    A sequence within the window has one rate."""
+    argv = ["--window-size", "7,0"] + (["--window-attn-skip-freq", skip] if skip else [])
+    layer = 2 * 4 * 32 * 4  # K and V, 4 heads of 32, fp32: bytes a token and layer
+    assert main(["plan", *TINY, *argv, "--inference-max-requests", "3", "--inference-max-seq-length", str(seq)]) == 0
+    out = capsys.readouterr().out
+    cache = 3 * (full * seq + (4 - full) * min(seq, 8)) * layer
+    rate = f"KV cache on it: {4 * layer} bytes a token"
+    if seq > 8:
+        rate += (f" for a sequence's first 8 tokens, {full * layer} bytes a token past them (window layers keep their "
+                 "last 8)")
+    assert f"{rate}, {cache} bytes at 3 requests x {seq} tokens\n" in out, out
