@@ -15,7 +15,8 @@ from omnitron.core.config.parallel import ConfigError
 from omnitron.core.models.gpt.validate import (  # noqa: F401 - re-exported: validate_model and its helpers
     _validate_context_parallel, _validate_fine_grained, _validate_mla, _validate_moe_overlap, _validate_mtp,
     _validate_offloading, _validate_recompute_num_layers, max_positions, offload_layers, uses_rope, validate_model)
-from omnitron.core.transformer.shapes import ffn_size, head_dim, padded_vocab_size, query_groups  # noqa: F401 - re-exported
+from omnitron.core.transformer.shapes import (  # noqa: F401 - re-exported
+    ffn_size, head_dim, padded_vocab_size, query_groups)
 from omnitron.core.transformer.yarn import yarn_inv_freq
 
 
@@ -232,7 +233,8 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for flag, v in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
                         ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length),
-                        ("vocab size", self.vocab_size), ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)):
+                        ("vocab size", self.vocab_size),
+                        ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)):
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
         choices = (("--normalization", self.normalization, ("LayerNorm", "RMSNorm")),
@@ -457,7 +459,8 @@ def gpt_oss_20b(**overrides) -> GPTConfig:
                              yarn_correction_range_round_to_int=False, num_experts=32, moe_router_topk=4,
                              moe_ffn_hidden_size=2880, moe_router_bias=True, window_size="127,0",
                              window_attn_skip_freq="2", softmax_type="learnable", quick_geglu=True,
-                             glu_linear_offset=1.0, activation_func_clamp_value=7.0, moe_router_load_balancing_type="none",
+                             glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                             moe_router_load_balancing_type="none",
                              **{**_LLAMA, "add_bias_linear": True}), **overrides)
 
 
