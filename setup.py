@@ -102,7 +102,8 @@ setup(
     extras_require={
         "triton": ["triton>=3.5.1"],
         "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
-        "dev": ["pytest", "pytest-xdist", "regex", "pybind11", "triton>=3.5.1", "sentencepiece", "matplotlib", "transformers>=4.45",
+        "dev": ["pytest", "pytest-xdist", "regex", "pybind11", "triton>=3.5.1", "sentencepiece", "matplotlib",
+                "transformers>=4.45",
                 "tensorboard", "tiktoken"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],

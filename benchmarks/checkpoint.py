@@ -18,7 +18,8 @@ Per rank: seconds, bytes of the files it wrote, bytes of all its write calls (``
 and the gloo sockets, the background thread included), and the
 peak RSS over the RSS before the operation (freed heap returned first, ``malloc_trim``; the high-water mark
 reset through ``/proc/self/clear_refs`` just before; read after the commit), beside the rank's own state
-(its weights + its optimizer slices) and the replicated optimizer state the old format gathers. Page cache warm, local disk.
+(its weights + its optimizer slices) and the replicated optimizer state the old format gathers. Page cache warm, local
+disk.
 
 Then (``--reshard``, default on) a second spawn at another layout (``RESHARD``: dp2 x tp2, distributed
 optimizer) trains one iteration to build its state and times ``checkpointing.load`` of the old and the

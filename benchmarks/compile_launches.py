@@ -71,7 +71,8 @@ def build(precision: str, compiled: bool):
 
             hold_static_weights([model])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, SHAPE["vocab_size"], (MICRO, SHAPE["seq_length"]), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, SHAPE["vocab_size"], (MICRO, SHAPE["seq_length"]),
+                           generator=torch.Generator().manual_seed(0))
 
     def step(after_forward=None) -> float:
         opt.zero_grad(set_to_none=True)

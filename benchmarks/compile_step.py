@@ -87,7 +87,8 @@ def main() -> None:
     out.update({f"{k}_cpu": statistics.median(v[1:]) for k, v in cpu.items()})
     out.update(compile_s=times["compiled"][0] - out["eager"], times=times, cpu=cpu, losses=losses)
     print(f"eager {out['eager'] * 1e3:.0f} ms/step ({out['eager_cpu']:.2f} CPU s), compiled "
-          f"{out['compiled'] * 1e3:.0f} ms/step ({out['compiled_cpu']:.2f} CPU s): {out['eager'] / out['compiled']:.2f}x "
+          f"{out['compiled'] * 1e3:.0f} ms/step ({out['compiled_cpu']:.2f} CPU s): "
+          f"{out['eager'] / out['compiled']:.2f}x "
           f"wall, {out['eager_cpu'] / out['compiled_cpu']:.2f}x CPU; compile {out['compile_s']:.1f} s; "
           f"last losses {losses['eager'][-1]:.5f} / {losses['compiled'][-1]:.5f}")
     if a.json:

@@ -228,7 +228,8 @@ def _variants(groups, single, seq: int, heads: int, layers: int, waits: dict) ->
     cfg = _gpt_config(seq, heads, layers)
     gpt1, gpt1b, gpt2 = GPTModel(cfg, single, seed=0), GPTModel(cfg, single, seed=0), GPTModel(cfg, groups, seed=0)
     block_backend = _Proxy(be, kernels=_Proxy(be.kernels, attention=_block_attention))
-    attn1, attn1b, attn2 = ([m for m in model.modules() if isinstance(m, SelfAttention)] for model in (gpt1, gpt1b, gpt2))
+    attn1, attn1b, attn2 = ([m for m in model.modules() if isinstance(m, SelfAttention)]
+                            for model in (gpt1, gpt1b, gpt2))
     for m in attn1b:  # cp=1 with the ring's block kernel: the same attention maths as cp=2
         m.backend = block_backend
     x = torch.randn(seq, 1, cfg.hidden_size, generator=g)
@@ -252,7 +253,8 @@ def _variants(groups, single, seq: int, heads: int, layers: int, waits: dict) ->
     gpt_a2a = apply_context_parallel(GPTModel(cfg, groups, seed=0), cp, "a2a")
     gpt_ag = apply_context_parallel(GPTModel(cfg, groups, seed=0), cp, "allgather")
     sdpa = lambda a, b, c: be.kernels.attention(a, b, c, causal=True)  # noqa: E731
-    masked = lambda a, b, c, keep: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=keep)  # noqa: E731
+    masked = lambda a, b, c, keep: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        a, b, c, attn_mask=keep)
 
     x2 = split_sequence(x, 0, cp.size, rank)
     return {
@@ -374,8 +376,10 @@ def _variants_kernels(groups, seq: int, heads: int) -> dict:
     mine = [split_sequence(t, 2, cp.size, rank) for t in (q, k, v)]
     fused, scale = backend_kernel(be), HEAD_DIM ** -0.5
     sdpa = lambda a, b, c: be.kernels.attention(a, b, c, causal=True)  # noqa: E731
-    masked = lambda a, b, c, keep: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=keep)  # noqa: E731
-    block = lambda a, b, c: BlockedAttention.apply(a, b, c, [(slice(None), slice(None), True)], fused, scale)  # noqa: E731
+    masked = lambda a, b, c, keep: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        a, b, c, attn_mask=keep)
+    block = lambda a, b, c: BlockedAttention.apply(a, b, c, [(slice(None), slice(None), True)], fused,
+                                                   scale)  # noqa: E731
 
     def ring(kernel):
         return lambda a, b, c: ring_attention(a, b, c, group=cp, collectives=be.collectives, kernel=kernel)
@@ -384,7 +388,8 @@ def _variants_kernels(groups, seq: int, heads: int) -> dict:
         "core attention, cp=1 sdpa": (False, _backward_of(sdpa, q, k, v)),
         "ring, before (reference blocks)": (True, _backward_of(ring(REFERENCE), *mine)),
         "ring, after (fused blocks)": (True, _backward_of(ring(fused), *mine)),
-        "a2a, before (sdpa)": (True, _backward_of(lambda a, b, c: a2a_attention(a, b, c, group=cp, attend=sdpa), *mine)),
+        "a2a, before (sdpa)": (True,
+                               _backward_of(lambda a, b, c: a2a_attention(a, b, c, group=cp, attend=sdpa), *mine)),
         "a2a, after (fused block)": (True, _backward_of(lambda a, b, c: a2a_attention(a, b, c, group=cp, attend=block),
                                                         *mine)),
         "allgather, before (masked sdpa)": (True, _backward_of(
@@ -449,7 +454,8 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=2, choices=(2, 4),
                     help="2: ring / a2a / allgather and the ring's overlap; 4: ring, a2a and a2a+p2p (2x2) on 4 ranks")
     ap.add_argument("--kernels", action="store_true",
-                    help="cp=2 core attention before/after: reference vs fused ring blocks, SDPA vs fused a2a/allgather")
+                    help="cp=2 core attention before/after: reference vs fused ring blocks, SDPA vs fused "
+                         "a2a/allgather")
     args = ap.parse_args()
     worker = kernels_worker if args.kernels else cp_worker if args.cp == 2 else cp4_worker
     ranks = run_distributed(worker, args.cp, args.seq, args.heads, args.layers, args.rounds, timeout_s=900)

@@ -189,11 +189,13 @@ def main(argv=None) -> dict:
           f" | {'x bf16':>6s} | err bf16  fp8 t    fp8 row  fp8 blk")
     for r in grows:
         print(f"{r['gemm']:10s} {r['m']:6d} {r['k']:6d} {r['n']:6d} | {r['bf16_tflops']:7.3g} "
-              f"{r['fp8_tensor_tflops']:7.3g} {_fmt(r['fp8_row_tflops'], '.3g'):>7s} {_fmt(r['fp8_block_tflops'], '.3g'):>7s} | "
+              f"{r['fp8_tensor_tflops']:7.3g} {_fmt(r['fp8_row_tflops'], '.3g'):>7s} "
+              f"{_fmt(r['fp8_block_tflops'], '.3g'):>7s} | "
               f"{r['fp8_tensor_tflops'] / r['bf16_tflops']:6.2f} | {r['bf16_err']:.1e}  {r['fp8_tensor_err']:.1e}  "
               f"{_fmt(r['fp8_row_err'], '.1e')}  {r['fp8_block_err']:.1e}")
     lrows = layer_rows(be, dev, spec, iters, warmup)
-    print(f"\n{'layer fwd+bwd':14s} | {'bf16 ms':>8s} | {'tensorwise':>10s} {'delayed':>10s} {'blockwise':>10s}  (speed-up)")
+    print(f"\n{'layer fwd+bwd':14s} | {'bf16 ms':>8s} | {'tensorwise':>10s} {'delayed':>10s} {'blockwise':>10s}  "
+          "(speed-up)")
     for r in lrows:
         print(f"{r['layer']:14s} | {r['bf16_ms']:8.2f} | " + " ".join(
             f"{r[f'{k}_speedup']:10.2f}" for k in ("tensorwise", "delayed", "blockwise")))

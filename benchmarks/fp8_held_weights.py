@@ -16,7 +16,8 @@ import statistics
 
 import torch
 
-from compile_step import SHAPE, GPTConfig, GPTModel, ParallelGroups, alternate, fp8_model  # benchmarks/ is on the path when run as a script
+# benchmarks/ is on the path when run as a script
+from compile_step import SHAPE, GPTConfig, GPTModel, ParallelGroups, alternate, fp8_model
 
 
 def build(held: bool, micro_batches: int, micro: int):

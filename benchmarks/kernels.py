@@ -20,7 +20,8 @@ def markdown(report: dict) -> str:
     """Markdown table of a report: one line per (op, dtype, mode, impl)."""
     copy = report["extra"]["copy_gbs"]
     m = report["machine"]
-    out = [f"Backend `{m['backend']}` ({m['device_name']}, {m['processor']}, {m['threads']} threads, torch {m['torch']}); "
+    out = [f"Backend `{m['backend']}` ({m['device_name']}, {m['processor']}, {m['threads']} threads, torch "
+           f"{m['torch']}); "
            f"device copy bandwidth {copy:.1f} GB/s.", "",
            "| op | dtype | mode | impl | median ms | min ms | GB/s | % copy BW | peak MiB | vs eager | vs torch |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -32,7 +33,8 @@ def markdown(report: dict) -> str:
         nat = native.get((r["op"], r["dtype"], r["mode"]))
         vs_torch = f"{nat / r['ms']:.2f}x" if nat else "-"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
-        out.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['ms']:.2f} | {r['min_ms']:.2f} | {r['gbs']:.2f} | "
+        out.append(f"| {r['op']} | {r['dtype']} | {r['mode']} | {r['impl']} | {r['ms']:.2f} | {r['min_ms']:.2f} | "
+                   f"{r['gbs']:.2f} | "
                    f"{100 * r['gbs'] / copy:.0f}% | {peak} | {r['speedup']:.2f}x | {vs_torch} |")
     return "\n".join(out)
 

@@ -21,4 +21,5 @@ for inplace in (False, True):
     with tempfile.TemporaryDirectory() as d:
         res[inplace] = train_step_peak(argv, 1, d)[1]
     print("inplace", inplace, "step peak MiB %.3f" % (res[inplace] / 2**20))
-print("saved MiB %.3f; logits [8*128, 32768] bf16 = %.3f MiB" % ((res[False] - res[True]) / 2**20, 8 * 128 * 32768 * 2 / 2**20))
+print("saved MiB %.3f; logits [8*128, 32768] bf16 = %.3f MiB"
+      % ((res[False] - res[True]) / 2**20, 8 * 128 * 32768 * 2 / 2**20))

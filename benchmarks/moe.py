@@ -197,7 +197,8 @@ def summarize(ranks: list[dict], size: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ep", default=None, help="comma-separated expert-parallel sizes (1, 2); default 1,2 on CPU, 1 on devices")
+    ap.add_argument("--ep", default=None,
+                    help="comma-separated expert-parallel sizes (1, 2); default 1,2 on CPU, 1 on devices")
     ap.add_argument("--size", default=None, choices=sorted(SIZES), help="default: small on CPU, large on devices")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", default=None)

@@ -72,7 +72,8 @@ def main() -> None:
     print("| offloaded layers | peak MiB | saved MiB | host MiB/step | step s | step x | last loss |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['offload_layers']} | {r['peak_bytes'] / 2**20:.1f} | {(base['peak_bytes'] - r['peak_bytes']) / 2**20:.1f} "
+        print(f"| {r['offload_layers']} | {r['peak_bytes'] / 2**20:.1f} | "
+              f"{(base['peak_bytes'] - r['peak_bytes']) / 2**20:.1f} "
               f"| {r['host_bytes_per_step'] / 2**20:.1f} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} "
               f"| {r['loss']!r} |")
     if a.json:

@@ -58,14 +58,16 @@ def make_report(out: str) -> None:
     for t in (1,):  # every run below uses 1 thread a rank (--threads-per-process 1)
         one = {"OMP_NUM_THREADS": str(t)}
         _omnitron(["bench", "gemm", "--dtypes", "fp32", "--sizes", "64", "128", "256", "512", "1024",
-                   "--model", "gpt2_tiny", "--tokens", "1024", "--rounds", "10", "--json", f"{out}/gemm-t{t}.json"], one)
+                   "--model", "gpt2_tiny", "--tokens", "1024", "--rounds", "10",
+                   "--json", f"{out}/gemm-t{t}.json"], one)
         _omnitron(["bench", "attention", "--dtype", "fp32", "--seqs", "128", "256", "512", "--heads", "4",
                    "--head-dim", "32", "--batch", "4", "--json", f"{out}/attention-t{t}.json"], one)
         _omnitron(["bench", "elementwise", "--sizes", "16384", "262144", "1048576", "4194304",
                    "--json", f"{out}/elementwise-t{t}.json"], one)
     for n in (2, 4):
         _omnitron(["bench", "comm", "--nproc-per-node", str(n), "--ops", "all_reduce", "all_gather", "reduce_scatter",
-                   "all_to_all", "p2p", "host_gemm", "host_stream", "--min-bytes", "1K", "--max-bytes", "16M", "--rounds", "5",
+                   "all_to_all", "p2p", "host_gemm", "host_stream", "--min-bytes", "1K", "--max-bytes", "16M",
+                   "--rounds", "5",
                    "--json", f"{out}/comm-{n}.json"])
 
 
@@ -114,7 +116,8 @@ def main() -> None:
             row = measure(name, layout, extra)
             row.update(load_before=before, load=os.getloadavg()[0], measured_pass=p + 1)
             runs[name].append(row)
-            print(f"  pass {p + 1} {name:18s} {row['step_ms']:8.1f} ms  load {before:.1f}-{row['load']:.1f}", flush=True)
+            print(f"  pass {p + 1} {name:18s} {row['step_ms']:8.1f} ms  load {before:.1f}-{row['load']:.1f}",
+                  flush=True)
     rows = []
     for name in names:
         rates = Rates.from_reports([report])
@@ -124,7 +127,8 @@ def main() -> None:
                    notes=pred.notes, passes_ms=[r["step_ms"] for r in runs[name]])
         rows.append(row)
         print(f"{name:18s} measured {row['step_ms']:8.1f} ms (passes {' '.join(f'{v:.0f}' for v in row['passes_ms'])}) "
-              f"predicted {row['predicted_ms']:8.1f} ms error {100 * (row['predicted_ms'] / row['step_ms'] - 1):+6.1f}%  "
+              f"predicted {row['predicted_ms']:8.1f} ms error "
+              f"{100 * (row['predicted_ms'] / row['step_ms'] - 1):+6.1f}%  "
               + " ".join(f"{k} {v:.0f}" for k, v in row["breakdown_ms"].items()), flush=True)
     summarize(rows)
     with open(os.path.join(args.out, "rows.json"), "w") as f:

@@ -174,7 +174,8 @@ def main() -> None:
     ap.add_argument("--tries", type=int, default=5)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out", default=None)
-    ap.add_argument("--chain", type=int, default=None, help="GEMM side for the busy stream (default 2048; 64 on cpu/sim)")
+    ap.add_argument("--chain", type=int, default=None,
+                    help="GEMM side for the busy stream (default 2048; 64 on cpu/sim)")
     args = ap.parse_args()
     os.environ[CHAIN_ENV] = str(args.chain or (64 if args.backend in ("cpu", "sim") else 2048))
     sys.path.insert(0, ROOT)

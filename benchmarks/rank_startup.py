@@ -68,7 +68,8 @@ def main() -> None:
     print(f"tp2 x pp2, 2 iterations: ranks forked {med['ranks forked (fork server)']:.1f} s, spawned "
           f"{med['ranks spawned']:.1f} s ({med['ranks spawned'] / med['ranks forked (fork server)']:.2f}x)")
     print(f"one process, --num-workers 2: loader workers forked {med['loader workers forked']:.1f} s, spawned "
-          f"{med['loader workers spawned']:.1f} s ({med['loader workers spawned'] / med['loader workers forked']:.2f}x)")
+          f"{med['loader workers spawned']:.1f} s "
+          f"({med['loader workers spawned'] / med['loader workers forked']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def main_job(backend: str, root: str) -> None:
     """The main job for 3 steps on ``backend`` (the command of tests/training/test_main_job.py)."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "omnitron", "train", "--config", os.path.join(ROOT, "examples", "moby_dick_tp2_pp2.yaml"),
+    cmd = [sys.executable, "-m", "omnitron", "train",
+           "--config", os.path.join(ROOT, "examples", "moby_dick_tp2_pp2.yaml"),
            "--train-iters", "3", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
            "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--lr-warmup-iters", "0",
            "--save", os.path.join(root, "run"), "--sample-tokens", "4", "--no-tensorboard", "--backend", backend]

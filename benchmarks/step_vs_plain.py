@@ -153,7 +153,8 @@ def main() -> None:
         for dtype in (None, torch.bfloat16):
             r = engine_vs_plain(size, dtype, args.steps)
             rows.append(r)
-            print(f"{r['size']:>5} {r['params'] / 1e6:7.1f}M {r['dtype']:>9} {r['engine_ms']:10.1f} {r['plain_ms']:9.1f} "
+            print(f"{r['size']:>5} {r['params'] / 1e6:7.1f}M {r['dtype']:>9} {r['engine_ms']:10.1f} "
+                  f"{r['plain_ms']:9.1f} "
                   f"{r['engine_tok_s']:12.0f} {r['plain_tok_s']:11.0f} {r['engine_over_plain']:12.3f} "
                   f"{r['engine_over_plain_cpu']:14.3f}", flush=True)
     out = {"engine_vs_plain": rows}

@@ -129,7 +129,8 @@ def _measure(dtype_name: str, distributed: bool, groups, be) -> dict:
     finalize_model_grads([ddp], groups)
     gather, step = _accounted_step(opt, 1e-3)
     n = sum(p.numel() for _, p in named)
-    return {"gather": gather / n, "step": step / n, "params": _storage_bytes([p for _, p in named]) / n, "grads": _storage_bytes([b.data for b in ddp.buffers]) / n,
+    return {"gather": gather / n, "step": step / n, "params": _storage_bytes([p for _, p in named]) / n,
+            "grads": _storage_bytes([b.data for b in ddp.buffers]) / n,
             "optimizer": opt.state_bytes() / n, "numel": n}
 
 

@@ -125,7 +125,8 @@ def pytest_collection_modifyitems(config, items):
     name = os.environ.get("OMNITRON_BACKEND", "cpu")
     skip_gpu = pytest.mark.skip(reason=f"needs a GPU backend; running on {name!r}")
     for item in items:
-        if "gpu" in item.keywords and name in ("cpu", "sim", "musa-double"):  # sim (and the double over it) is simulated
+        if "gpu" in item.keywords and name in ("cpu", "sim",
+                                               "musa-double"):  # sim (and the double over it) is simulated
             item.add_marker(skip_gpu)
         for marker, why in (("host_only", "host only on purpose"), ("device_port", "not yet ported to a device")):
             found = item.get_closest_marker(marker)

@@ -197,7 +197,8 @@ def get_backend(name: str | None = None) -> Backend:
             f"unknown backend {name!r} (set {ENV_VAR} to one of: auto, {', '.join(known)}):\n" + _explain(probe_all()))
     ok, why, cls = _probe(name, known[name])
     if not ok:
-        raise BackendUnavailableError(f"backend {name!r} cannot run here: {why}\nall backends:\n" + _explain(probe_all()))
+        raise BackendUnavailableError(f"backend {name!r} cannot run here: {why}\nall backends:\n"
+                                      + _explain(probe_all()))
     try:
         cls = staged.apply(cls)
     except ValueError as err:

@@ -263,7 +263,8 @@ def _with_devices(backend, rows: list[dict], index: int, world: int) -> list[dic
     current device the sweep allocated on, ``index`` (the placement) where the device type has no index."""
     dev = backend.current_device()
     index = index if dev.index is None else dev.index
-    mine, every = torch.tensor([index], dtype=torch.int64, device=dev), torch.empty(world, dtype=torch.int64, device=dev)
+    mine, every = (torch.tensor([index], dtype=torch.int64, device=dev),
+                   torch.empty(world, dtype=torch.int64, device=dev))
     backend.collectives.all_gather(every, mine)
     names = [f"{dev.type}:{i}" for i in every.tolist()]
     return [dict(r, devices=names) for r in rows]

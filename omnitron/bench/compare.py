@@ -222,7 +222,8 @@ def plots(reports: list[dict], out_dir: str) -> list[str]:
     if kernels:
         fig, ax = plt.subplots(figsize=(9, 4))
         for r in kernels:
-            pts = [(f"{row['op']}/{row['dtype']}/{row['mode']}/{row['impl']}", 100 * row["gbs"] / r["extra"]["copy_gbs"])
+            pts = [(f"{row['op']}/{row['dtype']}/{row['mode']}/{row['impl']}",
+                    100 * row["gbs"] / r["extra"]["copy_gbs"])
                    for row in r["rows"] if row.get("gbs") and row["impl"] not in ("eager", "torch", "compile")]
             ax.plot(range(len(pts)), [p[1] for p in pts], "o", label=name_of[id(r)])
         ax.set_ylabel("% of copy bandwidth"), ax.set_xlabel("kernel (op/dtype/mode/impl, in report order)")

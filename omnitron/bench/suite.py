@@ -59,7 +59,8 @@ def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> di
     one("gemm", lambda: gemm.run(backend, sizes=sz["gemm"], dtypes=list(gemm.DTYPES), model=model, tokens=tokens,
                                  rounds=5, budget_s=1.0, log=lambda *_: None))
     lo, hi, factor = sz["comm"]
-    one("comm", lambda: comm.run(backend.name, nproc=nproc, ops=comm.OPS + comm.HOST_OPS, byte_sizes=comm.sizes(lo, hi, factor),
+    one("comm",
+        lambda: comm.run(backend.name, nproc=nproc, ops=comm.OPS + comm.HOST_OPS, byte_sizes=comm.sizes(lo, hi, factor),
                                  rounds=5, budget_s=0.5))
     one("kernels", lambda: _kernels(backend, sz["kernels"]), copy_gbs=copy, size=sz["kernels"])
     one("attention", lambda: attention.run(backend, seqs=sz["attention"], log=lambda *_: None))

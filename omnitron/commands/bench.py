@@ -29,7 +29,8 @@ def register(sub) -> None:
     g.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096], help="square sizes")
     g.add_argument("--model", default=None, help="also the GEMM shapes of this preset's layer (e.g. gpt_1p3b)")
     g.add_argument("--tokens", type=int, default=4096, help="rows of the model's GEMMs (seq x micro-batch)")
-    g.add_argument("--dtypes", nargs="+", default=None, help="subset of fp32 tf32 bf16 fp16 fp8-tensor fp8-row fp8-block")
+    g.add_argument("--dtypes", nargs="+", default=None,
+                   help="subset of fp32 tf32 bf16 fp16 fp8-tensor fp8-row fp8-block")
     g.add_argument("--rounds", type=int, default=10)
     g.set_defaults(func=run_gemm)
     c = b.add_parser("comm", help="collectives and p2p over a size sweep: algorithm and bus bandwidth (nccl-tests)")
@@ -39,7 +40,8 @@ def register(sub) -> None:
     c.add_argument("--max-bytes", type=_bytes, default=1 << 26, help="largest message (e.g. 1G)")
     c.add_argument("--factor", type=int, default=4, help="size step")
     c.add_argument("--ops", nargs="+", default=None, help="subset of all_reduce all_gather reduce_scatter "
-                   "all_to_all broadcast sendrecv p2p, and host_gemm host_stream (how the ranks share the host's cores)")
+                   "all_to_all broadcast sendrecv p2p, and host_gemm host_stream (how the ranks share the host's "
+                   "cores)")
     c.add_argument("--rounds", "--iters", type=int, default=20, help="timed calls per size, back to back (nccl-tests "
                    "-n; fewer where one call is slow)")
     c.add_argument("--warmup-iters", type=int, default=5, help="untimed calls per size first (nccl-tests -w)")
@@ -51,7 +53,8 @@ def register(sub) -> None:
     k = b.add_parser("kernels", help="every implementation of every fused op against torch eager")
     _common(k)
     k.add_argument("--ops", nargs="*", default=None, help="ops to run (default: all)")
-    k.add_argument("--dtypes", default=None, help="comma list, e.g. float32,bfloat16 (default: both on CPU, bf16 on a GPU)")
+    k.add_argument("--dtypes", default=None,
+                   help="comma list, e.g. float32,bfloat16 (default: both on CPU, bf16 on a GPU)")
     k.add_argument("--size", choices=("tiny", "small", "large"), default=None,
                    help="problem sizes: tiny (smoke tests), small (default on CPU), large (default on a GPU)")
     k.add_argument("--compile", action="store_true", help="also time torch.compile of the reference (slow to build)")

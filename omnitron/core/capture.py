@@ -8,9 +8,9 @@ shapes; validation and generation run the eager forward (the compiled one under 
 is captured with its second input (a GPT layer's ``freqs``, a BERT layer's padding mask: BERT, T5's encoder, the
 vision encoder); calls with more (packed-document ids, T5's decoder's memory) run uncaptured. What the
 captured code must not do, since no Python runs on replay: swap generator states (the tensor-parallel RNG fork)
-or consult host-side caches (the FP8 weight cache). While a capture is under way :func:`in_graph` is True, as it is while dynamo traces, and those sites take
-their traceable form (explicit dropout masks from the default generator, the FP8 weight read from its held tensors
-or re-quantized in the graph).
+or consult host-side caches (the FP8 weight cache). While a capture is under way :func:`in_graph` is True, as it is
+while dynamo traces, and those sites take their traceable form (explicit dropout masks from the default generator, the
+FP8 weight read from its held tensors or re-quantized in the graph).
 
 Refused (one line each, :func:`check_settings`, as Megatron refuses its own incompatible options): both
 spellings at once; an implementation other than ``local``; pipeline parallelism (each in-flight micro-batch would
@@ -33,8 +33,9 @@ enabled are captured, the capture flag itself is never read while dynamo traces 
 Python flag a layer reads per step (the delayed recipe's ``AmaxReducer.primed``) belongs to a refused recipe;
 (c) the compiled layer has no graph break (tested), so no Python runs between its kernels that a replay would
 skip; tensorwise / blockwise FP8 read the weights' FP8 form from tensors refreshed in place before the layers run
-(:mod:`omnitron.core.precision.fp8.static_weights`), or without them re-quantize the weight in the graph. Refused besides: MoE, whose token exchange
-runs eagerly between a compiled layer's graphs and reads the routing's sizes on the host.
+(:mod:`omnitron.core.precision.fp8.static_weights`), or without them re-quantize the weight in the graph. Refused
+besides: MoE, whose token exchange runs eagerly between a compiled layer's graphs and reads the routing's sizes on the
+host.
 
 Each captured layer is a graph region (:func:`omnitron.core.graph_state.mark_region`): its own hooks run eagerly
 before the captured forward, ``--overlap-param-gather``'s waits for all its parameters' gathers first, then its FP8

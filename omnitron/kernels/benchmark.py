@@ -209,6 +209,7 @@ def format_rows(rows: list[Row], header: bool = True) -> str:
     lines = [f"{'op':26s} {'dtype':9s} {'mode':8s} {'impl':8s} {'ms':>9s} {'min ms':>9s} {'GB/s':>7s} {'peak MiB':>9s} "
              f"{'vs eager':>8s}"] if header else []
     for r in rows:
-        lines.append(f"{r.op:26s} {r.dtype:9s} {r.mode:8s} {r.impl:8s} {f(r.ms, '9.3f')} {f(r.min_ms, '9.3f')} {f(r.gbs, '7.1f')} "
+        lines.append(f"{r.op:26s} {r.dtype:9s} {r.mode:8s} {r.impl:8s} {f(r.ms, '9.3f')} {f(r.min_ms, '9.3f')} "
+                     f"{f(r.gbs, '7.1f')} "
                      f"{f(r.peak_mib, '9.1f')} {f(r.speedup, '7.2f')}x {r.note}".rstrip())
     return "\n".join(lines)

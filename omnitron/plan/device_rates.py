@@ -22,8 +22,8 @@ The host's fixed cost per layer is not priced (an accelerator's host runs ahead 
 accelerator (:class:`omnitron.plan.rates.Rates`) replaces the profile where it has rows: GEMMs of a dtype it
 measured, attention, element-wise ops it measured, the FP8 cast-transpose's rate over the copy's (a kernels
 report's ``fp8_cast_transpose_amax`` row: :meth:`DeviceRates.cast_transpose`), and collectives of a group that
-lies inside one node at a rank count it measured (intra-node rows). The profile keeps the rest: what spans nodes, and what the report
-lacks (noted).
+lies inside one node at a rank count it measured (intra-node rows). The profile keeps the rest: what spans nodes, and
+what the report lacks (noted).
 """
 from __future__ import annotations
 

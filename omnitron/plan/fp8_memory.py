@@ -69,14 +69,15 @@ saving priced at the slice's width: the estimate over-counts the rest of that st
 recomputation without the transient probes (``estimate(..., transients=False)``: its FP8 linears' inputs priced wide, an
 over-count of one chunk's saving; the probes' replay holds them as FP8), multi-token prediction's depths and their
 ``eh_proj`` (an MoE depth's experts too), ``--torch-compile``'s saved tensors (inductor decides what a compiled layer
-saves; its weights' FP8 form is held for the step as eager's is: ``core/precision/fp8/static_weights.py``), the delayed reducer's step-end temporaries (``push_packed``'s stacked
-histories, a few ``[roles, history]`` fp32 tensors, after the backward has freed the activations), ``--fp8-impl
-torchao``, which op keeps a linear's input on another device (the probe's attention path is this CPU's); in the
-transients, block-wise tiles that are not whole (a ragged dimension pads a copy and expands the scales),
-``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after the GEMM (one more
-output-sized tensor), the experts of the layers ``--first-last-layers-bf16`` keeps wide under ``--moe-grouped-gemm``
-(they run the grouped GEMM, which stacks the local experts' weights in its forward and again in its backward, but
-are priced as each expert's own GEMMs: FP8 experts run those, so the plan probes every layer without the grouped GEMM,
+saves; its weights' FP8 form is held for the step as eager's is: ``core/precision/fp8/static_weights.py``), the delayed
+reducer's step-end temporaries (``push_packed``'s stacked histories, a few ``[roles, history]`` fp32 tensors, after the
+backward has freed the activations), ``--fp8-impl torchao``, which op keeps a linear's input on another device (the
+probe's attention path is this CPU's); in the transients, block-wise tiles that are not whole (a ragged dimension pads a
+copy and expands the scales), ``_scaled_mm``'s alignment padding (a dimension not a multiple of 16), a bias added after
+the GEMM (one more output-sized tensor), the experts of the layers ``--first-last-layers-bf16`` keeps wide under
+``--moe-grouped-gemm`` (they run the grouped GEMM, which stacks the local experts' weights in its forward and again in
+its backward, but are priced as each expert's own GEMMs: FP8 experts run those, so the plan probes every layer without
+the grouped GEMM,
 :func:`omnitron.plan.fp8_moe.experts_as_run`), the experts of a probe with fewer
 experts than the model (16 for more that divide by it: each expert's rows and passes larger, an upper bound), and a wide
 input a module keeps past its own return.
@@ -221,8 +222,8 @@ def kept_inputs(cfg) -> set[str]:
 def _reads(settings, m) -> tuple[bool, int]:
     """(whether linear ``m`` all-gathers its input, the divisor of the micro-batch's tokens its GEMM reads) under
     the layout: with sequence parallelism over tp > 1 a column-parallel linear all-gathers its input shard (its FP8
-    GEMM saves a copy of its own, the whole sequence) and a replicated one (a one-rank group: multi-latent attention's down-projections)
-    reads the sequence shard; every other linear the whole sequence."""
+    GEMM saves a copy of its own, the whole sequence) and a replicated one (a one-rank group: multi-latent attention's
+    down-projections) reads the sequence shard; every other linear the whole sequence."""
     from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
 
     pc = settings.parallel

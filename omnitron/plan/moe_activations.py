@@ -231,7 +231,8 @@ def transient_probe(cfg, probe, k: int, tp: int, etp: int):
         raise RuntimeError(f"plan: the MoE widths {widths} do not divide by the probe's {k}; the memory model "
                            "cannot scale their transients")
     return replace(probe, num_experts=local.num_experts, moe_router_num_groups=local.moe_router_num_groups,
-                   moe_router_group_topk=local.moe_router_group_topk, moe_layer_freq=1, moe_ffn_hidden_size=widths[0] // k,
+                   moe_router_group_topk=local.moe_router_group_topk, moe_layer_freq=1,
+                   moe_ffn_hidden_size=widths[0] // k,
                    moe_shared_expert_intermediate_size=widths[1] // k or None, moe_expert_capacity_factor=1.0,
                    moe_pad_expert_input_to_capacity=True)
 

@@ -7,7 +7,8 @@ Model (printed with every prediction; see ``BENCHMARKS.md`` for how close it com
    stage's logits) + core attention + its tensor-parallel collectives + ring hops + the send of its output
    to the next stage; backward = 2 x the forward GEMMs and attention (input and weight gradients), the
    backward collectives, and, with ``--recompute-granularity full``, the recomputed layers' forward again
-   (``selective``: the core attention's forward again, the probabilities' dropout included). Context parallelism's attention is its ring's steps,
+   (``selective``: the core attention's forward again, the probabilities' dropout included). Context parallelism's
+attention is its ring's steps,
    each block at the report's ``ring_block`` rate (the engine's block kernel with the ring's own dropout
    masks), plus the merges of the partial results and the backward's gradient accumulations.
 2. **The pipeline**: those costs run through the schedule's own action table on an ideal clock

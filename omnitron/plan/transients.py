@@ -8,8 +8,8 @@ output layer's weight gradient, held until the embedding's half arrives.
 
 Derivation. Run one probe chunk (the tp-local widths divided by ``k = k_heads * k_dim``, as
 :func:`.activations.probe_config`) through forward and backward under a dispatch mode that logs every
-storage created and freed (:class:`omnitron.kernels.alloc_log.Timeline`). Each logged storage is a product of the run's dimensions:
-``[s, b, w]`` activations, ``[b, heads, s, s]`` scores, ``[w, w]`` weight gradients, ``[s, b, V]`` logits,
+storage created and freed (:class:`omnitron.kernels.alloc_log.Timeline`). Each logged storage is a product of the run's
+dimensions: ``[s, b, w]`` activations, ``[b, heads, s, s]`` scores, ``[w, w]`` weight gradients, ``[s, b, V]`` logits,
 so its bytes are ``c * s^a * b^e * kh^p * kd^q * V^v`` with small integer exponents. Six probes (the base,
 and each of sequence, batch, head dimension, head count and vocabulary doubled) issue the same
 allocations in the same order (checked; a probe with a single head or query group is logged at twice
@@ -73,7 +73,8 @@ def _chunk(p: Probe):
         layout, total, key = Layout(pp=2, first=1, last=n), n + 1, (1, 0)
     else:
         layout, total, key = Layout(pp=3, first=1, last=1), n + 2, (1, 0)
-    c = replace(cfg, num_layers=total, seq_length=p.s, max_position_embeddings=max(p.s, cfg.max_position_embeddings or p.s),
+    c = replace(cfg, num_layers=total, seq_length=p.s,
+                max_position_embeddings=max(p.s, cfg.max_position_embeddings or p.s),
                 recompute_num_layers=min(cfg.recompute_num_layers or 1, n) if cfg.recompute_granularity == "full"
                 else cfg.recompute_num_layers)
     torch.manual_seed(0)

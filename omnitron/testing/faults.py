@@ -64,7 +64,8 @@ def children(pid: int) -> list[int]:
             continue
     servers = {p for p, (ppid, cmd) in table.items() if ppid == pid and b"multiprocessing.forkserver" in cmd}
     return sorted(p for p, (ppid, cmd) in table.items()
-                  if ppid in servers or (ppid == pid and p not in servers and (b"spawn_main" in cmd or b"omnitron" in cmd)))
+                  if ppid in servers
+                  or (ppid == pid and p not in servers and (b"spawn_main" in cmd or b"omnitron" in cmd)))
 
 
 def alive(pid: int) -> bool:

@@ -139,7 +139,8 @@ def compare(backend: str, result: dict, records: list[dict], bitwise: bool) -> s
     if min(worst) <= REL_BOUND:
         return None
     return (f"{backend} ({env}) is {min(worst):.1e} relative from its nearest golden curve "
-            f"({nearest['environment']}), over the {REL_BOUND:.1e} bound: {_first_moved(got, nearest['losses'], REL_BOUND)}")
+            f"({nearest['environment']}), over the {REL_BOUND:.1e} bound: "
+            f"{_first_moved(got, nearest['losses'], REL_BOUND)}")
 
 
 def main(argv: list[str] | None = None) -> int:

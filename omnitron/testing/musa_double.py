@@ -113,7 +113,8 @@ def _fused_cross_entropy_loss_2d_forward(self: torch.Tensor, target: torch.Tenso
     stock path for the same arguments (LossNLL.cpp.patch), so ``F.cross_entropy`` semantics; fp32 inside,
     ``reduction`` as ``at::Reduction`` (0 none, 1 mean, 2 sum)."""
     if self.dim() != 2:
-        raise RuntimeError(f"_fused_cross_entropy_loss_2d_forward: self must be [rows, classes], got {tuple(self.shape)}")
+        raise RuntimeError("_fused_cross_entropy_loss_2d_forward: self must be [rows, classes], got "
+                           f"{tuple(self.shape)}")
     mode = ("none", "mean", "sum")[reduction]
     loss = F.cross_entropy(self.float(), target, weight, ignore_index=ignore_index, reduction=mode,
                            label_smoothing=label_smoothing)
@@ -163,7 +164,8 @@ the double computes."""
 
 def sync_returns_none() -> bool:
     """Whether the double's ``mccl`` returns no work for synchronous calls (the sim build can tell one)."""
-    return bool(musa_runtime._State.ext is not None and musa_runtime._State.ext.build_features().get("sync_returns_none"))
+    return bool(musa_runtime._State.ext is not None
+                and musa_runtime._State.ext.build_features().get("sync_returns_none"))
 
 
 def is_installed() -> bool:

@@ -43,7 +43,8 @@ def _ext():
 
 
 def _index(device=None, optional: bool = True) -> int:
-    """A device index as torch_musa's ``_get_musa_device_index``: int, ``"musa:i"``, ``torch.device``; None is current."""
+    """A device index as torch_musa's ``_get_musa_device_index``: int, ``"musa:i"``, ``torch.device``; None is
+    current."""
     if device is None:
         if not optional:
             raise ValueError("Expected a musa device, but got: None")

@@ -53,7 +53,8 @@ def adam_reference(params: list[torch.Tensor], decay: list[bool], grads_fn, step
     ``grads_fn(step, params) -> [rank][param]`` gives each rank's local gradients at the current params.
     Warm-up steps use the mean gradient, clipped, and AdamW; later ones each rank's own, unclipped (their
     norm: the RMS of the local norms), the momentum compressed as m / (sqrt(v / (1 - b2^F)) + eps), clamped
-    to the bound of exact Adam's m / sqrt(v); elements whose frozen variance is zero keep a zero momentum. Returns (params after each step, the norm of each step)."""
+    to the bound of exact Adam's m / sqrt(v); elements whose frozen variance is zero keep a zero momentum. Returns
+    (params after each step, the norm of each step)."""
     p = [t.double().clone() for t in params]
     m = [torch.zeros_like(t) for t in p]
     v = [torch.zeros_like(t) for t in p]

@@ -38,7 +38,8 @@ def test_different_shape_names_both_sites(monkeypatch):
     assert took < 30, took
     assert "issued different collectives" in msg
     assert "all_reduce #3 shape=[8]" in msg and "all_reduce #3 shape=[9]" in msg  # #1: the start barrier
-    assert msg.count(_site("torch.ones(8 + dist.get_rank())")) >= 2, msg  # both ranks' call sites, reported by both ranks
+    # both ranks' call sites, reported by both ranks
+    assert msg.count(_site("torch.ones(8 + dist.get_rank())")) >= 2, msg
 
 
 def test_skipped_collective_names_both_sites(monkeypatch):

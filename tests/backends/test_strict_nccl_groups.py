@@ -4,10 +4,10 @@ logged in each rank) are replayed under a model of NCCL's rule, and a correct pr
 The model (``omnitron.testing.nccl_groups.replay``): each rank's groups on a communicator run one after another,
 as on one stream; an operation completes when it and its partner are both in the group at the head of their rank's
 stream; a group completes when all its operations have; the k-th send from rank a to rank b pairs with the k-th
-receive on b from a (NCCL ignores tags: a header paired with a payload is an error). It assumes every payload is too large for NCCL's
-buffers (the worst case: a send waits for its receive), so a program that finishes here finishes on NCCL at any
-size. The host transports' shape (each send its own {header, payload} group, a payload receive posted once its
-header was checked) deadlocks here; it was the shape on every backend before the device libraries got one group
+receive on b from a (NCCL ignores tags: a header paired with a payload is an error). It assumes every payload is too
+large for NCCL's buffers (the worst case: a send waits for its receive), so a program that finishes here finishes on
+NCCL at any size. The host transports' shape (each send its own {header, payload} group, a payload receive posted once
+its header was checked) deadlocks here; it was the shape on every backend before the device libraries got one group
 per batch (``Collectives(p2p_groups_in_order=True)``)."""
 from __future__ import annotations
 

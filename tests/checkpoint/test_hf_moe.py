@@ -121,7 +121,8 @@ def _close(a, b):
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
 def test_import_gives_transformers_logits(name, tmp_path):
     hf_cfg = HF_CONFIGS[name]()
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float64, experts_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float64,
+                                                       experts_implementation="eager").eval()
     _randomize(hf, 1)
     hf.save_pretrained(tmp_path / "hf")
     path = import_hf(str(tmp_path / "hf"), str(tmp_path / "omni"), Layout())
@@ -195,14 +196,16 @@ def _hf_mtp_modules(hf, seed: int, tmp):
         deeper.model.layers[-1].mlp.gate.e_score_correction_bias.copy_(torch.randn(c.n_routed_experts) * 0.1)
     deeper.save_pretrained(tmp)
     state = {k: t for k, t in load_file(str(tmp / "model.safetensors")).items() if k.startswith(L)}
-    mods = torch.nn.ModuleDict({"enorm": DeepseekV3RMSNorm(h, c.rms_norm_eps), "hnorm": DeepseekV3RMSNorm(h, c.rms_norm_eps),
+    mods = torch.nn.ModuleDict({"enorm": DeepseekV3RMSNorm(h, c.rms_norm_eps),
+                                "hnorm": DeepseekV3RMSNorm(h, c.rms_norm_eps),
                                 "eh_proj": torch.nn.Linear(2 * h, h, bias=False),
                                 "norm": DeepseekV3RMSNorm(h, c.rms_norm_eps)}).double()
     _randomize(mods, seed + 1)
     mods["layer"] = deeper.model.layers[-1]
     state.update({L + "enorm.weight": mods["enorm"].weight, L + "hnorm.weight": mods["hnorm"].weight,
                   L + "eh_proj.weight": mods["eh_proj"].weight, L + "shared_head.norm.weight": mods["norm"].weight,
-                  L + "embed_tokens.weight": hf.model.embed_tokens.weight, L + "shared_head.head.weight": hf.lm_head.weight})
+                  L + "embed_tokens.weight": hf.model.embed_tokens.weight,
+                  L + "shared_head.head.weight": hf.lm_head.weight})
     return mods, {k: t.detach().clone().contiguous() for k, t in state.items()}
 
 
@@ -244,7 +247,8 @@ def test_deepseek_mtp_layer_and_routing_bias_import(tmp_path):
     model = GPTModel(cfg, ParallelGroups.single(), backend=get_backend("cpu"))
     model.load_state_dict(read_shard(path, 0)["model"][0])
     biases = {n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}
-    assert sorted(biases) == ["decoder.layers.1.mlp.router.expert_bias", "mtp.layers.0.transformer_layer.mlp.router.expert_bias"]
+    assert sorted(biases) == ["decoder.layers.1.mlp.router.expert_bias",
+                              "mtp.layers.0.transformer_layer.mlp.router.expert_bias"]
     assert all(b.abs().min() > 0 for b in biases.values())
     from omnitron.core.checkpoint.reshard import read_full_state
 

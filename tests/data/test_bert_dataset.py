@@ -137,7 +137,8 @@ def test_one_sequence_documents_use_token_spans_and_no_binary_head(tmp_path):
 def test_errors_name_the_fix(tmp_path):
     ds = _write(tmp_path / "x", [[np.arange(10, 20)]])
     with pytest.raises(ValueError, match="BertWordPieceLowerCase"):
-        BertDataset(ds, np.arange(1), 4, seq_length=64, seed=1, tokenizer=build_tokenizer("NullTokenizer", vocab_size=50),
+        BertDataset(ds, np.arange(1), 4, seq_length=64, seed=1,
+                    tokenizer=build_tokenizer("NullTokenizer", vocab_size=50),
                     cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match="--no-bert-binary-head"):  # one 10-token sentence: no pair
         BertDataset(ds, np.arange(1), 4, seq_length=256, seed=1, tokenizer=_Tok(), cache_dir=str(tmp_path / "c"))

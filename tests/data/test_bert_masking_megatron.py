@@ -2,9 +2,9 @@
 tests/data/megatron_bert_masking/make_fixtures.py): the same sentences, target length and per-sample seed give
 the same segments, short-sample cut and whole-word n-gram masking, draw for draw, at ``--mask-prob`` 0.15 and
 at other values, also on texts that hold special ids (kept in the text; a [CLS] / [SEP] id no masking candidate; the
-padding mask where a token is [PAD]). The random replacement draws from the ids the datasets use (:func:`replacement_ids`: the whole
-vocabulary, as Megatron's ``token_lookup``). Then the statistics that follow from Megatron's rules, checked on
-the same cases."""
+padding mask where a token is [PAD]). The random replacement draws from the ids the datasets use
+(:func:`replacement_ids`: the whole vocabulary, as Megatron's ``token_lookup``). Then the statistics that follow from
+Megatron's rules, checked on the same cases."""
 from __future__ import annotations
 
 import os

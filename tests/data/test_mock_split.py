@@ -23,6 +23,7 @@ def test_mock_data_builds_every_split_whatever_the_split_says(split):
 def test_mock_data_takes_a_split_without_validation_share():
     from omnitron.core.training.arguments import parse_settings
 
-    s = parse_settings(["--model", "gpt2_tiny", "--mock-data", "--split", "1,0,0", "--eval-interval", "2", "--train-iters", "4",
+    s = parse_settings(["--model", "gpt2_tiny", "--mock-data", "--split", "1,0,0", "--eval-interval", "2",
+                        "--train-iters", "4",
                         "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"], world_size=1)
     assert s.data.mock_data and s.data.split == "1,0,0"

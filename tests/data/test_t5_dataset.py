@@ -152,7 +152,8 @@ def test_wordpiece_sentinels():
     ids = tok.encode("call <extra_id_2> ishmael")
     assert ids == plain.encode("call") + [tok.sentinels[2]] + plain.encode("ishmael")
     assert "<extra_id_2>" in tok.decode(ids) and not getattr(plain, "sentinels", ())
-    assert tok.continuation_ids and not set(tok.continuation_ids) & set(tok.special_ids)  # "##" pieces: T5's whole words
+    # "##" pieces: T5's whole words
+    assert tok.continuation_ids and not set(tok.continuation_ids) & set(tok.special_ids)
     with pytest.raises(TokenizerError, match="--vocab-extra-ids"):
         build_tokenizer("GPT2BPETokenizer", vocab_extra_ids=3)
 

@@ -86,7 +86,8 @@ def test_megatron_flags_build_the_config():
     assert fp8_config_from_args(p.parse_args([])) is None
     cfg = fp8_config_from_args(p.parse_args(["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-margin", "1",
                                              "--first-last-layers-bf16"]))
-    assert (cfg.fp8_format, cfg.fp8_recipe, cfg.fp8_margin, cfg.first_last_layers_bf16) == ("e4m3", "blockwise", 1, True)
+    assert ((cfg.fp8_format, cfg.fp8_recipe, cfg.fp8_margin, cfg.first_last_layers_bf16)
+            == ("e4m3", "blockwise", 1, True))
     with pytest.raises(ConfigError, match="mxfp8"):
         fp8_config_from_args(p.parse_args(["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"]))
 
@@ -217,7 +218,8 @@ def test_delayed_scaling_is_exact_under_activation_recomputation(per_step):
 
     def run(model, x, ckpt):
         for layer in model.layers.values():
-            x = checkpoint(lambda h, m=layer: torch.tanh(m(h)), x, use_reentrant=False) if ckpt else torch.tanh(layer(x))
+            x = checkpoint(lambda h, m=layer: torch.tanh(m(h)), x,
+                           use_reentrant=False) if ckpt else torch.tanh(layer(x))
         return model.output_layer(x)
 
     for step in range(4):

@@ -1,7 +1,7 @@
 """FP8 with ``--use-torch-fsdp2`` (:mod:`omnitron.core.precision.fp8.fsdp`): ``omnitron train`` at dp2 (and dp4,
 slow; sim, slow) against the same FP8 command on one process, the bytes FSDP2's all-gathers carry (counted at
-``torch.distributed.all_gather_single`` on torch 2.13, ``all_gather_into_tensor`` before: what FSDP2 calls) and the amax all-reduces of each step (counted at the
-backend's collectives) at 2 and 4 layers.
+``torch.distributed.all_gather_single`` on torch 2.13, ``all_gather_into_tensor`` before: what FSDP2 calls) and the amax
+all-reduces of each step (counted at the backend's collectives) at 2 and 4 layers.
 
 The model and run are tests/parallel/test_fsdp2.py's (2 layers, hidden 32, 3 SGD steps, fp32 outside the GEMMs),
 with ``--fp8-format hybrid --fp8-recipe tensorwise`` on the emulated FP8 GEMM path (same codes and fp32
@@ -73,7 +73,8 @@ def _train_recorded(root: str, world: int, layers: int, extra: tuple = ()) -> di
     be.collectives.all_reduce, loop.train_step = counted_reduce, step
     setattr(dist, name, counted_gather)
     try:
-        res = loop.train(parse_settings(_argv(root, "--use-torch-fsdp2", *FP8, "--num-layers", str(layers), *extra), world),
+        res = loop.train(parse_settings(_argv(root, "--use-torch-fsdp2", *FP8, "--num-layers", str(layers), *extra),
+                                        world),
                          be)
     finally:
         be.collectives.all_reduce, loop.train_step = reduce, train_step
@@ -160,7 +161,8 @@ def test_fsdp2_fp8_one_amax_all_reduce_per_step_at_any_layer_count(dp2):
     for r in dp2:
         for n in (2, 4):
             for step in r[n]["steps"]:
-                batched = [x for x in step["reduces"] if x == (str(torch.distributed.ReduceOp.MAX), r[n]["fp8_weights"])]
+                batched = [x for x in step["reduces"]
+                           if x == (str(torch.distributed.ReduceOp.MAX), r[n]["fp8_weights"])]
                 assert len(batched) == 1, step["reduces"]
         assert r[4]["fp8_weights"] == 2 * r[2]["fp8_weights"] == 16
         for s2, s4 in zip(r[2]["steps"], r[4]["steps"]):

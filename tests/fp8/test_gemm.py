@@ -137,7 +137,8 @@ def test_scaled_mm_and_emulated_paths_agree(monkeypatch):
     g = torch.Generator().manual_seed(3)
     a = (torch.randn(64, 96, generator=g) * 20).to(torch.float8_e4m3fn)
     bt = (torch.randn(48, 96, generator=g) * 20).to(torch.float8_e5m2)
-    for sa, sb in ((torch.tensor(0.5), torch.tensor(3.0)), (torch.rand(64, 1, generator=g), torch.rand(1, 48, generator=g))):
+    for sa, sb in ((torch.tensor(0.5), torch.tensor(3.0)),
+                   (torch.rand(64, 1, generator=g), torch.rand(1, 48, generator=g))):
         ys = [provs[p].scaled_mm(a, bt.t(), sa, sb, out_dtype=torch.float32) for p in provs]
         ref = (a.double() * sa.double()) @ (bt.double().t() * sb.double())
         for y in ys:

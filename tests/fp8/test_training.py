@@ -51,7 +51,8 @@ def _loop_losses(prefix: str, iters: int, *precision: str) -> list[float]:
     from omnitron.core.training.loop import train
 
     argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "512",
-            "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
+            "--attention-dropout", "0",
             "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
             "--make-vocab-size-divisible-by", "128", "--data-cache-path", os.path.dirname(prefix) + "/cache",
             "--num-workers", "0", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(iters),

@@ -25,7 +25,8 @@ def sharpen(m):
 
 def tiny_t5():
     # NOTE: num_layers = encoder + decoder layers keeps clear of a layer-range check in init_single_stage
-    cfg = t5_tiny(num_layers=4, encoder_num_layers=2, decoder_num_layers=2, hidden_size=64, ffn_hidden_size=128, vocab_size=V, seq_length=24, decoder_seq_length=16,
+    cfg = t5_tiny(num_layers=4, encoder_num_layers=2, decoder_num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                  vocab_size=V, seq_length=24, decoder_seq_length=16,
                   max_position_embeddings=24, num_query_groups=2)
     return sharpen(T5Model(cfg, ParallelGroups.single(), backend=get_backend("cpu"), seed=4))
 

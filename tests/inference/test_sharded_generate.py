@@ -165,7 +165,8 @@ def test_sharded_generate_refuses_a_wrong_process_count(tmp_path, capsys):
         cli(["generate", "--load", str(tmp_path), "--prompt", "1", "--tensor-model-parallel-size", "2",
              "--nproc-per-node", "3"])
     assert exit_.value.code == 2
-    assert "sharded inference needs tensor x pipeline = 2 x 1 processes, got 3; set --nproc-per-node 2" in capsys.readouterr().err
+    assert ("sharded inference needs tensor x pipeline = 2 x 1 processes, got 3; set --nproc-per-node 2"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

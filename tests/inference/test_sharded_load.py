@@ -90,7 +90,8 @@ def _rank(sources: list[str]) -> list[dict]:
         loaded = load_sharded(src, groups, be)
         with torch.no_grad():
             logits = loaded.sharded.forward(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids))
-        out.append({"logits": logits[..., :V + 1].cpu(), "read": loaded.read_bytes, "own": _own_bytes(loaded.model, groups.tp.rank),
+        out.append({"logits": logits[..., :V + 1].cpu(), "read": loaded.read_bytes,
+                    "own": _own_bytes(loaded.model, groups.tp.rank),
                     "tensors": len(dict(loaded.model.named_parameters()))})
     return out
 

@@ -321,7 +321,8 @@ def test_fp8_cast_transpose_from_amax(op, name, fmt, backend):
         q, qt, scale_inv = fn(x, amax, fmt, margin)
         want = (x.double() * scale32.double()).clamp(-limit, limit).to(dtype)
         assert q.dtype == dtype and qt.shape == (33, 70)
-        assert torch.equal(q.view(torch.uint8).cpu(), want.view(torch.uint8).cpu()), f"{name} {fmt} amax={a} margin={margin}"
+        assert torch.equal(q.view(torch.uint8).cpu(),
+                           want.view(torch.uint8).cpu()), f"{name} {fmt} amax={a} margin={margin}"
         assert torch.equal(qt.view(torch.uint8).cpu(), want.t().contiguous().view(torch.uint8).cpu())
         assert scale_inv.dtype == torch.float32 and float(scale_inv) == float(1.0 / scale32)
 

@@ -192,7 +192,8 @@ def test_deepseek_routing_under_ep_etp_with_fp8_within_the_fp8_bound(tmp_path):
     from omnitron.testing.distributed import run_distributed
 
     def one(recipe):
-        return train(parse_settings(_fp8_args(str(tmp_path / f"one-{recipe}"), recipe), 1), get_backend("cpu"))["losses"]
+        return train(parse_settings(_fp8_args(str(tmp_path / f"one-{recipe}"), recipe), 1),
+                     get_backend("cpu"))["losses"]
 
     wide = one(None)
     gaps = {}

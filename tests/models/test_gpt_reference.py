@@ -199,7 +199,8 @@ def test_init_is_seed_and_name_determined():
     # a pipeline stage holding layers [1, 2) draws layer 1 exactly as the whole model does
     stage = GPTModel(c, g, seed=5, pre_process=False, layer_offset=1, num_layers=1)
     ss = gather_full_state(stage, g)
-    assert "decoder.layers.1.self_attention.linear_qkv.weight" in ss and "decoder.layers.0.mlp.linear_fc2.weight" not in ss
+    assert ("decoder.layers.1.self_attention.linear_qkv.weight" in ss
+            and "decoder.layers.0.mlp.linear_fc2.weight" not in ss)
     assert all(torch.equal(ss[k], sa[k]) for k in ss)
     # scaled init of output projections: std / sqrt(2 L)
     fc2 = sa["decoder.layers.0.mlp.linear_fc2.weight"]

@@ -189,7 +189,8 @@ def test_mla_trains_through_the_cli(tmp_path):
 
     # the bundled Moby Dick corpus (real text; mock tokens are uniform, so no loss could fall below ln V)
     args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "omnitron/data/moby_dick_bpe/tokenizer.json",
+            "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", "omnitron/data/moby_dick_bpe/tokenizer.json",
             "--split", "969,30,1", "--num-workers", "0", "--micro-batch-size", "4", "--global-batch-size", "4",
             "--train-iters", "10", "--lr", "2e-2", "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
             "--log-interval", "100", "--no-tensorboard", "--eval-interval", "0", "--hidden-dropout", "0",

@@ -97,7 +97,8 @@ def _loss(token_loss, batch):
     return (token_loss * mask).sum() / mask.sum()
 
 
-VARIANTS = {"mha": {}, "gqa_uneven_stacks_selective": dict(num_query_groups=2, encoder_num_layers=1, decoder_num_layers=3,
+VARIANTS = {"mha": {},
+            "gqa_uneven_stacks_selective": dict(num_query_groups=2, encoder_num_layers=1, decoder_num_layers=3,
                                                               recompute_granularity="selective"),
             "full_recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)}
 

@@ -174,7 +174,8 @@ def layout_worker(tp: int, resume: bool, tp_mode: str = "duplicated") -> dict:
                 opt2.reload_masters()
                 opt2.load_state_dict(state)
         out["dist" if distributed else "plain"] = history
-        out[f"{'dist' if distributed else 'plain'}_keys"] = {n: sorted(e) for n, e in opt.state_dict()["tensors"].items()}
+        out[f"{'dist' if distributed else 'plain'}_keys"] = {n: sorted(e)
+                                                             for n, e in opt.state_dict()["tensors"].items()}
         if resume and distributed:
             resumed = []
             for s in range(2, STEPS):
@@ -242,7 +243,8 @@ def test_layout_and_modes_refused_or_accepted():
     from omnitron.core.training.arguments import parse_settings
 
     flags = parse_settings(_train_args("/tmp/x", ["--muon-no-split-qkv", "--muon-momentum", "0.95"]), 2).optim
-    assert (flags.optimizer, flags.muon_split_qkv, flags.muon_momentum, flags.muon_nesterov) == ("muon", False, 0.95, True)
+    assert ((flags.optimizer, flags.muon_split_qkv, flags.muon_momentum, flags.muon_nesterov)
+            == ("muon", False, 0.95, True))
     # Megatron's --muon-scalar-optimizer adam is the AdamW that runs here; lion is refused in one line
     adam = parse_settings(_train_args("/tmp/x", ["--muon-scalar-optimizer", "adam", "--muon-use-syrk"]), 2).optim
     assert adam == flags.__class__(**{**flags.__dict__, "muon_split_qkv": True, "muon_momentum": 0.9})
@@ -456,7 +458,8 @@ def test_whole_qkv_refused_where_the_fused_weight_is_split():
     from omnitron.core.config import ConfigError
     from omnitron.core.training.arguments import parse_settings
 
-    args = _train_args("/tmp/x", ["--muon-no-split-qkv", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"])
+    args = _train_args("/tmp/x",
+                       ["--muon-no-split-qkv", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="^--muon-no-split-qkv .* --num-query-groups 1 < --tensor-model-parallel"):
         parse_settings(args, 2)
     parse_settings(_train_args("/tmp/x", ["--num-query-groups", "1", "--tensor-model-parallel-size", "2"]), 2)

@@ -71,7 +71,8 @@ def test_main_grad_preferred_and_no_decay_on_1d():
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e6)  # must be ignored: main_grad wins
         p.main_grad = torch.zeros_like(p)
-    MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu")).step(0.5)
+    MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(),
+                            backend=get_backend("cpu")).step(0.5)
     for n, p in model.named_parameters():
         expect = before[n] * (1 - 0.5 * 0.3) if p.ndim > 1 else before[n]
         torch.testing.assert_close(p.detach(), expect)

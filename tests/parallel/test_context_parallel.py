@@ -172,7 +172,8 @@ def _build(tp, cp, pp, sp, family):
     model = GPTModel(_model_config(family), groups, pre_process=groups.pp.is_first, post_process=groups.pp.is_last,
                      layer_offset=2 * groups.pp.rank if pp > 1 else 0, num_layers=4 // pp, seed=SEED)
     model = to_device(model, get_backend().device())
-    return groups, DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
+    return groups, DistributedDataParallel(model, groups,
+                                           DataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
 
 
 def _train_args(root: str, *extra: str) -> list[str]:
@@ -182,7 +183,8 @@ def _train_args(root: str, *extra: str) -> list[str]:
             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--seq-length", "16",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-workers", "0",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "2",
-            "--eval-iters", "1", "--optimizer", "sgd", "--lr", "0.5", "--clip-grad", "0.5", "--hidden-dropout", "0", "--attention-dropout",
+            "--eval-iters", "1", "--optimizer", "sgd", "--lr", "0.5", "--clip-grad", "0.5", "--hidden-dropout", "0",
+            "--attention-dropout",
             "0", "--log-interval", "1", "--no-tensorboard", "--data-cache-path", root + "/cache", *extra]
 
 
@@ -250,7 +252,8 @@ def test_context_parallel_training_on_sim_matches_one_process_on_cpu(tmp_path):
     for res in run_distributed(loop_worker, 4, str(tmp_path / "sim"), backend="sim"):
         for run in ("loop", "loop_zero"):
             assert res[run][0] == pytest.approx(loop_ref[0], rel=1e-5), (run, res[run], loop_ref)
-            assert res[run][1] == pytest.approx(loop_ref[1], rel=1e-5) and len(loop_ref[1]) == 3  # + the final validation
+            assert res[run][1] == pytest.approx(loop_ref[1],
+                                                rel=1e-5) and len(loop_ref[1]) == 3  # + the final validation
 
 
 def test_gpt_context_parallel_matches_one_process(tmp_path):
@@ -260,7 +263,8 @@ def test_gpt_context_parallel_matches_one_process(tmp_path):
     for res in per_rank:
         for run in ("loop", "loop_zero"):
             assert res[run][0] == pytest.approx(loop_ref[0], rel=1e-5), (run, res[run], loop_ref)
-            assert res[run][1] == pytest.approx(loop_ref[1], rel=1e-5) and len(loop_ref[1]) == 3  # + the final validation
+            assert res[run][1] == pytest.approx(loop_ref[1],
+                                                rel=1e-5) and len(loop_ref[1]) == 3  # + the final validation
     for layout in LAYOUTS:
         ref_losses, ref_grads, ref_weights = refs[layout[-1]]
         grads, weights = {}, {}

@@ -122,7 +122,8 @@ def bf16_ring_worker(cp: int) -> dict:
         ref = _attention64(*full, causal)
         ref.backward(dout)
         dev = be.device()  # the backend under test's device; the float64 reference on the host
-        mine = [split_sequence(t, 2, cp, groups.cp.rank).to(dev, torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
+        mine = [split_sequence(t, 2, cp, groups.cp.rank).to(dev, torch.bfloat16).requires_grad_(True)
+                for t in (q, k, v)]
         o = ring_attention(*mine, group=groups.cp, collectives=be.collectives, causal=causal, kernel=backend_kernel(be))
         o.backward(split_sequence(dout, 2, cp, groups.cp.rank).to(dev, torch.bfloat16))
         want = [split_sequence(t, 2, cp, groups.cp.rank) for t in [ref] + [t.grad for t in full]]

@@ -119,7 +119,8 @@ def attention_worker(cps) -> list:
                 ms = None if sinks is None else sinks.to(dev).requires_grad_(True)
                 m = _module(groups, comm, be)
                 if p:
-                    m.tracker.draw_seed = lambda device, name=None: DROP_SEED  # the hash's seed, as the reference's masks
+                    # the hash's seed, as the reference's masks
+                    m.tracker.draw_seed = lambda device, name=None: DROP_SEED
                 o = cp_attention(m, *mine, p, scale=scale, window=window, sinks=ms)
                 o.backward(split_sequence(dout, 2, cp, rank).to(dev))
                 got = [o] + [t.grad for t in mine]

@@ -119,7 +119,8 @@ def _run(coll, tp: int, cp: int, ep: int, sp: bool) -> dict:
     return {"losses": losses, "norms": norms, "aux": aux, "state": gather_full_state(model, groups)}
 
 
-MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.05", "--moe-z-loss-coeff", "0.01"]
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.05",
+             "--moe-z-loss-coeff", "0.01"]
 LOOP_FLAGS = ["--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
 
 

@@ -34,7 +34,8 @@ def _case(bias: bool, recompute: bool, compiled: bool = False) -> dict:
     gen = torch.Generator().manual_seed(7)  # the same fresh inputs on both ranks
     x = torch.randn(S, B, H, generator=gen, dtype=torch.float64)
     w = torch.randn(OUT, H, generator=gen, dtype=torch.float64)
-    bvec, dy = torch.randn(OUT, generator=gen, dtype=torch.float64), torch.randn(S, B, OUT, generator=gen, dtype=torch.float64)
+    bvec, dy = (torch.randn(OUT, generator=gen, dtype=torch.float64),
+                torch.randn(S, B, OUT, generator=gen, dtype=torch.float64))
     rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
 
     layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=bias, sequence_parallel=True, dtype=torch.float64,

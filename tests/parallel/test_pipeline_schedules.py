@@ -63,7 +63,8 @@ def test_bubble_and_peak_activations_match_theory(pp, m):
     if m % pp == 0:
         v = 2
         inter = simulate(build_schedule("interleaved", pp, v, m), cost={"F": 1 / v, "B": 1 / v, "W": 1 / v})
-        assert max(inter.bubble(r) for r in range(pp)) == pytest.approx(theory_bubble("interleaved", pp, m, v), abs=1e-9)
+        assert (max(inter.bubble(r) for r in range(pp))
+                == pytest.approx(theory_bubble("interleaved", pp, m, v), abs=1e-9))
         for r in range(pp):
             warmup = min((pp - r - 1) * 2 + (v - 1) * pp, m * v)  # Megatron's, m == pp included
             assert inter.peak_inflight[r] == min(warmup + 1, m * v)

@@ -44,7 +44,8 @@ def _configs():
         "llama_qknorm_partial_rope": dataclasses.replace(llama, qk_layernorm=True, rotary_percent=0.5,
                                                          rotary_interleaved=True, add_bias_linear=True),
         # one key/value head: fewer query groups than tp, so KV projections are replicated over tp
-        "llama_mqa_kv_replicated": dataclasses.replace(llama, num_query_groups=1, add_bias_linear=True, qk_layernorm=True),
+        "llama_mqa_kv_replicated": dataclasses.replace(llama, num_query_groups=1, add_bias_linear=True,
+                                                       qk_layernorm=True),
         "llama_gqa2": dataclasses.replace(llama, num_query_groups=2),
         # Qwen2 (--disable-bias-linear --add-qkv-bias): a bias on linear_qkv only, split with its rows; and with
         # one key/value head, the replicated linear_kv's bias (a partial-sum gradient over tp, as its weight's)

@@ -21,11 +21,13 @@ def _constant_reports(tmp_path, tflops: float, comm_ms_per_mb: float) -> list[st
     """Report paths of known constants: every GEMM and attention at ``tflops``; each collective ``comm_ms_per_mb``
     ms per MB on 2 or 4 ranks (linear through 0); no element-wise report (not priced); 8 cores (1 thread a rank
     at world 8, no time-sharing)."""
-    gemm = [{"dtype": "fp32", "shape": "square", "m": s, "n": s, "k": s, "ms": 1.0, "tflops": tflops} for s in (64, 512)]
+    gemm = [{"dtype": "fp32", "shape": "square", "m": s, "n": s, "k": s, "ms": 1.0, "tflops": tflops}
+            for s in (64, 512)]
     att = [{"impl": impl, "dtype": "float32", "seq": s, "heads": 2, "head_dim": 8, "causal": True, "ms": 1.0,
             "tflops": tflops} for s in (16, 256) for impl in ("math", "op:reference")]
     comm = [{"op": op, "bytes": nb, "ranks": n, "ms": comm_ms_per_mb * nb / 1e6, "algbw_gbs": 0, "busbw_gbs": 0}
-            for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p") for n in (2, 4) for nb in (1, 10**6)]
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p") for n in (2, 4)
+            for nb in (1, 10**6)]
     return [_report(tmp_path, "gemm", gemm), _report(tmp_path, "attention", att), _report(tmp_path, "comm", comm)]
 
 

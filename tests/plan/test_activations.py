@@ -77,7 +77,8 @@ LAYOUTS = {  # name: (world, flags)
     "moe_pp2_selective": (2, MOE + ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"]),
     "deepseek_v3_tiny_pp2": (2, ["--model", "deepseek_v3_tiny", "--pipeline-model-parallel-size", "2"]),
     "deepseek_v3_tiny_mtp1": (1, ["--model", "deepseek_v3_tiny", "--mtp-num-layers", "1"]),
-    "mtp2_pp2": (2, ["--position-embedding-type", "rope", "--mtp-num-layers", "2", "--pipeline-model-parallel-size", "2"]),
+    "mtp2_pp2": (2,
+                 ["--position-embedding-type", "rope", "--mtp-num-layers", "2", "--pipeline-model-parallel-size", "2"]),
 }
 
 

@@ -82,7 +82,8 @@ def test_ratios_by_hand(tmp_path, capsys):
     assert rows[("memory", g)]["of_datasheet"] == pytest.approx(g / 1000, rel=1e-12)
     assert rows[("memory", g)]["of_profile"] == pytest.approx(g / 800, rel=1e-9)
     c = rows[("comm", algbw * 1.75)]
-    assert c["of_profile"] == pytest.approx(35 / m, rel=1e-12) and c["of_datasheet"] == pytest.approx(algbw * 1.75 / 100)
+    assert c["of_profile"] == pytest.approx(35 / m,
+                                            rel=1e-12) and c["of_datasheet"] == pytest.approx(algbw * 1.75 / 100)
     assert res["summary"]["gemm bf16"] == pytest.approx((t1 + t2) / 100, rel=1e-12)  # median of two: their mean
     assert f"kernel_rate = {(t1 + t2) / 100:.3f}" in capsys.readouterr().out
 

@@ -216,8 +216,9 @@ def test_cp2_step_with_attention_dropout_against_its_plan(tmp_path):
     """cp2 p2p ring, attention dropout 0.1, s 1024 (512 rows a rank), 4 layers: the plan (activations, logits,
     transient) within the pipeline test's 10% of the measured step peak on each rank. Measured 2026-12-04: plan
     +4.0% (29.6 MB against 28.4 MB); before, with the one-process path's scores and mask priced per layer, +128%
-    (73.3 MB against 32.1 MB, the block's chunk then holding five chunk-sized tensors, now three). The additive chunk term is an upper bound where the probe's own peak falls elsewhere; without it
-    (the layer priced as no dropout) the plan is 26% under."""
+    (73.3 MB against 32.1 MB, the block's chunk then holding five chunk-sized tensors, now three). The additive chunk
+    term is an upper bound where the probe's own peak falls elsewhere; without it (the layer priced as no dropout) the
+    plan is 26% under."""
     from omnitron.core.training.arguments import parse_settings
     from omnitron.plan.memory import estimate
 

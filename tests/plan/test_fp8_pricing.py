@@ -62,9 +62,9 @@ def _per_rank(settings, rates) -> dict[int, float]:
 
 
 def test_first_last_layers_bf16_priced_wide_on_the_stages_holding_them():
-    """pp2, 3-6 layers a stage, random unequal start / end counts below it: each stage's micro-batch is the all-FP8 stage's less
-    (its wide layers) x the hand-worked FP8 saving of a layer; the step's busiest-rank bound follows the slower
-    stage (the one with more wide layers, when the flag moves the bottleneck); at pp1 the whole step moves by
+    """pp2, 3-6 layers a stage, random unequal start / end counts below it: each stage's micro-batch is the all-FP8
+    stage's less (its wide layers) x the hand-worked FP8 saving of a layer; the step's busiest-rank bound follows the
+    slower stage (the one with more wide layers, when the flag moves the bottleneck); at pp1 the whole step moves by
     (start + end) x micro-batches x that saving. The printed note says what was priced."""
     from omnitron.plan.device_rates import DeviceRates
     from omnitron.plan.speed import predict, step_lower_bound

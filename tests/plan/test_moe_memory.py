@@ -21,7 +21,8 @@ def fixed_rates(monkeypatch):
     import omnitron.plan.moe_activations as M
 
     def rates(cfg, tp, etp):  # the shared expert's rate is 0 without one, as the probe's
-        return M.MoERates(rho=10, rho0=3, expert=7, shared=5 if cfg.moe_shared_expert_intermediate_size else 0, dense=11)
+        return M.MoERates(rho=10, rho0=3, expert=7, shared=5 if cfg.moe_shared_expert_intermediate_size else 0,
+                          dense=11)
 
     monkeypatch.setattr(M, "moe_rates", rates)
 

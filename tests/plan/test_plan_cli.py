@@ -27,8 +27,10 @@ def test_plan_prints_every_stage_and_the_largest_rank(capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "gpt2_nope"], "--model 'gpt2_nope' is not a preset"),
-    (["--model", "gpt2_tiny", "--layout", "tp3"], "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
-    (["--model", "gpt2_tiny", "--layout", "pp3"], "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--model", "gpt2_tiny", "--layout", "tp3"],
+     "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+    (["--model", "gpt2_tiny", "--layout", "pp3"],
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
     (["--model", "gpt2_tiny", "--layout", "tq3"], "'tq3' is not tpN"),
     # families the planner does not model: refused, not probed as GPT (a traceback, or "pp 2" for a pp1 layout)
     (["--model", "bert_tiny", "--layout", "tp2", "--global-batch-size", "8"], "--model-type bert is not modelled"),

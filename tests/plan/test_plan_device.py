@@ -14,7 +14,8 @@ ARGV = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenize
 
 
 def _megatron_flops(L: int, h: int, s: int, V: int, B: int) -> float:
-    """Megatron-LM's model FLOPs of a GPT step (4h MLP, MHA, no recomputation): 72 B s L h^2 (1 + s / 6h + V / 12 L h)."""
+    """Megatron-LM's model FLOPs of a GPT step (4h MLP, MHA, no recomputation): 72 B s L h^2 (1 + s / 6h + V / 12 L
+    h)."""
     return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
 

@@ -32,7 +32,8 @@ def test_search_tries_v_schedules_at_their_simulated_bubble_and_memory(tmp_path,
     from omnitron.plan.speed import predict
 
     rates = constant_rates(tmp_path, 0.05, 0.001)  # cheap transfers: the bubble decides between schedules
-    piped = [c for c in candidates(GIVEN | {"nproc_per_node": 2}, 2) if c.settings.parallel.pipeline_model_parallel_size == 2]
+    piped = [c for c in candidates(GIVEN | {"nproc_per_node": 2},
+                                   2) if c.settings.parallel.pipeline_model_parallel_size == 2]
     names = {c.flags.get("pipeline_schedule") for c in piped}
     assert names == {None, "zb-v", "dualpipe-v"}, names
     for c in piped:

@@ -22,8 +22,8 @@ def test_required_profiles_ship():
 @pytest.mark.parametrize("name", available())
 def test_profile_is_consistent(name):
     """Peaks positive (fp8 twice bf16 where present, bf16 = fp16), efficiencies in (0, 1] and non-decreasing
-    with size (achieved never above peak; the FP8 cast-transpose's fraction of the copy rate in (0, 1]), capacity as the runtime reports it at most the datasheet's, and
-    every value's source cited in the file (a comment per section)."""
+    with size (achieved never above peak; the FP8 cast-transpose's fraction of the copy rate in (0, 1]), capacity as the
+    runtime reports it at most the datasheet's, and every value's source cited in the file (a comment per section)."""
     p = load(name)
     assert p.name == name and p.gpus_per_node >= 1
     assert p.peak["bf16"] > 0 and p.peak["bf16"] == p.peak["fp16"]

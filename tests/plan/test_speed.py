@@ -158,7 +158,8 @@ def test_v_schedules_bubble_in_the_plan(name, pp, m):
     for k in range(2 * pp):
         costs[k] = StageCost()
         costs[k].f["compute"], costs[k].b["compute"] = u, 2 * u
-    s = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2),
+    s = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=2),
                         training=SimpleNamespace(pipeline_schedule=name), num_microbatches=m)
     tl, sched = pipeline(s, costs, "none")
     assert sched.style == "v"

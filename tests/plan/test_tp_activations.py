@@ -4,16 +4,17 @@ beyond tests/plan/test_activations.py: the probe of the tp-local layer (heads an
 sequence-parallel split of the hidden-sized part (all of it, the inputs column-parallel linears save included:
 they keep their input shard since 2026-12-05, where the model counting them all-gathered as before was 7.2% over
 at tp2 + SP and 12.2% with selective recomputation at micro-batch 2), and what SP adds whole: one query group
-for tp2 replicates the key/value projection, which saves its input all-gathered (left out: 5.8% under). Tolerance 0.5%, the error analysis of tests/plan/test_activations.py: the probe is
-exact up to tensors that do not scale with b; one [s, b, h] fp32 tensor per layer missed is >= 2.7% here.
-Multi-token prediction (``--mtp-num-layers``, rope): each depth's layer, inputs and head on top, its
-``hnorm`` input a separate shard from the head's gathered input under SP (measured 2026-12-04 before the
-depths were their own term: -4.3% at tp2 with one depth, -16.9% at tp2 + SP with one, -24.7% with two at micro-batch 2).
-Mixture-of-Experts layers (:mod:`omnitron.plan.moe_activations`, priced at balanced routing): under expert parallelism a
-rank's saved bytes follow the rows the router sends it, but dropless routing dispatches exactly ``T k`` rows over the
-ep group and every routed term is linear in a rank's rows, so the ranks' mean is checked against the plan at the same
-0.5% (one missed ``[A, h]`` fp32 tensor of a layer is >= 5% here); expert tensor parallelism (etp = tp) keeps the two
-ranks equal. Priced dense (before 2026-12-04) these layouts were 40-45% under the whole step's peak."""
+for tp2 replicates the key/value projection, which saves its input all-gathered (left out: 5.8% under). Tolerance 0.5%,
+the error analysis of tests/plan/test_activations.py: the probe is exact up to tensors that do not scale with b; one [s,
+b, h] fp32 tensor per layer missed is >= 2.7% here. Multi-token prediction (``--mtp-num-layers``, rope): each depth's
+layer, inputs and head on top, its ``hnorm`` input a separate shard from the head's gathered input under SP (measured
+2026-12-04 before the depths were their own term: -4.3% at tp2 with one depth, -16.9% at tp2 + SP with one, -24.7% with
+two at micro-batch 2). Mixture-of-Experts layers (:mod:`omnitron.plan.moe_activations`, priced at balanced routing):
+under expert parallelism a rank's saved bytes follow the rows the router sends it, but dropless routing dispatches
+exactly ``T k`` rows over the ep group and every routed term is linear in a rank's rows, so the ranks' mean is checked
+against the plan at the same 0.5% (one missed ``[A, h]`` fp32 tensor of a layer is >= 5% here); expert tensor
+parallelism (etp = tp) keeps the two ranks equal. Priced dense (before 2026-12-04) these layouts were 40-45% under the
+whole step's peak."""
 from __future__ import annotations
 
 import os

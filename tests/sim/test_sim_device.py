@@ -125,7 +125,8 @@ def device_checks() -> dict:
     from omnitron.backends import get_backend
 
     be = get_backend()
-    return {"memory": _memory(be), "caching": _caching(be), "rng": _rng(be), "syncs": _syncs(be), "placement": _placement(be),
+    return {"memory": _memory(be), "caching": _caching(be), "rng": _rng(be), "syncs": _syncs(be),
+            "placement": _placement(be),
             "fallback": _fallback(be), "collective": _staged_collective(be)}
 
 

@@ -31,7 +31,8 @@ def test_conformance_suite_on_sim():
 
 def _args(root: str) -> list[str]:
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100",
             "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", str(2 * MICRO_BATCHES),
             "--log-interval", str(LOG_INTERVAL), "--no-tensorboard", "--data-cache-path", os.path.join(root, "cache"),
             "--lr", "1e-2", "--train-iters", str(ITERS), "--pipeline-model-parallel-size", "2", "--clip-grad", "1.0",

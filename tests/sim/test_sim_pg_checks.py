@@ -49,8 +49,10 @@ def test_fsdp2_collectives_out_of_order_are_named_on_one_line():
     first, second = f"shape=[{(8 * 16 + 16) // 2}]", f"shape=[{(16 * 4 + 4) // 2}]"
     for m in messages:
         assert "\n" not in m and "issued different collectives" in m, m
-        assert "rank 0 (of the group) all_gather_into_tensor #" in m and "rank 1 (of the group) all_gather_into_tensor #" in m, m
-        assert m.index(first) < m.index("rank 1") < m.index(second), m  # rank 0 gathers the first unit, rank 1 the second
+        assert ("rank 0 (of the group) all_gather_into_tensor #" in m
+                and "rank 1 (of the group) all_gather_into_tensor #" in m), m
+        # rank 0 gathers the first unit, rank 1 the second
+        assert m.index(first) < m.index("rank 1") < m.index(second), m
         assert m.count("test_sim_pg_checks.py") == 2, m  # both ranks' call sites
 
 
@@ -83,7 +85,8 @@ def test_fsdp2_collectives_recorded_with_completion():
         assert (len(gathers), len(reduces)) == (want_gathers, want_reduces), (r["counts"], r["lines"])
         for line in gathers + reduces:
             assert " completed " in line and " waited " in line, line
-        assert "test_sim_pg_checks.py" in gathers[0], gathers[0]  # the forward's call site (backward's: autograd's thread)
+        # the forward's call site (backward's: autograd's thread)
+        assert "test_sim_pg_checks.py" in gathers[0], gathers[0]
 
 
 def barrier_against_all_reduce() -> str:

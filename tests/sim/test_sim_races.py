@@ -143,7 +143,8 @@ def gather_input_overwritten(be, x, sync, others):
 
 
 LOCAL = {"cross_stream_read": cross_stream_read, "missing_event_wait": missing_event_wait, "host_item": host_read,
-         "host_cpu": lambda be, x, ref, sync: host_read(be, x, ref, sync, read="cpu"), "war": overwrite_while_read, "slices": slices}
+         "host_cpu": lambda be, x, ref, sync: host_read(be, x, ref, sync, read="cpu"), "war": overwrite_while_read,
+         "slices": slices}
 COLLECTIVE = {"all_reduce_read_early": all_reduce_read_early, "all_reduce_other_stream": all_reduce_other_stream,
               "gather_input_overwritten": gather_input_overwritten}
 
@@ -192,7 +193,8 @@ EXPECTED = {
     # main's in-place add on a slice reaches the device as aten::add with out=: its read of self is checked first
     "slices": ["race (read-after-write)", "aten::add reads", "aten::add wrote", "bytes [8192, 8448)"],
     "all_reduce_read_early": ["all_reduce", "before its work.wait()"],  # the in-flight check, before the detector
-    "all_reduce_other_stream": ["race (read-after-write)", "aten::mul", "all_reduce wrote it on the communicator stream",
+    "all_reduce_other_stream": ["race (read-after-write)", "aten::mul",
+                                "all_reduce wrote it on the communicator stream",
                                 "work.wait()"],
     "gather_input_overwritten": ["race (write-after-read)", "aten::fill_", "all_gather_into_tensor read it on the "
                                  "communicator stream", "work.wait()"],

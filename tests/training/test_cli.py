@@ -61,7 +61,8 @@ def test_sample_temperature_reaches_the_settings():
     import random
 
     t = round(random.uniform(0.1, 2.0), 3)
-    assert parse_settings(["--model", "gpt2_tiny", "--sample-temperature", str(t)], world_size=1).sample_temperature == t
+    assert parse_settings(["--model", "gpt2_tiny", "--sample-temperature", str(t)],
+                          world_size=1).sample_temperature == t
     assert parse_settings(["--model", "gpt2_tiny"], world_size=1).sample_temperature == 0.8
 
 
@@ -110,7 +111,8 @@ def test_bf16_accumulates_gradients_in_fp32_as_megatron():
     base = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
     assert parse_settings(base + ["--bf16"], world_size=1).ddp.accumulate_allreduce_grads_in_fp32
     assert not parse_settings(base, world_size=1).ddp.accumulate_allreduce_grads_in_fp32
-    assert parse_settings(base + ["--accumulate-allreduce-grads-in-fp32"], world_size=1).ddp.accumulate_allreduce_grads_in_fp32
+    assert parse_settings(base + ["--accumulate-allreduce-grads-in-fp32"],
+                          world_size=1).ddp.accumulate_allreduce_grads_in_fp32
 
 
 def test_auto_backend_choice_is_probed_once(monkeypatch):

@@ -4,8 +4,9 @@ histogram a run writes, against an independent count, and ``omnitron plan --moe-
 Reference: every training forward's router input and gate weight, captured on each rank, routed again in the
 test process with plain torch (``topk`` of ``x.float() @ w.float().T + b``, the default softmax router's picks are
 its largest logits; ``b``: the router bias --add-bias-linear gives it, as Megatron's) and counted per decoder MoE
-layer, in the model's order (the layer index from the module's name on whichever stage holds it). The run drops assignments at a capacity factor of 0.5, so its counter must count
-the picks before the capacity (each row then sums to tokens x top-k x steps x dp, which the capacity would cut).
+layer, in the model's order (the layer index from the module's name on whichever stage holds it). The run drops
+assignments at a capacity factor of 0.5, so its counter must count the picks before the capacity (each row then sums to
+tokens x top-k x steps x dp, which the capacity would cut).
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def test_training_with_manual_gc_restores_collection(tmp_path, monkeypatch):
     real = Housekeeping.after_step
     monkeypatch.setattr(Housekeeping, "after_step", lambda self, it: (seen.append(gc.isenabled()), real(self, it)))
     args = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100",
             "--num-workers", "0", "--train-iters", "3", "--no-tensorboard", "--log-dir", str(tmp_path / "logs"),
             "--data-cache-path", str(tmp_path / "cache"), "--manual-gc", "--manual-gc-interval", "2",
             "--empty-unused-memory-level", "2"]

@@ -17,7 +17,8 @@ from omnitron.core.training.loop import train
 
 def _args(tmp_path, *extra):
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "100",
             "--num-workers", "0", "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",
             "--no-tensorboard", "--data-cache-path", str(tmp_path / "cache"), "--lr", "1e-2", *extra]
 

@@ -25,7 +25,8 @@ def main_job(request, tmp_path_factory):
     # --lr-warmup-iters 0: the 3 steps run at the full learning rate, enough to see the loss fall (with a warm-up of
     # 1, Megatron's schedule applies lr 0 to the first step); micro-batches
     # of 2 (still 4 per step through the pipeline) keep the run within the suite's budget
-    cmd = [sys.executable, "-m", "omnitron", "train", "--config", os.path.join(ROOT, "examples", "moby_dick_tp2_pp2.yaml"),
+    cmd = [sys.executable, "-m", "omnitron", "train",
+           "--config", os.path.join(ROOT, "examples", "moby_dick_tp2_pp2.yaml"),
            "--train-iters", "3", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
            "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
            "--lr-warmup-iters", "0", "--save", save, "--sample-tokens", "4", "--no-tensorboard",

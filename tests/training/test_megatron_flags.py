@@ -247,8 +247,10 @@ LLAMA3_8B = """
 --swiglu --init-method-std 0.0134 --attention-backend fused --untie-embeddings-and-output-weights
 --disable-bias-linear
 --micro-batch-size 1 --global-batch-size 4 --train-samples 12 --lr-decay-samples 11 --lr-warmup-samples 4
---lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9
---adam-beta2 0.95 --calculate-per-token-loss --apply-layernorm-1p --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion --manual-gc
+--lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0
+--weight-decay 0.1 --adam-beta1 0.9
+--adam-beta2 0.95 --calculate-per-token-loss --apply-layernorm-1p --bf16 --grad-reduce-in-bf16
+--cross-entropy-loss-fusion --manual-gc
 --empty-unused-memory-level 1 --exit-duration-in-mins 235
 --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather
 --tensor-model-parallel-size 2 --context-parallel-size 1 --sequence-parallel

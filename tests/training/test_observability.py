@@ -25,7 +25,8 @@ STEP_PHASES = ("forward_backward", "all_grads_sync", "optimizer")
 def _args(root, *extra):
     # untied output layer: word-embedding rows of tokens absent from a step get exactly zero gradient
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "500",
             "--untie-embeddings-and-output-weights", "--num-workers", "0", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--no-tensorboard", "--data-cache-path", os.path.join(root, "cache"),
             "--lr", "1e-2", "--log-params-norm", "--log-num-zeros-in-grad", *extra]
@@ -79,7 +80,8 @@ def test_one_process_timers_norms_memory_profile(tmp_path):
         assert "pipeline_wait" not in t  # no pipeline stages
         assert sum(t[p] for p in STEP_PHASES) <= t["train_step"]
         assert t["forward_compute"] + t["backward_compute"] <= t["forward_backward"]
-        assert t["batch_generator"] <= t["forward_backward"] and t["optimizer_copy_main_to_model_params"] <= t["optimizer"]
+        assert (t["batch_generator"] <= t["forward_backward"]
+                and t["optimizer_copy_main_to_model_params"] <= t["optimizer"])
         assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"])
         assert r["mem_max_allocated_bytes"] >= r["mem_allocated_bytes"] > 0
     # the save after iteration 2's log line is reported on the next one
@@ -106,7 +108,8 @@ def _tp2_worker(root):
     res = train(parse_settings(_args(root, "--tensor-model-parallel-size", "2", "--train-iters", "2",
                                      "--log-interval", "1", "--log-dir", log_dir, "--timing-log-level", "1",
                                      "--timing-log-option", "all", "--profile", "--profile-step-start", "1",
-                                     "--profile-step-end", "2", "--profile-ranks", "1"), 2), get_backend())  # under test
+                                     "--profile-step-end", "2",
+                                     "--profile-ranks", "1"), 2), get_backend())  # under test
     norm, zeros = _full_norm_and_zeros(res["components"])
     return {"rank": rank, "norm": norm, "zeros": zeros, "records": _records(log_dir) if rank == 0 else None}
 

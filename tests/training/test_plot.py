@@ -12,7 +12,8 @@ from omnitron.commands import plot
 
 
 def _records(n=6):
-    train = [{"iteration": i, "lm_loss": 5.0 - 0.3 * i, "lr": 1e-3 * min(i, 3) / 3, "tokens_per_sec": 900 + 50 * (i % 2),
+    train = [{"iteration": i, "lm_loss": 5.0 - 0.3 * i, "lr": 1e-3 * min(i, 3) / 3,
+              "tokens_per_sec": 900 + 50 * (i % 2),
               "grad_norm": None if i == 2 else 1.0 / i} for i in range(1, n + 1)]
     return train, [{"iteration": 3, "val_loss": 4.5}, {"iteration": 6, "val_loss": 3.9}]
 

@@ -42,7 +42,8 @@ UNEVEN = ["--decoder-first-pipeline-num-layers", "1"]
 
 def _parity_args(tp, pp, root, extra=()):
     return _args(tp, pp, "fp32", os.path.join(root, f"parity{tp}{pp}{len(extra)}"),
-                 ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05", "--global-batch-size", "4",
+                 ["--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.05",
+                  "--global-batch-size", "4",
                   *extra])
 
 
@@ -71,7 +72,8 @@ def _worker(tp, pp, root):
         base = os.path.join(root, dtype)
         full = train(parse_settings(_args(tp, pp, dtype, os.path.join(base, "full")), dist.get_world_size()), be)
         part = os.path.join(base, "part")
-        first = train(parse_settings(_args(tp, pp, dtype, part, ["--exit-interval", str(N)]), dist.get_world_size()), be)
+        first = train(parse_settings(_args(tp, pp, dtype, part, ["--exit-interval", str(N)]), dist.get_world_size()),
+                      be)
         second = train(parse_settings(_args(tp, pp, dtype, part, ["--load", part]), dist.get_world_size()), be)
         out[dtype] = (full["losses"], first["losses"], second["losses"])
         out[dtype + "_validation"] = (full["validation"], first["validation"] + second["validation"])

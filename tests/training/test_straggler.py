@@ -20,7 +20,8 @@ SLEEP_S = 0.1
 
 def _args(root, *extra):
     return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "200",
             "--num-workers", "0", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4",
             "--lr", "1e-3", "--log-interval", "2", "--no-tensorboard", "--log-dir", root,
             "--data-cache-path", os.path.join(root, "cache"), "--log-straggler", *extra]

@@ -309,7 +309,8 @@ def _layer_graph_breaks(parallel: dict, seq: int, **dropout) -> list[str]:
 DROPOUT = dict(hidden_dropout=0.2, attention_dropout=0.2)
 
 
-def _tp_layer_with_dropout(tp: int, sp: bool, compiled: bool = True, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+def _tp_layer_with_dropout(tp: int, sp: bool, compiled: bool = True,
+                           seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, input gradient) of one training-mode layer with dropout on this rank's slice (``sp``) or all of a
     fixed input, the default generator seeded identically on every rank just before the call (aot_eager runs
     the graph's random draws op by op on that generator)."""
@@ -346,11 +347,11 @@ def _dropout_tp2_against_tp1() -> dict:
 
 @pytest.mark.slow
 def test_dropout_at_tp2_draws_the_unsplit_layers_masks():
-    """Dropout of split tensors (local heads; sequence shards under sp) inside a compiled layer: each rank keeps its slice of one full-shape draw, so the tp2 layer computes the tp1 layer
-    with the same masks. NOTE: the only differences left are fp32 sums split over two ranks (the row-parallel
-    partial sums, the sp all-gather's order), ~sqrt(n) u = 4.5e-7 per reduction of n <= 64 terms, a handful
-    chained with condition ~1: < 1e-5. A rank reusing another's mask, or an unsliced mask, changes ~p = 20% of
-    the elements: O(0.1) relative."""
+    """Dropout of split tensors (local heads; sequence shards under sp) inside a compiled layer: each rank keeps its
+    slice of one full-shape draw, so the tp2 layer computes the tp1 layer with the same masks. NOTE: the only
+    differences left are fp32 sums split over two ranks (the row-parallel partial sums, the sp all-gather's order),
+    ~sqrt(n) u = 4.5e-7 per reduction of n <= 64 terms, a handful chained with condition ~1: < 1e-5. A rank reusing
+    another's mask, or an unsliced mask, changes ~p = 20% of the elements: O(0.1) relative."""
     for rank, res in enumerate(run_distributed(_dropout_tp2_against_tp1, 2)):
         for sp, errors in res.items():
             assert max(errors) < 1e-5, (rank, sp, errors)
@@ -462,8 +463,8 @@ def test_compiled_cp2_and_ep2_match_eager_in_counted_graphs(tmp_path, monkeypatc
     MoE token exchange runs eagerly between graphs (``torch.compiler.disable``: its sizes come from the routing),
     4 graphs per rank whatever the routing (the layer and the MoE block, each before and after it; was 61-62,
     recompiled per routing). cp2 with attention dropout: the hash masks are eager's (the graph's seed op makes the
-    eager draw), so the losses are eager's within REL too. Eager's losses within REL (the same ops; AOTAutograd's decompositions at most
-    reorder fp32 sums)."""
+    eager draw), so the losses are eager's within REL too. Eager's losses within REL (the same ops; AOTAutograd's
+    decompositions at most reorder fp32 sums)."""
     monkeypatch.setenv("OMNITRON_TORCH_COMPILE_BACKEND", "aot_eager")
     want = run_distributed(_train, 2, str(tmp_path / "eager"), 2, *layout, timeout_s=600)
     got = run_distributed(_train, 2, str(tmp_path / "compiled"), 2, *layout, "--torch-compile", timeout_s=600)

@@ -1,6 +1,7 @@
 """The event files a user opens: TensorBoard's after a crash-style resume hold each iteration once (the resumed
 run's values), read back with TensorBoard's own reader; wandb in offline mode (no network) logs what
-metrics.jsonl has under Megatron's W&B keys, and asking for wandb without the package or without a run name stops with the fix."""
+metrics.jsonl has under Megatron's W&B keys, and asking for wandb without the package or without a run name stops with
+the fix."""
 from __future__ import annotations
 
 import glob

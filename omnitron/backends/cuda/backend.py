@@ -82,7 +82,8 @@ class CUDABackend(Backend):
         if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-            return False, f"no CUDA device visible{hint}; torch {torch.__version__} was built for CUDA {torch.version.cuda}"
+            return False, (f"no CUDA device visible{hint}; torch {torch.__version__} was built for CUDA "
+                           f"{torch.version.cuda}")
         if not (dist.is_available() and dist.is_nccl_available()):
             return False, "this torch build has CUDA but no NCCL process-group backend"
         n = torch.cuda.device_count()

@@ -85,9 +85,9 @@ def musa_capabilities(device_name: str, cc: tuple[int, int], memory_total: int |
                       scaled_mm: bool, fp8_transport: bool, fp32_matmul: str | None = None) -> Capabilities:
     """Capabilities of one MUSA device from plain facts (pure: testable without torch_musa).
 
-    ``bf16`` is ``torch.musa.is_bf16_supported(including_emulation=False)`` (native bf16); ``scaled_mm`` whether a tiny ``torch._scaled_mm``
-    ran on the device (``fp8.scaled_mm_runs``; no Transformer Engine path is claimed); ``fp8_transport`` whether the process-group
-    backend carries float8 tensors (MCCL does).
+    ``bf16`` is ``torch.musa.is_bf16_supported(including_emulation=False)`` (native bf16); ``scaled_mm`` whether a tiny
+    ``torch._scaled_mm`` ran on the device (``fp8.scaled_mm_runs``; no Transformer Engine path is claimed);
+    ``fp8_transport`` whether the process-group backend carries float8 tensors (MCCL does).
     """
     arch = arch_number(cc)
     fp8 = arch >= FP8_MIN_ARCH
@@ -145,7 +145,8 @@ class MUSABackend(Backend):
             _import_torch_musa()
         except ImportError as err:
             if err.name == "torch_musa":
-                return False, "torch_musa is not installed (Moore Threads' PyTorch plug-in; it needs its own torch build)"
+                return False, ("torch_musa is not installed (Moore Threads' PyTorch plug-in; it needs its own torch "
+                               "build)")
             return False, f"torch_musa failed to import: {err}"
         except Exception as err:  # noqa: BLE001 - a broken install is "not usable", with the reason
             return False, f"torch_musa failed to import: {type(err).__name__}: {err}"

@@ -2,8 +2,8 @@
 
 ``omnitron._sim`` (csrc/sim) registers a PrivateUse1 device over host memory; nothing in it is
 named, so :func:`claim` can give PrivateUse1 another name (the MUSA test double names it ``musa``).
-Loading it as sim names PrivateUse1 ``"sim"``, adds the ``Tensor.sim()``/``is_sim`` methods, registers ``torch.sim`` (the
-runtime module torch's accelerator-generic code looks for) and the ``simccl`` process-group backend.
+Loading it as sim names PrivateUse1 ``"sim"``, adds the ``Tensor.sim()``/``is_sim`` methods, registers ``torch.sim``
+(the runtime module torch's accelerator-generic code looks for) and the ``simccl`` process-group backend.
 Nothing here runs when omnitron is imported: only the sim backend (or a test that asks) calls
 :func:`load`, so a CPU process never claims PrivateUse1.
 """

@@ -4,7 +4,8 @@ A "piece table" maps each key to ``(global shape, [(offsets, view), ...])``
 (:mod:`omnitron.core.checkpoint.dist_layout` builds it). :class:`PieceSavePlanner` turns it into DCP
 write items (each piece written from its view, not copied: :func:`exact_storage`);
 :class:`PieceLoadPlanner` reads each piece straight into its view, from whichever saved chunks overlap
-it (DCP's resharding), so a rank reads only its slices. DCP's global-plan validation (no overlap, full coverage) runs on save.
+it (DCP's resharding), so a rank reads only its slices. DCP's global-plan validation (no overlap, full coverage) runs on
+save.
 
 :class:`VerifiedReader`: DCP's ``.metadata`` is a pickle. It is read only after its SHA-256 matches
 the one metadata.json records, and through an unpickler that admits DCP's metadata dataclasses and
@@ -262,7 +263,8 @@ class VerifiedReader(FileSystemReader):
         key = (info.relative_path, info.offset)
         if key not in open_chunks:
             if (info.offset, info.length) not in digests:
-                raise CheckpointError(f"{self.dir}/{info.relative_path}: bytes {info.offset}..{info.offset + info.length}"
+                raise CheckpointError(f"{self.dir}/{info.relative_path}: bytes "
+                                      f"{info.offset}..{info.offset + info.length}"
                                       f" have no block digests in its chunk index: the checkpoint is corrupt; load an "
                                       f"earlier iteration, or re-save")
             layout, chunk_digests = digests[(info.offset, info.length)]

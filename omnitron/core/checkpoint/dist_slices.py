@@ -150,7 +150,8 @@ class ChunkBytes(FileWindow):
 
     def _check(self, j: int, data) -> None:
         want = self.digests[j]
-        if hashlib.new(self.algorithm, data).digest()[:len(want)] != want or len(data) != self.bounds[j + 1] - self.bounds[j]:
+        if (hashlib.new(self.algorithm, data).digest()[:len(want)] != want
+                or len(data) != self.bounds[j + 1] - self.bounds[j]):
             raise IntegrityError(f"{self.path} is corrupt: bytes {self.base + self.bounds[j]}.."
                                  f"{self.base + self.bounds[j + 1]} do not match the chunk index's block digest")
 

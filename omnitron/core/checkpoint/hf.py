@@ -100,7 +100,8 @@ def hf_model_type(cfg) -> str:
                                 "omnitron writes only dense Qwen2 (RoPE, no --num-experts) has that: drop one")
     if getattr(cfg, "multi_latent_attention", False):
         return "deepseek_v3"
-    if getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False) and cfg.num_experts:
+    if (getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False)
+            and cfg.num_experts):
         return "gpt_oss"
     plain = getattr(cfg, "softmax_type", "vanilla") == "vanilla"  # Qwen3-MoE may window (every layer)
     if cfg.num_experts and cfg.qk_layernorm and cfg.swiglu and cfg.position_embedding_type == "rope" and plain:

@@ -95,7 +95,8 @@ def gpt_oss_fields(hf: dict) -> dict:
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
     window = hf.get("sliding_window")
     n = hf.get("max_position_embeddings", 4096)
-    return dict(num_layers=L, hidden_size=_need(hf, "hidden_size"), num_attention_heads=_need(hf, "num_attention_heads"),
+    return dict(num_layers=L, hidden_size=_need(hf, "hidden_size"),
+                num_attention_heads=_need(hf, "num_attention_heads"),
                 num_query_groups=_need(hf, "num_key_value_heads"), kv_channels=_need(hf, "head_dim"),
                 ffn_hidden_size=_need(hf, "intermediate_size"), moe_ffn_hidden_size=hf["intermediate_size"],
                 vocab_size=_need(hf, "vocab_size"), max_position_embeddings=n, seq_length=min(n, 4096),
@@ -445,7 +446,8 @@ def take_deepseek_extras(hf: dict, cfg) -> dict[str, torch.Tensor]:
     head = "lm_head.weight" if cfg.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
     for d in range(cfg.mtp_num_layers or 0):
         h = f"model.layers.{cfg.num_layers + d}."
-        for name, same in ((h + "embed_tokens.weight", "model.embed_tokens.weight"), (h + "shared_head.head.weight", head)):
+        for name, same in ((h + "embed_tokens.weight", "model.embed_tokens.weight"),
+                           (h + "shared_head.head.weight", head)):
             if name in hf and not torch.equal(hf.pop(name), hf[same]):
                 raise HFConversionError(f"{name} differs from {same}: omnitron's multi-token prediction shares the "
                                         "embedding and the output head with the model, as DeepSeek-V3 trains them")

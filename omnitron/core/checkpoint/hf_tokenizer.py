@@ -6,9 +6,9 @@ its class, and ``generate`` stops only at an ``eos_token_id`` that ``config.json
 an HF equivalent (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; a Hugging Face ``tokenizer.json``; SentencePiece:
 ``tokenizer.model`` as Llama's tokenizer; BERT WordPiece: ``vocab.txt``; NullTokenizer: a word-level
 ``tokenizer.json`` of the ids written as text, ``<eod>`` last; TikTokenizer: the same ranks as a byte-level BPE
-``tokenizer.json``; MultimodalTokenizer: its ``tokenizer.json`` with the added image tokens) and returns the end-of-document id. A checkpoint
-that records no tokenizer is refused (:class:`ExportTokenizerError`) rather than exported as a repository whose
-``AutoTokenizer`` would build an empty tokenizer.
+``tokenizer.json``; MultimodalTokenizer: its ``tokenizer.json`` with the added image tokens) and returns the
+end-of-document id. A checkpoint that records no tokenizer is refused (:class:`ExportTokenizerError`) rather than
+exported as a repository whose ``AutoTokenizer`` would build an empty tokenizer.
 """
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ from omnitron.core.checkpoint import megatron_dist
 from omnitron.core.checkpoint.io import _write_file
 from omnitron.core.checkpoint.megatron_base import (_COLUMNS, _ROWS, _TE_EXTRA, _TE_NORMS, _VOCAB,  # noqa: F401
                                                     CHECKPOINT_VERSION, TRACKER, MegatronConversionError, Opaque,
-                                                    _check_state, _tp_dim, check_weights, checkpoint_dict, commit_iteration,
+                                                    _check_state, _tp_dim, check_weights, checkpoint_dict,
+                                                    commit_iteration,
                                                     load_file, run_args)
 from omnitron.core.checkpoint.megatron_names import extra_state_modules, is_moe, layer_of, omnitron_rest, torch_rest
 

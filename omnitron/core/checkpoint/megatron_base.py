@@ -1,6 +1,7 @@
 """What the Megatron converters share: names, the safe reading of Megatron's pickles, the full-state check,
 the final rename (:mod:`omnitron.core.checkpoint.megatron` for ``--ckpt-format torch`` and the dispatch,
-:mod:`omnitron.core.checkpoint.megatron_dist` for ``torch_dist``; both import this, megatron_dist never imports megatron).
+:mod:`omnitron.core.checkpoint.megatron_dist` for ``torch_dist``; both import this, megatron_dist never imports
+megatron).
 """
 from __future__ import annotations
 

@@ -162,7 +162,8 @@ def data_parallel_size(cfg: ParallelConfig, world_size: int) -> int:
         raise ConfigError(
             f"world size {world_size} is not a multiple of tensor ({cfg.tensor_model_parallel_size}) x context "
             f"({cfg.context_parallel_size}) x pipeline ({cfg.pipeline_model_parallel_size}) = {mp}; change "
-            f"--tensor-model-parallel-size/--pipeline-model-parallel-size/--context-parallel-size or the number of processes")
+            "--tensor-model-parallel-size/--pipeline-model-parallel-size/--context-parallel-size or the number of "
+            "processes")
     dp = world_size // mp
     inner = cfg.tensor_model_parallel_size * cfg.context_parallel_size * dp
     outer = cfg.etp * cfg.expert_model_parallel_size

@@ -49,7 +49,8 @@ __all__ = [
     "BlendedDataset", "MockGPTDataset", "blend_indices", "DataError", "build_gpt_datasets", "split_ranges",
     "IndexCacheMissing", "DataConfig", "add_data_args", "add_tokenizer_args", "data_config_from_args",
     "tokenizer_from_config", "default_cache_dir", "parse_data_path", "split_weights",
-    "broadcast_batch", "needs_batch", "demo_corpus_prefix", "moby_dick_chapters", "moby_dick_documents", "GPTDataset", "build_indices", "make_sample", "IndexedDataset",
+    "broadcast_batch", "needs_batch", "demo_corpus_prefix", "moby_dick_chapters", "moby_dick_documents", "GPTDataset",
+    "build_indices", "make_sample", "IndexedDataset",
     "IndexedDatasetBuilder", "IndexedDatasetError", "merge_datasets", "optimal_dtype", "PretrainingSampler",
     "build_data_loader", "collate", "TOKENIZER_TYPES", "Tokenizer", "TokenizerError", "build_tokenizer",
 ]

@@ -316,7 +316,8 @@ def bert_corpus_prefix(tokenizer, cache_dir: str, *, build: bool = True) -> str:
     from .corpus import MOBY_DICK, moby_dick_documents
     from .tokenizers import sha256_of
 
-    tag = f"{sha256_of(MOBY_DICK)[:12]}_{sha256_of(tokenizer.vocab_file)[:12]}_s3"  # s3: the rule-based splitter on unwrapped paragraphs
+    # s3: the rule-based splitter on unwrapped paragraphs
+    tag = f"{sha256_of(MOBY_DICK)[:12]}_{sha256_of(tokenizer.vocab_file)[:12]}_s3"
     prefix = os.path.join(cache_dir, "corpus", f"moby_dick_bert_{tag}_sentences")
     if exists(prefix):
         return prefix

@@ -117,7 +117,8 @@ class IndexedDataset:
         self.dtype = np.dtype(DTYPE_CODES[code])
         mm = np.memmap(path, dtype=np.uint8, mode="r") if size else None
         self.sequence_lengths = np.frombuffer(mm, np.int32, seqs, _HEADER) if seqs else np.zeros(0, np.int32)
-        self.sequence_pointers = np.frombuffer(mm, np.int64, seqs, _HEADER + 4 * seqs) if seqs else np.zeros(0, np.int64)
+        self.sequence_pointers = (np.frombuffer(mm, np.int64, seqs, _HEADER + 4 * seqs) if seqs
+                                  else np.zeros(0, np.int64))
         self.document_indices = np.frombuffer(mm, np.int64, docs, _HEADER + 12 * seqs)
         di = self.document_indices
         if docs < 1 or di[0] != 0 or di[-1] != seqs or np.any(np.diff(di) < 0):

@@ -3,8 +3,8 @@
 Sample ``i`` depends only on ``(seed, i)`` (its own ``numpy.random.default_rng([seed, i])``), so every
 rank and worker sees the same data and no file is read. The image (``[3, H, W]`` float32 in [0, 1]) is a
 dark noisy background (values below 0.15) with ONE filled shape: a ``square``, ``circle`` or ``triangle``
-(apex up), side 7/32 to 13/32 of the image (at least 5 pixels), in one quadrant (``top left`` ... ``bottom right``) at a random
-offset inside it, in one of six colours (each channel either ~0 or 0.75-1.0). Its caption says exactly
+(apex up), side 7/32 to 13/32 of the image (at least 5 pixels), in one quadrant (``top left`` ... ``bottom right``) at a
+random offset inside it, in one of six colours (each channel either ~0 or 0.75-1.0). Its caption says exactly
 that: ``"a red circle at the top left"``, tokenized by the run's tokenizer (GPT-2 BPE by default).
 
 Sequence (``seq_length`` tokens; GPT-style shift of a ``seq_length + 1`` row): ``n`` image placeholders

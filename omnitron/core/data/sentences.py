@@ -5,8 +5,8 @@ its model needs a download). A sentence ends after ``.``, ``!`` or ``?`` (a run 
 closing quotes or brackets) when whitespace follows and the next text starts, after any opening
 quotes or brackets, with an upper-case letter or a digit. A ``.`` does not end a sentence after a
 known abbreviation (``Mr.``, ``Dr.``, months, ...; ``No.``/``Vol.``/``Fig.`` before a number), a
-single letter other than ``I`` (an initial: ``J. R. Smith``) or a dotted word (``U.S.``, ``e.g.``). Decimals (``3.14``) never split (no whitespace). A
-blank line always ends a sentence (paragraphs).
+single letter other than ``I`` (an initial: ``J. R. Smith``) or a dotted word (``U.S.``, ``e.g.``). Decimals (``3.14``)
+never split (no whitespace). A blank line always ends a sentence (paragraphs).
 
 Whitespace between sentences goes to the FOLLOWING sentence, so ``"".join(split_sentences(t)) == t``
 and a byte-level BPE (GPT-2) tokenizes the pieces into the same tokens as the whole text: every cut

@@ -140,8 +140,8 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, *, para
 def cache_slots(prompts, max_new_tokens: int, limit: int) -> int:
     """Slots the KV cache allocates per layer: the padded prompt width plus the tokens a row can add
     (``max_new_tokens``, or fewer where the shortest prompt reaches the context ``limit`` first), the longest
-    sequence of the batch. The last token picked is never fed back, so one slot stays spare (Megatron's static context likewise holds
-    prompt + tokens to generate)."""
+    sequence of the batch. The last token picked is never fed back, so one slot stays spare (Megatron's static context
+    likewise holds prompt + tokens to generate)."""
     lengths = [len(p) for p in prompts]
     return max(lengths) + min(max_new_tokens, limit - min(lengths))
 

@@ -2,9 +2,9 @@
 
 :func:`complete` tokenizes the prompts, runs the family's batched generation and returns Megatron's
 text-generation-server shape: ``text`` (prompt and generation decoded together for GPT and LLaVA, without
-the end-of-document token; the decoded target for T5, whose prompt is the encoder's input), and with log-probs ``segments`` (each token as a string,
-the prompt's tokens then the generated ones; T5's start with ``[CLS]``, LLaVA's with one ``"<image>"``
-for all its placeholders) and ``logprobs`` (one per segment after the first).
+the end-of-document token; the decoded target for T5, whose prompt is the encoder's input), and with log-probs
+``segments`` (each token as a string, the prompt's tokens then the generated ones; T5's start with ``[CLS]``, LLaVA's
+with one ``"<image>"`` for all its placeholders) and ``logprobs`` (one per segment after the first).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 The training step multiplies the loss's gradient by ``scale`` in backward (the reported loss stays unscaled, as
 Megatron's); the optimizer divides the gradients by it, reports whether any was inf/nan, and calls :meth:`update`;
-the step is then skipped (or, under --check-for-nan-in-loss-and-grad, the run stops). The dynamic scaler halves after ``hysteresis`` overflowing steps and doubles after
-``growth_interval`` clean ones (Megatron's rule).
+the step is then skipped (or, under --check-for-nan-in-loss-and-grad, the run stops). The dynamic scaler halves after
+``hysteresis`` overflowing steps and doubles after ``growth_interval`` clean ones (Megatron's rule).
 """
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ def _clock(seconds: float) -> str:
 
 def _megatron_fields(rec: dict, train_iters: int, losses: dict, throughput: bool) -> str:
     """training_log's fields, transcribed (lines 3568-3641): ``losses`` the interval's losses as printed, by
-    Megatron's key (``lm loss``, BERT's ``sop loss``; None: no field); the loss scale 1.0 where there is no scaler, as Megatron's bf16 and fp32 optimizers
-    report; the throughput with --log-throughput only; the grad norm, zeros and parameter norm where the record
-    has them."""
+    Megatron's key (``lm loss``, BERT's ``sop loss``; None: no field); the loss scale 1.0 where there is no scaler, as
+    Megatron's bf16 and fp32 optimizers report; the throughput with --log-throughput only; the grad norm, zeros and
+    parameter norm where the record has them."""
     s = f" iteration {rec['iteration']:8d}/{train_iters:8d} |"
     if "consumed_samples" in rec:
         s += f" consumed samples: {rec['consumed_samples']:12d} |"

@@ -300,7 +300,8 @@ def train(settings, backend, watchdog=None, *, memory_table=None) -> dict:
                 step_time = time.perf_counter() - t0
             c.iteration += 1
             c.consumed_samples += batch
-            values.update(_throughput(c, step_time, batch), consumed_samples=c.consumed_samples, global_batch_size=batch)
+            values.update(_throughput(c, step_time, batch), consumed_samples=c.consumed_samples,
+                          global_batch_size=batch)
             losses[c.iteration] = values["lm_loss"]
             if straggler is not None:
                 straggler.record(step_time, values.pop("compute_sections", None))

@@ -144,7 +144,8 @@ def train_step(c, data_iterator: Iterator, timers: Timers | None = None, *, coun
         fp8_step()
     with timers.phase("all-grads-sync"):
         finalize_model_grads(c.chunks, c.groups, collectives=c.backend.collectives)
-        if moe and getattr(c.model, "moe_router_enable_expert_bias", False):  # where Megatron updates it: in finalize_model_grads
+        if moe and getattr(c.model, "moe_router_enable_expert_bias",
+                           False):  # where Megatron updates it: in finalize_model_grads
             update_expert_bias(c.modules, c.groups, sequence_parallel=c.groups.config.sequence_parallel)
         if c.settings.training.calculate_per_token_loss:
             # the data-parallel mean took 1 / (dp x cp) of the summed loss sums, and ``tokens`` is the step's global

@@ -216,7 +216,8 @@ def compute_sections(timeline: list) -> dict[str, float]:
 
 def timer_fields(per_rank: dict[str, list[float | None]], option: str) -> dict:
     """metrics.jsonl fields: ``timers_<name>_ms`` (max over ranks); ``minmax`` and ``all`` add
-    ``timers_<name>_min_ms``; ``all`` adds ``timers_<name>_ranks_ms`` (one value per rank, None where it did not run)."""
+    ``timers_<name>_min_ms``; ``all`` adds ``timers_<name>_ranks_ms`` (one value per rank, None where it did not
+    run)."""
     out = {}
     for name, col in per_rank.items():
         key = "timers_" + name.replace("-", "_")

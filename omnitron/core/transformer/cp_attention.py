@@ -10,12 +10,13 @@ YaRN scale), a value head dim that differs from the query's (MLA), a causal slid
 attention ``sinks [hq]`` (:mod:`omnitron.core.transformer.window`). The all-to-all paths split the heads,
 so each rank applies the sinks of the head group it holds (:func:`.ulysses.head_slice`).
 
-Attention dropout is the counter-based hash of :mod:`omnitron.kernels.hash_dropout` on every path: the seed is drawn once per call from the tracker's model-parallel
-stream (:meth:`~omnitron.core.parallel.tensor.random.RNGTracker.draw_seed`: no host sync; the same on every cp
-rank, whose streams are seeded alike, different on each tp rank, layer and call, replayed by recomputation),
-positions are global and heads numbered before the all-to-all's head split, so every layout (windows and sinks
-included) draws the masks of one process. Without context parallelism (``cp_group`` None) a layer with a sliding
-window or sinks runs here too, on one rank's blocks (:func:`_full`): memory ``O(s x tile)``, not ``O(s^2)``.
+Attention dropout is the counter-based hash of :mod:`omnitron.kernels.hash_dropout` on every path: the seed is drawn
+once per call from the tracker's model-parallel stream
+(:meth:`~omnitron.core.parallel.tensor.random.RNGTracker.draw_seed`: no host sync; the same on every cp rank, whose
+streams are seeded alike, different on each tp rank, layer and call, replayed by recomputation), positions are global
+and heads numbered before the all-to-all's head split, so every layout (windows and sinks included) draws the masks of
+one process. Without context parallelism (``cp_group`` None) a layer with a sliding window or sinks runs here too, on
+one rank's blocks (:func:`_full`): memory ``O(s x tile)``, not ``O(s^2)``.
 """
 from __future__ import annotations
 

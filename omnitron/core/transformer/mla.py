@@ -10,9 +10,10 @@ Per token ``x [h]`` (``n`` heads; ``dn, dr, dv`` = ``--qk-head-dim``, ``--qk-pos
     out = softmax(q k^T * scale, causal) v;  y = W_o out
 
 The latent norms ``q_layernorm`` / ``kv_layernorm`` (``--normalization``) exist with ``--qk-layernorm``
-only, as in Megatron's layer specs (identity otherwise; DeepSeek-V3 sets it). ``f`` and ``scale`` are YaRN's (:mod:`omnitron.core.transformer.yarn`). RoPE rotates the ``dr``
-channels as interleaved pairs (Megatron's ``mla_rotary_interleaved``; Megatron then stores the rotated
-pairs de-interleaved, a permutation of channels shared by q and k that leaves every q.k unchanged).
+only, as in Megatron's layer specs (identity otherwise; DeepSeek-V3 sets it). ``f`` and ``scale`` are YaRN's
+(:mod:`omnitron.core.transformer.yarn`). RoPE rotates the ``dr`` channels as interleaved pairs (Megatron's
+``mla_rotary_interleaved``; Megatron then stores the rotated pairs de-interleaved, a permutation of channels shared by q
+and k that leaves every q.k unchanged).
 
 Tensor parallelism (Megatron's layout): the down-projections ``W_dq``, ``W_dkv`` and the two latent norms
 are replicated on every tp rank; ``W_uq`` / ``W_q`` and ``W_ukv`` are column-parallel (whole heads per

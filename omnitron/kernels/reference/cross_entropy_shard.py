@@ -25,8 +25,8 @@ from omnitron.kernels.registry import register
 @register("cross_entropy_shard_stats", "reference")
 def cross_entropy_shard_stats(logits: torch.Tensor, target: torch.Tensor, start: int, valid: int,
                               vocab: int) -> torch.Tensor:
-    """float32 (float64 for float64 logits) ``[4, ...]``: per row over the ``valid`` real columns, (max, sum exp(x - max), the
-    target's logit or 0 when the target lives in another shard, sum of x)."""
+    """float32 (float64 for float64 logits) ``[4, ...]``: per row over the ``valid`` real columns, (max, sum exp(x -
+    max), the target's logit or 0 when the target lives in another shard, sum of x)."""
     if target.numel():  # checked on the device: int(target.min()) here was two host syncs per micro-batch
         torch._assert_async(((target >= 0) & (target < vocab)).all(), f"cross-entropy targets must lie in [0, {vocab})")
     x = logits[..., :valid].to(compute_dtype(logits))

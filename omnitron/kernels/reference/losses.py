@@ -9,7 +9,8 @@ from omnitron.kernels.registry import register
 
 @register("softmax_cross_entropy", "reference")
 def softmax_cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token loss ``[...]`` (float32; float64 for float64 logits) of ``logits [..., V]`` against ``target [...]``."""
+    """Per-token loss ``[...]`` (float32; float64 for float64 logits) of ``logits [..., V]`` against ``target
+    [...]``."""
     logp = torch.log_softmax(logits.to(compute_dtype(logits)), dim=-1)
     nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     if label_smoothing > 0.0:

@@ -14,7 +14,8 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> tor
     ``t`` is ``[s, b, h, d]`` or ``[b, s, h, d]``; ``freqs`` holds one angle per rotated pair,
     shaped to broadcast against ``t[..., :r // 2]`` (``[s, 1, 1, r/2]`` or ``[1, s, 1, r/2]``).
     Non-interleaved pairs channel ``i`` with ``i + r/2``; interleaved pairs ``2i`` with ``2i+1``.
-    Channels past ``r`` pass through (partial rotary). Computed in float32 (float64 for float64), returned in ``t.dtype``.
+    Channels past ``r`` pass through (partial rotary). Computed in float32 (float64 for float64), returned in
+    ``t.dtype``.
     """
     half = freqs.shape[-1]
     cdt = compute_dtype(t)

@@ -55,7 +55,8 @@ def available() -> tuple[bool, str]:
     try:
         triton.runtime.driver.active.get_current_target()
     except Exception as err:  # no GPU driver Triton can use
-        return False, f"Triton has no usable GPU here ({str(err).splitlines()[0][:120]}); set TRITON_INTERPRET=1 to run on CPU"
+        return False, (f"Triton has no usable GPU here ({str(err).splitlines()[0][:120]}); set TRITON_INTERPRET=1 to "
+                       "run on CPU")
     return True, ""
 
 

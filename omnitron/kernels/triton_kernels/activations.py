@@ -58,7 +58,8 @@ def _gelu_fwd(X, B, Y, n_rows, n_cols, BM: tl.constexpr, BN: tl.constexpr):
     cmask = cols < n_cols
     m2 = (rows < n_rows)[:, None] & cmask[None, :]
     offs = rows[:, None] * n_cols + cols[None, :]
-    a = tl.load(X + offs, mask=m2, other=0.0).to(tl.float32) + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    a = (tl.load(X + offs, mask=m2, other=0.0).to(tl.float32)
+         + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :])
     v, _ = _act(a, 1)
     tl.store(Y + offs, v.to(Y.dtype.element_ty), mask=m2)
 
@@ -70,7 +71,8 @@ def _gelu_bwd(DY, X, B, DX, n_rows, n_cols, BM: tl.constexpr, BN: tl.constexpr):
     cmask = cols < n_cols
     m2 = (rows < n_rows)[:, None] & cmask[None, :]
     offs = rows[:, None] * n_cols + cols[None, :]
-    a = tl.load(X + offs, mask=m2, other=0.0).to(tl.float32) + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    a = (tl.load(X + offs, mask=m2, other=0.0).to(tl.float32)
+         + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :])
     _, dv = _act(a, 1)
     dx = tl.load(DY + offs, mask=m2, other=0.0).to(tl.float32) * dv
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m2)

@@ -95,6 +95,7 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", *, vocab_file: str
 
 
 __all__ = ["Tokenizer", "TokenizerError", "build_tokenizer", "TOKENIZER_TYPES", "GPT2BPETokenizer",
-           "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer", "BertWordPieceTokenizer", "GPT2_VOCAB", "SENTENCEPIECE_TYPES",
+           "HuggingFaceTokenizer", "SentencePieceTokenizer", "NullTokenizer", "BertWordPieceTokenizer", "GPT2_VOCAB",
+           "SENTENCEPIECE_TYPES",
            "TikTokenizer", "MultimodalTokenizer", "TOKENIZER_KEYS", "tokenizer_kwargs",
            "GPT2_MERGES", "sha256_of"]

@@ -101,7 +101,8 @@ def default_vocab_file(lower_case: bool = True, cache_dir: str | None = None) ->
     """The cached vocab.txt built from the bundled corpus (built on first use; safe under concurrent ranks:
     the first complete file to be linked into place wins, every rank then reads that one)."""
     case = "uncased" if lower_case else "cased"
-    path = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"moby_dick_wordpiece_{case}_{DEFAULT_VOCAB_SIZE}.txt"
+    path = (Path(cache_dir or default_cache_dir()) / "tokenizers"
+            / f"moby_dick_wordpiece_{case}_{DEFAULT_VOCAB_SIZE}.txt")
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -242,10 +242,10 @@ class GPTModel(nn.Module):
                 document_ids: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None, *,
                 rope_at_sequence_positions: bool = False, last_position_only: bool = False) -> torch.Tensor:
         """First stage: ``tokens [b, s]`` int64. Later stages: ``hidden [s, b, h]`` (``[s/tp, b, h]``
-        under sequence parallelism; ``s`` is ``s/cp``, this rank's slice, under context parallelism). Last stage returns the per-token float32 loss ``[b, s]`` when
-        ``labels [b, s]`` are given, else tp-local logits ``[s, b, V_pad/tp]`` with padding columns
-        at -inf. Other stages return the hidden states for the next stage. ``document_ids [b, s]``
-        (every stage, ``--reset-attention-mask``): attention stays within each packed document.
+        under sequence parallelism; ``s`` is ``s/cp``, this rank's slice, under context parallelism). Last stage returns
+        the per-token float32 loss ``[b, s]`` when ``labels [b, s]`` are given, else tp-local logits ``[s, b,
+        V_pad/tp]`` with padding columns at -inf. Other stages return the hidden states for the next stage.
+        ``document_ids [b, s]`` (every stage, ``--reset-attention-mask``): attention stays within each packed document.
         Multi-token prediction (``--mtp-num-layers``): a last stage given ``labels`` also reads ``tokens`` and
         ``loss_mask [b, s]`` (default all ones), and its loss joins the backward of the returned loss.
         ``rope_at_sequence_positions`` (training): the rotary angles at the sequence positions (this rank's under

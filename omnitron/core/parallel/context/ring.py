@@ -185,9 +185,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     ``q [b, hq, s/cp, d]``, ``k [b, hkv, s/cp, d]``, ``v [b, hkv, s/cp, dv]`` (hq a multiple of hkv), rows in the
     load-balanced order of :mod:`omnitron.core.parallel.context.layout`. Returns ``[b, hq, s/cp, dv]``
     in ``q``'s dtype; the block kernel takes the inputs' dtype (the reference computes in fp32, fp64 for
-    fp64 inputs; a flash kernel in bf16/fp16 accumulates in fp32) and block results merge in fp32. ``dropout_p > 0``: attention
-    dropout, the hash masks of ``seed`` (draw it from the caller's RNG stream per call, the same on every cp rank)
-    with query heads numbered from ``head_offset`` (the head split of a2a+p2p). ``window``: causal
+    fp64 inputs; a flash kernel in bf16/fp16 accumulates in fp32) and block results merge in fp32. ``dropout_p > 0``:
+    attention dropout, the hash masks of ``seed`` (draw it from the caller's RNG stream per call, the same on every cp
+    rank) with query heads numbered from ``head_offset`` (the head split of a2a+p2p). ``window``: causal
     sliding window ``(left, right)``; ``sinks [hq]``: one sink logit per query head (see the module docstring)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")

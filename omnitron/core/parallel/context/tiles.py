@@ -64,7 +64,8 @@ def _pieces(runs, t: int):
             yield a, min(a + t, hi), first + a - lo
 
 
-def _tile(q: tuple[int, int, int], k: tuple[int, int, int], left: int, device) -> tuple[bool, torch.Tensor | None] | None:
+def _tile(q: tuple[int, int, int], k: tuple[int, int, int], left: int,
+          device) -> tuple[bool, torch.Tensor | None] | None:
     """(causal, mask) of the (query tile ``q``, key tile ``k``) pair, None when the window misses it."""
     (i0, i1, q0), (j0, j1, k0) = q, k
     dmin, dmax = q0 - (k0 + j1 - j0 - 1), q0 + i1 - i0 - 1 - k0  # the least and greatest i - j

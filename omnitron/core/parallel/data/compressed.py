@@ -139,7 +139,8 @@ def compressed_all_reduce(x: torch.Tensor, state: ErrorFeedback, group, collecti
     block = state.block or n
     row = n // 8 + n // block * x.element_size()
     flat = x.view(-1)
-    state.worker[:numel] += flat  # NOTE: the zero padding is compressed like any element (its error fed back, its result dropped)
+    # NOTE: the zero padding is compressed like any element (its error fed back, its result dropped)
+    state.worker[:numel] += flat
     z = state.worker.view(dp, n)  # row c goes to rank c
     sent = torch.empty(dp, row, dtype=torch.uint8, device=x.device)
     for c in range(dp):

@@ -49,7 +49,8 @@ def pipeline_tensor_shape(groups, *, seq_length: int, micro_batch_size: int, hid
     return (seq_length // div, micro_batch_size, hidden_size)
 
 
-def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, data_iterator: Iterator | None, groups, *,
+def forward_backward(schedule_name: str | Schedule | None, model_chunks: list, data_iterator: Iterator | None,
+                     groups, *,
                      num_microbatches: int, seq_length: int, micro_batch_size: int, hidden_size: int,
                      forward_step_fn: Callable, dtype: torch.dtype = torch.float32, loss_fn: Callable | None = None,
                      forward_only: bool = False, collectives=None, device: torch.device | None = None,

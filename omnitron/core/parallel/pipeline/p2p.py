@@ -85,9 +85,10 @@ def plan_exchanges(schedule: Schedule) -> dict[int, list[list[Transfer]]]:
     under NCCL's order by ``benchmarks/pipeline_nccl_order.py``: DualPipeV at p = 4, m = 16 took 110 units of an
     ideal 99 with receives at the producer's end, 100 so), and a pair's backward input in the batch before the
     pair's forward; sends stay where the sender produces them. The receiver then posts those out of the global
-    order (the one departure from it), and with each every receive its sender sends before it on that channel (matching is first in, first out per peer: a
-    receive posted ahead of one sent earlier would take the other's tensor). The NCCL-order check in the tests
-    runs every schedule's plan, channel order included (DualPipe itself waits for both receives before the pair).
+    order (the one departure from it), and with each every receive its sender sends before it on that channel (matching
+    is first in, first out per peer: a receive posted ahead of one sent earlier would take the other's tensor). The
+    NCCL-order check in the tests runs every schedule's plan, channel order included (DualPipe itself waits for both
+    receives before the pair).
     """
     # NOTE: on the clock the zero-bubble tables were built for (stage 0's B computes nothing, its W the whole
     # backward; the same as F = B = W = 1 for tables without W): an order from another clock makes a rank wait

@@ -50,7 +50,8 @@ def check_complete(schedule: Schedule) -> None:
             for i in range(m):
                 for kind in "FB":
                     if counts[(kind, c, i)] != 1:
-                        raise ScheduleError(f"rank {r}: {c}{kind}{i} appears {counts[(kind, c, i)]} times, expected once")
+                        raise ScheduleError(f"rank {r}: {c}{kind}{i} appears {counts[(kind, c, i)]} times, expected "
+                                            "once")
         extra = [k for k, n in counts.items() if k[0] == "W" and n != 1 or not (0 <= k[1] < vp and 0 <= k[2] < m)]
         if extra:
             raise ScheduleError(f"rank {r}: unexpected actions {extra}")

@@ -13,5 +13,6 @@ from omnitron.core.precision.fp8.enable import (
 from omnitron.core.precision.fp8.linear import FP8Linear
 from omnitron.core.precision.fp8.scaling import DelayedScaling, reduce_amax
 
-__all__ = ["add_fp8_args", "fp8_config_from_args", "FP8Config", "FP8Linear", "DelayedScaling", "amax_groups_for", "check_backend", "disable_fp8",
+__all__ = ["add_fp8_args", "fp8_config_from_args", "FP8Config", "FP8Linear", "DelayedScaling", "amax_groups_for",
+           "check_backend", "disable_fp8",
            "enable_fp8", "fp8_state_dict", "linear_modules", "load_fp8_state_dict", "reduce_amax"]

@@ -191,7 +191,8 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
     agroups = amax_groups_for(recipe, groups)
     reducer = None
     if recipe.fp8_recipe == "delayed":
-        step_groups = (amax_reduction_group(groups, backend.collectives),) if per_step and groups is not None else agroups
+        step_groups = (amax_reduction_group(groups,
+                                            backend.collectives),) if per_step and groups is not None else agroups
         reducer = AmaxReducer(step_groups if per_step else agroups, backend.collectives, per_step=per_step)
     enabled: dict[str, FP8Linear] = {}
     skipped = []
@@ -236,7 +237,8 @@ def fp8_state_dict(model_or_chunks) -> dict[str, dict]:
 
 def load_fp8_state_dict(model_or_chunks, state: dict[str, dict]) -> None:
     """Restore :func:`fp8_state_dict` output; the FP8 module set must match (same flags, same layout)."""
-    mine = {name: m.fp8 for name, m in linear_modules(model_or_chunks) if isinstance(getattr(m, "fp8", None), FP8Linear)}
+    mine = {name: m.fp8 for name, m in linear_modules(model_or_chunks)
+            if isinstance(getattr(m, "fp8", None), FP8Linear)}
     if set(mine) != set(state):
         missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
         raise ConfigError(f"FP8 checkpoint state does not match the model's FP8 linears (missing {missing[:4]}, "

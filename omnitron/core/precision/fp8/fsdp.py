@@ -191,7 +191,8 @@ def fsdp_refusal(recipe) -> tuple[str, str] | None:
         return (f"--fp8-recipe {recipe.fp8_recipe}", "FP8 weights are all-gathered under tensorwise scaling only "
                 "(scales precomputed once per step); use --fp8-recipe tensorwise")
     if recipe.fp8_impl != "omnitron":
-        return f"--fp8-impl {recipe.fp8_impl}", "the FP8 all-gather feeds omnitron's FP8 linear; use --fp8-impl omnitron"
+        return (f"--fp8-impl {recipe.fp8_impl}",
+                "the FP8 all-gather feeds omnitron's FP8 linear; use --fp8-impl omnitron")
     return None
 
 

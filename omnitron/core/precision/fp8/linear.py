@@ -9,9 +9,10 @@ local GEMM. Three GEMMs run in FP8 with fp32 accumulation:
 * weight-grad ``dw = g.T @ x``
 
 Casts saturate in both formats (a delayed scale that is stale for a growing gradient clips it at
-57344 instead of turning it into inf, as Transformer Engine's satfinite casts do). Outputs come back in ``x``'s dtype (``dw`` in the weight's dtype); master weights are never
-replaced. Tensor-parallel communication stays in the layer: this executor sees local shards only,
-and MAX-reduces per-tensor amaxes over the amax groups so every shard uses the scale of the whole.
+57344 instead of turning it into inf, as Transformer Engine's satfinite casts do). Outputs come back in ``x``'s dtype
+(``dw`` in the weight's dtype); master weights are never replaced. Tensor-parallel communication stays in the layer:
+this executor sees local shards only, and MAX-reduces per-tensor amaxes over the amax groups so every shard uses the
+scale of the whole.
 """
 from __future__ import annotations
 

@@ -99,8 +99,9 @@ class _Backward:
 _active: _Backward | None = None
 """The combined pair in progress (at most one per process)."""
 _record: list | None = None
-"""When a list (:func:`recording`): ``("pair", "start")`` as each pair starts, ``("run", "F" | "B")`` at each hand-over and ``("issue" | "wait", side, n)``
-around each expert-parallel all-to-all, side ``F`` or ``B`` (``n``: the side's count since recording began)."""
+"""When a list (:func:`recording`): ``("pair", "start")`` as each pair starts, ``("run", "F" | "B")`` at each hand-over
+and ``("issue" | "wait", side, n)`` around each expert-parallel all-to-all, side ``F`` or ``B`` (``n``: the side's count
+since recording began)."""
 _counts = {"F": 0, "B": 0}
 
 
