@@ -255,7 +255,7 @@ def _worker(rank: int, world: int, port: int, backend_name: str | None, ops, byt
         with open(out, "w") as f:
             json.dump(rows, f)
     backend.collectives.barrier()
-    torch.distributed.destroy_process_group()
+    backend.collectives.destroy()  # joins the gloo groups' threads while the interpreter is whole
 
 
 def _with_devices(backend, rows: list[dict], index: int, world: int) -> list[dict]:
