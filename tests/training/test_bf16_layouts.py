@@ -58,7 +58,7 @@ def _first_losses(root: str, seed: int, world: int) -> dict:
 
     layouts = {"one": []} if world == 1 else LAYOUTS
     return {(prec, name): train(parse_settings(_argv(root, seed, flags + (["--bf16"] if prec == "bf16" else [])),
-                                               world), get_backend("cpu"))["losses"][1]
+                                               world), get_backend())["losses"][1]
             for prec in ("fp32", "bf16") for name, flags in layouts.items()}
 
 
