@@ -57,14 +57,15 @@ def test_router_losses_match_megatron_under_sp_and_cp(case, mode):
     ((gates * dy.reshape(-1, E)).sum() + aux).backward()
     # Both routers compute in float32 from float64 tokens; the losses and their gradients are float32 sums of
     # O(T E) = 192 positive terms, Megatron's in two partial sums added by the all-reduce: ~192 x 6e-8 = 1.2e-5
-    # relative at worst, ~sqrt(192) x 6e-8 = 1e-6 typically; rtol 1e-5 / atol 1e-6 sits far below the O(1) change of a
-    # token counted twice or left out, a statistic reduced over the wrong group or a coefficient off by the group size.
+    # relative at worst, ~sqrt(192) x 6e-8 = 1e-6 typically; rtol 2e-5 (above the worst case, so another CPU's
+    # summation order passes) / atol 1e-6 sits far below the O(1) change of a token counted twice or left out, a
+    # statistic reduced over the wrong group or a coefficient off by the group size.
     for rank in range(2):
         run = FIXTURES["runs"][f"{mode}{rank}"][case]
         mine = x.grad[run["positions"]].flatten()
-        torch.testing.assert_close(mine, torch.tensor(run["dx"], dtype=torch.float64), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(mine, torch.tensor(run["dx"], dtype=torch.float64), rtol=2e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank} input gradient: {m}")
     run = FIXTURES["runs"][f"{mode}0"][case]
     torch.testing.assert_close(router.weight.grad.flatten(), torch.tensor(run["weight_grad"], dtype=torch.float64),
-                               rtol=1e-5, atol=1e-6)
-    assert aux.item() == pytest.approx(_logged(c, run["logged"]), rel=1e-5)
+                               rtol=2e-5, atol=1e-6)
+    assert aux.item() == pytest.approx(_logged(c, run["logged"]), rel=2e-5)
