@@ -335,6 +335,7 @@ def _memory_lines(root: str, resume: bool, iters: int = 4) -> list[tuple[int, ..
     return [tuple(int(g) if i < 2 else float(g) for i, g in enumerate(m.groups())) for m in found]
 
 
+@pytest.mark.host_only("asserts cpu's memory figures (the resident set: allocated == reserved, under the kernel's peak); a device's allocator counts otherwise")
 def test_memory_lines_are_megatrons(tmp_path):
     """Megatron's report_memory line, each rank of data-parallel rank 0 at its process's first iteration and at the
     next logged one (its report_memory_flag): a fresh run at 1 and 3, the run resumed from 4 at 5 and 6; on cpu the
