@@ -112,7 +112,7 @@ class MoELayer(nn.Module):
             g, p = M.gather_first(g, self.tp), M.gather_first(p.to(torch.uint8), self.tp).bool()
         mask = routing_mask(g, p, self.topk, factor, policy, pad)
         mask = M.split_first(mask, self.tp) if whole else mask
-        if self.router.tokens_per_expert is not None:  # the expert bias's statistics: the pairs processed
+        if self.router.tokens_per_expert is not None and self.router.counting:  # the bias's statistics: pairs kept
             self.router.count_routed(mask.sum(dim=0, dtype=torch.float32))
         return gates, mask
 

@@ -227,9 +227,10 @@ class TopKRouter(nn.Module):
         """``x [s*b, h]`` (the ``[s, b, h]`` layout flattened; ``batch_size`` b matters to ``seq_aux_loss``)."""
         logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())  # [T, E]
         probs, experts = self.route(logits)
-        if self.tokens_per_expert is not None and not self.counts_after_capacity:
+        counting = self.counting
+        if counting and self.tokens_per_expert is not None and not self.counts_after_capacity:
             self.count_routed(expert_counts(experts, self.num_experts, torch.float32))
-        if self.expert_picks is not None and self.training and torch.is_grad_enabled() and not recomputing():
+        if counting and self.expert_picks is not None:
             with torch.no_grad():  # scatter_add_: no host sync (a device bincount reads its size back)
                 picks = experts.reshape(-1)
                 self.expert_picks.scatter_add_(0, picks, torch.ones_like(picks))
@@ -241,13 +242,19 @@ class TopKRouter(nn.Module):
                 aux = z if aux is None else aux + z
         return probs, experts, aux
 
+    @property
+    def counting(self) -> bool:
+        """Whether this forward's routing counts toward the run's statistics: a training forward with grad, not one
+        rerun by recomputation (test it before computing the counts: eval and generation compute none)."""
+        return self.training and torch.is_grad_enabled() and not recomputing()
+
     def count_routed(self, counts: torch.Tensor) -> None:
         """Add a training forward's tokens per expert ``counts [E]`` to ``tokens_per_expert``, the statistics of the
         expert bias's update (a forward without grad, or one rerun by recomputation, adds nothing). Megatron counts
         its routing map after the capacity (``_apply_expert_bias`` after ``apply_router_token_dropping``): the
         dropped pairs left out and, with ``--moe-pad-expert-input-to-capacity``, the padding rows in. Without a
         capacity that is the router's picks, counted here; with one the MoE layer counts its processed pairs."""
-        if self.tokens_per_expert is not None and self.training and torch.is_grad_enabled() and not recomputing():
+        if self.tokens_per_expert is not None and self.counting:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
 
