@@ -33,12 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from omnitron.core.transformer.shapes import padded_vocab_size
 from omnitron.plan.serve_terms import _attention, _head, _mlp, kv_bytes_per_token, prefill_bytes  # noqa: F401
 
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -102,8 +99,8 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
     if seq_length > limit:
         raise ConfigError(f"--inference-max-seq-length {seq_length} is more than the model's {limit} positions "
                           "(--max-position-embeddings); generation stops there: give at most that")
-    tp, elem = pc.tensor_model_parallel_size, _BYTES[settings.precision.params_dtype_name]
-    cfg, family = _serving(cfg, settings.precision.params_dtype_name), getattr(settings, "model_type", "gpt")
+    tp, elem = pc.tensor_model_parallel_size, cfg.params_dtype.itemsize  # --bf16 / --fp16, else fp32
+    cfg, family = _serving(cfg), getattr(settings, "model_type", "gpt")
     if family == "t5":
         layers, weights, kv, act = F.t5_memory(cfg, requests, seq_length, prompt, elem)
         return [ServeMemory(0, layers, requests, seq_length, weights, kv, kv_bytes_per_token(cfg, 1, layers, elem),
@@ -129,11 +126,11 @@ def serve_estimate(settings, requests: int, seq_length: int, prompt: int | None 
     return out
 
 
-def _serving(cfg, dtype_name: str):
+def _serving(cfg):
+    """The model as served: no recomputation (its ``params_dtype`` is already --bf16 / --fp16's)."""
     from dataclasses import replace
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    return replace(cfg, params_dtype=dtype, recompute_granularity=None, recompute_method=None)
+    return replace(cfg, recompute_granularity=None, recompute_method=None)
 
 
 def largest_batch(settings, seq_length: int, memory: int, log_probs: bool = False) -> int:

@@ -127,7 +127,8 @@ class KVCache:
             qpos, kpos = torch.arange(s_all - s_new, s_all, device=q.device), torch.arange(s_all, device=q.device)
         keep = keep_mask(qpos, kpos, module.window)  # [s_new, s_all]
         if self.valid is not None:
-            keep = keep & (self.valid[:, kpos][:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
+            valid = self.valid if self._ring_slots is None else self.valid[:, kpos]  # a ring's: by slot number
+            keep = keep & (valid[:, None, :] | (kpos[None, :] == qpos[:, None]))  # [b, s_new, s_all]
             keep = keep[:, None]
         return sink_attention(q, k, v, keep, None if sinks is None else sinks.to(q.device), scale)
 
