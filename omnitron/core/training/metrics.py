@@ -61,13 +61,14 @@ _TB_TAGS = {"lm_loss": ("lm loss", True), "lr": ("learning-rate", True), "global
 
 
 def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool = False, throughput: bool = False,
-                        loss_scale: bool = True, validation_ppl: bool = False):
+                        loss_scale: bool = True, validation_ppl: bool = False, memory: bool = True):
     """``(tag, value, step)`` for every number of ``record`` as Megatron names it (see ``_TB_TAGS``); the
     ``vs samples`` twins only when the consumed samples are known. Megatron's training_log gates three of them:
     ``timers`` (--log-timers-to-tensorboard): the ``timers_*`` values and ``iteration-time``; ``throughput``
     (--log-throughput, with ``timers``): ``throughput``; ``loss_scale`` (--log-loss-scale-to-tensorboard, on by
     default): ``loss-scale``; and evaluate_and_print_results one: ``validation_ppl``
-    (--log-validation-ppl-to-tensorboard, off by default): the validation and test ``ppl`` tags. A run without loss
+    (--log-validation-ppl-to-tensorboard, off by default): the validation and test ``ppl`` tags; ``memory`` the
+    ``mem_*`` values (W&B, which Megatron never sends them, passes False). A run without loss
     scaling logs a loss scale of 1.0 there, as Megatron's optimizers report one (the record itself keeps None). A
     timer goes as Megatron's ``Timers.write`` writes it: ``<name>-time``, the max over ranks, in seconds per
     iteration (``timers_<name>_ms``; the min and per-rank values stay in the record)."""
@@ -78,7 +79,8 @@ def tensorboard_scalars(record: dict, consumed_samples: int | None, timers: bool
         if k == "loss_scale" and v is None:
             v = 1.0
         if k in ("iteration", "consumed_samples") or v is None or isinstance(v, bool) or \
-                not isinstance(v, (int, float)) or (k.startswith("timers_") and not timers) or not gated.get(k, True):
+                not isinstance(v, (int, float)) or (k.startswith("timers_") and not timers) or not gated.get(k, True) \
+                or (k.startswith("mem_") and not memory):
             continue
         if k.startswith("timers_"):
             if k.endswith("_ms") and not k.endswith("_min_ms"):

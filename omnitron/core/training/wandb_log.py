@@ -21,12 +21,6 @@ from omnitron.core.config.parallel import ConfigError
 from omnitron.core.training.metrics import tensorboard_scalars
 
 
-def _megatron_logs_to_wandb(tag: str) -> bool:
-    """False for the tags Megatron writes to TensorBoard alone: the memory statistics (training_log,
-    --log-memory-to-tensorboard) and the validation and test perplexities (evaluate_and_print_results)."""
-    return not tag.startswith(("mem-", "mem_")) and not tag.endswith(" ppl")
-
-
 def check_available(logging_cfg) -> None:
     """ConfigError when --wandb-project is given but cannot work."""
     if not logging_cfg.wandb_project:
@@ -57,7 +51,7 @@ class WandbRun:
         cfg = self._cfg
         values = {tag: v for tag, v, _ in tensorboard_scalars(
             record, None, timers=cfg.log_timers_to_tensorboard, throughput=cfg.log_throughput,
-            loss_scale=cfg.log_loss_scale_to_tensorboard) if _megatron_logs_to_wandb(tag)}
+            loss_scale=cfg.log_loss_scale_to_tensorboard, memory=False)}  # validation_ppl off: TensorBoard's alone
         if record.get("consumed_samples") is not None:
             values["samples vs steps"] = record["consumed_samples"]
         self._run.log(values, step=record["iteration"])
