@@ -7,7 +7,8 @@ image) or ``--image FILE.npy``, continuing ``--prompt`` (default "a", how the sy
 
 With ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` a GPT checkpoint is sampled by
 tp x pp processes (``--nproc-per-node``, default their product, or torchrun), each holding its own stage
-(:mod:`omnitron.core.inference.sharded`): the same tokens as one process.
+(:mod:`omnitron.core.inference.sharded`): the same tokens as one process. An MoE checkpoint's experts spread over
+``--expert-model-parallel-size`` ranks too (tp x ep x pp processes).
 """
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ def _run_sharded(args: argparse.Namespace, world: int, sampling: dict) -> int:
     from omnitron.core.training.launch import launch
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = args.expert_model_parallel_size
     if args.image is not None or args.image_index is not None:
         print("omnitron generate: error: multimodal checkpoints caption in one process; drop "
               "--tensor-model-parallel-size / --pipeline-model-parallel-size", file=sys.stderr)
@@ -122,8 +124,8 @@ def _run_sharded(args: argparse.Namespace, world: int, sampling: dict) -> int:
         print("omnitron generate: error: --prompt TEXT is required (repeat it for a batch)", file=sys.stderr)
         return 2
     job = GenerateJob(load=args.load, prompts=args.prompt, tensor_model_parallel_size=tp,
-                      pipeline_model_parallel_size=pp, max_new_tokens=args.max_new_tokens,
-                      sampling=sampling,
+                      pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                      max_new_tokens=args.max_new_tokens, sampling=sampling,
                       return_log_probs=args.return_log_probs, json=args.json, backend=args.backend,
                       nproc_per_node=world, world_size=world, serving_dtype=args.serving_dtype)
     return launch(job, run_generate_job)

@@ -113,8 +113,9 @@ def _serve(args, given: dict) -> int:
         return _error(err)
     pc = s.parallel
     print(f"serving {s.model_type} {s.model.num_layers} layers, hidden {s.model.hidden_size} | "
-          f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size} | {requests} requests x {seq} "
-          f"tokens | {s.precision.params_dtype_name} weights and KV cache")
+          f"tp{pc.tensor_model_parallel_size} pp{pc.pipeline_model_parallel_size}"
+          f"{f' ep{pc.expert_model_parallel_size}' if pc.expert_model_parallel_size > 1 else ''} | {requests} "
+          f"requests x {seq} tokens | {s.precision.params_dtype_name} weights and KV cache")
     print(format_serve(stages, memory, largest))
     less = max(st.total for st in stages) - fused
     if less > 0:
@@ -135,7 +136,7 @@ def _serve_figures(args, given: dict) -> tuple:
         raise ConfigError(f"--{training_only[0].replace('_', '-')} prices training; the serving estimate "
                           "(--inference-max-requests) takes the model, --tensor-model-parallel-size, "
                           "--pipeline-model-parallel-size, --bf16 and --device-memory / --device")
-    s = settings_of(given)
+    s = settings_of(_serving_world(given))
     requests = getattr(args, "inference_max_requests", 8)
     seq = getattr(args, "inference_max_seq_length", s.model.seq_length)
     log_probs = bool(getattr(args, "return_log_probs", False))
@@ -145,6 +146,16 @@ def _serve_figures(args, given: dict) -> tuple:
     memory = (parse_memory(args.device_memory) if getattr(args, "device_memory", None)
               else _profile_memory(device) if device else None)
     return s, requests, seq, stages, fused, memory, largest_batch(s, seq, memory, log_probs) if memory else None
+
+
+def _serving_world(given: dict) -> dict:
+    """``given`` with the world of a sharded inference job where it names none (``--nproc-per-node``, ``--layout``):
+    tp x ep x pp (:func:`omnitron.core.inference.sharded.serving_world`: ep ranks replicate the dense layers)."""
+    if "nproc_per_node" in given or given.get("layout"):
+        return given
+    dims = [int(given.get(k, 1)) for k in ("tensor_model_parallel_size", "expert_model_parallel_size",
+                                            "pipeline_model_parallel_size")]
+    return {**given, "nproc_per_node": dims[0] * dims[1] * dims[2]}
 
 
 def _error(err) -> int:

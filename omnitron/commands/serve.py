@@ -1,7 +1,8 @@
 """``omnitron serve --load DIR [--port 5000]``: Megatron's text generation server API over HTTP (PUT /api).
 
-With ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` a GPT checkpoint is served by tp x pp
-processes (rank 0 answers HTTP; see :mod:`omnitron.core.inference.sharded_server`)."""
+With ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` (and, for MoE checkpoints,
+``--expert-model-parallel-size``) a GPT checkpoint is served by tp x ep x pp processes (rank 0 answers HTTP;
+see :mod:`omnitron.core.inference.sharded_server`)."""
 from __future__ import annotations
 
 import argparse
@@ -38,29 +39,42 @@ def add_layout_flags(p) -> None:
                    help="shard the model over TP processes (GPT checkpoints; any layout loads)")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="PP",
                    help="split the layers over PP pipeline stages (GPT checkpoints)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="EP",
+                   help="MoE checkpoints: spread each MoE layer's experts over EP ranks (E / EP each; the dense layers "
+                        "replicated EP times, tokens exchanged as in training)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="local processes to spawn (default: TP x PP; under torchrun, its world)")
+                   help="local processes to spawn (default: TP x EP x PP; under torchrun, its world)")
 
 
 def sharded_world(args, command: str) -> int | None:
-    """The job's world size when ``args`` ask for tp x pp processes, None for one process; exits 2 (SystemExit)
-    with one line when the process count does not match, or the checkpoint's model does not split over tp x pp."""
+    """The job's world size when ``args`` ask for tp x ep x pp processes, None for one process; exits 2 (SystemExit)
+    with one line when the process count does not match, or the checkpoint's model does not split over the
+    layout (an expert layout on a dense model, experts that ep does not divide, ...)."""
     import os
 
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp * pp == 1 and (args.nproc_per_node or 1) == 1:
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.inference.sharded import describe_serving, serving_world
+
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    if tp * pp * ep == 1 and (args.nproc_per_node or 1) == 1:
         return None
-    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc_per_node or tp * pp)
-    if min(tp, pp) < 1 or world != tp * pp:
-        print(f"omnitron {command}: error: sharded inference needs tensor x pipeline = {tp} x {pp} processes, "
-              f"got {world}; set --nproc-per-node {max(tp, 1) * max(pp, 1)}", file=sys.stderr)
+    if min(tp, pp, ep) < 1:
+        print(f"omnitron {command}: error: --tensor-model-parallel-size, --pipeline-model-parallel-size and "
+              f"--expert-model-parallel-size must be >= 1, got {tp}, {pp} and {ep}", file=sys.stderr)
+        raise SystemExit(2)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
+    want = serving_world(parallel)
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc_per_node or want)
+    if world != want:
+        print(f"omnitron {command}: error: sharded inference needs {describe_serving(parallel)} processes, "
+              f"got {world}; set --nproc-per-node {want}", file=sys.stderr)
         raise SystemExit(2)
     from omnitron.core.checkpoint import CheckpointError
-    from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.inference.loader import check_sharded_layout
 
     try:  # the checkpoint's model against the layout, before any rank starts
-        check_sharded_layout(args.load, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+        check_sharded_layout(args.load, parallel)
     except (CheckpointError, ValueError, OSError) as err:
         print(f"omnitron {command}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -79,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         from omnitron.core.training.launch import launch
 
         return launch(ServeJob(load=args.load, tensor_model_parallel_size=args.tensor_model_parallel_size,
-                               pipeline_model_parallel_size=args.pipeline_model_parallel_size, backend=args.backend,
+                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                               expert_model_parallel_size=args.expert_model_parallel_size, backend=args.backend,
                                host=args.host, port=args.port, nproc_per_node=world, world_size=world,
                                serving_dtype=args.serving_dtype),
                       run_serve_job)

@@ -130,9 +130,10 @@ def kv_cache_bytes():
         K.KVCache.__exit__ = leave
 
 
-def sharded_rank(tp: int, pp: int, extra, b: int, prompt: int, new: int) -> tuple:
+def sharded_rank(tp: int, pp: int, extra, b: int, prompt: int, new: int, ep: int = 1) -> tuple:
     """This rank's (estimate of its stage, parameter bytes, cache bytes, peak beyond both) generating under tp x pp
-    (:mod:`omnitron.core.inference.sharded`'s stage), left-padded prompts."""
+    (x ep: an MoE model's experts spread as ``omnitron generate --expert-model-parallel-size`` spreads them;
+    :mod:`omnitron.core.inference.sharded`'s stage), left-padded prompts."""
     import torch
 
     from omnitron.backends import get_backend
@@ -146,13 +147,17 @@ def sharded_rank(tp: int, pp: int, extra, b: int, prompt: int, new: int) -> tupl
 
     torch.set_num_threads(1)
     argv = _argv(prompt + new, extra) + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
-                                         str(pp)]
-    s = parse_settings(argv, tp * pp)
+                                         str(pp), "--expert-model-parallel-size", str(ep),
+                                         "--global-batch-size", str(ep)]  # a micro-batch per replica
+    s = parse_settings(argv, tp * pp * ep)
     be = get_backend()
-    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-                                  backend=be)
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep), backend=be)
     est = serve_estimate(s, b, prompt + new, prompt=prompt)[groups.pp.rank]
     model = build_stage(model_config(s), groups, be).eval()
+    for m in model.modules():  # as the sharded loader marks them: the ep ranks run the same prompts
+        if hasattr(m, "ep_replicated"):
+            m.ep_replicated = ep > 1
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     with kv_cache_bytes() as cache:
         base = be.memory_stats()["allocated"]
@@ -178,6 +183,29 @@ def test_serve_estimate_per_rank_under_tensor_and_pipeline_parallelism(tp, pp, e
         assert est.kv_per_token == 2 * 2 * max(2 // tp, 1) * (H // 4) * 4 // pp  # layers / pp, K and V, fp32
         bound = 2 * b * prompt * H * 4 + 5 * b * prompt * prompt * 4 + 128 * 512
         assert abs(excess - est.activations) <= bound, (rank, excess, est.activations, bound)
+
+
+MOE = GQA + ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32")
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)], ids=["ep2", "tp2-ep2"])
+def test_serve_estimate_per_rank_under_expert_parallelism(tp, ep):
+    """An MoE model's experts spread over ep (E / ep a rank, by hand: 4 / ep experts of 2 layers, each a SwiGLU MLP
+    with biases, the rest of the model as at ep1): the estimate's weights and KV cache
+    are each rank's to the byte; the working set is the prefill's largest phase, which the estimate prices at
+    ``topk x T`` routed rows for the whole layer (this rank's slice routes ``1 / (tp ep)`` of them): measured at
+    most the estimate plus the single-process test's bound."""
+    b, prompt, new = 3, 48, 8
+    ranks = run_distributed(sharded_rank, tp * ep, tp, 1, MOE, b, prompt, new, ep, backend="sim")
+    ep1 = run_distributed(sharded_rank, tp, tp, 1, MOE, b, prompt, new, 1, backend="sim")[0]
+    # 2 MoE layers x 4 experts, fp32: fc1 [2*32, H] and its bias split over tp, fc2 [H, 32 / tp], fc2's bias whole
+    experts = 2 * 4 * ((H * 2 * 32 + 2 * 32 + 32 * H) // tp + H) * 4
+    for rank, (est, weights, cache, excess) in enumerate(ranks):
+        print(f"tp{tp} ep{ep} rank {rank}: weights {weights}, activations {est.activations}, measured {excess}")
+        assert est.weights == weights == ep1[1] - experts + experts // ep, rank
+        assert est.kv_cache == cache == ep1[2], rank
+        bound = 2 * b * prompt * H * 4 + 5 * b * prompt * prompt * 4 + 128 * 512
+        assert excess <= est.activations + bound, (rank, excess, est.activations, bound)
 
 
 def last_logits_peaks(extra, b: int, prompt: int, new: int) -> tuple:

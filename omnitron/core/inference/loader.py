@@ -122,7 +122,8 @@ def load_for_inference(load: str, backend=None, dtype: torch.dtype = torch.float
 
 def load_sharded(load: str, groups, backend, dtype: torch.dtype = torch.float32) -> Loaded:
     """This rank's eval-mode stage in ``dtype`` of the latest checkpoint under ``load`` (or safetensors file) over
-    ``groups`` (tp x pp; built with sequence parallelism off); GPT-family checkpoints. The stage is built
+    ``groups`` (tp x pp, or tp x ep x pp for MoE models: every rank runs the same prompts; built with sequence
+    parallelism off); GPT-family checkpoints. The stage is built
     without weights and filled with its own slices (:mod:`~omnitron.core.inference.shard_load`): from a
     torch_dist checkpoint or a safetensors file only the bytes of its slices are read; the torch format's
     shards are read whole for the tensors the stage owns."""
@@ -130,6 +131,10 @@ def load_sharded(load: str, groups, backend, dtype: torch.dtype = torch.float32)
     _check_sharded_family(cfg)
     loaded = _load_sliced(path, meta, cfg, groups, backend, _tokenizer(path, meta, cfg))
     loaded.sharded = ShardedStage(loaded.model, groups, backend.collectives)
+    if groups.ep.size > 1:  # the ep ranks are replicas running the same prompts (omnitron.core.inference.sharded)
+        for m in loaded.model.modules():
+            if hasattr(m, "ep_replicated"):
+                m.ep_replicated = True
     return loaded
 
 

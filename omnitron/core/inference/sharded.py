@@ -13,6 +13,13 @@ tp and picks the next tokens (:class:`ShardedPicker`), which it broadcasts over 
 log-probs, so every rank appends the same tokens and stops at the same step. Every rank knows the prompts,
 hence every message's shape. Sampling is seeded per row as in one process, so greedy and seeded sampling give
 the one-process tokens.
+
+Expert parallelism (``--expert-model-parallel-size``, MoE checkpoints): world = tp x ep x pp. As in training, the
+expert layout (etp = tp) x ep re-partitions tp x dp: the ep ranks are ``dp = ep`` replicas of the dense layers,
+each holding ``E / ep`` experts of every MoE layer. Every replica runs the same prompts; in an MoE layer each
+takes its slice of the (replicated) tokens, dispatches it to the experts' ranks over ep (training's all-to-all)
+and all-gathers the outputs (:attr:`~omnitron.core.transformer.moe.layer.MoELayer.ep_replicated`), so the
+replicas stay bit-identical and pick the same tokens.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ class ShardedJob:
     load: str
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     backend: str | None = None
     threads: int | None = None
     nproc_per_node: int = 1
@@ -46,15 +54,36 @@ class ShardedJob:
 
     def parallel_config(self):
         return ParallelConfig(tensor_model_parallel_size=self.tensor_model_parallel_size,
-                              pipeline_model_parallel_size=self.pipeline_model_parallel_size)
+                              pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+                              expert_model_parallel_size=self.expert_model_parallel_size)
 
     def load_stage(self, backend):
         """(groups, this rank's loaded stage) of the job's layout over the initialised world."""
-        groups = ParallelGroups.build(self.parallel_config(), backend=backend)
-        if groups.dp_size != 1:
-            raise ValueError(f"sharded inference runs on tensor x pipeline = {self.world_size // groups.dp_size} "
-                             f"processes, got {self.world_size}; set --nproc-per-node to that product")
+        import torch.distributed as dist
+
+        pc = self.parallel_config()
+        world, actual = serving_world(pc), dist.get_world_size() if dist.is_initialized() else 1
+        if actual != world:  # before any group: a wrong count would fail in the layout's own check
+            raise ValueError(f"sharded inference runs on {describe_serving(pc)} = {world} processes, got {actual}; "
+                             f"set --nproc-per-node {world}")
+        groups = ParallelGroups.build(pc, backend=backend)
         return groups, load_sharded(self.load, groups, backend, SERVING_DTYPES[self.serving_dtype])
+
+
+def serving_world(parallel: ParallelConfig) -> int:
+    """Processes of a sharded inference job: tp x ep x pp (the ep ranks are data-parallel replicas of the dense
+    layers, see the module docstring)."""
+    return (parallel.tensor_model_parallel_size * parallel.expert_model_parallel_size
+            * parallel.pipeline_model_parallel_size)
+
+
+def describe_serving(parallel: ParallelConfig) -> str:
+    """``tensor x pipeline = 2 x 1`` (with ``x expert`` where ep > 1): the layout, for messages."""
+    names, sizes = ["tensor", "pipeline"], [parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size]
+    if parallel.expert_model_parallel_size > 1:
+        names.append("expert")
+        sizes.append(parallel.expert_model_parallel_size)
+    return f"{' x '.join(names)} = {' x '.join(map(str, sizes))}"
 
 
 @dataclass

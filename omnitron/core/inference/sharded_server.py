@@ -122,7 +122,8 @@ def run_serve_job(job: ServeJob, backend, watchdog=None) -> None:
         coord.follow()
         return
     server = make_server(loaded, job.host, job.port, run=coord.run, lock=coord.lock)
-    print(f"serving {loaded.family} checkpoint {job.load} at tp {groups.tp.size} x pp {groups.pp.size} on "
+    print(f"serving {loaded.family} checkpoint {job.load} at tp {groups.tp.size} x pp {groups.pp.size}"
+          f"{f' x ep {groups.ep.size}' if groups.ep.size > 1 else ''} on "
           f"http://{job.host}:{server.server_port}/api (PUT)", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards SIGTERM: stop as on Ctrl-C
     threading.Thread(target=coord.keep_alive, daemon=True).start()

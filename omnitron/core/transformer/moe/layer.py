@@ -15,6 +15,11 @@ reduction needed) and each tp rank then dispatches its slice of the tokens (sequ
 tokens routed nowhere where tp does not divide them, as a one-position decoding step in sharded inference)
 and all-gathers the outputs (backward: keep the own slice, the all-gather of the input gradient).
 
+Sharded inference at ep > 1 (:mod:`omnitron.core.inference.sharded`): the ep ranks are data-parallel replicas
+that hold the same tokens, so each of them takes its slice of its tp slice too (:attr:`MoELayer.ep_replicated`,
+set by the loader) and the outputs are all-gathered over ep: every token goes to its experts once, and every
+replica gets the same output bits.
+
 Context parallelism: each cp rank routes and dispatches its own slice of the sequence (the ep group
 may span cp ranks: the expert layout re-partitions tp x cp x dp); the router's statistics are summed
 over cp (and tp under SP), so the aux loss is the whole micro-batch's on every cp rank.
@@ -85,6 +90,9 @@ class MoELayer(nn.Module):
                                       backend=backend, out_std=out_std, skip_out_bias=False)
         self.aux_loss_scale = 1.0
         self.aux_loss_total: torch.Tensor | None = None
+        self.ep_replicated = False
+        """Whether the ep ranks hold the same tokens (sharded inference, see the module docstring): each then
+        dispatches its slice of them. Training's ep ranks hold different micro-batches: False."""
         self.layer_number: int | None = None
         """The global decoder layer it is the MLP of (0-based; set by the layer; None in a multi-token prediction
         depth): the row of its router's picks in ``--moe-expert-load-out``'s histogram."""
@@ -118,48 +126,55 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor):
         if torch.compiler.is_compiling():  # --torch-compile: no generator (dynamo would run it all eagerly)
-            x, gates, mask, split = self._tokens(hidden)
+            x, gates, mask, splits = self._tokens(hidden)
             if _experts_eager is None:
                 raise RuntimeError("MoE layer compiled outside omnitron.core.compile.compile_layers; compile it "
                                    "through --torch-compile")
             y = _experts_eager(self, x.reshape(-1, x.shape[-1]), gates, mask).view(x.shape)
-            return self._output(y, hidden, split)
+            return self._output(y, hidden, splits)
         return drive(self.forward_steps(hidden))
 
     def forward_steps(self, hidden: torch.Tensor) -> Steps:
         """:meth:`forward` as steps: it yields with the dispatch, then with the combine, in flight."""
-        x, gates, mask, split = self._tokens(hidden)
+        x, gates, mask, splits = self._tokens(hidden)
         y = (yield from self.experts_steps(x.reshape(-1, x.shape[-1]), gates, mask)).view(x.shape)
-        return self._output(y, hidden, split)
+        return self._output(y, hidden, splits)
 
-    def _tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    def _tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """(this rank's tokens ``[s', b, h]`` or ``[n, h]``, their gates and processed pairs ``[s'*b or n, E]``,
-        whether the tokens were split over tp: replicated tokens, each tp rank takes its slice, see
-        :meth:`_tp_slice`)."""
+        the splits they went through: ``(group, rows before it)`` for each group whose ranks hold the same tokens
+        and take a slice each, see :meth:`_slice`: tp without sequence parallelism, then ep where
+        :attr:`ep_replicated`)."""
         s, b, h = hidden.shape
         gates, mask = self._route(hidden.reshape(s * b, h), b)  # [s*b, E] each
-        split = self.tp.size > 1 and not self.sp
-        if not split:
-            return hidden, gates, mask, split
-        return self._tp_slice(hidden.reshape(s * b, h)), self._tp_slice(gates), self._tp_slice(mask), split
+        groups = [g for g, same in ((self.tp, not self.sp), (self.ep, self.ep_replicated)) if same and g.size > 1]
+        if not groups:
+            return hidden, gates, mask, []
+        x, splits = hidden.reshape(s * b, h), []
+        for g in groups:
+            splits.append((g, x.shape[0]))
+            x, gates, mask = self._slice(x, g), self._slice(gates, g), self._slice(mask, g)
+        return x, gates, mask, splits
 
-    def _tp_slice(self, t: torch.Tensor) -> torch.Tensor:
-        """This tp rank's contiguous ``ceil(T / tp)`` rows of the replicated per-token ``t [T, ...]`` (sequence-major,
-        so at ``s % tp == 0`` its sequence slice), padded at the end to ``tp`` equal slices: a decoding step holds
-        one position. Padding rows are zero (gates) / False (mask): routed nowhere, their output dropped by
-        :meth:`_output`. Backward: the all-gather of the slices' gradients."""
-        n = -(-t.shape[0] // self.tp.size)
-        pad = n * self.tp.size - t.shape[0]
+    @staticmethod
+    def _slice(t: torch.Tensor, group) -> torch.Tensor:
+        """This rank's contiguous ``ceil(T / n)`` rows of ``t [T, ...]``, the same on every rank of ``group`` (size
+        ``n``; sequence-major, so at ``s % tp == 0`` a tp rank's sequence slice), padded at the end to ``n`` equal
+        slices: a decoding step holds one position. Padding rows are zero (gates) / False (mask): routed nowhere,
+        their output dropped by :meth:`_output`. Backward: the all-gather of the slices' gradients."""
+        n = -(-t.shape[0] // group.size)
+        pad = n * group.size - t.shape[0]
         if pad:
             t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-        return M.scatter_to_sp(t, self.tp) if t.dtype.is_floating_point else M.split_first(t, self.tp)
+        return M.scatter_to_sp(t, group) if t.dtype.is_floating_point else M.split_first(t, group)
 
-    def _output(self, y: torch.Tensor, hidden: torch.Tensor, split: bool):
-        """The layer's output from the experts' ``y``: gathered back over tp where split (padding dropped), plus the
-        shared expert."""
-        if split:
-            s, b, h = hidden.shape
-            y = M.gather_from_sp(y, self.tp, grad_is_partial=False)[: s * b].view(s, b, h)
+    def _output(self, y: torch.Tensor, hidden: torch.Tensor, splits: list):
+        """The layer's output from the experts' ``y``: gathered back over each split's group, last first (padding
+        dropped), plus the shared expert."""
+        if splits:
+            for group, rows in reversed(splits):
+                y = M.gather_from_sp(y, group, grad_is_partial=False)[:rows]
+            y = y.view(hidden.shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(hidden)[0]
         return y, None
