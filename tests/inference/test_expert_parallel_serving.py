@@ -42,7 +42,7 @@ def _rank(root: str, tp: int, ep: int) -> dict:
             "bytes": sum(p.numel() * p.element_size() for p in loaded.model.parameters()), "out": out,
             "expert_bytes": sum(p.numel() * p.element_size() for n, p in loaded.model.named_parameters()
                                 if ".experts." in n),
-            "ep_rank": groups.ep.rank, "tp_rank": groups.tp.rank}
+            "ep_rank": groups.ep.rank, "tp_rank": groups.tp.rank, "read": loaded.read_bytes}
 
 
 @pytest.mark.parametrize("tp,ep,backend,kind", [
@@ -88,6 +88,25 @@ def _expert_bytes(cfg, tp: int) -> int:
     per = (fc1 * h + h * f) // tp + (fc1 // tp + h if cfg.add_bias_linear else 0)
     layers = sum(1 for i in range(cfg.num_layers) if is_moe_layer(cfg, i))
     return 4 * layers * cfg.num_experts * per
+
+
+@pytest.mark.slow  # 40 s on the loaded 2-core machine (2026-12-07)
+def test_expert_parallel_ranks_read_only_their_experts_from_safetensors(tmp_path):
+    """A gpt-oss-style checkpoint (expert biases, attention sinks, windows) exported to safetensors and served at ep2:
+    the one-process tokens, and each rank reads the bytes of what it holds alone: its experts, not the other
+    rank's."""
+    from omnitron.core.checkpoint.reshard import export_safetensors
+
+    root, file = str(tmp_path / "ck"), str(tmp_path / "m.safetensors")
+    _checkpoint(root, _moe_config("gpt_oss"), tp=1)
+    export_safetensors(str(tmp_path / "ck" / "iter_0000000"), file)
+    want = [_one_process(root, GREEDY, p) for p in MOE_PROMPT_SETS]
+    for rank, got in enumerate(run_distributed(_rank, 2, file, 1, 2)):
+        for g, w, p in zip(got["out"], want, MOE_PROMPT_SETS, strict=True):
+            _assert_same(g, w, ("safetensors", rank, p))
+        # fp32 on disk and in memory: what it holds, it read, except the vocabulary's padding rows (301 -> 384, a
+        # multiple of 128) of the embedding and the untied output layer, zeros that no file holds
+        assert got["read"] == got["bytes"] - 2 * (384 - 301) * 64 * 4, rank
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
