@@ -11,7 +11,8 @@ multiple of the replica group) and the tied embedding's isolated bucket are the 
   like the gradient buckets, so the padded size counts.
 - gradients: the ``main_grad`` buffers (fp32 with ``--accumulate-allreduce-grads-in-fp32``,
   which ``--bf16`` implies; else the parameter's dtype).
-- optimizer: fp32 masters for non-fp32 parameters plus Adam's two fp32 moments (SGD: one with momentum; Muon:
+- optimizer: fp32 masters for non-fp32 parameters plus Adam's two moments (fp32, or --exp-avg-dtype /
+  --exp-avg-sq-dtype's bf16) (SGD: one with momentum; Muon:
   one, its momentum, for the matrices it orthogonalises); with ``--use-distributed-optimizer`` only the slices
   this data x context rank owns of every bucket (the largest over the replica group's ranks is reported).
 - ``--use-torch-fsdp2``: every parameter, its gradient and its moments are fp32 shards of ceil(rows / (dp x
@@ -133,9 +134,19 @@ def _moments(optim, p=None) -> int:
     return 1 if optim.sgd_momentum else 0
 
 
+def moment_bytes(optim, p=None) -> int:
+    """Bytes of optimizer buffers per element of parameter ``p``: :func:`_moments`' fp32 words, but Adam's two
+    moments in --exp-avg-dtype / --exp-avg-sq-dtype (2 bytes each in bf16: the precision-aware optimizer)."""
+    if optim.optimizer in ("adam", "adamw"):
+        from omnitron.core.optim.optimizer import MOMENT_DTYPES
+
+        return MOMENT_DTYPES[optim.exp_avg_dtype].itemsize + MOMENT_DTYPES[optim.exp_avg_sq_dtype].itemsize
+    return 4 * _moments(optim, p)
+
+
 def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
-    """Masters (non-fp32 parameters) plus the optimizer's fp32 moments for ``numel`` elements."""
-    return 4 * numel * (_moments(optim) + (dtype != torch.float32))
+    """Masters (non-fp32 parameters) plus the optimizer's moments for ``numel`` elements."""
+    return numel * (moment_bytes(optim) + 4 * (dtype != torch.float32))
 
 
 def expert_data_parallel_size(settings) -> int:
@@ -176,10 +187,10 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
             total = sum(p.numel() for p in buf.params)
             grads += buf.data.numel() * buf.data.element_size()
             params += (buf.data.numel() if dist else total) * dtype.itemsize
-            def words(p, low=dtype != torch.float32) -> int:  # fp32 words per element: master and moments
-                return _moments(settings.optim, p) + low
+            def per(p, low=dtype != torch.float32) -> int:  # bytes per element: fp32 master and the moments
+                return moment_bytes(settings.optim, p) + 4 * low
 
-            opt += 4 * (_owned(buf, size, words) if dist else sum(words(p) * p.numel() for p in buf.params))
+            opt += _owned(buf, size, per) if dist else sum(per(p) * p.numel() for p in buf.params)
     return StateBytes(params, grads, opt)
 
 

@@ -46,7 +46,9 @@ def _predicted(args: list[str], world: int, pp_rank: int) -> tuple[int, int, int
 
 ONE = {"fp32": [], "bf16": ["--bf16"], "fp16_sgd": ["--fp16", "--optimizer", "sgd"],
        "bf16_distopt_small_buckets": ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"],
-       "bf16_muon_distopt": ["--bf16", "--optimizer", "muon", "--use-distributed-optimizer"]}
+       "bf16_muon_distopt": ["--bf16", "--optimizer", "muon", "--use-distributed-optimizer"],
+       "bf16_moments_distopt": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+                                "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--ddp-bucket-size", "3000"]}
 
 
 @pytest.mark.parametrize("name", list(ONE))
@@ -61,6 +63,10 @@ FOUR = {"tp2_pp2_bf16": (2, 2, ["--bf16", "--sequence-parallel"]),
                                    "--global-batch-size", "4"]),
         "dp4_distopt_fp32": (1, 1, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
                                     "--global-batch-size", "4"]),
+        # fp32 weights are their own masters; only the moments (exp_avg bf16, exp_avg_sq fp32) are stored
+        "dp4_distopt_bf16_exp_avg": (1, 1, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
+                                            "--global-batch-size", "4", "--use-precision-aware-optimizer",
+                                            "--exp-avg-dtype", "bf16"]),
         # the V placement: rank 0 holds the embedding, the head's tied copy and layers 0 and 3
         "pp2_dp2_zb_v_distopt": (1, 2, ["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1",
                                         "--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",

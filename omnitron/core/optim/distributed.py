@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from omnitron.core.config.training import OptimizerConfig
-from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled
+from omnitron.core.optim.optimizer import (MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled,
+                                           state_dtype)
 from omnitron.core.parallel.data.ddp import DistributedDataParallel
 
 
@@ -97,7 +98,7 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         for s in self.slices:
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
             # fp32 parameters are their own masters (a view: the update lands in the model directly)
-            self.masters.append(flat if flat.dtype == torch.float32 else flat.float().clone())
+            self.masters.append(flat.float())  # a copy (no second one: the build's peak is the state)
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:
@@ -177,7 +178,8 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         for key in keys:
             values = self.masters if key == "master" else self.state[key]
             out: dict[int, torch.Tensor] = {}
-            self._gather(values, torch.float32, lambda i, flat, out=out: out.__setitem__(
+            dtype = torch.float32 if key == "master" else state_dtype(self.config, key)  # each kept in its dtype
+            self._gather(values, dtype, lambda i, flat, out=out: out.__setitem__(
                 i, flat.clone().view(self.params[i].shape)))
             full[key] = out
         tensors = {}

@@ -31,6 +31,16 @@ class StepResult:
     """Gradient elements exactly zero, each counted once (only when the step was asked to count)."""
 
 
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""--exp-avg-dtype / --exp-avg-sq-dtype by name: the dtypes Adam's moments may be stored in."""
+
+
+def state_dtype(config: OptimizerConfig, key: str) -> torch.dtype:
+    """The dtype optimizer state ``key`` is stored in: Adam's moments as --exp-avg-dtype / --exp-avg-sq-dtype say
+    (Megatron's precision-aware optimizer), everything else fp32."""
+    return MOMENT_DTYPES[{"exp_avg": config.exp_avg_dtype, "exp_avg_sq": config.exp_avg_sq_dtype}.get(key, "fp32")]
+
+
 def _decays(name: str, param: torch.nn.Parameter, qk_layernorm: bool = False) -> bool:
     """Biases and norm weights (all 1-D tensors) are not decayed; with ``qk_layernorm``
     (--apply-wd-to-qk-layernorm) the query and key norms' weights and biases are (Megatron's rule in
@@ -77,14 +87,14 @@ class MixedPrecisionOptimizer:
         """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
         self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
-        self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.masters = [p.detach().float() for p in self.params]  # fp32: the parameter; else a copy
 
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
         """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
         state: dict[str, list[torch.Tensor]] = {}
         if self.config.optimizer in ("adam", "adamw", "onebit_adam", "muon"):  # Muon: exp_avg is its momentum
-            state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
-            state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = [torch.zeros_like(m, dtype=state_dtype(self.config, key)) for m in self.masters]
         elif self.config.optimizer == "sgd" and self.config.sgd_momentum:
             state["momentum"] = [torch.zeros_like(m) for m in self.masters]
         return state
@@ -222,13 +232,20 @@ class MixedPrecisionOptimizer:
         ``only``: the masters to step (default: all)."""
         c = self.config
         keys = {i: (self.decay[i], rates[i]) for i in (range(len(self.masters)) if only is None else only)}
+        low = any(state_dtype(c, k) != torch.float32 for k in ("exp_avg", "exp_avg_sq"))
         for decay, lr in dict.fromkeys(keys.values()):
             idx = [i for i, key in keys.items() if key == (decay, lr)]
-            self.backend.kernels.adamw_step(
-                [self.masters[i] for i in idx], [grads[i] for i in idx],
-                [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx],
-                step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
-                weight_decay=self.weight_decay if decay else 0.0)
+            # moments below fp32: one parameter at a time through fp32 copies (only one parameter's are alive)
+            for part in ([[i] for i in idx] if low else [idx]):
+                m, v = ([self.state[k][i].float() for i in part] for k in ("exp_avg", "exp_avg_sq"))
+                self.backend.kernels.adamw_step(
+                    [self.masters[i] for i in part], [grads[i] for i in part], m, v,
+                    step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
+                    weight_decay=self.weight_decay if decay else 0.0)
+                for k, values in (("exp_avg", m), ("exp_avg_sq", v)):
+                    for i, x in zip(part, values):
+                        if x.data_ptr() != self.state[k][i].data_ptr():  # round back to nearest, as TE's FusedAdam
+                            self.state[k][i].copy_(x)
 
     def _sgd(self, grads: list[torch.Tensor], rates: list[float]) -> None:
         """torch.optim.SGD's rule: g += wd * p; buf = mu * buf + g; p -= lr * buf."""

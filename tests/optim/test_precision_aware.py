@@ -1,0 +1,155 @@
+"""Adam moments stored in bf16 (--exp-avg-dtype / --exp-avg-sq-dtype, Megatron's precision-aware optimizer).
+
+Reference: a float64 transcription of Transformer Engine's FusedAdam with bf16 moments (read each moment as
+fp32, take the AdamW step -- ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` -- and round each moment back
+to nearest), applied step by step to the optimizer's own stored state on fresh random gradients. The state dict
+keeps the moments in bf16 and a resume from it continues bit for bit.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from omnitron.backends import get_backend
+from omnitron.core.config.training import OptimizerConfig
+from omnitron.core.optim import MixedPrecisionOptimizer
+from omnitron.core.parallel.groups import ParallelGroups
+
+U32, U16 = 2.0 ** -24, 2.0 ** -8
+"""Unit roundoffs of fp32 (24 significant bits) and bf16 (8)."""
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.LayerNorm(17), torch.nn.Linear(17, 9)).bfloat16()
+
+
+def _optimizer(model, exp_avg: str, exp_avg_sq: str) -> MixedPrecisionOptimizer:
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, adam_beta2=0.95, exp_avg_dtype=exp_avg,
+                          exp_avg_sq_dtype=exp_avg_sq)
+    return MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu"))
+
+
+def _grads(model, gen: torch.Generator) -> None:
+    for p in model.parameters():  # magnitudes spread over 2^-10 .. 2^4, so the moments span many binades
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64) * torch.exp2(torch.randint(-10, 5, p.shape,
+                                                                                                generator=gen))
+        p.grad = g.to(torch.bfloat16)
+
+
+def _te_step(p, g, m, v, *, step, cfg, decay):
+    """One step of TE's FusedAdam (adam_w_mode, bias correction) in float64: (p, m, v) before rounding, the update
+    ``m_hat / denom`` and ``(|m0| + |g|) / (bc1 * denom)`` (m's terms, which may cancel, over denom). The
+    betas, eps, lr and decay are the fp32 numbers TE's kernel takes (``float`` arguments)."""
+    b1, b2, eps, lr, wd = (_f32(x) for x in (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.lr, cfg.weight_decay))
+    terms = m.abs() + g.abs()
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = (v / (1 - b2 ** step)).sqrt() + eps
+    upd = m / (1 - b1 ** step) / denom
+    return p - lr * (upd + (wd if decay else 0.0) * p), m, v, upd, terms / (1 - b1 ** step) / denom
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("exp_avg,exp_avg_sq", [("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16")])
+def test_steps_match_float64_fused_adam(exp_avg, exp_avg_sq):
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; the seed is in every message
+    gen = torch.Generator().manual_seed(seed)
+    model = _model(seed % 1000)
+    opt = _optimizer(model, exp_avg, exp_avg_sq)
+    cfg = opt.config
+    for step in range(1, 7):
+        _grads(model, gen)
+        before = [(x.double(), m.double(), v.double()) for x, m, v in
+                  zip(opt.masters, opt.state["exp_avg"], opt.state["exp_avg_sq"])]
+        grads = [p.grad.double() for p in opt.params]
+        opt.step(cfg.lr)
+        for i, ((p0, m0, v0), g) in enumerate(zip(before, grads)):
+            p, m, v, upd, spread = _te_step(p0, g, m0, v0, step=step, cfg=cfg, decay=opt.decay[i])
+            got_m, got_v = opt.state["exp_avg"][i], opt.state["exp_avg_sq"][i]
+            assert got_m.dtype == DTYPES[exp_avg] and got_v.dtype == DTYPES[exp_avg_sq]
+            b2 = _f32(cfg.adam_beta2)
+            for name, got, ref, terms in (("exp_avg", got_m, m, m0.abs() + g.abs()),
+                                          ("exp_avg_sq", got_v, v, b2 * v0 + (1 - b2) * g * g)):
+                # fp32 compute: <= 3 roundings of terms' size (m: a difference, a product, a sum -- TE's
+                # b1 * m + (1 - b1) * g or the lerp m + (1 - b1) * (g - m) -- each of at most |m0| + |g|;
+                # v: two products and a sum of positive terms): 3 * U32 * terms; then one
+                # rounding to nearest in the stored dtype: U * |fp32 value| <= U * (|ref| + 3 * U32 * terms)
+                # (U = 0 in fp32 storage, which keeps the fp32 value). Truncating instead of rounding, or
+                # stepping in bf16, errs by up to 2 * U16 * |ref|.
+                u = U16 if got.dtype == torch.bfloat16 else U32
+                bound = u * ref.abs() + (1 + u) * 3 * U32 * terms + 1e-300
+                err = (got.double() - ref).abs()
+                assert (err <= bound).all(), (seed, step, i, name, float((err / bound).max()))
+            # the master: fp32 compute of p*(1 - lr*wd) (2 roundings of |p0|) minus lr * m_hat / denom from the
+            # fp32 moments: m errs by 3 roundings of its terms (they may cancel: lr * 3 * spread), v (positive
+            # terms) by 3 relative, denom by <= 5 relative (v's halved by the sqrt, the bias correction, the sqrt,
+            # + eps), then the division, the bias correction and the product: <= 8 roundings of lr * |upd| in
+            # all; and one final rounding of |p|
+            bound = U32 * (3 * p0.abs() + p.abs() + cfg.lr * (8 * upd.abs() + 3 * spread))
+            err = (opt.masters[i].double() - p).abs()
+            assert (err <= bound).all(), (seed, step, i, "master", float((err / bound).max()))
+
+
+def test_state_dict_keeps_bf16_and_resumes_bit_for_bit():
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    model = _model(1)
+    opt = _optimizer(model, "bf16", "bf16")
+    for _ in range(3):
+        _grads(model, gen)
+        opt.step(1e-2)
+    saved = opt.state_dict()
+    entry = saved["tensors"]["0.weight"]
+    assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == torch.bfloat16 and entry["master"].dtype == \
+        torch.float32
+    copy = _model(2)  # other weights: the load must bring everything
+    copy.load_state_dict(model.state_dict())
+    resumed = _optimizer(copy, "bf16", "bf16")
+    resumed.load_state_dict(saved)
+    for _ in range(2):
+        _grads(model, gen)
+        for p, q in zip(model.parameters(), copy.parameters()):
+            q.grad = p.grad.clone()
+        opt.step(1e-2)
+        resumed.step(1e-2)
+    for a, b in zip([*opt.masters, *opt.state["exp_avg"], *opt.state["exp_avg_sq"]],
+                    [*resumed.masters, *resumed.state["exp_avg"], *resumed.state["exp_avg_sq"]]):
+        assert torch.equal(a, b), seed
+    assert opt.state_bytes() == sum(4 * p.numel() + 2 * 2 * p.numel() for p in model.parameters())
+
+
+AWARE = ["--use-precision-aware-optimizer", "--use-distributed-optimizer"]
+
+
+def test_flags_parse_as_megatron_reads_them():
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--model", "gpt2_tiny", "--bf16"]
+    s = parse_settings([*base, *AWARE, "--exp-avg-dtype", "bf16", "--main-grads-dtype", "bf16"], 1)
+    # Megatron: --main-grads-dtype bf16 keeps validate_args from turning fp32 accumulation on under --bf16
+    assert (s.optim.exp_avg_dtype, s.optim.exp_avg_sq_dtype) == ("bf16", "fp32")
+    assert s.ddp.grad_reduce_in_bf16 and not s.ddp.accumulate_allreduce_grads_in_fp32
+    assert parse_settings([*base, *AWARE], 1).ddp.accumulate_allreduce_grads_in_fp32
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--exp-avg-dtype", "bf16"], "^--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
+    (["--exp-avg-sq-dtype", "fp16", *AWARE], "^--exp-avg-sq-dtype fp16: Transformer Engine's scaled fp16"),
+    (["--exp-avg-dtype", "fp8", *AWARE], "^--exp-avg-dtype fp8: Transformer Engine's scaled fp8"),
+    (["--main-params-dtype", "fp16", *AWARE], "^--main-params-dtype fp16: Transformer Engine's scaled fp16 master"),
+    (["--main-grads-dtype", "bf16", "--accumulate-allreduce-grads-in-fp32", *AWARE],
+     "^--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32"),
+])
+def test_what_is_not_implemented_stops_in_one_line(extra, match):
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.training.arguments import parse_settings
+
+    with pytest.raises(ConfigError, match=match):
+        parse_settings(["--model", "gpt2_tiny", "--bf16", *extra], 1)
