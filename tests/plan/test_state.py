@@ -12,6 +12,7 @@ import os
 import pytest
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 
 def _args(root: str, tp: int, pp: int, extra: list[str]) -> list[str]:
@@ -89,3 +90,38 @@ def test_four_ranks_exact(name, tmp_path):
         assert _predicted(args, 4, rank)[:2] == real[:2]
     for stage in {r for r, _ in results}:
         assert _predicted(args, 4, stage)[2] == max(real[2] for r, real in results if r == stage)
+
+
+def _allocated_by_a_second_optimizer(args: list[str], world: int) -> tuple[int, int, int, int, int]:
+    """(pipeline rank, a second copy of this rank's optimizer: its state bytes, its tensors' 512-byte blocks, the
+    bytes the backend's allocator holds for it and the peak's rise while building it)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components, build_optimizer
+
+    be = get_backend()
+    s = parse_settings(args, world)
+    c = build_components(s, be)
+    opt = c.optimizer
+    named = list(zip(opt.names, opt.params))
+    dups = [p for p in opt.params if id(p) in opt.duplicates]
+    before = be.memory_stats()["allocated"]
+    be.reset_peak_memory_stats()
+    second = build_optimizer(named, s, c.groups, be, c.chunks, dups)
+    stats = be.memory_stats()
+    blocks = sum(-(-t.untyped_storage().nbytes() // 512) * 512  # the sim allocator's 512-byte blocks
+                 for t in [*second.masters, *(t for v in second.state.values() for t in v)] if t.numel())
+    return (c.groups.pp.rank, second.state_bytes(), blocks, stats["allocated"] - before,
+            stats["peak_allocated"] - before)
+
+
+@requires_sim()
+def test_sim_allocator_holds_the_planned_optimizer_bytes(tmp_path):
+    """On the sim accelerator building the optimizer (fp32 masters, bf16 moments; dp2: each rank's slices) raises
+    the allocator's held bytes and its peak alike (no transient copy) by the tensors' 512-byte blocks, and those
+    tensors' bytes are the plan's optimizer bytes (the largest rank's)."""
+    args = _args(str(tmp_path), 1, 1, ONE["bf16_moments_distopt"] + ["--global-batch-size", "2"])
+    results = run_distributed(_allocated_by_a_second_optimizer, 2, args, 2, backend="sim")
+    for rank, _, blocks, held, peak in results:
+        assert held == peak == blocks, (rank, held, peak, blocks)
+    assert max(r[1] for r in results) == _predicted(args, 2, 0)[2]
