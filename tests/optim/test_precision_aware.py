@@ -1,9 +1,11 @@
-"""Adam moments stored in bf16 (--exp-avg-dtype / --exp-avg-sq-dtype, Megatron's precision-aware optimizer).
+"""Adam moments stored in bf16 / fp16 (--exp-avg-dtype / --exp-avg-sq-dtype, Megatron's precision-aware optimizer).
 
-Reference: a float64 transcription of Transformer Engine's FusedAdam with bf16 moments (read each moment as
-fp32, take the AdamW step -- ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` -- and round each moment back
-to nearest), applied step by step to the optimizer's own stored state on fresh random gradients. The state dict
-keeps the moments in bf16 and a resume from it continues bit for bit.
+Reference: a float64 transcription of Transformer Engine's FusedAdam with low-precision moments (read each moment
+as fp32 -- fp16 times its per-tensor scale --, take the AdamW step -- ``p -= lr * (m_hat / (sqrt(v_hat) + eps) +
+wd * p)`` -- and write each moment back: bf16 rounded to nearest, fp16 rescaled so that its largest magnitude is
+fp16's max / 2 = 32752), applied step by step to the optimizer's own stored state on fresh random gradients. The
+state dict keeps bf16 moments in bf16 (a resume continues bit for bit) and fp16 ones unscaled in fp32 (TE's
+state_dict).
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim import MixedPrecisionOptimizer
 from omnitron.core.parallel.groups import ParallelGroups
 
-U32, U16 = 2.0 ** -24, 2.0 ** -8
-"""Unit roundoffs of fp32 (24 significant bits) and bf16 (8)."""
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+U32, UNIT = 2.0 ** -24, {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+"""Unit roundoffs of fp32 (24 significant bits), and of each storage dtype after the fp32 step (0: fp32 keeps
+the fp32 value)."""
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -57,7 +60,14 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("exp_avg,exp_avg_sq", [("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16")])
+def _value(opt, key: str, i: int) -> torch.Tensor:
+    """Moment ``key`` of master ``i`` in float64, read independently: fp16 times its scale (exact in float64)."""
+    t = opt.state[key][i].double()
+    return t * opt.scales[key][i].double() if key in opt.scales else t
+
+
+@pytest.mark.parametrize("exp_avg,exp_avg_sq", [("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "bf16"),
+                                                ("fp16", "fp16"), ("fp16", "bf16")])
 def test_steps_match_float64_fused_adam(exp_avg, exp_avg_sq):
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs each run; the seed is in every message
     gen = torch.Generator().manual_seed(seed)
@@ -66,26 +76,33 @@ def test_steps_match_float64_fused_adam(exp_avg, exp_avg_sq):
     cfg = opt.config
     for step in range(1, 7):
         _grads(model, gen)
-        before = [(x.double(), m.double(), v.double()) for x, m, v in
-                  zip(opt.masters, opt.state["exp_avg"], opt.state["exp_avg_sq"])]
+        before = [(x.double(), _value(opt, "exp_avg", i), _value(opt, "exp_avg_sq", i))
+                  for i, x in enumerate(opt.masters)]
         grads = [p.grad.double() for p in opt.params]
         opt.step(cfg.lr)
         for i, ((p0, m0, v0), g) in enumerate(zip(before, grads)):
             p, m, v, upd, spread = _te_step(p0, g, m0, v0, step=step, cfg=cfg, decay=opt.decay[i])
-            got_m, got_v = opt.state["exp_avg"][i], opt.state["exp_avg_sq"][i]
-            assert got_m.dtype == DTYPES[exp_avg] and got_v.dtype == DTYPES[exp_avg_sq]
             b2 = _f32(cfg.adam_beta2)
-            for name, got, ref, terms in (("exp_avg", got_m, m, m0.abs() + g.abs()),
-                                          ("exp_avg_sq", got_v, v, b2 * v0 + (1 - b2) * g * g)):
-                # fp32 compute: <= 3 roundings of terms' size (m: a difference, a product, a sum -- TE's
-                # b1 * m + (1 - b1) * g or the lerp m + (1 - b1) * (g - m) -- each of at most |m0| + |g|;
-                # v: two products and a sum of positive terms): 3 * U32 * terms; then one
-                # rounding to nearest in the stored dtype: U * |fp32 value| <= U * (|ref| + 3 * U32 * terms)
-                # (U = 0 in fp32 storage, which keeps the fp32 value). Truncating instead of rounding, or
-                # stepping in bf16, errs by up to 2 * U16 * |ref|.
-                u = U16 if got.dtype == torch.bfloat16 else U32
-                bound = u * ref.abs() + (1 + u) * 3 * U32 * terms + 1e-300
-                err = (got.double() - ref).abs()
+            for name, ref, terms in (("exp_avg", m, m0.abs() + g.abs()),
+                                     ("exp_avg_sq", v, b2 * v0 + (1 - b2) * g * g)):
+                stored = opt.state[name][i]
+                assert stored.dtype == DTYPES[exp_avg if name == "exp_avg" else exp_avg_sq]
+                # the fp32 step: <= 4 roundings of terms' size (fp16's read fp16 * scale; m: a difference, a
+                # product, a sum -- TE's b1 * m + (1 - b1) * g or the lerp m + (1 - b1) * (g - m) -- each of at
+                # most |m0| + |g|; v: two products and a sum of positive terms): err32 = 4 * U32 * terms. Then
+                # the storage: bf16 rounds to nearest, U * |x| with |x| <= |ref| + err32; fp16 first multiplies
+                # by fp32(1 / scale) (2 more fp32 roundings, read back times scale), then rounds to fp16: U * |x|,
+                # or half of fp16's smallest subnormal step 2^-24 in scaled units below 2^-14: 2^-25 * scale.
+                # Truncating instead of rounding, stepping in the storage dtype, or fp16 unscaled (its moments of
+                # 1e-9 and less flush to 0) errs well past this.
+                u, err32 = UNIT[stored.dtype], 4 * U32 * terms
+                bound = (u + 2 * U32) * (ref.abs() + err32) + err32 + 1e-300
+                if stored.dtype == torch.float16:
+                    scale = float(opt.scales[name][i])
+                    bound = bound + 2.0 ** -25 * scale
+                    # TE's rule: the largest magnitude lands at fp16's max / 2 (32752 * (1 +- 2 U32) rounds there)
+                    assert float(stored.abs().max()) in (0.0, 32752.0), (seed, step, i, name)
+                err = (_value(opt, name, i) - ref).abs()
                 assert (err <= bound).all(), (seed, step, i, name, float((err / bound).max()))
             # the master: fp32 compute of p*(1 - lr*wd) (2 roundings of |p0|) minus lr * m_hat / denom from the
             # fp32 moments: m errs by 3 roundings of its terms (they may cancel: lr * 3 * spread), v (positive
@@ -97,15 +114,20 @@ def test_steps_match_float64_fused_adam(exp_avg, exp_avg_sq):
             assert (err <= bound).all(), (seed, step, i, "master", float((err / bound).max()))
 
 
-def test_state_dict_keeps_bf16_and_resumes_bit_for_bit():
+def _trained(dtype: str):
+    """(seed, its generator, a model, its optimizer with both moments in ``dtype`` after 3 steps, its state dict)."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     model = _model(1)
-    opt = _optimizer(model, "bf16", "bf16")
+    opt = _optimizer(model, dtype, dtype)
     for _ in range(3):
         _grads(model, gen)
         opt.step(1e-2)
-    saved = opt.state_dict()
+    return seed, gen, model, opt, opt.state_dict()
+
+
+def test_state_dict_keeps_bf16_and_resumes_bit_for_bit():
+    seed, gen, model, opt, saved = _trained("bf16")
     entry = saved["tensors"]["0.weight"]
     assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == torch.bfloat16 and entry["master"].dtype == \
         torch.float32
@@ -125,6 +147,27 @@ def test_state_dict_keeps_bf16_and_resumes_bit_for_bit():
     assert opt.state_bytes() == sum(4 * p.numel() + 2 * 2 * p.numel() for p in model.parameters())
 
 
+def test_fp16_state_dict_holds_unscaled_fp32_and_loads_rescaled():
+    """TE's state_dict / load_state_dict: an fp16 moment is saved as its fp32 value (fp16 times scale) and scaled
+    afresh on load (scale = fp32(absmax / 32752); the values rounded through fp16 again)."""
+    seed, _, model, opt, saved = _trained("fp16")
+    resumed = _optimizer(_model(3), "fp16", "fp16")
+    resumed.load_state_dict(saved)
+    for i, name in enumerate(opt.names):
+        for key in ("exp_avg", "exp_avg_sq"):
+            x = saved["tensors"][name][key]
+            assert x.dtype == torch.float32 and torch.equal(x, opt.state[key][i].float() * opt.scales[key][i]), seed
+            x, scale = x.double(), resumed.scales[key][i]
+            # TE: torch.div(absmax, max_range, out=scale), both fp32 (the saved values are fp32, so is absmax)
+            assert float(scale) == float(x.abs().max().float() / torch.tensor(32752.0)), (seed, name, key)
+            # the value times fp32(1 / scale) (2 roundings), to fp16 (2^-11, or 2^-25 * scale below fp16's
+            # normal range), times scale (exact in float64)
+            bound = (2.0 ** -11 + 2 * U32) * x.abs() + 2.0 ** -25 * float(scale)
+            assert ((_value(resumed, key, i) - x).abs() <= bound).all(), (seed, name, key)
+    assert resumed.state_bytes() == opt.state_bytes() == sum(4 * p.numel() + 2 * 2 * p.numel() + 2 * 4
+                                                              for p in model.parameters())
+
+
 AWARE = ["--use-precision-aware-optimizer", "--use-distributed-optimizer"]
 
 
@@ -141,7 +184,6 @@ def test_flags_parse_as_megatron_reads_them():
 
 @pytest.mark.parametrize("extra,match", [
     (["--exp-avg-dtype", "bf16"], "^--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
-    (["--exp-avg-sq-dtype", "fp16", *AWARE], "^--exp-avg-sq-dtype fp16: Transformer Engine's scaled fp16"),
     (["--exp-avg-dtype", "fp8", *AWARE], "^--exp-avg-dtype fp8: Transformer Engine's scaled fp8"),
     (["--main-params-dtype", "fp16", *AWARE], "^--main-params-dtype fp16: Transformer Engine's scaled fp16 master"),
     (["--main-grads-dtype", "bf16", "--accumulate-allreduce-grads-in-fp32", *AWARE],

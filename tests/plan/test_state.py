@@ -48,6 +48,8 @@ def _predicted(args: list[str], world: int, pp_rank: int) -> tuple[int, int, int
 ONE = {"fp32": [], "bf16": ["--bf16"], "fp16_sgd": ["--fp16", "--optimizer", "sgd"],
        "bf16_distopt_small_buckets": ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"],
        "bf16_muon_distopt": ["--bf16", "--optimizer", "muon", "--use-distributed-optimizer"],
+       "fp16_moments": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--exp-avg-dtype",
+                        "fp16", "--exp-avg-sq-dtype", "fp16"],
        "bf16_moments_distopt": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
                                 "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--ddp-bucket-size", "3000"]}
 
@@ -68,6 +70,10 @@ FOUR = {"tp2_pp2_bf16": (2, 2, ["--bf16", "--sequence-parallel"]),
         "dp4_distopt_bf16_exp_avg": (1, 1, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
                                             "--global-batch-size", "4", "--use-precision-aware-optimizer",
                                             "--exp-avg-dtype", "bf16"]),
+        # fp16 moments: one fp32 scale per owned slice (parameters straddling the small buckets' shards count twice)
+        "pp2_dp2_distopt_fp16_moments": (1, 2, ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+                                                "--global-batch-size", "4", "--use-precision-aware-optimizer",
+                                                "--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"]),
         # the V placement: rank 0 holds the embedding, the head's tied copy and layers 0 and 3
         "pp2_dp2_zb_v_distopt": (1, 2, ["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1",
                                         "--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",

@@ -107,11 +107,12 @@ class OptimizerConfig:
     muon_extra_scale_factor: float = 1.0
     """--muon-extra-scale-factor: one more factor on the Muon update (0.2 matches AdamW's update RMS)."""
     exp_avg_dtype: str = "fp32"
-    """--exp-avg-dtype {fp32,bf16}: the dtype Adam's first moment is stored in (needs
+    """--exp-avg-dtype {fp32,bf16,fp16}: the dtype Adam's first moment is stored in (needs
     --use-precision-aware-optimizer). The step reads it as fp32, updates it in fp32 and rounds it back to nearest
-    (Transformer Engine's FusedAdam); bf16 halves its memory."""
+    (Transformer Engine's FusedAdam; fp16 scaled per tensor, :mod:`omnitron.core.optim.moments`); bf16 and fp16
+    halve its memory."""
     exp_avg_sq_dtype: str = "fp32"
-    """--exp-avg-sq-dtype {fp32,bf16}: the dtype Adam's second moment is stored in, as --exp-avg-dtype."""
+    """--exp-avg-sq-dtype {fp32,bf16,fp16}: the dtype Adam's second moment is stored in, as --exp-avg-dtype."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw", "sgd", "onebit_adam", "muon"):
@@ -161,13 +162,13 @@ class OptimizerConfig:
                               "only increases (Megatron's rule)")
 
     def _check_moment_dtypes(self) -> None:
-        """--exp-avg-dtype / --exp-avg-sq-dtype: fp32 or bf16, and below fp32 only for Adam (Megatron's rule)."""
+        """--exp-avg-dtype / --exp-avg-sq-dtype: fp32, bf16 or fp16, and below fp32 only for Adam (Megatron's rule)."""
         for flag, value in (("--exp-avg-dtype", self.exp_avg_dtype), ("--exp-avg-sq-dtype", self.exp_avg_sq_dtype)):
-            if value in ("fp16", "fp8"):
-                raise ConfigError(f"{flag} {value}: Transformer Engine's scaled {value} moments are not implemented; "
-                                  "use bf16 or fp32")
-            if value not in ("fp32", "bf16"):
-                raise ConfigError(f"{flag} {value!r} is not one of fp32, bf16")
+            if value == "fp8":
+                raise ConfigError(f"{flag} fp8: Transformer Engine's scaled fp8 moments are not implemented; use "
+                                  "bf16, fp16 or fp32")
+            if value not in ("fp32", "bf16", "fp16"):
+                raise ConfigError(f"{flag} {value!r} is not one of fp32, bf16, fp16")
             if value != "fp32" and self.optimizer not in ("adam", "adamw"):
                 raise ConfigError(f"{flag} {value}: moments below fp32 are Adam's (Megatron's precision-aware "
                                   f"optimizer), not --optimizer {self.optimizer}'s; drop the flag")

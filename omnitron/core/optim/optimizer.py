@@ -16,6 +16,7 @@ import torch
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.clip import clip_coefficient, global_count_zeros, global_grad_norm
+from omnitron.core.optim.moments import new_scales, state_dtype, store, unscaled
 
 
 @dataclass
@@ -29,16 +30,6 @@ class StepResult:
     loss_scale: float | None
     num_zeros_in_grad: int | None = None
     """Gradient elements exactly zero, each counted once (only when the step was asked to count)."""
-
-
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""--exp-avg-dtype / --exp-avg-sq-dtype by name: the dtypes Adam's moments may be stored in."""
-
-
-def state_dtype(config: OptimizerConfig, key: str) -> torch.dtype:
-    """The dtype optimizer state ``key`` is stored in: Adam's moments as --exp-avg-dtype / --exp-avg-sq-dtype say
-    (Megatron's precision-aware optimizer), everything else fp32."""
-    return MOMENT_DTYPES[{"exp_avg": config.exp_avg_dtype, "exp_avg_sq": config.exp_avg_sq_dtype}.get(key, "fp32")]
 
 
 def _decays(name: str, param: torch.nn.Parameter, qk_layernorm: bool = False) -> bool:
@@ -81,6 +72,8 @@ class MixedPrecisionOptimizer:
         """The timer name of :meth:`_copy_to_model` (``--timing-log-level 1``)."""
         self._build_masters()
         self.state = self._zero_state()
+        self.scales = new_scales(self.state)
+        """fp16 moments' per-tensor scales (:mod:`omnitron.core.optim.moments`), by state key."""
         self._scratch_bufs: dict[int, torch.Tensor] = {}
 
     def _build_masters(self) -> None:
@@ -237,15 +230,34 @@ class MixedPrecisionOptimizer:
             idx = [i for i, key in keys.items() if key == (decay, lr)]
             # moments below fp32: one parameter at a time through fp32 copies (only one parameter's are alive)
             for part in ([[i] for i in idx] if low else [idx]):
-                m, v = ([self.state[k][i].float() for i in part] for k in ("exp_avg", "exp_avg_sq"))
+                m, v = ([self.moment(k, i) for i in part] for k in ("exp_avg", "exp_avg_sq"))
                 self.backend.kernels.adamw_step(
                     [self.masters[i] for i in part], [grads[i] for i in part], m, v,
                     step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
                     weight_decay=self.weight_decay if decay else 0.0)
                 for k, values in (("exp_avg", m), ("exp_avg_sq", v)):
                     for i, x in zip(part, values):
-                        if x.data_ptr() != self.state[k][i].data_ptr():  # round back to nearest, as TE's FusedAdam
-                            self.state[k][i].copy_(x)
+                        self.put(k, i, x)
+
+    def moment(self, key: str, i: int) -> torch.Tensor:
+        """State ``key`` of master ``i`` as fp32 (unscaled; the tensor itself when stored in fp32)."""
+        return unscaled(self.state[key][i], self.scales[key][i] if key in self.scales else None)
+
+    def put(self, key: str, i: int, x: torch.Tensor) -> None:
+        """Store fp32 ``x`` (consumed) as state ``key`` of master ``i``, in its dtype (TE's rounding and scaling)."""
+        store(self.state[key][i], x, self.scales[key][i] if key in self.scales else None)
+
+    def saved_state(self) -> dict[str, list[torch.Tensor]]:
+        """The state as checkpoints hold it: fp16 moments unscaled, as fp32 (TE's state_dict); others as stored."""
+        return {k: [self.moment(k, i) for i in range(len(v))] if k in self.scales else v
+                for k, v in self.state.items()}
+
+    def load_saved_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Store :meth:`saved_state`'s tensors (filled from a checkpoint) back: fp16 moments are scaled afresh;
+        the others were the state itself."""
+        for k in self.scales:
+            for i, x in enumerate(state[k]):
+                self.put(k, i, x)
 
     def _sgd(self, grads: list[torch.Tensor], rates: list[float]) -> None:
         """torch.optim.SGD's rule: g += wd * p; buf = mu * buf + g; p -= lr * buf."""
@@ -267,8 +279,9 @@ class MixedPrecisionOptimizer:
     def state_dict(self) -> dict:
         """Tensors keyed by parameter name; fp32 masters only for low-precision params."""
         out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": {}}
+        state = self.saved_state()
         for i, name in enumerate(self.names):
-            entry = {k: v[i] for k, v in self.state.items() if self.keeps(k, i)}
+            entry = {k: v[i] for k, v in state.items() if self.keeps(k, i)}
             if self.params[i].dtype != torch.float32:
                 entry["master"] = self.masters[i]
             out["tensors"][name] = entry
@@ -282,11 +295,11 @@ class MixedPrecisionOptimizer:
         return True
 
     def state_bytes(self) -> int:
-        """Bytes of storage this rank holds for masters and optimizer states (masters that are the model's
-        own fp32 parameters excluded): measured on the tensors' storages, for memory reports."""
+        """Bytes of storage this rank holds for masters, optimizer states and fp16 moments' scales (masters that
+        are the model's own fp32 parameters excluded): measured on the tensors' storages, for memory reports."""
         params = {p.untyped_storage().data_ptr() for p in self.params}
         seen: dict[int, int] = {}
-        for t in [*self.masters, *(t for bufs in self.state.values() for t in bufs)]:
+        for t in [*self.masters, *(t for bufs in [*self.state.values(), *self.scales.values()] for t in bufs)]:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:
                 seen[ptr] = t.untyped_storage().nbytes()
@@ -306,9 +319,9 @@ class MixedPrecisionOptimizer:
         with torch.no_grad():
             for i, name in enumerate(self.names):
                 entry = state["tensors"][name]
-                for key, bufs in self.state.items():
+                for key in self.state:
                     if self.keeps(key, i):
-                        bufs[i].copy_(entry[key])
+                        self.put(key, i, entry[key].to(torch.float32, copy=True))
                 if "master" in entry:
                     self.masters[i].copy_(entry["master"])
         self.load_counters(state)

@@ -27,8 +27,8 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
     "--exp-avg-dtype": (
         "with --use-precision-aware-optimizer, Transformer Engine's FusedAdam stores Adam's first moment in this "
         "dtype, reads it as fp32, steps in fp32 and rounds it back (fp16 / fp8 scaled per tensor)",
-        "fp32 and bf16 the same way (OptimizerConfig.exp_avg_dtype; checkpoints keep bf16); fp16 / fp8 refused "
-        "in one line",
+        "fp32, bf16 and fp16 the same way (OptimizerConfig.exp_avg_dtype; checkpoints keep bf16 as bf16, fp16 "
+        "unscaled in fp32 as TE's state_dict); fp8 refused in one line",
         "tests/optim/test_precision_aware.py::test_steps_match_float64_fused_adam"),
     "--exp-avg-sq-dtype": (
         "the same for Adam's second moment",

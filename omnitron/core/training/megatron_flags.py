@@ -127,11 +127,11 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                "pipeline stage still draws from its own seed + 100 x pp rank, so Megatron's start "
                                "changes with the pipeline size); omnitron's is the same at every layout"),
     "use_precision_aware_optimizer": (None, "Adam's moments are stored in --exp-avg-dtype / --exp-avg-sq-dtype "
-                                            "(fp32 or bf16), the main parameters in fp32, the main gradients in "
-                                            "--main-grads-dtype",
+                                            "(fp32, bf16 or fp16), the main parameters in fp32, the main gradients "
+                                            "in --main-grads-dtype",
                                       "Megatron's precision-aware optimizer (Transformer Engine's FusedAdam) reads "
-                                      "each moment as fp32, steps in fp32 and rounds it back to its dtype, as "
-                                      "omnitron does; fp16 / fp8 moments (scaled per tensor) and --main-params-dtype "
+                                      "each moment as fp32, steps in fp32 and writes it back in its dtype (fp16 "
+                                      "scaled per tensor), as omnitron does; fp8 moments and --main-params-dtype "
                                       "fp16 are refused in one line, and so is the flag without "
                                       "--use-distributed-optimizer or with another --optimizer than adam, as "
                                       "Megatron refuses it"),
