@@ -147,6 +147,27 @@ def test_state_dict_keeps_bf16_and_resumes_bit_for_bit():
     assert opt.state_bytes() == sum(4 * p.numel() + 2 * 2 * p.numel() for p in model.parameters())
 
 
+def test_bf16_moments_step_in_chunks_bit_for_bit(monkeypatch):
+    """The step of bf16 moments runs through fp32 copies MOMENT_CHUNK elements at a time: elementwise, so with
+    chunks of 7 elements (cutting every tensor but the norm's) the state equals the whole tensors' step exactly."""
+    from omnitron.core.optim import optimizer as optimizer_module
+
+    seed, gen, model, opt, saved = _trained("bf16")
+    copy = _model(2)
+    copy.load_state_dict(model.state_dict())
+    chunked = _optimizer(copy, "bf16", "bf16")
+    chunked.load_state_dict(saved)
+    _grads(model, gen)
+    for p, q in zip(model.parameters(), copy.parameters()):
+        q.grad = p.grad.clone()
+    opt.step(1e-2)
+    monkeypatch.setattr(optimizer_module, "MOMENT_CHUNK", 7)
+    chunked.step(1e-2)
+    for a, b in zip([*opt.masters, *opt.state["exp_avg"], *opt.state["exp_avg_sq"]],
+                    [*chunked.masters, *chunked.state["exp_avg"], *chunked.state["exp_avg_sq"]]):
+        assert torch.equal(a, b), seed
+
+
 def test_fp16_state_dict_holds_unscaled_fp32_and_loads_rescaled():
     """TE's state_dict / load_state_dict: an fp16 moment is saved as its fp32 value (fp16 times scale) and scaled
     afresh on load (scale = fp32(absmax / 32752); the values rounded through fp16 again)."""

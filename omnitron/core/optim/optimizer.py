@@ -9,6 +9,7 @@ models as in Megatron-Core) step with the decoupled rate the schedule gives for 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.clip import clip_coefficient, global_count_zeros, global_grad_norm
 from omnitron.core.optim.moments import new_scales, state_dtype, store, unscaled
+
+MOMENT_CHUNK = 1 << 24
+"""Elements per step of bf16 moments through fp32 copies (a 128 MiB temporary for the two, at most)."""
 
 
 @dataclass
@@ -228,16 +232,34 @@ class MixedPrecisionOptimizer:
         low = any(state_dtype(c, k) != torch.float32 for k in ("exp_avg", "exp_avg_sq"))
         for decay, lr in dict.fromkeys(keys.values()):
             idx = [i for i, key in keys.items() if key == (decay, lr)]
-            # moments below fp32: one parameter at a time through fp32 copies (only one parameter's are alive)
-            for part in ([[i] for i in idx] if low else [idx]):
-                m, v = ([self.moment(k, i) for i in part] for k in ("exp_avg", "exp_avg_sq"))
-                self.backend.kernels.adamw_step(
-                    [self.masters[i] for i in part], [grads[i] for i in part], m, v,
-                    step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
-                    weight_decay=self.weight_decay if decay else 0.0)
-                for k, values in (("exp_avg", m), ("exp_avg_sq", v)):
-                    for i, x in zip(part, values):
-                        self.put(k, i, x)
+            step = functools.partial(self.backend.kernels.adamw_step, step=self.step_count, lr=lr,
+                                     beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
+                                     weight_decay=self.weight_decay if decay else 0.0)
+            if low:
+                for i in idx:
+                    self._adamw_low(i, grads[i], step)
+            else:
+                step([self.masters[i] for i in idx], [grads[i] for i in idx],
+                     [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx])
+
+    def _adamw_low(self, i: int, grad: torch.Tensor, step) -> None:
+        """Master ``i``'s step with moments below fp32, through fp32 copies of them: bf16 ones ``MOMENT_CHUNK``
+        elements at a time (the step is elementwise: the same numbers, a bounded temporary), fp16 ones whole (the
+        new scale is the updated tensor's absmax)."""
+        p, m, v = self.masters[i], self.state["exp_avg"][i], self.state["exp_avg_sq"][i]
+        if self.scales or not all(t.is_contiguous() for t in (p, grad, m, v)):
+            m32, v32 = self.moment("exp_avg", i), self.moment("exp_avg_sq", i)
+            step([p], [grad], [m32], [v32])
+            self.put("exp_avg", i, m32)
+            self.put("exp_avg_sq", i, v32)
+            return
+        flat = [t.view(-1) for t in (p, grad, m, v)]
+        for a in range(0, p.numel(), MOMENT_CHUNK):
+            pc, gc, mc, vc = (t[a:a + MOMENT_CHUNK] for t in flat)
+            m32, v32 = mc.float(), vc.float()
+            step([pc], [gc], [m32], [v32])
+            store(mc, m32, None)
+            store(vc, v32, None)
 
     def moment(self, key: str, i: int) -> torch.Tensor:
         """State ``key`` of master ``i`` as fp32 (unscaled; the tensor itself when stored in fp32)."""
