@@ -11,7 +11,8 @@ multiple of the replica group) and the tied embedding's isolated bucket are the 
   like the gradient buckets, so the padded size counts.
 - gradients: the ``main_grad`` buffers (fp32 with ``--accumulate-allreduce-grads-in-fp32``,
   which ``--bf16`` implies; else the parameter's dtype).
-- optimizer: fp32 masters for non-fp32 parameters plus Adam's two fp32 moments (SGD: one with momentum; Muon:
+- optimizer: fp32 masters for non-fp32 parameters plus Adam's two moments (fp32, or --exp-avg-dtype /
+  --exp-avg-sq-dtype's bf16 / fp16, an fp16 one with an fp32 scale per tensor) (SGD: one with momentum; Muon:
   one, its momentum, for the matrices it orthogonalises); with ``--use-distributed-optimizer`` only the slices
   this data x context rank owns of every bucket (the largest over the replica group's ranks is reported).
 - ``--use-torch-fsdp2``: every parameter, its gradient and its moments are fp32 shards of ceil(rows / (dp x
@@ -91,10 +92,11 @@ def _buffers(module, ddp, dp_cp: int, edp: int):
             for (dt, ex, _), ps in by.items()]
 
 
-def _owned(buf, size: int, weight=lambda p: 1) -> int:
+def _owned(buf, size: int, weight=lambda p: 1, per_piece: int = 0) -> int:
     """Most parameter elements any one rank of ``size`` owns in ``buf`` (distributed optimizer slices), each
     element of parameter ``p`` counted ``weight(p)`` times: per bucket the weights' running sum at the parameters'
-    edges (a piecewise-linear function of the offset), read at every rank's slice ends at once."""
+    edges (a piecewise-linear function of the offset), read at every rank's slice ends at once; plus
+    ``per_piece`` for each parameter a rank owns part of (fp16 moments' scales: one per owned slice)."""
     import numpy as np
 
     total = np.zeros(size, dtype=np.int64)
@@ -115,6 +117,10 @@ def _owned(buf, size: int, weight=lambda p: 1) -> int:
         j = np.maximum(i, 0)
         upto = np.where(i < 0, 0, lo[j] + w[j] * (x - e[j]))
         total += np.diff(upto)
+        n = b.data.numel() // size
+        for s0, c, _ in spans if per_piece and n else ():
+            if c:  # the ranks whose slice [offset + r n, offset + (r + 1) n) meets [s0, s0 + c)
+                total[(s0 - b.offset) // n:(s0 + c - 1 - b.offset) // n + 1] += per_piece
     return int(total.max())
 
 
@@ -133,9 +139,26 @@ def _moments(optim, p=None) -> int:
     return 1 if optim.sgd_momentum else 0
 
 
+def moment_bytes(optim, p=None) -> int:
+    """Bytes of optimizer buffers per element of parameter ``p``: :func:`_moments`' fp32 words, but Adam's two
+    moments in --exp-avg-dtype / --exp-avg-sq-dtype (2 bytes each in bf16: the precision-aware optimizer)."""
+    if optim.optimizer in ("adam", "adamw"):
+        from omnitron.core.optim.moments import MOMENT_DTYPES
+
+        return MOMENT_DTYPES[optim.exp_avg_dtype].itemsize + MOMENT_DTYPES[optim.exp_avg_sq_dtype].itemsize
+    return 4 * _moments(optim, p)
+
+
+def scale_bytes(optim) -> int:
+    """Bytes of fp16 moments' scales per optimizer tensor (one fp32 each: :mod:`omnitron.core.optim.moments`)."""
+    if optim.optimizer not in ("adam", "adamw"):
+        return 0
+    return 4 * [optim.exp_avg_dtype, optim.exp_avg_sq_dtype].count("fp16")
+
+
 def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
-    """Masters (non-fp32 parameters) plus the optimizer's fp32 moments for ``numel`` elements."""
-    return 4 * numel * (_moments(optim) + (dtype != torch.float32))
+    """Masters (non-fp32 parameters) plus the optimizer's moments for ``numel`` elements."""
+    return numel * (moment_bytes(optim) + 4 * (dtype != torch.float32))
 
 
 def expert_data_parallel_size(settings) -> int:
@@ -176,10 +199,11 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
             total = sum(p.numel() for p in buf.params)
             grads += buf.data.numel() * buf.data.element_size()
             params += (buf.data.numel() if dist else total) * dtype.itemsize
-            def words(p, low=dtype != torch.float32) -> int:  # fp32 words per element: master and moments
-                return _moments(settings.optim, p) + low
+            def per(p, low=dtype != torch.float32) -> int:  # bytes per element: fp32 master and the moments
+                return moment_bytes(settings.optim, p) + 4 * low
 
-            opt += 4 * (_owned(buf, size, words) if dist else sum(words(p) * p.numel() for p in buf.params))
+            scales = scale_bytes(settings.optim)
+            opt += _owned(buf, size, per, scales) if dist else sum(per(p) * p.numel() + scales for p in buf.params)
     return StateBytes(params, grads, opt)
 
 

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
 
 
 def _args(root: str, tp: int, pp: int, extra: list[str]) -> list[str]:
@@ -46,7 +47,11 @@ def _predicted(args: list[str], world: int, pp_rank: int) -> tuple[int, int, int
 
 ONE = {"fp32": [], "bf16": ["--bf16"], "fp16_sgd": ["--fp16", "--optimizer", "sgd"],
        "bf16_distopt_small_buckets": ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"],
-       "bf16_muon_distopt": ["--bf16", "--optimizer", "muon", "--use-distributed-optimizer"]}
+       "bf16_muon_distopt": ["--bf16", "--optimizer", "muon", "--use-distributed-optimizer"],
+       "fp16_moments": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--exp-avg-dtype",
+                        "fp16", "--exp-avg-sq-dtype", "fp16"],
+       "bf16_moments_distopt": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+                                "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--ddp-bucket-size", "3000"]}
 
 
 @pytest.mark.parametrize("name", list(ONE))
@@ -61,6 +66,14 @@ FOUR = {"tp2_pp2_bf16": (2, 2, ["--bf16", "--sequence-parallel"]),
                                    "--global-batch-size", "4"]),
         "dp4_distopt_fp32": (1, 1, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
                                     "--global-batch-size", "4"]),
+        # fp32 weights are their own masters; only the moments (exp_avg bf16, exp_avg_sq fp32) are stored
+        "dp4_distopt_bf16_exp_avg": (1, 1, ["--use-distributed-optimizer", "--ddp-bucket-size", "1000",
+                                            "--global-batch-size", "4", "--use-precision-aware-optimizer",
+                                            "--exp-avg-dtype", "bf16"]),
+        # fp16 moments: one fp32 scale per owned slice (parameters straddling the small buckets' shards count twice)
+        "pp2_dp2_distopt_fp16_moments": (1, 2, ["--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+                                                "--global-batch-size", "4", "--use-precision-aware-optimizer",
+                                                "--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"]),
         # the V placement: rank 0 holds the embedding, the head's tied copy and layers 0 and 3
         "pp2_dp2_zb_v_distopt": (1, 2, ["--pipeline-schedule", "zb-v", "--num-layers-per-virtual-pipeline-stage", "1",
                                         "--bf16", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
@@ -83,3 +96,38 @@ def test_four_ranks_exact(name, tmp_path):
         assert _predicted(args, 4, rank)[:2] == real[:2]
     for stage in {r for r, _ in results}:
         assert _predicted(args, 4, stage)[2] == max(real[2] for r, real in results if r == stage)
+
+
+def _allocated_by_a_second_optimizer(args: list[str], world: int) -> tuple[int, int, int, int, int]:
+    """(pipeline rank, a second copy of this rank's optimizer: its state bytes, its tensors' 512-byte blocks, the
+    bytes the backend's allocator holds for it and the peak's rise while building it)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components, build_optimizer
+
+    be = get_backend()
+    s = parse_settings(args, world)
+    c = build_components(s, be)
+    opt = c.optimizer
+    named = list(zip(opt.names, opt.params))
+    dups = [p for p in opt.params if id(p) in opt.duplicates]
+    before = be.memory_stats()["allocated"]
+    be.reset_peak_memory_stats()
+    second = build_optimizer(named, s, c.groups, be, c.chunks, dups)
+    stats = be.memory_stats()
+    blocks = sum(-(-t.untyped_storage().nbytes() // 512) * 512  # the sim allocator's 512-byte blocks
+                 for t in [*second.masters, *(t for v in second.state.values() for t in v)] if t.numel())
+    return (c.groups.pp.rank, second.state_bytes(), blocks, stats["allocated"] - before,
+            stats["peak_allocated"] - before)
+
+
+@requires_sim()
+def test_sim_allocator_holds_the_planned_optimizer_bytes(tmp_path):
+    """On the sim accelerator building the optimizer (fp32 masters, bf16 moments; dp2: each rank's slices) raises
+    the allocator's held bytes and its peak alike (no transient copy) by the tensors' 512-byte blocks, and those
+    tensors' bytes are the plan's optimizer bytes (the largest rank's)."""
+    args = _args(str(tmp_path), 1, 1, ONE["bf16_moments_distopt"] + ["--global-batch-size", "2"])
+    results = run_distributed(_allocated_by_a_second_optimizer, 2, args, 2, backend="sim")
+    for rank, _, blocks, held, peak in results:
+        assert held == peak == blocks, (rank, held, peak, blocks)
+    assert max(r[1] for r in results) == _predicted(args, 2, 0)[2]

@@ -139,10 +139,12 @@ def model_pieces(c, *, save: bool) -> Pieces:
     return table
 
 
-def optimizer_pieces(c, *, save: bool) -> Pieces:
+def optimizer_pieces(c, *, save: bool, state: dict | None = None) -> Pieces:
     """``optim/<kind>/<name>`` pieces of this rank's optimizer state: the distributed optimizer's own
-    slices, or (plain optimizer) the whole local shards (on save: its part of those it writes, :func:`_share`)."""
+    slices, or (plain optimizer) the whole local shards (on save: its part of those it writes, :func:`_share`).
+    ``state``: the tensors by kind (default: the optimizer's ``saved_state()``, fp16 moments unscaled in fp32)."""
     opt, table = c.optimizer, {}
+    state = opt.saved_state() if state is None else state
     sliced = hasattr(opt, "slices")
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
     for j, i in enumerate(owners):
@@ -152,7 +154,7 @@ def optimizer_pieces(c, *, save: bool) -> Pieces:
         if share is None:
             continue
         name, split = global_name(name, p), _split(c, p)
-        kinds = dict(opt.state)
+        kinds = dict(state)
         if p.dtype != torch.float32:
             kinds["master"] = opt.masters
         for kind, values in kinds.items():
@@ -342,9 +344,12 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
         if saved != c.optimizer.config.optimizer:
             raise CheckpointError(f"--load {path}: checkpoint optimizer {saved!r} differs from --optimizer "
                                   f"{c.optimizer.config.optimizer!r}; pass the same --optimizer or use --no-load-optim")
-        pieces.update(optimizer_pieces(c, save=False))
+        staged = c.optimizer.saved_state()  # fp16 moments are read unscaled, then scaled (TE's set_scaled_state)
+        pieces.update(optimizer_pieces(c, save=False, state=staged))
         pieces = fp32_sources(pieces, reader.read_metadata().state_dict_metadata)
     read(pieces, path, meta.get("checksums") or {}, reader=reader)
+    if with_optimizer:
+        c.optimizer.load_saved_state(staged)
 
 
 def fp32_sources(pieces: Pieces, saved: dict) -> Pieces:

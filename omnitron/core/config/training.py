@@ -106,11 +106,19 @@ class OptimizerConfig:
     blockwise orthogonalises each shard alone."""
     muon_extra_scale_factor: float = 1.0
     """--muon-extra-scale-factor: one more factor on the Muon update (0.2 matches AdamW's update RMS)."""
+    exp_avg_dtype: str = "fp32"
+    """--exp-avg-dtype {fp32,bf16,fp16}: the dtype Adam's first moment is stored in (needs
+    --use-precision-aware-optimizer). The step reads it as fp32, updates it in fp32 and rounds it back to nearest
+    (Transformer Engine's FusedAdam; fp16 scaled per tensor, :mod:`omnitron.core.optim.moments`); bf16 and fp16
+    halve its memory."""
+    exp_avg_sq_dtype: str = "fp32"
+    """--exp-avg-sq-dtype {fp32,bf16,fp16}: the dtype Adam's second moment is stored in, as --exp-avg-dtype."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw", "sgd", "onebit_adam", "muon"):
             raise ConfigError(f"--optimizer {self.optimizer!r} is not supported; use adam, sgd, onebit_adam or muon")
         self._check_muon()
+        self._check_moment_dtypes()
         if self.onebit_freeze_step is not None and self.onebit_freeze_step < 1:
             raise ConfigError(f"--onebit-freeze-step must be >= 1 (the variance needs warm-up steps), got "
                               f"{self.onebit_freeze_step}")
@@ -152,6 +160,18 @@ class OptimizerConfig:
         if style != "constant" and not 0 <= start <= end:
             raise ConfigError(f"need 0 <= --start-weight-decay ({start}) <= --end-weight-decay ({end}): the decay "
                               "only increases (Megatron's rule)")
+
+    def _check_moment_dtypes(self) -> None:
+        """--exp-avg-dtype / --exp-avg-sq-dtype: fp32, bf16 or fp16, and below fp32 only for Adam (Megatron's rule)."""
+        for flag, value in (("--exp-avg-dtype", self.exp_avg_dtype), ("--exp-avg-sq-dtype", self.exp_avg_sq_dtype)):
+            if value == "fp8":
+                raise ConfigError(f"{flag} fp8: Transformer Engine's scaled fp8 moments are not implemented; use "
+                                  "bf16, fp16 or fp32")
+            if value not in ("fp32", "bf16", "fp16"):
+                raise ConfigError(f"{flag} {value!r} is not one of fp32, bf16, fp16")
+            if value != "fp32" and self.optimizer not in ("adam", "adamw"):
+                raise ConfigError(f"{flag} {value}: moments below fp32 are Adam's (Megatron's precision-aware "
+                                  f"optimizer), not --optimizer {self.optimizer}'s; drop the flag")
 
     def _check_muon(self) -> None:
         """The Muon settings, each against Megatron's choices."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from omnitron.core.config.training import OptimizerConfig
+from omnitron.core.optim.moments import state_dtype
 from omnitron.core.optim.optimizer import MixedPrecisionOptimizer, ShardedOverDataParallel, _decays, _decoupled
 from omnitron.core.parallel.data.ddp import DistributedDataParallel
 
@@ -97,7 +98,7 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         for s in self.slices:
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
             # fp32 parameters are their own masters (a view: the update lands in the model directly)
-            self.masters.append(flat if flat.dtype == torch.float32 else flat.float().clone())
+            self.masters.append(flat.float())  # a copy (no second one: the build's peak is the state)
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:
@@ -174,10 +175,13 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         """Exactly :meth:`MixedPrecisionOptimizer.state_dict`'s format (collective over ``dp_cp`` and ``edp``)."""
         full: dict[str, dict[int, torch.Tensor]] = {}
         keys = list(self.state) + (["master"] if any(p.dtype != torch.float32 for p in self.params) else [])
+        state = self.saved_state()
         for key in keys:
-            values = self.masters if key == "master" else self.state[key]
+            values = self.masters if key == "master" else state[key]
             out: dict[int, torch.Tensor] = {}
-            self._gather(values, torch.float32, lambda i, flat, out=out: out.__setitem__(
+            # bf16 moments as bf16, fp16 ones unscaled in fp32 (saved_state), the rest fp32
+            dtype = torch.float32 if key == "master" or key in self.scales else state_dtype(self.config, key)
+            self._gather(values, dtype, lambda i, flat, out=out: out.__setitem__(
                 i, flat.clone().view(self.params[i].shape)))
             full[key] = out
         tensors = {}
@@ -197,9 +201,9 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         with torch.no_grad():
             for j, s in enumerate(self.slices):
                 entry = state["tensors"][self.names[s.param]]
-                for key, bufs in self.state.items():
+                for key in self.state:
                     if self.keeps(key, s.param):
-                        bufs[j].copy_(entry[key].reshape(-1)[s.lo:s.hi])
+                        self.put(key, j, entry[key].reshape(-1)[s.lo:s.hi].to(torch.float32, copy=True))
                 if "master" in entry and self.params[s.param].dtype != torch.float32:
                     self.masters[j].copy_(entry["master"].reshape(-1)[s.lo:s.hi])
         self.load_counters(state)

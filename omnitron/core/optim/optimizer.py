@@ -9,6 +9,7 @@ models as in Megatron-Core) step with the decoupled rate the schedule gives for 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,10 @@ import torch
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.clip import clip_coefficient, global_count_zeros, global_grad_norm
+from omnitron.core.optim.moments import new_scales, state_dtype, store, unscaled
+
+MOMENT_CHUNK = 1 << 24
+"""Elements per step of bf16 moments through fp32 copies (a 128 MiB temporary for the two, at most)."""
 
 
 @dataclass
@@ -71,20 +76,22 @@ class MixedPrecisionOptimizer:
         """The timer name of :meth:`_copy_to_model` (``--timing-log-level 1``)."""
         self._build_masters()
         self.state = self._zero_state()
+        self.scales = new_scales(self.state)
+        """fp16 moments' per-tensor scales (:mod:`omnitron.core.optim.moments`), by state key."""
         self._scratch_bufs: dict[int, torch.Tensor] = {}
 
     def _build_masters(self) -> None:
         """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
         self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
-        self.masters = [p.detach() if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.masters = [p.detach().float() for p in self.params]  # fp32: the parameter; else a copy
 
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
         """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
         state: dict[str, list[torch.Tensor]] = {}
         if self.config.optimizer in ("adam", "adamw", "onebit_adam", "muon"):  # Muon: exp_avg is its momentum
-            state["exp_avg"] = [torch.zeros_like(m) for m in self.masters]
-            state["exp_avg_sq"] = [torch.zeros_like(m) for m in self.masters]
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = [torch.zeros_like(m, dtype=state_dtype(self.config, key)) for m in self.masters]
         elif self.config.optimizer == "sgd" and self.config.sgd_momentum:
             state["momentum"] = [torch.zeros_like(m) for m in self.masters]
         return state
@@ -222,13 +229,57 @@ class MixedPrecisionOptimizer:
         ``only``: the masters to step (default: all)."""
         c = self.config
         keys = {i: (self.decay[i], rates[i]) for i in (range(len(self.masters)) if only is None else only)}
+        low = any(state_dtype(c, k) != torch.float32 for k in ("exp_avg", "exp_avg_sq"))
         for decay, lr in dict.fromkeys(keys.values()):
             idx = [i for i, key in keys.items() if key == (decay, lr)]
-            self.backend.kernels.adamw_step(
-                [self.masters[i] for i in idx], [grads[i] for i in idx],
-                [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx],
-                step=self.step_count, lr=lr, beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
-                weight_decay=self.weight_decay if decay else 0.0)
+            step = functools.partial(self.backend.kernels.adamw_step, step=self.step_count, lr=lr,
+                                     beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
+                                     weight_decay=self.weight_decay if decay else 0.0)
+            if low:
+                for i in idx:
+                    self._adamw_low(i, grads[i], step)
+            else:
+                step([self.masters[i] for i in idx], [grads[i] for i in idx],
+                     [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx])
+
+    def _adamw_low(self, i: int, grad: torch.Tensor, step) -> None:
+        """Master ``i``'s step with moments below fp32, through fp32 copies of them: bf16 ones ``MOMENT_CHUNK``
+        elements at a time (the step is elementwise: the same numbers, a bounded temporary), fp16 ones whole (the
+        new scale is the updated tensor's absmax)."""
+        p, m, v = self.masters[i], self.state["exp_avg"][i], self.state["exp_avg_sq"][i]
+        if self.scales or not all(t.is_contiguous() for t in (p, grad, m, v)):
+            m32, v32 = self.moment("exp_avg", i), self.moment("exp_avg_sq", i)
+            step([p], [grad], [m32], [v32])
+            self.put("exp_avg", i, m32)
+            self.put("exp_avg_sq", i, v32)
+            return
+        flat = [t.view(-1) for t in (p, grad, m, v)]
+        for a in range(0, p.numel(), MOMENT_CHUNK):
+            pc, gc, mc, vc = (t[a:a + MOMENT_CHUNK] for t in flat)
+            m32, v32 = mc.float(), vc.float()
+            step([pc], [gc], [m32], [v32])
+            store(mc, m32, None)
+            store(vc, v32, None)
+
+    def moment(self, key: str, i: int) -> torch.Tensor:
+        """State ``key`` of master ``i`` as fp32 (unscaled; the tensor itself when stored in fp32)."""
+        return unscaled(self.state[key][i], self.scales[key][i] if key in self.scales else None)
+
+    def put(self, key: str, i: int, x: torch.Tensor) -> None:
+        """Store fp32 ``x`` (consumed) as state ``key`` of master ``i``, in its dtype (TE's rounding and scaling)."""
+        store(self.state[key][i], x, self.scales[key][i] if key in self.scales else None)
+
+    def saved_state(self) -> dict[str, list[torch.Tensor]]:
+        """The state as checkpoints hold it: fp16 moments unscaled, as fp32 (TE's state_dict); others as stored."""
+        return {k: [self.moment(k, i) for i in range(len(v))] if k in self.scales else v
+                for k, v in self.state.items()}
+
+    def load_saved_state(self, state: dict[str, list[torch.Tensor]]) -> None:
+        """Store :meth:`saved_state`'s tensors (filled from a checkpoint) back: fp16 moments are scaled afresh;
+        the others were the state itself."""
+        for k in self.scales:
+            for i, x in enumerate(state[k]):
+                self.put(k, i, x)
 
     def _sgd(self, grads: list[torch.Tensor], rates: list[float]) -> None:
         """torch.optim.SGD's rule: g += wd * p; buf = mu * buf + g; p -= lr * buf."""
@@ -250,8 +301,9 @@ class MixedPrecisionOptimizer:
     def state_dict(self) -> dict:
         """Tensors keyed by parameter name; fp32 masters only for low-precision params."""
         out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": {}}
+        state = self.saved_state()
         for i, name in enumerate(self.names):
-            entry = {k: v[i] for k, v in self.state.items() if self.keeps(k, i)}
+            entry = {k: v[i] for k, v in state.items() if self.keeps(k, i)}
             if self.params[i].dtype != torch.float32:
                 entry["master"] = self.masters[i]
             out["tensors"][name] = entry
@@ -265,11 +317,11 @@ class MixedPrecisionOptimizer:
         return True
 
     def state_bytes(self) -> int:
-        """Bytes of storage this rank holds for masters and optimizer states (masters that are the model's
-        own fp32 parameters excluded): measured on the tensors' storages, for memory reports."""
+        """Bytes of storage this rank holds for masters, optimizer states and fp16 moments' scales (masters that
+        are the model's own fp32 parameters excluded): measured on the tensors' storages, for memory reports."""
         params = {p.untyped_storage().data_ptr() for p in self.params}
         seen: dict[int, int] = {}
-        for t in [*self.masters, *(t for bufs in self.state.values() for t in bufs)]:
+        for t in [*self.masters, *(t for bufs in [*self.state.values(), *self.scales.values()] for t in bufs)]:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:
                 seen[ptr] = t.untyped_storage().nbytes()
@@ -289,9 +341,9 @@ class MixedPrecisionOptimizer:
         with torch.no_grad():
             for i, name in enumerate(self.names):
                 entry = state["tensors"][name]
-                for key, bufs in self.state.items():
+                for key in self.state:
                     if self.keeps(key, i):
-                        bufs[i].copy_(entry[key])
+                        self.put(key, i, entry[key].to(torch.float32, copy=True))
                 if "master" in entry:
                     self.masters[i].copy_(entry["master"])
         self.load_counters(state)

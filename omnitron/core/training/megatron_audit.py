@@ -24,6 +24,16 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "the same: bf16 main_grad buffers and bf16 reduction (DataParallelConfig.grad_reduce_in_bf16); refused "
         "with --use-torch-fsdp2 (its policy reduces in fp32)",
         "tests/parallel/test_data_parallel.py::test_ddp_buckets_overlap_and_reduction_match_reference"),
+    "--exp-avg-dtype": (
+        "with --use-precision-aware-optimizer, Transformer Engine's FusedAdam stores Adam's first moment in this "
+        "dtype, reads it as fp32, steps in fp32 and rounds it back (fp16 / fp8 scaled per tensor)",
+        "fp32, bf16 and fp16 the same way (OptimizerConfig.exp_avg_dtype; checkpoints keep bf16 as bf16, fp16 "
+        "unscaled in fp32 as TE's state_dict); fp8 refused in one line",
+        "tests/optim/test_precision_aware.py::test_steps_match_float64_fused_adam"),
+    "--exp-avg-sq-dtype": (
+        "the same for Adam's second moment",
+        "the same (OptimizerConfig.exp_avg_sq_dtype)",
+        "tests/optim/test_precision_aware.py::test_steps_match_float64_fused_adam"),
     "--moe-grouped-gemm": (
         "the local experts' GEMMs run as grouped GEMMs (TEGroupedMLP / GroupedMLP): the function SequentialMLP "
         "computes one expert at a time",

@@ -126,14 +126,15 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                "Megatron gets a start that does not depend on the tensor-parallel size (each "
                                "pipeline stage still draws from its own seed + 100 x pp rank, so Megatron's start "
                                "changes with the pipeline size); omnitron's is the same at every layout"),
-    "use_precision_aware_optimizer": (None, "the optimizer keeps fp32 main parameters, main gradients and Adam "
-                                            "moments (the flag's own defaults)",
-                                      "with --main-params-dtype, --main-grads-dtype, --exp-avg-dtype and "
-                                      "--exp-avg-sq-dtype at their fp32 defaults Megatron's precision-aware "
-                                      "optimizer takes the standard Adam step (only where its state lives "
-                                      "differs); those dtype flags, which would change it, are refused as "
-                                      "Megatron's, and so is the flag without --use-distributed-optimizer or with "
-                                      "another --optimizer than adam, as Megatron refuses it"),
+    "use_precision_aware_optimizer": (None, "Adam's moments are stored in --exp-avg-dtype / --exp-avg-sq-dtype "
+                                            "(fp32, bf16 or fp16), the main parameters in fp32, the main gradients "
+                                            "in --main-grads-dtype",
+                                      "Megatron's precision-aware optimizer (Transformer Engine's FusedAdam) reads "
+                                      "each moment as fp32, steps in fp32 and writes it back in its dtype (fp16 "
+                                      "scaled per tensor), as omnitron does; fp8 moments and --main-params-dtype "
+                                      "fp16 are refused in one line, and so is the flag without "
+                                      "--use-distributed-optimizer or with another --optimizer than adam, as "
+                                      "Megatron refuses it"),
     "num_distributed_optimizer_instances": ("N", "the distributed optimizer shards its state over the whole "
                                                  "data-parallel group (one instance)",
                                             "Megatron's N instances each shard over dp / N ranks and all-reduce "
@@ -173,6 +174,11 @@ ALIASES: dict[str, tuple[str, dict]] = {
     "exit_signal_handler": ("SIGTERM / SIGINT finish the step, save and exit (on by default: --no-save-on-signal "
                             "turns it off); an evaluation under way ends between its batches, unlogged (Megatron's "
                             "evaluate does so for --exit-duration-in-mins alone)", {"action": "store_true"}),
+    "main_grads_dtype": ("bf16: gradients accumulate and reduce in the bf16 main_grad buffers (with --bf16, as "
+                         "--grad-reduce-in-bf16; Megatron's only use of it); fp32: the default; needs "
+                         "--use-precision-aware-optimizer", {"choices": ["fp32", "bf16"], "metavar": "DTYPE"}),
+    "main_params_dtype": ("fp32 only: the main parameters are fp32 (fp16, Transformer Engine's scaled fp16 master "
+                          "weights, is refused in one line)", {"choices": ["fp32", "fp16"], "metavar": "DTYPE"}),
     "rope_type": ("yarn: multi-latent attention's YaRN of --rotary-scaling-factor (its default); rope: MLA's plain "
                   "RoPE, the factor unused (refused where Megatron would still scale the softmax by "
                   "m(--rotary-scaling-factor, --mscale-all-dim)^2); without MLA rope only",
@@ -252,7 +258,7 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         out.setdefault("log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
     for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type", "recompute_modules",
-                "use_precision_aware_optimizer"):  # resolved later
+                "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype"):  # resolved later
         if key in given:
             out[key] = given[key]
     return out, notes
@@ -325,7 +331,16 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
 
 def _check_precision_aware(merged: dict[str, Any], given: bool) -> None:
     """Megatron's --use-precision-aware-optimizer runs with --optimizer adam and the distributed optimizer only
-    (OptimizerConfig asserts the first, get_megatron_optimizer raises on the second): refused elsewhere as there."""
+    (OptimizerConfig asserts the first, get_megatron_optimizer raises on the second), and its dtype flags need it
+    (OptimizerConfig asserts fp32 without it): refused elsewhere as there. ``--main-grads-dtype bf16`` keeps
+    validate_args from switching on fp32 accumulation under --bf16: omnitron's --grad-reduce-in-bf16."""
+    grads, params = merged.pop("main_grads_dtype", "fp32"), merged.pop("main_params_dtype", "fp32")
+    lowered = [f"--{k.replace('_', '-')} {v}" for k, v in (("main_grads_dtype", grads), ("main_params_dtype", params),
+               ("exp_avg_dtype", merged.get("exp_avg_dtype", "fp32")),
+               ("exp_avg_sq_dtype", merged.get("exp_avg_sq_dtype", "fp32"))) if v != "fp32"]
+    if lowered and not given:
+        raise ConfigError(f"{lowered[0]} needs --use-precision-aware-optimizer (Megatron keeps the optimizer in fp32 "
+                          "without it); add the flag or drop the dtype")
     if not given:
         return
     if merged.get("optimizer", "adam") != "adam":
@@ -334,6 +349,17 @@ def _check_precision_aware(merged: dict[str, Any], given: bool) -> None:
     if not merged.get("use_distributed_optimizer"):
         raise ConfigError("--use-precision-aware-optimizer: Megatron runs it with the distributed optimizer only; add "
                           "--use-distributed-optimizer or drop the flag")
+    if params != "fp32":
+        raise ConfigError(f"--main-params-dtype {params}: Transformer Engine's scaled fp16 master weights are not "
+                          "implemented; drop the flag (fp32 main parameters)")
+    if lowered and merged.get("use_torch_fsdp2"):
+        raise ConfigError(f"{lowered[0]}: omnitron's FSDP2 optimizer keeps fp32 moments only; drop the flag or "
+                          "--use-torch-fsdp2")
+    if grads == "bf16":
+        if merged.get("bf16") and merged.get("accumulate_allreduce_grads_in_fp32"):
+            raise ConfigError("--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32 (Megatron "
+                              "asserts the same); drop one of them")
+        merged["grad_reduce_in_bf16"] = True
 
 
 def _rope_type(merged: dict[str, Any], kind: str | None) -> None:
