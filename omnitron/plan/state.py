@@ -149,6 +149,12 @@ def moment_bytes(optim, p=None) -> int:
     return 4 * _moments(optim, p)
 
 
+def least_moment_bytes(optim) -> int:
+    """The fewest optimizer bytes any parameter takes per element (Muon: its momentum alone, for the matrices it
+    orthogonalises; the others keep AdamW's two moments): what a lower bound may count for every element."""
+    return 4 if optim.optimizer == "muon" else moment_bytes(optim)
+
+
 def scale_bytes(optim) -> int:
     """Bytes of fp16 moments' scales per optimizer tensor (one fp32 each: :mod:`omnitron.core.optim.moments`)."""
     if optim.optimizer not in ("adam", "adamw"):

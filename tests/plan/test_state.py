@@ -131,3 +131,27 @@ def test_sim_allocator_holds_the_planned_optimizer_bytes(tmp_path):
     for rank, _, blocks, held, peak in results:
         assert held == peak == blocks, (rank, held, peak, blocks)
     assert max(r[1] for r in results) == _predicted(args, 2, 0)[2]
+
+
+BOUND = {"adam_fp32": [], "adam_bf16_distopt": ["--bf16", "--use-distributed-optimizer"],
+         "muon_bf16": ["--bf16", "--optimizer", "muon"], "muon_fp32_untied": ["--optimizer", "muon",
+                                                                             "--untie-embeddings-and-output-weights"],
+         "sgd": ["--optimizer", "sgd"], "onebit": ["--optimizer", "onebit_adam"],
+         "bf16_moments": ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+                          "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "fp16"]}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("name", list(BOUND))
+def test_the_searchs_state_bound_is_below_every_layouts_state(name, pp, tmp_path):
+    """``recommend`` drops a layout whose ``state_lower_bound`` exceeds the memory, so the bound must not exceed the
+    largest stage's parameter + gradient + optimizer bytes (Muon keeps one fp32 word for the matrices it
+    orthogonalises, two for the rest: the bound may count one). Exact integer byte counts on both sides."""
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.plan.memory import model_config
+    from omnitron.plan.recommend import state_lower_bound
+    from omnitron.plan.state import state_bytes
+
+    s = parse_settings(_args(str(tmp_path), 1, pp, BOUND[name]), pp)
+    most = max(st.params + st.grads + st.optimizer for st in (state_bytes(s, model_config(s), r) for r in range(pp)))
+    assert state_lower_bound(s) <= most
