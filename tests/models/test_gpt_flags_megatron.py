@@ -136,6 +136,23 @@ def test_gpt_flags_at_tp2_equal_megatron_core_at_tp2():
         assert not bad, bad
 
 
+def test_post_layernorm_residual_flag_is_megatron_cores_no_op():
+    """--apply-residual-connection-post-layernorm: megatron-core's layers never read it (the fixture case
+    ``residual_post_layernorm_flag`` is its pre-norm model), so the command line takes it and builds the same model,
+    and a Megatron checkpoint's args with it import."""
+    from omnitron.core.checkpoint.megatron import config_from_megatron
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "64"]
+    flagged = parse_settings(base + ["--apply-residual-connection-post-layernorm"], 1)
+    assert flagged.model == parse_settings(base, 1).model
+    args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                apply_residual_connection_post_layernorm=True)
+    assert config_from_megatron(args, vocab_size=64, dtype=torch.float32).num_layers == 2
+
+
 def test_no_position_embedding_builds_and_converts():
     """``--position-embedding-type none`` (NoPE, Megatron's ``none``): no position table, no RoPE buffer; a Megatron
     run's args with it import as it; a Hugging Face export (GPT-2 has learned positions, Llama RoPE) is refused."""

@@ -150,8 +150,6 @@ def _reject_unsupported(args: dict) -> None:
                "omnitron has LayerNorm and RMSNorm"),
               ("position_embedding_type", args.get("position_embedding_type", "learned_absolute") in
                ("learned_absolute", "rope", "none"), "omnitron has learned_absolute, rope and none"),
-              ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
-               "omnitron's residual is taken before the norm"),
               ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
     for key, ok, why in checks:
         if not ok:

@@ -24,6 +24,7 @@ function; the gradient with respect to ``w`` is the one with respect to ``1 + w`
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 import typing
@@ -66,6 +67,8 @@ CASES = {  # name -> (flags, in Megatron's config / GPTModel argument names, see
     # --no-bias-gelu-fusion, as here
     "squared_relu_biases": (dict(GPT2, squared_relu=True), 20),
     "squared_relu_no_bias_rope": (dict(LLAMA, swiglu=False, squared_relu=True), 21),
+    # megatron-core's layers never read it: the pre-norm model, whose numbers omnitron must give with the flag
+    "residual_post_layernorm_flag": (dict(GPT2, apply_residual_connection_post_layernorm=True), 22),
 }
 
 
@@ -77,7 +80,8 @@ def config(flags: dict, dtype=torch.float64):
 
     swiglu, bias, relu2 = flags.get("swiglu", False), flags.get("add_bias_linear", True), flags.get("squared_relu")
     kw = {k: flags[k] for k in ("num_query_groups", "kv_channels", "qk_layernorm", "add_qkv_bias", "rotary_interleaved",
-                                "window_size", "window_attn_skip_freq", "softmax_type") if k in flags}
+                                "window_size", "window_attn_skip_freq", "softmax_type",
+                                "apply_residual_connection_post_layernorm") if k in flags}
     return TransformerConfig(
         **BASE, **kw, normalization=flags.get("normalization", "LayerNorm"),
         layernorm_epsilon=flags.get("layernorm_epsilon", 1e-5), gated_linear_unit=swiglu,
@@ -209,8 +213,10 @@ def tp_rank(rank: int, port: int, cases: dict, out) -> None:
         r = run(model, data)
         grads = {n: _gather(n, p, r["grads"][n], 2, gated) for n, p in params.items()}
         got[name] = {"loss": r["loss"], "grads": grads}
-    if rank == 0:
-        out.put(got)
+    if rank == 0:  # as bytes: a queued tensor's shared memory may be gone once this process exits
+        buf = io.BytesIO()
+        torch.save(got, buf)
+        out.put(buf.getvalue())
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
@@ -223,7 +229,7 @@ def run_tp2(cases: dict, port: int) -> dict:
     procs = [ctx.Process(target=tp_rank, args=(r, port, cases, q)) for r in range(2)]
     for p in procs:
         p.start()
-    got = q.get(timeout=1200)
+    got = torch.load(io.BytesIO(q.get(timeout=1200)), weights_only=True)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, p.exitcode
