@@ -316,7 +316,7 @@ def test_gelu_kind_is_read_as_megatron_core_computes_it():
 @pytest.mark.parametrize("case,message", [
     ("missing_shard", "mp_rank_01_001/model_optim_rng.pt is missing"),
     ("moe", "no tensor decoder.layers.0.mlp.router.weight"),
-    ("squared_relu", "squared_relu=True"),
+    ("fp8_params", "fp8_param_gather=True"),  # (--squared-relu imports since 2026-12-07, post-LN args too)
     ("no_args", "no 'args'"),
     ("wrong_shape", "has shape"),
     ("legacy_names", "legacy Megatron model names"),
@@ -327,7 +327,8 @@ def test_gelu_kind_is_read_as_megatron_core_computes_it():
     ("huge_args", "the checkpoint and its args do not match"),  # a ~10**14-byte model over small tensors
 ])
 def test_import_errors(source, case, message, tmp_path, capsys):
-    over = {"moe": {"num_experts": 8}, "squared_relu": {"squared_relu": True}, "wrong_shape": {"ffn_hidden_size": 96},
+    over = {"moe": {"num_experts": 8}, "fp8_params": {"fp8_param_gather": True},
+            "wrong_shape": {"ffn_hidden_size": 96},
             "huge_args": {"hidden_size": 2 ** 22, "ffn_hidden_size": 2 ** 24, "kv_channels": 2 ** 20}}.get(case, {})
     meg = _make(tmp_path, source, "gpt2", **over)
     it = os.path.join(meg, "iter_0001234")

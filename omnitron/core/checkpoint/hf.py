@@ -98,6 +98,9 @@ def hf_model_type(cfg) -> str:
     if qkv_bias_only and (cfg.num_experts or getattr(cfg, "multi_latent_attention", False)):
         raise HFConversionError("the model has --add-qkv-bias without --add-bias-linear; of the Hugging Face models "
                                 "omnitron writes only dense Qwen2 (RoPE, no --num-experts) has that: drop one")
+    if getattr(cfg, "squared_relu", False):
+        raise HFConversionError("the model has --squared-relu; none of the Hugging Face models omnitron writes has "
+                                "a squared-ReLU MLP (GPT-2: GeLU, the others: gated SiLU / GeLU)")
     if getattr(cfg, "multi_latent_attention", False):
         return "deepseek_v3"
     if (getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False)
@@ -120,7 +123,8 @@ def hf_model_type(cfg) -> str:
                               ("--num-query-groups", query_groups(cfg), cfg.num_attention_heads),
                               ("--kv-channels", head_dim(cfg), cfg.hidden_size // cfg.num_attention_heads)]
     else:
-        kind, want = "llama", [("--normalization", cfg.normalization, "RMSNorm"), ("--swiglu", cfg.swiglu, True),
+        kind, want = "llama", [("--position-embedding-type", cfg.position_embedding_type, "rope"),
+                               ("--normalization", cfg.normalization, "RMSNorm"), ("--swiglu", cfg.swiglu, True),
                                ("--rotary-percent", cfg.rotary_percent, 1.0)]
     for flag, have, need in common + want:
         if have != need:

@@ -149,10 +149,7 @@ def _reject_unsupported(args: dict) -> None:
     checks = [("normalization", args.get("normalization", "LayerNorm") in ("LayerNorm", "RMSNorm"),
                "omnitron has LayerNorm and RMSNorm"),
               ("position_embedding_type", args.get("position_embedding_type", "learned_absolute") in
-               ("learned_absolute", "rope"), "omnitron has learned_absolute and rope"),
-              ("squared_relu", not args.get("squared_relu"), "omnitron's MLP is GeLU or SwiGLU"),
-              ("apply_residual_connection_post_layernorm", not args.get("apply_residual_connection_post_layernorm"),
-               "omnitron's residual is taken before the norm"),
+               ("learned_absolute", "rope", "none"), "omnitron has learned_absolute, rope and none"),
               ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
     for key, ok, why in checks:
         if not ok:
@@ -171,7 +168,7 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                                                   else "learned_absolute")
     seq = _need(args, "seq_length")
     max_pos = args.get("max_position_embeddings") or seq
-    if pos == "rope" and max_pos == seq:
+    if pos != "learned_absolute" and max_pos == seq:
         max_pos = None  # no position table: left unset, as a RoPE run's own flags leave it
     return GPTConfig(num_layers=_need(args, "num_layers"), hidden_size=h, num_attention_heads=heads,
                      ffn_hidden_size=args.get("ffn_hidden_size"), num_query_groups=None if groups == heads else groups,
@@ -181,7 +178,8 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      make_vocab_size_divisible_by=args.get("make_vocab_size_divisible_by") or 128,
                      normalization=args.get("normalization") or "LayerNorm",
                      layernorm_epsilon=args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5)),
-                     swiglu=bool(args.get("swiglu")), position_embedding_type=pos,
+                     swiglu=bool(args.get("swiglu")), squared_relu=bool(args.get("squared_relu")),
+                     position_embedding_type=pos,
                      rotary_base=float(args.get("rotary_base", 10000)),
                      rotary_percent=float(args.get("rotary_percent", 1.0)),
                      rotary_interleaved=bool(args.get("rotary_interleaved")),
@@ -276,6 +274,7 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
         vocab_size=cfg.vocab_size - 1 if tok == "NullTokenizer" else cfg.vocab_size,
         make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by, padded_vocab_size=padded_vocab_size(cfg, tp),
         normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, swiglu=cfg.swiglu,
+        squared_relu=cfg.squared_relu,
         position_embedding_type=cfg.position_embedding_type,
         # NOTE: True as a Megatron launch line without --no-position-embedding has it (its checkpoint-args check
         # compares this flag); Megatron-Core's GPT reads position_embedding_type, so RoPE models are unaffected

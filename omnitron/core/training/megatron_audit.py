@@ -75,6 +75,13 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "the same split (ParallelConfig.account_for_loss_in_pipeline_split, pipeline/layout.py); a chunk of one "
         "slot holds the output layer alone",
         "tests/parallel/test_parity_account.py::test_parity_account_pp2"),
+    "--squared-relu": (
+        "the MLP's activation is squared_relu, pow(relu(x), 2) (argument_utils.py; asserts not --swiglu, and its "
+        "fused bias-GeLU refuses it: biases need --no-bias-gelu-fusion or --disable-bias-linear)",
+        "the same activation (GPTConfig.squared_relu, transformer/mlp.py), dense and MoE MLPs; refused with --swiglu "
+        "/ --quick-geglu; Megatron conversion carries it, a Hugging Face export refuses it (was refused as not "
+        "implemented)",
+        "tests/models/test_gpt_flags_megatron.py::test_gpt_flag_equals_megatron_core"),
 }
 
 

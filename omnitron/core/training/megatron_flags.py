@@ -50,6 +50,12 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
     "apply_query_key_layer_scaling": (None, "the softmax is computed in fp32 always (what this scaling protects "
                                             "fp16 from)", "Megatron divides the scores by the layer number and "
                                       "multiplies them back inside the fp32 softmax: the same function"),
+    "apply_residual_connection_post_layernorm": (None, "nothing: each layer adds its residual before the norm, as "
+                                                       "megatron-core's layers do",
+                                                 "megatron-core's TransformerLayer never reads it (d98e8a6: only "
+                                                 "TransformerConfig holds the field; legacy models used it), so "
+                                                 "Megatron's run with it trains the pre-norm model "
+                                                 "(tests/models/test_gpt_flags_megatron.py)"),
     "cross_entropy_loss_fusion": (None, _KERNELS, _FUSED),
     "moe_token_dispatcher_type": ("TYPE", "tokens go to their experts by all-to-all over the expert-parallel group",
                                   "Megatron's allgather, alltoall and flex dispatchers move the same routed tokens "

@@ -62,7 +62,8 @@ def _reads(model: dict[str, Any], key: str) -> bool:
     unread = {"moe_": not model.get("num_experts"), "yarn_": plain_rope, "mscale": plain_rope,
               "rotary_": not (rope or mla), "rope_": not (rope or mla),
               "window_attn_skip_freq": model.get("window_size") is None,
-              "bias_gelu_fusion": bool(model.get("swiglu")) or not model.get("add_bias_linear", True)}
+              "bias_gelu_fusion": bool(model.get("swiglu") or model.get("squared_relu"))
+              or not model.get("add_bias_linear", True)}
     return not (any(key.startswith(p) and off for p, off in unread.items()) or (key in _MLA_ONLY and not mla))
 
 

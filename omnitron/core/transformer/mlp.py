@@ -12,7 +12,9 @@ def exact_gelu(c) -> bool:
     """Whether the GeLU MLP runs the exact erf GeLU: Megatron-Core runs the tanh approximation only inside its
     fused bias-GeLU kernel, which it uses when ``bias_gelu_fusion`` and the linears have biases
     (``megatron/core/transformer/mlp.py``, ``megatron/training/arguments.py``); otherwise ``F.gelu``."""
-    return not c.swiglu and not (getattr(c, "bias_gelu_fusion", True) and c.add_bias_linear)
+    if c.swiglu or getattr(c, "squared_relu", False):
+        return False
+    return not (getattr(c, "bias_gelu_fusion", True) and c.add_bias_linear)
 
 
 def glu_variant(c) -> tuple[str, float, float | None] | None:
@@ -37,9 +39,11 @@ def gated_activation(y: torch.Tensor, act: str, offset: float, clamp: float | No
 
 
 def activate(kernels, y: torch.Tensor, bias: torch.Tensor | None, *, swiglu: bool, exact: bool,
-             glu: tuple | None = None) -> torch.Tensor:
-    """The MLP's activation on ``y`` (+ ``bias`` when the GEMM left it out): SwiGLU, exact or tanh GeLU, or
-    the gated variant ``glu`` (:func:`glu_variant`)."""
+             glu: tuple | None = None, squared_relu: bool = False) -> torch.Tensor:
+    """The MLP's activation on ``y`` (+ ``bias`` when the GEMM left it out): SwiGLU, exact or tanh GeLU, the
+    gated variant ``glu`` (:func:`glu_variant`), or ``relu(y)^2`` (``squared_relu``, --squared-relu)."""
+    if squared_relu:  # Megatron's megatron.core.activations.squared_relu: pow(relu(x), 2)
+        return F.relu(y if bias is None else y + bias).pow(2)
     if glu is not None:
         return gated_activation(y if bias is None else y + bias, *glu)
     if exact:  # the bias was added by the GEMM (no fused kernel takes it)
@@ -50,7 +54,8 @@ def activate(kernels, y: torch.Tensor, bias: torch.Tensor | None, *, swiglu: boo
 class MLP(nn.Module):
     """``[s, b, h] -> ([s, b, h], bias)``. SwiGLU keeps ``[gate; up]`` fused in ``linear_fc1``
     (full layout: all gate rows, then all up rows; split block-wise so each rank holds matching
-    halves); otherwise bias + GeLU (tanh or exact, see :func:`exact_gelu`)."""
+    halves); otherwise bias + GeLU (tanh or exact, see :func:`exact_gelu`), or bias + squared ReLU
+    (--squared-relu)."""
 
     def __init__(self, c, *, group, sequence_parallel: bool, backend, out_std: float,
                  skip_out_bias: bool = True) -> None:
@@ -58,12 +63,13 @@ class MLP(nn.Module):
         from omnitron.core.transformer.shapes import ffn_size
 
         self.swiglu, self.exact_gelu, self.backend, self.glu = c.swiglu, exact_gelu(c), backend, glu_variant(c)
+        self.squared_relu = getattr(c, "squared_relu", False)
         f = ffn_size(c)
         kw = dict(group=group, bias=c.add_bias_linear, sequence_parallel=sequence_parallel, dtype=c.params_dtype)
         # NOTE: the bias goes to the fused activation kernel when one exists; with the reference,
         # the GEMM adding it (addmm) saves a full pass over [s, b, f]
         fused_act = backend.kernels.resolved("swiglu" if c.swiglu else "bias_gelu") != "reference" \
-            and not self.exact_gelu and self.glu is None
+            and not self.exact_gelu and self.glu is None and not self.squared_relu
         self.linear_fc1 = ColumnParallelLinear(c.hidden_size, 2 * f if c.swiglu else f, init_std=c.init_method_std,
                                                stride=2 if c.swiglu else 1, skip_bias_add=fused_act, **kw)
         self.linear_fc2 = RowParallelLinear(f, c.hidden_size, init_std=out_std, skip_bias_add=skip_out_bias, **kw)
@@ -71,6 +77,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor):
         y = self.linear_fc1(x)  # [s, b, (2)f/tp]
         y, bias = y if isinstance(y, tuple) else (y, None)
-        y = activate(self.backend.kernels, y, bias, swiglu=self.swiglu, exact=self.exact_gelu, glu=self.glu)
+        y = activate(self.backend.kernels, y, bias, swiglu=self.swiglu, exact=self.exact_gelu, glu=self.glu,
+                     squared_relu=self.squared_relu)
         y = self.linear_fc2(y)
         return y if isinstance(y, tuple) else (y, None)

@@ -54,7 +54,8 @@ class GPTConfig:
     swiglu: bool = False
     """--swiglu: gated SiLU MLP (three matrices) instead of GeLU."""
     position_embedding_type: str = "learned_absolute"
-    """--position-embedding-type: ``learned_absolute`` or ``rope``."""
+    """--position-embedding-type: ``learned_absolute``, ``rope`` or ``none`` (no position signal but the causal mask:
+    NoPE, as Megatron's ``none``)."""
     rotary_base: float = 10000.0
     """--rotary-base: RoPE frequency base."""
     rotary_percent: float = 1.0
@@ -79,6 +80,9 @@ class GPTConfig:
     """--no-bias-gelu-fusion: as Megatron, the GeLU MLP (no --swiglu) runs the tanh approximation only through
     the fused bias-GeLU, i.e. with this on and biases on; off, or with --disable-bias-linear, it runs the exact
     erf GeLU (:func:`omnitron.core.transformer.mlp.exact_gelu`)."""
+    squared_relu: bool = False
+    """--squared-relu: the MLP's activation is ``relu(x)^2`` (Primer; Nemotron-4) in place of the GeLU; not with
+    --swiglu (Megatron asserts the same)."""
     qk_layernorm: bool = False
     """--qk-layernorm: normalize queries and keys per head (same norm type as the model)."""
     apply_layernorm_1p: bool = False
@@ -238,7 +242,7 @@ class GPTConfig:
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
         choices = (("--normalization", self.normalization, ("LayerNorm", "RMSNorm")),
-                   ("--position-embedding-type", self.position_embedding_type, ("learned_absolute", "rope")),
+                   ("--position-embedding-type", self.position_embedding_type, ("learned_absolute", "rope", "none")),
                    ("--recompute-granularity", self.recompute_granularity, (None, "full", "selective")),
                    ("--recompute-method", self.recompute_method, (None, "uniform", "block")))
         for flag, v, ok in choices:
@@ -252,6 +256,9 @@ class GPTConfig:
         from omnitron.core.transformer.moe.validate import check_moe_fields
 
         check_moe_fields(self)
+        if self.squared_relu and (self.swiglu or self.quick_geglu):
+            raise ConfigError("--squared-relu is the MLP's activation in place of --swiglu / --quick-geglu (Megatron "
+                              "refuses both together): drop one")
         if self.quick_geglu:  # Megatron: --quick-geglu sets the gated linear unit
             self.swiglu = True
         if self.swiglu and not self.ffn_hidden_size and ffn_size(self) < 1:

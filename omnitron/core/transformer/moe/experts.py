@@ -65,7 +65,8 @@ def expert_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     if y.shape[0] == 0:  # no tokens: nothing to activate (fused kernels take no empty input), but the GEMMs
         y = y[:, : y.shape[1] // 2] if mlp.swiglu else y  # still run: under FP8 they join the amax reductions
     else:
-        y = activate(kernels, y, bias, swiglu=mlp.swiglu, exact=mlp.exact_gelu, glu=mlp.glu)
+        y = activate(kernels, y, bias, swiglu=mlp.swiglu, exact=mlp.exact_gelu, glu=mlp.glu,
+                     squared_relu=mlp.squared_relu)
     return fc2._gemm(y, fc2.weight, None)
 
 
@@ -143,7 +144,8 @@ def grouped_expert_mlps(rows: torch.Tensor, counts: list[int], experts: list) ->
         index = torch.repeat_interleave(torch.arange(n, device=rows.device), torch.tensor(counts, device=rows.device))
         y = y + torch.stack([m.linear_fc1.bias for m in experts]).index_select(0, index).to(y.dtype)
     if y.shape[0]:
-        y = activate(mlp.backend.kernels, y, None, swiglu=mlp.swiglu, exact=mlp.exact_gelu, glu=mlp.glu)
+        y = activate(mlp.backend.kernels, y, None, swiglu=mlp.swiglu, exact=mlp.exact_gelu, glu=mlp.glu,
+                     squared_relu=mlp.squared_relu)
     else:
         y = y[:, : y.shape[1] // 2] if mlp.swiglu else y
     return _ContiguousGrad.apply(_grouped_mm(y.contiguous(), [m.linear_fc2.weight for m in experts], offs))

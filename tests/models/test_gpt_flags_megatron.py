@@ -1,0 +1,204 @@
+"""omnitron's GPT under Megatron's model-shape flags, one at a time, against megatron-core's own ``GPTModel``: the
+logits, per-token losses and every parameter's gradient megatron-core computed at tensor-parallel sizes 1 and 2
+(tests/models/megatron_gpt_flags/fixtures.pt, written by its make_fixtures.py with the Megatron-LM d98e8a6
+snapshot, local layer spec, float64 on CPU) are omnitron's on the same weights and tokens; RoPE's inverse
+frequencies are megatron-core's. Cases: GPT-2 (learned positions, LayerNorm, tanh GeLU with biases, tied), QK
+norms (with GQA and RMSNorm too), interleaved RoPE, half the channels rotated at base 500, Llama 3.1's RoPE scaling
+at base 5e5, zero-centred LayerNorm weights (--apply-layernorm-1p), RMSNorm eps 1e-2, SwiGLU with biases, GeLU
+without biases, a qkv bias alone, untied learned positions, --kv-channels 12 (heads x 12 != hidden), one and two
+query groups, sliding windows (every layer, every other), learnable / off-by-one softmax sinks, no position
+embedding (``none``, NoPE) and --squared-relu (with biases, without). omnitron runs each case in one process and at
+tp2 on two gloo ranks; megatron-core's tp2 run is compared with both.
+
+Tolerance: both sides hold the same weights (exact in the fixture) in float64 and run the float64 reference kernels;
+what is not float64 is RoPE's inverse frequencies (megatron-core's float32 arange and power, omnitron's float64
+power rounded to float32: one ulp, 6e-8 relative each, so 1e-7 bounds their norm-wise difference; in angles up to
+11 rad: 7e-7 absolute), omnitron's cross-entropy (float32: 6e-8 relative per token, ln V ~ 3.5) and the stored
+logits and gradients (float32: 6e-8). Through two layers and the loss that is ~ 2 x 4 x 6e-8 ~ 5e-7 relative in
+the losses and gradients (7e-7 the worst seen); 1e-5 bounds it. A wrong channel pair, norm epsilon, scale,
+bias or mask errs by 1e-3 or more (the RoPE-scaling case's inverse frequencies differ by 8x where scaled).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from omnitron.core.parallel.groups import ParallelGroups
+from omnitron.testing.parity import reference_kernels, relative_error
+
+FIXTURES = torch.load(os.path.join(os.path.dirname(__file__), "megatron_gpt_flags", "fixtures.pt"),
+                      weights_only=True)
+TOL = 1e-5
+
+
+def config_of(flags: dict, base: dict, V: int, S: int):
+    """omnitron's GPTConfig of a fixture case: ``base`` its sizes, ``flags`` the rest (Megatron's argument names
+    read here)."""
+    from omnitron.core.models.gpt import GPTConfig
+
+    same = ("position_embedding_type", "normalization", "layernorm_epsilon", "swiglu", "add_bias_linear",
+            "add_qkv_bias", "num_query_groups", "kv_channels", "qk_layernorm", "rotary_interleaved", "rotary_percent",
+            "rotary_base", "softmax_type", "squared_relu")
+    kw = {k: flags[k] for k in same if k in flags}
+    if "window_size" in flags:
+        kw["window_size"] = ",".join(map(str, flags["window_size"]))
+    if "window_attn_skip_freq" in flags:
+        kw["window_attn_skip_freq"] = str(flags["window_attn_skip_freq"])
+    return GPTConfig(**base, seq_length=S,
+                     vocab_size=V, make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0,
+                     untie_embeddings_and_output_weights=flags.get("untie", False),
+                     apply_layernorm_1p=flags.get("layernorm_zero_centered_gamma", False),
+                     rope_scaling_factor=8.0 if flags.get("rope_scaling") else 1.0,  # Megatron's default factor
+                     bias_gelu_fusion=not flags.get("squared_relu"),  # Megatron's squared ReLU cases: unfused
+                     params_dtype=torch.float64, **kw)
+
+
+def omnitron_name(name: str) -> str:
+    """megatron-core's parameter name in omnitron's model (the learnable sinks sit on the attention itself)."""
+    return name.replace(".core_attention.softmax_offset", ".softmax_offset")
+
+
+def run_omnitron(fx: dict) -> tuple[dict, dict]:
+    """omnitron's one-process float64 model of a case on its weights: (outputs, gradients by Megatron's names)."""
+    from omnitron.core.models.gpt import GPTModel
+
+    V, S = fx["logits"].shape[-1], fx["tokens"].shape[1]
+    model = GPTModel(config_of(fx["flags"], fx["base"], V, S), ParallelGroups.single()).double().train()
+    names = {omnitron_name(n): n for n in fx["weights"]}
+    missing = model.load_state_dict({o: fx["weights"][n].double() for o, n in names.items()}, strict=False)
+    assert not missing.unexpected_keys and all(n.endswith("inv_freq") for n in missing.missing_keys), missing
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(names)
+    with reference_kernels():
+        with torch.no_grad():
+            logits = model(fx["tokens"]).transpose(0, 1)  # [b, s, V], as megatron-core returns them
+        loss = model(fx["tokens"], labels=fx["labels"])
+        loss.double().mean().backward()
+    out = {"logits": logits, "loss": loss.detach(), "inv_freq": getattr(model, "inv_freq", None)}
+    return out, {names[n]: p.grad for n, p in model.named_parameters()}
+
+
+def worst(fx: dict, out: dict, grads: dict, tp2: bool = False) -> dict:
+    """Relative errors against megatron-core's run (tp2: its two-rank run's loss and gathered gradients)."""
+    ref = fx["tp2"] if tp2 else fx
+    errs = {"loss": relative_error(out["loss"], ref["loss"])}
+    errs.update({n: relative_error(g, ref["grads"][n]) for n, g in grads.items()})
+    if not tp2:
+        errs["logits"] = relative_error(out["logits"], fx["logits"])
+    return errs
+
+
+@pytest.mark.parametrize("case", sorted(FIXTURES))
+def test_gpt_flag_equals_megatron_core(case):
+    fx = FIXTURES[case]
+    out, grads = run_omnitron(fx)
+    if fx["inv_freq"] is not None:
+        assert relative_error(out["inv_freq"], fx["inv_freq"]) < 1e-7  # one float32 ulp each (docstring)
+    for tp2 in (False, True):
+        errs = worst(fx, out, grads, tp2)
+        assert max(errs.values()) < TOL, (tp2, sorted(errs.items(), key=lambda kv: -kv[1])[:3])
+
+
+def _tp2_errors() -> dict:
+    """On each of two ranks: omnitron's GPT at tensor-parallel size 2 (float64, the reference kernels) on every
+    case's weights; the worst relative error of the loss and the gathered gradients (tp-partial ones reduced as
+    the training step reduces them) against megatron-core's two-rank run."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.models.gpt import GPTModel, allreduce_sequence_parallel_grads, gather_full_state
+    from omnitron.core.models.gpt.state import shard_full_state
+
+    torch.set_num_threads(1)
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=get_backend())
+    out = {}
+    for case, fx in FIXTURES.items():
+        V, S = fx["logits"].shape[-1], fx["tokens"].shape[1]
+        model = GPTModel(config_of(fx["flags"], fx["base"], V, S), groups).double().train()
+        names = {omnitron_name(n): n for n in fx["weights"]}
+        shard_full_state(model, {o: fx["weights"][n].double() for o, n in names.items()}, groups)
+        loss = model(fx["tokens"], labels=fx["labels"])
+        loss.double().mean().backward()
+        allreduce_sequence_parallel_grads(model, groups)
+        grads = gather_full_state(model, groups, grads=True)
+        errs = {n: relative_error(grads[o], fx["tp2"]["grads"][n]) for o, n in names.items()}
+        errs["loss"] = relative_error(loss.detach(), fx["tp2"]["loss"])
+        out[case] = max(errs.items(), key=lambda kv: kv[1])
+    return out
+
+
+def test_gpt_flags_at_tp2_equal_megatron_core_at_tp2():
+    """omnitron's own tp2 layout (not only its one process) against megatron-core's tp2 run, every case."""
+    from omnitron.testing.distributed import REFERENCE_KERNELS, run_distributed
+
+    for rank in run_distributed(_tp2_errors, 2, env=REFERENCE_KERNELS, timeout_s=600):
+        bad = {case: e for case, e in rank.items() if e[1] >= TOL}
+        assert not bad, bad
+
+
+def test_post_layernorm_residual_flag_is_megatron_cores_no_op():
+    """--apply-residual-connection-post-layernorm: megatron-core's layers never read it (the fixture case
+    ``residual_post_layernorm_flag`` is its pre-norm model), so the command line takes it and builds the same model,
+    and a Megatron checkpoint's args with it import."""
+    from omnitron.core.checkpoint.megatron import config_from_megatron
+    from omnitron.core.training.arguments import parse_settings
+
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "1", "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "64"]
+    flagged = parse_settings(base + ["--apply-residual-connection-post-layernorm"], 1)
+    assert flagged.model == parse_settings(base, 1).model
+    args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                apply_residual_connection_post_layernorm=True)
+    assert config_from_megatron(args, vocab_size=64, dtype=torch.float32).num_layers == 2
+
+
+def test_no_position_embedding_builds_and_converts():
+    """``--position-embedding-type none`` (NoPE, Megatron's ``none``): no position table, no RoPE buffer; a Megatron
+    run's args with it import as it; a Hugging Face export (GPT-2 has learned positions, Llama RoPE) is refused."""
+    from omnitron.core.checkpoint.hf import HFConversionError, hf_model_type
+    from omnitron.core.checkpoint.megatron import config_from_megatron
+    from omnitron.core.models.gpt import GPTModel, llama_tiny
+
+    cfg = llama_tiny(num_layers=2, hidden_size=32, vocab_size=64, position_embedding_type="none")
+    model = GPTModel(cfg, ParallelGroups.single())
+    assert model.embedding.position_embeddings is None and not hasattr(model, "inv_freq")
+    args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, max_position_embeddings=16,
+                position_embedding_type="none")
+    back = config_from_megatron(args, vocab_size=64, dtype=torch.float32)
+    assert back.position_embedding_type == "none" and back.max_position_embeddings is None
+    with pytest.raises(HFConversionError, match="--position-embedding-type none"):
+        hf_model_type(cfg)
+
+
+def test_squared_relu_is_refused_where_megatron_refuses_and_converts():
+    """``--squared-relu``: refused with a gated MLP (Megatron asserts not --swiglu), carried by Megatron's args both
+    ways, refused by a Hugging Face export (no such MLP there)."""
+    from omnitron.core.checkpoint.hf import HFConversionError, hf_model_type
+    from omnitron.core.checkpoint.megatron import config_from_megatron
+    from omnitron.core.config.parallel import ConfigError
+    from omnitron.core.models.gpt import gpt2_tiny
+
+    with pytest.raises(ConfigError, match="--squared-relu .*--swiglu"):
+        gpt2_tiny(squared_relu=True, swiglu=True)
+    args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, squared_relu=True)
+    assert config_from_megatron(args, vocab_size=64, dtype=torch.float32).squared_relu
+    with pytest.raises(HFConversionError, match="--squared-relu"):
+        hf_model_type(gpt2_tiny(squared_relu=True))
+
+
+def test_squared_relu_reaches_the_experts():
+    """An MoE layer's expert MLP under --squared-relu is ``relu(x W1^T)^2 W2^T`` (plain float64 maths)."""
+    import torch.nn.functional as F
+
+    from omnitron.core.models.gpt import GPTModel, gpt2_tiny
+    from omnitron.core.transformer.moe.experts import expert_mlp
+
+    c = gpt2_tiny(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, vocab_size=32,
+                  seq_length=8, max_position_embeddings=8, num_experts=2, squared_relu=True, add_bias_linear=False,
+                  params_dtype=torch.float64)
+    expert = GPTModel(c, ParallelGroups.single()).decoder.layers["0"].mlp.experts["0"]
+    x = torch.randn(5, 16, dtype=torch.float64)
+    w1, w2 = expert.linear_fc1.weight.detach(), expert.linear_fc2.weight.detach()
+    # float64, the same products summed in another order: ~1e-15 relative; a GeLU or an unsquared ReLU errs by O(1)
+    torch.testing.assert_close(expert_mlp(expert, x), F.relu(x @ w1.t()).pow(2) @ w2.t(), rtol=1e-12, atol=1e-12)
