@@ -230,9 +230,12 @@ class DelayedScaling:
             self.push(pending.result() if isinstance(pending, _Recorded) else pending, update)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """History, scale, push count, and (per-step mode) the step amax observed since the last push: an
+        evaluation between two steps observes its forwards' amaxes, which the next step's push folds in, so a run
+        saved after an evaluation resumes with them (the uninterrupted run's next push)."""
         self.flush()  # the next use would push it first anyway: saving it pushed resumes identically
         return {"amax_history": self.amax_history.detach().cpu().clone(), "scale": self.scale.detach().cpu().clone(),
-                "uses": torch.tensor(self.uses)}
+                "uses": torch.tensor(self.uses), "step_amax": self.step_amax.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         hist = state["amax_history"]
@@ -244,4 +247,6 @@ class DelayedScaling:
         self.set_scale(state["scale"].detach().float().clone().reshape(()).to(device))
         self.uses = int(state["uses"])
         self.pending = None
-        self.step_amax = torch.full((), -1.0, device=device)
+        # a checkpoint written before the step amax was saved: none observed (-1), as after a push
+        step_amax = state.get("step_amax", torch.tensor(-1.0))
+        self.step_amax = step_amax.detach().float().clone().reshape(()).to(device)
