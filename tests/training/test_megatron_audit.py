@@ -61,7 +61,8 @@ def _settings(argv):
 
 @pytest.mark.parametrize("flag", sorted(IMPLEMENTED))
 def test_implemented_flags_change_the_settings_and_name_a_test(flag, tmp_path):
-    argv = [flag, str(tmp_path)] if flag == "--tensorboard-dir" else [flag]
+    value = {"--tensorboard-dir": str(tmp_path), "--moe-router-dtype": "fp32"}.get(flag)  # flags taking a value
+    argv = [flag] if value is None else [flag, value]
     assert _settings(argv) != _settings([])
     path, name = IMPLEMENTED[flag][2].split("::")
     assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), IMPLEMENTED[flag][2]

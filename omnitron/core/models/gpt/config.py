@@ -137,6 +137,10 @@ class GPTConfig:
     moe_router_score_function: str = "softmax"
     """--moe-router-score-function: ``softmax`` or ``sigmoid`` (DeepSeek-V3: sigmoid scores, the k picks
     normalised to sum 1)."""
+    moe_router_dtype: str | None = None
+    """--moe-router-dtype: ``fp32`` computes the router's logits (so its top-k) and probabilities in float32; unset
+    (Megatron's default), in the model's dtype: bf16 logits and probabilities in a --bf16 run. The scores (softmax,
+    sigmoid) and load-balancing statistics are float32 either way (float64 in a float64 model); ``fp64`` is refused."""
     moe_z_loss_coeff: float | None = None
     """--moe-z-loss-coeff: weight of the router z-loss ``mean(logsumexp(logits)^2)`` (None or 0: off;
     1e-3 is usual). Added to the LM loss and logged with the load-balancing loss."""
