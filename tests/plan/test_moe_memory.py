@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from omnitron.core.models.gpt.config import llama_tiny
+from omnitron.core.models.gpt.presets import llama_tiny
 
 
 def _cfg(**kw):
