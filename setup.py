@@ -21,9 +21,9 @@ def _extensions():
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:  # torch not installed yet: pure-Python install
         return [], {}
-    sources = sorted(glob.glob("csrc/cpu/*.cpp")) + ["csrc/bindings.cpp"]
     if not os.path.exists("csrc/bindings.cpp"):
         return [], {}
+    sources = [str(path) for path in _kernel_sources().compiled_sources("csrc")]  # the JIT build's list
     # NOTE: -march=native by default: the extension is built on the machine that runs it (pip install -e),
     # and the kernels are auto-vectorised loops: built for baseline x86-64, 17 of 21 op/dtype/mode rows of
     # `omnitron bench kernels` ran over 2x slower side by side (1-31x: swiglu 11-17x, cross-entropy 8-31x).

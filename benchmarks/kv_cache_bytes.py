@@ -63,7 +63,7 @@ def counted(name: str, cfg, full_kv: bool = False) -> dict:
 
 
 def main() -> None:
-    from omnitron.core.models.gpt import config as C
+    from omnitron.core.models.gpt import presets as C
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--new", type=int, default=24)

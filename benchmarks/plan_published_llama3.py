@@ -62,7 +62,8 @@ OVERLAPS = ("all", "dp")
 def flops_per_token(seq: int, causal: bool) -> float:
     """PaLM's model FLOPs a token, ``6 N + 12 L h s`` (``causal``: the attention term halved), N counted on the
     ``llama3_405b`` preset (405,853,388,800, the released checkpoint's total)."""
-    from omnitron.core.models.gpt.config import llama3_405b, num_parameters
+    from omnitron.core.models.gpt.config import num_parameters
+    from omnitron.core.models.gpt.presets import llama3_405b
 
     cfg = llama3_405b()
     return 6.0 * num_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq / (2 if causal else 1)

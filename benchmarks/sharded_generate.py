@@ -34,7 +34,7 @@ PROMPT_LENGTHS = (24, 17, 30, 9)
 def _write_checkpoint(root: str, layers: int) -> None:
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.checkpoint.reshard import Layout
-    from omnitron.core.models.gpt.config import gpt3
+    from omnitron.core.models.gpt.presets import gpt3
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.models.gpt.state import gather_full_state
     from omnitron.core.parallel.groups import ParallelGroups

@@ -41,7 +41,7 @@ def _write(root: str, layers: int) -> tuple[str, str]:
 
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.checkpoint.reshard import Layout, convert, export_safetensors
-    from omnitron.core.models.gpt.config import gpt3
+    from omnitron.core.models.gpt.presets import gpt3
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.models.gpt.state import gather_full_state
     from omnitron.core.parallel.groups import ParallelGroups

@@ -105,7 +105,7 @@ def _accounted_step(opt, lr: float) -> tuple[int, int]:
 
 def _measure(dtype_name: str, distributed: bool, groups, be) -> dict:
     from omnitron.core.config.training import OptimizerConfig
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.optim import DistributedOptimizer, MixedPrecisionOptimizer
     from omnitron.core.parallel.data import DataParallelConfig, DistributedDataParallel, finalize_model_grads
     from omnitron.core.training.components import build_model_chunks

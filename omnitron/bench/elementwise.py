@@ -36,7 +36,7 @@ _FORWARD_ONLY = ("ring_merge",)
 def host_layer_config(dtype=torch.float32):
     """The one-layer GPT-2-style config the ``host_layer`` op runs (and ``omnitron plan`` prices) at
     :data:`HOST_LAYER`'s shapes."""
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
 
     t, h = HOST_LAYER["tokens"], HOST_LAYER["hidden"]
     return gpt2_tiny(num_layers=1, hidden_size=h, num_attention_heads=2, ffn_hidden_size=4 * h, seq_length=t,

@@ -24,15 +24,16 @@ import sys
 
 SCHEMA, VERSION = "omnitron-bench", 1
 ROW_FIELDS = {
+    "memory": ("op", "bytes", "ms", "gbs"),
     "gemm": ("dtype", "shape", "m", "n", "k", "ms", "tflops"),
     "comm": ("op", "bytes", "ranks", "ms", "algbw_gbs", "busbw_gbs"),
-    "memory": ("op", "bytes", "ms", "gbs"),
     "kernels": ("op", "dtype", "mode", "impl", "ms"),
     "attention": ("impl", "dtype", "seq", "heads", "head_dim", "causal", "ms", "tflops"),
     "elementwise": ("op", "mode", "elements", "ms"),
     "train": ("model", "layout", "iterations", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes"),
 }
-"""The fields every row of a kind has (a figure may be None where it could not be measured, with a ``note``)."""
+"""The fields every row of a kind has (a figure may be None where it could not be measured, with a ``note``). Its keys
+are the report kinds, in the order ``omnitron bench all`` runs them (:data:`omnitron.bench.suite.KINDS`)."""
 FIGURES = ("ms", "tflops", "tflops_fa", "gbs", "algbw_gbs", "busbw_gbs", "slowdown", "bytes", "ranks", "m", "n", "k",
            "seq", "heads", "head_dim", "elements", "step_ms", "tokens_per_s", "tflops_per_device", "peak_memory_bytes")
 """Row fields that are numbers (or None) wherever a row has them: what tables, ratios and plots compute with."""

@@ -11,7 +11,7 @@ import os
 import time
 
 from omnitron.bench import attention, comm, elementwise, gemm, memory, train
-from omnitron.bench.report import new_report, save
+from omnitron.bench.report import ROW_FIELDS, new_report, save
 
 CPU = {"memory": [1 << 16, 1 << 20, 1 << 24, 1 << 28], "gemm": [256, 1024, 2048], "gemm_model": ("gpt2_tiny", 2048),
        "comm": (1 << 10, 1 << 26, 4), "kernels": "small", "attention": [512, 2048],
@@ -28,8 +28,8 @@ DEVICE = {"memory": [1 << 20, 1 << 26, 1 << 30], "gemm": [1024, 4096, 8192], "ge
                                         "0"])}
 
 
-KINDS = ("memory", "gemm", "comm", "kernels", "attention", "elementwise", "train")
-"""The reports ``run_all`` writes, in its order."""
+KINDS = tuple(ROW_FIELDS)
+"""The reports ``run_all`` writes, in its order: every kind of the report schema."""
 
 
 def run_all(backend, out_dir: str, *, nproc: int | None = None, log=print) -> dict[str, str]:

@@ -129,7 +129,6 @@ def _serve_figures(args, given: dict) -> tuple:
     None, the most requests that fit or None); ConfigError on a flag the serving estimate does not take."""
     from omnitron.core.config.parallel import ConfigError
     from omnitron.plan.inference import largest_batch, serve_estimate
-    from omnitron.plan.recommend import parse_memory
 
     training_only = [f for f in ("devices", "bench", "json", "moe_expert_load") if getattr(args, f, None)]
     if training_only:
@@ -142,9 +141,7 @@ def _serve_figures(args, given: dict) -> tuple:
     log_probs = bool(getattr(args, "return_log_probs", False))
     stages = serve_estimate(s, requests, seq, log_probs=log_probs)
     fused = max(st.total for st in serve_estimate(s, requests, seq, padded=False, log_probs=log_probs))
-    device = getattr(args, "device", None)
-    memory = (parse_memory(args.device_memory) if getattr(args, "device_memory", None)
-              else _profile_memory(device) if device else None)
+    memory = _device_memory(args)
     return s, requests, seq, stages, fused, memory, largest_batch(s, seq, memory, log_probs) if memory else None
 
 
@@ -164,20 +161,29 @@ def _error(err) -> int:
     return 2
 
 
-def _profile_memory(name: str) -> int:
+def _device_memory(args, prof=None) -> int | None:
+    """The memory per device in bytes: ``--device-memory``'s, else ``--device``'s profile's (``prof``, that profile
+    already loaded), else None."""
+    from omnitron.plan.recommend import parse_memory
+
+    if getattr(args, "device_memory", None):
+        return parse_memory(args.device_memory)
+    if prof is not None:
+        return prof.memory_bytes
+    device = getattr(args, "device", None)
+    if not device:
+        return None
     from omnitron.plan.profile import load
 
-    return load(name).memory_bytes
+    return load(device).memory_bytes
 
 
 def _fit_line(args, rates, stages) -> str | None:
     """Whether the layout's largest rank fits ``--device-memory`` (else ``--device``'s memory): the line to print,
     None without either. A prediction of a layout that does not fit says so first."""
-    from omnitron.plan.recommend import parse_memory
-
     given = getattr(args, "device_memory", None)
     prof = getattr(rates, "profile", None)
-    memory = parse_memory(given) if given else getattr(prof, "memory_bytes", None)
+    memory = _device_memory(args, prof)
     if not memory:
         return None
     top = max(stages, key=lambda st: st.total)
@@ -238,7 +244,7 @@ def _write(args, choices, rates) -> None:
 def _recommend(args, given: dict, bench, overlap: str) -> int:
     """``--devices``: the fastest layouts that fit, or one line naming what binds."""
     from omnitron.core.config.parallel import ConfigError
-    from omnitron.plan.recommend import format_choices, parse_memory, recommend
+    from omnitron.plan.recommend import format_choices, recommend
 
     try:
         if not bench and not getattr(args, "device", None):
@@ -250,7 +256,7 @@ def _recommend(args, given: dict, bench, overlap: str) -> int:
             raise ConfigError("--devices needs --device-memory (e.g. 80GiB)")
         if given.get("layout"):
             raise ConfigError("--devices searches layouts; drop --layout")
-        memory = parse_memory(args.device_memory) if getattr(args, "device_memory", None) else prof.memory_bytes
+        memory = _device_memory(args, prof)
         top = getattr(args, "top", None)
         choices = recommend(given, args.devices, memory, rates, overlap, 5 if top is None else top,
                             cluster=getattr(rates, "gpus_per_node", None))

@@ -47,7 +47,7 @@ def _jit_build():
     if not (build_dir / "omnitron_C.so").exists():
         log.info("building omnitron C++ kernels into %s (once; about 30-60 s)", build_dir)
     return cpp_extension.load(
-        name="omnitron_C", sources=[str(p) for p in sources.kernel_sources(_CSRC) if p.suffix == ".cpp"],
+        name="omnitron_C", sources=[str(p) for p in sources.compiled_sources(_CSRC)],
         build_directory=str(build_dir), extra_ldflags=["-fopenmp"], verbose=False,
         extra_cflags=["-O3", "-g0", "-fopenmp", "-march=native", "-fno-math-errno", sources.cxx_std(torch.__version__),
                       sources.digest_define(_CSRC)])

@@ -23,6 +23,12 @@ def kernel_sources(csrc: Path | str) -> list[Path]:
     return sorted(csrc.glob("cpu/*.cpp")) + sorted(csrc.glob("cpu/*.h")) + [csrc / "bindings.cpp"]
 
 
+def compiled_sources(csrc: Path | str) -> list[Path]:
+    """The files the compiler is given (the headers are only included): what ``setup.py`` and the JIT build
+    compile, one list."""
+    return [path for path in kernel_sources(csrc) if path.suffix == ".cpp"]
+
+
 def source_digest(csrc: Path | str) -> str:
     """SHA-256 (first 16 hex digits) of the kernel sources' names (relative to ``csrc``) and bytes."""
     csrc, digest = Path(csrc), hashlib.sha256()

@@ -45,7 +45,7 @@ gradient's cast, in the recorded compiled H200 step: BENCHMARKS.md, "Where the F
 from __future__ import annotations
 
 WIDE = ("router", "logits")
-"""GEMMs that stay in the model's dtype under FP8 (the router runs in float32)."""
+"""GEMMs that stay wide under FP8 (the router in the model's dtype, or float32 with ``--moe-router-dtype fp32``)."""
 AMAX = "fp8_amax"
 """The amax reduction of one quantized tensor (:data:`omnitron.plan.device_rates.PASSES`: its 2-byte source read)."""
 CAST = "fp8_cast"
@@ -63,10 +63,11 @@ def op_bytes(op: str, elem: int) -> float:
     return elem + WRITTEN[op]
 
 
-def gemm_dtype(settings, name: str, dt: str) -> str:
-    """The dtype GEMM ``name`` runs in: ``fp8`` (per-tensor recipes) or ``fp8-block`` (block-wise) under
-    ``--fp8-format`` unless it is one of :data:`WIDE`."""
-    if name == "router":
+def gemm_dtype(settings, cfg, name: str, dt: str) -> str:
+    """The dtype GEMM ``name`` of model ``cfg`` runs in: the router's in float32 with ``--moe-router-dtype fp32``;
+    ``fp8`` (per-tensor recipes) or ``fp8-block`` (block-wise) under ``--fp8-format`` unless it is one of
+    :data:`WIDE`."""
+    if name == "router" and cfg.moe_router_dtype == "fp32":
         return "fp32"
     if settings.fp8 is None or name in WIDE:
         return dt

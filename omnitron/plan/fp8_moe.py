@@ -1,7 +1,7 @@
 """What an MoE layer's FP8 experts change in the memory plan (:mod:`omnitron.plan.fp8_memory` prices the rest).
 
 :func:`~omnitron.core.precision.fp8.enable.enable_fp8` converts every routed expert's two linears and the shared
-expert's (the router has no FP8 seam: it stays float32), so their cached FP8 weights are in the ``fp8`` term with
+expert's (the router has no FP8 seam: it stays wide), so their cached FP8 weights are in the ``fp8`` term with
 every other linear's (:func:`~omnitron.plan.fp8_memory.fp8_linears`: the rank's ``E / ep`` local experts at their
 etp shard). Under FP8 ``--moe-grouped-gemm`` falls back to each expert's own GEMMs: ``_grouped_ok`` in
 :mod:`omnitron.core.transformer.moe.experts` refuses experts with an FP8 seam, so they run :func:`expert_mlp` per
@@ -18,8 +18,9 @@ the plan's routing, :func:`omnitron.plan.moe.moe_local`: balanced, or a histogra
 with no rows still saves its scales). The shared expert is a dense MLP on the layer's ``T`` tokens: fc2
 ``(e - 1) T shared / tp - 4``; fc1 ``e T_r h - T h - 4``, its FP8 copy of the ``T`` tokens on and the wide input (the
 norm output, the ``T_r = T / tp`` shard under SP, which the wide fc1 saves: since 2026-12-05, before its all-gathered
-``T h e``) off where nothing else keeps it (a bf16 router casts its own float32 copy), ``- T h - 4`` where the float32
-router keeps it (``e = 4``).
+``T h e``) off where nothing else keeps it (``--moe-router-dtype fp32`` in a bf16 model: the router keeps its own
+float32 copy), ``- T h - 4`` where the router keeps it (in the model's dtype, its default:
+:func:`~omnitron.core.transformer.moe.router.keeps_input`).
 
 **Transients** (:func:`probe_experts`): the transient probe runs every layer of an MoE chunk as an MoE layer of
 ``E'`` experts (``E``, or 16 when more divide by it: :func:`omnitron.plan.moe_activations.probe_num_experts`), each
@@ -47,19 +48,13 @@ def experts_as_run(settings, cfg):
     return replace(cfg, moe_grouped_gemm=False) if settings.fp8 is not None and cfg.moe_grouped_gemm else cfg
 
 
-def _router_keeps(e: int) -> bool:
-    """Whether the router keeps the shared expert's input, the norm output (under SP its shard, which the wide shared
-    fc1 saves too: :mod:`omnitron.core.parallel.tensor.gather_linear`): a float32 model's router saves it as it is
-    (``x.float()`` is ``x``)."""
-    return e == 4
-
-
 def layer_less(fp8, cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, share=None,
                rank: int | None = None) -> float:
     """Bytes one FP8 MoE layer's experts save less than the wide ones, one micro-batch of ``b`` sequences of ``s``
     tokens (over cp) on this rank (module docstring); ``share``, ``rank``: a routing histogram's row and the ep rank
     whose experts are priced, as :func:`omnitron.plan.moe_activations.moe_layer_extra`. 0 without a per-tensor
     recipe (block-wise saves its inputs wide)."""
+    from omnitron.core.transformer.moe.router import keeps_input
     from omnitron.plan.moe import moe_local
 
     if not fp8.per_tensor:
@@ -68,7 +63,7 @@ def layer_less(fp8, cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, s
     e, h, own = cfg.params_dtype.itemsize, cfg.hidden_size, own_scale(fp8)
     less = (e - 1) * sum(m.rows) * (h + m.ffn) - 2 * own * m.local_experts
     if m.shared_ffn:
-        fc1 = e * (not _router_keeps(e)) * m.router_tokens * h - m.tokens * h  # the wide shard off, its FP8 copy on
+        fc1 = e * (not keeps_input(cfg)) * m.router_tokens * h - m.tokens * h  # the wide shard off, its FP8 copy on
         less += fc1 + (e - 1) * m.tokens * m.shared_ffn - 2 * own
     return less
 
@@ -81,9 +76,10 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
     (:func:`omnitron.plan.moe.moe_local`: ``T k ep etp / (tp E)``, which the probe's one process, routing ``T`` tokens
     over its ``E'`` experts with no ep, does not see), the shared expert's ``T``. Saved inputs as the probe holds
     them: the ``E'`` experts' fc1 and fc2 at ``T k / E'`` rows each, the shared expert's at ``T``; the probe runs
-    without SP, so a float32 router keeps the shared fc1's input (its ``saved less`` is then the FP8 copy's bytes,
-    negative)."""
+    without SP, so a router in the model's dtype keeps the shared fc1's input (its ``saved less`` is then the FP8
+    copy's bytes, negative)."""
     from omnitron.core.precision.fp8.enable import linear_modules
+    from omnitron.core.transformer.moe.router import keeps_input
     from omnitron.plan.moe import moe_local
     from omnitron.plan.moe_activations import probe_num_experts
 
@@ -109,7 +105,7 @@ def probe_experts(settings, cfg, layer) -> dict[str, tuple[int, int, float, floa
     for name in SHARED:
         if name in shapes:
             o, k = shapes[name]
-            out[name] = _entry(fp8, e, o, k, T, name != SHARED[0] or not _router_keeps(e))
+            out[name] = _entry(fp8, e, o, k, T, name != SHARED[0] or not keeps_input(cfg))
     return out
 
 

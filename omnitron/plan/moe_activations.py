@@ -10,11 +10,12 @@ experts receive over ep, ``R_e = etp R`` after the etp gather). ``e`` is the act
 Derivation from the code path (what autograd saves and why; sums over ranks of an ep group are exact for
 dropless routing, since every term is linear in the rows a rank holds):
 
-- router (:class:`~omnitron.core.transformer.moe.router.TopKRouter` and ``MoELayer._route``): its float32 input
-  copy (``x.float()``, a new ``[T_r, h]`` storage unless ``e = 4``), the scores, top-k indices and
-  probabilities, the load-balancing and z-loss statistics, the ``[T_r, k]`` indices ``scatter`` keeps for the
-  gates: **probed** in this process (``rho`` per token and ``rho0`` per sample: a bf16 model's float32 router
-  weight copy, the ``[b, E]``/``[E]`` loss statistics), because the score function and losses vary;
+- router (:class:`~omnitron.core.transformer.moe.router.TopKRouter` and ``MoELayer._route``): its input in
+  the router's dtype (``--moe-router-dtype fp32`` in a bf16 / fp16 model: a new float32 ``[T_r, h]`` storage),
+  the scores, top-k indices and probabilities, the load-balancing and z-loss statistics, the ``[T_r, k]`` indices
+  ``scatter`` keeps for the gates: **probed** in this process (``rho`` per token and ``rho0`` per sample: the float32
+  router weight copy of fp32 routing in a bf16 model, the ``[b, E]``/``[E]`` loss statistics), because the score
+  function and losses vary;
 - dispatch and combine (:mod:`~omnitron.core.transformer.moe.dispatch`): ``mask.t().nonzero`` gives the
   ``[A, 2]`` int64 (token, expert) pairs, kept by ``index_select``, the gate lookup and ``index_add`` (16 B
   each assignment); the gate weights ``[A, 1]`` in the activation dtype and the expert outputs ``[A, h]``
@@ -31,7 +32,7 @@ dropless routing, since every term is linear in the rows a rank holds):
   tokens (its internals probed as the experts', at ``shared / tp``);
 - the norm output the MLP input is: the dense MLP's fc1 keeps it (``T_r h e``: under SP its sequence shard,
   :mod:`omnitron.core.parallel.tensor.gather_linear`; before 2026-12-05 the all-gathered ``T h e``); the MoE layer
-  keeps it only through the router (``e = 4``: ``x.float()`` is the input itself) or the shared expert's fc1 (its
+  keeps it only through the router (in the model's dtype, its default: the input itself) or the shared expert's fc1 (its
   shard likewise), one storage ``T_r h e``.
 
 The layer's extra bytes are the MoE block's minus the dense MLP's (``T_r h e`` and its internals at ``F / tp``
@@ -166,6 +167,7 @@ def moe_layer_extra(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, s
     of ``s`` tokens on this rank (``s`` already divided by cp), following the module docstring's terms.
     ``share``: a routing histogram's row (None: balanced), priced on ep rank ``rank``'s experts (None: the
     layer's busiest; :func:`omnitron.plan.moe.moe_local`)."""
+    from omnitron.core.transformer.moe.router import keeps_input
     from omnitron.plan.moe import moe_local
 
     m = moe_local(cfg, SimpleNamespace(tokens=s * b, tp=tp), ep, etp, sp, share, rank)
@@ -176,9 +178,9 @@ def moe_layer_extra(cfg, s: int, b: int, tp: int, sp: bool, ep: int, etp: int, s
     block += 16 * R * (ep > 1) + 16 * rows * (etp > 1) + 8 * R * bool(cfg.add_bias_linear)
     shared = bool(cfg.moe_shared_expert_intermediate_size)
     block += T * r.shared
-    # one storage: the norm output (the sequence shard under SP, ``T_r`` tokens), which the router keeps (e = 4) and
-    # the shared expert's fc1 (its input shard: gather_linear), as the dense MLP's fc1 does
-    block += m.router_tokens * h * e * (e == 4 or shared)
+    # one storage: the norm output (the sequence shard under SP, ``T_r`` tokens), which the router keeps (in the
+    # model's dtype) and the shared expert's fc1 (its input shard: gather_linear), as the dense MLP's fc1 does
+    block += m.router_tokens * h * e * (keeps_input(cfg) or shared)
     return block - m.router_tokens * h * e - T * r.dense
 
 

@@ -197,7 +197,8 @@ def _layer_routed(settings, cfg, rates, moe: bool, share) -> StageCost:
         act = "silu_mul" if cfg.swiglu else "gelu"
         gemms = gemms[:2] + moe_work.moe_gemms(m)  # attention's qkv and proj, then the MoE MLP
         ew = [e for e in ew if e[0] != act] + moe_work.moe_elementwise(cfg, m)
-    gemm = sum(rates.gemm_s(fp8.gemm_dtype(settings, name, dt), mm, n, k, threads) for name, mm, n, k in gemms) * slow
+    gemm = sum(rates.gemm_s(fp8.gemm_dtype(settings, cfg, name, dt), mm, n, k, threads)
+               for name, mm, n, k in gemms) * slow
     cast_f, cast_b = fp8.casts(settings, gemms)
     attn = _attention(cfg, x, rates, dt, threads, cpw.blocks) * slow
     # the cp blocks' merges, gradient accumulations and reorders (their dropout is in the blocks' rate)

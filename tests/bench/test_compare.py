@@ -334,6 +334,8 @@ def test_bench_all_exits_nonzero_naming_a_kind_that_failed(tmp_path, monkeypatch
     failed = [k for k in suite.KINDS if k in fails + invalid]
     written = sorted(k for k in suite.KINDS if k not in failed)
     assert sorted(p.stem for p in tmp_path.glob("*.json")) == written
+    ran = [line.split(":")[1].split()[0] for line in out if line.startswith("bench all: ")]
+    assert ran == list(suite.KINDS), ran  # every kind of the report schema, in KINDS's order
     assert out[-1] == f"wrote {len(written)} reports into {tmp_path}: {', '.join(written)}" + (
         f"; failed: {', '.join(failed)} (the reasons above)" if failed else ""), out[-1]
     for kind in invalid:

@@ -28,7 +28,7 @@ def crafted(tmp_path, monkeypatch):
     with ``EVIL.py`` in the working directory, which is on sys.path."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.checkpoint.reshard import Layout
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.models.gpt.state import gather_full_state
     from omnitron.core.parallel.groups import ParallelGroups

@@ -44,7 +44,7 @@ def _checkpoint(save: str, seed: int, hidden: int = 32, tp: int = 1) -> str:
     """A weights-only omnitron checkpoint (iteration 0) of a tiny GPT with random weights under ``save``."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.checkpoint.reshard import Layout
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.models.gpt.state import gather_full_state
     from omnitron.core.parallel.groups import ParallelGroups

@@ -187,7 +187,7 @@ def test_export_native_model(name, tmp_path):
     """omnitron-only settings (interleaved RoPE rows are permuted; llama3 rope scaling; biases;
     an untied GPT-2 head; zero-centred norm weights, --apply-layernorm-1p) give HF models computing
     omnitron's logits."""
-    from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny, llama_tiny
 
     if name == "llama_layernorm_1p":
         cfg = llama_tiny(num_layers=2, hidden_size=32, ffn_hidden_size=48, vocab_size=V, seq_length=16,
@@ -289,7 +289,7 @@ def test_bad_inputs_fail_clearly(hf, tmp_path, capsys):
     assert cli(["checkpoint", "import-hf", "--hf-dir", d, "--save", str(tmp_path / "z"),
                 "--tensor-model-parallel-size", "3"]) == 2
     assert "--tensor-model-parallel-size 3" in capsys.readouterr().err
-    from omnitron.core.models.gpt.config import llama_tiny
+    from omnitron.core.models.gpt.presets import llama_tiny
 
     cfg = llama_tiny(num_layers=1, hidden_size=32, ffn_hidden_size=48, vocab_size=V, qk_layernorm=True)
     write_weights_checkpoint(_native_full(cfg, 1)[0], cfg, str(tmp_path / "qk"), Layout())
@@ -304,7 +304,7 @@ def test_export_is_a_usable_model_repository(kind, tmp_path):
     and generation_config.json carry the end-of-document id (HF generate stops there); files are 0644."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.data.tokenizers import build_tokenizer
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
 
     run = {"tokenizer_type": kind}
     if kind == "HuggingFaceTokenizer":
@@ -361,7 +361,7 @@ def test_export_of_a_default_tokenizer_run_and_without_a_tokenizer(tmp_path, cap
     checkpoint that records no tokenizer is refused in one line, and export-hf --tokenizer-type supplies one."""
     from omnitron.backends import get_backend
     from omnitron.core.data.tokenizers import build_tokenizer
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.loop import train
 
@@ -394,7 +394,7 @@ def test_dense_yarn_export_is_refused():
     """A dense Llama-style model with YaRN (--rotary-scaling-factor) has no Llama / Qwen2 config.json omnitron
     writes: it exported as plain RoPE, silently another model. Refused in one line."""
     from omnitron.core.checkpoint.hf import config_to_hf
-    from omnitron.core.models.gpt.config import llama_tiny
+    from omnitron.core.models.gpt.presets import llama_tiny
 
     for kw in (dict(), dict(add_bias_linear=False, add_qkv_bias=True)):
         with pytest.raises(HFConversionError, match="--rotary-scaling-factor 4.0; a Hugging Face llama model"):

@@ -179,7 +179,7 @@ def test_sliding_windows_qwen2_cannot_hold_are_refused_in_one_line():
 
 
 def test_moe_export_of_qkv_bias_only_is_refused():
-    from omnitron.core.models.gpt.config import llama_tiny
+    from omnitron.core.models.gpt.presets import llama_tiny
 
     cfg = llama_tiny(add_qkv_bias=True, num_experts=4, qk_layernorm=True)
     with pytest.raises(HFConversionError, match="--add-qkv-bias without --add-bias-linear"):

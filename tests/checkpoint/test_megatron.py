@@ -26,7 +26,7 @@ from omnitron.core.checkpoint.hf import write_weights_checkpoint
 from omnitron.core.checkpoint.io import read_metadata, read_shard
 from omnitron.core.checkpoint.megatron import MegatronConversionError, import_megatron, real_vocab_size
 from omnitron.core.checkpoint.reshard import Layout, model_config, read_full_state
-from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+from omnitron.core.models.gpt.presets import gpt2_tiny, llama_tiny
 
 V = 100
 TP, PP = 2, 2

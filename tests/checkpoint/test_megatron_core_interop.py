@@ -73,7 +73,7 @@ def _moe_cfg(kind: str):
     """``deepseek``: MLA (q / kv ranks, QK norms), the first layer dense, two MoE layers of 4 sigmoid-routed experts
     (top-2 within 1 of 2 groups, x 2.5, expert bias) plus a shared expert, one MTP depth: per-layer keys.
     ``moe``: GQA, every layer MoE (stacked keys), softmax routing, a shared expert."""
-    from omnitron.core.models.gpt.config import deepseek_v3_tiny
+    from omnitron.core.models.gpt.presets import deepseek_v3_tiny
 
     base = dict(num_layers=3, hidden_size=32, vocab_size=V, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
                 ffn_hidden_size=48, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,

@@ -33,7 +33,7 @@ from omnitron.cli import main as cli
 from omnitron.core.checkpoint.hf import write_weights_checkpoint
 from omnitron.core.checkpoint.io import read_metadata, read_shard
 from omnitron.core.checkpoint.reshard import Layout, model_config, read_full_state
-from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+from omnitron.core.models.gpt.presets import gpt2_tiny, llama_tiny
 from tests.models.test_gpt_reference import plain_gpt_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process writing, as meant

@@ -39,7 +39,7 @@ from omnitron.cli import main as cli
 from omnitron.core.checkpoint.hf import write_weights_checkpoint
 from omnitron.core.checkpoint.io import read_metadata, read_shard
 from omnitron.core.checkpoint.reshard import Layout, model_config, read_full_state
-from omnitron.core.models.gpt.config import deepseek_v3_tiny
+from omnitron.core.models.gpt.presets import deepseek_v3_tiny
 from tests.checkpoint.test_megatron_dist import V, _read_back, _weights, _write
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

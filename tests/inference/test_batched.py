@@ -7,7 +7,7 @@ import torch
 from omnitron.backends import get_backend
 from omnitron.core.inference import SamplingParams, generate_batch
 from omnitron.core.inference.sampling import filter_logits, sample_next
-from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+from omnitron.core.models.gpt.presets import gpt2_tiny, llama_tiny
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.parallel.groups import ParallelGroups
 

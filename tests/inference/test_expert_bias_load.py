@@ -26,7 +26,7 @@ REL = 2e-4
 
 
 def _cfg():
-    from omnitron.core.models.gpt.config import llama_tiny
+    from omnitron.core.models.gpt.presets import llama_tiny
 
     return llama_tiny(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                       vocab_size=V + 1, seq_length=16, num_experts=8, moe_router_topk=2,

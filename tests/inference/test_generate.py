@@ -5,7 +5,7 @@ import torch
 
 from omnitron.backends import get_backend
 from omnitron.core.inference import SamplingParams, generate
-from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+from omnitron.core.models.gpt.presets import gpt2_tiny, llama_tiny
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.parallel.groups import ParallelGroups
 

@@ -12,7 +12,7 @@ from omnitron.backends import get_backend
 from omnitron.core.inference import SamplingParams, generate_batch
 from omnitron.core.inference.families import caption, generate_t5
 from omnitron.core.inference.sampling import GREEDY
-from omnitron.core.models.gpt.config import gpt2_tiny, llama_tiny
+from omnitron.core.models.gpt.presets import gpt2_tiny, llama_tiny
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.models.multimodal import LLaVAModel
 from omnitron.core.models.multimodal.config import llava_tiny

@@ -10,7 +10,7 @@ import torch
 from omnitron.backends import get_backend
 from omnitron.core.inference.generation import _left_pad
 from omnitron.core.inference.kv_cache import KVCache
-from omnitron.core.models.gpt.config import llama_tiny
+from omnitron.core.models.gpt.presets import llama_tiny
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.parallel.context.tiles import TILE_MIN
 from omnitron.core.parallel.groups import ParallelGroups

@@ -19,7 +19,7 @@ from omnitron.core.inference import SamplingParams, generate_batch
 from omnitron.core.inference.loader import load_for_inference
 from omnitron.core.inference.server import make_server
 from omnitron.core.inference.text import complete
-from omnitron.core.models.gpt.config import llama_tiny
+from omnitron.core.models.gpt.presets import llama_tiny
 from omnitron.core.models.gpt.model import GPTModel
 from omnitron.core.models.gpt.state import gather_full_state
 from omnitron.core.parallel.groups import ParallelGroups

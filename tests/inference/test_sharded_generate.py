@@ -30,7 +30,7 @@ def _checkpoint(root: str, cfg=None, tp: int = 2) -> None:
     """A random, sharpened 4-layer model written as a ``tp`` checkpoint (``cfg``; default: a Llama-style GPT)."""
     from omnitron.core.checkpoint.hf import write_weights_checkpoint
     from omnitron.core.checkpoint.reshard import Layout
-    from omnitron.core.models.gpt.config import llama_tiny
+    from omnitron.core.models.gpt.presets import llama_tiny
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.models.gpt.state import gather_full_state
     from omnitron.core.parallel.groups import ParallelGroups
@@ -106,7 +106,7 @@ def _moe_config(kind: str):
     (MLA, sigmoid scores within groups, a shared expert, the first layer dense; its expert bias stays zero) and
     gpt-oss's (router bias, clamped SwiGLU experts with biases, attention sinks, a 4-token window every other
     layer)."""
-    from omnitron.core.models.gpt.config import deepseek_v3_tiny, gpt_oss_20b, llama_tiny
+    from omnitron.core.models.gpt.presets import deepseek_v3_tiny, gpt_oss_20b, llama_tiny
 
     if kind == "deepseek":
         return deepseek_v3_tiny(vocab_size=V + 1, seq_length=48)

@@ -28,7 +28,7 @@ REL = 1.5e-4
 
 
 def _cfg():
-    from omnitron.core.models.gpt.config import llama_tiny
+    from omnitron.core.models.gpt.presets import llama_tiny
 
     return llama_tiny(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                       vocab_size=V + 1, seq_length=48)

@@ -8,7 +8,7 @@ import torch
 
 import omnitron.core.inference.kv_cache as K
 from omnitron.core.inference import generate_batch
-from omnitron.core.models.gpt.config import llama_tiny
+from omnitron.core.models.gpt.presets import llama_tiny
 
 from test_batched import reference, sharp_model
 

@@ -86,7 +86,7 @@ def test_qkv_bias_is_counted(kw):
 
 
 def test_qkv_bias_with_multi_latent_attention_is_refused():
-    from omnitron.core.models.gpt.config import deepseek_v3_tiny
+    from omnitron.core.models.gpt.presets import deepseek_v3_tiny
 
     with pytest.raises(ConfigError, match="--add-qkv-bias .* --multi-latent-attention has no such bias"):
         validate_model(deepseek_v3_tiny(add_qkv_bias=True), _pc())

@@ -55,7 +55,8 @@ def test_meta_build_equals_the_formula(name):
 
 
 def test_window_and_sink_settings_are_checked():
-    from omnitron.core.models.gpt.config import deepseek_v3_tiny, llama_tiny, validate_model
+    from omnitron.core.models.gpt.config import validate_model
+    from omnitron.core.models.gpt.presets import deepseek_v3_tiny, llama_tiny
 
     with pytest.raises(ConfigError, match="the right side is 0"):
         llama_tiny(window_size="4,2")

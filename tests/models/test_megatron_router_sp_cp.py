@@ -28,7 +28,7 @@ def _router(settings: dict):
     sh = FIXTURES["shape"]
     c = gpt2_tiny(num_layers=2, hidden_size=sh["h"], num_attention_heads=2, ffn_hidden_size=24, seq_length=sh["s"],
                   max_position_embeddings=sh["s"], vocab_size=64, num_experts=sh["E"], params_dtype=torch.float64,
-                  add_bias_linear=False, **settings)
+                  add_bias_linear=False, moe_router_dtype="fp32", **settings)  # the fixtures' router dtype
     return c, TopKRouter(c, partial_grad=False).train()
 
 

@@ -96,7 +96,8 @@ def test_mtp_loss_and_gradients_equal_the_definition(untie):
 
 def test_mtp_parameter_count_and_refusals():
     from omnitron.core.models.gpt import GPTModel
-    from omnitron.core.models.gpt.config import deepseek_v3_tiny, num_parameters, validate_model
+    from omnitron.core.models.gpt.config import num_parameters, validate_model
+    from omnitron.core.models.gpt.presets import deepseek_v3_tiny
 
     for c in (_config(), deepseek_v3_tiny(mtp_num_layers=2)):  # dense, and MLA + MoE (the last layer's kind)
         with torch.device("meta"):

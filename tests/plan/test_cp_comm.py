@@ -17,7 +17,7 @@ CASES = [("p2p", None), ("a2a", None), ("allgather", None), ("a2a+p2p", (2, 2))]
 
 
 def _local(cp: int, seq: int) -> work.Local:
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
 
     cfg = gpt2_tiny(num_attention_heads=HQ, num_query_groups=HKV, hidden_size=HQ * D, seq_length=seq)
     return work.local_shapes(cfg, 1, cp, B)

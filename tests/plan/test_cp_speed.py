@@ -14,7 +14,7 @@ from omnitron.plan import work
 def test_ring_blocks_are_the_busiest_ranks_blocks(cp):
     """FLOPs of step i = max over ranks of 3 x 4 b h rows cols d (x 1/2 when the block is causal), rows and cols
     from the ring's slices of the load-balanced layout (each rank holds 2 chunks of c = s / (2 cp) rows)."""
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.parallel.context.ring import _step_slices
 
     rng = random.Random()
@@ -69,7 +69,7 @@ def test_device_ring_blocks_price_the_hash_of_their_visible_scores(cp):
     the hash says so in its notes."""
     from dataclasses import replace
 
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.parallel.context.ring import _step_slices
     from omnitron.plan import speed
     from omnitron.plan.device_rates import DeviceRates

@@ -247,7 +247,9 @@ def test_moe_experts_saved_inputs_on_a_skewed_ep_rank_by_hand():
     ``T = 32`` tokens a rank, shares (1/2, 1/4, 1/8, 1/8): expert ``i`` receives ``T k share_i`` rows from each of the
     two ep ranks; rank 0 holds experts 0 and 1 (64 + 32 rows), rank 1 experts 2 and 3 (16 + 16). Each row saves
     ``(e - 1)`` bytes less per element of fc1's input (hidden 64) and fc2's (expert width 96), each of the rank's
-    four linears one 4-byte scale more; a shared expert (width 32) on the rank's 32 tokens likewise."""
+    four linears one 4-byte scale more; a shared expert (width 32) on the rank's 32 tokens likewise, its fc1 adding
+    its FP8 copy of the input (32 x 64) where the router keeps the wide one (in the model's dtype, the default), and
+    freeing the wide 2-byte input too where the router keeps its own float32 copy (--moe-router-dtype fp32)."""
     from dataclasses import replace
 
     import torch
@@ -263,7 +265,9 @@ def test_moe_experts_saved_inputs_on_a_skewed_ep_rank_by_hand():
     got = [layer_less(tw, cfg, 32, 1, 1, False, 2, 1, share, r) for r in (0, 1)]
     assert got == [(64 + 32) * (64 + 96) - 4 * 4, (16 + 16) * (64 + 96) - 4 * 4]
     shared = replace(cfg, moe_shared_expert_intermediate_size=32)
-    assert layer_less(tw, shared, 32, 1, 1, False, 2, 1, share, 1) == got[1] + 32 * (64 + 32) - 2 * 4
+    assert layer_less(tw, shared, 32, 1, 1, False, 2, 1, share, 1) == got[1] - 32 * 64 + 32 * 32 - 2 * 4
+    fp32_router = replace(shared, moe_router_dtype="fp32")
+    assert layer_less(tw, fp32_router, 32, 1, 1, False, 2, 1, share, 1) == got[1] + 32 * (64 + 32) - 2 * 4
     assert layer_less(FP8Config(fp8_recipe="delayed"), cfg, 32, 1, 1, False, 2, 1, share, 0) == got[0] + 4 * 4
     assert layer_less(FP8Config(fp8_recipe="blockwise", fp8_format="e4m3"), cfg, 32, 1, 1, False, 2, 1, share, 0) == 0
 

@@ -6,7 +6,8 @@ import types
 
 import pytest
 
-from omnitron.core.models.gpt.config import deepseek_v3_tiny, flops_per_iteration, llama_tiny, mixtral_8x7b
+from omnitron.core.models.gpt.config import flops_per_iteration
+from omnitron.core.models.gpt.presets import deepseek_v3_tiny, llama_tiny, mixtral_8x7b
 
 
 def _settings(tmp_path, extra):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from omnitron.core.models.gpt.config import llama_tiny
+from omnitron.core.models.gpt.presets import llama_tiny
 
 
 def _cfg(**kw):
@@ -44,33 +44,39 @@ def test_layer_extra_tp2_sp_ep2_etp2_by_hand(fixed_rates):
     assert moe_exchange_transient(cfg, 8, 2, tp=2, sp=True, ep=2, etp=1) == 0
 
 
-def test_layer_extra_bf16_capacity_bias_by_hand(fixed_rates):
+@pytest.mark.parametrize("router_dtype", [None, "fp32"])
+def test_layer_extra_bf16_capacity_bias_by_hand(fixed_rates, router_dtype):
     """bf16 (e 2), fc biases, no shared expert, capacity factor 0.5: each expert keeps ceil(0.5 x 16 x 2 / 4) = 4
     of its 8 rows, A = R_e = 16; tp1, ep1. router 10 x 16 + 3 x 2 = 166; pairs etc. 16 (16 + 2 + 2 x 16 x 2) =
-    1312; rows 16 (16 x 2 + 7) = 624; bias index 8 x 16 = 128; the norm output is not kept (bf16: the router
-    keeps a float32 copy, in its rate; no shared expert); minus the dense MLP 16 (16 x 2 + 11) = 688: 1542."""
+    1312; rows 16 (16 x 2 + 7) = 624; bias index 8 x 16 = 128; minus the dense MLP 16 (16 x 2 + 11) = 688: 1542.
+    The norm output: a router in the model's dtype (the default) keeps it, 16 x 16 x 2 = 512 more: 2054; with
+    --moe-router-dtype fp32 the router keeps its float32 copy instead (in its rate) and nothing keeps the norm
+    output (no shared expert): 1542."""
     from omnitron.plan.moe_activations import moe_layer_extra
 
-    cfg = _cfg(params_dtype=torch.bfloat16, add_bias_linear=True, moe_expert_capacity_factor=0.5)
-    assert moe_layer_extra(cfg, 8, 2, tp=1, sp=False, ep=1, etp=1) == 1542
+    cfg = _cfg(params_dtype=torch.bfloat16, add_bias_linear=True, moe_expert_capacity_factor=0.5,
+               moe_router_dtype=router_dtype)
+    assert moe_layer_extra(cfg, 8, 2, tp=1, sp=False, ep=1, etp=1) == (1542 if router_dtype else 2054)
 
 
 @pytest.mark.host_only("the probe's rates are the cpu kernel table's saved tensors, which the planner models; on "
                        "sim the fused activation kernel saves a third more per expert row (issue 34)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_probe_rates_are_the_saved_tensors(dtype):
+@pytest.mark.parametrize("dtype,router_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                (torch.bfloat16, "fp32")])
+def test_probe_rates_are_the_saved_tensors(dtype, router_dtype):
     """The probes against the code path's tensors, counted by hand: the softmax router with a load-balancing loss
-    saves per token the [E] float32 scores of the loss, the top-k's int64 indices and float32 probabilities
-    (plus, in bf16, its float32 input copy [h]), per micro-batch the loss's [E] counts and token count (plus,
-    in bf16, the float32 copy of the [E, h] weight); a SwiGLU expert of width w saves per row its fc1 output
-    [2 w] (the activation's input) and the activation's [w] (fc2's input)."""
+    saves per token the [E] float32 scores of the loss, the top-k's int64 indices and float32 probabilities (the
+    softmax's output; a bf16 router casts them after), plus, with --moe-router-dtype fp32 in bf16, its float32 input
+    copy [h]; per micro-batch the loss's [E] counts and token count (plus, fp32 in bf16, the float32 copy of the
+    [E, h] weight); a SwiGLU expert of width w saves per row its fc1 output [2 w] (the activation's input) and the
+    activation's [w] (fc2's input)."""
     from omnitron.plan.moe_activations import moe_rates
 
     h, E, k, w, e = 128, 8, 2, 352, dtype.itemsize
     cfg = llama_tiny(num_experts=E, moe_router_topk=k, moe_aux_loss_coeff=0.01, params_dtype=dtype,
-                     moe_shared_expert_intermediate_size=64)
+                     moe_shared_expert_intermediate_size=64, moe_router_dtype=router_dtype)
     r = moe_rates(cfg, 2, 2)
-    copy = e != 4
+    copy = e != 4 and router_dtype == "fp32"
     assert r.rho == 4 * E + 12 * k + copy * 4 * h
     assert r.rho0 == 4 * E + 4 + copy * 4 * E * h
     assert r.expert == 3 * (w // 2) * e and r.dense == 3 * (w // 2) * e and r.shared == 3 * (64 // 2) * e

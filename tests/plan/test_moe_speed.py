@@ -42,7 +42,7 @@ def test_moe_gemm_flops_match_the_flop_counter():
     """Exact integer FLOPs: dense layers' GEMMs, MoE layers' attention GEMMs, router, experts and shared
     expert, and the output layer, each 3x forward (input and weight gradients)."""
     from omnitron.core.models.gpt import GPTModel
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.parallel.groups import ParallelGroups
     from omnitron.core.transformer.moe.pattern import moe_layer_pattern
 

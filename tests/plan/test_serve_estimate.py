@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from omnitron.cli import main
-from omnitron.core.models.gpt.config import deepseek_v3, llama3_70b, llama3_8b
+from omnitron.core.models.gpt.presets import deepseek_v3, llama3_70b, llama3_8b
 from omnitron.plan.inference import kv_bytes_per_token
 
 TINY = ["--model", "gpt2_tiny", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200"]

@@ -13,7 +13,7 @@ from omnitron.plan import work
 
 
 def _random_cfg(rng: random.Random, **over):
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
 
     heads = rng.choice([2, 4])
     swiglu = rng.random() < 0.5
@@ -53,7 +53,7 @@ def test_gemm_and_attention_flops_match_the_flop_counter():
 
 def test_tp_and_cp_split_the_work_evenly():
     """A tp x cp rank does 1 / (tp cp) of a layer's GEMM and attention FLOPs (heads, groups, ffn divisible)."""
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
 
     cfg = gpt2_tiny(num_query_groups=2, swiglu=True)
     one = work.local_shapes(cfg, 1, 1, 2)

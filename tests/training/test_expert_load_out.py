@@ -119,7 +119,7 @@ def test_written_histogram_is_the_routers_picks(tmp_path, world, extra, capsys):
 
 def test_no_experts_is_one_line(tmp_path):
     from omnitron.core.config.parallel import ConfigError
-    from omnitron.core.models.gpt.config import gpt2_tiny
+    from omnitron.core.models.gpt.presets import gpt2_tiny
     from omnitron.core.transformer.moe.expert_load import start
 
     with pytest.raises(ConfigError, match="--moe-expert-load-out .*--num-experts"):

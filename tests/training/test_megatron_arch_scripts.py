@@ -73,7 +73,7 @@ GPT_OSS = """
 --data-cache-path {out}/cache --tensorboard-dir {out}/tensorboard
 """
 
-NEW_SELECTORS = ("--recompute-modules", "--moe-flex-dispatcher-backend", "--moe-permute-fusion", "--moe-router-dtype",
+NEW_SELECTORS = ("--recompute-modules", "--moe-flex-dispatcher-backend", "--moe-permute-fusion",
                  "--auto-detect-ckpt-format", "--dist-ckpt-strictness", "--logging-level", "--enable-experimental")
 
 
@@ -98,10 +98,10 @@ def test_deepseek_v3_script_refuses_force_balancing_and_parses_the_rest(tmp_path
     assert m.multi_latent_attention and (m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == (32, 16, 16)
     assert m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias and m.mtp_num_layers == 1
     assert m.moe_router_load_balancing_type == "seq_aux_loss" and m.make_vocab_size_divisible_by == 3232
-    assert s.parallel.expert_model_parallel_size == 2
+    assert s.parallel.expert_model_parallel_size == 2 and m.moe_router_dtype == "fp32"
     for flag in NEW_SELECTORS:
         assert f"{flag}: accepted; " in caplog.text, flag
-    with pytest.raises(ConfigError, match="^--moe-router-dtype fp64: omnitron routes in float32 only"):
+    with pytest.raises(ConfigError, match="^--moe-router-dtype fp64: omnitron routes in the model's dtype"):
         parse_settings(_drop(args, "--moe-router-force-load-balancing") + ["--moe-router-dtype", "fp64"], 2)
 
 
@@ -130,8 +130,9 @@ def test_gpt_oss_script_trains_one_process(tmp_path, caplog):
     assert m.quick_geglu and m.activation_func_clamp_value == 7.0 and m.padded_vocab_size == 384
     with caplog.at_level(logging.INFO, logger="omnitron.train"):
         _three_steps(args)
-    for flag in ("--enable-gpt-oss", "--export-force-local-attention", "--moe-router-dtype"):
+    for flag in ("--enable-gpt-oss", "--export-force-local-attention"):
         assert f"{flag}: accepted; " in caplog.text, flag
+    assert m.moe_router_dtype == "fp32"
 
 
 def test_padded_vocab_size_sets_the_rows_as_megatron():

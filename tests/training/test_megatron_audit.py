@@ -62,7 +62,7 @@ def _settings(argv):
 @pytest.mark.parametrize("flag", sorted(IMPLEMENTED))
 def test_implemented_flags_change_the_settings_and_name_a_test(flag, tmp_path):
     aware = ["bf16", "--use-precision-aware-optimizer", "--use-distributed-optimizer"]  # the dtype flags need it
-    argv = [flag, *{"--tensorboard-dir": [str(tmp_path)], "--exp-avg-dtype": aware,
+    argv = [flag, *{"--tensorboard-dir": [str(tmp_path)], "--moe-router-dtype": ["fp32"], "--exp-avg-dtype": aware,
                     "--exp-avg-sq-dtype": aware}.get(flag, [])]
     assert _settings(argv) != _settings([])
     path, name = IMPLEMENTED[flag][2].split("::")

@@ -305,7 +305,7 @@ def test_megatron_flags_not_yet_supported_are_refused(flag):
 
 _VALUES = {"rerun_mode": "disabled", "moe_token_dispatcher_type": "alltoall", "transformer_impl": "local",
            "attention_backend": "auto", "distributed_backend": "gloo",
-           "moe_router_dtype": "fp32", "dist_ckpt_strictness": "log_all", "moe_flex_dispatcher_backend": "deepep",
+           "dist_ckpt_strictness": "log_all", "moe_flex_dispatcher_backend": "deepep",
            "recompute_modules": "core_attn", "cross_entropy_fusion_impl": "native",
            "num_distributed_optimizer_instances": "2", "muon_scalar_optimizer": "adam"}
 

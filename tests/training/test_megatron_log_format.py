@@ -266,6 +266,21 @@ def test_validation_lines_are_megatrons(tmp_path, capsys, split, after, bert):
     assert ("sop loss" in p["losses"]) == bert
 
 
+def test_validation_line_prints_the_records_ppl():
+    """The line's lm loss PPL is the record's ``val_ppl`` / ``test_ppl`` (computed once, with the loss), not a second
+    ``exp``: a record whose ppl is not ``exp(min(20, loss))`` prints its own; the evaluation's record holds
+    Megatron's value (``perplexity``, against ``math.exp`` of a fresh loss under and over the cap)."""
+    from omnitron.core.training.log_lines import perplexity, validation_lines
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for split in ("val", "test"):
+        loss, ppl = rng.uniform(0.0, 10.0), rng.uniform(1e3, 1e6)
+        p = parse_validation_line(validation_lines(3, {f"{split}_loss": loss, f"{split}_ppl": ppl})[1])
+        assert p["losses"]["lm loss"] == pytest.approx((loss, ppl), rel=5e-7)
+    loss = rng.uniform(0.0, 40.0)
+    assert perplexity(loss) == math.exp(min(20.0, loss))
+
+
 def test_a_training_run_logs_megatrons_lines(tmp_path, capsys):
     """Through ``train`` (4 iterations, an evaluation every 2, the ones after training): the parser finds a
     training line for the first iteration and each logged one, equal to metrics.jsonl's records, and the

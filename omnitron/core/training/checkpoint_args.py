@@ -22,7 +22,8 @@ log = logging.getLogger("omnitron.train")
 
 NOT_ARCHITECTURE = frozenset({
     "hidden_dropout", "attention_dropout", "init_method_std", "apply_scaled_init",  # regularisation, new weights
-    "recompute_granularity", "recompute_method", "recompute_num_layers", "params_dtype",  # memory, precision
+    "recompute_granularity", "recompute_method", "recompute_num_layers",  # memory
+    "params_dtype", "moe_router_dtype",  # precision
     "cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading", "offload_modules",
     "min_offloaded_tensor_size", "cpu_offloading_activations", "cpu_offloading_weights",  # offloading
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_bias_update_rate",

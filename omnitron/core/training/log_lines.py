@@ -82,18 +82,27 @@ PPL_LOSS_CAP = 20.0
 """Megatron's evaluate_and_print_results prints ``exp(min(20, loss))`` as a loss's PPL."""
 
 
+def perplexity(loss: float) -> float:
+    """A loss's PPL as Megatron prints it: ``exp(min(20, loss))`` (:data:`PPL_LOSS_CAP`)."""
+    return math.exp(min(PPL_LOSS_CAP, loss))
+
+
 def validation_lines(iteration: int, values: dict, after_training: bool = False) -> list[str]:
     """evaluate_and_print_results' three lines (lines 5372-5400) for a validation (``val_*`` keys) or test
     (``test_*``) evaluation: `` validation loss at <prefix> | lm loss value: V | lm loss PPL: P | `` (and ``sop
     loss`` for BERT) between two rules of ``-``, one longer than it. The prefix is the training loop's: ``iteration
-    N`` during training, ``iteration N on validation set`` / ``on test set`` for the evaluations after it."""
+    N`` during training, ``iteration N on validation set`` / ``on test set`` for the evaluations after it. The lm
+    loss's PPL is the record's own (``val_ppl`` / ``test_ppl``, computed with the loss); BERT's sop loss has none
+    there and gets :func:`perplexity` here."""
     test = "test_loss" in values
     key = "test" if test else "val"
     prefix = f"iteration {iteration}" + ((" on test set" if test else " on validation set") if after_training else "")
     string = f" validation loss at {prefix} | "
-    for name, value in (("lm loss", values[key + "_loss"]), ("sop loss", values.get(key + "_sop_loss"))):
+    sop = values.get(key + "_sop_loss")
+    for name, value, ppl in (("lm loss", values[key + "_loss"], values[key + "_ppl"]),
+                             ("sop loss", sop, None if sop is None else perplexity(sop))):
         if value is not None:
-            string += f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(PPL_LOSS_CAP, value)):.6E} | "
+            string += f"{name} value: {value:.6E} | {name} PPL: {ppl:.6E} | "
     rule = "-" * (len(string) + 1)
     return [rule, string, rule]
 

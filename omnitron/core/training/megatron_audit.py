@@ -82,6 +82,13 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "/ --quick-geglu; Megatron conversion carries it, a Hugging Face export refuses it (was refused as not "
         "implemented)",
         "tests/models/test_gpt_flags_megatron.py::test_gpt_flag_equals_megatron_core"),
+    "--moe-router-dtype": (
+        "the router's logits in fp32 / fp64, unset in the tokens' dtype (bf16 logits in a bf16 run); the top-k on "
+        "the logits, the scores in float32, the probabilities cast to the logits' dtype (router.py Router.gating, "
+        "moe_utils.py topk_routing_with_score_function)",
+        "the same for unset and fp32 (GPTConfig.moe_router_dtype, router.py router_dtype; a float64 model's scores "
+        "stay float64); fp64 refused in one line; was accepted as fp32 only while the default routed in float32",
+        "tests/models/test_moe_router_dtype.py::test_bf16_router_routes_as_megatron_bit_for_bit"),
 }
 
 

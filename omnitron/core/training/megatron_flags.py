@@ -108,8 +108,6 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                       "lion is refused in one line"),
     "muon_use_syrk": (None, "Muon's Newton-Schulz Gram matrices X X^T and A A are ordinary matmuls",
                       "Megatron's Triton SYRK kernel computes the same symmetric products (one triangle, mirrored)"),
-    "moe_router_dtype": ("fp32", "the router's logits, scores and top-k are computed in float32 always",
-                         "the flag asks for exactly that ('fp64' is refused)"),
     "auto_detect_ckpt_format": (None, "--load reads the format a checkpoint records in its own metadata",
                                 "the same tensors are read from a checkpoint of either format"),
     "dist_ckpt_strictness": ("MODE", "a key the model needs and the checkpoint lacks stops the load; keys the "
@@ -254,9 +252,6 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("muon_scalar_optimizer") not in (None, "adam"):
         raise ConfigError(f"--muon-scalar-optimizer {given['muon_scalar_optimizer']}: omnitron steps the parameters "
                           "Muon does not take with AdamW only; drop the flag or give adam")
-    if given.get("moe_router_dtype") not in (None, "fp32"):
-        raise ConfigError(f"--moe-router-dtype {given['moe_router_dtype']}: omnitron routes in float32 only; drop "
-                          "the flag or give fp32")
     if given.get("dataloader_type") not in (None, "single"):
         raise ConfigError(f"--dataloader-type {given['dataloader_type']}: omnitron reads in Megatron's 'single' order "
                           "only (each sample once per pass); drop the flag or use --dataloader-type single")

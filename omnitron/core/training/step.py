@@ -12,8 +12,6 @@ one-process mean (same loss, same gradients).
 from __future__ import annotations
 
 import functools
-
-import math
 from typing import Iterator
 
 import torch
@@ -22,7 +20,7 @@ from omnitron.core.models.family import family_of
 from omnitron.core.parallel.context import context_parallel_batch, context_parallel_loss
 from omnitron.core.parallel.data import FullyShardedDataParallel, finalize_model_grads, scale_gradients
 from omnitron.core.parallel.pipeline import forward_backward
-from omnitron.core.training.log_lines import PPL_LOSS_CAP  # exp(min(loss, 20)): Megatron's cap on the ppl
+from omnitron.core.training.log_lines import perplexity
 from omnitron.core.training.nonfinite import check_grad_norm, check_loss
 from omnitron.core.training.timers import Timers, compute_sections, record_compute_split
 from omnitron.core.transformer.moe.metrics import moe_aux_loss, set_aux_loss_scale
@@ -207,7 +205,7 @@ def evaluate(c, data_iterator: Iterator, eval_iters: int, stop=None) -> dict | N
         val = sum(loss * n for loss, n in runs) / max(sum(n for _, n in runs), 1.0)
     else:
         val = sum(loss for loss, _ in runs) / max(len(runs), 1)
-    out = {"val_loss": val, "val_ppl": math.exp(min(val, PPL_LOSS_CAP))}
+    out = {"val_loss": val, "val_ppl": perplexity(val)}
     if getattr(c.model, "bert_binary_head", False):  # BERT: the sentence-order part, as Megatron logs it
         from omnitron.core.models.bert.model import sop_loss
 

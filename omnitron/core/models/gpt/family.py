@@ -5,6 +5,7 @@ import functools
 
 from omnitron.core.models.family_base import ModelFamily
 from omnitron.core.models.gpt import config as C
+from omnitron.core.models.gpt import presets as P
 
 
 def build_stage(cfg, groups, **kw):
@@ -43,11 +44,11 @@ def generate(loaded, prompts, tokens, **kw) -> dict:
 
 GPT_FAMILY = ModelFamily(
     name="gpt", description="gpt (default): decoder-only GPT-2 / Llama", config_cls=C.GPTConfig,
-    presets={"gpt2_tiny": C.gpt2_tiny, "llama_tiny": C.llama_tiny, "gpt_1p3b": C.gpt_1p3b, "llama3_8b": C.llama3_8b,
-             "llama3_70b": C.llama3_70b, "llama3_405b": C.llama3_405b,
-             "mixtral_8x7b": C.mixtral_8x7b,
-             "deepseek_v3": C.deepseek_v3, "deepseek_v3_tiny": C.deepseek_v3_tiny, "gpt_oss_20b": C.gpt_oss_20b,
-             "qwen3_30b_a3b": C.qwen3_30b_a3b, "qwen2_5_7b": C.qwen2_5_7b,
-             **{f"gpt3_{size}": functools.partial(C.gpt3, size) for size in C.GPT3_SIZES}},
+    presets={"gpt2_tiny": P.gpt2_tiny, "llama_tiny": P.llama_tiny, "gpt_1p3b": P.gpt_1p3b, "llama3_8b": P.llama3_8b,
+             "llama3_70b": P.llama3_70b, "llama3_405b": P.llama3_405b,
+             "mixtral_8x7b": P.mixtral_8x7b,
+             "deepseek_v3": P.deepseek_v3, "deepseek_v3_tiny": P.deepseek_v3_tiny, "gpt_oss_20b": P.gpt_oss_20b,
+             "qwen3_30b_a3b": P.qwen3_30b_a3b, "qwen2_5_7b": P.qwen2_5_7b,
+             **{f"gpt3_{size}": functools.partial(P.gpt3, size) for size in P.GPT3_SIZES}},
     build_stage=build_stage, forward_step=forward_step, build_datasets=build_datasets,
     num_parameters=C.num_parameters, generate=generate)

@@ -32,6 +32,30 @@ def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk
     return torch.topk(scores.masked_fill(~keep, float("-inf")), k, dim=-1)
 
 
+ROUTER_DTYPES = {"fp32": torch.float32}
+"""--moe-router-dtype's values (Megatron's fp64 is refused: :mod:`.validate`)."""
+
+
+def router_dtype(c) -> torch.dtype:
+    """The dtype of the router's logits and probabilities (Megatron's ``Router.gating``): --moe-router-dtype's, or
+    unset the model's (its tokens' dtype, ``params_dtype``)."""
+    return ROUTER_DTYPES[c.moe_router_dtype] if c.moe_router_dtype else c.params_dtype
+
+
+def keeps_input(c) -> bool:
+    """Whether the router's GEMM saves its tokens themselves (it computes in the model's dtype: its default) rather
+    than a copy in another dtype (``--moe-router-dtype fp32`` in a bf16 / fp16 model); the memory planner's term."""
+    return router_dtype(c) == c.params_dtype
+
+
+def score_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype scores are computed in: float32 from bf16 / fp16 / fp32 logits, as Megatron's
+    ``topk_routing_with_score_function`` and ``compute_routing_scores_for_aux_loss`` (softmax with dtype float32,
+    ``sigmoid(logits.float())``); float64 logits keep float64 (Megatron drops to float32 there; omnitron's float64
+    runs are its exactness checks)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
 def _topk(scores: torch.Tensor, k: int, groups: tuple[int, int] | None):
     """Top-k over all experts, or group-limited when ``groups = (num_groups, group_topk)``."""
     return group_limited_topk(scores, k, *groups) if groups else torch.topk(scores, k, dim=-1)
@@ -39,16 +63,16 @@ def _topk(scores: torch.Tensor, k: int, groups: tuple[int, int] | None):
 
 def top_k_routing(logits: torch.Tensor, k: int, pre_softmax: bool,
                   groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(probs [T, k], experts [T, k])`` from router ``logits [T, E]``.
+    """``(probs [T, k], experts [T, k])`` from router ``logits [T, E]``; probs in :func:`score_dtype`.
 
-    Default (Megatron's): pick the k largest logits, then softmax over those k. With
+    Default (Megatron's): pick the k largest logits (in their own dtype), then softmax over those k. With
     ``pre_softmax`` the probabilities are the softmax over all E experts, taken at the k picked.
     ``groups``: group-limited selection (:func:`group_limited_topk`) over the logits or the softmax.
     """
     if pre_softmax:
-        return _topk(torch.softmax(logits, dim=-1), k, groups)
+        return _topk(torch.softmax(logits, dim=-1, dtype=score_dtype(logits)), k, groups)
     top, experts = _topk(logits, k, groups)
-    return torch.softmax(top, dim=-1), experts
+    return torch.softmax(top, dim=-1, dtype=score_dtype(logits)), experts
 
 
 def sigmoid_routing(logits: torch.Tensor, k: int, groups: tuple[int, int] | None = None,
@@ -56,8 +80,8 @@ def sigmoid_routing(logits: torch.Tensor, k: int, groups: tuple[int, int] | None
     """DeepSeek-V3 scores: ``sigmoid(logits)``, the k largest picked, then normalised to sum 1 over
     the k picks when ``k > 1`` (Megatron's ``--moe-router-score-function sigmoid``). ``expert_bias [E]``
     (auxiliary-loss-free balancing) is added to the scores for the selection only: the probabilities
-    are the unbiased scores of the picked experts."""
-    scores = torch.sigmoid(logits)
+    are the unbiased scores of the picked experts. Scores in :func:`score_dtype`."""
+    scores = torch.sigmoid(logits.to(score_dtype(logits)))
     if expert_bias is None:
         top, experts = _topk(scores, k, groups)
     else:
@@ -68,10 +92,11 @@ def sigmoid_routing(logits: torch.Tensor, k: int, groups: tuple[int, int] | None
 
 def aux_loss_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     """``[T, E]`` per-expert scores the load-balancing loss averages: the softmax, or the sigmoid normalised over
-    all experts, whatever k (Megatron's ``compute_routing_scores_for_aux_loss``; DeepSeek-V3's ``s'``)."""
+    all experts, whatever k (Megatron's ``compute_routing_scores_for_aux_loss``; DeepSeek-V3's ``s'``), in
+    :func:`score_dtype`."""
     if score_function == "softmax":
-        return torch.softmax(logits, dim=-1)
-    scores = torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1, dtype=score_dtype(logits))
+    scores = torch.sigmoid(logits.to(score_dtype(logits)))
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
@@ -85,9 +110,11 @@ def aux_loss_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def z_loss(logits: torch.Tensor, coeff: float, stats_group=None) -> torch.Tensor:
     """Router z-loss (ST-MoE) ``coeff * mean_t logsumexp(logits_t)^2`` over the tokens of every rank
-    of ``stats_group`` (forward: all-reduce of the sum and count; backward: identity)."""
-    sq = torch.logsumexp(logits, dim=-1).square().sum()
-    tokens = torch.tensor(float(logits.shape[0]), dtype=logits.dtype, device=logits.device)
+    of ``stats_group`` (forward: all-reduce of the sum and count; backward: identity). The logsumexp in the
+    logits' dtype (Megatron's ``z_loss_func``), its square and mean in :func:`score_dtype` (a bf16 token count is
+    not exact past 256)."""
+    sq = torch.logsumexp(logits, dim=-1).to(score_dtype(logits)).square().sum()
+    tokens = torch.tensor(float(logits.shape[0]), dtype=sq.dtype, device=logits.device)
     if stats_group is not None and stats_group.size > 1:
         sq, tokens = M.reduce_from_tp(sq, stats_group), M.all_reduce(tokens, stats_group)
     return coeff * sq / tokens
@@ -178,7 +205,8 @@ class TopKRouter(nn.Module):
     the load-balancing losses (over the micro-batch, ``aux_loss``, and / or per sequence, ``seq_aux_loss``) and the
     z-loss, whichever are enabled.
 
-    The gate ``weight [E, h]`` is replicated on every rank; routing is computed in float32.
+    The gate ``weight [E, h]`` is replicated on every rank; the logits and the probabilities are in
+    :func:`router_dtype` (the model's, or float32 with ``--moe-router-dtype fp32``), the scores in float32.
     ``partial_grad``: the tokens are a tensor-parallel shard (sequence parallelism), so the
     weight's gradient is a partial sum over tp (marked ``sequence_parallel`` for the reduction).
     ``--moe-router-num-groups`` / ``--moe-router-group-topk``: group-limited selection;
@@ -196,6 +224,7 @@ class TopKRouter(nn.Module):
         self.groups = (c.moe_router_num_groups, c.moe_router_group_topk) if c.moe_router_group_topk else None
         self.scaling_factor = c.moe_router_topk_scaling_factor
         self.stats_group = stats_group
+        self.dtype = router_dtype(c)
         self.weight = set_attributes(nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=c.params_dtype)),
                                      parallel=False, init=("normal", c.init_method_std))
         self.weight.sequence_parallel = partial_grad
@@ -216,16 +245,18 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_picks", None, persistent=False)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(probs [T, k], experts [T, k])`` of float32 ``logits [T, E]``."""
+        """``(probs [T, k], experts [T, k])`` of ``logits [T, E]``: the probabilities scaled in the scores' dtype,
+        then cast to the logits' (Megatron's ``topk_routing_with_score_function``)."""
         if self.score_function == "sigmoid":
             probs, experts = sigmoid_routing(logits, self.k, self.groups, self.expert_bias)
         else:
             probs, experts = top_k_routing(logits, self.k, self.pre_softmax, self.groups)
-        return (probs * self.scaling_factor if self.scaling_factor else probs), experts
+        return (probs * self.scaling_factor if self.scaling_factor else probs).to(logits.dtype), experts
 
     def forward(self, x: torch.Tensor, batch_size: int = 1):
         """``x [s*b, h]`` (the ``[s, b, h]`` layout flattened; ``batch_size`` b matters to ``seq_aux_loss``)."""
-        logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())  # [T, E]
+        dt = self.dtype
+        logits = F.linear(x.to(dt), self.weight.to(dt), None if self.bias is None else self.bias.to(dt))  # [T, E]
         probs, experts = self.route(logits)
         counting = self.counting
         if counting and self.tokens_per_expert is not None and not self.counts_after_capacity:

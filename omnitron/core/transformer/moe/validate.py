@@ -84,6 +84,9 @@ def _check_extras(c) -> None:
     if c.moe_router_score_function not in SCORE_FUNCTIONS:
         raise ConfigError(f"--moe-router-score-function {c.moe_router_score_function!r} is not one of "
                           f"{', '.join(SCORE_FUNCTIONS)}")
+    if c.moe_router_dtype not in (None, "fp32"):
+        raise ConfigError(f"--moe-router-dtype {c.moe_router_dtype}: omnitron routes in the model's dtype (the "
+                          "flag unset, Megatron's default) or in float32 (fp32); drop the flag or give fp32")
     if c.moe_z_loss_coeff is not None and c.moe_z_loss_coeff < 0:
         raise ConfigError(f"--moe-z-loss-coeff must be >= 0, got {c.moe_z_loss_coeff}")
     _check_deepseek_routing(c)
