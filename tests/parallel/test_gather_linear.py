@@ -78,3 +78,51 @@ def test_sp_column_parallel_grads_and_saved_shard_tp2():
             assert max(got["err"].values()) < 1e-12, (bias, recompute, compiled, got["err"])
             if not recompute:  # the saved bytes: the shard only (the parameters are not activations)
                 assert got["saved"] == got["shard"], (bias, compiled, got["saved"], got["shard"])
+
+
+def _split_case() -> dict:
+    """The layer's backward split as the zero-bubble schedules split it (pipeline/wgrad.py): per half, the
+    collectives it ran; and the gradients' relative errors against the one-process float64 reference."""
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.parallel.pipeline.wgrad import backward_input
+    from omnitron.core.parallel.tensor import mappings
+    from omnitron.core.parallel.tensor.layers import ColumnParallelLinear
+    from omnitron.testing.parity import relative_error
+
+    torch.set_num_threads(1)
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), backend=be)
+    tp, r = groups.tp.size, groups.tp.rank
+    gen = torch.Generator().manual_seed(11)
+    x, w, dy = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((S, B, H), (OUT, H), (S, B, OUT)))
+    rows, seq = slice(r * OUT // tp, (r + 1) * OUT // tp), slice(r * S // tp, (r + 1) * S // tp)
+    layer = ColumnParallelLinear(H, OUT, group=groups.tp, bias=False, sequence_parallel=True, dtype=torch.float64,
+                                 device=be.device())
+    with torch.no_grad():
+        layer.weight.copy_(w[rows])
+    shard = x[seq].clone().to(be.device()).requires_grad_()
+    calls = []
+    for name in ("reduce_scatter_first", "gather_first"):
+        real = getattr(mappings, name)
+        setattr(mappings, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    y = layer(shard)
+    calls.clear()
+    g_in, plan = backward_input(y, dy[:, :, rows].to(be.device()), shard, list(layer.parameters()))
+    in_b, calls[:] = list(calls), []
+    plan.run()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (torch.nn.functional.linear(xr, wr) * dy).sum().backward()
+    return {"b": in_b, "w": list(calls), "fallback": plan.fallback,
+            "err": {"dx": relative_error(g_in.cpu(), xr.grad[seq]),
+                    "dw": relative_error(layer.weight.grad.cpu(), wr.grad[rows])}}
+
+
+def test_split_backward_runs_each_collective_once_tp2():
+    """B runs the data gradient and its reduce-scatter only, W the re-gather and the weight gradient only (once
+    both ran in each: two reduce-scatters and two all-gathers a layer, split_backward.py); gradients as above."""
+    for got in run_distributed(_split_case, 2):
+        assert not got["fallback"]
+        assert (got["b"], got["w"]) == (["reduce_scatter_first"], ["gather_first"]), got
+        assert max(got["err"].values()) < 1e-12, got["err"]

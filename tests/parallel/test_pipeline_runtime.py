@@ -181,3 +181,43 @@ def test_weight_grad_fallback_reruns_a_loss_that_writes_its_gradient_in_place():
     # atol 1e-6 covers the entries near zero
     torch.testing.assert_close(head.weight.grad.double(), w.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_weight_grad_split_runs_each_fp8_gemm_once(recipe, monkeypatch):
+    """A custom autograd function's ``needs_input_grad`` is fixed at forward, so the FP8 linear (a boundary node of
+    the split) once ran its data- AND weight-gradient GEMMs in B and again in W: four backward GEMMs a layer, not
+    two (split_backward.py). Now B runs each layer's data-gradient GEMM only and W its weight-gradient GEMM only;
+    the gradients are bit for bit those of one unsplit backward through the same FP8 layers (the same operands
+    quantized the same way: current scaling, no state between the passes)."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel.pipeline.wgrad import backward_input
+    from omnitron.core.precision.fp8 import FP8Config, FP8Linear
+
+    prov = get_backend().fp8
+    gemm = "scaled_mm" if recipe == "tensorwise" else "blockwise_mm"
+    calls = []
+    real = getattr(type(prov), gemm)
+    monkeypatch.setattr(type(prov), gemm, lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    torch.manual_seed(4)
+    w1, w2 = (torch.nn.Parameter(torch.randn(32, 32) / 6) for _ in range(2))
+    x, g = torch.randn(S * B, 32), torch.randn(S * B, 32)
+    results = []
+    for split in (True, False):
+        layers = [FP8Linear(FP8Config(fp8_recipe=recipe, fp8_format="hybrid"), prov) for _ in range(2)]
+        w1.grad = w2.grad = None
+        xx = x.clone().requires_grad_()
+        out = layers[1](torch.tanh(layers[0](xx, w1)), w2)
+        calls.clear()
+        if split:
+            g_in, plan = backward_input(out, g, xx, [w1, w2])
+            assert not plan.fallback and len(calls) == 2 and w1.grad is None and w2.grad is None  # 2 dgrad GEMMs
+            calls.clear()
+            plan.run()
+            assert len(calls) == 2  # the two weight-gradient GEMMs, no dgrad again
+        else:
+            out.backward(g)
+            g_in = xx.grad
+        results.append((g_in, w1.grad.clone(), w2.grad.clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -20,6 +20,7 @@ import contextlib
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from omnitron.core.parallel.split_backward import mark
 from omnitron.core.parallel.tensor.cross_entropy import backward_reruns
 
 
@@ -69,8 +70,12 @@ class WeightGradPlan:
                     continue
                 edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
                 if edges:
-                    torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=weights,
-                                            retain_graph=True)
+                    mark(node, "weight")  # a custom function's input gradient is B's (split_backward.py)
+                    try:
+                        torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=weights,
+                                                retain_graph=True)
+                    finally:
+                        mark(node, None)
         self.out = self.grad = None
         self.kept.clear()
 
@@ -113,6 +118,7 @@ def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, 
             plan.fallback = False
             for node, _ in plan.boundaries:
                 handles.append(node.register_prehook(lambda g, node=node: plan.kept.__setitem__(node, g)))
+                mark(node, "input")  # a custom function's weight gradient is W's (split_backward.py)
     try:
         # a fallback W re-runs the whole backward: the loss must not write its gradient over the logits in B
         with backward_reruns() if plan.fallback else contextlib.nullcontext():
@@ -120,6 +126,8 @@ def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, 
     finally:
         for h in handles:
             h.remove()
+        for node, _ in plan.boundaries:
+            mark(node, None)
     if not plan.fallback:  # W starts from the boundaries: the received gradient and the nodes above them can go
         plan.out = plan.grad = None
     return g_in, plan

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from omnitron.core.parallel.split_backward import computes_input, computes_weight
 from omnitron.core.parallel.tensor import mappings as M
 
 
@@ -44,6 +45,9 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # B / W of a split backward compute one side each (split_backward.py)
+        need_x, need_w, need_b = need_x and computes_input(ctx), need_w and computes_weight(ctx), \
+            need_b and computes_weight(ctx)
         gx = gw = gb = None
         if need_x:
             gx = M.reduce_scatter_first(g.matmul(weight), ctx.group)  # [s, b, out/tp] @ [out/tp, h], then the shard

@@ -25,6 +25,7 @@ import torch
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
 from omnitron.core.precision.fp8.gathered import FP8GatheredWeight
+from omnitron.core.parallel.split_backward import computes_input, computes_weight
 from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
 from omnitron.backends.fp8 import scale_from_amax
 from omnitron.core.capture import in_graph
@@ -282,7 +283,9 @@ class _FP8LinearFn(torch.autograd.Function):
         ex = ctx.ex
         prov = ex.provider
         g2 = _flat(gy)  # [tokens, out]
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # B / W of a split backward compute one side each (split_backward.py)
+        need_dx = ctx.needs_input_grad[0] and computes_input(ctx)
+        need_dw = ctx.needs_input_grad[1] and computes_weight(ctx)
         dx = dw = db = None
         if ex.per_tensor:
             qx_t, sx, qw_t, sw = ctx.saved_tensors
@@ -303,6 +306,6 @@ class _FP8LinearFn(torch.autograd.Function):
                 dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=ctx.w_dtype)
         if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and ctx.needs_input_grad[2] and computes_weight(ctx):
             db = g2.sum(0, dtype=torch.float32).to(ctx.w_dtype)
         return dx, dw, db, None

@@ -1,0 +1,36 @@
+"""Which half of a split backward a custom autograd function runs in (``pipeline/wgrad.py``).
+
+The zero-bubble schedules run a stage's backward as B (``autograd.grad`` to the stage input) and, later, W (from
+each boundary node to its weights only). Autograd's own nodes compute only the gradients the engine needs, but a
+custom ``autograd.Function``'s ``ctx.needs_input_grad`` is fixed at forward: a boundary node that is one (the FP8
+linear, the sequence-parallel gather linear) would compute its input AND weight gradients in B and again in W,
+twice its GEMMs and collectives, every extra result dropped. ``wgrad.py`` marks such a node with the half it runs
+in; the function asks :func:`computes_input` / :func:`computes_weight`. Unmarked (no split, a fallback plan,
+recomputation) both are computed, as before.
+"""
+from __future__ import annotations
+
+_ATTR = "omnitron_split_pass"
+
+
+def mark(node, half: str | None) -> None:
+    """Mark ``node`` (a custom function's backward node) as running B (``"input"``) or W (``"weight"``); None
+    clears. Autograd's built-in nodes take no attribute and need none (they compute only what is needed)."""
+    try:
+        if half is None:
+            if hasattr(node, _ATTR):
+                delattr(node, _ATTR)
+        else:
+            setattr(node, _ATTR, half)
+    except (AttributeError, TypeError):
+        pass
+
+
+def computes_input(ctx) -> bool:
+    """Whether this backward call is to produce the input gradient (not W of a split backward)."""
+    return getattr(ctx, _ATTR, None) != "weight"
+
+
+def computes_weight(ctx) -> bool:
+    """Whether this backward call is to produce the weight (and bias) gradients (not B of a split backward)."""
+    return getattr(ctx, _ATTR, None) != "input"
