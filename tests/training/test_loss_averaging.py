@@ -193,6 +193,25 @@ def test_step_loss_and_gradients_match_one_process():
     assert any((p != torch.arange(p.shape[1])).any() for p in restarted), "some positions restart"
 
 
+_V = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "1000"]
+LAYOUTS_4 = {  # dp2 x pp2, the V schedules: the distributed optimizer's buckets launched from the hooks W fires
+    "zb-v": [*_V, "--pipeline-schedule", "zb-v"],
+    "dualpipe-v full recompute": [*_V, "--pipeline-schedule", "dualpipe-v", "--global-batch-size", "16",
+                                  "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                  "--recompute-num-layers", "1"],
+    "zb-v moe selective": [*_V, "--pipeline-schedule", "zb-v", "--num-experts", "4", "--moe-router-topk", "2",
+                           "--recompute-granularity", "selective"]}
+
+
+@pytest.mark.slow
+def test_v_schedules_at_dp2_step_match_one_process():
+    """A weight gradient is complete only after its W: the reduce-scatter of a bucket must wait for it."""
+    per_rank = run_distributed(step_worker, 4, list(LAYOUTS_4.values()), env=REFERENCE_KERNELS, timeout_s=600)
+    for i, name in enumerate(LAYOUTS_4):
+        check_step([r[i] for r in per_rank], LAYOUTS_4[name], name)
+
+
 def test_per_token_step_without_loss_tokens():
     """A global batch whose every loss mask is 0 (all prompt, in SFT terms): its loss sum and every gradient are 0.
     Per token the step and an evaluation of such batches log 0 with a zero gradient norm, as the default mean does
