@@ -94,6 +94,23 @@ def test_mtp_loss_and_gradients_equal_the_definition(untie):
         torch.testing.assert_close(ours[n], p.grad, rtol=TOL, atol=1e-14, msg=lambda s: f"{n}: {s}")
 
 
+@pytest.mark.parametrize("untie", [False, True])
+def test_only_the_end_stages_hold_tied_embedding_copies(untie):
+    """finalize_model_grads sums the tied copies over ``groups.embedding`` (first and last pipeline rank). Under a
+    V-shaped schedule the last pipeline rank holds middle stages only: such a chunk holds no copy (an untied MTP
+    model's middle chunk once asked for the last stage's ``mtp_embedding`` and stopped zb-v / dualpipe-v)."""
+    from omnitron.core.models.gpt import GPTModel
+
+    c = _config(untie_embeddings_and_output_weights=untie)
+    kw = dict(backend=get_backend("cpu"), num_layers=1)
+    first, middle, last = (GPTModel(c, ParallelGroups.single(), pre_process=pre, post_process=post, **kw)
+                           for pre, post in ((True, False), (False, False), (False, True)))
+    assert middle.shared_embedding_parameters() == []
+    assert [p.shape for p in first.shared_embedding_parameters()] == [first.embedding.word_embeddings.weight.shape]
+    copy = last.mtp_embedding.weight if untie else last.output_layer.weight
+    assert len(last.shared_embedding_parameters()) == 1 and last.shared_embedding_parameters()[0] is copy
+
+
 def test_mtp_parameter_count_and_refusals():
     from omnitron.core.models.gpt import GPTModel
     from omnitron.core.models.gpt.config import num_parameters, validate_model
@@ -141,6 +158,9 @@ def test_mtp_trains_through_the_cli(tmp_path):
 
 
 LAYOUTS = {"pp2": ("--pipeline-model-parallel-size", "2"),
+           # the V: first and last stage on rank 0, middle stages only on the last pipeline rank
+           "pp2 zb-v": ("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+                        "--num-layers-per-virtual-pipeline-stage", "1"),
            "tp2_sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
            "cp2": ("--context-parallel-size", "2")}  # MLA's ring and the shifts across chunks (test_cp_variants)
 

@@ -181,7 +181,11 @@ class GPTModel(nn.Module):
 
     def shared_embedding_parameters(self) -> list[nn.Parameter]:
         """Parameters whose grads are all-reduced over ``groups.embedding`` when tied across stages:
-        the first stage's word embedding and the last stage's output copy (empty when untied)."""
+        the first stage's word embedding and the last stage's output copy (empty when untied). A chunk with neither
+        end holds none: under a V-shaped schedule the last pipeline rank is in ``groups.embedding`` with middle
+        stages only."""
+        if not (self.pre_process or self.post_process):
+            return []
         if self.config.untie_embeddings_and_output_weights:
             # multi-token prediction on a later stage than the embedding: its copy (mtp_embedding) is tied
             mtp = bool(self.config.mtp_num_layers) and not (self.pre_process and self.post_process)
