@@ -107,9 +107,42 @@ class _Counting:
         return self.inner.all_reduce(*a, **kw)
 
 
+def _dp_delayed() -> dict:
+    """Delayed scaling (within-step reductions) over dp 2, each rank its own inputs: the amax histories against
+    one process's on both ranks' rows concatenated (the max over the concatenation is the max of the ranks' maxes).
+    The dp group is amax_groups_for's: without it each replica keeps its own histories and scales."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.precision.fp8 import FP8Config, FP8Linear, amax_groups_for
+    from omnitron.core.precision.fp8.scaling import AmaxReducer
+
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(), backend=be)  # every rank data-parallel
+    dev, rank = be.device(), dist.get_rank()
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=4)
+    agroups = amax_groups_for(cfg, groups)
+    mine = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=be.collectives,
+                     reducer=AmaxReducer(agroups, be.collectives))
+    one = FP8Linear(cfg, be.fp8)  # the single process: no groups, every rank's rows
+    for step in range(4):
+        g = torch.Generator().manual_seed(50 + step)  # identical on every rank
+        w = torch.randn(16, 32, generator=g)
+        xs = [torch.randn(8, 32, generator=g) * (1 + 3 * r + step) for r in range(dist.get_world_size())]
+        gys = [torch.randn(8, 16, generator=g) * 10 ** -(r + 1) for r in range(len(xs))]
+        x, wr = xs[rank].to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        mine(x, wr, None).backward(gys[rank].to(dev))
+        x1, w1 = torch.cat(xs).requires_grad_(), w.clone().requires_grad_()
+        one(x1, w1, None).backward(torch.cat(gys))
+    ours, ref = mine.state_dict(), one.state_dict()
+    return {role: (ours[role]["amax_history"].cpu(), ref[role]["amax_history"]) for role in ref}
+
+
 def _all_cases(world: int) -> dict:
     torch.set_num_threads(1)
-    return {"travel": _fp8_travel(world), "tp": _tp_parity(world)}
+    return {"travel": _fp8_travel(world), "tp": _tp_parity(world), "dp": _dp_delayed()}
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=[requires_sim(), pytest.mark.slow])])
@@ -125,3 +158,5 @@ def test_fp8_over_gloo_and_tensor_parallel_amax_sharing(backend):
         for recipe, err in tp.items():
             # shards share the whole tensor's scales: only fp32 summation order differs
             assert err < 1e-5, (recipe, err)
+        for role, (ours, ref) in res["dp"].items():  # a max is exact: the histories are equal bit for bit
+            assert torch.equal(ours, ref) and ref.max() > 0, (role, ours, ref)
