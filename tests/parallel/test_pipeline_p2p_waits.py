@@ -1,10 +1,10 @@
 """Every point-to-point operation a pipeline stage posts is waited, and each send by the exchange after its own.
 
-NCCL's and simccl's p2p works are allocator-safe without a wait (the sent tensor is kept for the communicator's
-stream), so a dropped send wait passes every numeric and sim test; it leaks works and keeps each sent activation
-or gradient alive to the end of the step, which p2p.py's lifetime claim (a sent tensor lives one action past its
-send) excludes. Checked here in one process: :class:`StageP2P` of every rank of each schedule is driven through its
-table as the runtime drives it, over a stand-in communicator whose works record their waits.
+A dropped send wait, or a dropped ``_release``, changes no number and sim reports neither (both passed every
+pipeline test on cpu and sim, 2026-12-07); the first leaves works never waited, the second keeps each sent
+activation or gradient alive to the end of the step, which p2p.py's lifetime claim (a sent tensor lives one
+action past its send) excludes. Checked here in one process: :class:`StageP2P` of every rank of each schedule
+is driven through its table as the runtime drives it, over a stand-in communicator whose works record waits.
 """
 from __future__ import annotations
 
