@@ -1,5 +1,6 @@
 """FP8 across gloo processes: float8 tensors travel as uint8 views, and shared amaxes make
-tensor-parallel shards quantize exactly as the whole tensor does (one spawn for every case)."""
+tensor-parallel shards, data-parallel replicas (delayed) and context-parallel sequence shards (tensorwise, a
+linear outside tp) quantize exactly as the whole tensor does (one spawn for every case)."""
 from __future__ import annotations
 
 import pytest
@@ -107,9 +108,78 @@ class _Counting:
         return self.inner.all_reduce(*a, **kw)
 
 
+def _dp_delayed() -> dict:
+    """Delayed scaling (within-step reductions) over dp 2, each rank its own inputs: the amax histories against
+    one process's on both ranks' rows concatenated (the max over the concatenation is the max of the ranks' maxes).
+    The dp group is amax_groups_for's: without it each replica keeps its own histories and scales."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.precision.fp8 import FP8Config, FP8Linear, amax_groups_for
+    from omnitron.core.precision.fp8.scaling import AmaxReducer
+
+    be = get_backend()
+    groups = ParallelGroups.build(ParallelConfig(), backend=be)  # every rank data-parallel
+    dev, rank = be.device(), dist.get_rank()
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=4)
+    agroups = amax_groups_for(cfg, groups)
+    mine = FP8Linear(cfg, be.fp8, amax_groups=agroups, collectives=be.collectives,
+                     reducer=AmaxReducer(agroups, be.collectives))
+    one = FP8Linear(cfg, be.fp8)  # the single process: no groups, every rank's rows
+    for step in range(4):
+        g = torch.Generator().manual_seed(50 + step)  # identical on every rank
+        w = torch.randn(16, 32, generator=g)
+        xs = [torch.randn(8, 32, generator=g) * (1 + 3 * r + step) for r in range(dist.get_world_size())]
+        gys = [torch.randn(8, 16, generator=g) * 10 ** -(r + 1) for r in range(len(xs))]
+        x, wr = xs[rank].to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        mine(x, wr, None).backward(gys[rank].to(dev))
+        x1, w1 = torch.cat(xs).requires_grad_(), w.clone().requires_grad_()
+        one(x1, w1, None).backward(torch.cat(gys))
+    ours, ref = mine.state_dict(), one.state_dict()
+    return {role: (ours[role]["amax_history"].cpu(), ref[role]["amax_history"]) for role in ref}
+
+
+def _cp_tensorwise() -> dict:
+    """Tensorwise FP8 on a plain linear (no tp group: the amax groups, tp x cp, apply) at cp 2, each rank a
+    sequence shard: output and gradients against one process on the whole sequence, whose scales they must share."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.config.parallel import ParallelConfig
+    from omnitron.core.parallel.groups import ParallelGroups
+    from omnitron.core.precision.fp8 import FP8Config, FP8Linear, enable_fp8
+
+    be = get_backend()
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), be.device()
+    groups = ParallelGroups.build(ParallelConfig(context_parallel_size=world), backend=be)
+    cfg = FP8Config(fp8_recipe="tensorwise", fp8_format="hybrid")
+    g = torch.Generator().manual_seed(7)  # identical on every rank
+    x = torch.randn(8 * world, 32, generator=g) * torch.linspace(1, 40, 8 * world)[:, None]  # shards' amaxes differ
+    gy = torch.randn(8 * world, 16, generator=g) * torch.linspace(1e-3, 1, 8 * world)[:, None]
+    fc = torch.nn.Linear(32, 16, bias=False)
+    fc.weight.data.copy_(torch.randn(16, 32, generator=g))
+    ref = torch.nn.Linear(32, 16, bias=False)
+    ref.weight.data.copy_(fc.weight.data)
+    model = torch.nn.Sequential(fc).to(dev)
+    enable_fp8(model, cfg, groups, backend=be)
+    rows = slice(rank * 8, (rank + 1) * 8)
+    xs = x[rows].to(dev).requires_grad_()
+    y = model(xs)
+    y.backward(gy[rows].to(dev))
+    xf = x.clone().requires_grad_()
+    yf = FP8Linear(cfg, be.fp8)(xf, ref.weight, None)
+    yf.backward(gy)
+    wgrad = model[0].weight.grad.clone()
+    dist.all_reduce(wgrad)  # the shards' partial weight gradients
+    return {"y": (y.detach().cpu(), yf[rows].detach()), "dx": (xs.grad.cpu(), xf.grad[rows]),
+            "dw": (wgrad.cpu(), ref.weight.grad)}
+
+
 def _all_cases(world: int) -> dict:
     torch.set_num_threads(1)
-    return {"travel": _fp8_travel(world), "tp": _tp_parity(world)}
+    return {"travel": _fp8_travel(world), "tp": _tp_parity(world), "dp": _dp_delayed(), "cp": _cp_tensorwise()}
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=[requires_sim(), pytest.mark.slow])])
@@ -125,3 +195,10 @@ def test_fp8_over_gloo_and_tensor_parallel_amax_sharing(backend):
         for recipe, err in tp.items():
             # shards share the whole tensor's scales: only fp32 summation order differs
             assert err < 1e-5, (recipe, err)
+        for role, (ours, ref) in res["dp"].items():  # a max is exact: the histories are equal bit for bit
+            assert torch.equal(ours, ref) and ref.max() > 0, (role, ours, ref)
+        for name, (ours, ref) in res["cp"].items():
+            # the same scales, so the same FP8 operands: rows and columns are independent in y and dx (equal up
+            # to fp32 summation order, k = 32 terms: ~sqrt(32) u32 = 7e-7); dw sums the two shards' partial
+            # products (the same order argument). Own-shard scales change operands by up to an FP8 step (6%).
+            assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-5, name

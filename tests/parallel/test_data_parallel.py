@@ -1,4 +1,5 @@
-"""Data-parallel wrapper on 2 gloo processes against a float64 single-process reference."""
+"""Data-parallel wrapper on 2 gloo processes against a float64 single-process reference; the order in which it
+issues expert and dense bucket reductions, against stand-in groups in one process."""
 import contextlib
 
 import pytest
@@ -121,3 +122,58 @@ def test_num_microbatches_arithmetic():
         num_microbatches(64, 0, 2)
     with pytest.raises(ConfigError, match="--ddp-bucket-size"):
         DataParallelConfig(bucket_size=0)
+
+
+class _Group:
+    """A stand-in replica group of two ranks (this one rank 0), named for the record."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.size, self.rank, self.handle = name, 2, 0, name
+
+    def global_rank(self, r: int) -> int:
+        return r
+
+
+class _Recorder:
+    """Collectives that record ``(group, when)`` of each reduction; ``when`` is set by the test."""
+
+    def __init__(self) -> None:
+        self.calls, self.when = [], "backward"
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        self.calls.append((group, self.when))
+        return _Done()
+
+    def broadcast(self, tensor, src=0, group=None):
+        pass
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def test_expert_buckets_are_reduced_in_finish_grad_sync_only():
+    """NCCL rule: every rank issues its collectives in one order. An expert that got no token on this rank has no
+    gradient (its hooks never fire) while its edp peers' copies do, so an expert bucket launched from the hooks
+    would start in backward on some ranks and in finish_grad_sync on others: expert buckets start in
+    finish_grad_sync, dense ones from the hooks (overlapped). Here every parameter gets a gradient, so a wrapper
+    launching ready expert buckets early shows it."""
+    from types import SimpleNamespace
+
+    from omnitron.core.parallel.data import DistributedDataParallel
+
+    model = _model()
+    for p in model[2].parameters():  # the middle layer plays the experts
+        p.expert = True
+    coll = _Recorder()
+    groups = SimpleNamespace(dp_cp=_Group("dp_cp"), edp=_Group("edp"), collectives=coll)
+    ddp = DistributedDataParallel(model, groups, DataParallelConfig(overlap_grad_reduce=True, bucket_size=10))
+    x, y = _batch(0, 0)
+    ((ddp(x) - y) ** 2).mean().backward()
+    coll.when = "finish"
+    ddp.finish_grad_sync()
+    dense, expert = (sum(1 for b in ddp.buckets if ddp._group_of[id(b)].name == n) for n in ("dp_cp", "edp"))
+    assert expert >= 2 and dense >= 2, (dense, expert)  # several buckets of each kind (a bucket per tensor)
+    assert [c for c in coll.calls if c[0] == "edp"] == [("edp", "finish")] * expert, coll.calls
+    assert [c for c in coll.calls if c[0] == "dp_cp"] == [("dp_cp", "backward")] * dense, coll.calls
