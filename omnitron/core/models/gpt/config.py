@@ -63,7 +63,9 @@ class GPTConfig:
     rotary_interleaved: bool = False
     """--rotary-interleaved: rotate adjacent channel pairs instead of halves."""
     rope_scaling_factor: float = 1.0
-    """--rope-scaling-factor: Llama-3.1 frequency scaling factor (1.0 = off)."""
+    """--rope-scaling-factor: Llama-3.1 frequency scaling factor (1.0 = off). On the command line it needs
+    --use-rope-scaling, as Megatron's flag does (alone it is refused: Megatron would not scale); a config
+    file's ``rope_scaling_factor`` scales by itself."""
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights: separate output matrix instead of the word embedding."""
     hidden_dropout: float = 0.1
