@@ -234,6 +234,26 @@ def test_rope_scaling_factor_alone_is_refused_as_megatron_ignores_it(tmp_path):
     assert parse_settings(rope + ["--config", str(tmp_path / "own.yaml")], 1).model.rope_scaling_factor == factor
 
 
+def test_quick_geglu_is_read_as_megatron_reads_it(tmp_path):
+    """Megatron (d98e8a6): ``elif args.quick_geglu: assert not args.swiglu`` (argument_utils.py), and
+    validate_args sizes ``--ffn-hidden-size`` before, from ``--swiglu`` alone: 4h under --quick-geglu."""
+    heads = 4
+    hidden = heads * random.randrange(6, 40)
+    base = [str(hidden) if i and BASE[i - 1] == "--hidden-size" else a for i, a in enumerate(BASE)]
+    with pytest.raises(ConfigError, match="^--quick-geglu with --swiglu: .*drop --swiglu") as info:
+        parse_settings(base + ["--quick-geglu", "--swiglu"], 1)
+    assert "\n" not in str(info.value)
+    from omnitron.core.transformer.shapes import ffn_size
+
+    alone = parse_settings(base + ["--quick-geglu"], 1).model
+    assert alone.quick_geglu and alone.swiglu and ffn_size(alone) == 4 * hidden  # Megatron's width, not 2/3's
+    given = parse_settings(base + ["--quick-geglu", "--ffn-hidden-size", "40"], 1).model
+    assert ffn_size(given) == 40
+    # a config file keeps omnitron's spelling (a validated model holds both fields)
+    (tmp_path / "own.yaml").write_text("swiglu: true\nquick_geglu: true\nffn_hidden_size: 48\n")
+    assert ffn_size(parse_settings(base + ["--config", str(tmp_path / "own.yaml")], 1).model) == 48
+
+
 MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
        "--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
        "--v-head-dim", "8", "--rotary-scaling-factor", "40", "--mscale", "0.7"]

@@ -227,7 +227,17 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"refused: {why}", **kwargs)
 
 
-def check_rope_scaling(given: dict[str, Any], file_values: dict[str, Any]) -> None:
+def check_command_line(given: dict[str, Any], file_values: dict[str, Any]) -> None:
+    """Flag combinations of a command line that Megatron refuses or reads otherwise than omnitron's fields do
+    (a config file keeps omnitron's spelling, where a validated model holds both): :func:`_check_rope_scaling`,
+    and ``--quick-geglu`` beside ``--swiglu``, which Megatron asserts against (argument_utils.py)."""
+    _check_rope_scaling(given, file_values)
+    if given.get("quick_geglu") and given.get("swiglu"):
+        raise ConfigError("--quick-geglu with --swiglu: Megatron refuses the two together (--quick-geglu is a gated "
+                          "MLP of its own, quick GeLU in place of SiLU); drop --swiglu")
+
+
+def _check_rope_scaling(given: dict[str, Any], file_values: dict[str, Any]) -> None:
     """Megatron's ``--rope-scaling-factor`` acts only with ``--use-rope-scaling`` (its default 8 stands unused
     otherwise), while omnitron's field scales by any factor but 1: a command line giving the factor alone
     (a Megatron script's, or omnitron's own former spelling) would train another model than Megatron's, so it

@@ -221,7 +221,9 @@ class GPTConfig:
     """--softmax-type: ``vanilla``; ``off-by-one`` (an extra zero logit in each attention softmax) or
     ``learnable`` (gpt-oss's attention sinks: one learned logit per head, ``softmax_offset``)."""
     quick_geglu: bool = False
-    """--quick-geglu: the gated MLP (as --swiglu, which it implies) with ``x sigmoid(1.702 x)`` on the gate."""
+    """--quick-geglu: the gated MLP (as --swiglu, which it implies) with ``x sigmoid(1.702 x)`` on the gate;
+    without --ffn-hidden-size 4 x hidden wide, as Megatron (not --swiglu's two thirds), and on the command line
+    refused beside --swiglu, as Megatron asserts."""
     glu_linear_offset: float = 0.0
     """--glu-linear-offset: the gated MLP computes ``act(gate) * (up + offset)`` (gpt-oss: 1)."""
     activation_func_clamp_value: float | None = None
@@ -262,6 +264,8 @@ class GPTConfig:
             raise ConfigError("--squared-relu is the MLP's activation in place of --swiglu / --quick-geglu (Megatron "
                               "refuses both together): drop one")
         if self.quick_geglu:  # Megatron: --quick-geglu sets the gated linear unit
+            if not self.swiglu and not self.ffn_hidden_size:  # Megatron's validate_args sizes it without
+                self.ffn_hidden_size = 4 * self.hidden_size  # --swiglu: 4h, not the SwiGLU default
             self.swiglu = True
         if self.swiglu and not self.ffn_hidden_size and ffn_size(self) < 1:
             raise ConfigError(f"--swiglu without --ffn-hidden-size takes Megatron's int(4 x {self.hidden_size} x 2/3 "
