@@ -251,7 +251,8 @@ class GPTConfig:
                    ("--recompute-method", self.recompute_method, (None, "uniform", "block")))
         for flag, v, ok in choices:
             if v not in ok:
-                raise ConfigError(f"{flag} {v!r} is not one of {', '.join(map(str, ok))}")
+                instead = POSITION_INSTEAD.get(v, "") if flag == "--position-embedding-type" else ""
+                raise ConfigError(f"{flag} {v!r} is not one of {', '.join(map(str, ok))}" + instead)
         for flag, p in (("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)):
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"{flag} must be in [0, 1), got {p}")
@@ -390,6 +391,16 @@ def gpt_1p3b(**overrides) -> GPTConfig:
     return replace(GPTConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
                              max_position_embeddings=2048, vocab_size=50257), **overrides)
 
+
+POSITION_INSTEAD = {
+    "yarn": ": omnitron's YaRN on grouped-query attention (gpt-oss's) is --position-embedding-type rope with "
+            "--rotary-scaling-factor F (and YaRN's --yarn-original-max-position-embeddings, --yarn-beta-fast, "
+            "--yarn-beta-slow, --mscale, --mscale-all-dim as given); give those instead",
+    "mrope": ": Megatron's multimodal RoPE (Qwen2-VL's, split in mrope sections) is not implemented; use rope",
+    "relative": ": Megatron's relative position buckets (T5's --relative-attention-num-buckets) are not implemented; "
+                "use learned_absolute",
+}
+"""Megatron's other --position-embedding-type choices: what to give instead, appended to the refusal."""
 
 _LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
               untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
