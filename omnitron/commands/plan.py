@@ -42,7 +42,7 @@ def register(sub) -> None:
     p.add_argument("--inference-max-requests", type=int, metavar="B", help="serving estimate instead of training: "
                    "weights, KV cache and the prefill's working set per rank for B requests (Megatron's flag; "
                    "default with --inference-max-seq-length: 8, Megatron's); with --device-memory or --device also "
-                   "the most requests that fit")
+                   "the most requests that fit; training's batch flags are set aside")
     p.add_argument("--inference-max-seq-length", type=int, metavar="S", help="tokens per request, prompt and "
                    "generated (LLaVA: with the image's positions; T5: the decoder's, the source is --seq-length) "
                    "(Megatron's flag; default with --inference-max-requests: the model's --seq-length, "
@@ -135,7 +135,7 @@ def _serve_figures(args, given: dict) -> tuple:
         raise ConfigError(f"--{training_only[0].replace('_', '-')} prices training; the serving estimate "
                           "(--inference-max-requests) takes the model, --tensor-model-parallel-size, "
                           "--pipeline-model-parallel-size, --bf16 and --device-memory / --device")
-    s = settings_of(_serving_world(given))
+    s = settings_of(_serving_world(given), serving=True)
     requests = getattr(args, "inference_max_requests", 8)
     seq = getattr(args, "inference_max_seq_length", s.model.seq_length)
     log_probs = bool(getattr(args, "return_log_probs", False))

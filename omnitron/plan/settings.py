@@ -53,9 +53,29 @@ def flat_flags(given: dict) -> dict:
     return given
 
 
-def settings_of(given: dict):
-    """Validated Settings for the plan: the layout's sizes, with flags for the dimensions it does not name."""
+def settings_of(given: dict, *, serving: bool = False):
+    """Validated Settings for the plan: the layout's sizes, with flags for the dimensions it does not name.
+    ``serving``: for the serving estimate, which runs no training step, so training's batch flags are set aside
+    (:func:`_serving_batch`) rather than checked against the layout."""
     from omnitron.core.training.arguments import build_settings, merge_settings
 
     world = layout_flags(given["layout"])[1] if given.get("layout") else None
-    return build_settings(merge_settings(flat_flags(given)), world)
+    merged = merge_settings(flat_flags(given))
+    return build_settings(_serving_batch(merged, world) if serving else merged, world)
+
+
+TRAINING_BATCH = ("global_batch_size", "micro_batch_size", "rampup_batch_size", "step_batch_size_schedule",
+                  "eval_global_batch_size")
+"""Training's batch flags: the serving estimate takes none (its batch is --inference-max-requests)."""
+
+
+def _serving_batch(merged: dict, world: int | None) -> dict:
+    """``merged`` without training's batch flags, and with a batch every pipeline schedule takes (2 x pp
+    micro-batches of one sequence per data-parallel rank: interleaving needs multiples of pp, DualPipeV 2 pp), so
+    that the training checks build_settings makes of the batch pass whatever the command line gave for training."""
+    out = {k: v for k, v in merged.items() if k not in TRAINING_BATCH}
+    sizes = [int(merged.get(k) or 1) for k in ("tensor_model_parallel_size", "context_parallel_size",
+                                                "pipeline_model_parallel_size")]
+    world = world or int(merged.get("nproc_per_node") or 1)
+    dp = max(world // (sizes[0] * sizes[1] * sizes[2]), 1)  # a world that does not divide is refused later
+    return {**out, "micro_batch_size": 1, "global_batch_size": 2 * sizes[2] * dp}

@@ -154,6 +154,32 @@ def test_plan_prices_serving_at_expert_parallelism(capsys):
     assert totals[0] - totals[1] == 2 * 4 * (32 * 64 + 32 + 64 * 32 + 64) * 4
 
 
+def test_plan_serving_sets_training_batch_flags_aside(capsys, tmp_path):
+    """Serving runs no training step: ``--global-batch-size 1`` at ep2 (dp 2: no multiple of micro-batch x dp), a
+    batch a ramp or an interleaved pipeline could not take, from the command line or a config file, give the
+    estimate the run without them gives; ``omnitron plan`` for training still refuses the first."""
+    import random
+
+    from omnitron.cli import main as cli
+
+    flags = ["plan", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
+    serve = ["--inference-max-requests", str(random.randint(1, 6))]
+    (tmp_path / "batch.yaml").write_text("micro-batch-size: 3\nglobal-batch-size: 7\n")
+    outs = []
+    for extra in ([], ["--global-batch-size", "1"], ["--micro-batch-size", "2", "--global-batch-size", "3"],
+                  ["--rampup-batch-size", "1", "1", "8", "--global-batch-size", "4"],
+                  ["--config", str(tmp_path / "batch.yaml")]):
+        assert cli([*flags, *serve, *extra]) == 0, extra
+        outs.append(capsys.readouterr().out)
+    assert all(out == outs[0] for out in outs), outs
+    pp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    assert cli([*flags, *serve, *pp]) == 0 and cli([*flags, *serve, *pp, "--global-batch-size", "2"]) == 0
+    capsys.readouterr()
+    assert cli([*flags, "--nproc-per-node", "2", "--global-batch-size", "1"]) == 2  # training's plan keeps the check
+    assert "--global-batch-size 1 is not a multiple" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # 59 s on the loaded 2-core machine (2026-12-07)
 def test_server_under_expert_parallelism_answers_like_one_process(tmp_path):
     """``omnitron serve --expert-model-parallel-size 2`` on an MoE checkpoint: 2 ranks launched, each with 2 of the

@@ -152,7 +152,7 @@ def test_engine_matches_plain_float64(name):
         with torch.no_grad():  # away from 0, so that a missing or doubled + 1 shows
             for n in norms:
                 model.get_parameter(n).normal_(0.0, 0.2, generator=gen)
-    with torch.no_grad():  # sinks away from their zero init, so a sign or head mix-up shows
+    with torch.no_grad():  # sinks far from their small init, so a sign or head mix-up shows
         for n, p in model.named_parameters():
             if n.endswith("softmax_offset"):
                 p.normal_(0.0, 1.0, generator=gen)

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import random
 import re
 
 import pytest
+import torch
 
+from omnitron.backends import get_backend
 from omnitron.core.config.parallel import ConfigError
+from omnitron.core.optim import MixedPrecisionOptimizer
+from omnitron.core.parallel.groups import ParallelGroups
 from omnitron.core.training import megatron_flags as MF
 from omnitron.core.training.arguments import options, parse_settings
 from omnitron.core.training.megatron_audit import IMPLEMENTED, audit_markdown
@@ -59,14 +64,36 @@ def _settings(argv):
                                                            "precision", "logging")}
 
 
+AWARE = ["--use-precision-aware-optimizer", "--use-distributed-optimizer"]
+"""What the moment dtype flags need beside them (Megatron's rule); in the baseline too, so that the dtype flag
+itself has to change the settings."""
+
+
 @pytest.mark.parametrize("flag", sorted(IMPLEMENTED))
 def test_implemented_flags_change_the_settings_and_name_a_test(flag, tmp_path):
-    aware = ["bf16", "--use-precision-aware-optimizer", "--use-distributed-optimizer"]  # the dtype flags need it
-    argv = [flag, *{"--tensorboard-dir": [str(tmp_path)], "--moe-router-dtype": ["fp32"], "--exp-avg-dtype": aware,
-                    "--exp-avg-sq-dtype": aware}.get(flag, [])]
-    assert _settings(argv) != _settings([])
+    # (the flag's value, the flags it needs): compared with the flags it needs alone
+    value, needs = {"--tensorboard-dir": ([str(tmp_path)], []), "--moe-router-dtype": (["fp32"], []),
+                    "--exp-avg-dtype": (["bf16"], AWARE),
+                    "--exp-avg-sq-dtype": (["bf16"], AWARE)}.get(flag, ([], []))
+    assert _settings([flag, *value, *needs]) != _settings(needs)
     path, name = IMPLEMENTED[flag][2].split("::")
     assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), IMPLEMENTED[flag][2]
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_moment_dtype_flags_reach_the_optimizer_state(key):
+    """Each dtype flag stores its own moment in that dtype and leaves the other in fp32: the optimizer built from
+    the parsed settings, not only the settings, so a flag the optimizer ignores fails here."""
+    dtype = random.choice(["bf16", "fp16"])
+    optim = parse_settings(BASE + ["--" + key.replace("_", "-") + "-dtype", dtype, *AWARE], 1).optim
+    model = torch.nn.Linear(8, 4).bfloat16()
+    opt = MixedPrecisionOptimizer(model.named_parameters(), optim, ParallelGroups.single(), backend=get_backend("cpu"))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step(1e-3)
+    want = {key: {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]}
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert {t.dtype for t in opt.state[k]} == {want.get(k, torch.float32)}, k
 
 
 @pytest.mark.parametrize("dest", sorted(MF.REFUSED))

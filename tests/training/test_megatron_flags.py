@@ -196,11 +196,13 @@ def test_a_stopping_run_ends_its_evaluation_early(cause, tmp_path, monkeypatch, 
     assert read_metadata(find_latest(str(save)))["consumed_valid_samples"] == settings.training.eval_batch
 
 
-def test_newer_aliases_equal_omnitron_spelling():
+def test_newer_aliases_equal_omnitron_spelling(tmp_path):
     mega = parse_settings(BASE + ["--position-embedding-type", "rope", "--norm-epsilon", "1e-6", "--use-rope-scaling",
                                   "--no-position-embedding", "--dataloader-type", "single"], 1)
+    # omnitron's own spelling of the scaling is the config field (the command line's factor needs the switch)
+    (tmp_path / "own.yaml").write_text("rope_scaling_factor: 8\n")
     own = parse_settings(BASE + ["--position-embedding-type", "rope", "--layernorm-epsilon", "1e-6",
-                                 "--rope-scaling-factor", "8"], 1)
+                                 "--config", str(tmp_path / "own.yaml")], 1)
     _same(mega, own)
     kept = parse_settings(BASE + ["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor",
                                   "4"], 1)
@@ -209,6 +211,63 @@ def test_newer_aliases_equal_omnitron_spelling():
         parse_settings(BASE + ["--dataloader-type", "cyclic"], 1)
     with pytest.raises(ConfigError, match="--no-position-embedding needs --position-embedding-type rope"):
         parse_settings(BASE + ["--no-position-embedding"], 1)
+
+
+def test_rope_scaling_factor_alone_is_refused_as_megatron_ignores_it(tmp_path):
+    """Megatron (d98e8a6) hands only ``rope_scaling=args.use_rope_scaling`` to the model when the switch is off:
+    ``--rope-scaling-factor F`` alone trains unscaled RoPE there (argument_utils.py, gpt_builders.py). omnitron's
+    field would scale by F, so the command line refuses the factor alone, in one line naming the fix."""
+    rope = BASE + ["--position-embedding-type", "rope"]
+    factor = random.choice([2.0, 8.0, 16.0, 32.0])
+    with pytest.raises(ConfigError, match=f"^--rope-scaling-factor {factor:g} without --use-rope-scaling") as info:
+        parse_settings(rope + ["--rope-scaling-factor", str(factor)], 1)
+    assert "\n" not in str(info.value) and "add --use-rope-scaling" in str(info.value)
+    assert parse_settings(rope + ["--rope-scaling-factor", "1"], 1).model.rope_scaling_factor == 1.0  # no scaling
+    switched = parse_settings(rope + ["--use-rope-scaling", "--rope-scaling-factor", str(factor)], 1)
+    assert switched.model.rope_scaling_factor == factor
+    # the switch in a config file turns the command line's factor on too; a file's factor alone is omnitron's
+    # spelling (scaling on), as the presets and HF imports set the field
+    (tmp_path / "on.yaml").write_text("use-rope-scaling: true\n")
+    filed = parse_settings(rope + ["--config", str(tmp_path / "on.yaml"), "--rope-scaling-factor", str(factor)], 1)
+    assert filed.model.rope_scaling_factor == factor
+    (tmp_path / "own.yaml").write_text(f"rope_scaling_factor: {factor}\n")
+    assert parse_settings(rope + ["--config", str(tmp_path / "own.yaml")], 1).model.rope_scaling_factor == factor
+
+
+def test_quick_geglu_is_read_as_megatron_reads_it(tmp_path):
+    """Megatron (d98e8a6): ``elif args.quick_geglu: assert not args.swiglu`` (argument_utils.py), and
+    validate_args sizes ``--ffn-hidden-size`` before, from ``--swiglu`` alone: 4h under --quick-geglu."""
+    heads = 4
+    hidden = heads * random.randrange(6, 40)
+    base = [str(hidden) if i and BASE[i - 1] == "--hidden-size" else a for i, a in enumerate(BASE)]
+    with pytest.raises(ConfigError, match="^--quick-geglu with --swiglu: .*drop --swiglu") as info:
+        parse_settings(base + ["--quick-geglu", "--swiglu"], 1)
+    assert "\n" not in str(info.value)
+    from omnitron.core.transformer.shapes import ffn_size
+
+    alone = parse_settings(base + ["--quick-geglu"], 1).model
+    assert alone.quick_geglu and alone.swiglu and ffn_size(alone) == 4 * hidden  # Megatron's width, not 2/3's
+    given = parse_settings(base + ["--quick-geglu", "--ffn-hidden-size", "40"], 1).model
+    assert ffn_size(given) == 40
+    # a config file keeps omnitron's spelling (a validated model holds both fields)
+    (tmp_path / "own.yaml").write_text("swiglu: true\nquick_geglu: true\nffn_hidden_size: 48\n")
+    assert ffn_size(parse_settings(base + ["--config", str(tmp_path / "own.yaml")], 1).model) == 48
+
+
+@pytest.mark.parametrize("kind, fix", [("yarn", "--position-embedding-type rope with --rotary-scaling-factor F"),
+                                       ("mrope", "not implemented; use rope"),
+                                       ("relative", "not implemented; use learned_absolute")])
+def test_megatrons_other_position_types_name_what_to_give(kind, fix):
+    """Megatron's --position-embedding-type also takes yarn, mrope and relative: refused in one line that says
+    what to give instead; the spelling named for yarn is one omnitron takes."""
+    with pytest.raises(ConfigError, match=f"^--position-embedding-type '{kind}' is not one of ") as info:
+        parse_settings(BASE + ["--position-embedding-type", kind], 1)
+    assert "\n" not in str(info.value) and fix in str(info.value)
+    if kind == "yarn":
+        factor = random.choice([2.0, 4.0, 32.0])
+        named = parse_settings(BASE + ["--position-embedding-type", "rope", "--rotary-scaling-factor", str(factor),
+                                       "--yarn-original-max-position-embeddings", "16"], 1).model
+        assert named.position_embedding_type == "rope" and named.rotary_scaling_factor == factor
 
 
 MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",

@@ -110,6 +110,7 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     preset = given.get("model", file_values.get("model"))
     if preset:
         merged.update(_preset_fields(preset))
+    MF.check_command_line(given, file_values)
     file_values, file_notes = MF.translate(file_values)
     given, notes = MF.translate({k: v for k, v in given.items() if v is not None})
     merged.update(file_values)

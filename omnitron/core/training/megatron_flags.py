@@ -161,7 +161,8 @@ ALIASES: dict[str, tuple[str, dict]] = {
                            "of --lr-decay-samples, else --train-samples), as Megatron",
                            {"type": float, "metavar": "F"}),
     "norm_epsilon": ("same as --layernorm-epsilon (Megatron's newer spelling)", {"type": float, "metavar": "EPS"}),
-    "use_rope_scaling": ("Llama 3.1 RoPE scaling: --rope-scaling-factor (8 unless given)", {"action": "store_true"}),
+    "use_rope_scaling": ("Llama 3.1 RoPE scaling: --rope-scaling-factor (8 unless given; the factor without this "
+                         "switch is refused, as Megatron then does not scale)", {"action": "store_true"}),
     "no_position_embedding": ("no learned absolute position embedding: needs --position-embedding-type rope",
                               {"action": "store_true"}),
     "dataloader_type": ("single (the only order omnitron reads in: each sample once per pass, from the checkpoint's "
@@ -222,6 +223,29 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     for dest, (metavar, why) in REFUSED.items():
         kwargs = {"action": "store_true"} if metavar is None else {"metavar": metavar}
         group.add_argument("--" + dest.replace("_", "-"), dest=dest, help=f"refused: {why}", **kwargs)
+
+
+def check_command_line(given: dict[str, Any], file_values: dict[str, Any]) -> None:
+    """Flag combinations of a command line that Megatron refuses or reads otherwise than omnitron's fields do
+    (a config file keeps omnitron's spelling, where a validated model holds both): :func:`_check_rope_scaling`,
+    and ``--quick-geglu`` beside ``--swiglu``, which Megatron asserts against (argument_utils.py)."""
+    _check_rope_scaling(given, file_values)
+    if given.get("quick_geglu") and given.get("swiglu"):
+        raise ConfigError("--quick-geglu with --swiglu: Megatron refuses the two together (--quick-geglu is a gated "
+                          "MLP of its own, quick GeLU in place of SiLU); drop --swiglu")
+
+
+def _check_rope_scaling(given: dict[str, Any], file_values: dict[str, Any]) -> None:
+    """Megatron's ``--rope-scaling-factor`` acts only with ``--use-rope-scaling`` (its default 8 stands unused
+    otherwise), while omnitron's field scales by any factor but 1: a command line giving the factor alone
+    (a Megatron script's, or omnitron's own former spelling) would train another model than Megatron's, so it
+    stops here. Config files keep omnitron's spelling (``rope_scaling_factor: 8`` scales)."""
+    factor = given.get("rope_scaling_factor")
+    if factor in (None, 1.0) or given.get("use_rope_scaling") or file_values.get("use_rope_scaling"):
+        return
+    raise ConfigError(f"--rope-scaling-factor {factor:g} without --use-rope-scaling: Megatron applies no RoPE scaling "
+                      f"then (the factor acts only with the switch); add --use-rope-scaling to scale by {factor:g}, "
+                      "or drop the factor")
 
 
 def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -81,8 +81,11 @@ class SelfAttention(nn.Module):
         self.window = None  # (left, right): this layer's sliding window (set by TransformerLayer), None: full
         self.softmax_type = getattr(c, "softmax_type", "vanilla")  # attention sinks (transformer/window.py)
         if self.softmax_type == "learnable":  # one sink logit per head, split over tp with the heads
+            # drawn as Megatron's DotProductAttention draws it (config.init_method: normal, --init-method-std),
+            # from the layout-independent full tensor (the same values at every tp)
             w = torch.empty(heads // group.size, dtype=c.params_dtype)
-            self.softmax_offset = set_attributes(nn.Parameter(w), parallel=True, dim=0, init=("zeros",))
+            self.softmax_offset = set_attributes(nn.Parameter(w), parallel=True, dim=0,
+                                                 init=("normal", c.init_method_std))
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
             nkw = norm_kwargs(c, backend, partial_grad=group.size > 1)

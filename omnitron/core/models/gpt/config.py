@@ -64,7 +64,9 @@ class GPTConfig:
     rotary_interleaved: bool = False
     """--rotary-interleaved: rotate adjacent channel pairs instead of halves."""
     rope_scaling_factor: float = 1.0
-    """--rope-scaling-factor: Llama-3.1 frequency scaling factor (1.0 = off)."""
+    """--rope-scaling-factor: Llama-3.1 frequency scaling factor (1.0 = off). On the command line it needs
+    --use-rope-scaling, as Megatron's flag does (alone it is refused: Megatron would not scale); a config
+    file's ``rope_scaling_factor`` scales by itself."""
     untie_embeddings_and_output_weights: bool = False
     """--untie-embeddings-and-output-weights: separate output matrix instead of the word embedding."""
     hidden_dropout: float = 0.1
@@ -224,7 +226,9 @@ class GPTConfig:
     """--softmax-type: ``vanilla``; ``off-by-one`` (an extra zero logit in each attention softmax) or
     ``learnable`` (gpt-oss's attention sinks: one learned logit per head, ``softmax_offset``)."""
     quick_geglu: bool = False
-    """--quick-geglu: the gated MLP (as --swiglu, which it implies) with ``x sigmoid(1.702 x)`` on the gate."""
+    """--quick-geglu: the gated MLP (as --swiglu, which it implies) with ``x sigmoid(1.702 x)`` on the gate;
+    without --ffn-hidden-size 4 x hidden wide, as Megatron (not --swiglu's two thirds), and on the command line
+    refused beside --swiglu, as Megatron asserts."""
     glu_linear_offset: float = 0.0
     """--glu-linear-offset: the gated MLP computes ``act(gate) * (up + offset)`` (gpt-oss: 1)."""
     activation_func_clamp_value: float | None = None
@@ -252,7 +256,8 @@ class GPTConfig:
                    ("--recompute-method", self.recompute_method, (None, "uniform", "block")))
         for flag, v, ok in choices:
             if v not in ok:
-                raise ConfigError(f"{flag} {v!r} is not one of {', '.join(map(str, ok))}")
+                instead = POSITION_INSTEAD.get(v, "") if flag == "--position-embedding-type" else ""
+                raise ConfigError(f"{flag} {v!r} is not one of {', '.join(map(str, ok))}" + instead)
         for flag, p in (("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)):
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"{flag} must be in [0, 1), got {p}")
@@ -265,6 +270,8 @@ class GPTConfig:
             raise ConfigError("--squared-relu is the MLP's activation in place of --swiglu / --quick-geglu (Megatron "
                               "refuses both together): drop one")
         if self.quick_geglu:  # Megatron: --quick-geglu sets the gated linear unit
+            if not self.swiglu and not self.ffn_hidden_size:  # Megatron's validate_args sizes it without
+                self.ffn_hidden_size = 4 * self.hidden_size  # --swiglu: 4h, not the SwiGLU default
             self.swiglu = True
         if self.swiglu and not self.ffn_hidden_size and ffn_size(self) < 1:
             raise ConfigError(f"--swiglu without --ffn-hidden-size takes Megatron's int(4 x {self.hidden_size} x 2/3 "
@@ -366,6 +373,17 @@ def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = 
     mlp = ffn_size(c) / h * (1.5 if c.swiglu else 1.0)
     logits = padded_vocab_size(c, tp) / (2.0 * L * h)
     return 12.0 * batch_size * s * L * h * h * (attn + mlp + logits)
+
+
+POSITION_INSTEAD = {
+    "yarn": ": omnitron's YaRN on grouped-query attention (gpt-oss's) is --position-embedding-type rope with "
+            "--rotary-scaling-factor F (and YaRN's --yarn-original-max-position-embeddings, --yarn-beta-fast, "
+            "--yarn-beta-slow, --mscale, --mscale-all-dim as given); give those instead",
+    "mrope": ": Megatron's multimodal RoPE (Qwen2-VL's, split in mrope sections) is not implemented; use rope",
+    "relative": ": Megatron's relative position buckets (T5's --relative-attention-num-buckets) are not implemented; "
+                "use learned_absolute",
+}
+"""Megatron's other --position-embedding-type choices: what to give instead, appended to the refusal."""
 
 
 def router_bias(c) -> bool:
