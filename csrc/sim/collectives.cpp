@@ -565,11 +565,11 @@ class SimCollectives final : public c10d::Backend {
         std::lock_guard<std::mutex> lock(q.m);
         if (!q.broken.empty()) return poll ? q.broken : "";  // reported before the end: not again
       }
+      cycles(watched_device_);  // advances the replay as far as the peers' published heads allow
       {
         std::lock_guard<std::mutex> lock(p2p_mutex_);
         if (global_.pending.empty()) return "";
       }
-      cycles(watched_device_);
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return "";
