@@ -170,3 +170,44 @@ def test_batches_waited_at_once_in_a_ring(legal):
         assert "\n" not in m and "sim: point-to-point wait() cycle deadlock" in m and "through ranks 0, " in m, m
         assert m.count(" waits in wait() on send ") == 3 and m.count("test_sim_wait_cycle.py") == 3, m
         assert r["s"] < FAST_S and r["wrong"] == 0, (r["s"], m)
+
+
+def mixed_ring() -> str:
+    """The brief's ring with waits on an unbatched send (rank 0) and on batches of one (ranks 1, 2); pairs
+    consistent (0-1 unbatched, 1-2 and 2-0 batched). The error, or "" when it ran."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    from tests.sim.test_sim_group_order import _exit_soon
+
+    dev, me = get_backend().device(), dist.get_rank()
+    x, y = torch.ones(8, device=dev), torch.empty(8, device=dev)
+
+    def batch(op, t, peer):
+        [work] = dist.batch_isend_irecv([dist.P2POp(op, t, peer)])
+        work.wait()
+
+    try:
+        if me == 0:
+            dist.isend(x, 1).wait()
+            batch(dist.irecv, y, 2)
+        elif me == 1:
+            batch(dist.isend, x, 2)
+            dist.irecv(y, 0).wait()
+        else:
+            batch(dist.isend, x, 0)
+            batch(dist.irecv, y, 1)
+        return ""
+    except RuntimeError as err:
+        _exit_soon()
+        return str(err)
+
+
+def test_a_ring_mixing_unbatched_and_batched_waits_fails_every_rank():
+    """Each rank waits on its send before it posts its receive, one of them unbatched: the model (batches of one
+    behave as waited unbatched operations here) finds it stuck, and every rank fails with the cycle named."""
+    assert not model(BRIEF)
+    for m in run_distributed(mixed_ring, 3, backend="sim", env=ENV, timeout_s=90):
+        assert "\n" not in m and "sim: point-to-point wait() cycle deadlock" in m and "through ranks 0, 1, 2" in m, m
+        assert m.count(" waits in wait() on send ") == 3 and m.count("test_sim_wait_cycle.py") == 3, m
