@@ -63,9 +63,9 @@ std::string describe(const std::string& group, const std::vector<int>& cycle, co
     os << (i ? ";" : "") << " rank " << cycle[i] << " waits in wait() on " << records.at(cycle[i]).op
        << " for rank " << records.at(cycle[i]).peer << "'s matching operation";
   os << ": NCCL runs a send or receive (or a batch of them) only against its peer's matching one and orders every "
-        "operation issued after a wait() after the operation waited for, so each waits for an operation its peer issues "
-        "behind its own wait, and none completes; on one rank of the ring post the receive before waiting on the "
-        "send, or issue the ring's sends and receives in one batch_isend_irecv";
+        "operation issued after a wait() after the operation waited for, so each waits for an operation its peer "
+        "issues behind its own wait, and none completes; on one rank of the ring post the receive before waiting on "
+        "the send, or issue the ring's sends and receives in one batch_isend_irecv";
   return os.str();
 }
 
