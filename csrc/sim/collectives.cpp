@@ -24,9 +24,12 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
+#include <iostream>
 #include <map>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 namespace sim {
 namespace {
@@ -65,14 +68,19 @@ class SimCollectives final : public c10d::Backend {
         comm_stream_(kFirstComm + g_next_comm_stream.fetch_add(1) % kCommStreams) {
     g_live_communicators.fetch_add(1);
   }
-  ~SimCollectives() override { release(); }
+  ~SimCollectives() override {
+    std::string report = release();
+    if (!report.empty()) std::cerr << report << std::endl;  // a destructor cannot raise: said on stderr
+  }
 
   const std::string getBackendName() const override { return "simccl"; }
 
   // destroy_process_group calls this on every group: the last communicator to go joins the device threads.
+  // A cycle the end-of-job check finds (flush_cycles) raises here, once the communicator is released.
   void shutdown() override {
-    release();
+    std::string report = release();
     gloo_->shutdown();
+    TORCH_CHECK(report.empty(), report);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
@@ -194,7 +202,8 @@ class SimCollectives final : public c10d::Backend {
     auto launch = [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
       return g->alltoall_base(ho, hi, out_splits, in_splits, o);
     };
-    return settle(submit("all_to_all_single", rows_fingerprint(in), s, launch), async_of(o));
+    return settle(submit("all_to_all_single", rows_fingerprint(in), s, launch, Order::queued, -1, 0,
+                         counts_of(in, in_splits, out, out_splits)), async_of(o));
   }
   // gloo's list form needs every tensor one size; NCCL's moves each its own (an uneven dispatch): run it as the
   // single-tensor form over one flat host buffer each way, the outputs copied back from views of the received one.
@@ -227,7 +236,8 @@ class SimCollectives final : public c10d::Backend {
     auto launch = [g = gloo_, ho, hi, out_splits, in_splits, o]() mutable {
       return g->alltoall_base(ho, hi, out_splits, in_splits, o);
     };
-    return settle(submit("all_to_all", detail, s, launch), async_of(o));
+    return settle(submit("all_to_all", detail, s, launch, Order::queued, -1, 0, counts_of(in_splits, out_splits)),
+                  async_of(o));
   }
   c10::intrusive_ptr<c10d::Work> send(Tensors& tensors, int dst, int tag) override {
     Tensors ts = p2p_views("send", tensors);
@@ -235,7 +245,7 @@ class SimCollectives final : public c10d::Backend {
     auto hi = s.in(ts);
     std::string detail = fingerprint(ts, "to rank " + std::to_string(dst) + " tag=" + std::to_string(tag));
     return submit("send", detail, s, [g = gloo_, hi, dst, tag]() mutable { return g->send(hi, dst, tag); },
-                  Order::send, dst, tag, bytes_of(ts));
+                  Order::send, dst, tag, payload_of(ts));
   }
   c10::intrusive_ptr<c10d::Work> recv(Tensors& tensors, int src, int tag) override {
     Tensors ts = p2p_views("recv", tensors);
@@ -243,7 +253,7 @@ class SimCollectives final : public c10d::Backend {
     auto ho = s.out(ts);
     std::string detail = fingerprint(ts, "from rank " + std::to_string(src) + " tag=" + std::to_string(tag));
     return submit("recv", detail, s, [g = gloo_, ho, src, tag]() mutable { return g->recv(ho, src, tag); },
-                  Order::recv, src, tag, bytes_of(ts));
+                  Order::recv, src, tag, payload_of(ts));
   }
   c10::intrusive_ptr<c10d::Work> recvAnysource(Tensors& tensors, int tag) override {
     Tensors ts = p2p_views("recv", tensors);
@@ -289,12 +299,6 @@ class SimCollectives final : public c10d::Backend {
   // with its place among the group's collectives published (send) or checked against the sender's (recv).
   enum class Order { queued, send, recv, none };
 
-  static int64_t bytes_of(const Tensors& ts) {
-    int64_t n = 0;
-    for (const auto& t : ts) n += t.numel() * static_cast<int64_t>(t.element_size());
-    return n;
-  }
-
   // ``sync_returns_none``: a synchronous call (``async_op=False``) completes before it returns and returns no work,
   // as torch_musa's MCCL does from v2.9.1 ("comm operators in synchronous mode ... return nullptr").
   c10::intrusive_ptr<c10d::Work> settle(c10::intrusive_ptr<c10d::Work> work, bool async_op) {
@@ -304,9 +308,32 @@ class SimCollectives final : public c10d::Backend {
   }
 
   // One operation: queued on its device's communicator, or launched at once (point-to-point).
+  // An all_to_all's element counts to and from each rank (``in=a,b out=c,d``), which strict mode pairs across
+  // ranks (comm_check.cpp): rank i's count to j must be j's count from i. ``splits`` empty: even rows.
+  std::string counts_of(const at::Tensor& in, const std::vector<int64_t>& in_splits, const at::Tensor& out,
+                        const std::vector<int64_t>& out_splits) const {
+    auto per_peer = [n = getSize()](const at::Tensor& t, const std::vector<int64_t>& splits) {
+      int64_t row = t.dim() ? t.numel() / std::max<int64_t>(t.size(0), 1) : 1;
+      std::vector<int64_t> out;
+      for (int64_t j = 0; j < n; ++j)
+        out.push_back(splits.empty() ? (t.dim() ? t.size(0) : 1) / n * row : splits[j] * row);
+      return out;
+    };
+    return counts_of(per_peer(in, in_splits), per_peer(out, out_splits));
+  }
+  static std::string counts_of(const std::vector<int64_t>& in, const std::vector<int64_t>& out) {
+    std::ostringstream os;
+    for (size_t j = 0; j < in.size(); ++j) os << (j ? "," : "in=") << in[j];
+    for (size_t j = 0; j < out.size(); ++j) os << (j ? "," : " out=") << out[j];
+    return os.str();
+  }
+
+  // ``agree``: a point-to-point operation's payload (datatype and count), which its partner's must equal; an
+  // all_to_all's counts per peer (counts_of), paired across ranks in strict mode.
   template <typename F>
   c10::intrusive_ptr<c10d::Work> submit(const char* op, const std::string& detail, Staging& s, F&& launch,
-                                        Order order = Order::queued, int peer = -1, int tag = 0, int64_t bytes = 0) {
+                                        Order order = Order::queued, int peer = -1, int tag = 0,
+                                        const std::string& agree = "") {
     auto item = std::make_shared<Item>();
     Site site = python_site_full();
     item->op = op;
@@ -325,13 +352,13 @@ class SimCollectives final : public c10d::Backend {
     }
     try {
       if (order == Order::queued) {
-        place(item, detail, site);
+        place(item, detail, site, agree);
         item->launch = std::forward<F>(launch);
         enqueue(index, item);
       } else {
         check_unbroken(index);
         if (order != Order::none) order_p2p(item, order, peer, tag, detail, index);
-        if (order != Order::none) order_pair(item, order == Order::send, peer, tag, bytes, detail, index);
+        if (order != Order::none) order_pair(item, order == Order::send, peer, tag, agree, detail, index);
         launched(item, index, launch());
         check_unbroken(index);  // aborted since: abort_queue may have missed it
       }
@@ -356,13 +383,14 @@ class SimCollectives final : public c10d::Backend {
 
   // A collective's place on the group: counted for the point-to-point order; in strict mode (and not issued
   // by the engine's collective layer, which checks its own) its fingerprint is exchanged before it runs.
-  void place(const ItemPtr& item, const std::string& detail, const Site& site) {
+  void place(const ItemPtr& item, const std::string& detail, const Site& site, const std::string& counts) {
     std::lock_guard<std::mutex> lock(p2p_mutex_);
     ++collectives_;
     last_ = item->describe();
     if (getSize() > 1 && !site.engine && strict_enabled()) {
       item->gloo = gloo_;
       item->key = std::string(item->op) + " #" + std::to_string(++checked_) + " " + detail;
+      if (!counts.empty()) item->key += kCountsMark + counts;  // paired, not compared (exchange_fingerprints)
     }
   }
 
@@ -397,11 +425,11 @@ class SimCollectives final : public c10d::Backend {
   }
 
   // An unbatched send or receive takes the next place of its pair's order (pair_order.cpp): published there, or
-  // compared with the peer's operation at that place; two sends or two receives, or tags or sizes that differ,
-  // fail both ranks at once. A batched one is counted for the group order, and its tag and size compared with its
-  // partner's.
-  void order_pair(const ItemPtr& item, bool send, int peer, int tag, int64_t bytes, const std::string& detail,
-                  int index) {
+  // compared with the peer's operation at that place; two sends or two receives, or tags or payloads (datatype and
+  // count) that differ, fail both ranks at once. A batched one is counted for the group order, and its tag and
+  // payload compared with its partner's.
+  void order_pair(const ItemPtr& item, bool send, int peer, int tag, const std::string& payload,
+                  const std::string& detail, int index) {
     int64_t place;
     bool batched;
     {
@@ -420,16 +448,21 @@ class SimCollectives final : public c10d::Backend {
     }
     watch(index);  // a deadlock the peer finds reaches this rank's communicator through the watchdog
     std::string op = item->op + " " + detail + " (issued at " + item->site + ")";
-    if (batched) {
-      std::string report = claim_batched_place(*store_, item->group, getRank(), peer, send, place, tag, bytes, op);
-      if (!report.empty()) fail_pair(index, peer, report);
-      return;
-    }
-    std::string key = pair_key(getRank(), peer, place);
-    auto claim = claim_pair_place(*store_, key, item->group, getRank(), send, tag, bytes, op);
-    if (claim.first) {
+    std::string key = batched ? batched_key(send ? getRank() : peer, send ? peer : getRank(), place)
+                              : pair_key(getRank(), peer, place);
+    auto claim = batched ? claim_batched_place(*store_, item->group, getRank(), peer, send, place, tag, payload, op)
+                         : claim_pair_place(*store_, key, item->group, getRank(), send, tag, payload, op);
+    if (claim.first && !batched) {
       item->pair_key = key;
       item->pair_store = store_;
+    }
+    if (claim.first) {  // its wait() blocks until the peer posts the counterpart: a cycle of such waits is reported
+      item->blocked = std::make_shared<BlockedWait>(store_, item->group, getRank(), peer, key, op);
+      item->on_cycle = [store = store_, size = getSize()](const CycleReport& found) {
+        for (int r = 0; r < size; ++r)  // every other rank of the group (ranks[0]: this one), as cycles() does
+          if (r != found.ranks[0])
+            store->set(deadlock_key(r), std::vector<uint8_t>(found.report.begin(), found.report.end()));
+      };
     }
     if (!claim.report.empty()) fail_pair(index, peer, claim.report);
   }
@@ -478,6 +511,7 @@ class SimCollectives final : public c10d::Backend {
 
   void watch(int index) {  // once: the first point-to-point operation's device
     if (watched_.exchange(true)) return;
+    watched_device_ = index;
     watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); });
   }
 
@@ -508,10 +542,37 @@ class SimCollectives final : public c10d::Backend {
     TORCH_CHECK(q.broken.empty(), q.broken);
   }
 
-  void release() {
-    if (released_.exchange(true)) return;
+  // "" or the report of a cycle found at the end (flush_cycles).
+  std::string release() {
+    if (released_.exchange(true)) return "";
+    std::string report = flush_cycles();
     unwatch_p2p(this);
     if (g_live_communicators.fetch_sub(1) == 1) stop_collective_workers();
+    return report;
+  }
+
+  // The watchdog looks for cycles of batches at its polls only (cycle.cpp), so a cycle whose last batch was posted
+  // within a poll or two of the job's end (process group destroy) would go unreported, and NCCL would hang there.
+  // Before the communicator goes: replayed until every batch of this rank completed, or a cycle is found (here, or
+  // by its lowest rank, whose report reaches this rank's watchdog), for at most kFlushPolls watchdog polls. Free
+  // when the replay has nothing pending (every batch's partners were posted a poll before the end).
+  std::string flush_cycles() {
+    constexpr int kFlushPolls = 10;
+    if (!watched_) return "";
+    Queue& q = g_queues[watched_device_];
+    for (int poll = 0; poll < kFlushPolls; ++poll) {
+      {
+        std::lock_guard<std::mutex> lock(q.m);
+        if (!q.broken.empty()) return poll ? q.broken : "";  // reported before the end: not again
+      }
+      cycles(watched_device_);  // advances the replay as far as the peers' published heads allow
+      {
+        std::lock_guard<std::mutex> lock(p2p_mutex_);
+        if (global_.pending.empty()) return "";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return "";
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
@@ -519,6 +580,7 @@ class SimCollectives final : public c10d::Backend {
   bool sync_returns_none_;
   int comm_stream_;  // this communicator's stream on each device (race.cpp's detector orders by it)
   std::atomic<bool> released_{false}, watched_{false};
+  int watched_device_ = 0;  // the device whose watchdog watches this communicator (watch)
   std::mutex p2p_mutex_;
   int64_t collectives_ = 0, checked_ = 0;
   std::string last_;

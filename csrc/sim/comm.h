@@ -40,7 +40,9 @@ std::vector<std::string> comm_records();                    // oldest first, one
 // ---- strict mode (OMNITRON_STRICT_COLLECTIVES) ---------------------------------------------------
 bool strict_enabled();
 // Exchange ``key`` (op #seq fingerprint) with the other members of ``gloo``'s group before the collective
-// runs; returns "" when every rank issued the same one, else a one-line report naming each rank's.
+// runs; returns "" when every rank issued the same one, else a one-line report naming each rank's. An all_to_all's
+// key ends in kCountsMark and its counts per peer (``in=a,b out=c,d``): rank i's count to j must be j's from i.
+constexpr char kCountsMark[] = " \x1f";
 std::string exchange_fingerprints(c10d::Backend& gloo, const std::string& group, const std::string& key,
                                   const std::string& site);
 
@@ -67,18 +69,23 @@ c10::intrusive_ptr<c10d::Work> batch_work(std::vector<c10::intrusive_ptr<c10d::W
 std::string pair_key(int rank, int peer, int64_t place);
 struct PairClaim {
   bool first = false;  // the peer has not issued its operation at this place yet: wait() awaits it
-  std::string report;  // "" or the one-line report (two sends or two receives; tags, or sizes, that differ)
+  std::string report;  // "" or the one-line report (two sends or two receives; tags, dtypes or counts that differ)
 };
-// Publish this rank's operation (``op``, described; ``tag``; ``size`` bytes) at ``key``, or compare it with the
+// What a send and its receive must agree on besides the tag: ``dtype=Float count=8`` (NCCL's datatype and count).
+std::string payload_of(const std::vector<at::Tensor>& ts);
+// Publish this rank's operation (``op``, described; ``tag``; ``payload``) at ``key``, or compare it with the
 // peer's already there.
 PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
-                           bool send, int tag, int64_t size, const std::string& op);
-// The ``k``-th batched send of one rank to the other or receive from it (``send``; ``size`` bytes): published, or
+                           bool send, int tag, const std::string& payload, const std::string& op);
+// The ``k``-th batched send of one rank to the other or receive from it (``send``; ``payload``): published, or
 // compared with the peer's operation at the same place, which NCCL pairs it with whatever the tags; "" or the
-// one-line report of tags, or sizes, that differ. Before the operation is launched, so gloo never pairs the two
-// otherwise than NCCL.
-std::string claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send,
-                                int64_t k, int tag, int64_t size, const std::string& op);
+// one-line report of tags, or datatypes or counts, that differ. Before the operation is launched, so gloo never pairs
+// the two otherwise than NCCL.
+PairClaim claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send, int64_t k,
+                              int tag, const std::string& payload, const std::string& op);
+// The store key of the ``k``-th batched send of ``src`` to ``dst`` and of ``dst``'s receive from it: held by the
+// first of the two until the second claims its place (claim_batched_place).
+std::string batched_key(int src, int dst, int64_t k);
 // For the first of the two: wait (at most ``bound``) until the peer issued a matching operation at ``key``, or
 // ``broken()`` returns a report (the peer found a deadlock), which is returned; "" to go on waiting in gloo.
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,
@@ -133,6 +140,26 @@ struct GlobalReplay {
   // a cycle of three or more ranks through this rank, reported by its lowest rank only (of two: the pair replay).
   CycleReport step(c10d::Store& store, const std::string& group, int rank, std::map<int, PairQueue>& pairs,
                    bool search);
+};
+
+// ---- cycles closed by wait() (wait_cycle.cpp) ------------------------------------------------------
+// A wait() on an unbatched operation issued before its peer's counterpart (await_pair_place): polled while it is
+// blocked, it publishes what it waits for after a while and looks for a cycle of such waits through this rank.
+class BlockedWait {
+ public:
+  BlockedWait(c10::intrusive_ptr<c10d::Store> store, std::string group, int rank, int peer, std::string key,
+              std::string op);
+  void enter();  // the wait begins
+  // At each poll: the report of a cycle of blocked wait() calls through this rank (by its lowest rank), or none.
+  CycleReport poll();
+  void leave();  // the wait is over: its record withdrawn
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string group_;
+  int rank_, peer_;
+  std::string key_, op_, record_;  // record_: as published ("" before)
+  std::chrono::steady_clock::time_point since_, searched_;
 };
 
 }  // namespace sim

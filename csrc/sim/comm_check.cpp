@@ -141,6 +141,45 @@ bool strict_enabled() {  // read at each collective, as the engine's layer does 
   return !(v.empty() || v == "0" || v == "false" || v == "False");
 }
 
+namespace {
+
+std::vector<int64_t> parse_counts(const std::string& s) {  // "a,b,c"
+  std::vector<int64_t> out;
+  std::istringstream is(s);
+  std::string field;
+  while (std::getline(is, field, ',')) out.push_back(std::stoll(field));
+  return out;
+}
+
+// An all_to_all's counts (``in=..`` to each rank, ``out=..`` from each) paired across the ranks: "" when rank i's
+// count to j is j's count from i for every pair, else the one-line report of the first pair that differs.
+std::string pair_counts(const std::string& group, const std::vector<std::pair<std::string, std::string>>& seen,
+                        const std::vector<std::string>& counts) {
+  size_t n = counts.size();
+  std::vector<std::vector<int64_t>> to(n), from(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto space = counts[i].find(" out=");
+    if (counts[i].rfind("in=", 0) != 0 || space == std::string::npos) return "";  // cut short by the header's size
+    to[i] = parse_counts(counts[i].substr(3, space - 3));
+    from[i] = parse_counts(counts[i].substr(space + 5));
+    if (to[i].size() != n || from[i].size() != n) return "";
+  }
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = 0; j < n; ++j) {
+      if (to[i][j] == from[j][i]) continue;
+      std::ostringstream os;
+      os << "sim strict: the ranks of group '" << group << "' issued an all_to_all whose counts do not pair: rank "
+         << i << " (of the group) sends " << to[i][j] << " elements to rank " << j << " (" << seen[i].first << " at "
+         << seen[i].second << "), which receives " << from[j][i] << " from it (" << seen[j].first << " at "
+         << seen[j].second << "); NCCL moves each rank's split to its peer as is, so the receiver gets part of it or "
+         << "waits for more: each rank's output split from a peer must be that peer's input split to it";
+      return os.str();
+    }
+  return "";
+}
+
+}  // namespace
+
 std::string exchange_fingerprints(c10d::Backend& gloo, const std::string& group, const std::string& key,
                                   const std::string& site) {
   int n = gloo.getSize();
@@ -150,12 +189,19 @@ std::string exchange_fingerprints(c10d::Backend& gloo, const std::string& group,
   gloo.allgather(all, mine)->wait();
   bool same = true;
   std::vector<std::pair<std::string, std::string>> seen;
+  std::vector<std::string> counts;  // an all_to_all's, per rank
   for (const auto& t : all[0]) {
     std::string text = decode(t);
     auto tab = text.find('\t');
     seen.emplace_back(text.substr(0, tab), tab == std::string::npos ? "?" : text.substr(tab + 1));
-    same = same && seen.back().first == key;
+    auto mark = seen.back().first.find(kCountsMark);
+    if (mark != std::string::npos) {
+      counts.push_back(seen.back().first.substr(mark + sizeof(kCountsMark) - 1));
+      seen.back().first.resize(mark);
+    }
+    same = same && seen.back().first == key.substr(0, key.find(kCountsMark));
   }
+  if (same && counts.size() == static_cast<size_t>(n)) return pair_counts(group, seen, counts);
   if (same) return "";
   std::ostringstream os;
   os << "sim strict: the ranks of group '" << group << "' issued different collectives:";

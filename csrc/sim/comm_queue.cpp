@@ -161,14 +161,45 @@ struct P2PWatch {
 std::mutex g_watch_mutex;
 std::vector<P2PWatch> g_watches;
 
-void poll_p2p_reports(Queue& q, int index) {
-  std::vector<P2PWatch> watches;
-  {
-    std::lock_guard<std::mutex> lock(g_watch_mutex);
-    for (const auto& w : g_watches)
-      if (w.device == index) watches.push_back(w);
+// Batched operations whose wait() blocks in gloo before the peer posted the counterpart (SimWork::blocked_inner).
+struct BlockedEntry {
+  ItemPtr item;
+  std::shared_ptr<BlockedWait> blocked;
+  int device;
+};
+std::mutex g_blocked_mutex;
+std::vector<BlockedEntry> g_blocked;
+
+// The entries of ``all`` (guarded by ``m``) on device ``index``, copied: polled without the lock.
+template <typename T>
+std::vector<T> of_device(std::mutex& m, const std::vector<T>& all, int index) {
+  std::lock_guard<std::mutex> lock(m);
+  std::vector<T> out;
+  for (const auto& e : all)
+    if (e.device == index) out.push_back(e);
+  return out;
+}
+
+// On the watchdog: a cycle of blocked waits through one of ``index``'s fails this rank (its communicator aborted,
+// which ends the wait in gloo with the report) and, through their watchdogs, the group's other ranks.
+void poll_blocked(Queue& q, int index) {
+  for (const auto& e : of_device(g_blocked_mutex, g_blocked, index)) {
+    CycleReport found;
+    try {
+      found = e.blocked->poll();
+      if (!found.report.empty()) e.item->on_cycle(found);
+    } catch (const std::exception&) {  // the store is gone: the job is ending
+      return;
+    }
+    if (found.report.empty()) continue;
+    std::lock_guard<std::mutex> lock(q.m);
+    if (q.broken.empty()) abort_queue(q, found.report);
+    return;
   }
-  for (const auto& w : watches) {
+}
+
+void poll_p2p_reports(Queue& q, int index) {
+  for (const auto& w : of_device(g_watch_mutex, g_watches, index)) {
     try {
       if (!w.store->check({w.key})) continue;
       auto raw = w.store->get(w.key);
@@ -193,6 +224,7 @@ void watchdog(int index) {
       if (q.broken.empty() && q.items.size() > 1 && waited > deadlock_bound()) report_deadlock(q, index, waited);
     }
     poll_p2p_reports(q, index);
+    poll_blocked(q, index);
   }
 }
 
@@ -268,7 +300,7 @@ class SimWork final : public c10d::Work {
     bool ok = true;
     if (item_->inner) {
       await_pair(timeout);
-      if (!settled()) ok = wait_inner(timeout);
+      if (!settled()) ok = blocked_inner(timeout);
       settle_inner();
     } else {
       Queue& q = queue_of();
@@ -318,6 +350,32 @@ class SimWork final : public c10d::Work {
     std::lock_guard<std::mutex> lock(mutex_);
     return item_->done;
   }
+  // A batched operation issued before its peer's counterpart (item_->blocked, no pair key): while its wait()
+  // blocks in gloo the device's watchdog polls it for a cycle of blocked waits (wait_cycle.cpp).
+  bool blocked_inner(std::chrono::milliseconds timeout) {
+    if (!item_->blocked || !item_->pair_key.empty()) return wait_inner(timeout);
+    std::shared_ptr<BlockedWait> blocked;
+    std::swap(blocked, item_->blocked);  // once: a second wait() does not block
+    blocked->enter();
+    {
+      std::lock_guard<std::mutex> lock(g_blocked_mutex);
+      g_blocked.push_back({item_, blocked, device});
+    }
+    auto unregister = [&] {
+      std::lock_guard<std::mutex> lock(g_blocked_mutex);
+      g_blocked.erase(std::remove_if(g_blocked.begin(), g_blocked.end(),
+                                     [&](const BlockedEntry& e) { return e.item == item_; }), g_blocked.end());
+      blocked->leave();
+    };
+    try {
+      bool ok = wait_inner(timeout);
+      unregister();
+      return ok;
+    } catch (...) {
+      unregister();
+      throw;
+    }
+  }
   // A gloo work waited twice waits for another message: waited once. Aborted with the communicator (abort_queue):
   // raises the report that broke it.
   bool wait_inner(std::chrono::milliseconds timeout) {
@@ -354,10 +412,26 @@ class SimWork final : public c10d::Work {
         std::lock_guard<std::mutex> lock(q.m);
         if (!q.broken.empty()) return q.broken;
       }
-      return item_->early_check ? item_->early_check() : std::string();
+      std::string report = item_->early_check ? item_->early_check() : std::string();
+      if (!report.empty() || !item_->blocked) return report;
+      CycleReport cycle = item_->blocked->poll();
+      if (!cycle.report.empty()) {
+        item_->on_cycle(cycle);
+        std::lock_guard<std::mutex> lock(q.m);
+        if (q.broken.empty()) abort_queue(q, cycle.report);
+      }
+      return cycle.report;
     };
-    std::string report = await_pair_place(*item_->pair_store, key, timeout == kNoTimeout ? deadlock_bound() : timeout,
-                                          broken);
+    if (item_->blocked) item_->blocked->enter();
+    std::string report;
+    try {
+      report = await_pair_place(*item_->pair_store, key, timeout == kNoTimeout ? deadlock_bound() : timeout, broken);
+    } catch (...) {
+      if (item_->blocked) item_->blocked->leave();
+      throw;
+    }
+    if (item_->blocked) item_->blocked->leave();
+    item_->blocked.reset();  // the counterpart was posted (or the bound passed): gloo's wait is not watched
     if (report.empty()) return;
     release_flight(item_);
     TORCH_CHECK(false, report);

@@ -45,6 +45,8 @@ struct Item {
   int device = -1;                        // p2p: the device whose communicator it runs on
   std::string pair_key;                   // unbatched p2p issued before the peer's counterpart (pair_order.cpp)
   c10::intrusive_ptr<c10d::Store> pair_store;
+  std::shared_ptr<BlockedWait> blocked;  // with pair_key: a cycle of waits through it (wait_cycle.cpp)
+  std::function<void(const CycleReport&)> on_cycle;  // such a cycle found here: the group's other ranks told
   bool done = false, released = false;
   std::string error;
   void* event = nullptr;  // recorded on the communicator stream after its kernel: what wait() orders after

@@ -17,8 +17,9 @@
 // of one rank to another against that rank's k-th batched receive from it (claim_batched_place), each before the
 // second of the two is launched, so gloo never pairs the two ranks' operations otherwise than NCCL would. The sizes
 // of a pair, batched or not, are compared too (NCCL's ncclSend/ncclRecv: the peer "needs to call ncclRecv with the
-// same datatype and the same count"; gloo ends the receiving process when the send is larger, before any report,
-// and fills only the front of a larger receive, silently).
+// same datatype and the same count"; gloo moves bytes: it ends the receiving process when the send is larger, before
+// any report, fills only the front of a larger receive, and delivers a float32[8] into a bfloat16[16] as garbage,
+// silently): the datatype and the element count, not the bytes.
 #include "comm.h"
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -39,9 +40,15 @@ const char kDeadlock[] = "!";  // the second found them the same kind, or tags t
 const char kSizeRule[] =
     "NCCL pairs the k-th send of one rank to another with the other's k-th receive from it, which must have the same "
     "count and datatype (gloo ends the receiving process when the send is larger)";
+const char kSizeFix[] = "; send and receive tensors of the same datatype and number of elements";
 const char kTagRule[] =
     "NCCL ignores tags and pairs the k-th send of one rank to another with the other's k-th receive from it, where "
     "gloo pairs a send with a receive of its tag, so on NCCL each gets data meant for another buffer";
+
+// "dtype" when two payloads (``dtype=.. count=..``, payload_of) differ in datatype, else "size".
+const char* mismatch_kind(const std::string& a, const std::string& b) {
+  return a.substr(0, a.find(' ')) != b.substr(0, b.find(' ')) ? "dtype" : "size";
+}
 
 // What endCoalescing returns for a batch (batch_isend_irecv): one work for the whole batch, as NCCL's, that waits
 // each of the batch's operations once however often it is itself waited.
@@ -83,15 +90,23 @@ c10::intrusive_ptr<c10d::Work> batch_work(std::vector<c10::intrusive_ptr<c10d::W
   return c10::make_intrusive<BatchWork>(std::move(works));
 }
 
+std::string payload_of(const std::vector<at::Tensor>& ts) {
+  int64_t count = 0;
+  for (const auto& t : ts) count += t.numel();
+  std::ostringstream os;
+  os << "dtype=" << (ts.empty() ? c10::ScalarType::Undefined : ts[0].scalar_type()) << " count=" << count;
+  return os.str();
+}
+
 std::string pair_key(int rank, int peer, int64_t place) {
   int lo = std::min(rank, peer), hi = std::max(rank, peer);
   return "simccl/pair/" + std::to_string(lo) + "-" + std::to_string(hi) + "/" + std::to_string(place);
 }
 
 PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std::string& group, int rank,
-                           bool send, int tag, int64_t size, const std::string& op) {
+                           bool send, int tag, const std::string& payload, const std::string& op) {
   std::string mine = std::string(send ? "S" : "R") + std::to_string(rank) + "\t" + std::to_string(tag) + "\t" +
-                     std::to_string(size) + "\t" + op;
+                     payload + "\t" + op;
   auto got = store.compareSet(key, {}, bytes(mine));
   std::string theirs(got.begin(), got.end());
   if (theirs == mine) return {true, ""};  // first at this place: the peer compares when it issues its own
@@ -100,8 +115,8 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
   std::string their_rank = theirs.substr(1, tab - 1), their_op = theirs.substr(tab3 + 1);
   int64_t place = std::stoll(key.substr(key.rfind('/') + 1));
   bool same_tag = std::stoi(theirs.substr(tab + 1, tab2 - tab - 1)) == tag;
-  bool same_size = std::stoll(theirs.substr(tab2 + 1, tab3 - tab2 - 1)) == size;
-  if (their_send != send && same_tag && same_size) {
+  std::string their_payload = theirs.substr(tab2 + 1, tab3 - tab2 - 1);
+  if (their_send != send && same_tag && their_payload == payload) {
     store.set(key, bytes(kMatched));  // the first one's wait() may proceed
     return {false, ""};
   }
@@ -110,11 +125,10 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
   store.set(key, bytes(kDeadlock));
   std::ostringstream os;
   if (their_send != send) {
-    os << "sim: point-to-point " << (same_tag ? "size" : "tag") << " mismatch on group '" << group << "': rank "
-       << their_rank << " (of the group) issued " << their_op << " and rank " << rank << " issued " << op
-       << " as their unbatched operation #" << place + 1 << " with each other: "
-       << (same_tag ? kSizeRule : kTagRule)
-       << (same_tag ? "; send and receive tensors of the same size" : "; pair them in the same order on both ranks");
+    os << "sim: point-to-point " << (same_tag ? mismatch_kind(their_payload, payload) : "tag") << " mismatch on group '"
+       << group << "': rank " << their_rank << " (of the group) issued " << their_op << " and rank " << rank
+       << " issued " << op << " as their unbatched operation #" << place + 1 << " with each other: "
+       << (same_tag ? kSizeRule : kTagRule) << (same_tag ? kSizeFix : "; pair them in the same order on both ranks");
     return {false, os.str()};
   }
   os << "sim: point-to-point deadlock on group '" << group << "': rank " << their_rank << " (of the group) issued "
@@ -126,32 +140,38 @@ PairClaim claim_pair_place(c10d::Store& store, const std::string& key, const std
   return {false, os.str()};
 }
 
-std::string claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send,
-                                int64_t k, int tag, int64_t size, const std::string& op) {
+std::string batched_key(int src, int dst, int64_t k) {
+  return "simccl/batched/" + std::to_string(src) + ">" + std::to_string(dst) + "/" + std::to_string(k);
+}
+
+PairClaim claim_batched_place(c10d::Store& store, const std::string& group, int rank, int peer, bool send, int64_t k,
+                              int tag, const std::string& payload, const std::string& op) {
   int src = send ? rank : peer, dst = send ? peer : rank;
-  std::string key = "simccl/batched/" + std::to_string(src) + ">" + std::to_string(dst) + "/" + std::to_string(k);
-  std::string mine = std::to_string(tag) + "\t" + std::to_string(size) + "\t" + op;
+  std::string key = batched_key(src, dst, k);
+  std::string mine = std::to_string(tag) + "\t" + payload + "\t" + op;
   auto got = store.compareSet(key, {}, bytes(mine));
   std::string theirs(got.begin(), got.end());
-  if (theirs == mine) return "";  // first of the two (a send's text differs from a receive's): the peer compares
-  store.deleteKey(key);           // nobody reads it again
+  if (theirs == mine) return {true, ""};  // first of the two (a send's text differs from a receive's)
+  store.deleteKey(key);                   // the peer compares; nobody reads it again
   auto tab = theirs.find('\t'), tab2 = theirs.find('\t', tab + 1);
   bool same_tag = std::stoi(theirs.substr(0, tab)) == tag;
-  if (same_tag && std::stoll(theirs.substr(tab + 1, tab2 - tab - 1)) == size) return "";
+  std::string their_payload = theirs.substr(tab + 1, tab2 - tab - 1);
+  if (same_tag && their_payload == payload) return {false, ""};
   const std::string& sent = send ? op : theirs.substr(tab2 + 1);
   const std::string& received = send ? theirs.substr(tab2 + 1) : op;
   std::ostringstream os;
-  os << "sim: point-to-point " << (same_tag ? "size" : "tag") << " mismatch on group '" << group << "': rank "
+  os << "sim: point-to-point " << (same_tag ? mismatch_kind(their_payload, payload) : "tag") << " mismatch on group '"
+     << group << "': rank "
      << src << " (of the group) posted " << sent << " as its batched send #" << k + 1 << " to rank " << dst
      << ", and rank " << dst << " posted " << received << " as its batched receive #" << k + 1 << " from rank "
      << src << ": ";
   if (same_tag) {
-    os << kSizeRule << "; send and receive tensors of the same size";
+    os << kSizeRule << kSizeFix;
   } else {
     os << kTagRule << "; post the sends to one peer in the order that peer posts the receives (the same tags in the "
           "same order)";
   }
-  return os.str();
+  return {false, os.str()};
 }
 
 std::string await_pair_place(c10d::Store& store, const std::string& key, std::chrono::milliseconds bound,

@@ -304,3 +304,31 @@ def test_brief_ring_completes_on_gloo():
     seed = int(torch.randint(0, 2**31, (1,)))
     for r in run_distributed(run_programs, 3, [BRIEF_RING], seed, True, backend="cpu", env=ENV, timeout_s=120):
         assert r == {"wrong": 0, "error": "", "s": 0.0}, r
+
+
+def ring_then_destroy() -> None:
+    """The brief's ring (both batches posted, then waited: gloo completes them), then at once the end of the job:
+    the process group destroyed within a watchdog poll of the last batch, before the watchdog's passes could run."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    dev, me = get_backend().device(), dist.get_rank()
+    works = []
+    for batch in BRIEF_RING[me]:
+        works += dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv,
+                                                    torch.zeros(4, device=dev), peer) for kind, peer, _ in batch])
+    for w in works:
+        w.wait()
+    dist.destroy_process_group()
+
+
+def test_a_cycle_posted_just_before_the_end_fails_the_destroy():
+    """Without the end-of-job check (the communicator's release replays until its batches completed or a cycle is
+    found) the ring's ranks left destroy_process_group with no report, where NCCL hangs: every rank's destroy raises
+    the cycle report instead."""
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(ring_then_destroy, 3, backend="sim", env=ENV, timeout_s=150)
+    m = str(err.value)
+    for rank in range(3):
+        assert f"rank {rank}: RuntimeError: sim: point-to-point cycle deadlock on group" in m, m
