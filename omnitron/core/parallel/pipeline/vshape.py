@@ -16,9 +16,11 @@ consecutive table entries that the runtime overlaps as DualPipe does with commun
 receive is posted before the forward computes and waited after it, the forward's send is posted before the
 backward computes and waited after it (``p2p.py``; order recorded in ``tests/parallel/test_pipeline_overlap.py``).
 Unlike DualPipe, which waits for both receives before the pair, the forward does not wait for the backward's
-input, so the pair costs no bubble on the ideal clock. NOTE: the two passes' compute runs one after the other
-(MoE all-to-all inside a pair is not overlapped with the other pass: ``--overlap-moe-expert-parallel-comm``
-pairs forwards without pipelining only).
+input, so the pair costs no bubble on the ideal clock; for that reason the last rank's first steady-state forward
+and backward are a pair here too, which DualPipeV runs unpaired (the one difference from its order and pairs:
+``tests/parallel/test_vshape_reference.py``; the combined clock is the same either way). NOTE: the two passes'
+compute runs one after the other (MoE all-to-all inside a pair is not overlapped with the other pass:
+``--overlap-moe-expert-parallel-comm`` pairs forwards without pipelining only).
 
 Ideal clock with chunk passes F = B = W = 1 (stage 0: B = 0, W = 2, see ``zb_stage_cost``): rank
 ``p - 1`` cannot start before ``p - 1`` forwards have run and every rank has ``6m`` units of work, so the
