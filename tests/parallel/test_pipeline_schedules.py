@@ -91,7 +91,8 @@ def test_v_schedules_bubble_and_activations_match_theory(name, pp, m):
     assert abs(measured - theory_bubble(name, pp, m)) < 0.02
     zb = simulate(build_schedule("zb-h1", pp, 1, m), stage_cost=zb_stage_cost)
     assert measured < max(zb.bubble(r) for r in range(pp))
-    bound = 2 * pp + 1 if name == "dualpipe-v" else 2 * pp + 3  # chunk activations (half a stage each)
+    # chunk activations (half a stage each): DualPipeV's published p + 1 stages; zb-v's cap, 1F1B's p (m >= p here)
+    bound = 2 * pp + 1 if name == "dualpipe-v" else 2 * pp
     assert max(tl.peak_inflight.values()) <= bound
 
 
