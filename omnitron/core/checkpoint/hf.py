@@ -100,7 +100,8 @@ def hf_model_type(cfg) -> str:
                                 "omnitron writes only dense Qwen2 (RoPE, no --num-experts) has that: drop one")
     if getattr(cfg, "squared_relu", False):
         raise HFConversionError("the model has --squared-relu; none of the Hugging Face models omnitron writes has "
-                                "a squared-ReLU MLP (GPT-2: GeLU, the others: gated SiLU / GeLU)")
+                                "a squared-ReLU MLP (GPT-2: GeLU, the others: gated SiLU / GeLU): keep it in "
+                                "omnitron's or Megatron's format (`omnitron checkpoint export-megatron`)")
     if getattr(cfg, "multi_latent_attention", False):
         return "deepseek_v3"
     if (getattr(cfg, "softmax_type", "vanilla") == "learnable" and getattr(cfg, "quick_geglu", False)

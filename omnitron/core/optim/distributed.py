@@ -98,7 +98,7 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         for s in self.slices:
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
             # fp32 parameters are their own masters (a view: the update lands in the model directly)
-            self.masters.append(flat.float())  # a copy (no second one: the build's peak is the state)
+            self.masters.append(flat.float())  # low-precision parameters: an fp32 copy (the only one)
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""GPT model configuration (GPT-2 and Llama styles) and accounting; presets in presets.py (their old names still
-import from here); validation in validate.py.
+"""GPT model configuration (GPT-2 and Llama styles) and accounting; presets in presets.py (the package,
+``omnitron.core.models.gpt``, exports the small ones); validation in validate.py.
 
 Field names are Megatron's argument names; the CLI spells them ``--num-layers`` etc.
 Derived numbers (padded vocabulary, parameter count, FLOPs) come from named functions and are
