@@ -288,6 +288,61 @@ def layer_reference_aux(dp: int, d: int) -> float:
     return layer.aux_loss_total.item()
 
 
+def plain_moe_layer(W: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer of ``_layer_config`` written from the maths in float64, token by token for the routing
+    (tests/models/test_moe.py's ``_ref_routing``), every token through every expert for the rest: ``(y, aux)``.
+    Shares no code with the MoE layer, so it checks what every layout above shares (the one-process reference)."""
+    import torch.nn.functional as F
+
+    from tests.models.test_moe import _ref_routing
+
+    c = _layer_config()
+    tokens = x.reshape(-1, H)
+    logits = tokens @ W["router.weight"].t() + W.get("router.bias", 0.0)
+    probs, experts, aux = _ref_routing(logits, c.moe_router_topk, False, c.moe_aux_loss_coeff)
+    y = torch.zeros_like(tokens)
+    for e in range(E):
+        p = f"experts.{e}."
+        hdn = F.gelu(tokens @ W[p + "linear_fc1.weight"].t() + W[p + "linear_fc1.bias"], approximate="tanh")
+        weight = (probs * (experts == e)).sum(dim=1, keepdim=True)  # [T, 1]: 0 where e is not picked
+        y = y + weight * (hdn @ W[p + "linear_fc2.weight"].t() + W[p + "linear_fc2.bias"])
+    return y.view_as(x), aux
+
+
+def test_layer_reference_is_the_plain_float64_layer():
+    """``layer_reference`` (the MoE layer, all experts local: the expected values of every layout in
+    test_expert_parallel_matches_one_process) against :func:`plain_moe_layer` on the same weights and tokens:
+    outputs, input gradients, every parameter gradient (the load-balancing loss's included, at the layer's
+    default weight 1) and the logged aux loss. A bug in code every layout shares (the routing, the combine's
+    weights, an expert's GEMMs) passes the layout comparison; it fails here."""
+    dp = 4
+    ref = layer_reference(dp)
+    layer = _build_layer(ParallelGroups.single(), sp=False)
+    W = {n: p.detach().double().requires_grad_(True) for n, p in layer.named_parameters()}
+    assert {"router.weight", "router.bias", "experts.7.linear_fc2.bias"} <= W.keys() and len(W) == 2 + 4 * E
+    xs, ws = _layer_data(dp)
+    x = xs.double().requires_grad_(True)
+    outs = [plain_moe_layer(W, x[d]) for d in range(dp)]
+    sum((y * w.double()).sum() + aux for (y, aux), w in zip(outs, ws)).backward()
+    # the routing is the same in both: the router's fp32 logits round at ~1e-7, the 2nd and 3rd largest are
+    # further apart on every token
+    logits = x.detach().reshape(-1, H) @ W["router.weight"].detach().t() + W["router.bias"].detach()
+    top3 = logits.topk(3, dim=-1).values
+    assert float((top3[:, 1] - top3[:, 2]).min()) > 1e-4
+    # fp32 against float64: each compared value is a sum of n <= 4 x 16 x 24 = 1536 rounded products (the
+    # gradients of the experts' weights over every rank's tokens; outputs fewer), random-rounding error
+    # sqrt(n) u ~ 2.4e-6 relative to the sum of magnitudes, which cancellation between signs makes a few times
+    # the value's norm: 2e-5 norm-wise. Dropped gate weights or a misrouted token move a tensor by > 1e-2.
+    def rel(a, b):  # an expert no token reaches (5, see _build_layer): both gradients exactly 0
+        return float((a.double() - b).norm() / b.norm()) if b.norm() > 0 else float(a.abs().max())
+
+    assert rel(ref["y"], torch.stack([y for y, _ in outs]).detach()) < 2e-5
+    assert rel(ref["dx"], x.grad) < 2e-5
+    for name, w in W.items():
+        assert rel(ref["grads"][name], w.grad) < 2e-5, name
+    assert ref["aux"] == pytest.approx(float(sum(aux.detach() for _, aux in outs)), rel=2e-5)
+
+
 @requires_sim()
 def test_expert_parallel_training_on_sim_matches_one_cpu_process():
     """The MoE GPT under ep 2 on the sim device (token dispatch by all-to-all over simccl, device-side
