@@ -11,6 +11,8 @@ parallelism and pp 2 x ep 2; and a GPT with the extras (--moe-layer-freq 2: laye
 expert, capacity factor 1 with drops, z-loss) under ep 2 x dp 4 and tp 2 x etp 2 x ep 2 with SP:
 per-step losses, gradient norms, logged aux loss and final weights equal the single-process run
 over the same micro-batches.
+The one-process references themselves: the layer against a float64 MoE layer written from the maths, and the
+logged aux loss against the routers' losses computed by test_moe's token-by-token reference.
 """
 from __future__ import annotations
 
@@ -341,6 +343,33 @@ def test_layer_reference_is_the_plain_float64_layer():
     for name, w in W.items():
         assert rel(ref["grads"][name], w.grad) < 2e-5, name
     assert ref["aux"] == pytest.approx(float(sum(aux.detach() for _, aux in outs)), rel=2e-5)
+
+
+def test_logged_aux_loss_is_the_routers_losses_averaged():
+    """The aux loss every layout above logs (``moe_aux_loss``, compared there only with itself at one process)
+    against its definition: the load-balancing losses of every MoE layer summed, averaged over the step's
+    micro-batches, each computed from the router's input by the token-by-token float64 reference of
+    tests/models/test_moe.py. A logged value scaled or averaged wrongly passed every layout comparison."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.transformer.moe import moe_aux_loss
+    from tests.models.test_moe import _ref_routing
+
+    groups, c = ParallelGroups.single(), _gpt_config()
+    model = GPTModel(c, groups, seed=SEED)
+    seen = []  # (router, its input tokens [T, h]) for every MoE layer of every micro-batch
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+    assert len(routers) == c.num_layers
+    for r in routers:
+        r.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].detach().double())))
+    mbs = _gpt_data(2)[0].view(-1, MBS, SEQ + 1)  # one step's 4 micro-batches
+    for mb in mbs:
+        model(tokens=mb[:, :-1], labels=mb[:, 1:]).mean().backward()
+    got = moe_aux_loss([model], groups, None, len(mbs))
+    want = sum(_ref_routing(x @ r.weight.detach().double().t() + r.bias.detach().double(), c.moe_router_topk, False,
+                            c.moe_aux_loss_coeff)[2] for r, x in seen) / len(mbs)
+    assert len(seen) == len(mbs) * c.num_layers
+    # fp32 router logits (rounding ~1e-7 relative) through a softmax and a mean over 32 tokens: ~1e-6 relative
+    assert got == pytest.approx(float(want), rel=1e-5), (got, float(want))
 
 
 @requires_sim()
