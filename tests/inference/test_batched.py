@@ -109,13 +109,15 @@ def test_filters_against_plain_torch():
     kept = torch.isfinite(filter_logits(logits, SamplingParams(top_k=5)))
     assert torch.equal(kept.sum(1), torch.full((4,), 5))
     assert torch.equal(kept, torch.zeros_like(kept).scatter(1, torch.topk(logits, 5).indices, True))
-    # top-p keeps the smallest likeliest prefix whose mass reaches p
-    p = torch.softmax(logits, -1)
-    kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.7)))
-    for row in range(4):
-        order = torch.argsort(p[row], descending=True)
-        n = int((torch.cumsum(p[row][order], 0) < 0.7).sum()) + 1
-        assert set(torch.nonzero(kept[row])[:, 0].tolist()) == set(order[:n].tolist())
+    # top-p keeps the smallest likeliest prefix whose mass reaches p, the mass of the tempered distribution
+    # (Megatron divides the logits by the temperature before filtering)
+    for temperature in (1.0, 0.5, 2.0):
+        p = torch.softmax(logits.double() / temperature, -1)
+        kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.7, temperature=temperature)))
+        for row in range(4):
+            order = torch.argsort(p[row], descending=True)
+            n = int((torch.cumsum(p[row][order], 0) < 0.7).sum()) + 1
+            assert set(torch.nonzero(kept[row])[:, 0].tolist()) == set(order[:n].tolist()), temperature
     # draws follow the filtered, tempered distribution
     params = SamplingParams(temperature=0.7, top_k=6, seed=0)
     gens = [torch.Generator().manual_seed(i) for i in range(4000)]
