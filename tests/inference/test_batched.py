@@ -109,20 +109,27 @@ def test_filters_against_plain_torch():
     kept = torch.isfinite(filter_logits(logits, SamplingParams(top_k=5)))
     assert torch.equal(kept.sum(1), torch.full((4,), 5))
     assert torch.equal(kept, torch.zeros_like(kept).scatter(1, torch.topk(logits, 5).indices, True))
-    # top-p keeps the smallest likeliest prefix whose mass reaches p
-    p = torch.softmax(logits, -1)
-    kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.7)))
-    for row in range(4):
-        order = torch.argsort(p[row], descending=True)
-        n = int((torch.cumsum(p[row][order], 0) < 0.7).sum()) + 1
-        assert set(torch.nonzero(kept[row])[:, 0].tolist()) == set(order[:n].tolist())
+    # top-p keeps the smallest likeliest prefix whose mass reaches p, the mass of the tempered distribution
+    # (Megatron divides the logits by the temperature before filtering)
+    for temperature in (1.0, 0.5, 2.0):
+        p = torch.softmax(logits.double() / temperature, -1)
+        kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.7, temperature=temperature)))
+        for row in range(4):
+            order = torch.argsort(p[row], descending=True)
+            n = int((torch.cumsum(p[row][order], 0) < 0.7).sum()) + 1
+            assert set(torch.nonzero(kept[row])[:, 0].tolist()) == set(order[:n].tolist()), temperature
     # draws follow the filtered, tempered distribution
     params = SamplingParams(temperature=0.7, top_k=6, seed=0)
     gens = [torch.Generator().manual_seed(i) for i in range(4000)]
     draws = sample_next(logits[:1].expand(4000, -1), params, gens)
-    want = torch.softmax(filter_logits(logits[:1], params), -1)[0]
+    # the reference from the definition, not filter_logits: softmax(logits / T) over the top 6, renormalised
+    tempered = torch.softmax(logits[0].double() / 0.7, -1)
+    top = torch.zeros_like(tempered).scatter(0, torch.topk(logits[0], 6).indices, 1.0)
+    want = (tempered * top / (tempered * top).sum()).float()
     freq = torch.bincount(draws, minlength=50).float() / 4000
     assert torch.all(freq[want == 0] == 0)
+    # each frequency is a mean of 4000 Bernoulli draws: std sqrt(p (1 - p) / 4000) <= 0.0079, so 0.03 is 3.8
+    # std; temperature misapplied (e.g. sqrt(T)) moves the likeliest token's probability by 0.07
     assert torch.allclose(freq, want, atol=0.03)
 
 

@@ -25,7 +25,7 @@ def _fill_grads(model, seed, scale=1.0):
         p.grad = (torch.randn(p.shape, generator=g, dtype=torch.float64) * scale).to(p.dtype)
 
 
-def _torch_reference(kind, cfg, steps, lr):
+def _torch_reference(kind, cfg, steps, lr, scale=3.0):
     """float64 torch.optim with the same decay/no-decay split and clipping."""
     ref = _model().double()
     decay = [p for n, p in ref.named_parameters() if p.ndim > 1]
@@ -37,21 +37,25 @@ def _torch_reference(kind, cfg, steps, lr):
         opt = torch.optim.SGD(groups, lr=lr, momentum=cfg.sgd_momentum)
     norms = []
     for s in range(steps):
-        _fill_grads(ref, 100 + s, scale=3.0)
+        _fill_grads(ref, 100 + s, scale=scale)
         norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.clip_grad)))
         opt.step()
     return ref, norms
 
 
+# gradient scales: 3.0 gives global norms ~25 (every step clips to 1.0), 0.05 norms ~0.4 (no step clips: a clip
+# factor that also scales small gradients up shows there)
+@pytest.mark.parametrize("scale", [3.0, 0.05])
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_torch_optim(kind, dtype):
+def test_matches_torch_optim(kind, dtype, scale):
     cfg = OptimizerConfig(optimizer=kind, lr=1e-2, weight_decay=0.1, clip_grad=1.0)
-    ref, ref_norms = _torch_reference(kind, cfg, 4, cfg.lr)
+    ref, ref_norms = _torch_reference(kind, cfg, 4, cfg.lr, scale)
+    assert all(n > 1.0 for n in ref_norms) if scale > 1 else all(n < 1.0 for n in ref_norms)
     model = _model(dtype)
     opt = MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(), backend=get_backend("cpu"))
     for s in range(4):
-        _fill_grads(model, 100 + s, scale=3.0)
+        _fill_grads(model, 100 + s, scale=scale)
         res = opt.step(cfg.lr)
         assert not res.skipped
         # bf16 grads are rounded before the norm: compare loosely there

@@ -11,6 +11,8 @@ parallelism and pp 2 x ep 2; and a GPT with the extras (--moe-layer-freq 2: laye
 expert, capacity factor 1 with drops, z-loss) under ep 2 x dp 4 and tp 2 x etp 2 x ep 2 with SP:
 per-step losses, gradient norms, logged aux loss and final weights equal the single-process run
 over the same micro-batches.
+The one-process references themselves: the layer against a float64 MoE layer written from the maths, and the
+logged aux loss against the routers' losses computed by test_moe's token-by-token reference.
 """
 from __future__ import annotations
 
@@ -286,6 +288,88 @@ def layer_reference_aux(dp: int, d: int) -> float:
     layer = _build_layer(ParallelGroups.single(), sp=False)
     layer(_layer_data(dp)[0][d])
     return layer.aux_loss_total.item()
+
+
+def plain_moe_layer(W: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer of ``_layer_config`` written from the maths in float64, token by token for the routing
+    (tests/models/test_moe.py's ``_ref_routing``), every token through every expert for the rest: ``(y, aux)``.
+    Shares no code with the MoE layer, so it checks what every layout above shares (the one-process reference)."""
+    import torch.nn.functional as F
+
+    from tests.models.test_moe import _ref_routing
+
+    c = _layer_config()
+    tokens = x.reshape(-1, H)
+    logits = tokens @ W["router.weight"].t() + W.get("router.bias", 0.0)
+    probs, experts, aux = _ref_routing(logits, c.moe_router_topk, False, c.moe_aux_loss_coeff)
+    y = torch.zeros_like(tokens)
+    for e in range(E):
+        p = f"experts.{e}."
+        hdn = F.gelu(tokens @ W[p + "linear_fc1.weight"].t() + W[p + "linear_fc1.bias"], approximate="tanh")
+        weight = (probs * (experts == e)).sum(dim=1, keepdim=True)  # [T, 1]: 0 where e is not picked
+        y = y + weight * (hdn @ W[p + "linear_fc2.weight"].t() + W[p + "linear_fc2.bias"])
+    return y.view_as(x), aux
+
+
+def test_layer_reference_is_the_plain_float64_layer():
+    """``layer_reference`` (the MoE layer, all experts local: the expected values of every layout in
+    test_expert_parallel_matches_one_process) against :func:`plain_moe_layer` on the same weights and tokens:
+    outputs, input gradients, every parameter gradient (the load-balancing loss's included, at the layer's
+    default weight 1) and the logged aux loss. A bug in code every layout shares (the routing, the combine's
+    weights, an expert's GEMMs) passes the layout comparison; it fails here."""
+    dp = 4
+    ref = layer_reference(dp)
+    layer = _build_layer(ParallelGroups.single(), sp=False)
+    W = {n: p.detach().double().requires_grad_(True) for n, p in layer.named_parameters()}
+    assert {"router.weight", "router.bias", "experts.7.linear_fc2.bias"} <= W.keys() and len(W) == 2 + 4 * E
+    xs, ws = _layer_data(dp)
+    x = xs.double().requires_grad_(True)
+    outs = [plain_moe_layer(W, x[d]) for d in range(dp)]
+    sum((y * w.double()).sum() + aux for (y, aux), w in zip(outs, ws)).backward()
+    # the routing is the same in both: the router's fp32 logits round at ~1e-7, the 2nd and 3rd largest are
+    # further apart on every token
+    logits = x.detach().reshape(-1, H) @ W["router.weight"].detach().t() + W["router.bias"].detach()
+    top3 = logits.topk(3, dim=-1).values
+    assert float((top3[:, 1] - top3[:, 2]).min()) > 1e-4
+    # fp32 against float64: each compared value is a sum of n <= 4 x 16 x 24 = 1536 rounded products (the
+    # gradients of the experts' weights over every rank's tokens; outputs fewer), random-rounding error
+    # sqrt(n) u ~ 2.4e-6 relative to the sum of magnitudes, which cancellation between signs makes a few times
+    # the value's norm: 2e-5 norm-wise. Dropped gate weights or a misrouted token move a tensor by > 1e-2.
+    def rel(a, b):  # an expert no token reaches (5, see _build_layer): both gradients exactly 0
+        return float((a.double() - b).norm() / b.norm()) if b.norm() > 0 else float(a.abs().max())
+
+    assert rel(ref["y"], torch.stack([y for y, _ in outs]).detach()) < 2e-5
+    assert rel(ref["dx"], x.grad) < 2e-5
+    for name, w in W.items():
+        assert rel(ref["grads"][name], w.grad) < 2e-5, name
+    assert ref["aux"] == pytest.approx(float(sum(aux.detach() for _, aux in outs)), rel=2e-5)
+
+
+def test_logged_aux_loss_is_the_routers_losses_averaged():
+    """The aux loss every layout above logs (``moe_aux_loss``, compared there only with itself at one process)
+    against its definition: the load-balancing losses of every MoE layer summed, averaged over the step's
+    micro-batches, each computed from the router's input by the token-by-token float64 reference of
+    tests/models/test_moe.py. A logged value scaled or averaged wrongly passed every layout comparison."""
+    from omnitron.core.models.gpt import GPTModel
+    from omnitron.core.transformer.moe import moe_aux_loss
+    from tests.models.test_moe import _ref_routing
+
+    groups, c = ParallelGroups.single(), _gpt_config()
+    model = GPTModel(c, groups, seed=SEED)
+    seen = []  # (router, its input tokens [T, h]) for every MoE layer of every micro-batch
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+    assert len(routers) == c.num_layers
+    for r in routers:
+        r.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].detach().double())))
+    mbs = _gpt_data(2)[0].view(-1, MBS, SEQ + 1)  # one step's 4 micro-batches
+    for mb in mbs:
+        model(tokens=mb[:, :-1], labels=mb[:, 1:]).mean().backward()
+    got = moe_aux_loss([model], groups, None, len(mbs))
+    want = sum(_ref_routing(x @ r.weight.detach().double().t() + r.bias.detach().double(), c.moe_router_topk, False,
+                            c.moe_aux_loss_coeff)[2] for r, x in seen) / len(mbs)
+    assert len(seen) == len(mbs) * c.num_layers
+    # fp32 router logits (rounding ~1e-7 relative) through a softmax and a mean over 32 tokens: ~1e-6 relative
+    assert got == pytest.approx(float(want), rel=1e-5), (got, float(want))
 
 
 @requires_sim()
