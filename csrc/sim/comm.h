@@ -13,6 +13,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -160,6 +161,8 @@ class BlockedWait {
   int rank_, peer_;
   std::string key_, op_, record_;  // record_: as published ("" before)
   std::chrono::steady_clock::time_point since_, searched_;
+  std::mutex mu_;  // poll() runs on the watchdog for batched waits while the issuing thread may leave()
+  bool left_ = false;  // leave() ran: a later poll() publishes nothing
 };
 
 }  // namespace sim

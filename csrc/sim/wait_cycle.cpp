@@ -12,8 +12,10 @@
 // the peer, the pair's key, the operation) and follows the peers' records; a chain that returns to this rank is
 // reported by the chain's lowest rank once (1) every record was read twice, the same both times, and (2) between
 // the two passes every awaited pair key still held only its first operation. At one instant (between the passes)
-// every rank of the cycle was blocked in its wait() and no counterpart was posted; a blocked rank posts nothing (one
-// issuing thread per rank, as DESIGN's rule 7 asks), so none ever is. Never a false report; a wait() that is not
+// every rank of the cycle was blocked in its wait() and no counterpart was posted; a blocked rank posts nothing, so
+// none ever is. ASSUMED: one thread issues a communicator's point-to-point operations (true of the engine: MoE's
+// overlap threads take turns, the async checkpoint writer talks over gloo); a second thread posting the
+// counterpart while the first is blocked would make a report false. Never a false report; a wait() that is not
 // blocked for kQuiet costs no store traffic. The same holds for a batched operation (batch_isend_irecv): its wait()
 // blocks in gloo until the peer posts the counterpart, and the device's watchdog polls it (comm_queue.cpp).
 #include "comm.h"
@@ -76,9 +78,15 @@ BlockedWait::BlockedWait(c10::intrusive_ptr<c10d::Store> store, std::string grou
     : store_(std::move(store)), group_(std::move(group)), rank_(rank), peer_(peer), key_(std::move(key)),
       op_(std::move(op)) {}
 
-void BlockedWait::enter() { since_ = searched_ = std::chrono::steady_clock::now(); }
+void BlockedWait::enter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  since_ = searched_ = std::chrono::steady_clock::now();
+  left_ = false;
+}
 
 CycleReport BlockedWait::poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (left_) return {};
   auto now = std::chrono::steady_clock::now();
   if (now - since_ < kQuiet || now - searched_ < kQuiet) return {};
   searched_ = now;
@@ -108,6 +116,8 @@ CycleReport BlockedWait::poll() {
 }
 
 void BlockedWait::leave() {
+  std::lock_guard<std::mutex> lock(mu_);
+  left_ = true;
   if (record_.empty()) return;
   record_.clear();
   try {
