@@ -122,6 +122,7 @@ def test_four_micro_batches_agree_on_the_weights_only(tmp_path):
     omnitron once per step (docs/megatron-flags.md); the weights' histories and scales agree, as TE sees a
     weight's amax in the first micro-batch only. The inputs' do differ (the documented difference exists)."""
     entries, names = _train_logged(str(tmp_path), 4, 1)
+    assert _kinds(entries)[:9] == ["fwd", "bwd"] * 4 + ["step"]  # four micro-batches a step
     bad, _ = _compare(entries, names, roles=("weight",))
     assert not bad, bad[:6]
     bad, _ = _compare(entries, names, roles=("input",))
