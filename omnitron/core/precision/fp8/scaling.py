@@ -20,14 +20,20 @@ Definitions (the tests check these step by step):
   once per micro-batch's backward, whatever the layer count) instead of one per operand per call. The max
   of a stack is the stack of the maxes, so the scales are those of reducing each amax alone.
 * **delayed, per step** (:class:`AmaxReducer` with ``per_step``; what training uses; Transformer Engine's global
-  amax reduction packs the same way but runs after each micro-batch's forward and backward, NOTE: so with gradient
-  accumulation its scales move within a step where these do not): within an optimizer step every use quantizes
+  amax reduction packs the same way but runs when each training micro-batch's forward leaves its FP8 context and
+  after each micro-batch's backward, NOTE: so with gradient accumulation its input and output-gradient scales move
+  within a step where these do not; its weight role agrees, as Megatron quantizes the weight in the first
+  micro-batch only: tests/fp8/test_delayed_vs_transformer_engine.py): within an optimizer step every use quantizes
   with the scale in force and only max-accumulates its local amax into its role's step-amax buffer (in place, no
   collective);
   :meth:`AmaxReducer.step`, called once at the step's end, stacks every registered role's step amax, MAX-reduces
   the stack in one all-reduce over the amax reduction group (tensor x context x data parallel) and pushes the
   history of each role used this step once: ``a_step = max over ranks and the step's uses``,
-  ``history <- [a_step, history[:-1]]``, scale as above. Until the first :meth:`~AmaxReducer.step` there is no
+  ``history <- [a_step, history[:-1]]``, scale as above in Transformer Engine's arithmetic (:func:`delayed_scale`);
+  a role whose ``a_step`` is 0 (an empty expert, an all-zero gradient) keeps its history and scale, as TE's fused
+  update leaves a zero amax unrolled. An evaluation's forwards (no backward) observe too and fold into the next
+  step's push, as TE's no-grad forwards leave their amaxes for the next training forward's reduction. Until the
+  first :meth:`~AmaxReducer.step` there is no
   history: every use of the first step is scaled from this rank's own local amax, with no collective, so step 1
   issues the same one packed reduction as every later step. NOTE: in step 1 only, the ranks of the amax group may
   therefore quantize with different scales (a tensor-parallel shard by its own amax, not the whole tensor's);
@@ -42,11 +48,12 @@ Definitions (the tests check these step by step):
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
-from omnitron.backends.fp8 import scale_from_amax
+from omnitron.backends.fp8 import FP8_MAX
 from omnitron.core.config.parallel import ConfigError
 from omnitron.kernels.reference.fp8 import fp8_amax_history_push
 
@@ -136,19 +143,19 @@ class AmaxReducer:
 
 def push_packed(states: list["DelayedScaling"], amax: torch.Tensor) -> None:
     """Per-step push of roles of one kind (format, history length, algorithm, margin) at once; ``amax`` [R]: their
-    reduced step amaxes in ``states``' order. Each role whose amax is not -1 ("unused"; NaN counts as used and
-    poisons the history as a pushed NaN does) gets :meth:`DelayedScaling.push`'s update, the others keep their
-    state, chosen on the device without a host sync. The float32 operations are the reference push's
-    (``fp8_amax_history_push``) applied elementwise over the roles, so the bits are the same; about 15 operations
-    and four foreach copies for all roles instead of about 15 operations a role. The results are copied into the
-    roles' tensors in place: at a step's end no backward still holds the old ones."""
+    reduced step amaxes in ``states``' order. Each role whose amax is positive (or NaN, which poisons the history
+    as a pushed NaN does) gets :meth:`DelayedScaling.push`'s update with :func:`delayed_scale`; the others keep
+    their history and scale: -1 ("unused") and 0 alike, as Transformer Engine's fused update leaves a zero amax
+    unrolled (an empty expert, an all-zero gradient), chosen on the device without a host sync. About 15
+    operations and four foreach copies for all roles instead of about 15 operations a role. The results are copied
+    into the roles' tensors in place: at a step's end no backward still holds the old ones."""
     s0 = states[0]
     history = torch.stack([s.amax_history for s in states])  # [R, L]
     scale, scale_inv = torch.stack([s.scale for s in states]), torch.stack([s.scale_inv for s in states])
     new = torch.cat([amax.clamp(min=0.0)[:, None], history[:, :-1]], dim=1)  # newest first
     summary = new.amax(dim=1) if s0.algo == "max" else new[:, 0]
-    new_scale = scale_from_amax(summary, s0.fmt, s0.margin, previous=scale)
-    used = ~(amax < 0)
+    new_scale = delayed_scale(summary, s0.fmt, s0.margin, scale)
+    used = ~(amax <= 0)
     new_inv = torch.where(used, new_scale.reciprocal(), scale_inv)
     new, new_scale = torch.where(used[:, None], new, history), torch.where(used, new_scale, scale)
     torch._foreach_copy_([s.amax_history for s in states], list(new.unbind(0)))
@@ -158,6 +165,16 @@ def push_packed(states: list["DelayedScaling"], amax: torch.Tensor) -> None:
     torch._foreach_copy_([s.step_amax for s in states], [unused] * len(states))
     for s in states:
         s.uses += 1
+
+
+def delayed_scale(amax: torch.Tensor, fmt: str, margin: int, previous: torch.Tensor) -> torch.Tensor:
+    """Transformer Engine's delayed-scaling scale (common/recipe/delayed_scaling.cu, ``kernel_bulk``):
+    ``fp8_max * 2**-margin / amax`` in one correctly rounded float32 division (not a reciprocal times the target:
+    an ulp apart at times), the largest float32 where that quotient overflows (an amax below about 1e-36, where a
+    scale of inf would turn zeros into NaN), and ``previous`` where ``amax`` is 0, inf or NaN."""
+    target = FP8_MAX[fmt] / 2.0 ** margin  # exact: a power of two apart from fp8_max
+    fresh = torch.div(target, amax).clamp_(max=torch.finfo(torch.float32).max)
+    return torch.where((amax > 0) & (amax < math.inf), fresh, previous)
 
 
 class _Recorded:
