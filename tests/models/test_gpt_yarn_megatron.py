@@ -163,3 +163,23 @@ def test_use_checkpoint_args_takes_an_old_rope_spelling_as_yarn(monkeypatch):
     monkeypatch.setattr(io, "read_metadata", lambda path: {"model": mla})
     assert checkpoint_args.apply_checkpoint_args({"use_checkpoint_args": True, "load": "D"})[
         "position_embedding_type"] == "rope"  # MLA's YaRN is its own (--rope-type)
+
+
+def test_export_to_megatron_writes_the_args_megatron_reads():
+    """Megatron's args of a yarn model carry what ``_apply_yarn_config_from_args`` reads (position_embedding_type,
+    rotary_scaling_factor, mscale, mscale_all_dim, yarn_original_max_position_embeddings, yarn_beta_fast,
+    yarn_beta_slow, yarn_correction_range_round_to_int) with the model's values, and import back to the same model;
+    the export is not refused (it was, when the args said plain RoPE)."""
+    from omnitron.core.checkpoint.megatron import _check_exportable, args_for, config_from_megatron
+
+    for fx in FIXTURES.values():
+        cfg = dataclasses.replace(config_of_case(fx), vocab_size=64, params_dtype=torch.float32)
+        _check_exportable(cfg, 1, 1, "local")
+        args = vars(args_for(cfg, 1, 1, 0, {}, "local"))
+        y = fx["yarn"]
+        read = dict(position_embedding_type="yarn", rotary_scaling_factor=y["yarn_rotary_scaling_factor"],
+                    mscale=y["yarn_mscale"], mscale_all_dim=y["yarn_mscale_all_dim"],
+                    **{k: y[k] for k in ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                                         "yarn_correction_range_round_to_int")})
+        assert {k: args[k] for k in read} == read
+        assert config_from_megatron(args, vocab_size=64, dtype=torch.float32) == cfg

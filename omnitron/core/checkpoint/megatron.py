@@ -556,9 +556,6 @@ def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str, ckpt_format:
                f"eh_proj split differently under Megatron's TE and local specs; use --ckpt-format torch_dist"),
               (cfg.add_bias_linear or not router_bias(cfg), "a router bias without --add-bias-linear: "
                "Megatron-Core's TopKRouter has one exactly with --add-bias-linear"),
-              (cfg.multi_latent_attention or cfg.rotary_scaling_factor == 1.0,
-               f"--position-embedding-type yarn --rotary-scaling-factor {cfg.rotary_scaling_factor}: YaRN on "
-               f"grouped-query attention does not export to Megatron yet"),
               (not (cfg.window_size or cfg.softmax_type != "vanilla" or cfg.quick_geglu or cfg.glu_linear_offset
                     or cfg.activation_func_clamp_value is not None),
                "sliding windows, attention sinks and gpt-oss's clamped SwiGLU do not export to Megatron yet"),
