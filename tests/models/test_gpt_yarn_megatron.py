@@ -98,6 +98,11 @@ def test_rope_with_a_scaling_factor_is_refused_naming_yarn():
         parse_settings(BASE + mla + ["--position-embedding-type", "yarn"], 1)
     plain = parse_settings(BASE + ["--position-embedding-type", "rope"], 1).model
     assert plain.rotary_scaling_factor == 1.0
+    yarn = BASE + ["--position-embedding-type", "yarn", "--rotary-scaling-factor", str(factor)]
+    for extra, flag in ((["--rotary-interleaved"], "--rotary-interleaved"), (["--rotary-percent", "0.5"],
+                        "--rotary-percent"), (["--use-rope-scaling"], "--rope-scaling-factor")):
+        with pytest.raises(ConfigError, match=f"yarn with {flag}: Megatron's YarnRotaryEmbedding .* drop {flag}$"):
+            parse_settings(yarn + extra, 1)
 
 
 def test_megatron_args_import_as_megatron_builds_them():

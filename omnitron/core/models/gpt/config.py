@@ -292,6 +292,14 @@ class GPTConfig:
             raise ConfigError(f"--rotary-scaling-factor {factor} with --position-embedding-type {kind}: Megatron "
                               f"reads the factor only under --position-embedding-type yarn (its {kind} ignores it); "
                               f"give yarn for YaRN, or drop --rotary-scaling-factor")
+        extras = [flag for flag, on in (("--rotary-interleaved", self.rotary_interleaved),
+                                        ("--rotary-percent", self.rotary_percent != 1.0),
+                                        ("--rope-scaling-factor", self.rope_scaling_factor != 1.0)) if on]
+        if kind == "yarn" and extras:
+            raise ConfigError(f"--position-embedding-type yarn with {', '.join(extras)}: Megatron's "
+                              f"YarnRotaryEmbedding rotates every channel of the head in halves, unscaled by Llama "
+                              f"3.1 (it ignores --rotary-percent and --use-rope-scaling, asserts against interleaved "
+                              f"pairs); drop {' '.join(extras)}")
 
     def _check_window_and_sinks(self) -> None:
         """--window-size, --window-attn-skip-freq, --softmax-type by themselves."""
@@ -413,10 +421,7 @@ def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
         return yarn_inv_freq(c)
     rot = int(head_dim(c) * c.rotary_percent)
     rot -= rot % 2
-    if c.position_embedding_type == "yarn":
-        if c.rope_scaling_factor != 1.0 or c.rotary_percent != 1.0:
-            raise ConfigError("--rotary-scaling-factor (YaRN) rotates every channel, without --rope-scaling-factor "
-                              "(Llama 3.1) or --rotary-percent; drop those")
+    if c.position_embedding_type == "yarn":  # every channel (GPTConfig refuses --rotary-percent with it)
         return yarn_inv_freq(c, rot)
     inv = 1.0 / (c.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     if c.rope_scaling_factor != 1.0:
