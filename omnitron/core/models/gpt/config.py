@@ -191,7 +191,7 @@ class GPTConfig:
     multi_latent_attention: bool = False
     """--multi-latent-attention: DeepSeek-V2/V3 multi-head latent attention (transformer/mla.py) in place of
     the grouped-query attention; RoPE on the --qk-pos-emb-head-dim channels only, whatever
-    --position-embedding-type says (as Megatron)."""
+    --position-embedding-type says (as Megatron; but ``yarn``, refused: MLA's YaRN is --rope-type)."""
     q_lora_rank: int | None = None
     """--q-lora-rank: width of the compressed query latent (None: queries projected directly from the hidden)."""
     kv_lora_rank: int = 32
