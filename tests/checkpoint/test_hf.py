@@ -398,4 +398,4 @@ def test_dense_yarn_export_is_refused():
 
     for kw in (dict(), dict(add_bias_linear=False, add_qkv_bias=True)):
         with pytest.raises(HFConversionError, match="--rotary-scaling-factor 4.0; a Hugging Face llama model"):
-            config_to_hf(llama_tiny(rotary_scaling_factor=4.0, **kw))
+            config_to_hf(llama_tiny(position_embedding_type="yarn", rotary_scaling_factor=4.0, **kw))

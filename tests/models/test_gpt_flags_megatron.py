@@ -60,12 +60,13 @@ def omnitron_name(name: str) -> str:
     return name.replace(".core_attention.softmax_offset", ".softmax_offset")
 
 
-def run_omnitron(fx: dict) -> tuple[dict, dict]:
-    """omnitron's one-process float64 model of a case on its weights: (outputs, gradients by Megatron's names)."""
+def run_omnitron(fx: dict, config=None) -> tuple[dict, dict]:
+    """omnitron's one-process float64 model of a case on its weights (``config``: its GPTConfig, default
+    :func:`config_of` the case's flags): (outputs, gradients by Megatron's names)."""
     from omnitron.core.models.gpt import GPTModel
 
     V, S = fx["logits"].shape[-1], fx["tokens"].shape[1]
-    model = GPTModel(config_of(fx["flags"], fx["base"], V, S), ParallelGroups.single()).double().train()
+    model = GPTModel(config or config_of(fx["flags"], fx["base"], V, S), ParallelGroups.single()).double().train()
     names = {omnitron_name(n): n for n in fx["weights"]}
     missing = model.load_state_dict({o: fx["weights"][n].double() for o, n in names.items()}, strict=False)
     assert not missing.unexpected_keys and all(n.endswith("inv_freq") for n in missing.missing_keys), missing

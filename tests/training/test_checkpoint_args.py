@@ -129,9 +129,11 @@ def test_model_settings_are_compared_as_the_model_uses_them():
                  moe_grouped_gemm=True, moe_expert_capacity_factor=1.0, seq_length=64, init_method_std=0.1)]
     for kw in same:
         check_model_settings(model_dict(base), model_dict(replace(base, **kw)), "D")
-    extended = replace(base, rotary_base=40000, rotary_scaling_factor=8.0)  # context extension by --finetune
+    extended = replace(base, rotary_base=40000, rotary_scaling_factor=8.0,  # context extension by --finetune
+                       position_embedding_type="yarn")
     notes = check_model_settings(model_dict(base), model_dict(extended), "D", finetune=True)
-    assert len(notes) == 2 and "--rotary-base 40000 (the checkpoint's: 10000.0)" in notes[0]
+    assert len(notes) == 3 and all(any(want in n for n in notes) for want in (
+        "--rotary-base 40000 (the checkpoint's: 10000.0)", "--position-embedding-type yarn (the checkpoint's: rope)"))
     with pytest.raises(CheckpointError, match="--rotary-base checkpoint 10000.0, this run 40000"):
         check_model_settings(model_dict(base), model_dict(extended), "D")  # a resume continues the same model
     for kw, flag in ((dict(moe_router_topk=1), "--moe-router-topk checkpoint 2, this run 1"),

@@ -254,20 +254,14 @@ def test_quick_geglu_is_read_as_megatron_reads_it(tmp_path):
     assert ffn_size(parse_settings(base + ["--config", str(tmp_path / "own.yaml")], 1).model) == 48
 
 
-@pytest.mark.parametrize("kind, fix", [("yarn", "--position-embedding-type rope with --rotary-scaling-factor F"),
-                                       ("mrope", "not implemented; use rope"),
+@pytest.mark.parametrize("kind, fix", [("mrope", "not implemented; use rope"),
                                        ("relative", "not implemented; use learned_absolute")])
 def test_megatrons_other_position_types_name_what_to_give(kind, fix):
-    """Megatron's --position-embedding-type also takes yarn, mrope and relative: refused in one line that says
-    what to give instead; the spelling named for yarn is one omnitron takes."""
+    """Megatron's --position-embedding-type also takes mrope and relative: refused in one line that says what to
+    give instead (its yarn is taken: tests/models/test_gpt_yarn_megatron.py)."""
     with pytest.raises(ConfigError, match=f"^--position-embedding-type '{kind}' is not one of ") as info:
         parse_settings(BASE + ["--position-embedding-type", kind], 1)
     assert "\n" not in str(info.value) and fix in str(info.value)
-    if kind == "yarn":
-        factor = random.choice([2.0, 4.0, 32.0])
-        named = parse_settings(BASE + ["--position-embedding-type", "rope", "--rotary-scaling-factor", str(factor),
-                                       "--yarn-original-max-position-embeddings", "16"], 1).model
-        assert named.position_embedding_type == "rope" and named.rotary_scaling_factor == factor
 
 
 MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",

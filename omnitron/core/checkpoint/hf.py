@@ -108,7 +108,8 @@ def hf_model_type(cfg) -> str:
             and cfg.num_experts):
         return "gpt_oss"
     plain = getattr(cfg, "softmax_type", "vanilla") == "vanilla"  # Qwen3-MoE may window (every layer)
-    if cfg.num_experts and cfg.qk_layernorm and cfg.swiglu and cfg.position_embedding_type == "rope" and plain:
+    rotary = cfg.position_embedding_type in ("rope", "yarn")
+    if cfg.num_experts and cfg.qk_layernorm and cfg.swiglu and rotary and plain:
         return "qwen3_moe"
     common = [("--num-experts", cfg.num_experts, None), ("--qk-layernorm", cfg.qk_layernorm, False),
               ("--mtp-num-layers", getattr(cfg, "mtp_num_layers", None), None),

@@ -28,7 +28,7 @@ import torch
 
 from omnitron.core.checkpoint.hf_llama import (HFConversionError, Rule, _check, _llama_config, _llama_fields,
                                                _llama_rules, _need)
-from omnitron.core.checkpoint.hf_yarn import _rope_kind, _yarn_rope, _yarn_to_hf
+from omnitron.core.checkpoint.hf_yarn import _gqa_rope, _rope_kind, _yarn_rope, _yarn_to_hf
 from omnitron.core.models.gpt.config import router_bias
 from omnitron.core.transformer.shapes import ffn_size
 
@@ -101,7 +101,7 @@ def gpt_oss_fields(hf: dict) -> dict:
                 ffn_hidden_size=_need(hf, "intermediate_size"), moe_ffn_hidden_size=hf["intermediate_size"],
                 vocab_size=_need(hf, "vocab_size"), max_position_embeddings=n, seq_length=min(n, 4096),
                 normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-5), swiglu=True,
-                position_embedding_type="rope", **_yarn_rope(hf),
+                **_gqa_rope(hf),
                 untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), hidden_dropout=0.0,
                 attention_dropout=float(hf.get("attention_dropout", 0.0)), add_bias_linear=True,
                 init_method_std=hf.get("initializer_range", 0.02), num_experts=_need(hf, "num_local_experts"),
@@ -126,7 +126,7 @@ def qwen3_moe_fields(hf: dict) -> dict:
     yarn = kind == "yarn"
     out = _llama_fields({k: v for k, v in hf.items() if not (yarn and k in ("rope_parameters", "rope_scaling"))})
     if yarn:
-        out.update(_yarn_rope(hf))
+        out.update(_gqa_rope(hf))
     L, step = out["num_layers"], int(hf.get("decoder_sparse_step", 1))
     dense = set(hf.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(L)]

@@ -36,6 +36,13 @@ def _yarn_rope(hf: dict) -> dict:
                 yarn_correction_range_round_to_int=bool(params.get("truncate", True)))
 
 
+def _gqa_rope(hf: dict) -> dict:
+    """:func:`_yarn_rope` of a grouped-query attention's config with its --position-embedding-type: ``yarn`` where
+    the config has YaRN (Megatron's spelling; its ``rope`` would ignore the factor), else ``rope``."""
+    out = _yarn_rope(hf)
+    return dict(out, position_embedding_type="yarn" if "rotary_scaling_factor" in out else "rope")
+
+
 def _yarn_mscales(params: dict, factor: float) -> tuple[float, float]:
     """(--mscale, --mscale-all-dim) of transformers' YaRN ``params`` (``_compute_yarn_parameters``).
 

@@ -39,6 +39,8 @@ MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
                     "qk_layernorm", "max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "add_qkv_bias")
 # model keys added after format 1 was fixed (or a family without the field): a missing key means this value
 _MODEL_DEFAULTS = {"add_qkv_bias": False}
+# values that hold the same tensors: RoPE with or without YaRN's scaling (the settings check compares those)
+_SAME_SHAPES = {("position_embedding_type", "yarn"): "rope"}
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "context_parallel_size", "data_parallel_size", "decoder_first_pipeline_num_layers",
                "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -525,7 +527,7 @@ def check_compatible(meta: dict, model: dict, layout: dict, path: str, *, reshar
     """
     for key in MODEL_SHAPE_KEYS:
         saved, now = meta["model"].get(key, _MODEL_DEFAULTS.get(key)), model.get(key, _MODEL_DEFAULTS.get(key))
-        if saved != now:
+        if _SAME_SHAPES.get((key, saved), saved) != _SAME_SHAPES.get((key, now), now):
             raise CheckpointError(f"--load {path}: the checkpoint has --{key.replace('_', '-')} {saved}, this run "
                                   f"{now}; use the checkpoint's model settings")
     changes = []

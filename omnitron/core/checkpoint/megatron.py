@@ -149,7 +149,7 @@ def _reject_unsupported(args: dict) -> None:
     checks = [("normalization", args.get("normalization", "LayerNorm") in ("LayerNorm", "RMSNorm"),
                "omnitron has LayerNorm and RMSNorm"),
               ("position_embedding_type", args.get("position_embedding_type", "learned_absolute") in
-               ("learned_absolute", "rope", "none"), "omnitron has learned_absolute, rope and none"),
+               ("learned_absolute", "rope", "yarn", "none"), "omnitron has learned_absolute, rope, yarn and none"),
               ("fp8_param_gather", not args.get("fp8_param_gather"), "FP8 parameters: save high-precision weights")]
     for key, ok, why in checks:
         if not ok:
@@ -198,7 +198,7 @@ def config_from_megatron(args: dict, *, vocab_size: int, dtype: torch.dtype):
                      qk_layernorm=bool(args.get("qk_layernorm")),
                      apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),
                      init_method_std=args.get("init_method_std", 0.02), params_dtype=dtype,
-                     **_moe_mla_mtp_fields(args))
+                     **_moe_mla_mtp_fields(args, pos))
 
 
 _SAME_NAMED = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_load_balancing_type",
@@ -212,9 +212,20 @@ _SAME_NAMED = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_rou
 """Megatron args that are GPTConfig fields of the same name (MoE, MLA, MTP); ``beta_*`` are ``yarn_beta_*``."""
 
 
-def _moe_mla_mtp_fields(args: dict) -> dict:
-    """GPTConfig fields of a Megatron run's MoE / MLA / MTP args (only those recorded and not None)."""
+_GQA_YARN = ("yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+             "yarn_correction_range_round_to_int")
+"""Megatron's --yarn-* args, which its GPTModel reads under position_embedding_type ``yarn`` without MLA."""
+
+
+def _moe_mla_mtp_fields(args: dict, pos: str) -> dict:
+    """GPTConfig fields of a Megatron run's MoE / MLA / MTP / YaRN args (only those recorded and not None). Without
+    MLA Megatron reads --rotary-scaling-factor and --yarn-* only under ``yarn`` (argument_utils's
+    ``_apply_yarn_config_from_args``): its ``rope`` is plain RoPE whatever the factor says."""
     out = {k: args[k] for k in _SAME_NAMED if args.get(k) is not None}
+    if not out.get("multi_latent_attention") and pos != "yarn":
+        out.pop("rotary_scaling_factor", None)  # Megatron's rope: plain RoPE whatever the factor
+    if not out.get("multi_latent_attention") and pos == "yarn":
+        out.update({k: args[k] for k in _GQA_YARN if args.get(k) is not None})
     for beta in ("beta_fast", "beta_slow"):
         if beta in out:
             out["yarn_" + beta] = float(out.pop(beta))
@@ -303,6 +314,8 @@ def _moe_mla_mtp_args(cfg) -> dict:
         freq = cfg.moe_layer_freq
         out["moe_layer_freq"] = int(freq) if str(freq).strip().isdigit() else \
             [int(x) for x in moe_layer_pattern(freq, cfg.num_layers)]
+    if cfg.position_embedding_type == "yarn" and not cfg.multi_latent_attention:
+        out.update({k: getattr(cfg, k) for k in _GQA_YARN})
     if cfg.multi_latent_attention:
         out.update(rope_type="yarn" if cfg.rotary_scaling_factor != 1.0 else "rope",
                    original_max_position_embeddings=cfg.yarn_original_max_position_embeddings or 4096,
@@ -543,9 +556,6 @@ def _check_exportable(cfg, tp: int, pp: int, transformer_impl: str, ckpt_format:
                f"eh_proj split differently under Megatron's TE and local specs; use --ckpt-format torch_dist"),
               (cfg.add_bias_linear or not router_bias(cfg), "a router bias without --add-bias-linear: "
                "Megatron-Core's TopKRouter has one exactly with --add-bias-linear"),
-              (cfg.multi_latent_attention or cfg.rotary_scaling_factor == 1.0,
-               f"--rotary-scaling-factor {cfg.rotary_scaling_factor}: YaRN on grouped-query attention does not "
-               f"export to Megatron yet (its GPT args would say plain RoPE)"),
               (not (cfg.window_size or cfg.softmax_type != "vanilla" or cfg.quick_geglu or cfg.glu_linear_offset
                     or cfg.activation_func_clamp_value is not None),
                "sliding windows, attention sinks and gpt-oss's clamped SwiGLU do not export to Megatron yet"),

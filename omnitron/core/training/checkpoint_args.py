@@ -48,6 +48,14 @@ command line leaves them unset (a checkpoint written before the router bias foll
 False, and its routers no bias)."""
 
 
+def saved_position_type(model: dict[str, Any]) -> Any:
+    """A checkpoint's --position-embedding-type as this omnitron spells it: ``yarn`` where one written before that
+    spelling was taken holds ``rope`` with --rotary-scaling-factor above 1 and no MLA (omnitron then ran YaRN)."""
+    kind = model.get("position_embedding_type")
+    old_yarn = not model.get("multi_latent_attention") and model.get("rotary_scaling_factor", 1.0) != 1.0
+    return "yarn" if kind == "rope" and old_yarn else kind
+
+
 def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
     """``merged`` with the checkpoint's model and tokenizer settings when ``--use-checkpoint-args`` is on (else
     with the checkpoint's :data:`UNFLAGGED` fields the run leaves unset)."""
@@ -67,6 +75,8 @@ def apply_checkpoint_args(merged: dict[str, Any]) -> dict[str, Any]:
     except CheckpointError as err:
         raise ConfigError(f"--use-checkpoint-args: {err}") from None
     taken = {k: v for k, v in meta.get("model", {}).items() if k not in NOT_ARCHITECTURE}
+    if "position_embedding_type" in taken:
+        taken["position_embedding_type"] = saved_position_type(taken)
     flat = meta.get("config", {})
     taken.update({k: flat[k] for k in _TOKENIZER if flat.get(k) is not None})
     changed = [k for k, v in taken.items() if k in merged and merged[k] != v]

@@ -146,7 +146,8 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                             "only memory and communication differ"),
     "enable_gpt_oss": (None, "nothing: a ModelOpt flag, which pretrain_gpt.py applies (YaRN factor 32 over 131072 "
                              "positions) only while building from a ModelOpt checkpoint; omnitron reads none, so give "
-                             "YaRN as --rotary-scaling-factor / --yarn-original-max-position-embeddings",
+                             "YaRN as --position-embedding-type yarn --rotary-scaling-factor F "
+                             "--yarn-original-max-position-embeddings N",
                        "Megatron's run that loads no ModelOpt checkpoint builds the same model with or without it"),
 }
 NARGS = {"recompute_modules": "+"}
@@ -163,7 +164,8 @@ ALIASES: dict[str, tuple[str, dict]] = {
     "norm_epsilon": ("same as --layernorm-epsilon (Megatron's newer spelling)", {"type": float, "metavar": "EPS"}),
     "use_rope_scaling": ("Llama 3.1 RoPE scaling: --rope-scaling-factor (8 unless given; the factor without this "
                          "switch is refused, as Megatron then does not scale)", {"action": "store_true"}),
-    "no_position_embedding": ("no learned absolute position embedding: needs --position-embedding-type rope",
+    "no_position_embedding": ("no learned absolute position embedding: needs --position-embedding-type rope or "
+                              "yarn",
                               {"action": "store_true"}),
     "dataloader_type": ("single (the only order omnitron reads in: each sample once per pass, from the checkpoint's "
                         "data position on)", {"metavar": "TYPE"}),
@@ -333,9 +335,10 @@ def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     ``--recompute-modules`` checked as Megatron does."""
     _check_recompute_modules(merged.pop("recompute_modules", None), merged)
     _check_precision_aware(merged, merged.pop("use_precision_aware_optimizer", False))
-    if merged.pop("no_position_embedding", False) and merged.get("position_embedding_type") != "rope":
-        raise ConfigError("--no-position-embedding needs --position-embedding-type rope (omnitron's GPT has no "
-                          "position-free variant)")
+    rotary = merged.get("position_embedding_type") in ("rope", "yarn")
+    if merged.pop("no_position_embedding", False) and not rotary:
+        raise ConfigError("--no-position-embedding needs --position-embedding-type rope or yarn (omnitron's GPT has "
+                          "no position-free variant)")
     _rope_type(merged, merged.pop("rope_type", None))
     fraction = merged.pop("lr_warmup_fraction", None)
     if fraction is None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from omnitron.core.training.checkpoint_args import LENGTHS, NOT_ARCHITECTURE
+from omnitron.core.training.checkpoint_args import LENGTHS, NOT_ARCHITECTURE, saved_position_type
 
-_POSITION_PREFIXES = ("rotary_", "rope_", "yarn_", "mscale")
+_POSITION_PREFIXES = ("rotary_", "rope_", "yarn_", "mscale", "position_embedding_type")
 """The position encoding's settings: a --finetune may change them (context extension: a larger RoPE base or a
 scaling added to a trained model), so there they are reported, not refused."""
 
@@ -57,8 +57,9 @@ def _reads(model: dict[str, Any], key: str) -> bool:
     """Whether a model of settings ``model`` reads setting ``key``: not the experts' settings of a dense model,
     MLA's widths of another attention, YaRN's without its scaling, RoPE's without RoPE, the skip pattern without a
     window, the GeLU fusion without the biased GeLU (a difference there changes nothing)."""
-    mla, rope = bool(model.get("multi_latent_attention")), model.get("position_embedding_type") == "rope"
-    plain_rope = model.get("rotary_scaling_factor", 1.0) == 1.0
+    kind = model.get("position_embedding_type")
+    mla, rope = bool(model.get("multi_latent_attention")), kind in ("rope", "yarn")
+    plain_rope = model.get("rotary_scaling_factor", 1.0) == 1.0 or not (mla or kind == "yarn")
     unread = {"moe_": not model.get("num_experts"), "yarn_": plain_rope, "mscale": plain_rope,
               "rotary_": not (rope or mla), "rope_": not (rope or mla),
               "window_attn_skip_freq": model.get("window_size") is None,
@@ -69,7 +70,8 @@ def _reads(model: dict[str, Any], key: str) -> bool:
 
 def _canonical(model: dict[str, Any], key: str) -> Any:
     """Setting ``key`` of ``model`` as the model uses it: a per-layer pattern as its list (``2`` and ``[1,0,1,0]``
-    are one; the skip pattern as if a window were set), a window as its pair, YaRN's defaults for its Nones."""
+    are one; the skip pattern as if a window were set), a window as its pair, YaRN's defaults for its Nones, an
+    older checkpoint's spelling of YaRN as ``yarn``."""
     from omnitron.core.transformer.yarn import BETA_FAST, BETA_SLOW, ORIGINAL_MAX_POSITIONS
 
     v = model.get(key)
@@ -84,6 +86,8 @@ def _canonical(model: dict[str, Any], key: str) -> Any:
 
         return parse_window(v) if key == "window_size" else window_layers(
             SimpleNamespace(window_size="0,0", window_attn_skip_freq=v, num_layers=model["num_layers"]))
+    if key == "position_embedding_type":
+        return saved_position_type(model)
     defaults = {"yarn_beta_fast": BETA_FAST, "yarn_beta_slow": BETA_SLOW, "moe_router_topk_scaling_factor": 1.0,
                 "yarn_original_max_position_embeddings": ORIGINAL_MAX_POSITIONS}
     return defaults.get(key) if v is None else v

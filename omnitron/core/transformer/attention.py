@@ -77,7 +77,8 @@ class SelfAttention(nn.Module):
         self.cp_subgroups = None  # a2a+p2p: (a2a group, p2p group) of this rank (context/hierarchical.py)
         from omnitron.core.transformer.yarn import concentration
 
-        self.rope_factor = concentration(c) if getattr(c, "rotary_scaling_factor", 1.0) != 1.0 else 1.0
+        yarn = getattr(c, "position_embedding_type", None) == "yarn"  # MLA: its own class (transformer/mla.py)
+        self.rope_factor = concentration(c) if yarn else 1.0
         self.window = None  # (left, right): this layer's sliding window (set by TransformerLayer), None: full
         self.softmax_type = getattr(c, "softmax_type", "vanilla")  # attention sinks (transformer/window.py)
         if self.softmax_type == "learnable":  # one sink logit per head, split over tp with the heads

@@ -1,6 +1,6 @@
 """YaRN rotary scaling (Megatron-Core's ``YarnRotaryEmbedding``) of multi-latent attention, and of grouped-query
-attention when ``--rotary-scaling-factor`` is above 1 (gpt-oss: its rotated q and k are multiplied by the
-concentration factor, its softmax scale stays ``1/sqrt(d)``).
+attention under ``--position-embedding-type yarn`` (gpt-oss: its rotated q and k are multiplied by the
+concentration factor, its softmax scale stays ``1/sqrt(d)``, as Megatron's GPTModel with ``yarn``).
 
 The rotated channels of MLA (``--qk-pos-emb-head-dim`` of them) use the inverse frequencies
 ``inv = inter * (1 - mask) + extra * mask``: ``extra = base^(-2i/d)`` (plain RoPE), ``inter = extra /

@@ -55,8 +55,9 @@ class GPTConfig:
     swiglu: bool = False
     """--swiglu: gated SiLU MLP (three matrices) instead of GeLU."""
     position_embedding_type: str = "learned_absolute"
-    """--position-embedding-type: ``learned_absolute``, ``rope`` or ``none`` (no position signal but the causal mask:
-    NoPE, as Megatron's ``none``)."""
+    """--position-embedding-type: ``learned_absolute``, ``rope``, ``yarn`` (RoPE with YaRN's scaling of
+    --rotary-scaling-factor and the --yarn-* / --mscale* flags, transformer/yarn.py; gpt-oss) or ``none`` (no
+    position signal but the causal mask: NoPE, as Megatron's ``none``)."""
     rotary_base: float = 10000.0
     """--rotary-base: RoPE frequency base."""
     rotary_percent: float = 1.0
@@ -190,7 +191,7 @@ class GPTConfig:
     multi_latent_attention: bool = False
     """--multi-latent-attention: DeepSeek-V2/V3 multi-head latent attention (transformer/mla.py) in place of
     the grouped-query attention; RoPE on the --qk-pos-emb-head-dim channels only, whatever
-    --position-embedding-type says (as Megatron)."""
+    --position-embedding-type says (as Megatron; but ``yarn``, refused: MLA's YaRN is --rope-type)."""
     q_lora_rank: int | None = None
     """--q-lora-rank: width of the compressed query latent (None: queries projected directly from the hidden)."""
     kv_lora_rank: int = 32
@@ -203,7 +204,8 @@ class GPTConfig:
     """--v-head-dim: per-head value channels."""
     rotary_scaling_factor: float = 1.0
     """--rotary-scaling-factor: YaRN's context extension factor (transformer/yarn.py) of MLA's RoPE, or of the
-    grouped-query attention's RoPE (gpt-oss) when above 1 (1: plain RoPE)."""
+    grouped-query attention's RoPE under --position-embedding-type yarn (gpt-oss) (1: plain RoPE). As in
+    Megatron, ``rope`` without MLA does not read it: that combination is refused, naming ``yarn``."""
     mscale: float = 1.0
     """--mscale: YaRN's mscale (the rotated parts are scaled by m(mscale) / m(mscale_all_dim))."""
     mscale_all_dim: float = 0.0
@@ -251,7 +253,8 @@ class GPTConfig:
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
         choices = (("--normalization", self.normalization, ("LayerNorm", "RMSNorm")),
-                   ("--position-embedding-type", self.position_embedding_type, ("learned_absolute", "rope", "none")),
+                   ("--position-embedding-type", self.position_embedding_type,
+                    ("learned_absolute", "rope", "yarn", "none")),
                    ("--recompute-granularity", self.recompute_granularity, (None, "full", "selective")),
                    ("--recompute-method", self.recompute_method, (None, "uniform", "block")))
         for flag, v, ok in choices:
@@ -277,6 +280,26 @@ class GPTConfig:
             raise ConfigError(f"--swiglu without --ffn-hidden-size takes Megatron's int(4 x {self.hidden_size} x 2/3 "
                               f"/ 64) x 64 = 0 at --hidden-size {self.hidden_size}: give --ffn-hidden-size")
         self._check_window_and_sinks()
+        self._check_yarn()
+
+    def _check_yarn(self) -> None:
+        """Megatron's spellings of YaRN: ``yarn`` on grouped-query attention; MLA's own (``--rope-type``)."""
+        kind, factor = self.position_embedding_type, self.rotary_scaling_factor
+        if kind == "yarn" and self.multi_latent_attention:
+            raise ConfigError("--position-embedding-type yarn with --multi-latent-attention: MLA's YaRN is "
+                              "--rope-type yarn (its default) under --position-embedding-type rope; give that")
+        if kind != "yarn" and factor != 1.0 and not self.multi_latent_attention:
+            raise ConfigError(f"--rotary-scaling-factor {factor} with --position-embedding-type {kind}: Megatron "
+                              f"reads the factor only under --position-embedding-type yarn (its {kind} ignores it); "
+                              f"give yarn for YaRN, or drop --rotary-scaling-factor")
+        extras = [flag for flag, on in (("--rotary-interleaved", self.rotary_interleaved),
+                                        ("--rotary-percent", self.rotary_percent != 1.0),
+                                        ("--rope-scaling-factor", self.rope_scaling_factor != 1.0)) if on]
+        if kind == "yarn" and extras:
+            raise ConfigError(f"--position-embedding-type yarn with {', '.join(extras)}: Megatron's "
+                              f"YarnRotaryEmbedding rotates every channel of the head in halves, unscaled by Llama "
+                              f"3.1 (it ignores --rotary-percent and --use-rope-scaling, asserts against interleaved "
+                              f"pairs); drop {' '.join(extras)}")
 
     def _check_window_and_sinks(self) -> None:
         """--window-size, --window-attn-skip-freq, --softmax-type by themselves."""
@@ -376,9 +399,6 @@ def flops_per_iteration(c: GPTConfig, batch_size: int, seq_length: int | None = 
 
 
 POSITION_INSTEAD = {
-    "yarn": ": omnitron's YaRN on grouped-query attention (gpt-oss's) is --position-embedding-type rope with "
-            "--rotary-scaling-factor F (and YaRN's --yarn-original-max-position-embeddings, --yarn-beta-fast, "
-            "--yarn-beta-slow, --mscale, --mscale-all-dim as given); give those instead",
     "mrope": ": Megatron's multimodal RoPE (Qwen2-VL's, split in mrope sections) is not implemented; use rope",
     "relative": ": Megatron's relative position buckets (T5's --relative-attention-num-buckets) are not implemented; "
                 "use learned_absolute",
@@ -394,16 +414,14 @@ def router_bias(c) -> bool:
 
 
 def rope_inv_freq(c: GPTConfig) -> torch.Tensor:
-    """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled
-    (multi-latent attention: YaRN's over --qk-pos-emb-head-dim, :mod:`omnitron.core.transformer.yarn`)."""
+    """Inverse frequencies ``[r/2]`` for the rotated channels, with Llama-3.1 scaling when enabled, YaRN's under
+    --position-embedding-type yarn (multi-latent attention: YaRN's over --qk-pos-emb-head-dim whatever the type,
+    :mod:`omnitron.core.transformer.yarn`)."""
     if c.multi_latent_attention:
         return yarn_inv_freq(c)
     rot = int(head_dim(c) * c.rotary_percent)
     rot -= rot % 2
-    if c.rotary_scaling_factor != 1.0:
-        if c.rope_scaling_factor != 1.0 or c.rotary_percent != 1.0:
-            raise ConfigError("--rotary-scaling-factor (YaRN) rotates every channel, without --rope-scaling-factor "
-                              "(Llama 3.1) or --rotary-percent; drop those")
+    if c.position_embedding_type == "yarn":  # every channel (GPTConfig refuses --rotary-percent with it)
         return yarn_inv_freq(c, rot)
     inv = 1.0 / (c.rotary_base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     if c.rope_scaling_factor != 1.0:

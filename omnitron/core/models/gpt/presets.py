@@ -112,7 +112,7 @@ def gpt_oss_20b(**overrides) -> GPTConfig:
                              window_attn_skip_freq="2", softmax_type="learnable", quick_geglu=True,
                              glu_linear_offset=1.0, activation_func_clamp_value=7.0,
                              moe_router_load_balancing_type="none",
-                             **{**_LLAMA, "add_bias_linear": True}), **overrides)
+                             **{**_LLAMA, "add_bias_linear": True, "position_embedding_type": "yarn"}), **overrides)
 
 
 def qwen3_30b_a3b(**overrides) -> GPTConfig:

@@ -230,6 +230,6 @@ def _validate_context_parallel(c, cp: int, tp: int, sequence_parallel: bool, com
 
 
 def uses_rope(c) -> bool:
-    """Rotary angles are needed: ``--position-embedding-type rope``, or multi-latent attention (its
+    """Rotary angles are needed: ``--position-embedding-type rope`` or ``yarn``, or multi-latent attention (its
     decoupled RoPE, whatever the position embedding type)."""
-    return c.position_embedding_type == "rope" or c.multi_latent_attention
+    return c.position_embedding_type in ("rope", "yarn") or c.multi_latent_attention
