@@ -32,6 +32,7 @@ import typing
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 if not hasattr(typing, "override"):  # Megatron imports typing.override (Python >= 3.12)
     typing.override = lambda f: f
@@ -125,21 +126,36 @@ def stored_weights(flags: dict, weights: dict) -> dict:
     return {n: (t.double() - 1.0).float() if n.endswith("norm.weight") else t for n, t in weights.items()}
 
 
-def _window_mask(sq: int, skv: int, window_size) -> torch.Tensor:
-    """megatron-core's ``get_sliding_window_causal_mask`` (True: masked) built on the CPU, not on "cuda"."""
-    m = torch.ones(sq, skv, dtype=torch.bool)
-    return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+class _FactoriesOnCpu(TorchFunctionMode):
+    """Every torch call's ``device=`` argument pointed at the CPU (megatron-core names "cuda" in some factories)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs and "device" in kwargs:
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **(kwargs or {}))
+
+
+def on_cpu(fn):
+    """``fn`` run with its tensors built on the CPU (:class:`_FactoriesOnCpu`), its body unchanged."""
+
+    def run_on_cpu(*args, **kwargs):
+        with _FactoriesOnCpu():
+            return fn(*args, **kwargs)
+
+    return run_on_cpu
 
 
 def cpu_stand_ins() -> None:
     """CUDA calls megatron-core makes on a CPU run: the device of RoPE's and the sinks' buffers and of the sliding
-    window's mask, the tensor-parallel RNG tracker (dropout is 0)."""
+    window's mask (megatron-core's own ``get_sliding_window_causal_mask``, run :func:`on_cpu`), the tensor-parallel
+    RNG tracker (dropout is 0)."""
     from megatron.core import tensor_parallel
     from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
 
     torch.cuda.current_device = lambda: "cpu"
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    fused_softmax.get_sliding_window_causal_mask = _window_mask
+    fused_softmax.get_sliding_window_causal_mask = on_cpu(utils.get_sliding_window_causal_mask)
 
 
 def run(model, data: dict) -> dict:

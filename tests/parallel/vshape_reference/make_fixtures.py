@@ -31,6 +31,7 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DUALPIPE_CASES = [(p, m) for p in (2, 3, 4) for m in range(2 * p, 4 * p + 2)]
@@ -121,14 +122,28 @@ def _stage_class(log: list, store, run_backward):
     return Stage
 
 
+class _DeviceArgOnCpu(TorchFunctionMode):
+    """While on: a torch call's ``device=`` argument is the CPU (DualPipe's receive buffers name "cuda")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs and "device" in kwargs:
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **(kwargs or {}))
+
+
 def _dualpipe_worker(rank: int, p: int, cases: list, root: str, init: str, out: str) -> None:
     sys.path.insert(0, root)
     torch.cuda.current_device = lambda: "cpu"  # DualPipeV's device check, on the CPU
     import dualpipe
     import dualpipe.comm as comm
     from dualpipe.utils import WeightGradStore, run_backward
-    comm.build_from_tensor_shapes = lambda: [torch.empty(s, dtype=comm.TENSOR_DTYPE, requires_grad=True)
-                                             for s in comm.TENSOR_SHAPES]
+    build = comm.build_from_tensor_shapes
+
+    def build_on_cpu():  # the library's own receive buffers, made on the CPU
+        with _DeviceArgOnCpu():
+            return build()
+
+    comm.build_from_tensor_shapes = build_on_cpu
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=p)
     h, mbs, result = 4, 1, {}
     dualpipe.set_p2p_tensor_shapes([(mbs, h)])
