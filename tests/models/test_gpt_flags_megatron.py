@@ -171,9 +171,10 @@ def test_no_position_embedding_builds_and_converts():
         hf_model_type(cfg)
 
 
-def test_squared_relu_is_refused_where_megatron_refuses_and_converts():
+def test_squared_relu_is_refused_with_swiglu_carried_by_megatron_args_and_refused_by_hf_export():
     """``--squared-relu``: refused with a gated MLP (Megatron asserts not --swiglu), carried by Megatron's args both
-    ways, refused by a Hugging Face export (no such MLP there)."""
+    ways, refused by a Hugging Face export (no such MLP there). With biases and the default bias-GeLU fusion it is
+    accepted (the same function, unfused), where Megatron's fused bias-GeLU refuses it."""
     from omnitron.core.checkpoint.hf import HFConversionError, hf_model_type
     from omnitron.core.checkpoint.megatron import config_from_megatron
     from omnitron.core.config.parallel import ConfigError
@@ -183,8 +184,10 @@ def test_squared_relu_is_refused_where_megatron_refuses_and_converts():
         gpt2_tiny(squared_relu=True, swiglu=True)
     args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, squared_relu=True)
     assert config_from_megatron(args, vocab_size=64, dtype=torch.float32).squared_relu
+    biased = gpt2_tiny(squared_relu=True)
+    assert biased.add_bias_linear and biased.bias_gelu_fusion  # Megatron's refused combination, accepted here
     with pytest.raises(HFConversionError, match="--squared-relu"):
-        hf_model_type(gpt2_tiny(squared_relu=True))
+        hf_model_type(biased)
 
 
 def test_squared_relu_reaches_the_experts():
