@@ -1,14 +1,15 @@
 """omnitron's GPT under Megatron's model-shape flags, one at a time, against megatron-core's own ``GPTModel``: the
 logits, per-token losses and every parameter's gradient megatron-core computed at tensor-parallel sizes 1 and 2
-(tests/models/megatron_gpt_flags/fixtures.pt, written by its make_fixtures.py with the Megatron-LM d98e8a6
-snapshot, local layer spec, float64 on CPU) are omnitron's on the same weights and tokens; RoPE's inverse
-frequencies are megatron-core's. Cases: GPT-2 (learned positions, LayerNorm, tanh GeLU with biases, tied), QK
-norms (with GQA and RMSNorm too), interleaved RoPE, half the channels rotated at base 500, Llama 3.1's RoPE scaling
-at base 5e5, zero-centred LayerNorm weights (--apply-layernorm-1p), RMSNorm eps 1e-2, SwiGLU with biases, GeLU
-without biases, a qkv bias alone, untied learned positions, --kv-channels 12 (heads x 12 != hidden), one and two
-query groups, sliding windows (every layer, every other), learnable / off-by-one softmax sinks, no position
-embedding (``none``, NoPE) and --squared-relu (with biases, without). omnitron runs each case in one process and at
-tp2 on two gloo ranks; megatron-core's tp2 run is compared with both.
+(tests/models/megatron_gpt_flags/fixtures.pt, written by its make_fixtures.py with the Megatron-LM d98e8a6 snapshot,
+local layer spec, float64 on CPU) are omnitron's on the same weights and tokens; RoPE's inverse frequencies are
+megatron-core's. Cases: GPT-2 (learned positions, LayerNorm, tanh GeLU with biases, tied), QK norms (with GQA and
+RMSNorm too), interleaved RoPE, half the channels rotated (at base 500, which the case cannot test: heads 4 wide
+rotate 2 channels at the one frequency 1, whatever the base), Llama 3.1's RoPE scaling at base 5e5, zero-centred
+LayerNorm weights (--apply-layernorm-1p), RMSNorm eps 1e-2, SwiGLU with biases, GeLU without biases, a qkv bias
+alone, untied learned positions, --kv-channels 12 (heads x 12 != hidden), one and two query groups, sliding windows
+(every layer, every other), learnable / off-by-one softmax sinks, no position embedding (``none``, NoPE) and
+--squared-relu (with biases, without). omnitron runs each case in one process and at tp2 on two gloo ranks;
+megatron-core's tp2 run is compared with both.
 
 Tolerance: both sides hold the same weights (exact in the fixture) in float64 and run the float64 reference kernels;
 what is not float64 is RoPE's inverse frequencies (megatron-core's float32 arange and power, omnitron's float64
