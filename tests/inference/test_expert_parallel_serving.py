@@ -53,15 +53,16 @@ def _rank(root: str, tp: int, ep: int) -> dict:
 def test_expert_parallel_generation_matches_one_process(tmp_path, tp, ep, backend, kind):
     """Every rank of tp x ep prints the one-process greedy text (log-probs within LP_ATOL); ep rank r holds experts
     [r E/ep, (r+1) E/ep) of every MoE layer, so its parameters are fewer by the other ranks' experts; each token
-    is dispatched once over the ep replicas (the first prefill's 5 x 3 = 15 tokens: each tp rank's ceil(15 / tp),
-    sliced over ep and padded to ep equal parts)."""
+    is dispatched once over the ep replicas (the first prefill's padded batch, 5 x 3 = 15 tokens: each tp rank's
+    ceil(15 / tp), sliced over ep and padded to ep equal parts)."""
     root = str(tmp_path / "ck")
     cfg = _moe_config(kind)
     _checkpoint(root, cfg, tp=1)
     want = [_one_process(root, GREEDY, p) for p in MOE_PROMPT_SETS]
     ranks = run_distributed(_rank, tp * ep, root, tp, ep, backend=backend)
     e = cfg.num_experts
-    per_tp = -(-15 // tp)
+    first = MOE_PROMPT_SETS[0]  # the first prefill: its prompts padded to the longest
+    per_tp = -(-len(first) * max(len(p.split()) for p in first) // tp)
     for rank, got in enumerate(ranks):
         r = got["ep_rank"]
         assert all(x == list(range(r * e // ep, (r + 1) * e // ep)) for x in got["experts"]), (rank, got["experts"])
@@ -97,8 +98,10 @@ def test_expert_parallel_ranks_read_only_their_experts_from_safetensors(tmp_path
     rank's."""
     from omnitron.core.checkpoint.reshard import export_safetensors
 
-    root, file = str(tmp_path / "ck"), str(tmp_path / "m.safetensors")
-    _checkpoint(root, _moe_config("gpt_oss"), tp=1)
+    from omnitron.core.transformer.shapes import padded_vocab_size
+
+    root, file, cfg = str(tmp_path / "ck"), str(tmp_path / "m.safetensors"), _moe_config("gpt_oss")
+    _checkpoint(root, cfg, tp=1)
     export_safetensors(str(tmp_path / "ck" / "iter_0000000"), file)
     want = [_one_process(root, GREEDY, p) for p in MOE_PROMPT_SETS]
     for rank, got in enumerate(run_distributed(_rank, 2, file, 1, 2)):
@@ -106,7 +109,9 @@ def test_expert_parallel_ranks_read_only_their_experts_from_safetensors(tmp_path
             _assert_same(g, w, ("safetensors", rank, p))
         # fp32 on disk and in memory: what it holds, it read, except the vocabulary's padding rows (301 -> 384, a
         # multiple of 128) of the embedding and the untied output layer, zeros that no file holds
-        assert got["read"] == got["bytes"] - 2 * (384 - 301) * 64 * 4, rank
+        assert cfg.untie_embeddings_and_output_weights and cfg.params_dtype == torch.float32
+        padding = (padded_vocab_size(cfg, 1) - cfg.vocab_size) * cfg.hidden_size * 4
+        assert got["read"] == got["bytes"] - 2 * padding, rank
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

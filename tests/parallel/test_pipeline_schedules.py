@@ -96,6 +96,21 @@ def test_v_schedules_bubble_and_activations_match_theory(name, pp, m):
     assert max(tl.peak_inflight.values()) <= bound
 
 
+def test_zb_v_reaches_the_ideal_step_at_every_m_from_p():
+    """BENCHMARKS.md's claim: zb-v's list schedule reaches 6m + p - 1 (6m chunk passes a rank after p - 1 start-up
+    forwards) at every m >= p, on the ideal clock priced as ``zb_stage_cost`` and with every pass one unit."""
+    from omnitron.core.parallel.pipeline.vshape import schedule_zb_v
+
+    def uniform(stage: int, kind: str) -> float:
+        return 2.0 if kind == "BW" else 1.0
+
+    for cost in (zb_stage_cost, uniform):
+        for pp in range(2, 9):
+            for m in range(pp, 3 * pp + 2):
+                span = simulate(schedule_zb_v(pp, m, stage_cost=cost), stage_cost=cost).makespan
+                assert span == 6 * m + pp - 1, (cost.__name__, pp, m, span)
+
+
 def test_simulator_catches_broken_tables():
     good = schedule_1f1b(2, 2)
     # rank 1 asks for micro-batch 1's backward before forwarding it

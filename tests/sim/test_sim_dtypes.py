@@ -8,6 +8,8 @@ second is launched; a collective's fingerprint (shape, dtype, reduce op) is exch
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,9 +20,9 @@ pytestmark = [requires_sim(), pytest.mark.multiprocess, pytest.mark.planted]
 ENV = {"OMNITRON_SIM_DEADLOCK_S": "30", "OMNITRON_STRICT_COLLECTIVES": "1"}
 
 
-def exchange(recv_dtype: str, recv_shape: tuple, batched: bool) -> dict:
-    """Rank 0 sends a random float32[8] to rank 1, which receives into ``recv_dtype[recv_shape]``: what rank 1
-    got (as float64) and the error, per rank."""
+def exchange(recv_dtype: str, recv_shape: tuple, batched: bool, seed: int) -> dict:
+    """Rank 0 sends a random float32[8] (from ``seed``) to rank 1, which receives into ``recv_dtype[recv_shape]``:
+    what rank 1 got (as float64) and the error, per rank."""
     import torch.distributed as dist
 
     from omnitron.backends import get_backend
@@ -28,7 +30,7 @@ def exchange(recv_dtype: str, recv_shape: tuple, batched: bool) -> dict:
     from tests.sim.test_sim_group_order import _exit_soon
 
     dev, me = get_backend().device(), dist.get_rank()
-    sent = torch.randn(8, generator=torch.Generator().manual_seed(11))
+    sent = torch.randn(8, generator=torch.Generator().manual_seed(seed))
     t = sent.to(dev) if me == 0 else torch.empty(recv_shape, dtype=getattr(torch, recv_dtype), device=dev)
     try:
         if batched:
@@ -49,8 +51,9 @@ def exchange(recv_dtype: str, recv_shape: tuple, batched: bool) -> dict:
 @pytest.mark.parametrize("batched", [False, True])
 def test_same_dtype_and_count_in_another_shape_is_delivered(batched):
     """float32[8] into float32[2, 4]: NCCL's datatype and count agree (the shape is the program's business)."""
-    for r in run_distributed(exchange, 2, "float32", (2, 4), batched, backend="sim", env=ENV, timeout_s=90):
-        assert r == {"error": "", "exact": True}, r
+    seed = int.from_bytes(os.urandom(4), "little")
+    for r in run_distributed(exchange, 2, "float32", (2, 4), batched, seed, backend="sim", env=ENV, timeout_s=90):
+        assert r == {"error": "", "exact": True}, (seed, r)
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -59,7 +62,8 @@ def test_same_dtype_and_count_in_another_shape_is_delivered(batched):
 def test_other_dtype_or_count_fails_both_ranks(dtype, shape, kind, batched):
     """float32[8] into bfloat16[16] or float64[4] (the same 32 bytes: passed before), or float32[9]: both ranks
     fail with one line naming both operations, their datatypes and call sites."""
-    for r in run_distributed(exchange, 2, dtype, shape, batched, backend="sim", env=ENV, timeout_s=90):
+    seed = int.from_bytes(os.urandom(4), "little")  # the values do not matter here: the mismatch fails first
+    for r in run_distributed(exchange, 2, dtype, shape, batched, seed, backend="sim", env=ENV, timeout_s=90):
         m = r["error"]
         assert "\n" not in m and f"sim: point-to-point {kind} mismatch" in m and "same count and datatype" in m, m
         name = {"bfloat16": "BFloat16", "float64": "Double", "float32": "Float"}[dtype]  # as c10 prints them
