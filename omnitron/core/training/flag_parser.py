@@ -142,7 +142,11 @@ def model_words(model: dict[str, Any]) -> list[str]:
     from omnitron.core.models.gpt.config import GPTConfig
 
     opts = options()
-    return setting_words({k: v for k, v in model.items() if k in opts and not _skip(GPTConfig, k)})
+    values = {k: v for k, v in model.items() if k in opts and not _skip(GPTConfig, k)}
+    if values.get("quick_geglu"):  # it implies the gated MLP; Megatron refuses --swiglu beside it
+        values.pop("swiglu", None)
+    scaled = values.get("rope_scaling_factor", 1.0) != 1.0  # Megatron's factor acts only with --use-rope-scaling
+    return (["--use-rope-scaling"] if scaled else []) + setting_words(values)
 
 
 def setting_words(values: dict[str, Any]) -> list[str]:
