@@ -190,22 +190,15 @@ def test_server_under_expert_parallelism_answers_like_one_process(tmp_path):
     """``omnitron serve --expert-model-parallel-size 2`` on an MoE checkpoint: 2 ranks launched, each with 2 of the
     4 experts; rank 0 answers a greedy request with the one-process text, twice (the replicas still in step), and
     SIGTERM stops both."""
-    import os
     import signal
-    import subprocess
-    import sys
 
-    from tests.inference.test_sharded_serve import _put, _wait_for_port
+    from tests.inference.test_sharded_serve import _put, _wait_for_port, start_server
 
     root = str(tmp_path / "ck")
     _checkpoint(root, _moe_config("gpt"), tp=1)
     prompts = MOE_PROMPT_SETS[0]
     want = _one_process(root, GREEDY, prompts)["text"]
-    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "omnitron", "serve", "--load", root, "--port", "0",
-                             "--expert-model-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=tmp_path)
+    proc = start_server(root, ["--expert-model-parallel-size", "2"], tmp_path)
     try:
         port = _wait_for_port(proc, 240)
         greedy = {"prompts": prompts, "tokens_to_generate": 10, "temperature": 0.0}

@@ -38,19 +38,24 @@ def _wait_for_port(proc, deadline_s: float) -> int:
     raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
 
 
+def start_server(root: str, flags: list[str], cwd, backend: str | None = None) -> subprocess.Popen:
+    """``omnitron serve --load root --port 0 FLAGS`` in a child process (this checkout first on its path; ``backend``:
+    the ranks' OMNITRON_BACKEND, None: the session's)."""
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    if backend is not None:
+        env["OMNITRON_BACKEND"] = backend
+    return subprocess.Popen([sys.executable, "-m", "omnitron", "serve", "--load", root, "--port", "0", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+
+
 @pytest.mark.parametrize("backend", [None, pytest.param("sim", marks=[pytest.mark.slow, requires_sim()])])
 def test_server_under_tensor_parallelism_answers_like_one_process(tmp_path, backend):
     """``backend``: the server ranks' (None: the session's; sim: 100 s on the loaded 2-core machine, 2026-12-03)."""
     root = str(tmp_path / "ck")
     _checkpoint(root)
     want = _one_process(root, {"temperature": 0.0})["text"]
-    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    if backend is not None:
-        env["OMNITRON_BACKEND"] = backend
-    proc = subprocess.Popen([sys.executable, "-m", "omnitron", "serve", "--load", root, "--port", "0",
-                             "--tensor-model-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=tmp_path)
+    proc = start_server(root, ["--tensor-model-parallel-size", "2"], tmp_path, backend)
     try:
         port = _wait_for_port(proc, 240)
         greedy = {"prompts": PROMPTS, "tokens_to_generate": 10, "temperature": 0.0}
