@@ -92,7 +92,7 @@ def _train_logged(root: str, micro: int, world: int, *extra) -> tuple[list, dict
 
     torch.set_num_threads(1)
     with _Log() as log:
-        result = train(parse_settings(_args(root, micro, *extra), world), get_backend("cpu"))
+        result = train(parse_settings(_args(root, micro, *extra), world), get_backend())
     names = {s: (n, r) for n, m in linear_modules(result["components"].modules)
              if isinstance(getattr(m, "fp8", None), FP8Linear) for r, s in m.fp8.states.items()}
     return log.entries, names

@@ -150,21 +150,23 @@ def _tp2_errors() -> dict:
     from omnitron.core.config.parallel import ParallelConfig
     from omnitron.core.models.gpt import GPTModel, allreduce_sequence_parallel_grads, gather_full_state
     from omnitron.core.models.gpt.state import shard_full_state
+    from omnitron.core.parallel.tensor.sharding import to_device
 
     torch.set_num_threads(1)
-    groups = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=get_backend())
+    be = get_backend()
+    groups, dev = ParallelGroups.build(ParallelConfig(tensor_model_parallel_size=2), backend=be), be.device()
     out = {}
     for case, fx in FIXTURES.items():
         V, S = fx["logits"].shape[-1], fx["tokens"].shape[1]
-        model = GPTModel(config_of(fx["flags"], fx["base"], V, S), groups).double().train()
+        model = to_device(GPTModel(config_of(fx["flags"], fx["base"], V, S), groups).double(), dev).train()
         names = {omnitron_name(n): n for n in fx["weights"]}
         shard_full_state(model, {o: fx["weights"][n].double() for o, n in names.items()}, groups)
-        loss = model(fx["tokens"], labels=fx["labels"])
+        loss = model(fx["tokens"].to(dev), labels=fx["labels"].to(dev))
         loss.double().mean().backward()
         allreduce_sequence_parallel_grads(model, groups)
         grads = gather_full_state(model, groups, grads=True)
-        errs = {n: distance(grads[o], fx["tp2"]["grads"][n]) for o, n in names.items()}
-        errs["loss"] = relative_error(loss.detach(), fx["tp2"]["loss"])
+        errs = {n: distance(grads[o].cpu(), fx["tp2"]["grads"][n]) for o, n in names.items()}
+        errs["loss"] = relative_error(loss.detach().cpu(), fx["tp2"]["loss"])
         out[case] = errs
     return out
 
