@@ -119,7 +119,7 @@ def run_convert(args: argparse.Namespace) -> int:
         path = resolve(args.load)
         check_save("--save", args.save, args.load, path)  # never over a checkpoint, never into --load
         cfg = model_config(read_metadata(path)["model"])
-        target = _target_layout(args, cfg.num_layers)
+        target = _target_layout(args, cfg.num_layers, cfg.num_experts)
         out = convert(path, args.save, target, args.target_ckpt_format, say=say, progress=progress)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         return fail("convert", err)
@@ -128,8 +128,9 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _target_layout(args: argparse.Namespace, num_layers: int):
-    """The Layout the --target-* flags ask for (ConfigError naming the flag when they do not fit)."""
+def _target_layout(args: argparse.Namespace, num_layers: int, num_experts: int | None = None):
+    """The Layout the --target-* flags ask for (ConfigError naming the flag when they do not fit), checked as a
+    training run's layout is: a checkpoint written in a layout no run can have is refused by every reader."""
     from omnitron.core.checkpoint.reshard import Layout
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.parallel.pipeline.layout import pipeline_layer_ranges, virtual_pipeline_size
@@ -143,14 +144,40 @@ def _target_layout(args: argparse.Namespace, num_layers: int):
                     ("--target-expert-model-parallel-size", args.target_expert_model_parallel_size)):
         if v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
+    _check_experts(tp, args.target_data_parallel_size, args.target_expert_model_parallel_size, num_experts)
     try:  # the training flags' rules, their names with --target- in front
         vp = virtual_pipeline_size(num_layers, pp, args.target_num_layers_per_virtual_pipeline_stage,
                                    args.target_num_virtual_stages_per_pipeline_rank, first, last, embedding, loss)
         pipeline_layer_ranges(num_layers, pp, vp, first, last, embedding=embedding, loss=loss)
+        layout = Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size,
+                        ep=args.target_expert_model_parallel_size, first=first, last=last, embedding=embedding,
+                        loss=loss)
+        layout.parallel_config()  # the training rules for the whole grid
     except ConfigError as err:
-        raise ConfigError(re.sub(r"--(?=pipeline-model|num-layers-per|num-virtual|decoder-|account-for)", "--target-",
-                                 str(err))) from None
-    return Layout(tp=tp, pp=pp, vp=vp, dp=args.target_data_parallel_size, ep=args.target_expert_model_parallel_size,
-                  first=first, last=last, embedding=embedding, loss=loss)
+        raise ConfigError(re.sub(r"--(?=pipeline-model|num-layers-per|num-virtual|decoder-|account-for|tensor-model|"
+                                 r"data-parallel|expert-model)", "--target-", str(err))) from None
+    return layout
+
+
+def _check_experts(tp: int, dp: int, ep: int, num_experts: int | None) -> None:
+    """The experts' ranks: ``ep`` needs an MoE model, must divide its experts and the tp x dp ranks of a pipeline
+    stage (whole experts, as converted checkpoints hold them); ConfigError naming the --target- flag that fixes it."""
+    from math import gcd
+
+    from omnitron.core.config.parallel import ConfigError
+
+    if ep == 1:
+        return
+    if not num_experts:
+        raise ConfigError(f"--target-expert-model-parallel-size {ep} needs an MoE model and this checkpoint's has no "
+                          f"experts; use --target-expert-model-parallel-size 1")
+    if num_experts % ep:
+        raise ConfigError(f"--target-expert-model-parallel-size {ep} does not divide the model's {num_experts} "
+                          f"experts (each rank holds as many); use a divisor of {num_experts}")
+    if (tp * dp) % ep:
+        step = ep // gcd(ep, tp)  # the smallest dp whose tp x dp ep divides, and its multiples
+        raise ConfigError(f"--target-expert-model-parallel-size {ep} must divide the ranks of a pipeline stage, "
+                          f"--target-tensor-model-parallel-size {tp} x --target-data-parallel-size {dp} = {tp * dp}; "
+                          f"give --target-data-parallel-size {step * -(-dp // step)}")
 
 
