@@ -5,7 +5,8 @@ spec, CPU), as Megatron's training loop loads a checkpoint, and that model's log
 float64 GPT written from the maths over the exported tensors; a checkpoint megatron-core saves itself
 (``dist_checkpointing.save``: its own keys, common.pt, metadata.json) is imported and the imported model's
 logits compared with megatron-core's. megatron-core runs in a child process
-(tests/checkpoint/megatron_core_side.py). Checked with megatron-core 0.16.1 on 2026-12-03.
+(tests/checkpoint/megatron_core_side.py), at tp1 and (the dense models) tp2. Checked with megatron-core 0.16.1 on
+2026-12-03, and 0.20.0 (tp1 and tp2) on 2026-12-07.
 
 Tolerance: fp32 against float64 (or fp32 against fp32 in another summation order) on a 3-layer width-32
 model, ~ layers x sqrt(64) x 2**-24 = 1.4e-6 relative; 1e-5 bounds it (tests/models/test_gpt_reference.py).
@@ -39,8 +40,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_megatron_core_loads_export_and_saves_importable(kind, tmp_path):
+@pytest.mark.parametrize("kind,tp", [("gpt2", 1), ("llama", 1), ("gpt2", 2), ("llama", 2)])
+def test_megatron_core_loads_export_and_saves_importable(kind, tp, tmp_path):
+    """megatron-core at tensor-parallel size ``tp`` (tp2: another layout than the export's tp1, whose vocabulary is
+    padded for tp1; its own save is tp-sharded, imported and read by one omnitron process)."""
     from omnitron.core.models.gpt.model import GPTModel
     from omnitron.core.parallel.groups import ParallelGroups
 
@@ -51,9 +54,10 @@ def test_megatron_core_loads_export_and_saves_importable(kind, tmp_path):
                 "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]) == 0
     tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(seed))
     torch.save(tokens, tmp_path / "tokens.pt")
-    torch.save(_args(cfg, tp=1), tmp_path / "args.pt")
+    torch.save(_args(cfg, tp=tp), tmp_path / "args.pt")
     side = os.path.join(os.path.dirname(__file__), "megatron_core_side.py")
-    r = subprocess.run([sys.executable, side, kind, str(tmp_path)], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, side, kind, str(tmp_path), str(tp)], capture_output=True, text=True,
+                       timeout=300,
                        env=dict(os.environ, SEED=str(seed + 1)))
     assert r.returncode == 0, r.stderr[-3000:]
     _, ref = plain_gpt_loss({n: t.double() for n, t in W.items()}, cfg, tokens, torch.zeros_like(tokens))
