@@ -1,6 +1,6 @@
 """--log-straggler: a rank slowed by a planted sleep is named slowest in metrics.jsonl (dp2; dp4 under -m slow);
-the scores and orderings against a plain computation on fresh random times; its cost, one all-gather per report (the TensorBoard scalars:
-tests/training/test_observability.py)."""
+the scores and orderings against a plain computation on fresh random times; its cost, one all-gather per report
+(the TensorBoard scalars: tests/training/test_observability.py)."""
 from __future__ import annotations
 
 import json
