@@ -84,6 +84,15 @@ def test_combined_keeps_losses_and_gradients_at_ep2_on_sim(tmp_path):
     _check_equal("sim", tmp_path, 2, 3)
 
 
+@requires_sim()
+@pytest.mark.multiprocess
+def test_combined_with_selective_recomputation_at_ep2_on_sim(tmp_path):
+    """Megatron runs the overlap under selective recomputation (it refuses full recomputation and moe among
+    --recompute-modules only): the recomputed core attention, its dropout mask drawn again from the saved
+    generator state, keeps losses and gradients bit for bit while the other micro-batch's forward draws between."""
+    _check_equal("sim", tmp_path, 2, 3, ("--recompute-granularity", "selective", "--attention-dropout", "0.1"))
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_combined_keeps_losses_and_gradients_at_ep2_pp2_1f1b_on_cpu(tmp_path):
@@ -184,6 +193,12 @@ def test_combined_keeps_losses_and_gradients_at_ep2_pp2_dualpipe_v_on_cpu(tmp_pa
 @pytest.mark.parametrize("extra, message", [
     (("--expert-model-parallel-size", "1"), "needs --num-experts and --expert-model-parallel-size >= 2"),
     (("--recompute-granularity", "full", "--recompute-method", "uniform"), "drop one"),
+    (("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"),
+     "drop moe from --recompute-modules"),
+    (("--moe-token-dispatcher-type", "allgather"), "use --moe-token-dispatcher-type alltoall"),
+    (("--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-overlap"),
+     "drop --moe-shared-expert-overlap"),
+    (("--position-embedding-type", "rope", "--mtp-num-layers", "2"), "at most one MTP layer"),
     (("--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"),
      "--overlap-moe-expert-parallel-comm pairs the forwards and backwards of --pipeline-schedule none, 1f1b, "
      "interleaved, dualpipe-v, not zb-h1"),
@@ -195,6 +210,16 @@ def test_refused_layouts(tmp_path, extra, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_settings(_args(str(tmp_path), 2, (*OVERLAP, *extra)), 4)
+
+
+@pytest.mark.parametrize("extra", [("--moe-token-dispatcher-type", "alltoall"), ("--moe-token-dispatcher-type", "flex"),
+                                   ("--recompute-granularity", "selective", "--recompute-modules", "core_attn"),
+                                   ("--position-embedding-type", "rope", "--mtp-num-layers", "1")])
+def test_megatron_accepted_layouts(tmp_path, extra):
+    """What Megatron runs beside the overlap is not refused (its refusals above are the exceptions)."""
+    from omnitron.core.training.arguments import parse_settings
+
+    assert parse_settings(_args(str(tmp_path), 2, (*OVERLAP, *extra)), 4).parallel.overlap_moe_expert_parallel_comm
 
 
 def test_run_combined_turns_and_errors():

@@ -1,8 +1,9 @@
 """Activation offloading (--cpu-offloading-num-layers, --cpu-offloading-activations / -weights): the same
-losses bit for bit as without it, and the host bytes offloaded equal what the flags select, counted here
-independently (a plain saved-tensors hook over one forward of the offloaded layers), on cpu and on sim, whose
-asynchronous streams, stream-ordered allocator (a block freed while another stream may still use it is an
-error) and guarded pinned pages are where a missing wait or record_stream fails."""
+losses and final weights bit for bit as without it, nothing offloaded alive past its step, and the host bytes
+offloaded equal what the flags select, counted here independently (a plain saved-tensors hook over one forward
+of the offloaded layers), on cpu and on sim, whose asynchronous streams, stream-ordered allocator (a block freed
+while another stream may still use it is an error) and guarded pinned pages are where a missing wait or
+record_stream fails."""
 from __future__ import annotations
 
 import os
@@ -64,22 +65,37 @@ def train_offloading(root: str, extra: tuple) -> dict:
     """Train on this worker's backend with ``extra`` flags; the losses, the offloader's counts and the
     independently counted bytes the flags select."""
     import dataclasses
+    import gc
 
     import torch
 
     from omnitron.backends import get_backend
     from omnitron.core.models.gpt.config import offload_layers
     from omnitron.core.parallel.data.wrapper import unwrap_model
+    from omnitron.core.training import loop
     from omnitron.core.training.arguments import parse_settings
-    from omnitron.core.training.loop import train
+    from omnitron.core.transformer.offload import _Held
 
     torch.set_num_threads(1)
-    res = train(parse_settings(_args(root, extra), torch.distributed.get_world_size()), get_backend())
+    backend, allocated = get_backend(), []
+    step = loop._guarded_step
+
+    def recorded_step(*args, **kwargs):  # the device allocator's bytes after each step (cpu has none: its RSS)
+        values = step(*args, **kwargs)
+        backend.synchronize()
+        allocated.append(backend.memory_stats()["allocated"] if backend.name != "cpu" else None)
+        return values
+
+    loop._guarded_step = recorded_step
+    res = loop.train(parse_settings(_args(root, extra), torch.distributed.get_world_size()), backend)
     model = unwrap_model(res["components"].modules[0])
     n = offload_layers(model.config)
     stats = [dataclasses.asdict(unwrap_model(c).offloader.stats) for c in res["components"].modules
              if unwrap_model(c).offloader]
-    out = {"losses": res["losses"], "stats": stats[0] if len(stats) == 1 else stats or None}
+    gc.collect()
+    out = {"losses": res["losses"], "stats": stats[0] if len(stats) == 1 else stats or None,
+           "weights": [p.detach().cpu().clone() for c in res["components"].modules for p in c.parameters()],
+           "allocated": allocated, "held": sum(isinstance(o, _Held) for o in gc.get_objects())}
     if n and model.pre_process:  # a chunk that takes tokens (a later pipeline stage takes the previous' output)
         out["expected"] = saved_bytes_per_forward(model, n)
     if model.config.fine_grained_activation_offloading:  # the chosen submodules of every layer, by their paths
@@ -91,10 +107,21 @@ def train_offloading(root: str, extra: tuple) -> dict:
     return out
 
 
+def _same_run(plain: dict, off: dict) -> None:
+    """The offloaded run is the plain one bit for bit (losses and final weights), and it left nothing behind: the
+    device bytes allocated after every step are the plain run's (on a device with an allocator) and no offloaded
+    tensor (host copy or device copy) is alive after the run."""
+    assert off["losses"] == plain["losses"], "offloading changed the losses"
+    assert len(off["weights"]) == len(plain["weights"]) and all(
+        bool((a == b).all()) for a, b in zip(off["weights"], plain["weights"])), "offloading changed the weights"
+    assert off["allocated"] == plain["allocated"], "an offloaded tensor outlived its step on the device"
+    assert off["held"] == 0, f"{off['held']} offloaded tensors still alive after the run"
+
+
 def _check(backend: str, tmp_path, flags: tuple, kinds: set[str]) -> None:
     plain, off = run_distributed(train_offloading, 1, str(tmp_path / "a"), (), backend=backend)[0], \
         run_distributed(train_offloading, 1, str(tmp_path / "b"), flags, backend=backend)[0]
-    assert off["losses"] == plain["losses"], "offloading changed the losses"
+    _same_run(plain, off)
     forwards = ITERS * MICRO_BATCHES
     stats, expected = off["stats"], off["expected"]
     assert stats["activation_bytes"] == (forwards * expected["activation"] if "activation" in kinds else 0)
@@ -189,7 +216,8 @@ def test_offloading_with_pipeline_parallelism(tmp_path, schedule, layers, extra)
     base = _pp_args(layers, ("--pipeline-schedule", schedule) + extra)
     plain = run_distributed(train_offloading, 2, str(tmp_path / "a"), base)
     off = run_distributed(train_offloading, 2, str(tmp_path / "b"), base + ("--cpu-offloading-num-layers", "1"))
-    assert [r["losses"] for r in off] == [r["losses"] for r in plain], "offloading changed the losses"
+    for p, o in zip(plain, off):
+        _same_run(p, o)
     stats = [s for r in off for s in (r["stats"] if isinstance(r["stats"], list) else [r["stats"]])]
     assert len(stats) == 2 * (2 if extra else 1)  # one offloader per chunk
     forwards = ITERS * PP_MICRO_BATCHES

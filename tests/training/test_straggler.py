@@ -1,6 +1,6 @@
 """--log-straggler: a rank slowed by a planted sleep is named slowest in metrics.jsonl (dp2; dp4 under -m slow);
-the scores and orderings against a plain computation on fresh random times (the TensorBoard scalars:
-tests/training/test_observability.py)."""
+the scores and orderings against a plain computation on fresh random times; its cost, one all-gather per report
+(the TensorBoard scalars: tests/training/test_observability.py)."""
 from __future__ import annotations
 
 import json
@@ -85,3 +85,32 @@ def test_scores_and_order_against_a_plain_computation():
 def test_bad_count_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="--straggler-minmax-count must be >= 1"):
         parse_settings(_args(str(tmp_path), "--straggler-minmax-count", "0"), 1)
+
+
+def counted_gathers(root: str, on: bool) -> int:
+    """Worker: train 4 iterations at --log-interval 2 (with or without --log-straggler); the all-gathers issued."""
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+    from omnitron.core.training.loop import train
+
+    backend = get_backend()
+    calls, inner = [0], type(backend.collectives).all_gather
+
+    def counting(self, *args, **kwargs):
+        calls[0] += 1
+        return inner(self, *args, **kwargs)
+
+    type(backend.collectives).all_gather = counting
+    args = _args(root)
+    if not on:
+        args.remove("--log-straggler")
+    train(parse_settings(args, dist.get_world_size()), backend)
+    return calls[0]
+
+
+def test_one_gather_per_report_not_per_step(tmp_path):
+    """The detector's cost: one all-gather per --log-interval (2 reports in 4 iterations), none on the other steps."""
+    off = run_distributed(counted_gathers, 2, str(tmp_path / "off"), False)
+    on = run_distributed(counted_gathers, 2, str(tmp_path / "on"), True)
+    assert [b - a for a, b in zip(off, on)] == [4 // 2] * 2, (off, on)

@@ -284,8 +284,8 @@ def translate(given: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if given.get("tensorboard_dir"):  # Megatron's events directory; metrics.jsonl goes there too unless --log-dir
         out.setdefault("log_dir", given["tensorboard_dir"])
         out.setdefault("tensorboard", True)
-    for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type", "recompute_modules",
-                "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype"):  # resolved later
+    for key in ("lr_warmup_fraction", "no_position_embedding", "rope_type", "recompute_modules",  # resolved later
+                "moe_token_dispatcher_type", "use_precision_aware_optimizer", "main_grads_dtype", "main_params_dtype"):
         if key in given:
             out[key] = given[key]
     return out, notes
@@ -329,11 +329,29 @@ def _check_recompute_modules(names: list[str] | None, merged: dict[str, Any]) ->
             raise ConfigError(f"--recompute-modules {name}: {why}")
 
 
+def _check_moe_overlap(merged: dict[str, Any], dispatcher: str | None, modules: list[str] | None) -> None:
+    """What Megatron's TransformerConfig refuses beside --overlap-moe-expert-parallel-comm among this module's
+    selectors (the model's own limits: gpt/validate.py): --moe-token-dispatcher-type allgather, and moe in
+    --recompute-modules. (Megatron's default dispatcher is allgather; omnitron's is all-to-all whatever the flag
+    says, so only an allgather given is refused.)"""
+    if not merged.get("overlap_moe_expert_parallel_comm"):
+        return
+    if dispatcher not in (None, "alltoall", "flex"):
+        raise ConfigError(f"--overlap-moe-expert-parallel-comm overlaps the all-to-all dispatcher's communication: "
+                          f"Megatron refuses it with --moe-token-dispatcher-type {dispatcher}; use "
+                          f"--moe-token-dispatcher-type alltoall")
+    if "moe" in (modules or []):
+        raise ConfigError("--overlap-moe-expert-parallel-comm with --recompute-modules moe: Megatron refuses "
+                          "recomputing the MoE layer under the overlap; drop moe from --recompute-modules")
+
+
 def resolve(merged: dict[str, Any]) -> dict[str, Any]:
     """What needs the merged settings (preset, file and flags): ``--lr-warmup-fraction F`` as warm-up iterations
     or samples; ``--no-position-embedding`` only with RoPE; ``--rope-type`` (:func:`_rope_type`);
     ``--recompute-modules`` checked as Megatron does."""
-    _check_recompute_modules(merged.pop("recompute_modules", None), merged)
+    modules = merged.pop("recompute_modules", None)
+    _check_recompute_modules(modules, merged)
+    _check_moe_overlap(merged, merged.pop("moe_token_dispatcher_type", None), modules)
     _check_precision_aware(merged, merged.pop("use_precision_aware_optimizer", False))
     rotary = merged.get("position_embedding_type") in ("rope", "yarn")
     if merged.pop("no_position_embedding", False) and not rotary:

@@ -85,9 +85,15 @@ def _validate_moe_overlap(c, parallel: ParallelConfig) -> None:
     if not c.num_experts or parallel.expert_model_parallel_size < 2:
         raise ConfigError(f"{flag} overlaps expert-parallel all-to-alls: it needs --num-experts and "
                           f"--expert-model-parallel-size >= 2")
-    if c.recompute_granularity is not None or offload_layers(c):
-        raise ConfigError(f"{flag} with --recompute-granularity or --cpu-offloading is not supported (Megatron "
-                          f"refuses recomputation with it too); drop one")
+    if c.recompute_granularity == "full" or offload_layers(c):
+        raise ConfigError(f"{flag} with --recompute-granularity full or --cpu-offloading is not supported (Megatron "
+                          f"refuses full recomputation with it too; selective recomputation runs); drop one")
+    if getattr(c, "moe_shared_expert_overlap", False):
+        raise ConfigError(f"{flag} with --moe-shared-expert-overlap: Megatron refuses the pair; drop "
+                          f"--moe-shared-expert-overlap (here it changes nothing: the shared expert runs in order)")
+    if (getattr(c, "mtp_num_layers", None) or 0) > 1:
+        raise ConfigError(f"{flag} with --mtp-num-layers {c.mtp_num_layers}: Megatron overlaps at most one MTP layer; "
+                          f"use --mtp-num-layers 1 or drop the flag")
 
 
 def validate_model(c, parallel: ParallelConfig, *, check_layers: bool = True) -> None:
