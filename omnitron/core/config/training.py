@@ -116,8 +116,8 @@ class OptimizerConfig:
     store_param_remainders: bool = False
     """Keep each bf16 parameter's fp32 master as the parameter plus an int16 remainder (2 bytes instead of 4; the
     update is the fp32 master's bit for bit): Transformer Engine's ``store_param_remainders``, which Megatron's
-    OptimizerConfig turns on by default and --use-precision-aware-optimizer applies under --bf16 (no flag; FSDP2
-    and FP8 recipes other than delayed keep Megatron's fp32 masters). Set by the flags' resolution, Adam only."""
+    OptimizerConfig turns on by default and --use-precision-aware-optimizer applies under --bf16 (no flag; FP8
+    recipes other than delayed keep Megatron's fp32 masters). Set by the flags' resolution, Adam only."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw", "sgd", "onebit_adam", "muon"):

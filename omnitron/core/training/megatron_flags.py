@@ -375,19 +375,19 @@ def _check_precision_aware(merged: dict[str, Any], given: bool) -> None:
     if merged.get("optimizer", "adam") != "adam":
         raise ConfigError(f"--use-precision-aware-optimizer: Megatron runs it with --optimizer adam only, not "
                           f"{merged['optimizer']}; drop the flag or use --optimizer adam")
+    if merged.get("use_torch_fsdp2"):
+        raise ConfigError("--use-precision-aware-optimizer with --use-torch-fsdp2: Megatron runs the former with its "
+                          "distributed optimizer only, which the latter excludes; drop one of them")
     if not merged.get("use_distributed_optimizer"):
         raise ConfigError("--use-precision-aware-optimizer: Megatron runs it with the distributed optimizer only; add "
                           "--use-distributed-optimizer or drop the flag")
     if params != "fp32":
         raise ConfigError(f"--main-params-dtype {params}: Transformer Engine's scaled fp16 master weights are not "
                           "implemented; drop the flag (fp32 main parameters)")
-    if lowered and merged.get("use_torch_fsdp2"):
-        raise ConfigError(f"{lowered[0]}: omnitron's FSDP2 optimizer keeps fp32 moments only; drop the flag or "
-                          "--use-torch-fsdp2")
     # Megatron (TE >= 2.1): bf16 parameters keep fp32 masters as remainders unless it manages the masters itself
-    # (FSDP2, FP8 recipes other than delayed)
+    # (FP8 recipes other than delayed)
     fp8_own = merged.get("fp8_format") is not None and merged.get("fp8_recipe", "delayed") != "delayed"
-    merged["store_param_remainders"] = bool(merged.get("bf16")) and not merged.get("use_torch_fsdp2") and not fp8_own
+    merged["store_param_remainders"] = bool(merged.get("bf16")) and not fp8_own
     if grads == "bf16":
         if merged.get("bf16") and merged.get("accumulate_allreduce_grads_in_fp32"):
             raise ConfigError("--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32 (Megatron "
