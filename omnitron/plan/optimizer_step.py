@@ -8,7 +8,9 @@ distributed optimizer the largest owned slice of any rank). Per chunk, counted f
 
 - the second pass (the real step): the joined fp32 master (remainders), one fp32 copy per moment below fp32, and
   the step kernel's workspace -- one fp32 chunk, the reference kernel's denominator (what sim runs; the fused
-  kernels need none) -- or, after the kernel, the split's sign mask and increment (1 + 2 bytes an element);
+  kernels need none), and another for its fp32 copy of a bf16 gradient (--main-grads-dtype bf16: the step reads
+  the gradient buffers as they are) -- or, after the kernel, the split's sign mask and increment (1 + 2 bytes an
+  element);
 - the first pass (an fp16 moment: its new scale is the whole moment's absmax): fp32 copies of the master and of
   both moments, and the kernel's workspace;
 - one-element tensors: at most :data:`SCALARS` at once (the fresh scales 2, the running absmax 2, and an absmax
@@ -16,8 +18,7 @@ distributed optimizer the largest owned slice of any rank). Per chunk, counted f
 
 Each tensor is counted in the allocator's 512-byte blocks. The step runs after backward has freed the
 activations, so the stage's peak is the larger of the two (:class:`omnitron.plan.memory.StageMemory`). Not
-counted: the gradient norm's and the fp32 path's kernel workspaces (fused kernels need none), and the fp32
-gradient copies a --main-grads-dtype bf16 run keeps (``MixedPrecisionOptimizer._scratch``).
+counted: the gradient norm's and the fp32 path's kernel workspaces (fused kernels need none).
 """
 from __future__ import annotations
 
@@ -33,15 +34,17 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-def chunk_bytes(c: int, *, remainder: bool, low: int, fp16: bool) -> int:
+def chunk_bytes(c: int, *, remainder: bool, low: int, fp16: bool, grads32: bool = True) -> int:
     """Peak temporaries of stepping a chunk of ``c`` elements: ``remainder``: the master is joined from its
-    remainder; ``low``: moments stored below fp32 (0-2); ``fp16``: one of them is fp16 (a first pass)."""
+    remainder; ``low``: moments stored below fp32 (0-2); ``fp16``: one of them is fp16 (a first pass);
+    ``grads32``: the gradients are fp32 (else the kernel makes an fp32 copy)."""
     if c <= 0:
         return 0
     f32 = _blocks(4 * c)
+    work = f32 * (1 + (not grads32))  # the kernel's denominator (and its copy of a bf16 gradient)
     split = _blocks(c) + _blocks(2 * c)  # the sign mask and its int16 increment (join's are fewer tensors alive)
-    second = remainder * f32 + low * f32 + max(f32, remainder * split)
-    first = 4 * f32 if fp16 else 0  # master, both moments, the kernel's workspace
+    second = remainder * f32 + low * f32 + max(work, remainder * split)
+    first = 3 * f32 + work if fp16 else 0  # master, both moments, the kernel's workspace
     return max(first, second) + SCALARS * BLOCK
 
 
@@ -80,5 +83,6 @@ def step_bytes(settings, buffers, dist: bool) -> int:
         if not (low or remainder):
             continue
         c = min(largest_piece(buf, size, dist), opt_module.MOMENT_CHUNK)
-        most = max(most, chunk_bytes(c, remainder=remainder, low=low, fp16=torch.float16 in dtypes))
+        most = max(most, chunk_bytes(c, remainder=remainder, low=low, fp16=torch.float16 in dtypes,
+                                     grads32=buf.data.dtype == torch.float32))
     return most

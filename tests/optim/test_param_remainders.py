@@ -138,3 +138,52 @@ def test_flags_turn_remainders_on_where_megatron_does(extra, on):
     assert parse_settings(["--model", "gpt2_tiny", *extra, *aware], 1).optim.store_param_remainders is on
     assert not parse_settings(["--model", "gpt2_tiny", *extra, "--use-distributed-optimizer"],
                               1).optim.store_param_remainders
+
+
+def _bf16_grads_steps(args: list[str], seed: int) -> list[float]:
+    """Each step's largest error / bound of the distributed optimizer's masters against the float64 FusedAdam, with
+    the bf16 gradient buffers (--main-grads-dtype bf16) read as they are."""
+    from omnitron.backends import get_backend
+    from omnitron.core.training.arguments import parse_settings
+    from omnitron.core.training.components import build_components
+
+    s = parse_settings(args, 1)
+    c = build_components(s, get_backend())
+    opt, cfg = c.optimizer, s.optim
+    assert {sl.grad.dtype for sl in opt.slices} == {torch.bfloat16}
+    gen = torch.Generator().manual_seed(seed)
+    worst = []
+    for step in range(1, 4):
+        for ch in c.chunks:
+            for buf in ch.buffers:
+                buf.data.copy_(torch.randn(buf.data.shape, generator=gen) * 2.0 ** -6)
+        before = [m.double() for m in opt.saved_masters()]
+        m0 = [opt.moment("exp_avg", j).double() for j in range(len(before))]
+        v0 = [opt.moment("exp_avg_sq", j).double() for j in range(len(before))]
+        grads = [sl.grad.double() for sl in opt.slices]
+        opt.step(cfg.lr)
+        ratio = 0.0
+        for j, master in enumerate(opt.saved_masters()):
+            p, _, _, upd, spread = _te_step(before[j], grads[j], m0[j], v0[j], step=step, cfg=cfg,
+                                            decay=opt.decay[j])
+            # test_precision_aware's master bound (derived there): the bf16 gradient is read exactly
+            bound = U32 * (3 * before[j].abs() + p.abs() + _f32(cfg.lr) * (8 * upd.abs() + 3 * spread)) + 1e-300
+            ratio = max(ratio, float(((master.double() - p).abs() / bound).max()))
+        worst.append(ratio)
+    assert not opt._scratch_bufs  # no fp32 copy of the gradients was made
+    return worst
+
+
+def test_bf16_main_grads_step_as_they_are(tmp_path):
+    from omnitron.testing.distributed import run_distributed
+
+    seed = _seed()
+    args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            "200", "--num-workers", "0", "--micro-batch-size", "1", "--train-iters", "2", "--no-tensorboard",
+            "--data-cache-path", str(tmp_path / "cache"), "--bf16", "--use-distributed-optimizer",
+            "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
+            "--main-grads-dtype", "bf16", "--clip-grad", "0", "--weight-decay", "0.1", "--lr", "0.01",
+            "--adam-beta2", "0.95"]  # the beta test_precision_aware's bound is derived for
+    worst = run_distributed(_bf16_grads_steps, 1, args, seed)[0]
+    assert max(worst) <= 1.0, (seed, worst)

@@ -5,7 +5,9 @@ Reference: sim's own allocator (peak bytes above those held when ``_adamw`` star
 ``Components`` (bf16, distributed optimizer, precision-aware; dp2 so every rank steps its own slices) with random
 gradients. ``MOMENT_CHUNK`` is set to 1024 elements (both the optimizer and the plan read it), so the largest owned
 slices (the embedding's, thousands of elements) go in several chunks; run again with one chunk as large as any
-slice -- what the step did before fp16 moments were chunked -- the same step's temporaries exceed the plan.
+slice -- what the step did before fp16 moments were chunked -- the same step's temporaries exceed the plan. And
+the steps leave nothing allocated beyond the state (with --main-grads-dtype bf16 the step once kept an fp32 copy
+of every owned gradient slice).
 Both sides are integer byte counts; the plan is a bound (its one-element allowance and the kernel's workspace
 are upper counts), so the test also requires it within 2x of the measurement.
 """
@@ -22,8 +24,9 @@ from test_state import _args
 CHUNK = 1024
 
 
-def _step_peaks(args: list[str], world: int) -> tuple[int, list[int]]:
-    """(the plan's step bytes, the measured step temporaries with chunks of CHUNK and of 2^24 elements)."""
+def _step_peaks(args: list[str], world: int) -> tuple[int, list[int], int]:
+    """(the plan's step bytes, the measured step temporaries with chunks of CHUNK and of 2^24 elements, the bytes
+    the two steps left allocated)."""
     import torch
 
     from omnitron.backends import get_backend
@@ -50,19 +53,22 @@ def _step_peaks(args: list[str], world: int) -> tuple[int, list[int]]:
     opt_module.MOMENT_CHUNK = CHUNK
     planned = state_bytes(s, model_config(s), c.groups.pp.rank).step
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    start = be.memory_stats()["allocated"]
     for size in (CHUNK, 1 << 24):
         opt_module.MOMENT_CHUNK = size
         for ch in c.chunks:
             for buf in ch.buffers:
                 buf.data.copy_(torch.randn(buf.data.shape, generator=gen))
         opt.step(1e-3)
-    return planned, seen
+    return planned, seen, be.memory_stats()["allocated"] - start
 
 
 MOMENTS = {"fp16": ["--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"],
            "bf16": ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
            "bf16_fp16": ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "fp16"],
-           "fp32_remainders": []}
+           "fp32_remainders": [],
+           # the step reads the bf16 gradient buffers as they are (no fp32 copy of every slice kept between steps)
+           "bf16_grads": ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16", "--main-grads-dtype", "bf16"]}
 
 
 @requires_sim()
@@ -70,6 +76,8 @@ MOMENTS = {"fp16": ["--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16"],
 def test_planned_step_temporaries_bound_the_measured(name, tmp_path):
     args = _args(str(tmp_path), 1, 1, ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
                                        "--global-batch-size", "2", *MOMENTS[name]])
-    for rank, (planned, (chunked, whole)) in enumerate(run_distributed(_step_peaks, 2, args, 2, backend="sim")):
+    for rank, (planned, (chunked, whole), kept) in enumerate(run_distributed(_step_peaks, 2, args, 2,
+                                                                                backend="sim")):
         assert 0 < chunked <= planned <= 2 * chunked, (name, rank, planned, chunked)
         assert whole > planned, (name, rank, planned, whole)
+        assert kept == 0, (name, rank, kept)  # nothing but the state outlives a step

@@ -102,9 +102,13 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:
-        """The owned slices' gradients as fp32. A rank owning no element (a tiny model over many ranks)
-        gets one empty gradient on the backend's device, so its step's list ops and collectives still run."""
-        grads = [s.grad if s.grad.dtype == torch.float32 else self._scratch(i, s.grad).copy_(s.grad)
+        """The owned slices' gradients as fp32 -- or, for the precision-aware step (moments below fp32 or master
+        remainders), as the buffers hold them: TE's kernel reads bf16 main grads (--main-grads-dtype bf16) as they
+        are, and Megatron unscales and clips them in place, so an fp32 copy of every slice (4 bytes an owned element,
+        kept between steps) would only cost memory. A rank owning no element (a tiny model over many ranks) gets
+        one empty gradient on the backend's device, so its step's list ops and collectives still run."""
+        keep = self._steps_low()
+        grads = [s.grad if s.grad.dtype == torch.float32 or keep else self._scratch(i, s.grad).copy_(s.grad)
                  for i, s in enumerate(self.slices)]
         return grads or [torch.zeros(0, device=self.backend.current_device())]
 

@@ -286,7 +286,7 @@ class MixedPrecisionOptimizer:
         ``only``: the masters to step (default: all)."""
         c = self.config
         keys = {i: (self.decay[i], rates[i]) for i in (range(len(self.masters)) if only is None else only)}
-        low = any(state_dtype(c, k) != torch.float32 for k in MOMENTS) or any(r is not None for r in self.remainders)
+        low = self._steps_low()
         for decay, lr in dict.fromkeys(keys.values()):
             idx = [i for i, key in keys.items() if key == (decay, lr)]
             step = functools.partial(self.backend.kernels.adamw_step, step=self.step_count, lr=lr,
@@ -298,6 +298,12 @@ class MixedPrecisionOptimizer:
             else:
                 step([self.masters[i] for i in idx], [grads[i] for i in idx],
                      [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx])
+
+    def _steps_low(self) -> bool:
+        """Whether Adam steps through :meth:`_adamw_low` (a moment below fp32, or a master kept as a remainder)."""
+        return (self.config.optimizer in ("adam", "adamw")
+                and (any(state_dtype(self.config, k) != torch.float32 for k in MOMENTS)
+                     or any(r is not None for r in self.remainders)))
 
     def _adamw_low(self, i: int, grad: torch.Tensor, step) -> None:
         """Master ``i``'s step with moments below fp32 or a master kept as a remainder, through fp32 copies of at
