@@ -54,7 +54,11 @@ distributed-optimizer slice boundaries, and the largest is reported):
   :func:`.routing.expert_rows`, the speed model's rows), and the rank whose activations and etp buffers peak
   highest is the stage's figure (:attr:`StageMemory.ep_rank`, beside the balanced total).
 
-Not modelled: communication buffers (but the etp all-gather's), allocator fragmentation, the optimizer step's
+- optimizer step (:mod:`.optimizer_step`): the precision-aware Adam step's fp32 chunk copies (moments below
+  fp32, masters kept as remainders); it runs after backward, so the total takes the larger of it and the terms
+  the micro-batches hold.
+
+Not modelled: communication buffers (but the etp all-gather's), allocator fragmentation, the fp32 optimizer step's
 temporaries, buffers fused kernels allocate internally. Under a routing histogram the rank's local experts'
 backward is priced at its rows (:mod:`.moe_backward`), the rematerialised chunk at the rank's rows of the stage's
 heaviest MoE layers, and the multi-token prediction depths' MoE layers at the mean of the last chunk's rows (the
@@ -111,11 +115,14 @@ class StageMemory:
     """Under a routing histogram: the ep rank priced (the stage's busiest); None at balanced routing."""
     balanced: int | None = None
     """Under a routing histogram: the stage's total at balanced routing."""
+    step: int = 0
+    """The optimizer step's temporaries (:mod:`.optimizer_step`): the step runs after backward freed the
+    activations, so the total takes the larger of it and the micro-batches' terms."""
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.activations + self.logits + self.fp8 + self.recompute
-                + self.transient + self.boundary + self.w_inputs)
+        held = (self.activations + self.logits + self.recompute + self.transient + self.boundary + self.w_inputs)
+        return self.params + self.grads + self.optimizer + self.fp8 + max(held, self.step)
 
 
 def check_family(settings) -> None:
@@ -635,7 +642,8 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
         rec = min(rec, excess)  # what of the excess is rematerialised activations
         m = StageMemory(r, sum(layers[(r, c)] for c in range(vp)), st.params, st.grads, st.optimizer,
                         round(act_peak), round(logit_peak), fp8_bytes(settings, cfg, r), rec, most, excess - rec,
-                        round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))), w_inputs=round(w_peak))
+                        round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))), w_inputs=round(w_peak),
+                        step=st.step)
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
             plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less, w)
             m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak + w_peak - plain[0] - plain[4])
@@ -659,10 +667,11 @@ def format_table(stages: list[StageMemory]) -> str:
     """One row per stage (GiB; values under 128 MiB in MiB, suffixed M) and the largest rank."""
     head = f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'params':>9} {'grads':>9} {'optimizer':>9} " \
            f"{'activations':>11} {'logits':>9} {'fp8':>9} {'recompute':>9} {'transient':>9} {'boundary':>9} " \
-           f"{'w-inputs':>9} {'total':>9}"
+           f"{'w-inputs':>9} {'opt-step':>9} {'total':>9}"
     rows = [head] + [f"{s.stage:>5} {s.layers:>6} {s.inflight:>9} {_gib(s.params)} {_gib(s.grads)} {_gib(s.optimizer)}"
                      f"   {_gib(s.activations)} {_gib(s.logits)} {_gib(s.fp8)} {_gib(s.recompute)} {_gib(s.transient)}"
-                     f" {_gib(s.boundary)} {_gib(s.w_inputs)} {_gib(s.total)}" for s in stages]
+                     f" {_gib(s.boundary)} {_gib(s.w_inputs)} {_gib(s.step)} {_gib(s.total)}"
+                     for s in stages]
     top = max(stages, key=lambda s: s.total)
     rows.append(f"largest rank: stage {top.stage}, {top.total / 2**30:.3f} GiB ({top.total} bytes)")
     routed = [s for s in stages if s.ep_rank is not None]

@@ -202,12 +202,12 @@ def state_lower_bound(settings) -> float:
     from omnitron.plan.memory import model_config
     from omnitron.plan.speed import stage_param_groups
     from omnitron.plan.stage_layers import stage_layers
-    from omnitron.plan.state import least_moment_bytes
+    from omnitron.plan.state import least_moment_bytes, master_bytes
 
     cfg, pc = model_config(settings), settings.parallel
     ddp, p = settings.ddp, cfg.params_dtype.itemsize
     g = 4 if ddp and ddp.accumulate_allreduce_grads_in_fp32 else p
-    opt = least_moment_bytes(settings.optim) + 4 * (p != 4)
+    opt = least_moment_bytes(settings.optim) + master_bytes(settings.optim, cfg.params_dtype)
     share = settings.dp * pc.context_parallel_size if ddp and ddp.use_distributed_optimizer else 1
     layers = stage_layers(settings, cfg)
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1

@@ -11,7 +11,8 @@ multiple of the replica group) and the tied embedding's isolated bucket are the 
   like the gradient buckets, so the padded size counts.
 - gradients: the ``main_grad`` buffers (fp32 with ``--accumulate-allreduce-grads-in-fp32``,
   which ``--bf16`` implies; else the parameter's dtype).
-- optimizer: fp32 masters for non-fp32 parameters plus Adam's two moments (fp32, or --exp-avg-dtype /
+- optimizer: fp32 masters for non-fp32 parameters (bf16 ones' as int16 remainders with ``store_param_remainders``,
+  Megatron's precision-aware optimizer under --bf16) plus Adam's two moments (fp32, or --exp-avg-dtype /
   --exp-avg-sq-dtype's bf16 / fp16, an fp16 one with an fp32 scale per tensor) (SGD: one with momentum; Muon:
   one, its momentum, for the matrices it orthogonalises); with ``--use-distributed-optimizer`` only the slices
   this data x context rank owns of every bucket (the largest over the replica group's ranks is reported).
@@ -35,6 +36,8 @@ class StateBytes:
     params: int
     grads: int
     optimizer: int
+    step: int = 0
+    """The optimizer step's own temporaries (:mod:`.optimizer_step`; held only during the step)."""
 
 
 def skeleton(model_cfg, parallel, pp_rank: int, style: str = "loop") -> list[torch.nn.Module]:
@@ -162,9 +165,17 @@ def scale_bytes(optim) -> int:
     return 4 * [optim.exp_avg_dtype, optim.exp_avg_sq_dtype].count("fp16")
 
 
+def master_bytes(optim, dtype: torch.dtype) -> int:
+    """Bytes of a parameter of ``dtype``'s master per element: none for fp32 (its own master), 2 for a bf16 one
+    kept as its int16 remainder (``store_param_remainders``), else an fp32 copy."""
+    if dtype == torch.float32:
+        return 0
+    return 2 if optim.store_param_remainders and dtype == torch.bfloat16 else 4
+
+
 def _opt_bytes(numel: int, dtype: torch.dtype, optim) -> int:
     """Masters (non-fp32 parameters) plus the optimizer's moments for ``numel`` elements."""
-    return numel * (moment_bytes(optim) + 4 * (dtype != torch.float32))
+    return numel * (moment_bytes(optim) + master_bytes(optim, dtype))
 
 
 def expert_data_parallel_size(settings) -> int:
@@ -198,19 +209,23 @@ def _state_bytes(settings, model_cfg, pp_rank: int) -> StateBytes:
     chunks = skeleton(model_cfg, pc, pp_rank, schedule_style(settings.training.pipeline_schedule))
     if getattr(ddp, "use_torch_fsdp2", False):
         return _fsdp2_bytes(chunks, dp_cp, settings.optim)
-    params = grads = opt = 0
+    from omnitron.plan.optimizer_step import step_bytes
+
+    params = grads = opt = step = 0
     for module in chunks:
-        for buf, size in _buffers(module, ddp, dp_cp, edp):
+        buffers = _buffers(module, ddp, dp_cp, edp)
+        step = max(step, step_bytes(settings, buffers, dist))
+        for buf, size in buffers:
             dtype = buf.params[0].dtype
             total = sum(p.numel() for p in buf.params)
             grads += buf.data.numel() * buf.data.element_size()
             params += (buf.data.numel() if dist else total) * dtype.itemsize
-            def per(p, low=dtype != torch.float32) -> int:  # bytes per element: fp32 master and the moments
-                return moment_bytes(settings.optim, p) + 4 * low
+            def per(p, master=master_bytes(settings.optim, dtype)) -> int:  # bytes per element: master, moments
+                return moment_bytes(settings.optim, p) + master
 
             scales = scale_bytes(settings.optim)
             opt += _owned(buf, size, per, scales) if dist else sum(per(p) * p.numel() + scales for p in buf.params)
-    return StateBytes(params, grads, opt)
+    return StateBytes(params, grads, opt, step)
 
 
 def _fsdp2_bytes(chunks, dp_cp: int, optim) -> StateBytes:

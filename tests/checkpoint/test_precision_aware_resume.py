@@ -24,6 +24,46 @@ def _flags(dtype: str) -> list[str]:
     return [*AWARE, "--exp-avg-dtype", dtype, "--exp-avg-sq-dtype", dtype]
 
 
+def _remainders_worker(root):
+    """S: fp32 moments, masters as remainders (--use-precision-aware-optimizer under --bf16), 2 iterations at dp2;
+    U: the same run without the flag (fp32 masters) resumes S's iteration 1 and trains iteration 2."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from omnitron.testing.training import worker_runner
+
+    run = worker_runner(_args, root)
+    s = run(AWARE, "S")
+    assert any(r is not None for r in s["components"].optimizer.remainders)
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(root, "S", "iter_0000001"), os.path.join(root, "S1", "iter_0000001"))
+    dist.barrier()
+    u = run(["--bf16", "--use-distributed-optimizer"], "U", "--load", os.path.join(root, "S1"))
+    assert all(r is None for r in u["components"].optimizer.remainders)
+
+
+def test_remainder_masters_save_fp32_and_load_into_fp32_masters(tmp_path):
+    """The checkpoint holds fp32 masters; a run keeping fp32 masters resumes it and its iteration 2 masters and
+    moments equal S's bit for bit (the remainder step is the fp32-master step exactly). The weights: S's are the
+    masters rounded ties away from zero (TE's split), U's rounded to nearest even, so they may differ only where
+    the master's low half is exactly 0x8000."""
+    root = str(tmp_path)
+    run_distributed(_remainders_worker, 2, root, timeout_s=600)
+    s2, u2 = _state(root, "S", 2), _state(root, "U", 2)
+    assert s2.optimizer.keys() == u2.optimizer.keys()
+    for kind in s2.optimizer:
+        for name, t in s2.optimizer[kind].items():
+            assert t.dtype == torch.float32 and torch.equal(t, u2.optimizer[kind][name]), (kind, name)
+    for name, w in s2.model.items():
+        master = s2.optimizer["master"].get(name)
+        if master is None:
+            continue
+        tie = (master.view(torch.int32) & 0xFFFF) == 0x8000
+        assert torch.equal(u2.model[name], master.bfloat16()), name
+        assert torch.equal(w[~tie], u2.model[name][~tie]), name
+
+
 def _worker(root, stage, dtype):
     import shutil
 

@@ -209,6 +209,9 @@ def test_flags_parse_as_megatron_reads_them():
     (["--main-params-dtype", "fp16", *AWARE], "^--main-params-dtype fp16: Transformer Engine's scaled fp16 master"),
     (["--main-grads-dtype", "bf16", "--accumulate-allreduce-grads-in-fp32", *AWARE],
      "^--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32"),
+    # Megatron: precision-aware needs its distributed optimizer, which --use-torch-fsdp2 asserts off
+    (["--use-precision-aware-optimizer", "--use-torch-fsdp2", "--exp-avg-dtype", "bf16"],
+     "^--use-precision-aware-optimizer with --use-torch-fsdp2: Megatron runs the former with its distributed"),
 ])
 def test_what_is_not_implemented_stops_in_one_line(extra, match):
     from omnitron.core.config.parallel import ConfigError

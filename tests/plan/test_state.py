@@ -116,14 +116,16 @@ def _allocated_by_a_second_optimizer(args: list[str], world: int) -> tuple[int, 
     second = build_optimizer(named, s, c.groups, be, c.chunks, dups)
     stats = be.memory_stats()
     blocks = sum(-(-t.untyped_storage().nbytes() // 512) * 512  # the sim allocator's 512-byte blocks
-                 for t in [*second.masters, *(t for v in second.state.values() for t in v)] if t.numel())
+                 for t in [*(m if r is None else r for m, r in zip(second.masters, second.remainders)),
+                           *(t for v in second.state.values() for t in v)] if t.numel())
     return (c.groups.pp.rank, second.state_bytes(), blocks, stats["allocated"] - before,
             stats["peak_allocated"] - before)
 
 
 @requires_sim()
 def test_sim_allocator_holds_the_planned_optimizer_bytes(tmp_path):
-    """On the sim accelerator building the optimizer (fp32 masters, bf16 moments; dp2: each rank's slices) raises
+    """On the sim accelerator building the optimizer (bf16 moments, masters as int16 remainders beside the bf16
+    parameters; dp2: each rank's slices) raises
     the allocator's held bytes and its peak alike (no transient copy) by the tensors' 512-byte blocks, and those
     tensors' bytes are the plan's optimizer bytes (the largest rank's)."""
     args = _args(str(tmp_path), 1, 1, ONE["bf16_moments_distopt"] + ["--global-batch-size", "2"])

@@ -139,12 +139,15 @@ def model_pieces(c, *, save: bool) -> Pieces:
     return table
 
 
-def optimizer_pieces(c, *, save: bool, state: dict | None = None) -> Pieces:
+def optimizer_pieces(c, *, save: bool, state: dict | None = None, masters: list | None = None) -> Pieces:
     """``optim/<kind>/<name>`` pieces of this rank's optimizer state: the distributed optimizer's own
     slices, or (plain optimizer) the whole local shards (on save: its part of those it writes, :func:`_share`).
-    ``state``: the tensors by kind (default: the optimizer's ``saved_state()``, fp16 moments unscaled in fp32)."""
+    ``state``: the tensors by kind (default: the optimizer's ``saved_state()``, fp16 moments unscaled in fp32);
+    ``masters``: the fp32 masters (default: ``saved_masters()``, remainders joined into fp32)."""
     opt, table = c.optimizer, {}
     state = opt.saved_state() if state is None else state
+    if masters is None and any(p.dtype != torch.float32 for p in opt.params):
+        masters = opt.saved_masters()
     sliced = hasattr(opt, "slices")
     owners = [s.param for s in opt.slices] if sliced else range(len(opt.params))
     for j, i in enumerate(owners):
@@ -156,7 +159,7 @@ def optimizer_pieces(c, *, save: bool, state: dict | None = None) -> Pieces:
         name, split = global_name(name, p), _split(c, p)
         kinds = dict(state)
         if p.dtype != torch.float32:
-            kinds["master"] = opt.masters
+            kinds["master"] = masters
         for kind, values in kinds.items():
             if not opt.keeps(kind, i):  # Muon's matrices keep no exp_avg_sq
                 continue
@@ -345,11 +348,13 @@ def load(c, path: str, meta: dict, *, with_optimizer: bool) -> None:
             raise CheckpointError(f"--load {path}: checkpoint optimizer {saved!r} differs from --optimizer "
                                   f"{c.optimizer.config.optimizer!r}; pass the same --optimizer or use --no-load-optim")
         staged = c.optimizer.saved_state()  # fp16 moments are read unscaled, then scaled (TE's set_scaled_state)
-        pieces.update(optimizer_pieces(c, save=False, state=staged))
+        masters = c.optimizer.saved_masters()  # remainders: read in fp32, then split (TE's set_scaled_state)
+        pieces.update(optimizer_pieces(c, save=False, state=staged, masters=masters))
         pieces = fp32_sources(pieces, reader.read_metadata().state_dict_metadata)
     read(pieces, path, meta.get("checksums") or {}, reader=reader)
     if with_optimizer:
         c.optimizer.load_saved_state(staged)
+        c.optimizer.load_saved_masters(masters)
 
 
 def fp32_sources(pieces: Pieces, saved: dict) -> Pieces:

@@ -113,6 +113,11 @@ class OptimizerConfig:
     halve its memory."""
     exp_avg_sq_dtype: str = "fp32"
     """--exp-avg-sq-dtype {fp32,bf16,fp16}: the dtype Adam's second moment is stored in, as --exp-avg-dtype."""
+    store_param_remainders: bool = False
+    """Keep each bf16 parameter's fp32 master as the parameter plus an int16 remainder (2 bytes instead of 4; the
+    update is the fp32 master's bit for bit): Transformer Engine's ``store_param_remainders``, which Megatron's
+    OptimizerConfig turns on by default and --use-precision-aware-optimizer applies under --bf16 (no flag; FP8
+    recipes other than delayed keep Megatron's fp32 masters). Set by the flags' resolution, Adam only."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "adamw", "sgd", "onebit_adam", "muon"):
@@ -172,6 +177,9 @@ class OptimizerConfig:
             if value != "fp32" and self.optimizer not in ("adam", "adamw"):
                 raise ConfigError(f"{flag} {value}: moments below fp32 are Adam's (Megatron's precision-aware "
                                   f"optimizer), not --optimizer {self.optimizer}'s; drop the flag")
+        if self.store_param_remainders and self.optimizer not in ("adam", "adamw"):
+            raise ConfigError(f"master remainders (store_param_remainders) are Adam's (Megatron's precision-aware "
+                              f"optimizer), not --optimizer {self.optimizer}'s; turn them off")
 
     def _check_muon(self) -> None:
         """The Muon settings, each against Megatron's choices."""

@@ -96,15 +96,19 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         self.decoupled = [_decoupled(self.params[s.param]) for s in self.slices]
         self.masters = []
         for s in self.slices:
-            flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
-            # fp32 parameters are their own masters (a view: the update lands in the model directly)
-            self.masters.append(flat.float())  # low-precision parameters: an fp32 copy (the only one)
+            # fp32 parameters (and bf16 ones with remainders) are their own masters: a view, the update lands in
+            # the model directly; other low-precision parameters: an fp32 copy (the only one)
+            self._add_master(self.params[s.param].detach().view(-1)[s.lo:s.hi])
 
     # ---- the step's pieces (MixedPrecisionOptimizer.step calls them) -----------------------
     def _fp32_grads(self) -> list[torch.Tensor]:
-        """The owned slices' gradients as fp32. A rank owning no element (a tiny model over many ranks)
-        gets one empty gradient on the backend's device, so its step's list ops and collectives still run."""
-        grads = [s.grad if s.grad.dtype == torch.float32 else self._scratch(i, s.grad).copy_(s.grad)
+        """The owned slices' gradients as fp32 -- or, for the precision-aware step (moments below fp32 or master
+        remainders), as the buffers hold them: TE's kernel reads bf16 main grads (--main-grads-dtype bf16) as they
+        are, and Megatron unscales and clips them in place, so an fp32 copy of every slice (4 bytes an owned element,
+        kept between steps) would only cost memory. A rank owning no element (a tiny model over many ranks) gets
+        one empty gradient on the backend's device, so its step's list ops and collectives still run."""
+        keep = self._steps_low()
+        grads = [s.grad if s.grad.dtype == torch.float32 or keep else self._scratch(i, s.grad).copy_(s.grad)
                  for i, s in enumerate(self.slices)]
         return grads or [torch.zeros(0, device=self.backend.current_device())]
 
@@ -120,8 +124,12 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         self.finish_param_gather()  # a gather still pending from the previous step (no forward in between)
         for s, m in zip(self.slices, self.masters):
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
-            if flat.data_ptr() != m.data_ptr():  # fp32 parameters are their own masters
+            if flat.data_ptr() != m.data_ptr():  # fp32 parameters (and remainders') are their own masters
                 flat.copy_(m)
+        self._gather_params()
+
+    def _gather_params(self) -> None:
+        """All-gather every bucket's parameters in place (waited on here unless --overlap-param-gather)."""
         order = sorted(range(len(self.plans)), key=lambda k: (self.plans[k].chunk, -k))
         for k in order:
             plan = self.plans[k]
@@ -144,6 +152,15 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
             flat = self.params[s.param].detach().view(-1)[s.lo:s.hi]
             if m.data_ptr() != flat.data_ptr():
                 m.copy_(flat)
+        self._zero_remainders()
+
+    def _after_master_load(self) -> None:
+        """Remainders: splitting a loaded master wrote this rank's slices of the parameters (a checkpoint rounded
+        to nearest even differs from TE's rounding at ties), so every replica gathers them (collective)."""
+        if any(r is not None for r in self.remainders):
+            self.finish_param_gather()
+            self._gather_params()
+            self.finish_param_gather()
 
     # ---- collectives -----------------------------------------------------------------------
     def _gather(self, values: list[torch.Tensor], dtype: torch.dtype, sink) -> None:
@@ -177,7 +194,7 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
         keys = list(self.state) + (["master"] if any(p.dtype != torch.float32 for p in self.params) else [])
         state = self.saved_state()
         for key in keys:
-            values = self.masters if key == "master" else state[key]
+            values = self.saved_masters() if key == "master" else state[key]
             out: dict[int, torch.Tensor] = {}
             # bf16 moments as bf16, fp16 ones unscaled in fp32 (saved_state), the rest fp32
             dtype = torch.float32 if key == "master" or key in self.scales else state_dtype(self.config, key)
@@ -205,7 +222,8 @@ class DistributedOptimizer(ShardedOverDataParallel, MixedPrecisionOptimizer):
                     if self.keeps(key, s.param):
                         self.put(key, j, entry[key].reshape(-1)[s.lo:s.hi].to(torch.float32, copy=True))
                 if "master" in entry and self.params[s.param].dtype != torch.float32:
-                    self.masters[j].copy_(entry["master"].reshape(-1)[s.lo:s.hi])
+                    self.set_master(j, entry["master"].reshape(-1)[s.lo:s.hi])
+        self._after_master_load()
         self.load_counters(state)
 
 

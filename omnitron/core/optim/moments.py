@@ -10,6 +10,14 @@ whose Transformer Engine FusedAdam keeps each moment in its dtype and steps it i
 
 Checkpoints hold bf16 moments as they are and fp16 moments unscaled, as fp32 (TE's ``state_dict``: what
 ``get_unscaled_state`` returns); loading an fp16 moment scales it afresh (TE's ``set_scaled_state``).
+
+Master remainders (TE's ``store_param_remainders``, which Megatron's precision-aware optimizer turns on under --bf16):
+a bf16 parameter's fp32 master is kept as the parameter itself plus the low 16 bits of the master (an int16), 2
+bytes instead of 4. TE's kernel splits the master's bits into its high half ``hi`` and low half ``lo`` and stores
+``hi + 1`` as the parameter when ``lo``'s top bit is set (the master rounded to bf16, ties away from zero), ``lo``
+as the remainder; reading undoes the increment when the remainder is negative (top bit set) and joins the halves.
+The pair determines the master exactly, so the step on the joined master is the fp32-master step bit for bit;
+the parameter differs from a round-to-nearest-even copy only where ``lo`` is exactly 0x8000 and ``hi`` even.
 """
 from __future__ import annotations
 
@@ -39,13 +47,44 @@ def unscaled(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return x.mul_(scale) if t.dtype == torch.float16 else x
 
 
-def store(t: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None) -> None:
+def absmax(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of fp32 ``x`` (non-empty), a one-element tensor (NaN if ``x`` holds one)."""
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(-lo, hi).reshape(1)
+
+
+def new_scale(amax: torch.Tensor, scale: torch.Tensor) -> None:
+    """TE's fp16 scale for a moment whose largest magnitude is ``amax``, written into ``scale``: amax / 32752 in
+    fp32."""
+    torch.div(amax, torch.full_like(scale, FP16_RANGE), out=scale)
+
+
+def store(t: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None, *, rescale: bool = True) -> None:
     """Write fp32 ``x`` into moment ``t`` (``x`` may be scaled in place): nothing when ``x`` is ``t``; bf16
-    rounded to nearest; fp16 by TE's rule, ``scale`` updated in place."""
+    rounded to nearest; fp16 by TE's rule, ``scale`` first set from ``x``'s absmax (unless not ``rescale``: then
+    ``scale`` is already the whole tensor's new one and ``x`` is a piece of it)."""
     if x.data_ptr() == t.data_ptr():
         return
     if t.dtype == torch.float16 and x.numel():
-        lo, hi = torch.aminmax(x)
-        torch.div(torch.maximum(-lo, hi), torch.full_like(scale, FP16_RANGE), out=scale)
+        if rescale:
+            new_scale(absmax(x), scale)
         x.mul_(torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale)))
     t.copy_(x)
+
+
+def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of flat bf16 ``param`` and its int16 ``remainder`` (TE's reconstruction; a new tensor)."""
+    halves = torch.empty((param.numel(), 2), dtype=torch.int16, device=param.device)
+    halves[:, 0] = remainder  # NOTE: little-endian: the low half of an fp32 word comes first
+    halves[:, 1] = param.view(torch.int16)
+    halves[:, 1] -= (remainder < 0).to(torch.int16)  # undo the rounding up
+    return halves.view(torch.float32).view(-1)
+
+
+def split_master(x: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Store fp32 master ``x`` (flat, consumed) as bf16 ``param`` (rounded, ties away from zero) and its int16
+    ``remainder``: TE's split, exactly undone by :func:`join_master`."""
+    halves = x.view(torch.int16).view(-1, 2)
+    halves[:, 1] += (halves[:, 0] < 0).to(torch.int16)  # round up where the dropped half is >= 0x8000
+    remainder.copy_(halves[:, 0])
+    param.view(torch.int16).copy_(halves[:, 1])

@@ -17,10 +17,12 @@ import torch
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.clip import clip_coefficient, global_count_zeros, global_grad_norm
-from omnitron.core.optim.moments import new_scales, state_dtype, store, unscaled
+from omnitron.core.optim.moments import (absmax, join_master, new_scale, new_scales, split_master, state_dtype,
+                                         store, unscaled)
 
 MOMENT_CHUNK = 1 << 24
-"""Elements per step of bf16 moments through fp32 copies (a 128 MiB temporary for the two, at most)."""
+"""Elements per step of moments below fp32 and of masters kept as remainders, through fp32 copies (64 MiB each)."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
@@ -74,7 +76,12 @@ class MixedPrecisionOptimizer:
         """The decay of the latest step (the schedule's with --weight-decay-incr-style; 1-D parameters get none)."""
         self.copy_timer = "optimizer-copy-main-to-model-params"
         """The timer name of :meth:`_copy_to_model` (``--timing-log-level 1``)."""
+        self.remainders: list[torch.Tensor | None] = []
+        """Per master: the int16 low halves of a bf16 parameter's fp32 master (``store_param_remainders``; the
+        master is then the parameter itself, :mod:`omnitron.core.optim.moments`), else None."""
         self._build_masters()
+        if len(self.remainders) != len(self.masters):  # optimizers that build their masters otherwise keep none
+            self.remainders = [None] * len(self.masters)
         self.state = self._zero_state()
         self.scales = new_scales(self.state)
         """fp16 moments' per-tensor scales (:mod:`omnitron.core.optim.moments`), by state key."""
@@ -84,7 +91,23 @@ class MixedPrecisionOptimizer:
         """``masters`` (fp32; fp32 parameters are their own) and their ``decay`` flags, one per parameter."""
         self.decay = [_decays(n, p, self.config.apply_wd_to_qk_layernorm) for n, p in zip(self.names, self.params)]
         self.decoupled = [_decoupled(p) for p in self.params]
-        self.masters = [p.detach().float() for p in self.params]  # fp32: the parameter; else a copy
+        self.masters = []
+        for p in self.params:
+            self._add_master(p.detach())
+
+    def _add_master(self, param: torch.Tensor) -> None:
+        """Append the master of ``param`` (a parameter or its owned flat slice): the tensor itself when fp32; with
+        ``store_param_remainders`` a bf16 one itself too, beside zero remainders (the master is the parameter's
+        value, as TE starts it); else an fp32 copy."""
+        if self.config.store_param_remainders and param.dtype == torch.bfloat16:
+            if not param.is_contiguous():
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not contiguous; master remainders "
+                                 f"(store_param_remainders) pair it element for element with its int16 remainder")
+            self.masters.append(param)
+            self.remainders.append(torch.zeros(param.numel(), dtype=torch.int16, device=param.device))  # flat
+        else:
+            self.masters.append(param.float())  # fp32: the parameter; else a copy
+            self.remainders.append(None)
 
     def _zero_state(self) -> dict[str, list[torch.Tensor]]:
         """Fresh optimizer states shaped like the masters: Adam's two moments, or SGD's momentum."""
@@ -154,6 +177,40 @@ class MixedPrecisionOptimizer:
         for p, m in zip(self.params, self.masters):
             if m.data_ptr() != p.data_ptr():
                 m.copy_(p)
+        self._zero_remainders()
+
+    def _zero_remainders(self) -> None:
+        """Masters kept as remainders become their parameters' values (after the parameters were loaded)."""
+        for r in self.remainders:
+            if r is not None:
+                r.zero_()
+
+    def saved_masters(self) -> list[torch.Tensor]:
+        """The fp32 masters as checkpoints hold them: each master, or for one kept as a remainder its fp32 value
+        joined from the parameter (a new tensor)."""
+        return [m if r is None else join_master(m.view(-1), r).view(m.shape)
+                for m, r in zip(self.masters, self.remainders)]
+
+    def set_master(self, j: int, x: torch.Tensor) -> None:
+        """Master ``j`` := fp32 ``x`` (its shape or flat): copied, or split into the parameter and its remainder
+        (the parameter changes: the distributed optimizer's callers gather the parameters afterwards)."""
+        m, r = self.masters[j], self.remainders[j]
+        if r is None:
+            m.copy_(x.reshape(m.shape))
+        else:
+            split_master(x.reshape(-1).to(torch.float32, copy=True), m.view(-1), r)
+
+    def load_saved_masters(self, masters: list[torch.Tensor]) -> None:
+        """Store :meth:`saved_masters`' tensors (filled from a checkpoint) back: the remainders' are split into the
+        parameters and remainders (then, under the distributed optimizer, the parameters gathered); the others were
+        the masters themselves."""
+        for j, x in enumerate(masters):
+            if self.remainders[j] is not None:
+                self.set_master(j, x)
+        self._after_master_load()
+
+    def _after_master_load(self) -> None:
+        """Nothing: every rank holds its parameters whole."""
 
     def grad_reduction_over_dp(self) -> bool:
         """Whether the data-parallel wrapper averages this step's gradients over dp x cp (always, here;
@@ -221,7 +278,7 @@ class MixedPrecisionOptimizer:
     def _copy_to_model(self) -> None:
         """Write the updated fp32 masters into the (bf16/fp16) model parameters."""
         for p, m in zip(self.params, self.masters):
-            if p.dtype != torch.float32:
+            if p.dtype != torch.float32 and m.data_ptr() != p.data_ptr():  # remainders: the step wrote p itself
                 p.data.copy_(m)
 
     def _adamw(self, grads: list[torch.Tensor], rates: list[float], only: list[int] | None = None) -> None:
@@ -229,7 +286,7 @@ class MixedPrecisionOptimizer:
         ``only``: the masters to step (default: all)."""
         c = self.config
         keys = {i: (self.decay[i], rates[i]) for i in (range(len(self.masters)) if only is None else only)}
-        low = any(state_dtype(c, k) != torch.float32 for k in ("exp_avg", "exp_avg_sq"))
+        low = self._steps_low()
         for decay, lr in dict.fromkeys(keys.values()):
             idx = [i for i, key in keys.items() if key == (decay, lr)]
             step = functools.partial(self.backend.kernels.adamw_step, step=self.step_count, lr=lr,
@@ -242,24 +299,44 @@ class MixedPrecisionOptimizer:
                 step([self.masters[i] for i in idx], [grads[i] for i in idx],
                      [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx])
 
+    def _steps_low(self) -> bool:
+        """Whether Adam steps through :meth:`_adamw_low` (a moment below fp32, or a master kept as a remainder)."""
+        return (self.config.optimizer in ("adam", "adamw")
+                and (any(state_dtype(self.config, k) != torch.float32 for k in MOMENTS)
+                     or any(r is not None for r in self.remainders)))
+
     def _adamw_low(self, i: int, grad: torch.Tensor, step) -> None:
-        """Master ``i``'s step with moments below fp32, through fp32 copies of them: bf16 ones ``MOMENT_CHUNK``
-        elements at a time (the step is elementwise: the same numbers, a bounded temporary), fp16 ones whole (the
-        new scale is the updated tensor's absmax)."""
-        p, m, v = self.masters[i], self.state["exp_avg"][i], self.state["exp_avg_sq"][i]
-        if self.scales or not all(t.is_contiguous() for t in (p, grad, m, v)):
+        """Master ``i``'s step with moments below fp32 or a master kept as a remainder, through fp32 copies of at
+        most ``MOMENT_CHUNK`` elements (the step is elementwise: the whole tensor's numbers, a bounded temporary).
+        An fp16 moment's new scale is the whole updated moment's absmax: a first pass steps copies chunk by chunk
+        and keeps the running absmax (the max of the chunks' is the whole's, exactly), the second steps for real
+        and stores every chunk with that scale."""
+        p, m, v, r = self.masters[i], self.state["exp_avg"][i], self.state["exp_avg_sq"][i], self.remainders[i]
+        if not all(t.is_contiguous() for t in (p, grad, m, v)):  # never with remainders (checked when built)
             m32, v32 = self.moment("exp_avg", i), self.moment("exp_avg_sq", i)
             step([p], [grad], [m32], [v32])
             self.put("exp_avg", i, m32)
             self.put("exp_avg_sq", i, v32)
             return
         flat = [t.view(-1) for t in (p, grad, m, v)]
+        old = [self.scales[k][i] if k in self.scales else None for k in MOMENTS]
+        fresh = old
+        if any(s is not None for s in old) and p.numel():
+            amax = [None, None]
+            for a in range(0, p.numel(), MOMENT_CHUNK):
+                got = _chunk_step([t[a:a + MOMENT_CHUNK] for t in flat], None if r is None else r[a:a + MOMENT_CHUNK],
+                                  step, old, None)
+                amax = [g if x is None else torch.maximum(x, g) for x, g in zip(amax, got)]
+            fresh = [None if s is None else torch.empty_like(s) for s in old]
+            for f, x in zip(fresh, amax):
+                if f is not None:
+                    new_scale(x, f)
         for a in range(0, p.numel(), MOMENT_CHUNK):
-            pc, gc, mc, vc = (t[a:a + MOMENT_CHUNK] for t in flat)
-            m32, v32 = mc.float(), vc.float()
-            step([pc], [gc], [m32], [v32])
-            store(mc, m32, None)
-            store(vc, v32, None)
+            _chunk_step([t[a:a + MOMENT_CHUNK] for t in flat], None if r is None else r[a:a + MOMENT_CHUNK], step,
+                        old, fresh)
+        for s, f in zip(old, fresh):
+            if s is not None:
+                s.copy_(f)
 
     def moment(self, key: str, i: int) -> torch.Tensor:
         """State ``key`` of master ``i`` as fp32 (unscaled; the tensor itself when stored in fp32)."""
@@ -301,11 +378,11 @@ class MixedPrecisionOptimizer:
     def state_dict(self) -> dict:
         """Tensors keyed by parameter name; fp32 masters only for low-precision params."""
         out = {"step": self.step_count, "optimizer": self.config.optimizer, "tensors": {}}
-        state = self.saved_state()
+        state, masters = self.saved_state(), self.saved_masters()
         for i, name in enumerate(self.names):
             entry = {k: v[i] for k, v in state.items() if self.keeps(k, i)}
             if self.params[i].dtype != torch.float32:
-                entry["master"] = self.masters[i]
+                entry["master"] = masters[i]
             out["tensors"][name] = entry
         if self.loss_scaler is not None:
             out["loss_scaler"] = self.loss_scaler.state_dict()
@@ -321,7 +398,8 @@ class MixedPrecisionOptimizer:
         are the model's own fp32 parameters excluded): measured on the tensors' storages, for memory reports."""
         params = {p.untyped_storage().data_ptr() for p in self.params}
         seen: dict[int, int] = {}
-        for t in [*self.masters, *(t for bufs in [*self.state.values(), *self.scales.values()] for t in bufs)]:
+        kept = [*self.masters, *(r for r in self.remainders if r is not None)]
+        for t in [*kept, *(t for bufs in [*self.state.values(), *self.scales.values()] for t in bufs)]:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:
                 seen[ptr] = t.untyped_storage().nbytes()
@@ -345,7 +423,7 @@ class MixedPrecisionOptimizer:
                     if self.keeps(key, i):
                         self.put(key, i, entry[key].to(torch.float32, copy=True))
                 if "master" in entry:
-                    self.masters[i].copy_(entry["master"])
+                    self.set_master(i, entry["master"])
         self.load_counters(state)
 
     def rank_state_dict(self) -> dict | None:
@@ -384,3 +462,23 @@ class ShardedOverDataParallel:
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
         return global_count_zeros(self._owners(), grads, self.groups, self.backend.collectives, self.duplicates,
                                   reduce_over=(self.groups.dp_cp, self.groups.mp), device=self.backend.current_device())
+
+
+def _chunk_step(pieces: list[torch.Tensor], rem: torch.Tensor | None, step, old: list, fresh: list | None):
+    """One chunk of :meth:`MixedPrecisionOptimizer._adamw_low`: ``pieces`` = (master or bf16 parameter, gradient,
+    exp_avg, exp_avg_sq) chunks, ``rem`` the master's remainders (None: ``pieces[0]`` is the fp32 master), ``old``
+    the moments' current scales (None: not fp16). With ``fresh`` None, a dry run on copies returning each fp16
+    moment's new absmax (None for the others); else the moments are stored with the scales ``fresh`` and the
+    master written back."""
+    pc, gc, mc, vc = pieces
+    dry = fresh is None
+    p32 = join_master(pc, rem) if rem is not None else pc.clone() if dry else pc
+    m32, v32 = (t.clone() if dry and t.dtype == torch.float32 else unscaled(t, s) for t, s in zip((mc, vc), old))
+    step([p32], [gc], [m32], [v32])
+    if dry:
+        return [None if s is None else absmax(x) for x, s in zip((m32, v32), old)]
+    store(mc, m32, fresh[0], rescale=False)
+    store(vc, v32, fresh[1], rescale=False)
+    if rem is not None:
+        split_master(p32, pc, rem)
+    return None

@@ -157,7 +157,7 @@ def params_norm(c) -> float:
     params = [p for m in c.modules for p in m.parameters()]
     main = None
     if c.settings.precision.bf16:
-        main = c.optimizer._grad_norm(c.optimizer.masters)  # each optimizer counts its own layout's parts once
+        main = c.optimizer._grad_norm(c.optimizer.saved_masters())  # each counts its own layout's parts once
         owned = {id(p) for p in c.optimizer.params}
         params = [p for p in params if id(p) not in owned]
     # NOTE: --use-torch-fsdp2: each rank holds disjoint row shards, summed over the whole world

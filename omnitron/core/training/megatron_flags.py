@@ -131,8 +131,9 @@ SELECTORS: dict[str, tuple[str | None, str, str]] = {
                                "pipeline stage still draws from its own seed + 100 x pp rank, so Megatron's start "
                                "changes with the pipeline size); omnitron's is the same at every layout"),
     "use_precision_aware_optimizer": (None, "Adam's moments are stored in --exp-avg-dtype / --exp-avg-sq-dtype "
-                                            "(fp32, bf16 or fp16), the main parameters in fp32, the main gradients "
-                                            "in --main-grads-dtype",
+                                            "(fp32, bf16 or fp16), the main parameters in fp32 (under --bf16 as "
+                                            "int16 remainders beside the bf16 parameters, as Megatron's default "
+                                            "store_param_remainders), the main gradients in --main-grads-dtype",
                                       "Megatron's precision-aware optimizer (Transformer Engine's FusedAdam) reads "
                                       "each moment as fp32, steps in fp32 and writes it back in its dtype (fp16 "
                                       "scaled per tensor), as omnitron does; fp8 moments and --main-params-dtype "
@@ -392,15 +393,19 @@ def _check_precision_aware(merged: dict[str, Any], given: bool) -> None:
     if merged.get("optimizer", "adam") != "adam":
         raise ConfigError(f"--use-precision-aware-optimizer: Megatron runs it with --optimizer adam only, not "
                           f"{merged['optimizer']}; drop the flag or use --optimizer adam")
+    if merged.get("use_torch_fsdp2"):
+        raise ConfigError("--use-precision-aware-optimizer with --use-torch-fsdp2: Megatron runs the former with its "
+                          "distributed optimizer only, which the latter excludes; drop one of them")
     if not merged.get("use_distributed_optimizer"):
         raise ConfigError("--use-precision-aware-optimizer: Megatron runs it with the distributed optimizer only; add "
                           "--use-distributed-optimizer or drop the flag")
     if params != "fp32":
         raise ConfigError(f"--main-params-dtype {params}: Transformer Engine's scaled fp16 master weights are not "
                           "implemented; drop the flag (fp32 main parameters)")
-    if lowered and merged.get("use_torch_fsdp2"):
-        raise ConfigError(f"{lowered[0]}: omnitron's FSDP2 optimizer keeps fp32 moments only; drop the flag or "
-                          "--use-torch-fsdp2")
+    # Megatron (TE >= 2.1): bf16 parameters keep fp32 masters as remainders unless it manages the masters itself
+    # (FP8 recipes other than delayed)
+    fp8_own = merged.get("fp8_format") is not None and merged.get("fp8_recipe", "delayed") != "delayed"
+    merged["store_param_remainders"] = bool(merged.get("bf16")) and not fp8_own
     if grads == "bf16":
         if merged.get("bf16") and merged.get("accumulate_allreduce_grads_in_fp32"):
             raise ConfigError("--main-grads-dtype bf16 contradicts --accumulate-allreduce-grads-in-fp32 (Megatron "
