@@ -2,13 +2,13 @@
 
 Every float8 code and every dequantization factor the layer hands to its three GEMMs (forward, data-grad,
 weight-grad) must equal, bit for bit, the recipe's definition evaluated here without omnitron: amax in float64
-(exact), ``scale = fl32(fl32(1 / amax) * fp8_max / 2**margin)`` and ``scale_inv = fl32(1 / scale)`` rounded from
-exact rationals (training's once-per-step delayed update: ``fl32(fp8_max / 2**margin / amax)``, Transformer
-Engine's one division), ``q = fp8(clamp(fl32(x * scale)))`` (the float64 product of a float32 scale and a bf16 / fp32
-value is exact, so one rounding to float32). Delayed scaling: the scale in force at use ``t`` follows the
-history of the previous uses' amaxes (scaling.py), standalone and once per step as training runs it. Any change
-to the host path that moves a result (a scale computed in another order, a role's format or margin, a stale or
-skipped history update, an operand swapped or re-rounded) fails here, on fresh random inputs.
+(exact), ``scale = fl32(fp8_max / 2**margin / amax)`` (Transformer Engine's one division, every recipe) and
+``scale_inv = fl32(1 / scale)`` rounded from exact rationals, ``q = fp8(clamp(fl32(x * scale)))`` (the float64
+product of a float32 scale and a bf16 / fp32 value is exact, so one rounding to float32). Delayed scaling: the scale
+in force at use ``t`` follows the history of the previous uses' amaxes (scaling.py), standalone and once per step as
+training runs it. Any change to the host path that moves a result (a scale computed in another order, a role's
+format or margin, a stale or skipped history update, an operand swapped or re-rounded) fails here, on fresh random
+inputs.
 """
 from __future__ import annotations
 
@@ -36,11 +36,12 @@ def _rn32(q: Fraction) -> float:
                key=lambda v: (abs(Fraction(v) - q), torch.tensor(v).view(torch.int32).item() & 1))
 
 
-def _scales(amax: float, fmt: str, margin: int, divide: bool = False) -> tuple[float, float]:
-    """(scale, scale_inv) of the recipe for a reduced ``amax`` (finite, positive here); ``divide``: the target over
-    the amax rounded once (the per-step delayed update), else the rounded reciprocal times the target."""
+def _scales(amax: float, fmt: str, margin: int) -> tuple[float, float]:
+    """(scale, scale_inv) of the recipe for a reduced ``amax`` (finite, positive here): the target over the amax
+    rounded once, as Transformer Engine's ``compute_scale_from_amax`` divides (a rounded reciprocal times the target
+    is an ulp off for about a quarter of amaxes), and the scale's reciprocal rounded once."""
     target = Fraction(FMAX[fmt]) / 2 ** margin
-    scale = _rn32(target / Fraction(amax)) if divide else _rn32(Fraction(_rn32(1 / Fraction(amax))) * target)
+    scale = _rn32(target / Fraction(amax))
     return scale, _rn32(1 / Fraction(scale))
 
 
@@ -97,17 +98,17 @@ def _inputs(shape, dtype, growth):
 
 
 def _scales_in_force(amaxes: list[float], fmt: str, margin: int, recipe: str, hist_len: int,
-                     algo: str = "max", per_step: bool = False) -> list[tuple]:
+                     algo: str = "max") -> list[tuple]:
     """(scale, scale_inv) used at each use: the use's own amax (tensorwise, and delayed's first use), else the max
     of the last ``hist_len`` earlier amaxes (delayed, ``max``) or the previous use's (delayed, ``most_recent``),
-    divided once where ``per_step`` (scaling.delayed_scale)."""
+    standalone and once per step alike."""
     out = []
     for t, a in enumerate(amaxes):
         if recipe == "tensorwise" or t == 0:
             ref = a
         else:
             ref = max(amaxes[max(0, t - hist_len):t]) if algo == "max" else amaxes[t - 1]
-        out.append(_scales(ref, fmt, margin, divide=per_step and t > 0))
+        out.append(_scales(ref, fmt, margin))
     return out
 
 
@@ -132,9 +133,9 @@ def test_gemm_operands_are_the_recipes_bit_for_bit(recipe, per_step, algo, fmt, 
     fb = cfg.backward_format
     x2s, g2s = [x.reshape(-1, 64) for x in xs], [gy.reshape(-1, 48) for gy in gys]
     m = margin if recipe == "delayed" else 0  # --fp8-margin is delayed scaling's alone (Megatron: TE's DelayedScaling)
-    sx = _scales_in_force([_amax(x) for x in x2s], "e4m3", m, recipe, hist_len, algo, per_step)
-    sw = _scales_in_force([_amax(w)] * 3, "e4m3", m, recipe, hist_len, algo, per_step)
-    sg = _scales_in_force([_amax(g) for g in g2s], fb, m, recipe, hist_len, algo, per_step)
+    sx = _scales_in_force([_amax(x) for x in x2s], "e4m3", m, recipe, hist_len, algo)
+    sw = _scales_in_force([_amax(w)] * 3, "e4m3", m, recipe, hist_len, algo)
+    sg = _scales_in_force([_amax(g) for g in g2s], fb, m, recipe, hist_len, algo)
     for t in range(3):
         spy.calls.clear()
         xd = xs[t].to(dev).requires_grad_()

@@ -67,6 +67,51 @@ def test_scale_rule_ignores_zero_and_non_finite_amax():
     assert scale_from_amax(torch.tensor(0.0), "e5m2").item() == 1.0
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_scale_is_one_correctly_rounded_division(fmt):
+    """Every recipe's scale (tensorwise, delayed, FSDP2's, block-wise before its power-of-two rounding) is
+    ``fp8_max / 2**margin / amax`` rounded once to float32, as Transformer Engine's ``compute_scale_from_amax``
+    (``__fdiv_rn``) and torchao divide; the reciprocal times the target it was computed as is an ulp off for about
+    a quarter of amaxes. Reference: the exact rational quotient rounded to nearest even (fractions), on fresh random
+    amaxes spread log-uniformly over float32's normal range; a quotient above the largest float32 is that."""
+    from fractions import Fraction
+
+    g = torch.Generator().manual_seed(torch.randint(0, 2 ** 31, ()).item())
+    amax = torch.exp(torch.empty(2000, dtype=torch.float64).uniform_(-87.0, 88.0, generator=g)).float()
+    amax = torch.cat([amax, torch.tensor([1e-38, 2e-37, 3e-45])])  # quotients beyond float32's range
+    flt_max = torch.finfo(torch.float32).max
+    for margin in (0, int(torch.randint(1, 5, (), generator=g))):
+        got = scale_from_amax(amax, fmt, margin)
+        target = Fraction(FP8_MAX[fmt]) / 2 ** margin
+        for a, s in zip(amax.tolist(), got.tolist()):
+            q = target / Fraction(a)
+            want = flt_max if q > flt_max else _rn32(q)
+            assert s == want, f"{fmt} margin {margin} amax {a!r}: {s!r} != {want!r}"
+    off = (amax.reciprocal() * FP8_MAX[fmt] != torch.div(FP8_MAX[fmt], amax)).float().mean().item()
+    assert off > 0.1  # the rule replaced: the reference above tells the two apart on this draw
+
+
+def _rn32(q) -> float:
+    """Rational ``q`` (within float32's normal range) rounded to the nearest float32, ties to even: the float32
+    neighbours of a first guess compared exactly."""
+    from fractions import Fraction
+
+    guess = torch.tensor(float(q), dtype=torch.float32)
+    cands = [guess, torch.nextafter(guess, torch.tensor(float("inf"))), torch.nextafter(guess, torch.tensor(0.0))]
+    return min((c.item() for c in cands),
+               key=lambda v: (abs(Fraction(v) - q), torch.tensor(v).view(torch.int32).item() & 1))
+
+
+def test_tiny_amax_keeps_zeros_zero(fp8):
+    """An amax whose quotient overflows float32 (a gradient of about 1e-37) gives the largest float32 scale, as
+    Transformer Engine clips it: the tensor's zeros quantize to zero (a scale of inf made them NaN)."""
+    x = torch.tensor([0.0, 1e-37, -3e-38, 0.0])
+    scale = scale_from_amax(x.abs().amax(), "e4m3")
+    assert scale.item() == torch.finfo(torch.float32).max
+    q = fp8.quantize(x, "e4m3", scale)[0].float()
+    assert not torch.isnan(q).any() and q[0].item() == 0.0 and q[3].item() == 0.0 and q[1].item() > 0
+
+
 @pytest.mark.parametrize("block", [(1, 128), (128, 128), (128, 1)])
 def test_block_quantize_per_tile_scales(fp8, block):
     g = torch.Generator().manual_seed(2)

@@ -304,20 +304,25 @@ def test_fp8_cast_transpose_amax(op, name, fmt, backend):
 @pytest.mark.parametrize("fmt", ("e4m3", "e5m2"))
 @pytest.mark.parametrize("op,name", _impl_params(["fp8_cast_transpose_from_amax"]))
 def test_fp8_cast_transpose_from_amax(op, name, fmt, backend):
-    """Current scaling fused: the scale follows fp8_max / 2**margin / amax (1 for a zero, inf or nan
-    amax), the codes are exactly those of that scale in float64, and scale_inv is its float32 reciprocal."""
+    """Current scaling fused: the scale is fp8_max / 2**margin / amax rounded once to float32 (1 for a zero, inf or
+    nan amax; the largest float32 where the quotient overflows, so zeros stay zero), the codes are exactly those of
+    that scale in float64, and scale_inv is its float32 reciprocal."""
     fn = _resolve(op, name, backend)
     device = backend.current_device()
     dtype, limit = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}[fmt]
     x = (torch.randn(70, 33, device=device) * torch.logspace(-9, 6, 33, base=2.0, device=device)).to(torch.bfloat16)
     true_amax = x.float().abs().max()
     cases = [(true_amax, 0), (true_amax, 2), (true_amax * 0.25, 0),  # amax below max|x|: saturates
-             (torch.tensor(0.0), 0), (torch.tensor(float("inf")), 0), (torch.tensor(float("nan")), 1)]
+             (torch.tensor(0.0), 0), (torch.tensor(float("inf")), 0), (torch.tensor(float("nan")), 1),
+             (torch.tensor(1e-38), 0)]  # the quotient overflows float32
+    x[0, 0] = 0.0
     for amax, margin in cases:
         amax = amax.to(device=device, dtype=torch.float32)
         a = float(amax)
-        scale32 = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(a, dtype=torch.float32) *
-                   (limit / 2.0 ** margin)) if 0 < a < float("inf") else torch.tensor(1.0)
+        # the float64 quotient of two float32s rounded to float32 is the correctly rounded one (53 >= 2 x 24 + 2
+        # bits: double rounding is innocuous for division), clipped to the largest float32
+        scale32 = torch.tensor(min(limit / 2.0 ** margin / a, torch.finfo(torch.float32).max)).float() \
+            if 0 < a < float("inf") else torch.tensor(1.0)
         q, qt, scale_inv = fn(x, amax, fmt, margin)
         want = (x.double() * scale32.double()).clamp(-limit, limit).to(dtype)
         assert q.dtype == dtype and qt.shape == (33, 70)
@@ -331,7 +336,8 @@ def test_fp8_cast_transpose_from_amax(op, name, fmt, backend):
 @pytest.mark.parametrize("op,name", _impl_params(["fp8_amax_history_push"]))
 def test_fp8_amax_history_push(op, name, algo, backend):
     """The delayed-scaling update against the recipe written out in float64: newest amax first, the
-    scale from the history's max (or newest entry), the previous scale kept for 0 / inf / nan."""
+    scale from the history's max (or newest entry) in one rounded division, the previous scale kept for 0 / inf /
+    nan."""
     fn = _resolve(op, name, backend)
     device = backend.current_device()
     for fmt, limit in (("e4m3", 448.0), ("e5m2", 57344.0)):
@@ -348,8 +354,8 @@ def test_fp8_amax_history_push(op, name, algo, backend):
                 vals = torch.tensor(want_hist, dtype=torch.float64)
                 summary = (float("nan") if vals.isnan().any() else float(vals.max())) if algo == "max" else amax
                 ok = 0 < summary < float("inf")
-                want = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(summary, dtype=torch.float32) *
-                        (limit / 2.0 ** margin)) if ok else prev.cpu()
+                # one division rounded to float32 (a float64 quotient of float32s rounds to the same: 53 >= 2 x 24 + 2)
+                want = torch.tensor(limit / 2.0 ** margin / summary).float() if ok else prev.cpu()
                 assert float(scale) == float(want), (fmt, length, amax, algo)
                 assert float(scale_inv) == float(1.0 / want.float())
                 assert new_hist.data_ptr() != hist.data_ptr() and scale.data_ptr() != prev.data_ptr()

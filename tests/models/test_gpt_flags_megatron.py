@@ -233,10 +233,12 @@ def test_no_position_embedding_builds_and_converts():
 
 def test_squared_relu_is_refused_with_swiglu_carried_by_megatron_args_and_refused_by_hf_export():
     """``--squared-relu``: refused with a gated MLP (Megatron asserts not --swiglu), carried by Megatron's args both
-    ways, refused by a Hugging Face export (no such MLP there). With biases and the default bias-GeLU fusion it is
-    accepted (the same function, unfused), where Megatron's fused bias-GeLU refuses it."""
+    ways, refused by a Hugging Face export (no such MLP there). With biases and the default bias-GeLU fusion the
+    config is accepted (the same function, unfused; the command line refuses it as Megatron does:
+    tests/training/test_megatron_flags.py), and the Megatron args written for it turn the fusion off, which
+    Megatron's TransformerConfig refuses beside a squared ReLU."""
     from omnitron.core.checkpoint.hf import HFConversionError, hf_model_type
-    from omnitron.core.checkpoint.megatron import config_from_megatron
+    from omnitron.core.checkpoint.megatron import args_for, config_from_megatron
     from omnitron.core.config.parallel import ConfigError
     from omnitron.core.models.gpt import gpt2_tiny
 
@@ -246,6 +248,8 @@ def test_squared_relu_is_refused_with_swiglu_carried_by_megatron_args_and_refuse
     assert config_from_megatron(args, vocab_size=64, dtype=torch.float32).squared_relu
     biased = gpt2_tiny(squared_relu=True)
     assert biased.add_bias_linear and biased.bias_gelu_fusion  # Megatron's refused combination, accepted here
+    assert not args_for(biased, 1, 1, 0, {}, "local").bias_gelu_fusion  # ... and written as Megatron takes it
+    assert args_for(gpt2_tiny(), 1, 1, 0, {}, "local").bias_gelu_fusion  # the biased GeLU keeps its fusion
     with pytest.raises(HFConversionError, match="--squared-relu"):
         hf_model_type(biased)
 

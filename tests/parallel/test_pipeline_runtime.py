@@ -185,6 +185,73 @@ def test_weight_grad_fallback_reruns_a_loss_that_writes_its_gradient_in_place():
     torch.testing.assert_close(g_in.double(), xr.grad, rtol=1e-5, atol=1e-6)
 
 
+def _held_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (a stride-0 stand-in counts its one element)."""
+    from torch.utils._pytree import tree_leaves
+
+    seen = {}
+    for t in tree_leaves(list(tensors)):
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("recipe, dtype", [("tensorwise", torch.bfloat16), ("delayed", torch.float32),
+                                           ("blockwise", torch.bfloat16)])
+def test_weight_grad_split_quantizes_grad_output_once(recipe, dtype, monkeypatch):
+    """B quantizes each FP8 layer's output gradient for its data-gradient GEMM and hands W the form its weight-
+    gradient GEMM reads (per-tensor: the transposed codes and scale; block-wise: the token-tiled codes), with the
+    bias gradient: the split backward issues exactly the unsplit backward's quantizations (it quantized the gradient
+    again in W: twice a layer per-tensor, and under per-use delayed scaling the second pass moved the grad_output
+    history, so W's scale was another than the unsplit backward's), gradients bit for bit those of the unsplit
+    backward over three uses, and what W holds for a layer (the stash, and a one-element stand-in for the kept
+    gradient) is at most the gradient W held before: FP8 codes are 1 byte against bf16's 2 and fp32's 4."""
+    from omnitron.backends import get_backend
+    from omnitron.core.parallel import split_backward
+    from omnitron.core.parallel.pipeline.wgrad import backward_input
+    from omnitron.core.precision.fp8 import FP8Config, FP8Linear
+
+    prov = get_backend().fp8
+    count = []
+    blocks, per_tensor = type(prov).quantize_blocks, FP8Linear.quantize
+    monkeypatch.setattr(type(prov), "quantize_blocks", lambda self, *a, **k: count.append(1) or blocks(self, *a, **k))
+    monkeypatch.setattr(FP8Linear, "quantize", lambda self, role, *a: count.append(role) or per_tensor(self, role, *a))
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    tokens, width = 128, 64
+    w1, w2 = (torch.nn.Parameter((torch.randn(width, width, generator=gen) / 8).to(dtype)) for _ in range(2))
+    b1, b2 = (torch.nn.Parameter(torch.randn(width, generator=gen).to(dtype)) for _ in range(2))
+    uses = [(torch.randn(tokens, width, generator=gen).to(dtype) * 3 ** k,
+             torch.randn(tokens, width, generator=gen).to(dtype) * 5 ** k) for k in range(3)]  # growing: delayed moves
+    results, counts = {}, {}
+    for split in (True, False):
+        layers = [FP8Linear(FP8Config(fp8_recipe=recipe, fp8_format="hybrid"), prov) for _ in range(2)]
+        results[split], counts[split] = [], []
+        for x, g in uses:
+            for p in (w1, w2, b1, b2):
+                p.grad = None
+            xx = x.clone().requires_grad_()
+            out = layers[1](torch.tanh(layers[0](xx, w1, b1)), w2, b2)
+            count.clear()
+            if split:
+                g_in, plan = backward_input(out, g, xx, [w1, b1, w2, b2])
+                assert not plan.fallback and len(plan.kept) == 2, seed
+                held = [t for node in plan.kept for t in (*plan.kept[node], getattr(node, split_backward._STASH, ()))]
+                # the gradient W held before: one [tokens, width] tensor a layer in the model's dtype
+                assert _held_bytes(held) <= 2 * tokens * width * dtype.itemsize, (seed, _held_bytes(held))
+                assert all(t.untyped_storage().nbytes() == dtype.itemsize for k in plan.kept.values() for t in k)
+                plan.run()
+            else:
+                out.backward(g)
+                g_in = xx.grad
+            counts[split].append(list(count))
+            results[split].append((g_in, w1.grad, w2.grad, b1.grad, b2.grad))
+    assert counts[True] == counts[False], (seed, counts)
+    for a, b in zip(results[True], results[False]):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v), seed
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_weight_grad_split_runs_each_fp8_gemm_once(recipe, monkeypatch):
     """A custom autograd function's ``needs_input_grad`` is fixed at forward, so the FP8 linear (a boundary node of

@@ -111,6 +111,29 @@ def test_zb_v_reaches_the_ideal_step_at_every_m_from_p():
                 assert span == 6 * m + pp - 1, (cost.__name__, pp, m, span)
 
 
+def test_zb_v_below_p_micro_batches_is_a_valid_v_no_slower_than_the_one_chunk_schedules():
+    """At m < p zb-v does not fall back to another schedule: its search (caps 2p ... 2p + 3, tail-first order) keeps
+    the shortest V table, which the simulator runs (every pass once, dependencies met). Its step is at least the
+    bound hand-derived here and equals it while m <= p / 2: rank p - 1 runs both chunks' forwards of every
+    micro-batch, 2m units from time p - 1 at the earliest, and the micro-batch of its last one still has p - 1
+    forwards, 2p - 1 B's (stage 0's is free) and stage 0's W (2) to go: 4p + 2m - 1, beside the 6m + p - 1 of
+    p - 1 start-up forwards and 6m units of work a rank. (Above p / 2 it stays a few units over: 8 at p = 16,
+    m = 12.) It is shorter than ZB-H1 and 1F1B over the same model (two chunks a stage: their step doubled) and
+    holds no more chunk activations than they do (2m, every micro-batch's two chunks)."""
+    from omnitron.core.parallel.pipeline.vshape import schedule_zb_v
+
+    for pp in range(2, 9):
+        for m in range(1, pp):
+            tl = simulate(schedule_zb_v(pp, m), stage_cost=zb_stage_cost)
+            bound = max(6 * m + pp - 1, 4 * pp + 2 * m - 1)
+            assert tl.makespan >= bound and (tl.makespan == bound or 2 * m > pp), (pp, m, tl.makespan)
+            assert max(tl.peak_inflight.values()) <= 2 * m, (pp, m)
+            for name in ("zb-h1", "1f1b"):
+                other = simulate(build_schedule(name, pp, 1, m), stage_cost=zb_stage_cost)
+                assert tl.makespan < 2 * other.makespan, (name, pp, m)
+                assert max(tl.peak_inflight.values()) <= 2 * max(other.peak_inflight.values()), (name, pp, m)
+
+
 def test_simulator_catches_broken_tables():
     good = schedule_1f1b(2, 2)
     # rank 1 asks for micro-batch 1's backward before forwarding it

@@ -560,3 +560,25 @@ def test_a_split_without_training_documents_stops_the_command_line(tmp_path):
     flags = [f for f in BASE if f != "--mock-data"] + ["--data-path", str(tmp_path / "corpus_text_document")]
     with pytest.raises(ConfigError, match="--split 0,100,0 gives training no documents"):
         parse_settings(flags + ["--split", "0,100,0"], 1)
+
+
+def _activation_fusion_cases() -> dict:
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "megatron_activation_fusion", "fixtures.json")
+    with open(path) as f:
+        return json.load(f)["cases"]
+
+
+@pytest.mark.parametrize("flags, megatron", sorted(_activation_fusion_cases().items()))
+def test_activation_fusion_pairs_are_refused_where_megatron_refuses(flags, megatron):
+    """Each MLP activation / fusion combination (--squared-relu beside the default bias-GeLU fusion, a
+    --glu-linear-offset beside the bias-SwiGLU fusion or without a gated MLP, the SwiGLU clamp without MoE, negative
+    or beside an offset) is refused in one line exactly where Megatron's own parse_args / validate_args /
+    TransformerConfig refuse it (megatron_activation_fusion/make_fixtures.py ran them), and accepted elsewhere."""
+    if megatron is None:
+        parse_settings(BASE + flags.split(), 1)
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_settings(BASE + flags.split(), 1)
+    assert "\n" not in str(info.value) and info.value.args[0].startswith("--")

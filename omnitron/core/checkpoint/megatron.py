@@ -295,8 +295,9 @@ def args_for(cfg, tp: int, pp: int, iteration: int, run: dict, transformer_impl:
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias, qk_layernorm=cfg.qk_layernorm,
         apply_layernorm_1p=cfg.apply_layernorm_1p,
-        # Megatron-Core's MLP runs the tanh GeLU iff bias_gelu_fusion and biases (it ignores openai_gelu)
-        bias_gelu_fusion=cfg.bias_gelu_fusion and cfg.add_bias_linear, openai_gelu=False,
+        # Megatron-Core's MLP runs the tanh GeLU iff bias_gelu_fusion and biases (it ignores openai_gelu); its
+        # TransformerConfig refuses the fusion with a squared ReLU, which omnitron computes unfused
+        bias_gelu_fusion=cfg.bias_gelu_fusion and cfg.add_bias_linear and not cfg.squared_relu, openai_gelu=False,
         hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std, params_dtype=dt, bf16=dt == torch.bfloat16, fp16=dt == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,

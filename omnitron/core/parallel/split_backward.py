@@ -7,10 +7,16 @@ linear, the sequence-parallel gather linear) would compute its input AND weight 
 twice its GEMMs and collectives, every extra result dropped. ``wgrad.py`` marks such a node with the half it runs
 in; the function asks :func:`computes_input` / :func:`computes_weight`. Unmarked (no split, a fallback plan,
 recomputation) both are computed, as before.
+
+A function whose weight side needs its output gradient only in a form B already makes (the FP8 linear: the
+quantized gradient) hands that form to W in B (:func:`defers_weight`, :func:`stash`); W's call then takes it
+(:func:`take`) and ``wgrad.py`` keeps only a one-element stand-in for the gradient it would have held
+(:func:`holds_operands`): one quantization a backward, as unsplit, and W's held bytes those of the FP8 form.
 """
 from __future__ import annotations
 
 _ATTR = "omnitron_split_pass"
+_STASH = "omnitron_w_operands"
 
 
 def mark(node, half: str | None) -> None:
@@ -34,3 +40,26 @@ def computes_input(ctx) -> bool:
 def computes_weight(ctx) -> bool:
     """Whether this backward call is to produce the weight (and bias) gradients (not B of a split backward)."""
     return getattr(ctx, _ATTR, None) != "input"
+
+
+def defers_weight(ctx) -> bool:
+    """Whether this call is B of a split backward: its weight gradients come in a later W call."""
+    return getattr(ctx, _ATTR, None) == "input"
+
+
+def stash(ctx, operands: tuple) -> None:
+    """In B: keep ``operands`` (what W's weight gradient needs of the output gradient) on the node for W."""
+    setattr(ctx, _STASH, operands)
+
+
+def take(ctx) -> tuple | None:
+    """In W: the operands B stashed (released from the node), or None where B stashed none."""
+    operands = getattr(ctx, _STASH, None)
+    if operands is not None:
+        delattr(ctx, _STASH)
+    return operands
+
+
+def holds_operands(node) -> bool:
+    """Whether B stashed W's operands on ``node``, so W needs no kept output gradient there."""
+    return getattr(node, _STASH, None) is not None

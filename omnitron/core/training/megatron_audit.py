@@ -79,9 +79,9 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "the MLP's activation is squared_relu, pow(relu(x), 2) (argument_utils.py; asserts not --swiglu, and its "
         "fused bias-GeLU refuses it: biases need --no-bias-gelu-fusion or --disable-bias-linear)",
         "the same activation (GPTConfig.squared_relu, transformer/mlp.py), dense and MoE MLPs; refused with --swiglu "
-        "/ --quick-geglu; accepted with biases with or without --no-bias-gelu-fusion (the same function, "
-        "unfused), where Megatron asks for it; Megatron conversion carries it, a Hugging Face export refuses it "
-        "(was refused as not implemented)",
+        "/ --quick-geglu; on the command line with biases it needs --no-bias-gelu-fusion, as Megatron (accepted "
+        "without it until 2026-12-07; a config file's model runs it unfused either way); Megatron conversion "
+        "carries it (the fusion written off), a Hugging Face export refuses it (was refused as not implemented)",
         "tests/models/test_gpt_flags_megatron.py::test_gpt_flag_equals_megatron_core"),
     "--moe-router-dtype": (
         "the router's logits in fp32 / fp64, unset in the tokens' dtype (bf16 logits in a bf16 run); the top-k on "

@@ -231,11 +231,31 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
 def check_command_line(given: dict[str, Any], file_values: dict[str, Any]) -> None:
     """Flag combinations of a command line that Megatron refuses or reads otherwise than omnitron's fields do
     (a config file keeps omnitron's spelling, where a validated model holds both): :func:`_check_rope_scaling`,
-    and ``--quick-geglu`` beside ``--swiglu``, which Megatron asserts against (argument_utils.py)."""
+    ``--quick-geglu`` beside ``--swiglu``, which Megatron asserts against (argument_utils.py), and
+    :func:`_check_activation_fusion`."""
     _check_rope_scaling(given, file_values)
     if given.get("quick_geglu") and given.get("swiglu"):
         raise ConfigError("--quick-geglu with --swiglu: Megatron refuses the two together (--quick-geglu is a gated "
                           "MLP of its own, quick GeLU in place of SiLU); drop --swiglu")
+    _check_activation_fusion(given, file_values)
+
+
+def _check_activation_fusion(given: dict[str, Any], file_values: dict[str, Any]) -> None:
+    """Megatron's fused bias-activation (``bias_activation_fusion``: --bias-swiglu-fusion under --swiglu, else
+    --bias-gelu-fusion, which --disable-bias-linear turns off) takes GeLU, SiLU or quick GeLU and no
+    ``--glu-linear-offset`` but quick GeGLU's (transformer_config.py): its run stops on --squared-relu and on a
+    --swiglu offset while the fusion is on. omnitron computes both unfused, but a command line Megatron refuses
+    is refused here too, naming the flag that makes it Megatron's."""
+    def setting(key: str, default: Any) -> Any:
+        return given.get(key, file_values.get(key, default))
+
+    if given.get("squared_relu") and setting("add_bias_linear", True) and setting("bias_gelu_fusion", True):
+        raise ConfigError("--squared-relu with biases: Megatron's fused bias-GeLU (on by default) refuses a squared "
+                          "ReLU; add --no-bias-gelu-fusion (or --disable-bias-linear)")
+    offset = given.get("glu_linear_offset")
+    if given.get("swiglu") and offset and not setting("no_bias_swiglu_fusion", False):
+        raise ConfigError(f"--glu-linear-offset {offset:g} with --swiglu: Megatron's fused bias-SwiGLU (on by default) "
+                          "refuses an offset; add --no-bias-swiglu-fusion")
 
 
 def _check_rope_scaling(given: dict[str, Any], file_values: dict[str, Any]) -> None:

@@ -27,21 +27,23 @@ def fp8_dtype(fmt: str) -> torch.dtype:
 
 def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0,
                     previous: torch.Tensor | None = None, pow2: bool = False) -> torch.Tensor:
-    """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32 (computed as ``reciprocal(amax) * target``).
+    """``FP8_MAX[fmt] / 2**margin / amax`` elementwise, float32: one correctly rounded division, as Transformer
+    Engine (recipe_common.cuh ``compute_scale_from_amax``, ``__fdiv_rn``) and torchao compute it for every recipe
+    (a reciprocal times the target, as computed here until 2026-12-07, is an ulp off for about a quarter of amaxes);
+    where the quotient overflows (an amax below about 1e-36) the largest float32, as there (a scale of inf would turn
+    zeros into NaN). Every recipe's scale comes from here: delayed, tensorwise, block-wise and FSDP2's.
 
     Where ``amax`` is zero or not finite the scale is ``previous`` (1 when None): an all-zero
     tensor needs no scaling, and an inf/nan amax must not poison the scale for later steps.
-    Six small device ops and no host sync (this runs once per quantized tensor).
+    A few small device ops and no host sync (this runs once per quantized tensor).
     ``pow2``: the scale rounded down to a power of two (:func:`pow2_scale`), as the block-wise recipe takes it.
     """
     if amax.dtype != torch.float32:  # (``.float()`` of a float32 tensor is itself, but still a call)
         amax = amax.float()
-    target = FP8_MAX[fmt] / (2.0 ** margin)
+    target = FP8_MAX[fmt] / (2.0 ** margin)  # exact: a power of two apart from fp8_max
     ok = (amax > 0) & (amax < math.inf)  # False for nan too
-    if pow2:
-        fresh = pow2_scale(torch.div(target, amax))  # one correctly rounded division (``target / amax`` is not)
-    else:
-        fresh = amax.reciprocal().mul_(target)  # lanes where not ok are discarded below
+    fresh = torch.div(target, amax)  # lanes where not ok are discarded below
+    fresh = pow2_scale(fresh) if pow2 else fresh.clamp_(max=torch.finfo(torch.float32).max)
     return torch.where(ok, fresh, 1.0 if previous is None else previous.float())
 
 

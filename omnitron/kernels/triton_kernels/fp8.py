@@ -58,7 +58,8 @@ def _cast_transpose(X, SCALE, Q, QT, AMAX, SCALE_INV, M, N, LIMIT: tl.constexpr,
     if FROM_AMAX:  # SCALE holds the reduced amax: scale_from_amax's rule, IEEE-rounded like the reference
         amax = tl.load(SCALE)
         ok = (amax > 0.0) & (amax < float("inf"))
-        scale = tl.where(ok, tl.math.div_rn(1.0, tl.where(ok, amax, 1.0)) * TARGET, 1.0)
+        scale = tl.minimum(tl.math.div_rn(TARGET, tl.where(ok, amax, 1.0)), 3.4028234663852886e38)  # float32 max
+        scale = tl.where(ok, scale, 1.0)
         if (pm == 0) & (pn == 0):
             tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
     else:

@@ -281,6 +281,30 @@ class GPTConfig:
                               f"/ 64) x 64 = 0 at --hidden-size {self.hidden_size}: give --ffn-hidden-size")
         self._check_window_and_sinks()
         self._check_yarn()
+        self._check_glu()
+
+    def _check_glu(self) -> None:
+        """Megatron's rules for the gated MLP's offset and clamp (transformer_config.py, mlp.py): both act on the
+        gated MLP only (a GeLU or squared-ReLU MLP would halve its fc1 output here and fail in fc2's GEMM); the
+        clamped SwiGLU (not quick GeGLU) needs a finite positive clamp, an MoE model and no offset."""
+        offset, clamp = self.glu_linear_offset, self.activation_func_clamp_value
+        if not (self.swiglu or self.quick_geglu):
+            given = (("--glu-linear-offset", offset != 0.0), ("--activation-func-clamp-value", clamp is not None))
+            for flag, on in given:
+                if on:
+                    raise ConfigError(f"{flag} acts on the gated MLP only (Megatron reads it under --swiglu / "
+                                      f"--quick-geglu); give one of those, or drop {flag}")
+        if clamp is None or self.quick_geglu:
+            return
+        if not math.isfinite(clamp) or clamp <= 0:
+            raise ConfigError(f"--activation-func-clamp-value {clamp:g} for SwiGLU must be finite and above 0 "
+                              "(Megatron refuses it): give a positive clamp")
+        if not self.num_experts:
+            raise ConfigError("--activation-func-clamp-value with --swiglu needs --num-experts (Megatron clamps "
+                              "SwiGLU in MoE models only): add --num-experts, or drop the clamp")
+        if offset != 0.0:
+            raise ConfigError(f"--glu-linear-offset {offset:g} with a clamped --swiglu: Megatron refuses an offset "
+                              "beside the SwiGLU clamp (gpt-oss's offset is --quick-geglu's); drop one")
 
     def _check_yarn(self) -> None:
         """Megatron's spellings of YaRN: ``yarn`` on grouped-query attention; MLA's own (``--rope-type``)."""

@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from omnitron.core.parallel.split_backward import mark
+from omnitron.core.parallel.split_backward import holds_operands, mark
 from omnitron.core.parallel.tensor.cross_entropy import backward_reruns
 
 
@@ -130,4 +130,7 @@ def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, 
             mark(node, None)
     if not plan.fallback:  # W starts from the boundaries: the received gradient and the nodes above them can go
         plan.out = plan.grad = None
+        for node, kept in plan.kept.items():
+            if holds_operands(node):  # B handed W what it reads (split_backward.py): a stand-in for the gradient
+                plan.kept[node] = tuple(None if g is None else g.new_zeros(()).expand(g.shape) for g in kept)
     return g_in, plan

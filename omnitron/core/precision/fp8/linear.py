@@ -25,7 +25,7 @@ import torch
 from omnitron.core.config.parallel import ConfigError
 from omnitron.core.precision.fp8.config import BLOCK_ACT, BLOCK_WEIGHT, FP8Config
 from omnitron.core.precision.fp8.gathered import FP8GatheredWeight
-from omnitron.core.parallel.split_backward import computes_input, computes_weight
+from omnitron.core.parallel.split_backward import computes_input, computes_weight, defers_weight, stash, take
 from omnitron.core.precision.fp8.scaling import AmaxReducer, DelayedScaling, reduce_amax
 from omnitron.backends.fp8 import scale_from_amax
 from omnitron.core.capture import in_graph
@@ -280,32 +280,61 @@ class _FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, gy):
-        ex = ctx.ex
-        prov = ex.provider
-        g2 = _flat(gy)  # [tokens, out]
-        # B / W of a split backward compute one side each (split_backward.py)
+        # B / W of a split backward compute one side each (split_backward.py); B quantizes the output gradient
+        # once and hands W the form its GEMM reads (and the bias gradient), as one unsplit backward quantizes it
         need_dx = ctx.needs_input_grad[0] and computes_input(ctx)
-        need_dw = ctx.needs_input_grad[1] and computes_weight(ctx)
-        dx = dw = db = None
-        if ex.per_tensor:
-            qx_t, sx, qw_t, sw = ctx.saved_tensors
-            qg, qg_t, sg = ex.quantize("grad_output", g2, ex.bwd_fmt)
-            if need_dx:  # [tokens, out] @ [out, in]
-                dx = prov.scaled_mm(qg, qw_t.t(), sg, sw, out_dtype=ctx.x_dtype)
-            if need_dw:  # [out, tokens] @ [tokens, in], rounded once from the fp32 accumulator to the weight dtype
-                dw = prov.scaled_mm(qg_t, qx_t.t(), sg, sx, out_dtype=ctx.w_dtype)
-        else:
-            x2, qw, sw = ctx.saved_tensors
-            fmt, margin = ex.bwd_fmt, ex.margin
-            if need_dx:
-                qg, sg = prov.quantize_blocks(g2, fmt, BLOCK_ACT, margin)
-                dx = prov.blockwise_mm(qg, sg, BLOCK_ACT, qw, sw, BLOCK_WEIGHT, out_dtype=ctx.x_dtype)
-            if need_dw:
-                qgt, sgt = prov.quantize_blocks(g2.t(), fmt, BLOCK_ACT, margin)  # tiles along tokens
-                qxt, sxt = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT[::-1], margin)
-                dw = prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=ctx.w_dtype)
+        need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        ops = take(ctx)  # W after B: B's grad_output operands and bias gradient
+        saved = ctx.saved_tensors  # unpacked once: a checkpointed forward's saved tensors unpack only once
+        dx = None
+        if ops is None:
+            g2 = _flat(gy)  # [tokens, out]
+            dx, g_w = _grad_output_gemms(ctx, saved, g2, need_dx, need_dw)
+            ops = (g_w, g2.sum(0, dtype=torch.float32).to(ctx.w_dtype) if need_db else None)
+            if defers_weight(ctx):  # B: W takes them
+                if need_dw or need_db:
+                    stash(ctx, ops)
+                ops = (None, None)
         if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)
-        if ctx.has_bias and ctx.needs_input_grad[2] and computes_weight(ctx):
-            db = g2.sum(0, dtype=torch.float32).to(ctx.w_dtype)
-        return dx, dw, db, None
+        g_w, db = ops
+        return dx, None if g_w is None else _wgrad(ctx, saved, g_w), db, None
+
+
+def _grad_output_gemms(ctx, saved: tuple, g2: torch.Tensor, need_dx: bool, need_w: bool) -> tuple:
+    """(the data gradient where ``need_dx``, the weight-gradient GEMM's grad_output operands where ``need_w``):
+    per-tensor ``(q(g)^T, scale_inv)`` from the one quantization the data gradient uses too; block-wise
+    ``(q(g^T), scales)`` tiled along tokens."""
+    ex = ctx.ex
+    prov = ex.provider
+    dx = g_w = None
+    if ex.per_tensor:
+        _, _, qw_t, sw = saved
+        qg, qg_t, sg = ex.quantize("grad_output", g2, ex.bwd_fmt)
+        if need_dx:  # [tokens, out] @ [out, in]
+            dx = prov.scaled_mm(qg, qw_t.t(), sg, sw, out_dtype=ctx.x_dtype)
+        if need_w:
+            g_w = (qg_t, sg)
+    else:
+        _, qw, sw = saved
+        if need_dx:
+            qg, sg = prov.quantize_blocks(g2, ex.bwd_fmt, BLOCK_ACT, ex.margin)
+            dx = prov.blockwise_mm(qg, sg, BLOCK_ACT, qw, sw, BLOCK_WEIGHT, out_dtype=ctx.x_dtype)
+        if need_w:
+            g_w = prov.quantize_blocks(g2.t(), ex.bwd_fmt, BLOCK_ACT, ex.margin)  # tiles along tokens
+    return dx, g_w
+
+
+def _wgrad(ctx, saved: tuple, g_w: tuple) -> torch.Tensor:
+    """The weight gradient ``g^T x`` from the grad_output operands of :func:`_grad_output_gemms`, rounded once from
+    the fp32 accumulator to the weight dtype."""
+    ex = ctx.ex
+    prov = ex.provider
+    if ex.per_tensor:
+        qx_t, sx, _, _ = saved
+        qg_t, sg = g_w  # [out, tokens] @ [tokens, in]
+        return prov.scaled_mm(qg_t, qx_t.t(), sg, sx, out_dtype=ctx.w_dtype)
+    x2 = saved[0]
+    qgt, sgt = g_w
+    qxt, sxt = prov.quantize_blocks(x2, ex.fwd_fmt, BLOCK_ACT[::-1], ex.margin)
+    return prov.blockwise_mm(qgt, sgt, BLOCK_ACT, qxt, sxt, BLOCK_ACT[::-1], out_dtype=ctx.w_dtype)

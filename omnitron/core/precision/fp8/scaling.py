@@ -48,14 +48,12 @@ Definitions (the tests check these step by step):
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 
-from omnitron.backends.fp8 import FP8_MAX
 from omnitron.core.config.parallel import ConfigError
-from omnitron.kernels.reference.fp8 import fp8_amax_history_push
+from omnitron.kernels.reference.fp8 import fp8_amax_history_push, scale_from_amax
 
 
 def reduce_amax(amax: torch.Tensor, groups: Sequence, collectives) -> torch.Tensor:
@@ -168,13 +166,10 @@ def push_packed(states: list["DelayedScaling"], amax: torch.Tensor) -> None:
 
 
 def delayed_scale(amax: torch.Tensor, fmt: str, margin: int, previous: torch.Tensor) -> torch.Tensor:
-    """Transformer Engine's delayed-scaling scale (common/recipe/delayed_scaling.cu, ``kernel_bulk``):
-    ``fp8_max * 2**-margin / amax`` in one correctly rounded float32 division (not a reciprocal times the target:
-    an ulp apart at times), the largest float32 where that quotient overflows (an amax below about 1e-36, where a
-    scale of inf would turn zeros into NaN), and ``previous`` where ``amax`` is 0, inf or NaN."""
-    target = FP8_MAX[fmt] / 2.0 ** margin  # exact: a power of two apart from fp8_max
-    fresh = torch.div(target, amax).clamp_(max=torch.finfo(torch.float32).max)
-    return torch.where((amax > 0) & (amax < math.inf), fresh, previous)
+    """Transformer Engine's delayed-scaling scale (common/recipe/delayed_scaling.cu, ``kernel_bulk``): its
+    current-scaling arithmetic, :func:`~omnitron.kernels.reference.fp8.scale_from_amax` (one correctly rounded
+    float32 division, the largest float32 where it overflows), and ``previous`` where ``amax`` is 0, inf or NaN."""
+    return scale_from_amax(amax, fmt, margin, previous=previous)
 
 
 class _Recorded:
