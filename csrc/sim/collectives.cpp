@@ -36,6 +36,7 @@ namespace {
 
 std::atomic<int> g_live_communicators{0};  // SimCollectives not yet shut down or destroyed
 std::atomic<int> g_next_comm_stream{0};
+std::atomic<bool> g_ending{false};  // a communicator's release began (the job ends, or a group is destroyed)
 
 std::string group_name(const c10d::Backend& b) {
   const std::string& desc = b.getGroupDesc();
@@ -60,13 +61,16 @@ using PeerTag = std::pair<int, int>;
 
 class SimCollectives final : public c10d::Backend {
  public:
-  SimCollectives(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none)
+  SimCollectives(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none,
+                 int global_rank)
       : c10d::Backend(gloo->getRank(), gloo->getSize()),
         store_(std::move(store)),
         gloo_(std::move(gloo)),
         sync_returns_none_(sync_returns_none),
-        comm_stream_(kFirstComm + g_next_comm_stream.fetch_add(1) % kCommStreams) {
+        comm_stream_(kFirstComm + g_next_comm_stream.fetch_add(1) % kCommStreams),
+        global_rank_(global_rank < 0 ? getRank() : global_rank) {
     g_live_communicators.fetch_add(1);
+    if (getSize() > 1) publish_member(*store_, getRank(), global_rank_);  // read by blocked waits' records
   }
   ~SimCollectives() override {
     std::string report = release();
@@ -80,7 +84,7 @@ class SimCollectives final : public c10d::Backend {
   void shutdown() override {
     std::string report = release();
     gloo_->shutdown();
-    TORCH_CHECK(report.empty(), report);
+    if (!report.empty()) raise_report(report);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(Tensors& ts, const c10d::BroadcastOptions& o) override {
@@ -381,13 +385,19 @@ class SimCollectives final : public c10d::Backend {
     event_record(&item->event, c10::Stream(c10::Stream::UNSAFE, c10::Device(kSim, index), comm_stream_));
   }
 
-  // A collective's place on the group: counted for the point-to-point order; in strict mode (and not issued
-  // by the engine's collective layer, which checks its own) its fingerprint is exchanged before it runs.
+  // A collective's place on the group: counted for the point-to-point order; in strict mode its fingerprint is
+  // exchanged before it runs, unless the engine's collective layer issued it (that layer checks its own), but for
+  // an all_to_all's counts (``counts``), which that layer's check cannot pair (its fingerprint leaves dim 0 free:
+  // the MoE dispatcher's and Ulysses' all_to_all_single with split sizes).
   void place(const ItemPtr& item, const std::string& detail, const Site& site, const std::string& counts) {
     std::lock_guard<std::mutex> lock(p2p_mutex_);
     ++collectives_;
     last_ = item->describe();
-    if (getSize() > 1 && !site.engine && strict_enabled()) {
+    note_collective_issued(item->group, collectives_);
+    if (getSize() > 1)
+      item->cwait = std::make_shared<CollectiveWait>(store_, item->group, getSize(), global_rank_, collectives_,
+                                                     item->describe());
+    if (getSize() > 1 && (!site.engine || !counts.empty()) && strict_enabled()) {
       item->gloo = gloo_;
       item->key = std::string(item->op) + " #" + std::to_string(++checked_) + " " + detail;
       if (!counts.empty()) item->key += kCountsMark + counts;  // paired, not compared (exchange_fingerprints)
@@ -504,7 +514,7 @@ class SimCollectives final : public c10d::Backend {
       std::lock_guard<std::mutex> lock(q.m);
       if (q.broken.empty()) abort_queue(q, report);
     }
-    TORCH_CHECK(false, report);
+    raise_report(report);
   }
 
   static std::string deadlock_key(int rank) { return "simccl/p2p/deadlock/" + std::to_string(rank); }
@@ -512,7 +522,8 @@ class SimCollectives final : public c10d::Backend {
   void watch(int index) {  // once: the first point-to-point operation's device
     if (watched_.exchange(true)) return;
     watched_device_ = index;
-    watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); });
+    watch_p2p(this, store_, deadlock_key(getRank()), index, [this, index] { cycles(index); },
+              [own = own_](const std::string& report) { own->note(report); });
   }
 
   // On the watchdog: this rank's batches replayed with every peer's (cycle.cpp). A cycle through three or more
@@ -531,6 +542,7 @@ class SimCollectives final : public c10d::Backend {
     }
     lock.unlock();
     if (found.report.empty()) return;
+    own_->note(found.report);
     Queue& q = g_queues[index];
     std::lock_guard<std::mutex> qlock(q.m);
     if (q.broken.empty()) abort_queue(q, found.report);
@@ -538,13 +550,18 @@ class SimCollectives final : public c10d::Backend {
 
   static void check_unbroken(int index) {
     Queue& q = g_queues[index];
-    std::lock_guard<std::mutex> lock(q.m);
-    TORCH_CHECK(q.broken.empty(), q.broken);
+    std::string broken;
+    {
+      std::lock_guard<std::mutex> lock(q.m);
+      broken = q.broken;
+    }
+    if (!broken.empty()) raise_report(broken);
   }
 
   // "" or the report of a cycle found at the end (flush_cycles).
   std::string release() {
     if (released_.exchange(true)) return "";
+    g_ending.store(true);
     std::string report = flush_cycles();
     unwatch_p2p(this);
     if (g_live_communicators.fetch_sub(1) == 1) stop_collective_workers();
@@ -555,16 +572,22 @@ class SimCollectives final : public c10d::Backend {
   // within a poll or two of the job's end (process group destroy) would go unreported, and NCCL would hang there.
   // Before the communicator goes: replayed until every batch of this rank completed, or a cycle is found (here, or
   // by its lowest rank, whose report reaches this rank's watchdog), for at most kFlushPolls watchdog polls. Free
-  // when the replay has nothing pending (every batch's partners were posted a poll before the end).
+  // when the replay has nothing pending (every batch's partners were posted a poll before the end). Returns this
+  // group's report that no operation raised yet, once; never another group's (the device is shared: its queue
+  // broken by another group's report ends the wait here, and that group's release raises it).
   std::string flush_cycles() {
     constexpr int kFlushPolls = 10;
     if (!watched_) return "";
     Queue& q = g_queues[watched_device_];
     for (int poll = 0; poll < kFlushPolls; ++poll) {
+      bool broken;
       {
         std::lock_guard<std::mutex> lock(q.m);
-        if (!q.broken.empty()) return poll ? q.broken : "";  // reported before the end: not again
+        broken = !q.broken.empty();
       }
+      // read after the device's state: a report of this group is noted before it breaks the device
+      if (std::string mine = own_->take(); !mine.empty()) return mine;
+      if (broken) return "";
       cycles(watched_device_);  // advances the replay as far as the peers' published heads allow
       {
         std::lock_guard<std::mutex> lock(p2p_mutex_);
@@ -575,10 +598,31 @@ class SimCollectives final : public c10d::Backend {
     return "";
   }
 
+  // The report that reached this communicator on the watchdog once the job began to end (a communicator's release
+  // began: its cycle found, or a peer's report read) is raised by its release (flush_cycles), once, unless an
+  // operation raised it; one that came before is the job's to raise (as it did, at its next operation on the device,
+  // or as another error of the same fault). Shared with the watch's callback, which may outlive the communicator.
+  struct OwnReport {
+    std::mutex m;
+    std::string report;
+    void note(const std::string& r) {
+      std::lock_guard<std::mutex> lock(m);
+      if (report.empty() && g_ending.load()) report = r;
+    }
+    std::string take() {  // "" or the report when no operation raised it
+      std::lock_guard<std::mutex> lock(m);
+      std::string r;
+      std::swap(r, report);
+      return raised_before(r) ? "" : r;
+    }
+  };
+
+  std::shared_ptr<OwnReport> own_ = std::make_shared<OwnReport>();
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   bool sync_returns_none_;
   int comm_stream_;  // this communicator's stream on each device (race.cpp's detector orders by it)
+  int global_rank_;  // this rank in the job (the default group)
   std::atomic<bool> released_{false}, watched_{false};
   int watched_device_ = 0;  // the device whose watchdog watches this communicator (watch)
   std::mutex p2p_mutex_;
@@ -600,8 +644,9 @@ class SimCollectives final : public c10d::Backend {
 }  // namespace
 
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
-                                                     c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none) {
-  return c10::make_intrusive<SimCollectives>(std::move(store), std::move(gloo), sync_returns_none);
+                                                     c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none,
+                                                     int global_rank) {
+  return c10::make_intrusive<SimCollectives>(std::move(store), std::move(gloo), sync_returns_none, global_rank);
 }
 
 }  // namespace sim

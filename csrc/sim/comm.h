@@ -165,4 +165,33 @@ class BlockedWait {
   bool left_ = false;  // leave() ran: a later poll() publishes nothing
 };
 
+// ---- cycles of wait() on collectives across groups (collective_wait.cpp) ------------------------------
+// This process issued the ``k``-th collective of ``group`` (counted for the records of blocked waits).
+void note_collective_issued(const std::string& group, int64_t k);
+// The job's store under a group's prefix stores: where the ranks' records of blocked waits meet, whatever group.
+c10::intrusive_ptr<c10d::Store> job_store(c10::intrusive_ptr<c10d::Store> store);
+// Publish this rank's global rank (``global``) as member ``rank`` of the group whose store ``group_store`` is.
+void publish_member(c10d::Store& group_store, int rank, int global);
+// A wait() on the ``k``-th collective of a group (``size`` members; this rank ``global`` in the job): polled while
+// it is blocked, it publishes what it waits for after a while and looks for a cycle of such waits through groups.
+class CollectiveWait {
+ public:
+  CollectiveWait(c10::intrusive_ptr<c10d::Store> group_store, std::string group, int size, int global, int64_t k,
+                 std::string op);
+  // At each poll of the blocked wait (the first starts the clock): "" or the report of a cycle through this rank,
+  // found here (by the cycle's lowest rank; the members of its groups told) or told by the rank that found it.
+  std::string poll();
+  void leave();  // the wait is over: its record withdrawn
+
+ private:
+  bool publish();  // false while a member has not published its global rank
+  static std::string deadlock_key(int global);
+  c10::intrusive_ptr<c10d::Store> group_store_, store_;
+  std::string group_, op_, record_;
+  int size_, global_;
+  int64_t k_;
+  bool started_ = false;
+  std::chrono::steady_clock::time_point since_, searched_;
+};
+
 }  // namespace sim

@@ -2,6 +2,7 @@
 #include "comm_queue.h"
 
 #include <algorithm>
+#include <set>
 #include <sstream>
 
 namespace sim {
@@ -54,6 +55,24 @@ void launched(const ItemPtr& item, int device, c10::intrusive_ptr<c10d::Work> in
     g_p2p_pruned = g_p2p.size();
   }
   g_p2p.push_back(item);
+}
+
+namespace {
+std::mutex g_raised_mutex;
+std::set<std::string> g_raised;  // the reports raised to callers (a few: each breaks a communicator)
+}  // namespace
+
+void raise_report(const std::string& report) {
+  {
+    std::lock_guard<std::mutex> lock(g_raised_mutex);
+    g_raised.insert(report);
+  }
+  TORCH_CHECK(false, report);
+}
+
+bool raised_before(const std::string& report) {
+  std::lock_guard<std::mutex> lock(g_raised_mutex);
+  return g_raised.count(report) > 0;
 }
 
 std::chrono::milliseconds deadlock_bound() {
@@ -157,6 +176,7 @@ struct P2PWatch {
   std::string key;
   int device;
   std::function<void()> progress;
+  std::function<void(const std::string&)> on_report;
 };
 std::mutex g_watch_mutex;
 std::vector<P2PWatch> g_watches;
@@ -204,8 +224,10 @@ void poll_p2p_reports(Queue& q, int index) {
       if (!w.store->check({w.key})) continue;
       auto raw = w.store->get(w.key);
       w.store->deleteKey(w.key);
+      std::string report(raw.begin(), raw.end());
+      if (w.on_report) w.on_report(report);
       std::lock_guard<std::mutex> lock(q.m);
-      if (q.broken.empty()) abort_queue(q, std::string(raw.begin(), raw.end()));
+      if (q.broken.empty()) abort_queue(q, report);
     } catch (const std::exception&) {  // the store is gone: the job is ending
     }
   }
@@ -240,7 +262,7 @@ void start_threads(Queue& q, int index) {  // lock held
 void enqueue(int index, const ItemPtr& item) {
   Queue& q = g_queues[index];
   std::lock_guard<std::mutex> lock(q.m);
-  TORCH_CHECK(q.broken.empty(), q.broken);
+  if (!q.broken.empty()) raise_report(q.broken);
   for (auto& other : q.items)
     TORCH_CHECK(other->thread == item->thread, "sim: ", item->describe(), " was issued while ", other->describe(),
                 " is still queued on sim:", index,
@@ -252,11 +274,11 @@ void enqueue(int index, const ItemPtr& item) {
 }
 
 void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index,
-               std::function<void()> progress) {
+               std::function<void()> progress, std::function<void(const std::string&)> on_report) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   for (const auto& w : g_watches)
     if (w.owner == owner) return;
-  g_watches.push_back({owner, store, key, index, std::move(progress)});
+  g_watches.push_back({owner, store, key, index, std::move(progress), std::move(on_report)});
   Queue& q = g_queues[index];
   std::lock_guard<std::mutex> qlock(q.m);
   start_threads(q, index);
@@ -303,19 +325,11 @@ class SimWork final : public c10d::Work {
       if (!settled()) ok = blocked_inner(timeout);
       settle_inner();
     } else {
-      Queue& q = queue_of();
-      std::unique_lock<std::mutex> lock(q.m);
-      auto done = [&] { return item_->done; };
-      if (timeout == kNoTimeout) {
-        q.cv.wait(lock, done);
-      } else {  // a bounded wait (strict mode's) reports a deadlock its own way: say "timed out"
-        TORCH_CHECK(q.cv.wait_for(lock, timeout, done), "sim: ", item_->describe(), " timed out after ",
-                    timeout.count(), " ms waiting for its peers");
-      }
+      wait_queued(timeout);
     }
     release_flight(item_);
     record_wait(item_->record);
-    TORCH_CHECK(item_->error.empty(), item_->error);
+    if (!item_->error.empty()) raise_report(item_->error);
     event_block(item_->event, current_stream(device));  // as NCCL's: the current stream waits, the host need not
     return ok;
   }
@@ -346,6 +360,37 @@ class SimWork final : public c10d::Work {
 
  private:
   Queue& queue_of() { return g_queues[device]; }
+  // A collective: wait until it ran, polling for a cycle of waits across groups (collective_wait.cpp) every
+  // kCyclePoll; a bounded wait (strict mode's) reports a deadlock its own way: says "timed out".
+  void wait_queued(std::chrono::milliseconds timeout) {
+    constexpr std::chrono::milliseconds kCyclePoll{50};
+    Queue& q = queue_of();
+    auto done = [&] { return item_->done; };
+    auto until = SteadyClock::now() + timeout;
+    std::unique_lock<std::mutex> lock(q.m);
+    while (!q.cv.wait_for(lock, kCyclePoll, done)) {
+      if (timeout != kNoTimeout && SteadyClock::now() >= until) {
+        lock.unlock();
+        if (item_->cwait) item_->cwait->leave();
+        TORCH_CHECK(false, "sim: ", item_->describe(), " timed out after ", timeout.count(),
+                    " ms waiting for its peers");
+      }
+      if (!item_->cwait) continue;
+      lock.unlock();
+      std::string report;
+      try {
+        report = item_->cwait->poll();
+      } catch (const std::exception&) {  // the store is gone: the job is ending
+      }
+      lock.lock();
+      if (!report.empty() && q.broken.empty()) abort_queue(q, report);  // fails this item, and what is queued
+    }
+    if (item_->cwait) {
+      lock.unlock();
+      item_->cwait->leave();
+      lock.lock();
+    }
+  }
   bool settled() {
     std::lock_guard<std::mutex> lock(mutex_);
     return item_->done;
@@ -398,7 +443,7 @@ class SimWork final : public c10d::Work {
     }
     if (broken.empty()) return;
     release_flight(item_);
-    TORCH_CHECK(false, broken);
+    raise_report(broken);
   }
   // Issued before the peer's operation at the same place of the pair's order: block in gloo only once the peer
   // issued a matching one, so a deadlock the peer finds fails this rank too, with the peer's report.
@@ -434,7 +479,7 @@ class SimWork final : public c10d::Work {
     item_->blocked.reset();  // the counterpart was posted (or the bound passed): gloo's wait is not watched
     if (report.empty()) return;
     release_flight(item_);
-    TORCH_CHECK(false, report);
+    raise_report(report);
   }
   void settle_inner() {
     std::lock_guard<std::mutex> lock(mutex_);

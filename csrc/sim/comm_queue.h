@@ -47,6 +47,7 @@ struct Item {
   c10::intrusive_ptr<c10d::Store> pair_store;
   std::shared_ptr<BlockedWait> blocked;  // with pair_key: a cycle of waits through it (wait_cycle.cpp)
   std::function<void(const CycleReport&)> on_cycle;  // such a cycle found here: the group's other ranks told
+  std::shared_ptr<CollectiveWait> cwait;  // a collective: a cycle of waits across groups through it
   bool done = false, released = false;
   std::string error;
   void* event = nullptr;  // recorded on the communicator stream after its kernel: what wait() orders after
@@ -94,9 +95,15 @@ void enqueue(int index, const ItemPtr& item);  // raises when the device is brok
 // watchdog of ``index`` aborts that communicator with it. ``owner``: the communicator watching (one entry each).
 // ``progress``: called by the watchdog at each poll too (the replay of all ranks' batches, cycle.cpp), never after
 // unwatch_p2p returned.
+// ``on_report``: told each report read under ``key`` (it belongs to ``owner``'s group).
 void watch_p2p(const void* owner, const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int index,
-               std::function<void()> progress = {});
+               std::function<void()> progress = {}, std::function<void(const std::string&)> on_report = {});
 void unwatch_p2p(const void* owner);
+
+// Raise ``report`` (a broken communicator's, a deadlock's) to the caller, remembered as raised in this process: a
+// communicator's release raises a report that reached it only when no operation raised it before (raised_before).
+[[noreturn]] void raise_report(const std::string& report);
+bool raised_before(const std::string& report);
 
 // The work an operation returns: waits for it in the queue, or for its point-to-point counterpart.
 c10::intrusive_ptr<c10d::Work> sim_work(ItemPtr item, int device);

@@ -9,7 +9,8 @@
 
 namespace sim {
 c10::intrusive_ptr<c10d::Backend> collective_backend(c10::intrusive_ptr<c10d::Store> store,
-                                                     c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none);
+                                                     c10::intrusive_ptr<c10d::Backend> gloo, bool sync_returns_none,
+                                                     int global_rank);
 void set_site_hook(std::function<Site()> hook);
 }
 
@@ -107,5 +108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     py::arg("sync_returns_none") = bool(SIM_OPTIONS_HAVE_ASYNC_OP));
   }, "The torch this extension was compiled against and the version-dependent paths compiled (compat.h).");
   m.def("collective_backend", &sim::collective_backend, py::arg("store"), py::arg("gloo"), py::arg("sync_returns_none") = false,
-        "Wrap a gloo backend as the sim device's collectives (sync_returns_none: synchronous calls return no work).");
+        py::arg("global_rank") = -1,
+        "Wrap a gloo backend as the sim device's collectives (sync_returns_none: synchronous calls return no work; "
+        "global_rank: this rank in the job, -1 for the group's rank).");
 }

@@ -113,10 +113,11 @@ def test_collectives_with_another_dtype_count_or_op_fail_every_rank(kind, mismat
         assert "rank 0 (of the group)" in m and "rank 1 (of the group)" in m, m
 
 
-def uneven_all_to_all(shift: int) -> dict:
+def uneven_all_to_all(shift: int, engine: bool = False) -> dict:
     """Rank i sends ``i + j + 1`` rows of 3 to rank j, and rank j expects ``i + j + 1 + shift`` from rank i
     (``shift`` 1 on rank 1 only: its output splits do not pair with the peers' input splits): what each rank got
-    against the hand-derived rows, and the error."""
+    against the hand-derived rows, and the error. ``engine``: through the engine's collective layer (the MoE
+    dispatcher's and Ulysses' route, which checks its own fingerprint with dim 0 left free), not torch's call."""
     import torch.distributed as dist
 
     from omnitron.backends import get_backend
@@ -128,7 +129,8 @@ def uneven_all_to_all(shift: int) -> dict:
     out_splits = [i + me + 1 + (shift if me == 1 else 0) for i in range(n)]
     out = torch.empty(sum(out_splits), 3, device=dev)
     try:
-        dist.all_to_all_single(out, torch.cat(rows).to(dev), out_splits, [len(r) for r in rows])
+        a2a = get_backend().collectives.all_to_all if engine else dist.all_to_all_single
+        a2a(out, torch.cat(rows).to(dev), out_splits, [len(r) for r in rows])
         want = torch.cat([torch.full((i + me + 1, 3), float(100 * i + me)) for i in range(n)])
         return {"error": "", "exact": torch.equal(out.cpu(), want)}
     except RuntimeError as err:
@@ -136,15 +138,19 @@ def uneven_all_to_all(shift: int) -> dict:
         return {"error": str(err), "exact": None}
 
 
-def test_uneven_all_to_all_that_pairs_is_delivered():
-    for r in run_distributed(uneven_all_to_all, 3, 0, backend="sim", env=ENV, timeout_s=90):
+@pytest.mark.parametrize("engine", [False, True])
+def test_uneven_all_to_all_that_pairs_is_delivered(engine):
+    for r in run_distributed(uneven_all_to_all, 3, 0, engine, backend="sim", env=ENV, timeout_s=90):
         assert r == {"error": "", "exact": True}, r
 
 
-def test_all_to_all_splits_that_do_not_pair_fail_every_rank():
+@pytest.mark.parametrize("engine", [False, True])
+def test_all_to_all_splits_that_do_not_pair_fail_every_rank(engine):
     """Rank 1 expects one row more from each peer than it sends: the shapes agree but for dim 0 (which differs per
-    rank anyway), so only the pairing of the counts (rank i's to j against j's from i) finds it, on every rank."""
-    for r in run_distributed(uneven_all_to_all, 3, 1, backend="sim", env=ENV, timeout_s=90):
+    rank anyway), so only the pairing of the counts (rank i's to j against j's from i) finds it, on every rank.
+    Through the engine's layer too (its own check leaves dim 0 free; gloo failed there on rank 1's own counts and
+    the peers saw a closed connection)."""
+    for r in run_distributed(uneven_all_to_all, 3, 1, engine, backend="sim", env=ENV, timeout_s=90):
         m = r["error"]
         assert "\n" not in m and "issued an all_to_all whose counts do not pair: rank 0 (of the group) sends 6 " in m, m
         assert "elements to rank 1 (" in m and "which receives 9 from it (" in m, m

@@ -93,7 +93,9 @@ def register_collectives(ext, dist_backend: str, device_type: str, sync_returns_
     import torch.distributed as dist
 
     def create(store, rank, size, timeout):  # the store: where sends publish their order (csrc/sim/comm_check.cpp)
-        return ext.collective_backend(store, dist.ProcessGroupGloo(store, rank, size, timeout), sync_returns_none)
+        global_rank = dist.get_rank() if dist.is_initialized() else rank  # the default group's own: the job's rank
+        return ext.collective_backend(store, dist.ProcessGroupGloo(store, rank, size, timeout), sync_returns_none,
+                                      global_rank)
 
     if dist_backend.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(dist_backend, create, devices=[device_type])

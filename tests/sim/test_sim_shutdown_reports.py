@@ -1,0 +1,71 @@
+"""A deadlock report found at the end of the job surfaces once, at the release of the group it belongs to.
+
+The device's communicator queue is shared by every group a rank uses, so a report that breaks it (group A's cycle)
+is seen by every group's release; only A's may raise it (csrc/sim/collectives.cpp, flush_cycles), and only when no
+operation raised it before. The ring is test_sim_group_order's: each rank's send batch before its receive batch,
+which NCCL never completes (gloo does).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnitron.testing.distributed import run_distributed
+from omnitron.testing.sim import requires_sim
+from tests.sim.test_sim_group_order import BRIEF_RING, ENV
+
+pytestmark = [requires_sim(), pytest.mark.multiprocess, pytest.mark.planted]
+
+
+def ring_on_a_with_b_pending() -> dict:
+    """Ranks 0 and 1 post their side of the ring on group A, then receives from rank 2 on group B, and destroy B
+    (whose release waits for B's pending batch), A and the world one by one. Rank 2 posts its side of the ring 0.2 s
+    later, so A's cycle is found while ranks 0 and 1 are in B's release; it waits for its ring, sleeps a second (A's
+    report breaks its device meanwhile, so its post on B raises it), posts B's sends and destroys the groups. Per
+    step ("post", "B", "A", "world"): "" or the error; and A's name."""
+    import time
+
+    import torch.distributed as dist
+
+    from omnitron.backends import get_backend
+
+    dev, me = get_backend().device(), dist.get_rank()
+    a, b = dist.new_group([0, 1, 2]), dist.new_group([0, 1, 2])
+
+    def post(group, ops):
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group)
+                                       for kind, t, peer in ops])
+
+    if me == 2:
+        time.sleep(0.2)
+    works = [w for batch in BRIEF_RING[me] for w in post(a, [(k, torch.zeros(4, device=dev), p) for k, p, _ in batch])]
+    out = {"name": a.group_name, "post": ""}
+    try:
+        if me < 2:
+            post(b, [("recv", torch.zeros(4, device=dev), 2)])  # never waited
+        else:
+            for w in works:
+                w.wait()
+            time.sleep(1.0)
+            post(b, [("send", torch.ones(4, device=dev), r) for r in (0, 1)])
+    except RuntimeError as err:
+        out["post"] = str(err)
+    for step, group in (("B", b), ("A", a), ("world", None)):
+        try:
+            dist.destroy_process_group(group)
+            out[step] = ""
+        except RuntimeError as err:
+            out[step] = str(err)
+    return out
+
+
+def test_a_report_surfaces_once_on_its_own_group():
+    """Every rank raises A's cycle report exactly once: at its post on B (rank 2, whose device A's report broke
+    while it slept), or at A's destroy (ranks 0 and 1). B's destroy, which waits for B's pending batch while A's
+    report arrives, raised A's report before (and A's destroy then raised nothing)."""
+    for r in run_distributed(ring_on_a_with_b_pending, 3, backend="sim", env=ENV, timeout_s=150):
+        said = [step for step in ("post", "B", "A", "world") if r[step]]
+        assert len(said) == 1 and said[0] in ("post", "A"), r
+        m = r[said[0]]
+        assert "\n" not in m and "sim: point-to-point cycle deadlock on group '" in m, r
+        assert r["name"] in m and m.count("test_sim_shutdown_reports.py") == 6, r
