@@ -110,6 +110,26 @@ def test_clip_coefficient_is_megatrons_with_its_epsilon(norm_over_max):
         assert bool(((got + step).abs() <= bound).all()), (n, float(((got + step).abs() - bound).max()))
 
 
+def test_clip_grad_zero_switches_clipping_off_and_huge_gradients_keep_a_finite_norm():
+    """--clip-grad 0 disables clipping (Megatron clips only when clip_grad > 0): gradients of norm ~1e20 step whole.
+    Their squares overflow float32 (|g| > 1.8e19) though every gradient is finite: the reported norm is the
+    float64 one, not inf. Hand-derived: SGD applies ``-lr * g``; the norm of fresh float32 gradients in float64
+    (rel 1e-6: the float64 sum of float32 squares, against an exact float64 sum of the same squares)."""
+    cfg = OptimizerConfig(optimizer="sgd", lr=1e-21, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0)
+    model = _model()
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    _fill_grads(model, torch.randint(0, 2 ** 31, ()).item(), scale=1e20)
+    grads = {n: p.grad.double() for n, p in model.named_parameters()}
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    res = MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(),
+                                  backend=get_backend("cpu")).step(1e-21)
+    assert res.grad_norm == pytest.approx(norm, rel=1e-6)
+    for n, p in model.named_parameters():
+        step = 1e-21 * grads[n]  # ~0.1: unclipped (a clip to any finite max_norm would make it ~1e-21 * max_norm)
+        bound = 1e-6 * step.abs() + 2 ** -24 * (before[n] - step).abs()
+        assert bool(((p.detach().double() - before[n] + step).abs() <= bound).all()), n
+
+
 def test_state_dict_round_trip_continues_identically():
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
     a = _model(torch.bfloat16)
