@@ -50,6 +50,22 @@ def test_samples_match_flat_token_stream(tmp_path):
     assert item["tokens"].dtype == torch.int64 and item["loss_mask"].dtype == torch.float32
 
 
+def test_an_epoch_of_exactly_the_requested_tokens_takes_a_second_epoch(tmp_path):
+    """n samples of seq tokens read n * seq + 1 tokens (each sample's labels reach one token further): a split of
+    exactly n * seq tokens is one token short, so a second epoch is indexed (Megatron's ``_get_num_epochs`` adds
+    ``add_extra_token_to_sequence``); with one epoch only n - 1 samples fit. Hand-derived on random documents
+    whose lengths sum to n * seq."""
+    rng = np.random.default_rng(int(torch.randint(0, 2 ** 31, ()).item()))
+    seq, n = 16, 10
+    cuts = np.sort(rng.choice(np.arange(1, n * seq), 7, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [n * seq]]))
+    docs = [np.append(rng.integers(0, 99, length - 1), 99) for length in lengths]
+    ds = _write(tmp_path / "d", docs)
+    g = GPTDataset(ds, np.arange(len(docs)), n, seq_length=seq, seed=5, eod=99, cache_dir=str(tmp_path / "c"))
+    assert len(g.document_index) == 2 * len(docs)
+    assert len(g) == (2 * n * seq - 1) // seq >= n
+
+
 def test_determinism_and_cache(tmp_path):
     rng = np.random.default_rng(1)
     ds = _write(tmp_path / "d", _docs(rng, 30, 500, 499))

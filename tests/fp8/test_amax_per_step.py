@@ -7,6 +7,8 @@ scale ``fp8_max / max(history)``, in float32 (the one rounding of a float32 divi
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -147,3 +149,32 @@ def test_a_role_unused_in_a_step_keeps_its_history_and_scale():
     hist = used.states["input"].amax_history
     assert hist[0].item() == x2.abs().max().item() and hist[1].item() == x.abs().max().item()
     assert used.states["input"].scale.item() == pytest.approx(448.0 / hist.max().item(), rel=2 ** -23)
+
+
+def test_a_nan_step_amax_is_pushed_as_a_per_use_push_does():
+    """A NaN step amax (a NaN in a tensor) enters the history, as the per-use update (``fp8_amax_history_push``)
+    pushes it, and the scale stays (a NaN amax gives no scale): hand-derived, ``history' = [nan, h0, .., h(L-2)]``,
+    ``scale' = scale``. The step's other role, with a finite amax, is pushed beside it as usual."""
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST, fp8_amax_compute_algo="max")
+    reducer = AmaxReducer((), None, per_step=True)
+    ex = FP8Linear(cfg, get_backend("cpu").fp8, reducer=reducer)
+    g = torch.Generator().manual_seed(torch.randint(0, 2 ** 31, ()).item())
+    w = torch.randn(16, 16, generator=g).requires_grad_()
+    x = torch.randn(8, 16, generator=g)
+    ex(x, w, None).sum().backward()
+    reducer.step()
+    s = ex.states["input"]
+    hist, scale = s.amax_history.clone(), s.scale.clone()
+    x2 = torch.randn(8, 16, generator=g)
+    x2[1, 2] = float("nan")
+    ex(x2, w, None).sum().backward()
+    reducer.step()
+    assert math.isnan(s.amax_history[0].item()) and torch.equal(s.amax_history[1:], hist[:-1])
+    assert torch.equal(s.scale, scale) and torch.equal(s.scale_inv, scale.reciprocal())
+    from omnitron.kernels.reference.fp8 import fp8_amax_history_push
+
+    h1, s1, _ = fp8_amax_history_push(hist, torch.tensor(float("nan")), scale, "e4m3", 0, "max")
+    assert torch.equal(h1.isnan(), s.amax_history.isnan()) and torch.equal(h1[1:], s.amax_history[1:])
+    assert torch.equal(s1, s.scale)
+    wh = ex.states["weight"].amax_history
+    assert wh[0].item() == w.abs().max().item() and wh[1].item() == w.abs().max().item()

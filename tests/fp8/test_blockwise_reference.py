@@ -22,6 +22,7 @@ from omnitron.core.precision.fp8 import FP8Config, FP8Linear
 
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+F32_MAX = torch.finfo(torch.float32).max
 
 
 def _pow2_scale(amax: float, fmt: str) -> float:
@@ -30,9 +31,11 @@ def _pow2_scale(amax: float, fmt: str) -> float:
     if amax == 0.0:
         return 1.0
     q = Fraction(FMAX[fmt]) / Fraction(amax)
+    if q > F32_MAX:  # overflows float32 (an amax below ~1e-36): TE's compute_scale_from_amax takes the largest float32
+        q = Fraction(F32_MAX)
     f32 = torch.tensor(float(q), dtype=torch.float32)
     near = [f32, torch.nextafter(f32, torch.tensor(math.inf)), torch.nextafter(f32, torch.tensor(-math.inf))]
-    rounded = min((c.item() for c in near), key=lambda v: (abs(Fraction(v) - q), torch.tensor(v).view(
+    rounded = min((c.item() for c in near if c.isfinite()), key=lambda v: (abs(Fraction(v) - q), torch.tensor(v).view(
         torch.int32).item() & 1))
     mant, exp = math.frexp(rounded)  # rounded = mant * 2**exp, mant in [0.5, 1)
     return 2.0 ** (exp - 1)
@@ -113,5 +116,23 @@ def test_blockwise_codes_and_scales_are_the_recipes_bit_for_bit():
     for fmt in ("e4m3", "e5m2"):
         q, sinv = (t.cpu() for t in be.fp8.quantize_blocks(x.to(be.device()), fmt, (1, 128), pow2=True))
         codes, ref_sinv = _quantize(x, fmt, (1, 128))
+        assert torch.equal(q.view(torch.uint8), codes.view(torch.uint8)), fmt
+        assert torch.equal(sinv.double().repeat_interleave(128, 1), ref_sinv), fmt
+
+
+def test_a_tile_of_tiny_values_scales_by_the_largest_float32_power_of_two():
+    """A tile whose amax is below fp8_max / float32 max (about 1.3e-36 for e4m3): the quotient overflows float32,
+    the recipe takes the largest float32 and rounds it down to 2**127. An inf scale instead would turn the tile's
+    zeros into NaN (0 * inf) and every other value into +-fp8_max; the tile beside it keeps its own scale."""
+    g = torch.Generator().manual_seed(torch.randint(0, 2 ** 31, ()).item())
+    x = torch.randn(2, 256, generator=g)
+    x[0, :128] = torch.randn(128, generator=g) * 1e-38  # float32 subnormals: amax about 3e-38
+    x[0, :128:3] = 0.0
+    be = get_backend()
+    for fmt in ("e4m3", "e5m2"):
+        q, sinv = (t.cpu() for t in be.fp8.quantize_blocks(x.to(be.device()), fmt, (1, 128), pow2=True))
+        codes, ref_sinv = _quantize(x, fmt, (1, 128))
+        assert ref_sinv[0, 0] == 2.0 ** -127, fmt  # the reference's own reading of the rule
+        assert not q.float().isnan().any(), fmt
         assert torch.equal(q.view(torch.uint8), codes.view(torch.uint8)), fmt
         assert torch.equal(sinv.double().repeat_interleave(128, 1), ref_sinv), fmt

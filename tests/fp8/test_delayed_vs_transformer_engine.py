@@ -178,6 +178,28 @@ def test_a_zero_amax_leaves_history_and_scale_as_transformer_engine_does(algo):
     assert got == want
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_an_inf_amax_rolls_in_and_keeps_the_scale_as_transformer_engine_does(algo):
+    """A step whose input holds an inf (amax inf): TE rolls it into the history and keeps the previous scale while
+    the amax it scales from is not finite (delayed_scaling.cu:238-249), under ``max`` until the inf ages out of the
+    window. A scale of fp8_max / inf = 0 instead would quantize every later input to zero."""
+    cfg = FP8Config(fp8_recipe="delayed", fp8_format="hybrid", fp8_amax_history_len=HIST, fp8_amax_compute_algo=algo)
+    reducer = AmaxReducer((), None, per_step=True)
+    ex = FP8Linear(cfg, get_backend("cpu").fp8, reducer=reducer)
+    g = torch.Generator().manual_seed(torch.randint(0, 2 ** 31, ()).item())
+    w = (torch.randn(8, 8, generator=g) * 0.1).requires_grad_()
+    xs = [torch.randn(4, 8, generator=g) * c for c in (9.0, 2.0, 1.0, 3.0, 0.5)]
+    xs[1][2, 3] = float("inf")
+    got = []
+    for x in xs:
+        ex(x, w, None).sum().backward()
+        reducer.step()
+        s = ex.states["input"]
+        got.append((s.amax_history.tolist(), float(s.scale)))
+    want = _te_run([float(x.abs().max()) for x in xs], algo)
+    assert got == want
+
+
 def test_a_tiny_amax_gives_the_largest_float32_scale_and_divisions_round_once():
     """TE's scale is one float32 division, the largest float32 where it overflows (delayed_scaling.cu:238-249):
     a reciprocal times fp8_max is an ulp off for some amaxes, and inf for an amax below ~1e-36."""

@@ -56,6 +56,18 @@ def test_seq_aux_loss_matches_its_definition(score_function):
             assert abs(pooled.item() - ref.item()) > 1e-9
 
 
+def _initialised(layer):
+    """``layer`` with every parameter drawn (seeded): a MoELayer built alone holds ``torch.empty`` memory until a
+    model initialises it, and garbage there (a NaN or inf expert weight now and then) made ``0 * y`` NaN and the
+    router's gradient with it: test_listed_balancing_types_add_their_losses failed about one run in three."""
+    from omnitron.core.parallel.tensor.sharding import init_full
+
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(init_full(name, tuple(p.shape), ("normal", 0.1), seed=7))
+    return layer
+
+
 def test_moe_layer_passes_the_batch_to_the_seq_aux_loss():
     from omnitron.backends import get_backend
     from omnitron.core.models.gpt import gpt2_tiny
@@ -66,7 +78,8 @@ def test_moe_layer_passes_the_batch_to_the_seq_aux_loss():
                   max_position_embeddings=8, vocab_size=64, num_experts=6, moe_router_topk=2, moe_ffn_hidden_size=20,
                   moe_aux_loss_coeff=0.1, moe_router_load_balancing_type="seq_aux_loss",
                   moe_router_score_function="sigmoid", params_dtype=torch.float64)
-    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    layer = _initialised(MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(),
+                                  out_std=0.02))
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
         layer.router.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(6))  # --add-bias-linear's
@@ -106,7 +119,8 @@ def test_listed_balancing_types_add_their_losses():
                   moe_router_load_balancing_type=["aux_loss", "none", "seq_aux_loss"],
                   add_bias_linear=False, params_dtype=torch.float64)
     assert c.moe_aux_loss_coeff == [0.1, 0.3, 0.7]  # the command line's strings made numbers
-    layer = MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(), out_std=0.02)
+    layer = _initialised(MoELayer(c, groups=ParallelGroups.single(), sequence_parallel=False, backend=get_backend(),
+                                  out_std=0.02))
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5, generator=g)

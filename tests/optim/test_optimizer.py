@@ -82,6 +82,54 @@ def test_main_grad_preferred_and_no_decay_on_1d():
         torch.testing.assert_close(p.detach(), expect)
 
 
+@pytest.mark.parametrize("norm_over_max", [2.1, 0.93])
+def test_clip_coefficient_is_megatrons_with_its_epsilon(norm_over_max):
+    """Megatron's clip (``clip_grad_by_total_norm_fp32``): gradients times ``min(1, max_norm / (norm + 1e-6))``.
+    At --clip-grad 1e-5 the 1e-6 is a tenth of the norm, so its value shows: a norm just under the threshold is
+    still clipped (by 1e-5 / (0.93e-5 + 1e-6) = 0.97). SGD without momentum or decay applies ``-lr * coef * g``;
+    the reference is that formula in float64, from the float64 norm of fresh random gradients. Float32 arithmetic:
+    the update is a few roundings of its float64 value (1e-6 relative bounds them), and the stored parameter one
+    more, half a float32 ulp of it (2**-24 of its magnitude); lr 1e3 makes the update ~1e-3, far above that."""
+    cfg = OptimizerConfig(optimizer="sgd", lr=1e3, weight_decay=0.0, sgd_momentum=0.0, clip_grad=1e-5)
+    model = _model()
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    _fill_grads(model, torch.randint(0, 2 ** 31, ()).item())
+    first = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    for p in model.parameters():
+        p.grad.mul_(norm_over_max * 1e-5 / first)  # the norm near the threshold (float32: not exactly there)
+    grads = {n: p.grad.double() for n, p in model.named_parameters()}
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    coef = min(1.0, 1e-5 / (norm + 1e-6))
+    assert coef < 0.99  # both cases clip
+    MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(),
+                            backend=get_backend("cpu")).step(1e3)
+    for n, p in model.named_parameters():
+        step = 1e3 * coef * grads[n]
+        got = p.detach().double() - before[n]
+        bound = 1e-6 * step.abs() + 2 ** -24 * (before[n] - step).abs()
+        assert bool(((got + step).abs() <= bound).all()), (n, float(((got + step).abs() - bound).max()))
+
+
+def test_clip_grad_zero_switches_clipping_off_and_huge_gradients_keep_a_finite_norm():
+    """--clip-grad 0 disables clipping (Megatron clips only when clip_grad > 0): gradients of norm ~1e20 step whole.
+    Their squares overflow float32 (|g| > 1.8e19) though every gradient is finite: the reported norm is the
+    float64 one, not inf. Hand-derived: SGD applies ``-lr * g``; the norm of fresh float32 gradients in float64
+    (rel 1e-6: the float64 sum of float32 squares, against an exact float64 sum of the same squares)."""
+    cfg = OptimizerConfig(optimizer="sgd", lr=1e-21, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0)
+    model = _model()
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    _fill_grads(model, torch.randint(0, 2 ** 31, ()).item(), scale=1e20)
+    grads = {n: p.grad.double() for n, p in model.named_parameters()}
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    res = MixedPrecisionOptimizer(model.named_parameters(), cfg, ParallelGroups.single(),
+                                  backend=get_backend("cpu")).step(1e-21)
+    assert res.grad_norm == pytest.approx(norm, rel=1e-6)
+    for n, p in model.named_parameters():
+        step = 1e-21 * grads[n]  # ~0.1: unclipped (a clip to any finite max_norm would make it ~1e-21 * max_norm)
+        bound = 1e-6 * step.abs() + 2 ** -24 * (before[n] - step).abs()
+        assert bool(((p.detach().double() - before[n] + step).abs() <= bound).all()), n
+
+
 def test_state_dict_round_trip_continues_identically():
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1)
     a = _model(torch.bfloat16)
