@@ -116,8 +116,14 @@ def test_filters_against_plain_torch():
         kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=0.7, temperature=temperature)))
         for row in range(4):
             order = torch.argsort(p[row], descending=True)
-            n = int((torch.cumsum(p[row][order], 0) < 0.7).sum()) + 1
+            n = int((torch.cumsum(p[row][order], 0) <= 0.7).sum()) + 1
             assert set(torch.nonzero(kept[row])[:, 0].tolist()) == set(order[:n].tolist()), temperature
+    # a likelier prefix whose mass is exactly p keeps the next token too (Megatron's rule: a token is dropped
+    # once the tokens before it hold more than p); k equal logits give probabilities 1/k, exact in binary for
+    # k = 2, 4, so the running sums are exact and the tie is a real tie
+    for k, top_p, want in ((2, 0.5, 2), (4, 0.25, 2), (4, 0.5, 3)):
+        kept = torch.isfinite(filter_logits(torch.zeros(1, k), SamplingParams(top_p=top_p)))
+        assert int(kept.sum()) == want, (k, top_p)
     # draws follow the filtered, tempered distribution
     params = SamplingParams(temperature=0.7, top_k=6, seed=0)
     gens = [torch.Generator().manual_seed(i) for i in range(4000)]

@@ -89,8 +89,12 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if 0.0 < params.top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly likelier tokens
-        drop_sorted = before >= params.top_p  # the first token is always kept (before = 0)
+        # the mass of the strictly likelier tokens: the running sum shifted right by one (Megatron's
+        # TorchSampling drops a token once the likelier ones' mass exceeds p, so a token that brings the mass
+        # to exactly p keeps the next one too; the first token is always kept)
+        mass = torch.cumsum(probs, dim=-1)
+        before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)
+        drop_sorted = before > params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
