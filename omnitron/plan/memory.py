@@ -460,9 +460,8 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
     every one MoE when the chunk has any (``moe``, :func:`omnitron.plan.moe_activations.transient_probe`).
     ``split``: the backward split into B and W (:func:`w_input_bytes`): beyond its W inputs as well, and past
     ``2 u`` layers grown at the rate between the probes at ``u`` and ``2 u`` (the probes' W inputs): under full
-    recomputation each weight boundary's W pass reruns its layer's forward and what it does not use stays until
-    the W ends (measured 2026-12-06: 104.6 MiB on a 4-layer last chunk where 1F1B's step holds 5.4 MiB), so W's
-    tensors grow with the depth; without it the rate is ~0 (the peak falls in the top layer's or the head's pass).
+    recomputation B's rerun keeps each layer's weight-boundary tensors for W (``tensor/recompute.py``), which
+    grow with the depth; without it the rate is ~0 (the peak falls in the top layer's or the head's pass).
     ``slack``: (that, how far the peak lies above the most the MoE experts' backward holds in the probe; None
     without MoE layers): how much more the experts' backward may hold before it sets the peak. ``fp8``: the chunk's
     FP8 linears (:func:`.fp8_memory.chunk_linears`): the wide probe replayed as they run it, their own tensors (GEMMs

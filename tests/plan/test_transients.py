@@ -179,8 +179,9 @@ def test_step_peak_pipeline_two_ranks(schedule, more, tmp_path):
     15% above the prediction on stage 1 at m = 16 under 1F1B, 24% interleaved), or the gradients a split backward
     keeps from B to W (``w_inputs``; left out, measured 2026-12-06: the prediction 28% under the step peak on ZB-H1's
     stage 1 and 13% under on ZB-V's stage 0, at both counts) fails it. ZB-H1 under full recomputation, 4 layers a
-    stage: each weight boundary's W reruns its layer and keeps what it does not use to the W's end, a term that
-    grows with the depth, priced from probes at 1 and 2 layers (at 2 alone: the prediction 43% under on stage 1)."""
+    stage: B's rerun of each layer keeps the weight boundaries' saved tensors for W (tensor/recompute.py; W ran
+    one rerun per boundary before, 109 MB measured on stage 1 against 24.7 MB now), priced from probes at 1 and 2
+    layers."""
     extra = ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--normalization", "RMSNorm", "--swiglu",
              "--position-embedding-type", "rope", "--disable-bias-linear", "--pipeline-schedule", schedule, *more]
     two_chunks = schedule in ("interleaved", "zb-v", "dualpipe-v")

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 _ATTR = "omnitron_split_pass"
 _STASH = "omnitron_w_operands"
+_IN_B: set = set()
+"""The boundary nodes of the B now running (any node type: autograd's own nodes take no attribute)."""
 
 
 def mark(node, half: str | None) -> None:
     """Mark ``node`` (a custom function's backward node) as running B (``"input"``) or W (``"weight"``); None
-    clears. Autograd's built-in nodes take no attribute and need none (they compute only what is needed)."""
+    clears. Autograd's built-in nodes take no attribute and need none (they compute only what is needed); every
+    node marked ``"input"`` is listed for :func:`keeps_saved`."""
+    if half == "input":
+        _IN_B.add(node)
+    else:
+        _IN_B.discard(node)
     try:
         if half is None:
             if hasattr(node, _ATTR):
@@ -63,3 +70,14 @@ def take(ctx) -> tuple | None:
 def holds_operands(node) -> bool:
     """Whether B stashed W's operands on ``node``, so W needs no kept output gradient there."""
     return getattr(node, _STASH, None) is not None
+
+
+def splitting() -> bool:
+    """Whether B of a split backward is running (its boundary nodes marked)."""
+    return bool(_IN_B)
+
+
+def keeps_saved(node) -> bool:
+    """Whether ``node`` (the one reading a saved tensor) is a weight boundary of the B now running: W runs it
+    again, so a recomputed tensor it reads stays for W (``tensor/recompute.py``)."""
+    return node is not None and node in _IN_B

@@ -33,6 +33,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from omnitron.core.graph_state import in_graph
+from omnitron.core.parallel.tensor import recompute
 from omnitron.kernels.hash_dropout import row_key
 
 MODEL_PARALLEL = "model-parallel"
@@ -232,4 +233,4 @@ def checkpoint(fn: Callable, tracker: RNGTracker | None, *args, **kwargs):
             if tracker is not None:
                 tracker.set_states(live_tracker)
 
-    return torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+    return recompute.checkpoint(run, *args, **kwargs)  # one rerun shared by B and W of a split backward
