@@ -12,7 +12,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
   it; the peak over the table counts. A sent chunk output is not held (the runtime keeps its autograd node
   only). The split backward's B retains the whole graph for W, so a micro-batch keeps its saved tensors to the
-  end of its W (ZB-H1: up to ``2p - 1 - r`` micro-batches on rank r, where 1F1B holds ``p - r``). Under context
+  end of its W (ZB-H1: up to ``2p - 1 - r`` micro-batches on rank r, where 1F1B holds ``p - r``). Under
+  ``--overlap-moe-expert-parallel-comm`` the table is the combined one (deeper warm-up) and a forward/backward pair
+  holds what was held before it plus the pair's replayed excess (:mod:`.moe_overlap`). Under context
   parallelism a rank's sequence is ``s / cp``, plus what ``--cp-comm-type allgather`` / ``a2a`` / ``a2a+p2p`` keep
   beyond the ring (gathered or repeated keys and values, orders: :func:`.cp_comm.saved_extra`);
 - boundary: the pipeline send still in flight while a backward runs: a rank releases a send's tensor at the
