@@ -12,7 +12,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
   its backward (the ``W`` of a split ZB-H1 backward, whose weight gradient still needs the inputs) removes
   it; the peak over the table counts. A sent chunk output is not held (the runtime keeps its autograd node
   only). The split backward's B retains the whole graph for W, so a micro-batch keeps its saved tensors to the
-  end of its W (ZB-H1: up to ``2p - 1 - r`` micro-batches on rank r, where 1F1B holds ``p - r``). Under context
+  end of its W (ZB-H1: up to ``2p - 1 - r`` micro-batches on rank r, where 1F1B holds ``p - r``). Under
+  ``--overlap-moe-expert-parallel-comm`` the table is the combined one (deeper warm-up) and a forward/backward pair
+  holds what was held before it plus the pair's replayed excess (:mod:`.moe_overlap`). Under context
   parallelism a rank's sequence is ``s / cp``, plus what ``--cp-comm-type allgather`` / ``a2a`` / ``a2a+p2p`` keep
   beyond the ring (gathered or repeated keys and values, orders: :func:`.cp_comm.saved_extra`);
 - boundary: the pipeline send still in flight while a backward runs: a rank releases a send's tensor at the
@@ -339,21 +341,30 @@ def output_bytes(settings, cfg, last: bool) -> float:
                                                                   else 1)
 
 
-def peak_held(schedule, rank: int, per_chunk: dict[int, float], after_b: dict[int, float] | None = None
-              ) -> tuple[float, int]:
+def peak_held(schedule, rank: int, per_chunk: dict[int, float], after_b: dict[int, float] | None = None,
+              pairs: dict[tuple[int, int], float] | None = None) -> tuple[float, int]:
     """(peak bytes, peak micro-batches) held by ``rank`` walking its action table: a forward adds its chunk's
     ``per_chunk`` bytes, a split backward's B its ``after_b`` (the W inputs, :func:`w_input_bytes`), the end of the
-    backward (W, or an unsplit B) takes both off."""
+    backward (W, or an unsplit B) takes both off. A combined pair's forward (``schedule.combined``,
+    ``--overlap-moe-expert-parallel-comm``) runs beside its backward: it holds what was held before the pair and
+    ``pairs[(its forward's chunk, its backward's chunk)]`` (:func:`.moe_overlap.pair_extras`; missing: 0), its
+    forward's micro-batch whole only once the backward has freed its own."""
     split = schedule.split_backward(rank)
-    after_b = after_b or {}
+    after_b, pairs = after_b or {}, pairs or {}
     held, waiting = {c: 0 for c in per_chunk}, {c: 0 for c in per_chunk}
     best, most = 0.0, 0
-    for a in schedule.tables[rank]:
+    table = schedule.tables[rank]
+    for i, a in enumerate(table):
         key = (a.chunk, a.microbatch)
-        if a.kind == "F" or (a.kind == "B" and key in split):
+        level = sum(per_chunk[c] * n + after_b.get(c, 0.0) * waiting[c] for c, n in held.items())
+        if a.kind == "F" and schedule.combined and schedule.paired(rank, i):
+            best = max(best, level + pairs.get((a.chunk, table[i + 1].chunk), 0.0))
+            held[a.chunk] += 1
+            most = max(most, sum(held.values()))
+        elif a.kind == "F" or (a.kind == "B" and key in split):
             held[a.chunk] += a.kind == "F"
             waiting[a.chunk] += a.kind == "B"
-            best = max(best, sum(per_chunk[c] * n + after_b.get(c, 0.0) * waiting[c] for c, n in held.items()))
+            best = max(best, level + (per_chunk[a.chunk] if a.kind == "F" else after_b.get(a.chunk, 0.0)))
             most = max(most, sum(held.values()))
         elif a.kind == "W" or a.kind == "B":
             held[a.chunk] -= 1
@@ -521,12 +532,14 @@ def regather_bytes(settings, cfg, last: bool) -> float:
 
 
 def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, rank: int | None,
-          less: dict, w: dict) -> tuple:
+          less: dict, w: dict, pairs: dict | None = None) -> tuple:
     """(activation peak, most micro-batches in flight, logit peak, the etp exchange's buffers, what the W inputs
     ``w`` (per chunk, :func:`w_input_bytes`) add to the activation peak) of pipeline rank
     ``r`` with ep rank ``rank``'s rows of the :func:`moe_routing` ``routing`` (None: balanced); ``chunks``: the
     (:func:`chunk_layers`, :func:`chunk_moe_layers`) the caller computed once for every rank; ``less``: per chunk
-    what per-tensor FP8 linears' 1-byte saved inputs take off (:func:`.fp8_memory.saved_less`)."""
+    what per-tensor FP8 linears' 1-byte saved inputs take off (:func:`.fp8_memory.saved_less`); ``pairs``: what
+    each combined pair adds (:func:`.moe_overlap.pair_extras`, in the activation peak: the replayed pair holds the
+    logits and transients of one micro-batch, which the other terms count)."""
     layers, moe = chunks
     acts, logits, specs = {}, {}, []
     for c, (first, last) in ends.items():
@@ -536,8 +549,9 @@ def _held(settings, cfg, schedule, r: int, ends: dict, chunks: tuple, routing, r
                                               routed=routed)
         acts[c] -= less.get(c, 0.0)
     exchange = round(_moe_exchange(settings, cfg, specs, rank)) if any(moe[(r, c)] for c in ends) else 0
-    act_peak, most = peak_held(schedule, r, acts)
-    return act_peak, most, peak_held(schedule, r, logits)[0], exchange, peak_held(schedule, r, acts, w)[0] - act_peak
+    act_peak, most = peak_held(schedule, r, acts, pairs=pairs)
+    return (act_peak, most, peak_held(schedule, r, logits)[0], exchange,
+            peak_held(schedule, r, acts, w, pairs)[0] - act_peak)
 
 
 def _w_inputs(settings, cfg, schedule, r: int, ends: dict, chunks: tuple) -> dict[int, float]:
@@ -610,7 +624,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
     ``load``: a routing histogram (:class:`omnitron.plan.routing.ExpertLoad`): each stage on its busiest ep rank.
     ``device``: the :class:`~omnitron.plan.profile.DeviceProfile` run on (whether FP8 GEMMs are native there:
     :func:`.fp8_passes.native_gemm`); None: this process's backend."""
-    from omnitron.core.parallel.pipeline.schedules import cached_schedule
+    from omnitron.plan.moe_overlap import pair_extras, planned_schedule
 
     check_family(settings)
     cp_comm.check_one_type(settings.parallel)
@@ -618,8 +632,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
     cfg = priced_config(settings, given)  # attention dropout on cp's block kernels: probed without it
     cfg = experts_as_run(settings, cfg)  # FP8 experts: each its own GEMMs, --moe-grouped-gemm or not
     pp, vp = pc.pipeline_model_parallel_size, pc.virtual_pipeline_model_parallel_size or 1
-    schedule = cached_schedule(settings.training.pipeline_schedule, pp, pc.virtual_pipeline_model_parallel_size,
-                              settings.num_microbatches, getattr(pc, "microbatch_group_size_per_vp_stage", None))
+    schedule = planned_schedule(settings)  # combined pairs under --overlap-moe-expert-parallel-comm
     layers, moe = chunk_layers(settings, cfg), chunk_moe_layers(settings, cfg)
     routing = moe_routing(settings, cfg, load) if load is not None and cfg.num_experts else None
     out = []
@@ -629,8 +642,10 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
         ranks = range(pc.expert_model_parallel_size) if routing is not None and has_moe else [None]
         less = saved_less(settings, cfg, r)
         w = _w_inputs(settings, cfg, schedule, r, ends, (layers, moe)) if transients else {}
+        pairs = pair_extras(schedule, r, lambda c: _probe_log(
+            settings, cfg, min(layers[(r, c)], 2 * _unit(cfg)), *ends[c], moe[(r, c)] > 0, False)) if transients else {}
         each = {k: _held(settings, cfg, schedule, r, ends, (layers, moe), routing, k,
-                         less if k is None else saved_less(settings, cfg, r, (routing, k)), w) for k in ranks}
+                         less if k is None else saved_less(settings, cfg, r, (routing, k)), w, pairs) for k in ranks}
         stage = [s for c in ends for s in routing[(r, c)]] if routing is not None else []
         rank = max(each, key=lambda k: each[k][0] + each[k][4] + transients * each[k][3] +
                    (recompute_bytes(settings, cfg, (stage, k)) if k is not None else 0))
@@ -644,7 +659,7 @@ def estimate(settings, transients: bool = True, load=None, device=None) -> list[
                         round(send_in_flight(schedule, r, output_bytes(settings, cfg, False))), w_inputs=round(w_peak),
                         step=st.step)
         if rank is not None:  # the same stage at balanced routing, for the comparison printed beside it
-            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less, w)
+            plain = _held(settings, cfg, schedule, r, ends, (layers, moe), None, None, less, w, pairs)
             m = replace(m, ep_rank=rank, balanced=m.total - round(act_peak + w_peak - plain[0] - plain[4])
                         - probed * (exchange - plain[3]) - skew)
         out.append(m)

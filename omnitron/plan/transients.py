@@ -96,8 +96,8 @@ def _main_grads(module) -> None:
 _TIMELINES: dict[str, list[tuple[str | None, int]]] = {}
 
 FORWARD_END = "<forward end>"
-"""The marker event (0 bytes) a split probe logs when its forward has returned; :data:`W_START` when its B has
-returned and the input gradient it sends is freed (:func:`w_inputs`)."""
+"""The marker event (0 bytes) every probe logs when its forward has returned; :data:`W_START` a split probe's when
+its B has returned and the input gradient it sends is freed (:func:`w_inputs`)."""
 W_START = "<weight gradient start>"
 
 
@@ -116,20 +116,26 @@ def timeline(p: Probe) -> list[tuple[str | None, int]]:
 
 EXPERTS = "<experts backward>"
 """The marker event (0 bytes) logged when an MoE layer's local experts start their backward; :data:`EXPERTS_END`
-when they end (:func:`experts_windows`)."""
+when they end (:func:`experts_windows`); :data:`EXPERTS_FORWARD` and :data:`EXPERTS_FORWARD_END` around their forward.
+The four are where expert parallelism's all-to-alls stand (the dispatch before the experts, the combine after
+them, and their backwards): where ``--overlap-moe-expert-parallel-comm`` hands over (:mod:`.moe_overlap`)."""
 EXPERTS_END = "<experts backward end>"
+EXPERTS_FORWARD = "<experts forward>"
+EXPERTS_FORWARD_END = "<experts forward end>"
 
 
 @contextlib.contextmanager
-def _mark_experts(events: list):
-    """While active, the MoE layers' ``run_experts`` calls mark their backward's start and end in ``events`` (the
-    gradient of their output arrives; that of their input rows leaves)."""
+def _mark_experts(tl: Timeline):
+    """While active, the MoE layers' ``run_experts`` calls mark their forward's start and end and their backward's
+    start and end in ``tl`` (the gradient of their output arrives; that of their input rows leaves)."""
     import omnitron.core.transformer.moe.layer as layer
 
-    real = layer.run_experts
+    real, events = layer.run_experts, tl.events
 
     def marked(rows, *args, **kwargs):
+        _mark(tl, EXPERTS_FORWARD)
         y = real(rows, *args, **kwargs)
+        _mark(tl, EXPERTS_FORWARD_END)
         if y.requires_grad and rows.requires_grad:
             y.register_hook(lambda g: events.append((EXPERTS, 0)))
             rows.register_hook(lambda g: events.append((EXPERTS_END, 0)))
@@ -292,10 +298,10 @@ def _logged(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
         x = None if hidden is None else hidden.clone().requires_grad_()
         y = m(tokens=tokens, position_ids=positions, hidden=x, labels=tokens if p.last else None)
         out = y.float().mean() if p.last else y
+        _mark(tl, FORWARD_END)
         if not p.split:
             out.backward(None if p.last else dy.clone())
             return
-        _mark(tl, FORWARD_END)
         g_in, plan = backward_input(out, None if p.last else dy.clone(), x, params)
         del g_in  # sent: the boundary term's (omnitron/plan/memory.py)
         _mark(tl, W_START)
@@ -309,7 +315,7 @@ def _logged(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
         fp8_step(enabled)
         step()
     tl = Timeline()
-    with tl, _mark_linears(m, tl), (_mark_experts(tl.events) if p.cfg.num_experts else contextlib.nullcontext()):
+    with tl, _mark_linears(m, tl), (_mark_experts(tl) if p.cfg.num_experts else contextlib.nullcontext()):
         step(tl)
     return tl.events
 

@@ -157,6 +157,53 @@ def test_fine_grained_offloading_of_chosen_modules_on_cpu(tmp_path):
                              "attn_proj", "--min-offloaded-tensor-size", "0"), {"activation"})
 
 
+def train_recording_buffers(root: str, extra: tuple) -> dict:
+    """Worker: :func:`train_offloading`, and per step the host buffers the offloader allocated and the storages its
+    offloaded copies went to (their addresses)."""
+    from omnitron.core.training import loop
+    from omnitron.core.transformer import offload
+
+    steps, now = [], {"allocated": 0, "storages": set()}
+    real_buffer, real_held, real_step = offload.host_buffer, offload._Held.__init__, loop._guarded_step
+
+    def buffer(*args, **kwargs):
+        now["allocated"] += 1
+        return real_buffer(*args, **kwargs)
+
+    def held(self, host, *args, **kwargs):
+        now["storages"].add(host.untyped_storage().data_ptr())
+        real_held(self, host, *args, **kwargs)
+
+    def step(*args, **kwargs):
+        values = real_step(*args, **kwargs)
+        steps.append(dict(now))
+        now.update(allocated=0, storages=set())
+        return values
+
+    offload.host_buffer, offload._Held.__init__, loop._guarded_step = buffer, held, step
+    return {**train_offloading(root, extra), "steps": steps}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("sim", marks=requires_sim())])
+def test_retained_host_buffers_are_reused_and_change_nothing(tmp_path, backend):
+    """Megatron's --cpu-offloading-retain-pinned-cpu-buffers: the run is the plain offloading run bit for bit
+    (losses, final weights, device bytes after each step, nothing offloaded alive after it), the first step allocates
+    one micro-batch's host buffers (the second micro-batch reuses them: no pipelining, its forward comes after the
+    first's backward), later steps none, copying into the same storages; without it every offload allocates."""
+    flags = ("--cpu-offloading-num-layers", "2")
+    plain = run_distributed(train_recording_buffers, 1, str(tmp_path / "a"), flags, backend=backend)[0]
+    kept = run_distributed(train_recording_buffers, 1, str(tmp_path / "b"),
+                           flags + ("--cpu-offloading-retain-pinned-cpu-buffers",), backend=backend)[0]
+    _same_run(plain, kept)
+    per_step = plain["stats"]["tensors"] // ITERS
+    assert [s["allocated"] for s in plain["steps"]] == [per_step] * ITERS and plain["stats"]["reused"] == 0
+    first, *later = kept["steps"]
+    assert first["allocated"] == per_step // MICRO_BATCHES > 0
+    assert all(s["allocated"] == 0 and s["storages"] == first["storages"] for s in later), kept["steps"]
+    assert kept["stats"]["reused"] == kept["stats"]["tensors"] - first["allocated"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (("--fine-grained-activation-offloading", "--offload-modules", "core_attn"), "core attention is a method"),
     (("--fine-grained-activation-offloading", "--offload-modules", "fused_group_mlp"), "op fuser"),
@@ -167,6 +214,7 @@ def test_fine_grained_offloading_of_chosen_modules_on_cpu(tmp_path):
     (("--cpu-offloading",), "offload between 1 and"),
     (("--cpu-offloading-num-layers", str(LAYERS)), "offload between 1 and"),
     (("--cpu-offloading-num-layers", "1", "--no-cpu-offloading-activations"), "offloads nothing"),
+    (("--cpu-offloading-retain-pinned-cpu-buffers",), "needs --cpu-offloading-num-layers"),
     (("--cpu-offloading-num-layers", "1", "--recompute-granularity", "full", "--recompute-method", "uniform"),
      "choose one"),
 ])

@@ -75,7 +75,9 @@ def test_implemented_flags_change_the_settings_and_name_a_test(flag, tmp_path):
     value, needs = {"--tensorboard-dir": ([str(tmp_path)], []), "--moe-router-dtype": (["fp32"], []),
                     "--exp-avg-dtype": (["bf16"], AWARE),
                     "--exp-avg-sq-dtype": (["bf16"], AWARE),
-                    "--squared-relu": ([], ["--no-bias-gelu-fusion"])}.get(flag, ([], []))  # Megatron's rule
+                    "--squared-relu": ([], ["--no-bias-gelu-fusion"]),  # Megatron's rule
+                    "--cpu-offloading-retain-pinned-cpu-buffers": ([], ["--cpu-offloading-num-layers", "1"])
+                    }.get(flag, ([], []))
     assert _settings([flag, *value, *needs]) != _settings(needs)
     path, name = IMPLEMENTED[flag][2].split("::")
     assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), IMPLEMENTED[flag][2]

@@ -26,6 +26,7 @@ NOT_ARCHITECTURE = frozenset({
     "params_dtype", "moe_router_dtype",  # precision
     "cpu_offloading", "cpu_offloading_num_layers", "fine_grained_activation_offloading", "offload_modules",
     "min_offloaded_tensor_size", "cpu_offloading_activations", "cpu_offloading_weights",  # offloading
+    "cpu_offloading_retain_pinned_cpu_buffers",
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type", "moe_router_bias_update_rate",
     "mtp_loss_scaling_factor",  # losses and balancing
     "moe_grouped_gemm", "moe_shared_expert_overlap", "moe_expert_capacity_factor", "moe_token_drop_policy",

@@ -90,6 +90,13 @@ IMPLEMENTED: dict[str, tuple[str, str, str]] = {
         "the same for unset and fp32 (GPTConfig.moe_router_dtype, router.py router_dtype; a float64 model's scores "
         "stay float64); fp64 refused in one line; was accepted as fp32 only while the default routed in float32",
         "tests/models/test_moe_router_dtype.py::test_bf16_router_routes_as_megatron_bit_for_bit"),
+    "--cpu-offloading-retain-pinned-cpu-buffers": (
+        "--cpu-offloading's pinned host buffers are kept after their tensors come back and reused for the next "
+        "iteration (model_parallel_config.py; Transformer Engine's offload context, TE 2.10+): the same numbers",
+        "the same: a host buffer returns to a pool when its tensor is unpacked and the next offload of its dtype and "
+        "size copies into it, so steps after the first allocate none (ActivationOffloader's pool); without "
+        "--cpu-offloading-num-layers refused in one line (was refused as not implemented)",
+        "tests/training/test_cpu_offloading.py::test_retained_host_buffers_are_reused_and_change_nothing"),
 }
 
 

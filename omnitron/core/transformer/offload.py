@@ -17,6 +17,13 @@ Selection (Megatron's ``cpu_offloading_activations`` / ``cpu_offloading_weights`
 transpose of it), else an *activation*; the flags choose which kinds move. Offloading a weight frees
 nothing while the parameter stays on the device (Megatron's switch is for transient weight copies);
 it is counted like the rest. Tensors already on the host stay.
+
+Host buffers (Megatron's ``cpu_offloading_retain_pinned_cpu_buffers``): by default each offload allocates its host
+copy and the copy is dropped once its tensor is back; with ``retain`` the buffer goes to a pool when its tensor is
+unpacked and the next offload of the same dtype and size (the next micro-batch's, the next step's) copies into it,
+so after the first step no host memory is allocated or pinned. Reuse is safe without a host wait: the copy back out
+of the buffer and the next copy into it are both on the side stream, in that order (plain host copies without
+streams).
 """
 from __future__ import annotations
 
@@ -39,6 +46,8 @@ class OffloadStats:
     """Tensors brought back (by the prefetch or, when it missed them, in the unpack hook)."""
     reloaded_late: int = 0
     """Of those, brought back in the unpack hook: the prefetch had not started them."""
+    reused: int = 0
+    """Offloads copied into a retained host buffer (``retain``) instead of a new one."""
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -57,10 +66,12 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
 class _Held:
     """One offloaded tensor: its host copy until it is brought back, then its device copy."""
 
-    __slots__ = ("host", "device_copy", "device", "landed")
+    __slots__ = ("host", "device_copy", "device", "landed", "buffer")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, landed=None) -> None:
+    def __init__(self, host: torch.Tensor, device: torch.device, landed=None, buffer=None) -> None:
         self.host, self.device_copy, self.device, self.landed = host, None, device, landed
+        self.buffer = buffer
+        """The whole host buffer ``host`` views, returned to the offloader's pool when unpacked (``retain``)."""
 
 
 @dataclass
@@ -73,14 +84,26 @@ class _LayerGroup:
 class ActivationOffloader:
     """Offloads the tensors layers save for backward (see the module docstring). ``backend``: the model's
     (streams, events, pinned memory); ``activations`` / ``weights``: which saved tensors move;
-    a saved tensor sharing storage with a parameter of the layer is a weight."""
+    a saved tensor sharing storage with a parameter of the layer is a weight; ``retain``: host buffers are kept and
+    reused (module docstring)."""
 
-    def __init__(self, backend, *, activations: bool = True, weights: bool = False) -> None:
+    def __init__(self, backend, *, activations: bool = True, weights: bool = False, retain: bool = False) -> None:
         self.backend, self.activations, self.weights = backend, activations, weights
         self.device_type = backend.current_device().type
         self.streams = backend.capabilities().streams
         self._side = None
         self.stats = OffloadStats()
+        self.pool: dict[tuple[torch.dtype, int], list[torch.Tensor]] | None = {} if retain else None
+        """Free retained host buffers by (dtype, elements); None without ``retain``."""
+
+    def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        """A host buffer of ``t``'s dtype and size: a free retained one, else a new one (pinned where there are
+        streams)."""
+        free = self.pool.get((t.dtype, t.numel())) if self.pool is not None else None
+        if free:
+            self.stats.reused += 1
+            return free.pop()
+        return host_buffer(t.numel(), t.dtype, pin=self.streams)
 
     @property
     def side_stream(self):
@@ -104,7 +127,8 @@ class ActivationOffloader:
         weight = t.untyped_storage().data_ptr() in param_storages
         if not (self.weights if weight else self.activations):
             return t
-        host = host_buffer(t.numel(), t.dtype, pin=self.streams).as_strided(t.shape, _dense_strides(t))
+        buffer = self._host_buffer(t)
+        host = buffer.as_strided(t.shape, _dense_strides(t))
         if self.streams:
             side = self.side_stream
             side.wait_stream(self.backend.current_stream())  # t is written on the compute stream
@@ -121,7 +145,7 @@ class ActivationOffloader:
         else:
             self.stats.activation_bytes += host.nbytes
         self.stats.tensors += 1
-        held = _Held(host, t.device, landed)
+        held = _Held(host, t.device, landed, buffer if self.pool is not None else None)
         group.held.append(held)
         return held
 
@@ -160,6 +184,9 @@ class ActivationOffloader:
         if self.streams:
             self.backend.current_stream().wait_stream(self.side_stream)
         held.host = None
+        if held.buffer is not None:  # free for the next offload of its size (its copy back is ordered before)
+            self.pool.setdefault((held.buffer.dtype, held.buffer.numel()), []).append(held.buffer)
+            held.buffer = None
         return held.device_copy
 
     def prefetch_hook(self, group: _LayerGroup, output: torch.Tensor) -> None:

@@ -123,6 +123,11 @@ class GPTConfig:
     cpu_offloading_weights: bool = False
     """--cpu-offloading-weights: also offload saved tensors that are parameters (frees nothing while the
     parameter stays on the device; counted)."""
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    """--cpu-offloading-retain-pinned-cpu-buffers (Megatron's): keep --cpu-offloading's pinned host buffers when their
+    tensors come back and reuse them for later offloads of the same size and dtype (the next micro-batch's, the next
+    step's) instead of allocating new ones: what is computed is the same; pinning is slow and the host memory stays
+    allocated between steps."""
     params_dtype: torch.dtype = torch.float32
     """Dtype parameters are stored in (fp32 masters are the optimizer's business)."""
     num_experts: int | None = None

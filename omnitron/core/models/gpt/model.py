@@ -115,7 +115,8 @@ class GPTModel(nn.Module):
         self.reset_parameters(seed)
         if C.offload_layers(config):
             self.offloader = ActivationOffloader(self.backend, activations=config.cpu_offloading_activations,
-                                                 weights=config.cpu_offloading_weights)
+                                                 weights=config.cpu_offloading_weights,
+                                                 retain=config.cpu_offloading_retain_pinned_cpu_buffers)
         elif config.fine_grained_activation_offloading:
             self.offloader = ModuleOffloader(self.backend, min_numel=config.min_offloaded_tensor_size)
             self.offloader.attach(list(self.decoder.layers.values()), config.offload_modules)

@@ -24,6 +24,9 @@ def _validate_offloading(c, parallel: ParallelConfig) -> None:
     """Megatron's limits on --cpu-offloading (transformer_config.py), each with its fix."""
     n = c.cpu_offloading_num_layers
     if not (c.cpu_offloading or n):
+        if getattr(c, "cpu_offloading_retain_pinned_cpu_buffers", False):
+            raise ConfigError("--cpu-offloading-retain-pinned-cpu-buffers keeps --cpu-offloading's host buffers "
+                              "between steps; it needs --cpu-offloading-num-layers N (or drop it)")
         return
     if not 0 < n < c.num_layers:
         raise ConfigError(f"--cpu-offloading-num-layers {n}: offload between 1 and --num-layers - 1 "
