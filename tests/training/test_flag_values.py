@@ -79,11 +79,11 @@ def test_megatrons_loss_scaler_refuses_nan_as_omnitron_does(monkeypatch):
             parse_settings(BASE + ["--fp16", flag, "nan"], 1)
 
 
-@pytest.mark.parametrize("flag", ["--num-query-groups", "--kv-channels", "--ffn-hidden-size"])
+@pytest.mark.parametrize("flag", ["--num-query-groups", "--kv-channels", "--ffn-hidden-size", "--padded-vocab-size"])
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_a_model_size_given_as_zero_or_negative_is_refused(flag, value):
-    """0 was read as not given (``--num-query-groups 0`` trained multi-head attention), -1 failed in the model
-    build with a negative tensor dimension."""
+    """0 was read as not given (``--num-query-groups 0`` trained multi-head attention, ``--padded-vocab-size 0``
+    padded per --make-vocab-size-divisible-by), -1 failed in the model build with a negative tensor dimension."""
     with pytest.raises(ConfigError, match=f"^{flag} must be a positive integer, got {value}"):
         parse_settings(BASE + [flag, value], 1)
 
