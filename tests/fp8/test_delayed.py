@@ -285,3 +285,20 @@ def test_first_last_layers_bf16_leaves_multi_token_prediction_in_fp8():
     mtp = {n for n in plain if n.startswith("mtp.")}
     assert len(mtp) == 4 and mtp <= set(ends)  # qkv, proj, fc1, fc2 of the depth's layer, in both
     assert {n.split(".")[2] for n in ends if n.startswith("decoder.")} == {"1", "2"}
+
+
+def test_first_last_layers_bf16_keeping_every_layer_wide_names_the_flags():
+    """--num-layers 2 --fp8-format e4m3 --first-last-layers-bf16 (one layer kept wide at each end by default) leaves
+    nothing in FP8: the refusal names the flags to change (it said "check the module patterns", which no flag
+    sets; found by fuzzing the command line)."""
+    from omnitron.core.models.gpt import GPTConfig, GPTModel
+    from omnitron.core.parallel.groups import ParallelGroups
+
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=8, vocab_size=64,
+                    make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0)
+    single = ParallelGroups.single()
+    with pytest.raises(ConfigError, match="selected no linear layer: --first-last-layers-bf16 keeps every layer "
+                                          r"wide \(decoder.layers.0, decoder.layers.1\); lower --num-layers-at-start"):
+        enable_fp8(GPTModel(cfg, single), FP8Config(fp8_recipe="delayed", first_last_layers_bf16=True), single)
+    recipe = FP8Config(fp8_recipe="delayed", first_last_layers_bf16=True, num_layers_at_end_in_bf16=0)
+    assert {n.split(".")[2] for n in enable_fp8(GPTModel(cfg, single), recipe, single)} == {"1"}

@@ -148,6 +148,11 @@ class OptimizerConfig:
             raise ConfigError("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0:
             raise ConfigError("--clip-grad and --weight-decay must be >= 0")
+        if self.adam_eps < 0 or self.sgd_momentum < 0:  # torch's AdamW and SGD (Megatron's without TE / Apex)
+            raise ConfigError(f"--adam-eps ({self.adam_eps}) and --sgd-momentum ({self.sgd_momentum}) must be >= 0")
+        for flag, n in (("--lr-decay-iters", self.lr_decay_iters), ("--lr-decay-samples", self.lr_decay_samples)):
+            if n is not None and n < 1:  # 0 read as "not given" (the run's length); Megatron asserts a decay > 0
+                raise ConfigError(f"{flag} must be >= 1, got {n}; drop it to decay over the whole run")
         self._check_weight_decay_incr()
 
     def _check_weight_decay_incr(self) -> None:

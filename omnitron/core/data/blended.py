@@ -8,7 +8,7 @@ import torch
 
 from . import cache
 from .config import normalize
-from .gpt_dataset import make_sample
+from .gpt_dataset import NO_PAD, make_sample
 
 
 BLEND_FORMAT = 2  # bump when the blending algorithm changes, so old caches are not reused (2: Megatron's)
@@ -87,17 +87,20 @@ class BlendedDataset(torch.utils.data.Dataset):
 class MockGPTDataset(torch.utils.data.Dataset):
     """Synthetic samples with the GPTDataset interface: random ids, eod about every 64 tokens.
 
-    Sample i depends only on (seed, i), so every rank and every worker sees the same data.
+    Sample i depends only on (seed, i), so every rank and every worker sees the same data. ``pad``: the id no loss
+    is taken on (:func:`~omnitron.core.data.gpt_dataset.dataset_pad_id`), as in every GPT sample (Megatron's
+    MockGPTDataset is a GPTDataset: its samples mask the tokenizer's pad too).
     """
 
     def __init__(self, num_samples: int, *, seq_length: int, vocab_size: int, eod: int, seed: int = 1234,
-                 eod_mask_loss: bool = False, reset_position_ids: bool = False, reset_attention_mask: bool = False):
+                 eod_mask_loss: bool = False, reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                 pad: int = NO_PAD):
         if vocab_size < 2:
             raise ValueError(f"mock data needs a vocabulary of at least 2 ids, got {vocab_size}")
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
         self.eod, self.seed = eod, seed
         self.eod_mask_loss, self.reset_position_ids = eod_mask_loss, reset_position_ids
-        self.reset_attention_mask = reset_attention_mask
+        self.reset_attention_mask, self.pad = reset_attention_mask, pad
 
     def __len__(self) -> int:
         return self.num_samples
@@ -113,4 +116,4 @@ class MockGPTDataset(torch.utils.data.Dataset):
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
         return make_sample(self.tokens(idx), self.eod, self.eod_mask_loss, self.reset_position_ids,
-                           self.reset_attention_mask)
+                           self.reset_attention_mask, pad=self.pad)

@@ -181,9 +181,10 @@ def build_gpt_datasets(config: DataConfig, tokenizer: Tokenizer, *, train_sample
     if config.mock_data:
         if barrier is not None:
             barrier()
+        pad = dataset_pad_id(tokenizer.own_pad, tokenizer.eod, config.allow_ambiguous_pad_tokens)
         return tuple(None if n <= 0 else MockGPTDataset(
             n, seq_length=config.seq_length, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
-            seed=config.seed + i, **sample_flags(config))
+            seed=config.seed + i, pad=pad, **sample_flags(config))
             for i, n in enumerate(samples))
     cache_dir = config.data_cache_path or default_cache_dir()
     return cache.build_in_turn(lambda allow: _build_all(config, tokenizer, samples, cache_dir, allow), is_builder_rank,

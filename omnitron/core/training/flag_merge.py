@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import fields
 from typing import Any
@@ -107,6 +108,8 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
         else:
             raise ConfigError(f"--config {given['config']}: unknown setting {key!r}; keys are the flag names "
                               "listed by `omnitron train --help`")
+    _refuse_nan(file_values, f" (in --config {given.get('config')})")
+    _refuse_nan(given, "")
     preset = given.get("model", file_values.get("model"))
     if preset:
         merged.update(_preset_fields(preset))
@@ -120,6 +123,34 @@ def merge_settings(given: dict[str, Any]) -> dict[str, Any]:
     from omnitron.core.training.checkpoint_args import apply_checkpoint_args
 
     return apply_checkpoint_args(MF.resolve(merged))
+
+
+_NUMBER_LISTS = frozenset({"moe_aux_loss_coeff", "rampup_batch_size", "hierarchical_context_parallel_sizes",
+                           "profile_ranks"})
+"""List settings whose words are numbers (the parser keeps them as strings until their config reads them)."""
+
+
+def _refuse_nan(values: dict[str, Any], where: str) -> None:
+    """ConfigError for a NaN setting. No setting takes NaN, and it slips through every range check written as a
+    comparison (``nan < 0`` is false): ``--min-loss-scale nan`` ran every fp16 step skipped, ``--moe-aux-loss-coeff
+    nan`` turned the balancing loss off, ``--moe-router-bias-update-rate nan`` made the routing bias NaN, each
+    without a word (Megatron's argparse reads NaN too; its loss scaler's ``> 0`` asserts then stop it)."""
+    for key, value in values.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if key in _NUMBER_LISTS:
+            items = [_number(v) for v in items]
+        if any(isinstance(v, float) and math.isnan(v) for v in items):
+            opt = options().get(key)
+            flag = opt.flag if opt is not None else "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} nan{where}: not a number, which no setting takes; give a number")
+
+
+def _number(word: Any) -> Any:
+    """``word`` as a float where it spells one, else as given (its config refuses it naming the flag)."""
+    try:
+        return float(word)
+    except (TypeError, ValueError):
+        return word
 
 
 def _backend_notes(file_values: dict[str, Any], given: dict[str, Any]) -> list[str]:

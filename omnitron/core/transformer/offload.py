@@ -115,10 +115,18 @@ class ActivationOffloader:
     @contextlib.contextmanager
     def layer(self, module: torch.nn.Module):
         """Run ``module``'s forward under this: yields the group whose :meth:`prefetch` brings it back.
-        (Parameter storages are read here, not once: data-parallel wrappers move parameters into buffers.)"""
-        group = _LayerGroup()
-        storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, group, storages), self._unpack):
+        (Parameter storages are read per forward, not once: data-parallel wrappers move parameters into buffers;
+        and at the first saved tensor, not on entry: FSDP2's layer holds sharded DTensors, which have no storage,
+        until its forward hook swaps in the gathered parameters the forward saves.)"""
+        group, storages = _LayerGroup(), []
+
+        def pack(t: torch.Tensor):
+            if not storages:
+                storages.append({p.untyped_storage().data_ptr() for p in module.parameters()
+                                 if type(p).__name__ != "DTensor"})
+            return self._pack(t, group, storages[0])
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield group
 
     def _pack(self, t: torch.Tensor, group: _LayerGroup, param_storages: set[int]):

@@ -257,6 +257,14 @@ class GPTConfig:
                         ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)):
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {v!r}")
+        # NOTE: given, these must be positive too: 0 read as "not given" (``x or default``: --num-query-groups 0 ran
+        # plain multi-head attention), a negative one failed in the model build (a negative tensor dimension)
+        for flag, v in (("--num-query-groups", self.num_query_groups), ("--kv-channels", self.kv_channels),
+                        ("--ffn-hidden-size", self.ffn_hidden_size), ("--padded-vocab-size", self.padded_vocab_size)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{flag} must be a positive integer, got {v!r}; drop it for the default")
+        if not self.init_method_std >= 0:  # torch.nn.init.normal_ (Megatron's initialisation) refuses std < 0
+            raise ConfigError(f"--init-method-std must be >= 0, got {self.init_method_std}")
         choices = (("--normalization", self.normalization, ("LayerNorm", "RMSNorm")),
                    ("--position-embedding-type", self.position_embedding_type,
                     ("learned_absolute", "rope", "yarn", "none")),

@@ -205,6 +205,10 @@ def enable_fp8(model_or_chunks, recipe: FP8Config, groups, *, first_last_layers_
         if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:  # no seam of its own
             module.forward = types.MethodType(_fp8_linear_forward, module)
         enabled[name] = ex
+    if not enabled and wide:  # e.g. --num-layers 2 with the default one layer kept wide at each end
+        raise ConfigError(f"FP8 ({recipe.fp8_recipe}) selected no linear layer: --first-last-layers-bf16 keeps every "
+                          f"layer wide ({', '.join(sorted(wide))}); lower --num-layers-at-start-in-bf16 / "
+                          "--num-layers-at-end-in-bf16, add layers, or drop --first-last-layers-bf16")
     if not enabled:
         raise ConfigError(f"FP8 ({recipe.fp8_recipe}) selected no linear layer (modules={modules!r}); "
                           "check the module patterns")
