@@ -125,3 +125,14 @@ def test_a_decay_of_no_steps_is_refused_as_megatrons_scheduler_refuses_it(extra,
         argv = [a for i, a in enumerate(argv) if "--train-iters" not in argv[max(i - 1, 0):i + 1]]
     with pytest.raises(ConfigError, match=f"^{flag} must be >= 1"):
         parse_settings(argv, 1)
+
+
+@pytest.mark.parametrize("flag, value", [("--moe-token-drop-policy", "fp8"), ("--moe-router-score-function", "fp8"),
+                                         ("--window-attn-skip-freq", "fp8"), ("--window-attn-skip-freq", "0")])
+def test_a_choice_of_a_feature_that_is_off_is_still_checked(flag, value):
+    """Megatron's parser types these flags (argparse choices from TransformerConfig's ``Literal`` fields, and
+    ``moe_freq_type`` for the window pattern), so a misspelt value stops a dense run or a run without a window;
+    omnitron checked them only with experts or a window on, and trained on with the value ignored."""
+    with pytest.raises(ConfigError, match=flag):
+        parse_settings(BASE + [flag, value], 1)
+    parse_settings(BASE, 1)  # the same run without the flag is taken

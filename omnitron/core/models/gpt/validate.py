@@ -148,6 +148,13 @@ def validate_model(c, parallel: ParallelConfig, *, check_layers: bool = True) ->
     if c.recompute_method is not None and c.recompute_granularity != "full":
         raise ConfigError(f"--recompute-method {c.recompute_method} only applies with --recompute-granularity full")
     _validate_recompute_num_layers(c)
+    if c.window_attn_skip_freq is not None and c.window_size is None:  # parsed as Megatron's parser types it
+        from types import SimpleNamespace
+
+        from omnitron.core.transformer.window import window_layers
+
+        window_layers(SimpleNamespace(window_size="0,0", window_attn_skip_freq=c.window_attn_skip_freq,
+                                      num_layers=c.num_layers))
     from omnitron.core.transformer.moe.validate import validate_moe
 
     validate_moe(c, parallel)

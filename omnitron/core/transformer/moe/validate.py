@@ -75,15 +75,10 @@ def _check_extras(c) -> None:
         c.moe_expert_capacity_factor = f = None
     if f is not None and not f > 0:
         raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (or negative / unset for dropless), got {f}")
-    if c.moe_token_drop_policy not in DROP_POLICIES:
-        raise ConfigError(f"--moe-token-drop-policy {c.moe_token_drop_policy!r} is not one of "
-                          f"{', '.join(DROP_POLICIES)}")
+    _check_choices(c)
     if c.moe_pad_expert_input_to_capacity and f is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity "
                           "to pad to); set it or drop the padding flag")
-    if c.moe_router_score_function not in SCORE_FUNCTIONS:
-        raise ConfigError(f"--moe-router-score-function {c.moe_router_score_function!r} is not one of "
-                          f"{', '.join(SCORE_FUNCTIONS)}")
     if c.moe_router_dtype not in (None, "fp32"):
         raise ConfigError(f"--moe-router-dtype {c.moe_router_dtype}: omnitron routes in the model's dtype (the "
                           "flag unset, Megatron's default) or in float32 (fp32); drop the flag or give fp32")
@@ -123,8 +118,21 @@ def check_router_trains(c) -> None:
                           "add --moe-router-pre-softmax (as Megatron requires) or use --moe-router-topk > 1")
 
 
+def _check_choices(c) -> None:
+    """The choice flags, with or without experts: Megatron's parser takes them from TransformerConfig's
+    ``Literal`` types as argparse choices, so a misspelt value stops a dense run too."""
+    if c.moe_token_drop_policy not in DROP_POLICIES:
+        raise ConfigError(f"--moe-token-drop-policy {c.moe_token_drop_policy!r} is not one of "
+                          f"{', '.join(DROP_POLICIES)}")
+    if c.moe_router_score_function not in SCORE_FUNCTIONS:
+        raise ConfigError(f"--moe-router-score-function {c.moe_router_score_function!r} is not one of "
+                          f"{', '.join(SCORE_FUNCTIONS)}")
+
+
 def validate_moe(c, parallel: ParallelConfig) -> None:
-    """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp."""
+    """The expert layout: ep divides the experts, expert tensor parallelism 1 or tp (and the choice flags, which
+    a dense model's config does not check when it is built)."""
+    _check_choices(c)
     ep, tp = parallel.expert_model_parallel_size, parallel.tensor_model_parallel_size
     if c.num_experts is None:
         if ep > 1:
