@@ -33,15 +33,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"omnitron plot: error: {path} not found; pass the run's --log-dir (or --save) directory",
               file=sys.stderr)
         return 2
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("omnitron plot: error: matplotlib is not installed; `pip install matplotlib` (or omnitron[dev])",
-              file=sys.stderr)
-        return 2
+    # the file first: a bad one is named whether or not matplotlib is installed (it needs no plotting)
     try:
         train, val = read_metrics(path)
     except ValueError as err:  # a bad line before the last: named, with the fix
@@ -49,6 +41,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not train:
         print(f"omnitron plot: error: {path} holds no training record yet; plot after the first log line",
+              file=sys.stderr)
+        return 2
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("omnitron plot: error: matplotlib is not installed; `pip install matplotlib` (or omnitron[dev])",
               file=sys.stderr)
         return 2
     out = args.out or args.run_dir

@@ -63,9 +63,12 @@ def children(pid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     servers = {p for p, (ppid, cmd) in table.items() if ppid == pid and b"multiprocessing.forkserver" in cmd}
+    # the arguments, not the interpreter: a venv under a folder named omnitron (/tmp/omnitron-oldest-torch/venv)
+    # made its resource tracker a rank
+    args = {p: cmd.partition(b"\0")[2] for p, (_, cmd) in table.items()}
     return sorted(p for p, (ppid, cmd) in table.items()
                   if ppid in servers
-                  or (ppid == pid and p not in servers and (b"spawn_main" in cmd or b"omnitron" in cmd)))
+                  or (ppid == pid and p not in servers and (b"spawn_main" in args[p] or b"omnitron" in args[p])))
 
 
 def alive(pid: int) -> bool:

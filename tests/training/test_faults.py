@@ -26,6 +26,27 @@ def _run(tmp_path, *extra, env=None):
     return start(args, env={"OMNITRON_DISTRIBUTED_TIMEOUT_S": str(TIMEOUT_S), **(env or {})})
 
 
+def test_children_names_ranks_by_their_arguments_not_the_interpreter_path(tmp_path):
+    """``children`` under an interpreter whose path names omnitron (a venv in ``/tmp/omnitron-oldest-torch``): a
+    helper child (multiprocessing's resource tracker there) is no rank; a child whose arguments name omnitron is.
+    Before, the path matched, and every launcher test counted three workers in that venv."""
+    (tmp_path / "omnitron-venv").mkdir()
+    exe = tmp_path / "omnitron-venv" / "python"
+    exe.symlink_to(sys.executable)
+    sleep = "import time; time.sleep(60)"
+    parent = subprocess.Popen([str(exe), "-c", f"""import subprocess, sys, time
+kids = [subprocess.Popen([sys.argv[1], "-c", {sleep!r}, *extra]) for extra in ([], ["-m", "omnitron"])]
+print(" ".join(str(k.pid) for k in kids), flush=True)
+time.sleep(60)""", str(exe)], stdout=subprocess.PIPE, text=True)
+    kids = [int(p) for p in parent.stdout.readline().split()]  # (each sleeps a minute at most if left)
+    try:
+        assert children(parent.pid) == kids[1:], kids
+    finally:
+        for pid in kids + [parent.pid]:
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()
+
+
 def _launcher_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("omnitron train:")]
 

@@ -110,9 +110,11 @@ def test_start_log_counts_parameters_by_model_family():
     assert model_parameters(gpt) == gpt_count(gpt)
 
 
-def test_plot_drops_a_last_line_cut_short_and_names_a_bad_one(tmp_path, capsys):
+@pytest.mark.parametrize("matplotlib", ["as installed", "absent"])
+def test_plot_drops_a_last_line_cut_short_and_names_a_bad_one(tmp_path, capsys, monkeypatch, matplotlib):
     """`omnitron plot` on a run being written (its last line cut short) plots the complete records; a bad line
-    before the last is one line naming it (it was a JSONDecodeError traceback)."""
+    before the last is one line naming it (it was a JSONDecodeError traceback), with or without matplotlib (the
+    file is read first: without matplotlib the bad line went unnamed behind the install hint)."""
     import random
 
     from omnitron.cli import main
@@ -126,6 +128,8 @@ def test_plot_drops_a_last_line_cut_short_and_names_a_bad_one(tmp_path, capsys):
     assert [r["lm_loss"] for r in train_recs] == losses
     lines = whole.splitlines(keepends=True)
     (tmp_path / "metrics.jsonl").write_text(lines[0] + '{"iter\n' + "".join(lines[1:]))
+    if matplotlib == "absent":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # its import raises ImportError
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "png")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "line 2 is not JSON" in err, err

@@ -65,5 +65,8 @@ class TransformerLayer(nn.Module):
         """``document_ids [b, s]``: attention stays within each packed document (``--reset-attention-mask``)."""
         attn = self.self_attention(self.input_layernorm(x), freqs, document_ids=document_ids)
         x = self._bias_dropout_add(attn, x)
-        x = self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
-        return x
+        # NOTE: the MLP's output is a local before the bound method is looked up: an MoE layer compiled with the eager
+        # exchange breaks the graph inside self.mlp, and torch 2.9's dynamo guarded the resumed frame on the bound
+        # method left on the stack (new each call: a recompilation per call, eager after its limit of 8)
+        out = self.mlp(self.pre_mlp_layernorm(x))
+        return self._bias_dropout_add(out, x)
