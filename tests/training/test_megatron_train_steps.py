@@ -9,7 +9,8 @@ off biases and norms, --clip-grad 0.5: the clip acts at every step), ``Optimizer
 iterations from 0, cosine to 3e-4 over 10), ``get_forward_backward_func()`` over 4 micro-batches of 2 with
 pretrain_gpt's loss function, global batch 8. omnitron runs the same flags through its own argument parser, builds
 its components and calls its ``train_step`` on the same micro-batches. Cases: one rank (float64), one rank with an
-uneven loss mask (float64), Megatron's dp2 against omnitron's dp2 and tp2 (float64), one rank in float32.
+uneven loss mask (float64), dp2, tp2 and pp2 on two gloo ranks (each against megatron-core's run at the same
+layout, float64), one rank in float32.
 
 Float64 bound (TOL64). Both models run in float64; what is not float64: Megatron's loss function casts the per-token
 losses to float32 (its logged loss: 128 float32 products summed, a tree of depth 7, and the cast: <= 8 u relative,
@@ -112,7 +113,15 @@ def train_omnitron(case: str, extra: list[str], world: int, dtype: torch.dtype) 
         got = train_step(c, micro_batches(case, it, dp, c.groups.dp.rank if dp > 1 else 0))
         for key, name in (("loss", "lm_loss"), ("grad_norm", "grad_norm"), ("lr", "lr")):
             out[key].append(float(got[name]))
-    out["weights"] = {n: w.to("cpu", torch.float64) for n, w in gather_full_state(c.modules[0], c.groups).items()}
+    mine = {n: w.to("cpu", torch.float64) for n, w in gather_full_state(c.modules[0], c.groups).items()}
+    if world == 1:
+        out["weights"] = mine
+        return out
+    import torch.distributed as dist
+
+    every = [None] * world  # the pipeline stages' parameters merged
+    dist.all_gather_object(every, mine)
+    out["weights"] = {n: w for d in every for n, w in d.items()}
     return out
 
 
@@ -179,11 +188,14 @@ def test_uneven_loss_mask_trains_as_megatron_and_logs_the_documented_mean():
     assert min(apart) > 10 * TOL64  # the case tells the two apart at every iteration
 
 
-def test_dp2_and_tp2_match_megatron_dp2_every_iteration():
-    want = FIXTURES["cases"]["dp2"]
-    layouts = {"dp2": ("dp2", []), "tp2": ("dp2", ["--tensor-model-parallel-size", "2"])}
+def test_dp2_tp2_pp2_match_megatron_at_the_same_layout_every_iteration():
+    """Each layout against megatron-core's run at that layout (every rank's logged loss: omnitron reports the last
+    stage's on every rank; Megatron's first pipeline stage has none, its figure is the last stage's)."""
+    layouts = {"dp2": ("dp2", []), "tp2": ("tp2", ["--tensor-model-parallel-size", "2"]),
+               "pp2": ("pp2", ["--pipeline-model-parallel-size", "2"])}
     per_rank = run_distributed(layouts_worker, 2, layouts, env=REFERENCE_KERNELS, timeout_s=600)
     for name in layouts:
+        want = FIXTURES["cases"][name]
         for got in (r[name] for r in per_rank):
             check_curves(got, want, TOL64)
             check_weights(got["weights"], want["weights"], TOL64)
