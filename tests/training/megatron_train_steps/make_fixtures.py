@@ -36,7 +36,9 @@ ranks, ``dp2`` (the global batch split as Megatron's data loader splits it: rank
 ``r * mbs .. r * mbs + mbs`` of each ``dp * mbs`` slice), ``tp2`` (each rank its ``partition_dim`` slice of the
 weights; the final weights gathered) and ``pp2`` (one layer a stage, the last stage's output weight the tied copy
 of the word embedding, megatron-core's 1F1B schedule with gloo's point-to-point). Final weights are stored by
-their one-rank names. ``CASES=tp1,pp2`` in the environment runs only those (writing the given path, argv[1]).
+their one-rank names. ``dp2_distopt_fp32``: megatron-core's distributed optimizer (--use-distributed-optimizer;
+float32, as it refuses float64 parameters: it hands them float32 gradients). ``CASES=tp1,pp2`` in the
+environment runs only those (writing the given path, argv[1]).
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ OPTIM = dict(lr=3e-3, min_lr=3e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=
 SCHEDULE = dict(lr_warmup_iters=3, lr_decay_iters=10, lr_decay_style="cosine")
 SEED = 1234
 CASES = {"tp1": (1, 1, 1), "tp1_masked": (1, 1, 1), "tp1_fp32": (1, 1, 1), "dp2": (1, 1, 2), "tp2": (2, 1, 1),
-         "pp2": (1, 2, 1)}
+         "pp2": (1, 2, 1), "dp2_distopt_fp32": (1, 1, 2)}
 """name -> (tp, pp, dp) of megatron-core's run"""
 
 
@@ -221,12 +223,13 @@ def train(case: str, data: dict, layout: tuple) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tp, pp, dp = layout
-    dtype = dtype_of(case)
+    dtype, distopt = dtype_of(case), "distopt" in case
     model = build(dtype, tp, pp)
     load_slice(model, data["weights"])
     cfg = model.config
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", params_dtype=dtype, **OPTIM), [ddp])
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", params_dtype=dtype,
+                                                       use_distributed_optimizer=distopt, **OPTIM), [ddp])
     cfg.no_sync_func = ddp.no_sync
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.grad_scale_func = optimizer.scale_loss
