@@ -5,7 +5,8 @@
 # curves, FP8 GEMMs and FP8 MoE, compiled gradients through autograd Functions (torch 2.11's zeroed ones), a
 # checkpoint round trip through a bit-exact resume, the MUSA double, the
 # version checks, gloo's threads freed at destroy (unnamed on 2.9), a compiled MoE's graph count (2.9's dynamo
-# recompiled it per call)) and the README's main job for 20 iterations.
+# recompiled it per call), omnitron's activation checkpoint (2.9's custom function context lost its saved inputs
+# with its output)) and the README's main job for 20 iterations.
 #
 # Its pytest output goes to a log, not to CI's output: CI reads the suite's result from pytest's closing
 # line, so this script prints its own summary lines, worded so that none of them reads as one.
@@ -28,6 +29,7 @@ TESTS=(
   tests/fp8/test_gemm.py tests/parallel/test_expert_fp8.py "tests/training/test_resume.py::test_resume_bit_exact[2-2]"
   tests/golden tests/training/test_compiled_function_outputs.py tests/parallel/test_groups_freed_at_destroy.py
   tests/training/test_torch_compile.py::test_compiled_moe_with_a_load_balancing_loss_under_fp16_keeps_its_graphs
+  tests/parallel/test_recompute.py
 )
 if [ "${1:-}" = "--tests" ]; then
   printf '%q ' "${TESTS[@]}"; echo

@@ -9,6 +9,12 @@ empty slot reruns the forward once and fills every live slot still owed to a lat
 (the tensor's last use) except in B of a split backward at a weight boundary (:func:`split_backward.keeps_saved`),
 whose node W runs again: that slot keeps its value for W, so W reruns nothing. A slot read in B by a node on the
 input path alone is never read again (``done``) and is not refilled.
+
+As torch's checkpoint, a slot read twice in one graph task is an error (a second read would rerun the layer, its
+collectives and RNG replay included), only a new task (W, a second ``retain_graph`` backward) may rerun, and a
+rerun must save tensors of the forward's shapes, dtypes and devices. Both torch APIs used are private: without
+``_current_graph_task_id`` a second read reruns unchecked; without ``_current_autograd_node`` no read is taken as
+a weight boundary's, so W reruns each layer once more (gradients unchanged).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import weakref
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from omnitron.core.parallel import split_backward
 
@@ -24,10 +31,34 @@ from omnitron.core.parallel import split_backward
 class _Saved:
     """One tensor the checkpointed forward saved: its recomputed value while one is held."""
 
-    __slots__ = ("frame", "index", "value", "done", "__weakref__")
+    __slots__ = ("frame", "index", "value", "done", "task", "__weakref__")
 
     def __init__(self, frame: "_Frame", index: int) -> None:
         self.frame, self.index, self.value, self.done = frame, index, None, False
+        self.task: int | None = None  # the graph task of the last read
+
+
+def _graph_task() -> int | None:
+    """The graph task running this backward; None outside one or where torch lacks the (private) API."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    task = current() if current is not None else -1
+    return None if task == -1 else task
+
+
+def _autograd_node():
+    """The node whose backward reads a saved tensor; None where torch lacks the (private) API: no read is then a
+    weight boundary's, and W reruns the forward (the gradients the same, one layer forward more)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current() if current is not None else None
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device
+
+
+def _describe(meta: tuple) -> str:
+    shape, dtype, device = meta
+    return f"shape {list(shape)} {str(dtype).removeprefix('torch.')} on {device}"
 
 
 _TENSOR = object()  # a tensor argument's place in a frame's arguments
@@ -55,8 +86,12 @@ class _Frame:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self.grads = [a.requires_grad for a in tensors]
         # the inputs are autograd saved tensors, as torch's checkpoint keeps them: a count of saved bytes sees them
-        self.saver = _SaveInputs.apply(torch.empty((0,), requires_grad=True), *tensors).grad_fn
+        # and the node's (empty) output is held: on torch 2.9 ``grad_fn`` of a custom function is its context, which
+        # loses the node and the saved tensors once the output is freed (the rerun then failed at the first read)
+        self.held = _SaveInputs.apply(torch.empty((0,), requires_grad=True), *tensors)
+        self.saver = self.held.grad_fn
         self.slots: list[weakref.ref] = []
+        self.metas: list[tuple] = []  # each saved tensor's shape, dtype and device, for the rerun's to match
         devices = {"cpu"} | {a.device.type for a in args if isinstance(a, torch.Tensor)}
         self.autocast = [(d, torch.get_autocast_dtype(d)) for d in sorted(devices) if torch.is_autocast_enabled(d)]
 
@@ -66,10 +101,22 @@ class _Frame:
         tensors = iter(t.detach().requires_grad_(g) for t, g in zip(self.saver.saved_tensors, self.grads))
         return tuple(next(tensors) if a is _TENSOR else a for a in self.args)
 
-    def pack(self, _tensor: torch.Tensor) -> _Saved:
+    def pack(self, tensor: torch.Tensor) -> _Saved:
         slot = _Saved(self, len(self.slots))
         self.slots.append(weakref.ref(slot))
+        self.metas.append(_meta(tensor))
         return slot
+
+    def _check(self, index: int, tensor: torch.Tensor) -> None:
+        """Raise unless the rerun's ``index``-th saved tensor matches the forward's in shape, dtype and device."""
+        if index >= len(self.metas):
+            raise torch.utils.checkpoint.CheckpointError(
+                f"recomputation saved more than the {len(self.metas)} tensors the forward saved: a checkpointed "
+                f"function must save the same tensors when run again")
+        if _meta(tensor) != self.metas[index]:
+            raise torch.utils.checkpoint.CheckpointError(
+                f"recomputation saved tensor {index} with {_describe(_meta(tensor))} where the forward saved "
+                f"{_describe(self.metas[index])}: a checkpointed function must save the same tensors when run again")
 
     def recompute(self, refill_done: bool) -> None:
         """Rerun the forward once; fill each live empty slot (those read and done as well if ``refill_done``)."""
@@ -81,6 +128,7 @@ class _Frame:
         seen = [0]
 
         def pack(t: torch.Tensor) -> None:
+            self._check(seen[0], t)
             slot = want.get(seen[0])
             seen[0] += 1
             if slot is not None:
@@ -96,16 +144,22 @@ class _Frame:
             stack.enter_context(torch.enable_grad())
             self.fn(*self._inputs(), **self.kwargs)
         if seen[0] != len(self.slots):
-            raise RuntimeError(f"recomputation saved {seen[0]} tensors where the forward saved {len(self.slots)}: "
-                               f"a checkpointed function must save the same tensors when run again")
+            raise torch.utils.checkpoint.CheckpointError(
+                f"recomputation saved {seen[0]} tensors where the forward saved {len(self.slots)}: "
+                f"a checkpointed function must save the same tensors when run again")
 
 
 def _unpack(slot: _Saved) -> torch.Tensor:
+    task = _graph_task()
+    if task is not None and slot.task == task:  # before any rerun: it would run the layer (collectives) again
+        raise torch.utils.checkpoint.CheckpointError(
+            "a recomputed saved tensor was read twice in one backward pass (e.g. ctx.saved_tensors read twice in a "
+            "custom autograd Function's backward): read it once and keep the value")
+    slot.task = task
     if slot.value is None:
         slot.frame.recompute(refill_done=slot.done)
     value = slot.value
-    node = torch._C._current_autograd_node()
-    if not split_backward.keeps_saved(node):
+    if not split_backward.keeps_saved(_autograd_node()):
         slot.value = None  # the last read of this slot, unless W reads it again
         slot.done = split_backward.splitting()  # read in B off the weight boundaries: W never reads it
     return value
