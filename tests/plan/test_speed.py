@@ -235,7 +235,7 @@ def test_combined_pairs_hide_the_all_to_alls_behind_the_other_pass(m):
     the other computes: the forward's ``a_f`` is hidden up to the backward's work ``w_b``, the backward's ``a_b``
     up to the forward's ``w_f``. By hand: m (w_f + a_f + w_b + a_b) - (m - 1) (min(a_f, w_b) + min(a_b, w_f)),
     on random costs where the all-to-alls are now shorter, now longer than the other side's work; without the flag
-    m (w_f + a_f + w_b + a_b). Exact up to float sums; the lower bound of a search stays below it."""
+    m (w_f + a_f + w_b + a_b). Exact up to float sums."""
     from types import SimpleNamespace
 
     from omnitron.plan.speed import StageCost, pipeline
