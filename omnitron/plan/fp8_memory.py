@@ -92,11 +92,11 @@ import math
 import torch
 
 from omnitron.core.parallel.pipeline.schedules import schedule_style
-from omnitron.plan.fp8_passes import (SCALE, blockwise_backward, blockwise_forward, own_scale, per_tensor_backward,
-                                     per_tensor_forward)
+from omnitron.plan.fp8_passes import (SCALE, blockwise_backward, blockwise_forward, blockwise_wgrad, own_scale,
+                                     per_tensor_backward, per_tensor_forward, per_tensor_wgrad)
 from omnitron.plan.stage_layers import wide_layers
 from omnitron.plan.state import skeleton
-from omnitron.plan.transients import DECODER as _DECODER, LINEAR, probe_recomputed
+from omnitron.plan.transients import DECODER as _DECODER, LINEAR, W_START, probe_recomputed
 
 PER_TENSOR_WEIGHT = 2
 """Bytes per weight element a per-tensor recipe caches: the FP8 weight and its contiguous transpose."""
@@ -336,17 +336,20 @@ def chunk_linears(settings, cfg, pp_rank: int) -> dict[int, dict[tuple[int, str]
                 continue
             o, k = m.weight.shape
             saved = SAVED_INPUT * k * t + own_scale(settings.fp8) if settings.fp8.per_tensor else 0
-            wide = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
-            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, wide - saved if saved else 0, saved, t)
+            was = 0 if name[d.end():] in kept else e * k * t  # another op keeps the input: the FP8 copy is extra
+            out[c][(len(flags) - 1 - i, name[d.end():])] = (o, k, was - saved if saved else 0, saved, t)
     return out
 
 
 def linear_peak(settings, cfg, kind: str, out: int, inp: int, native: bool, t: float | None = None) -> float:
-    """Peak bytes one FP8 linear of weight ``[out, inp]`` creates in its ``kind`` pass (``forward`` or ``backward``)
-    for ``t`` rows (None: one micro-batch of ``settings``, the whole sequence over cp) in the model's dtype."""
+    """Peak bytes one FP8 linear of weight ``[out, inp]`` creates in its ``kind`` pass (``forward``, ``backward``, or
+    ``weight``: a split backward's W alone) for ``t`` rows (None: one micro-batch of ``settings``, the whole sequence
+    over cp) in the model's dtype."""
     if t is None:
         t = cfg.seq_length // settings.parallel.context_parallel_size * settings.training.micro_batch_size
     e = cfg.params_dtype.itemsize
+    if kind == "weight":
+        return (per_tensor_wgrad if settings.fp8.per_tensor else blockwise_wgrad)(t, out, inp, e, native)
     if settings.fp8.per_tensor:
         delayed = settings.fp8.fp8_recipe == "delayed"
         return per_tensor_forward(t, out, inp, e, native, delayed) if kind == "forward" else \
@@ -375,14 +378,20 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
     ``layers``: the probe's; a layer it recomputes in full (:func:`~omnitron.plan.transients.probe_recomputed`) holds
     its FP8 saved inputs from its rerun forward, and the activation term takes nothing off for it."""
     recomputed = probe_recomputed(cfg, layers)
+    stash, freed = split_operands(settings, cfg, events, sizes, linears)
     live = held = total = best = 0.0
-    seen, pending, holding, alive, credits = {}, {}, set(), set(), {}
+    seen, pending, holding, alive, credits, stashed = {}, {}, set(), set(), {}, set()
     for i, (op, n) in enumerate(events):
         if op is None:
             live -= sizes[n]
             alive.discard(n)
             held -= credits.pop(n, 0.0)  # the wide input freed in the wide log: nothing more to take off
             continue
+        if op == W_START:  # B has ended: the output gradients only FP8 linears kept give way to their stand-ins
+            for source in freed:
+                if source in alive and source not in credits:
+                    credits[source] = sizes[source]
+                    held += sizes[source]
         if not op.startswith(LINEAR):
             live += sizes[i]
             alive.add(i)
@@ -393,7 +402,7 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         if key not in linears:
             continue
         o, k, less, saved, t = linears[key]
-        if kind in ("forward", "backward"):
+        if kind in ("forward", "backward", "weight"):
             best = max(best, live - held + linear_peak(settings, cfg, kind, o, k, native, t))
         if kind == "forward":
             seen[key] = seen.get(key, 0) + 1
@@ -410,4 +419,51 @@ def replay_fp8(settings, cfg, events: list, sizes: list[float], linears: dict, n
         elif kind == "end" and key in holding:
             holding.discard(key)
             held += saved
+        if kind == "end" and key in stash and key not in stashed:  # B stashed W's operands beside the kept gradient
+            stashed.add(key)
+            held -= stash[key]
+        elif kind == "weight" and key in stashed:  # W has read them
+            stashed.discard(key)
+            held += stash[key]
     return best, total
+
+
+def w_operands(fp8, out: int, t: float, e: int, bias: bool) -> float:
+    """What an FP8 linear of weight ``[out, in]`` holds from a split backward's B to its W for ``t`` rows
+    (``core/precision/fp8/linear.py``: B quantizes the output gradient once and stashes W's operands): the codes W's
+    GEMM reads, ``[out, t]`` at 1 byte, with per-tensor the scale (tensorwise a new one; delayed the role's, in the
+    fp8 term) or block-wise one fp32 scale per 1x128 tile along the rows (``BLOCK_ACT``); the bias gradient B already
+    made (``out`` elements in the weight's dtype, ``e`` bytes); and the one-element stand-in ``wgrad.py`` keeps in the
+    output gradient's place (``e`` bytes)."""
+    codes = out * t
+    scales = SCALE * out * math.ceil(t / 128) if fp8.fp8_recipe == "blockwise" else own_scale(fp8)
+    return codes + scales + (out * e if bias else 0) + e
+
+
+def split_operands(settings, cfg, events: list, sizes: list[float], linears: dict) -> tuple[dict, list[int]]:
+    """(per FP8 linear (``linears``: :func:`chunk_linears`'s entry) whose boundary a split probe's plan keeps a
+    gradient at, its :func:`w_operands`; the events creating the output gradients only such linears keep, which
+    ``wgrad.py`` swaps for stand-ins once B has ended) from the probe's
+    :func:`~omnitron.plan.transients.kept_sources`; empty for an unsplit probe."""
+    from omnitron.plan.transients import kept_sources
+
+    e, bias, freed = cfg.params_dtype.itemsize, {}, []
+    for source, keepers in kept_sources(events).items():
+        mine = [(key, params) for key, params in keepers if key in linears]
+        for key, params in mine:
+            bias[key] = bias.get(key, False) or params > 1
+        if mine and len(mine) == len(keepers):
+            freed.append(source)
+    stash = {key: w_operands(settings.fp8, linears[key][0], linears[key][4], e, b) for key, b in bias.items()}
+    return stash, freed
+
+
+def fp8_w_inputs(settings, cfg, events: list, sizes: list[float], linears: dict) -> float:
+    """:func:`omnitron.plan.transients.w_inputs` of a wide split probe's replayed log as the chunk's FP8 linears
+    (``linears``: :func:`chunk_linears`'s entry) hold it after B: an output gradient kept only at FP8 linears'
+    boundaries is freed, and each of those linears holds its :func:`w_operands` instead; a gradient another boundary
+    keeps too (a norm's, the plan's received gradient) stays whole beside them (:func:`split_operands`)."""
+    from omnitron.plan.transients import w_inputs
+
+    stash, freed = split_operands(settings, cfg, events, sizes, linears)
+    return w_inputs(events, sizes) - sum(sizes[s] for s in freed) + sum(stash.values())

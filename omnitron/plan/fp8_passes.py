@@ -91,6 +91,14 @@ def per_tensor_backward(t: int, out: int, inp: int, e: int, ew: int, native: boo
                q + dx + _emulated_mm(out, t, inp), q + dx + F32 * out * inp + dw)
 
 
+def per_tensor_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
+    """Peak bytes the weight-gradient half of a per-tensor FP8 linear's backward creates when a split backward's W
+    runs it apart (its operands ``qg_t``, ``qx_t`` held already): ``dw = qg_t @ x_t`` in the weight's dtype (``ew``
+    bytes); emulated, the GEMM's fp32 copies and product (:func:`_emulated_mm`)."""
+    dw = ew * out * inp
+    return dw if native else max(_emulated_mm(out, t, inp), F32 * out * inp + dw)
+
+
 def per_tensor_forward(t: int, out: int, inp: int, e: int, native: bool, delayed: bool = False) -> int:
     """Peak bytes a per-tensor FP8 linear's forward creates beside the weight's cached FP8 form: the input's FP8 form
     ``qx`` ``[t, inp]``, its transpose ``qx_t`` (saved for backward) and, tensorwise, its scale
@@ -132,6 +140,14 @@ def blockwise_backward(t: int, out: int, inp: int, e: int, ew: int, native: bool
     dx, dw = e * t * inp, ew * out * inp
     mm = (lambda m, k, n: 0) if native else _block_mm
     return max(pg, g + mm(t, out, inp) + dx, g + dx + pgt, g + dx + gt + px, g + dx + gt + xq + mm(out, t, inp) + dw)
+
+
+def blockwise_wgrad(t: int, out: int, inp: int, ew: int, native: bool) -> int:
+    """Peak bytes the weight-gradient half of a block-wise FP8 linear's backward creates when a split backward's W
+    runs it apart (B quantized ``qgt``): the saved wide input quantized in 128x1 tiles (``qxt``), then ``dw``;
+    emulated, the GEMM's fp32 operands and product."""
+    px, xq = _quantize_blocks(t, inp, (128, 1))
+    return max(px, xq + (0 if native else _block_mm(out, t, inp)) + ew * out * inp)
 
 
 def blockwise_forward(t: int, out: int, inp: int, e: int, native: bool) -> int:

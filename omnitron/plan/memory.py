@@ -26,7 +26,9 @@ distributed-optimizer slice boundaries, and the largest is reported):
   output gradient: 11 h a token for a GPT-2 layer) and the received output gradient, probed by running the
   runtime's own B (:func:`.transients.w_inputs`); a B adds it in the table walk, its W takes it off (a
   one-layer h128 GPT-2 chunk at s128 b2: 1.5 MiB a micro-batch against its 4 MiB of saved tensors). The
-  logits' gradient is not among them: the loss writes it over the saved logits (``inplace_backward``);
+  logits' gradient is not among them: the loss writes it over the saved logits (``inplace_backward``). An FP8
+  linear holds B's quantized output gradient instead of the wide one (1 byte an element and its scales,
+  :func:`.fp8_memory.fp8_w_inputs`), and its weight-gradient GEMM runs in W (:func:`.fp8_memory.replay_fp8`);
 - logits: the last stage's vocabulary-shard part of the head (``V_pad / tp`` columns, per token);
 - multi-token prediction (:func:`mtp_bytes`): on the last stage, each of the ``--mtp-num-layers`` depths holds
   one layer's activations, its embedding and projection inputs, and a head's loss buffers and logits as the
@@ -79,7 +81,7 @@ from omnitron.plan.activations import activation_model, fine_grained_bytes, with
 from omnitron.plan.cp_blocks import block_dropout_bytes, priced_config
 from omnitron.plan import cp_comm
 from omnitron.plan.cp_comm import saved_extra
-from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, saved_less
+from omnitron.plan.fp8_memory import chunk_linears, fp8_bytes, fp8_replay_peak, fp8_w_inputs, saved_less
 from omnitron.plan.fp8_moe import experts_as_run
 from omnitron.plan.fp8_passes import native_gemm
 from omnitron.plan.state import state_bytes
@@ -445,21 +447,28 @@ def _probe_log(settings, cfg, n: int, first: bool, last: bool, moe: bool, split:
     return scaled_log(Probe(probe, n, first, last, _S0, _B0, split), s, b, kh, kd, padded_vocab_size(cfg, tp) // tp)
 
 
-def w_input_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False) -> float:
+def w_input_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bool = False,
+                  fp8: dict | None = None) -> float:
     """What one micro-batch of a chunk of ``layers`` layers holds between its B and its W beyond its saved tensors
     (which the retained graph keeps to the end of W: the activation term): the gradients the split backward keeps
     at each weight boundary for W (every linear's and norm's output gradient) and the received output gradient,
     as the probe running the runtime's B holds them (:func:`.transients.w_inputs`). Probed at ``n = min(layers,
     2 u)`` layers and, past that, ``u`` layers more at the rate between ``u`` and ``2 u`` (the same boundaries
     each layer). Under SP priced whole (the probe has no SP: the kept norm and row-parallel output gradients
-    are sequence shards there), an upper bound; MoE layers at balanced routing."""
+    are sequence shards there), an upper bound; MoE layers at balanced routing. ``fp8``: the chunk's FP8 linears
+    (:func:`.fp8_memory.chunk_linears`): each holds B's quantized output gradient for W instead of the wide one
+    (:func:`.fp8_memory.fp8_w_inputs`)."""
     from omnitron.plan.transients import w_inputs
+
+    def held_at(k: int) -> float:
+        log = _probe_log(settings, cfg, k, first, last, moe, True)
+        return fp8_w_inputs(settings, cfg, *log, fp8) if fp8 else w_inputs(*log)
 
     unit = _unit(cfg)
     n = min(layers, 2 * unit)
-    held = w_inputs(*_probe_log(settings, cfg, n, first, last, moe, True))
+    held = held_at(n)
     if layers > n:
-        held += (layers - n) * (held - w_inputs(*_probe_log(settings, cfg, unit, first, last, moe, True))) / unit
+        held += (layers - n) * (held - held_at(unit)) / unit
     return held
 
 
@@ -484,11 +493,11 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
     n = min(layers, 2 * unit)
     events, sizes = _probe_log(settings, cfg, n, first, last, moe, split)
     real = fp8_replay_peak(settings, cfg, events, sizes, fp8, native, n) if fp8 else peak(events, sizes)
-    excess = _probe_excess(settings, cfg, n, first, last, moe, split, events, sizes, real)
+    excess = _probe_excess(settings, cfg, n, first, last, moe, split, events, sizes, real, fp8)
     if split and layers > n:  # W's own tensors may grow with the depth: see the docstring
         low = _probe_log(settings, cfg, unit, first, last, moe, True)
         at_unit = fp8_replay_peak(settings, cfg, *low, fp8, native, unit) if fp8 else peak(*low)
-        grown = excess - _probe_excess(settings, cfg, unit, first, last, moe, True, *low, at_unit)
+        grown = excess - _probe_excess(settings, cfg, unit, first, last, moe, True, *low, at_unit, fp8)
         excess += (layers - n) * grown / unit
     excess = max(0, round(excess))
     if not slack:
@@ -498,9 +507,10 @@ def transient_bytes(settings, cfg, layers: int, first: bool, last: bool, moe: bo
 
 
 def _probe_excess(settings, cfg, n: int, first: bool, last: bool, moe: bool, split: bool, events: list,
-                  sizes: list[float], real: float) -> float:
+                  sizes: list[float], real: float, fp8: dict | None = None) -> float:
     """A probe's peak ``real`` beyond the activation and logit terms of its ``n`` layers (and its W inputs when
-    ``split``), its sent output and what SP's re-gather adds (:func:`transient_bytes`)."""
+    ``split``: as its FP8 linears ``fp8`` hold them, the term the table walk adds), its sent output and what SP's
+    re-gather adds (:func:`transient_bytes`)."""
     from omnitron.plan.transients import w_inputs
 
     pc = settings.parallel
@@ -512,7 +522,7 @@ def _probe_excess(settings, cfg, n: int, first: bool, last: bool, moe: bool, spl
         s, b = cfg.seq_length // pc.context_parallel_size, settings.training.micro_batch_size
         acts += (n - _recomputed(cfg, n)) * probe_layer_extra(cfg, s, b, pc.tensor_model_parallel_size, pc.etp)
     if split:
-        acts += w_inputs(events, sizes)
+        acts += fp8_w_inputs(settings, cfg, events, sizes, fp8) if fp8 else w_inputs(events, sizes)
     return real - acts - output_bytes(whole, cfg, last) - logits + regather_bytes(settings, cfg, last)
 
 
@@ -558,9 +568,9 @@ def _w_inputs(settings, cfg, schedule, r: int, ends: dict, chunks: tuple) -> dic
     """Per chunk of pipeline rank ``r`` whose backwards the schedule splits: :func:`w_input_bytes` (none when the
     probes' logs do not align: warned, as the transients)."""
     layers, moe = chunks
-    split = split_chunks(schedule, r)
+    split, fp8 = split_chunks(schedule, r), chunk_linears(settings, cfg, r)
     try:
-        return {c: w_input_bytes(settings, cfg, layers[(r, c)], first, last, moe[(r, c)] > 0)
+        return {c: w_input_bytes(settings, cfg, layers[(r, c)], first, last, moe[(r, c)] > 0, fp8.get(c))
                 for c, (first, last) in ends.items() if split[c][0]}
     except RuntimeError as e:
         log.warning("%s; the memory estimate leaves the split backward's W inputs out", e)

@@ -424,15 +424,30 @@ def dp_parts(settings, cfg, rates, pp_rank: int, layers) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def pipeline(settings, costs: dict[int, StageCost], overlap: str):
-    """(timeline of the schedule on the ideal clock, the schedule) with ``costs`` per virtual stage."""
-    from omnitron.core.parallel.pipeline.schedules import cached_schedule
-    from omnitron.core.parallel.pipeline.simulate import simulate
+def pair_credit(costs: dict[int, StageCost], overlap: str):
+    """``(forward's stage, backward's stage) -> seconds`` a combined pair of ``--overlap-moe-expert-parallel-comm``
+    runs in less than its forward and backward one after the other: each pass's expert-parallel all-to-alls run
+    while the other pass computes (Megatron's combined 1F1B: the two hand over at every all-to-all,
+    ``core/transformer/moe/overlap.py``), so of the forward's all-to-all time ``a_f`` the part that fits in the
+    backward's work ``w_b`` is hidden, and likewise the backward's: ``min(a_f, w_b) + min(a_b, w_f)``. None under
+    ``--assume-overlap all``, where every pass's communication is already hidden behind its own work."""
+    if overlap == "all":
+        return None
 
-    pc = settings.parallel
-    sched = cached_schedule(settings.training.pipeline_schedule, pc.pipeline_model_parallel_size,
-                           pc.virtual_pipeline_model_parallel_size, settings.num_microbatches,
-                           getattr(pc, "microbatch_group_size_per_vp_stage", None))
+    def credit(f: int, b: int) -> float:
+        fw, bw = costs[f]._parts("F")[0], costs[b]._parts("B")[0]
+        return min(costs[f].f["ep"], bw) + min(costs[b].b["ep"], fw)
+    return credit
+
+
+def pipeline(settings, costs: dict[int, StageCost], overlap: str):
+    """(timeline of the schedule on the ideal clock, the schedule) with ``costs`` per virtual stage: the table the
+    run executes (:func:`omnitron.plan.moe_overlap.planned_schedule`: under ``--overlap-moe-expert-parallel-comm``
+    the combined one, its deeper warm-up, and each pair's hidden all-to-all time taken off, :func:`pair_credit`)."""
+    from omnitron.core.parallel.pipeline.simulate import simulate
+    from omnitron.plan.moe_overlap import planned_schedule
+
+    sched = planned_schedule(settings)
 
     table = {}
     for k, c in costs.items():
@@ -443,7 +458,8 @@ def pipeline(settings, costs: dict[int, StageCost], overlap: str):
     hop = {(k, kind): c.lag(kind) for k, c in costs.items() for kind in "FB"}
     transfer = (lambda k, kind: hop[(k, kind)]) if overlap == "all" else None
     # complete=False: build_schedule's tables are checked by the schedule tests; a search simulates thousands
-    return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False, transfer=transfer), sched
+    return simulate(sched, stage_cost=lambda k, kind: table[(k, kind)], complete=False, transfer=transfer,
+                    pair_credit=pair_credit(costs, overlap)), sched
 
 
 def _stage_costs(settings, rates, overlap: str):
@@ -495,10 +511,15 @@ def step_lower_bound(settings, rates, overlap: str = "none") -> float:
     parallel reduction, no optimizer step); a search prices exactly only what this bound cannot rule out."""
     _, _, costs = _stage_costs(settings, rates, overlap)
     pp = settings.parallel.pipeline_model_parallel_size
-    per = {}
+    per, stages = {}, {}
     for k, c in costs.items():
         r = place_stage(k, pp, _style(settings))[0]
         per[r] = per.get(r, 0.0) + c.total("F", overlap) + c.total("B", overlap)
+        stages.setdefault(r, []).append(k)
+    credit = pair_credit(costs, overlap) if getattr(settings.parallel, "overlap_moe_expert_parallel_comm", False) \
+        else None
+    if credit is not None:  # at most one pair per backward, each hiding at most the rank's largest credit
+        per = {r: w - len(stages[r]) * max(credit(f, b) for f in stages[r] for b in stages[r]) for r, w in per.items()}
     return settings.num_microbatches * max(per.values())
 
 
@@ -514,6 +535,12 @@ def predict(settings, rates, overlap: str = "none") -> StepTime:
     busy = {r: sum(tl_e - tl_s for tl_s, tl_e, _ in tl.spans[r]) for r in range(pp)}
     crit = max(busy, key=busy.get)
     parts = {key: m * sum(sc.f[key] + sc.b[key] for sc in per_rank[crit]) for key in KEYS}
+    credit = pair_credit(costs, overlap) if sched.combined else None
+    if credit is not None:  # the all-to-all time the critical rank's combined pairs hide (the simulation's credit)
+        t = sched.tables[crit]
+        parts["ep"] -= sum(min(credit(sched.stage(crit, t[i].chunk), sched.stage(crit, t[i + 1].chunk)),
+                               costs[sched.stage(crit, t[i + 1].chunk)].total("B", overlap))
+                           for i in sched.pairs.get(crit, ()))
     if overlap == "all":  # hidden communication: what exceeds the compute beside it is charged to compute
         parts.update(compute=busy[crit] - parts["elementwise"] - parts["host"], tp=0.0, cp=0.0, pp=0.0, ep=0.0)
     held = {r: [x for c in range(vp) for x in layers[(r, c)]] for r in range(pp)}
@@ -589,6 +616,9 @@ def assumptions(settings, rates, overlap: str) -> list[str]:
         out.append(f"cores: {settings.world_size} rank(s) x {threads} thread(s) on {rates.cpu_count} cores: "
                    f"compute slowed x{slow:.2f}, collectives likewise beyond their measurement's sharing "
                    "(time-shared cores)")
+    if getattr(settings.parallel, "overlap_moe_expert_parallel_comm", False) and overlap != "all":
+        out.append("--overlap-moe-expert-parallel-comm: the combined 1F1B table; in each forward/backward pair the "
+                   "all-to-alls of one pass hidden behind the other pass's work where shorter")
     out.append("not modelled: data loading, host overheads outside the layers, the loss and grad-norm reductions")
     return out
 

@@ -161,7 +161,7 @@ def marker(kind: str, layer: int, name: str, source: int | None = None) -> str:
     ``kind``: ``forward`` (its forward starts; ``source``: the index of the event that created its input's storage,
     None where the log did not see it created), ``done`` (the forward of the module holding it has returned),
     ``backward`` (its output's gradient has arrived), ``end`` (its own backward has ended: the gradient it passes
-    to its input has arrived)."""
+    to its input has arrived), ``weight`` (a split backward's W starts at its boundary: :func:`_mark_kept`)."""
     return f"{LINEAR}{kind} {layer} {name} {'-' if source is None else source}>"
 
 
@@ -185,7 +185,8 @@ def _mark_linears(chunk, tl: Timeline):
     linear's own tensors and its 1-byte saved input are priced at (:func:`omnitron.plan.fp8_memory.fp8_replay_peak`).
     Layers are counted from the chunk's top (0: the top one). The linear gets an alias (``view_as``: no storage) of
     its input, whose gradient is its own, complete when its backward ends even where other ops read the input too
-    (an MoE layer's shared expert, multi-latent attention's down-projections).
+    (an MoE layer's shared expert, multi-latent attention's down-projections). Yields ``{id(parameter): key}`` of the
+    marked linears' weights and biases (``key``: (layer, name), as in :func:`marker`; :func:`_mark_kept`).
 
     An MoE layer's routed experts run their linears' GEMMs without calling the modules (``expert_mlp``), so theirs are
     marked by wrapping each one's ``_gemm``; an expert's fc2 input, a local of ``expert_mlp``, is freed when it
@@ -226,9 +227,10 @@ def _mark_linears(chunk, tl: Timeline):
             return y
         return marked
 
-    hooks, gemms, fc2, fc1 = [], [], {}, {}
+    hooks, gemms, fc2, fc1, owners = [], [], {}, {}, {}
     for name, m, d in named:
         key = (top - int(d.group(1)), name[d.end():])
+        owners.update({id(q): key for q in (m.weight, getattr(m, "bias", None)) if q is not None})
         parent = chunk.get_submodule(name.rsplit(".", 1)[0])
         routed = ROUTED.match(key[1])
         if routed:  # parent: the expert's MLP; its MoE layer two levels up
@@ -259,7 +261,7 @@ def _mark_linears(chunk, tl: Timeline):
 
     moe_experts.expert_mlp, MoELayer.experts_steps = expert_mlp, experts_steps
     try:
-        yield
+        yield owners
     finally:
         moe_experts.expert_mlp, MoELayer.experts_steps = real_mlp, real_steps
         for h in hooks:
@@ -305,9 +307,11 @@ def _logged(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
         g_in, plan = backward_input(out, None if p.last else dy.clone(), x, params)
         del g_in  # sent: the boundary term's (omnitron/plan/memory.py)
         _mark(tl, W_START)
+        _mark_kept(tl, plan, owners)
         plan.run()
 
     params = [q for q in m.parameters() if q.requires_grad]
+    owners: dict = {}
     step()
     if fp8 is not None and fp8.fp8_recipe == "delayed":
         from omnitron.core.precision.fp8.enable import fp8_step
@@ -315,7 +319,8 @@ def _logged(p: Probe, fp8=None) -> list[tuple[str | None, int]]:
         fp8_step(enabled)
         step()
     tl = Timeline()
-    with tl, _mark_linears(m, tl), (_mark_experts(tl) if p.cfg.num_experts else contextlib.nullcontext()):
+    experts = _mark_experts(tl) if p.cfg.num_experts else contextlib.nullcontext()
+    with tl, _mark_linears(m, tl) as owners, experts:
         step(tl)
     return tl.events
 
@@ -325,6 +330,49 @@ def _mark(tl: Timeline | None, name: str) -> None:
     if tl is not None:
         tl._sweep()
         tl.events.append((name, 0))
+
+
+KEPT = "<kept "
+"""Prefix of the marker events a split probe logs after :data:`W_START`, one per gradient its plan keeps for W
+(:func:`_mark_kept`): ``<kept LAYER NAME SOURCE PARAMS>``, the linear whose boundary keeps it (``- -``: another
+boundary, or the plan's output gradient), the event that created its storage and how many parameters the boundary
+leads to (2: the linear's weight and bias)."""
+
+
+def _mark_kept(tl: Timeline | None, plan, owners: dict) -> None:
+    """Log a :data:`KEPT` marker into ``tl`` for each gradient ``plan`` (a split backward's
+    :class:`~omnitron.core.parallel.pipeline.wgrad.WeightGradPlan` after B) keeps, naming the linear whose boundary
+    keeps it where that boundary's weights are one marked linear's (``owners``, :func:`_mark_linears`): an FP8 linear
+    keeps W's operands there instead (:func:`omnitron.plan.fp8_memory.fp8_w_inputs`); such a boundary logs that
+    linear's ``weight`` :func:`marker` when W starts there (its weight-gradient pass, priced by
+    :func:`omnitron.plan.fp8_memory.replay_fp8`)."""
+    if tl is None:
+        return
+    weights = dict(plan.boundaries)
+    kept = [(node, g) for node, gs in plan.kept.items() for g in gs if g is not None]
+    kept += [(None, plan.grad)] if plan.grad is not None else []
+    hooked: set = set()
+    for node, g in kept:
+        keys = {owners.get(id(q)) for q in weights.get(node, ())}
+        key = next(iter(keys)) if len(keys) == 1 and None not in keys else ("-", "-")
+        source = tl._live.get(g.untyped_storage()._cdata, (None, None))[1]
+        if key[0] != "-" and node not in hooked:  # W starts at this linear's boundary: its weight-gradient pass
+            hooked.add(node)
+            node.register_prehook(lambda _g, key=key: _mark(tl, marker("weight", *key)))
+        tl.events.append((f"{KEPT}{key[0]} {key[1]} {'-' if source is None else source} {len(weights.get(node, ()))}>",
+                          0))
+
+
+def kept_sources(events: list) -> dict[int, list[tuple[tuple[int, str] | None, int]]]:
+    """``{creating event: [per boundary keeping that storage for W, (its linear's key (None: another keeper), the
+    parameters it leads to)]}`` from a split probe's :data:`KEPT` markers."""
+    out: dict = {}
+    for op, _ in events:
+        if op is not None and op.startswith(KEPT):
+            layer, name, source, params = op[len(KEPT):-1].split(" ")
+            if source != "-":
+                out.setdefault(int(source), []).append((None if layer == "-" else (int(layer), name), int(params)))
+    return out
 
 
 def w_inputs(events: list, sizes: list[float]) -> float:

@@ -226,3 +226,32 @@ def test_overlap_assumptions_only_hide_communication(tmp_path, constant_rates):
     assert "overlap: dp" in dp.assumptions[0]
     with pytest.raises(ConfigError, match="--assume-overlap 'some'"):
         predict(s, rates, "some")
+
+
+@pytest.mark.parametrize("m", [2, 5])
+def test_combined_pairs_hide_the_all_to_alls_behind_the_other_pass(m):
+    """``--overlap-moe-expert-parallel-comm`` without pipelining: the combined table F0 F1 B0 F2 B1 ... B(m-1)
+    runs m - 1 pairs, each a forward with the backward before it, and in a pair each pass's all-to-alls run while
+    the other computes: the forward's ``a_f`` is hidden up to the backward's work ``w_b``, the backward's ``a_b``
+    up to the forward's ``w_f``. By hand: m (w_f + a_f + w_b + a_b) - (m - 1) (min(a_f, w_b) + min(a_b, w_f)),
+    on random costs where the all-to-alls are now shorter, now longer than the other side's work; without the flag
+    m (w_f + a_f + w_b + a_b). Exact up to float sums."""
+    from types import SimpleNamespace
+
+    from omnitron.plan.speed import StageCost, pipeline
+
+    rng = random.Random()
+    wf, wb, af, ab = (rng.uniform(0.5, 4) for _ in range(4))
+    cost = StageCost()
+    cost.f["compute"], cost.b["compute"], cost.f["ep"], cost.b["ep"] = wf, wb, af, ab
+    for flag in (False, True):
+        s = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=1,
+                                                     virtual_pipeline_model_parallel_size=None,
+                                                     overlap_moe_expert_parallel_comm=flag),
+                            training=SimpleNamespace(pipeline_schedule="none"), num_microbatches=m)
+        tl, sched = pipeline(s, {0: cost}, "none")
+        hidden = (m - 1) * (min(af, wb) + min(ab, wf)) if flag else 0.0
+        assert sched.combined == flag
+        assert tl.makespan == pytest.approx(m * (wf + af + wb + ab) - hidden, rel=1e-12, abs=1e-12)
+    tl, _ = pipeline(s, {0: cost}, "all")  # every pass's communication hidden behind its own work already
+    assert tl.makespan == pytest.approx(m * (max(wf, af) + max(wb, ab)), rel=1e-12)

@@ -74,7 +74,8 @@ def _need(schedule: Schedule, rank: int, a: Action) -> tuple[str, int, int] | No
 
 def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
              stage_cost: Callable[[int, str], float] | None = None, complete: bool = True,
-             transfer: Callable[[int, str], float] | None = None) -> Timeline:
+             transfer: Callable[[int, str], float] | None = None,
+             pair_credit: Callable[[int, int], float] | None = None) -> Timeline:
     """Run the tables on an ideal clock; raise :class:`ScheduleError` on deadlock.
 
     ``cost`` gives per-action durations for one chunk: ``F``, ``B`` (input grad), ``W``; an
@@ -84,6 +85,9 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
     ``transfer(stage, kind)``: seconds from the end of that stage's ``F`` (``B``) until its output reaches the
     next (previous) stage, for sends that overlap the sender's next work (a blocking send's time belongs in the
     sender's own cost instead); a stage's own ``F`` / ``B`` reach its ``B`` / ``W`` at once.
+    ``pair_credit(forward's stage, backward's stage)``: seconds a combined pair (``combined.py``) takes less than its
+    two actions one after the other (the communication each hides behind the other's compute), at most the
+    backward's own duration; taken off the pair's backward, so the pair ends that much earlier.
 
     Each action starts when its rank's previous one ends and its input has arrived, so the clock is a
     longest-path walk over the tables: a rank runs until it waits for an output not yet produced, and is run
@@ -105,7 +109,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None,
     if transfer is not None:
         for h in c.hops:
             hop[h] = transfer(h // 2, "FB"[h % 2])
-    return _run(schedule, c, dur, hop)
+    return _run(schedule, c, dur, hop, pair_credit if schedule.combined else None)
 
 
 _KINDS = {"F": 0, "B": 1, "W": 2}
@@ -187,13 +191,19 @@ def _compile(schedule: Schedule, tables: tuple[tuple, ...]) -> _Compiled:
                      hops=tuple(sorted(hops)))
 
 
-def _run(schedule: Schedule, c: _Compiled, dur: list[float], hop: list[float]) -> Timeline:
-    """The walk of :func:`simulate` over the compiled tables with durations ``dur`` and transfers ``hop``."""
+def _run(schedule: Schedule, c: _Compiled, dur: list[float], hop: list[float], credit=None) -> Timeline:
+    """The walk of :func:`simulate` over the compiled tables with durations ``dur``, transfers ``hop`` and each
+    combined pair's ``credit`` (:func:`simulate`'s ``pair_credit``)."""
     pp = schedule.pp
     finish: list[float | None] = [None] * (3 * schedule.num_stages * schedule.num_microbatches)
     waiting: dict[int, list[int]] = {}  # finish key -> ranks stopped at a step that needs it
     pos, clock = [0] * pp, [0.0] * pp
     durs = [[dur[x] for x in c.slot[r]] for r in range(pp)]
+    for r in range(pp) if credit is not None else ():
+        table = schedule.tables[r]
+        for i in schedule.pairs.get(r, ()):
+            f, b = schedule.stage(r, table[i].chunk), schedule.stage(r, table[i + 1].chunk)
+            durs[r][i + 1] -= min(credit(f, b), durs[r][i + 1])
     extra = [[hop[x] if x >= 0 else 0.0 for x in c.hop[r]] for r in range(pp)]
     tl = Timeline(spans={r: [] for r in range(pp)})
     ready = list(range(pp - 1, -1, -1))
