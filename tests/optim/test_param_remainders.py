@@ -17,7 +17,7 @@ import torch
 from omnitron.backends import get_backend
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim import MixedPrecisionOptimizer
-from omnitron.core.optim.moments import join_master, split_master
+from omnitron.core.optim.moments import join_master, master_finite, split_master
 from omnitron.core.parallel.groups import ParallelGroups
 from test_precision_aware import U32, _f32, _grads, _model, _te_step
 
@@ -51,6 +51,87 @@ def test_split_then_join_is_the_master_and_the_param_rounds_ties_away():
     word = master.view(torch.int32)
     even = ((word & 0xFFFF) == 0x8000) & ((word >> 16) & 1 == 0)  # the forced ties and any drawn as such
     assert torch.equal(param != master.bfloat16(), even), seed
+
+
+def _words(bits: list[int]) -> torch.Tensor:
+    """fp32 values from their 32-bit patterns (given unsigned)."""
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def _special_masters(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(NaNs, infs, finite values in fp32's top binade): the NaNs GPUs and CPUs write (0x7FFFFFFF, 0xFFFFFFFF,
+    0x7FC00000, 0xFFC00000), ones whose low half rounds up (0x7F80FFFF, 0x7FFF8000) and random ones of both signs;
+    the largest finite values, ties and the neighbours of bf16's overflow threshold, and random ones."""
+    nan_bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F80FFFF, 0x7FFF8000, 0xFFFF8000, 0x7FFF7FFF]
+    mant = torch.randint(1, 1 << 23, (64,), generator=gen)
+    sign = torch.randint(0, 2, (64,), generator=gen) << 31
+    nan_bits += [int(s) | 0x7F800000 | int(m) for s, m in zip(sign, mant)]
+    top = [0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x7F7E8000, 0x7F7F0000, 0x7F000000]
+    top += [int(m) | 0x7F000000 for m in torch.randint(0, 1 << 23, (64,), generator=gen)]
+    top += [b | 0x80000000 for b in top]
+    return _words(nan_bits), _words([0x7F800000, 0xFF800000]), _words(top)
+
+
+def test_nan_and_inf_masters_stay_non_finite_and_large_ones_round_trip():
+    """TE's increment wraps 0x7FFF / 0xFFFF (NaN high halves) to a signed zero; here a NaN master's parameter stays
+    NaN and joins back to a NaN, an inf is kept as it is, and the top binade's finite masters round trip exactly
+    with the parameter rounded ties away (inf beyond bf16's largest, as round to nearest even). The finite check
+    of the joined masters says which are finite, whatever the chunk."""
+    seed = _seed()
+    nans, infs, top = _special_masters(torch.Generator().manual_seed(seed))
+    for x, kind in ((nans, "nan"), (infs, "inf"), (top, "finite")):
+        master = x.clone()
+        param, rem = torch.empty(x.numel(), dtype=torch.bfloat16), torch.empty(x.numel(), dtype=torch.int16)
+        split_master(x, param, rem)
+        joined = join_master(param, rem)
+        if kind == "nan":
+            assert param.isnan().all() and joined.isnan().all(), (seed, param, joined)
+        else:
+            assert torch.equal(joined.view(torch.int32), master.view(torch.int32)), seed
+        if kind == "inf":
+            assert torch.equal(param.float(), master), seed
+        if kind == "finite":
+            want = _ties_away(master)
+            want = torch.where(want.abs() >= 2.0 ** 128, want.sign() * torch.inf, want)  # beyond bf16's range
+            assert torch.equal(param.double(), want), seed
+            assert param.isinf().any()  # 0x7F7FFFFF: a finite master whose parameter is inf
+        for chunk in (1, 3, x.numel()):
+            assert bool(master_finite(param, rem, chunk)) is (kind == "finite"), (seed, kind, chunk)
+        for k in range(x.numel()):
+            assert bool(master_finite(param[k:k + 1], rem[k:k + 1], 1)) is bool(master[k].isfinite()), (seed, k)
+
+
+def test_pre_save_check_reads_the_joined_masters():
+    """--check-for-nan-in-loss-and-grad's check before a save: a NaN master (0x7FFFFFFF, what a GPU writes) kept as
+    a remainder refuses the save; a finite master whose bf16 parameter rounded to inf does not (its fp32 master is
+    what the checkpoint holds, and a run with fp32 masters saves it too)."""
+    from types import SimpleNamespace
+
+    from omnitron.core.training.loop import _check_before_save
+    from omnitron.core.training.nonfinite import NonFiniteError
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    for bits, refuses in ((0x7FFFFFFF, True), (0xFFFFFFFF, True), (0xFF800000, True), (0x7F7FFFFF, False)):
+        runs = []
+        for remainders in (True, False):
+            model = _model(seed % 1000)
+            opt = _optimizer(model, "fp32", remainders)
+            _grads(model, gen)
+            opt.step(1e-2)
+            j = int(torch.randint(0, len(opt.masters), (), generator=gen))
+            x = opt.saved_masters()[j].reshape(-1).clone()
+            x[int(torch.randint(0, x.numel(), (), generator=gen))] = _words([bits])[0]
+            opt.set_master(j, x)
+            c = SimpleNamespace(optimizer=opt, backend=get_backend("cpu"), iteration=3, groups=SimpleNamespace(rank=0),
+                                settings=SimpleNamespace(training=SimpleNamespace(check_for_nan_in_loss_and_grad=True)))
+            try:
+                _check_before_save(c)
+                runs.append(False)
+            except NonFiniteError as err:
+                assert str(err).startswith("iteration 3, rank 0: a weight is not finite, found before saving")
+                runs.append(True)
+        assert runs == [refuses, refuses], (seed, hex(bits), runs)
 
 
 def _optimizer(model, moments: str, remainders: bool) -> MixedPrecisionOptimizer:

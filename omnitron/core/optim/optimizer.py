@@ -17,8 +17,8 @@ import torch
 from omnitron.backends.collectives import ReduceOp
 from omnitron.core.config.training import OptimizerConfig
 from omnitron.core.optim.clip import clip_coefficient, global_count_zeros, global_grad_norm
-from omnitron.core.optim.moments import (absmax, join_master, new_scale, new_scales, split_master, state_dtype,
-                                         store, unscaled)
+from omnitron.core.optim.moments import (absmax, join_master, master_finite, new_scale, new_scales, split_master,
+                                         state_dtype, store, unscaled)
 
 MOMENT_CHUNK = 1 << 24
 """Elements per step of moments below fp32 and of masters kept as remainders, through fp32 copies (64 MiB each)."""
@@ -189,6 +189,13 @@ class MixedPrecisionOptimizer:
         """The fp32 masters as checkpoints hold them: each master, or for one kept as a remainder its fp32 value
         joined from the parameter (a new tensor)."""
         return [m if r is None else join_master(m.view(-1), r).view(m.shape)
+                for m, r in zip(self.masters, self.remainders)]
+
+    def masters_finite(self) -> list[torch.Tensor]:
+        """Per master, whether all its fp32 values are finite (a 0-dim bool tensor, no host sync): a master kept as
+        a remainder is read joined, a chunk at a time (its bf16 parameter alone is no witness: a finite master near
+        fp32's largest rounds to an inf parameter)."""
+        return [torch.isfinite(m).all() if r is None else master_finite(m.view(-1), r, MOMENT_CHUNK)
                 for m, r in zip(self.masters, self.remainders)]
 
     def set_master(self, j: int, x: torch.Tensor) -> None:
