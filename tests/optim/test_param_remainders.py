@@ -221,9 +221,23 @@ def test_flags_turn_remainders_on_where_megatron_does(extra, on):
                               1).optim.store_param_remainders
 
 
+def _rounding_term(g, m, v, upd, *, step: int, cfg, eta: float) -> torch.Tensor:
+    """Bound on |upd(g') - upd(g)| for a gradient g' with |g' - g| <= eta |g| (the clipped bf16 gradient against
+    the float64 one): with m_hat = m / bc1, den = sqrt(v / bc2) + eps and upd = m_hat / den, m_hat moves by at most
+    (1 - b1) eta |g| / bc1; v by at most (1 - b2) g^2 ((1 + eta)^2 - 1) <= v rho, rho = eta (2 + eta), so
+    sqrt(v / bc2) and den (eps only adds) by at most rho den (1 - sqrt(1 - x) <= x for x <= 1); then
+    |m_hat' / den' - m_hat / den| <= (|d m_hat| + |m_hat| rho) / (den (1 - rho)) = ((1 - b1) eta |g| / (bc1 den)
+    + |upd| rho) / (1 - rho). ``g, m, v, upd``: float64, the reference step's (:func:`_te_step`'s)."""
+    b1, b2, eps = (_f32(x) for x in (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps))
+    rho = eta * (2 + eta)
+    den = (v / (1 - b2 ** step)).sqrt() + eps
+    return ((1 - b1) * eta * g.abs() / ((1 - b1 ** step) * den) + upd.abs() * rho) / (1 - rho)
+
+
 def _bf16_grads_steps(args: list[str], seed: int) -> list[float]:
     """Each step's largest error / bound of the distributed optimizer's masters against the float64 FusedAdam, with
-    the bf16 gradient buffers (--main-grads-dtype bf16) read as they are."""
+    the bf16 gradient buffers (--main-grads-dtype bf16) read as they are and clipped in place (--clip-grad > 0:
+    the float64 reference clips the bf16 gradients read exactly by their float64 norm)."""
     from omnitron.backends import get_backend
     from omnitron.core.training.arguments import parse_settings
     from omnitron.core.training.components import build_components
@@ -242,20 +256,42 @@ def _bf16_grads_steps(args: list[str], seed: int) -> list[float]:
         m0 = [opt.moment("exp_avg", j).double() for j in range(len(before))]
         v0 = [opt.moment("exp_avg_sq", j).double() for j in range(len(before))]
         grads = [sl.grad.double() for sl in opt.slices]
-        opt.step(cfg.lr)
+        n = sum(g.numel() for g in grads)
+        norm = float(sum(g.square().sum() for g in grads).sqrt())  # exact squares, float64 sums: rel ~1e-16 n
+        coef = min(1.0, cfg.clip_grad / (norm + 1e-6)) if cfg.clip_grad > 0 else 1.0
+        # the step's norm sums the squares (exact in fp32: 8-bit significands) in fp32: relative error at most
+        # n u32 (recursive summation), halved by the sqrt, plus its rounding; the coefficient inherits it
+        eps_c = (n / 2 + 2) * U32
+        res = opt.step(cfg.lr)
+        assert abs(res.grad_norm - norm) <= eps_c * norm, (seed, step, res.grad_norm, norm)
+        # the coefficient c (1 + e_c) is rounded to fp32, the product g c in fp32, then to bf16 in place (unit
+        # 2^-8): relative error eta = (1 + eps_c) (1 + u32)^2 (1 + 2^-8) - 1 against the float64 g c; no
+        # clipping: the gradient is read exactly
+        eta = (1 + eps_c) * (1 + U32) ** 2 * (1 + 2.0 ** -8) - 1 if coef < 1.0 else 0.0
         ratio = 0.0
         for j, master in enumerate(opt.saved_masters()):
-            p, _, _, upd, spread = _te_step(before[j], grads[j], m0[j], v0[j], step=step, cfg=cfg,
-                                            decay=opt.decay[j])
-            # test_precision_aware's master bound (derived there): the bf16 gradient is read exactly
-            bound = U32 * (3 * before[j].abs() + p.abs() + _f32(cfg.lr) * (8 * upd.abs() + 3 * spread)) + 1e-300
+            g = grads[j] * coef
+            # the buffer holds the clipped gradient the step read (clipped in place, as Megatron's)
+            assert ((opt.slices[j].grad.double() - g).abs() <= eta * g.abs()).all(), (seed, step, j)
+            p, m, v, upd, spread = _te_step(before[j], g, m0[j], v0[j], step=step, cfg=cfg, decay=opt.decay[j])
+            d_upd = _rounding_term(g, m, v, upd, step=step, cfg=cfg, eta=eta)
+            # test_precision_aware's master bound (derived there), its update terms taken at the rounded gradient
+            # (upd within d_upd; spread's |g| grows by at most 1 + eta, its den shrinks by at most 1 - rho), plus the
+            # rounded gradient's change of the update, times lr
+            rho = eta * (2 + eta)
+            fp32 = U32 * (3 * before[j].abs() + p.abs()
+                          + _f32(cfg.lr) * (8 * (upd.abs() + d_upd) + 3 * spread * (1 + eta) / (1 - rho)))
+            bound = fp32 + _f32(cfg.lr) * d_upd * (1 + 2 * U32) + 1e-300
             ratio = max(ratio, float(((master.double() - p).abs() / bound).max()))
         worst.append(ratio)
     assert not opt._scratch_bufs  # no fp32 copy of the gradients was made
     return worst
 
 
-def test_bf16_main_grads_step_as_they_are(tmp_path):
+@pytest.mark.parametrize("clip", ["0", "0.3"])
+def test_bf16_main_grads_step_as_they_are(tmp_path, clip):
+    """bf16 main grads are clipped in place in bf16, as Megatron's clip_grad_by_total_norm_fp32 scales the
+    precision-aware optimizer's bf16 decoupled_grad views (multi_tensor_scale, grads onto themselves)."""
     from omnitron.testing.distributed import run_distributed
 
     seed = _seed()
@@ -264,7 +300,7 @@ def test_bf16_main_grads_step_as_they_are(tmp_path):
             "200", "--num-workers", "0", "--micro-batch-size", "1", "--train-iters", "2", "--no-tensorboard",
             "--data-cache-path", str(tmp_path / "cache"), "--bf16", "--use-distributed-optimizer",
             "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
-            "--main-grads-dtype", "bf16", "--clip-grad", "0", "--weight-decay", "0.1", "--lr", "0.01",
+            "--main-grads-dtype", "bf16", "--clip-grad", clip, "--weight-decay", "0.1", "--lr", "0.01",
             "--adam-beta2", "0.95"]  # the beta test_precision_aware's bound is derived for
     worst = run_distributed(_bf16_grads_steps, 1, args, seed)[0]
     assert max(worst) <= 1.0, (seed, worst)

@@ -262,7 +262,7 @@ class MixedPrecisionOptimizer:
         zeros = self._count_zeros(grads) if count_zeros else None
         coef = self._clip_coefficient(norm)
         if not coef >= 1.0:  # NOTE: also NaN (a NaN norm must not leave the gradients unclipped)
-            torch._foreach_mul_(grads, coef)
+            _scale_(grads, coef)
         self.step_count += 1
         self.weight_decay = self.config.weight_decay if weight_decay is None else weight_decay
         rates = [decoupled_lr if d and decoupled_lr is not None else lr for d in self.decoupled]
@@ -469,6 +469,15 @@ class ShardedOverDataParallel:
     def _count_zeros(self, grads: list[torch.Tensor]) -> int:
         return global_count_zeros(self._owners(), grads, self.groups, self.backend.collectives, self.duplicates,
                                   reduce_over=(self.groups.dp_cp, self.groups.mp), device=self.backend.current_device())
+
+
+def _scale_(grads: list[torch.Tensor], coef: float) -> None:
+    """Multiply ``grads`` by ``coef`` in place, each element computed in fp32 and rounded once to its dtype, as
+    Megatron's clip (multi_tensor_scale with an fp32 factor) scales bf16 main grads. The factor goes as an fp32
+    tensor: CPU's ``_foreach_mul_`` rounds a Python number to a bf16 list's dtype first, a second rounding (up to
+    2^-8) of every clipped gradient."""
+    if grads:
+        torch._foreach_mul_(grads, torch.full((), coef, dtype=torch.float32, device=grads[0].device))
 
 
 def _chunk_step(pieces: list[torch.Tensor], rem: torch.Tensor | None, step, old: list, fresh: list | None):
