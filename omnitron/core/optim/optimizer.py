@@ -289,28 +289,35 @@ class MixedPrecisionOptimizer:
                 p.data.copy_(m)
 
     def _adamw(self, grads: list[torch.Tensor], rates: list[float], only: list[int] | None = None) -> None:
-        """One fused AdamW launch per (weight decay, rate) group; ``rates``: each master's learning rate;
-        ``only``: the masters to step (default: all)."""
+        """One fused AdamW launch per (weight decay, rate) group for the masters that step in fp32 directly, and
+        :meth:`_adamw_low` for each of the others; ``rates``: each master's learning rate; ``only``: the masters to
+        step (default: all)."""
         c = self.config
         keys = {i: (self.decay[i], rates[i]) for i in (range(len(self.masters)) if only is None else only)}
-        low = self._steps_low()
         for decay, lr in dict.fromkeys(keys.values()):
             idx = [i for i, key in keys.items() if key == (decay, lr)]
             step = functools.partial(self.backend.kernels.adamw_step, step=self.step_count, lr=lr,
                                      beta1=c.adam_beta1, beta2=c.adam_beta2, eps=c.adam_eps,
                                      weight_decay=self.weight_decay if decay else 0.0)
-            if low:
-                for i in idx:
+            fused = [i for i in idx if not self._steps_low_at(i)]
+            for i in idx:
+                if self._steps_low_at(i):
                     self._adamw_low(i, grads[i], step)
-            else:
-                step([self.masters[i] for i in idx], [grads[i] for i in idx],
-                     [self.state["exp_avg"][i] for i in idx], [self.state["exp_avg_sq"][i] for i in idx])
+            if fused:
+                step([self.masters[i] for i in fused], [grads[i] for i in fused],
+                     [self.state["exp_avg"][i] for i in fused], [self.state["exp_avg_sq"][i] for i in fused])
 
     def _steps_low(self) -> bool:
-        """Whether Adam steps through :meth:`_adamw_low` (a moment below fp32, or a master kept as a remainder)."""
+        """Whether Adam steps any master through :meth:`_adamw_low` (a moment below fp32, or a master kept as a
+        remainder)."""
+        return any(self._steps_low_at(i) for i in range(len(self.masters)))
+
+    def _steps_low_at(self, i: int) -> bool:
+        """Whether Adam steps master ``i`` through :meth:`_adamw_low`: moments below fp32 (all masters), or this
+        master kept as a remainder. The others (fp32 moments and master) go through the fused launch."""
         return (self.config.optimizer in ("adam", "adamw")
                 and (any(state_dtype(self.config, k) != torch.float32 for k in MOMENTS)
-                     or any(r is not None for r in self.remainders)))
+                     or self.remainders[i] is not None))
 
     def _adamw_low(self, i: int, grad: torch.Tensor, step) -> None:
         """Master ``i``'s step with moments below fp32 or a master kept as a remainder, through fp32 copies of at
