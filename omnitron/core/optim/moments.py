@@ -20,11 +20,11 @@ For a finite master the pair determines it exactly, so the step on the joined ma
 bit, and the parameter differs from a round-to-nearest-even copy only where ``lo`` is exactly 0x8000 and ``hi``
 even (a master beyond bf16's largest value rounds to inf, as round to nearest even does). NaN and inf masters: an
 inf (``lo`` 0) is stored as it is. TE's increment wraps the int16 for the NaNs whose high half is 0x7FFF or 0xFFFF
-(0x7FFFFFFF is the NaN GPUs write), storing -0.0 or +0.0 -- a finite parameter for a NaN master; here the high half
-of a NaN is never incremented, so its parameter is NaN too (or, as in TE, +-inf when the high half is 0x7F80 /
-0xFF80 and the low half below 0x8000: the NaN's set mantissa bits are all in the dropped half), and it joins back to
-a NaN (not always the same payload). The master's finiteness is read from the joined value (:func:`master_finite`): a parameter rounded up to
-inf may belong to a finite master.
+(0x7FFFFFFF is the NaN GPUs write), storing -0.0 or +0.0 -- a finite parameter for a NaN master; here such a high
+half is never incremented (any other's increment stays within the NaNs), so a NaN master's parameter is NaN too (or,
+as in TE, +-inf when the high half is 0x7F80 / 0xFF80 and the low half below 0x8000: the NaN's set mantissa bits are
+all in the dropped half), and it joins back to a NaN (not always the same payload). The master's finiteness is read
+from the joined value (:func:`master_finite`): a parameter rounded up to inf may belong to a finite master.
 """
 from __future__ import annotations
 
