@@ -331,3 +331,23 @@ def test_bf16_main_grads_step_as_they_are(tmp_path, clip):
             "--adam-beta2", "0.95"]  # the beta test_precision_aware's bound is derived for
     worst = run_distributed(_bf16_grads_steps, 1, args, seed)[0]
     assert max(worst) <= 1.0, (seed, worst)
+
+
+def test_scaling_bf16_gradients_rounds_each_once():
+    """The clip's and the loss scaler's in-place scaling of bf16 gradients (--main-grads-dtype bf16): the fp32
+    product of the gradient (exact in fp32) and the fp32 factor, rounded to bf16 -- relative error at most
+    (1 + u32)^2 (1 + 2^-8) - 1 against the float64 product with the float64 factor (the factor's and the product's
+    fp32 roundings, then bf16's); a factor rounded to bf16 first would add up to 2^-8 more."""
+    from omnitron.core.optim.optimizer import _scale_
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    grads = [(torch.randn(n, generator=gen) * 2.0 ** -6).bfloat16() for n in (4096, 33, 1)]
+    for _ in range(4):
+        coef = float(torch.rand((), generator=gen, dtype=torch.float64)) * 0.99 + 0.005
+        want = [g.double() * coef for g in grads]
+        got = [g.clone() for g in grads]
+        _scale_(got, coef)
+        eta = (1 + U32) ** 2 * (1 + 2.0 ** -8) - 1
+        for g, w in zip(got, want):
+            assert ((g.double() - w).abs() <= eta * w.abs()).all(), (seed, coef)

@@ -246,7 +246,7 @@ class MixedPrecisionOptimizer:
         grads = self._fp32_grads()
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         if self.loss_scaler is not None:
-            torch._foreach_mul_(grads, 1.0 / scale)  # NOTE: in place: the step consumes the gradients
+            _scale_(grads, 1.0 / scale)  # NOTE: in place: the step consumes the gradients
             found_inf = self._found_inf(grads)
             if found_inf and check_norm is not None:
                 # NOTE: as Megatron, whose check of the gradients (on with a constant scale) runs before its scaler
@@ -479,8 +479,8 @@ class ShardedOverDataParallel:
 
 
 def _scale_(grads: list[torch.Tensor], coef: float) -> None:
-    """Multiply ``grads`` by ``coef`` in place, each element computed in fp32 and rounded once to its dtype, as
-    Megatron's clip (multi_tensor_scale with an fp32 factor) scales bf16 main grads. The factor goes as an fp32
+    """Multiply ``grads`` by ``coef`` in place (the loss scaler's unscaling, the clip), each element computed in fp32
+    and rounded once to its dtype, as Megatron's multi_tensor_scale with an fp32 factor scales bf16 main grads. The factor goes as an fp32
     tensor: CPU's ``_foreach_mul_`` rounds a Python number to a bf16 list's dtype first, a second rounding (up to
     2^-8) of every clipped gradient."""
     if grads:
