@@ -480,9 +480,9 @@ class ShardedOverDataParallel:
 
 def _scale_(grads: list[torch.Tensor], coef: float) -> None:
     """Multiply ``grads`` by ``coef`` in place (the loss scaler's unscaling, the clip), each element computed in fp32
-    and rounded once to its dtype, as Megatron's multi_tensor_scale with an fp32 factor scales bf16 main grads. The factor goes as an fp32
-    tensor: CPU's ``_foreach_mul_`` rounds a Python number to a bf16 list's dtype first, a second rounding (up to
-    2^-8) of every clipped gradient."""
+    and rounded once to its dtype, as Megatron's multi_tensor_scale with an fp32 factor scales bf16 main grads. The
+    factor goes as an fp32 tensor: CPU's ``_foreach_mul_`` rounds a Python number to a bf16 list's dtype first, a
+    second rounding (up to 2^-8) of every scaled gradient."""
     if grads:
         torch._foreach_mul_(grads, torch.full((), coef, dtype=torch.float32, device=grads[0].device))
 
